@@ -1,0 +1,3 @@
+"""ardiff: run autoregressive video-diffusion world models with persistent paged-KV sessions."""
+
+__version__ = "0.1.0"

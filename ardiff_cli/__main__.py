@@ -1,0 +1,3 @@
+from ardiff_cli.app import main
+
+main()

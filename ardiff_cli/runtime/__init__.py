@@ -1,0 +1,40 @@
+"""The model-neutral AR-Diffusion runtime.
+
+Names are exported lazily (PEP 562): ``from ardiff_cli.runtime import plan_capacity``
+does not import torch, so the CLI starts fast; the KV core, runner and engine
+import it when first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "ARDiffusionKVBranchSpec": "capability",
+    "ARDiffusionCrossAttentionKVSpec": "capability",
+    "ARDiffusionKVCacheSpec": "capability",
+    "SupportsARDiffusionPipeline": "capability",
+    "SupportsARDiffusionWarmup": "capability",
+    "CapacityPlan": "capacity",
+    "plan_capacity": "capacity",
+    "ARDiffusionRequest": "request",
+    "DEFAULT_SESSION_ID": "request",
+    "ObservationField": "observation",
+    "ObservationSchema": "observation",
+    "ARDiffusionKVCache": "kv.cache",
+    "ARDiffusionKVState": "kv.state",
+    "ARDiffusionLayerContext": "kv.attention",
+    "BranchAdapter": "kv.state",
+    "KVCacheExhaustedError": "kv.allocator",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

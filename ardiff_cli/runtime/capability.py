@@ -1,0 +1,226 @@
+"""The typed pipeline contract of the model-neutral AR-Diffusion runtime.
+
+A pipeline opts in by implementing :class:`SupportsARDiffusionPipeline` and
+describing its KV geometry and session policy with an immutable
+:class:`ARDiffusionKVCacheSpec`. The runner owns every pool and every session;
+the pipeline owns its model weights and its own non-KV per-session state.
+
+This module imports neither torch nor any model code, so the capacity planner
+and ``ardiff inspect-capacity`` can use it without paying for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from ardiff_cli.runtime.kv.state import ARDiffusionKVState
+
+
+def _require_int(field: str, value: Any, *, minimum: int) -> None:
+    """Raise ``ValueError`` naming ``field`` unless ``value`` is an int >= ``minimum``."""
+    # bool is an int subclass; `True` as a layer count is always a bug.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"AR-Diffusion {field} must be an integer, got {value!r}")
+    if value < minimum:
+        kind = "positive" if minimum == 1 else "non-negative"
+        raise ValueError(f"AR-Diffusion {field} must be {kind}, got {value}")
+
+
+def _require_name(field: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"AR-Diffusion {field} must be a non-empty string, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ARDiffusionKVBranchSpec:
+    """One logical KV branch (for example a CFG branch) and its worker-local slot.
+
+    Distinct branches may share ``local_index`` only when the deployment
+    guarantees that at most one of them runs on a worker (CFG parallelism).
+    The index maps self-attention and scratch storage; it never makes two
+    branches share a cross-attention cache.
+    """
+
+    name: str  # logical branch name used by the model ("positive", "main", ...)
+    local_index: int  # worker-local storage slot, contiguous from zero
+
+    def __post_init__(self) -> None:
+        _require_name("KV branch name", self.name)
+        _require_int("KV branch local_index", self.local_index, minimum=0)
+
+
+@dataclass(frozen=True)
+class ARDiffusionCrossAttentionKVSpec:
+    """A fixed-length, per-layer, named cross-attention KV cache.
+
+    ``num_kv_heads`` and ``head_size`` default (``None``) to the
+    self-attention geometry of the enclosing spec; text and image encoders
+    often project to a different geometry, so they may be given explicitly.
+    """
+
+    name: str  # cache name ("text", "image", ...)
+    num_tokens: int  # fixed number of key/value tokens per layer
+    num_kv_heads: int | None = None  # None: the spec's num_kv_heads
+    head_size: int | None = None  # None: the spec's head_size
+
+    def __post_init__(self) -> None:
+        _require_name("cross-attention cache name", self.name)
+        _require_int("cross-attention num_tokens", self.num_tokens, minimum=1)
+        if self.num_kv_heads is not None:
+            _require_int(f"cross-attention {self.name!r} num_kv_heads", self.num_kv_heads, minimum=1)
+        if self.head_size is not None:
+            _require_int(f"cross-attention {self.name!r} head_size", self.head_size, minimum=1)
+
+
+@dataclass(frozen=True)
+class ARDiffusionKVCacheSpec:
+    """KV geometry and session policy supplied by an AR-Diffusion pipeline.
+
+    Frames are the unit of retention: ``sink_frames`` frames are kept from the
+    start of a session, then the newest ``window_frames`` frames. One model
+    block commits at most ``frames_per_block`` frames at once. A frame holds
+    ``tokens_per_frame`` tokens.
+
+    ``max_scratch_tokens_per_branch`` is the most non-video KV (action or state
+    registers) that coexists with an uncommitted block.
+    ``model_owned_state_bytes_per_session`` is a conservative bound on the
+    per-session state the pipeline keeps outside the runner's pools.
+    ``session_capacity`` is the pipeline's upper bound on resident sessions;
+    the runner may keep fewer when memory is short.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    tokens_per_frame: int
+    frames_per_block: int
+    window_frames: int
+    kv_branches: tuple[ARDiffusionKVBranchSpec, ...]
+    session_capacity: int
+    sink_frames: int = 0
+    reset_at_boundary: bool = False
+    cross_attention: tuple[ARDiffusionCrossAttentionKVSpec, ...] = ()
+    max_model_len: int = 1 << 20
+    max_scratch_tokens_per_branch: int = 0
+    model_owned_state_bytes_per_session: int = 0
+
+    def __post_init__(self) -> None:
+        for field in (
+            "num_layers",
+            "num_kv_heads",
+            "head_size",
+            "tokens_per_frame",
+            "frames_per_block",
+            "window_frames",
+            "session_capacity",
+            "max_model_len",
+        ):
+            _require_int(field, getattr(self, field), minimum=1)
+        for field in ("sink_frames", "max_scratch_tokens_per_branch", "model_owned_state_bytes_per_session"):
+            _require_int(field, getattr(self, field), minimum=0)
+        if not isinstance(self.reset_at_boundary, bool):
+            raise ValueError(f"AR-Diffusion reset_at_boundary must be a bool, got {self.reset_at_boundary!r}")
+        # Lists are accepted for convenience and frozen here, so the spec stays hashable.
+        object.__setattr__(self, "kv_branches", tuple(self.kv_branches))
+        object.__setattr__(self, "cross_attention", tuple(self.cross_attention))
+        for branch in self.kv_branches:
+            if not isinstance(branch, ARDiffusionKVBranchSpec):
+                raise ValueError(f"AR-Diffusion kv_branches must hold ARDiffusionKVBranchSpec, got {branch!r}")
+        for cache in self.cross_attention:
+            if not isinstance(cache, ARDiffusionCrossAttentionKVSpec):
+                raise ValueError(
+                    f"AR-Diffusion cross_attention must hold ARDiffusionCrossAttentionKVSpec, got {cache!r}"
+                )
+        if not self.kv_branches:
+            raise ValueError("AR-Diffusion kv_branches must hold at least one KV branch, got ()")
+        names = [branch.name for branch in self.kv_branches]
+        if len(names) != len(set(names)):
+            raise ValueError(f"AR-Diffusion KV branch names must be unique, got {names}")
+        indices = {branch.local_index for branch in self.kv_branches}
+        if indices != set(range(max(indices) + 1)):
+            raise ValueError(
+                f"AR-Diffusion KV branch local_index values must be contiguous from zero, got {sorted(indices)}"
+            )
+        cross_names = [cache.name for cache in self.cross_attention]
+        if len(cross_names) != len(set(cross_names)):
+            raise ValueError(f"AR-Diffusion cross-attention cache names must be unique, got {cross_names}")
+
+    @property
+    def num_local_kv_branches(self) -> int:
+        """Number of worker-local self-attention and scratch storage slots."""
+        return max(branch.local_index for branch in self.kv_branches) + 1
+
+    @property
+    def cross_attention_lengths(self) -> dict[str, int]:
+        """Token count of each named cross-attention cache."""
+        return {cache.name: cache.num_tokens for cache in self.cross_attention}
+
+    @property
+    def branch_names(self) -> tuple[str, ...]:
+        return tuple(branch.name for branch in self.kv_branches)
+
+    def branch(self, name: str) -> ARDiffusionKVBranchSpec:
+        """The branch called ``name``; a ``KeyError`` names the valid ones."""
+        for branch in self.kv_branches:
+            if branch.name == name:
+                return branch
+        raise KeyError(f"unknown AR-Diffusion KV branch {name!r}; valid branches: {list(self.branch_names)}")
+
+    def cross_geometry(self, name: str) -> tuple[int, int, int]:
+        """``(num_kv_heads, num_tokens, head_size)`` of the named cross-attention cache."""
+        for cache in self.cross_attention:
+            if cache.name == name:
+                return (
+                    cache.num_kv_heads or self.num_kv_heads,
+                    cache.num_tokens,
+                    cache.head_size or self.head_size,
+                )
+        valid = [cache.name for cache in self.cross_attention]
+        raise KeyError(f"unknown cross-attention cache {name!r}; valid caches: {valid}")
+
+
+@runtime_checkable
+class SupportsARDiffusionPipeline(Protocol):
+    """The capability :class:`ARDiffusionModelRunner` requires of a pipeline.
+
+    A session begins when the runner first sees its ``session_id`` and lasts
+    across requests until reset, explicit close, LRU eviction or a failed
+    forward. The runner binds its KV state only around one forward; the
+    pipeline must not keep it after the context exits.
+    """
+
+    def ar_diffusion_kv_cache_spec(self) -> ARDiffusionKVCacheSpec:
+        """Immutable KV geometry and session policy of this worker."""
+        ...
+
+    def bind_ar_diffusion_state(self, session_id: str, state: ARDiffusionKVState) -> AbstractContextManager[None]:
+        """Make ``state`` visible to model execution for one request."""
+        ...
+
+    def reset_ar_diffusion_session(self, session_id: str) -> None:
+        """Reset model-owned state of ``session_id`` after its KV was released."""
+        ...
+
+    def close_ar_diffusion_session(self, session_id: str) -> None:
+        """Drop model-owned state after close, eviction or a failed forward."""
+        ...
+
+
+@runtime_checkable
+class SupportsARDiffusionWarmup(Protocol):
+    """Optional provider of model-valid warmup requests.
+
+    Pipelines without it load normally and skip the rollout warmup.
+    """
+
+    def ar_diffusion_warmup_requests(self, session_id: str) -> Iterable[Any]:
+        """Yield requests for the shapes worth warming, each carrying ``session_id``."""
+        ...
+
+
+PIPELINE_METHODS = ("ar_diffusion_kv_cache_spec", "bind_ar_diffusion_state", "reset_ar_diffusion_session",
+                    "close_ar_diffusion_session")

@@ -1,0 +1,214 @@
+"""The capacity planner: how many sessions fit, as a pure function of the spec.
+
+No torch import and no allocation, so ``ardiff inspect-capacity`` answers in
+well under a second for any config, including geometries that would never fit
+on the machine running it.
+
+Memory model (bytes; ``bpp`` = bytes per page, all layers, K and V)::
+
+    fixed       = (1 null + in-flight + scratch) pages * bpp + gather workspace
+    per_session = local_branches * (sink + window) * pages_per_frame * bpp
+                + sum over logical branches and named caches of cross-attention K/V
+                + model-owned state declared by the pipeline
+    required(c) = fixed + c * per_session
+    budget      = max(available * gpu_memory_fraction, required(1))
+    capacity    = largest c <= session_capacity with required(c) <= budget
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
+from ardiff_cli.runtime.errors import CapacityError, ConfigError
+from ardiff_cli.runtime.kv.layout import KVLayout
+
+DTYPE_SIZES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+
+def dtype_name(dtype: object) -> str:
+    """Canonical name of a dtype given as a string or a ``torch.dtype``."""
+    name = str(dtype).removeprefix("torch.")
+    aliases = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+    name = aliases.get(name, name)
+    if name not in DTYPE_SIZES:
+        raise ConfigError(f"unsupported KV dtype {dtype!r}; expected one of {sorted(DTYPE_SIZES)}")
+    return name
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Human units, binary: '1.50 GiB'."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_bytes(text: str | int) -> int:
+    """'512MiB', '2 GiB', '1.5G', '1000000' -> bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        raw = str(text).strip().replace(" ", "")
+        units = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+                 "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4}
+        number = raw.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+        unit = raw[len(number):].lower()
+        try:
+            value = int(float(number) * units[unit])
+        except (KeyError, ValueError):
+            raise ConfigError(
+                f"cannot read {text!r} as a byte size", hint="use a number of bytes or a unit: 512MiB, 2GiB, 1.5G"
+            ) from None
+    if value <= 0:
+        raise ConfigError(f"a byte size must be positive, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """Everything the runner preallocates, and why. Byte counts are exact."""
+
+    dtype: str  # KV dtype name
+    dtype_size: int  # bytes per element
+    page_size: int  # tokens per page (the paging unit)
+    pages_per_frame: int  # pages per latent frame (the eviction unit)
+    bytes_per_token: int  # self-attention K+V of one token, all layers, one branch
+    bytes_per_page: int
+    num_local_branches: int  # self-attention storage slots per session
+    managed_pages_per_session: int  # resident pages of one session at rest, all slots
+    self_attention_bytes_per_branch: int  # sink + window of one local slot
+    inflight_pages: int  # pages a commit pass holds before eviction (worker-wide)
+    scratch_pages: int  # scratch pages (worker-wide, all slots)
+    scratch_bytes: int
+    workspace_bytes: int  # gather buffer of the torch attention path
+    fixed_bytes: int  # null page + in-flight + scratch + workspace
+    cross_attention_bytes: dict[str, int]  # per named cache, per logical branch
+    cross_attention_bytes_per_session: int  # all named caches x all logical branches
+    model_owned_bytes_per_session: int
+    bytes_per_session: int  # self-attention pages + cross-attention + model-owned
+    available_bytes: int  # memory actually available (free device memory, host memory or a budget)
+    gpu_memory_fraction: float
+    budget_bytes: int  # max(available * fraction, required for one session)
+    session_capacity_limit: int  # the upper bound asked for (pipeline spec or override)
+    session_capacity: int  # sessions kept resident
+    num_managed_pages: int  # allocatable pages
+    total_pages: int  # pages per layer pool: null + managed + scratch
+    branch_names: tuple[str, ...] = field(default=())
+    cross_attention_names: tuple[str, ...] = field(default=())
+
+    def required_bytes(self, num_sessions: int) -> int:
+        return self.fixed_bytes + num_sessions * self.bytes_per_session
+
+    @property
+    def required_bytes_one_session(self) -> int:
+        return self.required_bytes(1)
+
+    @property
+    def planned_bytes(self) -> int:
+        """Bytes held with ``session_capacity`` sessions resident."""
+        return self.required_bytes(self.session_capacity)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes the runner allocates up front: all pages plus the workspace."""
+        return self.total_pages * self.bytes_per_page + self.workspace_bytes
+
+    @property
+    def sessions_per_gib(self) -> float:
+        return (1 << 30) / self.bytes_per_session
+
+    def fraction_needed(self, num_sessions: int) -> float:
+        """The ``gpu_memory_fraction`` at which ``num_sessions`` sessions would fit."""
+        return self.required_bytes(num_sessions) / self.available_bytes
+
+    def to_dict(self) -> dict:
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        data["branch_names"] = list(self.branch_names)
+        data["cross_attention_names"] = list(self.cross_attention_names)
+        data["required_bytes_one_session"] = self.required_bytes_one_session
+        data["planned_bytes"] = self.planned_bytes
+        data["pool_bytes"] = self.pool_bytes
+        return data
+
+
+def plan_capacity(
+    spec: ARDiffusionKVCacheSpec,
+    dtype: object,
+    available_bytes: int,
+    gpu_memory_fraction: float = 0.9,
+    *,
+    session_capacity: int | None = None,
+    page_size: int | None = None,
+    scratch_blocks: int | None = None,
+) -> CapacityPlan:
+    """Plan pools for ``spec`` in ``available_bytes``; raise ``CapacityError`` if one session does not fit.
+
+    ``gpu_memory_fraction`` is a soft expansion budget: one session is always
+    admitted when it fits the memory actually available. ``session_capacity``
+    overrides the spec's upper bound.
+    """
+    if not isinstance(spec, ARDiffusionKVCacheSpec):
+        raise TypeError(f"spec must be an ARDiffusionKVCacheSpec, got {type(spec).__name__}")
+    if not 0 < gpu_memory_fraction <= 1:
+        raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
+    if available_bytes <= 0:
+        raise ConfigError(f"available memory must be positive, got {available_bytes} bytes")
+    limit = spec.session_capacity if session_capacity is None else session_capacity
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ConfigError(f"session_capacity must be a positive integer, got {limit!r}")
+    name = dtype_name(dtype)
+    size = DTYPE_SIZES[name]
+    layout = KVLayout.from_spec(spec, page_size=page_size, scratch_blocks=scratch_blocks)
+    bpp = layout.bytes_per_page(size)
+    cross = {cache.name: layout.cross_bytes(cache.name, size) for cache in spec.cross_attention}
+    cross_per_session = len(spec.kv_branches) * sum(cross.values())
+    per_session = layout.pages_per_session * bpp + cross_per_session + spec.model_owned_state_bytes_per_session
+    workspace = layout.workspace_bytes(size)
+    fixed = (1 + layout.inflight_pages + layout.scratch_pages) * bpp + workspace
+    required_one = fixed + per_session
+    if required_one > available_bytes:
+        raise CapacityError(
+            f"one session needs {format_bytes(required_one)} ({required_one} bytes) of KV cache but only "
+            f"{format_bytes(available_bytes)} ({available_bytes} bytes) is available",
+            hint="use a smaller window or dtype, a larger --memory-budget, or a device with more memory",
+        )
+    budget = max(int(available_bytes * gpu_memory_fraction), required_one)
+    capacity = max(1, min(limit, (budget - fixed) // per_session))
+    return CapacityPlan(
+        dtype=name,
+        dtype_size=size,
+        page_size=layout.page_size,
+        pages_per_frame=layout.pages_per_frame,
+        bytes_per_token=layout.bytes_per_token(size),
+        bytes_per_page=bpp,
+        num_local_branches=spec.num_local_kv_branches,
+        managed_pages_per_session=layout.pages_per_session,
+        self_attention_bytes_per_branch=layout.retained_frames * layout.pages_per_frame * bpp,
+        inflight_pages=layout.inflight_pages,
+        scratch_pages=layout.scratch_pages,
+        scratch_bytes=layout.scratch_pages * bpp,
+        workspace_bytes=workspace,
+        fixed_bytes=fixed,
+        cross_attention_bytes=cross,
+        cross_attention_bytes_per_session=cross_per_session,
+        model_owned_bytes_per_session=spec.model_owned_state_bytes_per_session,
+        bytes_per_session=per_session,
+        available_bytes=available_bytes,
+        gpu_memory_fraction=gpu_memory_fraction,
+        budget_bytes=budget,
+        session_capacity_limit=limit,
+        session_capacity=capacity,
+        num_managed_pages=layout.managed_pages(capacity),
+        total_pages=layout.total_pages(capacity),
+        branch_names=spec.branch_names,
+        cross_attention_names=tuple(cross),
+    )

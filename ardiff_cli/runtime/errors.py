@@ -1,0 +1,52 @@
+"""Typed errors that reach users. The CLI maps each class to a message, a hint and an exit code.
+
+No torch import: the CLI and config parsing use these before loading anything.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class ArdiffError(Exception):
+    """Base of every expected failure. ``hint`` says how to fix it."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+class ConfigError(ArdiffError, ValueError):
+    """A config file or value is invalid (exit 2)."""
+
+    exit_code = 2
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint is missing, unreadable, or does not match the config (exit 2)."""
+
+
+class ObservationError(ArdiffError, ValueError):
+    """An observation file does not match the pipeline's schema (exit 2)."""
+
+    exit_code = 2
+
+
+class CapacityError(ArdiffError, MemoryError):
+    """One session of the configured model does not fit in the memory available (exit 3)."""
+
+    exit_code = 3
+
+
+def did_you_mean(name: str, valid: Iterable[str]) -> str:
+    """' (did you mean 'x'?)' when a close match exists, else ''."""
+    match = difflib.get_close_matches(name, list(valid), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def field_error(where: str, field: str, expected: str, got: object, *, hint: str | None = None) -> ConfigError:
+    """A ``ConfigError`` in the one format users see: where, field, expected vs got."""
+    return ConfigError(f"{where}: field {field!r}: expected {expected}, got {got!r}", hint=hint)

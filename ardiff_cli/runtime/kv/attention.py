@@ -1,0 +1,182 @@
+"""Paged attention: what one self-attention layer sees of the KV core.
+
+The model gets one :class:`ARDiffusionLayerContext` per layer from
+``ARDiffusionKVState.get_kv_caches`` and calls :meth:`~ARDiffusionLayerContext.attend`
+once per forward with its current ``q, k, v``. The context writes the current
+K/V (into freshly allocated pages on a commit pass, into scratch otherwise)
+and returns attention of the current queries over sink + window history and
+the current tokens, non-causal within that visible set.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from ardiff_cli.runtime.kv.state import ARDiffusionKVState, BranchKV
+
+
+def attend_visible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Non-causal attention of ``q`` (Hq, L, D) over ``k``/``v`` (1, Hkv, S, D) -> (Hq, L, D).
+
+    Grouped-query attention without copying K/V: with no mask every query row
+    is independent, so the ``Hq / Hkv`` query heads of one group are stacked
+    along the sequence axis of their shared KV head.
+    """
+    num_q_heads, length, head_size = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_q_heads // num_kv_heads
+    q_grouped = q.reshape(1, num_kv_heads, group * length, head_size)  # (1, Hkv, G*L, D)
+    out = F.scaled_dot_product_attention(q_grouped, k, v, scale=scale)  # (1, Hkv, G*L, D)
+    return out.view(num_q_heads, length, head_size)
+
+
+class ARDiffusionForwardContext:
+    """Branch-level state of one ``get_kv_caches`` call, shared by its layer contexts.
+
+    Allocation is lazy: in-flight pages are taken when the first layer of a
+    commit pass runs, so a branch that never runs allocates nothing.
+    """
+
+    def __init__(self, state: ARDiffusionKVState, branch: BranchKV, seq_len: int, commit_current: bool) -> None:
+        cache = state._cache
+        # Owning state; checked live (not closed, not reset since) on every call.
+        self.state = state
+        # The state's generation at creation; a reset or close bumps it and orphans this context.
+        self.generation = state._generation
+        # Per-session, per-branch sink + window bookkeeping.
+        self.branch = branch
+        # Current video tokens (whole frames) and whether they become history on commit.
+        self.seq_len = seq_len
+        self.commit_current = commit_current
+        self.pool = cache.pool
+        self.allocator = cache.allocator
+        # Pages holding the current block during a commit pass; None until the first layer runs.
+        self.inflight_pages: list[int] | None = None
+        # Register tokens after the video tokens; fixed by the first layer that runs.
+        self.num_registers: int | None = None
+        # Page ids every layer gathers, in visible order, and the visible token count.
+        self._gather_ids: torch.Tensor | None = None
+        self._inflight_ids: torch.Tensor | None = None
+        self._visible_tokens = 0
+        # Which layers wrote their current K/V; commit requires all of them.
+        self.layers_written = bytearray(cache.spec.num_layers)
+        # Set by commit (or by the state when it orphans the context).
+        self.finished = False
+
+    @property
+    def allocated(self) -> bool:
+        return self.inflight_pages is not None
+
+    @property
+    def num_layers_written(self) -> int:
+        return sum(self.layers_written)
+
+    def check_live(self) -> None:
+        if self.state._closed:
+            raise RuntimeError(f"AR-Diffusion KV state of session {self.state.session_id!r} is closed")
+        if self.finished or self.generation != self.state._generation:
+            raise RuntimeError(
+                f"stale AR-Diffusion KV context for branch {self.branch.name!r}: it was committed, replaced, "
+                "or the state was reset; call get_kv_caches again"
+            )
+
+    def _prepare(self, num_registers: int) -> None:
+        """First layer of this forward: allocate in-flight pages and build the gather table."""
+        layout = self.pool.layout
+        page_size = layout.page_size
+        video_pages = self.seq_len // page_size
+        scratch = self.pool.scratch_page_ids(self.branch.local_index)
+        register_pages = math.ceil((self.seq_len + num_registers) / page_size) - video_pages
+        if self.commit_current:
+            self.state._claim_slot(self.branch)
+            self.inflight_pages = self.allocator.allocate(video_pages)
+            current = self.inflight_pages
+            self._inflight_ids = torch.tensor(current, dtype=torch.long, device=self.pool.device)
+        else:
+            current = list(scratch[:video_pages])
+        history = self.branch.page_ids()
+        ids = history + current + list(scratch[video_pages : video_pages + register_pages])
+        self._gather_ids = torch.tensor(ids, dtype=torch.long, device=self.pool.device)
+        self._visible_tokens = len(history) * page_size + self.seq_len + num_registers
+        self.num_registers = num_registers
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+        self.check_live()
+        pool = self.pool
+        spec = pool.layout.spec
+        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+            raise ValueError(
+                f"attend expects q, k, v shaped (heads, tokens, head_size), got {tuple(q.shape)}, "
+                f"{tuple(k.shape)}, {tuple(v.shape)}"
+            )
+        expected_kv = (spec.num_kv_heads, q.shape[1], spec.head_size)
+        if tuple(k.shape) != expected_kv or tuple(v.shape) != expected_kv:
+            raise ValueError(f"k and v must be shaped {expected_kv}, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if q.shape[2] != spec.head_size or q.shape[0] % spec.num_kv_heads:
+            raise ValueError(
+                f"q must be shaped (a multiple of {spec.num_kv_heads} heads, tokens, {spec.head_size}), "
+                f"got {tuple(q.shape)}"
+            )
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dtype != pool.dtype or t.device != pool.device:
+                raise ValueError(
+                    f"{name} must be {pool.dtype} on {pool.device} like the KV pool, got {t.dtype} on {t.device}"
+                )
+        num_registers = q.shape[1] - self.seq_len
+        room = pool.layout.scratch_tokens - self.seq_len
+        if not 0 <= num_registers <= room:
+            raise ValueError(
+                f"attend got {q.shape[1]} tokens for seq_len={self.seq_len}: expected the video tokens "
+                f"followed by 0..{room} scratch register tokens"
+            )
+        if self._gather_ids is None:
+            self._prepare(num_registers)
+        elif num_registers != self.num_registers:
+            raise ValueError(
+                f"layer {layer} has {num_registers} register tokens, earlier layers of this forward had "
+                f"{self.num_registers}"
+            )
+        local = self.branch.local_index
+        if self.commit_current:
+            pool.write_pages(layer, self._inflight_ids, k[:, : self.seq_len], v[:, : self.seq_len])
+        else:
+            pool.write_scratch(layer, local, 0, k[:, : self.seq_len], v[:, : self.seq_len])
+        if num_registers:
+            pool.write_scratch(layer, local, self.seq_len, k[:, self.seq_len :], v[:, self.seq_len :])
+        keys, values = pool.gather(layer, self._gather_ids, self._visible_tokens)  # (1, Hkv, S, D)
+        self.layers_written[layer] = 1
+        return attend_visible(q, keys, values, scale)
+
+
+class ARDiffusionLayerContext:
+    """One self-attention layer's handle on the paged KV of one branch forward."""
+
+    __slots__ = ("layer", "_forward")
+
+    def __init__(self, layer: int, forward: ARDiffusionForwardContext) -> None:
+        self.layer = layer  # layer index into the pools
+        self._forward = forward  # shared branch-level state of this forward
+
+    @property
+    def seq_len(self) -> int:
+        return self._forward.seq_len
+
+    @property
+    def commit_current(self) -> bool:
+        return self._forward.commit_current
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Write the current K/V and attend over history + current.
+
+        ``q`` is ``(Hq, L, D)`` and ``k``/``v`` are ``(Hkv, L, D)`` with ``Hq`` a
+        multiple of ``Hkv`` (grouped-query attention). The first ``seq_len``
+        tokens are the current video block (already rotated with their
+        absolute positions); any remaining tokens are scratch registers that
+        are visible to this forward but never committed. Returns ``(Hq, L, D)``.
+        """
+        return self._forward.attend(self.layer, q, k, v, scale)

@@ -1,0 +1,133 @@
+"""Derived KV geometry: how a spec maps onto pages, frames and scratch.
+
+Pure arithmetic shared by the pools (which allocate) and the capacity planner
+(which must not). No torch import.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
+
+SCRATCH_ENV = "AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH"
+
+
+def scratch_blocks_from_env(environ: dict[str, str] | None = None) -> int:
+    """Blocks of scratch per branch requested by ``AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH``.
+
+    Unset means 1 (the derived minimum applies). Anything other than a
+    positive integer is a ``ValueError`` naming the variable and its value.
+    """
+    raw = (os.environ if environ is None else environ).get(SCRATCH_ENV)
+    if raw is None or raw.strip() == "":
+        return 1
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{SCRATCH_ENV} must be a positive integer number of blocks, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """How one spec is laid out in pages. All counts are per worker.
+
+    A *frame* is the retention unit (sink/window count frames); a *page* is
+    the paging unit (``page_size`` tokens). A frame spans ``pages_per_frame``
+    whole pages, so eviction frees whole pages and capacity stays exact.
+    """
+
+    spec: ARDiffusionKVCacheSpec
+    page_size: int  # tokens per page; divides tokens_per_frame
+    scratch_tokens: int  # scratch tokens per local branch slot (block + registers, maybe raised)
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: ARDiffusionKVCacheSpec,
+        *,
+        page_size: int | None = None,
+        scratch_blocks: int | None = None,
+    ) -> KVLayout:
+        page_size = spec.tokens_per_frame if page_size is None else page_size
+        if page_size <= 0 or spec.tokens_per_frame % page_size:
+            raise ValueError(
+                f"page_size must be a positive divisor of tokens_per_frame={spec.tokens_per_frame}, got {page_size}"
+            )
+        blocks = scratch_blocks_from_env() if scratch_blocks is None else scratch_blocks
+        if blocks <= 0:
+            raise ValueError(f"scratch_blocks must be positive, got {blocks}")
+        block_tokens = spec.frames_per_block * spec.tokens_per_frame
+        derived = block_tokens + spec.max_scratch_tokens_per_branch
+        return cls(spec=spec, page_size=page_size, scratch_tokens=max(derived, blocks * block_tokens))
+
+    @property
+    def pages_per_frame(self) -> int:
+        return self.spec.tokens_per_frame // self.page_size
+
+    @property
+    def block_tokens(self) -> int:
+        return self.spec.frames_per_block * self.spec.tokens_per_frame
+
+    @property
+    def retained_frames(self) -> int:
+        """Frames one branch keeps between requests: sink + window."""
+        return self.spec.sink_frames + self.spec.window_frames
+
+    @property
+    def pages_per_session(self) -> int:
+        """Managed pages one session holds at rest, over all local branch slots."""
+        return self.spec.num_local_kv_branches * self.retained_frames * self.pages_per_frame
+
+    @property
+    def inflight_pages(self) -> int:
+        """Extra managed pages a commit pass holds before old frames are evicted.
+
+        One block per local slot: a CFG pipeline may run its commit pass on
+        every branch before committing any of them.
+        """
+        return self.spec.num_local_kv_branches * self.spec.frames_per_block * self.pages_per_frame
+
+    @property
+    def scratch_pages_per_slot(self) -> int:
+        return math.ceil(self.scratch_tokens / self.page_size)
+
+    @property
+    def scratch_pages(self) -> int:
+        return self.spec.num_local_kv_branches * self.scratch_pages_per_slot
+
+    @property
+    def max_visible_pages(self) -> int:
+        """Pages one attention call can see: sink + window + current block + registers."""
+        return self.retained_frames * self.pages_per_frame + self.scratch_pages_per_slot
+
+    def managed_pages(self, num_sessions: int) -> int:
+        """Allocatable pages for ``num_sessions`` resident sessions."""
+        return num_sessions * self.pages_per_session + self.inflight_pages
+
+    def total_pages(self, num_sessions: int) -> int:
+        """Pages in each layer's pool: null page + managed + scratch."""
+        return 1 + self.managed_pages(num_sessions) + self.scratch_pages
+
+    def bytes_per_token(self, dtype_size: int) -> int:
+        """Self-attention K and V bytes of one token over all layers, one branch."""
+        spec = self.spec
+        return 2 * spec.num_layers * spec.num_kv_heads * spec.head_size * dtype_size
+
+    def bytes_per_page(self, dtype_size: int) -> int:
+        return self.page_size * self.bytes_per_token(dtype_size)
+
+    def workspace_bytes(self, dtype_size: int) -> int:
+        """The gather buffer: K and V of one layer's largest visible set."""
+        spec = self.spec
+        return 2 * spec.num_kv_heads * self.max_visible_pages * self.page_size * spec.head_size * dtype_size
+
+    def cross_bytes(self, name: str, dtype_size: int) -> int:
+        """K and V bytes of one named cross-attention cache, all layers, one branch."""
+        heads, tokens, head_size = self.spec.cross_geometry(name)
+        return 2 * self.spec.num_layers * heads * tokens * head_size * dtype_size

@@ -1,0 +1,333 @@
+"""Per-session KV: sink + window bookkeeping per branch, and the state the model binds.
+
+``BranchKV`` is the one place that maps frames to pages. ``ARDiffusionKVState``
+is what a pipeline sees for the duration of one forward.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ardiff_cli.runtime.kv.allocator import KVCacheExhaustedError, PageAllocator
+from ardiff_cli.runtime.kv.attention import ARDiffusionForwardContext, ARDiffusionLayerContext
+
+if TYPE_CHECKING:
+    from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
+
+
+@dataclass(frozen=True, slots=True)
+class BranchAdapter:
+    """A read-only snapshot of one branch of one session."""
+
+    request_id: str  # "<session_id>/<branch>": stable for the session's lifetime
+    branch: str  # logical branch name
+    local_index: int  # worker-local storage slot
+    num_committed_frames: int  # absolute index of the next frame to commit (RoPE position)
+    num_resident_frames: int  # sink + window frames currently held
+    page_ids: tuple[int, ...]  # resident pages in attention order (sink first, then oldest to newest)
+
+
+class BranchKV:
+    """Sink + sliding-window retention of one branch of one session.
+
+    Layout of the block table after ``n`` committed frames, with ``s`` sink
+    frames, ``w`` window frames and ``p`` pages per frame::
+
+        absolute frame:  0 .. s-1        n-w .. n-1
+                         +-----------+   +---------------------+
+        block table:     | sink      |   | window (newest w)   |
+                         +-----------+   +---------------------+
+        pages:           s * p            <= w * p
+                         kept forever     oldest frame freed when a commit overflows it
+
+    Frames ``s .. n-w-1`` are gone: their pages went back to the allocator the
+    moment they left the window. The table holds at most ``(s + w) * p`` ids
+    and ``num_committed_frames`` (an int) is the only thing that grows.
+    """
+
+    __slots__ = ("name", "local_index", "_sink", "_window", "_sink_capacity", "_window_capacity",
+                 "_pages_per_frame", "num_committed_frames")
+
+    def __init__(self, name: str, local_index: int, sink_frames: int, window_frames: int, pages_per_frame: int):
+        self.name = name
+        self.local_index = local_index
+        self._sink: list[int] = []  # pages of the first sink_frames frames
+        self._window: deque[int] = deque()  # pages of the newest frames, oldest at the left
+        self._sink_capacity = sink_frames * pages_per_frame
+        self._window_capacity = window_frames * pages_per_frame
+        self._pages_per_frame = pages_per_frame
+        self.num_committed_frames = 0  # absolute frame count; grows without bound
+
+    def page_ids(self) -> list[int]:
+        return self._sink + list(self._window)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._sink) + len(self._window)
+
+    def commit(self, pages: list[int], allocator: PageAllocator) -> None:
+        """Append the pages of whole new frames; free what falls out of the window."""
+        assert len(pages) % self._pages_per_frame == 0, "commit of a partial frame: page count not frame-aligned"
+        fill = min(len(pages), self._sink_capacity - len(self._sink))
+        self._sink.extend(pages[:fill])
+        self._window.extend(pages[fill:])
+        evicted = [self._window.popleft() for _ in range(max(0, len(self._window) - self._window_capacity))]
+        if evicted:
+            allocator.free(evicted)
+        self.num_committed_frames += len(pages) // self._pages_per_frame
+
+    def release(self, allocator: PageAllocator) -> None:
+        """Free every page and forget the history (positions restart at frame 0)."""
+        pages = self.page_ids()
+        self._sink.clear()
+        self._window.clear()
+        self.num_committed_frames = 0
+        if pages:
+            allocator.free(pages)
+
+
+class ARDiffusionKVState:
+    """The runner-owned KV of one session, bound to the pipeline for one forward.
+
+    Branch names index everything. Self-attention goes through the per-layer
+    contexts of :meth:`get_kv_caches`; cross-attention through named caches
+    published with :meth:`populate_cross_attention`.
+    """
+
+    def __init__(self, cache: ARDiffusionKVCache, session_id: str) -> None:
+        spec = cache.spec
+        self._cache = cache  # pools, allocator and geometry shared by all sessions of the worker
+        self.session_id = session_id
+        # Retention bookkeeping per logical branch; pages are taken lazily on commit passes.
+        self._branches = {
+            b.name: BranchKV(b.name, b.local_index, spec.sink_frames, spec.window_frames, cache.layout.pages_per_frame)
+            for b in spec.kv_branches
+        }
+        # The live forward context of each branch, if any.
+        self._pending: dict[str, ARDiffusionForwardContext | None] = dict.fromkeys(self._branches)
+        # Published cross-attention caches: (branch, name) -> one (k, v) per layer.
+        self._cross: dict[tuple[str, str], tuple[tuple[torch.Tensor, torch.Tensor], ...]] = {}
+        # Bumped by reset and close so contexts handed out earlier fail loudly.
+        self._generation = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ views
+    @property
+    def spec(self):
+        return self._cache.spec
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _branch(self, branch: str | bool) -> BranchKV:
+        self._check_open()
+        if isinstance(branch, bool):  # migration alias: the former is_negative flag
+            branch = "negative" if branch else "positive"
+        try:
+            return self._branches[branch]
+        except KeyError:
+            raise KeyError(
+                f"unknown AR-Diffusion KV branch {branch!r}; valid branches: {list(self._branches)}"
+            ) from None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"AR-Diffusion KV state of session {self.session_id!r} is closed")
+
+    def adapter(self, branch: str | bool) -> BranchAdapter:
+        """A snapshot of ``branch``: committed frames and resident pages."""
+        kv = self._branch(branch)
+        pages = tuple(kv.page_ids())
+        return BranchAdapter(
+            request_id=f"{self.session_id}/{kv.name}",
+            branch=kv.name,
+            local_index=kv.local_index,
+            num_committed_frames=kv.num_committed_frames,
+            num_resident_frames=len(pages) // self._cache.layout.pages_per_frame,
+            page_ids=pages,
+        )
+
+    @property
+    def num_pages(self) -> int:
+        """Managed pages held now: resident history plus any in-flight block."""
+        held = sum(kv.num_pages for kv in self._branches.values())
+        return held + sum(len(fc.inflight_pages or ()) for fc in self._pending.values() if fc is not None)
+
+    @property
+    def cross_attention_bytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for pairs in self._cross.values() for k, v in pairs)
+
+    def has_cross_attention(self, branch: str, name: str) -> bool:
+        self._branch(branch)
+        return (branch, name) in self._cross
+
+    # ---------------------------------------------------------- self-attention
+    def get_kv_caches(
+        self, branch: str | bool, seq_len: int, commit_current: bool = False
+    ) -> list[ARDiffusionLayerContext]:
+        """One context per layer for one forward of ``branch`` over ``seq_len`` video tokens.
+
+        ``seq_len`` is a whole number of frames, at most one block. With
+        ``commit_current`` the current block is written into managed pages and
+        :meth:`commit` makes it history; otherwise it lives in scratch and is
+        forgotten. Nothing is allocated until a layer attends.
+        """
+        kv = self._branch(branch)
+        layout = self._cache.layout
+        tokens_per_frame = layout.spec.tokens_per_frame
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0 or seq_len % tokens_per_frame:
+            raise ValueError(
+                f"seq_len must be a positive whole number of frames (multiple of tokens_per_frame="
+                f"{tokens_per_frame}), got {seq_len!r}"
+            )
+        if seq_len > layout.block_tokens:
+            raise ValueError(
+                f"seq_len={seq_len} exceeds one block ({layout.spec.frames_per_block} frames = "
+                f"{layout.block_tokens} tokens)"
+            )
+        pending = self._pending[kv.name]
+        if pending is not None and pending.commit_current and pending.allocated and not pending.finished:
+            raise RuntimeError(
+                f"AR-Diffusion KV context of branch {kv.name!r} replaced before its current block was committed; "
+                f"call commit({kv.name!r}) after the commit pass"
+            )
+        if pending is not None:
+            pending.finished = True
+        forward = ARDiffusionForwardContext(self, kv, seq_len, bool(commit_current))
+        self._pending[kv.name] = forward
+        return [ARDiffusionLayerContext(i, forward) for i in range(layout.spec.num_layers)]
+
+    def _claim_slot(self, kv: BranchKV) -> None:
+        """A local slot holds one branch's pages per session: capacity counts one window per slot."""
+        for other in self._branches.values():
+            forward = self._pending[other.name]
+            busy = other.num_pages > 0 or (forward is not None and forward.allocated and not forward.finished)
+            if other is not kv and other.local_index == kv.local_index and busy:
+                raise RuntimeError(
+                    f"branches {other.name!r} and {kv.name!r} share local_index {kv.local_index} and cannot both "
+                    f"hold KV in session {self.session_id!r} on one worker; give them distinct local_index values"
+                )
+
+    def commit(self, branch: str | bool) -> int:
+        """Make the current block of ``branch`` history; return the frames committed.
+
+        A no-op (0) when the last forward was not a commit pass or never ran.
+        """
+        kv = self._branch(branch)
+        forward = self._pending[kv.name]
+        self._pending[kv.name] = None
+        if forward is None or forward.finished or not forward.commit_current or not forward.allocated:
+            return 0
+        forward.finished = True
+        written = forward.num_layers_written
+        if written != len(forward.layers_written):
+            self._cache.allocator.free(forward.inflight_pages)
+            raise RuntimeError(
+                f"commit of branch {kv.name!r} after a partial forward: {written} of "
+                f"{len(forward.layers_written)} layers wrote their K/V; the block was discarded"
+            )
+        kv.commit(forward.inflight_pages, self._cache.allocator)
+        return forward.seq_len // self._cache.spec.tokens_per_frame
+
+    # --------------------------------------------------------- cross-attention
+    def populate_cross_attention(
+        self, branch: str | bool, name: str, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Publish cache ``name`` of ``branch`` from exactly one ``(k, v)`` per layer.
+
+        Each ``k``/``v`` is ``(num_kv_heads, num_tokens, head_size)`` of the
+        cache's geometry, in the pool's dtype and device. The cache becomes
+        readable only once the iterable completes; on any failure the
+        previous complete cache (or its absence) is left as it was.
+        """
+        kv = self._branch(branch)
+        heads, tokens, head_size = self.spec.cross_geometry(name)
+        expected = (heads, tokens, head_size)
+        pool = self._cache.pool
+        num_layers = self.spec.num_layers
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        where = f"cross-attention {name!r} of branch {kv.name!r} (session {self.session_id!r})"
+        try:
+            for layer, pair in enumerate(pairs):
+                if layer >= num_layers:
+                    raise ValueError(f"{where}: more than num_layers={num_layers} (k, v) pairs")
+                if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                    raise ValueError(f"{where}: layer {layer} yielded {type(pair).__name__}, expected a (k, v) pair")
+                copies = []
+                for label, t in zip("kv", pair):
+                    if not isinstance(t, torch.Tensor) or tuple(t.shape) != expected:
+                        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                        raise ValueError(f"{where}: layer {layer} {label} must be shaped {expected}, got {got}")
+                    if t.dtype != pool.dtype or t.device != pool.device:
+                        raise ValueError(
+                            f"{where}: layer {layer} {label} must be {pool.dtype} on {pool.device}, "
+                            f"got {t.dtype} on {t.device}"
+                        )
+                    try:
+                        copies.append(torch.empty(expected, dtype=pool.dtype, device=pool.device).copy_(t))
+                    except torch.OutOfMemoryError as exc:
+                        raise KVCacheExhaustedError(
+                            f"{where}: out of memory allocating layer {layer} "
+                            f"({2 * t.nbytes * num_layers} bytes for the whole cache)"
+                        ) from exc
+                staged.append((copies[0], copies[1]))
+            if len(staged) != num_layers:
+                raise ValueError(f"{where}: got {len(staged)} (k, v) pairs, expected num_layers={num_layers}")
+        except BaseException:
+            staged.clear()  # drop the partial copies now; the published cache is untouched
+            raise
+        self._check_open()  # the iterable may have closed us re-entrantly
+        self._cross[(kv.name, name)] = tuple(staged)
+
+    def cross_attention(self, branch: str | bool, name: str) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """Per-layer ``(k, v)`` of a published cache; reading an unpublished cache raises."""
+        kv = self._branch(branch)
+        self.spec.cross_geometry(name)  # KeyError for unknown names
+        try:
+            return self._cross[(kv.name, name)]
+        except KeyError:
+            raise RuntimeError(
+                f"cross-attention {name!r} of branch {kv.name!r} (session {self.session_id!r}) read before "
+                "populate_cross_attention completed; the runner never recomputes it silently"
+            ) from None
+
+    # --------------------------------------------------------------- lifecycle
+    def reset(self, keep_cross_attention: Iterable[str] = ()) -> None:
+        """Free all self-attention KV and cross-attention caches except the ``keep_cross_attention`` names.
+
+        Used by pipelines at a window boundary (keep the text cache, re-project
+        the image cache). Contexts handed out before become invalid.
+        """
+        self._check_open()
+        keep = set(keep_cross_attention)
+        for name in keep:
+            self.spec.cross_geometry(name)  # KeyError names the valid caches
+        self._release_self_attention()
+        self._cross = {key: pairs for key, pairs in self._cross.items() if key[1] in keep}
+
+    def close(self) -> None:
+        """Free everything; every later call except ``close`` raises. Idempotent."""
+        if self._closed:
+            return
+        self._release_self_attention()
+        self._cross.clear()
+        self._closed = True
+
+    def _release_self_attention(self) -> None:
+        allocator = self._cache.allocator
+        self._generation += 1
+        for name, forward in self._pending.items():
+            if forward is not None and forward.allocated and not forward.finished:
+                allocator.free(forward.inflight_pages)
+            if forward is not None:
+                forward.finished = True
+            self._pending[name] = None
+        for kv in self._branches.values():
+            kv.release(allocator)
+
