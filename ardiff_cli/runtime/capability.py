@@ -125,6 +125,9 @@ class ARDiffusionKVCacheSpec:
         if not isinstance(self.reset_at_boundary, bool):
             raise ValueError(f"AR-Diffusion reset_at_boundary must be a bool, got {self.reset_at_boundary!r}")
         # Lists are accepted for convenience and frozen here, so the spec stays hashable.
+        for field in ("kv_branches", "cross_attention"):
+            if not isinstance(getattr(self, field), (tuple, list)):
+                raise ValueError(f"AR-Diffusion {field} must be a tuple of specs, got {getattr(self, field)!r}")
         object.__setattr__(self, "kv_branches", tuple(self.kv_branches))
         object.__setattr__(self, "cross_attention", tuple(self.cross_attention))
         for branch in self.kv_branches:

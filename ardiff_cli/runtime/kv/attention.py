@@ -32,7 +32,9 @@ def attend_visible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     group = num_q_heads // num_kv_heads
     q_grouped = q.reshape(1, num_kv_heads, group * length, head_size)  # (1, Hkv, G*L, D)
     out = F.scaled_dot_product_attention(q_grouped, k, v, scale=scale)  # (1, Hkv, G*L, D)
-    return out.view(num_q_heads, length, head_size)
+    # reshape, not view: fused kernels (CUDA flash / memory-efficient) return a (1, G*L, Hkv, D)
+    # buffer transposed, which cannot be viewed as (Hq, L, D) when G > 1.
+    return out.reshape(num_q_heads, length, head_size)
 
 
 class ARDiffusionForwardContext:

@@ -163,9 +163,17 @@ class ARDiffusionKVState:
     def cross_attention_bytes(self) -> int:
         return sum(k.nbytes + v.nbytes for pairs in self._cross.values() for k, v in pairs)
 
+    def uncommitted_branches(self) -> list[str]:
+        """Branches whose commit pass allocated pages that ``commit`` has not yet taken."""
+        return [
+            name
+            for name, forward in self._pending.items()
+            if forward is not None and forward.commit_current and forward.allocated and not forward.finished
+        ]
+
     def has_cross_attention(self, branch: str, name: str) -> bool:
-        self._branch(branch)
-        return (branch, name) in self._cross
+        kv = self._branch(branch)
+        return (kv.name, name) in self._cross
 
     # ---------------------------------------------------------- self-attention
     def get_kv_caches(
@@ -222,9 +230,13 @@ class ARDiffusionKVState:
         kv = self._branch(branch)
         forward = self._pending[kv.name]
         self._pending[kv.name] = None
-        if forward is None or forward.finished or not forward.commit_current or not forward.allocated:
+        if forward is None or forward.finished:
             return 0
+        # Whatever the pass was, its contexts are stale from here on: a commit pass that had not
+        # attended yet would otherwise allocate in-flight pages no state tracks (a leak).
         forward.finished = True
+        if not forward.commit_current or not forward.allocated:
+            return 0
         written = forward.num_layers_written
         if written != len(forward.layers_written):
             self._cache.allocator.free(forward.inflight_pages)

@@ -1,0 +1,197 @@
+"""Engine configs: YAML (``safe_load`` only) -> validated ``EngineConfig``. No torch import.
+
+A config file::
+
+    pipeline: dreamzero      # a registered pipeline name
+    checkpoint: null         # .safetensors path, relative to this file; null = the built-in default
+    model: {preset: tiny}    # the pipeline's own config (its Config.from_dict validates it)
+    runtime:                 # engine settings, all optional
+      device: auto           # auto | cpu | cuda | cuda:N
+      dtype: float32         # float32 | bfloat16 | float16
+      session_capacity: 2    # caps the pipeline's session_capacity
+      gpu_memory_fraction: 0.9
+      memory_budget: null    # bytes or "512MiB"; default: free device memory (CPU: available host memory)
+      attention_backend: auto
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
+from ardiff_cli.runtime.capacity import dtype_name, parse_bytes
+from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error
+from ardiff_cli.runtime.registry import PipelineEntry, resolve_pipeline
+
+DEFAULT_CONFIG = "dreamzero-tiny"
+TOP_LEVEL_KEYS = ("pipeline", "checkpoint", "model", "runtime")
+DEVICES = ("auto", "cpu", "cuda")
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "vllm")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device: str = "auto"
+    dtype: str = "float32"
+    session_capacity: int | None = None
+    gpu_memory_fraction: float = 0.9
+    memory_budget: int | None = None
+    attention_backend: str = "auto"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, where: str) -> RuntimeConfig:
+        if not isinstance(data, dict):
+            raise field_error(where, "runtime", "a mapping", data)
+        for key in data:
+            if key not in cls.__dataclass_fields__:
+                raise ConfigError(
+                    f"{where}: unknown key 'runtime.{key}'{did_you_mean(key, cls.__dataclass_fields__)}",
+                    hint=f"valid runtime keys: {', '.join(cls.__dataclass_fields__)}",
+                )
+        return cls().with_overrides(where=where, **data)
+
+    def with_overrides(self, *, where: str = "command line", **values: Any) -> RuntimeConfig:
+        """A copy with ``values`` (``None`` = keep) validated and applied."""
+        changes: dict[str, Any] = {}
+        for key, value in values.items():
+            if value is None:
+                continue
+            changes[key] = _validate_runtime_value(key, value, where)
+        return replace(self, **changes)
+
+
+def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
+    field = f"runtime.{key}"
+    if key == "device":
+        if not isinstance(value, str) or not (value in DEVICES or value.startswith("cuda:")):
+            raise field_error(where, field, "auto, cpu, cuda or cuda:N", value)
+        return value
+    if key == "dtype":
+        try:
+            name = dtype_name(value)
+        except ConfigError:
+            name = None
+        if name not in MODEL_DTYPES:
+            raise field_error(where, field, " | ".join(MODEL_DTYPES), value)
+        return name
+    if key == "session_capacity":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise field_error(where, field, "a positive integer", value)
+        return value
+    if key == "gpu_memory_fraction":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise field_error(where, field, "a number in (0, 1]", value)
+        return float(value)
+    if key == "memory_budget":
+        try:
+            return parse_bytes(value)
+        except ConfigError:
+            raise field_error(where, field, "a byte size such as 536870912 or '512MiB'", value) from None
+    if key == "attention_backend":
+        if value not in ATTENTION_BACKENDS:
+            raise field_error(where, field, " | ".join(ATTENTION_BACKENDS), value)
+        return value
+    raise ConfigError(f"{where}: unknown key {field!r}{did_you_mean(key, RuntimeConfig.__dataclass_fields__)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """A validated config: which pipeline, its model config, its checkpoint and the runtime settings."""
+
+    source: str  # file path, built-in name or "<dict>", for messages
+    pipeline_name: str
+    entry: PipelineEntry  # the registered pipeline (torch-free until pipeline_class() is called)
+    model: Any  # the pipeline's Config instance
+    checkpoint: Path | None  # None = the pipeline's built-in default checkpoint
+    runtime: RuntimeConfig
+
+    def kv_cache_spec(self) -> ARDiffusionKVCacheSpec:
+        """The pipeline's KV spec for this config, without torch or weights."""
+        return self.model.kv_cache_spec()
+
+    def with_runtime(self, **overrides: Any) -> EngineConfig:
+        return replace(self, runtime=self.runtime.with_overrides(**overrides))
+
+
+def builtin_configs() -> dict[str, Path]:
+    """Built-in config names (file stems) -> paths."""
+    root = importlib.resources.files("ardiff_cli.configs")
+    return {Path(p.name).stem: Path(str(p)) for p in root.iterdir() if p.name.endswith((".yaml", ".yml"))}
+
+
+def resolve_config(name_or_path: str | Path | None) -> Path:
+    """A config file path from a path or a built-in name (default: ``DEFAULT_CONFIG``)."""
+    if name_or_path is None:
+        name_or_path = DEFAULT_CONFIG
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    builtins = builtin_configs()
+    if str(name_or_path) in builtins:
+        return builtins[str(name_or_path)]
+    if path.suffix in (".yaml", ".yml") or path.parent != Path("."):
+        raise ConfigError(f"config file not found: {path}", hint="check the path, or use a built-in config name")
+    raise ConfigError(
+        f"unknown config {str(name_or_path)!r}{did_you_mean(str(name_or_path), builtins)}: not a file and not a "
+        "built-in config",
+        hint=f"built-in configs: {', '.join(sorted(builtins))}",
+    )
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a config must be a YAML mapping, got {type(data).__name__}")
+    return data
+
+
+def load_config(source: str | Path | dict[str, Any] | None = None) -> EngineConfig:
+    """Parse and validate a config from a file, a built-in name or a dict."""
+    if isinstance(source, dict):
+        data, where, base = source, "<dict>", Path.cwd()
+    else:
+        path = resolve_config(source)
+        data, where, base = read_yaml(path), str(path), path.parent
+    for key in data:
+        if key not in TOP_LEVEL_KEYS:
+            raise ConfigError(
+                f"{where}: unknown key {key!r}{did_you_mean(str(key), TOP_LEVEL_KEYS)}",
+                hint=f"valid top-level keys: {', '.join(TOP_LEVEL_KEYS)}",
+            )
+    name = data.get("pipeline")
+    if not isinstance(name, str) or not name:
+        raise field_error(where, "pipeline", "a registered pipeline name", name)
+    entry = resolve_pipeline(name, where=where)
+    model_data = data.get("model") or {}
+    if not isinstance(model_data, dict):
+        raise field_error(where, "model", "a mapping", model_data)
+    model = entry.config_class.from_dict(model_data, where=where)
+    checkpoint = data.get("checkpoint")
+    if checkpoint is not None:
+        if not isinstance(checkpoint, str) or not checkpoint:
+            raise field_error(where, "checkpoint", "a .safetensors path or null", checkpoint)
+        checkpoint = Path(checkpoint).expanduser()
+        if not checkpoint.is_absolute():
+            checkpoint = base / checkpoint
+        if not checkpoint.is_file():
+            raise ConfigError(
+                f"{where}: field 'checkpoint': file not found: {checkpoint}",
+                hint="fix the path, or set checkpoint: null to use the pipeline's built-in default",
+            )
+    runtime = RuntimeConfig.from_dict(data.get("runtime") or {}, where=where)
+    return EngineConfig(
+        source=where, pipeline_name=name, entry=entry, model=model, checkpoint=checkpoint, runtime=runtime
+    )

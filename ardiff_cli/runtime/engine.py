@@ -1,0 +1,89 @@
+"""ARDiffusionEngine: config -> pipeline -> runner, and request execution."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ardiff_cli.runtime.capacity import CapacityPlan
+from ardiff_cli.runtime.config import EngineConfig, load_config
+from ardiff_cli.runtime.errors import ConfigError
+from ardiff_cli.runtime.events import RuntimeEvent
+from ardiff_cli.runtime.request import ARDiffusionRequest
+from ardiff_cli.runtime.runner import ARDiffusionModelRunner, WarmupReport
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` = CUDA when available, else CPU; asking for CUDA without it is a ``ConfigError``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available", hint="use --device cpu or auto")
+    return device
+
+
+class ARDiffusionEngine:
+    """Builds a pipeline from a config and runs requests through ``ARDiffusionModelRunner``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config  # validated config, runtime overrides applied
+        self.pipeline: Any = None  # built by load()
+        self.runner: ARDiffusionModelRunner | None = None
+        self.device: torch.device | None = None
+        self._subscribers: list[Callable[[RuntimeEvent], None]] = []  # attached to the runner at load
+
+    @classmethod
+    def from_config(cls, source: str | Path | dict[str, Any] | EngineConfig | None = None, **overrides: Any):
+        """An engine for a config file, built-in name or dict; ``overrides`` are runtime settings."""
+        config = source if isinstance(source, EngineConfig) else load_config(source)
+        return cls(config.with_runtime(**overrides))
+
+    def subscribe(self, callback: Callable[[RuntimeEvent], None]) -> None:
+        """Receive runtime events (including the capacity plan at load) in order."""
+        self._subscribers.append(callback)
+        if self.runner is not None:
+            self.runner.subscribe(callback)
+
+    def load(self) -> CapacityPlan:
+        runtime = self.config.runtime
+        self.device = resolve_device(runtime.device)
+        dtype = TORCH_DTYPES[runtime.dtype]
+        pipeline_class = self.config.entry.pipeline_class()
+        self.pipeline = pipeline_class.from_config(
+            self.config.model, device=self.device, dtype=dtype, checkpoint=self.config.checkpoint
+        )
+        self.runner = ARDiffusionModelRunner(
+            self.pipeline,
+            device=self.device,
+            dtype=dtype,
+            memory_budget=runtime.memory_budget,
+            gpu_memory_fraction=runtime.gpu_memory_fraction,
+            session_capacity=runtime.session_capacity,
+        )
+        for callback in self._subscribers:
+            self.runner.subscribe(callback)
+        return self.runner.load()
+
+    def _require_runner(self) -> ARDiffusionModelRunner:
+        if self.runner is None:
+            raise RuntimeError("ARDiffusionEngine.load() must run first")
+        return self.runner
+
+    def warmup(self) -> WarmupReport:
+        return self._require_runner().warmup()
+
+    def execute(self, request: ARDiffusionRequest) -> Any:
+        return self._require_runner().execute_model(request)
+
+    def close(self) -> None:
+        """Release every session (close hooks run; their errors are raised after all are released)."""
+        if self.runner is not None:
+            errors = self.runner.close_all()
+            if errors:
+                raise errors[0]

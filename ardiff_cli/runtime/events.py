@@ -1,0 +1,102 @@
+"""Runtime events: plain frozen dataclasses delivered to subscribers in order.
+
+The runtime never imports Rich; the CLI subscribes and keeps its own snapshot.
+Every event has ``kind`` (a stable string for JSON consumers) and ``time``
+(``time.time()`` at emission).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+
+def _now() -> float:
+    return time.time()
+
+
+@dataclass(frozen=True)
+class RuntimeEvent:
+    kind: ClassVar[str] = "event"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["kind"] = self.kind
+        return data
+
+
+@dataclass(frozen=True)
+class CapacityPlanned(RuntimeEvent):
+    kind: ClassVar[str] = "capacity_planned"
+    plan: Any  # CapacityPlan
+    device: str
+    time: float = field(default_factory=_now)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "plan": self.plan.to_dict(), "device": self.device, "time": self.time}
+
+
+@dataclass(frozen=True)
+class SessionAdmitted(RuntimeEvent):
+    kind: ClassVar[str] = "session_admitted"
+    session_id: str
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class SessionEvicted(RuntimeEvent):
+    kind: ClassVar[str] = "session_evicted"
+    session_id: str
+    reason: str = "lru_eviction"
+    by_session_id: str | None = None  # the session whose admission caused the eviction
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class SessionReset(RuntimeEvent):
+    kind: ClassVar[str] = "session_reset"
+    session_id: str
+    reason: str  # "request_reset" or "explicit"
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class SessionClosed(RuntimeEvent):
+    kind: ClassVar[str] = "session_closed"
+    session_id: str
+    reason: str  # "explicit", "close_session" or "forward_exception"
+    error: str | None = None  # the forward's exception, for forward_exception
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class RequestFinished(RuntimeEvent):
+    kind: ClassVar[str] = "request_finished"
+    request_id: str
+    session_id: str
+    bind_s: float  # admission + state binding
+    forward_s: float  # the pipeline's forward
+    commit_s: float  # unbinding, lifecycle flags, bookkeeping after the forward
+    total_s: float
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class HookFailed(RuntimeEvent):
+    """A pipeline reset/close hook raised; the KV was released regardless."""
+
+    kind: ClassVar[str] = "hook_failed"
+    session_id: str
+    hook: str
+    error: str
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class WarmupFinished(RuntimeEvent):
+    kind: ClassVar[str] = "warmup_finished"
+    num_requests: int
+    seconds: float
+    restored: bool  # free-page count back where it started
+    time: float = field(default_factory=_now)

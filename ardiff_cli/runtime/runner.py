@@ -1,0 +1,432 @@
+"""ARDiffusionModelRunner: the KV cache of one worker and every session on it.
+
+The runner is model-neutral. It plans capacity from the device, preallocates
+the pools once, keeps sessions in LRU order, binds a session's KV state to the
+pipeline around exactly one forward, and releases sessions through one path
+(reset, explicit close, LRU eviction, failed forward).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ardiff_cli.runtime.capability import (
+    PIPELINE_METHODS,
+    ARDiffusionKVCacheSpec,
+    SupportsARDiffusionWarmup,
+)
+from ardiff_cli.runtime.capacity import CapacityPlan, plan_capacity
+from ardiff_cli.runtime.errors import ArdiffError
+from ardiff_cli.runtime.events import (
+    CapacityPlanned,
+    HookFailed,
+    RequestFinished,
+    RuntimeEvent,
+    SessionAdmitted,
+    SessionClosed,
+    SessionEvicted,
+    SessionReset,
+    WarmupFinished,
+)
+from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
+from ardiff_cli.runtime.kv.state import ARDiffusionKVState
+from ardiff_cli.runtime.request import ARDiffusionRequest
+
+WARMUP_SESSION_ID = "__ardiff_warmup__"  # reserved; user requests may not name it
+
+REQUEST_MODE_ONLY = (
+    "ARDiffusionModelRunner supports request-mode execution only (max_num_seqs=1, one request per forward, "
+    "no step execution): batching or stepping requests would bypass bind_ar_diffusion_state(), which binds "
+    "exactly one session's KV state around one forward"
+)
+
+
+class LifecycleHookError(ArdiffError, RuntimeError):
+    """A pipeline reset/close hook raised. The session's KV was released regardless."""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionView:
+    """What the CLI shows of one resident session (a snapshot taken after its last request)."""
+
+    session_id: str
+    pages_per_branch: dict[str, int]  # resident self-attention pages per logical branch
+    committed_frames: dict[str, int]  # absolute committed frames per logical branch
+    cross_attention_bytes: int
+    num_requests: int
+    last_latency_s: float | None
+    admitted_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class PoolUsage:
+    num_pages: int  # allocatable pages
+    num_free: int
+    num_used: int
+    bytes_per_page: int
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    skipped: bool  # the pipeline has no warmup provider
+    timings: list[tuple[str, str, float]] = field(default_factory=list)  # (request_id, shape, seconds)
+    restored: bool = True  # free-page count back where it started
+    seconds: float = 0.0
+
+
+@dataclass
+class _Session:
+    state: ARDiffusionKVState
+    admitted_at: float
+    num_requests: int = 0
+    last_latency_s: float | None = None
+    view: SessionView | None = None
+
+
+def available_host_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes), else total physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def describe_inputs(inputs: dict[str, Any]) -> str:
+    """'key (shape), ...' for warmup reports."""
+    parts = []
+    for key, value in inputs.items():
+        shape = getattr(value, "shape", None)
+        parts.append(f"{key}{tuple(shape)}" if shape is not None else key)
+    return ", ".join(parts)
+
+
+class ARDiffusionModelRunner:
+    """Owns the paged KV of one worker and the sessions that live in it."""
+
+    def __init__(
+        self,
+        pipeline: Any,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_num_seqs: int = 1,
+        step_execution: bool = False,
+        memory_budget: int | None = None,
+        gpu_memory_fraction: float = 0.9,
+        session_capacity: int | None = None,
+        page_size: int | None = None,
+    ) -> None:
+        self.pipeline = pipeline  # the model; sees KV only through bind_ar_diffusion_state
+        self.device = torch.device(device)
+        self.dtype = dtype  # KV dtype, equal to the model's activation dtype
+        self.max_num_seqs = max_num_seqs  # must be 1: request mode only
+        self.step_execution = step_execution  # must be False: request mode only
+        self.memory_budget = memory_budget  # explicit "available" bytes; None = measure the device
+        self.gpu_memory_fraction = gpu_memory_fraction  # soft budget for sessions beyond the first
+        self.session_capacity_override = session_capacity  # caps the pipeline's session_capacity
+        self.page_size = page_size  # tokens per page; None = one frame
+        self.spec: ARDiffusionKVCacheSpec | None = None  # the pipeline's spec, read at load
+        self.capacity_plan: CapacityPlan | None = None
+        self.kv_cache: ARDiffusionKVCache | None = None  # pools, preallocated once at load
+        # Resident sessions, least recently used first.
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        # Guards the session table and views; the forward itself runs outside it.
+        self._lock = threading.RLock()
+        self._subscribers: list[Callable[[RuntimeEvent], None]] = []
+        # Hook failures collected over the runner's life (also emitted as HookFailed events).
+        self.hook_errors: list[LifecycleHookError] = []
+
+    # ------------------------------------------------------------------ load
+    def load(self) -> CapacityPlan:
+        """Check the pipeline and execution mode, plan capacity, preallocate the pools."""
+        if self.max_num_seqs != 1:
+            raise ValueError(f"{REQUEST_MODE_ONLY}; got max_num_seqs={self.max_num_seqs}")
+        if self.step_execution:
+            raise ValueError(f"{REQUEST_MODE_ONLY}; step execution was requested")
+        for flag in ("supports_request_batch", "supports_step_execution"):
+            if getattr(self.pipeline, flag, False):
+                raise ValueError(f"{REQUEST_MODE_ONLY}; the pipeline declares {flag}=True")
+        missing = [name for name in (*PIPELINE_METHODS, "forward") if not callable(getattr(self.pipeline, name, None))]
+        if missing:
+            raise TypeError(
+                f"{type(self.pipeline).__name__} does not implement the AR-Diffusion pipeline capability: "
+                f"missing {', '.join(missing)}"
+            )
+        spec = self.pipeline.ar_diffusion_kv_cache_spec()
+        if not isinstance(spec, ARDiffusionKVCacheSpec):
+            raise TypeError(
+                f"{type(self.pipeline).__name__}.ar_diffusion_kv_cache_spec() must return an ARDiffusionKVCacheSpec, "
+                f"got {type(spec).__name__}"
+            )
+        self.spec = spec
+        plan = plan_capacity(
+            spec,
+            self.dtype,
+            self._available_bytes(),
+            self.gpu_memory_fraction,
+            session_capacity=self.session_capacity_override,
+            page_size=self.page_size,
+        )
+        self.kv_cache = ARDiffusionKVCache(
+            spec, plan.num_managed_pages, dtype=self.dtype, device=self.device, page_size=self.page_size
+        )
+        self.capacity_plan = plan
+        self._emit(CapacityPlanned(plan=plan, device=str(self.device)))
+        return plan
+
+    def _available_bytes(self) -> int:
+        if self.memory_budget is not None:
+            return self.memory_budget
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)  # after the model's weights are resident
+            return free
+        return available_host_memory()
+
+    def _require_loaded(self) -> ARDiffusionKVCache:
+        if self.kv_cache is None:
+            raise RuntimeError("ARDiffusionModelRunner.load() must run before requests")
+        return self.kv_cache
+
+    # ---------------------------------------------------------------- events
+    def subscribe(self, callback: Callable[[RuntimeEvent], None]) -> Callable[[], None]:
+        """Deliver every later event to ``callback`` in order; returns an unsubscribe function."""
+        self._subscribers.append(callback)
+        return lambda: self._subscribers.remove(callback)
+
+    def _emit(self, event: RuntimeEvent) -> None:
+        for callback in list(self._subscribers):
+            callback(event)
+
+    # ------------------------------------------------------------- execution
+    def execute_model(self, request: ARDiffusionRequest) -> Any:
+        """Run one request on its session; see ``ARDiffusionRequest`` for the lifecycle flags."""
+        return self._execute(request, internal=False)
+
+    def execute_model_batch(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{REQUEST_MODE_ONLY}; execute_model_batch is not available")
+
+    def execute_stepwise(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{REQUEST_MODE_ONLY}; execute_stepwise is not available")
+
+    def _execute(self, request: ARDiffusionRequest, *, internal: bool) -> Any:
+        cache = self._require_loaded()
+        if not isinstance(request, ARDiffusionRequest):
+            raise TypeError(f"execute_model takes an ARDiffusionRequest, got {type(request).__name__}")
+        session_id = request.session_id
+        if session_id == WARMUP_SESSION_ID and not internal:
+            raise ValueError(f"session id {WARMUP_SESSION_ID!r} is reserved for warmup")
+        start = time.perf_counter()
+        with self._lock:
+            if request.extra_args.get("reset") and session_id in self._sessions:
+                self._release(session_id, reason="request_reset", hook="reset")
+            session = self._admit(session_id)
+        state = session.state
+        bound = time.perf_counter()
+        try:
+            with self.pipeline.bind_ar_diffusion_state(session_id, state):
+                forward_start = time.perf_counter()
+                output = self.pipeline.forward(request)
+                forward_end = time.perf_counter()
+            dangling = state.uncommitted_branches()
+            if dangling:
+                raise RuntimeError(
+                    f"the forward of request {request.request_id!r} returned with uncommitted commit passes on "
+                    f"branches {dangling}: call state.commit(branch) after each commit pass"
+                )
+        except BaseException as exc:
+            with self._lock:
+                if self._sessions.get(session_id) is session:
+                    errors = self._release(session_id, reason="forward_exception", hook="close", error=exc)
+                    for hook_error in errors:
+                        exc.add_note(str(hook_error))
+            raise
+        with self._lock:
+            session.num_requests += 1
+            if request.extra_args.get("close_session"):
+                errors = self._release(session_id, reason="close_session", hook="close")
+                if errors:
+                    raise errors[0]
+            else:
+                session.last_latency_s = time.perf_counter() - start
+                session.view = self._snapshot(session_id, session)
+            end = time.perf_counter()
+        bind_s = (bound - start) + (forward_start - bound)
+        self._emit(
+            RequestFinished(
+                request_id=request.request_id,
+                session_id=session_id,
+                bind_s=bind_s,
+                forward_s=forward_end - forward_start,
+                commit_s=end - forward_end,
+                total_s=end - start,
+            )
+        )
+        return output
+
+    def _admit(self, session_id: str) -> _Session:
+        """The resident session ``session_id``, most recently used now; evict the LRU one to make room."""
+        session = self._sessions.get(session_id)
+        if session is not None:
+            self._sessions.move_to_end(session_id)
+            return session
+        assert self.capacity_plan is not None
+        while len(self._sessions) >= self.capacity_plan.session_capacity:
+            victim = next(iter(self._sessions))
+            self._release(victim, reason="lru_eviction", hook="close", by_session_id=session_id)
+        session = _Session(state=self.kv_cache.new_state(session_id), admitted_at=time.time())
+        self._sessions[session_id] = session
+        session.view = self._snapshot(session_id, session)
+        self._emit(SessionAdmitted(session_id=session_id))
+        return session
+
+    # ------------------------------------------------------------- lifecycle
+    def reset_session(self, session_id: str) -> None:
+        """Release ``session_id`` and call the pipeline's reset hook; the next request starts fresh."""
+        with self._lock:
+            self._require_resident(session_id)
+            errors = self._release(session_id, reason="explicit", hook="reset")
+        if errors:
+            raise errors[0]
+
+    def close_session(self, session_id: str) -> None:
+        """Release ``session_id`` and call the pipeline's close hook."""
+        with self._lock:
+            self._require_resident(session_id)
+            errors = self._release(session_id, reason="explicit", hook="close")
+        if errors:
+            raise errors[0]
+
+    def close_all(self) -> list[LifecycleHookError]:
+        """Close every resident session (shutdown); returns hook errors."""
+        errors: list[LifecycleHookError] = []
+        with self._lock:
+            for session_id in list(self._sessions):
+                errors += self._release(session_id, reason="explicit", hook="close")
+        return errors
+
+    def _require_resident(self, session_id: str) -> None:
+        if session_id not in self._sessions:
+            raise KeyError(f"no resident session {session_id!r}; resident: {list(self._sessions)}")
+
+    def _release(
+        self,
+        session_id: str,
+        *,
+        reason: str,
+        hook: str,
+        error: BaseException | None = None,
+        by_session_id: str | None = None,
+    ) -> list[LifecycleHookError]:
+        """The one release path: free pages and cross-attention, then call the pipeline's hook.
+
+        Hook failures are returned (and recorded and emitted), never swallowed.
+        """
+        cache = self._require_loaded()
+        session = self._sessions.pop(session_id)
+        session.state.close()
+        callback = (
+            self.pipeline.reset_ar_diffusion_session if hook == "reset" else self.pipeline.close_ar_diffusion_session
+        )
+        errors: list[LifecycleHookError] = []
+        try:
+            callback(session_id)
+        except Exception as exc:  # noqa: BLE001 - collected, emitted and returned to the caller
+            hook_error = LifecycleHookError(
+                f"{type(self.pipeline).__name__}.{callback.__name__}({session_id!r}) raised "
+                f"{type(exc).__name__}: {exc}; the session's KV was released"
+            )
+            hook_error.__cause__ = exc
+            errors.append(hook_error)
+            self.hook_errors.append(hook_error)
+            self._emit(HookFailed(session_id=session_id, hook=callback.__name__, error=str(exc)))
+        used = sum(s.state.num_pages for s in self._sessions.values())
+        assert cache.allocator.num_used == used, (
+            f"page leak: allocator holds {cache.allocator.num_used} pages, resident sessions {used}"
+        )
+        if reason == "lru_eviction":
+            self._emit(SessionEvicted(session_id=session_id, by_session_id=by_session_id))
+        elif hook == "reset":
+            self._emit(SessionReset(session_id=session_id, reason=reason))
+        else:
+            self._emit(
+                SessionClosed(session_id=session_id, reason=reason, error=None if error is None else repr(error))
+            )
+        return errors
+
+    # ---------------------------------------------------------------- warmup
+    def warmup(self) -> WarmupReport:
+        """Run the pipeline's warmup requests under a reserved session; always release it."""
+        cache = self._require_loaded()
+        if not isinstance(self.pipeline, SupportsARDiffusionWarmup):
+            return WarmupReport(skipped=True)
+        free_before = cache.allocator.num_free
+        timings: list[tuple[str, str, float]] = []
+        start = time.perf_counter()
+        try:
+            for request in self.pipeline.ar_diffusion_warmup_requests(WARMUP_SESSION_ID):
+                if request.session_id != WARMUP_SESSION_ID:
+                    raise ValueError(
+                        f"warmup request {request.request_id!r} names session {request.session_id!r}, "
+                        f"expected {WARMUP_SESSION_ID!r}"
+                    )
+                t0 = time.perf_counter()
+                self._execute(request, internal=True)
+                timings.append((request.request_id, describe_inputs(request.inputs), time.perf_counter() - t0))
+        finally:
+            with self._lock:
+                if WARMUP_SESSION_ID in self._sessions:
+                    self._release(WARMUP_SESSION_ID, reason="explicit", hook="close")
+        seconds = time.perf_counter() - start
+        restored = cache.allocator.num_free == free_before
+        self._emit(WarmupFinished(num_requests=len(timings), seconds=seconds, restored=restored))
+        if not restored:
+            raise RuntimeError(
+                f"warmup leaked KV pages: {free_before} free before, {cache.allocator.num_free} after"
+            )
+        return WarmupReport(skipped=False, timings=timings, restored=restored, seconds=seconds)
+
+    # ----------------------------------------------------------------- views
+    def _snapshot(self, session_id: str, session: _Session) -> SessionView:
+        state = session.state
+        adapters = [state.adapter(name) for name in state.spec.branch_names]
+        return SessionView(
+            session_id=session_id,
+            pages_per_branch={a.branch: len(a.page_ids) for a in adapters},
+            committed_frames={a.branch: a.num_committed_frames for a in adapters},
+            cross_attention_bytes=state.cross_attention_bytes,
+            num_requests=session.num_requests,
+            last_latency_s=session.last_latency_s,
+            admitted_at=session.admitted_at,
+        )
+
+    def sessions(self) -> list[SessionView]:
+        """Resident sessions, least recently used first. Safe from any thread."""
+        with self._lock:
+            return [s.view for s in self._sessions.values() if s.view is not None]
+
+    @property
+    def session_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._sessions)
+
+    def pool_usage(self) -> PoolUsage:
+        cache = self._require_loaded()
+        allocator = cache.allocator
+        return PoolUsage(
+            num_pages=allocator.num_allocatable,
+            num_free=allocator.num_free,
+            num_used=allocator.num_used,
+            bytes_per_page=self.capacity_plan.bytes_per_page,
+        )

@@ -1,0 +1,1 @@
+"""Built-in configs, installed as the package ``ardiff_cli.configs``. Address them by file stem."""

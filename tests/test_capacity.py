@@ -1,0 +1,179 @@
+"""The capacity planner against hand-computed arithmetic and published geometries."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ardiff_cli.runtime.capability import (
+    ARDiffusionCrossAttentionKVSpec,
+    ARDiffusionKVBranchSpec,
+    ARDiffusionKVCacheSpec,
+)
+from ardiff_cli.runtime.capacity import format_bytes, parse_bytes, plan_capacity
+from ardiff_cli.runtime.errors import CapacityError, ConfigError
+from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
+
+GIB = 1 << 30
+CFG = (ARDiffusionKVBranchSpec("positive", 0), ARDiffusionKVBranchSpec("negative", 1))
+
+
+def wan14b_dreamzero(**overrides) -> ARDiffusionKVCacheSpec:
+    fields = dict(
+        num_layers=40, num_kv_heads=40, head_size=128, tokens_per_frame=220, frames_per_block=4,
+        window_frames=12, kv_branches=CFG, session_capacity=16,
+        cross_attention=(ARDiffusionCrossAttentionKVSpec("text", 512), ARDiffusionCrossAttentionKVSpec("image", 257)),
+        max_scratch_tokens_per_branch=17,
+    )
+    fields.update(overrides)
+    return ARDiffusionKVCacheSpec(**fields)
+
+
+def self_forcing_13b() -> ARDiffusionKVCacheSpec:
+    return ARDiffusionKVCacheSpec(
+        num_layers=30, num_kv_heads=12, head_size=128, tokens_per_frame=1560, frames_per_block=3,
+        window_frames=21, kv_branches=(ARDiffusionKVBranchSpec("main", 0),), session_capacity=4,
+        cross_attention=(ARDiffusionCrossAttentionKVSpec("text", 512),),
+    )
+
+
+def test_published_bytes_per_token():
+    assert plan_capacity(wan14b_dreamzero(), "bfloat16", 200 * GIB).bytes_per_token == 819_200
+    assert plan_capacity(self_forcing_13b(), "bfloat16", 200 * GIB).bytes_per_token == 184_320
+    assert plan_capacity(self_forcing_13b(), torch.float32, 200 * GIB).bytes_per_token == 368_640
+
+
+def test_dreamzero_14b_plan_by_hand():
+    plan = plan_capacity(wan14b_dreamzero(), "bfloat16", 80 * GIB, 0.9)
+    bpp = 819_200 * 220  # one frame per page
+    assert plan.bytes_per_page == bpp
+    assert plan.managed_pages_per_session == 2 * 12  # two local slots x (0 sink + 12 window)
+    assert plan.self_attention_bytes_per_branch == 12 * bpp
+    assert plan.inflight_pages == 2 * 4
+    scratch_pages_per_slot = -(-(4 * 220 + 17) // 220)  # one block + 17 registers, rounded up to pages = 5
+    assert plan.scratch_pages == 2 * scratch_pages_per_slot == 10
+    text = 2 * 40 * 40 * 512 * 128 * 2
+    image = 2 * 40 * 40 * 257 * 128 * 2
+    assert plan.cross_attention_bytes == {"text": text, "image": image}
+    assert plan.cross_attention_bytes_per_session == 2 * (text + image)  # both CFG branches
+    workspace = 2 * 40 * (12 + scratch_pages_per_slot) * 220 * 128 * 2
+    assert plan.workspace_bytes == workspace
+    assert plan.fixed_bytes == (1 + 8 + 10) * bpp + workspace
+    per_session = 24 * bpp + 2 * (text + image)
+    assert plan.bytes_per_session == per_session
+    budget = int(80 * GIB * 0.9)
+    assert plan.budget_bytes == budget
+    assert plan.session_capacity == (budget - plan.fixed_bytes) // per_session
+    assert plan.required_bytes(plan.session_capacity) <= budget < plan.required_bytes(plan.session_capacity + 1)
+    assert plan.total_pages == 1 + plan.session_capacity * 24 + 8 + 10
+
+
+def test_capacity_bounded_by_session_capacity_and_override():
+    assert plan_capacity(self_forcing_13b(), "bfloat16", 1000 * GIB).session_capacity == 4
+    assert plan_capacity(self_forcing_13b(), "bfloat16", 1000 * GIB, session_capacity=2).session_capacity == 2
+
+
+def test_one_session_admitted_when_it_fits_even_with_tiny_fraction():
+    spec = self_forcing_13b()
+    one = plan_capacity(spec, "bfloat16", 1000 * GIB).required_bytes_one_session
+    plan = plan_capacity(spec, "bfloat16", one, 0.01)
+    assert plan.session_capacity == 1 and plan.budget_bytes == one
+    more = plan_capacity(spec, "bfloat16", 3 * one, 1.0)
+    assert more.session_capacity == 3
+
+
+def test_one_session_that_does_not_fit_fails_with_both_numbers():
+    spec = wan14b_dreamzero()
+    one = plan_capacity(spec, "bfloat16", 1000 * GIB).required_bytes_one_session
+    with pytest.raises(CapacityError) as info:
+        plan_capacity(spec, "bfloat16", 8 * GIB)
+    message = str(info.value)
+    assert format_bytes(one) in message and "8.00 GiB" in message and str(one) in message
+    assert info.value.exit_code == 3
+
+
+def test_model_owned_state_counts_per_session():
+    base = plan_capacity(self_forcing_13b(), "bfloat16", 100 * GIB)
+    spec = ARDiffusionKVCacheSpec(**{**self_forcing_13b().__dict__, "model_owned_state_bytes_per_session": 12345})
+    owned = plan_capacity(spec, "bfloat16", 100 * GIB)
+    assert owned.bytes_per_session - base.bytes_per_session == 12345
+    assert owned.model_owned_bytes_per_session == 12345
+
+
+def test_cross_attention_geometry_override():
+    spec = wan14b_dreamzero(cross_attention=(ARDiffusionCrossAttentionKVSpec("image", 257, num_kv_heads=8,
+                                                                              head_size=64),))
+    plan = plan_capacity(spec, "bfloat16", 200 * GIB)
+    assert plan.cross_attention_bytes == {"image": 2 * 40 * 8 * 257 * 64 * 2}
+
+
+def test_page_size_split_keeps_capacity_exact():
+    whole = plan_capacity(wan14b_dreamzero(), "bfloat16", 200 * GIB)
+    split = plan_capacity(wan14b_dreamzero(tokens_per_frame=224), "bfloat16", 200 * GIB, page_size=16)
+    assert split.pages_per_frame == 14 and split.page_size == 16
+    assert split.managed_pages_per_session == 2 * 12 * 14
+    assert split.bytes_per_page * split.pages_per_frame == 819_200 * 224
+    assert whole.pages_per_frame == 1
+
+
+@pytest.mark.parametrize("page_size", [None, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_planned_bytes_equal_allocated_bytes(page_size, dtype):
+    spec = ARDiffusionKVCacheSpec(
+        num_layers=2, num_kv_heads=2, head_size=8, tokens_per_frame=4, frames_per_block=2, window_frames=3,
+        sink_frames=1, kv_branches=CFG, session_capacity=3, max_scratch_tokens_per_branch=3,
+        cross_attention=(ARDiffusionCrossAttentionKVSpec("text", 5),),
+    )
+    plan = plan_capacity(spec, dtype, 1 << 30, page_size=page_size)
+    cache = ARDiffusionKVCache(spec, plan.num_managed_pages, dtype=dtype, page_size=page_size)
+    assert cache.pool.nbytes == plan.pool_bytes
+    assert cache.pool.kv.shape[3] == plan.total_pages
+    # fill every session: pages + cross caches match the per-session figure
+    states = [cache.new_state(str(i)) for i in range(plan.session_capacity)]
+    for state in states:
+        for branch in ("positive", "negative"):
+            for _ in range(4):
+                for ctx in state.get_kv_caches(branch, 8, commit_current=True):
+                    q = torch.randn(2, 8, 8, dtype=dtype)
+                    ctx.attend(q, q, q)
+                state.commit(branch)
+            state.populate_cross_attention(
+                branch, "text", ((torch.zeros(2, 5, 8, dtype=dtype),) * 2 for _ in range(2))
+            )
+    assert cache.allocator.num_free == plan.inflight_pages  # only the in-flight reserve is left
+    allocated = cache.allocator.num_used * plan.bytes_per_page + sum(s.cross_attention_bytes for s in states)
+    assert allocated == plan.session_capacity * plan.bytes_per_session
+
+
+def test_invalid_planner_inputs():
+    with pytest.raises(ConfigError, match="gpu_memory_fraction must be in \\(0, 1\\], got 1.5"):
+        plan_capacity(self_forcing_13b(), "bfloat16", GIB, 1.5)
+    with pytest.raises(ConfigError, match="unsupported KV dtype 'int3'"):
+        plan_capacity(self_forcing_13b(), "int3", GIB)
+    with pytest.raises(ConfigError, match="session_capacity must be a positive integer, got 0"):
+        plan_capacity(self_forcing_13b(), "bfloat16", GIB, session_capacity=0)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("512MiB", 512 << 20), ("2 GiB", 2 << 30), ("1.5G", int(1.5 * GIB)), (1000, 1000), ("10kb", 10_000)],
+)
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "-5", "0", "12XB"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(ConfigError):
+        parse_bytes(text)
+
+
+def test_planner_imports_no_torch():
+    code = (
+        "import sys; from ardiff_cli.runtime import plan_capacity, ARDiffusionKVCacheSpec; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,394 @@
+"""ARDiffusionModelRunner with a small real torch pipeline: sessions, LRU, lifecycle, failures, warmup, events."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from tiny_pipeline import TinyPipeline, WarmTinyPipeline, request, tiny_spec
+
+from ardiff_cli.runtime.capability import ARDiffusionKVBranchSpec
+from ardiff_cli.runtime.events import (
+    CapacityPlanned,
+    HookFailed,
+    RequestFinished,
+    SessionAdmitted,
+    SessionClosed,
+    SessionEvicted,
+    SessionReset,
+    WarmupFinished,
+)
+from ardiff_cli.runtime.request import DEFAULT_SESSION_ID, ARDiffusionRequest
+from ardiff_cli.runtime.runner import WARMUP_SESSION_ID, ARDiffusionModelRunner, LifecycleHookError
+
+BUDGET = 64 << 20
+
+
+def make_runner(pipeline=None, *, capacity=2, events=None, **kwargs) -> ARDiffusionModelRunner:
+    runner = ARDiffusionModelRunner(
+        pipeline or TinyPipeline(), memory_budget=BUDGET, session_capacity=capacity, **kwargs
+    )
+    if events is not None:
+        runner.subscribe(events.append)
+    runner.load()
+    return runner
+
+
+def held_pages(runner) -> dict[str, set[int]]:
+    return {
+        sid: {p for b in runner.spec.branch_names for p in s.state.adapter(b).page_ids}
+        for sid, s in runner._sessions.items()
+    }
+
+
+def test_session_reuse_keeps_history_between_requests():
+    runner = make_runner()
+    for step in range(5):
+        runner.execute_model(request("a", step))
+    (view,) = runner.sessions()
+    assert view.session_id == "a"
+    assert view.committed_frames == {"main": 10}  # 5 requests x 2 frames, positions keep growing
+    assert view.pages_per_branch == {"main": 4}  # 1 sink + 3 window frames, 1 page each
+    assert view.num_requests == 5
+    assert runner.pipeline.model_state == {"a": 5}
+
+
+def test_resident_session_equals_uninterrupted_single_session_run():
+    """Interleaving another session never changes a session's outputs (no shared pages)."""
+    alone = make_runner(TinyPipeline(seed=3), capacity=2)
+    mixed = make_runner(TinyPipeline(seed=3), capacity=2)
+    for step in range(6):
+        expected = alone.execute_model(request("a", step))["main"]
+        mixed.execute_model(request("b", step))
+        got = mixed.execute_model(request("a", step))["main"]
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        pages = held_pages(mixed)
+        assert not pages["a"] & pages["b"]
+
+
+def test_missing_session_id_uses_documented_default():
+    runner = make_runner()
+    runner.execute_model(ARDiffusionRequest("r", {"frames": torch.zeros(8, 16)}))
+    assert runner.session_ids == [DEFAULT_SESSION_ID]
+
+
+def test_lru_eviction_at_capacity_and_event_order():
+    events = []
+    runner = make_runner(capacity=2, events=events)
+    runner.execute_model(request("a", 0))
+    runner.execute_model(request("b", 0))
+    runner.execute_model(request("a", 1))  # a is now most recent
+    runner.execute_model(request("c", 0))  # evicts b
+    assert runner.session_ids == ["a", "c"]
+    assert ("close", "b") in runner.pipeline.hook_calls
+    kinds = [(type(e).__name__, getattr(e, "session_id", None)) for e in events]
+    assert kinds == [
+        ("CapacityPlanned", None),
+        ("SessionAdmitted", "a"),
+        ("RequestFinished", "a"),
+        ("SessionAdmitted", "b"),
+        ("RequestFinished", "b"),
+        ("RequestFinished", "a"),
+        ("SessionEvicted", "b"),
+        ("SessionAdmitted", "c"),
+        ("RequestFinished", "c"),
+    ]
+    evicted = next(e for e in events if isinstance(e, SessionEvicted))
+    assert evicted.reason == "lru_eviction" and evicted.by_session_id == "c"
+    finished = [e for e in events if isinstance(e, RequestFinished)]
+    assert all(e.total_s >= e.forward_s > 0 for e in finished)
+    assert all(abs(e.bind_s + e.forward_s + e.commit_s - e.total_s) < 1e-6 for e in finished)
+    times = [e.time for e in events]
+    assert times == sorted(times)
+
+
+def test_evicted_session_restarts_from_scratch():
+    runner = make_runner(capacity=1)
+    runner.execute_model(request("a", 0))
+    runner.execute_model(request("b", 0))
+    runner.execute_model(request("a", 1))
+    (view,) = runner.sessions()
+    assert view.session_id == "a" and view.committed_frames == {"main": 2}
+
+
+def test_request_reset_and_close_session_flags():
+    events = []
+    runner = make_runner(events=events)
+    free0 = runner.kv_cache.num_free_pages
+    runner.execute_model(request("a", 0))
+    runner.execute_model(request("a", 1))
+    runner.execute_model(request("a", 2, reset=True))
+    assert runner.sessions()[0].committed_frames == {"main": 2}
+    assert runner.pipeline.hook_calls == [("reset", "a")]
+    assert any(isinstance(e, SessionReset) and e.reason == "request_reset" for e in events)
+    runner.execute_model(request("a", 3, close_session=True))
+    assert runner.session_ids == []
+    assert runner.pipeline.hook_calls[-1] == ("close", "a")
+    assert runner.kv_cache.num_free_pages == free0
+    closed = [e for e in events if isinstance(e, SessionClosed)]
+    assert [e.reason for e in closed] == ["close_session"]
+
+
+def test_explicit_reset_and_close_release_everything():
+    runner = make_runner()
+    free0 = runner.kv_cache.num_free_pages
+    runner.execute_model(request("a", 0))
+    runner.execute_model(request("b", 0))
+    runner.reset_session("a")
+    runner.close_session("b")
+    assert runner.session_ids == []
+    assert runner.pipeline.hook_calls == [("reset", "a"), ("close", "b")]
+    assert runner.kv_cache.num_free_pages == free0
+    assert runner.pipeline.model_state == {}
+    with pytest.raises(KeyError, match="no resident session 'zz'"):
+        runner.close_session("zz")
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_forward_failure_at_any_layer_releases_only_that_session(layer):
+    events = []
+    runner = make_runner(events=events)
+    free0 = runner.kv_cache.num_free_pages
+    runner.execute_model(request("a", 0))
+    before_a = held_pages(runner)["a"]
+    runner.execute_model(request("b", 0))
+    runner.pipeline.fail_at_layer = layer
+    with pytest.raises(RuntimeError, match=f"injected failure at layer {layer}"):
+        runner.execute_model(request("b", 1))
+    assert runner.session_ids == ["a"]
+    assert held_pages(runner)["a"] == before_a
+    assert runner.kv_cache.allocator.num_used == len(before_a)
+    assert ("close", "b") in runner.pipeline.hook_calls
+    closed = [e for e in events if isinstance(e, SessionClosed)]
+    assert closed[-1].reason == "forward_exception" and "injected failure" in closed[-1].error
+    runner.pipeline.fail_at_layer = None
+    runner.close_session("a")
+    assert runner.kv_cache.num_free_pages == free0
+
+
+def test_forward_failure_on_new_session_mid_commit_pass_frees_inflight_pages():
+    runner = make_runner()
+    free0 = runner.kv_cache.num_free_pages
+    runner.pipeline.fail_at_layer = 2  # layers 0 and 1 already wrote into freshly allocated pages
+    with pytest.raises(RuntimeError):
+        runner.execute_model(request("a", 0))
+    assert runner.kv_cache.num_free_pages == free0 and runner.session_ids == []
+
+
+def test_forgotten_commit_is_a_failed_forward():
+    runner = make_runner()
+    runner.pipeline.skip_commit = True
+    with pytest.raises(RuntimeError, match="uncommitted commit passes on branches \\['main'\\]"):
+        runner.execute_model(request("a", 0))
+    assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
+
+
+def test_hook_errors_are_reported_not_swallowed():
+    events = []
+    runner = make_runner(events=events)
+    runner.execute_model(request("a", 0))
+    runner.pipeline.fail_in_hook = "close"
+    with pytest.raises(LifecycleHookError, match="close_ar_diffusion_session\\('a'\\) raised RuntimeError"):
+        runner.close_session("a")
+    assert runner.kv_cache.allocator.num_used == 0  # KV released regardless
+    assert any(isinstance(e, HookFailed) for e in events)
+    # a failed forward whose close hook also fails: the original error wins, the hook error is noted
+    runner.pipeline.fail_at_layer = 0
+    with pytest.raises(RuntimeError, match="injected failure") as info:
+        runner.execute_model(request("b", 0))
+    assert any("close hook failed" in note for note in info.value.__notes__)
+    assert len(runner.hook_errors) == 2
+
+
+class _NoHooks:
+    def ar_diffusion_kv_cache_spec(self):
+        return tiny_spec()
+
+    def forward(self, request):
+        return {}
+
+
+class _WrongSpec(TinyPipeline):
+    def ar_diffusion_kv_cache_spec(self):
+        return {"num_layers": 2}
+
+
+class _Batching(TinyPipeline):
+    supports_request_batch = True
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "kwargs", "error", "match"),
+    [
+        (TinyPipeline(), {"max_num_seqs": 4}, ValueError, "request-mode execution only.*max_num_seqs=4"),
+        (TinyPipeline(), {"step_execution": True}, ValueError, "request-mode execution only.*step execution"),
+        (_Batching(), {}, ValueError, "request-mode execution only.*supports_request_batch"),
+        (
+            _NoHooks(),
+            {},
+            TypeError,
+            "missing bind_ar_diffusion_state, reset_ar_diffusion_session, close_ar_diffusion_session",
+        ),
+        (_WrongSpec(), {}, TypeError, "must return an ARDiffusionKVCacheSpec, got dict"),
+    ],
+)
+def test_load_refusals(pipeline, kwargs, error, match):
+    runner = ARDiffusionModelRunner(pipeline, memory_budget=BUDGET, **kwargs)
+    with pytest.raises(error, match=match):
+        runner.load()
+    assert runner.kv_cache is None
+
+
+def test_batch_and_step_entry_points_raise():
+    runner = make_runner()
+    with pytest.raises(RuntimeError, match="request-mode execution only.*execute_model_batch"):
+        runner.execute_model_batch([request("a", 0)])
+    with pytest.raises(RuntimeError, match="request-mode execution only.*execute_stepwise"):
+        runner.execute_stepwise(request("a", 0))
+
+
+def test_requests_before_load_and_reserved_id_are_refused():
+    runner = ARDiffusionModelRunner(TinyPipeline(), memory_budget=BUDGET)
+    with pytest.raises(RuntimeError, match="load\\(\\) must run"):
+        runner.execute_model(request("a", 0))
+    runner.load()
+    with pytest.raises(ValueError, match="reserved for warmup"):
+        runner.execute_model(request(WARMUP_SESSION_ID, 0))
+
+
+def test_warmup_restores_pool_and_reports_timings():
+    events = []
+    runner = make_runner(WarmTinyPipeline(), events=events)
+    free0 = runner.kv_cache.num_free_pages
+    report = runner.warmup()
+    assert not report.skipped and report.restored
+    assert [t[0] for t in report.timings] == ["warmup-0", "warmup-1", "warmup-2", "warmup-3"]
+    assert report.timings[0][1] == "frames(4, 16)" and report.timings[1][1] == "frames(8, 16)"
+    assert runner.kv_cache.num_free_pages == free0 and runner.session_ids == []
+    assert runner.pipeline.hook_calls == [("close", WARMUP_SESSION_ID)]
+    assert isinstance(events[-1], WarmupFinished) and events[-1].num_requests == 4
+
+
+def test_warmup_failure_still_releases_the_session():
+    runner = make_runner(WarmTinyPipeline())
+    runner.pipeline.fail_at_layer = 1
+    with pytest.raises(RuntimeError, match="injected"):
+        runner.warmup()
+    assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
+
+
+def test_pipeline_without_provider_skips_warmup():
+    runner = make_runner()
+    assert runner.warmup().skipped
+
+
+def test_capacity_grows_with_fraction_and_one_session_always_fits():
+    small = ARDiffusionModelRunner(TinyPipeline(tiny_spec(session_capacity=8)), memory_budget=BUDGET,
+                                   gpu_memory_fraction=1e-6)
+    assert small.load().session_capacity == 1
+    large = ARDiffusionModelRunner(TinyPipeline(tiny_spec(session_capacity=8)), memory_budget=BUDGET,
+                                   gpu_memory_fraction=0.9)
+    plan = large.load()
+    assert plan.session_capacity == 8
+    # the pools hold exactly what the plan says
+    assert large.kv_cache.pool.nbytes == plan.pool_bytes
+    assert large.kv_cache.num_managed_pages == plan.num_managed_pages
+
+
+def test_views_are_safe_from_another_thread():
+    runner = make_runner(capacity=3)
+    stop = threading.Event()
+    seen, errors = [], []
+
+    def poll():
+        while not stop.is_set():
+            try:
+                seen.append((runner.sessions(), runner.pool_usage()))
+            except Exception as exc:  # pragma: no cover - the assertion below reports it
+                errors.append(exc)
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    for step in range(30):
+        runner.execute_model(request("abcd"[step % 4], step))
+    stop.set()
+    thread.join()
+    assert not errors and seen
+    for views, usage in seen:
+        assert len(views) <= 3 and usage.num_used + usage.num_free == usage.num_pages
+
+
+def test_two_cfg_branches_each_hold_pages():
+    spec = tiny_spec(kv_branches=(ARDiffusionKVBranchSpec("positive", 0), ARDiffusionKVBranchSpec("negative", 1)))
+    runner = make_runner(TinyPipeline(spec))
+    runner.execute_model(request("a", 0))
+    view = runner.sessions()[0]
+    assert view.pages_per_branch == {"positive": 2, "negative": 2}
+    pos = set(runner._sessions["a"].state.adapter("positive").page_ids)
+    neg = set(runner._sessions["a"].state.adapter("negative").page_ids)
+    assert not pos & neg
+    assert view.cross_attention_bytes == 2 * runner.capacity_plan.cross_attention_bytes["text"]
+
+
+class LRUReferenceMachine(RuleBasedStateMachine):
+    """Random requests, resets and closes against a reference LRU model."""
+
+    def __init__(self):
+        super().__init__()
+        self.capacity = 3
+        self.runner = make_runner(capacity=self.capacity)
+        self.free0 = self.runner.kv_cache.num_free_pages
+        self.reference: OrderedDict[str, int] = OrderedDict()  # session -> requests since admission
+        self.step = 0
+
+    @rule(session=st.sampled_from("abcdefg"), reset=st.booleans(), close=st.booleans())
+    def execute(self, session, reset, close):
+        self.step += 1
+        self.runner.execute_model(request(session, self.step, frames=1, reset=reset, close_session=close))
+        if reset:
+            self.reference.pop(session, None)
+        if session in self.reference:
+            self.reference.move_to_end(session)
+        else:
+            if len(self.reference) >= self.capacity:
+                self.reference.popitem(last=False)
+            self.reference[session] = 0
+        self.reference[session] += 1
+        if close:
+            del self.reference[session]
+
+    @precondition(lambda self: self.reference)
+    @rule(data=st.data())
+    def close_one(self, data):
+        session = data.draw(st.sampled_from(sorted(self.reference)))
+        self.runner.close_session(session)
+        del self.reference[session]
+
+    @invariant()
+    def matches_reference(self):
+        assert self.runner.session_ids == list(self.reference)
+        assert [v.num_requests for v in self.runner.sessions()] == list(self.reference.values())
+        pages = held_pages(self.runner)
+        flat = [p for ps in pages.values() for p in ps]
+        assert len(flat) == len(set(flat)) == self.runner.kv_cache.allocator.num_used
+
+    def teardown(self):
+        self.runner.close_all()
+        assert self.runner.kv_cache.num_free_pages == self.free0
+
+
+TestLRUReference = LRUReferenceMachine.TestCase
+TestLRUReference.settings = settings(max_examples=40, stateful_step_count=60, deadline=None)
+
+
+def test_capacity_planned_event_carries_the_plan():
+    events = []
+    runner = make_runner(events=events)
+    assert isinstance(events[0], CapacityPlanned) and events[0].plan is runner.capacity_plan
+    assert events[0].to_dict()["plan"]["session_capacity"] == 2
+    assert isinstance(SessionAdmitted("x").to_dict()["time"], float)
