@@ -73,8 +73,10 @@ class PageAllocator:
                 raise ValueError("the null page is never allocated and cannot be freed")
             if not 0 < page_id < self.num_pages:
                 raise ValueError(f"page {page_id} was never handed out by this allocator (ids 1..{self.num_pages - 1})")
-            if not self._owned[page_id] or page_id in seen:
-                raise ValueError(f"double free of page {page_id}")
+            if page_id in seen:
+                raise ValueError(f"double free of page {page_id} (listed twice)")
+            if not self._owned[page_id]:
+                raise ValueError(f"double free of page {page_id}, or a page this allocator never handed out")
             seen.add(page_id)
         for page_id in page_ids:
             self._owned[page_id] = 0

@@ -173,6 +173,7 @@ class ARDiffusionKVState:
 
     def has_cross_attention(self, branch: str, name: str) -> bool:
         kv = self._branch(branch)
+        self.spec.cross_geometry(name)  # KeyError for unknown names
         return (kv.name, name) in self._cross
 
     # ---------------------------------------------------------- self-attention
@@ -317,7 +318,7 @@ class ARDiffusionKVState:
         the image cache). Contexts handed out before become invalid.
         """
         self._check_open()
-        keep = set(keep_cross_attention)
+        keep = {keep_cross_attention} if isinstance(keep_cross_attention, str) else set(keep_cross_attention)
         for name in keep:
             self.spec.cross_geometry(name)  # KeyError names the valid caches
         self._release_self_attention()

@@ -1,0 +1,1 @@
+"""Benchmarks of the runtime core. Run one with ``python -m benchmarks.<name> [--quick] [--json PATH]``."""

@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny KV geometries and caches sized for a few sessions."""
+
+from __future__ import annotations
+
+import pytest
+
+from ardiff_cli.runtime.kv.layout import SCRATCH_ENV
+
+
+@pytest.fixture(autouse=True)
+def _no_scratch_env(monkeypatch):
+    """Tests see the derived scratch size unless they set the variable themselves."""
+    monkeypatch.delenv(SCRATCH_ENV, raising=False)
+
+
+@pytest.fixture
+def make_spec():
+    """Factory of small valid specs: two CFG branches on distinct slots, sink 1, window 3, 2-frame blocks."""
+    from ardiff_cli.runtime.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
+
+    def make(**overrides) -> ARDiffusionKVCacheSpec:
+        fields = dict(
+            num_layers=2,
+            num_kv_heads=2,
+            head_size=8,
+            tokens_per_frame=4,
+            frames_per_block=2,
+            window_frames=3,
+            sink_frames=1,
+            kv_branches=(ARDiffusionKVBranchSpec("positive", 0), ARDiffusionKVBranchSpec("negative", 1)),
+            session_capacity=2,
+        )
+        fields.update(overrides)
+        return ARDiffusionKVCacheSpec(**fields)
+
+    return make
+
+
+@pytest.fixture
+def make_cache(make_spec):
+    """Factory of ``ARDiffusionKVCache`` with exactly the managed pages ``num_sessions`` sessions need."""
+    import torch
+
+    from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
+    from ardiff_cli.runtime.kv.layout import KVLayout
+
+    def make(spec=None, *, num_sessions: int = 2, dtype=torch.float32, page_size=None, extra_pages: int = 0):
+        spec = make_spec() if spec is None else spec
+        layout = KVLayout.from_spec(spec, page_size=page_size)
+        pages = layout.managed_pages(num_sessions) + extra_pages
+        return ARDiffusionKVCache(spec, pages, dtype=dtype, page_size=page_size)
+
+    return make

@@ -1,0 +1,640 @@
+"""ARDiffusionKVState: retention, bounded storage, scratch, laziness, lifecycle errors, cross-attention."""
+
+from __future__ import annotations
+
+import itertools
+import tracemalloc
+
+import pytest
+import torch
+
+from ardiff_cli.runtime.capability import ARDiffusionCrossAttentionKVSpec, ARDiffusionKVBranchSpec
+from ardiff_cli.runtime.kv.allocator import KVCacheExhaustedError
+from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
+from ardiff_cli.runtime.kv.layout import SCRATCH_ENV, KVLayout
+
+MAIN = (ARDiffusionKVBranchSpec("main", 0),)
+CFG = (ARDiffusionKVBranchSpec("positive", 0), ARDiffusionKVBranchSpec("negative", 1))
+SHARED_SLOT = (ARDiffusionKVBranchSpec("positive", 0), ARDiffusionKVBranchSpec("negative", 0))
+CROSS = (
+    ARDiffusionCrossAttentionKVSpec("text", 3),
+    ARDiffusionCrossAttentionKVSpec("image", 2, num_kv_heads=1, head_size=4),
+)
+
+
+def forward(state, branch, num_frames, *, commit, num_registers=0, do_commit=True):
+    """One branch forward over every layer with random K/V; optionally commit it. Returns the frames committed."""
+    spec = state.spec
+    seq_len = num_frames * spec.tokens_per_frame
+    length = seq_len + num_registers
+    contexts = state.get_kv_caches(branch, seq_len=seq_len, commit_current=commit)
+    assert len(contexts) == spec.num_layers
+    for ctx in contexts:
+        q = torch.randn(spec.num_kv_heads, length, spec.head_size)
+        k = torch.randn(spec.num_kv_heads, length, spec.head_size)
+        v = torch.randn(spec.num_kv_heads, length, spec.head_size)
+        assert ctx.attend(q, k, v).shape == q.shape
+    return state.commit(branch) if do_commit else None
+
+
+def attend_once(ctx, spec, length):
+    t = torch.randn(spec.num_kv_heads, length, spec.head_size)
+    return ctx.attend(t, t, t)
+
+
+def cross_pairs(spec, name, *, seed=0):
+    heads, tokens, head_size = spec.cross_geometry(name)
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(heads, tokens, head_size, generator=gen), torch.randn(heads, tokens, head_size, generator=gen))
+        for _ in range(spec.num_layers)
+    ]
+
+
+def assert_names(excinfo, *parts):
+    message = str(excinfo.value)
+    for part in parts:
+        assert part in message, f"{part!r} missing from {message!r}"
+
+
+# ------------------------------------------------------------------ retention
+@pytest.mark.parametrize("frames_per_block", [1, 2, 3])
+@pytest.mark.parametrize("sink_frames, window_frames", [(0, 2), (1, 3), (2, 1)])
+def test_sink_and_window_retention(make_spec, make_cache, frames_per_block, sink_frames, window_frames):
+    spec = make_spec(
+        num_layers=1, num_kv_heads=1, head_size=4, tokens_per_frame=2, kv_branches=MAIN,
+        frames_per_block=frames_per_block, sink_frames=sink_frames, window_frames=window_frames,
+    )
+    cache = make_cache(spec, num_sessions=1)
+    free0 = cache.num_free_pages
+    state = cache.new_state("s")
+    for _ in range(8):
+        before = state.adapter("main")
+        n0 = before.num_committed_frames
+        # Every token of frame f carries the value f, so a page's content names its frame.
+        marks = torch.arange(n0, n0 + frames_per_block, dtype=torch.float32).repeat_interleave(2)
+        k = marks.view(1, -1, 1).expand(1, -1, 4).contiguous()
+        contexts = state.get_kv_caches("main", seq_len=frames_per_block * 2, commit_current=True)
+        contexts[0].attend(k, k, k)
+        # The block is in flight: allocated, not yet history, nothing evicted yet.
+        assert cache.num_free_pages == free0 - len(before.page_ids) - frames_per_block
+        assert state.num_pages == len(before.page_ids) + frames_per_block
+        assert state.adapter("main") == before
+        assert state.commit("main") == frames_per_block
+        after = state.adapter("main")
+        n = after.num_committed_frames
+        assert n == n0 + frames_per_block
+        expected_frames = list(range(min(n, sink_frames))) + list(range(max(sink_frames, n - window_frames), n))
+        frames = [int(cache.pool.kv[0, 0, 0, page, 0, 0]) for page in after.page_ids]
+        assert frames == expected_frames
+        assert after.num_resident_frames == len(expected_frames)
+        assert len(set(after.page_ids)) == len(after.page_ids)
+        # Evicted pages went back to the free list at commit time; resident ones are owned.
+        assert cache.num_free_pages == free0 - len(expected_frames)
+        assert state.num_pages == len(expected_frames)
+        assert all(cache.allocator.is_owned(page) for page in after.page_ids)
+        assert not any(cache.allocator.is_owned(page) for page in set(before.page_ids) - set(after.page_ids))
+    state.close()
+    assert cache.num_free_pages == free0
+
+
+def test_positions_are_absolute_and_reset_restarts_them(make_spec, make_cache):
+    spec = make_spec(window_frames=2, sink_frames=1)
+    cache = make_cache(spec)
+    state = cache.new_state("s")
+    for block in range(1, 6):
+        forward(state, "positive", 2, commit=True)
+        assert state.adapter("positive").num_committed_frames == 2 * block
+        assert state.adapter("positive").num_resident_frames == min(2 * block, 3)
+    assert state.adapter("negative").num_committed_frames == 0
+    forward(state, "positive", 1, commit=False)  # denoising passes do not advance positions
+    assert state.adapter("positive").num_committed_frames == 10
+    state.reset()
+    assert state.adapter("positive").num_committed_frames == 0
+    assert state.adapter("positive").page_ids == ()
+
+
+def test_adapter_snapshot(make_spec, make_cache):
+    cache = make_cache(make_spec())
+    state = cache.new_state("sess-7")
+    forward(state, "negative", 2, commit=True)
+    adapter = state.adapter("negative")
+    assert adapter.request_id == "sess-7/negative"
+    assert (adapter.branch, adapter.local_index) == ("negative", 1)
+    assert adapter.num_committed_frames == 2 and len(adapter.page_ids) == 2
+    with pytest.raises(AttributeError):
+        adapter.num_committed_frames = 0  # frozen snapshot
+
+
+def test_storage_stays_bounded_over_10000_frames(make_spec, make_cache):
+    spec = make_spec(
+        num_layers=1, num_kv_heads=1, head_size=4, tokens_per_frame=2, frames_per_block=2,
+        window_frames=4, sink_frames=1, kv_branches=MAIN,
+    )
+    cache = make_cache(spec, num_sessions=1)
+    state = cache.new_state("long")
+    q = torch.randn(1, 4, 4)
+    resident = (spec.sink_frames + spec.window_frames) * cache.layout.pages_per_frame
+    steady_free = None
+    traced_at_warm = None
+    tracemalloc.start()
+    try:
+        for block in range(5000):
+            contexts = state.get_kv_caches("main", seq_len=4, commit_current=True)
+            contexts[0].attend(q, q, q)
+            state.commit("main")
+            adapter = state.adapter("main")
+            assert adapter.num_committed_frames == 2 * (block + 1)
+            if adapter.num_committed_frames >= spec.sink_frames + spec.window_frames:
+                assert len(adapter.page_ids) == resident
+                assert state.num_pages == resident
+                if steady_free is None:
+                    steady_free = cache.num_free_pages
+                assert cache.num_free_pages == steady_free
+            if block == 1000:
+                traced_at_warm = tracemalloc.get_traced_memory()[0]
+        grown = tracemalloc.get_traced_memory()[0] - traced_at_warm
+    finally:
+        tracemalloc.stop()
+    assert state.adapter("main").num_committed_frames == 10_000
+    assert steady_free == cache.num_managed_pages - resident
+    # 4000 further commits; any per-commit bookkeeping that grows would show up as tens of KiB here.
+    assert grown < 16 * 1024, f"traced Python memory grew by {grown} bytes over 4000 commits"
+
+
+# -------------------------------------------------------------------- scratch
+def test_scratch_is_one_block_plus_registers(make_spec, make_cache):
+    spec = make_spec(max_scratch_tokens_per_branch=5)  # block = 2 frames * 4 tokens = 8
+    cache = make_cache(spec)
+    assert cache.layout.scratch_tokens == 8 + 5
+    assert cache.layout.scratch_pages_per_slot == 4  # ceil(13 / 4)
+    assert cache.pool.num_pages == 1 + cache.num_managed_pages + 2 * 4
+    state = cache.new_state("s")
+    forward(state, "positive", 2, commit=False, num_registers=5)
+    forward(state, "positive", 2, commit=True, num_registers=5)
+    contexts = state.get_kv_caches("positive", seq_len=8)
+    with pytest.raises(ValueError, match="register"):
+        attend_once(contexts[0], spec, 8 + 6)
+    # A shorter block leaves more room for registers.
+    contexts = state.get_kv_caches("positive", seq_len=4)
+    attend_once(contexts[0], spec, 4 + 9)
+
+
+@pytest.mark.parametrize("blocks, expected", [("1", 8 + 5), ("2", 16), ("3", 24), (" 4 ", 32)])
+def test_scratch_env_raises_never_lowers(monkeypatch, make_spec, make_cache, blocks, expected):
+    monkeypatch.setenv(SCRATCH_ENV, blocks)
+    cache = make_cache(make_spec(max_scratch_tokens_per_branch=5))
+    assert cache.layout.scratch_tokens == expected
+    state = cache.new_state("s")
+    forward(state, "negative", 2, commit=False, num_registers=expected - 8)  # all of it is usable
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "1.5"])
+def test_scratch_env_bad_value(monkeypatch, make_spec, make_cache, value):
+    monkeypatch.setenv(SCRATCH_ENV, value)
+    with pytest.raises(ValueError) as excinfo:
+        make_cache(make_spec())
+    assert_names(excinfo, SCRATCH_ENV, repr(value))
+
+
+def test_cache_needs_room_for_one_session(make_spec):
+    spec = make_spec()
+    needed = KVLayout.from_spec(spec).managed_pages(1)
+    ARDiffusionKVCache(spec, needed)
+    with pytest.raises(ValueError, match=str(needed)):
+        ARDiffusionKVCache(spec, needed - 1)
+    with pytest.raises(TypeError):
+        ARDiffusionKVCache("spec", needed)
+
+
+# -------------------------------------------------------------- laziness
+def test_get_kv_caches_allocates_nothing(make_spec, make_cache):
+    cache = make_cache(make_spec())
+    free0 = cache.num_free_pages
+    state = cache.new_state("s")
+    for branch in ("positive", "negative"):
+        for commit in (False, True):
+            state.get_kv_caches(branch, seq_len=8, commit_current=commit)
+            assert cache.num_free_pages == free0
+    assert state.num_pages == 0
+    assert state.commit("positive") == 0 and state.commit("negative") == 0
+    assert cache.num_free_pages == free0
+
+
+def test_branch_that_never_runs_allocates_nothing(make_spec, make_cache):
+    cache = make_cache(make_spec())
+    free0 = cache.num_free_pages
+    state = cache.new_state("s")
+    state.get_kv_caches("negative", seq_len=8, commit_current=True)  # built, never run
+    forward(state, "positive", 2, commit=False)  # denoising pass: scratch only
+    assert cache.num_free_pages == free0
+    forward(state, "positive", 2, commit=True)
+    assert cache.num_free_pages == free0 - 2
+    assert state.adapter("negative").page_ids == ()
+    assert state.commit("negative") == 0
+    assert cache.num_free_pages == free0 - 2
+
+
+# ------------------------------------------------------------ context lifecycle
+def test_context_replaced_before_commit_raises(make_spec, make_cache):
+    cache = make_cache(make_spec())
+    state = cache.new_state("s")
+    forward(state, "positive", 2, commit=True, do_commit=False)
+    for commit in (False, True):
+        with pytest.raises(RuntimeError, match="replaced before"):
+            state.get_kv_caches("positive", seq_len=8, commit_current=commit)
+    # The pending block is intact and still commits; the other branch is unaffected.
+    forward(state, "negative", 1, commit=True)
+    assert state.commit("positive") == 2
+    assert state.adapter("positive").num_committed_frames == 2
+
+
+def test_uncommitted_non_commit_context_may_be_replaced(make_spec, make_cache):
+    cache = make_cache(make_spec())
+    state = cache.new_state("s")
+    old = state.get_kv_caches("positive", seq_len=8)
+    attend_once(old[0], state.spec, 8)
+    state.get_kv_caches("positive", seq_len=8)
+    with pytest.raises(RuntimeError, match="stale"):
+        attend_once(old[1], state.spec, 8)
+
+
+def test_commit_pass_replaced_before_running_is_harmless(make_spec, make_cache):
+    cache = make_cache(make_spec())
+    free0 = cache.num_free_pages
+    state = cache.new_state("s")
+    old = state.get_kv_caches("positive", seq_len=8, commit_current=True)
+    state.get_kv_caches("positive", seq_len=8)
+    with pytest.raises(RuntimeError, match="stale"):
+        attend_once(old[0], state.spec, 8)
+    assert cache.num_free_pages == free0
+
+
+@pytest.mark.parametrize("commit", [False, True])
+def test_contexts_are_stale_after_commit(make_spec, make_cache, commit):
+    cache = make_cache(make_spec())
+    free0 = cache.num_free_pages
+    state = cache.new_state("s")
+    contexts = state.get_kv_caches("positive", seq_len=8, commit_current=commit)
+    for ctx in contexts:
+        attend_once(ctx, state.spec, 8)
+    state.commit("positive")
+    with pytest.raises(RuntimeError, match="stale"):
+        attend_once(contexts[0], state.spec, 8)
+    assert cache.num_free_pages == free0 - (2 if commit else 0)
+
+
+def test_commit_before_attend_then_attend_does_not_leak(make_spec, make_cache):
+    """A commit pass committed before any layer ran must not allocate pages afterwards."""
+    cache = make_cache(make_spec())
+    free0 = cache.num_free_pages
+    state = cache.new_state("s")
+    contexts = state.get_kv_caches("positive", seq_len=8, commit_current=True)
+    assert state.commit("positive") == 0
+    with pytest.raises(RuntimeError, match="stale"):
+        attend_once(contexts[0], state.spec, 8)
+    assert cache.num_free_pages == free0
+    state.close()
+    assert cache.num_free_pages == free0
+
+
+@pytest.mark.parametrize("keep", [(), ("text",)])
+def test_contexts_are_stale_after_reset(make_spec, make_cache, keep):
+    cache = make_cache(make_spec(cross_attention=CROSS))
+    free0 = cache.num_free_pages
+    state = cache.new_state("s")
+    forward(state, "positive", 2, commit=True)
+    pending = state.get_kv_caches("positive", seq_len=8, commit_current=True)
+    attend_once(pending[0], state.spec, 8)  # half-done commit pass holds in-flight pages
+    denoise = state.get_kv_caches("negative", seq_len=8)
+    assert cache.num_free_pages == free0 - 4
+    state.reset(keep_cross_attention=keep)
+    assert cache.num_free_pages == free0
+    for ctx in (pending[1], denoise[0]):
+        with pytest.raises(RuntimeError, match="stale"):
+            attend_once(ctx, state.spec, 8)
+    forward(state, "positive", 2, commit=True)  # usable again after reset
+    assert state.adapter("positive").num_committed_frames == 2
+
+
+def test_partial_commit_pass_is_discarded(make_spec, make_cache):
+    cache = make_cache(make_spec())
+    free0 = cache.num_free_pages
+    state = cache.new_state("s")
+    contexts = state.get_kv_caches("positive", seq_len=8, commit_current=True)
+    attend_once(contexts[0], state.spec, 8)  # layer 1 of 2 never ran
+    with pytest.raises(RuntimeError, match="1 of 2 layers"):
+        state.commit("positive")
+    assert cache.num_free_pages == free0
+    assert state.adapter("positive").num_committed_frames == 0
+
+
+def test_closed_state_refuses_every_call(make_spec, make_cache):
+    spec = make_spec(cross_attention=CROSS)
+    cache = make_cache(spec)
+    free0 = cache.num_free_pages
+    state = cache.new_state("s")
+    forward(state, "positive", 2, commit=True)
+    state.populate_cross_attention("positive", "text", cross_pairs(spec, "text"))
+    pending = state.get_kv_caches("negative", seq_len=8, commit_current=True)
+    attend_once(pending[0], spec, 8)
+    state.close()
+    assert state.closed
+    assert cache.num_free_pages == free0
+    assert state.num_pages == 0 and state.cross_attention_bytes == 0
+    calls = [
+        lambda: state.adapter("positive"),
+        lambda: state.get_kv_caches("positive", seq_len=8),
+        lambda: state.commit("negative"),
+        lambda: state.populate_cross_attention("positive", "text", cross_pairs(spec, "text")),
+        lambda: state.cross_attention("positive", "text"),
+        lambda: state.has_cross_attention("positive", "text"),
+        lambda: state.reset(),
+        lambda: state.reset(keep_cross_attention=("text",)),
+        lambda: attend_once(pending[1], spec, 8),
+    ]
+    for call in calls:
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+    state.close()  # idempotent
+    assert cache.num_free_pages == free0
+
+
+def test_populate_that_closes_the_state_publishes_nothing(make_spec, make_cache):
+    spec = make_spec(cross_attention=CROSS)
+    cache = make_cache(spec)
+    state = cache.new_state("s")
+
+    def pairs():
+        yield from cross_pairs(spec, "text")
+        state.close()
+
+    with pytest.raises(RuntimeError, match="closed"):
+        state.populate_cross_attention("positive", "text", pairs())
+    assert state.cross_attention_bytes == 0
+
+
+# -------------------------------------------------------------- names and sizes
+def test_unknown_branch_names_valid_ones(make_spec, make_cache):
+    spec = make_spec(cross_attention=CROSS)
+    state = make_cache(spec).new_state("s")
+    calls = [
+        lambda: state.adapter("neutral"),
+        lambda: state.get_kv_caches("neutral", seq_len=8),
+        lambda: state.commit("neutral"),
+        lambda: state.populate_cross_attention("neutral", "text", cross_pairs(spec, "text")),
+        lambda: state.cross_attention("neutral", "text"),
+        lambda: state.has_cross_attention("neutral", "text"),
+    ]
+    for call in calls:
+        with pytest.raises(KeyError) as excinfo:
+            call()
+        assert_names(excinfo, "neutral", "positive", "negative")
+
+
+@pytest.mark.parametrize("seq_len", [0, -4, 3, 6, 12, 16, 8.0, "8", True, None])
+def test_seq_len_must_be_whole_frames_within_one_block(make_spec, make_cache, seq_len):
+    state = make_cache(make_spec()).new_state("s")  # tokens_per_frame 4, block 8 tokens
+    with pytest.raises(ValueError) as excinfo:
+        state.get_kv_caches("positive", seq_len=seq_len)
+    assert_names(excinfo, "seq_len", str(seq_len))
+
+
+def test_bool_branch_is_the_former_is_negative_flag(make_spec, make_cache):
+    cache = make_cache(make_spec())
+    state = cache.new_state("s")
+    assert state.adapter(True).branch == "negative"
+    assert state.adapter(False).branch == "positive"
+    forward(state, True, 2, commit=True)
+    forward(state, False, 1, commit=True)
+    assert state.adapter("negative").num_committed_frames == 2
+    assert state.adapter("positive").num_committed_frames == 1
+
+
+def test_attend_validates_inputs(make_spec, make_cache):
+    spec = make_spec()
+    state = make_cache(spec).new_state("s")
+    ctx = state.get_kv_caches("positive", seq_len=8)[0]
+    good = torch.randn(2, 8, 8)
+    bad_inputs = [
+        (torch.randn(2, 8, 8, 1), good, good),  # 4-d q
+        (good, torch.randn(1, 8, 8), good),  # wrong kv heads
+        (good, good, torch.randn(2, 7, 8)),  # v length differs
+        (torch.randn(3, 8, 8), good, good),  # q heads not a multiple of kv heads
+        (torch.randn(2, 8, 4), good, good),  # q head size
+        (good.double(), good, good),  # dtype
+        (good, good.to("meta"), good),  # device
+        (torch.randn(2, 4, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 8)),  # fewer tokens than seq_len
+    ]
+    for q, k, v in bad_inputs:
+        with pytest.raises(ValueError):
+            ctx.attend(q, k, v)
+    ctx.attend(good, good, good)
+    contexts = state.get_kv_caches("positive", seq_len=4)
+    attend_once(contexts[0], spec, 4)  # no registers
+    with pytest.raises(ValueError, match="register"):  # later layers must agree on the register count
+        attend_once(contexts[1], spec, 5)
+
+
+# ---------------------------------------------------------- sharing and capacity
+def test_shared_local_index_never_shares_cross_attention(make_spec, make_cache):
+    spec = make_spec(kv_branches=SHARED_SLOT, cross_attention=CROSS)
+    cache = make_cache(spec)
+    state = cache.new_state("s")
+    positive = cross_pairs(spec, "text", seed=1)
+    state.populate_cross_attention("positive", "text", positive)
+    assert state.has_cross_attention("positive", "text")
+    assert not state.has_cross_attention("negative", "text")
+    with pytest.raises(RuntimeError, match="before populate"):
+        state.cross_attention("negative", "text")
+    negative = cross_pairs(spec, "text", seed=2)
+    state.populate_cross_attention("negative", "text", negative)
+    for layer in range(spec.num_layers):
+        for which in (0, 1):
+            assert torch.equal(state.cross_attention("positive", "text")[layer][which], positive[layer][which])
+            assert torch.equal(state.cross_attention("negative", "text")[layer][which], negative[layer][which])
+            got_p = state.cross_attention("positive", "text")[layer][which]
+            got_n = state.cross_attention("negative", "text")[layer][which]
+            assert got_p.data_ptr() != got_n.data_ptr()
+
+
+def test_shared_local_index_refuses_two_resident_branches(make_spec, make_cache):
+    spec = make_spec(kv_branches=SHARED_SLOT)
+    cache = make_cache(spec)
+    free0 = cache.num_free_pages
+    state = cache.new_state("s")
+    forward(state, "positive", 2, commit=True)
+    forward(state, "negative", 2, commit=False)  # a denoising pass needs no managed pages
+    with pytest.raises(RuntimeError, match="share local_index"):
+        forward(state, "negative", 2, commit=True)
+    assert cache.num_free_pages == free0 - 2
+    assert state.commit("negative") == 0
+    state.close()
+    assert cache.num_free_pages == free0
+
+
+def test_exhaustion_is_loud_and_leaks_nothing(make_spec, make_cache):
+    spec = make_spec(kv_branches=MAIN, window_frames=2, sink_frames=0)
+    cache = make_cache(spec, num_sessions=1)  # one session's window + one in-flight block
+    free0 = cache.num_free_pages
+    a, b = cache.new_state("a"), cache.new_state("b")
+    forward(a, "main", 2, commit=True)
+    forward(b, "main", 2, commit=True)
+    assert cache.num_free_pages == 0
+    with pytest.raises(KVCacheExhaustedError):
+        forward(a, "main", 1, commit=True)
+    assert cache.num_free_pages == 0
+    assert a.commit("main") == 0
+    b.close()
+    forward(a, "main", 2, commit=True)
+    a.close()
+    assert cache.num_free_pages == free0
+
+
+# ------------------------------------------------------------ cross-attention
+def saved(state, branch, name):
+    return [(k.clone(), v.clone()) for k, v in state.cross_attention(branch, name)]
+
+
+def assert_same(state, branch, name, expected):
+    current = state.cross_attention(branch, name)
+    assert len(current) == len(expected)
+    for (k, v), (k0, v0) in zip(current, expected):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_cross_attention_publish_and_read(make_spec, make_cache):
+    spec = make_spec(num_layers=3, cross_attention=CROSS)
+    state = make_cache(spec).new_state("s")
+    with pytest.raises(RuntimeError, match="before populate"):
+        state.cross_attention("positive", "text")
+    with pytest.raises(KeyError, match="valid caches"):
+        state.cross_attention("positive", "video")
+    with pytest.raises(KeyError, match="valid caches"):
+        state.populate_cross_attention("positive", "video", [])
+    pairs = cross_pairs(spec, "text")
+    state.populate_cross_attention("positive", "text", iter(pairs))
+    assert state.cross_attention_bytes == 2 * 3 * (2 * 3 * 8) * 4
+    assert_same(state, "positive", "text", pairs)
+    pairs[0][0].zero_()  # the cache holds copies, not the caller's tensors
+    assert not torch.equal(state.cross_attention("positive", "text")[0][0], pairs[0][0])
+    image = cross_pairs(spec, "image")
+    assert image[0][0].shape == (1, 2, 4)
+    state.populate_cross_attention(True, "image", image)
+    assert state.has_cross_attention("negative", "image") and state.has_cross_attention(True, "image")
+    assert not state.has_cross_attention("positive", "image")
+    assert state.cross_attention_bytes == 2 * 3 * (2 * 3 * 8) * 4 + 2 * 3 * (1 * 2 * 4) * 4
+
+
+def _raise_at(pairs, index):
+    for i, pair in enumerate(pairs):
+        if i == index:
+            raise OSError("encoder failed")
+        yield pair
+
+
+BAD_CASES = (
+    "exception-first", "exception-last", "empty", "too-few", "too-many", "shape-k", "shape-v",
+    "dtype", "device", "not-a-pair", "triple",
+)
+
+
+def bad_iterable(spec, case):
+    """A failing ``pairs`` argument for the 3-layer 'text' cache, and the exception it must raise."""
+    heads, tokens, head_size = spec.cross_geometry("text")
+    good = cross_pairs(spec, "text", seed=9)
+    assert len(good) == 3
+
+    def replace(layer, which, tensor):
+        pairs = list(good)
+        pair = list(pairs[layer])
+        pair[which] = tensor
+        pairs[layer] = tuple(pair)
+        return pairs
+
+    return {
+        "exception-first": (lambda: _raise_at(good, 0), OSError),
+        "exception-last": (lambda: _raise_at(good, 2), OSError),
+        "empty": (lambda: iter(()), ValueError),
+        "too-few": (lambda: good[:2], ValueError),
+        "too-many": (lambda: good + good[:1], ValueError),
+        "shape-k": (lambda: replace(1, 0, torch.randn(heads, tokens + 1, head_size)), ValueError),
+        "shape-v": (lambda: replace(2, 1, torch.randn(heads + 1, tokens, head_size)), ValueError),
+        "dtype": (lambda: replace(1, 1, torch.randn(heads, tokens, head_size, dtype=torch.float64)), ValueError),
+        "device": (lambda: replace(2, 0, torch.empty(heads, tokens, head_size, device="meta")), ValueError),
+        "not-a-pair": (lambda: [good[0], good[1][0], good[2]], ValueError),
+        "triple": (lambda: [(*p, p[0]) for p in good], ValueError),
+    }[case]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+@pytest.mark.parametrize("first", [True, False], ids=["first-population", "replacing"])
+def test_cross_attention_failures_are_transactional(make_spec, make_cache, case, first):
+    spec = make_spec(num_layers=3, cross_attention=CROSS)
+    state = make_cache(spec).new_state("s")
+    state.populate_cross_attention("negative", "image", cross_pairs(spec, "image"))
+    if not first:
+        state.populate_cross_attention("positive", "text", cross_pairs(spec, "text", seed=4))
+        previous = saved(state, "positive", "text")
+        previous_objects = state.cross_attention("positive", "text")
+    bytes_before = state.cross_attention_bytes
+    factory, error = bad_iterable(spec, case)
+    with pytest.raises(error):
+        state.populate_cross_attention("positive", "text", factory())
+    assert state.cross_attention_bytes == bytes_before
+    assert state.has_cross_attention("negative", "image")
+    if first:
+        assert not state.has_cross_attention("positive", "text")
+        with pytest.raises(RuntimeError, match="before populate"):
+            state.cross_attention("positive", "text")
+    else:
+        assert state.cross_attention("positive", "text") is previous_objects
+        assert_same(state, "positive", "text", previous)
+
+
+def test_too_many_pairs_stops_consuming(make_spec, make_cache):
+    spec = make_spec(num_layers=3, cross_attention=CROSS)
+    state = make_cache(spec).new_state("s")
+    one = cross_pairs(spec, "text")[0]
+    consumed = itertools.count()
+
+    def endless():
+        while True:
+            next(consumed)
+            yield one
+
+    with pytest.raises(ValueError, match="more than num_layers=3"):
+        state.populate_cross_attention("positive", "text", endless())
+    assert next(consumed) <= spec.num_layers + 1
+    assert not state.has_cross_attention("positive", "text")
+
+
+def test_reset_keeps_named_cross_attention(make_spec, make_cache):
+    spec = make_spec(cross_attention=CROSS)
+    cache = make_cache(spec)
+    free0 = cache.num_free_pages
+    state = cache.new_state("s")
+    for branch in ("positive", "negative"):
+        state.populate_cross_attention(branch, "text", cross_pairs(spec, "text", seed=hash(branch) % 100))
+        state.populate_cross_attention(branch, "image", cross_pairs(spec, "image"))
+        forward(state, branch, 2, commit=True)
+    text = {b: saved(state, b, "text") for b in ("positive", "negative")}
+    text_bytes = 2 * sum(k.nbytes + v.nbytes for k, v in text["positive"])
+
+    with pytest.raises(KeyError, match="video"):
+        state.reset(keep_cross_attention=("text", "video"))
+    assert state.has_cross_attention("positive", "image")  # the failed reset changed nothing
+    assert cache.num_free_pages == free0 - 4
+
+    state.reset(keep_cross_attention=("text",))
+    assert cache.num_free_pages == free0
+    assert state.cross_attention_bytes == text_bytes
+    for branch in ("positive", "negative"):
+        assert_same(state, branch, "text", text[branch])
+        assert not state.has_cross_attention(branch, "image")
+        with pytest.raises(RuntimeError, match="before populate"):
+            state.cross_attention(branch, "image")
+
+    state.reset()
+    assert state.cross_attention_bytes == 0
+    assert not state.has_cross_attention("positive", "text")

@@ -1,0 +1,232 @@
+"""Paged attention equals a dense reference built from an independent record of every committed frame.
+
+The reference never touches the cache: it concatenates the K/V that the visible set must contain (sink
+frames, the newest window frames, the current block, the registers) and runs
+``scaled_dot_product_attention`` with grouped-query heads expanded by ``repeat_interleave``.
+
+Tolerances: max abs error <= 1e-5 in float32; <= 2e-2 in bfloat16 (the reference runs in float32 on the
+same bfloat16 inputs, so the bound covers bfloat16 rounding of the paged path's output and scores).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ardiff_cli.runtime.capability import ARDiffusionKVBranchSpec
+from ardiff_cli.runtime.kv import attention as attention_module
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+CFG = (ARDiffusionKVBranchSpec("positive", 0), ARDiffusionKVBranchSpec("negative", 1))
+
+
+def dense_reference(q, keys, values, scale=None):
+    """Non-causal attention of q (Hq, L, D) over keys/values (Hkv, S, D), in float32, no cache."""
+    group = q.shape[0] // keys.shape[0]
+    k = keys.float().repeat_interleave(group, dim=0)  # (Hq, S, D)
+    v = values.float().repeat_interleave(group, dim=0)
+    return F.scaled_dot_product_attention(q.float()[None], k[None], v[None], scale=scale)[0]
+
+
+@dataclass
+class Stream:
+    """One (session, branch) of a rollout, with its own record of every committed frame's K/V per layer."""
+
+    state: object
+    branch: str
+    num_q_heads: int
+    dtype: torch.dtype
+    generator: torch.Generator
+    frames: list = field(default_factory=list)  # frames[f][layer] = (k, v), each (Hkv, tokens_per_frame, D)
+    worst: float = 0.0  # largest abs error seen
+    num_checked: int = 0
+
+    def visible_history(self, layer):
+        spec = self.state.spec
+        n = len(self.frames)
+        kept = list(range(min(n, spec.sink_frames))) + list(range(max(spec.sink_frames, n - spec.window_frames), n))
+        return [self.frames[f][layer] for f in kept]
+
+    def forward(self, num_frames, *, commit, num_registers, scale=None):
+        """A generator that runs one layer per ``next()`` and checks it; commits after the last layer."""
+        spec = self.state.spec
+        seq_len = num_frames * spec.tokens_per_frame
+        length = seq_len + num_registers
+        contexts = self.state.get_kv_caches(self.branch, seq_len=seq_len, commit_current=commit)
+        new_frames = [[None] * spec.num_layers for _ in range(num_frames)]
+        for layer, ctx in enumerate(contexts):
+            shape = (spec.num_kv_heads, length, spec.head_size)
+            q = torch.randn((self.num_q_heads, length, spec.head_size), generator=self.generator).to(self.dtype)
+            k = torch.randn(shape, generator=self.generator).to(self.dtype)
+            v = torch.randn(shape, generator=self.generator).to(self.dtype)
+            history = self.visible_history(layer)
+            keys = torch.cat([hk for hk, _ in history] + [k], dim=1)
+            values = torch.cat([hv for _, hv in history] + [v], dim=1)
+            expected = dense_reference(q, keys, values, scale)
+            out = ctx.attend(q, k, v, scale=scale) if scale is not None else ctx.attend(q, k, v)
+            assert out.shape == q.shape and out.dtype == self.dtype
+            error = (out.float() - expected).abs().max().item()
+            self.worst = max(self.worst, error)
+            self.num_checked += 1
+            assert error <= TOLERANCE[self.dtype], (
+                f"{self.branch} layer {layer}: max abs error {error} with {len(history)} history frames"
+            )
+            for f in range(num_frames):
+                tokens = slice(f * spec.tokens_per_frame, (f + 1) * spec.tokens_per_frame)
+                new_frames[f][layer] = (k[:, tokens].clone(), v[:, tokens].clone())
+            yield layer
+        if commit:
+            assert self.state.commit(self.branch) == num_frames
+            self.frames.extend(new_frames)
+        else:
+            assert self.state.commit(self.branch) == 0
+        adapter = self.state.adapter(self.branch)
+        assert adapter.num_committed_frames == len(self.frames)
+
+    def run(self, num_frames, *, commit, num_registers, scale=None):
+        for _ in self.forward(num_frames, commit=commit, num_registers=num_registers, scale=scale):
+            pass
+
+
+def interleave(*forwards):
+    """Advance several branch forwards one layer at a time, round robin."""
+    active = list(forwards)
+    while active:
+        for fwd in list(active):
+            try:
+                next(fwd)
+            except StopIteration:
+                active.remove(fwd)
+
+
+def rollout(stream, num_blocks, frames_per_block, num_registers, denoise_steps=2, scale=None):
+    """Blocks of ``denoise_steps`` scratch-only passes followed by one commit pass."""
+    for _ in range(num_blocks):
+        for _ in range(denoise_steps):
+            stream.run(frames_per_block, commit=False, num_registers=num_registers, scale=scale)
+        stream.run(frames_per_block, commit=True, num_registers=num_registers, scale=scale)
+
+
+GEOMETRIES = {
+    # name: spec overrides, q heads, page_size divisor
+    "mha": (dict(num_kv_heads=2, head_size=8, tokens_per_frame=4, frames_per_block=2, sink_frames=1,
+                 window_frames=3), 2, 1),
+    "gqa2": (dict(num_kv_heads=2, head_size=8, tokens_per_frame=4, frames_per_block=2, sink_frames=1,
+                  window_frames=3), 4, 1),
+    "gqa4": (dict(num_kv_heads=1, head_size=16, tokens_per_frame=3, frames_per_block=1, sink_frames=2,
+                  window_frames=2), 4, 1),
+    "half-pages": (dict(num_kv_heads=2, head_size=8, tokens_per_frame=4, frames_per_block=2, sink_frames=1,
+                        window_frames=3), 4, 2),
+    "no-sink-big-block": (dict(num_kv_heads=2, head_size=4, tokens_per_frame=2, frames_per_block=3, sink_frames=0,
+                               window_frames=2), 2, 1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_registers", [0, 3])
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+def test_rollout_matches_dense_reference(make_spec, make_cache, geometry, num_registers, dtype):
+    overrides, num_q_heads, divisor = GEOMETRIES[geometry]
+    spec = make_spec(num_layers=2, kv_branches=CFG, max_scratch_tokens_per_branch=3, **overrides)
+    page_size = spec.tokens_per_frame // divisor
+    cache = make_cache(spec, num_sessions=1, dtype=dtype, page_size=page_size)
+    assert cache.layout.pages_per_frame == divisor
+    state = cache.new_state("s")
+    stream = Stream(state, "positive", num_q_heads, dtype, torch.Generator().manual_seed(0))
+    retained = spec.sink_frames + spec.window_frames
+    # Enough blocks that the window wraps around several times.
+    num_blocks = 3 * retained // spec.frames_per_block + 2
+    rollout(stream, num_blocks, spec.frames_per_block, num_registers)
+    assert len(stream.frames) > 2 * retained
+    assert stream.num_checked == num_blocks * 3 * spec.num_layers
+    # Shorter blocks (one frame) after the window is full, and history untouched by denoising passes.
+    stream.run(1, commit=False, num_registers=num_registers)
+    stream.run(1, commit=True, num_registers=num_registers)
+    assert len(state.adapter("positive").page_ids) == retained * cache.layout.pages_per_frame
+
+
+@pytest.mark.parametrize("num_q_heads", [2, 4, 8])
+def test_no_history_equals_plain_attention(make_spec, make_cache, num_q_heads):
+    spec = make_spec(num_layers=1, kv_branches=CFG, max_scratch_tokens_per_branch=2)
+    state = make_cache(spec).new_state("s")
+    stream = Stream(state, "negative", num_q_heads, torch.float32, torch.Generator().manual_seed(1))
+    stream.run(2, commit=False, num_registers=2)
+    stream.run(1, commit=False, num_registers=0)
+    assert stream.frames == [] and stream.num_checked == 2
+
+
+def test_explicit_scale(make_spec, make_cache):
+    spec = make_spec(kv_branches=CFG)
+    state = make_cache(spec).new_state("s")
+    stream = Stream(state, "positive", 4, torch.float32, torch.Generator().manual_seed(2))
+    rollout(stream, 4, spec.frames_per_block, 0, denoise_steps=1, scale=0.37)
+
+
+def test_denoising_passes_do_not_change_history(make_spec, make_cache):
+    """Scratch-only passes with huge K/V must leave no trace in what later passes see."""
+    spec = make_spec(num_layers=1, kv_branches=CFG)
+    cache = make_cache(spec)
+    state = cache.new_state("s")
+    stream = Stream(state, "positive", 2, torch.float32, torch.Generator().manual_seed(3))
+    rollout(stream, 2, 2, 0, denoise_steps=0)
+    pages_before = state.adapter("positive").page_ids
+    snapshot = cache.pool.kv[:, :, :, list(pages_before)].clone()
+    for _ in range(3):
+        contexts = state.get_kv_caches("positive", seq_len=8)
+        big = torch.full((2, 8, 8), 50.0)
+        contexts[0].attend(big, big, big)
+        state.commit("positive")
+    assert state.adapter("positive").page_ids == pages_before
+    assert torch.equal(cache.pool.kv[:, :, :, list(pages_before)], snapshot)
+    rollout(stream, 3, 2, 0, denoise_steps=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sessions_and_branches_interleaved_never_see_each_other(make_spec, make_cache, dtype):
+    spec = make_spec(num_layers=3, kv_branches=CFG, max_scratch_tokens_per_branch=2, sink_frames=1,
+                     window_frames=2, frames_per_block=2)
+    cache = make_cache(spec, num_sessions=2, dtype=dtype)
+    free0 = cache.num_free_pages
+    states = [cache.new_state("a"), cache.new_state("b")]
+    streams = [
+        Stream(state, branch, 4, dtype, torch.Generator().manual_seed(10 + i))
+        for i, (state, branch) in enumerate((s, b) for s in states for b in ("positive", "negative"))
+    ]
+    for block in range(6):
+        # Denoising passes of all four streams, layer by layer, with different register counts...
+        interleave(*(s.forward(2, commit=False, num_registers=i % 3) for i, s in enumerate(streams)))
+        # ...then commit passes interleaved with the other streams' denoising passes.
+        interleave(
+            streams[0].forward(2, commit=True, num_registers=1),
+            streams[3].forward(2, commit=False, num_registers=2),
+            streams[1].forward(1 + block % 2, commit=True, num_registers=0),
+        )
+        interleave(
+            streams[2].forward(2, commit=True, num_registers=2),
+            streams[3].forward(2, commit=True, num_registers=0),
+            streams[0].forward(1, commit=False, num_registers=1),
+        )
+    for s in streams:
+        assert len(s.frames) > spec.sink_frames + spec.window_frames
+    for state in states:
+        state.close()
+    assert cache.num_free_pages == free0
+
+
+def test_gqa_with_fused_kernel_output_layout(make_spec, make_cache, monkeypatch):
+    """CUDA flash/memory-efficient SDPA return a transposed (B, L, H, D) buffer; GQA must not assume contiguity."""
+    original = F.scaled_dot_product_attention
+
+    def transposed_layout(*args, **kwargs):
+        out = original(*args, **kwargs)  # (B, H, L, D)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, (B, L, H, D) memory
+
+    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", transposed_layout)
+    spec = make_spec(kv_branches=CFG)
+    state = make_cache(spec).new_state("s")
+    stream = Stream(state, "positive", 4, torch.float32, torch.Generator().manual_seed(4))
+    rollout(stream, 3, spec.frames_per_block, 0, denoise_steps=1)
