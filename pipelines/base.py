@@ -1,0 +1,163 @@
+"""What both reference pipelines share: loading, state binding, session records, noise, decoding.
+
+The pipeline sees a session's KV only between ``bind_ar_diffusion_state``
+entry and exit, through a :class:`~pipelines.rollout.PagedRollout`. Its own
+per-session record (``self.sessions``) is dropped by the reset and close hooks
+the runner calls after releasing the KV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
+from ardiff_cli.runtime.request import ARDiffusionRequest
+from pipelines.checkpoint import default_checkpoint, fresh_modules, load_checkpoint
+from pipelines.rollout import PagedRollout
+
+
+def noise_generator(seed: int, counter: int) -> torch.Generator:
+    """A CPU generator for draw ``counter`` of a rollout seeded with ``seed``.
+
+    Noise is drawn on the CPU and then moved, so a seed gives the same noise on
+    every device; mixing the pair through ``SeedSequence`` keeps neighbouring
+    (seed, counter) pairs independent.
+    """
+    state = np.random.SeedSequence([int(seed), int(counter)]).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator(device="cpu").manual_seed(int(state) & ((1 << 63) - 1))
+
+
+def shifted_sigmas(num_steps: int, shift: float) -> list[float]:
+    """Flow-matching noise levels from 1 to 0 in ``num_steps`` steps, warped as Wan does: s' = k s / (1 + (k - 1) s).
+
+    A shift k > 1 spends more steps at high noise, where large latent grids need them.
+    """
+    return [shift_sigma(1.0 - i / num_steps, shift) for i in range(num_steps + 1)]
+
+
+def shift_sigma(sigma: float, shift: float) -> float:
+    return shift * sigma / (1.0 + (shift - 1.0) * sigma)
+
+
+def tensor_bytes(record: Any) -> int:
+    """Bytes of the tensors a session record (a dataclass) holds."""
+    return sum(
+        value.numel() * value.element_size()
+        for value in (getattr(record, f.name) for f in dataclasses.fields(record))
+        if isinstance(value, torch.Tensor)
+    )
+
+
+def as_tensor(value: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return torch.from_numpy(np.ascontiguousarray(value)).to(device)
+
+
+class ARPipeline:
+    """Base of the reference pipelines. Subclasses set ``name``, ``cross_names`` and implement ``step``."""
+
+    name: ClassVar[str]  # registered pipeline name; also the checkpoint metadata
+    cross_names: ClassVar[tuple[str, ...]]  # named cross-attention caches every transformer forward reads
+    supports_request_batch: ClassVar[bool] = False  # request mode only
+    supports_step_execution: ClassVar[bool] = False
+
+    def __init__(self, config, modules: nn.Module, *, device: torch.device, dtype: torch.dtype,
+                 checkpoint: Path | None = None) -> None:
+        self.config = config  # the pipeline's Config (geometry, sampler settings)
+        self.modules = modules  # all weights: transformer, vae, encoders
+        self.transformer = modules.transformer
+        self.vae = modules.vae
+        self.device = torch.device(device)
+        self.dtype = dtype  # model and KV dtype
+        self.checkpoint = checkpoint  # the file the weights came from (None when built in memory)
+        self.spec: ARDiffusionKVCacheSpec = config.kv_cache_spec()
+        self.sessions: dict[str, Any] = {}  # session id -> the pipeline's own record (model-owned state)
+        self._bound: tuple[str, Any] | None = None  # (session id, KV state) during one forward only
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def build_modules(cls, config) -> nn.Module:
+        raise NotImplementedError
+
+    @classmethod
+    def from_config(cls, config, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                    checkpoint: str | Path | None = None):
+        """Load ``checkpoint`` (None: the built-in default, built on first use) for ``config``."""
+        path = Path(checkpoint) if checkpoint is not None else default_checkpoint(cls, config)
+        with torch.device("meta"):
+            modules = cls.build_modules(config)
+        load_checkpoint(modules, path, assign=True)
+        modules = modules.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        return cls(config, modules, device=torch.device(device), dtype=dtype, checkpoint=path)
+
+    @classmethod
+    def fresh(cls, config, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        """Freshly initialised weights in memory (same tensors a fresh checkpoint holds); no file."""
+        modules = fresh_modules(lambda: cls.build_modules(config), config.seed)
+        modules = modules.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        return cls(config, modules, device=torch.device(device), dtype=dtype)
+
+    # ------------------------------------------------------------------ capability
+    def ar_diffusion_kv_cache_spec(self) -> ARDiffusionKVCacheSpec:
+        return self.spec
+
+    @contextmanager
+    def bind_ar_diffusion_state(self, session_id: str, state) -> Iterator[None]:
+        if self._bound is not None:
+            raise RuntimeError(
+                f"{type(self).__name__} is already bound to session {self._bound[0]!r}: request mode binds "
+                "one session per forward"
+            )
+        self._bound = (session_id, state)
+        try:
+            yield
+        finally:
+            self._bound = None
+
+    def reset_ar_diffusion_session(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+
+    def close_ar_diffusion_session(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+
+    def forward(self, request: ARDiffusionRequest) -> dict[str, Any]:
+        if self._bound is None:
+            raise RuntimeError(f"{type(self).__name__}.forward() called outside bind_ar_diffusion_state()")
+        session_id, state = self._bound
+        if request.session_id != session_id:
+            raise RuntimeError(f"request names session {request.session_id!r} but {session_id!r} is bound")
+        return self.step(session_id, PagedRollout(self.transformer, state, self.cross_names), request.inputs)
+
+    def step(self, session_id: str, rollout, inputs: dict[str, Any]) -> dict[str, Any]:
+        """One request of ``session_id`` against ``rollout`` (paged, or the dense reference in tests)."""
+        with torch.no_grad():
+            return self._step(session_id, rollout, inputs)
+
+    def _step(self, session_id: str, rollout, inputs: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ views
+    def model_owned_state_bytes(self, session_id: str) -> int:
+        """Bytes of tensors this pipeline keeps for ``session_id`` outside the runner's pools."""
+        record = self.sessions.get(session_id)
+        return 0 if record is None else tensor_bytes(record)
+
+    def decode_latents(self, latents: Any) -> np.ndarray:
+        """Latent frames (C, F, h, w) -> uint8 RGB (F * temporal_stride, H, W, 3) for previews."""
+        with torch.no_grad():
+            z = as_tensor(latents, self.device)
+            if z.dim() != 4 or z.shape[0] != self.config.latent_channels:
+                raise ValueError(
+                    f"latents must be shaped (latent_channels={self.config.latent_channels}, frames, h, w), "
+                    f"got {tuple(z.shape)}"
+                )
+            return self.vae.decode(z).cpu().numpy()

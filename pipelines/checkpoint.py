@@ -1,0 +1,207 @@
+"""Pipeline weights: one safetensors file in, one out; every mismatch reported at once.
+
+A pipeline checkpoint is a single ``.safetensors`` file holding all of a
+pipeline's modules under their attribute prefixes (``transformer.``, ``vae.``,
+``text_encoder.``, ``image_encoder.``); the transformer's own keys follow Wan
+2.1. Its metadata records the pipeline, the config and a format version.
+Nothing is ever unpickled.
+
+Default checkpoints: a config without ``checkpoint:`` uses a freshly
+initialised checkpoint built deterministically (the config's ``seed``) on
+first use into ``$ARDIFF_CACHE_DIR`` (default ``~/.cache/ardiff``), written to
+a temporary file and renamed into place so concurrent first uses are safe.
+
+Command line::
+
+    python -m pipelines.checkpoint init configs/causal-world-tiny.yaml out.safetensors
+    python -m pipelines.checkpoint path configs/dreamzero-tiny.yaml     # where the default lives
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from ardiff_cli.runtime.errors import CheckpointError
+from pipelines.wan import remap_checkpoint_key
+
+FORMAT_VERSION = "1"  # bump when parameter names or meanings change: cached defaults are then rebuilt
+MAX_DEFAULT_PARAMETERS = 500_000_000  # larger configs are for capacity planning: bring a checkpoint
+CACHE_ENV = "ARDIFF_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "ardiff").expanduser()
+
+
+def weight_digest(pipeline_name: str, config) -> str:
+    """Hash of everything that decides a fresh checkpoint's tensors (not sampler or KV settings)."""
+    fields = {name: getattr(config, name) for name in config.WEIGHT_FIELDS}
+    text = json.dumps({"format": FORMAT_VERSION, "pipeline": pipeline_name, "fields": fields}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def count_parameters(build: Callable[[], nn.Module]) -> int:
+    """Parameters of the module ``build`` makes, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build().parameters())
+
+
+def fresh_modules(build: Callable[[], nn.Module], seed: int) -> nn.Module:
+    """``build()`` initialised from ``seed`` alone, whatever the global RNG state (CPU, float32)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module = build()
+        for sub in module.modules():
+            if sub is not module and hasattr(sub, "init_weights"):
+                sub.init_weights()
+    return module
+
+
+def save_checkpoint(module: nn.Module, path: str | Path, metadata: dict[str, str]) -> Path:
+    """Write ``module``'s state dict to ``path`` atomically (temporary file in the same folder, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except (OSError, SafetensorError) as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
+
+
+def load_checkpoint(module: nn.Module, path: str | Path, *, assign: bool = False) -> dict[str, str]:
+    """Load ``path`` into ``module`` strictly; returns the file's metadata.
+
+    Keys pass through ``remap_checkpoint_key`` first (wrapper prefixes).
+    Missing keys, unexpected keys and shape mismatches are collected and
+    raised together as one ``CheckpointError``. ``assign=True`` adopts the
+    file's tensors (for modules built on the meta device).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}", hint="fix the path, or use checkpoint: null")
+    try:
+        raw = load_file(str(path), device="cpu")
+    except (OSError, SafetensorError) as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}",
+                              hint="is it a .safetensors file? pickled checkpoints are never loaded") from None
+    tensors: dict[str, torch.Tensor] = {}
+    duplicates = []
+    for key, value in raw.items():
+        name = remap_checkpoint_key(key)
+        if name in tensors:
+            duplicates.append(key)
+        tensors[name] = value
+    expected = module.state_dict()
+    missing = [k for k in expected if k not in tensors]
+    unexpected = [k for k in tensors if k not in expected]
+    mismatched = [
+        f"{k}: checkpoint {tuple(tensors[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in expected
+        if k in tensors and tensors[k].shape != expected[k].shape
+    ]
+    problems = []
+    for label, items in (("missing keys", missing), ("unexpected keys", unexpected),
+                         ("shape mismatches", mismatched), ("keys duplicated after prefix removal", duplicates)):
+        if items:
+            problems.append(f"{len(items)} {label}: {', '.join(items)}")
+    if problems:
+        meta = read_metadata(path)
+        written_for = f" (written for pipeline {meta['pipeline']!r})" if "pipeline" in meta else ""
+        raise CheckpointError(
+            f"checkpoint {path}{written_for} does not match the model config: " + "; ".join(problems),
+            hint="use the config the checkpoint was written for, or write a fresh one with "
+            "`python -m pipelines.checkpoint init CONFIG.yaml OUT.safetensors`",
+        )
+    if assign:
+        module.load_state_dict(tensors, strict=True, assign=True)
+    else:
+        module.load_state_dict(tensors, strict=True)
+    return read_metadata(path)
+
+
+def write_fresh_checkpoint(pipeline_class: Any, config, path: str | Path) -> Path:
+    """A freshly initialised checkpoint for ``config`` (deterministic: the config's ``seed``)."""
+    modules = fresh_modules(lambda: pipeline_class.build_modules(config), config.seed)
+    metadata = {
+        "format": "pt",
+        "ardiff_format": FORMAT_VERSION,
+        "pipeline": pipeline_class.name,
+        "config": json.dumps(config.to_dict(), sort_keys=True),
+    }
+    return save_checkpoint(modules, path, metadata)
+
+
+def default_checkpoint(pipeline_class: Any, config) -> Path:
+    """The built-in checkpoint of ``config``: built into the cache folder on first use, then reused."""
+    path = cache_dir() / f"{pipeline_class.name}-{weight_digest(pipeline_class.name, config)}.safetensors"
+    if path.is_file():
+        return path
+    num = count_parameters(lambda: pipeline_class.build_modules(config))
+    if num > MAX_DEFAULT_PARAMETERS:
+        raise CheckpointError(
+            f"no built-in checkpoint for this {pipeline_class.name} geometry ({num / 1e9:.2f}B parameters): "
+            "large configs are for capacity planning",
+            hint="set checkpoint: to a .safetensors file, or write one with "
+            "`python -m pipelines.checkpoint init CONFIG.yaml OUT.safetensors`",
+        )
+    try:
+        return write_fresh_checkpoint(pipeline_class, config, path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write the default checkpoint to {path}: {exc}",
+                              hint=f"set {CACHE_ENV} to a writable folder") from None
+
+
+def _load_yaml_config(path: str):
+    import yaml
+
+    from ardiff_cli.runtime.registry import resolve_pipeline
+
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    entry = resolve_pipeline(data.get("pipeline"), where=path)
+    config = entry.config_class.from_dict(data.get("model") or {}, where=path)
+    return entry.pipeline_class(), config
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    usage = "usage: python -m pipelines.checkpoint init CONFIG.yaml OUT.safetensors | path CONFIG.yaml"
+    if len(argv) == 3 and argv[0] == "init":
+        pipeline_class, config = _load_yaml_config(argv[1])
+        print(write_fresh_checkpoint(pipeline_class, config, argv[2]))
+        return 0
+    if len(argv) == 2 and argv[0] == "path":
+        pipeline_class, config = _load_yaml_config(argv[1])
+        print(cache_dir() / f"{pipeline_class.name}-{weight_digest(pipeline_class.name, config)}.safetensors")
+        return 0
+    print(usage, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,190 @@
+"""Config plumbing shared by the pipeline packages. No torch import.
+
+A pipeline's ``Config`` is a frozen dataclass in the gpt-fast / nanoGPT style:
+init fields are the knobs, ``field(init=False)`` fields are derived in
+``__post_init__``, and a dict of named presets runs from a CPU-sized ``tiny``
+to published geometries. :func:`config_from_dict` turns the ``model:`` mapping
+of a YAML config into a ``Config``; every mistake is one ``ConfigError`` that
+names the field, what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error
+
+C = TypeVar("C")
+
+
+class InvalidField(ValueError):
+    """Raised by ``__post_init__``; ``config_from_dict`` turns it into a ``ConfigError`` with the source."""
+
+    def __init__(self, name: str, expected: str, got: object) -> None:
+        super().__init__(f"field {name!r}: expected {expected}, got {got!r}")
+        self.name = name  # the offending field
+        self.expected = expected  # what would have been valid, in words
+        self.got = got  # the value given
+
+
+def require(ok: bool, name: str, expected: str, got: object) -> None:
+    if not ok:
+        raise InvalidField(name, expected, got)
+
+
+def derive(config: object, name: str, value: object) -> None:
+    """Set a derived (``init=False``) field of a frozen dataclass."""
+    object.__setattr__(config, name, value)
+
+
+def _coerce(name: str, hint: Any, value: Any) -> Any:
+    """``value`` as the type ``hint`` names, or ``InvalidField``. YAML gives ints for floats and lists for tuples."""
+    if hint is bool:
+        require(isinstance(value, bool), name, "true or false", value)
+        return value
+    if hint is int:
+        require(isinstance(value, int) and not isinstance(value, bool), name, "an integer", value)
+        return value
+    if hint is float:
+        require(isinstance(value, (int, float)) and not isinstance(value, bool), name, "a number", value)
+        return float(value)
+    if hint is str:
+        require(isinstance(value, str), name, "a string", value)
+        return value
+    if typing.get_origin(hint) is tuple:
+        (item, *_rest) = typing.get_args(hint)
+        ok = isinstance(value, (list, tuple)) and all(
+            isinstance(v, item) and not isinstance(v, bool) or (item is float and isinstance(v, int)) for v in value
+        )
+        require(ok, name, f"a list of {item.__name__}s", value)
+        return tuple(item(v) for v in value)
+    raise AssertionError(f"config field {name!r} has an unsupported type {hint!r}; extend _coerce")
+
+
+def init_fields(cls: type) -> dict[str, Any]:
+    """Settable field name -> resolved type."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def derived_fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if not f.init)
+
+
+def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str, presets: Mapping[str, dict]) -> C:
+    """Build ``cls`` from a mapping: an optional ``preset`` first, then explicit keys on top of it."""
+    if not isinstance(data, Mapping):
+        raise field_error(where, "model", "a mapping", data)
+    settable = init_fields(cls)
+    values: dict[str, Any] = {}
+    preset = data.get("preset")
+    if preset is not None:
+        if not isinstance(preset, str) or preset not in presets:
+            raise ConfigError(
+                f"{where}: field 'model.preset': unknown preset {preset!r}{did_you_mean(str(preset), presets)}",
+                hint=f"valid presets: {', '.join(presets)}",
+            )
+        values.update(presets[preset])
+    for key, value in data.items():
+        if key == "preset":
+            continue
+        if key in derived_fields(cls):
+            raise ConfigError(
+                f"{where}: field 'model.{key}' is derived, not set",
+                hint=f"set the fields it derives from instead; settable fields: {', '.join(settable)}",
+            )
+        if key not in settable:
+            raise ConfigError(
+                f"{where}: unknown key 'model.{key}'{did_you_mean(str(key), settable)}",
+                hint=f"valid keys: preset, {', '.join(settable)}",
+            )
+        try:
+            values[key] = _coerce(key, settable[key], value)
+        except InvalidField as exc:
+            raise field_error(where, f"model.{exc.name}", exc.expected, exc.got) from None
+    try:
+        return cls(**values)
+    except InvalidField as exc:
+        raise field_error(where, f"model.{exc.name}", exc.expected, exc.got) from None
+
+
+@dataclass(frozen=True)
+class BackboneConfig:
+    """Geometry of the Wan 2.1 style causal transformer and its latent video, shared by both pipelines.
+
+    Defaults are a CPU-sized model; subclasses re-declare fields to change them.
+    """
+
+    # -- transformer (names follow the Wan 2.1 config)
+    dim: int = 64  # model width
+    ffn_dim: int = 128  # feed-forward hidden width
+    freq_dim: int = 32  # width of the sinusoidal timestep features
+    num_heads: int = 4  # attention heads (Wan is multi-head: KV heads == query heads)
+    num_layers: int = 2  # transformer blocks
+    eps: float = 1e-6  # norm epsilon
+    qk_norm: bool = True  # RMSNorm on q and k before RoPE
+    cross_attn_norm: bool = True  # affine LayerNorm before cross-attention (Wan's norm3)
+    # -- latent video
+    latent_channels: int = 4  # codec latent channels (Wan VAE: 16)
+    patch_size: tuple[int, ...] = (1, 2, 2)  # (frames, rows, cols) per token; frames must be 1
+    height: int = 32  # model frame height in pixels
+    width: int = 32  # model frame width in pixels
+    vae_stride: int = 4  # codec spatial downsampling (Wan VAE: 8)
+    temporal_stride: int = 4  # RGB frames per latent frame (Wan VAE: 4)
+    # -- text conditioning
+    text_dim: int = 32  # text encoder width (umT5-XXL: 4096)
+    text_len: int = 16  # text tokens; the text cross-attention cache length (Wan: 512)
+    # -- KV retention, in latent frames
+    frames_per_block: int = 1
+    window_frames: int = 4
+    sink_frames: int = 0
+    session_capacity: int = 4  # the pipeline's upper bound on resident sessions
+    seed: int = 0  # initialisation seed of fresh checkpoints and default noise seed
+
+    # -- derived
+    head_size: int = field(init=False)  # dim // num_heads
+    latent_height: int = field(init=False)  # height // vae_stride
+    latent_width: int = field(init=False)
+    tokens_per_frame: int = field(init=False)  # patches per latent frame: the page size
+    in_dim: int = field(init=False)  # channels entering patch_embedding
+    out_dim: int = field(init=False)  # channels leaving the head (the velocity)
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "ffn_dim", "freq_dim", "num_heads", "num_layers", "latent_channels", "height", "width",
+                     "vae_stride", "temporal_stride", "text_dim", "text_len", "frames_per_block", "window_frames",
+                     "session_capacity"):
+            value = getattr(self, name)
+            require(value >= 1, name, "a positive integer", value)
+        require(self.sink_frames >= 0, "sink_frames", "a non-negative integer", self.sink_frames)
+        require(self.seed >= 0, "seed", "a non-negative integer", self.seed)
+        require(0 < self.eps < 1, "eps", "a small positive number", self.eps)
+        require(self.freq_dim % 2 == 0, "freq_dim", "an even integer", self.freq_dim)
+        require(self.dim % self.num_heads == 0, "num_heads", f"a divisor of dim={self.dim}", self.num_heads)
+        head_size = self.dim // self.num_heads
+        # 3D RoPE splits each head into (frame, row, col) rotary pairs: 2 * (d // 6) each for rows and cols.
+        require(head_size % 2 == 0 and head_size >= 6, "num_heads",
+                f"a head size (dim / num_heads) that is even and >= 6, dim={self.dim}", self.num_heads)
+        require(len(self.patch_size) == 3 and self.patch_size[0] == 1 and min(self.patch_size) >= 1, "patch_size",
+                "[1, rows, cols]: one latent frame per token row (frames are the KV paging unit)",
+                list(self.patch_size))
+        _, ph, pw = self.patch_size
+        for name, pixels, patch in (("height", self.height, ph), ("width", self.width, pw)):
+            require(pixels % (self.vae_stride * patch) == 0, name,
+                    f"a multiple of vae_stride * patch = {self.vae_stride * patch}", pixels)
+        derive(self, "head_size", head_size)
+        derive(self, "latent_height", self.height // self.vae_stride)
+        derive(self, "latent_width", self.width // self.vae_stride)
+        derive(self, "tokens_per_frame", (self.latent_height // ph) * (self.latent_width // pw))
+        derive(self, "in_dim", self.latent_channels)
+        derive(self, "out_dim", self.latent_channels)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Settable fields, JSON-able (recorded in checkpoint metadata)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+    def replace(self: C, **changes: Any) -> C:
+        return dataclasses.replace(self, **changes)

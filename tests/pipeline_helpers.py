@@ -1,0 +1,89 @@
+"""Shared pieces of the pipeline tests: fixtures, tiny pipelines, and a driver that binds KV as the runner does."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
+from ardiff_cli.runtime.kv.layout import KVLayout
+from ardiff_cli.runtime.request import ARDiffusionRequest
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+
+@pytest.fixture(scope="module", autouse=False)
+def single_thread():
+    """One intra-op thread: tiny ops gain nothing from two, and lose badly when another process holds a core."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def ardiff_cache(tmp_path_factory):
+    """A private $ARDIFF_CACHE_DIR, so default checkpoints are built fresh and never touch ~/.cache."""
+    path = tmp_path_factory.mktemp("ardiff-cache")
+    before = os.environ.get("ARDIFF_CACHE_DIR")
+    os.environ["ARDIFF_CACHE_DIR"] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop("ARDIFF_CACHE_DIR", None)
+    else:
+        os.environ["ARDIFF_CACHE_DIR"] = before
+
+
+def dreamzero(**overrides):
+    """A fresh tiny DreamZero pipeline (weights in memory, same as the default checkpoint's)."""
+    from pipelines.dreamzero import Config, pipeline_class
+
+    config = Config.from_dict({"preset": "tiny", **overrides}, where="test")
+    return pipeline_class().fresh(config)
+
+
+def causal_world(**overrides):
+    from pipelines.causal_world import Config, pipeline_class
+
+    config = Config.from_dict({"preset": "tiny", **overrides}, where="test")
+    return pipeline_class().fresh(config)
+
+
+def make_cache(spec, *, num_sessions: int = 2, dtype: torch.dtype = torch.float32) -> ARDiffusionKVCache:
+    return ARDiffusionKVCache(spec, KVLayout.from_spec(spec).managed_pages(num_sessions), dtype=dtype)
+
+
+class Driver:
+    """Binds KV states to a pipeline exactly as the runner does, without the runner."""
+
+    def __init__(self, pipeline, *, num_sessions: int = 2) -> None:
+        self.pipeline = pipeline
+        self.cache = make_cache(pipeline.ar_diffusion_kv_cache_spec(), num_sessions=num_sessions,
+                                dtype=pipeline.dtype)
+        self.states = {}
+        self._count = 0
+
+    def state(self, session_id: str):
+        if session_id not in self.states:
+            self.states[session_id] = self.cache.new_state(session_id)
+        return self.states[session_id]
+
+    def run(self, session_id: str, inputs: dict) -> dict:
+        state = self.state(session_id)
+        self._count += 1
+        request = ARDiffusionRequest(f"r{self._count}", inputs, {"session_id": session_id})
+        with self.pipeline.bind_ar_diffusion_state(session_id, state):
+            return self.pipeline.forward(request)
+
+    def close(self, session_id: str) -> None:
+        """Eviction / close: release the KV, then the pipeline's close hook."""
+        self.states.pop(session_id).close()
+        self.pipeline.close_ar_diffusion_session(session_id)
+
+    def reset(self, session_id: str) -> None:
+        self.states.pop(session_id).close()
+        self.pipeline.reset_ar_diffusion_session(session_id)

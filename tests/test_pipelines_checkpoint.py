@@ -1,0 +1,147 @@
+"""Checkpoints: Wan names, deterministic fresh weights, the cached default, and one error naming every mismatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ardiff_cli.runtime.errors import CheckpointError
+from pipeline_helpers import CONFIGS, Driver, ardiff_cache, single_thread  # noqa: F401 - fixtures
+from pipelines import causal_world, dreamzero
+from pipelines.checkpoint import fresh_modules, load_checkpoint, main, read_metadata, write_fresh_checkpoint
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def tiny(module, **overrides):
+    return module.Config.from_dict({"preset": "tiny", **overrides}, where="test")
+
+
+def test_parameter_names_follow_wan():
+    keys = set(dreamzero.pipeline_class().build_modules(tiny(dreamzero)).state_dict())
+    for name in ("patch_embedding.weight", "text_embedding.0.weight", "text_embedding.2.weight",
+                 "time_embedding.0.weight", "time_embedding.2.weight", "time_projection.1.weight",
+                 "blocks.1.self_attn.q.weight", "blocks.1.self_attn.o.bias", "blocks.1.self_attn.norm_q.weight",
+                 "blocks.1.self_attn.norm_k.weight", "blocks.1.cross_attn.k_img.weight",
+                 "blocks.1.cross_attn.norm_k_img.weight", "blocks.1.norm3.weight", "blocks.1.ffn.0.weight",
+                 "blocks.1.ffn.2.weight", "blocks.1.modulation", "head.head.weight", "head.modulation",
+                 "img_emb.proj.1.weight", "img_emb.proj.4.weight"):
+        assert f"transformer.{name}" in keys, name
+    assert tuple(dreamzero.pipeline_class().build_modules(tiny(dreamzero)).transformer.patch_embedding.weight.shape) \
+        == (64, 2 * 4 + 4, 1, 2, 2)  # Wan I2V: noisy latents | mask | anchor latent
+
+
+def test_a_bare_wan_transformer_file_loads_into_the_transformer(tmp_path):
+    """Wan-named keys without the pipeline prefix (a converted DiT checkpoint) load into the transformer alone."""
+    cls = causal_world.pipeline_class()
+    source = fresh_modules(lambda: cls.build_modules(tiny(causal_world)), 0).transformer
+    path = tmp_path / "dit.safetensors"
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(path))
+    assert "blocks.0.self_attn.q.weight" in load_file(str(path))
+    target = cls.build_modules(tiny(causal_world)).transformer
+    load_checkpoint(target, path)
+    assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), source.state_dict().values()))
+
+
+def test_fresh_checkpoints_are_deterministic(tmp_path):
+    cls = causal_world.pipeline_class()
+    a = write_fresh_checkpoint(cls, tiny(causal_world), tmp_path / "a.safetensors")
+    b = write_fresh_checkpoint(cls, tiny(causal_world), tmp_path / "b.safetensors")
+    c = write_fresh_checkpoint(cls, tiny(causal_world, seed=1), tmp_path / "c.safetensors")
+    torch.manual_seed(1234)  # the global RNG must not matter
+    d = write_fresh_checkpoint(cls, tiny(causal_world), tmp_path / "d.safetensors")
+    # Compare contents: safetensors writes its metadata map in no fixed order, so bytes may differ.
+    tensors = [load_file(str(p)) for p in (a, b, c, d)]
+    assert tensors[0].keys() == tensors[1].keys() == tensors[3].keys()
+    for key in tensors[0]:
+        assert torch.equal(tensors[0][key], tensors[1][key]) and torch.equal(tensors[0][key], tensors[3][key]), key
+    assert any(not torch.equal(tensors[0][key], tensors[2][key]) for key in tensors[0])
+    assert read_metadata(a) == read_metadata(b)
+
+
+def test_default_checkpoint_is_built_once_into_the_cache(ardiff_cache):
+    cls = dreamzero.pipeline_class()
+    config = tiny(dreamzero)
+    pipe = cls.from_config(config, device="cpu", dtype=torch.float32, checkpoint=None)
+    path = pipe.checkpoint
+    assert path.parent == ardiff_cache and path.suffix == ".safetensors"
+    assert not [p for p in ardiff_cache.iterdir() if p.name.endswith(".tmp")]
+    stamp = path.stat().st_mtime_ns
+    again = cls.from_config(config.replace(num_inference_steps=2), device="cpu", checkpoint=None)  # same weights
+    assert again.checkpoint == path and path.stat().st_mtime_ns == stamp
+    fresh = cls.fresh(config)
+    for (name, p), q in zip(pipe.modules.state_dict().items(), fresh.modules.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+def test_mismatches_are_reported_together(tmp_path):
+    cls = dreamzero.pipeline_class()
+    state = fresh_modules(lambda: cls.build_modules(tiny(dreamzero)), 0).state_dict()
+    del state["transformer.head.head.bias"]
+    del state["vae.decoder.bias"]
+    state["transformer.blocks.0.extra.weight"] = torch.zeros(1)
+    state["transformer.blocks.0.ffn.0.weight"] = torch.zeros(3, 3)
+    path = tmp_path / "bad.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    with pytest.raises(CheckpointError) as err:
+        cls.from_config(tiny(dreamzero), device="cpu", checkpoint=path)
+    message = str(err.value)
+    assert "2 missing keys: transformer.head.head.bias, vae.decoder.bias" in message
+    assert "1 unexpected keys: transformer.blocks.0.extra.weight" in message
+    assert "1 shape mismatches: transformer.blocks.0.ffn.0.weight: checkpoint (3, 3) vs model (128, 64)" in message
+    assert "python -m pipelines.checkpoint init" in err.value.hint
+
+
+def test_checkpoint_of_another_pipeline_names_it(tmp_path):
+    path = write_fresh_checkpoint(causal_world.pipeline_class(), tiny(causal_world), tmp_path / "world.safetensors")
+    with pytest.raises(CheckpointError, match="written for pipeline 'causal_world'.*missing keys"):
+        dreamzero.pipeline_class().from_config(tiny(dreamzero), device="cpu", checkpoint=path)
+
+
+def test_wrapper_prefixes_are_stripped(tmp_path):
+    cls = causal_world.pipeline_class()
+    modules = fresh_modules(lambda: cls.build_modules(tiny(causal_world)), 0)
+    path = tmp_path / "ddp.safetensors"
+    save_file({f"module.{k}": v.contiguous() for k, v in modules.state_dict().items()}, str(path))
+    target = cls.build_modules(tiny(causal_world))
+    load_checkpoint(target, path)
+    assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), modules.state_dict().values()))
+
+
+def test_unreadable_and_missing_files(tmp_path):
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x80\x04not a safetensors file")
+    cls = causal_world.pipeline_class()
+    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+        cls.from_config(tiny(causal_world), device="cpu", checkpoint=junk)
+    with pytest.raises(CheckpointError, match="checkpoint not found"):
+        cls.from_config(tiny(causal_world), device="cpu", checkpoint=tmp_path / "nope.safetensors")
+
+
+def test_published_geometries_have_no_default_checkpoint(ardiff_cache):
+    config = dreamzero.Config.from_dict({"preset": "14b"}, where="test")
+    with pytest.raises(CheckpointError, match=r"no built-in checkpoint .*\(1[0-9]\.\d\dB parameters\)") as err:
+        dreamzero.pipeline_class().from_config(config, device="cpu", checkpoint=None)
+    assert "checkpoint:" in err.value.hint
+    assert not list(ardiff_cache.glob("dreamzero-*14b*"))
+
+
+def test_command_line_init(tmp_path, capsys):
+    out = tmp_path / "world.safetensors"
+    assert main(["init", str(CONFIGS / "causal-world-tiny.yaml"), str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    pipe = causal_world.pipeline_class().from_config(tiny(causal_world), device="cpu", checkpoint=out)
+    assert pipe.checkpoint == out
+    assert main(["path", str(CONFIGS / "dreamzero-tiny.yaml")]) == 0
+    assert capsys.readouterr().out.strip().endswith(".safetensors")
+    assert main(["bogus"]) == 2
+
+
+def test_bfloat16_rollout(ardiff_cache):
+    pipe = causal_world.pipeline_class().from_config(tiny(causal_world), device="cpu", dtype=torch.bfloat16)
+    driver = Driver(pipe)
+    for block in range(4):
+        out = driver.run("s", pipe.example_inputs(seed=block))
+    assert out["latents"].dtype == torch.float32 and torch.isfinite(out["latents"]).all()
+    assert driver.cache.pool.dtype == torch.bfloat16

@@ -1,0 +1,130 @@
+"""Pipeline configs: presets, YAML files, published geometries, errors, and the torch-free entry modules."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+import pipelines.causal_world as causal_world
+import pipelines.dreamzero as dreamzero
+from ardiff_cli.runtime.config import load_config
+from ardiff_cli.runtime.errors import ConfigError
+from pipeline_helpers import CONFIGS, REPO
+
+
+def test_entry_modules_do_not_import_torch():
+    code = (
+        "import sys\n"
+        "import pipelines.dreamzero as d, pipelines.causal_world as w\n"
+        "for m in (d, w):\n"
+        "    cfg = m.Config.from_dict({'preset': 'tiny'}, where='x')\n"
+        "    cfg.kv_cache_spec(); m.observation_schema(); cfg.observation_schema()\n"
+        "assert 'torch' not in sys.modules, sorted(k for k in sys.modules if k.startswith('torch'))\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env=_env())
+    assert result.returncode == 0, result.stderr
+    importtime = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import pipelines.dreamzero; "
+         "pipelines.dreamzero.Config.from_dict({'preset':'tiny'}, where='x').kv_cache_spec()"],
+        cwd=REPO, capture_output=True, text=True, timeout=60, env=_env())
+    assert importtime.returncode == 0, importtime.stderr
+    assert "torch" not in importtime.stderr
+
+
+def _env():
+    import os
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def test_dreamzero_tiny_spec():
+    spec = dreamzero.Config.from_dict({"preset": "tiny"}, where="x").kv_cache_spec()
+    assert [(b.name, b.local_index) for b in spec.kv_branches] == [("positive", 0), ("negative", 1)]
+    assert spec.cross_attention_lengths == {"text": 16, "image": 17}
+    assert spec.max_scratch_tokens_per_branch == 8 + 1  # action register + state token
+    assert spec.tokens_per_frame == 16 and spec.frames_per_block == 1 and spec.reset_at_boundary
+    assert spec.model_owned_state_bytes_per_session == 4 * 8 * 8 * 4  # anchor latent, float32
+
+
+def test_dreamzero_without_guidance_has_one_branch():
+    spec = dreamzero.Config.from_dict({"preset": "tiny", "guidance_scale": 1}, where="x").kv_cache_spec()
+    assert spec.branch_names == ("positive",)
+
+
+def test_causal_world_tiny_spec():
+    spec = causal_world.Config.from_dict({"preset": "tiny"}, where="x").kv_cache_spec()
+    assert spec.branch_names == ("main",)
+    assert spec.cross_attention_lengths == {"text": 16}
+    assert (spec.sink_frames, spec.window_frames, spec.frames_per_block) == (3, 6, 3)
+    assert spec.max_scratch_tokens_per_branch == 1
+    assert spec.model_owned_state_bytes_per_session == 0
+    spec = causal_world.Config.from_dict({"preset": "tiny", "cond_dim": 0}, where="x").kv_cache_spec()
+    assert spec.max_scratch_tokens_per_branch == 0
+
+
+@pytest.mark.parametrize(
+    "name, pipeline, layers, heads, head, tokens, block, window, sink, dtype",
+    [
+        ("dreamzero-tiny", "dreamzero", 2, 4, 16, 16, 1, 4, 0, "float32"),
+        ("causal-world-tiny", "causal_world", 2, 4, 16, 16, 3, 6, 3, "float32"),
+        ("dreamzero-14b", "dreamzero", 40, 40, 128, 220, 1, 9, 0, "bfloat16"),
+        ("self-forcing-1.3b", "causal_world", 30, 12, 128, 1560, 3, 21, 0, "bfloat16"),
+        ("lingbot-world-14b", "causal_world", 40, 40, 128, 1560, 3, 18, 3, "bfloat16"),
+    ],
+)
+def test_config_files(name, pipeline, layers, heads, head, tokens, block, window, sink, dtype):
+    config = load_config(CONFIGS / f"{name}.yaml")
+    assert config.pipeline_name == pipeline and config.runtime.dtype == dtype
+    spec = config.kv_cache_spec()
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_size) == (layers, heads, head)
+    assert (spec.tokens_per_frame, spec.frames_per_block, spec.window_frames, spec.sink_frames) == (
+        tokens, block, window, sink)
+
+
+def test_tiny_config_evicts_in_a_three_episode_demo():
+    assert load_config(CONFIGS / "dreamzero-tiny.yaml").runtime.session_capacity == 2
+
+
+@pytest.mark.parametrize("name, module, preset", [
+    ("dreamzero-14b", dreamzero, "14b"),
+    ("self-forcing-1.3b", causal_world, "self-forcing-1.3b"),
+    ("lingbot-world-14b", causal_world, "lingbot-world-14b"),
+])
+def test_published_yaml_matches_preset(name, module, preset):
+    model = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())["model"]
+    from_yaml = module.Config.from_dict(model, where=name)
+    from_preset = module.Config.from_dict({"preset": preset, "session_capacity": model["session_capacity"]},
+                                          where=name)
+    assert from_yaml == from_preset
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match=r"unknown preset 'tny' \(did you mean 'tiny'\?\)") as err:
+        dreamzero.Config.from_dict({"preset": "tny"}, where="cfg.yaml")
+    assert "tiny, small, 14b" in err.value.hint
+    with pytest.raises(ConfigError, match=r"cfg.yaml: unknown key 'model.windw_frames' \(did you mean 'window_frames'"):
+        dreamzero.Config.from_dict({"windw_frames": 3}, where="cfg.yaml")
+    with pytest.raises(ConfigError, match=r"field 'model.num_layers': expected an integer, got '2'"):
+        causal_world.Config.from_dict({"num_layers": "2"}, where="cfg.yaml")
+    with pytest.raises(ConfigError, match=r"field 'model.num_heads': expected a divisor of dim=64, got 5"):
+        causal_world.Config.from_dict({"num_heads": 5}, where="cfg.yaml")
+    with pytest.raises(ConfigError, match=r"'model.tokens_per_frame' is derived"):
+        causal_world.Config.from_dict({"tokens_per_frame": 5}, where="cfg.yaml")
+    with pytest.raises(ConfigError, match=r"field 'model.denoising_timesteps': expected a decreasing list"):
+        causal_world.Config.from_dict({"denoising_timesteps": [250, 500]}, where="cfg.yaml")
+    with pytest.raises(ConfigError, match=r"field 'model.frames_per_request'"):
+        dreamzero.Config.from_dict({"frames_per_request": 8}, where="cfg.yaml")  # 2 latent frames > 1 per block
+    with pytest.raises(ConfigError, match=r"field 'model.reset_at_window': expected true or false"):
+        dreamzero.Config.from_dict({"reset_at_window": "yes"}, where="cfg.yaml")
+
+
+def test_yaml_ints_are_accepted_for_floats_and_lists_for_tuples():
+    config = causal_world.Config.from_dict({"timestep_shift": 3, "patch_size": [1, 2, 2]}, where="x")
+    assert config.timestep_shift == 3.0 and config.patch_size == (1, 2, 2)
