@@ -1,0 +1,1 @@
+"""One module per command. Modules import torch (and the engine) only inside the command body."""

@@ -1,0 +1,39 @@
+"""What several commands share: reading the config with command-line overrides. Torch-free."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ardiff_cli.options import DEFAULT_CONFIG
+from ardiff_cli.runtime.errors import ConfigError
+
+
+def load_engine_config(config: str | None, **overrides: Any):
+    """The validated ``EngineConfig`` of CONFIG (a path or built-in name) with runtime ``overrides`` applied.
+
+    ``None`` overrides keep the config's value; enum options are passed by value.
+    """
+    from ardiff_cli.runtime.config import load_config
+
+    if config is not None and Path(config).is_dir():
+        raise ConfigError(
+            f"CONFIG {config!r} is a folder; the first argument is a config file or a built-in config name",
+            hint=f"pass the config first: ardiff rollout {DEFAULT_CONFIG} {config}",
+        )
+    values = {k: getattr(v, "value", v) for k, v in overrides.items()}
+    return load_config(config if config is not None else DEFAULT_CONFIG).with_runtime(**values)
+
+
+
+
+def config_label(config: str | None) -> str:
+    return config if config is not None else DEFAULT_CONFIG
+
+
+def image_size(model_config: Any) -> tuple[int, int]:
+    """The model's frame size (height, width), for demo episodes; 64x64 when the config has none."""
+    height, width = getattr(model_config, "height", None), getattr(model_config, "width", None)
+    if isinstance(height, int) and isinstance(width, int):
+        return height, width
+    return 64, 64

@@ -1,0 +1,280 @@
+"""``ardiff rollout``: stream episodes of observation files through persistent sessions."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ardiff_cli.commands._common import config_label, image_size, load_engine_config
+from ardiff_cli.errors_cli import EXIT_CODES_HELP, EpisodesFailed, exit_code_for, handle_errors
+from ardiff_cli.options import (
+    ConfigArg,
+    DeviceOpt,
+    DtypeOpt,
+    EpisodesArg,
+    FormatOpt,
+    GpuMemoryFractionOpt,
+    MemoryBudgetOpt,
+    Order,
+    OutOpt,
+    QuietOpt,
+    SessionCapacityOpt,
+    VerboseOpt,
+)
+from ardiff_cli.output import Format, Output
+from ardiff_cli.runtime.errors import ConfigError, ObservationError
+
+DEMO_SESSION_CAPACITY = 2  # the demo has 3 episodes: with 2 resident sessions, LRU eviction shows
+
+HELP = (
+    "Run episodes of robot observations through the model, each episode one persistent session whose KV cache "
+    "survives between steps, and write the actions and predicted latents of every step.\n\n"
+    "With no arguments it runs the built-in DreamZero-style demo: three generated episodes and two resident "
+    "sessions, so the live panels show admission, LRU eviction and session rebuilding within seconds.\n\n"
+    "An EPISODE is a folder of step files (step_000000.safetensors, step_000001.safetensors, ... or .npz) holding "
+    "the pipeline's observation arrays, with the prompt in the safetensors metadata or in episode.yaml; an END "
+    "file marks it complete for --follow. Write one from Python with ardiff_cli.io.write_episode."
+)
+EPILOG = f"""Examples (the first runs the demo):
+
+  ardiff rollout
+
+  ardiff rollout dreamzero-tiny data/pick_cube data/push_ball -o runs/eval1 --preview
+
+  ardiff rollout my_config.yaml data/ --order sequential --format json > events.jsonl
+
+  ardiff rollout dreamzero-tiny data/robot_a data/robot_b --follow --idle-timeout 30
+
+  ardiff rollout --resume -o runs/eval1
+
+Outputs: OUT/results.jsonl (a line per step), OUT/summary.json, OUT/episodes/EPISODE/step_NNNNNN.safetensors and OUT/previews/EPISODE.png (--preview).
+
+{EXIT_CODES_HELP}"""
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    cfg: Any  # EngineConfig with overrides
+    episodes: list  # EpisodeSource
+    out_dir: Path
+    info: dict[str, Any]  # run.json content
+    done: dict[str, set[int]]  # resume: steps already written
+
+
+def rollout(
+    config: ConfigArg = None,
+    episodes: EpisodesArg = None,
+    out: OutOpt = None,
+    order: Annotated[Order, typer.Option(
+        "--order", help="round-robin: one step of each episode in turn (robots sharing a model); "
+                        "sequential: one episode after another.")] = Order.round_robin,
+    follow: Annotated[bool, typer.Option(
+        "--follow", help="Watch the episode folders for new step files and run each as it arrives, until the "
+                         "episode's END file or --idle-timeout.")] = False,
+    idle_timeout: Annotated[float, typer.Option(
+        "--idle-timeout", min=0.0, metavar="SECONDS",
+        help="With --follow: end an episode after this long without a new step file.")] = 60.0,
+    fail_fast: Annotated[bool, typer.Option(
+        "--fail-fast", help="Stop at the first invalid step file (exit 2) instead of going on with the "
+                            "other episodes (exit 4).")] = False,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue the run in --out: steps in its results.jsonl are not run again, and a "
+                         "partly done episode's session is rebuilt by replaying its earlier steps.")] = False,
+    preview: Annotated[bool, typer.Option(
+        "--preview", help="Write OUT/previews/EPISODE.png: observed (top) versus predicted (bottom) frames.")] = False,
+    warmup: Annotated[bool, typer.Option(
+        "--warmup/--no-warmup", help="Run the pipeline's warmup requests before the first step.")] = True,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    memory_budget: MemoryBudgetOpt = None,
+    session_capacity: SessionCapacityOpt = None,
+    gpu_memory_fraction: GpuMemoryFractionOpt = None,
+    format: FormatOpt = Format.auto,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Stream episodes through persistent sessions (help text: ``HELP``)."""
+    output = Output.create(format, quiet=quiet, verbose=verbose)
+    with handle_errors(output):
+        overrides = dict(device=device, dtype=dtype, memory_budget=memory_budget, session_capacity=session_capacity,
+                         gpu_memory_fraction=gpu_memory_fraction)
+        prepared = _prepare(config, episodes, out, resume, order.value, overrides, output)
+        _run(prepared, output, order=order.value, follow=follow, idle_timeout=idle_timeout, fail_fast=fail_fast,
+             preview=preview, warmup=warmup, resume=resume)
+
+
+def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool, order: str,
+             overrides: dict[str, Any], output: Output) -> _Prepared:
+    """Config, episodes and output folder, from the command line or (``--resume``) from run.json."""
+    from ardiff_cli.io.demo import ensure_demo_episodes
+    from ardiff_cli.io.episode import discover_episodes
+    from ardiff_cli.io.run import RunFolder, default_out_dir
+
+    info: dict[str, Any] = {}
+    done: dict[str, set[int]] = {}
+    if resume:
+        if out is None:
+            raise ConfigError("--resume needs --out DIR: the folder of the run to continue")
+        run = RunFolder(out)
+        info = run.read_info()
+        config = _same(config, info["config"], "CONFIG")
+        overrides["dtype"] = _same(getattr(overrides["dtype"], "value", overrides["dtype"]), info["dtype"], "--dtype")
+        if not episode_paths and not info.get("demo"):
+            episode_paths = [Path(e["path"]) for e in info["episodes"]]
+        done = run.done_steps()
+    else:
+        out = out or default_out_dir()
+        if RunFolder(out).holds_run():
+            raise ConfigError(f"{out} already holds a run",
+                              hint=f"continue it with: ardiff rollout --resume --out {out}; or choose another --out")
+    cfg = load_engine_config(config, **overrides)
+    output.debug(f"config {cfg.source}: pipeline {cfg.pipeline_name}, {cfg.runtime}")
+    schema = cfg.observation_schema()
+    demo = not episode_paths
+    if demo:
+        demo_root = ensure_demo_episodes(cfg.pipeline_name, schema, image_size(cfg.model), model_config=cfg.model)
+        output.info(f"no EPISODE given: using the demo episodes in {demo_root}")
+        episode_paths = [demo_root]
+        if overrides["session_capacity"] is None:
+            limit = cfg.runtime.session_capacity or cfg.kv_cache_spec().session_capacity
+            cfg = cfg.with_runtime(session_capacity=min(limit, DEMO_SESSION_CAPACITY))
+    episodes = discover_episodes(episode_paths)
+    if not episodes:
+        raise ConfigError(f"no episode folders in {', '.join(map(str, episode_paths))}")
+    if resume:
+        recorded = sorted(e["name"] for e in info["episodes"])
+        if sorted(e.name for e in episodes) != recorded:
+            raise ConfigError(f"the episodes differ from those of the run in {out}: {recorded}",
+                              hint="resume with the same EPISODE arguments (or none, to reuse the recorded ones)")
+    info = {
+        "config": config_label(config), "config_path": cfg.source, "pipeline": cfg.pipeline_name, "order": order,
+        "episodes": [{"name": e.name, "path": str(e.path.resolve())} for e in episodes], "demo": demo,
+        "dtype": cfg.runtime.dtype, "device": cfg.runtime.device, "session_capacity": cfg.runtime.session_capacity,
+        "memory_budget": cfg.runtime.memory_budget, "gpu_memory_fraction": cfg.runtime.gpu_memory_fraction,
+        "started": info.get("started", time.time()),
+    }
+    return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done)
+
+
+def _same(given: Any, recorded: Any, name: str) -> Any:
+    if given is not None and given != recorded:
+        raise ConfigError(f"{name} {given!r} differs from the interrupted run's {recorded!r}",
+                          hint=f"resume with the same {name}, or leave it out to reuse the recorded one")
+    return recorded
+
+
+def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout: float, fail_fast: bool,
+         preview: bool, warmup: bool, resume: bool) -> None:
+    from ardiff_cli.io.atomic import atomic_write_json
+    from ardiff_cli.io.run import RUN_FILE, RunFolder, build_summary
+    from ardiff_cli.monitor import RunMonitor
+    from ardiff_cli.panels import render
+    from ardiff_cli.rollout import Rollout, RolloutOptions
+    from ardiff_cli.signals import StopSignals
+
+    run = RunFolder(p.out_dir)
+    monitor = RunMonitor(output, f"ardiff rollout · {p.info['config']} → {p.out_dir}")
+    options = RolloutOptions(order=order, follow=follow, idle_timeout=idle_timeout, fail_fast=fail_fast,
+                             preview=preview)
+    skipped = sum(len(s) for s in p.done.values())
+    output.info(f"{'resuming' if resume else 'writing'} {p.out_dir}: {len(p.episodes)} episode"
+                + ("s" if len(p.episodes) != 1 else "") + f", order {order}"
+                + (f", {skipped} steps already done" if resume else ""))
+    started = time.monotonic()
+    engine = driver = plan = summary = None
+    error: BaseException | None = None
+    try:
+        with StopSignals() as signals, output.live(lambda: render(monitor.snapshot())):
+            try:
+                from ardiff_cli.runtime.engine import ARDiffusionEngine
+
+                engine = ARDiffusionEngine(p.cfg)
+                engine.subscribe(monitor.on_event)
+                plan = engine.load()
+                output.debug(f"loaded on {engine.device} in {time.monotonic() - started:.2f}s: "
+                             f"{plan.session_capacity} sessions, {plan.num_managed_pages} pages")
+                if resume:
+                    atomic_write_json(p.out_dir / RUN_FILE, {**run.read_info(), "resumed_at": time.time()})
+                else:
+                    run.start({**p.info, "device": str(engine.device)})
+                if warmup:
+                    monitor.set_phase("warmup")
+                    engine.warmup()
+                monitor.set_phase("following" if follow else "running")
+                driver = Rollout(engine, p.cfg.observation_schema(), p.episodes, run, output, monitor,
+                                 signals, options, p.done)
+                stats = driver.run()
+                monitor.set_phase("done")
+                if stats.failed:
+                    if stats.completed_episodes:
+                        raise EpisodesFailed(f"{len(stats.failed)} of {len(p.episodes)} episodes failed: "
+                                             f"{', '.join(stats.failed)}; the others completed")
+                    raise ObservationError(f"every episode failed ({', '.join(stats.failed)})")
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                try:
+                    if engine is not None:
+                        engine.close()
+                finally:
+                    run.close()
+                    if driver is not None:
+                        summary = _summary(run, p, driver, plan, time.monotonic() - started, error, build_summary)
+                        with signals.critical():
+                            run.write_summary(summary)
+    finally:
+        if summary is not None:  # after the live display, so the two never interleave
+            output.result(summary, lambda plain: render_summary(summary, plain))
+
+
+def _summary(run: Any, p: _Prepared, driver: Any, plan: Any, wall_s: float, error: BaseException | None,
+             build_summary: Any) -> dict[str, Any]:
+    from ardiff_cli.errors_cli import EpisodesFailed, Interrupted
+
+    if error is None:
+        status = "ok"
+    elif isinstance(error, (Interrupted, KeyboardInterrupt)):
+        status = "interrupted"
+    elif isinstance(error, EpisodesFailed):
+        status = "partial"
+    else:
+        status = "failed"
+    stats = driver.stats
+    return build_summary(
+        run.records(), episodes=[e.name for e in p.episodes], failed=stats.failed, info=p.info,
+        plan=None if plan is None else plan.to_dict(),
+        this_run={"steps": stats.steps, "skipped": stats.skipped, "replayed": stats.replayed,
+                  "evictions": stats.evictions, "completed_episodes": stats.completed_episodes},
+        wall_s=wall_s, status=status, exit_code=0 if error is None else exit_code_for(error), root=run.root)
+
+
+def render_summary(s: dict[str, Any], plain: bool):
+    from rich.text import Text
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.1f} ms"
+
+    episodes, steps, latency = s["episodes"], s["steps"], s["latency_s"]
+    rate = f"{s['steps_per_s']:.1f} steps/s" if s.get("steps_per_s") else "-"
+    plan = s.get("capacity_plan") or {}
+    lines = [
+        f"rollout {s['status']}: {steps['this_run']} steps in {s['wall_s']:.1f} s ({rate}); "
+        f"episodes {episodes['completed']} completed, {episodes['failed']} failed, "
+        f"{episodes['incomplete']} incomplete",
+        f"latency p50 {ms(latency['total']['p50'])}, p90 {ms(latency['total']['p90'])}, "
+        f"p99 {ms(latency['total']['p99'])} (forward p50 {ms(latency['forward']['p50'])})",
+        f"sessions: capacity {plan.get('session_capacity', '-')}, {s['evictions_this_run']} evictions, "
+        f"{steps['replayed']} steps replayed to rebuild sessions"
+        + (f", {steps['skipped_done']} steps already done" if steps["skipped_done"] else ""),
+        f"outputs: {s['out']} (results.jsonl, summary.json, episodes/"
+        + (", previews/)" if Path(s["out"], "previews").is_dir() else ")"),
+    ]
+    text = Text("\n".join(lines))
+    if not plain:
+        text.stylize("bold", 0, len(lines[0]))
+    return text

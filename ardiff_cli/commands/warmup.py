@@ -1,0 +1,138 @@
+"""``ardiff warmup``: load a pipeline, run its warmup requests, report their times and the pool."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from ardiff_cli.commands._common import config_label, load_engine_config
+from ardiff_cli.errors_cli import EXIT_CODES_HELP, handle_errors
+from ardiff_cli.options import (
+    ConfigArg,
+    DeviceOpt,
+    DtypeOpt,
+    FormatOpt,
+    GpuMemoryFractionOpt,
+    MemoryBudgetOpt,
+    QuietOpt,
+    SessionCapacityOpt,
+    VerboseOpt,
+)
+from ardiff_cli.output import Format, Output
+
+HELP = (
+    "Load the pipeline and run its warmup requests (each input shape it will see); print each request's inputs "
+    "and time, the first versus the steady-state time, and confirm that the KV pool was restored."
+)
+EPILOG = f"""Examples:
+
+  ardiff warmup
+
+  ardiff warmup causal-world-tiny --device cpu
+
+  ardiff warmup my_config.yaml --dtype bfloat16 --format json
+
+{EXIT_CODES_HELP}"""
+
+
+def warmup(
+    config: ConfigArg = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    memory_budget: MemoryBudgetOpt = None,
+    session_capacity: SessionCapacityOpt = None,
+    gpu_memory_fraction: GpuMemoryFractionOpt = None,
+    format: FormatOpt = Format.auto,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Warm the pipeline up and report (help text: ``HELP``)."""
+    out = Output.create(format, quiet=quiet, verbose=verbose)
+    with handle_errors(out):
+        from ardiff_cli.monitor import RunMonitor
+        from ardiff_cli.panels import render
+        from ardiff_cli.signals import StopSignals
+
+        cfg = load_engine_config(config, device=device, dtype=dtype, memory_budget=memory_budget,
+                                 session_capacity=session_capacity, gpu_memory_fraction=gpu_memory_fraction)
+        monitor = RunMonitor(out, f"ardiff warmup · {config_label(config)}", echo_requests=True)
+        out.info(f"loading {config_label(config)} (pipeline {cfg.pipeline_name})")
+        out.debug(f"config {cfg.source}: {cfg.runtime}")
+        with StopSignals(), out.live(lambda: render(monitor.snapshot())):
+            from ardiff_cli.runtime.engine import ARDiffusionEngine
+
+            engine = ARDiffusionEngine(cfg)
+            engine.subscribe(monitor.on_event)
+            counter = _RequestCounter(monitor)
+            engine.subscribe(counter)
+            try:
+                engine.load()
+                monitor.refresh(engine.runner)
+                monitor.set_phase("warmup")
+                report = engine.warmup()
+                monitor.refresh(engine.runner)
+                monitor.set_phase("done")
+                usage = engine.runner.pool_usage()
+            finally:
+                engine.close()
+        data = warmup_data(report, usage, config=config_label(config), device=str(engine.device),
+                           dtype=cfg.runtime.dtype, pipeline=cfg.pipeline_name)
+        out.result(data, lambda plain: render_warmup(data, plain))
+
+
+class _RequestCounter:
+    """Counts finished warmup requests for the progress line."""
+
+    def __init__(self, monitor: Any) -> None:
+        self.monitor = monitor
+        self.count = 0
+
+    def __call__(self, event: Any) -> None:
+        if event.kind == "request_finished":
+            self.count += 1
+            self.monitor.set_progress(done=self.count)
+
+
+def warmup_data(report: Any, usage: Any, **context: Any) -> dict[str, Any]:
+    requests = [{"request_id": rid, "shape": shape, "seconds": seconds} for rid, shape, seconds in report.timings]
+    first = requests[0]["seconds"] if requests else None
+    # Steady state: requests whose input shapes were seen before (the first of each shape pays one-time costs).
+    seen: set[str] = set()
+    repeats = []
+    for request in requests:
+        if request["shape"] in seen:
+            repeats.append(request["seconds"])
+        seen.add(request["shape"])
+    steady = statistics.median(repeats) if repeats else None
+    return {
+        "kind": "warmup", **context, "skipped": report.skipped, "requests": requests, "first_s": first,
+        "steady_s": steady, "steady_count": len(repeats), "seconds": report.seconds, "restored": report.restored,
+        "pages_free": usage.num_free, "pages_total": usage.num_pages,
+    }
+
+
+def render_warmup(data: dict[str, Any], plain: bool):
+    from rich import box
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    title = f"warmup: {data['config']} (pipeline {data['pipeline']}) on {data['device']}, {data['dtype']}"
+    if data["skipped"]:
+        return Text(f"{title}\nthe pipeline has no warmup provider: nothing to warm up")
+    table = Table(box=None if plain else box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
+    table.add_column("request")
+    table.add_column("inputs")
+    table.add_column("time", justify="right")
+    for request in data["requests"]:
+        table.add_row(request["request_id"], request["shape"], f"{request['seconds'] * 1000:.1f} ms")
+    lines = [title]
+    if data["first_s"] is not None:
+        line = f"first request {data['first_s'] * 1000:.1f} ms"
+        if data["steady_s"]:
+            line += (f", steady state {data['steady_s'] * 1000:.1f} ms (median of {data['steady_count']} "
+                     f"repeated shapes); the first took {data['first_s'] / data['steady_s']:.1f}x")
+        lines.append(line)
+    restored = "restored" if data["restored"] else "NOT restored"
+    lines.append(f"KV pool {restored}: {data['pages_free']}/{data['pages_total']} pages free")
+    return Group(Text(lines[0], style="" if plain else "bold"), table, Text("\n".join(lines[1:])))

@@ -1,0 +1,122 @@
+"""Crash-safe writes: a reader never sees a partial file or a partial line.
+
+Files are written to a temporary name in the same folder, flushed to disk and
+renamed over the target (``os.replace`` is atomic on POSIX). JSON-lines logs
+are appended one whole line per ``os.write`` call and flushed to disk; on
+open, a trailing partial line (only possible after a power loss mid-write) is
+cut off, so the log always ends at a line boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from ardiff_cli.output import to_jsonable
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename durable. Not every platform can open a directory; skip quietly there."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` so that ``path`` holds either the old content or all of ``data``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Mapping[str, Any]) -> Path:
+    return atomic_write_text(path, json.dumps(to_jsonable(obj), indent=2, allow_nan=False) + "\n")
+
+
+class JsonlAppender:
+    """An append-only JSON-lines file whose every line is whole.
+
+    One ``os.write`` per line on an ``O_APPEND`` descriptor, then ``fsync``:
+    a kill between two calls leaves whole lines only. Callers must write the
+    files a line refers to *before* the line, so a line always names a
+    complete file.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)  # the log file
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        truncate_partial_line(self.path)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # None once closed
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        assert self._fd is not None, "append after close"
+        line = (json.dumps(to_jsonable(record), separators=(",", ":"), allow_nan=False) + "\n").encode("utf-8")
+        written = os.write(self._fd, line)
+        # A regular file takes a short write only when the disk is full; fail loudly rather than leave half a line.
+        if written != len(line):
+            os.ftruncate(self._fd, os.lseek(self._fd, 0, os.SEEK_END) - written)
+            raise OSError(f"short write to {self.path} ({written} of {len(line)} bytes); is the disk full?")
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> JsonlAppender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def truncate_partial_line(path: Path) -> None:
+    """Cut a trailing partial line (no final newline) off ``path``, if any."""
+    if not path.exists():
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return
+        f.truncate(data.rfind(b"\n") + 1)
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
+    """The whole lines of a JSON-lines file; a trailing partial line is ignored."""
+    path = Path(path)
+    if not path.exists():
+        return
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                break
+            if raw.strip():
+                yield json.loads(raw)

@@ -1,0 +1,142 @@
+"""The demo episodes ``ardiff rollout`` uses when given no EPISODE: synthetic, deterministic, cached.
+
+For any pipeline schema: camera fields get frames of coloured shapes moving
+over a gradient, numeric fields get smooth trajectories, each episode gets a
+prompt. They are generated once into ``$ARDIFF_CACHE_DIR/demo`` (default
+``~/.cache/ardiff/demo``), in a temporary folder renamed into place, so a
+crash or a concurrent run never leaves a half-written demo set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ardiff_cli.runtime.observation import ObservationField, ObservationSchema
+
+DEMO_VERSION = 1  # bump when the generated content changes
+DEMO_STEPS = (6, 5, 7)  # steps per demo episode (5-8, deterministic)
+DEMO_PROMPTS = ("pick up the red cube", "push the blue ball to the left", "open the green drawer")
+_COLORS = ((220, 50, 47), (38, 139, 210), (133, 153, 0), (181, 137, 0))
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("ARDIFF_CACHE_DIR")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "ardiff"
+
+
+def is_image_field(f: ObservationField) -> bool:
+    return f.dtype == "uint8" and any(len(s) >= 3 and s[-1] == 3 for s in f.shapes)
+
+
+def concrete_shape(f: ObservationField, image_size: tuple[int, int], num_frames: int = 1) -> tuple[int, ...]:
+    """An accepted shape with free sizes filled: image height/width, ``num_frames`` for a leading time axis.
+
+    One frame prefers a shape without a time axis ((H, W, 3) over (T, H, W, 3)); more frames need one.
+    """
+    if is_image_field(f):
+        shapes = sorted((s for s in f.shapes if len(s) >= 3 and s[-1] == 3), key=len)
+        shape = list(shapes[0] if num_frames == 1 else shapes[-1])
+        for axis, size in ((-3, image_size[0]), (-2, image_size[1])):
+            if shape[axis] is None:
+                shape[axis] = size
+        if len(shape) > 3 and shape[0] is None:
+            shape[0] = num_frames
+    else:
+        shape = list(f.shapes[0])
+    return tuple(1 if d is None else d for d in shape)
+
+
+def frames_per_step(model_config: Any, step: int) -> int:
+    """Camera frames in demo step ``step``: pipelines with ``frames_per_request`` (DreamZero: 4) take one
+    frame on a session's first request and that many afterwards; others take one frame per step."""
+    later = getattr(model_config, "frames_per_request", 1)
+    return 1 if step == 0 or not isinstance(later, int) else later
+
+
+def _frames(shape: tuple[int, ...], episode: int, step: int, camera: int) -> Any:
+    """(..., H, W, 3) uint8: a gradient background and a square moving along a per-episode path."""
+    import numpy as np
+
+    height, width = shape[-3], shape[-2]
+    lead = shape[:-3]
+    count = int(np.prod(lead)) if lead else 1
+    yy, xx = np.mgrid[0:height, 0:width]
+    out = np.empty((count, height, width, 3), np.uint8)
+    side = max(2, min(height, width) // 4)
+    color = np.array(_COLORS[(episode + camera) % len(_COLORS)], np.uint8)
+    for i in range(count):
+        t = step * count + i
+        out[i, ..., 0] = (xx * 160 // max(1, width - 1) + 20 * camera).astype(np.uint8)
+        out[i, ..., 1] = (yy * 160 // max(1, height - 1)).astype(np.uint8)
+        out[i, ..., 2] = 60 + 40 * episode
+        angle = 0.5 * t + 2.0 * episode
+        cy = int((height - side) * (0.5 + 0.4 * np.sin(angle)))
+        cx = int((width - side) * (0.5 + 0.4 * np.cos(angle * (1 + 0.3 * camera))))
+        out[i, cy:cy + side, cx:cx + side] = color
+    return out.reshape(shape)
+
+
+def _trajectory(shape: tuple[int, ...], dtype: str, episode: int, step: int, field_index: int) -> Any:
+    import numpy as np
+
+    count = int(np.prod(shape)) if shape else 1
+    phase = np.arange(count) * 0.7 + episode * 1.3 + field_index
+    values = 0.5 * np.sin(0.4 * step + phase)
+    if np.dtype(dtype).kind in "iu":
+        values = (values > 0).astype(dtype)
+    return values.astype(dtype).reshape(shape)
+
+
+def demo_step(schema: ObservationSchema, image_size: tuple[int, int], episode: int, step: int,
+              num_frames: int = 1) -> dict[str, Any]:
+    arrays: dict[str, Any] = {}
+    cameras = 0
+    for index, f in enumerate(schema.fields):
+        if f.dtype == "str":
+            continue
+        shape = concrete_shape(f, image_size, num_frames)
+        if is_image_field(f):
+            arrays[f.name] = _frames(shape, episode, step, cameras)
+            cameras += 1
+        else:
+            arrays[f.name] = _trajectory(shape, f.dtype, episode, step, index)
+    return arrays
+
+
+def demo_key(pipeline_name: str, schema: ObservationSchema, image_size: tuple[int, int], frames: tuple[int, ...]) -> str:
+    """A folder name that changes whenever the generated content would."""
+    text = repr((DEMO_VERSION, DEMO_STEPS, schema, tuple(image_size), frames))
+    digest = hashlib.sha256(text.encode()).hexdigest()[:10]
+    return f"{pipeline_name}-{image_size[0]}x{image_size[1]}-{digest}"
+
+
+def ensure_demo_episodes(pipeline_name: str, schema: ObservationSchema, image_size: tuple[int, int], *,
+                         model_config: Any = None, root: Path | None = None) -> Path:
+    """The folder of demo episodes for this schema, generated on first use. Returns the set's folder."""
+    from ardiff_cli.io.writer import write_episode
+
+    frames = tuple(frames_per_step(model_config, step) for step in range(max(DEMO_STEPS)))
+    base = (root or cache_dir()) / "demo"
+    target = base / demo_key(pipeline_name, schema, image_size, frames)
+    if target.is_dir():
+        return target
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=base))
+    try:
+        for episode, num_steps in enumerate(DEMO_STEPS):
+            steps = [demo_step(schema, image_size, episode, step, frames[step]) for step in range(num_steps)]
+            meta = {schema.prompt_key: DEMO_PROMPTS[episode % len(DEMO_PROMPTS)]} if schema.prompt_key else None
+            write_episode(tmp / f"demo_{episode}", steps, metadata=meta)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.is_dir():  # not a concurrent run that finished first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

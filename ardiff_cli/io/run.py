@@ -1,0 +1,221 @@
+"""The output folder of a rollout, and what ``--resume`` reads back from it.
+
+Layout::
+
+    <out>/
+      run.json                         # how the run was started (config, episodes, options): --resume reuses it
+      results.jsonl                    # one line per processed step (status "ok" or "failed"), appended as it runs
+      summary.json                     # counts, latency percentiles, evictions, capacity plan, versions (at the end)
+      episodes/<episode>/step_000003.safetensors   # the pipeline's outputs for step 3 (actions, latents, ...)
+      previews/<episode>.png           # observed (top) vs predicted (bottom) frames, with --preview
+
+Ordering makes it crash-safe: a step's output file is renamed into place
+before its results line is appended, so every ``ok`` line names a complete
+file, and a step without a line is simply run again on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ardiff_cli.io.atomic import JsonlAppender, atomic_write_bytes, atomic_write_json, read_jsonl
+from ardiff_cli.runtime.errors import ConfigError
+
+RUN_FILE = "run.json"
+RESULTS_FILE = "results.jsonl"
+SUMMARY_FILE = "summary.json"
+EPISODES_DIR = "episodes"
+PREVIEWS_DIR = "previews"
+RUN_FORMAT = 1  # version of this layout
+
+
+def default_out_dir(now: float | None = None) -> Path:
+    """./ardiff-runs/<YYYYmmdd-HHMMSS>, with a suffix when that exists already."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    base = Path("ardiff-runs") / stamp
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{stamp}-{n}")
+    return path
+
+
+class RunFolder:
+    """Reads and writes one run's folder."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)  # the --out folder
+        self._results: JsonlAppender | None = None  # opened on first append
+
+    # -- paths ---------------------------------------------------------------------------------------------
+
+    @property
+    def results_path(self) -> Path:
+        return self.root / RESULTS_FILE
+
+    @property
+    def summary_path(self) -> Path:
+        return self.root / SUMMARY_FILE
+
+    def step_output(self, episode: str, step: int) -> Path:
+        return self.root / EPISODES_DIR / episode / f"step_{step:06d}.safetensors"
+
+    def preview_path(self, episode: str) -> Path:
+        return self.root / PREVIEWS_DIR / f"{episode}.png"
+
+    def relative(self, path: Path) -> str:
+        return path.relative_to(self.root).as_posix()
+
+    # -- starting and resuming -----------------------------------------------------------------------------
+
+    def holds_run(self) -> bool:
+        return (self.root / RUN_FILE).exists() or self.results_path.exists()
+
+    def start(self, info: Mapping[str, Any]) -> None:
+        """A fresh run: refuse a folder that holds one already (it would be mixed with this one)."""
+        if self.holds_run():
+            raise ConfigError(
+                f"{self.root} already holds a run",
+                hint="continue it with --resume, or choose another --out",
+            )
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.root / RUN_FILE, {"format": RUN_FORMAT, **info})
+
+    def read_info(self) -> dict[str, Any]:
+        path = self.root / RUN_FILE
+        if not path.exists():
+            raise ConfigError(f"nothing to resume: {path} does not exist",
+                              hint="run without --resume to start a run in this folder")
+        try:
+            info = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{path}: cannot read run info: {exc}") from None
+        if info.get("format") != RUN_FORMAT:
+            raise ConfigError(f"{path}: written by an incompatible ardiff (format {info.get('format')!r})")
+        return info
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every whole line of results.jsonl, in order."""
+        return list(read_jsonl(self.results_path))
+
+    def done_steps(self, records: Iterable[Mapping[str, Any]] | None = None) -> dict[str, set[int]]:
+        """Episode -> steps with an ``ok`` line whose output file exists (those are not run again)."""
+        done: dict[str, set[int]] = {}
+        for record in self.records() if records is None else records:
+            if record.get("status") == "ok" and (self.root / record["output"]).is_file():
+                done.setdefault(record["episode"], set()).add(int(record["step"]))
+        return done
+
+    # -- writing -------------------------------------------------------------------------------------------
+
+    def write_step_outputs(self, episode: str, step: int, outputs: Mapping[str, Any],
+                           metadata: Mapping[str, str]) -> Path:
+        """The pipeline's array outputs of one step as one safetensors file (atomically)."""
+        from ardiff_cli.io.writer import encode_arrays
+
+        arrays = {k: v for k, v in outputs.items() if _is_array(v)}
+        path = self.step_output(episode, step)
+        atomic_write_bytes(path, encode_arrays(arrays, metadata=metadata))
+        return path
+
+    def append_result(self, record: Mapping[str, Any]) -> None:
+        if self._results is None:
+            self._results = JsonlAppender(self.results_path)
+        self._results.append(record)
+
+    def write_preview(self, episode: str, image: Any) -> Path:
+        from ardiff_cli.io.png import encode_png
+
+        return atomic_write_bytes(self.preview_path(episode), encode_png(image))
+
+    def write_summary(self, summary: Mapping[str, Any]) -> Path:
+        return atomic_write_json(self.summary_path, summary)
+
+    def close(self) -> None:
+        if self._results is not None:
+            self._results.close()
+            self._results = None
+
+
+def _is_array(value: Any) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype")
+
+
+# -- summary -------------------------------------------------------------------------------------------------
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    """p50/p90/p99 (nearest rank), mean and max; None when there are no values."""
+    if not values:
+        return {"count": 0, "p50": None, "p90": None, "p99": None, "mean": None, "max": None}
+    ordered = sorted(values)
+
+    def rank(q: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, int(-(-q * len(ordered) // 1)) - 1))]
+
+    return {"count": len(ordered), "p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99),
+            "mean": sum(ordered) / len(ordered), "max": ordered[-1]}
+
+
+def versions() -> dict[str, str | None]:
+    import importlib.metadata
+
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for package in ("ardiff", "torch", "numpy", "safetensors", "rich", "typer", "pyyaml"):
+        try:
+            found[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def build_summary(records: list[Mapping[str, Any]], *, episodes: list[str], failed: Mapping[str, str],
+                  info: Mapping[str, Any], plan: Mapping[str, Any] | None, this_run: Mapping[str, int],
+                  wall_s: float, status: str, exit_code: int, root: Path) -> dict[str, Any]:
+    """summary.json: everything in results.jsonl (this run and earlier ones) plus this run's counters."""
+    ok = [r for r in records if r.get("status") == "ok"]
+    steps_by_episode: dict[str, int] = {}
+    for record in ok:
+        steps_by_episode[record["episode"]] = steps_by_episode.get(record["episode"], 0) + 1
+    completed = [e for e in episodes if e not in failed and e in set(this_run.get("completed_episodes", ()))]
+    return {
+        "kind": "summary",
+        "status": status,
+        "exit_code": exit_code,
+        "out": str(root),
+        "config": info.get("config"),
+        "pipeline": info.get("pipeline"),
+        "device": info.get("device"),
+        "dtype": info.get("dtype"),
+        "order": info.get("order"),
+        "episodes": {
+            "total": len(episodes),
+            "completed": len(completed),
+            "failed": len(failed),
+            "incomplete": len(episodes) - len(completed) - len(failed),
+            "steps": {e: steps_by_episode.get(e, 0) for e in episodes},
+            "failures": dict(failed),
+        },
+        "steps": {
+            "ok": len(ok),
+            "failed": sum(1 for r in records if r.get("status") == "failed"),
+            "this_run": this_run.get("steps", 0),
+            "skipped_done": this_run.get("skipped", 0),
+            "replayed": this_run.get("replayed", 0),
+        },
+        "latency_s": {
+            "total": percentiles([r["latency"]["total_s"] for r in ok if r.get("latency")]),
+            "forward": percentiles([r["latency"]["forward_s"] for r in ok if r.get("latency")]),
+        },
+        "evictions": sum(int(r.get("evictions", 0)) for r in ok),
+        "evictions_this_run": this_run.get("evictions", 0),
+        "wall_s": wall_s,
+        "steps_per_s": (this_run.get("steps", 0) / wall_s) if wall_s > 0 else None,
+        "capacity_plan": plan,
+        "versions": versions(),
+        "host": platform.platform(),
+    }

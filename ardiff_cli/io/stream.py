@@ -1,0 +1,224 @@
+"""Which step runs next: round-robin or sequential over episodes, optionally following live folders.
+
+Each episode is one persistent session. Round-robin interleaves one step of
+each active episode in turn, the way several robots share one model;
+sequential finishes an episode before starting the next. With ``follow``, an
+episode's folder is rescanned for new step files until its END marker appears
+(and every step before it ran) or no new file arrived for ``idle_timeout``
+seconds.
+
+A follower only takes a file once its size was the same at two polls, so a
+writer that does not rename still never hands over half a file.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ardiff_cli.io.episode import EpisodeSource, StepFile
+from ardiff_cli.runtime.errors import ObservationError
+
+
+@dataclass(frozen=True, slots=True)
+class StepTask:
+    """One step to run."""
+
+    episode: EpisodeSource
+    file: StepFile
+    ordinal: int  # position of the step in its episode (the chunk index), counting steps already done
+    is_last: bool  # known to be the episode's last step: its session is closed after it
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeEnded:
+    """An episode has no more steps to run."""
+
+    episode: EpisodeSource
+    reason: str  # "complete", "end_marker", "idle_timeout", or "error" (its folder could not be read)
+    error: ObservationError | None = None  # for reason "error"
+
+
+@dataclass
+class _Track:
+    """Scheduling state of one episode."""
+
+    source: EpisodeSource
+    done: set[int]  # step numbers already in results.jsonl (resume): skipped, but part of the history
+    files: list[StepFile] = field(default_factory=list)  # known step files, in step order
+    cursor: int = 0  # index in ``files`` of the next step to consider
+    current: int = 0  # ordinal of the step handed out last: ``files[:current]`` is its history
+    sizes: dict[str, int] = field(default_factory=dict)  # follow: size of each unready file at the last poll
+    last_activity: float = 0.0  # follow: when a step last arrived or was handed out (idle timer)
+    ended: bool = False
+
+
+class StepScheduler:
+    """Hands out :class:`StepTask` and :class:`EpisodeEnded` items; ``None`` when every episode ended.
+
+    The caller reports a failed episode with :meth:`drop`; its remaining steps are skipped.
+    """
+
+    def __init__(self, episodes: list[EpisodeSource], *, order: str = "round-robin", follow: bool = False,
+                 idle_timeout: float = 60.0, poll_interval: float = 0.1, done: dict[str, set[int]] | None = None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+        if order not in ("round-robin", "sequential"):
+            raise ValueError(f"order must be 'round-robin' or 'sequential', got {order!r}")
+        self.order = order
+        self.follow = follow  # rescan folders for new step files
+        self.idle_timeout = idle_timeout  # follow: an episode idle this long (no new file) ends
+        self.poll_interval = poll_interval  # follow: pause between rescans when nothing is ready
+        self._clock = clock
+        self._sleep = sleep
+        done = done or {}
+        now = clock()
+        self._tracks = [_Track(source=e, done=set(done.get(e.name, ())), last_activity=now) for e in episodes]
+        self._turn = 0  # round-robin: index of the episode whose turn is next
+        self._pending_ends: list[EpisodeEnded] = []  # items to hand out before any further step
+        if not follow:
+            for track in self._tracks:
+                self._guarded_scan(track)
+
+    # -- queries -------------------------------------------------------------------------------------------
+
+    def history(self, episode_name: str) -> list[StepFile]:
+        """Steps of ``episode_name`` before the one handed out last, in order (to rebuild its session)."""
+        track = self._track(episode_name)
+        return track.files[:track.current]
+
+    def num_known(self, episode_name: str) -> int:
+        """Step files of ``episode_name`` known so far (all of them unless following)."""
+        return len(self._track(episode_name).files)
+
+    def num_pending(self) -> int:
+        """Steps known and not yet handed out (grows while following)."""
+        return sum(
+            sum(1 for f in t.files[t.cursor:] if f.step not in t.done) for t in self._tracks if not t.ended
+        )
+
+    # -- control -------------------------------------------------------------------------------------------
+
+    def drop(self, episode_name: str) -> None:
+        """Stop scheduling ``episode_name`` (it failed); no EpisodeEnded follows."""
+        self._track(episode_name).ended = True
+
+    def next(self) -> StepTask | EpisodeEnded | None:
+        """The next item; in follow mode this waits (polling) for files to arrive."""
+        while True:
+            if self._pending_ends:
+                return self._pending_ends.pop(0)
+            active = [t for t in self._tracks if not t.ended]
+            if not active:
+                return None
+            if self.follow:
+                for track in active:
+                    self._guarded_scan(track)
+            item = self._pick()
+            if item is not None:
+                return item
+            if not self._pending_ends:
+                self._sleep(self.poll_interval)
+
+    # -- internals -----------------------------------------------------------------------------------------
+
+    def _track(self, name: str) -> _Track:
+        for track in self._tracks:
+            if track.source.name == name:
+                return track
+        raise KeyError(f"unknown episode {name!r}")
+
+    def _pick(self) -> StepTask | None:
+        n = len(self._tracks)
+        if self.order == "sequential":
+            candidates = [t for t in self._tracks if not t.ended][:1]
+        else:
+            candidates = [self._tracks[(self._turn + i) % n] for i in range(n)]
+        for track in candidates:
+            if track.ended:
+                continue
+            task = self._advance(track)
+            if task is not None or self._pending_ends:  # a step, or this episode just ended
+                self._turn = (self._tracks.index(track) + 1) % n
+                return task
+        return None
+
+    def _advance(self, track: _Track) -> StepTask | None:
+        """The next undone step of ``track`` (done ones are skipped); queues its end when it has none."""
+        while track.cursor < len(track.files):
+            step_file = track.files[track.cursor]
+            ordinal = track.cursor
+            track.cursor += 1
+            if step_file.step in track.done:
+                continue
+            track.current = ordinal
+            track.last_activity = self._clock()
+            return StepTask(episode=track.source, file=step_file, ordinal=ordinal, is_last=self._is_last(track))
+        reason = self._end_reason(track)
+        if reason is not None:
+            track.ended = True
+            track.current = len(track.files)
+            self._pending_ends.append(EpisodeEnded(episode=track.source, reason=reason))
+        return None
+
+    def _is_last(self, track: _Track) -> bool:
+        if track.cursor < len(track.files):
+            return False
+        if not self.follow:
+            return True
+        if not track.source.has_end_marker():
+            return False
+        self._guarded_scan(track)  # a step written just before the marker
+        return track.cursor >= len(track.files) and not track.sizes and not track.ended
+
+    def _end_reason(self, track: _Track) -> str | None:
+        if not self.follow:
+            return "complete"
+        if track.source.has_end_marker():
+            self._guarded_scan(track)
+            return "end_marker" if track.cursor >= len(track.files) and not track.sizes else None
+        if self._clock() - track.last_activity >= self.idle_timeout:
+            return "idle_timeout"
+        return None
+
+    def _guarded_scan(self, track: _Track) -> None:
+        """Scan ``track``'s folder; an unreadable folder ends the episode with an error item."""
+        if track.ended:
+            return
+        try:
+            self._scan(track)
+        except ObservationError as exc:
+            track.ended = True
+            self._pending_ends.append(EpisodeEnded(episode=track.source, reason="error", error=exc))
+
+    def _scan(self, track: _Track) -> None:
+        if not self.follow:
+            track.files = track.source.scan()
+            return
+        if not track.source.path.exists():
+            return
+        known = {f.path.name for f in track.files}
+        last = track.files[-1].step if track.files else -1
+        blocked = False  # an earlier new file is not stable yet: later ones wait for it
+        for step_file in track.source.scan():
+            name = step_file.path.name
+            if name in known:
+                continue
+            try:
+                size = step_file.path.stat().st_size
+            except FileNotFoundError:
+                continue
+            stable = track.sizes.get(name) == size and size > 0
+            if blocked or not stable:
+                track.sizes[name] = size
+                blocked = True
+                continue
+            if step_file.step <= last:
+                raise ObservationError(
+                    f"{step_file.path}: step {step_file.step} arrived after step {last} had already run",
+                    hint="write the steps of an episode in increasing step order",
+                )
+            del track.sizes[name]
+            track.files.append(step_file)
+            last = step_file.step
+            track.last_activity = self._clock()

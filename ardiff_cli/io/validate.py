@@ -1,0 +1,45 @@
+"""Check one step file against a pipeline's ``ObservationSchema`` before it reaches the model.
+
+File-level concerns live here: where the prompt comes from (the file's
+metadata, else ``episode.yaml``) and extra keys a recording carries
+(timestamps, other sensors), which are ignored with a warning instead of
+failing the file. The array checks themselves (key, dtype and shape, expected
+versus got, every problem at once) are the shared validator the pipelines also
+run on ``request.inputs``, so a file and a Python request fail alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ardiff_cli.runtime.errors import did_you_mean
+from ardiff_cli.runtime.observation import ObservationSchema
+
+from ardiff_cli.io.episode import RawStep
+
+
+@dataclass(slots=True)
+class ValidStep:
+    inputs: dict[str, Any]  # canonical key -> numpy array, plus the prompt under schema.prompt_key
+    warnings: list[str] = field(default_factory=list)  # extra keys (ignored)
+
+
+def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
+                  episode_metadata: dict[str, Any] | None = None) -> ValidStep:
+    """Canonical inputs for the model, or an ``ObservationError`` naming ``path`` and every problem."""
+    from ardiff_cli.runtime.observation import validate_observation
+
+    prompt_keys = (schema.prompt_key, *schema.prompt_aliases) if schema.prompt_key else ()
+    field_keys = {k for f in schema.fields for k in f.keys}
+    arrays = {k: v for k, v in raw.arrays.items() if k in field_keys or k in prompt_keys}
+    warnings = [f"{path}: key {k!r} is not in the pipeline's schema; ignored{did_you_mean(k, field_keys)}"
+                for k in sorted(raw.arrays) if k not in arrays]
+    if schema.prompt_key and not any(k in arrays for k in prompt_keys):
+        for source in (raw.metadata, episode_metadata or {}):
+            key = next((k for k in prompt_keys if k in source), None)
+            if key is not None:
+                arrays[key] = source[key]
+                break
+    return ValidStep(inputs=validate_observation(schema, arrays, where=str(path)), warnings=warnings)

@@ -1,0 +1,101 @@
+"""Write episodes from arrays: the format ``ardiff rollout`` reads.
+
+Example (a robot loop, or a conversion script)::
+
+    from ardiff_cli.io import write_episode, write_step, end_episode
+
+    # all at once
+    write_episode("data/pick_cube", steps, prompt="pick up the red cube")
+    # where steps = [{"exterior_image": uint8 (H, W, 3), "joint_position": float32 (7,), ...}, ...]
+
+    # or one step at a time, while ``ardiff rollout --follow data/pick_cube`` watches the folder
+    write_step("data/pick_cube", 0, step0, prompt="pick up the red cube")
+    write_step("data/pick_cube", 1, step1)
+    end_episode("data/pick_cube")
+
+Every file is written under a temporary name and renamed, so a reader never
+sees half a step.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ardiff_cli.io.atomic import atomic_write_bytes, atomic_write_text
+from ardiff_cli.io.episode import END_MARKER, METADATA_FILE
+
+FORMATS = ("safetensors", "npz")
+
+
+def to_numpy(value: Any):
+    """A numpy array from a numpy array, a torch tensor (any device; bfloat16 becomes float32) or a list."""
+    import numpy as np
+
+    if hasattr(value, "detach"):  # torch.Tensor, without importing torch
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":
+            value = value.float()
+        value = value.numpy()
+    return np.ascontiguousarray(np.asarray(value))
+
+
+def encode_arrays(arrays: Mapping[str, Any], *, format: str = "safetensors",
+                  metadata: Mapping[str, str] | None = None) -> bytes:
+    """The bytes of one .safetensors or .npz file holding ``arrays`` (and text ``metadata``)."""
+    import numpy as np
+
+    data = {str(k): to_numpy(v) for k, v in arrays.items()}
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    if format == "safetensors":
+        from safetensors.numpy import save
+
+        return save(data, metadata=meta or None)
+    if format == "npz":
+        buffer = io.BytesIO()
+        np.savez(buffer, **data, **{k: np.array(v) for k, v in meta.items()})
+        return buffer.getvalue()
+    raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+
+
+def write_step(folder: str | os.PathLike, step: int, arrays: Mapping[str, Any], *, prompt: str | None = None,
+               metadata: Mapping[str, str] | None = None, format: str = "safetensors") -> Path:
+    """Write step ``step`` of the episode in ``folder`` (created if needed); returns the file's path.
+
+    ``prompt`` and ``metadata`` go to the safetensors metadata (or 0-d string
+    arrays in an .npz); a step's prompt overrides the one in ``episode.yaml``.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    meta = dict(metadata or {})
+    if prompt is not None:
+        meta["prompt"] = prompt
+    path = Path(folder) / f"step_{step:06d}.{format}"
+    return atomic_write_bytes(path, encode_arrays(arrays, format=format, metadata=meta))
+
+
+def write_episode(folder: str | os.PathLike, steps: Sequence[Mapping[str, Any]], *, prompt: str | None = None,
+                  metadata: Mapping[str, Any] | None = None, format: str = "safetensors", first_step: int = 0,
+                  end: bool = True) -> list[Path]:
+    """Write a whole episode: ``episode.yaml`` (prompt + metadata), one file per step, and the END marker."""
+    import yaml
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    info = dict(metadata or {})
+    if prompt is not None:
+        info["prompt"] = prompt
+    if info:
+        atomic_write_text(folder / METADATA_FILE, yaml.safe_dump(info, sort_keys=False))
+    paths = [write_step(folder, first_step + i, arrays, format=format) for i, arrays in enumerate(steps)]
+    if end:
+        end_episode(folder)
+    return paths
+
+
+def end_episode(folder: str | os.PathLike) -> Path:
+    """Mark the episode complete (``--follow`` stops waiting for it)."""
+    return atomic_write_bytes(Path(folder) / END_MARKER, b"")

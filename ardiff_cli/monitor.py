@@ -1,0 +1,156 @@
+"""The CLI side of runtime events: keeps the live snapshot and echoes events in plain and json formats.
+
+``RunMonitor.on_event`` is subscribed to the engine (``engine.subscribe``);
+the command calls ``refresh(runner)`` after each request so the snapshot holds
+the runner's session and pool views. ``snapshot()`` may be called from Rich's
+refresh thread at any time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import replace
+from typing import Any
+
+from ardiff_cli.output import Output
+from ardiff_cli.panels import EventRow, SessionRow, Snapshot
+from ardiff_cli.runtime.capacity import format_bytes
+
+# runtime event kind -> short name shown in the event log and in plain lines
+SHORT_KINDS = {
+    "session_admitted": "admitted",
+    "session_evicted": "evicted",
+    "session_reset": "reset",
+    "session_closed": "closed",
+    "hook_failed": "hook_failed",
+    "warmup_finished": "warmup",
+    "capacity_planned": "planned",
+    "request_finished": "request",
+}
+
+
+def describe_event(data: dict[str, Any]) -> str:
+    """One line of detail for an event dict (runtime ``to_dict()`` or a CLI event)."""
+    kind = data.get("kind")
+    if kind == "session_evicted":
+        by = data.get("by_session_id")
+        return f"{data.get('reason', '')}" + (f" (by {by})" if by else "")
+    if kind in ("session_reset", "session_closed"):
+        error = data.get("error")
+        return str(data.get("reason", "")) + (f": {error}" if error else "")
+    if kind == "hook_failed":
+        return f"{data.get('hook')}: {data.get('error')}"
+    if kind == "warmup_finished":
+        restored = "pool restored" if data.get("restored") else "POOL NOT RESTORED"
+        return f"{data.get('num_requests')} requests in {data.get('seconds', 0):.3f}s, {restored}"
+    if kind == "capacity_planned":
+        plan = data.get("plan", {})
+        return (f"{plan.get('session_capacity')} sessions, {plan.get('num_managed_pages')} pages of "
+                f"{format_bytes(plan.get('bytes_per_page', 0))}, budget {format_bytes(plan.get('budget_bytes', 0))}")
+    if kind == "request_finished":
+        return f"{data.get('request_id')} {data.get('total_s', 0) * 1000:.1f} ms"
+    return str(data.get("detail", ""))
+
+
+class RunMonitor:
+    """Collects what the live panels show; echoes events to the output sink."""
+
+    def __init__(self, out: Output, title: str, *, max_events: int = 8, echo_requests: bool = False) -> None:
+        self.out = out  # where plain/json event lines go
+        self.echo_requests = echo_requests  # also echo request_finished in plain format (warmup)
+        self._lock = threading.Lock()  # the refresh thread reads while the main thread writes
+        self._t0 = time.time()  # wall clock of the run's start (event times are relative to it)
+        self._start = time.monotonic()
+        self._events: deque[EventRow] = deque(maxlen=max_events)
+        self._episodes: dict[str, tuple[str, int, int | None]] = {}  # session -> (episode label, done, total)
+        self._snapshot = Snapshot(title=title)
+
+    # -- inputs --------------------------------------------------------------------------------------------
+
+    def on_event(self, event: Any) -> None:
+        """Engine subscriber: every runtime event, in order."""
+        data = event.to_dict()
+        kind = data["kind"]
+        with self._lock:
+            if kind == "capacity_planned":
+                plan = event.plan
+                self._snapshot = replace(
+                    self._snapshot, device=event.device, dtype=plan.dtype, budget_bytes=plan.budget_bytes,
+                    available_bytes=plan.available_bytes, page_size=plan.page_size, bytes_per_page=plan.bytes_per_page,
+                    pages_total=plan.num_managed_pages, session_capacity=plan.session_capacity,
+                    extra={**self._snapshot.extra, "attention": data.get("attention_backend", "torch")})
+            elif kind == "session_evicted":
+                self._snapshot = replace(self._snapshot, evictions=self._snapshot.evictions + 1)
+            if kind not in ("request_finished", "capacity_planned"):
+                self._events.append(EventRow(at_s=data["time"] - self._t0, kind=SHORT_KINDS.get(kind, kind),
+                                             session_id=str(data.get("session_id", "")), detail=describe_event(data)))
+        if kind == "request_finished" and not self.echo_requests:
+            if self.out.is_json:
+                self.out.json(data)
+            return
+        self.emit(data)
+
+    def emit(self, data: dict[str, Any]) -> None:
+        """Echo one event: a JSON line (json) or a text line on stderr (plain)."""
+        at = data.get("time", time.time()) - self._t0
+        kind = SHORT_KINDS.get(data["kind"], data["kind"])
+        session = data.get("session_id") or data.get("session") or ""
+        self.out.event(data, f"+{at:8.3f}s {kind:<11} {session} {describe_event(data)}".rstrip())
+
+    def log(self, kind: str, session_id: str, detail: str, *, echo: bool = True, **data: Any) -> None:
+        """A CLI event (episode ended, replay, ...): into the event log, and echoed unless ``echo`` is False."""
+        now = time.time()
+        with self._lock:
+            self._events.append(EventRow(at_s=now - self._t0, kind=kind, session_id=session_id, detail=detail))
+        if echo:
+            self.emit({"kind": kind, "session_id": session_id, "detail": detail, "time": now, **data})
+
+    def set_phase(self, phase: str) -> None:
+        with self._lock:
+            self._snapshot = replace(self._snapshot, phase=phase)
+
+    def set_episode(self, session_id: str, label: str, done: int, total: int | None) -> None:
+        with self._lock:
+            self._episodes[session_id] = (label, done, total)
+
+    def set_progress(self, *, done: int | None = None, total: int | None | str = "keep", failed: int | None = None,
+                     replayed: int | None = None) -> None:
+        with self._lock:
+            s = self._snapshot
+            self._snapshot = replace(
+                s,
+                steps_done=s.steps_done if done is None else done,
+                steps_total=s.steps_total if total == "keep" else total,
+                steps_failed=s.steps_failed if failed is None else failed,
+                steps_replayed=s.steps_replayed if replayed is None else replayed,
+            )
+
+    def set_extra(self, label: str, value: str) -> None:
+        with self._lock:
+            self._snapshot = replace(self._snapshot, extra={**self._snapshot.extra, label: value})
+
+    def refresh(self, runner: Any) -> None:
+        """Read the runner's session and pool views (call from the thread that runs requests)."""
+        views = runner.sessions()
+        usage = runner.pool_usage()
+        with self._lock:
+            rows = []
+            for view in views:
+                label, done, total = self._episodes.get(view.session_id, (view.session_id, view.num_requests, None))
+                rows.append(SessionRow(session_id=view.session_id, episode=label, steps_done=done, steps_total=total,
+                                       pages_per_branch=dict(view.pages_per_branch),
+                                       cross_attention_bytes=view.cross_attention_bytes,
+                                       last_latency_s=view.last_latency_s))
+            self._snapshot = replace(self._snapshot, sessions=tuple(rows), pages_used=usage.num_used,
+                                     pages_total=usage.num_pages)
+
+    # -- output --------------------------------------------------------------------------------------------
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._start
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            return replace(self._snapshot, events=tuple(self._events), elapsed_s=self.elapsed())

@@ -1,0 +1,110 @@
+"""Shared arguments and options, declared once so command signatures stay short.
+
+Options whose default comes from the config file (device, dtype, budget,
+capacity, fraction) default to ``None`` here: ``None`` means "what the config
+says", and the config's own default applies when it says nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ardiff_cli.output import Format
+
+DEFAULT_CONFIG = "dreamzero-tiny"  # the small DreamZero-style built-in config
+RUNTIME_PANEL = "Model and memory"  # --help section of the runtime overrides
+OUTPUT_PANEL = "Output format"  # --help section of --format/--quiet/--verbose
+
+
+class Device(str, enum.Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Dtype(str, enum.Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Order(str, enum.Enum):
+    round_robin = "round-robin"
+    sequential = "sequential"
+
+
+def check_byte_size(value: Optional[str]) -> Optional[str]:
+    """Check a byte size early (so a typo is a usage error); the command parses it again."""
+    if value is None or value == "auto":
+        return value
+    from ardiff_cli.runtime.capacity import parse_bytes
+    from ardiff_cli.runtime.errors import ConfigError
+
+    try:
+        parse_bytes(value)
+    except ConfigError as exc:
+        raise typer.BadParameter(f"{exc} ({exc.hint})") from None
+    return value
+
+
+ConfigArg = Annotated[
+    Optional[str],
+    typer.Argument(
+        metavar="CONFIG",
+        help=f"A config YAML path or a built-in config name. \\[default: {DEFAULT_CONFIG}]",
+        show_default=False,
+    ),
+]
+EpisodesArg = Annotated[
+    Optional[list[Path]],
+    typer.Argument(
+        metavar="EPISODE",
+        help="Episode folders (step files), or folders of episode folders. \\[default: the bundled demo episodes]",
+        show_default=False,
+    ),
+]
+OutOpt = Annotated[
+    Optional[Path],
+    typer.Option("--out", "-o", help="Output folder. \\[default: ./ardiff-runs/<timestamp>]", show_default=False),
+]
+DeviceOpt = Annotated[
+    Optional[Device],
+    typer.Option("--device", rich_help_panel=RUNTIME_PANEL, help="Where the model runs. \\[default: the config's, else auto]", show_default=False,
+                 case_sensitive=False),
+]
+DtypeOpt = Annotated[
+    Optional[Dtype],
+    typer.Option("--dtype", rich_help_panel=RUNTIME_PANEL, help="Weights and KV cache dtype. \\[default: the config's, else float32]",
+                 show_default=False, case_sensitive=False),
+]
+MemoryBudgetOpt = Annotated[
+    Optional[str],
+    typer.Option("--memory-budget", rich_help_panel=RUNTIME_PANEL, metavar="BYTES", callback=check_byte_size,
+                 help="Memory the KV cache may plan with, e.g. 512MiB or 2GiB. "
+                      "\\[default: the config's, else free device memory (host memory on CPU)]", show_default=False),
+]
+SessionCapacityOpt = Annotated[
+    Optional[int],
+    typer.Option("--session-capacity", rich_help_panel=RUNTIME_PANEL, min=1, metavar="N",
+                 help="Most sessions kept resident; more evicts the least recently used. "
+                      "\\[default: the config's, else the pipeline's]", show_default=False),
+]
+GpuMemoryFractionOpt = Annotated[
+    Optional[float],
+    typer.Option("--gpu-memory-fraction", rich_help_panel=RUNTIME_PANEL, metavar="F",
+                 help="Share of the available memory the KV pools may take beyond one session. "
+                      "\\[default: the config's, else 0.9]", show_default=False),
+]
+FormatOpt = Annotated[
+    Format,
+    typer.Option("--format", rich_help_panel=OUTPUT_PANEL, case_sensitive=False,
+                 help="auto: rich on a terminal, plain otherwise; json: only JSON lines on stdout."),
+]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT_PANEL,
+                                         help="Only data and errors; no progress or events.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", rich_help_panel=OUTPUT_PANEL,
+                                           help="Debug lines, and tracebacks with errors.")]

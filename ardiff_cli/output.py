@@ -1,0 +1,208 @@
+"""The one output sink every command writes through (never ``print``).
+
+Streams: data (results, tables, JSON objects) goes to stdout; progress, logs,
+warnings, errors and hints go to stderr, so ``ardiff ... > result.json`` keeps
+a clean file while a human still sees what happens.
+
+Formats:
+
+- ``rich``: colours, tables and a live panel on stderr (only when both streams are terminals).
+- ``plain``: no escape codes at all; one line per event on stderr.
+- ``json``: stdout carries only JSON objects, one per line; humans read stderr.
+
+``--quiet`` silences progress and warnings (errors and data stay). ``NO_COLOR``
+is honoured by every format (Rich reads it; plain and json never colour).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from typing import IO, Any
+
+
+class Format(str, enum.Enum):
+    """Values of ``--format``."""
+
+    auto = "auto"
+    rich = "rich"
+    plain = "plain"
+    json = "json"
+
+
+def resolve_format(requested: Format | str, *, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> Format:
+    """``auto`` is rich when stdout and stderr are both terminals (and TERM is not dumb), plain otherwise."""
+    requested = Format(requested)
+    if requested is not Format.auto:
+        return requested
+    streams = (stdout or sys.stdout, stderr or sys.stderr)
+    tty = all(_isatty(stream) for stream in streams)
+    return Format.rich if tty and os.environ.get("TERM") != "dumb" else Format.plain
+
+
+def _isatty(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def to_jsonable(value: Any) -> Any:
+    """Make dataclass dicts, tuples, paths and numpy scalars JSON-serialisable."""
+    if isinstance(value, Mapping):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        return value.item()
+    return str(value)
+
+
+class Output:
+    """Where a command's output goes. Build one per command with :meth:`create`."""
+
+    def __init__(
+        self,
+        format: Format,
+        *,
+        quiet: bool = False,
+        verbose: bool = False,
+        stdout: IO[str] | None = None,
+        stderr: IO[str] | None = None,
+    ) -> None:
+        assert format is not Format.auto, "resolve the format before building the sink"
+        self.format = format  # resolved format: rich, plain or json
+        self.quiet = quiet  # progress, events and warnings silenced
+        self.verbose = verbose  # debug lines and tracebacks shown
+        self._stdout = stdout or sys.stdout  # data stream
+        self._stderr = stderr or sys.stderr  # human stream
+        self._consoles: dict[str, Any] = {}  # Rich consoles, built on first use (Rich import is lazy)
+
+    @classmethod
+    def create(cls, format: Format | str = Format.auto, *, quiet: bool = False, verbose: bool = False) -> Output:
+        return cls(resolve_format(format), quiet=quiet, verbose=verbose)
+
+    # -- consoles -----------------------------------------------------------------------------------------
+
+    def console(self, stream: str = "stderr"):
+        """The Rich console of ``stream`` ("stdout" or "stderr"); colourless unless the format is rich."""
+        console = self._consoles.get(stream)
+        if console is None:
+            from rich.console import Console
+
+            file = self._stdout if stream == "stdout" else self._stderr
+            if self.format is Format.rich:
+                console = Console(file=file, highlight=False, soft_wrap=False)
+            else:
+                # No colour, no cursor movement, no terminal features: plain text only.
+                console = Console(file=file, color_system=None, force_terminal=False, force_interactive=False,
+                                  highlight=False, emoji=False, width=_plain_width())
+            self._consoles[stream] = console
+        return console
+
+    @property
+    def is_rich(self) -> bool:
+        return self.format is Format.rich
+
+    @property
+    def is_json(self) -> bool:
+        return self.format is Format.json
+
+    # -- data (stdout) ------------------------------------------------------------------------------------
+
+    def json(self, obj: Mapping[str, Any]) -> None:
+        """One JSON object on one stdout line (json format only)."""
+        self._stdout.write(json.dumps(to_jsonable(obj), separators=(",", ":"), allow_nan=False) + "\n")
+        self._stdout.flush()
+
+    def result(self, data: Mapping[str, Any], human: Callable[[bool], Any]) -> None:
+        """A command's result: ``data`` as JSON, or ``human(plain)`` (a renderable or text) on stdout."""
+        if self.is_json:
+            self.json(data)
+            return
+        renderable = human(not self.is_rich)
+        if isinstance(renderable, str) and not self.is_rich:
+            self._stdout.write(renderable.rstrip("\n") + "\n")
+            self._stdout.flush()
+        else:
+            self.console("stdout").print(renderable)
+
+    # -- events -------------------------------------------------------------------------------------------
+
+    def event(self, data: Mapping[str, Any], line: str) -> None:
+        """A runtime or rollout event: a JSON line on stdout (json), one text line on stderr (plain).
+
+        In rich format the live panel shows events, so nothing is printed here.
+        """
+        if self.is_json:
+            self.json(data)
+        elif self.format is Format.plain and not self.quiet:
+            self._write_err(line)
+
+    # -- human stream (stderr) ----------------------------------------------------------------------------
+
+    def info(self, message: str) -> None:
+        """Progress and logs (stderr); silenced by --quiet."""
+        if not self.quiet:
+            self._print_err("", message)
+
+    def debug(self, message: str) -> None:
+        if self.verbose:
+            self._print_err("[dim]debug:[/dim] ", message, plain_prefix="debug: ")
+
+    def warning(self, message: str) -> None:
+        if not self.quiet:
+            self._print_err("[yellow]warning:[/yellow] ", message, plain_prefix="warning: ")
+
+    def error(self, message: str, hint: str | None = None, *, exit_code: int | None = None,
+              kind: str = "error") -> None:
+        """'Error: ...' and 'hint: ...' on stderr (never silenced); json also gets an error object on stdout."""
+        self._print_err("[bold red]Error:[/bold red] ", message, plain_prefix="Error: ")
+        if hint:
+            self._print_err("[cyan]hint:[/cyan] ", hint, plain_prefix="hint: ")
+        if self.is_json:
+            self.json({"kind": kind, "message": message, "hint": hint, "exit_code": exit_code})
+
+    def traceback(self, exc: BaseException) -> None:
+        self._write_err("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip("\n"))
+
+    @contextlib.contextmanager
+    def live(self, get_renderable: Callable[[], Any], *, refresh_per_second: float = 4) -> Iterator[None]:
+        """A live display on stderr in rich format (a no-op otherwise)."""
+        if not self.is_rich or self.quiet:
+            yield
+            return
+        from rich.live import Live
+
+        with Live(get_renderable=get_renderable, console=self.console("stderr"), refresh_per_second=refresh_per_second,
+                  transient=False, redirect_stdout=False, redirect_stderr=False):
+            yield
+
+    def _print_err(self, rich_prefix: str, message: str, *, plain_prefix: str = "") -> None:
+        """``message`` is never read as markup; only the fixed prefix carries Rich styles."""
+        if self.is_rich:
+            from rich.markup import escape
+
+            self.console("stderr").print(rich_prefix + escape(message), markup=True)
+        else:
+            self._write_err(plain_prefix + message)
+
+    def _write_err(self, line: str) -> None:
+        self._stderr.write(line + "\n")
+        self._stderr.flush()
+
+
+def _plain_width() -> int:
+    """Width for plain tables: $COLUMNS when set, else wide enough that rows do not wrap in files."""
+    try:
+        return max(40, int(os.environ["COLUMNS"]))
+    except (KeyError, ValueError):
+        return 120
+

@@ -1,0 +1,242 @@
+"""The rollout loop: episode steps -> validated requests -> engine -> crash-safe outputs.
+
+Each episode is one persistent session (session id = episode name). The
+resident session of an episode must have consumed exactly the steps before
+the current one; when it has not (it was evicted by a newer session, or the
+run is resuming), the episode's earlier steps are replayed first with their
+outputs discarded. So an episode's outputs depend only on its own steps: not
+on the order, the session capacity or an interruption.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ardiff_cli.io.episode import EpisodeSource, StepFile, load_step
+from ardiff_cli.io.run import RunFolder
+from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
+from ardiff_cli.io.validate import validate_step
+from ardiff_cli.monitor import RunMonitor
+from ardiff_cli.output import Output
+from ardiff_cli.runtime.errors import ObservationError
+from ardiff_cli.runtime.observation import ObservationSchema
+from ardiff_cli.signals import StopSignals
+
+
+@dataclass(frozen=True)
+class RolloutOptions:
+    order: str = "round-robin"
+    follow: bool = False
+    idle_timeout: float = 60.0
+    poll_interval: float = 0.1
+    fail_fast: bool = False
+    preview: bool = False
+
+
+@dataclass
+class RolloutStats:
+    steps: int = 0  # steps run and written by this run
+    skipped: int = 0  # steps found done in results.jsonl (resume)
+    replayed: int = 0  # steps rerun to rebuild an evicted or resumed session
+    evictions: int = 0
+    failed: dict[str, str] = field(default_factory=dict)  # episode -> error message
+    completed_episodes: list[str] = field(default_factory=list)
+
+
+class Rollout:
+    """Runs every episode's pending steps through ``engine``; see the module docstring."""
+
+    def __init__(self, engine: Any, schema: ObservationSchema, episodes: list[EpisodeSource], run: RunFolder,
+                 out: Output, monitor: RunMonitor, signals: StopSignals, options: RolloutOptions,
+                 done: dict[str, set[int]]) -> None:
+        self.engine = engine
+        self.schema = schema  # what every step file must hold
+        self.episodes = episodes
+        self.run_folder = run
+        self.out = out
+        self.monitor = monitor
+        self.signals = signals
+        self.options = options
+        self.stats = RolloutStats(skipped=sum(len(done.get(e.name, ())) for e in episodes))
+        self.scheduler = StepScheduler(episodes, order=options.order, follow=options.follow,
+                                       idle_timeout=options.idle_timeout, poll_interval=options.poll_interval,
+                                       done=done)
+        # session id -> steps of its episode the resident session has consumed (absent: not resident)
+        self._resident: dict[str, int] = {}
+        self._captured: list[Any] = []  # runtime events of the request in flight
+        self._steps_done = {e.name: len(done.get(e.name, ())) for e in episodes}  # per episode, incl. earlier runs
+        self._warned: set[tuple[str, str]] = set()  # (episode, warning) shown once
+        engine.subscribe(self._on_event)
+
+    # -- events --------------------------------------------------------------------------------------------
+
+    def _on_event(self, event: Any) -> None:
+        kind = event.kind
+        if kind == "session_admitted":
+            self._resident[event.session_id] = 0
+        elif kind in ("session_evicted", "session_closed"):
+            self._resident.pop(event.session_id, None)
+        if kind == "session_evicted":
+            self.stats.evictions += 1
+        self._captured.append(event)
+
+    # -- the loop ------------------------------------------------------------------------------------------
+
+    def run(self) -> RolloutStats:
+        self._show_progress()
+        while True:
+            self.signals.check()
+            item = self.scheduler.next()
+            if item is None:
+                return self.stats
+            if isinstance(item, EpisodeEnded):
+                self._end_episode(item)
+                continue
+            try:
+                self._run_step(item)
+            except ObservationError as exc:
+                self._fail_episode(item.episode, item.file, item.ordinal, exc)
+                if self.options.fail_fast:
+                    raise
+            self._show_progress()
+
+    def _load(self, episode: EpisodeSource, step_file: StepFile) -> dict[str, Any]:
+        raw = load_step(step_file.path)
+        valid = validate_step(raw, self.schema, path=step_file.path, episode_metadata=episode.metadata())
+        for warning in valid.warnings:
+            if (episode.name, warning) not in self._warned:
+                self._warned.add((episode.name, warning))
+                self.out.warning(warning)
+        return valid.inputs
+
+    def _execute(self, request_id: str, session_id: str, inputs: dict[str, Any], *, close: bool) -> Any:
+        from ardiff_cli.runtime.request import ARDiffusionRequest
+
+        extra = {"session_id": session_id, "close_session": close}
+        return self.engine.execute(ARDiffusionRequest(request_id=request_id, inputs=inputs, extra_args=extra))
+
+    def _rebuild_session(self, episode: EpisodeSource, ordinal: int) -> int:
+        """Replay the steps before ``ordinal`` that the resident session lacks; returns how many ran."""
+        start = self._resident.get(episode.name, 0)
+        assert start <= ordinal, f"session {episode.name!r} is ahead of its episode ({start} > {ordinal})"
+        history = self.scheduler.history(episode.name)[start:ordinal]
+        if history:
+            self.monitor.log("replay", episode.name, f"rebuilding the session from {len(history)} earlier steps",
+                             steps=[f.step for f in history])
+        for step_file in history:
+            inputs = self._load(episode, step_file)
+            self._execute(f"{episode.name}/{step_file.step:06d}/replay", episode.name, inputs, close=False)
+            self._resident[episode.name] = self._resident.get(episode.name, 0) + 1
+            self.stats.replayed += 1
+            self.monitor.set_progress(replayed=self.stats.replayed)
+            self.monitor.refresh(self.engine.runner)
+        return len(history)
+
+    def _run_step(self, task: StepTask) -> None:
+        episode, step = task.episode, task.file.step
+        inputs = self._load(episode, task.file)
+        self._captured = events = []  # what the rebuild and the step itself cause (evictions)
+        replayed = self._rebuild_session(episode, task.ordinal)
+        request_id = f"{episode.name}/{step:06d}"
+        output = self._execute(request_id, episode.name, inputs, close=task.is_last)
+        if episode.name in self._resident:
+            self._resident[episode.name] = task.ordinal + 1
+        finished = next((e for e in events if e.kind == "request_finished" and e.request_id == request_id), None)
+        evicted = [e.session_id for e in events if e.kind == "session_evicted"]
+        latency = None if finished is None else {
+            "bind_s": finished.bind_s, "forward_s": finished.forward_s, "commit_s": finished.commit_s,
+            "total_s": finished.total_s}
+        with self.signals.critical():
+            path = self.run_folder.write_step_outputs(
+                episode.name, step, output if isinstance(output, dict) else {},
+                metadata={"episode": episode.name, "step": str(step), "request_id": request_id})
+            record = {
+                "episode": episode.name, "step": step, "chunk": task.ordinal, "session": episode.name,
+                "request_id": request_id, "status": "ok", "output": self.run_folder.relative(path),
+                "latency": latency, "evictions": len(evicted), "evicted": evicted, "replayed": replayed,
+                "closed": task.is_last, "time": time.time(),
+            }
+            self.run_folder.append_result(record)
+        self.stats.steps += 1
+        self._steps_done[episode.name] += 1
+        total_ms = f"{latency['total_s'] * 1000:.1f} ms" if latency else "-"
+        self.monitor.emit({"kind": "step", **record, "session_id": episode.name,
+                           "detail": f"step {step} (chunk {task.ordinal}) {total_ms} -> {record['output']}"})
+
+    def _fail_episode(self, episode: EpisodeSource, step_file: StepFile, ordinal: int, exc: ObservationError) -> None:
+        """Record the failure, release the episode's session, skip its remaining steps."""
+        message = str(exc)
+        with self.signals.critical():
+            self.run_folder.append_result({
+                "episode": episode.name, "step": step_file.step, "chunk": ordinal, "session": episode.name,
+                "status": "failed", "error": message, "path": str(step_file.path), "time": time.time()})
+        self.stats.failed[episode.name] = message
+        self.scheduler.drop(episode.name)
+        if episode.name in self._resident:
+            self.engine.runner.close_session(episode.name)
+        self.monitor.log("failed", episode.name, message.splitlines()[0], echo=False)
+        self.out.error(f"episode {episode.name!r} failed: {message}", exc.hint, kind="episode_failed")
+
+    def _end_episode(self, item: EpisodeEnded) -> None:
+        name = item.episode.name
+        if item.reason == "error":
+            assert item.error is not None
+            self._fail_episode(item.episode, StepFile(path=item.episode.path, step=-1), -1, item.error)
+            if self.options.fail_fast:
+                raise item.error
+            return
+        if name in self._resident:  # following: the end was learnt after the last step ran
+            self.engine.runner.close_session(name)
+        self.stats.completed_episodes.append(name)
+        self.monitor.log("episode", name, f"ended ({item.reason}) after {self._steps_done[name]} steps")
+        if self.options.preview:
+            self._write_preview(item.episode)
+        self.monitor.refresh(self.engine.runner)
+
+    # -- progress and previews -----------------------------------------------------------------------------
+
+    def _show_progress(self) -> None:
+        for episode in self.episodes:
+            total = None if self.options.follow else self.scheduler.num_known(episode.name)
+            self.monitor.set_episode(episode.name, episode.name, self._steps_done[episode.name], total)
+        pending = self.scheduler.num_pending()
+        self.monitor.set_progress(done=self.stats.steps,
+                                  total=None if self.options.follow else self.stats.steps + pending,
+                                  failed=len(self.stats.failed))
+        self.monitor.refresh(self.engine.runner)
+
+    def _write_preview(self, episode: EpisodeSource) -> None:
+        from ardiff_cli.io.png import as_rgb_frame, preview_strip
+        from ardiff_cli.io.writer import to_numpy
+
+        observed, predicted = [], []
+        step_files = {f.step: f for f in self.scheduler.history(episode.name)}
+        for record in self.run_folder.records():
+            if record.get("episode") != episode.name or record.get("status") != "ok":
+                continue
+            step_file = step_files.get(record["step"])
+            frame = None
+            if step_file is not None:
+                arrays = load_step(step_file.path).arrays
+                frame = next((f for f in map(as_rgb_frame, arrays.values()) if f is not None), None)
+            observed.append(frame)
+            predicted.append(self._predicted_frame(self.run_folder.root / record["output"], to_numpy))
+        if any(f is not None for f in (*observed, *predicted)):
+            self.run_folder.write_preview(episode.name, preview_strip(observed, predicted, min_height=96))
+
+    def _predicted_frame(self, path, to_numpy) -> Any:
+        from safetensors.numpy import load_file
+
+        from ardiff_cli.io.png import as_rgb_frame
+
+        arrays = load_file(str(path))
+        for value in arrays.values():
+            frame = as_rgb_frame(value)
+            if frame is not None:
+                return frame
+        decode = getattr(self.engine.pipeline, "decode_latents", None)
+        if decode is not None and "latents" in arrays:
+            return as_rgb_frame(to_numpy(decode(arrays["latents"])))
+        return None

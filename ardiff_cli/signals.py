@@ -1,0 +1,66 @@
+"""SIGINT/SIGTERM handling that never cuts a write in half.
+
+Inside :meth:`StopSignals.critical` (writing a step's output file and its
+results line) a signal is only remembered; it is raised as
+:class:`~ardiff_cli.errors_cli.Interrupted` as soon as the write is complete.
+Anywhere else it is raised at once, so a long forward does not delay the exit
+(the runner releases the interrupted session like any failed forward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+from ardiff_cli.errors_cli import Interrupted
+
+HANDLED = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopSignals:
+    """Context manager installing the handlers (main thread only; elsewhere it does nothing)."""
+
+    def __init__(self) -> None:
+        self.pending: int | None = None  # a signal that arrived inside a critical section, or while stopping
+        self._depth = 0  # nesting of critical sections
+        self._stopping = False  # an Interrupted was raised already: later signals are only recorded
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in HANDLED:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._depth or self._stopping:
+            self.pending = self.pending or signum
+            return
+        self._stopping = True
+        raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def critical(self) -> Iterator[None]:
+        """A section no signal interrupts; a signal that arrived meanwhile is raised at its end."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+        if not self._depth and self.pending and not self._stopping:
+            self._stopping = True
+            raise Interrupted(self.pending)
+
+    def check(self) -> None:
+        """Raise a pending signal now (between steps)."""
+        if self.pending and not self._stopping:
+            self._stopping = True
+            raise Interrupted(self.pending)

@@ -1,0 +1,156 @@
+"""Fast CLI cases through Typer's test runner, plus start-up import checks in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ardiff_cli.app import app
+from ardiff_cli.runtime.capacity import plan_capacity
+from ardiff_cli.runtime.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("ARDIFF_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cli-cache"))
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_help_lists_commands_examples_and_exit_codes():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for text in ("rollout", "warmup", "inspect-capacity", "Exit codes", "130 interrupted"):
+        assert text in result.stdout
+    for command in ("rollout", "warmup", "inspect-capacity"):
+        help_text = invoke(command, "--help").stdout
+        assert "Examples" in help_text and f"ardiff {command}" in help_text and "--format" in help_text
+    assert "[default: dreamzero-tiny]" in invoke("rollout", "--help").stdout
+
+
+def test_inspect_capacity_json_is_the_exact_plan():
+    result = invoke("inspect-capacity", "dreamzero-tiny", "--available", "1GiB", "--gpu-memory-fraction", "0.5",
+                    "--dtype", "bfloat16", "--sessions", "3", "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)  # one object, nothing else on stdout
+    config = load_config("dreamzero-tiny").with_runtime(dtype="bfloat16", gpu_memory_fraction=0.5)
+    plan = plan_capacity(config.kv_cache_spec(), "bfloat16", 1 << 30, 0.5,
+                         session_capacity=config.runtime.session_capacity)
+    assert data["plan"] == json.loads(json.dumps(plan.to_dict()))
+    assert data["per_session"]["total"] == plan.bytes_per_session
+    assert set(data["per_session"]["self_attention_per_branch"]) == {"positive", "negative"}
+    assert set(data["per_session"]["cross_attention_per_branch"]) == {"text", "image"}
+    assert data["fraction_needed"]["3"] == pytest.approx(plan.required_bytes(3) / (1 << 30))
+    assert data["sessions_fit"] == ((1 << 29) - plan.fixed_bytes) // plan.bytes_per_session
+
+
+def test_inspect_capacity_human_units_and_published_sizes():
+    result = invoke("inspect-capacity", "dreamzero-14b", "--available", "80GiB", "--format", "plain")
+    assert result.exit_code == 0, result.stderr
+    text = result.stdout
+    for label in ("page", "token", "per session", "self-attn positive", "cross-attn text", "cross-attn image",
+                  "model-owned", "fixed", "sessions", "per GiB"):
+        assert label in text
+    assert "GiB" in text and "MiB" in text and "\x1b[" not in text
+
+
+def test_inspect_capacity_exit_3_when_one_session_does_not_fit():
+    result = invoke("inspect-capacity", "dreamzero-14b", "--available", "1GiB", "--format", "plain")
+    assert result.exit_code == 3
+    assert "Error: one session needs" in result.stderr and "(1073741824 bytes) is available" in result.stderr
+    assert "hint:" in result.stderr and result.stdout == ""
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("inspect-capacity", "dreamzero-tinny"), "did you mean 'dreamzero-tiny'"),
+    (("inspect-capacity", "missing.yaml"), "config file not found"),
+    (("inspect-capacity", "--available", "lots"), "cannot read 'lots' as a byte size"),
+    (("rollout", "--resume"), "--resume needs --out"),
+    (("rollout", "."), "is a folder"),
+    (("rollout", "dreamzero-tiny", "no/such/episode"), "episode folder not found"),
+])
+def test_usage_errors_exit_2_with_a_message(args, message):
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert message in result.stderr + result.stdout
+
+
+def test_invalid_config_value_names_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pipeline: dreamzero\nmodel: {preset: tiny, window_frame: 3}\n")
+    result = invoke("inspect-capacity", str(bad))
+    assert result.exit_code == 2
+    assert "model.window_frame" in result.stderr and "did you mean 'window_frames'" in result.stderr
+
+
+def test_rollout_refuses_an_output_folder_that_holds_a_run(tmp_path):
+    (tmp_path / "run.json").write_text("{}")
+    result = invoke("rollout", "--out", str(tmp_path))
+    assert result.exit_code == 2
+    assert "already holds a run" in result.stderr and "--resume" in result.stderr
+
+
+@pytest.fixture
+def fast_configs(tmp_path):
+    """The tiny built-in geometries with one sampling step (warmup shapes unchanged, less compute)."""
+    dreamzero = tmp_path / "dreamzero.yaml"
+    dreamzero.write_text("pipeline: dreamzero\nmodel: {preset: tiny, num_inference_steps: 1, guidance_scale: 1.0}\n")
+    world = tmp_path / "world.yaml"
+    world.write_text("pipeline: causal_world\nmodel: {preset: tiny, cond_dim: 8, denoising_timesteps: [1000]}\n")
+    return dreamzero, world
+
+
+def test_warmup_reports_requests_and_a_restored_pool(fast_configs):
+    result = invoke("warmup", str(fast_configs[0]), "--device", "cpu", "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    objects = [json.loads(line) for line in result.stdout.splitlines()]
+    report = objects[-1]
+    assert report["kind"] == "warmup" and report["restored"] is True and not report["skipped"]
+    assert report["pages_free"] == report["pages_total"] > 0
+    shapes = [r["shape"] for r in report["requests"]]
+    assert "exterior_image_0(16, 16, 3)" in shapes[0] and "(4, 16, 16, 3)" in shapes[1]  # one frame, then four
+    assert report["first_s"] > 0 and report["steady_s"] > 0
+    kinds = {o["kind"] for o in objects}
+    assert {"capacity_planned", "session_admitted", "request_finished", "session_closed", "warmup_finished"} <= kinds
+
+
+def test_rollout_exit_3_when_the_model_does_not_fit(fast_configs, tmp_path):
+    result = invoke("rollout", str(fast_configs[0]), "--device", "cpu", "--memory-budget", "4KiB",
+                    "--out", str(tmp_path / "run"))
+    assert result.exit_code == 3
+    assert "one session needs" in result.stderr and "(4096 bytes) is available" in result.stderr
+    assert not (tmp_path / "run" / "results.jsonl").exists()
+
+
+def test_warmup_plain_prints_a_table(fast_configs):
+    result = invoke("warmup", str(fast_configs[1]), "--device", "cpu", "--format", "plain")
+    assert result.exit_code == 0, result.stderr
+    assert "first request" in result.stdout and "KV pool restored" in result.stdout
+    assert "warmup-0" in result.stdout and "\x1b[" not in result.stdout + result.stderr
+
+
+def _imported_modules(*args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ardiff_cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stderr
+
+
+@pytest.mark.parametrize("args", [("--help",), ("rollout", "--help"), ("inspect-capacity", "--format", "json")])
+def test_help_and_inspect_capacity_never_import_torch(args):
+    imported = {line.rsplit("|", 1)[-1].strip() for line in _imported_modules(*args).splitlines() if "|" in line}
+    assert "typer" in imported
+    assert "torch" not in imported
+    assert not {"numpy", "safetensors"} & imported or args[0] == "inspect-capacity"

@@ -1,0 +1,169 @@
+"""The output sink, the error table and the live layout (rendered on a recorded console)."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import signal
+
+import pytest
+import typer
+from rich.console import Console
+
+from ardiff_cli.errors_cli import EpisodesFailed, Interrupted, exit_code_for, handle_errors
+from ardiff_cli.output import Format, Output, resolve_format
+from ardiff_cli.panels import EventRow, SessionRow, Snapshot, render
+from ardiff_cli.runtime.errors import CapacityError, CheckpointError, ConfigError, ObservationError
+from ardiff_cli.signals import StopSignals
+
+ESC = re.compile(r"\x1b\[")
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def sink(fmt: Format, **kw) -> tuple[Output, io.StringIO, io.StringIO]:
+    out, err = io.StringIO(), io.StringIO()
+    return Output(fmt, stdout=out, stderr=err, **kw), out, err
+
+
+def test_auto_is_rich_only_when_both_streams_are_terminals(monkeypatch):
+    monkeypatch.delenv("TERM", raising=False)
+    assert resolve_format("auto", stdout=Tty(), stderr=Tty()) is Format.rich
+    assert resolve_format("auto", stdout=io.StringIO(), stderr=Tty()) is Format.plain
+    assert resolve_format("auto", stdout=Tty(), stderr=io.StringIO()) is Format.plain
+    assert resolve_format("json", stdout=Tty(), stderr=Tty()) is Format.json
+    monkeypatch.setenv("TERM", "dumb")
+    assert resolve_format("auto", stdout=Tty(), stderr=Tty()) is Format.plain
+
+
+@pytest.mark.parametrize("fmt", [Format.plain, Format.json, Format.rich])
+def test_data_goes_to_stdout_and_messages_to_stderr(fmt):
+    out, stdout, stderr = sink(fmt)
+    out.info("loading [model]")
+    out.warning("odd key [x]")
+    out.event({"kind": "session_admitted", "session_id": "a"}, "admitted a")
+    out.result({"kind": "thing", "value": 1}, lambda plain: "value 1")
+    out.error("it broke [badly]", "fix it", exit_code=2)
+    if fmt is Format.json:
+        lines = [json.loads(line) for line in stdout.getvalue().splitlines()]
+        assert [line["kind"] for line in lines] == ["session_admitted", "thing", "error"]
+        assert lines[2]["exit_code"] == 2 and lines[2]["hint"] == "fix it"
+    else:
+        assert stdout.getvalue().strip() == "value 1"
+    text = stderr.getvalue()
+    assert "loading [model]" in text and "odd key [x]" in text  # user text is never read as markup
+    assert "Error: it broke [badly]" in text and "hint: fix it" in text
+    assert ("admitted a" in text) == (fmt is Format.plain)
+
+
+def test_plain_has_no_escape_codes_even_with_tables():
+    from rich.table import Table
+
+    out, stdout, stderr = sink(Format.plain)
+    table = Table("a", "b")
+    table.add_row("[bold]1[/bold]", "2")
+    out.result({}, lambda plain: table)
+    out.warning("w")
+    assert not ESC.search(stdout.getvalue() + stderr.getvalue())
+
+
+def test_quiet_keeps_data_and_errors_only():
+    out, stdout, stderr = sink(Format.plain, quiet=True)
+    out.info("progress")
+    out.warning("warn")
+    out.event({"kind": "x"}, "event line")
+    out.result({}, lambda plain: "data")
+    out.error("bad")
+    assert stdout.getvalue() == "data\n"
+    assert stderr.getvalue() == "Error: bad\n"
+
+
+def test_rich_respects_no_color(monkeypatch):
+    monkeypatch.setenv("NO_COLOR", "1")
+    out, stdout, stderr = sink(Format.rich)
+    out.console("stderr").force_terminal = True  # escape codes would be possible; colour must still be off
+    out.error("bad", "hint")
+    assert "\x1b[3" not in stderr.getvalue() and "Error: bad" in stderr.getvalue()
+
+
+@pytest.mark.parametrize(("exc", "code"), [
+    (ConfigError("c"), 2), (CheckpointError("k"), 2), (ObservationError("o"), 2), (CapacityError("m"), 3),
+    (EpisodesFailed("e"), 4), (Interrupted(signal.SIGINT), 130), (Interrupted(signal.SIGTERM), 143),
+    (KeyboardInterrupt(), 130), (RuntimeError("bug"), 1),
+])
+def test_exit_code_table(exc, code):
+    assert exit_code_for(exc) == code
+
+
+def test_handle_errors_hint_traceback_only_with_verbose_and_always_for_bugs():
+    out, _, stderr = sink(Format.plain)
+    with pytest.raises(typer.Exit) as info, handle_errors(out):
+        raise CapacityError("one session needs 2 GiB", hint="use a smaller window")
+    assert info.value.exit_code == 3
+    assert stderr.getvalue() == "Error: one session needs 2 GiB\nhint: use a smaller window\n"
+    out, _, stderr = sink(Format.plain, verbose=True)
+    with pytest.raises(typer.Exit), handle_errors(out):
+        raise ConfigError("bad key")
+    assert "Traceback" in stderr.getvalue()
+    out, _, stderr = sink(Format.plain)
+    with pytest.raises(typer.Exit) as info, handle_errors(out):
+        raise ZeroDivisionError("oops")
+    assert info.value.exit_code == 1
+    assert "Traceback" in stderr.getvalue() and "this is a bug" in stderr.getvalue()
+
+
+def test_signal_inside_a_critical_section_waits_for_its_end():
+    with StopSignals() as signals:
+        written = []
+        with pytest.raises(Interrupted) as info:
+            with signals.critical():
+                signal.raise_signal(signal.SIGTERM)
+                written.append("whole write")
+        assert written == ["whole write"] and info.value.exit_code == 143
+    with StopSignals(), pytest.raises(Interrupted) as info:
+        signal.raise_signal(signal.SIGINT)
+    assert info.value.exit_code == 130
+
+
+SNAPSHOT = Snapshot(
+    title="ardiff rollout · dreamzero-tiny", phase="running", device="cpu", dtype="float32", budget_bytes=3 << 20,
+    available_bytes=8 << 30, page_size=16, bytes_per_page=8192, pages_used=18, pages_total=36, session_capacity=2,
+    sessions=(SessionRow("demo_2", "demo_2", 2, 7, {"positive": 3, "negative": 3}, 65536, 0.04),
+              SessionRow("demo_1", "demo_1", 4, 5, {"positive": 4, "negative": 4}, 65536, 0.0321)),
+    events=(EventRow(0.41, "admitted", "demo_2", ""), EventRow(0.412, "evicted", "demo_0", "lru_eviction (by demo_2)")),
+    steps_done=12, steps_total=18, evictions=3, steps_replayed=4, elapsed_s=2.0)
+
+
+def test_live_layout_renders_every_panel():
+    console = Console(record=True, width=110, color_system=None, file=io.StringIO())
+    console.print(render(SNAPSHOT))
+    text = console.export_text()
+    for expected in ("capacity", "cpu · float32", "3.00 MiB of 8.00 GiB", "16 tokens · 8.00 KiB", "18/36, 18 free",
+                     "2/2 resident", "sessions (least recently used first)", "pos:3 neg:3", "64.00 KiB", "32 ms",
+                     "events", "evicted", "lru_eviction (by demo_2)", "12/18 steps", "6.0 steps/s", "ETA 0:00:01",
+                     "3 evictions", "4 replayed"):
+        assert expected in text, expected
+    assert text.index("demo_2") < text.index("demo_1")  # LRU order kept
+    empty = Console(record=True, width=80, file=io.StringIO())
+    empty.print(render(Snapshot(title="warmup")))
+    text = empty.export_text()
+    assert "no events yet" in text and "none" in text and "0/0 resident" in text
+
+
+def test_live_layout_while_following_has_no_eta():
+    console = Console(record=True, width=100, file=io.StringIO())
+    console.print(render(Snapshot(title="t", phase="following", steps_done=3, steps_total=None, elapsed_s=1.0)))
+    text = console.export_text()
+    assert "3 steps · 3.0 steps/s" in text and "following" in text and "ETA" not in text
+
+
+def test_long_event_details_are_cut_not_the_time_kind_or_session():
+    long = "/data/robot_b/step_000001.safetensors: 'joint_position' has shape (5,), expected (7,)" * 3
+    console = Console(record=True, width=80, file=io.StringIO())
+    console.print(render(Snapshot(title="t", events=(EventRow(1.5, "failed", "robot_b", long),))))
+    row = next(line for line in console.export_text().splitlines() if "failed" in line)
+    assert "+1.500s" in row and "robot_b" in row and row.rstrip(" │").endswith("…")

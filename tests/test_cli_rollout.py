@@ -1,0 +1,231 @@
+"""`ardiff rollout` as a real subprocess: default run, output modes, bad files, orders, resume, signals.
+
+A small DreamZero config (one sampling step, no guidance, one resident session so that
+round-robin evicts at every step) keeps each run to a few seconds on a laptop CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ardiff_cli.io import write_episode, write_step
+from ardiff_cli.io.demo import demo_step
+
+REPO = Path(__file__).resolve().parents[1]
+ESC = re.compile(r"\x1b\[")
+FAST_CONFIG = """\
+pipeline: dreamzero
+model: {preset: tiny, num_inference_steps: 1, guidance_scale: 1.0}
+runtime: {device: cpu, session_capacity: 1}
+"""
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """Subprocess environment: the repo importable, one shared cache (checkpoints, demo data), no colour hints."""
+    cache = tmp_path_factory.mktemp("cache")
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "COLUMNS")}
+    env.update(ARDIFF_CACHE_DIR=str(cache), PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    return env
+
+
+def ardiff(env, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ardiff_cli", *args], cwd=cwd or REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def spawn(env, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def steps_of(episode: int, num_steps: int) -> list[dict]:
+    from pipelines.dreamzero import observation_schema
+
+    return [demo_step(observation_schema(), (16, 16), episode, s, 1 if s == 0 else 4) for s in range(num_steps)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Two 3-step episodes and the fast config."""
+    root = tmp_path_factory.mktemp("data")
+    (root / "fast.yaml").write_text(FAST_CONFIG)
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(root / "eps" / name, steps_of(i, 3), prompt=f"task {name}")
+    return root
+
+
+def outputs(run: Path) -> dict[str, dict[str, np.ndarray]]:
+    from safetensors.numpy import load_file
+
+    return {p.relative_to(run).as_posix(): load_file(str(p)) for p in sorted((run / "episodes").rglob("*.safetensors"))}
+
+
+def assert_same_outputs(a: Path, b: Path) -> None:
+    first, second = outputs(a), outputs(b)
+    assert sorted(first) == sorted(second)
+    for name in first:
+        assert sorted(first[name]) == sorted(second[name]), name
+        for key in first[name]:
+            np.testing.assert_array_equal(first[name][key], second[name][key], err_msg=f"{name}:{key}")
+
+
+def records(run: Path) -> list[dict]:
+    text = (run / "results.jsonl").read_text()
+    assert text == "" or text.endswith("\n"), "results.jsonl ends in a partial line"
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def wait_for_lines(path: Path, count: int, proc: subprocess.Popen) -> None:
+    """Poll until ``path`` has ``count`` lines (fails if the process exits first; never a timing assertion)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().count("\n") >= count:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"rollout exited early ({proc.returncode}): {proc.stderr.read()}")
+        time.sleep(0.05)
+    pytest.fail(f"{path} never reached {count} lines")
+
+
+def test_default_rollout_exits_0_and_writes_the_documented_outputs(env, tmp_path):
+    proc = ardiff(env, "rollout", cwd=tmp_path)  # no arguments at all
+    assert proc.returncode == 0, proc.stderr
+    (run,) = (tmp_path / "ardiff-runs").iterdir()
+    assert f"outputs: {run.relative_to(tmp_path)}" in proc.stdout
+    # Not a terminal, so auto is plain: no escape codes anywhere; events on stderr, data on stdout.
+    assert not ESC.search(proc.stdout + proc.stderr)
+    assert "evicted" in proc.stderr and "admitted" in proc.stderr
+    lines = records(run)
+    assert len(lines) == 18 and all(line["status"] == "ok" for line in lines)
+    assert {line["episode"] for line in lines} == {"demo_0", "demo_1", "demo_2"}
+    for line in lines:
+        assert set(line) >= {"episode", "step", "chunk", "session", "latency", "evictions", "output"}
+        assert set(line["latency"]) == {"bind_s", "forward_s", "commit_s", "total_s"}
+        assert (run / line["output"]).is_file()
+    assert sum(line["evictions"] for line in lines) > 0  # the demo's capacity is small enough to evict
+    files = outputs(run)
+    assert len(files) == 18
+    first = files["episodes/demo_0/step_000000.safetensors"]
+    assert first["actions"].shape == (8, 8) and first["latents"].ndim == 4
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["exit_code"] == 0
+    assert summary["episodes"]["completed"] == 3 and summary["steps"]["ok"] == 18
+    assert summary["capacity_plan"]["session_capacity"] == 2 and summary["evictions"] > 0
+    assert summary["latency_s"]["total"]["p50"] > 0 and summary["versions"]["torch"]
+    assert json.loads((run / "run.json").read_text())["demo"] is True
+
+
+def test_json_mode_prints_only_json_on_stdout(env, data, tmp_path):
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "run"),
+                  "--format", "json", "--preview")
+    assert proc.returncode == 0, proc.stderr
+    objects = [json.loads(line) for line in proc.stdout.splitlines()]  # every line is one JSON object
+    kinds = [o["kind"] for o in objects]
+    assert {"capacity_planned", "session_admitted", "session_evicted", "request_finished", "step",
+            "session_closed", "summary"} <= set(kinds)
+    assert kinds[-1] == "summary" and objects[-1]["status"] == "ok"
+    steps = [o for o in objects if o["kind"] == "step"]
+    assert [(s["episode"], s["step"]) for s in steps] == [
+        ("arm_a", 0), ("arm_b", 0), ("arm_a", 1), ("arm_b", 1), ("arm_a", 2), ("arm_b", 2)]
+    assert (tmp_path / "run" / "previews" / "arm_a.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_file_fails_its_episode_only_and_names_the_path(env, data, tmp_path):
+    eps = tmp_path / "eps"
+    shutil.copytree(data / "eps", eps)
+    bad = eps / "arm_b" / "step_000001.safetensors"
+    arrays = steps_of(1, 3)[1]
+    arrays["joint_position"] = np.zeros(5, np.float32)
+    write_step(eps / "arm_b", 1, arrays)
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "run"))
+    assert proc.returncode == 4, proc.stderr
+    assert str(bad) in proc.stderr and "'joint_position'" in proc.stderr and "(5,)" in proc.stderr
+    lines = records(tmp_path / "run")
+    assert [(r["episode"], r["step"]) for r in lines if r["status"] == "ok"] == [
+        ("arm_a", 0), ("arm_b", 0), ("arm_a", 1), ("arm_a", 2)]
+    (failed,) = [r for r in lines if r["status"] == "failed"]
+    assert failed["path"] == str(bad)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "partial" and summary["episodes"]["failures"].keys() == {"arm_b"}
+
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "ff"), "--fail-fast",
+                  "--format", "json")
+    assert proc.returncode == 2
+    assert json.loads(proc.stdout.splitlines()[-1])["kind"] == "observation_error"
+    assert str(bad) in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def reference(env, data, tmp_path_factory):
+    """An uninterrupted round-robin run (one resident session: every step evicts the other episode)."""
+    run = tmp_path_factory.mktemp("reference") / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["evictions_this_run"] > 0 and summary["steps"]["replayed"] > 0
+    return run
+
+
+def test_round_robin_and_sequential_give_identical_episode_outputs(env, data, reference, tmp_path):
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "seq"),
+                  "--order", "sequential", "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "seq" / "summary.json").read_text())["steps"]["replayed"] == 0
+    assert_same_outputs(reference, tmp_path / "seq")
+
+
+def test_resume_after_kill_equals_an_uninterrupted_run(env, data, reference, tmp_path):
+    # Robots still writing: --follow runs what exists, then waits; the process is killed while it waits.
+    live = tmp_path / "live"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[: 2 - i], prompt=f"task {name}", end=False)
+    run = tmp_path / "run"
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), str(live / "arm_b"), "--out", str(run),
+                 "--follow", "--no-warmup", "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 3, proc)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert len(records(run)) == 3
+    for i, name in enumerate(("arm_a", "arm_b")):  # the rest of the episodes arrive
+        write_episode(live / name, steps_of(i, 3)[2 - i:], first_step=2 - i)
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert "3 steps already done" in proc.stderr
+    lines = records(run)
+    assert sorted((r["episode"], r["step"]) for r in lines) == sorted(
+        (e, s) for e in ("arm_a", "arm_b") for s in range(3))  # nothing written twice
+    assert_same_outputs(reference, run)
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signals_exit_130_or_143_with_whole_lines(env, data, tmp_path, signum, code):
+    live = tmp_path / "live"
+    write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
+    run = tmp_path / "run"
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow",
+                 "--no-warmup", "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, stderr
+    assert f"interrupted by {signal.Signals(signum).name}" in stderr and "--resume" in stderr
+    assert len(records(run)) == 1
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"

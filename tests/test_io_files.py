@@ -1,0 +1,178 @@
+"""Episode files: writing from arrays, reading back, discovery, atomic writes and results.jsonl."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from ardiff_cli.io import end_episode, read_step, write_episode, write_step
+from ardiff_cli.io.atomic import JsonlAppender, atomic_write_bytes, read_jsonl
+from ardiff_cli.io.episode import discover_episodes, scan_steps, step_number
+from ardiff_cli.io.png import encode_png, preview_strip
+from ardiff_cli.io.run import RunFolder, percentiles
+from ardiff_cli.runtime.errors import ConfigError, ObservationError
+
+
+def arrays(step: int) -> dict[str, np.ndarray]:
+    return {"image": np.full((4, 6, 3), step, np.uint8), "joints": np.arange(7, dtype=np.float32) + step}
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_write_then_read_episode_round_trips(tmp_path, fmt):
+    paths = write_episode(tmp_path / "ep", [arrays(0), arrays(1), arrays(2)], prompt="pick", format=fmt)
+    assert [p.name for p in paths] == [f"step_00000{i}.{fmt}" for i in range(3)]
+    assert (tmp_path / "ep" / "END").exists()
+    assert "prompt: pick" in (tmp_path / "ep" / "episode.yaml").read_text()
+    for i, path in enumerate(paths):
+        raw = read_step(path)
+        assert set(raw.arrays) == {"image", "joints"}
+        np.testing.assert_array_equal(raw.arrays["image"], arrays(i)["image"])
+        np.testing.assert_array_equal(raw.arrays["joints"], arrays(i)["joints"])
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_step_prompt_is_metadata(tmp_path, fmt):
+    path = write_step(tmp_path, 3, arrays(3), prompt="open the drawer", format=fmt)
+    raw = read_step(path)
+    assert raw.metadata["prompt"] == "open the drawer"
+    assert "prompt" not in raw.arrays
+
+
+def test_write_step_accepts_torch_tensors(tmp_path):
+    torch = pytest.importorskip("torch")
+    path = write_step(tmp_path, 0, {"x": torch.ones(2, 3, dtype=torch.bfloat16)})
+    raw = read_step(path)
+    assert raw.arrays["x"].dtype == np.float32 and raw.arrays["x"].shape == (2, 3)
+
+
+def test_steps_are_ordered_by_number_not_name(tmp_path):
+    for name in ("frame_10.npz", "frame_9.npz", "frame_2.npz", ".hidden_1.npz", "x_3.npz.tmp", "notes.txt"):
+        (tmp_path / name).write_bytes(b"x")
+    assert [s.step for s in scan_steps(tmp_path)] == [2, 9, 10]
+    assert step_number(tmp_path / "run3_step_000012.safetensors") == 12
+
+
+def test_step_file_without_number_and_duplicates_are_errors(tmp_path):
+    (tmp_path / "first.npz").write_bytes(b"x")
+    with pytest.raises(ObservationError, match="first.npz: step file name has no step number"):
+        scan_steps(tmp_path)
+    (tmp_path / "first.npz").unlink()
+    (tmp_path / "step_1.npz").write_bytes(b"x")
+    (tmp_path / "step_001.safetensors").write_bytes(b"x")
+    with pytest.raises(ObservationError, match="two files for step 1"):
+        scan_steps(tmp_path)
+
+
+def test_corrupt_files_name_their_path(tmp_path):
+    bad = tmp_path / "step_0.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ObservationError, match="step_0.safetensors: cannot read safetensors"):
+        read_step(bad)
+    bad_npz = tmp_path / "step_1.npz"
+    bad_npz.write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(ObservationError, match="step_1.npz"):
+        read_step(bad_npz)
+    pickled = tmp_path / "step_2.npz"
+    np.savez(pickled, obj=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(ObservationError, match="without pickle"):
+        read_step(pickled)
+
+
+def test_discover_expands_dataset_folders_and_dedups_names(tmp_path):
+    write_episode(tmp_path / "set" / "a", [arrays(0)])
+    write_episode(tmp_path / "set" / "b", [arrays(0)])
+    write_episode(tmp_path / "other" / "a", [arrays(0)])
+    episodes = discover_episodes([tmp_path / "set", tmp_path / "other" / "a"])
+    assert [e.name for e in episodes] == ["a", "b", "a-2"]
+    (tmp_path / "empty").mkdir()
+    assert [e.name for e in discover_episodes([tmp_path / "empty"])] == ["empty"]  # a live episode, not yet written
+    with pytest.raises(ConfigError, match="not found"):
+        discover_episodes([tmp_path / "missing"])
+    with pytest.raises(ConfigError, match="not a file"):
+        discover_episodes([tmp_path / "set" / "a" / "END"])
+
+
+def test_atomic_write_replaces_whole_file_and_leaves_no_temp(tmp_path):
+    target = tmp_path / "sub" / "out.bin"
+    atomic_write_bytes(target, b"first")
+    atomic_write_bytes(target, b"second")
+    assert target.read_bytes() == b"second"
+    assert [p.name for p in target.parent.iterdir()] == ["out.bin"]
+
+
+def test_jsonl_appender_repairs_a_partial_last_line(tmp_path):
+    path = tmp_path / "results.jsonl"
+    with JsonlAppender(path) as log:
+        log.append({"step": 0})
+        log.append({"step": 1})
+    with open(path, "ab") as f:
+        f.write(b'{"step": 2, "sta')  # what a power loss mid-write could leave
+    assert [r["step"] for r in read_jsonl(path)] == [0, 1]
+    with JsonlAppender(path) as log:
+        log.append({"step": 2})
+    assert path.read_bytes().count(b"\n") == 3
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2]
+
+
+def test_done_steps_need_a_line_and_the_file(tmp_path):
+    run = RunFolder(tmp_path)
+    path = run.write_step_outputs("ep", 0, {"actions": np.zeros((2, 8), np.float32), "note": "ignored"}, {})
+    run.append_result({"episode": "ep", "step": 0, "status": "ok", "output": run.relative(path)})
+    run.append_result({"episode": "ep", "step": 1, "status": "ok", "output": "episodes/ep/step_000001.safetensors"})
+    run.append_result({"episode": "ep", "step": 2, "status": "failed", "error": "bad"})
+    run.close()
+    assert run.done_steps() == {"ep": {0}}
+
+
+def test_start_refuses_a_folder_with_a_run(tmp_path):
+    RunFolder(tmp_path).start({"config": "x"})
+    with pytest.raises(ConfigError, match="already holds a run"):
+        RunFolder(tmp_path).start({"config": "x"})
+    assert RunFolder(tmp_path).read_info()["config"] == "x"
+
+
+def test_percentiles_nearest_rank():
+    stats = percentiles([float(i) for i in range(1, 101)])
+    assert (stats["p50"], stats["p90"], stats["p99"], stats["max"]) == (50.0, 90.0, 99.0, 100.0)
+    assert percentiles([])["p50"] is None
+
+
+def _png_chunks(data: bytes):
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos = 8
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        tag, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        assert crc == zlib.crc32(tag + body)
+        yield tag, body
+        pos += 12 + length
+
+
+def test_png_decodes_to_the_same_pixels():
+    image = np.random.default_rng(0).integers(0, 255, (5, 7, 3), dtype=np.uint8)
+    chunks = dict(_png_chunks(encode_png(image)))
+    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (width, height, depth, color) == (7, 5, 8, 2)
+    rows = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), np.uint8).reshape(5, 1 + 7 * 3)
+    assert (rows[:, 0] == 0).all()
+    np.testing.assert_array_equal(rows[:, 1:].reshape(5, 7, 3), image)
+
+
+def test_preview_strip_places_observed_over_predicted():
+    observed = [np.full((4, 4, 3), 100, np.uint8)] * 3
+    predicted = [np.full((2, 2, 3), 200, np.uint8), None, np.full((4, 4, 3), 50, np.uint8)]
+    strip = preview_strip(observed, predicted, gap=1)
+    assert strip.shape == (9, 14, 3)
+    assert (strip[:4, :4] == 100).all() and (strip[5:, :4] == 200).all()  # predicted resized to 4x4
+    assert (strip[5:, 5:9] == 32).all()  # missing prediction stays background
+    assert (strip[5:, 10:] == 50).all()
+
+
+def test_end_marker(tmp_path):
+    end_episode(tmp_path / "ep")
+    assert (tmp_path / "ep" / "END").read_bytes() == b""

@@ -1,0 +1,196 @@
+"""Validation against a schema, the step scheduler (orders, follow, resume) and demo generation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ardiff_cli.io import write_episode, write_step
+from ardiff_cli.io.demo import demo_step, ensure_demo_episodes
+from ardiff_cli.io.episode import EpisodeSource, RawStep, discover_episodes
+from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
+from ardiff_cli.io.validate import validate_step
+from ardiff_cli.runtime.errors import ObservationError
+from ardiff_cli.runtime.observation import ObservationField, ObservationSchema
+
+SCHEMA = ObservationSchema(
+    fields=(
+        ObservationField("camera", "uint8", ((None, None, 3), (None, None, None, 3)), aliases=("cam_left",)),
+        ObservationField("joints", "float32", ((7,),)),
+        ObservationField("extra", "float32", ((2,),), required=False),
+    ),
+    prompt_key="prompt",
+    prompt_aliases=("language_instruction",),
+)
+
+
+def good(step: int = 0) -> dict[str, np.ndarray]:
+    return {"camera": np.zeros((8, 8, 3), np.uint8), "joints": np.zeros(7, np.float32) + step}
+
+
+def test_valid_step_uses_canonical_keys_and_the_prompt_fallbacks(tmp_path):
+    raw = RawStep(arrays={"cam_left": np.zeros((2, 8, 8, 3), np.uint8), "joints": np.zeros(7, np.float64),
+                          "timestamp": np.zeros(1)}, metadata={})
+    valid = validate_step(raw, SCHEMA, path=tmp_path / "s.npz", episode_metadata={"prompt": "from yaml"})
+    assert set(valid.inputs) == {"camera", "joints", "prompt"}
+    assert valid.inputs["joints"].dtype == np.float32  # float64 recordings are converted
+    assert valid.inputs["prompt"] == "from yaml"
+    assert len(valid.warnings) == 1 and "'timestamp'" in valid.warnings[0]
+    raw.metadata["language_instruction"] = "from the file"
+    assert validate_step(raw, SCHEMA, path=tmp_path / "s.npz",
+                         episode_metadata={"prompt": "from yaml"}).inputs["prompt"] == "from the file"
+
+
+def test_invalid_step_names_path_key_expected_and_got(tmp_path):
+    raw = RawStep(arrays={"camera": np.zeros((8, 8, 4), np.uint8), "joints": np.zeros(7, np.int64)}, metadata={})
+    with pytest.raises(ObservationError) as info:
+        validate_step(raw, SCHEMA, path=tmp_path / "ep" / "step_3.npz")
+    message = str(info.value)
+    assert "step_3.npz" in message
+    assert "'camera'" in message and "(8, 8, 4)" in message and "(*, *, 3)" in message
+    assert "'joints'" in message and "int64" in message and "float32" in message
+    assert "prompt" in message  # missing too: every problem at once
+
+
+def _drain(scheduler: StepScheduler) -> list[tuple[str, int]]:
+    items = []
+    while (item := scheduler.next()) is not None:
+        if isinstance(item, StepTask):
+            items.append((item.episode.name, item.file.step))
+        else:
+            items.append((item.episode.name, item.reason))
+    return items
+
+
+def _episodes(tmp_path, sizes: dict[str, int]) -> list[EpisodeSource]:
+    for name, n in sizes.items():
+        write_episode(tmp_path / name, [good(i) for i in range(n)], prompt="p")
+    return discover_episodes([tmp_path / name for name in sizes])
+
+
+def test_round_robin_interleaves_and_sequential_does_not(tmp_path):
+    episodes = _episodes(tmp_path, {"a": 3, "b": 1, "c": 2})
+    assert _drain(StepScheduler(episodes, order="round-robin")) == [
+        ("a", 0), ("b", 0), ("c", 0), ("a", 1), ("b", "complete"), ("c", 1), ("a", 2), ("c", "complete"),
+        ("a", "complete")]
+    assert _drain(StepScheduler(episodes, order="sequential")) == [
+        ("a", 0), ("a", 1), ("a", 2), ("a", "complete"), ("b", 0), ("b", "complete"), ("c", 0), ("c", 1),
+        ("c", "complete")]
+
+
+def test_last_step_flag_history_and_resume_skips(tmp_path):
+    episodes = _episodes(tmp_path, {"a": 4})
+    scheduler = StepScheduler(episodes, done={"a": {0, 1}})
+    task = scheduler.next()
+    assert (task.file.step, task.ordinal, task.is_last) == (2, 2, False)
+    assert [f.step for f in scheduler.history("a")] == [0, 1]
+    task = scheduler.next()
+    assert (task.file.step, task.ordinal, task.is_last) == (3, 3, True)
+    assert [f.step for f in scheduler.history("a")] == [0, 1, 2]
+    assert isinstance(scheduler.next(), EpisodeEnded) and scheduler.next() is None
+
+
+def test_dropped_episode_gets_no_more_steps(tmp_path):
+    episodes = _episodes(tmp_path, {"a": 3, "b": 2})
+    scheduler = StepScheduler(episodes)
+    assert scheduler.next().episode.name == "a"
+    scheduler.drop("a")
+    assert _drain(scheduler) == [("b", 0), ("b", 1), ("b", "complete")]
+
+
+def test_unreadable_episode_folder_becomes_an_error_item(tmp_path):
+    episodes = _episodes(tmp_path, {"a": 1, "b": 1})
+    (tmp_path / "b" / "nonumber.npz").write_bytes(b"x")
+    scheduler = StepScheduler(episodes)
+    first = scheduler.next()
+    assert isinstance(first, EpisodeEnded) and first.reason == "error" and "nonumber.npz" in str(first.error)
+    assert _drain(scheduler) == [("a", 0), ("a", "complete")]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.on_sleep = []  # callbacks run at each sleep (a robot writing files)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        if self.on_sleep:
+            self.on_sleep.pop(0)()
+
+
+def test_follow_takes_files_as_they_arrive_until_the_end_marker(tmp_path):
+    folder = tmp_path / "live"
+    folder.mkdir()
+    clock = FakeClock()
+    writes = [lambda: write_step(folder, 0, good(0), prompt="p"), lambda: None,
+              lambda: write_step(folder, 1, good(1)), lambda: (folder / "END").write_bytes(b"")]
+    clock.on_sleep = list(writes)
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    first = scheduler.next()
+    assert (first.file.step, first.is_last) == (0, False)
+    second = scheduler.next()
+    assert second.file.step == 1
+    end = scheduler.next()
+    assert isinstance(end, EpisodeEnded) and end.reason == "end_marker"
+    assert scheduler.next() is None
+
+
+def test_follow_waits_for_a_file_to_stop_growing(tmp_path):
+    folder = tmp_path / "live"
+    folder.mkdir()
+    clock = FakeClock()
+    partial = folder / "step_000000.npz"
+    partial.write_bytes(b"PK")  # a writer that does not rename, caught mid-write
+    clock.on_sleep = [lambda: write_step(folder, 0, good(0), prompt="p", format="npz"),
+                      lambda: None, lambda: (folder / "END").write_bytes(b"")]
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    task = scheduler.next()
+    assert task.file.step == 0 and task.file.path.stat().st_size > 2
+
+
+def test_follow_idle_timeout_ends_an_episode(tmp_path):
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0)], prompt="p", end=False)
+    clock = FakeClock()
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=5, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert _drain(scheduler) == [("live", 0), ("live", "idle_timeout")]
+    assert clock.now >= 5
+
+
+def test_follow_rejects_a_step_older_than_one_already_run(tmp_path):
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0)], prompt="p", end=False, first_step=5)
+    clock = FakeClock()
+    clock.on_sleep = [lambda: None, lambda: write_step(folder, 2, good(2)), lambda: None, lambda: None]
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert scheduler.next().file.step == 5
+    item = scheduler.next()
+    assert isinstance(item, EpisodeEnded) and item.reason == "error" and "arrived after step 5" in str(item.error)
+
+
+def test_demo_episodes_are_deterministic_valid_and_cached(tmp_path):
+    root = ensure_demo_episodes("toy", SCHEMA, (16, 24), root=tmp_path)
+    again = ensure_demo_episodes("toy", SCHEMA, (16, 24), root=tmp_path)
+    assert root == again
+    episodes = discover_episodes([root])
+    assert len(episodes) >= 3
+    for episode in episodes:
+        steps = episode.scan()
+        assert 5 <= len(steps) <= 8
+        for step_file in steps:
+            from ardiff_cli.io.episode import load_step
+
+            valid = validate_step(load_step(step_file.path), SCHEMA, path=step_file.path,
+                                  episode_metadata=episode.metadata())
+            assert valid.inputs["camera"].shape == (16, 24, 3) and not valid.warnings
+    a, b = demo_step(SCHEMA, (16, 24), 0, 1), demo_step(SCHEMA, (16, 24), 0, 1)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not np.array_equal(a["camera"], demo_step(SCHEMA, (16, 24), 0, 2)["camera"])  # it moves
+    assert not [p for p in (tmp_path / "demo").iterdir() if p.name.startswith(".")]  # no temp folder left
