@@ -9,7 +9,7 @@ import torch
 from ardiff_cli.runtime.errors import ObservationError
 from pipeline_helpers import Driver, dreamzero, single_thread  # noqa: F401 - fixture
 from pipelines.dreamzero import SCHEMA
-from pipelines.observation import validate_observation
+from ardiff_cli.runtime.observation import validate_observation
 from pipelines.rollout import DenseReferenceRollout
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -17,6 +17,7 @@ Memory model (bytes; ``bpp`` = bytes per page, all layers, K and V)::
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
@@ -71,6 +72,18 @@ def parse_bytes(text: str | int) -> int:
     if value <= 0:
         raise ConfigError(f"a byte size must be positive, got {text!r}")
     return value
+
+
+def available_host_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes), else total physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,11 @@ class EngineConfig:
         """The pipeline's KV spec for this config, without torch or weights."""
         return self.model.kv_cache_spec()
 
+    def observation_schema(self) -> Any:
+        """The schema of this exact config (a model config may narrow its pipeline's), torch-free."""
+        exact = getattr(self.model, "observation_schema", None)
+        return exact() if callable(exact) else self.entry.observation_schema()
+
     def with_runtime(self, **overrides: Any) -> EngineConfig:
         return replace(self, runtime=self.runtime.with_overrides(**overrides))
 

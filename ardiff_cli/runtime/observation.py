@@ -1,12 +1,17 @@
-"""Observation schemas: what a pipeline accepts in one step file. No torch import.
+"""Observation schemas and their validation. No torch import.
 
 A pipeline declares its schema; the CLI validates every step file against it
-before anything reaches the model.
+before anything reaches the model, and pipelines run the same check on
+``request.inputs`` so a request built in Python fails with the same message.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from ardiff_cli.runtime.errors import ObservationError, did_you_mean
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,3 +49,100 @@ class ObservationSchema:
             if key in f.keys:
                 return f
         return None
+
+
+FLOAT_DTYPES = ("float16", "float32", "float64")  # a float field accepts any of these, cast to its dtype
+
+
+def _as_numpy(value: Any):
+    """numpy view of an array-like; torch tensors are detached and moved to host without importing torch."""
+    import numpy as np
+
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":
+            value = value.float()
+        value = value.numpy()
+    return np.asarray(value)
+
+
+def format_shape(shape: tuple[int | None, ...]) -> str:
+    """``(*, *, 3)``: ``*`` is any positive size."""
+    inner = ", ".join("*" if n is None else str(n) for n in shape)
+    return f"({inner},)" if len(shape) == 1 else f"({inner})"
+
+
+def shape_matches(shape: tuple[int, ...], accepted: tuple[int | None, ...]) -> bool:
+    return len(shape) == len(accepted) and all(
+        (want is None and got > 0) or got == want for got, want in zip(shape, accepted)
+    )
+
+
+def _check_field(f: ObservationField, key: str, value: Any) -> tuple[Any, str | None]:
+    """(array in the field's dtype, None) or (None, problem)."""
+    try:
+        array = _as_numpy(value)
+    except Exception as exc:  # noqa: BLE001 - any unconvertible value is a user error worth naming
+        return None, f"{key!r} is not an array ({type(value).__name__}: {exc})"
+    label = repr(key) if key == f.name else f"{key!r} ({f.name})"
+    dtype = array.dtype.name
+    if f.dtype in FLOAT_DTYPES:
+        if dtype not in FLOAT_DTYPES:
+            return None, f"{label} has dtype {dtype}, expected a floating dtype ({f.dtype})"
+    elif dtype != f.dtype:
+        return None, f"{label} has dtype {dtype}, expected {f.dtype}"
+    if not any(shape_matches(array.shape, s) for s in f.shapes):
+        expected = " or ".join(format_shape(s) for s in f.shapes)
+        return None, f"{label} has shape {format_shape(array.shape)}, expected {expected}"
+    return array.astype(f.dtype, copy=False), None
+
+
+def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *, where: str) -> dict[str, Any]:
+    """Check ``arrays`` (canonical or alias keys, plus the prompt) against ``schema``.
+
+    Returns canonical key -> numpy array (float fields cast to their declared
+    dtype) and ``schema.prompt_key`` -> str. Every problem (unknown or
+    duplicate keys, missing fields, wrong dtypes or shapes, a missing prompt)
+    is collected and raised as one ``ObservationError`` that names them all.
+    """
+    problems: list[str] = []
+    out: dict[str, Any] = {}
+    seen: dict[str, str] = {}  # canonical name -> key it came from
+    prompt_keys = (schema.prompt_key, *schema.prompt_aliases) if schema.prompt_key else ()
+    valid_keys = [k for f in schema.fields for k in f.keys] + list(prompt_keys)
+    for key, value in arrays.items():
+        if key in prompt_keys:
+            if schema.prompt_key in out:
+                problems.append(f"prompt given twice ({seen[schema.prompt_key]!r} and {key!r})")
+            elif not isinstance(value, str):
+                problems.append(f"prompt {key!r} must be a string, got {type(value).__name__}")
+            else:
+                out[schema.prompt_key] = value
+                seen[schema.prompt_key] = key
+            continue
+        f = schema.field(key)
+        if f is None:
+            problems.append(f"unknown key {key!r}{did_you_mean(key, valid_keys)}")
+            continue
+        if f.name in seen:
+            problems.append(f"{f.name!r} given twice ({seen[f.name]!r} and {key!r})")
+            continue
+        seen[f.name] = key
+        array, problem = _check_field(f, key, value)
+        if problem:
+            problems.append(problem)
+        else:
+            out[f.name] = array
+    for f in schema.fields:
+        if f.required and f.name not in seen:
+            problems.append(f"missing {f.name!r} (also accepted as: {', '.join(f.aliases) or 'no alias'})")
+    if schema.prompt_key and schema.prompt_key not in seen:
+        aliases = f" or {', '.join(repr(a) for a in schema.prompt_aliases)}" if schema.prompt_aliases else ""
+        problems.append(f"missing prompt {schema.prompt_key!r}{aliases}")
+    if problems:
+        accepted = ", ".join(f.name for f in schema.fields)
+        raise ObservationError(
+            f"{where}: " + "; ".join(problems),
+            hint=f"fields: {accepted}" + (f", and the prompt {schema.prompt_key!r}" if schema.prompt_key else ""),
+        )
+    return out

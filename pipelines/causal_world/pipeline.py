@@ -39,7 +39,7 @@ from ardiff_cli.runtime.request import ARDiffusionRequest
 from pipelines.base import ARPipeline, noise_generator, shift_sigma
 from pipelines.causal_world.config import SCHEMA, Config
 from pipelines.encoders import LatentCodec, TextEncoder
-from pipelines.observation import validate_observation
+from ardiff_cli.runtime.observation import validate_observation
 from pipelines.wan import Segment, WanTransformer
 
 REQUEST_KEYS = ("seed",)

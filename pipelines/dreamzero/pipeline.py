@@ -44,7 +44,7 @@ from ardiff_cli.runtime.request import ARDiffusionRequest
 from pipelines.base import ARPipeline, noise_generator, shifted_sigmas
 from pipelines.dreamzero.config import CAMERAS, CARTESIAN, MASK_CHANNELS, SCHEMA, Config
 from pipelines.encoders import ImageEncoder, LatentCodec, TextEncoder
-from pipelines.observation import validate_observation
+from ardiff_cli.runtime.observation import validate_observation
 from pipelines.wan import Segment, WanLayerNorm, WanTransformer
 
 REQUEST_KEYS = ("seed",)  # request inputs that are not observations
