@@ -392,3 +392,13 @@ def test_capacity_planned_event_carries_the_plan():
     assert isinstance(events[0], CapacityPlanned) and events[0].plan is runner.capacity_plan
     assert events[0].to_dict()["plan"]["session_capacity"] == 2
     assert isinstance(SessionAdmitted("x").to_dict()["time"], float)
+
+
+def test_close_session_flag_keeps_the_output_when_the_hook_fails():
+    events = []
+    runner = make_runner(events=events)
+    runner.pipeline.fail_in_hook = "close"
+    out = runner.execute_model(request("a", 0, close_session=True))
+    assert out["main"].shape == (8, 16)
+    assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
+    assert len(runner.hook_errors) == 1 and any(isinstance(e, HookFailed) for e in events)

@@ -12,6 +12,7 @@ A config file::
       gpu_memory_fraction: 0.9
       memory_budget: null    # bytes or "512MiB"; default: free device memory (CPU: available host memory)
       attention_backend: auto
+      num_threads: null      # CPU intra-op threads; null = torch's default (OMP_NUM_THREADS)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import yaml
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.capacity import dtype_name, parse_bytes
 from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error
-from ardiff_cli.runtime.registry import PipelineEntry, resolve_pipeline
+from ardiff_cli.runtime.registry import PipelineEntry, resolve_pipeline, resolve_pipeline_reference
 
 DEFAULT_CONFIG = "dreamzero-tiny"
 TOP_LEVEL_KEYS = ("pipeline", "checkpoint", "model", "runtime")
@@ -43,6 +44,7 @@ class RuntimeConfig:
     gpu_memory_fraction: float = 0.9
     memory_budget: int | None = None
     attention_backend: str = "auto"
+    num_threads: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str) -> RuntimeConfig:
@@ -93,6 +95,10 @@ def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
             return parse_bytes(value)
         except ConfigError:
             raise field_error(where, field, "a byte size such as 536870912 or '512MiB'", value) from None
+    if key == "num_threads":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise field_error(where, field, "a positive integer (CPU threads) or null", value)
+        return value
     if key == "attention_backend":
         if value not in ATTENTION_BACKENDS:
             raise field_error(where, field, " | ".join(ATTENTION_BACKENDS), value)
@@ -163,8 +169,14 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_config(source: str | Path | dict[str, Any] | None = None) -> EngineConfig:
-    """Parse and validate a config from a file, a built-in name or a dict."""
+def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: str | None = None) -> EngineConfig:
+    """Parse and validate a config from a file, a built-in name or a dict.
+
+    ``pipeline`` is the command line's ``--pipeline``: a registered name or
+    ``module:Class`` (which imports ``module``). It replaces the config's
+    ``pipeline:`` field, which may then be left out. The config itself can
+    only name registered pipelines.
+    """
     if isinstance(source, dict):
         data, where, base = source, "<dict>", Path.cwd()
     else:
@@ -177,9 +189,14 @@ def load_config(source: str | Path | dict[str, Any] | None = None) -> EngineConf
                 hint=f"valid top-level keys: {', '.join(TOP_LEVEL_KEYS)}",
             )
     name = data.get("pipeline")
-    if not isinstance(name, str) or not name:
-        raise field_error(where, "pipeline", "a registered pipeline name", name)
-    entry = resolve_pipeline(name, where=where)
+    if pipeline is not None:
+        entry = resolve_pipeline_reference(pipeline, where="--pipeline")
+        name = entry.name
+    else:
+        if not isinstance(name, str) or not name:
+            raise field_error(where, "pipeline", "a registered pipeline name", name,
+                              hint="add e.g. `pipeline: dreamzero` to the config, or pass --pipeline")
+        entry = resolve_pipeline(name, where=where)
     model_data = data.get("model") or {}
     if not isinstance(model_data, dict):
         raise field_error(where, "model", "a mapping", model_data)

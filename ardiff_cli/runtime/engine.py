@@ -54,6 +54,10 @@ class ARDiffusionEngine:
         runtime = self.config.runtime
         self.device = resolve_device(runtime.device)
         dtype = TORCH_DTYPES[runtime.dtype]
+        if runtime.num_threads is not None:
+            # Process-wide: the engine owns this process's compute. Small models lose to
+            # intra-op parallelism, badly so when other processes share the cores.
+            torch.set_num_threads(runtime.num_threads)
         pipeline_class = self.config.entry.pipeline_class()
         self.pipeline = pipeline_class.from_config(
             self.config.model, device=self.device, dtype=dtype, checkpoint=self.config.checkpoint
@@ -65,10 +69,16 @@ class ARDiffusionEngine:
             memory_budget=runtime.memory_budget,
             gpu_memory_fraction=runtime.gpu_memory_fraction,
             session_capacity=runtime.session_capacity,
+            attention_backend=runtime.attention_backend,
         )
         for callback in self._subscribers:
             self.runner.subscribe(callback)
         return self.runner.load()
+
+    @property
+    def attention_backend(self) -> str | None:
+        """The attention backend chosen at load ("torch" or "vllm"); None before load."""
+        return None if self.runner is None else self.runner.attention_backend
 
     def _require_runner(self) -> ARDiffusionModelRunner:
         if self.runner is None:

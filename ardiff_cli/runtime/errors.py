@@ -48,5 +48,6 @@ def did_you_mean(name: str, valid: Iterable[str]) -> str:
 
 
 def field_error(where: str, field: str, expected: str, got: object, *, hint: str | None = None) -> ConfigError:
-    """A ``ConfigError`` in the one format users see: where, field, expected vs got."""
-    return ConfigError(f"{where}: field {field!r}: expected {expected}, got {got!r}", hint=hint)
+    """A ``ConfigError`` in the one format users see: where, field, expected vs got, and how to fix it."""
+    return ConfigError(f"{where}: field {field!r}: expected {expected}, got {got!r}",
+                       hint=hint or f"set {field!r} to {expected}")

@@ -32,9 +32,18 @@ class CapacityPlanned(RuntimeEvent):
     plan: Any  # CapacityPlan
     device: str
     time: float = field(default_factory=_now)
+    attention_backend: str = "torch"  # the backend that runs: "torch" or "vllm"
+    attention_detail: str = ""  # why it was chosen, and the kernel's block geometry
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "plan": self.plan.to_dict(), "device": self.device, "time": self.time}
+        return {
+            "kind": self.kind,
+            "plan": self.plan.to_dict(),
+            "device": self.device,
+            "time": self.time,
+            "attention_backend": self.attention_backend,
+            "attention_detail": self.attention_detail,
+        }
 
 
 @dataclass(frozen=True)

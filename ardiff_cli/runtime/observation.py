@@ -80,6 +80,8 @@ def shape_matches(shape: tuple[int, ...], accepted: tuple[int | None, ...]) -> b
 
 def _check_field(f: ObservationField, key: str, value: Any) -> tuple[Any, str | None]:
     """(array in the field's dtype, None) or (None, problem)."""
+    import numpy as np
+
     try:
         array = _as_numpy(value)
     except Exception as exc:  # noqa: BLE001 - any unconvertible value is a user error worth naming
@@ -94,7 +96,15 @@ def _check_field(f: ObservationField, key: str, value: Any) -> tuple[Any, str | 
     if not any(shape_matches(array.shape, s) for s in f.shapes):
         expected = " or ".join(format_shape(s) for s in f.shapes)
         return None, f"{label} has shape {format_shape(array.shape)}, expected {expected}"
-    return array.astype(f.dtype, copy=False), None
+    array = array.astype(f.dtype, copy=False)
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        # A NaN or Inf would silently poison the session's KV for the rest of the episode.
+        bad = ~np.isfinite(array)
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        num_nan, num_inf = int(np.isnan(array).sum()), int(np.isinf(array).sum())
+        return None, (f"{label} has {num_nan} NaN and {num_inf} Inf values (first at index {first}), "
+                      "expected finite numbers")
+    return array, None
 
 
 def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *, where: str) -> dict[str, Any]:
@@ -141,8 +151,9 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
         problems.append(f"missing prompt {schema.prompt_key!r}{aliases}")
     if problems:
         accepted = ", ".join(f.name for f in schema.fields)
-        raise ObservationError(
-            f"{where}: " + "; ".join(problems),
-            hint=f"fields: {accepted}" + (f", and the prompt {schema.prompt_key!r}" if schema.prompt_key else ""),
-        )
+        hint = f"fields: {accepted}" + (f", and the prompt {schema.prompt_key!r}" if schema.prompt_key else "")
+        if any("expected finite numbers" in p for p in problems):
+            hint += ("; fix or drop the step in the recording (a sensor dropout?): ardiff never feeds "
+                     "non-finite values to the model")
+        raise ObservationError(f"{where}: " + "; ".join(problems), hint=hint)
     return out

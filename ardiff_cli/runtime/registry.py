@@ -1,21 +1,30 @@
-"""The pipeline registry: names a config may use, resolved lazily. No torch import.
+"""The pipeline registry: what a config may name, and the one explicit way to load other code. No torch import.
 
-A pipeline is an *entry module* whose import is cheap (no torch) and which
-exposes ``Config`` (``from_dict``, ``kv_cache_spec``), ``observation_schema()``
-and ``pipeline_class()`` (the one place that imports the model code).
+A pipeline is an *entry*: something cheap to import (no torch) that carries
 
-Built-ins are listed here; other packages add theirs through the
-``ardiff.pipelines`` entry-point group (``name = "package.module"``). A config
-can only name registered pipelines: importing any other module takes an
-explicit ``module`` path from the command line (``resolve_entry_module``).
+- ``Config``: the model config dataclass (``from_dict(data, where=)``, ``kv_cache_spec()``),
+- ``observation_schema()``: the robot observation schema,
+- ``pipeline_class()``: the pipeline class (the one place that imports torch and the model code).
+
+Two kinds of entry exist:
+
+- an *entry module* (``pipelines.dreamzero``): the built-ins listed here, and
+  the modules other packages register in the ``ardiff.pipelines`` entry-point
+  group (``name = "package.module"`` in their ``pyproject.toml``). A config
+  names one of these by its registered name, and nothing else;
+- a *pipeline class* named on the command line as ``--pipeline module:Class``.
+  The class itself carries ``Config`` and ``observation_schema`` (class
+  attributes) next to the capability methods. Importing ``module`` runs its
+  code, which is why only an explicit command-line option may ask for it:
+  a config file (or a ``run.json`` being resumed) never imports arbitrary code.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import re
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 from ardiff_cli.runtime.errors import ConfigError, did_you_mean
@@ -25,12 +34,27 @@ BUILTIN_PIPELINES = {
     "causal_world": "pipelines.causal_world",
 }
 ENTRY_POINT_GROUP = "ardiff.pipelines"
+ENTRY_ATTRS = ("Config", "observation_schema", "pipeline_class")  # what an entry module carries
+CLASS_ATTRS = ("Config", "observation_schema", "from_config", "forward")  # what a --pipeline class carries
+_DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+CLASS_REFERENCE = re.compile(rf"^({_DOTTED}):({_DOTTED})$")  # module:Class, e.g. my_lab.models:MyPipeline
+CLASS_REFERENCE_HINT = (
+    "pass --pipeline MODULE:CLASS, e.g. --pipeline my_lab.models:MyPipeline (MODULE must be importable: "
+    "installed, or on PYTHONPATH); see docs/reliability.md"
+)
 
 
 @dataclass(frozen=True)
 class PipelineEntry:
-    name: str
-    module: ModuleType
+    """A resolved pipeline: its name and the object that carries Config, observation_schema and the class."""
+
+    name: str  # registered name, or the "module:Class" reference given on the command line
+    module: Any  # an entry module, or (``--pipeline``) the pipeline class itself
+
+    @property
+    def is_class(self) -> bool:
+        """True for a ``--pipeline module:Class`` entry."""
+        return isinstance(self.module, type)
 
     @property
     def config_class(self) -> Any:
@@ -40,34 +64,89 @@ class PipelineEntry:
         return self.module.observation_schema()
 
     def pipeline_class(self) -> type:
-        """The pipeline class; this imports torch and the model code."""
-        return self.module.pipeline_class()
+        """The pipeline class; for an entry module this imports torch and the model code."""
+        return self.module if self.is_class else self.module.pipeline_class()
 
 
 def registered_pipelines() -> dict[str, str]:
-    """Pipeline name -> entry module path, built-ins first."""
+    """Pipeline name -> entry module path, built-ins first (an entry point cannot shadow a built-in)."""
     names = dict(BUILTIN_PIPELINES)
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         names.setdefault(ep.name, ep.value)
     return names
 
 
-def resolve_entry_module(module_path: str, *, name: str, where: str) -> PipelineEntry:
+def _import(module_path: str, *, what: str, where: str):
     try:
-        module = importlib.import_module(module_path)
-    except ImportError as exc:
-        raise ConfigError(f"{where}: pipeline {name!r}: cannot import {module_path!r}: {exc}") from None
-    missing = [attr for attr in ("Config", "observation_schema", "pipeline_class") if not hasattr(module, attr)]
+        return importlib.import_module(module_path)
+    except Exception as exc:  # noqa: BLE001 - ImportError, or whatever the module raised while importing
+        raise ConfigError(
+            f"{where}: {what}: cannot import {module_path!r}: {type(exc).__name__}: {exc}",
+            hint="is the package installed in this environment (or its folder on PYTHONPATH)?",
+        ) from None
+
+
+def resolve_entry_module(module_path: str, *, name: str, where: str) -> PipelineEntry:
+    module = _import(module_path, what=f"pipeline {name!r}", where=where)
+    missing = [attr for attr in ENTRY_ATTRS if not hasattr(module, attr)]
     if missing:
-        raise ConfigError(f"{where}: pipeline module {module_path!r} lacks {', '.join(missing)}")
+        raise ConfigError(f"{where}: pipeline module {module_path!r} lacks {', '.join(missing)}",
+                          hint=f"an entry module defines {', '.join(ENTRY_ATTRS)} "
+                               "(see pipelines/dreamzero/__init__.py)")
     return PipelineEntry(name=name, module=module)
 
 
 def resolve_pipeline(name: str, *, where: str = "config") -> PipelineEntry:
+    """A registered pipeline by name: what a config's ``pipeline:`` field may say."""
     registry = registered_pipelines()
     if name not in registry:
+        if isinstance(name, str) and ":" in name:
+            raise ConfigError(
+                f"{where}: field 'pipeline': {name!r} is not a registered pipeline; a config names registered "
+                "pipelines only, so that reading a config never imports code",
+                hint=f"registered pipelines: {', '.join(sorted(registry))}; to load a class from a module, "
+                     f"{CLASS_REFERENCE_HINT}",
+            )
         raise ConfigError(
             f"{where}: field 'pipeline': unknown pipeline {name!r}{did_you_mean(name, registry)}",
             hint=f"registered pipelines: {', '.join(sorted(registry))}",
         )
     return resolve_entry_module(registry[name], name=name, where=where)
+
+
+def resolve_pipeline_reference(reference: str, *, where: str = "--pipeline") -> PipelineEntry:
+    """What ``--pipeline`` may say: a registered name, or ``module:Class`` (imports ``module``)."""
+    if not isinstance(reference, str) or not reference.strip():
+        raise ConfigError(f"{where}: expected a registered pipeline name or MODULE:CLASS, got {reference!r}",
+                          hint=CLASS_REFERENCE_HINT)
+    reference = reference.strip()
+    if ":" not in reference:
+        return resolve_pipeline(reference, where=where)
+    match = CLASS_REFERENCE.match(reference)
+    if match is None:
+        raise ConfigError(f"{where}: expected MODULE:CLASS (dotted Python names), got {reference!r}",
+                          hint=CLASS_REFERENCE_HINT)
+    module_path, qualname = match.groups()
+    module = _import(module_path, what=f"pipeline {reference!r}", where=where)
+    obj: Any = module
+    for part in qualname.split("."):
+        if not hasattr(obj, part):
+            classes = [n for n, v in vars(obj).items() if isinstance(v, type) and not n.startswith("_")]
+            raise ConfigError(
+                f"{where}: {module_path!r} has no attribute {qualname!r}{did_you_mean(part, classes)}",
+                hint=f"classes in {module_path}: {', '.join(sorted(classes)) or 'none'}",
+            )
+        obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise ConfigError(f"{where}: {reference!r} is a {type(obj).__name__}, expected a pipeline class",
+                          hint=CLASS_REFERENCE_HINT)
+    missing = [attr for attr in CLASS_ATTRS if not hasattr(obj, attr)]
+    if missing:
+        raise ConfigError(
+            f"{where}: {reference!r} is not a pipeline class: it lacks {', '.join(missing)}",
+            hint="a --pipeline class carries what an entry module carries: class attributes Config (the model "
+                 "config dataclass) and observation_schema (a staticmethod), plus from_config() and the "
+                 "AR-Diffusion capability methods; subclass pipelines.dreamzero.pipeline.DreamZeroPipeline for "
+                 "an example",
+        )
+    return PipelineEntry(name=reference, module=obj)

@@ -8,7 +8,8 @@ pipeline around exactly one forward, and releases sessions through one path
 
 from __future__ import annotations
 
-import os
+import functools
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -23,7 +24,7 @@ from ardiff_cli.runtime.capability import (
     ARDiffusionKVCacheSpec,
     SupportsARDiffusionWarmup,
 )
-from ardiff_cli.runtime.capacity import CapacityPlan, plan_capacity
+from ardiff_cli.runtime.capacity import CapacityPlan, available_host_memory, plan_capacity
 from ardiff_cli.runtime.errors import ArdiffError
 from ardiff_cli.runtime.events import (
     CapacityPlanned,
@@ -36,9 +37,13 @@ from ardiff_cli.runtime.events import (
     SessionReset,
     WarmupFinished,
 )
+from ardiff_cli.runtime.kv.backends import select_attention_backend
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
+from ardiff_cli.runtime.kv.layout import KVLayout
 from ardiff_cli.runtime.kv.state import ARDiffusionKVState
 from ardiff_cli.runtime.request import ARDiffusionRequest
+
+logger = logging.getLogger("ardiff.runtime")
 
 WARMUP_SESSION_ID = "__ardiff_warmup__"  # reserved; user requests may not name it
 
@@ -91,16 +96,6 @@ class _Session:
     view: SessionView | None = None
 
 
-def available_host_memory() -> int:
-    """MemAvailable from /proc/meminfo (bytes), else total physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def describe_inputs(inputs: dict[str, Any]) -> str:
@@ -127,6 +122,7 @@ class ARDiffusionModelRunner:
         gpu_memory_fraction: float = 0.9,
         session_capacity: int | None = None,
         page_size: int | None = None,
+        attention_backend: str = "auto",
     ) -> None:
         self.pipeline = pipeline  # the model; sees KV only through bind_ar_diffusion_state
         self.device = torch.device(device)
@@ -137,6 +133,9 @@ class ARDiffusionModelRunner:
         self.gpu_memory_fraction = gpu_memory_fraction  # soft budget for sessions beyond the first
         self.session_capacity_override = session_capacity  # caps the pipeline's session_capacity
         self.page_size = page_size  # tokens per page; None = one frame
+        self.attention_backend_setting = attention_backend  # auto | torch | vllm (kv/backends.py)
+        self.attention_backend: str | None = None  # the backend chosen at load: "torch" or "vllm"
+        self.attention_backend_reason = ""  # why, in words (logged and emitted with the plan)
         self.spec: ARDiffusionKVCacheSpec | None = None  # the pipeline's spec, read at load
         self.capacity_plan: CapacityPlan | None = None
         self.kv_cache: ARDiffusionKVCache | None = None  # pools, preallocated once at load
@@ -179,12 +178,38 @@ class ARDiffusionModelRunner:
             session_capacity=self.session_capacity_override,
             page_size=self.page_size,
         )
-        self.kv_cache = ARDiffusionKVCache(
-            spec, plan.num_managed_pages, dtype=self.dtype, device=self.device, page_size=self.page_size
-        )
+        self.kv_cache = self._create_kv_cache(spec, plan)
         self.capacity_plan = plan
-        self._emit(CapacityPlanned(plan=plan, device=str(self.device)))
+        self._emit(
+            CapacityPlanned(
+                plan=plan,
+                device=str(self.device),
+                attention_backend=self.attention_backend,
+                attention_detail=f"{self.attention_backend_reason}; {self.kv_cache.attention_description}",
+            )
+        )
         return plan
+
+    def _create_kv_cache(self, spec: ARDiffusionKVCacheSpec, plan: CapacityPlan) -> ARDiffusionKVCache:
+        """Pick the attention backend (kv/backends.py) and allocate the pools in its layout."""
+        layout = KVLayout.from_spec(spec, page_size=self.page_size)
+        setting = self.attention_backend_setting
+        name, reason = select_attention_backend(setting, self.device, dtype=self.dtype, layout=layout)
+        make = functools.partial(
+            ARDiffusionKVCache, spec, plan.num_managed_pages, dtype=self.dtype, device=self.device,
+            page_size=self.page_size,
+        )
+        try:
+            cache = make(attention_backend=name)
+        except (ImportError, RuntimeError, ValueError) as exc:
+            if name == "torch" or setting != "auto":
+                raise
+            reason = f"vLLM kernel failed to initialise ({type(exc).__name__}: {exc}); using torch"
+            logger.warning("attention backend: %s", reason)
+            name, cache = "torch", make(attention_backend="torch")
+        self.attention_backend, self.attention_backend_reason = name, reason
+        logger.info("attention backend: %s (%s; %s)", name, reason, cache.attention_description)
+        return cache
 
     def _available_bytes(self) -> int:
         if self.memory_budget is not None:
@@ -255,9 +280,9 @@ class ARDiffusionModelRunner:
         with self._lock:
             session.num_requests += 1
             if request.extra_args.get("close_session"):
-                errors = self._release(session_id, reason="close_session", hook="close")
-                if errors:
-                    raise errors[0]
+                # A failing close hook must not cost the caller this forward's output: the
+                # error is recorded in hook_errors and emitted as HookFailed instead.
+                self._release(session_id, reason="close_session", hook="close")
             else:
                 session.last_latency_s = time.perf_counter() - start
                 session.view = self._snapshot(session_id, session)
@@ -424,9 +449,10 @@ class ARDiffusionModelRunner:
     def pool_usage(self) -> PoolUsage:
         cache = self._require_loaded()
         allocator = cache.allocator
+        num_free = allocator.num_free  # read once: a request may run on another thread
         return PoolUsage(
             num_pages=allocator.num_allocatable,
-            num_free=allocator.num_free,
-            num_used=allocator.num_used,
+            num_free=num_free,
+            num_used=allocator.num_allocatable - num_free,
             bytes_per_page=self.capacity_plan.bytes_per_page,
         )

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ardiff_cli.runtime.kv.allocator import KVCacheExhaustedError
+
 if TYPE_CHECKING:
     from ardiff_cli.runtime.kv.state import ARDiffusionKVState, BranchKV
 
@@ -65,6 +67,9 @@ class ARDiffusionForwardContext:
         self._gather_ids: torch.Tensor | None = None
         self._inflight_ids: torch.Tensor | None = None
         self._visible_tokens = 0
+        # A pool laid out for a paged kernel (vllm_attention.PagedKernelPool) runs attention itself.
+        self._kernel_pool = hasattr(self.pool, "plan_forward")
+        self._kernel_forward = None
         # Which layers wrote their current K/V; commit requires all of them.
         self.layers_written = bytearray(cache.spec.num_layers)
         # Set by commit (or by the state when it orphans the context).
@@ -87,7 +92,7 @@ class ARDiffusionForwardContext:
                 "or the state was reset; call get_kv_caches again"
             )
 
-    def _prepare(self, num_registers: int) -> None:
+    def _prepare(self, num_registers: int, num_q_heads: int) -> None:
         """First layer of this forward: allocate in-flight pages and build the gather table."""
         layout = self.pool.layout
         page_size = layout.page_size
@@ -96,7 +101,13 @@ class ARDiffusionForwardContext:
         register_pages = math.ceil((self.seq_len + num_registers) / page_size) - video_pages
         if self.commit_current:
             self.state._claim_slot(self.branch)
-            self.inflight_pages = self.allocator.allocate(video_pages)
+            try:
+                self.inflight_pages = self.allocator.allocate(video_pages)
+            except KVCacheExhaustedError as exc:
+                raise KVCacheExhaustedError(
+                    f"session {self.state.session_id!r}, branch {self.branch.name!r}: {exc}; the capacity plan "
+                    "should have reserved these pages, so this is a bug in the plan or a leak"
+                ) from exc
             current = self.inflight_pages
             self._inflight_ids = torch.tensor(current, dtype=torch.long, device=self.pool.device)
         else:
@@ -106,6 +117,10 @@ class ARDiffusionForwardContext:
         self._gather_ids = torch.tensor(ids, dtype=torch.long, device=self.pool.device)
         self._visible_tokens = len(history) * page_size + self.seq_len + num_registers
         self.num_registers = num_registers
+        if self._kernel_pool:  # paged-kernel layout: block tables of every layer, built once per forward
+            self._kernel_forward = self.pool.plan_forward(
+                history + current, current, self.seq_len, num_registers, num_q_heads
+            )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         self.check_live()
@@ -137,12 +152,16 @@ class ARDiffusionForwardContext:
                 f"followed by 0..{room} scratch register tokens"
             )
         if self._gather_ids is None:
-            self._prepare(num_registers)
+            self._prepare(num_registers, q.shape[0])
         elif num_registers != self.num_registers:
             raise ValueError(
                 f"layer {layer} has {num_registers} register tokens, earlier layers of this forward had "
                 f"{self.num_registers}"
             )
+        if self._kernel_pool:  # vLLM / paged-kernel backends write, pack and attend in the pool
+            out = pool.attend(layer, self._kernel_forward, q, k, v, scale)
+            self.layers_written[layer] = 1
+            return out
         local = self.branch.local_index
         if self.commit_current:
             pool.write_pages(layer, self._inflight_ids, k[:, : self.seq_len], v[:, : self.seq_len])

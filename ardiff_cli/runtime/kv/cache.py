@@ -6,6 +6,8 @@ except through :class:`ARDiffusionKVState`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
@@ -13,6 +15,9 @@ from ardiff_cli.runtime.kv.allocator import PageAllocator
 from ardiff_cli.runtime.kv.layout import KVLayout
 from ardiff_cli.runtime.kv.pool import KVPagePool
 from ardiff_cli.runtime.kv.state import ARDiffusionKVState
+
+if TYPE_CHECKING:
+    from ardiff_cli.runtime.kv.vllm_attention import PagedKernel
 
 
 class ARDiffusionKVCache:
@@ -27,6 +32,7 @@ class ARDiffusionKVCache:
         device: torch.device | str = "cpu",
         page_size: int | None = None,
         scratch_blocks: int | None = None,
+        attention_backend: str | PagedKernel = "torch",
     ) -> None:
         if not isinstance(spec, ARDiffusionKVCacheSpec):
             raise TypeError(f"spec must be an ARDiffusionKVCacheSpec, got {type(spec).__name__}")
@@ -45,7 +51,32 @@ class ARDiffusionKVCache:
         self.spec = spec  # geometry and policy from the pipeline
         self.layout = layout  # pages per frame, scratch size, byte arithmetic
         self.allocator = PageAllocator(1 + num_managed_pages)  # managed ids 1..M; 0 is the null page
-        self.pool = KVPagePool(layout, num_managed_pages, dtype, device)  # the tensors
+        # The tensors, in the layout the attention backend reads: "torch" = heads-first pages + gather
+        # workspace (KVPagePool); "vllm" = blocks of vLLM's kernel for this device; a PagedKernel instance
+        # = that kernel's block layout (tests use vllm_attention.TorchPagedKernel). Same bytes either way.
+        if isinstance(attention_backend, str) and attention_backend == "torch":
+            self.pool = KVPagePool(layout, num_managed_pages, dtype, device)
+        else:
+            from ardiff_cli.runtime.kv import vllm_attention
+
+            if attention_backend == "vllm":
+                kernel = vllm_attention.vllm_kernel_for(layout, dtype, torch.device(device))
+            elif isinstance(attention_backend, vllm_attention.PagedKernel):
+                kernel = attention_backend
+            else:
+                raise ValueError(
+                    f"attention_backend must be 'torch', 'vllm' or a PagedKernel, got {attention_backend!r}"
+                )
+            self.pool = vllm_attention.PagedKernelPool(layout, num_managed_pages, dtype, device, kernel)
+        # "torch" or "vllm" (a PagedKernel instance is named by the kernel).
+        self.attention_backend = attention_backend if isinstance(attention_backend, str) else attention_backend.name
+
+    @property
+    def attention_description(self) -> str:
+        """The backend, and for paged kernels their block geometry, in words."""
+        if self.attention_backend == "torch":
+            return f"torch (gather + scaled_dot_product_attention, {self.layout.page_size}-token pages)"
+        return f"{self.attention_backend}: {self.pool.description}"
 
     @property
     def num_free_pages(self) -> int:

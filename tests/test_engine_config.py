@@ -1,0 +1,57 @@
+"""Engine config parsing: built-in names, runtime settings and their validation, applied at load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ardiff_cli.runtime.config import builtin_configs, load_config, resolve_config
+from ardiff_cli.runtime.engine import ARDiffusionEngine
+from ardiff_cli.runtime.errors import ConfigError
+
+
+def test_builtin_configs_resolve_by_name():
+    names = builtin_configs()
+    assert {"dreamzero-tiny", "causal-world-tiny", "dreamzero-14b", "self-forcing-1.3b"} <= set(names)
+    assert resolve_config("dreamzero-tiny") == names["dreamzero-tiny"]
+    assert load_config(None).pipeline_name == "dreamzero"
+
+
+def test_unknown_config_name_suggests_a_builtin():
+    with pytest.raises(ConfigError, match="unknown config 'dreamzero-tny' \\(did you mean 'dreamzero-tiny'\\?\\)"):
+        resolve_config("dreamzero-tny")
+
+
+@pytest.mark.parametrize(
+    ("runtime", "message"),
+    [
+        ({"device": "tpu"}, "field 'runtime.device': expected auto, cpu, cuda or cuda:N, got 'tpu'"),
+        ({"dtype": "int8"}, "field 'runtime.dtype': expected float32 | bfloat16 | float16, got 'int8'"),
+        ({"session_capacity": 0}, "field 'runtime.session_capacity': expected a positive integer, got 0"),
+        ({"gpu_memory_fraction": 1.5}, "field 'runtime.gpu_memory_fraction': expected a number in \\(0, 1\\]"),
+        ({"memory_budget": "lots"}, "field 'runtime.memory_budget': expected a byte size"),
+        ({"num_threads": 0}, "field 'runtime.num_threads': expected a positive integer"),
+        ({"attention_backend": "triton"}, "field 'runtime.attention_backend': expected auto \\| torch \\| vllm"),
+        ({"sesion_capacity": 2}, "unknown key 'runtime.sesion_capacity' \\(did you mean 'session_capacity'\\?\\)"),
+    ],
+)
+def test_runtime_values_are_validated(runtime, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config({"pipeline": "causal_world", "model": {"preset": "tiny"}, "runtime": runtime})
+
+
+def test_overrides_apply_over_the_file():
+    cfg = load_config("causal-world-tiny").with_runtime(session_capacity=5, memory_budget="64MiB", dtype=None)
+    assert cfg.runtime.session_capacity == 5 and cfg.runtime.memory_budget == 64 << 20
+    assert cfg.runtime.dtype == "float32"  # None keeps the file's value
+
+
+def test_num_threads_is_applied_at_load():
+    before = torch.get_num_threads()
+    try:
+        engine = ARDiffusionEngine.from_config("causal-world-tiny", memory_budget="64MiB", num_threads=1)
+        engine.load()
+        assert torch.get_num_threads() == 1
+        assert engine.runner.capacity_plan.session_capacity == 2
+    finally:
+        torch.set_num_threads(before)
