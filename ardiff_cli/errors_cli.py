@@ -29,15 +29,73 @@ EXIT_SIGINT = 130  # 128 + SIGINT
 EXIT_SIGTERM = 143  # 128 + SIGTERM
 
 EXIT_CODES_HELP = (
-    "Exit codes: 0 success; 2 bad usage or invalid input (config, files); 3 the model does not fit in memory "
-    "(one session); 4 some episodes failed while others completed; 130 interrupted (143 on SIGTERM)."
+    "Exit codes: 0 success; 1 an unexpected error (in the pipeline, ardiff or writing outputs); 2 bad usage or "
+    "invalid input (config, files); 3 out of memory (the model or its sessions do not fit); 4 some episodes failed "
+    "while others completed; 130 interrupted (143 on SIGTERM)."
 )
 
 
 class EpisodesFailed(ArdiffError):
-    """Some episodes failed while others completed (exit 4). Outputs of the others are complete."""
+    """Some episodes failed while others completed (exit 4). Outputs of the others are complete.
+
+    With ``exit_code`` it also reports a run in which every episode failed (the code of their errors).
+    """
 
     exit_code = EXIT_PARTIAL
+
+    def __init__(self, message: str, *, hint: str | None = None, exit_code: int = EXIT_PARTIAL) -> None:
+        super().__init__(message, hint=hint)
+        self.exit_code = exit_code
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Host or device out of memory: ``MemoryError`` (KV page pool included) or torch's ``OutOfMemoryError``."""
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+
+
+class StepFailed(ArdiffError):
+    """A step failed in the model or while writing its outputs; the episode's session was released.
+
+    ``phase`` says where: ``load`` (reading the step file), ``replay`` (rerunning an
+    earlier step to rebuild an evicted session), ``forward`` (the model) or
+    ``write`` (its output file). The cause is chained (``__cause__``).
+    """
+
+    PHASES = {
+        "load": "while reading {path}",
+        "replay": "while replaying it to rebuild the session",
+        "forward": "in the model's forward",
+        "write": "while writing its outputs",
+    }
+
+    def __init__(self, episode: str, step: int, phase: str, cause: BaseException, *, path: str = "") -> None:
+        detail = str(cause) if isinstance(cause, ArdiffError) else f"{type(cause).__name__}: {cause}"
+        where = self.PHASES[phase].format(path=path)
+        super().__init__(f"episode {episode!r} failed at step {step} {where}: {detail}", hint=_step_hint(phase, cause))
+        self.episode = episode  # the episode (= session id)
+        self.step = step  # the step number the failure belongs to
+        self.phase = phase  # load, replay, forward or write
+        self.cause = cause
+        self.exit_code = EXIT_CAPACITY if is_out_of_memory(cause) else int(getattr(cause, "exit_code", EXIT_BUG))
+
+
+def _step_hint(phase: str, cause: BaseException) -> str:
+    if phase == "write":
+        return ("check free space and permissions of the output folder, then continue with: "
+                "ardiff rollout --resume --out OUT")
+    if is_out_of_memory(cause):
+        return ("lower --session-capacity or --gpu-memory-fraction, or use a smaller dtype or model; the other "
+                "sessions were untouched; continue with --resume")
+    if isinstance(cause, ArdiffError) and cause.hint:
+        return cause.hint
+    return ("the episode's session was released; the traceback is in results.jsonl (and printed with --verbose); "
+            "fix the pipeline, then continue with --resume")
+
+
+class OutputError(ArdiffError):
+    """The run's own files (results.jsonl, run.json) could not be written: the run stops (exit 1)."""
+
+    exit_code = EXIT_BUG
 
 
 class Interrupted(ArdiffError):
@@ -63,21 +121,28 @@ class ErrorRule:
 # First match wins: subclasses before their bases.
 ERROR_TABLE: tuple[ErrorRule, ...] = (
     ErrorRule(Interrupted, None, "interrupted", "run the same command with --resume to continue"),
-    ErrorRule(EpisodesFailed, EXIT_PARTIAL, "episodes_failed", "fix the files named above and rerun with --resume"),
+    ErrorRule(EpisodesFailed, None, "episodes_failed", "fix what is named above and rerun with --resume"),
+    ErrorRule(StepFailed, None, "step_failed"),
+    ErrorRule(OutputError, None, "output_error",
+              "check free space and permissions of the output folder, then continue with --resume"),
     ErrorRule(CapacityError, EXIT_CAPACITY, "capacity_error",
               "use a smaller dtype or window, a larger --memory-budget, or a device with more memory"),
     ErrorRule(ObservationError, EXIT_USAGE, "observation_error", "see the episode format: ardiff rollout --help"),
     ErrorRule(CheckpointError, EXIT_USAGE, "checkpoint_error"),
     ErrorRule(ConfigError, EXIT_USAGE, "config_error"),
     ErrorRule(ArdiffError, None, "error"),
+    # Not ardiff's own: the KV page pool (KVCacheExhaustedError), host memory, or torch's OutOfMemoryError.
+    ErrorRule(MemoryError, EXIT_CAPACITY, "out_of_memory",
+              "lower --session-capacity or --gpu-memory-fraction, or use a smaller dtype or model"),
 )
+_OUT_OF_MEMORY = ERROR_TABLE[-1]
 
 
 def rule_for(exc: BaseException) -> ErrorRule | None:
     for rule in ERROR_TABLE:
         if isinstance(exc, rule.exc_type):
             return rule
-    return None
+    return _OUT_OF_MEMORY if is_out_of_memory(exc) else None
 
 
 def exit_code_for(exc: BaseException) -> int:

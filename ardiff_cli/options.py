@@ -67,6 +67,15 @@ EpisodesArg = Annotated[
         show_default=False,
     ),
 ]
+PipelineOpt = Annotated[
+    Optional[str],
+    typer.Option("--pipeline", rich_help_panel=RUNTIME_PANEL, metavar="MODULE:CLASS",
+                 help="Use this pipeline instead of the config's: a registered name, or MODULE:CLASS to import a "
+                      "pipeline class (one that carries Config and observation_schema, like "
+                      "pipelines.dreamzero.pipeline:DreamZeroPipeline). Importing runs MODULE's code, so only this "
+                      "option can ask for it, never a config file. \\[default: the config's pipeline]",
+                 show_default=False),
+]
 OutOpt = Annotated[
     Optional[Path],
     typer.Option("--out", "-o", help="Output folder. \\[default: ./ardiff-runs/<timestamp>]", show_default=False),

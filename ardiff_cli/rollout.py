@@ -6,21 +6,33 @@ the current one; when it has not (it was evicted by a newer session, or the
 run is resuming), the episode's earlier steps are replayed first with their
 outputs discarded. So an episode's outputs depend only on its own steps: not
 on the order, the session capacity or an interruption.
+
+Failures are per episode. A step that cannot be read or validated, whose
+forward raises (the runner has already released the session), or whose
+outputs cannot be written, fails its episode: a ``failed`` line in
+results.jsonl names the step, the phase and the error (with the traceback of
+an unexpected exception), the session is released, and the other episodes go
+on unless ``--fail-fast``. A step's outputs are written before its session is
+closed, so a failing close hook never loses the last step (it is a warning).
+Signals, failures to append to results.jsonl and broken internal invariants
+(``AssertionError``: a bug) stop the run.
 """
 
 from __future__ import annotations
 
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from ardiff_cli.errors_cli import Interrupted, OutputError, StepFailed
 from ardiff_cli.io.episode import EpisodeSource, StepFile, load_step
 from ardiff_cli.io.run import RunFolder
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.monitor import RunMonitor
 from ardiff_cli.output import Output
-from ardiff_cli.runtime.errors import ObservationError
+from ardiff_cli.runtime.errors import ArdiffError, ObservationError
 from ardiff_cli.runtime.observation import ObservationSchema
 from ardiff_cli.signals import StopSignals
 
@@ -42,7 +54,9 @@ class RolloutStats:
     replayed: int = 0  # steps rerun to rebuild an evicted or resumed session
     evictions: int = 0
     failed: dict[str, str] = field(default_factory=dict)  # episode -> error message
+    errors: dict[str, Exception] = field(default_factory=dict)  # episode -> ObservationError or StepFailed
     completed_episodes: list[str] = field(default_factory=list)
+    hook_errors: list[dict[str, Any]] = field(default_factory=list)  # pipeline reset/close hooks that raised
 
 
 class Rollout:
@@ -68,6 +82,8 @@ class Rollout:
         self._captured: list[Any] = []  # runtime events of the request in flight
         self._steps_done = {e.name: len(done.get(e.name, ())) for e in episodes}  # per episode, incl. earlier runs
         self._warned: set[tuple[str, str]] = set()  # (episode, warning) shown once
+        self._at: tuple[str, StepFile] | None = None  # (phase, step file) of the work in progress, for errors
+        self._running: StepTask | None = None  # the step in progress
         engine.subscribe(self._on_event)
 
     # -- events --------------------------------------------------------------------------------------------
@@ -80,7 +96,24 @@ class Rollout:
             self._resident.pop(event.session_id, None)
         if kind == "session_evicted":
             self.stats.evictions += 1
+        if kind == "hook_failed":
+            self._hook_failed(event)
         self._captured.append(event)
+
+    def _hook_failed(self, event: Any) -> None:
+        """A reset/close hook raised: the runner released the KV regardless. A warning, never lost."""
+        task = self._running
+        record = {"session": event.session_id, "hook": event.hook, "error": event.error,
+                  "during": None if task is None else {"episode": task.episode.name, "step": task.file.step}}
+        self.stats.hook_errors.append(record)
+        if task is None:
+            when = ""
+        elif task.episode.name == event.session_id:
+            when = f" at its step {task.file.step}"
+        else:
+            when = f" when evicted for episode {task.episode.name!r} step {task.file.step}"
+        self.out.warning(f"episode {event.session_id!r}: the pipeline's {event.hook} raised{when}: {event.error}; "
+                         "its KV was released and its written outputs are complete")
 
     # -- the loop ------------------------------------------------------------------------------------------
 
@@ -94,13 +127,29 @@ class Rollout:
             if isinstance(item, EpisodeEnded):
                 self._end_episode(item)
                 continue
+            self._running = item
             try:
                 self._run_step(item)
-            except ObservationError as exc:
-                self._fail_episode(item.episode, item.file, item.ordinal, exc)
+            except (Interrupted, OutputError, AssertionError):
+                # The run stops: a signal, results.jsonl that cannot record anything, or a broken internal
+                # invariant (a bug: going on could corrupt the pool). Outputs so far are complete; --resume.
+                raise
+            except Exception as exc:  # noqa: BLE001 - the step's episode fails; the others go on
+                failure = self._step_failure(item, exc)
+                phase, step_file = self._at or ("load", item.file)
+                self._fail_episode(item.episode, step_file, item.ordinal, failure, phase=phase)
                 if self.options.fail_fast:
-                    raise
+                    raise failure from (None if failure is exc else exc)
+            finally:
+                self._at = self._running = None
             self._show_progress()
+
+    def _step_failure(self, task: StepTask, exc: Exception) -> ArdiffError:
+        """An invalid file stays an ``ObservationError``; anything else becomes a ``StepFailed`` naming the step."""
+        if isinstance(exc, ObservationError):
+            return exc
+        phase, step_file = self._at or ("forward", task.file)
+        return StepFailed(task.episode.name, step_file.step, phase, exc, path=str(step_file.path))
 
     def _load(self, episode: EpisodeSource, step_file: StepFile) -> dict[str, Any]:
         raw = load_step(step_file.path)
@@ -111,11 +160,13 @@ class Rollout:
                 self.out.warning(warning)
         return valid.inputs
 
-    def _execute(self, request_id: str, session_id: str, inputs: dict[str, Any], *, close: bool) -> Any:
+    def _execute(self, request_id: str, session_id: str, inputs: dict[str, Any]) -> Any:
+        """One request of the episode's session. Sessions are closed by ``_close_session``, after their outputs
+        are written, never by the request's ``close_session`` flag (a failing hook would lose the output)."""
         from ardiff_cli.runtime.request import ARDiffusionRequest
 
-        extra = {"session_id": session_id, "close_session": close}
-        return self.engine.execute(ARDiffusionRequest(request_id=request_id, inputs=inputs, extra_args=extra))
+        return self.engine.execute(ARDiffusionRequest(request_id=request_id, inputs=inputs,
+                                                      extra_args={"session_id": session_id}))
 
     def _rebuild_session(self, episode: EpisodeSource, ordinal: int) -> int:
         """Replay the steps before ``ordinal`` that the resident session lacks; returns how many ran."""
@@ -126,8 +177,9 @@ class Rollout:
             self.monitor.log("replay", episode.name, f"rebuilding the session from {len(history)} earlier steps",
                              steps=[f.step for f in history])
         for step_file in history:
+            self._at = ("replay", step_file)
             inputs = self._load(episode, step_file)
-            self._execute(f"{episode.name}/{step_file.step:06d}/replay", episode.name, inputs, close=False)
+            self._execute(f"{episode.name}/{step_file.step:06d}/replay", episode.name, inputs)
             self._resident[episode.name] = self._resident.get(episode.name, 0) + 1
             self.stats.replayed += 1
             self.monitor.set_progress(replayed=self.stats.replayed)
@@ -136,11 +188,13 @@ class Rollout:
 
     def _run_step(self, task: StepTask) -> None:
         episode, step = task.episode, task.file.step
+        self._at = ("load", task.file)
         inputs = self._load(episode, task.file)
         self._captured = events = []  # what the rebuild and the step itself cause (evictions)
         replayed = self._rebuild_session(episode, task.ordinal)
         request_id = f"{episode.name}/{step:06d}"
-        output = self._execute(request_id, episode.name, inputs, close=task.is_last)
+        self._at = ("forward", task.file)
+        output = self._execute(request_id, episode.name, inputs)
         if episode.name in self._resident:
             self._resident[episode.name] = task.ordinal + 1
         finished = next((e for e in events if e.kind == "request_finished" and e.request_id == request_id), None)
@@ -148,6 +202,7 @@ class Rollout:
         latency = None if finished is None else {
             "bind_s": finished.bind_s, "forward_s": finished.forward_s, "commit_s": finished.commit_s,
             "total_s": finished.total_s}
+        self._at = ("write", task.file)
         with self.signals.critical():
             path = self.run_folder.write_step_outputs(
                 episode.name, step, output if isinstance(output, dict) else {},
@@ -158,41 +213,73 @@ class Rollout:
                 "latency": latency, "evictions": len(evicted), "evicted": evicted, "replayed": replayed,
                 "closed": task.is_last, "time": time.time(),
             }
-            self.run_folder.append_result(record)
+            self._append(record)
+        if task.is_last:  # after the outputs are safe: a failing close hook cannot lose them
+            self._close_session(episode.name)
         self.stats.steps += 1
         self._steps_done[episode.name] += 1
         total_ms = f"{latency['total_s'] * 1000:.1f} ms" if latency else "-"
         self.monitor.emit({"kind": "step", **record, "session_id": episode.name,
                            "detail": f"step {step} (chunk {task.ordinal}) {total_ms} -> {record['output']}"})
 
-    def _fail_episode(self, episode: EpisodeSource, step_file: StepFile, ordinal: int, exc: ObservationError) -> None:
-        """Record the failure, release the episode's session, skip its remaining steps."""
+    def _append(self, record: dict[str, Any]) -> None:
+        """One whole line in results.jsonl; failing to write it stops the run (nothing else can record it)."""
+        try:
+            self.run_folder.append_result(record)
+        except OSError as exc:
+            raise OutputError(f"cannot append to {self.run_folder.results_path}: {exc.strerror or exc}") from exc
+
+    def _close_session(self, session_id: str) -> None:
+        """Close a resident session; a hook failure was reported through its ``hook_failed`` event."""
+        if session_id in self._resident:
+            try:
+                self.engine.runner.close_session(session_id)
+            except ArdiffError:  # LifecycleHookError: the KV is released; _hook_failed warned
+                pass
+
+    def _fail_episode(self, episode: EpisodeSource, step_file: StepFile, ordinal: int, exc: ArdiffError, *,
+                      phase: str) -> None:
+        """Record the failure, release the episode's session, skip its remaining steps.
+
+        ``phase``: scan (the folder), load, replay, forward or write (see ``StepFailed``).
+        """
         message = str(exc)
+        cause = exc.cause if isinstance(exc, StepFailed) else exc
+        record = {"episode": episode.name, "step": step_file.step, "chunk": ordinal, "session": episode.name,
+                  "status": "failed", "error": message, "path": str(step_file.path), "phase": phase,
+                  "error_type": type(cause).__name__, "time": time.time()}
+        if not isinstance(cause, ArdiffError):  # unexpected: keep the traceback, the run is unattended
+            record["traceback"] = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
         with self.signals.critical():
-            self.run_folder.append_result({
-                "episode": episode.name, "step": step_file.step, "chunk": ordinal, "session": episode.name,
-                "status": "failed", "error": message, "path": str(step_file.path), "time": time.time()})
+            self._append(record)
         self.stats.failed[episode.name] = message
+        self.stats.errors[episode.name] = exc
         self.scheduler.drop(episode.name)
-        if episode.name in self._resident:
-            self.engine.runner.close_session(episode.name)
+        self._close_session(episode.name)
         self.monitor.log("failed", episode.name, message.splitlines()[0], echo=False)
-        self.out.error(f"episode {episode.name!r} failed: {message}", exc.hint, kind="episode_failed")
+        text = message if isinstance(exc, StepFailed) else f"episode {episode.name!r} failed: {message}"
+        if self.out.verbose and isinstance(exc, StepFailed) and not self.options.fail_fast:  # else shown at exit
+            self.out.traceback(exc.cause)
+        self.out.error(text, exc.hint, kind="episode_failed")
 
     def _end_episode(self, item: EpisodeEnded) -> None:
         name = item.episode.name
         if item.reason == "error":
             assert item.error is not None
-            self._fail_episode(item.episode, StepFile(path=item.episode.path, step=-1), -1, item.error)
+            self._fail_episode(item.episode, StepFile(path=item.episode.path, step=-1), -1, item.error, phase="scan")
             if self.options.fail_fast:
                 raise item.error
             return
-        if name in self._resident:  # following: the end was learnt after the last step ran
-            self.engine.runner.close_session(name)
+        self._close_session(name)  # following: the end was learnt after the last step ran
         self.stats.completed_episodes.append(name)
         self.monitor.log("episode", name, f"ended ({item.reason}) after {self._steps_done[name]} steps")
         if self.options.preview:
-            self._write_preview(item.episode)
+            try:
+                self._write_preview(item.episode)
+            except (Interrupted, OutputError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - a preview is a convenience; its outputs are complete
+                self.out.warning(f"episode {name!r}: cannot write its preview: {type(exc).__name__}: {exc}")
         self.monitor.refresh(self.engine.runner)
 
     # -- progress and previews -----------------------------------------------------------------------------

@@ -9,10 +9,11 @@ from ardiff_cli.options import DEFAULT_CONFIG
 from ardiff_cli.runtime.errors import ConfigError
 
 
-def load_engine_config(config: str | None, **overrides: Any):
+def load_engine_config(config: str | None, *, pipeline: str | None = None, **overrides: Any):
     """The validated ``EngineConfig`` of CONFIG (a path or built-in name) with runtime ``overrides`` applied.
 
-    ``None`` overrides keep the config's value; enum options are passed by value.
+    ``pipeline`` is ``--pipeline`` (a registered name or MODULE:CLASS). ``None``
+    overrides keep the config's value; enum options are passed by value.
     """
     from ardiff_cli.runtime.config import load_config
 
@@ -22,9 +23,17 @@ def load_engine_config(config: str | None, **overrides: Any):
             hint=f"pass the config first: ardiff rollout {DEFAULT_CONFIG} {config}",
         )
     values = {k: getattr(v, "value", v) for k, v in overrides.items()}
-    return load_config(config if config is not None else DEFAULT_CONFIG).with_runtime(**values)
+    return load_config(config if config is not None else DEFAULT_CONFIG, pipeline=pipeline).with_runtime(**values)
 
 
+def refuse_contradictions(*, quiet: bool = False, verbose: bool = False, **given: Any) -> None:
+    """Options that contradict each other are a usage error (exit 2) naming both, never a silent choice."""
+    if quiet and verbose:
+        raise ConfigError("--quiet and --verbose contradict each other (silence progress, or show debug lines)",
+                          hint="pass one of them")
+    if given.get("idle_timeout") is not None and not given.get("follow"):
+        raise ConfigError("--idle-timeout has no effect without --follow (episodes end when their files run out)",
+                          hint="add --follow to watch the folders, or drop --idle-timeout")
 
 
 def config_label(config: str | None) -> str:

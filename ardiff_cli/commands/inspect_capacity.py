@@ -9,7 +9,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ardiff_cli.commands._common import config_label, load_engine_config
+from ardiff_cli.commands._common import config_label, load_engine_config, refuse_contradictions
 from ardiff_cli.errors_cli import EXIT_CODES_HELP, handle_errors
 from ardiff_cli.options import (
     ConfigArg,
@@ -18,6 +18,7 @@ from ardiff_cli.options import (
     FormatOpt,
     GpuMemoryFractionOpt,
     MemoryBudgetOpt,
+    PipelineOpt,
     QuietOpt,
     SessionCapacityOpt,
     VerboseOpt,
@@ -58,6 +59,7 @@ def inspect_capacity(
         "--sessions", min=1, metavar="N",
         help="Show the memory fraction N sessions would need (repeatable). [default: 1 2 4 8 16 and the capacity]",
         show_default=False)] = None,
+    pipeline: PipelineOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     memory_budget: MemoryBudgetOpt = None,
@@ -68,11 +70,12 @@ def inspect_capacity(
     verbose: VerboseOpt = False,
 ) -> None:
     """Print the capacity plan (help text: ``HELP``)."""
-    out = Output.create(format, quiet=quiet, verbose=verbose)
+    out = Output.create(format, quiet=quiet, verbose=verbose and not quiet)  # both: refused
     with handle_errors(out):
         from ardiff_cli.runtime.capacity import parse_bytes, plan_capacity
 
-        cfg = load_engine_config(config, device=device, dtype=dtype, memory_budget=memory_budget,
+        refuse_contradictions(quiet=quiet, verbose=verbose)
+        cfg = load_engine_config(config, pipeline=pipeline, device=device, dtype=dtype, memory_budget=memory_budget,
                                  session_capacity=session_capacity, gpu_memory_fraction=gpu_memory_fraction)
         runtime = cfg.runtime
         if available is not None and available != "auto":

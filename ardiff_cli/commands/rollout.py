@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 import typer
 
-from ardiff_cli.commands._common import config_label, image_size, load_engine_config
+from ardiff_cli.commands._common import config_label, image_size, load_engine_config, refuse_contradictions
 from ardiff_cli.errors_cli import EXIT_CODES_HELP, EpisodesFailed, exit_code_for, handle_errors
 from ardiff_cli.options import (
     ConfigArg,
@@ -21,6 +21,7 @@ from ardiff_cli.options import (
     MemoryBudgetOpt,
     Order,
     OutOpt,
+    PipelineOpt,
     QuietOpt,
     SessionCapacityOpt,
     VerboseOpt,
@@ -29,6 +30,7 @@ from ardiff_cli.output import Format, Output
 from ardiff_cli.runtime.errors import ConfigError, ObservationError
 
 DEMO_SESSION_CAPACITY = 2  # the demo has 3 episodes: with 2 resident sessions, LRU eviction shows
+DEFAULT_IDLE_TIMEOUT = 60.0  # --follow: seconds without a new step file before an episode ends
 
 HELP = (
     "Run episodes of robot observations through the model, each episode one persistent session whose KV cache "
@@ -50,6 +52,12 @@ EPILOG = f"""Examples (the first runs the demo):
   ardiff rollout dreamzero-tiny data/robot_a data/robot_b --follow --idle-timeout 30
 
   ardiff rollout --resume -o runs/eval1
+
+  ardiff rollout my_config.yaml data/ --pipeline my_lab.models:MyPipeline
+
+A step that fails (an invalid file, an error in the model, an output that cannot be written) fails its episode: the
+error names the episode, the step and the file, its session is released, and the other episodes go on (exit 4),
+unless --fail-fast. Nothing already written is lost: --resume continues after any failure or interruption.
 
 Outputs: OUT/results.jsonl (a line per step), OUT/summary.json, OUT/episodes/EPISODE/step_NNNNNN.safetensors and OUT/previews/EPISODE.png (--preview).
 
@@ -75,12 +83,13 @@ def rollout(
     follow: Annotated[bool, typer.Option(
         "--follow", help="Watch the episode folders for new step files and run each as it arrives, until the "
                          "episode's END file or --idle-timeout.")] = False,
-    idle_timeout: Annotated[float, typer.Option(
+    idle_timeout: Annotated[Optional[float], typer.Option(
         "--idle-timeout", min=0.0, metavar="SECONDS",
-        help="With --follow: end an episode after this long without a new step file.")] = 60.0,
+        help=f"With --follow: end an episode after this long without a new step file. "
+             f"\\[default: {DEFAULT_IDLE_TIMEOUT:g}]", show_default=False)] = None,
     fail_fast: Annotated[bool, typer.Option(
-        "--fail-fast", help="Stop at the first invalid step file (exit 2) instead of going on with the "
-                            "other episodes (exit 4).")] = False,
+        "--fail-fast", help="Stop at the first failed step (an invalid file: exit 2; an error in the model: 1, "
+                            "or 3 out of memory) instead of going on with the other episodes (exit 4).")] = False,
     resume: Annotated[bool, typer.Option(
         "--resume", help="Continue the run in --out: steps in its results.jsonl are not run again, and a "
                          "partly done episode's session is rebuilt by replaying its earlier steps.")] = False,
@@ -88,6 +97,7 @@ def rollout(
         "--preview", help="Write OUT/previews/EPISODE.png: observed (top) versus predicted (bottom) frames.")] = False,
     warmup: Annotated[bool, typer.Option(
         "--warmup/--no-warmup", help="Run the pipeline's warmup requests before the first step.")] = True,
+    pipeline: PipelineOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     memory_budget: MemoryBudgetOpt = None,
@@ -98,17 +108,19 @@ def rollout(
     verbose: VerboseOpt = False,
 ) -> None:
     """Stream episodes through persistent sessions (help text: ``HELP``)."""
-    output = Output.create(format, quiet=quiet, verbose=verbose)
+    output = Output.create(format, quiet=quiet, verbose=verbose and not quiet)  # both: refused
     with handle_errors(output):
+        refuse_contradictions(quiet=quiet, verbose=verbose, follow=follow, idle_timeout=idle_timeout)
         overrides = dict(device=device, dtype=dtype, memory_budget=memory_budget, session_capacity=session_capacity,
                          gpu_memory_fraction=gpu_memory_fraction)
-        prepared = _prepare(config, episodes, out, resume, order.value, overrides, output)
-        _run(prepared, output, order=order.value, follow=follow, idle_timeout=idle_timeout, fail_fast=fail_fast,
+        prepared = _prepare(config, episodes, out, resume, order.value, overrides, output, pipeline=pipeline)
+        _run(prepared, output, order=order.value, follow=follow,
+             idle_timeout=DEFAULT_IDLE_TIMEOUT if idle_timeout is None else idle_timeout, fail_fast=fail_fast,
              preview=preview, warmup=warmup, resume=resume)
 
 
 def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool, order: str,
-             overrides: dict[str, Any], output: Output) -> _Prepared:
+             overrides: dict[str, Any], output: Output, *, pipeline: str | None = None) -> _Prepared:
     """Config, episodes and output folder, from the command line or (``--resume``) from run.json."""
     from ardiff_cli.io.demo import ensure_demo_episodes
     from ardiff_cli.io.episode import discover_episodes
@@ -123,6 +135,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         info = run.read_info()
         config = _same(config, info["config"], "CONFIG")
         overrides["dtype"] = _same(getattr(overrides["dtype"], "value", overrides["dtype"]), info["dtype"], "--dtype")
+        _same_pipeline_option(pipeline, info.get("pipeline_option"))
         if not episode_paths and not info.get("demo"):
             episode_paths = [Path(e["path"]) for e in info["episodes"]]
         done = run.done_steps()
@@ -131,7 +144,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         if RunFolder(out).holds_run():
             raise ConfigError(f"{out} already holds a run",
                               hint=f"continue it with: ardiff rollout --resume --out {out}; or choose another --out")
-    cfg = load_engine_config(config, **overrides)
+    cfg = load_engine_config(config, pipeline=pipeline, **overrides)
     output.debug(f"config {cfg.source}: pipeline {cfg.pipeline_name}, {cfg.runtime}")
     schema = cfg.observation_schema()
     demo = not episode_paths
@@ -151,13 +164,27 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             raise ConfigError(f"the episodes differ from those of the run in {out}: {recorded}",
                               hint="resume with the same EPISODE arguments (or none, to reuse the recorded ones)")
     info = {
-        "config": config_label(config), "config_path": cfg.source, "pipeline": cfg.pipeline_name, "order": order,
+        "config": config_label(config), "config_path": cfg.source, "pipeline": cfg.pipeline_name,
+        "pipeline_option": pipeline, "order": order,
         "episodes": [{"name": e.name, "path": str(e.path.resolve())} for e in episodes], "demo": demo,
         "dtype": cfg.runtime.dtype, "device": cfg.runtime.device, "session_capacity": cfg.runtime.session_capacity,
         "memory_budget": cfg.runtime.memory_budget, "gpu_memory_fraction": cfg.runtime.gpu_memory_fraction,
         "started": info.get("started", time.time()),
     }
     return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done)
+
+
+def _same_pipeline_option(given: str | None, recorded: str | None) -> None:
+    """``--resume`` never imports code because a file (run.json) names it: the command line must say it again."""
+    if given == recorded:
+        return
+    if recorded is None:
+        raise ConfigError(f"the interrupted run used its config's pipeline, not --pipeline {given}",
+                          hint="resume without --pipeline")
+    message = (f"--pipeline {given!r} differs from the interrupted run's {recorded!r}" if given else
+               f"the interrupted run used --pipeline {recorded}; ardiff imports code only when the command line "
+               "names it")
+    raise ConfigError(message, hint=f"resume with --pipeline {recorded}")
 
 
 def _same(given: Any, recorded: Any, name: str) -> Any:
@@ -210,17 +237,14 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 stats = driver.run()
                 monitor.set_phase("done")
                 if stats.failed:
-                    if stats.completed_episodes:
-                        raise EpisodesFailed(f"{len(stats.failed)} of {len(p.episodes)} episodes failed: "
-                                             f"{', '.join(stats.failed)}; the others completed")
-                    raise ObservationError(f"every episode failed ({', '.join(stats.failed)})")
+                    raise _failed_episodes(stats, len(p.episodes))
             except BaseException as exc:
                 error = exc
                 raise
             finally:
                 try:
                     if engine is not None:
-                        engine.close()
+                        _close_engine(engine, output)
                 finally:
                     run.close()
                     if driver is not None:
@@ -232,25 +256,49 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
             output.result(summary, lambda plain: render_summary(summary, plain))
 
 
+def _failed_episodes(stats: Any, num_episodes: int) -> Exception:
+    """Exit 4 when other episodes completed; else 2 when every failure was invalid input, else their code."""
+    names = ", ".join(stats.failed)
+    if stats.completed_episodes:
+        return EpisodesFailed(f"{len(stats.failed)} of {num_episodes} episodes failed: {names}; the others completed")
+    errors = list(stats.errors.values())
+    if all(isinstance(e, ObservationError) for e in errors):
+        return ObservationError(f"every episode failed ({names})")
+    return EpisodesFailed(f"every episode failed ({names})", exit_code=max(exit_code_for(e) for e in errors))
+
+
+def _close_engine(engine: Any, output: Output) -> None:
+    """Release every resident session. A failing close hook is a warning here, never the run's error: the
+    KV was released regardless, and an interrupted or failed run must keep its own exit code."""
+    from ardiff_cli.runtime.errors import ArdiffError
+
+    try:
+        engine.close()
+    except ArdiffError as exc:
+        output.warning(str(exc))
+
+
 def _summary(run: Any, p: _Prepared, driver: Any, plan: Any, wall_s: float, error: BaseException | None,
              build_summary: Any) -> dict[str, Any]:
-    from ardiff_cli.errors_cli import EpisodesFailed, Interrupted
+    from ardiff_cli.errors_cli import EXIT_PARTIAL, EpisodesFailed, Interrupted
 
     if error is None:
         status = "ok"
     elif isinstance(error, (Interrupted, KeyboardInterrupt)):
         status = "interrupted"
-    elif isinstance(error, EpisodesFailed):
+    elif isinstance(error, EpisodesFailed) and error.exit_code == EXIT_PARTIAL:
         status = "partial"
     else:
         status = "failed"
     stats = driver.stats
-    return build_summary(
+    summary = build_summary(
         run.records(), episodes=[e.name for e in p.episodes], failed=stats.failed, info=p.info,
         plan=None if plan is None else plan.to_dict(),
         this_run={"steps": stats.steps, "skipped": stats.skipped, "replayed": stats.replayed,
                   "evictions": stats.evictions, "completed_episodes": stats.completed_episodes},
         wall_s=wall_s, status=status, exit_code=0 if error is None else exit_code_for(error), root=run.root)
+    summary["hook_errors"] = list(stats.hook_errors)  # pipeline reset/close hooks that raised (KV released anyway)
+    return summary
 
 
 def render_summary(s: dict[str, Any], plain: bool):

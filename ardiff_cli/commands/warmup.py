@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from ardiff_cli.commands._common import config_label, load_engine_config
+from ardiff_cli.commands._common import config_label, load_engine_config, refuse_contradictions
 from ardiff_cli.errors_cli import EXIT_CODES_HELP, handle_errors
 from ardiff_cli.options import (
     ConfigArg,
@@ -14,6 +14,7 @@ from ardiff_cli.options import (
     FormatOpt,
     GpuMemoryFractionOpt,
     MemoryBudgetOpt,
+    PipelineOpt,
     QuietOpt,
     SessionCapacityOpt,
     VerboseOpt,
@@ -37,6 +38,7 @@ EPILOG = f"""Examples:
 
 def warmup(
     config: ConfigArg = None,
+    pipeline: PipelineOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     memory_budget: MemoryBudgetOpt = None,
@@ -47,13 +49,14 @@ def warmup(
     verbose: VerboseOpt = False,
 ) -> None:
     """Warm the pipeline up and report (help text: ``HELP``)."""
-    out = Output.create(format, quiet=quiet, verbose=verbose)
+    out = Output.create(format, quiet=quiet, verbose=verbose and not quiet)  # both: refused
     with handle_errors(out):
         from ardiff_cli.monitor import RunMonitor
         from ardiff_cli.panels import render
         from ardiff_cli.signals import StopSignals
 
-        cfg = load_engine_config(config, device=device, dtype=dtype, memory_budget=memory_budget,
+        refuse_contradictions(quiet=quiet, verbose=verbose)
+        cfg = load_engine_config(config, pipeline=pipeline, device=device, dtype=dtype, memory_budget=memory_budget,
                                  session_capacity=session_capacity, gpu_memory_fraction=gpu_memory_fraction)
         monitor = RunMonitor(out, f"ardiff warmup · {config_label(config)}", echo_requests=True)
         out.info(f"loading {config_label(config)} (pipeline {cfg.pipeline_name})")

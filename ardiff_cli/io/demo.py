@@ -112,7 +112,9 @@ def demo_key(pipeline_name: str, schema: ObservationSchema, image_size: tuple[in
     """A folder name that changes whenever the generated content would."""
     text = repr((DEMO_VERSION, DEMO_STEPS, schema, tuple(image_size), frames))
     digest = hashlib.sha256(text.encode()).hexdigest()[:10]
-    return f"{pipeline_name}-{image_size[0]}x{image_size[1]}-{digest}"
+    from ardiff_cli.io.episode import safe_name
+
+    return f"{safe_name(pipeline_name)}-{image_size[0]}x{image_size[1]}-{digest}"
 
 
 def ensure_demo_episodes(pipeline_name: str, schema: ObservationSchema, image_size: tuple[int, int], *,

@@ -17,6 +17,7 @@ ignored, so a writer can create a step under a temporary name and rename it.
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ METADATA_FILE = "episode.yaml"
 END_MARKER = "END"
 _IGNORED_SUFFIXES = (".tmp", ".partial")
 _NUMBER = re.compile(r"(\d+)")
+_UNSAFE_CHARS = frozenset('/\\:*?"<>|')  # separators, and characters some file systems refuse
+MAX_NAME_CHARS = 100  # episode names become folder and file names: keep them well under NAME_MAX
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +94,56 @@ def step_number(path: Path) -> int:
     return int(numbers[-1])
 
 
+def safe_name(name: str, fallback: str = "episode") -> str:
+    """``name`` made safe to use as one file or folder name inside the output folder.
+
+    Episode names are session ids and output folder names (``OUT/episodes/<name>/``,
+    ``OUT/previews/<name>.png``), and they are printed: path separators and
+    characters file systems refuse become ``_``, control characters (terminal
+    escapes, newlines) too, a leading dot becomes ``_`` (so ``.`` and ``..``
+    cannot climb out and no output is hidden), and the length is capped.
+    """
+    chars = ["_" if c in _UNSAFE_CHARS or unicodedata.category(c).startswith("C") else c for c in str(name)]
+    cleaned = "".join(chars).strip()[:MAX_NAME_CHARS].strip()
+    if cleaned.startswith("."):
+        cleaned = "_" + cleaned[1:]
+    return cleaned or fallback
+
+
+def missing_steps(steps: list[int]) -> list[int]:
+    """Step numbers absent between the first and the last of ``steps`` (sorted, distinct)."""
+    missing: list[int] = []
+    for before, after in zip(steps, steps[1:]):
+        missing.extend(range(before + 1, after))
+    return missing
+
+
+def gap_error(folder: Path, steps: list[int], missing: list[int]) -> ObservationError:
+    shown = ", ".join(map(str, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    return ObservationError(
+        f"{folder}: step{'s' if len(missing) > 1 else ''} {shown} missing: the episode has steps "
+        f"{steps[0]}..{steps[-1]} with a gap (expected consecutive step numbers)",
+        hint="add the missing step files, or renumber the steps consecutively; outputs of a session depend on "
+             "every earlier step, so a gap is never skipped silently",
+    )
+
+
+def _list_folder(folder: Path) -> list[Path]:
+    try:
+        return list(folder.iterdir())
+    except OSError as exc:
+        raise ObservationError(
+            f"{folder}: cannot list the episode folder: {exc.strerror or exc}",
+            hint="check that the folder exists and that the user running ardiff may read and enter it "
+                 "(permissions r-x)",
+        ) from None
+
+
 def scan_steps(folder: Path) -> list[StepFile]:
     steps: dict[int, Path] = {}
-    for path in folder.iterdir():
-        if not path.is_file() or not is_step_file(path):
-            continue
+    for path in _list_folder(folder):
+        if not is_step_file(path) or not (path.is_file() or path.is_symlink()):
+            continue  # a dangling link is kept: reading it names the problem instead of leaving a silent gap
         number = step_number(path)
         if number in steps:
             raise ObservationError(
@@ -109,14 +157,18 @@ def scan_steps(folder: Path) -> list[StepFile]:
 def _holds_episode(folder: Path) -> bool:
     if (folder / METADATA_FILE).exists() or (folder / END_MARKER).exists():
         return True
-    children = list(folder.iterdir())
+    try:
+        children = list(folder.iterdir())
+    except OSError:
+        return True  # unreadable: an episode whose error is reported with it, while the others run
     return any(p.is_file() and is_step_file(p) for p in children) or not any(p.is_dir() for p in children)
 
 
 def discover_episodes(paths: list[Path]) -> list[EpisodeSource]:
     """Episode folders from the command line: each path is an episode, or a folder of episode folders.
 
-    Names are the folder names, made unique with a numeric suffix when two collide.
+    Names are the folder names made safe (:func:`safe_name`), and unique with a
+    numeric suffix when two collide.
     """
     folders: list[Path] = []
     for path in paths:
@@ -130,15 +182,18 @@ def discover_episodes(paths: list[Path]) -> list[EpisodeSource]:
         if _holds_episode(path):
             folders.append(path)
         else:
-            children = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+            children = sorted(p for p in _list_folder(path) if p.is_dir() and not p.name.startswith("."))
             folders.extend(children)
-    names: dict[str, int] = {}
+    names: set[str] = set()
     episodes = []
     for folder in folders:
-        base = folder.resolve().name or "episode"
-        count = names.get(base, 0)
-        names[base] = count + 1
-        episodes.append(EpisodeSource(name=base if count == 0 else f"{base}-{count + 1}", path=folder))
+        base = safe_name(folder.resolve().name)
+        name, count = base, 1
+        while name in names:
+            count += 1
+            name = f"{base}-{count}"
+        names.add(name)
+        episodes.append(EpisodeSource(name=name, path=folder))
     return episodes
 
 
@@ -156,16 +211,45 @@ def read_episode_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+WRITE_HINT = ("was it written completely? write step files under a temporary name and rename them "
+              "(ardiff_cli.io.write_step does), then rerun with --resume")
+# First bytes of formats that turn up under a step file's suffix, and what to do about each.
+_SIGNATURES = (
+    (b"PK\x03\x04", "a zip archive (an .npz?)", "if it is an .npz, give it the .npz suffix"),
+    (b"\x89PNG", "a PNG image", "store camera frames as uint8 arrays in the step file (ardiff_cli.io.write_step)"),
+    (b"\x93NUMPY", "a .npy array file", "store the step's arrays in one .safetensors or .npz file"),
+    (b"\x80", "a pickle (torch.save / pickle.dump)",
+     "ardiff never unpickles files; convert it with safetensors.numpy.save_file or ardiff_cli.io.write_step"),
+)
+
+
 def load_step(path: Path) -> RawStep:
-    """Read one step file; an unreadable file is an ``ObservationError`` naming it."""
+    """Read one step file; an unreadable file is an ``ObservationError`` naming it and saying why."""
+    head, size = _read_head(path)
+    if size == 0:
+        raise ObservationError(f"{path}: the file is empty (0 bytes)", hint=WRITE_HINT)
     if path.suffix == ".safetensors":
-        return _load_safetensors(path)
+        return _load_safetensors(path, head, size)
     if path.suffix == ".npz":
-        return _load_npz(path)
+        return _load_npz(path, head)
     raise ObservationError(f"{path}: unsupported step file type {path.suffix!r}; use .safetensors or .npz")
 
 
-def _load_safetensors(path: Path) -> RawStep:
+def _read_head(path: Path) -> tuple[bytes, int]:
+    """The first 16 bytes and the size, or an ``ObservationError`` saying why the file cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+            size = f.seek(0, 2)
+    except OSError as exc:
+        raise ObservationError(
+            f"{path}: cannot read the step file: {exc.strerror or exc}",
+            hint="check that the file exists and that the user running ardiff may read it (permissions)",
+        ) from None
+    return head, size
+
+
+def _load_safetensors(path: Path, head: bytes, size: int) -> RawStep:
     from safetensors import safe_open
 
     try:
@@ -173,16 +257,34 @@ def _load_safetensors(path: Path) -> RawStep:
             metadata = dict(f.metadata() or {})
             arrays = {key: f.get_tensor(key) for key in f.keys()}
     except Exception as exc:  # noqa: BLE001 - safetensors raises several types for corrupt files
-        raise ObservationError(f"{path}: cannot read safetensors file: {exc}",
-                               hint="was the file written completely? (write a temporary name, then rename)") from None
+        raise _unreadable_safetensors(path, head, size, exc) from None
     return RawStep(arrays=arrays, metadata=metadata)
 
 
-def _load_npz(path: Path) -> RawStep:
+def _unreadable_safetensors(path: Path, head: bytes, size: int, exc: Exception) -> ObservationError:
+    """Why safetensors refused ``path``, in words: another format, a truncated file, or corrupt bytes."""
+    for signature, what, hint in _SIGNATURES:
+        if head.startswith(signature):
+            return ObservationError(f"{path}: cannot read safetensors file: it is {what}, not safetensors", hint=hint)
+    header_len = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
+    if len(head) >= 8 and 8 + header_len > size and header_len < (100 << 20):
+        return ObservationError(
+            f"{path}: cannot read safetensors file: truncated (its header alone should take {header_len} bytes; "
+            f"the file has {size} bytes in all)", hint=WRITE_HINT)
+    return ObservationError(f"{path}: cannot read safetensors file: truncated or corrupt ({size} bytes): {exc}",
+                            hint=WRITE_HINT)
+
+
+def _load_npz(path: Path, head: bytes) -> RawStep:
     import zipfile
 
     import numpy as np
 
+    if not head.startswith(b"PK\x03\x04"):  # an .npz is a zip archive; never let np.load guess (pickle)
+        unknown = ("neither a zip archive nor a known format",
+                   "write .npz files with numpy.savez or ardiff_cli.io.write_step")
+        what, hint = next(((w, h) for sig, w, h in _SIGNATURES if head.startswith(sig)), unknown)
+        raise ObservationError(f"{path}: cannot read .npz file: it is {what}, not an .npz", hint=hint)
     arrays: dict[str, Any] = {}
     metadata: dict[str, str] = {}
     try:
@@ -197,5 +299,5 @@ def _load_npz(path: Path) -> RawStep:
         raise ObservationError(f"{path}: cannot read .npz without pickle: {exc}",
                                hint="store plain numeric arrays; put text in episode.yaml") from None
     except (OSError, zipfile.BadZipFile, EOFError) as exc:
-        raise ObservationError(f"{path}: cannot read .npz file: {exc}") from None
+        raise ObservationError(f"{path}: cannot read .npz file: truncated or corrupt: {exc}", hint=WRITE_HINT) from None
     return RawStep(arrays=arrays, metadata=metadata)

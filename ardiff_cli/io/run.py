@@ -63,10 +63,10 @@ class RunFolder:
         return self.root / SUMMARY_FILE
 
     def step_output(self, episode: str, step: int) -> Path:
-        return self.root / EPISODES_DIR / episode / f"step_{step:06d}.safetensors"
+        return self.root / EPISODES_DIR / _checked_name(episode) / f"step_{int(step):06d}.safetensors"
 
     def preview_path(self, episode: str) -> Path:
-        return self.root / PREVIEWS_DIR / f"{episode}.png"
+        return self.root / PREVIEWS_DIR / f"{_checked_name(episode)}.png"
 
     def relative(self, path: Path) -> str:
         return path.relative_to(self.root).as_posix()
@@ -140,6 +140,15 @@ class RunFolder:
         if self._results is not None:
             self._results.close()
             self._results = None
+
+
+def _checked_name(episode: str) -> str:
+    """Episode names are sanitised at discovery; one that is not would write outside its folder (a bug)."""
+    from ardiff_cli.io.episode import safe_name
+
+    if not isinstance(episode, str) or safe_name(episode) != episode:
+        raise ValueError(f"unsafe episode name {episode!r} for an output path; names come from safe_name()")
+    return episode
 
 
 def _is_array(value: Any) -> bool:

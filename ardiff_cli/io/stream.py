@@ -9,6 +9,12 @@ seconds.
 
 A follower only takes a file once its size was the same at two polls, so a
 writer that does not rename still never hands over half a file.
+
+Step numbers must be consecutive: a session's outputs depend on every earlier
+step, so a gap is never skipped. Without ``follow`` a gap (or a folder with no
+step files at all) fails the episode before its first step runs; while
+following, a step beyond a gap waits for the missing one, and the episode
+fails if its END marker or the idle timeout comes first.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ardiff_cli.io.episode import EpisodeSource, StepFile
+from ardiff_cli.io.episode import EpisodeSource, StepFile, gap_error, missing_steps
 from ardiff_cli.runtime.errors import ObservationError
 
 
@@ -52,6 +58,7 @@ class _Track:
     sizes: dict[str, int] = field(default_factory=dict)  # follow: size of each unready file at the last poll
     last_activity: float = 0.0  # follow: when a step last arrived or was handed out (idle timer)
     ended: bool = False
+    gap: tuple[int, int] | None = None  # follow: (last taken step, next step present) while steps between are missing
 
 
 class StepScheduler:
@@ -154,7 +161,12 @@ class StepScheduler:
             track.current = ordinal
             track.last_activity = self._clock()
             return StepTask(episode=track.source, file=step_file, ordinal=ordinal, is_last=self._is_last(track))
-        reason = self._end_reason(track)
+        try:
+            reason = self._end_reason(track)
+        except ObservationError as exc:  # the episode cannot end cleanly: a step is missing
+            track.ended = True
+            self._pending_ends.append(EpisodeEnded(episode=track.source, reason="error", error=exc))
+            return None
         if reason is not None:
             track.ended = True
             track.current = len(track.files)
@@ -176,10 +188,18 @@ class StepScheduler:
             return "complete"
         if track.source.has_end_marker():
             self._guarded_scan(track)
+            self._raise_gap(track)
             return "end_marker" if track.cursor >= len(track.files) and not track.sizes else None
         if self._clock() - track.last_activity >= self.idle_timeout:
+            self._raise_gap(track)
             return "idle_timeout"
         return None
+
+    def _raise_gap(self, track: _Track) -> None:
+        if track.gap is not None:
+            last, present = track.gap
+            steps = [f.step for f in track.files] + [present]
+            raise gap_error(track.source.path, steps, list(range(last + 1, present)))
 
     def _guarded_scan(self, track: _Track) -> None:
         """Scan ``track``'s folder; an unreadable folder ends the episode with an error item."""
@@ -193,13 +213,24 @@ class StepScheduler:
 
     def _scan(self, track: _Track) -> None:
         if not self.follow:
-            track.files = track.source.scan()
+            files = track.source.scan()
+            if not files:
+                raise ObservationError(
+                    f"{track.source.path}: the episode folder holds no step files",
+                    hint="an episode is a folder of step_000000.safetensors, step_000001.safetensors, ... (or .npz); "
+                         "for a folder a robot is still writing, use --follow",
+                )
+            missing = missing_steps([f.step for f in files])
+            if missing:
+                raise gap_error(track.source.path, [f.step for f in files], missing)
+            track.files = files
             return
         if not track.source.path.exists():
             return
         known = {f.path.name for f in track.files}
         last = track.files[-1].step if track.files else -1
         blocked = False  # an earlier new file is not stable yet: later ones wait for it
+        track.gap = None
         for step_file in track.source.scan():
             name = step_file.path.name
             if name in known:
@@ -218,6 +249,11 @@ class StepScheduler:
                     f"{step_file.path}: step {step_file.step} arrived after step {last} had already run",
                     hint="write the steps of an episode in increasing step order",
                 )
+            if track.files and step_file.step != last + 1:  # a gap: wait for the missing steps
+                track.sizes[name] = size
+                track.gap = (last, step_file.step)
+                blocked = True
+                continue
             del track.sizes[name]
             track.files.append(step_file)
             last = step_file.step

@@ -43,3 +43,4 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
                 arrays[key] = source[key]
                 break
     return ValidStep(inputs=validate_observation(schema, arrays, where=str(path)), warnings=warnings)
+

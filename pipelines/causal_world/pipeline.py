@@ -38,6 +38,7 @@ from ardiff_cli.runtime.errors import ObservationError
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from pipelines.base import ARPipeline, noise_generator, shift_sigma
 from pipelines.causal_world.config import SCHEMA, Config
+from pipelines.causal_world.config import observation_schema as module_observation_schema
 from pipelines.encoders import LatentCodec, TextEncoder
 from ardiff_cli.runtime.observation import validate_observation
 from pipelines.wan import Segment, WanTransformer
@@ -76,6 +77,10 @@ class WorldSession:
 
 class CausalWorldPipeline(ARPipeline):
     name = "causal_world"
+    # What the entry module carries, so the class alone is a pipeline for
+    # `--pipeline pipelines.causal_world.pipeline:CausalWorldPipeline` (and for subclasses of it).
+    Config = Config
+    observation_schema = staticmethod(module_observation_schema)
     cross_names = ("text",)
 
     def __init__(self, config: Config, modules: CausalWorldModules, **kwargs: Any) -> None:

@@ -43,6 +43,7 @@ from ardiff_cli.runtime.errors import ObservationError
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from pipelines.base import ARPipeline, noise_generator, shifted_sigmas
 from pipelines.dreamzero.config import CAMERAS, CARTESIAN, MASK_CHANNELS, SCHEMA, Config
+from pipelines.dreamzero.config import observation_schema as module_observation_schema
 from pipelines.encoders import ImageEncoder, LatentCodec, TextEncoder
 from ardiff_cli.runtime.observation import validate_observation
 from pipelines.wan import Segment, WanLayerNorm, WanTransformer
@@ -100,6 +101,10 @@ class DreamZeroSession:
 
 class DreamZeroPipeline(ARPipeline):
     name = "dreamzero"
+    # What the entry module carries, so the class alone is a pipeline for
+    # `--pipeline pipelines.dreamzero.pipeline:DreamZeroPipeline` (and for subclasses of it).
+    Config = Config
+    observation_schema = staticmethod(module_observation_schema)
     cross_names = ("text", "image")
 
     def __init__(self, config: Config, modules: DreamZeroModules, **kwargs: Any) -> None:

@@ -1,0 +1,178 @@
+"""Fault injection into the real DreamZero pipeline, for the reliability tests.
+
+Nothing here is shipped: the faults are context managers that wrap one real
+component of a loaded pipeline for the duration of one request (a transformer
+block, the sampler, a cross-attention projection, the KV allocator,
+``torch.empty``), and ``FaultyDreamZero`` applies them to the requests an
+environment variable names, so a real ``ardiff rollout`` subprocess can fail
+at a chosen episode, step and layer::
+
+    ARDIFF_TEST_FAULTS='[{"request": "arm_b/000001", "site": "block", "layer": 1}]' \\
+        ardiff rollout fast.yaml data/ --pipeline faulty_pipelines:FaultyDreamZero
+
+Each fault is a JSON object:
+
+- ``request``: the request id it fires on (``EPISODE/NNNNNN``, or ``EPISODE/NNNNNN/replay`` for the replay
+  of that step while an evicted session is rebuilt);
+- ``site``: ``block`` (``layer``, ``call``), ``sampler`` (``call``), ``projection`` (``name``: text or image,
+  ``after`` layers), ``cross_oom`` (``torch.empty`` inside ``populate_cross_attention`` raises
+  ``torch.OutOfMemoryError``), ``page_shortage`` (the KV allocator is emptied for the request),
+  ``close_hook`` (``session``: its close hook raises; no ``request``);
+- ``action`` (block and sampler): ``raise`` (default) or ``sleep`` (touch ``marker``, then sleep ``seconds``:
+  for signals that must arrive in the middle of a forward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipelines.dreamzero.pipeline import DreamZeroPipeline
+
+FAULTS_ENV = "ARDIFF_TEST_FAULTS"
+
+
+class InjectedFault(RuntimeError):
+    """What an injected ``raise`` fault raises (an unexpected exception, as far as ardiff knows)."""
+
+
+def _act(fault: dict[str, Any], message: str) -> None:
+    if fault.get("action", "raise") == "sleep":
+        Path(fault["marker"]).write_text(message)
+        time.sleep(float(fault.get("seconds", 120)))
+        return
+    raise InjectedFault(message)
+
+
+@contextlib.contextmanager
+def block_fault(pipeline: Any, layer: int, *, call: int = 1, fault: dict[str, Any] | None = None) -> Iterator[None]:
+    """Transformer block ``layer`` fails on its ``call``-th forward (1: the first commit pass)."""
+    block = pipeline.transformer.blocks[layer]
+    original = block.forward
+    calls = 0
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == call:
+            _act(fault or {}, f"injected fault in transformer block {layer} (call {call})")
+        return original(*args, **kwargs)
+
+    block.forward = forward
+    try:
+        yield
+    finally:
+        del block.forward
+
+
+@contextlib.contextmanager
+def sampler_fault(pipeline: Any, *, call: int = 2, fault: dict[str, Any] | None = None) -> Iterator[None]:
+    """The sampler's velocity evaluation fails on its ``call``-th use (after the commit pass wrote KV)."""
+    original = pipeline._velocity
+    calls = 0
+
+    def velocity(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == call:
+            _act(fault or {}, f"injected fault in the sampler (velocity call {call})")
+        return original(*args, **kwargs)
+
+    pipeline._velocity = velocity
+    try:
+        yield
+    finally:
+        del pipeline._velocity
+
+
+@contextlib.contextmanager
+def projection_fault(pipeline: Any, name: str = "text", *, after: int = 1) -> Iterator[None]:
+    """The ``name`` cross-attention projection iterable raises after yielding ``after`` layers' (k, v)."""
+    attr = f"project_{name}"
+    original = getattr(pipeline.transformer, attr)
+
+    def project(states: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for layer, pair in enumerate(original(states)):
+            if layer == after:
+                raise InjectedFault(f"injected fault in the {name} projection at layer {layer}")
+            yield pair
+
+    setattr(pipeline.transformer, attr, project)
+    try:
+        yield
+    finally:
+        delattr(pipeline.transformer, attr)
+
+
+@contextlib.contextmanager
+def cross_attention_oom() -> Iterator[None]:
+    """``torch.empty`` raises ``torch.OutOfMemoryError`` when ``populate_cross_attention`` copies a layer."""
+    real = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if sys._getframe(1).f_code.co_name == "populate_cross_attention":
+            raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 2.00 MiB")
+        return real(*args, **kwargs)
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
+
+
+@contextlib.contextmanager
+def page_shortage(allocator: Any, *, keep: int = 0) -> Iterator[list[int]]:
+    """Hold every free page but ``keep`` (a leak elsewhere, or a plan too small); give them back after."""
+    stolen = allocator.allocate(max(0, allocator.num_free - keep))
+    try:
+        yield stolen
+    finally:
+        allocator.free(stolen)
+
+
+def load_faults() -> list[dict[str, Any]]:
+    return json.loads(os.environ.get(FAULTS_ENV) or "[]")
+
+
+class FaultyDreamZero(DreamZeroPipeline):
+    """DreamZero with the faults of ``$ARDIFF_TEST_FAULTS`` (none: exactly DreamZero, same checkpoint)."""
+
+    def forward(self, request):
+        with contextlib.ExitStack() as stack:
+            for fault in load_faults():
+                if fault.get("request") == request.request_id:
+                    stack.enter_context(self._install(fault))
+            return super().forward(request)
+
+    def _install(self, fault: dict[str, Any]):
+        site = fault["site"]
+        if site == "block":
+            return block_fault(self, int(fault.get("layer", 0)), call=int(fault.get("call", 1)), fault=fault)
+        if site == "sampler":
+            return sampler_fault(self, call=int(fault.get("call", 2)), fault=fault)
+        if site == "projection":
+            return projection_fault(self, fault.get("name", "text"), after=int(fault.get("after", 1)))
+        if site == "cross_oom":
+            return cross_attention_oom()
+        if site == "page_shortage":
+            _session_id, state = self._bound
+            return page_shortage(state._cache.allocator)
+        raise ValueError(f"unknown fault site {site!r}")
+
+    def close_ar_diffusion_session(self, session_id: str) -> None:
+        super().close_ar_diffusion_session(session_id)
+        if any(f["site"] == "close_hook" and f.get("session") == session_id for f in load_faults()):
+            raise InjectedFault(f"injected fault in the close hook of {session_id!r}")
+
+
+class NotAPipeline:
+    """A class without what a pipeline carries (``--pipeline`` must refuse it)."""

@@ -1,0 +1,212 @@
+"""`ardiff rollout` as a real subprocess with faults injected at chosen episodes, steps and layers.
+
+The faults come from ``faulty_pipelines.FaultyDreamZero``, loaded with the explicit ``--pipeline
+module:Class`` option and configured through ``$ARDIFF_TEST_FAULTS`` (nothing in the shipped code knows
+about them). One resident session (round-robin evicts at every step, so every step after the first
+replays its episode's history) and four 3-step episodes keep each run to a few seconds.
+
+Checked: the error reaches the user with the episode and the step (and no traceback without
+--verbose), the failed episode's session is released while the others complete with outputs identical to
+a fault-free run, results.jsonl holds whole lines only, --fail-fast stops, SIGINT/SIGTERM in the middle of
+a forward exit 130/143 with complete outputs, and --resume completes every interrupted or failed run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ardiff_cli.io import write_episode
+from ardiff_cli.io.demo import demo_step
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+PIPELINE = "faulty_pipelines:FaultyDreamZero"
+EPISODES = ("arm_a", "arm_b", "arm_c", "arm_d")
+FAST_CONFIG = """\
+pipeline: dreamzero
+model: {preset: tiny, num_inference_steps: 1, guidance_scale: 2.0}
+runtime: {device: cpu, session_capacity: 1}
+"""
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "COLUMNS", "ARDIFF_TEST_FAULTS")}
+    env.update(ARDIFF_CACHE_DIR=str(cache), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS), env.get("PYTHONPATH", "")]))
+    return env
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from pipelines.dreamzero import observation_schema
+
+    root = tmp_path_factory.mktemp("data")
+    (root / "fast.yaml").write_text(FAST_CONFIG)
+    for i, name in enumerate(EPISODES):
+        steps = [demo_step(observation_schema(), (16, 16), i, s, 1 if s == 0 else 4) for s in range(3)]
+        write_episode(root / "eps" / name, steps, prompt=f"task {name}")
+    return root
+
+
+def ardiff(env, *args: str, faults: list | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, capture_output=True, text=True,
+                          env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults or [])}, timeout=600)
+
+
+def rollout_args(data, out: Path, *extra: str) -> list[str]:
+    return ["rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(out), "--pipeline", PIPELINE,
+            "--no-warmup", "--format", "plain", *extra]
+
+
+def records(run: Path) -> list[dict]:
+    text = (run / "results.jsonl").read_text()
+    assert text == "" or text.endswith("\n"), "results.jsonl ends in a partial line"
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def outputs(run: Path) -> dict[str, dict[str, np.ndarray]]:
+    """Every step output file, loaded in full (a truncated file would fail here)."""
+    from safetensors.numpy import load_file
+
+    assert not list(run.rglob("*.tmp")), "a temporary file was left behind"
+    return {p.relative_to(run).as_posix(): load_file(str(p)) for p in sorted((run / "episodes").rglob("*.safetensors"))}
+
+
+def assert_matches(run: Path, reference: Path, episodes=EPISODES) -> None:
+    got, want = outputs(run), outputs(reference)
+    names = [n for n in want if n.split("/")[1] in episodes]
+    assert sorted(n for n in got if n.split("/")[1] in episodes) == names
+    for name in names:
+        for key in want[name]:
+            np.testing.assert_array_equal(got[name][key], want[name][key], err_msg=f"{name}:{key}")
+
+
+@pytest.fixture(scope="module")
+def reference(env, data, tmp_path_factory):
+    """A fault-free run through --pipeline (the class is DreamZero plus dormant faults)."""
+    run = tmp_path_factory.mktemp("reference") / "run"
+    proc = ardiff(env, *rollout_args(data, run))
+    assert proc.returncode == 0, proc.stderr
+    lines = records(run)
+    assert len(lines) == 12 and all(r["status"] == "ok" for r in lines)
+    assert json.loads((run / "run.json").read_text())["pipeline_option"] == PIPELINE
+    return run
+
+
+def test_faults_fail_their_episode_only_and_name_episode_and_step(env, data, reference, tmp_path):
+    run = tmp_path / "run"
+    faults = [
+        {"request": "arm_b/000001", "site": "block", "layer": 1},  # a transformer block, mid-episode
+        {"request": "arm_c/000000", "site": "cross_oom"},  # out of memory copying the text cache
+        {"request": "arm_d/000000/replay", "site": "sampler"},  # rebuilding the evicted session
+        {"site": "close_hook", "session": "arm_a"},  # closing a completed episode
+    ]
+    proc = ardiff(env, *rollout_args(data, run), faults=faults)
+    assert proc.returncode == 4, proc.stderr
+    err = proc.stderr
+    assert "Traceback" not in err  # not without --verbose
+    assert ("Error: episode 'arm_b' failed at step 1 in the model's forward: InjectedFault: injected fault in "
+            "transformer block 1") in err
+    assert ("Error: episode 'arm_c' failed at step 0 in the model's forward: KVCacheExhaustedError: "
+            "cross-attention 'text' of branch 'positive' (session 'arm_c'): out of memory allocating layer 0") in err
+    assert ("Error: episode 'arm_d' failed at step 0 while replaying it to rebuild the session: InjectedFault: "
+            "injected fault in the sampler") in err
+    # arm_a's close hook fails each time its session is evicted, and when it completes: warnings, no loss.
+    assert ("warning: episode 'arm_a': the pipeline's close_ar_diffusion_session raised at its step 2: injected "
+            "fault in the close hook of 'arm_a'") in err
+    assert "warning: episode 'arm_a': the pipeline's close_ar_diffusion_session raised when evicted" in err
+    assert "3 of 4 episodes failed: arm_c, arm_b, arm_d; the others completed" in err
+
+    lines = records(run)
+    failed = {r["episode"]: r for r in lines if r["status"] == "failed"}
+    assert set(failed) == {"arm_b", "arm_c", "arm_d"}
+    assert (failed["arm_b"]["step"], failed["arm_b"]["phase"], failed["arm_b"]["error_type"]) == (
+        1, "forward", "InjectedFault")
+    assert "Traceback" in failed["arm_b"]["traceback"] and "faulty_pipelines.py" in failed["arm_b"]["traceback"]
+    assert (failed["arm_c"]["step"], failed["arm_c"]["error_type"]) == (0, "KVCacheExhaustedError")
+    assert (failed["arm_d"]["step"], failed["arm_d"]["phase"]) == (0, "replay")
+    assert failed["arm_d"]["path"].endswith("arm_d/step_000000.safetensors")
+    ok = sorted((r["episode"], r["step"]) for r in lines if r["status"] == "ok")
+    assert ok == [("arm_a", 0), ("arm_a", 1), ("arm_a", 2), ("arm_b", 0), ("arm_d", 0)]
+    assert_matches(run, reference, episodes=("arm_a",))  # the healthy episode did not notice a thing
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "partial" and summary["exit_code"] == 4
+    assert summary["episodes"]["completed"] == 1 and set(summary["episodes"]["failures"]) == set(failed)
+    assert {h["session"] for h in summary["hook_errors"]} == {"arm_a"} and len(summary["hook_errors"]) >= 3
+
+    # Nothing to redo by hand: --resume retries exactly the failed episodes (the faults are gone).
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference)
+
+
+def test_fail_fast_stops_at_the_first_failure_and_resume_completes(env, data, reference, tmp_path):
+    run = tmp_path / "run"
+    faults = [{"request": "arm_b/000001", "site": "page_shortage"}]
+    proc = ardiff(env, *rollout_args(data, run, "--fail-fast", "--verbose"), faults=faults)
+    assert proc.returncode == 3, proc.stderr  # out of memory
+    err = proc.stderr
+    assert ("episode 'arm_b' failed at step 1 in the model's forward: KVCacheExhaustedError: session 'arm_b', "
+            "branch 'positive': KV page pool exhausted: 1 pages requested, 0 free of") in err
+    assert "Traceback" in err and "hint: lower --session-capacity" in err
+    lines = records(run)
+    assert [(r["episode"], r["step"], r["status"]) for r in lines] == [
+        ("arm_a", 0, "ok"), ("arm_b", 0, "ok"), ("arm_c", 0, "ok"), ("arm_d", 0, "ok"), ("arm_a", 1, "ok"),
+        ("arm_b", 1, "failed")]
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")  # without --pipeline: refused
+    assert proc.returncode == 2 and "resume with --pipeline faulty_pipelines:FaultyDreamZero" in proc.stderr
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert "5 steps already done" in proc.stderr
+    assert_matches(run, reference)
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_in_the_middle_of_a_forward_then_resume(env, data, reference, tmp_path, signum, code):
+    run, marker = tmp_path / "run", tmp_path / "in-forward"
+    faults = [{"request": "arm_c/000001", "site": "block", "layer": 1, "call": 2, "action": "sleep",
+               "marker": str(marker)}]
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *rollout_args(data, run)], cwd=REPO, text=True,
+                            env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():  # the process is now inside block 1 of arm_c's step 1
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the forward never started"
+            time.sleep(0.02)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err
+    assert f"interrupted by {signal.Signals(signum).name}" in err and "--resume" in err
+    lines = records(run)  # whole lines only
+    assert [(r["episode"], r["step"]) for r in lines] == [
+        ("arm_a", 0), ("arm_b", 0), ("arm_c", 0), ("arm_d", 0), ("arm_a", 1), ("arm_b", 1)]
+    assert all(r["status"] == "ok" for r in lines)
+    written = outputs(run)  # every output loads in full, and is what the reference run wrote
+    assert sorted(written) == sorted(r["output"] for r in lines)
+    for name, arrays in written.items():
+        for key, value in arrays.items():
+            np.testing.assert_array_equal(value, outputs(reference)[name][key])
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted((r["episode"], r["step"]) for r in records(run)) == sorted(
+        (e, s) for e in EPISODES for s in range(3))  # nothing run twice, nothing missing
+    assert_matches(run, reference)

@@ -1,0 +1,444 @@
+"""Bad input, table-driven: each case has the exact error a user sees, its exit code, and a hint.
+
+Observation files and episode folders fail their own episode (exit 4 while others complete, 2 when none
+does); configs and contradictory options fail before anything loads (exit 2). Every message names the
+path and the field, says what was expected and what was found, and says how to fix it (``hint:``);
+there is no traceback unless --verbose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ardiff_cli.app import app
+from ardiff_cli.io import write_episode, write_step
+from ardiff_cli.io.demo import demo_step
+from ardiff_cli.io.episode import EpisodeSource, load_step
+from ardiff_cli.io.stream import EpisodeEnded, StepScheduler
+from ardiff_cli.io.validate import validate_step
+from ardiff_cli.runtime.errors import ObservationError
+
+runner = CliRunner()
+FAST_CONFIG = """\
+pipeline: dreamzero
+model: {preset: tiny, num_inference_steps: 1, guidance_scale: 1.0}
+runtime: {device: cpu, session_capacity: 4}
+"""
+IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("ARDIFF_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "reliability-cache"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def good(episode: int, step: int) -> dict[str, np.ndarray]:
+    from pipelines.dreamzero import observation_schema
+
+    return demo_step(observation_schema(), (16, 16), episode, step, 1 if step == 0 else 4)
+
+
+def episode(folder: Path, num_steps: int = 2, **changes) -> Path:
+    """A valid episode; ``changes`` maps a step number to {key: array or None (drop the key)}."""
+    steps = []
+    for step in range(num_steps):
+        arrays = good(0, step)
+        for key, value in changes.get(f"step{step}", {}).items():
+            if value is None:
+                arrays.pop(key)
+            else:
+                arrays[key] = value
+        steps.append(arrays)
+    write_episode(folder, steps, prompt="pick up the cube")
+    return folder
+
+
+def step1(folder: Path) -> Path:
+    return folder / "step_000001.safetensors"
+
+
+def nan_joints() -> np.ndarray:
+    joints = np.zeros(7, np.float32)
+    joints[3] = np.nan
+    return joints
+
+
+def write_bytes(folder: Path, data: bytes) -> None:
+    episode(folder)
+    step1(folder).write_bytes(data)
+
+
+def truncate(folder: Path) -> None:
+    episode(folder)
+    data = step1(folder).read_bytes()
+    step1(folder).write_bytes(data[: len(data) - 100])
+
+
+def pickled_npz(folder: Path) -> None:
+    episode(folder, 1)
+    np.savez(folder / "step_000001.npz", joint_position=np.array([{"a": 1}], dtype=object))
+
+
+def gap(folder: Path) -> None:
+    episode(folder, 4)
+    (folder / "step_000002.safetensors").unlink()
+
+
+def duplicate(folder: Path) -> None:
+    episode(folder, 2)
+    write_step(folder, 1, good(0, 1), format="npz")
+
+
+def unreadable_file(folder: Path) -> None:
+    episode(folder)
+    step1(folder).chmod(0)
+
+
+# episode -> (how to break it, [expected message parts], expected hint part). {path} is the step-1 file,
+# {folder} the episode folder. Each is what `ardiff rollout` prints after "Error: episode '<name>' failed: ".
+OBSERVATION_CASES = {
+    "missing_key": (lambda f: episode(f, step1={"joint_position": None}),
+                    ["{path}: missing 'joint_position' (also accepted as: observation/joint_position)"],
+                    "fields: exterior_image_0"),
+    "wrong_dtype": (lambda f: episode(f, step1={"joint_position": np.zeros(7, np.int64)}),
+                    ["{path}: 'joint_position' has dtype int64, expected a floating dtype (float32)"], "fields:"),
+    "wrong_shape": (lambda f: episode(f, step1={"gripper_position": np.zeros((2, 2), np.float32)}),
+                    ["{path}: 'gripper_position' has shape (2, 2), expected () or (1,) or (*, 1)"], "fields:"),
+    "nan": (lambda f: episode(f, step1={"joint_position": nan_joints()}),
+            ["{path}: 'joint_position' has 1 NaN and 0 Inf values (first at index (3,)), expected finite numbers"],
+            "sensor dropout"),
+    "inf": (lambda f: episode(f, step1={"gripper_position": np.array([np.inf], np.float32)}),
+            ["{path}: 'gripper_position' has 0 NaN and 1 Inf values (first at index (0,))"], "finite"),
+    "empty_file": (lambda f: write_bytes(f, b""), ["{path}: the file is empty (0 bytes)"], "written completely"),
+    "truncated": (truncate, ["{path}: cannot read safetensors file: truncated or corrupt"], "temporary name"),
+    "cut_header": (lambda f: write_bytes(f, b"\x40\x00\x00\x00\x00\x00\x00\x00{\"a\""),
+                   ["{path}: cannot read safetensors file: truncated (its header alone should take 64 bytes; "
+                    "the file has 12 bytes in all)"], "--resume"),
+    "png_renamed": (lambda f: write_bytes(f, b"\x89PNG\r\n\x1a\n" + bytes(64)),
+                    ["{path}: cannot read safetensors file: it is a PNG image, not safetensors"], "uint8 arrays"),
+    "pickle_renamed": (lambda f: write_bytes(f, pickle.dumps({"joint_position": [0.0] * 7})),
+                       ["{path}: cannot read safetensors file: it is a pickle (torch.save / pickle.dump)"],
+                       "never unpickles"),
+    "npz_object_array": (pickled_npz, ["{folder}/step_000001.npz: cannot read .npz without pickle: Object arrays "
+                                       "cannot be loaded when allow_pickle=False"], "plain numeric arrays"),
+    "gap": (gap, ["{folder}: step 2 missing: the episode has steps 0..3 with a gap (expected consecutive step "
+                  "numbers)"], "renumber"),
+    "duplicate": (duplicate, ["{folder}: two files for step 1: step_00000"], "one file per step"),
+    "empty_folder": (lambda f: f.mkdir(parents=True), ["{folder}: the episode folder holds no step files"],
+                     "--follow"),
+}
+if not IS_ROOT:  # root reads anything; the permission case is also checked below with an injected EACCES
+    OBSERVATION_CASES["unreadable"] = (unreadable_file, ["{path}: cannot read the step file: Permission denied"],
+                                       "permissions")
+
+
+def expected(parts: list[str], folder: Path) -> list[str]:
+    return [p.format(path=step1(folder), folder=folder) for p in parts]
+
+
+def first_error(folder: Path) -> ObservationError:
+    """What the rollout would meet first in this episode: a folder error, or the first bad step file."""
+    from pipelines.dreamzero import observation_schema
+
+    source = EpisodeSource(name=folder.name, path=folder)
+    scheduler = StepScheduler([source])
+    while (item := scheduler.next()) is not None:
+        if isinstance(item, EpisodeEnded):
+            if item.error is not None:
+                return item.error
+            continue
+        try:
+            validate_step(load_step(item.file.path), observation_schema(), path=item.file.path,
+                          episode_metadata=source.metadata())
+        except ObservationError as exc:
+            return exc
+    pytest.fail(f"{folder}: no error")
+
+
+@pytest.mark.parametrize("case", sorted(OBSERVATION_CASES))
+def test_observation_case_message(tmp_path, case):
+    build, parts, hint = OBSERVATION_CASES[case]
+    folder = tmp_path / case
+    build(folder)
+    error = first_error(folder)
+    for part in expected(parts, folder):
+        assert part in str(error)
+    assert hint in error.hint
+
+
+def test_unreadable_file_and_folder_with_injected_eacces(tmp_path, monkeypatch):
+    """Root reads any file, so the EACCES a robot's account would get is injected at the OS call."""
+    import ardiff_cli.io.episode as episode_module
+
+    folder = episode(tmp_path / "ep")
+    real_open, real_iterdir = open, Path.iterdir
+
+    def guarded_open(path, *args, **kwargs):
+        if Path(path) == step1(folder):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(episode_module, "open", guarded_open, raising=False)
+    with pytest.raises(ObservationError, match=re.escape(f"{step1(folder)}: cannot read the step file: "
+                                                         "Permission denied")) as info:
+        load_step(step1(folder))
+    assert "permissions" in info.value.hint
+
+    def guarded_iterdir(self):
+        if self == folder:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_iterdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", guarded_iterdir)
+    error = first_error(folder)
+    assert f"{folder}: cannot list the episode folder: Permission denied" in str(error)
+    assert "r-x" in error.hint
+
+
+def test_extra_key_is_a_warning_not_an_error(tmp_path):
+    from pipelines.dreamzero import observation_schema
+
+    folder = episode(tmp_path / "extra", step1={"timestamp": np.zeros(1), "jont_position": np.zeros(7, np.float32)})
+    valid = validate_step(load_step(step1(folder)), observation_schema(), path=step1(folder),
+                          episode_metadata={"prompt": "p"})
+    assert valid.warnings == [
+        f"{step1(folder)}: key 'jont_position' is not in the pipeline's schema; ignored (did you mean "
+        "'joint_position'?)",
+        f"{step1(folder)}: key 'timestamp' is not in the pipeline's schema; ignored"]
+
+
+@pytest.fixture(scope="module")
+def bad_dataset(tmp_path_factory):
+    """One folder of episodes: every bad case, one episode with extra keys, and one healthy episode."""
+    root = tmp_path_factory.mktemp("dataset")
+    (root / "fast.yaml").write_text(FAST_CONFIG)
+    for case, (build, _, _) in OBSERVATION_CASES.items():
+        build(root / "eps" / case)
+    episode(root / "eps" / "healthy", 3)
+    episode(root / "eps" / "extra_key", 2, step1={"timestamp": np.zeros(1)})
+    return root
+
+
+def test_rollout_fails_each_bad_episode_with_its_message_and_goes_on(bad_dataset, tmp_path):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["rollout", str(bad_dataset / "fast.yaml"), str(bad_dataset / "eps"), "--out",
+                                 str(out), "--order", "sequential", "--no-warmup", "--format", "plain"])
+    assert result.exit_code == 4, result.stderr
+    err = result.stderr
+    assert "Traceback" not in err
+    for case, (_, parts, hint) in OBSERVATION_CASES.items():
+        folder = bad_dataset / "eps" / case
+        for part in expected(parts, folder):
+            assert f"Error: episode '{case}' failed: {part}" in err
+    assert err.count("hint: ") >= len(OBSERVATION_CASES) + 1
+    extra = step1(bad_dataset / "eps" / "extra_key")
+    assert f"warning: {extra}: key 'timestamp' is not in the pipeline's schema" in err
+
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    failed = {r["episode"]: r for r in lines if r["status"] == "failed"}
+    assert set(failed) == set(OBSERVATION_CASES)
+    assert all(r["error_type"] == "ObservationError" for r in failed.values())
+    ok = {(r["episode"], r["step"]) for r in lines if r["status"] == "ok"}
+    assert {("healthy", 0), ("healthy", 1), ("healthy", 2), ("extra_key", 0), ("extra_key", 1)} <= ok
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "partial" and summary["episodes"]["completed"] == 2
+
+
+def test_only_bad_episodes_exit_2_and_verbose_shows_the_traceback(bad_dataset, tmp_path):
+    eps = [str(bad_dataset / "eps" / case) for case in ("nan", "gap")]
+    result = runner.invoke(app, ["rollout", str(bad_dataset / "fast.yaml"), *eps, "--out", str(tmp_path / "a"),
+                                 "--no-warmup", "--format", "plain"])
+    assert result.exit_code == 2, result.stderr
+    assert re.search(r"Error: every episode failed \((nan, gap|gap, nan)\)", result.stderr)
+    assert "Traceback" not in result.stderr
+    result = runner.invoke(app, ["rollout", str(bad_dataset / "fast.yaml"), eps[0], "--out", str(tmp_path / "b"),
+                                 "--no-warmup", "--format", "json", "--fail-fast", "--verbose"])
+    assert result.exit_code == 2
+    assert "Traceback" in result.stderr
+    assert json.loads(result.stdout.splitlines()[-1])["kind"] == "observation_error"
+
+
+def _checkpoint_for_another_geometry(path: Path) -> Path:
+    from pipelines.causal_world import Config, pipeline_class
+    from pipelines.checkpoint import write_fresh_checkpoint
+
+    return write_fresh_checkpoint(pipeline_class(), Config.from_dict({"preset": "tiny"}, where="test"), path)
+
+
+def _pickled_checkpoint(path: Path) -> Path:
+    import torch
+
+    torch.save({"transformer.patch_embedding.weight": torch.zeros(1)}, path)
+    return path
+
+
+# config text (``{dir}`` is its folder) -> (command, [message parts], hint part)
+CONFIG_CASES = {
+    "unknown_key": ("pipelin: dreamzero\n", "inspect-capacity",
+                    ["{config}: unknown key 'pipelin' (did you mean 'pipeline'?)"], "valid top-level keys"),
+    "unknown_model_key": ("pipeline: dreamzero\nmodel: {preset: tiny, window_frame: 3}\n", "inspect-capacity",
+                          ["{config}: unknown key 'model.window_frame' (did you mean 'window_frames'?)"],
+                          "valid keys: preset"),
+    "unknown_runtime_key": ("pipeline: dreamzero\nruntime: {sesion_capacity: 2}\n", "inspect-capacity",
+                            ["{config}: unknown key 'runtime.sesion_capacity' (did you mean 'session_capacity'?)"],
+                            "valid runtime keys"),
+    "wrong_type": ("pipeline: dreamzero\nmodel: {preset: tiny, num_layers: two}\n", "inspect-capacity",
+                   ["{config}: field 'model.num_layers': expected an integer, got 'two'"],
+                   "set 'model.num_layers' to an integer"),
+    "out_of_range": ("pipeline: dreamzero\nruntime: {gpu_memory_fraction: 1.5}\n", "inspect-capacity",
+                     ["{config}: field 'runtime.gpu_memory_fraction': expected a number in (0, 1], got 1.5"],
+                     "set 'runtime.gpu_memory_fraction'"),
+    "unknown_preset": ("pipeline: dreamzero\nmodel: {preset: tinny}\n", "inspect-capacity",
+                       ["{config}: field 'model.preset': unknown preset 'tinny' (did you mean 'tiny'?)"],
+                       "valid presets"),
+    "unknown_pipeline": ("pipeline: dreamzeroo\n", "inspect-capacity",
+                         ["{config}: field 'pipeline': unknown pipeline 'dreamzeroo' (did you mean 'dreamzero'?)"],
+                         "registered pipelines: causal_world, dreamzero"),
+    "class_in_config": ("pipeline: faulty_pipelines:FaultyDreamZero\n", "inspect-capacity",
+                        ["{config}: field 'pipeline': 'faulty_pipelines:FaultyDreamZero' is not a registered "
+                         "pipeline; a config names registered pipelines only"], "--pipeline MODULE:CLASS"),
+    "missing_checkpoint": ("pipeline: dreamzero\ncheckpoint: weights/missing.safetensors\n", "inspect-capacity",
+                           ["{config}: field 'checkpoint': file not found: {dir}/weights/missing.safetensors"],
+                           "checkpoint: null"),
+    "mismatched_checkpoint": ("pipeline: dreamzero\ncheckpoint: world.safetensors\nmodel: {preset: tiny}\n",
+                              "warmup", ["checkpoint {dir}/world.safetensors (written for pipeline 'causal_world') "
+                                         "does not match the model config:", "missing keys:", "shape mismatches:"],
+                              "python -m pipelines.checkpoint init"),
+    "pickled_checkpoint": ("pipeline: dreamzero\ncheckpoint: pickled.safetensors\n", "warmup",
+                           ["cannot read checkpoint {dir}/pickled.safetensors"],
+                           "pickled checkpoints are never loaded"),
+    "not_a_mapping": ("- pipeline\n- dreamzero\n", "inspect-capacity",
+                      ["{config}: a config must be a YAML mapping, got list"], None),
+    "invalid_yaml": ("pipeline: [dreamzero\n", "inspect-capacity", ["{config}: not valid YAML"], None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
+def test_config_case_message(tmp_path, case):
+    text, command, parts, hint = CONFIG_CASES[case]
+    if case == "mismatched_checkpoint":
+        _checkpoint_for_another_geometry(tmp_path / "world.safetensors")
+    if case == "pickled_checkpoint":
+        _pickled_checkpoint(tmp_path / "pickled.safetensors")
+    config = tmp_path / f"{case}.yaml"
+    config.write_text(text)
+    extra = ["--device", "cpu"] if command == "warmup" else []
+    result = runner.invoke(app, [command, str(config), *extra, "--format", "plain"])
+    assert result.exit_code == 2, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    for part in parts:
+        assert part.format(config=config, dir=tmp_path) in result.stderr
+    if hint is not None:
+        assert re.search(r"^hint: .*" + re.escape(hint), result.stderr, re.M), result.stderr
+
+
+CLI_CASES = {
+    "quiet_and_verbose": (["rollout", "--quiet", "--verbose"], "--quiet and --verbose contradict each other",
+                          "pass one of them"),
+    "idle_timeout_without_follow": (["rollout", "--idle-timeout", "5"],
+                                    "--idle-timeout has no effect without --follow", "add --follow"),
+    "resume_without_out": (["rollout", "--resume"], "--resume needs --out DIR", None),
+    "malformed_pipeline": (["inspect-capacity", "--pipeline", "a:b:c"],
+                           "--pipeline: expected MODULE:CLASS (dotted Python names), got 'a:b:c'", "--pipeline"),
+    "missing_pipeline_module": (["inspect-capacity", "--pipeline", "no_such_module_xyz:Pipeline"],
+                                "--pipeline: pipeline 'no_such_module_xyz:Pipeline': cannot import "
+                                "'no_such_module_xyz': ModuleNotFoundError", "PYTHONPATH"),
+    "warmup_quiet_verbose": (["warmup", "-q", "-v"], "--quiet and --verbose contradict each other", None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLI_CASES))
+def test_contradictory_or_invalid_options(case):
+    args, message, hint = CLI_CASES[case]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.stderr
+    assert f"Error: {message}" in result.stderr and "Traceback" not in result.stderr
+    if hint is not None:
+        assert hint in result.stderr
+
+
+def test_resume_with_a_different_dtype_is_refused(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({"format": 1, "config": "dreamzero-tiny", "dtype": "float32",
+                                                   "episodes": [], "demo": True}))
+    result = runner.invoke(app, ["rollout", "--resume", "--out", str(tmp_path), "--dtype", "bfloat16"])
+    assert result.exit_code == 2
+    assert "Error: --dtype 'bfloat16' differs from the interrupted run's 'float32'" in result.stderr
+    assert "hint: resume with the same --dtype" in result.stderr
+
+
+class FakeClock:
+    """Time that moves only when the scheduler sleeps; each sleep may run one action (a robot writing)."""
+
+    def __init__(self, actions=()) -> None:
+        self.now = 0.0
+        self.actions = list(actions)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        if self.actions:
+            self.actions.pop(0)()
+
+
+def _follow(folder: Path, clock: FakeClock) -> StepScheduler:
+    return StepScheduler([EpisodeSource(name="live", path=folder)], follow=True, idle_timeout=10, poll_interval=1,
+                         clock=clock, sleep=clock.sleep)
+
+
+def _drain(scheduler: StepScheduler) -> list:
+    items = []
+    while (item := scheduler.next()) is not None:
+        items.append(item.file.step if not isinstance(item, EpisodeEnded) else (item.reason, str(item.error or "")))
+    return items
+
+
+def test_follow_waits_for_a_missing_step_then_runs_in_order(tmp_path):
+    folder = tmp_path / "live"
+    write_step(folder, 0, good(0, 0), prompt="p")
+    write_step(folder, 2, good(0, 2))  # step 1 is still being written
+    clock = FakeClock([lambda: None, lambda: None, lambda: write_step(folder, 1, good(0, 1)), lambda: None,
+                       lambda: (folder / "END").write_bytes(b"")])
+    assert _drain(_follow(folder, clock)) == [0, 1, 2, ("end_marker", "")]
+
+
+@pytest.mark.parametrize("ending", ["end_marker", "idle_timeout"])
+def test_follow_fails_an_episode_whose_gap_is_never_filled(tmp_path, ending):
+    folder = tmp_path / "live"
+    write_step(folder, 0, good(0, 0), prompt="p")
+    write_step(folder, 3, good(0, 3))
+    clock = FakeClock([lambda: (folder / "END").write_bytes(b"")] if ending == "end_marker" else [])
+    items = _drain(_follow(folder, clock))
+    assert items[0] == 0 and len(items) == 2
+    reason, message = items[1]
+    assert reason == "error"
+    assert f"{folder}: steps 1, 2 missing: the episode has steps 0..3 with a gap" in message
+
+
+def test_a_python_request_with_nan_is_refused_by_the_pipeline_too():
+    """The finiteness check is part of the shared validator, not only of the file reader."""
+    from pipelines.dreamzero import observation_schema
+
+    from ardiff_cli.runtime.observation import validate_observation
+
+    arrays = {
+        "exterior_image_0": np.zeros((16, 16, 3), np.uint8),
+        "exterior_image_1": np.zeros((16, 16, 3), np.uint8),
+        "wrist_image": np.zeros((16, 16, 3), np.uint8),
+        "joint_position": nan_joints(),
+        "gripper_position": np.zeros(1, np.float32),
+        "prompt": "pick",
+    }
+    with pytest.raises(ObservationError, match="'joint_position' has 1 NaN and 0 Inf values") as info:
+        validate_observation(observation_schema(), arrays, where="request r1")
+    assert "sensor dropout" in info.value.hint

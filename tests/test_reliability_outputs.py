@@ -1,0 +1,167 @@
+"""Faults while writing outputs, and faults that stop a run. Nothing partial, nothing lost.
+
+A step whose output file cannot be written fails its episode (the others go on, exit 4); a line that
+cannot be appended to results.jsonl stops the run (exit 1), because nothing else could record what
+happened, and so does a broken internal invariant (an AssertionError: a bug). Either way results.jsonl
+holds whole lines naming complete files, and --resume finishes the run.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import ardiff_cli.io.atomic as atomic
+from ardiff_cli.app import app
+from ardiff_cli.io import write_episode
+from ardiff_cli.io.demo import demo_step
+
+runner = CliRunner()
+FAST_CONFIG = """\
+pipeline: dreamzero
+model: {preset: tiny, num_inference_steps: 1, guidance_scale: 1.0}
+runtime: {device: cpu, session_capacity: 2}
+"""
+
+
+@pytest.fixture(autouse=True)
+def _env(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("ARDIFF_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "reliability-cache"))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from pipelines.dreamzero import observation_schema
+
+    root = tmp_path_factory.mktemp("data")
+    (root / "fast.yaml").write_text(FAST_CONFIG)
+    for i, name in enumerate(("arm_a", "arm_b")):
+        steps = [demo_step(observation_schema(), (16, 16), i, s, 1 if s == 0 else 4) for s in range(3)]
+        write_episode(root / "eps" / name, steps, prompt=f"task {name}")
+    return root
+
+
+def rollout(data, out, *extra):
+    return runner.invoke(app, ["rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(out),
+                               "--no-warmup", "--format", "plain", *extra])
+
+
+def resume(out):
+    return runner.invoke(app, ["rollout", "--resume", "--out", str(out), "--no-warmup", "--format", "plain"])
+
+
+def records(out) -> list[dict]:
+    text = (out / "results.jsonl").read_text()
+    assert text == "" or text.endswith("\n"), "results.jsonl ends in a partial line"
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def load_outputs(out) -> dict:
+    from safetensors.numpy import load_file
+
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")], "a temporary file was left behind"
+    return {p.relative_to(out).as_posix(): load_file(str(p)) for p in sorted((out / "episodes").rglob("*.safetensors"))}
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference") / "run"
+    result = rollout(data, out)
+    assert result.exit_code == 0, result.stderr
+    return load_outputs(out)
+
+
+def assert_complete(out, reference) -> None:
+    """Every ok line names a complete file; after --resume every output equals the reference run's."""
+    got = load_outputs(out)
+    assert sorted(got) == sorted(reference)
+    for name, arrays in reference.items():
+        for key, value in arrays.items():
+            np.testing.assert_array_equal(got[name][key], value, err_msg=f"{name}:{key}")
+
+
+def test_an_output_that_cannot_be_written_fails_its_episode_only(data, reference, tmp_path):
+    out = tmp_path / "run"
+    (out / "episodes").mkdir(parents=True)
+    (out / "episodes" / "arm_b").write_text("in the way")  # arm_b's output folder cannot be created
+    result = rollout(data, out)
+    assert result.exit_code == 4, result.stderr
+    assert ("Error: episode 'arm_b' failed at step 0 while writing its outputs: FileExistsError: [Errno 17] File "
+            f"exists: '{out / 'episodes' / 'arm_b'}'") in result.stderr
+    assert "hint: check free space and permissions of the output folder" in result.stderr
+    assert "Traceback" not in result.stderr
+    lines = records(out)
+    assert [(r["episode"], r["step"], r["status"]) for r in lines] == [
+        ("arm_a", 0, "ok"), ("arm_b", 0, "failed"), ("arm_a", 1, "ok"), ("arm_a", 2, "ok")]
+    assert lines[1]["phase"] == "write" and lines[1]["error_type"] == "FileExistsError"
+    assert all((out / r["output"]).is_file() for r in lines if r["status"] == "ok")
+
+    (out / "episodes" / "arm_b").unlink()  # the user fixes the folder
+    result = resume(out)
+    assert result.exit_code == 0, result.stderr
+    assert_complete(out, reference)
+
+
+@pytest.mark.parametrize("short_write", [False, True], ids=["disk-full", "short-write"])
+def test_a_results_line_that_cannot_be_appended_stops_the_run(data, reference, tmp_path, monkeypatch, short_write):
+    """The 3rd line fails: with ENOSPC before writing, or after half of it reached the file (power loss)."""
+    out = tmp_path / "run"
+    real_write = os.write
+    appended = 0
+
+    def write(fd, data):
+        nonlocal appended
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == "results.jsonl":
+            appended += 1
+            if appended == 3:
+                if short_write:
+                    return real_write(fd, data[: len(data) // 2])
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(atomic.os, "write", write)
+    result = rollout(data, out)
+    monkeypatch.undo()
+    assert result.exit_code == 1, result.stderr
+    assert f"Error: cannot append to {out / 'results.jsonl'}:" in result.stderr
+    assert ("is the disk full?" if short_write else "No space left on device") in result.stderr
+    assert "--resume" in result.stderr and "Traceback" not in result.stderr
+    lines = records(out)  # two whole lines, and no partial third
+    assert [(r["episode"], r["step"]) for r in lines] == [("arm_a", 0), ("arm_b", 0)]
+    assert json.loads((out / "summary.json").read_text())["status"] == "failed"
+
+    result = resume(out)
+    assert result.exit_code == 0, result.stderr
+    assert "2 steps already done" in result.stderr
+    assert sorted((r["episode"], r["step"]) for r in records(out)) == [(e, s) for e in ("arm_a", "arm_b")
+                                                                       for s in range(3)]
+    assert_complete(out, reference)
+
+
+def test_a_broken_invariant_stops_the_run_as_a_bug(data, reference, tmp_path, monkeypatch):
+    """An AssertionError (a broken internal invariant) is not one episode's problem: the run stops, exit 1."""
+    from pipelines.dreamzero.pipeline import DreamZeroPipeline
+
+    velocity = DreamZeroPipeline._velocity
+
+    def checked(self, rollout, branch, *args):
+        assert rollout.state.session_id != "arm_b", "CFG branches out of step (injected)"
+        return velocity(self, rollout, branch, *args)
+
+    monkeypatch.setattr(DreamZeroPipeline, "_velocity", checked)
+    out = tmp_path / "run"
+    result = rollout(data, out)
+    monkeypatch.undo()
+    assert result.exit_code == 1, result.stderr
+    assert "Traceback" in result.stderr and "Error: unexpected AssertionError: CFG branches out of step" in result.stderr
+    assert "this is a bug" in result.stderr
+    assert [(r["episode"], r["step"]) for r in records(out)] == [("arm_a", 0)]
+    assert json.loads((out / "summary.json").read_text())["status"] == "failed"
+    result = resume(out)
+    assert result.exit_code == 0, result.stderr
+    assert_complete(out, reference)

@@ -1,0 +1,260 @@
+"""Safety: nothing is unpickled, names that reach file names are sanitised, only the command line imports code."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ardiff_cli.app import app
+from ardiff_cli.io import write_episode
+from ardiff_cli.io.demo import demo_step
+from ardiff_cli.io.episode import MAX_NAME_CHARS, discover_episodes, safe_name
+from ardiff_cli.io.run import RunFolder
+from ardiff_cli.runtime import registry
+from ardiff_cli.runtime.config import load_config
+from ardiff_cli.runtime.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = ("ardiff_cli", "pipelines")  # what users install; tests and benchmarks are not shipped
+runner = CliRunner()
+
+# -- nothing is unpickled -------------------------------------------------------------------------------------
+
+UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
+UNSAFE_CALLS = {  # (module alias, attribute) -> why
+    ("torch", "load"): "torch.load unpickles",
+    ("jit", "load"): "torch.jit.load unpickles",
+    ("yaml", "load"): "yaml.load constructs arbitrary objects; use yaml.safe_load",
+    ("yaml", "unsafe_load"): "yaml.unsafe_load",
+    ("yaml", "full_load"): "yaml.full_load",
+    ("yaml", "load_all"): "yaml.load_all; use yaml.safe_load_all",
+}
+DYNAMIC_IMPORT_ALLOWED = {
+    "ardiff_cli/runtime/registry.py",  # the one place that imports a name from outside (config, --pipeline)
+    "ardiff_cli/runtime/__init__.py",  # lazy exports: its own submodules, names fixed in the file
+    "ardiff_cli/runtime/kv/backends.py",  # vLLM's helper, at module paths fixed in the file
+}
+
+
+def unsafe_uses(source: str, filename: str) -> list[str]:
+    """Every unsafe deserialisation or dynamic import in ``source``, as 'file:line: why'."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        where = f"{filename}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Import):
+            found += [f"{where}: imports {a.name}" for a in node.names if a.name.split(".")[0] in UNSAFE_MODULES]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in UNSAFE_MODULES:
+            found.append(f"{where}: imports from {node.module}")
+        elif isinstance(node, ast.Call):
+            func = node.func
+            keywords = {k.arg: k.value for k in node.keywords}
+            allow = keywords.get("allow_pickle")
+            if allow is not None and not (isinstance(allow, ast.Constant) and allow.value is False):
+                found.append(f"{where}: allow_pickle other than False")
+            if isinstance(func, ast.Name) and func.id in ("eval", "exec", "__import__"):
+                found.append(f"{where}: {func.id}()")
+            if isinstance(func, ast.Attribute):
+                owner = func.value.attr if isinstance(func.value, ast.Attribute) else getattr(func.value, "id", "")
+                why = UNSAFE_CALLS.get((owner, func.attr))
+                if why:
+                    found.append(f"{where}: {why}")
+                if owner in ("np", "numpy") and func.attr == "load" and allow is None:
+                    found.append(f"{where}: np.load without allow_pickle=False")
+                if func.attr == "import_module" and filename not in DYNAMIC_IMPORT_ALLOWED:
+                    found.append(f"{where}: importlib.import_module outside the registry")
+            if isinstance(func, ast.Name) and func.id == "import_module" and filename not in DYNAMIC_IMPORT_ALLOWED:
+                found.append(f"{where}: import_module outside the registry")
+    return found
+
+
+def test_the_scanner_finds_what_it_looks_for():
+    bad = """
+import pickle
+from dill import loads
+import torch, yaml, numpy as np, importlib
+torch.load("x.pt")
+yaml.load(text)
+np.load("a.npz")
+np.load("a.npz", allow_pickle=True)
+eval("1")
+importlib.import_module("os")
+"""
+    found = unsafe_uses(bad, "example.py")
+    assert len(found) == 8, found
+    assert not unsafe_uses("np.load(p, allow_pickle=False)\nyaml.safe_load(t)\nsafetensors.torch.load_file(p)\n",
+                           "ok.py")
+
+
+def test_shipped_code_never_unpickles_or_imports_by_name():
+    found = []
+    files = [p for package in SHIPPED for p in sorted((REPO / package).rglob("*.py"))]
+    assert len(files) > 20
+    for path in files:
+        found += unsafe_uses(path.read_text(), path.relative_to(REPO).as_posix())
+    assert found == []
+
+
+def test_an_npz_holding_an_object_array_is_refused_not_unpickled(tmp_path):
+    from ardiff_cli.io.episode import load_step
+    from ardiff_cli.runtime.errors import ObservationError
+
+    class Boom:
+        def __reduce__(self):
+            return (Path(tmp_path / "pwned").write_text, ("unpickled",))
+
+    path = tmp_path / "step_000000.npz"
+    np.savez(path, joint_position=np.array([Boom()], dtype=object))
+    with pytest.raises(ObservationError, match="cannot read .npz without pickle"):
+        load_step(path)
+    assert not (tmp_path / "pwned").exists()
+
+
+# -- names that reach file names ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("pick_cube", "pick_cube"),
+    ("pick cube 2", "pick cube 2"),  # spaces are harmless
+    ("機械腕", "機械腕"),
+    ("..", "_."),
+    (".", "_"),
+    (".hidden", "_hidden"),
+    ("../../etc/passwd", "_._.._etc_passwd"),
+    ("/abs/path", "_abs_path"),
+    ("C:\\evil", "C__evil"),
+    ("arm\x1b[31m red\x1b[0m", "arm_[31m red_[0m"),  # no terminal escapes in logs either
+    ("two\nlines\ttab\x00nul", "two_lines_tab_nul"),
+    ("\u202eevil", "_evil"),  # bidi override (a format character)
+    ("", "episode"),
+    ("   ", "episode"),
+])
+def test_safe_name(name, expected):
+    assert safe_name(name) == expected
+    assert Path(expected).name == expected and expected not in (".", "..")
+
+
+def test_safe_name_caps_the_length():
+    assert len(safe_name("x" * 1000)) == MAX_NAME_CHARS
+
+
+def test_discovered_names_are_safe_and_unique(tmp_path):
+    steps = [demo_step(_schema(), (16, 16), 0, 0, 1)]
+    for folder in ("a:b", "a_b", "evil\x1b]0;title\x07\nname", ".dot"):
+        write_episode(tmp_path / "set" / folder, steps, prompt="p")
+    names = [e.name for e in discover_episodes([tmp_path / "set"])]
+    # ".dot" is a hidden folder inside a dataset folder: skipped; given explicitly it is an episode
+    assert names == ["a_b", "a_b-2", "evil_]0;title__name"]
+    assert [e.name for e in discover_episodes([tmp_path / "set" / ".dot"])] == ["_dot"]
+
+
+@pytest.mark.parametrize("name", ["../escape", "/abs", "a/b", "..", "line\nbreak", ""])
+def test_run_folder_refuses_unsafe_names(tmp_path, name):
+    run = RunFolder(tmp_path / "run")
+    with pytest.raises(ValueError, match="unsafe episode name"):
+        run.step_output(name, 0)
+    with pytest.raises(ValueError, match="unsafe episode name"):
+        run.preview_path(name)
+
+
+def _schema():
+    from pipelines.dreamzero import observation_schema
+
+    return observation_schema()
+
+
+def test_rollout_of_a_hostile_folder_name_writes_inside_out_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("ARDIFF_CACHE_DIR", str(tmp_path / "cache"))
+    hostile = "..\x1b[2J\x1b]0;owned\x07\nfake line"
+    steps = [demo_step(_schema(), (16, 16), 0, s, 1 if s == 0 else 4) for s in range(2)]
+    write_episode(tmp_path / "data" / hostile, steps, prompt="p")
+    config = tmp_path / "fast.yaml"
+    config.write_text("pipeline: dreamzero\nmodel: {preset: tiny, num_inference_steps: 1, guidance_scale: 1.0}\n"
+                      "runtime: {device: cpu}\n")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["rollout", str(config), str(tmp_path / "data" / hostile), "--out", str(out),
+                                 "--no-warmup", "--preview", "--format", "plain"])
+    assert result.exit_code == 0, result.stderr
+    safe = safe_name(hostile)
+    assert safe == "_._[2J_]0;owned__fake line"
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == sorted([
+        "run.json", "results.jsonl", "summary.json", f"episodes/{safe}/step_000000.safetensors",
+        f"episodes/{safe}/step_000001.safetensors", f"previews/{safe}.png"])
+    assert "\x1b" not in result.stdout + result.stderr
+    assert {json.loads(line)["episode"] for line in (out / "results.jsonl").read_text().splitlines()} == {safe}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "data", "fast.yaml", "out"]
+
+
+# -- only the command line imports code -----------------------------------------------------------------------
+
+@pytest.fixture
+def evil_module(tmp_path, monkeypatch):
+    """An importable module whose import leaves a trace."""
+    trace = tmp_path / "imported"
+    (tmp_path / "evil_pipeline_mod.py").write_text(
+        f"from pathlib import Path\nPath({str(trace)!r}).write_text('yes')\n\nclass Evil:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "evil_pipeline_mod", raising=False)
+    return trace
+
+
+def test_a_config_cannot_import_code(tmp_path, evil_module):
+    config = tmp_path / "c.yaml"
+    config.write_text("pipeline: evil_pipeline_mod:Evil\n")
+    with pytest.raises(ConfigError, match="is not a registered pipeline; a config names registered pipelines") as info:
+        load_config(config)
+    assert "--pipeline MODULE:CLASS" in info.value.hint
+    assert not evil_module.exists() and "evil_pipeline_mod" not in sys.modules
+
+
+def test_the_pipeline_option_imports_explicitly_and_checks_the_class(tmp_path, evil_module):
+    with pytest.raises(ConfigError, match="'evil_pipeline_mod:Evil' is not a pipeline class: it lacks Config, "
+                                          "observation_schema, from_config, forward") as info:
+        load_config("dreamzero-tiny", pipeline="evil_pipeline_mod:Evil")
+    assert evil_module.exists()  # asked for on the command line: imported
+    assert "subclass pipelines.dreamzero.pipeline.DreamZeroPipeline" in info.value.hint
+    with pytest.raises(ConfigError, match="has no attribute 'Evill' \\(did you mean 'Evil'\\?\\)"):
+        load_config("dreamzero-tiny", pipeline="evil_pipeline_mod:Evill")
+    with pytest.raises(ConfigError, match="'evil_pipeline_mod:Path' is a function|is not a pipeline class"):
+        load_config("dreamzero-tiny", pipeline="evil_pipeline_mod:Path")
+
+
+def test_a_pipeline_class_carries_what_an_entry_module_carries():
+    cfg = load_config("dreamzero-tiny", pipeline="faulty_pipelines:FaultyDreamZero")
+    reference = load_config("dreamzero-tiny")
+    assert cfg.pipeline_name == "faulty_pipelines:FaultyDreamZero" and cfg.entry.is_class
+    assert cfg.kv_cache_spec() == reference.kv_cache_spec()
+    assert cfg.observation_schema() == reference.observation_schema()
+    assert cfg.entry.pipeline_class().__name__ == "FaultyDreamZero"
+    # a registered name works too, and inspect-capacity answers for a class without loading weights
+    assert load_config({"model": {"preset": "tiny"}}, pipeline="causal_world").pipeline_name == "causal_world"
+    result = runner.invoke(app, ["inspect-capacity", "--pipeline", "pipelines.dreamzero.pipeline:DreamZeroPipeline",
+                                 "--available", "1GiB", "--format", "json"])
+    expected = runner.invoke(app, ["inspect-capacity", "--available", "1GiB", "--format", "json"])
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["plan"] == json.loads(expected.stdout)["plan"]
+
+
+def test_entry_points_register_pipelines_but_never_shadow_builtins(monkeypatch):
+    points = [
+        importlib.metadata.EntryPoint("my_world", "pipelines.causal_world", registry.ENTRY_POINT_GROUP),
+        importlib.metadata.EntryPoint("dreamzero", "no_such_package.pipeline", registry.ENTRY_POINT_GROUP),
+        importlib.metadata.EntryPoint("broken", "no_such_package.pipeline", registry.ENTRY_POINT_GROUP),
+    ]
+    monkeypatch.setattr(registry.importlib.metadata, "entry_points",
+                        lambda group: [p for p in points if p.group == group])
+    assert registry.registered_pipelines() == {
+        "dreamzero": "pipelines.dreamzero", "causal_world": "pipelines.causal_world",
+        "my_world": "pipelines.causal_world", "broken": "no_such_package.pipeline"}
+    cfg = load_config({"pipeline": "my_world", "model": {"preset": "tiny"}})
+    assert cfg.pipeline_name == "my_world" and cfg.entry.pipeline_class().__name__ == "CausalWorldPipeline"
+    assert load_config({"pipeline": "dreamzero", "model": {"preset": "tiny"}}).entry.module.__name__ == (
+        "pipelines.dreamzero")
+    with pytest.raises(ConfigError, match="pipeline 'broken': cannot import 'no_such_package.pipeline'") as info:
+        load_config({"pipeline": "broken"})
+    assert "installed" in info.value.hint
