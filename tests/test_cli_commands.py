@@ -154,3 +154,27 @@ def test_help_and_inspect_capacity_never_import_torch(args):
     assert "typer" in imported
     assert "torch" not in imported
     assert not {"numpy", "safetensors"} & imported or args[0] == "inspect-capacity"
+
+
+def test_inspect_capacity_shows_paging_unit_and_kernel_blocks():
+    result = invoke("inspect-capacity", "dreamzero-14b", "--available", "80GiB", "--attention-backend", "torch",
+                    "--device", "cpu", "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    attention = json.loads(result.stdout)["attention"]
+    assert attention["expected_backend"] == "torch" and attention["setting"] == "torch"
+    assert (attention["tokens_per_frame"], attention["page_size"], attention["pages_per_frame"]) == (220, 220, 1)
+    assert (attention["flash_block_size"], attention["flash_blocks_per_page"], attention["flash_tail_tokens"]) == (
+        16, 13, 12)
+    plain = invoke("inspect-capacity", "dreamzero-14b", "--available", "80GiB", "--format", "plain").stdout
+    assert "flash block" in plain and "13 block(s) per page + 12-token tail" in plain
+
+
+@pytest.mark.skipif(__import__("importlib.util").util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_attention_backend_vllm_without_vllm_is_a_usage_error_with_the_install_command():
+    result = invoke("warmup", "causal-world-tiny", "--attention-backend", "vllm", "--format", "plain")
+    assert result.exit_code == 2
+    assert "attention backend 'vllm' requested but vLLM is not installed" in result.stderr
+    assert "pip install 'ardiff[vllm]'" in result.stderr and "--attention-backend torch" in result.stderr
+    assert "Traceback" not in result.stderr
+    expected = invoke("inspect-capacity", "--attention-backend", "vllm", "--format", "json").stdout
+    assert json.loads(expected)["attention"]["expected_backend"].startswith("error")

@@ -16,6 +16,7 @@ from ardiff_cli.options import (
     DeviceOpt,
     DtypeOpt,
     FormatOpt,
+    AttentionBackendOpt,
     GpuMemoryFractionOpt,
     MemoryBudgetOpt,
     PipelineOpt,
@@ -65,6 +66,7 @@ def inspect_capacity(
     memory_budget: MemoryBudgetOpt = None,
     session_capacity: SessionCapacityOpt = None,
     gpu_memory_fraction: GpuMemoryFractionOpt = None,
+    attention_backend: AttentionBackendOpt = None,
     format: FormatOpt = Format.auto,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
@@ -73,10 +75,13 @@ def inspect_capacity(
     out = Output.create(format, quiet=quiet, verbose=verbose and not quiet)  # both: refused
     with handle_errors(out):
         from ardiff_cli.runtime.capacity import parse_bytes, plan_capacity
+        from ardiff_cli.runtime.kv.backends import describe_backend
+        from ardiff_cli.runtime.kv.layout import KVLayout
 
         refuse_contradictions(quiet=quiet, verbose=verbose)
         cfg = load_engine_config(config, pipeline=pipeline, device=device, dtype=dtype, memory_budget=memory_budget,
-                                 session_capacity=session_capacity, gpu_memory_fraction=gpu_memory_fraction)
+                                 session_capacity=session_capacity, gpu_memory_fraction=gpu_memory_fraction,
+                                 attention_backend=attention_backend)
         runtime = cfg.runtime
         if available is not None and available != "auto":
             available_bytes, source = parse_bytes(available), "--available"
@@ -89,6 +94,8 @@ def inspect_capacity(
                              session_capacity=runtime.session_capacity)
         counts = sorted(set(sessions or DEFAULT_SESSION_COUNTS) | {plan.session_capacity})
         data = capacity_report(plan, spec, counts)
+        data["attention"] = describe_backend(runtime.attention_backend, runtime.device, KVLayout.from_spec(spec),
+                                             runtime.dtype)
         data = {"kind": "capacity_plan", "config": config_label(config), "pipeline": cfg.pipeline_name,
                 "device": runtime.device, "available_source": source, **data}
         out.result(data, lambda plain: render_capacity(data, plan, plain))
@@ -148,6 +155,7 @@ def capacity_report(plan: Any, spec: Any, counts: list[int]) -> dict[str, Any]:
 def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
     from rich import box
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
@@ -164,6 +172,14 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
     table.add_row("page", fb(plan.bytes_per_page),
                   f"{plan.page_size} tokens, {plan.pages_per_frame} page(s) per frame, {plan.dtype}")
     table.add_row("token", fb(plan.bytes_per_token), "self-attention K+V, all layers, one branch")
+    att = data["attention"]
+    table.add_row("attention", att["expected_backend"],
+                  escape(f"--attention-backend {att['setting']}: {att['reason']}"))  # '[vllm]' is not markup
+    for kernel, label in (("flash", "FlashAttention (CUDA)"), ("cpu", "vLLM CPU kernel")):
+        tail = att[f"{kernel}_tail_tokens"]
+        table.add_row(f"  {kernel} block", f"{att[f'{kernel}_block_size']} tokens",
+                      f"{label}: {att[f'{kernel}_blocks_per_page']} block(s) per page"
+                      + (f" + {tail}-token tail" if tail else ""))
     table.add_row("per session", fb(plan.bytes_per_session), f"{plan.managed_pages_per_session} pages at rest")
     for branch, size in per["self_attention_per_branch"].items():
         table.add_row(f"  self-attn {branch}", fb(size), "sink + window frames")

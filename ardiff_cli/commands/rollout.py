@@ -17,6 +17,7 @@ from ardiff_cli.options import (
     DtypeOpt,
     EpisodesArg,
     FormatOpt,
+    AttentionBackendOpt,
     GpuMemoryFractionOpt,
     MemoryBudgetOpt,
     Order,
@@ -103,6 +104,7 @@ def rollout(
     memory_budget: MemoryBudgetOpt = None,
     session_capacity: SessionCapacityOpt = None,
     gpu_memory_fraction: GpuMemoryFractionOpt = None,
+    attention_backend: AttentionBackendOpt = None,
     format: FormatOpt = Format.auto,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
@@ -112,7 +114,7 @@ def rollout(
     with handle_errors(output):
         refuse_contradictions(quiet=quiet, verbose=verbose, follow=follow, idle_timeout=idle_timeout)
         overrides = dict(device=device, dtype=dtype, memory_budget=memory_budget, session_capacity=session_capacity,
-                         gpu_memory_fraction=gpu_memory_fraction)
+                         gpu_memory_fraction=gpu_memory_fraction, attention_backend=attention_backend)
         prepared = _prepare(config, episodes, out, resume, order.value, overrides, output, pipeline=pipeline)
         _run(prepared, output, order=order.value, follow=follow,
              idle_timeout=DEFAULT_IDLE_TIMEOUT if idle_timeout is None else idle_timeout, fail_fast=fail_fast,

@@ -12,6 +12,7 @@ from ardiff_cli.options import (
     DeviceOpt,
     DtypeOpt,
     FormatOpt,
+    AttentionBackendOpt,
     GpuMemoryFractionOpt,
     MemoryBudgetOpt,
     PipelineOpt,
@@ -44,6 +45,7 @@ def warmup(
     memory_budget: MemoryBudgetOpt = None,
     session_capacity: SessionCapacityOpt = None,
     gpu_memory_fraction: GpuMemoryFractionOpt = None,
+    attention_backend: AttentionBackendOpt = None,
     format: FormatOpt = Format.auto,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
@@ -57,7 +59,8 @@ def warmup(
 
         refuse_contradictions(quiet=quiet, verbose=verbose)
         cfg = load_engine_config(config, pipeline=pipeline, device=device, dtype=dtype, memory_budget=memory_budget,
-                                 session_capacity=session_capacity, gpu_memory_fraction=gpu_memory_fraction)
+                                 session_capacity=session_capacity, gpu_memory_fraction=gpu_memory_fraction,
+                                 attention_backend=attention_backend)
         monitor = RunMonitor(out, f"ardiff warmup · {config_label(config)}", echo_requests=True)
         out.info(f"loading {config_label(config)} (pipeline {cfg.pipeline_name})")
         out.debug(f"config {cfg.source}: {cfg.runtime}")

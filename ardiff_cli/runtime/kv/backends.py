@@ -377,7 +377,7 @@ def describe_backend(setting: str, device: str, layout: KVLayout, dtype: object 
         if setting == "torch":
             return "torch", "requested"
         if not installed:
-            return "torch", f"vLLM is not installed ({VLLM_INSTALL_HINT})"
+            return "torch" if setting == "auto" else "error", f"vLLM is not installed ({VLLM_INSTALL_HINT})"
         if setting == "auto" and device_type == "cpu" and not AUTO_CPU_USES_VLLM:
             return "torch", "auto uses vLLM on CUDA only"
         why_not = _unsupported(device_type, dtype, layout.spec.head_size, layout)
