@@ -397,7 +397,7 @@ def test_block_table_layout_of_one_forward():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_pool_bytes_equal_the_capacity_plan(page_size, block, dtype):
     s = spec(tokens_per_frame=20 if page_size is None else 4, max_scratch_tokens_per_branch=3)
-    plan = plan_capacity(s, dtype, 1 << 30, page_size=page_size)
+    plan = plan_capacity(s, dtype, 1 << 30, page_size=page_size, attention_backend="vllm")
     try:
         cache = ARDiffusionKVCache(s, plan.num_managed_pages, dtype=dtype, page_size=page_size,
                                    attention_backend=TorchPagedKernel(block))
@@ -520,7 +520,7 @@ def test_vllm_cpu_pool_bytes_equal_the_plan_and_auto_picks_it():
     s = spec(head_size=32, tokens_per_frame=40)
     layout = KVLayout.from_spec(s)
     assert select_attention_backend("auto", "cpu", dtype=torch.bfloat16, layout=layout)[0] == "vllm"
-    plan = plan_capacity(s, torch.bfloat16, 1 << 30)
+    plan = plan_capacity(s, torch.bfloat16, 1 << 30, attention_backend="vllm")
     cache = ARDiffusionKVCache(s, plan.num_managed_pages, dtype=torch.bfloat16, attention_backend="vllm")
     assert cache.pool.nbytes == plan.pool_bytes
 

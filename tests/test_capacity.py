@@ -47,7 +47,7 @@ def test_published_bytes_per_token():
 
 
 def test_dreamzero_14b_plan_by_hand():
-    plan = plan_capacity(wan14b_dreamzero(), "bfloat16", 80 * GIB, 0.9)
+    plan = plan_capacity(wan14b_dreamzero(), "bfloat16", 80 * GIB, 0.9, attention_backend="vllm")
     bpp = 819_200 * 220  # one frame per page
     assert plan.bytes_per_page == bpp
     assert plan.managed_pages_per_session == 2 * 12  # two local slots x (0 sink + 12 window)
@@ -89,9 +89,9 @@ def test_one_session_that_does_not_fit_fails_with_both_numbers():
     spec = wan14b_dreamzero()
     one = plan_capacity(spec, "bfloat16", 1000 * GIB).required_bytes_one_session
     with pytest.raises(CapacityError) as info:
-        plan_capacity(spec, "bfloat16", 8 * GIB)
+        plan_capacity(spec, "bfloat16", 4 * GIB)
     message = str(info.value)
-    assert format_bytes(one) in message and "8.00 GiB" in message and str(one) in message
+    assert format_bytes(one) in message and "4.00 GiB" in message and str(one) in message
     assert info.value.exit_code == 3
 
 
@@ -177,3 +177,14 @@ def test_planner_imports_no_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_torch_backend_stages_scratch_in_the_workspace():
+    vllm = plan_capacity(wan14b_dreamzero(), "bfloat16", 80 * GIB, 0.9, attention_backend="vllm")
+    torch_plan = plan_capacity(wan14b_dreamzero(), "bfloat16", 80 * GIB, 0.9)
+    assert torch_plan.attention_backend == "torch" and torch_plan.scratch_pages == 0
+    assert torch_plan.workspace_bytes == vllm.workspace_bytes  # sized for history + one block + registers
+    assert vllm.fixed_bytes - torch_plan.fixed_bytes == 10 * vllm.bytes_per_page
+    assert torch_plan.total_pages == 1 + torch_plan.num_managed_pages
+    with pytest.raises(ConfigError, match="attention_backend must be 'torch' or 'vllm'"):
+        plan_capacity(wan14b_dreamzero(), "bfloat16", 80 * GIB, attention_backend="auto")

@@ -75,16 +75,13 @@ def snapshot(engine, session: str) -> dict:
     """Everything of ``session`` a fault elsewhere must not change: pages, their K/V, caches, model state."""
     runner = engine.runner
     state = runner._sessions[session].state
-    pool = runner.kv_cache.pool
-    page_size = runner.kv_cache.layout.page_size
+    kv = runner.kv_cache.pool.kv  # (layers, 2, H, pages, page_size, D)
     out: dict = {"model": engine.pipeline.sessions[session].anchor_latent.clone()}
     for branch in runner.spec.branch_names:
         adapter = state.adapter(branch)
         pages = torch.tensor(adapter.page_ids, dtype=torch.long)
         out[branch] = (adapter.page_ids, adapter.num_committed_frames)
-        for layer in range(runner.spec.num_layers):
-            k, v = pool.gather(layer, pages, len(adapter.page_ids) * page_size)
-            out[(branch, layer)] = (k.clone(), v.clone())
+        out[(branch, "kv")] = kv.index_select(3, pages).clone()  # every layer's K and V of these pages
         for name in ("text", "image"):
             out[(branch, name)] = [(k.clone(), v.clone()) for k, v in state.cross_attention(branch, name)]
     return out

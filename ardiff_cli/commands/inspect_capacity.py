@@ -90,12 +90,15 @@ def inspect_capacity(
         else:
             available_bytes, source = detect_available(runtime.device)
         spec = cfg.kv_cache_spec()
+        attention = describe_backend(runtime.attention_backend, runtime.device, KVLayout.from_spec(spec),
+                                     runtime.dtype)
+        # The backend decides where the uncommitted block lives (torch: the workspace; vllm: scratch pages).
+        backend = "vllm" if attention["expected_backend"] == "vllm" else "torch"
         plan = plan_capacity(spec, runtime.dtype, available_bytes, runtime.gpu_memory_fraction,
-                             session_capacity=runtime.session_capacity)
+                             session_capacity=runtime.session_capacity, attention_backend=backend)
         counts = sorted(set(sessions or DEFAULT_SESSION_COUNTS) | {plan.session_capacity})
         data = capacity_report(plan, spec, counts)
-        data["attention"] = describe_backend(runtime.attention_backend, runtime.device, KVLayout.from_spec(spec),
-                                             runtime.dtype)
+        data["attention"] = attention
         data = {"kind": "capacity_plan", "config": config_label(config), "pipeline": cfg.pipeline_name,
                 "device": runtime.device, "available_source": source, **data}
         out.result(data, lambda plain: render_capacity(data, plan, plain))
@@ -190,7 +193,9 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
         table.add_row(f"  cross-attn {name}", fb(size * branches), f"{fb(size)} per branch x {branches}")
     table.add_row("  model-owned", fb(per["model_owned"]), "declared by the pipeline")
     fixed = data["fixed"]
-    table.add_row("fixed", fb(fixed["total"]), f"scratch {fb(fixed['scratch'])}, in-flight block "
+    scratch = (f"scratch pages {fb(fixed['scratch'])}" if plan.scratch_pages
+               else "scratch in the workspace (torch)")
+    table.add_row("fixed", fb(fixed["total"]), f"{scratch}, in-flight block "
                   f"{fb(fixed['inflight'])}, workspace {fb(fixed['workspace'])}")
     table.add_row("sessions", str(plan.session_capacity),
                   f"{data['sessions_fit']} fit the budget, limit {plan.session_capacity_limit}; "

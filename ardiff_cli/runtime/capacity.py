@@ -100,7 +100,7 @@ class CapacityPlan:
     managed_pages_per_session: int  # resident pages of one session at rest, all slots
     self_attention_bytes_per_branch: int  # sink + window of one local slot
     inflight_pages: int  # pages a commit pass holds before eviction (worker-wide)
-    scratch_pages: int  # scratch pages (worker-wide, all slots)
+    scratch_pages: int  # scratch pages (worker-wide, all slots; 0 on torch: the workspace stages the block)
     scratch_bytes: int
     workspace_bytes: int  # gather buffer of the torch attention path
     fixed_bytes: int  # null page + in-flight + scratch + workspace
@@ -115,6 +115,7 @@ class CapacityPlan:
     session_capacity: int  # sessions kept resident
     num_managed_pages: int  # allocatable pages
     total_pages: int  # pages per layer pool: null + managed + scratch
+    attention_backend: str = "torch"  # the backend planned for
     branch_names: tuple[str, ...] = field(default=())
     cross_attention_names: tuple[str, ...] = field(default=())
 
@@ -162,12 +163,15 @@ def plan_capacity(
     session_capacity: int | None = None,
     page_size: int | None = None,
     scratch_blocks: int | None = None,
+    attention_backend: str = "torch",
 ) -> CapacityPlan:
     """Plan pools for ``spec`` in ``available_bytes``; raise ``CapacityError`` if one session does not fit.
 
     ``gpu_memory_fraction`` is a soft expansion budget: one session is always
     admitted when it fits the memory actually available. ``session_capacity``
-    overrides the spec's upper bound.
+    overrides the spec's upper bound. ``attention_backend`` ("torch" or
+    "vllm") decides whether scratch is pool pages (vllm) or part of the
+    gather workspace (torch).
     """
     if not isinstance(spec, ARDiffusionKVCacheSpec):
         raise TypeError(f"spec must be an ARDiffusionKVCacheSpec, got {type(spec).__name__}")
@@ -180,7 +184,10 @@ def plan_capacity(
         raise ConfigError(f"session_capacity must be a positive integer, got {limit!r}")
     name = dtype_name(dtype)
     size = DTYPE_SIZES[name]
-    layout = KVLayout.from_spec(spec, page_size=page_size, scratch_blocks=scratch_blocks)
+    if attention_backend not in ("torch", "vllm"):
+        raise ConfigError(f"attention_backend must be 'torch' or 'vllm' for planning, got {attention_backend!r}")
+    layout = KVLayout.from_spec(spec, page_size=page_size, scratch_blocks=scratch_blocks,
+                                attention_backend=attention_backend)
     bpp = layout.bytes_per_page(size)
     cross = {cache.name: layout.cross_bytes(cache.name, size) for cache in spec.cross_attention}
     cross_per_session = len(spec.kv_branches) * sum(cross.values())
@@ -222,6 +229,7 @@ def plan_capacity(
         session_capacity=capacity,
         num_managed_pages=layout.managed_pages(capacity),
         total_pages=layout.total_pages(capacity),
+        attention_backend=attention_backend,
         branch_names=spec.branch_names,
         cross_attention_names=tuple(cross),
     )

@@ -8,7 +8,6 @@ pipeline around exactly one forward, and releases sessions through one path
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -170,15 +169,7 @@ class ARDiffusionModelRunner:
                 f"got {type(spec).__name__}"
             )
         self.spec = spec
-        plan = plan_capacity(
-            spec,
-            self.dtype,
-            self._available_bytes(),
-            self.gpu_memory_fraction,
-            session_capacity=self.session_capacity_override,
-            page_size=self.page_size,
-        )
-        self.kv_cache = self._create_kv_cache(spec, plan)
+        plan, self.kv_cache = self._plan_and_allocate(spec)
         self.capacity_plan = plan
         self._emit(
             CapacityPlanned(
@@ -190,26 +181,45 @@ class ARDiffusionModelRunner:
         )
         return plan
 
-    def _create_kv_cache(self, spec: ARDiffusionKVCacheSpec, plan: CapacityPlan) -> ARDiffusionKVCache:
-        """Pick the attention backend (kv/backends.py) and allocate the pools in its layout."""
+    def _plan_and_allocate(self, spec: ARDiffusionKVCacheSpec) -> tuple[CapacityPlan, ARDiffusionKVCache]:
+        """Pick the attention backend (kv/backends.py), plan for it, and allocate the pools in its layout.
+
+        The backend comes first because it decides where the uncommitted block lives (torch: the
+        gather workspace; paged kernels: scratch pages), which the plan counts.
+        """
         layout = KVLayout.from_spec(spec, page_size=self.page_size)
         setting = self.attention_backend_setting
         name, reason = select_attention_backend(setting, self.device, dtype=self.dtype, layout=layout)
-        make = functools.partial(
-            ARDiffusionKVCache, spec, plan.num_managed_pages, dtype=self.dtype, device=self.device,
-            page_size=self.page_size,
-        )
+        available = self._available_bytes()
+
+        def allocate(backend: str) -> tuple[CapacityPlan, ARDiffusionKVCache]:
+            plan = plan_capacity(
+                spec,
+                self.dtype,
+                available,
+                self.gpu_memory_fraction,
+                session_capacity=self.session_capacity_override,
+                page_size=self.page_size,
+                attention_backend=backend,
+            )
+            cache = ARDiffusionKVCache(
+                spec, plan.num_managed_pages, dtype=self.dtype, device=self.device, page_size=self.page_size,
+                attention_backend=backend,
+            )
+            return plan, cache
+
         try:
-            cache = make(attention_backend=name)
+            plan, cache = allocate(name)
         except (ImportError, RuntimeError, ValueError) as exc:
             if name == "torch" or setting != "auto":
                 raise
             reason = f"vLLM kernel failed to initialise ({type(exc).__name__}: {exc}); using torch"
             logger.warning("attention backend: %s", reason)
-            name, cache = "torch", make(attention_backend="torch")
+            name = "torch"
+            plan, cache = allocate(name)
         self.attention_backend, self.attention_backend_reason = name, reason
         logger.info("attention backend: %s (%s; %s)", name, reason, cache.attention_description)
-        return cache
+        return plan, cache
 
     def _available_bytes(self) -> int:
         if self.memory_budget is not None:

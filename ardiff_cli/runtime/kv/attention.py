@@ -10,7 +10,6 @@ the current tokens, non-causal within that visible set.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,6 +45,10 @@ class ARDiffusionForwardContext:
     commit pass runs, so a branch that never runs allocates nothing.
     """
 
+    __slots__ = ("state", "generation", "branch", "seq_len", "commit_current", "pool", "allocator", "inflight_pages",
+                 "num_registers", "_prepared", "_inflight_ids", "_gather_ids", "_views", "_kernel_pool",
+                 "_kernel_forward", "layers_written", "finished", "_checked")
+
     def __init__(self, state: ARDiffusionKVState, branch: BranchKV, seq_len: int, commit_current: bool) -> None:
         cache = state._cache
         # Owning state; checked live (not closed, not reset since) on every call.
@@ -63,10 +66,13 @@ class ARDiffusionForwardContext:
         self.inflight_pages: list[int] | None = None
         # Register tokens after the video tokens; fixed by the first layer that runs.
         self.num_registers: int | None = None
-        # Page ids every layer gathers, in visible order, and the visible token count.
-        self._gather_ids: torch.Tensor | None = None
+        # Set by the first layer: in-flight pages, history ids and workspace views are ready.
+        self._prepared = False
         self._inflight_ids: torch.Tensor | None = None
-        self._visible_tokens = 0
+        # torch path: the history's page ids (None without history) and the workspace views
+        # (history, current K, current V, keys, values) every layer of this forward uses.
+        self._gather_ids: torch.Tensor | None = None
+        self._views: tuple[torch.Tensor, ...] | None = None
         # A pool laid out for a paged kernel (vllm_attention.PagedKernelPool) runs attention itself.
         self._kernel_pool = hasattr(self.pool, "plan_forward")
         self._kernel_forward = None
@@ -74,6 +80,8 @@ class ARDiffusionForwardContext:
         self.layers_written = bytearray(cache.spec.num_layers)
         # Set by commit (or by the state when it orphans the context).
         self.finished = False
+        # Shapes, dtypes and devices the last validated layer had; equal inputs skip validation.
+        self._checked: tuple | None = None
 
     @property
     def allocated(self) -> bool:
@@ -93,12 +101,9 @@ class ARDiffusionForwardContext:
             )
 
     def _prepare(self, num_registers: int, num_q_heads: int) -> None:
-        """First layer of this forward: allocate in-flight pages and build the gather table."""
-        layout = self.pool.layout
-        page_size = layout.page_size
+        """First layer of this forward: allocate in-flight pages and plan what every layer reads."""
+        page_size = self.pool.layout.page_size
         video_pages = self.seq_len // page_size
-        scratch = self.pool.scratch_page_ids(self.branch.local_index)
-        register_pages = math.ceil((self.seq_len + num_registers) / page_size) - video_pages
         if self.commit_current:
             self.state._claim_slot(self.branch)
             try:
@@ -108,22 +113,28 @@ class ARDiffusionForwardContext:
                     f"session {self.state.session_id!r}, branch {self.branch.name!r}: {exc}; the capacity plan "
                     "should have reserved these pages, so this is a bug in the plan or a leak"
                 ) from exc
-            current = self.inflight_pages
-            self._inflight_ids = torch.tensor(current, dtype=torch.long, device=self.pool.device)
-        else:
-            current = list(scratch[:video_pages])
+            self._inflight_ids = torch.tensor(self.inflight_pages, dtype=torch.long, device=self.pool.device)
         history = self.branch.page_ids()
-        ids = history + current + list(scratch[video_pages : video_pages + register_pages])
-        self._gather_ids = torch.tensor(ids, dtype=torch.long, device=self.pool.device)
-        self._visible_tokens = len(history) * page_size + self.seq_len + num_registers
         self.num_registers = num_registers
         if self._kernel_pool:  # paged-kernel layout: block tables of every layer, built once per forward
-            self._kernel_forward = self.pool.plan_forward(
-                history + current, current, self.seq_len, num_registers, num_q_heads
-            )
+            scratch = self.pool.scratch_page_ids(self.branch.local_index)
+            current = self.inflight_pages if self.commit_current else list(scratch[:video_pages])
+            self._kernel_forward = self.pool.plan_forward(history + current, current, self.seq_len, num_registers,
+                                                          num_q_heads)
+        else:
+            # torch path: each layer gathers sink + window pages straight into the workspace and stages its
+            # current block and registers right after them, the uncommitted block's scratch on this path
+            # (one copy fewer per layer than writing scratch pages and gathering them back: 1% per block).
+            if history:
+                ids = self.branch.gather_ids.get(0)
+                if ids is None:  # every pass of a block reads the same history
+                    ids = self.branch.gather_ids[0] = torch.tensor(history, dtype=torch.long, device=self.pool.device)
+                self._gather_ids = ids
+            self._views = self.pool.visible_views(len(history), self.seq_len + num_registers)
+        self._prepared = True
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-        self.check_live()
+    def _validate(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Full checks of one layer's inputs; the layers after the first that pass them take a fast path."""
         pool = self.pool
         spec = pool.layout.spec
         if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
@@ -151,25 +162,35 @@ class ARDiffusionForwardContext:
                 f"attend got {q.shape[1]} tokens for seq_len={self.seq_len}: expected the video tokens "
                 f"followed by 0..{room} scratch register tokens"
             )
-        if self._gather_ids is None:
+        if not self._prepared:
             self._prepare(num_registers, q.shape[0])
         elif num_registers != self.num_registers:
             raise ValueError(
                 f"layer {layer} has {num_registers} register tokens, earlier layers of this forward had "
                 f"{self.num_registers}"
             )
+        # What the next layers must match to skip these checks (same shapes, same dtype objects).
+        self._checked = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+        self.check_live()
+        if self._checked != (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device):
+            self._validate(layer, q, k, v)
+        pool = self.pool
         if self._kernel_pool:  # vLLM / paged-kernel backends write, pack and attend in the pool
             out = pool.attend(layer, self._kernel_forward, q, k, v, scale)
             self.layers_written[layer] = 1
             return out
-        local = self.branch.local_index
-        if self.commit_current:
-            pool.write_pages(layer, self._inflight_ids, k[:, : self.seq_len], v[:, : self.seq_len])
-        else:
-            pool.write_scratch(layer, local, 0, k[:, : self.seq_len], v[:, : self.seq_len])
-        if num_registers:
-            pool.write_scratch(layer, local, self.seq_len, k[:, self.seq_len :], v[:, self.seq_len :])
-        keys, values = pool.gather(layer, self._gather_ids, self._visible_tokens)  # (1, Hkv, S, D)
+        if self.commit_current:  # the block goes to its pages; registers are visible but never committed
+            if self.num_registers:
+                pool.write_pages(layer, self._inflight_ids, k[:, : self.seq_len], v[:, : self.seq_len])
+            else:
+                pool.write_pages(layer, self._inflight_ids, k, v)
+        history, current_k, current_v, keys, values = self._views
+        if self._gather_ids is not None:
+            pool.gather_into(layer, self._gather_ids, history)  # (2, H, n, P, D)
+        current_k.copy_(k)  # the current block, then its registers
+        current_v.copy_(v)
         self.layers_written[layer] = 1
         return attend_visible(q, keys, values, scale)
 

@@ -36,7 +36,10 @@ class ARDiffusionKVCache:
     ) -> None:
         if not isinstance(spec, ARDiffusionKVCacheSpec):
             raise TypeError(f"spec must be an ARDiffusionKVCacheSpec, got {type(spec).__name__}")
-        layout = KVLayout.from_spec(spec, page_size=page_size, scratch_blocks=scratch_blocks)
+        # Any paged-kernel backend reads the uncommitted block from scratch pages; torch stages it.
+        backend_kind = "torch" if isinstance(attention_backend, str) and attention_backend == "torch" else "vllm"
+        layout = KVLayout.from_spec(spec, page_size=page_size, scratch_blocks=scratch_blocks,
+                                    attention_backend=backend_kind)
         visible = layout.max_visible_pages * layout.page_size
         if visible > spec.max_model_len:
             raise ValueError(

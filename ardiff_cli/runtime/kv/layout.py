@@ -45,6 +45,11 @@ class KVLayout:
     spec: ARDiffusionKVCacheSpec
     page_size: int  # tokens per page; divides tokens_per_frame
     scratch_tokens: int  # scratch tokens per local branch slot (block + registers, maybe raised)
+    # Where the uncommitted block and registers live. Paged kernels (vLLM) read them from scratch
+    # pages in the pool, one region per local slot. The torch backend stages them in its gather
+    # workspace right after the gathered history (one copy fewer per layer), so it has no scratch
+    # pages; the workspace is sized for history + scratch_tokens either way.
+    scratch_in_pages: bool = True
 
     @classmethod
     def from_spec(
@@ -53,6 +58,7 @@ class KVLayout:
         *,
         page_size: int | None = None,
         scratch_blocks: int | None = None,
+        attention_backend: str = "torch",
     ) -> KVLayout:
         page_size = spec.tokens_per_frame if page_size is None else page_size
         if page_size <= 0 or spec.tokens_per_frame % page_size:
@@ -64,7 +70,12 @@ class KVLayout:
             raise ValueError(f"scratch_blocks must be positive, got {blocks}")
         block_tokens = spec.frames_per_block * spec.tokens_per_frame
         derived = block_tokens + spec.max_scratch_tokens_per_branch
-        return cls(spec=spec, page_size=page_size, scratch_tokens=max(derived, blocks * block_tokens))
+        return cls(
+            spec=spec,
+            page_size=page_size,
+            scratch_tokens=max(derived, blocks * block_tokens),
+            scratch_in_pages=attention_backend != "torch",
+        )
 
     @property
     def pages_per_frame(self) -> int:
@@ -99,7 +110,8 @@ class KVLayout:
 
     @property
     def scratch_pages(self) -> int:
-        return self.spec.num_local_kv_branches * self.scratch_pages_per_slot
+        """Scratch pages in the pool, all slots (none when the workspace stages the block)."""
+        return self.spec.num_local_kv_branches * self.scratch_pages_per_slot if self.scratch_in_pages else 0
 
     @property
     def max_visible_pages(self) -> int:

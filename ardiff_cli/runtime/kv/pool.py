@@ -1,11 +1,19 @@
-"""Per-layer K/V page pools and the scratch region, preallocated once.
+"""The torch backend's per-layer K/V page pools and gather workspace, preallocated once.
 
 Layout (one tensor for the whole worker, allocated once)::
 
     kv[layer, 0 | 1, head, page, token_in_page, dim]        0 = K, 1 = V
 
-    page ids:  0        1 .. M                 M+1 .. M+S
-               null     managed (allocator)    scratch, S/num_slots per local slot
+    page ids:  0        1 .. M
+               null     managed (allocator)
+
+    workspace: one layer's [ gathered sink + window pages | current block | registers ]
+
+The uncommitted block and its registers live in the workspace, right after
+the gathered history: that tail is this backend's scratch. Writing them into
+scratch pages and gathering them back would cost one more copy per layer
+(measured 1% of a rolling block). Paged-kernel backends (vllm_attention.py)
+keep scratch pages in their pool instead, since their kernels read pages.
 
 Why heads before pages: the torch attention path gathers a session's pages
 with one ``index_select`` over the page axis, and with heads first the result
@@ -24,7 +32,7 @@ from ardiff_cli.runtime.kv.layout import KVLayout
 
 
 class KVPagePool:
-    """The worker's self-attention pages, scratch pages and gather workspace."""
+    """The worker's self-attention pages and gather workspace (torch backend)."""
 
     def __init__(self, layout: KVLayout, num_managed_pages: int, dtype: torch.dtype, device: torch.device | str) -> None:
         spec = layout.spec
@@ -32,13 +40,12 @@ class KVPagePool:
         self.layout = layout
         # Pages the allocator may hand out (ids 1 .. num_managed_pages).
         self.num_managed_pages = num_managed_pages
-        # First scratch page id; scratch is never allocated or freed.
-        self.scratch_base = 1 + num_managed_pages
-        # Page count of every layer's pool, null + managed + scratch.
-        self.num_pages = self.scratch_base + layout.scratch_pages
+        assert not layout.scratch_in_pages, "the torch pool stages scratch in its workspace; plan it that way"
+        # Page count of every layer's pool, null + managed.
+        self.num_pages = 1 + num_managed_pages
         self.dtype = dtype
         self.device = torch.device(device)
-        # All K/V storage, zeroed so the null page and unused scratch read as zeros.
+        # All K/V storage, zeroed so the null page reads as zeros.
         self.kv = torch.zeros(
             (spec.num_layers, 2, spec.num_kv_heads, self.num_pages, layout.page_size, spec.head_size),
             dtype=dtype,
@@ -51,43 +58,45 @@ class KVPagePool:
             device=self.device,
         )
 
+        # Per-layer views (2, H, pages, P, D): indexing the 6-D tensor on every call costs more than small copies.
+        self._layers = self.kv.unbind(0)
+        # Workspace views per (history pages, current tokens); the workspace never moves, so they stay valid.
+        self._visible_views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+
     @property
     def nbytes(self) -> int:
         """Bytes of tensor storage this pool holds (pages + workspace)."""
         return self.kv.untyped_storage().nbytes() + self._workspace.untyped_storage().nbytes()
 
-    def scratch_page_ids(self, local_index: int) -> range:
-        """The scratch pages of one local branch slot, contiguous."""
-        per_slot = self.layout.scratch_pages_per_slot
-        start = self.scratch_base + local_index * per_slot
-        return range(start, start + per_slot)
-
     def write_pages(self, layer: int, page_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` of shape ``(H, n * page_size, D)`` into pages ``page_ids`` (n of them)."""
         heads, _, head_size = k.shape
         shape = (heads, page_ids.numel(), self.layout.page_size, head_size)
-        self.kv[layer, 0].index_copy_(1, page_ids, k.reshape(shape))  # (H, n, P, D)
-        self.kv[layer, 1].index_copy_(1, page_ids, v.reshape(shape))
+        kv = self._layers[layer]
+        kv[0].index_copy_(1, page_ids, k.reshape(shape))  # (H, n, P, D)
+        kv[1].index_copy_(1, page_ids, v.reshape(shape))
 
-    def write_scratch(self, layer: int, local_index: int, token_offset: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``/``v`` of shape ``(H, T, D)`` at ``token_offset`` of a slot's scratch."""
-        pages = self.scratch_page_ids(local_index)
-        end = token_offset + k.shape[1]
-        for which, src in ((0, k), (1, v)):
-            region = self.kv[layer, which, :, pages.start : pages.stop]  # (H, S, P, D), a view
-            region.view(region.shape[0], -1, region.shape[-1])[:, token_offset:end].copy_(src)
+    def visible_views(self, num_history_pages: int, num_current_tokens: int) -> tuple[torch.Tensor, ...]:
+        """The workspace as one forward's visible K/V: history pages, then the current tokens.
 
-    def gather(self, layer: int, page_ids: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``page_ids`` in order, truncated to ``num_tokens``: each ``(1, H, num_tokens, D)``.
-
-        The result lives in the shared workspace and is valid until the next gather.
+        Returns ``(history (2, H, n, P, D), current_k (H, T, D), current_v (H, T, D), keys (1, H, S, D),
+        values (1, H, S, D))`` with ``S = n * P + T``: views of the shared workspace, cached per shape
+        (the workspace never moves), valid until the next layer writes.
         """
-        spec = self.layout.spec
-        n = page_ids.numel()
-        assert n <= self.layout.max_visible_pages, f"gather of {n} pages exceeds the workspace sized for visible sets"
-        shape = (2, spec.num_kv_heads, n, self.layout.page_size, spec.head_size)
-        out = self._workspace[: 2 * spec.num_kv_heads * n * self.layout.page_size * spec.head_size].view(shape)
-        torch.index_select(self.kv[layer], 2, page_ids, out=out)  # (2, H, n, P, D)
-        flat = out.view(2, 1, spec.num_kv_heads, n * self.layout.page_size, spec.head_size)
-        return flat[0, :, :, :num_tokens], flat[1, :, :, :num_tokens]
+        key = (num_history_pages, num_current_tokens)
+        views = self._visible_views.get(key)
+        if views is None:
+            spec, page_size = self.layout.spec, self.layout.page_size
+            history_tokens = num_history_pages * page_size
+            total = history_tokens + num_current_tokens
+            assert total <= self.layout.max_visible_pages * page_size, "visible set exceeds the workspace"
+            ws = self._workspace[: 2 * spec.num_kv_heads * total * spec.head_size].view(
+                2, spec.num_kv_heads, total, spec.head_size)  # (2, H, S, D)
+            views = (ws[:, :, :history_tokens].unflatten(2, (num_history_pages, page_size)),
+                     ws[0, :, history_tokens:], ws[1, :, history_tokens:], ws[0, None], ws[1, None])
+            self._visible_views[key] = views
+        return views
 
+    def gather_into(self, layer: int, page_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """K and V of ``page_ids`` of one layer into ``out`` ``(2, H, n, P, D)`` (a view of the workspace)."""
+        torch.index_select(self._layers[layer], 2, page_ids, out=out)

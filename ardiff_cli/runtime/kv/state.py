@@ -51,7 +51,7 @@ class BranchKV:
     """
 
     __slots__ = ("name", "local_index", "_sink", "_window", "_sink_capacity", "_window_capacity",
-                 "_pages_per_frame", "num_committed_frames")
+                 "_pages_per_frame", "num_committed_frames", "adapter_snapshot", "gather_ids")
 
     def __init__(self, name: str, local_index: int, sink_frames: int, window_frames: int, pages_per_frame: int):
         self.name = name
@@ -62,6 +62,9 @@ class BranchKV:
         self._window_capacity = window_frames * pages_per_frame
         self._pages_per_frame = pages_per_frame
         self.num_committed_frames = 0  # absolute frame count; grows without bound
+        self.adapter_snapshot: BranchAdapter | None = None  # the state's last adapter(), until the next change
+        # The history's page ids as a tensor (key 0), until the next change: every pass of a block reads it.
+        self.gather_ids: dict[int, object] = {}
 
     def page_ids(self) -> list[int]:
         return self._sink + list(self._window)
@@ -73,6 +76,8 @@ class BranchKV:
     def commit(self, pages: list[int], allocator: PageAllocator) -> None:
         """Append the pages of whole new frames; free what falls out of the window."""
         assert len(pages) % self._pages_per_frame == 0, "commit of a partial frame: page count not frame-aligned"
+        self.adapter_snapshot = None
+        self.gather_ids.clear()
         fill = min(len(pages), self._sink_capacity - len(self._sink))
         self._sink.extend(pages[:fill])
         self._window.extend(pages[fill:])
@@ -84,6 +89,8 @@ class BranchKV:
     def release(self, allocator: PageAllocator) -> None:
         """Free every page and forget the history (positions restart at frame 0)."""
         pages = self.page_ids()
+        self.adapter_snapshot = None
+        self.gather_ids.clear()
         self._sink.clear()
         self._window.clear()
         self.num_committed_frames = 0
@@ -143,15 +150,17 @@ class ARDiffusionKVState:
     def adapter(self, branch: str | bool) -> BranchAdapter:
         """A snapshot of ``branch``: committed frames and resident pages."""
         kv = self._branch(branch)
-        pages = tuple(kv.page_ids())
-        return BranchAdapter(
-            request_id=f"{self.session_id}/{kv.name}",
-            branch=kv.name,
-            local_index=kv.local_index,
-            num_committed_frames=kv.num_committed_frames,
-            num_resident_frames=len(pages) // self._cache.layout.pages_per_frame,
-            page_ids=pages,
-        )
+        if kv.adapter_snapshot is None:  # immutable, so one snapshot serves until the branch changes
+            pages = tuple(kv.page_ids())
+            kv.adapter_snapshot = BranchAdapter(
+                request_id=f"{self.session_id}/{kv.name}",
+                branch=kv.name,
+                local_index=kv.local_index,
+                num_committed_frames=kv.num_committed_frames,
+                num_resident_frames=len(pages) // self._cache.layout.pages_per_frame,
+                page_ids=pages,
+            )
+        return kv.adapter_snapshot
 
     @property
     def num_pages(self) -> int:
@@ -301,14 +310,14 @@ class ARDiffusionKVState:
     def cross_attention(self, branch: str | bool, name: str) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """Per-layer ``(k, v)`` of a published cache; reading an unpublished cache raises."""
         kv = self._branch(branch)
+        pairs = self._cross.get((kv.name, name))
+        if pairs is not None:  # the hot path: every layer of every denoising step reads here
+            return pairs
         self.spec.cross_geometry(name)  # KeyError for unknown names
-        try:
-            return self._cross[(kv.name, name)]
-        except KeyError:
-            raise RuntimeError(
-                f"cross-attention {name!r} of branch {kv.name!r} (session {self.session_id!r}) read before "
-                "populate_cross_attention completed; the runner never recomputes it silently"
-            ) from None
+        raise RuntimeError(
+            f"cross-attention {name!r} of branch {kv.name!r} (session {self.session_id!r}) read before "
+            "populate_cross_attention completed; the runner never recomputes it silently"
+        )
 
     # --------------------------------------------------------------- lifecycle
     def reset(self, keep_cross_attention: Iterable[str] = ()) -> None:
