@@ -1,4 +1,4 @@
-"""The attention benchmark runs and reports its fields. Speed is not checked here."""
+"""Every benchmark runs in --quick mode and reports its fields. Speed is not checked here."""
 
 from __future__ import annotations
 
@@ -7,13 +7,17 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not put the repo root on sys.path
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import bench_attention  # noqa: E402
+from pipeline_helpers import ardiff_cache, single_thread  # noqa: E402,F401 - fixtures
 
 FIELDS = {"id", "paged_ms", "contiguous_ms", "ratio", "target", "passed"}
+SUITE_FIELDS = {"id", "target", "passed", "measured", "baseline", "ratio"}
 
 
 def check_result(result: dict) -> None:
@@ -37,3 +41,132 @@ def test_main_quick_writes_json(tmp_path, capsys):
     assert bench_attention.main(["--quick", "--json", str(path)]) == 0
     check_result(json.loads(path.read_text()))
     assert "ratio" in capsys.readouterr().out
+
+
+def positive(value) -> bool:
+    return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
+def check_common(result: dict, name: str) -> None:
+    assert SUITE_FIELDS <= set(result), f"{name}: missing {SUITE_FIELDS - set(result)}"
+    assert result["id"] == name
+    assert isinstance(result["passed"], bool)
+    assert positive(result["ratio"])
+    json.dumps(result)  # results.json must be able to hold it
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_rolling_quick():
+    from benchmarks import bench_rolling
+
+    r = bench_rolling.run(quick=True)
+    check_common(r, "rolling")
+    assert r["steady_blocks"] >= 1 and r["window_passes"] > 1  # past the window, every steady block evicts
+    assert r["rolling_shifts"] >= r["steady_blocks"]
+    assert r["outputs_match"] and r["max_abs_diff"] <= 1e-4  # both sides do the same math
+    for key in ("ardiff_p50_ms", "ardiff_p99_ms", "ardiff_p99_over_p50", "rolling_p50_ms"):
+        assert positive(r[key])
+    assert r["memory_early"]["kv_bytes"] == r["memory_end"]["kv_bytes"] > 0
+    assert r["memory_early"]["block_table_len"] == r["memory_end"]["block_table_len"]
+    assert r["memory_flat"] is True
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_resume_quick():
+    from benchmarks import bench_resume
+
+    r = bench_resume.run(quick=True)
+    check_common(r, "resume")
+    assert r["window_frames"] == r["resident_window_frames_at_chunk"] == 12
+    assert r["outputs_match"]  # the rebuilt session is the resident one
+    assert positive(r["speedup"]) and positive(r["speedup_dense_prefill"])
+    assert r["passed"] is (r["speedup"] >= 5.0)
+
+
+@pytest.mark.usefixtures("single_thread", "ardiff_cache")
+def test_capacity_quick():
+    from benchmarks import bench_capacity
+
+    r = bench_capacity.run(quick=True)
+    check_common(r, "capacity")
+    assert r["rows"] and all(row["windows_full"] for row in r["rows"])
+    for row in r["rows"]:
+        assert row["actual_bytes"] == sum(row["actual"][k] for k in ("pool", "cross_attention", "model_owned"))
+        assert row["actual"]["cross_attention"] > 0 and row["actual"]["model_owned"] > 0  # dreamzero: both
+    assert r["max_error"] <= 0.01 and r["passed"]
+
+
+@pytest.mark.usefixtures("single_thread", "ardiff_cache")
+def test_overhead_quick():
+    from benchmarks import bench_overhead
+
+    r = bench_overhead.run(quick=True)
+    check_common(r, "overhead")
+    assert r["requests"] == 8
+    mean = r["mean_ms"]
+    assert mean["total"] >= mean["forward"] > mean["model"] > 0
+    assert math.isclose(r["overhead"], r["runner_share"] + r["kv_share"])
+    assert "attend" in r["kv_ms_per_request"] and "get_kv_caches" in r["kv_ms_per_request"]
+    # the instrumentation is gone afterwards
+    from ardiff_cli.runtime.kv import attention, state
+
+    assert state.ARDiffusionKVState.commit.__name__ == "commit"
+    assert attention.attend_visible.__name__ == "attend_visible"
+
+
+def test_startup_quick():
+    from benchmarks import bench_startup
+
+    r = bench_startup.run(quick=True)
+    check_common(r, "startup")
+    assert "dreamzero-14b" in r["command"]
+    for key in ("python_s", "help_s", "inspect_capacity_s"):
+        assert positive(r[key])
+
+
+@pytest.mark.usefixtures("single_thread", "ardiff_cache")
+def test_churn_quick():
+    from benchmarks import bench_churn
+
+    r = bench_churn.run(quick=True)
+    check_common(r, "churn")
+    assert 0 <= r["hit_rate"] <= r["hit_rate_unlimited"] <= 1
+    assert r["requests"] == 30
+
+
+def test_zipf_sequence_is_deterministic_and_skewed():
+    from benchmarks.bench_churn import zipf_sequence
+
+    seq = zipf_sequence(2000)
+    assert seq == zipf_sequence(2000) and min(seq) >= 1 and max(seq) <= 64
+    assert seq.count(1) > seq.count(2) > seq.count(8) > 0
+
+
+def test_contiguous_baseline_shifts_and_keeps_sink_and_window():
+    import torch
+
+    from benchmarks.contiguous import ContiguousKV
+
+    kv = ContiguousKV(num_layers=1, num_heads=1, head_size=1, tokens_per_frame=1, sink_frames=1, window_frames=2,
+                      max_segment_frames=1, max_registers=0, dtype=torch.float32)
+    for frame in range(6):
+        attend = kv.attend_fns(1)[0]
+        value = torch.full((1, 1, 1), float(frame))
+        attend(value, value, value)
+        kv.commit(1)
+    assert kv.committed_frames == 6 and kv.resident_frames == 3
+    assert kv.k[0, 0, :3, 0].tolist() == [0.0, 4.0, 5.0]  # sink frame 0, then the newest two
+    assert kv.num_shifts == 3
+
+
+def test_suite_main_quick_only(tmp_path, capsys):
+    from benchmarks.__main__ import main
+
+    path = tmp_path / "results.json"
+    assert main(["--quick", "--only", "capacity,startup", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert [r["id"] for r in report["results"]] == ["capacity", "startup"]
+    for key in ("cpu_count", "torch", "torch_threads", "date"):
+        assert key in report["machine"]
+    out = capsys.readouterr().out
+    assert "measured" in out and "baseline" in out and "capacity" in out

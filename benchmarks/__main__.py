@@ -1,0 +1,102 @@
+"""Run the benchmark suite: print a table and write ``benchmarks/results.json``.
+
+    python -m benchmarks                          # every benchmark (a few minutes on 2 CPU cores)
+    python -m benchmarks --only rolling,resume    # some of them
+    python -m benchmarks --quick                  # tiny sizes (smoke run; writes no file unless --json)
+    python -m benchmarks --threads 2 --json out.json
+
+Every figure is a ratio of two things measured side by side in this run
+(interleaved, median of repetitions); see each ``bench_<id>.py`` docstring for
+what is timed and against which baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from benchmarks.common import DEFAULT_THREADS, REPO_ROOT, machine_info, set_threads
+
+BENCHMARKS = ("attention", "rolling", "resume", "capacity", "overhead", "startup", "churn")
+RESULTS = REPO_ROOT / "benchmarks" / "results.json"
+
+
+def run_one(name: str, quick: bool) -> dict:
+    """``benchmarks.bench_<name>.run(quick)``, normalised to carry measured / baseline / ratio."""
+    module = importlib.import_module(f"benchmarks.bench_{name}")
+    start = time.perf_counter()
+    try:
+        result = module.run(quick=quick)
+    except Exception:  # noqa: BLE001 - one broken benchmark must not hide the others
+        return {"id": name, "passed": False, "error": traceback.format_exc(), "seconds": time.perf_counter() - start}
+    result["seconds"] = time.perf_counter() - start
+    if name == "attention":  # written before the suite's summary fields existed
+        result.setdefault("measured", f"{result['paged_ms']:.2f} ms paged")
+        result.setdefault("baseline", f"{result['contiguous_ms']:.2f} ms contiguous")
+        result["target"] = f"paged/contiguous <= {result['target']:.2f}"
+        result.setdefault("clock", "wall")
+    return result
+
+
+def format_table(results: list[dict]) -> str:
+    rows = [("id", "measured", "baseline", "ratio", "target", "pass")]
+    for r in results:
+        if "error" in r:
+            rows.append((r["id"], "error: " + r["error"].strip().splitlines()[-1], "", "", "", "FAIL"))
+            continue
+        rows.append((r["id"], str(r.get("measured", "")), str(r.get("baseline", "")),
+                     f"{r['ratio']:.3f}" if isinstance(r.get("ratio"), float) else str(r.get("ratio", "")),
+                     str(r.get("target", "")), "yes" if r.get("passed") else "NO"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few repetitions (a smoke run)")
+    parser.add_argument("--only", metavar="ID,ID", help=f"comma-separated subset of: {','.join(BENCHMARKS)}")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                        help=f"torch intra-op threads for every benchmark (default {DEFAULT_THREADS})")
+    parser.add_argument("--json", type=Path, default=None,
+                        help=f"results file (default {RESULTS.relative_to(REPO_ROOT)}; none with --quick)")
+    args = parser.parse_args(argv)
+    names = list(BENCHMARKS)
+    if args.only:
+        names = [name.strip() for name in args.only.split(",") if name.strip()]
+        unknown = [name for name in names if name not in BENCHMARKS]
+        if unknown:
+            parser.error(f"unknown benchmark(s) {', '.join(unknown)}; valid: {', '.join(BENCHMARKS)}")
+    set_threads(args.threads)
+    start = time.perf_counter()
+    results = []
+    for name in names:
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        results.append(run_one(name, args.quick))
+        print(f"  {name}: {results[-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
+    report = {
+        "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine_info(),
+        "quick": args.quick,
+        "seconds": time.perf_counter() - start,
+        "passed": all(r.get("passed") for r in results),
+        "results": results,
+    }
+    print(format_table(results))
+    print(f"\n{len(results)} benchmarks in {report['seconds']:.0f} s, {report['machine']['torch_threads']} torch "
+          f"thread(s), {report['machine']['cpu_count']} CPUs, torch {report['machine']['torch']}")
+    path = args.json if args.json is not None else (None if args.quick else RESULTS)
+    if path is not None:
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {path}")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

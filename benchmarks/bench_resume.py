@@ -1,0 +1,164 @@
+"""resume: the next chunk of a resident session vs rebuilding the session by re-prefilling its window.
+
+A DreamZero session (``pipelines/dreamzero``, 2 CFG branches, 4 sampling
+steps, one latent frame per request) holds 11 latent frames of history; the
+next request commits the 12th and samples its action chunk over the full
+12-frame window. Timed side by side, interleaved (the order rotates every
+repetition):
+
+- ``resident``: that request through ``ARDiffusionModelRunner.execute_model``
+  on the resident session (its KV, text/image caches and anchor are kept).
+- ``rebuild`` (the baseline): what CausVid's long-video script does for each
+  new segment: from the session's observations (its anchor frame and every
+  later four-frame observation), tile and encode them with the codec, project
+  the text and image caches, re-prefill the window with a commit pass per
+  block (one latent frame here) on every CFG branch, then run the same
+  request. KV in :class:`benchmarks.contiguous.ContiguousRollout`.
+- ``rebuild_dense`` (reported, not the verdict): the same, but the window is
+  prefilled in one frame-causal pass per branch (the cheapest re-prefill).
+
+All three must return the same actions and latents. Target: rebuild/resident >= 5
+(median of the per-repetition ratios, CPU time; wall time under ``wall``).
+
+    python -m benchmarks.bench_resume            # dreamzero "small" geometry, 12-frame window
+    python -m benchmarks.bench_resume --quick    # tiny model, 2 repetitions
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from benchmarks.common import Timing, cli, timed
+from benchmarks.contiguous import ContiguousRollout
+
+TARGET = 5.0
+WINDOW_FRAMES = 12
+PROMPT = "put the red block in the bowl"
+
+FULL = dict(model={"preset": "small", "window_frames": WINDOW_FRAMES, "sink_frames": 0}, repetitions=7)
+QUICK = dict(model={"preset": "tiny", "window_frames": WINDOW_FRAMES, "sink_frames": 0}, repetitions=2)
+
+
+def build(model_overrides: dict):
+    from ardiff_cli.runtime.runner import ARDiffusionModelRunner
+    from pipelines.dreamzero import Config, pipeline_class
+
+    config = Config.from_dict(model_overrides, where="bench_resume")
+    pipe = pipeline_class().fresh(config)
+    runner = ARDiffusionModelRunner(pipe, device="cpu", dtype=pipe.dtype, memory_budget=1 << 30, session_capacity=2,
+                                    attention_backend="torch")
+    runner.load()
+    return config, pipe, runner
+
+
+def rebuild(pipe, rollout: ContiguousRollout, session_id: str, history: list[dict], chunk: dict, *,
+            dense: bool) -> dict:
+    """Rebuild ``session_id`` from its observations into ``rollout``, then run ``chunk`` on it.
+
+    Uses the pipeline's own preprocessing (camera tiling, codec, cache projections, anchor channels), so the
+    rebuilt KV is the resident session's KV up to float rounding.
+    """
+    from pipelines.dreamzero.pipeline import DreamZeroSession
+    from pipelines.wan import Segment
+
+    rollout.reset()
+    with torch.no_grad():
+        anchor = pipe._camera_frames(history[0])[-1:]  # (1, H, W, 3): the window's first frame
+        anchor_latent = pipe.vae.encode(anchor)  # (C, 1, h, w)
+        pipe._populate_text(rollout, PROMPT)
+        pipe._populate_image(rollout, anchor[0])
+        later = torch.cat([pipe._camera_frames(obs) for obs in history[1:]])  # (4 * (n - 1), H, W, 3)
+        latents = torch.cat([anchor_latent, pipe.vae.encode(later)], dim=1)  # (C, n, h, w)
+        anchor_frame = anchor_latent[:, 0]
+        num = latents.shape[1]
+        for branch in pipe.branches:
+            spans = [(0, num)] if dense else [(f, f + 1) for f in range(num)]  # CausVid: one pass per block
+            for first, stop in spans:
+                cond = pipe._anchor_channels(anchor_frame, first, stop - first)
+                seg = Segment(latents=torch.cat([latents[:, first:stop], cond]).to(pipe.dtype),
+                              timesteps=torch.zeros(stop - first), first_frame=first)
+                rollout.run(branch, seg, commit=True, return_video=False, frame_causal=dense)
+    pipe.sessions[session_id] = DreamZeroSession(prompt=PROMPT, anchor_latent=anchor_frame.clone(),
+                                                 num_requests=len(history))
+    try:
+        return pipe.step(session_id, rollout, chunk)
+    finally:
+        pipe.sessions.pop(session_id, None)
+
+
+def run(quick: bool = False) -> dict:
+    from ardiff_cli.runtime.request import ARDiffusionRequest
+
+    geometry = QUICK if quick else FULL
+    config, pipe, runner = build(geometry["model"])
+    # 1 one-frame request (the anchor) + 10 four-frame requests = 11 frames; the chunk commits the 12th
+    history = [pipe.example_inputs(1, prompt=PROMPT, seed=0)]
+    history += [pipe.example_inputs(config.frames_per_request, prompt=PROMPT, seed=k)
+                for k in range(1, WINDOW_FRAMES - 1)]
+    chunk = pipe.example_inputs(config.frames_per_request, prompt=PROMPT, seed=WINDOW_FRAMES - 1)
+    rollouts = {dense: ContiguousRollout(pipe.transformer, pipe.spec, cross_names=pipe.cross_names, dtype=pipe.dtype,
+                                         max_segment_frames=WINDOW_FRAMES) for dense in (False, True)}
+
+    times: dict[str, list[Timing]] = {"resident": [], "rebuild": [], "rebuild_dense": []}
+    max_abs_diff = 0.0
+    window_at_chunk = None
+    for rep in range(geometry["repetitions"] + 1):  # repetition 0 warms every path up and is not counted
+        session = f"episode-{rep}"
+        for k, inputs in enumerate(history):  # the resident session: 11 frames of history, untimed
+            runner.execute_model(ARDiffusionRequest(f"{session}/{k}", inputs, {"session_id": session}))
+        outputs = {}
+        contenders = {
+            "resident": lambda: runner.execute_model(ARDiffusionRequest(f"{session}/chunk", chunk,
+                                                                        {"session_id": session})),
+            "rebuild": lambda: rebuild(pipe, rollouts[False], "rebuild", history, chunk, dense=False),
+            "rebuild_dense": lambda: rebuild(pipe, rollouts[True], "rebuild-dense", history, chunk, dense=True),
+        }
+        names = list(contenders)
+        for name in names[rep % 3:] + names[: rep % 3]:
+            outputs[name], timing = timed(contenders[name])
+            if rep:
+                times[name].append(timing)
+        view = next(v for v in runner.sessions() if v.session_id == session)
+        window_at_chunk = view.pages_per_branch["positive"]
+        runner.close_session(session)
+        for name in ("rebuild", "rebuild_dense"):
+            for key in ("actions", "latents"):
+                diff = (outputs[name][key] - outputs["resident"][key]).abs().max().item()
+                max_abs_diff = max(max_abs_diff, diff)
+
+    def summary(clock: str) -> dict:
+        t = {name: [getattr(x, clock) for x in values] for name, values in times.items()}
+        return {"speedup": statistics.median(r / s for r, s in zip(t["rebuild"], t["resident"])),
+                "speedup_dense_prefill": statistics.median(r / s for r, s in zip(t["rebuild_dense"], t["resident"])),
+                **{f"{name}_ms": statistics.median(values) * 1e3 for name, values in t.items()}}
+
+    cpu, wall = summary("cpu"), summary("wall")
+    speedup = cpu["speedup"]
+    outputs_match = max_abs_diff <= 1e-3
+    return {
+        "id": "resume",
+        "target": f"rebuild/resident >= {TARGET:.0f}x at a {WINDOW_FRAMES}-frame window",
+        "passed": bool(speedup >= TARGET and outputs_match),
+        "measured": f"{cpu['resident_ms']:.1f} ms/chunk resident",
+        "baseline": f"{cpu['rebuild_ms']:.1f} ms rebuild (dense prefill {cpu['rebuild_dense_ms']:.1f} ms)",
+        "ratio": speedup,
+        "clock": "cpu",
+        **cpu,
+        "wall": wall,
+        "window_frames": WINDOW_FRAMES,
+        "resident_window_frames_at_chunk": window_at_chunk,
+        "max_abs_diff": max_abs_diff,
+        "outputs_match": outputs_match,
+        "repetitions": geometry["repetitions"],
+        "geometry": {"tokens_per_frame": config.tokens_per_frame, "num_layers": config.num_layers, "dim": config.dim,
+                     "branches": list(config.branch_names), "num_inference_steps": config.num_inference_steps,
+                     "registers": config.num_registers},
+        "threads": torch.get_num_threads(),
+        "quick": quick,
+    }
+
+
+if __name__ == "__main__":
+    cli(run, __doc__)

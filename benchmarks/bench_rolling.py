@@ -1,0 +1,146 @@
+"""rolling: per-block time of a long rollout through the runner vs a contiguous rolling KV cache.
+
+Both sides run the same causal world model (``pipelines/causal_world``: Wan
+transformer, 4 denoising steps + 1 commit pass per 3-frame block, a 3-frame
+sink and a 6-frame sliding window) through the pipeline's own sampler, block
+by block, interleaved (the order alternates every block):
+
+- ``ardiff``: ``ARDiffusionModelRunner.execute_model`` on one session: paged
+  KV, pages freed as frames leave the window, runner bookkeeping included.
+- ``rolling``: ``pipeline.step`` on :class:`benchmarks.contiguous.ContiguousRollout`:
+  per-layer contiguous K/V that shift on every eviction, as the public
+  Self-Forcing / CausVid inference code keeps its cache.
+
+Both must produce the same latents (checked every block). Reported: the
+median over steady-state blocks (window full, every commit evicts) of the
+per-block ratio ardiff/rolling (target <= 1.00), ardiff's p99/p50 per-block
+time (target <= 1.2), and KV bytes, block-table length and RSS at block 20
+and at the end (flat memory: KV bytes and table length unchanged). Times
+are this process's CPU time (one torch thread, see ``benchmarks/common.py``);
+the same statistics in wall time are under ``wall``.
+
+    python -m benchmarks.bench_rolling            # 200 steady blocks, 64 tokens per frame
+    python -m benchmarks.bench_rolling --quick    # tiny model, a few blocks
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+
+from benchmarks.common import Timing, cli, percentile, rss_bytes, timed
+from benchmarks.contiguous import ContiguousRollout
+
+TARGET_RATIO = 1.00
+TARGET_TAIL = 1.2
+MEMORY_PROBE_BLOCK = 20  # the "early" memory sample, well after the window filled
+RSS_SLACK = 8 << 20  # RSS may move this much (allocator noise) and still count as flat
+
+# causal_world "small" (4 layers, width 128, 4 heads of 32) at 128 x 128 px: 64 tokens per latent frame, so one
+# block is 192 query tokens over 768 visible (sink 3 + window 6 + block 3 frames) + 1 conditioning register.
+FULL = dict(model={"preset": "small", "height": 128, "width": 128, "sink_frames": 3, "window_frames": 6,
+                   "frames_per_block": 3}, steady_blocks=200)
+QUICK = dict(model={"preset": "tiny", "sink_frames": 3, "window_frames": 6, "frames_per_block": 3}, steady_blocks=6)
+
+
+def build(model_overrides: dict):
+    """The pipeline (fresh weights in memory), its runner with one session slot, and the baseline rollout."""
+    from ardiff_cli.runtime.runner import ARDiffusionModelRunner
+    from pipelines.causal_world import Config, pipeline_class
+
+    config = Config.from_dict(model_overrides, where="bench_rolling")
+    pipe = pipeline_class().fresh(config)
+    runner = ARDiffusionModelRunner(pipe, device="cpu", dtype=pipe.dtype, memory_budget=1 << 30, session_capacity=1,
+                                    attention_backend="torch")
+    runner.load()
+    baseline = ContiguousRollout(pipe.transformer, pipe.spec, cross_names=pipe.cross_names, dtype=pipe.dtype)
+    return config, pipe, runner, baseline
+
+
+def run(quick: bool = False) -> dict:
+    from ardiff_cli.runtime.request import ARDiffusionRequest
+
+    geometry = QUICK if quick else FULL
+    config, pipe, runner, baseline = build(geometry["model"])
+    # blocks before every commit evicts: sink + window full, plus one to leave the first eviction out
+    fill_blocks = math.ceil((config.sink_frames + config.window_frames) / config.frames_per_block) + 1
+    num_blocks = fill_blocks + geometry["steady_blocks"]
+    probe_block = min(MEMORY_PROBE_BLOCK, num_blocks // 2)
+    session = "rollout"
+
+    def kv_view() -> dict:
+        usage = runner.pool_usage()
+        (view,) = runner.sessions()
+        return {"kv_pages_used": usage.num_used,
+                "kv_bytes": usage.num_used * usage.bytes_per_page + view.cross_attention_bytes,
+                "block_table_len": sum(view.pages_per_branch.values())}
+
+    times: dict[str, list[Timing]] = {"ardiff": [], "rolling": []}
+    max_abs_diff = 0.0
+    memory: dict[str, dict] = {}
+    for block in range(num_blocks):
+        inputs = pipe.example_inputs(prompt="a long walk through a procedurally generated city", seed=block)
+        request = ARDiffusionRequest(f"block-{block}", inputs, {"session_id": session})
+        contenders = {"ardiff": lambda: runner.execute_model(request),
+                      "rolling": lambda: pipe.step("rolling-baseline", baseline, inputs)}
+        outputs = {}
+        for name in ("ardiff", "rolling") if block % 2 == 0 else ("rolling", "ardiff"):
+            outputs[name], timing = timed(contenders[name])
+            times[name].append(timing)
+        diff = (outputs["ardiff"]["latents"] - outputs["rolling"]["latents"]).abs().max().item()
+        max_abs_diff = max(max_abs_diff, diff)
+        if block in (probe_block, num_blocks - 1):
+            memory["end" if block == num_blocks - 1 else "early"] = {
+                "block": block, **kv_view(), "rolling_kv_bytes": baseline.nbytes, "rss_bytes": rss_bytes()}
+    committed = runner.sessions()[0].committed_frames["main"]
+    runner.close_all()
+
+    def stats(clock: str) -> dict:
+        a = [getattr(t, clock) for t in times["ardiff"][fill_blocks:]]  # steady state: every commit evicts
+        b = [getattr(t, clock) for t in times["rolling"][fill_blocks:]]
+        return {"ratio": statistics.median(x / y for x, y in zip(a, b)),
+                "ratio_of_medians": statistics.median(a) / statistics.median(b),
+                "ardiff_p50_ms": statistics.median(a) * 1e3, "ardiff_p99_ms": percentile(a, 99) * 1e3,
+                "ardiff_p99_over_p50": percentile(a, 99) / statistics.median(a),
+                "rolling_p50_ms": statistics.median(b) * 1e3, "rolling_p99_ms": percentile(b, 99) * 1e3,
+                "rolling_p99_over_p50": percentile(b, 99) / statistics.median(b)}
+
+    cpu, wall = stats("cpu"), stats("wall")
+    ratio, tail = cpu["ratio"], cpu["ardiff_p99_over_p50"]
+    early, end = memory["early"], memory["end"]
+    memory_flat = (early["kv_bytes"] == end["kv_bytes"] and early["block_table_len"] == end["block_table_len"]
+                   and end["rss_bytes"] - early["rss_bytes"] <= RSS_SLACK)
+    outputs_match = max_abs_diff <= 1e-4
+    return {
+        "id": "rolling",
+        "target": f"ardiff/rolling <= {TARGET_RATIO:.2f}, ardiff p99/p50 <= {TARGET_TAIL}, flat memory",
+        "passed": bool(ratio <= TARGET_RATIO and tail <= TARGET_TAIL and memory_flat and outputs_match),
+        "measured": f"{cpu['ardiff_p50_ms']:.1f} ms/block, p99/p50 {tail:.2f}",
+        "baseline": f"{cpu['rolling_p50_ms']:.1f} ms/block, p99/p50 {cpu['rolling_p99_over_p50']:.2f}",
+        "ratio": ratio,
+        "clock": "cpu",
+        **cpu,
+        "wall": wall,
+        "blocks": num_blocks,
+        "steady_blocks": num_blocks - fill_blocks,
+        "committed_frames": committed,
+        "window_passes": committed / (config.sink_frames + config.window_frames),
+        "rolling_shifts": baseline.kv["main"].num_shifts,
+        "memory_early": early,
+        "memory_end": end,
+        "memory_flat": memory_flat,
+        "max_abs_diff": max_abs_diff,
+        "outputs_match": outputs_match,
+        "geometry": {"tokens_per_frame": config.tokens_per_frame, "frames_per_block": config.frames_per_block,
+                     "sink_frames": config.sink_frames, "window_frames": config.window_frames,
+                     "num_layers": config.num_layers, "dim": config.dim, "num_heads": config.num_heads,
+                     "denoising_steps": len(config.denoising_timesteps)},
+        "threads": torch.get_num_threads(),
+        "quick": quick,
+    }
+
+
+if __name__ == "__main__":
+    cli(run, __doc__)

@@ -1,0 +1,87 @@
+"""startup: `ardiff --help` and `ardiff inspect-capacity` on the 14B config, as whole processes.
+
+Baseline: `python -c pass` with the same interpreter, measured alternately with
+the two commands (the order rotates every repetition). Target: both commands
+under 1 s wall on this machine (the one absolute figure of the suite, because
+the issue asks for it); the ratio to a bare interpreter start is reported.
+
+The command is the installed ``ardiff`` console script when it sits next to
+this interpreter, else ``python -m ardiff_cli``. The repository root is put on
+``PYTHONPATH`` so the built-in pipelines import from a checkout whatever the
+state of its editable install.
+
+    python -m benchmarks.bench_startup            # 7 repetitions
+    python -m benchmarks.bench_startup --quick    # 2 repetitions
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import REPO_ROOT, cli
+
+CONFIG_14B = "dreamzero-14b"
+TARGET_S = 1.0
+
+
+def ardiff_command() -> list[str]:
+    script = Path(sys.executable).parent / "ardiff"
+    return [str(script)] if script.is_file() and os.access(script, os.X_OK) else [sys.executable, "-m", "ardiff_cli"]
+
+
+def _wall(argv: list[str], env: dict[str, str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=REPO_ROOT)
+    return time.perf_counter() - start
+
+
+def run(quick: bool = False) -> dict:
+    repeats = 2 if quick else 7
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+               NO_COLOR="1")
+    ardiff = ardiff_command()
+    commands = {
+        "python": [sys.executable, "-c", "pass"],
+        "help": [*ardiff, "--help"],
+        # --available fixes the plan (no device probe), so the figure does not depend on this machine's memory
+        "inspect": [*ardiff, "inspect-capacity", CONFIG_14B, "--available", "80GiB"],
+    }
+    for argv in commands.values():  # warm the file cache once; a failing command raises here
+        try:
+            _wall(argv, env)
+        except subprocess.CalledProcessError as exc:
+            raise RuntimeError(f"{' '.join(argv)} failed ({exc.returncode}): {exc.stderr.decode()[-500:]}") from None
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    names = list(commands)
+    for i in range(repeats):
+        for name in names[i % 3:] + names[: i % 3]:
+            times[name].append(_wall(commands[name], env))
+    med = {name: statistics.median(values) for name, values in times.items()}
+    return {
+        "id": "startup",
+        "target": f"both < {TARGET_S:.0f} s wall",
+        "passed": med["help"] < TARGET_S and med["inspect"] < TARGET_S,
+        "measured": f"--help {med['help'] * 1e3:.0f} ms, inspect-capacity {med['inspect'] * 1e3:.0f} ms",
+        "baseline": f"python -c pass {med['python'] * 1e3:.0f} ms",
+        "ratio": max(med["help"], med["inspect"]) / med["python"],
+        "python_s": med["python"],
+        "help_s": med["help"],
+        "inspect_capacity_s": med["inspect"],
+        "help_ratio": med["help"] / med["python"],
+        "inspect_ratio": med["inspect"] / med["python"],
+        "help_max_s": max(times["help"]),
+        "inspect_capacity_max_s": max(times["inspect"]),
+        "command": " ".join(Path(a).name if i == 0 else a for i, a in enumerate(commands["inspect"])),
+        "repetitions": repeats,
+        "clock": "wall",
+        "quick": quick,
+    }
+
+
+if __name__ == "__main__":
+    cli(run, __doc__)

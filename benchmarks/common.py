@@ -1,0 +1,144 @@
+"""Timing helpers shared by the benchmarks: side-by-side, interleaved, median of repetitions.
+
+Machines are shared and noisy, so no benchmark reports an absolute time as its
+verdict: each compares two things measured alternately in one run.
+
+Clocks. Every timed call records both wall time (``time.perf_counter``) and
+the process's CPU time (``time.process_time``, all threads). With one torch
+thread (the suite's default) CPU time is the work done, and it does not count
+the time another process holds the core: on a shared 2-core machine a 20 ms
+matmul loop measured p99/p50 = 1.5 in wall time and 1.02 in CPU time in the same
+run. Verdicts use CPU time; wall-clock figures are reported next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Intra-op threads used by the suite unless --threads says otherwise. One: on a small shared machine a second
+# thread mostly waits for a core another process holds (measured on 2 shared cores: per-block times of the
+# rolling benchmark scattered 2-5x with 2 threads, within a few percent with 1).
+DEFAULT_THREADS = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """One timed call: wall seconds and CPU seconds of this process."""
+
+    wall: float
+    cpu: float
+
+
+def timed(fn: Callable[[], object]) -> tuple[object, Timing]:
+    """Call ``fn``; return its result and how long it took on both clocks."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = fn()
+    return result, Timing(time.perf_counter() - wall, time.process_time() - cpu)
+
+
+def side_by_side(a: Callable[[], object], b: Callable[[], object], *, repeats: int, warmup: int = 1,
+                 clock: str = "wall") -> tuple[float, float]:
+    """Median seconds (``clock``: "wall" or "cpu") of ``a`` and ``b``, run alternately ``repeats`` times."""
+    times_a, times_b = paired_times(a, b, repeats=repeats, warmup=warmup)
+    return (statistics.median(getattr(t, clock) for t in times_a),
+            statistics.median(getattr(t, clock) for t in times_b))
+
+
+def paired_times(a: Callable[[], object], b: Callable[[], object], *, repeats: int,
+                 warmup: int = 1) -> tuple[list[Timing], list[Timing]]:
+    """Timings of each run of ``a`` and ``b``, alternating which goes first, after ``warmup`` runs each."""
+    for _ in range(warmup):
+        a()
+        b()
+    times_a: list[Timing] = []
+    times_b: list[Timing] = []
+    for i in range(repeats):
+        # alternate which goes first so drift and cache warmth do not favour one side
+        order = ((a, times_a), (b, times_b)) if i % 2 == 0 else ((b, times_b), (a, times_a))
+        for fn, sink in order:
+            sink.append(timed(fn)[1])
+    return times_a, times_b
+
+
+def median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """Median of the pairwise ratios: each pair was measured back to back, so machine drift cancels."""
+    return statistics.median(n / d for n, d in zip(numerators, denominators))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def set_threads(threads: int | None) -> int:
+    """Set torch's intra-op threads (``None``: ``DEFAULT_THREADS``); returns what is in effect."""
+    import torch
+
+    torch.set_num_threads(DEFAULT_THREADS if threads is None else threads)
+    return torch.get_num_threads()
+
+
+def machine_info() -> dict:
+    """What the figures were measured on."""
+    import torch
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": _cpu_model(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cli(run: Callable[[bool], dict], description: str) -> None:
+    """Command-line entry of one benchmark: ``--quick``, ``--threads N`` and ``--json PATH``."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions (smoke test)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help=f"torch intra-op threads (default {DEFAULT_THREADS})")
+    parser.add_argument("--json", type=Path, help="also write the result as JSON to this path")
+    args = parser.parse_args()
+    set_threads(args.threads)
+    result = run(args.quick)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    sys.exit(0)
