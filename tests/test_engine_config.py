@@ -55,3 +55,18 @@ def test_num_threads_is_applied_at_load():
         assert engine.runner.capacity_plan.session_capacity == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_public_surface_resolves_lazily():
+    import subprocess
+    import sys
+
+    import ardiff_cli.runtime as runtime
+
+    assert all(hasattr(runtime, name) for name in runtime.__all__)
+    for name in ("ARDiffusionEngine", "ARDiffusionModelRunner", "ARDiffusionKVState", "plan_capacity",
+                 "SessionEvicted", "ARDiffusionRequest"):
+        assert name in runtime.__all__
+    code = ("import sys; from ardiff_cli.runtime import plan_capacity, load_config, ARDiffusionKVCacheSpec; "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

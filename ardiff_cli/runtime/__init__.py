@@ -26,6 +26,23 @@ _EXPORTS = {
     "ARDiffusionLayerContext": "kv.attention",
     "BranchAdapter": "kv.state",
     "KVCacheExhaustedError": "kv.allocator",
+    "ARDiffusionModelRunner": "runner",
+    "LifecycleHookError": "runner",
+    "SessionView": "runner",
+    "PoolUsage": "runner",
+    "WarmupReport": "runner",
+    "ARDiffusionEngine": "engine",
+    "EngineConfig": "config",
+    "load_config": "config",
+    "RuntimeEvent": "events",
+    "CapacityPlanned": "events",
+    "SessionAdmitted": "events",
+    "SessionEvicted": "events",
+    "SessionReset": "events",
+    "SessionClosed": "events",
+    "RequestFinished": "events",
+    "HookFailed": "events",
+    "WarmupFinished": "events",
 }
 
 __all__ = sorted(_EXPORTS)
