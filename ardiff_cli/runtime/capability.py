@@ -198,19 +198,15 @@ class SupportsARDiffusionPipeline(Protocol):
 
     def ar_diffusion_kv_cache_spec(self) -> ARDiffusionKVCacheSpec:
         """Immutable KV geometry and session policy of this worker."""
-        ...
 
     def bind_ar_diffusion_state(self, session_id: str, state: ARDiffusionKVState) -> AbstractContextManager[None]:
         """Make ``state`` visible to model execution for one request."""
-        ...
 
     def reset_ar_diffusion_session(self, session_id: str) -> None:
         """Reset model-owned state of ``session_id`` after its KV was released."""
-        ...
 
     def close_ar_diffusion_session(self, session_id: str) -> None:
         """Drop model-owned state after close, eviction or a failed forward."""
-        ...
 
 
 @runtime_checkable
@@ -222,7 +218,6 @@ class SupportsARDiffusionWarmup(Protocol):
 
     def ar_diffusion_warmup_requests(self, session_id: str) -> Iterable[Any]:
         """Yield requests for the shapes worth warming, each carrying ``session_id``."""
-        ...
 
 
 PIPELINE_METHODS = ("ar_diffusion_kv_cache_spec", "bind_ar_diffusion_state", "reset_ar_diffusion_session",
