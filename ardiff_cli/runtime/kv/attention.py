@@ -70,7 +70,7 @@ class ARDiffusionForwardContext:
         self._prepared = False
         self._inflight_ids: torch.Tensor | None = None
         # torch path: the history's page ids (None without history) and the workspace views
-        # (history, current K, current V, keys, values) every layer of this forward uses.
+        # (history, current K, current V, keys, values, block) every layer of this forward uses.
         self._gather_ids: torch.Tensor | None = None
         self._views: tuple[torch.Tensor, ...] | None = None
         # A pool laid out for a paged kernel (vllm_attention.PagedKernelPool) runs attention itself.
@@ -130,7 +130,7 @@ class ARDiffusionForwardContext:
                 if ids is None:  # every pass of a block reads the same history
                     ids = self.branch.gather_ids[0] = torch.tensor(history, dtype=torch.long, device=self.pool.device)
                 self._gather_ids = ids
-            self._views = self.pool.visible_views(len(history), self.seq_len + num_registers)
+            self._views = self.pool.visible_views(len(history), self.seq_len, num_registers)
         self._prepared = True
 
     def _validate(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -181,16 +181,13 @@ class ARDiffusionForwardContext:
             out = pool.attend(layer, self._kernel_forward, q, k, v, scale)
             self.layers_written[layer] = 1
             return out
-        if self.commit_current:  # the block goes to its pages; registers are visible but never committed
-            if self.num_registers:
-                pool.write_pages(layer, self._inflight_ids, k[:, : self.seq_len], v[:, : self.seq_len])
-            else:
-                pool.write_pages(layer, self._inflight_ids, k, v)
-        history, current_k, current_v, keys, values = self._views
+        history, current_k, current_v, keys, values, block = self._views
         if self._gather_ids is not None:
             pool.gather_into(layer, self._gather_ids, history)  # (2, H, n, P, D)
         current_k.copy_(k)  # the current block, then its registers
         current_v.copy_(v)
+        if self.commit_current:  # the staged block (not its registers) goes to its pages, K and V at once
+            pool.write_pages(layer, self._inflight_ids, block)
         self.layers_written[layer] = 1
         return attend_visible(q, keys, values, scale)
 

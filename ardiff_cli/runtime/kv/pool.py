@@ -68,32 +68,32 @@ class KVPagePool:
         """Bytes of tensor storage this pool holds (pages + workspace)."""
         return self.kv.untyped_storage().nbytes() + self._workspace.untyped_storage().nbytes()
 
-    def write_pages(self, layer: int, page_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``/``v`` of shape ``(H, n * page_size, D)`` into pages ``page_ids`` (n of them)."""
-        heads, _, head_size = k.shape
-        shape = (heads, page_ids.numel(), self.layout.page_size, head_size)
-        kv = self._layers[layer]
-        kv[0].index_copy_(1, page_ids, k.reshape(shape))  # (H, n, P, D)
-        kv[1].index_copy_(1, page_ids, v.reshape(shape))
+    def write_pages(self, layer: int, page_ids: torch.Tensor, block: torch.Tensor) -> None:
+        """Store ``block`` ``(2, H, n, P, D)`` (K and V of n pages, e.g. a workspace view) into ``page_ids``."""
+        self._layers[layer].index_copy_(2, page_ids, block)
 
-    def visible_views(self, num_history_pages: int, num_current_tokens: int) -> tuple[torch.Tensor, ...]:
-        """The workspace as one forward's visible K/V: history pages, then the current tokens.
+    def visible_views(self, num_history_pages: int, num_video_tokens: int, num_registers: int) -> tuple:
+        """The workspace as one forward's visible K/V: history pages, the current block, its registers.
 
         Returns ``(history (2, H, n, P, D), current_k (H, T, D), current_v (H, T, D), keys (1, H, S, D),
-        values (1, H, S, D))`` with ``S = n * P + T``: views of the shared workspace, cached per shape
-        (the workspace never moves), valid until the next layer writes.
+        values (1, H, S, D), block (2, H, m, P, D))`` with ``T`` = video + register tokens, ``S = n * P + T``
+        and ``block`` the current video tokens as whole pages (what a commit pass writes to its pages).
+        Views of the shared workspace, cached per shape (the workspace never moves); valid until the next
+        layer writes.
         """
-        key = (num_history_pages, num_current_tokens)
+        key = (num_history_pages, num_video_tokens, num_registers)
         views = self._visible_views.get(key)
         if views is None:
             spec, page_size = self.layout.spec, self.layout.page_size
             history_tokens = num_history_pages * page_size
-            total = history_tokens + num_current_tokens
+            video_end = history_tokens + num_video_tokens
+            total = video_end + num_registers
             assert total <= self.layout.max_visible_pages * page_size, "visible set exceeds the workspace"
             ws = self._workspace[: 2 * spec.num_kv_heads * total * spec.head_size].view(
                 2, spec.num_kv_heads, total, spec.head_size)  # (2, H, S, D)
             views = (ws[:, :, :history_tokens].unflatten(2, (num_history_pages, page_size)),
-                     ws[0, :, history_tokens:], ws[1, :, history_tokens:], ws[0, None], ws[1, None])
+                     ws[0, :, history_tokens:], ws[1, :, history_tokens:], ws[0, None], ws[1, None],
+                     ws[:, :, history_tokens:video_end].unflatten(2, (num_video_tokens // page_size, page_size)))
             self._visible_views[key] = views
         return views
 
