@@ -8,6 +8,8 @@ the runner calls after releasing the KV.
 
 from __future__ import annotations
 
+import abc
+
 import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,7 +64,7 @@ def as_tensor(value: Any, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(value)).to(device)
 
 
-class ARPipeline:
+class ARPipeline(abc.ABC):
     """Base of the reference pipelines. Subclasses set ``name``, ``cross_names`` and implement ``step``."""
 
     name: ClassVar[str]  # registered pipeline name; also the checkpoint metadata
@@ -85,8 +87,9 @@ class ARPipeline:
 
     # ------------------------------------------------------------------ construction
     @classmethod
+    @abc.abstractmethod
     def build_modules(cls, config) -> nn.Module:
-        raise NotImplementedError
+        """The pipeline's modules for ``config`` (freshly initialised; weights load afterwards)."""
 
     @classmethod
     def from_config(cls, config, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -142,8 +145,9 @@ class ARPipeline:
         with torch.no_grad():
             return self._step(session_id, rollout, inputs)
 
+    @abc.abstractmethod
     def _step(self, session_id: str, rollout, inputs: dict[str, Any]) -> dict[str, Any]:
-        raise NotImplementedError
+        """The pipeline's request logic (no grad)."""
 
     # ------------------------------------------------------------------ views
     def model_owned_state_bytes(self, session_id: str) -> int:

@@ -86,7 +86,7 @@ class DenseReferenceRollout:
         # History is recomputed with the current caches, which is only what the paged path did if they never
         # changed under it; a mid-history replacement (a prompt switch) is outside what this reference models.
         if self.history[branch] and (branch, name) in self._cross:
-            raise NotImplementedError(f"dense reference: cache {name!r} of {branch!r} replaced under live history")
+            raise ValueError(f"dense reference: cache {name!r} of {branch!r} replaced under live history (not modelled)")
         self._cross[(branch, name)] = [(k.clone(), v.clone()) for k, v in pairs]
 
     def cross(self, branch: str, name: str):

@@ -24,6 +24,8 @@ vLLM is imported only when a vLLM kernel is constructed.
 
 from __future__ import annotations
 
+import abc
+
 import math
 from dataclasses import dataclass, replace
 
@@ -60,7 +62,7 @@ class KernelForward:
     kernel_state: object = None  # kernel-specific metadata (vLLM CPU scheduler metadata)
 
 
-class PagedKernel:
+class PagedKernel(abc.ABC):
     """What a kernel contributes to a pool: its block size, block shape, writes and attention."""
 
     name = "kernel"
@@ -82,11 +84,12 @@ class PagedKernel:
     def write_dynamic(self, pool: PagedKernelPool, start_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` (T, H, D) from the first token of block ``start_block`` (opaque formats only;
         the pool gathers token-major dynamic blocks in place)."""
-        raise NotImplementedError
+        raise AssertionError(f"pool bug: {type(self).__name__} keeps token-major blocks, written in place")
 
+    @abc.abstractmethod
     def attend(self, pool: PagedKernelPool, forward: KernelForward, layer: int, q: torch.Tensor,
                scale: float | None) -> torch.Tensor:
-        raise NotImplementedError
+        """Attention of ``q`` over the visible blocks of ``forward`` in ``layer``."""
 
 
 class TorchPagedKernel(PagedKernel):
