@@ -126,10 +126,9 @@ class ARDiffusionForwardContext:
             # current block and registers right after them, the uncommitted block's scratch on this path
             # (one copy fewer per layer than writing scratch pages and gathering them back: 1% per block).
             if history:
-                ids = self.branch.gather_ids.get(0)
-                if ids is None:  # every pass of a block reads the same history
-                    ids = self.branch.gather_ids[0] = torch.tensor(history, dtype=torch.long, device=self.pool.device)
-                self._gather_ids = ids
+                if self.branch.history_ids is None:  # every pass of a block reads the same history
+                    self.branch.history_ids = torch.tensor(history, dtype=torch.long, device=self.pool.device)
+                self._gather_ids = self.branch.history_ids
             self._views = self.pool.visible_views(len(history), self.seq_len, num_registers)
         self._prepared = True
 

@@ -51,7 +51,7 @@ class BranchKV:
     """
 
     __slots__ = ("name", "local_index", "_sink", "_window", "_sink_capacity", "_window_capacity",
-                 "_pages_per_frame", "num_committed_frames", "adapter_snapshot", "gather_ids")
+                 "_pages_per_frame", "num_committed_frames", "adapter_snapshot", "history_ids")
 
     def __init__(self, name: str, local_index: int, sink_frames: int, window_frames: int, pages_per_frame: int):
         self.name = name
@@ -63,8 +63,8 @@ class BranchKV:
         self._pages_per_frame = pages_per_frame
         self.num_committed_frames = 0  # absolute frame count; grows without bound
         self.adapter_snapshot: BranchAdapter | None = None  # the state's last adapter(), until the next change
-        # The history's page ids as a tensor (key 0), until the next change: every pass of a block reads it.
-        self.gather_ids: dict[int, object] = {}
+        # page_ids() as a tensor for the torch gather, until the next change: every pass of a block reads it.
+        self.history_ids: torch.Tensor | None = None
 
     def page_ids(self) -> list[int]:
         return self._sink + list(self._window)
@@ -76,8 +76,7 @@ class BranchKV:
     def commit(self, pages: list[int], allocator: PageAllocator) -> None:
         """Append the pages of whole new frames; free what falls out of the window."""
         assert len(pages) % self._pages_per_frame == 0, "commit of a partial frame: page count not frame-aligned"
-        self.adapter_snapshot = None
-        self.gather_ids.clear()
+        self.adapter_snapshot = self.history_ids = None
         fill = min(len(pages), self._sink_capacity - len(self._sink))
         self._sink.extend(pages[:fill])
         self._window.extend(pages[fill:])
@@ -89,8 +88,7 @@ class BranchKV:
     def release(self, allocator: PageAllocator) -> None:
         """Free every page and forget the history (positions restart at frame 0)."""
         pages = self.page_ids()
-        self.adapter_snapshot = None
-        self.gather_ids.clear()
+        self.adapter_snapshot = self.history_ids = None
         self._sink.clear()
         self._window.clear()
         self.num_committed_frames = 0
