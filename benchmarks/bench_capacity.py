@@ -20,12 +20,10 @@ Target: ``|planned - actual| / actual <= 1%`` for every N on every config.
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 
 import torch
 
-from benchmarks.common import cli
+from benchmarks.common import cli, private_cache
 
 TARGET = 0.01
 FULL = dict(configs=(("dreamzero-tiny", "float32"), ("dreamzero-tiny", "bfloat16"), ("causal-world-tiny", "float32")),
@@ -106,16 +104,8 @@ def measure(config: str, dtype: str, num_sessions: int) -> dict:
 
 def run(quick: bool = False) -> dict:
     geometry = QUICK if quick else FULL
-    # default checkpoints are built on first use; keep them out of the user's cache unless one is set
-    cache = None if os.environ.get("ARDIFF_CACHE_DIR") else tempfile.TemporaryDirectory(prefix="ardiff-bench-")
-    if cache is not None:
-        os.environ["ARDIFF_CACHE_DIR"] = cache.name
-    try:
+    with private_cache():
         rows = [measure(config, dtype, n) for config, dtype in geometry["configs"] for n in geometry["sessions"]]
-    finally:
-        if cache is not None:
-            os.environ.pop("ARDIFF_CACHE_DIR", None)
-            cache.cleanup()
     worst = max(rows, key=lambda row: row["error"])
     return {
         "id": "capacity",

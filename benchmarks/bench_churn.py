@@ -22,14 +22,12 @@ of requests per second capacity-4 / unlimited (CPU time). No target: report.
 
 from __future__ import annotations
 
-import os
 import statistics
-import tempfile
 
 import numpy as np
 import torch
 
-from benchmarks.common import cli, timed
+from benchmarks.common import cli, private_cache, timed
 
 NUM_SESSIONS = 64
 ZIPF_S = 1.1
@@ -63,15 +61,8 @@ def run(quick: bool = False) -> dict:
     from ardiff_cli.runtime.request import ARDiffusionRequest
 
     geometry = QUICK if quick else FULL
-    cache = None if os.environ.get("ARDIFF_CACHE_DIR") else tempfile.TemporaryDirectory(prefix="ardiff-bench-")
-    if cache is not None:
-        os.environ["ARDIFF_CACHE_DIR"] = cache.name
-    try:
+    with private_cache():
         engines = {"capacity_4": make_engine(CAPACITY), "unlimited": make_engine(NUM_SESSIONS)}
-    finally:
-        if cache is not None:
-            os.environ.pop("ARDIFF_CACHE_DIR", None)
-            cache.cleanup()
     pipe = engines["unlimited"][0].pipeline
     sequence = zipf_sequence(geometry["requests"])
     seen: set[int] = set()

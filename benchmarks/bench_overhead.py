@@ -29,15 +29,13 @@ the figure is an upper bound.
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
-import tempfile
 import time
 from collections import defaultdict
 
 import torch
 
-from benchmarks.common import cli
+from benchmarks.common import cli, private_cache
 
 TARGET = 0.05
 FULL = dict(config="dreamzero-tiny", requests=200, sessions=2)
@@ -154,16 +152,9 @@ def run(quick: bool = False) -> dict:
     from ardiff_cli.runtime.request import ARDiffusionRequest
 
     geometry = QUICK if quick else FULL
-    cache = None if os.environ.get("ARDIFF_CACHE_DIR") else tempfile.TemporaryDirectory(prefix="ardiff-bench-")
-    if cache is not None:
-        os.environ["ARDIFF_CACHE_DIR"] = cache.name
-    try:
+    with private_cache():
         engine = ARDiffusionEngine.from_config(geometry["config"], device="cpu", attention_backend="torch")
         engine.load()
-    finally:
-        if cache is not None:
-            os.environ.pop("ARDIFF_CACHE_DIR", None)
-            cache.cleanup()
     engine.warmup()
     pipe, runner = engine.pipeline, engine.runner
     recorder = Recorder()

@@ -14,14 +14,16 @@ run. Verdicts use CPU time; wall-clock figures are reported next to them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,6 +128,23 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+@contextlib.contextmanager
+def private_cache() -> Iterator[None]:
+    """Build default checkpoints in a temporary cache, unless ARDIFF_CACHE_DIR already names one.
+
+    Engines load their weights inside the block; nothing of the user's cache is touched.
+    """
+    if os.environ.get("ARDIFF_CACHE_DIR"):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="ardiff-bench-") as folder:
+        os.environ["ARDIFF_CACHE_DIR"] = folder
+        try:
+            yield
+        finally:
+            os.environ.pop("ARDIFF_CACHE_DIR", None)
 
 
 def cli(run: Callable[[bool], dict], description: str) -> None:
