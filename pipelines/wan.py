@@ -135,19 +135,15 @@ class WanSelfAttention(nn.Module):
         return self.o(out.transpose(0, 1).reshape(L, H * D))  # (L, dim)
 
 
-class WanCrossAttention(nn.Module):
-    """Attention to fixed-length named caches: text, and image tokens when ``has_image`` (Wan's I2V form)."""
+class WanCrossAttention(WanSelfAttention):
+    """Attention to fixed-length named caches: text, and image tokens when ``has_image`` (Wan's I2V form).
+
+    The same q/k/v/o projections and norms as self-attention (so the same parameter names), plus the
+    image projections; ``forward`` reads the caches instead of attending through the KV state.
+    """
 
     def __init__(self, dim: int, num_heads: int, eps: float, qk_norm: bool, has_image: bool) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_size = dim // num_heads
-        self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim)
-        self.v = nn.Linear(dim, dim)
-        self.o = nn.Linear(dim, dim)
-        self.norm_q = WanRMSNorm(dim, eps) if qk_norm else nn.Identity()
-        self.norm_k = WanRMSNorm(dim, eps) if qk_norm else nn.Identity()
+        super().__init__(dim, num_heads, eps, qk_norm)
         if has_image:
             self.k_img = nn.Linear(dim, dim)
             self.v_img = nn.Linear(dim, dim)
