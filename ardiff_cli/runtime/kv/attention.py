@@ -2,10 +2,11 @@
 
 The model gets one :class:`ARDiffusionLayerContext` per layer from
 ``ARDiffusionKVState.get_kv_caches`` and calls :meth:`~ARDiffusionLayerContext.attend`
-once per forward with its current ``q, k, v``. The context writes the current
-K/V (into freshly allocated pages on a commit pass, into scratch otherwise)
-and returns attention of the current queries over sink + window history and
-the current tokens, non-causal within that visible set.
+once per forward with its current ``q, k, v``. The context stages the current
+K/V as scratch (the torch backend's gather workspace, or a kernel backend's
+scratch pages), writes the block into freshly allocated pages on a commit
+pass, and returns attention of the current queries over sink + window history
+and the current tokens, non-causal within that visible set.
 """
 
 from __future__ import annotations
