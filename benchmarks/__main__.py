@@ -1,8 +1,8 @@
 """Run the benchmark suite: print a table and write ``benchmarks/results.json``.
 
     python -m benchmarks                          # every benchmark (a few minutes on 2 CPU cores)
-    python -m benchmarks --only rolling,resume    # some of them
     python -m benchmarks --quick                  # tiny sizes (smoke run; writes no file unless --json)
+    python -m benchmarks --only rolling,resume    # a subset (writes no file unless --json)
     python -m benchmarks --threads 2 --json out.json
 
 Every figure is a ratio of two things measured side by side in this run
@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(results))
     print(f"\n{len(results)} benchmarks in {report['seconds']:.0f} s, {report['machine']['torch_threads']} torch "
           f"thread(s), {report['machine']['cpu_count']} CPUs, torch {report['machine']['torch']}")
-    path = args.json if args.json is not None else (None if args.quick else RESULTS)
+    # results.json holds the whole suite: a quick or partial run writes a file only when --json names one
+    path = args.json if args.json is not None else (None if args.quick or args.only else RESULTS)
     if path is not None:
         path.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {path}")
