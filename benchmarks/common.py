@@ -113,10 +113,20 @@ def machine_info() -> dict:
         "cpu_model": _cpu_model(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "vllm": _installed_version("vllm"),  # the optional extra: attention_backend auto may pick its kernels
         "python": platform.python_version(),
         "platform": platform.platform(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+
+
+def _installed_version(distribution: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _cpu_model() -> str:

@@ -102,11 +102,17 @@ def test_overhead_quick():
 
     r = bench_overhead.run(quick=True)
     check_common(r, "overhead")
-    assert r["requests"] == 8
-    mean = r["mean_ms"]
+    assert r["requests"] == 8 - 2  # each session's first request is not counted
+    assert r["outputs_match"] and r["max_abs_diff"] <= 1e-5  # the runner and the bare forward agree
+    assert r["ardiff_ms"] > 0 and r["forward_ms"] > 0
+    assert math.isclose(r["overhead"], r["ratio"] - 1)
+    assert r["passed"] is (r["overhead"] <= bench_overhead.TARGET)
+    p = r["profile"]
+    assert p["requests"] == 4
+    mean = p["mean_ms"]
     assert mean["total"] >= mean["forward"] > mean["model"] > 0
-    assert math.isclose(r["overhead"], r["runner_share"] + r["kv_share"])
-    assert "attend" in r["kv_ms_per_request"] and "get_kv_caches" in r["kv_ms_per_request"]
+    assert math.isclose(p["overhead"], p["runner_share"] + p["kv_share"])
+    assert "attend" in p["kv_ms_per_request"] and "get_kv_caches" in p["kv_ms_per_request"]
     # the instrumentation is gone afterwards
     from ardiff_cli.runtime.kv import attention, state
 
