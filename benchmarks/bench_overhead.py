@@ -250,7 +250,7 @@ def run(quick: bool = False) -> dict:
 
     geometry = QUICK if quick else FULL
     with private_cache():
-        engine = ARDiffusionEngine.from_config(geometry["config"], device="cpu", attention_backend="torch")
+        engine = ARDiffusionEngine.from_config(geometry["config"], device="cpu")  # the config's backend (auto)
         engine.load()
     try:
         engine.warmup()
@@ -277,6 +277,7 @@ def run(quick: bool = False) -> dict:
         "requests": measured["requests"],
         "profile": breakdown,
         "config": geometry["config"],
+        "attention_backend": engine.runner.attention_backend,
         "threads": torch.get_num_threads(),
         "quick": quick,
     }
