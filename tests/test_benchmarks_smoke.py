@@ -69,6 +69,9 @@ def test_rolling_quick():
     assert r["memory_early"]["kv_bytes"] == r["memory_end"]["kv_bytes"] > 0
     assert r["memory_early"]["block_table_len"] == r["memory_end"]["block_table_len"]
     assert r["memory_flat"] is True
+    assert r["attention_backend"] in ("torch", "vllm")
+    # a torch figure beside the verdict exactly when auto picked another backend
+    assert (r["torch"] is None) is (r["attention_backend"] == "torch")
 
 
 @pytest.mark.usefixtures("single_thread")
@@ -81,6 +84,9 @@ def test_resume_quick():
     assert r["outputs_match"]  # the rebuilt session is the resident one
     assert positive(r["speedup"]) and positive(r["speedup_dense_prefill"])
     assert r["passed"] is (r["speedup"] >= 5.0)
+    # the bound is rebuild over the bare chunk, which the resident chunk is compared with
+    assert positive(r["bound"]) and positive(r["resident_over_bare_chunk"]) and positive(r["bare_chunk_ms"])
+    assert r["bare_chunk_ms"] < r["rebuild_ms"]
 
 
 @pytest.mark.usefixtures("single_thread", "ardiff_cache")
