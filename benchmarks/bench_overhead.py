@@ -1,6 +1,6 @@
 """overhead: runner + KV bookkeeping per request vs the model's forward, on the default config (dreamzero-tiny).
 
-Verdict, side by side (interleaved; the order alternates every request):
+Verdict, side by side (interleaved; the order alternates every step of the stream):
 
 - ``ardiff``: ``ARDiffusionModelRunner.execute_model`` on a two-session stream:
   admission, LRU order, binding the session's KV state, paged KV (allocation,
@@ -174,7 +174,8 @@ def side_by_side(pipe, runner, geometry: dict) -> dict:
         contenders = {"ardiff": lambda: runner.execute_model(request),
                       "forward": lambda: pipe.step(f"bare-{session}", bare[session], inputs)}
         outputs = {}
-        for name in ("ardiff", "forward") if index % 2 == 0 else ("forward", "ardiff"):
+        # alternate the order per step of the stream, so each session sees both orders equally
+        for name in ("ardiff", "forward") if (index // sessions) % 2 == 0 else ("forward", "ardiff"):
             outputs[name], timing = timed(contenders[name])
             if index >= sessions:  # each session's first request (allocation, first touch) is not counted
                 times[name].append(timing)
