@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error
 
 C = TypeVar("C")
@@ -181,6 +182,20 @@ class BackboneConfig:
         derive(self, "tokens_per_frame", (self.latent_height // ph) * (self.latent_width // pw))
         derive(self, "in_dim", self.latent_channels)
         derive(self, "out_dim", self.latent_channels)
+
+    def backbone_kv_spec(self, **pipeline_specific: Any) -> ARDiffusionKVCacheSpec:
+        """The KV spec's backbone geometry and retention, plus what the pipeline adds (branches, caches, ...)."""
+        return ARDiffusionKVCacheSpec(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_heads,
+            head_size=self.head_size,
+            tokens_per_frame=self.tokens_per_frame,
+            frames_per_block=self.frames_per_block,
+            window_frames=self.window_frames,
+            sink_frames=self.sink_frames,
+            session_capacity=self.session_capacity,
+            **pipeline_specific,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Settable fields, JSON-able (recorded in checkpoint metadata)."""

@@ -66,16 +66,8 @@ class Config(BackboneConfig):
         return ObservationSchema(fields=(exact,), prompt_key=SCHEMA.prompt_key, prompt_aliases=SCHEMA.prompt_aliases)
 
     def kv_cache_spec(self) -> ARDiffusionKVCacheSpec:
-        return ARDiffusionKVCacheSpec(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_heads,
-            head_size=self.head_size,
-            tokens_per_frame=self.tokens_per_frame,
-            frames_per_block=self.frames_per_block,
-            window_frames=self.window_frames,
-            sink_frames=self.sink_frames,
+        return self.backbone_kv_spec(
             kv_branches=(ARDiffusionKVBranchSpec("main", 0),),
-            session_capacity=self.session_capacity,
             cross_attention=(ARDiffusionCrossAttentionKVSpec("text", self.text_len),),
             max_scratch_tokens_per_branch=self.num_registers,
             model_owned_state_bytes_per_session=0,  # the pipeline keeps only the prompt and a block counter

@@ -109,16 +109,8 @@ class Config(BackboneConfig):
 
     def kv_cache_spec(self) -> ARDiffusionKVCacheSpec:
         """KV geometry: two CFG branches (one without guidance), text and image caches, action/state scratch."""
-        return ARDiffusionKVCacheSpec(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_heads,
-            head_size=self.head_size,
-            tokens_per_frame=self.tokens_per_frame,
-            frames_per_block=self.frames_per_block,
-            window_frames=self.window_frames,
-            sink_frames=self.sink_frames,
+        return self.backbone_kv_spec(
             kv_branches=tuple(ARDiffusionKVBranchSpec(name, i) for i, name in enumerate(self.branch_names)),
-            session_capacity=self.session_capacity,
             reset_at_boundary=self.reset_at_window,
             cross_attention=(
                 ARDiffusionCrossAttentionKVSpec("text", self.text_len),
