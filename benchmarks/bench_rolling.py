@@ -34,7 +34,7 @@ import statistics
 
 import torch
 
-from benchmarks.common import Timing, cli, percentile, rss_bytes, timed
+from benchmarks.common import Timing, cli, op_profiles, percentile, profile_difference, rss_bytes, timed
 from benchmarks.contiguous import ContiguousRollout
 
 TARGET_RATIO = 1.00
@@ -45,8 +45,10 @@ RSS_SLACK = 8 << 20  # RSS may move this much (allocator noise) and still count 
 # causal_world "small" (4 layers, width 128, 4 heads of 32) at 128 x 128 px: 64 tokens per latent frame, so one
 # block is 192 query tokens over 768 visible (sink 3 + window 6 + block 3 frames) + 1 conditioning register.
 FULL = dict(model={"preset": "small", "height": 128, "width": 128, "sink_frames": 3, "window_frames": 6,
-                   "frames_per_block": 3}, steady_blocks=200)
-QUICK = dict(model={"preset": "tiny", "sink_frames": 3, "window_frames": 6, "frames_per_block": 3}, steady_blocks=6)
+                   "frames_per_block": 3}, steady_blocks=200, profile_blocks=20)
+QUICK = dict(model={"preset": "tiny", "sink_frames": 3, "window_frames": 6, "frames_per_block": 3}, steady_blocks=6,
+             profile_blocks=2)
+PROFILE_TOP = 6  # ops listed in ``profile``: those whose self time differs most between the two sides
 
 
 def build(model_overrides: dict):
@@ -92,11 +94,14 @@ def run(quick: bool = False) -> dict:
                 "kv_bytes": usage.num_used * usage.bytes_per_page + view.cross_attention_bytes,
                 "block_table_len": sum(view.pages_per_branch.values())}
 
+    def block_inputs(block: int) -> dict:
+        return pipe.example_inputs(prompt="a long walk through a procedurally generated city", seed=block)
+
     times: dict[str, list[Timing]] = {name: [] for name in (*runners, "rolling")}
     max_abs_diff = 0.0
     memory: dict[str, dict] = {}
     for block in range(num_blocks):
-        inputs = pipe.example_inputs(prompt="a long walk through a procedurally generated city", seed=block)
+        inputs = block_inputs(block)
         # one session per runner: the pipeline keeps per-session state by id
         requests = {name: ARDiffusionRequest(f"block-{block}", inputs, {"session_id": f"rollout-{name}"})
                     for name in runners}
@@ -114,6 +119,11 @@ def run(quick: bool = False) -> dict:
             memory["end" if block == num_blocks - 1 else "early"] = {
                 "block": block, **kv_view(), "rolling_kv_bytes": baseline.nbytes, "rss_bytes": rss_bytes()}
     committed = runner.sessions()[0].committed_frames["main"]
+    # Where the time goes: more steady blocks of each side under torch.profiler (untimed, not the verdict).
+    extra = range(num_blocks, num_blocks + geometry["profile_blocks"])
+    ops = op_profiles({"ardiff": lambda b: runner.execute_model(ARDiffusionRequest(
+                           f"block-{b}", block_inputs(b), {"session_id": "rollout-ardiff"})),
+                       "rolling": lambda b: pipe.step("rolling-baseline", baseline, block_inputs(b))}, extra)
     for r in runners.values():
         r.close_all()
 
@@ -153,6 +163,10 @@ def run(quick: bool = False) -> dict:
         "memory_early": early,
         "memory_end": end,
         "memory_flat": memory_flat,
+        # per-block self CPU ms by op (torch.profiler over profile_blocks more steady blocks of each side)
+        "profile": {"blocks": len(extra), "ardiff_ms": sum(ops["ardiff"].values()),
+                    "rolling_ms": sum(ops["rolling"].values()),
+                    "top_differences": profile_difference(ops, top=PROFILE_TOP)},
         "max_abs_diff": max_abs_diff,
         "outputs_match": outputs_match,
         "geometry": {"tokens_per_frame": config.tokens_per_frame, "frames_per_block": config.frames_per_block,

@@ -79,6 +79,53 @@ def median_ratio(numerators: list[float], denominators: list[float]) -> float:
     return statistics.median(n / d for n, d in zip(numerators, denominators))
 
 
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 (C++ writers included): torch.profiler prints a line at start and stop."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def op_profiles(contenders: dict[str, Callable[[int], object]], calls: range) -> dict[str, dict[str, float]]:
+    """Self CPU milliseconds per call of every op each contender ``fn(i)`` runs, ``i`` in ``calls``.
+
+    torch.profiler, one call at a time, the contenders interleaved (the order alternates) so drift
+    spreads evenly. Instrumented and untimed: for finding where time goes, never for a verdict.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    totals: dict[str, dict[str, float]] = {name: {} for name in contenders}
+    names = list(contenders)
+    for i in calls:
+        for name in names if i % 2 == 0 else names[::-1]:
+            prof = profile(activities=[ProfilerActivity.CPU])
+            with quiet_stderr():
+                prof.start()
+            try:
+                contenders[name](i)
+            finally:
+                with quiet_stderr():
+                    prof.stop()
+            for event in prof.key_averages():
+                totals[name][event.key] = totals[name].get(event.key, 0.0) + event.self_cpu_time_total / 1e3
+    return {name: {op: ms / len(calls) for op, ms in ops.items()} for name, ops in totals.items()}
+
+
+def profile_difference(profiles: dict[str, dict[str, float]], *, top: int) -> list[dict]:
+    """The ``top`` ops whose per-call self time differs most between the two profiles of ``op_profiles``."""
+    (name_a, a), (name_b, b) = profiles.items()
+    ops = sorted(set(a) | set(b), key=lambda op: -abs(a.get(op, 0.0) - b.get(op, 0.0)))[:top]
+    return [{"op": op, f"{name_a}_ms": a.get(op, 0.0), f"{name_b}_ms": b.get(op, 0.0),
+             "difference_ms": a.get(op, 0.0) - b.get(op, 0.0)} for op in ops]
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))

@@ -72,6 +72,33 @@ def test_rolling_quick():
     assert r["attention_backend"] in ("torch", "vllm")
     # a torch figure beside the verdict exactly when auto picked another backend
     assert (r["torch"] is None) is (r["attention_backend"] == "torch")
+    # where the time goes: per-op self time of both sides over the profiled blocks
+    profile = r["profile"]
+    assert profile["blocks"] == bench_rolling.QUICK["profile_blocks"]
+    assert positive(profile["ardiff_ms"]) and positive(profile["rolling_ms"])
+    rows = profile["top_differences"]
+    assert len(rows) == bench_rolling.PROFILE_TOP
+    for row in rows:
+        assert row["op"] and row["difference_ms"] == row["ardiff_ms"] - row["rolling_ms"]
+    assert [abs(row["difference_ms"]) for row in rows] == sorted((abs(row["difference_ms"]) for row in rows),
+                                                                  reverse=True)
+
+
+def test_op_profiles_count_the_ops_each_side_runs(capfd):
+    import torch
+
+    from benchmarks.common import op_profiles, profile_difference
+
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    ops = op_profiles({"matmul": lambda i: a @ b, "add": lambda i: a + b}, range(3))
+    assert "aten::mm" in ops["matmul"] and "aten::mm" not in ops["add"]
+    assert "aten::add" in ops["add"] and "aten::add" not in ops["matmul"]
+    print("still here", file=sys.stderr)  # the profiler's start/stop lines are silenced, stderr is not
+    err = capfd.readouterr().err
+    assert "profiler_st" not in err and "still here" in err
+    rows = profile_difference({"x": {"p": 1.0, "q": 5.0}, "y": {"p": 3.5, "r": 0.5}}, top=2)
+    assert rows == [{"op": "q", "x_ms": 5.0, "y_ms": 0.0, "difference_ms": 5.0},
+                    {"op": "p", "x_ms": 1.0, "y_ms": 3.5, "difference_ms": -2.5}]
 
 
 @pytest.mark.usefixtures("single_thread")
