@@ -18,10 +18,11 @@ keep scratch pages in their pool instead, since their kernels read pages.
 Why heads before pages: the torch attention path gathers a session's pages
 with one ``index_select`` over the page axis, and with heads first the result
 is already ``(heads, tokens, dim)`` as ``scaled_dot_product_attention`` wants
-it, so no transpose copy follows. Measured on 2 CPU cores (12 heads x 64,
-520-token pages, 10 visible frames, float32): heads-first gather + SDPA ran at
-0.98x of SDPA on contiguous K/V, token-major ``(page, token, head, dim)``
-gather + transpose at 1.06x. ``benchmarks/bench_attention.py`` re-measures it.
+it, so no transpose copy follows. Measured side by side on 2 CPU cores (12 heads
+x 64, 520-token pages, 10 visible frames, float32): heads-first gather + SDPA
+ran at 0.98x of SDPA on contiguous K/V, token-major ``(page, token, head, dim)``
+gather + transpose at 1.06x in the same run. ``benchmarks/bench_attention.py``
+re-measures the heads-first path (1.008 in ``benchmarks/results.json``).
 """
 
 from __future__ import annotations
