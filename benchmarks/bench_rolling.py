@@ -21,7 +21,10 @@ per-block ratio ardiff/rolling (target <= 1.00), ardiff's p99/p50 per-block
 time (target <= 1.2), and KV bytes, block-table length and RSS at block 20
 and at the end (flat memory: KV bytes and table length unchanged). Times
 are this process's CPU time (one torch thread, see ``benchmarks/common.py``);
-the same statistics in wall time are under ``wall``.
+the same statistics in wall time are under ``wall``. ``profile`` shows where the
+time goes: after the timed blocks, 20 more of each side (interleaved) run under
+torch.profiler, and the ops whose self CPU time per block differs most between
+``ardiff`` and ``rolling`` are listed (instrumented, not the verdict).
 
     python -m benchmarks.bench_rolling            # 200 steady blocks, 64 tokens per frame
     python -m benchmarks.bench_rolling --quick    # tiny model, a few blocks
