@@ -18,8 +18,6 @@ The reported ratio is the median over repetitions of paged/contiguous; the targe
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,6 +28,7 @@ import torch.nn.functional as F
 from ardiff_cli.runtime.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
 from ardiff_cli.runtime.kv.layout import KVLayout
+from benchmarks.common import cli
 
 TARGET = 1.10
 
@@ -119,6 +118,9 @@ def run(quick: bool = False, *, dtype: torch.dtype = torch.float32) -> dict:
         "ratio": ratio,
         "target": TARGET,
         "passed": ratio <= TARGET,
+        "measured": f"{statistics.median(paged_ms):.2f} ms paged",
+        "baseline": f"{statistics.median(contiguous_ms):.2f} ms contiguous",
+        "clock": "wall",
         "quick": quick,
         "repetitions": geometry["repetitions"],
         "visible_tokens": keys.shape[2],
@@ -132,25 +134,7 @@ def run(quick: bool = False, *, dtype: torch.dtype = torch.float32) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny geometry, 2 repetitions (a smoke run)")
-    parser.add_argument("--json", metavar="PATH", help="also write the result dict to PATH")
-    args = parser.parse_args(argv)
-    result = run(quick=args.quick)
-    print(
-        f"attention: paged {result['paged_ms']:.2f} ms | contiguous {result['contiguous_ms']:.2f} ms | "
-        f"median ratio paged/contiguous {result['ratio']:.3f} (target <= {TARGET:.2f}) "
-        f"{'PASS' if result['passed'] else 'FAIL'}"
-    )
-    print(
-        f"  {result['query_tokens']} query tokens over {result['visible_tokens']} visible, "
-        f"{result['repetitions']} repetitions, {result['threads']} threads, max abs diff {result['max_abs_diff']:.2e}"
-    )
-    print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2)
-    return 0
+    return cli(run, __doc__, argv)
 
 
 if __name__ == "__main__":

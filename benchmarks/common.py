@@ -197,17 +197,17 @@ def private_cache() -> Iterator[None]:
             os.environ.pop("ARDIFF_CACHE_DIR", None)
 
 
-def cli(run: Callable[[bool], dict], description: str) -> None:
-    """Command-line entry of one benchmark: ``--quick``, ``--threads N`` and ``--json PATH``."""
+def cli(run: Callable[[bool], dict], description: str, argv: list[str] | None = None) -> int:
+    """Command-line entry of one benchmark: ``--quick``, ``--threads N`` and ``--json PATH``; returns 0."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions (smoke test)")
     parser.add_argument("--threads", type=int, default=None,
                         help=f"torch intra-op threads (default {DEFAULT_THREADS})")
     parser.add_argument("--json", type=Path, help="also write the result as JSON to this path")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     set_threads(args.threads)
     result = run(args.quick)
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
-    sys.exit(0)
+    return 0
