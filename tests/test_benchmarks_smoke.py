@@ -64,8 +64,9 @@ def test_rolling_quick():
     assert r["steady_blocks"] >= 1 and r["window_passes"] > 1  # past the window, every steady block evicts
     assert r["rolling_shifts"] >= r["steady_blocks"]
     assert r["outputs_match"] and r["max_abs_diff"] <= 1e-4  # both sides do the same math
-    for key in ("ardiff_p50_ms", "ardiff_p99_ms", "ardiff_p99_over_p50", "rolling_p50_ms"):
+    for key in ("ardiff_p50_ms", "ardiff_p99_ms", "ardiff_p99_over_p50", "rolling_p50_ms", "a_a_ratio"):
         assert positive(r[key])
+    assert f"A/A {r['a_a_ratio']:.3f}" in r["baseline"]  # the noise floor is shown beside the verdict
     assert r["memory_early"]["kv_bytes"] == r["memory_end"]["kv_bytes"] > 0
     assert r["memory_early"]["block_table_len"] == r["memory_end"]["block_table_len"]
     assert r["memory_flat"] is True
