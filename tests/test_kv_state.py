@@ -413,6 +413,22 @@ def test_bool_branch_is_the_former_is_negative_flag(make_spec, make_cache):
     assert state.adapter("positive").num_committed_frames == 1
 
 
+@pytest.mark.parametrize("backend", ["torch", "torch-paged-kernel"])
+def test_device_spelled_with_an_index_accepts_tensors_on_it(make_spec, backend):
+    # torch.device("cuda") != torch.device("cuda:0"), the device CUDA tensors report; "cpu:0" vs "cpu"
+    # is the same mismatch on this machine. The pools compare inputs with the device their storage is on.
+    from ardiff_cli.runtime.kv.vllm_attention import TorchPagedKernel
+
+    spec = make_spec(cross_attention=CROSS)
+    layout = KVLayout.from_spec(spec)
+    cache = ARDiffusionKVCache(spec, layout.managed_pages(1), device="cpu:0",
+                               attention_backend="torch" if backend == "torch" else TorchPagedKernel(4))
+    assert cache.pool.device == torch.empty(0).device
+    state = cache.new_state("s")
+    assert forward(state, "positive", 2, commit=True) == 2
+    state.populate_cross_attention("positive", "text", cross_pairs(spec, "text"))
+
+
 def test_attend_validates_inputs(make_spec, make_cache):
     spec = make_spec()
     state = make_cache(spec).new_state("s")

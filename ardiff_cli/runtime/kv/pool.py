@@ -45,13 +45,14 @@ class KVPagePool:
         # Page count of every layer's pool, null + managed.
         self.num_pages = 1 + num_managed_pages
         self.dtype = dtype
-        self.device = torch.device(device)
         # All K/V storage, zeroed so the null page reads as zeros.
         self.kv = torch.zeros(
             (spec.num_layers, 2, spec.num_kv_heads, self.num_pages, layout.page_size, spec.head_size),
             dtype=dtype,
-            device=self.device,
+            device=device,
         )
+        # The storage's own device: "cuda" becomes "cuda:0", which is what input tensors report.
+        self.device = self.kv.device
         # One layer's largest visible K and V; reused by every gather (layers run one at a time).
         self._workspace = torch.empty(
             2 * spec.num_kv_heads * layout.max_visible_pages * layout.page_size * spec.head_size,

@@ -285,6 +285,7 @@ class PagedKernelPool:
         self.blocks = torch.zeros(
             (2, geometry.num_blocks, *kernel.block_shape(heads, head_size)), dtype=dtype, device=self.device
         )
+        self.device = self.blocks.device  # indexed, as input tensors report it ("cuda" -> "cuda:0")
         # Tails of every page of every layer (plain rows), then the workspace's leftover tokens.
         self.tails = torch.zeros((2, geometry.num_tail_tokens, heads, head_size), dtype=dtype, device=self.device)
         rows = spec.num_layers * self.num_pages
