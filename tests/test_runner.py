@@ -282,6 +282,26 @@ def test_warmup_failure_still_releases_the_session():
     assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
 
 
+def test_warmup_with_every_slot_taken_is_refused_and_evicts_nobody():
+    runner = make_runner(WarmTinyPipeline(), capacity=1)
+    runner.execute_model(request("a", 0))
+    free = runner.kv_cache.num_free_pages
+    with pytest.raises(RuntimeError, match="warmup needs a free session slot.*'a'"):
+        runner.warmup()
+    assert runner.session_ids == ["a"] and runner.kv_cache.num_free_pages == free
+    assert runner.pipeline.hook_calls == []
+    runner.close_session("a")
+    assert runner.warmup().restored  # with the slot free again it runs and restores the pool
+
+
+def test_warmup_beside_a_resident_session_keeps_it():
+    runner = make_runner(WarmTinyPipeline(), capacity=2)
+    runner.execute_model(request("a", 0))
+    free = runner.kv_cache.num_free_pages
+    assert runner.warmup().restored
+    assert runner.session_ids == ["a"] and runner.kv_cache.num_free_pages == free
+
+
 def test_pipeline_without_provider_skips_warmup():
     runner = make_runner()
     assert runner.warmup().skipped

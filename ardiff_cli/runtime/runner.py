@@ -406,6 +406,15 @@ class ARDiffusionModelRunner:
         cache = self._require_loaded()
         if not isinstance(self.pipeline, SupportsARDiffusionWarmup):
             return WarmupReport(skipped=True)
+        with self._lock:
+            resident = [sid for sid in self._sessions if sid != WARMUP_SESSION_ID]
+            assert self.capacity_plan is not None
+            if len(resident) >= self.capacity_plan.session_capacity:
+                # Its reserved session would evict one of them: warmup must never cost a user session.
+                raise RuntimeError(
+                    f"warmup needs a free session slot, and all {len(resident)} are taken "
+                    f"({', '.join(map(repr, resident))}); warm up before serving, or close a session first"
+                )
         free_before = cache.allocator.num_free
         timings: list[tuple[str, str, float]] = []
         start = time.perf_counter()
