@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -165,10 +166,23 @@ def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["lots", "-5", "0", "12XB"])
+@pytest.mark.parametrize("text", ["lots", "-5", "0", "12XB", "inf", "1e400", "nan"])
 def test_parse_bytes_rejects(text):
     with pytest.raises(ConfigError):
         parse_bytes(text)
+
+
+def test_visible_tokens_over_max_model_len_are_refused_by_plan_and_cache():
+    # sink 1 + window 3 frames + one 2-frame block = 6 frames of 4 tokens: 24 visible tokens
+    spec = ARDiffusionKVCacheSpec(num_layers=1, num_kv_heads=1, head_size=4, tokens_per_frame=4, frames_per_block=2,
+                                  window_frames=3, sink_frames=1, kv_branches=(ARDiffusionKVBranchSpec("main", 0),),
+                                  session_capacity=1, max_model_len=23)
+    message = "one attention call can see 24 tokens .* more than max_model_len=23"
+    with pytest.raises(ConfigError, match=message):  # inspect-capacity says what loading will say
+        plan_capacity(spec, "float32", GIB)
+    with pytest.raises(ConfigError, match=message):
+        ARDiffusionKVCache(spec, 64)
+    assert plan_capacity(dataclasses.replace(spec, max_model_len=24), "float32", GIB).session_capacity == 1
 
 
 def test_planner_imports_no_torch():

@@ -65,7 +65,7 @@ def parse_bytes(text: str | int) -> int:
         unit = raw[len(number):].lower()
         try:
             value = int(float(number) * units[unit])
-        except (KeyError, ValueError):
+        except (KeyError, ValueError, OverflowError):  # OverflowError: 'inf', '1e400'
             raise ConfigError(
                 f"cannot read {text!r} as a byte size", hint="use a number of bytes or a unit: 512MiB, 2GiB, 1.5G"
             ) from None

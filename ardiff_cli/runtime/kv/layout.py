@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
+from ardiff_cli.runtime.errors import ConfigError
 
 SCRATCH_ENV = "AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH"
 
@@ -70,12 +71,20 @@ class KVLayout:
             raise ValueError(f"scratch_blocks must be positive, got {blocks}")
         block_tokens = spec.frames_per_block * spec.tokens_per_frame
         derived = block_tokens + spec.max_scratch_tokens_per_branch
-        return cls(
+        layout = cls(
             spec=spec,
             page_size=page_size,
             scratch_tokens=max(derived, blocks * block_tokens),
             scratch_in_pages=attention_backend != "torch",
         )
+        visible = layout.max_visible_pages * page_size
+        if visible > spec.max_model_len:  # here, so the capacity plan refuses what loading would
+            raise ConfigError(
+                f"one attention call can see {visible} tokens (sink + window + block + scratch), "
+                f"more than max_model_len={spec.max_model_len}",
+                hint="use a smaller window or fewer sink frames, or raise the pipeline's max_model_len",
+            )
+        return layout
 
     @property
     def pages_per_frame(self) -> int:
