@@ -20,12 +20,6 @@ RUNTIME_PANEL = "Model and memory"  # --help section of the runtime overrides
 OUTPUT_PANEL = "Output format"  # --help section of --format/--quiet/--verbose
 
 
-class Device(str, enum.Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
 class Dtype(str, enum.Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -41,6 +35,17 @@ class AttentionBackend(str, enum.Enum):
 class Order(str, enum.Enum):
     round_robin = "round-robin"
     sequential = "sequential"
+
+
+def check_device(value: Optional[str]) -> Optional[str]:
+    """auto, cpu, cuda or cuda:N (any case); anything else is a usage error naming the choices."""
+    if value is None:
+        return value
+    name = value.strip().lower()
+    kind, colon, index = name.partition(":")
+    if name in ("auto", "cpu", "cuda") or (kind == "cuda" and colon and index.isdigit()):
+        return name
+    raise typer.BadParameter(f"{value!r} is not a device: use auto, cpu, cuda or cuda:N (e.g. cuda:1)")
 
 
 def check_byte_size(value: Optional[str]) -> Optional[str]:
@@ -87,9 +92,9 @@ OutOpt = Annotated[
     typer.Option("--out", "-o", help="Output folder. \\[default: ./ardiff-runs/<timestamp>]", show_default=False),
 ]
 DeviceOpt = Annotated[
-    Optional[Device],
-    typer.Option("--device", rich_help_panel=RUNTIME_PANEL, help="Where the model runs. \\[default: the config's, else auto]", show_default=False,
-                 case_sensitive=False),
+    Optional[str],
+    typer.Option("--device", rich_help_panel=RUNTIME_PANEL, metavar="auto|cpu|cuda|cuda:N", callback=check_device,
+                 help="Where the model runs. \\[default: the config's, else auto]", show_default=False),
 ]
 DtypeOpt = Annotated[
     Optional[Dtype],

@@ -319,6 +319,11 @@ CONFIG_CASES = {
     "not_a_mapping": ("- pipeline\n- dreamzero\n", "inspect-capacity",
                       ["{config}: a config must be a YAML mapping, got list"], None),
     "invalid_yaml": ("pipeline: [dreamzero\n", "inspect-capacity", ["{config}: not valid YAML"], None),
+    "not_utf8": (b"pipeline: dreamzero\n\xff\xfe\n", "inspect-capacity", ["{config}: not UTF-8 text"],
+                 "save the config as UTF-8"),
+    "device_index_not_a_number": ("pipeline: dreamzero\nruntime: {device: 'cuda:x'}\n", "inspect-capacity",
+                                  ["{config}: field 'runtime.device': expected auto, cpu, cuda or cuda:N, got "
+                                   "'cuda:x'"], "set 'runtime.device'"),
 }
 
 
@@ -330,7 +335,7 @@ def test_config_case_message(tmp_path, case):
     if case == "pickled_checkpoint":
         _pickled_checkpoint(tmp_path / "pickled.safetensors")
     config = tmp_path / f"{case}.yaml"
-    config.write_text(text)
+    config.write_bytes(text if isinstance(text, bytes) else text.encode())
     extra = ["--device", "cpu"] if command == "warmup" else []
     result = runner.invoke(app, [command, str(config), *extra, "--format", "plain"])
     assert result.exit_code == 2, result.stderr
@@ -364,6 +369,25 @@ def test_contradictory_or_invalid_options(case):
     assert f"Error: {message}" in result.stderr and "Traceback" not in result.stderr
     if hint is not None:
         assert hint in result.stderr
+
+
+def test_device_option_takes_an_index_and_refuses_what_is_not_a_device():
+    result = runner.invoke(app, ["inspect-capacity", "--device", "CUDA:1", "--available", "1GiB", "--format", "json"])
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["device"] == "cuda:1"
+    result = runner.invoke(app, ["inspect-capacity", "--device", "cuda:x"])
+    assert result.exit_code == 2
+    unboxed = " ".join(re.sub("[│╭╮╰╯─]", " ", result.stderr).split())  # Typer draws usage errors in a box
+    assert "'cuda:x' is not a device: use auto, cpu, cuda or cuda:N" in unboxed, result.stderr
+
+
+def test_resume_on_another_device_is_refused(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({"format": 1, "config": "dreamzero-tiny", "dtype": "float32",
+                                                   "device": "cuda:0", "episodes": [], "demo": True}))
+    result = runner.invoke(app, ["rollout", "--resume", "--out", str(tmp_path), "--device", "cpu"])
+    assert result.exit_code == 2, result.stderr
+    assert "Error: this run was started on cuda:0, and --device cpu resolves to cpu here" in result.stderr
+    assert "hint: resume with --device cuda:0" in result.stderr
 
 
 def test_resume_with_a_different_dtype_is_refused(tmp_path):

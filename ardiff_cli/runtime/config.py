@@ -18,6 +18,7 @@ A config file::
 from __future__ import annotations
 
 import importlib.resources
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,7 @@ class RuntimeConfig:
 def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
     field = f"runtime.{key}"
     if key == "device":
-        if not isinstance(value, str) or not (value in DEVICES or value.startswith("cuda:")):
+        if not isinstance(value, str) or not (value in DEVICES or re.fullmatch(r"cuda:\d+", value)):
             raise field_error(where, field, "auto, cpu, cuda or cuda:N", value)
         return value
     if key == "dtype":
@@ -157,9 +158,12 @@ def resolve_config(name_or_path: str | Path | None) -> Path:
 
 def read_yaml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r})",
+                          hint="save the config as UTF-8 YAML") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -19,12 +19,24 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` = CUDA when available, else CPU; asking for CUDA without it is a ``ConfigError``."""
+    """``auto`` = CUDA when available, else CPU; asking for CUDA without it is a ``ConfigError``.
+
+    A CUDA device comes back indexed (``cuda`` -> ``cuda:0``, the current device), as tensors
+    report it, so it compares equal to theirs and run.json records which GPU ran.
+    """
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
         raise ConfigError(f"device {name!r} requested but CUDA is not available", hint="use --device cpu or auto")
+    count = torch.cuda.device_count()
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= count:
+        raise ConfigError(f"device {name!r} requested but only {count} CUDA device(s) are visible "
+                          f"(cuda:0 .. cuda:{count - 1})", hint="check CUDA_VISIBLE_DEVICES, or use --device cuda")
     return device
 
 
