@@ -213,6 +213,29 @@ def test_resume_after_kill_equals_an_uninterrupted_run(env, data, reference, tmp
     assert_same_outputs(reference, run)
 
 
+def test_resume_reads_the_runs_own_config_from_any_folder_and_refuses_an_edited_one(env, data, reference, tmp_path):
+    started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
+    started.mkdir(), elsewhere.mkdir()
+    (started / "my.yaml").write_text(FAST_CONFIG)
+    (elsewhere / "my.yaml").write_text(FAST_CONFIG.replace("num_inference_steps: 1", "num_inference_steps: 2"))
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", "my.yaml", str(data / "eps"), "--out", str(run), "--no-warmup", cwd=started)
+    assert proc.returncode == 0, proc.stderr
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-2]))  # as if stopped two steps before the end
+    # From another folder holding another my.yaml: the run's own config (by absolute path) finishes it.
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr
+    assert len(records(run)) == len(lines)
+    assert_same_outputs(reference, run)
+    # Naming the other my.yaml, or editing the run's own, is refused before anything runs.
+    proc = ardiff(env, "rollout", "my.yaml", "--resume", "--out", str(run), cwd=elsewhere)
+    assert proc.returncode == 2 and "differs from the run's" in proc.stderr, proc.stderr
+    (started / "my.yaml").write_text(FAST_CONFIG + "# edited\n")
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), cwd=elsewhere)
+    assert proc.returncode == 2 and "was edited since the run started" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signals_exit_130_or_143_with_whole_lines(env, data, tmp_path, signum, code):
     live = tmp_path / "live"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,7 +136,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             raise ConfigError("--resume needs --out DIR: the folder of the run to continue")
         run = RunFolder(out)
         info = run.read_info()
-        config = _same(config, info["config"], "CONFIG")
+        config = _resume_config(config, info)
         overrides["dtype"] = _same(getattr(overrides["dtype"], "value", overrides["dtype"]), info["dtype"], "--dtype")
         _same_pipeline_option(pipeline, info.get("pipeline_option"))
         if not episode_paths and not info.get("demo"):
@@ -147,6 +148,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             raise ConfigError(f"{out} already holds a run",
                               hint=f"continue it with: ardiff rollout --resume --out {out}; or choose another --out")
     cfg = load_engine_config(config, pipeline=pipeline, **overrides)
+    if resume:
+        _same_device(cfg.runtime.device, info.get("device"))
     output.debug(f"config {cfg.source}: pipeline {cfg.pipeline_name}, {cfg.runtime}")
     schema = cfg.observation_schema()
     demo = not episode_paths
@@ -165,8 +168,12 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         if sorted(e.name for e in episodes) != recorded:
             raise ConfigError(f"the episodes differ from those of the run in {out}: {recorded}",
                               hint="resume with the same EPISODE arguments (or none, to reuse the recorded ones)")
+    from ardiff_cli.runtime.config import resolve_config
+
+    config_file = resolve_config(config_label(config)).resolve()
     info = {
-        "config": config_label(config), "config_path": cfg.source, "pipeline": cfg.pipeline_name,
+        "config": info.get("config", config_label(config)), "config_path": str(config_file),
+        "config_sha256": _sha256(config_file), "pipeline": cfg.pipeline_name,
         "pipeline_option": pipeline, "order": order,
         "episodes": [{"name": e.name, "path": str(e.path.resolve())} for e in episodes], "demo": demo,
         "dtype": cfg.runtime.dtype, "device": cfg.runtime.device, "session_capacity": cfg.runtime.session_capacity,
@@ -174,6 +181,16 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         "started": info.get("started", time.time()),
     }
     return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done)
+
+
+def _same_device(setting: str, recorded: str | None) -> None:
+    """``--resume`` runs where the run started: another device's numerics would mix into its outputs."""
+    from ardiff_cli.runtime.engine import resolve_device
+
+    here = str(resolve_device(setting))
+    if recorded is not None and here != recorded:
+        raise ConfigError(f"this run was started on {recorded}, and --device {setting} resolves to {here} here",
+                          hint=f"resume with --device {recorded} (outputs are identical only on one device)")
 
 
 def _same_pipeline_option(given: str | None, recorded: str | None) -> None:
@@ -187,6 +204,31 @@ def _same_pipeline_option(given: str | None, recorded: str | None) -> None:
                f"the interrupted run used --pipeline {recorded}; ardiff imports code only when the command line "
                "names it")
     raise ConfigError(message, hint=f"resume with --pipeline {recorded}")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _resume_config(given: str | None, info: dict[str, Any]) -> str:
+    """The config file the run started with, by absolute path, unchanged since (its SHA-256 in run.json).
+
+    A config named relatively would otherwise resolve against today's working folder, and an
+    edited one would silently mix two models' outputs in one run.
+    """
+    from ardiff_cli.runtime.config import resolve_config
+
+    recorded, digest = info.get("config_path"), info.get("config_sha256")
+    if digest is None:  # run.json of an older ardiff: only the label was kept
+        return _same(given, info["config"], "CONFIG")
+    path = Path(recorded) if given is None else resolve_config(given).resolve()
+    if not path.is_file():
+        raise ConfigError(f"the run's config {recorded} is gone", hint="restore it, or pass the same CONFIG again")
+    if _sha256(path) != digest:
+        what = "was edited since the run started" if str(path) == recorded else f"differs from the run's {recorded}"
+        raise ConfigError(f"config {path} {what} (SHA-256 differs)",
+                          hint="resume with the config the run started with, or start a new run in another --out")
+    return str(path)
 
 
 def _same(given: Any, recorded: Any, name: str) -> Any:
