@@ -146,9 +146,12 @@ class Rollout:
 
     def _step_failure(self, task: StepTask, exc: Exception) -> ArdiffError:
         """An invalid file stays an ``ObservationError``; anything else becomes a ``StepFailed`` naming the step."""
-        if isinstance(exc, ObservationError):
-            return exc
         phase, step_file = self._at or ("forward", task.file)
+        if isinstance(exc, ObservationError):
+            if str(step_file.path) in str(exc):
+                return exc
+            # Raised by the pipeline's own input checks, which know no files: name the step's.
+            return ObservationError(f"{step_file.path}: {exc}", hint=exc.hint)
         return StepFailed(task.episode.name, step_file.step, phase, exc, path=str(step_file.path))
 
     def _load(self, episode: EpisodeSource, step_file: StepFile) -> dict[str, Any]:
@@ -261,6 +264,9 @@ class Rollout:
         if self.out.verbose and isinstance(exc, StepFailed) and not self.options.fail_fast:  # else shown at exit
             self.out.traceback(exc.cause)
         self.out.error(text, exc.hint, kind="episode_failed")
+        # The traceback's frames hold the failed forward's locals (activations, the released session's caches):
+        # drop them now, not at the end of the run. A traceback printed later needs only code and line numbers.
+        traceback.clear_frames(cause.__traceback__)
 
     def _end_episode(self, item: EpisodeEnded) -> None:
         name = item.episode.name

@@ -19,16 +19,21 @@ Each fault is a JSON object:
   ``torch.OutOfMemoryError``), ``page_shortage`` (the KV allocator is emptied for the request),
   ``close_hook`` (``session``: its close hook raises; no ``request``);
 - ``action`` (block and sampler): ``raise`` (default) or ``sleep`` (touch ``marker``, then sleep ``seconds``:
-  for signals that must arrive in the middle of a forward).
+  for signals that must arrive in the middle of a forward);
+- ``probe`` (block): also keep a weak reference to the block's input tensor, and site ``probe`` on a later
+  request writes to ``path`` which of those tensors are still alive (after ``gc.collect()``): a failed
+  episode must not keep its forward's tensors alive for the rest of the run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +43,9 @@ import torch
 from pipelines.dreamzero.pipeline import DreamZeroPipeline
 
 FAULTS_ENV = "ARDIFF_TEST_FAULTS"
+
+
+PROBES: list[weakref.ref] = []  # input tensors of probed failing blocks
 
 
 class InjectedFault(RuntimeError):
@@ -63,6 +71,8 @@ def block_fault(pipeline: Any, layer: int, *, call: int = 1, fault: dict[str, An
         nonlocal calls
         calls += 1
         if calls == call:
+            if (fault or {}).get("probe"):
+                PROBES.append(weakref.ref(args[0]))
             _act(fault or {}, f"injected fault in transformer block {layer} (call {call})")
         return original(*args, **kwargs)
 
@@ -139,6 +149,13 @@ def page_shortage(allocator: Any, *, keep: int = 0) -> Iterator[list[int]]:
         allocator.free(stolen)
 
 
+@contextlib.contextmanager
+def _probe(path: str) -> Iterator[None]:
+    gc.collect()
+    Path(path).write_text(json.dumps([ref() is not None for ref in PROBES]))
+    yield
+
+
 def load_faults() -> list[dict[str, Any]]:
     return json.loads(os.environ.get(FAULTS_ENV) or "[]")
 
@@ -163,6 +180,8 @@ class FaultyDreamZero(DreamZeroPipeline):
             return projection_fault(self, fault.get("name", "text"), after=int(fault.get("after", 1)))
         if site == "cross_oom":
             return cross_attention_oom()
+        if site == "probe":
+            return _probe(fault["path"])
         if site == "page_shortage":
             _session_id, state = self._bound
             return page_shortage(state._cache.allocator)

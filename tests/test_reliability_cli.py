@@ -151,6 +151,15 @@ def test_faults_fail_their_episode_only_and_name_episode_and_step(env, data, ref
     assert_matches(run, reference)
 
 
+def test_a_failed_episode_does_not_keep_its_forwards_tensors_alive(env, data, tmp_path):
+    probe = tmp_path / "alive.json"
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 1, "probe": True},
+              {"request": "arm_d/000002", "site": "probe", "path": str(probe)}]  # the run's last request
+    proc = ardiff(env, *rollout_args(data, tmp_path / "run"), faults=faults)
+    assert proc.returncode == 4, proc.stderr
+    assert json.loads(probe.read_text()) == [False]  # on a GPU these would be the caches' and activations' memory
+
+
 def test_fail_fast_stops_at_the_first_failure_and_resume_completes(env, data, reference, tmp_path):
     run = tmp_path / "run"
     faults = [{"request": "arm_b/000001", "site": "page_shortage"}]

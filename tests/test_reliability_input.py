@@ -253,6 +253,16 @@ def test_rollout_fails_each_bad_episode_with_its_message_and_goes_on(bad_dataset
     assert summary["status"] == "partial" and summary["episodes"]["completed"] == 2
 
 
+def test_an_input_the_pipeline_refuses_is_reported_with_its_step_file(bad_dataset, tmp_path):
+    # Valid file by file (the schema allows any frame count); only the pipeline knows a request carries 4 frames.
+    folder = tmp_path / "three_frames"
+    episode(folder, 2, step1={k: v[:3] for k, v in good(0, 1).items() if v.ndim == 4})
+    result = runner.invoke(app, ["rollout", str(bad_dataset / "fast.yaml"), str(folder), "--out",
+                                 str(tmp_path / "run"), "--no-warmup", "--format", "plain", "--fail-fast"])
+    assert result.exit_code == 2, result.stderr
+    assert re.search(rf"Error: {re.escape(str(step1(folder)))}: .*3 frames", result.stderr), result.stderr
+
+
 def test_only_bad_episodes_exit_2_and_verbose_shows_the_traceback(bad_dataset, tmp_path):
     eps = [str(bad_dataset / "eps" / case) for case in ("nan", "gap")]
     result = runner.invoke(app, ["rollout", str(bad_dataset / "fast.yaml"), *eps, "--out", str(tmp_path / "a"),
