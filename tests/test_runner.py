@@ -302,6 +302,30 @@ def test_warmup_beside_a_resident_session_keeps_it():
     assert runner.session_ids == ["a"] and runner.kv_cache.num_free_pages == free
 
 
+@pytest.mark.parametrize("failure", [RuntimeError("kernel build failed"), torch.OutOfMemoryError("injected OOM")])
+def test_auto_falls_back_to_torch_when_the_vllm_pool_fails_but_not_when_memory_ran_out(monkeypatch, failure):
+    # No vLLM here: stand in for its pool failing to build (the CUDA case this guards cannot run on this machine).
+    import ardiff_cli.runtime.runner as runner_module
+
+    real_cache = runner_module.ARDiffusionKVCache
+
+    def cache(*args, attention_backend="torch", **kwargs):
+        if attention_backend == "vllm":
+            raise failure
+        return real_cache(*args, attention_backend=attention_backend, **kwargs)
+
+    monkeypatch.setattr(runner_module, "select_attention_backend", lambda *a, **k: ("vllm", "vLLM 0.0 on cpu"))
+    monkeypatch.setattr(runner_module, "ARDiffusionKVCache", cache)
+    runner = ARDiffusionModelRunner(TinyPipeline(), memory_budget=BUDGET, attention_backend="auto")
+    if isinstance(failure, torch.OutOfMemoryError):
+        with pytest.raises(torch.OutOfMemoryError):  # a plan that does not fit must not load in another layout
+            runner.load()
+        return
+    runner.load()
+    assert runner.attention_backend == "torch"
+    assert "vLLM kernel failed to initialise (RuntimeError: kernel build failed)" in runner.attention_backend_reason
+
+
 def test_pipeline_without_provider_skips_warmup():
     runner = make_runner()
     assert runner.warmup().skipped

@@ -210,6 +210,8 @@ class ARDiffusionModelRunner:
 
         try:
             plan, cache = allocate(name)
+        except torch.OutOfMemoryError:
+            raise  # the plan did not fit: the smaller torch layout would hide that, not fix it
         except (ImportError, RuntimeError, ValueError) as exc:
             if name == "torch" or setting != "auto":
                 raise
