@@ -84,6 +84,9 @@ class Output:
         self._stdout = stdout or sys.stdout  # data stream
         self._stderr = stderr or sys.stderr  # human stream
         self._consoles: dict[str, Any] = {}  # Rich consoles, built on first use (Rich import is lazy)
+        # Called once if stdout's reader goes away (`| head`); a rollout stops there as if sent SIGPIPE.
+        self.on_broken_pipe: Callable[[], None] | None = None
+        self._stdout_gone = False
 
     @classmethod
     def create(cls, format: Format | str = Format.auto, *, quiet: bool = False, verbose: bool = False) -> Output:
@@ -119,8 +122,8 @@ class Output:
 
     def json(self, obj: Mapping[str, Any]) -> None:
         """One JSON object on one stdout line (json format only)."""
-        self._stdout.write(json.dumps(to_jsonable(obj), separators=(",", ":"), allow_nan=False) + "\n")
-        self._stdout.flush()
+        text = json.dumps(to_jsonable(obj), separators=(",", ":"), allow_nan=False) + "\n"
+        self._to_stdout(lambda: self._stdout.write(text))
 
     def result(self, data: Mapping[str, Any], human: Callable[[bool], Any]) -> None:
         """A command's result: ``data`` as JSON, or ``human(plain)`` (a renderable or text) on stdout."""
@@ -129,10 +132,25 @@ class Output:
             return
         renderable = human(not self.is_rich)
         if isinstance(renderable, str) and not self.is_rich:
-            self._stdout.write(renderable.rstrip("\n") + "\n")
-            self._stdout.flush()
+            self._to_stdout(lambda: self._stdout.write(renderable.rstrip("\n") + "\n"))
         else:
-            self.console("stdout").print(renderable)
+            self._to_stdout(lambda: self.console("stdout").print(renderable))
+
+    def _to_stdout(self, write: Callable[[], object]) -> None:
+        """Run ``write`` and flush; once stdout's reader has gone (``| head``), write nothing more."""
+        if self._stdout_gone:
+            return
+        try:
+            write()
+            self._stdout.flush()
+        except BrokenPipeError:
+            self._stdout_gone = True
+            try:  # so that the interpreter's own flush at exit does not complain either
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self._stdout.fileno())
+            except (OSError, ValueError, AttributeError):
+                pass
+            if self.on_broken_pipe is not None:
+                self.on_broken_pipe()
 
     # -- events -------------------------------------------------------------------------------------------
 

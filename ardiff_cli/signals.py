@@ -41,6 +41,10 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.stop(signum)
+
+    def stop(self, signum: int) -> None:
+        """Stop as if ``signum`` arrived now (the output uses it with SIGPIPE when stdout's reader is gone)."""
         if self._depth or self._stopping:
             self.pending = self.pending or signum
             return

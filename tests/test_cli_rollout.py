@@ -236,6 +236,28 @@ def test_resume_reads_the_runs_own_config_from_any_folder_and_refuses_an_edited_
     assert proc.returncode == 2 and "was edited since the run started" in proc.stderr, proc.stderr
 
 
+def test_a_reader_that_goes_away_stops_the_run_like_sigpipe_and_resume_finishes_it(env, data, tmp_path):
+    # `ardiff rollout --format json | head -1`: the episode is still being recorded when head exits.
+    live = tmp_path / "live"
+    write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
+    run = tmp_path / "run"
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow",
+                 "--no-warmup", "--format", "json")
+    try:
+        assert json.loads(proc.stdout.readline())["kind"]  # one line read, then the reader goes away
+        proc.stdout.close()
+        write_episode(live / "arm_a", steps_of(0, 3)[1:], first_step=1)  # more steps: more lines to write
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 141, stderr  # 128 + SIGPIPE, what a shell reports for a writer killed by it
+    assert "Error: interrupted by SIGPIPE" in stderr and "Traceback" not in stderr
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(r["step"] for r in records(run)) == [0, 1, 2]
+
+
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signals_exit_130_or_143_with_whole_lines(env, data, tmp_path, signum, code):
     live = tmp_path / "live"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,6 +261,9 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     error: BaseException | None = None
     try:
         with StopSignals() as signals, output.live(lambda: render(monitor.snapshot())):
+            # `ardiff rollout --format json | head`: once the reader is gone, stop as a shell's SIGPIPE would
+            # (exit 141), but at a point where every written file is whole, so --resume can finish the run.
+            output.on_broken_pipe = lambda: signals.stop(signal.SIGPIPE)
             try:
                 from ardiff_cli.runtime.engine import ARDiffusionEngine
 
@@ -296,6 +300,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                         with signals.critical():
                             run.write_summary(summary)
     finally:
+        output.on_broken_pipe = None
         if summary is not None:  # after the live display, so the two never interleave
             output.result(summary, lambda plain: render_summary(summary, plain))
 
