@@ -4,7 +4,8 @@ Files are written to a temporary name in the same folder, flushed to disk and
 renamed over the target (``os.replace`` is atomic on POSIX). JSON-lines logs
 are appended one whole line per ``os.write`` call and flushed to disk; on
 open, a trailing partial line (only possible after a power loss mid-write) is
-cut off, so the log always ends at a line boundary.
+cut off, so the log always ends at a line boundary. Files get the mode a plain
+``open(path, "w")`` would give them (0666 minus the umask).
 """
 
 from __future__ import annotations
@@ -18,6 +19,21 @@ from pathlib import Path
 from typing import Any
 
 from ardiff_cli.output import to_jsonable
+from ardiff_cli.runtime.errors import ConfigError
+
+
+def _read_umask() -> int:
+    """The process umask. ``os.umask`` can only be read by setting it, which is process-global and races with
+    other threads creating files, so this runs once, at import, before ardiff starts any thread."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+UMASK = _read_umask()
+# mkstemp creates files 0600 whatever the umask; outputs get the mode a plain open(path, "w") would give them.
+FILE_MODE = 0o666 & ~UMASK
+DIR_MODE = 0o777 & ~UMASK  # likewise for folders made with mkdtemp (0700)
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -41,6 +57,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(fd, FILE_MODE)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -74,7 +91,7 @@ class JsonlAppender:
         self.path = Path(path)  # the log file
         self.path.parent.mkdir(parents=True, exist_ok=True)
         truncate_partial_line(self.path)
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # None once closed
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # None once closed
 
     def append(self, record: Mapping[str, Any]) -> None:
         assert self._fd is not None, "append after close"
@@ -110,13 +127,30 @@ def truncate_partial_line(path: Path) -> None:
 
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
-    """The whole lines of a JSON-lines file; a trailing partial line is ignored."""
+    """The whole lines of a JSON-lines file; a trailing partial line is ignored.
+
+    Lines are written whole (:class:`JsonlAppender`), so a whole line that is not a JSON object was damaged
+    outside ardiff: that is a ``ConfigError`` naming the file and line, never a guess at what it held.
+    """
     path = Path(path)
     if not path.exists():
         return
     with open(path, "rb") as f:
-        for raw in f:
+        for number, raw in enumerate(f, start=1):
             if not raw.endswith(b"\n"):
                 break
-            if raw.strip():
-                yield json.loads(raw)
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+                record = None
+            if not isinstance(record, dict):
+                got = raw.rstrip(b"\n").decode("utf-8", "replace")
+                raise ConfigError(
+                    f"{path}, line {number}: expected one JSON object per line, got {got[:80]!r}"
+                    + ("..." if len(got) > 80 else ""),
+                    hint=f"ardiff writes each line whole, so the file was changed outside ardiff: restore it, or "
+                         f"delete line {number} (its step then runs again with --resume)",
+                )
+            yield record

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ardiff_cli.runtime.errors import ConfigError
 from ardiff_cli.runtime.observation import ObservationField, ObservationSchema
 
 DEMO_VERSION = 1  # bump when the generated content changes
@@ -119,16 +120,33 @@ def demo_key(pipeline_name: str, schema: ObservationSchema, image_size: tuple[in
 
 def ensure_demo_episodes(pipeline_name: str, schema: ObservationSchema, image_size: tuple[int, int], *,
                          model_config: Any = None, root: Path | None = None) -> Path:
-    """The folder of demo episodes for this schema, generated on first use. Returns the set's folder."""
-    from ardiff_cli.io.writer import write_episode
+    """The folder of demo episodes for this schema, generated on first use. Returns the set's folder.
 
+    A cache folder that cannot be written (a file, no permission, a full disk) is a ``ConfigError``, as for
+    the default checkpoints in the same cache.
+    """
     frames = tuple(frames_per_step(model_config, step) for step in range(max(DEMO_STEPS)))
     base = (root or cache_dir()) / "demo"
     target = base / demo_key(pipeline_name, schema, image_size, frames)
     if target.is_dir():
         return target
+    try:
+        _generate(target, schema, image_size, frames)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the demo episodes to {base}: {exc.strerror or exc}",
+                          hint="set ARDIFF_CACHE_DIR to a writable folder") from None
+    return target
+
+
+def _generate(target: Path, schema: ObservationSchema, image_size: tuple[int, int], frames: tuple[int, ...]) -> None:
+    """Write the demo set into a temporary folder next to ``target``, then rename it into place."""
+    from ardiff_cli.io.atomic import DIR_MODE
+    from ardiff_cli.io.writer import write_episode
+
+    base = target.parent
     base.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=base))
+    os.chmod(tmp, DIR_MODE)  # mkdtemp makes it 0700; the set is readable as any folder the user makes
     try:
         for episode, num_steps in enumerate(DEMO_STEPS):
             steps = [demo_step(schema, image_size, episode, step, frames[step]) for step in range(num_steps)]
@@ -141,4 +159,3 @@ def ensure_demo_episodes(pipeline_name: str, schema: ObservationSchema, image_si
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target

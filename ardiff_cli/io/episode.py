@@ -164,8 +164,27 @@ def _holds_episode(folder: Path) -> bool:
     return any(p.is_file() and is_step_file(p) for p in children) or not any(p.is_dir() for p in children)
 
 
+def _is_run_output(folder: Path) -> bool:
+    """An ardiff run folder (holds ``run.json`` or ``results.jsonl``), or a folder whose visible entries are
+    all run folders (``./ardiff-runs``, the default parent of ``--out``)."""
+    from ardiff_cli.io.run import RunFolder
+
+    if RunFolder(folder).holds_run():
+        return True
+    try:
+        entries = [p for p in folder.iterdir() if not p.name.startswith(".")]
+    except OSError:
+        return False  # unreadable: kept as an episode, whose error is then reported with it
+    return bool(entries) and all(p.is_dir() and RunFolder(p).holds_run() for p in entries)
+
+
 def discover_episodes(paths: list[Path]) -> list[EpisodeSource]:
     """Episode folders from the command line: each path is an episode, or a folder of episode folders.
+
+    A folder of episode folders contributes each visible subfolder, except
+    ardiff's own outputs (:func:`_is_run_output`): a run folder, or a folder
+    holding only run folders. So ``ardiff rollout CFG .`` can run again in a
+    folder where its default ``--out`` (``./ardiff-runs/<timestamp>``) landed.
 
     Names are the folder names made safe (:func:`safe_name`), and unique with a
     numeric suffix when two collide.
@@ -182,7 +201,8 @@ def discover_episodes(paths: list[Path]) -> list[EpisodeSource]:
         if _holds_episode(path):
             folders.append(path)
         else:
-            children = sorted(p for p in _list_folder(path) if p.is_dir() and not p.name.startswith("."))
+            children = sorted(p for p in _list_folder(path)
+                              if p.is_dir() and not p.name.startswith(".") and not _is_run_output(p))
             folders.extend(children)
     names: set[str] = set()
     episodes = []
@@ -201,7 +221,14 @@ def read_episode_yaml(path: Path) -> dict[str, Any]:
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))  # UTF-8 whatever the locale, as the writer writes
+    except UnicodeDecodeError as exc:
+        raise ObservationError(
+            f"{path}: episode metadata is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+            "expected a UTF-8 YAML mapping",
+            hint="write episode.yaml as UTF-8 text, e.g. `prompt: pick up the red cube` "
+                 "(ardiff_cli.io.write_episode does)",
+        ) from None
     except (OSError, yaml.YAMLError) as exc:
         raise ObservationError(f"{path}: cannot read episode metadata: {exc}") from None
     if data is None:
@@ -249,15 +276,29 @@ def _read_head(path: Path) -> tuple[bytes, int]:
     return head, size
 
 
+# safetensors dtypes numpy has a type for; others (BF16, F8_*, ...) are valid files the numpy reader cannot hold.
+_NUMPY_DTYPES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "F16", "U32", "I32", "F32", "U64", "I64", "F64", "C64"})
+
+
 def _load_safetensors(path: Path, head: bytes, size: int) -> RawStep:
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="np") as f:
             metadata = dict(f.metadata() or {})
-            arrays = {key: f.get_tensor(key) for key in f.keys()}
+            dtypes = {key: f.get_slice(key).get_dtype() for key in f.keys()}
+            arrays = {key: f.get_tensor(key) for key, dtype in dtypes.items() if dtype in _NUMPY_DTYPES}
     except Exception as exc:  # noqa: BLE001 - safetensors raises several types for corrupt files
         raise _unreadable_safetensors(path, head, size, exc) from None
+    unheld = [(key, "bfloat16" if dtype == "BF16" else dtype) for key, dtype in dtypes.items() if key not in arrays]
+    if unheld:
+        # Not loaded through torch: read_step stays torch-free and behaves the same in a script as in a rollout.
+        raise ObservationError(
+            f"{path}: " + ", ".join(f"tensor {key!r} is {dtype}" for key, dtype in unheld)
+            + ", which the numpy reader cannot hold; store float32 or float16",
+            hint="convert with tensor.float() before saving, or write steps with ardiff_cli.io.write_step "
+                 "(it stores bfloat16 tensors as float32)",
+        )
     return RawStep(arrays=arrays, metadata=metadata)
 
 
@@ -287,11 +328,14 @@ def _load_npz(path: Path, head: bytes) -> RawStep:
         raise ObservationError(f"{path}: cannot read .npz file: it is {what}, not an .npz", hint=hint)
     arrays: dict[str, Any] = {}
     metadata: dict[str, str] = {}
+    not_arrays: list[str] = []  # zip members that are not .npy files
     try:
         with np.load(path, allow_pickle=False) as npz:
             for key in npz.files:
                 value = npz[key]
-                if value.dtype.kind == "U" and value.ndim == 0:
+                if not isinstance(value, np.ndarray):  # np.load hands back raw bytes for a member that is not .npy
+                    not_arrays.append(key)
+                elif value.dtype.kind == "U" and value.ndim == 0:
                     metadata[key] = str(value)  # text (the prompt) stored as a 0-d string array
                 else:
                     arrays[key] = value
@@ -300,4 +344,9 @@ def _load_npz(path: Path, head: bytes) -> RawStep:
                                hint="store plain numeric arrays; put text in episode.yaml") from None
     except (OSError, zipfile.BadZipFile, EOFError) as exc:
         raise ObservationError(f"{path}: cannot read .npz file: truncated or corrupt: {exc}", hint=WRITE_HINT) from None
+    if not_arrays:
+        raise ObservationError(
+            f"{path}: expected only .npy arrays in the .npz, got other files: {', '.join(map(repr, not_arrays))}",
+            hint="write .npz files with numpy.savez or ardiff_cli.io.write_step; put text in episode.yaml",
+        )
     return RawStep(arrays=arrays, metadata=metadata)

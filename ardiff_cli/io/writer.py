@@ -9,8 +9,8 @@ Example (a robot loop, or a conversion script)::
     # where steps = [{"exterior_image": uint8 (H, W, 3), "joint_position": float32 (7,), ...}, ...]
 
     # or one step at a time, while ``ardiff rollout --follow data/pick_cube`` watches the folder
-    write_step("data/pick_cube", 0, step0, prompt="pick up the red cube")
-    write_step("data/pick_cube", 1, step1)
+    write_step("data/pick_cube", 0, step0, prompt="pick up the red cube")  # also goes to episode.yaml
+    write_step("data/pick_cube", 1, step1)                                  # so this step has it too
     end_episode("data/pick_cube")
 
 Every file is written under a temporary name and renamed, so a reader never
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ardiff_cli.io.atomic import atomic_write_bytes, atomic_write_text
-from ardiff_cli.io.episode import END_MARKER, METADATA_FILE
+from ardiff_cli.io.episode import END_MARKER, METADATA_FILE, read_episode_yaml
 
 FORMATS = ("safetensors", "npz")
 
@@ -67,14 +67,28 @@ def write_step(folder: str | os.PathLike, step: int, arrays: Mapping[str, Any], 
 
     ``prompt`` and ``metadata`` go to the safetensors metadata (or 0-d string
     arrays in an .npz); a step's prompt overrides the one in ``episode.yaml``.
+    The prompt is an episode-level field, so while ``episode.yaml`` holds no
+    ``prompt`` this one is recorded there too, before the step file appears:
+    later steps written without a prompt then use it.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     meta = dict(metadata or {})
     if prompt is not None:
         meta["prompt"] = prompt
+        _record_episode_prompt(Path(folder), prompt)
     path = Path(folder) / f"step_{step:06d}.{format}"
     return atomic_write_bytes(path, encode_arrays(arrays, format=format, metadata=meta))
+
+
+def _record_episode_prompt(folder: Path, prompt: str) -> None:
+    """Set ``prompt`` in ``folder/episode.yaml`` unless it has one (its other fields are kept)."""
+    import yaml
+
+    path = folder / METADATA_FILE
+    info = read_episode_yaml(path) if path.exists() else {}
+    if "prompt" not in info:
+        atomic_write_text(path, yaml.safe_dump({**info, "prompt": prompt}, sort_keys=False))
 
 
 def write_episode(folder: str | os.PathLike, steps: Sequence[Mapping[str, Any]], *, prompt: str | None = None,

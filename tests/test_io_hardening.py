@@ -1,0 +1,206 @@
+"""Episode files and run folders under outside damage and odd setups: each case ends in a typed error naming
+the file, or simply works (file modes, run folders next to episodes, live writers that give the prompt once)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ardiff_cli.io import read_step, write_episode, write_step
+from ardiff_cli.io.atomic import atomic_write_bytes
+from ardiff_cli.io.demo import ensure_demo_episodes
+from ardiff_cli.io.episode import discover_episodes
+from ardiff_cli.io.run import RunFolder
+from ardiff_cli.io.validate import validate_step
+from ardiff_cli.runtime.errors import ConfigError, ObservationError
+from ardiff_cli.runtime.observation import ObservationField, ObservationSchema
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMA = ObservationSchema(fields=(ObservationField("joints", "float32", ((7,),)),), prompt_key="prompt",
+                           prompt_aliases=("language_instruction",))
+
+
+def good(step: int) -> dict[str, np.ndarray]:
+    return {"joints": np.zeros(7, np.float32) + step}
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def ardiff(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **env}
+    return subprocess.run([sys.executable, "-m", "ardiff_cli", *args, "--format", "json"], cwd=cwd, env=environ,
+                          capture_output=True, text=True, timeout=120)
+
+
+def current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# -- file modes ------------------------------------------------------------------------------------------------
+
+def test_atomic_writes_get_the_mode_of_a_plain_open(tmp_path):
+    path = atomic_write_bytes(tmp_path / "out.bin", b"x")
+    assert mode(path) == 0o666 & ~current_umask()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002], ids=oct)
+def test_every_written_file_follows_the_umask(tmp_path, umask):
+    # A fresh process, because the umask is read once when ardiff_cli.io.atomic is imported.
+    script = f"""
+import os, sys
+os.umask({umask})
+import numpy as np
+from pathlib import Path
+from ardiff_cli.io import write_step, write_episode
+from ardiff_cli.io.run import RunFolder
+from ardiff_cli.io.demo import ensure_demo_episodes
+from ardiff_cli.runtime.observation import ObservationField, ObservationSchema
+root = Path(sys.argv[1])
+write_step(root / "live", 0, {{"x": np.zeros(2, np.float32)}}, prompt="p")
+write_episode(root / "rec", [{{"x": np.zeros(2, np.float32)}}], prompt="p")
+run = RunFolder(root / "run")
+run.start({{"config": "x"}})
+run.write_step_outputs("ep", 0, {{"x": np.zeros(2, np.float32)}}, {{}})
+run.append_result({{"step": 0}})
+run.close()
+run.write_summary({{"status": "ok"}})
+schema = ObservationSchema(fields=(ObservationField("joints", "float32", ((7,),)),), prompt_key="prompt")
+ensure_demo_episodes("toy", schema, (4, 4), root=root / "cache")
+"""
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, cwd=REPO, timeout=120)
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(files) > 10 and {p.name for p in files} >= {"episode.yaml", "run.json", "results.jsonl", "END"}
+    assert {str(p.relative_to(tmp_path)): oct(mode(p)) for p in files} == {
+        str(p.relative_to(tmp_path)): oct(0o666 & ~umask) for p in files}
+    demo_sets = list((tmp_path / "cache" / "demo").iterdir())
+    assert [oct(mode(p)) for p in demo_sets] == [oct(0o777 & ~umask)]
+
+
+# -- run folders are not episodes ------------------------------------------------------------------------------
+
+def test_run_folders_next_to_episodes_are_not_episodes(tmp_path):
+    data = tmp_path / "data"
+    for name in ("a", "b"):
+        write_episode(data / name, [good(0)], prompt="p")
+    for out in (data / "ardiff-runs" / "20250601-101500", data / "ardiff-runs" / "20250601-101501", data / "eval1"):
+        run = RunFolder(out)
+        run.start({"config": "x"})
+        run.write_step_outputs("a", 0, good(0), {})
+        run.append_result({"episode": "a", "step": 0, "status": "ok", "output": "episodes/a/step_000000.safetensors"})
+        run.close()
+    assert [e.name for e in discover_episodes([data])] == ["a", "b"]
+    # Only ardiff's own folders are skipped: a folder holding a run folder and anything else is still an episode.
+    (data / "ardiff-runs" / "notes").mkdir()
+    assert [e.name for e in discover_episodes([data])] == ["a", "ardiff-runs", "b"]
+
+
+# -- unreadable input files ------------------------------------------------------------------------------------
+
+def test_binary_episode_yaml_is_named_as_not_utf8(tmp_path):
+    write_step(tmp_path / "ep", 0, good(0))
+    (tmp_path / "ep" / "episode.yaml").write_bytes(b"prompt: \xff\xfe\x00\x01")
+    (episode,) = discover_episodes([tmp_path / "ep"])
+    with pytest.raises(ObservationError, match=r"ep/episode.yaml: episode metadata is not UTF-8 text \(byte 0xff"):
+        episode.metadata()
+
+
+def test_npz_member_that_is_not_an_array_is_named(tmp_path):
+    path = tmp_path / "step_000000.npz"
+    np.savez(path, joints=np.zeros(7, np.float32))
+    with zipfile.ZipFile(path, "a") as archive:
+        archive.writestr("notes.txt", "recorded on robot 3")
+    with pytest.raises(ObservationError, match=r"step_000000.npz: expected only .npy arrays .* got other files: "
+                                               r"'notes.txt'"):
+        read_step(path)
+
+
+def _safetensors_bytes(dtype: str, shape: list[int], data: bytes) -> bytes:
+    header = json.dumps({"x": {"dtype": dtype, "shape": shape, "data_offsets": [0, len(data)]}}).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + data
+
+
+def test_bfloat16_safetensors_is_named_not_called_corrupt(tmp_path):
+    path = tmp_path / "step_000000.safetensors"
+    path.write_bytes(_safetensors_bytes("BF16", [2], b"\x80\x3f\x00\x40"))  # 1.0, 2.0
+    with pytest.raises(ObservationError) as info:
+        read_step(path)
+    assert str(info.value) == (f"{path}: tensor 'x' is bfloat16, which the numpy reader cannot hold; "
+                               "store float32 or float16")
+    assert "write_step" in info.value.hint
+
+
+# -- damaged run folder and cache ------------------------------------------------------------------------------
+
+def test_damaged_results_line_is_named_with_its_line(tmp_path):
+    run = RunFolder(tmp_path)
+    run.append_result({"episode": "ep", "step": 0, "status": "failed", "error": "x"})
+    run.close()
+    with open(run.results_path, "ab") as f:
+        f.write(b'{"episode": garbage\n[1, 2]\n')
+    with pytest.raises(ConfigError, match=r"results.jsonl, line 2: expected one JSON object per line, "
+                                          r"got '\{\"episode\": garbage'") as info:
+        run.records()
+    assert "delete line 2" in info.value.hint
+
+
+def test_resume_with_a_damaged_results_line_exits_2_naming_it(tmp_path):
+    write_episode(tmp_path / "ep", [good(0)], prompt="p")
+    run = RunFolder(tmp_path / "out")
+    run.start({"config": "dreamzero-tiny", "dtype": "float32", "pipeline_option": None, "demo": False,
+               "episodes": [{"name": "ep", "path": str(tmp_path / "ep")}]})
+    with open(run.results_path, "wb") as f:
+        f.write(b'{"episode": garbage\n')
+    result = ardiff("rollout", "--resume", "-o", "out", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    error = json.loads(result.stdout.splitlines()[-1])
+    assert error["kind"] == "config_error" and "out/results.jsonl, line 1" in error["message"]
+    assert "Traceback" not in result.stderr
+
+
+def test_cache_folder_that_is_a_file_is_a_config_error(tmp_path):
+    cache = tmp_path / "cache"
+    cache.write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"cannot write the demo episodes to .*cache/demo: Not a directory") as info:
+        ensure_demo_episodes("toy", SCHEMA, (4, 4), root=cache)
+    assert "ARDIFF_CACHE_DIR" in info.value.hint
+    result = ardiff("rollout", cwd=tmp_path, ARDIFF_CACHE_DIR=str(cache))
+    assert result.returncode == 2, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1])["kind"] == "config_error"
+    assert "Traceback" not in result.stderr
+
+
+# -- a live writer gives the prompt once -----------------------------------------------------------------------
+
+def test_live_writer_gives_the_prompt_on_the_first_step_only(tmp_path):
+    folder = tmp_path / "robot_a"
+    for step in range(3):  # the README's --follow loop
+        write_step(folder, step, good(step), prompt="open the drawer" if step == 0 else None)
+    (episode,) = discover_episodes([folder])
+    prompts = [validate_step(read_step(f.path), SCHEMA, path=f.path, episode_metadata=episode.metadata())
+               .inputs["prompt"] for f in episode.scan()]
+    assert prompts == ["open the drawer"] * 3
+
+
+def test_step_prompt_keeps_episode_yaml_fields_and_its_prompt(tmp_path):
+    folder = tmp_path / "ep"
+    folder.mkdir()
+    (folder / "episode.yaml").write_text("robot: franka\n")
+    write_step(folder, 0, good(0), prompt="first")
+    write_step(folder, 1, good(1), prompt="second")  # a step's own prompt; the episode's stays
+    import yaml
+
+    assert yaml.safe_load((folder / "episode.yaml").read_text()) == {"robot": "franka", "prompt": "first"}
+    assert read_step(folder / "step_000001.safetensors").metadata["prompt"] == "second"
