@@ -391,6 +391,16 @@ def test_device_option_takes_an_index_and_refuses_what_is_not_a_device():
     assert "'cuda:x' is not a device: use auto, cpu, cuda or cuda:N" in unboxed, result.stderr
 
 
+@pytest.mark.parametrize("where", ["a_file", "under_a_file"])
+def test_out_that_cannot_be_a_folder_is_refused_before_loading(tmp_path, where):
+    (tmp_path / "a_file").write_text("not a folder")
+    out = tmp_path / "a_file" if where == "a_file" else tmp_path / "a_file" / "run"
+    result = runner.invoke(app, ["rollout", "--out", str(out), "--format", "plain"])
+    assert result.exit_code == 2, result.stderr
+    assert f"Error: --out {out}: cannot create the output folder: " in result.stderr
+    assert "Traceback" not in result.stderr and "planned" not in result.stderr  # the model never loaded
+
+
 def test_resume_on_another_device_is_refused(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps({"format": 1, "config": "dreamzero-tiny", "dtype": "float32",
                                                    "device": "cuda:0", "episodes": [], "demo": True}))

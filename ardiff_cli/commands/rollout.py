@@ -181,6 +181,11 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         "memory_budget": cfg.runtime.memory_budget, "gpu_memory_fraction": cfg.runtime.gpu_memory_fraction,
         "started": info.get("started", time.time()),
     }
+    try:  # now, not after the model has loaded: a file or an unwritable place is a usage error
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot create the output folder: {exc.strerror or exc}",
+                          hint="choose a folder you can write, or one that does not exist yet") from None
     return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done)
 
 
