@@ -58,7 +58,7 @@ def check_byte_size(value: Optional[str]) -> Optional[str]:
     try:
         parse_bytes(value)
     except ConfigError as exc:
-        raise typer.BadParameter(f"{exc} ({exc.hint})") from None
+        raise typer.BadParameter(str(exc) + (f" ({exc.hint})" if exc.hint else "")) from None
     return value
 
 

@@ -208,13 +208,23 @@ class Output:
         if self.is_rich:
             from rich.markup import escape
 
-            self.console("stderr").print(rich_prefix + escape(message), markup=True)
+            self.console("stderr").print(rich_prefix + escape(visible(message)), markup=True)
         else:
             self._write_err(plain_prefix + message)
 
     def _write_err(self, line: str) -> None:
-        self._stderr.write(line + "\n")
+        self._stderr.write(visible(line) + "\n")
         self._stderr.flush()
+
+
+# Control characters but tab and newline (C0, DEL, C1), shown as \xNN: messages quote file names, and a
+# name holding ESC [ ... would otherwise recolour or rewrite the terminal reading them.
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x09), *range(0x0b, 0x20), 0x7f, *range(0x80, 0xa0))}
+
+
+def visible(text: str) -> str:
+    """``text`` with its control characters (but tab and newline) written as ``\\xNN``."""
+    return text.translate(_CONTROLS)
 
 
 def _plain_width() -> int:

@@ -71,6 +71,17 @@ def test_plain_has_no_escape_codes_even_with_tables():
     assert not ESC.search(stdout.getvalue() + stderr.getvalue())
 
 
+@pytest.mark.parametrize("fmt", [Format.plain, Format.rich])
+def test_control_characters_in_messages_are_shown_not_sent_to_the_terminal(fmt):
+    out, _, stderr = sink(fmt)
+    out.error("data/ev\x1b[31mil\x07/step_000001.safetensors: bad", None)
+    out.warning("tab\tand\nnewline stay")
+    text = stderr.getvalue()
+    assert "data/ev\\x1b[31mil\\x07/step_000001.safetensors" in text
+    assert "\x07" not in text and ("\x1b" not in text if fmt is Format.plain else True)
+    assert "and\nnewline stay" in text  # (Rich expands the tab)
+
+
 def test_quiet_keeps_data_and_errors_only():
     out, stdout, stderr = sink(Format.plain, quiet=True)
     out.info("progress")

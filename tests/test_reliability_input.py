@@ -401,6 +401,13 @@ def test_out_that_cannot_be_a_folder_is_refused_before_loading(tmp_path, where):
     assert "Traceback" not in result.stderr and "planned" not in result.stderr  # the model never loaded
 
 
+def test_a_byte_size_refused_early_says_why_and_nothing_else():
+    result = runner.invoke(app, ["inspect-capacity", "--memory-budget", "0"])
+    assert result.exit_code == 2
+    unboxed = " ".join(re.sub("[│╭╮╰╯─]", " ", result.stderr).split())
+    assert "'--memory-budget': a byte size must be positive, got '0'" in unboxed and "None" not in unboxed
+
+
 def test_resume_on_another_device_is_refused(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps({"format": 1, "config": "dreamzero-tiny", "dtype": "float32",
                                                    "device": "cuda:0", "episodes": [], "demo": True}))
