@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Annotated
 
 import typer
@@ -41,4 +43,27 @@ def _root(
 
 
 def main() -> None:
-    app()
+    args = sys.argv[1:]
+    if not _asks_for_json(args):
+        app()
+        return
+    # Typer reports usage errors (a bad option value, an unknown option) itself, as text. With --format json
+    # a script reading stdout gets them as the same JSON error object as every other error.
+    try:
+        code = app(args=args, standalone_mode=False)
+    except typer.TyperException as exc:
+        message = exc.format_message()
+        sys.stderr.write(f"Error: {message}\nhint: see ardiff {args[0] if args else ''} --help\n")
+        print(json.dumps({"kind": "usage_error", "message": message, "hint": "see --help",
+                          "exit_code": exc.exit_code}, separators=(",", ":")), flush=True)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        sys.exit(1)
+    sys.exit(code or 0)
+
+
+def _asks_for_json(args: list[str]) -> bool:
+    for i, arg in enumerate(args):
+        if arg.lower() == "--format=json" or (arg == "--format" and args[i + 1:i + 2] in (["json"], ["JSON"])):
+            return True
+    return False

@@ -408,6 +408,22 @@ def test_a_byte_size_refused_early_says_why_and_nothing_else():
     assert "'--memory-budget': a byte size must be positive, got '0'" in unboxed and "None" not in unboxed
 
 
+@pytest.mark.parametrize("args", [["inspect-capacity", "--memory-budget", "0"], ["rollout", "--session-capacity", "0"],
+                                  ["warmup", "--bogus"]])
+def test_usage_errors_are_a_json_object_too_with_format_json(args):
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    for fmt in (["--format", "json"], ["--format=JSON"]):
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *args, *fmt], capture_output=True, text=True,
+                              cwd=repo, timeout=120, env={**os.environ, "PYTHONPATH": str(repo)})
+        assert proc.returncode == 2, proc.stderr
+        error = json.loads(proc.stdout)  # the whole of stdout: one object
+        assert error["kind"] == "usage_error" and error["exit_code"] == 2 and args[1] in error["message"]
+        assert f"Error: {error['message']}" in proc.stderr
+
+
 def test_resume_on_another_device_is_refused(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps({"format": 1, "config": "dreamzero-tiny", "dtype": "float32",
                                                    "device": "cuda:0", "episodes": [], "demo": True}))
