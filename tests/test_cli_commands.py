@@ -176,5 +176,11 @@ def test_attention_backend_vllm_without_vllm_is_a_usage_error_with_the_install_c
     assert "attention backend 'vllm' requested but vLLM is not installed" in result.stderr
     assert "pip install 'ardiff[vllm]'" in result.stderr and "--attention-backend torch" in result.stderr
     assert "Traceback" not in result.stderr
-    expected = invoke("inspect-capacity", "--attention-backend", "vllm", "--format", "json").stdout
-    assert json.loads(expected)["attention"]["expected_backend"].startswith("error")
+    # inspect-capacity refuses it the same way (a preflight must not pass what loading refuses)
+    plan = invoke("inspect-capacity", "causal-world-tiny", "--attention-backend", "vllm", "--format", "plain")
+    assert plan.exit_code == 2 and plan.stdout == ""
+    said = [[line for line in r.stderr.splitlines() if line.startswith(("Error: ", "hint: "))] for r in (result, plan)]
+    assert said[0] == said[1] and len(said[0]) == 2
+    error = json.loads(invoke("inspect-capacity", "--attention-backend", "vllm", "--format", "json").stdout)
+    assert error["kind"] == "config_error" and error["exit_code"] == 2
+    assert error["message"] == "attention backend 'vllm' requested but vLLM is not installed"

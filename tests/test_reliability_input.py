@@ -381,7 +381,8 @@ def test_contradictory_or_invalid_options(case):
         assert hint in result.stderr
 
 
-def test_device_option_takes_an_index_and_refuses_what_is_not_a_device():
+def test_device_option_takes_an_index_and_refuses_what_is_not_a_device(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # cuda:1 is a visible GPU (only planned for, never used)
     result = runner.invoke(app, ["inspect-capacity", "--device", "CUDA:1", "--available", "1GiB", "--format", "json"])
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["device"] == "cuda:1"

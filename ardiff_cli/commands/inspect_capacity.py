@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from typing import Annotated, Any, Optional
 
 import typer
@@ -54,7 +55,8 @@ def inspect_capacity(
     config: ConfigArg = None,
     available: Annotated[Optional[str], typer.Option(
         "--available", metavar="BYTES|auto", callback=check_byte_size,
-        help="Memory to plan with, e.g. 80GiB; auto: free GPU memory (nvidia-smi) or available host memory. "
+        help="Memory to plan with, e.g. 80GiB; auto: free memory of the GPU the plan is for (nvidia-smi, "
+             "CUDA_VISIBLE_DEVICES applied) or available host memory. "
              "[default: --memory-budget or the config's, else auto]", show_default=False)] = None,
     sessions: Annotated[Optional[list[int]], typer.Option(
         "--sessions", min=1, metavar="N",
@@ -75,7 +77,7 @@ def inspect_capacity(
     out = Output.create(format, quiet=quiet, verbose=verbose and not quiet)  # both: refused
     with handle_errors(out):
         from ardiff_cli.runtime.capacity import parse_bytes, plan_capacity
-        from ardiff_cli.runtime.kv.backends import describe_backend
+        from ardiff_cli.runtime.kv.backends import describe_backend, expected_backend, select_attention_backend
         from ardiff_cli.runtime.kv.layout import KVLayout
 
         refuse_contradictions(quiet=quiet, verbose=verbose)
@@ -83,54 +85,140 @@ def inspect_capacity(
                                  session_capacity=session_capacity, gpu_memory_fraction=gpu_memory_fraction,
                                  attention_backend=attention_backend)
         runtime = cfg.runtime
+        target = resolve_plan_device(runtime.device)
+        spec = cfg.kv_cache_spec()
+        layout = KVLayout.from_spec(spec)
+        # The backend decides where the uncommitted block lives (torch: the workspace; vllm: scratch pages),
+        # so the plan takes the one expected on the device loading would resolve to.
+        backend, _ = expected_backend(runtime.attention_backend, target.kind, layout, runtime.dtype)
+        if backend == "error":  # an explicit vllm that cannot run there: the load's own ConfigError (exit 2)
+            select_attention_backend(runtime.attention_backend, target.kind, dtype=runtime.dtype, layout=layout)
+            raise AssertionError(f"expected_backend said 'error' on {target.kind} but selection succeeded: "
+                                 "the two disagree")
         if available is not None and available != "auto":
             available_bytes, source = parse_bytes(available), "--available"
         elif available is None and runtime.memory_budget is not None:
             available_bytes, source = runtime.memory_budget, "memory budget"
         else:
-            available_bytes, source = detect_available(runtime.device)
-        spec = cfg.kv_cache_spec()
-        attention = describe_backend(runtime.attention_backend, runtime.device, KVLayout.from_spec(spec),
-                                     runtime.dtype)
-        # The backend decides where the uncommitted block lives (torch: the workspace; vllm: scratch pages).
-        backend = "vllm" if attention["expected_backend"] == "vllm" else "torch"
+            available_bytes, source = detect_available(target)
+        attention = describe_backend(runtime.attention_backend, runtime.device, layout, runtime.dtype)
+        attention["plan_backend"] = backend  # the one planned for (on plan_device)
         plan = plan_capacity(spec, runtime.dtype, available_bytes, runtime.gpu_memory_fraction,
                              session_capacity=runtime.session_capacity, attention_backend=backend)
         counts = sorted(set(sessions or DEFAULT_SESSION_COUNTS) | {plan.session_capacity})
         data = capacity_report(plan, spec, counts)
         data["attention"] = attention
         data = {"kind": "capacity_plan", "config": config_label(config), "pipeline": cfg.pipeline_name,
-                "device": runtime.device, "available_source": source, **data}
+                "device": runtime.device, "plan_device": target.name, "plan_device_reason": target.reason,
+                "available_source": source, **data}
         out.result(data, lambda plain: render_capacity(data, plan, plain))
 
 
-def detect_available(device: str) -> tuple[int, str]:
-    """Free memory of ``device`` without torch: nvidia-smi for CUDA, /proc/meminfo for the host."""
+# ------------------------------------------------------------------------------- device, without torch
+@dataclass(frozen=True, slots=True)
+class GpuMemory:
+    """One GPU as nvidia-smi reports it."""
+
+    free_bytes: int  # free memory now (before model weights are loaded)
+    num_gpus: int  # GPUs in the machine, in nvidia-smi's (PCI bus) numbering
+
+
+@dataclass(frozen=True, slots=True)
+class PlanDevice:
+    """The device loading would resolve ``runtime.device`` to, found without torch."""
+
+    name: str  # "cpu" or "cuda:N", N counting the visible GPUs only (as torch does)
+    gpu_id: str | None  # that GPU as nvidia-smi -i takes it: a physical index or a UUID; None on CPU
+    reason: str  # why this device (shown with the plan)
+    memory: GpuMemory | None = None  # nvidia-smi's answer, when resolving already asked it
+
+    @property
+    def kind(self) -> str:
+        return self.name.partition(":")[0]
+
+
+def visible_cuda_devices() -> list[str] | None:
+    """The GPUs CUDA_VISIBLE_DEVICES leaves visible, in order, as nvidia-smi ids; None when unset (all).
+
+    CUDA reads the list up to the first entry that names no device, so "" and "-1" hide
+    every GPU (loading falls back to CPU) and "0,-1,1" leaves GPU 0 only. Entries are
+    indices or GPU UUIDs; cuda:N is the N-th entry.
+    """
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return None
+    ids: list[str] = []
+    for entry in raw.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        ids.append(entry)
+    return ids
+
+
+def resolve_plan_device(device: str) -> PlanDevice:
+    """``auto`` -> cuda:0 when a GPU is visible (CUDA_VISIBLE_DEVICES) and nvidia-smi can read it, else cpu;
+    ``cuda[:N]`` -> the N-th visible GPU (an index past them is a ``ConfigError``, as at load)."""
+    if device == "cpu":
+        return PlanDevice("cpu", None, "requested")
+    visible = visible_cuda_devices()
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if device == "auto":
+        if visible == []:
+            return PlanDevice("cpu", None, f"auto: CUDA_VISIBLE_DEVICES={raw!r} hides every GPU")
+        gpu_id = visible[0] if visible else "0"
+        memory = query_gpu(gpu_id)
+        if isinstance(memory, str):
+            return PlanDevice("cpu", None, f"auto: no GPU ({memory})")
+        return PlanDevice("cuda:0", gpu_id, f"auto: a GPU is visible (nvidia-smi GPU {gpu_id}{_mask(raw)})", memory)
+    index = int(device.partition(":")[2] or 0)  # bare cuda: the current device, 0 unless code changed it
+    if visible is not None and index >= len(visible):
+        shown = f"{len(visible)} GPU(s) visible (cuda:0 .. cuda:{len(visible) - 1})" if visible else "no GPU visible"
+        raise ConfigError(f"device {device!r} requested but CUDA_VISIBLE_DEVICES={raw!r} leaves {shown}",
+                          hint="check CUDA_VISIBLE_DEVICES, or use --device cuda, cpu or auto")
+    gpu_id = visible[index] if visible is not None else str(index)
+    return PlanDevice(f"cuda:{index}", gpu_id, f"requested (nvidia-smi GPU {gpu_id}{_mask(raw)})")
+
+
+def _mask(raw: str | None) -> str:
+    return "" if raw is None else f", CUDA_VISIBLE_DEVICES={raw!r}"
+
+
+def detect_available(target: PlanDevice) -> tuple[int, str]:
+    """Free memory of ``target`` without torch: nvidia-smi for a GPU, /proc/meminfo for the host."""
     from ardiff_cli.runtime.capacity import available_host_memory
 
-    if device != "cpu":
-        index = device.partition(":")[2] or os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
-        free = _nvidia_smi_free(index)
-        if free is not None:
-            return free, f"free memory of GPU {index} (nvidia-smi; before model weights)"
-        if device.startswith("cuda"):
-            raise ConfigError(f"cannot measure free memory of {device}: nvidia-smi is not available",
-                              hint="pass --available BYTES (e.g. --available 80GiB)")
-    return available_host_memory(), "available host memory"
+    if target.gpu_id is None:
+        return available_host_memory(), "available host memory"
+    memory = target.memory if target.memory is not None else query_gpu(target.gpu_id)
+    if isinstance(memory, str):
+        raise ConfigError(f"cannot measure free memory of {target.name} (nvidia-smi GPU {target.gpu_id}): {memory}",
+                          hint="pass --available BYTES (e.g. --available 80GiB)")
+    source = f"free memory of nvidia-smi GPU {target.gpu_id} (before model weights)"
+    if memory.num_gpus > 1 and target.gpu_id.isdigit() and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+        source += "; assumes CUDA_DEVICE_ORDER=PCI_BUS_ID"  # CUDA's default order is fastest first
+    return memory.free_bytes, source
 
 
-def _nvidia_smi_free(index: str) -> int | None:
+def query_gpu(gpu_id: str) -> GpuMemory | str:
+    """Free memory of GPU ``gpu_id`` (an index or UUID, as ``nvidia-smi -i`` takes it), or why it is unknown."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
-        return None
+        return "nvidia-smi is not available"
     try:
-        result = subprocess.run([exe, "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", index],
-                                capture_output=True, text=True, timeout=10, check=True)
-        return int(result.stdout.strip().splitlines()[0]) * 1024 * 1024
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
-
-
+        result = subprocess.run([exe, "--query-gpu=memory.free,count", "--format=csv,noheader,nounits", "-i", gpu_id],
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"nvidia-smi failed: {exc}"
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines:
+        said = (result.stderr.strip() or result.stdout.strip()).splitlines()
+        return f"nvidia-smi -i {gpu_id} exited {result.returncode}" + (f": {said[0]}" if said else "")
+    try:
+        free_mib, num_gpus = (int(field) for field in lines[0].split(","))
+    except ValueError:
+        return f"nvidia-smi printed {lines[0]!r}, expected 'FREE_MIB, COUNT'"
+    return GpuMemory(free_mib * 1024 * 1024, num_gpus)
 
 
 def capacity_report(plan: Any, spec: Any, counts: list[int]) -> dict[str, Any]:
@@ -169,6 +257,7 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
     table.add_column("item")
     table.add_column("size", justify="right")
     table.add_column("detail")
+    table.add_row("device", data["plan_device"], data["plan_device_reason"])
     table.add_row("available", fb(plan.available_bytes), data["available_source"])
     table.add_row("budget", fb(plan.budget_bytes), f"available x gpu_memory_fraction {plan.gpu_memory_fraction:g} "
                   "(never less than one session)")
@@ -176,8 +265,10 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
                   f"{plan.page_size} tokens, {plan.pages_per_frame} page(s) per frame, {plan.dtype}")
     table.add_row("token", fb(plan.bytes_per_token), "self-attention K+V, all layers, one branch")
     att = data["attention"]
-    table.add_row("attention", att["expected_backend"],
-                  escape(f"--attention-backend {att['setting']}: {att['reason']}"))  # '[vllm]' is not markup
+    expected = att["expected_backend"]  # "torch", or "vllm on CUDA, torch on CPU" for --device auto
+    reason = att["reason"] if expected == att["plan_backend"] else f"{expected} ({att['reason']})"
+    table.add_row("attention", att["plan_backend"],
+                  escape(f"--attention-backend {att['setting']}: {reason}"))  # '[vllm]' is not markup
     for kernel, label in (("flash", "FlashAttention (CUDA)"), ("cpu", "vLLM CPU kernel")):
         tail = att[f"{kernel}_tail_tokens"]
         table.add_row(f"  {kernel} block", f"{att[f'{kernel}_block_size']} tokens",

