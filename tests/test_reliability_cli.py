@@ -141,7 +141,7 @@ def test_faults_fail_their_episode_only_and_name_episode_and_step(env, data, ref
     assert ok == [("arm_a", 0), ("arm_a", 1), ("arm_a", 2), ("arm_b", 0), ("arm_d", 0)]
     assert_matches(run, reference, episodes=("arm_a",))  # the healthy episode did not notice a thing
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "partial" and summary["exit_code"] == 4
+    assert summary["status"] == "partial" and summary["exit_code"] == 4 and summary["steps"]["failed"] == 3
     assert summary["episodes"]["completed"] == 1 and set(summary["episodes"]["failures"]) == set(failed)
     assert {h["session"] for h in summary["hook_errors"]} == {"arm_a"} and len(summary["hook_errors"]) >= 3
 
@@ -149,6 +149,8 @@ def test_faults_fail_their_episode_only_and_name_episode_and_step(env, data, ref
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup")
     assert proc.returncode == 0, proc.stderr
     assert_matches(run, reference)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"]["failed"] == 0  # the retried steps' lines came later
 
 
 def test_a_failed_episode_does_not_keep_its_forwards_tensors_alive(env, data, tmp_path):

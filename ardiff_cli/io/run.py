@@ -199,6 +199,15 @@ def build_summary(records: list[Mapping[str, Any]], *, episodes: list[str], fail
     for record in ok:
         steps_by_episode[record["episode"]] = steps_by_episode.get(record["episode"], 0) + 1
     completed = [e for e in episodes if e not in failed and e in set(this_run.get("completed_episodes", ()))]
+    # A failure is retried when a later ok line of its episode reaches its step (a failed replay of step 0
+    # is retried by step 1's line: step 0's own ok line came earlier and is not written again).
+    unresolved, reached = 0, {}
+    for r in reversed(records):
+        episode, step = r.get("episode"), r.get("step", -1)
+        if r.get("status") == "ok":
+            reached[episode] = max(reached.get(episode, -1), step)
+        elif r.get("status") == "failed" and (episode not in reached or reached[episode] < step):  # scan: step -1
+            unresolved += 1
     return {
         "kind": "summary",
         "status": status,
@@ -219,7 +228,7 @@ def build_summary(records: list[Mapping[str, Any]], *, episodes: list[str], fail
         },
         "steps": {
             "ok": len(ok),
-            "failed": sum(1 for r in records if r.get("status") == "failed"),
+            "failed": unresolved,
             "this_run": this_run.get("steps", 0),
             "skipped_done": this_run.get("skipped", 0),
             "replayed": this_run.get("replayed", 0),
