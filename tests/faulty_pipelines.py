@@ -161,7 +161,17 @@ def load_faults() -> list[dict[str, Any]]:
 
 
 class FaultyDreamZero(DreamZeroPipeline):
-    """DreamZero with the faults of ``$ARDIFF_TEST_FAULTS`` (none: exactly DreamZero, same checkpoint)."""
+    """DreamZero with the faults of ``$ARDIFF_TEST_FAULTS`` (none: exactly DreamZero, same checkpoint).
+
+    Site ``load`` (no ``request``) sleeps while the pipeline loads, after touching ``marker``.
+    """
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        for fault in load_faults():
+            if fault["site"] == "load":
+                _act({**fault, "action": "sleep"}, "loading")
+        return super().from_config(config, **kwargs)
 
     def forward(self, request):
         with contextlib.ExitStack() as stack:

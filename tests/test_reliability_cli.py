@@ -185,6 +185,30 @@ def test_fail_fast_stops_at_the_first_failure_and_resume_completes(env, data, re
     assert_matches(run, reference)
 
 
+def test_a_signal_before_anything_was_written_says_to_run_again_not_to_resume(env, data, tmp_path):
+    run, marker = tmp_path / "run", tmp_path / "loading"
+    faults = [{"site": "load", "marker": str(marker)}]
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *rollout_args(data, run)], cwd=REPO, text=True,
+                            env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():  # the process is loading the model: no run.json yet
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "loading never started"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted by SIGINT" in err and "--resume" not in err
+    assert "hint: nothing was written yet: run the same command again" in err
+    assert not (run / "run.json").exists()
+    proc = ardiff(env, *rollout_args(data, run))  # and that works: the folder holds no run
+    assert proc.returncode == 0, proc.stderr
+
+
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_in_the_middle_of_a_forward_then_resume(env, data, reference, tmp_path, signum, code):
     run, marker = tmp_path / "run", tmp_path / "in-forward"

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ardiff_cli.commands._common import config_label, image_size, load_engine_config, refuse_contradictions
-from ardiff_cli.errors_cli import EXIT_CODES_HELP, EpisodesFailed, exit_code_for, handle_errors
+from ardiff_cli.errors_cli import EXIT_CODES_HELP, EpisodesFailed, Interrupted, exit_code_for, handle_errors
 from ardiff_cli.options import (
     ConfigArg,
     DeviceOpt,
@@ -293,6 +293,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     raise _failed_episodes(stats, len(p.episodes))
             except BaseException as exc:
                 error = exc
+                if isinstance(exc, Interrupted) and not run.holds_run():  # stopped while loading: no run.json
+                    exc.hint = "nothing was written yet: run the same command again"
                 raise
             finally:
                 try:
