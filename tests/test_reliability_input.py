@@ -328,7 +328,15 @@ CONFIG_CASES = {
                            "pickled checkpoints are never loaded"),
     "not_a_mapping": ("- pipeline\n- dreamzero\n", "inspect-capacity",
                       ["{config}: a config must be a YAML mapping, got list"], None),
-    "invalid_yaml": ("pipeline: [dreamzero\n", "inspect-capacity", ["{config}: not valid YAML"], None),
+    "invalid_yaml": ("pipeline: [dreamzero\n", "inspect-capacity",
+                     ["{config}: not valid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>'"],
+                     "check the indentation"),
+    "duplicate_key": ("pipeline: dreamzero\nruntime: {device: cpu}\nmodel: {preset: tiny}\nruntime: {dtype: bfloat16}\n",
+                      "inspect-capacity", ["{config}: not valid YAML at line 4, column 1: key 'runtime' is given "
+                                           "twice (lines 2 and 4)"], "check the indentation"),
+    "python_tag": ("pipeline: !!python/name:os.system dreamzero\n", "inspect-capacity",
+                   ["{config}: not valid YAML at line 1, column 11: could not determine a constructor for the tag "
+                    "'tag:yaml.org,2002:python/name:os.system'"], None),
     "not_utf8": (b"pipeline: dreamzero\n\xff\xfe\n", "inspect-capacity", ["{config}: not UTF-8 text"],
                  "save the config as UTF-8"),
     "device_index_not_a_number": ("pipeline: dreamzero\nruntime: {device: 'cuda:x'}\n", "inspect-capacity",

@@ -1,4 +1,4 @@
-"""Engine configs: YAML (``safe_load`` only) -> validated ``EngineConfig``. No torch import.
+"""Engine configs: YAML (``safe_load``'s types only, no duplicate keys) -> validated ``EngineConfig``. No torch import.
 
 A config file::
 
@@ -156,6 +156,29 @@ def resolve_config(name_or_path: str | Path | None) -> Path:
     )
 
 
+class _SafeUniqueKeys(yaml.SafeLoader):
+    """``safe_load``, except that a key given twice in one mapping is an error: YAML would keep the last one
+    silently, so a second ``runtime:`` block would quietly undo the first."""
+
+
+def _mapping_without_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    first_line: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            earlier = first_line.setdefault(key, key_node.start_mark.line + 1)
+        except TypeError:  # an unhashable key: construct_mapping says so
+            continue
+        if earlier != key_node.start_mark.line + 1:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice (lines {earlier} and {key_node.start_mark.line + 1})",
+                key_node.start_mark)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_SafeUniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
@@ -165,9 +188,14 @@ def read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r})",
                           hint="save the config as UTF-8 YAML") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_SafeUniqueKeys)  # noqa: S506 - a SafeLoader: safe_load's types only
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        context = getattr(exc, "context", None)
+        problem = (getattr(exc, "problem", None) or str(exc)) + (f" ({context})" if context else "")
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}",
+                          hint="check the indentation, quotes and brackets there and on the line before") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config must be a YAML mapping, got {type(data).__name__}")
     return data
