@@ -176,29 +176,35 @@ def default_checkpoint(pipeline_class: Any, config) -> Path:
                               hint=f"set {CACHE_ENV} to a writable folder") from None
 
 
-def _load_yaml_config(path: str):
-    import yaml
+def _load_yaml_config(config: str):
+    """The pipeline class and model config of CONFIG (a YAML path or a built-in name), validated as ardiff does."""
+    from ardiff_cli.runtime.config import load_config
 
-    from ardiff_cli.runtime.registry import resolve_pipeline
-
-    with open(path) as f:
-        data = yaml.safe_load(f)
-    entry = resolve_pipeline(data.get("pipeline"), where=path)
-    config = entry.config_class.from_dict(data.get("model") or {}, where=path)
-    return entry.pipeline_class(), config
+    cfg = load_config(config)
+    return cfg.entry.pipeline_class(), cfg.model
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ardiff_cli.runtime.errors import ArdiffError
+
     argv = sys.argv[1:] if argv is None else argv
-    usage = "usage: python -m pipelines.checkpoint init CONFIG.yaml OUT.safetensors | path CONFIG.yaml"
-    if len(argv) == 3 and argv[0] == "init":
-        pipeline_class, config = _load_yaml_config(argv[1])
-        print(write_fresh_checkpoint(pipeline_class, config, argv[2]))
-        return 0
-    if len(argv) == 2 and argv[0] == "path":
-        pipeline_class, config = _load_yaml_config(argv[1])
-        print(cache_dir() / f"{pipeline_class.name}-{weight_digest(pipeline_class.name, config)}.safetensors")
-        return 0
+    usage = "usage: python -m pipelines.checkpoint init CONFIG OUT.safetensors | path CONFIG  (CONFIG: a YAML path " \
+            "or a built-in config name)"
+    try:
+        if len(argv) == 3 and argv[0] == "init":
+            pipeline_class, config = _load_yaml_config(argv[1])
+            try:
+                print(write_fresh_checkpoint(pipeline_class, config, argv[2]))
+            except OSError as exc:
+                raise CheckpointError(f"cannot write {argv[2]}: {exc.strerror or exc}") from None
+            return 0
+        if len(argv) == 2 and argv[0] == "path":
+            pipeline_class, config = _load_yaml_config(argv[1])
+            print(cache_dir() / f"{pipeline_class.name}-{weight_digest(pipeline_class.name, config)}.safetensors")
+            return 0
+    except ArdiffError as exc:
+        print(f"Error: {exc}" + (f"\nhint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
+        return exc.exit_code
     print(usage, file=sys.stderr)
     return 2
 

@@ -138,6 +138,19 @@ def test_command_line_init(tmp_path, capsys):
     assert main(["bogus"]) == 2
 
 
+def test_command_line_takes_builtin_names_and_reports_bad_configs(tmp_path, capsys, ardiff_cache):
+    assert main(["path", "dreamzero-tiny"]) == 0  # a built-in name, as everywhere else CONFIG is taken
+    assert main(["path", str(CONFIGS / "dreamzero-tiny.yaml")]) == 0
+    by_name, by_path = capsys.readouterr().out.split()
+    assert by_name == by_path
+    assert main(["init", str(tmp_path / "missing.yaml"), str(tmp_path / "out.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert f"Error: config file not found: {tmp_path / 'missing.yaml'}" in err and "Traceback" not in err
+    (tmp_path / "bad.yaml").write_text("pipeline: dreamzero\nmodel: {window_frame: 3}\n")
+    assert main(["path", str(tmp_path / "bad.yaml")]) == 2
+    assert "unknown key 'model.window_frame'" in capsys.readouterr().err
+
+
 def test_bfloat16_rollout(ardiff_cache):
     pipe = causal_world.pipeline_class().from_config(tiny(causal_world), device="cpu", dtype=torch.bfloat16)
     driver = Driver(pipe)
