@@ -1,4 +1,4 @@
-"""Engine configs: YAML (``safe_load``'s types only, no duplicate keys) -> validated ``EngineConfig``. No torch import.
+"""Engine configs: YAML (``safe_load`` only; a key given twice is an error) -> validated ``EngineConfig``. No torch import.
 
 A config file::
 
@@ -156,27 +156,24 @@ def resolve_config(name_or_path: str | Path | None) -> Path:
     )
 
 
-class _SafeUniqueKeys(yaml.SafeLoader):
-    """``safe_load``, except that a key given twice in one mapping is an error: YAML would keep the last one
-    silently, so a second ``runtime:`` block would quietly undo the first."""
-
-
-def _mapping_without_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
-    first_line: dict[Any, int] = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            earlier = first_line.setdefault(key, key_node.start_mark.line + 1)
-        except TypeError:  # an unhashable key: construct_mapping says so
-            continue
-        if earlier != key_node.start_mark.line + 1:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} is given twice (lines {earlier} and {key_node.start_mark.line + 1})",
-                key_node.start_mark)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_SafeUniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+def _duplicate_key(text: str) -> tuple[str, int, int] | None:
+    """The first key given twice in one mapping, with both lines: YAML keeps the last one silently, so a
+    second ``runtime:`` block would quietly undo the first. Reads the node graph only (nothing constructed)."""
+    stack = [yaml.compose(text, Loader=yaml.SafeLoader)]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[str, int] = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    line = key.start_mark.line + 1
+                    if key.value in lines:
+                        return key.value, lines[key.value], line
+                    lines[key.value] = line
+                stack.append(value)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+    return None
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -188,7 +185,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r})",
                           hint="save the config as UTF-8 YAML") from None
     try:
-        data = yaml.load(text, Loader=_SafeUniqueKeys)  # noqa: S506 - a SafeLoader: safe_load's types only
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -198,6 +195,11 @@ def read_yaml(path: Path) -> dict[str, Any]:
                           hint="check the indentation, quotes and brackets there and on the line before") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config must be a YAML mapping, got {type(data).__name__}")
+    duplicate = _duplicate_key(text)
+    if duplicate is not None:
+        key, first, second = duplicate
+        raise ConfigError(f"{path}: key {key!r} is given twice (lines {first} and {second}); YAML would keep the "
+                          "second silently", hint="merge the two into one")
     return data
 
 
