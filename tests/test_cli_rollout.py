@@ -236,13 +236,18 @@ def test_resume_reads_the_runs_own_config_from_any_folder_and_refuses_an_edited_
     assert proc.returncode == 2 and "was edited since the run started" in proc.stderr, proc.stderr
 
 
+def follow_a_live_episode(env, data, tmp_path: Path, fmt: str) -> tuple[subprocess.Popen, Path, Path]:
+    """`rollout --follow` of one episode whose robot has written step 0 only: (process, episodes, run)."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow",
+                 "--no-warmup", "--format", fmt)
+    return proc, live, run
+
+
 def test_a_reader_that_goes_away_stops_the_run_like_sigpipe_and_resume_finishes_it(env, data, tmp_path):
     # `ardiff rollout --format json | head -1`: the episode is still being recorded when head exits.
-    live = tmp_path / "live"
-    write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
-    run = tmp_path / "run"
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow",
-                 "--no-warmup", "--format", "json")
+    proc, live, run = follow_a_live_episode(env, data, tmp_path, "json")
     try:
         assert json.loads(proc.stdout.readline())["kind"]  # one line read, then the reader goes away
         proc.stdout.close()
@@ -260,11 +265,7 @@ def test_a_reader_that_goes_away_stops_the_run_like_sigpipe_and_resume_finishes_
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signals_exit_130_or_143_with_whole_lines(env, data, tmp_path, signum, code):
-    live = tmp_path / "live"
-    write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
-    run = tmp_path / "run"
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow",
-                 "--no-warmup", "--format", "plain")
+    proc, _, run = follow_a_live_episode(env, data, tmp_path, "plain")
     try:
         wait_for_lines(run / "results.jsonl", 1, proc)
         proc.send_signal(signum)
