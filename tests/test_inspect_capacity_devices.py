@@ -182,6 +182,7 @@ def test_explicit_cuda_says_why_its_memory_is_unknown(tmp_path):
 
 
 # ------------------------------------------------------------------------- 3. a vllm that cannot run: exit 2
+@pytest.mark.skipif(__import__("importlib.util").util.find_spec("vllm") is not None, reason="vLLM is installed")
 @pytest.mark.parametrize(("device", "gpu", "cpu_hint"), [("auto", False, True), ("cuda", True, False),
                                                          ("auto", True, False), ("cpu", True, True)])
 def test_vllm_requested_but_not_installed_exits_2_like_loading(tmp_path, device, gpu, cpu_hint):
