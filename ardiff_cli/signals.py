@@ -40,11 +40,13 @@ class StopSignals:
             signal.signal(signum, handler)
         self._previous.clear()
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.stop(signum)
+    def defer(self, signum: int) -> None:
+        """Stop at the next safe point (``check``, or the end of a critical section) as if ``signum`` had
+        arrived: the output does this with SIGPIPE when stdout's reader is gone, from inside whatever was
+        emitting an event, where raising would cut the runner's bookkeeping short."""
+        self.pending = self.pending or signum
 
-    def stop(self, signum: int) -> None:
-        """Stop as if ``signum`` arrived now (the output uses it with SIGPIPE when stdout's reader is gone)."""
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._depth or self._stopping:
             self.pending = self.pending or signum
             return

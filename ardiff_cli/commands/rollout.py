@@ -267,8 +267,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     try:
         with StopSignals() as signals, output.live(lambda: render(monitor.snapshot())):
             # `ardiff rollout --format json | head`: once the reader is gone, stop as a shell's SIGPIPE would
-            # (exit 141), but at a point where every written file is whole, so --resume can finish the run.
-            output.on_broken_pipe = lambda: signals.stop(signal.SIGPIPE)
+            # (exit 141), but between steps, where every written file is whole, so --resume can finish the run.
+            output.on_broken_pipe = lambda: signals.defer(signal.SIGPIPE)
             try:
                 from ardiff_cli.runtime.engine import ARDiffusionEngine
 
