@@ -63,7 +63,5 @@ def main() -> None:
 
 
 def _asks_for_json(args: list[str]) -> bool:
-    for i, arg in enumerate(args):
-        if arg.lower() == "--format=json" or (arg == "--format" and args[i + 1:i + 2] in (["json"], ["JSON"])):
-            return True
-    return False
+    return any(arg.lower() == "--format=json" or (arg == "--format" and following.lower() == "json")
+               for arg, following in zip(args, [*args[1:], ""]))

@@ -146,7 +146,11 @@ class Output:
         except BrokenPipeError:
             self._stdout_gone = True
             try:  # so that the interpreter's own flush at exit does not complain either
-                os.dup2(os.open(os.devnull, os.O_WRONLY), self._stdout.fileno())
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                try:
+                    os.dup2(devnull, self._stdout.fileno())
+                finally:
+                    os.close(devnull)
             except (OSError, ValueError, AttributeError):
                 pass
             if self.on_broken_pipe is not None:
