@@ -331,8 +331,8 @@ CONFIG_CASES = {
     "invalid_yaml": ("pipeline: [dreamzero\n", "inspect-capacity",
                      ["{config}: not valid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>'"],
                      "check the indentation"),
-    "duplicate_key": ("pipeline: dreamzero\nruntime: {device: cpu}\nmodel: {preset: tiny}\nruntime: {dtype: bfloat16}\n",
-                      "inspect-capacity", ["{config}: key 'runtime' is given twice (lines 2 and 4)"],
+    "duplicate_key": ("pipeline: dreamzero\nruntime: {device: cpu}\nmodel: {preset: tiny}\n"
+                      "runtime: {dtype: bfloat16}\n", "inspect-capacity", ["{config}: key 'runtime' is given twice (lines 2 and 4)"],
                       "merge the two"),
     "python_tag": ("pipeline: !!python/name:os.system dreamzero\n", "inspect-capacity",
                    ["{config}: not valid YAML at line 1, column 11: could not determine a constructor for the tag "

@@ -1,4 +1,4 @@
-"""Engine configs: YAML (``safe_load`` only; a key given twice is an error) -> validated ``EngineConfig``. No torch import.
+"""Engine configs: YAML (``safe_load`` only, no key twice) -> validated ``EngineConfig``. No torch import.
 
 A config file::
 
