@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Annotated
 
@@ -11,6 +10,7 @@ import typer
 from ardiff_cli import __version__
 from ardiff_cli.commands import inspect_capacity, rollout, warmup
 from ardiff_cli.errors_cli import EXIT_CODES_HELP
+from ardiff_cli.output import Format, Output
 
 app = typer.Typer(
     name="ardiff",
@@ -52,10 +52,8 @@ def main() -> None:
     try:
         code = app(args=args, standalone_mode=False)
     except typer.TyperException as exc:
-        message = exc.format_message()
-        sys.stderr.write(f"Error: {message}\nhint: see ardiff {args[0] if args else ''} --help\n")
-        print(json.dumps({"kind": "usage_error", "message": message, "hint": "see --help",
-                          "exit_code": exc.exit_code}, separators=(",", ":")), flush=True)
+        Output(Format.json).error(exc.format_message(), f"see ardiff {args[0]} --help", exit_code=exc.exit_code,
+                                  kind="usage_error")
         sys.exit(exc.exit_code)
     except typer.Abort:
         sys.exit(1)

@@ -41,10 +41,10 @@ def check_device(value: Optional[str]) -> Optional[str]:
     """auto, cpu, cuda or cuda:N (any case); anything else is a usage error naming the choices."""
     if value is None:
         return value
-    name = value.strip().lower()
-    kind, colon, index = name.partition(":")
-    if name in ("auto", "cpu", "cuda") or (kind == "cuda" and colon and index.isdigit()):
-        return name
+    from ardiff_cli.runtime.config import is_device_name
+
+    if is_device_name(value.strip().lower()):
+        return value.strip().lower()
     raise typer.BadParameter(f"{value!r} is not a device: use auto, cpu, cuda or cuda:N (e.g. cuda:1)")
 
 

@@ -69,10 +69,15 @@ class RuntimeConfig:
         return replace(self, **changes)
 
 
+def is_device_name(value: Any) -> bool:
+    """auto, cpu, cuda or cuda:N (what ``runtime.device`` and ``--device`` take)."""
+    return isinstance(value, str) and (value in DEVICES or re.fullmatch(r"cuda:\d+", value) is not None)
+
+
 def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
     field = f"runtime.{key}"
     if key == "device":
-        if not isinstance(value, str) or not (value in DEVICES or re.fullmatch(r"cuda:\d+", value)):
+        if not is_device_name(value):
             raise field_error(where, field, "auto, cpu, cuda or cuda:N", value)
         return value
     if key == "dtype":
