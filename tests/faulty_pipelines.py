@@ -20,7 +20,7 @@ Each fault is a JSON object:
   ``close_hook`` (``session``: its close hook raises; no ``request``);
 - ``action`` (block and sampler): ``raise`` (default) or ``sleep`` (touch ``marker``, then sleep ``seconds``:
   for signals that must arrive in the middle of a forward);
-- ``probe`` (block): also keep a weak reference to the block's input tensor, and site ``probe`` on a later
+- ``probe`` (block and sampler): also keep a weak reference to the first argument (a tensor), and site ``probe`` on a later
   request writes to ``path`` which of those tensors are still alive (after ``gc.collect()``): a failed
   episode must not keep its forward's tensors alive for the rest of the run.
 """
@@ -61,46 +61,37 @@ def _act(fault: dict[str, Any], message: str) -> None:
 
 
 @contextlib.contextmanager
-def block_fault(pipeline: Any, layer: int, *, call: int = 1, fault: dict[str, Any] | None = None) -> Iterator[None]:
-    """Transformer block ``layer`` fails on its ``call``-th forward (1: the first commit pass)."""
-    block = pipeline.transformer.blocks[layer]
-    original = block.forward
+def _fail_on_call(owner: Any, attr: str, call: int, fault: dict[str, Any] | None, message: str) -> Iterator[None]:
+    """``owner.attr`` (a callable) acts out ``fault`` on its ``call``-th call; restored on exit."""
+    fault = fault or {}
+    original = getattr(owner, attr)
     calls = 0
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls == call:
-            if (fault or {}).get("probe"):
+            if fault.get("probe"):
                 PROBES.append(weakref.ref(args[0]))
-            _act(fault or {}, f"injected fault in transformer block {layer} (call {call})")
+            _act(fault, message)
         return original(*args, **kwargs)
 
-    block.forward = forward
+    setattr(owner, attr, wrapped)
     try:
         yield
     finally:
-        del block.forward
+        delattr(owner, attr)
 
 
-@contextlib.contextmanager
-def sampler_fault(pipeline: Any, *, call: int = 2, fault: dict[str, Any] | None = None) -> Iterator[None]:
+def block_fault(pipeline: Any, layer: int, *, call: int = 1, fault: dict[str, Any] | None = None):
+    """Transformer block ``layer`` fails on its ``call``-th forward (1: the first commit pass)."""
+    return _fail_on_call(pipeline.transformer.blocks[layer], "forward", call, fault,
+                         f"injected fault in transformer block {layer} (call {call})")
+
+
+def sampler_fault(pipeline: Any, *, call: int = 2, fault: dict[str, Any] | None = None):
     """The sampler's velocity evaluation fails on its ``call``-th use (after the commit pass wrote KV)."""
-    original = pipeline._velocity
-    calls = 0
-
-    def velocity(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == call:
-            _act(fault or {}, f"injected fault in the sampler (velocity call {call})")
-        return original(*args, **kwargs)
-
-    pipeline._velocity = velocity
-    try:
-        yield
-    finally:
-        del pipeline._velocity
+    return _fail_on_call(pipeline, "_velocity", call, fault, f"injected fault in the sampler (velocity call {call})")
 
 
 @contextlib.contextmanager
