@@ -1,10 +1,26 @@
-"""Shared fixtures: tiny KV geometries and caches sized for a few sessions."""
+"""Shared fixtures: tiny KV geometries and caches sized for a few sessions; the environment of CLI subprocesses."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
 from ardiff_cli.runtime.kv.layout import SCRATCH_ENV
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory):
+    """For `python -m ardiff_cli` subprocesses: the repo and tests/ importable (faulty_pipelines), one cache per
+    module (checkpoints, demo data), no colour hints, no injected faults, one thread."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "COLUMNS", "ARDIFF_TEST_FAULTS")}
+    env.update(ARDIFF_CACHE_DIR=str(tmp_path_factory.mktemp("cache")), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), env.get("PYTHONPATH", "")]))
+    return env
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,6 @@ round-robin evicts at every step) keeps each run to a few seconds on a laptop CP
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
@@ -32,13 +31,8 @@ runtime: {device: cpu, session_capacity: 1}
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """Subprocess environment: the repo importable, one shared cache (checkpoints, demo data), no colour hints."""
-    cache = tmp_path_factory.mktemp("cache")
-    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "COLUMNS")}
-    env.update(ARDIFF_CACHE_DIR=str(cache), PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    return env
+def env(cli_env):
+    return cli_env
 
 
 def ardiff(env, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

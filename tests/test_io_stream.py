@@ -12,6 +12,7 @@ from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.runtime.errors import ObservationError
 from ardiff_cli.runtime.observation import ObservationField, ObservationSchema
+from fake_clock import FakeClock
 
 SCHEMA = ObservationSchema(
     fields=(
@@ -107,27 +108,13 @@ def test_unreadable_episode_folder_becomes_an_error_item(tmp_path):
     assert _drain(scheduler) == [("a", 0), ("a", "complete")]
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.on_sleep = []  # callbacks run at each sleep (a robot writing files)
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-        if self.on_sleep:
-            self.on_sleep.pop(0)()
-
-
 def test_follow_takes_files_as_they_arrive_until_the_end_marker(tmp_path):
     folder = tmp_path / "live"
     folder.mkdir()
     clock = FakeClock()
     writes = [lambda: write_step(folder, 0, good(0), prompt="p"), lambda: None,
               lambda: write_step(folder, 1, good(1)), lambda: (folder / "END").write_bytes(b"")]
-    clock.on_sleep = list(writes)
+    clock.actions = list(writes)
     scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
                               clock=clock, sleep=clock.sleep)
     first = scheduler.next()
@@ -145,7 +132,7 @@ def test_follow_waits_for_a_file_to_stop_growing(tmp_path):
     clock = FakeClock()
     partial = folder / "step_000000.npz"
     partial.write_bytes(b"PK")  # a writer that does not rename, caught mid-write
-    clock.on_sleep = [lambda: write_step(folder, 0, good(0), prompt="p", format="npz"),
+    clock.actions = [lambda: write_step(folder, 0, good(0), prompt="p", format="npz"),
                       lambda: None, lambda: (folder / "END").write_bytes(b"")]
     scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
                               clock=clock, sleep=clock.sleep)
@@ -167,7 +154,7 @@ def test_follow_rejects_a_step_older_than_one_already_run(tmp_path):
     folder = tmp_path / "live"
     write_episode(folder, [good(0)], prompt="p", end=False, first_step=5)
     clock = FakeClock()
-    clock.on_sleep = [lambda: None, lambda: write_step(folder, 2, good(2)), lambda: None, lambda: None]
+    clock.actions = [lambda: None, lambda: write_step(folder, 2, good(2)), lambda: None, lambda: None]
     scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
                               clock=clock, sleep=clock.sleep)
     assert scheduler.next().file.step == 5

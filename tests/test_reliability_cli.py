@@ -14,7 +14,6 @@ a forward exit 130/143 with complete outputs, and --resume completes every inter
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -28,7 +27,6 @@ from ardiff_cli.io import write_episode
 from ardiff_cli.io.demo import demo_step
 
 REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
 PIPELINE = "faulty_pipelines:FaultyDreamZero"
 EPISODES = ("arm_a", "arm_b", "arm_c", "arm_d")
 FAST_CONFIG = """\
@@ -39,12 +37,8 @@ runtime: {device: cpu, session_capacity: 1}
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "COLUMNS", "ARDIFF_TEST_FAULTS")}
-    env.update(ARDIFF_CACHE_DIR=str(cache), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS), env.get("PYTHONPATH", "")]))
-    return env
+def env(cli_env):
+    return cli_env
 
 
 @pytest.fixture(scope="module")

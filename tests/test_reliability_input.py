@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fake_clock import FakeClock
 from typer.testing import CliRunner
 
 from ardiff_cli.app import app
@@ -449,22 +450,6 @@ def test_resume_with_a_different_dtype_is_refused(tmp_path):
     assert result.exit_code == 2
     assert "Error: --dtype 'bfloat16' differs from the interrupted run's 'float32'" in result.stderr
     assert "hint: resume with the same --dtype" in result.stderr
-
-
-class FakeClock:
-    """Time that moves only when the scheduler sleeps; each sleep may run one action (a robot writing)."""
-
-    def __init__(self, actions=()) -> None:
-        self.now = 0.0
-        self.actions = list(actions)
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-        if self.actions:
-            self.actions.pop(0)()
 
 
 def _follow(folder: Path, clock: FakeClock) -> StepScheduler:
