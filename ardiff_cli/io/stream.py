@@ -14,7 +14,8 @@ Step numbers must be consecutive: a session's outputs depend on every earlier
 step, so a gap is never skipped. Without ``follow`` a gap (or a folder with no
 step files at all) fails the episode before its first step runs; while
 following, a step beyond a gap waits for the missing one, and the episode
-fails if its END marker or the idle timeout comes first.
+fails if its END marker or the idle timeout comes first; an episode that
+ends (END or idle timeout) before any step file arrived fails too.
 """
 
 from __future__ import annotations
@@ -189,11 +190,25 @@ class StepScheduler:
         if track.source.has_end_marker():
             self._guarded_scan(track)
             self._raise_gap(track)
-            return "end_marker" if track.cursor >= len(track.files) and not track.sizes else None
+            if track.cursor < len(track.files) or track.sizes:
+                return None
+            self._raise_empty(track, "its END marker came before any step file",
+                              "write END after the episode's last step file")
+            return "end_marker"
         if self._clock() - track.last_activity >= self.idle_timeout:
             self._raise_gap(track)
+            gone = "" if track.source.path.exists() else " (the folder does not exist)"
+            self._raise_empty(track, f"no step file arrived within --idle-timeout {self.idle_timeout:g} s{gone}",
+                              "check that the robot writes step_000000.safetensors, ... into this folder, "
+                              "or raise --idle-timeout")
             return "idle_timeout"
         return None
+
+    @staticmethod
+    def _raise_empty(track: _Track, what: str, hint: str) -> None:
+        """An episode that ends with no step file at all failed, as it does without ``follow``."""
+        if not track.files:
+            raise ObservationError(f"{track.source.path}: {what}", hint=hint)
 
     def _raise_gap(self, track: _Track) -> None:
         if track.gap is not None:
