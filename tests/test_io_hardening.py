@@ -156,6 +156,24 @@ def test_damaged_results_line_is_named_with_its_line(tmp_path):
     assert "delete line 2" in info.value.hint
 
 
+@pytest.mark.parametrize(("line", "fault"), [
+    ({"episode": "ep", "step": 1, "status": "ok"}, "expected an ok line to name its 'output' file"),
+    ({"step": 1, "status": "failed"}, "expected a line with an 'episode' name"),
+    ({"episode": "ep", "step": "1", "status": "ok", "output": "x"}, "expected a line with an integer 'step'"),
+    ({"episode": "ep", "step": 1, "status": "done", "output": "x"}, "expected a line with 'status' ok or failed"),
+])
+def test_a_results_line_lacking_what_resume_reads_is_named(tmp_path, line, fault):
+    """A hand-edited line that parses but lacks a field is a ConfigError naming it, not a KeyError."""
+    run = RunFolder(tmp_path)
+    run.append_result({"episode": "ep", "step": 0, "status": "ok", "output": "episodes/ep/step_000000.safetensors"})
+    run.append_result(line)
+    run.close()
+    with pytest.raises(ConfigError) as info:
+        run.done_steps()
+    assert str(info.value).startswith(f"{run.results_path}, line 2: {fault}, got '{{")
+    assert "delete line 2" in info.value.hint
+
+
 def test_resume_with_a_damaged_results_line_exits_2_naming_it(tmp_path):
     write_episode(tmp_path / "ep", [good(0)], prompt="p")
     run = RunFolder(tmp_path / "out")

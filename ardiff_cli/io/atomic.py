@@ -14,7 +14,7 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -126,11 +126,13 @@ def truncate_partial_line(path: Path) -> None:
         f.truncate(data.rfind(b"\n") + 1)
 
 
-def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
+def read_jsonl(path: str | os.PathLike,
+               problem: Callable[[dict[str, Any]], str | None] | None = None) -> Iterator[dict[str, Any]]:
     """The whole lines of a JSON-lines file; a trailing partial line is ignored.
 
-    Lines are written whole (:class:`JsonlAppender`), so a whole line that is not a JSON object was damaged
-    outside ardiff: that is a ``ConfigError`` naming the file and line, never a guess at what it held.
+    Lines are written whole (:class:`JsonlAppender`), so a whole line that is not a JSON object (or one
+    ``problem`` finds fault with) was damaged outside ardiff: that is a ``ConfigError`` naming the file
+    and line, never a guess at what it held.
     """
     path = Path(path)
     if not path.exists():
@@ -145,11 +147,12 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
                 record = json.loads(raw)
             except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
                 record = None
-            if not isinstance(record, dict):
+            fault = "expected one JSON object per line" if not isinstance(record, dict) else \
+                problem(record) if problem is not None else None
+            if fault is not None:
                 got = raw.rstrip(b"\n").decode("utf-8", "replace")
                 raise ConfigError(
-                    f"{path}, line {number}: expected one JSON object per line, got {got[:80]!r}"
-                    + ("..." if len(got) > 80 else ""),
+                    f"{path}, line {number}: {fault}, got {got[:80]!r}" + ("..." if len(got) > 80 else ""),
                     hint=f"ardiff writes each line whole, so the file was changed outside ardiff: restore it, or "
                          f"delete line {number} (its step then runs again with --resume)",
                 )

@@ -100,8 +100,8 @@ class RunFolder:
         return info
 
     def records(self) -> list[dict[str, Any]]:
-        """Every whole line of results.jsonl, in order."""
-        return list(read_jsonl(self.results_path))
+        """Every whole line of results.jsonl, in order; a line lacking what resuming reads is named."""
+        return list(read_jsonl(self.results_path, _record_problem))
 
     def done_steps(self, records: Iterable[Mapping[str, Any]] | None = None) -> dict[str, set[int]]:
         """Episode -> steps with an ``ok`` line whose output file exists (those are not run again)."""
@@ -140,6 +140,19 @@ class RunFolder:
         if self._results is not None:
             self._results.close()
             self._results = None
+
+
+def _record_problem(record: Mapping[str, Any]) -> str | None:
+    """What a results.jsonl line lacks of the fields resuming and the summary read, or None."""
+    if not isinstance(record.get("episode"), str):
+        return "expected a line with an 'episode' name"
+    if type(record.get("step")) is not int:
+        return "expected a line with an integer 'step'"
+    if record.get("status") not in ("ok", "failed"):
+        return "expected a line with 'status' ok or failed"
+    if record["status"] == "ok" and not isinstance(record.get("output"), str):
+        return "expected an ok line to name its 'output' file"
+    return None
 
 
 def _checked_name(episode: str) -> str:
