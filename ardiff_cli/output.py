@@ -131,10 +131,15 @@ class Output:
             self.json(data)
             return
         renderable = human(not self.is_rich)
-        if isinstance(renderable, str) and not self.is_rich:
-            self._to_stdout(lambda: self._stdout.write(renderable.rstrip("\n") + "\n"))
-        else:
+        if self.is_rich:
             self._to_stdout(lambda: self.console("stdout").print(renderable))
+            return
+        if not isinstance(renderable, str):  # a table: its text without the cell padding at line ends
+            console = self.console("stdout")
+            with console.capture() as captured:
+                console.print(renderable)
+            renderable = "\n".join(line.rstrip() for line in captured.get().splitlines())
+        self._to_stdout(lambda: self._stdout.write(renderable.rstrip("\n") + "\n"))
 
     def _to_stdout(self, write: Callable[[], object]) -> None:
         """Run ``write`` and flush; once stdout's reader has gone (``| head``), write nothing more."""

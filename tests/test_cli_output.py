@@ -64,11 +64,15 @@ def test_plain_has_no_escape_codes_even_with_tables():
     from rich.table import Table
 
     out, stdout, stderr = sink(Format.plain)
-    table = Table("a", "b")
+    table = Table("a", "b", box=None)  # as the command tables are: no border to end a line
     table.add_row("[bold]1[/bold]", "2")
+    table.add_row("3", "a much longer cell")
     out.result({}, lambda plain: table)
     out.warning("w")
     assert not ESC.search(stdout.getvalue() + stderr.getvalue())
+    lines = stdout.getvalue().splitlines()
+    assert "2" in lines[-2] and "a much longer cell" in lines[-1]
+    assert [line for line in lines if line != line.rstrip()] == []  # no cell padding at line ends (diff, grep $)
 
 
 @pytest.mark.parametrize("fmt", [Format.plain, Format.rich])
