@@ -97,8 +97,9 @@ def load_checkpoint(module: nn.Module, path: str | Path, *, assign: bool = False
     """Load ``path`` into ``module`` strictly; returns the file's metadata.
 
     Keys pass through ``remap_checkpoint_key`` first (wrapper prefixes).
-    Missing keys, unexpected keys and shape mismatches are collected and
-    raised together as one ``CheckpointError``. ``assign=True`` adopts the
+    Missing keys, unexpected keys, shape mismatches and non-floating tensors
+    in place of floating weights are collected and raised together as one
+    ``CheckpointError``. ``assign=True`` adopts the
     file's tensors (for modules built on the meta device).
     """
     path = Path(path)
@@ -124,9 +125,16 @@ def load_checkpoint(module: nn.Module, path: str | Path, *, assign: bool = False
         for k in expected
         if k in tensors and tensors[k].shape != expected[k].shape
     ]
+    # Floating weights are cast to the model dtype on load; an integer or bool tensor in their place is no weight.
+    wrong_dtype = [
+        f"{k}: checkpoint {tensors[k].dtype} vs model {expected[k].dtype}"
+        for k in expected
+        if k in tensors and tensors[k].is_floating_point() != expected[k].is_floating_point()
+    ]
     problems = []
     for label, items in (("missing keys", missing), ("unexpected keys", unexpected),
-                         ("shape mismatches", mismatched), ("keys duplicated after prefix removal", duplicates)):
+                         ("shape mismatches", mismatched), ("dtype mismatches", wrong_dtype),
+                         ("keys duplicated after prefix removal", duplicates)):
         if items:
             problems.append(f"{len(items)} {label}: {', '.join(items)}")
     if problems:

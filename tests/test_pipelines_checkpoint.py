@@ -93,6 +93,20 @@ def test_mismatches_are_reported_together(tmp_path):
     assert "python -m pipelines.checkpoint init" in err.value.hint
 
 
+def test_integer_tensor_for_a_float_weight_is_a_checkpoint_error(tmp_path):
+    """Float weights of another precision are cast on load; an integer tensor is reported, not a torch traceback."""
+    cls = causal_world.pipeline_class()
+    state = fresh_modules(lambda: cls.build_modules(tiny(causal_world)), 0).state_dict()
+    state["transformer.head.head.weight"] = state["transformer.head.head.weight"].to(torch.int64)
+    state["transformer.head.head.bias"] = state["transformer.head.head.bias"].to(torch.float16)  # fine: cast
+    path = tmp_path / "ints.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    with pytest.raises(CheckpointError,
+                       match=r"1 dtype mismatches: transformer\.head\.head\.weight: checkpoint torch\.int64 vs "
+                             r"model torch\.float32$"):
+        cls.from_config(tiny(causal_world), device="cpu", checkpoint=path)
+
+
 def test_checkpoint_of_another_pipeline_names_it(tmp_path):
     path = write_fresh_checkpoint(causal_world.pipeline_class(), tiny(causal_world), tmp_path / "world.safetensors")
     with pytest.raises(CheckpointError, match="written for pipeline 'causal_world'.*missing keys"):
