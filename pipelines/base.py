@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.request import ARDiffusionRequest
-from pipelines.checkpoint import default_checkpoint, fresh_modules, load_checkpoint
+from pipelines.checkpoint import check_weight_fields, default_checkpoint, fresh_modules, load_checkpoint
 from pipelines.rollout import PagedRollout
 
 
@@ -98,7 +98,7 @@ class ARPipeline(abc.ABC):
         path = Path(checkpoint) if checkpoint is not None else default_checkpoint(cls, config)
         with torch.device("meta"):
             modules = cls.build_modules(config)
-        load_checkpoint(modules, path, assign=True)
+        check_weight_fields(cls.name, config, load_checkpoint(modules, path, assign=True), path)
         modules = modules.to(device=device, dtype=dtype).eval().requires_grad_(False)
         return cls(config, modules, device=torch.device(device), dtype=dtype, checkpoint=path)
 

@@ -152,6 +152,35 @@ def load_checkpoint(module: nn.Module, path: str | Path, *, assign: bool = False
     return read_metadata(path)
 
 
+def check_weight_fields(pipeline_name: str, config, metadata: dict[str, str], path: str | Path) -> None:
+    """Refuse a checkpoint whose recorded config differs from ``config`` in a field that shapes the weights.
+
+    Shapes catch most geometry changes, not all: ``num_heads`` splits the same
+    ``dim x dim`` projections differently, so a file written for 4 heads loads
+    into a 2-head model and computes garbage. Files this module wrote record
+    their config; ``seed`` is exempt (it is also the default noise seed), and
+    files without the record (converted Wan checkpoints) are trusted.
+    """
+    if metadata.get("pipeline") != pipeline_name or "config" not in metadata:
+        return
+    try:
+        recorded = json.loads(metadata["config"])
+    except ValueError:
+        return
+    ours = json.loads(json.dumps(config.to_dict()))  # as recorded: tuples become lists
+    differing = [
+        f"{name}: checkpoint {recorded[name]!r} vs config {ours[name]!r}"
+        for name in config.WEIGHT_FIELDS
+        if name != "seed" and name in recorded and recorded[name] != ours[name]
+    ]
+    if differing:
+        raise CheckpointError(
+            f"checkpoint {path} was written for another {pipeline_name} geometry: " + "; ".join(differing),
+            hint="use the config the checkpoint was written for, or write a fresh one with "
+            "`python -m pipelines.checkpoint init CONFIG.yaml OUT.safetensors`",
+        )
+
+
 def write_fresh_checkpoint(pipeline_class: Any, config, path: str | Path) -> Path:
     """A freshly initialised checkpoint for ``config`` (deterministic: the config's ``seed``)."""
     modules = fresh_modules(lambda: pipeline_class.build_modules(config), config.seed)

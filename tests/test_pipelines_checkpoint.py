@@ -107,6 +107,19 @@ def test_integer_tensor_for_a_float_weight_is_a_checkpoint_error(tmp_path):
         cls.from_config(tiny(causal_world), device="cpu", checkpoint=path)
 
 
+def test_checkpoint_of_another_head_count_is_refused(tmp_path):
+    """num_heads leaves every tensor shape alone, so only the recorded config can tell the files apart."""
+    cls = causal_world.pipeline_class()
+    path = write_fresh_checkpoint(cls, tiny(causal_world), tmp_path / "world.safetensors")  # 4 heads
+    with pytest.raises(CheckpointError, match=r"written for another causal_world geometry: num_heads: checkpoint 4 "
+                                              r"vs config 2$"):
+        cls.from_config(tiny(causal_world, num_heads=2), device="cpu", checkpoint=path)
+    # Sampler, retention and the noise seed are no part of the weights.
+    pipe = cls.from_config(tiny(causal_world, seed=5, window_frames=3, timestep_shift=3.0), device="cpu",
+                           checkpoint=path)
+    assert pipe.checkpoint == path
+
+
 def test_checkpoint_of_another_pipeline_names_it(tmp_path):
     path = write_fresh_checkpoint(causal_world.pipeline_class(), tiny(causal_world), tmp_path / "world.safetensors")
     with pytest.raises(CheckpointError, match="written for pipeline 'causal_world'.*missing keys"):
