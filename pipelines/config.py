@@ -161,7 +161,8 @@ class BackboneConfig:
             value = getattr(self, name)
             require(value >= 1, name, "a positive integer", value)
         require(self.sink_frames >= 0, "sink_frames", "a non-negative integer", self.sink_frames)
-        require(self.seed >= 0, "seed", "a non-negative integer", self.seed)
+        # torch.manual_seed (fresh checkpoints) takes 64 bits; a larger seed would fail there, far from the config.
+        require(0 <= self.seed < 1 << 64, "seed", "a non-negative integer below 2**64", self.seed)
         require(0 < self.eps < 1, "eps", "a small positive number", self.eps)
         require(self.freq_dim % 2 == 0, "freq_dim", "an even integer", self.freq_dim)
         require(self.dim % self.num_heads == 0, "num_heads", f"a divisor of dim={self.dim}", self.num_heads)

@@ -123,6 +123,9 @@ def test_config_errors_name_the_field():
         dreamzero.Config.from_dict({"frames_per_request": 8}, where="cfg.yaml")  # 2 latent frames > 1 per block
     with pytest.raises(ConfigError, match=r"field 'model.reset_at_window': expected true or false"):
         dreamzero.Config.from_dict({"reset_at_window": "yes"}, where="cfg.yaml")
+    with pytest.raises(ConfigError, match=r"field 'model.seed': expected a non-negative integer below 2\*\*64"):
+        causal_world.Config.from_dict({"seed": 1 << 64}, where="cfg.yaml")  # torch.manual_seed's limit
+    assert causal_world.Config.from_dict({"seed": (1 << 64) - 1}, where="cfg.yaml").seed == (1 << 64) - 1
 
 
 def test_yaml_ints_are_accepted_for_floats_and_lists_for_tuples():
