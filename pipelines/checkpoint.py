@@ -203,8 +203,8 @@ def default_checkpoint(pipeline_class: Any, config) -> Path:
         raise CheckpointError(
             f"no built-in checkpoint for this {pipeline_class.name} geometry ({num / 1e9:.2f}B parameters): "
             "large configs are for capacity planning",
-            hint="set checkpoint: to a .safetensors file, or write one with "
-            "`python -m pipelines.checkpoint init CONFIG.yaml OUT.safetensors`",
+            hint="set checkpoint: to a .safetensors file of this model's weights; "
+            "`ardiff inspect-capacity` plans its memory without them",
         )
     try:
         return write_fresh_checkpoint(pipeline_class, config, path)
@@ -221,6 +221,20 @@ def _load_yaml_config(config: str):
     return cfg.entry.pipeline_class(), cfg.model
 
 
+def _check_room_for_fresh_weights(pipeline_class: Any, config) -> None:
+    """Refuse ``init`` before building weights the host cannot hold (a 14B config is 57 GB of float32)."""
+    from ardiff_cli.runtime.capacity import available_host_memory
+
+    needed = 4 * count_parameters(lambda: pipeline_class.build_modules(config))  # built in float32
+    available = available_host_memory()
+    if needed > available:
+        raise CheckpointError(
+            f"fresh {pipeline_class.name} weights for this config take {needed / 2**30:.1f} GiB of host memory "
+            f"(float32), more than the {available / 2**30:.1f} GiB available",
+            hint="init writes random weights for tests and demos; large configs need the model's trained weights",
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     from ardiff_cli.runtime.errors import ArdiffError
 
@@ -230,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if len(argv) == 3 and argv[0] == "init":
             pipeline_class, config = _load_yaml_config(argv[1])
+            _check_room_for_fresh_weights(pipeline_class, config)
             try:
                 print(write_fresh_checkpoint(pipeline_class, config, argv[2]))
             except OSError as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -150,8 +152,22 @@ def test_published_geometries_have_no_default_checkpoint(ardiff_cache):
     config = dreamzero.Config.from_dict({"preset": "14b"}, where="test")
     with pytest.raises(CheckpointError, match=r"no built-in checkpoint .*\(1[0-9]\.\d\dB parameters\)") as err:
         dreamzero.pipeline_class().from_config(config, device="cpu", checkpoint=None)
-    assert "checkpoint:" in err.value.hint
+    assert "checkpoint:" in err.value.hint and "inspect-capacity" in err.value.hint
+    assert "pipelines.checkpoint init" not in err.value.hint  # random 14B weights are no answer
     assert not list(ardiff_cache.glob("dreamzero-*14b*"))
+
+
+def test_command_line_init_refuses_weights_the_host_cannot_hold(tmp_path, capsys, monkeypatch):
+    """Checked before building: a 14B config would take 57+ GB of float32 on the host."""
+    import ardiff_cli.runtime.capacity as capacity
+
+    monkeypatch.setattr(capacity, "available_host_memory", lambda: 1 << 10)  # a host with 1 KiB free
+    out = tmp_path / "world.safetensors"
+    assert main(["init", str(CONFIGS / "causal-world-tiny.yaml"), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"Error: fresh causal_world weights for this config take \d+\.\d GiB of host memory "
+                     r"\(float32\), more than the 0\.0 GiB available", err), err
+    assert "trained weights" in err and not out.exists()
 
 
 def test_command_line_init(tmp_path, capsys):
