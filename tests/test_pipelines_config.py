@@ -121,6 +121,9 @@ def test_config_errors_name_the_field():
         causal_world.Config.from_dict({"denoising_timesteps": [250, 500]}, where="cfg.yaml")
     with pytest.raises(ConfigError, match=r"field 'model.frames_per_request'"):
         dreamzero.Config.from_dict({"frames_per_request": 8}, where="cfg.yaml")  # 2 latent frames > 1 per block
+    with pytest.raises(ConfigError, match=r"field 'model.frames_per_request': expected at least 2 \(a one-frame "
+                                          r"request starts a session's window\), got 1"):
+        dreamzero.Config.from_dict({"frames_per_request": 1, "temporal_stride": 1}, where="cfg.yaml")
     with pytest.raises(ConfigError, match=r"field 'model.reset_at_window': expected true or false"):
         dreamzero.Config.from_dict({"reset_at_window": "yes"}, where="cfg.yaml")
     with pytest.raises(ConfigError, match=r"field 'model.seed': expected a non-negative integer below 2\*\*64"):

@@ -64,10 +64,12 @@ class Config(BackboneConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("image_dim", "image_size", "image_patch", "action_dim", "action_horizon", "frames_per_request",
-                     "num_inference_steps"):
+        for name in ("image_dim", "image_size", "image_patch", "action_dim", "action_horizon", "num_inference_steps"):
             value = getattr(self, name)
             require(value >= 1, name, "a positive integer", value)
+        # A one-frame request is a session's first (its anchor): with 1 here every request would restart the window.
+        require(self.frames_per_request >= 2, "frames_per_request",
+                "at least 2 (a one-frame request starts a session's window)", self.frames_per_request)
         require(self.image_size % self.image_patch == 0, "image_size",
                 f"a multiple of image_patch={self.image_patch}", self.image_size)
         require(self.guidance_scale >= 1.0, "guidance_scale", "a number >= 1 (1 disables guidance)",
