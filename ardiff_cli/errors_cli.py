@@ -31,7 +31,7 @@ EXIT_SIGTERM = 143  # 128 + SIGTERM
 EXIT_CODES_HELP = (
     "Exit codes: 0 success; 1 an unexpected error (in the pipeline, ardiff or writing outputs); 2 bad usage or "
     "invalid input (config, files); 3 out of memory (the model or its sessions do not fit); 4 some episodes failed "
-    "while others completed; 130 interrupted (143 on SIGTERM)."
+    "while others completed; 130 interrupted (143 on SIGTERM, 141 when the reader of stdout went away)."
 )
 
 

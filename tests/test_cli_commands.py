@@ -31,7 +31,7 @@ def invoke(*args: str):
 def test_help_lists_commands_examples_and_exit_codes():
     result = invoke("--help")
     assert result.exit_code == 0
-    for text in ("rollout", "warmup", "inspect-capacity", "Exit codes", "130 interrupted"):
+    for text in ("rollout", "warmup", "inspect-capacity", "Exit codes", "130 interrupted", "141"):
         assert text in result.stdout
     for command in ("rollout", "warmup", "inspect-capacity"):
         help_text = invoke(command, "--help").stdout
