@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ardiff_cli.output import visible
 from ardiff_cli.runtime.capacity import format_bytes
 
 
@@ -68,6 +69,13 @@ class Snapshot:
     extra: dict[str, str] = field(default_factory=dict)  # more capacity-panel rows (label -> value)
 
 
+def _text(value: str):
+    """User-derived text (episode names, paths, error messages): never Rich markup, no control characters."""
+    from rich.text import Text
+
+    return Text(visible(value))
+
+
 EVENT_STYLES = {"admitted": "green", "evicted": "yellow", "reset": "magenta", "closed": "blue", "failed": "red",
                 "hook_failed": "red", "warmup": "cyan", "episode": "cyan"}
 
@@ -114,7 +122,8 @@ def _sessions_panel(s: Snapshot):
         steps = f"{row.steps_done}/{row.steps_total}" if row.steps_total is not None else str(row.steps_done)
         pages = " ".join(f"{branch[:3]}:{n}" for branch, n in row.pages_per_branch.items())
         latency = f"{row.last_latency_s * 1000:.0f} ms" if row.last_latency_s is not None else "-"
-        table.add_row(row.session_id, row.episode, steps, pages, format_bytes(row.cross_attention_bytes), latency)
+        table.add_row(_text(row.session_id), _text(row.episode), steps, pages, format_bytes(row.cross_attention_bytes),
+                      latency)
     if not s.sessions:
         table.add_row("[dim]none[/dim]", "", "", "", "", "")
     return Panel(table, title="sessions (least recently used first)", title_align="left", border_style="cyan")
@@ -132,7 +141,7 @@ def _events_panel(s: Snapshot):
     for event in s.events:
         style = EVENT_STYLES.get(event.kind, "")
         table.add_row(f"+{event.at_s:.3f}s", f"[{style}]{event.kind}[/{style}]" if style else event.kind,
-                      event.session_id, event.detail)
+                      _text(event.session_id), _text(event.detail))
     if not s.events:
         table.add_row("", "[dim]no events yet[/dim]", "", "")
     return Panel(table, title="events", title_align="left", border_style="cyan")
@@ -194,5 +203,6 @@ def render(snapshot: Snapshot):
     from rich.console import Group
     from rich.text import Text
 
-    return Group(Text(snapshot.title, style="bold"), _SideBySide(_capacity_panel(snapshot), _sessions_panel(snapshot)),
+    return Group(Text(visible(snapshot.title), style="bold"),
+                 _SideBySide(_capacity_panel(snapshot), _sessions_panel(snapshot)),
                  _events_panel(snapshot), _progress_line(snapshot))

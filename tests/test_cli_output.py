@@ -169,6 +169,21 @@ def test_live_layout_renders_every_panel():
     assert "no events yet" in text and "none" in text and "0/0 resident" in text
 
 
+def test_live_layout_shows_names_and_details_as_text_never_as_markup_or_escapes():
+    # Episode names come from folder names and details quote paths and exception messages.
+    hostile = Snapshot(
+        title="ardiff rollout · x → runs/\x1b[2Jout", session_capacity=2,
+        sessions=(SessionRow("[bold]loud", "[bold]loud", 1, 2, {"positive": 1}, 0, None),),
+        events=(EventRow(0.1, "admitted", "[bold]loud", ""),
+                EventRow(0.2, "failed", "ep\x1b[31mred", "data/ep\x1b[31mred: bad [/oops]")))
+    console = Console(record=True, width=140, color_system="truecolor", force_terminal=True, file=io.StringIO())
+    console.print(render(hostile))
+    text = console.export_text(styles=False)
+    assert text.count("[bold]loud") == 3
+    assert "data/ep\\x1b[31mred: bad [/oops]" in text and "ep\\x1b[31mred" in text and "runs/\\x1b[2Jout" in text
+    assert "\x1b" not in text
+
+
 def test_live_layout_while_following_has_no_eta():
     console = Console(record=True, width=100, file=io.StringIO())
     console.print(render(Snapshot(title="t", phase="following", steps_done=3, steps_total=None, elapsed_s=1.0)))
