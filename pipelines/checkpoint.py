@@ -33,6 +33,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from ardiff_cli.io.atomic import FILE_MODE
 from ardiff_cli.runtime.errors import CheckpointError
 from pipelines.wan import remap_checkpoint_key
 
@@ -78,6 +79,7 @@ def save_checkpoint(module: nn.Module, path: str | Path, metadata: dict[str, str
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, FILE_MODE)  # mkstemp made it 0600: give it the mode of every other file ardiff writes
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -78,6 +78,8 @@ run.close()
 run.write_summary({{"status": "ok"}})
 schema = ObservationSchema(fields=(ObservationField("joints", "float32", ((7,),)),), prompt_key="prompt")
 ensure_demo_episodes("toy", schema, (4, 4), root=root / "cache")
+from pipelines.checkpoint import main
+main(["init", "causal-world-tiny", str(root / "weights" / "init.safetensors")])
 """
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, cwd=REPO, timeout=120)
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
