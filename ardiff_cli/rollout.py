@@ -316,8 +316,10 @@ class Rollout:
                 frame = next((f for f in map(as_rgb_frame, arrays.values()) if f is not None), None)
             observed.append(frame)
             predicted.append(self._predicted_frame(self.run_folder.root / record["output"], to_numpy))
-        if any(f is not None for f in (*observed, *predicted)):
-            self.run_folder.write_preview(episode.name, preview_strip(observed, predicted, min_height=96))
+        if not any(f is not None for f in (*observed, *predicted)):
+            raise ValueError("no image to show: neither its step files nor its outputs hold a uint8 (H, W, 3) "
+                             "frame, and the pipeline's decode_latents is missing or returned no such frame")
+        self.run_folder.write_preview(episode.name, preview_strip(observed, predicted, min_height=96))
 
     def _predicted_frame(self, path, to_numpy) -> Any:
         from safetensors.numpy import load_file

@@ -7,6 +7,7 @@ round-robin evicts at every step) keeps each run to a few seconds on a laptop CP
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -121,6 +122,21 @@ def test_default_rollout_exits_0_and_writes_the_documented_outputs(env, tmp_path
     assert summary["latency_s"]["total"]["p50"] > 0 and summary["versions"]["torch"]
     assert "vllm" in summary["versions"]  # None without the extra
     assert json.loads((run / "run.json").read_text())["demo"] is True
+
+
+def test_a_preview_with_nothing_to_draw_is_a_warning_not_silence(env, tmp_path):
+    # A pipeline whose inputs hold no image and whose decode_latents does not return uint8 RGB.
+    (tmp_path / "float_decode.py").write_text(
+        "from pipelines.causal_world.pipeline import CausalWorldPipeline\n"
+        "class FloatDecode(CausalWorldPipeline):\n"
+        "    def decode_latents(self, latents):\n"
+        "        return super().decode_latents(latents).astype('float32')\n")
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])}
+    proc = ardiff(env, "rollout", "causal-world-tiny", "--pipeline", "float_decode:FloatDecode",
+                  "--out", str(tmp_path / "run"), "--preview", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert "cannot write its preview: ValueError: no image to show" in proc.stderr
+    assert not (tmp_path / "run" / "previews").exists()
 
 
 def test_json_mode_prints_only_json_on_stdout(env, data, tmp_path):
