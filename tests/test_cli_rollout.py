@@ -121,7 +121,9 @@ def test_default_rollout_exits_0_and_writes_the_documented_outputs(env, tmp_path
     assert summary["capacity_plan"]["session_capacity"] == 2 and summary["evictions"] > 0
     assert summary["latency_s"]["total"]["p50"] > 0 and summary["versions"]["torch"]
     assert "vllm" in summary["versions"]  # None without the extra
-    assert json.loads((run / "run.json").read_text())["demo"] is True
+    info = json.loads((run / "run.json").read_text())
+    assert info["demo"] is True
+    assert summary["device"] == info["device"] == "cpu"  # the config says auto: both record what it resolved to
 
 
 def test_a_preview_with_nothing_to_draw_is_a_warning_not_silence(env, tmp_path):

@@ -348,7 +348,8 @@ def _summary(run: Any, p: _Prepared, driver: Any, plan: Any, wall_s: float, erro
         status = "failed"
     stats = driver.stats
     summary = build_summary(
-        run.records(), episodes=[e.name for e in p.episodes], failed=stats.failed, info=p.info,
+        run.records(), episodes=[e.name for e in p.episodes], failed=stats.failed,
+        info={**p.info, "device": str(driver.engine.device)},  # as run.json records it: resolved, not "auto"
         plan=None if plan is None else plan.to_dict(),
         this_run={"steps": stats.steps, "skipped": stats.skipped, "replayed": stats.replayed,
                   "evictions": stats.evictions, "completed_episodes": stats.completed_episodes},
