@@ -260,10 +260,11 @@ class Rollout:
         self.scheduler.drop(episode.name)
         self._close_session(episode.name)
         self.monitor.log("failed", episode.name, message.splitlines()[0], echo=False)
-        text = message if isinstance(exc, StepFailed) else f"episode {episode.name!r} failed: {message}"
-        if self.out.verbose and isinstance(exc, StepFailed) and not self.options.fail_fast:  # else shown at exit
-            self.out.traceback(exc.cause)
-        self.out.error(text, exc.hint, kind="episode_failed")
+        if not self.options.fail_fast:  # else the run stops with this error, and it is shown once, at exit
+            text = message if isinstance(exc, StepFailed) else f"episode {episode.name!r} failed: {message}"
+            if self.out.verbose and isinstance(exc, StepFailed):
+                self.out.traceback(exc.cause)
+            self.out.error(text, exc.hint, kind="episode_failed")
         # The traceback's frames hold the failed forward's locals (activations, the released session's caches):
         # drop them now, not at the end of the run. A traceback printed later needs only code and line numbers.
         traceback.clear_frames(cause.__traceback__)
