@@ -134,7 +134,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     done: dict[str, set[int]] = {}
     if resume:
         if out is None:
-            raise ConfigError("--resume needs --out DIR: the folder of the run to continue")
+            raise ConfigError("--resume needs --out DIR: the folder of the run to continue",
+                              hint="the run printed it as 'outputs: DIR' (by default ardiff-runs/<start time>)")
         run = RunFolder(out)
         info = run.read_info()
         config = _resume_config(config, info)

@@ -192,7 +192,10 @@ def discover_episodes(paths: list[Path]) -> list[EpisodeSource]:
     folders: list[Path] = []
     for path in paths:
         if not path.exists():
-            raise ConfigError(f"episode folder not found: {path}")
+            where = "" if path.is_absolute() else f"it is read relative to {Path.cwd()}; "
+            raise ConfigError(f"episode folder not found: {path}",
+                              hint=f"{where}for a robot that has not started writing yet, create its folder first "
+                                   "(mkdir -p) and use --follow")
         if not path.is_dir():
             raise ConfigError(
                 f"{path}: an EPISODE is a folder of step files, not a file",
