@@ -10,7 +10,7 @@ import typer
 from ardiff_cli import __version__
 from ardiff_cli.commands import inspect_capacity, rollout, warmup
 from ardiff_cli.errors_cli import EXIT_CODES_HELP
-from ardiff_cli.output import Format, Output
+from ardiff_cli.output import Format, Output, resolve_format
 
 app = typer.Typer(
     name="ardiff",
@@ -26,6 +26,7 @@ app.command("warmup", help=warmup.HELP, epilog=warmup.EPILOG)(warmup.warmup)
 app.command("inspect-capacity", help=inspect_capacity.HELP, epilog=inspect_capacity.EPILOG)(
     inspect_capacity.inspect_capacity
 )
+COMMANDS = ("rollout", "warmup", "inspect-capacity")
 
 
 def _version(value: bool) -> None:
@@ -44,22 +45,32 @@ def _root(
 
 def main() -> None:
     args = sys.argv[1:]
-    if not _asks_for_json(args):
-        app()
-        return
-    # Typer reports usage errors (a bad option value, an unknown option) itself, as text. With --format json
-    # a script reading stdout gets them as the same JSON error object as every other error.
+    # Usage errors (an unknown option, a bad option value) are reported like every other error: `Error:` and
+    # `hint:` lines on stderr, or one JSON object on stdout under --format json, never Typer's box.
     try:
-        code = app(args=args, standalone_mode=False)
+        code = app(args=args, prog_name="ardiff", standalone_mode=False)
     except typer.TyperException as exc:
-        Output(Format.json).error(exc.format_message(), f"see ardiff {args[0]} --help", exit_code=exc.exit_code,
-                                  kind="usage_error")
+        if not args:  # bare `ardiff`: Typer printed the help already
+            sys.exit(exc.exit_code)
+        ctx = getattr(exc, "ctx", None)
+        command = "ardiff" if ctx is None else ctx.command_path
+        if command == "ardiff" and args[0] in COMMANDS:  # an error parsing the command's own options
+            command = f"ardiff {args[0]}"
+        Output(resolve_format(_requested_format(args))).error(
+            exc.format_message(), f"see {command} --help", exit_code=exc.exit_code, kind="usage_error")
         sys.exit(exc.exit_code)
     except typer.Abort:
         sys.exit(1)
     sys.exit(code or 0)
 
 
-def _asks_for_json(args: list[str]) -> bool:
-    return any(arg.lower() == "--format=json" or (arg == "--format" and following.lower() == "json")
-               for arg, following in zip(args, [*args[1:], ""]))
+def _requested_format(args: list[str]) -> str:
+    """The --format a command line asks for (the last one wins, as Typer takes it), else auto."""
+    requested = "auto"
+    for arg, following in zip(args, [*args[1:], ""]):
+        if arg.lower().startswith("--format="):
+            requested = arg.split("=", 1)[1]
+        elif arg == "--format":
+            requested = following
+    requested = requested.lower()
+    return requested if requested in {f.value for f in Format} else "auto"

@@ -438,6 +438,27 @@ def test_usage_errors_are_a_json_object_too_with_format_json(args):
         assert f"Error: {error['message']}" in proc.stderr
 
 
+@pytest.mark.parametrize(("args", "message", "command"), [
+    (["rollout", "--folow"], "No such option: --folow (Possible options: --follow)", "ardiff rollout"),
+    (["inspect-capacity", "--available"], "Option '--available' requires an argument.", "ardiff inspect-capacity"),
+    (["warmup", "--format", "plain", "--dtype", "f64"], "Invalid value for '--dtype'", "ardiff warmup"),
+    (["bogus"], "No such command 'bogus'.", "ardiff"),
+])
+def test_usage_errors_read_error_then_hint_like_every_other_error(args, message, command):
+    """Not Typer's box: the `Error:` / `hint:` lines the README documents, for a script's grep as for a person."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *args], capture_output=True, text=True,
+                          cwd=repo, timeout=120, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    first, hint = proc.stderr.splitlines()
+    assert first.startswith(f"Error: {message}"), proc.stderr
+    assert hint == f"hint: see {command} --help"
+
+
 def test_resume_on_another_device_is_refused(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps({"format": 1, "config": "dreamzero-tiny", "dtype": "float32",
                                                    "device": "cuda:0", "episodes": [], "demo": True}))
