@@ -143,6 +143,43 @@ def test_a_results_line_that_cannot_be_appended_stops_the_run(data, reference, t
     assert_complete(out, reference)
 
 
+def test_a_full_disk_keeps_the_runs_own_error_when_summary_json_cannot_be_written_either(data, reference, tmp_path,
+                                                                                           monkeypatch):
+    """The disk fills at the 3rd results line: from then on every write fails, summary.json's included. The error
+    is still the append's (exit 1, no traceback, not 'a bug in ardiff'), and --resume finishes the run."""
+    out = tmp_path / "run"
+    real_write, real_mkstemp = os.write, atomic.tempfile.mkstemp
+    full = False
+
+    def write(fd, data):
+        nonlocal full
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == "results.jsonl" and (
+                full or len(records(out)) == 2):
+            full = True
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    def mkstemp(*args, **kwargs):  # every atomic write (outputs, summary.json) starts here
+        if full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_mkstemp(*args, **kwargs)
+
+    monkeypatch.setattr(atomic.os, "write", write)
+    monkeypatch.setattr(atomic.tempfile, "mkstemp", mkstemp)
+    result = rollout(data, out)
+    monkeypatch.undo()
+    assert result.exit_code == 1, result.stderr
+    assert f"Error: cannot append to {out / 'results.jsonl'}: No space left on device" in result.stderr
+    assert f"cannot write {out / 'summary.json'}: No space left on device" in result.stderr
+    assert "Traceback" not in result.stderr and "a bug in ardiff" not in result.stderr
+    assert not (out / "summary.json").exists() and len(records(out)) == 2
+
+    result = resume(out)
+    assert result.exit_code == 0, result.stderr
+    assert json.loads((out / "summary.json").read_text())["status"] == "ok"
+    assert_complete(out, reference)
+
+
 def test_a_broken_invariant_stops_the_run_as_a_bug(data, reference, tmp_path, monkeypatch):
     """An AssertionError (a broken internal invariant) is not one episode's problem: the run stops, exit 1."""
     from pipelines.dreamzero.pipeline import DreamZeroPipeline

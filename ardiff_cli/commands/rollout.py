@@ -304,13 +304,30 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 finally:
                     run.close()
                     if driver is not None:
-                        summary = _summary(run, p, driver, plan, time.monotonic() - started, error, build_summary)
+                        written = _summary(run, p, driver, plan, time.monotonic() - started, error, build_summary)
                         with signals.critical():
-                            run.write_summary(summary)
+                            summary = _write_summary(run, written, output, error)
     finally:
         output.on_broken_pipe = None
         if summary is not None:  # after the live display, so the two never interleave
             output.result(summary, lambda plain: render_summary(summary, plain))
+
+
+def _write_summary(run: Any, summary: dict[str, Any], output: Output,
+                   error: BaseException | None) -> dict[str, Any]:
+    """Write summary.json. When that fails too (the disk that stopped the run is full), the run's own error
+    stays the one reported: a warning says summary.json is missing, and --resume writes it."""
+    from ardiff_cli.errors_cli import OutputError
+
+    try:
+        run.write_summary(summary)
+    except OSError as exc:
+        message = f"cannot write {run.summary_path}: {exc.strerror or exc}"
+        if error is None:
+            raise OutputError(message, hint="free some space or fix the folder's permissions, then --resume "
+                                            "writes it") from exc
+        output.warning(f"{message}; --resume writes it")
+    return summary
 
 
 def _failed_episodes(stats: Any, num_episodes: int) -> Exception:
