@@ -288,3 +288,21 @@ def test_signals_exit_130_or_143_with_whole_lines(env, data, tmp_path, signum, c
     assert f"interrupted by {signal.Signals(signum).name}" in stderr and "--resume" in stderr
     assert len(records(run)) == 1
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+
+
+def test_a_second_rollout_on_a_folder_in_use_is_refused_and_kill_9_leaves_no_stale_lock(env, data, tmp_path):
+    proc, live, run = follow_a_live_episode(env, data, tmp_path, "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)
+        # A cron job resumes the run while the first process still follows it: both would append the same steps.
+        second = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+        assert second.returncode == 2, second.stderr
+        assert f"{run} is in use by another ardiff rollout (pid {proc.pid})" in second.stderr
+        assert len(records(run)) == 1 and "summary.json" not in {p.name for p in run.iterdir()}
+    finally:
+        proc.kill()  # kill -9: the kernel drops the lock with the process
+        proc.communicate()
+    write_episode(live / "arm_a", steps_of(0, 3)[1:], first_step=1)
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert [r["step"] for r in records(run)] == [0, 1, 2]

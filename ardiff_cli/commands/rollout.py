@@ -74,6 +74,7 @@ class _Prepared:
     out_dir: Path
     info: dict[str, Any]  # run.json content
     done: dict[str, set[int]]  # resume: steps already written
+    run: Any  # RunFolder of out_dir, locked against a second process until closed
 
 
 def rollout(
@@ -118,9 +119,12 @@ def rollout(
         overrides = dict(device=device, dtype=dtype, memory_budget=memory_budget, session_capacity=session_capacity,
                          gpu_memory_fraction=gpu_memory_fraction, attention_backend=attention_backend)
         prepared = _prepare(config, episodes, out, resume, order.value, overrides, output, pipeline=pipeline)
-        _run(prepared, output, order=order.value, follow=follow,
-             idle_timeout=DEFAULT_IDLE_TIMEOUT if idle_timeout is None else idle_timeout, fail_fast=fail_fast,
-             preview=preview, warmup=warmup, resume=resume)
+        try:
+            _run(prepared, output, order=order.value, follow=follow,
+                 idle_timeout=DEFAULT_IDLE_TIMEOUT if idle_timeout is None else idle_timeout, fail_fast=fail_fast,
+                 preview=preview, warmup=warmup, resume=resume)
+        finally:
+            prepared.run.close()  # releases the folder's lock
 
 
 def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool, order: str,
@@ -143,7 +147,6 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         _same_pipeline_option(pipeline, info.get("pipeline_option"))
         if not episode_paths and not info.get("demo"):
             episode_paths = [Path(e["path"]) for e in info["episodes"]]
-        done = run.done_steps()
     else:
         out = out or default_out_dir()
         if RunFolder(out).holds_run():
@@ -187,7 +190,15 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     except OSError as exc:
         raise ConfigError(f"--out {out}: cannot create the output folder: {exc.strerror or exc}",
                           hint="choose a folder you can write, or one that does not exist yet") from None
-    return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done)
+    run = RunFolder(out)
+    run.lock()  # held until the command ends: a second rollout writing this folder is refused
+    if resume:
+        try:
+            done = run.done_steps()  # read under the lock: another process may have been adding to it until now
+        except BaseException:
+            run.close()
+            raise
+    return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done, run=run)
 
 
 def _same_device(setting: str, recorded: str | None) -> None:
@@ -254,7 +265,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     from ardiff_cli.rollout import Rollout, RolloutOptions
     from ardiff_cli.signals import StopSignals
 
-    run = RunFolder(p.out_dir)
+    run = p.run
     monitor = RunMonitor(output, f"ardiff rollout · {p.info['config']} → {p.out_dir}")
     options = RolloutOptions(order=order, follow=follow, idle_timeout=idle_timeout, fail_fast=fail_fast,
                              preview=preview)

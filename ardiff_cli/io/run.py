@@ -17,6 +17,7 @@ file, and a step without a line is simply run again on resume.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from collections.abc import Iterable, Mapping
@@ -31,6 +32,7 @@ RESULTS_FILE = "results.jsonl"
 SUMMARY_FILE = "summary.json"
 EPISODES_DIR = "episodes"
 PREVIEWS_DIR = "previews"
+LOCK_FILE = ".lock"  # held (flock) by the process writing the run; the kernel releases it when that process ends
 RUN_FORMAT = 1  # version of this layout
 
 
@@ -51,6 +53,7 @@ class RunFolder:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)  # the --out folder
         self._results: JsonlAppender | None = None  # opened on first append
+        self._lock: int | None = None  # descriptor holding the folder's flock (see lock())
 
     # -- paths ---------------------------------------------------------------------------------------------
 
@@ -136,10 +139,43 @@ class RunFolder:
     def write_summary(self, summary: Mapping[str, Any]) -> Path:
         return atomic_write_json(self.summary_path, summary)
 
+    def lock(self) -> None:
+        """Hold the folder's lock until :meth:`close`: a second process writing the same run would interleave and
+        duplicate its results lines. Refused (``ConfigError``) while another process holds it; the lock goes away
+        with its process, however that ends (kill -9 included), so there is nothing stale to remove."""
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock
+            return
+        path = self.root / LOCK_FILE
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as exc:
+            raise ConfigError(f"--out {self.root}: cannot write the output folder: {exc.strerror or exc}",
+                              hint="choose a folder you can write") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode("ascii", "replace").strip()
+            os.close(fd)
+            raise ConfigError(
+                f"{self.root} is in use by another ardiff rollout" + (f" (pid {holder})" if holder else ""),
+                hint="wait for it to end, or stop it; two processes writing one run would mix their results "
+                     "(choose another --out to run both)") from None
+        except OSError:  # a file system without flock (some network mounts): go on unlocked, as before
+            os.close(fd)
+            return
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock = fd
+
     def close(self) -> None:
         if self._results is not None:
             self._results.close()
             self._results = None
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None
 
 
 def _record_problem(record: Mapping[str, Any]) -> str | None:
