@@ -75,6 +75,7 @@ def assert_same_outputs(a: Path, b: Path) -> None:
         assert sorted(first[name]) == sorted(second[name]), name
         for key in first[name]:
             np.testing.assert_array_equal(first[name][key], second[name][key], err_msg=f"{name}:{key}")
+        assert (a / name).read_bytes() == (b / name).read_bytes(), f"{name}: same arrays, other bytes"
 
 
 def records(run: Path) -> list[dict]:

@@ -176,3 +176,20 @@ def test_preview_strip_places_observed_over_predicted():
 def test_end_marker(tmp_path):
     end_episode(tmp_path / "ep")
     assert (tmp_path / "ep" / "END").read_bytes() == b""
+
+
+def test_the_same_arrays_and_metadata_always_give_the_same_bytes(tmp_path):
+    """Outputs are compared by checksum (a resumed run against an uninterrupted one, rsync, dedup): safetensors
+    writes its metadata map in hash order, so ardiff sorts it."""
+    from safetensors import safe_open
+
+    from ardiff_cli.io.writer import encode_arrays
+
+    metadata = {"episode": "arm_a", "step": "3", "request_id": "arm_a/000003", "prompt": "pick up the cube é"}
+    blobs = {encode_arrays(arrays(3), metadata=metadata) for _ in range(30)}
+    assert len(blobs) == 1
+    path = tmp_path / "step.safetensors"
+    path.write_bytes(blobs.pop())
+    with safe_open(str(path), framework="np") as f:
+        assert f.metadata() == metadata
+        np.testing.assert_array_equal(f.get_tensor("joints"), arrays(3)["joints"])

@@ -20,6 +20,7 @@ sees half a step.
 from __future__ import annotations
 
 import io
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -53,12 +54,26 @@ def encode_arrays(arrays: Mapping[str, Any], *, format: str = "safetensors",
     if format == "safetensors":
         from safetensors.numpy import save
 
-        return save(data, metadata=meta or None)
+        return _sorted_metadata(save(data, metadata=meta or None))
     if format == "npz":
         buffer = io.BytesIO()
         np.savez(buffer, **data, **{k: np.array(v) for k, v in meta.items()})
         return buffer.getvalue()
     raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+
+
+def _sorted_metadata(blob: bytes) -> bytes:
+    """``blob`` (a safetensors file) with its metadata keys sorted. safetensors writes the metadata map in hash
+    order, which changes from one map to the next, so the same arrays and metadata gave different bytes: a
+    resumed run's outputs would differ from an uninterrupted run's checksums. The tensors' bytes are untouched."""
+    size = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + size])
+    if not header.get("__metadata__"):
+        return blob
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)  # the data stays 8-byte aligned, as safetensors pads it
+    return len(text).to_bytes(8, "little") + text + blob[8 + size:]
 
 
 def write_step(folder: str | os.PathLike, step: int, arrays: Mapping[str, Any], *, prompt: str | None = None,
