@@ -181,3 +181,18 @@ def test_demo_episodes_are_deterministic_valid_and_cached(tmp_path):
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert not np.array_equal(a["camera"], demo_step(SCHEMA, (16, 24), 0, 2)["camera"])  # it moves
     assert not [p for p in (tmp_path / "demo").iterdir() if p.name.startswith(".")]  # no temp folder left
+
+
+def test_follow_fails_an_episode_whose_folder_is_deleted_or_renamed(tmp_path):
+    """Not an idle timeout (which would count the episode as completed): the folder is gone, and that is an error."""
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0)], prompt="p", end=False)
+    clock = FakeClock()
+    clock.actions = [lambda: None, lambda: folder.rename(tmp_path / "moved")]
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert scheduler.next().file.step == 0
+    item = scheduler.next()
+    assert isinstance(item, EpisodeEnded) and item.reason == "error", item
+    assert "the episode folder is gone" in str(item.error) and str(folder) in str(item.error)
+    assert clock.now < 100 and scheduler.next() is None

@@ -240,8 +240,13 @@ class StepScheduler:
                 raise gap_error(track.source.path, [f.step for f in files], missing)
             track.files = files
             return
-        if not track.source.path.exists():
-            return
+        if not track.source.path.is_dir():  # it existed at the start (discover_episodes): deleted or renamed since
+            raise ObservationError(
+                f"{track.source.path}: the episode folder is gone (deleted or renamed while it was followed); "
+                f"{len(track.files)} of its steps had arrived",
+                hint="keep an episode's folder in place until its END file is written; --resume runs it again "
+                     "once the folder is back",
+            )
         known = {f.path.name for f in track.files}
         last = track.files[-1].step if track.files else -1
         blocked = False  # an earlier new file is not stable yet: later ones wait for it
