@@ -215,6 +215,8 @@ def test_resume_after_kill_equals_an_uninterrupted_run(env, data, reference, tmp
         proc.kill()
         proc.communicate()
     assert len(records(run)) == 3
+    stale = run / "episodes" / "arm_b" / ".step_000001.safetensors.k9x2a7q1.tmp"  # what a kill -9 mid-write leaves
+    stale.write_bytes(b"half a file")
     for i, name in enumerate(("arm_a", "arm_b")):  # the rest of the episodes arrive
         write_episode(live / name, steps_of(i, 3)[2 - i:], first_step=2 - i)
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
@@ -223,6 +225,7 @@ def test_resume_after_kill_equals_an_uninterrupted_run(env, data, reference, tmp
     lines = records(run)
     assert sorted((r["episode"], r["step"]) for r in lines) == sorted(
         (e, s) for e in ("arm_a", "arm_b") for s in range(3))  # nothing written twice
+    assert not [p for p in run.rglob("*") if p.name.endswith(".tmp")], "resume left a stale temporary file"
     assert_same_outputs(reference, run)
 
 

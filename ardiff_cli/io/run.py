@@ -102,6 +102,23 @@ class RunFolder:
             raise ConfigError(f"{path}: written by an incompatible ardiff (format {info.get('format')!r})")
         return info
 
+    def remove_stale_temporaries(self) -> list[Path]:
+        """Remove the temporary files of atomic writes cut short by ``kill -9`` or a power loss (``.NAME.XXXX.tmp``);
+        call it under :meth:`lock`, when no other process can own them. Returns what was removed."""
+        episodes = self.root / EPISODES_DIR
+        folders = [self.root, self.root / PREVIEWS_DIR, episodes]
+        if episodes.is_dir():
+            folders += [p for p in episodes.iterdir() if p.is_dir()]
+        removed = []
+        for folder in folders:
+            if not folder.is_dir():
+                continue
+            for path in folder.iterdir():
+                if path.name.startswith(".") and path.name.endswith(".tmp") and path.is_file():
+                    path.unlink()
+                    removed.append(path)
+        return removed
+
     def records(self) -> list[dict[str, Any]]:
         """Every whole line of results.jsonl, in order; a line lacking what resuming reads is named."""
         return list(read_jsonl(self.results_path, _record_problem))
