@@ -144,6 +144,23 @@ def test_bfloat16_safetensors_is_named_not_called_corrupt(tmp_path):
     assert "write_step" in info.value.hint
 
 
+def test_truncated_safetensors_whose_header_length_starts_with_0x80_is_not_called_a_pickle(tmp_path):
+    """A header of 128 (384, 640, ...) bytes makes the file's first byte 0x80, the first byte of a pickle."""
+    from ardiff_cli.io.writer import encode_arrays
+
+    data = b""
+    for length in range(0, 64):  # metadata of growing length until the header is 128 bytes long
+        data = encode_arrays({"x": np.zeros(4, np.float32)}, metadata={"k": "v" * length})
+        if data[0] == 0x80:
+            break
+    assert data[0] == 0x80
+    path = tmp_path / "step_000000.safetensors"
+    path.write_bytes(data[:-4])  # a writer cut short
+    with pytest.raises(ObservationError, match="truncated") as info:
+        read_step(path)
+    assert "pickle" not in str(info.value) and "pickle" not in info.value.hint
+
+
 # -- damaged run folder and cache ------------------------------------------------------------------------------
 
 def test_damaged_results_line_is_named_with_its_line(tmp_path):

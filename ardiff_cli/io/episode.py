@@ -308,7 +308,9 @@ def _load_safetensors(path: Path, head: bytes, size: int) -> RawStep:
 def _unreadable_safetensors(path: Path, head: bytes, size: int, exc: Exception) -> ObservationError:
     """Why safetensors refused ``path``, in words: another format, a truncated file, or corrupt bytes."""
     for signature, what, hint in _SIGNATURES:
-        if head.startswith(signature):
+        # A header length whose low byte is 0x80 (128, 384, ...) starts like a pickle: a safetensors header's "{" at
+        # byte 8 tells them apart.
+        if head.startswith(signature) and head[8:9] != b"{":
             return ObservationError(f"{path}: cannot read safetensors file: it is {what}, not safetensors", hint=hint)
     header_len = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
     if len(head) >= 8 and 8 + header_len > size and header_len < (100 << 20):
