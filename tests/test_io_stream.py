@@ -196,3 +196,60 @@ def test_follow_fails_an_episode_whose_folder_is_deleted_or_renamed(tmp_path):
     assert isinstance(item, EpisodeEnded) and item.reason == "error", item
     assert "the episode folder is gone" in str(item.error) and str(folder) in str(item.error)
     assert clock.now < 100 and scheduler.next() is None
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_follow_waits_for_a_writer_that_pauses_mid_file(tmp_path, fmt):
+    """A robot writing in place (no rename) that stalls for several polls halfway through a step file."""
+    from ardiff_cli.io.writer import encode_arrays
+
+    folder = tmp_path / "live"
+    folder.mkdir()
+    path = folder / f"step_000000.{fmt}"
+    data = encode_arrays(good(0), format=fmt, metadata={"prompt": "p"})
+    path.write_bytes(data[: len(data) // 2])
+    clock = FakeClock()
+    clock.actions = [lambda: None, lambda: None, lambda: None, lambda: path.write_bytes(data)]
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    task = scheduler.next()
+    assert task.file.step == 0 and task.file.path.read_bytes() == data
+
+
+@pytest.mark.parametrize("end", [True, False], ids=["end-marker", "idle-timeout"])
+def test_follow_hands_over_a_file_that_stays_incomplete_instead_of_skipping_it(tmp_path, end):
+    """A writer that died mid-file: at END (or the idle timeout) the file is handed out, and reading it fails the
+    episode as truncated; the episode never ends as if that step did not exist."""
+    from ardiff_cli.io.episode import load_step
+    from ardiff_cli.io.writer import encode_arrays
+
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0)], prompt="p", end=False)
+    data = encode_arrays(good(1))
+    clock = FakeClock()
+    clock.actions = [lambda: None, lambda: (folder / "step_000001.safetensors").write_bytes(data[:-10]),
+                     lambda: (folder / "END").write_bytes(b"") if end else None]
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=5, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert scheduler.next().file.step == 0
+    task = scheduler.next()
+    assert isinstance(task, StepTask) and task.file.step == 1, task
+    with pytest.raises(ObservationError, match="truncated"):
+        load_step(task.file.path)
+
+
+def test_follow_a_file_still_growing_keeps_its_episode_from_idling_out(tmp_path):
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0)], prompt="p", end=False)
+    path = folder / "step_000001.safetensors"
+    from ardiff_cli.io.writer import encode_arrays
+
+    data = encode_arrays(good(1))
+    chunks = [data[: len(data) * i // 8] for i in range(1, 9)]  # one more piece at every poll, 8 polls in all
+    clock = FakeClock()
+    clock.actions = [lambda: None] + [lambda c=c: path.write_bytes(c) for c in chunks]
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=3, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert scheduler.next().file.step == 0
+    task = scheduler.next()
+    assert isinstance(task, StepTask) and task.file.path.read_bytes() == data, task

@@ -7,8 +7,13 @@ episode's folder is rescanned for new step files until its END marker appears
 (and every step before it ran) or no new file arrived for ``idle_timeout``
 seconds.
 
-A follower only takes a file once its size was the same at two polls, so a
-writer that does not rename still never hands over half a file.
+A follower only takes a file once its size was the same at two polls and
+its bytes are whole (a safetensors file as long as its header says, an .npz
+ending in its zip directory), so a writer that does not rename, even one that
+pauses mid-file, never hands over half a file. A file still growing keeps its
+episode from idling out; one that stays incomplete is taken anyway when the
+END marker appears or the idle timeout passes, and then fails its episode as
+truncated instead of being skipped.
 
 Step numbers must be consecutive: a session's outputs depend on every earlier
 step, so a gap is never skipped. Without ``follow`` a gap (or a folder with no
@@ -20,9 +25,11 @@ ends (END or idle timeout) before any step file arrived fails too.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ardiff_cli.io.episode import EpisodeSource, StepFile, gap_error, missing_steps
 from ardiff_cli.runtime.errors import ObservationError
@@ -181,14 +188,14 @@ class StepScheduler:
             return True
         if not track.source.has_end_marker():
             return False
-        self._guarded_scan(track)  # a step written just before the marker
+        self._guarded_scan(track, force=True)  # a step written just before the marker
         return track.cursor >= len(track.files) and not track.sizes and not track.ended
 
     def _end_reason(self, track: _Track) -> str | None:
         if not self.follow:
             return "complete"
         if track.source.has_end_marker():
-            self._guarded_scan(track)
+            self._guarded_scan(track, force=True)
             self._raise_gap(track)
             if track.cursor < len(track.files) or track.sizes:
                 return None
@@ -196,6 +203,10 @@ class StepScheduler:
                               "write END after the episode's last step file")
             return "end_marker"
         if self._clock() - track.last_activity >= self.idle_timeout:
+            known = len(track.files)
+            self._guarded_scan(track, force=True)  # an incomplete file that stopped changing: its error, not a skip
+            if len(track.files) > known or track.ended:
+                return None
             self._raise_gap(track)
             gone = "" if track.source.path.exists() else " (the folder does not exist)"
             self._raise_empty(track, f"no step file arrived within --idle-timeout {self.idle_timeout:g} s{gone}",
@@ -216,17 +227,18 @@ class StepScheduler:
             steps = [f.step for f in track.files] + [present]
             raise gap_error(track.source.path, steps, list(range(last + 1, present)))
 
-    def _guarded_scan(self, track: _Track) -> None:
-        """Scan ``track``'s folder; an unreadable folder ends the episode with an error item."""
+    def _guarded_scan(self, track: _Track, *, force: bool = False) -> None:
+        """Scan ``track``'s folder; an unreadable folder ends the episode with an error item. ``force``: take a
+        file whose size stopped changing even if it looks incomplete (END or the idle timeout came)."""
         if track.ended:
             return
         try:
-            self._scan(track)
+            self._scan(track, force=force)
         except ObservationError as exc:
             track.ended = True
             self._pending_ends.append(EpisodeEnded(episode=track.source, reason="error", error=exc))
 
-    def _scan(self, track: _Track) -> None:
+    def _scan(self, track: _Track, *, force: bool = False) -> None:
         if not self.follow:
             files = track.source.scan()
             if not files:
@@ -259,7 +271,11 @@ class StepScheduler:
                 size = step_file.path.stat().st_size
             except FileNotFoundError:
                 continue
-            stable = track.sizes.get(name) == size and size > 0
+            if track.sizes.get(name) != size:
+                track.last_activity = self._clock()  # arriving or growing: the writer is not idle
+            stable = track.sizes.get(name) == size and (size > 0 or force)
+            if stable and not force and not _looks_whole(step_file.path, size):
+                stable = False  # a writer paused mid-file: wait for the rest
             if blocked or not stable:
                 track.sizes[name] = size
                 blocked = True
@@ -278,3 +294,24 @@ class StepScheduler:
             track.files.append(step_file)
             last = step_file.step
             track.last_activity = self._clock()
+
+
+def _looks_whole(path: Path, size: int) -> bool:
+    """Whether ``path`` holds as many bytes as its own structure says: a safetensors file its header and every
+    tensor's data, an .npz (a zip) its end-of-directory record at the end. Anything unparsable: False (a forced take reports it)."""
+    try:
+        with open(path, "rb") as f:
+            if path.suffix == ".safetensors":
+                header_len = int.from_bytes(f.read(8), "little")
+                if 8 + header_len > size:
+                    return False
+                header = json.loads(f.read(header_len))
+                ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+                return 8 + header_len + max(ends, default=0) == size
+            tail_len = min(size, 22 + 0xFFFF)  # the end record (22 bytes) and its comment
+            f.seek(size - tail_len)
+            tail = f.read(tail_len)
+            at = tail.rfind(b"PK\x05\x06")
+            return at >= 0 and at + 22 + int.from_bytes(tail[at + 20:at + 22], "little") == len(tail)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return False  # a header cut mid-way: wait (forced when END or the idle timeout comes)
