@@ -208,8 +208,7 @@ class StepScheduler:
             if len(track.files) > known or track.ended:
                 return None
             self._raise_gap(track)
-            gone = "" if track.source.path.exists() else " (the folder does not exist)"
-            self._raise_empty(track, f"no step file arrived within --idle-timeout {self.idle_timeout:g} s{gone}",
+            self._raise_empty(track, f"no step file arrived within --idle-timeout {self.idle_timeout:g} s",
                               "check that the robot writes step_000000.safetensors, ... into this folder, "
                               "or raise --idle-timeout")
             return "idle_timeout"
