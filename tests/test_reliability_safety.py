@@ -183,7 +183,7 @@ def test_rollout_of_a_hostile_folder_name_writes_inside_out_only(tmp_path, monke
     safe = safe_name(hostile)
     assert safe == "_._[2J_]0;owned__fake line"
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == sorted([
-        "run.json", "results.jsonl", "summary.json", f"episodes/{safe}/step_000000.safetensors",
+        ".lock", "run.json", "results.jsonl", "summary.json", f"episodes/{safe}/step_000000.safetensors",
         f"episodes/{safe}/step_000001.safetensors", f"previews/{safe}.png"])
     assert "\x1b" not in result.stdout + result.stderr
     assert {json.loads(line)["episode"] for line in (out / "results.jsonl").read_text().splitlines()} == {safe}
