@@ -31,7 +31,8 @@ EXIT_SIGTERM = 143  # 128 + SIGTERM
 EXIT_CODES_HELP = (
     "Exit codes: 0 success; 1 an unexpected error (in the pipeline, ardiff or writing outputs); 2 bad usage or "
     "invalid input (config, files); 3 out of memory (the model or its sessions do not fit); 4 some episodes failed "
-    "while others completed; 130 interrupted (143 on SIGTERM, 141 when the reader of stdout went away)."
+    "while others completed; 130 interrupted (143 on SIGTERM, 129 on SIGHUP, 141 when the reader of stdout went "
+    "away)."
 )
 
 
@@ -99,7 +100,8 @@ class OutputError(ArdiffError):
 
 
 class Interrupted(ArdiffError):
-    """SIGINT or SIGTERM arrived; the current write finished and outputs are consistent (exit 130/143)."""
+    """SIGINT, SIGTERM or SIGHUP arrived (or stdout's reader went away: SIGPIPE); the current write finished and
+    outputs are consistent (exit 128 + the signal number: 130, 143, 129, 141)."""
 
     def __init__(self, signum: int, *, hint: str | None = None) -> None:
         name = signal.Signals(signum).name

@@ -1,10 +1,13 @@
-"""SIGINT/SIGTERM handling that never cuts a write in half.
+"""SIGINT/SIGTERM/SIGHUP handling that never cuts a write in half.
 
 Inside :meth:`StopSignals.critical` (writing a step's output file and its
 results line) a signal is only remembered; it is raised as
 :class:`~ardiff_cli.errors_cli.Interrupted` as soon as the write is complete.
 Anywhere else it is raised at once, so a long forward does not delay the exit
 (the runner releases the interrupted session like any failed forward).
+
+A signal the process was started ignoring stays ignored: ``nohup`` ignores
+SIGHUP, and a shell ignores SIGINT for a script's background jobs.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from types import FrameType
 
 from ardiff_cli.errors_cli import Interrupted
 
-HANDLED = (signal.SIGINT, signal.SIGTERM)
+# Ctrl-C, kill, a closed terminal or ssh session (no SIGHUP on Windows)
+HANDLED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 class StopSignals:
@@ -32,7 +36,8 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in HANDLED:
-                self._previous[signum] = signal.signal(signum, self._handle)
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -279,7 +279,7 @@ def test_a_reader_that_goes_away_stops_the_run_like_sigpipe_and_resume_finishes_
     assert sorted(r["step"] for r in records(run)) == [0, 1, 2]
 
 
-@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_signals_exit_130_or_143_with_whole_lines(env, data, tmp_path, signum, code):
     proc, _, run = follow_a_live_episode(env, data, tmp_path, "plain")
     try:
@@ -310,3 +310,25 @@ def test_a_second_rollout_on_a_folder_in_use_is_refused_and_kill_9_leaves_no_sta
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
     assert proc.returncode == 0, proc.stderr
     assert [r["step"] for r in records(run)] == [0, 1, 2]
+
+
+def test_a_signal_the_process_was_started_ignoring_stays_ignored(env, data, tmp_path):
+    """nohup ignores SIGHUP (and a shell ignores SIGINT for a script's background jobs): ardiff keeps it so."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
+
+    def ignore_hup():
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(live),
+                             "--out", str(run), "--follow", "--no-warmup", "--format", "plain"], cwd=REPO, env=env,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=ignore_hup)
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)
+        proc.send_signal(signal.SIGHUP)  # the ssh session closed: the run goes on
+        write_episode(live / "arm_a", steps_of(0, 3)[1:], first_step=1)  # and takes the steps still coming
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert sorted(r["step"] for r in records(run)) == [0, 1, 2]
