@@ -229,6 +229,19 @@ def test_resume_after_kill_equals_an_uninterrupted_run(env, data, reference, tmp
     assert_same_outputs(reference, run)
 
 
+def test_a_step_whose_output_was_deleted_runs_again_on_resume_and_counts_once(env, data, reference, tmp_path):
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    (run / "episodes" / "arm_a" / "step_000001.safetensors").unlink()
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert len(records(run)) == 7  # the step ran again: a second ok line
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"]["ok"] == 6 and summary["episodes"]["steps"] == {"arm_a": 3, "arm_b": 3}
+    assert_same_outputs(reference, run)
+
+
 def test_resume_reads_the_runs_own_config_from_any_folder_and_refuses_an_edited_one(env, data, reference, tmp_path):
     started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
     started.mkdir(), elsewhere.mkdir()

@@ -261,9 +261,11 @@ def build_summary(records: list[Mapping[str, Any]], *, episodes: list[str], fail
                   wall_s: float, status: str, exit_code: int, root: Path) -> dict[str, Any]:
     """summary.json: everything in results.jsonl (this run and earlier ones) plus this run's counters."""
     ok = [r for r in records if r.get("status") == "ok"]
+    # A step runs again on --resume when its output file went missing: it is one step, with two ok lines.
+    done = {(r["episode"], r["step"]) for r in ok}
     steps_by_episode: dict[str, int] = {}
-    for record in ok:
-        steps_by_episode[record["episode"]] = steps_by_episode.get(record["episode"], 0) + 1
+    for episode, _ in done:
+        steps_by_episode[episode] = steps_by_episode.get(episode, 0) + 1
     completed = [e for e in episodes if e not in failed and e in set(this_run.get("completed_episodes", ()))]
     # A failure is retried when a later ok line of its episode reaches its step (a failed replay of step 0
     # is retried by step 1's line: step 0's own ok line came earlier and is not written again).
@@ -293,7 +295,7 @@ def build_summary(records: list[Mapping[str, Any]], *, episodes: list[str], fail
             "failures": dict(failed),
         },
         "steps": {
-            "ok": len(ok),
+            "ok": len(done),
             "failed": unresolved,
             "this_run": this_run.get("steps", 0),
             "skipped_done": this_run.get("skipped", 0),
