@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from ardiff_cli.app import app
 from ardiff_cli.io import write_episode
 from ardiff_cli.io.demo import demo_step
-from ardiff_cli.io.episode import MAX_NAME_CHARS, discover_episodes, safe_name
+from ardiff_cli.io.episode import MAX_NAME_BYTES, MAX_NAME_CHARS, discover_episodes, safe_name
 from ardiff_cli.io.run import RunFolder
 from ardiff_cli.runtime import registry
 from ardiff_cli.runtime.config import load_config
@@ -141,6 +141,23 @@ def test_safe_name(name, expected):
 
 def test_safe_name_caps_the_length():
     assert len(safe_name("x" * 1000)) == MAX_NAME_CHARS
+    cjk = safe_name("日" * 84)  # 252 bytes in UTF-8: its preview's temporary name would pass NAME_MAX
+    assert cjk == "日" * 50 and len(cjk.encode()) == MAX_NAME_BYTES
+
+
+def test_a_long_non_ascii_episode_name_gets_its_outputs_and_preview(tmp_path, monkeypatch):
+    monkeypatch.setenv("ARDIFF_CACHE_DIR", str(tmp_path / "cache"))
+    steps = [demo_step(_schema(), (16, 16), 0, s, 1 if s == 0 else 4) for s in range(2)]
+    write_episode(tmp_path / "data" / ("日" * 84), steps, prompt="p")
+    config = tmp_path / "fast.yaml"
+    config.write_text("pipeline: dreamzero\nmodel: {preset: tiny, num_inference_steps: 1, guidance_scale: 1.0}\n"
+                      "runtime: {device: cpu}\n")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["rollout", str(config), str(tmp_path / "data" / ("日" * 84)), "--out", str(out),
+                                 "--no-warmup", "--preview", "--format", "plain"])
+    assert result.exit_code == 0, result.stderr
+    assert "warning" not in result.stderr  # the preview was written, not refused with ENAMETOOLONG
+    assert (out / "previews" / ("日" * 50 + ".png")).is_file()
 
 
 def test_discovered_names_are_safe_and_unique(tmp_path):

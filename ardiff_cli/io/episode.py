@@ -30,7 +30,10 @@ END_MARKER = "END"
 _IGNORED_SUFFIXES = (".tmp", ".partial")
 _NUMBER = re.compile(r"(\d+)")
 _UNSAFE_CHARS = frozenset('/\\:*?"<>|')  # separators, and characters some file systems refuse
-MAX_NAME_CHARS = 100  # episode names become folder and file names: keep them well under NAME_MAX
+# Episode names become folder and file names: keep them well under NAME_MAX (255 bytes on Linux and macOS), with
+# room for a collision suffix, ".png" and an atomic write's temporary name around them.
+MAX_NAME_CHARS = 100
+MAX_NAME_BYTES = 150  # UTF-8: 100 CJK characters would take 300 bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,10 +104,14 @@ def safe_name(name: str, fallback: str = "episode") -> str:
     ``OUT/previews/<name>.png``), and they are printed: path separators and
     characters file systems refuse become ``_``, control characters (terminal
     escapes, newlines) too, a leading dot becomes ``_`` (so ``.`` and ``..``
-    cannot climb out and no output is hidden), and the length is capped.
+    cannot climb out and no output is hidden), and the length is capped (characters
+    and UTF-8 bytes).
     """
     chars = ["_" if c in _UNSAFE_CHARS or unicodedata.category(c).startswith("C") else c for c in str(name)]
-    cleaned = "".join(chars).strip()[:MAX_NAME_CHARS].strip()
+    cleaned = "".join(chars).strip()[:MAX_NAME_CHARS]
+    while len(cleaned.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        cleaned = cleaned[:-1]
+    cleaned = cleaned.strip()
     if cleaned.startswith("."):
         cleaned = "_" + cleaned[1:]
     return cleaned or fallback
