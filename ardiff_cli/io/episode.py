@@ -16,6 +16,8 @@ ignored, so a writer can create a step under a temporary name and rename it.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import unicodedata
 from dataclasses import dataclass, field
@@ -50,6 +52,7 @@ class RawStep:
 
     arrays: dict[str, Any]  # numpy arrays by key
     metadata: dict[str, str]  # safetensors metadata, or 0-d string arrays of an .npz
+    sha256: str = ""  # hex digest of the file's bytes: the very bytes parsed (the file is read once)
 
 
 @dataclass
@@ -261,45 +264,55 @@ _SIGNATURES = (
 
 
 def load_step(path: Path) -> RawStep:
-    """Read one step file; an unreadable file is an ``ObservationError`` naming it and saying why."""
-    head, size = _read_head(path)
-    if size == 0:
+    """Read one step file; an unreadable file is an ``ObservationError`` naming it and saying why.
+
+    The file is read once, and its SHA-256 is that of the bytes parsed: a file replaced meanwhile cannot give
+    arrays of one version and the digest of another (``--resume`` and session rebuilds compare digests).
+    """
+    data = _read_bytes(path)
+    if not data:
         raise ObservationError(f"{path}: the file is empty (0 bytes)", hint=WRITE_HINT)
     if path.suffix == ".safetensors":
-        return _load_safetensors(path, head, size)
-    if path.suffix == ".npz":
-        return _load_npz(path, head)
-    raise ObservationError(f"{path}: unsupported step file type {path.suffix!r}; use .safetensors or .npz")
+        raw = _load_safetensors(path, data)
+    elif path.suffix == ".npz":
+        raw = _load_npz(path, data)
+    else:
+        raise ObservationError(f"{path}: unsupported step file type {path.suffix!r}; use .safetensors or .npz")
+    raw.sha256 = hashlib.sha256(data).hexdigest()
+    return raw
 
 
-def _read_head(path: Path) -> tuple[bytes, int]:
-    """The first 16 bytes and the size, or an ``ObservationError`` saying why the file cannot be read."""
+def _read_bytes(path: Path) -> bytes:
+    """The whole file, or an ``ObservationError`` saying why it cannot be read."""
     try:
         with open(path, "rb") as f:
-            head = f.read(16)
-            size = f.seek(0, 2)
+            return f.read()
     except OSError as exc:
         raise ObservationError(
             f"{path}: cannot read the step file: {exc.strerror or exc}",
             hint="check that the file exists and that the user running ardiff may read it (permissions)",
         ) from None
-    return head, size
 
 
 # safetensors dtypes numpy has a type for; others (BF16, F8_*, ...) are valid files the numpy reader cannot hold.
-_NUMPY_DTYPES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "F16", "U32", "I32", "F32", "U64", "I64", "F64", "C64"})
+# Little-endian, as safetensors stores them.
+_NUMPY_DTYPES = {"BOOL": "?", "U8": "u1", "I8": "i1", "U16": "<u2", "I16": "<i2", "F16": "<f2", "U32": "<u4",
+                 "I32": "<i4", "F32": "<f4", "U64": "<u8", "I64": "<i8", "F64": "<f8", "C64": "<c8"}
 
 
-def _load_safetensors(path: Path, head: bytes, size: int) -> RawStep:
-    from safetensors import safe_open
+def _load_safetensors(path: Path, data: bytes) -> RawStep:
+    import numpy as np
+    from safetensors import deserialize
 
     try:
-        with safe_open(str(path), framework="np") as f:
-            metadata = dict(f.metadata() or {})
-            dtypes = {key: f.get_slice(key).get_dtype() for key in f.keys()}
-            arrays = {key: f.get_tensor(key) for key, dtype in dtypes.items() if dtype in _NUMPY_DTYPES}
+        # deserialize checks the header and every tensor's offsets against the bytes; by name, as safe_open lists them
+        tensors = sorted(deserialize(data), key=lambda t: t[0])
+        metadata = dict(json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {})
     except Exception as exc:  # noqa: BLE001 - safetensors raises several types for corrupt files
-        raise _unreadable_safetensors(path, head, size, exc) from None
+        raise _unreadable_safetensors(path, data[:16], len(data), exc) from None
+    dtypes = {key: view["dtype"] for key, view in tensors}
+    arrays = {key: np.frombuffer(view["data"], dtype=_NUMPY_DTYPES[view["dtype"]]).reshape(view["shape"])
+              for key, view in tensors if view["dtype"] in _NUMPY_DTYPES}
     unheld = [(key, "bfloat16" if dtype == "BF16" else dtype) for key, dtype in dtypes.items() if key not in arrays]
     if unheld:
         # Not loaded through torch: read_step stays torch-free and behaves the same in a script as in a rollout.
@@ -328,11 +341,13 @@ def _unreadable_safetensors(path: Path, head: bytes, size: int, exc: Exception) 
                             hint=WRITE_HINT)
 
 
-def _load_npz(path: Path, head: bytes) -> RawStep:
+def _load_npz(path: Path, data: bytes) -> RawStep:
+    import io
     import zipfile
 
     import numpy as np
 
+    head = data[:16]
     if not head.startswith(b"PK\x03\x04"):  # an .npz is a zip archive; never let np.load guess (pickle)
         unknown = ("neither a zip archive nor a known format",
                    "write .npz files with numpy.savez or ardiff_cli.io.write_step")
@@ -342,7 +357,7 @@ def _load_npz(path: Path, head: bytes) -> RawStep:
     metadata: dict[str, str] = {}
     not_arrays: list[str] = []  # zip members that are not .npy files
     try:
-        with np.load(path, allow_pickle=False) as npz:
+        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
             for key in npz.files:
                 value = npz[key]
                 if not isinstance(value, np.ndarray):  # np.load hands back raw bytes for a member that is not .npy
