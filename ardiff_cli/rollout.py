@@ -5,7 +5,10 @@ resident session of an episode must have consumed exactly the steps before
 the current one; when it has not (it was evicted by a newer session, or the
 run is resuming), the episode's earlier steps are replayed first with their
 outputs discarded. So an episode's outputs depend only on its own steps: not
-on the order, the session capacity or an interruption.
+on the order, the session capacity or an interruption. Each step's results line
+records the SHA-256 of its file (``input_sha256``); a replayed file must still
+have it, or its episode fails: a step file rewritten after it ran would rebuild
+another history than the one behind the outputs already written.
 
 Failures are per episode. A step that cannot be read or validated, whose
 forward raises (the runner has already released the session), or whose
@@ -64,7 +67,7 @@ class Rollout:
 
     def __init__(self, engine: Any, schema: ObservationSchema, episodes: list[EpisodeSource], run: RunFolder,
                  out: Output, monitor: RunMonitor, signals: StopSignals, options: RolloutOptions,
-                 done: dict[str, set[int]]) -> None:
+                 done: dict[str, set[int]], *, digests: dict[str, dict[int, str]] | None = None) -> None:
         self.engine = engine
         self.schema = schema  # what every step file must hold
         self.episodes = episodes
@@ -81,6 +84,8 @@ class Rollout:
         self._resident: dict[str, int] = {}
         self._captured: list[Any] = []  # runtime events of the request in flight
         self._steps_done = {e.name: len(done.get(e.name, ())) for e in episodes}  # per episode, incl. earlier runs
+        # episode -> step -> SHA-256 of its file when it ran (this run, and results.jsonl on resume): replays check it
+        self._digests = {name: dict(steps) for name, steps in (digests or {}).items()}
         self._warned: set[tuple[str, str]] = set()  # (episode, warning) shown once
         self._at: tuple[str, StepFile] | None = None  # (phase, step file) of the work in progress, for errors
         self._running: StepTask | None = None  # the step in progress
@@ -154,14 +159,24 @@ class Rollout:
             return ObservationError(f"{step_file.path}: {exc}", hint=exc.hint)
         return StepFailed(task.episode.name, step_file.step, phase, exc, path=str(step_file.path))
 
-    def _load(self, episode: EpisodeSource, step_file: StepFile) -> dict[str, Any]:
+    def _load(self, episode: EpisodeSource, step_file: StepFile, *, replay: bool = False) -> tuple[dict[str, Any], str]:
+        """The step's validated inputs and the SHA-256 of its file. ``replay``: the step ran before, and its file
+        must be the one it ran with (when that was recorded), checked before anything else about it."""
         raw = load_step(step_file.path)
+        ran_with = self._digests.get(episode.name, {}).get(step_file.step) if replay else None
+        if ran_with is not None and ran_with != raw.sha256:
+            raise ObservationError(
+                f"{step_file.path}: step {step_file.step} changed since it ran (sha256 {ran_with[:12]}... then, "
+                f"{raw.sha256[:12]}... now): the session cannot be rebuilt as it was",
+                hint="restore the file as it was when it ran, or run the episode again from its first step in a new "
+                     "--out; a session's outputs depend on every earlier step, so a rewritten one is never replayed",
+            )
         valid = validate_step(raw, self.schema, path=step_file.path, episode_metadata=episode.metadata())
         for warning in valid.warnings:
             if (episode.name, warning) not in self._warned:
                 self._warned.add((episode.name, warning))
                 self.out.warning(warning)
-        return valid.inputs
+        return valid.inputs, raw.sha256
 
     def _execute(self, request_id: str, session_id: str, inputs: dict[str, Any]) -> Any:
         """One request of the episode's session. Sessions are closed by ``_close_session``, after their outputs
@@ -181,7 +196,7 @@ class Rollout:
                              steps=[f.step for f in history])
         for step_file in history:
             self._at = ("replay", step_file)
-            inputs = self._load(episode, step_file)
+            inputs, _ = self._load(episode, step_file, replay=True)
             self._execute(f"{episode.name}/{step_file.step:06d}/replay", episode.name, inputs)
             self._resident[episode.name] = self._resident.get(episode.name, 0) + 1
             self.stats.replayed += 1
@@ -192,7 +207,7 @@ class Rollout:
     def _run_step(self, task: StepTask) -> None:
         episode, step = task.episode, task.file.step
         self._at = ("load", task.file)
-        inputs = self._load(episode, task.file)
+        inputs, digest = self._load(episode, task.file)
         self._captured = events = []  # what the rebuild and the step itself cause (evictions)
         replayed = self._rebuild_session(episode, task.ordinal)
         request_id = f"{episode.name}/{step:06d}"
@@ -213,10 +228,12 @@ class Rollout:
             record = {
                 "episode": episode.name, "step": step, "chunk": task.ordinal, "session": episode.name,
                 "request_id": request_id, "status": "ok", "output": self.run_folder.relative(path),
+                "input_sha256": digest,
                 "latency": latency, "evictions": len(evicted), "evicted": evicted, "replayed": replayed,
                 "closed": task.is_last, "time": time.time(),
             }
             self._append(record)
+        self._digests.setdefault(episode.name, {})[step] = digest  # what a replay of this step must find
         if task.is_last:  # after the outputs are safe: a failing close hook cannot lose them
             self._close_session(episode.name)
         self.stats.steps += 1

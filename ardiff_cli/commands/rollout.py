@@ -74,6 +74,7 @@ class _Prepared:
     out_dir: Path
     info: dict[str, Any]  # run.json content
     done: dict[str, set[int]]  # resume: steps already written
+    digests: dict[str, dict[int, str]]  # resume: SHA-256 of each done step's file when it ran (where recorded)
     run: Any  # RunFolder of out_dir, locked against a second process until closed
 
 
@@ -136,6 +137,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
 
     info: dict[str, Any] = {}
     done: dict[str, set[int]] = {}
+    digests: dict[str, dict[int, str]] = {}
     if resume:
         if out is None:
             raise ConfigError("--resume needs --out DIR: the folder of the run to continue",
@@ -194,11 +196,13 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     run.lock()  # held until the command ends: a second rollout writing this folder is refused
     if resume:
         try:
-            done = run.done_steps()  # read under the lock: another process may have been adding to it until now
+            records = run.records()  # read under the lock: another process may have been adding to it until now
+            done, digests = run.done_steps(records), run.input_digests(records)
         except BaseException:
             run.close()
             raise
-    return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done, run=run)
+    return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done, digests=digests,
+                     run=run)
 
 
 def _same_device(setting: str, recorded: str | None) -> None:
@@ -300,7 +304,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     engine.warmup()
                 monitor.set_phase("following" if follow else "running")
                 driver = Rollout(engine, p.cfg.observation_schema(), p.episodes, run, output, monitor,
-                                 signals, options, p.done)
+                                 signals, options, p.done, digests=p.digests)
                 stats = driver.run()
                 monitor.set_phase("done")
                 if stats.failed:

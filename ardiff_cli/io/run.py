@@ -131,6 +131,15 @@ class RunFolder:
                 done.setdefault(record["episode"], set()).add(int(record["step"]))
         return done
 
+    def input_digests(self, records: Iterable[Mapping[str, Any]] | None = None) -> dict[str, dict[int, str]]:
+        """Episode -> step -> SHA-256 of the step file when it ran (``input_sha256`` of its ``ok`` line; lines of
+        earlier versions have none). Replaying a step to rebuild its session checks the file still has it."""
+        digests: dict[str, dict[int, str]] = {}
+        for record in self.records() if records is None else records:
+            if record.get("status") == "ok" and isinstance(record.get("input_sha256"), str):
+                digests.setdefault(record["episode"], {})[int(record["step"])] = record["input_sha256"]
+        return digests
+
     # -- writing -------------------------------------------------------------------------------------------
 
     def write_step_outputs(self, episode: str, step: int, outputs: Mapping[str, Any],
@@ -205,7 +214,13 @@ def _record_problem(record: Mapping[str, Any]) -> str | None:
         return "expected a line with 'status' ok or failed"
     if record["status"] == "ok" and not isinstance(record.get("output"), str):
         return "expected an ok line to name its 'output' file"
+    if "input_sha256" in record and not _is_sha256(record["input_sha256"]):
+        return "expected 'input_sha256' to be a SHA-256 hex digest (64 hex digits)"
     return None
+
+
+def _is_sha256(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def _checked_name(episode: str) -> str:
