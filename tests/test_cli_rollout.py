@@ -6,6 +6,7 @@ round-robin evicts at every step) keeps each run to a few seconds on a laptop CP
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -345,3 +346,76 @@ def test_a_signal_the_process_was_started_ignoring_stays_ignored(env, data, tmp_
         proc.kill()
     assert proc.returncode == 0, stderr
     assert sorted(r["step"] for r in records(run)) == [0, 1, 2]
+
+
+# -- a step file rewritten after it ran ------------------------------------------------------------------------
+
+def test_a_step_rewritten_after_it_ran_fails_its_episode_when_an_eviction_replays_it(env, data, reference, tmp_path):
+    # One resident session: arm_b's step 0 evicts arm_a, so arm_a's step 1 first replays its step 0.
+    live, run = tmp_path / "live", tmp_path / "run"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[:1], prompt=f"task {name}", end=False)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), str(live / "arm_b"), "--out", str(run),
+                 "--follow", "--no-warmup", "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 2, proc)  # both step 0s ran
+        rewritten = write_step(live / "arm_a", 0, steps_of(2, 1)[0])  # the robot's script rewrites step 0
+        for i, name in enumerate(("arm_a", "arm_b")):
+            write_episode(live / name, steps_of(i, 3)[1:], first_step=1)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 4, stderr
+    assert f"episode 'arm_a' failed: {rewritten}: step 0 changed since it ran (sha256 " in stderr
+    assert "the session cannot be rebuilt as it was" in stderr and "new --out" in stderr
+    lines = records(run)
+    assert [(r["episode"], r["step"]) for r in lines if r["status"] == "ok"] == [
+        ("arm_a", 0), ("arm_b", 0), ("arm_b", 1), ("arm_b", 2)]
+    (failed,) = [r for r in lines if r["status"] == "failed"]
+    assert (failed["episode"], failed["step"], failed["phase"], failed["path"]) == ("arm_a", 0, "replay", str(rewritten))
+    assert "episodes/arm_a/step_000001.safetensors" not in outputs(run)
+    for step in range(3):  # the other episode is untouched
+        name = f"episodes/arm_b/step_{step:06d}.safetensors"
+        assert (run / name).read_bytes() == (reference / name).read_bytes()
+
+
+def test_resume_after_a_done_step_was_rewritten_fails_its_episode(env, data, reference, tmp_path):
+    eps, run = tmp_path / "eps", tmp_path / "run"
+    shutil.copytree(data / "eps", eps)
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    assert [(json.loads(x)["episode"], json.loads(x)["step"]) for x in lines[-2:]] == [("arm_a", 2), ("arm_b", 2)]
+    (run / "results.jsonl").write_text("".join(lines[:-2]))  # as if stopped before both step 2s
+    rewritten = write_step(eps / "arm_a", 1, steps_of(2, 3)[1])  # arm_a's step 1 ran; then its file is rewritten
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 4, proc.stderr
+    assert f"{rewritten}: step 1 changed since it ran" in proc.stderr
+    (failed,) = [r for r in records(run) if r["status"] == "failed"]
+    assert (failed["episode"], failed["step"], failed["phase"]) == ("arm_a", 1, "replay")
+    assert json.loads((run / "summary.json").read_text())["episodes"]["failures"].keys() == {"arm_a"}
+    name = "episodes/arm_b/step_000002.safetensors"  # arm_b resumed as it would have run
+    assert (run / name).read_bytes() == (reference / name).read_bytes()
+
+
+def test_lines_record_each_step_files_sha256_and_an_unchanged_resume_equals_the_reference(env, data, reference,
+                                                                                        tmp_path):
+    for line in records(reference):
+        step_file = data / "eps" / line["episode"] / f"step_{line['step']:06d}.safetensors"
+        assert line["input_sha256"] == hashlib.sha256(step_file.read_bytes()).hexdigest()
+    # Resumed with the digests checked, and from lines written before there were any (an older ardiff).
+    for kind in ("checked", "older"):
+        run = tmp_path / kind
+        shutil.copytree(reference, run)
+        lines = records(run)
+        for undone in lines[-3:]:  # as if stopped before arm_b's step 1: its outputs are written again
+            (run / undone["output"]).unlink()
+        lines = lines[:-3]
+        if kind == "older":
+            lines = [{k: v for k, v in line.items() if k != "input_sha256"} for line in lines]
+        (run / "results.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads((run / "summary.json").read_text())["steps"]["replayed"] > 0
+        assert len(records(run)) == len(records(reference))
+        assert_same_outputs(reference, run)
