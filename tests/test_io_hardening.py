@@ -180,6 +180,8 @@ def test_damaged_results_line_is_named_with_its_line(tmp_path):
     ({"step": 1, "status": "failed"}, "expected a line with an 'episode' name"),
     ({"episode": "ep", "step": "1", "status": "ok", "output": "x"}, "expected a line with an integer 'step'"),
     ({"episode": "ep", "step": 1, "status": "done", "output": "x"}, "expected a line with 'status' ok or failed"),
+    ({"episode": "ep", "step": 1, "status": "ok", "output": "x", "input_sha256": "ab12"},
+     "expected 'input_sha256' to be a SHA-256 hex digest (64 hex digits)"),
 ])
 def test_a_results_line_lacking_what_resume_reads_is_named(tmp_path, line, fault):
     """A hand-edited line that parses but lacks a field is a ConfigError naming it, not a KeyError."""
