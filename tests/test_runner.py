@@ -446,3 +446,30 @@ def test_close_session_flag_keeps_the_output_when_the_hook_fails():
     assert out["main"].shape == (8, 16)
     assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
     assert len(runner.hook_errors) == 1 and any(isinstance(e, HookFailed) for e in events)
+
+
+class _GradPipeline(TinyPipeline):
+    """Forgets torch.no_grad() while its weights require grad (a trainable nn.Module would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_kv.requires_grad_(True)
+
+
+def test_forward_under_grad_is_refused_without_poisoning_the_shared_buffers():
+    runner = make_runner(_GradPipeline())
+    with pytest.raises(ValueError, match="layer 0: k and v require grad.*inference-only.*torch.no_grad"):
+        runner.execute_model(request("a", 0))
+    assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
+    # The runner stays usable: the same pipeline under no_grad, and other sessions, run and match a fresh runner.
+    with torch.no_grad():
+        out = runner.execute_model(request("b", 0))
+    expected = make_runner().execute_model(request("b", 0))
+    torch.testing.assert_close(out["main"], expected["main"])
+    # Grad required from a later layer only (the validated fast path) is refused too.
+    runner.pipeline.w_kv = [w.detach() for w in runner.pipeline.w_kv]
+    runner.pipeline.w_kv[2].requires_grad_(True)
+    with pytest.raises(ValueError, match="layer 2: k and v require grad"):
+        runner.execute_model(request("c", 0))
+    with torch.no_grad():
+        runner.execute_model(request("b", 1))

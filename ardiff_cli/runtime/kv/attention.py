@@ -155,6 +155,13 @@ class ARDiffusionForwardContext:
                 raise ValueError(
                     f"{name} must be {pool.dtype} on {pool.device} like the KV pool, got {t.dtype} on {t.device}"
                 )
+        if k.requires_grad or v.requires_grad:
+            # Copied in place into buffers every session shares: autograd would take them over and fail
+            # every later request of every session.
+            raise ValueError(
+                f"layer {layer}: k and v require grad, but the KV cache is inference-only; run the pipeline's "
+                "forward under torch.no_grad() or torch.inference_mode()"
+            )
         num_registers = q.shape[1] - self.seq_len
         room = pool.layout.scratch_tokens - self.seq_len
         if not 0 <= num_registers <= room:
@@ -169,12 +176,14 @@ class ARDiffusionForwardContext:
                 f"layer {layer} has {num_registers} register tokens, earlier layers of this forward had "
                 f"{self.num_registers}"
             )
-        # What the next layers must match to skip these checks (same shapes, same dtype objects).
-        self._checked = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
+        # What the next layers must match to skip these checks (same shapes, same dtype objects, no grad).
+        self._checked = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                         False, False)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         self.check_live()
-        if self._checked != (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device):
+        if self._checked != (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                             k.requires_grad, v.requires_grad):
             self._validate(layer, q, k, v)
         pool = self.pool
         if self._kernel_pool:  # vLLM / paged-kernel backends write, pack and attend in the pool
