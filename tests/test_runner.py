@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -473,3 +474,29 @@ def test_forward_under_grad_is_refused_without_poisoning_the_shared_buffers():
         runner.execute_model(request("c", 0))
     with torch.no_grad():
         runner.execute_model(request("b", 1))
+
+
+class _SwallowingBind(TinyPipeline):
+    """Its bind_ar_diffusion_state catches what the forward raises instead of letting it propagate."""
+
+    @contextmanager
+    def bind_ar_diffusion_state(self, session_id, state):
+        self._state = state
+        try:
+            yield
+        except Exception:  # the mistake
+            pass
+        finally:
+            self._state = None
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_bind_that_swallows_the_forwards_exception_is_named_and_releases_the_session(layer):
+    runner = make_runner(_SwallowingBind())
+    runner.pipeline.fail_at_layer = layer
+    with pytest.raises(RuntimeError, match=r"_SwallowingBind.bind_ar_diffusion_state\(\) suppressed an exception"):
+        runner.execute_model(request("a", 0))
+    assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
+    runner.pipeline.fail_at_layer = None
+    runner.execute_model(request("a", 0))
+    assert runner.sessions()[0].num_requests == 1

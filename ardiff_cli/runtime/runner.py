@@ -271,11 +271,18 @@ class ARDiffusionModelRunner:
             session = self._admit(session_id)
         state = session.state
         bound = time.perf_counter()
+        forward_end = None
         try:
             with self.pipeline.bind_ar_diffusion_state(session_id, state):
                 forward_start = time.perf_counter()
                 output = self.pipeline.forward(request)
                 forward_end = time.perf_counter()
+            if forward_end is None:  # the forward raised and the pipeline's context manager swallowed it
+                raise RuntimeError(
+                    f"{type(self.pipeline).__name__}.bind_ar_diffusion_state() suppressed an exception raised by "
+                    f"the forward of request {request.request_id!r}: the context manager must let exceptions "
+                    "propagate (use try/finally, never a bare except), so the runner can release the session"
+                )
             dangling = state.uncommitted_branches()
             if dangling:
                 raise RuntimeError(
