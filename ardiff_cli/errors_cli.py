@@ -18,7 +18,14 @@ from dataclasses import dataclass
 import typer
 
 from ardiff_cli.output import Output
-from ardiff_cli.runtime.errors import ArdiffError, CapacityError, CheckpointError, ConfigError, ObservationError
+from ardiff_cli.runtime.errors import (
+    ArdiffError,
+    CapacityError,
+    CheckpointError,
+    ConfigError,
+    ObservationError,
+    PipelineError,
+)
 
 EXIT_OK = 0
 EXIT_BUG = 1
@@ -132,6 +139,7 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     ErrorRule(ObservationError, EXIT_USAGE, "observation_error", "see the episode format: ardiff rollout --help"),
     ErrorRule(CheckpointError, EXIT_USAGE, "checkpoint_error"),
     ErrorRule(ConfigError, EXIT_USAGE, "config_error"),
+    ErrorRule(PipelineError, None, "pipeline_error"),
     ErrorRule(ArdiffError, None, "error"),
     # Not ardiff's own: the KV page pool (KVCacheExhaustedError), host memory, or torch's OutOfMemoryError.
     ErrorRule(MemoryError, EXIT_CAPACITY, "out_of_memory",

@@ -239,3 +239,26 @@ def test_signal_in_the_middle_of_a_forward_then_resume(env, data, reference, tmp
     assert sorted((r["episode"], r["step"]) for r in records(run)) == sorted(
         (e, s) for e in EPISODES for s in range(3))  # nothing run twice, nothing missing
     assert_matches(run, reference)
+
+
+@pytest.mark.parametrize(("pipeline", "message"), [
+    ("WrongKVHeads", "Error: warmup request 'warmup-0' of WrongKVHeads failed: ValueError: cross-attention 'text' "
+                     "of branch 'main' (session '__ardiff_warmup__'): layer 0 k must be shaped (8, 16, 16), got "
+                     "(4, 16, 16)"),
+    ("WarmupReturnsNone", "Error: WarmupReturnsNone.ar_diffusion_warmup_requests() must return an iterable of "
+                          "ARDiffusionRequest, got NoneType"),
+    ("HooksMissing", "Error: HooksMissing does not implement the AR-Diffusion pipeline capability: missing "
+                     "ar_diffusion_kv_cache_spec, bind_ar_diffusion_state"),
+    ("BrokenFromConfig", "Error: BrokenFromConfig.from_config() failed: KeyError: 'blocks.0.self_attn.q.weight'"),
+])
+def test_a_pipeline_authors_mistake_is_named_as_the_pipelines_not_as_a_bug_in_ardiff(env, pipeline, message):
+    proc = ardiff(env, "warmup", "causal-world-tiny", "--device", "cpu", "--format", "plain",
+                  "--pipeline", f"author_mistakes:{pipeline}")
+    assert proc.returncode == 1, proc.stderr
+    assert message in proc.stderr
+    assert "bug in ardiff" not in proc.stderr and "Traceback" not in proc.stderr
+    if pipeline != "HooksMissing":
+        assert "hint: the pipeline's code" in proc.stderr
+    verbose = ardiff(env, "warmup", "causal-world-tiny", "--device", "cpu", "--format", "plain", "--verbose",
+                     "--pipeline", f"author_mistakes:{pipeline}")
+    assert verbose.returncode == 1 and "Traceback" in verbose.stderr

@@ -24,6 +24,7 @@ from ardiff_cli.runtime.events import (
     SessionReset,
     WarmupFinished,
 )
+from ardiff_cli.runtime.errors import PipelineError
 from ardiff_cli.runtime.request import DEFAULT_SESSION_ID, ARDiffusionRequest
 from ardiff_cli.runtime.runner import WARMUP_SESSION_ID, ARDiffusionModelRunner, LifecycleHookError
 
@@ -500,3 +501,39 @@ def test_bind_that_swallows_the_forwards_exception_is_named_and_releases_the_ses
     runner.pipeline.fail_at_layer = None
     runner.execute_model(request("a", 0))
     assert runner.sessions()[0].num_requests == 1
+
+
+class _WarmupYieldsDicts(WarmTinyPipeline):
+    def ar_diffusion_warmup_requests(self, session_id):
+        yield from super().ar_diffusion_warmup_requests(session_id)
+        yield {"frames": torch.zeros(4, 16)}  # forgot to wrap it in an ARDiffusionRequest
+
+
+class _WarmupNamesAnotherSession(WarmTinyPipeline):
+    def ar_diffusion_warmup_requests(self, session_id):
+        yield request("robot-a", 0)
+
+
+@pytest.mark.parametrize(("pipeline", "match"), [
+    (_WarmupYieldsDicts(), r"_WarmupYieldsDicts.ar_diffusion_warmup_requests\(\) yielded dict as request 4, "
+                           "expected an ARDiffusionRequest"),
+    (_WarmupNamesAnotherSession(), "warmup request 'robot-a:0' names session 'robot-a', expected '__ardiff_warmup__'"),
+])
+def test_malformed_warmup_requests_are_pipeline_errors_and_release_the_session(pipeline, match):
+    runner = make_runner(pipeline)
+    with pytest.raises(PipelineError, match=match):
+        runner.warmup()
+    assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
+    runner.execute_model(request("a", 0))  # reusable
+
+
+def test_a_failing_warmup_forward_is_a_pipeline_error_naming_the_request():
+    runner = make_runner(WarmTinyPipeline())
+    runner.pipeline.fail_at_layer = 2
+    runner.pipeline.fail_in_hook = "close"
+    with pytest.raises(PipelineError, match="warmup request 'warmup-0' of WarmTinyPipeline failed: RuntimeError: "
+                                            "injected failure at layer 2") as info:
+        runner.warmup()
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert any("close hook failed" in note for note in info.value.__notes__)
+    assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0

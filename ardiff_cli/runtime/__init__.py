@@ -28,6 +28,7 @@ _EXPORTS = {
     "KVCacheExhaustedError": "kv.allocator",
     "ARDiffusionModelRunner": "runner",
     "LifecycleHookError": "runner",
+    "PipelineError": "errors",
     "SessionView": "runner",
     "PoolUsage": "runner",
     "WarmupReport": "runner",

@@ -41,6 +41,21 @@ class CapacityError(ArdiffError, MemoryError):
     exit_code = 3
 
 
+class PipelineError(ArdiffError, RuntimeError):
+    """The pipeline raised, or broke the AR-Diffusion contract, while loading or warming up (exit 1).
+
+    The message names the pipeline class and what it did; the pipeline's own exception is the
+    ``__cause__`` (its traceback is printed with ``--verbose``). Not a bug in ardiff's runtime.
+    """
+
+    exit_code = 1
+
+
+PIPELINE_HINT = ("the pipeline's code (or its use of the AR-Diffusion contract: README, 'Adding a pipeline') "
+                 "failed; --verbose prints the traceback. If it is one of ardiff's built-in pipelines, please "
+                 "report it")
+
+
 def did_you_mean(name: str, valid: Iterable[str]) -> str:
     """' (did you mean 'x'?)' when a close match exists, else ''."""
     match = difflib.get_close_matches(name, list(valid), n=1)

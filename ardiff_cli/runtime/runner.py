@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from ardiff_cli.runtime.capability import (
     SupportsARDiffusionWarmup,
 )
 from ardiff_cli.runtime.capacity import CapacityPlan, available_host_memory, plan_capacity
-from ardiff_cli.runtime.errors import ArdiffError
+from ardiff_cli.runtime.errors import PIPELINE_HINT, ArdiffError, PipelineError
 from ardiff_cli.runtime.events import (
     CapacityPlanned,
     HookFailed,
@@ -55,6 +55,17 @@ REQUEST_MODE_ONLY = (
 
 class LifecycleHookError(ArdiffError, RuntimeError):
     """A pipeline reset/close hook raised. The session's KV was released regardless."""
+
+
+class PipelineContractError(PipelineError, TypeError):
+    """The pipeline lacks a capability method, or its spec is not an ``ARDiffusionKVCacheSpec`` (refused at load)."""
+
+
+def _pipeline_fault(exc: BaseException) -> bool:
+    """An exception raised by (or because of) the pipeline's code, rather than ardiff's own typed failures,
+    memory running out, or a broken runtime invariant (AssertionError)."""
+    return (isinstance(exc, Exception) and not isinstance(exc, (ArdiffError, MemoryError, AssertionError))
+            and type(exc).__name__ != "OutOfMemoryError")
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,15 +169,17 @@ class ARDiffusionModelRunner:
                 raise ValueError(f"{REQUEST_MODE_ONLY}; the pipeline declares {flag}=True")
         missing = [name for name in (*PIPELINE_METHODS, "forward") if not callable(getattr(self.pipeline, name, None))]
         if missing:
-            raise TypeError(
+            raise PipelineContractError(
                 f"{type(self.pipeline).__name__} does not implement the AR-Diffusion pipeline capability: "
-                f"missing {', '.join(missing)}"
+                f"missing {', '.join(missing)}",
+                hint="see README, 'Adding a pipeline', for the methods a pipeline class implements",
             )
         spec = self.pipeline.ar_diffusion_kv_cache_spec()
         if not isinstance(spec, ARDiffusionKVCacheSpec):
-            raise TypeError(
+            raise PipelineContractError(
                 f"{type(self.pipeline).__name__}.ar_diffusion_kv_cache_spec() must return an ARDiffusionKVCacheSpec, "
-                f"got {type(spec).__name__}"
+                f"got {type(spec).__name__}",
+                hint="build it with ardiff_cli.runtime.ARDiffusionKVCacheSpec(...)",
             )
         self.spec = spec
         plan, self.kv_cache = self._plan_and_allocate(spec)
@@ -427,16 +440,35 @@ class ARDiffusionModelRunner:
         free_before = cache.allocator.num_free
         timings: list[tuple[str, str, float]] = []
         start = time.perf_counter()
+        provider = f"{type(self.pipeline).__name__}.ar_diffusion_warmup_requests()"
+        where = provider  # what ran when something raised: the provider, or one of its requests
         try:
-            for request in self.pipeline.ar_diffusion_warmup_requests(WARMUP_SESSION_ID):
+            requests = self.pipeline.ar_diffusion_warmup_requests(WARMUP_SESSION_ID)
+            if not isinstance(requests, Iterable):
+                raise PipelineError(f"{provider} must return an iterable of ARDiffusionRequest, "
+                                    f"got {type(requests).__name__}", hint=PIPELINE_HINT)
+            for index, request in enumerate(requests):
+                if not isinstance(request, ARDiffusionRequest):
+                    raise PipelineError(f"{provider} yielded {type(request).__name__} as request {index}, "
+                                        "expected an ARDiffusionRequest", hint=PIPELINE_HINT)
                 if request.session_id != WARMUP_SESSION_ID:
-                    raise ValueError(
+                    raise PipelineError(
                         f"warmup request {request.request_id!r} names session {request.session_id!r}, "
-                        f"expected {WARMUP_SESSION_ID!r}"
+                        f"expected {WARMUP_SESSION_ID!r} (the session_id {provider} is given)",
+                        hint=PIPELINE_HINT,
                     )
+                where = f"warmup request {request.request_id!r} of {type(self.pipeline).__name__}"
                 t0 = time.perf_counter()
                 self._execute(request, internal=True)
                 timings.append((request.request_id, describe_inputs(request.inputs), time.perf_counter() - t0))
+                where = provider
+        except Exception as exc:
+            if not _pipeline_fault(exc):
+                raise
+            error = PipelineError(f"{where} failed: {type(exc).__name__}: {exc}", hint=PIPELINE_HINT)
+            for note in getattr(exc, "__notes__", ()):
+                error.add_note(note)
+            raise error from exc
         finally:
             with self._lock:
                 if WARMUP_SESSION_ID in self._sessions:

@@ -1,0 +1,46 @@
+"""Pipelines with the mistakes a pipeline author makes, for ``--pipeline module:Class`` tests.
+
+Each is the real causal_world pipeline with one thing wrong; none is shipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pipelines.causal_world.pipeline import CausalWorldPipeline
+
+
+class WrongKVHeads(CausalWorldPipeline):
+    """Its spec declares twice the KV heads its transformer has."""
+
+    def ar_diffusion_kv_cache_spec(self):
+        return dataclasses.replace(self.spec, num_kv_heads=2 * self.spec.num_kv_heads)
+
+
+class WarmupReturnsNone(CausalWorldPipeline):
+    """Its warmup provider forgot to return (or yield) its requests."""
+
+    def ar_diffusion_warmup_requests(self, session_id):
+        list(super().ar_diffusion_warmup_requests(session_id))
+
+
+class HooksMissing:
+    """Carries what --pipeline checks for, but not the AR-Diffusion capability methods."""
+
+    Config = CausalWorldPipeline.Config
+    observation_schema = CausalWorldPipeline.observation_schema
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        return cls()
+
+    def forward(self, request):
+        return {}
+
+
+class BrokenFromConfig(CausalWorldPipeline):
+    """Its own loading code raises."""
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        raise KeyError("blocks.0.self_attn.q.weight")
