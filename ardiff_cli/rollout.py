@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.monitor import RunMonitor
 from ardiff_cli.output import Output
-from ardiff_cli.runtime.errors import ArdiffError, ObservationError
+from ardiff_cli.runtime.errors import PIPELINE_HINT, ArdiffError, ObservationError, PipelineError
 from ardiff_cli.runtime.observation import ObservationSchema
 from ardiff_cli.signals import StopSignals
 
@@ -213,6 +214,10 @@ class Rollout:
         request_id = f"{episode.name}/{step:06d}"
         self._at = ("forward", task.file)
         output = self._execute(request_id, episode.name, inputs)
+        if not isinstance(output, Mapping):  # nothing to write: an "ok" step with an empty file would hide it
+            raise PipelineError(f"{type(self.engine.pipeline).__name__}.forward() returned "
+                                f"{type(output).__name__}, expected a dict of arrays (name -> tensor or numpy array)",
+                                hint=PIPELINE_HINT)
         if episode.name in self._resident:
             self._resident[episode.name] = task.ordinal + 1
         finished = next((e for e in events if e.kind == "request_finished" and e.request_id == request_id), None)
@@ -223,7 +228,7 @@ class Rollout:
         self._at = ("write", task.file)
         with self.signals.critical():
             path = self.run_folder.write_step_outputs(
-                episode.name, step, output if isinstance(output, dict) else {},
+                episode.name, step, output,
                 metadata={"episode": episode.name, "step": str(step), "request_id": request_id})
             record = {
                 "episode": episode.name, "step": step, "chunk": task.ordinal, "session": episode.name,

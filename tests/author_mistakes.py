@@ -44,3 +44,10 @@ class BrokenFromConfig(CausalWorldPipeline):
     @classmethod
     def from_config(cls, config, **kwargs):
         raise KeyError("blocks.0.self_attn.q.weight")
+
+
+class ReturnsTensor(CausalWorldPipeline):
+    """Its forward returns the latents tensor itself instead of a dict of arrays."""
+
+    def forward(self, request):
+        return super().forward(request)["latents"]

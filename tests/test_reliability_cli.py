@@ -262,3 +262,15 @@ def test_a_pipeline_authors_mistake_is_named_as_the_pipelines_not_as_a_bug_in_ar
     verbose = ardiff(env, "warmup", "causal-world-tiny", "--device", "cpu", "--format", "plain", "--verbose",
                      "--pipeline", f"author_mistakes:{pipeline}")
     assert verbose.returncode == 1 and "Traceback" in verbose.stderr
+
+
+def test_a_forward_that_returns_no_dict_fails_its_steps_instead_of_writing_empty_outputs(env, tmp_path):
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", "causal-world-tiny", "--device", "cpu", "--out", str(run), "--no-warmup",
+                  "--format", "plain", "--pipeline", "author_mistakes:ReturnsTensor")
+    assert proc.returncode == 1, proc.stderr
+    assert "ReturnsTensor.forward() returned Tensor, expected a dict of arrays" in proc.stderr
+    assert "bug in ardiff" not in proc.stderr
+    lines = records(run)
+    assert lines and all(r["status"] == "failed" for r in lines)
+    assert not list((run / "episodes").rglob("*.safetensors"))
