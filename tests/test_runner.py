@@ -284,6 +284,16 @@ def test_warmup_failure_still_releases_the_session():
     assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
 
 
+def test_warmup_whose_close_hook_fails_raises_like_close_session():
+    runner = make_runner(WarmTinyPipeline())
+    runner.pipeline.fail_in_hook = "close"
+    with pytest.raises(LifecycleHookError, match=rf"close_ar_diffusion_session\('{WARMUP_SESSION_ID}'\) raised"):
+        runner.warmup()
+    assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0  # KV released regardless
+    runner.pipeline.fail_in_hook = None
+    assert runner.warmup().restored
+
+
 def test_warmup_with_every_slot_taken_is_refused_and_evicts_nobody():
     runner = make_runner(WarmTinyPipeline(), capacity=1)
     runner.execute_model(request("a", 0))

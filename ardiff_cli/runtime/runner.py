@@ -440,6 +440,7 @@ class ARDiffusionModelRunner:
         free_before = cache.allocator.num_free
         timings: list[tuple[str, str, float]] = []
         start = time.perf_counter()
+        hook_errors: list[LifecycleHookError] = []  # the close hook of the warmup session, as close_session raises
         provider = f"{type(self.pipeline).__name__}.ar_diffusion_warmup_requests()"
         where = provider  # what ran when something raised: the provider, or one of its requests
         try:
@@ -472,7 +473,7 @@ class ARDiffusionModelRunner:
         finally:
             with self._lock:
                 if WARMUP_SESSION_ID in self._sessions:
-                    self._release(WARMUP_SESSION_ID, reason="explicit", hook="close")
+                    hook_errors = self._release(WARMUP_SESSION_ID, reason="explicit", hook="close")
         seconds = time.perf_counter() - start
         restored = cache.allocator.num_free == free_before
         self._emit(WarmupFinished(num_requests=len(timings), seconds=seconds, restored=restored))
@@ -480,6 +481,8 @@ class ARDiffusionModelRunner:
             raise RuntimeError(
                 f"warmup leaked KV pages: {free_before} free before, {cache.allocator.num_free} after"
             )
+        if hook_errors:  # the pool is restored, but the pipeline's own cleanup failed: its sessions would too
+            raise hook_errors[0]
         return WarmupReport(skipped=False, timings=timings, restored=restored, seconds=seconds)
 
     # ----------------------------------------------------------------- views
