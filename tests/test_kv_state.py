@@ -300,6 +300,21 @@ def test_commit_before_attend_then_attend_does_not_leak(make_spec, make_cache):
     assert cache.num_free_pages == free0
 
 
+@pytest.mark.parametrize("commit", [False, True])
+def test_a_layer_attending_twice_in_one_forward_is_refused(make_spec, make_cache, commit):
+    """A model reusing one layer's context would replace that layer's current K/V: refused, nothing leaked."""
+    cache = make_cache(make_spec())
+    free0 = cache.num_free_pages
+    state = cache.new_state("s")
+    forward(state, "positive", 2, commit=True)  # some history
+    contexts = state.get_kv_caches("positive", seq_len=8, commit_current=commit)
+    attend_once(contexts[0], state.spec, 8)
+    with pytest.raises(RuntimeError, match="layer 0 of branch 'positive' attended twice in one forward"):
+        attend_once(contexts[0], state.spec, 8)
+    state.close()
+    assert cache.num_free_pages == free0
+
+
 @pytest.mark.parametrize("keep", [(), ("text",)])
 def test_contexts_are_stale_after_reset(make_spec, make_cache, keep):
     cache = make_cache(make_spec(cross_attention=CROSS))

@@ -185,6 +185,11 @@ class ARDiffusionForwardContext:
         if self._checked != (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
                              k.requires_grad, v.requires_grad):
             self._validate(layer, q, k, v)
+        if self.layers_written[layer]:  # a second call would replace this layer's current K/V: history lost
+            raise RuntimeError(
+                f"layer {layer} of branch {self.branch.name!r} attended twice in one forward; each self-attention "
+                "layer calls attend once per get_kv_caches (a spec's num_layers counts every such call)"
+            )
         pool = self.pool
         if self._kernel_pool:  # vLLM / paged-kernel backends write, pack and attend in the pool
             out = pool.attend(layer, self._kernel_forward, q, k, v, scale)
