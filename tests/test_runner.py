@@ -284,6 +284,54 @@ def test_warmup_failure_still_releases_the_session():
     assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
 
 
+def _flat(output) -> torch.Tensor:
+    return torch.cat([v.flatten() for v in output.values()]) if isinstance(output, dict) else output
+
+
+def test_requests_from_several_threads_run_one_at_a_time_and_equal_a_sequential_run():
+    """Every request shares the pool's gather workspace: two at once gave other sessions' K/V (37 of 40 wrong)."""
+    sessions, steps = ("a", "b", "c"), 12
+    reference = make_runner(capacity=len(sessions))  # all resident: a session's outputs depend on its requests only
+    expected = {s: [_flat(reference.execute_model(request(s, i))) for i in range(steps)] for s in sessions}
+    runner = make_runner(capacity=len(sessions))
+    got: dict[str, list] = {s: [] for s in sessions}
+    start = threading.Barrier(len(sessions))
+
+    def robot(session):
+        start.wait()
+        for i in range(steps):
+            got[session].append(_flat(runner.execute_model(request(session, i))))
+
+    threads = [threading.Thread(target=robot, args=(s,)) for s in sessions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in sessions:
+        assert len(got[s]) == steps
+        for i, (a, b) in enumerate(zip(got[s], expected[s])):
+            assert torch.equal(a, b), f"session {s} step {i}"
+
+
+def test_a_request_from_inside_a_request_is_refused_not_run_on_the_shared_workspace():
+    runner = make_runner()
+    seen = []
+
+    def callback(event):
+        if isinstance(event, RequestFinished) and not seen:
+            with pytest.raises(RuntimeError, match=r"execute_model\(\) called from inside a request"):
+                runner.execute_model(request("b", 0))
+            with pytest.raises(RuntimeError, match=r"close_session\(\) called from inside a request"):
+                runner.close_session("a")
+            seen.append(event)
+
+    runner.subscribe(callback)
+    runner.execute_model(request("a", 0))
+    assert seen and runner.session_ids == ["a"]
+    runner.execute_model(request("b", 0))  # after the request: fine
+    assert runner.session_ids == ["a", "b"]
+
+
 def test_warmup_whose_close_hook_fails_raises_like_close_session():
     runner = make_runner(WarmTinyPipeline())
     runner.pipeline.fail_in_hook = "close"

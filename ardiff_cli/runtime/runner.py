@@ -8,6 +8,7 @@ pipeline around exactly one forward, and releases sessions through one path
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -66,6 +67,28 @@ def _pipeline_fault(exc: BaseException) -> bool:
     memory running out, or a broken runtime invariant (AssertionError)."""
     return (isinstance(exc, Exception) and not isinstance(exc, (ArdiffError, MemoryError, AssertionError))
             and type(exc).__name__ != "OutOfMemoryError")
+
+
+def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``method`` alone: calls from other threads wait for the request in progress; a call from inside
+    it (an event callback, the pipeline's forward) would corrupt it and raises instead of deadlocking."""
+
+    @functools.wraps(method)
+    def exclusive(self: ARDiffusionModelRunner, *args: Any, **kwargs: Any) -> Any:
+        me = threading.get_ident()
+        if self._request_owner == me:
+            raise RuntimeError(
+                f"{method.__name__}() called from inside a request on the same thread (an event callback or the "
+                "pipeline's forward?): requests and session calls run one at a time; make it after the request"
+            )
+        with self._request_lock:
+            self._request_owner = me
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._request_owner = None
+
+    return exclusive
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +176,10 @@ class ARDiffusionModelRunner:
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         # Guards the session table and views; the forward itself runs outside it.
         self._lock = threading.RLock()
+        # One request (or lifecycle call) at a time: a forward uses the pool's shared workspace and its session,
+        # which a second thread's request could evict. Held by _one_at_a_time; its owner is the running thread.
+        self._request_lock = threading.Lock()
+        self._request_owner: int | None = None
         self._subscribers: list[Callable[[RuntimeEvent], None]] = []
         # Hook failures collected over the runner's life (also emitted as HookFailed events).
         self.hook_errors: list[LifecycleHookError] = []
@@ -260,6 +287,7 @@ class ARDiffusionModelRunner:
             callback(event)
 
     # ------------------------------------------------------------- execution
+    @_one_at_a_time
     def execute_model(self, request: ARDiffusionRequest) -> Any:
         """Run one request on its session; see ``ARDiffusionRequest`` for the lifecycle flags."""
         return self._execute(request, internal=False)
@@ -349,6 +377,7 @@ class ARDiffusionModelRunner:
         return session
 
     # ------------------------------------------------------------- lifecycle
+    @_one_at_a_time
     def reset_session(self, session_id: str) -> None:
         """Release ``session_id`` and call the pipeline's reset hook; the next request starts fresh."""
         with self._lock:
@@ -357,6 +386,7 @@ class ARDiffusionModelRunner:
         if errors:
             raise errors[0]
 
+    @_one_at_a_time
     def close_session(self, session_id: str) -> None:
         """Release ``session_id`` and call the pipeline's close hook."""
         with self._lock:
@@ -365,6 +395,7 @@ class ARDiffusionModelRunner:
         if errors:
             raise errors[0]
 
+    @_one_at_a_time
     def close_all(self) -> list[LifecycleHookError]:
         """Close every resident session (shutdown); returns hook errors."""
         errors: list[LifecycleHookError] = []
@@ -423,6 +454,7 @@ class ARDiffusionModelRunner:
         return errors
 
     # ---------------------------------------------------------------- warmup
+    @_one_at_a_time
     def warmup(self) -> WarmupReport:
         """Run the pipeline's warmup requests under a reserved session; always release it."""
         cache = self._require_loaded()
