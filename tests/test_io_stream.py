@@ -253,3 +253,47 @@ def test_follow_a_file_still_growing_keeps_its_episode_from_idling_out(tmp_path)
     assert scheduler.next().file.step == 0
     task = scheduler.next()
     assert isinstance(task, StepTask) and task.file.path.read_bytes() == data, task
+
+
+def test_follow_polls_look_at_each_step_file_once_not_at_every_step(tmp_path, monkeypatch):
+    """A follower left running for hours: its folder holds thousands of step files. A poll must not stat and
+    parse every one of them again (20,000 files took 170 ms per step), nor list the folder while steps that
+    arrived earlier still wait to run."""
+    import ardiff_cli.io.episode as episode_module
+
+    n = 300
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0)], prompt="p", end=False)
+    data = (folder / "step_000000.safetensors").read_bytes()
+    for step in range(1, n):
+        (folder / f"step_{step:06d}.safetensors").write_bytes(data)
+    parsed, listings = [0], [0]
+    real_step_number, real_scan = episode_module.step_number, EpisodeSource.scan
+    monkeypatch.setattr(episode_module, "step_number", lambda path: parsed.__setitem__(0, parsed[0] + 1)
+                        or real_step_number(path))
+    monkeypatch.setattr(EpisodeSource, "scan", lambda self, **kw: listings.__setitem__(0, listings[0] + 1)
+                        or real_scan(self, **kw))
+    clock = FakeClock()
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=5, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    for step in range(n):  # the backlog
+        assert scheduler.next().file.step == step
+    write_step(folder, n, good(n))  # then live: one more file
+    assert scheduler.next().file.step == n
+    (folder / "END").touch()
+    assert isinstance(scheduler.next(), EpisodeEnded)
+    assert parsed[0] <= 3 * (n + 1), f"{parsed[0]} step-number parses for {n + 1} files"  # was n per step: 90,000
+    assert listings[0] <= 10, f"{listings[0]} folder listings for {n + 1} steps"
+
+
+def test_follow_a_second_file_for_a_step_already_taken_fails_the_episode(tmp_path):
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0), good(1)], prompt="p", end=False)
+    clock = FakeClock()
+    clock.actions = [lambda: None, lambda: write_step(folder, 1, good(1), format="npz"), lambda: None, lambda: None]
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert [scheduler.next().file.step for _ in range(2)] == [0, 1]
+    item = scheduler.next()
+    assert isinstance(item, EpisodeEnded) and item.reason == "error", item
+    assert "two files for step 1: step_000001.safetensors and step_000001.npz" in str(item.error)

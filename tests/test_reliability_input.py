@@ -181,7 +181,7 @@ def test_unreadable_file_and_folder_with_injected_eacces(tmp_path, monkeypatch):
     import ardiff_cli.io.episode as episode_module
 
     folder = episode(tmp_path / "ep")
-    real_open, real_iterdir = open, Path.iterdir
+    real_open, real_listdir = open, os.listdir
 
     def guarded_open(path, *args, **kwargs):
         if Path(path) == step1(folder):
@@ -194,12 +194,12 @@ def test_unreadable_file_and_folder_with_injected_eacces(tmp_path, monkeypatch):
         load_step(step1(folder))
     assert "permissions" in info.value.hint
 
-    def guarded_iterdir(self):
-        if self == folder:
-            raise PermissionError(13, "Permission denied", str(self))
-        return real_iterdir(self)
+    def guarded_listdir(path):
+        if Path(path) == folder:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_listdir(path)
 
-    monkeypatch.setattr(Path, "iterdir", guarded_iterdir)
+    monkeypatch.setattr(episode_module.os, "listdir", guarded_listdir)
     error = first_error(folder)
     assert f"{folder}: cannot list the episode folder: Permission denied" in str(error)
     assert "r-x" in error.hint

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import unicodedata
+from collections.abc import Container
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,9 +65,10 @@ class EpisodeSource:
     path: Path
     _metadata: dict[str, Any] | None = field(default=None, repr=False)  # episode.yaml, read once
 
-    def scan(self) -> list[StepFile]:
-        """The step files present now, in step order; duplicate step numbers are an error."""
-        return scan_steps(self.path)
+    def scan(self, *, skip: Container[str] = ()) -> list[StepFile]:
+        """The step files present now, in step order; duplicate step numbers are an error. ``skip``: names not
+        to look at again (the steps a follower has taken), so a poll costs one listing, not a stat per file."""
+        return scan_steps(self.path, skip=skip)
 
     def has_end_marker(self) -> bool:
         return (self.path / END_MARKER).exists()
@@ -138,9 +141,9 @@ def gap_error(folder: Path, steps: list[int], missing: list[int]) -> Observation
     )
 
 
-def _list_folder(folder: Path) -> list[Path]:
+def _list_names(folder: Path) -> list[str]:
     try:
-        return list(folder.iterdir())
+        return os.listdir(folder)
     except OSError as exc:
         raise ObservationError(
             f"{folder}: cannot list the episode folder: {exc.strerror or exc}",
@@ -149,9 +152,17 @@ def _list_folder(folder: Path) -> list[Path]:
         ) from None
 
 
-def scan_steps(folder: Path) -> list[StepFile]:
+def _list_folder(folder: Path) -> list[Path]:
+    return [folder / name for name in _list_names(folder)]
+
+
+def scan_steps(folder: Path, *, skip: Container[str] = ()) -> list[StepFile]:
+    """The step files of ``folder`` in step order, except those named in ``skip`` (not even stat'ed)."""
     steps: dict[int, Path] = {}
-    for path in _list_folder(folder):
+    for name in _list_names(folder):
+        if name in skip:
+            continue
+        path = folder / name
         if not is_step_file(path) or not (path.is_file() or path.is_symlink()):
             continue  # a dangling link is kept: reading it names the problem instead of leaving a silent gap
         number = step_number(path)

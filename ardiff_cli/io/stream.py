@@ -61,6 +61,7 @@ class _Track:
     source: EpisodeSource
     done: set[int]  # step numbers already in results.jsonl (resume): skipped, but part of the history
     files: list[StepFile] = field(default_factory=list)  # known step files, in step order
+    taken: set[str] = field(default_factory=set)  # follow: names of ``files``, not looked at again by a poll
     cursor: int = 0  # index in ``files`` of the next step to consider
     current: int = 0  # ordinal of the step handed out last: ``files[:current]`` is its history
     sizes: dict[str, int] = field(default_factory=dict)  # follow: size of each unready file at the last poll
@@ -128,7 +129,8 @@ class StepScheduler:
                 return None
             if self.follow:
                 for track in active:
-                    self._guarded_scan(track)
+                    if track.cursor >= len(track.files):  # a backlog needs no poll: each costs a folder listing
+                        self._guarded_scan(track)
             item = self._pick()
             if item is not None:
                 return item
@@ -258,14 +260,11 @@ class StepScheduler:
                 hint="keep an episode's folder in place until its END file is written; --resume runs it again "
                      "once the folder is back",
             )
-        known = {f.path.name for f in track.files}
         last = track.files[-1].step if track.files else -1
         blocked = False  # an earlier new file is not stable yet: later ones wait for it
         track.gap = None
-        for step_file in track.source.scan():
+        for step_file in track.source.scan(skip=track.taken):  # only new names: a poll stats no taken file
             name = step_file.path.name
-            if name in known:
-                continue
             try:
                 size = step_file.path.stat().st_size
             except FileNotFoundError:
@@ -279,6 +278,10 @@ class StepScheduler:
                 track.sizes[name] = size
                 blocked = True
                 continue
+            if track.files and track.files[0].step <= step_file.step <= last:  # taken steps are consecutive
+                taken = track.files[step_file.step - track.files[0].step].path.name
+                raise ObservationError(f"{track.source.path}: two files for step {step_file.step}: {taken} and {name}",
+                                       hint="keep one file per step")
             if step_file.step <= last:
                 raise ObservationError(
                     f"{step_file.path}: step {step_file.step} arrived after step {last} had already run",
@@ -291,6 +294,7 @@ class StepScheduler:
                 continue
             del track.sizes[name]
             track.files.append(step_file)
+            track.taken.add(name)
             last = step_file.step
             track.last_activity = self._clock()
 
