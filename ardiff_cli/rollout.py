@@ -329,7 +329,7 @@ class Rollout:
 
         observed, predicted = [], []
         step_files = {f.step: f for f in self.scheduler.history(episode.name)}
-        for record in self.run_folder.records():
+        for record in self.run_folder.iter_records():
             if record.get("episode") != episode.name or record.get("status") != "ok":
                 continue
             step_file = step_files.get(record["step"])

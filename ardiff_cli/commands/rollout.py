@@ -196,8 +196,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     run.lock()  # held until the command ends: a second rollout writing this folder is refused
     if resume:
         try:
-            records = run.records()  # read under the lock: another process may have been adding to it until now
-            done, digests = run.done_steps(records), run.input_digests(records)
+            done, digests = run.resume_state()  # read under the lock: another process may have been adding to it
         except BaseException:
             run.close()
             raise
@@ -383,7 +382,7 @@ def _summary(run: Any, p: _Prepared, driver: Any, plan: Any, wall_s: float, erro
         status = "failed"
     stats = driver.stats
     summary = build_summary(
-        run.records(), episodes=[e.name for e in p.episodes], failed=stats.failed,
+        run.iter_records(), episodes=[e.name for e in p.episodes], failed=stats.failed,
         info={**p.info, "device": str(driver.engine.device)},  # as run.json records it: resolved, not "auto"
         plan=None if plan is None else plan.to_dict(),
         this_run={"steps": stats.steps, "skipped": stats.skipped, "replayed": stats.replayed,

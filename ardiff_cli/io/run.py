@@ -20,7 +20,7 @@ import json
 import os
 import platform
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -121,24 +121,39 @@ class RunFolder:
 
     def records(self) -> list[dict[str, Any]]:
         """Every whole line of results.jsonl, in order; a line lacking what resuming reads is named."""
-        return list(read_jsonl(self.results_path, _record_problem))
+        return list(self.iter_records())
+
+    def iter_records(self) -> Iterator[dict[str, Any]]:
+        """:meth:`records` one line at a time: a long run's file is never held whole (100,000 lines: 220 MiB)."""
+        return read_jsonl(self.results_path, _record_problem)
 
     def done_steps(self, records: Iterable[Mapping[str, Any]] | None = None) -> dict[str, set[int]]:
         """Episode -> steps with an ``ok`` line whose output file exists (those are not run again)."""
         done: dict[str, set[int]] = {}
-        for record in self.records() if records is None else records:
-            if record.get("status") == "ok" and (self.root / record["output"]).is_file():
-                done.setdefault(record["episode"], set()).add(int(record["step"]))
+        for record in self.iter_records() if records is None else records:
+            self._add_done(done, record)
         return done
 
     def input_digests(self, records: Iterable[Mapping[str, Any]] | None = None) -> dict[str, dict[int, str]]:
         """Episode -> step -> SHA-256 of the step file when it ran (``input_sha256`` of its ``ok`` line; lines of
         earlier versions have none). Replaying a step to rebuild its session checks the file still has it."""
         digests: dict[str, dict[int, str]] = {}
-        for record in self.records() if records is None else records:
-            if record.get("status") == "ok" and isinstance(record.get("input_sha256"), str):
-                digests.setdefault(record["episode"], {})[int(record["step"])] = record["input_sha256"]
+        for record in self.iter_records() if records is None else records:
+            _add_digest(digests, record)
         return digests
+
+    def resume_state(self) -> tuple[dict[str, set[int]], dict[str, dict[int, str]]]:
+        """:meth:`done_steps` and :meth:`input_digests` in one pass over results.jsonl, holding no line."""
+        done: dict[str, set[int]] = {}
+        digests: dict[str, dict[int, str]] = {}
+        for record in self.iter_records():
+            self._add_done(done, record)
+            _add_digest(digests, record)
+        return done, digests
+
+    def _add_done(self, done: dict[str, set[int]], record: Mapping[str, Any]) -> None:
+        if record.get("status") == "ok" and (self.root / record["output"]).is_file():
+            done.setdefault(record["episode"], set()).add(int(record["step"]))
 
     # -- writing -------------------------------------------------------------------------------------------
 
@@ -202,6 +217,11 @@ class RunFolder:
         if self._lock is not None:
             os.close(self._lock)  # releases the flock
             self._lock = None
+
+
+def _add_digest(digests: dict[str, dict[int, str]], record: Mapping[str, Any]) -> None:
+    if record.get("status") == "ok" and isinstance(record.get("input_sha256"), str):
+        digests.setdefault(record["episode"], {})[int(record["step"])] = record["input_sha256"]
 
 
 def _record_problem(record: Mapping[str, Any]) -> str | None:
@@ -271,26 +291,36 @@ def versions() -> dict[str, str | None]:
     return found
 
 
-def build_summary(records: list[Mapping[str, Any]], *, episodes: list[str], failed: Mapping[str, str],
+def build_summary(records: Iterable[Mapping[str, Any]], *, episodes: list[str], failed: Mapping[str, str],
                   info: Mapping[str, Any], plan: Mapping[str, Any] | None, this_run: Mapping[str, int],
                   wall_s: float, status: str, exit_code: int, root: Path) -> dict[str, Any]:
-    """summary.json: everything in results.jsonl (this run and earlier ones) plus this run's counters."""
-    ok = [r for r in records if r.get("status") == "ok"]
+    """summary.json: everything in results.jsonl (this run and earlier ones) plus this run's counters. One pass over
+    ``records`` (an iterator will do: a long run's lines are never held whole)."""
     # A step runs again on --resume when its output file went missing: it is one step, with two ok lines.
-    done = {(r["episode"], r["step"]) for r in ok}
+    done: set[tuple[str, int]] = set()
+    total_s: list[float] = []
+    forward_s: list[float] = []
+    evictions = 0
+    # A failure is retried when a later ok line of its episode reaches its step (a failed replay of step 0
+    # is retried by step 1's line: step 0's own ok line came earlier and is not written again).
+    pending: dict[Any, list[int]] = {}  # episode -> steps of failed lines no later ok line reached yet
+    for r in records:
+        episode, step = r.get("episode"), r.get("step", -1)
+        if r.get("status") == "ok":
+            done.add((r["episode"], r["step"]))
+            if r.get("latency"):
+                total_s.append(r["latency"]["total_s"])
+                forward_s.append(r["latency"]["forward_s"])
+            evictions += int(r.get("evictions", 0))
+            if episode in pending:
+                pending[episode] = [s for s in pending[episode] if s > step]
+        elif r.get("status") == "failed":
+            pending.setdefault(episode, []).append(step)  # scan: step -1
+    unresolved = sum(map(len, pending.values()))
     steps_by_episode: dict[str, int] = {}
     for episode, _ in done:
         steps_by_episode[episode] = steps_by_episode.get(episode, 0) + 1
     completed = [e for e in episodes if e not in failed and e in set(this_run.get("completed_episodes", ()))]
-    # A failure is retried when a later ok line of its episode reaches its step (a failed replay of step 0
-    # is retried by step 1's line: step 0's own ok line came earlier and is not written again).
-    unresolved, reached = 0, {}
-    for r in reversed(records):
-        episode, step = r.get("episode"), r.get("step", -1)
-        if r.get("status") == "ok":
-            reached[episode] = max(reached.get(episode, -1), step)
-        elif r.get("status") == "failed" and (episode not in reached or reached[episode] < step):  # scan: step -1
-            unresolved += 1
     return {
         "kind": "summary",
         "status": status,
@@ -317,10 +347,10 @@ def build_summary(records: list[Mapping[str, Any]], *, episodes: list[str], fail
             "replayed": this_run.get("replayed", 0),
         },
         "latency_s": {
-            "total": percentiles([r["latency"]["total_s"] for r in ok if r.get("latency")]),
-            "forward": percentiles([r["latency"]["forward_s"] for r in ok if r.get("latency")]),
+            "total": percentiles(total_s),
+            "forward": percentiles(forward_s),
         },
-        "evictions": sum(int(r.get("evictions", 0)) for r in ok),
+        "evictions": evictions,
         "evictions_this_run": this_run.get("evictions", 0),
         "wall_s": wall_s,
         "steps_per_s": (this_run.get("steps", 0) / wall_s) if wall_s > 0 else None,
