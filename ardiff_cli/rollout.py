@@ -280,6 +280,7 @@ class Rollout:
         self.stats.failed[episode.name] = message
         self.stats.errors[episode.name] = exc
         self.scheduler.drop(episode.name)
+        self._digests.pop(episode.name, None)  # never replayed again: a long run holds only live episodes' digests
         self._close_session(episode.name)
         self.monitor.log("failed", episode.name, message.splitlines()[0], echo=False)
         if not self.options.fail_fast:  # else the run stops with this error, and it is shown once, at exit
@@ -300,6 +301,7 @@ class Rollout:
                 raise item.error
             return
         self._close_session(name)  # following: the end was learnt after the last step ran
+        self._digests.pop(name, None)  # never replayed again: a long run holds only live episodes' digests
         self.stats.completed_episodes.append(name)
         self.monitor.log("episode", name, f"ended ({item.reason}) after {self._steps_done[name]} steps")
         if self.options.preview:

@@ -65,3 +65,22 @@ def test_resume_and_summary_of_a_long_run_never_hold_its_results_lines(tmp_path)
     assert summary["latency_s"]["total"]["count"] == n
     held = len((out / "results.jsonl").read_bytes())  # 8 MiB of text; as dicts, 44 MiB
     assert peak < held, f"the resume's Python heap peaked at {peak >> 20} MiB for {held >> 20} MiB of results lines"
+
+
+def test_a_finished_episode_leaves_nothing_per_step_behind(tmp_path, monkeypatch):
+    """The SHA-256 of every step that ran is kept to check replays; once its episode ended none is replayed, so
+    over a folder of many episodes the run holds the digests of the live ones only (was 200 bytes per step run)."""
+    import ardiff_cli.rollout as rollout_module
+
+    data = _data(tmp_path, {f"arm_{i}": 6 for i in range(4)})
+    drivers, real_run = [], rollout_module.Rollout.run
+    monkeypatch.setattr(rollout_module.Rollout, "run", lambda self: drivers.append(self) or real_run(self))
+    held = []  # digests held when each step starts
+    real_step = rollout_module.Rollout._run_step
+    monkeypatch.setattr(rollout_module.Rollout, "_run_step", lambda self, task: held.append(
+        sum(map(len, self._digests.values()))) or real_step(self, task))
+    result = _rollout(data, tmp_path / "run", "--order", "sequential")
+    assert result.exit_code == 0, result.output
+    assert drivers[0].stats.steps == 24
+    assert max(held) <= 6, f"{max(held)} digests held for episodes of 6 steps"  # was 23 at the last step
+    assert sum(map(len, drivers[0]._digests.values())) == 0
