@@ -191,7 +191,7 @@ class Rollout:
         """Replay the steps before ``ordinal`` that the resident session lacks; returns how many ran."""
         start = self._resident.get(episode.name, 0)
         assert start <= ordinal, f"session {episode.name!r} is ahead of its episode ({start} > {ordinal})"
-        history = self.scheduler.history(episode.name)[start:ordinal]
+        history = self.scheduler.history(episode.name, start)[: ordinal - start]
         if history:
             self.monitor.log("replay", episode.name, f"rebuilding the session from {len(history)} earlier steps",
                              steps=[f.step for f in history])

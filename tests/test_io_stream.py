@@ -69,6 +69,28 @@ def _episodes(tmp_path, sizes: dict[str, int]) -> list[EpisodeSource]:
     return discover_episodes([tmp_path / name for name in sizes])
 
 
+@pytest.mark.parametrize("order", ["round-robin", "sequential"])
+def test_pending_steps_and_history_while_resuming_with_done_steps_in_between(tmp_path, order):
+    """num_pending counts by bisection and history copies only the asked slice: both must equal the plain count."""
+    episodes = _episodes(tmp_path, {"a": 7, "b": 4})
+    done = {"a": {0, 1, 4, 6}, "b": {2}}
+    scheduler = StepScheduler(episodes, order=order, done=done)
+    handed = {"a": set(), "b": set()}
+    while True:
+        expected = sum(1 for name, n in (("a", 7), ("b", 4)) for step in range(n)
+                       if step not in done[name] and step not in handed[name])
+        assert scheduler.num_pending() == expected
+        item = scheduler.next()
+        if item is None:
+            break
+        if isinstance(item, StepTask):
+            name = item.episode.name
+            handed[name].add(item.file.step)
+            assert [f.step for f in scheduler.history(name)] == list(range(item.ordinal))
+            assert [f.step for f in scheduler.history(name, 2)] == list(range(2, item.ordinal))
+    assert handed == {"a": {2, 3, 5}, "b": {0, 1, 3}}
+
+
 def test_round_robin_interleaves_and_sequential_does_not(tmp_path):
     episodes = _episodes(tmp_path, {"a": 3, "b": 1, "c": 2})
     assert _drain(StepScheduler(episodes, order="round-robin")) == [

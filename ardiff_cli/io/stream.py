@@ -25,6 +25,7 @@ ends (END or idle timeout) before any step file arrived fails too.
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
 from collections.abc import Callable
@@ -60,6 +61,7 @@ class _Track:
 
     source: EpisodeSource
     done: set[int]  # step numbers already in results.jsonl (resume): skipped, but part of the history
+    done_sorted: list[int] = field(default_factory=list)  # ``done`` in order: counts pending steps by bisection
     files: list[StepFile] = field(default_factory=list)  # known step files, in step order
     taken: set[str] = field(default_factory=set)  # follow: names of ``files``, not looked at again by a poll
     cursor: int = 0  # index in ``files`` of the next step to consider
@@ -89,7 +91,8 @@ class StepScheduler:
         self._sleep = sleep
         done = done or {}
         now = clock()
-        self._tracks = [_Track(source=e, done=set(done.get(e.name, ())), last_activity=now) for e in episodes]
+        self._tracks = [_Track(source=e, done=set(done.get(e.name, ())), done_sorted=sorted(done.get(e.name, ())),
+                               last_activity=now) for e in episodes]
         self._turn = 0  # round-robin: index of the episode whose turn is next
         self._pending_ends: list[EpisodeEnded] = []  # items to hand out before any further step
         if not follow:
@@ -98,20 +101,27 @@ class StepScheduler:
 
     # -- queries -------------------------------------------------------------------------------------------
 
-    def history(self, episode_name: str) -> list[StepFile]:
-        """Steps of ``episode_name`` before the one handed out last, in order (to rebuild its session)."""
+    def history(self, episode_name: str, start: int = 0) -> list[StepFile]:
+        """Steps of ``episode_name`` from ordinal ``start`` to the one handed out last (excluded), in order: what
+        rebuilding its session replays. Only that slice is copied, so each step costs what it replays."""
         track = self._track(episode_name)
-        return track.files[:track.current]
+        return track.files[start:track.current]
 
     def num_known(self, episode_name: str) -> int:
         """Step files of ``episode_name`` known so far (all of them unless following)."""
         return len(self._track(episode_name).files)
 
     def num_pending(self) -> int:
-        """Steps known and not yet handed out (grows while following)."""
-        return sum(
-            sum(1 for f in t.files[t.cursor:] if f.step not in t.done) for t in self._tracks if not t.ended
-        )
+        """Steps known and not yet handed out (grows while following). Constant time per episode (it runs after
+        every step): the files ahead of the cursor are consecutive steps, less the done ones among them."""
+        pending = 0
+        for t in self._tracks:
+            if t.ended or t.cursor >= len(t.files):
+                continue
+            first, last = t.files[t.cursor].step, t.files[-1].step
+            done = bisect.bisect_right(t.done_sorted, last) - bisect.bisect_left(t.done_sorted, first)
+            pending += len(t.files) - t.cursor - done
+        return pending
 
     # -- control -------------------------------------------------------------------------------------------
 
