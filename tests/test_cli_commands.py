@@ -190,3 +190,29 @@ def test_attention_backend_vllm_without_vllm_is_a_usage_error_with_the_install_c
     error = json.loads(invoke("inspect-capacity", "--attention-backend", "vllm", "--format", "json").stdout)
     assert error["kind"] == "config_error" and error["exit_code"] == 2
     assert error["message"] == "attention backend 'vllm' requested but vLLM is not installed"
+
+
+def test_rollout_holds_the_run_folder_lock_while_it_writes_the_summary(fast_configs, tmp_path, monkeypatch):
+    """Released earlier, a --resume could start meanwhile: append lines under this summary, and remove its
+    temporary file as a stale one (a 'cannot write summary.json' error)."""
+    from ardiff_cli.io.run import RunFolder
+    from ardiff_cli.runtime.errors import ConfigError
+
+    seen = []
+    write_summary = RunFolder.write_summary
+
+    def probe(self, summary):
+        other = RunFolder(self.root)  # what a second process's rollout --resume does first
+        try:
+            other.lock()
+            seen.append("free")
+            other.close()
+        except ConfigError as exc:
+            seen.append(str(exc))
+        return write_summary(self, summary)
+
+    monkeypatch.setattr(RunFolder, "write_summary", probe)
+    out = tmp_path / "run"
+    result = invoke("rollout", str(fast_configs[0]), "--device", "cpu", "--no-warmup", "--out", str(out))
+    assert result.exit_code == 0, result.stderr
+    assert seen == [f"{out} is in use by another ardiff rollout (pid {os.getpid()})"]

@@ -318,7 +318,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     if engine is not None:
                         _close_engine(engine, output)
                 finally:
-                    run.close()
+                    run.close(keep_lock=True)  # the summary is written under the lock; rollout() releases it
                     if driver is not None:
                         written = _summary(run, p, driver, plan, time.monotonic() - started, error, build_summary)
                         with signals.critical():

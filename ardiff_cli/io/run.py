@@ -210,11 +210,12 @@ class RunFolder:
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock = fd
 
-    def close(self) -> None:
+    def close(self, *, keep_lock: bool = False) -> None:
+        """Close results.jsonl and release the folder's lock (``keep_lock``: still held, for the summary)."""
         if self._results is not None:
             self._results.close()
             self._results = None
-        if self._lock is not None:
+        if self._lock is not None and not keep_lock:
             os.close(self._lock)  # releases the flock
             self._lock = None
 
