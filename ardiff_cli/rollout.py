@@ -160,11 +160,12 @@ class Rollout:
             return ObservationError(f"{step_file.path}: {exc}", hint=exc.hint)
         return StepFailed(task.episode.name, step_file.step, phase, exc, path=str(step_file.path))
 
-    def _load(self, episode: EpisodeSource, step_file: StepFile, *, replay: bool = False) -> tuple[dict[str, Any], str]:
-        """The step's validated inputs and the SHA-256 of its file. ``replay``: the step ran before, and its file
-        must be the one it ran with (when that was recorded), checked before anything else about it."""
+    def _load(self, episode: EpisodeSource, step_file: StepFile) -> tuple[dict[str, Any], str]:
+        """The step's validated inputs and the SHA-256 of its file. A step that ran before (replayed, or run again
+        on --resume because its output file went missing: later steps' outputs were made after it) must find the
+        file it ran with (when that was recorded), checked before anything else about it."""
         raw = load_step(step_file.path)
-        ran_with = self._digests.get(episode.name, {}).get(step_file.step) if replay else None
+        ran_with = self._digests.get(episode.name, {}).get(step_file.step)
         if ran_with is not None and ran_with != raw.sha256:
             raise ObservationError(
                 f"{step_file.path}: step {step_file.step} changed since it ran (sha256 {ran_with[:12]}... then, "
@@ -197,7 +198,7 @@ class Rollout:
                              steps=[f.step for f in history])
         for step_file in history:
             self._at = ("replay", step_file)
-            inputs, _ = self._load(episode, step_file, replay=True)
+            inputs, _ = self._load(episode, step_file)
             self._execute(f"{episode.name}/{step_file.step:06d}/replay", episode.name, inputs)
             self._resident[episode.name] = self._resident.get(episode.name, 0) + 1
             self.stats.replayed += 1

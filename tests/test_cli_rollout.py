@@ -419,3 +419,22 @@ def test_lines_record_each_step_files_sha256_and_an_unchanged_resume_equals_the_
         assert json.loads((run / "summary.json").read_text())["steps"]["replayed"] > 0
         assert len(records(run)) == len(records(reference))
         assert_same_outputs(reference, run)
+
+
+def test_a_step_run_again_for_a_missing_output_after_its_file_was_rewritten_fails_its_episode(env, data, reference,
+                                                                                             tmp_path):
+    """Its later steps' outputs were made from the file as it was: a new output from other bytes would not match."""
+    eps, run = tmp_path / "eps", tmp_path / "run"
+    shutil.copytree(data / "eps", eps)
+    shutil.copytree(reference, run)
+    (run / "episodes/arm_a/step_000001.safetensors").unlink()  # runs again on --resume; step 2 stays done
+    rewritten = write_step(eps / "arm_a", 1, steps_of(2, 3)[1])
+    info = json.loads((run / "run.json").read_text())
+    info["episodes"] = [{**e, "path": str(eps / e["name"])} for e in info["episodes"]]
+    (run / "run.json").write_text(json.dumps(info))
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 4, proc.stderr  # arm_b completed
+    assert f"{rewritten}: step 1 changed since it ran" in proc.stderr
+    (failed,) = [r for r in records(run) if r["status"] == "failed"]
+    assert (failed["episode"], failed["step"]) == ("arm_a", 1)
+    assert not (run / "episodes/arm_a/step_000001.safetensors").exists()
