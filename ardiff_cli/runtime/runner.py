@@ -82,8 +82,8 @@ def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
                 "pipeline's forward?): requests and session calls run one at a time; make it after the request"
             )
         with self._request_lock:
-            self._request_owner = me
-            try:
+            try:  # owner set inside the try: a signal right after it cannot leave a stale owner behind
+                self._request_owner = me
                 return method(self, *args, **kwargs)
             finally:
                 self._request_owner = None
