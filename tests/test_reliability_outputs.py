@@ -14,19 +14,11 @@ import os
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
+from fast_run import rollout, runner, write_fast_data
 
 import ardiff_cli.io.atomic as atomic
 from ardiff_cli.app import app
-from ardiff_cli.io import write_episode
-from ardiff_cli.io.demo import demo_step
 
-runner = CliRunner()
-FAST_CONFIG = """\
-pipeline: dreamzero
-model: {preset: tiny, num_inference_steps: 1, guidance_scale: 1.0}
-runtime: {device: cpu, session_capacity: 2}
-"""
 
 
 @pytest.fixture(autouse=True)
@@ -36,19 +28,7 @@ def _env(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from pipelines.dreamzero import observation_schema
-
-    root = tmp_path_factory.mktemp("data")
-    (root / "fast.yaml").write_text(FAST_CONFIG)
-    for i, name in enumerate(("arm_a", "arm_b")):
-        steps = [demo_step(observation_schema(), (16, 16), i, s, 1 if s == 0 else 4) for s in range(3)]
-        write_episode(root / "eps" / name, steps, prompt=f"task {name}")
-    return root
-
-
-def rollout(data, out, *extra):
-    return runner.invoke(app, ["rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(out),
-                               "--no-warmup", "--format", "plain", *extra])
+    return write_fast_data(tmp_path_factory.mktemp("data"), {"arm_a": 3, "arm_b": 3})
 
 
 def resume(out):

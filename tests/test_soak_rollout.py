@@ -9,18 +9,9 @@ import json
 import tracemalloc
 
 import pytest
-from typer.testing import CliRunner
+from fast_run import rollout, runner, write_fast_data
 
 from ardiff_cli.app import app
-from ardiff_cli.io import write_episode
-from ardiff_cli.io.demo import demo_step
-
-runner = CliRunner()
-FAST_CONFIG = """\
-pipeline: dreamzero
-model: {preset: tiny, num_inference_steps: 1, guidance_scale: 1.0}
-runtime: {device: cpu, session_capacity: 2}
-"""
 
 
 @pytest.fixture(autouse=True)
@@ -28,27 +19,12 @@ def _env(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("ARDIFF_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "soak-rollout-cache"))
 
 
-def _data(root, episodes: dict[str, int]):
-    from pipelines.dreamzero import observation_schema
-
-    (root / "fast.yaml").write_text(FAST_CONFIG)
-    for i, (name, n) in enumerate(episodes.items()):
-        steps = [demo_step(observation_schema(), (16, 16), i, s, 1 if s == 0 else 4) for s in range(n)]
-        write_episode(root / "eps" / name, steps, prompt=f"task {name}")
-    return root
-
-
-def _rollout(data, out, *extra):
-    return runner.invoke(app, ["rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(out),
-                               "--no-warmup", "--format", "plain", *extra])
-
-
 def test_resume_and_summary_of_a_long_run_never_hold_its_results_lines(tmp_path):
     """--resume reads results.jsonl for the steps done, and every run's end reads it again for summary.json.
     100,000 lines held as dicts took 220 MiB of Python heap (and the process's RSS kept it: 19 -> 426 MiB)."""
-    data = _data(tmp_path, {"arm": 3})
+    data = write_fast_data(tmp_path, {"arm": 3})
     out = tmp_path / "run"
-    assert _rollout(data, out).exit_code == 0
+    assert rollout(data, out).exit_code == 0
     lines = (out / "results.jsonl").read_text().splitlines()
     n = 20_000  # an overnight run's lines: the same three steps again and again (each ran again on a resume)
     (out / "results.jsonl").write_text("".join(lines[i % 3] + "\n" for i in range(n)))
@@ -72,14 +48,14 @@ def test_a_finished_episode_leaves_nothing_per_step_behind(tmp_path, monkeypatch
     over a folder of many episodes the run holds the digests of the live ones only (was 200 bytes per step run)."""
     import ardiff_cli.rollout as rollout_module
 
-    data = _data(tmp_path, {f"arm_{i}": 6 for i in range(4)})
+    data = write_fast_data(tmp_path, {f"arm_{i}": 6 for i in range(4)})
     drivers, real_run = [], rollout_module.Rollout.run
     monkeypatch.setattr(rollout_module.Rollout, "run", lambda self: drivers.append(self) or real_run(self))
     held = []  # digests held when each step starts
     real_step = rollout_module.Rollout._run_step
     monkeypatch.setattr(rollout_module.Rollout, "_run_step", lambda self, task: held.append(
         sum(map(len, self._digests.values()))) or real_step(self, task))
-    result = _rollout(data, tmp_path / "run", "--order", "sequential")
+    result = rollout(data, tmp_path / "run", "--order", "sequential")
     assert result.exit_code == 0, result.output
     assert drivers[0].stats.steps == 24
     assert max(held) <= 6, f"{max(held)} digests held for episodes of 6 steps"  # was 23 at the last step
