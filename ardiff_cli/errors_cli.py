@@ -25,6 +25,7 @@ from ardiff_cli.runtime.errors import (
     ConfigError,
     ObservationError,
     PipelineError,
+    is_out_of_memory,
 )
 
 EXIT_OK = 0
@@ -54,11 +55,6 @@ class EpisodesFailed(ArdiffError):
     def __init__(self, message: str, *, hint: str | None = None, exit_code: int = EXIT_PARTIAL) -> None:
         super().__init__(message, hint=hint)
         self.exit_code = exit_code
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Host or device out of memory: ``MemoryError`` (KV page pool included) or torch's ``OutOfMemoryError``."""
-    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
 
 
 class StepFailed(ArdiffError):
@@ -141,7 +137,8 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     ErrorRule(ConfigError, EXIT_USAGE, "config_error"),
     ErrorRule(PipelineError, None, "pipeline_error"),
     ErrorRule(ArdiffError, None, "error"),
-    # Not ardiff's own: the KV page pool (KVCacheExhaustedError), host memory, or torch's OutOfMemoryError.
+    # Not ardiff's own: the KV page pool (KVCacheExhaustedError), host memory, torch's OutOfMemoryError, or its
+    # CPU allocator's RuntimeError (is_out_of_memory).
     ErrorRule(MemoryError, EXIT_CAPACITY, "out_of_memory",
               "lower --session-capacity or --gpu-memory-fraction, or use a smaller dtype or model"),
 )

@@ -18,8 +18,9 @@ Each fault is a JSON object:
   ``after`` layers), ``cross_oom`` (``torch.empty`` inside ``populate_cross_attention`` raises
   ``torch.OutOfMemoryError``), ``page_shortage`` (the KV allocator is emptied for the request),
   ``close_hook`` (``session``: its close hook raises; no ``request``);
-- ``action`` (block and sampler): ``raise`` (default) or ``sleep`` (touch ``marker``, then sleep ``seconds``:
-  for signals that must arrive in the middle of a forward);
+- ``action`` (block and sampler): ``raise`` (default), ``oom`` (allocate 1 PiB on the host: torch's CPU allocator
+  raises its own RuntimeError) or ``sleep`` (touch ``marker``, then sleep ``seconds``: for signals that must
+  arrive in the middle of a forward);
 - ``probe`` (block and sampler): also keep a weak reference to the first argument (a tensor), and site ``probe`` on a later
   request writes to ``path`` which of those tensors are still alive (after ``gc.collect()``): a failed
   episode must not keep its forward's tensors alive for the rest of the run.
@@ -57,6 +58,8 @@ def _act(fault: dict[str, Any], message: str) -> None:
         Path(fault["marker"]).write_text(message)
         time.sleep(float(fault.get("seconds", 120)))
         return
+    if fault.get("action") == "oom":  # a real host allocation torch's CPU allocator refuses (1 PiB)
+        torch.empty(1 << 50, dtype=torch.uint8)
     raise InjectedFault(message)
 
 

@@ -274,3 +274,18 @@ def test_a_forward_that_returns_no_dict_fails_its_steps_instead_of_writing_empty
     lines = records(run)
     assert lines and all(r["status"] == "failed" for r in lines)
     assert not list((run / "episodes").rglob("*.safetensors"))
+
+
+def test_the_hosts_allocator_running_out_is_out_of_memory_in_a_step_and_in_warmup(env, data, tmp_path):
+    """torch's CPU allocator raises a plain RuntimeError: still exit 3 and its hint, and never blamed on the
+    pipeline when warmup hits it."""
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0, "action": "oom"}]
+    proc = ardiff(env, *rollout_args(data, tmp_path / "run", "--fail-fast"), faults=faults)
+    assert proc.returncode == 3, proc.stderr
+    assert "DefaultCPUAllocator: can't allocate memory" in proc.stderr
+    assert "hint: lower --session-capacity" in proc.stderr and "bug in ardiff" not in proc.stderr
+    faults = [{"request": "warmup-0", "site": "block", "layer": 0, "action": "oom"}]
+    proc = ardiff(env, "warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, "--format", "json", faults=faults)
+    assert proc.returncode == 3, proc.stderr
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert error["kind"] == "out_of_memory" and "DefaultCPUAllocator" in error["message"]

@@ -56,6 +56,13 @@ PIPELINE_HINT = ("the pipeline's code (or its use of the AR-Diffusion contract: 
                  "report it")
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Host or device out of memory: ``MemoryError`` (the KV page pool's included), torch's ``OutOfMemoryError``
+    (CUDA), or the ``RuntimeError`` torch's CPU allocator raises when the host cannot give it the bytes."""
+    return (isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+            or (isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)))
+
+
 def did_you_mean(name: str, valid: Iterable[str]) -> str:
     """' (did you mean 'x'?)' when a close match exists, else ''."""
     match = difflib.get_close_matches(name, list(valid), n=1)

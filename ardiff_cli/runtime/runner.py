@@ -25,7 +25,7 @@ from ardiff_cli.runtime.capability import (
     SupportsARDiffusionWarmup,
 )
 from ardiff_cli.runtime.capacity import CapacityPlan, available_host_memory, plan_capacity
-from ardiff_cli.runtime.errors import PIPELINE_HINT, ArdiffError, PipelineError
+from ardiff_cli.runtime.errors import PIPELINE_HINT, ArdiffError, PipelineError, is_out_of_memory
 from ardiff_cli.runtime.events import (
     CapacityPlanned,
     HookFailed,
@@ -65,8 +65,8 @@ class PipelineContractError(PipelineError, TypeError):
 def _pipeline_fault(exc: BaseException) -> bool:
     """An exception raised by (or because of) the pipeline's code, rather than ardiff's own typed failures,
     memory running out, or a broken runtime invariant (AssertionError)."""
-    return (isinstance(exc, Exception) and not isinstance(exc, (ArdiffError, MemoryError, AssertionError))
-            and type(exc).__name__ != "OutOfMemoryError")
+    return (isinstance(exc, Exception) and not isinstance(exc, (ArdiffError, AssertionError))
+            and not is_out_of_memory(exc))
 
 
 def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
