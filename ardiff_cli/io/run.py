@@ -127,33 +127,24 @@ class RunFolder:
         """:meth:`records` one line at a time: a long run's file is never held whole (100,000 lines: 220 MiB)."""
         return read_jsonl(self.results_path, _record_problem)
 
-    def done_steps(self, records: Iterable[Mapping[str, Any]] | None = None) -> dict[str, set[int]]:
+    def done_steps(self) -> dict[str, set[int]]:
         """Episode -> steps with an ``ok`` line whose output file exists (those are not run again)."""
-        done: dict[str, set[int]] = {}
-        for record in self.iter_records() if records is None else records:
-            self._add_done(done, record)
-        return done
-
-    def input_digests(self, records: Iterable[Mapping[str, Any]] | None = None) -> dict[str, dict[int, str]]:
-        """Episode -> step -> SHA-256 of the step file when it ran (``input_sha256`` of its ``ok`` line; lines of
-        earlier versions have none). Replaying a step to rebuild its session checks the file still has it."""
-        digests: dict[str, dict[int, str]] = {}
-        for record in self.iter_records() if records is None else records:
-            _add_digest(digests, record)
-        return digests
+        return self.resume_state()[0]
 
     def resume_state(self) -> tuple[dict[str, set[int]], dict[str, dict[int, str]]]:
-        """:meth:`done_steps` and :meth:`input_digests` in one pass over results.jsonl, holding no line."""
+        """What ``--resume`` reads, in one pass over results.jsonl that holds no line: :meth:`done_steps`, and
+        episode -> step -> SHA-256 of the step file when it ran (``input_sha256`` of its ok line; lines of earlier
+        versions have none), which a replay of that step checks the file still has."""
         done: dict[str, set[int]] = {}
         digests: dict[str, dict[int, str]] = {}
         for record in self.iter_records():
-            self._add_done(done, record)
-            _add_digest(digests, record)
+            if record["status"] != "ok":
+                continue
+            if (self.root / record["output"]).is_file():
+                done.setdefault(record["episode"], set()).add(record["step"])
+            if "input_sha256" in record:
+                digests.setdefault(record["episode"], {})[record["step"]] = record["input_sha256"]
         return done, digests
-
-    def _add_done(self, done: dict[str, set[int]], record: Mapping[str, Any]) -> None:
-        if record.get("status") == "ok" and (self.root / record["output"]).is_file():
-            done.setdefault(record["episode"], set()).add(int(record["step"]))
 
     # -- writing -------------------------------------------------------------------------------------------
 
@@ -218,11 +209,6 @@ class RunFolder:
         if self._lock is not None and not keep_lock:
             os.close(self._lock)  # releases the flock
             self._lock = None
-
-
-def _add_digest(digests: dict[str, dict[int, str]], record: Mapping[str, Any]) -> None:
-    if record.get("status") == "ok" and isinstance(record.get("input_sha256"), str):
-        digests.setdefault(record["episode"], {})[int(record["step"])] = record["input_sha256"]
 
 
 def _record_problem(record: Mapping[str, Any]) -> str | None:
