@@ -311,6 +311,15 @@ _NUMPY_DTYPES = {"BOOL": "?", "U8": "u1", "I8": "i1", "U16": "<u2", "I16": "<i2"
                  "I32": "<i4", "F32": "<f4", "U64": "<u8", "I64": "<i8", "F64": "<f8", "C64": "<c8"}
 
 
+def safetensors_header(data: bytes) -> tuple[int, dict[str, Any]]:
+    """The length and parsed JSON of the header at the start of safetensors bytes ``data`` (the file, or at
+    least its first ``8 + length`` bytes); ``ValueError`` when they are cut short or not JSON."""
+    length = int.from_bytes(data[:8], "little")
+    if len(data) < 8 or len(data) < 8 + length:
+        raise ValueError(f"the header takes {8 + length} bytes, {len(data)} given")
+    return length, json.loads(data[8:8 + length])
+
+
 def _load_safetensors(path: Path, data: bytes) -> RawStep:
     import numpy as np
     from safetensors import deserialize
@@ -318,7 +327,7 @@ def _load_safetensors(path: Path, data: bytes) -> RawStep:
     try:
         # deserialize checks the header and every tensor's offsets against the bytes; by name, as safe_open lists them
         tensors = sorted(deserialize(data), key=lambda t: t[0])
-        metadata = dict(json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {})
+        metadata = dict(safetensors_header(data)[1].get("__metadata__") or {})
     except Exception as exc:  # noqa: BLE001 - safetensors raises several types for corrupt files
         raise _unreadable_safetensors(path, data[:16], len(data), exc) from None
     dtypes = {key: view["dtype"] for key, view in tensors}

@@ -26,13 +26,12 @@ ends (END or idle timeout) before any step file arrived fails too.
 from __future__ import annotations
 
 import bisect
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ardiff_cli.io.episode import EpisodeSource, StepFile, gap_error, missing_steps
+from ardiff_cli.io.episode import EpisodeSource, StepFile, gap_error, missing_steps, safetensors_header
 from ardiff_cli.runtime.errors import ObservationError
 
 
@@ -315,10 +314,11 @@ def _looks_whole(path: Path, size: int) -> bool:
     try:
         with open(path, "rb") as f:
             if path.suffix == ".safetensors":
-                header_len = int.from_bytes(f.read(8), "little")
+                head = f.read(8)
+                header_len = int.from_bytes(head, "little")
                 if 8 + header_len > size:
                     return False
-                header = json.loads(f.read(header_len))
+                _, header = safetensors_header(head + f.read(header_len))
                 ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
                 return 8 + header_len + max(ends, default=0) == size
             tail_len = min(size, 22 + 0xFFFF)  # the end record (22 bytes) and its comment

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ardiff_cli.io.atomic import atomic_write_bytes, atomic_write_text
-from ardiff_cli.io.episode import END_MARKER, METADATA_FILE, read_episode_yaml
+from ardiff_cli.io.episode import END_MARKER, METADATA_FILE, read_episode_yaml, safetensors_header
 
 FORMATS = ("safetensors", "npz")
 
@@ -66,8 +66,7 @@ def _sorted_metadata(blob: bytes) -> bytes:
     """``blob`` (a safetensors file) with its metadata keys sorted. safetensors writes the metadata map in hash
     order, which changes from one map to the next, so the same arrays and metadata gave different bytes: a
     resumed run's outputs would differ from an uninterrupted run's checksums. The tensors' bytes are untouched."""
-    size = int.from_bytes(blob[:8], "little")
-    header = json.loads(blob[8:8 + size])
+    size, header = safetensors_header(blob)
     if not header.get("__metadata__"):
         return blob
     header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
