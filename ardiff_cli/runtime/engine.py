@@ -10,7 +10,7 @@ import torch
 
 from ardiff_cli.runtime.capacity import CapacityPlan
 from ardiff_cli.runtime.config import EngineConfig, load_config
-from ardiff_cli.runtime.errors import PIPELINE_HINT, ArdiffError, ConfigError, PipelineError, is_out_of_memory
+from ardiff_cli.runtime.errors import ConfigError, as_pipeline_error
 from ardiff_cli.runtime.events import RuntimeEvent
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from ardiff_cli.runtime.runner import ARDiffusionModelRunner, WarmupReport
@@ -76,10 +76,11 @@ class ARDiffusionEngine:
                 self.config.model, device=self.device, dtype=dtype, checkpoint=self.config.checkpoint
             )
         except Exception as exc:
-            if isinstance(exc, ArdiffError) or is_out_of_memory(exc):
-                raise  # a checkpoint or config the user can fix, or memory: the CLI names them already
-            raise PipelineError(f"{getattr(pipeline_class, '__qualname__', pipeline_class)}.from_config() failed: "
-                                f"{type(exc).__name__}: {exc}", hint=PIPELINE_HINT) from exc
+            # A checkpoint or config the user can fix, or memory, is named as such already.
+            error = as_pipeline_error(f"{getattr(pipeline_class, '__qualname__', pipeline_class)}.from_config()", exc)
+            if error is None:
+                raise
+            raise error from exc
         self.runner = ARDiffusionModelRunner(
             self.pipeline,
             device=self.device,

@@ -63,6 +63,18 @@ def is_out_of_memory(exc: BaseException) -> bool:
             or (isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)))
 
 
+def as_pipeline_error(where: str, exc: BaseException) -> PipelineError | None:
+    """``exc``, raised while ``where`` (the pipeline's code) ran, as a ``PipelineError`` naming it; None for what
+    is not the pipeline's to answer for: ardiff's own typed errors, memory running out, a broken runtime
+    invariant (``AssertionError``), and anything that is not an ``Exception`` (Ctrl-C)."""
+    if not isinstance(exc, Exception) or isinstance(exc, (ArdiffError, AssertionError)) or is_out_of_memory(exc):
+        return None
+    error = PipelineError(f"{where} failed: {type(exc).__name__}: {exc}", hint=PIPELINE_HINT)
+    for note in getattr(exc, "__notes__", ()):
+        error.add_note(note)
+    return error
+
+
 def did_you_mean(name: str, valid: Iterable[str]) -> str:
     """' (did you mean 'x'?)' when a close match exists, else ''."""
     match = difflib.get_close_matches(name, list(valid), n=1)

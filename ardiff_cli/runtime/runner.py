@@ -25,7 +25,7 @@ from ardiff_cli.runtime.capability import (
     SupportsARDiffusionWarmup,
 )
 from ardiff_cli.runtime.capacity import CapacityPlan, available_host_memory, plan_capacity
-from ardiff_cli.runtime.errors import PIPELINE_HINT, ArdiffError, PipelineError, is_out_of_memory
+from ardiff_cli.runtime.errors import PIPELINE_HINT, ArdiffError, PipelineError, as_pipeline_error
 from ardiff_cli.runtime.events import (
     CapacityPlanned,
     HookFailed,
@@ -60,13 +60,6 @@ class LifecycleHookError(ArdiffError, RuntimeError):
 
 class PipelineContractError(PipelineError, TypeError):
     """The pipeline lacks a capability method, or its spec is not an ``ARDiffusionKVCacheSpec`` (refused at load)."""
-
-
-def _pipeline_fault(exc: BaseException) -> bool:
-    """An exception raised by (or because of) the pipeline's code, rather than ardiff's own typed failures,
-    memory running out, or a broken runtime invariant (AssertionError)."""
-    return (isinstance(exc, Exception) and not isinstance(exc, (ArdiffError, AssertionError))
-            and not is_out_of_memory(exc))
 
 
 def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -496,11 +489,9 @@ class ARDiffusionModelRunner:
                 timings.append((request.request_id, describe_inputs(request.inputs), time.perf_counter() - t0))
                 where = provider
         except Exception as exc:
-            if not _pipeline_fault(exc):
+            error = as_pipeline_error(where, exc)
+            if error is None:
                 raise
-            error = PipelineError(f"{where} failed: {type(exc).__name__}: {exc}", hint=PIPELINE_HINT)
-            for note in getattr(exc, "__notes__", ()):
-                error.add_note(note)
             raise error from exc
         finally:
             with self._lock:
