@@ -80,11 +80,13 @@ def test_cpu_block_size_prefers_32_token_blocks_and_needs_16_for_odd_head_sizes(
 def test_kernel_geometry_is_exact_and_fits_published_geometries(make, num_pages):
     layout = KVLayout.from_spec(make())
     for block in (flash_block_size(layout.page_size), cpu_block_size(layout.page_size, 128), 16, 32, 64):
-        geometry = KernelGeometry.create(layout, num_pages, block)
-        # K (and V) of blocks + tails hold exactly the pages of every layer plus the workspace.
-        expected = make().num_layers * num_pages * layout.page_size + layout.max_visible_pages * layout.page_size
-        assert geometry.num_tokens == expected
-        assert geometry.fits
+        for staged in (False, True):  # token-major blocks, or opaque ones (vLLM CPU) with staging rows
+            geometry = KernelGeometry.create(layout, num_pages, block, staged=staged)
+            # K (and V) of blocks + tails hold exactly the pages of every layer plus the workspace.
+            expected = make().num_layers * num_pages * layout.page_size + layout.max_visible_pages * layout.page_size
+            assert geometry.num_tokens == expected
+            assert geometry.fits
+            assert geometry.tail_padding >= geometry.staging_tokens == (geometry.max_loose_tokens if staged else 0)
 
 
 def test_too_small_geometry_does_not_fit_and_auto_falls_back(monkeypatch):
@@ -99,6 +101,12 @@ def test_too_small_geometry_does_not_fit_and_auto_falls_back(monkeypatch):
     assert name == "torch" and "too small" in reason
     with pytest.raises(ValueError, match="too small"):
         ARDiffusionKVCache(layout.spec, layout.managed_pages(1), attention_backend=TorchPagedKernel(16))
+    # Every token a tail: token-major blocks fit a long window, but vLLM's opaque CPU blocks also need the
+    # workspace to stage the loose tokens, so there the same geometry does not fit and auto picks torch.
+    layout = KVLayout.from_spec(tiny_spec(head_size=32, window_frames=20, kv_branches=CFG))
+    assert KernelGeometry.create(layout, 5, 32).fits and not KernelGeometry.create(layout, 5, 32, staged=True).fits
+    name, reason = select_attention_backend("auto", "cpu", layout=layout)
+    assert name == "torch" and "too small" in reason and "stages" in reason
 
 
 # ------------------------------------------------------------------------------------- selection
@@ -527,14 +535,39 @@ def test_vllm_cpu_pool_bytes_equal_the_plan_and_auto_picks_it():
 
 @pytest.mark.vllm
 @needs_vllm_cpu
+def test_vllm_cpu_attend_allocates_nothing_that_grows_with_the_history():
+    """Tails and registers are staged in the pool's planned workspace, not in a buffer allocated per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    s = spec(head_size=32, tokens_per_frame=40)  # 32-token blocks + 8-token tails
+    cache = make_kernel_cache(s, "vllm", num_sessions=1)
+    state = cache.new_state("a")
+    seq_len, length = 2 * 40, 2 * 40 + 5
+    allocated = []  # bytes the second layer's attend allocates, from no history to a full window
+    for _ in range(4):
+        for layer, ctx in enumerate(state.get_kv_caches("positive", seq_len=seq_len, commit_current=True)):
+            q, k, v = torch.randn(4, length, 32), torch.randn(2, length, 32), torch.randn(2, length, 32)
+            if layer == 0:  # the first layer also builds the forward's block tables, which grow with it
+                ctx.attend(q, k, v)
+                continue
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                ctx.attend(q, k, v)
+            allocated.append(sum(max(0, e.self_cpu_memory_usage) for e in prof.events()))
+        state.commit("positive")
+    assert state.adapter("positive").num_committed_frames == 8 > s.sink_frames + s.window_frames
+    assert len(set(allocated)) == 1, f"bytes allocated per attend grew with the history: {allocated}"
+
+
+@pytest.mark.vllm
+@needs_vllm_cpu
 def test_runner_auto_on_cpu_runs_vllm_cpu_and_matches_torch():
-    # 4-token frames under 32-token blocks: every token is a tail; a long window gives the workspace room.
-    s = tiny_spec(head_size=32, window_frames=20, kv_branches=CFG)
+    # 40-token frames: one 32-token block + an 8-token tail per page, tails and registers staged in the workspace.
+    s = tiny_spec(head_size=32, tokens_per_frame=40, kv_branches=CFG)
     runs = {}
     for setting in ("torch", "auto"):
         runner = ARDiffusionModelRunner(TinyPipeline(s), memory_budget=BUDGET, attention_backend=setting)
         runner.load()
         runs[runner.attention_backend] = torch.stack(
-            [runner.execute_model(request("ab"[i % 2], i))["positive"] for i in range(8)])
+            [runner.execute_model(request("ab"[i % 2], i, tokens_per_frame=40))["positive"] for i in range(8)])
     assert set(runs) == {"torch", "vllm"}
     assert (runs["torch"] - runs["vllm"]).abs().max().item() < 1e-4

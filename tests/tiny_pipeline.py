@@ -139,8 +139,9 @@ class WarmTinyPipeline(TinyPipeline):
             )
 
 
-def request(session: str, step: int, *, frames: int = 2, seed: int = 0, **extra) -> ARDiffusionRequest:
+def request(session: str, step: int, *, frames: int = 2, seed: int = 0, tokens_per_frame: int = 4,
+            **extra) -> ARDiffusionRequest:
     """A deterministic request for ``session`` at ``step`` (inputs depend on both)."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{session}/{step}/{seed}".encode()))
-    inputs = {"frames": torch.randn(frames * 4, D_MODEL, generator=gen)}
+    inputs = {"frames": torch.randn(frames * tokens_per_frame, D_MODEL, generator=gen)}
     return ARDiffusionRequest(f"{session}:{step}", inputs, {"session_id": session, **extra})

@@ -37,10 +37,14 @@ tokens kept aside (its *tail*)::
 
 The dynamic blocks live in the worker's workspace (the bytes the capacity plan
 already reserves for the torch path's gather buffer), so the plan stays exact:
-pool bytes are identical for every backend. Per forward and layer only the
-tails and the registers are copied (12 of 220 tokens per DreamZero frame),
-never the bodies. When a block size divides the page there are no tails and
-the block table alone describes the visible set.
+pool bytes are identical for every backend. vLLM's CPU blocks are opaque (written
+only by its own op), so there the tails and registers are first packed into
+staging rows, also in the workspace: no forward allocates them, and a geometry
+whose workspace cannot hold both (pages smaller than a kernel block, where every
+token is a tail) does not fit. Per forward and layer only the tails and the
+registers are copied (12 of 220 tokens per DreamZero frame), never the bodies.
+When a block size divides the page there are no tails and the block table alone
+describes the visible set.
 """
 
 from __future__ import annotations
@@ -106,10 +110,15 @@ class KernelGeometry:
 
         blocks: [ L x P x blocks_per_page body blocks | dynamic_blocks ]   the kernel's cache
         tails:  [ L x P rows of tail_tokens | tail_padding tokens ]        plain (token, head, dim)
+                                              [ staging | rest ]
 
     ``dynamic_blocks`` and ``tail_padding`` split the workspace tokens, so K and V of
     blocks + tails hold exactly ``L * P * page_size + workspace_tokens`` tokens each,
-    the same bytes as the torch layout's pages plus gather workspace.
+    the same bytes as the torch layout's pages plus gather workspace. A kernel whose
+    blocks are opaque (vLLM's CPU kernel) cannot have tails gathered into its blocks:
+    each forward packs them into the ``staging`` rows (the first ``staging_tokens`` of
+    the padding), and the kernel copies them into the dynamic blocks. The staging is
+    workspace too, so the capacity plan counts it and no forward allocates it.
     """
 
     num_layers: int
@@ -118,9 +127,11 @@ class KernelGeometry:
     block_size: int  # tokens per kernel block (a multiple of 16)
     workspace_tokens: int  # tokens of one layer's largest visible set (the torch gather buffer)
     max_loose_tokens: int  # most tails + registers one forward packs into dynamic blocks
+    staging_tokens: int = 0  # plain rows that stage them for an opaque block format (max_loose_tokens), else 0
 
     @classmethod
-    def create(cls, layout: KVLayout, num_pages: int, block_size: int) -> KernelGeometry:
+    def create(cls, layout: KVLayout, num_pages: int, block_size: int, *, staged: bool = False) -> KernelGeometry:
+        """``staged``: the kernel's blocks are opaque (not ``token_major``), so loose tokens are staged."""
         spec = layout.spec
         tail = layout.page_size % block_size
         history_pages = layout.retained_frames * layout.pages_per_frame
@@ -136,6 +147,7 @@ class KernelGeometry:
             block_size=block_size,
             workspace_tokens=layout.max_visible_pages * layout.page_size,
             max_loose_tokens=loose,
+            staging_tokens=loose if staged else 0,
         )
 
     @property
@@ -158,7 +170,7 @@ class KernelGeometry:
     @property
     def dynamic_blocks(self) -> int:
         """Blocks of the workspace that hold one forward's packed tails and registers."""
-        return self.workspace_tokens // self.block_size
+        return max(0, self.workspace_tokens - self.staging_tokens) // self.block_size
 
     @property
     def num_blocks(self) -> int:
@@ -167,7 +179,7 @@ class KernelGeometry:
 
     @property
     def tail_padding(self) -> int:
-        """Workspace tokens left over after whole dynamic blocks (kept in the tails tensor)."""
+        """Workspace tokens left over after whole dynamic blocks (kept in the tails tensor; staging first)."""
         return self.workspace_tokens - self.dynamic_blocks * self.block_size
 
     @property
@@ -181,7 +193,7 @@ class KernelGeometry:
 
     @property
     def fits(self) -> bool:
-        """Whether the largest forward's tails + registers fit the dynamic blocks."""
+        """Whether the largest forward's tails + registers fit the dynamic blocks (beside their staging, if any)."""
         return math.ceil(self.max_loose_tokens / self.block_size) <= self.dynamic_blocks
 
     def describe(self) -> str:
@@ -288,18 +300,21 @@ def _unsupported(device_type: str, dtype: str | None, head_size: int | None, lay
         if head_size is not None and (head_size % 8 or head_size > 256):
             return f"FlashAttention needs a head size that is a multiple of 8 up to 256, got {head_size}"
         block = flash_block_size(layout.page_size) if layout is not None else None
+        staged = False  # token-major blocks: tails are gathered straight into them
     elif device_type == "cpu":
         if head_size is not None and head_size not in CPU_HEAD_SIZES:
             return f"vLLM's CPU attention supports head sizes {list(CPU_HEAD_SIZES)}, got {head_size}"
         block = cpu_block_size(layout.page_size, layout.spec.head_size) if layout is not None else None
+        staged = True  # its blocks are opaque: tails and registers are staged in the workspace first
     else:
         return f"vLLM's paged kernels run on CUDA and CPU, not on {device_type!r}"
     if layout is not None:
-        geometry = KernelGeometry.create(layout, 1, block)
+        geometry = KernelGeometry.create(layout, 1, block, staged=staged)
         if not geometry.fits:
             return (
                 f"the geometry is too small for {block}-token kernel blocks: one forward packs up to "
                 f"{geometry.max_loose_tokens} tail and register tokens into {geometry.dynamic_blocks} spare blocks"
+                + (" (the workspace also stages them)" if staged else "")
             )
     return None
 
@@ -397,7 +412,7 @@ def describe_backend(setting: str, device: str, layout: KVLayout, dtype: object 
     else:
         expected, reason = expected_backend(setting, device_type, layout, dtype)
     flash = KernelGeometry.create(layout, 1, flash_block_size(layout.page_size))
-    cpu = KernelGeometry.create(layout, 1, cpu_block_size(layout.page_size, layout.spec.head_size))
+    cpu = KernelGeometry.create(layout, 1, cpu_block_size(layout.page_size, layout.spec.head_size), staged=True)
     return {
         "setting": setting,
         "expected_backend": expected,  # "torch" | "vllm" | "error" (an explicit vllm that cannot run)

@@ -57,6 +57,7 @@ class KernelForward:
     current_tail_rows: torch.Tensor  # (L, m) long: tail rows of the current pages
     visible_tail_rows: torch.Tensor  # (L, n) long: tail rows of every visible page, in order
     dynamic_start: int  # first dynamic block id
+    dynamic_slots: torch.Tensor  # (num_loose,) long: token slots of the packed tails + registers, in order
     cu_seqlens_q: torch.Tensor  # (2,) int32 [0, L]
     seqused_k: torch.Tensor  # (1,) int32
     kernel_state: object = None  # kernel-specific metadata (vLLM CPU scheduler metadata)
@@ -81,9 +82,9 @@ class PagedKernel(abc.ABC):
         pool.blocks[0].index_copy_(0, block_ids, k.reshape(shape))
         pool.blocks[1].index_copy_(0, block_ids, v.reshape(shape))
 
-    def write_dynamic(self, pool: PagedKernelPool, start_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``/``v`` (T, H, D) from the first token of block ``start_block`` (opaque formats only;
-        the pool gathers token-major dynamic blocks in place)."""
+    def write_dynamic(self, pool: PagedKernelPool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` (T, H, D) into the token slots ``slots`` (T) of the dynamic blocks (opaque formats
+        only; the pool gathers token-major dynamic blocks in place)."""
         raise AssertionError(f"pool bug: {type(self).__name__} keeps token-major blocks, written in place")
 
     @abc.abstractmethod
@@ -205,9 +206,8 @@ class CpuAttentionKernel(PagedKernel):
         offsets = torch.arange(self.block_size, device=block_ids.device)
         self._write_slots(pool, (block_ids[:, None] * self.block_size + offsets).flatten(), k, v)
 
-    def write_dynamic(self, pool, start_block, k, v):
-        begin = start_block * self.block_size
-        self._write_slots(pool, torch.arange(begin, begin + k.shape[0], device=k.device), k, v)
+    def write_dynamic(self, pool, slots, k, v):
+        self._write_slots(pool, slots, k, v)
 
     def attend(self, pool, forward, layer, q, scale):
         num_q_heads, length, head_size = q.shape
@@ -252,6 +252,7 @@ class PagedKernelPool:
                        dynamic blocks follow the bodies of all layers
         tails[0 | 1]   (L * P * tail_tokens + padding, H, D)
                        row of (layer l, page p) = l * P + p, tail_tokens long
+                       the padding starts with the staging rows of opaque block formats
 
     Register tokens are written straight into the dynamic blocks (they are never
     committed), so the scratch pages hold only the uncommitted video block.
@@ -272,7 +273,7 @@ class PagedKernelPool:
         self.device = torch.device(device)
         # Reads and writes the blocks; its block layout is this pool's.
         self.kernel = kernel
-        geometry = KernelGeometry.create(layout, self.num_pages, kernel.block_size)
+        geometry = KernelGeometry.create(layout, self.num_pages, kernel.block_size, staged=not kernel.token_major)
         if not geometry.fits:
             raise ValueError(
                 f"{kernel.name}: the geometry is too small for {kernel.block_size}-token blocks: a forward packs "
@@ -293,6 +294,10 @@ class PagedKernelPool:
         self._tail_rows = self.tails[:, : rows * geometry.tail_tokens].view(
             2, rows, geometry.tail_tokens, heads, head_size
         )
+        # (2, staging_tokens, H, D) view of the leftover rows: an opaque block format packs one forward's tails
+        # and registers here for the kernel to copy into the dynamic blocks (empty for token-major blocks).
+        begin = rows * geometry.tail_tokens
+        self._staging = self.tails[:, begin : begin + geometry.staging_tokens]
 
     @property
     def nbytes(self) -> int:
@@ -337,6 +342,7 @@ class PagedKernelPool:
         )
         table = torch.cat([bodies(visible), dynamic[None, :].expand(num_layers, -1)], dim=1).to(torch.int32)
         num_tokens = num_visible * per_page * geometry.block_size + num_loose
+        first_slot = geometry.num_body_blocks * geometry.block_size
         forward = KernelForward(
             seq_len=seq_len,
             num_registers=num_registers,
@@ -349,6 +355,7 @@ class PagedKernelPool:
             current_tail_rows=layer_rows + current[None, :],
             visible_tail_rows=layer_rows + visible[None, :],
             dynamic_start=geometry.num_body_blocks,
+            dynamic_slots=torch.arange(first_slot, first_slot + num_loose, device=device),
             cu_seqlens_q=torch.tensor([0, seq_len + num_registers], dtype=torch.int32, device=device),
             seqused_k=torch.tensor([num_tokens], dtype=torch.int32, device=device),
         )
@@ -386,15 +393,15 @@ class PagedKernelPool:
                 if self.kernel.token_major:  # gather straight into the dynamic blocks
                     begin = forward.dynamic_start * geometry.block_size
                     loose = self.blocks[which].view(-1, heads, head_size)[begin : begin + forward.num_loose]
-                else:  # an opaque block format: stage, then let the kernel write it
-                    loose = torch.empty((forward.num_loose, heads, head_size), dtype=self.dtype, device=self.device)
+                else:  # an opaque block format: stage in the workspace, then let the kernel write it
+                    loose = self._staging[which, : forward.num_loose]
                 if num_tails:
                     torch.index_select(self._tail_rows[which], 0, forward.visible_tail_rows[layer],
                                        out=loose[:num_tails].view(-1, tail, heads, head_size))
                 loose[num_tails:].copy_(src[seq_len:])
                 packed.append(loose)
             if not self.kernel.token_major:
-                self.kernel.write_dynamic(self, forward.dynamic_start, packed[0], packed[1])
+                self.kernel.write_dynamic(self, forward.dynamic_slots, packed[0], packed[1])
         # 3. Attention over [body blocks..., dynamic blocks...], seqused_k visible tokens.
         if q.shape[0] != forward.num_q_heads:  # a layer with another query head count (rare): re-prepare
             state = self.kernel.prepare(self, forward, q.shape[0])
