@@ -73,6 +73,7 @@ def test_cpu_block_size_prefers_32_token_blocks_and_needs_16_for_odd_head_sizes(
     assert cpu_block_size(1560, 64) == 32
     assert cpu_block_size(256, 128) == 256
     assert cpu_block_size(220, 80) == 16  # head size 80 runs vLLM's vec16 kernels
+    assert cpu_block_size(220, 48) == 16  # so does 48
 
 
 @pytest.mark.parametrize("make", [dreamzero_14b, self_forcing], ids=["dreamzero-14b", "self-forcing-1.3b"])
@@ -496,6 +497,8 @@ VLLM_CPU_GEOMETRIES = {
     "tail": (dict(head_size=32, tokens_per_frame=40), 4),  # 1 x 32 + 8-token tail
     "no-tail": (dict(head_size=64, tokens_per_frame=64), 2),  # one 64-token block
     "vec16": (dict(head_size=80, tokens_per_frame=20), 2),  # head 80 -> 16-token blocks + 4-token tail
+    "vec16-head48": (dict(head_size=48, tokens_per_frame=20), 2),  # not in vLLM's own list; its vec16 kernel runs it
+    "vec16-head48-no-tail": (dict(head_size=48, tokens_per_frame=32), 4),  # one 32-token block, still vec16
     "dreamzero-frame": (dict(num_kv_heads=1, head_size=128, tokens_per_frame=220, frames_per_block=2,
                              sink_frames=0, window_frames=2, max_scratch_tokens_per_branch=17), 4),
 }
@@ -511,6 +514,8 @@ def test_vllm_cpu_kernel_matches_dense_reference(geometry, dtype):
     assert select_attention_backend("vllm", "cpu", dtype=dtype, layout=KVLayout.from_spec(s))[0] == "vllm"
     cache = make_kernel_cache(s, "vllm", dtype=dtype)
     assert cache.pool.kernel.name == "vllm-cpu-attn"
+    if s.head_size % 32:
+        assert cache.pool.kernel.isa == "vec16"
     states = [cache.new_state("a"), cache.new_state("b")]
     streams = [Stream(st, b, num_q_heads, dtype, seed) for seed, (st, b) in
                enumerate((st, b) for st in states for b in ("positive", "negative"))]

