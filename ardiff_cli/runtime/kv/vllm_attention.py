@@ -38,6 +38,7 @@ from ardiff_cli.runtime.kv.backends import (
     flash_block_size,
     probe_vllm_cpu,
     probe_vllm_flash,
+    select_attention_backend,
 )
 from ardiff_cli.runtime.kv.layout import KVLayout
 
@@ -233,13 +234,16 @@ class CpuAttentionKernel(PagedKernel):
 
 
 def vllm_kernel_for(layout: KVLayout, dtype: torch.dtype, device: torch.device) -> PagedKernel:
-    """The vLLM kernel of ``device``'s type for this layout (block size per ``backends``)."""
+    """The vLLM kernel of ``device``'s type for this layout (block size per ``backends``).
+
+    Checked as the runner's selection checks an explicit ``vllm`` (installed, device, dtype, head size,
+    geometry): a cache built directly gets the same ``ConfigError`` rather than a failure in the kernel.
+    """
+    select_attention_backend("vllm", device, dtype=dtype, layout=layout)
     if device.type == "cuda":
         return FlashAttentionKernel(flash_block_size(layout.page_size), layout.spec.head_size)
-    if device.type == "cpu":
-        head_size = layout.spec.head_size
-        return CpuAttentionKernel(cpu_block_size(layout.page_size, head_size), dtype, head_size)
-    raise ValueError(f"vLLM's paged kernels run on CUDA and CPU, not on {device.type!r}")
+    head_size = layout.spec.head_size
+    return CpuAttentionKernel(cpu_block_size(layout.page_size, head_size), dtype, head_size)
 
 
 class PagedKernelPool:
