@@ -1,4 +1,4 @@
-"""Timing helpers shared by the benchmarks: side-by-side, interleaved, median of repetitions.
+"""Helpers shared by the benchmarks: two-clock timing, interleaved op profiles, machine info, the command line.
 
 Machines are shared and noisy, so no benchmark reports an absolute time as its
 verdict: each compares two things measured alternately in one run.
@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -48,35 +47,6 @@ def timed(fn: Callable[[], object]) -> tuple[object, Timing]:
     wall, cpu = time.perf_counter(), time.process_time()
     result = fn()
     return result, Timing(time.perf_counter() - wall, time.process_time() - cpu)
-
-
-def side_by_side(a: Callable[[], object], b: Callable[[], object], *, repeats: int, warmup: int = 1,
-                 clock: str = "wall") -> tuple[float, float]:
-    """Median seconds (``clock``: "wall" or "cpu") of ``a`` and ``b``, run alternately ``repeats`` times."""
-    times_a, times_b = paired_times(a, b, repeats=repeats, warmup=warmup)
-    return (statistics.median(getattr(t, clock) for t in times_a),
-            statistics.median(getattr(t, clock) for t in times_b))
-
-
-def paired_times(a: Callable[[], object], b: Callable[[], object], *, repeats: int,
-                 warmup: int = 1) -> tuple[list[Timing], list[Timing]]:
-    """Timings of each run of ``a`` and ``b``, alternating which goes first, after ``warmup`` runs each."""
-    for _ in range(warmup):
-        a()
-        b()
-    times_a: list[Timing] = []
-    times_b: list[Timing] = []
-    for i in range(repeats):
-        # alternate which goes first so drift and cache warmth do not favour one side
-        order = ((a, times_a), (b, times_b)) if i % 2 == 0 else ((b, times_b), (a, times_a))
-        for fn, sink in order:
-            sink.append(timed(fn)[1])
-    return times_a, times_b
-
-
-def median_ratio(numerators: list[float], denominators: list[float]) -> float:
-    """Median of the pairwise ratios: each pair was measured back to back, so machine drift cancels."""
-    return statistics.median(n / d for n, d in zip(numerators, denominators))
 
 
 @contextlib.contextmanager
