@@ -63,9 +63,6 @@ class LatentCodec(nn.Module):
                 self.decoder.weight[c].zero_()
                 self.decoder.weight[c, c::3] = 1.0  # paint it back on every pixel of every frame
 
-    def num_latent_frames(self, num_frames: int) -> int:
-        return 1 if num_frames == 1 else num_frames // self.temporal_stride
-
     def encode(self, frames: torch.Tensor) -> torch.Tensor:
         """uint8 (T, H, W, 3) with T == 1 or a multiple of temporal_stride -> (C, T', H/s, W/s) float32."""
         T, H, W, _ = frames.shape
