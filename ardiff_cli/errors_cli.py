@@ -28,13 +28,11 @@ from ardiff_cli.runtime.errors import (
     is_out_of_memory,
 )
 
-EXIT_OK = 0
 EXIT_BUG = 1
 EXIT_USAGE = 2  # bad usage or invalid input (config, files)
 EXIT_CAPACITY = 3  # one session of the configured model does not fit in memory
 EXIT_PARTIAL = 4  # some episodes failed while others completed
 EXIT_SIGINT = 130  # 128 + SIGINT
-EXIT_SIGTERM = 143  # 128 + SIGTERM
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 success; 1 an unexpected error (in the pipeline, ardiff or writing outputs); 2 bad usage or "
