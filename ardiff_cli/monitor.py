@@ -127,10 +127,6 @@ class RunMonitor:
                 steps_replayed=s.steps_replayed if replayed is None else replayed,
             )
 
-    def set_extra(self, label: str, value: str) -> None:
-        with self._lock:
-            self._snapshot = replace(self._snapshot, extra={**self._snapshot.extra, label: value})
-
     def refresh(self, runner: Any) -> None:
         """Read the runner's session and pool views (call from the thread that runs requests)."""
         views = runner.sessions()
