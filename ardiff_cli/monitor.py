@@ -80,7 +80,7 @@ class RunMonitor:
                     self._snapshot, device=event.device, dtype=plan.dtype, budget_bytes=plan.budget_bytes,
                     available_bytes=plan.available_bytes, page_size=plan.page_size, bytes_per_page=plan.bytes_per_page,
                     pages_total=plan.num_managed_pages, session_capacity=plan.session_capacity,
-                    extra={**self._snapshot.extra, "attention": data.get("attention_backend", "torch")})
+                    attention=event.attention_backend)
             elif kind == "session_evicted":
                 self._snapshot = replace(self._snapshot, evictions=self._snapshot.evictions + 1)
             if kind not in ("request_finished", "capacity_planned"):

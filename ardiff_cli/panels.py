@@ -18,7 +18,7 @@ calls ``render(monitor.snapshot())`` a few times a second::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ardiff_cli.output import visible
 from ardiff_cli.runtime.capacity import format_bytes
@@ -66,7 +66,7 @@ class Snapshot:
     steps_replayed: int = 0
     evictions: int = 0
     elapsed_s: float = 0.0
-    extra: dict[str, str] = field(default_factory=dict)  # more capacity-panel rows (label -> value)
+    attention: str = ""  # the attention backend that runs ("torch" or "vllm"); "" before the plan
 
 
 def _text(value: str):
@@ -102,8 +102,8 @@ def _capacity_panel(s: Snapshot):
                 f"{s.pages_used}/{s.pages_total}, {s.pages_total - s.pages_used} free")
     grid.add_row("pages", bar)
     grid.add_row("sessions", f"{len(s.sessions)}/{s.session_capacity} resident")
-    for label, value in s.extra.items():
-        grid.add_row(label, value)
+    if s.attention:
+        grid.add_row("attention", s.attention)
     return Panel(grid, title="capacity", title_align="left", border_style="cyan")
 
 
