@@ -96,7 +96,7 @@ class RunMonitor:
         """Echo one event: a JSON line (json) or a text line on stderr (plain)."""
         at = data.get("time", time.time()) - self._t0
         kind = SHORT_KINDS.get(data["kind"], data["kind"])
-        session = data.get("session_id") or data.get("session") or ""
+        session = data.get("session_id") or ""
         self.out.event(data, f"+{at:8.3f}s {kind:<11} {session} {describe_event(data)}".rstrip())
 
     def log(self, kind: str, session_id: str, detail: str, *, echo: bool = True, **data: Any) -> None:
