@@ -46,7 +46,6 @@ class RolloutOptions:
     order: str = "round-robin"
     follow: bool = False
     idle_timeout: float = 60.0
-    poll_interval: float = 0.1
     fail_fast: bool = False
     preview: bool = False
 
@@ -79,8 +78,7 @@ class Rollout:
         self.options = options
         self.stats = RolloutStats(skipped=sum(len(done.get(e.name, ())) for e in episodes))
         self.scheduler = StepScheduler(episodes, order=options.order, follow=options.follow,
-                                       idle_timeout=options.idle_timeout, poll_interval=options.poll_interval,
-                                       done=done)
+                                       idle_timeout=options.idle_timeout, done=done)
         # session id -> steps of its episode the resident session has consumed (absent: not resident)
         self._resident: dict[str, int] = {}
         self._captured: list[Any] = []  # runtime events of the request in flight
