@@ -43,11 +43,11 @@ from ardiff_cli.signals import StopSignals
 
 @dataclass(frozen=True)
 class RolloutOptions:
-    order: str = "round-robin"
-    follow: bool = False
-    idle_timeout: float = 60.0
-    fail_fast: bool = False
-    preview: bool = False
+    order: str  # "round-robin" or "sequential"
+    follow: bool
+    idle_timeout: float  # with follow: seconds without a new step file before an episode ends
+    fail_fast: bool
+    preview: bool
 
 
 @dataclass
