@@ -262,7 +262,7 @@ def _same(given: Any, recorded: Any, name: str) -> Any:
 def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout: float, fail_fast: bool,
          preview: bool, warmup: bool, resume: bool) -> None:
     from ardiff_cli.io.atomic import atomic_write_json
-    from ardiff_cli.io.run import RUN_FILE, RunFolder, build_summary
+    from ardiff_cli.io.run import RUN_FILE, RunFolder
     from ardiff_cli.monitor import RunMonitor
     from ardiff_cli.panels import render
     from ardiff_cli.rollout import Rollout, RolloutOptions
@@ -320,7 +320,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 finally:
                     run.close(keep_lock=True)  # the summary is written under the lock; rollout() releases it
                     if driver is not None:
-                        written = _summary(run, p, driver, plan, time.monotonic() - started, error, build_summary)
+                        written = _summary(run, p, driver, plan, time.monotonic() - started, error)
                         with signals.critical():
                             summary = _write_summary(run, written, output, error)
     finally:
@@ -368,9 +368,10 @@ def _close_engine(engine: Any, output: Output) -> None:
         output.warning(str(exc))
 
 
-def _summary(run: Any, p: _Prepared, driver: Any, plan: Any, wall_s: float, error: BaseException | None,
-             build_summary: Any) -> dict[str, Any]:
+def _summary(run: Any, p: _Prepared, driver: Any, plan: Any, wall_s: float,
+             error: BaseException | None) -> dict[str, Any]:
     from ardiff_cli.errors_cli import EXIT_PARTIAL, EpisodesFailed, Interrupted
+    from ardiff_cli.io.run import build_summary
 
     if error is None:
         status = "ok"
