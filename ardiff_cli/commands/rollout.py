@@ -262,7 +262,7 @@ def _same(given: Any, recorded: Any, name: str) -> Any:
 def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout: float, fail_fast: bool,
          preview: bool, warmup: bool, resume: bool) -> None:
     from ardiff_cli.io.atomic import atomic_write_json
-    from ardiff_cli.io.run import RUN_FILE, RunFolder
+    from ardiff_cli.io.run import RUN_FILE
     from ardiff_cli.monitor import RunMonitor
     from ardiff_cli.panels import render
     from ardiff_cli.rollout import Rollout, RolloutOptions
