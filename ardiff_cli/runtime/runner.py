@@ -292,7 +292,7 @@ class ARDiffusionModelRunner:
         raise RuntimeError(f"{REQUEST_MODE_ONLY}; execute_stepwise is not available")
 
     def _execute(self, request: ARDiffusionRequest, *, internal: bool) -> Any:
-        cache = self._require_loaded()
+        self._require_loaded()
         if not isinstance(request, ARDiffusionRequest):
             raise TypeError(f"execute_model takes an ARDiffusionRequest, got {type(request).__name__}")
         session_id = request.session_id
