@@ -125,7 +125,7 @@ def test_done_steps_need_a_line_and_the_file(tmp_path):
     run.append_result({"episode": "ep", "step": 1, "status": "ok", "output": "episodes/ep/step_000001.safetensors"})
     run.append_result({"episode": "ep", "step": 2, "status": "failed", "error": "bad"})
     run.close()
-    assert run.done_steps() == {"ep": {0}}
+    assert run.resume_state()[0] == {"ep": {0}}
 
 
 def test_start_refuses_a_folder_with_a_run(tmp_path):

@@ -171,7 +171,7 @@ def test_damaged_results_line_is_named_with_its_line(tmp_path):
         f.write(b'{"episode": garbage\n[1, 2]\n')
     with pytest.raises(ConfigError, match=r"results.jsonl, line 2: expected one JSON object per line, "
                                           r"got '\{\"episode\": garbage'") as info:
-        run.records()
+        list(run.iter_records())
     assert "delete line 2" in info.value.hint
 
 
@@ -190,7 +190,7 @@ def test_a_results_line_lacking_what_resume_reads_is_named(tmp_path, line, fault
     run.append_result(line)
     run.close()
     with pytest.raises(ConfigError) as info:
-        run.done_steps()
+        run.resume_state()
     assert str(info.value).startswith(f"{run.results_path}, line 2: {fault}, got '{{")
     assert "delete line 2" in info.value.hint
 

@@ -119,22 +119,16 @@ class RunFolder:
                     removed.append(path)
         return removed
 
-    def records(self) -> list[dict[str, Any]]:
-        """Every whole line of results.jsonl, in order; a line lacking what resuming reads is named."""
-        return list(self.iter_records())
-
     def iter_records(self) -> Iterator[dict[str, Any]]:
-        """:meth:`records` one line at a time: a long run's file is never held whole (100,000 lines: 220 MiB)."""
+        """Every whole line of results.jsonl, in order, one at a time: a long run's file is never held whole
+        (100,000 lines: 220 MiB); a line lacking what resuming reads is named."""
         return read_jsonl(self.results_path, _record_problem)
 
-    def done_steps(self) -> dict[str, set[int]]:
-        """Episode -> steps with an ``ok`` line whose output file exists (those are not run again)."""
-        return self.resume_state()[0]
-
     def resume_state(self) -> tuple[dict[str, set[int]], dict[str, dict[int, str]]]:
-        """What ``--resume`` reads, in one pass over results.jsonl that holds no line: :meth:`done_steps`, and
-        episode -> step -> SHA-256 of the step file when it ran (``input_sha256`` of its ok line; lines of earlier
-        versions have none), which a replay of that step checks the file still has."""
+        """What ``--resume`` reads, in one pass over results.jsonl that holds no line: episode -> steps with an
+        ``ok`` line whose output file exists (those are not run again), and episode -> step -> SHA-256 of the
+        step file when it ran (``input_sha256`` of its ok line; lines of earlier versions have none), which a
+        replay of that step checks the file still has."""
         done: dict[str, set[int]] = {}
         digests: dict[str, dict[int, str]] = {}
         for record in self.iter_records():
