@@ -94,11 +94,6 @@ class ARDiffusionEngine:
             self.runner.subscribe(callback)
         return self.runner.load()
 
-    @property
-    def attention_backend(self) -> str | None:
-        """The attention backend chosen at load ("torch" or "vllm"); None before load."""
-        return None if self.runner is None else self.runner.attention_backend
-
     def _require_runner(self) -> ARDiffusionModelRunner:
         if self.runner is None:
             raise RuntimeError("ARDiffusionEngine.load() must run first")
