@@ -147,7 +147,6 @@ class ARDiffusionModelRunner:
         memory_budget: int | None = None,
         gpu_memory_fraction: float = 0.9,
         session_capacity: int | None = None,
-        page_size: int | None = None,
         attention_backend: str = "auto",
     ) -> None:
         self.pipeline = pipeline  # the model; sees KV only through bind_ar_diffusion_state
@@ -158,7 +157,6 @@ class ARDiffusionModelRunner:
         self.memory_budget = memory_budget  # explicit "available" bytes; None = measure the device
         self.gpu_memory_fraction = gpu_memory_fraction  # soft budget for sessions beyond the first
         self.session_capacity_override = session_capacity  # caps the pipeline's session_capacity
-        self.page_size = page_size  # tokens per page; None = one frame
         self.attention_backend_setting = attention_backend  # auto | torch | vllm (kv/backends.py)
         self.attention_backend: str | None = None  # the backend chosen at load: "torch" or "vllm"
         self.attention_backend_reason = ""  # why, in words (logged and emitted with the plan)
@@ -220,7 +218,7 @@ class ARDiffusionModelRunner:
         The backend comes first because it decides where the uncommitted block lives (torch: the
         gather workspace; paged kernels: scratch pages), which the plan counts.
         """
-        layout = KVLayout.from_spec(spec, page_size=self.page_size)
+        layout = KVLayout.from_spec(spec)
         setting = self.attention_backend_setting
         name, reason = select_attention_backend(setting, self.device, dtype=self.dtype, layout=layout)
         available = self._available_bytes()
@@ -232,12 +230,10 @@ class ARDiffusionModelRunner:
                 available,
                 self.gpu_memory_fraction,
                 session_capacity=self.session_capacity_override,
-                page_size=self.page_size,
                 attention_backend=backend,
             )
             cache = ARDiffusionKVCache(
-                spec, plan.num_managed_pages, dtype=self.dtype, device=self.device, page_size=self.page_size,
-                attention_backend=backend,
+                spec, plan.num_managed_pages, dtype=self.dtype, device=self.device, attention_backend=backend,
             )
             return plan, cache
 
