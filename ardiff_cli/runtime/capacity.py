@@ -162,7 +162,6 @@ def plan_capacity(
     *,
     session_capacity: int | None = None,
     page_size: int | None = None,
-    scratch_blocks: int | None = None,
     attention_backend: str = "torch",
 ) -> CapacityPlan:
     """Plan pools for ``spec`` in ``available_bytes``; raise ``CapacityError`` if one session does not fit.
@@ -186,8 +185,7 @@ def plan_capacity(
     size = DTYPE_SIZES[name]
     if attention_backend not in ("torch", "vllm"):
         raise ConfigError(f"attention_backend must be 'torch' or 'vllm' for planning, got {attention_backend!r}")
-    layout = KVLayout.from_spec(spec, page_size=page_size, scratch_blocks=scratch_blocks,
-                                attention_backend=attention_backend)
+    layout = KVLayout.from_spec(spec, page_size=page_size, attention_backend=attention_backend)
     bpp = layout.bytes_per_page(size)
     cross = {cache.name: layout.cross_bytes(cache.name, size) for cache in spec.cross_attention}
     cross_per_session = len(spec.kv_branches) * sum(cross.values())
