@@ -83,7 +83,7 @@ QUERY = "--query-gpu=memory.free,count --format=csv,noheader,nounits -i "
 @pytest.mark.parametrize(("dtype", "gpu", "device", "backend"), [
     ("bfloat16", True, "cuda:0", "vllm"),  # CUDA + vLLM: FlashAttention, scratch pages in the pool
     ("float32", True, "cuda:0", "torch"),  # FlashAttention needs half precision: torch on CUDA
-    ("float32", False, "cpu", "vllm"),  # ...but vLLM's CPU kernel takes float32 (AUTO_CPU_USES_VLLM)
+    ("float32", False, "cpu", "vllm"),  # ...but vLLM's CPU kernel takes float32 (auto picks it on CPU)
 ])
 def test_auto_device_plans_with_the_backend_of_the_device_it_resolves_to(tmp_path, dtype, gpu, device, backend):
     log = fake_nvidia_smi(tmp_path / "bin")

