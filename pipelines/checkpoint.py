@@ -34,16 +34,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ardiff_cli.io.atomic import FILE_MODE
+from ardiff_cli.io.demo import CACHE_ENV, cache_dir
 from ardiff_cli.runtime.errors import CheckpointError
 from pipelines.wan import remap_checkpoint_key
 
 FORMAT_VERSION = "1"  # bump when parameter names or meanings change: cached defaults are then rebuilt
 MAX_DEFAULT_PARAMETERS = 500_000_000  # larger configs are for capacity planning: bring a checkpoint
-CACHE_ENV = "ARDIFF_CACHE_DIR"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "ardiff").expanduser()
 
 
 def weight_digest(pipeline_name: str, config) -> str:

@@ -23,10 +23,12 @@ DEMO_VERSION = 1  # bump when the generated content changes
 DEMO_STEPS = (6, 5, 7)  # steps per demo episode (5-8, deterministic)
 DEMO_PROMPTS = ("pick up the red cube", "push the blue ball to the left", "open the green drawer")
 _COLORS = ((220, 50, 47), (38, 139, 210), (133, 153, 0), (181, 137, 0))
+CACHE_ENV = "ARDIFF_CACHE_DIR"
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("ARDIFF_CACHE_DIR")
+    """ardiff's cache folder (demo episodes, default checkpoints): $ARDIFF_CACHE_DIR, else ~/.cache/ardiff."""
+    root = os.environ.get(CACHE_ENV)
     return Path(root).expanduser() if root else Path.home() / ".cache" / "ardiff"
 
 
@@ -134,7 +136,7 @@ def ensure_demo_episodes(pipeline_name: str, schema: ObservationSchema, image_si
         _generate(target, schema, image_size, frames)
     except OSError as exc:
         raise ConfigError(f"cannot write the demo episodes to {base}: {exc.strerror or exc}",
-                          hint="set ARDIFF_CACHE_DIR to a writable folder") from None
+                          hint=f"set {CACHE_ENV} to a writable folder") from None
     return target
 
 
