@@ -191,9 +191,14 @@ def write_fresh_checkpoint(pipeline_class: Any, config, path: str | Path) -> Pat
     return save_checkpoint(modules, path, metadata)
 
 
+def default_checkpoint_path(pipeline_class: Any, config) -> Path:
+    """Where the built-in checkpoint of ``config`` lives in the cache folder (whether built yet or not)."""
+    return cache_dir() / f"{pipeline_class.name}-{weight_digest(pipeline_class.name, config)}.safetensors"
+
+
 def default_checkpoint(pipeline_class: Any, config) -> Path:
     """The built-in checkpoint of ``config``: built into the cache folder on first use, then reused."""
-    path = cache_dir() / f"{pipeline_class.name}-{weight_digest(pipeline_class.name, config)}.safetensors"
+    path = default_checkpoint_path(pipeline_class, config)
     if path.is_file():
         return path
     num = count_parameters(lambda: pipeline_class.build_modules(config))
@@ -250,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if len(argv) == 2 and argv[0] == "path":
             pipeline_class, config = _load_yaml_config(argv[1])
-            print(cache_dir() / f"{pipeline_class.name}-{weight_digest(pipeline_class.name, config)}.safetensors")
+            print(default_checkpoint_path(pipeline_class, config))
             return 0
     except ArdiffError as exc:
         print(f"Error: {exc}" + (f"\nhint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
