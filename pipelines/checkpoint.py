@@ -143,10 +143,7 @@ def load_checkpoint(module: nn.Module, path: str | Path, *, assign: bool = False
             hint="use the config the checkpoint was written for, or write a fresh one with "
             "`python -m pipelines.checkpoint init CONFIG.yaml OUT.safetensors`",
         )
-    if assign:
-        module.load_state_dict(tensors, strict=True, assign=True)
-    else:
-        module.load_state_dict(tensors, strict=True)
+    module.load_state_dict(tensors, strict=True, assign=assign)
     return read_metadata(path)
 
 
