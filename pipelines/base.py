@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
+from ardiff_cli.runtime.errors import ObservationError
+from ardiff_cli.runtime.observation import ObservationSchema, validate_observation
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from pipelines.checkpoint import check_weight_fields, default_checkpoint, fresh_modules, load_checkpoint
 from pipelines.rollout import PagedRollout
@@ -78,6 +80,7 @@ class ARPipeline(abc.ABC):
         self.modules = modules  # all weights: transformer, vae, encoders
         self.transformer = modules.transformer
         self.vae = modules.vae
+        self.text_encoder = modules.text_encoder
         self.device = torch.device(device)
         self.dtype = dtype  # model and KV dtype
         self.checkpoint = checkpoint  # the file the weights came from (None when built in memory)
@@ -148,6 +151,18 @@ class ARPipeline(abc.ABC):
     @abc.abstractmethod
     def _step(self, session_id: str, rollout, inputs: dict[str, Any]) -> dict[str, Any]:
         """The pipeline's request logic (no grad)."""
+
+    def _seed_and_observation(self, inputs: dict[str, Any], schema: ObservationSchema) -> tuple[int, dict[str, Any]]:
+        """The request's noise ``seed`` (default: the config's) and its other inputs validated against ``schema``."""
+        seed = inputs.get("seed", self.config.seed)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ObservationError(f"request inputs: 'seed' must be a non-negative integer, got {seed!r}")
+        obs = validate_observation(schema, {k: v for k, v in inputs.items() if k != "seed"}, where="request inputs")
+        return int(seed), obs
+
+    def _text_kv(self, prompt: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The text cross-attention cache of ``prompt``: one (k, v) per layer, lazily."""
+        yield from self.transformer.project_text(self.text_encoder(prompt))
 
     # ------------------------------------------------------------------ views
     def model_owned_state_bytes(self, session_id: str) -> int:

@@ -34,16 +34,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ardiff_cli.runtime.errors import ObservationError
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from pipelines.base import ARPipeline, noise_generator, shift_sigma
 from pipelines.causal_world.config import SCHEMA, Config
 from pipelines.causal_world.config import observation_schema as module_observation_schema
 from pipelines.encoders import LatentCodec, TextEncoder
-from ardiff_cli.runtime.observation import validate_observation
 from pipelines.wan import Segment, WanTransformer
-
-REQUEST_KEYS = ("seed",)
 
 
 class CausalWorldTransformer(WanTransformer):
@@ -83,25 +79,14 @@ class CausalWorldPipeline(ARPipeline):
     observation_schema = staticmethod(module_observation_schema)
     cross_names = ("text",)
 
-    def __init__(self, config: Config, modules: CausalWorldModules, **kwargs: Any) -> None:
-        super().__init__(config, modules, **kwargs)
-        self.text_encoder = modules.text_encoder
-
     @classmethod
     def build_modules(cls, config: Config) -> CausalWorldModules:
         return CausalWorldModules(config)
 
-    def _text_kv(self, prompt: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        yield from self.transformer.project_text(self.text_encoder(prompt))
-
     def _step(self, session_id: str, rollout, inputs: dict[str, Any]) -> dict[str, Any]:
         c = self.config
-        seed = inputs.get("seed", c.seed)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ObservationError(f"request inputs: 'seed' must be a non-negative integer, got {seed!r}")
         # The config's exact schema: conditioning of length cond_dim, or an unknown key when cond_dim is 0.
-        obs = validate_observation(c.observation_schema(), {k: v for k, v in inputs.items() if k not in REQUEST_KEYS},
-                                   where="request inputs")
+        seed, obs = self._seed_and_observation(inputs, c.observation_schema())
         prompt = obs[SCHEMA.prompt_key]
         cond = obs.get("conditioning")  # (cond_dim,) float32 or None
 
@@ -127,7 +112,7 @@ class CausalWorldPipeline(ARPipeline):
             return Segment(latents=x.to(self.dtype), timesteps=torch.full((frames,), t, device=self.device),
                            first_frame=first, registers=registers, register_timesteps=register_t)
 
-        gen = noise_generator(int(seed), session.num_blocks)
+        gen = noise_generator(seed, session.num_blocks)
         shape = (c.latent_channels, frames, c.latent_height, c.latent_width)
         x = torch.randn(shape, generator=gen).to(self.device)  # (C, F, h, w) at sigma = 1
         sigmas = [shift_sigma(t / 1000.0, c.timestep_shift) for t in c.denoising_timesteps]

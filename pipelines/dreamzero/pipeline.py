@@ -45,10 +45,7 @@ from pipelines.base import ARPipeline, noise_generator, shifted_sigmas
 from pipelines.dreamzero.config import CAMERAS, CARTESIAN, MASK_CHANNELS, SCHEMA, Config
 from pipelines.dreamzero.config import observation_schema as module_observation_schema
 from pipelines.encoders import ImageEncoder, LatentCodec, TextEncoder
-from ardiff_cli.runtime.observation import validate_observation
 from pipelines.wan import Segment, WanLayerNorm, WanTransformer
-
-REQUEST_KEYS = ("seed",)  # request inputs that are not observations
 
 
 class DreamZeroTransformer(WanTransformer):
@@ -109,7 +106,6 @@ class DreamZeroPipeline(ARPipeline):
 
     def __init__(self, config: Config, modules: DreamZeroModules, **kwargs: Any) -> None:
         super().__init__(config, modules, **kwargs)
-        self.text_encoder = modules.text_encoder
         self.image_encoder = modules.image_encoder
         self.branches = config.branch_names  # ("positive", "negative"), or ("positive",) without guidance
 
@@ -149,9 +145,6 @@ class DreamZeroPipeline(ARPipeline):
         return torch.from_numpy(np.concatenate(parts)).to(self.device)
 
     # ------------------------------------------------------------------ conditioning caches
-    def _text_kv(self, prompt: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        yield from self.transformer.project_text(self.text_encoder(prompt))
-
     def _populate_text(self, rollout, prompt: str) -> None:
         texts = {"positive": prompt, "negative": self.config.negative_prompt}
         for branch in self.branches:
@@ -173,11 +166,7 @@ class DreamZeroPipeline(ARPipeline):
     # ------------------------------------------------------------------ the request
     def _step(self, session_id: str, rollout, inputs: dict[str, Any]) -> dict[str, Any]:
         c = self.config
-        seed = inputs.get("seed", c.seed)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ObservationError(f"request inputs: 'seed' must be a non-negative integer, got {seed!r}")
-        obs = validate_observation(SCHEMA, {k: v for k, v in inputs.items() if k not in REQUEST_KEYS},
-                                   where="request inputs")
+        seed, obs = self._seed_and_observation(inputs, SCHEMA)
         frames = self._camera_frames(obs)  # (T, H, W, 3) uint8
         num_rgb = frames.shape[0]
         if num_rgb not in (1, c.frames_per_request):
@@ -217,7 +206,7 @@ class DreamZeroPipeline(ARPipeline):
                           timesteps=torch.zeros(observed.shape[1], device=self.device), first_frame=first)
             rollout.run(branch, seg, commit=True, return_video=False)
 
-        actions, latents = self._sample(rollout, session, robot_state, int(seed))
+        actions, latents = self._sample(rollout, session, robot_state, seed)
         session.num_requests += 1
         self.sessions[session_id] = session
         return {"actions": actions.cpu(), "latents": latents.cpu()}
