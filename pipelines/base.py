@@ -67,7 +67,8 @@ def as_tensor(value: Any, device: torch.device) -> torch.Tensor:
 
 
 class ARPipeline(abc.ABC):
-    """Base of the reference pipelines. Subclasses set ``name``, ``cross_names`` and implement ``step``."""
+    """Base of the reference pipelines. Subclasses set ``name``, ``cross_names`` and implement ``build_modules``
+    and ``_step`` (``step`` wraps it in ``torch.no_grad``)."""
 
     name: ClassVar[str]  # registered pipeline name; also the checkpoint metadata
     cross_names: ClassVar[tuple[str, ...]]  # named cross-attention caches every transformer forward reads
