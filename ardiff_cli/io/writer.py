@@ -33,15 +33,13 @@ FORMATS = ("safetensors", "npz")
 
 
 def to_numpy(value: Any):
-    """A numpy array from a numpy array, a torch tensor (any device; bfloat16 becomes float32) or a list."""
+    """A contiguous numpy array from a numpy array, a torch tensor (any device; bfloat16 becomes float32) or a
+    list."""
     import numpy as np
 
-    if hasattr(value, "detach"):  # torch.Tensor, without importing torch
-        value = value.detach().cpu()
-        if str(value.dtype) == "torch.bfloat16":
-            value = value.float()
-        value = value.numpy()
-    return np.ascontiguousarray(np.asarray(value))
+    from ardiff_cli.runtime.observation import as_numpy
+
+    return np.ascontiguousarray(as_numpy(value))
 
 
 def encode_arrays(arrays: Mapping[str, Any], *, format: str = "safetensors",

@@ -54,7 +54,7 @@ class ObservationSchema:
 FLOAT_DTYPES = ("float16", "float32", "float64")  # a float field accepts any of these, cast to its dtype
 
 
-def _as_numpy(value: Any):
+def as_numpy(value: Any):
     """numpy view of an array-like; torch tensors are detached and moved to host without importing torch."""
     import numpy as np
 
@@ -83,7 +83,7 @@ def _check_field(f: ObservationField, key: str, value: Any) -> tuple[Any, str | 
     import numpy as np
 
     try:
-        array = _as_numpy(value)
+        array = as_numpy(value)
     except Exception as exc:  # noqa: BLE001 - any unconvertible value is a user error worth naming
         return None, f"{key!r} is not an array ({type(value).__name__}: {exc})"
     label = repr(key) if key == f.name else f"{key!r} ({f.name})"
