@@ -326,7 +326,6 @@ class Rollout:
 
     def _write_preview(self, episode: EpisodeSource) -> None:
         from ardiff_cli.io.png import as_rgb_frame, preview_strip
-        from ardiff_cli.io.writer import to_numpy
 
         observed, predicted = [], []
         step_files = {f.step: f for f in self.scheduler.history(episode.name)}
@@ -339,16 +338,17 @@ class Rollout:
                 arrays = load_step(step_file.path).arrays
                 frame = next((f for f in map(as_rgb_frame, arrays.values()) if f is not None), None)
             observed.append(frame)
-            predicted.append(self._predicted_frame(self.run_folder.root / record["output"], to_numpy))
+            predicted.append(self._predicted_frame(self.run_folder.root / record["output"]))
         if not any(f is not None for f in (*observed, *predicted)):
             raise ValueError("no image to show: neither its step files nor its outputs hold a uint8 (H, W, 3) "
                              "frame, and the pipeline's decode_latents is missing or returned no such frame")
         self.run_folder.write_preview(episode.name, preview_strip(observed, predicted, min_height=96))
 
-    def _predicted_frame(self, path, to_numpy) -> Any:
+    def _predicted_frame(self, path) -> Any:
         from safetensors.numpy import load_file
 
         from ardiff_cli.io.png import as_rgb_frame
+        from ardiff_cli.io.writer import to_numpy
 
         arrays = load_file(str(path))
         for value in arrays.values():
