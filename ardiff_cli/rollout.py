@@ -330,7 +330,7 @@ class Rollout:
         observed, predicted = [], []
         step_files = {f.step: f for f in self.scheduler.history(episode.name)}
         for record in self.run_folder.iter_records():
-            if record.get("episode") != episode.name or record.get("status") != "ok":
+            if record["episode"] != episode.name or record["status"] != "ok":  # iter_records checked both
                 continue
             step_file = step_files.get(record["step"])
             frame = None
