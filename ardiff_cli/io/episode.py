@@ -103,7 +103,7 @@ def step_number(path: Path) -> int:
     return int(numbers[-1])
 
 
-def safe_name(name: str, fallback: str = "episode") -> str:
+def safe_name(name: str) -> str:
     """``name`` made safe to use as one file or folder name inside the output folder.
 
     Episode names are session ids and output folder names (``OUT/episodes/<name>/``,
@@ -111,7 +111,7 @@ def safe_name(name: str, fallback: str = "episode") -> str:
     characters file systems refuse become ``_``, control characters (terminal
     escapes, newlines) too, a leading dot becomes ``_`` (so ``.`` and ``..``
     cannot climb out and no output is hidden), and the length is capped (characters
-    and UTF-8 bytes).
+    and UTF-8 bytes). A name with nothing left is ``episode``.
     """
     chars = ["_" if c in _UNSAFE_CHARS or unicodedata.category(c).startswith("C") else c for c in str(name)]
     cleaned = "".join(chars).strip()[:MAX_NAME_CHARS]
@@ -120,7 +120,7 @@ def safe_name(name: str, fallback: str = "episode") -> str:
     cleaned = cleaned.strip()
     if cleaned.startswith("."):
         cleaned = "_" + cleaned[1:]
-    return cleaned or fallback
+    return cleaned or "episode"
 
 
 def missing_steps(steps: list[int]) -> list[int]:
