@@ -67,7 +67,7 @@ class Rollout:
 
     def __init__(self, engine: Any, schema: ObservationSchema, episodes: list[EpisodeSource], run: RunFolder,
                  out: Output, monitor: RunMonitor, signals: StopSignals, options: RolloutOptions,
-                 done: dict[str, set[int]], *, digests: dict[str, dict[int, str]] | None = None) -> None:
+                 done: dict[str, set[int]], *, digests: dict[str, dict[int, str]]) -> None:
         self.engine = engine
         self.schema = schema  # what every step file must hold
         self.episodes = episodes
@@ -84,7 +84,7 @@ class Rollout:
         self._captured: list[Any] = []  # runtime events of the request in flight
         self._steps_done = {e.name: len(done.get(e.name, ())) for e in episodes}  # per episode, incl. earlier runs
         # episode -> step -> SHA-256 of its file when it ran (this run, and results.jsonl on resume): replays check it
-        self._digests = {name: dict(steps) for name, steps in (digests or {}).items()}
+        self._digests = {name: dict(steps) for name, steps in digests.items()}
         self._warned: set[tuple[str, str]] = set()  # (episode, warning) shown once
         self._at: tuple[str, StepFile] | None = None  # (phase, step file) of the work in progress, for errors
         self._running: StepTask | None = None  # the step in progress
