@@ -100,7 +100,7 @@ def resolve_pipeline(name: str, *, where: str = "config") -> PipelineEntry:
     """A registered pipeline by name: what a config's ``pipeline:`` field may say."""
     registry = registered_pipelines()
     if name not in registry:
-        if isinstance(name, str) and ":" in name:
+        if ":" in name:
             raise ConfigError(
                 f"{where}: field 'pipeline': {name!r} is not a registered pipeline; a config names registered "
                 "pipelines only, so that reading a config never imports code",
