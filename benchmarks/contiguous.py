@@ -37,16 +37,15 @@ class ContiguousKV:
     """Sink + sliding-window K/V of one branch in contiguous tensors, shifted on eviction."""
 
     def __init__(self, *, num_layers: int, num_heads: int, head_size: int, tokens_per_frame: int, sink_frames: int,
-                 window_frames: int, max_segment_frames: int, max_registers: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 window_frames: int, max_segment_frames: int, max_registers: int, dtype: torch.dtype) -> None:
         self.tokens_per_frame = tokens_per_frame  # tokens of one latent frame
         self.sink_frames = sink_frames  # first frames kept forever
         self.window_frames = window_frames  # newest frames kept after the sink
         # history + the largest segment one forward writes + its registers
         capacity = (sink_frames + window_frames + max_segment_frames) * tokens_per_frame + max_registers
         shape = (num_layers, num_heads, capacity, head_size)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (layers, H, capacity, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=dtype)  # (layers, H, capacity, D), on the CPU
+        self.v = torch.zeros(shape, dtype=dtype)
         self.resident_frames = 0  # frames held: sink first, then the window, oldest to newest
         self.committed_frames = 0  # absolute frames committed (RoPE position of the next frame)
         self.num_shifts = 0  # evictions so far (each one copies the surviving window)
@@ -114,7 +113,7 @@ class ContiguousRollout:
     """``pipelines.rollout``'s five operations over :class:`ContiguousKV` per branch (the baseline path)."""
 
     def __init__(self, model, spec, *, cross_names: Sequence[str], dtype: torch.dtype,
-                 device: torch.device | str = "cpu", max_segment_frames: int | None = None) -> None:
+                 max_segment_frames: int | None = None) -> None:
         self.model = model  # the same transformer the paged path runs
         self.cross_names = tuple(cross_names)
         self.tokens_per_frame = spec.tokens_per_frame
@@ -123,7 +122,7 @@ class ContiguousRollout:
             b.name: ContiguousKV(num_layers=spec.num_layers, num_heads=spec.num_kv_heads, head_size=spec.head_size,
                                  tokens_per_frame=spec.tokens_per_frame, sink_frames=spec.sink_frames,
                                  window_frames=spec.window_frames, max_segment_frames=segment_frames,
-                                 max_registers=spec.max_scratch_tokens_per_branch, dtype=dtype, device=device)
+                                 max_registers=spec.max_scratch_tokens_per_branch, dtype=dtype)
             for b in spec.kv_branches
         }
         self._cross: dict[tuple[str, str], tuple[tuple[torch.Tensor, torch.Tensor], ...]] = {}
