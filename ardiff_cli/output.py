@@ -201,14 +201,14 @@ class Output:
         self._write_err("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip("\n"))
 
     @contextlib.contextmanager
-    def live(self, get_renderable: Callable[[], Any], *, refresh_per_second: float = 4) -> Iterator[None]:
-        """A live display on stderr in rich format (a no-op otherwise)."""
+    def live(self, get_renderable: Callable[[], Any]) -> Iterator[None]:
+        """A live display on stderr in rich format, redrawn 4 times a second (a no-op otherwise)."""
         if not self.is_rich or self.quiet:
             yield
             return
         from rich.live import Live
 
-        with Live(get_renderable=get_renderable, console=self.console("stderr"), refresh_per_second=refresh_per_second,
+        with Live(get_renderable=get_renderable, console=self.console("stderr"), refresh_per_second=4,
                   transient=False, redirect_stdout=False, redirect_stderr=False):
             yield
 
