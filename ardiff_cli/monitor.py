@@ -57,13 +57,13 @@ def describe_event(data: dict[str, Any]) -> str:
 class RunMonitor:
     """Collects what the live panels show; echoes events to the output sink."""
 
-    def __init__(self, out: Output, title: str, *, max_events: int = 8, echo_requests: bool = False) -> None:
+    def __init__(self, out: Output, title: str, *, echo_requests: bool = False) -> None:
         self.out = out  # where plain/json event lines go
         self.echo_requests = echo_requests  # also echo request_finished in plain format (warmup)
         self._lock = threading.Lock()  # the refresh thread reads while the main thread writes
         self._t0 = time.time()  # wall clock of the run's start (event times are relative to it)
         self._start = time.monotonic()
-        self._events: deque[EventRow] = deque(maxlen=max_events)
+        self._events: deque[EventRow] = deque(maxlen=8)  # the newest events, for the events panel
         self._episodes: dict[str, tuple[str, int, int | None]] = {}  # session -> (episode label, done, total)
         self._snapshot = Snapshot(title=title)
 
