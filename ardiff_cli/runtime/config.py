@@ -28,13 +28,13 @@ import yaml
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.capacity import dtype_name, parse_bytes
 from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error
+from ardiff_cli.runtime.kv.backends import ATTENTION_BACKEND_SETTINGS
 from ardiff_cli.runtime.registry import PipelineEntry, resolve_pipeline, resolve_pipeline_reference
 
 DEFAULT_CONFIG = "dreamzero-tiny"
 TOP_LEVEL_KEYS = ("pipeline", "checkpoint", "model", "runtime")
 DEVICES = ("auto", "cpu", "cuda")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "vllm")
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,8 @@ def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
             raise field_error(where, field, "a positive integer (CPU threads) or null", value)
         return value
     if key == "attention_backend":
-        if value not in ATTENTION_BACKENDS:
-            raise field_error(where, field, " | ".join(ATTENTION_BACKENDS), value)
+        if value not in ATTENTION_BACKEND_SETTINGS:
+            raise field_error(where, field, " | ".join(ATTENTION_BACKEND_SETTINGS), value)
         return value
     raise ConfigError(f"{where}: unknown key {field!r}{did_you_mean(key, RuntimeConfig.__dataclass_fields__)}")
 
