@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated
 
@@ -44,6 +45,7 @@ def _root(
 
 
 def main() -> None:
+    _fill_closed_standard_streams()
     args = sys.argv[1:]
     # Usage errors (an unknown option, a bad option value) are reported like every other error: `Error:` and
     # `hint:` lines on stderr, or one JSON object on stdout under --format json, never Typer's box.
@@ -62,6 +64,27 @@ def main() -> None:
     except typer.Abort:
         sys.exit(1)
     sys.exit(code or 0)
+
+
+def _fill_closed_standard_streams() -> None:
+    """Open /dev/null on a standard stream the caller closed (`>&-`, `2>&-` in a cron line).
+
+    Python leaves a closed one as ``None``, which the first message would trip over, and the next file opened
+    would take its number: a native library's message on stderr would then land in ``.lock`` or
+    ``results.jsonl``. Nobody reads a closed stream, so its output is dropped, as with ``>/dev/null``.
+    """
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: fd itself, as the lower ones are open
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, mode, closefd=False, errors="replace"))
 
 
 def _requested_format(args: list[str]) -> str:

@@ -158,6 +158,23 @@ def test_json_mode_prints_only_json_on_stdout(env, data, tmp_path):
     assert (tmp_path / "run" / "previews" / "arm_a.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.parametrize("redirect", [">&-", "2>&-", ">&- 2>&- <&-"])
+def test_a_closed_standard_stream_is_a_discarded_one_not_a_crash(env, data, tmp_path, redirect):
+    """A cron line like `ardiff rollout ... >&-`: the run completes, exit 0, as if the stream were /dev/null."""
+    def closed(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", f'"$@" {redirect}', "_", sys.executable, "-m", "ardiff_cli", *args],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+    run = tmp_path / "run"
+    proc = closed("rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Error" not in proc.stderr and ("outputs: " in proc.stdout) == (redirect == "2>&-")
+    assert json.loads((run / "summary.json").read_text())["status"] == "ok"
+    assert len(records(run)) == 6
+    proc = closed("inspect-capacity", str(data / "fast.yaml"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_bad_file_fails_its_episode_only_and_names_the_path(env, data, tmp_path):
     eps = tmp_path / "eps"
     shutil.copytree(data / "eps", eps)
