@@ -325,6 +325,29 @@ def test_signals_exit_130_or_143_with_whole_lines(env, data, tmp_path, signum, c
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
 
 
+def test_resume_goes_on_following_and_drawing_previews_as_the_run_started(env, data, tmp_path):
+    """`ardiff rollout ... --follow --preview` stopped, then `ardiff rollout --resume -o OUT` from cron."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--preview",
+                 "--no-warmup", "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and not (run / "previews").exists()
+    write_episode(live / "arm_a", steps_of(0, 3)[1:2], first_step=1, end=False)  # the robot goes on, no END yet
+    # The robot is still recording: the resumed run follows it (so --idle-timeout applies) rather than calling
+    # the episode complete at its last file, and draws the preview the run was asked for.
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--idle-timeout", "0.5", "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert "arm_a ended (idle_timeout) after 2 steps" in proc.stderr
+    assert [r["step"] for r in records(run)] == [0, 1]
+    assert (run / "previews" / "arm_a.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_a_second_rollout_on_a_folder_in_use_is_refused_and_kill_9_leaves_no_stale_lock(env, data, tmp_path):
     proc, live, run = follow_a_live_episode(env, data, tmp_path, "plain")
     try:

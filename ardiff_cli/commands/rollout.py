@@ -76,6 +76,7 @@ class _Prepared:
     done: dict[str, set[int]]  # resume: steps already written
     digests: dict[str, dict[int, str]]  # resume: SHA-256 of each done step's file when it ran (where recorded)
     run: Any  # RunFolder of out_dir, locked against a second process until closed
+    options: dict[str, Any]  # follow, idle_timeout (None: the default), preview: given, or on --resume recorded
 
 
 def rollout(
@@ -116,21 +117,27 @@ def rollout(
     """Stream episodes through persistent sessions (help text: ``HELP``)."""
     output = Output.create(format, quiet=quiet, verbose=verbose and not quiet)  # both: refused
     with handle_errors(output):
-        refuse_contradictions(quiet=quiet, verbose=verbose, follow=follow, idle_timeout=idle_timeout)
+        # --resume: whether the run followed is in its run.json (checked again there)
+        refuse_contradictions(quiet=quiet, verbose=verbose, follow=follow or resume, idle_timeout=idle_timeout)
         overrides = dict(device=device, dtype=dtype, memory_budget=memory_budget, session_capacity=session_capacity,
                          gpu_memory_fraction=gpu_memory_fraction, attention_backend=attention_backend)
-        prepared = _prepare(config, episodes, out, resume, order.value, overrides, output, pipeline=pipeline)
+        options = dict(follow=follow, idle_timeout=idle_timeout, preview=preview)
+        prepared = _prepare(config, episodes, out, resume, order.value, overrides, output, pipeline=pipeline,
+                            options=options)
+        options = prepared.options
         try:
-            _run(prepared, output, order=order.value, follow=follow,
-                 idle_timeout=DEFAULT_IDLE_TIMEOUT if idle_timeout is None else idle_timeout, fail_fast=fail_fast,
-                 preview=preview, warmup=warmup, resume=resume)
+            _run(prepared, output, order=order.value, follow=options["follow"],
+                 idle_timeout=DEFAULT_IDLE_TIMEOUT if options["idle_timeout"] is None else options["idle_timeout"],
+                 fail_fast=fail_fast, preview=options["preview"], warmup=warmup, resume=resume)
         finally:
             prepared.run.close()  # releases the folder's lock
 
 
 def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool, order: str,
-             overrides: dict[str, Any], output: Output, *, pipeline: str | None = None) -> _Prepared:
-    """Config, episodes and output folder, from the command line or (``--resume``) from run.json."""
+             overrides: dict[str, Any], output: Output, *, pipeline: str | None = None,
+             options: dict[str, Any]) -> _Prepared:
+    """Config, episodes, output folder and ``options`` (follow, idle_timeout, preview), from the command line or
+    (``--resume``) from run.json: a resumed run goes on following and drawing previews as it started."""
     from ardiff_cli.io.demo import ensure_demo_episodes
     from ardiff_cli.io.episode import discover_episodes
     from ardiff_cli.io.run import RunFolder, default_out_dir
@@ -147,6 +154,11 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         config = _resume_config(config, info)
         overrides["dtype"] = _same(getattr(overrides["dtype"], "value", overrides["dtype"]), info["dtype"], "--dtype")
         _same_pipeline_option(pipeline, info.get("pipeline_option"))
+        given_idle_timeout = options["idle_timeout"]
+        options = {"follow": options["follow"] or info.get("follow", False),
+                   "idle_timeout": info.get("idle_timeout") if given_idle_timeout is None else given_idle_timeout,
+                   "preview": options["preview"] or info.get("preview", False)}
+        refuse_contradictions(follow=options["follow"], idle_timeout=given_idle_timeout)
         if not episode_paths and not info.get("demo"):
             episode_paths = [Path(e["path"]) for e in info["episodes"]]
     else:
@@ -185,7 +197,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         "episodes": [{"name": e.name, "path": str(e.path.resolve())} for e in episodes], "demo": demo,
         "dtype": cfg.runtime.dtype, "device": cfg.runtime.device, "session_capacity": cfg.runtime.session_capacity,
         "memory_budget": cfg.runtime.memory_budget, "gpu_memory_fraction": cfg.runtime.gpu_memory_fraction,
-        "started": info.get("started", time.time()),
+        "started": info.get("started", time.time()), **options,
     }
     try:  # now, not after the model has loaded: a file or an unwritable place is a usage error
         Path(out).mkdir(parents=True, exist_ok=True)
@@ -201,7 +213,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             run.close()
             raise
     return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done, digests=digests,
-                     run=run)
+                     run=run, options=options)
 
 
 def _same_device(setting: str, recorded: str | None) -> None:
