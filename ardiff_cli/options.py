@@ -8,6 +8,7 @@ says", and the config's own default applies when it says nothing.
 from __future__ import annotations
 
 import enum
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -62,10 +63,21 @@ def check_byte_size(value: Optional[str]) -> Optional[str]:
     return value
 
 
+def expand_home(value):
+    """A leading ``~`` means the home folder, also where no shell expanded it (quoted, a systemd unit, a Python
+    ``subprocess`` list), as in ``ARDIFF_CACHE_DIR``: never a folder named ``~`` in the working folder."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return [expand_home(v) for v in value]
+    return type(value)(os.path.expanduser(value))
+
+
 ConfigArg = Annotated[
     Optional[str],
     typer.Argument(
         metavar="CONFIG",
+        callback=expand_home,
         help=f"A config YAML path or a built-in config name. \\[default: {DEFAULT_CONFIG}]",
         show_default=False,
     ),
@@ -74,6 +86,7 @@ EpisodesArg = Annotated[
     Optional[list[Path]],
     typer.Argument(
         metavar="EPISODE",
+        callback=expand_home,
         help="Episode folders (step files), or folders of episode folders. \\[default: the bundled demo episodes]",
         show_default=False,
     ),
@@ -89,7 +102,7 @@ PipelineOpt = Annotated[
 ]
 OutOpt = Annotated[
     Optional[Path],
-    typer.Option("--out", "-o", help="Output folder. \\[default: ./ardiff-runs/<timestamp>]", show_default=False),
+    typer.Option("--out", "-o", callback=expand_home, help="Output folder. \\[default: ./ardiff-runs/<timestamp>]", show_default=False),
 ]
 DeviceOpt = Annotated[
     Optional[str],

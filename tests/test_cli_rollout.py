@@ -175,6 +175,19 @@ def test_a_closed_standard_stream_is_a_discarded_one_not_a_crash(env, data, tmp_
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_a_tilde_no_shell_expanded_means_home_not_a_folder_named_tilde(env, data, tmp_path):
+    """`subprocess.run(["ardiff", "rollout", ..., "-o", "~/runs/x"])`, a systemd unit, a quoted '~/runs/x'."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    cwd.mkdir()
+    shutil.copytree(data / "eps" / "arm_a", home / "eps" / "arm_a")
+    shutil.copy(data / "fast.yaml", home / "fast.yaml")
+    proc = ardiff({**env, "HOME": str(home)}, "rollout", "~/fast.yaml", "~/eps/arm_a", "--out", "~/runs/x",
+                  "--no-warmup", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    assert f"outputs: {home / 'runs' / 'x'}" in proc.stdout
+    assert len(records(home / "runs" / "x")) == 3 and not list(cwd.iterdir())
+
+
 def test_bad_file_fails_its_episode_only_and_names_the_path(env, data, tmp_path):
     eps = tmp_path / "eps"
     shutil.copytree(data / "eps", eps)
