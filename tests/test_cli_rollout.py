@@ -188,6 +188,20 @@ def test_a_tilde_no_shell_expanded_means_home_not_a_folder_named_tilde(env, data
     assert len(records(home / "runs" / "x")) == 3 and not list(cwd.iterdir())
 
 
+def test_an_episode_folder_given_twice_runs_once(env, data, tmp_path):
+    """`ardiff rollout CFG data/ data/arm_a` (overlapping globs, a symlink to one of them): one session each."""
+    (tmp_path / "link").symlink_to(data / "eps" / "arm_b")
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), str(data / "eps" / "arm_a"),
+                  str(tmp_path / "link"), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert f"warning: {data / 'eps' / 'arm_a'} is episode 'arm_a' again (given twice); it runs once" in proc.stderr
+    assert f"warning: {tmp_path / 'link'} is episode 'arm_b' again" in proc.stderr
+    assert sorted((r["episode"], r["step"]) for r in records(run)) == [(e, s) for e in ("arm_a", "arm_b")
+                                                                      for s in range(3)]
+    assert sorted(p.name for p in (run / "episodes").iterdir()) == ["arm_a", "arm_b"]
+
+
 def test_bad_file_fails_its_episode_only_and_names_the_path(env, data, tmp_path):
     eps = tmp_path / "eps"
     shutil.copytree(data / "eps", eps)

@@ -179,7 +179,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         if overrides["session_capacity"] is None:
             limit = cfg.runtime.session_capacity or cfg.kv_cache_spec().session_capacity
             cfg = cfg.with_runtime(session_capacity=min(limit, DEMO_SESSION_CAPACITY))
-    episodes = discover_episodes(episode_paths)
+    episodes = discover_episodes(episode_paths, warn=output.warning)
     if not episodes:
         raise ConfigError(f"no episode folders in {', '.join(map(str, episode_paths))}")
     if resume:

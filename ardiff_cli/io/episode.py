@@ -21,7 +21,7 @@ import json
 import os
 import re
 import unicodedata
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,7 +199,7 @@ def _is_run_output(folder: Path) -> bool:
     return bool(entries) and all(p.is_dir() and RunFolder(p).holds_run() for p in entries)
 
 
-def discover_episodes(paths: list[Path]) -> list[EpisodeSource]:
+def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None = None) -> list[EpisodeSource]:
     """Episode folders from the command line: each path is an episode, or a folder of episode folders.
 
     A folder of episode folders contributes each visible subfolder, except
@@ -208,7 +208,8 @@ def discover_episodes(paths: list[Path]) -> list[EpisodeSource]:
     folder where its default ``--out`` (``./ardiff-runs/<timestamp>``) landed.
 
     Names are the folder names made safe (:func:`safe_name`), and unique with a
-    numeric suffix when two collide.
+    numeric suffix when two collide. A folder reached twice (``data/ data/pick_cube``, a
+    symlink to another argument) is one episode, run once; ``warn`` is told.
     """
     folders: list[Path] = []
     for path in paths:
@@ -229,14 +230,20 @@ def discover_episodes(paths: list[Path]) -> list[EpisodeSource]:
                               if p.is_dir() and not p.name.startswith(".") and not _is_run_output(p))
             folders.extend(children)
     names: set[str] = set()
+    taken: dict[Path, str] = {}  # resolved folder -> its episode's name
     episodes = []
     for folder in folders:
+        if folder.resolve() in taken:
+            if warn is not None:
+                warn(f"{folder} is episode {taken[folder.resolve()]!r} again (given twice); it runs once")
+            continue
         base = safe_name(folder.resolve().name)
         name, count = base, 1
         while name in names:
             count += 1
             name = f"{base}-{count}"
         names.add(name)
+        taken[folder.resolve()] = name
         episodes.append(EpisodeSource(name=name, path=folder))
     return episodes
 
