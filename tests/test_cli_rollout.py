@@ -310,6 +310,25 @@ def test_resume_reads_the_runs_own_config_from_any_folder_and_refuses_an_edited_
     assert proc.returncode == 2 and "was edited since the run started" in proc.stderr, proc.stderr
 
 
+def test_resume_keeps_each_folders_name_whatever_the_order_of_episode_arguments(env, data, tmp_path):
+    """Two folders named `ep` are `ep` and `ep-2` by the order given; a resume listing them the other way round
+    (a script that builds the list differently) continues each under its own name instead of swapping them."""
+    first, second = tmp_path / "robot_a" / "ep", tmp_path / "robot_b" / "ep"
+    write_episode(first, steps_of(0, 3), prompt="task a")
+    write_episode(second, steps_of(1, 3), prompt="task b")
+    run, complete = tmp_path / "run", tmp_path / "complete"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(first), str(second), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    shutil.copytree(run, complete)
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-2]))  # as if stopped two steps before the end
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), str(data / "fast.yaml"), str(second), str(first),
+                  "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert len(records(run)) == len(lines)
+    assert_same_outputs(complete, run)
+
+
 def follow_a_live_episode(env, data, tmp_path: Path, fmt: str) -> tuple[subprocess.Popen, Path, Path]:
     """`rollout --follow` of one episode whose robot has written step 0 only: (process, episodes, run)."""
     live, run = tmp_path / "live", tmp_path / "run"

@@ -183,6 +183,11 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     if not episodes:
         raise ConfigError(f"no episode folders in {', '.join(map(str, episode_paths))}")
     if resume:
+        # An episode keeps the name its folder had when the run started, whatever the order of EPISODE now:
+        # two folders both named `ep` are `ep` and `ep-2` by the order they were given in.
+        names = {e["path"]: e["name"] for e in info["episodes"]}
+        for episode in episodes:
+            episode.name = names.get(str(episode.path.resolve()), episode.name)
         recorded = sorted(e["name"] for e in info["episodes"])
         if sorted(e.name for e in episodes) != recorded:
             raise ConfigError(f"the episodes differ from those of the run in {out}: {recorded}",
