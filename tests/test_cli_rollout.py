@@ -202,6 +202,44 @@ def test_an_episode_folder_given_twice_runs_once(env, data, tmp_path):
     assert sorted(p.name for p in (run / "episodes").iterdir()) == ["arm_a", "arm_b"]
 
 
+def test_runs_started_in_the_same_second_in_one_folder_each_get_their_own_default_out(env, data, tmp_path):
+    """Two cron jobs started at 02:00:00 in one folder, without --out: both pick ardiff-runs/<that second>. The
+    first is held while its --pipeline module imports (after it named its folder, before it created it) and the
+    second runs to the end meanwhile; the first must not then write into the second's run."""
+    waiting, gate, work = tmp_path / "waiting", tmp_path / "gate", tmp_path / "work"
+    work.mkdir()
+    (tmp_path / "gated.py").write_text(
+        "import pathlib, time\n"
+        f"pathlib.Path({str(waiting)!r}).touch()\n"
+        f"while not pathlib.Path({str(gate)!r}).exists():\n    time.sleep(0.05)\n"
+        "from pipelines.dreamzero.pipeline import DreamZeroPipeline as Gated\n")
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])}
+    # The real CLI, with a clock that says the same second to both processes whenever they read it.
+    frozen = ("import runpy, time; real = time.localtime; "
+              "time.localtime = lambda s=None: real(1750000000 if s is None else s); "
+              "runpy.run_module('ardiff_cli', run_name='__main__', alter_sys=True)")
+    command = [sys.executable, "-c", frozen, "rollout", str(data / "fast.yaml"), "--no-warmup"]
+    first = subprocess.Popen([*command, str(data / "eps" / "arm_a"), "--pipeline", "gated:Gated"], cwd=work,
+                             env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not waiting.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert waiting.exists(), first.communicate()[1]
+        second = subprocess.run([*command, str(data / "eps" / "arm_b")], cwd=work, env=env, capture_output=True,
+                                text=True, timeout=600)
+        assert second.returncode == 0, second.stderr
+        gate.touch()
+        _, stderr = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert first.returncode == 0, stderr
+    runs = sorted((work / "ardiff-runs").iterdir())
+    assert len(runs) == 2, runs
+    assert sorted({r["episode"] for r in records(run)}.pop() for run in runs) == ["arm_a", "arm_b"]
+    assert all(len(records(run)) == 3 for run in runs)
+
+
 def test_bad_file_fails_its_episode_only_and_names_the_path(env, data, tmp_path):
     eps = tmp_path / "eps"
     shutil.copytree(data / "eps", eps)

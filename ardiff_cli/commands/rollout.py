@@ -140,7 +140,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     (``--resume``) from run.json: a resumed run goes on following and drawing previews as it started."""
     from ardiff_cli.io.demo import ensure_demo_episodes
     from ardiff_cli.io.episode import discover_episodes
-    from ardiff_cli.io.run import RunFolder, default_out_dir
+    from ardiff_cli.io.run import RunFolder, make_default_out_dir
 
     info: dict[str, Any] = {}
     done: dict[str, set[int]] = {}
@@ -161,8 +161,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         refuse_contradictions(follow=options["follow"], idle_timeout=given_idle_timeout)
         if not episode_paths and not info.get("demo"):
             episode_paths = [Path(e["path"]) for e in info["episodes"]]
-    else:
-        out = out or default_out_dir()
+    elif out is not None:
         if RunFolder(out).holds_run():
             raise ConfigError(f"{out} already holds a run",
                               hint=f"continue it with: ardiff rollout --resume --out {out}; or choose another --out")
@@ -205,8 +204,12 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         "started": info.get("started", time.time()), **options,
     }
     try:  # now, not after the model has loaded: a file or an unwritable place is a usage error
-        Path(out).mkdir(parents=True, exist_ok=True)
+        if out is None:
+            out = make_default_out_dir()
+        else:
+            Path(out).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
+        out = out or exc.filename or "ardiff-runs"
         raise ConfigError(f"--out {out}: cannot create the output folder: {exc.strerror or exc}",
                           hint="choose a folder you can write, or one that does not exist yet") from None
     run = RunFolder(out)

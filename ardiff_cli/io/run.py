@@ -36,15 +36,22 @@ LOCK_FILE = ".lock"  # held (flock) by the process writing the run; the kernel r
 RUN_FORMAT = 1  # version of this layout
 
 
-def default_out_dir(now: float | None = None) -> Path:
-    """./ardiff-runs/<YYYYmmdd-HHMMSS>, with a suffix when that exists already."""
+def make_default_out_dir(now: float | None = None) -> Path:
+    """Create and return ./ardiff-runs/<YYYYmmdd-HHMMSS>, with a suffix when that exists already.
+
+    Created here, not only named: two runs started in the same second (two cron jobs in one folder) each
+    get their own, since only one ``mkdir`` of a name succeeds.
+    """
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     base = Path("ardiff-runs") / stamp
     path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{stamp}-{n}")
-    return path
+    while True:
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            n += 1
+            path = base.with_name(f"{stamp}-{n}")
 
 
 class RunFolder:
