@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
-from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error
+from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error, shown
 
 C = TypeVar("C")
 
@@ -26,7 +26,7 @@ class InvalidField(ValueError):
     """Raised by ``__post_init__``; ``config_from_dict`` turns it into a ``ConfigError`` with the source."""
 
     def __init__(self, name: str, expected: str, got: object) -> None:
-        super().__init__(f"field {name!r}: expected {expected}, got {got!r}")
+        super().__init__(f"field {name!r}: expected {expected}, got {shown(got)}")
         self.name = name  # the offending field
         self.expected = expected  # what would have been valid, in words
         self.got = got  # the value given
@@ -86,7 +86,8 @@ def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str, prese
     if preset is not None:
         if not isinstance(preset, str) or preset not in presets:
             raise ConfigError(
-                f"{where}: field 'model.preset': unknown preset {preset!r}{did_you_mean(str(preset), presets)}",
+                f"{where}: field 'model.preset': unknown preset {shown(preset)}"
+                f"{did_you_mean(preset, presets) if isinstance(preset, str) else ''}",
                 hint=f"valid presets: {', '.join(presets)}",
             )
         values.update(presets[preset])

@@ -12,6 +12,8 @@ import json
 import os
 import pickle
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -364,6 +366,40 @@ def test_config_case_message(tmp_path, case):
         assert part.format(config=config, dir=tmp_path) in result.stderr
     if hint is not None:
         assert re.search(r"^hint: .*" + re.escape(hint), result.stderr, re.M), result.stderr
+
+
+def _alias_bomb(depth: int = 9) -> str:
+    """A flow list whose anchors nest ``depth`` deep, ten aliases each: 10**depth strings once expanded."""
+    items = ["&l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    items += [f"&l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, depth + 1)]
+    return f"[{', '.join(items)}]"
+
+
+# config text -> what the one Error line says (after the path)
+ALIAS_CASES = {
+    "billion_laughs_model": (f"pipeline: dreamzero\nmodel: {{dim: {_alias_bomb()}}}\n",
+                             "field 'model.dim': expected an integer, got [['lol', 'lol',"),
+    "billion_laughs_runtime": (f"pipeline: dreamzero\nruntime: {{memory_budget: {_alias_bomb()}}}\n",
+                               "field 'runtime.memory_budget': expected a byte size"),
+    "billion_laughs_preset": (f"pipeline: dreamzero\nmodel: {{preset: {_alias_bomb()}}}\n",
+                              "field 'model.preset': unknown preset [['lol',"),
+    "alias_in_its_own_anchor": ("pipeline: dreamzero\nmodel: {patch_size: &r [1, *r]}\n",
+                                "field 'model.patch_size': expected a list of ints, got [1, [1, [...]]]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ALIAS_CASES))
+def test_yaml_aliases_neither_hang_nor_flood_the_error(tmp_path, cli_env, case):
+    """safe_load shares an alias's object, so building the data is cheap; reading the node graph for duplicate
+    keys, and repr() of the value in the message, used to expand it (10**9 strings) or loop forever."""
+    text, message = ALIAS_CASES[case]
+    config = tmp_path / "bomb.yaml"
+    config.write_text(text)
+    result = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--format", "plain"],
+                            env=cli_env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"Error: {config}: {message}" in result.stderr
+    assert len(result.stderr) < 2000 and "Traceback" not in result.stderr
 
 
 CLI_CASES = {

@@ -57,6 +57,9 @@ def parse_bytes(text: str | int) -> int:
     """'512MiB', '2 GiB', '1.5G', '1000000' -> bytes."""
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
+    elif not isinstance(text, (str, float)):  # str() of a YAML alias bomb would not end
+        raise ConfigError(f"cannot read a {type(text).__name__} as a byte size",
+                          hint="use a number of bytes or a unit: 512MiB, 2GiB, 1.5G")
     else:
         raw = str(text).strip().replace(" ", "")
         units = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,

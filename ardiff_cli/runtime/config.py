@@ -82,7 +82,7 @@ def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
         return value
     if key == "dtype":
         try:
-            name = dtype_name(value)
+            name = dtype_name(value) if isinstance(value, str) else None
         except ConfigError:
             name = None
         if name not in MODEL_DTYPES:
@@ -163,10 +163,19 @@ def resolve_config(name_or_path: str | Path | None) -> Path:
 
 def _duplicate_key(text: str) -> tuple[str, int, int] | None:
     """The first key given twice in one mapping, with both lines: YAML keeps the last one silently, so a
-    second ``runtime:`` block would quietly undo the first. Reads the node graph only (nothing constructed)."""
+    second ``runtime:`` block would quietly undo the first. Reads the node graph only (nothing constructed).
+
+    An alias (``*name``) is the same node object as its anchor, so each node is read once: a chain of
+    aliases nine deep (a "billion laughs" file) or an alias inside its own anchor would otherwise be
+    walked 10**9 times, or forever.
+    """
     stack = [yaml.compose(text, Loader=yaml.SafeLoader)]
+    seen: set[int] = set()
     while stack:
         node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
         if isinstance(node, yaml.MappingNode):
             lines: dict[str, int] = {}
             for key, value in node.value:

@@ -6,6 +6,7 @@ No torch import: the CLI and config parsing use these before loading anything.
 from __future__ import annotations
 
 import difflib
+import reprlib
 from collections.abc import Iterable
 
 
@@ -75,6 +76,17 @@ def as_pipeline_error(where: str, exc: BaseException) -> PipelineError | None:
     return error
 
 
+_SHOWN = reprlib.Repr()  # keyword arguments need Python 3.12
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxlong, _SHOWN.maxother = 2, 80, 60, 80
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 8
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` cut to a line: a config value may be a YAML alias bomb (a 10-deep list of lists, 10**9
+    strings in all) or hold itself, and an error message must neither take minutes nor fill the terminal."""
+    return _SHOWN.repr(value)
+
+
 def did_you_mean(name: str, valid: Iterable[str]) -> str:
     """' (did you mean 'x'?)' when a close match exists, else ''."""
     match = difflib.get_close_matches(name, list(valid), n=1)
@@ -83,5 +95,5 @@ def did_you_mean(name: str, valid: Iterable[str]) -> str:
 
 def field_error(where: str, field: str, expected: str, got: object, *, hint: str | None = None) -> ConfigError:
     """A ``ConfigError`` in the one format users see: where, field, expected vs got, and how to fix it."""
-    return ConfigError(f"{where}: field {field!r}: expected {expected}, got {got!r}",
+    return ConfigError(f"{where}: field {field!r}: expected {expected}, got {shown(got)}",
                        hint=hint or f"set {field!r} to {expected}")
