@@ -343,6 +343,14 @@ CONFIG_CASES = {
                     "'tag:yaml.org,2002:python/name:os.system'"], None),
     "not_utf8": (b"pipeline: dreamzero\n\xff\xfe\n", "inspect-capacity", ["{config}: not UTF-8 text"],
                  "save the config as UTF-8"),
+    "nested_too_deeply": ("pipeline: dreamzero\nmodel: {patch_size: " + "[" * 5000 + "]" * 5000 + "}\n",
+                          "inspect-capacity", ["{config}: lists or mappings are nested too deeply to read"],
+                          "runaway brackets"),
+    "number_too_long": ("pipeline: dreamzero\nmodel: {dim: " + "9" * 5000 + "}\n", "inspect-capacity",
+                        ["{config}: cannot read a value: Exceeds the limit (4300 digits) for integer string "
+                         "conversion"], "quote the value"),
+    "impossible_date": ("pipeline: dreamzero\nruntime: {device: 2024-13-45}\n", "inspect-capacity",
+                        ["{config}: cannot read a value: month must be in 1..12"], "quote the value"),
     "device_index_not_a_number": ("pipeline: dreamzero\nruntime: {device: 'cuda:x'}\n", "inspect-capacity",
                                   ["{config}: field 'runtime.device': expected auto, cpu, cuda or cuda:N, got "
                                    "'cuda:x'"], "set 'runtime.device'"),

@@ -207,6 +207,12 @@ def read_yaml(path: Path) -> dict[str, Any]:
         problem = (getattr(exc, "problem", None) or str(exc)) + (f" ({context})" if context else "")
         raise ConfigError(f"{path}: not valid YAML{where}: {problem}",
                           hint="check the indentation, quotes and brackets there and on the line before") from None
+    except RecursionError:  # the parser recurses once per level of nesting
+        raise ConfigError(f"{path}: lists or mappings are nested too deeply to read",
+                          hint="a config is a few levels deep; look for runaway brackets") from None
+    except ValueError as exc:  # a plain scalar YAML types but Python cannot hold: 2024-13-45, a 5000-digit number
+        raise ConfigError(f"{path}: cannot read a value: {str(exc).split(';')[0]}",
+                          hint="quote the value if it is text; numbers in a config are a few digits long") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config must be a YAML mapping, got {type(data).__name__}")
     duplicate = _duplicate_key(text)
