@@ -305,6 +305,8 @@ CONFIG_CASES = {
     "unknown_runtime_key": ("pipeline: dreamzero\nruntime: {sesion_capacity: 2}\n", "inspect-capacity",
                             ["{config}: unknown key 'runtime.sesion_capacity' (did you mean 'session_capacity'?)"],
                             "valid runtime keys"),
+    "runtime_key_not_a_string": ("pipeline: dreamzero\nruntime: {5: x, null: y}\n", "inspect-capacity",
+                                 ["{config}: unknown key 'runtime.5'"], "valid runtime keys"),
     "wrong_type": ("pipeline: dreamzero\nmodel: {preset: tiny, num_layers: two}\n", "inspect-capacity",
                    ["{config}: field 'model.num_layers': expected an integer, got 'two'"],
                    "set 'model.num_layers' to an integer"),

@@ -54,7 +54,7 @@ class RuntimeConfig:
         for key in data:
             if key not in cls.__dataclass_fields__:
                 raise ConfigError(
-                    f"{where}: unknown key 'runtime.{key}'{did_you_mean(key, cls.__dataclass_fields__)}",
+                    f"{where}: unknown key 'runtime.{key}'{did_you_mean(str(key), cls.__dataclass_fields__)}",
                     hint=f"valid runtime keys: {', '.join(cls.__dataclass_fields__)}",
                 )
         return cls().with_overrides(where=where, **data)
