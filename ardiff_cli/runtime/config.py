@@ -251,7 +251,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
             raise field_error(where, "pipeline", "a registered pipeline name", name,
                               hint="add e.g. `pipeline: dreamzero` to the config, or pass --pipeline")
         entry = resolve_pipeline(name, where=where)
-    model_data = data.get("model") or {}
+    model_data = {} if data.get("model") is None else data["model"]  # `model: []` or `model: 0` is a mistake
     if not isinstance(model_data, dict):
         raise field_error(where, "model", "a mapping", model_data)
     model = entry.config_class.from_dict(model_data, where=where)
@@ -267,7 +267,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
                 f"{where}: field 'checkpoint': file not found: {checkpoint}",
                 hint="fix the path, or set checkpoint: null to use the pipeline's built-in default",
             )
-    runtime = RuntimeConfig.from_dict(data.get("runtime") or {}, where=where)
+    runtime = RuntimeConfig.from_dict({} if data.get("runtime") is None else data["runtime"], where=where)
     return EngineConfig(
         source=where, pipeline_name=name, entry=entry, model=model, checkpoint=checkpoint, runtime=runtime
     )
