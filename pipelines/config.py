@@ -11,6 +11,7 @@ names the field, what was expected and what was given.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,7 +53,13 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
         return value
     if hint is float:
         require(isinstance(value, (int, float)) and not isinstance(value, bool), name, "a number", value)
-        return float(value)
+        # .inf, .nan and an int beyond float's range would reach the sampler as inf or NaN (or not convert at all)
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        require(math.isfinite(number), name, "a finite number", value)
+        return number
     if hint is str:
         require(isinstance(value, str), name, "a string", value)
         return value
