@@ -316,6 +316,9 @@ CONFIG_CASES = {
                        "set 'model.guidance_scale' to a finite number"),
     "int_beyond_float": ("pipeline: causal_world\nmodel: {timestep_shift: 1" + "0" * 400 + "}\n", "inspect-capacity",
                          ["{config}: field 'model.timestep_shift': expected a finite number, got 1000"], None),
+    "num_threads_beyond_any_host": ("pipeline: dreamzero\nruntime: {num_threads: 100000}\n", "inspect-capacity",
+                                    ["{config}: field 'runtime.num_threads': expected a positive integer up to 1024 "
+                                     "(CPU threads) or null, got 100000"], "set 'runtime.num_threads'"),
     "wrong_type": ("pipeline: dreamzero\nmodel: {preset: tiny, num_layers: two}\n", "inspect-capacity",
                    ["{config}: field 'model.num_layers': expected an integer, got 'two'"],
                    "set 'model.num_layers' to an integer"),

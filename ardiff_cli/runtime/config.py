@@ -12,7 +12,7 @@ A config file::
       gpu_memory_fraction: 0.9
       memory_budget: null    # bytes or "512MiB"; default: free device memory (CPU: available host memory)
       attention_backend: auto
-      num_threads: null      # CPU intra-op threads; null = torch's default (OMP_NUM_THREADS)
+      num_threads: null      # CPU intra-op threads (at most 1024); null = torch's default (OMP_NUM_THREADS)
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ DEFAULT_CONFIG = "dreamzero-tiny"
 TOP_LEVEL_KEYS = ("pipeline", "checkpoint", "model", "runtime")
 DEVICES = ("auto", "cpu", "cuda")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+MAX_THREADS = 1024  # runtime.num_threads: more than the largest hosts have hardware threads
 
 
 @dataclass(frozen=True)
@@ -102,8 +103,9 @@ def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
         except ConfigError:
             raise field_error(where, field, "a byte size such as 536870912 or '512MiB'", value) from None
     if key == "num_threads":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise field_error(where, field, "a positive integer (CPU threads) or null", value)
+        # torch starts that many OpenMP threads: 100000 exhausts the host, 10**30 does not fit its int.
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
+            raise field_error(where, field, f"a positive integer up to {MAX_THREADS} (CPU threads) or null", value)
         return value
     if key == "attention_backend":
         if value not in ATTENTION_BACKEND_SETTINGS:
