@@ -319,6 +319,9 @@ CONFIG_CASES = {
     "num_threads_beyond_any_host": ("pipeline: dreamzero\nruntime: {num_threads: 100000}\n", "inspect-capacity",
                                     ["{config}: field 'runtime.num_threads': expected a positive integer up to 1024 "
                                      "(CPU threads) or null, got 100000"], "set 'runtime.num_threads'"),
+    "sampler_steps_that_never_end": ("pipeline: dreamzero\nmodel: {num_inference_steps: 100000000}\n",
+                                     "inspect-capacity", ["{config}: field 'model.num_inference_steps': expected an "
+                                                          "integer from 1 to 1000, got 100000000"], None),
     "wrong_type": ("pipeline: dreamzero\nmodel: {preset: tiny, num_layers: two}\n", "inspect-capacity",
                    ["{config}: field 'model.num_layers': expected an integer, got 'two'"],
                    "set 'model.num_layers' to an integer"),

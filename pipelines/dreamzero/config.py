@@ -16,6 +16,7 @@ from pipelines.config import BackboneConfig, config_from_dict, derive, require
 MASK_CHANNELS = 4  # Wan I2V marks the conditioning frame with 4 mask channels (one per RGB frame of a latent)
 JOINTS, GRIPPER, CARTESIAN = 7, 1, 6  # DROID / RoboArena proprioception sizes
 FLOAT32_BYTES = 4
+MAX_INFERENCE_STEPS = 1000  # sampler steps per request (the published 14B model uses 16)
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,13 @@ class Config(BackboneConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("image_dim", "image_size", "image_patch", "action_dim", "action_horizon", "num_inference_steps"):
+        for name in ("image_dim", "image_size", "image_patch", "action_dim", "action_horizon"):
             value = getattr(self, name)
             require(value >= 1, name, "a positive integer", value)
+        # Each step is a forward per branch, and the schedule is built as a list first: 10**8 steps would hold
+        # gigabytes and never end. 1000 matches causal_world, whose steps are distinct timesteps in (0, 1000].
+        require(1 <= self.num_inference_steps <= MAX_INFERENCE_STEPS, "num_inference_steps",
+                f"an integer from 1 to {MAX_INFERENCE_STEPS}", self.num_inference_steps)
         # A one-frame request is a session's first (its anchor): with 1 here every request would restart the window.
         require(self.frames_per_request >= 2, "frames_per_request",
                 "at least 2 (a one-frame request starts a session's window)", self.frames_per_request)
