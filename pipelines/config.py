@@ -50,6 +50,9 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
         return value
     if hint is int:
         require(isinstance(value, int) and not isinstance(value, bool), name, "an integer", value)
+        # Every int here but the seed (checked in __post_init__) becomes a torch size, an int64: a larger one
+        # failed in torch as "the pipeline's code failed", far from the config.
+        require(name == "seed" or abs(value) < 1 << 63, name, "an integer below 2**63", value)
         return value
     if hint is float:
         require(isinstance(value, (int, float)) and not isinstance(value, bool), name, "a number", value)

@@ -322,6 +322,9 @@ CONFIG_CASES = {
     "sampler_steps_that_never_end": ("pipeline: dreamzero\nmodel: {num_inference_steps: 100000000}\n",
                                      "inspect-capacity", ["{config}: field 'model.num_inference_steps': expected an "
                                                           "integer from 1 to 1000, got 100000000"], None),
+    "int_beyond_int64": ("pipeline: dreamzero\nmodel: {ffn_dim: " + str(10**30) + "}\n", "warmup",
+                         ["{config}: field 'model.ffn_dim': expected an integer below 2**63, got " + str(10**30)],
+                         "set 'model.ffn_dim'"),
     "wrong_type": ("pipeline: dreamzero\nmodel: {preset: tiny, num_layers: two}\n", "inspect-capacity",
                    ["{config}: field 'model.num_layers': expected an integer, got 'two'"],
                    "set 'model.num_layers' to an integer"),
