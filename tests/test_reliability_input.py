@@ -444,6 +444,9 @@ CLI_CASES = {
     "missing_pipeline_module": (["inspect-capacity", "--pipeline", "no_such_module_xyz:Pipeline"],
                                 "--pipeline: pipeline 'no_such_module_xyz:Pipeline': cannot import "
                                 "'no_such_module_xyz': ModuleNotFoundError", "PYTHONPATH"),
+    "memory_budget_beyond_the_host": (["warmup", "--device", "cpu", "--memory-budget", "1e30"],
+                                      "the memory budget (909494701772928256.00 TiB, 1000000000000000019884624838656 "
+                                      "bytes) is more than cpu has (", "leave it out"),
     "warmup_quiet_verbose": (["warmup", "-q", "-v"], "--quiet and --verbose contradict each other", None),
 }
 

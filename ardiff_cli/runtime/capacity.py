@@ -77,6 +77,11 @@ def parse_bytes(text: str | int) -> int:
     return value
 
 
+def total_host_memory() -> int:
+    """Physical memory of the host (bytes)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def available_host_memory() -> int:
     """MemAvailable from /proc/meminfo (bytes), else total physical memory."""
     try:
@@ -86,7 +91,7 @@ def available_host_memory() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total_host_memory()
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,14 @@ from ardiff_cli.runtime.capability import (
     ARDiffusionKVCacheSpec,
     SupportsARDiffusionWarmup,
 )
-from ardiff_cli.runtime.capacity import CapacityPlan, available_host_memory, plan_capacity
-from ardiff_cli.runtime.errors import PIPELINE_HINT, ArdiffError, PipelineError, as_pipeline_error
+from ardiff_cli.runtime.capacity import (
+    CapacityPlan,
+    available_host_memory,
+    format_bytes,
+    plan_capacity,
+    total_host_memory,
+)
+from ardiff_cli.runtime.errors import PIPELINE_HINT, ArdiffError, ConfigError, PipelineError, as_pipeline_error
 from ardiff_cli.runtime.events import (
     CapacityPlanned,
     HookFailed,
@@ -253,12 +259,21 @@ class ARDiffusionModelRunner:
         return plan, cache
 
     def _available_bytes(self) -> int:
-        if self.memory_budget is not None:
-            return self.memory_budget
         if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)  # after the model's weights are resident
+            free, total = torch.cuda.mem_get_info(self.device)  # after the model's weights are resident
+        else:
+            free, total = available_host_memory(), total_host_memory()
+        if self.memory_budget is None:
             return free
-        return available_host_memory()
+        if self.memory_budget > total:
+            # The pools are allocated (and zeroed) for the budget: on CPU that is the OOM killer, not an error.
+            raise ConfigError(
+                f"the memory budget ({format_bytes(self.memory_budget)}, {self.memory_budget} bytes) is more than "
+                f"{self.device} has ({format_bytes(total)} in all)",
+                hint="lower --memory-budget (runtime.memory_budget), or leave it out to plan with the free memory; "
+                "`ardiff inspect-capacity` plans for any amount",
+            )
+        return self.memory_budget
 
     def _require_loaded(self) -> ARDiffusionKVCache:
         if self.kv_cache is None:
