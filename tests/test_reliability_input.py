@@ -325,6 +325,9 @@ CONFIG_CASES = {
     "int_beyond_int64": ("pipeline: dreamzero\nmodel: {ffn_dim: " + str(10**30) + "}\n", "warmup",
                          ["{config}: field 'model.ffn_dim': expected an integer below 2**63, got " + str(10**30)],
                          "set 'model.ffn_dim'"),
+    "fractional_bytes": ("pipeline: dreamzero\nruntime: {memory_budget: 1.5}\n", "inspect-capacity",
+                         ["{config}: field 'runtime.memory_budget': expected a byte size such as 536870912 or "
+                          "'512MiB', got 1.5"], None),
     "wrong_type": ("pipeline: dreamzero\nmodel: {preset: tiny, num_layers: two}\n", "inspect-capacity",
                    ["{config}: field 'model.num_layers': expected an integer, got 'two'"],
                    "set 'model.num_layers' to an integer"),
@@ -482,11 +485,13 @@ def test_out_that_cannot_be_a_folder_is_refused_before_loading(tmp_path, where):
     assert "Traceback" not in result.stderr and "planned" not in result.stderr  # the model never loaded
 
 
-def test_a_byte_size_refused_early_says_why_and_nothing_else():
-    result = runner.invoke(app, ["inspect-capacity", "--memory-budget", "0"])
+@pytest.mark.parametrize("size, why", [("0", "a byte size must be positive, got '0'"),
+                                       ("1.5", "a byte size without a unit is a whole number of bytes, got '1.5'")])
+def test_a_byte_size_refused_early_says_why_and_nothing_else(size, why):
+    result = runner.invoke(app, ["inspect-capacity", "--memory-budget", size])
     assert result.exit_code == 2
     unboxed = " ".join(re.sub("[│╭╮╰╯─]", " ", result.stderr).split())
-    assert "'--memory-budget': a byte size must be positive, got '0'" in unboxed and "None" not in unboxed
+    assert f"'--memory-budget': {why}" in unboxed and "None" not in unboxed
 
 
 @pytest.mark.parametrize("args", [["inspect-capacity", "--memory-budget", "0"], ["rollout", "--session-capacity", "0"],

@@ -67,11 +67,15 @@ def parse_bytes(text: str | int) -> int:
         number = raw.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
         unit = raw[len(number):].lower()
         try:
-            value = int(float(number) * units[unit])
+            exact = float(number) * units[unit]
+            value = int(exact)
         except (KeyError, ValueError, OverflowError):  # OverflowError: 'inf', '1e400'
             raise ConfigError(
                 f"cannot read {text!r} as a byte size", hint="use a number of bytes or a unit: 512MiB, 2GiB, 1.5G"
             ) from None
+        if units[unit] == 1 and exact != value:  # '1.5' bytes; with a unit (1.3GiB) the fraction of a byte is noise
+            raise ConfigError(f"a byte size without a unit is a whole number of bytes, got {text!r}",
+                              hint="use a whole number of bytes or a unit: 1.5GiB, 512MiB")
     if value <= 0:
         raise ConfigError(f"a byte size must be positive, got {text!r}")
     return value
