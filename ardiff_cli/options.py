@@ -49,9 +49,21 @@ def check_device(value: Optional[str]) -> Optional[str]:
     raise typer.BadParameter(f"{value!r} is not a device: use auto, cpu, cuda or cuda:N (e.g. cuda:1)")
 
 
+def check_fraction(value: Optional[float]) -> Optional[float]:
+    """A share of memory: in (0, 1]; nan and inf fail the comparison."""
+    if value is None or 0 < value <= 1:
+        return value
+    raise typer.BadParameter(f"expected a number in (0, 1], got {value:g}")
+
+
+def check_available(value: Optional[str]) -> Optional[str]:
+    """``--available``: a byte size, or auto."""
+    return value if value == "auto" else check_byte_size(value)
+
+
 def check_byte_size(value: Optional[str]) -> Optional[str]:
     """Check a byte size early (so a typo is a usage error); the command parses it again."""
-    if value is None or value == "auto":
+    if value is None:
         return value
     from ardiff_cli.runtime.capacity import parse_bytes
     from ardiff_cli.runtime.errors import ConfigError
@@ -128,7 +140,7 @@ SessionCapacityOpt = Annotated[
 ]
 GpuMemoryFractionOpt = Annotated[
     Optional[float],
-    typer.Option("--gpu-memory-fraction", rich_help_panel=RUNTIME_PANEL, metavar="F",
+    typer.Option("--gpu-memory-fraction", rich_help_panel=RUNTIME_PANEL, metavar="F", callback=check_fraction,
                  help="Share of the available memory the KV pools may take beyond one session. "
                       "\\[default: the config's, else 0.9]", show_default=False),
 ]

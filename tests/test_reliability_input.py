@@ -485,13 +485,20 @@ def test_out_that_cannot_be_a_folder_is_refused_before_loading(tmp_path, where):
     assert "Traceback" not in result.stderr and "planned" not in result.stderr  # the model never loaded
 
 
-@pytest.mark.parametrize("size, why", [("0", "a byte size must be positive, got '0'"),
-                                       ("1.5", "a byte size without a unit is a whole number of bytes, got '1.5'")])
-def test_a_byte_size_refused_early_says_why_and_nothing_else(size, why):
-    result = runner.invoke(app, ["inspect-capacity", "--memory-budget", size])
+@pytest.mark.parametrize("option, value, why", [
+    ("--memory-budget", "0", "a byte size must be positive, got '0'"),
+    ("--memory-budget", "1.5", "a byte size without a unit is a whole number of bytes, got '1.5'"),
+    ("--memory-budget", "auto", "cannot read 'auto' as a byte size"),  # only --available takes auto
+    ("--gpu-memory-fraction", "nan", "expected a number in (0, 1], got nan"),
+    ("--gpu-memory-fraction", "0", "expected a number in (0, 1], got 0"),
+])
+def test_an_option_value_refused_early_names_the_option_and_says_why(option, value, why):
+    """A usage error naming the option the user typed (not "command line: field 'runtime.gpu_memory_fraction'")."""
+    result = runner.invoke(app, ["inspect-capacity", option, value])
     assert result.exit_code == 2
     unboxed = " ".join(re.sub("[│╭╮╰╯─]", " ", result.stderr).split())
-    assert f"'--memory-budget': {why}" in unboxed and "None" not in unboxed
+    assert f"Invalid value for '{option}': {why}" in unboxed and "None" not in unboxed, unboxed
+    assert "runtime." not in unboxed
 
 
 @pytest.mark.parametrize("args", [["inspect-capacity", "--memory-budget", "0"], ["rollout", "--session-capacity", "0"],

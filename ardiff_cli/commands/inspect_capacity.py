@@ -24,7 +24,7 @@ from ardiff_cli.options import (
     QuietOpt,
     SessionCapacityOpt,
     VerboseOpt,
-    check_byte_size,
+    check_available,
 )
 from ardiff_cli.output import Format, Output
 from ardiff_cli.runtime.errors import ConfigError
@@ -54,7 +54,7 @@ EPILOG = f"""Examples:
 def inspect_capacity(
     config: ConfigArg = None,
     available: Annotated[Optional[str], typer.Option(
-        "--available", metavar="BYTES|auto", callback=check_byte_size,
+        "--available", metavar="BYTES|auto", callback=check_available,
         help="Memory to plan with, e.g. 80GiB; auto: free memory of the GPU the plan is for (nvidia-smi, "
              "CUDA_VISIBLE_DEVICES applied) or available host memory. "
              "[default: --memory-budget or the config's, else auto]", show_default=False)] = None,
