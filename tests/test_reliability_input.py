@@ -450,6 +450,9 @@ CLI_CASES = {
     "memory_budget_beyond_the_host": (["warmup", "--device", "cpu", "--memory-budget", "1e30"],
                                       "the memory budget (909494701772928256.00 TiB, 1000000000000000019884624838656 "
                                       "bytes) is more than cpu has (", "leave it out"),
+    "empty_config_argument": (["inspect-capacity", ""], "CONFIG is an empty string", "omit it for the default"),
+    "config_is_a_device": (["inspect-capacity", "/dev/null"], "config /dev/null is not a regular file",
+                           "pass a YAML file"),
     "warmup_quiet_verbose": (["warmup", "-q", "-v"], "--quiet and --verbose contradict each other", None),
 }
 

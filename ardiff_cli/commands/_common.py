@@ -17,6 +17,9 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, **ove
     """
     from ardiff_cli.runtime.config import load_config
 
+    if config == "":  # Path("") is the current folder
+        raise ConfigError("CONFIG is an empty string; the first argument is a config file or a built-in config name",
+                          hint=f"omit it for the default ({DEFAULT_CONFIG}), or check the variable that should hold it")
     if config is not None and Path(config).is_dir():
         raise ConfigError(
             f"CONFIG {config!r} is a folder; the first argument is a config file or a built-in config name",

@@ -151,6 +151,9 @@ def resolve_config(name_or_path: str | Path | None) -> Path:
     path = Path(name_or_path)
     if path.is_file():
         return path
+    if path.exists() and not path.is_dir():  # a FIFO would block the read, a device never ends
+        raise ConfigError(f"config {path} is not a regular file (a FIFO, socket or device)",
+                          hint="pass a YAML file, or a built-in config name")
     builtins = builtin_configs()
     if str(name_or_path) in builtins:
         return builtins[str(name_or_path)]
