@@ -361,6 +361,8 @@ CONFIG_CASES = {
     "duplicate_key": ("pipeline: dreamzero\nruntime: {device: cpu}\nmodel: {preset: tiny}\n"
                       "runtime: {dtype: bfloat16}\n", "inspect-capacity", ["{config}: key 'runtime' is given twice (lines 2 and 4)"],
                       "merge the two"),
+    "duplicate_nested_key": ("pipeline: dreamzero\nmodel: {dim: 64, num_layers: 2, dim: 128}\n", "inspect-capacity",
+                             ["{config}: key 'model.dim' is given twice (line 2, columns 9 and 33)"], "merge the two"),
     "python_tag": ("pipeline: !!python/name:os.system dreamzero\n", "inspect-capacity",
                    ["{config}: not valid YAML at line 1, column 11: could not determine a constructor for the tag "
                     "'tag:yaml.org,2002:python/name:os.system'"], None),

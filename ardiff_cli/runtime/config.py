@@ -166,32 +166,35 @@ def resolve_config(name_or_path: str | Path | None) -> Path:
     )
 
 
-def _duplicate_key(text: str) -> tuple[str, int, int] | None:
-    """The first key given twice in one mapping, with both lines: YAML keeps the last one silently, so a
-    second ``runtime:`` block would quietly undo the first. Reads the node graph only (nothing constructed).
+def _duplicate_key(text: str) -> tuple[str, str] | None:
+    """The first key given twice in one mapping, as its dotted path (``model.dim``) and where both are: YAML
+    keeps the last one silently, so a second ``runtime:`` block would quietly undo the first. Reads the node
+    graph only (nothing constructed).
 
     An alias (``*name``) is the same node object as its anchor, so each node is read once: a chain of
     aliases nine deep (a "billion laughs" file) or an alias inside its own anchor would otherwise be
     walked 10**9 times, or forever.
     """
-    stack = [yaml.compose(text, Loader=yaml.SafeLoader)]
+    stack: list[tuple[yaml.Node, str]] = [(yaml.compose(text, Loader=yaml.SafeLoader), "")]
     seen: set[int] = set()
     while stack:
-        node = stack.pop()
+        node, path = stack.pop()
         if id(node) in seen:
             continue
         seen.add(id(node))
         if isinstance(node, yaml.MappingNode):
-            lines: dict[str, int] = {}
+            marks: dict[str, yaml.Mark] = {}
             for key, value in node.value:
                 if isinstance(key, yaml.ScalarNode):
-                    line = key.start_mark.line + 1
-                    if key.value in lines:
-                        return key.value, lines[key.value], line
-                    lines[key.value] = line
-                stack.append(value)
+                    mark, first = key.start_mark, marks.get(key.value)
+                    if first is not None:
+                        where = (f"lines {first.line + 1} and {mark.line + 1}" if first.line != mark.line
+                                 else f"line {mark.line + 1}, columns {first.column + 1} and {mark.column + 1}")
+                        return path + key.value, where
+                    marks[key.value] = mark
+                stack.append((value, f"{path}{key.value}." if isinstance(key, yaml.ScalarNode) else path))
         elif isinstance(node, yaml.SequenceNode):
-            stack.extend(node.value)
+            stack.extend((item, path) for item in node.value)
     return None
 
 
@@ -222,9 +225,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: a config must be a YAML mapping, got {type(data).__name__}")
     duplicate = _duplicate_key(text)
     if duplicate is not None:
-        key, first, second = duplicate
-        raise ConfigError(f"{path}: key {key!r} is given twice (lines {first} and {second}); YAML would keep the "
-                          "second silently", hint="merge the two into one")
+        key, where = duplicate
+        raise ConfigError(f"{path}: key {key!r} is given twice ({where}); YAML would keep the second silently",
+                          hint="merge the two into one")
     return data
 
 
