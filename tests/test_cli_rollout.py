@@ -367,6 +367,27 @@ def test_resume_keeps_each_folders_name_whatever_the_order_of_episode_arguments(
     assert_same_outputs(complete, run)
 
 
+def test_resume_keeps_the_order_the_run_started_with_unless_told_otherwise(env, data, tmp_path):
+    """A sequential run resumed without --order goes on sequentially (and says so in summary.json)."""
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--order",
+                  "sequential", "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text(lines[0])  # stopped after arm_a's first step
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    resumed = [(r["episode"], r["step"]) for r in records(run)[1:]]
+    assert resumed == [("arm_a", 1), ("arm_a", 2), ("arm_b", 0), ("arm_b", 1), ("arm_b", 2)]  # round-robin interleaves
+    assert json.loads((run / "summary.json").read_text())["order"] == "sequential"
+    (run / "results.jsonl").write_text(lines[0])
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--order", "round-robin", "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    resumed = [(r["episode"], r["step"]) for r in records(run)[1:]]
+    assert resumed == [("arm_a", 1), ("arm_b", 0), ("arm_a", 2), ("arm_b", 1), ("arm_b", 2)]
+    assert json.loads((run / "summary.json").read_text())["order"] == "round-robin"
+
+
 def follow_a_live_episode(env, data, tmp_path: Path, fmt: str) -> tuple[subprocess.Popen, Path, Path]:
     """`rollout --follow` of one episode whose robot has written step 0 only: (process, episodes, run)."""
     live, run = tmp_path / "live", tmp_path / "run"

@@ -83,9 +83,10 @@ def rollout(
     config: ConfigArg = None,
     episodes: EpisodesArg = None,
     out: OutOpt = None,
-    order: Annotated[Order, typer.Option(
+    order: Annotated[Optional[Order], typer.Option(
         "--order", help="round-robin: one step of each episode in turn (robots sharing a model); "
-                        "sequential: one episode after another.")] = Order.round_robin,
+                        "sequential: one episode after another. \\[default: round-robin; with --resume, the run's]",
+        show_default=False)] = None,
     follow: Annotated[bool, typer.Option(
         "--follow", help="Watch the episode folders for new step files and run each as it arrives, until the "
                          "episode's END file or --idle-timeout.")] = False,
@@ -121,23 +122,23 @@ def rollout(
         refuse_contradictions(quiet=quiet, verbose=verbose, follow=follow or resume, idle_timeout=idle_timeout)
         overrides = dict(device=device, dtype=dtype, memory_budget=memory_budget, session_capacity=session_capacity,
                          gpu_memory_fraction=gpu_memory_fraction, attention_backend=attention_backend)
-        options = dict(follow=follow, idle_timeout=idle_timeout, preview=preview)
-        prepared = _prepare(config, episodes, out, resume, order.value, overrides, output, pipeline=pipeline,
-                            options=options)
+        options = dict(order=order and order.value, follow=follow, idle_timeout=idle_timeout, preview=preview)
+        prepared = _prepare(config, episodes, out, resume, overrides, output, pipeline=pipeline, options=options)
         options = prepared.options
         try:
-            _run(prepared, output, order=order.value, follow=options["follow"],
+            _run(prepared, output, order=options["order"], follow=options["follow"],
                  idle_timeout=DEFAULT_IDLE_TIMEOUT if options["idle_timeout"] is None else options["idle_timeout"],
                  fail_fast=fail_fast, preview=options["preview"], warmup=warmup, resume=resume)
         finally:
             prepared.run.close()  # releases the folder's lock
 
 
-def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool, order: str,
+def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,
              overrides: dict[str, Any], output: Output, *, pipeline: str | None = None,
              options: dict[str, Any]) -> _Prepared:
-    """Config, episodes, output folder and ``options`` (follow, idle_timeout, preview), from the command line or
-    (``--resume``) from run.json: a resumed run goes on following and drawing previews as it started."""
+    """Config, episodes, output folder and ``options`` (order, follow, idle_timeout, preview), from the command
+    line or (``--resume``) from run.json: a resumed run goes on in its order, following and drawing previews as it
+    started; ``None`` in ``options`` means not given."""
     from ardiff_cli.io.demo import ensure_demo_episodes
     from ardiff_cli.io.episode import discover_episodes
     from ardiff_cli.io.run import RunFolder, make_default_out_dir
@@ -155,7 +156,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         overrides["dtype"] = _same(getattr(overrides["dtype"], "value", overrides["dtype"]), info["dtype"], "--dtype")
         _same_pipeline_option(pipeline, info.get("pipeline_option"))
         given_idle_timeout = options["idle_timeout"]
-        options = {"follow": options["follow"] or info.get("follow", False),
+        options = {"order": options["order"] or info.get("order"),
+                   "follow": options["follow"] or info.get("follow", False),
                    "idle_timeout": info.get("idle_timeout") if given_idle_timeout is None else given_idle_timeout,
                    "preview": options["preview"] or info.get("preview", False)}
         refuse_contradictions(follow=options["follow"], idle_timeout=given_idle_timeout)
@@ -193,11 +195,12 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
                               hint="resume with the same EPISODE arguments (or none, to reuse the recorded ones)")
     from ardiff_cli.runtime.config import resolve_config
 
+    options = {**options, "order": options["order"] or Order.round_robin.value}  # neither given nor recorded
     config_file = resolve_config(config_label(config)).resolve()
     info = {
         "config": info.get("config", config_label(config)), "config_path": str(config_file),
         "config_sha256": _sha256(config_file), "pipeline": cfg.pipeline_name,
-        "pipeline_option": pipeline, "order": order,
+        "pipeline_option": pipeline,
         "episodes": [{"name": e.name, "path": str(e.path.resolve())} for e in episodes], "demo": demo,
         "dtype": cfg.runtime.dtype, "device": cfg.runtime.device, "session_capacity": cfg.runtime.session_capacity,
         "memory_budget": cfg.runtime.memory_budget, "gpu_memory_fraction": cfg.runtime.gpu_memory_fraction,
