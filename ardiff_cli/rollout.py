@@ -238,13 +238,13 @@ class Rollout:
             }
             self._append(record)
         self._digests.setdefault(episode.name, {})[step] = digest  # what a replay of this step must find
-        if task.is_last:  # after the outputs are safe: a failing close hook cannot lose them
-            self._close_session(episode.name)
         self.stats.steps += 1
         self._steps_done[episode.name] += 1
         total_ms = f"{latency['total_s'] * 1000:.1f} ms" if latency else "-"
         self.monitor.emit({"kind": "step", **record, "session_id": episode.name,
                            "detail": f"step {step} (chunk {task.ordinal}) {total_ms} -> {record['output']}"})
+        if task.is_last:  # after the outputs are safe (a failing close hook cannot lose them) and reported
+            self._close_session(episode.name)
 
     def _append(self, record: dict[str, Any]) -> None:
         """One whole line in results.jsonl; failing to write it stops the run (nothing else can record it)."""

@@ -128,6 +128,17 @@ def test_default_rollout_exits_0_and_writes_the_documented_outputs(env, tmp_path
     assert summary["device"] == info["device"] == "cpu"  # the config says auto: both record what it resolved to
 
 
+def test_an_episodes_last_step_is_reported_before_its_session_closes(env, data, tmp_path):
+    """The event stream tells what happened in order: the last step's line, then its session's close."""
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "run"),
+                  "--format", "json", "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    kinds = [(o["kind"], o.get("session_id"), o.get("step")) for o in map(json.loads, proc.stdout.splitlines())]
+    for episode in ("arm_a", "arm_b"):
+        closed = kinds.index(("session_closed", episode, None))
+        assert kinds.index(("step", episode, 2)) < closed, kinds
+
+
 def test_a_preview_with_nothing_to_draw_is_a_warning_not_silence(env, tmp_path):
     # A pipeline whose inputs hold no image and whose decode_latents does not return uint8 RGB.
     (tmp_path / "float_decode.py").write_text(
