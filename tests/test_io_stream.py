@@ -93,12 +93,22 @@ def test_pending_steps_and_history_while_resuming_with_done_steps_in_between(tmp
 
 def test_round_robin_interleaves_and_sequential_does_not(tmp_path):
     episodes = _episodes(tmp_path, {"a": 3, "b": 1, "c": 2})
+    # An episode's end comes right after its last step, not one turn later (live panels, --preview, summary).
     assert _drain(StepScheduler(episodes, order="round-robin")) == [
-        ("a", 0), ("b", 0), ("c", 0), ("a", 1), ("b", "complete"), ("c", 1), ("a", 2), ("c", "complete"),
+        ("a", 0), ("b", 0), ("b", "complete"), ("c", 0), ("a", 1), ("c", 1), ("c", "complete"), ("a", 2),
         ("a", "complete")]
     assert _drain(StepScheduler(episodes, order="sequential")) == [
         ("a", 0), ("a", 1), ("a", 2), ("a", "complete"), ("b", 0), ("b", "complete"), ("c", 0), ("c", 1),
         ("c", "complete")]
+
+
+def test_an_episode_whose_last_step_failed_gets_no_end(tmp_path):
+    """Its end is queued with its last step; the caller's drop() (the step failed) takes it back."""
+    scheduler = StepScheduler(_episodes(tmp_path, {"a": 1, "b": 2}), order="round-robin")
+    task = scheduler.next()
+    assert (task.episode.name, task.file.step, task.is_last) == ("a", 0, True)
+    scheduler.drop("a")
+    assert _drain(scheduler) == [("b", 0), ("b", 1), ("b", "complete")]
 
 
 def test_last_step_flag_history_and_resume_skips(tmp_path):

@@ -127,6 +127,7 @@ class StepScheduler:
     def drop(self, episode_name: str) -> None:
         """Stop scheduling ``episode_name`` (it failed); no EpisodeEnded follows."""
         self._track(episode_name).ended = True
+        self._pending_ends = [e for e in self._pending_ends if e.episode.name != episode_name]
 
     def next(self) -> StepTask | EpisodeEnded | None:
         """The next item; in follow mode this waits (polling) for files to arrive."""
@@ -179,7 +180,12 @@ class StepScheduler:
                 continue
             track.current = ordinal
             track.last_activity = self._clock()
-            return StepTask(episode=track.source, file=step_file, ordinal=ordinal, is_last=self._is_last(track))
+            is_last = self._is_last(track)
+            if is_last:  # its end comes right after this step, not on the episode's next turn
+                track.ended = True
+                self._pending_ends.append(
+                    EpisodeEnded(episode=track.source, reason="end_marker" if self.follow else "complete"))
+            return StepTask(episode=track.source, file=step_file, ordinal=ordinal, is_last=is_last)
         try:
             reason = self._end_reason(track)
         except ObservationError as exc:  # the episode cannot end cleanly: a step is missing
