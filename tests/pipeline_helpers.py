@@ -87,3 +87,23 @@ class Driver:
     def reset(self, session_id: str) -> None:
         self.states.pop(session_id).close()
         self.pipeline.reset_ar_diffusion_session(session_id)
+
+
+class RecordingRollout:
+    """The dense reference rollout (the real model, no cache) that also keeps every pass: (branch, segment,
+    commit, output). Lets a test check a sampler's update rule against the model's own outputs."""
+
+    def __init__(self, pipeline, *, sink_frames: int, window_frames: int) -> None:
+        from pipelines.rollout import DenseReferenceRollout
+
+        self.dense = DenseReferenceRollout(pipeline.transformer, sink_frames=sink_frames,
+                                           window_frames=window_frames, cross_names=pipeline.cross_names)
+        self.passes: list[tuple[str, object, bool, object]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.dense, name)
+
+    def run(self, branch, seg, *, commit, return_video=True):
+        out = self.dense.run(branch, seg, commit=commit, return_video=return_video)
+        self.passes.append((branch, seg, commit, out))
+        return out

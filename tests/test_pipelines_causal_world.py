@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ardiff_cli.runtime.errors import ObservationError
-from pipeline_helpers import Driver, causal_world, single_thread  # noqa: F401 - fixture
+from pipeline_helpers import Driver, RecordingRollout, causal_world, single_thread  # noqa: F401 - fixture
+from pipelines.base import noise_generator, shift_sigma
 from pipelines.rollout import DenseReferenceRollout
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -92,3 +93,45 @@ def test_reset_and_close_start_over():
     again = driver.run("s", pipe.example_inputs(seed=0))
     torch.testing.assert_close(first["latents"], again["latents"], atol=0, rtol=0)
     assert driver.state("s").adapter("main").num_committed_frames == 3
+
+
+@pytest.mark.parametrize("cond_dim", [8, 0], ids=["conditioned", "unconditioned"])
+def test_sampler_denoises_renoises_and_commits_the_clean_block_it_returns(cond_dim):
+    """The DMD sampler checked on the real model's own predictions, two blocks drawn with the same seed.
+
+    Each pass i at sigma_i (the shifted schedule) predicts v; x0 = x - sigma_i v; the next pass sees
+    (1 - sigma_{i+1}) x0 + sigma_{i+1} fresh noise; the block returned is the last x0, and the commit pass
+    writes exactly that block at timestep 0 with the block's conditioning token. Every block draws its own
+    noise: the first pass of block b starts from noise_generator(seed, b). The paged-vs-dense test cannot
+    see a wrong update rule, since both sides run the same sampler.
+    """
+    pipe = causal_world(cond_dim=cond_dim)
+    c = pipe.config
+    rollout = RecordingRollout(pipe, sink_frames=c.sink_frames, window_frames=c.window_frames)
+    shape = (c.latent_channels, c.frames_per_block, c.latent_height, c.latent_width)
+    schedule = [shift_sigma(t / 1000.0, c.timestep_shift) for t in c.denoising_timesteps]
+    starts = []
+    for block in range(2):
+        rollout.passes.clear()
+        out = pipe.step("s", rollout, pipe.example_inputs(seed=7))
+        *denoise, (_, commit, committed, _) = rollout.passes
+        assert committed and not any(p[2] for p in denoise) and len(denoise) == len(schedule)
+        gen = noise_generator(7, block)
+        noise = [torch.randn(shape, generator=gen) for _ in denoise]
+        assert torch.equal(denoise[0][1].latents, noise[0])
+        starts.append(noise[0])
+        sigmas = [seg.timesteps[0].item() / 1000.0 for _, seg, _, _ in denoise]
+        np.testing.assert_allclose(sigmas, schedule, rtol=1e-6)
+        for i, (_, seg, _, prediction) in enumerate(denoise):
+            x0 = seg.latents - sigmas[i] * prediction.video
+            if i + 1 < len(denoise):
+                renoised = (1.0 - sigmas[i + 1]) * x0 + sigmas[i + 1] * noise[i + 1]
+                torch.testing.assert_close(denoise[i + 1][1].latents, renoised)
+        torch.testing.assert_close(out["latents"], x0)
+        assert torch.equal(commit.latents, out["latents"]) and not commit.timesteps.any()
+        assert commit.first_frame == block * c.frames_per_block
+        if cond_dim:
+            assert torch.equal(commit.registers, denoise[0][1].registers) and not commit.register_timesteps.any()
+        else:
+            assert commit.registers is None
+    assert not torch.equal(starts[0], starts[1])
