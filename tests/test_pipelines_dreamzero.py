@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ardiff_cli.runtime.errors import ObservationError
-from pipeline_helpers import Driver, dreamzero, single_thread  # noqa: F401 - fixture
+from pipeline_helpers import Driver, RecordingRollout, dreamzero, single_thread  # noqa: F401 - fixture
+from pipelines.base import noise_generator, shifted_sigmas
 from pipelines.dreamzero import SCHEMA
 from ardiff_cli.runtime.observation import validate_observation
 from pipelines.rollout import DenseReferenceRollout
@@ -238,3 +239,45 @@ def test_schema_errors_name_keys_dtypes_and_shapes():
             validate_observation(SCHEMA, arrays, where="step_000001.npz")
         assert str(err.value).startswith("step_000001.npz: "), name
         assert expected in str(err.value), (name, str(err.value))
+
+
+def test_sampler_is_guided_euler_flow_matching_on_the_models_velocities():
+    """The sampler checked on the real model's own predictions (the paged-vs-dense test cannot see a wrong
+    update rule: both sides run the same sampler).
+
+    Step i sees x_i at sigma_i on both CFG branches, the positive one predicting v and the negative one u
+    (video; actions decoded from the registers); the guided velocity is u + s (v - u) and one Euler step
+    from sigma_i to sigma_{i+1} (flow matching, sigma 1 = noise, 0 = data) gives x_{i+1}; the outputs are
+    the last step's. The start is noise_generator(seed, request). Every pass carries the anchor channels:
+    a mask that is 1 on absolute frame 0 only, then the anchor latent on every frame.
+    """
+    pipe = dreamzero(guidance_scale=3.0, num_inference_steps=3)
+    c = pipe.config
+    s, C, n = c.guidance_scale, c.latent_channels, c.num_inference_steps
+    rollout = RecordingRollout(pipe, sink_frames=c.sink_frames, window_frames=c.window_frames)
+    for request, inputs in enumerate(steps(pipe, 3)):
+        rollout.passes.clear()
+        out = pipe.step("s", rollout, inputs)
+        anchor = pipe.sessions["s"].anchor_latent
+        for _, seg, _, _ in rollout.passes:
+            is_anchor = (seg.first_frame + torch.arange(seg.num_frames) == 0).float()
+            assert torch.equal(seg.latents[C:C + 4], is_anchor[None, :, None, None].expand(4, -1, *anchor.shape[1:]))
+            assert torch.equal(seg.latents[C + 4:], anchor[:, None].expand(-1, seg.num_frames, -1, -1))
+        sampling = [p for p in rollout.passes if not p[2]]
+        assert [branch for branch, *_ in sampling] == ["positive", "negative"] * n
+        gen = noise_generator(c.seed, request)
+        x = torch.randn((C, c.frames_per_block, c.latent_height, c.latent_width), generator=gen)
+        a = torch.randn((c.action_horizon, c.action_dim), generator=gen)
+        sigmas = shifted_sigmas(n, c.timestep_shift)
+        for i in range(n):
+            (_, pos, _, v), (_, neg, _, u) = sampling[2 * i], sampling[2 * i + 1]
+            torch.testing.assert_close(pos.latents[:C], x)
+            assert torch.equal(neg.latents, pos.latents) and torch.equal(neg.timesteps, pos.timesteps)
+            assert pos.timesteps[0].item() == pytest.approx(sigmas[i] * 1000.0, rel=1e-6)
+            v_a, u_a = pipe.transformer.decode_actions(v.registers), pipe.transformer.decode_actions(u.registers)
+            dt = sigmas[i + 1] - sigmas[i]
+            x = x + dt * (u.video + s * (v.video - u.video))
+            a = a + dt * (u_a + s * (v_a - u_a))
+        torch.testing.assert_close(out["latents"], x)
+        torch.testing.assert_close(out["actions"], a)
+
