@@ -281,3 +281,20 @@ def test_sampler_is_guided_euler_flow_matching_on_the_models_velocities():
         torch.testing.assert_close(out["latents"], x)
         torch.testing.assert_close(out["actions"], a)
 
+
+def test_the_robot_state_is_the_newest_row_of_each_reading():
+    """Proprioception given as (T, 7) / (T, 1) rows (a reading per camera frame) conditions on the newest row."""
+    pipe = dreamzero()
+    driver = Driver(pipe, num_sessions=3)
+    base = steps(pipe, 1)[0]
+    rng = np.random.default_rng(3)
+    joints, gripper = rng.standard_normal((4, 7)).astype(np.float32), rng.random((4, 1)).astype(np.float32)
+    older_changed = {**base, "joint_position": np.concatenate([joints[:-1] + 1, joints[-1:]]),
+                     "gripper_position": np.concatenate([gripper[:-1] + 1, gripper[-1:]])}
+    newest_changed = {**base, "joint_position": np.concatenate([joints[:-1], joints[-1:] + 1]),
+                      "gripper_position": gripper}
+    a = driver.run("a", {**base, "joint_position": joints, "gripper_position": gripper})["actions"]
+    b = driver.run("b", older_changed)["actions"]
+    c = driver.run("c", newest_changed)["actions"]
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert not torch.allclose(a, c)
