@@ -175,6 +175,33 @@ def test_planned_bytes_equal_allocated_bytes(page_size, dtype):
     assert held_storage_bytes(cache.pool) == plan.pool_bytes  # pages, workspace, and nothing the plan misses
 
 
+def test_planned_bytes_count_the_cross_attention_of_every_branch_sharing_a_slot():
+    """Branches on one local slot share self-attention storage, never cross-attention caches: each holds its own,
+    and the plan must count them all, or more sessions are admitted than the memory holds."""
+    spec = ARDiffusionKVCacheSpec(
+        num_layers=2, num_kv_heads=2, head_size=8, tokens_per_frame=4, frames_per_block=2, window_frames=3,
+        sink_frames=1, session_capacity=3, cross_attention=(ARDiffusionCrossAttentionKVSpec("text", 5),),
+        kv_branches=(ARDiffusionKVBranchSpec("positive", 0), ARDiffusionKVBranchSpec("negative", 0)),
+    )
+    plan = plan_capacity(spec, torch.float32, 1 << 30)
+    cache = ARDiffusionKVCache(spec, plan.num_managed_pages)
+    seq_len = spec.frames_per_block * spec.tokens_per_frame
+    states = [cache.new_state(str(i)) for i in range(plan.session_capacity)]
+    for state in states:
+        for _ in range(4):  # the slot's pages: sink + a full window
+            for ctx in state.get_kv_caches("positive", seq_len, commit_current=True):
+                q = torch.randn(spec.num_kv_heads, seq_len, spec.head_size)
+                ctx.attend(q, q, q)
+            state.commit("positive")
+        for branch in ("positive", "negative"):
+            state.populate_cross_attention(branch, "text", (
+                (torch.zeros(spec.num_kv_heads, 5, spec.head_size),) * 2 for _ in range(spec.num_layers)))
+    assert cache.allocator.num_free == plan.inflight_pages
+    allocated = cache.allocator.num_used * plan.bytes_per_page + sum(s.cross_attention_bytes for s in states)
+    assert allocated == plan.session_capacity * plan.bytes_per_session
+    assert plan.cross_attention_bytes_per_session == 2 * plan.cross_attention_bytes["text"]
+
+
 @pytest.mark.vllm
 @needs_vllm_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
