@@ -158,6 +158,27 @@ def test_follow_takes_files_as_they_arrive_until_the_end_marker(tmp_path):
     assert scheduler.next() is None
 
 
+def test_follow_a_step_is_not_last_while_a_newer_file_is_still_settling(tmp_path):
+    """END and a new step file appear while the step before runs: the new file is seen for the first time by the
+    check for END, so it is not taken yet, but the step handed out is not the last one either (a step flagged
+    last closes its session, and the next step would replay the whole episode to rebuild it)."""
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0), good(1)], prompt="p", end=False)
+    clock = FakeClock()
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    first = scheduler.next()
+    assert (first.file.step, first.is_last) == (0, False)
+    write_step(folder, 2, good(2))  # the robot writes its last step and END while step 0 runs
+    (folder / "END").write_bytes(b"")
+    second = scheduler.next()
+    assert (second.file.step, second.is_last) == (1, False)
+    third = scheduler.next()
+    assert (third.file.step, third.is_last) == (2, True)
+    end = scheduler.next()
+    assert isinstance(end, EpisodeEnded) and end.reason == "end_marker"
+
+
 def test_follow_waits_for_a_file_to_stop_growing(tmp_path):
     folder = tmp_path / "live"
     folder.mkdir()
