@@ -147,6 +147,20 @@ def test_faults_fail_their_episode_only_and_name_episode_and_step(env, data, ref
     assert summary["status"] == "ok" and summary["steps"]["failed"] == 0  # the retried steps' lines came later
 
 
+def test_resume_that_retries_an_episodes_last_step_leaves_no_failure_in_the_summary(env, data, reference, tmp_path):
+    """The retried step's own ok line resolves its failed line, also for an episode's last step (no later step's
+    line comes to resolve it)."""
+    run = tmp_path / "run"
+    proc = ardiff(env, *rollout_args(data, run), faults=[{"request": "arm_b/000002", "site": "block", "layer": 0}])
+    assert proc.returncode == 4, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["steps"]["failed"] == 1
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"]["failed"] == 0 and summary["steps"]["ok"] == 12
+
+
 def test_a_failed_episode_does_not_keep_its_forwards_tensors_alive(env, data, tmp_path):
     probe = tmp_path / "alive.json"
     faults = [{"request": "arm_b/000001", "site": "block", "layer": 1, "probe": True},
