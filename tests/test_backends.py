@@ -500,6 +500,9 @@ VLLM_CPU_GEOMETRIES = {
     "vec16-head48-no-tail": (dict(head_size=48, tokens_per_frame=32), 4),  # one 32-token block, still vec16
     "dreamzero-frame": (dict(num_kv_heads=1, head_size=128, tokens_per_frame=220, frames_per_block=2,
                              sink_frames=0, window_frames=2, max_scratch_tokens_per_branch=17), 4),
+    # one-frame blocks, as DreamZero's (tiny and 14B): the loose-token bound must count the one-frame forward
+    "dreamzero-one-frame-blocks": (dict(num_kv_heads=1, head_size=128, tokens_per_frame=220, frames_per_block=1,
+                                        sink_frames=0, window_frames=2, max_scratch_tokens_per_branch=17), 4),
 }
 
 
