@@ -251,6 +251,21 @@ def test_runs_started_in_the_same_second_in_one_folder_each_get_their_own_defaul
     assert all(len(records(run)) == 3 for run in runs)
 
 
+def test_a_dangling_ardiff_runs_link_is_a_usage_error_not_a_hang(env, data, tmp_path):
+    """`ardiff-runs` linked to a scratch disk that is not mounted: the default --out cannot be created. Every
+    suffix failed the same way, and the search for a free one never ended."""
+    (tmp_path / "ardiff-runs").symlink_to(tmp_path / "not-mounted" / "runs")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"),
+                               str(data / "eps" / "arm_a"), "--no-warmup"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the rollout was still looking for a free default output folder after 60 s")
+    assert proc.returncode == 2, proc.stderr
+    assert "Error: --out ardiff-runs: cannot create the output folder: File exists" in proc.stderr
+    assert not (tmp_path / "not-mounted").exists()
+
+
 def test_bad_file_fails_its_episode_only_and_names_the_path(env, data, tmp_path):
     eps = tmp_path / "eps"
     shutil.copytree(data / "eps", eps)

@@ -44,10 +44,13 @@ def make_default_out_dir(now: float | None = None) -> Path:
     """
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     base = Path("ardiff-runs") / stamp
+    # The parent once, so that only the run's own name can exist already: `ardiff-runs` as a dangling link (a
+    # scratch disk not mounted) fails here, where retrying the next suffix would never end.
+    base.parent.mkdir(parents=True, exist_ok=True)
     path, n = base, 1
     while True:
         try:
-            path.mkdir(parents=True)
+            path.mkdir()
             return path
         except FileExistsError:
             n += 1
