@@ -12,9 +12,11 @@ import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -167,6 +169,35 @@ def test_json_mode_prints_only_json_on_stdout(env, data, tmp_path):
     assert [(s["episode"], s["step"]) for s in steps] == [
         ("arm_a", 0), ("arm_b", 0), ("arm_a", 1), ("arm_b", 1), ("arm_a", 2), ("arm_b", 2)]
     assert (tmp_path / "run" / "previews" / "arm_a.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def read_png(path: Path) -> np.ndarray:
+    """The (H, W, 3) uint8 image of a PNG as ardiff writes it (RGB, 8 bits, filter 0 on every row)."""
+    data, at, idat = path.read_bytes(), 8, b""
+    while at < len(data):
+        (size,), tag = struct.unpack(">I", data[at:at + 4]), data[at + 4:at + 8]
+        if tag == b"IHDR":
+            width, height = struct.unpack(">II", data[at + 8:at + 16])
+        elif tag == b"IDAT":
+            idat += data[at + 8:at + 8 + size]
+        at += 12 + size
+    rows = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(height, 1 + width * 3)
+    assert not rows[:, 0].any(), "a row filter other than None"
+    return rows[:, 1:].reshape(height, width, 3)
+
+
+def test_a_preview_shows_every_observed_step_the_last_one_included(env, data, tmp_path):
+    """One column per step, the step file's frame on top: the last column's used to be blank (the grey fill)
+    once the episode's end came right after its last step."""
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps" / "arm_a"), "--out",
+                  str(tmp_path / "run"), "--preview", "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    strip = read_png(tmp_path / "run" / "previews" / "arm_a.png")
+    gap, columns = 2, 3
+    height, width = (strip.shape[0] - gap) // 2, (strip.shape[1] - (columns - 1) * gap) // columns
+    observed = [strip[:height, c * (width + gap):c * (width + gap) + width] for c in range(columns)]
+    blank = [c for c, tile in enumerate(observed) if (tile == 32).all()]
+    assert blank == [], f"observed frames missing from the preview in columns {blank}"
 
 
 @pytest.mark.parametrize("redirect", [">&-", "2>&-", ">&- 2>&- <&-"])

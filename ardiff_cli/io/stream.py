@@ -102,7 +102,8 @@ class StepScheduler:
 
     def history(self, episode_name: str, start: int = 0) -> list[StepFile]:
         """Steps of ``episode_name`` from ordinal ``start`` to the one handed out last (excluded), in order: what
-        rebuilding its session replays. Only that slice is copied, so each step costs what it replays."""
+        rebuilding its session replays; once its end was handed out, to its last step (included), as the preview
+        draws. Only that slice is copied, so each step costs what it replays."""
         track = self._track(episode_name)
         return track.files[start:track.current]
 
@@ -133,7 +134,11 @@ class StepScheduler:
         """The next item; in follow mode this waits (polling) for files to arrive."""
         while True:
             if self._pending_ends:
-                return self._pending_ends.pop(0)
+                end = self._pending_ends.pop(0)
+                if end.reason != "error":  # every step ran: its history is all of them (--preview draws it)
+                    track = self._track(end.episode.name)
+                    track.current = len(track.files)
+                return end
             active = [t for t in self._tracks if not t.ended]
             if not active:
                 return None
@@ -194,7 +199,6 @@ class StepScheduler:
             return None
         if reason is not None:
             track.ended = True
-            track.current = len(track.files)
             self._pending_ends.append(EpisodeEnded(episode=track.source, reason=reason))
         return None
 
