@@ -449,9 +449,12 @@ CLI_CASES = {
     "missing_pipeline_module": (["inspect-capacity", "--pipeline", "no_such_module_xyz:Pipeline"],
                                 "--pipeline: pipeline 'no_such_module_xyz:Pipeline': cannot import "
                                 "'no_such_module_xyz': ModuleNotFoundError", "PYTHONPATH"),
-    "memory_budget_beyond_the_host": (["warmup", "--device", "cpu", "--memory-budget", "1e30"],
-                                      "the memory budget (909494701772928256.00 TiB, 1000000000000000019884624838656 "
-                                      "bytes) is more than cpu has (", "leave it out"),
+    # A budget beyond the device is fine while the plan is small (the spec caps the sessions); a plan beyond it
+    # would allocate and zero pools the host cannot hold.
+    "plan_beyond_the_host": (["warmup", "--device", "cpu", "--memory-budget", "1e30", "--session-capacity",
+                              str(10**21)],
+                             "the memory budget (909494701772928256.00 TiB, 1000000000000000019884624838656 "
+                             "bytes) plans 181607902050018.31 TiB of KV memory, more than cpu has (", "leave the budget"),
     "empty_config_argument": (["inspect-capacity", ""], "CONFIG is an empty string", "omit it for the default"),
     "config_is_a_device": (["inspect-capacity", "/dev/null"], "config /dev/null is not a regular file",
                            "pass a YAML file"),
@@ -467,6 +470,13 @@ def test_contradictory_or_invalid_options(case):
     assert f"Error: {message}" in result.stderr and "Traceback" not in result.stderr
     if hint is not None:
         assert hint in result.stderr
+
+
+def test_a_budget_beyond_the_device_whose_plan_fits_loads():
+    """The spec caps dreamzero-tiny's sessions, so a 1e30 budget plans a few pages: nothing to refuse."""
+    result = runner.invoke(app, ["warmup", "--device", "cpu", "--memory-budget", "1e30", "--format", "json"])
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1])["restored"] is True
 
 
 def test_device_option_takes_an_index_and_refuses_what_is_not_a_device(monkeypatch):

@@ -227,7 +227,7 @@ class ARDiffusionModelRunner:
         layout = KVLayout.from_spec(spec)
         setting = self.attention_backend_setting
         name, reason = select_attention_backend(setting, self.device, dtype=self.dtype, layout=layout)
-        available = self._available_bytes()
+        available, total = self._available_bytes()
 
         def allocate(backend: str) -> tuple[CapacityPlan, ARDiffusionKVCache]:
             plan = plan_capacity(
@@ -238,6 +238,15 @@ class ARDiffusionModelRunner:
                 session_capacity=self.session_capacity_override,
                 attention_backend=backend,
             )
+            planned = plan.required_bytes(plan.session_capacity)
+            if self.memory_budget is not None and planned > total:
+                # The pools would be allocated (and zeroed) for it: on CPU that is the OOM killer, not an error.
+                raise ConfigError(
+                    f"the memory budget ({format_bytes(self.memory_budget)}, {self.memory_budget} bytes) plans "
+                    f"{format_bytes(planned)} of KV memory, more than {self.device} has ({format_bytes(total)} in all)",
+                    hint="lower --memory-budget (runtime.memory_budget) or --session-capacity, or leave the budget "
+                    "out to plan with the free memory; `ardiff inspect-capacity` plans for any amount",
+                )
             cache = ARDiffusionKVCache(
                 spec, plan.num_managed_pages, dtype=self.dtype, device=self.device, attention_backend=backend,
             )
@@ -258,22 +267,13 @@ class ARDiffusionModelRunner:
         logger.info("attention backend: %s (%s; %s)", name, reason, cache.attention_description)
         return plan, cache
 
-    def _available_bytes(self) -> int:
+    def _available_bytes(self) -> tuple[int, int]:
+        """(what the plan may use: the budget, else free memory; the device's memory in all)."""
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)  # after the model's weights are resident
         else:
             free, total = available_host_memory(), total_host_memory()
-        if self.memory_budget is None:
-            return free
-        if self.memory_budget > total:
-            # The pools are allocated (and zeroed) for the budget: on CPU that is the OOM killer, not an error.
-            raise ConfigError(
-                f"the memory budget ({format_bytes(self.memory_budget)}, {self.memory_budget} bytes) is more than "
-                f"{self.device} has ({format_bytes(total)} in all)",
-                hint="lower --memory-budget (runtime.memory_budget), or leave it out to plan with the free memory; "
-                "`ardiff inspect-capacity` plans for any amount",
-            )
-        return self.memory_budget
+        return (free if self.memory_budget is None else self.memory_budget), total
 
     def _require_loaded(self) -> ARDiffusionKVCache:
         if self.kv_cache is None:
