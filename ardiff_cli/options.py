@@ -114,7 +114,8 @@ PipelineOpt = Annotated[
 ]
 OutOpt = Annotated[
     Optional[Path],
-    typer.Option("--out", "-o", callback=expand_home, help="Output folder. \\[default: ./ardiff-runs/<timestamp>]", show_default=False),
+    typer.Option("--out", "-o", callback=expand_home, help="Output folder. \\[default: ./ardiff-runs/<timestamp>]",
+                 show_default=False),
 ]
 DeviceOpt = Annotated[
     Optional[str],

@@ -435,7 +435,7 @@ def test_resume_keeps_the_order_the_run_started_with_unless_told_otherwise(env, 
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
     assert proc.returncode == 0, proc.stderr
     resumed = [(r["episode"], r["step"]) for r in records(run)[1:]]
-    assert resumed == [("arm_a", 1), ("arm_a", 2), ("arm_b", 0), ("arm_b", 1), ("arm_b", 2)]  # round-robin interleaves
+    assert resumed == [("arm_a", 1), ("arm_a", 2), ("arm_b", 0), ("arm_b", 1), ("arm_b", 2)]  # not interleaved
     assert json.loads((run / "summary.json").read_text())["order"] == "sequential"
     (run / "results.jsonl").write_text(lines[0])
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--order", "round-robin", "--no-warmup")
