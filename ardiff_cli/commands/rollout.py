@@ -155,12 +155,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         config = _resume_config(config, info)
         overrides["dtype"] = _same(getattr(overrides["dtype"], "value", overrides["dtype"]), info["dtype"], "--dtype")
         _same_pipeline_option(pipeline, info.get("pipeline_option"))
-        given_idle_timeout = options["idle_timeout"]
-        options = {"order": options["order"] or info.get("order"),
-                   "follow": options["follow"] or info.get("follow", False),
-                   "idle_timeout": info.get("idle_timeout") if given_idle_timeout is None else given_idle_timeout,
-                   "preview": options["preview"] or info.get("preview", False)}
-        refuse_contradictions(follow=options["follow"], idle_timeout=given_idle_timeout)
+        refuse_contradictions(follow=options["follow"] or info.get("follow", False),
+                              idle_timeout=options["idle_timeout"])
         if not episode_paths and not info.get("demo"):
             episode_paths = [Path(e["path"]) for e in info["episodes"]]
     elif out is not None:
@@ -195,7 +191,11 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
                               hint="resume with the same EPISODE arguments (or none, to reuse the recorded ones)")
     from ardiff_cli.runtime.config import resolve_config
 
-    options = {**options, "order": options["order"] or Order.round_robin.value}  # neither given nor recorded
+    # What the command line says, else (--resume) what run.json recorded, else the defaults.
+    options = {"order": options["order"] or info.get("order") or Order.round_robin.value,
+               "follow": options["follow"] or info.get("follow", False),
+               "idle_timeout": info.get("idle_timeout") if options["idle_timeout"] is None else options["idle_timeout"],
+               "preview": options["preview"] or info.get("preview", False)}
     config_file = resolve_config(config_label(config)).resolve()
     info = {
         "config": info.get("config", config_label(config)), "config_path": str(config_file),
