@@ -233,17 +233,18 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
     taken: dict[Path, str] = {}  # resolved folder -> its episode's name
     episodes = []
     for folder in folders:
-        if folder.resolve() in taken:
+        resolved = folder.resolve()
+        if resolved in taken:
             if warn is not None:
-                warn(f"{folder} is episode {taken[folder.resolve()]!r} again (given twice); it runs once")
+                warn(f"{folder} is episode {taken[resolved]!r} again (given twice); it runs once")
             continue
-        base = safe_name(folder.resolve().name)
+        base = safe_name(resolved.name)
         name, count = base, 1
         while name in names:
             count += 1
             name = f"{base}-{count}"
         names.add(name)
-        taken[folder.resolve()] = name
+        taken[resolved] = name
         episodes.append(EpisodeSource(name=name, path=folder))
     return episodes
 
