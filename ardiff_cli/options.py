@@ -21,12 +21,6 @@ RUNTIME_PANEL = "Model and memory"  # --help section of the runtime overrides
 OUTPUT_PANEL = "Output format"  # --help section of --format/--quiet/--verbose
 
 
-class Dtype(str, enum.Enum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
 class AttentionBackend(str, enum.Enum):
     auto = "auto"
     torch = "torch"
@@ -42,11 +36,24 @@ def check_device(value: Optional[str]) -> Optional[str]:
     """auto, cpu, cuda or cuda:N (any case); anything else is a usage error naming the choices."""
     if value is None:
         return value
-    from ardiff_cli.runtime.config import is_device_name
+    from ardiff_cli.runtime.config import device_name
 
-    if is_device_name(value.strip().lower()):
-        return value.strip().lower()
+    name = device_name(value)
+    if name is not None:
+        return name
     raise typer.BadParameter(f"{value!r} is not a device: use auto, cpu, cuda or cuda:N (e.g. cuda:1)")
+
+
+def check_dtype(value: Optional[str]) -> Optional[str]:
+    """float32, bfloat16 or float16, in the spellings ``runtime.dtype`` takes too (fp16, half, bf16, fp32, any case)."""
+    if value is None:
+        return value
+    from ardiff_cli.runtime.config import model_dtype_name
+
+    name = model_dtype_name(value)
+    if name is not None:
+        return name
+    raise typer.BadParameter(f"{value!r} is not a dtype: use float32, bfloat16 or float16 (or fp32, bf16, fp16, half)")
 
 
 def check_fraction(value: Optional[float]) -> Optional[float]:
@@ -123,9 +130,9 @@ DeviceOpt = Annotated[
                  help="Where the model runs. \\[default: the config's, else auto]", show_default=False),
 ]
 DtypeOpt = Annotated[
-    Optional[Dtype],
-    typer.Option("--dtype", rich_help_panel=RUNTIME_PANEL, help="Weights and KV cache dtype. \\[default: the config's, else float32]",
-                 show_default=False, case_sensitive=False),
+    Optional[str],
+    typer.Option("--dtype", rich_help_panel=RUNTIME_PANEL, metavar="float32|bfloat16|float16", callback=check_dtype,
+                 help="Weights and KV cache dtype. \\[default: the config's, else float32]", show_default=False),
 ]
 MemoryBudgetOpt = Annotated[
     Optional[str],

@@ -490,6 +490,38 @@ def test_device_option_takes_an_index_and_refuses_what_is_not_a_device(monkeypat
     assert "'cuda:x' is not a device: use auto, cpu, cuda or cuda:N" in unboxed, result.stderr
 
 
+@pytest.mark.parametrize(("dtype", "canonical"), [("fp16", "float16"), ("half", "float16"), ("BF16", "bfloat16"),
+                                                  ("fp32", "float32"), ("Float16", "float16")])
+def test_dtype_and_device_take_the_same_spellings_in_a_config_and_on_the_command_line(tmp_path, dtype, canonical):
+    """`runtime.dtype: fp16` used to load while `--dtype fp16` was refused, and `--device CPU` ran while
+    `runtime.device: CPU` was refused: both read one normalisation now."""
+    config = tmp_path / "spelled.yaml"
+    config.write_text(f"pipeline: dreamzero\nmodel: {{preset: tiny}}\nruntime: {{dtype: {dtype}, device: CPU}}\n")
+    for args in ([str(config)], ["--dtype", dtype, "--device", "CPU"]):
+        result = runner.invoke(app, ["inspect-capacity", *args, "--available", "1GiB", "--format", "json"])
+        assert result.exit_code == 0, result.stderr
+        data = json.loads(result.stdout)
+        assert (data["plan"]["dtype"], data["device"]) == (canonical, "cpu"), args
+
+
+def test_warmup_and_rollout_read_dtype_and_device_spellings_as_a_config_does(tmp_path):
+    config = tmp_path / "spelled.yaml"
+    config.write_text("pipeline: dreamzero\nmodel: {preset: tiny}\nruntime: {device: CPU}\n")
+    result = runner.invoke(app, ["warmup", str(config), "--dtype", "fp32", "--device", "Cpu", "--format", "json"])
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout.splitlines()[-1])
+    assert (data["dtype"], data["device"], data["restored"]) == ("float32", "cpu", True)
+    (tmp_path / "run.json").write_text(json.dumps({"format": 1, "config": "dreamzero-tiny", "dtype": "float32",
+                                                   "episodes": [], "demo": True}))
+    result = runner.invoke(app, ["rollout", "--resume", "--out", str(tmp_path), "--dtype", "half"])
+    assert result.exit_code == 2  # compared by its canonical name
+    assert "Error: --dtype 'float16' differs from the interrupted run's 'float32'" in result.stderr
+    result = runner.invoke(app, ["inspect-capacity", "--dtype", "f64", "--format", "plain"])
+    assert result.exit_code == 2
+    unboxed = " ".join(re.sub("[│╭╮╰╯─]", " ", result.stderr).split())
+    assert "'f64' is not a dtype: use float32, bfloat16 or float16" in unboxed, result.stderr
+
+
 @pytest.mark.parametrize("where", ["a_file", "under_a_file"])
 def test_out_that_cannot_be_a_folder_is_refused_before_loading(tmp_path, where):
     (tmp_path / "a_file").write_text("not a folder")

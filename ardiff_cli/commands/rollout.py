@@ -153,7 +153,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         run = RunFolder(out)
         info = run.read_info()
         config = _resume_config(config, info)
-        overrides["dtype"] = _same(getattr(overrides["dtype"], "value", overrides["dtype"]), info["dtype"], "--dtype")
+        overrides["dtype"] = _same(overrides["dtype"], info["dtype"], "--dtype")
         _same_pipeline_option(pipeline, info.get("pipeline_option"))
         refuse_contradictions(follow=options["follow"] or info.get("follow", False),
                               idle_timeout=options["idle_timeout"])

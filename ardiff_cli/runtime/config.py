@@ -70,23 +70,38 @@ class RuntimeConfig:
         return replace(self, **changes)
 
 
-def is_device_name(value: Any) -> bool:
-    """auto, cpu, cuda or cuda:N (what ``runtime.device`` and ``--device`` take)."""
-    return isinstance(value, str) and (value in DEVICES or re.fullmatch(r"cuda:\d+", value) is not None)
+def device_name(value: Any) -> str | None:
+    """The canonical spelling (auto, cpu, cuda, cuda:N) of a device given in any case, or None when ``value`` is
+    not one. ``runtime.device`` and ``--device`` both read devices through this, so they take the same spellings."""
+    if not isinstance(value, str):
+        return None
+    name = value.strip().lower()
+    return name if name in DEVICES or re.fullmatch(r"cuda:\d+", name) else None
+
+
+def model_dtype_name(value: Any) -> str | None:
+    """float32, bfloat16 or float16 from any spelling ``dtype_name`` reads (fp32, float, bf16, fp16, half,
+    torch.float16), in any case; None when ``value`` is not one. ``runtime.dtype`` and ``--dtype`` both read
+    dtypes through this."""
+    if not isinstance(value, str):
+        return None
+    try:
+        name = dtype_name(value.strip().lower())
+    except ConfigError:
+        return None
+    return name if name in MODEL_DTYPES else None
 
 
 def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
     field = f"runtime.{key}"
     if key == "device":
-        if not is_device_name(value):
+        name = device_name(value)
+        if name is None:
             raise field_error(where, field, "auto, cpu, cuda or cuda:N", value)
-        return value
+        return name
     if key == "dtype":
-        try:
-            name = dtype_name(value) if isinstance(value, str) else None
-        except ConfigError:
-            name = None
-        if name not in MODEL_DTYPES:
+        name = model_dtype_name(value)
+        if name is None:
             raise field_error(where, field, " | ".join(MODEL_DTYPES), value)
         return name
     if key == "session_capacity":
