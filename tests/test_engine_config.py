@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 import torch
 
+from ardiff_cli.runtime.capacity import plan_capacity
 from ardiff_cli.runtime.config import builtin_configs, load_config, resolve_config
 from ardiff_cli.runtime.engine import ARDiffusionEngine
 from ardiff_cli.runtime.errors import ConfigError
@@ -55,6 +59,28 @@ def test_num_threads_is_applied_at_load():
         assert engine.runner.capacity_plan.session_capacity == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_numpy_integers_are_accepted_where_integers_are_and_bools_and_fractions_are_not():
+    """A budget or capacity computed with numpy (np.int64) used to be refused: 'expected a byte size', 'expected a
+    positive integer'. Any integer but a bool is taken, as a plain int (the plan goes to JSON output)."""
+    engine = ARDiffusionEngine.from_config("causal-world-tiny", memory_budget=np.int64(64 << 20),
+                                           session_capacity=np.int64(1), num_threads=np.int32(1))
+    plan = engine.load()
+    assert (plan.available_bytes, plan.session_capacity) == (64 << 20, 1)
+    assert type(engine.config.runtime.memory_budget) is int and type(plan.session_capacity) is int
+    json.dumps(plan.to_dict())
+    spec = engine.config.kv_cache_spec()
+    assert plan_capacity(spec, "float32", 64 << 20, session_capacity=np.uint8(1)).session_capacity == 1
+    config = load_config("causal-world-tiny")
+    for bad in (True, np.bool_(True), np.float64(2.0), float("nan")):
+        with pytest.raises(ConfigError, match="field 'runtime.session_capacity': expected a positive integer"):
+            config.with_runtime(session_capacity=bad)
+        with pytest.raises(ConfigError, match="session_capacity must be a positive integer"):
+            plan_capacity(spec, "float32", 64 << 20, session_capacity=bad)
+    for bad in (True, np.bool_(True), 1.5, np.float64(1.5), float("nan"), np.int64(0)):
+        with pytest.raises(ConfigError, match="field 'runtime.memory_budget': expected a byte size"):
+            config.with_runtime(memory_budget=bad)
 
 
 def test_public_surface_resolves_lazily():

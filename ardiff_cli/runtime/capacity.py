@@ -17,6 +17,7 @@ Memory model (bytes; ``bpp`` = bytes per page, all layers, K and V)::
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass, field
 
@@ -53,14 +54,20 @@ def format_bytes(num_bytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+def as_int(value: object) -> int | None:
+    """``value`` as a Python int when it is an integer of any kind (int, numpy's int64, ...) but not a bool; else None."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return None
+
+
 def parse_bytes(text: str | int) -> int:
-    """'512MiB', '2 GiB', '1.5G', '1000000' -> bytes."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    elif not isinstance(text, (str, float)):  # str() of a YAML alias bomb would not end
+    """'512MiB', '2 GiB', '1.5G', '1000000' (any integer, numpy's too) -> bytes."""
+    value = as_int(text)
+    if value is None and not isinstance(text, (str, float)):  # str() of a YAML alias bomb would not end
         raise ConfigError(f"cannot read a {type(text).__name__} as a byte size",
                           hint="use a number of bytes or a unit: 512MiB, 2GiB, 1.5G")
-    else:
+    elif value is None:
         raw = str(text).strip().replace(" ", "")
         units = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
                  "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4}
@@ -190,9 +197,10 @@ def plan_capacity(
         raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
     if available_bytes <= 0:
         raise ConfigError(f"available memory must be positive, got {available_bytes} bytes")
-    limit = spec.session_capacity if session_capacity is None else session_capacity
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ConfigError(f"session_capacity must be a positive integer, got {limit!r}")
+    given = spec.session_capacity if session_capacity is None else session_capacity
+    limit = as_int(given)
+    if limit is None or limit < 1:
+        raise ConfigError(f"session_capacity must be a positive integer, got {given!r}")
     name = dtype_name(dtype)
     size = DTYPE_SIZES[name]
     if attention_backend not in ("torch", "vllm"):

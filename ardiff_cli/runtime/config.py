@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
-from ardiff_cli.runtime.capacity import dtype_name, parse_bytes
+from ardiff_cli.runtime.capacity import as_int, dtype_name, parse_bytes
 from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error
 from ardiff_cli.runtime.kv.backends import ATTENTION_BACKEND_SETTINGS
 from ardiff_cli.runtime.registry import PipelineEntry, resolve_pipeline, resolve_pipeline_reference
@@ -105,9 +105,10 @@ def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
             raise field_error(where, field, " | ".join(MODEL_DTYPES), value)
         return name
     if key == "session_capacity":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        number = as_int(value)  # numpy's integers too, never a bool
+        if number is None or number < 1:
             raise field_error(where, field, "a positive integer", value)
-        return value
+        return number
     if key == "gpu_memory_fraction":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
             raise field_error(where, field, "a number in (0, 1]", value)
@@ -119,9 +120,10 @@ def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
             raise field_error(where, field, "a byte size such as 536870912 or '512MiB'", value) from None
     if key == "num_threads":
         # torch starts that many OpenMP threads: 100000 exhausts the host, 10**30 does not fit its int.
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
+        number = as_int(value)
+        if number is None or not 1 <= number <= MAX_THREADS:
             raise field_error(where, field, f"a positive integer up to {MAX_THREADS} (CPU threads) or null", value)
-        return value
+        return number
     if key == "attention_backend":
         if value not in ATTENTION_BACKEND_SETTINGS:
             raise field_error(where, field, " | ".join(ATTENTION_BACKEND_SETTINGS), value)
