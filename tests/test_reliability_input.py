@@ -376,6 +376,10 @@ CONFIG_CASES = {
                          "conversion"], "quote the value"),
     "impossible_date": ("pipeline: dreamzero\nruntime: {device: 2024-13-45}\n", "inspect-capacity",
                         ["{config}: cannot read a value: month must be in 1..12"], "quote the value"),
+    "window_beyond_max_model_len": ("pipeline: causal_world\nmodel: {preset: tiny, window_frames: 100000}\n", "warmup",
+                                    ["{config}: field 'model.window_frames': one attention call can see 1600112 "
+                                     "tokens (sink + window + block + scratch), more than max_model_len=1048576 "
+                                     "(window_frames=100000, sink_frames=3)"], "lower 'model.window_frames'"),
     "device_index_not_a_number": ("pipeline: dreamzero\nruntime: {device: 'cuda:x'}\n", "inspect-capacity",
                                   ["{config}: field 'runtime.device': expected auto, cpu, cuda or cuda:N, got "
                                    "'cuda:x'"], "set 'runtime.device'"),

@@ -248,6 +248,24 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+def _check_attention_span(model: Any, where: str) -> None:
+    """A window one attention call cannot see (more tokens than the pipeline's ``max_model_len``) is this
+    config's mistake: say so naming the file and the field now, not after the weights have loaded. The runner's
+    own check stays (``AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH`` may add scratch)."""
+    from ardiff_cli.runtime.kv.layout import KVLayout
+
+    try:
+        KVLayout.from_spec(model.kv_cache_spec(), scratch_blocks=1)
+    except ConfigError as exc:
+        if not hasattr(model, "window_frames"):
+            raise ConfigError(f"{where}: {exc}", hint=exc.hint) from None
+        raise ConfigError(
+            f"{where}: field 'model.window_frames': {exc} (window_frames={model.window_frames}, "
+            f"sink_frames={getattr(model, 'sink_frames', 0)})",
+            hint="lower 'model.window_frames' or 'model.sink_frames', or raise the pipeline's max_model_len",
+        ) from None
+
+
 def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: str | None = None) -> EngineConfig:
     """Parse and validate a config from a file, a built-in name or a dict.
 
@@ -280,6 +298,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
     if not isinstance(model_data, dict):
         raise field_error(where, "model", "a mapping", model_data)
     model = entry.config_class.from_dict(model_data, where=where)
+    _check_attention_span(model, where)
     checkpoint = data.get("checkpoint")
     if checkpoint is not None:
         if not isinstance(checkpoint, str) or not checkpoint:
