@@ -24,6 +24,13 @@ class WarmupReturnsNone(CausalWorldPipeline):
         list(super().ar_diffusion_warmup_requests(session_id))
 
 
+class WarmupYieldsNothing(CausalWorldPipeline):
+    """Its warmup provider is a generator whose loop never runs: it yields no request at all."""
+
+    def ar_diffusion_warmup_requests(self, session_id):
+        yield from ()
+
+
 class HooksMissing:
     """Carries what --pipeline checks for, but not the AR-Diffusion capability methods."""
 

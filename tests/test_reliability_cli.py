@@ -278,6 +278,26 @@ def test_a_pipeline_authors_mistake_is_named_as_the_pipelines_not_as_a_bug_in_ar
     assert verbose.returncode == 1 and "Traceback" in verbose.stderr
 
 
+def test_a_warmup_provider_that_yields_nothing_is_a_warning_not_a_silent_success(env):
+    """It used to print an empty table and exit 0 with no word that nothing was warmed up."""
+    message = ("warning: pipeline 'author_mistakes:WarmupYieldsNothing': ar_diffusion_warmup_requests() yielded no "
+               "requests: nothing was warmed up")
+    args = ("warmup", "causal-world-tiny", "--device", "cpu", "--pipeline", "author_mistakes:WarmupYieldsNothing")
+    plain = ardiff(env, *args, "--format", "plain")
+    assert plain.returncode == 0, plain.stderr
+    assert message in plain.stderr and "warning" not in plain.stdout
+    as_json = ardiff(env, *args, "--format", "json")
+    assert as_json.returncode == 0, as_json.stderr
+    result = json.loads(as_json.stdout.splitlines()[-1])
+    assert (result["kind"], result["requests"], result["restored"]) == ("warmup", [], True)
+    assert [f"warning: {w}" for w in result["warnings"]] == [line for line in as_json.stderr.splitlines()
+                                                             if line.startswith("warning:")]
+    assert message in as_json.stderr
+    normal = ardiff(env, "warmup", "causal-world-tiny", "--device", "cpu", "--format", "json")
+    assert normal.returncode == 0 and json.loads(normal.stdout.splitlines()[-1])["warnings"] == []
+    assert "warning" not in normal.stderr
+
+
 def test_a_forward_that_returns_no_dict_fails_its_steps_instead_of_writing_empty_outputs(env, tmp_path):
     run = tmp_path / "run"
     proc = ardiff(env, "rollout", "causal-world-tiny", "--device", "cpu", "--out", str(run), "--no-warmup",

@@ -83,6 +83,11 @@ def warmup(
                 engine.close()
         data = warmup_data(report, usage, config=config_label(config), device=str(engine.device),
                            dtype=cfg.runtime.dtype, pipeline=cfg.pipeline_name)
+        if not report.skipped and not report.timings:  # a provider that yields nothing is likely a mistake in it
+            data["warnings"].append(f"pipeline {cfg.pipeline_name!r}: ar_diffusion_warmup_requests() yielded no "
+                                    "requests: nothing was warmed up (the first real requests pay the one-time costs)")
+        for warning in data["warnings"]:
+            out.warning(warning)
         out.result(data, lambda plain: render_warmup(data, plain))
 
 
@@ -113,7 +118,7 @@ def warmup_data(report: Any, usage: Any, **context: Any) -> dict[str, Any]:
     return {
         "kind": "warmup", **context, "skipped": report.skipped, "requests": requests, "first_s": first,
         "steady_s": steady, "steady_count": len(repeats), "seconds": report.seconds, "restored": report.restored,
-        "pages_free": usage.num_free, "pages_total": usage.num_pages,
+        "pages_free": usage.num_free, "pages_total": usage.num_pages, "warnings": [],
     }
 
 
