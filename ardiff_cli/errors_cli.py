@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ import typer
 from ardiff_cli.output import Output
 from ardiff_cli.runtime.errors import (
     ArdiffError,
+    ArdiffWarning,
     CapacityError,
     CheckpointError,
     ConfigError,
@@ -177,10 +179,21 @@ def report(out: Output, exc: BaseException) -> int:
 
 @contextlib.contextmanager
 def handle_errors(out: Output) -> Iterator[None]:
-    """Wrap a command body: typed errors become messages and exit codes."""
-    try:
-        yield
-    except (typer.Exit, typer.Abort, typer.BadParameter):
-        raise
-    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the table decides; unknown ones are shown
-        raise typer.Exit(report(out, exc)) from None
+    """Wrap a command body: typed errors become messages and exit codes, and the runtime's warnings
+    (``ArdiffWarning``) become ``warning:`` lines of the output sink."""
+    with warnings.catch_warnings():  # restores showwarning on the way out
+        python_showwarning = warnings.showwarning
+
+        def showwarning(message, category, *args, **kwargs):
+            if issubclass(category, ArdiffWarning):
+                out.warning(str(message))
+            else:
+                python_showwarning(message, category, *args, **kwargs)
+
+        warnings.showwarning = showwarning
+        try:
+            yield
+        except (typer.Exit, typer.Abort, typer.BadParameter):
+            raise
+        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the table decides; unknown ones are shown
+            raise typer.Exit(report(out, exc)) from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from ardiff_cli.io.episode import MAX_NAME_BYTES, MAX_NAME_CHARS, discover_episo
 from ardiff_cli.io.run import RunFolder
 from ardiff_cli.runtime import registry
 from ardiff_cli.runtime.config import load_config
-from ardiff_cli.runtime.errors import ConfigError
+from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = ("ardiff_cli", "pipelines")  # what users install; tests and benchmarks are not shipped
@@ -265,13 +266,50 @@ def test_entry_points_register_pipelines_but_never_shadow_builtins(monkeypatch):
     ]
     monkeypatch.setattr(registry.importlib.metadata, "entry_points",
                         lambda group: [p for p in points if p.group == group])
-    assert registry.registered_pipelines() == {
-        "dreamzero": "pipelines.dreamzero", "causal_world": "pipelines.causal_world",
-        "my_world": "pipelines.causal_world", "broken": "no_such_package.pipeline"}
-    cfg = load_config({"pipeline": "my_world", "model": {"preset": "tiny"}})
-    assert cfg.pipeline_name == "my_world" and cfg.entry.pipeline_class().__name__ == "CausalWorldPipeline"
-    assert load_config({"pipeline": "dreamzero", "model": {"preset": "tiny"}}).entry.module.__name__ == (
-        "pipelines.dreamzero")
-    with pytest.raises(ConfigError, match="pipeline 'broken': cannot import 'no_such_package.pipeline'") as info:
-        load_config({"pipeline": "broken"})
+    with pytest.warns(ArdiffWarning, match="entry point dreamzero = 'no_such_package.pipeline' .* is ignored"):
+        assert registry.registered_pipelines() == {
+            "dreamzero": "pipelines.dreamzero", "causal_world": "pipelines.causal_world",
+            "my_world": "pipelines.causal_world", "broken": "no_such_package.pipeline"}
+        cfg = load_config({"pipeline": "my_world", "model": {"preset": "tiny"}})
+        assert cfg.pipeline_name == "my_world" and cfg.entry.pipeline_class().__name__ == "CausalWorldPipeline"
+        assert load_config({"pipeline": "dreamzero", "model": {"preset": "tiny"}}).entry.module.__name__ == (
+            "pipelines.dreamzero")
+        with pytest.raises(ConfigError, match="pipeline 'broken': cannot import 'no_such_package.pipeline'") as info:
+            load_config({"pipeline": "broken"})
     assert "installed" in info.value.hint
+
+
+def test_an_installed_entry_point_named_like_a_builtin_is_a_warning_and_the_builtin_runs(tmp_path):
+    """A real distribution on sys.path (a dist-info folder) registering `dreamzero`: it used to be dropped
+    silently, so its author could not tell why their model never ran."""
+    import subprocess
+
+    dist = tmp_path / "shadow_world-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: shadow-world\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[ardiff.pipelines]\ndreamzero = shadow_world.model\n"
+                                           "shadow_world = pipelines.causal_world\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "COLUMNS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(tmp_path)])
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", "dreamzero-tiny", "--available",
+                           "1GiB", "--format", "json"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["pipeline"] == "dreamzero"  # the built-in; shadow_world.model is never imported
+    warnings_shown = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings_shown == [
+        "warning: entry point dreamzero = 'shadow_world.model' in group 'ardiff.pipelines' (distribution "
+        "shadow-world 1.0) has the name of a built-in pipeline and is ignored: 'dreamzero' is the built-in "
+        "'pipelines.dreamzero'; register it under another name"], proc.stderr
+    quiet = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", "--available", "1GiB", "-q"],
+                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert quiet.returncode == 0 and "warning" not in quiet.stderr  # --quiet: only data and errors
+    code = ("import warnings; from ardiff_cli.runtime.registry import registered_pipelines\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    names = registered_pipelines()\n"
+            "assert names['dreamzero'] == 'pipelines.dreamzero' and names['shadow_world'] == 'pipelines.causal_world'\n"
+            "print([type(w.message).__name__ for w in caught])")
+    api = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=120)
+    assert api.returncode == 0 and api.stdout.strip() == "['ArdiffWarning']", api.stderr

@@ -20,6 +20,10 @@ class ArdiffError(Exception):
         self.hint = hint
 
 
+class ArdiffWarning(UserWarning):
+    """Something the user should know that is not an error (a Python warning; the CLI shows it as ``warning:``)."""
+
+
 class ConfigError(ArdiffError, ValueError):
     """A config file or value is invalid (exit 2)."""
 

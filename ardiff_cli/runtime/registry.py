@@ -24,10 +24,11 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ardiff_cli.runtime.errors import ConfigError, did_you_mean
+from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError, did_you_mean
 
 BUILTIN_PIPELINES = {
     "dreamzero": "pipelines.dreamzero",
@@ -69,9 +70,16 @@ class PipelineEntry:
 
 
 def registered_pipelines() -> dict[str, str]:
-    """Pipeline name -> entry module path, built-ins first (an entry point cannot shadow a built-in)."""
+    """Pipeline name -> entry module path, built-ins first (an entry point cannot shadow a built-in: a warning
+    says which one was left out)."""
     names = dict(BUILTIN_PIPELINES)
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in BUILTIN_PIPELINES:
+            dist = f"distribution {ep.dist.name} {ep.dist.version}" if ep.dist is not None else "unknown distribution"
+            warnings.warn(f"entry point {ep.name} = {ep.value!r} in group {ENTRY_POINT_GROUP!r} ({dist}) has the "
+                          f"name of a built-in pipeline and is ignored: {ep.name!r} is the built-in "
+                          f"{BUILTIN_PIPELINES[ep.name]!r}; register it under another name", ArdiffWarning,
+                          stacklevel=2)
         names.setdefault(ep.name, ep.value)
     return names
 
