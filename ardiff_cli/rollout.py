@@ -78,7 +78,7 @@ class Rollout:
         self.options = options
         self.stats = RolloutStats(skipped=sum(len(done.get(e.name, ())) for e in episodes))
         self.scheduler = StepScheduler(episodes, order=options.order, follow=options.follow,
-                                       idle_timeout=options.idle_timeout, done=done)
+                                       idle_timeout=options.idle_timeout, done=done, warn=out.warning)
         # session id -> steps of its episode the resident session has consumed (absent: not resident)
         self._resident: dict[str, int] = {}
         self._captured: list[Any] = []  # runtime events of the request in flight

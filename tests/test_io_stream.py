@@ -179,6 +179,43 @@ def test_follow_a_step_is_not_last_while_a_newer_file_is_still_settling(tmp_path
     assert isinstance(end, EpisodeEnded) and end.reason == "end_marker"
 
 
+def test_follow_warns_once_per_episode_about_step_files_that_arrived_after_it_ended(tmp_path):
+    """A step file written after its episode's END was seen (or after its idle timeout) never runs: that used to
+    happen without a word, and the run reported every episode completed."""
+    write_episode(tmp_path / "a", [good(0)], prompt="p")  # step 0 and END
+    write_episode(tmp_path / "b", [good(0)], prompt="p", end=False)  # followed until its idle timeout
+    write_episode(tmp_path / "c", [good(0)], prompt="p")
+    clock = FakeClock([lambda: None, lambda: (write_step(tmp_path / "a", 1, good(1)),
+                                              write_step(tmp_path / "a", 2, good(2)))])
+    warnings: list[str] = []
+    scheduler = StepScheduler(discover_episodes([tmp_path / n for n in "abc"]), follow=True, idle_timeout=5,
+                              poll_interval=1, clock=clock, sleep=clock.sleep, warn=warnings.append)
+    items = []
+    while (item := scheduler.next()) is not None:
+        items.append(item)
+        if isinstance(item, StepTask) and item.episode.name == "b":  # b's step ran: b idles out at 5 s
+            write_step(tmp_path / "b", 2, good(2))  # a gap, never filled: b fails, and is not warned about
+    ran = [(i.episode.name, i.file.step) for i in items if isinstance(i, StepTask)]
+    assert ran == [("a", 0), ("b", 0), ("c", 0)]
+    assert [(i.episode.name, i.reason) for i in items if isinstance(i, EpisodeEnded)] == [
+        ("a", "end_marker"), ("c", "end_marker"), ("b", "error")]
+    assert warnings == [f"episode 'a': step_000001.safetensors, step_000002.safetensors arrived in {tmp_path / 'a'} "
+                        "after its END file was seen and did not run (--resume runs them)"]
+    assert scheduler.next() is None and len(warnings) == 1  # once
+
+    write_step(tmp_path / "d", 0, good(0), prompt="p")  # ends at its idle timeout; a file arrives after that
+    clock = FakeClock()
+    warnings.clear()
+    scheduler = StepScheduler(discover_episodes([tmp_path / "d"]), follow=True, idle_timeout=2, poll_interval=1,
+                              clock=clock, sleep=clock.sleep, warn=warnings.append)
+    assert scheduler.next().file.step == 0
+    assert scheduler.next().reason == "idle_timeout"
+    write_step(tmp_path / "d", 1, good(1))
+    assert scheduler.next() is None
+    assert warnings == [f"episode 'd': step_000001.safetensors arrived in {tmp_path / 'd'} after it ended at "
+                        "--idle-timeout and did not run (--resume runs it)"]
+
+
 def test_follow_waits_for_a_file_to_stop_growing(tmp_path):
     folder = tmp_path / "live"
     folder.mkdir()

@@ -20,7 +20,10 @@ step, so a gap is never skipped. Without ``follow`` a gap (or a folder with no
 step files at all) fails the episode before its first step runs; while
 following, a step beyond a gap waits for the missing one, and the episode
 fails if its END marker or the idle timeout comes first; an episode that
-ends (END or idle timeout) before any step file arrived fails too.
+ends (END or idle timeout) before any step file arrived fails too. A step file
+that arrives in a followed episode after it ended (its END marker, or the idle
+timeout) does not run; when every episode has ended, a warning names each such
+file (``--resume`` runs them).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class _Track:
     sizes: dict[str, int] = field(default_factory=dict)  # follow: size of each unready file at the last poll
     last_activity: float = 0.0  # follow: when a step last arrived or was handed out (idle timer)
     ended: bool = False
+    end_reason: str | None = None  # follow: "end_marker" or "idle_timeout" once it ended cleanly (late files?)
     gap: tuple[int, int] | None = None  # follow: (last taken step, next step present) while steps between are missing
 
 
@@ -79,7 +83,8 @@ class StepScheduler:
 
     def __init__(self, episodes: list[EpisodeSource], *, order: str = "round-robin", follow: bool = False,
                  idle_timeout: float = 60.0, poll_interval: float = 0.1, done: dict[str, set[int]] | None = None,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 warn: Callable[[str], None] = lambda message: None) -> None:
         if order not in ("round-robin", "sequential"):
             raise ValueError(f"order must be 'round-robin' or 'sequential', got {order!r}")
         self.order = order
@@ -88,6 +93,7 @@ class StepScheduler:
         self.poll_interval = poll_interval  # follow: pause between rescans when nothing is ready
         self._clock = clock
         self._sleep = sleep
+        self._warn = warn  # follow: step files that arrived after their episode ended
         done = done or {}
         now = clock()
         self._tracks = [_Track(source=e, done=set(done.get(e.name, ())), done_sorted=sorted(done.get(e.name, ())),
@@ -127,7 +133,8 @@ class StepScheduler:
 
     def drop(self, episode_name: str) -> None:
         """Stop scheduling ``episode_name`` (it failed); no EpisodeEnded follows."""
-        self._track(episode_name).ended = True
+        track = self._track(episode_name)
+        track.ended, track.end_reason = True, None
         self._pending_ends = [e for e in self._pending_ends if e.episode.name != episode_name]
 
     def next(self) -> StepTask | EpisodeEnded | None:
@@ -141,6 +148,7 @@ class StepScheduler:
                 return end
             active = [t for t in self._tracks if not t.ended]
             if not active:
+                self._warn_late_files()
                 return None
             if self.follow:
                 for track in active:
@@ -188,6 +196,7 @@ class StepScheduler:
             is_last = self._is_last(track)
             if is_last:  # its end comes right after this step, not on the episode's next turn
                 track.ended = True
+                track.end_reason = "end_marker" if self.follow else None
                 self._pending_ends.append(
                     EpisodeEnded(episode=track.source, reason="end_marker" if self.follow else "complete"))
             return StepTask(episode=track.source, file=step_file, ordinal=ordinal, is_last=is_last)
@@ -199,8 +208,25 @@ class StepScheduler:
             return None
         if reason is not None:
             track.ended = True
+            track.end_reason = reason if self.follow else None
             self._pending_ends.append(EpisodeEnded(episode=track.source, reason=reason))
         return None
+
+    def _warn_late_files(self) -> None:
+        """Once per episode, when every episode has ended: the step files that arrived after their episode ended
+        (END seen, or the idle timeout) and so never ran, instead of leaving them unrun without a word."""
+        for track in self._tracks:
+            reason, track.end_reason = track.end_reason, None
+            if reason is None:
+                continue
+            try:
+                late = [f.path.name for f in track.source.scan(skip=track.taken)]
+            except (ObservationError, OSError):  # the folder is gone or unreadable now: nothing to name
+                continue
+            if late:
+                when = "its END file was seen" if reason == "end_marker" else "it ended at --idle-timeout"
+                self._warn(f"episode {track.source.name!r}: {', '.join(late)} arrived in {track.source.path} after "
+                           f"{when} and did not run (--resume runs {'it' if len(late) == 1 else 'them'})")
 
     def _is_last(self, track: _Track) -> bool:
         if track.cursor < len(track.files):
