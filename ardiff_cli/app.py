@@ -11,6 +11,7 @@ import typer
 from ardiff_cli import __version__
 from ardiff_cli.commands import inspect_capacity, rollout, warmup
 from ardiff_cli.errors_cli import EXIT_CODES_HELP
+from ardiff_cli.options import FLAG, HelpOpt
 from ardiff_cli.output import Format, Output, resolve_format
 
 app = typer.Typer(
@@ -20,7 +21,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
+    context_settings={"help_option_names": []},  # each command declares options.HelpOpt (-h/--help) instead
 )
 app.command("rollout", help=rollout.HELP, epilog=rollout.EPILOG)(rollout.rollout)
 app.command("warmup", help=warmup.HELP, epilog=warmup.EPILOG)(warmup.warmup)
@@ -38,8 +39,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, metavar=FLAG,
                                           help="Print the version.")] = False,
+    help_: HelpOpt = False,
 ) -> None:
     """Run autoregressive video-diffusion world models with persistent paged-KV sessions."""
 

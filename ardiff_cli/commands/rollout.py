@@ -18,7 +18,9 @@ from ardiff_cli.options import (
     DeviceOpt,
     DtypeOpt,
     EpisodesArg,
+    FLAG,
     FormatOpt,
+    HelpOpt,
     AttentionBackendOpt,
     GpuMemoryFractionOpt,
     MemoryBudgetOpt,
@@ -84,26 +86,32 @@ def rollout(
     episodes: EpisodesArg = None,
     out: OutOpt = None,
     order: Annotated[Optional[Order], typer.Option(
-        "--order", help="round-robin: one step of each episode in turn (robots sharing a model); "
-                        "sequential: one episode after another. \\[default: round-robin; with --resume, the run's]",
+        "--order", metavar="round-robin|sequential",
+        help="round-robin: one step of each episode in turn (robots sharing a model); "
+             "sequential: one episode after another. \\[default: round-robin; with --resume, the run's]",
         show_default=False)] = None,
     follow: Annotated[bool, typer.Option(
-        "--follow", help="Watch the episode folders for new step files and run each as it arrives, until the "
-                         "episode's END file or --idle-timeout.")] = False,
+        "--follow", metavar=FLAG, help="Watch the episode folders for new step files and run each as it arrives, "
+                                       "until the episode's END file or --idle-timeout.")] = False,
     idle_timeout: Annotated[Optional[float], typer.Option(
-        "--idle-timeout", min=0.0, metavar="SECONDS",
+        "--idle-timeout", min=0, metavar="SECONDS",
         help=f"With --follow: end an episode after this long without a new step file. "
              f"\\[default: {DEFAULT_IDLE_TIMEOUT:g}]", show_default=False)] = None,
     fail_fast: Annotated[bool, typer.Option(
-        "--fail-fast", help="Stop at the first failed step (an invalid file: exit 2; an error in the model: 1, "
-                            "or 3 out of memory) instead of going on with the other episodes (exit 4).")] = False,
+        "--fail-fast", metavar=FLAG,
+        help="Stop at the first failed step (an invalid file: exit 2; an error in the model: 1, or 3 out of memory) "
+             "instead of going on with the other episodes (exit 4).")] = False,
     resume: Annotated[bool, typer.Option(
-        "--resume", help="Continue the run in --out: steps in its results.jsonl are not run again, and a "
-                         "partly done episode's session is rebuilt by replaying its earlier steps.")] = False,
+        "--resume", metavar=FLAG, help="Continue the run in --out: steps in its results.jsonl are not run again, "
+                                       "and a partly done episode's session is rebuilt by replaying its earlier "
+                                       "steps.")] = False,
     preview: Annotated[bool, typer.Option(
-        "--preview", help="Write OUT/previews/EPISODE.png: observed (top) versus predicted (bottom) frames.")] = False,
+        "--preview", metavar=FLAG,
+        help="Write OUT/previews/EPISODE.png: observed (top) versus predicted (bottom) frames.")] = False,
     warmup: Annotated[bool, typer.Option(
-        "--warmup/--no-warmup", help="Run the pipeline's warmup requests before the first step.")] = True,
+        "--warmup/--no-warmup", metavar=FLAG, show_default=False,
+        help="Run the pipeline's warmup requests before the first step. \\[default: --warmup]")] = True,
+    help_: HelpOpt = False,
     pipeline: PipelineOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,

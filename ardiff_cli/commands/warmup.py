@@ -12,6 +12,7 @@ from ardiff_cli.options import (
     DeviceOpt,
     DtypeOpt,
     FormatOpt,
+    HelpOpt,
     AttentionBackendOpt,
     GpuMemoryFractionOpt,
     MemoryBudgetOpt,
@@ -39,6 +40,7 @@ EPILOG = f"""Examples:
 
 def warmup(
     config: ConfigArg = None,
+    help_: HelpOpt = False,
     pipeline: PipelineOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
