@@ -99,6 +99,17 @@ def test_inspect_capacity_human_units_and_published_sizes():
     assert "GiB" in text and "MiB" in text and "\x1b[" not in text
 
 
+def test_inspect_capacity_fixed_parts_add_up_to_its_total():
+    """The pool's null page (never handed out) is fixed memory too: the breakdown names it, so its parts sum."""
+    data = json.loads(invoke("inspect-capacity", "dreamzero-14b", "--available", "80GiB", "--format", "json").stdout)
+    fixed = data["fixed"]
+    assert fixed["null_page"] == data["plan"]["bytes_per_page"]
+    assert fixed["null_page"] + fixed["scratch"] + fixed["inflight"] + fixed["workspace"] == fixed["total"]
+    text = runner.invoke(app, ["inspect-capacity", "dreamzero-14b", "--available", "80GiB", "--format", "plain"],
+                         env={"COLUMNS": "400"}).stdout
+    assert "null page 171.88 MiB" in text
+
+
 def test_inspect_capacity_exit_3_when_one_session_does_not_fit():
     result = invoke("inspect-capacity", "dreamzero-14b", "--available", "1GiB", "--format", "plain")
     assert result.exit_code == 3

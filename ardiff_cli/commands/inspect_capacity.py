@@ -237,8 +237,9 @@ def capacity_report(plan: Any, spec: Any, counts: list[int]) -> dict[str, Any]:
             "model_owned": plan.model_owned_bytes_per_session,
             "total": plan.bytes_per_session,
         },
-        "fixed": {"scratch": plan.scratch_bytes, "inflight": plan.inflight_pages * plan.bytes_per_page,
-                  "workspace": plan.workspace_bytes, "total": plan.fixed_bytes},
+        "fixed": {"null_page": plan.bytes_per_page, "scratch": plan.scratch_bytes,
+                  "inflight": plan.inflight_pages * plan.bytes_per_page, "workspace": plan.workspace_bytes,
+                  "total": plan.fixed_bytes},
         "sessions_fit": fits,
         "sessions_per_gib": plan.sessions_per_gib,
         "fraction_needed": {str(n): plan.fraction_needed(n) for n in counts},
@@ -288,7 +289,7 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
     fixed = data["fixed"]
     scratch = (f"scratch pages {fb(fixed['scratch'])}" if plan.scratch_pages
                else "scratch in the workspace (torch)")
-    table.add_row("fixed", fb(fixed["total"]), f"{scratch}, in-flight block "
+    table.add_row("fixed", fb(fixed["total"]), f"null page {fb(fixed['null_page'])}, {scratch}, in-flight block "
                   f"{fb(fixed['inflight'])}, workspace {fb(fixed['workspace'])}")
     table.add_row("sessions", str(plan.session_capacity),
                   f"{data['sessions_fit']} fit the budget, limit {plan.session_capacity_limit}; "
