@@ -30,3 +30,27 @@ def test_every_option_of_every_command_is_in_the_readme():
             if not any(_mentioned(opt, readme) for opt in (*param.opts, *param.secondary_opts) if opt.startswith("--")):
                 missing.append(f"{name} {'/'.join(param.opts + param.secondary_opts)}")
     assert missing == []
+
+
+def test_every_test_the_reliability_page_cites_exists():
+    import ast
+
+    names, strings = set(), set()
+    for path in (REPO / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):  # TestEngineChurn = ....TestCase
+                names.add(node.id)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                strings.add(node.value)
+    cited = [ref for line in (REPO / "docs" / "reliability.md").read_text().splitlines() if line.startswith("|")
+             for ref in re.findall(r"`([^`]*)`", line.rstrip(" |").rsplit("|", 1)[-1])
+             if re.match(r"(test_\w+\.py::|\.\.\.|test_|Test)", ref)]
+    assert len(cited) > 50
+    unknown = []
+    for ref in cited:
+        unknown += [name for name in re.findall(r"\b(test_\w+|Test\w+)\b(?!\.py)", ref) if name not in names]
+        unknown += [param for param in re.findall(r"\[([^\]]+)\]", ref)
+                    if not re.fullmatch(r"[\d-]+", param) and param not in strings]  # [1-129]: pytest's own id
+    assert unknown == []
