@@ -73,6 +73,15 @@ def test_help_shows_brackets_in_option_help_instead_of_reading_them_as_markup():
     assert "pip install 'ardiff[vllm]'" in help_text
 
 
+def test_resume_help_says_a_failed_step_runs_again():
+    """--resume retries failed steps: only an ok line in results.jsonl marks a step done."""
+    import re
+
+    help_text = runner.invoke(app, ["rollout", "--help"], env={"COLUMNS": "400"}).stdout
+    unboxed = " ".join(re.sub("[│╭╮╰╯─]", " ", help_text).split())
+    assert "steps with an ok line in its results.jsonl are not run again (a failed step runs again)" in unboxed
+
+
 def test_inspect_capacity_json_is_the_exact_plan():
     result = invoke("inspect-capacity", "dreamzero-tiny", "--available", "1GiB", "--gpu-memory-fraction", "0.5",
                     "--dtype", "bfloat16", "--sessions", "3", "--format", "json")

@@ -102,9 +102,9 @@ def rollout(
         help="Stop at the first failed step (an invalid file: exit 2; an error in the model: 1, or 3 out of memory) "
              "instead of going on with the other episodes (exit 4).")] = False,
     resume: Annotated[bool, typer.Option(
-        "--resume", metavar=FLAG, help="Continue the run in --out: steps in its results.jsonl are not run again, "
-                                       "and a partly done episode's session is rebuilt by replaying its earlier "
-                                       "steps.")] = False,
+        "--resume", metavar=FLAG,
+        help="Continue the run in --out: steps with an ok line in its results.jsonl are not run again (a failed step "
+             "runs again), and a partly done episode's session is rebuilt by replaying its earlier steps.")] = False,
     preview: Annotated[bool, typer.Option(
         "--preview", metavar=FLAG,
         help="Write OUT/previews/EPISODE.png: observed (top) versus predicted (bottom) frames.")] = False,
