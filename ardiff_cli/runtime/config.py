@@ -8,7 +8,7 @@ A config file::
     runtime:                 # engine settings, all optional
       device: auto           # auto | cpu | cuda | cuda:N
       dtype: float32         # float32 | bfloat16 | float16
-      session_capacity: 2    # caps the pipeline's session_capacity
+      session_capacity: 2    # replaces the pipeline's session_capacity (its spec's bound)
       gpu_memory_fraction: 0.9
       memory_budget: null    # bytes or "512MiB"; default: free device memory (CPU: available host memory)
       attention_backend: auto

@@ -162,7 +162,7 @@ class ARDiffusionModelRunner:
         self.step_execution = step_execution  # must be False: request mode only
         self.memory_budget = memory_budget  # explicit "available" bytes; None = measure the device
         self.gpu_memory_fraction = gpu_memory_fraction  # soft budget for sessions beyond the first
-        self.session_capacity_override = session_capacity  # caps the pipeline's session_capacity
+        self.session_capacity_override = session_capacity  # replaces the pipeline's session_capacity
         self.attention_backend_setting = attention_backend  # auto | torch | vllm (kv/backends.py)
         self.attention_backend: str | None = None  # the backend chosen at load: "torch" or "vllm"
         self.attention_backend_reason = ""  # why, in words (logged and emitted with the plan)
