@@ -193,3 +193,10 @@ def test_the_same_arrays_and_metadata_always_give_the_same_bytes(tmp_path):
     with safe_open(str(path), framework="np") as f:
         assert f.metadata() == metadata
         np.testing.assert_array_equal(f.get_tensor("joints"), arrays(3)["joints"])
+
+
+def test_read_step_takes_a_path_given_as_a_string(tmp_path):
+    (path,) = write_episode(tmp_path / "ep", [arrays(0)], prompt="pick")
+    raw = read_step(str(path))
+    np.testing.assert_array_equal(raw.arrays["image"], arrays(0)["image"])
+    assert raw.sha256 == read_step(path).sha256

@@ -282,12 +282,13 @@ _SIGNATURES = (
 )
 
 
-def load_step(path: Path) -> RawStep:
+def load_step(path: str | os.PathLike[str]) -> RawStep:
     """Read one step file; an unreadable file is an ``ObservationError`` naming it and saying why.
 
     The file is read once, and its SHA-256 is that of the bytes parsed: a file replaced meanwhile cannot give
     arrays of one version and the digest of another (``--resume`` and session rebuilds compare digests).
     """
+    path = Path(path)
     data = _read_bytes(path)
     if not data:
         raise ObservationError(f"{path}: the file is empty (0 bytes)", hint=WRITE_HINT)
