@@ -519,7 +519,7 @@ def test_warmup_and_rollout_read_dtype_and_device_spellings_as_a_config_does(tmp
                                                    "episodes": [], "demo": True}))
     result = runner.invoke(app, ["rollout", "--resume", "--out", str(tmp_path), "--dtype", "half"])
     assert result.exit_code == 2  # compared by its canonical name
-    assert "Error: --dtype 'float16' differs from the interrupted run's 'float32'" in result.stderr
+    assert "Error: --dtype 'float16' differs from the run's 'float32'" in result.stderr
     result = runner.invoke(app, ["inspect-capacity", "--dtype", "f64", "--format", "plain"])
     assert result.exit_code == 2
     unboxed = " ".join(re.sub("[│╭╮╰╯─]", " ", result.stderr).split())
@@ -603,7 +603,7 @@ def test_resume_with_a_different_dtype_is_refused(tmp_path):
                                                    "episodes": [], "demo": True}))
     result = runner.invoke(app, ["rollout", "--resume", "--out", str(tmp_path), "--dtype", "bfloat16"])
     assert result.exit_code == 2
-    assert "Error: --dtype 'bfloat16' differs from the interrupted run's 'float32'" in result.stderr
+    assert "Error: --dtype 'bfloat16' differs from the run's 'float32'" in result.stderr
     assert "hint: resume with the same --dtype" in result.stderr
 
 

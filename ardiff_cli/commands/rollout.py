@@ -95,7 +95,7 @@ def rollout(
                                        "until the episode's END file or --idle-timeout.")] = False,
     idle_timeout: Annotated[Optional[float], typer.Option(
         "--idle-timeout", min=0, metavar="SECONDS",
-        help=f"With --follow: end an episode after this long without a new step file. "
+        help=f"With --follow: end an episode after this long without a new or growing step file. "
              f"\\[default: {DEFAULT_IDLE_TIMEOUT:g}]", show_default=False)] = None,
     fail_fast: Annotated[bool, typer.Option(
         "--fail-fast", metavar=FLAG,
@@ -250,10 +250,10 @@ def _same_pipeline_option(given: str | None, recorded: str | None) -> None:
     if given == recorded:
         return
     if recorded is None:
-        raise ConfigError(f"the interrupted run used its config's pipeline, not --pipeline {given}",
+        raise ConfigError(f"the run used its config's pipeline, not --pipeline {given}",
                           hint="resume without --pipeline")
-    message = (f"--pipeline {given!r} differs from the interrupted run's {recorded!r}" if given else
-               f"the interrupted run used --pipeline {recorded}; ardiff imports code only when the command line "
+    message = (f"--pipeline {given!r} differs from the run's {recorded!r}" if given else
+               f"the run used --pipeline {recorded}; ardiff imports code only when the command line "
                "names it")
     raise ConfigError(message, hint=f"resume with --pipeline {recorded}")
 
@@ -285,7 +285,7 @@ def _resume_config(given: str | None, info: dict[str, Any]) -> str:
 
 def _same(given: Any, recorded: Any, name: str) -> Any:
     if given is not None and given != recorded:
-        raise ConfigError(f"{name} {given!r} differs from the interrupted run's {recorded!r}",
+        raise ConfigError(f"{name} {given!r} differs from the run's {recorded!r}",
                           hint=f"resume with the same {name}, or leave it out to reuse the recorded one")
     return recorded
 
