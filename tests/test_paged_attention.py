@@ -10,14 +10,18 @@ same bfloat16 inputs, so the bound covers bfloat16 rounding of the paged path's 
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ardiff_cli.runtime.capability import ARDiffusionKVBranchSpec
+from ardiff_cli.runtime.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.kv import attention as attention_module
+from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
+from ardiff_cli.runtime.kv.layout import KVLayout
+from ardiff_cli.runtime.kv.vllm_attention import TorchPagedKernel
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -230,3 +234,44 @@ def test_gqa_with_fused_kernel_output_layout(make_spec, make_cache, monkeypatch)
     state = make_cache(spec).new_state("s")
     stream = Stream(state, "positive", 4, torch.float32, torch.Generator().manual_seed(4))
     rollout(stream, 3, spec.frames_per_block, 0, denoise_steps=1)
+
+
+@pytest.mark.parametrize("layout", ["torch", "block"])
+def test_seeded_random_geometries_match_dense_reference(layout):
+    """Seeded random draws beyond the fixed geometries: one-token pages, several pages per frame, kernel blocks
+    that leave a tail in every page, windows shorter than a block, no sink, partial blocks, registers up to the
+    scratch room, grouped queries, explicit scales and resets, in float32 and bfloat16. Deterministic (about a
+    second each); a failure names the draw and its geometry."""
+    for draw in range(25):
+        rng = random.Random(draw)
+        tokens_per_frame = rng.randint(1, 12)
+        page_size = rng.choice([d for d in range(1, tokens_per_frame + 1) if tokens_per_frame % d == 0])
+        spec = ARDiffusionKVCacheSpec(
+            num_layers=rng.randint(1, 3), num_kv_heads=rng.randint(1, 3), head_size=rng.choice([1, 4, 8, 12]),
+            tokens_per_frame=tokens_per_frame, frames_per_block=rng.randint(1, 4), window_frames=rng.randint(1, 5),
+            sink_frames=rng.choice([0, 1, 2]), kv_branches=CFG, session_capacity=1,
+            max_scratch_tokens_per_branch=rng.choice([0, 3, 9]))
+        dtype = rng.choice([torch.float32, torch.bfloat16])
+        # Blocks no larger than a page always fit; larger ones are refused at construction (test_backends.py).
+        backend = "torch" if layout == "torch" else TorchPagedKernel(rng.randint(1, page_size))
+        pages = KVLayout.from_spec(spec, page_size=page_size).managed_pages(1)
+        cache = ARDiffusionKVCache(spec, pages, dtype=dtype, page_size=page_size, attention_backend=backend)
+        state = cache.new_state("s")
+        streams = [Stream(state, b.name, spec.num_kv_heads * rng.randint(1, 3), dtype,
+                          torch.Generator().manual_seed(draw)) for b in CFG]
+        where = f"draw {draw}: {spec}, page_size={page_size}, {cache.attention_description}, {dtype}"
+        try:
+            for _ in range(12 + 3 * (spec.sink_frames + spec.window_frames)):  # the window wraps several times
+                if rng.random() < 0.05:
+                    state.reset()
+                    for stream in streams:
+                        stream.frames.clear()
+                    continue
+                frames = rng.randint(1, spec.frames_per_block)
+                registers = rng.randint(0, cache.layout.scratch_tokens - frames * tokens_per_frame)
+                rng.choice(streams).run(frames, commit=rng.random() < 0.6, num_registers=registers,
+                                        scale=rng.choice([None, 0.3]))
+        except AssertionError as exc:
+            raise AssertionError(f"{where}: {exc}") from exc
+        state.close()
+        assert cache.num_free_pages == cache.num_managed_pages, where
