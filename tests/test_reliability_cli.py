@@ -298,6 +298,45 @@ def test_a_warmup_provider_that_yields_nothing_is_a_warning_not_a_silent_success
     assert "warning" not in normal.stderr
 
 
+# The vLLM kernel failing to build under `auto` cannot happen on a CPU machine (its probe and its pool
+# agree there); this stands in for it, then runs the real CLI in the same process.
+FAILING_VLLM_POOL = """\
+import sys
+import ardiff_cli.runtime.runner as runner
+real = runner.ARDiffusionKVCache
+def cache(*args, attention_backend="torch", **kwargs):
+    if attention_backend == "vllm":
+        raise RuntimeError("kernel build failed")
+    return real(*args, attention_backend=attention_backend, **kwargs)
+runner.select_attention_backend = lambda *args, **kwargs: ("vllm", "vLLM 0.0 on cpu")
+runner.ARDiffusionKVCache = cache
+from ardiff_cli.app import main
+sys.argv = ["ardiff", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("command", ["warmup", "rollout"])
+def test_the_attention_backend_falling_back_is_a_warning_line_that_quiet_silences(env, command, tmp_path):
+    """It used to be a bare log line (`attention backend: ...`, no `warning:`) that --quiet still printed."""
+    message = ("warning: attention backend: vLLM kernel failed to initialise (RuntimeError: kernel build failed); "
+               "using torch")
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        out = ["-o", str(tmp_path / f"run{len(extra)}")] if command == "rollout" else []
+        return subprocess.run([sys.executable, "-c", FAILING_VLLM_POOL, command, "causal-world-tiny", "--device",
+                               "cpu", *out, *extra], cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+
+    as_json = run("--format", "json")
+    assert as_json.returncode == 0, as_json.stderr
+    assert [line for line in as_json.stderr.splitlines() if "attention backend" in line] == [message]
+    events = [json.loads(line) for line in as_json.stdout.splitlines()]  # stdout: JSON lines only
+    planned = [e for e in events if e["kind"] == "capacity_planned"]
+    assert planned[0]["attention_backend"] == "torch" and "kernel build failed" in planned[0]["attention_detail"]
+    quiet = run("-q")
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+
+
 def test_a_forward_that_returns_no_dict_fails_its_steps_instead_of_writing_empty_outputs(env, tmp_path):
     run = tmp_path / "run"
     proc = ardiff(env, "rollout", "causal-world-tiny", "--device", "cpu", "--out", str(run), "--no-warmup",

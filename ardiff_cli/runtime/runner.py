@@ -12,6 +12,7 @@ import functools
 import logging
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -31,7 +32,14 @@ from ardiff_cli.runtime.capacity import (
     plan_capacity,
     total_host_memory,
 )
-from ardiff_cli.runtime.errors import PIPELINE_HINT, ArdiffError, ConfigError, PipelineError, as_pipeline_error
+from ardiff_cli.runtime.errors import (
+    PIPELINE_HINT,
+    ArdiffError,
+    ArdiffWarning,
+    ConfigError,
+    PipelineError,
+    as_pipeline_error,
+)
 from ardiff_cli.runtime.events import (
     CapacityPlanned,
     HookFailed,
@@ -260,7 +268,8 @@ class ARDiffusionModelRunner:
             if name == "torch" or setting != "auto":
                 raise
             reason = f"vLLM kernel failed to initialise ({type(exc).__name__}: {exc}); using torch"
-            logger.warning("attention backend: %s", reason)
+            # The user asked for the fast path (auto) and gets the slow one: a warning, not a log record.
+            warnings.warn(f"attention backend: {reason}", ArdiffWarning, stacklevel=3)
             name = "torch"
             plan, cache = allocate(name)
         self.attention_backend, self.attention_backend_reason = name, reason

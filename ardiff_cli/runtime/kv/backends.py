@@ -50,7 +50,6 @@ describes the visible set.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import math
 import os
 from dataclasses import dataclass
@@ -61,8 +60,6 @@ from ardiff_cli.runtime.errors import ConfigError
 
 if TYPE_CHECKING:
     from ardiff_cli.runtime.kv.layout import KVLayout
-
-logger = logging.getLogger("ardiff.runtime")
 
 ATTENTION_BACKEND_SETTINGS = ("auto", "torch", "vllm")
 VLLM_INSTALL_HINT = "pip install 'ardiff[vllm]'"
