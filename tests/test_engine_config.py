@@ -83,6 +83,27 @@ def test_numpy_integers_are_accepted_where_integers_are_and_bools_and_fractions_
             config.with_runtime(memory_budget=bad)
 
 
+def test_numpy_numbers_are_accepted_as_the_gpu_memory_fraction_and_stored_as_a_float():
+    """np.float32(0.5) and np.int64(1) used to be refused ('expected a number in (0, 1]') while np.float64 passed
+    (a float subclass). Any real number but a bool is taken, as a plain float (the plan goes to JSON output)."""
+    config = load_config("causal-world-tiny")
+    spec = config.kv_cache_spec()
+    for given, expected in ((np.float32(0.5), 0.5), (np.int64(1), 1.0), (np.float16(0.25), 0.25), (1, 1.0)):
+        runtime = config.with_runtime(gpu_memory_fraction=given).runtime
+        assert type(runtime.gpu_memory_fraction) is float and runtime.gpu_memory_fraction == expected
+        from_dict = load_config({"pipeline": "causal_world", "runtime": {"gpu_memory_fraction": given}}).runtime
+        assert type(from_dict.gpu_memory_fraction) is float and from_dict.gpu_memory_fraction == expected
+        plan = plan_capacity(spec, "float32", 64 << 20, given)
+        assert type(plan.gpu_memory_fraction) is float and plan.gpu_memory_fraction == expected
+        json.dumps(plan.to_dict())
+    for bad in (True, np.bool_(True), np.float32("nan"), np.float64("inf"), np.int64(0), np.float32(1.5), 10**400,
+                "0.5"):
+        with pytest.raises(ConfigError, match="field 'runtime.gpu_memory_fraction': expected a number in"):
+            config.with_runtime(gpu_memory_fraction=bad)
+        with pytest.raises(ConfigError, match="gpu_memory_fraction must be in"):
+            plan_capacity(spec, "float32", 64 << 20, bad)
+
+
 def test_public_surface_resolves_lazily():
     import subprocess
     import sys

@@ -61,6 +61,18 @@ def as_int(value: object) -> int | None:
     return None
 
 
+def as_fraction(value: object) -> float | None:
+    """``value`` as a Python float when it is a real number of any kind (int, float, numpy's float32, int64, ...)
+    in (0, 1], not a bool; else None (nan, inf and 10**400 included)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if 0 < number <= 1 else None
+
+
 def parse_bytes(text: str | int) -> int:
     """'512MiB', '2 GiB', '1.5G', '1000000' (any integer, numpy's too) -> bytes."""
     value = as_int(text)
@@ -193,8 +205,9 @@ def plan_capacity(
     """
     if not isinstance(spec, ARDiffusionKVCacheSpec):
         raise TypeError(f"spec must be an ARDiffusionKVCacheSpec, got {type(spec).__name__}")
-    if not 0 < gpu_memory_fraction <= 1:
-        raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
+    fraction = as_fraction(gpu_memory_fraction)  # numpy's numbers too, stored as a float (the plan goes to JSON)
+    if fraction is None:
+        raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction!r}")
     if available_bytes <= 0:
         raise ConfigError(f"available memory must be positive, got {available_bytes} bytes")
     given = spec.session_capacity if session_capacity is None else session_capacity
@@ -219,7 +232,7 @@ def plan_capacity(
             f"{format_bytes(available_bytes)} ({available_bytes} bytes) is available",
             hint="use a smaller window or dtype, a larger --memory-budget, or a device with more memory",
         )
-    budget = max(int(available_bytes * gpu_memory_fraction), required_one)
+    budget = max(int(available_bytes * fraction), required_one)
     capacity = max(1, min(limit, (budget - fixed) // per_session))
     return CapacityPlan(
         dtype=name,
@@ -241,7 +254,7 @@ def plan_capacity(
         model_owned_bytes_per_session=spec.model_owned_state_bytes_per_session,
         bytes_per_session=per_session,
         available_bytes=available_bytes,
-        gpu_memory_fraction=gpu_memory_fraction,
+        gpu_memory_fraction=fraction,
         budget_bytes=budget,
         session_capacity_limit=limit,
         session_capacity=capacity,

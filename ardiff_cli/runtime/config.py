@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
-from ardiff_cli.runtime.capacity import as_int, dtype_name, parse_bytes
+from ardiff_cli.runtime.capacity import as_fraction, as_int, dtype_name, parse_bytes
 from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error
 from ardiff_cli.runtime.kv.backends import ATTENTION_BACKEND_SETTINGS
 from ardiff_cli.runtime.registry import PipelineEntry, resolve_pipeline, resolve_pipeline_reference
@@ -110,9 +110,10 @@ def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
             raise field_error(where, field, "a positive integer", value)
         return number
     if key == "gpu_memory_fraction":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        fraction = as_fraction(value)  # numpy's numbers too, never a bool
+        if fraction is None:
             raise field_error(where, field, "a number in (0, 1]", value)
-        return float(value)
+        return fraction
     if key == "memory_budget":
         try:
             return parse_bytes(value)
