@@ -383,6 +383,9 @@ CONFIG_CASES = {
     "device_index_not_a_number": ("pipeline: dreamzero\nruntime: {device: 'cuda:x'}\n", "inspect-capacity",
                                   ["{config}: field 'runtime.device': expected auto, cpu, cuda or cuda:N, got "
                                    "'cuda:x'"], "set 'runtime.device'"),
+    "device_index_not_ascii": ("pipeline: dreamzero\nruntime: {device: 'cuda:\u0661'}\n", "inspect-capacity",
+                               ["{config}: field 'runtime.device': expected auto, cpu, cuda or cuda:N, got "
+                                "'cuda:\u0661'"], "set 'runtime.device'"),
 }
 
 
@@ -488,10 +491,13 @@ def test_device_option_takes_an_index_and_refuses_what_is_not_a_device(monkeypat
     result = runner.invoke(app, ["inspect-capacity", "--device", "CUDA:1", "--available", "1GiB", "--format", "json"])
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["device"] == "cuda:1"
-    result = runner.invoke(app, ["inspect-capacity", "--device", "cuda:x"])
-    assert result.exit_code == 2
-    unboxed = " ".join(re.sub("[│╭╮╰╯─]", " ", result.stderr).split())  # Typer draws usage errors in a box
-    assert "'cuda:x' is not a device: use auto, cpu, cuda or cuda:N" in unboxed, result.stderr
+    # cuda:١ (an Arabic-Indic 1) and cuda:１ (a fullwidth 1) used to pass the check: inspect-capacity planned for
+    # GPU 1 and warmup failed in torch.device() as "a bug in ardiff". The index is ASCII digits.
+    for device in ("cuda:x", "cuda:\u0661", "cuda:\uff11"):
+        result = runner.invoke(app, ["inspect-capacity", "--device", device])
+        assert result.exit_code == 2
+        unboxed = " ".join(re.sub("[│╭╮╰╯─]", " ", result.stderr).split())  # Typer draws usage errors in a box
+        assert f"'{device}' is not a device: use auto, cpu, cuda or cuda:N" in unboxed, result.stderr
 
 
 @pytest.mark.parametrize(("dtype", "canonical"), [("fp16", "float16"), ("half", "float16"), ("BF16", "bfloat16"),

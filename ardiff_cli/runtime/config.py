@@ -72,11 +72,12 @@ class RuntimeConfig:
 
 def device_name(value: Any) -> str | None:
     """The canonical spelling (auto, cpu, cuda, cuda:N) of a device given in any case, or None when ``value`` is
-    not one. ``runtime.device`` and ``--device`` both read devices through this, so they take the same spellings."""
+    not one. ``runtime.device`` and ``--device`` both read devices through this, so they take the same spellings.
+    The index is ASCII digits: ``\\d`` would take ``cuda:\\u0661``, which torch.device() refuses."""
     if not isinstance(value, str):
         return None
     name = value.strip().lower()
-    return name if name in DEVICES or re.fullmatch(r"cuda:\d+", name) else None
+    return name if name in DEVICES or re.fullmatch(r"cuda:[0-9]+", name) else None
 
 
 def model_dtype_name(value: Any) -> str | None:
