@@ -313,3 +313,32 @@ def test_an_installed_entry_point_named_like_a_builtin_is_a_warning_and_the_buil
     api = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
                          timeout=120)
     assert api.returncode == 0 and api.stdout.strip() == "['ArdiffWarning']", api.stderr
+
+
+def test_two_distributions_registering_one_name_is_a_warning_and_the_choice_does_not_depend_on_the_disk(tmp_path):
+    """The first entry point found used to win silently, and entry_points() lists a folder in the file system's
+    order (creation order on tmpfs, hash order on ext4): the same two packages ran one model here, the other there."""
+    import subprocess
+
+    config = tmp_path / "my_world.yaml"
+    config.write_text("pipeline: my_world\nmodel: {preset: tiny}\n")
+    warning = ("warning: pipeline 'my_world' is registered by more than one entry point in group 'ardiff.pipelines': "
+               "'pipelines.causal_world' (distribution alpha-world 1.0) is used, 'pipelines.dreamzero' (distribution "
+               "beta-world 2.0) ignored (the distribution whose name sorts first is used); uninstall one, or register "
+               "it under another name")
+    for order in (("alpha", "beta"), ("beta", "alpha")):  # written in both orders
+        site = tmp_path / "-".join(order)
+        for name in order:
+            module, version = ("pipelines.causal_world", "1.0") if name == "alpha" else ("pipelines.dreamzero", "2.0")
+            dist = site / f"{name}_world-{version}.dist-info"
+            dist.mkdir(parents=True)
+            (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}-world\nVersion: {version}\n")
+            (dist / "entry_points.txt").write_text(f"[ardiff.pipelines]\nmy_world = {module}\n")
+        env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "COLUMNS")}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(site)])
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--available",
+                               "1GiB", "--format", "json"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["plan"]["num_local_branches"] == 1, order  # causal_world's one branch
+        assert [line for line in proc.stderr.splitlines() if line.startswith("warning:")] == [warning], proc.stderr

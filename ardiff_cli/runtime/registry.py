@@ -71,17 +71,36 @@ class PipelineEntry:
 
 def registered_pipelines() -> dict[str, str]:
     """Pipeline name -> entry module path, built-ins first (an entry point cannot shadow a built-in: a warning
-    says which one was left out)."""
+    says which one was left out). A name two distributions register goes to the one whose name sorts first, with
+    a warning naming both (the order of entry_points() is the file system's listing order, so the first found
+    would differ between machines)."""
     names = dict(BUILTIN_PIPELINES)
+    found: dict[str, list[importlib.metadata.EntryPoint]] = {}
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if ep.name in BUILTIN_PIPELINES:
-            dist = f"distribution {ep.dist.name} {ep.dist.version}" if ep.dist is not None else "unknown distribution"
-            warnings.warn(f"entry point {ep.name} = {ep.value!r} in group {ENTRY_POINT_GROUP!r} ({dist}) has the "
-                          f"name of a built-in pipeline and is ignored: {ep.name!r} is the built-in "
+            warnings.warn(f"entry point {ep.name} = {ep.value!r} in group {ENTRY_POINT_GROUP!r} ({_origin(ep)}) has "
+                          f"the name of a built-in pipeline and is ignored: {ep.name!r} is the built-in "
                           f"{BUILTIN_PIPELINES[ep.name]!r}; register it under another name", ArdiffWarning,
                           stacklevel=2)
-        names.setdefault(ep.name, ep.value)
+            continue
+        found.setdefault(ep.name, []).append(ep)
+    for name, eps in found.items():
+        used, *others = sorted(eps, key=lambda ep: (ep.dist is None, ep.dist.name.lower() if ep.dist else "",
+                                                    ep.value))
+        names[name] = used.value
+        others = [ep for ep in others if ep.value != used.value]  # the same module twice is no conflict
+        if others:
+            ignored = "; ".join(f"{ep.value!r} ({_origin(ep)})" for ep in others)
+            warnings.warn(f"pipeline {name!r} is registered by more than one entry point in group "
+                          f"{ENTRY_POINT_GROUP!r}: {used.value!r} ({_origin(used)}) is used, {ignored} ignored (the "
+                          "distribution whose name sorts first is used); uninstall one, or register it under "
+                          "another name", ArdiffWarning, stacklevel=2)
     return names
+
+
+def _origin(ep: importlib.metadata.EntryPoint) -> str:
+    dist = ep.dist
+    return f"distribution {dist.name} {dist.version}" if dist is not None else "unknown distribution"
 
 
 def _import(module_path: str, *, what: str, where: str):
