@@ -88,6 +88,7 @@ class Rollout:
         self._warned: set[tuple[str, str]] = set()  # (episode, warning) shown once
         self._at: tuple[str, StepFile] | None = None  # (phase, step file) of the work in progress, for errors
         self._running: StepTask | None = None  # the step in progress
+        self._steps_total: int | None = None  # steps done and left in this run, for the progress bar (None: following)
         engine.subscribe(self._on_event)
 
     # -- events --------------------------------------------------------------------------------------------
@@ -122,7 +123,7 @@ class Rollout:
     # -- the loop ------------------------------------------------------------------------------------------
 
     def run(self) -> RolloutStats:
-        self._show_progress()
+        self._show_progress(self.episodes, recount=True)
         while True:
             self.signals.check()
             item = self.scheduler.next()
@@ -146,7 +147,8 @@ class Rollout:
                     raise failure from (None if failure is exc else exc)
             finally:
                 self._at = self._running = None
-            self._show_progress()
+            # Only this episode's counts changed, and the total only if it failed (its other steps left it).
+            self._show_progress([item.episode], recount=item.episode.name in self.stats.failed)
 
     def _step_failure(self, task: StepTask, exc: Exception) -> ArdiffError:
         """An invalid file stays an ``ObservationError``; anything else becomes a ``StepFailed`` naming the step."""
@@ -314,14 +316,16 @@ class Rollout:
 
     # -- progress and previews -----------------------------------------------------------------------------
 
-    def _show_progress(self) -> None:
-        for episode in self.episodes:
+    def _show_progress(self, episodes: list[EpisodeSource], *, recount: bool) -> None:
+        """Progress of ``episodes`` (all at the start, then the one that ran a step: a step's update costs the same
+        for 10 episodes or 10,000) and of the run. ``recount``: count the steps left again (at the start, and after
+        a failure); a step that succeeds moves one from left to done, so the total stays."""
+        for episode in episodes:
             total = None if self.options.follow else self.scheduler.num_known(episode.name)
             self.monitor.set_episode(episode.name, episode.name, self._steps_done[episode.name], total)
-        pending = self.scheduler.num_pending()
-        self.monitor.set_progress(done=self.stats.steps,
-                                  total=None if self.options.follow else self.stats.steps + pending,
-                                  failed=len(self.stats.failed))
+        if recount and not self.options.follow:
+            self._steps_total = self.stats.steps + self.scheduler.num_pending()
+        self.monitor.set_progress(done=self.stats.steps, total=self._steps_total, failed=len(self.stats.failed))
         self.monitor.refresh(self.engine.runner)
 
     def _write_preview(self, episode: EpisodeSource) -> None:

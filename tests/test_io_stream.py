@@ -91,6 +91,39 @@ def test_pending_steps_and_history_while_resuming_with_done_steps_in_between(tmp
     assert handed == {"a": {2, 3, 5}, "b": {0, 1, 3}}
 
 
+@pytest.mark.parametrize("order", ["round-robin", "sequential"])
+def test_handing_out_steps_never_searches_the_other_episodes(tmp_path, order, monkeypatch):
+    """A lab's folder of 1,000 episodes: every lookup of an episode by name compared it with the others (the
+    rollout looks its episode up at every step), and each step found its turn with list.index, comparing tracks
+    field by field. Counted here in comparisons: a step must cost the same for 10 episodes or 10,000."""
+    import ardiff_cli.io.stream as stream_module
+
+    compared = [0]
+
+    class Name(str):  # an episode name that counts the comparisons made with it
+        __hash__ = str.__hash__
+
+        def __eq__(self, other):
+            compared[0] += 1
+            return str.__eq__(self, other)
+
+    real_eq = stream_module._Track.__eq__
+    monkeypatch.setattr(stream_module._Track, "__eq__",
+                        lambda a, b: compared.__setitem__(0, compared[0] + 1) or real_eq(a, b))
+    write_episode(tmp_path / "ep", [good(0), good(1)], prompt="p")
+    n = 200  # every episode reads the same folder: what is counted is the scheduler's work, not the files
+    episodes = [EpisodeSource(name=Name(f"ep_{i}"), path=tmp_path / "ep") for i in range(n)]
+    scheduler = StepScheduler(episodes, order=order)
+    steps = 0
+    while (item := scheduler.next()) is not None:
+        if isinstance(item, StepTask):  # what the rollout asks at every step
+            steps += 1
+            scheduler.history(item.episode.name, 0)
+            scheduler.num_known(item.episode.name)
+    assert steps == 2 * n
+    assert compared[0] == 0, f"{compared[0]} comparisons for {steps} steps of {n} episodes"  # was 100,000 and more
+
+
 def test_round_robin_interleaves_and_sequential_does_not(tmp_path):
     episodes = _episodes(tmp_path, {"a": 3, "b": 1, "c": 2})
     # An episode's end comes right after its last step, not one turn later (live panels, --preview, summary).

@@ -60,3 +60,38 @@ def test_a_finished_episode_leaves_nothing_per_step_behind(tmp_path, monkeypatch
     assert drivers[0].stats.steps == 24
     assert max(held) <= 6, f"{max(held)} digests held for episodes of 6 steps"  # was 23 at the last step
     assert sum(map(len, drivers[0]._digests.values())) == 0
+
+
+def test_a_steps_progress_update_looks_at_its_own_episode_only(tmp_path, monkeypatch):
+    """A folder of 1,000 episodes: after every step the progress of every episode was set again, each looked up
+    among all of them (12.6 ms of overhead per step at 1,000 episodes, 0.7 ms at 10). Now one episode per step;
+    the progress total shown stays steps done plus steps left, through a failed episode."""
+    import numpy as np
+
+    import ardiff_cli.rollout as rollout_module
+    from ardiff_cli.io import write_step
+    from ardiff_cli.io.demo import demo_step
+    from ardiff_cli.monitor import RunMonitor
+    from pipelines.dreamzero import observation_schema
+
+    n = 5  # (the demo's colours hold 5 episodes)
+    data = write_fast_data(tmp_path, {f"arm_{i}": 2 for i in range(n)})
+    bad = demo_step(observation_schema(), (16, 16), 3, 1, 4)
+    bad["joint_position"] = np.zeros(5, np.float32)
+    write_step(data / "eps" / "arm_3", 1, bad)  # arm_3 fails at its last step
+    updates, real_set = [0], RunMonitor.set_episode
+    monkeypatch.setattr(RunMonitor, "set_episode",
+                        lambda self, *args: updates.__setitem__(0, updates[0] + 1) or real_set(self, *args))
+    totals, real_show = [], rollout_module.Rollout._show_progress
+
+    def show(self, *args, **kwargs):
+        real_show(self, *args, **kwargs)
+        totals.append((self.monitor.snapshot().steps_total, self.stats.steps + self.scheduler.num_pending()))
+
+    monkeypatch.setattr(rollout_module.Rollout, "_show_progress", show)
+    result = rollout(data, tmp_path / "run")
+    assert result.exit_code == 4, result.output
+    assert len(totals) == 1 + 2 * n  # the start, then each step (the failed one included)
+    assert updates[0] == n + 2 * n, f"{updates[0]} episode updates for {2 * n} steps of {n} episodes"  # was 55
+    assert [shown for shown, _ in totals] == [expected for _, expected in totals]
+    assert totals[0][0] == 2 * n and totals[-1][0] == 2 * n - 1
