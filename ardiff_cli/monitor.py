@@ -65,6 +65,7 @@ class RunMonitor:
         self._start = time.monotonic()
         self._events: deque[EventRow] = deque(maxlen=8)  # the newest events, for the events panel
         self._episodes: dict[str, tuple[str, int, int | None]] = {}  # session -> (episode label, done, total)
+        self._views: tuple[Any, ...] = ()  # the runner's session views at the last refresh, least recently used first
         self._snapshot = Snapshot(title=title)
 
     # -- inputs --------------------------------------------------------------------------------------------
@@ -128,19 +129,13 @@ class RunMonitor:
             )
 
     def refresh(self, runner: Any) -> None:
-        """Read the runner's session and pool views (call from the thread that runs requests)."""
-        views = runner.sessions()
+        """Read the runner's session and pool views (call from the thread that runs requests). Their rows are built
+        by :meth:`snapshot`, for the live display only, not after every step for every resident session."""
+        views = tuple(runner.sessions())
         usage = runner.pool_usage()
         with self._lock:
-            rows = []
-            for view in views:
-                label, done, total = self._episodes.get(view.session_id, (view.session_id, view.num_requests, None))
-                rows.append(SessionRow(session_id=view.session_id, episode=label, steps_done=done, steps_total=total,
-                                       pages_per_branch=dict(view.pages_per_branch),
-                                       cross_attention_bytes=view.cross_attention_bytes,
-                                       last_latency_s=view.last_latency_s))
-            self._snapshot = replace(self._snapshot, sessions=tuple(rows), pages_used=usage.num_used,
-                                     pages_total=usage.num_pages)
+            self._views = views
+            self._snapshot = replace(self._snapshot, pages_used=usage.num_used, pages_total=usage.num_pages)
 
     # -- output --------------------------------------------------------------------------------------------
 
@@ -149,4 +144,11 @@ class RunMonitor:
 
     def snapshot(self) -> Snapshot:
         with self._lock:
-            return replace(self._snapshot, events=tuple(self._events), elapsed_s=self.elapsed())
+            rows = []
+            for view in self._views:
+                label, done, total = self._episodes.get(view.session_id, (view.session_id, view.num_requests, None))
+                rows.append(SessionRow(session_id=view.session_id, episode=label, steps_done=done, steps_total=total,
+                                       pages_per_branch=dict(view.pages_per_branch),
+                                       cross_attention_bytes=view.cross_attention_bytes,
+                                       last_latency_s=view.last_latency_s))
+            return replace(self._snapshot, sessions=tuple(rows), events=tuple(self._events), elapsed_s=self.elapsed())

@@ -95,3 +95,30 @@ def test_a_steps_progress_update_looks_at_its_own_episode_only(tmp_path, monkeyp
     assert updates[0] == n + 2 * n, f"{updates[0]} episode updates for {2 * n} steps of {n} episodes"  # was 55
     assert [shown for shown, _ in totals] == [expected for _, expected in totals]
     assert totals[0][0] == 2 * n and totals[-1][0] == 2 * n - 1
+
+
+def test_a_step_builds_no_row_for_each_resident_session_when_nothing_draws_them(tmp_path, monkeypatch):
+    """With a small model hundreds of sessions are resident: after every step (and every replayed one) a row was
+    built for each of them, in every format, though only the live display (4 times a second) shows them (1,000
+    resident sessions: 3 ms per step). Rows are built when a snapshot is taken, and show the same."""
+    import ardiff_cli.monitor as monitor_module
+
+    built, real_row = [0], monitor_module.SessionRow
+    monkeypatch.setattr(monitor_module, "SessionRow",
+                        lambda *args, **kwargs: built.__setitem__(0, built[0] + 1) or real_row(*args, **kwargs))
+    in_refresh, shown, real_refresh = [0], [], monitor_module.RunMonitor.refresh
+
+    def refresh(self, runner):
+        before = built[0]
+        real_refresh(self, runner)
+        in_refresh[0] += built[0] - before
+        rows = self.snapshot().sessions  # what the live display would draw now
+        assert [r.session_id for r in rows] == runner.session_ids
+        shown.extend((r.episode, r.steps_done, r.steps_total) for r in rows)
+
+    monkeypatch.setattr(monitor_module.RunMonitor, "refresh", refresh)
+    data = write_fast_data(tmp_path, {f"arm_{i}": 2 for i in range(3)})
+    result = rollout(data, tmp_path / "run", "--session-capacity", "3")
+    assert result.exit_code == 0, result.output
+    assert in_refresh[0] == 0, f"{in_refresh[0]} session rows built after steps"
+    assert ("arm_0", 1, 2) in shown and ("arm_2", 1, 2) in shown  # label, steps done and total, as before
