@@ -76,6 +76,11 @@ def _text(value: str):
     return Text(visible(value))
 
 
+# The sessions panel's most rows: the least recently used (the next to be evicted), then how many more. A row per
+# resident session (hundreds with a small model) pushed the events and the progress line off the screen, and drawing
+# them 4 times a second took more than the CPU time there is (1,000 rows: 0.4 s per frame).
+SESSION_ROWS = 16
+
 EVENT_STYLES = {"admitted": "green", "evicted": "yellow", "reset": "magenta", "closed": "blue", "failed": "red",
                 "hook_failed": "red", "warmup": "cyan", "episode": "cyan"}
 
@@ -118,7 +123,7 @@ def _sessions_panel(s: Snapshot):
     table.add_column("pages", no_wrap=True)
     table.add_column("x-attn", justify="right", no_wrap=True)
     table.add_column("last", justify="right", no_wrap=True)
-    for row in s.sessions:
+    for row in s.sessions[:SESSION_ROWS]:
         steps = f"{row.steps_done}/{row.steps_total}" if row.steps_total is not None else str(row.steps_done)
         pages = " ".join(f"{branch[:3]}:{n}" for branch, n in row.pages_per_branch.items())
         latency = f"{row.last_latency_s * 1000:.0f} ms" if row.last_latency_s is not None else "-"
@@ -126,6 +131,8 @@ def _sessions_panel(s: Snapshot):
                       latency)
     if not s.sessions:
         table.add_row("[dim]none[/dim]", "", "", "", "", "")
+    elif len(s.sessions) > SESSION_ROWS:
+        table.add_row(f"[dim]… and {len(s.sessions) - SESSION_ROWS} more[/dim]", "", "", "", "", "")
     return Panel(table, title="sessions (least recently used first)", title_align="left", border_style="cyan")
 
 
