@@ -89,6 +89,13 @@ class Rollout:
         self._at: tuple[str, StepFile] | None = None  # (phase, step file) of the work in progress, for errors
         self._running: StepTask | None = None  # the step in progress
         self._steps_total: int | None = None  # steps done and left in this run, for the progress bar (None: following)
+        # --preview: episode -> (step, output) of its ok lines in results.jsonl, in order (earlier runs' read once
+        # here): what its preview draws when it ends, without reading every episode's lines again for each episode
+        self._ok_outputs: dict[str, list[tuple[int, str]]] = {}
+        if options.preview:
+            for record in run.iter_records():
+                if record["status"] == "ok":
+                    self._ok_outputs.setdefault(record["episode"], []).append((record["step"], record["output"]))
         engine.subscribe(self._on_event)
 
     # -- events --------------------------------------------------------------------------------------------
@@ -239,6 +246,8 @@ class Rollout:
                 "closed": task.is_last, "time": time.time(),
             }
             self._append(record)
+        if self.options.preview:
+            self._ok_outputs.setdefault(episode.name, []).append((step, record["output"]))
         self._digests.setdefault(episode.name, {})[step] = digest  # what a replay of this step must find
         self.stats.steps += 1
         self._steps_done[episode.name] += 1
@@ -282,6 +291,7 @@ class Rollout:
         self.stats.errors[episode.name] = exc
         self.scheduler.drop(episode.name)
         self._digests.pop(episode.name, None)  # never replayed again: a long run holds only live episodes' digests
+        self._ok_outputs.pop(episode.name, None)  # and draws no preview
         self._close_session(episode.name)
         self.monitor.log("failed", episode.name, message.splitlines()[0], echo=False)
         if not self.options.fail_fast:  # else the run stops with this error, and it is shown once, at exit
@@ -333,16 +343,14 @@ class Rollout:
 
         observed, predicted = [], []
         step_files = {f.step: f for f in self.scheduler.history(episode.name)}
-        for record in self.run_folder.iter_records():
-            if record["episode"] != episode.name or record["status"] != "ok":  # iter_records checked both
-                continue
-            step_file = step_files.get(record["step"])
+        for step, output in self._ok_outputs.pop(episode.name, ()):  # its ok lines, earlier runs' included
+            step_file = step_files.get(step)
             frame = None
             if step_file is not None:
                 arrays = load_step(step_file.path).arrays
                 frame = next((f for f in map(as_rgb_frame, arrays.values()) if f is not None), None)
             observed.append(frame)
-            predicted.append(self._predicted_frame(self.run_folder.root / record["output"]))
+            predicted.append(self._predicted_frame(self.run_folder.root / output))
         if not any(f is not None for f in (*observed, *predicted)):
             raise ValueError("no image to show: neither its step files nor its outputs hold a uint8 (H, W, 3) "
                              "frame, and the pipeline's decode_latents is missing or returned no such frame")

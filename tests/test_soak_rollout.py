@@ -122,3 +122,32 @@ def test_a_step_builds_no_row_for_each_resident_session_when_nothing_draws_them(
     assert result.exit_code == 0, result.output
     assert in_refresh[0] == 0, f"{in_refresh[0]} session rows built after steps"
     assert ("arm_0", 1, 2) in shown and ("arm_2", 1, 2) in shown  # label, steps done and total, as before
+
+
+def test_previews_read_the_results_lines_once_not_once_per_episode(tmp_path, monkeypatch):
+    """--preview drew each episode from results.jsonl, read whole for every episode that ended: 1,000 episodes of
+    5 steps parsed 5,000,000 lines (3.6 ms more per step than without --preview, 0.3 ms at 100 episodes). A run
+    now reads it for the previews once, at the start (the lines of earlier runs, on --resume), and for the
+    summary; each preview is what it was."""
+    from ardiff_cli.io.run import RunFolder
+
+    reads, real_iter = [0], RunFolder.iter_records
+    monkeypatch.setattr(RunFolder, "iter_records", lambda self: reads.__setitem__(0, reads[0] + 1) or real_iter(self))
+    data = write_fast_data(tmp_path, {f"arm_{i}": 2 for i in range(4)})
+    out = tmp_path / "run"
+    result = rollout(data, out, "--preview")
+    assert result.exit_code == 0, result.output
+    assert reads[0] == 2, f"results.jsonl read {reads[0]} times for 4 episodes"  # was 5: once per episode, summary
+    previews = {p.name: p.read_bytes() for p in (out / "previews").iterdir()}
+    assert len(previews) == 4
+
+    # A step whose output went missing runs again on --resume: its episode has two ok lines for it, and the preview
+    # draws what its lines say, earlier runs' included, as when it was read from the file.
+    (out / "episodes" / "arm_1" / "step_000000.safetensors").unlink()
+    reads[0] = 0
+    result = runner.invoke(app, ["rollout", "--resume", "--out", str(out), "--no-warmup", "--format", "plain"])
+    assert result.exit_code == 0, result.output
+    assert reads[0] == 3  # resume's done steps, the previews' earlier lines, the summary
+    again = {p.name: p.read_bytes() for p in (out / "previews").iterdir()}
+    assert {name: again[name] == previews[name] for name in again} == {
+        "arm_0.png": True, "arm_1.png": False, "arm_2.png": True, "arm_3.png": True}
