@@ -409,6 +409,29 @@ def test_follow_polls_look_at_each_step_file_once_not_at_every_step(tmp_path, mo
     assert listings[0] <= 10, f"{listings[0]} folder listings for {n + 1} steps"
 
 
+def test_follow_polls_the_caught_up_folders_once_per_interval_not_after_every_step(tmp_path, monkeypatch):
+    """100 robots, each writing a step every few seconds: after every step the follower listed the folder of each
+    robot that had no step waiting (up to 99 listings per step, each as long as its folder; 2 ms of a 7 ms
+    step). Between pauses, a poll now comes at most once per poll interval; what is taken, and when, is unchanged
+    where time moves only while the follower pauses (this clock)."""
+    n = 40
+    folders = [tmp_path / f"robot_{i}" for i in range(n)]
+    for folder in folders:
+        write_episode(folder, [good(0)], prompt="p", end=False)
+    listings, real_scan = [0], EpisodeSource.scan
+    monkeypatch.setattr(EpisodeSource, "scan", lambda self, **kw: listings.__setitem__(0, listings[0] + 1)
+                        or real_scan(self, **kw))
+
+    def robots_write(step):
+        return lambda: [write_step(folder, step, good(step)) for folder in folders]
+
+    clock = FakeClock([lambda: None, robots_write(1), lambda: None, lambda: [(f / "END").touch() for f in folders]])
+    scheduler = StepScheduler(discover_episodes(folders), follow=True, idle_timeout=60, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert _drain(scheduler) == [(f"robot_{i}", item) for item in (0, 1, "end_marker") for i in range(n)]
+    assert listings[0] <= 8 * n, f"{listings[0]} folder listings for {2 * n} steps of {n} robots"  # was 2,660
+
+
 def test_follow_a_second_file_for_a_step_already_taken_fails_the_episode(tmp_path):
     folder = tmp_path / "live"
     write_episode(folder, [good(0), good(1)], prompt="p", end=False)

@@ -103,6 +103,8 @@ class StepScheduler:
             self._by_name.setdefault(track.source.name, track)
         self._turn = 0  # round-robin: index of the episode whose turn is next
         self._first = 0  # sequential: no episode before this index is left to run
+        self._polled_at = -float("inf")  # follow: when the folders of caught-up episodes were last polled
+        self._slept = False  # follow: a pause came since that poll (the folders are polled again after each)
         self._pending_ends: list[EpisodeEnded] = []  # items to hand out before any further step
         if not follow:
             for track in self._tracks:
@@ -155,9 +157,14 @@ class StepScheduler:
                 if not active:
                     self._warn_late_files()
                     return None
-                for track in active:
-                    if track.cursor >= len(track.files):  # a backlog needs no poll: each costs a folder listing
-                        self._guarded_scan(track)
+                # Poll after each pause, and while steps keep running at most once per poll_interval: every step
+                # polled every caught-up folder (100 robots: a listing of 99 folders per step).
+                now = self._clock()
+                if self._slept or now - self._polled_at >= self.poll_interval:
+                    self._polled_at, self._slept = now, False
+                    for track in active:
+                        if track.cursor >= len(track.files):  # a backlog needs no poll: each costs a folder listing
+                            self._guarded_scan(track)
             item = self._pick()
             if item is not None:
                 return item
@@ -165,6 +172,7 @@ class StepScheduler:
                 if not self.follow:  # every episode ended: one not ended would have given a step or its end
                     return None
                 self._sleep(self.poll_interval)
+                self._slept = True
 
     # -- internals -----------------------------------------------------------------------------------------
 
