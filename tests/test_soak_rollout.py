@@ -1,6 +1,8 @@
-"""A rollout left running for hours: what it holds in memory must not grow with the number of steps run.
+"""A rollout left running for hours: what it holds in memory must not grow with the number of steps run, nor what
+a step costs with the number of episodes or resident sessions.
 
-Each test measures a structure's size or the Python heap's peak (tracemalloc) on a real run, never time.
+Each test measures a structure's size, the Python heap's peak (tracemalloc) or the calls a step makes on a real run,
+never time.
 """
 
 from __future__ import annotations
