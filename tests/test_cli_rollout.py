@@ -405,6 +405,30 @@ def test_resume_reads_the_runs_own_config_from_any_folder_and_refuses_an_edited_
     assert proc.returncode == 2 and "was edited since the run started" in proc.stderr, proc.stderr
 
 
+def test_resume_with_another_attention_backend_is_refused_and_the_one_it_started_with_finishes_it(env, data, reference,
+                                                                                                   tmp_path):
+    """vLLM's kernels and torch's differ in the last bits: a run started where `auto` picked vLLM (a GPU node with
+    the extra) resumed where it picks torch would mix both into its outputs, through replays and later steps."""
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads((run / "run.json").read_text())
+    assert info["attention_backend"] == "torch"  # the tiny head size has no vLLM kernel on CPU
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-2]))  # as if stopped two steps before the end
+    (run / "run.json").write_text(json.dumps({**info, "attention_backend": "vllm"}))  # as if vLLM had run it
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert ("Error: this run was started with attention backend vllm, and --attention-backend auto picks torch "
+            "here") in proc.stderr
+    assert "hint: resume with --attention-backend vllm" in proc.stderr
+    assert len(records(run)) == len(lines) - 2 and "resumed_at" not in json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps(info))
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert_same_outputs(reference, run)
+
+
 def test_resume_keeps_each_folders_name_whatever_the_order_of_episode_arguments(env, data, tmp_path):
     """Two folders named `ep` are `ep` and `ep-2` by the order given; a resume listing them the other way round
     (a script that builds the list differently) continues each under its own name instead of swapping them."""

@@ -245,6 +245,16 @@ def _same_device(setting: str, recorded: str | None) -> None:
                           hint=f"resume with --device {recorded} (outputs are identical only on one device)")
 
 
+def _same_backend(here: str, setting: str, recorded: str | None) -> None:
+    """``--resume`` attends with the kernel the run started with: vLLM's and torch's differ in the last bits, and
+    replays and later steps would mix them into the outputs. Checked after load, where the choice is known."""
+    if recorded is not None and here != recorded:
+        raise ConfigError(f"this run was started with attention backend {recorded}, and --attention-backend "
+                          f"{setting} picks {here} here",
+                          hint=f"resume with --attention-backend {recorded} (outputs are identical only with one "
+                          "attention backend)" + ("; vLLM must be installed for it" if recorded == "vllm" else ""))
+
+
 def _same_pipeline_option(given: str | None, recorded: str | None) -> None:
     """``--resume`` never imports code because a file (run.json) names it: the command line must say it again."""
     if given == recorded:
@@ -324,11 +334,14 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 output.debug(f"loaded on {engine.device} in {time.monotonic() - started:.2f}s: "
                              f"{plan.session_capacity} sessions, {plan.num_managed_pages} pages")
                 if resume:
+                    _same_backend(engine.runner.attention_backend, p.cfg.runtime.attention_backend,
+                                  run.read_info().get("attention_backend"))
                     for path in run.remove_stale_temporaries():  # under the lock: left by a process killed mid-write
                         output.debug(f"removed {path}, a temporary file of an interrupted write")
                     atomic_write_json(p.out_dir / RUN_FILE, {**run.read_info(), "resumed_at": time.time()})
                 else:
-                    run.start({**p.info, "device": str(engine.device)})
+                    run.start({**p.info, "device": str(engine.device),
+                               "attention_backend": engine.runner.attention_backend})
                 if warmup:
                     monitor.set_phase("warmup")
                     engine.warmup()
