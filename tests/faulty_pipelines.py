@@ -60,6 +60,9 @@ def _act(fault: dict[str, Any], message: str) -> None:
         return
     if fault.get("action") == "oom":  # a real host allocation torch's CPU allocator refuses (1 PiB)
         torch.empty(1 << 50, dtype=torch.uint8)
+    if fault.get("action") == "cuda_oom":  # what a kernel allocating outside torch's allocator raises on a full GPU
+        raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some "
+                           "other API call, so the stacktrace below might be incorrect.")
     raise InjectedFault(message)
 
 

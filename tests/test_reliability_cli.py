@@ -349,6 +349,16 @@ def test_a_forward_that_returns_no_dict_fails_its_steps_instead_of_writing_empty
     assert not list((run / "episodes").rglob("*.safetensors"))
 
 
+def test_a_cuda_error_out_of_memory_raised_as_a_plain_runtime_error_is_out_of_memory(env, data, tmp_path):
+    """Kernels that allocate outside torch's caching allocator (cuBLAS handles, FlashAttention workspaces) report a
+    full GPU as a RuntimeError, not OutOfMemoryError: exit 3 with the memory hint, not "a bug in ardiff"."""
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0, "action": "cuda_oom"}]
+    proc = ardiff(env, *rollout_args(data, tmp_path / "run", "--fail-fast"), faults=faults)
+    assert proc.returncode == 3, proc.stderr
+    assert "CUDA error: out of memory" in proc.stderr
+    assert "hint: lower --session-capacity" in proc.stderr and "bug in ardiff" not in proc.stderr
+
+
 def test_the_hosts_allocator_running_out_is_out_of_memory_in_a_step_and_in_warmup(env, data, tmp_path):
     """torch's CPU allocator raises a plain RuntimeError: still exit 3 and its hint, and never blamed on the
     pipeline when warmup hits it."""

@@ -61,11 +61,18 @@ PIPELINE_HINT = ("the pipeline's code (or its use of the AR-Diffusion contract: 
                  "report it")
 
 
+# What a plain RuntimeError says when memory ran out: torch's CPU allocator; CUDA itself and the cuBLAS/cuDNN handles
+# (raised as RuntimeError, not OutOfMemoryError, by kernels that allocate outside torch's caching allocator).
+_OUT_OF_MEMORY_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "CUDA error: out of memory",
+                           "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """Host or device out of memory: ``MemoryError`` (the KV page pool's included), torch's ``OutOfMemoryError``
-    (CUDA), or the ``RuntimeError`` torch's CPU allocator raises when the host cannot give it the bytes."""
-    return (isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
-            or (isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)))
+    (CUDA), or a ``RuntimeError`` saying so (``_OUT_OF_MEMORY_MESSAGES``)."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(exc, RuntimeError) and any(message in str(exc) for message in _OUT_OF_MEMORY_MESSAGES)
 
 
 def as_pipeline_error(where: str, exc: BaseException) -> PipelineError | None:
