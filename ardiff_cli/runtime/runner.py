@@ -296,8 +296,23 @@ class ARDiffusionModelRunner:
         return lambda: self._subscribers.remove(callback)
 
     def _emit(self, event: RuntimeEvent) -> None:
+        """Deliver ``event`` to every subscriber. A subscriber observes: one that raises is a warning, and the
+        request (or load) goes on, since its effects are committed by now. An ``ArdiffError`` is a deliberate stop
+        (the CLI's ``Interrupted``, raised by its signal handler wherever the main thread is) and propagates."""
         for callback in list(self._subscribers):
-            callback(event)
+            try:
+                callback(event)
+            except ArdiffError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - reported, never allowed to fail a request
+                name = getattr(callback, "__qualname__", None) or repr(callback)
+                code = getattr(callback, "__code__", None)  # functions and bound methods: point at the subscriber
+                # A throwaway registry: warn() would remember each distinct message (they name the error) in this
+                # module's __warningregistry__ for the process's life, one entry per failing request.
+                warnings.warn_explicit(
+                    f"event subscriber {name} raised {type(exc).__name__}: {exc} (on a {event.kind} event); ignored: "
+                    "a subscriber cannot fail a request", ArdiffWarning,
+                    code.co_filename if code else __file__, code.co_firstlineno if code else 0, registry={})
 
     # ------------------------------------------------------------- execution
     @_one_at_a_time

@@ -1,0 +1,87 @@
+"""ardiff as a library inside a long-running process (a robot lab's policy server), through ARDiffusionEngine with the
+real causal_world pipeline: what a server author hits over many requests, sessions, subscribers and engines."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from ardiff_cli.runtime.engine import ARDiffusionEngine
+from ardiff_cli.runtime.errors import ArdiffWarning
+from ardiff_cli.runtime.request import ARDiffusionRequest
+from pipeline_helpers import CONFIGS, ardiff_cache, single_thread  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.usefixtures("single_thread", "ardiff_cache")
+
+
+def server_engine(capacity: int = 2) -> ARDiffusionEngine:
+    engine = ARDiffusionEngine.from_config(CONFIGS / "causal-world-tiny.yaml", device="cpu", memory_budget="64MiB",
+                                           session_capacity=capacity)
+    return engine
+
+
+def request(engine: ARDiffusionEngine, request_id: str, session_id: str, seed: int = 0, **flags) -> ARDiffusionRequest:
+    return ARDiffusionRequest(request_id, engine.pipeline.example_inputs(seed=seed), {"session_id": session_id, **flags})
+
+
+@pytest.mark.parametrize("kind", ["capacity_planned", "session_admitted", "session_evicted", "request_finished",
+                                  "session_closed"])
+def test_a_subscriber_that_raises_is_a_warning_and_never_fails_or_changes_a_request(kind):
+    """A metrics callback that fails (its backend is down) used to fail every request it saw an event of: the caller
+    lost the output of a forward whose block was committed anyway, so a retry ran one block further on."""
+    reference = server_engine()
+    reference.load()
+    expected = [reference.execute(request(reference, f"r{i}", sid, seed=i, close_session=i == 3))["latents"]
+                for i, sid in enumerate("abca")]
+
+    engine = server_engine()
+
+    def metrics(event):
+        if event.kind == kind:
+            raise ConnectionError("metrics backend unreachable")
+
+    engine.subscribe(metrics)
+    seen = []
+    engine.subscribe(seen.append)  # later subscribers still get every event
+    with pytest.warns(ArdiffWarning, match=rf"event subscriber .*metrics raised ConnectionError: metrics backend "
+                                           rf"unreachable \(on a {kind} event\)"):
+        engine.load()
+        got = [engine.execute(request(engine, f"r{i}", sid, seed=i, close_session=i == 3))["latents"]
+               for i, sid in enumerate("abca")]
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    assert any(e.kind == kind for e in seen)
+    runner = engine.runner
+    assert runner.session_ids == ["c"] == sorted(engine.pipeline.sessions)
+    assert runner.kv_cache.allocator.num_used == sum(s.state.num_pages for s in runner._sessions.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ArdiffWarning)
+        engine.close()
+    assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
+
+
+def test_a_subscriber_failing_on_every_request_is_reported_every_time_and_nothing_accumulates():
+    """Each failure is shown (the default filter would show one line per distinct message), and no registry of
+    messages grows with the requests served."""
+    import ardiff_cli.runtime.runner as runner_module
+
+    engine = server_engine()
+
+    def post(event):
+        if event.kind == "request_finished":
+            raise ConnectionError(f"cannot post {event.request_id}")
+
+    engine.subscribe(post)
+    engine.load()
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        for i in range(20):
+            engine.execute(request(engine, f"r{i}", "a", seed=i))
+    assert len(shown) == 20
+    assert all(f"ConnectionError: cannot post r{i} (on a request_finished event)" in str(w.message)
+               for i, w in enumerate(shown))
+    assert shown[0].filename == __file__  # where the subscriber is
+    assert len(getattr(runner_module, "__warningregistry__", {})) <= 1  # only its version key
+    engine.close()
