@@ -85,3 +85,29 @@ def test_a_subscriber_failing_on_every_request_is_reported_every_time_and_nothin
     assert shown[0].filename == __file__  # where the subscriber is
     assert len(getattr(runner_module, "__warningregistry__", {})) <= 1  # only its version key
     engine.close()
+
+
+def test_a_subscription_per_request_is_undone_by_the_function_subscribe_returns():
+    """A server collecting one request's events subscribes around it; engine.subscribe used to return None, so every
+    callback stayed subscribed for the engine's life (and ran on every later event): a leak per request served."""
+    engine = server_engine()
+    early = []
+    unsubscribe_early = engine.subscribe(early.append)  # before load: attached to the runner at load
+    engine.load()
+    runner = engine.runner
+    baseline = len(runner._subscribers)
+    for i in range(50):
+        finished = []
+        unsubscribe = engine.subscribe(lambda e, got=finished: got.append(e) if e.kind == "request_finished" else None)
+        engine.execute(request(engine, f"r{i}", "a", seed=i))
+        unsubscribe()
+        unsubscribe()  # twice is harmless
+        assert [e.request_id for e in finished] == [f"r{i}"]
+    assert len(runner._subscribers) == baseline and len(engine._subscribers) == 1
+    unsubscribe_early()
+    seen = len(early)
+    engine.execute(request(engine, "after", "a"))
+    assert len(early) == seen and runner._subscribers == [] and engine._subscribers == []
+    runner.subscribe(early.append)()  # the runner's own unsubscribe function
+    assert runner._subscribers == []
+    engine.close()

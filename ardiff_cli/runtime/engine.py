@@ -13,7 +13,7 @@ from ardiff_cli.runtime.config import EngineConfig, load_config
 from ardiff_cli.runtime.errors import ConfigError, as_pipeline_error
 from ardiff_cli.runtime.events import RuntimeEvent
 from ardiff_cli.runtime.request import ARDiffusionRequest
-from ardiff_cli.runtime.runner import ARDiffusionModelRunner, WarmupReport
+from ardiff_cli.runtime.runner import ARDiffusionModelRunner, WarmupReport, _once
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,11 +56,19 @@ class ARDiffusionEngine:
         config = source if isinstance(source, EngineConfig) else load_config(source)
         return cls(config.with_runtime(**overrides))
 
-    def subscribe(self, callback: Callable[[RuntimeEvent], None]) -> None:
-        """Receive runtime events (including the capacity plan at load) in order."""
+    def subscribe(self, callback: Callable[[RuntimeEvent], None]) -> Callable[[], None]:
+        """Receive runtime events (including the capacity plan at load) in order; returns a function that
+        unsubscribes ``callback`` (once: calling it again does nothing)."""
         self._subscribers.append(callback)
         if self.runner is not None:
             self.runner.subscribe(callback)
+
+        def unsubscribe() -> None:
+            self._subscribers.remove(callback)
+            if self.runner is not None:
+                self.runner._unsubscribe(callback)
+
+        return _once(unsubscribe)
 
     def load(self) -> CapacityPlan:
         runtime = self.config.runtime

@@ -98,6 +98,19 @@ def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
     return exclusive
 
 
+def _once(function: Callable[[], None]) -> Callable[[], None]:
+    """``function`` that runs on the first call only (an unsubscribe function a caller may call twice)."""
+    done = False
+
+    def call() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            function()
+
+    return call
+
+
 @dataclass(frozen=True, slots=True)
 class SessionView:
     """What the CLI shows of one resident session (a snapshot taken after its last request)."""
@@ -291,9 +304,17 @@ class ARDiffusionModelRunner:
 
     # ---------------------------------------------------------------- events
     def subscribe(self, callback: Callable[[RuntimeEvent], None]) -> Callable[[], None]:
-        """Deliver every later event to ``callback`` in order; returns an unsubscribe function."""
+        """Deliver every later event to ``callback`` in order; returns a function that unsubscribes it (once:
+        calling it again does nothing)."""
         self._subscribers.append(callback)
-        return lambda: self._subscribers.remove(callback)
+        return _once(lambda: self._unsubscribe(callback))
+
+    def _unsubscribe(self, callback: Callable[[RuntimeEvent], None]) -> None:
+        """Drop one subscription of ``callback``, if there is one."""
+        for index, subscribed in enumerate(self._subscribers):
+            if subscribed is callback:
+                del self._subscribers[index]
+                return
 
     def _emit(self, event: RuntimeEvent) -> None:
         """Deliver ``event`` to every subscriber. A subscriber observes: one that raises is a warning, and the
