@@ -3,14 +3,18 @@ real causal_world pipeline: what a server author hits over many requests, sessio
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
 import torch
 
+from ardiff_cli.runtime.config import load_config
 from ardiff_cli.runtime.engine import ARDiffusionEngine
 from ardiff_cli.runtime.errors import ArdiffWarning
 from ardiff_cli.runtime.request import ARDiffusionRequest
+from ardiff_cli.runtime.runner import MAX_HOOK_ERRORS
+from pipelines.causal_world.pipeline import CausalWorldPipeline
 from pipeline_helpers import CONFIGS, ardiff_cache, single_thread  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.usefixtures("single_thread", "ardiff_cache")
@@ -111,3 +115,28 @@ def test_a_subscription_per_request_is_undone_by_the_function_subscribe_returns(
     runner.subscribe(early.append)()  # the runner's own unsubscribe function
     assert runner._subscribers == []
     engine.close()
+
+
+class TelemetryOnClose(CausalWorldPipeline):
+    """A lab's pipeline whose close hook reports the session's statistics to a telemetry service that is down."""
+
+    def close_ar_diffusion_session(self, session_id: str) -> None:
+        super().close_ar_diffusion_session(session_id)
+        statistics = torch.zeros(64, 1024)  # what it meant to upload (256 KiB), a local of the failing frame
+        raise ConnectionError(f"telemetry unreachable ({statistics.numel()} values of {session_id!r} not sent)")
+
+
+def test_failing_close_hooks_over_a_long_run_keep_only_the_latest_errors():
+    """runner.hook_errors kept every hook error of the runner's life, each holding its traceback and so the hook's
+    locals: a close hook that fails on every eviction grew the process by what it held, without bound."""
+    config = load_config(CONFIGS / "causal-world-tiny.yaml", pipeline="test_engine_library:TelemetryOnClose")
+    engine = ARDiffusionEngine.from_config(config, device="cpu", memory_budget="64MiB", session_capacity=2)
+    engine.load()
+    for i in range(MAX_HOOK_ERRORS + 40):  # every request admits a new session: one eviction each
+        engine.execute(request(engine, f"r{i}", f"robot-{i}"))
+    runner = engine.runner
+    assert len(runner.hook_errors) == MAX_HOOK_ERRORS
+    assert f"'robot-{i - 2}'" in str(runner.hook_errors[-1])  # the newest kept
+    gc.collect()
+    statistics = [o for o in gc.get_objects() if type(o) is torch.Tensor and o.shape == (64, 1024)]
+    assert len(statistics) <= MAX_HOOK_ERRORS

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +60,7 @@ from ardiff_cli.runtime.request import ARDiffusionRequest
 logger = logging.getLogger("ardiff.runtime")
 
 WARMUP_SESSION_ID = "__ardiff_warmup__"  # reserved; user requests may not name it
+MAX_HOOK_ERRORS = 16  # runner.hook_errors keeps the latest: each holds its traceback, so the failing hook's locals
 
 REQUEST_MODE_ONLY = (
     "ARDiffusionModelRunner supports request-mode execution only (max_num_seqs=1, one request per forward, "
@@ -199,8 +200,8 @@ class ARDiffusionModelRunner:
         self._request_lock = threading.Lock()
         self._request_owner: int | None = None
         self._subscribers: list[Callable[[RuntimeEvent], None]] = []
-        # Hook failures collected over the runner's life (also emitted as HookFailed events).
-        self.hook_errors: list[LifecycleHookError] = []
+        # The latest MAX_HOOK_ERRORS hook failures, oldest first (each is also emitted as a HookFailed event).
+        self.hook_errors: deque[LifecycleHookError] = deque(maxlen=MAX_HOOK_ERRORS)
 
     # ------------------------------------------------------------------ load
     def load(self) -> CapacityPlan:
