@@ -11,7 +11,7 @@ import torch
 
 from ardiff_cli.runtime.config import load_config
 from ardiff_cli.runtime.engine import ARDiffusionEngine
-from ardiff_cli.runtime.errors import ArdiffWarning
+from ardiff_cli.runtime.errors import ArdiffError, ArdiffWarning, RequestError, SessionNotResident
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from ardiff_cli.runtime.runner import MAX_HOOK_ERRORS
 from pipelines.causal_world.pipeline import CausalWorldPipeline
@@ -140,3 +140,50 @@ def test_failing_close_hooks_over_a_long_run_keep_only_the_latest_errors():
     gc.collect()
     statistics = [o for o in gc.get_objects() if type(o) is torch.Tensor and o.shape == (64, 1024)]
     assert len(statistics) <= MAX_HOOK_ERRORS
+
+
+@pytest.mark.parametrize(("inputs", "extra_args", "message"), [
+    (None, {"session_id": "a"}, r"request 'bad': inputs must be a mapping \(dict\) of the pipeline's inputs, got None"),
+    ([1, 2], {"session_id": "a"}, r"request 'bad': inputs must be a mapping \(dict\) .*got \[1, 2\]"),
+    ("ok", None, r"request 'bad': extra_args must be a mapping \(dict\) .*got None"),
+    ("ok", {"session_id": 7}, r"request 'bad': extra_args\['session_id'\] must be a non-empty string, got 7"),
+    ("ok", {"session_id": "a", "reset": "false"}, r"request 'bad': extra_args\['reset'\] must be True or False, "
+                                                  r"got 'false' \(str\)"),
+    ("ok", {"session_id": "a", "close_session": "yes"}, r"extra_args\['close_session'\] must be True or False"),
+])
+def test_a_malformed_request_is_a_request_error_and_leaves_its_session_as_it_was(inputs, extra_args, message):
+    """A request a JSON client sent with "reset": "false" used to reset the robot's session (a non-empty string is
+    true); inputs or extra_args that were not dicts failed inside the forward with a bare AttributeError, which
+    also released the session as a failed forward."""
+    reference = server_engine()
+    reference.load()
+    engine = server_engine()
+    engine.load()
+    for e in (reference, engine):
+        e.execute(request(e, "r0", "a", seed=0))
+    before = engine.runner.sessions()
+    bad = ARDiffusionRequest("bad", engine.pipeline.example_inputs(seed=1) if inputs == "ok" else inputs, extra_args)
+    with pytest.raises(RequestError, match=message) as info:
+        engine.execute(bad)
+    assert isinstance(info.value, ValueError) and info.value.hint
+    assert engine.runner.sessions() == before
+    expected = reference.execute(request(reference, "r1", "a", seed=1))["latents"]
+    assert torch.equal(engine.execute(request(engine, "r1", "a", seed=1))["latents"], expected)
+
+
+def test_closing_or_resetting_a_session_that_is_not_resident_is_a_typed_key_error_with_a_readable_message():
+    """A server closes a robot's session when it disconnects, and LRU may have evicted it already: that was a bare
+    KeyError whose message printed in quotes, listing every resident session id whatever their number and length."""
+    engine = server_engine(capacity=3)
+    engine.load()
+    for i, sid in enumerate(["a", "x" * 5000, "c"]):
+        engine.execute(request(engine, f"r{i}", sid))
+    engine.execute(request(engine, "r3", "d"))  # evicts "a"
+    for call in (engine.runner.close_session, engine.runner.reset_session):
+        with pytest.raises(SessionNotResident) as info:
+            call("a")
+        assert isinstance(info.value, KeyError) and isinstance(info.value, ArdiffError)
+        text = str(info.value)
+        assert text.startswith("no resident session 'a' (never admitted, or evicted, closed or released since)")
+        assert len(text) < 400 and info.value.hint
+    assert engine.runner.session_ids[1:] == ["c", "d"]

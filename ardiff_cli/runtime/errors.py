@@ -46,6 +46,20 @@ class CapacityError(ArdiffError, MemoryError):
     exit_code = 3
 
 
+class RequestError(ArdiffError, ValueError):
+    """A request or runtime call that cannot run as made: a malformed ``ARDiffusionRequest`` (inputs or extra_args
+    that are not mappings, a session id that is not a non-empty string, a lifecycle flag that is not a bool)."""
+
+    exit_code = 2
+
+
+class SessionNotResident(RequestError, KeyError):
+    """``reset_session`` / ``close_session`` named a session that is not resident: never admitted, or evicted
+    (LRU), closed or released since. A ``KeyError`` too."""
+
+    __str__ = Exception.__str__  # the message as written, not KeyError's repr of it
+
+
 class PipelineError(ArdiffError, RuntimeError):
     """The pipeline raised, or broke the AR-Diffusion contract, while loading or warming up (exit 1).
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from ardiff_cli.runtime.errors import RequestError, shown
 
 DEFAULT_SESSION_ID = "default"  # used by requests whose extra_args name no session
 
@@ -18,6 +21,9 @@ class ARDiffusionRequest:
     - ``reset`` (bool): replace the session before the forward.
     - ``close_session`` (bool): release the session after a successful forward.
 
+    The runner refuses a request whose ``inputs`` or ``extra_args`` is not a mapping, or whose ``session_id`` or
+    flags have another type, with a ``RequestError`` before it touches the session (``check``).
+
     Everything in ``inputs`` (and any other ``extra_args`` key) belongs to the pipeline.
     """
 
@@ -27,7 +33,37 @@ class ARDiffusionRequest:
 
     @property
     def session_id(self) -> str:
+        self._check_mapping("extra_args", self.extra_args, "session routing and lifecycle flags")
         session_id = self.extra_args.get("session_id", DEFAULT_SESSION_ID)
         if not isinstance(session_id, str) or not session_id:
-            raise ValueError(f"extra_args['session_id'] must be a non-empty string, got {session_id!r}")
+            raise RequestError(f"request {shown(self.request_id)}: extra_args['session_id'] must be a non-empty "
+                               f"string, got {shown(session_id)}", hint="name the session with a string, one per robot")
         return session_id
+
+    @property
+    def reset(self) -> bool:
+        return self._flag("reset")
+
+    @property
+    def close_session(self) -> bool:
+        return self._flag("close_session")
+
+    def check(self) -> None:
+        """Raise ``RequestError`` if the runner cannot route this request as it is."""
+        self._check_mapping("inputs", self.inputs, "the pipeline's inputs")
+        _ = (self.session_id, self.reset, self.close_session)  # each raises when malformed
+
+    def _check_mapping(self, name: str, value: Any, what: str) -> None:
+        if not isinstance(value, Mapping):
+            raise RequestError(f"request {shown(self.request_id)}: {name} must be a mapping (dict) of {what}, "
+                               f"got {shown(value)}", hint=f"ARDiffusionRequest(request_id, inputs={{...}}, "
+                               "extra_args={'session_id': ...})")
+
+    def _flag(self, key: str) -> bool:
+        self._check_mapping("extra_args", self.extra_args, "session routing and lifecycle flags")
+        value = self.extra_args.get(key)
+        if value is None or isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy's bool too
+            return bool(value)
+        raise RequestError(f"request {shown(self.request_id)}: extra_args[{key!r}] must be True or False, got "
+                           f"{shown(value)} ({type(value).__name__})",
+                           hint="a JSON client sends true or false, not a string")

@@ -38,7 +38,10 @@ from ardiff_cli.runtime.errors import (
     ArdiffWarning,
     ConfigError,
     PipelineError,
+    RequestError,
+    SessionNotResident,
     as_pipeline_error,
+    shown,
 )
 from ardiff_cli.runtime.events import (
     CapacityPlanned,
@@ -352,12 +355,14 @@ class ARDiffusionModelRunner:
         self._require_loaded()
         if not isinstance(request, ARDiffusionRequest):
             raise TypeError(f"execute_model takes an ARDiffusionRequest, got {type(request).__name__}")
+        request.check()  # before the session is touched: a malformed request leaves it as it was
         session_id = request.session_id
         if session_id == WARMUP_SESSION_ID and not internal:
-            raise ValueError(f"session id {WARMUP_SESSION_ID!r} is reserved for warmup")
+            raise RequestError(f"session id {WARMUP_SESSION_ID!r} is reserved for warmup",
+                               hint="name the session otherwise")
         start = time.perf_counter()
         with self._lock:
-            if request.extra_args.get("reset") and session_id in self._sessions:
+            if request.reset and session_id in self._sessions:
                 self._release(session_id, reason="request_reset", hook="reset")
             session = self._admit(session_id)
         state = session.state
@@ -389,7 +394,7 @@ class ARDiffusionModelRunner:
             raise
         with self._lock:
             session.num_requests += 1
-            if request.extra_args.get("close_session"):
+            if request.close_session:
                 # A failing close hook must not cost the caller this forward's output: the
                 # error is recorded in hook_errors and emitted as HookFailed instead.
                 self._release(session_id, reason="close_session", hook="close")
@@ -456,7 +461,12 @@ class ARDiffusionModelRunner:
 
     def _require_resident(self, session_id: str) -> None:
         if session_id not in self._sessions:
-            raise KeyError(f"no resident session {session_id!r}; resident: {list(self._sessions)}")
+            raise SessionNotResident(
+                f"no resident session {shown(session_id)} (never admitted, or evicted, closed or released since); "
+                f"{len(self._sessions)} resident: {shown(list(self._sessions))}",
+                hint="LRU eviction may release any session between requests: catch SessionNotResident (a "
+                "KeyError), or check runner.session_ids, where that is expected",
+            )
 
     def _release(
         self,
