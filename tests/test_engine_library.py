@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import gc
 import warnings
+import weakref
 
 import pytest
 import torch
 
 from ardiff_cli.runtime.config import load_config
 from ardiff_cli.runtime.engine import ARDiffusionEngine
-from ardiff_cli.runtime.errors import ArdiffError, ArdiffWarning, RequestError, SessionNotResident
+from ardiff_cli.runtime.errors import (
+    ArdiffError,
+    ArdiffWarning,
+    EngineStateError,
+    RequestError,
+    SessionNotResident,
+)
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from ardiff_cli.runtime.runner import MAX_HOOK_ERRORS
 from pipelines.causal_world.pipeline import CausalWorldPipeline
@@ -187,3 +194,34 @@ def test_closing_or_resetting_a_session_that_is_not_resident_is_a_typed_key_erro
         assert text.startswith("no resident session 'a' (never admitted, or evicted, closed or released since)")
         assert len(text) < 400 and info.value.hint
     assert engine.runner.session_ids[1:] == ["c", "d"]
+
+
+def test_close_gives_the_memory_back_at_once_and_a_closed_engine_refuses_requests_until_loaded_again():
+    """engine.close() released the sessions only: the KV pools and the weights stayed until the last reference to
+    the engine went (a server's dict of engines, a stored exception's traceback), so a model swap planned the next
+    engine with that memory still taken; and a closed engine went on serving requests as if nothing had happened."""
+    engine = server_engine(capacity=64)
+    with pytest.raises(EngineStateError, match=r"ARDiffusionEngine.load\(\) must run first"):
+        engine.execute(ARDiffusionRequest("r", {}, {"session_id": "a"}))
+    engine.load()
+    with pytest.raises(EngineStateError, match="already loaded"):
+        engine.load()
+    expected = engine.execute(request(engine, "r0", "a"))["latents"]
+    engine.execute(request(engine, "r1", "b"))
+    runner, pipeline = engine.runner, engine.pipeline
+    pool, weight = weakref.ref(runner.kv_cache.pool.kv), weakref.ref(next(pipeline.transformer.parameters()))
+    servers = {"lab": engine}  # still referenced, as a server's registry would
+    del pipeline
+    engine.close()
+    engine.close()  # twice: nothing more to do
+    gc.collect()
+    assert pool() is None and weight() is None
+    assert runner.sessions() == [] and runner.pool_usage().num_used == 0
+    closed_request = ARDiffusionRequest("r2", {"prompt": "x"}, {"session_id": "a"})
+    for call in (lambda: engine.execute(closed_request), engine.warmup, lambda: runner.close_session("a")):
+        with pytest.raises(EngineStateError, match="closed") as info:
+            call()
+        assert isinstance(info.value, ArdiffError) and isinstance(info.value, RuntimeError) and info.value.hint
+    servers["lab"].load()  # loading again after close gives a fresh engine
+    assert torch.equal(engine.execute(request(engine, "r0", "a"))["latents"], expected)
+    engine.close()

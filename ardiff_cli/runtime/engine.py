@@ -10,7 +10,7 @@ import torch
 
 from ardiff_cli.runtime.capacity import CapacityPlan
 from ardiff_cli.runtime.config import EngineConfig, load_config
-from ardiff_cli.runtime.errors import ConfigError, as_pipeline_error
+from ardiff_cli.runtime.errors import ConfigError, EngineStateError, as_pipeline_error
 from ardiff_cli.runtime.events import RuntimeEvent
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from ardiff_cli.runtime.runner import ARDiffusionModelRunner, WarmupReport, _once
@@ -71,6 +71,10 @@ class ARDiffusionEngine:
         return _once(unsubscribe)
 
     def load(self) -> CapacityPlan:
+        """Build the pipeline and its runner: weights, capacity plan, pools. Again after ``close()``, not before."""
+        if self.runner is not None and self.runner.kv_cache is not None and not self.runner.closed:
+            raise EngineStateError("this ARDiffusionEngine is already loaded",
+                                   hint="close() it first to load it again (its sessions are closed)")
         runtime = self.config.runtime
         self.device = resolve_device(runtime.device)
         dtype = TORCH_DTYPES[runtime.dtype]
@@ -104,7 +108,7 @@ class ARDiffusionEngine:
 
     def _require_runner(self) -> ARDiffusionModelRunner:
         if self.runner is None:
-            raise RuntimeError("ARDiffusionEngine.load() must run first")
+            raise EngineStateError("ARDiffusionEngine.load() must run first", hint="call engine.load() first")
         return self.runner
 
     def warmup(self) -> WarmupReport:
@@ -114,8 +118,11 @@ class ARDiffusionEngine:
         return self._require_runner().execute_model(request)
 
     def close(self) -> None:
-        """Release every session (close hooks run; their errors are raised after all are released)."""
+        """Close every session (close hooks run; their errors are raised after all are released), then release the
+        KV pools and the pipeline's weights at once, whatever still references the engine. Requests then raise
+        ``EngineStateError`` until ``load()`` runs again; a second ``close()`` does nothing."""
         if self.runner is not None:
-            errors = self.runner.close_all()
+            errors = self.runner.close()
+            self.pipeline = None
             if errors:
                 raise errors[0]

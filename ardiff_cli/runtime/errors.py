@@ -60,6 +60,11 @@ class SessionNotResident(RequestError, KeyError):
     __str__ = Exception.__str__  # the message as written, not KeyError's repr of it
 
 
+class EngineStateError(ArdiffError, RuntimeError):
+    """A call the engine or runner cannot take in its state: a request before ``load()`` or after ``close()``, a
+    second ``load()`` of a loaded engine."""
+
+
 class PipelineError(ArdiffError, RuntimeError):
     """The pipeline raised, or broke the AR-Diffusion contract, while loading or warming up (exit 1).
 

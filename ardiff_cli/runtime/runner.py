@@ -37,6 +37,7 @@ from ardiff_cli.runtime.errors import (
     ArdiffError,
     ArdiffWarning,
     ConfigError,
+    EngineStateError,
     PipelineError,
     RequestError,
     SessionNotResident,
@@ -194,6 +195,7 @@ class ARDiffusionModelRunner:
         self.spec: ARDiffusionKVCacheSpec | None = None  # the pipeline's spec, read at load
         self.capacity_plan: CapacityPlan | None = None
         self.kv_cache: ARDiffusionKVCache | None = None  # pools, preallocated once at load
+        self._closed = False  # close() ran: pools and pipeline dropped, every later request refused
         # Resident sessions, least recently used first.
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         # Guards the session table and views; the forward itself runs outside it.
@@ -209,6 +211,10 @@ class ARDiffusionModelRunner:
     # ------------------------------------------------------------------ load
     def load(self) -> CapacityPlan:
         """Check the pipeline and execution mode, plan capacity, preallocate the pools."""
+        self._require_open()
+        if self.kv_cache is not None:
+            raise EngineStateError("ARDiffusionModelRunner.load() ran already: its pools are allocated",
+                                   hint="load a runner once; close() it and make a new one to reload")
         if self.max_num_seqs != 1:
             raise ValueError(f"{REQUEST_MODE_ONLY}; got max_num_seqs={self.max_num_seqs}")
         if self.step_execution:
@@ -301,9 +307,20 @@ class ARDiffusionModelRunner:
             free, total = available_host_memory(), total_host_memory()
         return (free if self.memory_budget is None else self.memory_budget), total
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise EngineStateError("the runner is closed (ARDiffusionEngine.close()): its KV pools and pipeline "
+                                   "were released", hint="load the engine again (engine.load()) to serve requests")
+
     def _require_loaded(self) -> ARDiffusionKVCache:
+        self._require_open()
         if self.kv_cache is None:
-            raise RuntimeError("ARDiffusionModelRunner.load() must run before requests")
+            raise EngineStateError("ARDiffusionModelRunner.load() must run before requests",
+                                   hint="call engine.load() (runner.load()) first")
         return self.kv_cache
 
     # ---------------------------------------------------------------- events
@@ -435,6 +452,7 @@ class ARDiffusionModelRunner:
     @_one_at_a_time
     def reset_session(self, session_id: str) -> None:
         """Release ``session_id`` and call the pipeline's reset hook; the next request starts fresh."""
+        self._require_loaded()
         with self._lock:
             self._require_resident(session_id)
             errors = self._release(session_id, reason="explicit", hook="reset")
@@ -444,6 +462,7 @@ class ARDiffusionModelRunner:
     @_one_at_a_time
     def close_session(self, session_id: str) -> None:
         """Release ``session_id`` and call the pipeline's close hook."""
+        self._require_loaded()
         with self._lock:
             self._require_resident(session_id)
             errors = self._release(session_id, reason="explicit", hook="close")
@@ -452,7 +471,27 @@ class ARDiffusionModelRunner:
 
     @_one_at_a_time
     def close_all(self) -> list[LifecycleHookError]:
-        """Close every resident session (shutdown); returns hook errors."""
+        """Close every resident session; returns hook errors. The runner goes on serving."""
+        return self._close_sessions()
+
+    @_one_at_a_time
+    def close(self) -> list[LifecycleHookError]:
+        """Close every resident session, then release the KV pools and the pipeline: their memory goes back now,
+        even while something still references the runner. Later requests raise ``EngineStateError``; the final
+        views (``pool_usage()``, ``capacity_plan``, ``hook_errors``) stay readable. Returns hook errors; a second
+        call does nothing."""
+        if self._closed:
+            return []
+        errors = self._close_sessions()
+        if self.kv_cache is not None:
+            self.kv_cache.release()
+        self.pipeline = None
+        self._closed = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # back to the device, so the next engine's plan sees it free
+        return errors
+
+    def _close_sessions(self) -> list[LifecycleHookError]:
         errors: list[LifecycleHookError] = []
         with self._lock:
             for session_id in list(self._sessions):
@@ -600,7 +639,8 @@ class ARDiffusionModelRunner:
             return list(self._sessions)
 
     def pool_usage(self) -> PoolUsage:
-        cache = self._require_loaded()
+        """Pages of the pool, used and free (after ``close()``: its final counts). Safe from any thread."""
+        cache = self.kv_cache if self._closed else self._require_loaded()
         allocator = cache.allocator
         num_free = allocator.num_free  # read once: a request may run on another thread
         return PoolUsage(

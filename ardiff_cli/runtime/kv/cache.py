@@ -68,6 +68,11 @@ class ARDiffusionKVCache:
         # "torch" or "vllm" (a PagedKernel instance is named by the kernel).
         self.attention_backend = attention_backend if isinstance(attention_backend, str) else attention_backend.name
 
+    def release(self) -> None:
+        """Drop the pool's tensors (its runner is closing): their memory goes back now, even while something still
+        references the cache. The allocator stays, for the pool's final counts; no state may be used after this."""
+        self.pool = None
+
     @property
     def attention_description(self) -> str:
         """The backend, and for paged kernels their block geometry, in words."""
