@@ -225,3 +225,16 @@ def test_close_gives_the_memory_back_at_once_and_a_closed_engine_refuses_request
     servers["lab"].load()  # loading again after close gives a fresh engine
     assert torch.equal(engine.execute(request(engine, "r0", "a"))["latents"], expected)
     engine.close()
+
+
+def test_warmup_with_every_slot_taken_is_an_engine_state_error_with_a_bounded_message():
+    """It was a bare RuntimeError listing every resident session id in full (thousands, of any length)."""
+    engine = server_engine(capacity=2)
+    engine.load()
+    engine.execute(request(engine, "r0", "x" * 5000))
+    engine.execute(request(engine, "r1", "b"))
+    with pytest.raises(EngineStateError, match=r"warmup needs a free session slot, and all 2 are taken") as info:
+        engine.warmup()
+    assert len(str(info.value)) < 400 and "close_session" in info.value.hint
+    assert engine.runner.session_ids == ["x" * 5000, "b"]
+    engine.close()

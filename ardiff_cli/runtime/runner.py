@@ -564,9 +564,9 @@ class ARDiffusionModelRunner:
             assert self.capacity_plan is not None
             if len(resident) >= self.capacity_plan.session_capacity:
                 # Its reserved session would evict one of them: warmup must never cost a user session.
-                raise RuntimeError(
-                    f"warmup needs a free session slot, and all {len(resident)} are taken "
-                    f"({', '.join(map(repr, resident))}); warm up before serving, or close a session first"
+                raise EngineStateError(
+                    f"warmup needs a free session slot, and all {len(resident)} are taken: {shown(resident)}",
+                    hint="warm up before serving, or free a slot first (runner.close_session(id))",
                 )
         free_before = cache.allocator.num_free
         timings: list[tuple[str, str, float]] = []
