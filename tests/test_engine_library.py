@@ -15,6 +15,7 @@ from ardiff_cli.runtime.engine import ARDiffusionEngine
 from ardiff_cli.runtime.errors import (
     ArdiffError,
     ArdiffWarning,
+    ConfigError,
     EngineStateError,
     RequestError,
     SessionNotResident,
@@ -238,3 +239,14 @@ def test_warmup_with_every_slot_taken_is_an_engine_state_error_with_a_bounded_me
     assert len(str(info.value)) < 400 and "close_session" in info.value.hint
     assert engine.runner.session_ids == ["x" * 5000, "b"]
     engine.close()
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"sesion_capacity": 2}, r"unknown key 'runtime.sesion_capacity' \(did you mean 'session_capacity'\?\)"),
+    ({"memory_budget": "lots"}, r"field 'runtime.memory_budget': expected a byte size"),
+])
+def test_a_bad_keyword_of_from_config_is_named_as_that_keyword_not_as_the_command_line(overrides, message):
+    """A Python caller's keyword argument was reported as 'command line: ...', which no command line was."""
+    with pytest.raises(ConfigError, match=r"^ARDiffusionEngine.from_config\(\): " + message) as info:
+        ARDiffusionEngine.from_config(CONFIGS / "causal-world-tiny.yaml", **overrides)
+    assert info.value.hint and "command line" not in str(info.value)

@@ -130,7 +130,8 @@ def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
         if value not in ATTENTION_BACKEND_SETTINGS:
             raise field_error(where, field, " | ".join(ATTENTION_BACKEND_SETTINGS), value)
         return value
-    raise ConfigError(f"{where}: unknown key {field!r}{did_you_mean(key, RuntimeConfig.__dataclass_fields__)}")
+    raise ConfigError(f"{where}: unknown key {field!r}{did_you_mean(key, RuntimeConfig.__dataclass_fields__)}",
+                      hint=f"valid runtime keys: {', '.join(RuntimeConfig.__dataclass_fields__)}")
 
 
 @dataclass(frozen=True)
@@ -153,8 +154,9 @@ class EngineConfig:
         exact = getattr(self.model, "observation_schema", None)
         return exact() if callable(exact) else self.entry.observation_schema()
 
-    def with_runtime(self, **overrides: Any) -> EngineConfig:
-        return replace(self, runtime=self.runtime.with_overrides(**overrides))
+    def with_runtime(self, *, where: str = "command line", **overrides: Any) -> EngineConfig:
+        """A copy with runtime ``overrides`` (``None`` = keep); errors name them as coming from ``where``."""
+        return replace(self, runtime=self.runtime.with_overrides(where=where, **overrides))
 
 
 def builtin_configs() -> dict[str, Path]:

@@ -54,7 +54,7 @@ class ARDiffusionEngine:
     def from_config(cls, source: str | Path | dict[str, Any] | EngineConfig | None = None, **overrides: Any):
         """An engine for a config file, built-in name or dict; ``overrides`` are runtime settings."""
         config = source if isinstance(source, EngineConfig) else load_config(source)
-        return cls(config.with_runtime(**overrides))
+        return cls(config.with_runtime(where="ARDiffusionEngine.from_config()", **overrides))
 
     def subscribe(self, callback: Callable[[RuntimeEvent], None]) -> Callable[[], None]:
         """Receive runtime events (including the capacity plan at load) in order; returns a function that
