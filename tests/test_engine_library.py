@@ -250,3 +250,17 @@ def test_a_bad_keyword_of_from_config_is_named_as_that_keyword_not_as_the_comman
     with pytest.raises(ConfigError, match=r"^ARDiffusionEngine.from_config\(\): " + message) as info:
         ARDiffusionEngine.from_config(CONFIGS / "causal-world-tiny.yaml", **overrides)
     assert info.value.hint and "command line" not in str(info.value)
+
+
+def test_an_engine_or_config_built_from_something_else_is_a_config_error_at_once():
+    """ARDiffusionEngine("causal-world-tiny") was accepted, then load() failed with a bare AttributeError ('str'
+    object has no attribute 'runtime'); load_config(123) was a TypeError from pathlib."""
+    for source in ("causal-world-tiny", {"pipeline": "causal_world"}, CONFIGS / "causal-world-tiny.yaml"):
+        with pytest.raises(ConfigError, match=r"ARDiffusionEngine\(\) takes an EngineConfig, got ") as info:
+            ARDiffusionEngine(source)
+        assert "ARDiffusionEngine.from_config(" in info.value.hint
+    for source in (123, [CONFIGS / "causal-world-tiny.yaml"], b"causal-world-tiny"):
+        with pytest.raises(ConfigError, match=r"a config is a YAML path, a built-in config name or a dict, got ") as info:
+            load_config(source)
+        assert info.value.hint
+    assert ARDiffusionEngine(load_config(CONFIGS / "causal-world-tiny.yaml")).config.pipeline_name == "causal_world"

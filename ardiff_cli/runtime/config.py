@@ -20,14 +20,14 @@ from __future__ import annotations
 import importlib.resources
 import re
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import yaml
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.capacity import as_fraction, as_int, dtype_name, parse_bytes
-from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error
+from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error, shown
 from ardiff_cli.runtime.kv.backends import ATTENTION_BACKEND_SETTINGS
 from ardiff_cli.runtime.registry import PipelineEntry, resolve_pipeline, resolve_pipeline_reference
 
@@ -280,6 +280,9 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
     """
     if isinstance(source, dict):
         data, where, base = source, "<dict>", Path.cwd()
+    elif source is not None and not isinstance(source, (str, PurePath)):
+        raise ConfigError(f"a config is a YAML path, a built-in config name or a dict, got {shown(source)}",
+                          hint=f"built-in configs: {', '.join(sorted(builtin_configs()))}")
     else:
         path = resolve_config(source)
         data, where, base = read_yaml(path), str(path), path.parent

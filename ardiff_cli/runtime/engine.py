@@ -10,7 +10,7 @@ import torch
 
 from ardiff_cli.runtime.capacity import CapacityPlan
 from ardiff_cli.runtime.config import EngineConfig, load_config
-from ardiff_cli.runtime.errors import ConfigError, EngineStateError, as_pipeline_error
+from ardiff_cli.runtime.errors import ConfigError, EngineStateError, as_pipeline_error, shown
 from ardiff_cli.runtime.events import RuntimeEvent
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from ardiff_cli.runtime.runner import ARDiffusionModelRunner, WarmupReport, _once
@@ -44,6 +44,10 @@ class ARDiffusionEngine:
     """Builds a pipeline from a config and runs requests through ``ARDiffusionModelRunner``."""
 
     def __init__(self, config: EngineConfig) -> None:
+        if not isinstance(config, EngineConfig):
+            raise ConfigError(f"ARDiffusionEngine() takes an EngineConfig, got {shown(config)}",
+                              hint="for a YAML path, a built-in config name or a dict, use "
+                              "ARDiffusionEngine.from_config(source, **runtime_overrides)")
         self.config = config  # validated config, runtime overrides applied
         self.pipeline: Any = None  # built by load()
         self.runner: ARDiffusionModelRunner | None = None
