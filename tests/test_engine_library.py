@@ -7,9 +7,11 @@ import gc
 import warnings
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
+from ardiff_cli.io import read_step, write_step
 from ardiff_cli.runtime.config import load_config
 from ardiff_cli.runtime.engine import ARDiffusionEngine
 from ardiff_cli.runtime.errors import (
@@ -264,3 +266,14 @@ def test_an_engine_or_config_built_from_something_else_is_a_config_error_at_once
             load_config(source)
         assert info.value.hint
     assert ARDiffusionEngine(load_config(CONFIGS / "causal-world-tiny.yaml")).config.pipeline_name == "causal_world"
+
+
+def test_write_step_keeps_every_array_its_shape(tmp_path):
+    """A 0-d array (a scalar gripper reading, np.float32(0.5), a 0-d tensor) was written as shape (1,):
+    np.ascontiguousarray returns at least one dimension."""
+    arrays = {"gripper_position": np.float32(0.5), "scalar": np.array(2.0), "tensor": torch.tensor(1.5),
+              "joint_position": np.arange(14, dtype=np.float32)[::2], "image": np.zeros((2, 4, 4, 3), np.uint8)}
+    for format in ("safetensors", "npz"):
+        got = read_step(write_step(tmp_path / format, 3, arrays, format=format)).arrays
+        assert {k: v.shape for k, v in got.items()} == {k: np.shape(v) for k, v in arrays.items()}
+        assert got["gripper_position"] == np.float32(0.5) and got["joint_position"].tolist() == list(range(0, 14, 2))

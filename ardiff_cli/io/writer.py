@@ -33,13 +33,13 @@ FORMATS = ("safetensors", "npz")
 
 
 def to_numpy(value: Any):
-    """A contiguous numpy array from a numpy array, a torch tensor (any device; bfloat16 becomes float32) or a
-    list."""
-    import numpy as np
-
+    """A contiguous numpy array of the same shape from a numpy array or scalar, a torch tensor (any device;
+    bfloat16 becomes float32) or a list."""
     from ardiff_cli.runtime.observation import as_numpy
 
-    return np.ascontiguousarray(as_numpy(value))
+    array = as_numpy(value)
+    # Not np.ascontiguousarray: it turns a 0-d array (a scalar reading) into shape (1,).
+    return array if array.flags.c_contiguous else array.copy(order="C")
 
 
 def encode_arrays(arrays: Mapping[str, Any], *, format: str = "safetensors",
