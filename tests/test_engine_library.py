@@ -277,3 +277,14 @@ def test_write_step_keeps_every_array_its_shape(tmp_path):
         got = read_step(write_step(tmp_path / format, 3, arrays, format=format)).arrays
         assert {k: v.shape for k, v in got.items()} == {k: np.shape(v) for k, v in arrays.items()}
         assert got["gripper_position"] == np.float32(0.5) and got["joint_position"].tolist() == list(range(0, 14, 2))
+
+
+def test_write_step_takes_a_step_number_from_a_numpy_counter(tmp_path):
+    """write_step(folder, np.int64(3), ...) (a step counted with numpy, np.arange) was refused as 'step must be a
+    non-negative integer, got np.int64(3)'."""
+    observation = {"joint_position": np.zeros(7, np.float32)}
+    paths = [write_step(tmp_path / "ep", step, observation) for step in np.arange(3)]
+    assert [p.name for p in paths] == ["step_000000.safetensors", "step_000001.safetensors", "step_000002.safetensors"]
+    for bad in (np.int64(-1), True, np.bool_(True), 1.0, "3"):
+        with pytest.raises(ValueError, match="step must be a non-negative integer"):
+            write_step(tmp_path / "bad", bad, observation)

@@ -28,6 +28,7 @@ from typing import Any
 
 from ardiff_cli.io.atomic import atomic_write_bytes, atomic_write_text
 from ardiff_cli.io.episode import END_MARKER, METADATA_FILE, read_episode_yaml, safetensors_header
+from ardiff_cli.runtime.capacity import as_int
 
 FORMATS = ("safetensors", "npz")
 
@@ -83,8 +84,10 @@ def write_step(folder: str | os.PathLike, step: int, arrays: Mapping[str, Any], 
     ``prompt`` this one is recorded there too, before the step file appears:
     later steps written without a prompt then use it.
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    number = as_int(step)  # numpy's integers too (a step counted with np.arange), never a bool
+    if number is None or number < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    step = number
     meta = dict(metadata or {})
     if prompt is not None:
         meta["prompt"] = prompt
