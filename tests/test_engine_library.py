@@ -4,6 +4,7 @@ real causal_world pipeline: what a server author hits over many requests, sessio
 from __future__ import annotations
 
 import gc
+import threading
 import warnings
 import weakref
 
@@ -288,3 +289,41 @@ def test_write_step_takes_a_step_number_from_a_numpy_counter(tmp_path):
     for bad in (np.int64(-1), True, np.bool_(True), 1.0, "3"):
         with pytest.raises(ValueError, match="step must be a non-negative integer"):
             write_step(tmp_path / "bad", bad, observation)
+
+
+def test_a_subscriber_may_take_a_lock_that_a_thread_reading_the_runners_views_holds():
+    """Events were delivered while the runner held its session-table lock: a server whose event callback updates
+    its own table under its lock, and whose /status handler reads runner.sessions() under that same lock,
+    deadlocked (the request thread waited for the table lock, the status thread for the runner's)."""
+    engine = server_engine(capacity=1)
+    table_lock = threading.Lock()
+    in_callback, status_holds_lock = threading.Event(), threading.Event()
+    acquired: list[bool] = []
+
+    def on_event(event):
+        if event.kind == "session_evicted":
+            in_callback.set()
+            status_holds_lock.wait(5)
+            got = table_lock.acquire(timeout=5)  # a deadlock guard, not a timing: never reached when it works
+            acquired.append(got)
+            if got:
+                table_lock.release()
+
+    statuses = []
+
+    def status():
+        in_callback.wait(5)
+        with table_lock:
+            status_holds_lock.set()
+            statuses.append([view.session_id for view in engine.runner.sessions()])
+
+    engine.subscribe(on_event)
+    engine.load()
+    engine.execute(request(engine, "r0", "a"))
+    thread = threading.Thread(target=status)
+    thread.start()
+    engine.execute(request(engine, "r1", "b"))  # evicts "a"
+    thread.join()
+    assert acquired == [True] and statuses == [["b"]]  # delivered once the admission that evicted "a" is done
+    assert engine.runner.session_ids == ["b"]
+    engine.close()

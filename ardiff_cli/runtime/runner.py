@@ -8,13 +8,14 @@ pipeline around exactly one forward, and releases sessions through one path
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import time
 import warnings
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,6 +206,10 @@ class ARDiffusionModelRunner:
         self._request_lock = threading.Lock()
         self._request_owner: int | None = None
         self._subscribers: list[Callable[[RuntimeEvent], None]] = []
+        # Events emitted while the request in progress holds _lock, delivered when it lets go (_locked): a
+        # subscriber must never run under the lock that the views take. Only the request's thread touches these.
+        self._outbox: deque[RuntimeEvent] = deque()
+        self._lock_depth = 0
         # The latest MAX_HOOK_ERRORS hook failures, oldest first (each is also emitted as a HookFailed event).
         self.hook_errors: deque[LifecycleHookError] = deque(maxlen=MAX_HOOK_ERRORS)
 
@@ -337,10 +342,36 @@ class ARDiffusionModelRunner:
                 del self._subscribers[index]
                 return
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the session-table lock; the events emitted meanwhile are delivered once it is released, so a
+        subscriber may wait for a lock that a thread reading ``sessions()`` holds (it deadlocked)."""
+        try:
+            with self._lock:
+                self._lock_depth += 1
+                try:
+                    yield
+                finally:
+                    self._lock_depth -= 1
+        finally:
+            if not self._lock_depth:
+                self._deliver()
+
     def _emit(self, event: RuntimeEvent) -> None:
-        """Deliver ``event`` to every subscriber. A subscriber observes: one that raises is a warning, and the
-        request (or load) goes on, since its effects are committed by now. An ``ArdiffError`` is a deliberate stop
-        (the CLI's ``Interrupted``, raised by its signal handler wherever the main thread is) and propagates."""
+        """Deliver ``event`` now, or after the session-table lock is released if it is held (``_locked``)."""
+        self._outbox.append(event)
+        if not self._lock_depth:
+            self._deliver()
+
+    def _deliver(self) -> None:
+        """Deliver the queued events, in order, to every subscriber. A subscriber observes: one that raises is a
+        warning, and the request (or load) goes on, since its effects are committed by now. An ``ArdiffError`` is
+        a deliberate stop (the CLI's ``Interrupted``, raised by its signal handler wherever the main thread is)
+        and propagates."""
+        while self._outbox:
+            self._notify(self._outbox.popleft())
+
+    def _notify(self, event: RuntimeEvent) -> None:
         for callback in list(self._subscribers):
             try:
                 callback(event)
@@ -378,7 +409,7 @@ class ARDiffusionModelRunner:
             raise RequestError(f"session id {WARMUP_SESSION_ID!r} is reserved for warmup",
                                hint="name the session otherwise")
         start = time.perf_counter()
-        with self._lock:
+        with self._locked():
             if request.reset and session_id in self._sessions:
                 self._release(session_id, reason="request_reset", hook="reset")
             session = self._admit(session_id)
@@ -403,13 +434,13 @@ class ARDiffusionModelRunner:
                     f"branches {dangling}: call state.commit(branch) after each commit pass"
                 )
         except BaseException as exc:
-            with self._lock:
+            with self._locked():
                 if self._sessions.get(session_id) is session:
                     errors = self._release(session_id, reason="forward_exception", hook="close", error=exc)
                     for hook_error in errors:
                         exc.add_note(str(hook_error))
             raise
-        with self._lock:
+        with self._locked():
             session.num_requests += 1
             if request.close_session:
                 # A failing close hook must not cost the caller this forward's output: the
@@ -453,7 +484,7 @@ class ARDiffusionModelRunner:
     def reset_session(self, session_id: str) -> None:
         """Release ``session_id`` and call the pipeline's reset hook; the next request starts fresh."""
         self._require_loaded()
-        with self._lock:
+        with self._locked():
             self._require_resident(session_id)
             errors = self._release(session_id, reason="explicit", hook="reset")
         if errors:
@@ -463,7 +494,7 @@ class ARDiffusionModelRunner:
     def close_session(self, session_id: str) -> None:
         """Release ``session_id`` and call the pipeline's close hook."""
         self._require_loaded()
-        with self._lock:
+        with self._locked():
             self._require_resident(session_id)
             errors = self._release(session_id, reason="explicit", hook="close")
         if errors:
@@ -493,7 +524,7 @@ class ARDiffusionModelRunner:
 
     def _close_sessions(self) -> list[LifecycleHookError]:
         errors: list[LifecycleHookError] = []
-        with self._lock:
+        with self._locked():
             for session_id in list(self._sessions):
                 errors += self._release(session_id, reason="explicit", hook="close")
         return errors
@@ -559,7 +590,7 @@ class ARDiffusionModelRunner:
         cache = self._require_loaded()
         if not isinstance(self.pipeline, SupportsARDiffusionWarmup):
             return WarmupReport(skipped=True)
-        with self._lock:
+        with self._locked():
             resident = [sid for sid in self._sessions if sid != WARMUP_SESSION_ID]
             assert self.capacity_plan is not None
             if len(resident) >= self.capacity_plan.session_capacity:
@@ -600,7 +631,7 @@ class ARDiffusionModelRunner:
                 raise
             raise error from exc
         finally:
-            with self._lock:
+            with self._locked():
                 if WARMUP_SESSION_ID in self._sessions:
                     hook_errors = self._release(WARMUP_SESSION_ID, reason="explicit", hook="close")
         seconds = time.perf_counter() - start
