@@ -82,6 +82,7 @@ class Rollout:
         # session id -> steps of its episode the resident session has consumed (absent: not resident)
         self._resident: dict[str, int] = {}
         self._captured: list[Any] = []  # runtime events of the request in flight
+        self._event_error: Exception | None = None  # the first error of _record_event (a bug): stops the run
         self._steps_done = {e.name: len(done.get(e.name, ())) for e in episodes}  # per episode, incl. earlier runs
         # episode -> step -> SHA-256 of its file when it ran (this run, and results.jsonl on resume): replays check it
         self._digests = {name: dict(steps) for name, steps in digests.items()}
@@ -101,6 +102,17 @@ class Rollout:
     # -- events --------------------------------------------------------------------------------------------
 
     def _on_event(self, event: Any) -> None:
+        """Engine subscriber. The runner makes a subscriber that raises a warning and goes on; here that would be a
+        bug in ardiff leaving the resident-session bookkeeping wrong (a step skipping the replay its session needs
+        writes wrong outputs), so the error is kept and stops the run before the next step (``run``)."""
+        try:
+            self._record_event(event)
+        except ArdiffError:  # Interrupted, raised by the signal handler wherever it finds the main thread: stop now
+            raise
+        except Exception as exc:  # noqa: BLE001 - raised by run(), with its traceback
+            self._event_error = self._event_error or exc
+
+    def _record_event(self, event: Any) -> None:
         kind = event.kind
         if kind == "session_admitted":
             self._resident[event.session_id] = 0
@@ -133,6 +145,8 @@ class Rollout:
         self._show_progress(self.episodes, recount=True)
         while True:
             self.signals.check()
+            if self._event_error is not None:
+                raise self._event_error
             item = self.scheduler.next()
             if item is None:
                 return self.stats

@@ -372,3 +372,46 @@ def test_the_hosts_allocator_running_out_is_out_of_memory_in_a_step_and_in_warmu
     assert proc.returncode == 3, proc.stderr
     error = json.loads(proc.stdout.splitlines()[-1])
     assert error["kind"] == "out_of_memory" and "DefaultCPUAllocator" in error["message"]
+
+
+# A bug in the rollout's own event subscriber (simulated: KeyError on the first eviction, before any bookkeeping).
+BUGGY_SUBSCRIBER = """
+import sys
+from ardiff_cli import rollout
+
+record = rollout.Rollout._record_event
+raised = []
+
+def buggy(self, event):
+    if event.kind == "session_evicted" and not raised:
+        raised.append(event)
+        raise KeyError("simulated bug in the rollout's subscriber")
+    record(self, event)
+
+rollout.Rollout._record_event = buggy
+sys.argv = ["ardiff", *sys.argv[1:]]
+from ardiff_cli.app import main
+main()
+"""
+
+
+def test_a_bug_in_the_rollouts_own_event_subscriber_stops_the_run_instead_of_writing_wrong_outputs(
+        env, data, reference, tmp_path):
+    # The runner makes a raising subscriber a warning (a library user's metrics callback); the rollout's own one
+    # tracks which sessions are resident. Ignored, its episode ran on in a fresh session without replaying its
+    # history: exit 0 and a wrong output, and with --quiet not a word.
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", BUGGY_SUBSCRIBER, *rollout_args(data, run, "--quiet")], cwd=REPO,
+                          capture_output=True, text=True, env={**env, "ARDIFF_TEST_FAULTS": "[]"}, timeout=600)
+    assert proc.returncode == 1, proc.stderr
+    assert "KeyError: \"simulated bug in the rollout's subscriber\"" in proc.stderr
+    assert "this is a bug in ardiff" in proc.stderr
+    got, want = outputs(run), outputs(reference)
+    assert got and len(got) < len(want)  # it stopped after the step in progress
+    for name, arrays in got.items():
+        for key in arrays:
+            np.testing.assert_array_equal(arrays[key], want[name][key], err_msg=f"{name}:{key}")
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference)
