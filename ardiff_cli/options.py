@@ -33,28 +33,28 @@ class Order(str, enum.Enum):
     sequential = "sequential"
 
 
-def check_device(value: Optional[str]) -> Optional[str]:
-    """auto, cpu, cuda or cuda:N (any case); anything else is a usage error naming the choices."""
+def _canonical(value: Optional[str], name_of, choices: str) -> Optional[str]:
+    """``value`` in its canonical spelling (``name_of`` returns None for what is not one), else a usage error."""
     if value is None:
         return value
+    name = name_of(value)
+    if name is None:
+        raise typer.BadParameter(f"{value!r} is not {choices}")
+    return name
+
+
+def check_device(value: Optional[str]) -> Optional[str]:
+    """auto, cpu, cuda or cuda:N (any case); anything else is a usage error naming the choices."""
     from ardiff_cli.runtime.config import device_name
 
-    name = device_name(value)
-    if name is not None:
-        return name
-    raise typer.BadParameter(f"{value!r} is not a device: use auto, cpu, cuda or cuda:N (e.g. cuda:1)")
+    return _canonical(value, device_name, "a device: use auto, cpu, cuda or cuda:N (e.g. cuda:1)")
 
 
 def check_dtype(value: Optional[str]) -> Optional[str]:
     """float32, bfloat16 or float16, in the spellings ``runtime.dtype`` takes too (fp16, half, bf16, fp32, any case)."""
-    if value is None:
-        return value
     from ardiff_cli.runtime.config import model_dtype_name
 
-    name = model_dtype_name(value)
-    if name is not None:
-        return name
-    raise typer.BadParameter(f"{value!r} is not a dtype: use float32, bfloat16 or float16 (or fp32, bf16, fp16, half)")
+    return _canonical(value, model_dtype_name, "a dtype: use float32, bfloat16 or float16 (or fp32, bf16, fp16, half)")
 
 
 def show_help(ctx: typer.Context, value: bool) -> None:
