@@ -334,11 +334,12 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 output.debug(f"loaded on {engine.device} in {time.monotonic() - started:.2f}s: "
                              f"{plan.session_capacity} sessions, {plan.num_managed_pages} pages")
                 if resume:
+                    recorded = run.read_info()
                     _same_backend(engine.runner.attention_backend, p.cfg.runtime.attention_backend,
-                                  run.read_info().get("attention_backend"))
+                                  recorded.get("attention_backend"))
                     for path in run.remove_stale_temporaries():  # under the lock: left by a process killed mid-write
                         output.debug(f"removed {path}, a temporary file of an interrupted write")
-                    atomic_write_json(p.out_dir / RUN_FILE, {**run.read_info(), "resumed_at": time.time()})
+                    atomic_write_json(p.out_dir / RUN_FILE, {**recorded, "resumed_at": time.time()})
                 else:
                     run.start({**p.info, "device": str(engine.device),
                                "attention_backend": engine.runner.attention_backend})
