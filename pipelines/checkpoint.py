@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from ardiff_cli.io.atomic import FILE_MODE
 from ardiff_cli.io.demo import CACHE_ENV, cache_dir
+from ardiff_cli.io.writer import sort_metadata_in_file
 from ardiff_cli.runtime.errors import CheckpointError
 from pipelines.wan import remap_checkpoint_key
 
@@ -75,6 +76,7 @@ def save_checkpoint(module: nn.Module, path: str | Path, metadata: dict[str, str
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
+        sort_metadata_in_file(tmp)  # safetensors writes metadata in hash order: the same weights, the same bytes
         os.chmod(tmp, FILE_MODE)  # mkstemp made it 0600: give it the mode of every other file ardiff writes
         os.replace(tmp, path)
     except BaseException:

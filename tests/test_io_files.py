@@ -215,6 +215,29 @@ def test_the_same_arrays_and_metadata_always_give_the_same_bytes(tmp_path):
         np.testing.assert_array_equal(f.get_tensor("joints"), arrays(3)["joints"])
 
 
+def test_metadata_sorted_in_a_written_file_keeps_its_tensors(tmp_path):
+    """``sort_metadata_in_file`` (checkpoints): the header rewritten in place when its length stays, the whole file
+    when not (here a header padded wider than safetensors pads it), and the same bytes as encoding at once."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from ardiff_cli.io.writer import encode_arrays, sort_metadata_in_file
+
+    metadata = {"pipeline": "causal_world", "format": "pt", "config": '{"dim": 64, "name": "é"}', "b": "1"}
+    expected = encode_arrays(arrays(5), metadata=metadata)
+    in_place, padded = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file(arrays(5), str(in_place), metadata=metadata)
+    blob = in_place.read_bytes()
+    size = struct.unpack("<Q", blob[:8])[0]
+    padded.write_bytes(struct.pack("<Q", size + 64) + blob[8:8 + size] + b" " * 64 + blob[8 + size:])
+    for path in (in_place, padded):
+        sort_metadata_in_file(path)
+        assert path.read_bytes() == expected, path.name
+        with safe_open(str(path), framework="np") as f:
+            assert f.metadata() == metadata
+            np.testing.assert_array_equal(f.get_tensor("image"), arrays(5)["image"])
+
+
 def test_read_step_takes_a_path_given_as_a_string(tmp_path):
     (path,) = write_episode(tmp_path / "ep", [arrays(0)], prompt="pick")
     raw = read_step(str(path))

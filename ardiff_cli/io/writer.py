@@ -74,6 +74,25 @@ def _sorted_metadata(blob: bytes) -> bytes:
     return len(text).to_bytes(8, "little") + text + blob[8 + size:]
 
 
+def sort_metadata_in_file(path: str | os.PathLike) -> None:
+    """``_sorted_metadata`` for a file written by ``safetensors.*.save_file``, rewriting only its header: a large
+    checkpoint is never held twice in memory. The sorted header has the same keys and values, so it is as long
+    as the original; were it ever longer, the whole file is rewritten."""
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        blob = size.to_bytes(8, "little") + f.read(size)
+        sorted_header = _sorted_metadata(blob)
+        if len(sorted_header) == len(blob):
+            f.seek(0)
+            f.write(sorted_header)
+            return
+        f.seek(0)
+        whole = _sorted_metadata(f.read())
+        f.seek(0)
+        f.write(whole)
+        f.truncate()
+
+
 def write_step(folder: str | os.PathLike, step: int, arrays: Mapping[str, Any], *, prompt: str | None = None,
                metadata: Mapping[str, str] | None = None, format: str = "safetensors") -> Path:
     """Write step ``step`` of the episode in ``folder`` (created if needed); returns the file's path.
