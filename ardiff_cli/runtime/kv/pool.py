@@ -99,6 +99,22 @@ class KVPagePool:
             self._visible_views[key] = views
         return views
 
+    def page_content_shapes(self, num_pages: int) -> dict[str, tuple[int, ...]]:
+        """Shapes of :meth:`read_page_contents` for ``num_pages`` pages."""
+        spec = self.layout.spec
+        return {"kv": (spec.num_layers, 2, spec.num_kv_heads, num_pages, self.layout.page_size, spec.head_size)}
+
+    def read_page_contents(self, page_ids: list[int]) -> dict[str, torch.Tensor]:
+        """Every layer's K and V of ``page_ids``, in that order, copied to the CPU: what attention reads of them
+        (swapping a session out)."""
+        ids = torch.tensor(page_ids, dtype=torch.long, device=self.device)
+        return {"kv": self.kv.index_select(3, ids).cpu()}  # (L, 2, H, n, P, D)
+
+    def write_page_contents(self, page_ids: list[int], contents: dict[str, torch.Tensor]) -> None:
+        """Store what :meth:`read_page_contents` returned into ``page_ids`` (restoring a session), bit for bit."""
+        ids = torch.tensor(page_ids, dtype=torch.long, device=self.device)
+        self.kv.index_copy_(3, ids, contents["kv"].to(self.device))
+
     def gather_into(self, layer: int, page_ids: torch.Tensor, out: torch.Tensor) -> None:
         """K and V of ``page_ids`` of one layer into ``out`` ``(2, H, n, P, D)`` (a view of the workspace)."""
         torch.index_select(self._layers[layer], 2, page_ids, out=out)

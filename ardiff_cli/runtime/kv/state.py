@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,24 @@ class BranchAdapter:
     num_committed_frames: int  # absolute index of the next frame to commit (RoPE position)
     num_resident_frames: int  # sink + window frames currently held
     page_ids: tuple[int, ...]  # resident pages in attention order (sink first, then oldest to newest)
+
+
+@dataclass(frozen=True, slots=True)
+class KVSnapshot:
+    """The committed KV of one session, off the device: what swapping a session out keeps.
+
+    ``tensors`` (CPU, the pool's dtype): ``self/<branch>/<part>`` the raw contents of the branch's pages in
+    attention order (sink first, then oldest to newest; parts as the pool names them), ``cross/<branch>/<name>``
+    a published cross-attention cache stacked ``(layers, 2, heads, tokens, dim)``. ``metadata`` (JSON-able): per
+    branch ``num_committed_frames``, ``num_sink_pages`` and ``num_window_pages``.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 class BranchKV:
@@ -84,6 +102,18 @@ class BranchKV:
         if evicted:
             allocator.free(evicted)
         self.num_committed_frames += len(pages) // self._pages_per_frame
+
+    def restore(self, num_committed_frames: int, sink: list[int], window: list[int]) -> None:
+        """Take ``sink`` and ``window`` pages (already allocated and written) as the history of an empty branch."""
+        assert not self.num_pages and not self.num_committed_frames, "restore into a branch that holds history"
+        self.adapter_snapshot = self.history_ids = None
+        self._sink.extend(sink)
+        self._window.extend(window)
+        self.num_committed_frames = num_committed_frames
+
+    def split(self) -> tuple[int, int]:
+        """(sink pages, window pages) held now."""
+        return len(self._sink), len(self._window)
 
     def release(self, allocator: PageAllocator) -> None:
         """Free every page and forget the history (positions restart at frame 0)."""
@@ -316,6 +346,98 @@ class ARDiffusionKVState:
             f"cross-attention {name!r} of branch {kv.name!r} (session {self.session_id!r}) read before "
             "populate_cross_attention completed; the runner never recomputes it silently"
         )
+
+    # ------------------------------------------------------------------ swap
+    def export(self) -> KVSnapshot:
+        """A copy of the committed state on the CPU: every branch's pages (all layers, K and V, as attention
+        reads them) and every published cross-attention cache. :meth:`restore` of it into a fresh state of a
+        cache with the same geometry and dtype gives the same state, bit for bit."""
+        self._check_open()
+        assert not self.uncommitted_branches(), "export of a state with a commit pass in flight"
+        pool = self._cache.pool
+        tensors: dict[str, torch.Tensor] = {}
+        branches: dict[str, dict[str, int]] = {}
+        for name, kv in self._branches.items():
+            num_sink, num_window = kv.split()
+            branches[name] = {"num_committed_frames": kv.num_committed_frames, "num_sink_pages": num_sink,
+                              "num_window_pages": num_window}
+            for part, contents in pool.read_page_contents(kv.page_ids()).items():
+                tensors[f"self/{name}/{part}"] = contents
+        for (branch, name), pairs in self._cross.items():
+            tensors[f"cross/{branch}/{name}"] = torch.stack([torch.stack(pair) for pair in pairs]).cpu()
+        return KVSnapshot(tensors=tensors, metadata={"branches": branches})
+
+    def restore(self, snapshot: KVSnapshot) -> None:
+        """Load ``snapshot`` (from :meth:`export`) into this fresh state: allocate pages, write their contents,
+        rebuild each branch's sink and window, publish the cross-attention caches. A snapshot that does not fit
+        this cache (branches, page counts, shapes, dtype) is a ``ValueError`` naming what differs; on any
+        failure the state is left empty, its pages freed."""
+        self._check_open()
+        if self.num_pages or self._cross:
+            raise RuntimeError(f"restore into KV state of session {self.session_id!r}, which holds KV already")
+        plan = self._check_snapshot(snapshot)
+        pool, allocator = self._cache.pool, self._cache.allocator
+        try:
+            for name, (frames, num_sink, num_window) in plan.items():
+                pages = allocator.allocate(num_sink + num_window)
+                self._branches[name].restore(frames, pages[:num_sink], pages[num_sink:])  # owned by the branch now
+                if pages:
+                    pool.write_page_contents(pages, {key.split("/")[2]: t for key, t in snapshot.tensors.items()
+                                                     if key.startswith(f"self/{name}/")})
+            for key, stacked in snapshot.tensors.items():
+                kind, branch, name = key.split("/")
+                if kind == "cross":  # (L, 2, H, T, D) -> one (k, v) per layer, each its own storage
+                    self._cross[(branch, name)] = tuple(
+                        (layer[0].to(pool.device, copy=True), layer[1].to(pool.device, copy=True))
+                        for layer in stacked.unbind(0))
+        except BaseException:
+            self._release_self_attention()
+            self._cross.clear()
+            raise
+
+    def _check_snapshot(self, snapshot: KVSnapshot) -> dict[str, tuple[int, int, int]]:
+        """Branch -> (committed frames, sink pages, window pages) of a snapshot that fits; else ``ValueError``."""
+        where = f"KV snapshot of session {self.session_id!r}"
+        if not isinstance(snapshot, KVSnapshot):
+            raise ValueError(f"{where}: expected a KVSnapshot, got {type(snapshot).__name__}")
+        branches = snapshot.metadata.get("branches")
+        if not isinstance(branches, dict) or sorted(branches) != sorted(self._branches):
+            got = sorted(branches) if isinstance(branches, dict) else branches
+            raise ValueError(f"{where}: branches {got}, expected {sorted(self._branches)}")
+        pool, layout, spec = self._cache.pool, self._cache.layout, self.spec
+        per_frame = layout.pages_per_frame
+        plan: dict[str, tuple[int, int, int]] = {}
+        expected: dict[str, tuple[int, ...]] = {}
+        for name, record in branches.items():
+            counts = [record.get(k) if isinstance(record, dict) else None
+                      for k in ("num_committed_frames", "num_sink_pages", "num_window_pages")]
+            if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+                raise ValueError(f"{where}: branch {name!r} has counts {record!r}, expected non-negative integers "
+                                 "num_committed_frames, num_sink_pages, num_window_pages")
+            frames, num_sink, num_window = counts
+            if (num_sink > spec.sink_frames * per_frame or num_window > spec.window_frames * per_frame
+                    or num_sink % per_frame or num_window % per_frame or (num_sink + num_window) > frames * per_frame):
+                raise ValueError(
+                    f"{where}: branch {name!r} holds {num_sink} sink and {num_window} window pages after {frames} "
+                    f"frames, expected whole frames of {per_frame} page(s) within sink_frames={spec.sink_frames}, "
+                    f"window_frames={spec.window_frames}")
+            plan[name] = (frames, num_sink, num_window)
+            for part, shape in pool.page_content_shapes(num_sink + num_window).items():
+                expected[f"self/{name}/{part}"] = shape
+        for key in snapshot.tensors:
+            kind, _, rest = key.partition("/")
+            branch, _, cross_name = rest.partition("/")
+            if kind == "cross" and branch in self._branches and cross_name in {c.name for c in spec.cross_attention}:
+                heads, tokens, head_size = spec.cross_geometry(cross_name)
+                expected[key] = (spec.num_layers, 2, heads, tokens, head_size)
+        if sorted(snapshot.tensors) != sorted(expected):
+            raise ValueError(f"{where}: tensors {sorted(snapshot.tensors)}, expected {sorted(expected)} for this "
+                             "cache's geometry")
+        for key, tensor in snapshot.tensors.items():
+            if tuple(tensor.shape) != expected[key] or tensor.dtype != pool.dtype:
+                raise ValueError(f"{where}: {key!r} is {tensor.dtype} {tuple(tensor.shape)}, expected "
+                                 f"{pool.dtype} {expected[key]} (this cache's geometry, dtype and attention backend)")
+        return plan
 
     # --------------------------------------------------------------- lifecycle
     def reset(self, keep_cross_attention: Iterable[str] = ()) -> None:

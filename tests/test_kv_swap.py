@@ -1,0 +1,184 @@
+"""Swapping a session's KV off the device and back: ARDiffusionKVState.export / restore on every pool layout.
+
+A session swapped out and restored (into other page ids, after another session took its pages) must read exactly
+what it read before: the same page contents in the same attention order, the same caches, the same positions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_backends import _vllm_cpu_ready
+
+from ardiff_cli.runtime.capability import ARDiffusionCrossAttentionKVSpec, ARDiffusionKVBranchSpec
+from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
+from ardiff_cli.runtime.kv.layout import KVLayout
+from ardiff_cli.runtime.kv.state import KVSnapshot
+from ardiff_cli.runtime.kv.vllm_attention import TorchPagedKernel
+
+CFG = (ARDiffusionKVBranchSpec("positive", 0), ARDiffusionKVBranchSpec("negative", 1))
+CROSS = (ARDiffusionCrossAttentionKVSpec("text", 3),)
+
+
+def make(make_spec, backend, *, dtype=torch.float32, **overrides):
+    spec = make_spec(kv_branches=CFG, cross_attention=CROSS, max_scratch_tokens_per_branch=2, **overrides)
+    return ARDiffusionKVCache(spec, KVLayout.from_spec(spec).managed_pages(2), dtype=dtype,
+                              attention_backend=backend)
+
+
+def block(state, branch, seed, *, commit=True, num_registers=1):
+    """One forward of ``branch`` over every layer with K/V drawn from ``seed``; returns the attention outputs."""
+    spec = state.spec
+    dtype = state._cache.pool.dtype
+    gen = torch.Generator().manual_seed(seed)
+    seq_len = spec.frames_per_block * spec.tokens_per_frame
+    outs = []
+    for ctx in state.get_kv_caches(branch, seq_len=seq_len, commit_current=commit):
+        q, k, v = (torch.randn(spec.num_kv_heads, seq_len + num_registers, spec.head_size, generator=gen).to(dtype)
+                   for _ in range(3))
+        outs.append(ctx.attend(q, k, v))
+    state.commit(branch)
+    return outs
+
+
+def publish(state, branch, seed):
+    heads, tokens, head_size = state.spec.cross_geometry("text")
+    gen = torch.Generator().manual_seed(seed)
+    dtype = state._cache.pool.dtype
+    state.populate_cross_attention(branch, "text", [
+        (torch.randn(heads, tokens, head_size, generator=gen).to(dtype),
+         torch.randn(heads, tokens, head_size, generator=gen).to(dtype)) for _ in range(state.spec.num_layers)])
+
+
+def history(state, blocks):
+    publish(state, "positive", 1)
+    publish(state, "negative", 2)
+    for i in range(blocks):
+        for branch in ("positive", "negative"):
+            block(state, branch, 100 * i + len(branch))
+
+
+def assert_same_snapshot(a: KVSnapshot, b: KVSnapshot) -> None:
+    assert a.metadata == b.metadata
+    assert sorted(a.tensors) == sorted(b.tensors)
+    for key in a.tensors:
+        assert a.tensors[key].dtype == b.tensors[key].dtype, key
+        assert torch.equal(a.tensors[key], b.tensors[key]), key
+
+
+BACKENDS = {"torch": lambda: "torch", "torch-paged": lambda: TorchPagedKernel(4)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("blocks", [1, 4])  # within the window, and past it (pages evicted, sink + window split)
+def test_a_restored_session_reads_exactly_what_it_read_before(make_spec, backend, dtype, blocks):
+    # 6-token frames on 4-token kernel blocks: one body block and a 2-token tail per page (torch-paged).
+    cache = make(make_spec, BACKENDS[backend](), dtype=dtype, tokens_per_frame=6)
+    reference = make(make_spec, BACKENDS[backend](), dtype=dtype, tokens_per_frame=6).new_state("a")
+    state = cache.new_state("a")
+    history(state, blocks)
+    history(reference, blocks)
+    free_before = cache.num_free_pages
+    held = state.num_pages
+    snapshot = state.export()
+    assert snapshot.metadata["branches"]["positive"]["num_committed_frames"] == blocks * 2
+    assert all(t.device.type == "cpu" for t in snapshot.tensors.values())
+    state.close()  # swapped out: every page back
+    assert cache.num_free_pages == free_before + held
+    other = cache.new_state("b")  # another session takes the pages "a" had
+    history(other, 1)
+    restored = cache.new_state("a")
+    free = cache.num_free_pages
+    restored.restore(snapshot)
+    assert cache.num_free_pages == free - held  # exactly the pages it held, no more
+    for branch in ("positive", "negative"):
+        before, after = reference.adapter(branch), restored.adapter(branch)
+        assert after.num_committed_frames == before.num_committed_frames
+        assert after.num_resident_frames == before.num_resident_frames
+    assert restored.cross_attention_bytes == reference.cross_attention_bytes
+    assert_same_snapshot(snapshot, restored.export())  # byte-identical round trip
+    # Run on: a denoising pass and a commit pass give bit-identical attention to the never-swapped session.
+    for seed, commit in ((7, False), (8, True), (9, False)):
+        for branch in ("positive", "negative"):
+            got, want = block(restored, branch, seed, commit=commit), block(reference, branch, seed, commit=commit)
+            for layer, (g, w) in enumerate(zip(got, want)):
+                assert torch.equal(g, w), f"{branch} layer {layer} differs after the restore"
+    restored.close()
+    other.close()
+    assert cache.num_free_pages == cache.num_managed_pages
+
+
+def test_a_snapshot_that_does_not_fit_is_refused_and_leaves_the_state_empty(make_spec):
+    cache = make(make_spec, "torch")
+    state = cache.new_state("a")
+    history(state, 2)
+    snapshot = state.export()
+    state.close()
+    free = cache.num_free_pages
+    # Another dtype, another geometry, another layout: each named, nothing allocated.
+    cases = {
+        "dtype": (KVSnapshot({k: t.double() for k, t in snapshot.tensors.items()}, snapshot.metadata),
+                  "is torch.float64 (2, 2, 2, 4, 4, 8), expected torch.float32"),
+        "branches": (KVSnapshot(snapshot.tensors, {"branches": {"main": {}}}), "branches ['main'], expected"),
+        "counts": (KVSnapshot(snapshot.tensors, {"branches": {
+            **snapshot.metadata["branches"], "positive": {"num_committed_frames": 4, "num_sink_pages": 1,
+                                                          "num_window_pages": 9}}}), "holds 1 sink and 9 window"),
+        "layout": (KVSnapshot({**{k: t for k, t in snapshot.tensors.items() if "/kv" not in k},
+                               "self/positive/blocks": torch.zeros(1), "self/negative/blocks": torch.zeros(1)},
+                              snapshot.metadata), "expected ['cross/negative/text'"),
+    }
+    for name, (bad, message) in cases.items():
+        state = cache.new_state("a")
+        with pytest.raises(ValueError, match="KV snapshot of session 'a'") as info:
+            state.restore(bad)
+        assert message in str(info.value), (name, str(info.value))
+        assert cache.num_free_pages == free and state.num_pages == 0 and state.cross_attention_bytes == 0
+        state.close()
+    paged = make(make_spec, TorchPagedKernel(4)).new_state("a")  # the other pool's layout
+    with pytest.raises(ValueError, match="expected .*self/negative/blocks"):
+        paged.restore(snapshot)
+
+
+def test_a_restore_that_fails_midway_frees_what_it_took(make_spec, monkeypatch):
+    cache = make(make_spec, "torch")
+    state = cache.new_state("a")
+    history(state, 3)
+    snapshot = state.export()
+    state.close()
+    free = cache.num_free_pages
+
+    def broken(page_ids, contents):
+        raise OSError("device lost")
+
+    monkeypatch.setattr(cache.pool, "write_page_contents", broken)
+    state = cache.new_state("a")
+    with pytest.raises(OSError, match="device lost"):
+        state.restore(snapshot)
+    assert cache.num_free_pages == free and state.num_pages == 0
+    assert state.adapter("positive").num_committed_frames == 0
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not _vllm_cpu_ready(), reason="vLLM's CPU attention kernels (vllm-cpu) not installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_restored_session_reads_exactly_what_it_read_before_with_vllms_cpu_kernel(make_spec, dtype):
+    """vLLM's CPU blocks are in an ISA-specific format: whole blocks are copied as they are."""
+    overrides = dict(head_size=32, tokens_per_frame=40)  # one 32-token block + an 8-token tail per page
+    cache = make(make_spec, "vllm", dtype=dtype, **overrides)
+    assert cache.pool.kernel.name == "vllm-cpu-attn"
+    reference = make(make_spec, "vllm", dtype=dtype, **overrides).new_state("a")
+    state = cache.new_state("a")
+    history(state, 3)
+    history(reference, 3)
+    snapshot = state.export()
+    state.close()
+    other = cache.new_state("b")
+    history(other, 1)
+    restored = cache.new_state("a")
+    restored.restore(snapshot)
+    assert_same_snapshot(snapshot, restored.export())
+    for seed, commit in ((7, False), (8, True), (9, False)):
+        for branch in ("positive", "negative"):
+            got, want = block(restored, branch, seed, commit=commit), block(reference, branch, seed, commit=commit)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), branch
