@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 
 import dataclasses
+import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,6 +73,7 @@ class ARPipeline(abc.ABC):
 
     name: ClassVar[str]  # registered pipeline name; also the checkpoint metadata
     cross_names: ClassVar[tuple[str, ...]]  # named cross-attention caches every transformer forward reads
+    session_record: ClassVar[type]  # the dataclass of ``self.sessions``' values (what a swapped session keeps)
     supports_request_batch: ClassVar[bool] = False  # request mode only
     supports_step_execution: ClassVar[bool] = False
 
@@ -135,6 +137,39 @@ class ARPipeline(abc.ABC):
 
     def close_ar_diffusion_session(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
+
+    # ------------------------------------------------------------------ swap
+    def export_ar_diffusion_session(self, session_id: str) -> dict[str, Any] | None:
+        """What this pipeline keeps for ``session_id`` outside the runner's pools, for swapping it out: the fields
+        of its record (tensors on the CPU, other values as they are), or None when it keeps nothing."""
+        record = self.sessions.get(session_id)
+        if record is None:
+            return None
+        values = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+        return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+
+    def import_ar_diffusion_session(self, session_id: str, snapshot: dict[str, Any] | None) -> None:
+        """Take back what :meth:`export_ar_diffusion_session` gave for ``session_id``. A snapshot that is not a
+        record of this pipeline (other fields, a tensor where a plain value belongs or the reverse, another type)
+        is a ``ValueError`` naming the field, and nothing is kept: never a silently different session."""
+        where = f"{type(self).__name__}.import_ar_diffusion_session({session_id!r})"
+        if snapshot is None:
+            self.sessions.pop(session_id, None)
+            return
+        record_type = self.session_record
+        hints = typing.get_type_hints(record_type)
+        names = [f.name for f in dataclasses.fields(record_type)]
+        if not isinstance(snapshot, dict) or sorted(snapshot) != sorted(names):
+            got = sorted(snapshot) if isinstance(snapshot, dict) else type(snapshot).__name__
+            raise ValueError(f"{where}: fields {got}, expected those of {record_type.__name__}: {sorted(names)}")
+        values = {}
+        for name in names:
+            value, hint = snapshot[name], hints[name]
+            ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
+            if not ok:
+                raise ValueError(f"{where}: field {name!r} is {type(value).__name__}, expected {hint.__name__}")
+            values[name] = value.to(self.device) if isinstance(value, torch.Tensor) else value
+        self.sessions[session_id] = record_type(**values)
 
     def forward(self, request: ARDiffusionRequest) -> dict[str, Any]:
         if self._bound is None:

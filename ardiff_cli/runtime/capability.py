@@ -220,5 +220,20 @@ class SupportsARDiffusionWarmup(Protocol):
         """Yield requests for the shapes worth warming, each carrying ``session_id``."""
 
 
+@runtime_checkable
+class SupportsARDiffusionSwap(Protocol):
+    """Optional: what the pipeline keeps per session outside the runner's pools, out and back in.
+
+    With a swap store, the runner swaps an LRU-evicted session to disk (its KV and this snapshot) and restores it
+    on request; pipelines without it have their evicted sessions rebuilt by replay, as before.
+    """
+
+    def export_ar_diffusion_session(self, session_id: str) -> dict[str, Any] | None:
+        """Name -> CPU tensor or JSON-able plain value (None: nothing kept), read just before an eviction."""
+
+    def import_ar_diffusion_session(self, session_id: str, snapshot: dict[str, Any] | None) -> None:
+        """Take back an exported snapshot; raise ``ValueError`` naming what does not fit, keeping nothing."""
+
+
 PIPELINE_METHODS = ("ar_diffusion_kv_cache_spec", "bind_ar_diffusion_state", "reset_ar_diffusion_session",
                     "close_ar_diffusion_session")

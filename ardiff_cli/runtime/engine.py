@@ -43,7 +43,8 @@ def resolve_device(name: str) -> torch.device:
 class ARDiffusionEngine:
     """Builds a pipeline from a config and runs requests through ``ARDiffusionModelRunner``."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, swap_dir: str | Path | None = None,
+                 swap_space: int | None = None) -> None:
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"ARDiffusionEngine() takes an EngineConfig, got {shown(config)}",
                               hint="for a YAML path, a built-in config name or a dict, use "
@@ -53,12 +54,18 @@ class ARDiffusionEngine:
         self.runner: ARDiffusionModelRunner | None = None
         self.device: torch.device | None = None
         self._subscribers: list[Callable[[RuntimeEvent], None]] = []  # attached to the runner at load
+        # Swap LRU-evicted sessions to files in swap_dir instead of dropping them (ARDiffusionModelRunner).
+        self.swap_dir, self.swap_space = swap_dir, swap_space
 
     @classmethod
-    def from_config(cls, source: str | Path | dict[str, Any] | EngineConfig | None = None, **overrides: Any):
-        """An engine for a config file, built-in name or dict; ``overrides`` are runtime settings."""
+    def from_config(cls, source: str | Path | dict[str, Any] | EngineConfig | None = None, *,
+                    swap_dir: str | Path | None = None, swap_space: int | None = None, **overrides: Any):
+        """An engine for a config file, built-in name or dict; ``overrides`` are runtime settings. ``swap_dir``
+        (default: none) turns on swapping evicted sessions to disk, ``swap_space`` bytes at most (default: the
+        KV budget, at most half the free disk)."""
         config = source if isinstance(source, EngineConfig) else load_config(source)
-        return cls(config.with_runtime(where="ARDiffusionEngine.from_config()", **overrides))
+        return cls(config.with_runtime(where="ARDiffusionEngine.from_config()", **overrides), swap_dir=swap_dir,
+                   swap_space=swap_space)
 
     def subscribe(self, callback: Callable[[RuntimeEvent], None]) -> Callable[[], None]:
         """Receive runtime events (including the capacity plan at load) in order; returns a function that
@@ -105,6 +112,8 @@ class ARDiffusionEngine:
             gpu_memory_fraction=runtime.gpu_memory_fraction,
             session_capacity=runtime.session_capacity,
             attention_backend=runtime.attention_backend,
+            swap_dir=self.swap_dir,
+            swap_space=self.swap_space,
         )
         for callback in self._subscribers:
             self.runner.subscribe(callback)

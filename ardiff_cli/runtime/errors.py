@@ -53,6 +53,12 @@ class RequestError(ArdiffError, ValueError):
     exit_code = 2
 
 
+class SwapRestoreError(ArdiffError, RuntimeError):
+    """A swapped-out session's snapshot could not be restored (a missing, unreadable or corrupt file, or one that
+    does not fit this pool or pipeline). The snapshot is deleted and no part of the session stays resident: its
+    history must be rebuilt another way (the CLI replays it)."""
+
+
 class SessionNotResident(RequestError, KeyError):
     """``reset_session`` / ``close_session`` named a session that is not resident: never admitted, or evicted
     (LRU), closed or released since. A ``KeyError`` too."""

@@ -60,6 +60,19 @@ class SessionEvicted(RuntimeEvent):
     reason: str = "lru_eviction"
     by_session_id: str | None = None  # the session whose admission caused the eviction
     time: float = field(default_factory=_now)
+    swapped: bool = False  # its snapshot went to the swap store: restore_session() brings it back without replay
+    swap_bytes: int = 0  # bytes of that snapshot file
+
+
+@dataclass(frozen=True)
+class SessionRestored(RuntimeEvent):
+    """A swapped-out session was admitted again from its snapshot (``runner.restore_session``)."""
+
+    kind: ClassVar[str] = "session_restored"
+    session_id: str
+    swap_bytes: int  # bytes of the snapshot file read
+    seconds: float  # reading the file and restoring the KV and the pipeline's state
+    time: float = field(default_factory=_now)
 
 
 @dataclass(frozen=True)
@@ -74,7 +87,7 @@ class SessionReset(RuntimeEvent):
 class SessionClosed(RuntimeEvent):
     kind: ClassVar[str] = "session_closed"
     session_id: str
-    reason: str  # "explicit", "close_session" or "forward_exception"
+    reason: str  # "explicit", "close_session", "forward_exception" or "restore_failed"
     error: str | None = None  # the forward's exception, for forward_exception
     time: float = field(default_factory=_now)
 

@@ -17,6 +17,7 @@ import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ import torch
 from ardiff_cli.runtime.capability import (
     PIPELINE_METHODS,
     ARDiffusionKVCacheSpec,
+    SupportsARDiffusionSwap,
     SupportsARDiffusionWarmup,
 )
 from ardiff_cli.runtime.capacity import (
@@ -42,6 +44,7 @@ from ardiff_cli.runtime.errors import (
     PipelineError,
     RequestError,
     SessionNotResident,
+    SwapRestoreError,
     as_pipeline_error,
     shown,
 )
@@ -54,6 +57,7 @@ from ardiff_cli.runtime.events import (
     SessionClosed,
     SessionEvicted,
     SessionReset,
+    SessionRestored,
     WarmupFinished,
 )
 from ardiff_cli.runtime.kv.backends import select_attention_backend
@@ -61,6 +65,7 @@ from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
 from ardiff_cli.runtime.kv.layout import KVLayout
 from ardiff_cli.runtime.kv.state import ARDiffusionKVState
 from ardiff_cli.runtime.request import ARDiffusionRequest
+from ardiff_cli.runtime.swap import SwapStore, decode_snapshot, encode_snapshot, free_disk_bytes
 
 logger = logging.getLogger("ardiff.runtime")
 
@@ -136,6 +141,9 @@ class PoolUsage:
     num_free: int
     num_used: int
     bytes_per_page: int
+    num_swapped: int = 0  # evicted sessions whose snapshot is in the swap store
+    swapped_bytes: int = 0  # bytes of those snapshot files
+    swap_budget_bytes: int = 0  # the swap store's budget (0: no swap store)
 
 
 @dataclass(frozen=True)
@@ -181,6 +189,8 @@ class ARDiffusionModelRunner:
         gpu_memory_fraction: float = 0.9,
         session_capacity: int | None = None,
         attention_backend: str = "auto",
+        swap_dir: str | Path | None = None,
+        swap_space: int | None = None,
     ) -> None:
         self.pipeline = pipeline  # the model; sees KV only through bind_ar_diffusion_state
         self.device = torch.device(device)
@@ -196,6 +206,11 @@ class ARDiffusionModelRunner:
         self.spec: ARDiffusionKVCacheSpec | None = None  # the pipeline's spec, read at load
         self.capacity_plan: CapacityPlan | None = None
         self.kv_cache: ARDiffusionKVCache | None = None  # pools, preallocated once at load
+        # Where LRU-evicted sessions are swapped (None: no swapping; they are released, as a close), and the most
+        # bytes of snapshots kept there (None: the plan's KV budget, at most half the folder's free disk at load).
+        self.swap_dir = None if swap_dir is None else Path(swap_dir)
+        self.swap_space = swap_space
+        self.swap: SwapStore | None = None  # built at load, when the pipeline can export its sessions
         self._closed = False  # close() ran: pools and pipeline dropped, every later request refused
         # Resident sessions, least recently used first.
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
@@ -244,6 +259,11 @@ class ARDiffusionModelRunner:
         self.spec = spec
         plan, self.kv_cache = self._plan_and_allocate(spec)
         self.capacity_plan = plan
+        if self.swap_dir is not None and isinstance(self.pipeline, SupportsARDiffusionSwap):
+            space = self.swap_space
+            if space is None:
+                space = min(plan.budget_bytes, free_disk_bytes(self.swap_dir) // 2)
+            self.swap = SwapStore(self.swap_dir, space) if space > 0 else None
         self._emit(
             CapacityPlanned(
                 plan=plan,
@@ -464,11 +484,14 @@ class ARDiffusionModelRunner:
         return output
 
     def _admit(self, session_id: str) -> _Session:
-        """The resident session ``session_id``, most recently used now; evict the LRU one to make room."""
+        """The resident session ``session_id``, most recently used now; evict the LRU one to make room. A session
+        admitted fresh drops any snapshot of its id: restoring it later would bring back an older history."""
         session = self._sessions.get(session_id)
         if session is not None:
             self._sessions.move_to_end(session_id)
             return session
+        if self.swap is not None:
+            self.swap.discard(session_id)
         assert self.capacity_plan is not None
         while len(self._sessions) >= self.capacity_plan.session_capacity:
             victim = next(iter(self._sessions))
@@ -485,6 +508,8 @@ class ARDiffusionModelRunner:
         """Release ``session_id`` and call the pipeline's reset hook; the next request starts fresh."""
         self._require_loaded()
         with self._locked():
+            if self._discard_swapped(session_id):
+                return
             self._require_resident(session_id)
             errors = self._release(session_id, reason="explicit", hook="reset")
         if errors:
@@ -495,6 +520,8 @@ class ARDiffusionModelRunner:
         """Release ``session_id`` and call the pipeline's close hook."""
         self._require_loaded()
         with self._locked():
+            if self._discard_swapped(session_id):
+                return
             self._require_resident(session_id)
             errors = self._release(session_id, reason="explicit", hook="close")
         if errors:
@@ -527,7 +554,13 @@ class ARDiffusionModelRunner:
         with self._locked():
             for session_id in list(self._sessions):
                 errors += self._release(session_id, reason="explicit", hook="close")
+            if self.swap is not None:
+                self.swap.clear()  # swapped sessions are closed too: their files go
         return errors
+
+    def _discard_swapped(self, session_id: str) -> bool:
+        """A swapped-out session is reset or closed by deleting its snapshot (its pipeline state left with it)."""
+        return session_id not in self._sessions and self.swap is not None and self.swap.discard(session_id)
 
     def _require_resident(self, session_id: str) -> None:
         if session_id not in self._sessions:
@@ -552,6 +585,7 @@ class ARDiffusionModelRunner:
         Hook failures are returned (and recorded and emitted), never swallowed.
         """
         cache = self._require_loaded()
+        swap_bytes = self._swap_out(session_id, self._sessions[session_id]) if reason == "lru_eviction" else None
         session = self._sessions.pop(session_id)
         session.state.close()
         callback = (
@@ -574,7 +608,8 @@ class ARDiffusionModelRunner:
             f"page leak: allocator holds {cache.allocator.num_used} pages, resident sessions {used}"
         )
         if reason == "lru_eviction":
-            self._emit(SessionEvicted(session_id=session_id, by_session_id=by_session_id))
+            self._emit(SessionEvicted(session_id=session_id, by_session_id=by_session_id,
+                                      swapped=swap_bytes is not None, swap_bytes=swap_bytes or 0))
         elif hook == "reset":
             self._emit(SessionReset(session_id=session_id, reason=reason))
         else:
@@ -582,6 +617,62 @@ class ARDiffusionModelRunner:
                 SessionClosed(session_id=session_id, reason=reason, error=None if error is None else repr(error))
             )
         return errors
+
+    # ------------------------------------------------------------------ swap
+    def _swap_out(self, session_id: str, session: _Session) -> int | None:
+        """Write the snapshot of a session being evicted, before its KV is released; its bytes, or None (no swap
+        store, the session is over the budget, or the write failed: a warning, and it is evicted as before)."""
+        if self.swap is None or session_id == WARMUP_SESSION_ID:
+            return None
+        try:
+            state = self.pipeline.export_ar_diffusion_session(session_id)
+            tensors, metadata = encode_snapshot(session.state.export(), state, session.num_requests)
+            return self.swap.write(session_id, tensors, metadata)
+        except Exception as exc:  # noqa: BLE001 - swapping is an optimisation: the eviction goes on without it
+            self.swap.discard(session_id)
+            warnings.warn(f"cannot swap session {shown(session_id)} out to {self.swap.directory} "
+                          f"({type(exc).__name__}: {exc}); it is evicted without a snapshot", ArdiffWarning,
+                          stacklevel=2)
+            return None
+
+    @_one_at_a_time
+    def restore_session(self, session_id: str) -> bool:
+        """Admit ``session_id`` from its swap snapshot (which may evict, so swap out, the least recently used
+        session), deleting the snapshot; False when it has none. A snapshot that cannot be restored (missing,
+        unreadable or corrupt file; another geometry, dtype or pipeline record) raises ``SwapRestoreError``: the
+        snapshot is deleted and no part of the session stays resident."""
+        self._require_loaded()
+        if not isinstance(session_id, str) or not session_id or session_id == WARMUP_SESSION_ID:
+            raise RequestError(f"restore_session() takes a session id (a non-empty string), got {shown(session_id)}",
+                               hint="name a session that was evicted")
+        if self.swap is None or session_id in self._sessions or not self.swap.has(session_id):
+            return False
+        start = time.perf_counter()
+        path = self.swap.path_for(session_id)
+        hint = "its history must be rebuilt (the CLI replays its earlier steps); the snapshot was deleted"
+        try:
+            tensors, metadata = self.swap.read(session_id)
+            nbytes = path.stat().st_size
+            kv, state, num_requests = decode_snapshot(tensors, metadata)
+            self.kv_cache.new_state(session_id).check_snapshot(kv)  # before anyone is evicted for it
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is this one error
+            raise SwapRestoreError(f"cannot restore session {shown(session_id)} from {path}: "
+                                   f"{type(exc).__name__}: {exc}", hint=hint) from exc
+        finally:
+            self.swap.discard(session_id)
+        with self._locked():
+            session = self._admit(session_id)
+            try:
+                session.state.restore(kv)
+                self.pipeline.import_ar_diffusion_session(session_id, state)
+            except Exception as exc:  # noqa: BLE001 - released whole, then raised as one error
+                self._release(session_id, reason="restore_failed", hook="close", error=exc)
+                raise SwapRestoreError(f"cannot restore session {shown(session_id)} from {path}: "
+                                       f"{type(exc).__name__}: {exc}", hint=hint) from exc
+            session.num_requests = num_requests
+            session.view = self._snapshot(session_id, session)
+        self._emit(SessionRestored(session_id=session_id, swap_bytes=nbytes, seconds=time.perf_counter() - start))
+        return True
 
     # ---------------------------------------------------------------- warmup
     @_one_at_a_time
@@ -674,9 +765,13 @@ class ARDiffusionModelRunner:
         cache = self.kv_cache if self._closed else self._require_loaded()
         allocator = cache.allocator
         num_free = allocator.num_free  # read once: a request may run on another thread
+        swap = self.swap
         return PoolUsage(
             num_pages=allocator.num_allocatable,
             num_free=num_free,
             num_used=allocator.num_allocatable - num_free,
             bytes_per_page=self.capacity_plan.bytes_per_page,
+            num_swapped=0 if swap is None else swap.num_snapshots,
+            swapped_bytes=0 if swap is None else swap.nbytes,
+            swap_budget_bytes=0 if swap is None else swap.budget_bytes,
         )

@@ -78,6 +78,7 @@ class CausalWorldPipeline(ARPipeline):
     Config = Config
     observation_schema = staticmethod(module_observation_schema)
     cross_names = ("text",)
+    session_record = WorldSession
 
     @classmethod
     def build_modules(cls, config: Config) -> CausalWorldModules:

@@ -103,6 +103,7 @@ class DreamZeroPipeline(ARPipeline):
     Config = Config
     observation_schema = staticmethod(module_observation_schema)
     cross_names = ("text", "image")
+    session_record = DreamZeroSession
 
     def __init__(self, config: Config, modules: DreamZeroModules, **kwargs: Any) -> None:
         super().__init__(config, modules, **kwargs)

@@ -375,7 +375,7 @@ class ARDiffusionKVState:
         self._check_open()
         if self.num_pages or self._cross:
             raise RuntimeError(f"restore into KV state of session {self.session_id!r}, which holds KV already")
-        plan = self._check_snapshot(snapshot)
+        plan = self.check_snapshot(snapshot)
         pool, allocator = self._cache.pool, self._cache.allocator
         try:
             for name, (frames, num_sink, num_window) in plan.items():
@@ -395,7 +395,7 @@ class ARDiffusionKVState:
             self._cross.clear()
             raise
 
-    def _check_snapshot(self, snapshot: KVSnapshot) -> dict[str, tuple[int, int, int]]:
+    def check_snapshot(self, snapshot: KVSnapshot) -> dict[str, tuple[int, int, int]]:
         """Branch -> (committed frames, sink pages, window pages) of a snapshot that fits; else ``ValueError``."""
         where = f"KV snapshot of session {self.session_id!r}"
         if not isinstance(snapshot, KVSnapshot):

@@ -1,0 +1,223 @@
+"""Swapping LRU-evicted sessions to disk (ARDiffusionModelRunner with a swap store), with both real pipelines.
+
+A session swapped out and restored must go on exactly as if it had stayed resident: outputs bit-identical, the
+pool's page counts exact, its files deleted once restored, and nothing half-restored after a bad file.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tiny_pipeline import TinyPipeline, request, tiny_spec
+
+from ardiff_cli.runtime.engine import ARDiffusionEngine
+from ardiff_cli.runtime.errors import ArdiffWarning, SwapRestoreError
+from ardiff_cli.runtime.request import ARDiffusionRequest
+from ardiff_cli.runtime.runner import ARDiffusionModelRunner
+from pipeline_helpers import CONFIGS, ardiff_cache, single_thread  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.usefixtures("single_thread", "ardiff_cache")
+
+
+def engine_for(name: str, *, capacity: int, swap_dir=None, swap_space=None) -> tuple[ARDiffusionEngine, list]:
+    engine = ARDiffusionEngine.from_config(CONFIGS / f"{name}.yaml", device="cpu", memory_budget="1GiB",
+                                           attention_backend="torch", session_capacity=capacity,
+                                           swap_dir=swap_dir, swap_space=swap_space)
+    events: list = []
+    engine.subscribe(events.append)
+    engine.load()
+    return engine, events
+
+
+def inputs_for(pipe, session: str, step: int) -> dict:
+    seed = 10 * (ord(session[-1]) % 10) + step
+    if hasattr(pipe, "image_encoder"):  # DreamZero: one frame first, then four
+        return pipe.example_inputs(1 if step == 0 else 4, prompt=f"task {session}", seed=seed)
+    return pipe.example_inputs(prompt=f"task {session}", seed=seed)
+
+
+def run(engine, session: str, step: int) -> dict:
+    pipe = engine.pipeline
+    return engine.execute(ARDiffusionRequest(f"{session}/{step}", inputs_for(pipe, session, step),
+                                             {"session_id": session}))
+
+
+def assert_same(a: dict, b: dict, what: str) -> None:
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{what}: {key} differs"
+
+
+def pages_held(engine) -> int:
+    return engine.runner.pool_usage().num_used
+
+
+@pytest.mark.parametrize("name, steps", [("dreamzero-tiny", 5), ("causal-world-tiny", 5)])
+def test_a_swapped_and_restored_session_runs_on_bit_identical_to_an_uninterrupted_one(tmp_path, name, steps):
+    reference, _ = engine_for(name, capacity=1)
+    want = {session: [run(reference, session, step) for step in range(steps)] for session in ("a", "b")}
+    reference.close()
+
+    engine, events = engine_for(name, capacity=1, swap_dir=tmp_path / "swap")
+    runner = engine.runner
+    got: dict[str, list] = {"a": [], "b": []}
+    for step in range(steps):
+        for session, other in (("a", "b"), ("b", "a")):
+            if session == "a" and step == 0:
+                got[session].append(run(engine, session, step))
+                continue
+            if step:  # swapped out by the other's step: back without replay
+                assert runner.restore_session(session) is True
+            got[session].append(run(engine, session, step))
+            # capacity 1: the other session was swapped out to make room
+            evicted = [e for e in events if e.kind == "session_evicted"][-1]
+            assert evicted.session_id == other and evicted.swapped and evicted.swap_bytes > 0
+            usage = runner.pool_usage()
+            assert usage.num_swapped == 1 and usage.swapped_bytes == evicted.swap_bytes
+            assert len(list((tmp_path / "swap").glob("*.safetensors"))) == 1  # a restored file is deleted
+            assert usage.num_used == sum(sum(v.pages_per_branch.values()) for v in runner.sessions())
+    for session in ("a", "b"):
+        for step, (g, w) in enumerate(zip(got[session], want[session])):
+            assert_same(g, w, f"{name} session {session} step {step}")
+    restored = [e for e in events if e.kind == "session_restored"]
+    assert len(restored) == 2 * (steps - 1) and all(e.swap_bytes > 0 for e in restored)
+    engine.close()
+    assert not (tmp_path / "swap").exists(), "close() deletes the swap files and their folder"
+    assert runner.pool_usage().num_free == runner.pool_usage().num_pages
+
+
+def test_page_accounting_is_exact_after_swap_out_and_restore(tmp_path):
+    engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    runner = engine.runner
+    for step in range(4):
+        run(engine, "a", step)
+    held = pages_held(engine)
+    (view,) = runner.sessions()
+    run(engine, "b", 0)
+    held_by_b = pages_held(engine)
+    runner.close_session("b")
+    assert pages_held(engine) == 0
+    assert runner.restore_session("a")
+    assert pages_held(engine) == held
+    (restored,) = runner.sessions()
+    assert restored.pages_per_branch == view.pages_per_branch and restored.committed_frames == view.committed_frames
+    assert restored.num_requests == view.num_requests == 4
+    assert restored.cross_attention_bytes == view.cross_attention_bytes
+    assert held_by_b < held
+    engine.close()
+
+
+def test_over_budget_drops_the_least_recently_swapped_snapshot(tmp_path):
+    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    runner = engine.runner
+    run(engine, "a", 0)
+    run(engine, "b", 0)  # a swapped out
+    one = runner.pool_usage().swapped_bytes
+    runner.swap.budget_bytes = int(one * 1.5)  # room for one snapshot of this size, not two
+    run(engine, "c", 0)  # b swapped out: a's snapshot, the oldest, goes
+    assert runner.pool_usage().num_swapped == 1
+    assert runner.restore_session("a") is False  # replay is the caller's fallback
+    assert runner.restore_session("b") is True
+    runner.swap.budget_bytes = one // 2  # a snapshot larger than the whole budget is not written
+    run(engine, "d", 0)
+    last = [e for e in events if e.kind == "session_evicted"][-1]
+    assert last.session_id in ("b", "c") and not last.swapped and last.swap_bytes == 0
+    engine.close()
+
+
+def test_a_fresh_admission_discards_the_snapshot_of_its_id(tmp_path):
+    engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    runner = engine.runner
+    run(engine, "a", 0)
+    run(engine, "a", 1)
+    run(engine, "b", 0)  # a swapped out
+    assert runner.pool_usage().num_swapped == 1
+    run(engine, "a", 0)  # a request without restore: a new history for "a" (b swapped out now)
+    assert runner.pool_usage().num_swapped == 1 and runner.swap.has("b") and not runner.swap.has("a")
+    assert runner.restore_session("a") is False
+    (view,) = runner.sessions()
+    assert view.committed_frames == {"main": 3}  # one block: the old history never came back
+    runner.close_session("b")  # closing a swapped-out session deletes its snapshot
+    assert runner.pool_usage().num_swapped == 0 and not list(tmp_path.glob("*.safetensors"))
+    engine.close()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "missing", "other-geometry", "other-record"])
+def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(tmp_path, damage):
+    engine, events = engine_for("dreamzero-tiny", capacity=1, swap_dir=tmp_path)
+    runner = engine.runner
+    run(engine, "a", 0)
+    run(engine, "b", 0)  # a swapped out
+    path = runner.swap.path_for("a")
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[:100])
+    elif damage == "garbage":
+        path.write_bytes(b"\x00" * 64)
+    elif damage == "missing":
+        path.unlink()
+    else:
+        from safetensors import safe_open
+        from safetensors.torch import load_file, save_file
+
+        with safe_open(str(path), "pt") as f:
+            metadata = f.metadata()
+        tensors = load_file(str(path))
+        if damage == "other-geometry":  # a readable snapshot of another geometry: one layer less in every KV tensor
+            tensors = {k: t[:-1].clone() if k.startswith("kv/") else t for k, t in tensors.items()}
+        else:  # a pipeline record whose counter is not a number
+            metadata["ardiff_swap"] = metadata["ardiff_swap"].replace('"num_requests": 1}', '"num_requests": "1"}', 1)
+            assert '"num_requests": "1"' in metadata["ardiff_swap"]
+        save_file(tensors, str(path), metadata=metadata)
+    free = runner.pool_usage().num_free
+    with pytest.raises(SwapRestoreError, match=r"cannot restore session 'a' from .*\.safetensors: ") as info:
+        runner.restore_session("a")
+    assert "snapshot was deleted" in info.value.hint
+    if damage == "other-geometry":
+        assert ", expected torch.float32 (2, 2," in str(info.value)  # checked before anyone is evicted for it
+    if damage == "other-record":  # found by the pipeline once admitted: released whole, b was swapped for it
+        assert "field 'num_requests' is str, expected int" in str(info.value)
+        assert [e.reason for e in events if e.kind == "session_closed"] == ["restore_failed"]
+        assert runner.session_ids == [] and runner.pool_usage().num_used == 0 and runner.restore_session("b")
+    else:
+        assert runner.session_ids == ["b"] and runner.pool_usage().num_free == free  # b untouched
+    assert "a" not in engine.pipeline.sessions and runner.pool_usage().num_swapped == 0 and not path.exists()
+    assert runner.restore_session("a") is False
+    run(engine, "a", 0)  # the session starts afresh
+    engine.close()
+
+
+def test_a_swap_write_failure_is_a_warning_and_the_eviction_goes_on(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the swap folder should go")
+    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=blocker / "swap", swap_space=1 << 30)
+    run(engine, "a", 0)
+    with pytest.warns(ArdiffWarning, match=r"cannot swap session 'a' out to .*not-a-folder/swap \(.*Error"):
+        run(engine, "b", 0)
+    evicted = [e for e in events if e.kind == "session_evicted"]
+    assert [(e.session_id, e.swapped) for e in evicted] == [("a", False)]
+    assert engine.runner.restore_session("a") is False and engine.runner.session_ids == ["b"]
+    engine.close()
+
+
+def test_a_pipeline_without_the_protocol_is_evicted_as_before(tmp_path):
+    runner = ARDiffusionModelRunner(TinyPipeline(tiny_spec()), memory_budget=64 << 20, session_capacity=1,
+                                    swap_dir=tmp_path)
+    runner.load()
+    assert runner.swap is None
+    runner.execute_model(request("a", 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        runner.execute_model(request("b", 0))
+    assert runner.restore_session("a") is False and not list(tmp_path.iterdir())
+    runner.close()
+
+
+def test_swapping_is_off_by_default_in_the_python_api():
+    engine, events = engine_for("causal-world-tiny", capacity=1)
+    run(engine, "a", 0)
+    run(engine, "b", 0)
+    assert engine.runner.swap is None and engine.runner.restore_session("a") is False
+    assert [e.swapped for e in events if e.kind == "session_evicted"] == [False]
+    engine.close()
