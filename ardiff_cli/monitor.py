@@ -22,6 +22,7 @@ from ardiff_cli.runtime.capacity import format_bytes
 SHORT_KINDS = {
     "session_admitted": "admitted",
     "session_evicted": "evicted",
+    "session_restored": "restored",
     "session_reset": "reset",
     "session_closed": "closed",
     "hook_failed": "hook_failed",
@@ -36,7 +37,10 @@ def describe_event(data: dict[str, Any]) -> str:
     kind = data.get("kind")
     if kind == "session_evicted":
         by = data.get("by_session_id")
-        return f"{data.get('reason', '')}" + (f" (by {by})" if by else "")
+        swapped = f", swapped out ({format_bytes(data['swap_bytes'])})" if data.get("swapped") else ""
+        return f"{data.get('reason', '')}" + (f" (by {by})" if by else "") + swapped
+    if kind == "session_restored":
+        return f"from its swap file ({format_bytes(data.get('swap_bytes', 0))}) in {data.get('seconds', 0) * 1000:.1f} ms"
     if kind in ("session_reset", "session_closed"):
         error = data.get("error")
         return str(data.get("reason", "")) + (f": {error}" if error else "")
@@ -84,6 +88,8 @@ class RunMonitor:
                     attention=event.attention_backend)
             elif kind == "session_evicted":
                 self._snapshot = replace(self._snapshot, evictions=self._snapshot.evictions + 1)
+            elif kind == "session_restored":
+                self._snapshot = replace(self._snapshot, restores=self._snapshot.restores + 1)
             if kind not in ("request_finished", "capacity_planned"):
                 self._events.append(EventRow(at_s=data["time"] - self._t0, kind=SHORT_KINDS.get(kind, kind),
                                              session_id=str(data.get("session_id", "")), detail=describe_event(data)))
@@ -135,7 +141,9 @@ class RunMonitor:
         usage = runner.pool_usage()
         with self._lock:
             self._views = views
-            self._snapshot = replace(self._snapshot, pages_used=usage.num_used, pages_total=usage.num_pages)
+            self._snapshot = replace(self._snapshot, pages_used=usage.num_used, pages_total=usage.num_pages,
+                                     swapped=usage.num_swapped, swapped_bytes=usage.swapped_bytes,
+                                     swap_budget_bytes=usage.swap_budget_bytes)
 
     # -- output --------------------------------------------------------------------------------------------
 

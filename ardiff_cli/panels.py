@@ -65,6 +65,10 @@ class Snapshot:
     steps_failed: int = 0
     steps_replayed: int = 0
     evictions: int = 0
+    restores: int = 0  # swapped-out sessions restored (no replay needed)
+    swapped: int = 0  # sessions swapped out to disk now
+    swapped_bytes: int = 0  # bytes of their snapshot files
+    swap_budget_bytes: int = 0  # the swap space (0: swapping is off)
     elapsed_s: float = 0.0
     attention: str = ""  # the attention backend that runs ("torch" or "vllm"); "" before the plan
 
@@ -81,7 +85,7 @@ def _text(value: str):
 # them 4 times a second took more than the CPU time there is (1,000 rows: 0.4 s per frame).
 SESSION_ROWS = 16
 
-EVENT_STYLES = {"admitted": "green", "evicted": "yellow", "reset": "magenta", "closed": "blue", "failed": "red",
+EVENT_STYLES = {"admitted": "green", "evicted": "yellow", "restored": "green", "reset": "magenta", "closed": "blue", "failed": "red",
                 "hook_failed": "red", "warmup": "cyan", "episode": "cyan"}
 
 
@@ -107,6 +111,8 @@ def _capacity_panel(s: Snapshot):
                 f"{s.pages_used}/{s.pages_total}, {s.pages_total - s.pages_used} free")
     grid.add_row("pages", bar)
     grid.add_row("sessions", f"{len(s.sessions)}/{s.session_capacity} resident")
+    if s.swap_budget_bytes:
+        grid.add_row("swap", f"{s.swapped} out, {format_bytes(s.swapped_bytes)} of {format_bytes(s.swap_budget_bytes)}")
     if s.attention:
         grid.add_row("attention", s.attention)
     return Panel(grid, title="capacity", title_align="left", border_style="cyan")
@@ -167,6 +173,8 @@ def _progress_line(s: Snapshot):
         remaining = max(0, s.steps_total - s.steps_done)
         eta = f" · ETA {_clock(remaining / rate)}" if rate > 0 and remaining else ""
     text = f"{count} · {rate:.1f} steps/s{eta} · {s.evictions} evictions"
+    if s.restores:
+        text += f" · {s.restores} restored"
     if s.steps_replayed:
         text += f" · {s.steps_replayed} replayed"
     if s.steps_failed:

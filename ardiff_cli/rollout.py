@@ -2,9 +2,10 @@
 
 Each episode is one persistent session (session id = episode name). The
 resident session of an episode must have consumed exactly the steps before
-the current one; when it has not (it was evicted by a newer session, or the
-run is resuming), the episode's earlier steps are replayed first with their
-outputs discarded. So an episode's outputs depend only on its own steps: not
+the current one. An evicted session that the runtime swapped to disk is
+restored from its snapshot, as it was; when there is none (swapping is off, the
+snapshot was dropped or cannot be restored, the run is resuming), the
+episode's earlier steps are replayed first with their outputs discarded. So an episode's outputs depend only on its own steps: not
 on the order, the session capacity or an interruption. Each step's results line
 records the SHA-256 of its file (``input_sha256``); a replayed file must still
 have it, or its episode fails: a step file rewritten after it ran would rebuild
@@ -36,7 +37,7 @@ from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.monitor import RunMonitor
 from ardiff_cli.output import Output
-from ardiff_cli.runtime.errors import PIPELINE_HINT, ArdiffError, ObservationError, PipelineError
+from ardiff_cli.runtime.errors import PIPELINE_HINT, ArdiffError, ObservationError, PipelineError, SwapRestoreError
 from ardiff_cli.runtime.observation import ObservationSchema
 from ardiff_cli.signals import StopSignals
 
@@ -56,6 +57,9 @@ class RolloutStats:
     skipped: int = 0  # steps found done in results.jsonl (resume)
     replayed: int = 0  # steps rerun to rebuild an evicted or resumed session
     evictions: int = 0
+    swapped_out: int = 0  # evictions that wrote a swap snapshot
+    restored: int = 0  # sessions restored from their swap snapshot instead of replayed
+    restore_failed: int = 0  # snapshots that could not be restored (replayed instead, with a warning)
     failed: dict[str, str] = field(default_factory=dict)  # episode -> error message
     errors: dict[str, Exception] = field(default_factory=dict)  # episode -> ObservationError or StepFailed
     completed_episodes: list[str] = field(default_factory=list)
@@ -81,6 +85,8 @@ class Rollout:
                                        idle_timeout=options.idle_timeout, done=done, warn=out.warning)
         # session id -> steps of its episode the resident session has consumed (absent: not resident)
         self._resident: dict[str, int] = {}
+        # session id -> steps its session had consumed when it was swapped out (absent: no snapshot to restore)
+        self._swapped: dict[str, int] = {}
         self._captured: list[Any] = []  # runtime events of the request in flight
         self._event_error: Exception | None = None  # the first error of _record_event (a bug): stops the run
         self._steps_done = {e.name: len(done.get(e.name, ())) for e in episodes}  # per episode, incl. earlier runs
@@ -116,10 +122,14 @@ class Rollout:
         kind = event.kind
         if kind == "session_admitted":
             self._resident[event.session_id] = 0
+            self._swapped.pop(event.session_id, None)  # a fresh session: the runtime dropped any snapshot
         elif kind in ("session_evicted", "session_closed"):
-            self._resident.pop(event.session_id, None)
+            consumed = self._resident.pop(event.session_id, None)
+            if kind == "session_evicted" and event.swapped and consumed is not None:
+                self._swapped[event.session_id] = consumed
         if kind == "session_evicted":
             self.stats.evictions += 1
+            self.stats.swapped_out += bool(event.swapped)
         if kind == "hook_failed":
             self._hook_failed(event)
         self._captured.append(event)
@@ -209,8 +219,27 @@ class Rollout:
         return self.engine.execute(ARDiffusionRequest(request_id=request_id, inputs=inputs,
                                                       extra_args={"session_id": session_id}))
 
+    def _restore(self, name: str) -> bool:
+        """Bring a swapped-out session back from its snapshot; False (replay) when it has none or it cannot be
+        restored (a warning naming the episode and the error)."""
+        consumed = self._swapped.pop(name, None)
+        if consumed is None or name in self._resident:
+            return False
+        try:
+            restored = self.engine.runner.restore_session(name)
+        except SwapRestoreError as exc:
+            self.stats.restore_failed += 1
+            self.out.warning(f"episode {name!r}: {exc}; replaying its earlier steps instead")
+            return False
+        if restored:
+            self._resident[name] = consumed
+            self.stats.restored += 1
+        return restored
+
     def _rebuild_session(self, episode: EpisodeSource, ordinal: int) -> int:
-        """Replay the steps before ``ordinal`` that the resident session lacks; returns how many ran."""
+        """Restore the session from its swap snapshot, else (or for what it lacks) replay the steps before
+        ``ordinal`` that the resident session lacks; returns how many ran."""
+        self._restore(episode.name)
         start = self._resident.get(episode.name, 0)
         assert start <= ordinal, f"session {episode.name!r} is ahead of its episode ({start} > {ordinal})"
         history = self.scheduler.history(episode.name, start)[: ordinal - start]
@@ -232,7 +261,9 @@ class Rollout:
         self._at = ("load", task.file)
         inputs, digest = self._load(episode, task.file)
         self._captured = events = []  # what the rebuild and the step itself cause (evictions)
+        restores = self.stats.restored
         replayed = self._rebuild_session(episode, task.ordinal)
+        restored = self.stats.restored > restores
         request_id = f"{episode.name}/{step:06d}"
         self._at = ("forward", task.file)
         output = self._execute(request_id, episode.name, inputs)
@@ -257,7 +288,7 @@ class Rollout:
                 "request_id": request_id, "status": "ok", "output": self.run_folder.relative(path),
                 "input_sha256": digest,
                 "latency": latency, "evictions": len(evicted), "evicted": evicted, "replayed": replayed,
-                "closed": task.is_last, "time": time.time(),
+                "restored": restored, "closed": task.is_last, "time": time.time(),
             }
             self._append(record)
         if self.options.preview:
@@ -280,8 +311,8 @@ class Rollout:
 
     def _close_session(self, session_id: str) -> None:
         """Close a resident session; a hook failure was reported through its ``hook_failed`` event."""
-        if session_id in self._resident:
-            try:
+        if session_id in self._resident or self._swapped.pop(session_id, None) is not None:
+            try:  # a swapped-out session is closed by deleting its snapshot
                 self.engine.runner.close_session(session_id)
             except ArdiffError:  # LifecycleHookError: the KV is released; _hook_failed warned
                 pass

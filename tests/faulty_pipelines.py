@@ -17,7 +17,8 @@ Each fault is a JSON object:
 - ``site``: ``block`` (``layer``, ``call``), ``sampler`` (``call``), ``projection`` (``name``: text or image,
   ``after`` layers), ``cross_oom`` (``torch.empty`` inside ``populate_cross_attention`` raises
   ``torch.OutOfMemoryError``), ``page_shortage`` (the KV allocator is emptied for the request),
-  ``close_hook`` (``session``: its close hook raises; no ``request``);
+  ``close_hook`` (``session``: its close hook raises; no ``request``), ``corrupt_swap`` (every swap snapshot file
+  in ``dir`` is overwritten with bytes that are no safetensors file, as a failing disk would leave them);
 - ``action`` (block and sampler): ``raise`` (default), ``oom`` (allocate 1 PiB on the host: torch's CPU allocator
   raises its own RuntimeError) or ``sleep`` (touch ``marker``, then sleep ``seconds``: for signals that must
   arrive in the middle of a forward);
@@ -137,6 +138,13 @@ def cross_attention_oom() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def corrupt_swap(directory: str) -> Iterator[None]:
+    for path in Path(directory).glob("*.safetensors"):
+        path.write_bytes(b"not a snapshot: the disk lost it")
+    yield
+
+
+@contextlib.contextmanager
 def page_shortage(allocator: Any, *, keep: int = 0) -> Iterator[list[int]]:
     """Hold every free page but ``keep`` (a leak elsewhere, or a plan too small); give them back after."""
     stolen = allocator.allocate(max(0, allocator.num_free - keep))
@@ -189,6 +197,8 @@ class FaultyDreamZero(DreamZeroPipeline):
             return cross_attention_oom()
         if site == "probe":
             return _probe(fault["path"])
+        if site == "corrupt_swap":
+            return corrupt_swap(fault["dir"])
         if site == "page_shortage":
             _session_id, state = self._bound
             return page_shortage(state._cache.allocator)
@@ -198,6 +208,13 @@ class FaultyDreamZero(DreamZeroPipeline):
         super().close_ar_diffusion_session(session_id)
         if any(f["site"] == "close_hook" and f.get("session") == session_id for f in load_faults()):
             raise InjectedFault(f"injected fault in the close hook of {session_id!r}")
+
+
+class NoSwapDreamZero(DreamZeroPipeline):
+    """DreamZero as a third-party pipeline without the swap protocol: its evicted sessions are replayed."""
+
+    export_ar_diffusion_session = None
+    import_ar_diffusion_session = None
 
 
 class NotAPipeline:

@@ -324,13 +324,62 @@ def test_bad_file_fails_its_episode_only_and_names_the_path(env, data, tmp_path)
 
 @pytest.fixture(scope="module")
 def reference(env, data, tmp_path_factory):
-    """An uninterrupted round-robin run (one resident session: every step evicts the other episode)."""
+    """An uninterrupted round-robin run (one resident session: every step evicts the other episode, which is
+    swapped out and restored from its snapshot before its next step: nothing is replayed)."""
     run = tmp_path_factory.mktemp("reference") / "run"
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["evictions_this_run"] > 0 and summary["steps"]["replayed"] > 0
+    assert summary["evictions_this_run"] > 0 and summary["steps"]["replayed"] == 0
+    assert summary["steps"]["restored"] == summary["swap"]["restored"] == 4  # every step after both step 0s
+    assert summary["swap"]["swapped_out"] == 4 and summary["swap"]["restore_failed"] == 0
+    assert [r["restored"] for r in records(run)] == [False, False] + [True] * 4
+    assert not (run / ".swap").exists()
+    assert re.search(r"evicted +arm_a lru_eviction \(by arm_b\), swapped out \([0-9.]+ KiB\)", proc.stderr)
+    assert re.search(r"restored +arm_a from its swap file \([0-9.]+ KiB\) in [0-9.]+ ms", proc.stderr)
+    assert "4 restored from swap, 0 steps replayed" in proc.stdout
     return run
+
+
+def test_with_swapping_off_evicted_sessions_are_replayed_to_the_same_outputs(env, data, reference, tmp_path):
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "replay"),
+                  "--no-warmup", "--swap-space", "0", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "replay" / "summary.json").read_text())
+    assert summary["steps"]["replayed"] == 6 and summary["steps"]["restored"] == 0  # 1 + 1 + 2 + 2 earlier steps
+    assert summary["swap"] == {"space_bytes": 0, "swapped_out": 0, "restored": 0, "restore_failed": 0}
+    assert "swapped out" not in proc.stderr and "rebuilding the session from 2 earlier steps" in proc.stderr
+    assert_same_outputs(reference, tmp_path / "replay")
+
+
+def test_a_corrupted_swap_file_is_a_warning_then_a_replay_to_the_same_outputs(env, data, reference, tmp_path):
+    # arm_b's step 1 restored arm_b and swapped arm_a out: its file is damaged before arm_a's step 2 restores it.
+    run = tmp_path / "run"
+    faults = [{"request": "arm_b/000001", "site": "corrupt_swap", "dir": str(run / ".swap")}]
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),
+                           "--out", str(run), "--no-warmup", "--format", "plain",
+                           "--pipeline", "faulty_pipelines:FaultyDreamZero"], cwd=REPO, capture_output=True,
+                          text=True, env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"warning: episode 'arm_a': cannot restore session 'arm_a' from .*/\.swap/[0-9a-f]+\.safetensors"
+                     r": ValueError: .*; replaying its earlier steps instead", proc.stderr), proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"]["replayed"] == 2 and summary["swap"]["restore_failed"] == 1
+    assert summary["swap"]["restored"] == 3
+    (line,) = [r for r in records(run) if (r["episode"], r["step"]) == ("arm_a", 2)]
+    assert line["replayed"] == 2 and line["restored"] is False
+    assert_same_outputs(reference, run)
+    assert not (run / ".swap").exists()
+
+
+def test_a_pipeline_without_the_swap_protocol_still_replays(env, data, reference, tmp_path):
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup",
+                  "--pipeline", "faulty_pipelines:NoSwapDreamZero")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"]["replayed"] == 6 and summary["swap"]["space_bytes"] == 0
+    assert_same_outputs(reference, run)
 
 
 def test_round_robin_and_sequential_give_identical_episode_outputs(env, data, reference, tmp_path):
@@ -355,6 +404,7 @@ def test_resume_after_kill_equals_an_uninterrupted_run(env, data, reference, tmp
         proc.kill()
         proc.communicate()
     assert len(records(run)) == 3
+    assert len(list((run / ".swap").glob("*.safetensors"))) == 1  # arm_b, swapped out for arm_a's step 1
     stale = run / "episodes" / "arm_b" / ".step_000001.safetensors.k9x2a7q1.tmp"  # what a kill -9 mid-write leaves
     stale.write_bytes(b"half a file")
     for i, name in enumerate(("arm_a", "arm_b")):  # the rest of the episodes arrive
@@ -366,6 +416,8 @@ def test_resume_after_kill_equals_an_uninterrupted_run(env, data, reference, tmp
     assert sorted((r["episode"], r["step"]) for r in lines) == sorted(
         (e, s) for e in ("arm_a", "arm_b") for s in range(3))  # nothing written twice
     assert not [p for p in run.rglob("*") if p.name.endswith(".tmp")], "resume left a stale temporary file"
+    assert not (run / ".swap").exists(), "resume removes the killed run's swap files (and replays)"
+    assert json.loads((run / "summary.json").read_text())["steps"]["replayed"] > 0
     assert_same_outputs(reference, run)
 
 
@@ -582,7 +634,7 @@ def test_a_step_rewritten_after_it_ran_fails_its_episode_when_an_eviction_replay
     for i, name in enumerate(("arm_a", "arm_b")):
         write_episode(live / name, steps_of(i, 3)[:1], prompt=f"task {name}", end=False)
     proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), str(live / "arm_b"), "--out", str(run),
-                 "--follow", "--no-warmup", "--format", "plain")
+                 "--follow", "--no-warmup", "--format", "plain", "--swap-space", "0")  # evicted sessions replay
     try:
         wait_for_lines(run / "results.jsonl", 2, proc)  # both step 0s ran
         rewritten = write_step(live / "arm_a", 0, steps_of(2, 1)[0])  # the robot's script rewrites step 0

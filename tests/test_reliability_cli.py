@@ -106,7 +106,8 @@ def test_faults_fail_their_episode_only_and_name_episode_and_step(env, data, ref
         {"request": "arm_d/000000/replay", "site": "sampler"},  # rebuilding the evicted session
         {"site": "close_hook", "session": "arm_a"},  # closing a completed episode
     ]
-    proc = ardiff(env, *rollout_args(data, run), faults=faults)
+    # --swap-space 0: evicted sessions are rebuilt by replay (with swapping, arm_d's would be restored instead).
+    proc = ardiff(env, *rollout_args(data, run, "--swap-space", "0"), faults=faults)
     assert proc.returncode == 4, proc.stderr
     err = proc.stderr
     assert "Traceback" not in err  # not without --verbose

@@ -30,12 +30,19 @@ from ardiff_cli.options import (
     QuietOpt,
     SessionCapacityOpt,
     VerboseOpt,
+    check_byte_size,
 )
 from ardiff_cli.output import Format, Output
 from ardiff_cli.runtime.errors import ConfigError, ObservationError
 
 DEMO_SESSION_CAPACITY = 2  # the demo has 3 episodes: with 2 resident sessions, LRU eviction shows
 DEFAULT_IDLE_TIMEOUT = 60.0  # --follow: seconds without a new step file before an episode ends
+SWAP_FOLDER = ".swap"  # under --out: snapshots of evicted sessions while the run lasts
+
+
+def check_swap_space(value: Optional[str]) -> Optional[str]:
+    """``--swap-space``: a byte size, or 0 (no swapping)."""
+    return value if value is None or value.strip() == "0" else check_byte_size(value)
 
 HELP = (
     "Run episodes of robot observations through the model, each episode one persistent session whose KV cache "
@@ -108,6 +115,11 @@ def rollout(
     preview: Annotated[bool, typer.Option(
         "--preview", metavar=FLAG,
         help="Write OUT/previews/EPISODE.png: observed (top) versus predicted (bottom) frames.")] = False,
+    swap_space: Annotated[Optional[str], typer.Option(
+        "--swap-space", metavar="SIZE", callback=check_swap_space,
+        help="Disk space (e.g. 2GiB) for snapshots of evicted sessions, in OUT/.swap while the run lasts: an "
+             "evicted episode's next step restores its session instead of replaying its earlier steps. 0: always "
+             "replay. \\[default: the KV budget, at most half the free space of --out]", show_default=False)] = None,
     warmup: Annotated[bool, typer.Option(
         "--warmup/--no-warmup", metavar=FLAG, show_default=False,
         help="Run the pipeline's warmup requests before the first step. \\[default: --warmup]")] = True,
@@ -136,7 +148,8 @@ def rollout(
         try:
             _run(prepared, output, order=options["order"], follow=options["follow"],
                  idle_timeout=DEFAULT_IDLE_TIMEOUT if options["idle_timeout"] is None else options["idle_timeout"],
-                 fail_fast=fail_fast, preview=options["preview"], warmup=warmup, resume=resume)
+                 fail_fast=fail_fast, preview=options["preview"], warmup=warmup, resume=resume,
+                 swap_space=_swap_space(swap_space))
         finally:
             prepared.run.close()  # releases the folder's lock
 
@@ -300,8 +313,17 @@ def _same(given: Any, recorded: Any, name: str) -> Any:
     return recorded
 
 
+def _swap_space(value: str | None) -> int | None:
+    """Bytes of --swap-space (0: off); None: the runtime's default (the KV budget, at most half the free disk)."""
+    from ardiff_cli.runtime.capacity import parse_bytes
+
+    return None if value is None else 0 if value.strip() == "0" else parse_bytes(value)
+
+
 def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout: float, fail_fast: bool,
-         preview: bool, warmup: bool, resume: bool) -> None:
+         preview: bool, warmup: bool, resume: bool, swap_space: int | None = None) -> None:
+    import shutil
+
     from ardiff_cli.io.atomic import atomic_write_json
     from ardiff_cli.io.run import RUN_FILE
     from ardiff_cli.monitor import RunMonitor
@@ -320,6 +342,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     started = time.monotonic()
     engine = driver = plan = summary = None
     error: BaseException | None = None
+    swap_dir = p.out_dir / SWAP_FOLDER
+    shutil.rmtree(swap_dir, ignore_errors=True)  # stale: left by a run killed before it could remove it
     try:
         with StopSignals() as signals, output.live(lambda: render(monitor.snapshot())):
             # `ardiff rollout --format json | head`: once the reader is gone, stop as a shell's SIGPIPE would
@@ -328,7 +352,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
             try:
                 from ardiff_cli.runtime.engine import ARDiffusionEngine
 
-                engine = ARDiffusionEngine(p.cfg)
+                engine = ARDiffusionEngine(p.cfg, swap_dir=None if swap_space == 0 else swap_dir,
+                                           swap_space=swap_space)
                 engine.subscribe(monitor.on_event)
                 plan = engine.load()
                 output.debug(f"loaded on {engine.device} in {time.monotonic() - started:.2f}s: "
@@ -363,6 +388,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     if engine is not None:
                         _close_engine(engine, output)
                 finally:
+                    shutil.rmtree(swap_dir, ignore_errors=True)  # however the run ended
                     run.close(keep_lock=True)  # the summary is written under the lock; rollout() releases it
                     if driver is not None:
                         written = _summary(run, p, driver, plan, time.monotonic() - started, error)
@@ -432,8 +458,12 @@ def _summary(run: Any, p: _Prepared, driver: Any, plan: Any, wall_s: float,
         info={**p.info, "device": str(driver.engine.device)},  # as run.json records it: resolved, not "auto"
         plan=None if plan is None else plan.to_dict(),
         this_run={"steps": stats.steps, "skipped": stats.skipped, "replayed": stats.replayed,
-                  "evictions": stats.evictions, "completed_episodes": stats.completed_episodes},
+                  "evictions": stats.evictions, "completed_episodes": stats.completed_episodes,
+                  "restored": stats.restored},
         wall_s=wall_s, status=status, exit_code=0 if error is None else exit_code_for(error), root=run.root)
+    swap = driver.engine.runner.swap if driver.engine.runner is not None else None
+    summary["swap"] = {"space_bytes": 0 if swap is None else swap.budget_bytes, "swapped_out": stats.swapped_out,
+                       "restored": stats.restored, "restore_failed": stats.restore_failed}
     summary["hook_errors"] = list(stats.hook_errors)  # pipeline reset/close hooks that raised (KV released anyway)
     return summary
 
@@ -454,7 +484,8 @@ def render_summary(s: dict[str, Any], plain: bool):
         f"latency p50 {ms(latency['total']['p50'])}, p90 {ms(latency['total']['p90'])}, "
         f"p99 {ms(latency['total']['p99'])} (forward p50 {ms(latency['forward']['p50'])})",
         f"sessions: capacity {plan.get('session_capacity', '-')}, {s['evictions_this_run']} evictions, "
-        f"{steps['replayed']} steps replayed to rebuild sessions"
+        + (f"{steps['restored']} restored from swap, " if steps.get("restored") else "")
+        + f"{steps['replayed']} steps replayed to rebuild sessions"
         + (f", {steps['skipped_done']} steps already done" if steps["skipped_done"] else ""),
         f"outputs: {s['out']} (results.jsonl, summary.json, episodes/"
         + (", previews/)" if Path(s["out"], "previews").is_dir() else ")"),

@@ -337,6 +337,7 @@ def build_summary(records: Iterable[Mapping[str, Any]], *, episodes: list[str], 
             "this_run": this_run.get("steps", 0),
             "skipped_done": this_run.get("skipped", 0),
             "replayed": this_run.get("replayed", 0),
+            "restored": this_run.get("restored", 0),
         },
         "latency_s": {
             "total": percentiles(total_s),
