@@ -85,8 +85,8 @@ def _text(value: str):
 # them 4 times a second took more than the CPU time there is (1,000 rows: 0.4 s per frame).
 SESSION_ROWS = 16
 
-EVENT_STYLES = {"admitted": "green", "evicted": "yellow", "restored": "green", "reset": "magenta", "closed": "blue", "failed": "red",
-                "hook_failed": "red", "warmup": "cyan", "episode": "cyan"}
+EVENT_STYLES = {"admitted": "green", "evicted": "yellow", "restored": "green", "reset": "magenta", "closed": "blue",
+                "failed": "red", "hook_failed": "red", "warmup": "cyan", "episode": "cyan"}
 
 
 def _capacity_panel(s: Snapshot):

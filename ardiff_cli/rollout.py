@@ -5,8 +5,9 @@ resident session of an episode must have consumed exactly the steps before
 the current one. An evicted session that the runtime swapped to disk is
 restored from its snapshot, as it was; when there is none (swapping is off, the
 snapshot was dropped or cannot be restored, the run is resuming), the
-episode's earlier steps are replayed first with their outputs discarded. So an episode's outputs depend only on its own steps: not
-on the order, the session capacity or an interruption. Each step's results line
+episode's earlier steps are replayed first with their outputs discarded. So
+an episode's outputs depend only on its own steps: not on the order, the
+session capacity or an interruption. Each step's results line
 records the SHA-256 of its file (``input_sha256``); a replayed file must still
 have it, or its episode fails: a step file rewritten after it ran would rebuild
 another history than the one behind the outputs already written.

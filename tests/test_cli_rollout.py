@@ -352,6 +352,18 @@ def test_with_swapping_off_evicted_sessions_are_replayed_to_the_same_outputs(env
     assert_same_outputs(reference, tmp_path / "replay")
 
 
+def test_a_swap_space_smaller_than_one_snapshot_warns_once_then_replays(env, data, reference, tmp_path):
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "small"),
+                  "--no-warmup", "--swap-space", "1KiB", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "small" / "summary.json").read_text())
+    assert summary["steps"]["replayed"] == 6 and summary["swap"]["swapped_out"] == 0
+    warned = re.findall(r"warning: the snapshot of session '(arm_a|arm_b)' \([0-9.]+ KiB\) is larger than the whole "
+                        r"swap space \(1\.00 KiB\)", proc.stderr)
+    assert len(warned) == 1, proc.stderr  # 4 evictions, one warning
+    assert_same_outputs(reference, tmp_path / "small")
+
+
 def test_a_corrupted_swap_file_is_a_warning_then_a_replay_to_the_same_outputs(env, data, reference, tmp_path):
     # arm_b's step 1 restored arm_b and swapped arm_a out: its file is damaged before arm_a's step 2 restores it.
     run = tmp_path / "run"

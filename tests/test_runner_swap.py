@@ -120,10 +120,16 @@ def test_over_budget_drops_the_least_recently_swapped_snapshot(tmp_path):
     assert runner.pool_usage().num_swapped == 1
     assert runner.restore_session("a") is False  # replay is the caller's fallback
     assert runner.restore_session("b") is True
-    runner.swap.budget_bytes = one // 2  # a snapshot larger than the whole budget is not written
-    run(engine, "d", 0)
+    runner.swap.budget_bytes = one // 2  # a snapshot larger than the whole budget is not written, and said once
+    with pytest.warns(ArdiffWarning, match=r"larger than the whole swap space"):
+        run(engine, "d", 0)
     last = [e for e in events if e.kind == "session_evicted"][-1]
     assert last.session_id in ("b", "c") and not last.swapped and last.swap_bytes == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(engine, "e", 0)  # d evicted without a snapshot too, and no second warning
+    last = [e for e in events if e.kind == "session_evicted"][-1]
+    assert last.session_id == "d" and not last.swapped
     engine.close()
 
 

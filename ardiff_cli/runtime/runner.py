@@ -211,6 +211,7 @@ class ARDiffusionModelRunner:
         self.swap_dir = None if swap_dir is None else Path(swap_dir)
         self.swap_space = swap_space
         self.swap: SwapStore | None = None  # built at load, when the pipeline can export its sessions
+        self._warned_swap_space = False  # a snapshot larger than the whole swap space was reported
         self._closed = False  # close() ran: pools and pipeline dropped, every later request refused
         # Resident sessions, least recently used first.
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
@@ -627,13 +628,20 @@ class ARDiffusionModelRunner:
         try:
             state = self.pipeline.export_ar_diffusion_session(session_id)
             tensors, metadata = encode_snapshot(session.state.export(), state, session.num_requests)
-            return self.swap.write(session_id, tensors, metadata)
+            written = self.swap.write(session_id, tensors, metadata)
         except Exception as exc:  # noqa: BLE001 - swapping is an optimisation: the eviction goes on without it
             self.swap.discard(session_id)
             warnings.warn(f"cannot swap session {shown(session_id)} out to {self.swap.directory} "
                           f"({type(exc).__name__}: {exc}); it is evicted without a snapshot", ArdiffWarning,
                           stacklevel=2)
             return None
+        if written is None and not self._warned_swap_space:  # once: every eviction would say the same
+            self._warned_swap_space = True
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            warnings.warn(f"the snapshot of session {shown(session_id)} ({format_bytes(size)}) is larger than the "
+                          f"whole swap space ({format_bytes(self.swap.budget_bytes)}): sessions this large are "
+                          "evicted without one (a larger swap space keeps them)", ArdiffWarning, stacklevel=2)
+        return written
 
     @_one_at_a_time
     def restore_session(self, session_id: str) -> bool:

@@ -58,7 +58,8 @@ class SwapStore:
 
     def path_for(self, session_id: str) -> Path:
         """The file of ``session_id``: a hash, so any session id (slashes, control characters) is a safe name."""
-        return self.directory / f"{hashlib.sha256(session_id.encode('utf-8', 'surrogatepass')).hexdigest()[:32]}.safetensors"
+        digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()
+        return self.directory / f"{digest[:32]}.safetensors"
 
     def write(self, session_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> int | None:
         """Write the snapshot of ``session_id`` (replacing an older one); its bytes, or None when it is larger than
