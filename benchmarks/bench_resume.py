@@ -16,8 +16,11 @@ repetition):
   request. KV in :class:`benchmarks.contiguous.ContiguousRollout`.
 - ``rebuild_dense`` (reported, not the verdict): the same, but the window is
   prefilled in one frame-causal pass per branch (the cheapest re-prefill).
+- ``swap`` (reported, not the verdict): the session was LRU-evicted to a swap
+  file (as ``ardiff rollout`` does); ``runner.restore_session`` reads it back,
+  then the same request runs. What an evicted session costs instead of a rebuild.
 
-All three must return the same actions and latents. Target: rebuild/resident >= 5
+All must return the same actions and latents (``swap``: bit-identical to ``resident``). Target: rebuild/resident >= 5
 (median of the per-repetition ratios, CPU time; wall time under ``wall``).
 
 Also reported: ``bound``, rebuild over the chunk alone as timed inside the
@@ -33,6 +36,7 @@ model's forward count. ardiff runs with the attention backend ``auto`` picks.
 from __future__ import annotations
 
 import statistics
+import tempfile
 
 import torch
 
@@ -47,14 +51,14 @@ FULL = dict(model={"preset": "small", "window_frames": WINDOW_FRAMES, "sink_fram
 QUICK = dict(model={"preset": "tiny", "window_frames": WINDOW_FRAMES, "sink_frames": 0}, repetitions=2)
 
 
-def build(model_overrides: dict):
+def build(model_overrides: dict, swap_dir: str):
     from ardiff_cli.runtime.runner import ARDiffusionModelRunner
     from pipelines.dreamzero import Config, pipeline_class
 
     config = Config.from_dict(model_overrides, where="bench_resume")
     pipe = pipeline_class().fresh(config)
     runner = ARDiffusionModelRunner(pipe, device="cpu", dtype=pipe.dtype, memory_budget=1 << 30, session_capacity=2,
-                                    attention_backend="auto")
+                                    attention_backend="auto", swap_dir=swap_dir, swap_space=1 << 30)
     runner.load()
     return config, pipe, runner
 
@@ -98,10 +102,15 @@ def rebuild(pipe, rollout: ContiguousRollout, session_id: str, history: list[dic
 
 
 def run(quick: bool = False) -> dict:
+    with tempfile.TemporaryDirectory(prefix="ardiff-bench-swap-") as swap_dir:
+        return _run(quick, swap_dir)
+
+
+def _run(quick: bool, swap_dir: str) -> dict:
     from ardiff_cli.runtime.request import ARDiffusionRequest
 
     geometry = QUICK if quick else FULL
-    config, pipe, runner = build(geometry["model"])
+    config, pipe, runner = build(geometry["model"], swap_dir)
     # 1 one-frame request (the anchor) + 10 four-frame requests = 11 frames; the chunk commits the 12th
     history = [pipe.example_inputs(1, prompt=PROMPT, seed=0)]
     history += [pipe.example_inputs(config.frames_per_request, prompt=PROMPT, seed=k)
@@ -110,30 +119,45 @@ def run(quick: bool = False) -> dict:
     rollouts = {dense: ContiguousRollout(pipe.transformer, pipe.spec, cross_names=pipe.cross_names, dtype=pipe.dtype,
                                          max_segment_frames=WINDOW_FRAMES) for dense in (False, True)}
 
-    times: dict[str, list[Timing]] = {"resident": [], "rebuild": [], "rebuild_dense": []}
+    times: dict[str, list[Timing]] = {"resident": [], "rebuild": [], "rebuild_dense": [], "swap": []}
     bare_chunk: list[Timing] = []  # the chunk alone inside each timed rebuild: contiguous K/V, no runner
     max_abs_diff = 0.0
+    swap_identical = True
     window_at_chunk = None
+
+    def execute(session_id: str, request_id: str, inputs: dict):
+        return runner.execute_model(ARDiffusionRequest(f"{session_id}/{request_id}", inputs,
+                                                       {"session_id": session_id}))
+
+    def restore_then_chunk(session_id: str):
+        assert runner.restore_session(session_id), "the swapped session has no snapshot"
+        return execute(session_id, "chunk", chunk)
+
     for rep in range(geometry["repetitions"] + 1):  # repetition 0 warms every path up and is not counted
-        session = f"episode-{rep}"
-        for k, inputs in enumerate(history):  # the resident session: 11 frames of history, untimed
-            runner.execute_model(ARDiffusionRequest(f"{session}/{k}", inputs, {"session_id": session}))
+        session, swapped = f"episode-{rep}", f"swapped-{rep}"
+        for sid in (swapped, session):  # 11 frames of history each, untimed
+            for k, inputs in enumerate(history):
+                execute(sid, str(k), inputs)
+        execute("evictor", "0", history[0])  # swaps out the least recently used session: `swapped`
+        runner.close_session("evictor")  # a free slot: restoring evicts (writes) nothing
         outputs = {}
         contenders = {
-            "resident": lambda: runner.execute_model(ARDiffusionRequest(f"{session}/chunk", chunk,
-                                                                        {"session_id": session})),
+            "resident": lambda: execute(session, "chunk", chunk),
+            "swap": lambda: restore_then_chunk(swapped),
             "rebuild": lambda: rebuild(pipe, rollouts[False], "rebuild", history, chunk, dense=False,
                                        chunk_times=bare_chunk if rep else None),
             "rebuild_dense": lambda: rebuild(pipe, rollouts[True], "rebuild-dense", history, chunk, dense=True),
         }
         names = list(contenders)
-        for name in names[rep % 3:] + names[: rep % 3]:
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
             outputs[name], timing = timed(contenders[name])
             if rep:
                 times[name].append(timing)
         view = next(v for v in runner.sessions() if v.session_id == session)
         window_at_chunk = view.pages_per_branch["positive"]
         runner.close_session(session)
+        runner.close_session(swapped)
+        swap_identical &= all(torch.equal(outputs["swap"][key], outputs["resident"][key]) for key in outputs["swap"])
         for name in ("rebuild", "rebuild_dense"):
             for key in ("actions", "latents"):
                 diff = (outputs[name][key] - outputs["resident"][key]).abs().max().item()
@@ -148,11 +172,14 @@ def run(quick: bool = False) -> dict:
                 "resident_over_bare_chunk": statistics.median(s / b for s, b in zip(t["resident"], bare)),
                 "bare_chunk_ms": statistics.median(bare) * 1e3,
                 "speedup_dense_prefill": statistics.median(r / s for r, s in zip(t["rebuild_dense"], t["resident"])),
+                # an evicted session restored from its swap file, then the chunk: against the rebuild and resident
+                "speedup_swap": statistics.median(r / w for r, w in zip(t["rebuild"], t["swap"])),
+                "swap_over_resident": statistics.median(w / s for w, s in zip(t["swap"], t["resident"])),
                 **{f"{name}_ms": statistics.median(values) * 1e3 for name, values in t.items()}}
 
     cpu, wall = summary("cpu"), summary("wall")
     speedup = cpu["speedup"]
-    outputs_match = max_abs_diff <= 1e-3
+    outputs_match = max_abs_diff <= 1e-3 and swap_identical
     return {
         "id": "resume",
         "target": f"rebuild/resident >= {TARGET:.0f}x at a {WINDOW_FRAMES}-frame window",
@@ -167,6 +194,7 @@ def run(quick: bool = False) -> dict:
         "window_frames": WINDOW_FRAMES,
         "resident_window_frames_at_chunk": window_at_chunk,
         "max_abs_diff": max_abs_diff,
+        "swap_outputs_identical": swap_identical,
         "outputs_match": outputs_match,
         "repetitions": geometry["repetitions"],
         "geometry": {"tokens_per_frame": config.tokens_per_frame, "num_layers": config.num_layers, "dim": config.dim,
