@@ -115,6 +115,8 @@ def test_resume_quick():
     # the bound is rebuild over the bare chunk, which the resident chunk is compared with
     assert positive(r["bound"]) and positive(r["resident_over_bare_chunk"]) and positive(r["bare_chunk_ms"])
     assert r["bare_chunk_ms"] < r["rebuild_ms"]
+    # the swapped-out session restored from its file returns exactly what the resident one returns
+    assert r["swap_outputs_identical"] is True and positive(r["speedup_swap"]) and positive(r["swap_over_resident"])
 
 
 @pytest.mark.usefixtures("single_thread", "ardiff_cache")
