@@ -33,6 +33,7 @@ import contextlib
 import gc
 import json
 import os
+import signal
 import sys
 import time
 import weakref
@@ -215,6 +216,25 @@ class NoSwapDreamZero(DreamZeroPipeline):
 
     export_ar_diffusion_session = None
     import_ar_diffusion_session = None
+
+
+class SignalWhileSwapping(DreamZeroPipeline):
+    """DreamZero that sends its own process SIGINT from inside the first session export (``ARDIFF_TEST_SIGNAL_IN``
+    = ``export``: a session being swapped out) or import (``import``: being restored), the way a Ctrl-C lands at
+    any moment: the CLI's signal handler raises there."""
+
+    def export_ar_diffusion_session(self, session_id: str) -> Any:
+        self._signal_once("export")
+        return super().export_ar_diffusion_session(session_id)
+
+    def import_ar_diffusion_session(self, session_id: str, snapshot: Any) -> None:
+        self._signal_once("import")
+        super().import_ar_diffusion_session(session_id, snapshot)
+
+    def _signal_once(self, where: str) -> None:
+        if os.environ.get("ARDIFF_TEST_SIGNAL_IN") == where and not getattr(self, "_signalled", False):
+            self._signalled = True
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 class NotAPipeline:

@@ -394,6 +394,24 @@ def test_a_pipeline_without_the_swap_protocol_still_replays(env, data, reference
     assert_same_outputs(reference, run)
 
 
+@pytest.mark.parametrize("where", ["export", "import"])
+def test_a_signal_while_a_session_is_swapped_out_or_restored_stops_the_run_and_resume_finishes_it(
+        env, data, reference, tmp_path, where):
+    # It used to be taken for a failed swap: a warning, the run went on to exit 0, and no later signal stopped it.
+    run = tmp_path / "run"
+    args = ("--pipeline", "faulty_pipelines:SignalWhileSwapping")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),
+                           "--out", str(run), "--no-warmup", "--format", "plain", *args], cwd=REPO,
+                          capture_output=True, text=True, env={**env, "ARDIFF_TEST_SIGNAL_IN": where}, timeout=600)
+    assert proc.returncode == 130, proc.stderr
+    assert "interrupted by SIGINT" in proc.stderr and "warning" not in proc.stderr, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+    assert len(records(run)) < 6 and not (run / ".swap").exists()
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", *args)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_outputs(reference, run)
+
+
 def test_round_robin_and_sequential_give_identical_episode_outputs(env, data, reference, tmp_path):
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "seq"),
                   "--order", "sequential", "--no-warmup")

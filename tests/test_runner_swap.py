@@ -194,6 +194,25 @@ def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(t
     engine.close()
 
 
+def test_ctrl_c_while_a_session_is_restored_leaves_no_part_of_it_resident(tmp_path, monkeypatch):
+    # It used to stay resident with its KV restored but no pipeline record (and 0 requests): its next request
+    # would have silently started another history on top of the old KV.
+    engine, events = engine_for("dreamzero-tiny", capacity=1, swap_dir=tmp_path)
+    runner = engine.runner
+    run(engine, "a", 0)
+    run(engine, "b", 0)  # a swapped out
+
+    def ctrl_c(session_id, snapshot):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.pipeline, "import_ar_diffusion_session", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):  # as itself, not a SwapRestoreError
+        runner.restore_session("a")
+    assert runner.session_ids == [] and runner.pool_usage().num_used == 0 and "a" not in engine.pipeline.sessions
+    assert [(e.session_id, e.reason) for e in events if e.kind == "session_closed"] == [("a", "restore_failed")]
+    engine.close()
+
+
 def test_a_swap_write_failure_is_a_warning_and_the_eviction_goes_on(tmp_path):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the swap folder should go")

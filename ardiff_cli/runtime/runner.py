@@ -622,13 +622,17 @@ class ARDiffusionModelRunner:
     # ------------------------------------------------------------------ swap
     def _swap_out(self, session_id: str, session: _Session) -> int | None:
         """Write the snapshot of a session being evicted, before its KV is released; its bytes, or None (no swap
-        store, the session is over the budget, or the write failed: a warning, and it is evicted as before)."""
+        store, the session is over the budget, or the write failed: a warning, and it is evicted as before). An
+        ``ArdiffError`` (a deliberate stop: the CLI's ``Interrupted``) propagates, and the session stays resident."""
         if self.swap is None or session_id == WARMUP_SESSION_ID:
             return None
         try:
             state = self.pipeline.export_ar_diffusion_session(session_id)
             tensors, metadata = encode_snapshot(session.state.export(), state, session.num_requests)
             written = self.swap.write(session_id, tensors, metadata)
+        except ArdiffError:  # a deliberate stop (the CLI's Interrupted, raised by its signal handler), not a failure
+            self.swap.discard(session_id)
+            raise
         except Exception as exc:  # noqa: BLE001 - swapping is an optimisation: the eviction goes on without it
             self.swap.discard(session_id)
             warnings.warn(f"cannot swap session {shown(session_id)} out to {self.swap.directory} "
@@ -648,7 +652,8 @@ class ARDiffusionModelRunner:
         """Admit ``session_id`` from its swap snapshot (which may evict, so swap out, the least recently used
         session), deleting the snapshot; False when it has none. A snapshot that cannot be restored (missing,
         unreadable or corrupt file; another geometry, dtype or pipeline record) raises ``SwapRestoreError``: the
-        snapshot is deleted and no part of the session stays resident."""
+        snapshot is deleted and no part of the session stays resident. An ``ArdiffError`` (a deliberate stop such as
+        the CLI's ``Interrupted``) or a ``KeyboardInterrupt`` meanwhile leaves it so too, and propagates as itself."""
         self._require_loaded()
         if not isinstance(session_id, str) or not session_id or session_id == WARMUP_SESSION_ID:
             raise RequestError(f"restore_session() takes a session id (a non-empty string), got {shown(session_id)}",
@@ -663,6 +668,8 @@ class ARDiffusionModelRunner:
             nbytes = path.stat().st_size
             kv, state, num_requests = decode_snapshot(tensors, metadata)
             self.kv_cache.new_state(session_id).check_snapshot(kv)  # before anyone is evicted for it
+        except ArdiffError:  # a deliberate stop (the CLI's Interrupted), not an unreadable file
+            raise
         except Exception as exc:  # noqa: BLE001 - any unreadable file is this one error
             raise SwapRestoreError(f"cannot restore session {shown(session_id)} from {path}: "
                                    f"{type(exc).__name__}: {exc}", hint=hint) from exc
@@ -673,8 +680,10 @@ class ARDiffusionModelRunner:
             try:
                 session.state.restore(kv)
                 self.pipeline.import_ar_diffusion_session(session_id, state)
-            except Exception as exc:  # noqa: BLE001 - released whole, then raised as one error
+            except BaseException as exc:  # released whole, then raised as one error (a stop as itself)
                 self._release(session_id, reason="restore_failed", hook="close", error=exc)
+                if isinstance(exc, ArdiffError) or not isinstance(exc, Exception):
+                    raise
                 raise SwapRestoreError(f"cannot restore session {shown(session_id)} from {path}: "
                                        f"{type(exc).__name__}: {exc}", hint=hint) from exc
             session.num_requests = num_requests
