@@ -13,7 +13,7 @@ import torch
 from tiny_pipeline import TinyPipeline, request, tiny_spec
 
 from ardiff_cli.runtime.engine import ARDiffusionEngine
-from ardiff_cli.runtime.errors import ArdiffWarning, SwapRestoreError
+from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError, SwapRestoreError
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from ardiff_cli.runtime.runner import ARDiffusionModelRunner
 from pipeline_helpers import CONFIGS, ardiff_cache, single_thread  # noqa: F401 - fixtures
@@ -245,4 +245,29 @@ def test_swapping_is_off_by_default_in_the_python_api():
     run(engine, "b", 0)
     assert engine.runner.swap is None and engine.runner.restore_session("a") is False
     assert [e.swapped for e in events if e.kind == "session_evicted"] == [False]
+    engine.close()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"swap_space": -1}, r"swap_space must be a number of bytes >= 0 \(0: no swapping\) or None, got -1"),
+    ({"swap_space": True}, r"swap_space must be a number of bytes >= 0 \(0: no swapping\) or None, got True"),
+    ({"swap_space": 1.5}, r"swap_space must be a number of bytes >= 0 \(0: no swapping\) or None, got 1.5"),
+    ({"swap_space": "lots"}, r"swap_space: cannot read 'lots' as a byte size"),
+    ({"swap_dir": 3}, r"swap_dir must be a folder path \(str or os.PathLike\) or None, got 3"),
+    ({"swap_dir": None, "swap_space": 1 << 20}, r"swap_space=1048576 without swap_dir: nothing would be swapped"),
+])
+def test_bad_swap_arguments_are_a_config_error_at_once(tmp_path, kwargs, message):
+    # They used to pass until load(), after the weights were built: a bare TypeError ('>' not supported between
+    # 'str' and 'int'), a ValueError without the argument's name, or (-1, or a size without a folder) no swapping.
+    kwargs = {"swap_dir": tmp_path, **kwargs}
+    with pytest.raises(ConfigError, match=r"^ARDiffusionEngine\(\): " + message) as info:
+        ARDiffusionEngine.from_config(CONFIGS / "causal-world-tiny.yaml", device="cpu", **kwargs)
+    assert info.value.hint
+    with pytest.raises(ConfigError, match=r"^ARDiffusionModelRunner\(\): " + message):
+        ARDiffusionModelRunner(TinyPipeline(tiny_spec()), memory_budget=64 << 20, **kwargs)
+
+
+def test_swap_space_takes_a_byte_size_like_memory_budget(tmp_path):
+    engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path, swap_space="2MiB")
+    assert engine.runner.pool_usage().swap_budget_bytes == 2 << 20
     engine.close()

@@ -14,6 +14,7 @@ from ardiff_cli.runtime.errors import ConfigError, EngineStateError, as_pipeline
 from ardiff_cli.runtime.events import RuntimeEvent
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from ardiff_cli.runtime.runner import ARDiffusionModelRunner, WarmupReport, _once
+from ardiff_cli.runtime.swap import check_swap_arguments
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,7 +45,7 @@ class ARDiffusionEngine:
     """Builds a pipeline from a config and runs requests through ``ARDiffusionModelRunner``."""
 
     def __init__(self, config: EngineConfig, *, swap_dir: str | Path | None = None,
-                 swap_space: int | None = None) -> None:
+                 swap_space: int | str | None = None) -> None:
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"ARDiffusionEngine() takes an EngineConfig, got {shown(config)}",
                               hint="for a YAML path, a built-in config name or a dict, use "
@@ -55,11 +56,11 @@ class ARDiffusionEngine:
         self.device: torch.device | None = None
         self._subscribers: list[Callable[[RuntimeEvent], None]] = []  # attached to the runner at load
         # Swap LRU-evicted sessions to files in swap_dir instead of dropping them (ARDiffusionModelRunner).
-        self.swap_dir, self.swap_space = swap_dir, swap_space
+        self.swap_dir, self.swap_space = check_swap_arguments(swap_dir, swap_space, where="ARDiffusionEngine()")
 
     @classmethod
     def from_config(cls, source: str | Path | dict[str, Any] | EngineConfig | None = None, *,
-                    swap_dir: str | Path | None = None, swap_space: int | None = None, **overrides: Any):
+                    swap_dir: str | Path | None = None, swap_space: int | str | None = None, **overrides: Any):
         """An engine for a config file, built-in name or dict; ``overrides`` are runtime settings. ``swap_dir``
         (default: none) turns on swapping evicted sessions to disk, ``swap_space`` bytes at most (default: the
         KV budget, at most half the free disk)."""

@@ -65,7 +65,13 @@ from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
 from ardiff_cli.runtime.kv.layout import KVLayout
 from ardiff_cli.runtime.kv.state import ARDiffusionKVState
 from ardiff_cli.runtime.request import ARDiffusionRequest
-from ardiff_cli.runtime.swap import SwapStore, decode_snapshot, encode_snapshot, free_disk_bytes
+from ardiff_cli.runtime.swap import (
+    SwapStore,
+    check_swap_arguments,
+    decode_snapshot,
+    encode_snapshot,
+    free_disk_bytes,
+)
 
 logger = logging.getLogger("ardiff.runtime")
 
@@ -190,7 +196,7 @@ class ARDiffusionModelRunner:
         session_capacity: int | None = None,
         attention_backend: str = "auto",
         swap_dir: str | Path | None = None,
-        swap_space: int | None = None,
+        swap_space: int | str | None = None,
     ) -> None:
         self.pipeline = pipeline  # the model; sees KV only through bind_ar_diffusion_state
         self.device = torch.device(device)
@@ -208,8 +214,7 @@ class ARDiffusionModelRunner:
         self.kv_cache: ARDiffusionKVCache | None = None  # pools, preallocated once at load
         # Where LRU-evicted sessions are swapped (None: no swapping; they are released, as a close), and the most
         # bytes of snapshots kept there (None: the plan's KV budget, at most half the folder's free disk at load).
-        self.swap_dir = None if swap_dir is None else Path(swap_dir)
-        self.swap_space = swap_space
+        self.swap_dir, self.swap_space = check_swap_arguments(swap_dir, swap_space, where="ARDiffusionModelRunner()")
         self.swap: SwapStore | None = None  # built at load, when the pipeline can export its sessions
         self._warned_swap_space = False  # a snapshot larger than the whole swap space was reported
         self._closed = False  # close() ran: pools and pipeline dropped, every later request refused

@@ -19,10 +19,34 @@ from typing import Any
 
 import torch
 
+from ardiff_cli.runtime.capacity import parse_bytes
+from ardiff_cli.runtime.errors import ConfigError, shown
 from ardiff_cli.runtime.kv.state import KVSnapshot
 
 FORMAT = "ardiff-swap-1"  # metadata["format"]; bump when the layout of a snapshot file changes
 HEADER_BYTES_PER_TENSOR = 128  # safetensors header entry (name, dtype, shape, offsets): an upper bound for planning
+
+
+def check_swap_arguments(swap_dir: Any, swap_space: Any, *, where: str) -> tuple[Path | None, int | None]:
+    """``swap_dir`` and ``swap_space`` of the engine or runner as (folder, bytes), or a ``ConfigError`` naming the
+    argument: bytes >= 0 or a byte size such as ``"2GiB"`` (0: no swapping; None: the default), a folder for any."""
+    hint = "e.g. swap_dir='runs/swap', swap_space=2 << 30 (or '2GiB'); leave both out for no swapping"
+    if swap_dir is not None and not isinstance(swap_dir, (str, os.PathLike)):
+        raise ConfigError(f"{where}: swap_dir must be a folder path (str or os.PathLike) or None, got "
+                          f"{shown(swap_dir)}", hint=hint)
+    if isinstance(swap_space, str):
+        try:
+            swap_space = 0 if swap_space.strip() == "0" else parse_bytes(swap_space)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: swap_space: {exc}", hint=exc.hint) from None
+    elif swap_space is not None and (isinstance(swap_space, bool) or not isinstance(swap_space, int)
+                                     or swap_space < 0):
+        raise ConfigError(f"{where}: swap_space must be a number of bytes >= 0 (0: no swapping) or None, got "
+                          f"{shown(swap_space)}", hint=hint)
+    if swap_dir is None and swap_space:
+        raise ConfigError(f"{where}: swap_space={swap_space} without swap_dir: nothing would be swapped",
+                          hint="give the folder for the snapshots too: swap_dir='runs/swap'")
+    return None if swap_dir is None else Path(swap_dir), swap_space
 
 
 def free_disk_bytes(directory: Path) -> int:
