@@ -341,9 +341,10 @@ def reference(env, data, tmp_path_factory):
     return run
 
 
-def test_with_swapping_off_evicted_sessions_are_replayed_to_the_same_outputs(env, data, reference, tmp_path):
+@pytest.mark.parametrize("zero", ["0", "0B", "0GiB"])  # a zero with a unit used to be refused: "must be positive"
+def test_with_swapping_off_evicted_sessions_are_replayed_to_the_same_outputs(env, data, reference, tmp_path, zero):
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "replay"),
-                  "--no-warmup", "--swap-space", "0", "--format", "plain")
+                  "--no-warmup", "--swap-space", zero, "--format", "plain")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "replay" / "summary.json").read_text())
     assert summary["steps"]["replayed"] == 6 and summary["steps"]["restored"] == 0  # 1 + 1 + 2 + 2 earlier steps

@@ -30,7 +30,6 @@ from ardiff_cli.options import (
     QuietOpt,
     SessionCapacityOpt,
     VerboseOpt,
-    check_byte_size,
 )
 from ardiff_cli.output import Format, Output
 from ardiff_cli.runtime.errors import ConfigError, ObservationError
@@ -41,8 +40,12 @@ SWAP_FOLDER = ".swap"  # under --out: snapshots of evicted sessions while the ru
 
 
 def check_swap_space(value: Optional[str]) -> Optional[str]:
-    """``--swap-space``: a byte size, or 0 (no swapping)."""
-    return value if value is None or value.strip() == "0" else check_byte_size(value)
+    """``--swap-space``: a byte size, or 0 (no swapping), checked early (a typo is a usage error)."""
+    try:
+        _swap_space(value)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc) + (f" ({exc.hint})" if exc.hint else "")) from None
+    return value
 
 HELP = (
     "Run episodes of robot observations through the model, each episode one persistent session whose KV cache "
@@ -317,7 +320,7 @@ def _swap_space(value: str | None) -> int | None:
     """Bytes of --swap-space (0: off); None: the runtime's default (the KV budget, at most half the free disk)."""
     from ardiff_cli.runtime.capacity import parse_bytes
 
-    return None if value is None else 0 if value.strip() == "0" else parse_bytes(value)
+    return None if value is None else parse_bytes(value, zero_ok=True)
 
 
 def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout: float, fail_fast: bool,

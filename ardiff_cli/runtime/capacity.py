@@ -73,8 +73,8 @@ def as_fraction(value: object) -> float | None:
     return number if 0 < number <= 1 else None
 
 
-def parse_bytes(text: str | int) -> int:
-    """'512MiB', '2 GiB', '1.5G', '1000000' (any integer, numpy's too) -> bytes."""
+def parse_bytes(text: str | int, *, zero_ok: bool = False) -> int:
+    """'512MiB', '2 GiB', '1.5G', '1000000' (any integer, numpy's too) -> bytes; 0 ('0', '0B') only if ``zero_ok``."""
     value = as_int(text)
     if value is None and not isinstance(text, (str, float)):  # str() of a YAML alias bomb would not end
         raise ConfigError(f"cannot read a {type(text).__name__} as a byte size",
@@ -95,8 +95,8 @@ def parse_bytes(text: str | int) -> int:
         if units[unit] == 1 and exact != value:  # '1.5' bytes; with a unit (1.3GiB) the fraction of a byte is noise
             raise ConfigError(f"a byte size without a unit is a whole number of bytes, got {text!r}",
                               hint="use a whole number of bytes or a unit: 1.5GiB, 512MiB")
-    if value <= 0:
-        raise ConfigError(f"a byte size must be positive, got {text!r}")
+    if value < 0 or value == 0 and not zero_ok:
+        raise ConfigError(f"a byte size must be {'>= 0' if zero_ok else 'positive'}, got {text!r}")
     return value
 
 

@@ -36,7 +36,7 @@ def check_swap_arguments(swap_dir: Any, swap_space: Any, *, where: str) -> tuple
                           f"{shown(swap_dir)}", hint=hint)
     if isinstance(swap_space, str):
         try:
-            swap_space = 0 if swap_space.strip() == "0" else parse_bytes(swap_space)
+            swap_space = parse_bytes(swap_space, zero_ok=True)
         except ConfigError as exc:
             raise ConfigError(f"{where}: swap_space: {exc}", hint=exc.hint) from None
     elif swap_space is not None and (isinstance(swap_space, bool) or not isinstance(swap_space, int)
