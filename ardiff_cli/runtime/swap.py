@@ -182,8 +182,8 @@ def encode_snapshot(kv: KVSnapshot, pipeline_state: dict[str, Any] | None,
                             "dict (name -> tensor or JSON-able value) or None")
         pipeline = {"tensors": [], "values": {}}
         for name, value in pipeline_state.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"pipeline/{name}"] = value.detach().cpu()
+            if isinstance(value, torch.Tensor):  # a copy of its own: safetensors refuses tensors sharing memory
+                tensors[f"pipeline/{name}"] = value.detach().cpu().clone(memory_format=torch.contiguous_format)
                 pipeline["tensors"].append(name)
             else:
                 pipeline["values"][name] = value
