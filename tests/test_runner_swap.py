@@ -241,6 +241,18 @@ class ViewsOfOneBuffer(DreamZeroPipeline):
         super().import_ar_diffusion_session(session_id, snapshot)
 
 
+class TupleInItsState(DreamZeroPipeline):
+    """A third-party pipeline whose exported state holds a tuple, which JSON would give back as a list."""
+
+    def export_ar_diffusion_session(self, session_id):
+        state = super().export_ar_diffusion_session(session_id)
+        return state and {**state, "grid": (2, 2)}
+
+    def import_ar_diffusion_session(self, session_id, snapshot):
+        assert snapshot.pop("grid") == (2, 2)
+        super().import_ar_diffusion_session(session_id, snapshot)
+
+
 def third_party_engine(pipeline: str, swap_dir) -> tuple[ARDiffusionEngine, list]:
     config = load_config(CONFIGS / "dreamzero-tiny.yaml", pipeline=f"test_runner_swap:{pipeline}")
     engine = ARDiffusionEngine(config.with_runtime(where="test", device="cpu", memory_budget="1GiB",
@@ -262,6 +274,19 @@ def test_an_exported_state_of_views_of_one_buffer_is_swapped_and_restored(tmp_pa
         run(engine, "b", 0)
     assert [e.swapped for e in events if e.kind == "session_evicted"] == [True]
     assert engine.runner.restore_session("a") is True
+    engine.close()
+
+
+def test_an_exported_value_that_json_would_change_is_refused_with_a_warning_naming_it(tmp_path):
+    # It used to be written as JSON and given back as a list: a silently different session after a restore.
+    engine, events = third_party_engine("TupleInItsState", tmp_path)
+    run(engine, "a", 0)
+    with pytest.warns(ArdiffWarning, match=r"cannot swap session 'a' out to .*\(TypeError: TupleInItsState\."
+                      r"export_ar_diffusion_session\('a'\)\['grid'\] is a tuple \(\(2, 2\)\), which JSON gives "
+                      r"back as another type or not at all: .*\); it is evicted without a snapshot"):
+        run(engine, "b", 0)
+    assert [e.swapped for e in events if e.kind == "session_evicted"] == [False]
+    assert engine.runner.restore_session("a") is False  # the caller replays
     engine.close()
 
 

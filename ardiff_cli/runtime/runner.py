@@ -633,7 +633,9 @@ class ARDiffusionModelRunner:
             return None
         try:
             state = self.pipeline.export_ar_diffusion_session(session_id)
-            tensors, metadata = encode_snapshot(session.state.export(), state, session.num_requests)
+            tensors, metadata = encode_snapshot(
+                session.state.export(), state, session.num_requests,
+                where=f"{type(self.pipeline).__name__}.export_ar_diffusion_session({session_id!r})")
             written = self.swap.write(session_id, tensors, metadata)
         except ArdiffError:  # a deliberate stop (the CLI's Interrupted, raised by its signal handler), not a failure
             self.swap.discard(session_id)

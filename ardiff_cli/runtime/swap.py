@@ -170,15 +170,35 @@ class SwapStore:
             pass  # never created, or holds something that is not ours
 
 
-def encode_snapshot(kv: KVSnapshot, pipeline_state: dict[str, Any] | None,
-                    num_requests: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+PLAIN_TYPES = (str, int, float, type(None))  # JSON gives these back equal (a subclass, np.str_ say, as its base)
+
+
+def check_plain(value: Any, where: str) -> None:
+    """A ``TypeError`` naming ``where`` unless JSON gives ``value`` back equal: dicts with str keys, lists and
+    :data:`PLAIN_TYPES` (a tuple would come back a list, an int key a str: a silently different session)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{where} has the key {key!r}, a {type(key).__name__}, which JSON gives back as a str")
+            check_plain(item, f"{where}[{key!r}]")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_plain(item, f"{where}[{index}]")
+    elif not isinstance(value, PLAIN_TYPES):
+        raise TypeError(f"{where} is a {type(value).__name__} ({shown(value)}), which JSON gives back as another "
+                        "type or not at all: a snapshot keeps tensors and plain values (dict with str keys, list, str, "
+                        "int, float, bool, None)")
+
+
+def encode_snapshot(kv: KVSnapshot, pipeline_state: dict[str, Any] | None, num_requests: int, *,
+                    where: str = "export_ar_diffusion_session()") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """One session's snapshot as safetensors tensors and JSON-able metadata: ``kv/...`` its KV, ``pipeline/<name>``
-    the pipeline's tensors (its plain values go in the metadata)."""
+    the pipeline's tensors (its plain values go in the metadata; ``where`` names what returned them)."""
     tensors = {f"kv/{key}": t for key, t in kv.tensors.items()}
     pipeline = None
     if pipeline_state is not None:
         if not isinstance(pipeline_state, dict):
-            raise TypeError(f"export_ar_diffusion_session() returned {type(pipeline_state).__name__}, expected a "
+            raise TypeError(f"{where} returned {type(pipeline_state).__name__}, expected a "
                             "dict (name -> tensor or JSON-able value) or None")
         pipeline = {"tensors": [], "values": {}}
         for name, value in pipeline_state.items():
@@ -186,6 +206,7 @@ def encode_snapshot(kv: KVSnapshot, pipeline_state: dict[str, Any] | None,
                 tensors[f"pipeline/{name}"] = value.detach().cpu().clone(memory_format=torch.contiguous_format)
                 pipeline["tensors"].append(name)
             else:
+                check_plain(value, f"{where}[{name!r}]")
                 pipeline["values"][name] = value
     return tensors, {"kv": kv.metadata, "pipeline": pipeline, "num_requests": num_requests}
 
