@@ -335,3 +335,17 @@ def test_swap_space_takes_a_byte_size_like_memory_budget(tmp_path):
     engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path, swap_space="2MiB")
     assert engine.runner.pool_usage().swap_budget_bytes == 2 << 20
     engine.close()
+
+
+def test_restore_session_of_the_warmup_id_says_it_is_reserved(tmp_path):
+    # It said "takes a session id (a non-empty string), got '__ardiff_warmup__'": a non-empty string.
+    from ardiff_cli.runtime.errors import RequestError
+    from ardiff_cli.runtime.runner import WARMUP_SESSION_ID
+
+    engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    with pytest.raises(RequestError, match=rf"^session id '{WARMUP_SESSION_ID}' is reserved for warmup") as info:
+        engine.runner.restore_session(WARMUP_SESSION_ID)
+    assert info.value.hint == "name a session that was evicted"
+    with pytest.raises(RequestError, match=r"^restore_session\(\) takes a session id \(a non-empty string\), got ''"):
+        engine.runner.restore_session("")
+    engine.close()

@@ -662,8 +662,11 @@ class ARDiffusionModelRunner:
         snapshot is deleted and no part of the session stays resident. An ``ArdiffError`` (a deliberate stop such as
         the CLI's ``Interrupted``) or a ``KeyboardInterrupt`` meanwhile leaves it so too, and propagates as itself."""
         self._require_loaded()
-        if not isinstance(session_id, str) or not session_id or session_id == WARMUP_SESSION_ID:
+        if not isinstance(session_id, str) or not session_id:
             raise RequestError(f"restore_session() takes a session id (a non-empty string), got {shown(session_id)}",
+                               hint="name a session that was evicted")
+        if session_id == WARMUP_SESSION_ID:
+            raise RequestError(f"session id {WARMUP_SESSION_ID!r} is reserved for warmup, which is never swapped",
                                hint="name a session that was evicted")
         if self.swap is None or session_id in self._sessions or not self.swap.has(session_id):
             return False
