@@ -220,8 +220,12 @@ class NoSwapDreamZero(DreamZeroPipeline):
 
 class SignalWhileSwapping(DreamZeroPipeline):
     """DreamZero that sends its own process SIGINT from inside the first session export (``ARDIFF_TEST_SIGNAL_IN``
-    = ``export``: a session being swapped out) or import (``import``: being restored), the way a Ctrl-C lands at
-    any moment: the CLI's signal handler raises there."""
+    = ``export``: a session being swapped out), import (``import``: being restored) or close hook (``close``: an
+    evicted session released), the way a Ctrl-C lands at any moment: the CLI's signal handler raises there."""
+
+    def close_ar_diffusion_session(self, session_id: str) -> None:
+        self._signal_once("close")
+        super().close_ar_diffusion_session(session_id)
 
     def export_ar_diffusion_session(self, session_id: str) -> Any:
         self._signal_once("export")

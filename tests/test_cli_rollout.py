@@ -395,10 +395,11 @@ def test_a_pipeline_without_the_swap_protocol_still_replays(env, data, reference
     assert_same_outputs(reference, run)
 
 
-@pytest.mark.parametrize("where", ["export", "import"])
+@pytest.mark.parametrize("where", ["export", "import", "close"])
 def test_a_signal_while_a_session_is_swapped_out_or_restored_stops_the_run_and_resume_finishes_it(
         env, data, reference, tmp_path, where):
-    # It used to be taken for a failed swap: a warning, the run went on to exit 0, and no later signal stopped it.
+    # It used to be taken for a failed swap (or, in the close hook of the evicted session, for a failing hook): a
+    # warning, the run went on to exit 0, and no later signal stopped it.
     run = tmp_path / "run"
     args = ("--pipeline", "faulty_pipelines:SignalWhileSwapping")
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),

@@ -588,7 +588,8 @@ class ARDiffusionModelRunner:
     ) -> list[LifecycleHookError]:
         """The one release path: free pages and cross-attention, then call the pipeline's hook.
 
-        Hook failures are returned (and recorded and emitted), never swallowed.
+        Hook failures are returned (and recorded and emitted), never swallowed. An ``ArdiffError`` from the hook is
+        a deliberate stop (the CLI's ``Interrupted``, raised by its signal handler), raised once the release is done.
         """
         cache = self._require_loaded()
         swap_bytes = self._swap_out(session_id, self._sessions[session_id]) if reason == "lru_eviction" else None
@@ -598,8 +599,11 @@ class ARDiffusionModelRunner:
             self.pipeline.reset_ar_diffusion_session if hook == "reset" else self.pipeline.close_ar_diffusion_session
         )
         errors: list[LifecycleHookError] = []
+        stop: ArdiffError | None = None
         try:
             callback(session_id)
+        except ArdiffError as exc:  # a deliberate stop (the CLI's Interrupted): raised once the release is complete
+            stop = exc
         except Exception as exc:  # noqa: BLE001 - collected, emitted and returned to the caller
             hook_error = LifecycleHookError(
                 f"{type(self.pipeline).__name__}.{callback.__name__}({session_id!r}) raised "
@@ -622,6 +626,8 @@ class ARDiffusionModelRunner:
             self._emit(
                 SessionClosed(session_id=session_id, reason=reason, error=None if error is None else repr(error))
             )
+        if stop is not None:
+            raise stop
         return errors
 
     # ------------------------------------------------------------------ swap
