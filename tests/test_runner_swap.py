@@ -349,3 +349,31 @@ def test_restore_session_of_the_warmup_id_says_it_is_reserved(tmp_path):
     with pytest.raises(RequestError, match=r"^restore_session\(\) takes a session id \(a non-empty string\), got ''"):
         engine.runner.restore_session("")
     engine.close()
+
+
+def test_two_engines_sharing_a_swap_dir_never_restore_each_others_sessions(tmp_path):
+    # Two replicas of one model in a process (or two processes) given the same swap_dir, as in the README's
+    # swap_dir="swap": the second one's snapshot of session 'robot' used to replace the first one's file, and the
+    # first restored the other's history (same geometry: no error) and went on with silently different outputs.
+    def robot_inputs(engine, seed):
+        return engine.pipeline.example_inputs(prompt="task robot", seed=seed)
+
+    reference, _ = engine_for("causal-world-tiny", capacity=1)
+    want = [reference.execute(ARDiffusionRequest(f"robot/{step}", robot_inputs(reference, step),
+                                                 {"session_id": "robot"})) for step in range(2)]
+    reference.close()
+    first, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path / "swap")
+    second, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path / "swap")
+    got = [first.execute(ARDiffusionRequest("robot/0", robot_inputs(first, 0), {"session_id": "robot"}))]
+    run(first, "other", 0)  # first's robot swapped out
+    second.execute(ARDiffusionRequest("robot/0", robot_inputs(second, 7), {"session_id": "robot"}))
+    run(second, "other", 0)  # second's robot swapped out, into the same folder
+    assert first.runner.restore_session("robot") is True
+    got.append(first.execute(ARDiffusionRequest("robot/1", robot_inputs(first, 1), {"session_id": "robot"})))
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert_same(g, w, f"robot step {step}")
+    assert second.runner.restore_session("robot") is True
+    first.close()
+    assert len(list((tmp_path / "swap").glob("*.safetensors"))) == 1  # the second's 'other' stays
+    second.close()
+    assert not (tmp_path / "swap").exists()

@@ -68,6 +68,9 @@ class SwapStore:
         # session id -> (file, bytes), least recently swapped first: the order in which room is made.
         self._files: OrderedDict[str, tuple[Path, int]] = OrderedDict()
         self._nbytes = 0  # sum of the files' bytes, kept as one int so other threads read it whole
+        # Hashed into every file name: stores sharing a folder (two engines, two processes) never touch each
+        # other's files, even for one session id.
+        self._salt = secrets.token_bytes(16)
 
     @property
     def num_snapshots(self) -> int:
@@ -81,8 +84,9 @@ class SwapStore:
         return session_id in self._files
 
     def path_for(self, session_id: str) -> Path:
-        """The file of ``session_id``: a hash, so any session id (slashes, control characters) is a safe name."""
-        digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()
+        """The file of ``session_id``: a hash (salted per store), so any session id (slashes, control characters) is
+        a safe name."""
+        digest = hashlib.sha256(self._salt + session_id.encode("utf-8", "surrogatepass")).hexdigest()
         return self.directory / f"{digest[:32]}.safetensors"
 
     def write(self, session_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> int | None:
