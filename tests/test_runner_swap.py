@@ -119,7 +119,7 @@ def test_over_budget_drops_the_least_recently_swapped_snapshot(tmp_path):
     one = runner.pool_usage().swapped_bytes
     runner.swap.budget_bytes = int(one * 1.5)  # room for one snapshot of this size, not two
     run(engine, "c", 0)  # b swapped out: a's snapshot, the oldest, goes
-    assert runner.pool_usage().num_swapped == 1
+    assert runner.pool_usage().num_swapped == 1 and runner.swap.num_dropped == 1
     assert runner.restore_session("a") is False  # replay is the caller's fallback
     assert runner.restore_session("b") is True
     runner.swap.budget_bytes = one // 2  # a snapshot larger than the whole budget is not written, and said once
@@ -136,7 +136,7 @@ def test_over_budget_drops_the_least_recently_swapped_snapshot(tmp_path):
 
 
 def test_a_fresh_admission_discards_the_snapshot_of_its_id(tmp_path):
-    engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
     runner = engine.runner
     run(engine, "a", 0)
     run(engine, "a", 1)
@@ -147,8 +147,15 @@ def test_a_fresh_admission_discards_the_snapshot_of_its_id(tmp_path):
     assert runner.restore_session("a") is False
     (view,) = runner.sessions()
     assert view.committed_frames == {"main": 3}  # one block: the old history never came back
-    runner.close_session("b")  # closing a swapped-out session deletes its snapshot
+    runner.close_session("b")  # closing a swapped-out session deletes its snapshot, with the event a close has
     assert runner.pool_usage().num_swapped == 0 and not list(tmp_path.glob("*.safetensors"))
+    last = events[-1]
+    assert (last.kind, last.session_id, last.reason) == ("session_closed", "b", "explicit")
+    run(engine, "b", 0)  # a swapped out again; a reset of it deletes its snapshot too, with a reset event
+    runner.reset_session("a")
+    last = events[-1]
+    assert (last.kind, last.session_id, last.reason) == ("session_reset", "a", "explicit")
+    assert runner.pool_usage().num_swapped == 0 and runner.restore_session("a") is False
     engine.close()
 
 

@@ -466,7 +466,8 @@ def _summary(run: Any, p: _Prepared, driver: Any, plan: Any, wall_s: float,
         wall_s=wall_s, status=status, exit_code=0 if error is None else exit_code_for(error), root=run.root)
     swap = driver.engine.runner.swap if driver.engine.runner is not None else None
     summary["swap"] = {"space_bytes": 0 if swap is None else swap.budget_bytes, "swapped_out": stats.swapped_out,
-                       "restored": stats.restored, "restore_failed": stats.restore_failed}
+                       "restored": stats.restored, "restore_failed": stats.restore_failed,
+                       "dropped": 0 if swap is None else swap.num_dropped}
     summary["hook_errors"] = list(stats.hook_errors)  # pipeline reset/close hooks that raised (KV released anyway)
     return summary
 

@@ -514,7 +514,7 @@ class ARDiffusionModelRunner:
         """Release ``session_id`` and call the pipeline's reset hook; the next request starts fresh."""
         self._require_loaded()
         with self._locked():
-            if self._discard_swapped(session_id):
+            if self._discard_swapped(session_id, "reset"):
                 return
             self._require_resident(session_id)
             errors = self._release(session_id, reason="explicit", hook="reset")
@@ -526,7 +526,7 @@ class ARDiffusionModelRunner:
         """Release ``session_id`` and call the pipeline's close hook."""
         self._require_loaded()
         with self._locked():
-            if self._discard_swapped(session_id):
+            if self._discard_swapped(session_id, "close"):
                 return
             self._require_resident(session_id)
             errors = self._release(session_id, reason="explicit", hook="close")
@@ -564,9 +564,16 @@ class ARDiffusionModelRunner:
                 self.swap.clear()  # swapped sessions are closed too: their files go
         return errors
 
-    def _discard_swapped(self, session_id: str) -> bool:
-        """A swapped-out session is reset or closed by deleting its snapshot (its pipeline state left with it)."""
-        return session_id not in self._sessions and self.swap is not None and self.swap.discard(session_id)
+    def _discard_swapped(self, session_id: str, hook: str) -> bool:
+        """A swapped-out session is reset or closed by deleting its snapshot (its pipeline state left with it); the
+        same event as for a resident one."""
+        if session_id in self._sessions or self.swap is None or not self.swap.discard(session_id):
+            return False
+        if hook == "reset":
+            self._emit(SessionReset(session_id=session_id, reason="explicit"))
+        else:
+            self._emit(SessionClosed(session_id=session_id, reason="explicit"))
+        return True
 
     def _require_resident(self, session_id: str) -> None:
         if session_id not in self._sessions:

@@ -68,6 +68,7 @@ class SwapStore:
         # session id -> (file, bytes), least recently swapped first: the order in which room is made.
         self._files: OrderedDict[str, tuple[Path, int]] = OrderedDict()
         self._nbytes = 0  # sum of the files' bytes, kept as one int so other threads read it whole
+        self.num_dropped = 0  # snapshots deleted to make room for newer ones (their sessions are rebuilt otherwise)
         # Hashed into every file name: stores sharing a folder (two engines, two processes) never touch each
         # other's files, even for one session id.
         self._salt = secrets.token_bytes(16)
@@ -127,6 +128,7 @@ class SwapStore:
             if self._nbytes + needed <= self.budget_bytes:
                 return
             self.discard(session_id)
+            self.num_dropped += 1
 
     def read(self, session_id: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The tensors and metadata of ``session_id``'s snapshot; raises ``OSError`` or ``ValueError`` for a
