@@ -385,6 +385,20 @@ def test_a_corrupted_swap_file_is_a_warning_then_a_replay_to_the_same_outputs(en
     assert not (run / ".swap").exists()
 
 
+def test_an_existing_swap_folder_in_out_keeps_what_ardiff_did_not_write(env, data, reference, tmp_path):
+    # --out may be an existing folder that holds no run. A `.swap` folder of the user's there used to be deleted
+    # with everything in it (shutil.rmtree at the start and at the end of the run).
+    run = tmp_path / "project"
+    (run / ".swap").mkdir(parents=True)
+    (run / ".swap" / "notes.txt").write_text("not ardiff's")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["swap"]["restored"] == 4
+    assert sorted(p.name for p in (run / ".swap").iterdir()) == ["notes.txt"]  # the snapshots went, not the notes
+    assert (run / ".swap" / "notes.txt").read_text() == "not ardiff's"
+    assert_same_outputs(reference, run)
+
+
 def test_a_pipeline_without_the_swap_protocol_still_replays(env, data, reference, tmp_path):
     run = tmp_path / "run"
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup",

@@ -325,13 +325,12 @@ def _swap_space(value: str | None) -> int | None:
 
 def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout: float, fail_fast: bool,
          preview: bool, warmup: bool, resume: bool, swap_space: int | None = None) -> None:
-    import shutil
-
     from ardiff_cli.io.atomic import atomic_write_json
     from ardiff_cli.io.run import RUN_FILE
     from ardiff_cli.monitor import RunMonitor
     from ardiff_cli.panels import render
     from ardiff_cli.rollout import Rollout, RolloutOptions
+    from ardiff_cli.runtime.swap import remove_snapshot_files
     from ardiff_cli.signals import StopSignals
 
     run = p.run
@@ -346,7 +345,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     engine = driver = plan = summary = None
     error: BaseException | None = None
     swap_dir = p.out_dir / SWAP_FOLDER
-    shutil.rmtree(swap_dir, ignore_errors=True)  # stale: left by a run killed before it could remove it
+    remove_snapshot_files(swap_dir)  # stale: left by a run killed before it could remove them
     try:
         with StopSignals() as signals, output.live(lambda: render(monitor.snapshot())):
             # `ardiff rollout --format json | head`: once the reader is gone, stop as a shell's SIGPIPE would
@@ -391,7 +390,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     if engine is not None:
                         _close_engine(engine, output)
                 finally:
-                    shutil.rmtree(swap_dir, ignore_errors=True)  # however the run ended
+                    remove_snapshot_files(swap_dir)  # however the run ended
                     run.close(keep_lock=True)  # the summary is written under the lock; rollout() releases it
                     if driver is not None:
                         written = _summary(run, p, driver, plan, time.monotonic() - started, error)

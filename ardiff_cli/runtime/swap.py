@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 from collections import OrderedDict
@@ -25,6 +26,8 @@ from ardiff_cli.runtime.kv.state import KVSnapshot
 
 FORMAT = "ardiff-swap-1"  # metadata["format"]; bump when the layout of a snapshot file changes
 HEADER_BYTES_PER_TENSOR = 128  # safetensors header entry (name, dtype, shape, offsets): an upper bound for planning
+# The names SwapStore gives its files (path_for) and their temporary names while written (write).
+SNAPSHOT_NAME = re.compile(r"[0-9a-f]{32}\.safetensors|\.[0-9a-f]{32}\.safetensors\.[0-9a-f]{8}\.tmp")
 
 
 def check_swap_arguments(swap_dir: Any, swap_space: Any, *, where: str) -> tuple[Path | None, int | None]:
@@ -55,6 +58,18 @@ def free_disk_bytes(directory: Path) -> int:
     while not path.exists() and path != path.parent:
         path = path.parent
     return shutil.disk_usage(path).free
+
+
+def remove_snapshot_files(directory: Path) -> None:
+    """Delete the snapshot files any store wrote in ``directory`` (a killed process's too), then the folder if
+    nothing else is in it: a folder that only shares the name keeps what ardiff did not write."""
+    try:
+        for path in Path(directory).iterdir():
+            if SNAPSHOT_NAME.fullmatch(path.name):
+                path.unlink(missing_ok=True)
+        Path(directory).rmdir()
+    except OSError:
+        pass  # no such folder, or it holds something that is not ours
 
 
 class SwapStore:
