@@ -45,10 +45,6 @@ class KVSnapshot:
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, Any]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
 
 class BranchKV:
     """Sink + sliding-window retention of one branch of one session.
