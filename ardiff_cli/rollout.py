@@ -315,8 +315,10 @@ class Rollout:
         if session_id in self._resident or self._swapped.pop(session_id, None) is not None:
             try:  # a swapped-out session is closed by deleting its snapshot
                 self.engine.runner.close_session(session_id)
-            except ArdiffError:  # LifecycleHookError: the KV is released; _hook_failed warned
-                pass
+            except Interrupted:  # a signal while the pipeline's close hook ran: the session is released, the run stops
+                raise
+            except ArdiffError:  # LifecycleHookError: the KV is released; _hook_failed warned. Or its snapshot was
+                pass  # dropped to make room: nothing is left to close
 
     def _fail_episode(self, episode: EpisodeSource, step_file: StepFile, ordinal: int, exc: ArdiffError, *,
                       phase: str) -> None:

@@ -428,6 +428,24 @@ def test_a_signal_while_a_session_is_swapped_out_or_restored_stops_the_run_and_r
     assert_same_outputs(reference, run)
 
 
+def test_a_signal_while_a_finished_episodes_session_is_closed_stops_the_run(env, data, reference, tmp_path):
+    # Sequential: no eviction, so the first close hook to run is arm_a's, closed after its last step. The
+    # Interrupted raised there was taken for a failing hook and dropped: the run went on to exit 0, and no later
+    # signal could stop it.
+    run = tmp_path / "run"
+    args = ("--no-warmup", "--pipeline", "faulty_pipelines:SignalWhileSwapping")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),
+                           "--out", str(run), "--order", "sequential", "--format", "plain", *args], cwd=REPO,
+                          capture_output=True, text=True, env={**env, "ARDIFF_TEST_SIGNAL_IN": "close"}, timeout=600)
+    assert proc.returncode == 130, proc.stderr
+    assert "interrupted by SIGINT" in proc.stderr and "warning" not in proc.stderr, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+    assert [(r["episode"], r["step"]) for r in records(run)] == [("arm_a", 0), ("arm_a", 1), ("arm_a", 2)]
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), *args)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_outputs(reference, run)
+
+
 def test_round_robin_and_sequential_give_identical_episode_outputs(env, data, reference, tmp_path):
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "seq"),
                   "--order", "sequential", "--no-warmup")
