@@ -342,6 +342,11 @@ def test_swap_space_takes_a_byte_size_like_memory_budget(tmp_path):
     engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path, swap_space="2MiB")
     assert engine.runner.pool_usage().swap_budget_bytes == 2 << 20
     engine.close()
+    import numpy as np  # and numpy's integers, as memory_budget takes them
+
+    engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path, swap_space=np.int64(3 << 20))
+    assert engine.runner.pool_usage().swap_budget_bytes == 3 << 20 and type(engine.runner.swap_space) is int
+    engine.close()
 
 
 def test_restore_session_of_the_warmup_id_says_it_is_reserved(tmp_path):

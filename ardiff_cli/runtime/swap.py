@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ardiff_cli.runtime.capacity import parse_bytes
+from ardiff_cli.runtime.capacity import as_int, parse_bytes
 from ardiff_cli.runtime.errors import ConfigError, shown
 from ardiff_cli.runtime.kv.state import KVSnapshot
 
@@ -42,10 +42,12 @@ def check_swap_arguments(swap_dir: Any, swap_space: Any, *, where: str) -> tuple
             swap_space = parse_bytes(swap_space, zero_ok=True)
         except ConfigError as exc:
             raise ConfigError(f"{where}: swap_space: {exc}", hint=exc.hint) from None
-    elif swap_space is not None and (isinstance(swap_space, bool) or not isinstance(swap_space, int)
-                                     or swap_space < 0):
-        raise ConfigError(f"{where}: swap_space must be a number of bytes >= 0 (0: no swapping) or None, got "
-                          f"{shown(swap_space)}", hint=hint)
+    elif swap_space is not None:
+        number = as_int(swap_space)  # numpy's integers too, as memory_budget takes them; never a bool
+        if number is None or number < 0:
+            raise ConfigError(f"{where}: swap_space must be a number of bytes >= 0 (0: no swapping) or None, got "
+                              f"{shown(swap_space)}", hint=hint)
+        swap_space = number
     if swap_dir is None and swap_space:
         raise ConfigError(f"{where}: swap_space={swap_space} without swap_dir: nothing would be swapped",
                           hint="give the folder for the snapshots too: swap_dir='runs/swap'")
