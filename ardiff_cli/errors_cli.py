@@ -27,6 +27,7 @@ from ardiff_cli.runtime.errors import (
     ConfigError,
     ObservationError,
     PipelineError,
+    StopRequested,
     is_out_of_memory,
 )
 
@@ -102,7 +103,7 @@ class OutputError(ArdiffError):
     exit_code = EXIT_BUG
 
 
-class Interrupted(ArdiffError):
+class Interrupted(StopRequested):
     """SIGINT, SIGTERM or SIGHUP arrived (or stdout's reader went away: SIGPIPE); the current write finished and
     outputs are consistent (exit 128 + the signal number: 130, 143, 129, 141)."""
 

@@ -114,7 +114,7 @@ class Rollout:
         writes wrong outputs), so the error is kept and stops the run before the next step (``run``)."""
         try:
             self._record_event(event)
-        except ArdiffError:  # Interrupted, raised by the signal handler wherever it finds the main thread: stop now
+        except Interrupted:  # raised by the signal handler wherever it finds the main thread: stop now
             raise
         except Exception as exc:  # noqa: BLE001 - raised by run(), with its traceback
             self._event_error = self._event_error or exc

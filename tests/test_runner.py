@@ -207,6 +207,33 @@ def test_hook_errors_are_reported_not_swallowed():
     assert len(runner.hook_errors) == 2
 
 
+def test_an_ardiff_error_from_a_hook_or_a_subscriber_is_their_failure_not_a_stop():
+    """Only ``StopRequested`` (the CLI's Interrupted) passes through the runner's isolation of hooks and subscribers;
+    a pipeline's own ``PipelineError`` in its close hook is a failing hook like any other exception."""
+
+    class PickyHook(TinyPipeline):
+        def close_ar_diffusion_session(self, session_id):
+            super().close_ar_diffusion_session(session_id)
+            raise PipelineError("bookkeeping of the hook broke")
+
+    events = []
+    runner = make_runner(PickyHook(), capacity=1, events=events)
+    runner.execute_model(request("a", 0))
+    out = runner.execute_model(request("b", 0))  # evicts a: its close hook raises, the request still returns
+    assert out is not None and runner.session_ids == ["b"]
+    (failed,) = [e for e in events if isinstance(e, HookFailed)]
+    assert failed.session_id == "a" and "bookkeeping of the hook broke" in failed.error
+    assert len(runner.hook_errors) == 1
+    assert runner.kv_cache.allocator.num_used == sum(runner.sessions()[0].pages_per_branch.values())
+
+    def picky_subscriber(event):
+        raise PipelineError("metrics schema changed")
+
+    runner.subscribe(picky_subscriber)
+    with pytest.warns(ArdiffWarning, match="picky_subscriber raised PipelineError: metrics schema changed"):
+        runner.execute_model(request("b", 1))
+
+
 class _NoHooks:
     def ar_diffusion_kv_cache_spec(self):
         return tiny_spec()

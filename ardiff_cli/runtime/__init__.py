@@ -38,6 +38,7 @@ _EXPORTS = {
     "RequestError": "errors",
     "SessionNotResident": "errors",
     "SwapRestoreError": "errors",
+    "StopRequested": "errors",
     "SessionView": "runner",
     "PoolUsage": "runner",
     "WarmupReport": "runner",

@@ -20,6 +20,12 @@ class ArdiffError(Exception):
         self.hint = hint
 
 
+class StopRequested(ArdiffError):
+    """A deliberate stop raised into the runtime from outside it (the CLI's ``Interrupted``, raised by its signal
+    handler wherever the main thread is). The runner never takes it for a failing subscriber, hook or swap: it
+    finishes its own bookkeeping and lets it propagate. Any other exception there is a failure of that part."""
+
+
 class ArdiffWarning(UserWarning):
     """Something the user should know that is not an error (a Python warning; the CLI shows it as ``warning:``)."""
 

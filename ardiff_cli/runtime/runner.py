@@ -44,6 +44,7 @@ from ardiff_cli.runtime.errors import (
     PipelineError,
     RequestError,
     SessionNotResident,
+    StopRequested,
     SwapRestoreError,
     as_pipeline_error,
     shown,
@@ -391,7 +392,7 @@ class ARDiffusionModelRunner:
 
     def _deliver(self) -> None:
         """Deliver the queued events, in order, to every subscriber. A subscriber observes: one that raises is a
-        warning, and the request (or load) goes on, since its effects are committed by now. An ``ArdiffError`` is
+        warning, and the request (or load) goes on, since its effects are committed by now. A ``StopRequested`` is
         a deliberate stop (the CLI's ``Interrupted``, raised by its signal handler wherever the main thread is)
         and propagates."""
         while self._outbox:
@@ -401,7 +402,7 @@ class ARDiffusionModelRunner:
         for callback in list(self._subscribers):
             try:
                 callback(event)
-            except ArdiffError:
+            except StopRequested:
                 raise
             except Exception as exc:  # noqa: BLE001 - reported, never allowed to fail a request
                 name = getattr(callback, "__qualname__", None) or repr(callback)
@@ -595,7 +596,7 @@ class ARDiffusionModelRunner:
     ) -> list[LifecycleHookError]:
         """The one release path: free pages and cross-attention, then call the pipeline's hook.
 
-        Hook failures are returned (and recorded and emitted), never swallowed. An ``ArdiffError`` from the hook is
+        Hook failures are returned (and recorded and emitted), never swallowed. A ``StopRequested`` from the hook is
         a deliberate stop (the CLI's ``Interrupted``, raised by its signal handler), raised once the release is done.
         """
         cache = self._require_loaded()
@@ -606,10 +607,10 @@ class ARDiffusionModelRunner:
             self.pipeline.reset_ar_diffusion_session if hook == "reset" else self.pipeline.close_ar_diffusion_session
         )
         errors: list[LifecycleHookError] = []
-        stop: ArdiffError | None = None
+        stop: StopRequested | None = None
         try:
             callback(session_id)
-        except ArdiffError as exc:  # a deliberate stop (the CLI's Interrupted): raised once the release is complete
+        except StopRequested as exc:  # the CLI's Interrupted: raised once the release is complete
             stop = exc
         except Exception as exc:  # noqa: BLE001 - collected, emitted and returned to the caller
             hook_error = LifecycleHookError(
@@ -641,7 +642,7 @@ class ARDiffusionModelRunner:
     def _swap_out(self, session_id: str, session: _Session) -> int | None:
         """Write the snapshot of a session being evicted, before its KV is released; its bytes, or None (no swap
         store, the session is over the budget, or the write failed: a warning, and it is evicted as before). An
-        ``ArdiffError`` (a deliberate stop: the CLI's ``Interrupted``) propagates, and the session stays resident."""
+        ``StopRequested`` (the CLI's ``Interrupted``) propagates, and the session stays resident."""
         if self.swap is None or session_id == WARMUP_SESSION_ID:
             return None
         try:
@@ -650,7 +651,7 @@ class ARDiffusionModelRunner:
                 session.state.export(), state, session.num_requests,
                 where=f"{type(self.pipeline).__name__}.export_ar_diffusion_session({session_id!r})")
             written = self.swap.write(session_id, tensors, metadata)
-        except ArdiffError:  # a deliberate stop (the CLI's Interrupted, raised by its signal handler), not a failure
+        except StopRequested:  # the CLI's Interrupted, not a failure to swap
             self.swap.discard(session_id)
             raise
         except Exception as exc:  # noqa: BLE001 - swapping is an optimisation: the eviction goes on without it
@@ -672,7 +673,7 @@ class ARDiffusionModelRunner:
         """Admit ``session_id`` from its swap snapshot (which may evict, so swap out, the least recently used
         session), deleting the snapshot; False when it has none. A snapshot that cannot be restored (missing,
         unreadable or corrupt file; another geometry, dtype or pipeline record) raises ``SwapRestoreError``: the
-        snapshot is deleted and no part of the session stays resident. An ``ArdiffError`` (a deliberate stop such as
+        snapshot is deleted and no part of the session stays resident. A ``StopRequested`` (such as
         the CLI's ``Interrupted``) or a ``KeyboardInterrupt`` meanwhile leaves it so too, and propagates as itself."""
         self._require_loaded()
         if not isinstance(session_id, str) or not session_id:
@@ -691,7 +692,7 @@ class ARDiffusionModelRunner:
             nbytes = path.stat().st_size
             kv, state, num_requests = decode_snapshot(tensors, metadata)
             self.kv_cache.new_state(session_id).check_snapshot(kv)  # before anyone is evicted for it
-        except ArdiffError:  # a deliberate stop (the CLI's Interrupted), not an unreadable file
+        except StopRequested:  # the CLI's Interrupted, not an unreadable file
             raise
         except Exception as exc:  # noqa: BLE001 - any unreadable file is this one error
             raise SwapRestoreError(f"cannot restore session {shown(session_id)} from {path}: "
@@ -705,7 +706,7 @@ class ARDiffusionModelRunner:
                 self.pipeline.import_ar_diffusion_session(session_id, state)
             except BaseException as exc:  # released whole, then raised as one error (a stop as itself)
                 self._release(session_id, reason="restore_failed", hook="close", error=exc)
-                if isinstance(exc, ArdiffError) or not isinstance(exc, Exception):
+                if isinstance(exc, StopRequested) or not isinstance(exc, Exception):
                     raise
                 raise SwapRestoreError(f"cannot restore session {shown(session_id)} from {path}: "
                                        f"{type(exc).__name__}: {exc}", hint=hint) from exc
