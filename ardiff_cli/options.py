@@ -78,13 +78,22 @@ def check_available(value: Optional[str]) -> Optional[str]:
 
 def check_byte_size(value: Optional[str]) -> Optional[str]:
     """Check a byte size early (so a typo is a usage error); the command parses it again."""
+    return _checked_bytes(value, zero_ok=False)
+
+
+def check_swap_space(value: Optional[str]) -> Optional[str]:
+    """``--swap-space``: a byte size, or 0 (no swapping)."""
+    return _checked_bytes(value, zero_ok=True)
+
+
+def _checked_bytes(value: Optional[str], *, zero_ok: bool) -> Optional[str]:
     if value is None:
         return value
     from ardiff_cli.runtime.capacity import parse_bytes
     from ardiff_cli.runtime.errors import ConfigError
 
     try:
-        parse_bytes(value)
+        parse_bytes(value, zero_ok=zero_ok)
     except ConfigError as exc:
         raise typer.BadParameter(str(exc) + (f" ({exc.hint})" if exc.hint else "")) from None
     return value

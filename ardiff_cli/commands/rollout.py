@@ -30,6 +30,7 @@ from ardiff_cli.options import (
     QuietOpt,
     SessionCapacityOpt,
     VerboseOpt,
+    check_swap_space,
 )
 from ardiff_cli.output import Format, Output
 from ardiff_cli.runtime.errors import ConfigError, ObservationError
@@ -37,15 +38,6 @@ from ardiff_cli.runtime.errors import ConfigError, ObservationError
 DEMO_SESSION_CAPACITY = 2  # the demo has 3 episodes: with 2 resident sessions, LRU eviction shows
 DEFAULT_IDLE_TIMEOUT = 60.0  # --follow: seconds without a new step file before an episode ends
 SWAP_FOLDER = ".swap"  # under --out: snapshots of evicted sessions while the run lasts
-
-
-def check_swap_space(value: Optional[str]) -> Optional[str]:
-    """``--swap-space``: a byte size, or 0 (no swapping), checked early (a typo is a usage error)."""
-    try:
-        _swap_space(value)
-    except ConfigError as exc:
-        raise typer.BadParameter(str(exc) + (f" ({exc.hint})" if exc.hint else "")) from None
-    return value
 
 HELP = (
     "Run episodes of robot observations through the model, each episode one persistent session whose KV cache "
