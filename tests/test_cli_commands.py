@@ -130,6 +130,8 @@ def test_inspect_capacity_exit_3_when_one_session_does_not_fit():
     (("inspect-capacity", "dreamzero-tinny"), "did you mean 'dreamzero-tiny'"),
     (("inspect-capacity", "missing.yaml"), "config file not found"),
     (("inspect-capacity", "--available", "lots"), "cannot read 'lots' as a byte size"),
+    (("rollout", "--swap-space", "lots"), "Invalid value for '--swap-space': cannot read 'lots' as a byte size"),
+    (("rollout", "--swap-space", "-1"), "Invalid value for '--swap-space': a byte size must be >= 0, got '-1'"),
     (("rollout", "--resume"), "--resume needs --out"),
     (("rollout", "."), "is a folder"),
     (("rollout", "dreamzero-tiny", "no/such/episode"), "episode folder not found"),
