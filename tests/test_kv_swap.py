@@ -109,13 +109,19 @@ def test_a_restored_session_reads_exactly_what_it_read_before(make_spec, backend
     assert cache.num_free_pages == cache.num_managed_pages
 
 
-def test_a_snapshot_that_does_not_fit_is_refused_and_leaves_the_state_empty(make_spec):
+def exported(make_spec, blocks):
+    """A torch-backend cache, the snapshot of a session of ``blocks`` blocks taken from it (the session closed
+    then), and the cache's free page count after."""
     cache = make(make_spec, "torch")
     state = cache.new_state("a")
-    history(state, 2)
+    history(state, blocks)
     snapshot = state.export()
     state.close()
-    free = cache.num_free_pages
+    return cache, snapshot, cache.num_free_pages
+
+
+def test_a_snapshot_that_does_not_fit_is_refused_and_leaves_the_state_empty(make_spec):
+    cache, snapshot, free = exported(make_spec, 2)
     # Another dtype, another geometry, another layout: each named, nothing allocated.
     cases = {
         "dtype": (KVSnapshot({k: t.double() for k, t in snapshot.tensors.items()}, snapshot.metadata),
@@ -141,12 +147,7 @@ def test_a_snapshot_that_does_not_fit_is_refused_and_leaves_the_state_empty(make
 
 
 def test_a_restore_that_fails_midway_frees_what_it_took(make_spec, monkeypatch):
-    cache = make(make_spec, "torch")
-    state = cache.new_state("a")
-    history(state, 3)
-    snapshot = state.export()
-    state.close()
-    free = cache.num_free_pages
+    cache, snapshot, free = exported(make_spec, 3)
 
     def broken(page_ids, contents):
         raise OSError("device lost")
