@@ -6,6 +6,7 @@ pool's page counts exact, its files deleted once restored, and nothing half-rest
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -232,6 +233,31 @@ def test_a_swap_write_failure_is_a_warning_and_the_eviction_goes_on(tmp_path):
     evicted = [e for e in events if e.kind == "session_evicted"]
     assert [(e.session_id, e.swapped) for e in evicted] == [("a", False)]
     assert engine.runner.restore_session("a") is False and engine.runner.session_ids == ["b"]
+    engine.close()
+
+
+def test_the_views_stay_readable_from_another_thread_while_a_snapshot_is_written(tmp_path, monkeypatch):
+    # The CLI's status thread reads sessions() and pool_usage() on every refresh. The swap file of a large session
+    # takes seconds to write; it used to be written under the session-table lock, freezing the panels meanwhile.
+    engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    runner = engine.runner
+    run(engine, "a", 0)
+    seen: list = []
+    write = runner.swap.write
+
+    def write_while_another_thread_reads(session_id, tensors, metadata):
+        reader = threading.Thread(target=lambda: seen.append(
+            ([v.session_id for v in runner.sessions()], runner.pool_usage().num_used)), daemon=True)
+        reader.start()
+        reader.join(timeout=30)  # a liveness bound, not a timing: the old code blocked until the write was done
+        seen.append("reader done" if not reader.is_alive() else "reader blocked")
+        return write(session_id, tensors, metadata)
+
+    monkeypatch.setattr(runner.swap, "write", write_while_another_thread_reads)
+    used = runner.pool_usage().num_used
+    run(engine, "b", 0)  # evicts a, swapping it out
+    assert seen == [(["a"], used), "reader done"]  # a is still resident, whole, while its snapshot is written
+    assert runner.session_ids == ["b"] and runner.restore_session("a") is True
     engine.close()
 
 

@@ -436,9 +436,11 @@ class ARDiffusionModelRunner:
             raise RequestError(f"session id {WARMUP_SESSION_ID!r} is reserved for warmup",
                                hint="name the session otherwise")
         start = time.perf_counter()
-        with self._locked():
-            if request.reset and session_id in self._sessions:
+        if request.reset and session_id in self._sessions:
+            with self._locked():
                 self._release(session_id, reason="request_reset", hook="reset")
+        self._make_room(session_id)
+        with self._locked():
             session = self._admit(session_id)
         state = session.state
         bound = time.perf_counter()
@@ -490,19 +492,31 @@ class ARDiffusionModelRunner:
         )
         return output
 
-    def _admit(self, session_id: str) -> _Session:
-        """The resident session ``session_id``, most recently used now; evict the LRU one to make room. A session
-        admitted fresh drops any snapshot of its id: restoring it later would bring back an older history."""
-        session = self._sessions.get(session_id)
-        if session is not None:
-            self._sessions.move_to_end(session_id)
-            return session
+    def _make_room(self, session_id: str) -> None:
+        """Evict least recently used sessions until ``session_id`` can be admitted; a session that is not resident
+        drops any snapshot of its id first (restoring it later would bring back an older history, and its bytes
+        may be what a victim's snapshot needs). A victim's snapshot is written before the session-table lock is
+        taken: for a large session that takes seconds, and the views (``sessions()``, ``pool_usage()``) must not
+        wait for it. Every other call that changes the table waits on the request lock meanwhile."""
+        if session_id in self._sessions:
+            return
         if self.swap is not None:
             self.swap.discard(session_id)
         assert self.capacity_plan is not None
         while len(self._sessions) >= self.capacity_plan.session_capacity:
             victim = next(iter(self._sessions))
-            self._release(victim, reason="lru_eviction", hook="close", by_session_id=session_id)
+            swap_bytes = self._swap_out(victim, self._sessions[victim])
+            with self._locked():
+                self._release(victim, reason="lru_eviction", hook="close", by_session_id=session_id,
+                              swap_bytes=swap_bytes)
+
+    def _admit(self, session_id: str) -> _Session:
+        """The resident session ``session_id``, most recently used now (``_make_room`` made room for a new one)."""
+        session = self._sessions.get(session_id)
+        if session is not None:
+            self._sessions.move_to_end(session_id)
+            return session
+        assert self.capacity_plan is not None and len(self._sessions) < self.capacity_plan.session_capacity
         session = _Session(state=self.kv_cache.new_state(session_id), admitted_at=time.time())
         self._sessions[session_id] = session
         session.view = self._snapshot(session_id, session)
@@ -593,14 +607,15 @@ class ARDiffusionModelRunner:
         hook: str,
         error: BaseException | None = None,
         by_session_id: str | None = None,
+        swap_bytes: int | None = None,
     ) -> list[LifecycleHookError]:
         """The one release path: free pages and cross-attention, then call the pipeline's hook.
 
         Hook failures are returned (and recorded and emitted), never swallowed. A ``StopRequested`` from the hook is
         a deliberate stop (the CLI's ``Interrupted``, raised by its signal handler), raised once the release is done.
+        ``swap_bytes``: the size of the snapshot that ``_make_room`` wrote before an LRU eviction (None: none).
         """
         cache = self._require_loaded()
-        swap_bytes = self._swap_out(session_id, self._sessions[session_id]) if reason == "lru_eviction" else None
         session = self._sessions.pop(session_id)
         session.state.close()
         callback = (
@@ -699,6 +714,7 @@ class ARDiffusionModelRunner:
                                    f"{type(exc).__name__}: {exc}", hint=hint) from exc
         finally:
             self.swap.discard(session_id)
+        self._make_room(session_id)
         with self._locked():
             session = self._admit(session_id)
             try:
