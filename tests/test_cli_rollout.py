@@ -585,6 +585,33 @@ def test_resume_keeps_the_order_the_run_started_with_unless_told_otherwise(env, 
     assert json.loads((run / "summary.json").read_text())["order"] == "round-robin"
 
 
+def test_resume_keeps_the_memory_sessions_and_swap_space_the_run_started_with_unless_told_otherwise(env, data,
+                                                                                                     reference,
+                                                                                                     tmp_path):
+    # A run given --memory-budget on a shared machine used to resume with the config's budget (all free memory).
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup",
+                  "--session-capacity", "2", "--memory-budget", "64MiB", "--swap-space", "0")
+    assert proc.returncode == 0, proc.stderr
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+
+    def resume(*given: str) -> dict:
+        (run / "results.jsonl").write_text(lines[0])  # stopped after arm_a's first step
+        proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", *given)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads((run / "summary.json").read_text())
+
+    summary = resume()
+    assert summary["capacity_plan"]["session_capacity"] == 2 and summary["evictions_this_run"] == 0  # the config says 1
+    assert summary["capacity_plan"]["available_bytes"] == 64 << 20 and summary["swap"]["space_bytes"] == 0
+    assert_same_outputs(reference, run)
+    summary = resume("--session-capacity", "1", "--swap-space", "1MiB", "--memory-budget", "32MiB")
+    assert summary["capacity_plan"]["session_capacity"] == 1 and summary["evictions_this_run"] > 0
+    assert summary["capacity_plan"]["available_bytes"] == 32 << 20 and summary["swap"]["space_bytes"] == 1 << 20
+    assert summary["swap"]["restored"] > 0 and summary["steps"]["replayed"] == 1  # arm_a's step 0, at resume
+    assert_same_outputs(reference, run)
+
+
 def follow_a_live_episode(env, data, tmp_path: Path, fmt: str) -> tuple[subprocess.Popen, Path, Path]:
     """`rollout --follow` of one episode whose robot has written step 0 only: (process, episodes, run)."""
     live, run = tmp_path / "live", tmp_path / "run"

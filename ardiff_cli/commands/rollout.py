@@ -80,7 +80,7 @@ class _Prepared:
     done: dict[str, set[int]]  # resume: steps already written
     digests: dict[str, dict[int, str]]  # resume: SHA-256 of each done step's file when it ran (where recorded)
     run: Any  # RunFolder of out_dir, locked against a second process until closed
-    options: dict[str, Any]  # follow, idle_timeout (None: the default), preview: given, or on --resume recorded
+    options: dict[str, Any]  # order, follow, idle_timeout, preview, swap_space: given, or recorded (--resume)
 
 
 def rollout(
@@ -106,7 +106,8 @@ def rollout(
     resume: Annotated[bool, typer.Option(
         "--resume", metavar=FLAG,
         help="Continue the run in --out: steps with an ok line in its results.jsonl are not run again (a failed step "
-             "runs again), and a partly done episode's session is rebuilt by replaying its earlier steps.")] = False,
+             "runs again), and a partly done episode's session is rebuilt by replaying its earlier steps. The run's "
+             "other options apply unless given again.")] = False,
     preview: Annotated[bool, typer.Option(
         "--preview", metavar=FLAG,
         help="Write OUT/previews/EPISODE.png: observed (top) versus predicted (bottom) frames.")] = False,
@@ -137,14 +138,15 @@ def rollout(
         refuse_contradictions(quiet=quiet, verbose=verbose, follow=follow or resume, idle_timeout=idle_timeout)
         overrides = dict(device=device, dtype=dtype, memory_budget=memory_budget, session_capacity=session_capacity,
                          gpu_memory_fraction=gpu_memory_fraction, attention_backend=attention_backend)
-        options = dict(order=order and order.value, follow=follow, idle_timeout=idle_timeout, preview=preview)
+        options = dict(order=order and order.value, follow=follow, idle_timeout=idle_timeout, preview=preview,
+                       swap_space=_swap_space(swap_space))
         prepared = _prepare(config, episodes, out, resume, overrides, output, pipeline=pipeline, options=options)
         options = prepared.options
         try:
             _run(prepared, output, order=options["order"], follow=options["follow"],
                  idle_timeout=DEFAULT_IDLE_TIMEOUT if options["idle_timeout"] is None else options["idle_timeout"],
                  fail_fast=fail_fast, preview=options["preview"], warmup=warmup, resume=resume,
-                 swap_space=_swap_space(swap_space))
+                 swap_space=options["swap_space"])
         finally:
             prepared.run.close()  # releases the folder's lock
 
@@ -152,9 +154,10 @@ def rollout(
 def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,
              overrides: dict[str, Any], output: Output, *, pipeline: str | None = None,
              options: dict[str, Any]) -> _Prepared:
-    """Config, episodes, output folder and ``options`` (order, follow, idle_timeout, preview), from the command
-    line or (``--resume``) from run.json: a resumed run goes on in its order, following and drawing previews as it
-    started; ``None`` in ``options`` means not given."""
+    """Config, episodes, output folder and ``options`` (order, follow, idle_timeout, preview, swap_space), from
+    the command line or (``--resume``) from run.json: a resumed run goes on in its order, following and drawing
+    previews, within the memory, sessions and swap space it started with; ``None`` in ``options`` and
+    ``overrides`` means not given."""
     from ardiff_cli.io.demo import ensure_demo_episodes
     from ardiff_cli.io.episode import discover_episodes
     from ardiff_cli.io.run import RunFolder, make_default_out_dir
@@ -170,6 +173,9 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         info = run.read_info()
         config = _resume_config(config, info)
         overrides["dtype"] = _same(overrides["dtype"], info["dtype"], "--dtype")
+        for key in ("memory_budget", "session_capacity", "gpu_memory_fraction"):  # outputs do not depend on them
+            if overrides[key] is None:
+                overrides[key] = info.get(key)
         _same_pipeline_option(pipeline, info.get("pipeline_option"))
         refuse_contradictions(follow=options["follow"] or info.get("follow", False),
                               idle_timeout=options["idle_timeout"])
@@ -211,7 +217,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     options = {"order": options["order"] or info.get("order") or Order.round_robin.value,
                "follow": options["follow"] or info.get("follow", False),
                "idle_timeout": info.get("idle_timeout") if options["idle_timeout"] is None else options["idle_timeout"],
-               "preview": options["preview"] or info.get("preview", False)}
+               "preview": options["preview"] or info.get("preview", False),
+               "swap_space": info.get("swap_space") if options["swap_space"] is None else options["swap_space"]}
     config_file = resolve_config(config_label(config)).resolve()
     info = {
         "config": info.get("config", config_label(config)), "config_path": str(config_file),
