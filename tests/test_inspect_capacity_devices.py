@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,15 +47,28 @@ def fake_nvidia_smi(folder: Path, gpus: dict[str, int] = FOUR_GPUS, count: int =
     return calls
 
 
-def inspect(tmp_path: Path, *args: str, gpu: bool = True, vllm: bool = False, fmt: str = "json", **env: str):
-    """Run ``ardiff inspect-capacity ARGS --format FMT``; PATH holds only the fake nvidia-smi (if ``gpu``)."""
+def fake_package(site: Path, name: str, *files: str) -> None:
+    """A package ``name`` in ``site`` holding empty ``files``, which raises if imported: inspect-capacity only
+    looks packages up (importlib.util.find_spec) and their files, so it stays fast and torch-free."""
+    (site / name).mkdir(parents=True, exist_ok=True)
+    (site / name / "__init__.py").write_text(f"raise ImportError('the fake {name} was imported')\n")
+    for file in files:
+        (site / name / file).parent.mkdir(parents=True, exist_ok=True)
+        (site / name / file).touch()
+
+
+def inspect(tmp_path: Path, *args: str, gpu: bool = True, vllm: bool = False, gpu_torch: bool = True,
+            fmt: str = "json", **env: str):
+    """Run ``ardiff inspect-capacity ARGS --format FMT``; PATH holds only the fake nvidia-smi (if ``gpu``). Unless
+    ``gpu_torch`` is False, a fake GPU build of torch (its CUDA library in torch/lib) hides this CPU one."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    paths = [str(REPO)]
-    if vllm:  # found by importlib.util.find_spec, never imported by inspect-capacity
-        (tmp_path / "site" / "vllm").mkdir(parents=True, exist_ok=True)
-        (tmp_path / "site" / "vllm" / "__init__.py").write_text("raise ImportError('the fake vllm was imported')\n")
-        paths.insert(0, str(tmp_path / "site"))
+    site = tmp_path / "site"
+    paths = [str(site), str(REPO)]
+    if vllm:
+        fake_package(site, "vllm")
+    if gpu_torch:
+        fake_package(site, "torch", "lib/libtorch_cuda.so")
     base = {k: v for k, v in os.environ.items()
             if k not in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "PATH", "PYTHONPATH")}
     full_env = {**base, "PATH": str(bin_dir), "PYTHONPATH": os.pathsep.join(paths),
@@ -154,6 +168,19 @@ def test_auto_without_a_readable_gpu_plans_on_the_host(tmp_path):
     data = json.loads(inspect(tmp_path, "dreamzero-tiny").stdout)
     assert data["available_source"] == "available host memory"
     assert data["plan_device"] == "cpu" and "No devices were found" in data["plan_device_reason"]
+
+
+def test_auto_with_a_cpu_build_of_torch_plans_on_the_host_as_loading_would_run(tmp_path):
+    # A GPU machine with the CPU wheel of torch (pip install torch==2.13.0 from a CPU index): loading runs on the
+    # CPU (torch.cuda.is_available() is False), and the plan used to be for the GPU that nvidia-smi saw.
+    log = fake_nvidia_smi(tmp_path / "bin")
+    data = json.loads(inspect(tmp_path, "dreamzero-tiny", gpu_torch=False).stdout)
+    assert data["plan_device"] == "cpu" and data["available_source"] == "available host memory"
+    assert re.fullmatch(r"auto: the installed torch \(/.+/torch\) is a CPU build, so loading runs on the CPU",
+                        data["plan_device_reason"])
+    assert calls_of(log) == []
+    data = json.loads(inspect(tmp_path, "dreamzero-tiny", "--device", "cuda", gpu_torch=False).stdout)  # as asked
+    assert data["plan_device"] == "cuda:0" and data["plan"]["available_bytes"] == FOUR_GPUS["0"] * MIB
 
 
 @pytest.mark.parametrize(("visible", "device", "shown"), [

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
@@ -158,9 +160,26 @@ def visible_cuda_devices() -> list[str] | None:
     return ids
 
 
+CUDA_LIBRARIES = ("libtorch_cuda.so", "torch_cuda.dll", "libtorch_hip.so")  # in torch/lib of a GPU build
+
+
+def torch_cuda_build() -> tuple[bool, Path] | None:
+    """Whether the installed torch is a GPU build (its CUDA or ROCm library is in ``torch/lib``) and that folder,
+    found without importing torch; None when no torch is found."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    lib = Path(next(iter(spec.submodule_search_locations))) / "lib"
+    return any((lib / name).exists() for name in CUDA_LIBRARIES), lib
+
+
 def resolve_plan_device(device: str) -> PlanDevice:
-    """``auto`` -> cuda:0 when a GPU is visible (CUDA_VISIBLE_DEVICES) and nvidia-smi can read it, else cpu;
-    ``cuda[:N]`` -> the N-th visible GPU (an index past them is a ``ConfigError``, as at load)."""
+    """``auto`` -> cuda:0 when a GPU is visible (CUDA_VISIBLE_DEVICES), nvidia-smi can read it and the installed
+    torch is a GPU build, else cpu; ``cuda[:N]`` -> the N-th visible GPU (an index past them is a ``ConfigError``,
+    as at load)."""
     if device == "cpu":
         return PlanDevice("cpu", None, "requested")
     visible = visible_cuda_devices()
@@ -168,6 +187,10 @@ def resolve_plan_device(device: str) -> PlanDevice:
     if device == "auto":
         if visible == []:
             return PlanDevice("cpu", None, f"auto: CUDA_VISIBLE_DEVICES={raw!r} hides every GPU")
+        build = torch_cuda_build()
+        if build is not None and not build[0]:
+            return PlanDevice("cpu", None, f"auto: the installed torch ({build[1].parent}) is a CPU build, so "
+                                           "loading runs on the CPU")
         gpu_id = visible[0] if visible else "0"
         memory = query_gpu(gpu_id)
         if isinstance(memory, str):
