@@ -136,15 +136,18 @@ def test_over_budget_drops_the_least_recently_swapped_snapshot(tmp_path):
     engine.close()
 
 
-def test_a_fresh_admission_discards_the_snapshot_of_its_id(tmp_path):
+def test_a_reset_request_discards_the_snapshot_of_its_id(tmp_path):
     engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
     runner = engine.runner
     run(engine, "a", 0)
     run(engine, "a", 1)
     run(engine, "b", 0)  # a swapped out
     assert runner.pool_usage().num_swapped == 1
-    run(engine, "a", 0)  # a request without restore: a new history for "a" (b swapped out now)
+    pipe = engine.pipeline
+    engine.execute(ARDiffusionRequest("a/again", inputs_for(pipe, "a", 0), {"session_id": "a", "reset": True}))
+    # a new history for "a" (b swapped out now)
     assert runner.pool_usage().num_swapped == 1 and runner.swap.has("b") and not runner.swap.has("a")
+    assert not [e for e in events if e.kind == "session_restored"]
     assert runner.restore_session("a") is False
     (view,) = runner.sessions()
     assert view.committed_frames == {"main": 3}  # one block: the old history never came back
@@ -157,6 +160,41 @@ def test_a_fresh_admission_discards_the_snapshot_of_its_id(tmp_path):
     last = events[-1]
     assert (last.kind, last.session_id, last.reason) == ("session_reset", "a", "explicit")
     assert runner.pool_usage().num_swapped == 0 and runner.restore_session("a") is False
+    engine.close()
+
+
+@pytest.mark.parametrize("name", ["dreamzero-tiny", "causal-world-tiny"])
+def test_a_request_for_a_swapped_out_session_restores_it_first(tmp_path, name):
+    # It used to start the session afresh and delete the snapshot: the Python API lost the history that the
+    # swap space was there to keep, unless the caller knew to call restore_session first.
+    reference, _ = engine_for(name, capacity=1)
+    want = [run(reference, "a", step) for step in range(3)]
+    reference.close()
+    engine, events = engine_for(name, capacity=1, swap_dir=tmp_path)
+    got = []
+    for step in range(3):
+        got.append(run(engine, "a", step))
+        run(engine, "b", step)  # a swapped out
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert_same(a, b, f"step {step}")
+    restored = [e.session_id for e in events if e.kind == "session_restored"]
+    assert restored == ["a", "b", "a", "b"] and engine.runner.pool_usage().num_swapped == 1
+    engine.close()
+
+
+def test_a_request_for_a_session_whose_snapshot_is_corrupt_raises_and_does_not_run(tmp_path):
+    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    runner = engine.runner
+    run(engine, "a", 0)
+    run(engine, "b", 0)  # a swapped out
+    path = runner.swap.path_for("a")
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(SwapRestoreError, match="cannot restore session 'a' from"):
+        run(engine, "a", 1)
+    assert runner.session_ids == ["b"] and not path.exists() and runner.pool_usage().num_swapped == 0
+    assert not [e for e in events if e.kind == "request_finished" and e.request_id == "a/1"]
+    run(engine, "a", 0)  # the caller rebuilds it: a fresh session
+    assert [v.committed_frames for v in runner.sessions()] == [{"main": 3}]
     engine.close()
 
 

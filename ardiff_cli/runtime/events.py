@@ -60,13 +60,13 @@ class SessionEvicted(RuntimeEvent):
     reason: str = "lru_eviction"
     by_session_id: str | None = None  # the session whose admission caused the eviction
     time: float = field(default_factory=_now)
-    swapped: bool = False  # its snapshot went to the swap store: restore_session() brings it back without replay
+    swapped: bool = False  # its snapshot went to the swap store: its next request brings it back without replay
     swap_bytes: int = 0  # bytes of that snapshot file
 
 
 @dataclass(frozen=True)
 class SessionRestored(RuntimeEvent):
-    """A swapped-out session was admitted again from its snapshot (``runner.restore_session``)."""
+    """A swapped-out session was admitted again from its snapshot (``runner.restore_session`` or its next request)."""
 
     kind: ClassVar[str] = "session_restored"
     session_id: str

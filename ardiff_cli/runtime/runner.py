@@ -228,10 +228,11 @@ class ARDiffusionModelRunner:
         self._request_lock = threading.Lock()
         self._request_owner: int | None = None
         self._subscribers: list[Callable[[RuntimeEvent], None]] = []
-        # Events emitted while the request in progress holds _lock, delivered when it lets go (_locked): a
-        # subscriber must never run under the lock that the views take. Only the request's thread touches these.
+        # Events emitted while the request in progress holds _lock, or before it holds its session, delivered once
+        # both are over (_locked, _events_held): a subscriber must never run under the lock that the views take, and
+        # sees the table as the request left it. Only the request's thread touches these.
         self._outbox: deque[RuntimeEvent] = deque()
-        self._lock_depth = 0
+        self._hold_depth = 0
         # The latest MAX_HOOK_ERRORS hook failures, oldest first (each is also emitted as a HookFailed event).
         self.hook_errors: deque[LifecycleHookError] = deque(maxlen=MAX_HOOK_ERRORS)
 
@@ -370,24 +371,29 @@ class ARDiffusionModelRunner:
                 return
 
     @contextlib.contextmanager
+    def _events_held(self) -> Iterator[None]:
+        """Queue the events emitted meanwhile, and deliver them in order when the outermost such block ends: the
+        evictions, restore and admission of one request are delivered together, once it holds its session."""
+        self._hold_depth += 1
+        try:
+            yield
+        finally:
+            self._hold_depth -= 1
+            if not self._hold_depth:
+                self._deliver()
+
+    @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """Hold the session-table lock; the events emitted meanwhile are delivered once it is released, so a
         subscriber may wait for a lock that a thread reading ``sessions()`` holds (it deadlocked)."""
-        try:
-            with self._lock:
-                self._lock_depth += 1
-                try:
-                    yield
-                finally:
-                    self._lock_depth -= 1
-        finally:
-            if not self._lock_depth:
-                self._deliver()
+        with self._events_held(), self._lock:
+            yield
 
     def _emit(self, event: RuntimeEvent) -> None:
-        """Deliver ``event`` now, or after the session-table lock is released if it is held (``_locked``)."""
+        """Deliver ``event`` now, or when the session-table lock is released and the request holds its session
+        (``_locked``, ``_events_held``)."""
         self._outbox.append(event)
-        if not self._lock_depth:
+        if not self._hold_depth:
             self._deliver()
 
     def _deliver(self) -> None:
@@ -436,12 +442,15 @@ class ARDiffusionModelRunner:
             raise RequestError(f"session id {WARMUP_SESSION_ID!r} is reserved for warmup",
                                hint="name the session otherwise")
         start = time.perf_counter()
-        if request.reset and session_id in self._sessions:
+        with self._events_held():
+            if request.reset and session_id in self._sessions:
+                with self._locked():
+                    self._release(session_id, reason="request_reset", hook="reset")
+            if not request.reset and self.swap is not None and self.swap.has(session_id):
+                self._restore(session_id)  # swapped out: it goes on where it was (reset=True discards it instead)
+            self._make_room(session_id)
             with self._locked():
-                self._release(session_id, reason="request_reset", hook="reset")
-        self._make_room(session_id)
-        with self._locked():
-            session = self._admit(session_id)
+                session = self._admit(session_id)
         state = session.state
         bound = time.perf_counter()
         forward_end = None
@@ -689,7 +698,8 @@ class ARDiffusionModelRunner:
         session), deleting the snapshot; False when it has none. A snapshot that cannot be restored (missing,
         unreadable or corrupt file; another geometry, dtype or pipeline record) raises ``SwapRestoreError``: the
         snapshot is deleted and no part of the session stays resident. A ``StopRequested`` (such as
-        the CLI's ``Interrupted``) or a ``KeyboardInterrupt`` meanwhile leaves it so too, and propagates as itself."""
+        the CLI's ``Interrupted``) or a ``KeyboardInterrupt`` meanwhile leaves it so too, and propagates as itself.
+        A request for a swapped-out session (without ``reset``) restores it so first."""
         self._require_loaded()
         if not isinstance(session_id, str) or not session_id:
             raise RequestError(f"restore_session() takes a session id (a non-empty string), got {shown(session_id)}",
@@ -699,6 +709,11 @@ class ARDiffusionModelRunner:
                                hint="name a session that was evicted")
         if self.swap is None or session_id in self._sessions or not self.swap.has(session_id):
             return False
+        self._restore(session_id)
+        return True
+
+    def _restore(self, session_id: str) -> None:
+        """``restore_session`` of a session that has a snapshot and is not resident."""
         start = time.perf_counter()
         path = self.swap.path_for(session_id)
         hint = "its history must be rebuilt (the CLI replays its earlier steps); the snapshot was deleted"
@@ -714,22 +729,22 @@ class ARDiffusionModelRunner:
                                    f"{type(exc).__name__}: {exc}", hint=hint) from exc
         finally:
             self.swap.discard(session_id)
-        self._make_room(session_id)
-        with self._locked():
-            session = self._admit(session_id)
-            try:
-                session.state.restore(kv)
-                self.pipeline.import_ar_diffusion_session(session_id, state)
-            except BaseException as exc:  # released whole, then raised as one error (a stop as itself)
-                self._release(session_id, reason="restore_failed", hook="close", error=exc)
-                if isinstance(exc, StopRequested) or not isinstance(exc, Exception):
-                    raise
-                raise SwapRestoreError(f"cannot restore session {shown(session_id)} from {path}: "
-                                       f"{type(exc).__name__}: {exc}", hint=hint) from exc
-            session.num_requests = num_requests
-            session.view = self._snapshot(session_id, session)
+        with self._events_held():  # the eviction it may cause is delivered once it is admitted
+            self._make_room(session_id)
+            with self._locked():
+                session = self._admit(session_id)
+                try:
+                    session.state.restore(kv)
+                    self.pipeline.import_ar_diffusion_session(session_id, state)
+                except BaseException as exc:  # released whole, then raised as one error (a stop as itself)
+                    self._release(session_id, reason="restore_failed", hook="close", error=exc)
+                    if isinstance(exc, StopRequested) or not isinstance(exc, Exception):
+                        raise
+                    raise SwapRestoreError(f"cannot restore session {shown(session_id)} from {path}: "
+                                           f"{type(exc).__name__}: {exc}", hint=hint) from exc
+                session.num_requests = num_requests
+                session.view = self._snapshot(session_id, session)
         self._emit(SessionRestored(session_id=session_id, swap_bytes=nbytes, seconds=time.perf_counter() - start))
-        return True
 
     # ---------------------------------------------------------------- warmup
     @_one_at_a_time
