@@ -106,14 +106,24 @@ class KVPagePool:
 
     def read_page_contents(self, page_ids: list[int]) -> dict[str, torch.Tensor]:
         """Every layer's K and V of ``page_ids``, in that order, copied to the CPU: what attention reads of them
-        (swapping a session out)."""
+        (swapping a session out). One layer at a time: on a GPU, a copy of the whole session would need that much
+        device memory free at an eviction, when the pool holds nearly all of it."""
         ids = torch.tensor(page_ids, dtype=torch.long, device=self.device)
-        return {"kv": self.kv.index_select(3, ids).cpu()}  # (L, 2, H, n, P, D)
+        out = torch.empty((self.kv.shape[0], *self._layers[0].shape[:2], len(page_ids), *self.kv.shape[4:]),
+                          dtype=self.dtype)  # (L, 2, H, n, P, D), on the CPU
+        for layer, pages in enumerate(self._layers):
+            if self.device.type == "cpu":
+                torch.index_select(pages, 2, ids, out=out[layer])
+            else:
+                out[layer].copy_(pages.index_select(2, ids))
+        return {"kv": out}
 
     def write_page_contents(self, page_ids: list[int], contents: dict[str, torch.Tensor]) -> None:
-        """Store what :meth:`read_page_contents` returned into ``page_ids`` (restoring a session), bit for bit."""
+        """Store what :meth:`read_page_contents` returned into ``page_ids`` (restoring a session), bit for bit, one
+        layer at a time (as it was read)."""
         ids = torch.tensor(page_ids, dtype=torch.long, device=self.device)
-        self.kv.index_copy_(3, ids, contents["kv"].to(self.device))
+        for layer, pages in enumerate(self._layers):
+            pages.index_copy_(2, ids, contents["kv"][layer].to(self.device))
 
     def gather_into(self, layer: int, page_ids: torch.Tensor, out: torch.Tensor) -> None:
         """K and V of ``page_ids`` of one layer into ``out`` ``(2, H, n, P, D)`` (a view of the workspace)."""

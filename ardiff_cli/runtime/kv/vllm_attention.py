@@ -320,13 +320,13 @@ class PagedKernelPool:
 
     # ------------------------------------------------------------ page contents
     def _page_rows(self, page_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Body block ids (L * n * blocks_per_page) and tail rows (L * n) of ``page_ids`` in every layer."""
+        """Per layer, the body block ids (L, n * blocks_per_page) and tail rows (L, n) of ``page_ids``."""
         pages = torch.tensor(page_ids, dtype=torch.long, device=self.device)
         layer_rows = torch.arange(self.layout.spec.num_layers, device=self.device)[:, None] * self.num_pages
         rows = layer_rows + pages[None, :]  # (L, n)
         per_page = self.geometry.blocks_per_page
         blocks = rows[:, :, None] * per_page + torch.arange(per_page, device=self.device)  # (L, n, blocks_per_page)
-        return blocks.flatten(), rows.flatten()
+        return blocks.flatten(1), rows
 
     def page_content_shapes(self, num_pages: int) -> dict[str, tuple[int, ...]]:
         """Shapes of :meth:`read_page_contents` for ``num_pages`` pages."""
@@ -338,18 +338,25 @@ class PagedKernelPool:
 
     def read_page_contents(self, page_ids: list[int]) -> dict[str, torch.Tensor]:
         """Every layer's body blocks and tail rows of ``page_ids``, in that order, copied to the CPU: exactly what
-        ``plan_forward`` points attention at for these pages (blocks in the kernel's own format, opaque or not)."""
+        ``plan_forward`` points attention at for these pages (blocks in the kernel's own format, opaque or not).
+        One layer at a time, as the torch pool does: a device copy of a whole session needs its size free."""
         blocks, rows = self._page_rows(page_ids)
         shapes = self.page_content_shapes(len(page_ids))
-        return {"blocks": self.blocks.index_select(1, blocks).cpu().view(shapes["blocks"]),
-                "tails": self._tail_rows.index_select(1, rows).cpu().view(shapes["tails"])}
+        out = {"blocks": torch.empty(shapes["blocks"], dtype=self.blocks.dtype),  # on the CPU
+               "tails": torch.empty(shapes["tails"], dtype=self.tails.dtype)}
+        for layer in range(len(rows)):
+            body = out["blocks"][:, layer]  # (2, n, blocks_per_page, *block)
+            body.copy_(self.blocks.index_select(1, blocks[layer]).view(body.shape))
+            out["tails"][:, layer].copy_(self._tail_rows.index_select(1, rows[layer]))
+        return out
 
     def write_page_contents(self, page_ids: list[int], contents: dict[str, torch.Tensor]) -> None:
         """Store what :meth:`read_page_contents` returned into ``page_ids`` (restoring a session), bit for bit:
-        whole blocks are copied as they are, never re-encoded through the kernel's write."""
+        whole blocks are copied as they are, never re-encoded through the kernel's write. One layer at a time."""
         blocks, rows = self._page_rows(page_ids)
-        self.blocks.index_copy_(1, blocks, contents["blocks"].to(self.device).flatten(1, 3))
-        self._tail_rows.index_copy_(1, rows, contents["tails"].to(self.device).flatten(1, 2))
+        for layer in range(len(rows)):
+            self.blocks.index_copy_(1, blocks[layer], contents["blocks"][:, layer].to(self.device).flatten(1, 2))
+            self._tail_rows.index_copy_(1, rows[layer], contents["tails"][:, layer].to(self.device))
 
     # ---------------------------------------------------------------- planning
     def plan_forward(self, visible_page_ids: list[int], current_page_ids: list[int], seq_len: int,
