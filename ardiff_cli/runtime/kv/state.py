@@ -360,7 +360,8 @@ class ARDiffusionKVState:
             for part, contents in pool.read_page_contents(kv.page_ids()).items():
                 tensors[f"self/{name}/{part}"] = contents
         for (branch, name), pairs in self._cross.items():
-            tensors[f"cross/{branch}/{name}"] = torch.stack([torch.stack(pair) for pair in pairs]).cpu()
+            # stacked on the host, pair by pair: no device copy of every layer's cache at an eviction
+            tensors[f"cross/{branch}/{name}"] = torch.stack([torch.stack([k.cpu(), v.cpu()]) for k, v in pairs])
         return KVSnapshot(tensors=tensors, metadata={"branches": branches})
 
     def restore(self, snapshot: KVSnapshot) -> None:
