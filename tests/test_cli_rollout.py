@@ -612,6 +612,34 @@ def test_resume_keeps_the_memory_sessions_and_swap_space_the_run_started_with_un
     assert_same_outputs(reference, run)
 
 
+@pytest.mark.parametrize(("field", "value", "expected"), [
+    ("session_capacity", "two", "a positive integer"),
+    ("memory_budget", -1, "a byte size such as 536870912 or '512MiB'"),
+    ("gpu_memory_fraction", 7, "a number in (0, 1]"),
+    ("swap_space", True, "a byte size such as 1073741824 or '1GiB' (0: no swapping)"),
+])
+def test_resume_of_a_run_json_with_a_bad_recorded_limit_names_run_json_and_the_field(env, data, tmp_path, field,
+                                                                                     value, expected):
+    # They used to be blamed on the command line ("command line: field 'runtime.session_capacity'") or on
+    # ARDiffusionEngine(), which the user never called: nothing said that run.json held the value.
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup",
+                  "--swap-space", "1MiB")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**info, field: value}))
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    shown = json.dumps(value) if not isinstance(value, str) else repr(value)
+    assert f"Error: {run / 'run.json'}: field '{field}': expected {expected}, got {shown.replace('true', 'True')}" \
+        in proc.stderr
+    option = "--" + field.replace("_", "-")
+    assert f"hint: correct it there, or give {option} to replace it" in proc.stderr
+    good = {"session_capacity": "1", "memory_budget": "64MiB", "gpu_memory_fraction": "0.9", "swap_space": "1MiB"}
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", option, good[field])  # given again
+    assert proc.returncode == 0, proc.stderr
+
+
 def follow_a_live_episode(env, data, tmp_path: Path, fmt: str) -> tuple[subprocess.Popen, Path, Path]:
     """`rollout --follow` of one episode whose robot has written step 0 only: (process, episodes, run)."""
     live, run = tmp_path / "live", tmp_path / "run"

@@ -160,7 +160,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     ``overrides`` means not given."""
     from ardiff_cli.io.demo import ensure_demo_episodes
     from ardiff_cli.io.episode import discover_episodes
-    from ardiff_cli.io.run import RunFolder, make_default_out_dir
+    from ardiff_cli.io.run import RUN_FILE, RunFolder, make_default_out_dir
 
     info: dict[str, Any] = {}
     done: dict[str, set[int]] = {}
@@ -175,7 +175,9 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         overrides["dtype"] = _same(overrides["dtype"], info["dtype"], "--dtype")
         for key in ("memory_budget", "session_capacity", "gpu_memory_fraction"):  # outputs do not depend on them
             if overrides[key] is None:
-                overrides[key] = info.get(key)
+                overrides[key] = _recorded_limit(info, key, run.root / RUN_FILE)
+        if options["swap_space"] is None:
+            options["swap_space"] = _recorded_limit(info, "swap_space", run.root / RUN_FILE)
         _same_pipeline_option(pipeline, info.get("pipeline_option"))
         refuse_contradictions(follow=options["follow"] or info.get("follow", False),
                               idle_timeout=options["idle_timeout"])
@@ -218,7 +220,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
                "follow": options["follow"] or info.get("follow", False),
                "idle_timeout": info.get("idle_timeout") if options["idle_timeout"] is None else options["idle_timeout"],
                "preview": options["preview"] or info.get("preview", False),
-               "swap_space": info.get("swap_space") if options["swap_space"] is None else options["swap_space"]}
+               "swap_space": options["swap_space"]}
     config_file = resolve_config(config_label(config)).resolve()
     info = {
         "config": info.get("config", config_label(config)), "config_path": str(config_file),
@@ -248,6 +250,33 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             raise
     return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done, digests=digests,
                      run=run, options=options)
+
+
+RECORDED_LIMITS = {  # run.json's fields that --resume reuses unless given again -> what each takes
+    "memory_budget": "a byte size such as 536870912 or '512MiB'",
+    "session_capacity": "a positive integer",
+    "gpu_memory_fraction": "a number in (0, 1]",
+    "swap_space": "a byte size such as 1073741824 or '1GiB' (0: no swapping)",
+}
+
+
+def _recorded_limit(info: dict[str, Any], key: str, path: Path) -> Any:
+    """run.json's ``key`` (one of ``RECORDED_LIMITS``; None: not recorded), checked as its option is: a value
+    edited by hand is a usage error naming the file and the field, not the command line or the engine."""
+    from ardiff_cli.runtime.capacity import parse_bytes
+    from ardiff_cli.runtime.config import RuntimeConfig
+    from ardiff_cli.runtime.errors import field_error
+
+    value = info.get(key)
+    if value is None:
+        return None
+    try:
+        if key == "swap_space":
+            return parse_bytes(value, zero_ok=True)
+        return getattr(RuntimeConfig().with_overrides(**{key: value}), key)
+    except ConfigError:
+        raise field_error(str(path), key, RECORDED_LIMITS[key], value,
+                          hint=f"correct it there, or give --{key.replace('_', '-')} to replace it") from None
 
 
 def _same_device(setting: str, recorded: str | None) -> None:
