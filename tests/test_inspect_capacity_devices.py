@@ -183,6 +183,17 @@ def test_auto_with_a_cpu_build_of_torch_plans_on_the_host_as_loading_would_run(t
     assert data["plan_device"] == "cuda:0" and data["plan"]["available_bytes"] == FOUR_GPUS["0"] * MIB
 
 
+@pytest.mark.parametrize("files", [[], ["lib/libtorch_python.so"]], ids=["no-lib-folder", "libraries-elsewhere"])
+def test_auto_with_a_torch_whose_libraries_are_not_in_torch_lib_plans_for_the_gpu(tmp_path, files):
+    # Builds that keep libtorch outside torch/lib (PyTorch's split libtorch wheel; a distribution's package): nothing
+    # there says it is a CPU build. It used to be called one, so a GPU machine was planned on host memory while
+    # loading ran on the GPU.
+    fake_nvidia_smi(tmp_path / "bin")
+    fake_package(tmp_path / "site", "torch", *files)
+    data = json.loads(inspect(tmp_path, "dreamzero-tiny", gpu_torch=False).stdout)
+    assert data["plan_device"] == "cuda:0" and data["plan"]["available_bytes"] == FOUR_GPUS["0"] * MIB
+
+
 @pytest.mark.parametrize(("visible", "device", "shown"), [
     ("2,3", "cuda:2", "CUDA_VISIBLE_DEVICES='2,3' leaves 2 GPU(s) visible (cuda:0 .. cuda:1)"),
     ("0,-1,1", "cuda:1", "CUDA_VISIBLE_DEVICES='0,-1,1' leaves 1 GPU(s) visible (cuda:0 .. cuda:0)"),

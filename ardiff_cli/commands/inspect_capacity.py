@@ -161,11 +161,13 @@ def visible_cuda_devices() -> list[str] | None:
 
 
 CUDA_LIBRARIES = ("libtorch_cuda.so", "torch_cuda.dll", "libtorch_hip.so")  # in torch/lib of a GPU build
+CPU_LIBRARIES = ("libtorch_cpu.so", "libtorch_cpu.dylib", "torch_cpu.dll")  # in torch/lib of every build
 
 
 def torch_cuda_build() -> tuple[bool, Path] | None:
     """Whether the installed torch is a GPU build (its CUDA or ROCm library is in ``torch/lib``) and that folder,
-    found without importing torch; None when no torch is found."""
+    found without importing torch; None when no torch is found, or its ``torch/lib`` holds no CPU library either
+    (a build that keeps its libraries elsewhere: nothing says which it is)."""
     try:
         spec = importlib.util.find_spec("torch")
     except (ImportError, ValueError):
@@ -173,12 +175,16 @@ def torch_cuda_build() -> tuple[bool, Path] | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     lib = Path(next(iter(spec.submodule_search_locations))) / "lib"
-    return any((lib / name).exists() for name in CUDA_LIBRARIES), lib
+    if any((lib / name).exists() for name in CUDA_LIBRARIES):
+        return True, lib
+    if any((lib / name).exists() for name in CPU_LIBRARIES):
+        return False, lib
+    return None
 
 
 def resolve_plan_device(device: str) -> PlanDevice:
     """``auto`` -> cuda:0 when a GPU is visible (CUDA_VISIBLE_DEVICES), nvidia-smi can read it and the installed
-    torch is a GPU build, else cpu; ``cuda[:N]`` -> the N-th visible GPU (an index past them is a ``ConfigError``,
+    torch is not a CPU build, else cpu; ``cuda[:N]`` -> the N-th visible GPU (an index past them is a ``ConfigError``,
     as at load)."""
     if device == "cpu":
         return PlanDevice("cpu", None, "requested")
