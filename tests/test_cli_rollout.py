@@ -617,8 +617,12 @@ def test_resume_keeps_the_memory_sessions_and_swap_space_the_run_started_with_un
     ("memory_budget", -1, "a byte size such as 536870912 or '512MiB'"),
     ("gpu_memory_fraction", 7, "a number in (0, 1]"),
     ("swap_space", True, "a byte size such as 1073741824 or '1GiB' (0: no swapping)"),
+    ("order", "bogus", "round-robin or sequential"),  # these four used to be a traceback (exit 1) or taken silently
+    ("follow", "yes", "true or false"),
+    ("preview", 1, "true or false"),
+    ("idle_timeout", "x", "a number of seconds >= 0, or null"),
 ])
-def test_resume_of_a_run_json_with_a_bad_recorded_limit_names_run_json_and_the_field(env, data, tmp_path, field,
+def test_resume_of_a_run_json_with_a_bad_recorded_option_names_run_json_and_the_field(env, data, tmp_path, field,
                                                                                      value, expected):
     # They used to be blamed on the command line ("command line: field 'runtime.session_capacity'") or on
     # ARDiffusionEngine(), which the user never called: nothing said that run.json held the value.
@@ -635,8 +639,10 @@ def test_resume_of_a_run_json_with_a_bad_recorded_limit_names_run_json_and_the_f
         in proc.stderr
     option = "--" + field.replace("_", "-")
     assert f"hint: correct it there, or give {option} to replace it" in proc.stderr
-    good = {"session_capacity": "1", "memory_budget": "64MiB", "gpu_memory_fraction": "0.9", "swap_space": "1MiB"}
-    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", option, good[field])  # given again
+    good = {"session_capacity": ["1"], "memory_budget": ["64MiB"], "gpu_memory_fraction": ["0.9"],
+            "swap_space": ["1MiB"], "order": ["round-robin"], "follow": [], "preview": [],
+            "idle_timeout": ["1", "--follow"]}
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", option, *good[field])  # given again
     assert proc.returncode == 0, proc.stderr
 
 

@@ -173,11 +173,17 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         info = run.read_info()
         config = _resume_config(config, info)
         overrides["dtype"] = _same(overrides["dtype"], info["dtype"], "--dtype")
-        for key in ("memory_budget", "session_capacity", "gpu_memory_fraction"):  # outputs do not depend on them
+        # Options not given again are the run's own (outputs do not depend on them), checked as given ones are.
+        given = {**{key: overrides[key] for key in ("memory_budget", "session_capacity", "gpu_memory_fraction")},
+                 **options, "follow": options["follow"] or None, "preview": options["preview"] or None}
+        for key in RECORDED:
+            if given[key] is None:
+                info[key] = _recorded(info, key, run.root / RUN_FILE)
+        for key in ("memory_budget", "session_capacity", "gpu_memory_fraction"):
             if overrides[key] is None:
-                overrides[key] = _recorded_limit(info, key, run.root / RUN_FILE)
+                overrides[key] = info[key]
         if options["swap_space"] is None:
-            options["swap_space"] = _recorded_limit(info, "swap_space", run.root / RUN_FILE)
+            options["swap_space"] = info["swap_space"]
         _same_pipeline_option(pipeline, info.get("pipeline_option"))
         refuse_contradictions(follow=options["follow"] or info.get("follow", False),
                               idle_timeout=options["idle_timeout"])
@@ -217,9 +223,9 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
 
     # What the command line says, else (--resume) what run.json recorded, else the defaults.
     options = {"order": options["order"] or info.get("order") or Order.round_robin.value,
-               "follow": options["follow"] or info.get("follow", False),
+               "follow": bool(options["follow"] or info.get("follow")),
                "idle_timeout": info.get("idle_timeout") if options["idle_timeout"] is None else options["idle_timeout"],
-               "preview": options["preview"] or info.get("preview", False),
+               "preview": bool(options["preview"] or info.get("preview")),
                "swap_space": options["swap_space"]}
     config_file = resolve_config(config_label(config)).resolve()
     info = {
@@ -252,17 +258,21 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
                      run=run, options=options)
 
 
-RECORDED_LIMITS = {  # run.json's fields that --resume reuses unless given again -> what each takes
+RECORDED = {  # run.json's fields that --resume reuses unless given again -> what each takes
     "memory_budget": "a byte size such as 536870912 or '512MiB'",
     "session_capacity": "a positive integer",
     "gpu_memory_fraction": "a number in (0, 1]",
     "swap_space": "a byte size such as 1073741824 or '1GiB' (0: no swapping)",
+    "order": " or ".join(o.value for o in Order),
+    "follow": "true or false",
+    "preview": "true or false",
+    "idle_timeout": "a number of seconds >= 0, or null",
 }
 
 
-def _recorded_limit(info: dict[str, Any], key: str, path: Path) -> Any:
-    """run.json's ``key`` (one of ``RECORDED_LIMITS``; None: not recorded), checked as its option is: a value
-    edited by hand is a usage error naming the file and the field, not the command line or the engine."""
+def _recorded(info: dict[str, Any], key: str, path: Path) -> Any:
+    """run.json's ``key`` (one of ``RECORDED``; None: not recorded), checked as its option is: a value edited by
+    hand is a usage error naming the file and the field, not the command line, the engine or a traceback."""
     from ardiff_cli.runtime.capacity import parse_bytes
     from ardiff_cli.runtime.config import RuntimeConfig
     from ardiff_cli.runtime.errors import field_error
@@ -271,12 +281,23 @@ def _recorded_limit(info: dict[str, Any], key: str, path: Path) -> Any:
     if value is None:
         return None
     try:
-        if key == "swap_space":
+        if key in ("follow", "preview"):
+            if isinstance(value, bool):
+                return value
+        elif key == "order":
+            if value in RECORDED["order"].split(" or "):
+                return value
+        elif key == "idle_timeout":
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:  # NaN is not
+                return float(value)
+        elif key == "swap_space":
             return parse_bytes(value, zero_ok=True)
-        return getattr(RuntimeConfig().with_overrides(**{key: value}), key)
+        else:
+            return getattr(RuntimeConfig().with_overrides(**{key: value}), key)
     except ConfigError:
-        raise field_error(str(path), key, RECORDED_LIMITS[key], value,
-                          hint=f"correct it there, or give --{key.replace('_', '-')} to replace it") from None
+        pass
+    raise field_error(str(path), key, RECORDED[key], value,
+                      hint=f"correct it there, or give --{key.replace('_', '-')} to replace it")
 
 
 def _same_device(setting: str, recorded: str | None) -> None:
