@@ -261,6 +261,32 @@ def test_ctrl_c_while_a_session_is_restored_leaves_no_part_of_it_resident(tmp_pa
     engine.close()
 
 
+def test_ctrl_c_just_after_a_snapshot_was_written_leaves_the_session_resident_without_it(tmp_path, monkeypatch):
+    # The snapshot used to stay: the session was resident and swapped out at once, and its next request restored
+    # the stale snapshot into it, which failed and released it (its history lost).
+    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    runner = engine.runner
+    run(engine, "a", 0)
+    write = runner.swap.write
+
+    def write_then_ctrl_c(session_id, tensors, metadata):
+        write(session_id, tensors, metadata)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner.swap, "write", write_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        run(engine, "b", 0)
+    assert runner.session_ids == ["a"] and not runner.swap.has("a") and not list(tmp_path.glob("*.safetensors"))
+    monkeypatch.undo()
+    got = run(engine, "a", 1)  # goes on where it was
+    reference, _ = engine_for("causal-world-tiny", capacity=1)
+    run(reference, "a", 0)
+    assert_same(got, run(reference, "a", 1), "step 1")
+    assert not [e for e in events if e.kind in ("session_restored", "session_closed")]
+    reference.close()
+    engine.close()
+
+
 def test_a_swap_write_failure_is_a_warning_and_the_eviction_goes_on(tmp_path):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the swap folder should go")

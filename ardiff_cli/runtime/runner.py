@@ -515,9 +515,14 @@ class ARDiffusionModelRunner:
         while len(self._sessions) >= self.capacity_plan.session_capacity:
             victim = next(iter(self._sessions))
             swap_bytes = self._swap_out(victim, self._sessions[victim])
-            with self._locked():
-                self._release(victim, reason="lru_eviction", hook="close", by_session_id=session_id,
-                              swap_bytes=swap_bytes)
+            try:
+                with self._locked():
+                    self._release(victim, reason="lru_eviction", hook="close", by_session_id=session_id,
+                                  swap_bytes=swap_bytes)
+            except BaseException:  # a stop before the release took it: still resident, so no snapshot of it
+                if victim in self._sessions and self.swap is not None:
+                    self.swap.discard(victim)
+                raise
 
     def _admit(self, session_id: str) -> _Session:
         """The resident session ``session_id``, most recently used now (``_make_room`` made room for a new one)."""
@@ -684,6 +689,9 @@ class ARDiffusionModelRunner:
                           f"({type(exc).__name__}: {exc}); it is evicted without a snapshot", ArdiffWarning,
                           stacklevel=2)
             return None
+        except BaseException:  # KeyboardInterrupt: it stays resident, and a resident session has no snapshot
+            self.swap.discard(session_id)
+            raise
         if written is None and not self._warned_swap_space:  # once: every eviction would say the same
             self._warned_swap_space = True
             size = sum(t.numel() * t.element_size() for t in tensors.values())
