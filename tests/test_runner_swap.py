@@ -53,6 +53,14 @@ def assert_same(a: dict, b: dict, what: str) -> None:
         assert torch.equal(a[key], b[key]), f"{what}: {key} differs"
 
 
+def a_swapped_out(tmp_path) -> tuple[ARDiffusionEngine, list]:
+    """A causal-world-tiny engine with one resident session: "a" ran step 0, then "b" did, swapping "a" out."""
+    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    run(engine, "a", 0)
+    run(engine, "b", 0)
+    return engine, events
+
+
 def pages_held(engine) -> int:
     return engine.runner.pool_usage().num_used
 
@@ -113,10 +121,8 @@ def test_page_accounting_is_exact_after_swap_out_and_restore(tmp_path):
 
 
 def test_over_budget_drops_the_least_recently_swapped_snapshot(tmp_path):
-    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    engine, events = a_swapped_out(tmp_path)
     runner = engine.runner
-    run(engine, "a", 0)
-    run(engine, "b", 0)  # a swapped out
     one = runner.pool_usage().swapped_bytes
     runner.swap.budget_bytes = int(one * 1.5)  # room for one snapshot of this size, not two
     run(engine, "c", 0)  # b swapped out: a's snapshot, the oldest, goes
@@ -183,10 +189,8 @@ def test_a_request_for_a_swapped_out_session_restores_it_first(tmp_path, name):
 
 
 def test_a_request_for_a_session_whose_snapshot_is_corrupt_raises_and_does_not_run(tmp_path):
-    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    engine, events = a_swapped_out(tmp_path)
     runner = engine.runner
-    run(engine, "a", 0)
-    run(engine, "b", 0)  # a swapped out
     path = runner.swap.path_for("a")
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(SwapRestoreError, match="cannot restore session 'a' from"):
