@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from ardiff_cli.io import write_episode, write_step
+from ardiff_cli.runtime.errors import shown
 from ardiff_cli.io.demo import demo_step
 
 REPO = Path(__file__).resolve().parents[1]
@@ -617,7 +618,8 @@ def test_resume_keeps_the_memory_sessions_and_swap_space_the_run_started_with_un
     ("memory_budget", -1, "a byte size such as 536870912 or '512MiB'"),
     ("gpu_memory_fraction", 7, "a number in (0, 1]"),
     ("swap_space", True, "a byte size such as 1073741824 or '1GiB' (0: no swapping)"),
-    ("order", "bogus", "round-robin or sequential"),  # these four used to be a traceback (exit 1) or taken silently
+    ("order", "bogus", "round-robin or sequential"),  # these five used to be a traceback (exit 1) or taken silently
+    ("order", ["sequential"], "round-robin or sequential"),
     ("follow", "yes", "true or false"),
     ("preview", 1, "true or false"),
     ("idle_timeout", "x", "a number of seconds >= 0, or null"),
@@ -634,9 +636,7 @@ def test_resume_of_a_run_json_with_a_bad_recorded_option_names_run_json_and_the_
     (run / "run.json").write_text(json.dumps({**info, field: value}))
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
     assert proc.returncode == 2, proc.stderr
-    shown = json.dumps(value) if not isinstance(value, str) else repr(value)
-    assert f"Error: {run / 'run.json'}: field '{field}': expected {expected}, got {shown.replace('true', 'True')}" \
-        in proc.stderr
+    assert f"Error: {run / 'run.json'}: field '{field}': expected {expected}, got {shown(value)}" in proc.stderr
     option = "--" + field.replace("_", "-")
     assert f"hint: correct it there, or give {option} to replace it" in proc.stderr
     good = {"session_capacity": ["1"], "memory_budget": ["64MiB"], "gpu_memory_fraction": ["0.9"],

@@ -285,7 +285,7 @@ def _recorded(info: dict[str, Any], key: str, path: Path) -> Any:
             if isinstance(value, bool):
                 return value
         elif key == "order":
-            if value in RECORDED["order"].split(" or "):
+            if isinstance(value, str) and value in {o.value for o in Order}:
                 return value
         elif key == "idle_timeout":
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:  # NaN is not
