@@ -514,8 +514,8 @@ class ARDiffusionModelRunner:
         assert self.capacity_plan is not None
         while len(self._sessions) >= self.capacity_plan.session_capacity:
             victim = next(iter(self._sessions))
-            swap_bytes = self._swap_out(victim, self._sessions[victim])
             try:
+                swap_bytes = self._swap_out(victim, self._sessions[victim])
                 with self._locked():
                     self._release(victim, reason="lru_eviction", hook="close", by_session_id=session_id,
                                   swap_bytes=swap_bytes)
@@ -670,8 +670,9 @@ class ARDiffusionModelRunner:
     # ------------------------------------------------------------------ swap
     def _swap_out(self, session_id: str, session: _Session) -> int | None:
         """Write the snapshot of a session being evicted, before its KV is released; its bytes, or None (no swap
-        store, the session is over the budget, or the write failed: a warning, and it is evicted as before). An
-        ``StopRequested`` (the CLI's ``Interrupted``) propagates, and the session stays resident."""
+        store, the session is over the budget, or the write failed: a warning, and it is evicted as before). A
+        stop (``StopRequested``, the CLI's ``Interrupted``, or ``KeyboardInterrupt``) propagates: ``_make_room``
+        deletes the snapshot, since the session stays resident."""
         if self.swap is None or session_id == WARMUP_SESSION_ID:
             return None
         try:
@@ -681,7 +682,6 @@ class ARDiffusionModelRunner:
                 where=f"{type(self.pipeline).__name__}.export_ar_diffusion_session({session_id!r})")
             written = self.swap.write(session_id, tensors, metadata)
         except StopRequested:  # the CLI's Interrupted, not a failure to swap
-            self.swap.discard(session_id)
             raise
         except Exception as exc:  # noqa: BLE001 - swapping is an optimisation: the eviction goes on without it
             self.swap.discard(session_id)
@@ -689,9 +689,6 @@ class ARDiffusionModelRunner:
                           f"({type(exc).__name__}: {exc}); it is evicted without a snapshot", ArdiffWarning,
                           stacklevel=2)
             return None
-        except BaseException:  # KeyboardInterrupt: it stays resident, and a resident session has no snapshot
-            self.swap.discard(session_id)
-            raise
         if written is None and not self._warned_swap_space:  # once: every eviction would say the same
             self._warned_swap_space = True
             size = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -112,10 +112,7 @@ class KVPagePool:
         out = torch.empty((self.kv.shape[0], *self._layers[0].shape[:2], len(page_ids), *self.kv.shape[4:]),
                           dtype=self.dtype)  # (L, 2, H, n, P, D), on the CPU
         for layer, pages in enumerate(self._layers):
-            if self.device.type == "cpu":
-                torch.index_select(pages, 2, ids, out=out[layer])
-            else:
-                out[layer].copy_(pages.index_select(2, ids))
+            out[layer].copy_(pages.index_select(2, ids))
         return {"kv": out}
 
     def write_page_contents(self, page_ids: list[int], contents: dict[str, torch.Tensor]) -> None:
