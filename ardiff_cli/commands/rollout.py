@@ -182,8 +182,6 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         for key in ("memory_budget", "session_capacity", "gpu_memory_fraction"):
             if overrides[key] is None:
                 overrides[key] = info[key]
-        if options["swap_space"] is None:
-            options["swap_space"] = info["swap_space"]
         _same_pipeline_option(pipeline, info.get("pipeline_option"))
         refuse_contradictions(follow=options["follow"] or info.get("follow", False),
                               idle_timeout=options["idle_timeout"])
@@ -226,7 +224,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
                "follow": bool(options["follow"] or info.get("follow")),
                "idle_timeout": info.get("idle_timeout") if options["idle_timeout"] is None else options["idle_timeout"],
                "preview": bool(options["preview"] or info.get("preview")),
-               "swap_space": options["swap_space"]}
+               "swap_space": info.get("swap_space") if options["swap_space"] is None else options["swap_space"]}
     config_file = resolve_config(config_label(config)).resolve()
     info = {
         "config": info.get("config", config_label(config)), "config_path": str(config_file),
