@@ -542,6 +542,32 @@ def test_out_that_cannot_be_a_folder_is_refused_before_loading(tmp_path, where):
     assert "Traceback" not in result.stderr and "planned" not in result.stderr  # the model never loaded
 
 
+@pytest.mark.parametrize("where", ["another_episode", "an_episode_of_the_run", "the_folder_of_episodes"])
+def test_out_that_is_an_episode_folder_is_refused_and_left_as_it_was(tmp_path, cli_env, where):
+    # `-o data/b` typed for `data/b` (or `-o data` for `data`): the run's files used to be written among the step
+    # files, and the folder, now holding a run, was no longer taken for an episode by `rollout CFG data/` (skipped
+    # without a word).
+    data = tmp_path / "data"
+    for name in ("a", "b"):
+        frame = np.zeros((16, 16, 3), np.uint8)
+        write_episode(data / name, [{"exterior_image_0": frame, "exterior_image_1": frame, "wrist_image": frame,
+                                     "joint_position": np.zeros(7, np.float32),
+                                     "gripper_position": np.zeros(1, np.float32)}], prompt="p")
+    out, episode = {"another_episode": ("data/b", "data/a"), "an_episode_of_the_run": ("data/a", "data/a"),
+                    "the_folder_of_episodes": ("data", "data")}[where]
+    before = sorted(p.relative_to(tmp_path) for p in data.rglob("*"))
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", episode, "-o", out,
+                           "--format", "plain"], cwd=tmp_path, env=cli_env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    said = "is an episode folder (it holds END, episode.yaml" if where != "the_folder_of_episodes" else \
+        "is also given as EPISODE"
+    assert f"Error: --out {out} {said}" in proc.stderr, proc.stderr
+    assert "hint: choose another --out" in proc.stderr
+    assert "planned" not in proc.stderr  # refused before the model loads
+    assert sorted(p.relative_to(tmp_path) for p in data.rglob("*")) == before
+
+
 @pytest.mark.parametrize("option, value, why", [
     ("--memory-budget", "0", "a byte size must be positive, got '0'"),
     ("--memory-budget", "1.5", "a byte size without a unit is a whole number of bytes, got '1.5'"),

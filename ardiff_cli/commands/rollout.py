@@ -207,6 +207,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     episodes = discover_episodes(episode_paths, warn=output.warning)
     if not episodes:
         raise ConfigError(f"no episode folders in {', '.join(map(str, episode_paths))}")
+    if out is not None and not resume:
+        _refuse_an_episode_folder_as_out(Path(out), [*episode_paths, *(e.path for e in episodes)])
     if resume:
         # An episode keeps the name its folder had when the run started, whatever the order of EPISODE now:
         # two folders both named `ep` are `ep` and `ep-2` by the order they were given in.
@@ -254,6 +256,25 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             raise
     return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done, digests=digests,
                      run=run, options=options)
+
+
+def _refuse_an_episode_folder_as_out(out: Path, inputs: list[Path]) -> None:
+    """``--out`` may not be an EPISODE folder or one holding step files: the run's files would be mixed with the
+    robot's, and a folder holding a run is no longer taken for an episode (``rollout CFG data/`` skips it)."""
+    from ardiff_cli.io.episode import episode_entries
+
+    target = out.resolve()
+    found = episode_entries(target)
+    if not found and not any(path.resolve() == target for path in inputs):
+        return
+    if found:
+        listed = f"{', '.join(found[:3])}{', ...' if len(found) > 3 else ''}"
+        message = (f"--out {out} is an episode folder (it holds {listed}): the run's files would be written among "
+                   "its step files, and a folder holding a run is no longer taken for an episode")
+    else:
+        message = (f"--out {out} is also given as EPISODE: the run's files would be written among the "
+                   "episodes, and its episodes/ folder taken for one by a later rollout")
+    raise ConfigError(message, hint="choose another --out for the outputs, such as runs/eval1")
 
 
 RECORDED = {  # run.json's fields that --resume reuses unless given again -> what each takes

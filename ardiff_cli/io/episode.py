@@ -177,6 +177,15 @@ def scan_steps(folder: Path, *, skip: Container[str] = ()) -> list[StepFile]:
     return [StepFile(path=steps[n], step=n) for n in sorted(steps)]
 
 
+def episode_entries(folder: Path) -> list[str]:
+    """The names in ``folder`` that make it an episode folder (step files, ``episode.yaml``, ``END``), sorted."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted(n for n in names if n in (METADATA_FILE, END_MARKER) or is_step_file(folder / n))
+
+
 def _holds_episode(folder: Path) -> bool:
     if (folder / METADATA_FILE).exists() or (folder / END_MARKER).exists():
         return True
