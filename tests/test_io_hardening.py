@@ -108,6 +108,25 @@ def test_run_folders_next_to_episodes_are_not_episodes(tmp_path):
     assert [e.name for e in discover_episodes([data])] == ["a", "ardiff-runs", "b"]
 
 
+def test_a_folder_of_episodes_with_a_stray_step_file_warns_that_its_episodes_do_not_run(tmp_path):
+    # A step file copied into the data folder makes it one episode: its episode folders used to be passed over
+    # without a word (a run of one stray step, exit 0, for a whole dataset).
+    data = tmp_path / "data"
+    for name in ("a", "b"):
+        write_episode(data / name, [good(0)], prompt="p")
+    write_step(data, 0, good(0), prompt="p")
+    warnings: list[str] = []
+    assert [e.name for e in discover_episodes([data], warn=warnings.append)] == ["data"]
+    assert warnings == [f"{data} is one episode (it holds episode.yaml, step_000000.safetensors); its folders a, b "
+                        "hold episodes that do not run: pass them as EPISODE, or move the stray files out"]
+    warnings.clear()  # an episode folder with other folders (camera frames, notes) is not warned about
+    (data / "a").rename(tmp_path / "a")
+    (data / "b" / "step_000000.safetensors").rename(data / "b" / "frame.png")
+    (data / "b" / "episode.yaml").unlink()
+    (data / "b" / "END").unlink()
+    assert [e.name for e in discover_episodes([data], warn=warnings.append)] == ["data"] and warnings == []
+
+
 # -- unreadable input files ------------------------------------------------------------------------------------
 
 def test_binary_episode_yaml_is_named_as_not_utf8(tmp_path):

@@ -210,6 +210,22 @@ def _is_run_output(folder: Path) -> bool:
     return bool(entries) and all(p.is_dir() and RunFolder(p).holds_run() for p in entries)
 
 
+def _warn_about_episodes_inside(folder: Path, warn: Callable[[str], None] | None) -> None:
+    """A folder taken for one episode whose subfolders hold episodes (a stray step file copied into a folder of
+    episodes) runs as one episode: say that those do not run."""
+    try:
+        children = _list_folder(folder)
+    except ObservationError:
+        return  # unreadable: its episode fails with the reason
+    inside = sorted(p.name for p in children if p.is_dir() and not p.name.startswith(".")
+                    and episode_entries(p) and not _is_run_output(p))
+    if inside and warn is not None:
+        found = episode_entries(folder)
+        shown = ", ".join(inside[:5]) + (f" and {len(inside) - 5} more" if len(inside) > 5 else "")
+        warn(f"{folder} is one episode (it holds {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}); its "
+             f"folders {shown} hold episodes that do not run: pass them as EPISODE, or move the stray files out")
+
+
 def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None = None) -> list[EpisodeSource]:
     """Episode folders from the command line: each path is an episode, or a folder of episode folders.
 
@@ -236,6 +252,7 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
             )
         if _holds_episode(path):
             folders.append(path)
+            _warn_about_episodes_inside(path, warn)
         else:
             children = sorted(p for p in _list_folder(path)
                               if p.is_dir() and not p.name.startswith(".") and not _is_run_output(p))
