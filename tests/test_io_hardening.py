@@ -127,6 +127,19 @@ def test_a_folder_of_episodes_with_a_stray_step_file_warns_that_its_episodes_do_
     assert [e.name for e in discover_episodes([data], warn=warnings.append)] == ["data"] and warnings == []
 
 
+def test_resume_of_a_misspelt_folder_says_it_does_not_exist_rather_than_to_start_a_run_there(tmp_path):
+    RunFolder(tmp_path / "eval1").start({"config": "x"})
+    result = ardiff("rollout", "--resume", "--out", "evall", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    error = json.loads(result.stdout.splitlines()[-1])
+    assert error["message"] == "nothing to resume: there is no folder evall"
+    assert "run without --resume" not in error["hint"] and "eval1" in error["hint"]
+    (tmp_path / "empty").mkdir()  # a folder without a run: starting one there is the way on
+    error = json.loads(ardiff("rollout", "--resume", "--out", "empty", cwd=tmp_path).stdout.splitlines()[-1])
+    assert error["message"] == f"nothing to resume: {Path('empty', 'run.json')} does not exist"
+    assert error["hint"] == "run without --resume to start a run in this folder"
+
+
 # -- unreadable input files ------------------------------------------------------------------------------------
 
 def test_binary_episode_yaml_is_named_as_not_utf8(tmp_path):

@@ -101,6 +101,11 @@ class RunFolder:
 
     def read_info(self) -> dict[str, Any]:
         path = self.root / RUN_FILE
+        if not self.root.is_dir():  # a typo: "start a run in this folder" would lead away from the run
+            near = sorted(p.name for p in self.root.parent.glob("*") if RunFolder(p).holds_run())
+            raise ConfigError(f"nothing to resume: there is no folder {self.root}",
+                              hint="check the path (a run prints it as 'outputs: DIR')"
+                                   + (f"; runs in {self.root.parent}: {', '.join(near[-5:])}" if near else ""))
         if not path.exists():
             raise ConfigError(f"nothing to resume: {path} does not exist",
                               hint="run without --resume to start a run in this folder")
