@@ -299,6 +299,14 @@ def _pickled_checkpoint(path: Path) -> Path:
 CONFIG_CASES = {
     "unknown_key": ("pipelin: dreamzero\n", "inspect-capacity",
                     ["{config}: unknown key 'pipelin' (did you mean 'pipeline'?)"], "valid top-level keys"),
+    "model_key_at_top_level": ("pipeline: dreamzero\npreset: tiny\n", "inspect-capacity",
+                               ["{config}: unknown key 'preset' (did you mean 'model.preset'? the pipeline's "
+                                "settings go under `model:`)"], "valid top-level keys"),
+    "runtime_key_at_top_level": ("pipeline: dreamzero\nmemory_budget: 1GiB\n", "inspect-capacity",
+                                 ["{config}: unknown key 'memory_budget' (did you mean 'runtime.memory_budget'? "
+                                  "runtime settings go under `runtime:`)"], "valid top-level keys"),
+    "unknown_key_and_pipeline": ("pipeline: dreamzeroo\npreset: tiny\n", "inspect-capacity",
+                                 ["{config}: unknown key 'preset'"], "valid top-level keys"),
     "unknown_model_key": ("pipeline: dreamzero\nmodel: {preset: tiny, window_frame: 3}\n", "inspect-capacity",
                           ["{config}: unknown key 'model.window_frame' (did you mean 'window_frames'?)"],
                           "valid keys: preset"),

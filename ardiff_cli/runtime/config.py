@@ -270,6 +270,27 @@ def _check_attention_span(model: Any, where: str) -> None:
         ) from None
 
 
+def _misplaced_key(key: str, data: dict[str, Any], pipeline: str | None, where: str) -> str:
+    """' (did you mean ...?)' for an unknown top-level key: a runtime setting, or a key with its value that the
+    pipeline's ``Config.from_dict`` takes (`preset: tiny` for `model: {preset: tiny}`), is named with its section;
+    else the closest top-level key."""
+    if key in RuntimeConfig.__dataclass_fields__:
+        return f" (did you mean 'runtime.{key}'? runtime settings go under `runtime:`)"
+    try:
+        if pipeline is not None:
+            entry = resolve_pipeline_reference(pipeline, where="--pipeline")
+        else:
+            name = data.get("pipeline")
+            entry = resolve_pipeline(name, where=where) if isinstance(name, str) and name else None
+        if entry is not None:
+            entry.config_class.from_dict({key: data[key]}, where=where)  # the model section takes it as it is
+    except Exception:  # noqa: BLE001 - no suggestion; the pipeline's own error comes once the key is fixed
+        entry = None
+    if entry is not None:
+        return f" (did you mean 'model.{key}'? the pipeline's settings go under `model:`)"
+    return did_you_mean(key, TOP_LEVEL_KEYS)
+
+
 def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: str | None = None) -> EngineConfig:
     """Parse and validate a config from a file, a built-in name or a dict.
 
@@ -289,7 +310,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
     for key in data:
         if key not in TOP_LEVEL_KEYS:
             raise ConfigError(
-                f"{where}: unknown key {key!r}{did_you_mean(str(key), TOP_LEVEL_KEYS)}",
+                f"{where}: unknown key {key!r}{_misplaced_key(str(key), data, pipeline, where)}",
                 hint=f"valid top-level keys: {', '.join(TOP_LEVEL_KEYS)}",
             )
     name = data.get("pipeline")
