@@ -16,13 +16,15 @@ import secrets
 import shutil
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ardiff_cli.runtime.capacity import as_int, parse_bytes
 from ardiff_cli.runtime.errors import ConfigError, shown
-from ardiff_cli.runtime.kv.state import KVSnapshot
+
+if TYPE_CHECKING:  # torch-free at import: the CLI clears a run's swap folder without loading anything
+    import torch
+
+    from ardiff_cli.runtime.kv.state import KVSnapshot
 
 FORMAT = "ardiff-swap-1"  # metadata["format"]; bump when the layout of a snapshot file changes
 HEADER_BYTES_PER_TENSOR = 128  # safetensors header entry (name, dtype, shape, offsets): an upper bound for planning
@@ -217,6 +219,8 @@ def encode_snapshot(kv: KVSnapshot, pipeline_state: dict[str, Any] | None, num_r
                     where: str = "export_ar_diffusion_session()") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """One session's snapshot as safetensors tensors and JSON-able metadata: ``kv/...`` its KV, ``pipeline/<name>``
     the pipeline's tensors (its plain values go in the metadata; ``where`` names what returned them)."""
+    import torch
+
     tensors = {f"kv/{key}": t for key, t in kv.tensors.items()}
     pipeline = None
     if pipeline_state is not None:
@@ -237,6 +241,8 @@ def encode_snapshot(kv: KVSnapshot, pipeline_state: dict[str, Any] | None, num_r
 def decode_snapshot(tensors: dict[str, torch.Tensor],
                     metadata: dict[str, Any]) -> tuple[KVSnapshot, dict[str, Any] | None, int]:
     """The inverse of :func:`encode_snapshot`; ``ValueError`` for what it cannot have written."""
+    from ardiff_cli.runtime.kv.state import KVSnapshot
+
     pipeline = metadata.get("pipeline")
     kv_metadata, num_requests = metadata.get("kv"), metadata.get("num_requests")
     if not isinstance(kv_metadata, dict) or not isinstance(num_requests, int) or not (
