@@ -499,6 +499,39 @@ def test_a_step_whose_output_was_deleted_runs_again_on_resume_and_counts_once(en
     assert_same_outputs(reference, run)
 
 
+def test_resume_with_nothing_left_writes_the_summary_without_loading_the_model(env, data, tmp_path):
+    """A finished run resumed: the summary is written again and the model never loads (a large one takes minutes):
+    torch cannot even be imported here. Once a step file is left to run, the resume loads the model (and fails on
+    that torch)."""
+    episodes = tmp_path / "eps"
+    write_episode(episodes / "arm", steps_of(0, 2), prompt="task arm", end=False)
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(episodes), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    first = json.loads((run / "summary.json").read_text())
+    poisoned = tmp_path / "poisoned" / "torch"
+    poisoned.mkdir(parents=True)
+    (poisoned / "__init__.py").write_text("raise ImportError('a resume imported torch')\n")
+    no_torch = {**env, "PYTHONPATH": os.pathsep.join([str(poisoned.parent), env["PYTHONPATH"]])}
+
+    proc = ardiff(no_torch, "rollout", "--resume", "--out", str(run), "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing left to run" in proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["exit_code"] == 0
+    assert summary["steps"] == {**first["steps"], "this_run": 0, "skipped_done": 2}
+    assert summary["episodes"] == first["episodes"] and summary["capacity_plan"] == first["capacity_plan"]
+    assert summary["device"] == first["device"] and summary["latency_s"] == first["latency_s"]
+    assert len(records(run)) == 2
+
+    write_step(episodes / "arm", 2, steps_of(0, 3)[2])  # a step arrived since: the model must load to run it
+    proc = ardiff(no_torch, "rollout", "--resume", "--out", str(run))
+    assert proc.returncode == 1 and "a resume imported torch" in proc.stderr, proc.stderr
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run))
+    assert proc.returncode == 0, proc.stderr
+    assert [(r["step"], r["status"]) for r in records(run)] == [(0, "ok"), (1, "ok"), (2, "ok")]
+
+
 def test_resume_reads_the_runs_own_config_from_any_folder_and_refuses_an_edited_one(env, data, reference, tmp_path):
     started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
     started.mkdir(), elsewhere.mkdir()

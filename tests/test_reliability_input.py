@@ -630,9 +630,15 @@ def test_usage_errors_read_error_then_hint_like_every_other_error(args, message,
 
 
 def test_resume_on_another_device_is_refused(tmp_path):
-    (tmp_path / "run.json").write_text(json.dumps({"format": 1, "config": "dreamzero-tiny", "dtype": "float32",
-                                                   "device": "cuda:0", "episodes": [], "demo": True}))
-    result = runner.invoke(app, ["rollout", "--resume", "--out", str(tmp_path), "--device", "cpu"])
+    """A run started on a GPU, copied here with steps left to run (a finished one has nothing to run anywhere)."""
+    run = tmp_path / "run"
+    result = runner.invoke(app, ["rollout", "--out", str(run), "--device", "cpu", "--no-warmup"])
+    assert result.exit_code == 0, result.stderr
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**info, "device": "cuda:0"}))
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:1]))
+    result = runner.invoke(app, ["rollout", "--resume", "--out", str(run), "--device", "cpu"])
     assert result.exit_code == 2, result.stderr
     assert "Error: this run was started on cuda:0, and --device cpu resolves to cpu here" in result.stderr
     assert "hint: resume with --device cuda:0" in result.stderr

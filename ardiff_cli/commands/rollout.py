@@ -33,7 +33,7 @@ from ardiff_cli.options import (
     check_swap_space,
 )
 from ardiff_cli.output import Format, Output
-from ardiff_cli.runtime.errors import ConfigError, ObservationError
+from ardiff_cli.runtime.errors import ArdiffError, ConfigError, ObservationError
 
 DEMO_SESSION_CAPACITY = 2  # the demo has 3 episodes: with 2 resident sessions, LRU eviction shows
 DEFAULT_IDLE_TIMEOUT = 60.0  # --follow: seconds without a new step file before an episode ends
@@ -81,6 +81,7 @@ class _Prepared:
     digests: dict[str, dict[int, str]]  # resume: SHA-256 of each done step's file when it ran (where recorded)
     run: Any  # RunFolder of out_dir, locked against a second process until closed
     options: dict[str, Any]  # order, follow, idle_timeout, preview, swap_space: given, or recorded (--resume)
+    recorded_device: str | None = None  # --resume: the device the run started on (checked before the model loads)
 
 
 def rollout(
@@ -192,8 +193,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             raise ConfigError(f"{out} already holds a run",
                               hint=f"continue it with: ardiff rollout --resume --out {out}; or choose another --out")
     cfg = load_engine_config(config, pipeline=pipeline, **overrides)
-    if resume:
-        _same_device(cfg.runtime.device, info.get("device"))
+    recorded_device = info.get("device") if resume else None
     output.debug(f"config {cfg.source}: pipeline {cfg.pipeline_name}, {cfg.runtime}")
     schema = cfg.observation_schema()
     demo = not episode_paths
@@ -255,7 +255,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             run.close()
             raise
     return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done, digests=digests,
-                     run=run, options=options)
+                     run=run, options=options, recorded_device=recorded_device)
 
 
 def _refuse_an_episode_folder_as_out(out: Path, inputs: list[Path]) -> None:
@@ -410,6 +410,17 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 + ("s" if len(p.episodes) != 1 else "") + f", order {order}"
                 + (f", {skipped} steps already done" if resume else ""))
     started = time.monotonic()
+    if resume and not follow:
+        summary = _nothing_left(p, order=order, preview=preview, wall_s=time.monotonic() - started)
+        if summary is not None:  # loading a model (minutes for a large one) would change nothing
+            output.info("nothing left to run: every step of every episode is done (the model was not loaded)")
+            for path in run.remove_stale_temporaries():
+                output.debug(f"removed {path}, a temporary file of an interrupted write")
+            remove_snapshot_files(p.out_dir / SWAP_FOLDER)
+            output.result(_write_summary(run, summary, output, None), lambda plain: render_summary(summary, plain))
+            return
+    if resume:  # torch resolves the device: after the check above, which needs neither
+        _same_device(p.cfg.runtime.device, p.recorded_device)
     engine = driver = plan = summary = None
     error: BaseException | None = None
     swap_dir = p.out_dir / SWAP_FOLDER
@@ -468,6 +479,41 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
         output.on_broken_pipe = None
         if summary is not None:  # after the live display, so the two never interleave
             output.result(summary, lambda plain: render_summary(summary, plain))
+
+
+def _nothing_left(p: _Prepared, *, order: str, preview: bool, wall_s: float) -> dict[str, Any] | None:
+    """The summary of a resumed run that has nothing left to run: every episode's step files are done and it ends
+    whole, as the run would find after loading; ``None`` when anything is left, or unclear (a folder that cannot
+    be read, a missing or unreadable summary.json to take the plan from, a missing preview), so the run goes on as
+    usual and reports it."""
+    import json
+
+    from ardiff_cli.io.run import build_summary
+    from ardiff_cli.io.stream import EpisodeEnded, StepScheduler
+
+    try:
+        previous = json.loads(p.run.summary_path.read_text(encoding="utf-8"))
+        scheduler = StepScheduler(p.episodes, order=order, done=p.done)
+        while (item := scheduler.next()) is not None:
+            if not isinstance(item, EpisodeEnded) or item.reason == "error":
+                return None
+    except (OSError, ValueError, ArdiffError):
+        return None
+    if not isinstance(previous, dict) or not isinstance(previous.get("swap"), dict):
+        return None
+    if preview and not all(p.run.preview_path(e.name).is_file() for e in p.episodes):
+        return None
+    names = [e.name for e in p.episodes]
+    summary = build_summary(
+        p.run.iter_records(), episodes=names, failed={}, info={**p.info, "device": previous.get("device")},
+        plan=previous.get("capacity_plan"),
+        this_run={"steps": 0, "skipped": sum(len(p.done.get(n, ())) for n in names), "replayed": 0, "evictions": 0,
+                  "completed_episodes": names, "restored": 0},
+        wall_s=wall_s, status="ok", exit_code=0, root=p.run.root)
+    summary["swap"] = {"space_bytes": previous["swap"].get("space_bytes", 0), "swapped_out": 0, "restored": 0,
+                       "restore_failed": 0, "dropped": 0}
+    summary["hook_errors"] = []
+    return summary
 
 
 def _write_summary(run: Any, summary: dict[str, Any], output: Output,
