@@ -58,3 +58,28 @@ class ReturnsTensor(CausalWorldPipeline):
 
     def forward(self, request):
         return super().forward(request)["latents"]
+
+
+class ConfigFromDictRaises(CausalWorldPipeline):
+    """Its Config.from_dict refuses a value with a plain ValueError instead of a ConfigError."""
+
+    class Config(CausalWorldPipeline.Config):
+        @classmethod
+        def from_dict(cls, data, *, where):
+            raise ValueError("window_frames must be positive")
+
+
+class ConfigSpecNotASpec(CausalWorldPipeline):
+    """Its Config.kv_cache_spec returns the spec's fields as a dict instead of an ARDiffusionKVCacheSpec."""
+
+    class Config(CausalWorldPipeline.Config):
+        def kv_cache_spec(self):
+            return dataclasses.asdict(super().kv_cache_spec())
+
+
+class ConfigSpecRefused(CausalWorldPipeline):
+    """Its Config.kv_cache_spec builds a spec the contract refuses (window_frames 0) from the config's values."""
+
+    class Config(CausalWorldPipeline.Config):
+        def kv_cache_spec(self):
+            return dataclasses.replace(super().kv_cache_spec(), window_frames=0)

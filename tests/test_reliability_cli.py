@@ -279,6 +279,25 @@ def test_a_pipeline_authors_mistake_is_named_as_the_pipelines_not_as_a_bug_in_ar
     assert verbose.returncode == 1 and "Traceback" in verbose.stderr
 
 
+@pytest.mark.parametrize(("pipeline", "message"), [
+    ("ConfigFromDictRaises", "pipeline 'author_mistakes:ConfigFromDictRaises': ConfigFromDictRaises.Config.from_dict() "
+                             "raised ValueError: window_frames must be positive"),
+    ("ConfigSpecNotASpec", "pipeline 'author_mistakes:ConfigSpecNotASpec': ConfigSpecNotASpec.Config.kv_cache_spec() "
+                           "returned dict, expected an ARDiffusionKVCacheSpec"),
+    ("ConfigSpecRefused", "pipeline 'author_mistakes:ConfigSpecRefused': ConfigSpecRefused.Config.kv_cache_spec() "
+                          "raised ValueError: AR-Diffusion window_frames must be positive, got 0"),
+])
+@pytest.mark.parametrize("command", ["inspect-capacity", "warmup"])
+def test_a_pipeline_config_that_raises_is_named_as_the_pipelines_mistake(env, command, pipeline, message):
+    """A Config.from_dict or kv_cache_spec raising anything but a ConfigError was 'a bug in ardiff' with a traceback."""
+    proc = ardiff(env, command, "causal-world-tiny", "--device", "cpu", "--format", "plain",
+                  "--pipeline", f"author_mistakes:{pipeline}")
+    assert proc.returncode == 1, proc.stderr
+    assert "causal-world-tiny.yaml: " + message in proc.stderr.splitlines()[-2]
+    assert "hint: a pipeline's Config raises ardiff_cli.runtime.errors.ConfigError" in proc.stderr
+    assert "bug in ardiff" not in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_a_warmup_provider_that_yields_nothing_is_a_warning_not_a_silent_success(env):
     """It used to print an empty table and exit 0 with no word that nothing was warmed up."""
     message = ("warning: pipeline 'author_mistakes:WarmupYieldsNothing': ar_diffusion_warmup_requests() yielded no "

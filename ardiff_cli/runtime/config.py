@@ -27,7 +27,7 @@ import yaml
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.capacity import as_fraction, as_int, dtype_name, parse_bytes
-from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error, shown
+from ardiff_cli.runtime.errors import ConfigError, PipelineError, did_you_mean, field_error, shown
 from ardiff_cli.runtime.kv.backends import ATTENTION_BACKEND_SETTINGS
 from ardiff_cli.runtime.registry import PipelineEntry, resolve_pipeline, resolve_pipeline_reference
 
@@ -252,14 +252,31 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _check_attention_span(model: Any, where: str) -> None:
+CONFIG_CONTRACT_HINT = ("a pipeline's Config raises ardiff_cli.runtime.errors.ConfigError naming the field, expected "
+                        "and got (README, 'Adding a pipeline'); the cause may be a value in the config's model: "
+                        "section; --verbose prints the traceback")
+
+
+def _pipeline_config_call(entry: PipelineEntry, where: str, method: str, call: Any) -> Any:
+    """``call()``, a method of the pipeline's Config: a ConfigError is the config's; anything else it raises is the
+    pipeline's mistake, named as such (not a bug in ardiff), with the pipeline's exception as the cause."""
+    try:
+        return call()
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - third-party code: whatever it raises is reported, not a traceback
+        raise PipelineError(f"{where}: pipeline {entry.name!r}: {entry.config_class.__qualname__}.{method}() raised "
+                            f"{type(exc).__name__}: {exc}", hint=CONFIG_CONTRACT_HINT) from exc
+
+
+def _check_attention_span(spec: ARDiffusionKVCacheSpec, model: Any, where: str) -> None:
     """A window one attention call cannot see (more tokens than the pipeline's ``max_model_len``) is this
     config's mistake: say so naming the file and the field now, not after the weights have loaded. The runner's
     own check stays (``AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH`` may add scratch)."""
     from ardiff_cli.runtime.kv.layout import KVLayout
 
     try:
-        KVLayout.from_spec(model.kv_cache_spec(), scratch_blocks=1)
+        KVLayout.from_spec(spec, scratch_blocks=1)
     except ConfigError as exc:
         if not hasattr(model, "window_frames"):
             raise ConfigError(f"{where}: {exc}", hint=exc.hint) from None
@@ -325,8 +342,14 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
     model_data = {} if data.get("model") is None else data["model"]  # `model: []` or `model: 0` is a mistake
     if not isinstance(model_data, dict):
         raise field_error(where, "model", "a mapping", model_data)
-    model = entry.config_class.from_dict(model_data, where=where)
-    _check_attention_span(model, where)
+    model = _pipeline_config_call(entry, where, "from_dict", lambda: entry.config_class.from_dict(model_data,
+                                                                                                  where=where))
+    spec = _pipeline_config_call(entry, where, "kv_cache_spec", model.kv_cache_spec)
+    if not isinstance(spec, ARDiffusionKVCacheSpec):
+        raise PipelineError(f"{where}: pipeline {entry.name!r}: {entry.config_class.__qualname__}"
+                            f".kv_cache_spec() returned {type(spec).__name__}, expected an ARDiffusionKVCacheSpec",
+                            hint=CONFIG_CONTRACT_HINT)
+    _check_attention_span(spec, model, where)
     checkpoint = data.get("checkpoint")
     if checkpoint is not None:
         if not isinstance(checkpoint, str) or not checkpoint:
