@@ -33,7 +33,7 @@ from typing import Any
 
 from ardiff_cli.errors_cli import Interrupted, OutputError, StepFailed
 from ardiff_cli.io.episode import EpisodeSource, StepFile, load_step
-from ardiff_cli.io.run import RunFolder
+from ardiff_cli.io.run import RunFolder, is_array
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.monitor import RunMonitor
@@ -271,6 +271,11 @@ class Rollout:
         if not isinstance(output, Mapping):  # nothing to write: an "ok" step with an empty file would hide it
             raise PipelineError(f"{type(self.engine.pipeline).__name__}.forward() returned "
                                 f"{type(output).__name__}, expected a dict of arrays (name -> tensor or numpy array)",
+                                hint=PIPELINE_HINT)
+        if not any(is_array(value) for value in output.values()):  # the same: an "ok" step with an empty file
+            got = ", ".join(f"{key!r}: {type(value).__name__}" for key, value in output.items()) or "empty"
+            raise PipelineError(f"{type(self.engine.pipeline).__name__}.forward() returned a dict with no array in "
+                                f"it ({got}), expected a dict of arrays (name -> tensor or numpy array)",
                                 hint=PIPELINE_HINT)
         if episode.name in self._resident:
             self._resident[episode.name] = task.ordinal + 1

@@ -83,3 +83,10 @@ class ConfigSpecRefused(CausalWorldPipeline):
     class Config(CausalWorldPipeline.Config):
         def kv_cache_spec(self):
             return dataclasses.replace(super().kv_cache_spec(), window_frames=0)
+
+
+class ReturnsLists(CausalWorldPipeline):
+    """Its forward returns its outputs as nested lists (``.tolist()``), so no value is an array."""
+
+    def forward(self, request):
+        return {name: value.tolist() for name, value in super().forward(request).items()}

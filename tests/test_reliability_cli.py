@@ -357,12 +357,19 @@ def test_the_attention_backend_falling_back_is_a_warning_line_that_quiet_silence
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
 
 
-def test_a_forward_that_returns_no_dict_fails_its_steps_instead_of_writing_empty_outputs(env, tmp_path):
+@pytest.mark.parametrize(("pipeline", "message"), [
+    ("ReturnsTensor", "ReturnsTensor.forward() returned Tensor, expected a dict of arrays"),
+    # A dict with no array in it used to be an "ok" step with an empty output file, exit 0.
+    ("ReturnsLists", "ReturnsLists.forward() returned a dict with no array in it ('latents': list), expected a dict "
+                     "of arrays"),
+])
+def test_a_forward_that_returns_no_dict_fails_its_steps_instead_of_writing_empty_outputs(env, tmp_path, pipeline,
+                                                                                          message):
     run = tmp_path / "run"
     proc = ardiff(env, "rollout", "causal-world-tiny", "--device", "cpu", "--out", str(run), "--no-warmup",
-                  "--format", "plain", "--pipeline", "author_mistakes:ReturnsTensor")
+                  "--format", "plain", "--pipeline", f"author_mistakes:{pipeline}")
     assert proc.returncode == 1, proc.stderr
-    assert "ReturnsTensor.forward() returned Tensor, expected a dict of arrays" in proc.stderr
+    assert message in proc.stderr
     assert "bug in ardiff" not in proc.stderr
     lines = records(run)
     assert lines and all(r["status"] == "failed" for r in lines)

@@ -162,7 +162,7 @@ class RunFolder:
         """The pipeline's array outputs of one step as one safetensors file (atomically)."""
         from ardiff_cli.io.writer import encode_arrays
 
-        arrays = {k: v for k, v in outputs.items() if _is_array(v)}
+        arrays = {k: v for k, v in outputs.items() if is_array(v)}
         path = self.step_output(episode, step)
         atomic_write_bytes(path, encode_arrays(arrays, metadata=metadata))
         return path
@@ -248,7 +248,7 @@ def _checked_name(episode: str) -> str:
     return episode
 
 
-def _is_array(value: Any) -> bool:
+def is_array(value: Any) -> bool:
     return hasattr(value, "shape") and hasattr(value, "dtype")
 
 
