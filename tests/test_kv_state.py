@@ -469,6 +469,20 @@ def test_attend_validates_inputs(make_spec, make_cache):
         attend_once(contexts[1], spec, 5)
 
 
+def test_attend_given_tokens_before_heads_says_the_layout_it_expects(make_spec, make_cache):
+    """(L, H, D) instead of (H, L, D) used to read `k and v must be shaped (2, 2, 8), got (8, 2, 8)`: a token count
+    taken from q's heads, with no word of the layout, the layer or seq_len."""
+    state = make_cache(make_spec()).new_state("s")
+    ctx = state.get_kv_caches("positive", seq_len=8)[0]
+    tokens_first = torch.randn(8, 2, 8)
+    with pytest.raises(ValueError) as caught:
+        ctx.attend(tokens_first, tokens_first, tokens_first)
+    assert str(caught.value) == (
+        "layer 0 of branch 'positive': attend takes q (heads, tokens, head_size) and k, v (2, tokens, 8), with "
+        "tokens = seq_len 8 (+ up to 0 register tokens) and q's heads a multiple of 2; got q (8, 2, 8), "
+        "k (8, 2, 8), v (8, 2, 8)")
+
+
 # ---------------------------------------------------------- sharing and capacity
 def test_shared_local_index_never_shares_cross_attention(make_spec, make_cache):
     spec = make_spec(kv_branches=SHARED_SLOT, cross_attention=CROSS)

@@ -137,18 +137,16 @@ class ARDiffusionForwardContext:
         """Full checks of one layer's inputs; the layers after the first that pass them take a fast path."""
         pool = self.pool
         spec = pool.layout.spec
-        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        room = pool.layout.scratch_tokens - self.seq_len
+        if (q.dim() != 3 or tuple(k.shape) != (spec.num_kv_heads, q.shape[1], spec.head_size)
+                or tuple(v.shape) != tuple(k.shape) or q.shape[2] != spec.head_size or q.shape[0] % spec.num_kv_heads):
+            # One message with the whole layout: tokens passed before heads used to be told a token count taken
+            # from q's heads.
             raise ValueError(
-                f"attend expects q, k, v shaped (heads, tokens, head_size), got {tuple(q.shape)}, "
-                f"{tuple(k.shape)}, {tuple(v.shape)}"
-            )
-        expected_kv = (spec.num_kv_heads, q.shape[1], spec.head_size)
-        if tuple(k.shape) != expected_kv or tuple(v.shape) != expected_kv:
-            raise ValueError(f"k and v must be shaped {expected_kv}, got {tuple(k.shape)} and {tuple(v.shape)}")
-        if q.shape[2] != spec.head_size or q.shape[0] % spec.num_kv_heads:
-            raise ValueError(
-                f"q must be shaped (a multiple of {spec.num_kv_heads} heads, tokens, {spec.head_size}), "
-                f"got {tuple(q.shape)}"
+                f"layer {layer} of branch {self.branch.name!r}: attend takes q (heads, tokens, head_size) and k, v "
+                f"({spec.num_kv_heads}, tokens, {spec.head_size}), with tokens = seq_len {self.seq_len} (+ up to "
+                f"{room} register tokens) and q's heads a multiple of {spec.num_kv_heads}; got q {tuple(q.shape)}, "
+                f"k {tuple(k.shape)}, v {tuple(v.shape)}"
             )
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.dtype != pool.dtype or t.device != pool.device:
@@ -163,7 +161,6 @@ class ARDiffusionForwardContext:
                 "forward under torch.no_grad() or torch.inference_mode()"
             )
         num_registers = q.shape[1] - self.seq_len
-        room = pool.layout.scratch_tokens - self.seq_len
         if not 0 <= num_registers <= room:
             raise ValueError(
                 f"attend got {q.shape[1]} tokens for seq_len={self.seq_len}: expected the video tokens "
