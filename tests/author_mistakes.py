@@ -90,3 +90,11 @@ class ReturnsLists(CausalWorldPipeline):
 
     def forward(self, request):
         return {name: value.tolist() for name, value in super().forward(request).items()}
+
+
+class SchemaNotASchema(CausalWorldPipeline):
+    """Its config's observation_schema returns the fields as a plain dict instead of an ObservationSchema."""
+
+    class Config(CausalWorldPipeline.Config):
+        def observation_schema(self):
+            return {"conditioning": "float32"}

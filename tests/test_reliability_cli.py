@@ -298,6 +298,18 @@ def test_a_pipeline_config_that_raises_is_named_as_the_pipelines_mistake(env, co
     assert "bug in ardiff" not in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_an_observation_schema_of_another_type_is_named_as_the_pipelines_mistake(env, data, tmp_path):
+    """It used to fail every episode as if its step files were bad: `while reading .../step_000000.safetensors:
+    AttributeError: 'dict' object has no attribute 'prompt_key'`."""
+    write_episode(tmp_path / "eps" / "arm", [{"conditioning": np.zeros(8, np.float32)}], prompt="go")
+    proc = ardiff(env, "rollout", "causal-world-tiny", str(tmp_path / "eps" / "arm"), "--device", "cpu",
+                  "--out", str(tmp_path / "run"), "--format", "plain", "--pipeline", "author_mistakes:SchemaNotASchema")
+    assert proc.returncode == 1, proc.stderr
+    assert ("pipeline 'author_mistakes:SchemaNotASchema': SchemaNotASchema.Config.observation_schema() returned dict, "
+            "expected an ObservationSchema") in proc.stderr
+    assert "step_000000" not in proc.stderr and "bug in ardiff" not in proc.stderr
+
+
 def test_a_warmup_provider_that_yields_nothing_is_a_warning_not_a_silent_success(env):
     """It used to print an empty table and exit 0 with no word that nothing was warmed up."""
     message = ("warning: pipeline 'author_mistakes:WarmupYieldsNothing': ar_diffusion_warmup_requests() yielded no "

@@ -27,8 +27,9 @@ import yaml
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.capacity import as_fraction, as_int, dtype_name, parse_bytes
-from ardiff_cli.runtime.errors import ConfigError, PipelineError, did_you_mean, field_error, shown
+from ardiff_cli.runtime.errors import PIPELINE_HINT, ConfigError, PipelineError, did_you_mean, field_error, shown
 from ardiff_cli.runtime.kv.backends import ATTENTION_BACKEND_SETTINGS
+from ardiff_cli.runtime.observation import ObservationSchema
 from ardiff_cli.runtime.registry import PipelineEntry, resolve_pipeline, resolve_pipeline_reference
 
 DEFAULT_CONFIG = "dreamzero-tiny"
@@ -152,7 +153,17 @@ class EngineConfig:
     def observation_schema(self) -> Any:
         """The schema of this exact config (a model config may narrow its pipeline's), torch-free."""
         exact = getattr(self.model, "observation_schema", None)
-        return exact() if callable(exact) else self.entry.observation_schema()
+        if callable(exact):
+            label, call = f"{type(self.model).__qualname__}.observation_schema", exact
+        else:
+            module = self.entry.module
+            owner = module.__qualname__ if self.entry.is_class else module.__name__
+            label, call = f"{owner}.observation_schema", self.entry.observation_schema
+        schema = _pipeline_config_call(self.entry, self.source, label, call)
+        if not isinstance(schema, ObservationSchema):  # else every step file would be blamed for it
+            raise PipelineError(f"{self.source}: pipeline {self.entry.name!r}: {label}() returned "
+                                f"{type(schema).__name__}, expected an ObservationSchema", hint=PIPELINE_HINT)
+        return schema
 
     def with_runtime(self, *, where: str = "command line", **overrides: Any) -> EngineConfig:
         """A copy with runtime ``overrides`` (``None`` = keep); errors name them as coming from ``where``."""
@@ -257,16 +268,16 @@ CONFIG_CONTRACT_HINT = ("a pipeline's Config raises ardiff_cli.runtime.errors.Co
                         "section; --verbose prints the traceback")
 
 
-def _pipeline_config_call(entry: PipelineEntry, where: str, method: str, call: Any) -> Any:
-    """``call()``, a method of the pipeline's Config: a ConfigError is the config's; anything else it raises is the
-    pipeline's mistake, named as such (not a bug in ardiff), with the pipeline's exception as the cause."""
+def _pipeline_config_call(entry: PipelineEntry, where: str, label: str, call: Any) -> Any:
+    """``call()``, the pipeline's ``label`` (``Config.from_dict``, ...): a ConfigError is the config's; anything else
+    it raises is the pipeline's mistake, named as such (not a bug in ardiff), with its exception as the cause."""
     try:
         return call()
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - third-party code: whatever it raises is reported, not a traceback
-        raise PipelineError(f"{where}: pipeline {entry.name!r}: {entry.config_class.__qualname__}.{method}() raised "
-                            f"{type(exc).__name__}: {exc}", hint=CONFIG_CONTRACT_HINT) from exc
+        raise PipelineError(f"{where}: pipeline {entry.name!r}: {label}() raised {type(exc).__name__}: {exc}",
+                            hint=CONFIG_CONTRACT_HINT) from exc
 
 
 def _check_attention_span(spec: ARDiffusionKVCacheSpec, model: Any, where: str) -> None:
@@ -342,13 +353,13 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
     model_data = {} if data.get("model") is None else data["model"]  # `model: []` or `model: 0` is a mistake
     if not isinstance(model_data, dict):
         raise field_error(where, "model", "a mapping", model_data)
-    model = _pipeline_config_call(entry, where, "from_dict", lambda: entry.config_class.from_dict(model_data,
-                                                                                                  where=where))
-    spec = _pipeline_config_call(entry, where, "kv_cache_spec", model.kv_cache_spec)
+    config_class = entry.config_class.__qualname__
+    model = _pipeline_config_call(entry, where, f"{config_class}.from_dict",
+                                  lambda: entry.config_class.from_dict(model_data, where=where))
+    spec = _pipeline_config_call(entry, where, f"{config_class}.kv_cache_spec", model.kv_cache_spec)
     if not isinstance(spec, ARDiffusionKVCacheSpec):
-        raise PipelineError(f"{where}: pipeline {entry.name!r}: {entry.config_class.__qualname__}"
-                            f".kv_cache_spec() returned {type(spec).__name__}, expected an ARDiffusionKVCacheSpec",
-                            hint=CONFIG_CONTRACT_HINT)
+        raise PipelineError(f"{where}: pipeline {entry.name!r}: {config_class}.kv_cache_spec() returned "
+                            f"{type(spec).__name__}, expected an ARDiffusionKVCacheSpec", hint=CONFIG_CONTRACT_HINT)
     _check_attention_span(spec, model, where)
     checkpoint = data.get("checkpoint")
     if checkpoint is not None:
