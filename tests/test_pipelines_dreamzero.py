@@ -10,7 +10,7 @@ from ardiff_cli.runtime.errors import ObservationError
 from pipeline_helpers import Driver, RecordingRollout, dreamzero, single_thread  # noqa: F401 - fixture
 from pipelines.base import noise_generator, shifted_sigmas
 from pipelines.dreamzero import SCHEMA
-from ardiff_cli.runtime.observation import validate_observation
+from ardiff_cli.runtime import validate_observation  # the public name the README gives pipeline authors
 from pipelines.rollout import DenseReferenceRollout
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -22,6 +22,7 @@ _EXPORTS = {
     "DEFAULT_SESSION_ID": "request",
     "ObservationField": "observation",
     "ObservationSchema": "observation",
+    "validate_observation": "observation",
     "ARDiffusionKVCache": "kv.cache",
     "ARDiffusionKVState": "kv.state",
     "ARDiffusionLayerContext": "kv.attention",
