@@ -26,7 +26,12 @@ from ardiff_cli.runtime.events import (
 )
 from ardiff_cli.runtime.errors import ArdiffWarning, PipelineError
 from ardiff_cli.runtime.request import DEFAULT_SESSION_ID, ARDiffusionRequest
-from ardiff_cli.runtime.runner import WARMUP_SESSION_ID, ARDiffusionModelRunner, LifecycleHookError
+from ardiff_cli.runtime.runner import (
+    WARMUP_SESSION_ID,
+    ARDiffusionModelRunner,
+    LifecycleHookError,
+    PipelineContractError,
+)
 
 BUDGET = 64 << 20
 
@@ -587,6 +592,21 @@ def test_bind_that_swallows_the_forwards_exception_is_named_and_releases_the_ses
     runner.pipeline.fail_at_layer = None
     runner.execute_model(request("a", 0))
     assert runner.sessions()[0].num_requests == 1
+
+
+class _BindNotAContextManager(TinyPipeline):
+    """Its bind_ar_diffusion_state sets the state and returns (no @contextmanager, no yield)."""
+
+    def bind_ar_diffusion_state(self, session_id, state):
+        self._state = state
+
+
+def test_bind_that_is_not_a_context_manager_is_named_and_releases_the_session():
+    runner = make_runner(_BindNotAContextManager())
+    with pytest.raises(PipelineContractError, match=r"_BindNotAContextManager.bind_ar_diffusion_state\(\) returned "
+                                                    r"NoneType, expected a context manager"):
+        runner.execute_model(request("a", 0))
+    assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
 
 
 class _WarmupYieldsDicts(WarmTinyPipeline):

@@ -455,7 +455,13 @@ class ARDiffusionModelRunner:
         bound = time.perf_counter()
         forward_end = None
         try:
-            with self.pipeline.bind_ar_diffusion_state(session_id, state):
+            binding = self.pipeline.bind_ar_diffusion_state(session_id, state)
+            if not (hasattr(binding, "__enter__") and hasattr(binding, "__exit__")):
+                raise PipelineContractError(
+                    f"{type(self.pipeline).__name__}.bind_ar_diffusion_state() returned {type(binding).__name__}, "
+                    "expected a context manager inside which the forward uses the state (decorate it with "
+                    "@contextlib.contextmanager and yield once, in a try/finally)")
+            with binding:
                 forward_start = time.perf_counter()
                 output = self.pipeline.forward(request)
                 forward_end = time.perf_counter()
