@@ -235,6 +235,7 @@ def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(t
     if damage == "other-geometry":
         assert ", expected torch.float32 (2, 2," in str(info.value)  # checked before anyone is evicted for it
     if damage == "other-record":  # found by the pipeline once admitted: released whole, b was swapped for it
+        assert "DreamZeroPipeline.import_ar_diffusion_session() raised ValueError: " in str(info.value)
         assert "field 'num_requests' is str, expected int" in str(info.value)
         assert [e.reason for e in events if e.kind == "session_closed"] == ["restore_failed"]
         assert runner.session_ids == [] and runner.pool_usage().num_used == 0 and runner.restore_session("b")

@@ -744,15 +744,17 @@ class ARDiffusionModelRunner:
             self._make_room(session_id)
             with self._locked():
                 session = self._admit(session_id)
+                step = "its KV"
                 try:
                     session.state.restore(kv)
+                    step = f"{type(self.pipeline).__name__}.import_ar_diffusion_session()"
                     self.pipeline.import_ar_diffusion_session(session_id, state)
                 except BaseException as exc:  # released whole, then raised as one error (a stop as itself)
                     self._release(session_id, reason="restore_failed", hook="close", error=exc)
                     if isinstance(exc, StopRequested) or not isinstance(exc, Exception):
                         raise
-                    raise SwapRestoreError(f"cannot restore session {shown(session_id)} from {path}: "
-                                           f"{type(exc).__name__}: {exc}", hint=hint) from exc
+                    raise SwapRestoreError(f"cannot restore session {shown(session_id)} from {path}: {step} "
+                                           f"raised {type(exc).__name__}: {exc}", hint=hint) from exc
                 session.num_requests = num_requests
                 session.view = self._snapshot(session_id, session)
         self._emit(SessionRestored(session_id=session_id, swap_bytes=nbytes, seconds=time.perf_counter() - start))
