@@ -275,3 +275,15 @@ def test_step_prompt_keeps_episode_yaml_fields_and_its_prompt(tmp_path):
 
     assert yaml.safe_load((folder / "episode.yaml").read_text()) == {"robot": "franka", "prompt": "first"}
     assert read_step(folder / "step_000001.safetensors").metadata["prompt"] == "second"
+
+
+def test_demo_steps_exist_for_any_episode_index():
+    """Tests and scripts make many episodes with demo_step: the 7th one used to overflow uint8."""
+    from ardiff_cli.io.demo import demo_step
+    from pipelines.dreamzero import observation_schema
+
+    schema = observation_schema()
+    steps = [demo_step(schema, (16, 16), episode, 0, 1) for episode in (0, 6, 40)]
+    video = [next(v for v in step.values() if getattr(v, "dtype", None) == np.uint8) for step in steps]
+    assert all(v.shape == video[0].shape for v in video)
+    assert not np.array_equal(video[0], video[1]) and not np.array_equal(video[1], video[2])

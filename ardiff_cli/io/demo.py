@@ -76,7 +76,7 @@ def _frames(shape: tuple[int, ...], episode: int, step: int, camera: int) -> Any
         t = step * count + i
         out[i, ..., 0] = (xx * 160 // max(1, width - 1) + 20 * camera).astype(np.uint8)
         out[i, ..., 1] = (yy * 160 // max(1, height - 1)).astype(np.uint8)
-        out[i, ..., 2] = 60 + 40 * episode
+        out[i, ..., 2] = (60 + 40 * episode) % 256  # any episode index: demo_step makes test data too
         angle = 0.5 * t + 2.0 * episode
         cy = int((height - side) * (0.5 + 0.4 * np.sin(angle)))
         cx = int((width - side) * (0.5 + 0.4 * np.cos(angle * (1 + 0.3 * camera))))
