@@ -225,6 +225,15 @@ def test_inspect_capacity_shows_paging_unit_and_kernel_blocks():
     assert "flash block" in plain and "13 block(s) per page + 12-token tail" in plain
 
 
+def test_inspect_capacity_says_when_a_page_is_smaller_than_one_kernel_block(tmp_path):
+    config = tmp_path / "small.yaml"
+    config.write_text("pipeline: dreamzero\nmodel: {preset: tiny, height: 16, width: 16}\n")  # 4-token frames
+    result = invoke("inspect-capacity", str(config), "--available", "1GiB", "--format", "plain")
+    assert result.exit_code == 0, result.stderr
+    assert "FlashAttention (CUDA): a page is smaller than one block: all 4 of its tokens are tail" in result.stdout
+    assert "0 block(s)" not in result.stdout
+
+
 @pytest.mark.skipif(__import__("importlib.util").util.find_spec("vllm") is not None, reason="vLLM is installed")
 def test_attention_backend_vllm_without_vllm_is_a_usage_error_with_the_install_command():
     result = invoke("warmup", "causal-world-tiny", "--attention-backend", "vllm", "--format", "plain")

@@ -302,10 +302,10 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
     table.add_row("attention", att["plan_backend"],
                   escape(f"--attention-backend {att['setting']}: {reason}"))  # '[vllm]' is not markup
     for kernel, label in (("flash", "FlashAttention (CUDA)"), ("cpu", "vLLM CPU kernel")):
-        tail = att[f"{kernel}_tail_tokens"]
-        table.add_row(f"  {kernel} block", f"{att[f'{kernel}_block_size']} tokens",
-                      f"{label}: {att[f'{kernel}_blocks_per_page']} block(s) per page"
-                      + (f" + {tail}-token tail" if tail else ""))
+        tail, blocks = att[f"{kernel}_tail_tokens"], att[f"{kernel}_blocks_per_page"]
+        shape = (f"{blocks} block(s) per page" + (f" + {tail}-token tail" if tail else "") if blocks
+                 else f"a page is smaller than one block: all {tail} of its tokens are tail")
+        table.add_row(f"  {kernel} block", f"{att[f'{kernel}_block_size']} tokens", f"{label}: {shape}")
     table.add_row("per session", fb(plan.bytes_per_session), f"{plan.managed_pages_per_session} pages at rest")
     for branch, size in per["self_attention_per_branch"].items():
         table.add_row(f"  self-attn {branch}", fb(size), "sink + window frames")
