@@ -60,8 +60,9 @@ def main() -> None:
         command = "ardiff" if ctx is None else ctx.command_path
         if command == "ardiff" and args[0] in COMMANDS:  # an error parsing the command's own options
             command = f"ardiff {args[0]}"
+        message = exc.format_message().replace(": Value error, ", ": ", 1)  # Typer's choice errors carry pydantic's
         Output(resolve_format(_requested_format(args))).error(
-            exc.format_message(), f"see {command} --help", exit_code=exc.exit_code, kind="usage_error")
+            message, f"see {command} --help", exit_code=exc.exit_code, kind="usage_error")
         sys.exit(exc.exit_code)
     except typer.Abort:
         sys.exit(1)

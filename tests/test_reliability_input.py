@@ -612,6 +612,8 @@ def test_usage_errors_are_a_json_object_too_with_format_json(args):
     (["rollout", "--folow"], "No such option: --folow (Possible options: --follow)", "ardiff rollout"),
     (["inspect-capacity", "--available"], "Option '--available' requires an argument.", "ardiff inspect-capacity"),
     (["warmup", "--format", "plain", "--dtype", "f64"], "Invalid value for '--dtype'", "ardiff warmup"),
+    (["rollout", "--format", "jsn"], "Invalid value for '--format': 'jsn' is not one of 'auto', 'rich', 'plain', "
+                                     "'json'.", "ardiff rollout"),  # without the "Value error, " Typer adds
     (["bogus"], "No such command 'bogus'.", "ardiff"),
 ])
 def test_usage_errors_read_error_then_hint_like_every_other_error(args, message, command):
