@@ -532,6 +532,23 @@ def test_resume_with_nothing_left_writes_the_summary_without_loading_the_model(e
     assert [(r["step"], r["status"]) for r in records(run)] == [(0, "ok"), (1, "ok"), (2, "ok")]
 
 
+def test_resume_with_nothing_left_and_a_hand_edited_summary_loads_the_model_instead_of_crashing(env, data, tmp_path):
+    """The plan is taken from summary.json: one edited (or written by hand) into something else than a mapping is
+    not trusted, and the run loads to write it again, as it did before the shortcut (it was 'a bug in ardiff')."""
+    episodes = tmp_path / "eps"
+    write_episode(episodes / "arm", steps_of(0, 2), prompt="task arm", end=False)
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(episodes), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "capacity_plan": "see the logs"}))
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing left to run" not in proc.stderr
+    plan = json.loads((run / "summary.json").read_text())["capacity_plan"]  # the loaded model's plan, written again
+    assert plan["session_capacity"] == summary["capacity_plan"]["session_capacity"]
+
+
 def test_resume_reads_the_runs_own_config_from_any_folder_and_refuses_an_edited_one(env, data, reference, tmp_path):
     started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
     started.mkdir(), elsewhere.mkdir()

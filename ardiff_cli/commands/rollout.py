@@ -499,7 +499,7 @@ def _nothing_left(p: _Prepared, *, order: str, preview: bool, wall_s: float) -> 
                 return None
     except (OSError, ValueError, ArdiffError):
         return None
-    if not isinstance(previous, dict) or not isinstance(previous.get("swap"), dict):
+    if not isinstance(previous, dict) or not all(isinstance(previous.get(k), dict) for k in ("swap", "capacity_plan")):
         return None
     if preview and not all(p.run.preview_path(e.name).is_file() for e in p.episodes):
         return None
