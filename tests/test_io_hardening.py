@@ -140,6 +140,15 @@ def test_resume_of_a_misspelt_folder_says_it_does_not_exist_rather_than_to_start
     assert error["hint"] == "run without --resume to start a run in this folder"
 
 
+
+def test_resume_of_a_misspelt_folder_names_the_closest_run_among_many(tmp_path):
+    """The hint lists the last five runs by name (the newest of timestamped ones): the run the typo was meant for
+    is named too when it is not among them."""
+    for name in ("eval1", "sweep1", "sweep2", "sweep3", "sweep4", "sweep5", "sweep6"):
+        RunFolder(tmp_path / name).start({"config": "x"})
+    error = json.loads(ardiff("rollout", "--resume", "--out", "evall", cwd=tmp_path).stdout.splitlines()[-1])
+    assert error["hint"].endswith("runs in .: sweep2, sweep3, sweep4, sweep5, sweep6 (did you mean 'eval1'?)")
+
 # -- unreadable input files ------------------------------------------------------------------------------------
 
 def test_binary_episode_yaml_is_named_as_not_utf8(tmp_path):

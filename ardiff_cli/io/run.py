@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ardiff_cli.io.atomic import JsonlAppender, atomic_write_bytes, atomic_write_json, read_jsonl
-from ardiff_cli.runtime.errors import ConfigError
+from ardiff_cli.runtime.errors import ConfigError, did_you_mean
 
 RUN_FILE = "run.json"
 RESULTS_FILE = "results.jsonl"
@@ -105,7 +105,8 @@ class RunFolder:
             near = sorted(p.name for p in self.root.parent.glob("*") if RunFolder(p).holds_run())
             raise ConfigError(f"nothing to resume: there is no folder {self.root}",
                               hint="check the path (a run prints it as 'outputs: DIR')"
-                                   + (f"; runs in {self.root.parent}: {', '.join(near[-5:])}" if near else ""))
+                                   + (f"; runs in {self.root.parent}: {', '.join(near[-5:])}"
+                                      f"{did_you_mean(self.root.name, near)}" if near else ""))
         if not path.exists():
             raise ConfigError(f"nothing to resume: {path} does not exist",
                               hint="run without --resume to start a run in this folder")
