@@ -98,3 +98,13 @@ class SchemaNotASchema(CausalWorldPipeline):
     class Config(CausalWorldPipeline.Config):
         def observation_schema(self):
             return {"conditioning": "float32"}
+
+
+class ConfigIgnoresUnknownKeys(CausalWorldPipeline):
+    """Its Config.from_dict keeps the keys it knows and drops the rest without a word."""
+
+    class Config(CausalWorldPipeline.Config):
+        @classmethod
+        def from_dict(cls, data, *, where):
+            known = {f.name for f in dataclasses.fields(cls)}
+            return super().from_dict({k: v for k, v in data.items() if k in known}, where=where)

@@ -298,6 +298,20 @@ def test_a_pipeline_config_that_raises_is_named_as_the_pipelines_mistake(env, co
     assert "bug in ardiff" not in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_top_level_typo_is_not_sent_to_model_by_a_config_that_takes_any_key(env, tmp_path):
+    """A Config.from_dict that drops unknown keys takes `checkpont` too: that proves nothing about the model section
+    (the hint was `did you mean 'model.checkpont'?`)."""
+    (tmp_path / "c.yaml").write_text("checkpont: weights.safetensors\n")
+    proc = ardiff(env, "inspect-capacity", str(tmp_path / "c.yaml"), "--format", "plain",
+                  "--pipeline", "author_mistakes:ConfigIgnoresUnknownKeys")
+    assert proc.returncode == 2, proc.stderr
+    assert "unknown key 'checkpont' (did you mean 'checkpoint'?)" in proc.stderr, proc.stderr
+    (tmp_path / "c.yaml").write_text("5: x\n")  # a key YAML reads as a number is probed as such
+    proc = ardiff(env, "inspect-capacity", str(tmp_path / "c.yaml"), "--format", "plain",
+                  "--pipeline", "author_mistakes:ConfigIgnoresUnknownKeys")
+    assert proc.returncode == 2 and "unknown key 5\n" in proc.stderr, proc.stderr
+
+
 def test_an_observation_schema_of_another_type_is_named_as_the_pipelines_mistake(env, data, tmp_path):
     """It used to fail every episode as if its step files were bad: `while reading .../step_000000.safetensors:
     AttributeError: 'dict' object has no attribute 'prompt_key'`."""

@@ -300,8 +300,9 @@ def _check_attention_span(spec: ARDiffusionKVCacheSpec, model: Any, where: str) 
 
 def _misplaced_key(key: str, data: dict[str, Any], pipeline: str | None, where: str) -> str:
     """' (did you mean ...?)' for an unknown top-level key: a runtime setting, or a key with its value that the
-    pipeline's ``Config.from_dict`` takes (`preset: tiny` for `model: {preset: tiny}`), is named with its section;
-    else the closest top-level key."""
+    pipeline's ``Config.from_dict`` takes (`preset: tiny` for `model: {preset: tiny}`) while it refuses a key no
+    model has (one that drops unknown keys takes a top-level typo too), is named with its section; else the closest
+    top-level key."""
     if key in RuntimeConfig.__dataclass_fields__:
         return f" (did you mean 'runtime.{key}'? runtime settings go under `runtime:`)"
     try:
@@ -310,13 +311,20 @@ def _misplaced_key(key: str, data: dict[str, Any], pipeline: str | None, where: 
         else:
             name = data.get("pipeline")
             entry = resolve_pipeline(name, where=where) if isinstance(name, str) and name else None
-        if entry is not None:
-            entry.config_class.from_dict({key: data[key]}, where=where)  # the model section takes it as it is
     except Exception:  # noqa: BLE001 - no suggestion; the pipeline's own error comes once the key is fixed
         entry = None
-    if entry is not None:
+    if entry is not None and _takes(entry, {key: data.get(key)}, where) and not _takes(entry, {"~": None}, where):
         return f" (did you mean 'model.{key}'? the pipeline's settings go under `model:`)"
     return did_you_mean(key, TOP_LEVEL_KEYS)
+
+
+def _takes(entry: PipelineEntry, model_data: dict[Any, Any], where: str) -> bool:
+    """Whether the pipeline's ``Config.from_dict`` takes ``model_data`` as a model section."""
+    try:
+        entry.config_class.from_dict(model_data, where=where)
+    except Exception:  # noqa: BLE001 - third-party code: whatever it raises is a no
+        return False
+    return True
 
 
 def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: str | None = None) -> EngineConfig:
