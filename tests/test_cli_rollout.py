@@ -499,15 +499,21 @@ def test_a_step_whose_output_was_deleted_runs_again_on_resume_and_counts_once(en
     assert_same_outputs(reference, run)
 
 
-def test_resume_with_nothing_left_writes_the_summary_without_loading_the_model(env, data, tmp_path):
-    """A finished run resumed: the summary is written again and the model never loads (a large one takes minutes):
-    torch cannot even be imported here. Once a step file is left to run, the resume loads the model (and fails on
-    that torch)."""
+def finished_run(env, data, tmp_path: Path) -> tuple[Path, Path]:
+    """(episodes, run): a run of one 2-step episode (no END, so steps may be added) that completed."""
     episodes = tmp_path / "eps"
     write_episode(episodes / "arm", steps_of(0, 2), prompt="task arm", end=False)
     run = tmp_path / "run"
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(episodes), "--out", str(run), "--no-warmup")
     assert proc.returncode == 0, proc.stderr
+    return episodes, run
+
+
+def test_resume_with_nothing_left_writes_the_summary_without_loading_the_model(env, data, tmp_path):
+    """A finished run resumed: the summary is written again and the model never loads (a large one takes minutes):
+    torch cannot even be imported here. Once a step file is left to run, the resume loads the model (and fails on
+    that torch)."""
+    episodes, run = finished_run(env, data, tmp_path)
     first = json.loads((run / "summary.json").read_text())
     poisoned = tmp_path / "poisoned" / "torch"
     poisoned.mkdir(parents=True)
@@ -535,11 +541,7 @@ def test_resume_with_nothing_left_writes_the_summary_without_loading_the_model(e
 def test_resume_with_nothing_left_and_a_hand_edited_summary_loads_the_model_instead_of_crashing(env, data, tmp_path):
     """The plan is taken from summary.json: one edited (or written by hand) into something else than a mapping is
     not trusted, and the run loads to write it again, as it did before the shortcut (it was 'a bug in ardiff')."""
-    episodes = tmp_path / "eps"
-    write_episode(episodes / "arm", steps_of(0, 2), prompt="task arm", end=False)
-    run = tmp_path / "run"
-    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(episodes), "--out", str(run), "--no-warmup")
-    assert proc.returncode == 0, proc.stderr
+    _, run = finished_run(env, data, tmp_path)
     summary = json.loads((run / "summary.json").read_text())
     (run / "summary.json").write_text(json.dumps({**summary, "capacity_plan": "see the logs"}))
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
