@@ -85,6 +85,15 @@ class ConfigSpecRefused(CausalWorldPipeline):
             return dataclasses.replace(super().kv_cache_spec(), window_frames=0)
 
 
+class ConfigWithoutSpec(CausalWorldPipeline):
+    """Its Config has from_dict but no kv_cache_spec (the README asks for both)."""
+
+    class Config:
+        @classmethod
+        def from_dict(cls, data, *, where):
+            return cls()
+
+
 class ReturnsLists(CausalWorldPipeline):
     """Its forward returns its outputs as nested lists (``.tolist()``), so no value is an array."""
 

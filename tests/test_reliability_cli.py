@@ -286,6 +286,8 @@ def test_a_pipeline_authors_mistake_is_named_as_the_pipelines_not_as_a_bug_in_ar
                            "returned dict, expected an ARDiffusionKVCacheSpec"),
     ("ConfigSpecRefused", "pipeline 'author_mistakes:ConfigSpecRefused': ConfigSpecRefused.Config.kv_cache_spec() "
                           "raised ValueError: AR-Diffusion window_frames must be positive, got 0"),
+    ("ConfigWithoutSpec", "pipeline 'author_mistakes:ConfigWithoutSpec': ConfigWithoutSpec.Config.kv_cache_spec() "
+                          "raised AttributeError: 'Config' object has no attribute 'kv_cache_spec'"),
 ])
 @pytest.mark.parametrize("command", ["inspect-capacity", "warmup"])
 def test_a_pipeline_config_that_raises_is_named_as_the_pipelines_mistake(env, command, pipeline, message):

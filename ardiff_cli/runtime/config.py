@@ -364,7 +364,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
     config_class = entry.config_class.__qualname__
     model = _pipeline_config_call(entry, where, f"{config_class}.from_dict",
                                   lambda: entry.config_class.from_dict(model_data, where=where))
-    spec = _pipeline_config_call(entry, where, f"{config_class}.kv_cache_spec", model.kv_cache_spec)
+    spec = _pipeline_config_call(entry, where, f"{config_class}.kv_cache_spec", lambda: model.kv_cache_spec())
     if not isinstance(spec, ARDiffusionKVCacheSpec):
         raise PipelineError(f"{where}: pipeline {entry.name!r}: {config_class}.kv_cache_spec() returned "
                             f"{type(spec).__name__}, expected an ARDiffusionKVCacheSpec", hint=CONFIG_CONTRACT_HINT)
