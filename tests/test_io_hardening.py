@@ -140,7 +140,6 @@ def test_resume_of_a_misspelt_folder_says_it_does_not_exist_rather_than_to_start
     assert error["hint"] == "run without --resume to start a run in this folder"
 
 
-
 def test_resume_of_a_misspelt_folder_names_the_closest_run_among_many(tmp_path):
     """The hint lists the last five runs by name (the newest of timestamped ones): the run the typo was meant for
     is named too when it is not among them."""
