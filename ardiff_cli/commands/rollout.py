@@ -410,21 +410,20 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 + ("s" if len(p.episodes) != 1 else "") + f", order {order}"
                 + (f", {skipped} steps already done" if resume else ""))
     started = time.monotonic()
-    if resume and not follow:
-        summary = _nothing_left(p, order=order, preview=preview, wall_s=time.monotonic() - started)
-        if summary is not None:  # loading a model (minutes for a large one) would change nothing
-            output.info("nothing left to run: every step of every episode is done (the model was not loaded)")
-            for path in run.remove_stale_temporaries():
-                output.debug(f"removed {path}, a temporary file of an interrupted write")
-            remove_snapshot_files(p.out_dir / SWAP_FOLDER)
-            output.result(_write_summary(run, summary, output, None), lambda plain: render_summary(summary, plain))
-            return
-    if resume:  # torch resolves the device: after the check above, which needs neither
-        _same_device(p.cfg.runtime.device, p.recorded_device)
-    engine = driver = plan = summary = None
-    error: BaseException | None = None
     swap_dir = p.out_dir / SWAP_FOLDER
     remove_snapshot_files(swap_dir)  # stale: left by a run killed before it could remove them
+    if resume:
+        for path in run.remove_stale_temporaries():  # under the lock: left by a process killed mid-write
+            output.debug(f"removed {path}, a temporary file of an interrupted write")
+        summary = None if follow else _nothing_left(p, order=order, preview=preview,
+                                                    wall_s=time.monotonic() - started)
+        if summary is not None:  # loading a model (minutes for a large one) would change nothing
+            output.info("nothing left to run: every step of every episode is done (the model was not loaded)")
+            output.result(_write_summary(run, summary, output, None), lambda plain: render_summary(summary, plain))
+            return
+        _same_device(p.cfg.runtime.device, p.recorded_device)  # torch resolves the device: not needed above
+    engine = driver = plan = summary = None
+    error: BaseException | None = None
     try:
         with StopSignals() as signals, output.live(lambda: render(monitor.snapshot())):
             # `ardiff rollout --format json | head`: once the reader is gone, stop as a shell's SIGPIPE would
@@ -443,8 +442,6 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     recorded = run.read_info()
                     _same_backend(engine.runner.attention_backend, p.cfg.runtime.attention_backend,
                                   recorded.get("attention_backend"))
-                    for path in run.remove_stale_temporaries():  # under the lock: left by a process killed mid-write
-                        output.debug(f"removed {path}, a temporary file of an interrupted write")
                     atomic_write_json(p.out_dir / RUN_FILE, {**recorded, "resumed_at": time.time()})
                 else:
                     run.start({**p.info, "device": str(engine.device),
@@ -488,8 +485,8 @@ def _nothing_left(p: _Prepared, *, order: str, preview: bool, wall_s: float) -> 
     usual and reports it."""
     import json
 
-    from ardiff_cli.io.run import build_summary
     from ardiff_cli.io.stream import EpisodeEnded, StepScheduler
+    from ardiff_cli.rollout import RolloutStats
 
     try:
         previous = json.loads(p.run.summary_path.read_text(encoding="utf-8"))
@@ -504,16 +501,9 @@ def _nothing_left(p: _Prepared, *, order: str, preview: bool, wall_s: float) -> 
     if preview and not all(p.run.preview_path(e.name).is_file() for e in p.episodes):
         return None
     names = [e.name for e in p.episodes]
-    summary = build_summary(
-        p.run.iter_records(), episodes=names, failed={}, info={**p.info, "device": previous.get("device")},
-        plan=previous.get("capacity_plan"),
-        this_run={"steps": 0, "skipped": sum(len(p.done.get(n, ())) for n in names), "replayed": 0, "evictions": 0,
-                  "completed_episodes": names, "restored": 0},
-        wall_s=wall_s, status="ok", exit_code=0, root=p.run.root)
-    summary["swap"] = {"space_bytes": previous["swap"].get("space_bytes", 0), "swapped_out": 0, "restored": 0,
-                       "restore_failed": 0, "dropped": 0}
-    summary["hook_errors"] = []
-    return summary
+    stats = RolloutStats(skipped=sum(len(p.done.get(n, ())) for n in names), completed_episodes=names)
+    return _summary_of(p.run, p, stats, device=previous.get("device"), plan=previous["capacity_plan"],
+                       swap_space=previous["swap"].get("space_bytes", 0), dropped=0, wall_s=wall_s, error=None)
 
 
 def _write_summary(run: Any, summary: dict[str, Any], output: Output,
@@ -557,6 +547,16 @@ def _close_engine(engine: Any, output: Output) -> None:
 
 def _summary(run: Any, p: _Prepared, driver: Any, plan: Any, wall_s: float,
              error: BaseException | None) -> dict[str, Any]:
+    swap = driver.engine.runner.swap if driver.engine.runner is not None else None
+    return _summary_of(run, p, driver.stats, device=str(driver.engine.device),  # resolved, as run.json has it
+                       plan=None if plan is None else plan.to_dict(),
+                       swap_space=0 if swap is None else swap.budget_bytes,
+                       dropped=0 if swap is None else swap.num_dropped, wall_s=wall_s, error=error)
+
+
+def _summary_of(run: Any, p: _Prepared, stats: Any, *, device: str | None, plan: dict[str, Any] | None,
+                swap_space: int, dropped: int, wall_s: float, error: BaseException | None) -> dict[str, Any]:
+    """summary.json of a run whose counters are ``stats`` (a ``RolloutStats``)."""
     from ardiff_cli.errors_cli import EXIT_PARTIAL, EpisodesFailed, Interrupted
     from ardiff_cli.io.run import build_summary
 
@@ -568,19 +568,15 @@ def _summary(run: Any, p: _Prepared, driver: Any, plan: Any, wall_s: float,
         status = "partial"
     else:
         status = "failed"
-    stats = driver.stats
     summary = build_summary(
         run.iter_records(), episodes=[e.name for e in p.episodes], failed=stats.failed,
-        info={**p.info, "device": str(driver.engine.device)},  # as run.json records it: resolved, not "auto"
-        plan=None if plan is None else plan.to_dict(),
+        info={**p.info, "device": device}, plan=plan,
         this_run={"steps": stats.steps, "skipped": stats.skipped, "replayed": stats.replayed,
                   "evictions": stats.evictions, "completed_episodes": stats.completed_episodes,
                   "restored": stats.restored},
         wall_s=wall_s, status=status, exit_code=0 if error is None else exit_code_for(error), root=run.root)
-    swap = driver.engine.runner.swap if driver.engine.runner is not None else None
-    summary["swap"] = {"space_bytes": 0 if swap is None else swap.budget_bytes, "swapped_out": stats.swapped_out,
-                       "restored": stats.restored, "restore_failed": stats.restore_failed,
-                       "dropped": 0 if swap is None else swap.num_dropped}
+    summary["swap"] = {"space_bytes": swap_space, "swapped_out": stats.swapped_out, "restored": stats.restored,
+                       "restore_failed": stats.restore_failed, "dropped": dropped}
     summary["hook_errors"] = list(stats.hook_errors)  # pipeline reset/close hooks that raised (KV released anyway)
     return summary
 
