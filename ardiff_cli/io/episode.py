@@ -186,6 +186,11 @@ def episode_entries(folder: Path) -> list[str]:
     return sorted(n for n in names if n in (METADATA_FILE, END_MARKER) or is_step_file(folder / n))
 
 
+def listed(names: list[str], limit: int = 3) -> str:
+    """The first ``limit`` names, comma-separated, with ', ...' when there are more."""
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+
+
 def _holds_episode(folder: Path) -> bool:
     if (folder / METADATA_FILE).exists() or (folder / END_MARKER).exists():
         return True
@@ -220,9 +225,8 @@ def _warn_about_episodes_inside(folder: Path, warn: Callable[[str], None] | None
     inside = sorted(p.name for p in children if p.is_dir() and not p.name.startswith(".")
                     and episode_entries(p) and not _is_run_output(p))
     if inside and warn is not None:
-        found = episode_entries(folder)
         shown = ", ".join(inside[:5]) + (f" and {len(inside) - 5} more" if len(inside) > 5 else "")
-        warn(f"{folder} is one episode (it holds {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}); its "
+        warn(f"{folder} is one episode (it holds {listed(episode_entries(folder))}); its "
              f"folders {shown} hold episodes that do not run: pass them as EPISODE, or move the stray files out")
 
 
