@@ -515,6 +515,7 @@ def test_resume_with_nothing_left_writes_the_summary_without_loading_the_model(e
     that torch)."""
     episodes, run = finished_run(env, data, tmp_path)
     first = json.loads((run / "summary.json").read_text())
+    first_done = (run / "summary.json").stat().st_mtime
     poisoned = tmp_path / "poisoned" / "torch"
     poisoned.mkdir(parents=True)
     (poisoned / "__init__.py").write_text("raise ImportError('a resume imported torch')\n")
@@ -529,13 +530,21 @@ def test_resume_with_nothing_left_writes_the_summary_without_loading_the_model(e
     assert summary["episodes"] == first["episodes"] and summary["capacity_plan"] == first["capacity_plan"]
     assert summary["device"] == first["device"] and summary["latency_s"] == first["latency_s"]
     assert len(records(run)) == 2
+    events = [json.loads(line) for line in proc.stdout.splitlines()]
+    # what a loaded resume emits too: each episode's end, then the summary; and run.json says when it resumed
+    assert [(e["kind"], e.get("session_id"), e.get("detail")) for e in events[:-1]] == [
+        ("episode", "arm", "ended (complete) after 2 steps")]
+    assert events[-1]["kind"] == "summary"
+    assert json.loads((run / "run.json").read_text())["resumed_at"] >= first_done
 
     write_step(episodes / "arm", 2, steps_of(0, 3)[2])  # a step arrived since: the model must load to run it
     proc = ardiff(no_torch, "rollout", "--resume", "--out", str(run))
     assert proc.returncode == 1 and "a resume imported torch" in proc.stderr, proc.stderr
-    proc = ardiff(env, "rollout", "--resume", "--out", str(run))
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--format", "json")
     assert proc.returncode == 0, proc.stderr
     assert [(r["step"], r["status"]) for r in records(run)] == [(0, "ok"), (1, "ok"), (2, "ok")]
+    assert [e["detail"] for e in map(json.loads, proc.stdout.splitlines()) if e["kind"] == "episode"] == [
+        "ended (complete) after 3 steps"]
 
 
 def test_resume_with_nothing_left_and_a_hand_edited_summary_loads_the_model_instead_of_crashing(env, data, tmp_path):

@@ -414,10 +414,15 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     if resume:
         for path in run.remove_stale_temporaries():  # under the lock: left by a process killed mid-write
             output.debug(f"removed {path}, a temporary file of an interrupted write")
-        summary = None if follow else _nothing_left(p, order=order, preview=preview,
-                                                    wall_s=time.monotonic() - started)
-        if summary is not None:  # loading a model (minutes for a large one) would change nothing
+        finished = None if follow else _nothing_left(p, order=order, preview=preview,
+                                                     wall_s=time.monotonic() - started)
+        if finished is not None:  # loading a model (minutes for a large one) would change nothing
+            summary, ended = finished
             output.info("nothing left to run: every step of every episode is done (the model was not loaded)")
+            atomic_write_json(p.out_dir / RUN_FILE, {**run.read_info(), "resumed_at": time.time()})
+            for item in ended:  # the events a loaded resume gives: a script counts its episodes the same way
+                name = item.episode.name
+                monitor.log("episode", name, f"ended ({item.reason}) after {len(p.done.get(name, ()))} steps")
             output.result(_write_summary(run, summary, output, None), lambda plain: render_summary(summary, plain))
             return
         _same_device(p.cfg.runtime.device, p.recorded_device)  # torch resolves the device: not needed above
@@ -477,11 +482,12 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
             output.result(summary, lambda plain: render_summary(summary, plain))
 
 
-def _nothing_left(p: _Prepared, *, order: str, preview: bool, wall_s: float) -> dict[str, Any] | None:
-    """The summary of a resumed run that has nothing left to run: every episode's step files are done and it ends
-    whole, as the run would find after loading; ``None`` when anything is left, or unclear (a folder that cannot
-    be read, a missing or unreadable summary.json to take the plan from, a missing preview), so the run goes on as
-    usual and reports it."""
+def _nothing_left(p: _Prepared, *, order: str, preview: bool,
+                  wall_s: float) -> tuple[dict[str, Any], list[Any]] | None:
+    """The summary of a resumed run that has nothing left to run, and its episodes' ends in the order the run gives
+    them: every episode's step files are done and it ends whole, as the run would find after loading; ``None``
+    when anything is left, or unclear (a folder that cannot be read, a missing or unreadable summary.json to take
+    the plan from, a missing preview), so the run goes on as usual and reports it."""
     import json
 
     from ardiff_cli.io.stream import EpisodeEnded, StepScheduler
@@ -490,9 +496,11 @@ def _nothing_left(p: _Prepared, *, order: str, preview: bool, wall_s: float) -> 
     try:
         previous = json.loads(p.run.summary_path.read_text(encoding="utf-8"))
         scheduler = StepScheduler(p.episodes, order=order, done=p.done)
+        ended = []
         while (item := scheduler.next()) is not None:
             if not isinstance(item, EpisodeEnded) or item.reason == "error":
                 return None
+            ended.append(item)
     except (OSError, ValueError, ArdiffError):
         return None
     if not isinstance(previous, dict) or not all(isinstance(previous.get(k), dict) for k in ("swap", "capacity_plan")):
@@ -502,7 +510,8 @@ def _nothing_left(p: _Prepared, *, order: str, preview: bool, wall_s: float) -> 
     names = [e.name for e in p.episodes]
     stats = RolloutStats(skipped=sum(len(p.done.get(n, ())) for n in names), completed_episodes=names)
     return _summary_of(p.run, p, stats, device=previous.get("device"), plan=previous["capacity_plan"],
-                       swap_space=previous["swap"].get("space_bytes", 0), dropped=0, wall_s=wall_s, error=None)
+                       swap_space=previous["swap"].get("space_bytes", 0), dropped=0, wall_s=wall_s,
+                       error=None), ended
 
 
 def _write_summary(run: Any, summary: dict[str, Any], output: Output,
