@@ -54,3 +54,15 @@ def test_every_test_the_reliability_page_cites_exists():
         unknown += [param for param in re.findall(r"\[([^\]]+)\]", ref)
                     if not re.fullmatch(r"[\d-]+", param) and param not in strings]  # [1-129]: pytest's own id
     assert unknown == []
+
+
+def test_every_error_the_readme_says_is_importable_from_the_runtime_is():
+    import ardiff_cli.runtime as runtime
+    from ardiff_cli.runtime import errors
+
+    readme = (REPO / "README.md").read_text()
+    paragraph = readme[readme.index("Errors a caller can cause"):].split("\n\n")[0]
+    named = [name for name in re.findall(r"`([A-Z]\w+)`", paragraph) if isinstance(getattr(errors, name, None), type)]
+    assert "ArdiffError" in named and "EngineStateError" in named
+    missing = [name for name in named if getattr(runtime, name, None) is not getattr(errors, name)]
+    assert missing == []

@@ -38,6 +38,7 @@ _EXPORTS = {
     "PipelineError": "errors",
     "RequestError": "errors",
     "SessionNotResident": "errors",
+    "EngineStateError": "errors",
     "SwapRestoreError": "errors",
     "StopRequested": "errors",
     "SessionView": "runner",
