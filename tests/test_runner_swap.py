@@ -6,6 +6,7 @@ pool's page counts exact, its files deleted once restored, and nothing half-rest
 
 from __future__ import annotations
 
+import re
 import threading
 import warnings
 
@@ -139,6 +140,22 @@ def test_over_budget_drops_the_least_recently_swapped_snapshot(tmp_path):
         run(engine, "e", 0)  # d evicted without a snapshot too, and no second warning
     last = [e for e in events if e.kind == "session_evicted"][-1]
     assert last.session_id == "d" and not last.swapped
+    engine.close()
+
+
+def test_a_snapshot_over_the_swap_space_is_said_to_be_larger_with_the_size_its_file_takes(tmp_path):
+    """The warning gave the bytes of the tensors alone, without the file's header: a snapshot of 99.00 KiB was
+    "larger than the whole swap space (100.00 KiB)"."""
+    engine, _ = a_swapped_out(tmp_path)
+    runner = engine.runner
+    one = runner.pool_usage().swapped_bytes  # a's file; b's, with the same history, takes as much
+    runner.swap.budget_bytes = one - 256
+    with pytest.warns(ArdiffWarning, match=r"larger than the whole swap space") as caught:
+        run(engine, "c", 0)  # b is evicted, over the budget
+    (message,) = [str(w.message) for w in caught if "larger than the whole" in str(w.message)]
+    units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20}
+    snapshot, space = [float(n) * units[u] for n, u in re.findall(r"\(([0-9.]+) (B|KiB|MiB)\)", message)]
+    assert snapshot > space, message
     engine.close()
 
 

@@ -697,10 +697,9 @@ class ARDiffusionModelRunner:
             return None
         if written is None and not self._warned_swap_space:  # once: every eviction would say the same
             self._warned_swap_space = True
-            size = sum(t.numel() * t.element_size() for t in tensors.values())
-            warnings.warn(f"the snapshot of session {shown(session_id)} ({format_bytes(size)}) is larger than the "
-                          f"whole swap space ({format_bytes(self.swap.budget_bytes)}): sessions this large are "
-                          "evicted without one (a larger swap space keeps them)", ArdiffWarning, stacklevel=2)
+            warnings.warn(f"the snapshot of session {shown(session_id)} ({format_bytes(self.swap.refused_bytes)}) is "
+                          f"larger than the whole swap space ({format_bytes(self.swap.budget_bytes)}): sessions this "
+                          "large are evicted without one (a larger swap space keeps them)", ArdiffWarning, stacklevel=2)
         return written
 
     @_one_at_a_time

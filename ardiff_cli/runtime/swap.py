@@ -88,6 +88,7 @@ class SwapStore:
         self._files: OrderedDict[str, tuple[Path, int]] = OrderedDict()
         self._nbytes = 0  # sum of the files' bytes, kept as one int so other threads read it whole
         self.num_dropped = 0  # snapshots deleted to make room for newer ones (their sessions are rebuilt otherwise)
+        self.refused_bytes = 0  # the file size of the last snapshot refused as larger than the whole budget
         # Hashed into every file name: stores sharing a folder (two engines, two processes) never touch each
         # other's files, even for one session id.
         self._salt = secrets.token_bytes(16)
@@ -111,13 +112,14 @@ class SwapStore:
 
     def write(self, session_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> int | None:
         """Write the snapshot of ``session_id`` (replacing an older one); its bytes, or None when it is larger than
-        the whole budget (not written). Older snapshots are dropped first to make room. An ``OSError`` (disk full,
-        folder not writable) leaves no file of it behind and is raised."""
+        the whole budget (not written; its bytes in ``refused_bytes``). Older snapshots are dropped first to make
+        room. An ``OSError`` (disk full, folder not writable) leaves no file of it behind and is raised."""
         self.discard(session_id)
         header = json.dumps({"format": FORMAT, "session_id": session_id, **metadata})
         planned = 8 + len(header) + sum(HEADER_BYTES_PER_TENSOR + len(k) + t.numel() * t.element_size()
                                         for k, t in tensors.items())
         if planned > self.budget_bytes:
+            self.refused_bytes = planned
             return None
         self._make_room(planned)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -139,6 +141,7 @@ class SwapStore:
             self._make_room(0, keep=session_id)
             if self._nbytes > self.budget_bytes:
                 self.discard(session_id)
+                self.refused_bytes = size
                 return None
         return size
 
