@@ -323,6 +323,28 @@ def test_bad_file_fails_its_episode_only_and_names_the_path(env, data, tmp_path)
     assert str(bad) in proc.stderr
 
 
+def test_a_failure_that_resume_retries_and_meets_again_is_counted_once(env, data, tmp_path):
+    """A bad file left as it was: each --resume retries its episode and fails at the same step again. The summary
+    counts that failure once, as the uninterrupted run did (it counted one failed line per resume)."""
+    eps = tmp_path / "eps"
+    shutil.copytree(data / "eps", eps)
+    arrays = steps_of(1, 3)[1]
+    arrays["joint_position"] = np.zeros(5, np.float32)
+    write_step(eps / "arm_b", 1, arrays)
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 4, proc.stderr
+    first = json.loads((run / "summary.json").read_text())
+    for _ in range(2):
+        proc = ardiff(env, "rollout", "--resume", "--out", str(run))
+        assert proc.returncode == 4, proc.stderr
+    assert [(r["episode"], r["step"]) for r in records(run) if r["status"] == "failed"] == [("arm_b", 1)] * 3
+    summary = json.loads((run / "summary.json").read_text())
+    assert first["steps"]["failed"] == 1
+    assert summary["steps"]["failed"] == 1, summary["steps"]
+    assert summary["steps"]["ok"] == first["steps"]["ok"] and summary["episodes"] == first["episodes"]
+
+
 @pytest.fixture(scope="module")
 def reference(env, data, tmp_path_factory):
     """An uninterrupted round-robin run (one resident session: every step evicts the other episode, which is

@@ -299,8 +299,9 @@ def build_summary(records: Iterable[Mapping[str, Any]], *, episodes: list[str], 
     forward_s: list[float] = []
     evictions = 0
     # A failure is retried when a later ok line of its episode reaches its step (a failed replay of step 0
-    # is retried by step 1's line: step 0's own ok line came earlier and is not written again).
-    pending: dict[Any, list[int]] = {}  # episode -> steps of failed lines no later ok line reached yet
+    # is retried by step 1's line: step 0's own ok line came earlier and is not written again), or when a later
+    # failed line of its episode comes: an episode stops at its failure, so that line is a --resume retrying it.
+    pending: dict[Any, int] = {}  # episode -> step of its newest failed line (scan: -1) no later ok line reached
     for r in records:
         episode, step = r.get("episode"), r.get("step", -1)
         if r.get("status") == "ok":
@@ -309,11 +310,11 @@ def build_summary(records: Iterable[Mapping[str, Any]], *, episodes: list[str], 
                 total_s.append(r["latency"]["total_s"])
                 forward_s.append(r["latency"]["forward_s"])
             evictions += int(r.get("evictions", 0))
-            if episode in pending:
-                pending[episode] = [s for s in pending[episode] if s > step]
+            if pending.get(episode, step + 1) <= step:
+                del pending[episode]
         elif r.get("status") == "failed":
-            pending.setdefault(episode, []).append(step)  # scan: step -1
-    unresolved = sum(map(len, pending.values()))
+            pending[episode] = step
+    unresolved = len(pending)
     steps_by_episode: dict[str, int] = {}
     for episode, _ in done:
         steps_by_episode[episode] = steps_by_episode.get(episode, 0) + 1
