@@ -340,6 +340,8 @@ class Rollout:
             record["traceback"] = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
         with self.signals.critical():
             self._append(record)
+        if self.out.is_json:  # the same step object as an ok line's; plain and rich show the Error: lines below
+            self.out.json({"kind": "step", **record, "session_id": episode.name})
         self.stats.failed[episode.name] = message
         self.stats.errors[episode.name] = exc
         self.scheduler.drop(episode.name)

@@ -172,6 +172,24 @@ def test_json_mode_prints_only_json_on_stdout(env, data, tmp_path):
     assert (tmp_path / "run" / "previews" / "arm_a.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_json_mode_carries_every_results_line_failed_ones_included(env, data, tmp_path):
+    """A script reading the JSON stream sees the failed step as results.jsonl has it (episode, step, phase, error
+    type), not only an error object whose message it would have to parse."""
+    eps = tmp_path / "eps"
+    shutil.copytree(data / "eps", eps)
+    arrays = steps_of(1, 3)[1]
+    arrays["joint_position"] = np.zeros(5, np.float32)
+    write_step(eps / "arm_b", 1, arrays)
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(run), "--format", "json")
+    assert proc.returncode == 4, proc.stderr
+    steps = [o for o in map(json.loads, proc.stdout.splitlines()) if o["kind"] == "step"]
+    assert [{k: v for k, v in s.items() if k not in ("kind", "session_id", "detail")} for s in steps] == records(run)
+    (failed,) = [s for s in steps if s["status"] == "failed"]
+    assert (failed["episode"], failed["step"], failed["phase"], failed["error_type"]) == (
+        "arm_b", 1, "load", "ObservationError")
+
+
 def read_png(path: Path) -> np.ndarray:
     """The (H, W, 3) uint8 image of a PNG as ardiff writes it (RGB, 8 bits, filter 0 on every row)."""
     data, at, idat = path.read_bytes(), 8, b""
