@@ -369,7 +369,9 @@ class Rollout:
         self._close_session(name)  # following: the end was learnt after the last step ran
         self._digests.pop(name, None)  # never replayed again: a long run holds only live episodes' digests
         self.stats.completed_episodes.append(name)
-        self.monitor.log("episode", name, f"ended ({item.reason}) after {self._steps_done[name]} steps")
+        steps = self._steps_done[name]
+        self.monitor.log("episode", name, f"ended ({item.reason}) after {steps} steps", episode=name,
+                         reason=item.reason, steps=steps)
         if self.options.preview:
             try:
                 self._write_preview(item.episode)

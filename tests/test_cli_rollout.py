@@ -169,6 +169,9 @@ def test_json_mode_prints_only_json_on_stdout(env, data, tmp_path):
     steps = [o for o in objects if o["kind"] == "step"]
     assert [(s["episode"], s["step"]) for s in steps] == [
         ("arm_a", 0), ("arm_b", 0), ("arm_a", 1), ("arm_b", 1), ("arm_a", 2), ("arm_b", 2)]
+    # An episode's end is an object a script reads without parsing its detail text.
+    ends = [(o["episode"], o["reason"], o["steps"]) for o in objects if o["kind"] == "episode"]
+    assert sorted(ends) == [("arm_a", "complete", 3), ("arm_b", "complete", 3)]
     assert (tmp_path / "run" / "previews" / "arm_a.png").read_bytes()[:4] == b"\x89PNG"
 
 
