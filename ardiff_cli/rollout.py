@@ -334,7 +334,7 @@ class Rollout:
         message = str(exc)
         cause = exc.cause if isinstance(exc, StepFailed) else exc
         record = {"episode": episode.name, "step": step_file.step, "chunk": ordinal, "session": episode.name,
-                  "status": "failed", "error": message, "path": str(step_file.path), "phase": phase,
+                  "status": "failed", "error": message, "path": str(step_file.path.absolute()), "phase": phase,
                   "error_type": type(cause).__name__, "time": time.time()}
         if not isinstance(cause, ArdiffError):  # unexpected: keep the traceback, the run is unattended
             record["traceback"] = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))

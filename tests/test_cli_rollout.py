@@ -366,6 +366,21 @@ def test_a_failure_that_resume_retries_and_meets_again_is_counted_once(env, data
     assert summary["steps"]["ok"] == first["steps"]["ok"] and summary["episodes"] == first["episodes"]
 
 
+def test_a_failed_lines_path_is_absolute_whatever_folder_the_run_was_started_from(env, data, tmp_path):
+    """Episodes given relative to the caller's folder: the failed line's path still opens from anywhere, and a
+    --resume (which reads run.json's absolute paths) writes the same path for the same step."""
+    shutil.copytree(data / "eps", tmp_path / "eps")
+    arrays = steps_of(1, 3)[1]
+    arrays["joint_position"] = np.zeros(5, np.float32)
+    write_step(tmp_path / "eps" / "arm_b", 1, arrays)
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), "eps", "--out", "run", "--no-warmup", cwd=tmp_path)
+    assert proc.returncode == 4, proc.stderr
+    proc = ardiff(env, "rollout", "--resume", "--out", str(tmp_path / "run"))  # from the repository's folder
+    assert proc.returncode == 4, proc.stderr
+    first, again = [r["path"] for r in records(tmp_path / "run") if r["status"] == "failed"]
+    assert first == again == str(tmp_path / "eps" / "arm_b" / "step_000001.safetensors")
+
+
 @pytest.fixture(scope="module")
 def reference(env, data, tmp_path_factory):
     """An uninterrupted round-robin run (one resident session: every step evicts the other episode, which is
