@@ -830,6 +830,35 @@ def test_resume_goes_on_following_and_drawing_previews_as_the_run_started(env, d
     assert (run / "previews" / "arm_a.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_resumed_run_has_no_summary_until_it_ends_so_a_script_never_reads_the_last_runs_as_final(env, data,
+                                                                                                  tmp_path):
+    """A script that waits for summary.json: while a --resume runs, and after it is killed with -9, the interrupted
+    run's summary (with its counts and exit code) is not there to be taken for the resumed run's outcome."""
+    proc, live, run = follow_a_live_episode(env, data, tmp_path, "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+    proc = spawn(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--idle-timeout", "600")
+    try:
+        write_episode(live / "arm_a", steps_of(0, 3)[1:2], first_step=1, end=False)
+        wait_for_lines(run / "results.jsonl", 2, proc)  # the resumed run is running steps
+        assert not (run / "summary.json").exists()
+        proc.kill()
+        proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert not (run / "summary.json").exists()
+    write_episode(live / "arm_a", steps_of(0, 3)[2:], first_step=2)  # and END
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["steps"]["ok"]) == ("ok", 3)
+
+
 def test_a_second_rollout_on_a_folder_in_use_is_refused_and_kill_9_leaves_no_stale_lock(env, data, tmp_path):
     proc, live, run = follow_a_live_episode(env, data, tmp_path, "plain")
     try:

@@ -453,6 +453,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 if warmup:
                     monitor.set_phase("warmup")
                     engine.warmup()
+                if resume:  # the last run's word on a run that goes on from here: a script must not take it as final
+                    run.summary_path.unlink(missing_ok=True)
                 monitor.set_phase("following" if follow else "running")
                 driver = Rollout(engine, p.cfg.observation_schema(), p.episodes, run, output, monitor,
                                  signals, options, p.done, digests=p.digests)
