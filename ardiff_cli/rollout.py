@@ -67,6 +67,11 @@ class RolloutStats:
     hook_errors: list[dict[str, Any]] = field(default_factory=list)  # pipeline reset/close hooks that raised
 
 
+def log_episode_end(monitor: RunMonitor, name: str, reason: str, steps: int) -> None:
+    """An episode's end (reason: complete, end_marker or idle_timeout), in the log and as a JSON object."""
+    monitor.log("episode", name, f"ended ({reason}) after {steps} steps", episode=name, reason=reason, steps=steps)
+
+
 class Rollout:
     """Runs every episode's pending steps through ``engine``; see the module docstring."""
 
@@ -369,9 +374,7 @@ class Rollout:
         self._close_session(name)  # following: the end was learnt after the last step ran
         self._digests.pop(name, None)  # never replayed again: a long run holds only live episodes' digests
         self.stats.completed_episodes.append(name)
-        steps = self._steps_done[name]
-        self.monitor.log("episode", name, f"ended ({item.reason}) after {steps} steps", episode=name,
-                         reason=item.reason, steps=steps)
+        log_episode_end(self.monitor, name, item.reason, self._steps_done[name])
         if self.options.preview:
             try:
                 self._write_preview(item.episode)

@@ -590,8 +590,8 @@ def test_resume_with_nothing_left_writes_the_summary_without_loading_the_model(e
     assert len(records(run)) == 2
     events = [json.loads(line) for line in proc.stdout.splitlines()]
     # what a loaded resume emits too: each episode's end, then the summary; and run.json says when it resumed
-    assert [(e["kind"], e.get("session_id"), e.get("detail")) for e in events[:-1]] == [
-        ("episode", "arm", "ended (complete) after 2 steps")]
+    assert [(e["kind"], e["episode"], e["reason"], e["steps"], e["detail"]) for e in events[:-1]] == [
+        ("episode", "arm", "complete", 2, "ended (complete) after 2 steps")]
     assert events[-1]["kind"] == "summary"
     assert json.loads((run / "run.json").read_text())["resumed_at"] >= first_done
 

@@ -396,7 +396,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     from ardiff_cli.io.run import RUN_FILE
     from ardiff_cli.monitor import RunMonitor
     from ardiff_cli.panels import render
-    from ardiff_cli.rollout import Rollout, RolloutOptions
+    from ardiff_cli.rollout import Rollout, RolloutOptions, log_episode_end
     from ardiff_cli.runtime.swap import remove_snapshot_files
     from ardiff_cli.signals import StopSignals
 
@@ -420,9 +420,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
             summary, ended = finished
             output.info("nothing left to run: every step of every episode is done (the model was not loaded)")
             atomic_write_json(p.out_dir / RUN_FILE, {**run.read_info(), "resumed_at": time.time()})
-            for item in ended:  # the events a loaded resume gives: a script counts its episodes the same way
-                name = item.episode.name
-                monitor.log("episode", name, f"ended ({item.reason}) after {len(p.done.get(name, ()))} steps")
+            for item in ended:  # the objects a loaded resume prints: a script counts its episodes the same way
+                log_episode_end(monitor, item.episode.name, item.reason, len(p.done.get(item.episode.name, ())))
             output.result(_write_summary(run, summary, output, None), lambda plain: render_summary(summary, plain))
             return
         _same_device(p.cfg.runtime.device, p.recorded_device)  # torch resolves the device: not needed above
@@ -453,11 +452,11 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 if warmup:
                     monitor.set_phase("warmup")
                     engine.warmup()
-                if resume:  # the last run's word on a run that goes on from here: a script must not take it as final
-                    run.summary_path.unlink(missing_ok=True)
                 monitor.set_phase("following" if follow else "running")
                 driver = Rollout(engine, p.cfg.observation_schema(), p.episodes, run, output, monitor,
                                  signals, options, p.done, digests=p.digests)
+                if resume:  # the last run's word on a run that goes on from here: a script must not take it as final
+                    run.summary_path.unlink(missing_ok=True)  # with a driver: this run's own is written at its end
                 stats = driver.run()
                 monitor.set_phase("done")
                 if stats.failed:
