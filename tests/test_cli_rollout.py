@@ -175,14 +175,20 @@ def test_json_mode_prints_only_json_on_stdout(env, data, tmp_path):
     assert (tmp_path / "run" / "previews" / "arm_a.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_json_mode_carries_every_results_line_failed_ones_included(env, data, tmp_path):
-    """A script reading the JSON stream sees the failed step as results.jsonl has it (episode, step, phase, error
-    type), not only an error object whose message it would have to parse."""
+def episodes_with_a_bad_step(data: Path, tmp_path: Path) -> Path:
+    """tmp_path/eps: a copy of the test episodes whose arm_b step 1 has a joint_position of the wrong shape."""
     eps = tmp_path / "eps"
     shutil.copytree(data / "eps", eps)
     arrays = steps_of(1, 3)[1]
     arrays["joint_position"] = np.zeros(5, np.float32)
     write_step(eps / "arm_b", 1, arrays)
+    return eps
+
+
+def test_json_mode_carries_every_results_line_failed_ones_included(env, data, tmp_path):
+    """A script reading the JSON stream sees the failed step as results.jsonl has it (episode, step, phase, error
+    type), not only an error object whose message it would have to parse."""
+    eps = episodes_with_a_bad_step(data, tmp_path)
     run = tmp_path / "run"
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(run), "--format", "json")
     assert proc.returncode == 4, proc.stderr
@@ -320,12 +326,8 @@ def test_a_dangling_ardiff_runs_link_is_a_usage_error_not_a_hang(env, data, tmp_
 
 
 def test_bad_file_fails_its_episode_only_and_names_the_path(env, data, tmp_path):
-    eps = tmp_path / "eps"
-    shutil.copytree(data / "eps", eps)
+    eps = episodes_with_a_bad_step(data, tmp_path)
     bad = eps / "arm_b" / "step_000001.safetensors"
-    arrays = steps_of(1, 3)[1]
-    arrays["joint_position"] = np.zeros(5, np.float32)
-    write_step(eps / "arm_b", 1, arrays)
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "run"))
     assert proc.returncode == 4, proc.stderr
     assert str(bad) in proc.stderr and "'joint_position'" in proc.stderr and "(5,)" in proc.stderr
@@ -347,11 +349,7 @@ def test_bad_file_fails_its_episode_only_and_names_the_path(env, data, tmp_path)
 def test_a_failure_that_resume_retries_and_meets_again_is_counted_once(env, data, tmp_path):
     """A bad file left as it was: each --resume retries its episode and fails at the same step again. The summary
     counts that failure once, as the uninterrupted run did (it counted one failed line per resume)."""
-    eps = tmp_path / "eps"
-    shutil.copytree(data / "eps", eps)
-    arrays = steps_of(1, 3)[1]
-    arrays["joint_position"] = np.zeros(5, np.float32)
-    write_step(eps / "arm_b", 1, arrays)
+    eps = episodes_with_a_bad_step(data, tmp_path)
     run = tmp_path / "run"
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(run), "--no-warmup")
     assert proc.returncode == 4, proc.stderr
@@ -369,10 +367,7 @@ def test_a_failure_that_resume_retries_and_meets_again_is_counted_once(env, data
 def test_a_failed_lines_path_is_absolute_whatever_folder_the_run_was_started_from(env, data, tmp_path):
     """Episodes given relative to the caller's folder: the failed line's path still opens from anywhere, and a
     --resume (which reads run.json's absolute paths) writes the same path for the same step."""
-    shutil.copytree(data / "eps", tmp_path / "eps")
-    arrays = steps_of(1, 3)[1]
-    arrays["joint_position"] = np.zeros(5, np.float32)
-    write_step(tmp_path / "eps" / "arm_b", 1, arrays)
+    episodes_with_a_bad_step(data, tmp_path)
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), "eps", "--out", "run", "--no-warmup", cwd=tmp_path)
     assert proc.returncode == 4, proc.stderr
     proc = ardiff(env, "rollout", "--resume", "--out", str(tmp_path / "run"))  # from the repository's folder
@@ -774,6 +769,16 @@ def follow_a_live_episode(env, data, tmp_path: Path, fmt: str) -> tuple[subproce
     return proc, live, run
 
 
+def signal_after_the_first_step(proc: subprocess.Popen, run: Path, signum: int) -> str:
+    """Send ``signum`` to the rollout once its first results line is written; its stderr when it has exited."""
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)
+        proc.send_signal(signum)
+        return proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+
+
 def test_a_reader_that_goes_away_stops_the_run_like_sigpipe_and_resume_finishes_it(env, data, tmp_path):
     # `ardiff rollout --format json | head -1`: the episode is still being recorded when head exits.
     proc, live, run = follow_a_live_episode(env, data, tmp_path, "json")
@@ -795,12 +800,7 @@ def test_a_reader_that_goes_away_stops_the_run_like_sigpipe_and_resume_finishes_
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_signals_exit_130_or_143_with_whole_lines(env, data, tmp_path, signum, code):
     proc, _, run = follow_a_live_episode(env, data, tmp_path, "plain")
-    try:
-        wait_for_lines(run / "results.jsonl", 1, proc)
-        proc.send_signal(signum)
-        _, stderr = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
+    stderr = signal_after_the_first_step(proc, run, signum)
     assert proc.returncode == code, stderr
     assert f"interrupted by {signal.Signals(signum).name}" in stderr and "--resume" in stderr
     assert len(records(run)) == 1
@@ -813,12 +813,7 @@ def test_resume_goes_on_following_and_drawing_previews_as_the_run_started(env, d
     write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
     proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--preview",
                  "--no-warmup", "--format", "plain")
-    try:
-        wait_for_lines(run / "results.jsonl", 1, proc)
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=300)
-    finally:
-        proc.kill()
+    signal_after_the_first_step(proc, run, signal.SIGTERM)
     assert proc.returncode == 143 and not (run / "previews").exists()
     write_episode(live / "arm_a", steps_of(0, 3)[1:2], first_step=1, end=False)  # the robot goes on, no END yet
     # The robot is still recording: the resumed run follows it (so --idle-timeout applies) rather than calling
@@ -835,12 +830,7 @@ def test_a_resumed_run_has_no_summary_until_it_ends_so_a_script_never_reads_the_
     """A script that waits for summary.json: while a --resume runs, and after it is killed with -9, the interrupted
     run's summary (with its counts and exit code) is not there to be taken for the resumed run's outcome."""
     proc, live, run = follow_a_live_episode(env, data, tmp_path, "plain")
-    try:
-        wait_for_lines(run / "results.jsonl", 1, proc)
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=300)
-    finally:
-        proc.kill()
+    signal_after_the_first_step(proc, run, signal.SIGTERM)
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
     proc = spawn(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--idle-timeout", "600")
     try:
