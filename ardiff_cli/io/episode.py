@@ -225,9 +225,9 @@ def _warn_about_episodes_inside(folder: Path, warn: Callable[[str], None] | None
     inside = sorted(p.name for p in children if p.is_dir() and not p.name.startswith(".")
                     and episode_entries(p) and not _is_run_output(p))
     if inside and warn is not None:
-        shown = ", ".join(inside[:5]) + (f" and {len(inside) - 5} more" if len(inside) > 5 else "")
-        warn(f"{folder} is one episode (it holds {listed(episode_entries(folder))}); its "
-             f"folders {shown} hold episodes that do not run: pass them as EPISODE, or move the stray files out")
+        warn(f"{folder} is one episode (it holds {listed(episode_entries(folder))}); its folders "
+             f"{listed(inside, limit=5)} hold episodes that do not run: pass them as EPISODE, or move the stray "
+             "files out")
 
 
 def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None = None) -> list[EpisodeSource]:
