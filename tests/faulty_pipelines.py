@@ -18,7 +18,8 @@ Each fault is a JSON object:
   ``after`` layers), ``cross_oom`` (``torch.empty`` inside ``populate_cross_attention`` raises
   ``torch.OutOfMemoryError``), ``page_shortage`` (the KV allocator is emptied for the request),
   ``close_hook`` (``session``: its close hook raises; no ``request``), ``corrupt_swap`` (every swap snapshot file
-  in ``dir`` is overwritten with bytes that are no safetensors file, as a failing disk would leave them);
+  in ``dir``, once written, is overwritten with bytes that are no safetensors file, as a failing disk would
+  leave them);
 - ``action`` (block and sampler): ``raise`` (default), ``oom`` (allocate 1 PiB on the host: torch's CPU allocator
   raises its own RuntimeError) or ``sleep`` (touch ``marker``, then sleep ``seconds``: for signals that must
   arrive in the middle of a forward);
@@ -35,6 +36,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -140,6 +142,9 @@ def cross_attention_oom() -> Iterator[None]:
 
 @contextlib.contextmanager
 def corrupt_swap(directory: str) -> Iterator[None]:
+    for thread in threading.enumerate():  # the snapshot written in the background lands first
+        if thread.name == "ardiff-swap-writer":
+            thread.join(timeout=60)
     for path in Path(directory).glob("*.safetensors"):
         path.write_bytes(b"not a snapshot: the disk lost it")
     yield

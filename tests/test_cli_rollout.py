@@ -439,6 +439,33 @@ def test_a_corrupted_swap_file_is_a_warning_then_a_replay_to_the_same_outputs(en
     assert not (run / ".swap").exists()
 
 
+def test_swap_files_the_disk_refuses_are_warnings_then_replays_to_the_same_outputs(env, data, reference, tmp_path):
+    # A real write error from the kernel: files may grow to 64 KiB (RLIMIT_FSIZE; Python ignores SIGXFSZ, so a
+    # larger write fails with EFBIG), enough for the outputs and results.jsonl, not for a session's snapshot. The
+    # snapshots are written in the background, after their evictions said "swapped out": each failure is a
+    # warning, and the session is replayed instead of restored.
+    import resource
+
+    def small_files_only():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),
+                           "--out", str(run), "--no-warmup", "--format", "plain"], cwd=REPO, capture_output=True,
+                          text=True, env=env, timeout=600, preexec_fn=small_files_only)
+    assert proc.returncode == 0, proc.stderr
+    failures = re.findall(r"warning: cannot swap session '(arm_[ab])' out to .*/\.swap \(.*File too large.*\); its "
+                          r"snapshot is lost, so it is rebuilt as one evicted without a snapshot", proc.stderr)
+    assert failures, proc.stderr  # the snapshots after step 1 (66 KiB); those after step 0 (50 KiB) fit
+    summary = json.loads((run / "summary.json").read_text())
+    swap = summary["swap"]
+    # each snapshot is restored (from its file, or from memory while its write had not failed yet) or said lost
+    assert swap["swapped_out"] == 4 and swap["restored"] + len(failures) == 4 and swap["restored"] >= 2
+    assert summary["steps"]["replayed"] == 2 * len(failures)
+    assert_same_outputs(reference, run)
+    assert not (run / ".swap").exists()  # no partial temporary file left either
+
+
 def test_an_existing_swap_folder_in_out_keeps_what_ardiff_did_not_write(env, data, reference, tmp_path):
     # --out may be an existing folder that holds no run. A `.swap` folder of the user's there used to be deleted
     # with everything in it (shutil.rmtree at the start and at the end of the run).

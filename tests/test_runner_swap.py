@@ -55,10 +55,12 @@ def assert_same(a: dict, b: dict, what: str) -> None:
 
 
 def a_swapped_out(tmp_path) -> tuple[ARDiffusionEngine, list]:
-    """A causal-world-tiny engine with one resident session: "a" ran step 0, then "b" did, swapping "a" out."""
+    """A causal-world-tiny engine with one resident session: "a" ran step 0, then "b" did, swapping "a" out (its
+    file written)."""
     engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
     run(engine, "a", 0)
     run(engine, "b", 0)
+    engine.runner.swap.flush()
     return engine, events
 
 
@@ -86,9 +88,13 @@ def test_a_swapped_and_restored_session_runs_on_bit_identical_to_an_uninterrupte
             # capacity 1: the other session was swapped out to make room
             evicted = [e for e in events if e.kind == "session_evicted"][-1]
             assert evicted.session_id == other and evicted.swapped and evicted.swap_bytes > 0
+            if step % 2:  # its file written (else the next restore may take it from memory, its write in flight)
+                runner.swap.flush()
+                usage = runner.pool_usage()  # the file's size, within the bytes the eviction planned for it
+                assert usage.swapped_bytes == runner.swap.path_for(other).stat().st_size <= evicted.swap_bytes
+                assert len(list((tmp_path / "swap").glob("*.safetensors"))) == 1  # a restored file is deleted
             usage = runner.pool_usage()
-            assert usage.num_swapped == 1 and usage.swapped_bytes == evicted.swap_bytes
-            assert len(list((tmp_path / "swap").glob("*.safetensors"))) == 1  # a restored file is deleted
+            assert usage.num_swapped == 1
             assert usage.num_used == sum(sum(v.pages_per_branch.values()) for v in runner.sessions())
     for session in ("a", "b"):
         for step, (g, w) in enumerate(zip(got[session], want[session])):
@@ -225,6 +231,7 @@ def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(t
     runner = engine.runner
     run(engine, "a", 0)
     run(engine, "b", 0)  # a swapped out
+    runner.swap.flush()  # its file written
     path = runner.swap.path_for("a")
     if damage == "truncated":
         path.write_bytes(path.read_bytes()[:100])
@@ -501,3 +508,136 @@ def test_two_engines_sharing_a_swap_dir_never_restore_each_others_sessions(tmp_p
     assert len(list((tmp_path / "swap").glob("*.safetensors"))) == 1  # the second's 'other' stays
     second.close()
     assert not (tmp_path / "swap").exists()
+
+
+class HeldWrites:
+    """Swap files are written (by the real ``safetensors.torch.save_file``) only once the test calls ``release()``:
+    ``started`` counts the writes that began and wait. ``fail_with`` makes every write raise instead, after
+    leaving a partial temporary file as a full disk would."""
+
+    def __init__(self, monkeypatch) -> None:
+        import safetensors.torch
+
+        self.started = 0
+        self.fail_with: BaseException | None = None
+        self._gate = threading.Event()
+        real = safetensors.torch.save_file
+
+        def held_save_file(tensors, filename, metadata=None):
+            self.started += 1
+            assert self._gate.wait(timeout=60), "a test never released the swap writes"
+            if self.fail_with is not None:
+                with open(filename, "wb") as f:
+                    f.write(b"\x00" * 100)
+                raise self.fail_with
+            return real(tensors, filename, metadata=metadata)
+
+        monkeypatch.setattr(safetensors.torch, "save_file", held_save_file)
+
+    def release(self) -> None:
+        self._gate.set()
+
+
+def in_a_thread(call) -> threading.Thread:
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("name", ["dreamzero-tiny", "causal-world-tiny"])
+def test_an_eviction_does_not_wait_for_its_file_and_a_restore_meanwhile_takes_the_snapshot_from_memory(
+        tmp_path, monkeypatch, name):
+    # The swap file of a 14B session takes seconds to write: the request that evicted the session used to wait
+    # for it, and so did every session behind it.
+    reference, _ = engine_for(name, capacity=1)
+    want = [run(reference, "a", step) for step in range(2)]
+    reference.close()
+    engine, events = engine_for(name, capacity=1, swap_dir=tmp_path)
+    runner = engine.runner
+    got = [run(engine, "a", 0)]
+    writes = HeldWrites(monkeypatch)
+    request = in_a_thread(lambda: run(engine, "b", 0))  # evicts a: its file is held
+    request.join(timeout=60)  # a liveness bound: the old code waited for the file, which is never written here
+    assert not request.is_alive() and writes.started == 1, "the eviction waited for the swap file"
+    assert runner.session_ids == ["b"] and runner.pool_usage().num_swapped == 1
+    assert not list(tmp_path.glob("*.safetensors"))  # not written yet
+    runner.close_session("b")  # a free slot: restoring a evicts (writes) nothing
+    got.append(run(engine, "a", 1))  # restored from the snapshot in memory, its file still unwritten
+    assert_same(got[1], want[1], "step 1 after a restore from memory")
+    assert [e.session_id for e in events if e.kind == "session_restored"] == ["a"]
+    writes.release()
+    runner.swap.flush()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the restored snapshot's file went once written
+    assert runner.pool_usage().num_swapped == 0 and runner.pool_usage().swapped_bytes == 0
+    engine.close()
+
+
+def test_one_write_is_in_flight_at_a_time_and_close_waits_for_it(tmp_path, monkeypatch):
+    # A second eviction waits for the first file: at most one snapshot is held in memory beyond the sessions.
+    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path / "swap")
+    run(engine, "a", 0)
+    writes = HeldWrites(monkeypatch)
+    run(engine, "b", 0)  # a's file is held
+    second = in_a_thread(lambda: run(engine, "c", 0))  # evicts b: waits for a's file
+    second.join(timeout=0.5)
+    assert second.is_alive() and writes.started == 1, "b's snapshot did not wait for a's file"
+    writes.release()
+    second.join(timeout=60)
+    assert not second.is_alive() and writes.started == 2
+    assert [(e.session_id, e.swapped) for e in events if e.kind == "session_evicted"] == [("a", True), ("b", True)]
+    engine.runner.swap.flush()
+    assert len(list((tmp_path / "swap").glob("*.safetensors"))) == 2
+    writes._gate.clear()  # held again: close waits for the write in flight, then deletes every file
+    run(engine, "d", 0)  # evicts c
+    closing = in_a_thread(engine.close)
+    closing.join(timeout=0.5)
+    assert closing.is_alive(), "close did not wait for the write in flight"
+    writes.release()
+    closing.join(timeout=60)
+    assert not closing.is_alive() and not (tmp_path / "swap").exists()
+
+
+def test_a_write_that_fails_in_the_background_is_a_warning_and_its_session_is_rebuilt(tmp_path, monkeypatch):
+    # A full disk while the file is written: the eviction had already said "swapped", so the failure comes with
+    # the next call on the runner, and the session is one without a snapshot (the CLI replays it).
+    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    runner = engine.runner
+    run(engine, "a", 0)
+    writes = HeldWrites(monkeypatch)
+    writes.fail_with = OSError(28, "No space left on device")
+    run(engine, "b", 0)  # evicts a; its write fails once released
+    assert [(e.session_id, e.swapped) for e in events if e.kind == "session_evicted"] == [("a", True)]
+    writes.release()
+    runner.swap.flush()  # the write ends (failed); the runner says so at its next call
+    with pytest.warns(ArdiffWarning, match=r"cannot swap session 'a' out to .* \(OSError: \[Errno 28\] No space "
+                                           r"left on device\); its snapshot is lost, so it is rebuilt as one "
+                                           r"evicted without a snapshot"):
+        assert runner.restore_session("a") is False
+    assert runner.pool_usage().num_swapped == 0 and runner.pool_usage().swapped_bytes == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the partial temporary file went too
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        run(engine, "a", 0)  # the caller rebuilds it: a fresh session
+    engine.close()
+
+
+def test_the_planned_bytes_of_a_snapshot_file_bound_its_size(tmp_path):
+    # The eviction's swap_bytes and the budget are planned before the background write: never under the file.
+    import json
+    import random
+
+    from safetensors.torch import save
+
+    from ardiff_cli.runtime.swap import file_bytes_at_most
+
+    rng = random.Random(0)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]
+    for _ in range(200):
+        tensors = {}
+        for i in range(rng.randint(0, 5)):
+            shape = [rng.choice([0, 1, 3, 17, 1000]) for _ in range(rng.randint(0, 4))]
+            name = rng.choice(["kv/self/positive/k", "pipeline/anchor", 'é"\\', "x" * 60]) + str(i)
+            tensors[name] = torch.zeros(shape, dtype=rng.choice(dtypes))
+        header = json.dumps({"format": "ardiff-swap-1", "session_id": rng.choice(["a", 'ü/\n"x']), "kv": {"n": [1]}})
+        size = len(save(tensors, metadata={"ardiff_swap": header}))
+        assert size <= file_bytes_at_most(tensors, header) <= size + 128, (sorted(tensors), header)

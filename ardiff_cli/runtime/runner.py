@@ -446,7 +446,7 @@ class ARDiffusionModelRunner:
             if request.reset and session_id in self._sessions:
                 with self._locked():
                     self._release(session_id, reason="request_reset", hook="reset")
-            if not request.reset and self.swap is not None and self.swap.has(session_id):
+            if not request.reset and self._has_snapshot(session_id):
                 self._restore(session_id)  # swapped out: it goes on where it was (reset=True discards it instead)
             self._make_room(session_id)
             with self._locked():
@@ -592,6 +592,8 @@ class ARDiffusionModelRunner:
 
     def _close_sessions(self) -> list[LifecycleHookError]:
         errors: list[LifecycleHookError] = []
+        if self.swap is not None:
+            self.swap.flush()  # the write in flight ends first, outside the lock the views take
         with self._locked():
             for session_id in list(self._sessions):
                 errors += self._release(session_id, reason="explicit", hook="close")
@@ -686,7 +688,7 @@ class ARDiffusionModelRunner:
             tensors, metadata = encode_snapshot(
                 session.state.export(), state, session.num_requests,
                 where=f"{type(self.pipeline).__name__}.export_ar_diffusion_session({session_id!r})")
-            written = self.swap.write(session_id, tensors, metadata)
+            written = self.swap.write(session_id, tensors, metadata)  # in the background; waits for the last one
         except StopRequested:  # the CLI's Interrupted, not a failure to swap
             raise
         except Exception as exc:  # noqa: BLE001 - swapping is an optimisation: the eviction goes on without it
@@ -695,6 +697,8 @@ class ARDiffusionModelRunner:
                           f"({type(exc).__name__}: {exc}); it is evicted without a snapshot", ArdiffWarning,
                           stacklevel=2)
             return None
+        finally:
+            self._warn_about_failed_writes()
         if written is None and not self._warned_swap_space:  # once: every eviction would say the same
             self._warned_swap_space = True
             warnings.warn(f"the snapshot of session {shown(session_id)} ({format_bytes(self.swap.refused_bytes)}) is "
@@ -717,10 +721,27 @@ class ARDiffusionModelRunner:
         if session_id == WARMUP_SESSION_ID:
             raise RequestError(f"session id {WARMUP_SESSION_ID!r} is reserved for warmup, which is never swapped",
                                hint="name a session that was evicted")
-        if self.swap is None or session_id in self._sessions or not self.swap.has(session_id):
+        if session_id in self._sessions or not self._has_snapshot(session_id):
             return False
         self._restore(session_id)
         return True
+
+    def _has_snapshot(self, session_id: str) -> bool:
+        """Whether ``session_id`` has a swap snapshot; warns first about snapshots whose write failed meanwhile."""
+        if self.swap is None:
+            return False
+        has = self.swap.has(session_id)
+        self._warn_about_failed_writes()
+        return has
+
+    def _warn_about_failed_writes(self) -> None:
+        """A warning for each snapshot whose background write failed: the eviction that started it had said it was
+        swapped; its session is rebuilt as one evicted without a snapshot."""
+        failures, self.swap.failures = self.swap.failures, []
+        for session_id, why in failures:
+            warnings.warn(f"cannot swap session {shown(session_id)} out to {self.swap.directory} ({why}); its "
+                          "snapshot is lost, so it is rebuilt as one evicted without a snapshot", ArdiffWarning,
+                          stacklevel=3)
 
     def _restore(self, session_id: str) -> None:
         """``restore_session`` of a session that has a snapshot and is not resident."""
@@ -728,8 +749,7 @@ class ARDiffusionModelRunner:
         path = self.swap.path_for(session_id)
         hint = "its history must be rebuilt (the CLI replays its earlier steps); the snapshot was deleted"
         try:
-            tensors, metadata = self.swap.read(session_id)
-            nbytes = path.stat().st_size
+            tensors, metadata, nbytes = self.swap.read(session_id)
             kv, state, num_requests = decode_snapshot(tensors, metadata)
             self.kv_cache.new_state(session_id).check_snapshot(kv)  # before anyone is evicted for it
         except StopRequested:  # the CLI's Interrupted, not an unreadable file
@@ -738,7 +758,7 @@ class ARDiffusionModelRunner:
             raise SwapRestoreError(f"cannot restore session {shown(session_id)} from {path}: "
                                    f"{type(exc).__name__}: {exc}", hint=hint) from exc
         finally:
-            self.swap.discard(session_id)
+            self.swap.discard(session_id, wait=False)  # read from memory if its write is in flight: no waiting
         with self._events_held():  # the eviction it may cause is delivered once it is admitted
             self._make_room(session_id)
             with self._locked():

@@ -4,17 +4,26 @@ One safetensors file per swapped session (tensors, and string metadata holding J
 session id, written under a temporary name and renamed: a reader never sees half a file. The store keeps a byte
 budget: making room drops the least recently swapped snapshots first, and a snapshot larger than the whole budget
 is not written. Nothing here is pickled.
+
+A file is written by a background thread, so the request that evicts a session does not wait for the disk (for a
+large session, seconds). One write is in flight at a time: the next snapshot waits for it, so at most one
+snapshot's tensors are held in memory beyond what the sessions hold. Reading a snapshot whose write is still in
+flight takes its tensors from memory. A write that fails is found by the next call on the store (:meth:`settle`)
+and reported in ``failures``; the snapshot is then gone, and its session is rebuilt as one without a snapshot.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import secrets
 import shutil
+import threading
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,9 +36,20 @@ if TYPE_CHECKING:  # torch-free at import: the CLI clears a run's swap folder wi
     from ardiff_cli.runtime.kv.state import KVSnapshot
 
 FORMAT = "ardiff-swap-1"  # metadata["format"]; bump when the layout of a snapshot file changes
-HEADER_BYTES_PER_TENSOR = 128  # safetensors header entry (name, dtype, shape, offsets): an upper bound for planning
 # The names SwapStore gives its files (path_for) and their temporary names while written (write).
 SNAPSHOT_NAME = re.compile(r"[0-9a-f]{32}\.safetensors|\.[0-9a-f]{32}\.safetensors\.[0-9a-f]{8}\.tmp")
+
+
+def file_bytes_at_most(tensors: dict[str, torch.Tensor], header: str) -> int:
+    """An upper bound on the size of the safetensors file of ``tensors`` with ``header`` as its metadata: 8 bytes of
+    length, the JSON header (every tensor's name, dtype, shape and offsets; the metadata string, escaped), padded
+    to 8 bytes, then the data."""
+    data = sum(t.numel() * t.element_size() for t in tensors.values())
+    offset_digits = len(str(data))
+    entries = sum(len(json.dumps(name)) + len(',{"dtype":"F8_E4M3","shape":[],"data_offsets":[,]}')
+                  + len(",".join(str(n) for n in t.shape)) + 2 * offset_digits for name, t in tensors.items())
+    metadata = len('{"__metadata__":{"ardiff_swap":}') + len(json.dumps(header))  # ASCII escapes: never shorter
+    return 8 + metadata + entries + 1 + 7 + data  # "}" and at most 7 bytes of padding
 
 
 def check_swap_arguments(swap_dir: Any, swap_space: Any, *, where: str) -> tuple[Path | None, int | None]:
@@ -76,19 +96,41 @@ def remove_snapshot_files(directory: Path) -> None:
         pass  # no such folder, or it holds something that is not ours
 
 
+@dataclass(eq=False)
+class _Snapshot:
+    """One snapshot file of the store: written (``tensors`` None) or being written by the background thread."""
+
+    path: Path
+    nbytes: int  # the file's size once written (settled); until then the planned size, an upper bound on it
+    header: str  # the JSON metadata, as written into the file
+    tensors: dict[str, torch.Tensor] | None  # held until the file is written (a read meanwhile takes them)
+    written: threading.Event = field(default_factory=threading.Event)  # set when the write ended, either way
+    error: BaseException | None = None  # what the write raised
+    dropped: bool = False  # discarded: whoever comes last (the write, or discard) deletes the file
+    lock: threading.Lock = field(default_factory=threading.Lock)  # orders ``dropped`` against the write's end
+    settled: bool = False  # the write's end was taken in by SwapStore.settle()
+
+
 class SwapStore:
-    """Swapped sessions' snapshot files in ``directory`` (created on the first write), at most ``budget_bytes``."""
+    """Swapped sessions' snapshot files in ``directory`` (created on the first write), at most ``budget_bytes``.
+
+    Called by one thread at a time (the runner's request lock); ``num_snapshots`` and ``nbytes`` may be read from
+    any thread. Files are written by a background thread, one at a time (see the module's docstring)."""
 
     def __init__(self, directory: str | Path, budget_bytes: int) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ValueError(f"swap budget_bytes must be a positive integer, got {budget_bytes!r}")
         self.directory = Path(directory)  # where the files go; created lazily, removed by clear()
         self.budget_bytes = budget_bytes  # the most bytes of snapshot files at once
-        # session id -> (file, bytes), least recently swapped first: the order in which room is made.
-        self._files: OrderedDict[str, tuple[Path, int]] = OrderedDict()
+        # session id -> its snapshot, least recently swapped first: the order in which room is made.
+        self._files: OrderedDict[str, _Snapshot] = OrderedDict()
         self._nbytes = 0  # sum of the files' bytes, kept as one int so other threads read it whole
+        self._writer: threading.Thread | None = None  # the background write in flight, if any
         self.num_dropped = 0  # snapshots deleted to make room for newer ones (their sessions are rebuilt otherwise)
-        self.refused_bytes = 0  # the file size of the last snapshot refused as larger than the whole budget
+        self.refused_bytes = 0  # the planned file size of the last snapshot refused as larger than the whole budget
+        # (session id, why) of background writes that failed since the caller last emptied this list: those
+        # sessions have no snapshot (the eviction had announced one)
+        self.failures: list[tuple[str, str]] = []
         # Hashed into every file name: stores sharing a folder (two engines, two processes) never touch each
         # other's files, even for one session id.
         self._salt = secrets.token_bytes(16)
@@ -102,6 +144,7 @@ class SwapStore:
         return self._nbytes
 
     def has(self, session_id: str) -> bool:
+        self.settle()
         return session_id in self._files
 
     def path_for(self, session_id: str) -> Path:
@@ -111,39 +154,76 @@ class SwapStore:
         return self.directory / f"{digest[:32]}.safetensors"
 
     def write(self, session_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> int | None:
-        """Write the snapshot of ``session_id`` (replacing an older one); its bytes, or None when it is larger than
-        the whole budget (not written; its bytes in ``refused_bytes``). Older snapshots are dropped first to make
-        room. An ``OSError`` (disk full, folder not writable) leaves no file of it behind and is raised."""
+        """Start writing the snapshot of ``session_id`` (replacing an older one), after the write in flight ends;
+        its planned bytes (an upper bound on the file's size), or None when that is larger than the whole budget
+        (not written; the bytes in ``refused_bytes``). Older snapshots are dropped first to make room.
+        ``tensors`` are the store's from now on: the caller must not change them. A folder that cannot be created
+        raises ``OSError`` here; a write that fails later (disk full) is in ``failures`` after the next call."""
+        self.flush()
         self.discard(session_id)
         header = json.dumps({"format": FORMAT, "session_id": session_id, **metadata})
-        planned = 8 + len(header) + sum(HEADER_BYTES_PER_TENSOR + len(k) + t.numel() * t.element_size()
-                                        for k, t in tensors.items())
+        planned = file_bytes_at_most(tensors, header)
         if planned > self.budget_bytes:
             self.refused_bytes = planned
             return None
         self._make_room(planned)
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.path_for(session_id)
-        temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-        from safetensors.torch import save_file
+        snapshot = _Snapshot(self.path_for(session_id), planned, header, dict(tensors))
+        self._files[session_id] = snapshot
+        self._nbytes += planned
+        self._writer = threading.Thread(target=self._write_file, args=(snapshot,), name="ardiff-swap-writer")
+        self._writer.start()
+        return planned
 
+    @staticmethod
+    def _write_file(snapshot: _Snapshot) -> None:
+        """The background thread: write ``snapshot`` under a temporary name, then rename it into place."""
+        path = snapshot.path
+        temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
         try:
-            save_file({k: t.contiguous() for k, t in tensors.items()}, str(temporary),
-                      metadata={"ardiff_swap": header})
-            os.replace(temporary, path)
-        except BaseException:
+            if not snapshot.dropped:  # discarded before its write began: nothing to write
+                from safetensors.torch import save_file
+
+                save_file({k: t.contiguous() for k, t in snapshot.tensors.items()}, str(temporary),
+                          metadata={"ardiff_swap": snapshot.header})
+                os.replace(temporary, path)
+        except BaseException as exc:  # noqa: BLE001 - reported by settle(), on the caller's thread
             temporary.unlink(missing_ok=True)
-            raise
-        size = path.stat().st_size
-        self._files[session_id] = (path, size)
-        self._nbytes += size
-        if self._nbytes > self.budget_bytes:  # the header took more than planned: older ones go, else this one
-            self._make_room(0, keep=session_id)
-            if self._nbytes > self.budget_bytes:
+            snapshot.error = exc
+        finally:
+            with snapshot.lock:
+                snapshot.tensors = None  # the file has them now (or nothing will): their memory goes
+                snapshot.written.set()
+                if snapshot.dropped:
+                    with contextlib.suppress(OSError):  # forgotten either way; the folder goes when the run ends
+                        path.unlink(missing_ok=True)
+
+    def flush(self) -> None:
+        """Wait for the write in flight, then :meth:`settle`."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        self.settle()
+
+    def settle(self) -> None:
+        """Take in the writes that ended: a file's real size replaces its planned one; a failed write's snapshot
+        is forgotten and named in ``failures``."""
+        for session_id, snapshot in list(self._files.items()):
+            if snapshot.settled or not snapshot.written.is_set():
+                continue
+            snapshot.settled = True
+            error = snapshot.error
+            if error is None:
+                try:
+                    size = snapshot.path.stat().st_size
+                except OSError as exc:  # deleted under us: as a failed write
+                    error = exc
+            if error is not None:  # no snapshot
                 self.discard(session_id)
-                self.refused_bytes = size
-                return None
-        return size
+                self.failures.append((session_id, f"{type(error).__name__}: {error}"))
+                continue
+            self._nbytes += size - snapshot.nbytes  # at most the planned bytes: the budget holds
+            snapshot.nbytes = size
 
     def _make_room(self, needed: int, *, keep: str | None = None) -> None:
         for session_id in [s for s in self._files if s != keep]:
@@ -152,20 +232,27 @@ class SwapStore:
             self.discard(session_id)
             self.num_dropped += 1
 
-    def read(self, session_id: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The tensors and metadata of ``session_id``'s snapshot; raises ``OSError`` or ``ValueError`` for a
-        missing, unreadable or corrupt file, or one that is not this session's."""
-        path, _ = self._files[session_id]
-        from safetensors import safe_open
+    def read(self, session_id: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
+        """The tensors, metadata and bytes of ``session_id``'s snapshot (from memory while its write is in flight);
+        raises ``OSError`` or ``ValueError`` for a missing, unreadable or corrupt file, or one that is not this
+        session's."""
+        snapshot = self._files[session_id]
+        path = snapshot.path
+        with snapshot.lock:
+            tensors = None if snapshot.tensors is None else dict(snapshot.tensors)
+        if tensors is not None:
+            header = snapshot.header
+        else:
+            from safetensors import safe_open
 
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                header = (f.metadata() or {}).get("ardiff_swap")
-                tensors = {key: f.get_tensor(key) for key in f.keys()}
-        except OSError:
-            raise
-        except Exception as exc:  # safetensors' own errors: a truncated or overwritten file
-            raise ValueError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    header = (f.metadata() or {}).get("ardiff_swap")
+                    tensors = {key: f.get_tensor(key) for key in f.keys()}
+            except OSError:
+                raise
+            except Exception as exc:  # safetensors' own errors: a truncated or overwritten file
+                raise ValueError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
         try:
             metadata = json.loads(header) if header is not None else None
         except ValueError:
@@ -174,22 +261,31 @@ class SwapStore:
             raise ValueError(f"{path}: not an ardiff swap snapshot (format {FORMAT} expected)")
         if metadata.get("session_id") != session_id:
             raise ValueError(f"{path}: holds session {metadata.get('session_id')!r}, expected {session_id!r}")
-        return tensors, metadata
+        return tensors, metadata, snapshot.nbytes
 
-    def discard(self, session_id: str) -> bool:
-        """Delete the snapshot of ``session_id``, if any; whether there was one."""
-        entry = self._files.pop(session_id, None)
-        if entry is None:
+    def discard(self, session_id: str, *, wait: bool = True) -> bool:
+        """Forget the snapshot of ``session_id``, if any, and delete its file; whether there was one. A write in
+        flight is waited for, so the file is gone when this returns; with ``wait=False`` it is deleted when its
+        write ends instead (the caller has its tensors already)."""
+        snapshot = self._files.pop(session_id, None)
+        if snapshot is None:
             return False
-        self._nbytes -= entry[1]
+        self._nbytes -= snapshot.nbytes
+        if wait:
+            snapshot.written.wait()
+        with snapshot.lock:
+            snapshot.dropped = True
+            if not snapshot.written.is_set():
+                return True  # the write deletes its file when it ends
         try:
-            entry[0].unlink(missing_ok=True)
+            snapshot.path.unlink(missing_ok=True)
         except OSError:
             pass  # forgotten either way; the folder goes when the run ends
         return True
 
     def clear(self) -> None:
-        """Delete every snapshot, and the folder when nothing else is in it."""
+        """Wait for the write in flight, then delete every snapshot, and the folder when nothing else is in it."""
+        self.flush()
         for session_id in list(self._files):
             self.discard(session_id)
         try:
