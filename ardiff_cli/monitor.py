@@ -41,7 +41,7 @@ def describe_event(data: dict[str, Any]) -> str:
         return f"{data.get('reason', '')}" + (f" (by {by})" if by else "") + swapped
     if kind == "session_restored":
         seconds = data.get("seconds", 0)
-        return f"from its swap file ({format_bytes(data.get('swap_bytes', 0))}) in {seconds * 1000:.1f} ms"
+        return f"from its swap snapshot ({format_bytes(data.get('swap_bytes', 0))}) in {seconds * 1000:.1f} ms"
     if kind in ("session_reset", "session_closed"):
         error = data.get("error")
         return str(data.get("reason", "")) + (f": {error}" if error else "")

@@ -158,9 +158,9 @@ def test_live_layout_shows_swapped_sessions_and_restores():
 
     console = Console(record=True, width=110, color_system=None, file=io.StringIO())
     console.print(render(replace(SNAPSHOT, restores=5, swapped=1, swapped_bytes=200_786, swap_budget_bytes=3 << 20,
-                                 events=(EventRow(0.5, "restored", "demo_1", "from its swap file (196.08 KiB)"),))))
+                                 events=(EventRow(0.5, "restored", "demo_1", "from its swap snapshot (196.08 KiB)"),))))
     text = console.export_text()
-    for expected in ("swap", "1 out, 196.08 KiB of 3.00 MiB", "5 restored", "restored", "from its swap file"):
+    for expected in ("swap", "1 out, 196.08 KiB of 3.00 MiB", "5 restored", "restored", "from its swap snapshot"):
         assert expected in text, expected
     off = Console(record=True, width=110, color_system=None, file=io.StringIO())
     off.print(render(SNAPSHOT))  # swapping off: no swap row, no restores

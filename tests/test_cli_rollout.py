@@ -390,7 +390,7 @@ def reference(env, data, tmp_path_factory):
     assert [r["restored"] for r in records(run)] == [False, False] + [True] * 4
     assert not (run / ".swap").exists()
     assert re.search(r"evicted +arm_a lru_eviction \(by arm_b\), swapped out \([0-9.]+ KiB\)", proc.stderr)
-    assert re.search(r"restored +arm_a from its swap file \([0-9.]+ KiB\) in [0-9.]+ ms", proc.stderr)
+    assert re.search(r"restored +arm_a from its swap snapshot \([0-9.]+ KiB\) in [0-9.]+ ms", proc.stderr)
     assert "4 restored from swap, 0 steps replayed" in proc.stdout
     return run
 
