@@ -22,7 +22,7 @@ from pathlib import Path
 
 from benchmarks.common import DEFAULT_THREADS, REPO_ROOT, machine_info, set_threads
 
-BENCHMARKS = ("attention", "rolling", "resume", "capacity", "overhead", "startup", "churn")
+BENCHMARKS = ("attention", "rolling", "resume", "capacity", "overhead", "startup", "churn", "swap")
 RESULTS = REPO_ROOT / "benchmarks" / "results.json"
 
 

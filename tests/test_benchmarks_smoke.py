@@ -176,6 +176,18 @@ def test_churn_quick():
     assert r["requests"] == 30
 
 
+@pytest.mark.usefixtures("single_thread")
+def test_swap_quick():
+    from benchmarks import bench_swap
+
+    r = bench_swap.run(quick=True)
+    check_common(r, "swap")
+    assert r["outputs_identical"] is True and r["passed"] is True  # swapping, either way, changes no output
+    for key in ("resident_ms", "swap_ms", "swap_sync_ms", "sync_over_async"):
+        assert positive(r[key])
+    assert r["snapshot_bytes"] > 0 and r["clock"] == "wall" and r["repetitions"] == 2
+
+
 def test_zipf_sequence_is_deterministic_and_skewed():
     from benchmarks.bench_churn import zipf_sequence
 
