@@ -140,6 +140,7 @@ def _run(quick: bool, swap_dir: str) -> dict:
                 execute(sid, str(k), inputs)
         execute("evictor", "0", history[0])  # swaps out the least recently used session: `swapped`
         runner.close_session("evictor")  # a free slot: restoring evicts (writes) nothing
+        runner.swap.flush()  # its file written (in the background): the timed restore reads the file
         outputs = {}
         contenders = {
             "resident": lambda: execute(session, "chunk", chunk),
