@@ -641,3 +641,54 @@ def test_the_planned_bytes_of_a_snapshot_file_bound_its_size(tmp_path):
         header = json.dumps({"format": "ardiff-swap-1", "session_id": rng.choice(["a", 'ü/\n"x']), "kv": {"n": [1]}})
         size = len(save(tensors, metadata={"ardiff_swap": header}))
         assert size <= file_bytes_at_most(tensors, header) <= size + 128, (sorted(tensors), header)
+
+
+def test_ctrl_c_while_a_close_waits_for_the_snapshot_file_leaves_no_file_behind(tmp_path, monkeypatch):
+    # Closing a swapped-out session waits for its file, to delete it; a Ctrl-C in that wait must not leave the
+    # file to land afterwards, forgotten by the store.
+    import os
+    import signal
+
+    engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    runner = engine.runner
+    run(engine, "a", 0)
+    writes = HeldWrites(monkeypatch)
+    run(engine, "b", 0)  # evicts a: its file is held
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            runner.close_session("a")  # waits for a's file
+    finally:
+        timer.cancel()  # a close that did not wait must not leave a SIGINT for the rest of the session
+    timer.join()
+    writes.release()
+    runner.swap.flush()
+    assert not runner.swap.has("a") and not list(tmp_path.glob("*safetensors*"))  # the write deleted its file
+    engine.close()
+
+
+def test_a_writer_thread_that_cannot_start_is_a_warning_and_the_eviction_goes_on(tmp_path, monkeypatch):
+    # Under a process limit (ulimit -u) a thread may not start: the snapshot must be forgotten at once, not left
+    # waiting for a write that never begins (the eviction that discards it used to wait forever).
+    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    runner = engine.runner
+    run(engine, "a", 0)
+    start = threading.Thread.start
+
+    def writer_cannot_start(self):
+        if self.name == "ardiff-swap-writer":
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", writer_cannot_start)
+    cannot = r"cannot swap session 'a' out to .* \(RuntimeError: can't start new thread\)"
+    with pytest.warns(ArdiffWarning, match=cannot):
+        request = in_a_thread(lambda: run(engine, "b", 0))
+        request.join(timeout=60)  # a liveness bound, not a timing
+    assert not request.is_alive(), "the eviction waits for a write that never began"
+    monkeypatch.undo()
+    assert [(e.session_id, e.swapped) for e in events if e.kind == "session_evicted"] == [("a", False)]
+    assert runner.pool_usage().num_swapped == 0 and runner.pool_usage().swapped_bytes == 0
+    engine.close()
+    assert not tmp_path.exists() or not list(tmp_path.glob("*safetensors*"))

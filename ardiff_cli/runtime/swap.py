@@ -169,10 +169,11 @@ class SwapStore:
         self._make_room(planned)
         self.directory.mkdir(parents=True, exist_ok=True)
         snapshot = _Snapshot(self.path_for(session_id), planned, header, dict(tensors))
+        writer = threading.Thread(target=self._write_file, args=(snapshot,), name="ardiff-swap-writer")
+        writer.start()  # "can't start new thread" raises here, with nothing of the snapshot kept
+        self._writer = writer
         self._files[session_id] = snapshot
         self._nbytes += planned
-        self._writer = threading.Thread(target=self._write_file, args=(snapshot,), name="ardiff-swap-writer")
-        self._writer.start()
         return planned
 
     @staticmethod
@@ -271,16 +272,13 @@ class SwapStore:
         if snapshot is None:
             return False
         self._nbytes -= snapshot.nbytes
+        with snapshot.lock:
+            snapshot.dropped = True  # a write in flight deletes its file when it ends (so, also if a wait is cut)
         if wait:
             snapshot.written.wait()
-        with snapshot.lock:
-            snapshot.dropped = True
-            if not snapshot.written.is_set():
-                return True  # the write deletes its file when it ends
-        try:
-            snapshot.path.unlink(missing_ok=True)
-        except OSError:
-            pass  # forgotten either way; the folder goes when the run ends
+        if snapshot.written.is_set():
+            with contextlib.suppress(OSError):  # forgotten either way; the folder goes when the run ends
+                snapshot.path.unlink(missing_ok=True)
         return True
 
     def clear(self) -> None:
