@@ -64,6 +64,7 @@ class RolloutStats:
     failed: dict[str, str] = field(default_factory=dict)  # episode -> error message
     errors: dict[str, Exception] = field(default_factory=dict)  # episode -> ObservationError or StepFailed
     completed_episodes: list[str] = field(default_factory=list)
+    timed_out: list[str] = field(default_factory=list)  # of those, the ones --idle-timeout ended (no END came)
     hook_errors: list[dict[str, Any]] = field(default_factory=list)  # pipeline reset/close hooks that raised
 
 
@@ -374,6 +375,8 @@ class Rollout:
         self._close_session(name)  # following: the end was learnt after the last step ran
         self._digests.pop(name, None)  # never replayed again: a long run holds only live episodes' digests
         self.stats.completed_episodes.append(name)
+        if item.reason == "idle_timeout":
+            self.stats.timed_out.append(name)
         log_episode_end(self.monitor, name, item.reason, self._steps_done[name])
         if self.options.preview:
             try:

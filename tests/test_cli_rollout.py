@@ -385,6 +385,7 @@ def reference(env, data, tmp_path_factory):
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert summary["evictions_this_run"] > 0 and summary["steps"]["replayed"] == 0
+    assert summary["episodes"]["completed"] == 2 and summary["episodes"]["timed_out"] == []
     assert summary["steps"]["restored"] == summary["swap"]["restored"] == 4  # every step after both step 0s
     assert summary["swap"]["swapped_out"] == 4 and summary["swap"]["restore_failed"] == summary["swap"]["dropped"] == 0
     assert [r["restored"] for r in records(run)] == [False, False] + [True] * 4
@@ -848,6 +849,10 @@ def test_resume_goes_on_following_and_drawing_previews_as_the_run_started(env, d
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--idle-timeout", "0.5", "--no-warmup")
     assert proc.returncode == 0, proc.stderr
     assert "arm_a ended (idle_timeout) after 2 steps" in proc.stderr
+    assert "episodes 1 completed (1 ended by --idle-timeout), 0 failed" in proc.stdout
+    # completed, as the run was asked to end it; but no END came, which a script can tell from the summary
+    episodes = json.loads((run / "summary.json").read_text())["episodes"]
+    assert episodes["completed"] == 1 and episodes["timed_out"] == ["arm_a"]
     assert [r["step"] for r in records(run)] == [0, 1]
     assert (run / "previews" / "arm_a.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -582,7 +582,7 @@ def _summary_of(run: Any, p: _Prepared, stats: Any, *, device: str | None, plan:
         info={**p.info, "device": device}, plan=plan,
         this_run={"steps": stats.steps, "skipped": stats.skipped, "replayed": stats.replayed,
                   "evictions": stats.evictions, "completed_episodes": stats.completed_episodes,
-                  "restored": stats.restored},
+                  "timed_out": stats.timed_out, "restored": stats.restored},
         wall_s=wall_s, status=status, exit_code=0 if error is None else exit_code_for(error), root=run.root)
     summary["swap"] = {"space_bytes": swap_space, "swapped_out": stats.swapped_out, "restored": stats.restored,
                        "restore_failed": stats.restore_failed, "dropped": dropped}
@@ -601,7 +601,9 @@ def render_summary(s: dict[str, Any], plain: bool):
     plan = s.get("capacity_plan") or {}
     lines = [
         f"rollout {s['status']}: {steps['this_run']} steps in {s['wall_s']:.1f} s ({rate}); "
-        f"episodes {episodes['completed']} completed, {episodes['failed']} failed, "
+        f"episodes {episodes['completed']} completed"
+        + (f" ({len(episodes['timed_out'])} ended by --idle-timeout)" if episodes.get("timed_out") else "")
+        + f", {episodes['failed']} failed, "
         f"{episodes['incomplete']} incomplete",
         f"latency p50 {ms(latency['total']['p50'])}, p90 {ms(latency['total']['p90'])}, "
         f"p99 {ms(latency['total']['p99'])} (forward p50 {ms(latency['forward']['p50'])})",

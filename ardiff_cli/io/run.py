@@ -289,7 +289,7 @@ def versions() -> dict[str, str | None]:
 
 
 def build_summary(records: Iterable[Mapping[str, Any]], *, episodes: list[str], failed: Mapping[str, str],
-                  info: Mapping[str, Any], plan: Mapping[str, Any] | None, this_run: Mapping[str, int],
+                  info: Mapping[str, Any], plan: Mapping[str, Any] | None, this_run: Mapping[str, Any],
                   wall_s: float, status: str, exit_code: int, root: Path) -> dict[str, Any]:
     """summary.json: everything in results.jsonl (this run and earlier ones) plus this run's counters. One pass over
     ``records`` (an iterator will do: a long run's lines are never held whole)."""
@@ -320,6 +320,7 @@ def build_summary(records: Iterable[Mapping[str, Any]], *, episodes: list[str], 
         steps_by_episode[episode] = steps_by_episode.get(episode, 0) + 1
     ended = set(this_run.get("completed_episodes", ()))  # once: a set per episode took 1.3 s at 10,000 episodes
     completed = [e for e in episodes if e not in failed and e in ended]
+    timed_out = set(this_run.get("timed_out", ()))
     return {
         "kind": "summary",
         "status": status,
@@ -335,6 +336,7 @@ def build_summary(records: Iterable[Mapping[str, Any]], *, episodes: list[str], 
             "completed": len(completed),
             "failed": len(failed),
             "incomplete": len(episodes) - len(completed) - len(failed),
+            "timed_out": [e for e in completed if e in timed_out],  # completed, but by --idle-timeout: no END came
             "steps": {e: steps_by_episode.get(e, 0) for e in episodes},
             "failures": dict(failed),
         },
