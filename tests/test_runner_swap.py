@@ -692,3 +692,22 @@ def test_a_writer_thread_that_cannot_start_is_a_warning_and_the_eviction_goes_on
     assert runner.pool_usage().num_swapped == 0 and runner.pool_usage().swapped_bytes == 0
     engine.close()
     assert not tmp_path.exists() or not list(tmp_path.glob("*safetensors*"))
+
+
+def test_another_engine_closing_while_a_snapshot_is_written_to_the_shared_folder_does_not_lose_it(tmp_path,
+                                                                                                   monkeypatch):
+    # The other engine's close() removes the shared folder when it looks empty; the file of a snapshot whose
+    # write had not begun then failed (FileNotFoundError: a warning, and the session rebuilt from scratch).
+    first, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path / "swap")
+    second, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path / "swap")
+    run(first, "a", 0)
+    writes = HeldWrites(monkeypatch)
+    run(first, "b", 0)  # a swapped out: its file is held
+    second.close()
+    writes.release()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first.runner.swap.flush()
+        assert first.runner.restore_session("a") is True
+    first.close()
+    assert not (tmp_path / "swap").exists()

@@ -169,18 +169,25 @@ class SwapStore:
         self._make_room(planned)
         self.directory.mkdir(parents=True, exist_ok=True)
         snapshot = _Snapshot(self.path_for(session_id), planned, header, dict(tensors))
-        writer = threading.Thread(target=self._write_file, args=(snapshot,), name="ardiff-swap-writer")
-        writer.start()  # "can't start new thread" raises here, with nothing of the snapshot kept
+        # Created here, empty, so the folder is not empty until the write ends: another store sharing it (its
+        # clear()) cannot remove it under the background write.
+        temporary = snapshot.path.with_name(f".{snapshot.path.name}.{secrets.token_hex(4)}.tmp")
+        temporary.touch(exist_ok=False)
+        writer = threading.Thread(target=self._write_file, args=(snapshot, temporary), name="ardiff-swap-writer")
+        try:
+            writer.start()  # "can't start new thread" raises here, with nothing of the snapshot kept
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
         self._writer = writer
         self._files[session_id] = snapshot
         self._nbytes += planned
         return planned
 
     @staticmethod
-    def _write_file(snapshot: _Snapshot) -> None:
-        """The background thread: write ``snapshot`` under a temporary name, then rename it into place."""
+    def _write_file(snapshot: _Snapshot, temporary: Path) -> None:
+        """The background thread: write ``snapshot`` to ``temporary``, then rename it into place."""
         path = snapshot.path
-        temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
         try:
             if not snapshot.dropped:  # discarded before its write began: nothing to write
                 from safetensors.torch import save_file
@@ -189,9 +196,9 @@ class SwapStore:
                           metadata={"ardiff_swap": snapshot.header})
                 os.replace(temporary, path)
         except BaseException as exc:  # noqa: BLE001 - reported by settle(), on the caller's thread
-            temporary.unlink(missing_ok=True)
             snapshot.error = exc
         finally:
+            temporary.unlink(missing_ok=True)  # a failed write's partial file, or one discarded before it began
             with snapshot.lock:
                 snapshot.tensors = None  # the file has them now (or nothing will): their memory goes
                 snapshot.written.set()
