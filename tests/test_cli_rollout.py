@@ -467,6 +467,33 @@ def test_swap_files_the_disk_refuses_are_warnings_then_replays_to_the_same_outpu
     assert not (run / ".swap").exists()  # no partial temporary file left either
 
 
+def test_kill_9_while_a_snapshot_file_is_written_leaves_nothing_that_resume_does_not_remove(env, data, tmp_path):
+    # safetensors writes a file through its own temporary file beside it (.tmpXXXXXX): a kill -9 during a
+    # snapshot's write left that partial file (a 14B session's: GiBs) in OUT/.swap, where no --resume removed it.
+    config = tmp_path / "big.yaml"  # a 64 MiB text cache in each snapshot: its write takes a while
+    config.write_text(FAST_CONFIG.replace("guidance_scale: 1.0}", "guidance_scale: 1.0, text_len: 65536}"))
+    run = tmp_path / "run"
+    args = ("rollout", str(config), str(data / "eps"), "--out", str(run), "--no-warmup", "--format", "plain")
+    proc = spawn(env, *args)
+    finished = re.compile(r"[0-9a-f]{32}\.safetensors")
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:  # until a snapshot's bytes are being written
+            try:
+                if any(not finished.fullmatch(p.name) and p.stat().st_size for p in (run / ".swap").rglob("*")
+                       if not p.is_dir()):
+                    break
+            except OSError:
+                pass
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before a snapshot's write could be caught"
+    resumed = ardiff(env, *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert not (run / ".swap").exists(), os.listdir(run / ".swap")
+
+
 def test_an_existing_swap_folder_in_out_keeps_what_ardiff_did_not_write(env, data, reference, tmp_path):
     # --out may be an existing folder that holds no run. A `.swap` folder of the user's there used to be deleted
     # with everything in it (shutil.rmtree at the start and at the end of the run).

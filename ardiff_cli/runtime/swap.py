@@ -1,7 +1,7 @@
 """Snapshots of LRU-evicted sessions on disk, so their next request restores them instead of replaying history.
 
 One safetensors file per swapped session (tensors, and string metadata holding JSON), named by a hash of the
-session id, written under a temporary name and renamed: a reader never sees half a file. The store keeps a byte
+session id, written in a temporary folder beside it and renamed: a reader never sees half a file. The store keeps a byte
 budget: making room drops the least recently swapped snapshots first, and a snapshot larger than the whole budget
 is not written. Nothing here is pickled.
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # torch-free at import: the CLI clears a run's swap folder wi
     from ardiff_cli.runtime.kv.state import KVSnapshot
 
 FORMAT = "ardiff-swap-1"  # metadata["format"]; bump when the layout of a snapshot file changes
-# The names SwapStore gives its files (path_for) and their temporary names while written (write).
+# The names SwapStore gives its files (path_for) and the temporary folders they are written in (write).
 SNAPSHOT_NAME = re.compile(r"[0-9a-f]{32}\.safetensors|\.[0-9a-f]{32}\.safetensors\.[0-9a-f]{8}\.tmp")
 
 
@@ -90,7 +90,10 @@ def remove_snapshot_files(directory: Path) -> None:
     try:
         for path in Path(directory).iterdir():
             if SNAPSHOT_NAME.fullmatch(path.name):
-                path.unlink(missing_ok=True)
+                if path.is_dir() and not path.is_symlink():  # a write's folder, with safetensors' own temporary
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
         Path(directory).rmdir()
     except OSError:
         pass  # no such folder, or it holds something that is not ours
@@ -169,15 +172,17 @@ class SwapStore:
         self._make_room(planned)
         self.directory.mkdir(parents=True, exist_ok=True)
         snapshot = _Snapshot(self.path_for(session_id), planned, header, dict(tensors))
-        # Created here, empty, so the folder is not empty until the write ends: another store sharing it (its
+        # The file is written in a folder of its own, created here: safetensors writes its own temporary file
+        # (.tmpXXXXXX) beside the file it is given, which a killed process would leave where remove_snapshot_files
+        # cannot know it; and the swap folder is not empty until the write ends, so another store sharing it (its
         # clear()) cannot remove it under the background write.
-        temporary = snapshot.path.with_name(f".{snapshot.path.name}.{secrets.token_hex(4)}.tmp")
-        temporary.touch(exist_ok=False)
-        writer = threading.Thread(target=self._write_file, args=(snapshot, temporary), name="ardiff-swap-writer")
+        staging = snapshot.path.with_name(f".{snapshot.path.name}.{secrets.token_hex(4)}.tmp")
+        staging.mkdir()
+        writer = threading.Thread(target=self._write_file, args=(snapshot, staging), name="ardiff-swap-writer")
         try:
             writer.start()  # "can't start new thread" raises here, with nothing of the snapshot kept
         except BaseException:
-            temporary.unlink(missing_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
             raise
         self._writer = writer
         self._files[session_id] = snapshot
@@ -185,9 +190,9 @@ class SwapStore:
         return planned
 
     @staticmethod
-    def _write_file(snapshot: _Snapshot, temporary: Path) -> None:
-        """The background thread: write ``snapshot`` to ``temporary``, then rename it into place."""
-        path = snapshot.path
+    def _write_file(snapshot: _Snapshot, staging: Path) -> None:
+        """The background thread: write ``snapshot`` in the folder ``staging``, then rename it into place."""
+        path, temporary = snapshot.path, staging / "snapshot.safetensors"
         try:
             if not snapshot.dropped:  # discarded before its write began: nothing to write
                 from safetensors.torch import save_file
@@ -198,7 +203,7 @@ class SwapStore:
         except BaseException as exc:  # noqa: BLE001 - reported by settle(), on the caller's thread
             snapshot.error = exc
         finally:
-            temporary.unlink(missing_ok=True)  # a failed write's partial file, or one discarded before it began
+            shutil.rmtree(staging, ignore_errors=True)  # a failed write's partial files too
             with snapshot.lock:
                 snapshot.tensors = None  # the file has them now (or nothing will): their memory goes
                 snapshot.written.set()
