@@ -711,3 +711,19 @@ def test_another_engine_closing_while_a_snapshot_is_written_to_the_shared_folder
         assert first.runner.restore_session("a") is True
     first.close()
     assert not (tmp_path / "swap").exists()
+
+
+def test_a_write_that_failed_before_close_all_is_no_warning_about_a_session_it_closed(tmp_path, monkeypatch):
+    # close_all() closes swapped-out sessions too; a snapshot whose write had failed meanwhile used to be reported
+    # at the next request, of another session, as "its snapshot is lost, so it is rebuilt".
+    engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    run(engine, "a", 0)
+    writes = HeldWrites(monkeypatch)
+    writes.fail_with = OSError(28, "No space left on device")
+    run(engine, "b", 0)  # evicts a; its write fails once released
+    writes.release()
+    engine.runner.close_all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(engine, "c", 0)
+    engine.close()

@@ -298,6 +298,7 @@ class SwapStore:
         self.flush()
         for session_id in list(self._files):
             self.discard(session_id)
+        self.failures.clear()  # their sessions are closed: a snapshot lost meanwhile is nothing to warn about
         try:
             self.directory.rmdir()
         except OSError:
