@@ -485,6 +485,7 @@ def test_kill_9_while_a_snapshot_file_is_written_leaves_nothing_that_resume_does
                     break
             except OSError:
                 pass
+            time.sleep(0.002)  # a 64 MiB write takes far longer than this
     finally:
         proc.kill()
         proc.communicate()
