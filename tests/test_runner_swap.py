@@ -503,7 +503,8 @@ def test_two_engines_sharing_a_swap_dir_never_restore_each_others_sessions(tmp_p
     got.append(first.execute(ARDiffusionRequest("robot/1", robot_inputs(first, 1), {"session_id": "robot"})))
     for step, (g, w) in enumerate(zip(got, want)):
         assert_same(g, w, f"robot step {step}")
-    assert second.runner.restore_session("robot") is True
+    assert second.runner.restore_session("robot") is True  # swaps the second's 'other' out
+    second.runner.swap.flush()  # its file written
     first.close()
     assert len(list((tmp_path / "swap").glob("*.safetensors"))) == 1  # the second's 'other' stays
     second.close()
