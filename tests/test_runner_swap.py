@@ -728,3 +728,16 @@ def test_a_write_that_failed_before_close_all_is_no_warning_about_a_session_it_c
         warnings.simplefilter("error")
         run(engine, "c", 0)
     engine.close()
+
+
+@pytest.mark.parametrize("how", ["close_all", "close"])
+def test_closing_every_session_closes_the_swapped_out_ones_with_the_event_close_session_sends(tmp_path, how):
+    # close_session of a swapped-out session sends session_closed; close_all() and close() deleted such sessions'
+    # snapshots without a word, so a subscriber kept them as evicted forever.
+    engine, events = a_swapped_out(tmp_path)  # b resident, a swapped out
+    getattr(engine.runner if how == "close_all" else engine, how)()
+    closed = sorted((e.session_id, e.reason) for e in events if e.kind == "session_closed")
+    assert closed == [("a", "explicit"), ("b", "explicit")]
+    assert engine.runner.pool_usage().num_swapped == 0 and not tmp_path.exists()  # the swap folder went
+    if how == "close_all":
+        engine.close()

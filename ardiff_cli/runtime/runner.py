@@ -598,7 +598,9 @@ class ARDiffusionModelRunner:
             for session_id in list(self._sessions):
                 errors += self._release(session_id, reason="explicit", hook="close")
             if self.swap is not None:
-                self.swap.clear()  # swapped sessions are closed too: their files go
+                for session_id in self.swap.session_ids:  # closed too, with the event close_session sends
+                    self._discard_swapped(session_id, "close")
+                self.swap.clear()  # and the folder goes
         return errors
 
     def _discard_swapped(self, session_id: str, hook: str) -> bool:

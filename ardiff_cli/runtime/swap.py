@@ -146,6 +146,11 @@ class SwapStore:
     def nbytes(self) -> int:
         return self._nbytes
 
+    @property
+    def session_ids(self) -> list[str]:
+        """The sessions that have a snapshot, least recently swapped first."""
+        return list(self._files)
+
     def has(self, session_id: str) -> bool:
         self.settle()
         return session_id in self._files
