@@ -104,14 +104,13 @@ class _Snapshot:
     """One snapshot file of the store: written (``tensors`` None) or being written by the background thread."""
 
     path: Path
-    nbytes: int  # the file's size once written (settled); until then the planned size, an upper bound on it
+    nbytes: int  # the file's size once its write is taken in (settle); until then the planned size, at least that
     header: str  # the JSON metadata, as written into the file
     tensors: dict[str, torch.Tensor] | None  # held until the file is written (a read meanwhile takes them)
     written: threading.Event = field(default_factory=threading.Event)  # set when the write ended, either way
     error: BaseException | None = None  # what the write raised
     dropped: bool = False  # discarded: whoever comes last (the write, or discard) deletes the file
     lock: threading.Lock = field(default_factory=threading.Lock)  # orders ``dropped`` against the write's end
-    settled: bool = False  # the write's end was taken in by SwapStore.settle()
 
 
 class SwapStore:
@@ -128,7 +127,9 @@ class SwapStore:
         # session id -> its snapshot, least recently swapped first: the order in which room is made.
         self._files: OrderedDict[str, _Snapshot] = OrderedDict()
         self._nbytes = 0  # sum of the files' bytes, kept as one int so other threads read it whole
-        self._writer: threading.Thread | None = None  # the background write in flight, if any
+        # The last write started, until settle() takes in its end: (session id, snapshot, its thread). Every
+        # earlier write was taken in before it started (write() flushes first).
+        self._last_write: tuple[str, _Snapshot, threading.Thread] | None = None
         self.num_dropped = 0  # snapshots deleted to make room for newer ones (their sessions are rebuilt otherwise)
         self.refused_bytes = 0  # the planned file size of the last snapshot refused as larger than the whole budget
         # (session id, why) of background writes that failed since the caller last emptied this list: those
@@ -189,7 +190,7 @@ class SwapStore:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        self._writer = writer
+        self._last_write = (session_id, snapshot, writer)
         self._files[session_id] = snapshot
         self._nbytes += planned
         return planned
@@ -218,30 +219,31 @@ class SwapStore:
 
     def flush(self) -> None:
         """Wait for the write in flight, then :meth:`settle`."""
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
+        if self._last_write is not None:
+            self._last_write[2].join()
         self.settle()
 
     def settle(self) -> None:
-        """Take in the writes that ended: a file's real size replaces its planned one; a failed write's snapshot
-        is forgotten and named in ``failures``."""
-        for session_id, snapshot in list(self._files.items()):
-            if snapshot.settled or not snapshot.written.is_set():
-                continue
-            snapshot.settled = True
-            error = snapshot.error
-            if error is None:
-                try:
-                    size = snapshot.path.stat().st_size
-                except OSError as exc:  # deleted under us: as a failed write
-                    error = exc
-            if error is not None:  # no snapshot
-                self.discard(session_id)
-                self.failures.append((session_id, f"{type(error).__name__}: {error}"))
-                continue
-            self._nbytes += size - snapshot.nbytes  # at most the planned bytes: the budget holds
-            snapshot.nbytes = size
+        """Take in the last write if it ended: the file's real size replaces its planned one; a failed write's
+        snapshot is forgotten and named in ``failures``."""
+        if self._last_write is None or not self._last_write[1].written.is_set():
+            return
+        session_id, snapshot, _ = self._last_write
+        self._last_write = None
+        if self._files.get(session_id) is not snapshot:
+            return  # discarded meanwhile: nothing to take in
+        error = snapshot.error
+        if error is None:
+            try:
+                size = snapshot.path.stat().st_size
+            except OSError as exc:  # deleted under us: as a failed write
+                error = exc
+        if error is not None:  # no snapshot
+            self.discard(session_id)
+            self.failures.append((session_id, f"{type(error).__name__}: {error}"))
+            return
+        self._nbytes += size - snapshot.nbytes  # at most the planned bytes: the budget holds
+        snapshot.nbytes = size
 
     def _make_room(self, needed: int, *, keep: str | None = None) -> None:
         for session_id in [s for s in self._files if s != keep]:
