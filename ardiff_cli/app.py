@@ -12,7 +12,7 @@ from ardiff_cli import __version__
 from ardiff_cli.commands import inspect_capacity, rollout, warmup
 from ardiff_cli.errors_cli import EXIT_CODES_HELP
 from ardiff_cli.options import FLAG, HelpOpt
-from ardiff_cli.output import Format, Output, resolve_format
+from ardiff_cli.output import Format, Output, resolve_format, stdout_error
 
 app = typer.Typer(
     name="ardiff",
@@ -65,6 +65,13 @@ def main() -> None:
             message, f"see {command} --help", exit_code=exc.exit_code, kind="usage_error")
         sys.exit(exc.exit_code)
     except typer.Abort:
+        sys.exit(1)
+    except OSError as exc:
+        if exc.filename is not None:  # not a stream's write: a bug, with its traceback
+            raise
+        # Writing --help or --version (a command reports its own errors, stdout's included: handle_errors).
+        error = stdout_error(exc)
+        Output(resolve_format(_requested_format(args))).error(str(error), error.hint, exit_code=1, kind="output_error")
         sys.exit(1)
     sys.exit(code or 0)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import typer
 
-from ardiff_cli.output import Output
+from ardiff_cli.output import Output, stdout_error
 from ardiff_cli.runtime.errors import (
     ArdiffError,
     ArdiffWarning,
@@ -98,7 +98,8 @@ def _step_hint(phase: str, cause: BaseException) -> str:
 
 
 class OutputError(ArdiffError):
-    """The run's own files (results.jsonl, run.json) could not be written: the run stops (exit 1)."""
+    """The run's own files (results.jsonl, run.json, summary.json) or standard output could not be written: the
+    command stops (exit 1)."""
 
     exit_code = EXIT_BUG
 
@@ -194,6 +195,9 @@ def handle_errors(out: Output) -> Iterator[None]:
         warnings.showwarning = showwarning
         try:
             yield
+            lost = out.stdout_lost
+            if lost is not None and not isinstance(lost, BrokenPipeError):  # `> file` on a full disk: not whole
+                raise stdout_error(lost) from lost
         except (typer.Exit, typer.Abort, typer.BadParameter):
             raise
         except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the table decides; unknown ones are shown

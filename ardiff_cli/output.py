@@ -84,9 +84,13 @@ class Output:
         self._stdout = stdout or sys.stdout  # data stream
         self._stderr = stderr or sys.stderr  # human stream
         self._consoles: dict[str, Any] = {}  # Rich consoles, built on first use (Rich import is lazy)
-        # Called once if stdout's reader goes away (`| head`); a rollout stops there as if sent SIGPIPE.
-        self.on_broken_pipe: Callable[[], None] | None = None
-        self._stdout_gone = False
+        # Why stdout can no longer be written: its reader went away (`| head`: BrokenPipeError), or the file or
+        # device it goes to failed (a full disk: ENOSPC). Nothing more is written to it from then on.
+        self.stdout_lost: OSError | None = None
+        # Called once when stdout is lost, with the error: a rollout stops at its next safe point. Whatever the
+        # command, stdout lost to anything but a reader that went away ends it with exit 1 (handle_errors).
+        self.on_stdout_lost: Callable[[OSError], None] | None = None
+        self._stderr_lost = False  # progress lines are for a human: once stderr fails they are dropped
 
     @classmethod
     def create(cls, format: Format | str = Format.auto, *, quiet: bool = False, verbose: bool = False) -> Output:
@@ -134,32 +138,20 @@ class Output:
         if self.is_rich:
             self._to_stdout(lambda: self.console("stdout").print(renderable))
             return
-        if not isinstance(renderable, str):  # a table: its text without the cell padding at line ends
-            console = self.console("stdout")
-            with console.capture() as captured:
-                console.print(renderable)
-            renderable = "\n".join(line.rstrip() for line in captured.get().splitlines())
-        self._to_stdout(lambda: self._stdout.write(renderable.rstrip("\n") + "\n"))
+        self._to_stdout(lambda: self._stdout.write(_plain_text(self.console("stdout"), renderable)))
 
     def _to_stdout(self, write: Callable[[], object]) -> None:
-        """Run ``write`` and flush; once stdout's reader has gone (``| head``), write nothing more."""
-        if self._stdout_gone:
+        """Run ``write`` and flush; once stdout is lost (its reader gone, its disk full), write nothing more."""
+        if self.stdout_lost is not None:
             return
         try:
             write()
             self._stdout.flush()
-        except BrokenPipeError:
-            self._stdout_gone = True
-            try:  # so that the interpreter's own flush at exit does not complain either
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                try:
-                    os.dup2(devnull, self._stdout.fileno())
-                finally:
-                    os.close(devnull)
-            except (OSError, ValueError, AttributeError):
-                pass
-            if self.on_broken_pipe is not None:
-                self.on_broken_pipe()
+        except OSError as exc:
+            self.stdout_lost = exc
+            _to_devnull(self._stdout)  # so that the interpreter's own flush at exit does not fail on it again
+            if self.on_stdout_lost is not None:
+                self.on_stdout_lost(exc)
 
     # -- events -------------------------------------------------------------------------------------------
 
@@ -214,16 +206,62 @@ class Output:
 
     def _print_err(self, rich_prefix: str, message: str, *, plain_prefix: str = "") -> None:
         """``message`` is never read as markup; only the fixed prefix carries Rich styles."""
-        if self.is_rich:
-            from rich.markup import escape
-
-            self.console("stderr").print(rich_prefix + escape(visible(message)), markup=True)
-        else:
+        if not self.is_rich:
             self._write_err(plain_prefix + message)
+            return
+        from rich.markup import escape
+
+        if not self._stderr_lost:
+            try:
+                self.console("stderr").print(rich_prefix + escape(visible(message)), markup=True)
+            except OSError:
+                self._lose_stderr()
 
     def _write_err(self, line: str) -> None:
-        self._stderr.write(visible(line) + "\n")
-        self._stderr.flush()
+        if self._stderr_lost:
+            return
+        try:
+            self._stderr.write(visible(line) + "\n")
+            self._stderr.flush()
+        except OSError:
+            self._lose_stderr()
+
+    def _lose_stderr(self) -> None:
+        """As coreutils do, a stderr that fails (its disk full) does not stop the work it reports on: its lines are
+        dropped from then on. The results, the files and the exit code say how the command went."""
+        self._stderr_lost = True
+        _to_devnull(self._stderr)
+
+
+def _plain_text(console: Any, renderable: Any) -> str:
+    """``renderable`` as lines of text (a table without the cell padding at line ends), ending in a newline."""
+    if not isinstance(renderable, str):
+        with console.capture() as captured:
+            console.print(renderable)
+        renderable = "\n".join(line.rstrip() for line in captured.get().splitlines())
+    return renderable.rstrip("\n") + "\n"
+
+
+def stdout_error(exc: OSError) -> Exception:
+    """The error a command ends with when its standard output could not be written (exit 1); not for a reader
+    that went away (``BrokenPipeError``), which wanted no more."""
+    from ardiff_cli.errors_cli import OutputError
+
+    return OutputError(f"cannot write to standard output: {exc.strerror or exc}",
+                       hint="check the file or device standard output goes to (free space, permissions)")
+
+
+def _to_devnull(stream: IO[str]) -> None:
+    """Point ``stream``'s file descriptor at /dev/null, and drop what its buffer still holds."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, stream.fileno())
+        finally:
+            os.close(devnull)
+        stream.flush()
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 # Control characters but tab and newline (C0, DEL, C1), shown as \xNN: messages quote file names, and a

@@ -28,7 +28,8 @@ class StopSignals:
     """Context manager installing the handlers (main thread only; elsewhere it does nothing)."""
 
     def __init__(self) -> None:
-        self.pending: int | None = None  # a signal that arrived inside a critical section, or while stopping
+        # A signal that arrived inside a critical section or while stopping, or an error to stop with (defer)
+        self.pending: int | Exception | None = None
         self._depth = 0  # nesting of critical sections
         self._stopping = False  # an Interrupted was raised already: later signals are only recorded
         self._previous: dict[int, object] = {}
@@ -45,11 +46,12 @@ class StopSignals:
             signal.signal(signum, handler)
         self._previous.clear()
 
-    def defer(self, signum: int) -> None:
-        """Stop at the next safe point (``check``, or the end of a critical section) as if ``signum`` had
-        arrived: the output does this with SIGPIPE when stdout's reader is gone, from inside whatever was
-        emitting an event, where raising would cut the runner's bookkeeping short."""
-        self.pending = self.pending or signum
+    def defer(self, stop: int | Exception) -> None:
+        """Stop at the next safe point (``check``, or the end of a critical section) as if signal ``stop`` had
+        arrived, or by raising the error ``stop``: the rollout does this when stdout is lost (SIGPIPE when its
+        reader is gone, an ``OutputError`` when its disk is full), from inside whatever was emitting an event,
+        where raising would cut the runner's bookkeeping short."""
+        self.pending = self.pending or stop
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._depth or self._stopping:
@@ -66,12 +68,11 @@ class StopSignals:
             yield
         finally:
             self._depth -= 1
-        if not self._depth and self.pending and not self._stopping:
-            self._stopping = True
-            raise Interrupted(self.pending)
+        if not self._depth:
+            self.check()
 
     def check(self) -> None:
         """Raise a pending signal now (between steps)."""
         if self.pending and not self._stopping:
             self._stopping = True
-            raise Interrupted(self.pending)
+            raise self.pending if isinstance(self.pending, Exception) else Interrupted(self.pending)

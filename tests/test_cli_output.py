@@ -226,3 +226,35 @@ def test_long_event_details_are_cut_not_the_time_kind_or_session():
     console.print(render(Snapshot(title="t", events=(EventRow(1.5, "failed", "robot_b", long),))))
     row = next(line for line in console.export_text().splitlines() if "failed" in line)
     assert "+1.500s" in row and "robot_b" in row and row.rstrip(" │").endswith("…")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_stdout_that_fails_is_lost_once_and_the_hook_decides_when_the_command_stops():
+    import errno
+
+    with open("/dev/full", "w") as full:
+        out = Output(Format.json, stdout=full, stderr=io.StringIO())
+        lost: list[OSError] = []
+        out.on_stdout_lost = lost.append
+        out.json({"kind": "a"})  # an event: inside the runner, where raising would cut its bookkeeping short
+        out.json({"kind": "b"})
+        assert [e.errno for e in lost] == [errno.ENOSPC] and out.stdout_lost is lost[0]
+    signals = StopSignals()
+    error = ConfigError("stop with me")
+    signals.defer(error)
+    with pytest.raises(ConfigError) as raised:
+        signals.check()  # the rollout's next safe point
+    assert raised.value is error
+    signals.check()  # once
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_command_whose_stdout_failed_ends_with_exit_1_and_one_error_on_stderr():
+    with open("/dev/full", "w") as full:
+        err = io.StringIO()
+        out = Output(Format.json, stdout=full, stderr=err)
+        with pytest.raises(typer.Exit) as raised, handle_errors(out):
+            out.result({"x": 1}, lambda plain: "x")
+    assert raised.value.exit_code == 1
+    assert err.getvalue() == ("Error: cannot write to standard output: No space left on device\n"
+                              "hint: check the file or device standard output goes to (free space, permissions)\n")

@@ -245,6 +245,68 @@ def test_a_closed_standard_stream_is_a_discarded_one_not_a_crash(env, data, tmp_
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+FULL = Path("/dev/full")  # every write fails with ENOSPC: a disk that is full
+needs_dev_full = pytest.mark.skipif(not FULL.exists(), reason="needs /dev/full")
+
+
+def redirected(env, redirect: str, *args: str) -> subprocess.CompletedProcess:
+    """`ardiff ARGS REDIRECT` through a shell, e.g. `> /dev/full`."""
+    return subprocess.run(["bash", "-c", f'"$@" {redirect}', "_", sys.executable, "-m", "ardiff_cli", *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@needs_dev_full
+def test_stdout_on_a_full_disk_is_an_error_with_exit_1_not_a_bug(env, data, tmp_path):
+    """`ardiff rollout ... > summary.txt` on a disk that fills up used to end in tracebacks and "this is a bug in
+    ardiff" (exit 1), and `--format json` in one warning per event; --version and --help in a traceback."""
+    run = tmp_path / "run"
+    commands = {"rollout": ["rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup"],
+                "inspect-capacity": ["inspect-capacity", str(data / "fast.yaml")],
+                "inspect-capacity json": ["inspect-capacity", str(data / "fast.yaml"), "--format", "json"],
+                "version": ["--version"], "help": ["rollout", "--help"]}
+    for name, args in commands.items():
+        proc = redirected(env, "> /dev/full", *args)
+        assert proc.returncode == 1, (name, proc.stderr)
+        assert proc.stderr.endswith("Error: cannot write to standard output: No space left on device\n"
+                                    "hint: check the file or device standard output goes to (free space, "
+                                    "permissions)\n"), (name, proc.stderr)
+        assert "Traceback" not in proc.stderr and "warning" not in proc.stderr, (name, proc.stderr)
+    # Only the summary goes to stdout in plain format, after the run: the run itself is whole.
+    assert json.loads((run / "summary.json").read_text())["status"] == "ok"
+    assert len(records(run)) == 6
+
+
+@needs_dev_full
+def test_a_json_stream_on_a_full_disk_stops_the_run_and_resume_finishes_it(env, data, tmp_path):
+    run = tmp_path / "run"
+    proc = redirected(env, "> /dev/full", "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run),
+                      "--no-warmup", "--format", "json")
+    assert proc.returncode == 1, proc.stderr
+    assert "Error: cannot write to standard output: No space left on device" in proc.stderr
+    assert "then continue with --resume" in proc.stderr
+    assert "Traceback" not in proc.stderr and "warning" not in proc.stderr, proc.stderr
+    # The first object (the capacity plan, at load) failed: the run stopped before its first step.
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["exit_code"], summary["steps"]["this_run"]) == ("failed", 1, 0)
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    assert len(records(run)) == 6
+
+
+@needs_dev_full
+def test_stderr_on_a_full_disk_does_not_stop_the_work_or_change_the_exit_code(env, data, tmp_path):
+    """As coreutils do: progress and warnings are for a human; the files and the exit code say how it went."""
+    run = tmp_path / "run"
+    proc = redirected(env, "2> /dev/full", "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run),
+                      "--no-warmup")
+    assert proc.returncode == 0 and "outputs: " in proc.stdout
+    assert json.loads((run / "summary.json").read_text())["status"] == "ok"
+    assert len(records(run)) == 6
+    proc = redirected(env, "2> /dev/full", "rollout", str(data / "fast.yaml"), str(tmp_path / "missing"),
+                      "--out", str(tmp_path / "run2"))
+    assert proc.returncode == 2
+
+
 def test_a_tilde_no_shell_expanded_means_home_not_a_folder_named_tilde(env, data, tmp_path):
     """`subprocess.run(["ardiff", "rollout", ..., "-o", "~/runs/x"])`, a systemd unit, a quoted '~/runs/x'."""
     home, cwd = tmp_path / "home", tmp_path / "cwd"

@@ -32,7 +32,7 @@ from ardiff_cli.options import (
     VerboseOpt,
     check_swap_space,
 )
-from ardiff_cli.output import Format, Output
+from ardiff_cli.output import Format, Output, stdout_error
 from ardiff_cli.runtime.errors import ArdiffError, ConfigError, ObservationError
 
 DEMO_SESSION_CAPACITY = 2  # the demo has 3 episodes: with 2 resident sessions, LRU eviction shows
@@ -431,7 +431,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
         with StopSignals() as signals, output.live(lambda: render(monitor.snapshot())):
             # `ardiff rollout --format json | head`: once the reader is gone, stop as a shell's SIGPIPE would
             # (exit 141), but between steps, where every written file is whole, so --resume can finish the run.
-            output.on_broken_pipe = lambda: signals.defer(signal.SIGPIPE)
+            # `> events.jsonl` on a disk that fills up stops there too, with the write's error (exit 1).
+            output.on_stdout_lost = lambda exc: signals.defer(_stop_for_lost_stdout(exc))
             try:
                 from ardiff_cli.runtime.engine import ARDiffusionEngine
 
@@ -478,9 +479,18 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                         with signals.critical():
                             summary = _write_summary(run, written, output, error)
     finally:
-        output.on_broken_pipe = None
+        output.on_stdout_lost = None
         if summary is not None:  # after the live display, so the two never interleave
             output.result(summary, lambda plain: render_summary(summary, plain))
+
+
+def _stop_for_lost_stdout(exc: OSError) -> int | Exception:
+    """How a rollout stops once stdout is lost: as SIGPIPE when its reader went away, else with the write's error."""
+    if isinstance(exc, BrokenPipeError):
+        return signal.SIGPIPE
+    error = stdout_error(exc)
+    error.hint = f"{error.hint}, then continue with --resume"
+    return error
 
 
 def _nothing_left(p: _Prepared, *, order: str, preview: bool,
