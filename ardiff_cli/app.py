@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
-from typing import Annotated
+import threading
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -46,9 +48,24 @@ def _root(
     """Run autoregressive video-diffusion world models with persistent paged-KV sessions."""
 
 
-def main() -> None:
+def main() -> NoReturn:
+    """The `ardiff` command (console script and ``python -m ardiff_cli``): run it, then end the process.
+
+    The process ends as the interpreter's own exit would (non-daemon threads joined, ``atexit`` handlers run,
+    standard streams flushed) but without tearing down every module: after torch was imported that teardown took
+    about 0.5 s, a fifth of the demo rollout (``python -m benchmarks.bench_startup``: ``exit_ratio``), and a SIGTERM
+    arriving in it made a finished run exit 143. Every file ardiff writes is closed (or written by ``os.write``)
+    before this point. An exception other than ``SystemExit`` (a bug) still leaves through the interpreter, with
+    its traceback.
+    """
+    try:
+        _run(sys.argv[1:])
+    except SystemExit as exc:
+        _end_process(exc.code)
+
+
+def _run(args: list[str]) -> None:
     _fill_closed_standard_streams()
-    args = sys.argv[1:]
     # Usage errors (an unknown option, a bad option value) are reported like every other error: `Error:` and
     # `hint:` lines on stderr, or one JSON object on stdout under --format json, never Typer's box.
     try:
@@ -74,6 +91,28 @@ def main() -> None:
         Output(resolve_format(_requested_format(args))).error(str(error), error.hint, exit_code=1, kind="output_error")
         sys.exit(1)
     sys.exit(code or 0)
+
+
+def _end_process(code: object) -> NoReturn:
+    """``sys.exit(code)``, less the teardown of every module (see ``main``)."""
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # what the interpreter does with sys.exit("message")
+        print(code, file=sys.stderr)
+        status = 1
+    shutdown = getattr(threading, "_shutdown", None)  # what the interpreter's exit calls first: joins threads
+    if shutdown is None:  # another Python: let the interpreter exit as usual
+        raise SystemExit(status)
+    shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            status = status or 120  # as the interpreter reports a flush that fails at exit
+    os._exit(status & 0xFF)  # as exit() keeps the low byte
 
 
 def _fill_closed_standard_streams() -> None:

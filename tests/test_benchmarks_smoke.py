@@ -162,7 +162,7 @@ def test_startup_quick():
     r = bench_startup.run(quick=True)
     check_common(r, "startup")
     assert "dreamzero-14b" in r["command"]
-    for key in ("python_s", "help_s", "inspect_capacity_s"):
+    for key in ("python_s", "help_s", "inspect_capacity_s", "warmup_s", "warmup_interpreter_exit_s", "exit_ratio"):
         assert positive(r[key])
 
 
