@@ -26,6 +26,7 @@ SHORT_KINDS = {
     "session_reset": "reset",
     "session_closed": "closed",
     "hook_failed": "hook_failed",
+    "swap_failed": "swap_failed",
     "warmup_finished": "warmup",
     "capacity_planned": "planned",
     "request_finished": "request",
@@ -47,6 +48,8 @@ def describe_event(data: dict[str, Any]) -> str:
         return str(data.get("reason", "")) + (f": {error}" if error else "")
     if kind == "hook_failed":
         return f"{data.get('hook')}: {data.get('error')}"
+    if kind == "swap_failed":
+        return f"snapshot lost: {data.get('error')}"
     if kind == "warmup_finished":
         restored = "pool restored" if data.get("restored") else "POOL NOT RESTORED"
         return f"{data.get('num_requests')} requests in {data.get('seconds', 0):.3f}s, {restored}"

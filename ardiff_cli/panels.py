@@ -86,7 +86,7 @@ def _text(value: str):
 SESSION_ROWS = 16
 
 EVENT_STYLES = {"admitted": "green", "evicted": "yellow", "restored": "green", "reset": "magenta", "closed": "blue",
-                "failed": "red", "hook_failed": "red", "warmup": "cyan", "episode": "cyan"}
+                "failed": "red", "hook_failed": "red", "swap_failed": "red", "warmup": "cyan", "episode": "cyan"}
 
 
 def _capacity_panel(s: Snapshot):

@@ -59,6 +59,7 @@ class RolloutStats:
     replayed: int = 0  # steps rerun to rebuild an evicted or resumed session
     evictions: int = 0
     swapped_out: int = 0  # evictions that wrote a swap snapshot
+    swap_failed: int = 0  # evictions whose snapshot was lost, its write failing in the background (replayed)
     restored: int = 0  # sessions restored from their swap snapshot instead of replayed
     restore_failed: int = 0  # snapshots that could not be restored (replayed instead, with a warning)
     failed: dict[str, str] = field(default_factory=dict)  # episode -> error message
@@ -137,6 +138,10 @@ class Rollout:
         if kind == "session_evicted":
             self.stats.evictions += 1
             self.stats.swapped_out += bool(event.swapped)
+        if kind == "swap_failed":  # after its eviction said swapped: no snapshot after all
+            self.stats.swapped_out -= 1
+            self.stats.swap_failed += 1
+            self._swapped.pop(event.session_id, None)
         if kind == "hook_failed":
             self._hook_failed(event)
         self._captured.append(event)

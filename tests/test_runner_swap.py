@@ -614,6 +614,9 @@ def test_a_write_that_fails_in_the_background_is_a_warning_and_its_session_is_re
                                            r"left on device\); its snapshot is lost, so it is rebuilt as one "
                                            r"evicted without a snapshot"):
         assert runner.restore_session("a") is False
+    # and an event, for a subscriber that counts swapped sessions (the CLI's summary.json) or streams them (JSON)
+    lost = [e for e in events if e.kind == "swap_failed"]
+    assert [(e.session_id, e.error) for e in lost] == [("a", "OSError: [Errno 28] No space left on device")]
     assert runner.pool_usage().num_swapped == 0 and runner.pool_usage().swapped_bytes == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # the partial temporary file went too
     with warnings.catch_warnings():

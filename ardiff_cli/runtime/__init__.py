@@ -56,6 +56,7 @@ _EXPORTS = {
     "SessionClosed": "events",
     "RequestFinished": "events",
     "HookFailed": "events",
+    "SwapFailed": "events",
     "WarmupFinished": "events",
 }
 

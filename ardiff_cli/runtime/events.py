@@ -76,6 +76,17 @@ class SessionRestored(RuntimeEvent):
 
 
 @dataclass(frozen=True)
+class SwapFailed(RuntimeEvent):
+    """The background write of an evicted session's snapshot failed (a full disk), after its ``session_evicted``
+    said ``swapped``: the snapshot is lost, and the session is rebuilt as one evicted without a snapshot."""
+
+    kind: ClassVar[str] = "swap_failed"
+    session_id: str
+    error: str
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class SessionReset(RuntimeEvent):
     kind: ClassVar[str] = "session_reset"
     session_id: str

@@ -52,6 +52,7 @@ from ardiff_cli.runtime.errors import (
 from ardiff_cli.runtime.events import (
     CapacityPlanned,
     HookFailed,
+    SwapFailed,
     RequestFinished,
     RuntimeEvent,
     SessionAdmitted,
@@ -737,10 +738,11 @@ class ARDiffusionModelRunner:
         return has
 
     def _warn_about_failed_writes(self) -> None:
-        """A warning for each snapshot whose background write failed: the eviction that started it had said it was
-        swapped; its session is rebuilt as one evicted without a snapshot."""
+        """A ``swap_failed`` event and a warning for each snapshot whose background write failed: the eviction that
+        started it had said it was swapped; its session is rebuilt as one evicted without a snapshot."""
         failures, self.swap.failures = self.swap.failures, []
         for session_id, why in failures:
+            self._emit(SwapFailed(session_id=session_id, error=why))
             warnings.warn(f"cannot swap session {shown(session_id)} out to {self.swap.directory} ({why}); its "
                           "snapshot is lost, so it is rebuilt as one evicted without a snapshot", ArdiffWarning,
                           stacklevel=3)
