@@ -449,7 +449,8 @@ def reference(env, data, tmp_path_factory):
     assert summary["evictions_this_run"] > 0 and summary["steps"]["replayed"] == 0
     assert summary["episodes"]["completed"] == 2 and summary["episodes"]["timed_out"] == []
     assert summary["steps"]["restored"] == summary["swap"]["restored"] == 4  # every step after both step 0s
-    assert summary["swap"]["swapped_out"] == 4 and summary["swap"]["restore_failed"] == summary["swap"]["dropped"] == 0
+    assert summary["swap"]["swapped_out"] == 4
+    assert summary["swap"]["swap_failed"] == summary["swap"]["restore_failed"] == summary["swap"]["dropped"] == 0
     assert [r["restored"] for r in records(run)] == [False, False] + [True] * 4
     assert not (run / ".swap").exists()
     assert re.search(r"evicted +arm_a lru_eviction \(by arm_b\), swapped out \([0-9.]+ KiB\)", proc.stderr)
@@ -465,7 +466,8 @@ def test_with_swapping_off_evicted_sessions_are_replayed_to_the_same_outputs(env
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "replay" / "summary.json").read_text())
     assert summary["steps"]["replayed"] == 6 and summary["steps"]["restored"] == 0  # 1 + 1 + 2 + 2 earlier steps
-    assert summary["swap"] == {"space_bytes": 0, "swapped_out": 0, "restored": 0, "restore_failed": 0, "dropped": 0}
+    assert summary["swap"] == {"space_bytes": 0, "swapped_out": 0, "swap_failed": 0, "restored": 0,
+                               "restore_failed": 0, "dropped": 0}
     assert "swapped out" not in proc.stderr and "rebuilding the session from 2 earlier steps" in proc.stderr
     assert_same_outputs(reference, tmp_path / "replay")
 
