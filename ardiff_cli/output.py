@@ -111,6 +111,9 @@ class Output:
                 # No colour, no cursor movement, no terminal features: plain text only.
                 console = Console(file=file, color_system=None, force_terminal=False, force_interactive=False,
                                   highlight=False, emoji=False, width=_plain_width())
+            # Rich's own answer to a reader that went away points fd 1 at /dev/null and raises SystemExit(1), for
+            # either stream: the stream's error goes to this sink instead (_to_stdout, _print_err, live).
+            console.on_broken_pipe = _raise_again
             self._consoles[stream] = console
         return console
 
@@ -200,9 +203,20 @@ class Output:
             return
         from rich.live import Live
 
-        with Live(get_renderable=get_renderable, console=self.console("stderr"), refresh_per_second=4,
-                  transient=False, redirect_stdout=False, redirect_stderr=False):
+        live = Live(get_renderable=get_renderable, console=self.console("stderr"), refresh_per_second=4,
+                    transient=False, redirect_stdout=False, redirect_stderr=False)
+        # A stderr that fails (its disk full, its reader gone) drops the display, never the command.
+        try:
+            live.start()
+        except OSError:
+            self._lose_stderr()
+        try:
             yield
+        finally:
+            try:
+                live.stop()
+            except OSError:
+                self._lose_stderr()
 
     def _print_err(self, rich_prefix: str, message: str, *, plain_prefix: str = "") -> None:
         """``message`` is never read as markup; only the fixed prefix carries Rich styles."""
@@ -231,6 +245,11 @@ class Output:
         dropped from then on. The results, the files and the exit code say how the command went."""
         self._stderr_lost = True
         _to_devnull(self._stderr)
+
+
+def _raise_again() -> None:
+    """A Rich console's ``on_broken_pipe``, called inside its ``except BrokenPipeError``: raise that error again."""
+    raise  # the BrokenPipeError the caller is handling
 
 
 def _plain_text(console: Any, renderable: Any) -> str:

@@ -307,6 +307,34 @@ def test_stderr_on_a_full_disk_does_not_stop_the_work_or_change_the_exit_code(en
     assert proc.returncode == 2
 
 
+def with_reader_gone(env, stream: str, *args: str, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
+    """`ardiff ARGS` with ``stream`` ("stdout" or "stderr") a pipe whose reader has gone (`| head` once it quit)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        streams = {"stdout": stdout, "stderr": subprocess.PIPE, stream: write_end}
+        return subprocess.run([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, env=env, text=True,
+                              timeout=600, **streams)
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("fmt", ["plain", "rich"])
+def test_a_reader_gone_from_either_stream_is_handled_alike_in_every_format(env, data, tmp_path, fmt):
+    """In rich format, Rich's own handling of a broken pipe pointed fd 1 at /dev/null and raised SystemExit(1): a
+    stderr whose reader had gone ended the rollout at its first progress line, exit 1 without a word, and the
+    summary never reached a stdout that worked; `inspect-capacity --format rich | head` exited 1, plain 0."""
+    run = tmp_path / "run"
+    with open(tmp_path / "summary.txt", "w") as summary:
+        proc = with_reader_gone(env, "stderr", "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out",
+                                str(run), "--no-warmup", "--format", fmt, stdout=summary)
+    assert proc.returncode == 0
+    assert "outputs: " in (tmp_path / "summary.txt").read_text()
+    assert json.loads((run / "summary.json").read_text())["status"] == "ok" and len(records(run)) == 6
+    proc = with_reader_gone(env, "stdout", "inspect-capacity", str(data / "fast.yaml"), "--format", fmt)
+    assert (proc.returncode, proc.stderr) == (0, "")
+
+
 def test_a_tilde_no_shell_expanded_means_home_not_a_folder_named_tilde(env, data, tmp_path):
     """`subprocess.run(["ardiff", "rollout", ..., "-o", "~/runs/x"])`, a systemd unit, a quoted '~/runs/x'."""
     home, cwd = tmp_path / "home", tmp_path / "cwd"
