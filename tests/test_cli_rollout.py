@@ -563,6 +563,30 @@ def test_swap_files_the_disk_refuses_are_warnings_then_replays_to_the_same_outpu
     assert not (run / ".swap").exists()  # no partial temporary file left either
 
 
+def test_a_lost_snapshot_of_a_session_closed_while_swapped_out_is_counted_as_lost(env, data, reference, tmp_path):
+    # As above, files may grow to 64 KiB: arm_a's snapshot after its step 1 (66 KiB) fails. Its step 2 cannot be
+    # read: its episode fails, and its session is closed while swapped out, before any call took the failed write
+    # in. The failure used to be dropped: no event, and summary.json counted the snapshot as swapped out.
+    import resource
+
+    def small_files_only():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    shutil.copytree(data / "eps", tmp_path / "eps")
+    (tmp_path / "eps" / "arm_a" / "step_000002.safetensors").write_bytes(b"not a safetensors file")
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"),
+                           str(tmp_path / "eps"), "--out", str(run), "--no-warmup", "--format", "json"], cwd=REPO,
+                          capture_output=True, text=True, env=env, timeout=600, preexec_fn=small_files_only)
+    assert proc.returncode == 4, proc.stderr
+    events = [e["kind"] for e in map(json.loads, proc.stdout.splitlines())
+              if e.get("session_id") == "arm_a" and e["kind"] in ("session_evicted", "swap_failed", "session_closed")]
+    assert events == ["session_evicted", "session_evicted", "swap_failed", "session_closed"]
+    assert "warning: cannot swap" not in proc.stderr  # its session is closed: nothing is rebuilt
+    swap = json.loads((run / "summary.json").read_text())["swap"]
+    assert (swap["swapped_out"], swap["swap_failed"]) == (2, 1)  # arm_a's first one and arm_b's; arm_a's second
+
+
 def test_kill_9_while_a_snapshot_file_is_written_leaves_nothing_that_resume_does_not_remove(env, data, tmp_path):
     # safetensors writes a file through its own temporary file beside it (.tmpXXXXXX): a kill -9 during a
     # snapshot's write left that partial file (a 14B session's: GiBs) in OUT/.swap, where no --resume removed it.

@@ -625,6 +625,25 @@ def test_a_write_that_fails_in_the_background_is_a_warning_and_its_session_is_re
     engine.close()
 
 
+def test_a_write_that_fails_before_its_session_is_closed_is_a_swap_failed_event_without_a_warning(tmp_path,
+                                                                                                  monkeypatch):
+    # close_all (the CLI's end of a run, also an interrupted one) and close_session of a swapped-out session took
+    # the failed write in silently: no event, so summary.json counted the lost snapshot as swapped out.
+    for close in ("close_all", "close_session"):
+        engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path / close)
+        run(engine, "a", 0)
+        writes = HeldWrites(monkeypatch)
+        writes.fail_with = OSError(28, "No space left on device")
+        run(engine, "b", 0)  # evicts a; its write fails once released
+        writes.release()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # its session is closed: nothing is rebuilt, nothing to warn about
+            engine.runner.close_all() if close == "close_all" else engine.runner.close_session("a")
+        kinds = [(e.kind, e.session_id) for e in events if e.kind in ("session_evicted", "swap_failed")]
+        assert kinds == [("session_evicted", "a"), ("swap_failed", "a")], close
+        engine.close()
+
+
 def test_the_planned_bytes_of_a_snapshot_file_bound_its_size(tmp_path):
     # The eviction's swap_bytes and the budget are planned before the background write: never under the file.
     import json

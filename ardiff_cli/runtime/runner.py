@@ -595,6 +595,7 @@ class ARDiffusionModelRunner:
         errors: list[LifecycleHookError] = []
         if self.swap is not None:
             self.swap.flush()  # the write in flight ends first, outside the lock the views take
+            self._warn_about_failed_writes(warn=False)  # their sessions are closed below: nothing is rebuilt
         with self._locked():
             for session_id in list(self._sessions):
                 errors += self._release(session_id, reason="explicit", hook="close")
@@ -606,9 +607,10 @@ class ARDiffusionModelRunner:
 
     def _discard_swapped(self, session_id: str, hook: str) -> bool:
         """A swapped-out session is reset or closed by deleting its snapshot (its pipeline state left with it); the
-        same event as for a resident one."""
-        if session_id in self._sessions or self.swap is None or not self.swap.discard(session_id):
+        same event as for a resident one (after a ``swap_failed`` if the write of its snapshot failed)."""
+        if session_id in self._sessions or self.swap is None or not self.swap.discard(session_id, report=True):
             return False
+        self._warn_about_failed_writes(warn=False)  # closed or reset: nothing is rebuilt
         if hook == "reset":
             self._emit(SessionReset(session_id=session_id, reason="explicit"))
         else:
@@ -737,15 +739,18 @@ class ARDiffusionModelRunner:
         self._warn_about_failed_writes()
         return has
 
-    def _warn_about_failed_writes(self) -> None:
+    def _warn_about_failed_writes(self, *, warn: bool = True) -> None:
         """A ``swap_failed`` event and a warning for each snapshot whose background write failed: the eviction that
-        started it had said it was swapped; its session is rebuilt as one evicted without a snapshot."""
+        started it had said it was swapped; its session is rebuilt as one evicted without a snapshot. ``warn=False``:
+        their sessions are being closed or reset, so there is nothing to warn about; the event still says the
+        snapshot was lost (summary.json must not count it as swapped out)."""
         failures, self.swap.failures = self.swap.failures, []
         for session_id, why in failures:
             self._emit(SwapFailed(session_id=session_id, error=why))
-            warnings.warn(f"cannot swap session {shown(session_id)} out to {self.swap.directory} ({why}); its "
-                          "snapshot is lost, so it is rebuilt as one evicted without a snapshot", ArdiffWarning,
-                          stacklevel=3)
+            if warn:
+                warnings.warn(f"cannot swap session {shown(session_id)} out to {self.swap.directory} ({why}); its "
+                              "snapshot is lost, so it is rebuilt as one evicted without a snapshot", ArdiffWarning,
+                              stacklevel=3)
 
     def _restore(self, session_id: str) -> None:
         """``restore_session`` of a session that has a snapshot and is not resident."""

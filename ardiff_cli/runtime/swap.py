@@ -283,10 +283,11 @@ class SwapStore:
             raise ValueError(f"{path}: holds session {metadata.get('session_id')!r}, expected {session_id!r}")
         return tensors, metadata, snapshot.nbytes
 
-    def discard(self, session_id: str, *, wait: bool = True) -> bool:
+    def discard(self, session_id: str, *, wait: bool = True, report: bool = False) -> bool:
         """Forget the snapshot of ``session_id``, if any, and delete its file; whether there was one. A write in
         flight is waited for, so the file is gone when this returns; with ``wait=False`` it is deleted when its
-        write ends instead (the caller has its tensors already)."""
+        write ends instead (the caller has its tensors already). With ``report``, a write of it that failed and was
+        not taken in yet is named in ``failures`` (its session is closed while swapped out)."""
         snapshot = self._files.pop(session_id, None)
         if snapshot is None:
             return False
@@ -295,6 +296,8 @@ class SwapStore:
             snapshot.dropped = True  # a write in flight deletes its file when it ends (so, also if a wait is cut)
         if wait:
             snapshot.written.wait()
+        if report and snapshot.written.is_set() and snapshot.error is not None:  # settle() would have forgotten it
+            self.failures.append((session_id, f"{type(snapshot.error).__name__}: {snapshot.error}"))
         if snapshot.written.is_set():
             with contextlib.suppress(OSError):  # forgotten either way; the folder goes when the run ends
                 snapshot.path.unlink(missing_ok=True)
