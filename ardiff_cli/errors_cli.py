@@ -193,12 +193,16 @@ def handle_errors(out: Output) -> Iterator[None]:
                 python_showwarning(message, category, *args, **kwargs)
 
         warnings.showwarning = showwarning
+        lost = None
         try:
             yield
             lost = out.stdout_lost
             if lost is not None and not isinstance(lost, BrokenPipeError):  # `> file` on a full disk: not whole
-                raise stdout_error(lost) from lost
+                raise stdout_error(lost)
         except (typer.Exit, typer.Abort, typer.BadParameter):
             raise
         except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the table decides; unknown ones are shown
+            lost = out.stdout_lost
+            if lost is not None and not isinstance(lost, BrokenPipeError) and exc.__cause__ is not lost:
+                out.warning(f"{stdout_error(lost)} either")  # the exit code is the other error's
             raise typer.Exit(report(out, exc)) from None

@@ -266,8 +266,10 @@ def stdout_error(exc: OSError) -> Exception:
     that went away (``BrokenPipeError``), which wanted no more."""
     from ardiff_cli.errors_cli import OutputError
 
-    return OutputError(f"cannot write to standard output: {exc.strerror or exc}",
-                       hint="check the file or device standard output goes to (free space, permissions)")
+    error = OutputError(f"cannot write to standard output: {exc.strerror or exc}",
+                        hint="check the file or device standard output goes to (free space, permissions)")
+    error.__cause__ = exc
+    return error
 
 
 def _to_devnull(stream: IO[str]) -> None:

@@ -258,3 +258,17 @@ def test_a_command_whose_stdout_failed_ends_with_exit_1_and_one_error_on_stderr(
     assert raised.value.exit_code == 1
     assert err.getvalue() == ("Error: cannot write to standard output: No space left on device\n"
                               "hint: check the file or device standard output goes to (free space, permissions)\n")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_command_that_fails_after_stdout_failed_says_both_and_exits_with_its_own_code():
+    # `ardiff rollout > summary.txt` on a full disk with a failed episode: exit 4, and stdout's loss was not said
+    with open("/dev/full", "w") as full:
+        err = io.StringIO()
+        out = Output(Format.plain, stdout=full, stderr=err)
+        with pytest.raises(typer.Exit) as raised, handle_errors(out):
+            out.result({"x": 1}, lambda plain: "x")
+            raise ConfigError("model.preset: expected one of tiny, 14b, got 'huge'")
+    assert raised.value.exit_code == 2
+    assert err.getvalue() == ("warning: cannot write to standard output: No space left on device either\n"
+                              "Error: model.preset: expected one of tiny, 14b, got 'huge'\n")
