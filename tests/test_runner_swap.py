@@ -627,9 +627,14 @@ def test_a_write_that_fails_in_the_background_is_a_warning_and_its_session_is_re
 
 def test_a_write_that_fails_before_its_session_is_closed_is_a_swap_failed_event_without_a_warning(tmp_path,
                                                                                                   monkeypatch):
-    # close_all (the CLI's end of a run, also an interrupted one) and close_session of a swapped-out session took
-    # the failed write in silently: no event, so summary.json counted the lost snapshot as swapped out.
-    for close in ("close_all", "close_session"):
+    # close_all (the CLI's end of a run, also an interrupted one), close_session of a swapped-out session and a
+    # request that resets it took the failed write in silently: no event, so summary.json counted the lost
+    # snapshot as swapped out.
+    def reset_request(engine) -> None:
+        engine.execute(ARDiffusionRequest("a/0", inputs_for(engine.pipeline, "a", 0), {"session_id": "a",
+                                                                                       "reset": True}))
+
+    for close in ("close_all", "close_session", "reset request"):
         engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path / close)
         run(engine, "a", 0)
         writes = HeldWrites(monkeypatch)
@@ -638,9 +643,11 @@ def test_a_write_that_fails_before_its_session_is_closed_is_a_swap_failed_event_
         writes.release()
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # its session is closed: nothing is rebuilt, nothing to warn about
-            engine.runner.close_all() if close == "close_all" else engine.runner.close_session("a")
+            {"close_all": lambda: engine.runner.close_all(), "close_session": lambda: engine.runner.close_session("a"),
+             "reset request": lambda: reset_request(engine)}[close]()
         kinds = [(e.kind, e.session_id) for e in events if e.kind in ("session_evicted", "swap_failed")]
-        assert kinds == [("session_evicted", "a"), ("swap_failed", "a")], close
+        then = [("session_evicted", "b")] if close == "reset request" else []  # made room for the fresh a
+        assert kinds == [("session_evicted", "a"), ("swap_failed", "a"), *then], close
         engine.close()
 
 

@@ -516,8 +516,8 @@ class ARDiffusionModelRunner:
         wait for it. Every other call that changes the table waits on the request lock meanwhile."""
         if session_id in self._sessions:
             return
-        if self.swap is not None:
-            self.swap.discard(session_id)
+        if self.swap is not None and self.swap.discard(session_id, report=True):  # a reset request's, say
+            self._warn_about_failed_writes(warn=False)  # replaced by a fresh session: nothing is rebuilt
         assert self.capacity_plan is not None
         while len(self._sessions) >= self.capacity_plan.session_capacity:
             victim = next(iter(self._sessions))
