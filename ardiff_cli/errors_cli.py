@@ -193,7 +193,6 @@ def handle_errors(out: Output) -> Iterator[None]:
                 python_showwarning(message, category, *args, **kwargs)
 
         warnings.showwarning = showwarning
-        lost = None
         try:
             yield
             lost = out.stdout_lost

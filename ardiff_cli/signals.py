@@ -31,7 +31,7 @@ class StopSignals:
         # A signal that arrived inside a critical section or while stopping, or an error to stop with (defer)
         self.pending: int | Exception | None = None
         self._depth = 0  # nesting of critical sections
-        self._stopping = False  # an Interrupted was raised already: later signals are only recorded
+        self._stopping = False  # a stop was raised already: later signals are only recorded
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopSignals:
@@ -72,7 +72,7 @@ class StopSignals:
             self.check()
 
     def check(self) -> None:
-        """Raise a pending signal now (between steps)."""
+        """Raise a pending signal (as ``Interrupted``) or deferred error now (between steps)."""
         if self.pending and not self._stopping:
             self._stopping = True
             raise self.pending if isinstance(self.pending, Exception) else Interrupted(self.pending)

@@ -52,7 +52,6 @@ from ardiff_cli.runtime.errors import (
 from ardiff_cli.runtime.events import (
     CapacityPlanned,
     HookFailed,
-    SwapFailed,
     RequestFinished,
     RuntimeEvent,
     SessionAdmitted,
@@ -60,6 +59,7 @@ from ardiff_cli.runtime.events import (
     SessionEvicted,
     SessionReset,
     SessionRestored,
+    SwapFailed,
     WarmupFinished,
 )
 from ardiff_cli.runtime.kv.backends import select_attention_backend
