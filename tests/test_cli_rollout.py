@@ -581,8 +581,12 @@ def test_a_lost_snapshot_of_a_session_closed_while_swapped_out_is_counted_as_los
     assert proc.returncode == 4, proc.stderr
     events = [e["kind"] for e in map(json.loads, proc.stdout.splitlines())
               if e.get("session_id") == "arm_a" and e["kind"] in ("session_evicted", "swap_failed", "session_closed")]
-    assert events == ["session_evicted", "session_evicted", "swap_failed", "session_closed"]
-    assert "warning: cannot swap" not in proc.stderr  # its session is closed: nothing is rebuilt
+    if events[-1] == "session_closed":  # closed while its failed write was not taken in yet (the usual order)
+        assert events == ["session_evicted", "session_evicted", "swap_failed", "session_closed"]
+        assert "warning: cannot swap" not in proc.stderr  # its session is closed: nothing is rebuilt
+    else:  # arm_b's next request took the failure in first (a loaded machine): said then, nothing left to close
+        assert events == ["session_evicted", "session_evicted", "swap_failed"]
+        assert "warning: cannot swap session 'arm_a'" in proc.stderr
     swap = json.loads((run / "summary.json").read_text())["swap"]
     assert (swap["swapped_out"], swap["swap_failed"]) == (2, 1)  # arm_a's first one and arm_b's; arm_a's second
 
