@@ -770,3 +770,42 @@ def test_closing_every_session_closes_the_swapped_out_ones_with_the_event_close_
     assert engine.runner.pool_usage().num_swapped == 0 and not tmp_path.exists()  # the swap folder went
     if how == "close_all":
         engine.close()
+
+
+@pytest.mark.parametrize("name", ["causal-world-tiny", "dreamzero-tiny"])
+def test_a_detached_snapshot_adopted_by_a_later_runner_restores_the_same_session(tmp_path, name):
+    # An interrupted CLI run leaves its swapped-out sessions' files; the resumed run's runner takes them back
+    # instead of replaying their steps. Bit-identical to a session that was never swapped.
+    reference, _ = engine_for(name, capacity=2)
+    expected = [run(reference, "a", step) for step in range(3)]
+    reference.close()
+    first, _ = engine_for(name, capacity=1, swap_dir=tmp_path)
+    run(first, "a", 0)
+    run(first, "a", 1)
+    run(first, "b", 0)  # evicts a: swapped out after two steps
+    kept = first.runner.detach_snapshots()
+    assert list(kept) == ["a"] and first.runner.pool_usage().num_swapped == 0
+    first.close()  # the detached file stays
+    assert (tmp_path / kept["a"]).is_file()
+    second, events = engine_for(name, capacity=1, swap_dir=tmp_path)
+    assert second.runner.adopt_snapshot("a", kept["a"]) is True
+    assert second.runner.pool_usage().num_swapped == 1
+    assert_same(run(second, "a", 2), expected[2], "adopted snapshot")
+    assert [e.session_id for e in events if e.kind == "session_restored"] == ["a"]
+    second.close()
+    assert not tmp_path.exists()  # adopted, restored and deleted: nothing left, folder included
+
+
+def test_an_adopted_file_of_another_session_or_a_bad_name_is_refused(tmp_path):
+    first, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    run(first, "a", 0)
+    run(first, "b", 0)
+    kept = first.runner.detach_snapshots()
+    first.close()
+    second, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    with pytest.raises(ValueError, match="is not the name of a swap snapshot file"):
+        second.runner.adopt_snapshot("b", "../../etc/passwd")
+    assert second.runner.adopt_snapshot("b", kept["a"]) is True  # the index named the wrong session's file
+    with pytest.raises(SwapRestoreError, match="holds session 'a', expected 'b'"):
+        second.runner.restore_session("b")
+    second.close()

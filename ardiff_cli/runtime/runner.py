@@ -731,6 +731,35 @@ class ARDiffusionModelRunner:
         self._restore(session_id)
         return True
 
+    @_one_at_a_time
+    def detach_snapshots(self) -> dict[str, str]:
+        """Forget every swapped-out session but leave its snapshot file in ``swap_dir``: {session id: file name}.
+        A runner of a later process with the same ``swap_dir`` takes one back with ``adopt_snapshot`` (the CLI's
+        ``--resume`` does, instead of replaying the session's steps). Resident sessions stay as they are. A snapshot
+        whose write failed is a ``swap_failed`` event, and not in the result."""
+        if self.swap is None:
+            return {}
+        self.swap.flush()  # the write in flight ends first, outside the lock the views take
+        with self._locked():
+            kept = self.swap.detach()
+        self._warn_about_failed_writes(warn=False)  # not rebuilt by this runner: nothing to warn about
+        return kept
+
+    @_one_at_a_time
+    def adopt_snapshot(self, session_id: str, name: str) -> bool:
+        """Take the snapshot file ``name`` that ``detach_snapshots`` of an earlier runner left in ``swap_dir`` as
+        swapped-out session ``session_id``: its next request (or ``restore_session``) restores it. False when this
+        runner does not swap, the session is resident, or the file is larger than the whole swap space (deleted
+        then). What the file holds is checked when it is restored (``SwapRestoreError``, as for any snapshot)."""
+        self._require_loaded()
+        if not isinstance(session_id, str) or not session_id or session_id == WARMUP_SESSION_ID:
+            raise RequestError(f"adopt_snapshot() takes a session id (a non-empty string, not "
+                               f"{WARMUP_SESSION_ID!r}), got {shown(session_id)}", hint="name the detached session")
+        if self.swap is None or session_id in self._sessions:
+            return False
+        with self._locked():
+            return self.swap.adopt(session_id, name)
+
     def _has_snapshot(self, session_id: str) -> bool:
         """Whether ``session_id`` has a swap snapshot; warns first about snapshots whose write failed meanwhile."""
         if self.swap is None:

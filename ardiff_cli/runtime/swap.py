@@ -37,7 +37,8 @@ if TYPE_CHECKING:  # torch-free at import: the CLI clears a run's swap folder wi
 
 FORMAT = "ardiff-swap-1"  # metadata["format"]; bump when the layout of a snapshot file changes
 # The names SwapStore gives its files (path_for) and the temporary folders they are written in (write).
-SNAPSHOT_NAME = re.compile(r"[0-9a-f]{32}\.safetensors|\.[0-9a-f]{32}\.safetensors\.[0-9a-f]{8}\.tmp")
+SNAPSHOT_FILE = re.compile(r"[0-9a-f]{32}\.safetensors")
+SNAPSHOT_NAME = re.compile(rf"{SNAPSHOT_FILE.pattern}|\.[0-9a-f]{{32}}\.safetensors\.[0-9a-f]{{8}}\.tmp")
 
 
 def file_bytes_at_most(tensors: dict[str, torch.Tensor], header: str) -> int:
@@ -84,12 +85,13 @@ def free_disk_bytes(directory: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def remove_snapshot_files(directory: Path) -> None:
-    """Delete the snapshot files any store wrote in ``directory`` (a killed process's too), then the folder if
-    nothing else is in it: a folder that only shares the name keeps what ardiff did not write."""
+def remove_snapshot_files(directory: Path, *, keep: frozenset[str] = frozenset()) -> None:
+    """Delete the snapshot files any store wrote in ``directory`` (a killed process's too) but the files named in
+    ``keep``, then the folder if nothing else is in it: a folder that only shares the name keeps what ardiff did not
+    write."""
     try:
         for path in Path(directory).iterdir():
-            if SNAPSHOT_NAME.fullmatch(path.name):
+            if SNAPSHOT_NAME.fullmatch(path.name) and path.name not in keep:
                 if path.is_dir() and not path.is_symlink():  # a write's folder, with safetensors' own temporary
                     shutil.rmtree(path, ignore_errors=True)
                 else:
@@ -301,6 +303,36 @@ class SwapStore:
         if snapshot.written.is_set():
             with contextlib.suppress(OSError):  # forgotten either way; the folder goes when the run ends
                 snapshot.path.unlink(missing_ok=True)
+        return True
+
+    def detach(self) -> dict[str, str]:
+        """Wait for the write in flight, then forget every snapshot but leave its file: {session id: file name},
+        least recently swapped first, for a later store to :meth:`adopt`. A write that failed is in ``failures``."""
+        self.flush()
+        kept = {session_id: snapshot.path.name for session_id, snapshot in self._files.items()}
+        self._files.clear()
+        self._nbytes = 0
+        return kept
+
+    def adopt(self, session_id: str, name: str) -> bool:
+        """Take the snapshot file ``name`` in this store's folder, which another store (an earlier process) wrote
+        for ``session_id`` and :meth:`detach` left, as this store's own; False, and the file deleted, when it is
+        larger than the whole budget. Its contents are checked when it is read (:meth:`read`: the session id in it,
+        then the runner: geometry, dtype, pipeline record). A missing file raises ``OSError``."""
+        if not SNAPSHOT_FILE.fullmatch(name):
+            raise ValueError(f"{name!r} is not the name of a swap snapshot file")
+        self.discard(session_id)
+        path = self.path_for(session_id)
+        os.replace(self.directory / name, path)
+        size = path.stat().st_size
+        if size > self.budget_bytes:
+            path.unlink(missing_ok=True)
+            return False
+        self._make_room(size)
+        snapshot = _Snapshot(path, size, header="", tensors=None)
+        snapshot.written.set()
+        self._files[session_id] = snapshot
+        self._nbytes += size
         return True
 
     def clear(self) -> None:

@@ -1,0 +1,52 @@
+"""The swap snapshots a stopped rollout leaves for ``--resume``: ``OUT/.swap/kept.json``.
+
+A run that stops (a signal, a failure) with sessions swapped out keeps their snapshot files and writes this index:
+episode -> the file and how many of the episode's steps its session had consumed. ``--resume`` reads it once,
+adopts each snapshot whose step count still equals the episode's done steps, and restores those sessions instead
+of replaying their steps; the others are replayed as before. Without the index (a ``kill -9``), every leftover
+file is removed and every session replayed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+KEPT_FILE = "kept.json"
+FORMAT = "ardiff-kept-1"
+
+
+def write_kept(swap_dir: Path, sessions: dict[str, dict[str, Any]]) -> None:
+    """Write the index of ``sessions``: {episode: {"file": name, "steps": consumed}}."""
+    from ardiff_cli.io.atomic import atomic_write_json
+
+    atomic_write_json(swap_dir / KEPT_FILE, {"format": FORMAT, "sessions": sessions})
+
+
+def take_kept(swap_dir: Path) -> dict[str, tuple[str, int]]:
+    """The index as {episode: (file name, steps)}, deleted as it is read (a resumed run that stops writes its own);
+    {} when there is none or it is not one this version wrote whole (its sessions are then replayed)."""
+    from ardiff_cli.runtime.swap import SNAPSHOT_FILE
+
+    path = swap_dir / KEPT_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return {}
+    with contextlib.suppress(OSError):
+        path.unlink()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return {}
+    sessions = data.get("sessions") if isinstance(data, dict) and data.get("format") == FORMAT else None
+    if not isinstance(sessions, dict):
+        return {}
+    kept = {}
+    for name, entry in sessions.items():
+        file, steps = (entry.get("file"), entry.get("steps")) if isinstance(entry, dict) else (None, None)
+        if isinstance(file, str) and SNAPSHOT_FILE.fullmatch(file) and type(steps) is int and steps > 0:
+            kept[name] = (file, steps)
+    return kept
