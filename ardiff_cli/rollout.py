@@ -79,7 +79,8 @@ class Rollout:
 
     def __init__(self, engine: Any, schema: ObservationSchema, episodes: list[EpisodeSource], run: RunFolder,
                  out: Output, monitor: RunMonitor, signals: StopSignals, options: RolloutOptions,
-                 done: dict[str, set[int]], *, digests: dict[str, dict[int, str]]) -> None:
+                 done: dict[str, set[int]], *, digests: dict[str, dict[int, str]],
+                 swapped: dict[str, int] | None = None) -> None:
         self.engine = engine
         self.schema = schema  # what every step file must hold
         self.episodes = episodes
@@ -93,8 +94,9 @@ class Rollout:
                                        idle_timeout=options.idle_timeout, done=done, warn=out.warning)
         # session id -> steps of its episode the resident session has consumed (absent: not resident)
         self._resident: dict[str, int] = {}
-        # session id -> steps its session had consumed when it was swapped out (absent: no snapshot to restore)
-        self._swapped: dict[str, int] = {}
+        # session id -> steps its session had consumed when it was swapped out (absent: no snapshot to restore);
+        # on --resume, the snapshots the stopped run kept
+        self._swapped: dict[str, int] = dict(swapped or {})
         self._captured: list[Any] = []  # runtime events of the request in flight
         self._event_error: Exception | None = None  # the first error of _record_event (a bug): stops the run
         self._steps_done = {e.name: len(done.get(e.name, ())) for e in episodes}  # per episode, incl. earlier runs
@@ -112,6 +114,10 @@ class Rollout:
                 if record["status"] == "ok":
                     self._ok_outputs.setdefault(record["episode"], []).append((record["step"], record["output"]))
         engine.subscribe(self._on_event)
+
+    def swapped_steps(self) -> dict[str, int]:
+        """{episode: steps its session had consumed} of the sessions swapped out now (a stopped run keeps them)."""
+        return dict(self._swapped)
 
     # -- events --------------------------------------------------------------------------------------------
 

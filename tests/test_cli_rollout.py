@@ -487,6 +487,76 @@ def reference(env, data, tmp_path_factory):
     return run
 
 
+def kept_snapshots(run: Path) -> dict[str, dict]:
+    """What a stopped run left in OUT/.swap for --resume: nothing, or the index and exactly the files it names."""
+    swap = run / ".swap"
+    if not swap.exists():
+        return {}
+    kept = json.loads((swap / "kept.json").read_text())["sessions"]
+    assert sorted(p.name for p in swap.iterdir()) == sorted(["kept.json", *(e["file"] for e in kept.values())])
+    return kept
+
+
+def stopped_with_a_swapped_session(env, data, tmp_path: Path) -> tuple[Path, str, dict]:
+    """Two live episodes, stopped by SIGTERM after two steps each (the run waiting for more): one session resident,
+    the other swapped out. Then both episodes get their last step and END. (run, swapped episode, its kept entry)."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[:2], prompt=f"task {name}", end=False)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                 "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 4, proc)
+        proc.send_signal(signal.SIGTERM)
+        stderr = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr
+    (swapped, entry), = kept_snapshots(run).items()
+    assert entry["steps"] == 2
+    assert json.loads((run / "summary.json").read_text())["swap"]["kept"] == 1
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[2:], first_step=2)
+    return run, swapped, entry
+
+
+def test_resume_restores_the_sessions_a_stopped_run_had_swapped_out_instead_of_replaying_them(env, data, reference,
+                                                                                                tmp_path):
+    """A preempted run (SIGTERM from a scheduler) used to delete its swap snapshots: --resume replayed every done
+    step of every unfinished episode, nearly the whole run again when episodes advance together."""
+    run, swapped, _ = stopped_with_a_swapped_session(env, data, tmp_path)
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(rf"restored +{swapped} from its swap snapshot", proc.stderr)
+    assert f"{swapped} rebuilding" not in proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"]["replayed"] == 2  # the resident session's two steps only (4 before)
+    assert_same_outputs(reference, run)
+    assert not (run / ".swap").exists()
+
+
+@pytest.mark.parametrize("damage", ["index steps", "index garbage", "snapshot truncated", "swap off"])
+def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, data, reference, tmp_path, damage):
+    run, swapped, entry = stopped_with_a_swapped_session(env, data, tmp_path)
+    index, snapshot = run / ".swap" / "kept.json", run / ".swap" / entry["file"]
+    options = []
+    if damage == "index steps":  # not the episode's done steps any more
+        index.write_text(json.dumps({"format": "ardiff-kept-1", "sessions": {swapped: {**entry, "steps": 1}}}))
+    elif damage == "index garbage":
+        index.write_text("{not json")
+    elif damage == "snapshot truncated":
+        snapshot.write_bytes(snapshot.read_bytes()[:1000])
+    else:
+        options = ["--swap-space", "0"]
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain", *options)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"]["replayed"] == 4  # both episodes' two steps
+    assert summary["swap"]["restore_failed"] == (damage == "snapshot truncated")
+    assert_same_outputs(reference, run)
+    assert not (run / ".swap").exists()
+
+
 @pytest.mark.parametrize("zero", ["0", "0B", "0GiB"])  # a zero with a unit used to be refused: "must be positive"
 def test_with_swapping_off_evicted_sessions_are_replayed_to_the_same_outputs(env, data, reference, tmp_path, zero):
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "replay"),
@@ -495,7 +565,7 @@ def test_with_swapping_off_evicted_sessions_are_replayed_to_the_same_outputs(env
     summary = json.loads((tmp_path / "replay" / "summary.json").read_text())
     assert summary["steps"]["replayed"] == 6 and summary["steps"]["restored"] == 0  # 1 + 1 + 2 + 2 earlier steps
     assert summary["swap"] == {"space_bytes": 0, "swapped_out": 0, "swap_failed": 0, "restored": 0,
-                               "restore_failed": 0, "dropped": 0}
+                               "restore_failed": 0, "dropped": 0, "kept": 0}
     assert "swapped out" not in proc.stderr and "rebuilding the session from 2 earlier steps" in proc.stderr
     assert_same_outputs(reference, tmp_path / "replay")
 
@@ -656,10 +726,12 @@ def test_a_signal_while_a_session_is_swapped_out_or_restored_stops_the_run_and_r
     assert proc.returncode == 130, proc.stderr
     assert "interrupted by SIGINT" in proc.stderr and "warning" not in proc.stderr, proc.stderr
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
-    assert len(records(run)) < 6 and not (run / ".swap").exists()
+    assert len(records(run)) < 6
+    kept_snapshots(run)  # nothing, or what the index names
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", *args)
     assert proc.returncode == 0, proc.stderr
     assert_same_outputs(reference, run)
+    assert not (run / ".swap").exists()
 
 
 def test_a_signal_while_a_finished_episodes_session_is_closed_stops_the_run(env, data, reference, tmp_path):

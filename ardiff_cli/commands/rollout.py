@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import signal
 import time
@@ -393,6 +394,7 @@ def _swap_space(value: str | None) -> int | None:
 def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout: float, fail_fast: bool,
          preview: bool, warmup: bool, resume: bool, swap_space: int | None = None) -> None:
     from ardiff_cli.io.atomic import atomic_write_json
+    from ardiff_cli.io.kept import take_kept, write_kept
     from ardiff_cli.io.run import RUN_FILE
     from ardiff_cli.monitor import RunMonitor
     from ardiff_cli.panels import render
@@ -410,13 +412,16 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 + (f", {skipped} steps already done" if resume else ""))
     started = time.monotonic()
     swap_dir = p.out_dir / SWAP_FOLDER
-    remove_snapshot_files(swap_dir)  # stale: left by a run killed before it could remove them
+    kept = take_kept(swap_dir) if resume else {}  # the snapshots a stopped run left for this resume
+    # the rest is stale: left by a run killed before it could remove them
+    remove_snapshot_files(swap_dir, keep=frozenset(file for file, _ in kept.values()))
     if resume:
         for path in run.remove_stale_temporaries():  # under the lock: left by a process killed mid-write
             output.debug(f"removed {path}, a temporary file of an interrupted write")
         finished = None if follow else _nothing_left(p, order=order, preview=preview,
                                                      wall_s=time.monotonic() - started)
         if finished is not None:  # loading a model (minutes for a large one) would change nothing
+            remove_snapshot_files(swap_dir)
             summary, ended = finished
             output.info("nothing left to run: every step of every episode is done (the model was not loaded)")
             atomic_write_json(p.out_dir / RUN_FILE, {**run.read_info(), "resumed_at": time.time()})
@@ -453,9 +458,11 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 if warmup:
                     monitor.set_phase("warmup")
                     engine.warmup()
+                swapped = _adopt_kept(engine, kept, p.done, swap_dir, output)
+                kept = {}
                 monitor.set_phase("following" if follow else "running")
                 driver = Rollout(engine, p.cfg.observation_schema(), p.episodes, run, output, monitor,
-                                 signals, options, p.done, digests=p.digests)
+                                 signals, options, p.done, digests=p.digests, swapped=swapped)
                 if resume:  # the last run's word on a run that goes on from here: a script must not take it as final
                     run.summary_path.unlink(missing_ok=True)  # with a driver: this run's own is written at its end
                 stats = driver.run()
@@ -469,19 +476,61 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 raise
             finally:
                 try:
+                    if engine is not None and driver is not None and error is not None:
+                        kept = _keep_swapped(engine, driver, swap_dir)  # for --resume to restore, not replay
                     if engine is not None:
                         _close_engine(engine, output)
                 finally:
-                    remove_snapshot_files(swap_dir)  # however the run ended
+                    # however the run ended: but the files a stopped run keeps for --resume, or that a run stopped
+                    # before it could adopt them had kept (written again for the next resume)
+                    remove_snapshot_files(swap_dir, keep=frozenset(file for file, _ in kept.values()))
+                    if kept and driver is None:
+                        with contextlib.suppress(OSError):  # else the next resume replays them
+                            write_kept(swap_dir, {name: {"file": f, "steps": n} for name, (f, n) in kept.items()})
                     run.close(keep_lock=True)  # the summary is written under the lock; rollout() releases it
                     if driver is not None:
-                        written = _summary(run, p, driver, plan, time.monotonic() - started, error)
+                        written = _summary(run, p, driver, plan, time.monotonic() - started, error, len(kept))
                         with signals.critical():
                             summary = _write_summary(run, written, output, error)
     finally:
         output.on_stdout_lost = None
         if summary is not None:  # after the live display, so the two never interleave
             output.result(summary, lambda plain: render_summary(summary, plain))
+
+
+def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, set[int]], swap_dir: Path,
+                output: Output) -> dict[str, int]:
+    """Take back the snapshots a stopped run kept (``io.kept``): {episode: steps its session had consumed}. A
+    snapshot whose step count is not the episode's done steps any more, or that this run cannot take (no
+    swapping, too large), is deleted: its episode replays."""
+    swapped = {}
+    for name, (file, steps) in kept.items():
+        try:
+            if len(done.get(name, ())) == steps and engine.runner.adopt_snapshot(name, file):
+                swapped[name] = steps
+                continue
+        except OSError as exc:
+            output.debug(f"cannot take back the swap snapshot of episode {name!r} ({exc}); it replays")
+        (swap_dir / file).unlink(missing_ok=True)
+    if swapped:
+        output.debug(f"took back the swap snapshots of {len(swapped)} episode(s) the stopped run had swapped out")
+    return swapped
+
+
+def _keep_swapped(engine: Any, driver: Any, swap_dir: Path) -> dict[str, tuple[str, int]]:
+    """Leave the snapshots of the episodes swapped out when the run stopped, with their index, for --resume; {}
+    when the index cannot be written (the disk that stopped the run is full): the files go, and --resume replays."""
+    from ardiff_cli.io.kept import write_kept
+
+    detached = engine.runner.detach_snapshots()
+    steps = driver.swapped_steps()
+    kept = {name: (file, steps[name]) for name, file in detached.items() if name in steps}
+    if kept:
+        try:
+            write_kept(swap_dir, {name: {"file": file, "steps": n} for name, (file, n) in kept.items()})
+        except OSError:
+            return {}
+    return kept
 
 
 def _stop_for_lost_stdout(exc: OSError) -> int | Exception:
@@ -565,16 +614,17 @@ def _close_engine(engine: Any, output: Output) -> None:
 
 
 def _summary(run: Any, p: _Prepared, driver: Any, plan: Any, wall_s: float,
-             error: BaseException | None) -> dict[str, Any]:
+             error: BaseException | None, kept: int) -> dict[str, Any]:
     swap = driver.engine.runner.swap if driver.engine.runner is not None else None
     return _summary_of(run, p, driver.stats, device=str(driver.engine.device),  # resolved, as run.json has it
                        plan=None if plan is None else plan.to_dict(),
                        swap_space=0 if swap is None else swap.budget_bytes,
-                       dropped=0 if swap is None else swap.num_dropped, wall_s=wall_s, error=error)
+                       dropped=0 if swap is None else swap.num_dropped, wall_s=wall_s, error=error, kept=kept)
 
 
 def _summary_of(run: Any, p: _Prepared, stats: Any, *, device: str | None, plan: dict[str, Any] | None,
-                swap_space: int, dropped: int, wall_s: float, error: BaseException | None) -> dict[str, Any]:
+                swap_space: int, dropped: int, wall_s: float, error: BaseException | None,
+                kept: int = 0) -> dict[str, Any]:
     """summary.json of a run whose counters are ``stats`` (a ``RolloutStats``)."""
     from ardiff_cli.errors_cli import EXIT_PARTIAL, EpisodesFailed, Interrupted
     from ardiff_cli.io.run import build_summary
@@ -595,7 +645,8 @@ def _summary_of(run: Any, p: _Prepared, stats: Any, *, device: str | None, plan:
                   "timed_out": stats.timed_out, "restored": stats.restored},
         wall_s=wall_s, status=status, exit_code=0 if error is None else exit_code_for(error), root=run.root)
     summary["swap"] = {"space_bytes": swap_space, "swapped_out": stats.swapped_out, "swap_failed": stats.swap_failed,
-                       "restored": stats.restored, "restore_failed": stats.restore_failed, "dropped": dropped}
+                       "restored": stats.restored, "restore_failed": stats.restore_failed, "dropped": dropped,
+                       "kept": kept}  # snapshots left in OUT/.swap for --resume to restore
     summary["hook_errors"] = list(stats.hook_errors)  # pipeline reset/close hooks that raised (KV released anyway)
     return summary
 
