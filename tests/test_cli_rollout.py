@@ -535,7 +535,8 @@ def test_resume_restores_the_sessions_a_stopped_run_had_swapped_out_instead_of_r
     assert not (run / ".swap").exists()
 
 
-@pytest.mark.parametrize("damage", ["index steps", "index garbage", "snapshot truncated", "swap off"])
+@pytest.mark.parametrize("damage", ["index steps", "index garbage", "index not utf-8", "snapshot truncated",
+                                    "swap off"])
 def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, data, reference, tmp_path, damage):
     run, swapped, entry = stopped_with_a_swapped_session(env, data, tmp_path)
     index, snapshot = run / ".swap" / "kept.json", run / ".swap" / entry["file"]
@@ -544,6 +545,8 @@ def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, d
         index.write_text(json.dumps({"format": "ardiff-kept-1", "sessions": {swapped: {**entry, "steps": 1}}}))
     elif damage == "index garbage":
         index.write_text("{not json")
+    elif damage == "index not utf-8":  # a damaged disk's bytes: every resume used to crash (UnicodeDecodeError)
+        index.write_bytes(b"\xff\xfe{\x80")
     elif damage == "snapshot truncated":
         snapshot.write_bytes(snapshot.read_bytes()[:1000])
     else:

@@ -32,13 +32,13 @@ def take_kept(swap_dir: Path) -> dict[str, tuple[str, int]]:
 
     path = swap_dir / KEPT_FILE
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_bytes()
     except OSError:
         return {}
     with contextlib.suppress(OSError):
         path.unlink()
     try:
-        data = json.loads(text)
+        data = json.loads(text)  # bytes: a file that is not UTF-8 is a ValueError too, not a crash of every resume
     except ValueError:
         return {}
     sessions = data.get("sessions") if isinstance(data, dict) and data.get("format") == FORMAT else None
