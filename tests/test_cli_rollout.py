@@ -560,6 +560,19 @@ def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, d
     assert not (run / ".swap").exists()
 
 
+def test_kill_9_while_the_index_of_kept_snapshots_is_written_leaves_nothing_that_resume_does_not_remove(
+        env, data, reference, tmp_path):
+    # The temporary file of the index's atomic write (a stop, then kill -9 in its fsync) was never removed: neither
+    # a snapshot's name nor run.json's folder, so OUT/.swap stayed after the resume that finished the run.
+    run, swapped, _ = stopped_with_a_swapped_session(env, data, tmp_path)
+    (run / ".swap" / ".kept.json.k3x_9q2z.tmp").write_text('{"format": "ardiff-ke')  # as mkstemp names it
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(rf"restored +{swapped} from its swap snapshot", proc.stderr)  # the whole index still counts
+    assert_same_outputs(reference, run)
+    assert not (run / ".swap").exists(), os.listdir(run / ".swap")
+
+
 @pytest.mark.parametrize("zero", ["0", "0B", "0GiB"])  # a zero with a unit used to be refused: "must be positive"
 def test_with_swapping_off_evicted_sessions_are_replayed_to_the_same_outputs(env, data, reference, tmp_path, zero):
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "replay"),

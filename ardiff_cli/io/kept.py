@@ -26,11 +26,15 @@ def write_kept(swap_dir: Path, sessions: dict[str, dict[str, Any]]) -> None:
 
 
 def take_kept(swap_dir: Path) -> dict[str, tuple[str, int]]:
-    """The index as {episode: (file name, steps)}, deleted as it is read (a resumed run that stops writes its own);
-    {} when there is none or it is not one this version wrote whole (its sessions are then replayed)."""
+    """The index as {episode: (file name, steps)}, deleted as it is read (a resumed run that stops writes its own),
+    with the temporary file of a write of it that a ``kill -9`` cut short; {} when there is none or it is not one this
+    version wrote whole (its sessions are then replayed)."""
     from ardiff_cli.runtime.swap import SNAPSHOT_FILE
 
     path = swap_dir / KEPT_FILE
+    for stale in swap_dir.glob(f".{KEPT_FILE}.*.tmp"):  # a write of it cut short by kill -9: OUT/.swap stayed
+        with contextlib.suppress(OSError):
+            stale.unlink()
     try:
         text = path.read_bytes()
     except OSError:
