@@ -535,6 +535,21 @@ def test_resume_restores_the_sessions_a_stopped_run_had_swapped_out_instead_of_r
     assert not (run / ".swap").exists()
 
 
+def test_a_resume_that_stops_before_taking_the_kept_snapshots_leaves_them_to_the_next(env, data, reference, tmp_path):
+    # The index was deleted as the resume read it, before anything could refuse or kill it (a --device it cannot
+    # use here; a SIGTERM while torch imports; kill -9 while the model loads): the next resume replayed them all.
+    run, swapped, entry = stopped_with_a_swapped_session(env, data, tmp_path)
+    refused = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--device", "cuda:7")
+    assert refused.returncode == 2, refused.stderr
+    assert kept_snapshots(run) == {swapped: entry}  # the index and its file, as the stopped run left them
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(rf"restored +{swapped} from its swap snapshot", proc.stderr)
+    assert json.loads((run / "summary.json").read_text())["steps"]["replayed"] == 2  # the resident session's only
+    assert_same_outputs(reference, run)
+    assert not (run / ".swap").exists()
+
+
 @pytest.mark.parametrize("damage", ["index steps", "index garbage", "index not utf-8", "snapshot truncated",
                                     "swap off"])
 def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, data, reference, tmp_path, damage):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import signal
 import time
@@ -394,7 +393,7 @@ def _swap_space(value: str | None) -> int | None:
 def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout: float, fail_fast: bool,
          preview: bool, warmup: bool, resume: bool, swap_space: int | None = None) -> None:
     from ardiff_cli.io.atomic import atomic_write_json
-    from ardiff_cli.io.kept import take_kept, write_kept
+    from ardiff_cli.io.kept import drop_kept, read_kept
     from ardiff_cli.io.run import RUN_FILE
     from ardiff_cli.monitor import RunMonitor
     from ardiff_cli.panels import render
@@ -412,7 +411,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 + (f", {skipped} steps already done" if resume else ""))
     started = time.monotonic()
     swap_dir = p.out_dir / SWAP_FOLDER
-    kept = take_kept(swap_dir) if resume else {}  # the snapshots a stopped run left for this resume
+    kept = read_kept(swap_dir) if resume else {}  # the snapshots a stopped run left for this resume
     # the rest is stale: left by a run killed before it could remove them
     remove_snapshot_files(swap_dir, keep=frozenset(file for file, _ in kept.values()))
     if resume:
@@ -421,6 +420,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
         finished = None if follow else _nothing_left(p, order=order, preview=preview,
                                                      wall_s=time.monotonic() - started)
         if finished is not None:  # loading a model (minutes for a large one) would change nothing
+            drop_kept(swap_dir)
             remove_snapshot_files(swap_dir)
             summary, ended = finished
             output.info("nothing left to run: every step of every episode is done (the model was not loaded)")
@@ -482,11 +482,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                         _close_engine(engine, output)
                 finally:
                     # however the run ended: but the files a stopped run keeps for --resume, or that a run stopped
-                    # before it could adopt them had kept (written again for the next resume)
+                    # before it could adopt them had kept (their index stays for the next resume)
                     remove_snapshot_files(swap_dir, keep=frozenset(file for file, _ in kept.values()))
-                    if kept and driver is None:
-                        with contextlib.suppress(OSError):  # else the next resume replays them
-                            write_kept(swap_dir, {name: {"file": f, "steps": n} for name, (f, n) in kept.items()})
                     run.close(keep_lock=True)  # the summary is written under the lock; rollout() releases it
                     if driver is not None:
                         written = _summary(run, p, driver, plan, time.monotonic() - started, error, len(kept))
@@ -502,7 +499,9 @@ def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, s
                 output: Output) -> dict[str, int]:
     """Take back the snapshots a stopped run kept (``io.kept``): {episode: steps its session had consumed}. A
     snapshot whose step count is not the episode's done steps any more, or that this run cannot take (no
-    swapping, too large), is deleted: its episode replays."""
+    swapping, too large), is deleted: its episode replays. Then the index goes (``drop_kept``)."""
+    from ardiff_cli.io.kept import drop_kept
+
     swapped = {}
     for name, (file, steps) in kept.items():
         try:
@@ -512,6 +511,7 @@ def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, s
         except OSError as exc:
             output.debug(f"cannot take back the swap snapshot of episode {name!r} ({exc}); it replays")
         (swap_dir / file).unlink(missing_ok=True)
+    drop_kept(swap_dir)
     if swapped:
         output.debug(f"took back the swap snapshots of {len(swapped)} episode(s) the stopped run had swapped out")
     return swapped

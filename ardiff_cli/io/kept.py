@@ -1,10 +1,12 @@
 """The swap snapshots a stopped rollout leaves for ``--resume``: ``OUT/.swap/kept.json``.
 
 A run that stops (a signal, a failure) with sessions swapped out keeps their snapshot files and writes this index:
-episode -> the file and how many of the episode's steps its session had consumed. ``--resume`` reads it once,
-adopts each snapshot whose step count still equals the episode's done steps, and restores those sessions instead
-of replaying their steps; the others are replayed as before. Without the index (a ``kill -9``), every leftover
-file is removed and every session replayed.
+episode -> the file and how many of the episode's steps its session had consumed. ``--resume`` reads it, adopts
+each snapshot whose step count still equals the episode's done steps, and restores those sessions instead of
+replaying their steps; the others are replayed as before. The index is deleted once its snapshots are adopted:
+a resume that stops before (a signal or ``kill -9`` while the model loads, a refused ``--device``) leaves it, and
+its files, to the next. Without the index (a ``kill -9`` of the run), every leftover file is removed and every
+session replayed.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ def write_kept(swap_dir: Path, sessions: dict[str, dict[str, Any]]) -> None:
     atomic_write_json(swap_dir / KEPT_FILE, {"format": FORMAT, "sessions": sessions})
 
 
-def take_kept(swap_dir: Path) -> dict[str, tuple[str, int]]:
-    """The index as {episode: (file name, steps)}, deleted as it is read (a resumed run that stops writes its own),
-    with the temporary file of a write of it that a ``kill -9`` cut short; {} when there is none or it is not one this
-    version wrote whole (its sessions are then replayed)."""
+def read_kept(swap_dir: Path) -> dict[str, tuple[str, int]]:
+    """The index as {episode: (file name, steps)}, left in place (:func:`drop_kept` deletes it); the temporary file
+    of a write of it that a ``kill -9`` cut short is removed. {} when there is none or it is not one this version
+    wrote whole (its sessions are then replayed)."""
     from ardiff_cli.runtime.swap import SNAPSHOT_FILE
 
     path = swap_dir / KEPT_FILE
@@ -39,8 +41,6 @@ def take_kept(swap_dir: Path) -> dict[str, tuple[str, int]]:
         text = path.read_bytes()
     except OSError:
         return {}
-    with contextlib.suppress(OSError):
-        path.unlink()
     try:
         data = json.loads(text)  # bytes: a file that is not UTF-8 is a ValueError too, not a crash of every resume
     except ValueError:
@@ -54,3 +54,9 @@ def take_kept(swap_dir: Path) -> dict[str, tuple[str, int]]:
         if isinstance(file, str) and SNAPSHOT_FILE.fullmatch(file) and type(steps) is int and steps > 0:
             kept[name] = (file, steps)
     return kept
+
+
+def drop_kept(swap_dir: Path) -> None:
+    """Delete the index: its snapshots were adopted (or deleted), or there is nothing left to run."""
+    with contextlib.suppress(OSError):
+        (swap_dir / KEPT_FILE).unlink(missing_ok=True)
