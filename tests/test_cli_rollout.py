@@ -550,6 +550,24 @@ def test_a_resume_that_stops_before_taking_the_kept_snapshots_leaves_them_to_the
     assert not (run / ".swap").exists()
 
 
+def test_a_resume_after_an_episodes_first_step_files_were_deleted_fails_those_episodes(env, data, reference, tmp_path):
+    # The swapped-out episode's kept session was restored ahead of its episode (an AssertionError: exit 1, "a bug"),
+    # and the resident one's step 2 ran as chunk 1 after replaying step 1 alone: outputs no uninterrupted run makes.
+    run, swapped, _ = stopped_with_a_swapped_session(env, data, tmp_path)
+    for name in ("arm_a", "arm_b"):
+        (tmp_path / "live" / name / "step_000000.safetensors").unlink()  # disk cleaned up: it ran already
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 2, proc.stderr  # every episode failed
+    for name in ("arm_a", "arm_b"):
+        assert f"{tmp_path / 'live' / name}: step 0 ran (results.jsonl) but its file is gone" in proc.stderr
+    assert not any((run / "episodes" / name / "step_000002.safetensors").exists() for name in ("arm_a", "arm_b"))
+    for name in ("arm_a", "arm_b"):
+        for step in range(2):
+            output = f"episodes/{name}/step_{step:06d}.safetensors"
+            assert (run / output).read_bytes() == (reference / output).read_bytes()
+    assert not (run / ".swap").exists()
+
+
 @pytest.mark.parametrize("damage", ["index steps", "index garbage", "index not utf-8", "snapshot truncated",
                                     "swap off"])
 def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, data, reference, tmp_path, damage):

@@ -156,6 +156,26 @@ def test_last_step_flag_history_and_resume_skips(tmp_path):
     assert isinstance(scheduler.next(), EpisodeEnded) and scheduler.next() is None
 
 
+@pytest.mark.parametrize("follow", [False, True])
+def test_an_episode_whose_first_done_step_files_are_gone_fails_instead_of_running_on_a_shorter_history(tmp_path,
+                                                                                                       follow):
+    # Its next step was handed out as chunk 0 (nothing to replay: a fresh session) or, after a resume that had kept
+    # its swapped-out session, with a session ahead of its episode (an AssertionError). Done ones end as before.
+    episodes = _episodes(tmp_path, {"a": 4, "b": 3, "c": 2})
+    for name, step in (("a", 0), ("a", 1), ("c", 0)):
+        (tmp_path / name / f"step_{step:06d}.safetensors").unlink()
+    for name in "abc":
+        (tmp_path / name / "END").write_text("")
+    scheduler = StepScheduler(episodes, follow=follow, poll_interval=0, done={"a": {0, 1}, "b": {0}, "c": {0, 1}})
+    items = []
+    while (item := scheduler.next()) is not None:
+        items.append((item.episode.name, item.file.step, item.ordinal) if isinstance(item, StepTask) else item)
+    (failed,) = [i for i in items if isinstance(i, EpisodeEnded) and i.reason == "error"]
+    assert failed.episode.name == "a" and "steps 0..1 ran (results.jsonl) but their files are gone" in str(failed.error)
+    assert [i for i in items if isinstance(i, tuple)] == [("b", 1, 1), ("b", 2, 2)]
+    assert sorted(i.episode.name for i in items if isinstance(i, EpisodeEnded) and i.reason != "error") == ["b", "c"]
+
+
 def test_dropped_episode_gets_no_more_steps(tmp_path):
     episodes = _episodes(tmp_path, {"a": 3, "b": 2})
     scheduler = StepScheduler(episodes)

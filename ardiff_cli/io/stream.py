@@ -210,6 +210,11 @@ class StepScheduler:
             track.cursor += 1
             if step_file.step in track.done:
                 continue
+            if track.done_sorted and track.done_sorted[0] < track.files[0].step:
+                track.ended = True  # its session cannot be what it was: fail the episode, never run the step
+                self._pending_ends.append(EpisodeEnded(episode=track.source, reason="error",
+                                                       error=_lost_history(track)))
+                return None
             track.current = ordinal
             track.last_activity = self._clock()
             is_last = self._is_last(track)
@@ -361,6 +366,20 @@ class StepScheduler:
             track.taken.add(name)
             last = step_file.step
             track.last_activity = self._clock()
+
+
+def _lost_history(track: _Track) -> ObservationError:
+    """Steps that ran (results.jsonl) before the first step file in the folder: their files are gone."""
+    first = track.files[0].step
+    lost = [step for step in track.done_sorted if step < first]
+    shown = f"{lost[0]}" if len(lost) == 1 else f"{lost[0]}..{lost[-1]}"
+    return ObservationError(
+        f"{track.source.path}: step{'s' if len(lost) > 1 else ''} {shown} ran (results.jsonl) but "
+        f"{'their files are' if len(lost) > 1 else 'its file is'} gone: the folder starts at step {first}, so the "
+        f"episode's next step cannot run on the history its earlier outputs were made from",
+        hint="put the episode's step files back as they were when they ran (--resume then goes on), or run the "
+             "episode again from its first step in a new --out; a session's outputs depend on every earlier step",
+    )
 
 
 def _looks_whole(path: Path, size: int) -> bool:
