@@ -37,7 +37,6 @@ from ardiff_cli.runtime.errors import ArdiffError, ConfigError, ObservationError
 
 DEMO_SESSION_CAPACITY = 2  # the demo has 3 episodes: with 2 resident sessions, LRU eviction shows
 DEFAULT_IDLE_TIMEOUT = 60.0  # --follow: seconds without a new step file before an episode ends
-SWAP_FOLDER = ".swap"  # under --out: snapshots of evicted sessions while the run lasts
 
 HELP = (
     "Run episodes of robot observations through the model, each episode one persistent session whose KV cache "
@@ -394,7 +393,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
          preview: bool, warmup: bool, resume: bool, swap_space: int | None = None) -> None:
     from ardiff_cli.io.atomic import atomic_write_json
     from ardiff_cli.io.kept import drop_kept, read_kept
-    from ardiff_cli.io.run import RUN_FILE
+    from ardiff_cli.io.run import RUN_FILE, SWAP_DIR
     from ardiff_cli.monitor import RunMonitor
     from ardiff_cli.panels import render
     from ardiff_cli.rollout import Rollout, RolloutOptions, log_episode_end
@@ -410,7 +409,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 + ("s" if len(p.episodes) != 1 else "") + f", order {order}"
                 + (f", {skipped} steps already done" if resume else ""))
     started = time.monotonic()
-    swap_dir = p.out_dir / SWAP_FOLDER
+    swap_dir = p.out_dir / SWAP_DIR
     kept = read_kept(swap_dir) if resume else {}  # the snapshots a stopped run left for this resume
     # the rest is stale: left by a run killed before it could remove them
     remove_snapshot_files(swap_dir, keep=frozenset(file for file, _ in kept.values()))
@@ -527,7 +526,7 @@ def _keep_swapped(engine: Any, driver: Any, swap_dir: Path) -> dict[str, tuple[s
     kept = {name: (file, steps[name]) for name, file in detached.items() if name in steps}
     if kept:
         try:
-            write_kept(swap_dir, {name: {"file": file, "steps": n} for name, (file, n) in kept.items()})
+            write_kept(swap_dir, kept)
         except OSError:
             return {}
     return kept

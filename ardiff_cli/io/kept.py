@@ -14,29 +14,27 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Any
 
 KEPT_FILE = "kept.json"
 FORMAT = "ardiff-kept-1"
 
 
-def write_kept(swap_dir: Path, sessions: dict[str, dict[str, Any]]) -> None:
-    """Write the index of ``sessions``: {episode: {"file": name, "steps": consumed}}."""
+def write_kept(swap_dir: Path, kept: dict[str, tuple[str, int]]) -> None:
+    """Write the index of ``kept``: {episode: (file name, steps its session had consumed)}, as :func:`read_kept`
+    gives it back."""
     from ardiff_cli.io.atomic import atomic_write_json
 
+    sessions = {name: {"file": file, "steps": steps} for name, (file, steps) in kept.items()}
     atomic_write_json(swap_dir / KEPT_FILE, {"format": FORMAT, "sessions": sessions})
 
 
 def read_kept(swap_dir: Path) -> dict[str, tuple[str, int]]:
-    """The index as {episode: (file name, steps)}, left in place (:func:`drop_kept` deletes it); the temporary file
-    of a write of it that a ``kill -9`` cut short is removed. {} when there is none or it is not one this version
-    wrote whole (its sessions are then replayed)."""
+    """The index as {episode: (file name, steps)}, left in place (:func:`drop_kept` deletes it). {} when there is
+    none or it is not one this version wrote whole (its sessions are then replayed). The temporary file of a write
+    of it that a ``kill -9`` cut short goes with the run folder's others (``RunFolder.remove_stale_temporaries``)."""
     from ardiff_cli.runtime.swap import SNAPSHOT_FILE
 
     path = swap_dir / KEPT_FILE
-    for stale in swap_dir.glob(f".{KEPT_FILE}.*.tmp"):  # a write of it cut short by kill -9: OUT/.swap stayed
-        with contextlib.suppress(OSError):
-            stale.unlink()
     try:
         text = path.read_bytes()
     except OSError:

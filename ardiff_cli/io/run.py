@@ -32,6 +32,7 @@ RESULTS_FILE = "results.jsonl"
 SUMMARY_FILE = "summary.json"
 EPISODES_DIR = "episodes"
 PREVIEWS_DIR = "previews"
+SWAP_DIR = ".swap"  # snapshots of evicted sessions while the run lasts, and those a stopped run keeps (io.kept)
 LOCK_FILE = ".lock"  # held (flock) by the process writing the run; the kernel releases it when that process ends
 RUN_FORMAT = 1  # version of this layout
 
@@ -122,7 +123,7 @@ class RunFolder:
         """Remove the temporary files of atomic writes cut short by ``kill -9`` or a power loss (``.NAME.XXXX.tmp``);
         call it under :meth:`lock`, when no other process can own them. Returns what was removed."""
         episodes = self.root / EPISODES_DIR
-        folders = [self.root, self.root / PREVIEWS_DIR, episodes]
+        folders = [self.root, self.root / PREVIEWS_DIR, self.root / SWAP_DIR, episodes]  # .swap: kept.json's
         if episodes.is_dir():
             folders += [p for p in episodes.iterdir() if p.is_dir()]
         removed = []
