@@ -33,7 +33,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from ardiff_cli.io.atomic import FILE_MODE
+from ardiff_cli.io.atomic import FILE_MODE, parse_json
 from ardiff_cli.io.demo import CACHE_ENV, cache_dir
 from ardiff_cli.io.writer import sort_metadata_in_file
 from ardiff_cli.runtime.errors import CheckpointError
@@ -161,8 +161,10 @@ def check_weight_fields(pipeline_name: str, config, metadata: dict[str, str], pa
     if metadata.get("pipeline") != pipeline_name or "config" not in metadata:
         return
     try:
-        recorded = json.loads(metadata["config"])
+        recorded = parse_json(metadata["config"])
     except ValueError:
+        return
+    if not isinstance(recorded, dict):  # not a record this module wrote
         return
     ours = json.loads(json.dumps(config.to_dict()))  # as recorded: tuples become lists
     differing = [

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.torch import load_file, save_file
 
 from ardiff_cli.io import write_episode, write_step
 from ardiff_cli.runtime.errors import shown
@@ -568,8 +569,8 @@ def test_a_resume_after_an_episodes_first_step_files_were_deleted_fails_those_ep
     assert not (run / ".swap").exists()
 
 
-@pytest.mark.parametrize("damage", ["index steps", "index garbage", "index not utf-8", "snapshot truncated",
-                                    "swap off"])
+@pytest.mark.parametrize("damage", ["index steps", "index garbage", "index not utf-8", "index nested",
+                                    "snapshot truncated", "snapshot header nested", "swap off"])
 def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, data, reference, tmp_path, damage):
     run, swapped, entry = stopped_with_a_swapped_session(env, data, tmp_path)
     index, snapshot = run / ".swap" / "kept.json", run / ".swap" / entry["file"]
@@ -580,15 +581,19 @@ def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, d
         index.write_text("{not json")
     elif damage == "index not utf-8":  # a damaged disk's bytes: every resume used to crash (UnicodeDecodeError)
         index.write_bytes(b"\xff\xfe{\x80")
+    elif damage == "index nested":  # a few KiB of brackets: the parser's RecursionError crashed every resume
+        index.write_text("[" * 5000 + "]" * 5000)
     elif damage == "snapshot truncated":
         snapshot.write_bytes(snapshot.read_bytes()[:1000])
+    elif damage == "snapshot header nested":  # the same tensors, under a header nested deeper than the parser goes
+        save_file(load_file(str(snapshot)), str(snapshot), metadata={"ardiff_swap": "[" * 5000 + "]" * 5000})
     else:
         options = ["--swap-space", "0"]
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain", *options)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"]["replayed"] == 4  # both episodes' two steps
-    assert summary["swap"]["restore_failed"] == (damage == "snapshot truncated")
+    assert summary["swap"]["restore_failed"] == damage.startswith("snapshot")
     assert_same_outputs(reference, run)
     assert not (run / ".swap").exists()
 
@@ -913,6 +918,16 @@ def test_resume_with_nothing_left_and_a_hand_edited_summary_loads_the_model_inst
     assert "nothing left to run" not in proc.stderr
     plan = json.loads((run / "summary.json").read_text())["capacity_plan"]  # the loaded model's plan, written again
     assert plan["session_capacity"] == summary["capacity_plan"]["session_capacity"]
+
+
+def test_resume_with_nothing_left_and_a_summary_nested_too_deeply_loads_the_model_instead_of_crashing(
+        env, data, tmp_path):
+    _, run = finished_run(env, data, tmp_path)
+    (run / "summary.json").write_text("[" * 5000 + "]" * 5000)  # the JSON parser's RecursionError was 'a bug'
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing left to run" not in proc.stderr
+    assert json.loads((run / "summary.json").read_text())["status"] == "ok"  # written again
 
 
 def test_resume_reads_the_runs_own_config_from_any_folder_and_refuses_an_edited_one(env, data, reference, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from ardiff_cli.io.atomic import atomic_write_bytes
 from ardiff_cli.io.demo import ensure_demo_episodes
 from ardiff_cli.io.episode import discover_episodes
 from ardiff_cli.io.run import RunFolder
+from ardiff_cli.io.stream import _looks_whole
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.runtime.errors import ConfigError, ObservationError
 from ardiff_cli.runtime.observation import ObservationField, ObservationSchema
@@ -213,6 +215,39 @@ def test_damaged_results_line_is_named_with_its_line(tmp_path):
                                           r"got '\{\"episode\": garbage'") as info:
         list(run.iter_records())
     assert "delete line 2" in info.value.hint
+
+
+NESTED = "[" * 5000 + "]" * 5000  # a few KiB of brackets: deeper than the JSON parser recurses (RecursionError)
+
+
+def test_a_results_line_nested_too_deeply_is_named_with_its_line(tmp_path):
+    run = RunFolder(tmp_path)
+    run.append_result({"episode": "ep", "step": 0, "status": "failed", "error": "x"})
+    run.close()
+    with open(run.results_path, "a") as f:
+        f.write(NESTED + "\n")
+    with pytest.raises(ConfigError, match=r"results.jsonl, line 2: expected one JSON object per line, got '\[\[\["):
+        list(run.iter_records())
+
+
+@pytest.mark.parametrize(("text", "fault"), [(NESTED, "JSON nested too deeply to read"),
+                                             ("[1]", "expected a JSON object, got list")])
+def test_run_info_that_is_not_an_object_is_a_config_error(tmp_path, text, fault):
+    RunFolder(tmp_path).start({"config": "x"})
+    (tmp_path / "run.json").write_text(text)  # was 'a bug in ardiff': RecursionError, AttributeError
+    with pytest.raises(ConfigError, match=rf"run.json: cannot read run info: {re.escape(fault)}$"):
+        RunFolder(tmp_path).read_info()
+
+
+def test_a_step_file_whose_header_is_nested_too_deeply_is_not_whole_yet(tmp_path):
+    """--follow asks whether a step file is whole before it reads it; a header the parser cannot nest that deep
+    crashed the run. It waits instead, and a forced read names the file."""
+    header = ('{"__metadata__": {"prompt": "p"}, "x": ' + NESTED + "}").encode()
+    path = tmp_path / "step_000000.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    assert not _looks_whole(path, path.stat().st_size)
+    with pytest.raises(ObservationError, match="step_000000.safetensors: cannot read safetensors file"):
+        read_step(path)
 
 
 @pytest.mark.parametrize(("line", "fault"), [

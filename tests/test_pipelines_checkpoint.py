@@ -110,6 +110,17 @@ def test_integer_tensor_for_a_float_weight_is_a_checkpoint_error(tmp_path):
         cls.from_config(tiny(causal_world), device="cpu", checkpoint=path)
 
 
+@pytest.mark.parametrize("recorded", ["[" * 5000 + "]" * 5000, '"num_heads"'])
+def test_a_checkpoint_whose_recorded_config_is_no_record_is_trusted_like_one_without(tmp_path, recorded):
+    """Its shapes are still checked; a record nested deeper than the JSON parser goes (RecursionError), or a string
+    that contains a field's name (a TypeError on indexing it), crashed the load."""
+    cls = causal_world.pipeline_class()
+    path = write_fresh_checkpoint(cls, tiny(causal_world), tmp_path / "world.safetensors")
+    save_file(load_file(str(path)), str(path), metadata={**read_metadata(path), "config": recorded})
+    pipe = cls.from_config(tiny(causal_world, num_heads=2), device="cpu", checkpoint=path)
+    assert pipe.checkpoint == path
+
+
 def test_checkpoint_of_another_head_count_is_refused(tmp_path):
     """num_heads leaves every tensor shape alone, so only the recorded config can tell the files apart."""
     cls = causal_world.pipeline_class()

@@ -547,13 +547,12 @@ def _nothing_left(p: _Prepared, *, order: str, preview: bool,
     them: every episode's step files are done and it ends whole, as the run would find after loading; ``None``
     when anything is left, or unclear (a folder that cannot be read, a missing or unreadable summary.json to take
     the plan from, a missing preview), so the run goes on as usual and reports it."""
-    import json
-
+    from ardiff_cli.io.atomic import parse_json
     from ardiff_cli.io.stream import EpisodeEnded, StepScheduler
     from ardiff_cli.rollout import RolloutStats
 
     try:
-        previous = json.loads(p.run.summary_path.read_text(encoding="utf-8"))
+        previous = parse_json(p.run.summary_path.read_text(encoding="utf-8"))
         scheduler = StepScheduler(p.episodes, order=order, done=p.done)
         ended = []
         while (item := scheduler.next()) is not None:

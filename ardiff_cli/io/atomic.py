@@ -36,6 +36,15 @@ FILE_MODE = 0o666 & ~UMASK
 DIR_MODE = 0o777 & ~UMASK  # likewise for folders made with mkdtemp (0700)
 
 
+def parse_json(data: str | bytes) -> Any:
+    """``json.loads``, with nesting too deep for the parser (``RecursionError``, from a damaged or hostile file of a
+    few kilobytes of brackets) raised as the ``ValueError`` every other undecodable text raises."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read") from None
+
+
 def _fsync_dir(folder: Path) -> None:
     """Make a rename durable. Not every platform can open a directory; skip quietly there."""
     try:
@@ -144,7 +153,7 @@ def read_jsonl(path: str | os.PathLike,
             if not raw.strip():
                 continue
             try:
-                record = json.loads(raw)
+                record = parse_json(raw)
             except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
                 record = None
             fault = "expected one JSON object per line" if not isinstance(record, dict) else \

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ardiff_cli.io.atomic import parse_json
 from ardiff_cli.runtime.errors import ConfigError, ObservationError
 
 STEP_SUFFIXES = (".safetensors", ".npz")
@@ -358,7 +359,7 @@ def safetensors_header(data: bytes) -> tuple[int, dict[str, Any]]:
     length = int.from_bytes(data[:8], "little")
     if len(data) < 8 or len(data) < 8 + length:
         raise ValueError(f"the header takes {8 + length} bytes, {len(data)} given")
-    return length, json.loads(data[8:8 + length])
+    return length, parse_json(data[8:8 + length])
 
 
 def _load_safetensors(path: Path, data: bytes) -> RawStep:

@@ -12,7 +12,6 @@ session replayed.
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 KEPT_FILE = "kept.json"
@@ -32,6 +31,7 @@ def read_kept(swap_dir: Path) -> dict[str, tuple[str, int]]:
     """The index as {episode: (file name, steps)}, left in place (:func:`drop_kept` deletes it). {} when there is
     none or it is not one this version wrote whole (its sessions are then replayed). The temporary file of a write
     of it that a ``kill -9`` cut short goes with the run folder's others (``RunFolder.remove_stale_temporaries``)."""
+    from ardiff_cli.io.atomic import parse_json
     from ardiff_cli.runtime.swap import SNAPSHOT_FILE
 
     path = swap_dir / KEPT_FILE
@@ -40,7 +40,7 @@ def read_kept(swap_dir: Path) -> dict[str, tuple[str, int]]:
     except OSError:
         return {}
     try:
-        data = json.loads(text)  # bytes: a file that is not UTF-8 is a ValueError too, not a crash of every resume
+        data = parse_json(text)  # bytes: a file that is not UTF-8 is a ValueError too, not a crash of every resume
     except ValueError:
         return {}
     sessions = data.get("sessions") if isinstance(data, dict) and data.get("format") == FORMAT else None

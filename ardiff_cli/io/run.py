@@ -16,7 +16,6 @@ file, and a step without a line is simply run again on resume.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
@@ -24,7 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.io.atomic import JsonlAppender, atomic_write_bytes, atomic_write_json, read_jsonl
+from ardiff_cli.io.atomic import JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_jsonl
 from ardiff_cli.runtime.errors import ConfigError, did_you_mean
 
 RUN_FILE = "run.json"
@@ -112,9 +111,11 @@ class RunFolder:
             raise ConfigError(f"nothing to resume: {path} does not exist",
                               hint="run without --resume to start a run in this folder")
         try:
-            info = json.loads(path.read_text())
+            info = parse_json(path.read_text())
         except (OSError, ValueError) as exc:
             raise ConfigError(f"{path}: cannot read run info: {exc}") from None
+        if not isinstance(info, dict):
+            raise ConfigError(f"{path}: cannot read run info: expected a JSON object, got {type(info).__name__}")
         if info.get("format") != RUN_FORMAT:
             raise ConfigError(f"{path}: written by an incompatible ardiff (format {info.get('format')!r})")
         return info

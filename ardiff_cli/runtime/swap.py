@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ardiff_cli.io.atomic import parse_json
 from ardiff_cli.runtime.capacity import as_int, parse_bytes
 from ardiff_cli.runtime.errors import ConfigError, shown
 
@@ -276,7 +277,7 @@ class SwapStore:
             except Exception as exc:  # safetensors' own errors: a truncated or overwritten file
                 raise ValueError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
         try:
-            metadata = json.loads(header) if header is not None else None
+            metadata = parse_json(header) if header is not None else None
         except ValueError:
             metadata = None
         if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
