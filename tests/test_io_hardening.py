@@ -160,6 +160,19 @@ def test_binary_episode_yaml_is_named_as_not_utf8(tmp_path):
         episode.metadata()
 
 
+@pytest.mark.parametrize(("text", "fault"), [
+    ("prompt: " + "[" * 5000 + "]" * 5000, "lists or mappings are nested too deeply"),  # RecursionError
+    ("prompt: pick\nrecorded: 2024-13-45\n", "month must be in 1..12"),  # a date YAML types that Python cannot hold
+])
+def test_episode_yaml_the_parser_cannot_hold_is_named(tmp_path, text, fault):
+    """Both were taken for a failure of the pipeline reading the first step file ('fix the pipeline')."""
+    write_step(tmp_path / "ep", 0, good(0))
+    (tmp_path / "ep" / "episode.yaml").write_text(text)
+    (episode,) = discover_episodes([tmp_path / "ep"])
+    with pytest.raises(ObservationError, match=rf"ep/episode.yaml: cannot read episode metadata: {fault}$"):
+        episode.metadata()
+
+
 def test_npz_member_that_is_not_an_array_is_named(tmp_path):
     path = tmp_path / "step_000000.npz"
     np.savez(path, joints=np.zeros(7, np.float32))

@@ -296,6 +296,12 @@ def read_episode_yaml(path: Path) -> dict[str, Any]:
         ) from None
     except (OSError, yaml.YAMLError) as exc:
         raise ObservationError(f"{path}: cannot read episode metadata: {exc}") from None
+    except RecursionError:  # the parser recurses once per level of nesting
+        raise ObservationError(f"{path}: cannot read episode metadata: lists or mappings are nested too deeply",
+                               hint="episode metadata is a few levels deep; look for runaway brackets") from None
+    except ValueError as exc:  # a plain scalar YAML types but Python cannot hold: 2024-13-45, a 5000-digit number
+        raise ObservationError(f"{path}: cannot read episode metadata: {str(exc).split(';')[0]}",
+                               hint="quote the value if it is text") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
