@@ -10,7 +10,9 @@ an episode's outputs depend only on its own steps: not on the order, the
 session capacity or an interruption. Each step's results line
 records the SHA-256 of its file (``input_sha256``); a replayed file must still
 have it, or its episode fails: a step file rewritten after it ran would rebuild
-another history than the one behind the outputs already written.
+another history than the one behind the outputs already written. The files a
+snapshot kept by a stopped run was made from are checked the same way before
+it is restored on ``--resume``.
 
 Failures are per episode. A step that cannot be read or validated, whose
 forward raises (the runner has already released the session), or whose
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ardiff_cli.errors_cli import Interrupted, OutputError, StepFailed
-from ardiff_cli.io.episode import EpisodeSource, StepFile, load_step
+from ardiff_cli.io.episode import EpisodeSource, StepFile, load_step, step_sha256
 from ardiff_cli.io.run import RunFolder, is_array
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import validate_step
@@ -97,6 +99,9 @@ class Rollout:
         # session id -> steps its session had consumed when it was swapped out (absent: no snapshot to restore);
         # on --resume, the snapshots the stopped run kept
         self._swapped: dict[str, int] = dict(swapped or {})
+        # the episodes of those kept snapshots: their done step files were not read since the stopped run, so they
+        # are checked against results.jsonl before the snapshot is restored, as a replay checks them (``_restore``)
+        self._kept: set[str] = set(self._swapped)
         self._captured: list[Any] = []  # runtime events of the request in flight
         self._event_error: Exception | None = None  # the first error of _record_event (a bug): stops the run
         self._steps_done = {e.name: len(done.get(e.name, ())) for e in episodes}  # per episode, incl. earlier runs
@@ -214,20 +219,28 @@ class Rollout:
         on --resume because its output file went missing: later steps' outputs were made after it) must find the
         file it ran with (when that was recorded), checked before anything else about it."""
         raw = load_step(step_file.path)
-        ran_with = self._digests.get(episode.name, {}).get(step_file.step)
-        if ran_with is not None and ran_with != raw.sha256:
-            raise ObservationError(
-                f"{step_file.path}: step {step_file.step} changed since it ran (sha256 {ran_with[:12]}... then, "
-                f"{raw.sha256[:12]}... now): the session cannot be rebuilt as it was",
-                hint="restore the file as it was when it ran, or run the episode again from its first step in a new "
-                     "--out; a session's outputs depend on every earlier step, so a rewritten one is never replayed",
-            )
+        self._check_unchanged(episode, step_file, raw.sha256)
         valid = validate_step(raw, self.schema, path=step_file.path, episode_metadata=episode.metadata())
         for warning in valid.warnings:
             if (episode.name, warning) not in self._warned:
                 self._warned.add((episode.name, warning))
                 self.out.warning(warning)
         return valid.inputs, raw.sha256
+
+    def _check_unchanged(self, episode: EpisodeSource, step_file: StepFile, sha256: str | None = None) -> None:
+        """A step that ran must still have the file it ran with (its ``input_sha256``, where recorded): the
+        session's history. ``sha256``: of the file just read (else the file is hashed, not parsed)."""
+        ran_with = self._digests.get(episode.name, {}).get(step_file.step)
+        if ran_with is None:
+            return
+        now = step_sha256(step_file.path) if sha256 is None else sha256
+        if ran_with != now:
+            raise ObservationError(
+                f"{step_file.path}: step {step_file.step} changed since it ran (sha256 {ran_with[:12]}... then, "
+                f"{now[:12]}... now): the session cannot be rebuilt as it was",
+                hint="restore the file as it was when it ran, or run the episode again from its first step in a new "
+                     "--out; a session's outputs depend on every earlier step, so a rewritten one is never replayed",
+            )
 
     def _execute(self, request_id: str, session_id: str, inputs: dict[str, Any]) -> Any:
         """One request of the episode's session. Sessions are closed by ``_close_session``, after their outputs
@@ -237,9 +250,17 @@ class Rollout:
         return self.engine.execute(ARDiffusionRequest(request_id=request_id, inputs=inputs,
                                                       extra_args={"session_id": session_id}))
 
-    def _restore(self, name: str) -> bool:
+    def _restore(self, episode: EpisodeSource) -> bool:
         """Bring a swapped-out session back from its snapshot; False (replay) when it has none or it cannot be
-        restored (a warning naming the episode and the error)."""
+        restored (a warning naming the episode and the error). A snapshot a stopped run kept is restored only
+        while the step files it was made from are unchanged: else the episode fails, in phase replay as a replay
+        of them would, and its snapshot is deleted with its session (``_fail_episode``)."""
+        name = episode.name
+        if name in self._kept and name in self._swapped and name not in self._resident:
+            for step_file in self.scheduler.history(name)[: self._swapped[name]]:
+                self._at = ("replay", step_file)
+                self._check_unchanged(episode, step_file)
+            self._kept.discard(name)
         consumed = self._swapped.pop(name, None)
         if consumed is None or name in self._resident:
             return False
@@ -257,7 +278,7 @@ class Rollout:
     def _rebuild_session(self, episode: EpisodeSource, ordinal: int) -> int:
         """Restore the session from its swap snapshot, else (or for what it lacks) replay the steps before
         ``ordinal`` that the resident session lacks; returns how many ran."""
-        self._restore(episode.name)
+        self._restore(episode)
         start = self._resident.get(episode.name, 0)
         assert start <= ordinal, f"session {episode.name!r} is ahead of its episode ({start} > {ordinal})"
         history = self.scheduler.history(episode.name, start)[: ordinal - start]

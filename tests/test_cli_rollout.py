@@ -569,6 +569,40 @@ def test_a_resume_after_an_episodes_first_step_files_were_deleted_fails_those_ep
     assert not (run / ".swap").exists()
 
 
+@pytest.mark.parametrize("which", ["swapped", "resident"])
+def test_a_done_step_rewritten_before_a_resume_fails_its_episode_whether_its_session_was_kept_or_replayed(
+        env, data, reference, tmp_path, which):
+    # The kept snapshot of the swapped-out episode was restored without a look at the files it was made from: its
+    # step 2 ran on the history of step 1 as it was (exit 0), where the resident episode's replay failed on the
+    # same rewrite. Both fail alike now, and the kept snapshot is deleted as its episode fails, not at the run's end.
+    run, swapped, entry = stopped_with_a_swapped_session(env, data, tmp_path)
+    target, other = (swapped, "arm_b") if which == "swapped" else ("arm_b", swapped)
+    assert swapped == "arm_a"  # the one resident session was arm_b's when the run stopped (round-robin)
+    rewritten = write_step(tmp_path / "live" / target, 1, steps_of(2, 3)[1])
+    (tmp_path / "live" / other / "END").unlink()  # the resumed run follows it until its END: still running below
+    proc = spawn(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 6, proc)  # arm_a's line (the first turn), then arm_b's
+        assert not (run / ".swap" / entry["file"]).exists()
+        (tmp_path / "live" / other / "END").write_text("")
+        stderr = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 4, stderr
+    assert f"episode '{target}' failed: {rewritten}: step 1 changed since it ran (sha256 " in stderr
+    assert "the session cannot be rebuilt as it was" in stderr and "new --out" in stderr
+    assert not re.search(rf"restored +{target} from its swap snapshot", stderr)
+    (failed,) = [r for r in records(run) if r["status"] == "failed"]
+    assert {k: failed[k] for k in ("episode", "step", "chunk", "phase", "path", "error_type")} == {
+        "episode": target, "step": 1, "chunk": 2, "phase": "replay", "path": str(rewritten),
+        "error_type": "ObservationError"}
+    assert not (run / "episodes" / target / "step_000002.safetensors").exists()
+    for step in range(3):  # the other episode goes on as it would have
+        output = f"episodes/{other}/step_{step:06d}.safetensors"
+        assert (run / output).read_bytes() == (reference / output).read_bytes()
+    assert not (run / ".swap").exists()
+
+
 @pytest.mark.parametrize("damage", ["index steps", "index garbage", "index not utf-8", "index nested",
                                     "snapshot truncated", "snapshot header nested", "swap off"])
 def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, data, reference, tmp_path, damage):

@@ -11,7 +11,7 @@ import pytest
 
 from ardiff_cli.io import end_episode, read_step, write_episode, write_step
 from ardiff_cli.io.atomic import JsonlAppender, atomic_write_bytes, read_jsonl
-from ardiff_cli.io.episode import discover_episodes, scan_steps, step_number
+from ardiff_cli.io.episode import discover_episodes, scan_steps, step_number, step_sha256
 from ardiff_cli.io.png import encode_png, preview_strip
 from ardiff_cli.io.run import RunFolder, percentiles
 from ardiff_cli.runtime.errors import ConfigError, ObservationError
@@ -243,3 +243,18 @@ def test_read_step_takes_a_path_given_as_a_string(tmp_path):
     raw = read_step(str(path))
     np.testing.assert_array_equal(raw.arrays["image"], arrays(0)["image"])
     assert raw.sha256 == read_step(path).sha256
+
+
+@pytest.mark.parametrize("format", ["safetensors", "npz"])
+def test_step_sha256_is_the_digest_read_step_records_and_names_a_file_it_cannot_read(tmp_path, format):
+    # What --resume compares a kept session's done step files by, without parsing them: it must agree with the
+    # input_sha256 that read_step gave when they ran, and fail on a missing file as read_step does.
+    (path,) = write_episode(tmp_path / "ep", [arrays(0)], prompt="pick", format=format)
+    assert step_sha256(path) == read_step(path).sha256
+    path.unlink()
+    with pytest.raises(ObservationError) as hashing:
+        step_sha256(path)
+    with pytest.raises(ObservationError) as reading:
+        read_step(path)
+    assert f"{path}: cannot read the step file" in str(hashing.value)
+    assert (str(hashing.value), hashing.value.hint) == (str(reading.value), reading.value.hint)

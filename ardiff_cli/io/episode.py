@@ -341,16 +341,30 @@ def load_step(path: str | os.PathLike[str]) -> RawStep:
     return raw
 
 
+def step_sha256(path: Path) -> str:
+    """The SHA-256 of a step file, as :func:`load_step` gives it, without parsing the file or holding it whole: what
+    checking that a step is the one that ran needs. An unreadable file is ``load_step``'s ``ObservationError``."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as exc:
+        raise _unreadable(path, exc) from None
+
+
 def _read_bytes(path: Path) -> bytes:
     """The whole file, or an ``ObservationError`` saying why it cannot be read."""
     try:
         with open(path, "rb") as f:
             return f.read()
     except OSError as exc:
-        raise ObservationError(
-            f"{path}: cannot read the step file: {exc.strerror or exc}",
-            hint="check that the file exists and that the user running ardiff may read it (permissions)",
-        ) from None
+        raise _unreadable(path, exc) from None
+
+
+def _unreadable(path: Path, exc: OSError) -> ObservationError:
+    return ObservationError(
+        f"{path}: cannot read the step file: {exc.strerror or exc}",
+        hint="check that the file exists and that the user running ardiff may read it (permissions)",
+    )
 
 
 # safetensors dtypes numpy has a type for; others (BF16, F8_*, ...) are valid files the numpy reader cannot hold.
