@@ -86,7 +86,8 @@ def measure(config: str, dtype: str, num_sessions: int) -> dict:
     from ardiff_cli.runtime.engine import ARDiffusionEngine
 
     engine = ARDiffusionEngine.from_config(config, device="cpu", dtype=dtype, memory_budget="4GiB",
-                                           session_capacity=num_sessions, attention_backend="torch")
+                                           session_capacity=num_sessions, attention_backend="torch",
+                                           num_threads=torch.get_num_threads())  # the config's own is 1
     plan = engine.load()
     assert plan.session_capacity == num_sessions, f"{config}: {num_sessions} sessions do not fit the 4 GiB budget"
     fill_sessions(engine, num_sessions)

@@ -47,7 +47,8 @@ def make_engine(session_capacity: int):
     from ardiff_cli.runtime.engine import ARDiffusionEngine
 
     engine = ARDiffusionEngine.from_config("dreamzero-tiny", device="cpu", session_capacity=session_capacity,
-                                           memory_budget="1GiB", attention_backend="torch")
+                                           memory_budget="1GiB", attention_backend="torch",
+                                           num_threads=torch.get_num_threads())  # the config's own is 1
     plan = engine.load()
     assert plan.session_capacity == session_capacity, f"capacity {plan.session_capacity}, asked {session_capacity}"
     admitted: list[str] = []

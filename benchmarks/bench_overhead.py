@@ -251,7 +251,8 @@ def run(quick: bool = False) -> dict:
 
     geometry = QUICK if quick else FULL
     with private_cache():
-        engine = ARDiffusionEngine.from_config(geometry["config"], device="cpu")  # the config's backend (auto)
+        # the config's backend (auto); the suite's threads, not the config's own 1
+        engine = ARDiffusionEngine.from_config(geometry["config"], device="cpu", num_threads=torch.get_num_threads())
         engine.load()
     try:
         engine.warmup()

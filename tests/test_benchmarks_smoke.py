@@ -224,3 +224,25 @@ def test_suite_main_quick_only(tmp_path, capsys):
         assert key in report["machine"]
     out = capsys.readouterr().out
     assert "measured" in out and "baseline" in out and "capacity" in out
+
+
+def test_suite_threads_apply_to_every_benchmark(tmp_path, ardiff_cache):
+    """`--threads N` holds for the benchmarks that load an engine, whose configs set num_threads: 1 themselves."""
+    import torch
+
+    from benchmarks.__main__ import main
+    from benchmarks.bench_churn import make_engine
+
+    path = tmp_path / "results.json"
+    before = torch.get_num_threads()
+    try:
+        assert main(["--quick", "--threads", "2", "--only", "capacity,overhead,attention", "--json", str(path)]) == 0
+        assert torch.get_num_threads() == 2
+        engine, _ = make_engine(4)  # churn's engines (its whole run is slow with 2 threads on a shared machine)
+        engine.close()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    report = json.loads(path.read_text())
+    assert report["machine"]["torch_threads"] == 2
+    assert {r["id"]: r["threads"] for r in report["results"]} == {"capacity": 2, "overhead": 2, "attention": 2}
