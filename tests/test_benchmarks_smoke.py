@@ -172,8 +172,23 @@ def test_churn_quick():
 
     r = bench_churn.run(quick=True)
     check_common(r, "churn")
-    assert 0 <= r["hit_rate"] <= r["hit_rate_unlimited"] <= 1
     assert r["requests"] == 30
+    # the hit rates counted from the engines' admissions are those of LRU caches of 4 and 64 over the sequence
+    assert (r["hit_rate"], r["hit_rate_unlimited"]) == (lru_hit_rate(bench_churn.zipf_sequence(30), 4),
+                                                        lru_hit_rate(bench_churn.zipf_sequence(30), 64))
+    assert 0 < r["hit_rate"] < r["hit_rate_unlimited"] < 1
+
+
+def lru_hit_rate(sequence: list[int], capacity: int) -> float:
+    resident: list[int] = []  # least recently used first
+    hits = 0
+    for key in sequence:
+        hits += key in resident
+        if key in resident:
+            resident.remove(key)
+        resident.append(key)
+        del resident[:-capacity]
+    return hits / len(sequence)
 
 
 @pytest.mark.usefixtures("single_thread")
