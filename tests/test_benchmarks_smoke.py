@@ -26,14 +26,28 @@ def check_result(result: dict) -> None:
     assert result["target"] == 1.10
     for key in ("paged_ms", "contiguous_ms", "ratio"):
         assert isinstance(result[key], float) and math.isfinite(result[key]) and result[key] > 0
+    assert result["max_abs_diff"] <= 1e-5 and result["outputs_match"] is True  # paged and contiguous agree
     assert result["passed"] is (result["ratio"] <= result["target"])
-    assert result["max_abs_diff"] <= 1e-5  # the paged and contiguous outputs agree
 
 
 def test_run_quick():
     result = bench_attention.run(quick=True)
     check_result(result)
     assert result["quick"] is True and result["repetitions"] == 2
+
+
+def test_run_quick_fails_when_the_sides_attend_different_values(monkeypatch):
+    """A ratio within its target is no pass when the contiguous side attended other values than the paged side."""
+    setup = bench_attention._setup
+
+    def diverged(geometry, dtype):
+        state, block, q, k, v, keys, values = setup(geometry, dtype)
+        return state, block, q, k, v, keys, values * 2
+
+    monkeypatch.setattr(bench_attention, "_setup", diverged)
+    monkeypatch.setattr(bench_attention, "TARGET", 1e9)  # any ratio meets it
+    result = bench_attention.run(quick=True)
+    assert result["max_abs_diff"] > 0.1 and result["outputs_match"] is False and result["passed"] is False
 
 
 def test_main_quick_writes_json(tmp_path, capsys):
