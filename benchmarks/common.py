@@ -168,7 +168,10 @@ def private_cache() -> Iterator[None]:
 
 
 def cli(run: Callable[[bool], dict], description: str, argv: list[str] | None = None) -> int:
-    """Command-line entry of one benchmark: ``--quick``, ``--threads N`` and ``--json PATH``; returns 0."""
+    """Command-line entry of one benchmark: ``--quick``, ``--threads N`` and ``--json PATH``; returns 0.
+
+    The result carries ``machine`` (torch version and threads, CPUs, date), as the suite's results.json does.
+    """
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions (smoke test)")
     parser.add_argument("--threads", type=int, default=None,
@@ -176,7 +179,7 @@ def cli(run: Callable[[bool], dict], description: str, argv: list[str] | None = 
     parser.add_argument("--json", type=Path, help="also write the result as JSON to this path")
     args = parser.parse_args(argv)
     set_threads(args.threads)
-    result = run(args.quick)
+    result = {**run(args.quick), "machine": machine_info()}
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

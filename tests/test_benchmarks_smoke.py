@@ -53,8 +53,12 @@ def test_run_quick_fails_when_the_sides_attend_different_values(monkeypatch):
 def test_main_quick_writes_json(tmp_path, capsys):
     path = tmp_path / "attention.json"
     assert bench_attention.main(["--quick", "--json", str(path)]) == 0
-    check_result(json.loads(path.read_text()))
+    result = json.loads(path.read_text())
+    check_result(result)
     assert "ratio" in capsys.readouterr().out
+    # what it ran on, as in the suite's results.json
+    assert result["machine"]["torch_threads"] == result["threads"] == 1
+    assert result["machine"]["torch"] and result["machine"]["cpu_count"] >= 1
 
 
 def positive(value) -> bool:
