@@ -61,7 +61,7 @@ def test_every_error_the_readme_says_is_importable_from_the_runtime_is():
     from ardiff_cli.runtime import errors
 
     readme = (REPO / "README.md").read_text()
-    paragraph = readme[readme.index("Errors a caller can cause"):].split("  ")[0]
+    paragraph = readme[readme.index("Errors a caller can cause"):].split("\n\n")[0]
     named = [name for name in re.findall(r"`([A-Z]\w+)`", paragraph) if isinstance(getattr(errors, name, None), type)]
     assert "ArdiffError" in named and "EngineStateError" in named
     missing = [name for name in named if getattr(runtime, name, None) is not getattr(errors, name)]
