@@ -3,8 +3,8 @@
 A DreamZero session (``pipelines/dreamzero``, 2 CFG branches, 4 sampling
 steps, one latent frame per request) holds 11 latent frames of history; the
 next request commits the 12th and samples its action chunk over the full
-12-frame window. Timed side by side, interleaved (the order rotates every
-repetition):
+12-frame window. Timed side by side, interleaved (``turn_order``: each goes
+before each other in half the repetitions):
 
 - ``resident``: that request through ``ARDiffusionModelRunner.execute_model``
   on the resident session (its KV, text/image caches and anchor are kept).
@@ -40,7 +40,7 @@ import tempfile
 
 import torch
 
-from benchmarks.common import Timing, cli, timed
+from benchmarks.common import Timing, cli, timed, turn_order
 from benchmarks.contiguous import ContiguousRollout
 
 TARGET = 5.0
@@ -149,8 +149,7 @@ def _run(quick: bool, swap_dir: str) -> dict:
                                        chunk_times=bare_chunk if rep else None),
             "rebuild_dense": lambda: rebuild(pipe, rollouts[True], "rebuild-dense", history, chunk, dense=True),
         }
-        names = list(contenders)
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
+        for name in turn_order(list(contenders), rep):
             outputs[name], timing = timed(contenders[name])
             if rep:
                 times[name].append(timing)

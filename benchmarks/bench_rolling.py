@@ -3,7 +3,7 @@
 Both sides run the same causal world model (``pipelines/causal_world``: Wan
 transformer, 4 denoising steps + 1 commit pass per 3-frame block, a 3-frame
 sink and a 6-frame sliding window) through the pipeline's own sampler, block
-by block, interleaved (the order alternates every block):
+by block, interleaved (``turn_order``: each goes before each other in half the blocks):
 
 - ``ardiff``: ``ARDiffusionModelRunner.execute_model`` on one session: paged
   KV, pages freed as frames leave the window, runner bookkeeping included,
@@ -42,7 +42,8 @@ import statistics
 
 import torch
 
-from benchmarks.common import Timing, cli, op_profiles, percentile, profile_difference, rss_bytes, timed
+from benchmarks.common import (Timing, cli, op_profiles, percentile, profile_difference, rss_bytes, timed,
+                               turn_order)
 from benchmarks.contiguous import ContiguousRollout
 
 TARGET_RATIO = 1.00
@@ -122,9 +123,8 @@ def run(quick: bool = False) -> dict:
         contenders = {name: (lambda r=r, q=requests[name]: r.execute_model(q)) for name, r in runners.items()}
         for name, rollout in baselines.items():
             contenders[name] = lambda n=name, r=rollout: pipe.step(f"{n}-baseline", r, inputs)
-        names = list(contenders)
         outputs = {}
-        for name in names[block % len(names):] + names[:block % len(names)]:  # rotate who goes first
+        for name in turn_order(list(contenders), block):
             outputs[name], timing = timed(contenders[name])
             times[name].append(timing)
         for name in (*runners, "rolling_again"):

@@ -1,7 +1,7 @@
 """startup: `ardiff --help` and `ardiff inspect-capacity` on the 14B config, as whole processes.
 
 Baseline: `python -c pass` with the same interpreter, measured alternately with
-the two commands (the order rotates every repetition). Target: both commands
+the two commands (``turn_order`` every repetition). Target: both commands
 under 1 s wall on this machine (the one absolute figure of the suite, because
 the issue asks for it); the ratio to a bare interpreter start is reported.
 
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO_ROOT, cli
+from benchmarks.common import REPO_ROOT, cli, turn_order
 
 CONFIG_14B = "dreamzero-14b"
 # `ardiff ARGS` ended by sys.exit, as it was before main() skipped the interpreter's teardown
@@ -71,7 +71,7 @@ def run(quick: bool = False) -> dict:
     times: dict[str, list[float]] = {name: [] for name in commands}
     names = list(commands)
     for i in range(repeats):
-        for name in names[i % len(names):] + names[: i % len(names)]:
+        for name in turn_order(names, i):
             times[name].append(_wall(commands[name], env))
     med = {name: statistics.median(values) for name, values in times.items()}
     return {

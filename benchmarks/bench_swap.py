@@ -14,7 +14,7 @@ alternating between them. Three engines get the same requests:
 
 Each contender runs blocks of consecutive requests, timed whole; a block ends
 by waiting for the last file, so no write is hidden in another contender's
-block. Blocks rotate order every repetition. Wall clock: a background write
+block. Blocks change order every repetition (``turn_order``). Wall clock: a background write
 overlaps the next request on another core, which CPU time (all threads) would
 count as if it did not. All three must return bit-identical outputs. Reported,
 no target: ``ratio`` = swap/resident per request (what swapping costs at
@@ -32,7 +32,7 @@ import tempfile
 
 import torch
 
-from benchmarks.common import cli, timed
+from benchmarks.common import cli, timed, turn_order
 
 WINDOW_FRAMES = 12
 SESSIONS = ("robot-a", "robot-b")
@@ -102,7 +102,7 @@ def _run(quick: bool, swap_root: str) -> dict:
     for rep in range(geometry["repetitions"]):
         payloads = [inputs(turn + k) for k in range(geometry["block"])]
         outputs = {}
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
+        for name in turn_order(names, rep):
             outputs[name], timing = timed(lambda: block(name, turn, payloads))
             times[name].append(timing.wall / len(payloads))
         turn += len(payloads)

@@ -63,6 +63,16 @@ def quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+def turn_order(names: list[str], turn: int) -> list[str]:
+    """The order the contenders run in at ``turn``: the rotations of ``names``, then those of ``names`` reversed
+    (period ``2 * len(names)``). Over each period every contender goes before every other in half the turns and
+    takes every place equally often; rotations alone put the first name before the second in two turns of three
+    when there are three, which tilts a side-by-side ratio by whatever running after the other side costs."""
+    base = names if (turn // len(names)) % 2 == 0 else names[::-1]
+    k = turn % len(names)
+    return base[k:] + base[:k]
+
+
 def op_profiles(contenders: dict[str, Callable[[int], object]], calls: range) -> dict[str, dict[str, float]]:
     """Self CPU milliseconds per call of every op each contender ``fn(i)`` runs, ``i`` in ``calls``.
 
