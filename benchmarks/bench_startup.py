@@ -33,7 +33,9 @@ from benchmarks.common import REPO_ROOT, cli, turn_order
 
 CONFIG_14B = "dreamzero-14b"
 # `ardiff ARGS` ended by sys.exit, as it was before main() skipped the interpreter's teardown
-INTERPRETER_EXIT = ("import sys; import ardiff_cli.app as app; app._end_process = sys.exit; "
+# app.main() ends through app._end_process: replaced (it must exist, or the comparison would time ardiff twice)
+INTERPRETER_EXIT = ("import sys; import ardiff_cli.app as app; assert callable(app._end_process); "
+                    "app._end_process = sys.exit; "
                     "sys.argv = ['ardiff', *sys.argv[1:]]; app.main()")
 WARMUP = ("warmup", "causal-world-tiny", "--device", "cpu", "--format", "json")
 TARGET_S = 1.0
