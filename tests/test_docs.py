@@ -163,3 +163,44 @@ def test_the_readme_benchmark_figures_are_those_of_the_committed_results():
     readme = " ".join((REPO / "README.md").read_text().split())  # line breaks are spaces
     missing = [figure for figure in _core_figures() + _vllm_figures() if figure not in readme]
     assert missing == []
+
+
+def _section(readme: str, start: str, end: str) -> str:
+    begin = readme.index(start)
+    return readme[begin:readme.index(end, begin + len(start))]
+
+
+def _named(key: str, text: str) -> bool:
+    return f"`{key}`" in text or f'"{key}"' in text
+
+
+def test_every_field_of_summary_json_and_results_jsonl_is_in_the_readme(cli_env, tmp_path):
+    """A real run's summary.json and results lines (ok and failed): each field is named where the README describes
+    that file, so a field added to either one comes with its meaning."""
+    import json
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from ardiff_cli.io import write_episode
+
+    write_episode(tmp_path / "eps" / "good", [{"conditioning": np.zeros(8, np.float32)}] * 2, prompt="p")
+    write_episode(tmp_path / "eps" / "bad", [{"conditioning": np.zeros(5, np.float32)}], prompt="p")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "causal-world-tiny", "eps", "-o", "run",
+                           "--no-warmup", "--format", "plain"], cwd=tmp_path, env=cli_env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 4, proc.stderr
+    readme = (REPO / "README.md").read_text()
+    results_doc = _section(readme, "- `results.jsonl`, one line per step", "\n- `--format json`")
+    summary_doc = _section(readme, "- `summary.json`: ", "\n\n")
+    lines = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert {line["status"] for line in lines} == {"ok", "failed"}
+    fields = {key for line in lines for key in line} | {key for line in lines for key in line.get("latency", {})}
+    assert sorted(key for key in fields if not _named(key, results_doc)) == []
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    fields = set(summary) - {"kind"}  # "kind": "summary" is the --format json bullet's
+    for part in ("episodes", "steps", "swap", "latency_s"):
+        fields |= set(summary[part])
+    fields |= set(summary["latency_s"]["total"])
+    assert sorted(key for key in fields if not _named(key, summary_doc)) == []
