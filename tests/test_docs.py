@@ -204,3 +204,14 @@ def test_every_field_of_summary_json_and_results_jsonl_is_in_the_readme(cli_env,
         fields |= set(summary[part])
     fields |= set(summary["latency_s"]["total"])
     assert sorted(key for key in fields if not _named(key, summary_doc)) == []
+
+
+def test_the_rollout_help_says_evicted_sessions_come_back_from_swap_as_the_readme_does():
+    """The README's Resume paragraph and demo: a session swapped out is restored from its snapshot (the demo shows
+    `restored`, 0 steps replayed). The help said --resume and the demo rebuild sessions by replaying steps."""
+    readme = (REPO / "README.md").read_text()
+    assert "restored from its swap snapshot when it was swapped out as the run stopped" in readme
+    rollout = typer.main.get_command(app).commands["rollout"]
+    resume = next(param for param in rollout.params if param.name == "resume")
+    assert "restored from the swap snapshot" in resume.help
+    assert "restores from swap" in rollout.help

@@ -42,7 +42,7 @@ HELP = (
     "Run episodes of robot observations through the model, each episode one persistent session whose KV cache "
     "survives between steps, and write the actions and predicted latents of every step.\n\n"
     "With no arguments it runs the built-in DreamZero-style demo: three generated episodes and two resident "
-    "sessions, so the live panels show admission, LRU eviction and session rebuilding within seconds.\n\n"
+    "sessions, so the live panels show admission, LRU eviction and restores from swap within seconds.\n\n"
     "An EPISODE is a folder of step files (step_000000.safetensors, step_000001.safetensors, ... or .npz) holding "
     "the pipeline's observation arrays, with the prompt in the safetensors metadata or in episode.yaml; an END "
     "file marks it complete for --follow. Write one from Python with ardiff_cli.io.write_episode."
@@ -106,8 +106,9 @@ def rollout(
     resume: Annotated[bool, typer.Option(
         "--resume", metavar=FLAG,
         help="Continue the run in --out: steps with an ok line in its results.jsonl are not run again (a failed step "
-             "runs again), and a partly done episode's session is rebuilt by replaying its earlier steps. The run's "
-             "other options apply unless given again.")] = False,
+             "runs again), and a partly done episode's session is restored from the swap snapshot the stopped run kept "
+             "of it, or else rebuilt by replaying its earlier steps. The run's other options apply unless given "
+             "again.")] = False,
     preview: Annotated[bool, typer.Option(
         "--preview", metavar=FLAG,
         help="Write OUT/previews/EPISODE.png: observed (top) versus predicted (bottom) frames.")] = False,
