@@ -1,5 +1,5 @@
-"""The README and docs/reliability.md against the code: every command-line option is documented, and every
-test the reliability page cites exists."""
+"""The README and docs/reliability.md against the code: every command-line option is documented, every test the
+reliability page cites exists, the examples run as written, and the samples and fields are what the tool prints."""
 
 from __future__ import annotations
 
@@ -231,3 +231,86 @@ def test_the_attention_backend_help_and_the_readme_name_every_vllm_extra():
     for extra in vllm_extras:
         assert f"pip install 'ardiff[{extra}]'" in readme
         assert f"pip install 'ardiff\\[{extra}]'" in option.help  # Rich markup escapes the bracket
+
+
+def _blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```$", text, flags=re.S | re.M)
+
+
+def test_the_python_examples_of_the_readme_and_reliability_page_run_as_written(cli_env, tmp_path):
+    """A user pastes them into a file and runs it: the episode writer, the runtime example (which prints the action
+    chunk's shape its comment gives) and the reliability page's subclass of a shipped pipeline, whose method must
+    be one the base class has, with its parameters."""
+    import subprocess
+    import sys
+
+    readme = (REPO / "README.md").read_text()
+    runnable = [block for block in _blocks(readme, "python") if block.startswith(("import ", "from "))]
+    (subclass,) = _blocks((REPO / "docs" / "reliability.md").read_text(), "python")
+    assert len(runnable) == 2
+    subclass += ("import inspect\n"
+                 "for name, method in vars(MyDreamZero).items():\n"
+                 "    if inspect.isfunction(method):\n"
+                 "        base = getattr(DreamZeroPipeline, name)\n"
+                 "        assert inspect.signature(method).parameters.keys() == "
+                 "inspect.signature(base).parameters.keys(), name\n")
+    for i, block in enumerate([*runnable, subclass]):
+        script = tmp_path / f"example_{i}.py"
+        script.write_text(block)
+        proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=cli_env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, f"{block}\n{proc.stderr}"
+        for claim in re.findall(r"print\(.*?\)\s+# (torch\.Size\(\[[\d, ]+\]\))", block):
+            assert claim in proc.stdout.splitlines(), (claim, proc.stdout)
+    assert (tmp_path / "data" / "pick_cube" / "END").is_file() and (tmp_path / "data" / "robot_a" / "END").is_file()
+
+
+def test_the_readme_config_example_is_a_valid_config(tmp_path):
+    from ardiff_cli.runtime.config import load_config
+
+    readme = (REPO / "README.md").read_text()
+    (example,) = [block for block in _blocks(readme, "yaml") if block.startswith("pipeline: dreamzero ")]
+    (tmp_path / "example.yaml").write_text(example)
+    cfg = load_config(str(tmp_path / "example.yaml"))
+    assert cfg.pipeline_name == "dreamzero" and cfg.runtime.num_threads == 1
+
+
+def test_the_readme_inspect_capacity_sample_is_what_the_command_prints(monkeypatch):
+    import importlib.util
+
+    import pytest
+    from typer.testing import CliRunner
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("the sample's attention row is the core install's")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the device row names the GPU it picks
+    readme = (REPO / "README.md").read_text()
+    (sample,) = [block for block in _blocks(readme, "") if block.startswith("$ ardiff inspect-capacity")]
+    command, _, printed = sample.partition("\n")
+    result = CliRunner().invoke(app, command.split()[2:] + ["--format", "plain"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == printed
+
+
+def test_the_built_in_configs_the_readme_lists_are_the_shipped_ones():
+    readme = (REPO / "README.md").read_text()
+    shipped = sorted(path.stem for path in (REPO / "configs").glob("*.yaml"))
+    table = _section(readme, "Built-in configs (", "\n\nThe geometry-only configs")
+    assert sorted(re.findall(r"^\| `([\w.-]+)`", table, flags=re.M)) == shipped
+    row = next(line for line in readme.splitlines() if line.startswith("| `CONFIG` |"))
+    assert sorted(re.findall(r"`([\w.-]+)`", row.partition("(")[2])) == shipped
+
+
+def test_the_exit_codes_of_the_readme_are_those_of_the_help():
+    """The README's table (its first column, and the signal codes its 130 row adds) and every command's help."""
+    readme = (REPO / "README.md").read_text()
+    rows = [row.split("|")[1:3] for row in _section(readme, "## Exit codes", "\n\n## ").splitlines()
+            if row.startswith("| ") and row.split("|")[1].strip().isdigit()]
+    documented = {int(code) for code, _ in rows}
+    documented |= {int(code) for code, meaning in rows if code.strip() == "130"
+                   for code in re.findall(r"\b(1[2-4]\d) (?:on|when)\b", meaning)}
+    assert documented == {0, 1, 2, 3, 4, 129, 130, 141, 143}
+    group = typer.main.get_command(app)
+    for command in (group, *group.commands.values()):
+        epilog = (command.epilog or "").partition("Exit codes:")[2]
+        assert {int(code) for code in re.findall(r"(?<![\w.])(\d{1,3})(?= )", epilog)} == documented, command.name
