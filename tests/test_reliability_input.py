@@ -550,11 +550,13 @@ def test_out_that_cannot_be_a_folder_is_refused_before_loading(tmp_path, where):
     assert "Traceback" not in result.stderr and "planned" not in result.stderr  # the model never loaded
 
 
-@pytest.mark.parametrize("where", ["another_episode", "an_episode_of_the_run", "the_folder_of_episodes"])
+@pytest.mark.parametrize("where", ["another_episode", "an_episode_of_the_run", "the_folder_of_episodes",
+                                   "the_folder_of_the_episode"])
 def test_out_that_is_an_episode_folder_is_refused_and_left_as_it_was(tmp_path, cli_env, where):
     # `-o data/b` typed for `data/b` (or `-o data` for `data`): the run's files used to be written among the step
     # files, and the folder, now holding a run, was no longer taken for an episode by `rollout CFG data/` (skipped
-    # without a word).
+    # without a word). `-o data` for `data/a`: the run was written among the episodes, and `rollout CFG data/` then
+    # failed an episode 'episodes' (the run's outputs folder) with exit 4.
     data = tmp_path / "data"
     for name in ("a", "b"):
         frame = np.zeros((16, 16, 3), np.uint8)
@@ -562,14 +564,14 @@ def test_out_that_is_an_episode_folder_is_refused_and_left_as_it_was(tmp_path, c
                                      "joint_position": np.zeros(7, np.float32),
                                      "gripper_position": np.zeros(1, np.float32)}], prompt="p")
     out, episode = {"another_episode": ("data/b", "data/a"), "an_episode_of_the_run": ("data/a", "data/a"),
-                    "the_folder_of_episodes": ("data", "data")}[where]
+                    "the_folder_of_episodes": ("data", "data"), "the_folder_of_the_episode": ("data", "data/a")}[where]
     before = sorted(p.relative_to(tmp_path) for p in data.rglob("*"))
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", episode, "-o", out,
                            "--format", "plain"], cwd=tmp_path, env=cli_env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2, proc.stderr
-    said = "is an episode folder (it holds END, episode.yaml" if where != "the_folder_of_episodes" else \
-        "is also given as EPISODE"
+    said = {"the_folder_of_episodes": "is also given as EPISODE", "the_folder_of_the_episode": "holds the EPISODE data/a"}
+    said = said.get(where, "is an episode folder (it holds END, episode.yaml")
     assert f"Error: --out {out} {said}" in proc.stderr, proc.stderr
     assert "hint: choose another --out" in proc.stderr
     assert "planned" not in proc.stderr  # refused before the model loads

@@ -260,19 +260,24 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
 
 def _refuse_an_episode_folder_as_out(out: Path, inputs: list[Path]) -> None:
     """``--out`` may not be an EPISODE folder or one holding step files: the run's files would be mixed with the
-    robot's, and a folder holding a run is no longer taken for an episode (``rollout CFG data/`` skips it)."""
+    robot's, and a folder holding a run is no longer taken for an episode (``rollout CFG data/`` skips it). Nor
+    may it be a folder of the episodes, given as EPISODE or holding one: ``rollout CFG data/`` would take the
+    run's episodes/ folder for an episode."""
     from ardiff_cli.io.episode import episode_entries, listed
 
     target = out.resolve()
     found = episode_entries(target)
-    if not found and not any(path.resolve() == target for path in inputs):
-        return
     if found:
         message = (f"--out {out} is an episode folder (it holds {listed(found)}): the run's files would be written "
                    "among its step files, and a folder holding a run is no longer taken for an episode")
-    else:
+    elif any(path.resolve() == target for path in inputs):
         message = (f"--out {out} is also given as EPISODE: the run's files would be written among the "
                    "episodes, and its episodes/ folder taken for one by a later rollout")
+    elif inside := next((path for path in inputs if path.resolve().parent == target), None):
+        message = (f"--out {out} holds the EPISODE {inside}: the run's files would be written among the episodes, "
+                   "and its episodes/ folder taken for one by a later rollout")
+    else:
+        return
     raise ConfigError(message, hint="choose another --out for the outputs, such as runs/eval1")
 
 
