@@ -314,3 +314,21 @@ def test_the_exit_codes_of_the_readme_are_those_of_the_help():
     for command in (group, *group.commands.values()):
         epilog = (command.epilog or "").partition("Exit codes:")[2]
         assert {int(code) for code in re.findall(r"(?<![\w.])(\d{1,3})(?= )", epilog)} == documented, command.name
+
+
+def test_the_readme_table_of_step_file_keys_is_the_built_in_pipelines_schemas():
+    """Key, aliases, dtype and whether it is optional, for each field and the prompt of each built-in pipeline."""
+    from pipelines.causal_world import observation_schema as causal_world
+    from pipelines.dreamzero import observation_schema as dreamzero
+
+    readme = (REPO / "README.md").read_text()
+    table = _section(readme, "| pipeline | key | dtype | shape |", "\n\n")
+    documented = set()
+    for row in table.splitlines()[2:]:
+        pipeline, key, dtype, _ = (cell.strip() for cell in row.strip("|").split("|"))
+        names = re.findall(r"`([^`]+)`", key)
+        documented.add((pipeline, names[0], tuple(names[1:]), dtype, "optional" in key))
+    schemas = {"dreamzero": dreamzero(), "causal_world": causal_world()}
+    shipped = {(name, f.name, f.aliases, f.dtype, not f.required) for name, s in schemas.items() for f in s.fields}
+    shipped |= {(name, s.prompt_key, s.prompt_aliases, "text", False) for name, s in schemas.items()}
+    assert documented == shipped
