@@ -332,3 +332,16 @@ def test_the_readme_table_of_step_file_keys_is_the_built_in_pipelines_schemas():
     shipped = {(name, f.name, f.aliases, f.dtype, not f.required) for name, s in schemas.items() for f in s.fields}
     shipped |= {(name, s.prompt_key, s.prompt_aliases, "text", False) for name, s in schemas.items()}
     assert documented == shipped
+
+
+def test_every_field_of_inspect_capacity_json_is_in_the_readme():
+    import json
+
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(app, ["inspect-capacity", "--available", "1GiB", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    readme = (REPO / "README.md").read_text()
+    section = _section(readme, "### `ardiff inspect-capacity", "\n## ")
+    fields = set(json.loads(result.stdout)) - {"kind"}
+    assert sorted(key for key in fields if not _named(key, section)) == []
