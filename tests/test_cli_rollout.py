@@ -903,6 +903,15 @@ def finished_run(env, data, tmp_path: Path) -> tuple[Path, Path]:
     return episodes, run
 
 
+def test_the_summary_counts_one_step_in_the_singular(env, data, tmp_path):
+    episodes, run = finished_run(env, data, tmp_path)
+    write_step(episodes / "arm", 2, steps_of(0, 3)[2])
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert "rollout ok: 1 step in " in proc.stdout  # it said "1 steps"
+    assert "0 evictions, 2 steps replayed to rebuild sessions, 2 steps already done" in proc.stdout
+
+
 def test_resume_with_nothing_left_writes_the_summary_without_loading_the_model(env, data, tmp_path):
     """A finished run resumed: the summary is written again and the model never loads (a large one takes minutes):
     torch cannot even be imported here. Once a step file is left to run, the resume loads the model (and fails on

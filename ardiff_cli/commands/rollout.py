@@ -655,6 +655,11 @@ def _summary_of(run: Any, p: _Prepared, stats: Any, *, device: str | None, plan:
     return summary
 
 
+def _count(number: int, noun: str) -> str:
+    """``1 step``, ``2 steps``."""
+    return f"{number} {noun}" + ("" if number == 1 else "s")
+
+
 def render_summary(s: dict[str, Any], plain: bool):
     from rich.text import Text
 
@@ -665,17 +670,17 @@ def render_summary(s: dict[str, Any], plain: bool):
     rate = f"{s['steps_per_s']:.1f} steps/s" if s.get("steps_per_s") else "-"
     plan = s.get("capacity_plan") or {}
     lines = [
-        f"rollout {s['status']}: {steps['this_run']} steps in {s['wall_s']:.1f} s ({rate}); "
+        f"rollout {s['status']}: {_count(steps['this_run'], 'step')} in {s['wall_s']:.1f} s ({rate}); "
         f"episodes {episodes['completed']} completed"
         + (f" ({len(episodes['timed_out'])} ended by --idle-timeout)" if episodes.get("timed_out") else "")
         + f", {episodes['failed']} failed, "
         f"{episodes['incomplete']} incomplete",
         f"latency p50 {ms(latency['total']['p50'])}, p90 {ms(latency['total']['p90'])}, "
         f"p99 {ms(latency['total']['p99'])} (forward p50 {ms(latency['forward']['p50'])})",
-        f"sessions: capacity {plan.get('session_capacity', '-')}, {s['evictions_this_run']} evictions, "
+        f"sessions: capacity {plan.get('session_capacity', '-')}, {_count(s['evictions_this_run'], 'eviction')}, "
         + (f"{steps['restored']} restored from swap, " if steps.get("restored") else "")
-        + f"{steps['replayed']} steps replayed to rebuild sessions"
-        + (f", {steps['skipped_done']} steps already done" if steps["skipped_done"] else ""),
+        + f"{_count(steps['replayed'], 'step')} replayed to rebuild sessions"
+        + (f", {_count(steps['skipped_done'], 'step')} already done" if steps["skipped_done"] else ""),
         f"outputs: {s['out']} (results.jsonl, summary.json, episodes/"
         + (", previews/)" if Path(s["out"], "previews").is_dir() else ")"),
     ]
