@@ -245,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     usage = "usage: python -m pipelines.checkpoint init CONFIG OUT.safetensors | path CONFIG  (CONFIG: a YAML path " \
             "or a built-in config name)"
+    if argv in (["--help"], ["-h"]):
+        print(usage)
+        return 0
     try:
         if len(argv) == 3 and argv[0] == "init":
             pipeline_class, config = _load_yaml_config(argv[1])

@@ -193,6 +193,12 @@ def test_command_line_init(tmp_path, capsys):
     assert main(["bogus"]) == 2
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_command_line_help_is_the_usage_on_stdout_and_success(flag, capsys):
+    assert main([flag]) == 0  # it was the usage error: exit 2, on stderr
+    assert capsys.readouterr().out.startswith("usage: python -m pipelines.checkpoint init CONFIG OUT.safetensors")
+
+
 def test_command_line_takes_builtin_names_and_reports_bad_configs(tmp_path, capsys, ardiff_cache):
     assert main(["path", "dreamzero-tiny"]) == 0  # a built-in name, as everywhere else CONFIG is taken
     assert main(["path", str(CONFIGS / "dreamzero-tiny.yaml")]) == 0
