@@ -17,7 +17,6 @@ ignored, so a writer can create a step under a temporary name and rename it.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import unicodedata

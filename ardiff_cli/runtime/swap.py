@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ardiff_cli.io.atomic import parse_json
 from ardiff_cli.runtime.capacity import as_int, parse_bytes
 from ardiff_cli.runtime.errors import ConfigError, shown
 
@@ -277,8 +276,8 @@ class SwapStore:
             except Exception as exc:  # safetensors' own errors: a truncated or overwritten file
                 raise ValueError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
         try:
-            metadata = parse_json(header) if header is not None else None
-        except ValueError:
+            metadata = json.loads(header) if header is not None else None
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             metadata = None
         if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
             raise ValueError(f"{path}: not an ardiff swap snapshot (format {FORMAT} expected)")
