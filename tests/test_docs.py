@@ -118,7 +118,8 @@ def _core_figures() -> list[str]:
         f"{prof['kv_ms_per_request']['get_kv_caches']:.2f} ms in `get_kv_caches` and "
         f"{prof['mean_ms']['runner']:.2f} ms in the runner",
         f"its total ({prof['overhead']:.1%})",
-        f"| `--help` {st['help_s'] * 1e3:.0f} ms, `inspect-capacity dreamzero-14b` {st['inspect_capacity_s'] * 1e3:.0f} "
+        f"| `--help` {st['help_s'] * 1e3:.0f} ms, "
+        f"`inspect-capacity dreamzero-14b` {st['inspect_capacity_s'] * 1e3:.0f} "
         f"ms; `warmup causal-world-tiny` {st['warmup_s']:.2f} s, {st['exit_ratio']:.2f}x its "
         f"{st['warmup_interpreter_exit_s']:.2f} s",
         f"| `python -c pass` {st['python_s'] * 1e3:.0f} ms | {st['help_ratio']:.1f}x / {st['inspect_ratio']:.1f}x |",
@@ -151,7 +152,8 @@ def _vllm_figures() -> list[str]:
         f"same run | {rol['rolling_p50_ms']:.1f} ms/block (rolling cache, p99/p50 {rol['rolling_p99_over_p50']:.2f}); "
         f"A/A control {rol['a_a_ratio']:.3f} | {rol['ratio']:.3f} |",
         f"{rol['ardiff_p99_over_p50']:.2f} in this run, with the baseline's own at {rol['rolling_p99_over_p50']:.2f}",
-        f"| {res['resident_ms']:.1f} ms next chunk | {res['rebuild_ms']:.1f} ms rebuild (bare chunk {res['bound']:.2f}x) "
+        f"| {res['resident_ms']:.1f} ms next chunk | {res['rebuild_ms']:.1f} ms rebuild "
+        f"(bare chunk {res['bound']:.2f}x) "
         f"| {res['speedup']:.2f}x |",
         f"swap runs on the kernel ({sw['ratio']:.2f}, and {sw['sync_over_async']:.2f} for the background write)",
         f"{ops['_C::cpu_attention_with_kv_cache']['ardiff_ms']:.1f} ms per block against the baseline's "

@@ -570,7 +570,8 @@ def test_out_that_is_an_episode_folder_is_refused_and_left_as_it_was(tmp_path, c
                            "--format", "plain"], cwd=tmp_path, env=cli_env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2, proc.stderr
-    said = {"the_folder_of_episodes": "is also given as EPISODE", "the_folder_of_the_episode": "holds the EPISODE data/a"}
+    said = {"the_folder_of_episodes": "is also given as EPISODE",
+            "the_folder_of_the_episode": "holds the EPISODE data/a"}
     said = said.get(where, "is an episode folder (it holds END, episode.yaml")
     assert f"Error: --out {out} {said}" in proc.stderr, proc.stderr
     assert "hint: choose another --out" in proc.stderr
