@@ -194,6 +194,9 @@ class Rollout:
                 # invariant (a bug: going on could corrupt the pool). Outputs so far are complete; --resume.
                 raise
             except Exception as exc:  # noqa: BLE001 - the step's episode fails; the others go on
+                # unless it failed because a stop raised into it was caught there (and perhaps wrapped): the run
+                # stops as the signal asked, and the step, not failed by its input, runs again on --resume
+                self.signals.reraise()
                 failure = self._step_failure(item, exc)
                 phase, step_file = self._at or ("load", item.file)
                 self._fail_episode(item.episode, step_file, item.ordinal, failure, phase=phase)

@@ -4,7 +4,16 @@ Inside :meth:`StopSignals.critical` (writing a step's output file and its
 results line) a signal is only remembered; it is raised as
 :class:`~ardiff_cli.errors_cli.Interrupted` as soon as the write is complete.
 Anywhere else it is raised at once, so a long forward does not delay the exit
-(the runner releases the interrupted session like any failed forward).
+(the runner releases the interrupted session like any failed forward), except
+inside an import: a module cut off half way through (torch's numpy, say) is
+left broken for the rest of the run, and the import machinery and the
+libraries around it catch what it raises. There too it is only remembered, and
+the next safe point (:meth:`StopSignals.check`) raises it.
+
+A stop raised from the handler can still be caught on its way out, by a
+pipeline's or a library's ``except Exception``. So ``check`` raises it again
+if the run comes back to a safe point, and :meth:`StopSignals.outcome` makes
+it what ended a command that failed after it.
 
 A signal the process was started ignoring stays ignored: ``nohup`` ignores
 SIGHUP, and a shell ignores SIGINT for a script's background jobs.
@@ -32,6 +41,7 @@ class StopSignals:
         self.pending: int | Exception | None = None
         self._depth = 0  # nesting of critical sections
         self._stopping = False  # a stop was raised already: later signals are only recorded
+        self.raised: int | None = None  # the signal the handler raised as ``Interrupted``
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopSignals:
@@ -54,10 +64,11 @@ class StopSignals:
         self.pending = self.pending or stop
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self._depth or self._stopping:
+        if self._depth or self._stopping or _importing(frame):
             self.pending = self.pending or signum
             return
         self._stopping = True
+        self.raised = signum
         raise Interrupted(signum)
 
     @contextlib.contextmanager
@@ -69,10 +80,37 @@ class StopSignals:
         finally:
             self._depth -= 1
         if not self._depth:
-            self.check()
+            self._raise_pending()
 
     def check(self) -> None:
-        """Raise a pending signal (as ``Interrupted``) or deferred error now (between steps)."""
+        """A safe point of the normal flow (between steps, once the model is loaded): raise a pending signal (as
+        ``Interrupted``) or deferred error now, or the stop the handler raised again: the run is back here, so
+        something between caught it."""
+        self.reraise()
+        self._raise_pending()
+
+    def reraise(self) -> None:
+        """Raise again the stop the handler raised, if it did: called where it cannot be on its way out."""
+        if self.raised is not None:
+            raise Interrupted(self.raised)
+
+    def outcome(self, exc: BaseException) -> BaseException:
+        """What ended a command that raised ``exc``: the stop the handler raised before, if ``exc`` is not that
+        stop (a pipeline caught it and failed with its own error, or cannot go on without what it cut short)."""
+        if self.raised is None or isinstance(exc, (Interrupted, KeyboardInterrupt)):
+            return exc
+        return Interrupted(self.raised)
+
+    def _raise_pending(self) -> None:
         if self.pending and not self._stopping:
             self._stopping = True
             raise self.pending if isinstance(self.pending, Exception) else Interrupted(self.pending)
+
+
+def _importing(frame: FrameType | None) -> bool:
+    """Whether the main thread is executing an import (a module's body, or the import system itself)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False

@@ -21,8 +21,10 @@ Each fault is a JSON object:
   in ``dir``, once written, is overwritten with bytes that are no safetensors file, as a failing disk would
   leave them);
 - ``action`` (block and sampler): ``raise`` (default), ``oom`` (allocate 1 PiB on the host: torch's CPU allocator
-  raises its own RuntimeError) or ``sleep`` (touch ``marker``, then sleep ``seconds``: for signals that must
-  arrive in the middle of a forward);
+  raises its own RuntimeError), ``sleep`` (touch ``marker``, then sleep ``seconds``: for signals that must
+  arrive in the middle of a forward), ``swallow_signal`` (send the process SIGTERM inside ``try: ... except
+  Exception: pass`` and go on, as a pipeline or library that catches everything would) or ``wrap_signal`` (the
+  same, then raise its own error ``from`` what it caught);
 - ``probe`` (block and sampler): also keep a weak reference to the first argument (a tensor), and site ``probe`` on a later
   request writes to ``path`` which of those tensors are still alive (after ``gc.collect()``): a failed
   episode must not keep its forward's tensors alive for the rest of the run.
@@ -58,6 +60,14 @@ class InjectedFault(RuntimeError):
 
 
 def _act(fault: dict[str, Any], message: str) -> None:
+    if fault.get("action") in ("swallow_signal", "wrap_signal"):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, in the main thread
+            time.sleep(0.05)
+        except Exception as exc:  # noqa: BLE001 - the catch-all under test
+            if fault["action"] == "wrap_signal":
+                raise InjectedFault(message) from exc
+        return
     if fault.get("action", "raise") == "sleep":
         Path(fault["marker"]).write_text(message)
         time.sleep(float(fault.get("seconds", 120)))
@@ -174,7 +184,9 @@ def load_faults() -> list[dict[str, Any]]:
 class FaultyDreamZero(DreamZeroPipeline):
     """DreamZero with the faults of ``$ARDIFF_TEST_FAULTS`` (none: exactly DreamZero, same checkpoint).
 
-    Site ``load`` (no ``request``) sleeps while the pipeline loads, after touching ``marker``.
+    Site ``load`` (no ``request``) sleeps while the pipeline loads, after touching ``marker``. Site ``import`` (no
+    ``request``) imports ``interrupted_dependency`` while it loads, as an optional dependency: what the import
+    raises is taken for the module's absence.
     """
 
     @classmethod
@@ -182,6 +194,11 @@ class FaultyDreamZero(DreamZeroPipeline):
         for fault in load_faults():
             if fault["site"] == "load":
                 _act({**fault, "action": "sleep"}, "loading")
+            if fault["site"] == "import":
+                try:
+                    import interrupted_dependency  # noqa: F401
+                except Exception:  # noqa: BLE001 - as libraries import their optional dependencies
+                    pass
         return super().from_config(config, **kwargs)
 
     def forward(self, request):

@@ -144,6 +144,40 @@ def test_signal_inside_a_critical_section_waits_for_its_end():
     assert info.value.exit_code == 130
 
 
+def test_a_signal_during_an_import_is_raised_at_the_next_check_not_inside_the_import(tmp_path, monkeypatch):
+    # Raised inside an import, it left the module half-imported (torch's numpy: "module 'numpy' has no attribute
+    # 'void'" later) or was caught by the import machinery's and libraries' error handling around it.
+    (tmp_path / "interrupted_module.py").write_text(
+        "import signal, time\nsignal.raise_signal(signal.SIGTERM)\ntime.sleep(0.01)\nWHOLE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with StopSignals() as signals:
+        import interrupted_module
+
+        assert interrupted_module.WHOLE
+        with pytest.raises(Interrupted) as info:
+            signals.check()
+    assert info.value.exit_code == 143
+
+
+def test_a_stop_caught_on_its_way_out_is_raised_again_at_the_next_check():
+    # A pipeline's (or a library's) `except Exception` caught the Interrupted the handler raised: the run went on,
+    # and, the handler stopping only once, no later signal could stop it.
+    with StopSignals() as signals:
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except Exception as exc:  # noqa: BLE001 - the catch-all under test
+            caught = exc
+        assert isinstance(caught, Interrupted)
+        with pytest.raises(Interrupted) as info:
+            signals.check()
+        assert info.value.exit_code == 130
+        wrapped = RuntimeError("the pipeline's own error")
+        assert isinstance(signals.outcome(wrapped), Interrupted) and signals.outcome(caught) is caught
+    with StopSignals() as signals:  # no signal: nothing raised, and an error stays itself
+        signals.check()
+        assert signals.outcome(wrapped) is wrapped
+
+
 SNAPSHOT = Snapshot(
     title="ardiff rollout · dreamzero-tiny", phase="running", device="cpu", dtype="float32", budget_bytes=3 << 20,
     available_bytes=8 << 30, page_size=16, bytes_per_page=8192, pages_used=18, pages_total=36, session_capacity=2,

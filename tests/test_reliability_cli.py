@@ -256,6 +256,62 @@ def test_signal_in_the_middle_of_a_forward_then_resume(env, data, reference, tmp
     assert_matches(run, reference)
 
 
+@pytest.mark.parametrize("action", ["swallow_signal", "wrap_signal"])
+def test_a_signal_that_a_pipelines_catch_all_caught_still_stops_the_run_then_resume(env, data, reference, tmp_path,
+                                                                                   action):
+    # The handler raises Interrupted (an Exception) wherever the main thread is. A pipeline's `except Exception`
+    # caught it: the run went on to exit 0 with the signal lost, or (wrapped in the pipeline's own error) the
+    # episode failed as if its input were bad, and no later signal could stop the run.
+    run = tmp_path / "run"
+    faults = [{"request": "arm_c/000001", "site": "block", "layer": 1, "action": action}]
+    proc = ardiff(env, *rollout_args(data, run), faults=faults)
+    assert proc.returncode == 143, proc.stderr
+    assert proc.stderr.splitlines()[-2:] == [  # the pipeline's error is in the event log, not the verdict
+        "Error: interrupted by SIGTERM", "hint: run the same command with --resume to continue"], proc.stderr
+    lines = records(run)
+    assert [(r["episode"], r["step"]) for r in lines][:6] == [
+        ("arm_a", 0), ("arm_b", 0), ("arm_c", 0), ("arm_d", 0), ("arm_a", 1), ("arm_b", 1)]
+    assert len(lines) <= 7 and all(r["status"] == "ok" for r in lines)  # arm_c's step 1 at most, done in full
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["exit_code"] == 143 and not summary["episodes"]["failed"]
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted((r["episode"], r["step"]) for r in records(run)) == sorted(
+        (e, s) for e in EPISODES for s in range(3))
+    assert_matches(run, reference)
+
+
+def test_a_signal_while_the_pipeline_imports_a_dependency_stops_the_run_before_its_first_step(env, data, reference,
+                                                                                             tmp_path):
+    # The Interrupted raised inside the import (half way through the module's body) was taken for the optional
+    # dependency's absence: the run went on to exit 0, the signal lost (torch's own import of numpy did the same,
+    # or left numpy half-imported). Inside an import the handler now only records the signal.
+    run = tmp_path / "run"
+    proc = ardiff(env, *rollout_args(data, run), faults=[{"site": "import"}])
+    assert proc.returncode == 143, proc.stderr
+    assert proc.stderr.splitlines()[-2:] == [
+        "Error: interrupted by SIGTERM", "hint: run the same command with --resume to continue"], proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["steps"]["this_run"]) == ("interrupted", 0)
+    assert "admitted" not in proc.stderr  # no request ran
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference)
+    proc = ardiff(env, "warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, "--format", "plain",
+                  faults=[{"site": "import"}])
+    assert proc.returncode == 143 and "Error: interrupted by SIGTERM" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("action", ["swallow_signal", "wrap_signal"])
+def test_a_signal_caught_inside_a_warmup_request_stops_warmup(env, data, action):
+    # warmup reported success (exit 0), or the pipeline's failure, for a warmup the user had stopped
+    faults = [{"request": "warmup-0", "site": "block", "layer": 0, "action": action}]
+    proc = ardiff(env, "warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, "--format", "json", faults=faults)
+    assert proc.returncode == 143, proc.stderr
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert error["kind"] == "interrupted" and error["message"] == "interrupted by SIGTERM", error
+
+
 @pytest.mark.parametrize(("pipeline", "message"), [
     ("WrongKVHeads", "Error: warmup request 'warmup-0' of WrongKVHeads failed: ValueError: cross-attention 'text' "
                      "of branch 'main' (session '__ardiff_warmup__'): layer 0 k must be shaped (8, 16, 16), got "

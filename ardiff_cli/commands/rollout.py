@@ -446,6 +446,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
             try:
                 from ardiff_cli.runtime.engine import ARDiffusionEngine
 
+                signals.check()  # a signal that arrived while torch imported
                 engine = ARDiffusionEngine(p.cfg, swap_dir=None if swap_space == 0 else swap_dir,
                                            swap_space=swap_space)
                 engine.subscribe(monitor.on_event)
@@ -475,10 +476,12 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 if stats.failed:
                     raise _failed_episodes(stats, len(p.episodes))
             except BaseException as exc:
-                error = exc
-                if isinstance(exc, Interrupted) and not run.holds_run():  # stopped while loading: no run.json
-                    exc.hint = "nothing was written yet: run the same command again"
-                raise
+                error = signals.outcome(exc)
+                if isinstance(error, Interrupted) and not run.holds_run():  # stopped while loading: no run.json
+                    error.hint = "nothing was written yet: run the same command again"
+                if error is exc:
+                    raise
+                raise error from exc  # --verbose shows what the stop cut short
             finally:
                 try:
                     if engine is not None and driver is not None and error is not None:

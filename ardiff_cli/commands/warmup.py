@@ -66,21 +66,29 @@ def warmup(
         monitor = RunMonitor(out, f"ardiff warmup · {config_label(config)}", echo_requests=True)
         out.info(f"loading {config_label(config)} (pipeline {cfg.pipeline_name})")
         out.debug(f"config {cfg.source}: {cfg.runtime}")
-        with StopSignals(), out.live(lambda: render(monitor.snapshot())):
+        with StopSignals() as signals, out.live(lambda: render(monitor.snapshot())):
             from ardiff_cli.runtime.engine import ARDiffusionEngine
 
+            signals.check()  # a signal that arrived while torch imported
             engine = ARDiffusionEngine(cfg)
             engine.subscribe(monitor.on_event)
             counter = _RequestCounter(monitor)
             engine.subscribe(counter)
             try:
                 engine.load()
+                signals.check()
                 monitor.refresh(engine.runner)
                 monitor.set_phase("warmup")
                 report = engine.warmup()
+                signals.check()  # not a report of a warmup a stop was raised into
                 monitor.refresh(engine.runner)
                 monitor.set_phase("done")
                 usage = engine.runner.pool_usage()
+            except BaseException as exc:
+                error = signals.outcome(exc)
+                if error is exc:
+                    raise
+                raise error from exc  # --verbose shows what the stop cut short
             finally:
                 engine.close()
         data = warmup_data(report, usage, config=config_label(config), device=str(engine.device),
