@@ -20,7 +20,8 @@ before each other in half the repetitions):
   file (as ``ardiff rollout`` does); ``runner.restore_session`` reads it back,
   then the same request runs. What an evicted session costs instead of a rebuild.
 
-All must return the same actions and latents (``swap``: bit-identical to ``resident``). Target: rebuild/resident >= 5
+All must return the same actions and latents (the rebuilds: to ``TOLERANCE``; ``swap``: bit-identical to
+``resident``). Target: rebuild/resident >= 5
 (median of the per-repetition ratios, CPU time; wall time under ``wall``).
 
 Also reported: ``bound``, rebuild over the chunk alone as timed inside the
@@ -44,6 +45,13 @@ from benchmarks.common import Timing, cli, timed, turn_order
 from benchmarks.contiguous import ContiguousRollout
 
 TARGET = 5.0
+# Largest |rebuild - resident| over actions and latents (both of magnitude ~4) that still counts as the same session.
+# Measured: the one-frame rebuild is bit-identical to the resident session on the torch backend; the dense prefill,
+# one frame-causal masked pass instead of 11 one-frame passes, sums the float32 attention in another order: 4.4e-6
+# (quick), 6.2e-6 (full), 7.5e-6 (full, resident on vLLM's CPU kernel). A rebuild from one camera image of one of the
+# 11 observations one level (1/255) brighter differs by 2.4e-4 to 4.2e-4 (quick), a wrong observation by 4e-3 to
+# 6.5e-3: the former 1e-3 let the first through and the second within 4x.
+TOLERANCE = 1e-4
 WINDOW_FRAMES = 12
 PROMPT = "put the red block in the bowl"
 
@@ -179,7 +187,7 @@ def _run(quick: bool, swap_dir: str) -> dict:
 
     cpu, wall = summary("cpu"), summary("wall")
     speedup = cpu["speedup"]
-    outputs_match = max_abs_diff <= 1e-3 and swap_identical
+    outputs_match = max_abs_diff <= TOLERANCE and swap_identical
     return {
         "id": "resume",
         "target": f"rebuild/resident >= {TARGET:.0f}x at a {WINDOW_FRAMES}-frame window",
