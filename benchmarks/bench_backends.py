@@ -35,7 +35,7 @@ from ardiff_cli.runtime.errors import ConfigError
 from ardiff_cli.runtime.kv.backends import select_attention_backend
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
 from ardiff_cli.runtime.kv.layout import KVLayout
-from benchmarks.common import DEFAULT_THREADS, set_threads
+from benchmarks.common import DEFAULT_THREADS, machine_info, set_threads
 
 FULL = dict(num_heads=40, head_size=128, tokens_per_frame=220, frames_per_block=4, sink_frames=0,
             window_frames=12, registers=17, repetitions=7, warmup=1)
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the result dict to PATH")
     args = parser.parse_args(argv)
     set_threads(args.threads)
-    result = run(quick=args.quick, device=args.device, dtype=args.dtype)
+    result = {**run(quick=args.quick, device=args.device, dtype=args.dtype), "machine": machine_info()}
     line = f"backends on {result['device']} ({result['dtype']}): torch denoise {result['torch_denoise_ms']:.2f} ms"
     if "vllm_denoise_ms" in result:
         line += (f" | vllm denoise {result['vllm_denoise_ms']:.2f} ms "

@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -130,10 +131,12 @@ def set_threads(threads: int | None) -> int:
 
 
 def machine_info() -> dict:
-    """What the figures were measured on."""
+    """What the figures were measured on, and what to check out and set to measure them again."""
     import torch
 
+    from ardiff_cli.io.demo import CACHE_ENV
     from ardiff_cli.io.run import installed_version
+    from ardiff_cli.runtime.kv.layout import SCRATCH_ENV
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -146,7 +149,27 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        **code_revision(REPO_ROOT),
+        # every variable ardiff reads that was set (a test checks this list against the names the code holds)
+        "environment": {name: os.environ[name] for name in (SCRATCH_ENV, CACHE_ENV) if name in os.environ},
     }
+
+
+def code_revision(root: Path) -> dict:
+    """``git_commit``: the commit checked out at ``root``; ``git_dirty``: whether tracked files differ from it
+    (untracked files do not count). Both None where ``root`` is not a git checkout or git cannot run."""
+    env = dict(os.environ, GIT_OPTIONAL_LOCKS="0")  # status without the index lock a concurrent git would trip on
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=root, env=env, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):  # no git, or it hung
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    commit = git("rev-parse", "--verify", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"git_commit": commit.strip() if commit else None, "git_dirty": None if status is None else bool(status)}
 
 
 def _cpu_model() -> str:
@@ -180,7 +203,8 @@ def private_cache() -> Iterator[None]:
 def cli(run: Callable[[bool], dict], description: str, argv: list[str] | None = None) -> int:
     """Command-line entry of one benchmark: ``--quick``, ``--threads N`` and ``--json PATH``; returns 0.
 
-    The result carries ``machine`` (torch version and threads, CPUs, date), as the suite's results.json does.
+    The result carries ``machine`` (torch version and threads, CPUs, date, git commit, ardiff's environment
+    variables), as the suite's results.json does.
     """
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions (smoke test)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -50,7 +52,10 @@ def test_run_quick_fails_when_the_sides_attend_different_values(monkeypatch):
     assert result["max_abs_diff"] > 0.1 and result["outputs_match"] is False and result["passed"] is False
 
 
-def test_main_quick_writes_json(tmp_path, capsys):
+def test_main_quick_writes_json(tmp_path, capsys, monkeypatch):
+    from ardiff_cli.runtime.kv.layout import SCRATCH_ENV
+
+    monkeypatch.setenv(SCRATCH_ENV, "2")  # changes the scratch each forward gets: the run must say so
     path = tmp_path / "attention.json"
     assert bench_attention.main(["--quick", "--json", str(path)]) == 0
     result = json.loads(path.read_text())
@@ -59,6 +64,66 @@ def test_main_quick_writes_json(tmp_path, capsys):
     # what it ran on, as in the suite's results.json
     assert result["machine"]["torch_threads"] == result["threads"] == 1
     assert result["machine"]["torch"] and result["machine"]["cpu_count"] >= 1
+    # what to check out and set to run it again
+    assert result["machine"]["environment"][SCRATCH_ENV] == "2"
+    assert (result["machine"]["git_commit"], result["machine"]["git_dirty"]) == git_revision(REPO_ROOT)
+
+
+def git_revision(root: Path) -> tuple[str | None, bool | None]:
+    """HEAD and whether tracked files differ from it, asked of git otherwise than benchmarks.common does."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+        diff = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root, capture_output=True)
+    except OSError:
+        return None, None
+    return (head.stdout.strip(), diff.returncode == 1) if head.returncode == 0 else (None, None)
+
+
+def git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=bench", "-c", "user.email=bench@example.com", *args], cwd=root,
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_code_revision_names_the_commit_and_uncommitted_changes_to_tracked_files(tmp_path, monkeypatch):
+    from benchmarks.common import code_revision
+
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # tmp_path's subfolders are no checkout by accident
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    assert code_revision(repo) == {"git_commit": None, "git_dirty": None}  # not a checkout
+    git(repo, "init", "-q")
+    assert code_revision(repo) == {"git_commit": None, "git_dirty": None}  # a checkout without a commit
+    (repo / "tracked.txt").write_text("a\n")
+    git(repo, "add", "tracked.txt")
+    git(repo, "commit", "-q", "-m", "first")
+    head = git(repo, "rev-parse", "HEAD")
+    assert code_revision(repo) == {"git_commit": head, "git_dirty": False}
+    (repo / "untracked.txt").write_text("not part of the code\n")
+    assert code_revision(repo) == {"git_commit": head, "git_dirty": False}
+    (repo / "tracked.txt").write_text("b\n")
+    assert code_revision(repo) == {"git_commit": head, "git_dirty": True}
+    git(repo, "add", "tracked.txt")  # staged, not committed: still not the commit's code
+    assert code_revision(repo) == {"git_commit": head, "git_dirty": True}
+    monkeypatch.setenv("PATH", str(tmp_path / "no-git-here"))
+    assert code_revision(repo) == {"git_commit": None, "git_dirty": None}  # git is missing
+
+
+def test_machine_info_records_every_ardiff_environment_variable_that_is_set(monkeypatch):
+    """The names are those the code reads (string literals of ardiff_cli/ and pipelines/): a new variable that is
+    not recorded fails here."""
+    from benchmarks.common import machine_info
+
+    literal = re.compile(r"""["']((?:AR_DIFFUSION|ARDIFF)_[A-Z0-9_]+)["']""")
+    names = {name for folder in ("ardiff_cli", "pipelines") for path in (REPO_ROOT / folder).rglob("*.py")
+             for name in literal.findall(path.read_text())}
+    assert {"AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH", "ARDIFF_CACHE_DIR"} <= names
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    assert machine_info()["environment"] == {}  # unset: not recorded
+    for name in names:
+        monkeypatch.setenv(name, f"value of {name}")
+    monkeypatch.setenv("ARDIFF_NOT_READ_BY_ANYTHING", "1")
+    assert machine_info()["environment"] == {name: f"value of {name}" for name in names}
 
 
 def positive(value) -> bool:
@@ -259,6 +324,7 @@ def test_backends_quick(capsys):
         torch.set_num_threads(before)
     result = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert result["device"] == "cpu" and result["quick"] is True and result["threads"] == 2
+    assert result["machine"]["torch_threads"] == 2 and "git_commit" in result["machine"]
     assert result["torch_max_abs_diff_vs_dense"] <= 1e-4
     for phase in ("denoise", "commit"):
         assert math.isfinite(result[f"torch_{phase}_ms"]) and result[f"torch_{phase}_ms"] > 0
@@ -318,7 +384,7 @@ def test_suite_main_quick_only(tmp_path, capsys):
     assert main(["--quick", "--only", "capacity,startup", "--json", str(path)]) == 0
     report = json.loads(path.read_text())
     assert [r["id"] for r in report["results"]] == ["capacity", "startup"]
-    for key in ("cpu_count", "torch", "torch_threads", "date"):
+    for key in ("cpu_count", "torch", "torch_threads", "date", "git_commit", "git_dirty", "environment"):
         assert key in report["machine"]
     out = capsys.readouterr().out
     assert "measured" in out and "baseline" in out and "capacity" in out
