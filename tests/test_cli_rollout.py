@@ -569,16 +569,22 @@ def test_a_resume_after_an_episodes_first_step_files_were_deleted_fails_those_ep
     assert not (run / ".swap").exists()
 
 
+@pytest.mark.parametrize("change", ["rewritten", "emptied"])
 @pytest.mark.parametrize("which", ["swapped", "resident"])
 def test_a_done_step_rewritten_before_a_resume_fails_its_episode_whether_its_session_was_kept_or_replayed(
-        env, data, reference, tmp_path, which):
+        env, data, reference, tmp_path, which, change):
     # The kept snapshot of the swapped-out episode was restored without a look at the files it was made from: its
     # step 2 ran on the history of step 1 as it was (exit 0), where the resident episode's replay failed on the
     # same rewrite. Both fail alike now, and the kept snapshot is deleted as its episode fails, not at the run's end.
+    # A step file left empty (0 bytes) is reported as empty either way: the kept path said it "changed since it ran".
     run, swapped, entry = stopped_with_a_swapped_session(env, data, tmp_path)
     target, other = (swapped, "arm_b") if which == "swapped" else ("arm_b", swapped)
     assert swapped == "arm_a"  # the one resident session was arm_b's when the run stopped (round-robin)
-    rewritten = write_step(tmp_path / "live" / target, 1, steps_of(2, 3)[1])
+    if change == "rewritten":
+        rewritten = write_step(tmp_path / "live" / target, 1, steps_of(2, 3)[1])
+    else:
+        rewritten = tmp_path / "live" / target / "step_000001.safetensors"
+        rewritten.write_bytes(b"")
     (tmp_path / "live" / other / "END").unlink()  # the resumed run follows it until its END: still running below
     proc = spawn(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
     try:
@@ -589,8 +595,12 @@ def test_a_done_step_rewritten_before_a_resume_fails_its_episode_whether_its_ses
     finally:
         proc.kill()
     assert proc.returncode == 4, stderr
-    assert f"episode '{target}' failed: {rewritten}: step 1 changed since it ran (sha256 " in stderr
-    assert "the session cannot be rebuilt as it was" in stderr and "new --out" in stderr
+    if change == "rewritten":
+        assert f"episode '{target}' failed: {rewritten}: step 1 changed since it ran (sha256 " in stderr
+        assert "the session cannot be rebuilt as it was" in stderr and "new --out" in stderr
+    else:
+        assert f"episode '{target}' failed: {rewritten}: the file is empty (0 bytes)" in stderr
+        assert "changed since it ran" not in stderr and "was it written completely?" in stderr
     assert not re.search(rf"restored +{target} from its swap snapshot", stderr)
     (failed,) = [r for r in records(run) if r["status"] == "failed"]
     assert {k: failed[k] for k in ("episode", "step", "chunk", "phase", "path", "error_type")} == {

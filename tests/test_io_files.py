@@ -258,3 +258,10 @@ def test_step_sha256_is_the_digest_read_step_records_and_names_a_file_it_cannot_
         read_step(path)
     assert f"{path}: cannot read the step file" in str(hashing.value)
     assert (str(hashing.value), hashing.value.hint) == (str(reading.value), reading.value.hint)
+    path.write_bytes(b"")  # a write cut short: empty, as read_step says, not a digest that "changed"
+    with pytest.raises(ObservationError) as hashing:
+        step_sha256(path)
+    with pytest.raises(ObservationError) as reading:
+        read_step(path)
+    assert str(hashing.value) == f"{path}: the file is empty (0 bytes)"
+    assert (str(hashing.value), hashing.value.hint) == (str(reading.value), reading.value.hint)

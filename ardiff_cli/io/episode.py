@@ -329,7 +329,7 @@ def load_step(path: str | os.PathLike[str]) -> RawStep:
     path = Path(path)
     data = _read_bytes(path)
     if not data:
-        raise ObservationError(f"{path}: the file is empty (0 bytes)", hint=WRITE_HINT)
+        raise _empty(path)
     if path.suffix == ".safetensors":
         raw = _load_safetensors(path, data)
     elif path.suffix == ".npz":
@@ -342,12 +342,21 @@ def load_step(path: str | os.PathLike[str]) -> RawStep:
 
 def step_sha256(path: Path) -> str:
     """The SHA-256 of a step file, as :func:`load_step` gives it, without parsing the file or holding it whole: what
-    checking that a step is the one that ran needs. An unreadable file is ``load_step``'s ``ObservationError``."""
+    checking that a step is the one that ran needs. An unreadable or empty file is ``load_step``'s
+    ``ObservationError`` (an empty one is a write cut short, not a step that changed)."""
     try:
         with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+            size = f.tell()
     except OSError as exc:
         raise _unreadable(path, exc) from None
+    if not size:
+        raise _empty(path)
+    return digest
+
+
+def _empty(path: Path) -> ObservationError:
+    return ObservationError(f"{path}: the file is empty (0 bytes)", hint=WRITE_HINT)
 
 
 def _read_bytes(path: Path) -> bytes:
