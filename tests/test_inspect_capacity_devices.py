@@ -259,3 +259,48 @@ def test_vllm_requested_where_its_kernel_cannot_run_exits_2(tmp_path):
     proc = inspect(tmp_path, *args, vllm=True, gpu=False)  # auto -> CPU: vLLM's CPU kernel takes float32
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["plan"]["attention_backend"] == "vllm"
+
+
+# ------------------------------------------------------------------- 4. hints name what this command can change
+def options_of_inspect_capacity(tmp_path: Path) -> set[str]:
+    proc = inspect(tmp_path, "--help", fmt="plain")
+    assert proc.returncode == 0, proc.stderr
+    return set(re.findall(r"--[a-z][a-z-]+", proc.stdout))
+
+
+@pytest.mark.parametrize(("args", "fix"), [
+    # --memory-budget is not read when --available is given: the hint said "a larger --memory-budget" all the same
+    (("dreamzero-14b", "--available", "1GiB", "--memory-budget", "100GiB"),
+     "a larger --available (the memory of a device the config is meant for)"),
+    (("dreamzero-14b", "--memory-budget", "1GiB"), "a larger --memory-budget (or runtime.memory_budget in the config)"),
+    (("dreamzero-14b",), "--available BYTES to plan for a device with more memory than this one has free"),
+])
+def test_a_session_that_does_not_fit_is_hinted_at_by_the_option_that_set_the_memory(tmp_path, args, fix):
+    fake_nvidia_smi(tmp_path / "bin", {"0": 1000})  # the fake GPU has 1000 MiB free: dreamzero-14b needs 4.74 GiB
+    proc = inspect(tmp_path, *args)
+    assert proc.returncode == 3, proc.stdout
+    error = json.loads(proc.stdout)
+    assert error["kind"] == "capacity_error" and error["message"].startswith("one session needs 4.74 GiB")
+    # bfloat16 already: no --dtype advice; its sink_frames is 0: only the window can shrink
+    assert error["hint"] == f"plan with {fix} or a smaller model.window_frames in the config"
+
+
+def test_the_out_of_memory_hint_names_only_options_of_inspect_capacity_and_fields_of_the_config(tmp_path):
+    proc = inspect(tmp_path, "lingbot-world-14b", "--available", "1GiB", "--dtype", "float32", gpu=False)
+    assert proc.returncode == 3, proc.stdout
+    hint = json.loads(proc.stdout)["hint"]
+    assert hint == ("plan with a larger --available (the memory of a device the config is meant for), --dtype "
+                    "bfloat16 (half the bytes) or a smaller model.window_frames or model.sink_frames in the config")
+    assert set(re.findall(r"--[a-z][a-z-]+", hint)) <= options_of_inspect_capacity(tmp_path)
+    model = load_config("lingbot-world-14b").model
+    assert all(getattr(model, field) > 0 for field in re.findall(r"model\.([a-z_]+)", hint))
+
+
+def test_a_folder_given_as_config_is_hinted_at_with_this_command(tmp_path):
+    # The hint was rollout's (episodes given without a config): "pass the config first: ardiff rollout ..."
+    proc = inspect(tmp_path, str(tmp_path))
+    assert proc.returncode == 2, proc.stdout
+    error = json.loads(proc.stdout)
+    assert error["message"] == (f"CONFIG {str(tmp_path)!r} is a folder; the first argument is a config file or a "
+                                "built-in config name")
+    assert error["hint"] == "pass a config file or a built-in config name, e.g. ardiff inspect-capacity dreamzero-tiny"

@@ -9,11 +9,13 @@ from ardiff_cli.options import DEFAULT_CONFIG
 from ardiff_cli.runtime.errors import ConfigError
 
 
-def load_engine_config(config: str | None, *, pipeline: str | None = None, **overrides: Any):
+def load_engine_config(config: str | None, *, pipeline: str | None = None, command: str = "rollout",
+                       **overrides: Any):
     """The validated ``EngineConfig`` of CONFIG (a path or built-in name) with runtime ``overrides`` applied.
 
     ``pipeline`` is ``--pipeline`` (a registered name or MODULE:CLASS). ``None``
-    overrides keep the config's value; enum options are passed by value.
+    overrides keep the config's value; enum options are passed by value. ``command``: the one whose usage a hint
+    shows (rollout's folder is its episodes, given without CONFIG before them).
     """
     from ardiff_cli.runtime.config import load_config
 
@@ -23,7 +25,8 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, **ove
     if config is not None and Path(config).is_dir():
         raise ConfigError(
             f"CONFIG {config!r} is a folder; the first argument is a config file or a built-in config name",
-            hint=f"pass the config first: ardiff rollout {DEFAULT_CONFIG} {config}",
+            hint=(f"pass the config first: ardiff rollout {DEFAULT_CONFIG} {config}" if command == "rollout"
+                  else f"pass a config file or a built-in config name, e.g. ardiff {command} {DEFAULT_CONFIG}"),
         )
     values = {k: getattr(v, "value", v) for k, v in overrides.items()}
     return load_config(config if config is not None else DEFAULT_CONFIG, pipeline=pipeline).with_runtime(**values)

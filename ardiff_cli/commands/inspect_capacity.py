@@ -30,7 +30,7 @@ from ardiff_cli.options import (
     check_available,
 )
 from ardiff_cli.output import Format, Output
-from ardiff_cli.runtime.errors import ConfigError
+from ardiff_cli.runtime.errors import CapacityError, ConfigError
 
 DEFAULT_SESSION_COUNTS = (1, 2, 4, 8, 16)
 
@@ -85,9 +85,9 @@ def inspect_capacity(
         from ardiff_cli.runtime.kv.layout import KVLayout
 
         refuse_contradictions(quiet=quiet, verbose=verbose)
-        cfg = load_engine_config(config, pipeline=pipeline, device=device, dtype=dtype, memory_budget=memory_budget,
-                                 session_capacity=session_capacity, gpu_memory_fraction=gpu_memory_fraction,
-                                 attention_backend=attention_backend)
+        cfg = load_engine_config(config, pipeline=pipeline, command="inspect-capacity", device=device, dtype=dtype,
+                                 memory_budget=memory_budget, session_capacity=session_capacity,
+                                 gpu_memory_fraction=gpu_memory_fraction, attention_backend=attention_backend)
         runtime = cfg.runtime
         target = resolve_plan_device(runtime.device)
         spec = cfg.kv_cache_spec()
@@ -107,8 +107,12 @@ def inspect_capacity(
             available_bytes, source = detect_available(target)
         attention = describe_backend(runtime.attention_backend, runtime.device, layout, runtime.dtype)
         attention["plan_backend"] = backend  # the one planned for (on plan_device)
-        plan = plan_capacity(spec, runtime.dtype, available_bytes, runtime.gpu_memory_fraction,
-                             session_capacity=runtime.session_capacity, attention_backend=backend)
+        try:
+            plan = plan_capacity(spec, runtime.dtype, available_bytes, runtime.gpu_memory_fraction,
+                                 session_capacity=runtime.session_capacity, attention_backend=backend)
+        except CapacityError as exc:
+            exc.hint = does_not_fit_hint(cfg, source)
+            raise
         counts = sorted(set(sessions or DEFAULT_SESSION_COUNTS) | {plan.session_capacity})
         data = capacity_report(plan, spec, counts)
         data["attention"] = attention
@@ -116,6 +120,24 @@ def inspect_capacity(
                 "device": runtime.device, "plan_device": target.name, "plan_device_reason": target.reason,
                 "available_source": source, **data}
         out.result(data, lambda plain: render_capacity(data, plan, plain))
+
+
+def does_not_fit_hint(cfg: Any, source: str) -> str:
+    """What the user of this command can change when one session does not fit: the memory planned with (by the
+    option that set it: ``--memory-budget`` is not read when ``--available`` is given), ``--dtype`` when a smaller
+    one exists, and the config's window fields where its model has them."""
+    if source == "--available":
+        fixes = ["a larger --available (the memory of a device the config is meant for)"]
+    elif source == "memory budget":
+        fixes = ["a larger --memory-budget (or runtime.memory_budget in the config)"]
+    else:
+        fixes = ["--available BYTES to plan for a device with more memory than this one has free"]
+    if cfg.runtime.dtype == "float32":
+        fixes.append("--dtype bfloat16 (half the bytes)")
+    fields = [f"model.{name}" for name in ("window_frames", "sink_frames")
+              if type(getattr(cfg.model, name, None)) is int and getattr(cfg.model, name) > 0]
+    fixes.append(f"a smaller {' or '.join(fields)} in the config" if fields else "a smaller model in the config")
+    return f"plan with {', '.join(fixes[:-1])} or {fixes[-1]}"
 
 
 # ------------------------------------------------------------------------------- device, without torch

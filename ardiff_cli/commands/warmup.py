@@ -60,9 +60,9 @@ def warmup(
         from ardiff_cli.signals import StopSignals
 
         refuse_contradictions(quiet=quiet, verbose=verbose)
-        cfg = load_engine_config(config, pipeline=pipeline, device=device, dtype=dtype, memory_budget=memory_budget,
-                                 session_capacity=session_capacity, gpu_memory_fraction=gpu_memory_fraction,
-                                 attention_backend=attention_backend)
+        cfg = load_engine_config(config, pipeline=pipeline, command="warmup", device=device, dtype=dtype,
+                                 memory_budget=memory_budget, session_capacity=session_capacity,
+                                 gpu_memory_fraction=gpu_memory_fraction, attention_backend=attention_backend)
         monitor = RunMonitor(out, f"ardiff warmup · {config_label(config)}", echo_requests=True)
         out.info(f"loading {config_label(config)} (pipeline {cfg.pipeline_name})")
         out.debug(f"config {cfg.source}: {cfg.runtime}")
