@@ -922,6 +922,14 @@ def test_the_summary_counts_one_step_in_the_singular(env, data, tmp_path):
     assert "0 evictions, 2 steps replayed to rebuild sessions, 2 steps already done" in proc.stdout
 
 
+def without_torch(env, tmp_path: Path) -> dict[str, str]:
+    """``env`` with a torch package first on PYTHONPATH that fails to import ('a resume imported torch')."""
+    poisoned = tmp_path / "poisoned" / "torch"
+    poisoned.mkdir(parents=True)
+    (poisoned / "__init__.py").write_text("raise ImportError('a resume imported torch')\n")
+    return {**env, "PYTHONPATH": os.pathsep.join([str(poisoned.parent), env["PYTHONPATH"]])}
+
+
 def test_resume_with_nothing_left_writes_the_summary_without_loading_the_model(env, data, tmp_path):
     """A finished run resumed: the summary is written again and the model never loads (a large one takes minutes):
     torch cannot even be imported here. Once a step file is left to run, the resume loads the model (and fails on
@@ -929,10 +937,7 @@ def test_resume_with_nothing_left_writes_the_summary_without_loading_the_model(e
     episodes, run = finished_run(env, data, tmp_path)
     first = json.loads((run / "summary.json").read_text())
     first_done = (run / "summary.json").stat().st_mtime
-    poisoned = tmp_path / "poisoned" / "torch"
-    poisoned.mkdir(parents=True)
-    (poisoned / "__init__.py").write_text("raise ImportError('a resume imported torch')\n")
-    no_torch = {**env, "PYTHONPATH": os.pathsep.join([str(poisoned.parent), env["PYTHONPATH"]])}
+    no_torch = without_torch(env, tmp_path)
 
     proc = ardiff(no_torch, "rollout", "--resume", "--out", str(run), "--format", "json")
     assert proc.returncode == 0, proc.stderr
@@ -958,6 +963,37 @@ def test_resume_with_nothing_left_writes_the_summary_without_loading_the_model(e
     assert [(r["step"], r["status"]) for r in records(run)] == [(0, "ok"), (1, "ok"), (2, "ok")]
     assert [e["detail"] for e in map(json.loads, proc.stdout.splitlines()) if e["kind"] == "episode"] == [
         "ended (complete) after 3 steps"]
+
+
+def test_resume_with_nothing_left_refuses_a_device_named_outright_that_is_not_the_runs_as_with_steps_left(
+        env, data, tmp_path):
+    # With nothing left to run, --device cpu for a run started on a GPU was taken (exit 0, 'nothing left to run'),
+    # where a resume with a step left refused it. cpu and cuda:N are compared without torch; auto and cuda are what
+    # torch finds on this machine, so they are checked only when the model loads.
+    episodes, run = finished_run(env, data, tmp_path)
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**info, "device": "cuda:0"}))  # as if started on a GPU
+    run_json, summary = (run / "run.json").read_bytes(), (run / "summary.json").read_bytes()
+    no_torch = without_torch(env, tmp_path)
+    refused = {}
+    for device in ("cpu", "cuda:1", "cuda:01"):
+        proc = ardiff(no_torch, "rollout", "--resume", "--out", str(run), "--device", device, "--format", "plain")
+        assert proc.returncode == 2, proc.stderr
+        assert "nothing left to run" not in proc.stderr and "a resume imported torch" not in proc.stderr
+        here = "cpu" if device == "cpu" else "cuda:1"
+        refused[device] = proc.stderr.splitlines()[-2:]
+        assert refused[device] == [
+            f"Error: this run was started on cuda:0, and --device {device} resolves to {here} here",
+            "hint: resume with --device cuda:0 (outputs are identical only on one device)"], proc.stderr
+    assert (run / "run.json").read_bytes() == run_json and (run / "summary.json").read_bytes() == summary
+    for device in ("cuda:0", "auto"):  # the run's own, or one that only torch can resolve: nothing to refuse
+        proc = ardiff(no_torch, "rollout", "--resume", "--out", str(run), "--device", device, "--format", "plain")
+        assert proc.returncode == 0 and "nothing left to run" in proc.stderr, proc.stderr
+    write_step(episodes / "arm", 2, steps_of(0, 3)[2])  # a step left: the model would load; refused the same way
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--device", "cpu", "--format", "plain")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-2:] == refused["cpu"]
+    assert len(records(run)) == 2
 
 
 def test_resume_with_nothing_left_and_a_hand_edited_summary_loads_the_model_instead_of_crashing(env, data, tmp_path):

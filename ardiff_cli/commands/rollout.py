@@ -323,11 +323,18 @@ def _recorded(info: dict[str, Any], key: str, path: Path) -> Any:
                       hint=f"correct it there, or give --{key.replace('_', '-')} to replace it")
 
 
-def _same_device(setting: str, recorded: str | None) -> None:
-    """``--resume`` runs where the run started: another device's numerics would mix into its outputs."""
-    from ardiff_cli.runtime.engine import resolve_device
+def _same_device(setting: str, recorded: str | None, *, load: bool = True) -> None:
+    """``--resume`` runs where the run started: another device's numerics would mix into its outputs. Without
+    ``load`` (nothing is left to run, and torch is not imported), only a device named outright (cpu, cuda:N) is
+    compared, so that it is refused as it would be with steps left; auto and cuda are what torch finds: they pass."""
+    if load:
+        from ardiff_cli.runtime.engine import resolve_device
 
-    here = str(resolve_device(setting))
+        here = str(resolve_device(setting))
+    elif setting == "cpu" or setting.startswith("cuda:"):  # device_name's spellings: cuda:N as torch writes it
+        here = "cpu" if setting == "cpu" else f"cuda:{int(setting[5:])}"
+    else:
+        return
     if recorded is not None and here != recorded:
         raise ConfigError(f"this run was started on {recorded}, and --device {setting} resolves to {here} here",
                           hint=f"resume with --device {recorded} (outputs are identical only on one device)")
@@ -425,6 +432,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
         finished = None if follow else _nothing_left(p, order=order, preview=preview,
                                                      wall_s=time.monotonic() - started)
         if finished is not None:  # loading a model (minutes for a large one) would change nothing
+            _same_device(p.cfg.runtime.device, p.recorded_device, load=False)  # before anything is written
             drop_kept(swap_dir)
             remove_snapshot_files(swap_dir)
             summary, ended = finished
