@@ -298,8 +298,8 @@ def test_ctrl_c_just_after_a_snapshot_was_written_leaves_the_session_resident_wi
     run(engine, "a", 0)
     write = runner.swap.write
 
-    def write_then_ctrl_c(session_id, tensors, metadata):
-        write(session_id, tensors, metadata)
+    def write_then_ctrl_c(session_id, tensors, metadata, **options):
+        write(session_id, tensors, metadata, **options)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(runner.swap, "write", write_then_ctrl_c)
@@ -338,13 +338,13 @@ def test_the_views_stay_readable_from_another_thread_while_a_snapshot_is_written
     seen: list = []
     write = runner.swap.write
 
-    def write_while_another_thread_reads(session_id, tensors, metadata):
+    def write_while_another_thread_reads(session_id, tensors, metadata, **options):
         reader = threading.Thread(target=lambda: seen.append(
             ([v.session_id for v in runner.sessions()], runner.pool_usage().num_used)), daemon=True)
         reader.start()
         reader.join(timeout=30)  # a liveness bound, not a timing: the old code blocked until the write was done
         seen.append("reader done" if not reader.is_alive() else "reader blocked")
-        return write(session_id, tensors, metadata)
+        return write(session_id, tensors, metadata, **options)
 
     monkeypatch.setattr(runner.swap, "write", write_while_another_thread_reads)
     used = runner.pool_usage().num_used
@@ -809,3 +809,73 @@ def test_an_adopted_file_of_another_session_or_a_bad_name_is_refused(tmp_path):
     with pytest.raises(SwapRestoreError, match="holds session 'a', expected 'b'"):
         second.runner.restore_session("b")
     second.close()
+
+
+@pytest.mark.parametrize("name", ["causal-world-tiny", "dreamzero-tiny"])
+def test_resident_sessions_swapped_out_on_request_are_adopted_by_a_later_runner_and_go_on_bit_identical(tmp_path,
+                                                                                                       name):
+    # A stopped CLI run swaps its resident sessions out too, so that --resume restores them instead of replaying
+    # their steps: the same snapshots as an LRU eviction writes, released the same way.
+    reference, _ = engine_for(name, capacity=2)
+    expected = {"a": [run(reference, "a", step) for step in range(3)], "b": [run(reference, "b", step) for step in
+                                                                            range(2)]}
+    reference.close()
+    first, events = engine_for(name, capacity=2, swap_dir=tmp_path)
+    runner = first.runner
+    run(first, "a", 0)
+    run(first, "b", 0)
+    run(first, "a", 1)
+    swapped = runner.swap_out_sessions(["b", "a", "not-resident"])
+    assert list(swapped) == ["b", "a"] and all(n > 0 for n in swapped.values())
+    evicted = [(e.session_id, e.reason, e.swapped, e.swap_bytes) for e in events if e.kind == "session_evicted"]
+    assert evicted == [("b", "explicit", True, swapped["b"]), ("a", "explicit", True, swapped["a"])]
+    assert runner.session_ids == [] and pages_held(first) == 0 and first.pipeline.sessions == {}
+    assert runner.swap_out_sessions(["a"]) == {}  # swapped out already: nothing to do
+    kept = runner.detach_snapshots()
+    assert sorted(kept) == ["a", "b"]
+    first.close()
+    second, events = engine_for(name, capacity=1, swap_dir=tmp_path)
+    assert all(second.runner.adopt_snapshot(session, file) for session, file in kept.items())
+    assert_same(run(second, "a", 2), expected["a"][2], "a, adopted after two steps")
+    assert_same(run(second, "b", 1), expected["b"][1], "b, adopted after one step")
+    assert [e.session_id for e in events if e.kind == "session_restored"] == ["a", "b"]
+    second.close()
+    assert not tmp_path.exists()
+
+
+def test_swapping_resident_sessions_out_takes_only_the_swap_space_left(tmp_path):
+    # Swapping the resident sessions out must not cost the swapped-out ones their snapshots: the LRU path drops the
+    # least recently swapped to make room, which would only trade one kept session for another.
+    engine, events = a_swapped_out(tmp_path)  # a swapped out, b resident, one step each
+    runner = engine.runner
+    one = runner.pool_usage().swapped_bytes
+    runner.swap.budget_bytes = int(one * 1.5)  # room for b's snapshot alone, not beside a's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a session that does not fit just stays: no warning
+        assert runner.swap_out_sessions(["b"]) == {}
+    assert runner.session_ids == ["b"] and runner.swap.session_ids == ["a"] and runner.swap.num_dropped == 0
+    assert [e.session_id for e in events if e.kind == "session_evicted"] == ["a"]
+    runner.close_session("a")  # its snapshot deleted: now b's fits
+    assert list(runner.swap_out_sessions(["b"])) == ["b"] and runner.session_ids == []
+    engine.close()
+
+
+def test_a_session_whose_request_a_stop_cut_short_is_not_swapped_out(tmp_path, monkeypatch):
+    # Ctrl-C after the forward, before the runner counted the request: the session stays resident, its KV one
+    # step ahead of its count. Swapped out, a later process would restore it as the history before that step.
+    engine, _ = engine_for("causal-world-tiny", capacity=2, swap_dir=tmp_path)
+    runner = engine.runner
+    run(engine, "a", 0)
+    run(engine, "b", 0)
+
+    def ctrl_c(session_id, session):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "_snapshot", ctrl_c)  # the view taken once the request is counted
+    with pytest.raises(KeyboardInterrupt):
+        run(engine, "a", 1)
+    monkeypatch.undo()
+    assert runner.session_ids == ["b", "a"]  # resident: the forward itself had ended
+    assert list(runner.swap_out_sessions(["a", "b"])) == ["b"]
+    assert runner.session_ids == ["a"] and not runner.swap.has("a")
+    engine.close()

@@ -169,6 +169,10 @@ class _Session:
     num_requests: int = 0
     last_latency_s: float | None = None
     view: SessionView | None = None
+    # Its last request (or restore) ended: its KV and pipeline state are that request's, and ``num_requests`` counts
+    # them. False from admission, and while a request runs on it: still False between requests, a stop (or a bug)
+    # cut one short, and ``swap_out_sessions`` leaves it.
+    settled: bool = False
 
 
 
@@ -452,6 +456,7 @@ class ARDiffusionModelRunner:
             self._make_room(session_id)
             with self._locked():
                 session = self._admit(session_id)
+        session.settled = False  # until the request's bookkeeping below is done
         state = session.state
         bound = time.perf_counter()
         forward_end = None
@@ -494,6 +499,7 @@ class ARDiffusionModelRunner:
             else:
                 session.last_latency_s = time.perf_counter() - start
                 session.view = self._snapshot(session_id, session)
+                session.settled = True
             end = time.perf_counter()
         bind_s = (bound - start) + (forward_start - bound)
         self._emit(
@@ -640,7 +646,8 @@ class ARDiffusionModelRunner:
 
         Hook failures are returned (and recorded and emitted), never swallowed. A ``StopRequested`` from the hook is
         a deliberate stop (the CLI's ``Interrupted``, raised by its signal handler), raised once the release is done.
-        ``swap_bytes``: the size of the snapshot that ``_make_room`` wrote before an LRU eviction (None: none).
+        ``swap_bytes``: the size of the snapshot that ``_swap_out`` wrote before an LRU eviction or a
+        ``swap_out_sessions`` (None: none).
         """
         cache = self._require_loaded()
         session = self._sessions.pop(session_id)
@@ -667,8 +674,8 @@ class ARDiffusionModelRunner:
         assert cache.allocator.num_used == used, (
             f"page leak: allocator holds {cache.allocator.num_used} pages, resident sessions {used}"
         )
-        if reason == "lru_eviction":
-            self._emit(SessionEvicted(session_id=session_id, by_session_id=by_session_id,
+        if reason == "lru_eviction" or swap_bytes is not None:  # the latter: swap_out_sessions, reason "explicit"
+            self._emit(SessionEvicted(session_id=session_id, reason=reason, by_session_id=by_session_id,
                                       swapped=swap_bytes is not None, swap_bytes=swap_bytes or 0))
         elif hook == "reset":
             self._emit(SessionReset(session_id=session_id, reason=reason))
@@ -681,11 +688,12 @@ class ARDiffusionModelRunner:
         return errors
 
     # ------------------------------------------------------------------ swap
-    def _swap_out(self, session_id: str, session: _Session) -> int | None:
-        """Write the snapshot of a session being evicted, before its KV is released; its bytes, or None (no swap
-        store, the session is over the budget, or the write failed: a warning, and it is evicted as before). A
-        stop (``StopRequested``, the CLI's ``Interrupted``, or ``KeyboardInterrupt``) propagates: ``_make_room``
-        deletes the snapshot, since the session stays resident."""
+    def _swap_out(self, session_id: str, session: _Session, *, evicting: bool = True) -> int | None:
+        """Write the snapshot of a session being evicted (``evicting``), or swapped out by ``swap_out_sessions``,
+        before its KV is released; its bytes, or None (no swap store, the session is over the budget, or the write
+        failed: a warning, and it is evicted as before, or stays resident). Not ``evicting``, it takes only the swap
+        space left: no other snapshot is dropped for it. A stop (``StopRequested``, the CLI's ``Interrupted``, or
+        ``KeyboardInterrupt``) propagates: the caller deletes the snapshot, since the session stays resident."""
         if self.swap is None or session_id == WARMUP_SESSION_ID:
             return None
         try:
@@ -693,23 +701,54 @@ class ARDiffusionModelRunner:
             tensors, metadata = encode_snapshot(
                 session.state.export(), state, session.num_requests,
                 where=f"{type(self.pipeline).__name__}.export_ar_diffusion_session({session_id!r})")
-            written = self.swap.write(session_id, tensors, metadata)  # in the background; waits for the last one
+            # in the background; waits for the last one
+            written = self.swap.write(session_id, tensors, metadata, drop_older=evicting)
         except StopRequested:  # the CLI's Interrupted, not a failure to swap
             raise
         except Exception as exc:  # noqa: BLE001 - swapping is an optimisation: the eviction goes on without it
             self.swap.discard(session_id)
+            then = "it is evicted without a snapshot" if evicting else "it stays resident"
             warnings.warn(f"cannot swap session {shown(session_id)} out to {self.swap.directory} "
-                          f"({type(exc).__name__}: {exc}); it is evicted without a snapshot", ArdiffWarning,
-                          stacklevel=2)
+                          f"({type(exc).__name__}: {exc}); {then}", ArdiffWarning, stacklevel=2)
             return None
         finally:
             self._warn_about_failed_writes()
-        if written is None and not self._warned_swap_space:  # once: every eviction would say the same
+        if written is None and evicting and not self._warned_swap_space:  # once: every eviction would say the same
             self._warned_swap_space = True
             warnings.warn(f"the snapshot of session {shown(session_id)} ({format_bytes(self.swap.refused_bytes)}) is "
                           f"larger than the whole swap space ({format_bytes(self.swap.budget_bytes)}): sessions this "
                           "large are evicted without one (a larger swap space keeps them)", ArdiffWarning, stacklevel=2)
         return written
+
+    @_one_at_a_time
+    def swap_out_sessions(self, session_ids: Iterable[str]) -> dict[str, int]:
+        """Swap the resident sessions ``session_ids`` out, in that order, as an LRU eviction does (the snapshot
+        written, then the KV released with the close hook and a ``session_evicted`` event, reason ``explicit``,
+        ``swapped``), so that ``detach_snapshots`` leaves them too to a later process: what the CLI does when a
+        signal stops a rollout. Returns {session id: snapshot bytes} of those swapped out. A session stays resident
+        when its snapshot does not fit in the swap space left (no other snapshot is dropped for it), when its
+        export fails (an ``ArdiffWarning``), and when a stop or an error cut its last request or restore short:
+        its state is no request's. Ids that are not resident are skipped; without a swap store nothing is done."""
+        self._require_loaded()
+        swapped: dict[str, int] = {}
+        if self.swap is None:
+            return swapped
+        for session_id in list(session_ids):
+            session = self._sessions.get(session_id)
+            if session is None or not session.settled or session_id == WARMUP_SESSION_ID:
+                continue
+            try:
+                written = self._swap_out(session_id, session, evicting=False)
+                if written is None:
+                    continue
+                with self._locked():
+                    self._release(session_id, reason="explicit", hook="close", swap_bytes=written)
+            except BaseException:  # a stop before the release took it: still resident, so no snapshot of it
+                if session_id in self._sessions:
+                    self.swap.discard(session_id)
+                raise
+            swapped[session_id] = written
+        return swapped
 
     @_one_at_a_time
     def restore_session(self, session_id: str) -> bool:
@@ -814,6 +853,7 @@ class ARDiffusionModelRunner:
                                            f"raised {type(exc).__name__}: {exc}", hint=hint) from exc
                 session.num_requests = num_requests
                 session.view = self._snapshot(session_id, session)
+                session.settled = True
         self._emit(SessionRestored(session_id=session_id, swap_bytes=nbytes, seconds=time.perf_counter() - start))
 
     # ---------------------------------------------------------------- warmup

@@ -164,10 +164,12 @@ class SwapStore:
         digest = hashlib.sha256(self._salt + session_id.encode("utf-8", "surrogatepass")).hexdigest()
         return self.directory / f"{digest[:32]}.safetensors"
 
-    def write(self, session_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> int | None:
+    def write(self, session_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, Any], *,
+              drop_older: bool = True) -> int | None:
         """Start writing the snapshot of ``session_id`` (replacing an older one), after the write in flight ends;
         its planned bytes (an upper bound on the file's size), or None when that is larger than the whole budget
-        (not written; the bytes in ``refused_bytes``). Older snapshots are dropped first to make room.
+        (not written; the bytes in ``refused_bytes``). Older snapshots are dropped first to make room; with
+        ``drop_older=False`` they stay, and a snapshot larger than the budget they leave is None too.
         ``tensors`` are the store's from now on: the caller must not change them. A folder that cannot be created
         raises ``OSError`` here; a write that fails later (disk full) is in ``failures`` after the next call."""
         self.flush()
@@ -176,6 +178,8 @@ class SwapStore:
         planned = file_bytes_at_most(tensors, header)
         if planned > self.budget_bytes:
             self.refused_bytes = planned
+            return None
+        if not drop_older and self._nbytes + planned > self.budget_bytes:
             return None
         self._make_room(planned)
         self.directory.mkdir(parents=True, exist_ok=True)
