@@ -90,7 +90,7 @@ class RunMonitor:
                     available_bytes=plan.available_bytes, page_size=plan.page_size, bytes_per_page=plan.bytes_per_page,
                     pages_total=plan.num_managed_pages, session_capacity=plan.session_capacity,
                     attention=event.attention_backend)
-            elif kind == "session_evicted":
+            elif kind == "session_evicted" and event.reason == "lru_eviction":  # not a stopped run's swap-outs
                 self._snapshot = replace(self._snapshot, evictions=self._snapshot.evictions + 1)
             elif kind == "session_restored":
                 self._snapshot = replace(self._snapshot, restores=self._snapshot.restores + 1)

@@ -59,8 +59,8 @@ class RolloutStats:
     steps: int = 0  # steps run and written by this run
     skipped: int = 0  # steps found done in results.jsonl (resume)
     replayed: int = 0  # steps rerun to rebuild an evicted or resumed session
-    evictions: int = 0
-    swapped_out: int = 0  # evictions that wrote a swap snapshot
+    evictions: int = 0  # LRU evictions
+    swapped_out: int = 0  # sessions swapped out with a snapshot: evicted, or resident when a signal stopped the run
     swap_failed: int = 0  # evictions whose snapshot was lost, its write failing in the background (replayed)
     restored: int = 0  # sessions restored from their swap snapshot instead of replayed
     restore_failed: int = 0  # snapshots that could not be restored (replayed instead, with a warning)
@@ -124,6 +124,13 @@ class Rollout:
         """{episode: steps its session had consumed} of the sessions swapped out now (a stopped run keeps them)."""
         return dict(self._swapped)
 
+    def resident_steps(self) -> dict[str, int]:
+        """{episode: steps its session has consumed} of the resident sessions with steps behind them (a run stopped by
+        a signal swaps them out to keep them too); {} when an event could not be recorded: the counts may be wrong."""
+        if self._event_error is not None:
+            return {}
+        return {name: steps for name, steps in self._resident.items() if steps > 0}
+
     # -- events --------------------------------------------------------------------------------------------
 
     def _on_event(self, event: Any) -> None:
@@ -147,7 +154,7 @@ class Rollout:
             if kind == "session_evicted" and event.swapped and consumed is not None:
                 self._swapped[event.session_id] = consumed
         if kind == "session_evicted":
-            self.stats.evictions += 1
+            self.stats.evictions += event.reason == "lru_eviction"  # not the sessions a stopped run swaps out
             self.stats.swapped_out += bool(event.swapped)
         if kind == "swap_failed":  # after its eviction said swapped: no snapshot after all
             self.stats.swapped_out -= 1

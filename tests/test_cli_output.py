@@ -201,6 +201,20 @@ def test_live_layout_shows_swapped_sessions_and_restores():
     assert " out, " not in off.export_text() and "restored" not in off.export_text()
 
 
+def test_the_live_eviction_count_leaves_out_the_sessions_a_stopped_run_swaps_out():
+    # A run stopped by a signal swaps its resident sessions out to keep them (session_evicted, reason explicit):
+    # the panel's count, like summary.json's evictions_this_run, is of LRU evictions.
+    from ardiff_cli.monitor import RunMonitor
+    from ardiff_cli.runtime.events import SessionEvicted
+
+    output, _, err = sink(Format.plain)
+    monitor = RunMonitor(output, "test")
+    monitor.on_event(SessionEvicted(session_id="a", by_session_id="b", swapped=True, swap_bytes=2048))
+    monitor.on_event(SessionEvicted(session_id="b", reason="explicit", swapped=True, swap_bytes=2048))
+    assert monitor.snapshot().evictions == 1
+    assert re.search(r"evicted +b explicit, swapped out \(2\.00 KiB\)", err.getvalue()), err.getvalue()
+
+
 def test_live_layout_renders_every_panel():
     console = Console(record=True, width=110, color_system=None, file=io.StringIO())
     console.print(render(SNAPSHOT))

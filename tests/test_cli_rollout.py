@@ -498,14 +498,18 @@ def kept_snapshots(run: Path) -> dict[str, dict]:
     return kept
 
 
-def stopped_with_a_swapped_session(env, data, tmp_path: Path) -> tuple[Path, str, dict]:
-    """Two live episodes, stopped by SIGTERM after two steps each (the run waiting for more): one session resident,
-    the other swapped out. Then both episodes get their last step and END. (run, swapped episode, its kept entry)."""
+ONE_SNAPSHOT = "100KiB"  # --swap-space for one snapshot of a fast.yaml session after two steps (66 KiB), not two
+
+
+def stopped_while_following(env, data, tmp_path: Path, *options: str) -> tuple[Path, dict[str, dict], str]:
+    """Two live episodes, stopped by SIGTERM after two steps each (the run waiting for more), with ``options``: one
+    session resident (arm_b's), the other swapped out (arm_a's). Then both episodes get their last step and END.
+    (run, what it kept: kept_snapshots, its stderr)."""
     live, run = tmp_path / "live", tmp_path / "run"
     for i, name in enumerate(("arm_a", "arm_b")):
         write_episode(live / name, steps_of(i, 3)[:2], prompt=f"task {name}", end=False)
     proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
-                 "--format", "plain")
+                 "--format", "plain", *options)
     try:
         wait_for_lines(run / "results.jsonl", 4, proc)
         proc.send_signal(signal.SIGTERM)
@@ -513,40 +517,130 @@ def stopped_with_a_swapped_session(env, data, tmp_path: Path) -> tuple[Path, str
     finally:
         proc.kill()
     assert proc.returncode == 143, stderr
-    (swapped, entry), = kept_snapshots(run).items()
-    assert entry["steps"] == 2
-    assert json.loads((run / "summary.json").read_text())["swap"]["kept"] == 1
+    kept = kept_snapshots(run)
+    assert all(entry["steps"] == 2 for entry in kept.values()), kept
+    assert json.loads((run / "summary.json").read_text())["swap"]["kept"] == len(kept)
     for i, name in enumerate(("arm_a", "arm_b")):
         write_episode(live / name, steps_of(i, 3)[2:], first_step=2)
-    return run, swapped, entry
+    return run, kept, stderr
 
 
-def test_resume_restores_the_sessions_a_stopped_run_had_swapped_out_instead_of_replaying_them(env, data, reference,
-                                                                                                tmp_path):
+def stopped_with_a_swapped_session(env, data, tmp_path: Path, *options: str) -> tuple[Path, str, dict]:
+    """``stopped_while_following``: (run, the episode whose session was swapped out, its kept entry)."""
+    run, kept, _ = stopped_while_following(env, data, tmp_path, *options)
+    return run, "arm_a", kept["arm_a"]
+
+
+def test_resume_restores_every_session_a_run_stopped_by_a_signal_had_resident_or_swapped_out(env, data, reference,
+                                                                                              tmp_path):
     """A preempted run (SIGTERM from a scheduler) used to delete its swap snapshots: --resume replayed every done
-    step of every unfinished episode, nearly the whole run again when episodes advance together."""
-    run, swapped, _ = stopped_with_a_swapped_session(env, data, tmp_path)
+    step of every unfinished episode, nearly the whole run again when episodes advance together. Then it kept
+    those of the swapped-out sessions, and the resident ones were still replayed."""
+    run, kept, stderr = stopped_while_following(env, data, tmp_path)
+    assert sorted(kept) == ["arm_a", "arm_b"]  # arm_b's session was resident
+    assert re.search(r"evicted +arm_b explicit, swapped out \([0-9.]+ KiB\)", stderr), stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["evictions_this_run"], summary["swap"]["swapped_out"]) == (3, 4)  # and 1 explicit swap-out
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
     assert proc.returncode == 0, proc.stderr
-    assert re.search(rf"restored +{swapped} from its swap snapshot", proc.stderr)
-    assert f"{swapped} rebuilding" not in proc.stderr
+    for name in ("arm_a", "arm_b"):
+        assert re.search(rf"restored +{name} from its swap snapshot", proc.stderr)
+    assert "rebuilding" not in proc.stderr
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"]["replayed"] == 2  # the resident session's two steps only (4 before)
+    assert (summary["steps"]["replayed"], summary["steps"]["restored"]) == (0, 2)  # (2, 1) before: arm_b's steps
     assert_same_outputs(reference, run)
     assert not (run / ".swap").exists()
+
+
+@pytest.mark.parametrize("space", [ONE_SNAPSHOT, "0"])
+def test_a_stopped_runs_resident_session_that_does_not_fit_the_swap_space_left_is_replayed(env, data, reference,
+                                                                                            tmp_path, space):
+    # Keeping it must not cost the swapped-out session its snapshot (the eviction path drops the oldest ones), and
+    # with swapping off nothing is kept at all.
+    run, kept, _ = stopped_while_following(env, data, tmp_path, "--swap-space", space)
+    assert sorted(kept) == ([] if space == "0" else ["arm_a"])
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert "arm_b rebuilding the session from 2 earlier steps" in proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"]["replayed"] == 2 + 2 * (space == "0")  # arm_a's too when nothing was kept
+    assert_same_outputs(reference, run)
+    assert not (run / ".swap").exists()
+
+
+FAULTY = "faulty_pipelines:FaultyDreamZero"
+
+
+def faulty_rollout(env, data, run: Path, faults: list[dict], *options: str) -> subprocess.Popen:
+    """`rollout` of the two 3-step episodes through FaultyDreamZero with ``faults``, with room for both sessions
+    (--session-capacity 2: nothing is evicted)."""
+    return subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),
+                             "--out", str(run), "--session-capacity", "2", "--pipeline", FAULTY, "--no-warmup",
+                             "--format", "plain", *options], cwd=REPO, text=True,
+                            env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def test_a_signal_in_a_forward_keeps_the_other_resident_session_and_replays_only_the_interrupted_one(
+        env, data, reference, tmp_path):
+    # The session whose forward the signal cut short holds half a step: the runner releases it, and it replays.
+    run, marker = tmp_path / "run", tmp_path / "in-forward"
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 1, "action": "sleep", "marker": str(marker)}]
+    proc = faulty_rollout(env, data, run, faults)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():  # the process is now inside block 1 of arm_b's step 1
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the forward never started"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        stderr = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr
+    assert [(r["episode"], r["step"]) for r in records(run)] == [("arm_a", 0), ("arm_b", 0), ("arm_a", 1)]
+    assert re.search(r"closed +arm_b forward_exception", stderr), stderr
+    assert {name: entry["steps"] for name, entry in kept_snapshots(run).items()} == {"arm_a": 2}
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", FAULTY, "--no-warmup", "--format",
+                  "plain")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["steps"]["replayed"], summary["steps"]["restored"]) == (1, 1)  # arm_b's step 0; arm_a
+    assert_same_outputs(reference, run)
+    assert not (run / ".swap").exists()
+
+
+def test_a_run_stopped_by_a_failure_keeps_no_resident_session(env, data, reference, tmp_path):
+    # Only a signal's stop swaps the resident sessions out: a failure that stops the run (--fail-fast here; a full
+    # disk, a broken invariant) may have left them, or the pool, as no step did. They replay.
+    run = tmp_path / "run"
+    proc = faulty_rollout(env, data, run, [{"request": "arm_b/000001", "site": "block", "layer": 1}], "--fail-fast")
+    stderr = proc.communicate(timeout=600)[1]
+    assert proc.returncode == 1, stderr
+    assert [(r["episode"], r["step"], r["status"]) for r in records(run)] == [
+        ("arm_a", 0, "ok"), ("arm_b", 0, "ok"), ("arm_a", 1, "ok"), ("arm_b", 1, "failed")]  # arm_a still resident
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and (summary["swap"]["swapped_out"], summary["swap"]["kept"]) == (0, 0)
+    assert not (run / ".swap").exists()
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", FAULTY, "--no-warmup", "--format",
+                  "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["steps"]["replayed"] == 3  # arm_a's 2, arm_b's 1
+    assert_same_outputs(reference, run)
 
 
 def test_a_resume_that_stops_before_taking_the_kept_snapshots_leaves_them_to_the_next(env, data, reference, tmp_path):
     # The index was deleted as the resume read it, before anything could refuse or kill it (a --device it cannot
     # use here; a SIGTERM while torch imports; kill -9 while the model loads): the next resume replayed them all.
-    run, swapped, entry = stopped_with_a_swapped_session(env, data, tmp_path)
+    run, kept, _ = stopped_while_following(env, data, tmp_path)
     refused = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--device", "cuda:7")
     assert refused.returncode == 2, refused.stderr
-    assert kept_snapshots(run) == {swapped: entry}  # the index and its file, as the stopped run left them
+    assert kept_snapshots(run) == kept  # the index and its files, as the stopped run left them
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
     assert proc.returncode == 0, proc.stderr
-    assert re.search(rf"restored +{swapped} from its swap snapshot", proc.stderr)
-    assert json.loads((run / "summary.json").read_text())["steps"]["replayed"] == 2  # the resident session's only
+    for name in kept:
+        assert re.search(rf"restored +{name} from its swap snapshot", proc.stderr)
+    assert json.loads((run / "summary.json").read_text())["steps"]["replayed"] == 0
     assert_same_outputs(reference, run)
     assert not (run / ".swap").exists()
 
@@ -577,7 +671,9 @@ def test_a_done_step_rewritten_before_a_resume_fails_its_episode_whether_its_ses
     # step 2 ran on the history of step 1 as it was (exit 0), where the resident episode's replay failed on the
     # same rewrite. Both fail alike now, and the kept snapshot is deleted as its episode fails, not at the run's end.
     # A step file left empty (0 bytes) is reported as empty either way: the kept path said it "changed since it ran".
-    run, swapped, entry = stopped_with_a_swapped_session(env, data, tmp_path)
+    # The resident session is replayed when it does not fit in the swap space the swapped-out one leaves.
+    run, swapped, entry = stopped_with_a_swapped_session(
+        env, data, tmp_path, *(() if which == "swapped" else ("--swap-space", ONE_SNAPSHOT)))
     target, other = (swapped, "arm_b") if which == "swapped" else ("arm_b", swapped)
     assert swapped == "arm_a"  # the one resident session was arm_b's when the run stopped (round-robin)
     if change == "rewritten":
@@ -636,8 +732,9 @@ def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, d
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain", *options)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"]["replayed"] == 4  # both episodes' two steps
-    assert summary["swap"]["restore_failed"] == damage.startswith("snapshot")
+    damaged_file = damage.startswith("snapshot")  # arm_a's: arm_b's kept session is still restored
+    assert summary["steps"]["replayed"] == (2 if damaged_file else 4)  # arm_a's two steps, or both episodes'
+    assert (summary["swap"]["restore_failed"], summary["swap"]["restored"]) == (damaged_file, damaged_file)
     assert_same_outputs(reference, run)
     assert not (run / ".swap").exists()
 
@@ -1198,9 +1295,11 @@ def test_a_reader_that_goes_away_stops_the_run_like_sigpipe_and_resume_finishes_
     assert proc.returncode == 141, stderr  # 128 + SIGPIPE, what a shell reports for a writer killed by it
     assert "Error: interrupted by SIGPIPE" in stderr and "Traceback" not in stderr
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+    assert list(kept_snapshots(run)) == ["arm_a"]  # its resident session, stopped between steps as by a signal
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
     assert proc.returncode == 0, proc.stderr
     assert sorted(r["step"] for r in records(run)) == [0, 1, 2]
+    assert json.loads((run / "summary.json").read_text())["steps"]["replayed"] == 0
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])

@@ -445,6 +445,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
         _same_device(p.cfg.runtime.device, p.recorded_device)  # torch resolves the device: not needed above
     engine = driver = plan = summary = None
     error: BaseException | None = None
+    stopped = False  # a signal (or stdout's reader gone) stopped the run, and nothing else went wrong
     try:
         with StopSignals() as signals, output.live(lambda: render(monitor.snapshot())):
             # `ardiff rollout --format json | head`: once the reader is gone, stop as a shell's SIGPIPE would
@@ -485,6 +486,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     raise _failed_episodes(stats, len(p.episodes))
             except BaseException as exc:
                 error = signals.outcome(exc)
+                stopped = isinstance(exc, Interrupted)
                 if isinstance(error, Interrupted) and not run.holds_run():  # stopped while loading: no run.json
                     error.hint = "nothing was written yet: run the same command again"
                 if error is exc:
@@ -493,6 +495,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
             finally:
                 try:
                     if engine is not None and driver is not None and error is not None:
+                        if stopped:
+                            _swap_out_resident(engine, driver, output)
                         kept = _keep_swapped(engine, driver, swap_dir)  # for --resume to restore, not replay
                     if engine is not None:
                         _close_engine(engine, output)
@@ -531,6 +535,22 @@ def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, s
     if swapped:
         output.debug(f"took back the swap snapshots of {len(swapped)} episode(s) the stopped run had swapped out")
     return swapped
+
+
+def _swap_out_resident(engine: Any, driver: Any, output: Output) -> None:
+    """Swap out the sessions resident when a signal stopped the run (or stdout's reader went away), so that
+    ``_keep_swapped`` keeps them with the swapped-out ones and --resume restores every partly done episode
+    instead of replaying its steps. Only those whose count of consumed steps the runner agrees with: a stop
+    between a forward and the rollout's count of it leaves its session to be replayed (and the runner itself
+    releases the session whose forward the stop interrupted, and leaves one whose request it cut short). Only
+    the swap space left is used. Not after a failure (a bug, a full disk, --fail-fast): the sessions go as before.
+    A second signal meanwhile is only recorded (``StopSignals``): this runs whole."""
+    steps = driver.resident_steps()
+    ids = [view.session_id for view in engine.runner.sessions() if steps.get(view.session_id) == view.num_requests]
+    swapped = engine.runner.swap_out_sessions(ids)
+    if ids:
+        output.debug(f"swapped out {len(swapped)} of the {len(ids)} resident sessions for --resume to restore (the "
+                     "others, if any, did not fit in the swap space left, or could not be exported: they replay)")
 
 
 def _keep_swapped(engine: Any, driver: Any, swap_dir: Path) -> dict[str, tuple[str, int]]:
