@@ -4,7 +4,7 @@ Each episode is one persistent session (session id = episode name). The
 resident session of an episode must have consumed exactly the steps before
 the current one. An evicted session that the runtime swapped to disk is
 restored from its snapshot, as it was; when there is none (swapping is off, the
-snapshot was dropped or cannot be restored, the run is resuming), the
+snapshot was dropped or cannot be restored, a resumed run whose stopped run kept none), the
 episode's earlier steps are replayed first with their outputs discarded. So
 an episode's outputs depend only on its own steps: not on the order, the
 session capacity or an interruption. Each step's results line

@@ -214,10 +214,10 @@ def test_the_rollout_help_says_evicted_sessions_come_back_from_swap_as_the_readm
     """The README's Resume paragraph and demo: a session swapped out is restored from its snapshot (the demo shows
     `restored`, 0 steps replayed). The help said --resume and the demo rebuild sessions by replaying steps."""
     readme = (REPO / "README.md").read_text()
-    assert "restored from its swap snapshot when it was swapped out as the run stopped" in readme
+    assert "restored from the swap snapshot the stopped run kept of it" in readme
     rollout = typer.main.get_command(app).commands["rollout"]
     resume = next(param for param in rollout.params if param.name == "resume")
-    assert "restored from the swap snapshot" in resume.help
+    assert "restored from the swap snapshot the stopped run kept of it" in resume.help
     assert "restores from swap" in rollout.help
 
 
