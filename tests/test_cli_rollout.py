@@ -568,6 +568,19 @@ def test_a_stopped_runs_resident_session_that_does_not_fit_the_swap_space_left_i
     assert not (run / ".swap").exists()
 
 
+def test_a_second_signal_while_a_stopped_run_swaps_its_sessions_out_is_only_recorded(env, data, reference, tmp_path):
+    # SignalWhileSwapping sends SIGINT from inside its first session export: with room for both sessions (no
+    # eviction), that is the stop's own swap-out of a resident session. It must not cut the stop short.
+    pipeline = ("--session-capacity", "2", "--pipeline", "faulty_pipelines:SignalWhileSwapping")
+    run, kept, stderr = stopped_while_following({**env, "ARDIFF_TEST_SIGNAL_IN": "export"}, data, tmp_path,
+                                                *pipeline)
+    assert sorted(kept) == ["arm_a", "arm_b"] and "interrupted by SIGTERM" in stderr, stderr
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", *pipeline[2:])
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["steps"]["replayed"] == 0
+    assert_same_outputs(reference, run)
+
+
 FAULTY = "faulty_pipelines:FaultyDreamZero"
 
 
