@@ -108,6 +108,21 @@ def test_code_revision_names_the_commit_and_uncommitted_changes_to_tracked_files
     assert code_revision(repo) == {"git_commit": None, "git_dirty": None}  # git is missing
 
 
+def test_machine_info_names_the_cpu_generation_and_the_vector_extensions_kernels_dispatch_on():
+    from benchmarks.common import ISA_FLAGS, machine_info
+
+    info = machine_info()
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo")
+    first = cpuinfo.read_text().split("\n\n")[0]
+    fields = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in first.splitlines()))
+    if "cpu family" in fields:
+        assert f"family {fields['cpu family']} model {fields['model']}" in info["cpu_id"]
+    flags = fields.get("flags", "").split()
+    assert info["cpu_isa"] == ([f for f in ISA_FLAGS if f in flags] if flags else None)
+
+
 def test_machine_info_records_every_ardiff_environment_variable_that_is_set(monkeypatch):
     """The names are those the code reads (string literals of ardiff_cli/ and pipelines/): a new variable that is
     not recorded fails here."""
