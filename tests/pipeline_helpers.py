@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +109,13 @@ class RecordingRollout:
         out = self.dense.run(branch, seg, commit=commit, return_video=return_video)
         self.passes.append((branch, seg, commit, out))
         return out
+
+
+def wait_for_marker(proc: subprocess.Popen, marker: Path, what: str) -> None:
+    """Poll until a fault of ``faulty_pipelines`` touched ``marker`` (it then sleeps: the process is where the test
+    wants its signal to land). Fails if the process exits first, or after 5 minutes; never a timing assertion."""
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, f"{what} never started"
+        time.sleep(0.02)

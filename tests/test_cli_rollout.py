@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from ardiff_cli.io import write_episode, write_step
 from ardiff_cli.runtime.errors import shown
 from ardiff_cli.io.demo import demo_step
+from pipeline_helpers import wait_for_marker
 
 REPO = Path(__file__).resolve().parents[1]
 ESC = re.compile(r"\x1b\[")
@@ -601,11 +602,7 @@ def test_a_signal_in_a_forward_keeps_the_other_resident_session_and_replays_only
     faults = [{"request": "arm_b/000001", "site": "block", "layer": 1, "action": "sleep", "marker": str(marker)}]
     proc = faulty_rollout(env, data, run, faults)
     try:
-        deadline = time.monotonic() + 300
-        while not marker.exists():  # the process is now inside block 1 of arm_b's step 1
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "the forward never started"
-            time.sleep(0.02)
+        wait_for_marker(proc, marker, "the forward")  # the process is now inside block 1 of arm_b's step 1
         proc.send_signal(signal.SIGTERM)
         stderr = proc.communicate(timeout=300)[1]
     finally:

@@ -17,7 +17,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ import pytest
 
 from ardiff_cli.io import write_episode
 from ardiff_cli.io.demo import demo_step
+from pipeline_helpers import wait_for_marker
 
 REPO = Path(__file__).resolve().parents[1]
 PIPELINE = "faulty_pipelines:FaultyDreamZero"
@@ -201,11 +201,7 @@ def test_a_signal_before_anything_was_written_says_to_run_again_not_to_resume(en
                             env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 300
-        while not marker.exists():  # the process is loading the model: no run.json yet
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "loading never started"
-            time.sleep(0.02)
+        wait_for_marker(proc, marker, "loading")  # the process is loading the model: no run.json yet
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -227,11 +223,7 @@ def test_signal_in_the_middle_of_a_forward_then_resume(env, data, reference, tmp
                             env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 300
-        while not marker.exists():  # the process is now inside block 1 of arm_c's step 1
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "the forward never started"
-            time.sleep(0.02)
+        wait_for_marker(proc, marker, "the forward")  # the process is now inside block 1 of arm_c's step 1
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=120)
     finally:
