@@ -12,8 +12,9 @@ the next safe point (:meth:`StopSignals.check`) raises it.
 
 A stop raised from the handler can still be caught on its way out, by a
 pipeline's or a library's ``except Exception``. So ``check`` raises it again
-if the run comes back to a safe point, and :meth:`StopSignals.outcome` makes
-it what ended a command that failed after it.
+if the run comes back to a safe point, and :meth:`StopSignals.outcome` (which
+leaving the ``with`` block applies) makes it what ended a command that failed
+after it.
 
 A signal the process was started ignoring stays ignored: ``nohup`` ignores
 SIGHUP, and a shell ignores SIGINT for a script's background jobs.
@@ -51,10 +52,13 @@ class StopSignals:
                     self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        stop = exc if exc is None else self.outcome(exc)
+        if stop is not exc:  # the block failed after a stop was raised into it: the stop is what ended it
+            raise stop from exc
 
     def defer(self, stop: int | Exception) -> None:
         """Stop at the next safe point (``check``, or the end of a critical section) as if signal ``stop`` had

@@ -176,6 +176,16 @@ def test_a_stop_caught_on_its_way_out_is_raised_again_at_the_next_check():
     with StopSignals() as signals:  # no signal: nothing raised, and an error stays itself
         signals.check()
         assert signals.outcome(wrapped) is wrapped
+    # leaving the block with an error after a caught stop: the stop is what ended it (--verbose shows the error)
+    with pytest.raises(Interrupted) as info, StopSignals():
+        try:
+            signal.raise_signal(signal.SIGTERM)
+        except Exception:  # noqa: BLE001 - the catch-all under test
+            pass
+        raise wrapped
+    assert info.value.exit_code == 143 and info.value.__cause__ is wrapped
+    with pytest.raises(RuntimeError), StopSignals():  # and without one, the error itself
+        raise wrapped
 
 
 SNAPSHOT = Snapshot(

@@ -84,11 +84,6 @@ def warmup(
                 monitor.refresh(engine.runner)
                 monitor.set_phase("done")
                 usage = engine.runner.pool_usage()
-            except BaseException as exc:
-                error = signals.outcome(exc)
-                if error is exc:
-                    raise
-                raise error from exc  # --verbose shows what the stop cut short
             finally:
                 engine.close()
         data = warmup_data(report, usage, config=config_label(config), device=str(engine.device),
