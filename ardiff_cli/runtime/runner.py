@@ -526,16 +526,25 @@ class ARDiffusionModelRunner:
             self._warn_about_failed_writes(warn=False)  # replaced by a fresh session: nothing is rebuilt
         assert self.capacity_plan is not None
         while len(self._sessions) >= self.capacity_plan.session_capacity:
-            victim = next(iter(self._sessions))
-            try:
-                swap_bytes = self._swap_out(victim, self._sessions[victim])
-                with self._locked():
-                    self._release(victim, reason="lru_eviction", hook="close", by_session_id=session_id,
-                                  swap_bytes=swap_bytes)
-            except BaseException:  # a stop before the release took it: still resident, so no snapshot of it
-                if victim in self._sessions and self.swap is not None:
-                    self.swap.discard(victim)
-                raise
+            self._evict(next(iter(self._sessions)), by_session_id=session_id)
+
+    def _evict(self, session_id: str, *, by_session_id: str | None = None, evicting: bool = True) -> int | None:
+        """Swap ``session_id`` out (``_swap_out``), then release it with the close hook: an LRU eviction by
+        ``by_session_id``, or (not ``evicting``) ``swap_out_sessions``'s, which leaves the session resident when it
+        got no snapshot. The snapshot's bytes, or None. A stop before the release took it leaves the session
+        resident, so no snapshot of it."""
+        try:
+            swap_bytes = self._swap_out(session_id, self._sessions[session_id], evicting=evicting)
+            if swap_bytes is None and not evicting:
+                return None
+            with self._locked():
+                self._release(session_id, reason="lru_eviction" if evicting else "explicit", hook="close",
+                              by_session_id=by_session_id, swap_bytes=swap_bytes)
+        except BaseException:
+            if session_id in self._sessions and self.swap is not None:
+                self.swap.discard(session_id)
+            raise
+        return swap_bytes
 
     def _admit(self, session_id: str) -> _Session:
         """The resident session ``session_id``, most recently used now (``_make_room`` made room for a new one)."""
@@ -737,17 +746,9 @@ class ARDiffusionModelRunner:
             session = self._sessions.get(session_id)
             if session is None or not session.settled or session_id == WARMUP_SESSION_ID:
                 continue
-            try:
-                written = self._swap_out(session_id, session, evicting=False)
-                if written is None:
-                    continue
-                with self._locked():
-                    self._release(session_id, reason="explicit", hook="close", swap_bytes=written)
-            except BaseException:  # a stop before the release took it: still resident, so no snapshot of it
-                if session_id in self._sessions:
-                    self.swap.discard(session_id)
-                raise
-            swapped[session_id] = written
+            written = self._evict(session_id, evicting=False)
+            if written is not None:
+                swapped[session_id] = written
         return swapped
 
     @_one_at_a_time
