@@ -275,7 +275,7 @@ class Rollout:
         if consumed is None or name in self._resident:
             return False
         try:
-            restored = self.engine.runner.restore_session(name)
+            restored = self.engine.runner.restore_session(name, num_requests=consumed)
         except SwapRestoreError as exc:
             self.stats.restore_failed += 1
             self.out.warning(f"episode {name!r}: {exc}; replaying its earlier steps instead")

@@ -127,6 +127,22 @@ def test_page_accounting_is_exact_after_swap_out_and_restore(tmp_path):
     engine.close()
 
 
+def test_a_snapshot_of_another_request_count_than_the_caller_counts_is_not_restored(tmp_path):
+    # The CLI restores a kept snapshot of fewer steps than its episode has done and replays the rest: the count in
+    # the index it trusts must be the snapshot's own, or a session a step ahead would go on as if it were not.
+    engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    runner = engine.runner
+    for step in range(2):
+        run(engine, "a", step)
+    run(engine, "b", 0)  # a swapped out after 2 requests
+    with pytest.raises(SwapRestoreError, match=r"ValueError: it holds 2 requests, not the 1 expected"):
+        runner.restore_session("a", num_requests=1)
+    assert runner.session_ids == ["b"] and not runner.swap.has("a")  # deleted, as any snapshot that cannot restore
+    run(engine, "a", 0)  # b swapped out after 1 request: the right count restores it
+    assert runner.restore_session("b", num_requests=1) and runner.sessions()[-1].num_requests == 1
+    engine.close()
+
+
 def test_over_budget_drops_the_least_recently_swapped_snapshot(tmp_path):
     engine, events = a_swapped_out(tmp_path)
     runner = engine.runner

@@ -752,10 +752,11 @@ class ARDiffusionModelRunner:
         return swapped
 
     @_one_at_a_time
-    def restore_session(self, session_id: str) -> bool:
+    def restore_session(self, session_id: str, *, num_requests: int | None = None) -> bool:
         """Admit ``session_id`` from its swap snapshot (which may evict, so swap out, the least recently used
         session), deleting the snapshot; False when it has none. A snapshot that cannot be restored (missing,
-        unreadable or corrupt file; another geometry, dtype or pipeline record) raises ``SwapRestoreError``: the
+        unreadable or corrupt file; another geometry, dtype or pipeline record; not the ``num_requests`` requests
+        the caller counts, when given) raises ``SwapRestoreError``: the
         snapshot is deleted and no part of the session stays resident. A ``StopRequested`` (such as
         the CLI's ``Interrupted``) or a ``KeyboardInterrupt`` meanwhile leaves it so too, and propagates as itself.
         A request for a swapped-out session (without ``reset``) restores it so first."""
@@ -768,7 +769,7 @@ class ARDiffusionModelRunner:
                                hint="name a session that was evicted")
         if session_id in self._sessions or not self._has_snapshot(session_id):
             return False
-        self._restore(session_id)
+        self._restore(session_id, num_requests)
         return True
 
     @_one_at_a_time
@@ -821,14 +822,16 @@ class ARDiffusionModelRunner:
                               "snapshot is lost, so it is rebuilt as one evicted without a snapshot", ArdiffWarning,
                               stacklevel=3)
 
-    def _restore(self, session_id: str) -> None:
-        """``restore_session`` of a session that has a snapshot and is not resident."""
+    def _restore(self, session_id: str, expected: int | None = None) -> None:
+        """``restore_session`` of a session that has a snapshot and is not resident (``expected``: its requests)."""
         start = time.perf_counter()
         path = self.swap.path_for(session_id)
         hint = "its history must be rebuilt (the CLI replays its earlier steps); the snapshot was deleted"
         try:
             tensors, metadata, nbytes = self.swap.read(session_id)
             kv, state, num_requests = decode_snapshot(tensors, metadata)
+            if expected is not None and num_requests != expected:
+                raise ValueError(f"it holds {num_requests} requests, not the {expected} expected")
             self.kv_cache.new_state(session_id).check_snapshot(kv)  # before anyone is evicted for it
         except StopRequested:  # the CLI's Interrupted, not an unreadable file
             raise
