@@ -48,7 +48,7 @@ class Snapshot:
     """Everything the live display shows, at one instant."""
 
     title: str
-    phase: str = "loading"  # loading | warmup | running | done
+    phase: str = "loading"  # loading | warmup | running | following | stopping | done
     device: str = "?"
     dtype: str = "?"
     budget_bytes: int | None = None

@@ -22,7 +22,9 @@ an unexpected exception), the session is released, and the other episodes go
 on unless ``--fail-fast``. A step's outputs are written before its session is
 closed, so a failing close hook never loses the last step (it is a warning).
 Signals, failures to append to results.jsonl and broken internal invariants
-(``AssertionError``: a bug) stop the run.
+(``AssertionError``: a bug) stop the run. A first signal lets the step in
+flight finish (``StopSignals.step``), or, while a session is rebuilt, the
+restore or replayed step in flight; a second stops it at once.
 """
 
 from __future__ import annotations
@@ -195,7 +197,8 @@ class Rollout:
                 continue
             self._running = item
             try:
-                self._run_step(item)
+                with self.signals.step():  # a first signal lets the step finish: its session holds whole steps
+                    self._run_step(item)
             except (Interrupted, OutputError, AssertionError):
                 # The run stops: a signal, results.jsonl that cannot record anything, or a broken internal
                 # invariant (a bug: going on could corrupt the pool). Outputs so far are complete; --resume.
@@ -289,6 +292,7 @@ class Rollout:
         """Restore the session from its swap snapshot, else (or for what it lacks) replay the steps before
         ``ordinal`` that the resident session lacks; returns how many ran."""
         self._restore(episode)
+        self.signals.check()  # a signal during the restore: stop with the session resident, to be kept again
         start = self._resident.get(episode.name, 0)
         assert start <= ordinal, f"session {episode.name!r} is ahead of its episode ({start} > {ordinal})"
         history = self.scheduler.history(episode.name, start)[: ordinal - start]
@@ -303,6 +307,7 @@ class Rollout:
             self.stats.replayed += 1
             self.monitor.set_progress(replayed=self.stats.replayed)
             self.monitor.refresh(self.engine.runner)
+            self.signals.check()  # not after the whole replay: the steps replayed so far are kept
         return len(history)
 
     def _run_step(self, task: StepTask) -> None:

@@ -3,12 +3,15 @@
 Inside :meth:`StopSignals.critical` (writing a step's output file and its
 results line) a signal is only remembered; it is raised as
 :class:`~ardiff_cli.errors_cli.Interrupted` as soon as the write is complete.
-Anywhere else it is raised at once, so a long forward does not delay the exit
-(the runner releases the interrupted session like any failed forward), except
-inside an import: a module cut off half way through (torch's numpy, say) is
-left broken for the rest of the run, and the import machinery and the
-libraries around it catch what it raises. There too it is only remembered, and
-the next safe point (:meth:`StopSignals.check`) raises it.
+Inside :meth:`StopSignals.step` (a rollout's step: the request in flight, and
+what it writes) the first signal is remembered too, and announced: the step
+finishes, so its session holds whole steps and a stopped run can keep it, and
+the caller's next :meth:`StopSignals.check` raises it. A second one is raised
+at once. Anywhere else a signal is raised at once, except inside an import: a
+module cut off half way through (torch's numpy, say) is left broken for the
+rest of the run, and the import machinery and the libraries around it catch
+what it raises. There too it is only remembered, and the next safe point
+(:meth:`StopSignals.check`) raises it.
 
 A stop raised from the handler can still be caught on its way out, by a
 pipeline's or a library's ``except Exception``. So ``check`` raises it again
@@ -25,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 from ardiff_cli.errors_cli import Interrupted
@@ -37,10 +40,14 @@ HANDLED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP"
 class StopSignals:
     """Context manager installing the handlers (main thread only; elsewhere it does nothing)."""
 
-    def __init__(self) -> None:
-        # A signal that arrived inside a critical section or while stopping, or an error to stop with (defer)
+    def __init__(self, notice: Callable[[int], object] | None = None) -> None:
+        # A signal that arrived inside a critical section, a step or while stopping, or an error to stop with (defer)
         self.pending: int | Exception | None = None
         self._depth = 0  # nesting of critical sections
+        self._steps = 0  # nesting of steps (``step``)
+        # called with a signal a step goes on after, on a thread of its own: the main thread, which the handler
+        # interrupted, may be in the middle of writing to the stream the notice goes to
+        self._notice = notice
         self._stopping = False  # a stop was raised already: later signals are only recorded
         self.raised: int | None = None  # the signal the handler raised as ``Interrupted``
         self._previous: dict[int, object] = {}
@@ -68,8 +75,11 @@ class StopSignals:
         self.pending = self.pending or stop
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self._depth or self._stopping or _importing(frame):
+        first = self.pending is None
+        if self._depth or self._stopping or _importing(frame) or (self._steps and first):
             self.pending = self.pending or signum
+            if first and self._steps and not self._stopping and self._notice is not None:
+                threading.Thread(target=self._notice, args=(signum,), name="ardiff-stop-notice", daemon=True).start()
             return
         self._stopping = True
         self.raised = signum
@@ -83,11 +93,24 @@ class StopSignals:
             yield
         finally:
             self._depth -= 1
-        if not self._depth:
+        if not self._depth and not self._steps:
             self._raise_pending()
 
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """A section (a rollout's step) that the first signal lets finish: it is only recorded and announced
+        (``notice``), and the caller's next ``check`` raises it. A second signal is raised at once, but inside a
+        critical section or an import, where it is only recorded as well. The end of a critical section inside a
+        step raises nothing."""
+        self._steps += 1
+        try:
+            yield
+        finally:
+            self._steps -= 1
+
     def check(self) -> None:
-        """A safe point of the normal flow (between steps, once the model is loaded): raise a pending signal (as
+        """A safe point of the normal flow (between steps or a step's requests, once the model is loaded): raise a
+        pending signal (as
         ``Interrupted``) or deferred error now, or the stop the handler raised again: the run is back here, so
         something between caught it."""
         self.reraise()

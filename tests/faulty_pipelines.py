@@ -21,10 +21,11 @@ Each fault is a JSON object:
   in ``dir``, once written, is overwritten with bytes that are no safetensors file, as a failing disk would
   leave them);
 - ``action`` (block and sampler): ``raise`` (default), ``oom`` (allocate 1 PiB on the host: torch's CPU allocator
-  raises its own RuntimeError), ``sleep`` (touch ``marker``, then sleep ``seconds``: for signals that must
-  arrive in the middle of a forward), ``swallow_signal`` (send the process SIGTERM inside ``try: ... except
-  Exception: pass`` and go on, as a pipeline or library that catches everything would) or ``wrap_signal`` (the
-  same, then raise its own error ``from`` what it caught);
+  raises its own RuntimeError), ``sleep`` (touch ``marker``, then sleep ``seconds``, or until the file ``release``
+  exists: for signals that must arrive in the middle of a forward), ``swallow_signal`` (send the process SIGTERM
+  twice inside ``try: ... except Exception: pass`` and go on, as a pipeline or library that catches everything
+  would: the first only asks the step to finish, the second is raised there) or ``wrap_signal`` (the same, then
+  raise its own error ``from`` what it caught);
 - ``probe`` (block and sampler): also keep a weak reference to the first argument (a tensor), and site ``probe`` on a later
   request writes to ``path`` which of those tensors are still alive (after ``gc.collect()``): a failed
   episode must not keep its forward's tensors alive for the rest of the run.
@@ -62,15 +63,17 @@ class InjectedFault(RuntimeError):
 def _act(fault: dict[str, Any], message: str) -> None:
     if fault.get("action") in ("swallow_signal", "wrap_signal"):
         try:
-            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, in the main thread
-            time.sleep(0.05)
+            signal.raise_signal(signal.SIGTERM)  # the handler runs before this returns, in the main thread
+            signal.raise_signal(signal.SIGTERM)  # and a second one, as a user who wants the run stopped now
         except Exception as exc:  # noqa: BLE001 - the catch-all under test
             if fault["action"] == "wrap_signal":
                 raise InjectedFault(message) from exc
         return
     if fault.get("action", "raise") == "sleep":
         Path(fault["marker"]).write_text(message)
-        time.sleep(float(fault.get("seconds", 120)))
+        deadline, release = time.monotonic() + float(fault.get("seconds", 120)), fault.get("release")
+        while time.monotonic() < deadline and not (release and Path(release).exists()):
+            time.sleep(0.02)
         return
     if fault.get("action") == "oom":  # a real host allocation torch's CPU allocator refuses (1 PiB)
         torch.empty(1 << 50, dtype=torch.uint8)
@@ -243,7 +246,8 @@ class NoSwapDreamZero(DreamZeroPipeline):
 class SignalWhileSwapping(DreamZeroPipeline):
     """DreamZero that sends its own process SIGINT from inside the first session export (``ARDIFF_TEST_SIGNAL_IN``
     = ``export``: a session being swapped out), import (``import``: being restored) or close hook (``close``: an
-    evicted session released), the way a Ctrl-C lands at any moment: the CLI's signal handler raises there."""
+    evicted session released), the way a Ctrl-C lands at any moment. Twice, unless ``ARDIFF_TEST_SIGNALS`` = 1:
+    inside a step the CLI's signal handler only records the first and raises the second there."""
 
     def close_ar_diffusion_session(self, session_id: str) -> None:
         self._signal_once("close")
@@ -260,7 +264,8 @@ class SignalWhileSwapping(DreamZeroPipeline):
     def _signal_once(self, where: str) -> None:
         if os.environ.get("ARDIFF_TEST_SIGNAL_IN") == where and not getattr(self, "_signalled", False):
             self._signalled = True
-            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(int(os.environ.get("ARDIFF_TEST_SIGNALS", "2"))):
+                signal.raise_signal(signal.SIGINT)  # the handler runs before this returns
 
 
 class NotAPipeline:

@@ -111,11 +111,12 @@ class RecordingRollout:
         return out
 
 
-def wait_for_marker(proc: subprocess.Popen, marker: Path, what: str) -> None:
+def wait_for_marker(proc: subprocess.Popen, marker: Path, what: str, *, text: str | None = None) -> None:
     """Poll until a fault of ``faulty_pipelines`` touched ``marker`` (it then sleeps: the process is where the test
-    wants its signal to land). Fails if the process exits first, or after 5 minutes; never a timing assertion."""
+    wants its signal to land), or, with ``text``, until the file ``marker`` (the process's stderr, say) holds it.
+    Fails if the process exits first, or after 5 minutes; never a timing assertion."""
     deadline = time.monotonic() + 300
-    while not marker.exists():
-        assert proc.poll() is None, proc.communicate()[1]
+    while not (marker.exists() and (text is None or text in marker.read_text())):
+        assert proc.poll() is None, proc.communicate()[1] or (marker.read_text() if marker.exists() else "")
         assert time.monotonic() < deadline, f"{what} never started"
         time.sleep(0.02)

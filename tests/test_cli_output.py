@@ -6,6 +6,7 @@ import io
 import json
 import re
 import signal
+import threading
 
 import pytest
 import typer
@@ -142,6 +143,41 @@ def test_signal_inside_a_critical_section_waits_for_its_end():
     with StopSignals(), pytest.raises(Interrupted) as info:
         signal.raise_signal(signal.SIGINT)
     assert info.value.exit_code == 130
+
+
+def test_the_first_signal_in_a_step_lets_it_finish_and_a_second_stops_it_at_once():
+    # A signal in a rollout's step cut its forward short: its session held half a step, so the stopped run could not
+    # keep it, and --resume replayed its episode.
+    noticed = threading.Event()
+    notices = []
+
+    def notice(signum: int) -> None:
+        notices.append((signum, threading.current_thread() is threading.main_thread()))
+        noticed.set()
+
+    with StopSignals(notice=notice) as signals:
+        done = []
+        with signals.step():
+            signal.raise_signal(signal.SIGTERM)
+            with signals.critical():  # a write's end inside the step does not raise it either
+                done.append("write")
+            done.append("rest of the step")
+        assert done == ["write", "rest of the step"]
+        assert noticed.wait(10) and notices == [(signal.SIGTERM, False)]  # on a thread of its own
+        with pytest.raises(Interrupted) as info:
+            signals.check()  # the caller's next safe point
+        assert info.value.exit_code == 143
+    with StopSignals(notice=notice) as signals, pytest.raises(Interrupted) as info:
+        with signals.step():
+            signal.raise_signal(signal.SIGINT)
+            with signals.critical():
+                signal.raise_signal(signal.SIGINT)  # a second one never cuts a write either: recorded
+                done.append("second write")
+            signal.raise_signal(signal.SIGINT)  # and one outside it is raised
+            done.append("not reached")
+    assert info.value.exit_code == 130 and done[-1] == "second write"
+    with StopSignals() as signals, pytest.raises(Interrupted):  # outside a step: at once, as before
+        signal.raise_signal(signal.SIGINT)
 
 
 def test_a_signal_during_an_import_is_raised_at_the_next_check_not_inside_the_import(tmp_path, monkeypatch):

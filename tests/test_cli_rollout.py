@@ -18,6 +18,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -585,28 +586,34 @@ def test_a_second_signal_while_a_stopped_run_swaps_its_sessions_out_is_only_reco
 FAULTY = "faulty_pipelines:FaultyDreamZero"
 
 
-def faulty_rollout(env, data, run: Path, faults: list[dict], *options: str) -> subprocess.Popen:
+def faulty_rollout(env, data, run: Path, faults: list[dict], *options: str, stderr: Any = subprocess.PIPE
+                   ) -> subprocess.Popen:
     """`rollout` of the two 3-step episodes through FaultyDreamZero with ``faults``, with room for both sessions
     (--session-capacity 2: nothing is evicted)."""
     return subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),
                              "--out", str(run), "--session-capacity", "2", "--pipeline", FAULTY, "--no-warmup",
                              "--format", "plain", *options], cwd=REPO, text=True,
                             env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=stderr)
 
 
-def test_a_signal_in_a_forward_keeps_the_other_resident_session_and_replays_only_the_interrupted_one(
+def test_a_second_signal_in_a_forward_keeps_the_other_resident_session_and_replays_only_the_interrupted_one(
         env, data, reference, tmp_path):
-    # The session whose forward the signal cut short holds half a step: the runner releases it, and it replays.
-    run, marker = tmp_path / "run", tmp_path / "in-forward"
+    # A first signal lets the step finish (test_reliability_cli.py); a second one stops the forward at once. The
+    # session whose forward it cut short holds half a step: the runner releases it, and it replays.
+    run, marker, log = tmp_path / "run", tmp_path / "in-forward", tmp_path / "stderr"
     faults = [{"request": "arm_b/000001", "site": "block", "layer": 1, "action": "sleep", "marker": str(marker)}]
-    proc = faulty_rollout(env, data, run, faults)
+    with log.open("w") as stderr:
+        proc = faulty_rollout(env, data, run, faults, stderr=stderr)
     try:
         wait_for_marker(proc, marker, "the forward")  # the process is now inside block 1 of arm_b's step 1
         proc.send_signal(signal.SIGTERM)
-        stderr = proc.communicate(timeout=300)[1]
+        wait_for_marker(proc, log, "the notice of the first signal", text="finishing the step in flight")
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=300)
     finally:
         proc.kill()
+    stderr = log.read_text()
     assert proc.returncode == 143, stderr
     assert [(r["episode"], r["step"]) for r in records(run)] == [("arm_a", 0), ("arm_b", 0), ("arm_a", 1)]
     assert re.search(r"closed +arm_b forward_exception", stderr), stderr
@@ -744,7 +751,12 @@ def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, d
     summary = json.loads((run / "summary.json").read_text())
     damaged_file = damage.startswith("snapshot")  # arm_a's: arm_b's kept session is still restored
     assert summary["steps"]["replayed"] == (2 if damaged_file else 4)  # arm_a's two steps, or both episodes'
-    assert (summary["swap"]["restore_failed"], summary["swap"]["restored"]) == (damaged_file, damaged_file)
+    # a count of fewer steps than done is taken (a run stopped while it rebuilt the session), and the restore
+    # finds that the snapshot holds another
+    refused = damaged_file or damage == "index steps"
+    assert (summary["swap"]["restore_failed"], summary["swap"]["restored"]) == (refused, damaged_file)
+    if damage == "index steps":
+        assert "it holds 2 requests, not the 1 expected; replaying its earlier steps instead" in proc.stderr
     assert_same_outputs(reference, run)
     assert not (run / ".swap").exists()
 
@@ -937,6 +949,28 @@ def test_a_signal_while_a_session_is_swapped_out_or_restored_stops_the_run_and_r
     assert proc.returncode == 0, proc.stderr
     assert_same_outputs(reference, run)
     assert not (run / ".swap").exists()
+
+
+def test_one_signal_while_a_session_is_restored_lets_the_restore_finish_and_resume_replays_nothing(env, data, reference,
+                                                                                                   tmp_path):
+    # One resident session: arm_a's step 1 restores it, and SIGINT lands in the pipeline's import of it. The restore
+    # was cut short and its snapshot, deleted as it was read, lost: --resume replayed arm_a's step 0. Now the restore
+    # finishes and the run stops before the step's forward, with arm_a resident: it is kept with arm_b's.
+    run = tmp_path / "run"
+    args = ("--no-warmup", "--pipeline", "faulty_pipelines:SignalWhileSwapping")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),
+                           "--out", str(run), "--format", "plain", *args], cwd=REPO, capture_output=True, text=True,
+                          env={**env, "ARDIFF_TEST_SIGNAL_IN": "import", "ARDIFF_TEST_SIGNALS": "1"}, timeout=600)
+    assert proc.returncode == 130, proc.stderr
+    assert "SIGINT: finishing the step in flight, then stopping (Ctrl-C again" in proc.stderr, proc.stderr
+    assert re.search(r"restored +arm_a from its swap snapshot", proc.stderr), proc.stderr
+    assert [(r["episode"], r["step"]) for r in records(run)] == [("arm_a", 0), ("arm_b", 0)]
+    assert {name: entry["steps"] for name, entry in kept_snapshots(run).items()} == {"arm_a": 1, "arm_b": 1}
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), *args)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"]["replayed"] == 0  # arm_a's step 0 before: its snapshot was lost
+    assert_same_outputs(reference, run)
 
 
 def test_a_signal_while_a_finished_episodes_session_is_closed_stops_the_run(env, data, reference, tmp_path):

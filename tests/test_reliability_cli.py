@@ -214,25 +214,43 @@ def test_a_signal_before_anything_was_written_says_to_run_again_not_to_resume(en
     assert proc.returncode == 0, proc.stderr
 
 
+NOTICE = "finishing the step in flight, then stopping"
+
+
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_signal_in_the_middle_of_a_forward_then_resume(env, data, reference, tmp_path, signum, code):
-    run, marker = tmp_path / "run", tmp_path / "in-forward"
+@pytest.mark.parametrize("signals", [1, 2])
+def test_signal_in_the_middle_of_a_forward_then_resume(env, data, reference, tmp_path, signum, code, signals):
+    # One signal lets the step finish (its output and its line are written), then the run stops: the session holds
+    # whole steps, so the stop keeps it and --resume replays nothing. The forward used to be cut short, its session
+    # released, and its episode replayed. A second signal stops the forward at once.
+    run, marker, release, log = tmp_path / "run", tmp_path / "in-forward", tmp_path / "release", tmp_path / "stderr"
     faults = [{"request": "arm_c/000001", "site": "block", "layer": 1, "call": 2, "action": "sleep",
-               "marker": str(marker)}]
-    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *rollout_args(data, run)], cwd=REPO, text=True,
-                            env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               "marker": str(marker), "release": str(release)}]
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *rollout_args(data, run)], cwd=REPO, text=True,
+                                env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, stdout=subprocess.PIPE,
+                                stderr=stderr)
     try:
         wait_for_marker(proc, marker, "the forward")  # the process is now inside block 1 of arm_c's step 1
         proc.send_signal(signum)
-        _, err = proc.communicate(timeout=120)
+        wait_for_marker(proc, log, "the notice of the first signal", text=NOTICE)
+        if signals == 2:
+            proc.send_signal(signum)
+        else:
+            release.touch()  # the forward goes on
+        proc.communicate(timeout=120)
     finally:
         proc.kill()
+    err = log.read_text()
+    name = signal.Signals(signum).name
     assert proc.returncode == code, err
-    assert f"interrupted by {signal.Signals(signum).name}" in err and "--resume" in err
+    again = "Ctrl-C" if signum == signal.SIGINT else name
+    assert f"{name}: {NOTICE} ({again} again to stop at once" in err, err
+    assert f"interrupted by {name}" in err and "--resume" in err
     lines = records(run)  # whole lines only
     assert [(r["episode"], r["step"]) for r in lines] == [
-        ("arm_a", 0), ("arm_b", 0), ("arm_c", 0), ("arm_d", 0), ("arm_a", 1), ("arm_b", 1)]
+        ("arm_a", 0), ("arm_b", 0), ("arm_c", 0), ("arm_d", 0), ("arm_a", 1), ("arm_b", 1)] + [("arm_c", 1)] * (
+        signals == 1)
     assert all(r["status"] == "ok" for r in lines)
     written = outputs(run)  # every output loads in full, and is what the reference run wrote
     assert sorted(written) == sorted(r["output"] for r in lines)
@@ -245,15 +263,54 @@ def test_signal_in_the_middle_of_a_forward_then_resume(env, data, reference, tmp
     assert proc.returncode == 0, proc.stderr
     assert sorted((r["episode"], r["step"]) for r in records(run)) == sorted(
         (e, s) for e in EPISODES for s in range(3))  # nothing run twice, nothing missing
+    assert json.loads((run / "summary.json").read_text())["steps"]["replayed"] == (signals == 2)  # arm_c's step 0
+    assert_matches(run, reference)
+
+
+def test_a_signal_while_a_session_is_rebuilt_keeps_the_steps_replayed_so_far(env, data, reference, tmp_path):
+    # A run without swap space stops with every episode 2 steps in (--fail-fast at arm_a's step 2), so its resume
+    # (with swap space) rebuilds arm_a's session by replaying steps 0 and 1. A signal in the first replay lets that
+    # replay finish, then the run stops with the session 1 step in: it is kept, and the next resume restores it and
+    # replays step 1 only. The signal used to cut the replay short, and a kept snapshot of fewer steps than done
+    # was deleted.
+    run, marker, release, log = tmp_path / "run", tmp_path / "in-replay", tmp_path / "release", tmp_path / "stderr"
+    failed = ardiff(env, *rollout_args(data, run, "--swap-space", "0", "--fail-fast"),
+                    faults=[{"request": "arm_a/000002", "site": "block", "layer": 1}])
+    assert failed.returncode == 1 and len(records(run)) == 9, failed.stderr
+    faults = [{"request": "arm_a/000000/replay", "site": "block", "layer": 1, "action": "sleep",
+               "marker": str(marker), "release": str(release)}]
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run),
+                                 "--swap-space", "16MiB", "--pipeline", PIPELINE, "--no-warmup", "--format", "plain"],
+                                cwd=REPO, text=True,
+                                env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, stdout=subprocess.PIPE,
+                                stderr=stderr)
+    try:
+        wait_for_marker(proc, marker, "the replay")
+        proc.send_signal(signal.SIGTERM)
+        wait_for_marker(proc, log, "the notice of the signal", text=NOTICE)
+        release.touch()
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, log.read_text()
+    index = json.loads((run / ".swap" / "kept.json").read_text())["sessions"]
+    assert {name: entry["steps"] for name, entry in index.items()} == {"arm_a": 1}
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--swap-space", "16MiB", "--pipeline", PIPELINE,
+                  "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"]["replayed"] == 1 + 2 * 3, proc.stderr  # arm_a's step 1; the others' 2 steps
     assert_matches(run, reference)
 
 
 @pytest.mark.parametrize("action", ["swallow_signal", "wrap_signal"])
 def test_a_signal_that_a_pipelines_catch_all_caught_still_stops_the_run_then_resume(env, data, reference, tmp_path,
                                                                                    action):
-    # The handler raises Interrupted (an Exception) wherever the main thread is. A pipeline's `except Exception`
-    # caught it: the run went on to exit 0 with the signal lost, or (wrapped in the pipeline's own error) the
-    # episode failed as if its input were bad, and no later signal could stop the run.
+    # A second signal in a step is raised as Interrupted (an Exception) wherever the main thread is (before the
+    # first asked the step to finish, the first was). A pipeline's `except Exception` caught it: the run went on
+    # to exit 0 with the signal lost, or (wrapped in the pipeline's own error) the episode failed as if its input
+    # were bad, and no later signal could stop the run.
     run = tmp_path / "run"
     faults = [{"request": "arm_c/000001", "site": "block", "layer": 1, "action": action}]
     proc = ardiff(env, *rollout_args(data, run), faults=faults)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -447,7 +448,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     error: BaseException | None = None
     stopped = False  # a signal (or stdout's reader gone) stopped the run, and nothing else went wrong
     try:
-        with StopSignals() as signals, output.live(lambda: render(monitor.snapshot())):
+        signals = StopSignals(notice=_stop_notice(output, monitor))
+        with signals, output.live(lambda: render(monitor.snapshot())):
             # `ardiff rollout --format json | head`: once the reader is gone, stop as a shell's SIGPIPE would
             # (exit 141), but between steps, where every written file is whole, so --resume can finish the run.
             # `> events.jsonl` on a disk that fills up stops there too, with the write's error (exit 1).
@@ -517,15 +519,16 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
 
 def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, set[int]], swap_dir: Path,
                 output: Output) -> dict[str, int]:
-    """Take back the snapshots a stopped run kept (``io.kept``): {episode: steps its session had consumed}. A
-    snapshot whose step count is not the episode's done steps any more, or that this run cannot take (no
-    swapping, too large), is deleted: its episode replays. Then the index goes (``drop_kept``)."""
+    """Take back the snapshots a stopped run kept (``io.kept``): {episode: steps its session had consumed}. One of
+    fewer steps than the episode has done (a run stopped while rebuilding a session keeps what it rebuilt) is
+    restored, then the rest replayed. One of more steps (ok lines went missing from results.jsonl), or that this
+    run cannot take (no swapping, too large), is deleted: its episode replays. Then the index goes (``drop_kept``)."""
     from ardiff_cli.io.kept import drop_kept
 
     swapped = {}
     for name, (file, steps) in kept.items():
         try:
-            if len(done.get(name, ())) == steps and engine.runner.adopt_snapshot(name, file):
+            if steps <= len(done.get(name, ())) and engine.runner.adopt_snapshot(name, file):
                 swapped[name] = steps
                 continue
         except OSError as exc:
@@ -567,6 +570,18 @@ def _keep_swapped(engine: Any, driver: Any, swap_dir: Path) -> dict[str, tuple[s
         except OSError:
             return {}
     return kept
+
+
+def _stop_notice(output: Output, monitor: Any) -> Callable[[int], None]:
+    """What a first signal during a step shows (on a thread of its own: ``StopSignals``): the run stops once the step
+    is done, and how to stop it at once."""
+    def notice(signum: int) -> None:
+        name = signal.Signals(signum).name
+        monitor.set_phase("stopping")
+        output.info(f"{name}: finishing the step in flight, then stopping ({'Ctrl-C' if name == 'SIGINT' else name} "
+                    "again to stop at once; that step's episode then replays on --resume)")
+
+    return notice
 
 
 def _stop_for_lost_stdout(exc: OSError) -> int | Exception:
