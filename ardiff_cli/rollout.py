@@ -196,24 +196,26 @@ class Rollout:
                 self._end_episode(item)
                 continue
             self._running = item
-            try:
-                with self.signals.step():  # a first signal lets the step finish: its session holds whole steps
+            # a first signal lets the step finish (or fail): its session holds whole steps, and its failure is
+            # recorded whole; the next check() raises it
+            with self.signals.step():
+                try:
                     self._run_step(item)
-            except (Interrupted, OutputError, AssertionError):
-                # The run stops: a signal, results.jsonl that cannot record anything, or a broken internal
-                # invariant (a bug: going on could corrupt the pool). Outputs so far are complete; --resume.
-                raise
-            except Exception as exc:  # noqa: BLE001 - the step's episode fails; the others go on
-                # unless it failed because a stop raised into it was caught there (and perhaps wrapped): the run
-                # stops as the signal asked, and the step, not failed by its input, runs again on --resume
-                self.signals.reraise()
-                failure = self._step_failure(item, exc)
-                phase, step_file = self._at or ("load", item.file)
-                self._fail_episode(item.episode, step_file, item.ordinal, failure, phase=phase)
-                if self.options.fail_fast:
-                    raise failure from (None if failure is exc else exc)
-            finally:
-                self._at = self._running = None
+                except (Interrupted, OutputError, AssertionError):
+                    # The run stops: a signal, results.jsonl that cannot record anything, or a broken internal
+                    # invariant (a bug: going on could corrupt the pool). Outputs so far are complete; --resume.
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the step's episode fails; the others go on
+                    # unless it failed because a stop raised into it was caught there (and perhaps wrapped): the run
+                    # stops as the signal asked, and the step, not failed by its input, runs again on --resume
+                    self.signals.reraise()
+                    failure = self._step_failure(item, exc)
+                    phase, step_file = self._at or ("load", item.file)
+                    self._fail_episode(item.episode, step_file, item.ordinal, failure, phase=phase)
+                    if self.options.fail_fast:
+                        raise failure from (None if failure is exc else exc)
+                finally:
+                    self._at = self._running = None
             # Only this episode's counts changed, and the total only if it failed (its other steps left it).
             self._show_progress([item.episode], recount=item.episode.name in self.stats.failed)
 

@@ -79,7 +79,11 @@ class StopSignals:
         if self._depth or self._stopping or _importing(frame) or (self._steps and first):
             self.pending = self.pending or signum
             if first and self._steps and not self._stopping and self._notice is not None:
-                threading.Thread(target=self._notice, args=(signum,), name="ardiff-stop-notice", daemon=True).start()
+                try:
+                    threading.Thread(target=self._notice, args=(signum,), name="ardiff-stop-notice",
+                                     daemon=True).start()
+                except RuntimeError:  # can't start new thread (a process limit): the stop itself still comes
+                    pass
             return
         self._stopping = True
         self.raised = signum
@@ -110,9 +114,8 @@ class StopSignals:
 
     def check(self) -> None:
         """A safe point of the normal flow (between steps or a step's requests, once the model is loaded): raise a
-        pending signal (as
-        ``Interrupted``) or deferred error now, or the stop the handler raised again: the run is back here, so
-        something between caught it."""
+        pending signal (as ``Interrupted``) or deferred error now, or the stop the handler raised again: the run is
+        back here, so something between caught it."""
         self.reraise()
         self._raise_pending()
 

@@ -267,6 +267,36 @@ def test_signal_in_the_middle_of_a_forward_then_resume(env, data, reference, tmp
     assert_matches(run, reference)
 
 
+def test_a_step_that_fails_after_the_first_signal_is_recorded_whole_then_the_run_stops(env, data, reference, tmp_path):
+    # The failure's line was written, then the stop was raised before the run counted it: summary.json said no
+    # episode failed while results.jsonl had a failed line.
+    run, marker, release, log = tmp_path / "run", tmp_path / "in-forward", tmp_path / "release", tmp_path / "stderr"
+    faults = [{"request": "arm_c/000001", "site": "block", "layer": 1, "call": 2, "action": "sleep",
+               "marker": str(marker), "release": str(release)},
+              {"request": "arm_c/000001", "site": "block", "layer": 0, "call": 3}]  # the next pass
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *rollout_args(data, run)], cwd=REPO, text=True,
+                                env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, stdout=subprocess.PIPE,
+                                stderr=stderr)
+    try:
+        wait_for_marker(proc, marker, "the forward")
+        proc.send_signal(signal.SIGTERM)
+        wait_for_marker(proc, log, "the notice of the signal", text=NOTICE)
+        release.touch()
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    err = log.read_text()
+    assert proc.returncode == 143, err  # the stop, not the failure, ends the run
+    assert "Error: episode 'arm_c' failed at step 1" in err and "injected fault in transformer block 0" in err, err
+    assert [(r["episode"], r["step"], r["status"]) for r in records(run)][-1] == ("arm_c", 1, "failed")
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["episodes"]["failed"]) == ("interrupted", 1), summary
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference)
+
+
 def test_a_signal_while_a_session_is_rebuilt_keeps_the_steps_replayed_so_far(env, data, reference, tmp_path):
     # A run without swap space stops with every episode 2 steps in (--fail-fast at arm_a's step 2), so its resume
     # (with swap space) rebuilds arm_a's session by replaying steps 0 and 1. A signal in the first replay lets that
