@@ -383,12 +383,14 @@ def test_a_signal_while_the_pipeline_imports_a_dependency_stops_the_run_before_i
 
 @pytest.mark.parametrize("action", ["swallow_signal", "wrap_signal"])
 def test_a_signal_caught_inside_a_warmup_request_stops_warmup(env, data, action):
-    # warmup reported success (exit 0), or the pipeline's failure, for a warmup the user had stopped
+    # warmup reported success (exit 0), or the pipeline's failure, for a warmup the user had stopped. Its hint was
+    # the rollout's "--resume", an option warmup does not take
     faults = [{"request": "warmup-0", "site": "block", "layer": 0, "action": action}]
     proc = ardiff(env, "warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, "--format", "json", faults=faults)
     assert proc.returncode == 143, proc.stderr
     error = json.loads(proc.stdout.splitlines()[-1])
     assert error["kind"] == "interrupted" and error["message"] == "interrupted by SIGTERM", error
+    assert error["hint"] == "warmup keeps nothing: run the same command again", error
 
 
 @pytest.mark.parametrize(("pipeline", "message"), [

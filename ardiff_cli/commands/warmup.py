@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+from collections.abc import Iterator
 from typing import Any
 
 from ardiff_cli.commands._common import config_label, load_engine_config, refuse_contradictions
-from ardiff_cli.errors_cli import EXIT_CODES_HELP, handle_errors
+from ardiff_cli.errors_cli import EXIT_CODES_HELP, Interrupted, handle_errors
 from ardiff_cli.options import (
     ConfigArg,
     DeviceOpt,
@@ -66,7 +68,7 @@ def warmup(
         monitor = RunMonitor(out, f"ardiff warmup · {config_label(config)}", echo_requests=True)
         out.info(f"loading {config_label(config)} (pipeline {cfg.pipeline_name})")
         out.debug(f"config {cfg.source}: {cfg.runtime}")
-        with StopSignals() as signals, out.live(lambda: render(monitor.snapshot())):
+        with _run_again_when_stopped(), StopSignals() as signals, out.live(lambda: render(monitor.snapshot())):
             from ardiff_cli.runtime.engine import ARDiffusionEngine
 
             signals.check()  # a signal that arrived while torch imported
@@ -94,6 +96,17 @@ def warmup(
         for warning in data["warnings"]:
             out.warning(warning)
         out.result(data, lambda plain: render_warmup(data, plain))
+
+
+@contextlib.contextmanager
+def _run_again_when_stopped() -> Iterator[None]:
+    """A stopped warmup keeps nothing to continue from: its hint is to run it again, not the rollout's --resume
+    (which warmup does not take)."""
+    try:
+        yield
+    except Interrupted as exc:
+        exc.hint = exc.hint or "warmup keeps nothing: run the same command again"
+        raise
 
 
 class _RequestCounter:
