@@ -726,14 +726,16 @@ def test_a_done_step_rewritten_before_a_resume_fails_its_episode_whether_its_ses
     assert not (run / ".swap").exists()
 
 
-@pytest.mark.parametrize("damage", ["index steps", "index garbage", "index not utf-8", "index nested",
-                                    "snapshot truncated", "snapshot header nested", "swap off"])
+@pytest.mark.parametrize("damage", ["index steps", "index steps ahead", "index garbage", "index not utf-8",
+                                    "index nested", "snapshot truncated", "snapshot header nested", "swap off"])
 def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, data, reference, tmp_path, damage):
     run, swapped, entry = stopped_with_a_swapped_session(env, data, tmp_path)
     index, snapshot = run / ".swap" / "kept.json", run / ".swap" / entry["file"]
     options = []
     if damage == "index steps":  # not the episode's done steps any more
         index.write_text(json.dumps({"format": "ardiff-kept-1", "sessions": {swapped: {**entry, "steps": 1}}}))
+    elif damage == "index steps ahead":  # more than the episode's done steps (ok lines went missing)
+        index.write_text(json.dumps({"format": "ardiff-kept-1", "sessions": {swapped: {**entry, "steps": 3}}}))
     elif damage == "index garbage":
         index.write_text("{not json")
     elif damage == "index not utf-8":  # a damaged disk's bytes: every resume used to crash (UnicodeDecodeError)
@@ -757,6 +759,13 @@ def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, d
     assert (summary["swap"]["restore_failed"], summary["swap"]["restored"]) == (refused, damaged_file)
     if damage == "index steps":
         assert "it holds 2 requests, not the 1 expected; replaying its earlier steps instead" in proc.stderr
+    # the two README promises a warning for were deleted in silence
+    if damage == "index steps ahead":
+        assert (f"warning: episode {swapped!r}: the swap snapshot the stopped run kept was deleted (it holds 3 steps, "
+                "more than the 2 done in results.jsonl); its done steps are replayed instead") in proc.stderr
+    if damage == "swap off":
+        assert ("warning: swapping is off (--swap-space 0): the swap snapshots the stopped run kept of 2 episode(s) "
+                "were deleted, and their done steps are replayed instead") in proc.stderr
     assert_same_outputs(reference, run)
     assert not (run / ".swap").exists()
 

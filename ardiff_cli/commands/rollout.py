@@ -525,16 +525,29 @@ def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, s
     run cannot take (no swapping, too large), is deleted: its episode replays. Then the index goes (``drop_kept``)."""
     from ardiff_cli.io.kept import drop_kept
 
-    swapped = {}
+    swapped, refused = {}, {}  # refused: {episode: why}, each a warning (one for them all when swapping is off)
     for name, (file, steps) in kept.items():
+        num_done = len(done.get(name, ()))
         try:
-            if steps <= len(done.get(name, ())) and engine.runner.adopt_snapshot(name, file):
+            if engine.runner.swap is None:
+                pass  # one warning below
+            elif steps > num_done:
+                refused[name] = f"it holds {steps} steps, more than the {num_done} done in results.jsonl"
+            elif engine.runner.adopt_snapshot(name, file):
                 swapped[name] = steps
                 continue
+            else:
+                refused[name] = "it is larger than the whole swap space"
         except OSError as exc:
             output.debug(f"cannot take back the swap snapshot of episode {name!r} ({exc}); it replays")
         (swap_dir / file).unlink(missing_ok=True)
     drop_kept(swap_dir)
+    if kept and engine.runner.swap is None:
+        output.warning(f"swapping is off (--swap-space 0): the swap snapshots the stopped run kept of {len(kept)} "
+                       "episode(s) were deleted, and their done steps are replayed instead")
+    for name, why in refused.items():
+        output.warning(f"episode {name!r}: the swap snapshot the stopped run kept was deleted ({why}); its done "
+                       "steps are replayed instead")
     if swapped:
         output.debug(f"took back the swap snapshots of {len(swapped)} episode(s) the stopped run had swapped out")
     return swapped
