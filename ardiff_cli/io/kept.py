@@ -3,9 +3,10 @@
 A run that stops (a signal, a failure) with sessions swapped out keeps their snapshot files and writes this index:
 episode -> the file and how many of the episode's steps its session had consumed. Stopped by a signal, it swaps its
 resident sessions out first (``_swap_out_resident`` in ``commands/rollout.py``), so they are kept too. ``--resume``
-reads it, adopts each snapshot whose step count still equals the episode's done steps, and restores those sessions
-instead of replaying their steps (once their step files are found unchanged, as a replay would check them: else the
-episode fails and its snapshot goes); the others are replayed as before. The index is deleted once its snapshots are
+reads it, adopts each snapshot of at most the episode's done steps (fewer: a run stopped while it rebuilt the session
+keeps the steps replayed so far), and restores those sessions instead of replaying those steps (once their step files
+are found unchanged, as a replay would check them: else the episode fails and its snapshot goes); the others are
+replayed as before. The index is deleted once its snapshots are
 adopted: a resume that stops before (a signal or ``kill -9`` while the model loads, a refused ``--device``) leaves
 it, and its files, to the next. Without the index (a ``kill -9`` of the run), every leftover file is removed and
 every session replayed.
