@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 import threading
 from typing import Annotated, NoReturn
@@ -105,7 +106,11 @@ def _end_process(code: object) -> NoReturn:
     shutdown = getattr(threading, "_shutdown", None)  # what the interpreter's exit calls first: joins threads
     if shutdown is None:  # another Python: let the interpreter exit as usual
         raise SystemExit(status)
-    shutdown()
+    shutdown()  # a thread that never ends (a snapshot written to a hung disk) can still be interrupted here
+    from ardiff_cli.signals import HANDLED  # imported by then by the commands that handle signals
+
+    for signum in HANDLED:  # but the status is decided: a signal now (a second Ctrl-C) would only garble or change it
+        signal.signal(signum, signal.SIG_IGN)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

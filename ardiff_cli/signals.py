@@ -112,6 +112,11 @@ class StopSignals:
         finally:
             self._steps -= 1
 
+    def hold(self) -> None:
+        """From now on a signal is only recorded, never raised: the command's outcome is decided, and what is left
+        (its summary, releasing the model) must run whole for its files to agree with its exit code."""
+        self._stopping = True
+
     def check(self) -> None:
         """A safe point of the normal flow (between steps or a step's requests, once the model is loaded): raise a
         pending signal (as ``Interrupted``) or deferred error now, or the stop the handler raised again: the run is

@@ -33,6 +33,7 @@ Each fault is a JSON object:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import json
@@ -247,7 +248,13 @@ class SignalWhileSwapping(DreamZeroPipeline):
     """DreamZero that sends its own process SIGINT from inside the first session export (``ARDIFF_TEST_SIGNAL_IN``
     = ``export``: a session being swapped out), import (``import``: being restored) or close hook (``close``: an
     evicted session released), the way a Ctrl-C lands at any moment. Twice, unless ``ARDIFF_TEST_SIGNALS`` = 1:
-    inside a step the CLI's signal handler only records the first and raises the second there."""
+    inside a step the CLI's signal handler only records the first and raises the second there. ``exit``: SIGTERM
+    from an ``atexit`` callback, as the process exits with its status decided."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if os.environ.get("ARDIFF_TEST_SIGNAL_IN") == "exit":
+            atexit.register(os.kill, os.getpid(), signal.SIGTERM)
 
     def close_ar_diffusion_session(self, session_id: str) -> None:
         self._signal_once("close")

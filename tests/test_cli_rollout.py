@@ -982,6 +982,34 @@ def test_one_signal_while_a_session_is_restored_lets_the_restore_finish_and_resu
     assert_same_outputs(reference, run)
 
 
+def test_a_signal_while_a_failed_run_releases_its_model_changes_neither_its_exit_code_nor_its_summary(env, data,
+                                                                                                    tmp_path):
+    # arm_b's first step file is no safetensors file: --fail-fast stops the run with arm_a's session resident, and
+    # its close hook, called as the run releases the model, gets two SIGINTs. The stop was raised there: exit 130,
+    # with summary.json missing or saying what the run had decided (failed, exit 2).
+    eps, run = tmp_path / "eps", tmp_path / "run"
+    shutil.copytree(data / "eps", eps)
+    (eps / "arm_b" / "step_000000.safetensors").write_bytes(b"not a safetensors file")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(eps),
+                           "--out", str(run), "--session-capacity", "2", "--fail-fast", "--no-warmup", "--format",
+                           "plain", "--pipeline", "faulty_pipelines:SignalWhileSwapping"], cwd=REPO,
+                          capture_output=True, text=True, env={**env, "ARDIFF_TEST_SIGNAL_IN": "close"}, timeout=600)
+    assert proc.returncode == 2, proc.stderr  # bad input
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["exit_code"]) == ("failed", 2), summary
+    assert "step_000000.safetensors" in proc.stderr and "interrupted" not in proc.stderr, proc.stderr
+
+
+def test_a_signal_as_the_process_exits_does_not_change_its_exit_code(env, data, tmp_path):
+    # SIGTERM from an atexit callback, after the run's summary was written: the process was killed by it (-15).
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),
+                           "--out", str(tmp_path / "run"), "--no-warmup", "--format", "plain", "--pipeline",
+                           "faulty_pipelines:SignalWhileSwapping"], cwd=REPO, capture_output=True, text=True,
+                          env={**env, "ARDIFF_TEST_SIGNAL_IN": "exit"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["exit_code"] == 0
+
+
 def test_a_signal_while_a_finished_episodes_session_is_closed_stops_the_run(env, data, reference, tmp_path):
     # Sequential: no eviction, so the first close hook to run is arm_a's, closed after its last step. The
     # Interrupted raised there was taken for a failing hook and dropped: the run went on to exit 0, and no later

@@ -495,6 +495,9 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     raise
                 raise error from exc  # --verbose shows what the stop cut short
             finally:
+                # A signal from here on is only recorded: raised in the teardown, it left no summary.json, or one
+                # that said ok while the run exited 130
+                signals.hold()
                 try:
                     if engine is not None and driver is not None and error is not None:
                         if stopped:
