@@ -217,31 +217,41 @@ def test_a_signal_before_anything_was_written_says_to_run_again_not_to_resume(en
 NOTICE = "finishing the step in flight, then stopping"
 
 
-@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-@pytest.mark.parametrize("signals", [1, 2])
-def test_signal_in_the_middle_of_a_forward_then_resume(env, data, reference, tmp_path, signum, code, signals):
-    # One signal lets the step finish (its output and its line are written), then the run stops: the session holds
-    # whole steps, so the stop keeps it and --resume replays nothing. The forward used to be cut short, its session
-    # released, and its episode replayed. A second signal stops the forward at once.
-    run, marker, release, log = tmp_path / "run", tmp_path / "in-forward", tmp_path / "release", tmp_path / "stderr"
-    faults = [{"request": "arm_c/000001", "site": "block", "layer": 1, "call": 2, "action": "sleep",
-               "marker": str(marker), "release": str(release)}]
+def stop_inside_a_fault(env, args: list[str], faults: list[dict], tmp_path: Path, *, signum: int = signal.SIGTERM,
+                        second: bool = False) -> tuple[subprocess.Popen, str]:
+    """``ardiff ARGS`` with ``faults`` (a ``sleep`` one given this test's marker and release files): ``signum`` once the
+    process sleeps in that fault, then, after the first signal's notice, the same again (``second``) or the fault let
+    go on. (The exited process, its stderr.)"""
+    marker, release, log = tmp_path / "in-fault", tmp_path / "release", tmp_path / "stderr"
+    faults = [{**f, "marker": str(marker), "release": str(release)} if f.get("action") == "sleep" else f
+              for f in faults]
     with log.open("w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *rollout_args(data, run)], cwd=REPO, text=True,
+        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, text=True,
                                 env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, stdout=subprocess.PIPE,
                                 stderr=stderr)
     try:
-        wait_for_marker(proc, marker, "the forward")  # the process is now inside block 1 of arm_c's step 1
+        wait_for_marker(proc, marker, "the fault")
         proc.send_signal(signum)
         wait_for_marker(proc, log, "the notice of the first signal", text=NOTICE)
-        if signals == 2:
+        if second:
             proc.send_signal(signum)
         else:
             release.touch()  # the forward goes on
         proc.communicate(timeout=120)
     finally:
         proc.kill()
-    err = log.read_text()
+    return proc, log.read_text()
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("signals", [1, 2])
+def test_signal_in_the_middle_of_a_forward_then_resume(env, data, reference, tmp_path, signum, code, signals):
+    # One signal lets the step finish (its output and its line are written), then the run stops: the session holds
+    # whole steps, so the stop keeps it and --resume replays nothing. The forward used to be cut short, its session
+    # released, and its episode replayed. A second signal stops the forward at once.
+    run = tmp_path / "run"
+    faults = [{"request": "arm_c/000001", "site": "block", "layer": 1, "call": 2, "action": "sleep"}]  # in block 1
+    proc, err = stop_inside_a_fault(env, rollout_args(data, run), faults, tmp_path, signum=signum, second=signals == 2)
     name = signal.Signals(signum).name
     assert proc.returncode == code, err
     again = "Ctrl-C" if signum == signal.SIGINT else name
@@ -270,23 +280,10 @@ def test_signal_in_the_middle_of_a_forward_then_resume(env, data, reference, tmp
 def test_a_step_that_fails_after_the_first_signal_is_recorded_whole_then_the_run_stops(env, data, reference, tmp_path):
     # The failure's line was written, then the stop was raised before the run counted it: summary.json said no
     # episode failed while results.jsonl had a failed line.
-    run, marker, release, log = tmp_path / "run", tmp_path / "in-forward", tmp_path / "release", tmp_path / "stderr"
-    faults = [{"request": "arm_c/000001", "site": "block", "layer": 1, "call": 2, "action": "sleep",
-               "marker": str(marker), "release": str(release)},
+    run = tmp_path / "run"
+    faults = [{"request": "arm_c/000001", "site": "block", "layer": 1, "call": 2, "action": "sleep"},
               {"request": "arm_c/000001", "site": "block", "layer": 0, "call": 3}]  # the next pass
-    with log.open("w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *rollout_args(data, run)], cwd=REPO, text=True,
-                                env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, stdout=subprocess.PIPE,
-                                stderr=stderr)
-    try:
-        wait_for_marker(proc, marker, "the forward")
-        proc.send_signal(signal.SIGTERM)
-        wait_for_marker(proc, log, "the notice of the signal", text=NOTICE)
-        release.touch()
-        proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    err = log.read_text()
+    proc, err = stop_inside_a_fault(env, rollout_args(data, run), faults, tmp_path)
     assert proc.returncode == 143, err  # the stop, not the failure, ends the run
     assert "Error: episode 'arm_c' failed at step 1" in err and "injected fault in transformer block 0" in err, err
     assert [(r["episode"], r["step"], r["status"]) for r in records(run)][-1] == ("arm_c", 1, "failed")
@@ -303,27 +300,15 @@ def test_a_signal_while_a_session_is_rebuilt_keeps_the_steps_replayed_so_far(env
     # replay finish, then the run stops with the session 1 step in: it is kept, and the next resume restores it and
     # replays step 1 only. The signal used to cut the replay short, and a kept snapshot of fewer steps than done
     # was deleted.
-    run, marker, release, log = tmp_path / "run", tmp_path / "in-replay", tmp_path / "release", tmp_path / "stderr"
+    run = tmp_path / "run"
     failed = ardiff(env, *rollout_args(data, run, "--swap-space", "0", "--fail-fast"),
                     faults=[{"request": "arm_a/000002", "site": "block", "layer": 1}])
     assert failed.returncode == 1 and len(records(run)) == 9, failed.stderr
-    faults = [{"request": "arm_a/000000/replay", "site": "block", "layer": 1, "action": "sleep",
-               "marker": str(marker), "release": str(release)}]
-    with log.open("w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run),
-                                 "--swap-space", "16MiB", "--pipeline", PIPELINE, "--no-warmup", "--format", "plain"],
-                                cwd=REPO, text=True,
-                                env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, stdout=subprocess.PIPE,
-                                stderr=stderr)
-    try:
-        wait_for_marker(proc, marker, "the replay")
-        proc.send_signal(signal.SIGTERM)
-        wait_for_marker(proc, log, "the notice of the signal", text=NOTICE)
-        release.touch()
-        proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 143, log.read_text()
+    faults = [{"request": "arm_a/000000/replay", "site": "block", "layer": 1, "action": "sleep"}]
+    resume = ["rollout", "--resume", "--out", str(run), "--swap-space", "16MiB", "--pipeline", PIPELINE, "--no-warmup",
+              "--format", "plain"]
+    proc, err = stop_inside_a_fault(env, resume, faults, tmp_path)
+    assert proc.returncode == 143, err
     index = json.loads((run / ".swap" / "kept.json").read_text())["sessions"]
     assert {name: entry["steps"] for name, entry in index.items()} == {"arm_a": 1}
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--swap-space", "16MiB", "--pipeline", PIPELINE,
