@@ -528,29 +528,28 @@ def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, s
     run cannot take (no swapping, too large), is deleted: its episode replays. Then the index goes (``drop_kept``)."""
     from ardiff_cli.io.kept import drop_kept
 
-    swapped, refused = {}, {}  # refused: {episode: why}, each a warning (one for them all when swapping is off)
-    for name, (file, steps) in kept.items():
-        num_done = len(done.get(name, ()))
-        try:
-            if engine.runner.swap is None:
-                pass  # one warning below
-            elif steps > num_done:
-                refused[name] = f"it holds {steps} steps, more than the {num_done} done in results.jsonl"
-            elif engine.runner.adopt_snapshot(name, file):
-                swapped[name] = steps
-                continue
-            else:
-                refused[name] = "it is larger than the whole swap space"
-        except OSError as exc:
-            output.debug(f"cannot take back the swap snapshot of episode {name!r} ({exc}); it replays")
-        (swap_dir / file).unlink(missing_ok=True)
-    drop_kept(swap_dir)
-    if kept and engine.runner.swap is None:
+    swapping = engine.runner.swap is not None
+    if kept and not swapping:
         output.warning(f"swapping is off (--swap-space 0): the swap snapshots the stopped run kept of {len(kept)} "
                        "episode(s) were deleted, and their done steps are replayed instead")
-    for name, why in refused.items():
-        output.warning(f"episode {name!r}: the swap snapshot the stopped run kept was deleted ({why}); its done "
-                       "steps are replayed instead")
+    swapped = {}
+    for name, (file, steps) in kept.items():
+        num_done, why = len(done.get(name, ())), None
+        if swapping and steps > num_done:
+            why = f"it holds {steps} steps, more than the {num_done} done in results.jsonl"
+        elif swapping:
+            try:
+                if engine.runner.adopt_snapshot(name, file):
+                    swapped[name] = steps
+                    continue
+                why = "it is larger than the whole swap space"
+            except OSError as exc:
+                output.debug(f"cannot take back the swap snapshot of episode {name!r} ({exc}); it replays")
+        if why is not None:
+            output.warning(f"episode {name!r}: the swap snapshot the stopped run kept was deleted ({why}); its done "
+                           "steps are replayed instead")
+        (swap_dir / file).unlink(missing_ok=True)
+    drop_kept(swap_dir)
     if swapped:
         output.debug(f"took back the swap snapshots of {len(swapped)} episode(s) the stopped run had swapped out")
     return swapped
