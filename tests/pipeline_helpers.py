@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -120,3 +123,32 @@ def wait_for_marker(proc: subprocess.Popen, marker: Path, what: str, *, text: st
         assert proc.poll() is None, proc.communicate()[1] or (marker.read_text() if marker.exists() else "")
         assert time.monotonic() < deadline, f"{what} never started"
         time.sleep(0.02)
+
+
+NOTICE = "finishing the step in flight, then stopping"  # what a rollout says of a first signal in a step
+
+
+def stop_inside_a_fault(env, args: list[str], faults: list[dict], tmp_path: Path, *, signum: int = signal.SIGTERM,
+                        second: bool = False) -> tuple[subprocess.Popen, str]:
+    """``ardiff ARGS`` with ``faults`` (a ``sleep`` one given this test's marker and release files): ``signum`` once the
+    process sleeps in that fault, then, after the first signal's notice, the same again (``second``) or the fault let
+    go on. (The exited process, its stderr.)"""
+    marker, release, log = tmp_path / "in-fault", tmp_path / "release", tmp_path / "stderr"
+    faults = [{**f, "marker": str(marker), "release": str(release)} if f.get("action") == "sleep" else f
+              for f in faults]
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, text=True,
+                                env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, stdout=subprocess.PIPE,
+                                stderr=stderr)
+    try:
+        wait_for_marker(proc, marker, "the fault")
+        proc.send_signal(signum)
+        wait_for_marker(proc, log, "the notice of the first signal", text=NOTICE)
+        if second:
+            proc.send_signal(signum)
+        else:
+            release.touch()  # the forward goes on
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return proc, log.read_text()

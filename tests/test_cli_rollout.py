@@ -18,7 +18,6 @@ import sys
 import time
 import zlib
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -27,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from ardiff_cli.io import write_episode, write_step
 from ardiff_cli.runtime.errors import shown
 from ardiff_cli.io.demo import demo_step
-from pipeline_helpers import wait_for_marker
+from pipeline_helpers import stop_inside_a_fault
 
 REPO = Path(__file__).resolve().parents[1]
 ESC = re.compile(r"\x1b\[")
@@ -586,34 +585,27 @@ def test_a_second_signal_while_a_stopped_run_swaps_its_sessions_out_is_only_reco
 FAULTY = "faulty_pipelines:FaultyDreamZero"
 
 
-def faulty_rollout(env, data, run: Path, faults: list[dict], *options: str, stderr: Any = subprocess.PIPE
-                   ) -> subprocess.Popen:
-    """`rollout` of the two 3-step episodes through FaultyDreamZero with ``faults``, with room for both sessions
+def faulty_args(data, run: Path, *options: str) -> list[str]:
+    """`rollout` of the two 3-step episodes through FaultyDreamZero, with room for both sessions
     (--session-capacity 2: nothing is evicted)."""
-    return subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),
-                             "--out", str(run), "--session-capacity", "2", "--pipeline", FAULTY, "--no-warmup",
-                             "--format", "plain", *options], cwd=REPO, text=True,
-                            env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, stdout=subprocess.PIPE,
-                            stderr=stderr)
+    return ["rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--session-capacity", "2",
+            "--pipeline", FAULTY, "--no-warmup", "--format", "plain", *options]
+
+
+def faulty_rollout(env, data, run: Path, faults: list[dict], *options: str) -> subprocess.Popen:
+    """``faulty_args`` run with ``faults``."""
+    return subprocess.Popen([sys.executable, "-m", "ardiff_cli", *faulty_args(data, run, *options)], cwd=REPO,
+                            text=True, env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
 
 
 def test_a_second_signal_in_a_forward_keeps_the_other_resident_session_and_replays_only_the_interrupted_one(
         env, data, reference, tmp_path):
     # A first signal lets the step finish (test_reliability_cli.py); a second one stops the forward at once. The
     # session whose forward it cut short holds half a step: the runner releases it, and it replays.
-    run, marker, log = tmp_path / "run", tmp_path / "in-forward", tmp_path / "stderr"
-    faults = [{"request": "arm_b/000001", "site": "block", "layer": 1, "action": "sleep", "marker": str(marker)}]
-    with log.open("w") as stderr:
-        proc = faulty_rollout(env, data, run, faults, stderr=stderr)
-    try:
-        wait_for_marker(proc, marker, "the forward")  # the process is now inside block 1 of arm_b's step 1
-        proc.send_signal(signal.SIGTERM)
-        wait_for_marker(proc, log, "the notice of the first signal", text="finishing the step in flight")
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    stderr = log.read_text()
+    run = tmp_path / "run"
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 1, "action": "sleep"}]  # in block 1 of its step 1
+    proc, stderr = stop_inside_a_fault(env, faulty_args(data, run), faults, tmp_path, second=True)
     assert proc.returncode == 143, stderr
     assert [(r["episode"], r["step"]) for r in records(run)] == [("arm_a", 0), ("arm_b", 0), ("arm_a", 1)]
     assert re.search(r"closed +arm_b forward_exception", stderr), stderr

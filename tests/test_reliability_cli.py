@@ -24,7 +24,7 @@ import pytest
 
 from ardiff_cli.io import write_episode
 from ardiff_cli.io.demo import demo_step
-from pipeline_helpers import wait_for_marker
+from pipeline_helpers import NOTICE, stop_inside_a_fault, wait_for_marker
 
 REPO = Path(__file__).resolve().parents[1]
 PIPELINE = "faulty_pipelines:FaultyDreamZero"
@@ -212,35 +212,6 @@ def test_a_signal_before_anything_was_written_says_to_run_again_not_to_resume(en
     assert not (run / "run.json").exists()
     proc = ardiff(env, *rollout_args(data, run))  # and that works: the folder holds no run
     assert proc.returncode == 0, proc.stderr
-
-
-NOTICE = "finishing the step in flight, then stopping"
-
-
-def stop_inside_a_fault(env, args: list[str], faults: list[dict], tmp_path: Path, *, signum: int = signal.SIGTERM,
-                        second: bool = False) -> tuple[subprocess.Popen, str]:
-    """``ardiff ARGS`` with ``faults`` (a ``sleep`` one given this test's marker and release files): ``signum`` once the
-    process sleeps in that fault, then, after the first signal's notice, the same again (``second``) or the fault let
-    go on. (The exited process, its stderr.)"""
-    marker, release, log = tmp_path / "in-fault", tmp_path / "release", tmp_path / "stderr"
-    faults = [{**f, "marker": str(marker), "release": str(release)} if f.get("action") == "sleep" else f
-              for f in faults]
-    with log.open("w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, text=True,
-                                env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, stdout=subprocess.PIPE,
-                                stderr=stderr)
-    try:
-        wait_for_marker(proc, marker, "the fault")
-        proc.send_signal(signum)
-        wait_for_marker(proc, log, "the notice of the first signal", text=NOTICE)
-        if second:
-            proc.send_signal(signum)
-        else:
-            release.touch()  # the forward goes on
-        proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    return proc, log.read_text()
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
