@@ -1,3 +1,3 @@
-from ardiff_cli.app import main
+from ardiff_cli.entry import main
 
 main()

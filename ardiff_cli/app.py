@@ -13,7 +13,8 @@ import typer
 
 from ardiff_cli import __version__
 from ardiff_cli.commands import inspect_capacity, rollout, warmup
-from ardiff_cli.errors_cli import EXIT_CODES_HELP
+from ardiff_cli.entry import requested_format
+from ardiff_cli.errors_cli import EXIT_CODES_HELP, EXIT_SIGINT
 from ardiff_cli.options import FLAG, HelpOpt
 from ardiff_cli.output import Format, Output, resolve_format, stdout_error
 
@@ -63,6 +64,9 @@ def main() -> NoReturn:
         _run(sys.argv[1:])
     except SystemExit as exc:
         _end_process(exc.code)
+    except KeyboardInterrupt:  # raised as Typer builds the command, before its own catch: it was a traceback
+        _report_interrupted(sys.argv[1:])
+        _end_process(EXIT_SIGINT)
 
 
 def _run(args: list[str]) -> None:
@@ -91,7 +95,16 @@ def _run(args: list[str]) -> None:
         error = stdout_error(exc)
         Output(resolve_format(_requested_format(args))).error(str(error), error.hint, exit_code=1, kind="output_error")
         sys.exit(1)
+    if code == EXIT_SIGINT and not Output.errors_reported:  # Typer's exit for a Ctrl-C before a command took it
+        _report_interrupted(args)
     sys.exit(code or 0)
+
+
+def _report_interrupted(args: list[str]) -> None:
+    """Ctrl-C before a command began: reported as a command reports a later one (``entry`` reports one while this
+    module imports)."""
+    Output(resolve_format(_requested_format(args))).error("interrupted", None, exit_code=EXIT_SIGINT,
+                                                           kind="interrupted")
 
 
 def _end_process(code: object) -> NoReturn:
@@ -142,12 +155,6 @@ def _fill_closed_standard_streams() -> None:
 
 
 def _requested_format(args: list[str]) -> str:
-    """The --format a command line asks for (the last one wins, as Typer takes it), else auto."""
-    requested = "auto"
-    for arg, following in zip(args, [*args[1:], ""]):
-        if arg.lower().startswith("--format="):
-            requested = arg.split("=", 1)[1]
-        elif arg == "--format":
-            requested = following
-    requested = requested.lower()
+    """The --format a command line asks for, if it is one, else auto."""
+    requested = requested_format(args)
     return requested if requested in {f.value for f in Format} else "auto"

@@ -68,6 +68,8 @@ def to_jsonable(value: Any) -> Any:
 class Output:
     """Where a command's output goes. Build one per command with :meth:`create`."""
 
+    errors_reported = 0  # by any sink of this process (``error``): a command's exit code has its message
+
     def __init__(
         self,
         format: Format,
@@ -186,6 +188,7 @@ class Output:
     def error(self, message: str, hint: str | None = None, *, exit_code: int | None = None,
               kind: str = "error") -> None:
         """'Error: ...' and 'hint: ...' on stderr (never silenced); json also gets an error object on stdout."""
+        Output.errors_reported += 1
         self._print_err("[bold red]Error:[/bold red] ", message, plain_prefix="Error: ")
         if hint:
             self._print_err("[cyan]hint:[/cyan] ", hint, plain_prefix="hint: ")

@@ -314,3 +314,48 @@ def test_the_process_ends_as_the_interpreter_would_but_without_its_teardown(tmp_
     assert "Error: unknown config 'no-such-config'" in proc.stderr
     ran = sorted(p.name for p in tmp_path.iterdir())
     assert ran == (["atexit", "teardown", "thread"] if plain_exit else ["atexit", "thread"])
+
+
+CTRL_C = """
+import signal, sys
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever this process inherited
+when, sys.argv = sys.argv[1], ["ardiff", *sys.argv[2:]]
+if when == "typer":  # as Typer builds the command from ardiff's app
+    import typer.main
+
+    build = typer.main.get_command
+    typer.main.get_command = lambda app: (signal.raise_signal(signal.SIGINT), build(app))[1]
+else:  # as that module starts to import
+    class CtrlC:
+        def find_spec(self, name, path=None, target=None):
+            if name == when:
+                signal.raise_signal(signal.SIGINT)
+
+    sys.meta_path.insert(0, CtrlC())
+from ardiff_cli.entry import main
+
+main()
+"""
+
+
+@pytest.mark.parametrize("when", [
+    "ardiff_cli.app",  # ardiff imports Typer, Rich and its commands (its first tenth of a second)
+    "typer",  # Typer builds the command
+    "ardiff_cli.runtime.capacity",  # Typer parses the options (--available's check imports it)
+    "ardiff_cli.runtime.kv.backends",  # inside the command
+])
+@pytest.mark.parametrize("format", ["plain", "json"])
+def test_ctrl_c_however_early_is_one_error_line_and_exit_130_never_a_traceback(tmp_path, when, format):
+    # The first two raised KeyboardInterrupt out of ardiff: a traceback, and death by SIGINT. In the third Typer
+    # turned it into a silent exit 130, with no error object under --format json. The last, reported by the command
+    # as it always was, is reported once.
+    proc = subprocess.run([sys.executable, "-c", CTRL_C, when, "inspect-capacity", "dreamzero-14b", "--format", format],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (proc.returncode, proc.stderr) == (130, "Error: interrupted\n"), proc.stderr
+    if format == "json":
+        assert [json.loads(line) for line in proc.stdout.splitlines()] == [
+            {"kind": "interrupted", "message": "interrupted", "hint": None, "exit_code": 130}]
+    else:
+        assert proc.stdout == ""

@@ -1,0 +1,34 @@
+"""The `ardiff` command's entry point (console script and ``python -m ardiff_cli``): standard library only.
+
+Ctrl-C in the first tenth of a second, while Typer, Rich and the commands import, raised KeyboardInterrupt out of
+the import: a traceback. Nothing has started then, so it is reported as a later one is (``app`` reports one while
+Typer builds the command): ``Error: interrupted``, the error object on stdout under ``--format json``, exit 130.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main() -> None:
+    try:
+        from ardiff_cli.app import main as run
+    except KeyboardInterrupt:
+        if requested_format(sys.argv[1:]) == "json":
+            print(json.dumps({"kind": "interrupted", "message": "interrupted", "hint": None, "exit_code": 130},
+                             separators=(",", ":")))
+        sys.stderr.write("Error: interrupted\n")
+        sys.exit(130)
+    run()
+
+
+def requested_format(args: list[str]) -> str:
+    """The --format a command line asks for (the last one wins, as Typer takes it; lowercased), else auto."""
+    requested = "auto"
+    for arg, following in zip(args, [*args[1:], ""]):
+        if arg.lower().startswith("--format="):
+            requested = arg.split("=", 1)[1]
+        elif arg == "--format":
+            requested = following
+    return requested.lower()
