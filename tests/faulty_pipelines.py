@@ -249,12 +249,22 @@ class SignalWhileSwapping(DreamZeroPipeline):
     = ``export``: a session being swapped out), import (``import``: being restored) or close hook (``close``: an
     evicted session released), the way a Ctrl-C lands at any moment. Twice, unless ``ARDIFF_TEST_SIGNALS`` = 1:
     inside a step the CLI's signal handler only records the first and raises the second there. ``exit``: SIGTERM
-    from an ``atexit`` callback, as the process exits with its status decided."""
+    from an ``atexit`` callback, as the process exits with its status decided; ``result``: SIGINT twice as the
+    command's result starts to print."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if os.environ.get("ARDIFF_TEST_SIGNAL_IN") == "exit":
             atexit.register(os.kill, os.getpid(), signal.SIGTERM)
+        if os.environ.get("ARDIFF_TEST_SIGNAL_IN") == "result":
+            from ardiff_cli.output import Output
+
+            def result(output: Output, *args: Any, _print: Any = Output.result, **kwargs: Any) -> None:
+                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(signal.SIGINT)
+                _print(output, *args, **kwargs)
+
+            Output.result = result
 
     def close_ar_diffusion_session(self, session_id: str) -> None:
         self._signal_once("close")

@@ -992,14 +992,18 @@ def test_a_signal_while_a_failed_run_releases_its_model_changes_neither_its_exit
     assert "step_000000.safetensors" in proc.stderr and "interrupted" not in proc.stderr, proc.stderr
 
 
-def test_a_signal_as_the_process_exits_does_not_change_its_exit_code(env, data, tmp_path):
-    # SIGTERM from an atexit callback, after the run's summary was written: the process was killed by it (-15).
+@pytest.mark.parametrize("where", ["result", "exit"])
+def test_a_signal_as_the_result_prints_or_the_process_exits_does_not_change_its_exit_code(env, data, tmp_path, where):
+    # Two SIGINTs as the summary starts to print: KeyboardInterrupt there lost it from stdout, and the run exited 130
+    # with summary.json saying 0. SIGTERM from an atexit callback: the process was killed by it (-15).
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),
-                           "--out", str(tmp_path / "run"), "--no-warmup", "--format", "plain", "--pipeline",
+                           "--out", str(tmp_path / "run"), "--no-warmup", "--format", "json", "--pipeline",
                            "faulty_pipelines:SignalWhileSwapping"], cwd=REPO, capture_output=True, text=True,
-                          env={**env, "ARDIFF_TEST_SIGNAL_IN": "exit"}, timeout=600)
+                          env={**env, "ARDIFF_TEST_SIGNAL_IN": where}, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["exit_code"] == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["exit_code"] == 0
+    assert json.loads(proc.stdout.splitlines()[-1]) == {**summary, "kind": "summary"}
 
 
 def test_a_signal_while_a_finished_episodes_session_is_closed_stops_the_run(env, data, reference, tmp_path):

@@ -518,7 +518,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     finally:
         output.on_stdout_lost = None
         if summary is not None:  # after the live display, so the two never interleave
-            output.result(summary, lambda plain: render_summary(summary, plain))
+            with signals:  # held since the teardown (``hold``): a signal while the result prints is only recorded
+                output.result(summary, lambda plain: render_summary(summary, plain))
 
 
 def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, set[int]], swap_dir: Path,
