@@ -8,6 +8,7 @@ Typer builds the command): ``Error: interrupted``, the error object on stdout un
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -15,11 +16,15 @@ def main() -> None:
     try:
         from ardiff_cli.app import main as run
     except KeyboardInterrupt:
-        if requested_format(sys.argv[1:]) == "json":
-            print(json.dumps({"kind": "interrupted", "message": "interrupted", "hint": None, "exit_code": 130},
-                             separators=(",", ":")))
-        sys.stderr.write("Error: interrupted\n")
-        sys.exit(130)
+        try:  # a closed stream (`>&-`) is None; one whose reader is gone raises: the exit code says it all then
+            sys.stderr.write("Error: interrupted\n")
+            if requested_format(sys.argv[1:]) == "json":
+                sys.stdout.write(json.dumps({"kind": "interrupted", "message": "interrupted", "hint": None,
+                                             "exit_code": 130}, separators=(",", ":")) + "\n")
+            sys.stdout.flush()
+        except (AttributeError, OSError):
+            pass
+        os._exit(130)  # not sys.exit: the interpreter's own flush of a stdout whose reader is gone would print more
     run()
 
 
