@@ -11,7 +11,15 @@ from safetensors.torch import load_file, save_file
 from ardiff_cli.runtime.errors import CheckpointError
 from pipeline_helpers import CONFIGS, Driver, ardiff_cache, single_thread  # noqa: F401 - fixtures
 from pipelines import causal_world, dreamzero
-from pipelines.checkpoint import fresh_modules, load_checkpoint, main, read_metadata, write_fresh_checkpoint
+from pipelines.checkpoint import (
+    count_config_parameters,
+    count_parameters,
+    fresh_modules,
+    load_checkpoint,
+    main,
+    read_metadata,
+    write_fresh_checkpoint,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -167,6 +175,29 @@ def test_published_geometries_have_no_default_checkpoint(ardiff_cache):
     assert "checkpoint:" in err.value.hint and "inspect-capacity" in err.value.hint
     assert "pipelines.checkpoint init" not in err.value.hint  # random 14B weights are no answer
     assert not list(ardiff_cache.glob("dreamzero-*14b*"))
+
+
+@pytest.mark.parametrize("module", [causal_world, dreamzero])
+def test_a_config_of_absurdly_many_layers_is_refused_without_building_its_blocks(module, ardiff_cache):
+    """`num_layers: 10**12` under checkpoint: null: `warmup` built every block on the meta device to count the
+    parameters it then refused (12 s for 5,000 layers; 10**12 never ended). The count comes from models of one,
+    two and three layers, and equals the whole model's."""
+    built = []
+
+    class Counted(module.pipeline_class()):
+        @classmethod
+        def build_modules(cls, config):
+            built.append(config.num_layers)
+            assert config.num_layers <= 7, f"built {config.num_layers} blocks to count parameters"
+            return super().build_modules(config)
+
+    cached = set(ardiff_cache.iterdir())
+    seven = tiny(module, num_layers=7)
+    assert count_config_parameters(Counted, seven) == count_parameters(lambda: Counted.build_modules(seven))
+    built.clear()
+    with pytest.raises(CheckpointError, match=r"no built-in checkpoint .*parameters\)"):
+        Counted.from_config(tiny(module, num_layers=10**12), device="cpu", checkpoint=None)
+    assert max(built) <= 3 and set(ardiff_cache.iterdir()) == cached
 
 
 def test_command_line_init_refuses_weights_the_host_cannot_hold(tmp_path, capsys, monkeypatch):
