@@ -387,7 +387,17 @@ CONFIG_CASES = {
     "window_beyond_max_model_len": ("pipeline: causal_world\nmodel: {preset: tiny, window_frames: 100000}\n", "warmup",
                                     ["{config}: field 'model.window_frames': one attention call can see 1600112 "
                                      "tokens (sink + window + block + scratch), more than max_model_len=1048576 "
-                                     "(window_frames=100000, sink_frames=3)"], "lower 'model.window_frames'"),
+                                     "(sink_frames=3, window_frames=100000, frames_per_block=3, 16 tokens per frame, "
+                                     "1 register token)"], "lower 'model.window_frames'"),
+    # The field that brings most of the tokens is named (it was always window_frames), or the frame size.
+    "block_beyond_max_model_len": ("pipeline: causal_world\nmodel: {preset: tiny, frames_per_block: 100000}\n",
+                                   "inspect-capacity", ["{config}: field 'model.frames_per_block': one attention call "
+                                                        "can see", "frames_per_block=100000, 16 tokens per frame"],
+                                   "lower 'model.frames_per_block'"),
+    "frame_beyond_max_model_len": ("pipeline: causal_world\nmodel: {preset: tiny, height: 65536, width: 65536}\n",
+                                   "inspect-capacity", ["{config}: one attention call can see",
+                                                        "67108864 tokens per frame"],
+                                   "lower the frame size (tokens per latent frame)"),
     "device_index_not_a_number": ("pipeline: dreamzero\nruntime: {device: 'cuda:x'}\n", "inspect-capacity",
                                   ["{config}: field 'runtime.device': expected auto, cpu, cuda or cuda:N, got "
                                    "'cuda:x'"], "set 'runtime.device'"),

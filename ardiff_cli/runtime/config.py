@@ -282,20 +282,31 @@ def _pipeline_config_call(entry: PipelineEntry, where: str, label: str, call: An
 
 def _check_attention_span(spec: ARDiffusionKVCacheSpec, model: Any, where: str) -> None:
     """A window one attention call cannot see (more tokens than the pipeline's ``max_model_len``) is this
-    config's mistake: say so naming the file and the field now, not after the weights have loaded. The runner's
-    own check stays (``AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH`` may add scratch)."""
+    config's mistake: say so naming the file and the field now, not after the weights have loaded. The field is the
+    one that brings most of the tokens (it was always ``window_frames``, for a huge ``frames_per_block`` or
+    ``height`` too). The runner's own check stays (``AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH`` may add scratch)."""
     from ardiff_cli.runtime.kv.layout import KVLayout
 
     try:
         KVLayout.from_spec(spec, scratch_blocks=1)
     except ConfigError as exc:
-        if not hasattr(model, "window_frames"):
-            raise ConfigError(f"{where}: {exc}", hint=exc.hint) from None
-        raise ConfigError(
-            f"{where}: field 'model.window_frames': {exc} (window_frames={model.window_frames}, "
-            f"sink_frames={getattr(model, 'sink_frames', 0)})",
-            hint="lower 'model.window_frames' or 'model.sink_frames', or raise the pipeline's max_model_len",
-        ) from None
+        tokens = spec.tokens_per_frame
+        frames = {"sink_frames": spec.sink_frames, "window_frames": spec.window_frames,
+                  "frames_per_block": spec.frames_per_block}
+        registers = spec.max_scratch_tokens_per_branch
+        detail = (", ".join(f"{name}={count}" for name, count in frames.items())
+                  + f", {tokens} tokens per frame, {registers} register token{'' if registers == 1 else 's'}")
+        largest = max(frames, key=frames.get)
+        if registers > frames[largest] * tokens:
+            field, fix = "", "the pipeline's register tokens per branch"
+        elif tokens > spec.max_model_len:
+            field, fix = "", "the frame size (tokens per latent frame)"
+        elif getattr(model, largest, None) == frames[largest]:
+            field, fix = f"field 'model.{largest}': ", f"'model.{largest}'"
+        else:
+            field, fix = "", largest
+        raise ConfigError(f"{where}: {field}{exc} ({detail})",
+                          hint=f"lower {fix}, or raise the pipeline's max_model_len") from None
 
 
 def _misplaced_key(key: str, data: dict[str, Any], pipeline: str | None, where: str) -> str:
