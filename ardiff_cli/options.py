@@ -68,7 +68,10 @@ def check_fraction(value: Optional[float]) -> Optional[float]:
     """A share of memory: in (0, 1]; nan and inf fail the comparison."""
     if value is None or 0 < value <= 1:
         return value
-    raise typer.BadParameter(f"expected a number in (0, 1], got {value:g}")
+    shown = f"{value:g}"  # 0, 2, nan; but 1.0000001 reads '1', which looks valid: then the shortest exact form
+    if float(shown) < value:
+        shown = repr(value)
+    raise typer.BadParameter(f"expected a number in (0, 1], got {shown}")
 
 
 def check_available(value: Optional[str]) -> Optional[str]:

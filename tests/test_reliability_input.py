@@ -595,6 +595,7 @@ def test_out_that_is_an_episode_folder_is_refused_and_left_as_it_was(tmp_path, c
     ("--memory-budget", "auto", "cannot read 'auto' as a byte size"),  # only --available takes auto
     ("--gpu-memory-fraction", "nan", "expected a number in (0, 1], got nan"),
     ("--gpu-memory-fraction", "0", "expected a number in (0, 1], got 0"),
+    ("--gpu-memory-fraction", "1.0000001", "expected a number in (0, 1], got 1.0000001"),  # it read 'got 1'
 ])
 def test_an_option_value_refused_early_names_the_option_and_says_why(option, value, why):
     """A usage error naming the option the user typed (not "command line: field 'runtime.gpu_memory_fraction'")."""
