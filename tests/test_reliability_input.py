@@ -522,14 +522,16 @@ def test_device_option_takes_an_index_and_refuses_what_is_not_a_device(monkeypat
                                                   ("fp32", "float32"), ("Float16", "float16")])
 def test_dtype_and_device_take_the_same_spellings_in_a_config_and_on_the_command_line(tmp_path, dtype, canonical):
     """`runtime.dtype: fp16` used to load while `--dtype fp16` was refused, and `--device CPU` ran while
-    `runtime.device: CPU` was refused: both read one normalisation now."""
+    `runtime.device: CPU` was refused: both read one normalisation now. So does the attention backend
+    (`runtime.attention_backend: TORCH` was refused while `--attention-backend TORCH` ran)."""
     config = tmp_path / "spelled.yaml"
-    config.write_text(f"pipeline: dreamzero\nmodel: {{preset: tiny}}\nruntime: {{dtype: {dtype}, device: CPU}}\n")
-    for args in ([str(config)], ["--dtype", dtype, "--device", "CPU"]):
+    config.write_text(f"pipeline: dreamzero\nmodel: {{preset: tiny}}\n"
+                      f"runtime: {{dtype: {dtype}, device: CPU, attention_backend: TORCH}}\n")
+    for args in ([str(config)], ["--dtype", dtype, "--device", "CPU", "--attention-backend", "TORCH"]):
         result = runner.invoke(app, ["inspect-capacity", *args, "--available", "1GiB", "--format", "json"])
         assert result.exit_code == 0, result.stderr
         data = json.loads(result.stdout)
-        assert (data["plan"]["dtype"], data["device"]) == (canonical, "cpu"), args
+        assert (data["plan"]["dtype"], data["device"], data["attention"]["setting"]) == (canonical, "cpu", "torch")
 
 
 def test_warmup_and_rollout_read_dtype_and_device_spellings_as_a_config_does(tmp_path):

@@ -128,9 +128,11 @@ def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
             raise field_error(where, field, f"a positive integer up to {MAX_THREADS} (CPU threads) or null", value)
         return number
     if key == "attention_backend":
-        if value not in ATTENTION_BACKEND_SETTINGS:
+        # Any case, as --attention-backend takes it (and runtime.device, runtime.dtype): `TORCH` was refused here.
+        name = value.strip().lower() if isinstance(value, str) else None
+        if name not in ATTENTION_BACKEND_SETTINGS:
             raise field_error(where, field, " | ".join(ATTENTION_BACKEND_SETTINGS), value)
-        return value
+        return name
     raise ConfigError(f"{where}: unknown key {field!r}{did_you_mean(key, RuntimeConfig.__dataclass_fields__)}",
                       hint=f"valid runtime keys: {', '.join(RuntimeConfig.__dataclass_fields__)}")
 
