@@ -239,6 +239,7 @@ def test_schema_errors_name_keys_dtypes_and_shapes():
             validate_observation(SCHEMA, arrays, where="step_000001.npz")
         assert str(err.value).startswith("step_000001.npz: "), name
         assert expected in str(err.value), (name, str(err.value))
+        assert name == "prompt" or "missing prompt" not in str(err.value), str(err.value)  # a prompt of 3 was both
 
 
 def test_sampler_is_guided_euler_flow_matching_on_the_models_velocities():

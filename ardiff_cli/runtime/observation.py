@@ -126,6 +126,7 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
                 problems.append(f"prompt given twice ({seen[schema.prompt_key]!r} and {key!r})")
             elif not isinstance(value, str):
                 problems.append(f"prompt {key!r} must be a string, got {type(value).__name__}")
+                seen[schema.prompt_key] = key  # given, if wrongly: not also "missing prompt"
             else:
                 out[schema.prompt_key] = value
                 seen[schema.prompt_key] = key
