@@ -315,6 +315,8 @@ CONFIG_CASES = {
                             "valid runtime keys"),
     "runtime_key_not_a_string": ("pipeline: dreamzero\nruntime: {5: x, null: y}\n", "inspect-capacity",
                                  ["{config}: unknown key 'runtime.5'"], "valid runtime keys"),
+    "empty_file": ("# only a comment\n", "inspect-capacity", ["{config}: the config is empty (no YAML mapping in it)"],
+                   "pipeline: NAME"),  # it read 'a config must be a YAML mapping, got NoneType'
     "empty_list_as_model": ("pipeline: dreamzero\nmodel: []\n", "inspect-capacity",
                             ["{config}: field 'model': expected a mapping, got []"], "set 'model' to a mapping"),
     "false_as_runtime": ("pipeline: dreamzero\nruntime: false\n", "inspect-capacity",

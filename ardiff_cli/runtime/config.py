@@ -255,6 +255,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
     except ValueError as exc:  # a plain scalar YAML types but Python cannot hold: 2024-13-45, a 5000-digit number
         raise ConfigError(f"{path}: cannot read a value: {str(exc).split(';')[0]}",
                           hint="quote the value if it is text; numbers in a config are a few digits long") from None
+    if data is None:  # "got NoneType" said nothing to whoever saved an empty file (or only comments, or `~`)
+        raise ConfigError(f"{path}: the config is empty (no YAML mapping in it)",
+                          hint="a config holds at least `pipeline: NAME`; see README, Configs")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config must be a YAML mapping, got {type(data).__name__}")
     duplicate = _duplicate_key(text)
