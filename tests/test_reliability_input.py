@@ -321,6 +321,17 @@ CONFIG_CASES = {
                             ["{config}: field 'model': expected a mapping, got []"], "set 'model' to a mapping"),
     "false_as_runtime": ("pipeline: dreamzero\nruntime: false\n", "inspect-capacity",
                          ["{config}: field 'runtime': expected a mapping, got False"], "set 'runtime' to a mapping"),
+    # PyYAML reads YAML 1.1, where 1e30 (no dot, no sign in the exponent) is text: "expected a number, got '1e30'"
+    # was all it said, which reads as a contradiction
+    "exponent_without_a_dot": ("pipeline: dreamzero\nmodel: {guidance_scale: 1e30}\n", "inspect-capacity",
+                               ["{config}: field 'model.guidance_scale': expected a number, got '1e30'"],
+                               "takes '1e30' for text, not a number: write 1.0e+30"),
+    "exponent_in_an_integer": ("pipeline: dreamzero\nruntime: {session_capacity: 1e3}\n", "inspect-capacity",
+                               ["{config}: field 'runtime.session_capacity': expected a positive integer, got '1e3'"],
+                               "takes '1e3' for text, not a number: write 1000"),
+    "quoted_number": ("pipeline: dreamzero\nmodel: {guidance_scale: '5'}\n", "inspect-capacity",
+                      ["{config}: field 'model.guidance_scale': expected a number, got '5'"],
+                      "'5' is text (quoted), not a number: remove the quotes"),
     "infinite_float": ("pipeline: dreamzero\nmodel: {guidance_scale: .inf}\n", "inspect-capacity",
                        ["{config}: field 'model.guidance_scale': expected a finite number, got inf"],
                        "set 'model.guidance_scale' to a finite number"),

@@ -6,6 +6,8 @@ No torch import: the CLI and config parsing use these before loading anything.
 from __future__ import annotations
 
 import difflib
+import math
+import re
 import reprlib
 from collections.abc import Iterable
 
@@ -138,4 +140,30 @@ def did_you_mean(name: str, valid: Iterable[str]) -> str:
 def field_error(where: str, field: str, expected: str, got: object, *, hint: str | None = None) -> ConfigError:
     """A ``ConfigError`` in the one format users see: where, field, expected vs got, and how to fix it."""
     return ConfigError(f"{where}: field {field!r}: expected {expected}, got {shown(got)}",
-                       hint=hint or f"set {field!r} to {expected}")
+                       hint=hint or _number_as_text_hint(expected, got) or f"set {field!r} to {expected}")
+
+
+# A float in YAML 1.1, which PyYAML reads, has a dot before its exponent and a sign in it (1.0e+30, not 1e30)
+_EXPONENT = re.compile(r"([-+]?)([0-9][0-9_]*)(\.[0-9_]*)?[eE]([-+]?)([0-9]+)")
+
+
+def _number_as_text_hint(expected: str, got: object) -> str | None:
+    """Why a number came as text, when it did: ``guidance_scale: 1e30`` was refused as "expected a number, got
+    '1e30'", which reads as a contradiction."""
+    if not isinstance(got, str) or not ("number" in expected or "integer" in expected):
+        return None
+    try:
+        number = float(got.replace("_", ""))
+    except ValueError:
+        return None
+    if not math.isfinite(number):  # nan, inf: YAML's own are .nan and .inf
+        return None
+    match = _EXPONENT.fullmatch(got.strip())
+    if match is None:
+        return f"{got!r} is text (quoted), not a number: remove the quotes"
+    if "integer" in expected and number.is_integer() and abs(number) < 1e18:
+        written = str(int(number))
+    else:
+        sign, whole, fraction, exponent_sign, exponent = match.groups()
+        written = f"{sign}{whole}{fraction if fraction and fraction != '.' else '.0'}e{exponent_sign or '+'}{exponent}"
+    return f"YAML (as PyYAML reads it) takes {got!r} for text, not a number: write {written}"
