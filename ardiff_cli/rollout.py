@@ -73,6 +73,24 @@ class RolloutStats:
     hook_errors: list[dict[str, Any]] = field(default_factory=list)  # pipeline reset/close hooks that raised
 
 
+def _non_finite(output: Mapping[str, Any]) -> str:
+    """What of a step's outputs is NaN or infinite ('actions': 3 NaN, 1 inf of 24 values; ...), or ''."""
+    import numpy as np
+    import torch
+
+    found = []
+    for name, value in output.items():
+        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+            if not bool(torch.isfinite(value).all()):  # one reduction (and one sync) when all is well
+                found.append((name, int(torch.isnan(value).sum()), int(torch.isinf(value).sum()), value.numel()))
+        elif isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.inexact):
+            if not np.isfinite(value).all():
+                found.append((name, int(np.isnan(value).sum()), int(np.isinf(value).sum()), value.size))
+    return "; ".join(f"{name!r}: " + ", ".join(f"{count} {kind}" for count, kind in ((nan, "NaN"), (inf, "inf"))
+                                                if count) + f" of {size} values"
+                     for name, nan, inf, size in found)
+
+
 def log_episode_end(monitor: RunMonitor, name: str, reason: str, steps: int) -> None:
     """An episode's end (reason: complete, end_marker or idle_timeout), in the log and as a JSON object."""
     monitor.log("episode", name, f"ended ({reason}) after {steps} steps", episode=name, reason=reason, steps=steps)
@@ -332,6 +350,12 @@ class Rollout:
             raise PipelineError(f"{type(self.engine.pipeline).__name__}.forward() returned a dict with no array in "
                                 f"it ({got}), expected a dict of arrays (name -> tensor or numpy array)",
                                 hint=PIPELINE_HINT)
+        non_finite = _non_finite(output)
+        if non_finite:  # NaN actions sent to a robot: the step fails instead, and its session (NaN in its KV) goes
+            raise PipelineError(f"{type(self.engine.pipeline).__name__}.forward() returned non-finite values: "
+                                f"{non_finite}; nothing of this step was written",
+                                hint="the model diverged: check the config's sampling settings (a guidance scale "
+                                     "too large) and the checkpoint; the episode's session was released")
         if episode.name in self._resident:
             self._resident[episode.name] = task.ordinal + 1
         finished = next((e for e in events if e.kind == "request_finished" and e.request_id == request_id), None)

@@ -563,3 +563,33 @@ def test_a_bug_in_the_rollouts_own_event_subscriber_stops_the_run_instead_of_wri
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup")
     assert proc.returncode == 0, proc.stderr
     assert_matches(run, reference)
+
+
+def test_a_step_whose_outputs_are_not_finite_fails_and_writes_nothing(env, data, tmp_path):
+    # A guidance scale of 1e30 makes DreamZero's sampler diverge: every action NaN. They were written as the step's
+    # outputs with exit 0, for a robot to execute.
+    config = tmp_path / "diverges.yaml"
+    config.write_text("pipeline: dreamzero\nmodel: {preset: tiny, guidance_scale: 1.0e+30}\n"
+                      "runtime: {device: cpu, session_capacity: 1}\n")
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(config), str(data / "eps"), "--out", str(run), "--no-warmup", "--format",
+                  "plain")
+    assert proc.returncode == 1, proc.stderr
+    lines = records(run)
+    assert len(lines) == len(EPISODES) and all(r["status"] == "failed" and r["phase"] == "forward" for r in lines)
+    assert "returned non-finite values: 'actions': 64 NaN of 64 values" in lines[0]["error"], lines[0]
+    assert "hint: the model diverged" in proc.stderr
+    assert not list((run / "episodes").rglob("*.safetensors"))
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+
+
+def test_non_finite_outputs_are_counted_by_name_in_torch_and_numpy_arrays_but_not_in_integers():
+    import torch
+
+    from ardiff_cli.rollout import _non_finite
+
+    assert _non_finite({"actions": torch.zeros(3), "frames": np.ones((2, 2), np.float16), "ids": np.arange(3)}) == ""
+    actions = torch.tensor([1.0, float("nan"), float("inf"), -float("inf")], dtype=torch.bfloat16)
+    frames = np.array([[np.nan, 0.0]], np.float32)
+    assert _non_finite({"actions": actions, "ids": torch.arange(3), "frames": frames}) == (
+        "'actions': 1 NaN, 2 inf of 4 values; 'frames': 1 NaN of 2 values")
