@@ -182,6 +182,27 @@ def test_a_malformed_request_is_a_request_error_and_leaves_its_session_as_it_was
     assert torch.equal(engine.execute(request(engine, "r1", "a", seed=1))["latents"], expected)
 
 
+def test_a_misspelt_runner_key_is_a_warning_once_and_the_request_runs_as_it_did():
+    """extra_args={'sesion_id': 'arm_a'} sent every robot whose client misspelt it to the shared default session,
+    without a word: the runner cannot refuse keys it does not read (they are the pipeline's)."""
+    engine = server_engine()
+    engine.load()
+    inputs = engine.pipeline.example_inputs(seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.execute(ARDiffusionRequest("r0", inputs, {"sesion_id": "arm_a", "closeSession": True, "seed": 3}))
+        engine.execute(ARDiffusionRequest("r1", inputs, {"sesion_id": "arm_b"}))  # the same key: not again
+        engine.execute(ARDiffusionRequest("r2", inputs, {"session_id": "arm_c", "Reset": False}))
+    assert [str(w.message) for w in caught if issubclass(w.category, ArdiffWarning)] == [
+        "request 'r0': extra_args key 'sesion_id' is not one the runner reads (session_id, reset, close_session): "
+        "it goes to the pipeline as is, and the request to session 'default'; did you mean 'session_id'?",
+        "request 'r0': extra_args key 'closeSession' is not one the runner reads (session_id, reset, close_session): "
+        "it goes to the pipeline as is; did you mean 'close_session'?",
+        "request 'r2': extra_args key 'Reset' is not one the runner reads (session_id, reset, close_session): "
+        "it goes to the pipeline as is; did you mean 'reset'?"]
+    assert sorted(view.session_id for view in engine.runner.sessions()) == ["arm_c", "default"]  # routed as before
+
+
 def test_closing_or_resetting_a_session_that_is_not_resident_is_a_typed_key_error_with_a_readable_message():
     """A server closes a robot's session when it disconnects, and LRU may have evicted it already: that was a bare
     KeyError whose message printed in quotes, listing every resident session id whatever their number and length."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from ardiff_cli.runtime.errors import RequestError, shown
 
 DEFAULT_SESSION_ID = "default"  # used by requests whose extra_args name no session
+RUNNER_KEYS = ("session_id", "reset", "close_session")  # the extra_args keys the runner reads
 
 
 @dataclass(slots=True)
@@ -52,6 +54,21 @@ class ARDiffusionRequest:
         """Raise ``RequestError`` if the runner cannot route this request as it is."""
         self._check_mapping("inputs", self.inputs, "the pipeline's inputs")
         _ = (self.session_id, self.reset, self.close_session)  # each raises when malformed
+
+    def misspelt_keys(self) -> list[tuple[str, str]]:
+        """``(key, meant)`` for each ``extra_args`` key that looks like a runner key misspelt (``sesion_id``,
+        ``sessionId``, ``close-session``): it goes to the pipeline as is, and a misspelt ``session_id`` sends the
+        request to the default session, with every other robot whose key is misspelt."""
+        found = []
+        for key in self.extra_args:
+            if not isinstance(key, str) or key in RUNNER_KEYS:
+                continue
+            folded = key.lower().replace("-", "").replace("_", "")
+            for meant in RUNNER_KEYS:
+                if meant.replace("_", "") == folded or difflib.SequenceMatcher(None, meant, key).ratio() >= 0.8:
+                    found.append((key, meant))
+                    break
+        return found
 
     def _check_mapping(self, name: str, value: Any, what: str) -> None:
         if not isinstance(value, Mapping):

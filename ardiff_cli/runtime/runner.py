@@ -66,7 +66,7 @@ from ardiff_cli.runtime.kv.backends import select_attention_backend
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
 from ardiff_cli.runtime.kv.layout import KVLayout
 from ardiff_cli.runtime.kv.state import ARDiffusionKVState
-from ardiff_cli.runtime.request import ARDiffusionRequest
+from ardiff_cli.runtime.request import RUNNER_KEYS, ARDiffusionRequest
 from ardiff_cli.runtime.swap import (
     SwapStore,
     check_swap_arguments,
@@ -223,6 +223,7 @@ class ARDiffusionModelRunner:
         self.swap_dir, self.swap_space = check_swap_arguments(swap_dir, swap_space, where="ARDiffusionModelRunner()")
         self.swap: SwapStore | None = None  # built at load, when the pipeline can export its sessions
         self._warned_swap_space = False  # a snapshot larger than the whole swap space was reported
+        self._warned_keys: set[str] = set()  # misspelt extra_args keys reported (``ARDiffusionRequest.misspelt_keys``)
         self._closed = False  # close() ran: pools and pipeline dropped, every later request refused
         # Resident sessions, least recently used first.
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
@@ -443,6 +444,13 @@ class ARDiffusionModelRunner:
             raise TypeError(f"execute_model takes an ARDiffusionRequest, got {type(request).__name__}")
         request.check()  # before the session is touched: a malformed request leaves it as it was
         session_id = request.session_id
+        for key, meant in request.misspelt_keys():
+            if key not in self._warned_keys:  # once a key: every request of a client would say the same
+                self._warned_keys.add(key)
+                routed = f", and the request to session {session_id!r}" if meant == "session_id" else ""
+                warnings.warn(f"request {shown(request.request_id)}: extra_args key {key!r} is not one the runner "
+                              f"reads ({', '.join(RUNNER_KEYS)}): it goes to the pipeline as is{routed}; did you mean "
+                              f"{meant!r}?", ArdiffWarning, stacklevel=3)
         if session_id == WARMUP_SESSION_ID and not internal:
             raise RequestError(f"session id {WARMUP_SESSION_ID!r} is reserved for warmup",
                                hint="name the session otherwise")
