@@ -124,6 +124,12 @@ class StopSignals:
         self.reraise()
         self._raise_pending()
 
+    def check_signal(self) -> None:
+        """``check``, but a deferred error (``defer``) waits for the next ``check``: the rollout checks here once its
+        model is loaded, before its run has a summary to record an error in."""
+        if not isinstance(self.pending, Exception):
+            self.check()
+
     def reraise(self) -> None:
         """Raise again the stop the handler raised, if it did: called where it cannot be on its way out."""
         if self.raised is not None:

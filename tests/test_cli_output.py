@@ -336,10 +336,16 @@ def test_a_stdout_that_fails_is_lost_once_and_the_hook_decides_when_the_command_
     signals = StopSignals()
     error = ConfigError("stop with me")
     signals.defer(error)
+    signals.check_signal()  # the rollout's check once its model is loaded: it has no summary to record an error in
     with pytest.raises(ConfigError) as raised:
         signals.check()  # the rollout's next safe point
     assert raised.value is error
     signals.check()  # once
+    signals = StopSignals()
+    signals.defer(signal.SIGPIPE)  # stdout's reader gone: stopped as a signal would, at check_signal too
+    with pytest.raises(Interrupted) as stopped:
+        signals.check_signal()
+    assert stopped.value.exit_code == 141
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full")

@@ -462,7 +462,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                                            swap_space=swap_space)
                 engine.subscribe(monitor.on_event)
                 plan = engine.load()
-                signals.check()  # one that arrived while the pipeline imported: not after warmup, before run.json
+                signals.check_signal()  # one that arrived while the pipeline imported: not after warmup
                 output.debug(f"loaded on {engine.device} in {time.monotonic() - started:.2f}s: "
                              f"{plan.session_capacity} sessions, {plan.num_managed_pages} pages")
                 if resume:
