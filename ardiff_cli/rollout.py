@@ -420,7 +420,9 @@ class Rollout:
         with self.signals.critical():
             self._append(record)
         if self.out.is_json:  # the same step object as an ok line's; plain and rich show the Error: lines below
-            self.out.json({"kind": "step", **record, "session_id": episode.name})
+            self.out.json({"kind": "step", **record, "session_id": episode.name,
+                           "detail": f"step {step_file.step} (chunk {ordinal}) failed in {phase}: "
+                                     f"{message.splitlines()[0]}"})
         self.stats.failed[episode.name] = message
         self.stats.errors[episode.name] = exc
         self.scheduler.drop(episode.name)

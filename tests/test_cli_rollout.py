@@ -194,11 +194,19 @@ def test_json_mode_carries_every_results_line_failed_ones_included(env, data, tm
     run = tmp_path / "run"
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(run), "--format", "json")
     assert proc.returncode == 4, proc.stderr
-    steps = [o for o in map(json.loads, proc.stdout.splitlines()) if o["kind"] == "step"]
+    objects = [json.loads(line) for line in proc.stdout.splitlines()]
+    steps = [o for o in objects if o["kind"] == "step"]
     assert [{k: v for k, v in s.items() if k not in ("kind", "session_id", "detail")} for s in steps] == records(run)
+    # Every step object carries the keys the README names, a failed one's too (it had no `detail`: a script printing
+    # o["detail"] for each step died at the first failure).
+    assert all(s["session_id"] == s["episode"] and s["detail"] for s in steps)
     (failed,) = [s for s in steps if s["status"] == "failed"]
     assert (failed["episode"], failed["step"], failed["phase"], failed["error_type"]) == (
         "arm_b", 1, "load", "ObservationError")
+    assert failed["detail"].startswith("step 1 (chunk 1) failed in load: ") and str(eps) in failed["detail"]
+    # Then the episode_failed error object the README promises after a failed step.
+    after = objects[objects.index(failed) + 1:]
+    assert next(o for o in after if "message" in o)["kind"] == "episode_failed"
 
 
 def read_png(path: Path) -> np.ndarray:
