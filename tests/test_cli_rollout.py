@@ -203,6 +203,10 @@ def test_json_mode_carries_every_results_line_failed_ones_included(env, data, tm
     (failed,) = [s for s in steps if s["status"] == "failed"]
     assert (failed["episode"], failed["step"], failed["phase"], failed["error_type"]) == (
         "arm_b", 1, "load", "ObservationError")
+    # What the README says a failed line holds: no request_id, output or latency (a script reads those from ok lines)
+    (line,) = [r for r in records(run) if r["status"] == "failed"]
+    assert sorted(line) == ["chunk", "episode", "error", "error_type", "path", "phase", "session", "status", "step",
+                            "time"]
     assert failed["detail"].startswith("step 1 (chunk 1) failed in load: ") and str(eps) in failed["detail"]
     # Then the episode_failed error object the README promises after a failed step.
     after = objects[objects.index(failed) + 1:]
@@ -1395,6 +1399,28 @@ def test_signals_exit_130_or_143_with_whole_lines(env, data, tmp_path, signum, c
     assert f"interrupted by {signal.Signals(signum).name}" in stderr and "--resume" in stderr
     assert len(records(run)) == 1
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+
+
+def test_an_episode_whose_end_comes_after_its_last_step_ran_ends_with_its_episode_object_not_a_closed_line(
+        env, data, tmp_path):
+    """As the README says of `closed`: a line cannot know that END comes later, so a script that waits for an
+    episode's end reads its `episode` object (or summary.json), not `"closed": true`, which never comes here."""
+    from ardiff_cli.io import end_episode
+
+    proc, live, run = follow_a_live_episode(env, data, tmp_path, "json")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)
+        end_episode(live / "arm_a")
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert [(r["step"], r["closed"]) for r in records(run)] == [(0, False)]
+    objects = [json.loads(line) for line in stdout.splitlines()]
+    kinds = [(o["kind"], o.get("session_id")) for o in objects]
+    assert kinds.index(("session_closed", "arm_a")) > kinds.index(("step", "arm_a"))
+    (end,) = [(o["episode"], o["reason"], o["steps"]) for o in objects if o["kind"] == "episode"]
+    assert end == ("arm_a", "end_marker", 1)
 
 
 def test_resume_goes_on_following_and_drawing_previews_as_the_run_started(env, data, tmp_path):
