@@ -1509,6 +1509,21 @@ def test_a_signal_the_process_was_started_ignoring_stays_ignored(env, data, tmp_
     assert sorted(r["step"] for r in records(run)) == [0, 1, 2]
 
 
+@pytest.mark.parametrize(("sig", "code"), [("INT", 0), ("TERM", 143)])
+def test_a_shell_scripts_background_run_ignores_kill_int_and_stops_on_kill_term(env, data, tmp_path, sig, code):
+    """The README's advice to a lab script: bash without job control starts `ardiff rollout ... &` ignoring SIGINT,
+    so `kill -INT $pid` lets the run go on (here to the END written after it), and `kill $pid` stops it."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
+    script = ('"$@" & pid=$!\n'
+              f'while [ ! -s {run}/results.jsonl ]; do kill -0 $pid || exit 99; sleep 0.05; done\n'
+              f'kill -{sig} $pid; touch {live}/arm_a/END; wait $pid')
+    proc = subprocess.run(["bash", "-c", script, "_", sys.executable, "-m", "ardiff_cli", "rollout",
+                           str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                           "--format", "plain"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == code, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["status"] == ("ok" if code == 0 else "interrupted")
+
 # -- a step file rewritten after it ran ------------------------------------------------------------------------
 
 def test_a_step_rewritten_after_it_ran_fails_its_episode_when_an_eviction_replays_it(env, data, reference, tmp_path):
