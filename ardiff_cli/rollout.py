@@ -70,6 +70,8 @@ class RolloutStats:
     errors: dict[str, Exception] = field(default_factory=dict)  # episode -> ObservationError or StepFailed
     completed_episodes: list[str] = field(default_factory=list)
     timed_out: list[str] = field(default_factory=list)  # of those, the ones --idle-timeout ended (no END came)
+    # follow: step files that arrived after their episode ended and did not run, by episode (--resume runs them)
+    late_steps: dict[str, list[str]] = field(default_factory=dict)
     hook_errors: list[dict[str, Any]] = field(default_factory=list)  # pipeline reset/close hooks that raised
 
 
@@ -114,6 +116,7 @@ class Rollout:
         self.stats = RolloutStats(skipped=sum(len(done.get(e.name, ())) for e in episodes))
         self.scheduler = StepScheduler(episodes, order=options.order, follow=options.follow,
                                        idle_timeout=options.idle_timeout, done=done, warn=out.warning)
+        self.stats.late_steps = self.scheduler.late  # filled as it warns of them, when every episode has ended
         # session id -> steps of its episode the resident session has consumed (absent: not resident)
         self._resident: dict[str, int] = {}
         # session id -> steps its session had consumed when it was swapped out (absent: no snapshot to restore);

@@ -1446,6 +1446,32 @@ def test_resume_goes_on_following_and_drawing_previews_as_the_run_started(env, d
     assert (run / "previews" / "arm_a.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_step_files_that_arrive_after_their_episode_ended_are_listed_in_the_summary_and_resume_runs_them(env, data,
+                                                                                                        tmp_path):
+    # They were only a warning on stderr: exit 0 and summary.json said nothing, so a script reading those alone took
+    # every step for run.
+    live, run = tmp_path / "live", tmp_path / "run"
+    write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a")  # its END is there from the start
+    write_episode(live / "arm_b", steps_of(1, 3)[:1], prompt="task arm_b", end=False)  # ends at --idle-timeout
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--idle-timeout",
+                 "5", "--no-warmup", "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 2, proc)  # both first steps ran: arm_a has ended
+        write_episode(live / "arm_a", steps_of(0, 3)[1:2], first_step=1)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "step_000001.safetensors arrived in" in stderr and "after its END file was seen and did not run" in stderr
+    episodes = json.loads((run / "summary.json").read_text())["episodes"]
+    assert episodes["late_steps"] == {"arm_a": ["step_000001.safetensors"]}
+    assert episodes["completed"] == 2 and episodes["timed_out"] == ["arm_b"]
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--idle-timeout", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted((r["episode"], r["step"]) for r in records(run)) == [("arm_a", 0), ("arm_a", 1), ("arm_b", 0)]
+    assert json.loads((run / "summary.json").read_text())["episodes"]["late_steps"] == {}
+
+
 def test_a_resumed_run_has_no_summary_until_it_ends_so_a_script_never_reads_the_last_runs_as_final(env, data,
                                                                                                   tmp_path):
     """A script that waits for summary.json: while a --resume runs, and after it is killed with -9, the interrupted

@@ -255,6 +255,7 @@ def test_follow_warns_once_per_episode_about_step_files_that_arrived_after_it_en
     assert warnings == [f"episode 'a': step_000001.safetensors, step_000002.safetensors arrived in {tmp_path / 'a'} "
                         "after its END file was seen and did not run (--resume runs them)"]
     assert scheduler.next() is None and len(warnings) == 1  # once
+    assert scheduler.late == {"a": ["step_000001.safetensors", "step_000002.safetensors"]}  # for the summary
 
     write_step(tmp_path / "d", 0, good(0), prompt="p")  # ends at its idle timeout; a file arrives after that
     clock = FakeClock()
@@ -267,6 +268,7 @@ def test_follow_warns_once_per_episode_about_step_files_that_arrived_after_it_en
     assert scheduler.next() is None
     assert warnings == [f"episode 'd': step_000001.safetensors arrived in {tmp_path / 'd'} after it ended at "
                         "--idle-timeout and did not run (--resume runs it)"]
+    assert scheduler.late == {"d": ["step_000001.safetensors"]}
 
 
 def test_follow_waits_for_a_file_to_stop_growing(tmp_path):

@@ -709,7 +709,7 @@ def _summary_of(run: Any, p: _Prepared, stats: Any, *, device: str | None, plan:
         info={**p.info, "device": device}, plan=plan,
         this_run={"steps": stats.steps, "skipped": stats.skipped, "replayed": stats.replayed,
                   "evictions": stats.evictions, "completed_episodes": stats.completed_episodes,
-                  "timed_out": stats.timed_out, "restored": stats.restored},
+                  "timed_out": stats.timed_out, "late_steps": stats.late_steps, "restored": stats.restored},
         wall_s=wall_s, status=status, exit_code=0 if error is None else exit_code_for(error), root=run.root)
     summary["swap"] = {"space_bytes": swap_space, "swapped_out": stats.swapped_out, "swap_failed": stats.swap_failed,
                        "restored": stats.restored, "restore_failed": stats.restore_failed, "dropped": dropped,

@@ -339,6 +339,8 @@ def build_summary(records: Iterable[Mapping[str, Any]], *, episodes: list[str], 
             "failed": len(failed),
             "incomplete": len(episodes) - len(completed) - len(failed),
             "timed_out": [e for e in completed if e in timed_out],  # completed, but by --idle-timeout: no END came
+            # follow: step files that arrived after their episode ended, and did not run (--resume runs them)
+            "late_steps": dict(this_run.get("late_steps", {})),
             "steps": {e: steps_by_episode.get(e, 0) for e in episodes},
             "failures": dict(failed),
         },

@@ -94,6 +94,7 @@ class StepScheduler:
         self._clock = clock
         self._sleep = sleep
         self._warn = warn  # follow: step files that arrived after their episode ended
+        self.late: dict[str, list[str]] = {}  # follow: those files by episode (the run's summary lists them)
         done = done or {}
         now = clock()
         self._tracks = [_Track(source=e, done=set(done.get(e.name, ())), done_sorted=sorted(done.get(e.name, ())),
@@ -248,6 +249,7 @@ class StepScheduler:
             except (ObservationError, OSError):  # the folder is gone or unreadable now: nothing to name
                 continue
             if late:
+                self.late[track.source.name] = late
                 when = "its END file was seen" if reason == "end_marker" else "it ended at --idle-timeout"
                 self._warn(f"episode {track.source.name!r}: {', '.join(late)} arrived in {track.source.path} after "
                            f"{when} and did not run (--resume runs {'it' if len(late) == 1 else 'them'})")
