@@ -18,9 +18,8 @@ import json
 import sys
 import time
 import traceback
-from pathlib import Path
 
-from benchmarks.common import DEFAULT_THREADS, REPO_ROOT, machine_info, set_threads
+from benchmarks.common import DEFAULT_THREADS, REPO_ROOT, json_path, machine_info, positive_int, set_threads
 
 BENCHMARKS = ("attention", "rolling", "resume", "capacity", "overhead", "startup", "churn", "swap")
 RESULTS = REPO_ROOT / "benchmarks" / "results.json"
@@ -59,14 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few repetitions (a smoke run)")
     parser.add_argument("--only", metavar="ID,ID", help=f"comma-separated subset of: {','.join(BENCHMARKS)}")
-    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+    parser.add_argument("--threads", type=positive_int, default=DEFAULT_THREADS,
                         help=f"torch intra-op threads for every benchmark (default {DEFAULT_THREADS})")
-    parser.add_argument("--json", type=Path, default=None,
+    parser.add_argument("--json", type=json_path, default=None,
                         help=f"results file (default {RESULTS.relative_to(REPO_ROOT)}; none with --quick)")
     args = parser.parse_args(argv)
     names = list(BENCHMARKS)
-    if args.only:
+    if args.only is not None:  # '' too: it named no benchmark, which ran them all and wrote results.json
         names = [name.strip() for name in args.only.split(",") if name.strip()]
+        if not names:
+            parser.error(f"--only names no benchmark; give one or more of: {', '.join(BENCHMARKS)}")
         unknown = [name for name in names if name not in BENCHMARKS]
         if unknown:
             parser.error(f"unknown benchmark(s) {', '.join(unknown)}; valid: {', '.join(BENCHMARKS)}")

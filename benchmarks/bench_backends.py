@@ -35,7 +35,7 @@ from ardiff_cli.runtime.errors import ConfigError
 from ardiff_cli.runtime.kv.backends import select_attention_backend
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
 from ardiff_cli.runtime.kv.layout import KVLayout
-from benchmarks.common import DEFAULT_THREADS, machine_info, set_threads
+from benchmarks.common import DEFAULT_THREADS, json_path, machine_info, positive_int, set_threads
 
 FULL = dict(num_heads=40, head_size=128, tokens_per_frame=220, frames_per_block=4, sink_frames=0,
             window_frames=12, registers=17, repetitions=7, warmup=1)
@@ -174,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small geometry, 2 repetitions (a smoke run)")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help=f"torch intra-op threads (default {DEFAULT_THREADS})")
-    parser.add_argument("--json", metavar="PATH", help="also write the result dict to PATH")
+    parser.add_argument("--json", metavar="PATH", type=json_path, help="also write the result dict to PATH")
     args = parser.parse_args(argv)
     set_threads(args.threads)
     result = {**run(quick=args.quick, device=args.device, dtype=args.dtype), "machine": machine_info()}

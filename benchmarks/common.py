@@ -217,6 +217,36 @@ def private_cache() -> Iterator[None]:
             os.environ.pop("ARDIFF_CACHE_DIR", None)
 
 
+def positive_int(text: str) -> int:
+    """argparse type of ``--threads``: torch.set_num_threads fails on 0 or less, after a traceback."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {value}")
+    return value
+
+
+def json_path(text: str) -> Path:
+    """argparse type of ``--json``: a file path whose folder exists and can be written to, checked before any
+    benchmark runs (the suite takes minutes, and its results were lost to a traceback at the end)."""
+    path = Path(text)
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file path, got ''")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; expected a file path, such as "
+                                         f"{str(path / 'results.json')!r}")
+    folder = path.parent
+    if not folder.exists():
+        raise argparse.ArgumentTypeError(f"{text!r}: folder {str(folder)!r} does not exist; create it first")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {str(folder)!r} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: folder {str(folder)!r} is not writable")
+    return path
+
+
 def cli(run: Callable[[bool], dict], description: str, argv: list[str] | None = None) -> int:
     """Command-line entry of one benchmark: ``--quick``, ``--threads N`` and ``--json PATH``; returns 0.
 
@@ -225,9 +255,9 @@ def cli(run: Callable[[bool], dict], description: str, argv: list[str] | None = 
     """
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions (smoke test)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help=f"torch intra-op threads (default {DEFAULT_THREADS})")
-    parser.add_argument("--json", type=Path, help="also write the result as JSON to this path")
+    parser.add_argument("--json", type=json_path, help="also write the result as JSON to this path")
     args = parser.parse_args(argv)
     set_threads(args.threads)
     result = {**run(args.quick), "machine": machine_info()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -425,3 +426,37 @@ def test_suite_threads_apply_to_every_benchmark(tmp_path, ardiff_cache):
     report = json.loads(path.read_text())
     assert report["machine"]["torch_threads"] == 2
     assert {r["id"]: r["threads"] for r in report["results"]} == {"capacity": 2, "overhead": 2, "attention": 2}
+
+
+def bench(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, **kwargs)
+
+
+@pytest.mark.parametrize(("module", "args", "message"), [
+    # '' named no benchmark: the whole suite ran (without --quick, for minutes, then overwrote results.json: so
+    # --quick here, which a regression runs for seconds and writes nothing with); ',' ran none and exited 0
+    ("benchmarks", ["--quick", "--only", ""], "--only names no benchmark; give one or more of: attention,"),
+    ("benchmarks", ["--quick", "--only", ","], "--only names no benchmark"),
+    ("benchmarks", ["--only", "nosuch"], "unknown benchmark(s) nosuch; valid: attention,"),
+    # torch.set_num_threads raised a RuntimeError with a traceback
+    ("benchmarks", ["--quick", "--threads", "0"], "argument --threads: expected a whole number of 1 or more, got 0"),
+    ("benchmarks", ["--quick", "--threads", "abc"], "--threads: expected a whole number of 1 or more, got 'abc'"),
+    ("benchmarks.bench_capacity", ["--quick", "--threads", "-1"], "--threads: expected a whole number of 1 or more"),
+    ("benchmarks.bench_backends", ["--quick", "--threads", "0"], "--threads: expected a whole number of 1 or more"),
+    # the results were lost to a FileNotFoundError / IsADirectoryError traceback once every benchmark had run
+    ("benchmarks", ["--quick", "--json", "{tmp}/missing/r.json"], "folder '{tmp}/missing' does not exist"),
+    ("benchmarks", ["--quick", "--json", "{tmp}/file/r.json"], "'{tmp}/file' is not a folder"),
+    ("benchmarks", ["--quick", "--json", "{tmp}"], "'{tmp}' is a folder; expected a file path, such as '{tmp}/results"),
+    ("benchmarks", ["--quick", "--json", ""], "argument --json: expected a file path, got ''"),
+    ("benchmarks.bench_swap", ["--quick", "--json", "{tmp}"], "'{tmp}' is a folder; expected a file path"),
+    ("benchmarks.bench_backends", ["--quick", "--json", "{tmp}/missing/r.json"], "folder '{tmp}/missing' does not"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path, module, args, message):
+    (tmp_path / "file").write_text("not a folder\n")
+    proc = bench(module, *(arg.replace("{tmp}", str(tmp_path)) for arg in args))
+    assert proc.returncode == 2, proc.stderr
+    assert message.replace("{tmp}", str(tmp_path)) in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "running" not in proc.stderr and not proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing written
+
