@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 import time
 import traceback
 
-from benchmarks.common import DEFAULT_THREADS, REPO_ROOT, json_path, machine_info, positive_int, set_threads
+from benchmarks.common import (DEFAULT_THREADS, REPO_ROOT, exit_on_signals, json_path, machine_info, positive_int,
+                               set_threads, write_json)
 
 BENCHMARKS = ("attention", "rolling", "resume", "capacity", "overhead", "startup", "churn", "swap")
 RESULTS = REPO_ROOT / "benchmarks" / "results.json"
@@ -71,30 +71,35 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [name for name in names if name not in BENCHMARKS]
         if unknown:
             parser.error(f"unknown benchmark(s) {', '.join(unknown)}; valid: {', '.join(BENCHMARKS)}")
-    set_threads(args.threads)
-    start = time.perf_counter()
-    results = []
-    for name in names:
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        results.append(run_one(name, args.quick))
-        print(f"  {name}: {results[-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
-    report = {
-        "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": machine_info(),
-        "quick": args.quick,
-        "seconds": time.perf_counter() - start,
-        "passed": all(r.get("passed") for r in results),
-        "results": results,
-    }
-    print(format_table(results))
-    print(f"\n{len(results)} benchmarks in {report['seconds']:.0f} s, {report['machine']['torch_threads']} torch "
-          f"thread(s), {report['machine']['cpu_count']} CPUs, torch {report['machine']['torch']}")
-    # results.json holds the whole suite: a quick or partial run writes a file only when --json names one
-    path = args.json if args.json is not None else (None if args.quick or args.only else RESULTS)
-    if path is not None:
-        path.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {path}")
-    return 0 if all("error" not in r for r in results) else 1
+
+    def run() -> int:
+        set_threads(args.threads)
+        start = time.perf_counter()
+        results = []
+        for name in names:
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            results.append(run_one(name, args.quick))
+            print(f"  {name}: {results[-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
+        report = {
+            "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "machine": machine_info(),
+            "quick": args.quick,
+            "seconds": time.perf_counter() - start,
+            "passed": all(r.get("passed") for r in results),
+            "results": results,
+        }
+        print(format_table(results))
+        print(f"\n{len(results)} benchmarks in {report['seconds']:.0f} s, {report['machine']['torch_threads']} torch "
+              f"thread(s), {report['machine']['cpu_count']} CPUs, torch {report['machine']['torch']}")
+        # results.json holds the whole suite: a quick or partial run writes a file only when --json names one
+        path = args.json if args.json is not None else (None if args.quick or args.only else RESULTS)
+        if path is not None:
+            if not write_json(path, report):
+                return 1
+            print(f"wrote {path}")
+        return 0 if all("error" not in r for r in results) else 1
+
+    return exit_on_signals(run)
 
 
 if __name__ == "__main__":

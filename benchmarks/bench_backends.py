@@ -35,7 +35,8 @@ from ardiff_cli.runtime.errors import ConfigError
 from ardiff_cli.runtime.kv.backends import select_attention_backend
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
 from ardiff_cli.runtime.kv.layout import KVLayout
-from benchmarks.common import DEFAULT_THREADS, json_path, machine_info, positive_int, set_threads
+from benchmarks.common import (DEFAULT_THREADS, exit_on_signals, json_path, machine_info, positive_int,
+                               set_threads, write_json)
 
 FULL = dict(num_heads=40, head_size=128, tokens_per_frame=220, frames_per_block=4, sink_frames=0,
             window_frames=12, registers=17, repetitions=7, warmup=1)
@@ -178,21 +179,23 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"torch intra-op threads (default {DEFAULT_THREADS})")
     parser.add_argument("--json", metavar="PATH", type=json_path, help="also write the result dict to PATH")
     args = parser.parse_args(argv)
-    set_threads(args.threads)
-    result = {**run(quick=args.quick, device=args.device, dtype=args.dtype), "machine": machine_info()}
-    line = f"backends on {result['device']} ({result['dtype']}): torch denoise {result['torch_denoise_ms']:.2f} ms"
-    if "vllm_denoise_ms" in result:
-        line += (f" | vllm denoise {result['vllm_denoise_ms']:.2f} ms "
-                 f"(x{result['denoise_speedup_vllm_over_torch']:.2f}), "
-                 f"commit x{result['commit_speedup_vllm_over_torch']:.2f}")
-    else:
-        line += f" | vllm {result['vllm']}"
-    print(line)
-    print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2)
-    return 0
+
+    def measure() -> int:
+        set_threads(args.threads)
+        result = {**run(quick=args.quick, device=args.device, dtype=args.dtype), "machine": machine_info()}
+        line = (f"backends on {result['device']} ({result['dtype']}): "
+                f"torch denoise {result['torch_denoise_ms']:.2f} ms")
+        if "vllm_denoise_ms" in result:
+            line += (f" | vllm denoise {result['vllm_denoise_ms']:.2f} ms "
+                     f"(x{result['denoise_speedup_vllm_over_torch']:.2f}), "
+                     f"commit x{result['commit_speedup_vllm_over_torch']:.2f}")
+        else:
+            line += f" | vllm {result['vllm']}"
+        print(line)
+        print(json.dumps(result))
+        return 0 if args.json is None or write_json(args.json, result) else 1
+
+    return exit_on_signals(measure)
 
 
 if __name__ == "__main__":

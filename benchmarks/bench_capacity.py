@@ -20,6 +20,7 @@ Target: ``|planned - actual| / actual <= 1%`` for every N on every config.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 
@@ -123,4 +124,4 @@ def run(quick: bool = False) -> dict:
 
 
 if __name__ == "__main__":
-    cli(run, __doc__)
+    sys.exit(cli(run, __doc__))

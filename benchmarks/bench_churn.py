@@ -25,6 +25,7 @@ of requests per second capacity-4 / unlimited (CPU time). No target: report.
 from __future__ import annotations
 
 import statistics
+import sys
 
 import numpy as np
 import torch
@@ -136,4 +137,4 @@ def run(quick: bool = False) -> dict:
 
 
 if __name__ == "__main__":
-    cli(run, __doc__)
+    sys.exit(cli(run, __doc__))

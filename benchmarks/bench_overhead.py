@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import sys
 import time
 from collections import defaultdict
 
@@ -286,4 +287,4 @@ def run(quick: bool = False) -> dict:
 
 
 if __name__ == "__main__":
-    cli(run, __doc__)
+    sys.exit(cli(run, __doc__))

@@ -37,6 +37,7 @@ model's forward count. ardiff runs with the attention backend ``auto`` picks.
 from __future__ import annotations
 
 import statistics
+import sys
 import tempfile
 
 import torch
@@ -214,4 +215,4 @@ def _run(quick: bool, swap_dir: str) -> dict:
 
 
 if __name__ == "__main__":
-    cli(run, __doc__)
+    sys.exit(cli(run, __doc__))

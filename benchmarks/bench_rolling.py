@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 
 import torch
 
@@ -196,4 +197,4 @@ def run(quick: bool = False) -> dict:
 
 
 if __name__ == "__main__":
-    cli(run, __doc__)
+    sys.exit(cli(run, __doc__))

@@ -103,4 +103,4 @@ def run(quick: bool = False) -> dict:
 
 
 if __name__ == "__main__":
-    cli(run, __doc__)
+    sys.exit(cli(run, __doc__))

@@ -28,6 +28,7 @@ saves), and the snapshot's bytes.
 from __future__ import annotations
 
 import statistics
+import sys
 import tempfile
 
 import torch
@@ -138,4 +139,4 @@ def _run(quick: bool, swap_root: str) -> dict:
 
 
 if __name__ == "__main__":
-    cli(run, __doc__)
+    sys.exit(cli(run, __doc__))

@@ -19,9 +19,11 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -217,6 +219,39 @@ def private_cache() -> Iterator[None]:
             os.environ.pop("ARDIFF_CACHE_DIR", None)
 
 
+class Stopped(BaseException):
+    """SIGINT, SIGTERM or SIGHUP arrived. A ``BaseException``, so that the suite's ``except Exception`` (one broken
+    benchmark must not hide the others) cannot take it for a failed benchmark and run on."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def exit_on_signals(main: Callable[[], int]) -> int:
+    """``main()``, with SIGINT, SIGTERM and SIGHUP raised as :class:`Stopped`; a stop ends it with one line on stderr
+    and 128 + the signal number (130, 143, 129), without a traceback. Results files are written whole or not at all
+    (:func:`write_json`), so a stop leaves a file already at the ``--json`` path as it was. A signal the process was
+    started ignoring (a shell's background job ignores SIGINT) stays ignored."""
+    from ardiff_cli.signals import HANDLED
+
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {signum: signal.signal(signum, stop) for signum in HANDLED if signal.getsignal(signum) is not
+                    signal.SIG_IGN}
+    try:
+        return main()
+    except Stopped as stopped:
+        print(f"{stopped}; no results were written", file=sys.stderr)
+        return 128 + stopped.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def positive_int(text: str) -> int:
     """argparse type of ``--threads``: torch.set_num_threads fails on 0 or less, after a traceback."""
     try:
@@ -247,8 +282,22 @@ def json_path(text: str) -> Path:
     return path
 
 
+def write_json(path: Path, obj: dict) -> bool:
+    """Write ``obj`` to ``path`` whole or not at all (a temporary file renamed over it), so an interrupted or failed
+    write leaves the file that was there; on failure, say so on stderr and return False."""
+    from ardiff_cli.io.atomic import atomic_write_text
+
+    try:
+        atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+    except OSError as error:
+        print(f"error: could not write {path}: {error.strerror or error}", file=sys.stderr)
+        return False
+    return True
+
+
 def cli(run: Callable[[bool], dict], description: str, argv: list[str] | None = None) -> int:
-    """Command-line entry of one benchmark: ``--quick``, ``--threads N`` and ``--json PATH``; returns 0.
+    """Command-line entry of one benchmark: ``--quick``, ``--threads N`` and ``--json PATH``; returns the exit code
+    (0; 1 when the file could not be written; 128 + the signal when stopped, see :func:`exit_on_signals`).
 
     The result carries ``machine`` (torch version and threads, CPUs, date, git commit, ardiff's environment
     variables), as the suite's results.json does.
@@ -259,9 +308,11 @@ def cli(run: Callable[[bool], dict], description: str, argv: list[str] | None = 
                         help=f"torch intra-op threads (default {DEFAULT_THREADS})")
     parser.add_argument("--json", type=json_path, help="also write the result as JSON to this path")
     args = parser.parse_args(argv)
-    set_threads(args.threads)
-    result = {**run(args.quick), "machine": machine_info()}
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+
+    def main() -> int:
+        set_threads(args.threads)
+        result = {**run(args.quick), "machine": machine_info()}
+        print(json.dumps(result, indent=2))
+        return 0 if args.json is None or write_json(args.json, result) else 1
+
+    return exit_on_signals(main)

@@ -6,8 +6,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -460,3 +462,38 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, module, args, 
     assert "Traceback" not in proc.stderr and "running" not in proc.stderr and not proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing written
 
+
+def wait_for_a_child(proc: subprocess.Popen) -> None:
+    """Until ``proc`` has started a process of its own: the startup benchmark's commands, inside its run."""
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    while not children.read_text().strip():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("module", ["benchmarks", "benchmarks.bench_startup"])
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_in_the_middle_of_a_run_leaves_the_json_file_as_it_was(tmp_path, module, signum, code):
+    """Ctrl-C ended the suite with a KeyboardInterrupt traceback; SIGTERM in the middle of writing the file (a plain
+    truncate-and-write) left it empty or cut short; a benchmark run alone exited 0 whatever main returned."""
+    if not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists():
+        pytest.skip("needs /proc/PID/task/PID/children to see the benchmark start its commands")
+    path = tmp_path / "results.json"
+    path.write_text('{"previous": "run"}\n')
+    args = ["--only", "startup"] if module == "benchmarks" else []
+    proc = subprocess.Popen([sys.executable, "-m", module, "--quick", *args, "--json", str(path)], cwd=REPO_ROOT,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            # as in a terminal, whatever the test runner's own SIGINT disposition (a background job)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        wait_for_a_child(proc)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err
+    assert f"interrupted by {signal.Signals(signum).name}; no results were written" in err
+    assert "Traceback" not in err
+    assert path.read_text() == '{"previous": "run"}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no temporary file left beside it
