@@ -96,6 +96,8 @@ def _core_figures() -> list[str]:
     steady = rol["steady_blocks"]
     rank = steady - list(range(steady)).index(percentile(list(range(steady)), 99))  # 1: the slowest
     return [
+        # how long the whole suite takes (it said about 2 min where results.json took 230 s)
+        f"benchmarks/results.json (about {report['seconds'] / 60:.0f} min on {machine['cpu_count']} CPU cores)",
         f"torch {'.'.join(machine['torch'].split('.')[:2])} CPU, {machine['torch_threads']} thread, "
         f"{machine['date'][:10]}",
         f"| {att['paged_ms']:.1f} ms paged attention | {att['contiguous_ms']:.1f} ms SDPA on contiguous K/V "
