@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     names = list(BENCHMARKS)
     if args.only is not None:  # '' too: it named no benchmark, which ran them all and wrote results.json
-        names = [name.strip() for name in args.only.split(",") if name.strip()]
+        # each once, in the order given: `--only capacity,capacity` ran it twice, two rows of one id
+        names = list(dict.fromkeys(name.strip() for name in args.only.split(",") if name.strip()))
         if not names:
             parser.error(f"--only names no benchmark; give one or more of: {', '.join(BENCHMARKS)}")
         unknown = [name for name in names if name not in BENCHMARKS]

@@ -399,7 +399,7 @@ def test_suite_main_quick_only(tmp_path, capsys):
     from benchmarks.__main__ import main
 
     path = tmp_path / "results.json"
-    assert main(["--quick", "--only", "capacity,startup", "--json", str(path)]) == 0
+    assert main(["--quick", "--only", "capacity,startup,capacity", "--json", str(path)]) == 0  # each once
     report = json.loads(path.read_text())
     assert [r["id"] for r in report["results"]] == ["capacity", "startup"]
     for key in ("cpu_count", "torch", "torch_threads", "date", "git_commit", "git_dirty", "environment"):
