@@ -332,6 +332,9 @@ CONFIG_CASES = {
     "quoted_number": ("pipeline: dreamzero\nmodel: {guidance_scale: '5'}\n", "inspect-capacity",
                       ["{config}: field 'model.guidance_scale': expected a number, got '5'"],
                       "'5' is text (quoted), not a number: remove the quotes"),
+    "digits_of_another_script": ("pipeline: dreamzero\nmodel: {guidance_scale: \u0661\u0662}\n", "inspect-capacity",
+                                 ["{config}: field 'model.guidance_scale': expected a number, got '\u0661\u0662'"],
+                                 "set 'model.guidance_scale' to a number"),  # not "remove the quotes": there are none
     "infinite_float": ("pipeline: dreamzero\nmodel: {guidance_scale: .inf}\n", "inspect-capacity",
                        ["{config}: field 'model.guidance_scale': expected a finite number, got inf"],
                        "set 'model.guidance_scale' to a finite number"),

@@ -150,8 +150,8 @@ _EXPONENT = re.compile(r"([-+]?)([0-9][0-9_]*)(\.[0-9_]*)?[eE]([-+]?)([0-9]+)")
 def _number_as_text_hint(expected: str, got: object) -> str | None:
     """Why a number came as text, when it did: ``guidance_scale: 1e30`` was refused as "expected a number, got
     '1e30'", which reads as a contradiction."""
-    if not isinstance(got, str) or not ("number" in expected or "integer" in expected):
-        return None
+    if not isinstance(got, str) or not got.isascii() or not ("number" in expected or "integer" in expected):
+        return None  # float() takes other scripts' digits too ('١٢'), which YAML never reads as a number
     try:
         number = float(got.replace("_", ""))
     except ValueError:
