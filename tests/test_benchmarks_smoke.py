@@ -466,8 +466,10 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, module, args, 
 def wait_for_a_child(proc: subprocess.Popen) -> None:
     """Until ``proc`` has started a process of its own: the startup benchmark's commands, inside its run."""
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    deadline = time.monotonic() + 120  # not a timing assertion: a bound on a hang
     while not children.read_text().strip():
         assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the benchmark never started a command"
         time.sleep(0.01)
 
 
