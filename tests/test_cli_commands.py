@@ -359,3 +359,21 @@ def test_ctrl_c_however_early_is_one_error_line_and_exit_130_never_a_traceback(t
             {"kind": "interrupted", "message": "interrupted", "hint": None, "exit_code": 130}]
     else:
         assert proc.stdout == ""
+
+
+def test_inspect_capacity_says_one_session_fits_when_the_budget_is_raised_to_hold_it():
+    """The budget is never less than one session: a device with room for one session but not within
+    gpu_memory_fraction plans 1 session, so the '1 session' row says it fits (it said 'over budget' under
+    'sessions 1, 1 fit the budget'); a second session that fits the device but not the budget is over budget."""
+    plan = plan_capacity(load_config("dreamzero-tiny").kv_cache_spec(), "float32", 1 << 30, 0.9)
+    one, two = plan.required_bytes(1), plan.required_bytes(2)
+    result = runner.invoke(app, ["inspect-capacity", "dreamzero-tiny", "--available", str(one + 1000), "--sessions",
+                                 "1", "--sessions", "2", "--format", "plain"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.stderr
+    assert re.search(r"^sessions +1 +1 fit the budget", result.stdout, re.M), result.stdout
+    assert re.search(r"^1 session +\S+% +of available memory \(fits\)", result.stdout, re.M), result.stdout
+    assert re.search(r"^2 sessions +\S+% +of available memory \(does not fit\)", result.stdout, re.M), result.stdout
+    result = runner.invoke(app, ["inspect-capacity", "dreamzero-tiny", "--available", str(int(two / 0.95)),
+                                 "--sessions", "2", "--format", "plain"], env={"COLUMNS": "200"})
+    assert re.search(r"^sessions +1 +1 fit the budget", result.stdout, re.M), result.stdout
+    assert re.search(r"^2 sessions +95% +of available memory \(over budget\)", result.stdout, re.M), result.stdout

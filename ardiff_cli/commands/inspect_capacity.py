@@ -347,7 +347,11 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
                   f"{plan.num_managed_pages} pages, {fb(plan.planned_bytes)} planned")
     table.add_row("per GiB", f"{plan.sessions_per_gib:.3g}", "sessions per GiB of memory")
     for n, fraction in data["fraction_needed"].items():
-        verdict = "fits" if fraction <= plan.gpu_memory_fraction else ("over budget" if fraction <= 1 else "does not fit")
+        # Against the budget, not the fraction: the budget is never less than one session, so one session whose
+        # fraction is above gpu_memory_fraction (but within what is available) is admitted, as the plan says.
+        required = plan.required_bytes(int(n))
+        verdict = ("fits" if required <= plan.budget_bytes
+                   else "over budget" if required <= plan.available_bytes else "does not fit")
         table.add_row(f"{n} session{'s' if n != '1' else ''}", f"{fraction * 100:.3g}%", f"of available memory ({verdict})")
     title = f"capacity plan: {data['config']} (pipeline {data['pipeline']}, {plan.dtype})"
     if plain:
