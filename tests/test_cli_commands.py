@@ -377,3 +377,17 @@ def test_inspect_capacity_says_one_session_fits_when_the_budget_is_raised_to_hol
                                  "--sessions", "2", "--format", "plain"], env={"COLUMNS": "200"})
     assert re.search(r"^sessions +1 +1 fit the budget", result.stdout, re.M), result.stdout
     assert re.search(r"^2 sessions +95% +of available memory \(over budget\)", result.stdout, re.M), result.stdout
+
+
+def test_inspect_capacity_shows_large_figures_without_exponent_notation():
+    """'1.05e+03%' and '5.38e+03' sessions per GiB read as a typo; three digits stay, in plain notation."""
+    result = runner.invoke(app, ["inspect-capacity", "dreamzero-14b", "--available", "80GiB", "--sessions", "200",
+                                 "--format", "plain"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.stderr
+    assert re.search(r"^200 sessions +1,050% +of available memory \(does not fit\)", result.stdout, re.M), result.stdout
+    assert re.search(r"^8 sessions +42\.6% ", result.stdout, re.M), result.stdout
+    result = runner.invoke(app, ["inspect-capacity", "dreamzero-tiny", "--available", "80GiB", "--format", "plain"],
+                           env={"COLUMNS": "200"})
+    assert re.search(r"^per GiB +5,380 +sessions per GiB", result.stdout, re.M), result.stdout
+    assert re.search(r"^1 session +0\.000347% ", result.stdout, re.M), result.stdout
+    assert "e+" not in result.stdout and "e-0" not in result.stdout

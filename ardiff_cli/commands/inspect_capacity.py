@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import shutil
 import subprocess
@@ -297,6 +298,15 @@ def capacity_report(plan: Any, spec: Any, counts: list[int]) -> dict[str, Any]:
     }
 
 
+def _three_digits(value: float) -> str:
+    """Three significant digits, never in exponent notation ('5.38e+03' read as 5,380, '1.05e+03%' as 1,050%)."""
+    rounded = float(f"{value:.3g}")
+    if rounded <= 0:
+        return "0"
+    text = f"{rounded:,.{max(0, 2 - math.floor(math.log10(rounded)))}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text  # as .3g writes it: 5, not 5.00
+
+
 def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
     from rich import box
     from rich.console import Group
@@ -345,14 +355,15 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
     table.add_row("sessions", str(plan.session_capacity),
                   f"{data['sessions_fit']} fit the budget, limit {plan.session_capacity_limit}; "
                   f"{plan.num_managed_pages} pages, {fb(plan.planned_bytes)} planned")
-    table.add_row("per GiB", f"{plan.sessions_per_gib:.3g}", "sessions per GiB of memory")
+    table.add_row("per GiB", _three_digits(plan.sessions_per_gib), "sessions per GiB of memory")
     for n, fraction in data["fraction_needed"].items():
         # Against the budget, not the fraction: the budget is never less than one session, so one session whose
         # fraction is above gpu_memory_fraction (but within what is available) is admitted, as the plan says.
         required = plan.required_bytes(int(n))
         verdict = ("fits" if required <= plan.budget_bytes
                    else "over budget" if required <= plan.available_bytes else "does not fit")
-        table.add_row(f"{n} session{'s' if n != '1' else ''}", f"{fraction * 100:.3g}%", f"of available memory ({verdict})")
+        table.add_row(f"{n} session{'s' if n != '1' else ''}", f"{_three_digits(fraction * 100)}%",
+                      f"of available memory ({verdict})")
     title = f"capacity plan: {data['config']} (pipeline {data['pipeline']}, {plan.dtype})"
     if plain:
         return Group(Text(title), table)
