@@ -299,10 +299,11 @@ def capacity_report(plan: Any, spec: Any, counts: list[int]) -> dict[str, Any]:
 
 
 def _three_digits(value: float) -> str:
-    """Three significant digits, never in exponent notation ('5.38e+03' read as 5,380, '1.05e+03%' as 1,050%)."""
+    """Three significant digits in plain notation ('5.38e+03' read as a typo: 5,380; '1.05e+03%': 1,050%), but for
+    figures only an absurd --available or --sessions gives, where a row of zeros or digits would say less."""
     rounded = float(f"{value:.3g}")
-    if rounded <= 0:
-        return "0"
+    if not 1e-4 <= rounded < 1e6:
+        return f"{value:.3g}"
     text = f"{rounded:,.{max(0, 2 - math.floor(math.log10(rounded)))}f}"
     return text.rstrip("0").rstrip(".") if "." in text else text  # as .3g writes it: 5, not 5.00
 
