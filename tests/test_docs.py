@@ -354,3 +354,25 @@ def test_every_field_of_inspect_capacity_json_is_in_the_readme():
     section = _section(readme, "### `ardiff inspect-capacity", "\n## ")
     fields = set(json.loads(result.stdout)) - {"kind"}
     assert sorted(key for key in fields if not _named(key, section)) == []
+
+
+def test_every_field_of_the_warmup_json_result_is_in_the_readme(tmp_path, monkeypatch):
+    """A script reads warmup's result object by its field names: each one (and each request's) is named in the
+    warmup section, so a field added comes with its meaning."""
+    import json
+
+    from typer.testing import CliRunner
+
+    monkeypatch.setenv("ARDIFF_CACHE_DIR", str(tmp_path / "cache"))
+    config = tmp_path / "world.yaml"  # causal-world-tiny's geometry, one sampling step
+    config.write_text("pipeline: causal_world\nmodel: {preset: tiny, cond_dim: 8, denoising_timesteps: [1000]}\n")
+    result = CliRunner().invoke(app, ["warmup", str(config), "--device", "cpu", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    objects = [json.loads(line) for line in result.stdout.splitlines()]
+    report = objects[-1]
+    assert report["kind"] == "warmup" and report["requests"]
+    readme = (REPO / "README.md").read_text()
+    section = _section(readme, "### `ardiff warmup", "\n### ")
+    fields = (set(report) - {"kind"}) | {key for request in report["requests"] for key in request}
+    fields |= {obj["kind"] for obj in objects[:-1]}  # the runtime's events before it
+    assert sorted(key for key in fields if not _named(key, section)) == []
