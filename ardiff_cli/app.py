@@ -13,10 +13,10 @@ import typer
 
 from ardiff_cli import __version__
 from ardiff_cli.commands import inspect_capacity, rollout, warmup
-from ardiff_cli.entry import requested_format
+from ardiff_cli.entry import report_interrupted, requested_format
 from ardiff_cli.errors_cli import EXIT_CODES_HELP, EXIT_SIGINT
 from ardiff_cli.options import FLAG, HelpOpt
-from ardiff_cli.output import Format, Output, resolve_format, stdout_error
+from ardiff_cli.output import Output, resolve_format, stdout_error
 
 app = typer.Typer(
     name="ardiff",
@@ -65,7 +65,7 @@ def main() -> NoReturn:
     except SystemExit as exc:
         _end_process(exc.code)
     except KeyboardInterrupt:  # raised as Typer builds the command, before its own catch: it was a traceback
-        _report_interrupted(sys.argv[1:])
+        report_interrupted(sys.argv[1:])
         _end_process(EXIT_SIGINT)
 
 
@@ -83,7 +83,7 @@ def _run(args: list[str]) -> None:
         if command == "ardiff" and args[0] in COMMANDS:  # an error parsing the command's own options
             command = f"ardiff {args[0]}"
         message = exc.format_message().replace(": Value error, ", ": ", 1)  # Typer's choice errors carry pydantic's
-        Output(resolve_format(_requested_format(args))).error(
+        Output(resolve_format(requested_format(args))).error(
             message, f"see {command} --help", exit_code=exc.exit_code, kind="usage_error")
         sys.exit(exc.exit_code)
     except typer.Abort:
@@ -93,18 +93,11 @@ def _run(args: list[str]) -> None:
             raise
         # Writing --help or --version (a command reports its own errors, stdout's included: handle_errors).
         error = stdout_error(exc)
-        Output(resolve_format(_requested_format(args))).error(str(error), error.hint, exit_code=1, kind="output_error")
+        Output(resolve_format(requested_format(args))).error(str(error), error.hint, exit_code=1, kind="output_error")
         sys.exit(1)
     if code == EXIT_SIGINT and not Output.errors_reported:  # Typer's exit for a Ctrl-C before a command took it
-        _report_interrupted(args)
+        report_interrupted(args)
     sys.exit(code or 0)
-
-
-def _report_interrupted(args: list[str]) -> None:
-    """Ctrl-C before a command began: reported as a command reports a later one (``entry`` reports one while this
-    module imports)."""
-    Output(resolve_format(_requested_format(args))).error("interrupted", None, exit_code=EXIT_SIGINT,
-                                                           kind="interrupted")
 
 
 def _end_process(code: object) -> NoReturn:
@@ -152,9 +145,3 @@ def _fill_closed_standard_streams() -> None:
             os.close(null)
         if getattr(sys, name) is None:
             setattr(sys, name, open(fd, mode, closefd=False, errors="replace"))
-
-
-def _requested_format(args: list[str]) -> str:
-    """The --format a command line asks for, if it is one, else auto."""
-    requested = requested_format(args)
-    return requested if requested in {f.value for f in Format} else "auto"

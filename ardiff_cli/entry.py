@@ -7,7 +7,6 @@ Typer builds the command): ``Error: interrupted``, the error object on stdout un
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -17,10 +16,7 @@ def main() -> None:
         from ardiff_cli.app import main as run
     except KeyboardInterrupt:
         try:  # a closed stream (`>&-`) is None; one whose reader is gone raises: the exit code says it all then
-            sys.stderr.write("Error: interrupted\n")
-            if requested_format(sys.argv[1:]) == "json":
-                sys.stdout.write(json.dumps({"kind": "interrupted", "message": "interrupted", "hint": None,
-                                             "exit_code": 130}, separators=(",", ":")) + "\n")
+            report_interrupted(sys.argv[1:])
             sys.stdout.flush()
         except (AttributeError, OSError):
             pass
@@ -28,12 +24,22 @@ def main() -> None:
     run()
 
 
+def report_interrupted(args: list[str]) -> None:
+    """Ctrl-C before a command began, reported as a command reports a later one."""
+    from ardiff_cli.output import Output, resolve_format  # standard library only, as this module
+
+    Output(resolve_format(requested_format(args))).error("interrupted", None, exit_code=130, kind="interrupted")
+
+
 def requested_format(args: list[str]) -> str:
-    """The --format a command line asks for (the last one wins, as Typer takes it; lowercased), else auto."""
+    """The --format a command line asks for (the last one wins, as Typer takes it), if it is one, else auto."""
+    from ardiff_cli.output import Format
+
     requested = "auto"
     for arg, following in zip(args, [*args[1:], ""]):
         if arg.lower().startswith("--format="):
             requested = arg.split("=", 1)[1]
         elif arg == "--format":
             requested = following
-    return requested.lower()
+    requested = requested.lower()
+    return requested if requested in {f.value for f in Format} else "auto"
