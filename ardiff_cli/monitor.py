@@ -55,8 +55,10 @@ def describe_event(data: dict[str, Any]) -> str:
         return f"{data.get('num_requests')} requests in {data.get('seconds', 0):.3f}s, {restored}"
     if kind == "capacity_planned":
         plan = data.get("plan", {})
+        attention = f", attention {data['attention_backend']}" if data.get("attention_backend") else ""
         return (f"{plan.get('session_capacity')} sessions, {plan.get('num_managed_pages')} pages of "
-                f"{format_bytes(plan.get('bytes_per_page', 0))}, budget {format_bytes(plan.get('budget_bytes', 0))}")
+                f"{format_bytes(plan.get('bytes_per_page', 0))}, budget {format_bytes(plan.get('budget_bytes', 0))}"
+                + attention)
     if kind == "request_finished":
         return f"{data.get('request_id')} {data.get('total_s', 0) * 1000:.1f} ms"
     return str(data.get("detail", ""))

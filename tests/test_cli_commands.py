@@ -196,6 +196,16 @@ def test_warmup_plain_prints_a_table(fast_configs):
     assert "warmup-0" in result.stdout and "\x1b[" not in result.stdout + result.stderr
 
 
+def test_the_plain_planned_line_names_the_attention_backend_that_runs(fast_configs, cli_env):
+    """The README says the backend `auto` picked is shown; in plain format (a log under nohup or CI) the `planned`
+    line was the only word of the plan and named no backend, so a run could not tell which kernel it used."""
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "warmup", str(fast_configs[1]), "--device", "cpu",
+                           "--format", "plain"], cwd=REPO, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (planned,) = [line for line in proc.stderr.splitlines() if re.search(r"\splanned\s", line)]
+    assert planned.endswith(", attention torch"), planned
+
+
 def _imported_modules(*args: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ardiff_cli", *args], cwd=REPO, env=env,
