@@ -32,6 +32,34 @@ def test_every_option_of_every_command_is_in_the_readme():
     assert missing == []
 
 
+def test_every_option_of_every_command_has_a_row_in_its_tables_and_every_row_is_an_option():
+    """A mention anywhere (the test above) let options live only in prose (--idle-timeout inside --follow's row,
+    inspect-capacity's --available and --sessions) and a table row name a form no command takes."""
+    readme = (REPO / "README.md").read_text()
+    commands_section = _section(readme, "## Commands", "\n## Observation files") + "\n#"
+    shared = commands_section.partition("\n### ")[0]
+
+    def first_cells(text: str) -> str:
+        return "\n".join(row.split(" | ")[0] for row in text.splitlines() if row.startswith("| `"))
+
+    group = typer.main.get_command(app)
+    problems = []
+    for name, command in group.commands.items():
+        own = _section(commands_section, f"### `ardiff {name}", "\n#")
+        cells = first_cells(shared) + "\n" + first_cells(own)
+        taken = set()
+        for param in command.params:
+            forms = [opt for opt in (*param.opts, *param.secondary_opts) if opt.startswith("-")]
+            taken |= set(forms)
+            if param.param_type_name == "option" and "--help" not in forms:
+                if not any(_mentioned(opt, cells) for opt in forms if opt.startswith("--")):
+                    problems.append(f"ardiff {name} {'/'.join(forms)}: no table row")
+        for option in re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", cells):
+            if option not in taken:
+                problems.append(f"ardiff {name}: a table row names {option}, which it does not take")
+    assert problems == []
+
+
 def test_every_test_the_reliability_page_cites_exists():
     import ast
 
