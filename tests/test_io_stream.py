@@ -383,6 +383,29 @@ def test_follow_hands_over_a_file_that_stays_incomplete_instead_of_skipping_it(t
         load_step(task.file.path)
 
 
+def test_follow_forgets_a_file_deleted_before_it_was_taken(tmp_path):
+    """A writer in place cut short mid-file, whose cleanup deletes the partial step file, then writes END: the
+    episode ends after the steps that ran. It used to wait for the deleted file forever (END waited for every file
+    seen unready, and with END there the idle timeout never came)."""
+    from ardiff_cli.io.writer import encode_arrays
+
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0)], prompt="p", end=False)
+    partial = folder / "step_000001.safetensors"
+    data = encode_arrays(good(1))
+
+    class Clock(FakeClock):
+        def sleep(self, seconds: float) -> None:
+            assert self.now < 100, "still waiting 100 s after the partial file was deleted"
+            super().sleep(seconds)
+
+    clock = Clock([lambda: partial.write_bytes(data[: len(data) // 2]), lambda: None, partial.unlink,
+                   lambda: (folder / "END").write_bytes(b"")])
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=5, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert _drain(scheduler) == [("live", 0), ("live", "end_marker")]
+
+
 def test_follow_a_file_still_growing_keeps_its_episode_from_idling_out(tmp_path):
     folder = tmp_path / "live"
     write_episode(folder, [good(0)], prompt="p", end=False)

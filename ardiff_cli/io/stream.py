@@ -13,7 +13,8 @@ ending in its zip directory), so a writer that does not rename, even one that
 pauses mid-file, never hands over half a file. A file still growing keeps its
 episode from idling out; one that stays incomplete is taken anyway when the
 END marker appears or the idle timeout passes, and then fails its episode as
-truncated instead of being skipped.
+truncated instead of being skipped; one deleted before it was taken (a writer
+cleaning up the step it was cut short in) is forgotten.
 
 Step numbers must be consecutive: a session's outputs depend on every earlier
 step, so a gap is never skipped. Without ``follow`` a gap (or a folder with no
@@ -334,12 +335,14 @@ class StepScheduler:
         last = track.files[-1].step if track.files else -1
         blocked = False  # an earlier new file is not stable yet: later ones wait for it
         track.gap = None
+        present: set[str] = set()  # the unready names still there: a file deleted before it was taken is forgotten
         for step_file in track.source.scan(skip=track.taken):  # only new names: a poll stats no taken file
             name = step_file.path.name
             try:
                 size = step_file.path.stat().st_size
             except FileNotFoundError:
                 continue
+            present.add(name)
             if track.sizes.get(name) != size:
                 track.last_activity = self._clock()  # arriving or growing: the writer is not idle
             stable = track.sizes.get(name) == size and (size > 0 or force)
@@ -368,6 +371,11 @@ class StepScheduler:
             track.taken.add(name)
             last = step_file.step
             track.last_activity = self._clock()
+        # A file seen unready and then deleted (a writer's cleanup of the step it was cut short in) would be waited
+        # for forever: its episode never ended, not at END, which waits for every unready file, nor at the idle
+        # timeout, which END comes before.
+        for name in [n for n in track.sizes if n not in present]:
+            del track.sizes[name]
 
 
 def _lost_history(track: _Track) -> ObservationError:
