@@ -480,11 +480,17 @@ class Rollout:
         self.monitor.refresh(self.engine.runner)
 
     def _write_preview(self, episode: EpisodeSource) -> None:
-        from ardiff_cli.io.png import as_rgb_frame, preview_strip
+        """One column per step, in step order, from its ok lines (earlier runs' included; a step run twice, its
+        output having gone missing before a --resume, is drawn once); at most ``MAX_COLUMNS`` evenly spaced
+        ones, so an episode of 10,000 steps reads 64 step files and draws a picture a viewer can open."""
+        from ardiff_cli.io.png import MAX_COLUMNS, as_rgb_frame, evenly_spaced, preview_strip
 
         observed, predicted = [], []
         step_files = {f.step: f for f in self.scheduler.history(episode.name)}
-        for step, output in self._ok_outputs.pop(episode.name, ()):  # its ok lines, earlier runs' included
+        outputs = dict(self._ok_outputs.pop(episode.name, ()))  # step -> its last ok line's output
+        steps = sorted(outputs)
+        for step in (steps[i] for i in evenly_spaced(len(steps), MAX_COLUMNS)):
+            output = outputs[step]
             step_file = step_files.get(step)
             frame = None
             if step_file is not None:

@@ -243,6 +243,28 @@ def test_a_preview_shows_every_observed_step_the_last_one_included(env, data, tm
     assert blank == [], f"observed frames missing from the preview in columns {blank}"
 
 
+def test_a_long_episodes_preview_shows_64_evenly_spaced_steps_the_first_and_last_included(env, data, tmp_path):
+    """One column per step made an episode of 10,000 steps a picture millions of pixels wide (gigabytes in memory
+    as it was drawn, every step file read at its end, and no viewer opens it); it keeps 64 columns now."""
+    from ardiff_cli.io.episode import load_step
+
+    eps = tmp_path / "long"
+    write_episode(eps, steps_of(0, 70), prompt="long")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "run"), "--preview",
+                  "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    strip = read_png(tmp_path / "run" / "previews" / "long.png")
+    gap = 2
+    tile = (strip.shape[0] - gap) // 2  # square frames: observed 16x16, predicted square
+    assert (strip.shape[1] + gap) % (tile + gap) == 0 and (strip.shape[1] + gap) // (tile + gap) == 64, strip.shape
+    scale = tile // 16
+    for column, step in ((0, 0), (63, 69)):  # the ends are the episode's first and last steps
+        frame = load_step(eps / f"step_{step:06d}.safetensors").arrays["exterior_image_0"]
+        frame = frame if frame.ndim == 3 else frame[-1]
+        x = column * (tile + gap)
+        np.testing.assert_array_equal(strip[:tile:scale, x:x + tile:scale], frame)
+
+
 @pytest.mark.parametrize("redirect", [">&-", "2>&-", ">&- 2>&- <&-"])
 def test_a_closed_standard_stream_is_a_discarded_one_not_a_crash(env, data, tmp_path, redirect):
     """A cron line like `ardiff rollout ... >&-`: the run completes, exit 0, as if the stream were /dev/null."""

@@ -12,7 +12,7 @@ import pytest
 from ardiff_cli.io import end_episode, read_step, write_episode, write_step
 from ardiff_cli.io.atomic import JsonlAppender, atomic_write_bytes, read_jsonl
 from ardiff_cli.io.episode import discover_episodes, scan_steps, step_number, step_sha256
-from ardiff_cli.io.png import encode_png, preview_strip
+from ardiff_cli.io.png import encode_png, evenly_spaced, preview_strip
 from ardiff_cli.io.run import RunFolder, percentiles
 from ardiff_cli.runtime.errors import ConfigError, ObservationError
 
@@ -191,6 +191,37 @@ def test_preview_strip_places_observed_over_predicted():
     assert (strip[:4, :4] == 100).all() and (strip[5:, :4] == 200).all()  # predicted resized to 4x4
     assert (strip[5:, 5:9] == 32).all()  # missing prediction stays background
     assert (strip[5:, 10:] == 50).all()
+
+
+@pytest.mark.parametrize("shape", [(1, 1000, 3), (1000, 1, 3), (2000, 3000, 3)])
+def test_preview_tiles_stay_small_whatever_the_frame_shape(shape):
+    """A 1x1000 camera frame, scaled up to 96 pixels high, made each column 96,000 pixels wide (three steps: a
+    288,000-pixel-wide PNG few viewers open); a large frame was drawn at full size in every column. A tile is now at
+    most 256 pixels a side, in the frame's proportions, and at least one pixel."""
+    frame = np.full(shape, 7, np.uint8)
+    strip = preview_strip([frame] * 3, [None] * 3, min_height=96)
+    tile_h, tile_w = (strip.shape[0] - 2) // 2, (strip.shape[1] - 4) // 3
+    assert max(tile_h, tile_w) == 256 and min(tile_h, tile_w) >= 1, strip.shape
+    assert (strip[:tile_h, :tile_w] == 7).all()
+    assert chunks_ok(encode_png(strip))
+
+
+def chunks_ok(data: bytes) -> bool:
+    """A whole PNG: each chunk's CRC right, IHDR first, IEND last, the pixels as long as IHDR says."""
+    chunks = list(_png_chunks(data))
+    width, height, _, color = struct.unpack(">IIBB", dict(chunks)[b"IHDR"][:10])
+    pixels = zlib.decompress(b"".join(body for tag, body in chunks if tag == b"IDAT"))
+    channels = 3 if color == 2 else 1
+    return (chunks[0][0], chunks[-1][0]) == (b"IHDR", b"IEND") and len(pixels) == height * (1 + width * channels)
+
+
+def test_evenly_spaced_keeps_the_first_and_last_and_at_most_the_limit():
+    assert evenly_spaced(3, 64) == [0, 1, 2] and evenly_spaced(0, 64) == []
+    for count in (65, 70, 1000, 10_000):
+        picked = evenly_spaced(count, 64)
+        assert len(picked) == 64 and picked[0] == 0 and picked[-1] == count - 1
+        assert picked == sorted(set(picked))
+    assert evenly_spaced(5, 1) == [4]
 
 
 def test_end_marker(tmp_path):

@@ -40,6 +40,21 @@ def as_rgb_frame(array: Any) -> Any | None:
     return array
 
 
+# A preview stays small enough for any image viewer and for memory, however long the episode and large its frames:
+# at most MAX_COLUMNS steps, each frame at most MAX_SIDE pixels a side (about 16,500 x 500 pixels, 25 MB in memory).
+MAX_COLUMNS = 64
+MAX_SIDE = 256
+
+
+def evenly_spaced(count: int, limit: int = MAX_COLUMNS) -> list[int]:
+    """Indices of at most ``limit`` of ``count`` items, evenly spaced, the first and the last included."""
+    if count <= limit:
+        return list(range(count))
+    if limit == 1:
+        return [count - 1]
+    return [round(i * (count - 1) / (limit - 1)) for i in range(limit)]
+
+
 def _resize_nearest(image: Any, height: int, width: int) -> Any:
     import numpy as np
 
@@ -49,10 +64,11 @@ def _resize_nearest(image: Any, height: int, width: int) -> Any:
 
 
 def preview_strip(observed: Sequence[Any], predicted: Sequence[Any | None], *, gap: int = 2,
-                  min_height: int = 0) -> Any:
+                  min_height: int = 0, max_side: int = MAX_SIDE) -> Any:
     """One column per step: the observed frame on top, the predicted frame below (grey when missing).
 
-    Frames are scaled (nearest) to the largest frame, and up by a whole factor to ``min_height`` pixels.
+    Frames are scaled (nearest) to the largest frame, up by a whole factor to ``min_height`` pixels, then down
+    to at most ``max_side`` pixels a side, keeping that frame's proportions (at least 1 pixel).
     """
     import numpy as np
 
@@ -63,6 +79,9 @@ def preview_strip(observed: Sequence[Any], predicted: Sequence[Any | None], *, g
     width = max(f.shape[1] for f in frames)
     scale = max(1, -(-min_height // height))
     height, width = height * scale, width * scale
+    if max(height, width) > max_side:  # a 1x1000 frame scaled to 96 pixels high was a 96,000-pixel-wide tile
+        longest = max(height, width)
+        height, width = max(1, height * max_side // longest), max(1, width * max_side // longest)
     columns = max(len(observed), len(predicted))
     strip = np.full((2 * height + gap, columns * (width + gap) - gap, 3), 32, np.uint8)
     for row, frames_row in enumerate((observed, predicted)):
