@@ -72,6 +72,7 @@ class RolloutStats:
     timed_out: list[str] = field(default_factory=list)  # of those, the ones --idle-timeout ended (no END came)
     # follow: step files that arrived after their episode ended and did not run, by episode (--resume runs them)
     late_steps: dict[str, list[str]] = field(default_factory=dict)
+    late_episodes: list[str] = field(default_factory=list)  # follow: episode folders made after the start (not run)
     hook_errors: list[dict[str, Any]] = field(default_factory=list)  # pipeline reset/close hooks that raised
 
 

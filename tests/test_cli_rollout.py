@@ -1384,6 +1384,27 @@ def follow_a_live_episode(env, data, tmp_path: Path, fmt: str) -> tuple[subproce
     return proc, live, run
 
 
+def test_an_episode_folder_made_in_a_followed_folder_of_episodes_after_the_start_is_named(env, data, tmp_path):
+    """`rollout --follow robots/` lists robots/ when it starts. A robot starting its episode there later was left out
+    without a word ('rollout ok', 'episodes 1 completed', exit 0): a warning and summary.json now name its folder."""
+    proc, live, run = follow_a_live_episode(env, data, tmp_path, "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)  # arm_a's step 0 ran: the folder was listed long ago
+        write_episode(live / "arm_b", steps_of(1, 2), prompt="task arm_b")
+        (live / "arm_c").mkdir()  # made, nothing in it yet: nothing was left out
+        write_episode(live / "arm_a", steps_of(0, 3)[1:], first_step=1)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert {r["episode"] for r in records(run)} == {"arm_a"}
+    assert (f"warning: {live / 'arm_b'} was made in {live} after the run started and did not run: --follow follows "
+            "the episode folders found at the start") in " ".join(stderr.split())
+    assert "arm_c" not in stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["episodes"]["late_episodes"] == [str((live / "arm_b").absolute())]
+
+
 def signal_after_the_first_step(proc: subprocess.Popen, run: Path, signum: int) -> str:
     """Send ``signum`` to the rollout once its first results line is written; its stderr when it has exited."""
     try:

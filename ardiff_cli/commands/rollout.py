@@ -6,7 +6,7 @@ import hashlib
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -82,6 +82,8 @@ class _Prepared:
     run: Any  # RunFolder of out_dir, locked against a second process until closed
     options: dict[str, Any]  # order, follow, idle_timeout, preview, swap_space: given, or recorded (--resume)
     recorded_device: str | None = None  # --resume: the device the run started on (checked before the model loads)
+    episode_paths: list[Path] = field(default_factory=list)  # the EPISODE arguments: folders of episodes are listed
+    # again when a followed run ends, to name the episode folders made there after the start (they did not run)
 
 
 def rollout(
@@ -256,7 +258,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             run.close()
             raise
     return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done, digests=digests,
-                     run=run, options=options, recorded_device=recorded_device)
+                     run=run, options=options, recorded_device=recorded_device, episode_paths=list(episode_paths))
 
 
 def _refuse_an_episode_folder_as_out(out: Path, inputs: list[Path]) -> None:
@@ -485,6 +487,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     run.summary_path.unlink(missing_ok=True)  # with a driver: this run's own is written at its end
                 stats = driver.run()
                 monitor.set_phase("done")
+                if follow:
+                    _warn_late_episodes(p, stats, output)
                 if stats.failed:
                     raise _failed_episodes(stats, len(p.episodes))
             except BaseException as exc:
@@ -520,6 +524,19 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
         if summary is not None:  # after the live display, so the two never interleave
             with signals:  # held since the teardown (``hold``): a signal while the result prints is only recorded
                 output.result(summary, lambda plain: render_summary(summary, plain))
+
+
+def _warn_late_episodes(p: _Prepared, stats: Any, output: Output) -> None:
+    """A followed folder of episodes is listed when the run starts: name the episode folders made in it since, which
+    did not run (a robot starting its next episode there used to be left out without a word, the run exiting 0)."""
+    from ardiff_cli.io.episode import late_episode_folders
+
+    late = late_episode_folders(p.episode_paths, p.episodes)
+    stats.late_episodes = [str(folder.absolute()) for folder in late]
+    for folder in late:
+        output.warning(f"{folder} was made in {folder.parent} after the run started and did not run: --follow follows "
+                       f"the episode folders found at the start; run it with its own --out (ardiff rollout CONFIG "
+                       f"{folder} --out DIR)")
 
 
 def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, set[int]], swap_dir: Path,
@@ -709,7 +726,8 @@ def _summary_of(run: Any, p: _Prepared, stats: Any, *, device: str | None, plan:
         info={**p.info, "device": device}, plan=plan,
         this_run={"steps": stats.steps, "skipped": stats.skipped, "replayed": stats.replayed,
                   "evictions": stats.evictions, "completed_episodes": stats.completed_episodes,
-                  "timed_out": stats.timed_out, "late_steps": stats.late_steps, "restored": stats.restored},
+                  "timed_out": stats.timed_out, "late_steps": stats.late_steps, "late_episodes": stats.late_episodes,
+                  "restored": stats.restored},
         wall_s=wall_s, status=status, exit_code=0 if error is None else exit_code_for(error), root=run.root)
     summary["swap"] = {"space_bytes": swap_space, "swapped_out": stats.swapped_out, "swap_failed": stats.swap_failed,
                        "restored": stats.restored, "restore_failed": stats.restore_failed, "dropped": dropped,

@@ -258,9 +258,7 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
             folders.append(path)
             _warn_about_episodes_inside(path, warn)
         else:
-            children = sorted(p for p in _list_folder(path)
-                              if p.is_dir() and not p.name.startswith(".") and not _is_run_output(p))
-            folders.extend(children)
+            folders.extend(_episode_folders_in(path))
     names: set[str] = set()
     taken: dict[Path, str] = {}  # resolved folder -> its episode's name
     episodes = []
@@ -279,6 +277,28 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
         taken[resolved] = name
         episodes.append(EpisodeSource(name=name, path=folder))
     return episodes
+
+
+def _episode_folders_in(folder: Path) -> list[Path]:
+    """The episode folders of a folder of episodes: its visible subfolders, but ardiff's own outputs."""
+    return sorted(p for p in _list_folder(folder) if p.is_dir() and not p.name.startswith(".") and not _is_run_output(p))
+
+
+def late_episode_folders(paths: list[Path], episodes: list[EpisodeSource]) -> list[Path]:
+    """Folders holding step files, ``END`` or ``episode.yaml`` that are now in a folder of episodes among ``paths``
+    (the EPISODE arguments) but are none of ``episodes``: made after :func:`discover_episodes` listed it, so they
+    did not run (``--follow`` follows the episodes found at the start)."""
+    known = {e.path.resolve() for e in episodes}
+    late: list[Path] = []
+    for path in paths:
+        if path.resolve() in known or not path.is_dir():  # an episode itself, or gone
+            continue
+        try:
+            children = _episode_folders_in(path)
+        except ObservationError:  # unreadable now: nothing to name
+            continue
+        late.extend(child for child in children if child.resolve() not in known and episode_entries(child))
+    return late
 
 
 def read_episode_yaml(path: Path) -> dict[str, Any]:
