@@ -281,7 +281,8 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
 
 def _episode_folders_in(folder: Path) -> list[Path]:
     """The episode folders of a folder of episodes: its visible subfolders, but ardiff's own outputs."""
-    return sorted(p for p in _list_folder(folder) if p.is_dir() and not p.name.startswith(".") and not _is_run_output(p))
+    return sorted(p for p in _list_folder(folder)
+                  if p.is_dir() and not p.name.startswith(".") and not _is_run_output(p))
 
 
 def late_episode_folders(paths: list[Path], episodes: list[EpisodeSource]) -> list[Path]:
