@@ -4,6 +4,7 @@ real causal_world pipeline: what a server author hits over many requests, sessio
 from __future__ import annotations
 
 import gc
+import re
 import threading
 import warnings
 import weakref
@@ -21,6 +22,7 @@ from ardiff_cli.runtime.errors import (
     ConfigError,
     EngineStateError,
     RequestError,
+    RequestTypeError,
     SessionNotResident,
 )
 from ardiff_cli.runtime.request import ARDiffusionRequest
@@ -180,6 +182,70 @@ def test_a_malformed_request_is_a_request_error_and_leaves_its_session_as_it_was
     assert engine.runner.sessions() == before
     expected = reference.execute(request(reference, "r1", "a", seed=1))["latents"]
     assert torch.equal(engine.execute(request(engine, "r1", "a", seed=1))["latents"], expected)
+
+
+def test_something_other_than_a_request_is_a_type_error_whose_hint_builds_the_request():
+    """engine.execute({...}) was a bare TypeError ('execute_model takes an ARDiffusionRequest, got dict'): right, but
+    no word of how to build one from the dict in hand, nor of the method the caller had called."""
+    engine = server_engine()
+    engine.load()
+    engine.execute(request(engine, "r0", "a"))
+    before = engine.runner.sessions()
+    inputs = engine.pipeline.example_inputs(seed=1)
+    fields = {"request_id": "r1", "inputs": inputs, "extra_args": {"session_id": "a"}}
+    cases = [
+        (engine.execute, fields, r"^ARDiffusionEngine.execute\(\) takes an ARDiffusionRequest, got a dict with keys "
+                                 r"\['request_id', 'inputs', 'extra_args'\]$", r"ARDiffusionRequest\(\*\*that_dict\)"),
+        (engine.runner.execute_model, inputs, r"^ARDiffusionModelRunner.execute_model\(\) takes an ARDiffusionRequest, "
+                                              r"got a dict with keys \['prompt'", r"inputs=that_dict, extra_args="),
+        (engine.execute, None, r"got None \(NoneType\)$", r"build one: ARDiffusionRequest\('r0', inputs="),
+        (engine.execute, [request(engine, "r1", "a")] * 2, r"got a list of 2 ARDiffusionRequest$",
+         "one call per request"),
+    ]
+    for call, value, message, hint in cases:
+        with pytest.raises(RequestTypeError, match=message) as info:
+            call(value)
+        assert isinstance(info.value, TypeError) and isinstance(info.value, RequestError)
+        assert re.search(hint, info.value.hint)
+    assert engine.runner.sessions() == before
+    engine.execute(ARDiffusionRequest(**fields))  # what the first hint says works
+    assert engine.runner.sessions()[0].num_requests == 2
+    engine.close()
+
+
+def test_a_request_whose_id_is_not_a_string_is_refused_before_any_session_is_touched():
+    """ARDiffusionRequest(inputs, {'session_id': 'a'}) (the id left out) took the inputs for the id and the extra_args
+    for the inputs: the forward refused them as an observation with an unknown key 'session_id', and released the
+    default session, which another robot's misspelt key may share."""
+    engine = server_engine()
+    engine.load()
+    inputs = engine.pipeline.example_inputs(seed=0)
+    engine.execute(ARDiffusionRequest("r0", inputs))  # the default session
+    before = engine.runner.sessions()
+    with pytest.raises(RequestError, match=r"^request_id must be a string, got a mapping: was the request id left "
+                                           r"out\?$") as info:
+        engine.execute(ARDiffusionRequest(inputs, {"session_id": "a"}))
+    assert "ARDiffusionRequest(request_id, inputs, extra_args)" in info.value.hint
+    with pytest.raises(RequestError, match=r"^request_id must be a string, got 7 \(int\)$") as info:
+        engine.execute(ARDiffusionRequest(7, inputs, {"session_id": "a"}))
+    assert "str()" in info.value.hint
+    assert engine.runner.sessions() == before
+    engine.close()
+
+
+def test_a_subscriber_that_is_not_callable_is_refused_when_subscribed():
+    """engine.subscribe(on_event()) (the callback called, its None passed) was taken; every later event of the
+    engine's life was then a warning that 'NoneType' object is not callable, far from the line at fault."""
+    engine = server_engine()
+    for subscribe in (engine.subscribe, lambda c: (engine.load(), engine.runner.subscribe(c))):
+        with pytest.raises(RequestTypeError, match=r"subscribe\(\) takes a callable, called with each RuntimeEvent, "
+                                                   r"got None \(NoneType\)") as info:
+            subscribe(None)
+        assert isinstance(info.value, TypeError) and "subscribe(on_event)" in info.value.hint
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ArdiffWarning)
+        engine.execute(request(engine, "r0", "a"))  # no subscriber left behind to fail on its events
+    engine.close()
 
 
 def test_a_misspelt_runner_key_is_a_warning_once_and_the_request_runs_as_it_did():

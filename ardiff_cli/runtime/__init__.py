@@ -37,6 +37,7 @@ _EXPORTS = {
     "CapacityError": "errors",
     "PipelineError": "errors",
     "RequestError": "errors",
+    "RequestTypeError": "errors",
     "SessionNotResident": "errors",
     "EngineStateError": "errors",
     "SwapRestoreError": "errors",

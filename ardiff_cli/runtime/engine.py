@@ -12,8 +12,8 @@ from ardiff_cli.runtime.capacity import CapacityPlan
 from ardiff_cli.runtime.config import EngineConfig, load_config
 from ardiff_cli.runtime.errors import ConfigError, EngineStateError, as_pipeline_error, shown
 from ardiff_cli.runtime.events import RuntimeEvent
-from ardiff_cli.runtime.request import ARDiffusionRequest
-from ardiff_cli.runtime.runner import ARDiffusionModelRunner, WarmupReport, _once
+from ardiff_cli.runtime.request import ARDiffusionRequest, require_request
+from ardiff_cli.runtime.runner import ARDiffusionModelRunner, WarmupReport, _once, require_subscriber
 from ardiff_cli.runtime.swap import check_swap_arguments
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,6 +71,7 @@ class ARDiffusionEngine:
     def subscribe(self, callback: Callable[[RuntimeEvent], None]) -> Callable[[], None]:
         """Receive runtime events (including the capacity plan at load) in order; returns a function that
         unsubscribes ``callback`` (once: calling it again does nothing)."""
+        require_subscriber(callback, "ARDiffusionEngine.subscribe()")
         self._subscribers.append(callback)
         if self.runner is not None:
             self.runner.subscribe(callback)
@@ -129,7 +130,9 @@ class ARDiffusionEngine:
         return self._require_runner().warmup()
 
     def execute(self, request: ARDiffusionRequest) -> Any:
-        return self._require_runner().execute_model(request)
+        """Run ``request`` on its session (``ARDiffusionModelRunner.execute_model``); the pipeline's output."""
+        runner = self._require_runner()
+        return runner.execute_model(require_request(request, "ARDiffusionEngine.execute()"))
 
     def close(self) -> None:
         """Close every session (close hooks run; their errors are raised after all are released), then release the

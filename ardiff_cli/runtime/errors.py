@@ -61,6 +61,12 @@ class RequestError(ArdiffError, ValueError):
     exit_code = 2
 
 
+class RequestTypeError(RequestError, TypeError):
+    """A runtime call given an object of the wrong type: a dict (or anything else) where an ``ARDiffusionRequest``
+    goes, a subscriber that is not callable. A ``TypeError`` too, as Python's own would be; the hint says how to
+    build the right object."""
+
+
 class SwapRestoreError(ArdiffError, RuntimeError):
     """A swapped-out session's snapshot could not be restored (a missing, unreadable or corrupt file, or one that
     does not fit this pool or pipeline). The snapshot is deleted and no part of the session stays resident: its

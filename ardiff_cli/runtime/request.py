@@ -8,11 +8,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ardiff_cli.runtime.errors import RequestError, shown
+from ardiff_cli.runtime.errors import RequestError, RequestTypeError, shown
 
 DEFAULT_SESSION_ID = "default"  # used by requests whose extra_args name no session
 RUNNER_KEYS = ("session_id", "reset", "close_session")  # the extra_args keys the runner reads
 _FOLDED = {key.replace("_", ""): key for key in RUNNER_KEYS}  # sessionid -> session_id: sessionId, session-id
+_FIELDS = ("request_id", "inputs", "extra_args")  # ARDiffusionRequest's fields, in order
+_BUILD = ("ARDiffusionRequest('r0', inputs={...}, extra_args={'session_id': 'robot-a'}) "
+          "(from ardiff_cli.runtime import ARDiffusionRequest)")
 
 
 @functools.lru_cache(maxsize=1024)  # every request of a client sends the same keys: a ratio each took ~40 us
@@ -32,8 +35,9 @@ class ARDiffusionRequest:
     - ``reset`` (bool): replace the session before the forward.
     - ``close_session`` (bool): release the session after a successful forward.
 
-    The runner refuses a request whose ``inputs`` or ``extra_args`` is not a mapping, or whose ``session_id`` or
-    flags have another type, with a ``RequestError`` before it touches the session (``check``).
+    The runner refuses a request whose ``request_id`` is not a string, whose ``inputs`` or ``extra_args`` is not a
+    mapping, or whose ``session_id`` or flags have another type, with a ``RequestError`` before it touches the
+    session (``check``).
 
     Everything in ``inputs`` (and any other ``extra_args`` key) belongs to the pipeline.
     """
@@ -62,6 +66,16 @@ class ARDiffusionRequest:
     def check(self) -> None:
         """Raise ``RequestError`` if the runner cannot route this request as it is."""
         self._check_mapping("inputs", self.inputs, "the pipeline's inputs")
+        if not isinstance(self.request_id, str):
+            # ARDiffusionRequest(inputs, extra_args) took the inputs for the id, extra_args for the inputs: the
+            # forward refused them as an observation with an unknown 'session_id', and released session 'default'.
+            left_out = isinstance(self.request_id, Mapping)
+            got = "a mapping: was the request id left out?" if left_out else \
+                f"{shown(self.request_id)} ({type(self.request_id).__name__})"
+            raise RequestError(
+                f"request_id must be a string, got {got}",
+                hint="the request id comes first: ARDiffusionRequest(request_id, inputs, extra_args)"
+                + ("" if left_out else "; str() a numbered id"))
         _ = (self.session_id, self.reset, self.close_session)  # each raises when malformed
 
     def misspelt_keys(self) -> list[tuple[str, str]]:
@@ -86,3 +100,28 @@ class ARDiffusionRequest:
         raise RequestError(f"request {shown(self.request_id)}: extra_args[{key!r}] must be True or False, got "
                            f"{shown(value)} ({type(value).__name__})",
                            hint="a JSON client sends true or false, not a string")
+
+
+def require_request(value: Any, where: str) -> ARDiffusionRequest:
+    """``value`` if it is an ``ARDiffusionRequest``, else a ``RequestTypeError`` for ``where`` (the method called)
+    whose hint says how to build one from what was passed."""
+    if isinstance(value, ARDiffusionRequest):
+        return value
+    kind = type(value)
+    got = f"{shown(value)} ({kind.__name__})"
+    hint = f"build one: {_BUILD}"
+    if isinstance(value, Mapping):
+        keys = list(value)
+        got = f"a {kind.__name__} with keys {shown(keys)}"
+        if "request_id" in keys and set(keys) <= set(_FIELDS):
+            hint = "its keys are a request's fields: pass ARDiffusionRequest(**that_dict)"
+        else:
+            hint = ("a dict is the pipeline's inputs (the observation): wrap it in a request, "
+                    + _BUILD.replace("inputs={...}", "inputs=that_dict"))
+    elif isinstance(value, (list, tuple)) and value and all(isinstance(v, ARDiffusionRequest) for v in value):
+        got = f"a {kind.__name__} of {len(value)} ARDiffusionRequest"
+        hint = "requests run one at a time (request mode, no batches): make one call per request"
+    elif kind.__name__ == "ARDiffusionRequest":
+        got = f"an ARDiffusionRequest of another module ({kind.__module__}, not {__name__}: a reloaded module?)"
+        hint = "import ARDiffusionRequest from ardiff_cli.runtime, as the engine does"
+    raise RequestTypeError(f"{where} takes an ARDiffusionRequest, got {got}", hint=hint)

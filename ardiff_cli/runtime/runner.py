@@ -43,6 +43,7 @@ from ardiff_cli.runtime.errors import (
     EngineStateError,
     PipelineError,
     RequestError,
+    RequestTypeError,
     SessionNotResident,
     StopRequested,
     SwapRestoreError,
@@ -66,7 +67,7 @@ from ardiff_cli.runtime.kv.backends import select_attention_backend
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
 from ardiff_cli.runtime.kv.layout import KVLayout
 from ardiff_cli.runtime.kv.state import ARDiffusionKVState
-from ardiff_cli.runtime.request import RUNNER_KEYS, ARDiffusionRequest
+from ardiff_cli.runtime.request import RUNNER_KEYS, ARDiffusionRequest, require_request
 from ardiff_cli.runtime.swap import (
     SwapStore,
     check_swap_arguments,
@@ -115,6 +116,15 @@ def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
                 self._request_owner = None
 
     return exclusive
+
+
+def require_subscriber(callback: Any, where: str) -> None:
+    """Refuse a subscriber that is not callable at once: it was taken, then failed on every event as a warning."""
+    if not callable(callback):
+        raise RequestTypeError(f"{where} takes a callable, called with each RuntimeEvent, got {shown(callback)} "
+                               f"({type(callback).__name__})",
+                               hint="pass the function itself, not what calling it returns: subscribe(on_event), "
+                               "not subscribe(on_event())")
 
 
 def _once(function: Callable[[], None]) -> Callable[[], None]:
@@ -366,6 +376,7 @@ class ARDiffusionModelRunner:
     def subscribe(self, callback: Callable[[RuntimeEvent], None]) -> Callable[[], None]:
         """Deliver every later event to ``callback`` in order; returns a function that unsubscribes it (once:
         calling it again does nothing)."""
+        require_subscriber(callback, "ARDiffusionModelRunner.subscribe()")
         self._subscribers.append(callback)
         return _once(lambda: self._unsubscribe(callback))
 
@@ -440,8 +451,7 @@ class ARDiffusionModelRunner:
 
     def _execute(self, request: ARDiffusionRequest, *, internal: bool) -> Any:
         self._require_loaded()
-        if not isinstance(request, ARDiffusionRequest):
-            raise TypeError(f"execute_model takes an ARDiffusionRequest, got {type(request).__name__}")
+        require_request(request, "ARDiffusionModelRunner.execute_model()")
         request.check()  # before the session is touched: a malformed request leaves it as it was
         session_id = request.session_id
         for key, meant in request.misspelt_keys():
