@@ -19,6 +19,7 @@ from ardiff_cli.runtime.engine import ARDiffusionEngine
 from ardiff_cli.runtime.errors import (
     ArdiffError,
     ArdiffWarning,
+    CapacityError,
     ConfigError,
     EngineStateError,
     RequestError,
@@ -316,6 +317,35 @@ def test_close_gives_the_memory_back_at_once_and_a_closed_engine_refuses_request
     servers["lab"].load()  # loading again after close gives a fresh engine
     assert torch.equal(engine.execute(request(engine, "r0", "a"))["latents"], expected)
     engine.close()
+
+
+class RecordsItsWeights(CausalWorldPipeline):
+    """The causal_world pipeline, keeping a weak reference to the weights of each one built."""
+
+    built: list[weakref.ref] = []
+
+    @classmethod
+    def from_config(cls, *args, **kwargs):
+        pipeline = super().from_config(*args, **kwargs)
+        cls.built.append(weakref.ref(next(pipeline.transformer.parameters())))
+        return pipeline
+
+
+def test_a_load_that_fails_keeps_nothing_loaded_and_may_be_tried_again():
+    """A load() refused for memory (CapacityError) kept the pipeline's weights on the engine: a server that retries
+    load() until the GPU frees up planned each try with one more copy of the model resident, so it never fitted."""
+    config = load_config(CONFIGS / "causal-world-tiny.yaml", pipeline="test_engine_library:RecordsItsWeights")
+    engine = ARDiffusionEngine.from_config(config, device="cpu", memory_budget="1KiB")
+    RecordsItsWeights.built.clear()
+    for attempt in range(2):
+        with pytest.raises(CapacityError, match=r"one session needs .* but only 1.00 KiB"):
+            engine.load()
+        gc.collect()
+        assert len(RecordsItsWeights.built) == attempt + 1 and RecordsItsWeights.built[-1]() is None
+        assert engine.runner is None and engine.pipeline is None
+        with pytest.raises(EngineStateError, match=r"load\(\) must run first"):
+            engine.execute(ARDiffusionRequest("r", {}, {"session_id": "a"}))
+    engine.close()  # nothing to close
 
 
 def test_warmup_with_every_slot_taken_is_an_engine_state_error_with_a_bounded_message():

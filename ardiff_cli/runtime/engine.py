@@ -84,7 +84,8 @@ class ARDiffusionEngine:
         return _once(unsubscribe)
 
     def load(self) -> CapacityPlan:
-        """Build the pipeline and its runner: weights, capacity plan, pools. Again after ``close()``, not before."""
+        """Build the pipeline and its runner: weights, capacity plan, pools. Again after ``close()``, not before.
+        When it fails (a ``CapacityError``, say), nothing stays loaded: ``load()`` may be tried again."""
         if self.runner is not None and self.runner.kv_cache is not None and not self.runner.closed:
             raise EngineStateError("this ARDiffusionEngine is already loaded",
                                    hint="close() it first to load it again (its sessions are closed)")
@@ -119,7 +120,14 @@ class ARDiffusionEngine:
         )
         for callback in self._subscribers:
             self.runner.subscribe(callback)
-        return self.runner.load()
+        try:
+            return self.runner.load()
+        except BaseException:
+            # Not loaded: the weights (and any pool) go back now. Held, a server retrying load() until memory
+            # frees up planned each try with one more copy of the model resident, and failed again.
+            runner, self.runner, self.pipeline = self.runner, None, None
+            runner.close()
+            raise
 
     def _require_runner(self) -> ARDiffusionModelRunner:
         if self.runner is None:
