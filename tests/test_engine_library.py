@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import re
+import sys
 import threading
 import warnings
 import weakref
@@ -444,3 +445,48 @@ def test_a_subscriber_may_take_a_lock_that_a_thread_reading_the_runners_views_ho
     assert acquired == [True] and statuses == [["b"]]  # delivered once the admission that evicted "a" is done
     assert engine.runner.session_ids == ["b"]
     engine.close()
+
+
+class HeldInForward(CausalWorldPipeline):
+    """The causal_world pipeline whose forward of request 'held' waits until the test lets it go."""
+
+    entered, release = threading.Event(), threading.Event()
+
+    def forward(self, request):
+        if request.request_id == "held":
+            type(self).entered.set()
+            assert type(self).release.wait(30), "the test never released the forward"  # a deadlock guard
+        return super().forward(request)
+
+
+def test_close_from_another_thread_waits_for_the_request_in_progress_and_later_requests_are_refused():
+    """What a server's shutdown handler does while a robot's request runs, as the README says: the request ends
+    with its output, then the engine closes, and a request after it is an EngineStateError, not a crash."""
+    config = load_config(CONFIGS / "causal-world-tiny.yaml", pipeline="test_engine_library:HeldInForward")
+    engine = ARDiffusionEngine.from_config(config, device="cpu", memory_budget="64MiB", session_capacity=2)
+    engine.load()
+    HeldInForward.entered.clear()
+    HeldInForward.release.clear()
+    outputs, closed = [], []
+    robot = threading.Thread(target=lambda: outputs.append(engine.execute(request(engine, "held", "a"))))
+    robot.start()
+    assert HeldInForward.entered.wait(30)
+    closer = threading.Thread(target=lambda: (engine.close(), closed.append(True)))
+    closer.start()
+    for _ in range(30_000):  # until the closer waits for the request lock (a guard, not a timing)
+        frame = sys._current_frames().get(closer.ident)
+        names = []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        if "exclusive" in names:
+            break
+        threading.Event().wait(0.001)
+    assert "exclusive" in names and not closed  # close() waits for the forward in progress
+    HeldInForward.release.set()
+    robot.join(30)
+    closer.join(30)
+    assert closed and outputs and outputs[0]["latents"].shape[0] > 0
+    assert engine.runner.closed and engine.runner.sessions() == []
+    with pytest.raises(EngineStateError, match="closed"):
+        engine.execute(ARDiffusionRequest("r1", {}, {"session_id": "a"}))
