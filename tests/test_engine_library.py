@@ -23,6 +23,7 @@ from ardiff_cli.runtime.errors import (
     CapacityError,
     ConfigError,
     EngineStateError,
+    ObservationError,
     RequestError,
     RequestTypeError,
     SessionNotResident,
@@ -247,6 +248,23 @@ def test_a_subscriber_that_is_not_callable_is_refused_when_subscribed():
     with warnings.catch_warnings():
         warnings.simplefilter("error", ArdiffWarning)
         engine.execute(request(engine, "r0", "a"))  # no subscriber left behind to fail on its events
+    engine.close()
+
+
+def test_a_failed_forward_says_which_request_and_session_it_cost():
+    """A robot's malformed observation mid-episode was 'ObservationError: request inputs: missing prompt ...': a
+    server logging it could not tell which robot it came from, nor that the robot's session had been released."""
+    engine = server_engine(capacity=3)
+    engine.load()
+    for i, sid in enumerate(["arm_a", "arm_b"]):
+        engine.execute(request(engine, f"r{i}", sid))
+    inputs = engine.pipeline.example_inputs(seed=1)
+    del inputs["prompt"]
+    with pytest.raises(ObservationError, match=r"^request inputs: .*missing prompt") as info:
+        engine.execute(ARDiffusionRequest("arm_b/000001", inputs, {"session_id": "arm_b"}))
+    assert info.value.__notes__ == ["request 'arm_b/000001' failed, so session 'arm_b' was released: its history "
+                                    "is gone, and its next request starts afresh"]
+    assert engine.runner.session_ids == ["arm_a"]
     engine.close()
 
 

@@ -505,6 +505,11 @@ class ARDiffusionModelRunner:
             with self._locked():
                 if self._sessions.get(session_id) is session:
                     errors = self._release(session_id, reason="forward_exception", hook="close", error=exc)
+                    # The pipeline's error ("request inputs: ...") names neither: a server's log must say which
+                    # robot's history is gone (warmup's reserved session is nobody's).
+                    if not internal:
+                        exc.add_note(f"request {shown(request.request_id)} failed, so session {shown(session_id)} "
+                                     "was released: its history is gone, and its next request starts afresh")
                     for hook_error in errors:
                         exc.add_note(str(hook_error))
             raise
