@@ -537,13 +537,15 @@ def kept_snapshots(run: Path) -> dict[str, dict]:
 ONE_SNAPSHOT = "100KiB"  # --swap-space for one snapshot of a fast.yaml session after two steps (66 KiB), not two
 
 
-def stopped_while_following(env, data, tmp_path: Path, *options: str) -> tuple[Path, dict[str, dict], str]:
+def stopped_while_following(env, data, tmp_path: Path, *options: str,
+                             task: str = "task") -> tuple[Path, dict[str, dict], str]:
     """Two live episodes, stopped by SIGTERM after two steps each (the run waiting for more), with ``options``: one
     session resident (arm_b's), the other swapped out (arm_a's). Then both episodes get their last step and END.
-    (run, what it kept: kept_snapshots, its stderr)."""
+    (run, what it kept: kept_snapshots, its stderr). ``task`` starts the episodes' prompts (the reference's:
+    "task")."""
     live, run = tmp_path / "live", tmp_path / "run"
     for i, name in enumerate(("arm_a", "arm_b")):
-        write_episode(live / name, steps_of(i, 3)[:2], prompt=f"task {name}", end=False)
+        write_episode(live / name, steps_of(i, 3)[:2], prompt=f"{task} {name}", end=False)
     proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
                  "--format", "plain", *options)
     try:
@@ -793,6 +795,26 @@ def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, d
     if damage == "swap off":
         assert ("warning: swapping is off (--swap-space 0): the swap snapshots the stopped run kept of 2 episode(s) "
                 "were deleted, and their done steps are replayed instead") in proc.stderr
+    assert_same_outputs(reference, run)
+    assert not (run / ".swap").exists()
+
+
+def test_a_kept_snapshot_replaced_by_another_runs_of_the_same_episode_is_replayed_instead(env, data, reference,
+                                                                                       tmp_path):
+    # Another run's snapshot of an episode of the same name, after as many steps (same geometry, dtype and step
+    # count, another history: another prompt) copied over the file the stopped run kept. It used to be restored:
+    # exit 0, and the episode's later outputs were the other run's.
+    run, kept, _ = stopped_while_following(env, data, tmp_path / "one")
+    other, other_kept, _ = stopped_while_following(env, data, tmp_path / "two", task="another task")
+    shutil.copyfile(other / ".swap" / other_kept["arm_a"]["file"], run / ".swap" / kept["arm_a"]["file"])
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"warning: episode 'arm_a': cannot restore session 'arm_a' from .*\.safetensors: ValueError: "
+                     rf".*: was written as '{other_kept['arm_a']['file']}', expected '{kept['arm_a']['file']}': "
+                     r"another swap store's snapshot of this session .*; replaying its earlier steps instead",
+                     proc.stderr), proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["steps"]["replayed"], summary["swap"]["restore_failed"]) == (2, 1)  # arm_b's is restored
     assert_same_outputs(reference, run)
     assert not (run / ".swap").exists()
 

@@ -7,6 +7,7 @@ pool's page counts exact, its files deleted once restored, and nothing half-rest
 from __future__ import annotations
 
 import re
+import shutil
 import threading
 import warnings
 
@@ -527,6 +528,41 @@ def test_two_engines_sharing_a_swap_dir_never_restore_each_others_sessions(tmp_p
     assert not (tmp_path / "swap").exists()
 
 
+@pytest.mark.parametrize("how", ["in place", "adopted"])
+def test_another_stores_snapshot_of_the_same_session_put_in_place_of_its_file_is_refused(tmp_path, how):
+    # The same session id, geometry, dtype and request count, another history: a file copied from another run's (or
+    # engine's) swap folder over this one's, between the eviction and the restore, or over a file a stopped run
+    # kept for --resume. It used to be restored as this session's history: silently different outputs.
+    def robot(engine, step, seed):
+        return engine.execute(ARDiffusionRequest(f"robot/{step}", engine.pipeline.example_inputs(
+            prompt="task robot", seed=seed), {"session_id": "robot"}))
+
+    first, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path / "first")
+    other, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path / "other")
+    for engine, seed in ((first, 0), (other, 7)):
+        robot(engine, 0, seed)
+        run(engine, "b", 0)  # robot swapped out
+        engine.runner.swap.flush()
+    foreign = other.runner.swap.path_for("robot")
+    if how == "adopted":
+        kept = first.runner.detach_snapshots()
+        first.close()
+        first, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path / "first")
+        shutil.copyfile(foreign, tmp_path / "first" / kept["robot"])
+        assert first.runner.adopt_snapshot("robot", kept["robot"]) is True
+        written_as = kept["robot"]
+    else:
+        written_as = first.runner.swap.path_for("robot").name
+        shutil.copyfile(foreign, first.runner.swap.path_for("robot"))
+    with pytest.raises(SwapRestoreError, match=re.escape(
+            f"was written as {foreign.name!r}, expected {written_as!r}: another swap store's snapshot of this "
+            "session (another run's, or another engine's) put in its place")):
+        first.runner.restore_session("robot", num_requests=1)
+    assert first.runner.pool_usage().num_swapped == 0 and first.runner.restore_session("robot") is False
+    first.close()
+    other.close()
+
+
 class HeldWrites:
     """Swap files are written (by the real ``safetensors.torch.save_file``) only once the test calls ``release()``:
     ``started`` counts the writes that began and wait. ``fail_with`` makes every write raise instead, after
@@ -684,7 +720,8 @@ def test_the_planned_bytes_of_a_snapshot_file_bound_its_size(tmp_path):
             shape = [rng.choice([0, 1, 3, 17, 1000]) for _ in range(rng.randint(0, 4))]
             name = rng.choice(["kv/self/positive/k", "pipeline/anchor", 'é"\\', "x" * 60]) + str(i)
             tensors[name] = torch.zeros(shape, dtype=rng.choice(dtypes))
-        header = json.dumps({"format": "ardiff-swap-1", "session_id": rng.choice(["a", 'ü/\n"x']), "kv": {"n": [1]}})
+        header = json.dumps({"format": "ardiff-swap-2", "session_id": rng.choice(["a", 'ü/\n"x']),
+                             "file": "0" * 32 + ".safetensors", "kv": {"n": [1]}})
         size = len(save(tensors, metadata={"ardiff_swap": header}))
         assert size <= file_bytes_at_most(tensors, header) <= size + 128, (sorted(tensors), header)
 

@@ -1,7 +1,9 @@
 """Snapshots of LRU-evicted sessions on disk, so their next request restores them instead of replaying history.
 
 One safetensors file per swapped session (tensors, and string metadata holding JSON), named by a hash of the
-session id, written in a temporary folder beside it and renamed: a reader never sees half a file. The store keeps a byte
+session id salted per store, written in a temporary folder beside it and renamed: a reader never sees half a file.
+The metadata names the session and the file it was written as, so a file put in its place (another session's, or
+another store's of the same session: another run's) is refused when read, not restored as this session's history. The store keeps a byte
 budget: making room drops the least recently swapped snapshots first, and a snapshot larger than the whole budget
 is not written. Nothing here is pickled.
 
@@ -35,7 +37,7 @@ if TYPE_CHECKING:  # torch-free at import: the CLI clears a run's swap folder wi
 
     from ardiff_cli.runtime.kv.state import KVSnapshot
 
-FORMAT = "ardiff-swap-1"  # metadata["format"]; bump when the layout of a snapshot file changes
+FORMAT = "ardiff-swap-2"  # metadata["format"]; bump when the layout of a snapshot file changes (2: "file")
 # The names SwapStore gives its files (path_for) and the temporary folders they are written in (write).
 SNAPSHOT_FILE = re.compile(r"[0-9a-f]{32}\.safetensors")
 SNAPSHOT_NAME = re.compile(rf"{SNAPSHOT_FILE.pattern}|\.[0-9a-f]{{32}}\.safetensors\.[0-9a-f]{{8}}\.tmp")
@@ -106,6 +108,7 @@ class _Snapshot:
     """One snapshot file of the store: written (``tensors`` None) or being written by the background thread."""
 
     path: Path
+    written_as: str  # the file name its metadata must hold: this store's (path's), or the earlier store's (adopt)
     nbytes: int  # the file's size once its write is taken in (settle); until then the planned size, at least that
     header: str  # the JSON metadata, as written into the file
     tensors: dict[str, torch.Tensor] | None  # held until the file is written (a read meanwhile takes them)
@@ -174,7 +177,8 @@ class SwapStore:
         raises ``OSError`` here; a write that fails later (disk full) is in ``failures`` after the next call."""
         self.flush()
         self.discard(session_id)
-        header = json.dumps({"format": FORMAT, "session_id": session_id, **metadata})
+        path = self.path_for(session_id)
+        header = json.dumps({"format": FORMAT, "session_id": session_id, "file": path.name, **metadata})
         planned = file_bytes_at_most(tensors, header)
         if planned > self.budget_bytes:
             self.refused_bytes = planned
@@ -183,7 +187,7 @@ class SwapStore:
             return None
         self._make_room(planned)
         self.directory.mkdir(parents=True, exist_ok=True)
-        snapshot = _Snapshot(self.path_for(session_id), planned, header, dict(tensors))
+        snapshot = _Snapshot(path, path.name, planned, header, dict(tensors))
         # The file is written in a folder of its own, created here: safetensors writes its own temporary file
         # (.tmpXXXXXX) beside the file it is given, which a killed process would leave where remove_snapshot_files
         # cannot know it; and the swap folder is not empty until the write ends, so another store sharing it (its
@@ -261,7 +265,7 @@ class SwapStore:
     def read(self, session_id: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
         """The tensors, metadata and bytes of ``session_id``'s snapshot (from memory while its write is in flight);
         raises ``OSError`` or ``ValueError`` for a missing, unreadable or corrupt file, or one that is not this
-        session's."""
+        session's snapshot as written: another session's, or another store's (its metadata names another file)."""
         snapshot = self._files[session_id]
         path = snapshot.path
         with snapshot.lock:
@@ -284,9 +288,14 @@ class SwapStore:
         except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             metadata = None
         if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
-            raise ValueError(f"{path}: not an ardiff swap snapshot (format {FORMAT} expected)")
+            got = f", got {shown(metadata.get('format'))}" if isinstance(metadata, dict) else ""
+            raise ValueError(f"{path}: not an ardiff swap snapshot (format {FORMAT!r} expected{got})")
         if metadata.get("session_id") != session_id:
             raise ValueError(f"{path}: holds session {metadata.get('session_id')!r}, expected {session_id!r}")
+        if metadata.get("file") != snapshot.written_as:  # same session, another store's: another run's history
+            raise ValueError(f"{path}: was written as {shown(metadata.get('file'))}, expected "
+                             f"{snapshot.written_as!r}: another swap store's snapshot of this session (another run's, "
+                             "or another engine's) put in its place")
         return tensors, metadata, snapshot.nbytes
 
     def discard(self, session_id: str, *, wait: bool = True, report: bool = False) -> bool:
@@ -321,8 +330,8 @@ class SwapStore:
     def adopt(self, session_id: str, name: str) -> bool:
         """Take the snapshot file ``name`` in this store's folder, which another store (an earlier process) wrote
         for ``session_id`` and :meth:`detach` left, as this store's own; False, and the file deleted, when it is
-        larger than the whole budget. Its contents are checked when it is read (:meth:`read`: the session id in it,
-        then the runner: geometry, dtype, pipeline record). A missing file raises ``OSError``."""
+        larger than the whole budget. Its contents are checked when it is read (:meth:`read`: the session id and
+        the file name ``name`` in it, then the runner: geometry, dtype, pipeline record). A missing file raises ``OSError``."""
         if not SNAPSHOT_FILE.fullmatch(name):
             raise ValueError(f"{name!r} is not the name of a swap snapshot file")
         self.discard(session_id)
@@ -333,7 +342,7 @@ class SwapStore:
             path.unlink(missing_ok=True)
             return False
         self._make_room(size)
-        snapshot = _Snapshot(path, size, header="", tensors=None)
+        snapshot = _Snapshot(path, name, size, header="", tensors=None)
         snapshot.written.set()
         self._files[session_id] = snapshot
         self._nbytes += size
