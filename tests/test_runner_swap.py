@@ -182,6 +182,21 @@ def test_a_snapshot_over_the_swap_space_is_said_to_be_larger_with_the_size_its_f
     engine.close()
 
 
+def test_a_snapshot_a_few_bytes_over_the_swap_space_is_said_to_be_larger_in_bytes(tmp_path):
+    # A swap space one byte short of the snapshot: both sizes rounded to "50.78 KiB", "larger than" an equal size.
+    engine, events = a_swapped_out(tmp_path)
+    runner = engine.runner
+    run(engine, "c", 0)  # b swapped out: its planned bytes are c's too (the same history)
+    planned = [e.swap_bytes for e in events if e.kind == "session_evicted" and e.session_id == "b"][-1]
+    runner.swap.budget_bytes = planned - 1
+    with pytest.warns(ArdiffWarning, match=r"larger than the whole swap space") as caught:
+        run(engine, "d", 0)  # c is evicted, one byte over the budget
+    (message,) = [str(w.message) for w in caught if "larger than the whole" in str(w.message)]
+    assert (f"the snapshot of session 'c' ({planned:,} bytes) is larger than the whole swap space "
+            f"({planned - 1:,} bytes)") in message, message
+    engine.close()
+
+
 def test_a_reset_request_discards_the_snapshot_of_its_id(tmp_path):
     engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
     runner = engine.runner

@@ -747,9 +747,12 @@ class ARDiffusionModelRunner:
             self._warn_about_failed_writes()
         if written is None and evicting and not self._warned_swap_space:  # once: every eviction would say the same
             self._warned_swap_space = True
-            warnings.warn(f"the snapshot of session {shown(session_id)} ({format_bytes(self.swap.refused_bytes)}) is "
-                          f"larger than the whole swap space ({format_bytes(self.swap.budget_bytes)}): sessions this "
-                          "large are evicted without one (a larger swap space keeps them)", ArdiffWarning, stacklevel=2)
+            size, space = format_bytes(self.swap.refused_bytes), format_bytes(self.swap.budget_bytes)
+            if size == space:  # a few bytes over: "(50.78 KiB) is larger than ... (50.78 KiB)" said nothing
+                size, space = f"{self.swap.refused_bytes:,} bytes", f"{self.swap.budget_bytes:,} bytes"
+            warnings.warn(f"the snapshot of session {shown(session_id)} ({size}) is larger than the whole swap space "
+                          f"({space}): sessions this large are evicted without one (a larger swap space keeps them)",
+                          ArdiffWarning, stacklevel=2)
         return written
 
     @_one_at_a_time
