@@ -3,9 +3,9 @@
 One safetensors file per swapped session (tensors, and string metadata holding JSON), named by a hash of the
 session id salted per store, written in a temporary folder beside it and renamed: a reader never sees half a file.
 The metadata names the session and the file it was written as, so a file put in its place (another session's, or
-another store's of the same session: another run's) is refused when read, not restored as this session's history. The store keeps a byte
-budget: making room drops the least recently swapped snapshots first, and a snapshot larger than the whole budget
-is not written. Nothing here is pickled.
+another store's of the same session: another run's) is refused when read, not restored as this session's history.
+The store keeps a byte budget: making room drops the least recently swapped snapshots first, and a snapshot larger
+than the whole budget is not written. Nothing here is pickled.
 
 A file is written by a background thread, so the request that evicts a session does not wait for the disk (for a
 large session, seconds). One write is in flight at a time: the next snapshot waits for it, so at most one
@@ -331,7 +331,8 @@ class SwapStore:
         """Take the snapshot file ``name`` in this store's folder, which another store (an earlier process) wrote
         for ``session_id`` and :meth:`detach` left, as this store's own; False, and the file deleted, when it is
         larger than the whole budget. Its contents are checked when it is read (:meth:`read`: the session id and
-        the file name ``name`` in it, then the runner: geometry, dtype, pipeline record). A missing file raises ``OSError``."""
+        the file name ``name`` in it, then the runner: geometry, dtype, pipeline record). A missing file raises
+        ``OSError``."""
         if not SNAPSHOT_FILE.fullmatch(name):
             raise ValueError(f"{name!r} is not the name of a swap snapshot file")
         self.discard(session_id)
