@@ -49,7 +49,7 @@ def describe_event(data: dict[str, Any]) -> str:
     if kind == "hook_failed":
         return f"{data.get('hook')}: {data.get('error')}"
     if kind == "swap_failed":
-        return f"snapshot lost: {data.get('error')}"
+        return f"{'snapshot lost' if data.get('background', True) else 'not written'}: {data.get('error')}"
     if kind == "warmup_finished":
         restored = "pool restored" if data.get("restored") else "POOL NOT RESTORED"
         return f"{data.get('num_requests')} requests in {data.get('seconds', 0):.3f}s, {restored}"

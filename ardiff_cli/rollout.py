@@ -63,7 +63,7 @@ class RolloutStats:
     replayed: int = 0  # steps rerun to rebuild an evicted or resumed session
     evictions: int = 0  # LRU evictions
     swapped_out: int = 0  # sessions swapped out with a snapshot: evicted, or resident when a signal stopped the run
-    swap_failed: int = 0  # evictions whose snapshot was lost, its write failing in the background (replayed)
+    swap_failed: int = 0  # snapshots that could not be written (in the background or as they started): replayed
     restored: int = 0  # sessions restored from their swap snapshot instead of replayed
     restore_failed: int = 0  # snapshots that could not be restored (replayed instead, with a warning)
     failed: dict[str, str] = field(default_factory=dict)  # episode -> error message
@@ -180,10 +180,11 @@ class Rollout:
         if kind == "session_evicted":
             self.stats.evictions += event.reason == "lru_eviction"  # not the sessions a stopped run swaps out
             self.stats.swapped_out += bool(event.swapped)
-        if kind == "swap_failed":  # after its eviction said swapped: no snapshot after all
-            self.stats.swapped_out -= 1
+        if kind == "swap_failed":
             self.stats.swap_failed += 1
-            self._swapped.pop(event.session_id, None)
+            if event.background:  # after its eviction said swapped: no snapshot after all
+                self.stats.swapped_out -= 1
+                self._swapped.pop(event.session_id, None)
         if kind == "hook_failed":
             self._hook_failed(event)
         self._captured.append(event)

@@ -38,6 +38,7 @@ import contextlib
 import gc
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -165,6 +166,17 @@ def corrupt_swap(directory: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def swap_folder_replaced(directory: str) -> Iterator[None]:
+    """The swap folder turns into a file (as good as read-only to root): every later snapshot fails as it starts."""
+    for thread in threading.enumerate():  # the snapshot written in the background lands first
+        if thread.name == "ardiff-swap-writer":
+            thread.join(timeout=60)
+    shutil.rmtree(directory, ignore_errors=True)
+    Path(directory).write_text("not a folder: no snapshot can be written here")
+    yield
+
+
+@contextlib.contextmanager
 def page_shortage(allocator: Any, *, keep: int = 0) -> Iterator[list[int]]:
     """Hold every free page but ``keep`` (a leak elsewhere, or a plan too small); give them back after."""
     stolen = allocator.allocate(max(0, allocator.num_free - keep))
@@ -226,6 +238,8 @@ class FaultyDreamZero(DreamZeroPipeline):
             return _probe(fault["path"])
         if site == "corrupt_swap":
             return corrupt_swap(fault["dir"])
+        if site == "swap_folder_replaced":
+            return swap_folder_replaced(fault["dir"])
         if site == "page_shortage":
             _session_id, state = self._bound
             return page_shortage(state._cache.allocator)

@@ -892,20 +892,46 @@ def test_swap_files_the_disk_refuses_are_warnings_then_replays_to_the_same_outpu
                            "--out", str(run), "--no-warmup", "--format", "plain"], cwd=REPO, capture_output=True,
                           text=True, env=env, timeout=600, preexec_fn=small_files_only)
     assert proc.returncode == 0, proc.stderr
-    failures = re.findall(r"warning: cannot swap session '(arm_[ab])' out to .*/\.swap \(.*File too large.*\); its "
-                          r"snapshot is lost, so it is rebuilt as one evicted without a snapshot", proc.stderr)
-    assert failures, proc.stderr  # the snapshots after step 1 (66 KiB); those after step 0 (50 KiB) fit
+    # the snapshots after step 1 (66 KiB) fail; those after step 0 (50 KiB) fit. Each failure is an event; the
+    # first only is a warning, as every later one fails alike
     events = re.findall(r"swap_failed (arm_[ab]) snapshot lost: .*File too large", proc.stderr)
-    assert sorted(events) == sorted(failures)
+    warned = re.findall(r"warning: cannot swap session '(arm_[ab])' out to .*/\.swap \(.*File too large.*\); its "
+                        r"snapshot is lost, so it is rebuilt as one evicted without a snapshot \(later snapshots that "
+                        r"fail alike are not warned about", proc.stderr)
+    assert events and warned == events[:1], proc.stderr
     summary = json.loads((run / "summary.json").read_text())
     swap = summary["swap"]
     # each snapshot is restored (from its file, or from memory while its write had not failed yet) or said lost;
     # a lost one is not counted as swapped out (it used to be)
-    assert (swap["swapped_out"] + swap["swap_failed"], swap["swap_failed"]) == (4, len(failures))
+    assert (swap["swapped_out"] + swap["swap_failed"], swap["swap_failed"]) == (4, len(events))
     assert swap["restored"] == swap["swapped_out"] >= 2
-    assert summary["steps"]["replayed"] == 2 * len(failures)
+    assert summary["steps"]["replayed"] == 2 * len(events)
     assert_same_outputs(reference, run)
     assert not (run / ".swap").exists()  # no partial temporary file left either
+
+
+def test_a_swap_folder_that_cannot_be_written_is_one_warning_per_cause_and_every_failure_is_counted(env, data,
+                                                                                                   reference, tmp_path):
+    # The swap folder turns into a file during arm_a's step 1 (to root, as good as a read-only folder): arm_b's
+    # snapshot, just written, is lost, and every later eviction fails as it starts. A long run printed one identical
+    # warning per eviction, and summary.json counted none of those (swapped_out 0, swap_failed 0).
+    run = tmp_path / "run"
+    faults = [{"request": "arm_a/000001", "site": "swap_folder_replaced", "dir": str(run / ".swap")}]
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),
+                           "--out", str(run), "--no-warmup", "--format", "plain",
+                           "--pipeline", "faulty_pipelines:FaultyDreamZero"], cwd=REPO, capture_output=True,
+                          text=True, env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    lost = re.findall(r"swap_failed (arm_[ab]) snapshot lost: NotADirectoryError", proc.stderr)
+    not_written = re.findall(r"swap_failed (arm_[ab]) not written: FileExistsError", proc.stderr)
+    assert lost == ["arm_b"] and len(not_written) >= 2, proc.stderr
+    warnings_ = re.findall(r"warning: cannot swap session '(arm_[ab])' out to .*\((\w+Error)", proc.stderr)
+    assert warnings_ == [("arm_b", "NotADirectoryError"), (not_written[0], "FileExistsError")], proc.stderr
+    evicted = re.findall(r"evicted +(arm_[ab]) lru_eviction \(by arm_[ab]\)(, swapped out)?", proc.stderr)
+    swap = json.loads((run / "summary.json").read_text())["swap"]
+    assert swap["swap_failed"] == len(lost) + len(not_written)
+    assert swap["swapped_out"] == sum(bool(swapped) for _, swapped in evicted) - len(lost) == swap["restored"]
+    assert_same_outputs(reference, run)
 
 
 def test_a_lost_snapshot_of_a_session_closed_while_swapped_out_is_counted_as_lost(env, data, reference, tmp_path):

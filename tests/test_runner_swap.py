@@ -353,10 +353,18 @@ def test_a_swap_write_failure_is_a_warning_and_the_eviction_goes_on(tmp_path):
     blocker.write_text("a file where the swap folder should go")
     engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=blocker / "swap", swap_space=1 << 30)
     run(engine, "a", 0)
-    with pytest.warns(ArdiffWarning, match=r"cannot swap session 'a' out to .*not-a-folder/swap \(.*Error"):
+    with pytest.warns(ArdiffWarning, match=r"cannot swap session 'a' out to .*not-a-folder/swap \(.*Error") as said:
         run(engine, "b", 0)
+        run(engine, "a", 0)  # every eviction fails alike: one warning, not one each
+        run(engine, "b", 0)
+    assert len(said) == 1 and "later snapshots that fail alike are not warned about" in str(said[0].message)
     evicted = [e for e in events if e.kind == "session_evicted"]
-    assert [(e.session_id, e.swapped) for e in evicted] == [("a", False)]
+    assert [(e.session_id, e.swapped) for e in evicted] == [("a", False), ("b", False), ("a", False)]
+    # each failure is an event (before its eviction's), not after an eviction said swapped: not background
+    failed = [(e.kind, e.session_id, getattr(e, "background", None)) for e in events
+              if e.kind in ("swap_failed", "session_evicted")]
+    assert failed == [("swap_failed", "a", False), ("session_evicted", "a", None), ("swap_failed", "b", False),
+                      ("session_evicted", "b", None), ("swap_failed", "a", False), ("session_evicted", "a", None)]
     assert engine.runner.restore_session("a") is False and engine.runner.session_ids == ["b"]
     engine.close()
 

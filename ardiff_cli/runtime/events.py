@@ -77,12 +77,16 @@ class SessionRestored(RuntimeEvent):
 
 @dataclass(frozen=True)
 class SwapFailed(RuntimeEvent):
-    """The background write of an evicted session's snapshot failed (a full disk), after its ``session_evicted``
-    said ``swapped``: the snapshot is lost, and the session is rebuilt as one evicted without a snapshot."""
+    """A session's snapshot could not be written. ``background``: its write failed in the background (a full disk),
+    after its ``session_evicted`` said ``swapped``: the snapshot is lost, and the session is rebuilt as one evicted
+    without a snapshot. Not ``background``: it failed as it started (a swap folder that cannot be written, a
+    pipeline state that cannot be saved), and the ``session_evicted`` that follows says not ``swapped`` (or, for
+    ``swap_out_sessions``, the session stays resident)."""
 
     kind: ClassVar[str] = "swap_failed"
     session_id: str
     error: str
+    background: bool = True
     time: float = field(default_factory=_now)
 
 

@@ -233,6 +233,7 @@ class ARDiffusionModelRunner:
         self.swap_dir, self.swap_space = check_swap_arguments(swap_dir, swap_space, where="ARDiffusionModelRunner()")
         self.swap: SwapStore | None = None  # built at load, when the pipeline can export its sessions
         self._warned_swap_space = False  # a snapshot larger than the whole swap space was reported
+        self._swap_causes_warned: set[tuple[str, Any]] = set()  # swap failures warned about, by cause (_cause)
         self._warned_keys: set[str] = set()  # misspelt extra_args keys reported (``ARDiffusionRequest.misspelt_keys``)
         self._closed = False  # close() ran: pools and pipeline dropped, every later request refused
         # Resident sessions, least recently used first.
@@ -740,8 +741,7 @@ class ARDiffusionModelRunner:
         except Exception as exc:  # noqa: BLE001 - swapping is an optimisation: the eviction goes on without it
             self.swap.discard(session_id)
             then = "it is evicted without a snapshot" if evicting else "it stays resident"
-            warnings.warn(f"cannot swap session {shown(session_id)} out to {self.swap.directory} "
-                          f"({type(exc).__name__}: {exc}); {then}", ArdiffWarning, stacklevel=2)
+            self._swap_failed(session_id, exc, background=False, then=then)
             return None
         finally:
             self._warn_about_failed_writes()
@@ -841,12 +841,24 @@ class ARDiffusionModelRunner:
         their sessions are being closed or reset, so there is nothing to warn about; the event still says the
         snapshot was lost (summary.json must not count it as swapped out)."""
         failures, self.swap.failures = self.swap.failures, []
-        for session_id, why in failures:
-            self._emit(SwapFailed(session_id=session_id, error=why))
-            if warn:
-                warnings.warn(f"cannot swap session {shown(session_id)} out to {self.swap.directory} ({why}); its "
-                              "snapshot is lost, so it is rebuilt as one evicted without a snapshot", ArdiffWarning,
-                              stacklevel=3)
+        for session_id, error in failures:
+            self._swap_failed(session_id, error, background=True, warn=warn,
+                              then="its snapshot is lost, so it is rebuilt as one evicted without a snapshot")
+
+    def _swap_failed(self, session_id: str, error: BaseException, *, background: bool, then: str,
+                     warn: bool = True) -> None:
+        """A ``swap_failed`` event for every snapshot that could not be written; a warning for the first of each
+        cause only: a swap folder made read-only or a full disk fails every later eviction alike, and a long run
+        printed one identical warning per eviction."""
+        self._emit(SwapFailed(session_id=session_id, error=f"{type(error).__name__}: {error}", background=background))
+        cause = (type(error).__name__, getattr(error, "errno", None))
+        if not warn or cause in self._swap_causes_warned:
+            return
+        self._swap_causes_warned.add(cause)
+        warnings.warn(f"cannot swap session {shown(session_id)} out to {self.swap.directory} "
+                      f"({type(error).__name__}: {error}); {then} (later snapshots that fail alike are not warned "
+                      "about: each is a swap_failed event, counted in summary.json's swap.swap_failed)",
+                      ArdiffWarning, stacklevel=4)
 
     def _restore(self, session_id: str, expected: int | None = None) -> None:
         """``restore_session`` of a session that has a snapshot and is not resident (``expected``: its requests)."""

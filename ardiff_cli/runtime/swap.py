@@ -139,7 +139,7 @@ class SwapStore:
         self.refused_bytes = 0  # the planned file size of the last snapshot refused as larger than the whole budget
         # (session id, why) of background writes that failed since the caller last emptied this list: those
         # sessions have no snapshot (the eviction had announced one)
-        self.failures: list[tuple[str, str]] = []
+        self.failures: list[tuple[str, BaseException]] = []  # (session id, why its write failed)
         # Hashed into every file name: stores sharing a folder (two engines, two processes) never touch each
         # other's files, even for one session id.
         self._salt = secrets.token_bytes(16)
@@ -250,7 +250,7 @@ class SwapStore:
                 error = exc
         if error is not None:  # no snapshot
             self.discard(session_id)
-            self.failures.append((session_id, f"{type(error).__name__}: {error}"))
+            self.failures.append((session_id, error))
             return
         self._nbytes += size - snapshot.nbytes  # at most the planned bytes: the budget holds
         snapshot.nbytes = size
@@ -312,7 +312,7 @@ class SwapStore:
         if wait:
             snapshot.written.wait()
         if report and snapshot.written.is_set() and snapshot.error is not None:  # settle() would have forgotten it
-            self.failures.append((session_id, f"{type(snapshot.error).__name__}: {snapshot.error}"))
+            self.failures.append((session_id, snapshot.error))
         if snapshot.written.is_set():
             with contextlib.suppress(OSError):  # forgotten either way; the folder goes when the run ends
                 snapshot.path.unlink(missing_ok=True)
