@@ -508,3 +508,33 @@ def test_follow_a_second_file_for_a_step_already_taken_fails_the_episode(tmp_pat
     item = scheduler.next()
     assert isinstance(item, EpisodeEnded) and item.reason == "error", item
     assert "two files for step 1: step_000001.safetensors and step_000001.npz" in str(item.error)
+
+
+def test_an_empty_folder_followed_as_an_episode_says_so_when_episode_folders_are_made_in_it(tmp_path):
+    # `--follow data/` started before the robots made their first episode folders: data/ was empty, so it was
+    # followed as one episode, and its idle timeout failed it with "no step file arrived" while robot_a/ held
+    # steps. The error now names the folders made in it and how to follow them.
+    data = tmp_path / "data"
+    data.mkdir()
+    clock = FakeClock()
+    clock.actions = [lambda: write_episode(data / "robot_a", [good(0)], prompt="p", end=False)]
+    scheduler = StepScheduler(discover_episodes([data]), follow=True, idle_timeout=3, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    (ended,) = [scheduler.next()]
+    assert isinstance(ended, EpisodeEnded) and ended.reason == "error"
+    message = f"{ended.error}\n{ended.error.hint}"
+    assert f"{data}: no step file arrived within --idle-timeout 3 s; episode folders were made in it since " \
+           "(robot_a): it was empty when the run started, so it was followed as one episode" in message
+    assert f"make them before the run (mkdir -p {data / 'robot_a'}), or give them as EPISODE arguments" in message
+    assert scheduler.next() is None
+
+    # an empty folder that stays empty (a robot that never wrote) keeps the plain message
+    quiet = tmp_path / "quiet"
+    quiet.mkdir()
+    clock = FakeClock()
+    clock.actions = [lambda: (quiet / "notes").mkdir()]  # a folder without step files is no episode
+    scheduler = StepScheduler(discover_episodes([quiet]), follow=True, idle_timeout=3, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    ended = scheduler.next()
+    assert ended.episode.path == quiet and ended.reason == "error" and "made in it" not in str(ended.error)
+    assert "check that the robot writes step_000000.safetensors" in ended.error.hint

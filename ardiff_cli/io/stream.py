@@ -35,7 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ardiff_cli.io.episode import EpisodeSource, StepFile, gap_error, missing_steps, safetensors_header
+from ardiff_cli.io.episode import (EpisodeSource, StepFile, episode_entries, gap_error, listed, missing_steps,
+                                   safetensors_header)
 from ardiff_cli.runtime.errors import ObservationError
 
 
@@ -290,9 +291,22 @@ class StepScheduler:
 
     @staticmethod
     def _raise_empty(track: _Track, what: str, hint: str) -> None:
-        """An episode that ends with no step file at all failed, as it does without ``follow``."""
-        if not track.files:
-            raise ObservationError(f"{track.source.path}: {what}", hint=hint)
+        """An episode that ends with no step file at all failed, as it does without ``follow``. A folder that was
+        empty at the start was taken for an episode: if episode folders were made in it since (the run started
+        before the robots' first episodes), the error says so."""
+        if track.files:
+            return
+        folder = track.source.path
+        try:
+            made = sorted(child.name for child in folder.iterdir() if child.is_dir() and episode_entries(child))
+        except OSError:
+            made = []
+        if made:
+            what += (f"; episode folders were made in it since ({listed(made)}): it was empty when the run started, "
+                     "so it was followed as one episode")
+            hint = (f"--follow takes the episode folders found at the start: make them before the run "
+                    f"(mkdir -p {folder / made[0]}), or give them as EPISODE arguments")
+        raise ObservationError(f"{folder}: {what}", hint=hint)
 
     def _raise_gap(self, track: _Track) -> None:
         if track.gap is not None:
