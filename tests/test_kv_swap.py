@@ -146,6 +146,26 @@ def test_a_snapshot_that_does_not_fit_is_refused_and_leaves_the_state_empty(make
         paged.restore(snapshot)
 
 
+@pytest.mark.parametrize("frames, num_sink, num_window", [(2, 0, 2), (3, 1, 1), (1, 0, 1)])
+def test_a_snapshot_whose_sink_and_window_disagree_with_its_frame_count_is_refused(make_spec, frames, num_sink,
+                                                                                   num_window):
+    """Sink 1, window 3, one page per frame: after n frames a branch holds min(n, 1) sink pages and then
+    min(n - 1, 3) window pages, nothing else. Restored, any other split would attend to other frames than the
+    session did (no sink frame, a missing window frame) and fill the sink with a later frame."""
+    cache, snapshot, free = exported(make_spec, 1)  # 2 frames per branch: 1 sink page, 1 window page
+    assert snapshot.metadata["branches"]["positive"] == {"num_committed_frames": 2, "num_sink_pages": 1,
+                                                         "num_window_pages": 1}
+    tensors = dict(snapshot.tensors)
+    tensors["self/positive/kv"] = tensors["self/positive/kv"][:, :, :, : num_sink + num_window]  # shapes agree
+    bad = KVSnapshot(tensors, {"branches": {**snapshot.metadata["branches"], "positive": {
+        "num_committed_frames": frames, "num_sink_pages": num_sink, "num_window_pages": num_window}}})
+    state = cache.new_state("a")
+    with pytest.raises(ValueError, match=f"branch 'positive' holds {num_sink} sink and {num_window} window pages "
+                                         f"after {frames} frames, expected"):
+        state.restore(bad)
+    assert cache.num_free_pages == free and state.num_pages == 0 and state.cross_attention_bytes == 0
+
+
 def test_a_restore_that_fails_midway_frees_what_it_took(make_spec, monkeypatch):
     cache, snapshot, free = exported(make_spec, 3)
 

@@ -412,12 +412,15 @@ class ARDiffusionKVState:
                 raise ValueError(f"{where}: branch {name!r} has counts {record!r}, expected non-negative integers "
                                  "num_committed_frames, num_sink_pages, num_window_pages")
             frames, num_sink, num_window = counts
-            if (num_sink > spec.sink_frames * per_frame or num_window > spec.window_frames * per_frame
-                    or num_sink % per_frame or num_window % per_frame or (num_sink + num_window) > frames * per_frame):
+            # What BranchKV.commit leaves after `frames` frames: the sink fills first, the window keeps the newest.
+            # Another split would attend to other frames than the session did and put a later frame in the sink.
+            want_sink = min(frames, spec.sink_frames) * per_frame
+            want_window = min(frames - want_sink // per_frame, spec.window_frames) * per_frame
+            if (num_sink, num_window) != (want_sink, want_window):
                 raise ValueError(
                     f"{where}: branch {name!r} holds {num_sink} sink and {num_window} window pages after {frames} "
-                    f"frames, expected whole frames of {per_frame} page(s) within sink_frames={spec.sink_frames}, "
-                    f"window_frames={spec.window_frames}")
+                    f"frames, expected {want_sink} and {want_window} ({per_frame} page(s) per frame, "
+                    f"sink_frames={spec.sink_frames}, window_frames={spec.window_frames})")
             plan[name] = (frames, num_sink, num_window)
             for part, shape in pool.page_content_shapes(num_sink + num_window).items():
                 expected[f"self/{name}/{part}"] = shape
