@@ -62,11 +62,14 @@ def random_spec(rng: random.Random, *, cross=()) -> tuple[ARDiffusionKVCacheSpec
 
 def random_cache(rng: random.Random, spec, page_size, dtype, *, num_sessions, extra_inflight=0):
     """A cache sized for exactly ``num_sessions`` (plus ``extra_inflight`` more in-flight blocks) on the torch
-    backend or the torch-paged kernel with a random block size."""
+    backend or the torch-paged kernel with a random block size, with one or two blocks of scratch (more room
+    for registers)."""
     backend = rng.choice(["torch", TorchPagedKernel(rng.randint(1, page_size))])
-    layout = KVLayout.from_spec(spec, page_size=page_size)
+    scratch_blocks = rng.choice([1, 1, 2])
+    layout = KVLayout.from_spec(spec, page_size=page_size, scratch_blocks=scratch_blocks)
     pages = layout.managed_pages(num_sessions) + extra_inflight * layout.inflight_pages
-    return ARDiffusionKVCache(spec, pages, dtype=dtype, page_size=page_size, attention_backend=backend)
+    return ARDiffusionKVCache(spec, pages, dtype=dtype, page_size=page_size, scratch_blocks=scratch_blocks,
+                              attention_backend=backend)
 
 
 class Rollout:
@@ -229,7 +232,9 @@ def test_a_session_swapped_out_mid_rollout_goes_on_bit_identical_to_one_never_sw
         cache = random_cache(rng, spec, page_size, dtype, num_sessions=2)
         backend = "torch" if cache.attention_backend == "torch" else cache.pool.kernel  # stateless: shareable
         twin_cache = ARDiffusionKVCache(spec, cache.num_managed_pages, dtype=dtype, page_size=page_size,
+                                        scratch_blocks=cache.layout.scratch_tokens // cache.layout.block_tokens,
                                         attention_backend=backend)
+        assert twin_cache.layout == cache.layout
         where = f"draw {draw}: {spec}, page_size={page_size}, {cache.attention_description}, {dtype}"
         swapped, twin = Rollout(cache, where), Rollout(twin_cache, where + " (twin)")
         for rollout in (swapped, twin):
