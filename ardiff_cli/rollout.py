@@ -29,6 +29,7 @@ restore or replayed step in flight; a second stops it at once.
 
 from __future__ import annotations
 
+import copy
 import time
 import traceback
 from collections.abc import Mapping
@@ -236,7 +237,7 @@ class Rollout:
                     phase, step_file = self._at or ("load", item.file)
                     self._fail_episode(item.episode, step_file, item.ordinal, failure, phase=phase)
                     if self.options.fail_fast:
-                        raise failure from (None if failure is exc else exc)
+                        raise naming_episode(failure, item.episode.name) from (None if failure is exc else exc)
                 finally:
                     self._at = self._running = None
             # Only this episode's counts changed, and the total only if it failed (its other steps left it).
@@ -436,10 +437,9 @@ class Rollout:
         self._close_session(episode.name)
         self.monitor.log("failed", episode.name, message.splitlines()[0], echo=False)
         if not self.options.fail_fast:  # else the run stops with this error, and it is shown once, at exit
-            text = message if isinstance(exc, StepFailed) else f"episode {episode.name!r} failed: {message}"
             if self.out.verbose and isinstance(exc, StepFailed):
                 self.out.traceback(exc.cause)
-            self.out.error(text, exc.hint, kind="episode_failed")
+            self.out.error(str(naming_episode(exc, episode.name)), exc.hint, kind="episode_failed")
         # The traceback's frames hold the failed forward's locals (activations, the released session's caches):
         # drop them now, not at the end of the run. A traceback printed later needs only code and line numbers.
         traceback.clear_frames(cause.__traceback__)
@@ -450,7 +450,7 @@ class Rollout:
             assert item.error is not None
             self._fail_episode(item.episode, StepFile(path=item.episode.path, step=-1), -1, item.error, phase="scan")
             if self.options.fail_fast:
-                raise item.error
+                raise naming_episode(item.error, item.episode.name)
             return
         self._close_session(name)  # following: the end was learnt after the last step ran
         self._digests.pop(name, None)  # never replayed again: a long run holds only live episodes' digests
@@ -520,3 +520,15 @@ class Rollout:
         if decode is not None and "latents" in arrays:
             return as_rgb_frame(to_numpy(decode(arrays["latents"])))
         return None
+
+
+def naming_episode(exc: ArdiffError, episode: str) -> ArdiffError:
+    """``exc`` as it is shown: its message starts with the episode it failed, the same words whether the run goes
+    on (an ``episode_failed`` line) or ``--fail-fast`` stops with it. A ``StepFailed`` names it already; an invalid
+    file (``ObservationError``) names only its path, so a copy of the same class (exit code, JSON kind, hint) and
+    traceback says ``episode 'arm_b' failed: PATH: ...``."""
+    if isinstance(exc, StepFailed):
+        return exc
+    named = copy.copy(exc)
+    named.args = (f"episode {episode!r} failed: {exc}",)
+    return named.with_traceback(exc.__traceback__)

@@ -473,6 +473,33 @@ def test_bad_file_fails_its_episode_only_and_names_the_path(env, data, tmp_path)
     assert str(bad) in proc.stderr
 
 
+def test_fail_fast_names_the_episode_it_stops_for_as_a_run_that_goes_on_does(env, data, tmp_path):
+    """--fail-fast's error named the bad step file only ('Error: /.../arm_b/step_000001.safetensors: ...'), where a
+    run that goes on says "Error: episode 'arm_b' failed: PATH: ...": the same words now, exit code and kind kept.
+    The same for an episode that fails in its folder's scan (a gap in its step numbers)."""
+    eps = episodes_with_a_bad_step(data, tmp_path)
+    bad = eps / "arm_b" / "step_000001.safetensors"
+    named = f"episode 'arm_b' failed: {bad}: 'joint_position' has shape (5,)"
+    going_on = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "on"),
+                      "--no-warmup", "--format", "plain")
+    assert going_on.returncode == 4 and f"Error: {named}" in going_on.stderr, going_on.stderr
+    plain = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "plain"),
+                   "--fail-fast", "--no-warmup", "--format", "plain")
+    assert plain.returncode == 2 and f"Error: {named}" in plain.stderr, plain.stderr
+    assert plain.stderr.count("Error: ") == 1
+    as_json = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "json"),
+                     "--fail-fast", "--no-warmup", "--format", "json")
+    error = json.loads(as_json.stdout.splitlines()[-1])
+    assert as_json.returncode == 2 and error["kind"] == "observation_error", as_json.stderr
+    assert error["message"].startswith(named) and error["exit_code"] == 2 and "fields:" in error["hint"]
+
+    (eps / "arm_b" / "step_000001.safetensors").unlink()  # steps 0 and 2: a gap, found when the folder is read
+    gap = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps / "arm_b"), "--out", str(tmp_path / "gap"),
+                 "--fail-fast", "--no-warmup", "--format", "plain")
+    assert gap.returncode == 2, gap.stderr
+    assert f"Error: episode 'arm_b' failed: {eps / 'arm_b'}: step 1 missing" in gap.stderr, gap.stderr
+
+
 def test_a_failure_that_resume_retries_and_meets_again_is_counted_once(env, data, tmp_path):
     """A bad file left as it was: each --resume retries its episode and fails at the same step again. The summary
     counts that failure once, as the uninterrupted run did (it counted one failed line per resume)."""

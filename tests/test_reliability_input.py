@@ -263,7 +263,8 @@ def test_an_input_the_pipeline_refuses_is_reported_with_its_step_file(bad_datase
     result = runner.invoke(app, ["rollout", str(bad_dataset / "fast.yaml"), str(folder), "--out",
                                  str(tmp_path / "run"), "--no-warmup", "--format", "plain", "--fail-fast"])
     assert result.exit_code == 2, result.stderr
-    assert re.search(rf"Error: {re.escape(str(step1(folder)))}: .*3 frames", result.stderr), result.stderr
+    assert re.search(rf"Error: episode 'three_frames' failed: {re.escape(str(step1(folder)))}: .*3 frames",
+                     result.stderr), result.stderr
     assert result.stderr.count("Error: ") == 1  # --fail-fast: the error is shown once, when the run stops
 
 
