@@ -6,6 +6,8 @@ import dataclasses
 import subprocess
 import sys
 
+import re
+
 import pytest
 import torch
 
@@ -250,6 +252,31 @@ def test_parse_bytes(text, expected):
 def test_parse_bytes_rejects(text):
     with pytest.raises(ConfigError):
         parse_bytes(text)
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("", "it is empty"), ("GiB", "no number before 'GiB'"), ("inf", "not a finite number"),
+    ("-inf", "not a finite number"), ("nan", "not a finite number"), ("1e400", "'1e400' is too large a number"),
+    ("10ZiB", "unknown unit 'ZiB'"), ("1e", "unknown unit 'e'"), ("1.2.3GiB", "'1.2.3' is not a number"),
+    ("1e305", "too large a number (at most 1000 bits"), (10**400, "a 1329-bit integer as a byte size: too large"),
+], ids=lambda value: str(value)[:12])
+def test_parse_bytes_says_what_is_wrong(text, why):
+    """Every unreadable size was 'cannot read X as a byte size', whatever was wrong; a YAML int past a float's range
+    (10**400) passed, and the plan's float arithmetic raised OverflowError: 'a bug in ardiff'."""
+    with pytest.raises(ConfigError, match=re.escape(why)) as caught:
+        parse_bytes(text)
+    assert "as a byte size: " in str(caught.value) and "KiB .. EiB" in caught.value.hint
+
+
+def test_format_bytes_reaches_eib_then_three_digits_and_parse_bytes_reads_each_unit_back():
+    """A 1e30-byte budget showed as '909494701772928256.00 TiB': TiB was the largest unit."""
+    assert format_bytes(1023) == "1023 B" and format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(3 << 40) == "3.00 TiB" and format_bytes(3 << 50) == "3.00 PiB"
+    assert format_bytes(10 << 60) == "10.00 EiB" and format_bytes(1023 << 60) == "1023.00 EiB"
+    assert format_bytes(10**30) == "8.67e+11 EiB" and format_bytes(-(10**30)) == "-8.67e+11 EiB"
+    for size in (1536, 3 << 40, 3 << 50, 10 << 60):
+        assert parse_bytes(format_bytes(size).replace(" ", "")) == size
+    assert parse_bytes("1.5PB") == 1_500 * 1000**4 and parse_bytes("2 eb") == 2 * 1000**6
 
 
 def test_visible_tokens_over_max_model_len_are_refused_by_plan_and_cache():

@@ -389,6 +389,41 @@ def test_inspect_capacity_says_one_session_fits_when_the_budget_is_raised_to_hol
     assert re.search(r"^2 sessions +95% +of available memory \(over budget\)", result.stdout, re.M), result.stdout
 
 
+def test_inspect_capacity_shows_an_absurd_available_in_few_digits_and_says_why_one_is_unreadable(tmp_path):
+    """--available 1e30 printed '909494701772928256.00 TiB' and '4507211538461538692125700 fit the budget'; an
+    unreadable size said only 'cannot read X as a byte size'; a YAML memory_budget past a float (10**400) ended in
+    'unexpected OverflowError ... a bug in ardiff'. Run as a user runs it: a subprocess, plain and json."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "COLUMNS": "200"}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    proc = run("dreamzero-tiny", "--available", "1e30", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^available +8\.67e\+11 EiB +--available$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^sessions +2 +4\.51e\+24 fit the budget, limit 2; 18 pages", proc.stdout, re.M), proc.stdout
+    assert "TiB" not in proc.stdout
+    proc = run("dreamzero-tiny", "--available", "1.5TiB", "--format", "plain")
+    assert re.search(r"^sessions +2 +7,433,596 fit the budget", proc.stdout, re.M), proc.stdout
+    proc = run("dreamzero-14b", "--available", "2PiB", "--format", "json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["plan"]["available_bytes"] == 2 << 50, proc.stderr
+    for value, why in (("10ZiB", "unknown unit 'ZiB'"), ("inf", "not a finite number"), ("1 GiB B", "unknown unit"),
+                       ("1e400", "'1e400' is too large a number")):
+        proc = run("--available", value, "--format", "json")
+        error = json.loads(proc.stdout)
+        assert proc.returncode == 2 and error["kind"] == "usage_error", proc.stderr
+        assert f"Invalid value for '--available': cannot read {value!r} as a byte size: {why}" in error["message"]
+        assert "KiB .. EiB" in error["message"] and "Traceback" not in proc.stderr
+    config = tmp_path / "huge.yaml"
+    config.write_text(f"pipeline: dreamzero\nmodel: {{preset: tiny}}\nruntime: {{memory_budget: {10**400}}}\n")
+    proc = run(str(config), "--format", "plain")
+    assert proc.returncode == 2, proc.stderr
+    assert f"Error: {config}: field 'runtime.memory_budget': expected a byte size" in proc.stderr, proc.stderr
+    assert "bug" not in proc.stderr
+
+
 def test_inspect_capacity_shows_large_figures_without_exponent_notation():
     """'1.05e+03%' and '5.38e+03' sessions per GiB read as a typo; three digits stay, in plain notation."""
     result = runner.invoke(app, ["inspect-capacity", "dreamzero-14b", "--available", "80GiB", "--sessions", "200",

@@ -495,8 +495,8 @@ CLI_CASES = {
     # would allocate and zero pools the host cannot hold.
     "plan_beyond_the_host": (["warmup", "--device", "cpu", "--memory-budget", "1e30", "--session-capacity",
                               str(10**21)],
-                             "the memory budget (909494701772928256.00 TiB, 1000000000000000019884624838656 "
-                             "bytes) plans 181607902050018.31 TiB of KV memory, more than cpu has (", "leave the budget"),
+                             "the memory budget (8.67e+11 EiB, 1000000000000000019884624838656 "
+                             "bytes) plans 1.73e+08 EiB of KV memory, more than cpu has (", "leave the budget"),
     "empty_config_argument": (["inspect-capacity", ""], "CONFIG is an empty string", "omit it for the default"),
     "config_is_a_device": (["inspect-capacity", "/dev/null"], "config /dev/null is not a regular file",
                            "pass a YAML file"),

@@ -308,6 +308,12 @@ def _three_digits(value: float) -> str:
     return text.rstrip("0").rstrip(".") if "." in text else text  # as .3g writes it: 5, not 5.00
 
 
+def _count(value: int) -> str:
+    """A whole count with thousands separators; past a billion, which only an absurd --available or --sessions gives
+    (1e30 bytes: 4507211538461538692125700 sessions of dreamzero-tiny fit), three significant digits: 4.51e+24."""
+    return f"{value:,}" if value < 10**9 else f"{value:.3g}"
+
+
 def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
     from rich import box
     from rich.console import Group
@@ -353,9 +359,9 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
                else "scratch in the workspace (torch)")
     table.add_row("fixed", fb(fixed["total"]), f"null page {fb(fixed['null_page'])}, {scratch}, in-flight block "
                   f"{fb(fixed['inflight'])}, workspace {fb(fixed['workspace'])}")
-    table.add_row("sessions", str(plan.session_capacity),
-                  f"{data['sessions_fit']} fit the budget, limit {plan.session_capacity_limit}; "
-                  f"{plan.num_managed_pages} pages, {fb(plan.planned_bytes)} planned")
+    table.add_row("sessions", _count(plan.session_capacity),
+                  f"{_count(data['sessions_fit'])} fit the budget, limit {_count(plan.session_capacity_limit)}; "
+                  f"{_count(plan.num_managed_pages)} pages, {fb(plan.planned_bytes)} planned")
     table.add_row("per GiB", _three_digits(plan.sessions_per_gib), "sessions per GiB of memory")
     for n, fraction in data["fraction_needed"].items():
         # Against the budget, not the fraction: the budget is never less than one session, so one session whose
@@ -363,7 +369,7 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
         required = plan.required_bytes(int(n))
         verdict = ("fits" if required <= plan.budget_bytes
                    else "over budget" if required <= plan.available_bytes else "does not fit")
-        table.add_row(f"{n} session{'s' if n != '1' else ''}", f"{_three_digits(fraction * 100)}%",
+        table.add_row(f"{_count(int(n))} session{'s' if n != '1' else ''}", f"{_three_digits(fraction * 100)}%",
                       f"of available memory ({verdict})")
     title = f"capacity plan: {data['config']} (pipeline {data['pipeline']}, {plan.dtype})"
     if plain:

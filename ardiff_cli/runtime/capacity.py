@@ -45,13 +45,16 @@ def dtype_name(dtype: object) -> str:
 
 
 def format_bytes(num_bytes: float) -> str:
-    """Human units, binary: '1.50 GiB'."""
+    """Human units, binary: '1.50 GiB', up to EiB (each one ``parse_bytes`` reads back). Past 1024 EiB, which only an
+    absurd budget gives (``--available 1e30``), three significant digits: '8.67e+11 EiB', not 18 digits of TiB."""
     value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if abs(value) < 1024 or unit == "EiB":
+            break
         value /= 1024
-    raise AssertionError("unreachable")
+    if unit == "B":
+        return f"{value:.0f} B"
+    return f"{value:.2f} {unit}" if abs(value) < 1024 else f"{value:.3g} {unit}"
 
 
 def as_int(value: object) -> int | None:
@@ -73,28 +76,45 @@ def as_fraction(value: object) -> float | None:
     return number if 0 < number <= 1 else None
 
 
+# Units parse_bytes reads (in any case; a space before one is allowed): powers of 1024 with or without the 'i', and
+# of 1000 with a 'B'. No bare 'E' for EiB: '1e' is far more likely a cut-off exponent than an exbibyte.
+BYTE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+              "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
+              "p": 1024**5, "pb": 1000**5, "pib": 1024**5, "eb": 1000**6, "eib": 1024**6}
+BYTE_SIZE_HINT = ("use a whole number of bytes, or a number and a unit such as 512MiB, 2GiB, 1.5G: KiB .. EiB and K, M, "
+                  "G, T, P are powers of 1024, KB .. EB powers of 1000")
+
+MAX_BYTE_SIZE_BITS = 1000  # a byte size is a few bits short of a float's range (2**1024): 1e301 is far past any device
+
+
 def parse_bytes(text: str | int, *, zero_ok: bool = False) -> int:
     """'512MiB', '2 GiB', '1.5G', '1000000' (any integer, numpy's too) -> bytes; 0 ('0', '0B') only if ``zero_ok``."""
     value = as_int(text)
     if value is None and not isinstance(text, (str, float)):  # str() of a YAML alias bomb would not end
-        raise ConfigError(f"cannot read a {type(text).__name__} as a byte size",
-                          hint="use a number of bytes or a unit: 512MiB, 2GiB, 1.5G")
+        raise ConfigError(f"cannot read a {type(text).__name__} as a byte size", hint=BYTE_SIZE_HINT)
     elif value is None:
         raw = str(text).strip().replace(" ", "")
-        units = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
-                 "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4}
         number = raw.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-        unit = raw[len(number):].lower()
+        unit = raw[len(number):]
         try:
-            exact = float(number) * units[unit]
+            scale = BYTE_UNITS[unit.lower()]
+            exact = float(number) * scale
             value = int(exact)
-        except (KeyError, ValueError, OverflowError):  # OverflowError: 'inf', '1e400'
-            raise ConfigError(
-                f"cannot read {text!r} as a byte size", hint="use a number of bytes or a unit: 512MiB, 2GiB, 1.5G"
-            ) from None
-        if units[unit] == 1 and exact != value:  # '1.5' bytes; with a unit (1.3GiB) the fraction of a byte is noise
+        except (KeyError, ValueError, OverflowError) as exc:  # OverflowError: '1e400' (a float's inf)
+            why = (": it is empty" if not raw
+                   else ": not a finite number" if unit.lower() in ("inf", "infinity", "nan")
+                   else f": no number before {unit!r}" if not number
+                   else f": unknown unit {unit!r}" if isinstance(exc, KeyError)
+                   else f": {number!r} is not a number" if isinstance(exc, ValueError)
+                   else f": {number!r} is too large a number")
+            raise ConfigError(f"cannot read {text!r} as a byte size{why}", hint=BYTE_SIZE_HINT) from None
+        if scale == 1 and exact != value:  # '1.5' bytes; with a unit (1.3GiB) the fraction of a byte is noise
             raise ConfigError(f"a byte size without a unit is a whole number of bytes, got {text!r}",
                               hint="use a whole number of bytes or a unit: 1.5GiB, 512MiB")
+    if value.bit_length() > MAX_BYTE_SIZE_BITS:  # a YAML or Python int past a float: plans compute shares in floats
+        what = repr(text) if isinstance(text, str) else f"a {value.bit_length()}-bit integer"  # str(): 4,300 digits
+        raise ConfigError(f"cannot read {what} as a byte size: too large a number (at most {MAX_BYTE_SIZE_BITS} bits, "
+                          "about 1e301)", hint=BYTE_SIZE_HINT)
     if value < 0 or value == 0 and not zero_ok:
         raise ConfigError(f"a byte size must be {'>= 0' if zero_ok else 'positive'}, got {text!r}")
     return value
