@@ -67,16 +67,20 @@ def describe_event(data: dict[str, Any]) -> str:
 class RunMonitor:
     """Collects what the live panels show; echoes events to the output sink."""
 
-    def __init__(self, out: Output, title: str, *, echo_requests: bool = False) -> None:
+    def __init__(self, out: Output, title: str, *, echo_requests: bool = False, noun: str = "steps",
+                 counted_phases: tuple[str, ...] = ("running", "following")) -> None:
         self.out = out  # where plain/json event lines go
         self.echo_requests = echo_requests  # also echo request_finished in plain format (warmup)
+        self.counted_phases = counted_phases  # the phases whose work set_progress counts: the rate is of their time
+        self._counted_since: float | None = None  # monotonic time the counted phases began (None: not yet)
+        self._counted_until: float | None = None  # and ended (None: not yet)
         self._lock = threading.Lock()  # the refresh thread reads while the main thread writes
         self._t0 = time.time()  # wall clock of the run's start (event times are relative to it)
         self._start = time.monotonic()
         self._events: deque[EventRow] = deque(maxlen=8)  # the newest events, for the events panel
         self._episodes: dict[str, tuple[str, int, int | None]] = {}  # session -> (episode label, done, total)
         self._views: tuple[Any, ...] = ()  # the runner's session views at the last refresh, least recently used first
-        self._snapshot = Snapshot(title=title)
+        self._snapshot = Snapshot(title=title, noun=noun)
 
     # -- inputs --------------------------------------------------------------------------------------------
 
@@ -122,6 +126,10 @@ class RunMonitor:
 
     def set_phase(self, phase: str) -> None:
         with self._lock:
+            if phase in self.counted_phases and self._counted_since is None:
+                self._counted_since = time.monotonic()
+            elif phase not in self.counted_phases and self._counted_since is not None and self._counted_until is None:
+                self._counted_until = time.monotonic()  # stopping or done: the rate stays that of the work
             self._snapshot = replace(self._snapshot, phase=phase)
 
     def set_episode(self, session_id: str, label: str, done: int, total: int | None) -> None:
@@ -165,4 +173,7 @@ class RunMonitor:
                                        pages_per_branch=dict(view.pages_per_branch),
                                        cross_attention_bytes=view.cross_attention_bytes,
                                        last_latency_s=view.last_latency_s))
-            return replace(self._snapshot, sessions=tuple(rows), events=tuple(self._events), elapsed_s=self.elapsed())
+            since, until = self._counted_since, self._counted_until
+            counting = 0.0 if since is None else (time.monotonic() if until is None else until) - since
+            return replace(self._snapshot, sessions=tuple(rows), events=tuple(self._events), elapsed_s=self.elapsed(),
+                           counting_s=counting)

@@ -71,6 +71,9 @@ class Snapshot:
     swap_budget_bytes: int = 0  # the swap space (0: swapping is off)
     elapsed_s: float = 0.0
     attention: str = ""  # the attention backend that runs ("torch" or "vllm"); "" before the plan
+    noun: str = "steps"  # what steps_done counts: a rollout's steps, warmup's requests
+    counting_s: float | None = None  # seconds of the phase that does the counted work (the rate and ETA are of it,
+    # not of the model's load or the warmup before it); None: elapsed_s
 
 
 def _text(value: str):
@@ -125,7 +128,7 @@ def _sessions_panel(s: Snapshot):
     table = Table(expand=True, box=None, pad_edge=False, header_style="bold")
     table.add_column("session", no_wrap=True, overflow="ellipsis", max_width=18)
     table.add_column("episode", no_wrap=True, overflow="ellipsis", max_width=18)
-    table.add_column("steps", justify="right", no_wrap=True)
+    table.add_column(s.noun, justify="right", no_wrap=True)
     table.add_column("pages", no_wrap=True)
     table.add_column("x-attn", justify="right", no_wrap=True)
     table.add_column("last", justify="right", no_wrap=True)
@@ -165,14 +168,15 @@ def _progress_line(s: Snapshot):
     from rich.table import Table
     from rich.text import Text
 
-    rate = s.steps_done / s.elapsed_s if s.elapsed_s > 0 else 0.0
+    span = s.elapsed_s if s.counting_s is None else s.counting_s
+    rate = s.steps_done / span if span > 0 else 0.0
     if s.steps_total is None:
-        count, eta = f"{s.steps_done} steps", ""
+        count, eta = f"{s.steps_done} {s.noun}", ""
     else:
-        count = f"{s.steps_done}/{s.steps_total} steps"
+        count = f"{s.steps_done}/{s.steps_total} {s.noun}"
         remaining = max(0, s.steps_total - s.steps_done)
         eta = f" · ETA {_clock(remaining / rate)}" if rate > 0 and remaining else ""
-    text = f"{count} · {rate:.1f} steps/s{eta} · {s.evictions} evictions"
+    text = f"{count} · {rate:.1f} {s.noun}/s{eta} · {s.evictions} evictions"
     if s.restores:
         text += f" · {s.restores} restored"
     if s.steps_replayed:

@@ -189,6 +189,22 @@ def test_rollout_exit_3_when_the_model_does_not_fit(fast_configs, tmp_path):
     assert not (tmp_path / "run" / "results.jsonl").exists()
 
 
+def test_warmup_live_display_counts_requests_at_the_rate_of_the_warmup(fast_configs):
+    """The live display of warmup said '4 steps · 1.1 steps/s' and headed its sessions column 'steps': warmup runs
+    requests (the README's word), and the rate divided them by the whole run, the model's load included. A real
+    subprocess in rich format (on a pipe, Rich prints the last frame when the display stops)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "COLUMNS": "120"}
+    env.pop("NO_COLOR", None)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "warmup", str(fast_configs[0]), "--device", "cpu",
+                           "--format", "rich"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", proc.stderr)
+    assert re.search(r"^4 requests · [\d.]+ requests/s · 0 evictions · \S+ done", text, re.M), text
+    assert re.search(r"│ session +episode +requests +pages", text), text
+    assert "steps" not in text and "KV pool restored" in proc.stdout
+
+
 def test_warmup_plain_prints_a_table(fast_configs):
     result = invoke("warmup", str(fast_configs[1]), "--device", "cpu", "--format", "plain")
     assert result.exit_code == 0, result.stderr

@@ -277,6 +277,40 @@ def test_live_layout_renders_every_panel():
     assert "no events yet" in text and "none" in text and "0/0 resident" in text
 
 
+def test_the_rate_and_eta_are_of_the_counted_phase_and_the_noun_is_the_commands():
+    """The rate was steps over the whole run, the model's load and warmup included: a 14B model loading for
+    minutes showed a fraction of the real rate and an ETA many times too long. It is of the counted phase (running
+    or following; warmup's own requests for warmup), frozen when that phase ends."""
+    from dataclasses import replace
+
+    from ardiff_cli.monitor import RunMonitor
+
+    console = Console(record=True, width=110, color_system=None, file=io.StringIO())
+    console.print(render(replace(SNAPSHOT, elapsed_s=100.0, counting_s=2.0)))  # 12 steps in 2 s of 100
+    assert "12/18 steps · 6.0 steps/s · ETA 0:00:01" in console.export_text()
+    console = Console(record=True, width=110, color_system=None, file=io.StringIO())
+    console.print(render(replace(SNAPSHOT, noun="requests", steps_total=None, elapsed_s=100.0, counting_s=0.5)))
+    text = console.export_text()
+    assert "12 requests · 24.0 requests/s" in text and re.search(r"session +episode +requests +pages", text)
+    assert "steps" not in text
+
+    output, _, _ = sink(Format.plain)
+    monitor = RunMonitor(output, "test")
+    monitor.set_phase("loading")
+    monitor.set_phase("warmup")
+    assert monitor.snapshot().counting_s == 0.0  # nothing counted yet: no rate, whatever the time loading took
+    monitor.set_phase("running")
+    monitor.set_phase("stopping")
+    first = monitor.snapshot().counting_s
+    monitor.set_phase("done")
+    assert monitor.snapshot().counting_s == first  # frozen: the rate stays that of the steps' time
+    warmup = RunMonitor(output, "test", noun="requests", counted_phases=("warmup",))
+    warmup.set_phase("warmup")
+    warmup.set_phase("done")
+    done = warmup.snapshot()
+    assert done.noun == "requests" and warmup.snapshot().counting_s == done.counting_s
+
+
 def test_many_resident_sessions_leave_room_for_the_events_and_the_progress_line():
     """A small model keeps hundreds of sessions resident: a row for each pushed the events and the progress line
     off a 50-line terminal (the live display crops its bottom), and drawing 1,000 rows took 0.4 s a frame, 4 frames

@@ -65,7 +65,8 @@ def warmup(
         cfg = load_engine_config(config, pipeline=pipeline, command="warmup", device=device, dtype=dtype,
                                  memory_budget=memory_budget, session_capacity=session_capacity,
                                  gpu_memory_fraction=gpu_memory_fraction, attention_backend=attention_backend)
-        monitor = RunMonitor(out, f"ardiff warmup · {config_label(config)}", echo_requests=True)
+        monitor = RunMonitor(out, f"ardiff warmup · {config_label(config)}", echo_requests=True, noun="requests",
+                             counted_phases=("warmup",))
         out.info(f"loading {config_label(config)} (pipeline {cfg.pipeline_name})")
         out.debug(f"config {cfg.source}: {cfg.runtime}")
         with _run_again_when_stopped(), StopSignals() as signals, out.live(lambda: render(monitor.snapshot())):
