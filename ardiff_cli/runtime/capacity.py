@@ -81,8 +81,8 @@ def as_fraction(value: object) -> float | None:
 BYTE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
               "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
               "p": 1024**5, "pb": 1000**5, "pib": 1024**5, "eb": 1000**6, "eib": 1024**6}
-BYTE_SIZE_HINT = ("use a whole number of bytes, or a number and a unit such as 512MiB, 2GiB, 1.5G: KiB .. EiB and K, M, "
-                  "G, T, P are powers of 1024, KB .. EB powers of 1000")
+BYTE_SIZE_HINT = ("use a whole number of bytes, or a number and a unit such as 512MiB, 2GiB, 1.5G: KiB .. EiB and "
+                  "K, M, G, T, P are powers of 1024, KB .. EB powers of 1000")
 
 MAX_BYTE_SIZE_BITS = 1000  # a byte size is a few bits short of a float's range (2**1024): 1e301 is far past any device
 
