@@ -8,12 +8,15 @@ refresh thread at any time.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+from ardiff_cli.errors_cli import Interrupted
 from ardiff_cli.output import Output
 from ardiff_cli.panels import EventRow, SessionRow, Snapshot
 from ardiff_cli.runtime.capacity import format_bytes
@@ -131,6 +134,20 @@ class RunMonitor:
             elif phase not in self.counted_phases and self._counted_since is not None and self._counted_until is None:
                 self._counted_until = time.monotonic()  # stopping or done: the rate stays that of the work
             self._snapshot = replace(self._snapshot, phase=phase)
+
+    @contextlib.contextmanager
+    def ending(self) -> Iterator[None]:
+        """Inside the live display: a block left by an exception sets the phase to "interrupted" (a signal) or
+        "failed", so that the display's last frame, which stays on the screen, says so (it said "running", with an
+        ETA, above the summary of a run stopped by Ctrl-C)."""
+        try:
+            yield
+        except (Interrupted, KeyboardInterrupt):
+            self.set_phase("interrupted")
+            raise
+        except BaseException:
+            self.set_phase("failed")
+            raise
 
     def set_episode(self, session_id: str, label: str, done: int, total: int | None) -> None:
         with self._lock:

@@ -48,7 +48,7 @@ class Snapshot:
     """Everything the live display shows, at one instant."""
 
     title: str
-    phase: str = "loading"  # loading | warmup | running | following | stopping | done
+    phase: str = "loading"  # loading | warmup | running | following | stopping | done | interrupted | failed
     device: str = "?"
     dtype: str = "?"
     budget_bytes: int | None = None
@@ -92,38 +92,51 @@ EVENT_STYLES = {"admitted": "green", "evicted": "yellow", "restored": "green", "
                 "failed": "red", "hook_failed": "red", "swap_failed": "red", "warmup": "cyan", "episode": "cyan"}
 
 
-def _capacity_panel(s: Snapshot):
-    from rich.panel import Panel
+def _capacity_rows(s: Snapshot) -> list[tuple[str, object]]:
+    """The capacity panel's rows (label, value), one terminal line each."""
     from rich.progress_bar import ProgressBar
     from rich.table import Table
 
-    grid = Table.grid(padding=(0, 1))
-    grid.add_column(style="bold", no_wrap=True, min_width=8)
-    grid.add_column(overflow="ellipsis", no_wrap=True)
-    grid.add_row("device", f"{s.device} · {s.dtype}")
+    rows: list[tuple[str, object]] = [("device", f"{s.device} · {s.dtype}")]
     if s.budget_bytes is not None:
         available = f" of {format_bytes(s.available_bytes)}" if s.available_bytes else ""
-        grid.add_row("budget", f"{format_bytes(s.budget_bytes)}{available}")
+        rows.append(("budget", f"{format_bytes(s.budget_bytes)}{available}"))
     if s.page_size is not None:
         size = f" · {format_bytes(s.bytes_per_page)}" if s.bytes_per_page else ""
-        grid.add_row("page", f"{s.page_size} tokens{size}")
+        rows.append(("page", f"{s.page_size} tokens{size}"))
     bar = Table.grid(padding=(0, 1))
     bar.add_column(width=12)
     bar.add_column(no_wrap=True, overflow="ellipsis")
     bar.add_row(ProgressBar(total=max(1, s.pages_total), completed=s.pages_used, width=12),
                 f"{s.pages_used}/{s.pages_total}, {s.pages_total - s.pages_used} free")
-    grid.add_row("pages", bar)
-    grid.add_row("sessions", f"{len(s.sessions)}/{s.session_capacity} resident")
+    rows.append(("pages", bar))
+    rows.append(("sessions", f"{len(s.sessions)}/{s.session_capacity} resident"))
     if s.swap_budget_bytes:
-        grid.add_row("swap", f"{s.swapped} out, {format_bytes(s.swapped_bytes)} of {format_bytes(s.swap_budget_bytes)}")
+        swapped = f"{s.swapped} out, {format_bytes(s.swapped_bytes)} of {format_bytes(s.swap_budget_bytes)}"
+        rows.append(("swap", swapped))
     if s.attention:
-        grid.add_row("attention", s.attention)
+        rows.append(("attention", s.attention))
+    return rows
+
+
+def _capacity_panel(rows: list[tuple[str, object]]):
+    from rich.panel import Panel
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(style="bold", no_wrap=True, min_width=8)
+    grid.add_column(overflow="ellipsis", no_wrap=True)
+    for label, value in rows:
+        grid.add_row(label, value)
     return Panel(grid, title="capacity", title_align="left", border_style="cyan")
 
 
-def _sessions_panel(s: Snapshot):
+def _sessions_panel(s: Snapshot, num_rows: int = SESSION_ROWS):
+    """The ``num_rows`` least recently used sessions, then how many more."""
+    from rich.console import Group
     from rich.panel import Panel
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(expand=True, box=None, pad_edge=False, header_style="bold")
     table.add_column("session", no_wrap=True, overflow="ellipsis", max_width=18)
@@ -132,38 +145,66 @@ def _sessions_panel(s: Snapshot):
     table.add_column("pages", no_wrap=True)
     table.add_column("x-attn", justify="right", no_wrap=True)
     table.add_column("last", justify="right", no_wrap=True)
-    for row in s.sessions[:SESSION_ROWS]:
+    for row in s.sessions[:num_rows]:
         steps = f"{row.steps_done}/{row.steps_total}" if row.steps_total is not None else str(row.steps_done)
         pages = " ".join(f"{branch[:3]}:{n}" for branch, n in row.pages_per_branch.items())
         latency = f"{row.last_latency_s * 1000:.0f} ms" if row.last_latency_s is not None else "-"
-        table.add_row(_text(row.session_id), _text(row.episode), steps, pages, format_bytes(row.cross_attention_bytes),
-                      latency)
+        table.add_row(_text(row.session_id), _text(row.episode), steps, pages,
+                      format_bytes(row.cross_attention_bytes), latency)
     if not s.sessions:
         table.add_row("[dim]none[/dim]", "", "", "", "", "")
-    elif len(s.sessions) > SESSION_ROWS:
-        table.add_row(f"[dim]… and {len(s.sessions) - SESSION_ROWS} more[/dim]", "", "", "", "", "")
+    elif len(s.sessions) > num_rows:  # under the table, not in its narrow first column: "… and 24 m…" at 40 columns
+        more = Text(f"… and {len(s.sessions) - num_rows} more", style="dim", no_wrap=True, overflow="ellipsis")
+        return Panel(Group(table, more), title="sessions (least recently used first)", title_align="left",
+                     border_style="cyan")
     return Panel(table, title="sessions (least recently used first)", title_align="left", border_style="cyan")
 
 
-def _events_panel(s: Snapshot):
+def _sessions_height(s: Snapshot, num_rows: int) -> int:
+    """Lines of ``_sessions_panel(s, num_rows)``: borders, header, rows (every cell is one line), the count."""
+    shown = min(num_rows, len(s.sessions))
+    return 3 + max(1, shown) + (len(s.sessions) > shown)
+
+
+def _events_panel(s: Snapshot, num_rows: int):
+    """The newest ``num_rows`` events, oldest first."""
     from rich.panel import Panel
     from rich.table import Table
 
+    events = s.events[max(0, len(s.events) - num_rows):]
     table = Table.grid(padding=(0, 2), expand=True)
     table.add_column(justify="right", style="dim", no_wrap=True, min_width=8)
     table.add_column(no_wrap=True, min_width=8)
     table.add_column(no_wrap=True, overflow="ellipsis", min_width=6, max_width=20)
     table.add_column(overflow="ellipsis", no_wrap=True, ratio=1)  # the detail takes what is left
-    for event in s.events:
+    for event in events:
         style = EVENT_STYLES.get(event.kind, "")
         table.add_row(f"+{event.at_s:.3f}s", f"[{style}]{event.kind}[/{style}]" if style else event.kind,
                       _text(event.session_id), _text(event.detail))
-    if not s.events:
+    if not events:
         table.add_row("", "[dim]no events yet[/dim]", "", "")
     return Panel(table, title="events", title_align="left", border_style="cyan")
 
 
+# Columns the status line leaves free at its end. The terminal echoes a typed Ctrl-C as "^C" where the cursor is,
+# at the end of the live display's last line: on a line that filled the width the echo wrapped onto a new line,
+# and the next frame, moving up as many lines as it drew, left the display's first line behind on the screen (a
+# second title line after every Ctrl-C). Two echoes fit.
+ECHO_ROOM = 4
+
+
+class _Room:
+    """``text`` wrapped to the width less ``ECHO_ROOM`` columns."""
+
+    def __init__(self, text) -> None:
+        self.text = text
+
+    def __rich_console__(self, console, options):
+        yield from console.render(self.text, options.update_width(max(1, options.max_width - ECHO_ROOM)))
+
+
 def _progress_line(s: Snapshot):
+    from rich.console import Group
     from rich.progress_bar import ProgressBar
     from rich.table import Table
     from rich.text import Text
@@ -175,7 +216,9 @@ def _progress_line(s: Snapshot):
     else:
         count = f"{s.steps_done}/{s.steps_total} {s.noun}"
         remaining = max(0, s.steps_total - s.steps_done)
-        eta = f" · ETA {_clock(remaining / rate)}" if rate > 0 and remaining else ""
+        # only while the counted work runs: a stopping, stopped or failed run has no time left to show
+        running = s.phase in ("running", "warmup")
+        eta = f" · ETA {_clock(remaining / rate)}" if running and rate > 0 and remaining else ""
     text = f"{count} · {rate:.1f} {s.noun}/s{eta} · {s.evictions} evictions"
     if s.restores:
         text += f" · {s.restores} restored"
@@ -185,11 +228,10 @@ def _progress_line(s: Snapshot):
         text += f" · [red]{s.steps_failed} failed[/red]"
     text += f" · {_clock(s.elapsed_s)} [dim]{s.phase}[/dim]"
     total = s.steps_total if s.steps_total else None
-    grid = Table.grid(expand=True)
-    grid.add_column()
-    grid.add_row(ProgressBar(total=total, completed=s.steps_done, pulse=total is None))
-    grid.add_row(Text.from_markup(text))
-    return grid
+    bar = Table.grid(expand=True)
+    bar.add_column()
+    bar.add_row(ProgressBar(total=total, completed=s.steps_done, pulse=total is None))
+    return Group(bar, _Room(Text.from_markup(text)))
 
 
 def _clock(seconds: float) -> str:
@@ -197,10 +239,13 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+SIDE_BY_SIDE_WIDTH = 110  # capacity and sessions side by side from this width, else one above the other
+
+
 class _SideBySide:
     """Two renderables side by side when the console is wide enough, else one above the other."""
 
-    def __init__(self, left, right, *, min_width: int = 110) -> None:
+    def __init__(self, left, right, *, min_width: int = SIDE_BY_SIDE_WIDTH) -> None:
         self.left, self.right, self.min_width = left, right, min_width
 
     def __rich_console__(self, console, options):
@@ -217,11 +262,69 @@ class _SideBySide:
         yield grid
 
 
-def render(snapshot: Snapshot):
-    """The whole live layout for ``snapshot``: capacity and sessions (side by side when wide), events, progress."""
-    from rich.console import Group
-    from rich.text import Text
+class _Screen:
+    """The layout of one snapshot, fitted to the terminal's height.
 
-    return Group(Text(visible(snapshot.title), style="bold"),
-                 _SideBySide(_capacity_panel(snapshot), _sessions_panel(snapshot)),
-                 _events_panel(snapshot), _progress_line(snapshot))
+    The live display cuts what is taller than the terminal from the bottom: on a 24-line terminal with 8 resident
+    sessions that was the events and the progress line, and on 10 lines everything but the title and the
+    capacity panel. The title and the progress line always show; what room is left goes, in this order, to the
+    newest event, the capacity panel, up to 3 events, the sessions (the least recently used first), then the
+    other events. A terminal too short even for the title and the progress line is left to the live display."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.s = snapshot
+
+    def __rich_console__(self, console, options):
+        from rich.text import Text
+
+        s = self.s
+        title, progress = Text(visible(s.title), style="bold"), _progress_line(s)
+        capacity = _capacity_rows(s)
+        side = options.max_width >= SIDE_BY_SIDE_WIDTH
+        room = options.size.height - sum(len(console.render_lines(part, options, pad=False))
+                                         for part in (title, progress))
+        shown = _fit(s, room, capacity_height=2 + len(capacity), side=side)
+        yield title
+        show_capacity, num_sessions, num_events = shown
+        if show_capacity and num_sessions:
+            yield _SideBySide(_capacity_panel(capacity), _sessions_panel(s, num_sessions))
+        elif show_capacity:
+            yield _capacity_panel(capacity)
+        elif num_sessions:
+            yield _sessions_panel(s, num_sessions)
+        if num_events:
+            yield _events_panel(s, num_events)
+        yield progress
+
+
+def _fit(s: Snapshot, room: int, *, capacity_height: int, side: bool) -> tuple[bool, int, int]:
+    """(show the capacity panel, session rows (0: no sessions panel), event rows (0: no events panel)) that fit in
+    ``room`` lines: everything if it fits, else as much as fits, in the order ``_Screen`` says."""
+    num_events = max(1, len(s.events))  # the panel says "no events yet" when there are none
+
+    def height(capacity: bool, sessions: int, events: int) -> int:
+        top = [capacity_height] if capacity else []
+        if sessions:
+            top.append(_sessions_height(s, sessions))
+        above = (max(top) if side and len(top) == 2 else sum(top))
+        return above + (2 + events if events else 0)
+
+    shown = [True, SESSION_ROWS, num_events]
+    if height(*shown) <= room:
+        return tuple(shown)
+    shown = [False, 0, 0]
+    steps = [(2, 1), (0, True), *((2, n) for n in range(2, min(3, num_events) + 1)),
+             *((1, n) for n in range(1, min(SESSION_ROWS, max(1, len(s.sessions))) + 1)),
+             *((2, n) for n in range(4, num_events + 1))]
+    for index, value in steps:
+        tried = list(shown)
+        tried[index] = value
+        if height(*tried) <= room:
+            shown = tried
+    return tuple(shown)
+
+
+def render(snapshot: Snapshot):
+    """The whole live layout for ``snapshot``: capacity and sessions (side by side when wide), events, progress,
+    as much of it as the terminal's height holds (``_Screen``)."""
+    return _Screen(snapshot)

@@ -406,3 +406,28 @@ def test_a_command_that_fails_after_stdout_failed_says_both_and_exits_with_its_o
     assert raised.value.exit_code == 2
     assert err.getvalue() == ("warning: cannot write to standard output: No space left on device either\n"
                               "Error: model.preset: expected one of tiny, 14b, got 'huge'\n")
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 120, 250])
+def test_the_live_layout_fits_any_terminal_height_keeping_the_title_and_the_progress(width):
+    """What the layout holds is counted, not drawn and measured: check the count against the drawing, for every
+    height from too short for anything but the title and the progress line to room for everything."""
+    from dataclasses import replace
+
+    rows = tuple(SessionRow(f"ep_{i:04d}", f"ep_{i:04d}", 1, 5, {"main": 3}, 0, 0.01) for i in range(40))
+    events = tuple(EventRow(i / 10, "evicted", f"ep_{i:04d}", "lru_eviction") for i in range(8))
+    snapshot = replace(SNAPSHOT, sessions=rows, session_capacity=40, events=events, swap_budget_bytes=1 << 30)
+    full = None
+    for height in range(4, 60):
+        console = Console(record=True, width=width, height=height, file=io.StringIO())
+        console.print(render(snapshot))
+        lines = console.export_text().splitlines()
+        status = next(i for i, line in enumerate(lines) if line.startswith("12/18 steps"))  # it may wrap
+        assert lines[0] == "ardiff rollout · dreamzero-tiny" and lines[status - 1].startswith("━"), (height, lines)
+        assert lines[-1].endswith("running"), (height, lines)
+        assert len(lines) <= max(height, 1 + len(lines) - status + 1), (height, lines)  # all but the fixed lines fit
+        if height >= 8:  # room for the newest event
+            assert any("evicted   ep_0007" in line for line in lines), (height, lines)
+        full = full or (lines if "… and 24 more" in "\n".join(lines) and "ep_0000  lru" in "\n".join(lines) else None)
+    assert full is not None  # a tall terminal shows everything: 16 sessions, then the count, and every event
+

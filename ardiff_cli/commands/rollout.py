@@ -451,7 +451,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     stopped = False  # a signal (or stdout's reader gone) stopped the run, and nothing else went wrong
     try:
         signals = StopSignals(notice=_stop_notice(output, monitor))
-        with signals, output.live(lambda: render(monitor.snapshot())):
+        with signals, output.live(lambda: render(monitor.snapshot())), monitor.ending():
             # `ardiff rollout --format json | head`: once the reader is gone, stop as a shell's SIGPIPE would
             # (exit 141), but between steps, where every written file is whole, so --resume can finish the run.
             # `> events.jsonl` on a disk that fills up stops there too, with the write's error (exit 1).

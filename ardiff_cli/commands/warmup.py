@@ -69,7 +69,8 @@ def warmup(
                              counted_phases=("warmup",))
         out.info(f"loading {config_label(config)} (pipeline {cfg.pipeline_name})")
         out.debug(f"config {cfg.source}: {cfg.runtime}")
-        with _run_again_when_stopped(), StopSignals() as signals, out.live(lambda: render(monitor.snapshot())):
+        with (_run_again_when_stopped(), StopSignals() as signals, out.live(lambda: render(monitor.snapshot())),
+              monitor.ending()):
             from ardiff_cli.runtime.engine import ARDiffusionEngine
 
             signals.check()  # a signal that arrived while torch imported

@@ -1,0 +1,55 @@
+"""`ardiff rollout` as a user sees it: a real process on a pseudo-terminal, its output played back on a screen.
+
+A terminal of 80 x 40 shows the whole live layout; one of 12 lines does not. Typing Ctrl-C (not sending SIGINT)
+matters: the terminal echoes it, as ``^C``, where the live display's cursor is.
+"""
+
+from __future__ import annotations
+
+import re
+
+from fast_run import write_fast_data
+from terminal import Screen, run_in_pty
+
+STATUS = re.compile(r"^\d+(/\d+)? steps · ")  # the live display's status line, under its progress bar
+
+
+def test_a_typed_ctrl_c_leaves_the_last_frame_whole_and_saying_interrupted(tmp_path, cli_env):
+    """The status line filled the terminal's width: the echoed ^C wrapped onto a new line, and every later frame
+    was drawn one line lower, leaving a copy of the title above it. The last frame, which stays on the screen
+    above the summary, said "stopping" with an ETA (or "running", after a second Ctrl-C)."""
+    write_fast_data(tmp_path, {f"ep_{i}": 40 for i in range(3)})
+    code, output = run_in_pty(["rollout", "fast.yaml", "eps", "-o", "out", "--no-warmup"], env=cli_env,
+                              cwd=tmp_path, cols=80, rows=40, type_after=b"running")
+    screen = Screen(80, 40).feed(output)
+    lines = [line for line in screen.history + screen.display() if line]
+    text = "\n".join(lines)
+    assert code == 130, text
+    assert b"^C" in output  # the terminal echoed it, as a user's terminal does (the next frame erased it)
+    assert lines.count("ardiff rollout · fast.yaml → out") == 1, text
+    last = max(i for i, line in enumerate(lines) if STATUS.match(line))  # the last frame's status line (it may wrap)
+    summary = lines.index(next(line for line in lines if line.startswith("rollout interrupted: ")))
+    status = " ".join(lines[last:summary])
+    assert status.endswith(" interrupted") and "ETA" not in status, text
+    assert "rollout interrupted: " in text and "outputs: out (results.jsonl, summary.json, episodes/)" in text
+    assert lines[-2:] == ["Error: interrupted by SIGINT", "hint: run the same command with --resume to continue"]
+    assert output.rindex(b"\x1b[?25h") > output.rindex(b"\x1b[?25l")  # the cursor is shown again
+
+
+def test_on_a_short_terminal_every_frame_shows_the_title_and_the_progress(tmp_path, cli_env):
+    """The live display cut what did not fit from the bottom: on 12 lines the progress line never showed, nor did
+    the events (a run of several resident sessions on a 24-line terminal lost them too)."""
+    write_fast_data(tmp_path, {f"ep_{i}": 4 for i in range(6)})
+    (tmp_path / "fast.yaml").write_text((tmp_path / "fast.yaml").read_text().replace("session_capacity: 2",
+                                                                                      "session_capacity: 4"))
+    code, output = run_in_pty(["rollout", "fast.yaml", "eps", "-o", "out", "--no-warmup"], env=cli_env,
+                              cwd=tmp_path, cols=80, rows=12)
+    screen = Screen(80, 12).feed(output)
+    assert code == 0, "\n".join(screen.history + screen.display())
+    frames = [frame for frame in screen.frames if "ardiff rollout · fast.yaml → out" in frame]
+    assert frames, "\n".join(screen.history + screen.display())
+    for frame in frames:
+        shown = "\n".join(frame)
+        assert any(STATUS.match(line) for line in frame) and "..." not in frame, shown
+        assert "events" in shown, shown  # the newest event, at least
+    assert "outputs: out (results.jsonl, summary.json, episodes/)" in screen.display()
