@@ -83,6 +83,48 @@ def _text(value: str):
     return Text(visible(value))
 
 
+class _Name:
+    """A session or episode name in a cell too narrow for it, cut in the middle (``pick_cu…de_0042``): names of a
+    run's episodes often share a long prefix and differ at the end, and a name cut at its end made all of them
+    look the same (``pick_cube_2025-06…`` for every episode)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = visible(name)
+
+    def __rich_measure__(self, console, options):
+        from rich.cells import cell_len
+        from rich.measure import Measurement
+
+        width = cell_len(self.name)
+        return Measurement(min(width, 5), width)
+
+    def __rich_console__(self, console, options):
+        from rich.text import Text
+
+        yield Text(middle_cut(self.name, options.max_width), no_wrap=True, overflow="crop")
+
+
+def middle_cut(name: str, width: int) -> str:
+    """``name`` in at most ``width`` terminal cells: its start, ``…`` and its end (the longer part)."""
+    import unicodedata
+
+    from rich.cells import cell_len, set_cell_size
+
+    if cell_len(name) <= width:
+        return name
+    if width <= 1:
+        return "…"[:width]
+    keep = width - 1
+    head = set_cell_size(name, keep // 2).rstrip()  # a wide character that did not fit is padded: drop the pad
+    tail_cells = keep - cell_len(head)
+    start = len(name)
+    while start > 0 and cell_len(name[start - 1:]) <= tail_cells:
+        start -= 1
+    while start < len(name) and unicodedata.combining(name[start]):  # never a mark without its letter
+        start += 1
+    return f"{head}…{name[start:]}"
+
+
 # The sessions panel's most rows: the least recently used (the next to be evicted), then how many more. A row per
 # resident session (hundreds with a small model) pushed the events and the progress line off the screen, and drawing
 # them 4 times a second took more than the CPU time there is (1,000 rows: 0.4 s per frame).
@@ -149,7 +191,7 @@ def _sessions_panel(s: Snapshot, num_rows: int = SESSION_ROWS):
         steps = f"{row.steps_done}/{row.steps_total}" if row.steps_total is not None else str(row.steps_done)
         pages = " ".join(f"{branch[:3]}:{n}" for branch, n in row.pages_per_branch.items())
         latency = f"{row.last_latency_s * 1000:.0f} ms" if row.last_latency_s is not None else "-"
-        table.add_row(_text(row.session_id), _text(row.episode), steps, pages,
+        table.add_row(_Name(row.session_id), _Name(row.episode), steps, pages,
                       format_bytes(row.cross_attention_bytes), latency)
     if not s.sessions:
         table.add_row("[dim]none[/dim]", "", "", "", "", "")
@@ -180,7 +222,7 @@ def _events_panel(s: Snapshot, num_rows: int):
     for event in events:
         style = EVENT_STYLES.get(event.kind, "")
         table.add_row(f"+{event.at_s:.3f}s", f"[{style}]{event.kind}[/{style}]" if style else event.kind,
-                      _text(event.session_id), _text(event.detail))
+                      _Name(event.session_id), _text(event.detail))
     if not events:
         table.add_row("", "[dim]no events yet[/dim]", "", "")
     return Panel(table, title="events", title_align="left", border_style="cyan")

@@ -431,3 +431,23 @@ def test_the_live_layout_fits_any_terminal_height_keeping_the_title_and_the_prog
         full = full or (lines if "… and 24 more" in "\n".join(lines) and "ep_0000  lru" in "\n".join(lines) else None)
     assert full is not None  # a tall terminal shows everything: 16 sessions, then the count, and every event
 
+
+def test_long_names_that_share_a_prefix_are_cut_in_the_middle_so_they_stay_apart():
+    """Names were cut at their end: 50 episodes named pick_cube_2025-06-01_episode_NNNN all read
+    "pick_cube_2025-06…" in the sessions and the events panels. Wide and combining characters are cut whole."""
+    from dataclasses import replace
+
+    names = [f"pick_cube_2025-06-01_episode_{i:04d}" for i in range(3)]
+    snapshot = replace(SNAPSHOT, sessions=tuple(SessionRow(n, n, 1, 5, {"main": 3}, 0, 0.01) for n in names),
+                       events=tuple(EventRow(0.1, "admitted", n, "") for n in names))
+    for width in (60, 80, 120):
+        console = Console(record=True, width=width, height=60, file=io.StringIO())
+        console.print(render(snapshot))
+        text = console.export_text()
+        for i in range(3):
+            assert re.search(rf"pick_\S*…\S*_000{i}\b", text), (width, text)
+    from ardiff_cli.panels import middle_cut
+
+    assert middle_cut("机器人_抓取_红色方块_0001", 10) == "机器…_0001"
+    assert middle_cut("e\u0301" * 8 + "_01", 6) == "e\u0301e\u0301…_01"  # never a mark without its letter
+    assert middle_cut("short", 10) == "short"
