@@ -53,3 +53,26 @@ def test_on_a_short_terminal_every_frame_shows_the_title_and_the_progress(tmp_pa
         assert any(STATUS.match(line) for line in frame) and "..." not in frame, shown
         assert "events" in shown, shown  # the newest event, at least
     assert "outputs: out (results.jsonl, summary.json, episodes/)" in screen.display()
+
+
+def test_inspect_capacity_on_a_narrow_terminal_breaks_long_words_and_cuts_none(tmp_path, cli_env):
+    """At 40 columns the item and detail columns cut long words: "model-ow…", "gpu_memory…" and the hint
+    "pip install 'ardiff[vl…" lost what they were there to say."""
+    code, output = run_in_pty(["inspect-capacity", "dreamzero-14b", "--available", "80GiB", "--device", "cuda"],
+                              env=cli_env, cwd=tmp_path, cols=40, rows=120)
+    screen = Screen(40, 120).feed(output)
+    text = "\n".join(screen.history + screen.display())
+    assert code == 0, text
+    assert "…" not in text and "'ardiff[vl" in text and "gpu_memory_" in text, text
+
+
+def test_warmup_on_a_narrow_terminal_shows_every_input_shape_whole(tmp_path, cli_env):
+    """At 40 columns the inputs column cut its shapes: "joint_position(7…", "gripper_position…" (now broken
+    across lines, whole)."""
+    code, output = run_in_pty(["warmup", "--device", "cpu"], env=cli_env, cwd=tmp_path, cols=40, rows=120)
+    screen = Screen(40, 120).feed(output)
+    lines = screen.history + screen.display()
+    text = "\n".join(lines)
+    assert code == 0, text
+    result = "\n".join(lines[max(i for i, line in enumerate(lines) if line.startswith("warmup: ")):])  # not the panel
+    assert "…" not in result and "joint_position(7," in result and "gripper_position(" in result, text

@@ -325,9 +325,9 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
 
     per = data["per_session"]
     table = Table(box=None if plain else box.SIMPLE_HEAD, show_header=True, header_style="bold", pad_edge=False)
-    table.add_column("item")
+    table.add_column("item", overflow="fold")
     table.add_column("size", justify="right")
-    table.add_column("detail")
+    table.add_column("detail", overflow="fold")  # a narrow terminal breaks a long word (a pip hint), never cuts it
     table.add_row("device", data["plan_device"], data["plan_device_reason"])
     table.add_row("available", fb(plan.available_bytes), data["available_source"])
     table.add_row("budget", fb(plan.budget_bytes), f"available x gpu_memory_fraction {plan.gpu_memory_fraction:g} "

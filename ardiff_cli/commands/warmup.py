@@ -153,7 +153,7 @@ def render_warmup(data: dict[str, Any], plain: bool):
         return Text(f"{title}\nthe pipeline has no warmup provider: nothing to warm up")
     table = Table(box=None if plain else box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
     table.add_column("request")
-    table.add_column("inputs")
+    table.add_column("inputs", overflow="fold")  # every input shape whole, however narrow the terminal
     table.add_column("time", justify="right")
     for request in data["requests"]:
         table.add_row(request["request_id"], request["shape"], f"{request['seconds'] * 1000:.1f} ms")
