@@ -26,6 +26,7 @@ import random
 import pytest
 import torch
 from pipeline_helpers import single_thread  # noqa: F401 - fixture
+from test_paged_attention import interleave
 
 from ardiff_cli.runtime.capability import (
     ARDiffusionCrossAttentionKVSpec,
@@ -150,17 +151,6 @@ class Rollout:
     def run(self, *args, **kwargs) -> None:
         for _ in self.forward(*args, **kwargs):
             pass
-
-
-def interleave(*forwards) -> None:
-    """Advance several forwards one layer at a time, round robin."""
-    active = list(forwards)
-    while active:
-        for fwd in list(active):
-            try:
-                next(fwd)
-            except StopIteration:
-                active.remove(fwd)
 
 
 def random_pass(rng: random.Random, rollout: Rollout, q_heads: dict[str, int]) -> dict:
