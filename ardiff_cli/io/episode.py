@@ -292,14 +292,21 @@ def late_episode_folders(paths: list[Path], episodes: list[EpisodeSource]) -> li
     known = {e.path.resolve() for e in episodes}
     late: list[Path] = []
     for path in paths:
-        if path.resolve() in known or not path.is_dir():  # an episode itself, or gone
-            continue
-        try:
-            children = _episode_folders_in(path)
-        except ObservationError:  # unreadable now: nothing to name
-            continue
-        late.extend(child for child in children if child.resolve() not in known and episode_entries(child))
+        if path.resolve() not in known:  # not an episode itself
+            late.extend(child for child in started_episode_folders(path) if child.resolve() not in known)
     return late
+
+
+def started_episode_folders(folder: Path) -> list[Path]:
+    """The subfolders of ``folder`` that hold step files, ``END`` or ``episode.yaml`` now (as an episode folder a
+    robot has started); none when ``folder`` is gone or unreadable."""
+    if not folder.is_dir():
+        return []
+    try:
+        children = _episode_folders_in(folder)
+    except ObservationError:  # unreadable now: nothing to name
+        return []
+    return [child for child in children if episode_entries(child)]
 
 
 def read_episode_yaml(path: Path) -> dict[str, Any]:

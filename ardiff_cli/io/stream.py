@@ -35,8 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ardiff_cli.io.episode import (EpisodeSource, StepFile, episode_entries, gap_error, listed, missing_steps,
-                                   safetensors_header)
+from ardiff_cli.io.episode import (EpisodeSource, StepFile, gap_error, listed, missing_steps, safetensors_header,
+                                   started_episode_folders)
 from ardiff_cli.runtime.errors import ObservationError
 
 
@@ -297,10 +297,7 @@ class StepScheduler:
         if track.files:
             return
         folder = track.source.path
-        try:
-            made = sorted(child.name for child in folder.iterdir() if child.is_dir() and episode_entries(child))
-        except OSError:
-            made = []
+        made = [child.name for child in started_episode_folders(folder)]
         if made:
             what += (f"; episode folders were made in it since ({listed(made)}): it was empty when the run started, "
                      "so it was followed as one episode")
