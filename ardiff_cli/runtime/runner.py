@@ -232,8 +232,9 @@ class ARDiffusionModelRunner:
         # bytes of snapshots kept there (None: the plan's KV budget, at most half the folder's free disk at load).
         self.swap_dir, self.swap_space = check_swap_arguments(swap_dir, swap_space, where="ARDiffusionModelRunner()")
         self.swap: SwapStore | None = None  # built at load, when the pipeline can export its sessions
-        self._warned_swap_space = False  # a snapshot larger than the whole swap space was reported
-        self._swap_causes_warned: set[tuple[str, Any]] = set()  # swap failures warned about, by cause (_cause)
+        # what swapping warned about once: ("SwapSpace", None) for a snapshot larger than the whole swap space, else
+        # (exception type, errno) of a failed write, as every later eviction would say the same (_swap_failed)
+        self._swap_causes_warned: set[tuple[str, Any]] = set()
         self._warned_keys: set[str] = set()  # misspelt extra_args keys reported (``ARDiffusionRequest.misspelt_keys``)
         self._closed = False  # close() ran: pools and pipeline dropped, every later request refused
         # Resident sessions, least recently used first.
@@ -745,8 +746,8 @@ class ARDiffusionModelRunner:
             return None
         finally:
             self._warn_about_failed_writes()
-        if written is None and evicting and not self._warned_swap_space:  # once: every eviction would say the same
-            self._warned_swap_space = True
+        if written is None and evicting and ("SwapSpace", None) not in self._swap_causes_warned:
+            self._swap_causes_warned.add(("SwapSpace", None))
             size, space = format_bytes(self.swap.refused_bytes), format_bytes(self.swap.budget_bytes)
             if size == space:  # a few bytes over: "(50.78 KiB) is larger than ... (50.78 KiB)" said nothing
                 size, space = f"{self.swap.refused_bytes:,} bytes", f"{self.swap.budget_bytes:,} bytes"
