@@ -884,14 +884,20 @@ def test_a_swap_space_smaller_than_one_snapshot_warns_once_then_replays(env, dat
     assert_same_outputs(reference, tmp_path / "small")
 
 
+def evicting_faulty_rollout(env, data, run: Path, faults: list[dict]) -> subprocess.CompletedProcess:
+    """`rollout` of the two 3-step episodes through FaultyDreamZero with ``faults``, at fast.yaml's capacity of 1
+    session: every step evicts the other episode's session, swapping it out."""
+    return subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),
+                           "--out", str(run), "--no-warmup", "--format", "plain", "--pipeline", FAULTY], cwd=REPO,
+                          capture_output=True, text=True, env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)},
+                          timeout=600)
+
+
 def test_a_corrupted_swap_file_is_a_warning_then_a_replay_to_the_same_outputs(env, data, reference, tmp_path):
     # arm_b's step 1 restored arm_b and swapped arm_a out: its file is damaged before arm_a's step 2 restores it.
     run = tmp_path / "run"
     faults = [{"request": "arm_b/000001", "site": "corrupt_swap", "dir": str(run / ".swap")}]
-    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),
-                           "--out", str(run), "--no-warmup", "--format", "plain",
-                           "--pipeline", "faulty_pipelines:FaultyDreamZero"], cwd=REPO, capture_output=True,
-                          text=True, env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, timeout=600)
+    proc = evicting_faulty_rollout(env, data, run, faults)
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"warning: episode 'arm_a': cannot restore session 'arm_a' from .*/\.swap/[0-9a-f]+\.safetensors"
                      r": ValueError: .*; replaying its earlier steps instead", proc.stderr), proc.stderr
@@ -944,10 +950,7 @@ def test_a_swap_folder_that_cannot_be_written_is_one_warning_per_cause_and_every
     # warning per eviction, and summary.json counted none of those (swapped_out 0, swap_failed 0).
     run = tmp_path / "run"
     faults = [{"request": "arm_a/000001", "site": "swap_folder_replaced", "dir": str(run / ".swap")}]
-    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),
-                           "--out", str(run), "--no-warmup", "--format", "plain",
-                           "--pipeline", "faulty_pipelines:FaultyDreamZero"], cwd=REPO, capture_output=True,
-                          text=True, env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, timeout=600)
+    proc = evicting_faulty_rollout(env, data, run, faults)
     assert proc.returncode == 0, proc.stderr
     lost = re.findall(r"swap_failed (arm_[ab]) snapshot lost: NotADirectoryError", proc.stderr)
     not_written = re.findall(r"swap_failed (arm_[ab]) not written: FileExistsError", proc.stderr)
