@@ -34,11 +34,12 @@ import time
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ardiff_cli.errors_cli import Interrupted, OutputError, StepFailed
 from ardiff_cli.io.episode import EpisodeSource, StepFile, load_step, step_sha256
-from ardiff_cli.io.run import RunFolder, is_array
+from ardiff_cli.io.run import RUN_FILE, RunFolder, is_array
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.monitor import RunMonitor
@@ -55,6 +56,7 @@ class RolloutOptions:
     idle_timeout: float  # with follow: seconds without a new step file before an episode ends
     fail_fast: bool
     preview: bool
+    watch: tuple[Path, ...] = ()  # with follow: folders of episodes whose new episode folders join the run
 
 
 @dataclass
@@ -73,7 +75,7 @@ class RolloutStats:
     timed_out: list[str] = field(default_factory=list)  # of those, the ones --idle-timeout ended (no END came)
     # follow: step files that arrived after their episode ended and did not run, by episode (--resume runs them)
     late_steps: dict[str, list[str]] = field(default_factory=dict)
-    late_episodes: list[str] = field(default_factory=list)  # follow: episode folders made after the start (not run)
+    late_episodes: list[str] = field(default_factory=list)  # follow: episode folders made as the run ended (not run)
     hook_errors: list[dict[str, Any]] = field(default_factory=list)  # pipeline reset/close hooks that raised
 
 
@@ -117,7 +119,8 @@ class Rollout:
         self.options = options
         self.stats = RolloutStats(skipped=sum(len(done.get(e.name, ())) for e in episodes))
         self.scheduler = StepScheduler(episodes, order=options.order, follow=options.follow,
-                                       idle_timeout=options.idle_timeout, done=done, warn=out.warning)
+                                       idle_timeout=options.idle_timeout, done=done, warn=out.warning,
+                                       watch=options.watch, on_new_episode=self._new_episode)
         self.stats.late_steps = self.scheduler.late  # filled as it warns of them, when every episode has ended
         # session id -> steps of its episode the resident session has consumed (absent: not resident)
         self._resident: dict[str, int] = {}
@@ -155,6 +158,20 @@ class Rollout:
         if self._event_error is not None:
             return {}
         return {name: steps for name, steps in self._resident.items() if steps > 0}
+
+    def _new_episode(self, episode: EpisodeSource) -> None:
+        """A robot started an episode folder in a followed folder of episodes: run.json lists it before any of its
+        steps runs (``--resume`` finds its outputs' episode), then it is one of the run's episodes."""
+        try:
+            self.run_folder.add_episode(episode.name, episode.path)
+        except OSError as exc:
+            raise OutputError(f"cannot add episode {episode.name!r} ({episode.path}) to "
+                              f"{self.run_folder.root / RUN_FILE}: {exc.strerror or exc}") from exc
+        self.episodes.append(episode)
+        self._steps_done[episode.name] = 0
+        self.monitor.log("episode_added", episode.name, f"new episode folder {episode.path}: following it",
+                         episode=episode.name, path=str(episode.path.absolute()))
+        self._show_progress([episode], recount=False)
 
     # -- events --------------------------------------------------------------------------------------------
 

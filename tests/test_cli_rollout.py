@@ -573,8 +573,8 @@ def stopped_while_following(env, data, tmp_path: Path, *options: str,
     live, run = tmp_path / "live", tmp_path / "run"
     for i, name in enumerate(("arm_a", "arm_b")):
         write_episode(live / name, steps_of(i, 3)[:2], prompt=f"{task} {name}", end=False)
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
-                 "--format", "plain", *options)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), str(live / "arm_b"), "--out", str(run),
+                 "--follow", "--no-warmup", "--format", "plain", *options)
     try:
         wait_for_lines(run / "results.jsonl", 4, proc)
         proc.send_signal(signal.SIGTERM)
@@ -1451,7 +1451,7 @@ def test_resume_of_a_run_json_with_a_bad_recorded_option_names_run_json_and_the_
     option = "--" + field.replace("_", "-")
     assert f"hint: correct it there, or give {option} to replace it" in proc.stderr
     good = {"session_capacity": ["1"], "memory_budget": ["64MiB"], "gpu_memory_fraction": ["0.9"],
-            "swap_space": ["1MiB"], "order": ["round-robin"], "follow": [], "preview": [],
+            "swap_space": ["1MiB"], "order": ["round-robin"], "follow": ["--idle-timeout", "0"], "preview": [],
             "idle_timeout": ["1", "--follow"]}
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", option, *good[field])  # given again
     assert proc.returncode == 0, proc.stderr
@@ -1461,30 +1461,72 @@ def follow_a_live_episode(env, data, tmp_path: Path, fmt: str) -> tuple[subproce
     """`rollout --follow` of one episode whose robot has written step 0 only: (process, episodes, run)."""
     live, run = tmp_path / "live", tmp_path / "run"
     write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow",
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), "--out", str(run), "--follow",
                  "--no-warmup", "--format", fmt)
     return proc, live, run
 
 
-def test_an_episode_folder_made_in_a_followed_folder_of_episodes_after_the_start_is_named(env, data, tmp_path):
-    """`rollout --follow robots/` lists robots/ when it starts. A robot starting its episode there later was left out
-    without a word ('rollout ok', 'episodes 1 completed', exit 0): a warning and summary.json now name its folder."""
-    proc, live, run = follow_a_live_episode(env, data, tmp_path, "plain")
+def test_an_episode_folder_a_robot_starts_in_a_followed_folder_of_episodes_joins_the_run(env, data, reference,
+                                                                                          tmp_path):
+    """`rollout --follow robots/` used to list robots/ once, when it started: a robot starting its next episode
+    there was left out (named in a warning at the end). It now runs, with the outputs a run given it from the
+    start writes, and the run ends --idle-timeout after its last episode ended."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                 "--idle-timeout", "8", "--format", "json")
     try:
-        wait_for_lines(run / "results.jsonl", 1, proc)  # arm_a's step 0 ran: the folder was listed long ago
-        write_episode(live / "arm_b", steps_of(1, 2), prompt="task arm_b")
-        (live / "arm_c").mkdir()  # made, nothing in it yet: nothing was left out
+        wait_for_lines(run / "results.jsonl", 1, proc)  # arm_a's step 0 ran
+        write_episode(live / "arm_b", steps_of(1, 3), prompt="task arm_b")
+        (live / "arm_c").mkdir()  # made, nothing in it yet: not an episode
         write_episode(live / "arm_a", steps_of(0, 3)[1:], first_step=1)
-        _, stderr = proc.communicate(timeout=300)
+        stdout, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
     assert proc.returncode == 0, stderr
-    assert {r["episode"] for r in records(run)} == {"arm_a"}
-    assert (f"warning: {live / 'arm_b'} was made in {live} after the run started and did not run: --follow follows "
-            "the episode folders found at the start") in " ".join(stderr.split())
-    assert "arm_c" not in stderr
+    assert_same_outputs(run, reference)
+    objects = [json.loads(line) for line in stdout.splitlines()]
+    added = [o for o in objects if o["kind"] == "episode_added"]
+    assert [(o["episode"], o["path"]) for o in added] == [("arm_b", str((live / "arm_b").absolute()))]
+    first_b = next(i for i, o in enumerate(objects) if o["kind"] == "step" and o["episode"] == "arm_b")
+    assert objects.index(added[0]) < first_b
+    info = json.loads((run / "run.json").read_text())
+    assert [(e["name"], e["path"]) for e in info["episodes"]] == [
+        ("arm_a", str((live / "arm_a").resolve())), ("arm_b", str((live / "arm_b").resolve()))]
+    assert info["watch"] == [str(live.resolve())]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["episodes"]["late_episodes"] == [str((live / "arm_b").absolute())]
+    assert summary["episodes"]["completed"] == 2 and summary["episodes"]["late_episodes"] == []
+    assert "warning" not in stderr
+
+
+def test_a_run_json_whose_watched_folders_were_edited_wrong_is_a_usage_error(env, data, tmp_path):
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads((run / "run.json").read_text())
+    assert info["watch"] == [str((data / "eps").resolve())]
+    (run / "run.json").write_text(json.dumps({**info, "watch": "eps"}))
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert (f"Error: {run / 'run.json'}: field 'watch': expected a list of absolute folder paths, got 'eps'"
+            in proc.stderr)
+
+
+def test_resume_of_a_followed_folder_of_episodes_runs_the_episode_folders_started_while_it_was_stopped(
+        env, data, reference, tmp_path):
+    """run.json records the folder of episodes it follows: `--resume` looks in it again, so an episode a robot
+    started while the run was stopped runs too."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    write_episode(live / "arm_a", steps_of(0, 3)[:2], prompt="task arm_a", end=False)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup")
+    stderr = signal_after_the_first_step(proc, run, signal.SIGTERM)
+    assert proc.returncode == 143, stderr
+    write_episode(live / "arm_a", steps_of(0, 3)[2:], first_step=2)
+    write_episode(live / "arm_b", steps_of(1, 3), prompt="task arm_b")
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--idle-timeout", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert_same_outputs(run, reference)
+    assert [e["name"] for e in json.loads((run / "run.json").read_text())["episodes"]] == ["arm_a", "arm_b"]
 
 
 def signal_after_the_first_step(proc: subprocess.Popen, run: Path, signum: int) -> str:
@@ -1647,9 +1689,10 @@ def test_a_signal_the_process_was_started_ignoring_stays_ignored(env, data, tmp_
     def ignore_hup():
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
-    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(live),
-                             "--out", str(run), "--follow", "--no-warmup", "--format", "plain"], cwd=REPO, env=env,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=ignore_hup)
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"),
+                             str(live / "arm_a"), "--out", str(run), "--follow", "--no-warmup", "--format", "plain"],
+                            cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=ignore_hup)
     try:
         wait_for_lines(run / "results.jsonl", 1, proc)
         proc.send_signal(signal.SIGHUP)  # the ssh session closed: the run goes on
@@ -1671,7 +1714,7 @@ def test_a_shell_scripts_background_run_ignores_kill_int_and_stops_on_kill_term(
               f'while [ ! -s {run}/results.jsonl ]; do kill -0 $pid || exit 99; sleep 0.05; done\n'
               f'kill -{sig} $pid; touch {live}/arm_a/END; wait $pid')
     proc = subprocess.run(["bash", "-c", script, "_", sys.executable, "-m", "ardiff_cli", "rollout",
-                           str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                           str(data / "fast.yaml"), str(live / "arm_a"), "--out", str(run), "--follow", "--no-warmup",
                            "--format", "plain"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == code, proc.stderr
     assert json.loads((run / "summary.json").read_text())["status"] == ("ok" if code == 0 else "interrupted")

@@ -525,7 +525,8 @@ def test_an_empty_folder_followed_as_an_episode_says_so_when_episode_folders_are
     message = f"{ended.error}\n{ended.error.hint}"
     assert f"{data}: no step file arrived within --idle-timeout 3 s; episode folders were made in it since " \
            "(robot_a): it was empty when the run started, so it was followed as one episode" in message
-    assert f"make them before the run (mkdir -p {data / 'robot_a'}), or give them as EPISODE arguments" in message
+    assert f"make one episode folder in it before the run (mkdir -p {data / 'robot_a'}): --follow then takes it " \
+           "for a folder of episodes, and follows each episode folder made in it" in message
     assert scheduler.next() is None
 
     # an empty folder that stays empty (a robot that never wrote) keeps the plain message
@@ -538,3 +539,96 @@ def test_an_empty_folder_followed_as_an_episode_says_so_when_episode_folders_are
     ended = scheduler.next()
     assert ended.episode.path == quiet and ended.reason == "error" and "made in it" not in str(ended.error)
     assert "check that the robot writes step_000000.safetensors" in ended.error.hint
+
+
+def _watching(data, clock, *, idle_timeout=5, added=None):
+    """A follower of the folder of episodes ``data`` that watches it for new episode folders."""
+    return StepScheduler(discover_episodes([data]), follow=True, idle_timeout=idle_timeout, poll_interval=1,
+                         clock=clock, sleep=clock.sleep, watch=[data],
+                         on_new_episode=(added if added is not None else []).append)
+
+
+def test_an_episode_folder_made_in_a_watched_folder_of_episodes_joins_the_run(tmp_path):
+    # `--follow robots/`: a robot starting its next episode in robots/ while the run follows it used to be left out
+    # (named in a warning at the end). Its folder is now an episode of the run, announced before its first step.
+    data = tmp_path / "robots"
+    write_episode(data / "arm_a", [good(0)], prompt="p", end=False)
+    clock = FakeClock()
+    clock.actions = [lambda: write_episode(data / "arm_a", [good(1)], first_step=1),
+                     lambda: (data / "arm_b").mkdir(),  # made, nothing in it yet: not an episode yet
+                     lambda: (data / ".cache").mkdir() or write_episode(data / ".cache" / "x", [good(0)]),  # hidden
+                     lambda: write_episode(data / "arm_b", [good(0), good(1)], prompt="p")]
+    added: list[EpisodeSource] = []
+    scheduler = _watching(data, clock, added=added)
+    items = []
+    while (item := scheduler.next()) is not None:
+        name = item.episode.name
+        items.append((name, item.file.step if isinstance(item, StepTask) else item.reason))
+        if name == "arm_b":
+            assert [e.name for e in added] == ["arm_b"]  # announced before any of its items
+    assert items == [("arm_a", 0), ("arm_a", 1), ("arm_a", "end_marker"), ("arm_b", 0), ("arm_b", 1),
+                     ("arm_b", "end_marker")]
+    assert [(e.name, e.path) for e in added] == [("arm_b", data / "arm_b")]
+
+
+def test_a_watched_folder_of_episodes_ends_idle_timeout_after_its_last_episode_ended(tmp_path):
+    # The run waits --idle-timeout after its last episode ended for a robot to start another; one that starts
+    # within it runs (and restarts the wait), and the run ends a whole --idle-timeout after the last end.
+    data = tmp_path / "robots"
+    write_episode(data / "arm_a", [good(0)], prompt="p")
+    clock = FakeClock()
+    ends, made = {}, []
+    clock.actions = [lambda: None] * 3 + [lambda: made.append(clock.now) or write_episode(data / "arm_b", [good(0)])]
+    scheduler = _watching(data, clock, idle_timeout=5)
+    while (item := scheduler.next()) is not None:
+        if isinstance(item, EpisodeEnded):
+            ends[item.episode.name] = clock.now
+    assert list(ends) == ["arm_a", "arm_b"]
+    assert 2 <= made[0] - ends["arm_a"] < 5  # arm_b came seconds after arm_a ended, within its idle timeout
+    assert clock.now == ends["arm_b"] + 5  # then nothing came for 5 s
+
+
+def test_watching_takes_each_folder_once_and_skips_what_is_not_an_episode(tmp_path):
+    # A link to an episode already run is that episode; a file or a run's output folder is no episode. Over many
+    # polls, each new folder is announced once.
+    data = tmp_path / "robots"
+    write_episode(data / "arm_a", [good(0)], prompt="p")
+    clock = FakeClock()
+
+    def a_run_folder() -> None:  # an --out made in robots/, holding an END of its own
+        (data / "run").mkdir()
+        for name in ("run.json", "END"):
+            (data / "run" / name).write_text("{}")
+
+    clock.actions = [lambda: (data / "arm_a_link").symlink_to(data / "arm_a"),
+                     lambda: (data / "notes.txt").write_text("x"), a_run_folder,
+                     lambda: write_episode(data / "arm_b", [good(0)], prompt="p")]
+    added: list[EpisodeSource] = []
+    assert [item for item in _drain(_watching(data, clock, idle_timeout=8, added=added))] == [
+        ("arm_a", 0), ("arm_a", "end_marker"), ("arm_b", 0), ("arm_b", "end_marker")]
+    assert [e.name for e in added] == ["arm_b"]
+
+
+def test_a_new_episode_folder_takes_a_name_no_episode_of_the_run_has(tmp_path):
+    # Names are session ids and output folders: a new robots/pick beside an episode `pick` from another folder
+    # is `pick-2`, as two EPISODE arguments of one name are.
+    other, data = tmp_path / "other", tmp_path / "robots"
+    write_episode(other / "pick", [good(0)], prompt="p")
+    write_episode(data / "arm_a", [good(0)], prompt="p")
+    clock = FakeClock([lambda: write_episode(data / "pick", [good(0)], prompt="p")])
+    added: list[EpisodeSource] = []
+    scheduler = StepScheduler(discover_episodes([other / "pick", data]), follow=True, idle_timeout=5,
+                              poll_interval=1, clock=clock, sleep=clock.sleep, watch=[data],
+                              on_new_episode=added.append)
+    assert ("pick-2", 0) in _drain(scheduler)
+    assert [(e.name, e.path) for e in added] == [("pick-2", data / "pick")]
+
+
+def test_without_a_watched_folder_a_followed_run_ends_when_its_episodes_end(tmp_path):
+    # EPISODE arguments that are episodes themselves: nothing to wait for once they ended.
+    write_episode(tmp_path / "a", [good(0)], prompt="p")
+    clock = FakeClock()
+    scheduler = StepScheduler(discover_episodes([tmp_path / "a"]), follow=True, idle_timeout=50, poll_interval=1,
+                              clock=clock, sleep=clock.sleep, watch=[])
+    assert _drain(scheduler) == [("a", 0), ("a", "end_marker")]
+    assert clock.now < 50

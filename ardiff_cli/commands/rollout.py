@@ -82,8 +82,9 @@ class _Prepared:
     run: Any  # RunFolder of out_dir, locked against a second process until closed
     options: dict[str, Any]  # order, follow, idle_timeout, preview, swap_space: given, or recorded (--resume)
     recorded_device: str | None = None  # --resume: the device the run started on (checked before the model loads)
-    episode_paths: list[Path] = field(default_factory=list)  # the EPISODE arguments: folders of episodes are listed
-    # again when a followed run ends, to name the episode folders made there after the start (they did not run)
+    # the folders of episodes among the EPISODE arguments: with --follow, an episode folder a robot starts in one
+    # joins the run; listed again when the run ends, to name any made after its last poll (they did not run)
+    watch: list[Path] = field(default_factory=list)
 
 
 def rollout(
@@ -97,10 +98,12 @@ def rollout(
         show_default=False)] = None,
     follow: Annotated[bool, typer.Option(
         "--follow", metavar=FLAG, help="Watch the episode folders for new step files and run each as it arrives, "
-                                       "until the episode's END file or --idle-timeout.")] = False,
+                                       "until the episode's END file or --idle-timeout; and a folder of episodes "
+                                       "for episode folders started in it later.")] = False,
     idle_timeout: Annotated[Optional[float], typer.Option(
         "--idle-timeout", min=0, metavar="SECONDS",
-        help=f"With --follow: end an episode after this long without a new or growing step file. "
+        help=f"With --follow: end an episode after this long without a new or growing step file, and a folder "
+             f"of episodes this long after its episodes ended without a new one. "
              f"\\[default: {DEFAULT_IDLE_TIMEOUT:g}]", show_default=False)] = None,
     fail_fast: Annotated[bool, typer.Option(
         "--fail-fast", metavar=FLAG,
@@ -167,6 +170,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     from ardiff_cli.io.run import RUN_FILE, RunFolder, make_default_out_dir
 
     info: dict[str, Any] = {}
+    watch: list[Path] | None = None  # the folders of episodes among the EPISODE arguments (None: not known yet)
     done: dict[str, set[int]] = {}
     digests: dict[str, dict[int, str]] = {}
     if resume:
@@ -191,6 +195,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
                               idle_timeout=options["idle_timeout"])
         if not episode_paths and not info.get("demo"):
             episode_paths = [Path(e["path"]) for e in info["episodes"]]
+            watch = _recorded_watch(info, run.root / RUN_FILE)
     elif out is not None:
         if RunFolder(out).holds_run():
             raise ConfigError(f"{out} already holds a run",
@@ -210,6 +215,9 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     episodes = discover_episodes(episode_paths, warn=output.warning)
     if not episodes:
         raise ConfigError(f"no episode folders in {', '.join(map(str, episode_paths))}")
+    if watch is None:  # EPISODE arguments that are folders of episodes
+        known = {e.path.resolve() for e in episodes}
+        watch = [path.resolve() for path in episode_paths if path.resolve() not in known]
     if out is not None and not resume:
         _refuse_an_episode_folder_as_out(Path(out), [*episode_paths, *(e.path for e in episodes)])
     if resume:
@@ -219,6 +227,9 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         for episode in episodes:
             episode.name = names.get(str(episode.path.resolve()), episode.name)
         recorded = sorted(e["name"] for e in info["episodes"])
+        # an episode folder made since in a watched folder of episodes is not one yet: the run's first poll adds it
+        paths = {e["path"] for e in info["episodes"]}
+        episodes = [e for e in episodes if str(e.path.resolve()) in paths or e.path.resolve().parent not in watch]
         if sorted(e.name for e in episodes) != recorded:
             raise ConfigError(f"the episodes differ from those of the run in {out}: {recorded}",
                               hint="resume with the same EPISODE arguments (or none, to reuse the recorded ones)")
@@ -236,6 +247,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         "config_sha256": _sha256(config_file), "pipeline": cfg.pipeline_name,
         "pipeline_option": pipeline,
         "episodes": [{"name": e.name, "path": str(e.path.resolve())} for e in episodes], "demo": demo,
+        "watch": [str(folder) for folder in watch],
         "dtype": cfg.runtime.dtype, "device": cfg.runtime.device, "session_capacity": cfg.runtime.session_capacity,
         "memory_budget": cfg.runtime.memory_budget, "gpu_memory_fraction": cfg.runtime.gpu_memory_fraction,
         "started": info.get("started", time.time()), **options,
@@ -258,7 +270,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             run.close()
             raise
     return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done, digests=digests,
-                     run=run, options=options, recorded_device=recorded_device, episode_paths=list(episode_paths))
+                     run=run, options=options, recorded_device=recorded_device, watch=watch)
 
 
 def _refuse_an_episode_folder_as_out(out: Path, inputs: list[Path]) -> None:
@@ -294,6 +306,18 @@ RECORDED = {  # run.json's fields that --resume reuses unless given again -> wha
     "preview": "true or false",
     "idle_timeout": "a number of seconds >= 0, or null",
 }
+
+
+def _recorded_watch(info: dict[str, Any], path: Path) -> list[Path]:
+    """run.json's ``watch``: the folders of episodes the run was given (absolute), whose new episode folders a
+    followed run adds; [] in a run.json of an older ardiff, which did not record them."""
+    from ardiff_cli.runtime.errors import field_error
+
+    value = info.get("watch", [])
+    if isinstance(value, list) and all(isinstance(folder, str) and Path(folder).is_absolute() for folder in value):
+        return [Path(folder) for folder in value]
+    raise field_error(str(path), "watch", "a list of absolute folder paths", value,
+                      hint="correct it there, or give the EPISODE arguments again")
 
 
 def _recorded(info: dict[str, Any], key: str, path: Path) -> Any:
@@ -419,7 +443,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     run = p.run
     monitor = RunMonitor(output, f"ardiff rollout · {p.info['config']} → {p.out_dir}")
     options = RolloutOptions(order=order, follow=follow, idle_timeout=idle_timeout, fail_fast=fail_fast,
-                             preview=preview)
+                             preview=preview, watch=tuple(p.watch))
     skipped = sum(len(s) for s in p.done.values())
     output.info(f"{'resuming' if resume else 'writing'} {p.out_dir}: {len(p.episodes)} episode"
                 + ("s" if len(p.episodes) != 1 else "") + f", order {order}"
@@ -527,16 +551,14 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
 
 
 def _warn_late_episodes(p: _Prepared, stats: Any, output: Output) -> None:
-    """A followed folder of episodes is listed when the run starts: name the episode folders made in it since, which
-    did not run (a robot starting its next episode there used to be left out without a word, the run exiting 0)."""
+    """Name the episode folders made in a followed folder of episodes after the run's last look there (it ended:
+    none had come for --idle-timeout), which did not run, rather than leave them out without a word."""
     from ardiff_cli.io.episode import late_episode_folders
 
-    late = late_episode_folders(p.episode_paths, p.episodes)
+    late = late_episode_folders(p.watch, p.episodes)
     stats.late_episodes = [str(folder.absolute()) for folder in late]
     for folder in late:
-        output.warning(f"{folder} was made in {folder.parent} after the run started and did not run: --follow follows "
-                       f"the episode folders found at the start; run it with its own --out (ardiff rollout CONFIG "
-                       f"{folder} --out DIR)")
+        output.warning(f"{folder} was made in {folder.parent} as the run ended and did not run (--resume runs it)")
 
 
 def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, set[int]], swap_dir: Path,

@@ -259,24 +259,43 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
             _warn_about_episodes_inside(path, warn)
         else:
             folders.extend(_episode_folders_in(path))
-    names: set[str] = set()
-    taken: dict[Path, str] = {}  # resolved folder -> its episode's name
+    names = EpisodeNames()
     episodes = []
     for folder in folders:
-        resolved = folder.resolve()
-        if resolved in taken:
+        episode = names.add(folder)
+        if episode is None:
             if warn is not None:
-                warn(f"{folder} is episode {taken[resolved]!r} again (given twice); it runs once")
+                warn(f"{folder} is episode {names.of(folder)!r} again (given twice); it runs once")
             continue
+        episodes.append(episode)
+    return episodes
+
+
+class EpisodeNames:
+    """The episodes of a run by folder: one per folder (resolved, so a symlink to one is that one), named by the
+    folder's name made safe (:func:`safe_name`), with ``-2``, ``-3``, ... when another folder took that name."""
+
+    def __init__(self, episodes: list[EpisodeSource] = ()) -> None:
+        self._names = {e.name for e in episodes}
+        self._folders = {e.path.resolve(): e.name for e in episodes}  # resolved folder -> its episode's name
+
+    def add(self, folder: Path) -> EpisodeSource | None:
+        """A new episode for ``folder``; None when that folder is an episode already."""
+        resolved = folder.resolve()
+        if resolved in self._folders:
+            return None
         base = safe_name(resolved.name)
         name, count = base, 1
-        while name in names:
+        while name in self._names:
             count += 1
             name = f"{base}-{count}"
-        names.add(name)
-        taken[resolved] = name
-        episodes.append(EpisodeSource(name=name, path=folder))
-    return episodes
+        self._names.add(name)
+        self._folders[resolved] = name
+        return EpisodeSource(name=name, path=folder)
+
+    def of(self, folder: Path) -> str | None:
+        """The name of ``folder``'s episode, if it is one."""
+        return self._folders.get(folder.resolve())
 
 
 def _episode_folders_in(folder: Path) -> list[Path]:
@@ -285,16 +304,11 @@ def _episode_folders_in(folder: Path) -> list[Path]:
                   if p.is_dir() and not p.name.startswith(".") and not _is_run_output(p))
 
 
-def late_episode_folders(paths: list[Path], episodes: list[EpisodeSource]) -> list[Path]:
-    """Folders holding step files, ``END`` or ``episode.yaml`` that are now in a folder of episodes among ``paths``
-    (the EPISODE arguments) but are none of ``episodes``: made after :func:`discover_episodes` listed it, so they
-    did not run (``--follow`` follows the episodes found at the start)."""
+def late_episode_folders(folders: list[Path], episodes: list[EpisodeSource]) -> list[Path]:
+    """Subfolders holding step files, ``END`` or ``episode.yaml`` that are now in one of the folders of episodes
+    ``folders`` but are none of ``episodes``: made after the run's last look there, so they did not run."""
     known = {e.path.resolve() for e in episodes}
-    late: list[Path] = []
-    for path in paths:
-        if path.resolve() not in known:  # not an episode itself
-            late.extend(child for child in started_episode_folders(path) if child.resolve() not in known)
-    return late
+    return [child for folder in folders for child in started_episode_folders(folder) if child.resolve() not in known]
 
 
 def started_episode_folders(folder: Path) -> list[Path]:
@@ -307,6 +321,29 @@ def started_episode_folders(folder: Path) -> list[Path]:
     except ObservationError:  # unreadable now: nothing to name
         return []
     return [child for child in children if episode_entries(child)]
+
+
+def new_episode_folders(folder: Path, settled: set[str]) -> list[Path]:
+    """The subfolders of the folder of episodes ``folder`` that a robot has started (they hold step files, ``END``
+    or ``episode.yaml``) and whose names are not in ``settled``, in name order. Adds to ``settled`` what it returns
+    and what can never be one (files, run outputs), so a call costs one listing of ``folder`` and one of each
+    subfolder still empty. None when ``folder`` is gone or unreadable."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if name in settled or name.startswith("."):
+            continue
+        path = folder / name
+        if not path.is_dir():
+            settled.add(name)
+        elif episode_entries(path):
+            settled.add(name)
+            if not _is_run_output(path):
+                found.append(path)
+    return found
 
 
 def read_episode_yaml(path: Path) -> dict[str, Any]:

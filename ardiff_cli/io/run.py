@@ -99,6 +99,13 @@ class RunFolder:
         self.root.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.root / RUN_FILE, {"format": RUN_FORMAT, **info})
 
+    def add_episode(self, name: str, path: Path) -> None:
+        """List one more episode in run.json (with ``--follow``, one a robot started in a followed folder of
+        episodes), so that ``--resume`` knows it."""
+        info = self.read_info()
+        info["episodes"] = [*info["episodes"], {"name": name, "path": str(path.resolve())}]
+        atomic_write_json(self.root / RUN_FILE, info)
+
     def read_info(self) -> dict[str, Any]:
         path = self.root / RUN_FILE
         if not self.root.is_dir():  # a typo: "start a run in this folder" would lead away from the run
@@ -341,7 +348,7 @@ def build_summary(records: Iterable[Mapping[str, Any]], *, episodes: list[str], 
             "timed_out": [e for e in completed if e in timed_out],  # completed, but by --idle-timeout: no END came
             # follow: step files that arrived after their episode ended, and did not run (--resume runs them)
             "late_steps": dict(this_run.get("late_steps", {})),
-            # follow: episode folders made in a folder of episodes after the run started (they did not run)
+            # follow: episode folders made in a followed folder of episodes as the run ended (--resume runs them)
             "late_episodes": list(this_run.get("late_episodes", ())),
             "steps": {e: steps_by_episode.get(e, 0) for e in episodes},
             "failures": dict(failed),

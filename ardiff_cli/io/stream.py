@@ -25,18 +25,23 @@ ends (END or idle timeout) before any step file arrived fails too. A step file
 that arrives in a followed episode after it ended (its END marker, or the idle
 timeout) does not run; when every episode has ended, a warning names each such
 file (``--resume`` runs them).
+
+A followed folder of episodes (``watch``) is listed at each poll too: an
+episode folder a robot starts in it (once it holds a step file, ``END`` or
+``episode.yaml``) becomes an episode of the run, and the run ends only when
+every episode has ended and no new one came for ``idle_timeout`` seconds.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ardiff_cli.io.episode import (EpisodeSource, StepFile, gap_error, listed, missing_steps, safetensors_header,
-                                   started_episode_folders)
+from ardiff_cli.io.episode import (EpisodeNames, EpisodeSource, StepFile, gap_error, listed, missing_steps,
+                                   new_episode_folders, safetensors_header, started_episode_folders)
 from ardiff_cli.runtime.errors import ObservationError
 
 
@@ -86,7 +91,8 @@ class StepScheduler:
     def __init__(self, episodes: list[EpisodeSource], *, order: str = "round-robin", follow: bool = False,
                  idle_timeout: float = 60.0, poll_interval: float = 0.1, done: dict[str, set[int]] | None = None,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-                 warn: Callable[[str], None] = lambda message: None) -> None:
+                 warn: Callable[[str], None] = lambda message: None, watch: Sequence[Path] = (),
+                 on_new_episode: Callable[[EpisodeSource], None] = lambda episode: None) -> None:
         if order not in ("round-robin", "sequential"):
             raise ValueError(f"order must be 'round-robin' or 'sequential', got {order!r}")
         self.order = order
@@ -97,7 +103,13 @@ class StepScheduler:
         self._sleep = sleep
         self._warn = warn  # follow: step files that arrived after their episode ended
         self.late: dict[str, list[str]] = {}  # follow: those files by episode (the run's summary lists them)
-        done = done or {}
+        # follow: the folders of episodes to watch for episode folders made in them since, each with the names in it
+        # settled (episodes, files), and what to call with each new episode before its first step is handed out
+        self._watch = [(folder, set()) for folder in watch] if follow else []
+        self._on_new_episode = on_new_episode
+        self._names = EpisodeNames(episodes)
+        self._all_ended_at: float | None = None  # follow: when the last episode ended (watching: the idle timer)
+        self._done = done = done or {}
         now = clock()
         self._tracks = [_Track(source=e, done=set(done.get(e.name, ())), done_sorted=sorted(done.get(e.name, ())),
                                last_activity=now) for e in episodes]
@@ -156,18 +168,25 @@ class StepScheduler:
                     track.current = len(track.files)
                 return end
             if self.follow:
-                active = [t for t in self._tracks if not t.ended]
-                if not active:
-                    self._warn_late_files()
-                    return None
                 # Poll after each pause, and while steps keep running at most once per poll_interval: every step
                 # polled every caught-up folder (100 robots: a listing of 99 folders per step).
                 now = self._clock()
                 if self._slept or now - self._polled_at >= self.poll_interval:
                     self._polled_at, self._slept = now, False
-                    for track in active:
-                        if track.cursor >= len(track.files):  # a backlog needs no poll: each costs a folder listing
+                    self._adopt_new_episodes()
+                    for track in self._tracks:
+                        if not track.ended and track.cursor >= len(track.files):  # a backlog needs no poll
                             self._guarded_scan(track)
+                if all(t.ended for t in self._tracks) and not self._pending_ends:
+                    # Every episode ended. A watched folder of episodes ends too once no episode folder was made in
+                    # it for idle_timeout seconds since: a robot starts its next episode there after a pause.
+                    self._all_ended_at = now if self._all_ended_at is None else self._all_ended_at
+                    if not self._watch or now - self._all_ended_at >= self.idle_timeout:
+                        self._warn_late_files()
+                        return None
+                    self._sleep(self.poll_interval)
+                    self._slept = True
+                    continue
             item = self._pick()
             if item is not None:
                 return item
@@ -184,6 +203,20 @@ class StepScheduler:
             return self._by_name[name]
         except KeyError:
             raise KeyError(f"unknown episode {name!r}") from None
+
+    def _adopt_new_episodes(self) -> None:
+        """Follow the episode folders a robot has started in a watched folder of episodes since the last poll."""
+        for folder, settled in self._watch:
+            for path in new_episode_folders(folder, settled):
+                source = self._names.add(path)
+                if source is None:  # an episode already: given as EPISODE too, or a link to one
+                    continue
+                self._on_new_episode(source)  # the run records it before any of its steps is handed out
+                done = self._done.get(source.name, set())
+                track = _Track(source=source, done=set(done), done_sorted=sorted(done), last_activity=self._clock())
+                self._tracks.append(track)
+                self._by_name[source.name] = track
+                self._all_ended_at = None
 
     def _pick(self) -> StepTask | None:
         """The next step, by index from the turn (sequential: from the first episode not ended), looking at no
@@ -301,8 +334,8 @@ class StepScheduler:
         if made:
             what += (f"; episode folders were made in it since ({listed(made)}): it was empty when the run started, "
                      "so it was followed as one episode")
-            hint = (f"--follow takes the episode folders found at the start: make them before the run "
-                    f"(mkdir -p {folder / made[0]}), or give them as EPISODE arguments")
+            hint = (f"make one episode folder in it before the run (mkdir -p {folder / made[0]}): --follow then "
+                    "takes it for a folder of episodes, and follows each episode folder made in it")
         raise ObservationError(f"{folder}: {what}", hint=hint)
 
     def _raise_gap(self, track: _Track) -> None:
