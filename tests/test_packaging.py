@@ -80,6 +80,13 @@ def release(tmp_path_factory):
     return source, sdist_names, wheel
 
 
+def test_sdist_holds_the_source_tree_and_no_stray_files(release):
+    source, sdist_names, _ = release
+    missing = _tree(source) - set(STRAYS) - sdist_names
+    assert missing == set(), f"files of the source tree missing from the sdist (MANIFEST.in): {sorted(missing)}"
+    assert set(STRAYS) & sdist_names == set(), "untracked-looking files next to the code were shipped"
+
+
 def test_wheel_ships_the_packages_and_nothing_else(release):
     source, _, wheel = release
     with zipfile.ZipFile(wheel) as archive:
