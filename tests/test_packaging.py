@@ -101,8 +101,10 @@ def test_wheel_ships_the_packages_and_nothing_else(release):
     shipped = {name for name in names if not name.startswith(f"{info}/")}
     assert shipped == expected, (f"wheel: missing {sorted(expected - shipped)}, "
                                  f"not expected {sorted(shipped - expected)}")
+    assert f"{info}/licenses/LICENSE" in names, "the license text is not in the wheel"
     headers = dict(line.split(": ", 1) for line in metadata.split("\n\n")[0].splitlines() if ": " in line)
     assert headers["Version"] == ardiff_cli.__version__, "wheel version differs from ardiff --version"
+    assert headers.get("License-Expression") == "Apache-2.0", f"METADATA: {metadata.split(chr(10) * 2)[0]}"
     assert headers["Requires-Python"] == ">=3.11"
     assert "ardiff = ardiff_cli.entry:main" in entry_points
 
