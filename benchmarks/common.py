@@ -253,13 +253,17 @@ def exit_on_signals(main: Callable[[], int]) -> int:
 
 
 def positive_int(text: str) -> int:
-    """argparse type of ``--threads``: torch.set_num_threads fails on 0 or less, after a traceback."""
+    """argparse type of ``--threads``: 1 to ``runtime.num_threads``'s bound. torch.set_num_threads fails on 0 or
+    less, after a traceback; 30000 ended the run in libgomp's "Thread creation failed", 100000 in a segfault."""
+    from ardiff_cli.runtime.config import MAX_THREADS
+
+    expected = f"expected a whole number from 1 to {MAX_THREADS}"
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {value}")
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+    if not 1 <= value <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"{expected}, got {value}")
     return value
 
 
