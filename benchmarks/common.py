@@ -276,6 +276,11 @@ def json_path(text: str) -> Path:
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; expected a file path, such as "
                                          f"{str(path / 'results.json')!r}")
+    if path.exists() and not path.is_file():
+        # write_json renames a new file over the path: a link to a FIFO became a plain file, and `--json
+        # /dev/stdout` run as root would replace the /dev/stdout link itself
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular file (a FIFO, device or socket, or a link to "
+                                         "one); expected a file path, such as 'results.json'")
     folder = path.parent
     if not folder.exists():
         raise argparse.ArgumentTypeError(f"{text!r}: folder {str(folder)!r} does not exist; create it first")

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -464,6 +465,22 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, module, args, 
     assert message.replace("{tmp}", str(tmp_path)) in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and "running" not in proc.stderr and not proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing written
+
+
+@pytest.mark.parametrize("module", ["benchmarks", "benchmarks.bench_capacity"])
+def test_json_naming_a_fifo_or_a_link_to_one_is_refused_and_left_as_it_was(tmp_path, module):
+    """The results file is renamed over the --json path: a FIFO, or a link to one, became a plain file after the run
+    (and `--json /dev/stdout` run as root would replace the /dev/stdout link)."""
+    fifo, link = tmp_path / "fifo", tmp_path / "link"
+    os.mkfifo(fifo)
+    link.symlink_to(fifo)
+    for path in (fifo, link):
+        proc = bench(module, "--quick", "--json", str(path))
+        assert proc.returncode == 2, proc.stderr
+        assert f"'{path}' is not a regular file (a FIFO, device or socket, or a link to one)" in proc.stderr
+        assert "Traceback" not in proc.stderr and "running" not in proc.stderr and not proc.stdout
+    assert stat.S_ISFIFO(fifo.lstat().st_mode) and link.is_symlink() and link.resolve() == fifo
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link"]
 
 
 def wait_for_a_child(proc: subprocess.Popen) -> None:
