@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"torch intra-op threads (default {DEFAULT_THREADS})")
     parser.add_argument("--json", metavar="PATH", type=json_path, help="also write the result dict to PATH")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():  # it ended in a traceback from torch.cuda
+        parser.error(f"--device cuda: CUDA is not available here (torch {torch.__version__}"
+                     f"{', built without CUDA' if torch.version.cuda is None else ''}); use --device cpu")
 
     def measure() -> int:
         set_threads(args.threads)

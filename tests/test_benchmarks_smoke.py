@@ -19,6 +19,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not put the repo root on sys.path
     sys.path.insert(0, str(REPO_ROOT))
 
+import torch  # noqa: E402
+
 from benchmarks import bench_attention  # noqa: E402
 from pipeline_helpers import ardiff_cache, single_thread  # noqa: E402,F401 - fixtures
 
@@ -481,6 +483,15 @@ def test_json_naming_a_fifo_or_a_link_to_one_is_refused_and_left_as_it_was(tmp_p
         assert "Traceback" not in proc.stderr and "running" not in proc.stderr and not proc.stdout
     assert stat.S_ISFIFO(fifo.lstat().st_mode) and link.is_symlink() and link.resolve() == fifo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_backends_device_cuda_without_cuda_is_refused_before_anything_runs():
+    """It ended in torch's "Torch not compiled with CUDA enabled" traceback, exit 1, once the run had begun."""
+    proc = bench("benchmarks.bench_backends", "--quick", "--device", "cuda")
+    assert proc.returncode == 2, proc.stderr
+    assert "--device cuda: CUDA is not available here (torch " in proc.stderr and "use --device cpu" in proc.stderr
+    assert "Traceback" not in proc.stderr and not proc.stdout
 
 
 def wait_for_a_child(proc: subprocess.Popen) -> None:
