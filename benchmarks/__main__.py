@@ -5,9 +5,10 @@
     python -m benchmarks --only rolling,resume    # a subset (writes no file unless --json)
     python -m benchmarks --threads 2 --json out.json
 
-Every figure is a ratio of two things measured side by side in this run
-(interleaved, median of repetitions); see each ``bench_<id>.py`` docstring for
-what is timed and against which baseline.
+Every timed figure compares two things measured side by side in this run
+(interleaved; the median of the paired ratios, except churn's throughputs and
+startup's medians); capacity compares bytes. See each ``bench_<id>.py``
+docstring for what is timed and against which baseline.
 """
 
 from __future__ import annotations
