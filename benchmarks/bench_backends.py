@@ -39,7 +39,7 @@ from benchmarks.common import (DEFAULT_THREADS, exit_on_signals, json_path, mach
                                set_threads, write_json)
 
 FULL = dict(num_heads=40, head_size=128, tokens_per_frame=220, frames_per_block=4, sink_frames=0,
-            window_frames=12, registers=17, repetitions=7, warmup=1)
+            window_frames=12, registers=17, repetitions=8, warmup=1)
 QUICK = dict(num_heads=2, head_size=32, tokens_per_frame=40, frames_per_block=2, sink_frames=1,
              window_frames=2, registers=5, repetitions=2, warmup=1)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

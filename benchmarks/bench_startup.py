@@ -16,7 +16,7 @@ this interpreter, else ``python -m ardiff_cli``. The repository root is put on
 ``PYTHONPATH`` so the built-in pipelines import from a checkout whatever the
 state of its editable install.
 
-    python -m benchmarks.bench_startup            # 7 repetitions
+    python -m benchmarks.bench_startup            # 10 repetitions
     python -m benchmarks.bench_startup --quick    # 2 repetitions
 """
 
@@ -39,6 +39,7 @@ INTERPRETER_EXIT = ("import sys; import ardiff_cli.app as app; assert callable(a
                     "sys.argv = ['ardiff', *sys.argv[1:]]; app.main()")
 WARMUP = ("warmup", "causal-world-tiny", "--device", "cpu", "--format", "json")
 TARGET_S = 1.0
+FULL_REPETITIONS = 10  # one period of turn_order over the 5 commands: each goes before each other half the time
 
 
 def ardiff_command() -> list[str]:
@@ -53,7 +54,7 @@ def _wall(argv: list[str], env: dict[str, str]) -> float:
 
 
 def run(quick: bool = False) -> dict:
-    repeats = 2 if quick else 7
+    repeats = 2 if quick else FULL_REPETITIONS
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                NO_COLOR="1")
     ardiff = ardiff_command()

@@ -21,7 +21,7 @@ no target: ``ratio`` = swap/resident per request (what swapping costs at
 capacity 1), ``sync_over_async`` = swap_sync/swap (what the background write
 saves), and the snapshot's bytes.
 
-    python -m benchmarks.bench_swap            # dreamzero "small" geometry, blocks of 8 requests, 7 repetitions
+    python -m benchmarks.bench_swap            # dreamzero "small" geometry, blocks of 8 requests, 6 repetitions
     python -m benchmarks.bench_swap --quick    # tiny model, 2 repetitions
 """
 
@@ -37,7 +37,7 @@ from benchmarks.common import cli, timed, turn_order
 
 WINDOW_FRAMES = 12
 SESSIONS = ("robot-a", "robot-b")
-FULL = dict(model={"preset": "small", "window_frames": WINDOW_FRAMES, "sink_frames": 0}, block=8, repetitions=7)
+FULL = dict(model={"preset": "small", "window_frames": WINDOW_FRAMES, "sink_frames": 0}, block=8, repetitions=6)
 QUICK = dict(model={"preset": "tiny", "window_frames": WINDOW_FRAMES, "sink_frames": 0}, block=2, repetitions=2)
 
 

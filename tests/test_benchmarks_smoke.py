@@ -373,6 +373,16 @@ def test_turn_order_puts_each_side_before_each_other_half_the_time(count):
                 assert sum(order.index(a) < order.index(b) for order in turns) == count
 
 
+def test_full_runs_time_whole_periods_of_turn_order():
+    """turn_order balances the order only over whole periods (twice the number of sides): resume timed 7 turns of
+    its 4 sides' period of 8, swap 7 of 6 and startup 7 of 10, so one side went first more often than the other."""
+    from benchmarks import bench_resume, bench_startup, bench_swap
+
+    assert bench_resume.FULL["repetitions"] % (2 * 4) == 0  # resident, swap, rebuild, rebuild_dense
+    assert bench_swap.FULL["repetitions"] % (2 * 3) == 0  # resident, swap, swap_sync
+    assert bench_startup.FULL_REPETITIONS % (2 * 5) == 0  # python, help, inspect, warmup, warmup_interpreter_exit
+
+
 def test_zipf_sequence_is_deterministic_and_skewed():
     from benchmarks.bench_churn import zipf_sequence
 
