@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ardiff_cli.errors_cli import Interrupted, OutputError, StepFailed
-from ardiff_cli.io.episode import EpisodeSource, StepFile, load_step, step_sha256
+from ardiff_cli.io.episode import METADATA_FILE, EpisodeSource, StepFile, load_step, step_sha256
 from ardiff_cli.io.run import RUN_FILE, RunFolder, is_array
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import validate_step
@@ -264,8 +264,8 @@ class Rollout:
         """An invalid file stays an ``ObservationError``; anything else becomes a ``StepFailed`` naming the step."""
         phase, step_file = self._at or ("forward", task.file)
         if isinstance(exc, ObservationError):
-            if str(step_file.path) in str(exc):
-                return exc
+            if str(step_file.path) in str(exc) or str(task.episode.path / METADATA_FILE) in str(exc):
+                return exc  # it names its file: the step's, or the episode's episode.yaml
             # Raised by the pipeline's own input checks, which know no files: name the step's.
             return ObservationError(f"{step_file.path}: {exc}", hint=exc.hint)
         return StepFailed(task.episode.name, step_file.step, phase, exc, path=str(step_file.path))

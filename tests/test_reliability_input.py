@@ -282,6 +282,32 @@ def test_only_bad_episodes_exit_2_and_verbose_shows_the_traceback(bad_dataset, t
     assert json.loads(result.stdout.splitlines()[-1])["kind"] == "observation_error"
 
 
+
+def test_an_episode_yaml_of_the_wrong_type_is_named_not_the_step_file_that_took_its_prompt(tmp_path, cli_env):
+    # `prompt: 5` (or `prompt:`, null) read `ep/step_000000.safetensors: prompt 'prompt' must be a string, got int`,
+    # sending the user to a step file that holds no prompt; an episode.yaml that is no mapping came after the step
+    # file's path (`ep/step_000000.safetensors: ep/episode.yaml: ...`) and without a hint.
+    eps = tmp_path / "eps"
+    texts = {"number": "prompt: 5\n", "null": "prompt:\n", "list": "- pick up the cube\n"}
+    for name, text in texts.items():
+        episode(eps / name, 1)
+        (eps / name / "episode.yaml").write_text(text)
+    episode(eps / "healthy", 1)
+    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "fast.yaml"), str(eps),
+                           "--out", str(tmp_path / "run"), "--no-warmup", "--format", "plain"], env=cli_env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 4, proc.stderr
+    said = {"number": "field 'prompt': expected the prompt as text, got 5",
+            "null": "field 'prompt': expected the prompt as text, got None",
+            "list": "episode metadata must be a YAML mapping, got list"}
+    for name, message in said.items():
+        assert f"Error: episode '{name}' failed: {eps / name / 'episode.yaml'}: {message}\nhint: " in proc.stderr, (
+            proc.stderr)
+    assert "step_000000.safetensors: " not in proc.stderr and "Traceback" not in proc.stderr
+    assert 'hint: write it as one line of text, quoted if YAML would read it as something else: prompt: "pick' in (
+        proc.stderr)
+
 def _checkpoint_for_another_geometry(path: Path) -> Path:
     from pipelines.causal_world import Config, pipeline_class
     from pipelines.checkpoint import write_fresh_checkpoint

@@ -369,7 +369,8 @@ def read_episode_yaml(path: Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ObservationError(f"{path}: episode metadata must be a YAML mapping, got {type(data).__name__}")
+        raise ObservationError(f"{path}: episode metadata must be a YAML mapping, got {type(data).__name__}",
+                               hint="write it as `key: value` lines, e.g. `prompt: pick up the red cube`")
     return data
 
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.runtime.errors import did_you_mean
+from ardiff_cli.runtime.errors import ObservationError, did_you_mean, shown
 from ardiff_cli.runtime.observation import ObservationSchema
 
-from ardiff_cli.io.episode import RawStep
+from ardiff_cli.io.episode import METADATA_FILE, RawStep
 
 
 @dataclass(slots=True)
@@ -40,6 +40,13 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
         for source in (raw.metadata, episode_metadata or {}):
             key = next((k for k in prompt_keys if k in source), None)
             if key is not None:
+                if source is not raw.metadata and not isinstance(source[key], str):
+                    # YAML types `prompt: 5` or `prompt:` (null): name the file it is in, not the step file
+                    raise ObservationError(
+                        f"{path.parent / METADATA_FILE}: field {key!r}: expected the prompt as text, got "
+                        f"{shown(source[key])}",
+                        hint=f"write it as one line of text, quoted if YAML would read it as something else: "
+                             f"{key}: \"pick up the red cube\"")
                 arrays[key] = source[key]
                 break
     return ValidStep(inputs=validate_observation(schema, arrays, where=str(path)), warnings=warnings)
