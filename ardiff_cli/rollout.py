@@ -21,8 +21,9 @@ results.jsonl names the step, the phase and the error (with the traceback of
 an unexpected exception), the session is released, and the other episodes go
 on unless ``--fail-fast``. A step's outputs are written before its session is
 closed, so a failing close hook never loses the last step (it is a warning).
-Signals, failures to append to results.jsonl and broken internal invariants
-(``AssertionError``: a bug) stop the run. A first signal lets the step in
+Signals, failures to append to results.jsonl, outputs that a full disk (or a
+quota, or a file system gone read-only) refuses, where every later step would
+fail alike, and broken internal invariants (``AssertionError``: a bug) stop the run. A first signal lets the step in
 flight finish (``StopSignals.step``), or, while a session is rebuilt, the
 restore or replayed step in flight; a second stops it at once.
 """
@@ -30,6 +31,7 @@ restore or replayed step in flight; a second stops it at once.
 from __future__ import annotations
 
 import copy
+import errno
 import time
 import traceback
 from collections.abc import Mapping
@@ -77,6 +79,10 @@ class RolloutStats:
     late_steps: dict[str, list[str]] = field(default_factory=dict)
     late_episodes: list[str] = field(default_factory=list)  # follow: episode folders made as the run ended (not run)
     hook_errors: list[dict[str, Any]] = field(default_factory=list)  # pipeline reset/close hooks that raised
+
+
+# errno values that refuse every later write to --out alike: the run stops instead of failing each episode
+_DISK_FULL = {errno.ENOSPC, errno.EROFS, *([errno.EDQUOT] if hasattr(errno, "EDQUOT") else [])}
 
 
 def _non_finite(output: Mapping[str, Any]) -> str:
@@ -388,9 +394,17 @@ class Rollout:
             "total_s": finished.total_s}
         self._at = ("write", task.file)
         with self.signals.critical():
-            path = self.run_folder.write_step_outputs(
-                episode.name, step, output,
-                metadata={"episode": episode.name, "step": str(step), "request_id": request_id})
+            try:
+                path = self.run_folder.write_step_outputs(
+                    episode.name, step, output,
+                    metadata={"episode": episode.name, "step": str(step), "request_id": request_id})
+            except OSError as exc:
+                if exc.errno not in _DISK_FULL:  # a path in the way (a file named like the episode's folder)
+                    raise
+                # not this episode's problem: failing every episode in turn at its next write would release every
+                # session (all replayed by --resume) and bury the cause under as many failures
+                raise OutputError(f"cannot write {self.run_folder.step_output(episode.name, step)}: "
+                                  f"{exc.strerror or exc}") from exc
             record = {
                 "episode": episode.name, "step": step, "chunk": task.ordinal, "session": episode.name,
                 "request_id": request_id, "status": "ok", "output": self.run_folder.relative(path),

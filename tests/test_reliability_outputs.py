@@ -87,6 +87,46 @@ def test_an_output_that_cannot_be_written_fails_its_episode_only(data, reference
     assert_complete(out, reference)
 
 
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS], ids=["disk-full", "read-only"])
+def test_a_full_disk_refusing_a_steps_outputs_stops_the_run_instead_of_failing_every_episode(data, reference,
+                                                                                              tmp_path, monkeypatch,
+                                                                                              code):
+    """The disk of --out fills at the 3rd step's outputs and stays full (or is remounted read-only). Each episode
+    failed in turn at its next write ('episode 'arm_b' failed at step 1 while writing its outputs: OSError: [Errno
+    28] No space left on device', then arm_a's, ...): its session released, to be replayed in full by --resume, and
+    the cause buried under one failure per episode. The run stops at the first, as for results.jsonl."""
+    out = tmp_path / "run"
+    real_fsync = atomic.os.fsync
+    outputs = 0
+
+    def fsync(fd):  # the kernel reports a full disk at the latest when the written data is flushed
+        nonlocal outputs
+        written = os.readlink(f"/proc/self/fd/{fd}")  # an output's temporary file (not its folder)
+        if written.startswith(str(out / "episodes")) and written.endswith(".tmp"):
+            outputs += 1
+            if outputs >= 3:
+                raise OSError(code, os.strerror(code))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(atomic.os, "fsync", fsync)
+    result = rollout(data, out)
+    monkeypatch.undo()
+    assert result.exit_code == 1, result.stderr
+    refused = out / "episodes" / "arm_a" / "step_000001.safetensors"
+    assert f"Error: cannot write {refused}: {os.strerror(code)}\nhint: check free space" in result.stderr, result.stderr
+    assert "failed at step" not in result.stderr and "Traceback" not in result.stderr
+    lines = records(out)  # the refused step has no line: --resume runs it
+    assert [(r["episode"], r["step"], r["status"]) for r in lines] == [("arm_a", 0, "ok"), ("arm_b", 0, "ok")]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["episodes"]["failed"] == 0
+    assert not refused.exists()
+
+    result = resume(out)
+    assert result.exit_code == 0, result.stderr
+    assert "2 steps already done" in result.stderr
+    assert_complete(out, reference)
+
 @pytest.mark.parametrize("short_write", [False, True], ids=["disk-full", "short-write"])
 def test_a_results_line_that_cannot_be_appended_stops_the_run(data, reference, tmp_path, monkeypatch, short_write):
     """The 3rd line fails: with ENOSPC before writing, or after half of it reached the file (power loss)."""
