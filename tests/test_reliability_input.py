@@ -101,6 +101,12 @@ def duplicate(folder: Path) -> None:
     write_step(folder, 1, good(0, 1), format="npz")
 
 
+def dangling_link(folder: Path) -> None:
+    episode(folder)
+    step1(folder).unlink()
+    step1(folder).symlink_to("../../nas/arm/step_000001.safetensors")  # the recording's disk is not mounted
+
+
 def unreadable_file(folder: Path) -> None:
     episode(folder)
     step1(folder).chmod(0)
@@ -138,6 +144,9 @@ OBSERVATION_CASES = {
     "duplicate": (duplicate, ["{folder}: two files for step 1: step_00000"], "one file per step"),
     "empty_folder": (lambda f: f.mkdir(parents=True), ["{folder}: the episode folder holds no step files"],
                      "--follow"),
+    # it read "cannot read the step file: No such file or directory" of a file the user could see listed
+    "dangling_link": (dangling_link, ["{path}: cannot read the step file: it is a link to "
+                                      "../../nas/arm/step_000001.safetensors, which does not exist"], "mount the disk"),
 }
 if not IS_ROOT:  # root reads anything; the permission case is also checked below with an injected EACCES
     OBSERVATION_CASES["unreadable"] = (unreadable_file, ["{path}: cannot read the step file: Permission denied"],

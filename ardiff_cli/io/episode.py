@@ -435,6 +435,11 @@ def _read_bytes(path: Path) -> bytes:
 
 
 def _unreadable(path: Path, exc: OSError) -> ObservationError:
+    if isinstance(exc, FileNotFoundError) and path.is_symlink():  # a recording linked from a disk not mounted
+        return ObservationError(
+            f"{path}: cannot read the step file: it is a link to {os.readlink(path)}, which does not exist",
+            hint="mount the disk the link points to (or fix the link), then rerun with --resume",
+        )
     return ObservationError(
         f"{path}: cannot read the step file: {exc.strerror or exc}",
         hint="check that the file exists and that the user running ardiff may read it (permissions)",
