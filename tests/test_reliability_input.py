@@ -406,6 +406,9 @@ CONFIG_CASES = {
     "missing_checkpoint": ("pipeline: dreamzero\ncheckpoint: weights/missing.safetensors\n", "inspect-capacity",
                            ["{config}: field 'checkpoint': file not found: {dir}/weights/missing.safetensors"],
                            "checkpoint: null"),
+    "checkpoint_is_a_folder": ("pipeline: dreamzero\ncheckpoint: weights\n", "inspect-capacity",  # 'file not found'
+                               ["{config}: field 'checkpoint': a folder, not a file: {dir}/weights"],
+                               "checkpoint: null"),
     "mismatched_checkpoint": ("pipeline: dreamzero\ncheckpoint: world.safetensors\nmodel: {preset: tiny}\n",
                               "warmup", ["checkpoint {dir}/world.safetensors (written for pipeline 'causal_world') "
                                          "does not match the model config:", "missing keys:", "shape mismatches:"],
@@ -464,6 +467,8 @@ def test_config_case_message(tmp_path, case):
     text, command, parts, hint = CONFIG_CASES[case]
     if case == "mismatched_checkpoint":
         _checkpoint_for_another_geometry(tmp_path / "world.safetensors")
+    if case == "checkpoint_is_a_folder":
+        (tmp_path / "weights").mkdir()
     if case == "pickled_checkpoint":
         _pickled_checkpoint(tmp_path / "pickled.safetensors")
     config = tmp_path / f"{case}.yaml"

@@ -393,9 +393,12 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
         if not checkpoint.is_absolute():
             checkpoint = base / checkpoint
         if not checkpoint.is_file():
+            found = ("a folder, not a file" if checkpoint.is_dir() else "not a regular file" if checkpoint.exists()
+                     else "file not found")  # a folder used to read 'file not found'
             raise ConfigError(
-                f"{where}: field 'checkpoint': file not found: {checkpoint}",
-                hint="fix the path, or set checkpoint: null to use the pipeline's built-in default",
+                f"{where}: field 'checkpoint': {found}: {checkpoint}",
+                hint="give the .safetensors file's path, or set checkpoint: null to use the pipeline's built-in "
+                     "default",
             )
     runtime = RuntimeConfig.from_dict({} if data.get("runtime") is None else data["runtime"], where=where)
     return EngineConfig(
