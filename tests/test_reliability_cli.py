@@ -14,6 +14,7 @@ a forward exit 130/143 with complete outputs, and --resume completes every inter
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -577,8 +578,11 @@ def test_a_step_whose_outputs_are_not_finite_fails_and_writes_nothing(env, data,
     assert proc.returncode == 1, proc.stderr
     lines = records(run)
     assert len(lines) == len(EPISODES) and all(r["status"] == "failed" and r["phase"] == "forward" for r in lines)
-    assert "returned non-finite values: 'actions': 64 NaN of 64 values" in lines[0]["error"], lines[0]
+    assert ("DreamZeroPipeline.forward() returned non-finite values: 'actions': 64 NaN of 64 values; 'latents': 256 "
+            "NaN of 256 values; nothing of this step was written") in lines[0]["error"], lines[0]
     assert "hint: the model diverged" in proc.stderr
+    for episode in EPISODES:  # its session, NaN in its KV, is released: the episode's next step would read it
+        assert re.search(rf"closed +{episode} ", proc.stderr), proc.stderr
     assert not list((run / "episodes").rglob("*.safetensors"))
     assert json.loads((run / "summary.json").read_text())["status"] == "failed"
 
