@@ -200,6 +200,41 @@ def test_a_full_disk_keeps_the_runs_own_error_when_summary_json_cannot_be_writte
     assert_complete(out, reference)
 
 
+def test_an_out_whose_lock_or_run_json_cannot_be_written_is_an_error_not_a_bug(data, tmp_path, cli_env):
+    """--out on a full disk: writing the lock's pid (before the model loads) or run.json (after) ended in 'Error:
+    unexpected OSError: [Errno 28] No space left on device', a traceback and 'this is a bug in ardiff'. Here the
+    kernel refuses the writes: files may not grow past 0 bytes, then 64 (RLIMIT_FSIZE; Python ignores SIGXFSZ, so
+    the write fails with EFBIG)."""
+    import resource
+    import subprocess
+    import sys
+
+    def ardiff(*args: str, limit: int | None = None) -> subprocess.CompletedProcess:
+        cap = None if limit is None else lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        return subprocess.run([sys.executable, "-m", "ardiff_cli", *args, "--format", "plain"],
+                              env=cli_env, capture_output=True, text=True, timeout=300, preexec_fn=cap)
+
+    assert ardiff("warmup", str(data / "fast.yaml")).returncode == 0  # the checkpoint cached, with no limit
+    for limit, code, said in ((0, 2, "Error: --out {out}: cannot write the output folder: File too large\nhint: "),
+                              (64, 1, "Error: cannot write {out}/run.json: File too large\nhint: free some space or "
+                                      "fix the folder's permissions, then run the same command again")):
+        out = tmp_path / f"run{limit}"
+        proc = ardiff("rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(out), "--no-warmup",
+                      limit=limit)
+        assert proc.returncode == code, proc.stderr
+        assert said.format(out=out) in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and "bug in ardiff" not in proc.stderr
+        assert not (out / "run.json").exists()
+    rerun = ardiff("rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(out), "--no-warmup")
+    assert rerun.returncode == 0, rerun.stderr  # as the hint says: the folder holds no run yet
+    # nothing left to run: the resume rewrites run.json only
+    proc = ardiff("rollout", "--resume", "--out", str(out), "--no-warmup", limit=64)
+    assert proc.returncode == 1, proc.stderr
+    assert f"Error: cannot write {out}/run.json: File too large" in proc.stderr and "continue with --resume" in (
+        proc.stderr)
+    assert json.loads((out / "run.json").read_text())["format"]  # the old one, whole
+
+
 def test_a_broken_invariant_stops_the_run_as_a_bug(data, reference, tmp_path, monkeypatch):
     """An AssertionError (a broken internal invariant) is not one episode's problem: the run stops, exit 1."""
     from pipelines.dreamzero.pipeline import DreamZeroPipeline

@@ -464,7 +464,9 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
             remove_snapshot_files(swap_dir)
             summary, ended = finished
             output.info("nothing left to run: every step of every episode is done (the model was not loaded)")
-            atomic_write_json(p.out_dir / RUN_FILE, {**run.read_info(), "resumed_at": time.time()})
+            _write_run_info(lambda: atomic_write_json(p.out_dir / RUN_FILE, {**run.read_info(),
+                                                                             "resumed_at": time.time()}),
+                            p.out_dir / RUN_FILE, resume=True)
             for item in ended:  # the objects a loaded resume prints: a script counts its episodes the same way
                 log_episode_end(monitor, item.episode.name, item.reason, len(p.done.get(item.episode.name, ())))
             output.result(_write_summary(run, summary, output, None), lambda plain: render_summary(summary, plain))
@@ -495,10 +497,13 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     recorded = run.read_info()
                     _same_backend(engine.runner.attention_backend, p.cfg.runtime.attention_backend,
                                   recorded.get("attention_backend"))
-                    atomic_write_json(p.out_dir / RUN_FILE, {**recorded, "resumed_at": time.time()})
+                    _write_run_info(lambda: atomic_write_json(p.out_dir / RUN_FILE,
+                                                              {**recorded, "resumed_at": time.time()}),
+                                    p.out_dir / RUN_FILE, resume=True)
                 else:
-                    run.start({**p.info, "device": str(engine.device),
-                               "attention_backend": engine.runner.attention_backend})
+                    _write_run_info(lambda: run.start({**p.info, "device": str(engine.device),
+                                                       "attention_backend": engine.runner.attention_backend}),
+                                    p.out_dir / RUN_FILE, resume=False)
                 if warmup:
                     monitor.set_phase("warmup")
                     engine.warmup()
@@ -678,6 +683,19 @@ def _nothing_left(p: _Prepared, *, order: str, preview: bool,
     return _summary_of(p.run, p, stats, device=previous.get("device"), plan=previous["capacity_plan"],
                        swap_space=previous["swap"].get("space_bytes", 0), dropped=0, wall_s=wall_s,
                        error=None), ended
+
+
+def _write_run_info(write: Callable[[], Any], path: Path, *, resume: bool) -> None:
+    """``write`` run.json; a full disk (or a folder gone read-only) is an ``OutputError`` naming it: it was 'an
+    unexpected OSError ... a bug in ardiff', with a traceback."""
+    from ardiff_cli.errors_cli import OutputError
+
+    try:
+        write()
+    except OSError as exc:
+        again = "then continue with --resume" if resume else "then run the same command again (it has no run yet)"
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}",
+                          hint=f"free some space or fix the folder's permissions, {again}") from exc
 
 
 def _write_summary(run: Any, summary: dict[str, Any], output: Output,

@@ -216,8 +216,13 @@ class RunFolder:
         except OSError:  # a file system without flock (some network mounts): go on unlocked, as before
             os.close(fd)
             return
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:  # the holder's pid, for the message above
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError as exc:  # a full disk: it was 'an unexpected OSError ... a bug in ardiff'
+            os.close(fd)
+            raise ConfigError(f"--out {self.root}: cannot write the output folder: {exc.strerror or exc}",
+                              hint="free some space in it, or choose another --out") from None
         self._lock = fd
 
     def close(self, *, keep_lock: bool = False) -> None:
