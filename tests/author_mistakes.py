@@ -109,6 +109,14 @@ class SchemaNotASchema(CausalWorldPipeline):
             return {"conditioning": "float32"}
 
 
+class SchemaRaises(CausalWorldPipeline):
+    """Its config's observation_schema raises (a field it looks up is missing)."""
+
+    class Config(CausalWorldPipeline.Config):
+        def observation_schema(self):
+            raise KeyError("conditioning")
+
+
 class ConfigIgnoresUnknownKeys(CausalWorldPipeline):
     """Its Config.from_dict keeps the keys it knows and drops the rest without a word."""
 

@@ -408,15 +408,19 @@ def test_a_top_level_typo_is_not_sent_to_model_by_a_config_that_takes_any_key(en
     assert proc.returncode == 2 and "unknown key 5\n" in proc.stderr, proc.stderr
 
 
-def test_an_observation_schema_of_another_type_is_named_as_the_pipelines_mistake(env, data, tmp_path):
+@pytest.mark.parametrize(("pipeline", "message"), [
+    ("SchemaNotASchema", "SchemaNotASchema.Config.observation_schema() returned dict, expected an ObservationSchema"),
+    ("SchemaRaises", "SchemaRaises.Config.observation_schema() raised KeyError: 'conditioning'"),
+])
+def test_an_observation_schema_of_another_type_is_named_as_the_pipelines_mistake(env, data, tmp_path, pipeline,
+                                                                                 message):
     """It used to fail every episode as if its step files were bad: `while reading .../step_000000.safetensors:
     AttributeError: 'dict' object has no attribute 'prompt_key'`."""
     write_episode(tmp_path / "eps" / "arm", [{"conditioning": np.zeros(8, np.float32)}], prompt="go")
     proc = ardiff(env, "rollout", "causal-world-tiny", str(tmp_path / "eps" / "arm"), "--device", "cpu",
-                  "--out", str(tmp_path / "run"), "--format", "plain", "--pipeline", "author_mistakes:SchemaNotASchema")
+                  "--out", str(tmp_path / "run"), "--format", "plain", "--pipeline", f"author_mistakes:{pipeline}")
     assert proc.returncode == 1, proc.stderr
-    assert ("pipeline 'author_mistakes:SchemaNotASchema': SchemaNotASchema.Config.observation_schema() returned dict, "
-            "expected an ObservationSchema") in proc.stderr
+    assert f"pipeline 'author_mistakes:{pipeline}': {message}" in proc.stderr
     assert "step_000000" not in proc.stderr and "bug in ardiff" not in proc.stderr
 
 
