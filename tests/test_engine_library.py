@@ -361,10 +361,100 @@ def test_a_load_that_fails_keeps_nothing_loaded_and_may_be_tried_again():
             engine.load()
         gc.collect()
         assert len(RecordsItsWeights.built) == attempt + 1 and RecordsItsWeights.built[-1]() is None
-        assert engine.runner is None and engine.pipeline is None
+        assert not engine.loaded
         with pytest.raises(EngineStateError, match=r"load\(\) must run first"):
             engine.execute(ARDiffusionRequest("r", {}, {"session_id": "a"}))
     engine.close()  # nothing to close
+
+
+def test_every_engine_call_before_load_and_after_close_is_an_engine_state_error_naming_what_to_do():
+    """engine.runner.sessions() (the README's own line) and engine.pipeline.example_inputs() before load() were an
+    AttributeError on None ('NoneType' object has no attribute 'sessions'), which named neither the engine nor
+    load(); after close() the pipeline was None the same way."""
+    engine = server_engine()
+    later = ARDiffusionRequest("r", {}, {"session_id": "a"})
+    assert not engine.loaded
+    before_load = [("runner", lambda: engine.runner), ("runner", lambda: engine.runner.sessions()),
+                   ("pipeline", lambda: engine.pipeline.example_inputs(seed=0)), ("warmup()", engine.warmup),
+                   ("execute()", lambda: engine.execute(later))]
+    for what, call in before_load:
+        with pytest.raises(EngineStateError, match=rf"^ARDiffusionEngine\.{re.escape(what)}: the engine is not "
+                                                   r"loaded, ARDiffusionEngine\.load\(\) must run first$") as info:
+            call()
+        assert isinstance(info.value, RuntimeError) and "engine.load()" in info.value.hint
+    engine.close()  # nothing to close
+    unsubscribe = engine.subscribe(lambda event: None)
+    unsubscribe()
+    engine.load()
+    assert engine.loaded
+    engine.execute(request(engine, "r0", "a"))
+    runner = engine.runner
+    engine.close()
+    assert not engine.loaded and engine.runner is runner and runner.closed  # the closed runner's views stay
+    assert runner.sessions() == [] and runner.pool_usage().num_used == 0
+    with pytest.raises(EngineStateError, match=r"^ARDiffusionEngine\.pipeline: the engine is closed, and its "
+                                               r"pipeline \(weights included\) was released$") as info:
+        engine.pipeline
+    assert "engine.load()" in info.value.hint
+    after_close = [engine.warmup, lambda: engine.execute(later), runner.warmup, lambda: runner.execute_model(later),
+                   lambda: runner.reset_session("a"), lambda: runner.close_session("a"),
+                   lambda: runner.restore_session("a"), lambda: runner.swap_out_sessions(["a"]),
+                   lambda: runner.adopt_snapshot("a", "x.safetensors")]
+    for call in after_close:
+        with pytest.raises(EngineStateError, match=r"^the runner is closed \(ARDiffusionEngine.close\(\)\)"):
+            call()
+    assert runner.close_all() == [] and runner.detach_snapshots() == {}  # nothing left to close or detach
+    engine.close()  # twice: nothing more to do
+    engine.load()  # and loaded again, all works
+    assert engine.loaded and engine.runner is not runner and engine.execute(request(engine, "r0", "a"))
+    engine.close()
+
+
+class Boom(Exception):
+    """What a server's own code raises inside a `with engine:` block."""
+
+
+def test_the_engine_is_a_context_manager_that_closes_it_however_the_block_ends():
+    """`with ARDiffusionEngine.from_config(...) as engine:` was a TypeError (no context manager protocol): a server
+    had to remember engine.close() in a finally, or kept the KV pools and weights until the process ended."""
+    with server_engine() as engine:
+        assert isinstance(engine, ARDiffusionEngine) and not engine.loaded  # the block loads it
+        engine.load()
+        engine.execute(request(engine, "r0", "a"))
+        pool = weakref.ref(engine.runner.kv_cache.pool.kv)
+    gc.collect()
+    assert not engine.loaded and engine.runner.closed and pool() is None
+    engine.close()  # a second close does nothing
+    raised = Boom("the server's own error")
+    with pytest.raises(Boom) as info:
+        with engine:  # again, after close: loads anew
+            engine.load()
+            engine.execute(request(engine, "r0", "a"))
+            raise raised
+    assert info.value is raised and info.value.__context__ is None and not engine.loaded
+    with engine:
+        pass  # never loaded: nothing to close
+
+
+def test_a_close_hook_that_fails_at_the_end_of_a_with_block_never_hides_the_blocks_own_exception():
+    """The block's exception is the one the caller must see; a close hook failing as the block ends is a warning then,
+    and raised as close() raises it when the block ended normally."""
+    config = load_config(CONFIGS / "causal-world-tiny.yaml", pipeline="test_engine_library:TelemetryOnClose")
+    engine = ARDiffusionEngine.from_config(config, device="cpu", memory_budget="64MiB", session_capacity=2)
+    raised = Boom("the server's own error")
+    with pytest.warns(ArdiffWarning, match=r"with` block that raised Boom, and close\(\) failed too: "
+                                           r"LifecycleHookError: .*telemetry unreachable"):
+        with pytest.raises(Boom) as info:
+            with engine:
+                engine.load()
+                engine.execute(request(engine, "r0", "a"))
+                raise raised
+    assert info.value is raised and not engine.loaded
+    with pytest.raises(ArdiffError, match="telemetry unreachable"):
+        with engine:
+            engine.load()
+            engine.execute(request(engine, "r0", "a"))
+    assert not engine.loaded and engine.runner.sessions() == []
 
 
 def test_warmup_with_every_slot_taken_is_an_engine_state_error_with_a_bounded_message():

@@ -739,7 +739,7 @@ def _close_engine(engine: Any, output: Output) -> None:
 
 def _summary(run: Any, p: _Prepared, driver: Any, plan: Any, wall_s: float,
              error: BaseException | None, kept: int) -> dict[str, Any]:
-    swap = driver.engine.runner.swap if driver.engine.runner is not None else None
+    swap = driver.engine.runner.swap  # a driver runs on a loaded engine: its runner (closed by now) is there
     return _summary_of(run, p, driver.stats, device=str(driver.engine.device),  # resolved, as run.json has it
                        plan=None if plan is None else plan.to_dict(),
                        swap_space=0 if swap is None else swap.budget_bytes,

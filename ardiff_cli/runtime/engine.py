@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ import torch
 
 from ardiff_cli.runtime.capacity import CapacityPlan
 from ardiff_cli.runtime.config import EngineConfig, load_config
-from ardiff_cli.runtime.errors import ConfigError, EngineStateError, as_pipeline_error, shown
+from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError, EngineStateError, as_pipeline_error, shown
 from ardiff_cli.runtime.events import RuntimeEvent
 from ardiff_cli.runtime.request import ARDiffusionRequest, require_request
 from ardiff_cli.runtime.runner import ARDiffusionModelRunner, WarmupReport, _once, require_subscriber
@@ -51,9 +52,9 @@ class ARDiffusionEngine:
                               hint="for a YAML path, a built-in config name or a dict, use "
                               "ARDiffusionEngine.from_config(source, **runtime_overrides)")
         self.config = config  # validated config, runtime overrides applied
-        self.pipeline: Any = None  # built by load()
-        self.runner: ARDiffusionModelRunner | None = None
-        self.device: torch.device | None = None
+        self._pipeline: Any = None  # built by load(), dropped by close(): the ``pipeline`` property
+        self._runner: ARDiffusionModelRunner | None = None  # built by load(), kept closed by close(): ``runner``
+        self.device: torch.device | None = None  # resolved by load()
         self._subscribers: list[Callable[[RuntimeEvent], None]] = []  # attached to the runner at load
         # Swap LRU-evicted sessions to files in swap_dir instead of dropping them (ARDiffusionModelRunner).
         self.swap_dir, self.swap_space = check_swap_arguments(swap_dir, swap_space, where="ARDiffusionEngine()")
@@ -73,20 +74,20 @@ class ARDiffusionEngine:
         unsubscribes ``callback`` (once: calling it again does nothing)."""
         require_subscriber(callback, "ARDiffusionEngine.subscribe()")
         self._subscribers.append(callback)
-        if self.runner is not None:
-            self.runner.subscribe(callback)
+        if self._runner is not None:
+            self._runner.subscribe(callback)
 
         def unsubscribe() -> None:
             self._subscribers.remove(callback)
-            if self.runner is not None:
-                self.runner._unsubscribe(callback)
+            if self._runner is not None:
+                self._runner._unsubscribe(callback)
 
         return _once(unsubscribe)
 
     def load(self) -> CapacityPlan:
         """Build the pipeline and its runner: weights, capacity plan, pools. Again after ``close()``, not before.
         When it fails (a ``CapacityError``, say), nothing stays loaded: ``load()`` may be tried again."""
-        if self.runner is not None and self.runner.kv_cache is not None and not self.runner.closed:
+        if self.loaded:
             raise EngineStateError("this ARDiffusionEngine is already loaded",
                                    hint="close() it first to load it again (its sessions are closed)")
         runtime = self.config.runtime
@@ -98,7 +99,7 @@ class ARDiffusionEngine:
             torch.set_num_threads(runtime.num_threads)
         pipeline_class = self.config.entry.pipeline_class()
         try:
-            self.pipeline = pipeline_class.from_config(
+            self._pipeline = pipeline_class.from_config(
                 self.config.model, device=self.device, dtype=dtype, checkpoint=self.config.checkpoint
             )
         except Exception as exc:
@@ -107,8 +108,8 @@ class ARDiffusionEngine:
             if error is None:
                 raise
             raise error from exc
-        self.runner = ARDiffusionModelRunner(
-            self.pipeline,
+        self._runner = ARDiffusionModelRunner(
+            self._pipeline,
             device=self.device,
             dtype=dtype,
             memory_budget=runtime.memory_budget,
@@ -119,35 +120,78 @@ class ARDiffusionEngine:
             swap_space=self.swap_space,
         )
         for callback in self._subscribers:
-            self.runner.subscribe(callback)
+            self._runner.subscribe(callback)
         try:
-            return self.runner.load()
+            return self._runner.load()
         except BaseException:
             # Not loaded: the weights (and any pool) go back now. Held, a server retrying load() until memory
             # frees up planned each try with one more copy of the model resident, and failed again.
-            runner, self.runner, self.pipeline = self.runner, None, None
+            runner, self._runner, self._pipeline = self._runner, None, None
             runner.close()
             raise
 
-    def _require_runner(self) -> ARDiffusionModelRunner:
-        if self.runner is None:
-            raise EngineStateError("ARDiffusionEngine.load() must run first", hint="call engine.load() first")
-        return self.runner
+    @property
+    def loaded(self) -> bool:
+        """True from a successful ``load()`` until ``close()``: requests run."""
+        runner = self._runner
+        return runner is not None and runner.kv_cache is not None and not runner.closed
+
+    @property
+    def runner(self) -> ARDiffusionModelRunner:
+        """The ``ARDiffusionModelRunner`` that ``load()`` built (sessions, pool usage, swap). After ``close()``, the
+        closed runner: its views keep their final values, its requests raise ``EngineStateError``. Before
+        ``load()`` there is none: an ``EngineStateError``."""
+        return self._require_runner("runner")
+
+    @property
+    def pipeline(self) -> Any:
+        """The pipeline that ``load()`` built (weights included); ``EngineStateError`` before ``load()`` and after
+        ``close()``, which releases it."""
+        self._require_runner("pipeline")
+        if self._pipeline is None:
+            raise EngineStateError("ARDiffusionEngine.pipeline: the engine is closed, and its pipeline (weights "
+                                   "included) was released", hint="load the engine again (engine.load())")
+        return self._pipeline
+
+    def _require_runner(self, what: str) -> ARDiffusionModelRunner:
+        if self._runner is None:
+            raise EngineStateError(f"ARDiffusionEngine.{what}: the engine is not loaded, ARDiffusionEngine.load() "
+                                   "must run first", hint="call engine.load() first")
+        return self._runner
 
     def warmup(self) -> WarmupReport:
-        return self._require_runner().warmup()
+        """Run the pipeline's warmup requests (``ARDiffusionModelRunner.warmup``)."""
+        return self._require_runner("warmup()").warmup()
 
     def execute(self, request: ARDiffusionRequest) -> Any:
         """Run ``request`` on its session (``ARDiffusionModelRunner.execute_model``); the pipeline's output."""
-        runner = self._require_runner()
+        runner = self._require_runner("execute()")
         return runner.execute_model(require_request(request, "ARDiffusionEngine.execute()"))
 
     def close(self) -> None:
         """Close every session (close hooks run; their errors are raised after all are released), then release the
         KV pools and the pipeline's weights at once, whatever still references the engine. Requests then raise
         ``EngineStateError`` until ``load()`` runs again; a second ``close()`` does nothing."""
-        if self.runner is not None:
-            errors = self.runner.close()
-            self.pipeline = None
+        if self._runner is not None:
+            errors = self._runner.close()
+            self._pipeline = None
             if errors:
                 raise errors[0]
+
+    def __enter__(self) -> ARDiffusionEngine:
+        """``with ARDiffusionEngine.from_config(...) as engine:``: the block loads it (``engine.load()``, after any
+        ``subscribe``), and its end closes it, as ``close()`` does, whatever ended the block."""
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: Any) -> None:
+        """``close()``. An exception that ended the block propagates as it is: an error of ``close()`` (a failing
+        close hook) is then an ``ArdiffWarning``; without one it is raised, as ``close()`` raises it."""
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as error:  # noqa: BLE001 - the block's own exception is the one the caller must see
+            warnings.warn(f"ARDiffusionEngine closed at the end of a `with` block that raised "
+                          f"{type(exc).__name__}, and close() failed too: {type(error).__name__}: {error}",
+                          ArdiffWarning, stacklevel=2)
