@@ -4,6 +4,7 @@ real causal_world pipeline: what a server author hits over many requests, sessio
 from __future__ import annotations
 
 import gc
+import inspect
 import re
 import sys
 import threading
@@ -233,6 +234,48 @@ def test_a_request_whose_id_is_not_a_string_is_refused_before_any_session_is_tou
         engine.execute(ARDiffusionRequest(7, inputs, {"session_id": "a"}))
     assert "str()" in info.value.hint
     assert engine.runner.sessions() == before
+    engine.close()
+
+
+def test_a_session_id_given_to_the_request_as_a_keyword_or_an_attribute_is_refused_saying_it_goes_in_extra_args():
+    """ARDiffusionRequest('r0', inputs, session_id='a') was Python's bare TypeError ('unexpected keyword argument
+    session_id') and request.session_id = 'a' an AttributeError ('has no setter'): neither said that a request names
+    its session in extra_args."""
+    engine = server_engine()
+    engine.load()
+    inputs = engine.pipeline.example_inputs(seed=0)
+    cases = [
+        (dict(session_id="a"), r"argument 'session_id': a request's fields are request_id, inputs, extra_args, and "
+                               r"'session_id' goes in extra_args$", "extra_args={'session_id': 'a'}"),
+        (dict(sessionId="a", reset=True), r"arguments 'sessionId', 'reset': .* and 'session_id' and 'reset' go in extra_args$",
+         "extra_args={'session_id': 'a', 'reset': True}"),
+        (dict(observation={}), r"argument 'observation': a request's fields are request_id, inputs, extra_args$",
+         "goes in inputs"),
+        (dict(input={}), r"argument 'input' \(did you mean 'inputs'\?\)", "goes in inputs"),
+    ]
+    for kwargs, message, hint in cases:
+        with pytest.raises(RequestTypeError, match=r"^ARDiffusionRequest\(\) got an unexpected keyword " + message) \
+                as info:
+            ARDiffusionRequest("r0", inputs, **kwargs)
+        assert isinstance(info.value, TypeError) and hint in info.value.hint
+    with pytest.raises(RequestTypeError, match=r"^ARDiffusionRequest\(\) takes at most 3 arguments \(request_id, "
+                                               r"inputs, extra_args\), got 4 positional$"):
+        ARDiffusionRequest("r0", inputs, {}, "a")
+    built = ARDiffusionRequest("r0", inputs)
+    for name, value in (("session_id", "a"), ("reset", True), ("close_session", True)):
+        with pytest.raises(RequestError, match=rf"^ARDiffusionRequest.{name} is read from extra_args\['{name}'\] "
+                                               r"and cannot be set$") as info:
+            setattr(built, name, value)
+        assert isinstance(info.value, AttributeError) and f"request.extra_args[{name!r}] = {value!r}" in info.value.hint
+    with pytest.raises(RequestError, match=r"extra_args must be a mapping \(dict\) .*got 'a'") as info:
+        engine.execute(ARDiffusionRequest("r0", inputs, "a"))  # the session id in extra_args' place
+    assert info.value.hint == "a session id goes in extra_args as its 'session_id': extra_args={'session_id': 'a'}"
+    assert engine.runner.session_ids == []
+    built.extra_args["session_id"] = "a"  # as the hints say
+    engine.execute(built)
+    engine.execute(ARDiffusionRequest("r1", inputs, extra_args={"session_id": "a"}))
+    assert [(view.session_id, view.num_requests) for view in engine.runner.sessions()] == [("a", 2)]
+    assert str(inspect.signature(ARDiffusionRequest)).startswith("(request_id: 'str', inputs: ")  # help() and IDEs
     engine.close()
 
 

@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ardiff_cli.runtime.errors import RequestError, RequestTypeError, shown
+from ardiff_cli.runtime.errors import RequestError, RequestTypeError, did_you_mean, shown
 
 DEFAULT_SESSION_ID = "default"  # used by requests whose extra_args name no session
 RUNNER_KEYS = ("session_id", "reset", "close_session")  # the extra_args keys the runner reads
 _FOLDED = {key.replace("_", ""): key for key in RUNNER_KEYS}  # sessionid -> session_id: sessionId, session-id
 _FIELDS = ("request_id", "inputs", "extra_args")  # ARDiffusionRequest's fields, in order
+_FIELD_NAMES = frozenset(_FIELDS)
 _BUILD = ("ARDiffusionRequest('r0', inputs={...}, extra_args={'session_id': 'robot-a'}) "
           "(from ardiff_cli.runtime import ARDiffusionRequest)")
+_NAMES_ITS_SESSION = ("a request names its session, and its reset and close_session flags, in extra_args: "
+                      "ARDiffusionRequest('r0', inputs={...}, extra_args={'session_id': 'robot-a'})")
+
+
+class ReadOnlyRequestField(RequestError, AttributeError):
+    """``request.session_id = ...`` (or ``reset``, ``close_session``): those are read from ``extra_args``. An
+    ``AttributeError`` too, as Python's own for a property without a setter."""
 
 
 @functools.lru_cache(maxsize=1024)  # every request of a client sends the same keys: a ratio each took ~40 us
@@ -35,6 +44,11 @@ class ARDiffusionRequest:
     - ``reset`` (bool): replace the session before the forward.
     - ``close_session`` (bool): release the session after a successful forward.
 
+    ``session_id``, ``reset`` and ``close_session`` are also read-only properties that read ``extra_args`` (setting
+    one is a ``RequestError`` that is an ``AttributeError`` too); a keyword argument of that name
+    (``ARDiffusionRequest('r0', obs, session_id='a')``), or any other that is not a field, is a
+    ``RequestTypeError`` (a ``TypeError``) whose hint shows where it goes.
+
     The runner refuses a request whose ``request_id`` is not a string, whose ``inputs`` or ``extra_args`` is not a
     mapping, or whose ``session_id`` or flags have another type, with a ``RequestError`` before it touches the
     session (``check``).
@@ -46,6 +60,12 @@ class ARDiffusionRequest:
     inputs: dict[str, Any] = field(default_factory=dict)  # pipeline-specific inputs (observations, prompt, ...)
     extra_args: dict[str, Any] = field(default_factory=dict)  # session routing and lifecycle flags
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> ARDiffusionRequest:
+        # Before the dataclass's __init__, whose TypeError for session_id=... said nothing of extra_args.
+        if len(args) > len(_FIELDS) or not kwargs.keys() <= _FIELD_NAMES:
+            raise _misbuilt(args, kwargs)
+        return object.__new__(cls)  # not super(): slots=True makes a new class, which zero-argument super() misses
+
     @property
     def session_id(self) -> str:
         self._check_mapping("extra_args", self.extra_args, "session routing and lifecycle flags")
@@ -55,13 +75,25 @@ class ARDiffusionRequest:
                                f"string, got {shown(session_id)}", hint="name the session with a string, one per robot")
         return session_id
 
+    @session_id.setter
+    def session_id(self, value: Any) -> None:
+        _read_only("session_id", value)
+
     @property
     def reset(self) -> bool:
         return self._flag("reset")
 
+    @reset.setter
+    def reset(self, value: Any) -> None:
+        _read_only("reset", value)
+
     @property
     def close_session(self) -> bool:
         return self._flag("close_session")
+
+    @close_session.setter
+    def close_session(self, value: Any) -> None:
+        _read_only("close_session", value)
 
     def check(self) -> None:
         """Raise ``RequestError`` if the runner cannot route this request as it is."""
@@ -88,9 +120,11 @@ class ARDiffusionRequest:
 
     def _check_mapping(self, name: str, value: Any, what: str) -> None:
         if not isinstance(value, Mapping):
+            hint = "ARDiffusionRequest(request_id, inputs={...}, extra_args={'session_id': ...})"
+            if name == "extra_args" and isinstance(value, str):  # ARDiffusionRequest('r0', obs, 'robot-a')
+                hint = f"a session id goes in extra_args as its 'session_id': extra_args={{'session_id': {value!r}}}"
             raise RequestError(f"request {shown(self.request_id)}: {name} must be a mapping (dict) of {what}, "
-                               f"got {shown(value)}", hint=f"ARDiffusionRequest(request_id, inputs={{...}}, "
-                               "extra_args={'session_id': ...})")
+                               f"got {shown(value)}", hint=hint)
 
     def _flag(self, key: str) -> bool:
         self._check_mapping("extra_args", self.extra_args, "session routing and lifecycle flags")
@@ -100,6 +134,42 @@ class ARDiffusionRequest:
         raise RequestError(f"request {shown(self.request_id)}: extra_args[{key!r}] must be True or False, got "
                            f"{shown(value)} ({type(value).__name__})",
                            hint="a JSON client sends true or false, not a string")
+
+
+# help() and editors show the fields (the dataclass's __init__ without self), not __new__'s (*args, **kwargs)
+_INIT = inspect.signature(ARDiffusionRequest.__init__)
+ARDiffusionRequest.__signature__ = _INIT.replace(parameters=list(_INIT.parameters.values())[1:])  # type: ignore
+
+
+def _read_only(name: str, value: Any) -> None:
+    raise ReadOnlyRequestField(f"ARDiffusionRequest.{name} is read from extra_args[{name!r}] and cannot be set",
+                               hint=f"request.extra_args[{name!r}] = {shown(value)}; or build the request with it: "
+                               + _NAMES_ITS_SESSION.partition(": ")[2])
+
+
+def _misbuilt(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> RequestTypeError:
+    """The error for ``ARDiffusionRequest(...)`` called with what its fields cannot take: a keyword that is not a
+    field (``session_id=``, ``observation=``), or more positional arguments than fields."""
+    unexpected = [key for key in kwargs if key not in _FIELDS]
+    if not unexpected:
+        return RequestTypeError(f"ARDiffusionRequest() takes at most {len(_FIELDS)} arguments "
+                                f"({', '.join(_FIELDS)}), got {len(args)} positional",
+                                hint=_NAMES_ITS_SESSION + "; everything else the pipeline takes goes in inputs")
+    runner_keys = [key for key in unexpected if key in RUNNER_KEYS or _runner_key_meant(key) is not None]
+    named = ("argument " if len(unexpected) == 1 else "arguments ") + ", ".join(repr(key) for key in unexpected)
+    if runner_keys:
+        meant = {key: key if key in RUNNER_KEYS else _runner_key_meant(key) for key in runner_keys}
+        example = ", ".join(f"{meant[key]!r}: {shown(kwargs[key])}" for key in runner_keys)
+        return RequestTypeError(
+            f"ARDiffusionRequest() got an unexpected keyword {named}: a request's fields are "
+            f"{', '.join(_FIELDS)}, and {' and '.join(repr(meant[k]) for k in runner_keys)} "
+            f"{'go' if len(runner_keys) > 1 else 'goes'} in extra_args",
+            hint=f"ARDiffusionRequest(request_id, inputs={{...}}, extra_args={{{example}}})")
+    return RequestTypeError(
+        f"ARDiffusionRequest() got an unexpected keyword {named}"
+        + (did_you_mean(unexpected[0], _FIELDS) if len(unexpected) == 1 else "")
+        + f": a request's fields are {', '.join(_FIELDS)}",
+        hint="what the pipeline takes (the observation, the prompt) goes in inputs; " + _NAMES_ITS_SESSION)
 
 
 def require_request(value: Any, where: str) -> ARDiffusionRequest:
