@@ -247,7 +247,8 @@ def test_a_session_id_given_to_the_request_as_a_keyword_or_an_attribute_is_refus
     cases = [
         (dict(session_id="a"), r"argument 'session_id': a request's fields are request_id, inputs, extra_args, and "
                                r"'session_id' goes in extra_args$", "extra_args={'session_id': 'a'}"),
-        (dict(sessionId="a", reset=True), r"arguments 'sessionId', 'reset': .* and 'session_id' and 'reset' go in extra_args$",
+        (dict(sessionId="a", reset=True),
+         r"arguments 'sessionId', 'reset': .* and 'session_id' and 'reset' go in extra_args$",
          "extra_args={'session_id': 'a', 'reset': True}"),
         (dict(observation={}), r"argument 'observation': a request's fields are request_id, inputs, extra_args$",
          "goes in inputs"),
