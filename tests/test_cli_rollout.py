@@ -1204,6 +1204,21 @@ def finished_run(env, data, tmp_path: Path) -> tuple[Path, Path]:
     return episodes, run
 
 
+def test_the_summary_rate_is_of_the_time_spent_running_steps_not_of_the_models_load(env, data, tmp_path):
+    """summary.json's steps_per_s (and the printed rate) divided the steps by wall_s, which counts the model's load
+    and warmup: a short run's rate was mostly its load time, and disagreed with the live display's, which counts the
+    steps' time only. running_s is that time now, and the rate is of it; wall_s stays the whole run's."""
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    steps, running_s, wall_s = summary["steps"]["this_run"], summary["running_s"], summary["wall_s"]
+    assert steps == 6 and 0 < running_s < wall_s  # the load and the warmup came before the steps
+    assert summary["steps_per_s"] == pytest.approx(steps / running_s)
+    assert (f"rollout ok: 6 steps in {running_s:.1f} s ({summary['steps_per_s']:.1f} steps/s; {wall_s:.1f} s in "
+            "all, with the model's load and warmup); ") in proc.stdout
+
+
 def test_the_summary_counts_one_step_in_the_singular(env, data, tmp_path):
     episodes, run = finished_run(env, data, tmp_path)
     write_step(episodes / "arm", 2, steps_of(0, 3)[2])

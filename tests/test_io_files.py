@@ -168,7 +168,7 @@ def test_the_summary_of_many_episodes_reads_the_completed_ones_once(tmp_path):
     names = [f"ep_{i}" for i in range(300)]
     summary = build_summary([], episodes=names, failed={"ep_7": "bad"}, info={}, plan=None,
                             this_run={"completed_episodes": Listed(n for n in names if n != "ep_7")}, wall_s=1.0,
-                            status="partial", exit_code=4, root=tmp_path)
+                            running_s=0.5, status="partial", exit_code=4, root=tmp_path)
     assert summary["episodes"]["completed"] == 299 and summary["episodes"]["failed"] == 1
     assert Listed.passes == 1, f"{Listed.passes} passes over the completed episodes"  # was one per episode
 

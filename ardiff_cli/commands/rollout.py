@@ -473,6 +473,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
             return
         _same_device(p.cfg.runtime.device, p.recorded_device)  # torch resolves the device: not needed above
     engine = driver = plan = summary = None
+    ran_from = ran_until = None  # monotonic times driver.run() began and ended: the time spent running steps
     error: BaseException | None = None
     stopped = False  # a signal (or stdout's reader gone) stopped the run, and nothing else went wrong
     try:
@@ -514,7 +515,11 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                                  signals, options, p.done, digests=p.digests, swapped=swapped)
                 if resume:  # the last run's word on a run that goes on from here: a script must not take it as final
                     run.summary_path.unlink(missing_ok=True)  # with a driver: this run's own is written at its end
-                stats = driver.run()
+                ran_from = time.monotonic()
+                try:
+                    stats = driver.run()
+                finally:
+                    ran_until = time.monotonic()  # the steps' time, for summary.json's rate: not the teardown's
                 monitor.set_phase("done")
                 if follow:
                     _warn_late_episodes(p, stats, output)
@@ -545,7 +550,9 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     remove_snapshot_files(swap_dir, keep=frozenset(file for file, _ in kept.values()))
                     run.close(keep_lock=True)  # the summary is written under the lock; rollout() releases it
                     if driver is not None:
-                        written = _summary(run, p, driver, plan, time.monotonic() - started, error, len(kept))
+                        running_s = 0.0 if ran_from is None else (ran_until or time.monotonic()) - ran_from
+                        written = _summary(run, p, driver, plan, time.monotonic() - started, running_s, error,
+                                           len(kept))
                         with signals.critical():
                             summary = _write_summary(run, written, output, error)
     finally:
@@ -681,7 +688,7 @@ def _nothing_left(p: _Prepared, *, order: str, preview: bool,
     names = [e.name for e in p.episodes]
     stats = RolloutStats(skipped=sum(len(p.done.get(n, ())) for n in names), completed_episodes=names)
     return _summary_of(p.run, p, stats, device=previous.get("device"), plan=previous["capacity_plan"],
-                       swap_space=previous["swap"].get("space_bytes", 0), dropped=0, wall_s=wall_s,
+                       swap_space=previous["swap"].get("space_bytes", 0), dropped=0, wall_s=wall_s, running_s=0.0,
                        error=None), ended
 
 
@@ -737,19 +744,21 @@ def _close_engine(engine: Any, output: Output) -> None:
         output.warning(str(exc))
 
 
-def _summary(run: Any, p: _Prepared, driver: Any, plan: Any, wall_s: float,
+def _summary(run: Any, p: _Prepared, driver: Any, plan: Any, wall_s: float, running_s: float,
              error: BaseException | None, kept: int) -> dict[str, Any]:
     swap = driver.engine.runner.swap  # a driver runs on a loaded engine: its runner (closed by now) is there
     return _summary_of(run, p, driver.stats, device=str(driver.engine.device),  # resolved, as run.json has it
                        plan=None if plan is None else plan.to_dict(),
                        swap_space=0 if swap is None else swap.budget_bytes,
-                       dropped=0 if swap is None else swap.num_dropped, wall_s=wall_s, error=error, kept=kept)
+                       dropped=0 if swap is None else swap.num_dropped, wall_s=wall_s, running_s=running_s,
+                       error=error, kept=kept)
 
 
 def _summary_of(run: Any, p: _Prepared, stats: Any, *, device: str | None, plan: dict[str, Any] | None,
-                swap_space: int, dropped: int, wall_s: float, error: BaseException | None,
+                swap_space: int, dropped: int, wall_s: float, running_s: float, error: BaseException | None,
                 kept: int = 0) -> dict[str, Any]:
-    """summary.json of a run whose counters are ``stats`` (a ``RolloutStats``)."""
+    """summary.json of a run whose counters are ``stats`` (a ``RolloutStats``); ``wall_s`` is the whole run's time,
+    ``running_s`` that of running its steps (the rate's)."""
     from ardiff_cli.errors_cli import EXIT_PARTIAL, EpisodesFailed, Interrupted
     from ardiff_cli.io.run import build_summary
 
@@ -768,7 +777,8 @@ def _summary_of(run: Any, p: _Prepared, stats: Any, *, device: str | None, plan:
                   "evictions": stats.evictions, "completed_episodes": stats.completed_episodes,
                   "timed_out": stats.timed_out, "late_steps": stats.late_steps, "late_episodes": stats.late_episodes,
                   "restored": stats.restored},
-        wall_s=wall_s, status=status, exit_code=0 if error is None else exit_code_for(error), root=run.root)
+        wall_s=wall_s, running_s=running_s, status=status, exit_code=0 if error is None else exit_code_for(error),
+        root=run.root)
     summary["swap"] = {"space_bytes": swap_space, "swapped_out": stats.swapped_out, "swap_failed": stats.swap_failed,
                        "restored": stats.restored, "restore_failed": stats.restore_failed, "dropped": dropped,
                        "kept": kept}  # snapshots left in OUT/.swap for --resume to restore
@@ -788,10 +798,14 @@ def render_summary(s: dict[str, Any], plain: bool):
         return "-" if value is None else f"{value * 1000:.1f} ms"
 
     episodes, steps, latency = s["episodes"], s["steps"], s["latency_s"]
-    rate = f"{s['steps_per_s']:.1f} steps/s" if s.get("steps_per_s") else "-"
+    if s.get("steps_per_s"):  # of the steps' time (running_s); wall_s adds the model's load, warmup and teardown
+        timing = (f"in {s['running_s']:.1f} s ({s['steps_per_s']:.1f} steps/s; {s['wall_s']:.1f} s in all, with the "
+                  "model's load and warmup)")
+    else:
+        timing = f"in {s['wall_s']:.1f} s (-)"
     plan = s.get("capacity_plan") or {}
     lines = [
-        f"rollout {s['status']}: {_count(steps['this_run'], 'step')} in {s['wall_s']:.1f} s ({rate}); "
+        f"rollout {s['status']}: {_count(steps['this_run'], 'step')} {timing}; "
         f"episodes {episodes['completed']} completed"
         + (f" ({len(episodes['timed_out'])} ended by --idle-timeout)" if episodes.get("timed_out") else "")
         + f", {episodes['failed']} failed, "

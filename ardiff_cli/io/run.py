@@ -304,9 +304,11 @@ def versions() -> dict[str, str | None]:
 
 def build_summary(records: Iterable[Mapping[str, Any]], *, episodes: list[str], failed: Mapping[str, str],
                   info: Mapping[str, Any], plan: Mapping[str, Any] | None, this_run: Mapping[str, Any],
-                  wall_s: float, status: str, exit_code: int, root: Path) -> dict[str, Any]:
+                  wall_s: float, running_s: float, status: str, exit_code: int, root: Path) -> dict[str, Any]:
     """summary.json: everything in results.jsonl (this run and earlier ones) plus this run's counters. One pass over
-    ``records`` (an iterator will do: a long run's lines are never held whole)."""
+    ``records`` (an iterator will do: a long run's lines are never held whole). ``wall_s`` is the whole run's time,
+    ``running_s`` the part spent running steps (after the model's load and warmup, before the teardown): the rate's,
+    as the live display's is."""
     # A step runs again on --resume when its output file went missing: it is one step, with two ok lines.
     done: set[tuple[str, int]] = set()
     total_s: list[float] = []
@@ -373,7 +375,9 @@ def build_summary(records: Iterable[Mapping[str, Any]], *, episodes: list[str], 
         "evictions": evictions,
         "evictions_this_run": this_run.get("evictions", 0),
         "wall_s": wall_s,
-        "steps_per_s": (this_run.get("steps", 0) / wall_s) if wall_s > 0 else None,
+        "running_s": running_s,
+        # Of running_s: it was of wall_s, so a short run's rate was mostly the model's load time
+        "steps_per_s": (this_run.get("steps", 0) / running_s) if running_s > 0 else 0.0,
         "capacity_plan": plan,
         "versions": versions(),
         "host": platform.platform(),
