@@ -781,6 +781,20 @@ def test_a_python_request_with_nan_is_refused_by_the_pipeline_too():
     assert "sensor dropout" in info.value.hint
 
 
+def test_validating_something_other_than_a_mapping_is_an_observation_error_naming_the_fields():
+    """validate_observation(schema, None, where=...) (a client's observation not yet decoded, or a list of them) was
+    an AttributeError: 'NoneType' object has no attribute 'items'."""
+    from pipelines.dreamzero import observation_schema
+
+    from ardiff_cli.runtime.observation import validate_observation
+
+    for arrays, got in ((None, "None (NoneType)"), ([{"prompt": "pick"}], "[{'prompt': 'pick'}] (list)")):
+        with pytest.raises(ObservationError, match=rf"^request r1: an observation is a mapping \(dict\) of field name "
+                                                   rf"-> array, got {re.escape(got)}$") as info:
+            validate_observation(observation_schema(), arrays, where="request r1")
+        assert info.value.hint.startswith("pass a dict of its fields: exterior_image_0, ")
+
+
 @pytest.mark.parametrize(("case", "message"), [
     ("end_marker", "its END marker came before any step file"),
     ("idle_timeout", "no step file arrived within --idle-timeout 10 s"),

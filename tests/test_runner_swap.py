@@ -17,7 +17,7 @@ from tiny_pipeline import TinyPipeline, request, tiny_spec
 
 from ardiff_cli.runtime.config import load_config
 from ardiff_cli.runtime.engine import ARDiffusionEngine
-from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError, SwapRestoreError
+from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError, RequestError, RequestTypeError, SwapRestoreError
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from ardiff_cli.runtime.runner import ARDiffusionModelRunner
 from pipelines.dreamzero.pipeline import DreamZeroPipeline
@@ -879,8 +879,11 @@ def test_an_adopted_file_of_another_session_or_a_bad_name_is_refused(tmp_path):
     kept = first.runner.detach_snapshots()
     first.close()
     second, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
-    with pytest.raises(ValueError, match="is not the name of a swap snapshot file"):
-        second.runner.adopt_snapshot("b", "../../etc/passwd")
+    for name in ("../../etc/passwd", 1, None):  # 1 and None were a bare TypeError from the file-name pattern
+        with pytest.raises(RequestError, match=r"^adopt_snapshot\(\): .* is not the name of a swap snapshot file") \
+                as info:
+            second.runner.adopt_snapshot("b", name)
+        assert isinstance(info.value, ValueError) and "detach_snapshots()" in info.value.hint
     assert second.runner.adopt_snapshot("b", kept["a"]) is True  # the index named the wrong session's file
     with pytest.raises(SwapRestoreError, match="holds session 'a', expected 'b'"):
         second.runner.restore_session("b")
@@ -917,6 +920,21 @@ def test_resident_sessions_swapped_out_on_request_are_adopted_by_a_later_runner_
     assert [e.session_id for e in events if e.kind == "session_restored"] == ["a", "b"]
     second.close()
     assert not tmp_path.exists()
+
+
+def test_swapping_out_one_session_id_given_as_a_string_is_refused_not_taken_letter_by_letter(tmp_path):
+    """swap_out_sessions("robot-a") took the string for an iterable of the ids 'r', 'o', 'b', ...: nothing was
+    resident under those, so it swapped nothing out and returned {} without a word; None was a bare TypeError."""
+    engine, _ = engine_for("causal-world-tiny", capacity=2, swap_dir=tmp_path)
+    run(engine, "robot-a", 0)
+    for ids, hint in (("robot-a", "swap_out_sessions(['robot-a'])"), (None, "a list of session ids")):
+        with pytest.raises(RequestTypeError, match=r"^swap_out_sessions\(\) takes an iterable of session ids, got ") \
+                as info:
+            engine.runner.swap_out_sessions(ids)
+        assert isinstance(info.value, TypeError) and hint in info.value.hint
+    assert engine.runner.session_ids == ["robot-a"]
+    assert list(engine.runner.swap_out_sessions(["robot-a"])) == ["robot-a"]  # as the hint says
+    engine.close()
 
 
 def test_swapping_resident_sessions_out_takes_only_the_swap_space_left(tmp_path):

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ardiff_cli.runtime.errors import ObservationError, did_you_mean
+from ardiff_cli.runtime.errors import ObservationError, did_you_mean, shown
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +115,11 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
     duplicate keys, missing fields, wrong dtypes or shapes, a missing prompt)
     is collected and raised as one ``ObservationError`` that names them all.
     """
+    if not isinstance(arrays, Mapping):  # it was an AttributeError: 'NoneType' object has no attribute 'items'
+        raise ObservationError(f"{where}: an observation is a mapping (dict) of field name -> array, got "
+                               f"{shown(arrays)} ({type(arrays).__name__})",
+                               hint=f"pass a dict of its fields: {', '.join(f.name for f in schema.fields)}"
+                               + (f", and the prompt {schema.prompt_key!r}" if schema.prompt_key else ""))
     problems: list[str] = []
     out: dict[str, Any] = {}
     seen: dict[str, str] = {}  # canonical name -> key it came from

@@ -69,6 +69,7 @@ from ardiff_cli.runtime.kv.layout import KVLayout
 from ardiff_cli.runtime.kv.state import ARDiffusionKVState
 from ardiff_cli.runtime.request import RUNNER_KEYS, ARDiffusionRequest, require_request
 from ardiff_cli.runtime.swap import (
+    SNAPSHOT_FILE,
     SwapStore,
     check_swap_arguments,
     decode_snapshot,
@@ -766,6 +767,12 @@ class ARDiffusionModelRunner:
         export fails (an ``ArdiffWarning``), and when a stop or an error cut its last request or restore short:
         its state is no request's. Ids that are not resident are skipped; without a swap store nothing is done."""
         self._require_loaded()
+        if isinstance(session_ids, (str, bytes)) or not isinstance(session_ids, Iterable):
+            # a str is an iterable of one-letter ids: swap_out_sessions("robot-a") swapped nothing out, silently
+            raise RequestTypeError(f"swap_out_sessions() takes an iterable of session ids, got {shown(session_ids)} "
+                                   f"({type(session_ids).__name__})",
+                                   hint=f"pass a list, even of one: swap_out_sessions([{shown(session_ids)}])"
+                                   if isinstance(session_ids, str) else "pass a list of session ids")
         swapped: dict[str, int] = {}
         if self.swap is None:
             return swapped
@@ -823,6 +830,10 @@ class ARDiffusionModelRunner:
         if not isinstance(session_id, str) or not session_id or session_id == WARMUP_SESSION_ID:
             raise RequestError(f"adopt_snapshot() takes a session id (a non-empty string, not "
                                f"{WARMUP_SESSION_ID!r}), got {shown(session_id)}", hint="name the detached session")
+        if not isinstance(name, str) or not SNAPSHOT_FILE.fullmatch(name):
+            raise RequestError(f"adopt_snapshot(): {shown(name)} is not the name of a swap snapshot file (32 hex "
+                               "digits, then .safetensors, in swap_dir)",
+                               hint="pass a file name that detach_snapshots() returned, as it returned it")
         if self.swap is None or session_id in self._sessions:
             return False
         with self._locked():
