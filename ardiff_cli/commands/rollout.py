@@ -798,18 +798,16 @@ def render_summary(s: dict[str, Any], plain: bool):
         return "-" if value is None else f"{value * 1000:.1f} ms"
 
     episodes, steps, latency = s["episodes"], s["steps"], s["latency_s"]
-    if s.get("steps_per_s"):  # of the steps' time (running_s); wall_s adds the model's load, warmup and teardown
-        timing = (f"in {s['running_s']:.1f} s ({s['steps_per_s']:.1f} steps/s; {s['wall_s']:.1f} s in all, with the "
-                  "model's load and warmup)")
-    else:
-        timing = f"in {s['wall_s']:.1f} s (-)"
+    # The rate is of the steps' time (running_s), as the live display's; wall_s adds the load, warmup and teardown
+    rate = f"{s['steps_per_s']:.1f} steps/s" if s.get("steps_per_s") else "-"
     plan = s.get("capacity_plan") or {}
     lines = [
-        f"rollout {s['status']}: {_count(steps['this_run'], 'step')} {timing}; "
+        f"rollout {s['status']}: {_count(steps['this_run'], 'step')} in {s['running_s']:.1f} s ({rate}); "
         f"episodes {episodes['completed']} completed"
         + (f" ({len(episodes['timed_out'])} ended by --idle-timeout)" if episodes.get("timed_out") else "")
         + f", {episodes['failed']} failed, "
         f"{episodes['incomplete']} incomplete",
+        f"time {s['wall_s']:.1f} s in all, {s['running_s']:.1f} s of it running steps",
         f"latency p50 {ms(latency['total']['p50'])}, p90 {ms(latency['total']['p90'])}, "
         f"p99 {ms(latency['total']['p99'])} (forward p50 {ms(latency['forward']['p50'])})",
         f"sessions: capacity {plan.get('session_capacity', '-')}, {_count(s['evictions_this_run'], 'eviction')}, "
