@@ -77,7 +77,6 @@ class RolloutStats:
     timed_out: list[str] = field(default_factory=list)  # of those, the ones --idle-timeout ended (no END came)
     # follow: step files that arrived after their episode ended and did not run, by episode (--resume runs them)
     late_steps: dict[str, list[str]] = field(default_factory=dict)
-    late_episodes: list[str] = field(default_factory=list)  # follow: episode folders made as the run ended (not run)
     hook_errors: list[dict[str, Any]] = field(default_factory=list)  # pipeline reset/close hooks that raised
 
 

@@ -83,7 +83,7 @@ class _Prepared:
     options: dict[str, Any]  # order, follow, idle_timeout, preview, swap_space: given, or recorded (--resume)
     recorded_device: str | None = None  # --resume: the device the run started on (checked before the model loads)
     # the folders of episodes among the EPISODE arguments: with --follow, an episode folder a robot starts in one
-    # joins the run; listed again when the run ends, to name any made after its last poll (they did not run)
+    # joins the run
     watch: list[Path] = field(default_factory=list)
 
 
@@ -521,8 +521,6 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 finally:
                     ran_until = time.monotonic()  # the steps' time, for summary.json's rate: not the teardown's
                 monitor.set_phase("done")
-                if follow:
-                    _warn_late_episodes(p, stats, output)
                 if stats.failed:
                     raise _failed_episodes(stats, len(p.episodes))
             except BaseException as exc:
@@ -560,17 +558,6 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
         if summary is not None:  # after the live display, so the two never interleave
             with signals:  # held since the teardown (``hold``): a signal while the result prints is only recorded
                 output.result(summary, lambda plain: render_summary(summary, plain))
-
-
-def _warn_late_episodes(p: _Prepared, stats: Any, output: Output) -> None:
-    """Name the episode folders made in a followed folder of episodes after the run's last look there (it ended:
-    none had come for --idle-timeout), which did not run, rather than leave them out without a word."""
-    from ardiff_cli.io.episode import late_episode_folders
-
-    late = late_episode_folders(p.watch, p.episodes)
-    stats.late_episodes = [str(folder.absolute()) for folder in late]
-    for folder in late:
-        output.warning(f"{folder} was made in {folder.parent} as the run ended and did not run (--resume runs it)")
 
 
 def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, set[int]], swap_dir: Path,
@@ -775,7 +762,7 @@ def _summary_of(run: Any, p: _Prepared, stats: Any, *, device: str | None, plan:
         info={**p.info, "device": device}, plan=plan,
         this_run={"steps": stats.steps, "skipped": stats.skipped, "replayed": stats.replayed,
                   "evictions": stats.evictions, "completed_episodes": stats.completed_episodes,
-                  "timed_out": stats.timed_out, "late_steps": stats.late_steps, "late_episodes": stats.late_episodes,
+                  "timed_out": stats.timed_out, "late_steps": stats.late_steps,
                   "restored": stats.restored},
         wall_s=wall_s, running_s=running_s, status=status, exit_code=0 if error is None else exit_code_for(error),
         root=run.root)

@@ -304,25 +304,6 @@ def _episode_folders_in(folder: Path) -> list[Path]:
                   if p.is_dir() and not p.name.startswith(".") and not _is_run_output(p))
 
 
-def late_episode_folders(folders: list[Path], episodes: list[EpisodeSource]) -> list[Path]:
-    """Subfolders holding step files, ``END`` or ``episode.yaml`` that are now in one of the folders of episodes
-    ``folders`` but are none of ``episodes``: made after the run's last look there, so they did not run."""
-    known = {e.path.resolve() for e in episodes}
-    return [child for folder in folders for child in started_episode_folders(folder) if child.resolve() not in known]
-
-
-def started_episode_folders(folder: Path) -> list[Path]:
-    """The subfolders of ``folder`` that hold step files, ``END`` or ``episode.yaml`` now (as an episode folder a
-    robot has started); none when ``folder`` is gone or unreadable."""
-    if not folder.is_dir():
-        return []
-    try:
-        children = _episode_folders_in(folder)
-    except ObservationError:  # unreadable now: nothing to name
-        return []
-    return [child for child in children if episode_entries(child)]
-
-
 def new_episode_folders(folder: Path, settled: set[str]) -> list[Path]:
     """The subfolders of the folder of episodes ``folder`` that a robot has started (they hold step files, ``END``
     or ``episode.yaml``) and whose names are not in ``settled``, in name order. Adds to ``settled`` what it returns

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ardiff_cli.io.episode import (EpisodeNames, EpisodeSource, StepFile, gap_error, listed, missing_steps,
-                                   new_episode_folders, safetensors_header, started_episode_folders)
+                                   new_episode_folders, safetensors_header)
 from ardiff_cli.runtime.errors import ObservationError
 
 
@@ -330,7 +330,7 @@ class StepScheduler:
         if track.files:
             return
         folder = track.source.path
-        made = [child.name for child in started_episode_folders(folder)]
+        made = [child.name for child in new_episode_folders(folder, set())]
         if made:
             what += (f"; episode folders were made in it since ({listed(made)}): it was empty when the run started, "
                      "so it was followed as one episode")
