@@ -60,10 +60,11 @@ def make_cache(make_spec):
     from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
     from ardiff_cli.runtime.kv.layout import KVLayout
 
-    def make(spec=None, *, num_sessions: int = 2, dtype=torch.float32, page_size=None, extra_pages: int = 0):
+    def make(spec=None, *, num_sessions: int = 2, dtype=torch.float32, page_size=None, extra_pages: int = 0,
+             attention_backend="torch"):
         spec = make_spec() if spec is None else spec
         layout = KVLayout.from_spec(spec, page_size=page_size)
         pages = layout.managed_pages(num_sessions) + extra_pages
-        return ARDiffusionKVCache(spec, pages, dtype=dtype, page_size=page_size)
+        return ARDiffusionKVCache(spec, pages, dtype=dtype, page_size=page_size, attention_backend=attention_backend)
 
     return make

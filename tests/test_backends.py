@@ -268,7 +268,8 @@ class Stream:
         self.frames = []  # frames[f][layer] = (k, v)
         self.worst = 0.0
 
-    def forward(self, num_frames, *, commit, num_registers, scale=None):
+    def forward(self, num_frames, *, commit, num_registers, scale=None, store_last=False):
+        """One layer per ``next()``; ``store_last``: the last layer of this commit pass only stores its K/V."""
         spec = self.state.spec
         tpf = spec.tokens_per_frame
         seq_len, length = num_frames * tpf, num_frames * tpf + num_registers
@@ -283,11 +284,14 @@ class Stream:
             v = torch.randn(shape, generator=self.generator).to(self.dtype)
             keys = torch.cat([self.frames[f][layer][0] for f in kept] + [k], dim=1)
             values = torch.cat([self.frames[f][layer][1] for f in kept] + [v], dim=1)
-            out = ctx.attend(q, k, v, scale=scale)
-            assert out.shape == q.shape and out.dtype == self.dtype
-            error = (out.float() - dense(q, keys, values, scale)).abs().max().item()
-            self.worst = max(self.worst, error)
-            assert error <= TOLERANCE[self.dtype], f"layer {layer}: error {error} with {len(kept)} history frames"
+            if store_last and layer == spec.num_layers - 1:
+                ctx.store(k, v)  # checked by the passes that read it
+            else:
+                out = ctx.attend(q, k, v, scale=scale)
+                assert out.shape == q.shape and out.dtype == self.dtype
+                error = (out.float() - dense(q, keys, values, scale)).abs().max().item()
+                self.worst = max(self.worst, error)
+                assert error <= TOLERANCE[self.dtype], f"layer {layer}: error {error} with {len(kept)} history frames"
             new.append((k, v))
             yield
         assert self.state.commit(self.branch) == (num_frames if commit else 0)
@@ -301,12 +305,13 @@ class Stream:
             pass
 
 
-def rollout(streams, *, blocks, frames_per_block, num_registers, denoise_steps=1, scale=None):
-    """Blocks of denoising passes and a commit pass, all streams advanced layer by layer in turn."""
+def rollout(streams, *, blocks, frames_per_block, num_registers, denoise_steps=1, scale=None, store_last=False):
+    """Blocks of denoising passes and a commit pass (ending with ``store`` with ``store_last``), all streams
+    advanced layer by layer in turn."""
     for _ in range(blocks):
         for commit in [False] * denoise_steps + [True]:
-            forwards = [s.forward(frames_per_block, commit=commit, num_registers=num_registers, scale=scale)
-                        for s in streams]
+            forwards = [s.forward(frames_per_block, commit=commit, num_registers=num_registers, scale=scale,
+                                  store_last=commit and store_last) for s in streams]
             while forwards:
                 for fwd in list(forwards):
                     try:
@@ -611,9 +616,10 @@ def test_vllm_cpu_kernel_matches_dense_reference(geometry, dtype):
     streams = [Stream(st, b, num_q_heads, dtype, seed) for seed, (st, b) in
                enumerate((st, b) for st in states for b in ("positive", "negative"))]
     retained = s.sink_frames + s.window_frames
-    for _ in range(retained + 1):
-        for session in (streams[:2], streams[2:]):
-            rollout(session, blocks=1, frames_per_block=s.frames_per_block, num_registers=5)
+    for block in range(retained + 1):
+        for session in (streams[:2], streams[2:]):  # every other commit pass ends with store (no attention)
+            rollout(session, blocks=1, frames_per_block=s.frames_per_block, num_registers=5,
+                    store_last=block % 2 == 1)
     for stream in streams:
         stream.run(1, commit=True, num_registers=0)
 

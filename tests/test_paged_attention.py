@@ -55,8 +55,12 @@ class Stream:
         kept = list(range(min(n, spec.sink_frames))) + list(range(max(spec.sink_frames, n - spec.window_frames), n))
         return [self.frames[f][layer] for f in kept]
 
-    def forward(self, num_frames, *, commit, num_registers, scale=None):
-        """A generator that runs one layer per ``next()`` and checks it; commits after the last layer."""
+    def forward(self, num_frames, *, commit, num_registers, scale=None, store_last=False):
+        """A generator that runs one layer per ``next()`` and checks it; commits after the last layer.
+
+        ``store_last``: the last layer of this commit pass writes its K/V with ``store`` (no attention), as a
+        commit pass whose outputs nobody reads does; later passes check that it wrote what ``attend`` would.
+        """
         spec = self.state.spec
         seq_len = num_frames * spec.tokens_per_frame
         length = seq_len + num_registers
@@ -70,15 +74,18 @@ class Stream:
             history = self.visible_history(layer)
             keys = torch.cat([hk for hk, _ in history] + [k], dim=1)
             values = torch.cat([hv for _, hv in history] + [v], dim=1)
-            expected = dense_reference(q, keys, values, scale)
-            out = ctx.attend(q, k, v, scale=scale) if scale is not None else ctx.attend(q, k, v)
-            assert out.shape == q.shape and out.dtype == self.dtype
-            error = (out.float() - expected).abs().max().item()
-            self.worst = max(self.worst, error)
-            self.num_checked += 1
-            assert error <= TOLERANCE[self.dtype], (
-                f"{self.branch} layer {layer}: max abs error {error} with {len(history)} history frames"
-            )
+            if store_last and layer == spec.num_layers - 1:
+                assert ctx.store(k, v) is None
+            else:
+                expected = dense_reference(q, keys, values, scale)
+                out = ctx.attend(q, k, v, scale=scale) if scale is not None else ctx.attend(q, k, v)
+                assert out.shape == q.shape and out.dtype == self.dtype
+                error = (out.float() - expected).abs().max().item()
+                self.worst = max(self.worst, error)
+                self.num_checked += 1
+                assert error <= TOLERANCE[self.dtype], (
+                    f"{self.branch} layer {layer}: max abs error {error} with {len(history)} history frames"
+                )
             for f in range(num_frames):
                 tokens = slice(f * spec.tokens_per_frame, (f + 1) * spec.tokens_per_frame)
                 new_frames[f][layer] = (k[:, tokens].clone(), v[:, tokens].clone())
@@ -91,8 +98,9 @@ class Stream:
         adapter = self.state.adapter(self.branch)
         assert adapter.num_committed_frames == len(self.frames)
 
-    def run(self, num_frames, *, commit, num_registers, scale=None):
-        for _ in self.forward(num_frames, commit=commit, num_registers=num_registers, scale=scale):
+    def run(self, num_frames, *, commit, num_registers, scale=None, store_last=False):
+        for _ in self.forward(num_frames, commit=commit, num_registers=num_registers, scale=scale,
+                              store_last=store_last):
             pass
 
 
@@ -108,11 +116,12 @@ def interleave(*forwards):
 
 
 def rollout(stream, num_blocks, frames_per_block, num_registers, denoise_steps=2, scale=None):
-    """Blocks of ``denoise_steps`` scratch-only passes followed by one commit pass."""
-    for _ in range(num_blocks):
+    """Blocks of ``denoise_steps`` scratch-only passes followed by one commit pass (every other one ending with
+    ``store``)."""
+    for block in range(num_blocks):
         for _ in range(denoise_steps):
             stream.run(frames_per_block, commit=False, num_registers=num_registers, scale=scale)
-        stream.run(frames_per_block, commit=True, num_registers=num_registers, scale=scale)
+        stream.run(frames_per_block, commit=True, num_registers=num_registers, scale=scale, store_last=block % 2 == 1)
 
 
 GEOMETRIES = {
@@ -146,7 +155,7 @@ def test_rollout_matches_dense_reference(make_spec, make_cache, geometry, num_re
     num_blocks = 3 * retained // spec.frames_per_block + 2
     rollout(stream, num_blocks, spec.frames_per_block, num_registers)
     assert len(stream.frames) > 2 * retained
-    assert stream.num_checked == num_blocks * 3 * spec.num_layers
+    assert stream.num_checked == num_blocks * 3 * spec.num_layers - num_blocks // 2  # a store checks nothing
     # Shorter blocks (one frame) after the window is full, and history untouched by denoising passes.
     stream.run(1, commit=False, num_registers=num_registers)
     stream.run(1, commit=True, num_registers=num_registers)
@@ -269,9 +278,42 @@ def test_seeded_random_geometries_match_dense_reference(layout):
                     continue
                 frames = rng.randint(1, spec.frames_per_block)
                 registers = rng.randint(0, cache.layout.scratch_tokens - frames * tokens_per_frame)
-                rng.choice(streams).run(frames, commit=rng.random() < 0.6, num_registers=registers,
-                                        scale=rng.choice([None, 0.3]))
+                commit = rng.random() < 0.6
+                rng.choice(streams).run(frames, commit=commit, num_registers=registers, scale=rng.choice([None, 0.3]),
+                                        store_last=commit and rng.random() < 0.5)
         except AssertionError as exc:
             raise AssertionError(f"{where}: {exc}") from exc
         state.close()
         assert cache.num_free_pages == cache.num_managed_pages, where
+
+
+@pytest.mark.parametrize("layout", ["torch", "block"])
+def test_store_is_a_commit_pass_write_checked_like_attend(make_spec, make_cache, layout):
+    """``store`` writes only in a commit pass, once per layer, with attend's K/V shapes; a partial forward that
+    stored only some layers is still refused at commit, and the session is usable after each refusal."""
+    spec = make_spec(num_layers=2, kv_branches=CFG, max_scratch_tokens_per_branch=2)
+    backend = "torch" if layout == "torch" else TorchPagedKernel(2)
+    cache = make_cache(spec, attention_backend=backend)
+    state = cache.new_state("s")
+    seq_len = spec.tokens_per_frame
+    k = torch.randn(spec.num_kv_heads, seq_len + 1, spec.head_size)  # one register: accepted, not committed
+    denoise = state.get_kv_caches("positive", seq_len=seq_len)
+    with pytest.raises(RuntimeError, match="not asked to commit"):
+        denoise[1].store(k, k)
+    contexts = state.get_kv_caches("positive", seq_len=seq_len, commit_current=True)
+    wrong_heads = torch.randn(3, seq_len, spec.head_size)
+    with pytest.raises(ValueError, match=r"store takes k, v \(2, tokens, 8\).*; got k \(3, 4, 8\), v \(3, 4, 8\)$"):
+        contexts[1].store(wrong_heads, wrong_heads)
+    too_long = torch.randn(2, seq_len + 7, spec.head_size)
+    with pytest.raises(ValueError, match="store got 11 tokens for seq_len=4: expected the video tokens followed by 0..6"):
+        contexts[1].store(too_long, too_long)
+    contexts[1].store(k, k)
+    with pytest.raises(RuntimeError, match="attended twice"):
+        contexts[1].attend(torch.randn(2, seq_len + 1, 8), k, k)
+    with pytest.raises(RuntimeError, match="after a partial forward: 1 of 2 layers"):
+        state.commit("positive")
+    with pytest.raises(RuntimeError, match="stale"):
+        contexts[0].store(k, k)
+    assert state.adapter("positive").num_committed_frames == 0 and cache.num_free_pages == cache.num_managed_pages
+    stream = Stream(state, "positive", 2, torch.float32, torch.Generator().manual_seed(5))
+    rollout(stream, 4, 1, 1)

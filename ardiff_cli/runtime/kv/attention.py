@@ -6,7 +6,9 @@ once per forward with its current ``q, k, v``. The context stages the current
 K/V as scratch (the torch backend's gather workspace, or a kernel backend's
 scratch pages), writes the block into freshly allocated pages on a commit
 pass, and returns attention of the current queries over sink + window history
-and the current tokens, non-causal within that visible set.
+and the current tokens, non-causal within that visible set. A commit pass
+whose outputs nobody reads may end with :meth:`~ARDiffusionLayerContext.store`
+instead: the layer's K/V written, no attention.
 """
 
 from __future__ import annotations
@@ -133,22 +135,27 @@ class ARDiffusionForwardContext:
             self._views = self.pool.visible_views(len(history), self.seq_len, num_registers)
         self._prepared = True
 
-    def _validate(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Full checks of one layer's inputs; the layers after the first that pass them take a fast path."""
+    def _validate(self, layer: int, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Full checks of one layer's inputs (``q`` None: a ``store``); the layers after the first that pass them
+        take a fast path."""
         pool = self.pool
         spec = pool.layout.spec
         room = pool.layout.scratch_tokens - self.seq_len
-        if (q.dim() != 3 or tuple(k.shape) != (spec.num_kv_heads, q.shape[1], spec.head_size)
-                or tuple(v.shape) != tuple(k.shape) or q.shape[2] != spec.head_size or q.shape[0] % spec.num_kv_heads):
+        queries = k if q is None else q  # a store's K/V must have the shape an attend's would
+        if (queries.dim() != 3 or tuple(k.shape) != (spec.num_kv_heads, queries.shape[1], spec.head_size)
+                or tuple(v.shape) != tuple(k.shape) or queries.shape[2] != spec.head_size
+                or queries.shape[0] % spec.num_kv_heads):
             # One message with the whole layout: tokens passed before heads used to be told a token count taken
             # from q's heads.
+            takes = ("store takes k, v" if q is None else "attend takes q (heads, tokens, head_size) and k, v")
+            got = f"k {tuple(k.shape)}, v {tuple(v.shape)}" if q is None else \
+                f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
             raise ValueError(
-                f"layer {layer} of branch {self.branch.name!r}: attend takes q (heads, tokens, head_size) and k, v "
-                f"({spec.num_kv_heads}, tokens, {spec.head_size}), with tokens = seq_len {self.seq_len} (+ up to "
-                f"{room} register tokens) and q's heads a multiple of {spec.num_kv_heads}; got q {tuple(q.shape)}, "
-                f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+                f"layer {layer} of branch {self.branch.name!r}: {takes} ({spec.num_kv_heads}, tokens, "
+                f"{spec.head_size}), with tokens = seq_len {self.seq_len} (+ up to {room} register tokens)"
+                + ("" if q is None else f" and q's heads a multiple of {spec.num_kv_heads}") + f"; got {got}"
             )
-        for name, t in (("q", q), ("k", k), ("v", v)):
+        for name, t in (("q", queries), ("k", k), ("v", v)):
             if t.dtype != pool.dtype or t.device != pool.device:
                 raise ValueError(
                     f"{name} must be {pool.dtype} on {pool.device} like the KV pool, got {t.dtype} on {t.device}"
@@ -160,33 +167,29 @@ class ARDiffusionForwardContext:
                 f"layer {layer}: k and v require grad, but the KV cache is inference-only; run the pipeline's "
                 "forward under torch.no_grad() or torch.inference_mode()"
             )
-        num_registers = q.shape[1] - self.seq_len
+        num_registers = queries.shape[1] - self.seq_len
         if not 0 <= num_registers <= room:
             raise ValueError(
-                f"attend got {q.shape[1]} tokens for seq_len={self.seq_len}: expected the video tokens "
-                f"followed by 0..{room} scratch register tokens"
+                f"{'attend' if q is not None else 'store'} got {queries.shape[1]} tokens for seq_len={self.seq_len}: "
+                f"expected the video tokens followed by 0..{room} scratch register tokens"
             )
         if not self._prepared:
-            self._prepare(num_registers, q.shape[0])
+            self._prepare(num_registers, queries.shape[0])
         elif num_registers != self.num_registers:
             raise ValueError(
                 f"layer {layer} has {num_registers} register tokens, earlier layers of this forward had "
                 f"{self.num_registers}"
             )
-        # What the next layers must match to skip these checks (same shapes, same dtype objects, no grad).
-        self._checked = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-                         False, False)
+        if q is not None:  # what the next layers must match to skip these checks (same shapes, dtypes, no grad)
+            self._checked = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                             False, False)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         self.check_live()
         if self._checked != (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
                              k.requires_grad, v.requires_grad):
             self._validate(layer, q, k, v)
-        if self.layers_written[layer]:  # a second call would replace this layer's current K/V: history lost
-            raise RuntimeError(
-                f"layer {layer} of branch {self.branch.name!r} attended twice in one forward; each self-attention "
-                "layer calls attend once per get_kv_caches (a spec's num_layers counts every such call)"
-            )
+        self._check_first_write(layer)
         pool = self.pool
         if self._kernel_pool:  # vLLM / paged-kernel backends write, pack and attend in the pool
             out = pool.attend(layer, self._kernel_forward, q, k, v, scale)
@@ -201,6 +204,34 @@ class ARDiffusionForwardContext:
             pool.write_pages(layer, self._inflight_ids, block)
         self.layers_written[layer] = 1
         return attend_visible(q, keys, values, scale)
+
+    def _check_first_write(self, layer: int) -> None:
+        if self.layers_written[layer]:  # a second call would replace this layer's current K/V: history lost
+            raise RuntimeError(
+                f"layer {layer} of branch {self.branch.name!r} attended twice in one forward; each self-attention "
+                "layer calls attend (or store) once per get_kv_caches (a spec's num_layers counts every such call)"
+            )
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``layer``'s current block into its pages without attending (a commit pass only)."""
+        self.check_live()
+        if not self.commit_current:
+            raise RuntimeError(
+                f"layer {layer} of branch {self.branch.name!r}: store writes a commit pass's K/V, but this forward "
+                "was not asked to commit (get_kv_caches(..., commit_current=True)); a denoising pass attends"
+            )
+        self._validate(layer, None, k, v)
+        self._check_first_write(layer)
+        pool = self.pool
+        if self._kernel_pool:
+            pool.write_current(layer, self._kernel_forward, k, v)
+        else:  # the block is staged where attend stages it, then written to its pages as attend writes it
+            _, current_k, current_v, _, _, block = self._views
+            video = slice(0, self.seq_len)
+            current_k[:, video].copy_(k[:, video])
+            current_v[:, video].copy_(v[:, video])
+            pool.write_pages(layer, self._inflight_ids, block)
+        self.layers_written[layer] = 1
 
 
 class ARDiffusionLayerContext:
@@ -230,3 +261,12 @@ class ARDiffusionLayerContext:
         are visible to this forward but never committed. Returns ``(Hq, L, D)``.
         """
         return self._forward.attend(self.layer, q, k, v, scale)
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the current K/V without attending: a commit pass's last layer, when nothing reads its output.
+
+        ``k``/``v`` are ``(Hkv, L, D)`` as :meth:`attend` takes them (registers, if any, are ignored: never
+        committed). Only in a commit pass (``commit_current=True``); the layer counts as written, as after
+        ``attend``. What the layer's attention, and everything after it, would have computed is skipped.
+        """
+        self._forward.store(self.layer, k, v)

@@ -407,28 +407,34 @@ class PagedKernelPool:
         return forward if state is None else replace(forward, kernel_state=state)
 
     # --------------------------------------------------------------- attention
+    def write_current(self, layer: int, forward: KernelForward, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The current video block of ``layer`` (``k``/``v`` (H, L, D), registers ignored): bodies into its pages'
+        blocks, tails into their rows. In a commit pass these are its pages; otherwise its scratch pages."""
+        heads, _, head_size = k.shape
+        body = self.geometry.blocks_per_page * self.geometry.block_size
+        num_current = forward.seq_len // self.layout.page_size
+        paged_k = k.transpose(0, 1)[: forward.seq_len].view(num_current, self.layout.page_size, heads, head_size)
+        paged_v = v.transpose(0, 1)[: forward.seq_len].view(num_current, self.layout.page_size, heads, head_size)
+        if body:
+            self.kernel.write_blocks(
+                self, forward.current_blocks[layer],
+                paged_k[:, :body].reshape(-1, heads, head_size), paged_v[:, :body].reshape(-1, heads, head_size),
+            )
+        if self.geometry.tail_tokens:
+            self._tail_rows[0].index_copy_(0, forward.current_tail_rows[layer], paged_k[:, body:])
+            self._tail_rows[1].index_copy_(0, forward.current_tail_rows[layer], paged_v[:, body:])
+
     def attend(self, layer: int, forward: KernelForward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float | None) -> torch.Tensor:
         """Write the current K/V of ``layer``, pack tails + registers, run the kernel: (Hq, L, D)."""
         geometry = self.geometry
         heads, _, head_size = k.shape
         seq_len = forward.seq_len
-        body = geometry.blocks_per_page * geometry.block_size
         tail = geometry.tail_tokens
-        num_current = seq_len // self.layout.page_size
         keys = k.transpose(0, 1)  # (L, H, D) view
         values = v.transpose(0, 1)
-        # 1. The current video block: bodies into its pages' blocks, tails into their rows.
-        paged_k = keys[:seq_len].view(num_current, self.layout.page_size, heads, head_size)
-        paged_v = values[:seq_len].view(num_current, self.layout.page_size, heads, head_size)
-        if body:
-            self.kernel.write_blocks(
-                self, forward.current_blocks[layer],
-                paged_k[:, :body].reshape(-1, heads, head_size), paged_v[:, :body].reshape(-1, heads, head_size),
-            )
-        if tail:
-            self._tail_rows[0].index_copy_(0, forward.current_tail_rows[layer], paged_k[:, body:])
-            self._tail_rows[1].index_copy_(0, forward.current_tail_rows[layer], paged_v[:, body:])
+        # 1. The current video block.
+        self.write_current(layer, forward, k, v)
         # 2. Tails of every visible page, then the registers, into the dynamic blocks.
         if forward.num_loose:
             num_tails = forward.num_visible_pages * tail
