@@ -9,7 +9,9 @@ Verdict, side by side (interleaved; the order alternates every step of the strea
   observation checks, codec, sampler, every transformer forward) over the
   least KV a forward needs: contiguous per-layer K/V per session
   (:class:`benchmarks.contiguous.ContiguousRollout`), written once and
-  attended as one slice, with no runner, pages or sessions around it.
+  attended as one slice, with no runner, pages or sessions around it. Its
+  commit passes stop at the last layer's K/V as ardiff's do
+  (``lean_commits``), so both sides run the same model math.
 
 Both return the same actions and latents (checked every request).
 ratio = median over requests of ardiff/forward, overhead = ratio - 1 (CPU
@@ -19,8 +21,8 @@ Profile (reported, not the verdict): a second pass wraps the KV core's calls
 with timers and splits each request into ``runner`` (outside
 ``pipeline.forward``), ``kv`` (inside ``get_kv_caches``, ``commit``,
 ``adapter``, ``has_cross_attention``, ``cross_attention``, ``reset``,
-``populate_cross_attention`` less the generator's projections, and ``attend``
-less the attention math) and ``model`` (the rest). The timers' own cost
+``populate_cross_attention`` less the generator's projections, ``attend``
+less the attention math, and ``store``) and ``model`` (the rest). The timers' own cost
 (calibrated, times the number of timed calls) is charged to the overhead and
 the wrappers slow what they time, so ``profile.overhead`` is an upper bound;
 it shows where the time goes.
@@ -126,8 +128,9 @@ def instrumented(recorder: Recorder):
     patch(State, "populate_cross_attention", recorder.kv_call(
         "populate_cross_attention", lambda self, branch, name, pairs: populate(self, branch, name,
                                                                              recorder.model_iter(pairs))))
-    patch(attention.ARDiffusionForwardContext, "attend",
-          recorder.kv_call("attend", attention.ARDiffusionForwardContext.attend))
+    for name in ("attend", "store"):
+        patch(attention.ARDiffusionForwardContext, name,
+              recorder.kv_call(name, getattr(attention.ARDiffusionForwardContext, name)))
     patch(attention, "attend_visible", recorder.model_call(attention.attend_visible))
     try:
         yield
@@ -165,8 +168,8 @@ def side_by_side(pipe, runner, geometry: dict) -> dict:
     from ardiff_cli.runtime.request import ARDiffusionRequest
 
     sessions = geometry["sessions"]
-    bare = [ContiguousRollout(pipe.transformer, pipe.spec, cross_names=pipe.cross_names, dtype=pipe.dtype)
-            for _ in range(sessions)]
+    bare = [ContiguousRollout(pipe.transformer, pipe.spec, cross_names=pipe.cross_names, dtype=pipe.dtype,
+                              lean_commits=True) for _ in range(sessions)]
     times: dict[str, list[Timing]] = {"ardiff": [], "forward": []}
     max_abs_diff = 0.0
     for index in range(geometry["requests"]):

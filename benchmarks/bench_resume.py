@@ -12,8 +12,10 @@ before each other in half the repetitions):
   new segment: from the session's observations (its anchor frame and every
   later four-frame observation), tile and encode them with the codec, project
   the text and image caches, re-prefill the window with a commit pass per
-  block (one latent frame here) on every CFG branch, then run the same
-  request. KV in :class:`benchmarks.contiguous.ContiguousRollout`.
+  block (one latent frame here) on every CFG branch, each a whole forward
+  as CausVid's are, then run the same request, whose commit pass stops at
+  the last layer's K/V as ardiff's does. KV in
+  :class:`benchmarks.contiguous.ContiguousRollout` (``lean_commits``).
 - ``rebuild_dense`` (reported, not the verdict): the same, but the window is
   prefilled in one frame-causal pass per branch (the cheapest re-prefill).
 - ``swap`` (reported, not the verdict): the session was LRU-evicted to a swap
@@ -126,7 +128,8 @@ def _run(quick: bool, swap_dir: str) -> dict:
                 for k in range(1, WINDOW_FRAMES - 1)]
     chunk = pipe.example_inputs(config.frames_per_request, prompt=PROMPT, seed=WINDOW_FRAMES - 1)
     rollouts = {dense: ContiguousRollout(pipe.transformer, pipe.spec, cross_names=pipe.cross_names, dtype=pipe.dtype,
-                                         max_segment_frames=WINDOW_FRAMES) for dense in (False, True)}
+                                         max_segment_frames=WINDOW_FRAMES, lean_commits=True)
+                for dense in (False, True)}
 
     times: dict[str, list[Timing]] = {"resident": [], "rebuild": [], "rebuild_dense": [], "swap": []}
     bare_chunk: list[Timing] = []  # the chunk alone inside each timed rebuild: contiguous K/V, no runner

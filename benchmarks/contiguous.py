@@ -17,8 +17,8 @@ already what ``scaled_dot_product_attention`` wants)::
     commit:  r += block frames; if r > s + w, frames s .. s+e-1 are dropped by
              copying tokens (s+e)*p .. r*p to s*p (e = r - s - w): the shift.
 
-:class:`ContiguousRollout` exposes the five operations of ``pipelines.rollout``
-(``num_frames``, ``has_cross``/``set_cross``/``cross``, ``run``, ``reset``), so
+:class:`ContiguousRollout` exposes the six operations of ``pipelines.rollout``
+(``num_frames``, ``has_cross``/``set_cross``/``cross``, ``run``, ``commit``, ``reset``), so
 a pipeline's own sampler (``pipeline.step``) runs unchanged on top of it and
 does exactly the math it does over the paged KV.
 """
@@ -89,6 +89,17 @@ class ContiguousKV:
 
         return [make(layer) for layer in range(self.k.shape[0])]
 
+    def store_fn(self, seg_frames: int):
+        """``store(k, v)`` of the last layer: the segment's K/V written after the history, nothing attended."""
+        start, layer = self.resident_frames * self.tokens_per_frame, self.k.shape[0] - 1
+        end = start + seg_frames * self.tokens_per_frame
+
+        def store(k: torch.Tensor, v: torch.Tensor) -> None:
+            self.k[layer, :, start:end].copy_(k[:, : end - start])
+            self.v[layer, :, start:end].copy_(v[:, : end - start])
+
+        return store
+
     def commit(self, num_frames: int) -> None:
         """The segment just written becomes history; frames past sink + window are shifted out."""
         self.resident_frames += num_frames
@@ -110,12 +121,15 @@ class ContiguousKV:
 
 
 class ContiguousRollout:
-    """``pipelines.rollout``'s five operations over :class:`ContiguousKV` per branch (the baseline path)."""
+    """``pipelines.rollout``'s six operations over :class:`ContiguousKV` per branch (the baseline path)."""
 
     def __init__(self, model, spec, *, cross_names: Sequence[str], dtype: torch.dtype,
-                 max_segment_frames: int | None = None) -> None:
+                 max_segment_frames: int | None = None, lean_commits: bool = False) -> None:
         self.model = model  # the same transformer the paged path runs
         self.cross_names = tuple(cross_names)
+        # How ``commit`` runs a sampler's commit pass: the whole transformer with its output thrown away (False),
+        # as the public Self-Forcing and CausVid code does, or only as far as the K/V, as ardiff does (True).
+        self.lean_commits = lean_commits
         self.tokens_per_frame = spec.tokens_per_frame
         segment_frames = spec.frames_per_block if max_segment_frames is None else max_segment_frames
         self.kv = {
@@ -157,6 +171,18 @@ class ContiguousRollout:
         if commit:
             kv.commit(seg.num_frames)
         return out
+
+    def commit(self, branch: str, seg: Segment) -> None:
+        """A commit pass nobody reads the output of: see ``lean_commits``."""
+        if not self.lean_commits:
+            self.run(branch, seg, commit=True, return_video=False)  # every layer; the head skipped, as before
+            return
+        kv = self.kv[branch]
+        assert seg.first_frame == kv.committed_frames, "a segment must start at the next uncommitted frame"
+        text_kv = self.cross(branch, "text")
+        image_kv = self.cross(branch, "image") if "image" in self.cross_names else None
+        self.model.commit_forward(seg, kv.attend_fns(seg.num_frames), kv.store_fn(seg.num_frames), text_kv, image_kv)
+        kv.commit(seg.num_frames)
 
     def reset(self, keep: Sequence[str] = ()) -> None:
         for kv in self.kv.values():

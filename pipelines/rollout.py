@@ -1,10 +1,11 @@
 """How a pipeline's sampler reaches the transformer and one session's KV.
 
-A sampler is written once against five operations:
+A sampler is written once against six operations:
 
     num_frames(branch)                   committed frames = absolute index of the next frame (RoPE position)
     has_cross / set_cross / cross        named cross-attention caches of one branch
     run(branch, segment, commit=...)     one transformer forward; ``commit=True`` makes the segment history
+    commit(branch, segment)              a commit pass with no outputs: only the K/V that become history
     reset(keep=())                       drop all history (positions restart at 0) and the caches not kept
 
 :class:`PagedRollout` maps them onto the bound ``ARDiffusionKVState``: the
@@ -46,14 +47,22 @@ class PagedRollout:
     def cross(self, branch: str, name: str):
         return self.state.cross_attention(branch, name)
 
-    def run(self, branch: str, seg: Segment, *, commit: bool, return_video: bool = True) -> SegmentOutput:
+    def run(self, branch: str, seg: Segment, *, commit: bool) -> SegmentOutput:
         contexts = self.state.get_kv_caches(branch, seq_len=seg.num_frames * self.tokens_per_frame,
                                             commit_current=commit)
         text_kv, image_kv = self._cross_kv(branch)
-        out = self.model(seg, [ctx.attend for ctx in contexts], text_kv, image_kv, return_video=return_video)
+        out = self.model(seg, [ctx.attend for ctx in contexts], text_kv, image_kv)
         if commit:
             self.state.commit(branch)
         return out
+
+    def commit(self, branch: str, seg: Segment) -> None:
+        """Make ``seg`` history, computing only its K/V (``WanTransformer.commit_forward``)."""
+        contexts = self.state.get_kv_caches(branch, seq_len=seg.num_frames * self.tokens_per_frame,
+                                            commit_current=True)
+        text_kv, image_kv = self._cross_kv(branch)
+        self.model.commit_forward(seg, [ctx.attend for ctx in contexts], contexts[-1].store, text_kv, image_kv)
+        self.state.commit(branch)
 
     def _cross_kv(self, branch: str):
         text_kv = self.cross(branch, "text")
@@ -92,7 +101,7 @@ class DenseReferenceRollout:
     def cross(self, branch: str, name: str):
         return self._cross[(branch, name)]
 
-    def run(self, branch: str, seg: Segment, *, commit: bool, return_video: bool = True) -> SegmentOutput:
+    def run(self, branch: str, seg: Segment, *, commit: bool) -> SegmentOutput:
         text_kv = self.cross(branch, "text")
         image_kv = self.cross(branch, "image") if "image" in self.cross_names else None
         out = self.model.reference_forward(self.history[branch], seg, sink_frames=self.sink_frames,
@@ -100,6 +109,12 @@ class DenseReferenceRollout:
         if commit:
             self.history[branch].append(seg)
         return out
+
+    def commit(self, branch: str, seg: Segment) -> None:
+        """Nothing to compute: the segment's K/V are recomputed from its inputs whenever a later call needs them."""
+        for name in self.cross_names:  # a commit without its caches fails here, as the paged path's does
+            self.cross(branch, name)
+        self.history[branch].append(seg)
 
     def reset(self, keep: Sequence[str] = ()) -> None:
         self.history.clear()

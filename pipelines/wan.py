@@ -21,6 +21,8 @@ Two execution paths share every layer:
 
 - :meth:`WanTransformer.forward`: one segment against the bound KV state, one
   ``attend`` callable per layer (``ARDiffusionLayerContext.attend``).
+  :meth:`WanTransformer.commit_forward` is its commit pass with no outputs:
+  the last layer only writes its K/V (``ARDiffusionLayerContext.store``).
 - :meth:`WanTransformer.reference_forward`: the committed history and the
   segment recomputed densely in one pass with the explicit block-causal
   sink/window mask of :func:`block_causal_mask`. No cache: the equivalence
@@ -38,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (q, k, v) (H, L, D) -> (H, L, D)
+Store = Callable[[torch.Tensor, torch.Tensor], None]  # (k, v) (H, L, D): written to the cache, nothing attended
 KVPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # one (k, v) per layer, each (H, T, D)
 
 _CHECKPOINT_PREFIXES = ("module.", "_orig_mod.", "model.")  # DDP / torch.compile / trainer wrappers
@@ -128,11 +131,15 @@ class WanSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         L, H, D = x.shape[0], self.num_heads, self.head_size
         q = apply_rope(self.norm_q(self.q(x)).view(L, H, D), cos, sin)  # (L, H, D)
+        out = attend(q.transpose(0, 1).contiguous(), *self.key_values(x, cos, sin))  # (H, L, D)
+        return self.o(out.transpose(0, 1).reshape(L, H * D))  # (L, dim)
+
+    def key_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(L, dim) -> the (H, L, D) keys (rotated) and values this layer writes to the KV cache."""
+        L, H, D = x.shape[0], self.num_heads, self.head_size
         k = apply_rope(self.norm_k(self.k(x)).view(L, H, D), cos, sin)  # (L, H, D)
         v = self.v(x).view(L, H, D)  # (L, H, D)
-        out = attend(q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(),
-                     v.transpose(0, 1).contiguous())  # (H, L, D)
-        return self.o(out.transpose(0, 1).reshape(L, H * D))  # (L, dim)
+        return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
 
 
 class WanCrossAttention(WanSelfAttention):
@@ -194,6 +201,12 @@ class WanAttentionBlock(nn.Module):
         x = x + self.cross_attn(self.norm3(x), text_kv, image_kv)
         y = self.ffn((self.norm2(x).float() * (1 + scale_mlp) + shift_mlp).to(x.dtype))
         return x + (y.float() * gate_mlp).to(x.dtype)  # (L, dim)
+
+    def key_values(self, x: torch.Tensor, e: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (H, L, D) K/V that :meth:`forward` hands to ``attend``, and nothing after them."""
+        shift_msa, scale_msa = (self.modulation[:, :2].float() + e[:, :2]).unbind(1)
+        return self.self_attn.key_values((self.norm1(x).float() * (1 + scale_msa) + shift_msa).to(x.dtype), cos, sin)
 
 
 class Head(nn.Module):
@@ -406,6 +419,21 @@ class WanTransformer(nn.Module):
         n_video = x.shape[0] - seg.num_registers
         video = self._video_out(x[:n_video], e0[:n_video], seg) if return_video else None
         return SegmentOutput(video=video, registers=x[n_video:] if seg.num_registers else None)
+
+    def commit_forward(self, seg: Segment, attend: Sequence[Attend], store: Store, text_kv: KVPairs,
+                       image_kv: KVPairs | None = None) -> None:
+        """A commit pass whose outputs nobody reads: only what reaches the KV cache is computed.
+
+        Layers before the last run as in :meth:`forward` (``attend[i]``); the last one only projects its K/V and
+        hands them to ``store`` (``ARDiffusionLayerContext.store``). Its attention, cross-attention and FFN, and
+        the head, feed nothing the cache keeps: the same K/V as a full pass, one layer's work less.
+        """
+        assert len(attend) == self.num_layers, f"got {len(attend)} attention contexts for {self.num_layers} layers"
+        x, e, _, cos, sin = self._embed(seg)
+        *body, last = self.blocks
+        for i, block in enumerate(body):
+            x = block(x, e, cos, sin, attend[i], text_kv[i], None if image_kv is None else image_kv[i])
+        store(*last.key_values(x, e, cos, sin))
 
     def reference_forward(self, history: Sequence[Segment], seg: Segment, *, sink_frames: int, window_frames: int,
                           text_kv: KVPairs, image_kv: KVPairs | None = None) -> SegmentOutput:

@@ -109,9 +109,17 @@ def _fail_on_call(owner: Any, attr: str, call: int, fault: dict[str, Any] | None
 
 
 def block_fault(pipeline: Any, layer: int, *, call: int = 1, fault: dict[str, Any] | None = None):
-    """Transformer block ``layer`` fails on its ``call``-th forward (1: the first commit pass)."""
+    """Transformer block ``layer`` fails on its ``call``-th forward (1: the first commit pass, but for the last
+    block, which a commit pass runs only as far as its K/V: its first forward is the first sampling pass)."""
     return _fail_on_call(pipeline.transformer.blocks[layer], "forward", call, fault,
                          f"injected fault in transformer block {layer} (call {call})")
+
+
+def last_block_kv_fault(pipeline: Any, *, call: int = 1):
+    """The last transformer block fails projecting its K/V in the ``call``-th commit pass, after every other
+    layer wrote its K/V into the pass's pages."""
+    return _fail_on_call(pipeline.transformer.blocks[-1], "key_values", call, None,
+                         f"injected fault in the last block's K/V projection (commit pass {call})")
 
 
 def sampler_fault(pipeline: Any, *, call: int = 2, fault: dict[str, Any] | None = None):

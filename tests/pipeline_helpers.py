@@ -108,10 +108,14 @@ class RecordingRollout:
     def __getattr__(self, name):
         return getattr(self.dense, name)
 
-    def run(self, branch, seg, *, commit, return_video=True):
-        out = self.dense.run(branch, seg, commit=commit, return_video=return_video)
+    def run(self, branch, seg, *, commit):
+        out = self.dense.run(branch, seg, commit=commit)
         self.passes.append((branch, seg, commit, out))
         return out
+
+    def commit(self, branch, seg):
+        self.dense.commit(branch, seg)
+        self.passes.append((branch, seg, True, None))
 
 
 def wait_for_marker(proc: subprocess.Popen, marker: Path, what: str, *, text: str | None = None) -> None:

@@ -135,3 +135,44 @@ def test_sampler_denoises_renoises_and_commits_the_clean_block_it_returns(cond_d
         else:
             assert commit.registers is None
     assert not torch.equal(starts[0], starts[1])
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernel"])
+def test_commit_pass_without_outputs_writes_what_a_full_commit_pass_writes(backend):
+    """``rollout.commit`` (the last layer only projects and stores its K/V) against ``run(commit=True)`` (every
+    layer attends, the head runs), on two sessions of one cache fed the same segments, with a register token,
+    past several window wraps: every later pass returns bit-identical outputs, so every layer committed the same
+    K/V. ``kernel`` is the paged-kernel layout (the stand-in with 3-token blocks, leaving a tail in every page)."""
+    from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
+    from ardiff_cli.runtime.kv.layout import KVLayout
+    from ardiff_cli.runtime.kv.vllm_attention import TorchPagedKernel
+    from pipelines.rollout import PagedRollout
+    from pipelines.wan import Segment
+
+    pipe = causal_world(cond_dim=8)
+    c = pipe.config
+    spec = pipe.ar_diffusion_kv_cache_spec()
+    cache = ARDiffusionKVCache(spec, KVLayout.from_spec(spec).managed_pages(2), dtype=pipe.dtype,
+                               attention_backend="torch" if backend == "torch" else TorchPagedKernel(3))
+    full, lean = (PagedRollout(pipe.transformer, cache.new_state(s), pipe.cross_names) for s in ("full", "lean"))
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        text = list(pipe._text_kv("a lighthouse at dusk"))
+        for rollout in (full, lean):
+            rollout.set_cross("main", "text", iter(text))
+        num_blocks = 3 * (c.sink_frames + c.window_frames) // c.frames_per_block
+        for _ in range(num_blocks):
+            latents = torch.randn((c.latent_channels, c.frames_per_block, c.latent_height, c.latent_width),
+                                  generator=gen)
+            registers = pipe.transformer.registers(torch.randn(c.cond_dim, generator=gen))
+            first = full.num_frames("main")
+
+            def segment(t: float) -> Segment:
+                return Segment(latents=latents, timesteps=torch.full((c.frames_per_block,), t), first_frame=first,
+                               registers=registers, register_timesteps=torch.zeros(1))
+
+            a, b = (rollout.run("main", segment(500.0), commit=False) for rollout in (full, lean))
+            assert torch.equal(a.video, b.video) and torch.equal(a.registers, b.registers)
+            assert full.run("main", segment(0.0), commit=True).video is not None
+            assert lean.commit("main", segment(0.0)) is None
+    assert full.num_frames("main") == lean.num_frames("main") == num_blocks * c.frames_per_block

@@ -22,6 +22,7 @@ from faulty_pipelines import (
     InjectedFault,
     block_fault,
     cross_attention_oom,
+    last_block_kv_fault,
     projection_fault,
     sampler_fault,
 )
@@ -118,8 +119,11 @@ def held(engine, session: str) -> int:
 FAULTS = [
     ("block0-commit-pass", "c", 2, lambda e: block_fault(e.pipeline, 0, call=1), InjectedFault,
      "transformer block 0"),
-    ("block1-while-sampling", "c", 2, lambda e: block_fault(e.pipeline, 1, call=5), InjectedFault,
+    ("block1-while-sampling", "c", 2, lambda e: block_fault(e.pipeline, 1, call=3), InjectedFault,
      "transformer block 1"),
+    # the negative branch's commit pass: the positive branch's block is history, this one's pages are in flight
+    ("last-block-kv-in-commit-pass", "c", 2, lambda e: last_block_kv_fault(e.pipeline, call=2), InjectedFault,
+     "last block's K/V projection"),
     ("sampler", "c", 2, lambda e: sampler_fault(e.pipeline, call=2), InjectedFault, "in the sampler"),
     ("text-projection-midway", "d", 0, lambda e: projection_fault(e.pipeline, "text", after=1), InjectedFault,
      "text projection at layer 1"),

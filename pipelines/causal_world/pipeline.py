@@ -125,7 +125,7 @@ class CausalWorldPipeline(ARPipeline):
                 noise = torch.randn(shape, generator=gen).to(self.device)
                 x = (1.0 - sigmas[i + 1]) * x0 + sigmas[i + 1] * noise
         # Commit pass: the clean block, at timestep 0, becomes history.
-        rollout.run("main", segment(x0, 0.0), commit=True, return_video=False)
+        rollout.commit("main", segment(x0, 0.0))
         session.num_blocks += 1
         self.sessions[session_id] = session
         return {"latents": x0.cpu()}

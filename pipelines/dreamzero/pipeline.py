@@ -205,7 +205,7 @@ class DreamZeroPipeline(ARPipeline):
             cond = self._anchor_channels(session.anchor_latent, first, observed.shape[1])
             seg = Segment(latents=torch.cat([observed, cond]).to(self.dtype),
                           timesteps=torch.zeros(observed.shape[1], device=self.device), first_frame=first)
-            rollout.run(branch, seg, commit=True, return_video=False)
+            rollout.commit(branch, seg)
 
         actions, latents = self._sample(rollout, session, robot_state, seed)
         session.num_requests += 1
