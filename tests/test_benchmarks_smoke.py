@@ -169,7 +169,7 @@ def test_rolling_quick():
     assert r["rolling_shifts"] >= r["steady_blocks"]
     assert r["outputs_match"] and r["max_abs_diff"] <= 1e-4  # both sides do the same math
     for key in ("ardiff_p50_ms", "ardiff_p99_ms", "ardiff_p99_over_p50", "rolling_p50_ms", "a_a_ratio",
-                "cache_ratio", "lean_commit_ratio"):
+                "cache_ratio", "lean_commit_ratio", "rolling_lean_p50_ms"):
         assert positive(r[key]) and positive(r["wall"][key])
     assert f"A/A {r['a_a_ratio']:.3f}" in r["baseline"]  # the noise floor is shown beside the verdict
     # and what the cache alone costs, against the rolling cache given ardiff's commit pass
