@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from faulty_pipelines import InjectedFault, block_fault
+from faulty_pipelines import InjectedFault, block_fault, last_block_kv_fault
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -76,7 +76,11 @@ class EngineChurn(RuleBasedStateMachine):
         request = ARDiffusionRequest(f"r{self.count}", inputs, {"session_id": session, "reset": reset,
                                                                  "close_session": close})
         if fail:
-            with block_fault(self.pipe, layer, call=call), pytest.raises(InjectedFault):
+            # block 0 runs in all four passes of a request; the last block's forward in the two sampling passes,
+            # and in the two commit passes only its K/V projection
+            fault = (block_fault(self.pipe, layer, call=call) if layer == 0 or call <= 2
+                     else last_block_kv_fault(self.pipe, call=call - 2))
+            with fault, pytest.raises(InjectedFault):
                 self.engine.execute(request)
             self._admit(session)  # admitted (possibly evicting the LRU one), then released by the failure
             del self.model[session]

@@ -222,7 +222,8 @@ def test_signal_in_the_middle_of_a_forward_then_resume(env, data, reference, tmp
     # whole steps, so the stop keeps it and --resume replays nothing. The forward used to be cut short, its session
     # released, and its episode replayed. A second signal stops the forward at once.
     run = tmp_path / "run"
-    faults = [{"request": "arm_c/000001", "site": "block", "layer": 1, "call": 2, "action": "sleep"}]  # in block 1
+    # in block 0 of the negative branch's commit pass, the positive one's committed (call 2: the negative one)
+    faults = [{"request": "arm_c/000001", "site": "block", "layer": 0, "call": 2, "action": "sleep"}]
     proc, err = stop_inside_a_fault(env, rollout_args(data, run), faults, tmp_path, signum=signum, second=signals == 2)
     name = signal.Signals(signum).name
     assert proc.returncode == code, err
@@ -253,8 +254,9 @@ def test_a_step_that_fails_after_the_first_signal_is_recorded_whole_then_the_run
     # The failure's line was written, then the stop was raised before the run counted it: summary.json said no
     # episode failed while results.jsonl had a failed line.
     run = tmp_path / "run"
-    faults = [{"request": "arm_c/000001", "site": "block", "layer": 1, "call": 2, "action": "sleep"},
-              {"request": "arm_c/000001", "site": "block", "layer": 0, "call": 3}]  # the next pass
+    # asleep in the last block of the positive branch's sampling pass, then failing in the negative one's
+    faults = [{"request": "arm_c/000001", "site": "block", "layer": 1, "call": 1, "action": "sleep"},
+              {"request": "arm_c/000001", "site": "block", "layer": 0, "call": 4}]  # the next pass
     proc, err = stop_inside_a_fault(env, rollout_args(data, run), faults, tmp_path)
     assert proc.returncode == 143, err  # the stop, not the failure, ends the run
     assert "Error: episode 'arm_c' failed at step 1" in err and "injected fault in transformer block 0" in err, err
