@@ -14,8 +14,9 @@ by block, interleaved (``turn_order``: each goes before each other in half the b
 - ``rolling``: ``pipeline.step`` on :class:`benchmarks.contiguous.ContiguousRollout`:
   per-layer contiguous K/V that shift on every eviction, as the public
   Self-Forcing / CausVid inference code keeps its cache, and each block's
-  commit pass a whole forward whose output is thrown away, as that code runs
-  it (ardiff's stops at the last layer's K/V: ``WanTransformer.commit_forward``).
+  commit pass running every layer with its output thrown away, as that code
+  does (the head skipped; ardiff's stops at the last layer's K/V:
+  ``WanTransformer.commit_forward``).
 - ``rolling_lean`` (reported, not the verdict): the same cache with ardiff's
   commit pass. ardiff over it (``cache_ratio``) is what the paged cache costs
   against the contiguous one with the model doing the same work; it over
