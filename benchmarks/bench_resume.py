@@ -13,7 +13,7 @@ before each other in half the repetitions):
   later four-frame observation), tile and encode them with the codec, project
   the text and image caches, re-prefill the window with a commit pass per
   block (one latent frame here) on every CFG branch, each running every
-  layer as CausVid's do (the head skipped), then run the same request, whose commit pass stops at
+  layer as CausVid's do (though without their head), then run the same request, whose commit pass stops at
   the last layer's K/V as ardiff's does. KV in
   :class:`benchmarks.contiguous.ContiguousRollout` (``lean_commits``).
 - ``rebuild_dense`` (reported, not the verdict): the same, but the window is

@@ -15,7 +15,7 @@ by block, interleaved (``turn_order``: each goes before each other in half the b
   per-layer contiguous K/V that shift on every eviction, as the public
   Self-Forcing / CausVid inference code keeps its cache, and each block's
   commit pass running every layer with its output thrown away, as that code
-  does (the head skipped; ardiff's stops at the last layer's K/V:
+  does (though without its head; ardiff's stops at the last layer's K/V:
   ``WanTransformer.commit_forward``).
 - ``rolling_lean`` (reported, not the verdict): the same cache with ardiff's
   commit pass. ardiff over it (``cache_ratio``) is what the paged cache costs

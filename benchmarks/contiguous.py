@@ -128,7 +128,7 @@ class ContiguousRollout:
         self.model = model  # the same transformer the paged path runs
         self.cross_names = tuple(cross_names)
         # How ``commit`` runs a sampler's commit pass: every layer, its output thrown away (False), as the public
-        # Self-Forcing and CausVid code does (the head skipped), or only as far as the K/V, as ardiff does (True).
+        # Self-Forcing and CausVid code does (though without its head), or only as far as the K/V, as ardiff does (True).
         self.lean_commits = lean_commits
         self.tokens_per_frame = spec.tokens_per_frame
         segment_frames = spec.frames_per_block if max_segment_frames is None else max_segment_frames
