@@ -127,8 +127,9 @@ class ContiguousRollout:
                  max_segment_frames: int | None = None, lean_commits: bool = False) -> None:
         self.model = model  # the same transformer the paged path runs
         self.cross_names = tuple(cross_names)
-        # How ``commit`` runs a sampler's commit pass: every layer, its output thrown away (False), as the public
-        # Self-Forcing and CausVid code does (though without its head), or only as far as the K/V, as ardiff does (True).
+        # How ``commit`` runs a sampler's commit pass: every layer, its output thrown away, as the public
+        # Self-Forcing and CausVid code does, though without its head (False); or only as far as the last layer's
+        # K/V, as ardiff does (True).
         self.lean_commits = lean_commits
         self.tokens_per_frame = spec.tokens_per_frame
         segment_frames = spec.frames_per_block if max_segment_frames is None else max_segment_frames
