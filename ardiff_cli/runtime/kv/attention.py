@@ -155,8 +155,8 @@ class ARDiffusionForwardContext:
                 f"{spec.head_size}), with tokens = seq_len {self.seq_len} (+ up to {room} register tokens)"
                 + ("" if q is None else f" and q's heads a multiple of {spec.num_kv_heads}") + f"; got {got}"
             )
-        for name, t in (("q", queries), ("k", k), ("v", v)):
-            if t.dtype != pool.dtype or t.device != pool.device:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t is not None and (t.dtype != pool.dtype or t.device != pool.device):  # a store has no q
                 raise ValueError(
                     f"{name} must be {pool.dtype} on {pool.device} like the KV pool, got {t.dtype} on {t.device}"
                 )
