@@ -265,8 +265,8 @@ class ARDiffusionLayerContext:
     def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the current K/V without attending: a commit pass's last layer, when nothing reads its output.
 
-        ``k``/``v`` are ``(Hkv, L, D)`` as :meth:`attend` takes them (registers, if any, are ignored: never
-        committed). Only in a commit pass (``commit_current=True``); the layer counts as written, as after
+        ``k``/``v`` are ``(Hkv, L, D)`` as :meth:`attend` takes them (register tokens, if any, are checked as
+        attend checks them, then left out: never committed). Only in a commit pass (``commit_current=True``); the layer counts as written, as after
         ``attend``. What the layer's attention, and everything after it, would have computed is skipped.
         """
         self._forward.store(self.layer, k, v)
