@@ -163,12 +163,9 @@ class ContiguousRollout:
 
     def run(self, branch: str, seg: Segment, *, commit: bool, return_video: bool = True,
             frame_causal: bool = False) -> SegmentOutput:
-        kv = self.kv[branch]
-        assert seg.first_frame == kv.committed_frames, "a segment must start at the next uncommitted frame"
-        text_kv = self.cross(branch, "text")
-        image_kv = self.cross(branch, "image") if "image" in self.cross_names else None
-        attend = kv.attend_fns(seg.num_frames, frame_causal=frame_causal)
-        out = self.model(seg, attend, text_kv, image_kv, return_video=return_video)
+        kv, cross = self._prepare(branch, seg)
+        out = self.model(seg, kv.attend_fns(seg.num_frames, frame_causal=frame_causal), *cross,
+                         return_video=return_video)
         if commit:
             kv.commit(seg.num_frames)
         return out
@@ -178,12 +175,16 @@ class ContiguousRollout:
         if not self.lean_commits:
             self.run(branch, seg, commit=True, return_video=False)  # every layer; the head skipped, as before
             return
+        kv, cross = self._prepare(branch, seg)
+        self.model.commit_forward(seg, kv.attend_fns(seg.num_frames), kv.store_fn(seg.num_frames), *cross)
+        kv.commit(seg.num_frames)
+
+    def _prepare(self, branch: str, seg: Segment) -> tuple[ContiguousKV, tuple]:
+        """The branch's K/V and its (text, image or None) caches, for a segment at the next uncommitted frame."""
         kv = self.kv[branch]
         assert seg.first_frame == kv.committed_frames, "a segment must start at the next uncommitted frame"
-        text_kv = self.cross(branch, "text")
         image_kv = self.cross(branch, "image") if "image" in self.cross_names else None
-        self.model.commit_forward(seg, kv.attend_fns(seg.num_frames), kv.store_fn(seg.num_frames), text_kv, image_kv)
-        kv.commit(seg.num_frames)
+        return kv, (self.cross(branch, "text"), image_kv)
 
     def reset(self, keep: Sequence[str] = ()) -> None:
         for kv in self.kv.values():

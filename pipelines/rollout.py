@@ -50,8 +50,7 @@ class PagedRollout:
     def run(self, branch: str, seg: Segment, *, commit: bool) -> SegmentOutput:
         contexts = self.state.get_kv_caches(branch, seq_len=seg.num_frames * self.tokens_per_frame,
                                             commit_current=commit)
-        text_kv, image_kv = self._cross_kv(branch)
-        out = self.model(seg, [ctx.attend for ctx in contexts], text_kv, image_kv)
+        out = self.model(seg, [ctx.attend for ctx in contexts], *self._cross_kv(branch))
         if commit:
             self.state.commit(branch)
         return out
@@ -60,8 +59,7 @@ class PagedRollout:
         """Make ``seg`` history, computing only its K/V (``WanTransformer.commit_forward``)."""
         contexts = self.state.get_kv_caches(branch, seq_len=seg.num_frames * self.tokens_per_frame,
                                             commit_current=True)
-        text_kv, image_kv = self._cross_kv(branch)
-        self.model.commit_forward(seg, [ctx.attend for ctx in contexts], contexts[-1].store, text_kv, image_kv)
+        self.model.commit_forward(seg, [ctx.attend for ctx in contexts], contexts[-1].store, *self._cross_kv(branch))
         self.state.commit(branch)
 
     def _cross_kv(self, branch: str):

@@ -189,7 +189,8 @@ class ARDiffusionForwardContext:
         if self._checked != (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
                              k.requires_grad, v.requires_grad):
             self._validate(layer, q, k, v)
-        self._check_first_write(layer)
+        if self.layers_written[layer]:  # a second call would replace this layer's current K/V: history lost
+            self._written_twice(layer)
         pool = self.pool
         if self._kernel_pool:  # vLLM / paged-kernel backends write, pack and attend in the pool
             out = pool.attend(layer, self._kernel_forward, q, k, v, scale)
@@ -205,12 +206,11 @@ class ARDiffusionForwardContext:
         self.layers_written[layer] = 1
         return attend_visible(q, keys, values, scale)
 
-    def _check_first_write(self, layer: int) -> None:
-        if self.layers_written[layer]:  # a second call would replace this layer's current K/V: history lost
-            raise RuntimeError(
-                f"layer {layer} of branch {self.branch.name!r} attended twice in one forward; each self-attention "
-                "layer calls attend (or store) once per get_kv_caches (a spec's num_layers counts every such call)"
-            )
+    def _written_twice(self, layer: int) -> None:
+        raise RuntimeError(
+            f"layer {layer} of branch {self.branch.name!r} attended twice in one forward; each self-attention "
+            "layer calls attend (or store) once per get_kv_caches (a spec's num_layers counts every such call)"
+        )
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``layer``'s current block into its pages without attending (a commit pass only)."""
@@ -221,7 +221,8 @@ class ARDiffusionForwardContext:
                 "was not asked to commit (get_kv_caches(..., commit_current=True)); a denoising pass attends"
             )
         self._validate(layer, None, k, v)
-        self._check_first_write(layer)
+        if self.layers_written[layer]:
+            self._written_twice(layer)
         pool = self.pool
         if self._kernel_pool:
             pool.write_current(layer, self._kernel_forward, k, v)
@@ -266,7 +267,8 @@ class ARDiffusionLayerContext:
         """Write the current K/V without attending: a commit pass's last layer, when nothing reads its output.
 
         ``k``/``v`` are ``(Hkv, L, D)`` as :meth:`attend` takes them (register tokens, if any, are checked as
-        attend checks them, then left out: never committed). Only in a commit pass (``commit_current=True``); the layer counts as written, as after
-        ``attend``. What the layer's attention, and everything after it, would have computed is skipped.
+        attend checks them, then left out: never committed). Only in a commit pass (``commit_current=True``);
+        the layer counts as written, as after ``attend``. What the layer's attention, and everything after it,
+        would have computed is skipped.
         """
         self._forward.store(self.layer, k, v)
