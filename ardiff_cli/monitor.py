@@ -81,7 +81,7 @@ class RunMonitor:
         self._t0 = time.time()  # wall clock of the run's start (event times are relative to it)
         self._start = time.monotonic()
         self._events: deque[EventRow] = deque(maxlen=8)  # the newest events, for the events panel
-        self._episodes: dict[str, tuple[str, int, int | None]] = {}  # session -> (episode label, done, total)
+        self._episodes: dict[str, tuple[int, int | None]] = {}  # session (its episode's name) -> (done, total)
         self._views: tuple[Any, ...] = ()  # the runner's session views at the last refresh, least recently used first
         self._snapshot = Snapshot(title=title, noun=noun)
 
@@ -149,9 +149,9 @@ class RunMonitor:
             self.set_phase("failed")
             raise
 
-    def set_episode(self, session_id: str, label: str, done: int, total: int | None) -> None:
+    def set_episode(self, session_id: str, done: int, total: int | None) -> None:
         with self._lock:
-            self._episodes[session_id] = (label, done, total)
+            self._episodes[session_id] = (done, total)
 
     def set_progress(self, *, done: int | None = None, total: int | None | str = "keep", failed: int | None = None,
                      replayed: int | None = None) -> None:
@@ -185,8 +185,8 @@ class RunMonitor:
         with self._lock:
             rows = []
             for view in self._views:
-                label, done, total = self._episodes.get(view.session_id, (view.session_id, view.num_requests, None))
-                rows.append(SessionRow(session_id=view.session_id, episode=label, steps_done=done, steps_total=total,
+                done, total = self._episodes.get(view.session_id, (view.num_requests, None))
+                rows.append(SessionRow(session_id=view.session_id, steps_done=done, steps_total=total,
                                        pages_per_branch=dict(view.pages_per_branch),
                                        cross_attention_bytes=view.cross_attention_bytes,
                                        last_latency_s=view.last_latency_s))

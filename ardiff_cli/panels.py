@@ -5,8 +5,8 @@ subscribes to runtime events and keeps the snapshot; ``Live(get_renderable=...)`
 calls ``render(monitor.snapshot())`` a few times a second::
 
     ╭─ capacity ──────────────────────────╮╭─ sessions (LRU first) ──────────────────────────╮
-    │ device   cpu · float32              ││ session  episode  steps  pages  cross  latency  │
-    │ budget   1.20 MiB                   ││ demo_1   demo_1   4/5    ...                    │
+    │ device   cpu · float32              ││ session  steps  pages        last   x-attn      │
+    │ budget   1.20 MiB                   ││ demo_1     4/5  pos:4 neg:4  14 ms  66.00 KiB   │
     │ pages    ━━━━━━━━━━━━━━━━━━  18/36  │╰─────────────────────────────────────────────────╯
     │ sessions 2/2                        │
     ╰─────────────────────────────────────╯
@@ -26,8 +26,7 @@ from ardiff_cli.runtime.capacity import format_bytes
 
 @dataclass(frozen=True, slots=True)
 class SessionRow:
-    session_id: str
-    episode: str
+    session_id: str  # in a rollout, its episode's name
     steps_done: int
     steps_total: int | None  # None while the episode may still grow (--follow)
     pages_per_branch: dict[str, int]
@@ -173,29 +172,60 @@ def _capacity_panel(rows: list[tuple[str, object]]):
     return Panel(grid, title="capacity", title_align="left", border_style="cyan")
 
 
+class _SessionsTable:
+    """The sessions table with the columns that fit the width: the session and its steps always, then its pages,
+    its last latency and its cross-attention bytes while they fit (at 40 columns, six columns cut to "ses…",
+    "d…_2" and "pos:1 n…" were all unreadable)."""
+
+    GAP = 2  # cells between two columns
+
+    def __init__(self, s: Snapshot, num_rows: int) -> None:
+        rows = []
+        for row in s.sessions[:num_rows]:
+            steps = f"{row.steps_done}/{row.steps_total}" if row.steps_total is not None else str(row.steps_done)
+            latency = f"{row.last_latency_s * 1000:.0f} ms" if row.last_latency_s is not None else "-"
+            rows.append({"session": row.session_id, s.noun: steps,
+                         "pages": " ".join(f"{branch[:3]}:{n}" for branch, n in row.pages_per_branch.items()),
+                         "last": latency, "x-attn": format_bytes(row.cross_attention_bytes)})
+        self.noun, self.rows = s.noun, rows
+
+    def columns(self, width: int) -> dict[str, int]:
+        """The columns shown in ``width`` cells, in the order they are kept, and the cells each may take: the
+        others their widest cell, the session what is left (a longer name is cut in its middle)."""
+        from rich.cells import cell_len
+
+        names = ["session", self.noun, "pages", "last", "x-attn"]
+        widths = {name: max([cell_len(name), *(cell_len(row[name]) for row in self.rows)]) for name in names}
+        session = min(widths["session"], 12)  # dropping a column makes room for a name this long
+        while len(names) > 2 and session + sum(widths[n] + self.GAP for n in names[1:]) > width:
+            names.pop()
+        rest = sum(widths[n] + self.GAP for n in names[1:])
+        return {"session": max(1, min(widths["session"], width - rest)), **{n: widths[n] for n in names[1:]}}
+
+    def __rich_console__(self, console, options):
+        from rich.table import Table
+
+        shown = self.columns(options.max_width)
+        table = Table(expand=True, box=None, pad_edge=False, header_style="bold", padding=(0, self.GAP // 2))
+        for name, cells in shown.items():
+            left = name in ("session", "pages")
+            table.add_column(name, justify="left" if left else "right", no_wrap=True, overflow="ellipsis",
+                             min_width=None if name == "session" else cells, max_width=cells)
+        for row in self.rows:
+            table.add_row(*(_Name(row[name]) if name == "session" else row[name] for name in shown))
+        if not self.rows:
+            table.add_row("[dim]none[/dim]", *[""] * (len(shown) - 1))
+        yield table
+
+
 def _sessions_panel(s: Snapshot, num_rows: int = SESSION_ROWS):
     """The ``num_rows`` least recently used sessions, then how many more."""
     from rich.console import Group
     from rich.panel import Panel
-    from rich.table import Table
     from rich.text import Text
 
-    table = Table(expand=True, box=None, pad_edge=False, header_style="bold")
-    table.add_column("session", no_wrap=True, overflow="ellipsis", max_width=18)
-    table.add_column("episode", no_wrap=True, overflow="ellipsis", max_width=18)
-    table.add_column(s.noun, justify="right", no_wrap=True)
-    table.add_column("pages", no_wrap=True)
-    table.add_column("x-attn", justify="right", no_wrap=True)
-    table.add_column("last", justify="right", no_wrap=True)
-    for row in s.sessions[:num_rows]:
-        steps = f"{row.steps_done}/{row.steps_total}" if row.steps_total is not None else str(row.steps_done)
-        pages = " ".join(f"{branch[:3]}:{n}" for branch, n in row.pages_per_branch.items())
-        latency = f"{row.last_latency_s * 1000:.0f} ms" if row.last_latency_s is not None else "-"
-        table.add_row(_Name(row.session_id), _Name(row.episode), steps, pages,
-                      format_bytes(row.cross_attention_bytes), latency)
-    if not s.sessions:
-        table.add_row("[dim]none[/dim]", "", "", "", "", "")
-    elif len(s.sessions) > num_rows:  # under the table, not in its narrow first column: "… and 24 m…" at 40 columns
+    table = _SessionsTable(s, num_rows)
+    if len(s.sessions) > num_rows:  # under the table, not in its narrow first column: "… and 24 m…" at 40 columns
         more = Text(f"… and {len(s.sessions) - num_rows} more", style="dim", no_wrap=True, overflow="ellipsis")
         return Panel(Group(table, more), title="sessions (least recently used first)", title_align="left",
                      border_style="cyan")

@@ -505,7 +505,7 @@ class Rollout:
         a failure); a step that succeeds moves one from left to done, so the total stays."""
         for episode in episodes:
             total = None if self.options.follow else self.scheduler.num_known(episode.name)
-            self.monitor.set_episode(episode.name, episode.name, self._steps_done[episode.name], total)
+            self.monitor.set_episode(episode.name, self._steps_done[episode.name], total)
         if recount and not self.options.follow:
             self._steps_total = self.stats.steps + self.scheduler.num_pending()
         self.monitor.set_progress(done=self.stats.steps, total=self._steps_total, failed=len(self.stats.failed))

@@ -227,8 +227,8 @@ def test_a_stop_caught_on_its_way_out_is_raised_again_at_the_next_check():
 SNAPSHOT = Snapshot(
     title="ardiff rollout · dreamzero-tiny", phase="running", device="cpu", dtype="float32", budget_bytes=3 << 20,
     available_bytes=8 << 30, page_size=16, bytes_per_page=8192, pages_used=18, pages_total=36, session_capacity=2,
-    sessions=(SessionRow("demo_2", "demo_2", 2, 7, {"positive": 3, "negative": 3}, 65536, 0.04),
-              SessionRow("demo_1", "demo_1", 4, 5, {"positive": 4, "negative": 4}, 65536, 0.0321)),
+    sessions=(SessionRow("demo_2", 2, 7, {"positive": 3, "negative": 3}, 65536, 0.04),
+              SessionRow("demo_1", 4, 5, {"positive": 4, "negative": 4}, 65536, 0.0321)),
     events=(EventRow(0.41, "admitted", "demo_2", ""), EventRow(0.412, "evicted", "demo_0", "lru_eviction (by demo_2)")),
     steps_done=12, steps_total=18, evictions=3, steps_replayed=4, elapsed_s=2.0)
 
@@ -291,7 +291,7 @@ def test_the_rate_and_eta_are_of_the_counted_phase_and_the_noun_is_the_commands(
     console = Console(record=True, width=110, color_system=None, file=io.StringIO())
     console.print(render(replace(SNAPSHOT, noun="requests", steps_total=None, elapsed_s=100.0, counting_s=0.5)))
     text = console.export_text()
-    assert "12 requests · 24.0 requests/s" in text and re.search(r"session +episode +requests +pages", text)
+    assert "12 requests · 24.0 requests/s" in text and re.search(r"session +requests +pages", text)
     assert "steps" not in text
 
     output, _, _ = sink(Format.plain)
@@ -317,7 +317,7 @@ def test_many_resident_sessions_leave_room_for_the_events_and_the_progress_line(
     a second (100 resident sessions: a run at 45 steps/s instead of 95). The 16 least recently used, then a count."""
     from dataclasses import replace
 
-    rows = tuple(SessionRow(f"ep_{i:04d}", f"ep_{i:04d}", 1, 5, {"main": 3}, 0, 0.01) for i in range(1000))
+    rows = tuple(SessionRow(f"ep_{i:04d}", 1, 5, {"main": 3}, 0, 0.01) for i in range(1000))
     console = Console(record=True, width=120, height=50, file=io.StringIO())
     console.print(render(replace(SNAPSHOT, sessions=rows, session_capacity=1000)))
     text = console.export_text()
@@ -330,13 +330,13 @@ def test_live_layout_shows_names_and_details_as_text_never_as_markup_or_escapes(
     # Episode names come from folder names and details quote paths and exception messages.
     hostile = Snapshot(
         title="ardiff rollout · x → runs/\x1b[2Jout", session_capacity=2,
-        sessions=(SessionRow("[bold]loud", "[bold]loud", 1, 2, {"positive": 1}, 0, None),),
+        sessions=(SessionRow("[bold]loud", 1, 2, {"positive": 1}, 0, None),),
         events=(EventRow(0.1, "admitted", "[bold]loud", ""),
                 EventRow(0.2, "failed", "ep\x1b[31mred", "data/ep\x1b[31mred: bad [/oops]")))
     console = Console(record=True, width=140, color_system="truecolor", force_terminal=True, file=io.StringIO())
     console.print(render(hostile))
     text = console.export_text(styles=False)
-    assert text.count("[bold]loud") == 3
+    assert text.count("[bold]loud") == 2  # the sessions and the events panels
     assert "data/ep\\x1b[31mred: bad [/oops]" in text and "ep\\x1b[31mred" in text and "runs/\\x1b[2Jout" in text
     assert "\x1b" not in text
 
@@ -414,7 +414,7 @@ def test_the_live_layout_fits_any_terminal_height_keeping_the_title_and_the_prog
     height from too short for anything but the title and the progress line to room for everything."""
     from dataclasses import replace
 
-    rows = tuple(SessionRow(f"ep_{i:04d}", f"ep_{i:04d}", 1, 5, {"main": 3}, 0, 0.01) for i in range(40))
+    rows = tuple(SessionRow(f"ep_{i:04d}", 1, 5, {"main": 3}, 0, 0.01) for i in range(40))
     events = tuple(EventRow(i / 10, "evicted", f"ep_{i:04d}", "lru_eviction") for i in range(8))
     snapshot = replace(SNAPSHOT, sessions=rows, session_capacity=40, events=events, swap_budget_bytes=1 << 30)
     full = None
@@ -432,13 +432,43 @@ def test_the_live_layout_fits_any_terminal_height_keeping_the_title_and_the_prog
     assert full is not None  # a tall terminal shows everything: 16 sessions, then the count, and every event
 
 
+def test_a_narrow_sessions_panel_drops_its_last_columns_instead_of_cutting_every_one():
+    """At 40 columns the six columns were cut to "ses…", "epi…", "s…" and "pos:1 n…", and the episode column
+    repeated the session's name: now the session and its steps always show, then the pages, the last latency and
+    the cross-attention bytes while they fit whole."""
+    from dataclasses import replace
+
+    def sessions_panel(snapshot, width):
+        console = Console(record=True, width=width, height=60, file=io.StringIO())
+        console.print(render(snapshot))
+        text = console.export_text()
+        return text[text.index("╭─ sessions"):text.index("╭─ events")].splitlines()
+
+    all_columns = ["session", "steps", "pages", "last", "x-attn"]
+    for width, kept in ((30, 2), (34, 3), (40, 4), (50, 5), (100, 5)):  # one above the other below 110
+        header, *rows, _ = sessions_panel(SNAPSHOT, width)[1:]
+        assert header.split("│")[1].split() == all_columns[:kept], (width, header)
+        shown = (("demo_2", "2/7", "pos:3 neg:3"), ("demo_1", "4/5", "pos:4 neg:4"))
+        for row, (name, steps, pages) in zip(rows, shown):
+            expected = [name, steps, *pages.split(), "40 ms" if name == "demo_2" else "32 ms", "64.00 KiB"]
+            assert " ".join(row.split("│")[1].split()) == " ".join(expected[:kept + (kept > 2)]), (width, row)
+    names = [f"pick_cube_2025-06-01_episode_{i:04d}" for i in range(2)]  # cut in the middle, the steps kept whole
+    long = replace(SNAPSHOT, sessions=tuple(SessionRow(n, 1, 5, {"main": 3}, 0, 0.01) for n in names))
+    for width in (30, 40):
+        rows = sessions_panel(long, width)[2:4]
+        for i, row in enumerate(rows):
+            assert re.search(rf"│ pick_\S*…\S*_000{i} +1/5", row), (width, row)
+    empty = sessions_panel(replace(SNAPSHOT, sessions=()), 40)
+    assert empty[1].split("│")[1].split() == all_columns and "none" in empty[2]  # the headers alone fit
+
+
 def test_long_names_that_share_a_prefix_are_cut_in_the_middle_so_they_stay_apart():
     """Names were cut at their end: 50 episodes named pick_cube_2025-06-01_episode_NNNN all read
     "pick_cube_2025-06…" in the sessions and the events panels. Wide and combining characters are cut whole."""
     from dataclasses import replace
 
     names = [f"pick_cube_2025-06-01_episode_{i:04d}" for i in range(3)]
-    snapshot = replace(SNAPSHOT, sessions=tuple(SessionRow(n, n, 1, 5, {"main": 3}, 0, 0.01) for n in names),
+    snapshot = replace(SNAPSHOT, sessions=tuple(SessionRow(n, 1, 5, {"main": 3}, 0, 0.01) for n in names),
                        events=tuple(EventRow(0.1, "admitted", n, "") for n in names))
     for width in (60, 80, 120):
         console = Console(record=True, width=width, height=60, file=io.StringIO())

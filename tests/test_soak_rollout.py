@@ -116,14 +116,14 @@ def test_a_step_builds_no_row_for_each_resident_session_when_nothing_draws_them(
         in_refresh[0] += built[0] - before
         rows = self.snapshot().sessions  # what the live display would draw now
         assert [r.session_id for r in rows] == runner.session_ids
-        shown.extend((r.episode, r.steps_done, r.steps_total) for r in rows)
+        shown.extend((r.session_id, r.steps_done, r.steps_total) for r in rows)
 
     monkeypatch.setattr(monitor_module.RunMonitor, "refresh", refresh)
     data = write_fast_data(tmp_path, {f"arm_{i}": 2 for i in range(3)})
     result = rollout(data, tmp_path / "run", "--session-capacity", "3")
     assert result.exit_code == 0, result.output
     assert in_refresh[0] == 0, f"{in_refresh[0]} session rows built after steps"
-    assert ("arm_0", 1, 2) in shown and ("arm_2", 1, 2) in shown  # label, steps done and total, as before
+    assert ("arm_0", 1, 2) in shown and ("arm_2", 1, 2) in shown  # session, steps done and total, as before
 
 
 def test_previews_read_the_results_lines_once_not_once_per_episode(tmp_path, monkeypatch):
