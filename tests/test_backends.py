@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from dense_stream import Stream, dense_reference, interleave
 from tiny_pipeline import TinyPipeline, request, tiny_spec
 
 from ardiff_cli.runtime.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
@@ -36,7 +36,6 @@ from ardiff_cli.runtime.kv.vllm_attention import PagedKernelPool, TorchPagedKern
 from ardiff_cli.runtime.runner import ARDiffusionModelRunner
 
 CFG = (ARDiffusionKVBranchSpec("positive", 0), ARDiffusionKVBranchSpec("negative", 1))
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
 def spec(**overrides) -> ARDiffusionKVCacheSpec:
@@ -252,72 +251,13 @@ def test_help_and_inspect_capacity_never_import_vllm(argv):
 
 
 # ----------------------------------------------------------------- the block layout vs a dense reference
-def dense(q, keys, values, scale=None):
-    group = q.shape[0] // keys.shape[0]
-    k = keys.float().repeat_interleave(group, dim=0)
-    v = values.float().repeat_interleave(group, dim=0)
-    return F.scaled_dot_product_attention(q.float()[None], k[None], v[None], scale=scale)[0]
-
-
-class Stream:
-    """One (session, branch) with an independent record of every committed frame's K/V."""
-
-    def __init__(self, state, branch, num_q_heads, dtype, seed):
-        self.state, self.branch, self.num_q_heads, self.dtype = state, branch, num_q_heads, dtype
-        self.generator = torch.Generator().manual_seed(seed)
-        self.frames = []  # frames[f][layer] = (k, v)
-        self.worst = 0.0
-
-    def forward(self, num_frames, *, commit, num_registers, scale=None, store_last=False):
-        """One layer per ``next()``; ``store_last``: the last layer of this commit pass only stores its K/V."""
-        spec = self.state.spec
-        tpf = spec.tokens_per_frame
-        seq_len, length = num_frames * tpf, num_frames * tpf + num_registers
-        contexts = self.state.get_kv_caches(self.branch, seq_len=seq_len, commit_current=commit)
-        n = len(self.frames)
-        kept = list(range(min(n, spec.sink_frames))) + list(range(max(spec.sink_frames, n - spec.window_frames), n))
-        new = []
-        for layer, ctx in enumerate(contexts):
-            shape = (spec.num_kv_heads, length, spec.head_size)
-            q = torch.randn((self.num_q_heads, length, spec.head_size), generator=self.generator).to(self.dtype)
-            k = torch.randn(shape, generator=self.generator).to(self.dtype)
-            v = torch.randn(shape, generator=self.generator).to(self.dtype)
-            keys = torch.cat([self.frames[f][layer][0] for f in kept] + [k], dim=1)
-            values = torch.cat([self.frames[f][layer][1] for f in kept] + [v], dim=1)
-            if store_last and layer == spec.num_layers - 1:
-                ctx.store(k, v)  # checked by the passes that read it
-            else:
-                out = ctx.attend(q, k, v, scale=scale)
-                assert out.shape == q.shape and out.dtype == self.dtype
-                error = (out.float() - dense(q, keys, values, scale)).abs().max().item()
-                self.worst = max(self.worst, error)
-                assert error <= TOLERANCE[self.dtype], f"layer {layer}: error {error} with {len(kept)} history frames"
-            new.append((k, v))
-            yield
-        assert self.state.commit(self.branch) == (num_frames if commit else 0)
-        if commit:
-            for f in range(num_frames):
-                tokens = slice(f * tpf, (f + 1) * tpf)
-                self.frames.append([(k[:, tokens].clone(), v[:, tokens].clone()) for k, v in new])
-
-    def run(self, num_frames, **kwargs):
-        for _ in self.forward(num_frames, **kwargs):
-            pass
-
-
 def rollout(streams, *, blocks, frames_per_block, num_registers, denoise_steps=1, scale=None, store_last=False):
     """Blocks of denoising passes and a commit pass (ending with ``store`` with ``store_last``), all streams
     advanced layer by layer in turn."""
     for _ in range(blocks):
         for commit in [False] * denoise_steps + [True]:
-            forwards = [s.forward(frames_per_block, commit=commit, num_registers=num_registers, scale=scale,
-                                  store_last=commit and store_last) for s in streams]
-            while forwards:
-                for fwd in list(forwards):
-                    try:
-                        next(fwd)
-                    except StopIteration:
-                        forwards.remove(fwd)
+            interleave(*(s.forward(frames_per_block, commit=commit, num_registers=num_registers, scale=scale,
+                                   store_last=commit and store_last) for s in streams))
 
 
 def make_kernel_cache(spec_, kernel, *, num_sessions=2, dtype=torch.float32, page_size=None):
@@ -459,7 +399,7 @@ def flash_varlen_on_cpu(calls: list, parameters: set[str] | None):
             assert int(row.min()) >= 0 and int(row.max()) < num_blocks
             keys = k.index_select(0, row).flatten(0, 1)[:used].transpose(0, 1)  # (H, used, D)
             values = v.index_select(0, row).flatten(0, 1)[:used].transpose(0, 1)
-            out[begin:end] = dense(q[begin:end].transpose(0, 1), keys, values, softmax_scale).transpose(0, 1)
+            out[begin:end] = dense_reference(q[begin:end].transpose(0, 1), keys, values, softmax_scale).transpose(0, 1)
         calls.append(block_table)
         return out
 

@@ -26,7 +26,7 @@ import random
 import pytest
 import torch
 from pipeline_helpers import single_thread  # noqa: F401 - fixture
-from test_paged_attention import interleave
+from dense_stream import interleave
 
 from ardiff_cli.runtime.capability import (
     ARDiffusionCrossAttentionKVSpec,

@@ -1,21 +1,14 @@
-"""Paged attention equals a dense reference built from an independent record of every committed frame.
-
-The reference never touches the cache: it concatenates the K/V that the visible set must contain (sink
-frames, the newest window frames, the current block, the registers) and runs
-``scaled_dot_product_attention`` with grouped-query heads expanded by ``repeat_interleave``.
-
-Tolerances: max abs error <= 1e-5 in float32; <= 2e-2 in bfloat16 (the reference runs in float32 on the
-same bfloat16 inputs, so the bound covers bfloat16 rounding of the paged path's output and scores).
-"""
+"""Paged attention equals a dense reference built from an independent record of every committed frame
+(``dense_stream``: the reference and its tolerances)."""
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 import torch.nn.functional as F
+from dense_stream import Stream, interleave
 
 from ardiff_cli.runtime.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.kv import attention as attention_module
@@ -23,96 +16,7 @@ from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
 from ardiff_cli.runtime.kv.layout import KVLayout
 from ardiff_cli.runtime.kv.vllm_attention import TorchPagedKernel
 
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
 CFG = (ARDiffusionKVBranchSpec("positive", 0), ARDiffusionKVBranchSpec("negative", 1))
-
-
-def dense_reference(q, keys, values, scale=None):
-    """Non-causal attention of q (Hq, L, D) over keys/values (Hkv, S, D), in float32, no cache."""
-    group = q.shape[0] // keys.shape[0]
-    k = keys.float().repeat_interleave(group, dim=0)  # (Hq, S, D)
-    v = values.float().repeat_interleave(group, dim=0)
-    return F.scaled_dot_product_attention(q.float()[None], k[None], v[None], scale=scale)[0]
-
-
-@dataclass
-class Stream:
-    """One (session, branch) of a rollout, with its own record of every committed frame's K/V per layer."""
-
-    state: object
-    branch: str
-    num_q_heads: int
-    dtype: torch.dtype
-    generator: torch.Generator
-    frames: list = field(default_factory=list)  # frames[f][layer] = (k, v), each (Hkv, tokens_per_frame, D)
-    worst: float = 0.0  # largest abs error seen
-    num_checked: int = 0
-
-    def visible_history(self, layer):
-        spec = self.state.spec
-        n = len(self.frames)
-        kept = list(range(min(n, spec.sink_frames))) + list(range(max(spec.sink_frames, n - spec.window_frames), n))
-        return [self.frames[f][layer] for f in kept]
-
-    def forward(self, num_frames, *, commit, num_registers, scale=None, store_last=False):
-        """A generator that runs one layer per ``next()`` and checks it; commits after the last layer.
-
-        ``store_last``: the last layer of this commit pass writes its K/V with ``store`` (no attention), as a
-        commit pass whose outputs nobody reads does; later passes check that it wrote what ``attend`` would.
-        """
-        spec = self.state.spec
-        seq_len = num_frames * spec.tokens_per_frame
-        length = seq_len + num_registers
-        contexts = self.state.get_kv_caches(self.branch, seq_len=seq_len, commit_current=commit)
-        new_frames = [[None] * spec.num_layers for _ in range(num_frames)]
-        for layer, ctx in enumerate(contexts):
-            shape = (spec.num_kv_heads, length, spec.head_size)
-            q = torch.randn((self.num_q_heads, length, spec.head_size), generator=self.generator).to(self.dtype)
-            k = torch.randn(shape, generator=self.generator).to(self.dtype)
-            v = torch.randn(shape, generator=self.generator).to(self.dtype)
-            history = self.visible_history(layer)
-            keys = torch.cat([hk for hk, _ in history] + [k], dim=1)
-            values = torch.cat([hv for _, hv in history] + [v], dim=1)
-            if store_last and layer == spec.num_layers - 1:
-                assert ctx.store(k, v) is None
-            else:
-                expected = dense_reference(q, keys, values, scale)
-                out = ctx.attend(q, k, v, scale=scale) if scale is not None else ctx.attend(q, k, v)
-                assert out.shape == q.shape and out.dtype == self.dtype
-                error = (out.float() - expected).abs().max().item()
-                self.worst = max(self.worst, error)
-                self.num_checked += 1
-                assert error <= TOLERANCE[self.dtype], (
-                    f"{self.branch} layer {layer}: max abs error {error} with {len(history)} history frames"
-                )
-            for f in range(num_frames):
-                tokens = slice(f * spec.tokens_per_frame, (f + 1) * spec.tokens_per_frame)
-                new_frames[f][layer] = (k[:, tokens].clone(), v[:, tokens].clone())
-            yield layer
-        if commit:
-            assert self.state.commit(self.branch) == num_frames
-            self.frames.extend(new_frames)
-        else:
-            assert self.state.commit(self.branch) == 0
-        adapter = self.state.adapter(self.branch)
-        assert adapter.num_committed_frames == len(self.frames)
-
-    def run(self, num_frames, *, commit, num_registers, scale=None, store_last=False):
-        for _ in self.forward(num_frames, commit=commit, num_registers=num_registers, scale=scale,
-                              store_last=store_last):
-            pass
-
-
-def interleave(*forwards):
-    """Advance several branch forwards one layer at a time, round robin."""
-    active = list(forwards)
-    while active:
-        for fwd in list(active):
-            try:
-                next(fwd)
-            except StopIteration:
-                active.remove(fwd)
 
 
 def rollout(stream, num_blocks, frames_per_block, num_registers, denoise_steps=2, scale=None):
