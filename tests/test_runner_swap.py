@@ -700,6 +700,44 @@ def test_a_write_that_fails_in_the_background_is_a_warning_and_its_session_is_re
     engine.close()
 
 
+def test_after_a_full_disk_an_eviction_exports_nothing_until_the_disk_has_room_for_its_snapshot(tmp_path,
+                                                                                                 monkeypatch):
+    # Every eviction on a full disk copied its session's KV out (gigabytes for a 14B session) only for the write to
+    # fail. After a snapshot fails for a full disk, the next ones check the folder's free space first. The free
+    # space is the one thing faked here (no test can fill a real disk); the writes and the exports are real.
+    import ardiff_cli.runtime.runner as runner_module
+
+    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    runner, pipe = engine.runner, engine.pipeline
+    exported, real_export = [], pipe.export_ar_diffusion_session
+    monkeypatch.setattr(pipe, "export_ar_diffusion_session", lambda sid: exported.append(sid) or real_export(sid))
+    free = [10 << 30]
+    monkeypatch.setattr(runner_module, "free_disk_bytes", lambda directory: free[0])
+    run(engine, "a", 0)
+    writes = HeldWrites(monkeypatch)
+    writes.fail_with = OSError(28, "No space left on device")
+    run(engine, "b", 0)  # evicts a, whose write fails: the disk is full
+    writes.release()
+    runner.swap.flush()
+    free[0] = 1024  # still full
+    with pytest.warns(ArdiffWarning, match=r"cannot swap session 'a' out .* No space left on device"):
+        run(engine, "c", 0)  # evicts b: nothing exported, said once (the cause is the same)
+    assert exported == ["a"]
+    lost = [(e.session_id, e.error) for e in events if e.kind == "swap_failed"]
+    assert lost[0] == ("a", "OSError: [Errno 28] No space left on device")
+    assert lost[1][0] == "b" and re.fullmatch(r"OSError: \[Errno 28\] No space left on device: 1\.00 KiB free, "
+                                              r"the snapshot needs at least \d+\.\d\d KiB \(not exported\)",
+                                              lost[1][1]), lost[1]
+    evicted = [(e.session_id, e.swapped) for e in events if e.kind == "session_evicted"]
+    assert evicted == [("a", True), ("b", False)]  # a said swapped before its background write failed
+    free[0] = 10 << 30  # room again: the next eviction is swapped out, and restored bit for bit
+    writes.fail_with = None
+    run(engine, "c", 1)  # c stays resident; the next request evicts it
+    run(engine, "d", 0)
+    assert exported == ["a", "c"] and runner.restore_session("c") is True
+    engine.close()
+
+
 def test_a_write_that_fails_before_its_session_is_closed_is_a_swap_failed_event_without_a_warning(tmp_path,
                                                                                                   monkeypatch):
     # close_all (the CLI's end of a run, also an interrupted one), close_session of a swapped-out session and a

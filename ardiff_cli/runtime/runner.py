@@ -9,6 +9,7 @@ pipeline around exactly one forward, and releases sessions through one path
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import threading
@@ -236,6 +237,7 @@ class ARDiffusionModelRunner:
         # what swapping warned about once: ("SwapSpace", None) for a snapshot larger than the whole swap space, else
         # (exception type, errno) of a failed write, as every later eviction would say the same (_swap_failed)
         self._swap_causes_warned: set[tuple[str, Any]] = set()
+        self._disk_full = False  # a snapshot failed for a full disk: the next ones check the free space first
         self._warned_keys: set[str] = set()  # misspelt extra_args keys reported (``ARDiffusionRequest.misspelt_keys``)
         self._closed = False  # close() ran: pools and pipeline dropped, every later request refused
         # Resident sessions, least recently used first.
@@ -732,6 +734,8 @@ class ARDiffusionModelRunner:
         if self.swap is None or session_id == WARMUP_SESSION_ID:
             return None
         try:
+            if self._disk_full:
+                self._check_disk_room(session)
             state = self.pipeline.export_ar_diffusion_session(session_id)
             tensors, metadata = encode_snapshot(
                 session.state.export(), state, session.num_requests,
@@ -756,6 +760,18 @@ class ARDiffusionModelRunner:
                           f"({space}): sessions this large are evicted without one (a larger swap space keeps them)",
                           ArdiffWarning, stacklevel=2)
         return written
+
+    def _check_disk_room(self, session: _Session) -> None:
+        """After a snapshot failed for a full disk: ``OSError(ENOSPC)`` before anything is exported while the swap
+        folder's disk has less free space than the session's KV (a lower bound of its file), so that on a full disk
+        every eviction of a long run does not copy its session's KV out only for the write to fail."""
+        self.swap.flush()  # the write in flight takes its space first
+        needed = session.state.num_pages * self.capacity_plan.bytes_per_page + session.state.cross_attention_bytes
+        free = free_disk_bytes(self.swap.directory)
+        if needed > free:
+            raise OSError(errno.ENOSPC, f"No space left on device: {format_bytes(free)} free, the snapshot needs at "
+                                        f"least {format_bytes(needed)} (not exported)")
+        self._disk_full = False
 
     @_one_at_a_time
     def swap_out_sessions(self, session_ids: Iterable[str]) -> dict[str, int]:
@@ -863,6 +879,8 @@ class ARDiffusionModelRunner:
         cause only: a swap folder made read-only or a full disk fails every later eviction alike, and a long run
         printed one identical warning per eviction."""
         self._emit(SwapFailed(session_id=session_id, error=f"{type(error).__name__}: {error}", background=background))
+        if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+            self._disk_full = True
         cause = (type(error).__name__, getattr(error, "errno", None))
         if not warn or cause in self._swap_causes_warned:
             return
