@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=positive_int, default=DEFAULT_THREADS,
                         help=f"torch intra-op threads for every benchmark (default {DEFAULT_THREADS})")
     parser.add_argument("--json", type=json_path, default=None,
-                        help=f"results file (default {RESULTS.relative_to(REPO_ROOT)}; none with --quick)")
+                        help=f"results file (default {RESULTS.relative_to(REPO_ROOT)}, for the whole suite only: "
+                             "none with --quick or --only)")
     args = parser.parse_args(argv)
     names = list(BENCHMARKS)
     if args.only is not None:  # '' too: it named no benchmark, which ran them all and wrote results.json

@@ -454,6 +454,15 @@ def test_suite_main_quick_only(tmp_path, capsys):
     assert "measured" in out and "baseline" in out and "capacity" in out
 
 
+def test_suite_help_says_a_quick_or_partial_run_writes_no_file_without_json():
+    """results.json holds the whole suite, so `--only` writes it only with --json (as the README says); the help of
+    --json said only --quick skipped the file, as if `--only rolling` replaced results.json with one row."""
+    proc = bench("benchmarks", "--help")
+    assert proc.returncode == 0, proc.stderr
+    json_help = " ".join(proc.stdout.partition("--json JSON")[2].split())
+    assert "none with --quick or --only" in json_help, json_help
+
+
 def test_suite_threads_apply_to_every_benchmark(tmp_path, ardiff_cache):
     """`--threads N` holds for the benchmarks that load an engine, whose configs set num_threads: 1 themselves."""
     import torch
