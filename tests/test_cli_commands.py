@@ -40,6 +40,20 @@ def test_help_lists_commands_examples_and_exit_codes():
     assert "[default: dreamzero-tiny]" in invoke("rollout", "--help").stdout
 
 
+def test_inspect_capacity_help_names_each_part_of_the_plan_where_the_plan_counts_it():
+    """The help listed scratch in the per-session breakdown; the plan counts it once, in the fixed memory (the
+    `fixed` row and JSON object), not per session."""
+    help_text = " ".join(invoke("inspect-capacity", "--help").stdout.replace("│", " ").split())
+    per_session = help_text.partition("the per-session breakdown (")[2].partition(")")[0]
+    fixed = help_text.partition("the fixed memory (")[2].partition(")")[0]
+    result = invoke("inspect-capacity", "--available", "1GiB", "--format", "json")
+    assert result.exit_code == 0, result.output
+    parts = set(json.loads(result.stdout)["fixed"]) - {"total"}
+    assert parts == {"null_page", "scratch", "inflight", "workspace"}
+    assert "scratch" not in per_session and per_session, help_text
+    assert fixed == "null page, scratch, in-flight block, workspace", help_text
+
+
 def test_help_shows_no_type_for_flags_and_every_default_it_documents():
     """Typer's help used to show `<bool>` after every flag (--follow, --quiet, even --help), `<path>` for --out,
     `<...>` around some choices but not others, and Rich markup swallowed the `[default: ...]` of --available and

@@ -37,8 +37,9 @@ DEFAULT_SESSION_COUNTS = (1, 2, 4, 8, 16)
 
 HELP = (
     "Print the KV capacity plan of a config: bytes per page and per token, the per-session breakdown "
-    "(self-attention per branch, each cross-attention cache, scratch, model-owned state), how many sessions fit, "
-    "sessions per GiB and the memory fraction N sessions would need.\n\n"
+    "(self-attention per branch, each cross-attention cache, model-owned state), the fixed memory (null page, "
+    "scratch, in-flight block, workspace), how many sessions fit, sessions per GiB and the memory fraction N "
+    "sessions would need.\n\n"
     "Nothing is loaded or allocated (no weights, no torch), so it answers at once for any geometry, including "
     "ones that would never fit on this machine."
 )
