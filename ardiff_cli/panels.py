@@ -2,18 +2,8 @@
 
 The runtime never imports Rich. The CLI's :class:`~ardiff_cli.monitor.RunMonitor`
 subscribes to runtime events and keeps the snapshot; ``Live(get_renderable=...)``
-calls ``render(monitor.snapshot())`` a few times a second::
-
-    ╭─ capacity ──────────────────────────╮╭─ sessions (LRU first) ──────────────────────────╮
-    │ device   cpu · float32              ││ session  steps  pages        last   x-attn      │
-    │ budget   1.20 MiB                   ││ demo_1     4/5  pos:4 neg:4  14 ms  66.00 KiB   │
-    │ pages    ━━━━━━━━━━━━━━━━━━  18/36  │╰─────────────────────────────────────────────────╯
-    │ sessions 2/2                        │
-    ╰─────────────────────────────────────╯
-    ╭─ events ─────────────────────────────────────────────────────────────────────────────╮
-    │ +0.412s  evicted   demo_0  lru_eviction (by demo_2)                                  │
-    ╰──────────────────────────────────────────────────────────────────────────────────────╯
-    ━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━  12/18 steps · 9.1 steps/s · ETA 0:00:01
+calls ``render(monitor.snapshot())`` a few times a second. The README's quick start shows a frame:
+the title, the capacity and sessions panels, the events, the progress line.
 """
 
 from __future__ import annotations
