@@ -236,6 +236,19 @@ def test_the_plain_planned_line_names_the_attention_backend_that_runs(fast_confi
     assert planned.endswith(", attention torch"), planned
 
 
+@pytest.mark.parametrize("command", ["inspect-capacity", "warmup"])
+def test_a_bad_scratch_variable_is_a_usage_error_not_a_bug(cli_env, command):
+    """AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH=x was 'unexpected ValueError ... this is a bug in ardiff', a
+    traceback and exit 1: it is a bad input, named with its value, exit 2."""
+    from ardiff_cli.runtime.kv.layout import SCRATCH_ENV
+
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", command, "dreamzero-tiny", "--format", "plain"],
+                          cwd=REPO, env={**cli_env, SCRATCH_ENV: "x"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(f"Error: {SCRATCH_ENV} must be a positive integer number of blocks, got 'x'\n")
+    assert "Traceback" not in proc.stderr and "bug" not in proc.stderr
+
+
 def _imported_modules(*args: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ardiff_cli", *args], cwd=REPO, env=env,

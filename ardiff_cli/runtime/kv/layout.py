@@ -20,7 +20,7 @@ def scratch_blocks_from_env(environ: dict[str, str] | None = None) -> int:
     """Blocks of scratch per branch requested by ``AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH``.
 
     Unset means 1 (the derived minimum applies). Anything other than a
-    positive integer is a ``ValueError`` naming the variable and its value.
+    positive integer is a ``ConfigError`` (a ``ValueError``) naming the variable and its value.
     """
     raw = (os.environ if environ is None else environ).get(SCRATCH_ENV)
     if raw is None or raw.strip() == "":
@@ -30,7 +30,7 @@ def scratch_blocks_from_env(environ: dict[str, str] | None = None) -> int:
     except ValueError:
         value = 0
     if value <= 0:
-        raise ValueError(f"{SCRATCH_ENV} must be a positive integer number of blocks, got {raw!r}")
+        raise ConfigError(f"{SCRATCH_ENV} must be a positive integer number of blocks, got {raw!r}")
     return value
 
 
