@@ -1697,6 +1697,26 @@ def test_a_second_rollout_on_a_folder_in_use_is_refused_and_kill_9_leaves_no_sta
     assert [r["step"] for r in records(run)] == [0, 1, 2]
 
 
+def test_resume_while_the_first_run_still_loads_names_the_run_in_use_not_a_missing_run_json(env, tmp_path):
+    """run.json is written once the model has loaded; a --resume before that said 'nothing to resume: run.json
+    does not exist' though the run was there, being started. The lock says so (held here as a rollout holds it)."""
+    from ardiff_cli.io.run import RunFolder
+
+    run = tmp_path / "run"
+    run.mkdir()
+    first = RunFolder(run)
+    first.lock()
+    try:
+        proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+        assert proc.returncode == 2, proc.stderr
+        assert f"Error: {run} is in use by another ardiff rollout (pid {os.getpid()})" in proc.stderr
+    finally:
+        first.close()
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")  # the first never got further
+    assert proc.returncode == 2 and f"nothing to resume: {run / 'run.json'} does not exist" in proc.stderr
+    assert sorted(p.name for p in run.iterdir()) == [".lock"]  # the check created nothing
+
+
 def test_a_signal_the_process_was_started_ignoring_stays_ignored(env, data, tmp_path):
     """nohup ignores SIGHUP (and a shell ignores SIGINT for a script's background jobs): ardiff keeps it so."""
     live, run = tmp_path / "live", tmp_path / "run"
