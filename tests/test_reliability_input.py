@@ -806,3 +806,53 @@ def test_follow_fails_an_episode_that_ends_before_any_step_arrived(tmp_path, cas
     if case == "end_marker":
         (folder / "END").write_bytes(b"")
     assert _drain(_follow(folder, FakeClock())) == [("error", f"{folder}: {message}")]
+
+
+def modes_bind() -> list[str]:
+    """A command prefix under which file modes bind: root reads and enters anything, so as root `setpriv` drops the
+    two capabilities that bypass modes (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH); another user needs nothing."""
+    if not IS_ROOT:
+        return []
+    import shutil
+
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("root without setpriv: file modes do not bind")
+    drop = "-dac_override,-dac_read_search"
+    return [setpriv, f"--bounding-set={drop}", f"--inh-caps={drop}"]
+
+
+@pytest.fixture
+def locked(tmp_path):
+    """A folder of mode 000 (no one but a privileged user lists or enters it), its mode given back at the end."""
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    folder.chmod(0)
+    yield folder
+    folder.chmod(0o755)
+
+
+def test_a_folder_that_cannot_be_entered_is_named_not_a_traceback(tmp_path, cli_env, locked):
+    # Path.exists raised PermissionError on `locked/run.json`: an unreadable episode folder among a folder of
+    # episodes, `-o locked/run` and `--resume -o locked/run` each ended in a traceback ('this is a bug', exit 1).
+    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
+    episode(tmp_path / "healthy", 1)
+
+    def ardiff(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "fast.yaml"), *args]
+        return subprocess.run([*modes_bind(), *command, "--no-warmup", "--format", "plain"], env=cli_env,
+                              capture_output=True, text=True, timeout=300)
+
+    proc = ardiff(str(tmp_path), "-o", str(tmp_path / "run"))  # tmp_path holds healthy/ and locked/
+    assert proc.returncode == 4, proc.stderr
+    assert (f"Error: episode 'locked' failed: {locked}: cannot list the episode folder: Permission denied\n"
+            "hint: check that the folder exists and that the user running ardiff may read and enter it") in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = ardiff(str(tmp_path / "healthy"), "-o", str(locked / "run"))
+    assert proc.returncode == 2, proc.stderr
+    assert f"Error: --out {locked / 'run'}: cannot create the output folder: Permission denied\n" in proc.stderr
+    assert "Traceback" not in proc.stderr and "planned" not in proc.stderr  # refused before the model loads
+    proc = ardiff("--resume", "-o", str(locked / "run"))
+    assert proc.returncode == 2, proc.stderr
+    assert f"Error: {locked / 'run' / 'run.json'}: cannot read run info: Permission denied\nhint: " in proc.stderr
+    assert "Traceback" not in proc.stderr

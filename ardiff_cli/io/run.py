@@ -87,7 +87,10 @@ class RunFolder:
     # -- starting and resuming -----------------------------------------------------------------------------
 
     def holds_run(self) -> bool:
-        return (self.root / RUN_FILE).exists() or self.results_path.exists()
+        # os.path.exists, not Path.exists: that raises PermissionError where the folder (or one above it) may not
+        # be entered, a traceback for `-o /mnt/locked/run` or an unreadable folder among a folder of episodes.
+        # Such a folder is then reported by what comes next (creating the output folder, listing the episode).
+        return os.path.exists(self.root / RUN_FILE) or os.path.exists(self.results_path)
 
     def start(self, info: Mapping[str, Any]) -> None:
         """A fresh run: refuse a folder that holds one already (it would be mixed with this one)."""
@@ -108,6 +111,14 @@ class RunFolder:
 
     def read_info(self) -> dict[str, Any]:
         path = self.root / RUN_FILE
+        try:
+            os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            pass  # told below
+        except OSError as exc:  # a folder (or one above it) this user may not enter: not "there is no folder"
+            raise ConfigError(f"{path}: cannot read run info: {exc.strerror or exc}",
+                              hint="check that the user running ardiff may read and enter the run folder and the "
+                                   "folders above it (permissions r-x)") from None
         if not self.root.is_dir():  # a typo: "start a run in this folder" would lead away from the run
             near = sorted(p.name for p in self.root.parent.glob("*") if RunFolder(p).holds_run())
             raise ConfigError(f"nothing to resume: there is no folder {self.root}",
