@@ -856,3 +856,20 @@ def test_a_folder_that_cannot_be_entered_is_named_not_a_traceback(tmp_path, cli_
     assert proc.returncode == 2, proc.stderr
     assert f"Error: {locked / 'run' / 'run.json'}: cannot read run info: Permission denied\nhint: " in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["inf", "1e400"])
+def test_an_infinite_idle_timeout_is_a_usage_error_before_anything_is_made(tmp_path, cli_env, value):
+    # `--follow --idle-timeout inf` (wait forever) passed min=0, made --out, loaded the model, then failed to write
+    # run.json (JSON has no infinity): 'unexpected ValueError ... this is a bug', exit 1, a folder left behind.
+    episode(tmp_path / "ep", 1)
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", str(tmp_path / "ep"),
+                           "-o", str(out), "--follow", "--idle-timeout", value, "--format", "json"], env=cli_env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    error = json.loads(proc.stdout)  # the whole of stdout: one object
+    assert error["kind"] == "usage_error" and error["exit_code"] == 2
+    assert error["message"].startswith("Invalid value for '--idle-timeout': expected a finite number of seconds, "
+                                       "got inf"), error
+    assert not out.exists() and "Traceback" not in proc.stderr

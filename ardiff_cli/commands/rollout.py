@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import signal
 import time
 from collections.abc import Callable
@@ -87,6 +88,15 @@ class _Prepared:
     watch: list[Path] = field(default_factory=list)
 
 
+def _finite_idle_timeout(value: float | None) -> float | None:
+    """``--idle-timeout inf`` (or 1e400) passed ``min=0``, loaded the model, then failed writing run.json (JSON has
+    no infinity): a traceback, exit 1. It is a usage error; a follower that never gives up waits a long time."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"expected a finite number of seconds, got {value:g} (to wait for days, give "
+                                 "them: 604800 is a week)")
+    return value
+
+
 def rollout(
     config: ConfigArg = None,
     episodes: EpisodesArg = None,
@@ -101,7 +111,7 @@ def rollout(
                                        "until the episode's END file or --idle-timeout; and a folder of episodes "
                                        "for episode folders started in it later.")] = False,
     idle_timeout: Annotated[Optional[float], typer.Option(
-        "--idle-timeout", min=0, metavar="SECONDS",
+        "--idle-timeout", min=0, metavar="SECONDS", callback=_finite_idle_timeout,
         help=f"With --follow: end an episode after this long without a new or growing step file, and a folder "
              f"of episodes this long after its episodes ended without a new one. "
              f"\\[default: {DEFAULT_IDLE_TIMEOUT:g}]", show_default=False)] = None,
