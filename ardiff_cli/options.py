@@ -112,6 +112,18 @@ def expand_home(value):
     return type(value)(os.path.expanduser(value))
 
 
+def parse_path(value: str) -> Path:
+    """EPISODE and ``--out`` as Typer reads a path (one that exists must be readable), but not an empty string:
+    ``Path("")`` is the current folder, so ``-o "$OUT"`` with OUT unset wrote the run's files among whatever the
+    current folder held, and ``rollout CFG "$EPISODE"`` ran it as an episode."""
+    if value == "":
+        raise typer.BadParameter("an empty string is not a folder (a variable that is not set?); "
+                                 "write . for the current folder")
+    if os.path.exists(value) and not os.access(value, os.R_OK):
+        raise typer.BadParameter(f"path {value!r} is not readable.")
+    return Path(value)
+
+
 ConfigArg = Annotated[
     Optional[str],
     typer.Argument(
@@ -125,6 +137,7 @@ EpisodesArg = Annotated[
     Optional[list[Path]],
     typer.Argument(
         metavar="EPISODE",
+        parser=parse_path,
         callback=expand_home,
         help="Episode folders (step files), or folders of episode folders. \\[default: the bundled demo episodes]",
         show_default=False,
@@ -141,7 +154,7 @@ PipelineOpt = Annotated[
 ]
 OutOpt = Annotated[
     Optional[Path],
-    typer.Option("--out", "-o", metavar="DIR", callback=expand_home,
+    typer.Option("--out", "-o", metavar="DIR", parser=parse_path, callback=expand_home,
                  help="Output folder. \\[default: ./ardiff-runs/<timestamp>]", show_default=False),
 ]
 DeviceOpt = Annotated[

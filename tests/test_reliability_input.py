@@ -873,3 +873,26 @@ def test_an_infinite_idle_timeout_is_a_usage_error_before_anything_is_made(tmp_p
     assert error["message"].startswith("Invalid value for '--idle-timeout': expected a finite number of seconds, "
                                        "got inf"), error
     assert not out.exists() and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("args", "what"), [
+    (["{ep}", "-o", ""], "'--out' / '-o'"), (["{ep}", "--out="], "'--out' / '-o'"),
+    ([""], "'EPISODE'"), (["{ep}", ""], "'EPISODE'"),
+])
+def test_an_empty_out_or_episode_is_a_usage_error_not_the_current_folder(tmp_path, cli_env, args, what):
+    # Path("") is the current folder: `-o "$OUT"` with OUT unset wrote run.json, results.jsonl and episodes/ among
+    # the files of the folder the script ran in (exit 0), and `rollout CFG "$EPISODE"` ran that folder as an episode
+    # after loading the model. CONFIG "" was refused already.
+    episode(tmp_path / "ep", 1)
+    here = tmp_path / "here"
+    here.mkdir()
+    args = [arg.format(ep=tmp_path / "ep") for arg in args]
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", *args, "--format", "json"],
+                          cwd=here, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    error = json.loads(proc.stdout)  # the whole of stdout: one object
+    assert error["kind"] == "usage_error", error
+    assert error["message"] == (f"Invalid value for {what}: an empty string is not a folder (a variable that is not "
+                                "set?); write . for the current folder")
+    assert list(here.iterdir()) == []  # nothing written where the command ran
+
