@@ -896,3 +896,27 @@ def test_an_empty_out_or_episode_is_a_usage_error_not_the_current_folder(tmp_pat
                                 "set?); write . for the current folder")
     assert list(here.iterdir()) == []  # nothing written where the command ran
 
+
+
+def test_an_episode_yaml_that_is_not_yaml_or_not_readable_is_one_line_and_a_hint(tmp_path, cli_env):
+    # It was PyYAML's own text, five lines quoting the file as "<unicode string>" with a caret drawn under it and no
+    # hint (a config's YAML error is one line naming the line and column); one that could not be read repeated its
+    # path ("[Errno 13] Permission denied: '.../episode.yaml'").
+    eps = tmp_path / "eps"
+    for name in ("unclosed", "locked", "healthy"):
+        episode(eps / name, 1)
+    (eps / "unclosed" / "episode.yaml").write_text("prompt: [pick up the cube\n")
+    (eps / "locked" / "episode.yaml").chmod(0)
+    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
+    proc = subprocess.run([*modes_bind(), sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "fast.yaml"),
+                           str(eps), "--out", str(tmp_path / "run"), "--no-warmup", "--format", "plain"], env=cli_env,
+                          capture_output=True, text=True, timeout=300)
+    (eps / "locked" / "episode.yaml").chmod(0o644)
+    assert proc.returncode == 4, proc.stderr
+    assert (f"Error: episode 'unclosed' failed: {eps / 'unclosed' / 'episode.yaml'}: cannot read episode metadata: "
+            "not valid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>' (while parsing a flow "
+            "sequence)\nhint: check the indentation, quotes and brackets there and on the line before; episode.yaml "
+            "holds `key: value` lines") in proc.stderr, proc.stderr
+    assert (f"Error: episode 'locked' failed: {eps / 'locked' / 'episode.yaml'}: cannot read episode metadata: "
+            "Permission denied\nhint: check that the user running ardiff may read it") in proc.stderr, proc.stderr
+    assert "<unicode string>" not in proc.stderr and "Errno" not in proc.stderr

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ardiff_cli.io.atomic import parse_json
-from ardiff_cli.runtime.errors import ConfigError, ObservationError
+from ardiff_cli.runtime.errors import YAML_SYNTAX_HINT, ConfigError, ObservationError, yaml_problem
 
 STEP_SUFFIXES = (".safetensors", ".npz")
 METADATA_FILE = "episode.yaml"
@@ -339,8 +339,13 @@ def read_episode_yaml(path: Path) -> dict[str, Any]:
             hint="write episode.yaml as UTF-8 text, e.g. `prompt: pick up the red cube` "
                  "(ardiff_cli.io.write_episode does)",
         ) from None
-    except (OSError, yaml.YAMLError) as exc:
-        raise ObservationError(f"{path}: cannot read episode metadata: {exc}") from None
+    except OSError as exc:  # its text repeats the path: "[Errno 13] Permission denied: '.../episode.yaml'"
+        raise ObservationError(f"{path}: cannot read episode metadata: {exc.strerror or exc}",
+                               hint="check that the user running ardiff may read it (permissions)") from None
+    except yaml.YAMLError as exc:  # one line, as a config's: PyYAML's own text spans five, with a caret drawn
+        raise ObservationError(f"{path}: cannot read episode metadata: {yaml_problem(exc)}",
+                               hint=f"{YAML_SYNTAX_HINT}; episode.yaml holds `key: value` lines, e.g. "
+                                    "`prompt: pick up the red cube`") from None
     except RecursionError:  # the parser recurses once per level of nesting
         raise ObservationError(f"{path}: cannot read episode metadata: lists or mappings are nested too deeply",
                                hint="episode metadata is a few levels deep; look for runaway brackets") from None

@@ -27,7 +27,16 @@ import yaml
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.capacity import as_fraction, as_int, dtype_name, parse_bytes
-from ardiff_cli.runtime.errors import PIPELINE_HINT, ConfigError, PipelineError, did_you_mean, field_error, shown
+from ardiff_cli.runtime.errors import (
+    PIPELINE_HINT,
+    YAML_SYNTAX_HINT,
+    ConfigError,
+    PipelineError,
+    did_you_mean,
+    field_error,
+    shown,
+    yaml_problem,
+)
 from ardiff_cli.runtime.kv.backends import ATTENTION_BACKEND_SETTINGS
 from ardiff_cli.runtime.observation import ObservationSchema
 from ardiff_cli.runtime.registry import PipelineEntry, resolve_pipeline, resolve_pipeline_reference
@@ -243,12 +252,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        context = getattr(exc, "context", None)
-        problem = (getattr(exc, "problem", None) or str(exc)) + (f" ({context})" if context else "")
-        raise ConfigError(f"{path}: not valid YAML{where}: {problem}",
-                          hint="check the indentation, quotes and brackets there and on the line before") from None
+        raise ConfigError(f"{path}: {yaml_problem(exc)}", hint=YAML_SYNTAX_HINT) from None
     except RecursionError:  # the parser recurses once per level of nesting
         raise ConfigError(f"{path}: lists or mappings are nested too deeply to read",
                           hint="a config is a few levels deep; look for runaway brackets") from None

@@ -137,6 +137,19 @@ def shown(value: object) -> str:
     return _SHOWN.repr(value)
 
 
+def yaml_problem(exc: BaseException) -> str:
+    """A PyYAML error in one line: ``not valid YAML at line L, column C: problem (context)``. Its own text spans
+    five lines, quotes the source as ``"<unicode string>"`` and draws a caret under it."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context = getattr(exc, "context", None)
+    problem = (getattr(exc, "problem", None) or str(exc)) + (f" ({context})" if context else "")
+    return f"not valid YAML{where}: {problem}"
+
+
+YAML_SYNTAX_HINT = "check the indentation, quotes and brackets there and on the line before"
+
+
 def did_you_mean(name: str, valid: Iterable[str]) -> str:
     """' (did you mean 'x'?)' when a close match exists, else ''."""
     match = difflib.get_close_matches(name, list(valid), n=1)
