@@ -920,3 +920,30 @@ def test_an_episode_yaml_that_is_not_yaml_or_not_readable_is_one_line_and_a_hint
     assert (f"Error: episode 'locked' failed: {eps / 'locked' / 'episode.yaml'}: cannot read episode metadata: "
             "Permission denied\nhint: check that the user running ardiff may read it") in proc.stderr, proc.stderr
     assert "<unicode string>" not in proc.stderr and "Errno" not in proc.stderr
+
+
+@pytest.mark.parametrize(("field", "edit", "expected", "got"), [
+    ("config", lambda info: info.pop("config"), "a string", "None"),
+    ("dtype", lambda info: info.update(dtype=32), "a string", "32"),
+    ("episodes", lambda info: info.update(episodes="arm_a"), 'a list of {"name": ..., "path": ...} objects',
+     "'arm_a'"),
+    ("episodes[0]", lambda info: info["episodes"][0].pop("path"),
+     'an object with the episode\'s "name" and "path" (strings)', "{'name': 'arm_a'}"),
+])
+def test_a_run_json_lacking_what_resume_reads_is_named_not_a_traceback(tmp_path, cli_env, field, edit, expected, got):
+    # A run.json edited by hand (or cut by a copy) without `config` or `dtype`, or with `episodes` of another shape,
+    # ended in 'unexpected KeyError' or 'TypeError ... this is a bug in ardiff' (exit 1); its other fields (watch,
+    # the recorded options) were already named.
+    info = {"format": 1, "config": "dreamzero-tiny", "dtype": "float32", "demo": False,
+            "episodes": [{"name": "arm_a", "path": str(episode(tmp_path / "arm_a", 1))}]}
+    edit(info)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps(info))
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "-o", str(run), "--format",
+                           "json"], env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    error = json.loads(proc.stdout)  # the whole of stdout: one object
+    assert error["kind"] == "config_error", error
+    assert error["message"] == f"{run / 'run.json'}: field '{field}': expected {expected}, got {got}"
+    assert error["hint"].startswith("correct it there") and "Traceback" not in proc.stderr

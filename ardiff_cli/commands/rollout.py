@@ -188,7 +188,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             raise ConfigError("--resume needs --out DIR: the folder of the run to continue",
                               hint="the run printed it as 'outputs: DIR' (by default ardiff-runs/<start time>)")
         run = RunFolder(out)
-        info = run.read_info()
+        info = run.resume_info()
         config = _resume_config(config, info)
         overrides["dtype"] = _same(overrides["dtype"], info["dtype"], "--dtype")
         # Options not given again are the run's own (outputs do not depend on them), checked as given ones are.

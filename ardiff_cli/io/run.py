@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ardiff_cli.io.atomic import JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_jsonl
-from ardiff_cli.runtime.errors import ConfigError, did_you_mean
+from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error
 
 RUN_FILE = "run.json"
 RESULTS_FILE = "results.jsonl"
@@ -34,6 +34,29 @@ PREVIEWS_DIR = "previews"
 SWAP_DIR = ".swap"  # snapshots of evicted sessions while the run lasts, and those a stopped run keeps (io.kept)
 LOCK_FILE = ".lock"  # held (flock) by the process writing the run; the kernel releases it when that process ends
 RUN_FORMAT = 1  # version of this layout
+
+
+def _run_info_problem(info: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first field of run.json that ``--resume`` reads as it is (no default) and that is missing or of
+    another type, and what it takes; None when all are there."""
+    for key in ("config", "dtype"):
+        if not isinstance(info.get(key), str):
+            return key, "a string"
+    episodes = info.get("episodes")
+    if not isinstance(episodes, list):
+        return "episodes", "a list of {\"name\": ..., \"path\": ...} objects"
+    for index, episode in enumerate(episodes):
+        if not (isinstance(episode, dict) and isinstance(episode.get("name"), str)
+                and isinstance(episode.get("path"), str)):
+            return f"episodes[{index}]", "an object with the episode's \"name\" and \"path\" (strings)"
+    return None
+
+
+def _at(info: Mapping[str, Any], field: str) -> Any:
+    """run.json's value of ``field`` (``episodes[3]``), None where it is missing."""
+    if field.startswith("episodes["):
+        return info["episodes"][int(field[9:-1])]
+    return info.get(field)
 
 
 def make_default_out_dir(now: float | None = None) -> Path:
@@ -139,6 +162,18 @@ class RunFolder:
             raise ConfigError(f"{path}: cannot read run info: expected a JSON object, got {type(info).__name__}")
         if info.get("format") != RUN_FORMAT:
             raise ConfigError(f"{path}: written by an incompatible ardiff (format {info.get('format')!r})")
+        return info
+
+    def resume_info(self) -> dict[str, Any]:
+        """:meth:`read_info`, checked for what ``--resume`` reads as it is (no default): a field missing or of
+        another type is named (file, field, expected, got) instead of a KeyError or TypeError further on."""
+        info = self.read_info()
+        problem = _run_info_problem(info)
+        if problem is not None:
+            field, expected = problem
+            raise field_error(str(self.root / RUN_FILE), field, expected, _at(info, field),
+                              hint="correct it there (ardiff writes run.json as a run starts), or start a new run "
+                                   "in another --out")
         return info
 
     def remove_stale_temporaries(self) -> list[Path]:
