@@ -947,3 +947,26 @@ def test_a_run_json_lacking_what_resume_reads_is_named_not_a_traceback(tmp_path,
     assert error["kind"] == "config_error", error
     assert error["message"] == f"{run / 'run.json'}: field '{field}': expected {expected}, got {got}"
     assert error["hint"].startswith("correct it there") and "Traceback" not in proc.stderr
+
+
+def test_resume_given_an_episode_folder_first_says_it_is_a_folder(tmp_path, cli_env):
+    # `ardiff rollout --resume -o RUN data/arm_a` read "config file not found: data/arm_a" of a folder that is
+    # there (without --resume the same mistake says that CONFIG is a folder).
+    import hashlib
+
+    from ardiff_cli.runtime.config import resolve_config
+
+    folder = episode(tmp_path / "arm_a", 1)
+    config = resolve_config("dreamzero-tiny").resolve()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({
+        "format": 1, "config": "dreamzero-tiny", "config_path": str(config),
+        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(), "dtype": "float32", "demo": False,
+        "episodes": [{"name": "arm_a", "path": str(folder)}]}))
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "-o", str(run), str(folder),
+                           "--format", "plain"], env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (f"Error: CONFIG '{folder}' is a folder; the first argument is a config file or a built-in "
+                           "config name\nhint: with --resume the config and episodes are the run's (run.json): leave "
+                           "them out (ardiff rollout --resume -o OUT), or give the config before them\n")

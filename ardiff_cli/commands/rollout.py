@@ -412,6 +412,11 @@ def _resume_config(given: str | None, info: dict[str, Any]) -> str:
     """
     from ardiff_cli.runtime.config import resolve_config
 
+    if given is not None and Path(given).is_dir():  # it read "config file not found" of a folder that is there
+        raise ConfigError(f"CONFIG {given!r} is a folder; the first argument is a config file or a built-in config "
+                          "name",
+                          hint="with --resume the config and episodes are the run's (run.json): leave them out "
+                               "(ardiff rollout --resume -o OUT), or give the config before them")
     recorded, digest = info.get("config_path"), info.get("config_sha256")
     if digest is None:  # run.json of an older ardiff: only the label was kept
         return _same(given, info["config"], "CONFIG")
