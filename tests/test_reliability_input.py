@@ -970,3 +970,25 @@ def test_resume_given_an_episode_folder_first_says_it_is_a_folder(tmp_path, cli_
     assert proc.stderr == (f"Error: CONFIG '{folder}' is a folder; the first argument is a config file or a built-in "
                            "config name\nhint: with --resume the config and episodes are the run's (run.json): leave "
                            "them out (ardiff rollout --resume -o OUT), or give the config before them\n")
+
+
+def test_resume_with_other_episodes_says_which_were_given(tmp_path, cli_env):
+    # It named only the run's episodes ("...: ['arm_a', 'arm_b']"), not what the command line gave instead.
+    import hashlib
+
+    from ardiff_cli.runtime.config import resolve_config
+
+    folders = [episode(tmp_path / name, 1) for name in ("arm_a", "arm_b")]
+    config = resolve_config("dreamzero-tiny").resolve()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({
+        "format": 1, "config": "dreamzero-tiny", "config_path": str(config),
+        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(), "dtype": "float32", "demo": False,
+        "episodes": [{"name": f.name, "path": str(f)} for f in folders]}))
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", str(folders[0]),
+                           "--resume", "-o", str(run), "--format", "plain"], env=cli_env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"Error: the episodes differ from those of the run in {run}: expected ['arm_a', "
+                                  "'arm_b'], got ['arm_a']\nhint: resume with the same EPISODE arguments"), proc.stderr

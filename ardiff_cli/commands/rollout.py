@@ -240,8 +240,9 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         # an episode folder made since in a watched folder of episodes is not one yet: the run's first poll adds it
         paths = {e["path"] for e in info["episodes"]}
         episodes = [e for e in episodes if str(e.path.resolve()) in paths or e.path.resolve().parent not in watch]
-        if sorted(e.name for e in episodes) != recorded:
-            raise ConfigError(f"the episodes differ from those of the run in {out}: {recorded}",
+        given = sorted(e.name for e in episodes)
+        if given != recorded:
+            raise ConfigError(f"the episodes differ from those of the run in {out}: expected {recorded}, got {given}",
                               hint="resume with the same EPISODE arguments (or none, to reuse the recorded ones)")
     from ardiff_cli.runtime.config import resolve_config
 
