@@ -949,21 +949,26 @@ def test_a_run_json_lacking_what_resume_reads_is_named_not_a_traceback(tmp_path,
     assert error["hint"].startswith("correct it there") and "Traceback" not in proc.stderr
 
 
-def test_resume_given_an_episode_folder_first_says_it_is_a_folder(tmp_path, cli_env):
-    # `ardiff rollout --resume -o RUN data/arm_a` read "config file not found: data/arm_a" of a folder that is
-    # there (without --resume the same mistake says that CONFIG is a folder).
+def a_run_of(run: Path, folders: list[Path]) -> Path:
+    """A run folder whose run.json (as a rollout of the tiny DreamZero config writes it) lists ``folders``."""
     import hashlib
 
     from ardiff_cli.runtime.config import resolve_config
 
-    folder = episode(tmp_path / "arm_a", 1)
     config = resolve_config("dreamzero-tiny").resolve()
-    run = tmp_path / "run"
     run.mkdir()
     (run / "run.json").write_text(json.dumps({
         "format": 1, "config": "dreamzero-tiny", "config_path": str(config),
         "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(), "dtype": "float32", "demo": False,
-        "episodes": [{"name": "arm_a", "path": str(folder)}]}))
+        "episodes": [{"name": f.name, "path": str(f)} for f in folders]}))
+    return run
+
+
+def test_resume_given_an_episode_folder_first_says_it_is_a_folder(tmp_path, cli_env):
+    # `ardiff rollout --resume -o RUN data/arm_a` read "config file not found: data/arm_a" of a folder that is
+    # there (without --resume the same mistake says that CONFIG is a folder).
+    folder = episode(tmp_path / "arm_a", 1)
+    run = a_run_of(tmp_path / "run", [folder])
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "-o", str(run), str(folder),
                            "--format", "plain"], env=cli_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
@@ -974,18 +979,8 @@ def test_resume_given_an_episode_folder_first_says_it_is_a_folder(tmp_path, cli_
 
 def test_resume_with_other_episodes_says_which_were_given(tmp_path, cli_env):
     # It named only the run's episodes ("...: ['arm_a', 'arm_b']"), not what the command line gave instead.
-    import hashlib
-
-    from ardiff_cli.runtime.config import resolve_config
-
     folders = [episode(tmp_path / name, 1) for name in ("arm_a", "arm_b")]
-    config = resolve_config("dreamzero-tiny").resolve()
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "run.json").write_text(json.dumps({
-        "format": 1, "config": "dreamzero-tiny", "config_path": str(config),
-        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(), "dtype": "float32", "demo": False,
-        "episodes": [{"name": f.name, "path": str(f)} for f in folders]}))
+    run = a_run_of(tmp_path / "run", folders)
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", str(folders[0]),
                            "--resume", "-o", str(run), "--format", "plain"], env=cli_env, capture_output=True,
                           text=True, timeout=300)
