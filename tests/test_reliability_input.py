@@ -144,6 +144,10 @@ OBSERVATION_CASES = {
     "duplicate": (duplicate, ["{folder}: two files for step 1: step_00000"], "one file per step"),
     "empty_folder": (lambda f: f.mkdir(parents=True), ["{folder}: the episode folder holds no step files"],
                      "--follow"),
+    # it said "missing prompt" alone, though the prompt was there under a misspelt key (never read)
+    "misspelt_prompt": (lambda f: episode(f) and (f / "episode.yaml").write_text("promt: pick up the cube\n"),
+                        ["{folder}/step_000000.safetensors: missing prompt 'prompt' or 'language_instruction'; "
+                         "{folder}/episode.yaml has 'promt' (did you mean 'prompt'?)"], "rename that key to 'prompt'"),
     # it read "cannot read the step file: No such file or directory" of a file the user could see listed
     "dangling_link": (dangling_link, ["{path}: cannot read the step file: it is a link to "
                                       "../../nas/arm/step_000001.safetensors, which does not exist"], "mount the disk"),

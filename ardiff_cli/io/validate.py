@@ -49,5 +49,18 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
                              f"{key}: \"pick up the red cube\"")
                 arrays[key] = source[key]
                 break
+        else:
+            _refuse_a_misspelt_prompt(path, prompt_keys, raw.metadata, episode_metadata or {})
     return ValidStep(inputs=validate_observation(schema, arrays, where=str(path)), warnings=warnings)
 
+
+def _refuse_a_misspelt_prompt(path: Path, prompt_keys: tuple[str, ...], *sources: dict[str, Any]) -> None:
+    """No prompt anywhere, but a key close to one (``promt:`` in episode.yaml): an error that names the key and
+    where it is. The schema's own "missing prompt" said nothing of it, and other keys there are never read."""
+    for source, where in zip(sources, (path, path.parent / METADATA_FILE)):
+        for key in source:
+            near = did_you_mean(str(key), prompt_keys)
+            if near:
+                raise ObservationError(
+                    f"{path}: missing prompt {' or '.join(map(repr, prompt_keys))}; {where} has {shown(key)}{near}",
+                    hint=f"rename that key to {prompt_keys[0]!r}")
