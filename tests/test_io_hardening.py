@@ -248,8 +248,18 @@ def test_a_results_line_nested_too_deeply_is_named_with_its_line(tmp_path):
 def test_run_info_that_is_not_an_object_is_a_config_error(tmp_path, text, fault):
     RunFolder(tmp_path).start({"config": "x"})
     (tmp_path / "run.json").write_text(text)  # was 'a bug in ardiff': RecursionError, AttributeError
-    with pytest.raises(ConfigError, match=rf"run.json: cannot read run info: {re.escape(fault)}$"):
+    with pytest.raises(ConfigError, match=rf"run.json: cannot read run info: {re.escape(fault)}$") as info:
         RunFolder(tmp_path).read_info()
+    assert "start a new run in another --out" in info.value.hint
+
+
+def test_resume_of_a_file_says_it_is_a_file_not_that_no_folder_is_there(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    result = ardiff("rollout", "--resume", "--out", "notes.txt", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    error = json.loads(result.stdout.splitlines()[-1])
+    assert error["message"] == "nothing to resume: notes.txt is a file, not a run folder", error
+    assert "outputs: DIR" in error["hint"]
 
 
 def test_a_step_file_whose_header_is_nested_too_deeply_is_not_whole_yet(tmp_path):

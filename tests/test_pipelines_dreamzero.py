@@ -177,8 +177,9 @@ def test_bad_requests_fail_before_any_kv_is_used():
     assert "unknown key 'joint_positions' (did you mean 'joint_position'?)" in message
     assert "missing 'joint_position'" in message
     two = {**inputs, **{k: np.stack([inputs[k]] * 2) for k in ("exterior_image_0", "exterior_image_1", "wrist_image")}}
-    with pytest.raises(ObservationError, match="cameras carry 2 frames; expected 1 .* or 4"):
+    with pytest.raises(ObservationError, match="cameras carry 2 frames; expected 1 .* or 4") as err:
         driver.run("s", two)
+    assert err.value.hint.endswith("the first step of an episode holds one frame, each later one 4")
     mixed = {**inputs, "wrist_image": np.stack([inputs["wrist_image"]] * 4)}
     with pytest.raises(ObservationError, match="different frame counts"):
         driver.run("s", mixed)

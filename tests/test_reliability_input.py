@@ -357,6 +357,8 @@ CONFIG_CASES = {
                                  ["{config}: unknown key 'runtime.5'"], "valid runtime keys"),
     "empty_file": ("# only a comment\n", "inspect-capacity", ["{config}: the config is empty (no YAML mapping in it)"],
                    "pipeline: NAME"),  # it read 'a config must be a YAML mapping, got NoneType'
+    "a_list": ("- pipeline: dreamzero\n", "inspect-capacity", ["{config}: a config must be a YAML mapping, got list"],
+               "starting with `pipeline: NAME`"),
     "empty_list_as_model": ("pipeline: dreamzero\nmodel: []\n", "inspect-capacity",
                             ["{config}: field 'model': expected a mapping, got []"], "set 'model' to a mapping"),
     "false_as_runtime": ("pipeline: dreamzero\nruntime: false\n", "inspect-capacity",
@@ -927,7 +929,7 @@ def test_an_episode_yaml_that_is_not_yaml_or_not_readable_is_one_line_and_a_hint
 
 
 @pytest.mark.parametrize(("field", "edit", "expected", "got"), [
-    ("config", lambda info: info.pop("config"), "a string", "None"),
+    ("config", lambda info: info.pop("config"), "a string", "nothing (the field is missing)"),
     ("dtype", lambda info: info.update(dtype=32), "a string", "32"),
     ("episodes", lambda info: info.update(episodes="arm_a"), 'a list of {"name": ..., "path": ...} objects',
      "'arm_a'"),

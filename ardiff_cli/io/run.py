@@ -34,6 +34,8 @@ PREVIEWS_DIR = "previews"
 SWAP_DIR = ".swap"  # snapshots of evicted sessions while the run lasts, and those a stopped run keeps (io.kept)
 LOCK_FILE = ".lock"  # held (flock) by the process writing the run; the kernel releases it when that process ends
 RUN_FORMAT = 1  # version of this layout
+RUN_INFO_HINT = ("ardiff writes run.json as a run starts, whole or not at all: one that cannot be read was cut or "
+                 "edited since; restore it from a backup, or start a new run in another --out")
 
 
 def _run_info_problem(info: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -53,7 +55,7 @@ def _run_info_problem(info: Mapping[str, Any]) -> tuple[str, str] | None:
 
 
 def _at(info: Mapping[str, Any], field: str) -> Any:
-    """run.json's value of ``field`` (``episodes[3]``), None where it is missing."""
+    """run.json's value of ``field`` (``episodes[3]``)."""
     if field.startswith("episodes["):
         return info["episodes"][int(field[9:-1])]
     return info.get(field)
@@ -142,6 +144,9 @@ class RunFolder:
             raise ConfigError(f"{path}: cannot read run info: {exc.strerror or exc}",
                               hint="check that the user running ardiff may read and enter the run folder and the "
                                    "folders above it (permissions r-x)") from None
+        if self.root.exists() and not self.root.is_dir():
+            raise ConfigError(f"nothing to resume: {self.root} is a file, not a run folder",
+                              hint="give --out the folder a run printed as 'outputs: DIR'")
         if not self.root.is_dir():  # a typo: "start a run in this folder" would lead away from the run
             near = sorted(p.name for p in self.root.parent.glob("*") if RunFolder(p).holds_run())
             raise ConfigError(f"nothing to resume: there is no folder {self.root}",
@@ -157,11 +162,13 @@ class RunFolder:
         try:
             info = parse_json(path.read_text())
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"{path}: cannot read run info: {exc}") from None
+            raise ConfigError(f"{path}: cannot read run info: {exc}", hint=RUN_INFO_HINT) from None
         if not isinstance(info, dict):
-            raise ConfigError(f"{path}: cannot read run info: expected a JSON object, got {type(info).__name__}")
+            raise ConfigError(f"{path}: cannot read run info: expected a JSON object, got {type(info).__name__}",
+                              hint=RUN_INFO_HINT)
         if info.get("format") != RUN_FORMAT:
-            raise ConfigError(f"{path}: written by an incompatible ardiff (format {info.get('format')!r})")
+            raise ConfigError(f"{path}: written by an incompatible ardiff (format {info.get('format')!r})",
+                              hint=f"resume it with the ardiff that started it (format {RUN_FORMAT} is this one's)")
         return info
 
     def resume_info(self) -> dict[str, Any]:
@@ -171,9 +178,11 @@ class RunFolder:
         problem = _run_info_problem(info)
         if problem is not None:
             field, expected = problem
-            raise field_error(str(self.root / RUN_FILE), field, expected, _at(info, field),
-                              hint="correct it there (ardiff writes run.json as a run starts), or start a new run "
-                                   "in another --out")
+            hint = "correct it there (ardiff writes run.json as a run starts), or start a new run in another --out"
+            if field in info or field.startswith("episodes["):
+                raise field_error(str(self.root / RUN_FILE), field, expected, _at(info, field), hint=hint)
+            raise ConfigError(f"{self.root / RUN_FILE}: field {field!r}: expected {expected}, got nothing (the "
+                              "field is missing)", hint=hint)
         return info
 
     def remove_stale_temporaries(self) -> list[Path]:

@@ -245,7 +245,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
+        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}",
+                          hint="check that the user running ardiff may read it and enter its folders "
+                               "(permissions)") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r})",
                           hint="save the config as UTF-8 YAML") from None
@@ -263,7 +265,8 @@ def read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: the config is empty (no YAML mapping in it)",
                           hint="a config holds at least `pipeline: NAME`; see README, Configs")
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a config must be a YAML mapping, got {type(data).__name__}")
+        raise ConfigError(f"{path}: a config must be a YAML mapping, got {type(data).__name__}",
+                          hint="write it as `key: value` lines, starting with `pipeline: NAME`; see README, Configs")
     duplicate = _duplicate_key(text)
     if duplicate is not None:
         key, where = duplicate

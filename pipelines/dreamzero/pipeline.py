@@ -173,7 +173,9 @@ class DreamZeroPipeline(ARPipeline):
         if num_rgb not in (1, c.frames_per_request):
             raise ObservationError(
                 f"request inputs: cameras carry {num_rgb} frames; expected 1 (a session's first request) or "
-                f"{c.frames_per_request}"
+                f"{c.frames_per_request}",
+                hint=f"each camera's array is (frames, height, width, 3): the first step of an episode holds one "
+                     f"frame, each later one {c.frames_per_request}",
             )
         robot_state = self._robot_state(obs)  # (state_dim,)
         prompt = obs[SCHEMA.prompt_key]
