@@ -164,6 +164,16 @@ def test_invalid_config_value_names_the_field(tmp_path):
     assert "model.window_frame" in result.stderr and "did you mean 'window_frames'" in result.stderr
 
 
+def test_a_model_section_read_by_another_pipeline_says_so(tmp_path):
+    """--pipeline causal_world on the default DreamZero config said only "unknown key 'model.num_inference_steps'":
+    nothing said that the key was checked against another pipeline than the config's."""
+    result = invoke("inspect-capacity", "--pipeline", "causal_world")
+    assert result.exit_code == 2
+    assert "unknown key 'model.num_inference_steps'" in result.stderr
+    assert ("hint: the config is for pipeline 'dreamzero', but --pipeline causal_world reads its model: section: "
+            "drop --pipeline, or give a config of that pipeline; valid keys: preset") in result.stderr
+
+
 def test_rollout_refuses_an_output_folder_that_holds_a_run(tmp_path):
     (tmp_path / "run.json").write_text("{}")
     result = invoke("rollout", "--out", str(tmp_path))

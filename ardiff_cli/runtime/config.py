@@ -385,8 +385,15 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
     if not isinstance(model_data, dict):
         raise field_error(where, "model", "a mapping", model_data)
     config_class = entry.config_class.__qualname__
-    model = _pipeline_config_call(entry, where, f"{config_class}.from_dict",
-                                  lambda: entry.config_class.from_dict(model_data, where=where))
+    try:
+        model = _pipeline_config_call(entry, where, f"{config_class}.from_dict",
+                                      lambda: entry.config_class.from_dict(model_data, where=where))
+    except ConfigError as exc:
+        if pipeline is not None and data.get("pipeline") not in (None, entry.name):  # another pipeline's settings
+            exc.hint = (f"the config is for pipeline {data['pipeline']!r}, but --pipeline {pipeline} reads its "
+                        "model: section: drop --pipeline, or give a config of that pipeline"
+                        + (f"; {exc.hint}" if exc.hint else ""))
+        raise
     spec = _pipeline_config_call(entry, where, f"{config_class}.kv_cache_spec", lambda: model.kv_cache_spec())
     if not isinstance(spec, ARDiffusionKVCacheSpec):
         raise PipelineError(f"{where}: pipeline {entry.name!r}: {config_class}.kv_cache_spec() returned "
