@@ -782,16 +782,21 @@ def test_a_done_step_rewritten_before_a_resume_fails_its_episode_whether_its_ses
     assert not (run / ".swap").exists()
 
 
-@pytest.mark.parametrize("damage", ["index steps", "index steps ahead", "index garbage", "index not utf-8",
-                                    "index nested", "snapshot truncated", "snapshot header nested", "swap off"])
+@pytest.mark.parametrize("damage", ["index steps", "index steps ahead", "index of another run", "index garbage",
+                                    "index not utf-8", "index nested", "snapshot truncated", "snapshot header nested",
+                                    "swap off"])
 def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, data, reference, tmp_path, damage):
     run, swapped, entry = stopped_with_a_swapped_session(env, data, tmp_path)
     index, snapshot = run / ".swap" / "kept.json", run / ".swap" / entry["file"]
+    written = json.loads(index.read_text())
+    assert written["run"] == json.loads((run / "run.json").read_text())["started"]
     options = []
     if damage == "index steps":  # not the episode's done steps any more
-        index.write_text(json.dumps({"format": "ardiff-kept-1", "sessions": {swapped: {**entry, "steps": 1}}}))
+        index.write_text(json.dumps({**written, "sessions": {swapped: {**entry, "steps": 1}}}))
     elif damage == "index steps ahead":  # more than the episode's done steps (ok lines went missing)
-        index.write_text(json.dumps({"format": "ardiff-kept-1", "sessions": {swapped: {**entry, "steps": 3}}}))
+        index.write_text(json.dumps({**written, "sessions": {swapped: {**entry, "steps": 3}}}))
+    elif damage == "index of another run":  # two runs' .swap linked to one folder: the other run wrote it last
+        index.write_text(json.dumps({**written, "run": written["run"] + 1}))
     elif damage == "index garbage":
         index.write_text("{not json")
     elif damage == "index not utf-8":  # a damaged disk's bytes: every resume used to crash (UnicodeDecodeError)

@@ -466,7 +466,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 + (f", {skipped} steps already done" if resume else ""))
     started = time.monotonic()
     swap_dir = p.out_dir / SWAP_DIR
-    kept = read_kept(swap_dir) if resume else {}  # the snapshots a stopped run left for this resume
+    kept = read_kept(swap_dir, run=p.info["started"]) if resume else {}  # what a stopped run left for this resume
     # the rest is stale: left by a run killed before it could remove them
     remove_snapshot_files(swap_dir, keep=frozenset(file for file, _ in kept.values()))
     if resume:
@@ -555,7 +555,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     if engine is not None and driver is not None and error is not None:
                         if stopped:
                             _swap_out_resident(engine, driver, output)
-                        kept = _keep_swapped(engine, driver, swap_dir)  # for --resume to restore, not replay
+                        # for --resume to restore, not replay
+                        kept = _keep_swapped(engine, driver, swap_dir, p.info["started"])
                     if engine is not None:
                         _close_engine(engine, output)
                 finally:
@@ -627,7 +628,7 @@ def _swap_out_resident(engine: Any, driver: Any, output: Output) -> None:
                      "others, if any, did not fit in the swap space left, or could not be exported: they replay)")
 
 
-def _keep_swapped(engine: Any, driver: Any, swap_dir: Path) -> dict[str, tuple[str, int]]:
+def _keep_swapped(engine: Any, driver: Any, swap_dir: Path, run: float) -> dict[str, tuple[str, int]]:
     """Leave the snapshots of the episodes swapped out when the run stopped, with their index, for --resume; {}
     when the index cannot be written (the disk that stopped the run is full): the files go, and --resume replays."""
     from ardiff_cli.io.kept import write_kept
@@ -637,7 +638,7 @@ def _keep_swapped(engine: Any, driver: Any, swap_dir: Path) -> dict[str, tuple[s
     kept = {name: (file, steps[name]) for name, file in detached.items() if name in steps}
     if kept:
         try:
-            write_kept(swap_dir, kept)
+            write_kept(swap_dir, kept, run=run)
         except OSError:
             return {}
     return kept

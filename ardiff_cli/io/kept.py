@@ -21,19 +21,22 @@ KEPT_FILE = "kept.json"
 FORMAT = "ardiff-kept-1"
 
 
-def write_kept(swap_dir: Path, kept: dict[str, tuple[str, int]]) -> None:
+def write_kept(swap_dir: Path, kept: dict[str, tuple[str, int]], *, run: float) -> None:
     """Write the index of ``kept``: {episode: (file name, steps its session had consumed)}, as :func:`read_kept`
-    gives it back."""
+    gives it back to the run that started at ``run`` (run.json's ``started``)."""
     from ardiff_cli.io.atomic import atomic_write_json
 
     sessions = {name: {"file": file, "steps": steps} for name, (file, steps) in kept.items()}
-    atomic_write_json(swap_dir / KEPT_FILE, {"format": FORMAT, "sessions": sessions})
+    atomic_write_json(swap_dir / KEPT_FILE, {"format": FORMAT, "run": run, "sessions": sessions})
 
 
-def read_kept(swap_dir: Path) -> dict[str, tuple[str, int]]:
+def read_kept(swap_dir: Path, *, run: float) -> dict[str, tuple[str, int]]:
     """The index as {episode: (file name, steps)}, left in place (:func:`drop_kept` deletes it). {} when there is
-    none or it is not one this version wrote whole (its sessions are then replayed). The temporary file of a write
-    of it that a ``kill -9`` cut short goes with the run folder's others (``RunFolder.remove_stale_temporaries``)."""
+    none, it is not one this version wrote whole, or another run wrote it (its sessions are then replayed): two runs
+    whose ``.swap`` folders are links to one folder each wrote kept.json there, and a resume restored the other run's
+    snapshot of an episode of the same name and steps, silently. ``run`` is the run's start (run.json's
+    ``started``), which a copy of the run folder keeps with its snapshots. The temporary file of a write of it that
+    a ``kill -9`` cut short goes with the run folder's others (``RunFolder.remove_stale_temporaries``)."""
     from ardiff_cli.io.atomic import parse_json
     from ardiff_cli.runtime.swap import SNAPSHOT_FILE
 
@@ -46,7 +49,8 @@ def read_kept(swap_dir: Path) -> dict[str, tuple[str, int]]:
         data = parse_json(text)  # bytes: a file that is not UTF-8 is a ValueError too, not a crash of every resume
     except ValueError:
         return {}
-    sessions = data.get("sessions") if isinstance(data, dict) and data.get("format") == FORMAT else None
+    ours = isinstance(data, dict) and data.get("format") == FORMAT and data.get("run") == run
+    sessions = data.get("sessions") if ours else None
     if not isinstance(sessions, dict):
         return {}
     kept = {}
