@@ -259,6 +259,25 @@ def test_a_bad_scratch_variable_is_a_usage_error_not_a_bug(cli_env, command):
     assert "Traceback" not in proc.stderr and "bug" not in proc.stderr
 
 
+def test_a_pipelines_folder_that_hides_ardiffs_is_named(tmp_path, cli_env):
+    """`python -m ardiff_cli` puts the working folder first on sys.path: a lab's own `pipelines/` there hid ardiff's,
+    and the error's hint asked whether the package was installed. -S with the repo and site-packages on PYTHONPATH
+    puts the folders in the order a regular (not editable) install has them."""
+    import sysconfig
+
+    (tmp_path / "pipelines").mkdir()
+    (tmp_path / "pipelines" / "__init__.py").write_text("")
+    env = {**cli_env, "PYTHONPATH": os.pathsep.join([str(REPO), sysconfig.get_paths()["purelib"]])}
+    config = REPO / "configs" / "dreamzero-tiny.yaml"  # from the checkout: ardiff_cli.configs is an installed name
+    proc = subprocess.run([sys.executable, "-S", "-m", "ardiff_cli", "inspect-capacity", str(config), "--format",
+                           "plain"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot import 'pipelines.dreamzero': ModuleNotFoundError" in proc.stderr
+    hint = (f"hint: 'pipelines' was imported from {(tmp_path / 'pipelines').resolve()}, not ardiff's "
+            f"({(REPO / 'pipelines').resolve()}): a folder named pipelines in the working folder hides it")
+    assert hint in proc.stderr, proc.stderr
+
+
 def _imported_modules(*args: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ardiff_cli", *args], cwd=REPO, env=env,

@@ -26,6 +26,7 @@ import importlib.metadata
 import re
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError, did_you_mean
@@ -109,8 +110,25 @@ def _import(module_path: str, *, what: str, where: str):
     except Exception as exc:  # noqa: BLE001 - ImportError, or whatever the module raised while importing
         raise ConfigError(
             f"{where}: {what}: cannot import {module_path!r}: {type(exc).__name__}: {exc}",
-            hint="is the package installed in this environment (or its folder on PYTHONPATH)?",
+            hint=_shadowed(module_path) or "is the package installed in this environment (or its folder on "
+                                           "PYTHONPATH)?",
         ) from None
+
+
+def _shadowed(module_path: str) -> str | None:
+    """Why a built-in pipeline did not import, when another ``pipelines`` package was imported in place of ardiff's:
+    ``python -m ardiff_cli`` puts the working folder first on ``sys.path``, and a ``pipelines/`` folder there (a
+    lab's own code) hides the one installed beside ``ardiff_cli``."""
+    import sys
+
+    package = sys.modules.get("pipelines")
+    folders = [Path(p).resolve() for p in getattr(package, "__path__", ())]
+    ours = Path(__file__).resolve().parents[2] / "pipelines"  # beside ardiff_cli/, installed or checked out
+    if not module_path.startswith("pipelines.") or not folders or ours in folders:
+        return None
+    return (f"'pipelines' was imported from {folders[0]}, not ardiff's ({ours}): a folder named pipelines in the "
+            "working folder hides it when ardiff runs as `python -m ardiff_cli`; run the `ardiff` command, or run "
+            "from another folder")
 
 
 def resolve_entry_module(module_path: str, *, name: str, where: str) -> PipelineEntry:
