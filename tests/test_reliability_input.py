@@ -295,7 +295,6 @@ def test_only_bad_episodes_exit_2_and_verbose_shows_the_traceback(bad_dataset, t
     assert json.loads(result.stdout.splitlines()[-1])["kind"] == "observation_error"
 
 
-
 def test_an_episode_yaml_of_the_wrong_type_is_named_not_the_step_file_that_took_its_prompt(tmp_path, cli_env):
     # `prompt: 5` (or `prompt:`, null) read `ep/step_000000.safetensors: prompt 'prompt' must be a string, got int`,
     # sending the user to a step file that holds no prompt; an episode.yaml that is no mapping came after the step
@@ -901,7 +900,6 @@ def test_an_empty_out_or_episode_is_a_usage_error_not_the_current_folder(tmp_pat
     assert error["message"] == (f"Invalid value for {what}: an empty string is not a folder (a variable that is not "
                                 "set?); write . for the current folder")
     assert list(here.iterdir()) == []  # nothing written where the command ran
-
 
 
 def test_an_episode_yaml_that_is_not_yaml_or_not_readable_is_one_line_and_a_hint(tmp_path, cli_env):
