@@ -154,9 +154,7 @@ class RunFolder:
                                    + (f"; runs in {self.root.parent}: {', '.join(near[-5:])}"
                                       f"{did_you_mean(self.root.name, near)}" if near else ""))
         if not path.exists():
-            holder = self.lock_holder()
-            if holder is not None:  # a run that is still loading its model: run.json comes after
-                raise self._in_use(holder)
+            self._refuse_while_locked()  # a run that is still loading its model: run.json comes after
             raise ConfigError(f"nothing to resume: {path} does not exist",
                               hint="run without --resume to start a run in this folder")
         try:
@@ -265,9 +263,9 @@ class RunFolder:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(fd, 32).decode("ascii", "replace").strip()
+            error = self._in_use(fd)
             os.close(fd)
-            raise self._in_use(holder) from None
+            raise error from None
         except OSError:  # a file system without flock (some network mounts): go on unlocked, as before
             os.close(fd)
             return
@@ -280,32 +278,32 @@ class RunFolder:
                               hint="free some space in it, or choose another --out") from None
         self._lock = fd
 
-    def _in_use(self, holder: str) -> ConfigError:
+    def _in_use(self, fd: int) -> ConfigError:
+        """The error for this folder while another process holds its lock (``fd``: the lock file, with its pid)."""
+        holder = os.read(fd, 32).decode("ascii", "replace").strip()
         return ConfigError(
             f"{self.root} is in use by another ardiff rollout" + (f" (pid {holder})" if holder else ""),
             hint="wait for it to end, or stop it; two processes writing one run would mix their results "
                  "(choose another --out to run both)")
 
-    def lock_holder(self) -> str | None:
-        """The pid another process holding this folder's lock wrote ("" before it did), or None when none holds
-        it. Creates nothing."""
+    def _refuse_while_locked(self) -> None:
+        """:meth:`lock`'s refusal, without taking the lock or creating anything: while another process holds it."""
         try:
             import fcntl
         except ImportError:  # not POSIX: no lock
-            return None
+            return
         try:
             fd = os.open(self.root / LOCK_FILE, os.O_RDONLY)
         except OSError:  # no lock file: no run ever wrote here
-            return None
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # refused while a writer holds it exclusively
         except BlockingIOError:
-            return os.read(fd, 32).decode("ascii", "replace").strip()
+            raise self._in_use(fd) from None
         except OSError:  # a file system without flock
-            return None
+            pass
         finally:
             os.close(fd)  # releases the shared lock, if it was taken
-        return None
 
     def close(self, *, keep_lock: bool = False) -> None:
         """Close results.jsonl and release the folder's lock (``keep_lock``: still held, for the summary)."""
