@@ -144,10 +144,10 @@ class RunFolder:
             raise ConfigError(f"{path}: cannot read run info: {exc.strerror or exc}",
                               hint="check that the user running ardiff may read and enter the run folder and the "
                                    "folders above it (permissions r-x)") from None
-        if self.root.exists() and not self.root.is_dir():
-            raise ConfigError(f"nothing to resume: {self.root} is a file, not a run folder",
-                              hint="give --out the folder a run printed as 'outputs: DIR'")
         if not self.root.is_dir():  # a typo: "start a run in this folder" would lead away from the run
+            if self.root.exists():
+                raise ConfigError(f"nothing to resume: {self.root} is a file, not a run folder",
+                                  hint="give --out the folder a run printed as 'outputs: DIR'")
             near = sorted(p.name for p in self.root.parent.glob("*") if RunFolder(p).holds_run())
             raise ConfigError(f"nothing to resume: there is no folder {self.root}",
                               hint="check the path (a run prints it as 'outputs: DIR')"
