@@ -66,7 +66,7 @@ def random_cache(rng: random.Random, spec, page_size, dtype, *, num_sessions, ex
     backend or the torch-paged kernel with a random block size, with one or two blocks of scratch (more room
     for registers)."""
     backend = rng.choice(["torch", TorchPagedKernel(rng.randint(1, page_size))])
-    scratch_blocks = rng.choice([1, 1, 2])
+    scratch_blocks = rng.choice([1, 1, 2 * spec.frames_per_block])  # KV blocks of one frame: two model blocks
     layout = KVLayout.from_spec(spec, page_size=page_size, scratch_blocks=scratch_blocks)
     pages = layout.managed_pages(num_sessions) + extra_inflight * layout.inflight_pages
     return ARDiffusionKVCache(spec, pages, dtype=dtype, page_size=page_size, scratch_blocks=scratch_blocks,
@@ -222,7 +222,7 @@ def test_a_session_swapped_out_mid_rollout_goes_on_bit_identical_to_one_never_sw
         cache = random_cache(rng, spec, page_size, dtype, num_sessions=2)
         backend = "torch" if cache.attention_backend == "torch" else cache.pool.kernel  # stateless: shareable
         twin_cache = ARDiffusionKVCache(spec, cache.num_managed_pages, dtype=dtype, page_size=page_size,
-                                        scratch_blocks=cache.layout.scratch_tokens // cache.layout.block_tokens,
+                                        scratch_blocks=cache.layout.scratch_tokens // spec.tokens_per_frame,
                                         attention_backend=backend)
         assert twin_cache.layout == cache.layout
         where = f"draw {draw}: {spec}, page_size={page_size}, {cache.attention_description}, {dtype}"

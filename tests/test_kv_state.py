@@ -182,13 +182,29 @@ def test_scratch_is_one_block_plus_registers(make_spec, make_cache):
     attend_once(contexts[0], spec, 4 + 9)
 
 
-@pytest.mark.parametrize("blocks, expected", [("1", 8 + 5), ("2", 16), ("3", 24), (" 4 ", 32)])
+@pytest.mark.parametrize("blocks, expected", [("1", 8 + 5), ("3", 8 + 5), ("4", 16), ("5", 20), (" 8 ", 32)])
 def test_scratch_env_raises_never_lowers(monkeypatch, make_spec, make_cache, blocks, expected):
+    """The variable counts paged KV blocks of tokens_per_frame = 4 tokens (the spec's block size); the derived
+    minimum is a 2-frame block + 5 registers = 13 tokens, 4 blocks."""
     monkeypatch.setenv(SCRATCH_ENV, blocks)
     cache = make_cache(make_spec(max_scratch_tokens_per_branch=5))
     assert cache.layout.scratch_tokens == expected
+    assert cache.layout.scratch_pages_per_slot == max(4, int(blocks))
     state = cache.new_state("s")
     forward(state, "negative", 2, commit=False, num_registers=expected - 8)  # all of it is usable
+
+
+@pytest.mark.parametrize("blocks, expected_blocks", [(None, 8), ("1", 8), ("7", 8), ("8", 8), ("10", 10)])
+def test_scratch_env_counts_kv_blocks_of_one_frame(monkeypatch, make_spec, blocks, expected_blocks):
+    """The spec's own example: 6 frames per block and one register token more than a KV block need 6 + 2 = 8
+    scratch blocks per branch; the variable raises that count, in the same unit, and never lowers it (7 read as
+    model blocks of 6 frames gave 42 blocks)."""
+    if blocks is not None:
+        monkeypatch.setenv(SCRATCH_ENV, blocks)
+    spec = make_spec(frames_per_block=6, window_frames=6, max_scratch_tokens_per_branch=4 + 1)
+    layout = KVLayout.from_spec(spec, attention_backend="vllm")
+    assert layout.scratch_pages_per_slot == expected_blocks
+    assert layout.scratch_pages == spec.num_local_kv_branches * expected_blocks
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "abc", "1.5"])

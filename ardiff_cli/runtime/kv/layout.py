@@ -17,10 +17,12 @@ SCRATCH_ENV = "AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH"
 
 
 def scratch_blocks_from_env(environ: dict[str, str] | None = None) -> int:
-    """Blocks of scratch per branch requested by ``AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH``.
+    """Scratch per branch requested by ``AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH``, in paged KV blocks.
 
-    Unset means 1 (the derived minimum applies). Anything other than a
-    positive integer is a ``ConfigError`` (a ``ValueError``) naming the variable and its value.
+    A block is the spec's paged KV block: ``tokens_per_frame`` tokens (one latent frame), not a model block of
+    ``frames_per_block`` frames. The value can only raise the derived minimum (``frames_per_block`` blocks plus
+    the blocks the register tokens need), never lower it. Unset means 1 (the derived minimum applies). Anything
+    other than a positive integer is a ``ConfigError`` (a ``ValueError``) naming the variable and its value.
     """
     raw = (os.environ if environ is None else environ).get(SCRATCH_ENV)
     if raw is None or raw.strip() == "":
@@ -74,7 +76,8 @@ class KVLayout:
         layout = cls(
             spec=spec,
             page_size=page_size,
-            scratch_tokens=max(derived, blocks * block_tokens),
+            # the variable counts paged KV blocks of tokens_per_frame tokens, as the spec's block size is
+            scratch_tokens=max(derived, blocks * spec.tokens_per_frame),
             scratch_in_pages=attention_backend != "torch",
         )
         visible = layout.max_visible_pages * page_size
