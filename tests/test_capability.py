@@ -287,3 +287,36 @@ def test_warmup_protocol_is_runtime_checkable():
     assert isinstance(WithWarmup(), SupportsARDiffusionWarmup)
     assert isinstance(WithWarmup(), SupportsARDiffusionPipeline)
     assert not isinstance(object(), SupportsARDiffusionWarmup)
+
+
+# The contract's own validation messages: each of ardiff's starts with the contract's (callers match on them).
+SEED_MESSAGES = [
+    (lambda make_spec: ARDiffusionKVBranchSpec("", 0), "AR-Diffusion KV branch names must be non-empty"),
+    (lambda make_spec: ARDiffusionKVBranchSpec("main", -1),
+     "AR-Diffusion KV branch local_index must be non-negative, got -1"),
+    (lambda make_spec: ARDiffusionCrossAttentionKVSpec("", 4),
+     "AR-Diffusion cross-attention cache names must be non-empty"),
+    (lambda make_spec: ARDiffusionCrossAttentionKVSpec("text", 0),
+     "AR-Diffusion cross-attention num_tokens must be positive, got 0"),
+    (lambda make_spec: make_spec(num_layers=0), "AR-Diffusion num_layers must be positive, got 0"),
+    (lambda make_spec: make_spec(sink_frames=-1), "AR-Diffusion sink_frames must be non-negative, got -1"),
+    (lambda make_spec: make_spec(max_scratch_tokens_per_branch=-1),
+     "AR-Diffusion max_scratch_tokens_per_branch must be non-negative, got -1"),
+    (lambda make_spec: make_spec(model_owned_state_bytes_per_session=-1),
+     "AR-Diffusion model_owned_state_bytes_per_session must be non-negative, got -1"),
+    (lambda make_spec: make_spec(kv_branches=()), "AR-Diffusion requires at least one KV branch"),
+    (lambda make_spec: make_spec(kv_branches=(ARDiffusionKVBranchSpec("a", 0), ARDiffusionKVBranchSpec("a", 1))),
+     "AR-Diffusion KV branch names must be unique, got ['a', 'a']"),
+    (lambda make_spec: make_spec(kv_branches=(ARDiffusionKVBranchSpec("a", 1),)),
+     "AR-Diffusion KV branch local_index values must be contiguous from zero, got [1]"),
+    (lambda make_spec: make_spec(cross_attention=(ARDiffusionCrossAttentionKVSpec("t", 1),
+                                                  ARDiffusionCrossAttentionKVSpec("t", 2))),
+     "AR-Diffusion cross-attention cache names must be unique, got ['t', 't']"),
+]
+
+
+@pytest.mark.parametrize("build, message", SEED_MESSAGES, ids=[message for _, message in SEED_MESSAGES])
+def test_validation_messages_start_with_the_contracts(make_spec, build, message):
+    with pytest.raises(ValueError) as excinfo:
+        build(make_spec)
+    assert str(excinfo.value).startswith(message), f"{str(excinfo.value)!r} does not start with {message!r}"

@@ -31,8 +31,9 @@ def _require_int(field: str, value: Any, *, minimum: int) -> None:
 
 
 def _require_name(field: str, value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` is a non-empty str (``field`` is plural: the contract's wording)."""
     if not isinstance(value, str) or not value:
-        raise ValueError(f"AR-Diffusion {field} must be a non-empty string, got {value!r}")
+        raise ValueError(f"AR-Diffusion {field} must be non-empty strings, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class ARDiffusionKVBranchSpec:
     local_index: int  # worker-local storage slot, contiguous from zero
 
     def __post_init__(self) -> None:
-        _require_name("KV branch name", self.name)
+        _require_name("KV branch names", self.name)
         _require_int("KV branch local_index", self.local_index, minimum=0)
 
 
@@ -68,7 +69,7 @@ class ARDiffusionCrossAttentionKVSpec:
     head_size: int | None = None  # None: the spec's head_size
 
     def __post_init__(self) -> None:
-        _require_name("cross-attention cache name", self.name)
+        _require_name("cross-attention cache names", self.name)
         _require_int("cross-attention num_tokens", self.num_tokens, minimum=1)
         if self.num_kv_heads is not None:
             _require_int(f"cross-attention {self.name!r} num_kv_heads", self.num_kv_heads, minimum=1)
@@ -139,7 +140,7 @@ class ARDiffusionKVCacheSpec:
                     f"AR-Diffusion cross_attention must hold ARDiffusionCrossAttentionKVSpec, got {cache!r}"
                 )
         if not self.kv_branches:
-            raise ValueError("AR-Diffusion kv_branches must hold at least one KV branch, got ()")
+            raise ValueError("AR-Diffusion requires at least one KV branch, got kv_branches=()")
         names = [branch.name for branch in self.kv_branches]
         if len(names) != len(set(names)):
             raise ValueError(f"AR-Diffusion KV branch names must be unique, got {names}")
