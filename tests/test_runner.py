@@ -643,3 +643,72 @@ def test_a_failing_warmup_forward_is_a_pipeline_error_naming_the_request():
     assert isinstance(info.value.__cause__, RuntimeError)
     assert any("close hook failed" in note for note in info.value.__notes__)
     assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
+
+
+class _HookSeesReleasedKV(WarmTinyPipeline):
+    """Records, inside each lifecycle hook, what the runner had released by then (the contract: the hooks reset or
+    drop model-owned state *after* the runner released the session's KV)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runner: ARDiffusionModelRunner | None = None
+        self.states: dict[str, object] = {}  # session -> the KV state last bound to it (test bookkeeping only)
+        self.seen: list[tuple[str, str, bool, int, int, bool]] = []
+
+    @contextmanager
+    def bind_ar_diffusion_state(self, session_id, state):
+        self.states[session_id] = state
+        with super().bind_ar_diffusion_state(session_id, state):
+            yield
+
+    def _record(self, hook: str, session_id: str) -> None:
+        state, runner = self.states[session_id], self.runner
+        others = sum(s.state.num_pages for s in runner._sessions.values())
+        self.seen.append((hook, session_id, state.closed, state.num_pages + state.cross_attention_bytes,
+                          runner.kv_cache.allocator.num_used - others, session_id in runner.session_ids))
+
+    def reset_ar_diffusion_session(self, session_id: str) -> None:
+        self._record("reset", session_id)
+        super().reset_ar_diffusion_session(session_id)
+
+    def close_ar_diffusion_session(self, session_id: str) -> None:
+        self._record("close", session_id)
+        super().close_ar_diffusion_session(session_id)
+
+
+@pytest.mark.parametrize(("path", "hook"), [
+    ("request_reset", "reset"), ("reset_session", "reset"), ("close_session", "close"),
+    ("close_session_flag", "close"), ("lru_eviction", "close"), ("forward_exception", "close"), ("warmup", "close"),
+])
+def test_every_release_path_frees_kv_and_cross_attention_before_the_pipeline_hook(path, hook):
+    pipeline = _HookSeesReleasedKV()
+    runner = make_runner(pipeline, capacity=2)
+    pipeline.runner = runner
+    runner.execute_model(request("other", 0))  # a resident bystander whose pages must stay
+    if path == "warmup":
+        runner.warmup()
+        target = WARMUP_SESSION_ID
+    else:
+        target = "a"
+        runner.execute_model(request("a", 0))
+        runner.execute_model(request("a", 1))  # history and a published text cache
+        assert runner.sessions()[-1].cross_attention_bytes > 0
+        if path == "request_reset":
+            runner.execute_model(request("a", 2, reset=True))
+        elif path == "reset_session":
+            runner.reset_session("a")
+        elif path == "close_session":
+            runner.close_session("a")
+        elif path == "close_session_flag":
+            runner.execute_model(request("a", 2, close_session=True))
+        elif path == "lru_eviction":
+            runner.execute_model(request("other", 1))  # "a" is least recently used now
+            runner.execute_model(request("c", 0))
+        else:
+            pipeline.fail_at_layer = 1
+            with pytest.raises(RuntimeError, match="injected failure"):
+                runner.execute_model(request("a", 2))
+    calls = [entry for entry in pipeline.seen if entry[1] == target]
+    # one hook call; the state closed, holding no pages and no cross-attention; the pool holds only the others'
+    # pages; the session no longer resident
+    assert calls == [(hook, target, True, 0, 0, False)]
