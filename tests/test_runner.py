@@ -256,12 +256,17 @@ class _Batching(TinyPipeline):
     supports_request_batch = True
 
 
+class _Stepping(TinyPipeline):
+    supports_step_execution = True
+
+
 @pytest.mark.parametrize(
     ("pipeline", "kwargs", "error", "match"),
     [
         (TinyPipeline(), {"max_num_seqs": 4}, ValueError, "request-mode execution only.*max_num_seqs=4"),
         (TinyPipeline(), {"step_execution": True}, ValueError, "request-mode execution only.*step execution"),
         (_Batching(), {}, ValueError, "request-mode execution only.*supports_request_batch"),
+        (_Stepping(), {}, ValueError, "request-mode execution only.*supports_step_execution"),
         (
             _NoHooks(),
             {},
