@@ -655,6 +655,34 @@ def test_cross_attention_failures_are_transactional(make_spec, make_cache, case,
         assert_same(state, "positive", "text", previous)
 
 
+@pytest.mark.parametrize("first", [True, False], ids=["first-population", "replacing"])
+def test_cache_is_unreadable_until_the_iterable_completes(make_spec, make_cache, first):
+    """Read while its population is still yielding: absent on a first population, the previous complete cache when
+    replacing; never a partly written one."""
+    spec = make_spec(num_layers=3, cross_attention=CROSS)
+    state = make_cache(spec).new_state("s")
+    if not first:
+        state.populate_cross_attention("positive", "text", cross_pairs(spec, "text", seed=4))
+        previous = saved(state, "positive", "text")
+    new = cross_pairs(spec, "text", seed=5)
+    seen = []
+
+    def pairs():
+        for layer, pair in enumerate(new):
+            yield pair
+            if first:
+                with pytest.raises(RuntimeError, match="before populate"):
+                    state.cross_attention("positive", "text")
+                assert not state.has_cross_attention("positive", "text")
+            else:
+                assert_same(state, "positive", "text", previous)
+            seen.append(layer)
+
+    state.populate_cross_attention("positive", "text", pairs())
+    assert seen == [0, 1, 2]
+    assert_same(state, "positive", "text", new)
+
+
 def test_too_many_pairs_stops_consuming(make_spec, make_cache):
     spec = make_spec(num_layers=3, cross_attention=CROSS)
     state = make_cache(spec).new_state("s")
