@@ -108,6 +108,36 @@ def test_cache_spec_defaults():
         spec.window_frames = 2  # type: ignore[misc]
 
 
+# The contract's fields in its order, with its defaults (MISSING: required): positional construction stays valid.
+SEED_FIELDS = {
+    ARDiffusionKVBranchSpec: [("name", dataclasses.MISSING), ("local_index", dataclasses.MISSING)],
+    ARDiffusionCrossAttentionKVSpec: [("name", dataclasses.MISSING), ("num_tokens", dataclasses.MISSING)],
+    ARDiffusionKVCacheSpec: [
+        ("num_layers", dataclasses.MISSING), ("num_kv_heads", dataclasses.MISSING), ("head_size", dataclasses.MISSING),
+        ("tokens_per_frame", dataclasses.MISSING), ("frames_per_block", dataclasses.MISSING),
+        ("window_frames", dataclasses.MISSING), ("kv_branches", dataclasses.MISSING),
+        ("session_capacity", dataclasses.MISSING), ("sink_frames", 0), ("reset_at_boundary", False),
+        ("cross_attention", ()), ("max_model_len", 1 << 20), ("max_scratch_tokens_per_branch", 0),
+        ("model_owned_state_bytes_per_session", 0),
+    ],
+}
+
+
+@pytest.mark.parametrize("cls", list(SEED_FIELDS), ids=lambda cls: cls.__name__)
+def test_spec_classes_keep_the_contracts_fields_order_and_defaults(cls):
+    fields = [(f.name, f.default) for f in dataclasses.fields(cls)]
+    assert fields[: len(SEED_FIELDS[cls])] == SEED_FIELDS[cls]
+    # fields ardiff adds come after the contract's and have defaults
+    assert all(default is not dataclasses.MISSING for _, default in fields[len(SEED_FIELDS[cls]):])
+    assert cls.__dataclass_params__.frozen
+
+
+def test_cache_spec_built_positionally_as_the_contract_orders_it():
+    spec = ARDiffusionKVCacheSpec(2, 4, 16, 8, 3, 6, (ARDiffusionKVBranchSpec("main", 0),), 1, 2)
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_size, spec.tokens_per_frame, spec.frames_per_block,
+            spec.window_frames, spec.session_capacity, spec.sink_frames) == (2, 4, 16, 8, 3, 6, 1, 2)
+
+
 @pytest.mark.parametrize("field", POSITIVE_FIELDS)
 @pytest.mark.parametrize("value", [0, -1, "3", 2.5, 3.0, True, None])
 def test_cache_spec_positive_fields(make_spec, field, value):
