@@ -99,11 +99,21 @@ def test_quiet_keeps_data_and_errors_only():
 
 
 def test_rich_respects_no_color(monkeypatch):
-    monkeypatch.setenv("NO_COLOR", "1")
-    out, stdout, stderr = sink(Format.rich)
-    out.console("stderr").force_terminal = True  # escape codes would be possible; colour must still be off
-    out.error("bad", "hint")
-    assert "\x1b[3" not in stderr.getvalue() and "Error: bad" in stderr.getvalue()
+    """On a colour terminal the rich format colours 'Error:' and 'hint:'; NO_COLOR takes the colours away (bold
+    may stay: NO_COLOR is about colour). The streams are terminals from the start, as Rich picks its colours
+    when the console is made (forcing a terminal afterwards left it colourless with or without NO_COLOR)."""
+    colour = re.compile(r"\x1b\[(?:[0-9]+;)*(?:3[0-9]|9[0-7])(?:;[0-9]+)*m")  # an SGR that sets a foreground colour
+    monkeypatch.setenv("TERM", "xterm-256color")
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    said = {}
+    for no_color in ("", "1"):
+        monkeypatch.setenv("NO_COLOR", no_color)  # Rich reads an empty NO_COLOR as unset
+        stderr = Tty()
+        Output(Format.rich, stdout=Tty(), stderr=stderr).error("bad", "hint")
+        said[no_color] = stderr.getvalue()
+    assert colour.search(said[""]), said  # the control: colours where NO_COLOR is not set
+    assert not colour.search(said["1"]), said
+    assert re.sub(r"\x1b\[[0-9;]*m", "", said["1"]) == "Error: bad\nhint: hint\n", said
 
 
 @pytest.mark.parametrize(("exc", "code"), [
