@@ -441,12 +441,18 @@ def test_flash_attention_kernel_call_keeps_flash_attentions_contract(monkeypatch
 def test_kernel_pool_bytes_equal_the_capacity_plan(page_size, block, dtype):
     s = spec(tokens_per_frame=20 if page_size is None else 4, max_scratch_tokens_per_branch=3)
     plan = plan_capacity(s, dtype, 1 << 30, page_size=page_size, attention_backend="vllm")
-    try:
-        cache = ARDiffusionKVCache(s, plan.num_managed_pages, dtype=dtype, page_size=page_size,
-                                   attention_backend=TorchPagedKernel(block))
-    except ValueError as exc:  # 16-token blocks over 2-token pages: rejected, never mis-sized
-        assert "too small" in str(exc)
+
+    def build() -> ARDiffusionKVCache:
+        return ARDiffusionKVCache(s, plan.num_managed_pages, dtype=dtype, page_size=page_size,
+                                  attention_backend=TorchPagedKernel(block))
+
+    if (page_size, block) == (2, 16):
+        # Every token of a 2-token page is tail for 16-token blocks, and the workspace has too few whole blocks
+        # for a forward's tails and registers: rejected, never mis-sized. Only this pair: the others must build.
+        with pytest.raises(ValueError, match="geometry is too small for 16-token blocks"):
+            build()
         return
+    cache = build()
     assert isinstance(cache.pool, PagedKernelPool)
     assert cache.pool.nbytes == plan.pool_bytes
     assert cache.num_managed_pages == plan.num_managed_pages
