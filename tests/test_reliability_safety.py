@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import importlib.metadata
 import json
 import os
 import sys
@@ -258,15 +257,16 @@ def test_a_pipeline_class_carries_what_an_entry_module_carries():
     assert json.loads(result.stdout)["plan"] == json.loads(expected.stdout)["plan"]
 
 
-def test_entry_points_register_pipelines_but_never_shadow_builtins(monkeypatch):
-    points = [
-        importlib.metadata.EntryPoint("my_world", "pipelines.causal_world", registry.ENTRY_POINT_GROUP),
-        importlib.metadata.EntryPoint("dreamzero", "no_such_package.pipeline", registry.ENTRY_POINT_GROUP),
-        importlib.metadata.EntryPoint("broken", "no_such_package.pipeline", registry.ENTRY_POINT_GROUP),
-    ]
-    monkeypatch.setattr(registry.importlib.metadata, "entry_points",
-                        lambda group: [p for p in points if p.group == group])
-    with pytest.warns(ArdiffWarning, match="entry point dreamzero = 'no_such_package.pipeline' .* is ignored"):
+def test_entry_points_register_pipelines_but_never_shadow_builtins(tmp_path, monkeypatch):
+    """An installed distribution (a dist-info folder on sys.path, read by the real importlib.metadata)."""
+    dist = tmp_path / "third_party_worlds-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: third-party-worlds\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[{registry.ENTRY_POINT_GROUP}]\nmy_world = pipelines.causal_world\n"
+                                           "dreamzero = no_such_package.pipeline\nbroken = no_such_package.pipeline\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(ArdiffWarning, match=r"entry point dreamzero = 'no_such_package.pipeline' .*\(distribution "
+                                           r"third-party-worlds 1.0\) .* is ignored"):
         assert registry.registered_pipelines() == {
             "dreamzero": "pipelines.dreamzero", "causal_world": "pipelines.causal_world",
             "my_world": "pipelines.causal_world", "broken": "no_such_package.pipeline"}
