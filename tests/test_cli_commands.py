@@ -113,13 +113,30 @@ def test_inspect_capacity_json_is_the_exact_plan():
 
 
 def test_inspect_capacity_human_units_and_published_sizes():
-    result = invoke("inspect-capacity", "dreamzero-14b", "--available", "80GiB", "--format", "plain")
+    """The sizes of DreamZero on Wan2.1-I2V-14B, computed here from its published geometry (README: 40 layers, 40
+    KV heads of 128, 220 tokens per frame, bfloat16; a 512-token text and a 257-token image context; window 9
+    frames, no sink, two CFG branches) rather than read from the plan."""
+    result = runner.invoke(app, ["inspect-capacity", "dreamzero-14b", "--available", "80GiB", "--format", "plain"],
+                           env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.stderr
     text = result.stdout
-    for label in ("page", "token", "per session", "self-attn positive", "cross-attn text", "cross-attn image",
-                  "model-owned", "fixed", "sessions", "per GiB"):
-        assert label in text
-    assert "GiB" in text and "MiB" in text and "\x1b[" not in text
+    assert "\x1b[" not in text
+    rows = {re.split(r"\s{2,}", line.strip())[0]: re.split(r"\s{2,}", line.strip())[1:]
+            for line in text.splitlines()[2:] if line.strip()}
+    token = 2 * 40 * 40 * 128 * 2  # K and V, every layer, bfloat16: 819,200 bytes
+    kib, mib, gib = 1 << 10, 1 << 20, 1 << 30
+    assert rows["token"][0] == f"{token / kib:.2f} KiB" == "800.00 KiB"
+    page = 220 * token  # one frame
+    assert rows["page"] == [f"{page / mib:.2f} MiB", "220 tokens, 1 page(s) per frame, bfloat16"]
+    for branch in ("positive", "negative"):
+        assert rows[f"self-attn {branch}"] == [f"{9 * page / gib:.2f} GiB", "sink + window frames"]
+    text_kv, image_kv = 512 * token, 257 * token  # per branch
+    assert rows["cross-attn text"] == [f"{2 * text_kv / mib:.2f} MiB", f"{text_kv / mib:.2f} MiB per branch x 2"]
+    assert rows["cross-attn image"] == [f"{2 * image_kv / mib:.2f} MiB", f"{image_kv / mib:.2f} MiB per branch x 2"]
+    model_owned = load_config("dreamzero-14b").kv_cache_spec().model_owned_state_bytes_per_session
+    per_session = 2 * 9 * page + 2 * (text_kv + image_kv) + model_owned
+    assert rows["per session"] == [f"{per_session / gib:.2f} GiB", "18 pages at rest"]
+    assert rows["per GiB"][0] == f"{gib / per_session:.3f}"
 
 
 def test_inspect_capacity_fixed_parts_add_up_to_its_total():
