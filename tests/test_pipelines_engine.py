@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ardiff_cli.runtime.engine import ARDiffusionEngine
+from ardiff_cli.runtime.errors import ObservationError
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from pipeline_helpers import CONFIGS, ardiff_cache, single_thread  # noqa: F401 - fixtures
 
@@ -75,8 +76,9 @@ def test_failed_request_releases_the_session():
     engine.execute(ARDiffusionRequest("ok", pipe.example_inputs(1), {"session_id": "s"}))
     bad = pipe.example_inputs(4)
     bad.pop("joint_position")
-    with pytest.raises(Exception, match="missing 'joint_position'"):
+    with pytest.raises(ObservationError, match="missing 'joint_position'") as info:  # typed: the CLI's exit 2
         engine.execute(ARDiffusionRequest("bad", bad, {"session_id": "s"}))
+    assert info.value.exit_code == 2
     assert engine.runner.sessions() == [] and pipe.sessions == {}
     assert [e.reason for e in events if e.kind == "session_closed"] == ["forward_exception"]
     engine.close()
