@@ -178,6 +178,20 @@ def test_forward_failure_at_any_layer_releases_only_that_session(layer):
     assert runner.kv_cache.num_free_pages == free0
 
 
+def test_failed_forward_of_a_closing_request_closes_its_session_once():
+    """``close_session=True`` on a request whose forward fails: the failure releases the session, and the request's
+    own close does not release it a second time (one close hook call, one ``session_closed`` event)."""
+    events = []
+    runner = make_runner(events=events)
+    runner.execute_model(request("a", 0))
+    runner.pipeline.fail_at_layer = 1
+    with pytest.raises(RuntimeError, match="injected failure at layer 1"):
+        runner.execute_model(request("a", 1, close_session=True))
+    assert runner.pipeline.hook_calls.count(("close", "a")) == 1
+    assert [e.reason for e in events if isinstance(e, SessionClosed)] == ["forward_exception"]
+    assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
+
+
 def test_forward_failure_on_new_session_mid_commit_pass_frees_inflight_pages():
     runner = make_runner()
     free0 = runner.kv_cache.num_free_pages
