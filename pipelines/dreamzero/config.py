@@ -33,7 +33,7 @@ class Config(BackboneConfig):
     frames_per_block: int = 1  # latent frames predicted per request (also the largest observation commit)
     window_frames: int = 4  # history frames kept after the sink
     sink_frames: int = 0  # DreamZero restarts its window instead of sliding, so no sink by default
-    session_capacity: int = 4  # upper bound on resident sessions (runtime.session_capacity may lower it)
+    session_capacity: int = 4  # upper bound on resident sessions (runtime.session_capacity replaces it)
     reset_at_window: bool = True  # restart the window (keep text, re-anchor) when history would overflow it
     # -- image conditioning (a CLIP-ViT-shaped encoder)
     image_dim: int = 32  # image encoder width (CLIP ViT-H/14: 1280)
