@@ -16,7 +16,7 @@ from ardiff_cli.runtime.errors import ConfigError
 SCRATCH_ENV = "AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH"
 
 
-def scratch_blocks_from_env(environ: dict[str, str] | None = None) -> int:
+def scratch_blocks_from_env() -> int:
     """Scratch per branch requested by ``AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH``, in paged KV blocks.
 
     A block is the spec's paged KV block: ``tokens_per_frame`` tokens (one latent frame), not a model block of
@@ -24,7 +24,7 @@ def scratch_blocks_from_env(environ: dict[str, str] | None = None) -> int:
     the blocks the register tokens need), never lower it. Unset means 1 (the derived minimum applies). Anything
     other than a positive integer is a ``ConfigError`` (a ``ValueError``) naming the variable and its value.
     """
-    raw = (os.environ if environ is None else environ).get(SCRATCH_ENV)
+    raw = os.environ.get(SCRATCH_ENV)
     if raw is None or raw.strip() == "":
         return 1
     try:
