@@ -61,13 +61,13 @@ def _at(info: Mapping[str, Any], field: str) -> Any:
     return info.get(field)
 
 
-def make_default_out_dir(now: float | None = None) -> Path:
+def make_default_out_dir() -> Path:
     """Create and return ./ardiff-runs/<YYYYmmdd-HHMMSS>, with a suffix when that exists already.
 
     Created here, not only named: two runs started in the same second (two cron jobs in one folder) each
     get their own, since only one ``mkdir`` of a name succeeds.
     """
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime())
     base = Path("ardiff-runs") / stamp
     # The parent once, so that only the run's own name can exist already: `ardiff-runs` as a dangling link (a
     # scratch disk not mounted) fails here, where retrying the next suffix would never end.
