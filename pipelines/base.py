@@ -109,11 +109,10 @@ class ARPipeline(abc.ABC):
         return cls(config, modules, device=torch.device(device), dtype=dtype, checkpoint=path)
 
     @classmethod
-    def fresh(cls, config, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-        """Freshly initialised weights in memory (same tensors a fresh checkpoint holds); no file."""
-        modules = fresh_modules(lambda: cls.build_modules(config), config.seed)
-        modules = modules.to(device=device, dtype=dtype).eval().requires_grad_(False)
-        return cls(config, modules, device=torch.device(device), dtype=dtype)
+    def fresh(cls, config):
+        """Freshly initialised weights in memory, CPU float32 (same tensors a fresh checkpoint holds); no file."""
+        modules = fresh_modules(lambda: cls.build_modules(config), config.seed).eval().requires_grad_(False)
+        return cls(config, modules, device=torch.device("cpu"), dtype=torch.float32)
 
     # ------------------------------------------------------------------ capability
     def ar_diffusion_kv_cache_spec(self) -> ARDiffusionKVCacheSpec:
