@@ -330,7 +330,7 @@ def _misplaced_key(key: str, data: dict[str, Any], pipeline: str | None, where: 
         return f" (did you mean 'runtime.{key}'? runtime settings go under `runtime:`)"
     try:
         if pipeline is not None:
-            entry = resolve_pipeline_reference(pipeline, where="--pipeline")
+            entry = resolve_pipeline_reference(pipeline)
         else:
             name = data.get("pipeline")
             entry = resolve_pipeline(name, where=where) if isinstance(name, str) and name else None
@@ -374,7 +374,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
             )
     name = data.get("pipeline")
     if pipeline is not None:
-        entry = resolve_pipeline_reference(pipeline, where="--pipeline")
+        entry = resolve_pipeline_reference(pipeline)
         name = entry.name
     else:
         if not isinstance(name, str) or not name:

@@ -159,8 +159,9 @@ def resolve_pipeline(name: str, *, where: str = "config") -> PipelineEntry:
     return resolve_entry_module(registry[name], name=name, where=where)
 
 
-def resolve_pipeline_reference(reference: str, *, where: str = "--pipeline") -> PipelineEntry:
+def resolve_pipeline_reference(reference: str) -> PipelineEntry:
     """What ``--pipeline`` may say: a registered name, or ``module:Class`` (imports ``module``)."""
+    where = "--pipeline"
     if not isinstance(reference, str) or not reference.strip():
         raise ConfigError(f"{where}: expected a registered pipeline name or MODULE:CLASS, got {reference!r}",
                           hint=CLASS_REFERENCE_HINT)
