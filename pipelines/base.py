@@ -104,7 +104,7 @@ class ARPipeline(abc.ABC):
         path = Path(checkpoint) if checkpoint is not None else default_checkpoint(cls, config)
         with torch.device("meta"):
             modules = cls.build_modules(config)
-        check_weight_fields(cls.name, config, load_checkpoint(modules, path, assign=True), path)
+        check_weight_fields(cls.name, config, load_checkpoint(modules, path), path)
         modules = modules.to(device=device, dtype=dtype).eval().requires_grad_(False)
         return cls(config, modules, device=torch.device(device), dtype=dtype, checkpoint=path)
 

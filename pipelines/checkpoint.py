@@ -110,14 +110,14 @@ def read_metadata(path: str | Path) -> dict[str, str]:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
 
 
-def load_checkpoint(module: nn.Module, path: str | Path, *, assign: bool = False) -> dict[str, str]:
+def load_checkpoint(module: nn.Module, path: str | Path) -> dict[str, str]:
     """Load ``path`` into ``module`` strictly; returns the file's metadata.
 
     Keys pass through ``remap_checkpoint_key`` first (wrapper prefixes).
     Missing keys, unexpected keys, shape mismatches and non-floating tensors
     in place of floating weights are collected and raised together as one
-    ``CheckpointError``. ``assign=True`` adopts the
-    file's tensors (for modules built on the meta device).
+    ``CheckpointError``. The file's tensors are adopted, not copied, so
+    ``module`` may be built on the meta device.
     """
     path = Path(path)
     if not path.is_file():
@@ -142,7 +142,8 @@ def load_checkpoint(module: nn.Module, path: str | Path, *, assign: bool = False
         for k in expected
         if k in tensors and tensors[k].shape != expected[k].shape
     ]
-    # Floating weights are cast to the model dtype on load; an integer or bool tensor in their place is no weight.
+    # A floating weight in another float dtype is fine (from_config casts to the model dtype after loading); an
+    # integer or bool tensor in its place is no weight.
     wrong_dtype = [
         f"{k}: checkpoint {tensors[k].dtype} vs model {expected[k].dtype}"
         for k in expected
@@ -162,7 +163,7 @@ def load_checkpoint(module: nn.Module, path: str | Path, *, assign: bool = False
             hint="use the config the checkpoint was written for, or write a fresh one with "
             "`python -m pipelines.checkpoint init CONFIG.yaml OUT.safetensors`",
         )
-    module.load_state_dict(tensors, strict=True, assign=assign)
+    module.load_state_dict(tensors, strict=True, assign=True)
     return read_metadata(path)
 
 
