@@ -45,7 +45,7 @@ def test_valid_step_uses_canonical_keys_and_the_prompt_fallbacks(tmp_path):
 def test_invalid_step_names_path_key_expected_and_got(tmp_path):
     raw = RawStep(arrays={"camera": np.zeros((8, 8, 4), np.uint8), "joints": np.zeros(7, np.int64)}, metadata={})
     with pytest.raises(ObservationError) as info:
-        validate_step(raw, SCHEMA, path=tmp_path / "ep" / "step_3.npz")
+        validate_step(raw, SCHEMA, path=tmp_path / "ep" / "step_3.npz", episode_metadata={})
     message = str(info.value)
     assert "step_3.npz" in message
     assert "'camera'" in message and "(8, 8, 4)" in message and "(*, *, 3)" in message

@@ -27,7 +27,7 @@ class ValidStep:
 
 
 def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
-                  episode_metadata: dict[str, Any] | None = None) -> ValidStep:
+                  episode_metadata: dict[str, Any]) -> ValidStep:
     """Canonical inputs for the model, or an ``ObservationError`` naming ``path`` and every problem."""
     from ardiff_cli.runtime.observation import validate_observation
 
@@ -37,7 +37,7 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
     warnings = [f"{path}: key {k!r} is not in the pipeline's schema; ignored{did_you_mean(k, field_keys)}"
                 for k in sorted(raw.arrays) if k not in arrays]
     if schema.prompt_key and not any(k in arrays for k in prompt_keys):
-        for source in (raw.metadata, episode_metadata or {}):
+        for source in (raw.metadata, episode_metadata):
             key = next((k for k in prompt_keys if k in source), None)
             if key is not None:
                 if source is not raw.metadata and not isinstance(source[key], str):
@@ -50,7 +50,7 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
                 arrays[key] = source[key]
                 break
         else:
-            _refuse_a_misspelt_prompt(path, prompt_keys, raw.metadata, episode_metadata or {})
+            _refuse_a_misspelt_prompt(path, prompt_keys, raw.metadata, episode_metadata)
     return ValidStep(inputs=validate_observation(schema, arrays, where=str(path)), warnings=warnings)
 
 
