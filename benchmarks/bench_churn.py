@@ -39,11 +39,12 @@ FULL = dict(requests=600)
 QUICK = dict(requests=30)
 
 
-def zipf_sequence(num_requests: int, num_ids: int = NUM_SESSIONS, s: float = ZIPF_S, seed: int = 0) -> list[int]:
-    """Session ranks 1..num_ids drawn with probability proportional to rank ** -s."""
-    weights = np.arange(1, num_ids + 1, dtype=np.float64) ** -s
-    rng = np.random.default_rng(seed)
-    return [int(rank) for rank in rng.choice(np.arange(1, num_ids + 1), size=num_requests, p=weights / weights.sum())]
+def zipf_sequence(num_requests: int) -> list[int]:
+    """Session ranks 1..NUM_SESSIONS drawn with probability proportional to rank ** -ZIPF_S, seeded (0)."""
+    weights = np.arange(1, NUM_SESSIONS + 1, dtype=np.float64) ** -ZIPF_S
+    rng = np.random.default_rng(0)
+    ranks = rng.choice(np.arange(1, NUM_SESSIONS + 1), size=num_requests, p=weights / weights.sum())
+    return [int(rank) for rank in ranks]
 
 
 def make_engine(session_capacity: int):
