@@ -305,7 +305,3 @@ class SignalWhileSwapping(DreamZeroPipeline):
             self._signalled = True
             for _ in range(int(os.environ.get("ARDIFF_TEST_SIGNALS", "2"))):
                 signal.raise_signal(signal.SIGINT)  # the handler runs before this returns
-
-
-class NotAPipeline:
-    """A class without what a pipeline carries (``--pipeline`` must refuse it)."""
