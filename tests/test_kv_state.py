@@ -433,17 +433,6 @@ def test_seq_len_must_be_whole_frames_within_one_block(make_spec, make_cache, se
     assert_names(excinfo, "seq_len", str(seq_len))
 
 
-def test_bool_branch_is_the_former_is_negative_flag(make_spec, make_cache):
-    cache = make_cache(make_spec())
-    state = cache.new_state("s")
-    assert state.adapter(True).branch == "negative"
-    assert state.adapter(False).branch == "positive"
-    forward(state, True, 2, commit=True)
-    forward(state, False, 1, commit=True)
-    assert state.adapter("negative").num_committed_frames == 2
-    assert state.adapter("positive").num_committed_frames == 1
-
-
 @pytest.mark.parametrize("backend", ["torch", "torch-paged-kernel"])
 def test_device_spelled_with_an_index_accepts_tensors_on_it(make_spec, backend):
     # torch.device("cuda") != torch.device("cuda:0"), the device CUDA tensors report; "cpu:0" vs "cpu"
@@ -583,8 +572,8 @@ def test_cross_attention_publish_and_read(make_spec, make_cache):
     assert not torch.equal(state.cross_attention("positive", "text")[0][0], pairs[0][0])
     image = cross_pairs(spec, "image")
     assert image[0][0].shape == (1, 2, 4)
-    state.populate_cross_attention(True, "image", image)
-    assert state.has_cross_attention("negative", "image") and state.has_cross_attention(True, "image")
+    state.populate_cross_attention("negative", "image", image)
+    assert state.has_cross_attention("negative", "image")
     assert not state.has_cross_attention("positive", "image")
     assert state.cross_attention_bytes == 2 * 3 * (2 * 3 * 8) * 4 + 2 * 3 * (1 * 2 * 4) * 4
 

@@ -156,10 +156,8 @@ class ARDiffusionKVState:
     def closed(self) -> bool:
         return self._closed
 
-    def _branch(self, branch: str | bool) -> BranchKV:
+    def _branch(self, branch: str) -> BranchKV:
         self._check_open()
-        if isinstance(branch, bool):  # migration alias: the former is_negative flag
-            branch = "negative" if branch else "positive"
         try:
             return self._branches[branch]
         except KeyError:
@@ -171,7 +169,7 @@ class ARDiffusionKVState:
         if self._closed:
             raise RuntimeError(f"AR-Diffusion KV state of session {self.session_id!r} is closed")
 
-    def adapter(self, branch: str | bool) -> BranchAdapter:
+    def adapter(self, branch: str) -> BranchAdapter:
         """A snapshot of ``branch``: committed frames and resident pages."""
         kv = self._branch(branch)
         if kv.adapter_snapshot is None:  # immutable, so one snapshot serves until the branch changes
@@ -211,7 +209,7 @@ class ARDiffusionKVState:
 
     # ---------------------------------------------------------- self-attention
     def get_kv_caches(
-        self, branch: str | bool, seq_len: int, commit_current: bool = False
+        self, branch: str, seq_len: int, commit_current: bool = False
     ) -> list[ARDiffusionLayerContext]:
         """One context per layer for one forward of ``branch`` over ``seq_len`` video tokens.
 
@@ -256,7 +254,7 @@ class ARDiffusionKVState:
                     f"hold KV in session {self.session_id!r} on one worker; give them distinct local_index values"
                 )
 
-    def commit(self, branch: str | bool) -> int:
+    def commit(self, branch: str) -> int:
         """Make the current block of ``branch`` history; return the frames committed.
 
         A no-op (0) when the last forward was not a commit pass or never ran.
@@ -283,7 +281,7 @@ class ARDiffusionKVState:
 
     # --------------------------------------------------------- cross-attention
     def populate_cross_attention(
-        self, branch: str | bool, name: str, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]
+        self, branch: str, name: str, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]
     ) -> None:
         """Publish cache ``name`` of ``branch`` from exactly one ``(k, v)`` per layer.
 
@@ -331,7 +329,7 @@ class ARDiffusionKVState:
         self._check_open()  # the iterable may have closed us re-entrantly
         self._cross[(kv.name, name)] = tuple(staged)
 
-    def cross_attention(self, branch: str | bool, name: str) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    def cross_attention(self, branch: str, name: str) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """Per-layer ``(k, v)`` of a published cache; reading an unpublished cache raises."""
         kv = self._branch(branch)
         pairs = self._cross.get((kv.name, name))
