@@ -25,7 +25,8 @@ from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.errors import ObservationError
 from ardiff_cli.runtime.observation import ObservationSchema, validate_observation
 from ardiff_cli.runtime.request import ARDiffusionRequest
-from pipelines.checkpoint import check_weight_fields, default_checkpoint, fresh_modules, load_checkpoint
+from pipelines.checkpoint import (build_on_meta, check_weight_fields, default_checkpoint, fresh_modules,
+                                  load_checkpoint)
 from pipelines.rollout import PagedRollout
 
 
@@ -102,8 +103,7 @@ class ARPipeline(abc.ABC):
                     checkpoint: str | Path | None = None):
         """Load ``checkpoint`` (None: the built-in default, built on first use) for ``config``."""
         path = Path(checkpoint) if checkpoint is not None else default_checkpoint(cls, config)
-        with torch.device("meta"):
-            modules = cls.build_modules(config)
+        modules = build_on_meta(lambda: cls.build_modules(config))
         check_weight_fields(cls.name, config, load_checkpoint(modules, path), path)
         modules = modules.to(device=device, dtype=dtype).eval().requires_grad_(False)
         return cls(config, modules, device=torch.device(device), dtype=dtype, checkpoint=path)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,6 +72,31 @@ def test_fresh_checkpoints_are_deterministic(tmp_path):
         assert torch.equal(tensors[0][key], tensors[1][key]) and torch.equal(tensors[0][key], tensors[3][key]), key
     assert any(not torch.equal(tensors[0][key], tensors[2][key]) for key in tensors[0])
     assert read_metadata(a) == read_metadata(b)
+
+
+@pytest.mark.parametrize("module", [causal_world, dreamzero], ids=lambda m: m.__name__.split(".")[-1])
+def test_loading_a_checkpoint_skips_the_initialisers_and_imports_no_dynamo(module, ardiff_cache):
+    """The modules a checkpoint fills are built on the meta device with ``torch.nn.init`` skipped: run there, the
+    initialisers go through torch's Python reference kernels, whose first call imports ``torch._dynamo`` (most of
+    a second of every rollout's start). A fresh process loads the default checkpoint and counts a 40-layer
+    config's parameters without importing it, and the weights it loaded are the file's, bit for bit."""
+    module.pipeline_class().from_config(tiny(module))  # builds the default checkpoint into the cache first
+    code = (
+        "import sys\n"
+        "from safetensors.torch import load_file\n"
+        f"from {module.__name__} import Config, pipeline_class\n"
+        "from pipelines.checkpoint import count_config_parameters, default_checkpoint_path\n"
+        "cls, config = pipeline_class(), Config.from_dict({'preset': 'tiny'}, where='test')\n"
+        "pipe = cls.from_config(config)\n"
+        "assert count_config_parameters(cls, config.replace(num_layers=40)) > 0\n"
+        "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n"
+        "saved, loaded = load_file(default_checkpoint_path(cls, config)), pipe.modules.state_dict()\n"
+        "assert saved.keys() == loaded.keys() and all(saved[k].equal(loaded[k]) for k in saved)\n"
+        "print('ok')\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr
 
 
 def test_default_checkpoint_is_built_once_into_the_cache(ardiff_cache):
