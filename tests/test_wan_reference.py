@@ -195,10 +195,12 @@ def _inputs(g: Geometry, num_frames: int, seed: int):
     return x, text, gen
 
 
-@pytest.mark.parametrize("image_dim", [0, 12], ids=["t2v", "i2v"])
-def test_one_clip_matches_wan21(image_dim):
-    """A whole 3-frame clip as one segment (no history: plain bidirectional attention) equals WanModel.forward."""
-    g = Geometry(image_dim=image_dim)
+@pytest.mark.parametrize(("image_dim", "patch_size"), [(0, (1, 2, 2)), (12, (1, 2, 2)), (0, (1, 1, 2))],
+                         ids=["t2v", "i2v", "t2v-patch-1x2"])
+def test_one_clip_matches_wan21(image_dim, patch_size):
+    """A whole 3-frame clip as one segment (no history: plain bidirectional attention) equals WanModel.forward;
+    a non-square patch checks the row/col order of patchify and unpatchify."""
+    g = Geometry(image_dim=image_dim, patch_size=patch_size)
     model = _model(g)
     sd = model.state_dict()
     assert set(sd) == wan21_keys(g), f"not Wan 2.1's parameter names: {sorted(set(sd) ^ wan21_keys(g))}"
