@@ -50,23 +50,28 @@ def weight_digest(pipeline_name: str, config) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-class _SkipInitialisers(torch.overrides.TorchFunctionMode):
-    """Makes ``torch.nn.init``'s initialisers no-ops: on the meta device there are no values to set, and torch runs
-    them there through Python reference kernels whose first call imports ``torch._dynamo`` (0.8 s of every
-    ``rollout``'s start on a 2-core machine, for nothing)."""
+class _ShapesOnly(torch.overrides.TorchFunctionMode):
+    """Building on the meta device, where tensors hold no values: ``torch.nn.init``'s initialisers return their
+    tensor untouched and random factories make empty tensors. torch would run both there through its Python
+    reference kernels, whose first calls import ``torch._dynamo`` and ``torch.fx.experimental.symbolic_shapes``
+    (1.2 s of imports at every ``rollout`` and ``warmup`` start on a 2-core machine, for nothing)."""
 
     INITIALISERS = frozenset(getattr(nn.init, name) for name in dir(nn.init)
                              if name.endswith("_") and not name.startswith("_"))
+    RANDOM_FACTORIES = frozenset((torch.randn, torch.rand))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func in self.INITIALISERS:
             return args[0] if args else kwargs["tensor"]
-        return func(*args, **(kwargs or {}))
+        if func in self.RANDOM_FACTORIES:
+            return torch.empty(*args, **{k: v for k, v in kwargs.items() if k != "generator"})
+        return func(*args, **kwargs)
 
 
 def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
-    """``build()`` on the meta device, its initialisers skipped: shapes only, for a checkpoint to fill."""
-    with torch.device("meta"), _SkipInitialisers():
+    """``build()`` on the meta device with nothing initialised: shapes only, for a checkpoint to fill."""
+    with torch.device("meta"), _ShapesOnly():
         return build()
 
 

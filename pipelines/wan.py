@@ -189,7 +189,7 @@ class WanAttentionBlock(nn.Module):
         self.norm2 = WanLayerNorm(dim, eps)
         self.ffn = nn.Sequential(nn.Linear(dim, ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(ffn_dim, dim))
         # Learned offsets added to the timestep projection: shift/scale/gate for attention and FFN.
-        self.modulation = nn.Parameter(torch.randn(1, 6, dim).div_(dim**0.5))
+        self.modulation = nn.Parameter(torch.randn(1, 6, dim))  # scaled by 1 / sqrt(dim) in init_weights
 
     def forward(self, x: torch.Tensor, e: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                 text_kv: tuple, image_kv: tuple | None) -> torch.Tensor:
@@ -214,7 +214,7 @@ class Head(nn.Module):
         super().__init__()
         self.norm = WanLayerNorm(dim, eps)
         self.head = nn.Linear(dim, out_dim * math.prod(patch_size))
-        self.modulation = nn.Parameter(torch.randn(1, 2, dim).div_(dim**0.5))
+        self.modulation = nn.Parameter(torch.randn(1, 2, dim))  # scaled by 1 / sqrt(dim) in init_weights
 
     def forward(self, x: torch.Tensor, e0: torch.Tensor) -> torch.Tensor:
         shift, scale = (self.modulation.float() + e0[:, None]).unbind(1)  # (L, dim) each
@@ -339,6 +339,10 @@ class WanTransformer(nn.Module):
                     nn.init.normal_(module.weight, std=0.02)
         # A trained head is near zero; a small random one keeps fresh rollouts bounded yet non-trivial.
         nn.init.normal_(self.head.head.weight, std=0.02)
+        with torch.no_grad():  # drawn when built, scaled here: built on the meta device, a module does no arithmetic
+            for module in self.modules():
+                if isinstance(module, (WanAttentionBlock, Head)):
+                    module.modulation.div_(module.modulation.shape[-1] ** 0.5)
 
     # -- conditioning caches
     def project_text(self, text_states: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
