@@ -53,7 +53,7 @@ def dreamzero_14b(**overrides) -> ARDiffusionKVCacheSpec:
 
 def self_forcing(**overrides) -> ARDiffusionKVCacheSpec:
     return spec(num_layers=30, num_kv_heads=12, head_size=128, tokens_per_frame=1560, frames_per_block=3,
-                window_frames=21, sink_frames=0, kv_branches=(ARDiffusionKVBranchSpec("main", 0),),
+                window_frames=18, sink_frames=0, kv_branches=(ARDiffusionKVBranchSpec("main", 0),),
                 max_scratch_tokens_per_branch=0, **overrides)
 
 

@@ -40,7 +40,7 @@ def wan14b_dreamzero(**overrides) -> ARDiffusionKVCacheSpec:
 def self_forcing_13b() -> ARDiffusionKVCacheSpec:
     return ARDiffusionKVCacheSpec(
         num_layers=30, num_kv_heads=12, head_size=128, tokens_per_frame=1560, frames_per_block=3,
-        window_frames=21, kv_branches=(ARDiffusionKVBranchSpec("main", 0),), session_capacity=4,
+        window_frames=18, kv_branches=(ARDiffusionKVBranchSpec("main", 0),), session_capacity=4,
         cross_attention=(ARDiffusionCrossAttentionKVSpec("text", 512),),
     )
 

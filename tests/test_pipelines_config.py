@@ -75,7 +75,7 @@ def test_causal_world_tiny_spec():
         ("dreamzero-tiny", "dreamzero", 2, 4, 16, 16, 1, 4, 0, "float32"),
         ("causal-world-tiny", "causal_world", 2, 4, 16, 16, 3, 6, 3, "float32"),
         ("dreamzero-14b", "dreamzero", 40, 40, 128, 220, 1, 9, 0, "bfloat16"),
-        ("self-forcing-1.3b", "causal_world", 30, 12, 128, 1560, 3, 21, 0, "bfloat16"),
+        ("self-forcing-1.3b", "causal_world", 30, 12, 128, 1560, 3, 18, 0, "bfloat16"),
         ("lingbot-world-14b", "causal_world", 40, 40, 128, 1560, 3, 18, 3, "bfloat16"),
     ],
 )

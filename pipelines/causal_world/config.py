@@ -81,7 +81,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Self-Forcing on Wan2.1-T2V-1.3B at 480x832 (see configs/self-forcing-1.3b.yaml for sources).
     "self-forcing-1.3b": dict(dim=1536, ffn_dim=8960, freq_dim=256, num_heads=12, num_layers=30, latent_channels=16,
                               patch_size=(1, 2, 2), height=480, width=832, vae_stride=8, temporal_stride=4,
-                              text_dim=4096, text_len=512, frames_per_block=3, window_frames=21, sink_frames=0,
+                              text_dim=4096, text_len=512, frames_per_block=3, window_frames=18, sink_frames=0,
                               cond_dim=0, denoising_timesteps=(1000, 750, 500, 250), timestep_shift=5.0),
     # A LingBot-World-like 14B interactive world model (see configs/lingbot-world-14b.yaml for assumptions).
     "lingbot-world-14b": dict(dim=5120, ffn_dim=13824, freq_dim=256, num_heads=40, num_layers=40, latent_channels=16,
