@@ -12,9 +12,11 @@ The predicted frames are never committed: the next request's real
 observations take their place in the history (closed-loop teacher forcing).
 
 Sessions. The newest frame of a session's first request is the window's
-*anchor*: its latent is channel-concatenated to every frame, as Wan I2V does
-with its first frame (the anchor latent is the model-owned state, declared in
-the KV spec), and its image features fill the ``image`` cache.
+*anchor*: its latent is channel-concatenated to every frame (the anchor latent
+is the model-owned state, declared in the KV spec), and its image features fill
+the ``image`` cache. Wan I2V conditions on its first frame the same way, with the
+mask marking it, but concatenates the anchor to frame 0 only: its other frames
+carry the latent of blank frames. This stand-in repeats the anchor instead.
 
 - a new session (first request, or after the runner evicted, closed or reset
   it; a four-frame request is then treated as fresh, anchored on its newest
