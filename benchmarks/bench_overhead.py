@@ -27,7 +27,7 @@ less the attention math, and ``store``) and ``model`` (the rest). The timers' ow
 the wrappers slow what they time, so ``profile.overhead`` is an upper bound;
 it shows where the time goes.
 
-    python -m benchmarks.bench_overhead            # 200 requests side by side, 100 profiled
+    python -m benchmarks.bench_overhead            # 200 requests side by side (after 2 uncounted), 100 profiled
     python -m benchmarks.bench_overhead --quick    # 8 + 4 requests
 """
 
@@ -45,7 +45,9 @@ from benchmarks.common import Timing, cli, private_cache, timed
 from benchmarks.contiguous import ContiguousRollout
 
 TARGET = 0.05
-FULL = dict(config="dreamzero-tiny", requests=200, profile_requests=100, sessions=2)
+# requests: each session's first is not counted, and the order alternates every step of the stream (one request per
+# session), so an even number of counted steps puts each side first in half the counted requests (200 of 202)
+FULL = dict(config="dreamzero-tiny", requests=202, profile_requests=100, sessions=2)
 QUICK = dict(config="dreamzero-tiny", requests=8, profile_requests=4, sessions=2)
 
 clock = time.process_time
@@ -163,6 +165,17 @@ def stream(pipe, sessions: int, index: int):
     return session, inputs
 
 
+def order(index: int, sessions: int) -> tuple[str, str]:
+    """The order the two sides run request ``index`` in: it alternates every step of the stream (one request per
+    session), so each session sees both orders equally."""
+    return ("ardiff", "forward") if (index // sessions) % 2 == 0 else ("forward", "ardiff")
+
+
+def counted(index: int, sessions: int) -> bool:
+    """Whether request ``index`` is timed: each session's first (allocation, first touch) is not."""
+    return index >= sessions
+
+
 def side_by_side(pipe, runner, geometry: dict) -> dict:
     """ardiff's request vs the bare pipeline forward over contiguous K/V, interleaved; same outputs."""
     from ardiff_cli.runtime.request import ARDiffusionRequest
@@ -178,10 +191,9 @@ def side_by_side(pipe, runner, geometry: dict) -> dict:
         contenders = {"ardiff": lambda: runner.execute_model(request),
                       "forward": lambda: pipe.step(f"bare-{session}", bare[session], inputs)}
         outputs = {}
-        # alternate the order per step of the stream, so each session sees both orders equally
-        for name in ("ardiff", "forward") if (index // sessions) % 2 == 0 else ("forward", "ardiff"):
+        for name in order(index, sessions):
             outputs[name], timing = timed(contenders[name])
-            if index >= sessions:  # each session's first request (allocation, first touch) is not counted
+            if counted(index, sessions):
                 times[name].append(timing)
         for key in ("actions", "latents"):
             diff = (outputs["ardiff"][key] - outputs["forward"][key]).abs().max().item()

@@ -386,6 +386,21 @@ def test_full_runs_time_whole_periods_of_turn_order():
     assert bench_startup.FULL_REPETITIONS % (2 * 5) == 0  # python, help, inspect, warmup, warmup_interpreter_exit
 
 
+def test_full_runs_put_each_of_two_sides_first_in_half_the_counted_turns():
+    """attention alternated over 15 repetitions (paged first in 8), overhead over 99 counted steps of its stream
+    (the bare forward first in 100 of 198 requests); rolling's steady blocks must be whole periods of its 4 or 5
+    sides (ardiff, ardiff_torch when auto picks another backend, rolling, rolling_again, rolling_lean)."""
+    from benchmarks import bench_attention, bench_overhead, bench_rolling
+
+    assert bench_attention.FULL["repetitions"] % 2 == 0  # the order alternates every repetition
+    sessions = bench_overhead.FULL["sessions"]
+    firsts = [bench_overhead.order(index, sessions)[0] for index in range(bench_overhead.FULL["requests"])
+              if bench_overhead.counted(index, sessions)]
+    assert firsts.count("ardiff") == firsts.count("forward") == len(firsts) // 2 > 0
+    for sides in (4, 5):
+        assert bench_rolling.FULL["steady_blocks"] % (2 * sides) == 0
+
+
 def test_zipf_sequence_is_deterministic_and_skewed():
     from benchmarks.bench_churn import zipf_sequence
 
