@@ -423,3 +423,22 @@ def test_every_field_of_the_warmup_json_result_is_in_the_readme(tmp_path, monkey
     fields = (set(report) - {"kind"}) | {key for request in report["requests"] for key in request}
     fields |= {obj["kind"] for obj in objects[:-1]}  # the runtime's events before it
     assert sorted(key for key in fields if not _named(key, section)) == []
+
+
+def test_every_field_of_the_benchmark_results_is_in_the_readme():
+    """Every field of the committed benchmarks/results.json (the report, its machine, every row and the records
+    inside rows) is named in the README's field list of that file, so a field added to a benchmark comes with its
+    meaning. Most of the rows' own fields were named nowhere (`ratio_of_medians`, `memory_flat`, `hit_ms`, ...)."""
+    import json
+
+    readme = (REPO / "README.md").read_text()
+    doc = _section(readme, "The fields of `benchmarks/results.json`: ", "\nWhat each baseline is:")
+    report = json.loads((REPO / "benchmarks" / "results.json").read_text())
+    fields = set(report) | set(report["machine"])
+    for row in report["results"]:
+        fields |= set(row)
+        for key in ("memory_early", "memory_end", "profile", "wall"):
+            fields |= set(row.get(key) or {})
+        for record in row.get("rows", []):
+            fields |= set(record) | set(record["actual"])
+    assert sorted(key for key in fields if not _named(key, doc)) == []
