@@ -267,6 +267,23 @@ def test_context_replaced_before_commit_raises(make_spec, make_cache):
     assert state.adapter("positive").num_committed_frames == 2
 
 
+def test_end_request_leaves_only_what_the_plan_counts(make_spec, make_cache):
+    """After a request, a session holds its pages and nothing per request: the forward's contexts are stale and
+    no branch keeps the index tensor its gathers read (the capacity plan does not count it)."""
+    cache = make_cache(make_spec())
+    state = cache.new_state("s")
+    forward(state, "positive", 2, commit=True)
+    contexts = state.get_kv_caches("positive", seq_len=8)  # a sampling step over that history: not committed
+    attend_once(contexts[0], state.spec, 8)
+    assert state._branches["positive"].history_ids is not None
+    pages = state.num_pages
+    state.end_request()
+    assert state._branches["positive"].history_ids is None and state.num_pages == pages == 2
+    with pytest.raises(RuntimeError, match="stale"):
+        attend_once(contexts[1], state.spec, 8)
+    assert state.uncommitted_branches() == [] and state.commit("positive") == 0
+
+
 def test_uncommitted_non_commit_context_may_be_replaced(make_spec, make_cache):
     cache = make_cache(make_spec())
     state = cache.new_state("s")

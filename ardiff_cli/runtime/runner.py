@@ -506,6 +506,7 @@ class ARDiffusionModelRunner:
                     f"the forward of request {request.request_id!r} returned with uncommitted commit passes on "
                     f"branches {dangling}: call state.commit(branch) after each commit pass"
                 )
+            state.end_request()
         except BaseException as exc:
             with self._locked():
                 if self._sessions.get(session_id) is session:

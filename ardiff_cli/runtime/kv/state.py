@@ -202,6 +202,17 @@ class ARDiffusionKVState:
             if forward is not None and forward.commit_current and forward.allocated and not forward.finished
         ]
 
+    def end_request(self) -> None:
+        """The forward is over (the runner calls this after checking ``uncommitted_branches``): its contexts go
+        stale and what only they used goes, each branch's gather index included, so that a session at rest holds
+        exactly the bytes the capacity plan counts."""
+        for name, forward in self._pending.items():
+            if forward is not None:
+                forward.finished = True
+                self._pending[name] = None
+        for kv in self._branches.values():
+            kv.history_ids = None
+
     def has_cross_attention(self, branch: str, name: str) -> bool:
         kv = self._branch(branch)
         self.spec.cross_geometry(name)  # KeyError for unknown names
