@@ -5,11 +5,14 @@ and N sessions are driven until every window is full and every cross-attention
 cache is populated (the warmup convention of each pipeline). Then:
 
 - ``planned`` = ``capacity_plan.required_bytes(N)`` (the pure planner, no torch);
-- ``actual`` = the sum of the storage sizes of every tensor the sessions hold:
-  the KV pools (``kv_cache.pool``: pages, scratch and gather workspace), each
-  session's cross-attention K/V, and the pipeline's own per-session tensors
-  (DreamZero keeps an anchor latent per session). Storages are counted once
-  each, by their storage pointer, so a view can never be counted twice.
+- ``actual`` = the sum of the storage sizes of every tensor alive in the process
+  (found by the garbage collector) that was not alive before the engine was made,
+  the model's weights excepted. It is split into the KV pools (``kv_cache.pool``:
+  pages, scratch and gather workspace), each session's cross-attention K/V, the
+  pipeline's own per-session tensors (DreamZero keeps an anchor latent per
+  session) and ``other``: whatever else is held, which the plan does not count.
+  Storages are counted once each, by their storage pointer, so a view can never
+  be counted twice.
 
 Target: ``|planned - actual| / actual <= 1%`` for every N on every config.
 
@@ -20,7 +23,9 @@ Target: ``|planned - actual| / actual <= 1%`` for every N on every config.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
+import warnings
 
 import torch
 
@@ -39,6 +44,15 @@ def _storages(tensors) -> dict[int, int]:
         storage = t.untyped_storage()
         out[storage.data_ptr()] = storage.nbytes()
     return out
+
+
+def live_tensors() -> list[torch.Tensor]:
+    """Every strided tensor alive in this process off the meta device (the garbage collector tracks them all)."""
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance on every object touches deprecated module attributes
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects()
+                if isinstance(o, torch.Tensor) and o.layout == torch.strided and o.device.type != "meta"]
 
 
 def actual_bytes(engine) -> dict[str, int]:
@@ -86,6 +100,7 @@ def fill_sessions(engine, num_sessions: int) -> None:
 def measure(config: str, dtype: str, num_sessions: int) -> dict:
     from ardiff_cli.runtime.engine import ARDiffusionEngine
 
+    before = live_tensors()  # held until the count: no storage of theirs can be freed and its address reused
     engine = ARDiffusionEngine.from_config(config, device="cpu", dtype=dtype, memory_budget="4GiB",
                                            session_capacity=num_sessions, attention_backend="torch",
                                            num_threads=torch.get_num_threads())  # the config's own is 1
@@ -97,6 +112,12 @@ def measure(config: str, dtype: str, num_sessions: int) -> dict:
     full = all(n == plan.managed_pages_per_session // plan.num_local_branches for v in views
                for n in v.pages_per_branch.values())
     actual = actual_bytes(engine)
+    modules = engine.pipeline.modules
+    known = {**_storages(before), **_storages([*modules.parameters(), *modules.buffers()])}
+    live = {k: v for k, v in _storages(live_tensors()).items() if k not in known}
+    del before
+    actual["other"] = sum(live.values()) - actual["total"]
+    actual["total"] = sum(live.values())
     planned = plan.required_bytes(num_sessions)
     engine.close()
     return {"config": config, "dtype": dtype, "sessions": num_sessions, "planned_bytes": planned,
