@@ -229,6 +229,24 @@ def read_png(path: Path) -> np.ndarray:
     return rows[:, 1:].reshape(height, width, 3)
 
 
+def observed_frame(step_file: Path) -> np.ndarray:
+    """The frame a preview draws of a step file: the last frame of its first camera."""
+    from ardiff_cli.io.episode import load_step
+
+    frame = load_step(step_file).arrays["exterior_image_0"]
+    return frame if frame.ndim == 3 else frame[-1]
+
+
+def assert_observed_row(strip: np.ndarray, frames: list[np.ndarray], gap: int = 2) -> None:
+    """The preview's top row holds ``frames`` (square, scaled up by a whole factor), one column each, in order."""
+    tile = (strip.shape[0] - gap) // 2  # square frames: observed and predicted tiles alike
+    assert strip.shape[1] == len(frames) * (tile + gap) - gap, (strip.shape, len(frames))
+    scale = tile // frames[0].shape[0]
+    for column, frame in enumerate(frames):
+        x = column * (tile + gap)
+        np.testing.assert_array_equal(strip[:tile:scale, x:x + tile:scale], frame, err_msg=f"column {column}")
+
+
 def test_a_preview_shows_every_observed_step_the_last_one_included(env, data, tmp_path):
     """One column per step, the step file's frame on top: the last column's used to be blank (the grey fill)
     once the episode's end came right after its last step."""
@@ -236,33 +254,33 @@ def test_a_preview_shows_every_observed_step_the_last_one_included(env, data, tm
                   str(tmp_path / "run"), "--preview", "--no-warmup")
     assert proc.returncode == 0, proc.stderr
     strip = read_png(tmp_path / "run" / "previews" / "arm_a.png")
-    gap, columns = 2, 3
-    height, width = (strip.shape[0] - gap) // 2, (strip.shape[1] - (columns - 1) * gap) // columns
-    observed = [strip[:height, c * (width + gap):c * (width + gap) + width] for c in range(columns)]
-    blank = [c for c, tile in enumerate(observed) if (tile == 32).all()]
-    assert blank == [], f"observed frames missing from the preview in columns {blank}"
+    assert_observed_row(strip, [observed_frame(data / "eps" / "arm_a" / f"step_{s:06d}.safetensors")
+                                for s in range(3)])
 
 
 def test_a_long_episodes_preview_shows_64_evenly_spaced_steps_the_first_and_last_included(env, data, tmp_path):
     """One column per step made an episode of 10,000 steps a picture millions of pixels wide (gigabytes in memory
     as it was drawn, every step file read at its end, and no viewer opens it); it keeps 64 columns now."""
-    from ardiff_cli.io.episode import load_step
-
     eps = tmp_path / "long"
-    write_episode(eps, steps_of(0, 70), prompt="long")
+    steps = steps_of(0, 70)
+    for number, arrays in enumerate(steps):  # the demo's frames repeat every 22 steps: a pixel tells them apart
+        arrays["exterior_image_0"][..., 0, 0, :] = number
+    write_episode(eps, steps, prompt="long")
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "run"), "--preview",
                   "--no-warmup")
     assert proc.returncode == 0, proc.stderr
     strip = read_png(tmp_path / "run" / "previews" / "long.png")
-    gap = 2
-    tile = (strip.shape[0] - gap) // 2  # square frames: observed 16x16, predicted square
-    assert (strip.shape[1] + gap) % (tile + gap) == 0 and (strip.shape[1] + gap) // (tile + gap) == 64, strip.shape
+    frames = [observed_frame(eps / f"step_{s:06d}.safetensors") for s in range(70)]
+    tile = (strip.shape[0] - 2) // 2
+    assert (strip.shape[1] + 2) % (tile + 2) == 0 and (strip.shape[1] + 2) // (tile + 2) == 64, strip.shape
     scale = tile // 16
-    for column, step in ((0, 0), (63, 69)):  # the ends are the episode's first and last steps
-        frame = load_step(eps / f"step_{step:06d}.safetensors").arrays["exterior_image_0"]
-        frame = frame if frame.ndim == 3 else frame[-1]
-        x = column * (tile + gap)
-        np.testing.assert_array_equal(strip[:tile:scale, x:x + tile:scale], frame)
+    shown = [[s for s, frame in enumerate(frames)
+              if np.array_equal(strip[:tile:scale, c * (tile + 2):c * (tile + 2) + tile:scale], frame)]
+             for c in range(64)]
+    assert all(len(steps) == 1 for steps in shown), shown  # each column one step's frame
+    steps = [s for (s,) in shown]
+    # the ends are the episode's first and last steps, and 64 of 70 evenly spaced leaves out one step in 10 or so
+    assert steps[0] == 0 and steps[-1] == 69 and {b - a for a, b in zip(steps, steps[1:])} == {1, 2}, steps
 
 
 @pytest.mark.parametrize("redirect", [">&-", "2>&-", ">&- 2>&- <&-"])
@@ -452,46 +470,53 @@ def test_a_dangling_ardiff_runs_link_is_a_usage_error_not_a_hang(env, data, tmp_
     assert not (tmp_path / "not-mounted").exists()
 
 
-def test_bad_file_fails_its_episode_only_and_names_the_path(env, data, tmp_path):
-    eps = episodes_with_a_bad_step(data, tmp_path)
+@pytest.fixture(scope="module")
+def bad_run(env, data, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, Path]:
+    """(episodes, process, run) of a run that goes on past arm_b's bad step 1 (``episodes_with_a_bad_step``)."""
+    root = tmp_path_factory.mktemp("bad_run")
+    eps, run = episodes_with_a_bad_step(data, root), root / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(run), "--no-warmup", "--format",
+                  "plain")
+    return eps, proc, run
+
+
+def bad_step_error(eps: Path) -> str:
+    """What the rollout says of ``episodes_with_a_bad_step``'s arm_b (the joint_position of a good step: (7,))."""
+    return (f"episode 'arm_b' failed: {eps / 'arm_b' / 'step_000001.safetensors'}: 'joint_position' has shape (5,), "
+            "expected (7,) or (*, 7)")
+
+
+def test_bad_file_fails_its_episode_only_and_names_the_path(bad_run):
+    eps, proc, run = bad_run
     bad = eps / "arm_b" / "step_000001.safetensors"
-    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "run"))
     assert proc.returncode == 4, proc.stderr
-    assert str(bad) in proc.stderr and "'joint_position'" in proc.stderr and "(5,)" in proc.stderr
-    lines = records(tmp_path / "run")
+    assert f"Error: {bad_step_error(eps)}\nhint: fields: exterior_image_0, " in proc.stderr, proc.stderr
+    lines = records(run)
     assert [(r["episode"], r["step"]) for r in lines if r["status"] == "ok"] == [
         ("arm_a", 0), ("arm_b", 0), ("arm_a", 1), ("arm_a", 2)]
     (failed,) = [r for r in lines if r["status"] == "failed"]
     assert failed["path"] == str(bad)
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "partial" and summary["episodes"]["failures"].keys() == {"arm_b"}
 
-    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "ff"), "--fail-fast",
-                  "--format", "json")
-    assert proc.returncode == 2
-    assert json.loads(proc.stdout.splitlines()[-1])["kind"] == "observation_error"
-    assert str(bad) in proc.stderr
 
-
-def test_fail_fast_names_the_episode_it_stops_for_as_a_run_that_goes_on_does(env, data, tmp_path):
+def test_fail_fast_names_the_episode_it_stops_for_as_a_run_that_goes_on_does(env, data, bad_run, tmp_path):
     """--fail-fast's error named the bad step file only ('Error: /.../arm_b/step_000001.safetensors: ...'), where a
     run that goes on says "Error: episode 'arm_b' failed: PATH: ...": the same words now, exit code and kind kept.
     The same for an episode that fails in its folder's scan (a gap in its step numbers)."""
+    going_on = bad_run[1]
+    assert going_on.returncode == 4 and f"Error: {bad_step_error(bad_run[0])}\n" in going_on.stderr, going_on.stderr
     eps = episodes_with_a_bad_step(data, tmp_path)
-    bad = eps / "arm_b" / "step_000001.safetensors"
-    named = f"episode 'arm_b' failed: {bad}: 'joint_position' has shape (5,)"
-    going_on = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "on"),
-                      "--no-warmup", "--format", "plain")
-    assert going_on.returncode == 4 and f"Error: {named}" in going_on.stderr, going_on.stderr
+    named = bad_step_error(eps)
     plain = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "plain"),
                    "--fail-fast", "--no-warmup", "--format", "plain")
-    assert plain.returncode == 2 and f"Error: {named}" in plain.stderr, plain.stderr
+    assert plain.returncode == 2 and f"Error: {named}\n" in plain.stderr, plain.stderr
     assert plain.stderr.count("Error: ") == 1
     as_json = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "json"),
                      "--fail-fast", "--no-warmup", "--format", "json")
     error = json.loads(as_json.stdout.splitlines()[-1])
     assert as_json.returncode == 2 and error["kind"] == "observation_error", as_json.stderr
-    assert error["message"].startswith(named) and error["exit_code"] == 2 and "fields:" in error["hint"]
+    assert error["message"] == named and error["exit_code"] == 2 and error["hint"].startswith("fields: ")
 
     (eps / "arm_b" / "step_000001.safetensors").unlink()  # steps 0 and 2: a gap, found when the folder is read
     gap = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps / "arm_b"), "--out", str(tmp_path / "gap"),
@@ -1347,11 +1372,18 @@ def test_resume_reads_the_runs_own_config_from_any_folder_and_refuses_an_edited_
     assert len(records(run)) == len(lines)
     assert_same_outputs(reference, run)
     # Naming the other my.yaml, or editing the run's own, is refused before anything runs.
+    hint = "hint: resume with the config the run started with, or start a new run in another --out\n"
+    ours, other = (started / "my.yaml").resolve(), (elsewhere / "my.yaml").resolve()
     proc = ardiff(env, "rollout", "my.yaml", "--resume", "--out", str(run), cwd=elsewhere)
-    assert proc.returncode == 2 and "differs from the run's" in proc.stderr, proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(f"Error: config {other} differs from the run's {ours} (SHA-256 differs)\n{hint}"), (
+        proc.stderr)
     (started / "my.yaml").write_text(FAST_CONFIG + "# edited\n")
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), cwd=elsewhere)
-    assert proc.returncode == 2 and "was edited since the run started" in proc.stderr, proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(f"Error: config {ours} was edited since the run started (SHA-256 differs)\n{hint}"), (
+        proc.stderr)
+    assert len(records(run)) == len(lines)  # refused before anything ran
 
 
 def test_resume_with_another_attention_backend_is_refused_and_the_one_it_started_with_finishes_it(env, data, reference,
@@ -1581,7 +1613,7 @@ def test_a_reader_that_goes_away_stops_the_run_like_sigpipe_and_resume_finishes_
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
-def test_signals_exit_130_or_143_with_whole_lines(env, data, tmp_path, signum, code):
+def test_signals_exit_128_plus_their_number_with_whole_lines(env, data, tmp_path, signum, code):
     proc, _, run = follow_a_live_episode(env, data, tmp_path, "plain")
     stderr = signal_after_the_first_step(proc, run, signum)
     assert proc.returncode == code, stderr
@@ -1784,7 +1816,8 @@ def test_a_step_rewritten_after_it_ran_fails_its_episode_when_an_eviction_replay
     assert [(r["episode"], r["step"]) for r in lines if r["status"] == "ok"] == [
         ("arm_a", 0), ("arm_b", 0), ("arm_b", 1), ("arm_b", 2)]
     (failed,) = [r for r in lines if r["status"] == "failed"]
-    assert (failed["episode"], failed["step"], failed["phase"], failed["path"]) == ("arm_a", 0, "replay", str(rewritten))
+    assert (failed["episode"], failed["step"], failed["phase"], failed["path"]) == (
+        "arm_a", 0, "replay", str(rewritten))
     assert "episodes/arm_a/step_000001.safetensors" not in outputs(run)
     for step in range(3):  # the other episode is untouched
         name = f"episodes/arm_b/step_{step:06d}.safetensors"
