@@ -235,11 +235,11 @@ def test_signal_in_the_middle_of_a_forward_then_resume(env, data, reference, tmp
         ("arm_a", 0), ("arm_b", 0), ("arm_c", 0), ("arm_d", 0), ("arm_a", 1), ("arm_b", 1)] + [("arm_c", 1)] * (
         signals == 1)
     assert all(r["status"] == "ok" for r in lines)
-    written = outputs(run)  # every output loads in full, and is what the reference run wrote
+    written, want = outputs(run), outputs(reference)  # every output loads in full, and is what the reference wrote
     assert sorted(written) == sorted(r["output"] for r in lines)
     for name, arrays in written.items():
         for key, value in arrays.items():
-            np.testing.assert_array_equal(value, outputs(reference)[name][key])
+            np.testing.assert_array_equal(value, want[name][key], err_msg=f"{name}:{key}")
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
 
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup")
@@ -491,8 +491,8 @@ def test_the_attention_backend_falling_back_is_a_warning_line_that_quiet_silence
     ("ReturnsLists", "ReturnsLists.forward() returned a dict with no array in it ('latents': list), expected a dict "
                      "of arrays"),
 ])
-def test_a_forward_that_returns_no_dict_fails_its_steps_instead_of_writing_empty_outputs(env, tmp_path, pipeline,
-                                                                                          message):
+def test_a_forward_that_returns_no_arrays_fails_its_steps_instead_of_writing_empty_outputs(env, tmp_path, pipeline,
+                                                                                            message):
     run = tmp_path / "run"
     proc = ardiff(env, "rollout", "causal-world-tiny", "--device", "cpu", "--out", str(run), "--no-warmup",
                   "--format", "plain", "--pipeline", f"author_mistakes:{pipeline}")
