@@ -69,6 +69,18 @@ def main() -> NoReturn:
         _end_process(EXIT_SIGINT)
 
 
+def _given(exc: BaseException, message: str) -> str:
+    """``, got '0'`` for Typer's own checks of an option's value (``min=``, a number), whose messages say what was
+    expected ("Input should be greater than or equal to 1") but not what was given. They come from pydantic's
+    validation, which keeps the input; '' for any other error, or one whose message names the value already."""
+    errors = getattr(exc.__cause__, "errors", None)
+    if not callable(errors) or type(exc.__cause__).__name__ != "ValidationError":
+        return ""
+    first = errors()[0] if errors() else {}
+    given = repr(first["input"]) if "input" in first else None
+    return f", got {given}" if given and given not in message else ""
+
+
 def _run(args: list[str]) -> None:
     _fill_closed_standard_streams()
     # Usage errors (an unknown option, a bad option value) are reported like every other error: `Error:` and
@@ -83,6 +95,7 @@ def _run(args: list[str]) -> None:
         if command == "ardiff" and args[0] in COMMANDS:  # an error parsing the command's own options
             command = f"ardiff {args[0]}"
         message = exc.format_message().replace(": Value error, ", ": ", 1)  # Typer's choice errors carry pydantic's
+        message += _given(exc, message)
         Output(resolve_format(requested_format(args))).error(
             message, f"see {command} --help", exit_code=exc.exit_code, kind="usage_error")
         sys.exit(exc.exit_code)
