@@ -54,7 +54,8 @@ class _ShapesOnly(torch.overrides.TorchFunctionMode):
     """Building on the meta device, where tensors hold no values: ``torch.nn.init``'s initialisers return their
     tensor untouched and random factories make empty tensors. torch would run both there through its Python
     reference kernels, whose first calls import ``torch._dynamo`` and ``torch.fx.experimental.symbolic_shapes``
-    (1.2 s of imports at every ``rollout`` and ``warmup`` start on a 2-core machine, for nothing)."""
+    (0.8 s of imports at every ``rollout`` and ``warmup`` start on a 2-core machine, ``python -X importtime``,
+    for nothing)."""
 
     INITIALISERS = frozenset(getattr(nn.init, name) for name in dir(nn.init)
                              if name.endswith("_") and not name.startswith("_"))
