@@ -78,7 +78,7 @@ def test_fresh_checkpoints_are_deterministic(tmp_path):
 def test_loading_a_checkpoint_initialises_nothing_and_imports_no_dynamo(module, ardiff_cache):
     """The modules a checkpoint fills are built on the meta device with nothing initialised: run there,
     ``torch.nn.init`` and ``torch.randn`` go through torch's Python reference kernels, whose first calls import
-    ``torch._dynamo`` and ``symbolic_shapes`` (over a second of every rollout's start). A fresh process loads the
+    ``torch._dynamo`` and ``symbolic_shapes`` (0.8 s of every rollout's start). A fresh process loads the
     default checkpoint and counts a 40-layer config's parameters without importing either, and the weights it
     loaded are the file's, bit for bit."""
     module.pipeline_class().from_config(tiny(module))  # builds the default checkpoint into the cache first
