@@ -206,12 +206,16 @@ class ARDiffusionKVState:
         """The forward is over (the runner calls this after checking ``uncommitted_branches``): its contexts go
         stale and what only they used goes, each branch's gather index included, so that a session at rest holds
         exactly the bytes the capacity plan counts."""
+        self._finish_forwards()
+        for kv in self._branches.values():
+            kv.history_ids = None
+
+    def _finish_forwards(self) -> None:
+        """Every pending forward's contexts go stale and are forgotten (in-flight pages are the caller's)."""
         for name, forward in self._pending.items():
             if forward is not None:
                 forward.finished = True
                 self._pending[name] = None
-        for kv in self._branches.values():
-            kv.history_ids = None
 
     def has_cross_attention(self, branch: str, name: str) -> bool:
         kv = self._branch(branch)
@@ -473,12 +477,10 @@ class ARDiffusionKVState:
     def _release_self_attention(self) -> None:
         allocator = self._cache.allocator
         self._generation += 1
-        for name, forward in self._pending.items():
+        for forward in self._pending.values():
             if forward is not None and forward.allocated and not forward.finished:
                 allocator.free(forward.inflight_pages)
-            if forward is not None:
-                forward.finished = True
-            self._pending[name] = None
+        self._finish_forwards()
         for kv in self._branches.values():
             kv.release(allocator)
 
