@@ -76,7 +76,7 @@ def _given(exc: BaseException, message: str) -> str:
     errors = getattr(exc.__cause__, "errors", None)
     if not callable(errors) or type(exc.__cause__).__name__ != "ValidationError":
         return ""
-    first = errors()[0] if errors() else {}
+    first = next(iter(errors()), {})
     given = repr(first["input"]) if "input" in first else None
     return f", got {given}" if given and given not in message else ""
 
