@@ -109,6 +109,16 @@ class SchemaNotASchema(CausalWorldPipeline):
             return {"conditioning": "float32"}
 
 
+class EntrySchemaNotASchema(CausalWorldPipeline):
+    """Its config has no observation_schema of its own, so the class's is asked (what an entry module's
+    observation_schema() is), and that returns a plain dict."""
+
+    class Config(CausalWorldPipeline.Config):
+        observation_schema = None
+
+    observation_schema = staticmethod(lambda: {"conditioning": "float32"})
+
+
 class SchemaRaises(CausalWorldPipeline):
     """Its config's observation_schema raises (a field it looks up is missing)."""
 

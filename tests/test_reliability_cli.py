@@ -417,6 +417,8 @@ def test_a_top_level_typo_is_not_sent_to_model_by_a_config_that_takes_any_key(en
 @pytest.mark.parametrize(("pipeline", "message"), [
     ("SchemaNotASchema", "SchemaNotASchema.Config.observation_schema() returned dict, expected an ObservationSchema"),
     ("SchemaRaises", "SchemaRaises.Config.observation_schema() raised KeyError: 'conditioning'"),
+    ("EntrySchemaNotASchema", "EntrySchemaNotASchema.observation_schema() returned dict, expected an "
+                              "ObservationSchema"),
 ])
 def test_an_observation_schema_of_another_type_is_named_as_the_pipelines_mistake(env, data, tmp_path, pipeline,
                                                                                  message):
