@@ -623,7 +623,8 @@ class _BindNotAContextManager(TinyPipeline):
 def test_bind_that_is_not_a_context_manager_is_named_and_releases_the_session():
     runner = make_runner(_BindNotAContextManager())
     with pytest.raises(PipelineContractError, match=r"_BindNotAContextManager.bind_ar_diffusion_state\(\) returned "
-                                                    r"NoneType, expected a context manager"):
+                                                    r"NoneType, expected a context manager .*\(decorate it with "
+                                                    r"@contextlib.contextmanager and yield once, in a try/finally\)"):
         runner.execute_model(request("a", 0))
     assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
 
