@@ -155,6 +155,27 @@ def test_signal_inside_a_critical_section_waits_for_its_end():
     assert info.value.exit_code == 130
 
 
+def test_the_notice_of_a_first_signal_says_the_step_finishes_and_the_live_panel_says_stopping():
+    """What a rollout shows when a first signal lands in a step: a line on stderr that says the step finishes, how
+    to stop at once, and the live panel's phase 'stopping'."""
+    from ardiff_cli.commands.rollout import _stop_notice
+    from ardiff_cli.monitor import RunMonitor
+
+    output, _, stderr = sink(Format.plain)
+    monitor = RunMonitor(output, "ardiff rollout · fast.yaml → out")
+    monitor.set_phase("running")
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        _stop_notice(output, monitor)(signum)
+    assert stderr.getvalue().splitlines() == [
+        "SIGINT: finishing the step in flight, then stopping (Ctrl-C again to stop at once; that step's episode then "
+        "replays on --resume)",
+        "SIGTERM: finishing the step in flight, then stopping (SIGTERM again to stop at once; that step's episode "
+        "then replays on --resume)"]
+    console = Console(record=True, width=110, color_system=None, file=io.StringIO())
+    console.print(render(monitor.snapshot()))
+    assert re.search(r" · \S+ stopping$", console.export_text(), re.M), console.export_text()
+
+
 def test_the_first_signal_in_a_step_lets_it_finish_and_a_second_stops_it_at_once():
     # A signal in a rollout's step cut its forward short: its session held half a step, so the stopped run could not
     # keep it, and --resume replayed its episode.
