@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from ardiff_cli.io import write_episode, write_step
 from ardiff_cli.runtime.errors import shown
 from ardiff_cli.io.demo import demo_step
-from pipeline_helpers import stop_inside_a_fault
+from pipeline_helpers import stop_inside_a_fault, wait_for_marker
 
 REPO = Path(__file__).resolve().parents[1]
 ESC = re.compile(r"\x1b\[")
@@ -727,6 +727,23 @@ def test_a_run_stopped_by_a_failure_keeps_no_resident_session(env, data, referen
     assert_same_outputs(reference, run)
 
 
+# `ardiff ARGS` whose model, once loaded, waits: it touches the file argv[1] and sleeps, as a large model loads.
+SLOW_LOAD = """\
+import pathlib, sys, time
+from ardiff_cli.runtime.engine import ARDiffusionEngine
+load, marker = ARDiffusionEngine.load, pathlib.Path(sys.argv[1])
+def slow_load(self, *args, **kwargs):
+    plan = load(self, *args, **kwargs)
+    marker.touch()
+    time.sleep(600)
+    return plan
+ARDiffusionEngine.load = slow_load
+from ardiff_cli.app import main
+sys.argv = ["ardiff", *sys.argv[2:]]
+main()
+"""
+
+
 def test_a_resume_that_stops_before_taking_the_kept_snapshots_leaves_them_to_the_next(env, data, reference, tmp_path):
     # The index was deleted as the resume read it, before anything could refuse or kill it (a --device it cannot
     # use here; a SIGTERM while torch imports; kill -9 while the model loads): the next resume replayed them all.
@@ -734,6 +751,19 @@ def test_a_resume_that_stops_before_taking_the_kept_snapshots_leaves_them_to_the
     refused = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--device", "cuda:7")
     assert refused.returncode == 2, refused.stderr
     assert kept_snapshots(run) == kept  # the index and its files, as the stopped run left them
+    for signum in (signal.SIGTERM, signal.SIGKILL):  # a signal, or kill -9, while the resume's model loads
+        marker = tmp_path / f"loaded-{signum}"
+        proc = subprocess.Popen([sys.executable, "-c", SLOW_LOAD, str(marker), "rollout", "--resume", "--out",
+                                 str(run), "--no-warmup", "--format", "plain"], cwd=REPO, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            wait_for_marker(proc, marker, "loading the model")
+            proc.send_signal(signum)
+            stderr = proc.communicate(timeout=120)[1]
+        finally:
+            proc.kill()
+        assert proc.returncode == (143 if signum == signal.SIGTERM else -signal.SIGKILL), stderr
+        assert kept_snapshots(run) == kept, signal.Signals(signum).name
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
     assert proc.returncode == 0, proc.stderr
     for name in kept:
