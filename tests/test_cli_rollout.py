@@ -283,19 +283,44 @@ def test_a_long_episodes_preview_shows_64_evenly_spaced_steps_the_first_and_last
     assert steps[0] == 0 and steps[-1] == 69 and {b - a for a, b in zip(steps, steps[1:])} == {1, 2}, steps
 
 
+# `ardiff ARGS` whose model's forward writes to file descriptors 1 and 2 itself, as a native library's message does
+NATIVE_MESSAGES = """\
+import os, sys
+from pipelines.dreamzero.pipeline import DreamZeroPipeline
+forward = DreamZeroPipeline.forward
+def noisy(self, request):
+    for fd in (1, 2):
+        try:
+            os.write(fd, b"native library message\\n")
+        except OSError:
+            pass
+    return forward(self, request)
+DreamZeroPipeline.forward = noisy
+from ardiff_cli.app import main
+sys.argv = ["ardiff", *sys.argv[1:]]
+main()
+"""
+
+
 @pytest.mark.parametrize("redirect", [">&-", "2>&-", ">&- 2>&- <&-"])
 def test_a_closed_standard_stream_is_a_discarded_one_not_a_crash(env, data, tmp_path, redirect):
-    """A cron line like `ardiff rollout ... >&-`: the run completes, exit 0, as if the stream were /dev/null."""
-    def closed(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", "-c", f'"$@" {redirect}', "_", sys.executable, "-m", "ardiff_cli", *args],
+    """A cron line like `ardiff rollout ... >&-`: the run completes, exit 0, as if the stream were /dev/null, and no
+    file the run opens takes the closed stream's number (a native library's message would land in it)."""
+    def closed(*args: str, python: tuple[str, ...] = ("-m", "ardiff_cli")) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", f'"$@" {redirect}', "_", sys.executable, *python, *args],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
     run = tmp_path / "run"
-    proc = closed("rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
+    proc = closed("rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup",
+                  python=("-c", NATIVE_MESSAGES))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Error" not in proc.stderr and ("outputs: " in proc.stdout) == (redirect == "2>&-")
     assert json.loads((run / "summary.json").read_text())["status"] == "ok"
     assert len(records(run)) == 6
+    landed = [p.relative_to(run) for p in run.rglob("*") if p.is_file() and b"native library" in p.read_bytes()]
+    assert landed == []
+    still_open = {">&-": proc.stderr, "2>&-": proc.stdout}.get(redirect)
+    assert still_open is None or "native library message" in still_open  # it was written
     proc = closed("inspect-capacity", str(data / "fast.yaml"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
