@@ -272,7 +272,7 @@ class SignalWhileSwapping(DreamZeroPipeline):
     evicted session released), the way a Ctrl-C lands at any moment. Twice, unless ``ARDIFF_TEST_SIGNALS`` = 1:
     inside a step the CLI's signal handler only records the first and raises the second there. ``exit``: SIGTERM
     from an ``atexit`` callback, as the process exits with its status decided; ``result``: SIGINT twice as the
-    command's result starts to print."""
+    command's result starts to print; ``summary``: SIGINT twice as summary.json starts to be written."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -287,6 +287,15 @@ class SignalWhileSwapping(DreamZeroPipeline):
                 _print(output, *args, **kwargs)
 
             Output.result = result
+        if os.environ.get("ARDIFF_TEST_SIGNAL_IN") == "summary":
+            from ardiff_cli.io.run import RunFolder
+
+            def write_summary(run: RunFolder, *args: Any, _write: Any = RunFolder.write_summary, **kwargs: Any) -> Any:
+                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(signal.SIGINT)
+                return _write(run, *args, **kwargs)
+
+            RunFolder.write_summary = write_summary
 
     def close_ar_diffusion_session(self, session_id: str) -> None:
         self._signal_once("close")
