@@ -121,6 +121,7 @@ def test_a_full_disk_refusing_a_steps_outputs_stops_the_run_instead_of_failing_e
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["episodes"]["failed"] == 0
     assert not refused.exists()
+    assert not [p.relative_to(out) for p in out.rglob("*") if p.name.endswith(".tmp")]  # nor its temporary file
 
     result = resume(out)
     assert result.exit_code == 0, result.stderr
