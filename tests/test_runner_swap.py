@@ -497,6 +497,22 @@ def test_bad_swap_arguments_are_a_config_error_at_once(tmp_path, kwargs, message
         ARDiffusionModelRunner(TinyPipeline(tiny_spec()), memory_budget=64 << 20, **kwargs)
 
 
+def test_the_default_swap_space_is_the_kv_budget_at_most_half_the_free_disk(tmp_path, monkeypatch):
+    # swap_dir without swap_space (the CLI's default --swap-space): the KV budget, but at most half the free space of
+    # the swap folder's disk at load, so that swapping alone never fills it. The free space is the one thing faked
+    # here (no test can size a real disk); the engine, its plan and its swap store are real.
+    import ardiff_cli.runtime.runner as runner_module
+
+    spaces = []
+    for free in (1 << 50, 3 << 20):  # a disk with room for far more than the KV budget; one with 3 MiB free
+        monkeypatch.setattr(runner_module, "free_disk_bytes", lambda directory, free=free: free)
+        engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+        spaces.append((engine.runner.pool_usage().swap_budget_bytes, engine.runner.capacity_plan.budget_bytes))
+        engine.close()
+    (roomy, budget), (full, _) = spaces
+    assert budget > 3 << 20 and roomy == budget and full == (3 << 20) // 2
+
+
 def test_swap_space_takes_a_byte_size_like_memory_budget(tmp_path):
     engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path, swap_space="2MiB")
     assert engine.runner.pool_usage().swap_budget_bytes == 2 << 20
