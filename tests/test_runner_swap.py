@@ -318,6 +318,8 @@ def test_ctrl_c_while_a_session_is_restored_leaves_no_part_of_it_resident(tmp_pa
     with pytest.raises(KeyboardInterrupt):  # as itself, not a SwapRestoreError
         runner.restore_session("a")
     assert runner.session_ids == [] and runner.pool_usage().num_used == 0 and "a" not in engine.pipeline.sessions
+    runner.swap.flush()
+    assert not runner.swap.has("a") and not runner.swap.path_for("a").exists()  # deleted as it was read
     assert [(e.session_id, e.reason) for e in events if e.kind == "session_closed"] == [("a", "restore_failed")]
     engine.close()
 
