@@ -339,7 +339,8 @@ def test_follow_fails_an_episode_whose_folder_is_deleted_or_renamed(tmp_path):
     assert scheduler.next().file.step == 0
     item = scheduler.next()
     assert isinstance(item, EpisodeEnded) and item.reason == "error", item
-    assert "the episode folder is gone" in str(item.error) and str(folder) in str(item.error)
+    assert str(item.error) == (f"{folder}: the episode folder is gone (deleted or renamed while it was followed); "
+                               "1 of its steps had arrived")
     assert clock.now < 100 and scheduler.next() is None
 
 
