@@ -798,6 +798,27 @@ def test_a_resume_that_stops_before_taking_the_kept_snapshots_leaves_them_to_the
     assert not (run / ".swap").exists()
 
 
+@pytest.mark.parametrize("which", ["swapped", "resident"])
+def test_a_later_done_step_deleted_before_a_resume_is_a_gap_whether_its_session_was_kept_or_replayed(
+        env, data, reference, tmp_path, which):
+    # As a rewritten one (above): the same failure whether the stopped run kept the episode's session or it is
+    # replayed (the resident one does not fit in the swap space the swapped-out one leaves). Its step 0 is still
+    # there, so the deleted step 1 is a gap in its folder.
+    run, swapped, _ = stopped_with_a_swapped_session(
+        env, data, tmp_path, *(() if which == "swapped" else ("--swap-space", ONE_SNAPSHOT)))
+    target, other = (swapped, "arm_b") if which == "swapped" else ("arm_b", swapped)
+    (tmp_path / "live" / target / "step_000001.safetensors").unlink()
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 4, proc.stderr
+    assert f"Error: episode '{target}' failed: {tmp_path / 'live' / target}: step 1 missing" in proc.stderr
+    assert not re.search(rf"restored +{target} from its swap snapshot", proc.stderr)
+    assert not (run / "episodes" / target / "step_000002.safetensors").exists()
+    for step in range(3):  # the other episode goes on as it would have
+        output = f"episodes/{other}/step_{step:06d}.safetensors"
+        assert (run / output).read_bytes() == (reference / output).read_bytes()
+    assert not (run / ".swap").exists()
+
+
 def test_a_resume_after_an_episodes_first_step_files_were_deleted_fails_those_episodes(env, data, reference, tmp_path):
     # The swapped-out episode's kept session was restored ahead of its episode (an AssertionError: exit 1, "a bug"),
     # and the resident one's step 2 ran as chunk 1 after replaying step 1 alone: outputs no uninterrupted run makes.
