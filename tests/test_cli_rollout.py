@@ -829,6 +829,10 @@ def test_a_resume_after_an_episodes_first_step_files_were_deleted_fails_those_ep
     assert proc.returncode == 2, proc.stderr  # every episode failed
     for name in ("arm_a", "arm_b"):
         assert f"{tmp_path / 'live' / name}: step 0 ran (results.jsonl) but its file is gone" in proc.stderr
+    assert proc.stderr.count("hint: put the episode's step files back as they were when they ran (--resume then goes "
+                             "on), or run the episode again from its first step in a new --out") == 2, proc.stderr
+    failed = [(r["episode"], r["phase"]) for r in records(run) if r["status"] == "failed"]
+    assert sorted(failed) == [("arm_a", "scan"), ("arm_b", "scan")]  # found when the folder was read
     assert not any((run / "episodes" / name / "step_000002.safetensors").exists() for name in ("arm_a", "arm_b"))
     for name in ("arm_a", "arm_b"):
         for step in range(2):
