@@ -160,17 +160,27 @@ def test_binary_episode_yaml_is_named_as_not_utf8(tmp_path):
         episode.metadata()
 
 
-@pytest.mark.parametrize(("text", "fault"), [
-    ("prompt: " + "[" * 5000 + "]" * 5000, "lists or mappings are nested too deeply"),  # RecursionError
-    ("prompt: pick\nrecorded: 2024-13-45\n", "month must be in 1..12"),  # a date YAML types that Python cannot hold
+@pytest.mark.parametrize(("text", "fault", "hint"), [
+    ("prompt: " + "[" * 5000 + "]" * 5000, "lists or mappings are nested too deeply", "runaway brackets"),
+    ("prompt: pick\nrecorded: 2024-13-45\n", "month must be in 1..12", "quote the value"),  # Python cannot hold it
 ])
-def test_episode_yaml_the_parser_cannot_hold_is_named(tmp_path, text, fault):
-    """Both were taken for a failure of the pipeline reading the first step file ('fix the pipeline')."""
+def test_episode_yaml_the_parser_cannot_hold_is_named(tmp_path, text, fault, hint):
+    """Both were taken for a failure of the pipeline reading the first step file ('fix the pipeline'). They are the
+    episode's bad input: with a hint, and exit 2 when it is the only episode."""
     write_step(tmp_path / "ep", 0, good(0))
     (tmp_path / "ep" / "episode.yaml").write_text(text)
     (episode,) = discover_episodes([tmp_path / "ep"])
-    with pytest.raises(ObservationError, match=rf"ep/episode.yaml: cannot read episode metadata: {fault}$"):
+    with pytest.raises(ObservationError, match=rf"ep/episode.yaml: cannot read episode metadata: {fault}$") as info:
         episode.metadata()
+    assert hint in info.value.hint
+    result = ardiff("rollout", "dreamzero-tiny", "ep", "-o", "run", "--no-warmup", cwd=tmp_path,
+                    ARDIFF_CACHE_DIR=str(tmp_path / "cache"))
+    assert result.returncode == 2, result.stderr
+    objects = [json.loads(line) for line in result.stdout.splitlines()]
+    (failed,) = [o for o in objects if o["kind"] == "episode_failed"]
+    assert failed["message"] == f"episode 'ep' failed: {Path('ep', 'episode.yaml')}: cannot read episode metadata: " + (
+        fault)
+    assert failed["hint"] == info.value.hint and objects[-1]["kind"] == "observation_error", objects[-1]
 
 
 def test_npz_member_that_is_not_an_array_is_named(tmp_path):
