@@ -459,6 +459,19 @@ def test_config_case_message(tmp_path, case):
         assert re.search(r"^hint: .*" + re.escape(hint), result.stderr, re.M), result.stderr
 
 
+@pytest.mark.parametrize("command", ["rollout", "warmup"])
+def test_a_window_no_attention_call_can_see_is_refused_before_weights_demo_episodes_or_out_are_made(
+        tmp_path, monkeypatch, command):
+    monkeypatch.setenv("ARDIFF_CACHE_DIR", str(tmp_path / "cache"))  # where weights and demo episodes would go
+    config = tmp_path / "window.yaml"
+    config.write_text(CONFIG_CASES["window_beyond_max_model_len"][0])
+    out = ["--out", str(tmp_path / "out")] if command == "rollout" else []
+    result = runner.invoke(app, [command, str(config), *out, "--device", "cpu", "--format", "plain"])
+    assert result.exit_code == 2, result.stderr
+    assert f"Error: {config}: field 'model.window_frames': one attention call can see" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["window.yaml"]  # no cache, no out
+
+
 def _alias_bomb(depth: int = 9) -> str:
     """A flow list whose anchors nest ``depth`` deep, ten aliases each: 10**depth strings once expanded."""
     items = ["&l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
