@@ -242,7 +242,8 @@ def test_invalid_planner_inputs():
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("512MiB", 512 << 20), ("2 GiB", 2 << 30), ("1.5G", int(1.5 * GIB)), (1000, 1000), ("10kb", 10_000)],
+    [("512MiB", 512 << 20), ("2 GiB", 2 << 30), ("1.5G", int(1.5 * GIB)), (1000, 1000), ("10kb", 10_000),
+     ("1.7GiB", 1_825_361_100)],  # 1825361100.8 bytes: with a unit, the fraction of a byte is dropped
 )
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
