@@ -61,6 +61,17 @@ def test_num_threads_is_applied_at_load():
         torch.set_num_threads(before)
 
 
+def test_an_empty_or_null_model_or_runtime_section_means_the_defaults(tmp_path):
+    """`model:` left empty (YAML's null) is the pipeline's defaults, as no `model:` at all; `model: []` or
+    `runtime: false` are refused (test_reliability_input.py)."""
+    defaults = load_config({"pipeline": "causal_world"})
+    for text in ("pipeline: causal_world\nmodel:\nruntime:\n", "pipeline: causal_world\nmodel: null\nruntime: ~\n"):
+        path = tmp_path / "config.yaml"
+        path.write_text(text)
+        config = load_config(path)
+        assert (config.model, config.runtime) == (defaults.model, defaults.runtime), text
+
+
 def test_numpy_integers_are_accepted_where_integers_are_and_bools_and_fractions_are_not():
     """A budget or capacity computed with numpy (np.int64) used to be refused: 'expected a byte size', 'expected a
     positive integer'. Any integer but a bool is taken, as a plain int (the plan goes to JSON output)."""
