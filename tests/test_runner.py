@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from collections import OrderedDict
 from contextlib import contextmanager
 
@@ -24,7 +25,7 @@ from ardiff_cli.runtime.events import (
     SessionReset,
     WarmupFinished,
 )
-from ardiff_cli.runtime.errors import ArdiffWarning, PipelineError
+from ardiff_cli.runtime.errors import ArdiffWarning, PipelineError, StopRequested
 from ardiff_cli.runtime.request import DEFAULT_SESSION_ID, ARDiffusionRequest
 from ardiff_cli.runtime.runner import (
     WARMUP_SESSION_ID,
@@ -248,9 +249,20 @@ def test_an_ardiff_error_from_a_hook_or_a_subscriber_is_their_failure_not_a_stop
     def picky_subscriber(event):
         raise PipelineError("metrics schema changed")
 
-    runner.subscribe(picky_subscriber)
+    unsubscribe = runner.subscribe(picky_subscriber)
     with pytest.warns(ArdiffWarning, match="picky_subscriber raised PipelineError: metrics schema changed"):
         runner.execute_model(request("b", 1))
+    unsubscribe()
+
+    def stopping_subscriber(event):  # the CLI's signal handler raising Interrupted while a subscriber runs
+        if event.kind == "request_finished":
+            raise StopRequested("interrupted by SIGINT")
+
+    runner.subscribe(stopping_subscriber)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # propagated, not a warning
+        with pytest.raises(StopRequested, match="interrupted by SIGINT"):
+            runner.execute_model(request("b", 2))
 
 
 class _NoHooks:
