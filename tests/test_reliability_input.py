@@ -361,6 +361,10 @@ CONFIG_CASES = {
     "num_threads_beyond_any_host": ("pipeline: dreamzero\nruntime: {num_threads: 100000}\n", "inspect-capacity",
                                     ["{config}: field 'runtime.num_threads': expected a positive integer up to 1024 "
                                      "(CPU threads) or null, got 100000"], "set 'runtime.num_threads'"),
+    "num_threads_beyond_int64": ("pipeline: dreamzero\nruntime: {num_threads: " + str(10**30) + "}\n",
+                                 "inspect-capacity", ["{config}: field 'runtime.num_threads': expected a positive "
+                                                      "integer up to 1024 (CPU threads) or null, got " + str(10**30)],
+                                 "set 'runtime.num_threads'"),
     "sampler_steps_that_never_end": ("pipeline: dreamzero\nmodel: {num_inference_steps: 100000000}\n",
                                      "inspect-capacity", ["{config}: field 'model.num_inference_steps': expected an "
                                                           "integer from 1 to 1000, got 100000000"], None),
