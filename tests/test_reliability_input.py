@@ -368,6 +368,10 @@ CONFIG_CASES = {
     "sampler_steps_that_never_end": ("pipeline: dreamzero\nmodel: {num_inference_steps: 100000000}\n",
                                      "inspect-capacity", ["{config}: field 'model.num_inference_steps': expected an "
                                                           "integer from 1 to 1000, got 100000000"], None),
+    "layers_no_host_could_hold": ("pipeline: causal_world\ncheckpoint: null\nmodel: {preset: tiny, num_layers: "
+                                  + str(10**12) + "}\n", "warmup",
+                                  ["no built-in checkpoint for this causal_world geometry (50624000.00B parameters)"],
+                                  "set checkpoint: to a .safetensors file"),
     "int_beyond_int64": ("pipeline: dreamzero\nmodel: {ffn_dim: " + str(10**30) + "}\n", "warmup",
                          ["{config}: field 'model.ffn_dim': expected an integer below 2**63, got " + str(10**30)],
                          "set 'model.ffn_dim'"),
