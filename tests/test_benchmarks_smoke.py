@@ -169,8 +169,11 @@ def test_rolling_quick():
     assert r["rolling_shifts"] >= r["steady_blocks"]
     assert r["outputs_match"] and r["max_abs_diff"] <= 1e-4  # both sides do the same math
     for key in ("ardiff_p50_ms", "ardiff_p99_ms", "ardiff_p99_over_p50", "rolling_p50_ms", "a_a_ratio",
-                "cache_ratio", "lean_commit_ratio", "rolling_lean_p50_ms"):
+                "cache_ratio", "lean_commit_ratio", "rolling_lean_p50_ms", "ratio_p99_over_p50",
+                "a_a_ratio_p99_over_p50"):
         assert positive(r[key]) and positive(r["wall"][key])
+    # the per-block ratio's own tail (a p99 over its median): at least 1 for ardiff and for the A/A control
+    assert r["ratio_p99_over_p50"] >= 1 and r["a_a_ratio_p99_over_p50"] >= 1
     assert f"A/A {r['a_a_ratio']:.3f}" in r["baseline"]  # the noise floor is shown beside the verdict
     # and what the cache alone costs, against the rolling cache given ardiff's commit pass
     assert f"same commit pass as ardiff {r['cache_ratio']:.3f}" in r["baseline"]
