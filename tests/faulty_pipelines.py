@@ -26,8 +26,8 @@ Each fault is a JSON object:
   twice inside ``try: ... except Exception: pass`` and go on, as a pipeline or library that catches everything
   would: the first only asks the step to finish, the second is raised there) or ``wrap_signal`` (the same, then
   raise its own error ``from`` what it caught);
-- ``probe`` (block and sampler): also keep a weak reference to the first argument (a tensor), and site ``probe`` on a later
-  request writes to ``path`` which of those tensors are still alive (after ``gc.collect()``): a failed
+- ``probe`` (block and sampler): also keep a weak reference to the first argument (a tensor), and site ``probe`` on
+  a later request writes to ``path`` which of those tensors are still alive (after ``gc.collect()``): a failed
   episode must not keep its forward's tensors alive for the rest of the run.
 """
 

@@ -252,7 +252,8 @@ def test_a_broken_invariant_stops_the_run_as_a_bug(data, reference, tmp_path, mo
     result = rollout(data, out)
     monkeypatch.undo()
     assert result.exit_code == 1, result.stderr
-    assert "Traceback" in result.stderr and "Error: unexpected AssertionError: CFG branches out of step" in result.stderr
+    assert "Traceback" in result.stderr
+    assert "Error: unexpected AssertionError: CFG branches out of step" in result.stderr
     assert "this is a bug" in result.stderr
     assert [(r["episode"], r["step"]) for r in records(out)] == [("arm_a", 0)]
     assert json.loads((out / "summary.json").read_text())["status"] == "failed"
