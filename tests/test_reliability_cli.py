@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,6 +148,40 @@ def test_faults_fail_their_episode_only_and_name_episode_and_step(env, data, ref
     assert_matches(run, reference)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"]["failed"] == 0  # the retried steps' lines came later
+
+
+# When every episode fails, the exit code is the highest of their causes' codes: out of memory (3) over invalid
+# input (2) over anything else (1). ``invalid`` names episodes whose first step file is no safetensors file.
+EVERY_EPISODE_FAILS = {
+    "exception": ([], [], 1),
+    "out_of_memory_and_exception": ([], ["arm_a"], 3),
+    "invalid_input_and_exception": (["arm_a"], [], 2),
+}
+
+
+@pytest.mark.parametrize(("invalid", "out_of_memory", "code"), list(EVERY_EPISODE_FAILS.values()),
+                         ids=list(EVERY_EPISODE_FAILS))
+def test_a_run_whose_every_episode_failed_exits_with_the_highest_code_of_their_causes(env, data, tmp_path, invalid,
+                                                                                       out_of_memory, code):
+    """The row of docs/reliability.md: without --fail-fast, a step's failure is its episode's; when no episode
+    completed, the run's code is its causes' (max), and each failed episode's session was released."""
+    eps = tmp_path / "eps"
+    shutil.copytree(data / "eps", eps)
+    for name in invalid:
+        (eps / name / "step_000000.safetensors").write_bytes(b"not a safetensors file")
+    faults = [{"request": f"{name}/000000", "site": "page_shortage" if name in out_of_memory else "block",
+               "layer": 1} for name in EPISODES if name not in invalid]
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "run"), "--pipeline",
+                  PIPELINE, "--no-warmup", "--format", "plain", faults=faults)
+    assert proc.returncode == code, proc.stderr
+    assert re.search(r"Error: every episode failed \((arm_[a-d](, )?){4}\)", proc.stderr), proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = records(tmp_path / "run")
+    assert sorted((r["episode"], r["step"], r["status"]) for r in lines) == [(e, 0, "failed") for e in EPISODES]
+    for episode in EPISODES:
+        if episode not in invalid:  # admitted, then released when its step failed
+            assert re.search(rf"closed +{episode} ", proc.stderr), proc.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
 
 
 def test_resume_that_retries_an_episodes_last_step_leaves_no_failure_in_the_summary(env, data, reference, tmp_path):
