@@ -184,6 +184,30 @@ def test_a_run_whose_every_episode_failed_exits_with_the_highest_code_of_their_c
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
 
 
+def test_a_failing_close_hook_alone_is_a_warning_that_changes_neither_the_exit_code_nor_the_outputs(env, data,
+                                                                                                     reference,
+                                                                                                     tmp_path):
+    """arm_a's close hook raises each time its session is evicted (one resident session) and when its episode ends:
+    warnings naming the episode and the step, hook_errors in summary.json, and a run otherwise as a fault-free one."""
+    run = tmp_path / "run"
+    proc = ardiff(env, *rollout_args(data, run), faults=[{"site": "close_hook", "session": "arm_a"}])
+    assert proc.returncode == 0, proc.stderr
+    assert ("warning: episode 'arm_a': the pipeline's close_ar_diffusion_session raised at its step 2: injected "
+            "fault in the close hook of 'arm_a'; its KV was released and its written outputs are complete") in (
+        proc.stderr)
+    assert ("warning: episode 'arm_a': the pipeline's close_ar_diffusion_session raised when evicted for episode "
+            "'arm_b' step 0: ") in proc.stderr
+    assert "Error:" not in proc.stderr and "Traceback" not in proc.stderr
+    assert all(r["status"] == "ok" for r in records(run)) and len(records(run)) == 12
+    assert_matches(run, reference)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["exit_code"] == 0 and summary["steps"]["failed"] == 0
+    hooks = summary["hook_errors"]
+    assert len(hooks) == 3 and all(h["session"] == "arm_a" and h["hook"] == "close_ar_diffusion_session"
+                                   for h in hooks), hooks
+    assert {"episode": "arm_a", "step": 2} in [h["during"] for h in hooks], hooks
+
+
 def test_resume_that_retries_an_episodes_last_step_leaves_no_failure_in_the_summary(env, data, reference, tmp_path):
     """The retried step's own ok line resolves its failed line, also for an episode's last step (no later step's
     line comes to resolve it)."""
