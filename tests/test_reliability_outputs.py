@@ -88,14 +88,15 @@ def test_an_output_that_cannot_be_written_fails_its_episode_only(data, reference
 
 
 
-@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS], ids=["disk-full", "read-only"])
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS], ids=["disk-full", "quota", "read-only"])
 def test_a_full_disk_refusing_a_steps_outputs_stops_the_run_instead_of_failing_every_episode(data, reference,
                                                                                               tmp_path, monkeypatch,
                                                                                               code):
-    """The disk of --out fills at the 3rd step's outputs and stays full (or is remounted read-only). Each episode
-    failed in turn at its next write ('episode 'arm_b' failed at step 1 while writing its outputs: OSError: [Errno
-    28] No space left on device', then arm_a's, ...): its session released, to be replayed in full by --resume, and
-    the cause buried under one failure per episode. The run stops at the first, as for results.jsonl."""
+    """The disk of --out fills at the 3rd step's outputs and stays full (or the quota is reached, or it is remounted
+    read-only). Each episode failed in turn at its next write ('episode 'arm_b' failed at step 1 while writing its
+    outputs: OSError: [Errno 28] No space left on device', then arm_a's, ...): its session released, to be replayed in
+    full by --resume, and the cause buried under one failure per episode. The run stops at the first, as for
+    results.jsonl."""
     out = tmp_path / "run"
     real_fsync = atomic.os.fsync
     outputs = 0
