@@ -44,7 +44,8 @@ def server_engine(capacity: int = 2) -> ARDiffusionEngine:
 
 
 def request(engine: ARDiffusionEngine, request_id: str, session_id: str, seed: int = 0, **flags) -> ARDiffusionRequest:
-    return ARDiffusionRequest(request_id, engine.pipeline.example_inputs(seed=seed), {"session_id": session_id, **flags})
+    inputs = engine.pipeline.example_inputs(seed=seed)
+    return ARDiffusionRequest(request_id, inputs, {"session_id": session_id, **flags})
 
 
 @pytest.mark.parametrize("kind", ["capacity_planned", "session_admitted", "session_evicted", "request_finished",
@@ -533,7 +534,8 @@ def test_an_engine_or_config_built_from_something_else_is_a_config_error_at_once
             ARDiffusionEngine(source)
         assert "ARDiffusionEngine.from_config(" in info.value.hint
     for source in (123, [CONFIGS / "causal-world-tiny.yaml"], b"causal-world-tiny"):
-        with pytest.raises(ConfigError, match=r"a config is a YAML path, a built-in config name or a dict, got ") as info:
+        expected = r"a config is a YAML path, a built-in config name or a dict, got "
+        with pytest.raises(ConfigError, match=expected) as info:
             load_config(source)
         assert info.value.hint
     assert ARDiffusionEngine(load_config(CONFIGS / "causal-world-tiny.yaml")).config.pipeline_name == "causal_world"

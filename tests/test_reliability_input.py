@@ -573,7 +573,8 @@ def test_device_option_takes_an_index_and_refuses_what_is_not_a_device(monkeypat
     for device in ("cuda:x", "cuda:\u0661", "cuda:\uff11"):
         result = runner.invoke(app, ["inspect-capacity", "--device", device])
         assert result.exit_code == 2
-        unboxed = " ".join(re.sub("[│╭╮╰╯─]", " ", result.stderr).split())  # Typer draws usage errors in a box
+        # Typer draws usage errors in a box
+        unboxed = " ".join(re.sub("[│╭╮╰╯─]", " ", result.stderr).split())
         assert f"'{device}' is not a device: use auto, cpu, cuda or cuda:N" in unboxed, result.stderr
 
 
