@@ -257,7 +257,8 @@ def test_a_request_for_a_session_whose_snapshot_is_corrupt_raises_and_does_not_r
     engine.close()
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "missing", "other-geometry", "other-record"])
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "missing", "other-geometry", "other-dtype",
+                                    "other-record"])
 def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(tmp_path, damage):
     engine, events = engine_for("dreamzero-tiny", capacity=1, swap_dir=tmp_path)
     runner = engine.runner
@@ -280,6 +281,8 @@ def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(t
         tensors = load_file(str(path))
         if damage == "other-geometry":  # a readable snapshot of another geometry: one layer less in every KV tensor
             tensors = {k: t[:-1].clone() if k.startswith("kv/") else t for k, t in tensors.items()}
+        elif damage == "other-dtype":  # the same geometry in half precision (a run with another --dtype, say)
+            tensors = {k: t.half() if k.startswith("kv/") else t for k, t in tensors.items()}
         else:  # a pipeline record whose counter is not a number
             metadata["ardiff_swap"] = metadata["ardiff_swap"].replace('"num_requests": 1}', '"num_requests": "1"}', 1)
             assert '"num_requests": "1"' in metadata["ardiff_swap"]
@@ -290,6 +293,9 @@ def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(t
     assert "snapshot was deleted" in info.value.hint
     if damage == "other-geometry":
         assert ", expected torch.float32 (2, 2," in str(info.value)  # checked before anyone is evicted for it
+    if damage == "other-dtype":
+        # the dtype alone differs: the shape is this cache's
+        assert re.search(r"'[\w/]+' is torch\.float16 (\([\d, ]+\)), expected torch\.float32 \1 ", str(info.value))
     if damage == "other-record":  # found by the pipeline once admitted: released whole, b was swapped for it
         assert "DreamZeroPipeline.import_ar_diffusion_session() raised ValueError: " in str(info.value)
         assert "field 'num_requests' is str, expected int" in str(info.value)
