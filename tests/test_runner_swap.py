@@ -6,6 +6,7 @@ pool's page counts exact, its files deleted once restored, and nothing half-rest
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import threading
@@ -125,6 +126,25 @@ def test_page_accounting_is_exact_after_swap_out_and_restore(tmp_path):
     assert restored.num_requests == view.num_requests == 4
     assert restored.cross_attention_bytes == view.cross_attention_bytes
     assert held_by_b < held
+    engine.close()
+
+
+@pytest.mark.parametrize("name", ["dreamzero-tiny", "causal-world-tiny"])
+def test_a_restored_sessions_view_is_the_one_it_had_before_it_was_swapped_out(tmp_path, name):
+    # Two CFG branches with text and image caches (DreamZero), a window past its sink (causal-world): the view a
+    # panel or a /status handler reads must not change because the session went to disk and back.
+    engine, _ = engine_for(name, capacity=1, swap_dir=tmp_path)
+    for step in range(4):
+        run(engine, "a", step)
+    (before,) = engine.runner.sessions()
+    run(engine, "b", 0)  # a swapped out
+    assert engine.runner.restore_session("a")  # b swapped out for it
+    (after,) = engine.runner.sessions()
+    assert len(before.pages_per_branch) == (2 if name == "dreamzero-tiny" else 1)
+    assert before.cross_attention_bytes > 0 and before.num_requests == 4
+    # but when it was admitted and its last request's latency: this admission ran none yet
+    assert after.last_latency_s is None and after.admitted_at >= before.admitted_at
+    assert dataclasses.replace(after, admitted_at=before.admitted_at, last_latency_s=before.last_latency_s) == before
     engine.close()
 
 
