@@ -1276,6 +1276,9 @@ def test_resume_after_kill_equals_an_uninterrupted_run(env, data, reference, tmp
     assert len(records(run)) == 3
     # arm_b, swapped out for arm_a's step 1: its file, or the folder it was being written in (in the background)
     assert len(list((run / ".swap").iterdir())) == 1
+    # removed as a resume starts, before it loads the model: here by one refused for a device it cannot use
+    refused = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--device", "cuda:7")
+    assert refused.returncode == 2 and not (run / ".swap").exists(), refused.stderr
     stale = run / "episodes" / "arm_b" / ".step_000001.safetensors.k9x2a7q1.tmp"  # what a kill -9 mid-write leaves
     stale.write_bytes(b"half a file")
     for i, name in enumerate(("arm_a", "arm_b")):  # the rest of the episodes arrive
