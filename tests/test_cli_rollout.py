@@ -1750,6 +1750,25 @@ def test_resume_goes_on_following_and_drawing_previews_as_the_run_started(env, d
     assert (run / "previews" / "arm_a.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_resume_of_a_followed_run_waits_the_idle_timeout_it_recorded(env, data, tmp_path):
+    # Not the default 60 s: arm_b, whose robot has written no step yet, fails naming the timeout it waited. The
+    # signal lands inside arm_a's step 0 and the run stops after it, before either episode could idle out.
+    live, run = tmp_path / "live", tmp_path / "run"
+    write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
+    write_episode(live / "arm_b", [], prompt="task arm_b", end=False)
+    args = ["rollout", str(data / "fast.yaml"), str(live / "arm_a"), str(live / "arm_b"), "--out", str(run),
+            "--follow", "--idle-timeout", "1", "--pipeline", FAULTY, "--no-warmup", "--format", "plain"]
+    faults = [{"request": "arm_a/000000", "site": "block", "layer": 1, "action": "sleep"}]
+    proc, stderr = stop_inside_a_fault(env, args, faults, tmp_path)
+    assert proc.returncode == 143 and [r["step"] for r in records(run)] == [0], stderr
+    write_episode(live / "arm_a", steps_of(0, 3)[1:2], first_step=1, end=False)
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", FAULTY, "--no-warmup", "--format",
+                  "plain")
+    assert proc.returncode == 4, proc.stderr  # arm_b failed, arm_a completed
+    assert "episode 'arm_b' failed" in proc.stderr and "no step file arrived within --idle-timeout 1 s" in proc.stderr
+    assert "arm_a ended (idle_timeout) after 2 steps" in proc.stderr
+
+
 def test_step_files_that_arrive_after_their_episode_ended_are_listed_in_the_summary_and_resume_runs_them(env, data,
                                                                                                         tmp_path):
     # They were only a warning on stderr: exit 0 and summary.json said nothing, so a script reading those alone took
