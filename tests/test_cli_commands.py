@@ -276,6 +276,24 @@ def test_a_bad_scratch_variable_is_a_usage_error_not_a_bug(cli_env, command):
     assert "Traceback" not in proc.stderr and "bug" not in proc.stderr
 
 
+@pytest.mark.parametrize("given", ["dreamzero-tiny.yaml", "configs/dreamzero-tiny.yaml", "my_confg.yaml"])
+def test_a_config_file_not_found_says_where_it_was_looked_for_and_names_a_built_in_it_meant(tmp_path, cli_env, given):
+    """`ardiff rollout dreamzero-tiny.yaml` (a built-in name with the file's suffix, as the README's configs/ folder
+    shows it) read 'config file not found' with 'use a built-in config name' and named neither the built-in nor the
+    folder a relative path is read from."""
+    (tmp_path / "my_config.yaml").write_text("pipeline: dreamzero\n")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", given, "--format", "plain"],
+                          cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"Error: config file not found: {given}\n" in proc.stderr, proc.stderr
+    hint = proc.stderr.partition("hint: ")[2]
+    assert f"it is read relative to {tmp_path}" in hint, hint
+    if "dreamzero-tiny" in given:
+        assert "the built-in config is named without a folder or suffix: dreamzero-tiny" in hint, hint
+    else:
+        assert "did you mean 'my_config.yaml'?" in hint and "dreamzero-tiny" in hint, hint
+
+
 def test_a_pipelines_folder_that_hides_ardiffs_is_named(tmp_path, cli_env):
     """`python -m ardiff_cli` puts the working folder first on sys.path: a lab's own `pipelines/` there hid ardiff's,
     and the error's hint asked whether the package was installed. -S with the repo and site-packages on PYTHONPATH

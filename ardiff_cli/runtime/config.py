@@ -201,13 +201,27 @@ def resolve_config(name_or_path: str | Path | None) -> Path:
     if str(name_or_path) in builtins:
         return builtins[str(name_or_path)]
     if path.suffix in (".yaml", ".yml") or path.parent != Path("."):
-        raise ConfigError(f"config file not found: {path}", hint="check the path, or use a built-in config name")
+        raise ConfigError(f"config file not found: {path}", hint=_not_found_hint(path, builtins))
     raise ConfigError(
         f"unknown config {str(name_or_path)!r}{did_you_mean(str(name_or_path), builtins)}: not a file and not a "
         "built-in config",
         hint=f"built-in configs: {', '.join(sorted(builtins))}",
     )
 
+
+
+def _not_found_hint(path: Path, builtins: dict[str, Path]) -> str:
+    """Where a relative path was looked for, and what was likely meant: the built-in of that name
+    (``dreamzero-tiny.yaml``, ``configs/dreamzero-tiny.yaml``) or a YAML file of a close name next to it."""
+    where = "" if path.is_absolute() else f"it is read relative to {Path.cwd()}; "
+    builtin = next((name for name in (path.name, path.stem) if name in builtins), None)
+    if builtin:
+        return f"{where}the built-in config is named without a folder or suffix: {builtin}"
+    try:
+        near = did_you_mean(path.name, [p.name for p in path.parent.iterdir() if p.suffix in (".yaml", ".yml")])
+    except OSError:  # the folder is missing too, or cannot be listed: nothing to suggest from it
+        near = ""
+    return f"{where}check the path{near}, or use a built-in config: {', '.join(sorted(builtins))}"
 
 def _duplicate_key(text: str) -> tuple[str, str] | None:
     """The first key given twice in one mapping, as its dotted path (``model.dim``) and where both are: YAML
