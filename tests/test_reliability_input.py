@@ -148,6 +148,11 @@ OBSERVATION_CASES = {
     "misspelt_prompt": (lambda f: episode(f) and (f / "episode.yaml").write_text("promt: pick up the cube\n"),
                         ["{folder}/step_000000.safetensors: missing prompt 'prompt' or 'language_instruction'; "
                          "{folder}/episode.yaml has 'promt' (did you mean 'prompt'?)"], "rename that key to 'prompt'"),
+    # no prompt anywhere: the hint listed the schema's fields "and the prompt 'prompt'", as if it were one more
+    # array in the step file, and never said that a recorded episode's prompt goes in its episode.yaml
+    "no_prompt": (lambda f: episode(f) and (f / "episode.yaml").unlink(),
+                  ["{folder}/step_000000.safetensors: missing prompt 'prompt' or 'language_instruction'"],
+                  "put `prompt: ...` in {folder}/episode.yaml"),
     # it read "cannot read the step file: No such file or directory" of a file the user could see listed
     "dangling_link": (dangling_link, ["{path}: cannot read the step file: it is a link to "
                                       "../../nas/arm/step_000001.safetensors, which does not exist"], "mount the disk"),
@@ -188,7 +193,7 @@ def test_observation_case_message(tmp_path, case):
     error = first_error(folder)
     for part in expected(parts, folder):
         assert part in str(error)
-    assert hint in error.hint
+    assert hint.format(folder=folder) in error.hint
 
 
 def test_extra_key_is_a_warning_not_an_error(tmp_path):

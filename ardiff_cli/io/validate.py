@@ -36,6 +36,7 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
     arrays = {k: v for k, v in raw.arrays.items() if k in field_keys or k in prompt_keys}
     warnings = [f"{path}: key {k!r} is not in the pipeline's schema; ignored{did_you_mean(k, field_keys)}"
                 for k in sorted(raw.arrays) if k not in arrays]
+    prompt_missing = False
     if schema.prompt_key and not any(k in arrays for k in prompt_keys):
         for source in (raw.metadata, episode_metadata):
             key = next((k for k in prompt_keys if k in source), None)
@@ -51,7 +52,14 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
                 break
         else:
             _refuse_a_misspelt_prompt(path, prompt_keys, raw.metadata, episode_metadata)
-    return ValidStep(inputs=validate_observation(schema, arrays, where=str(path)), warnings=warnings)
+            prompt_missing = True
+    try:
+        return ValidStep(inputs=validate_observation(schema, arrays, where=str(path)), warnings=warnings)
+    except ObservationError as exc:
+        if prompt_missing:  # the schema's hint lists the prompt among the fields, as if it were one more array
+            exc.hint = (f"{exc.hint}; put `{schema.prompt_key}: ...` in {path.parent / METADATA_FILE} for the whole "
+                        "episode, or in a step file's metadata")
+        raise
 
 
 def _refuse_a_misspelt_prompt(path: Path, prompt_keys: tuple[str, ...], *sources: dict[str, Any]) -> None:
