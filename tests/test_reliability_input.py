@@ -985,6 +985,22 @@ def test_resume_given_an_episode_folder_first_says_it_is_a_folder(tmp_path, cli_
                            "them out (ardiff rollout --resume -o OUT), or give the config before them\n")
 
 
+@pytest.mark.parametrize("command", ["rollout", "warmup"])
+def test_a_step_file_given_as_config_says_what_it_is(tmp_path, cli_env, command):
+    # `ardiff rollout data/arm_a/step_000000.safetensors` (the config forgotten) read "not UTF-8 text (byte 0:
+    # b'\x80')", hint "save the config as UTF-8 YAML", of a file that was never meant to be one.
+    step = episode(tmp_path / "arm_a", 1) / "step_000000.safetensors"
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", command, str(step), "--format", "plain"],
+                          env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    message, _, hint = proc.stderr.partition("\nhint: ")
+    assert message == (f"Error: CONFIG '{step}' is a .safetensors file, not a config: the first argument is a config "
+                       "file or a built-in config name"), proc.stderr
+    assert "a checkpoint goes in the config's `checkpoint:` field" in hint, hint
+    if command == "rollout":
+        assert f"pass the config first: ardiff rollout dreamzero-tiny {step.parent}" in hint, hint
+
+
 def test_resume_with_other_episodes_says_which_were_given(tmp_path, cli_env):
     # It named only the run's episodes ("...: ['arm_a', 'arm_b']"), not what the command line gave instead.
     folders = [episode(tmp_path / name, 1) for name in ("arm_a", "arm_b")]
