@@ -104,7 +104,8 @@ def _non_finite(output: Mapping[str, Any]) -> str:
 
 def log_episode_end(monitor: RunMonitor, name: str, reason: str, steps: int) -> None:
     """An episode's end (reason: complete, end_marker or idle_timeout), in the log and as a JSON object."""
-    monitor.log("episode", name, f"ended ({reason}) after {steps} steps", episode=name, reason=reason, steps=steps)
+    monitor.log("episode", name, f"ended ({reason}) after {steps} step{'' if steps == 1 else 's'}", episode=name,
+                reason=reason, steps=steps)
 
 
 class Rollout:

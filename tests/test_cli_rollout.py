@@ -177,6 +177,16 @@ def test_json_mode_prints_only_json_on_stdout(env, data, tmp_path):
     assert (tmp_path / "run" / "previews" / "arm_a.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_an_episode_of_one_step_ends_after_1_step(env, data, tmp_path):
+    """The episode line read 'ended (complete) after 1 steps'."""
+    write_episode(tmp_path / "one" / "arm_c", steps_of(2, 1), prompt="task arm_c")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(tmp_path / "one"), "--out", str(tmp_path / "run"),
+                  "--format", "plain", "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if re.search(r"\sepisode\s", line)]
+    assert line.endswith("arm_c ended (complete) after 1 step"), line
+
+
 def episodes_with_a_bad_step(data: Path, tmp_path: Path) -> Path:
     """tmp_path/eps: a copy of the test episodes whose arm_b step 1 has a joint_position of the wrong shape."""
     eps = tmp_path / "eps"
