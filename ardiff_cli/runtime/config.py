@@ -209,7 +209,6 @@ def resolve_config(name_or_path: str | Path | None) -> Path:
     )
 
 
-
 def _not_found_hint(path: Path, builtins: dict[str, Path]) -> str:
     """Where a relative path was looked for, and what was likely meant: the built-in of that name
     (``dreamzero-tiny.yaml``, ``configs/dreamzero-tiny.yaml``) or a YAML file of a close name next to it."""
@@ -222,6 +221,7 @@ def _not_found_hint(path: Path, builtins: dict[str, Path]) -> str:
     except OSError:  # the folder is missing too, or cannot be listed: nothing to suggest from it
         near = ""
     return f"{where}check the path{near}, or use a built-in config: {', '.join(sorted(builtins))}"
+
 
 def _duplicate_key(text: str) -> tuple[str, str] | None:
     """The first key given twice in one mapping, as its dotted path (``model.dim``) and where both are: YAML
