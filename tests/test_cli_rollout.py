@@ -505,6 +505,24 @@ def test_a_dangling_ardiff_runs_link_is_a_usage_error_not_a_hang(env, data, tmp_
     assert not (tmp_path / "not-mounted").exists()
 
 
+def test_a_device_this_machine_lacks_is_refused_before_anything_is_made(env, data, tmp_path):
+    """--device cuda without CUDA was refused only as the model loaded: the --out folder was left holding a lone
+    .lock, and a run without EPISODE had generated its demo episodes first."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here: the device is not refused")
+    cache = tmp_path / "cache"
+    env = {**env, "ARDIFF_CACHE_DIR": str(cache)}
+    for config in (str(data / "fast.yaml"), "dreamzero-tiny"):  # the second with no EPISODE: the demo episodes
+        episodes = [str(data / "eps" / "arm_a")] if config.endswith(".yaml") else []
+        proc = ardiff(env, "rollout", config, *episodes, "--device", "cuda:1", "--out", str(tmp_path / "run"))
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr == ("Error: device 'cuda:1' requested but CUDA is not available\n"
+                               "hint: use --device cpu or auto\n"), proc.stderr
+        assert not (tmp_path / "run").exists() and not cache.exists()
+
+
 @pytest.fixture(scope="module")
 def bad_run(env, data, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, Path]:
     """(episodes, process, run) of a run that goes on past arm_b's bad step 1 (``episodes_with_a_bad_step``)."""

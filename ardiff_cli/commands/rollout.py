@@ -211,6 +211,10 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             raise ConfigError(f"{out} already holds a run",
                               hint=f"continue it with: ardiff rollout --resume --out {out}; or choose another --out")
     cfg = load_engine_config(config, pipeline=pipeline, **overrides)
+    if not resume and cfg.runtime.device.startswith("cuda"):  # refused now, before --out or demo files are made
+        from ardiff_cli.runtime.engine import resolve_device
+
+        resolve_device(cfg.runtime.device)
     recorded_device = info.get("device") if resume else None
     output.debug(f"config {cfg.source}: pipeline {cfg.pipeline_name}, {cfg.runtime}")
     schema = cfg.observation_schema()
