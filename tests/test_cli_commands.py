@@ -499,7 +499,8 @@ def test_inspect_capacity_says_one_session_fits_when_the_budget_is_raised_to_hol
 def test_inspect_capacity_shows_an_absurd_available_in_few_digits_and_says_why_one_is_unreadable(tmp_path):
     """--available 1e30 printed '909494701772928256.00 TiB' and '4507211538461538692125700 fit the budget'; an
     unreadable size said only 'cannot read X as a byte size'; a YAML memory_budget past a float (10**400) ended in
-    'unexpected OverflowError ... a bug in ardiff'. Run as a user runs it: a subprocess, plain and json."""
+    'unexpected OverflowError ... a bug in ardiff'; `--memory-budget 2 GiB` said only "unknown config 'GiB'". Run
+    as a user runs it: a subprocess, plain and json."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "COLUMNS": "200"}
 
@@ -523,6 +524,12 @@ def test_inspect_capacity_shows_an_absurd_available_in_few_digits_and_says_why_o
         assert proc.returncode == 2 and error["kind"] == "usage_error", proc.stderr
         assert f"Invalid value for '--available': cannot read {value!r} as a byte size: {why}" in error["message"]
         assert "KiB .. EiB" in error["message"] and "Traceback" not in proc.stderr
+    # A space before the unit makes two arguments, and the unit was read as CONFIG with no word of why.
+    proc = run("--memory-budget", "2", "GiB", "--format", "plain")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("Error: unknown config 'GiB': not a file and not a built-in config\nhint: 'GiB' "
+                                  "looks like the unit of a byte size given apart from its number: write the size as "
+                                  "one argument (2GB, or quoted: '2 GB'); built-in configs: "), proc.stderr
     config = tmp_path / "huge.yaml"
     config.write_text(f"pipeline: dreamzero\nmodel: {{preset: tiny}}\nruntime: {{memory_budget: {10**400}}}\n")
     proc = run(str(config), "--format", "plain")

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
-from ardiff_cli.runtime.capacity import as_fraction, as_int, dtype_name, parse_bytes
+from ardiff_cli.runtime.capacity import BYTE_UNITS, as_fraction, as_int, dtype_name, parse_bytes
 from ardiff_cli.runtime.errors import (
     PIPELINE_HINT,
     YAML_SYNTAX_HINT,
@@ -202,10 +202,13 @@ def resolve_config(name_or_path: str | Path | None) -> Path:
         return builtins[str(name_or_path)]
     if path.suffix in (".yaml", ".yml") or path.parent != Path("."):
         raise ConfigError(f"config file not found: {path}", hint=_not_found_hint(path, builtins))
+    name = str(name_or_path)
+    hint = f"built-in configs: {', '.join(sorted(builtins))}"
+    if name and name.lower() in BYTE_UNITS:  # `--memory-budget 2 GB`: the shell split the size in two
+        hint = (f"{name!r} looks like the unit of a byte size given apart from its number: write the size as one "
+                f"argument (2GB, or quoted: '2 GB'); {hint}")
     raise ConfigError(
-        f"unknown config {str(name_or_path)!r}{did_you_mean(str(name_or_path), builtins)}: not a file and not a "
-        "built-in config",
-        hint=f"built-in configs: {', '.join(sorted(builtins))}",
+        f"unknown config {name!r}{did_you_mean(name, builtins)}: not a file and not a built-in config", hint=hint
     )
 
 
