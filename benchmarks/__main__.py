@@ -19,8 +19,8 @@ import sys
 import time
 import traceback
 
-from benchmarks.common import (DEFAULT_THREADS, REPO_ROOT, exit_on_signals, json_path, machine_info, positive_int,
-                               set_threads, write_json)
+from benchmarks.common import (DEFAULT_THREADS, REPO_ROOT, add_attention_backend_option, exit_on_signals, json_path,
+                               machine_info, positive_int, set_attention_backend, set_threads, write_json)
 
 BENCHMARKS = ("attention", "rolling", "resume", "capacity", "overhead", "startup", "churn", "swap")
 RESULTS = REPO_ROOT / "benchmarks" / "results.json"
@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=json_path, default=None,
                         help=f"results file (default {RESULTS.relative_to(REPO_ROOT)}, for the whole suite only: "
                              "none with --quick or --only)")
+    add_attention_backend_option(parser)
     args = parser.parse_args(argv)
     names = list(BENCHMARKS)
     if args.only is not None:  # '' too: it named no benchmark, which ran them all and wrote results.json
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> int:
         set_threads(args.threads)
+        set_attention_backend(args.attention_backend)
         start = time.perf_counter()
         results = []
         for name in names:

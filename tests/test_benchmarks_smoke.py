@@ -507,6 +507,27 @@ def test_suite_threads_apply_to_every_benchmark(tmp_path, ardiff_cache):
     assert {r["id"]: r["threads"] for r in report["results"]} == {"capacity": 2, "overhead": 2, "attention": 2}
 
 
+def test_suite_attention_backend_reaches_rolling_resume_and_swap(tmp_path):
+    """`--attention-backend vllm` asks rolling's, resume's and swap's runners for vLLM's kernel: here it cannot run
+    (not installed, or the quick geometry's head size 16 it does not take), so each row says so, where `auto`
+    would have run torch. The other benchmarks do not take the option."""
+    from benchmarks.__main__ import main
+    from benchmarks.common import attention_backend, set_attention_backend
+
+    path = tmp_path / "results.json"
+    try:
+        assert main(["--quick", "--only", "rolling,resume,swap", "--attention-backend", "vllm", "--json",
+                     str(path)]) == 1
+    finally:
+        set_attention_backend("auto")
+    rows = json.loads(path.read_text())["results"]
+    assert [r["id"] for r in rows] == ["rolling", "resume", "swap"]
+    assert all("ConfigError: attention backend 'vllm'" in r["error"] for r in rows), rows
+    assert attention_backend() == "auto"
+    proc = bench("benchmarks.bench_capacity", "--quick", "--attention-backend", "torch")
+    assert proc.returncode == 2 and "unrecognized arguments: --attention-backend torch" in proc.stderr
+
+
 def bench(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, **kwargs)
@@ -525,6 +546,8 @@ def bench(*args: str, **kwargs) -> subprocess.CompletedProcess:
     ("benchmarks.bench_backends", ["--quick", "--threads", "0"], "--threads: expected a whole number from 1 to"),
     # runtime.num_threads' bound: 30000 ended the run in libgomp's "Thread creation failed", 100000 in a segfault
     ("benchmarks", ["--quick", "--threads", "1025"], "--threads: expected a whole number from 1 to 1024, got 1025"),
+    ("benchmarks", ["--quick", "--attention-backend", "flash"], "--attention-backend: invalid choice: 'flash'"),
+    ("benchmarks.bench_rolling", ["--quick", "--attention-backend", "triton"], "invalid choice: 'triton'"),
     ("benchmarks.bench_attention", ["--quick", "--threads", "100000"], "expected a whole number from 1 to 1024"),
     # the results were lost to a FileNotFoundError / IsADirectoryError traceback once every benchmark had run
     ("benchmarks", ["--quick", "--json", "{tmp}/missing/r.json"], "folder '{tmp}/missing' does not exist"),
