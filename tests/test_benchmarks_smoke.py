@@ -181,7 +181,7 @@ def test_rolling_quick():
     assert r["memory_early"]["block_table_len"] == r["memory_end"]["block_table_len"]
     assert r["memory_flat"] is True
     assert r["attention_backend"] in ("torch", "vllm")
-    # a torch figure beside the verdict exactly when auto picked another backend
+    # a torch figure beside the verdict exactly when --attention-backend asked for another backend
     assert (r["torch"] is None) is (r["attention_backend"] == "torch")
     # where the time goes: per-op self time of both sides over the profiled blocks
     profile = r["profile"]
