@@ -348,12 +348,12 @@ def select_attention_backend(
     if setting == "torch":
         return "torch", "requested"
     device_type = _device_type(device)
+    if setting == "auto" and device_type == "cpu":  # as expected_backend says, before vLLM is looked up
+        return "torch", CPU_AUTO_REASON
     dtype = _dtype_name(dtype)
     if head_size is None and layout is not None:
         head_size = layout.spec.head_size
     explicit = setting == "vllm"
-    if not explicit and device_type == "cpu":
-        return "torch", CPU_AUTO_REASON
     kernel = "FlashAttention" if device_type == "cuda" else "CPU attention"
     if not vllm_installed():
         if explicit:
