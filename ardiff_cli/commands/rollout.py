@@ -83,6 +83,7 @@ class _Prepared:
     run: Any  # RunFolder of out_dir, locked against a second process until closed
     options: dict[str, Any]  # order, follow, idle_timeout, preview, swap_space: given, or recorded (--resume)
     recorded_device: str | None = None  # --resume: the device the run started on (checked before the model loads)
+    recorded_backend: str | None = None  # --resume: the attention backend it ran (checked after the model loads)
     # the folders of episodes among the EPISODE arguments: with --follow, an episode folder a robot starts in one
     # joins the run
     watch: list[Path] = field(default_factory=list)
@@ -191,13 +192,15 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         info = run.resume_info()
         config = _resume_config(config, info)
         overrides["dtype"] = _same(overrides["dtype"], info["dtype"], "--dtype")
-        # Options not given again are the run's own (outputs do not depend on them), checked as given ones are.
-        given = {**{key: overrides[key] for key in ("memory_budget", "session_capacity", "gpu_memory_fraction")},
+        # Options not given again are the run's own, checked as given ones are. The device and attention backend
+        # recorded are what the run resolved: a given one that resolves to another is refused once known.
+        runtime_keys = ("device", "attention_backend", "memory_budget", "session_capacity", "gpu_memory_fraction")
+        given = {**{key: overrides[key] for key in runtime_keys},
                  **options, "follow": options["follow"] or None, "preview": options["preview"] or None}
         for key in RECORDED:
             if given[key] is None:
                 info[key] = _recorded(info, key, run.root / RUN_FILE)
-        for key in ("memory_budget", "session_capacity", "gpu_memory_fraction"):
+        for key in runtime_keys:
             if overrides[key] is None:
                 overrides[key] = info[key]
         _same_pipeline_option(pipeline, info.get("pipeline_option"))
@@ -216,6 +219,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
 
         resolve_device(cfg.runtime.device)
     recorded_device = info.get("device") if resume else None
+    recorded_backend = info.get("attention_backend") if resume else None
     output.debug(f"config {cfg.source}: pipeline {cfg.pipeline_name}, {cfg.runtime}")
     schema = cfg.observation_schema()
     demo = not episode_paths
@@ -285,7 +289,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             run.close()
             raise
     return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done, digests=digests,
-                     run=run, options=options, recorded_device=recorded_device, watch=watch)
+                     run=run, options=options, recorded_device=recorded_device,
+                     recorded_backend=recorded_backend, watch=watch)
 
 
 def _refuse_an_episode_folder_as_out(out: Path, inputs: list[Path]) -> None:
@@ -312,6 +317,8 @@ def _refuse_an_episode_folder_as_out(out: Path, inputs: list[Path]) -> None:
 
 
 RECORDED = {  # run.json's fields that --resume reuses unless given again -> what each takes
+    "device": "cpu, cuda or cuda:N",
+    "attention_backend": "torch or vllm",
     "memory_budget": "a byte size such as 536870912 or '512MiB'",
     "session_capacity": "a positive integer",
     "gpu_memory_fraction": "a number in (0, 1]",
@@ -361,6 +368,8 @@ def _recorded(info: dict[str, Any], key: str, path: Path) -> Any:
             return getattr(RuntimeConfig().with_overrides(**{key: value}), key)
     except ConfigError:
         pass
+    if key in ("device", "attention_backend"):  # what the run resolved: another given is refused (outputs would mix)
+        raise field_error(str(path), key, RECORDED[key], value, hint="correct it there, to what the run ran with")
     raise field_error(str(path), key, RECORDED[key], value,
                       hint=f"correct it there, or give --{key.replace('_', '-')} to replace it")
 
@@ -372,7 +381,13 @@ def _same_device(setting: str, recorded: str | None, *, load: bool = True) -> No
     if load:
         from ardiff_cli.runtime.engine import resolve_device
 
-        here = str(resolve_device(setting))
+        try:
+            here = str(resolve_device(setting))
+        except ConfigError as exc:
+            if setting != recorded:  # another device given: its own error
+                raise
+            raise ConfigError(f"this run was started on {recorded}, which is not available here ({exc})",
+                              hint=f"resume it where {recorded} is: outputs are identical only on one device") from None
     elif setting == "cpu" or setting.startswith("cuda:"):  # device_name's spellings: cuda:N as torch writes it
         here = "cpu" if setting == "cpu" else f"cuda:{int(setting[5:])}"
     else:
@@ -380,6 +395,19 @@ def _same_device(setting: str, recorded: str | None, *, load: bool = True) -> No
     if recorded is not None and here != recorded:
         raise ConfigError(f"this run was started on {recorded}, and --device {setting} resolves to {here} here",
                           hint=f"resume with --device {recorded} (outputs are identical only on one device)")
+
+
+def _recorded_backend_installed(setting: str, recorded: str | None, device: str | None) -> None:
+    """A run that vLLM ran, resumed where vLLM is not installed: said before the model loads, as the run's, not as
+    an --attention-backend vllm the user did not give (whose hint, the torch backend, a resume refuses)."""
+    from ardiff_cli.runtime.kv.backends import VLLM_CPU_CLEANUP, install_hint, vllm_installed
+
+    if setting == recorded == "vllm" and not vllm_installed():
+        device_type = "cpu" if device in (None, "cpu") else "cuda"
+        cleanup = f" ({VLLM_CPU_CLEANUP})" if device_type == "cpu" else ""
+        raise ConfigError("this run was started with attention backend vllm, and vLLM is not installed here",
+                          hint=f"install the extra to resume it: {install_hint(device_type)}{cleanup}; outputs are "
+                               "identical only with one attention backend")
 
 
 def _same_backend(here: str, setting: str, recorded: str | None) -> None:
@@ -492,6 +520,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
             output.result(_write_summary(run, summary, output, None), lambda plain: render_summary(summary, plain))
             return
         _same_device(p.cfg.runtime.device, p.recorded_device)  # torch resolves the device: not needed above
+        _recorded_backend_installed(p.cfg.runtime.attention_backend, p.recorded_backend, p.recorded_device)
     engine = driver = plan = summary = None
     ran_from = ran_until = None  # monotonic times driver.run() began and ended: the time spent running steps
     error: BaseException | None = None
