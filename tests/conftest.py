@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,15 @@ from ardiff_cli.runtime.kv.layout import SCRATCH_ENV
 
 
 TESTS = Path(__file__).resolve().parent
+
+
+def pytest_configure(config):
+    """pytest started as a background job of a shell script (`python -m pytest tests &`, no job control) ignores
+    SIGINT, and every CLI subprocess inherits that (ardiff keeps an ignored signal ignored, as under nohup): the tests
+    that stop a rollout with SIGINT waited out their 120 s timeouts and failed. Children of a handled SIGINT start
+    with the default action."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="module")
