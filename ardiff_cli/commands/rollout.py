@@ -400,14 +400,12 @@ def _same_device(setting: str, recorded: str | None, *, load: bool = True) -> No
 def _recorded_backend_installed(setting: str, recorded: str | None, device: str | None) -> None:
     """A run that vLLM ran, resumed where vLLM is not installed: said before the model loads, as the run's, not as
     an --attention-backend vllm the user did not give (whose hint, the torch backend, a resume refuses)."""
-    from ardiff_cli.runtime.kv.backends import VLLM_CPU_CLEANUP, install_hint, vllm_installed
+    from ardiff_cli.runtime.kv.backends import install_instructions, vllm_installed
 
     if setting == recorded == "vllm" and not vllm_installed():
-        device_type = "cpu" if device in (None, "cpu") else "cuda"
-        cleanup = f" ({VLLM_CPU_CLEANUP})" if device_type == "cpu" else ""
         raise ConfigError("this run was started with attention backend vllm, and vLLM is not installed here",
-                          hint=f"install the extra to resume it: {install_hint(device_type)}{cleanup}; outputs are "
-                               "identical only with one attention backend")
+                          hint=f"install the extra to resume it: {install_instructions(device or 'cpu')}; outputs "
+                               "are identical only with one attention backend")
 
 
 def _same_backend(here: str, setting: str, recorded: str | None) -> None:

