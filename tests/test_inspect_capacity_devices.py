@@ -8,6 +8,7 @@ Every case runs the real CLI in a subprocess with a controlled environment.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -19,6 +20,8 @@ import pytest
 
 from ardiff_cli.runtime.capacity import plan_capacity
 from ardiff_cli.runtime.config import load_config
+
+VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None  # looked up, not imported
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1024 * 1024
@@ -221,7 +224,7 @@ def test_explicit_cuda_says_why_its_memory_is_unknown(tmp_path):
 
 
 # ------------------------------------------------------------------------- 3. a vllm that cannot run: exit 2
-@pytest.mark.skipif(__import__("importlib.util").util.find_spec("vllm") is not None, reason="vLLM is installed")
+@pytest.mark.skipif(VLLM_INSTALLED, reason="vLLM is installed")
 @pytest.mark.parametrize(("device", "gpu", "cpu_hint"), [("auto", False, True), ("cuda", True, False),
                                                          ("auto", True, False), ("cpu", True, True)])
 def test_vllm_requested_but_not_installed_exits_2_like_loading(tmp_path, device, gpu, cpu_hint):
@@ -237,7 +240,7 @@ def test_vllm_requested_but_not_installed_exits_2_like_loading(tmp_path, device,
     assert "Error: attention backend 'vllm' requested" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.skipif(__import__("importlib.util").util.find_spec("vllm") is not None, reason="vLLM is installed")
+@pytest.mark.skipif(VLLM_INSTALLED, reason="vLLM is installed")
 def test_auto_without_vllm_names_the_extra_each_device_needs(tmp_path):
     """The CUDA extra, `ardiff[vllm]`, brings no CPU kernel: the CPU's reason used to name it too. On CPU, auto
     runs torch whatever is installed, and says why instead."""
@@ -270,7 +273,7 @@ def options_of_inspect_capacity(tmp_path: Path) -> set[str]:
     return set(re.findall(r"--[a-z][a-z-]+", proc.stdout))
 
 
-@pytest.mark.skipif(__import__("importlib.util").util.find_spec("vllm") is not None,
+@pytest.mark.skipif(VLLM_INSTALLED,
                     reason="vLLM is installed: the fake GPU would plan FlashAttention's scratch pages (5.42 GiB)")
 @pytest.mark.parametrize(("args", "fix"), [
     # --memory-budget is not read when --available is given: the hint said "a larger --memory-budget" all the same

@@ -480,9 +480,9 @@ def test_views_are_safe_from_another_thread():
                 seen.append((runner.sessions(), runner.pool_usage()))
             except Exception as exc:  # pragma: no cover - the assertion below reports it
                 errors.append(exc)
-            # Hand the GIL back: without this, each of the forward's torch ops (which release it) waited out a
-            # switch interval (5 ms) to get it back, and the test took 55 s in the suite. The runner's thread is
-            # still preempted at any bytecode, once per switch interval, while this one waits for the GIL.
+            # Hand the GIL back: spinning without this, the test took 55 s in the suite (0.3 s alone), the runner's
+            # thread waiting for the GIL after each torch op that released it. It is still preempted at any
+            # bytecode, once per switch interval, while this thread waits for the GIL.
             time.sleep(0)
 
     thread = threading.Thread(target=poll)
