@@ -216,7 +216,7 @@ def test_warmup_reports_requests_and_a_restored_pool(fast_configs):
     assert report["kind"] == "warmup" and report["restored"] is True and not report["skipped"]
     assert report["pages_free"] == report["pages_total"] > 0
     shapes = [r["shape"] for r in report["requests"]]
-    assert "exterior_image_0(16, 16, 3)" in shapes[0] and "(4, 16, 16, 3)" in shapes[1]  # one frame, then four
+    assert "exterior_image_0 (16, 16, 3)" in shapes[0] and "(4, 16, 16, 3)" in shapes[1]  # one frame, then four
     assert report["first_s"] > 0 and report["steady_s"] > 0
     kinds = {o["kind"] for o in objects}
     assert {"capacity_planned", "session_admitted", "request_finished", "session_closed", "warmup_finished"} <= kinds

@@ -67,12 +67,16 @@ def test_inspect_capacity_on_a_narrow_terminal_breaks_long_words_and_cuts_none(t
 
 
 def test_warmup_on_a_narrow_terminal_shows_every_input_shape_whole(tmp_path, cli_env):
-    """At 40 columns the inputs column cut its shapes: "joint_position(7…", "gripper_position…" (now broken
-    across lines, whole)."""
+    """At 40 columns the inputs column cut its shapes: "joint_position(7…", "gripper_position…"; then, with the
+    time column a digit wider (a request of 100 ms or more), folded "joint_position(7" from ",),". Names and shapes
+    are now separate words, which a line breaks between."""
     code, output = run_in_pty(["warmup", "--device", "cpu"], env=cli_env, cwd=tmp_path, cols=40, rows=120)
     screen = Screen(40, 120).feed(output)
     lines = screen.history + screen.display()
     text = "\n".join(lines)
     assert code == 0, text
     result = "\n".join(lines[max(i for i, line in enumerate(lines) if line.startswith("warmup: ")):])  # not the panel
-    assert "…" not in result and "joint_position(7," in result and "gripper_position(" in result, text
+    assert "…" not in result, text
+    for word in ("exterior_image_0", "exterior_image_1", "wrist_image", "joint_position", "(7,),", "gripper_position",
+                 "(1,),"):
+        assert word in result, text

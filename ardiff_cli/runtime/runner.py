@@ -190,11 +190,12 @@ class _Session:
 
 
 def describe_inputs(inputs: dict[str, Any]) -> str:
-    """'key (shape), ...' for warmup reports."""
+    """'key (shape), ...' for warmup reports. The space lets a narrow table break a line between a name and its
+    shape rather than inside the name."""
     parts = []
     for key, value in inputs.items():
         shape = getattr(value, "shape", None)
-        parts.append(f"{key}{tuple(shape)}" if shape is not None else key)
+        parts.append(f"{key} {tuple(shape)}" if shape is not None else key)
     return ", ".join(parts)
 
 
