@@ -39,6 +39,15 @@ def _no_scratch_env(monkeypatch):
     monkeypatch.delenv(SCRATCH_ENV, raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _no_terminal_size_env(monkeypatch):
+    """In-process commands lay out plain tables for a file (no wrapping) unless a test sets COLUMNS itself. The
+    environment pytest runs in may hold COLUMNS and LINES (pytest-xdist's workers here had 80 and 24), and 80
+    columns wrapped the rows that tests look for."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("LINES", raising=False)
+
+
 @pytest.fixture
 def make_spec():
     """Factory of small valid specs: two CFG branches on distinct slots, sink 1, window 3, 2-frame blocks."""
