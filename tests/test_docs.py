@@ -342,6 +342,16 @@ def test_the_readme_config_example_is_a_valid_config(tmp_path):
     assert cfg.pipeline_name == "dreamzero" and cfg.runtime.num_threads == 1
 
 
+def test_ci_runs_the_readme_test_command_verbatim():
+    """The quick start's second set-up command ends in the test command; .ci/run must run exactly that line."""
+    readme = (REPO / "README.md").read_text()
+    (setup,) = [line for block in _blocks(readme, "bash") for line in block.splitlines()
+                if line.startswith("python3 -m venv") and "pytest" in line]
+    command = setup.rsplit(" && ", 1)[1]
+    assert command.startswith("python -m pytest tests")
+    assert command in [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+
+
 def test_the_readme_inspect_capacity_sample_is_what_the_command_prints(monkeypatch):
     import importlib.util
 
