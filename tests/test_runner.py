@@ -334,7 +334,7 @@ def test_warmup_restores_pool_and_reports_timings():
     report = runner.warmup()
     assert not report.skipped and report.restored
     assert [t[0] for t in report.timings] == ["warmup-0", "warmup-1", "warmup-2", "warmup-3"]
-    assert report.timings[0][1] == "frames(4, 16)" and report.timings[1][1] == "frames(8, 16)"
+    assert report.timings[0][1] == "frames (4, 16)" and report.timings[1][1] == "frames (8, 16)"
     assert runner.kv_cache.num_free_pages == free0 and runner.session_ids == []
     assert runner.pipeline.hook_calls == [("close", WARMUP_SESSION_ID)]
     assert isinstance(events[-1], WarmupFinished) and events[-1].num_requests == 4
