@@ -12,6 +12,10 @@ from ardiff_cli.runtime.kv.layout import SCRATCH_ENV
 
 
 TESTS = Path(__file__).resolve().parent
+# Variables of the shell pytest runs in that change what ardiff allocates or how it lays out its tables: unset for
+# every test, in process and in CLI subprocesses, unless the test sets them. pytest-xdist's workers here had
+# COLUMNS=80 and LINES=24, and 80 columns wrapped the inspect-capacity rows tests look for.
+AMBIENT_ENV = (SCRATCH_ENV, "COLUMNS", "LINES")
 
 
 def pytest_configure(config):
@@ -27,25 +31,18 @@ def pytest_configure(config):
 def cli_env(tmp_path_factory):
     """For `python -m ardiff_cli` subprocesses: the repo and tests/ importable (faulty_pipelines), one cache per
     module (checkpoints, demo data), no colour hints, no injected faults, one thread."""
-    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "COLUMNS", "ARDIFF_TEST_FAULTS")}
+    unset = (*AMBIENT_ENV, "NO_COLOR", "FORCE_COLOR", "ARDIFF_TEST_FAULTS")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     env.update(ARDIFF_CACHE_DIR=str(tmp_path_factory.mktemp("cache")), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), env.get("PYTHONPATH", "")]))
     return env
 
 
 @pytest.fixture(autouse=True)
-def _no_scratch_env(monkeypatch):
-    """Tests see the derived scratch size unless they set the variable themselves."""
-    monkeypatch.delenv(SCRATCH_ENV, raising=False)
-
-
-@pytest.fixture(autouse=True)
-def _no_terminal_size_env(monkeypatch):
-    """In-process commands lay out plain tables for a file (no wrapping) unless a test sets COLUMNS itself. The
-    environment pytest runs in may hold COLUMNS and LINES (pytest-xdist's workers here had 80 and 24), and 80
-    columns wrapped the rows that tests look for."""
-    monkeypatch.delenv("COLUMNS", raising=False)
-    monkeypatch.delenv("LINES", raising=False)
+def _no_ambient_env(monkeypatch):
+    """Tests see the derived scratch size and plain tables laid out for a file unless they set AMBIENT_ENV."""
+    for name in AMBIENT_ENV:
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture
