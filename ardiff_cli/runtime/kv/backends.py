@@ -80,6 +80,7 @@ def install_instructions(device: object) -> str:
     device_type = _device_type(device)
     return _install_hint(device_type) + (f" ({VLLM_CPU_CLEANUP})" if device_type == "cpu" else "")
 
+
 # FlashAttention's paged KV needs block sizes that are multiples of 16; larger blocks mean
 # shorter block tables, so the largest that divides the page wins, else 16 with a tail.
 FLASH_BLOCK_SIZES = (256, 128, 64, 32, 16)
