@@ -15,7 +15,9 @@ import tracemalloc
 from collections import OrderedDict, deque
 
 import numpy as np
+import pytest
 import torch
+from pipeline_helpers import single_thread  # noqa: F401 - fixture
 from tiny_pipeline import TinyPipeline, request, tiny_spec
 
 from ardiff_cli.runtime.runner import ARDiffusionModelRunner
@@ -43,8 +45,8 @@ def _replay(history: list[tuple[str, int, bool]], session: str):
     return out
 
 
+@pytest.mark.usefixtures("single_thread")
 def test_soak_zipf_churn_has_no_leaks_and_no_crosstalk():
-    torch.set_num_threads(1)
     rng = random.Random(1234)
     ranks = np.arange(1, NUM_SESSIONS + 1)
     weights = 1.0 / ranks**1.1
