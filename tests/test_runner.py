@@ -26,7 +26,7 @@ from ardiff_cli.runtime.events import (
     SessionReset,
     WarmupFinished,
 )
-from ardiff_cli.runtime.errors import ArdiffWarning, PipelineError, StopRequested
+from ardiff_cli.runtime.errors import ArdiffWarning, EngineStateError, PipelineError, StopRequested
 from ardiff_cli.runtime.request import DEFAULT_SESSION_ID, ARDiffusionRequest
 from ardiff_cli.runtime.runner import (
     WARMUP_SESSION_ID,
@@ -325,6 +325,15 @@ def test_requests_before_load_and_reserved_id_are_refused():
     runner.load()
     with pytest.raises(ValueError, match="reserved for warmup"):
         runner.execute_model(request(WARMUP_SESSION_ID, 0))
+
+
+def test_a_runner_closed_before_it_loaded_has_no_pool_to_report():
+    """pool_usage() of a runner closed without load() raised AttributeError on its None KV cache."""
+    runner = ARDiffusionModelRunner(TinyPipeline(), memory_budget=BUDGET)
+    runner.close()
+    with pytest.raises(EngineStateError, match=r"^the runner is closed"):
+        runner.pool_usage()
+    assert runner.sessions() == []
 
 
 def test_warmup_restores_pool_and_reports_timings():

@@ -1017,8 +1017,9 @@ class ARDiffusionModelRunner:
             return list(self._sessions)
 
     def pool_usage(self) -> PoolUsage:
-        """Pages of the pool, used and free (after ``close()``: its final counts). Safe from any thread."""
-        cache = self.kv_cache if self._closed else self._require_loaded()
+        """Pages of the pool, used and free (after ``close()``: its final counts, if it was loaded). Safe from any
+        thread."""
+        cache = self.kv_cache if self._closed and self.kv_cache is not None else self._require_loaded()
         allocator = cache.allocator
         num_free = allocator.num_free  # read once: a request may run on another thread
         swap = self.swap
