@@ -15,19 +15,24 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.mark.parametrize("cond_dim", [8, 0], ids=["conditioned", "unconditioned"])
-def test_paged_rollout_equals_dense_recompute(cond_dim):
-    """Six blocks (18 frames) through a 3-frame sink + 6-frame window, paged vs dense with the explicit mask."""
-    pipe = causal_world(cond_dim=cond_dim)
+@pytest.mark.parametrize("sink, window, block", [(3, 6, 3), (0, 4, 3), (2, 5, 3), (4, 2, 3), (1, 1, 1), (0, 2, 2)],
+                         ids=["sink3-window6-block3", "no-sink", "window-not-a-multiple-of-the-block",
+                              "sink-over-a-block", "one-frame-blocks", "window-of-one-block"])
+def test_paged_rollout_equals_dense_recompute(cond_dim, sink, window, block):
+    """Six blocks through a sink + window, paged vs dense with the explicit mask: the window passed several times,
+    also where it holds a part of a block or the sink does."""
+    pipe = causal_world(cond_dim=cond_dim, sink_frames=sink, window_frames=window, frames_per_block=block)
     driver = Driver(pipe, num_sessions=1)
-    reference = DenseReferenceRollout(pipe.transformer, sink_frames=3, window_frames=6, cross_names=pipe.cross_names)
-    for block in range(6):
-        inputs = pipe.example_inputs(prompt="a red car drives through a snowy forest", seed=block)
+    reference = DenseReferenceRollout(pipe.transformer, sink_frames=sink, window_frames=window,
+                                      cross_names=pipe.cross_names)
+    for step in range(6):
+        inputs = pipe.example_inputs(prompt="a red car drives through a snowy forest", seed=step)
         paged = driver.run("s", inputs)
         dense = pipe.step("reference", reference, inputs)
         torch.testing.assert_close(paged["latents"], dense["latents"], atol=1e-5, rtol=0)
     adapter = driver.state("s").adapter("main")
-    assert adapter.num_committed_frames == 18 and adapter.num_resident_frames == 9  # sink 3 + window 6
-    assert reference.num_frames("main") == 18
+    assert adapter.num_committed_frames == reference.num_frames("main") == 6 * block
+    assert adapter.num_resident_frames == sink + window < 6 * block
 
 
 def test_outputs_spec_and_model_owned_state():

@@ -27,10 +27,11 @@ from pipeline_helpers import CONFIGS, ardiff_cache, single_thread  # noqa: F401 
 pytestmark = pytest.mark.usefixtures("single_thread", "ardiff_cache")
 
 
-def engine_for(name: str, *, capacity: int, swap_dir=None, swap_space=None) -> tuple[ARDiffusionEngine, list]:
+def engine_for(name: str, *, capacity: int, swap_dir=None, swap_space=None,
+               dtype: str | None = None) -> tuple[ARDiffusionEngine, list]:
     engine = ARDiffusionEngine.from_config(CONFIGS / f"{name}.yaml", device="cpu", memory_budget="1GiB",
                                            attention_backend="torch", session_capacity=capacity,
-                                           swap_dir=swap_dir, swap_space=swap_space)
+                                           swap_dir=swap_dir, swap_space=swap_space, dtype=dtype)
     events: list = []
     engine.subscribe(events.append)
     engine.load()
@@ -70,13 +71,15 @@ def pages_held(engine) -> int:
     return engine.runner.pool_usage().num_used
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name, steps", [("dreamzero-tiny", 5), ("causal-world-tiny", 5)])
-def test_a_swapped_and_restored_session_runs_on_bit_identical_to_an_uninterrupted_one(tmp_path, name, steps):
-    reference, _ = engine_for(name, capacity=1)
+def test_a_swapped_and_restored_session_runs_on_bit_identical_to_an_uninterrupted_one(tmp_path, name, steps, dtype):
+    reference, _ = engine_for(name, capacity=1, dtype=dtype)
     want = {session: [run(reference, session, step) for step in range(steps)] for session in ("a", "b")}
+    assert reference.runner.kv_cache.pool.dtype == getattr(torch, dtype)
     reference.close()
 
-    engine, events = engine_for(name, capacity=1, swap_dir=tmp_path / "swap")
+    engine, events = engine_for(name, capacity=1, swap_dir=tmp_path / "swap", dtype=dtype)
     runner = engine.runner
     got: dict[str, list] = {"a": [], "b": []}
     for step in range(steps):
