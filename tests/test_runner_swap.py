@@ -228,8 +228,12 @@ def test_a_reset_request_discards_the_snapshot_of_its_id(tmp_path):
     run(engine, "b", 0)  # a swapped out
     assert runner.pool_usage().num_swapped == 1
     pipe = engine.pipeline
+    before = len(events)
     engine.execute(ARDiffusionRequest("a/again", inputs_for(pipe, "a", 0), {"session_id": "a", "reset": True}))
-    # a new history for "a" (b swapped out now)
+    # a new history for "a" (b swapped out now), after the event a resident session's reset request sends
+    assert [(e.kind, e.session_id) for e in events[before:]][:3] == [
+        ("session_reset", "a"), ("session_evicted", "b"), ("session_admitted", "a")]
+    assert events[before].reason == "request_reset"
     assert runner.pool_usage().num_swapped == 1 and runner.swap.has("b") and not runner.swap.has("a")
     assert not [e for e in events if e.kind == "session_restored"]
     assert runner.restore_session("a") is False

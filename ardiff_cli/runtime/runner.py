@@ -472,9 +472,12 @@ class ARDiffusionModelRunner:
                                hint="name the session otherwise")
         start = time.perf_counter()
         with self._events_held():
-            if request.reset and session_id in self._sessions:
+            if request.reset:
                 with self._locked():
-                    self._release(session_id, reason="request_reset", hook="reset")
+                    if session_id in self._sessions:
+                        self._release(session_id, reason="request_reset", hook="reset")
+                    else:  # swapped out: its snapshot goes, with the event a resident one's reset sends
+                        self._discard_swapped(session_id, "reset", reason="request_reset")
             if not request.reset and self._has_snapshot(session_id):
                 self._restore(session_id)  # swapped out: it goes on where it was (reset=True discards it instead)
             self._make_room(session_id)
@@ -650,16 +653,16 @@ class ARDiffusionModelRunner:
                 self.swap.clear()  # and the folder goes
         return errors
 
-    def _discard_swapped(self, session_id: str, hook: str) -> bool:
+    def _discard_swapped(self, session_id: str, hook: str, *, reason: str = "explicit") -> bool:
         """A swapped-out session is reset or closed by deleting its snapshot (its pipeline state left with it); the
         same event as for a resident one (after a ``swap_failed`` if the write of its snapshot failed)."""
         if session_id in self._sessions or self.swap is None or not self.swap.discard(session_id, report=True):
             return False
         self._warn_about_failed_writes(warn=False)  # closed or reset: nothing is rebuilt
         if hook == "reset":
-            self._emit(SessionReset(session_id=session_id, reason="explicit"))
+            self._emit(SessionReset(session_id=session_id, reason=reason))
         else:
-            self._emit(SessionClosed(session_id=session_id, reason="explicit"))
+            self._emit(SessionClosed(session_id=session_id, reason=reason))
         return True
 
     def _require_resident(self, session_id: str) -> None:
