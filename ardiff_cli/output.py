@@ -93,6 +93,7 @@ class Output:
         # command, stdout lost to anything but a reader that went away ends it with exit 1 (handle_errors).
         self.on_stdout_lost: Callable[[OSError], None] | None = None
         self._stderr_lost = False  # progress lines are for a human: once stderr fails they are dropped
+        self.warnings: list[str] = []  # every warning of the command, shown or silenced: a result may list them
 
     @classmethod
     def create(cls, format: Format | str = Format.auto, *, quiet: bool = False, verbose: bool = False) -> Output:
@@ -182,6 +183,7 @@ class Output:
             self._print_err("[dim]debug:[/dim] ", message, plain_prefix="debug: ")
 
     def warning(self, message: str) -> None:
+        self.warnings.append(message)
         if not self.quiet:
             self._print_err("[yellow]warning:[/yellow] ", message, plain_prefix="warning: ")
 

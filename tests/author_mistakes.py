@@ -31,6 +31,14 @@ class WarmupYieldsNothing(CausalWorldPipeline):
         yield from ()
 
 
+class WarmupMisspeltKey(CausalWorldPipeline):
+    """Its warmup requests carry ``closeSession`` for ``close_session``: the runner warns of the key it does not read."""
+
+    def ar_diffusion_warmup_requests(self, session_id):
+        for request in super().ar_diffusion_warmup_requests(session_id):
+            yield dataclasses.replace(request, extra_args={**request.extra_args, "closeSession": True})
+
+
 class HooksMissing:
     """Carries what --pipeline checks for, but not the AR-Diffusion capability methods."""
 

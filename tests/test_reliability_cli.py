@@ -491,21 +491,29 @@ def test_an_observation_schema_of_another_type_is_named_as_the_pipelines_mistake
     assert "step_000000" not in proc.stderr and "bug in ardiff" not in proc.stderr
 
 
-def test_a_warmup_provider_that_yields_nothing_is_a_warning_not_a_silent_success(env):
-    """It used to print an empty table and exit 0 with no word that nothing was warmed up."""
-    message = ("warning: pipeline 'author_mistakes:WarmupYieldsNothing': ar_diffusion_warmup_requests() yielded no "
-               "requests: nothing was warmed up")
-    args = ("warmup", "causal-world-tiny", "--device", "cpu", "--pipeline", "author_mistakes:WarmupYieldsNothing")
+@pytest.mark.parametrize(("pipeline", "message"), [
+    # It used to print an empty table and exit 0 with no word that nothing was warmed up.
+    ("WarmupYieldsNothing", "warning: pipeline 'author_mistakes:WarmupYieldsNothing': ar_diffusion_warmup_requests() "
+                            "yielded no requests: nothing was warmed up"),
+    # The runtime's own warnings went to stderr only: the JSON result listed none of them.
+    ("WarmupMisspeltKey", "warning: request 'warmup-0': extra_args key 'closeSession' is not one the runner reads"),
+])
+def test_a_warmup_warning_is_on_stderr_and_in_the_results_warnings(env, pipeline, message):
+    args = ("warmup", "causal-world-tiny", "--device", "cpu", "--pipeline", f"author_mistakes:{pipeline}")
     plain = ardiff(env, *args, "--format", "plain")
     assert plain.returncode == 0, plain.stderr
     assert message in plain.stderr and "warning" not in plain.stdout
     as_json = ardiff(env, *args, "--format", "json")
     assert as_json.returncode == 0, as_json.stderr
     result = json.loads(as_json.stdout.splitlines()[-1])
-    assert (result["kind"], result["requests"], result["restored"]) == ("warmup", [], True)
+    assert (result["kind"], result["restored"]) == ("warmup", True)
+    assert (result["requests"] == []) == (pipeline == "WarmupYieldsNothing")
     assert [f"warning: {w}" for w in result["warnings"]] == [line for line in as_json.stderr.splitlines()
                                                              if line.startswith("warning:")]
-    assert message in as_json.stderr
+    assert any(f"warning: {w}".startswith(message) for w in result["warnings"])
+    quiet = ardiff(env, *args, "--format", "json", "--quiet")  # silenced on stderr, still in the result
+    assert quiet.returncode == 0 and "warning" not in quiet.stderr
+    assert json.loads(quiet.stdout.splitlines()[-1])["warnings"] == result["warnings"]
     normal = ardiff(env, "warmup", "causal-world-tiny", "--device", "cpu", "--format", "json")
     assert normal.returncode == 0 and json.loads(normal.stdout.splitlines()[-1])["warnings"] == []
     assert "warning" not in normal.stderr

@@ -93,10 +93,9 @@ def warmup(
         data = warmup_data(report, usage, config=config_label(config), device=str(engine.device),
                            dtype=cfg.runtime.dtype, pipeline=cfg.pipeline_name)
         if not report.skipped and not report.timings:  # a provider that yields nothing is likely a mistake in it
-            data["warnings"].append(f"pipeline {cfg.pipeline_name!r}: ar_diffusion_warmup_requests() yielded no "
-                                    "requests: nothing was warmed up (the first real requests pay the one-time costs)")
-        for warning in data["warnings"]:
-            out.warning(warning)
+            out.warning(f"pipeline {cfg.pipeline_name!r}: ar_diffusion_warmup_requests() yielded no requests: "
+                        "nothing was warmed up (the first real requests pay the one-time costs)")
+        data["warnings"] = list(out.warnings)  # the runtime's too (handle_errors shows them through out.warning)
         out.result(data, lambda plain: render_warmup(data, plain))
 
 
@@ -138,7 +137,7 @@ def warmup_data(report: Any, usage: Any, **context: Any) -> dict[str, Any]:
     return {
         "kind": "warmup", **context, "skipped": report.skipped, "requests": requests, "first_s": first,
         "steady_s": steady, "steady_count": len(repeats), "seconds": report.seconds, "restored": report.restored,
-        "pages_free": usage.num_free, "pages_total": usage.num_pages, "warnings": [],
+        "pages_free": usage.num_free, "pages_total": usage.num_pages,
     }
 
 
