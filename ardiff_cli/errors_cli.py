@@ -169,7 +169,8 @@ def report(out: Output, exc: BaseException) -> int:
         hint = getattr(exc, "hint", None) or rule.hint
         if out.verbose:
             out.traceback(exc)
-        out.error(str(exc), hint, exit_code=code, kind=rule.label)
+        # a bare MemoryError() (Python's own allocator) has no message: its name says what happened
+        out.error(str(exc) or type(exc).__name__, hint, exit_code=code, kind=rule.label)
     elif isinstance(exc, KeyboardInterrupt):
         out.error("interrupted", None, exit_code=code, kind="interrupted")
     else:

@@ -21,7 +21,7 @@ Each fault is a JSON object:
   in ``dir``, once written, is overwritten with bytes that are no safetensors file, as a failing disk would
   leave them);
 - ``action`` (block and sampler): ``raise`` (default), ``oom`` (allocate 1 PiB on the host: torch's CPU allocator
-  raises its own RuntimeError), ``sleep`` (touch ``marker``, then sleep ``seconds``, or until the file ``release``
+  raises its own RuntimeError), ``memory_error`` (a bare ``MemoryError()``, as Python's allocator raises), ``sleep`` (touch ``marker``, then sleep ``seconds``, or until the file ``release``
   exists: for signals that must arrive in the middle of a forward), ``swallow_signal`` (send the process SIGTERM
   twice inside ``try: ... except Exception: pass`` and go on, as a pipeline or library that catches everything
   would: the first only asks the step to finish, the second is raised there) or ``wrap_signal`` (the same, then
@@ -79,6 +79,8 @@ def _act(fault: dict[str, Any], message: str) -> None:
         return
     if fault.get("action") == "oom":  # a real host allocation torch's CPU allocator refuses (1 PiB)
         torch.empty(1 << 50, dtype=torch.uint8)
+    if fault.get("action") == "memory_error":  # what Python's own allocator raises: no message
+        raise MemoryError()
     if fault.get("action") == "cuda_oom":  # what a kernel allocating outside torch's allocator raises on a full GPU
         raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some "
                            "other API call, so the stacktrace below might be incorrect.")

@@ -600,6 +600,11 @@ def test_the_hosts_allocator_running_out_is_out_of_memory_in_a_step_and_in_warmu
     assert proc.returncode == 3, proc.stderr
     error = json.loads(proc.stdout.splitlines()[-1])
     assert error["kind"] == "out_of_memory" and "DefaultCPUAllocator" in error["message"]
+    faults = [{"request": "warmup-0", "site": "block", "layer": 0, "action": "memory_error"}]
+    proc = ardiff(env, "warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, "--format", "json", faults=faults)
+    assert proc.returncode == 3, proc.stderr  # Python's MemoryError has no message: "Error: " and nothing after it
+    assert json.loads(proc.stdout.splitlines()[-1])["message"] == "MemoryError"
+    assert "Error: MemoryError\nhint: lower --session-capacity" in proc.stderr
 
 
 # A bug in the rollout's own event subscriber (simulated: KeyError on the first eviction, before any bookkeeping).
