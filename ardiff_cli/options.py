@@ -102,6 +102,18 @@ def _checked_bytes(value: Optional[str], *, zero_ok: bool) -> Optional[str]:
     return value
 
 
+def check_session_count(value):
+    """``--session-capacity`` / ``--sessions`` (one count or a list): at most ``MAX_SESSIONS``."""
+    from ardiff_cli.runtime.capacity import MAX_SESSIONS
+    from ardiff_cli.runtime.errors import shown
+
+    for count in value if isinstance(value, list) else [value]:
+        if count is not None and count > MAX_SESSIONS:
+            raise typer.BadParameter(f"expected at most {MAX_SESSIONS} sessions (no pool holds more), got "
+                                     f"{shown(count)}")
+    return value
+
+
 def expand_home(value):
     """A leading ``~`` means the home folder, also where no shell expanded it (quoted, a systemd unit, a Python
     ``subprocess`` list), as in ``ARDIFF_CACHE_DIR``: never a folder named ``~`` in the working folder."""
@@ -175,7 +187,7 @@ MemoryBudgetOpt = Annotated[
 ]
 SessionCapacityOpt = Annotated[
     Optional[int],
-    typer.Option("--session-capacity", rich_help_panel=RUNTIME_PANEL, min=1, metavar="N",
+    typer.Option("--session-capacity", rich_help_panel=RUNTIME_PANEL, min=1, metavar="N", callback=check_session_count,
                  help="Most sessions kept resident; more evicts the least recently used. "
                       "\\[default: the config's, else the pipeline's]", show_default=False),
 ]

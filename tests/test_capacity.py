@@ -236,7 +236,7 @@ def test_invalid_planner_inputs():
         plan_capacity(self_forcing_13b(), "bfloat16", GIB, 1.5)
     with pytest.raises(ConfigError, match="unsupported KV dtype 'int3'"):
         plan_capacity(self_forcing_13b(), "int3", GIB)
-    with pytest.raises(ConfigError, match="session_capacity must be a positive integer, got 0"):
+    with pytest.raises(ConfigError, match="session_capacity must be a positive integer up to 2147483647, got 0"):
         plan_capacity(self_forcing_13b(), "bfloat16", GIB, session_capacity=0)
 
 

@@ -31,7 +31,10 @@ def test_unknown_config_name_suggests_a_builtin():
     [
         ({"device": "tpu"}, "field 'runtime.device': expected auto, cpu, cuda or cuda:N, got 'tpu'"),
         ({"dtype": "int8"}, "field 'runtime.dtype': expected float32 | bfloat16 | float16, got 'int8'"),
-        ({"session_capacity": 0}, "field 'runtime.session_capacity': expected a positive integer, got 0"),
+        ({"session_capacity": 0}, "field 'runtime.session_capacity': expected a positive integer up to 2147483647, "
+                                  "got 0"),
+        ({"session_capacity": 10**400}, "field 'runtime.session_capacity': expected a positive integer up to "
+                                        "2147483647, got 1000000000000000000000000000...00000000000000000000000000000"),
         ({"gpu_memory_fraction": 1.5}, "field 'runtime.gpu_memory_fraction': expected a number in \\(0, 1\\]"),
         ({"memory_budget": "lots"}, "field 'runtime.memory_budget': expected a byte size"),
         ({"num_threads": 0}, "field 'runtime.num_threads': expected a positive integer"),

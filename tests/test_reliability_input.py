@@ -345,7 +345,7 @@ CONFIG_CASES = {
                                ["{config}: field 'model.guidance_scale': expected a number, got '1e30'"],
                                "takes '1e30' for text, not a number: write 1.0e+30"),
     "exponent_in_an_integer": ("pipeline: dreamzero\nruntime: {session_capacity: 1e3}\n", "inspect-capacity",
-                               ["{config}: field 'runtime.session_capacity': expected a positive integer, got '1e3'"],
+                               ["{config}: field 'runtime.session_capacity': expected a positive integer up to 2147483647, got '1e3'"],
                                "takes '1e3' for text, not a number: write 1000"),
     "quoted_number": ("pipeline: dreamzero\nmodel: {guidance_scale: '5'}\n", "inspect-capacity",
                       ["{config}: field 'model.guidance_scale': expected a number, got '5'"],
@@ -541,9 +541,9 @@ CLI_CASES = {
     # A budget beyond the device is fine while the plan is small (the spec caps the sessions); a plan beyond it
     # would allocate and zero pools the host cannot hold.
     "plan_beyond_the_host": (["warmup", "--device", "cpu", "--memory-budget", "1e30", "--session-capacity",
-                              str(10**21)],
+                              str(2**31 - 1)],
                              "the memory budget (8.67e+11 EiB, 1000000000000000019884624838656 "
-                             "bytes) plans 1.73e+08 EiB of KV memory, more than cpu has (", "leave the budget"),
+                             "bytes) plans 390.00 TiB of KV memory, more than cpu has (", "leave the budget"),
     "empty_config_argument": (["inspect-capacity", ""], "CONFIG is an empty string", "omit it for the default"),
     "config_is_a_device": (["inspect-capacity", "/dev/null"], "config /dev/null is not a regular file",
                            "pass a YAML file"),
@@ -683,6 +683,11 @@ def test_an_option_value_refused_early_names_the_option_and_says_why(option, val
     (["rollout", "--session-capacity", "0"], "Invalid value for '--session-capacity': ", ", got '0'"),
     (["warmup", "--session-capacity", "1.5"], "Invalid value for '--session-capacity': ", ", got '1.5'"),
     (["inspect-capacity", "--sessions", "2", "--sessions", "0"], "Invalid value for '--sessions': ", ", got '0'"),
+    # 10**400 sessions overflowed the plan's float figures: a traceback, as "a bug in ardiff"
+    (["inspect-capacity", "--available", "1MiB", "--sessions", str(10**400)], "Invalid value for '--sessions': "
+     "expected at most 2147483647 sessions (no pool holds more), got 1000000000000000000000000000...", "000000"),
+    (["rollout", "--session-capacity", str(2**31)], "Invalid value for '--session-capacity': expected at most "
+     "2147483647 sessions (no pool holds more), got 2147483648", "2147483648"),
     (["rollout", "--order", "sideways"], "Invalid value for '--order': 'sideways' is not one of", "'sequential'."),
     (["warmup", "--bogus"], "No such option: --bogus", ""),
 ])

@@ -25,6 +25,9 @@ from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.errors import CapacityError, ConfigError
 from ardiff_cli.runtime.kv.layout import KVLayout
 
+# The most sessions a plan takes: every session holds pages, and a block table indexes pages with int32 (vLLM's
+# kernels), so no pool holds more. Also keeps a plan's figures within a float (10**400 sessions overflowed them).
+MAX_SESSIONS = 2**31 - 1
 DTYPE_SIZES = {
     "float32": 4,
     "float16": 2,
@@ -232,8 +235,8 @@ def plan_capacity(
         raise ConfigError(f"available memory must be positive, got {available_bytes} bytes")
     given = spec.session_capacity if session_capacity is None else session_capacity
     limit = as_int(given)
-    if limit is None or limit < 1:
-        raise ConfigError(f"session_capacity must be a positive integer, got {given!r}")
+    if limit is None or not 1 <= limit <= MAX_SESSIONS:
+        raise ConfigError(f"session_capacity must be a positive integer up to {MAX_SESSIONS}, got {given!r}")
     name = dtype_name(dtype)
     size = DTYPE_SIZES[name]
     if attention_backend not in ("torch", "vllm"):

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
-from ardiff_cli.runtime.capacity import BYTE_UNITS, as_fraction, as_int, dtype_name, parse_bytes
+from ardiff_cli.runtime.capacity import BYTE_UNITS, MAX_SESSIONS, as_fraction, as_int, dtype_name, parse_bytes
 from ardiff_cli.runtime.errors import (
     PIPELINE_HINT,
     YAML_SYNTAX_HINT,
@@ -117,8 +117,8 @@ def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
         return name
     if key == "session_capacity":
         number = as_int(value)  # numpy's integers too, never a bool
-        if number is None or number < 1:
-            raise field_error(where, field, "a positive integer", value)
+        if number is None or not 1 <= number <= MAX_SESSIONS:
+            raise field_error(where, field, f"a positive integer up to {MAX_SESSIONS}", value)
         return number
     if key == "gpu_memory_fraction":
         fraction = as_fraction(value)  # numpy's numbers too, never a bool
