@@ -523,6 +523,7 @@ def test_suite_attention_backend_reaches_rolling_resume_and_swap(tmp_path):
     rows = json.loads(path.read_text())["results"]
     assert [r["id"] for r in rows] == ["rolling", "resume", "swap"]
     assert all("ConfigError: attention backend 'vllm'" in r["error"] for r in rows), rows
+    assert all(sorted(r) == ["error", "id", "passed", "seconds"] and r["passed"] is False for r in rows)  # README
     assert attention_backend() == "auto"
     proc = bench("benchmarks.bench_capacity", "--quick", "--attention-backend", "torch")
     assert proc.returncode == 2 and "unrecognized arguments: --attention-backend torch" in proc.stderr
