@@ -198,19 +198,20 @@ def test_auto_with_a_torch_whose_libraries_are_not_in_torch_lib_plans_for_the_gp
     assert data["plan_device"] == "cuda:0" and data["plan"]["available_bytes"] == FOUR_GPUS["0"] * MIB
 
 
-@pytest.mark.parametrize(("visible", "device", "shown"), [
-    ("2,3", "cuda:2", "CUDA_VISIBLE_DEVICES='2,3' leaves 2 GPU(s) visible (cuda:0 .. cuda:1)"),
-    ("0,-1,1", "cuda:1", "CUDA_VISIBLE_DEVICES='0,-1,1' leaves 1 GPU(s) visible (cuda:0 .. cuda:0)"),
-    ("", "cuda", "CUDA_VISIBLE_DEVICES='' leaves no GPU visible"),
+@pytest.mark.parametrize(("visible", "device", "shown", "others"), [
+    ("2,3", "cuda:2", "CUDA_VISIBLE_DEVICES='2,3' leaves 2 GPU(s) visible (cuda:0 .. cuda:1)", "cuda, cpu or auto"),
+    ("0,-1,1", "cuda:1", "CUDA_VISIBLE_DEVICES='0,-1,1' leaves 1 GPU(s) visible (cuda:0 .. cuda:0)",
+     "cuda, cpu or auto"),
+    ("", "cuda", "CUDA_VISIBLE_DEVICES='' leaves no GPU visible", "cpu or auto"),  # it suggested the cuda refused
 ])
-def test_an_index_past_the_visible_gpus_is_a_config_error(tmp_path, visible, device, shown):
+def test_an_index_past_the_visible_gpus_is_a_config_error(tmp_path, visible, device, shown, others):
     log = fake_nvidia_smi(tmp_path / "bin")
     proc = inspect(tmp_path, "dreamzero-tiny", "--device", device, "--available", "1GiB",
                    CUDA_VISIBLE_DEVICES=visible)
     assert proc.returncode == 2, proc.stdout
     error = json.loads(proc.stdout)
     assert error["kind"] == "config_error" and error["message"] == f"device {device!r} requested but {shown}"
-    assert "CUDA_VISIBLE_DEVICES" in error["hint"] and calls_of(log) == []
+    assert error["hint"] == f"check CUDA_VISIBLE_DEVICES, or use --device {others}" and calls_of(log) == []
 
 
 def test_explicit_cuda_says_why_its_memory_is_unknown(tmp_path):

@@ -230,8 +230,9 @@ def resolve_plan_device(device: str) -> PlanDevice:
     index = int(device.partition(":")[2] or 0)  # bare cuda: the current device, 0 unless code changed it
     if visible is not None and index >= len(visible):
         shown = f"{len(visible)} GPU(s) visible (cuda:0 .. cuda:{len(visible) - 1})" if visible else "no GPU visible"
+        others = "cuda, cpu or auto" if visible else "cpu or auto"  # bare cuda: the first visible GPU
         raise ConfigError(f"device {device!r} requested but CUDA_VISIBLE_DEVICES={raw!r} leaves {shown}",
-                          hint="check CUDA_VISIBLE_DEVICES, or use --device cuda, cpu or auto")
+                          hint=f"check CUDA_VISIBLE_DEVICES, or use --device {others}")
     gpu_id = visible[index] if visible is not None else str(index)
     return PlanDevice(f"cuda:{index}", gpu_id, f"requested (nvidia-smi GPU {gpu_id}{_mask(raw)})")
 
