@@ -75,8 +75,8 @@ def check_fraction(value: Optional[float]) -> Optional[float]:
 
 
 def check_available(value: Optional[str]) -> Optional[str]:
-    """``--available``: a byte size, or auto."""
-    return value if value == "auto" else check_byte_size(value)
+    """``--available``: a byte size, or auto (any case, as the other choices)."""
+    return "auto" if value is not None and value.lower() == "auto" else check_byte_size(value)
 
 
 def check_byte_size(value: Optional[str]) -> Optional[str]:

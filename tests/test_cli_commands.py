@@ -517,6 +517,8 @@ def test_inspect_capacity_shows_an_absurd_available_in_few_digits_and_says_why_o
     assert re.search(r"^sessions +2 +7,433,596 fit the budget", proc.stdout, re.M), proc.stdout
     proc = run("dreamzero-14b", "--available", "2PiB", "--format", "json")
     assert proc.returncode == 0 and json.loads(proc.stdout)["plan"]["available_bytes"] == 2 << 50, proc.stderr
+    proc = run("--available", "AUTO", "--format", "json")  # any case, as the other choices (it was no byte size)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["available_source"] == "available host memory", proc.stderr
     for value, why in (("10ZiB", "unknown unit 'ZiB'"), ("inf", "not a finite number"), ("1 GiB B", "unknown unit"),
                        ("1e400", "'1e400' is too large a number")):
         proc = run("--available", value, "--format", "json")
