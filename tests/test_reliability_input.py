@@ -127,6 +127,10 @@ OBSERVATION_CASES = {
             "sensor dropout"),
     "inf": (lambda f: episode(f, step1={"gripper_position": np.array([np.inf], np.float32)}),
             ["{path}: 'gripper_position' has 0 NaN and 1 Inf values (first at index (0,))"], "finite"),
+    # a finite float64 that float32 cannot hold: it read "0 NaN and 1 Inf values", after numpy's RuntimeWarning
+    "past_float32": (lambda f: episode(f, step1={"joint_position": np.array([0, 1e300, 0, 0, 0, 0, -1e39])}),
+                     ["{path}: 'joint_position' has 2 values past float32's range (first at index (1,): 1e+300), "
+                      "expected finite numbers of magnitude up to 3.4e+38"], "sensor dropout"),
     "empty_file": (lambda f: write_bytes(f, b""), ["{path}: the file is empty (0 bytes)"], "written completely"),
     "truncated": (truncate, ["{path}: cannot read safetensors file: truncated or corrupt"], "temporary name"),
     "cut_header": (lambda f: write_bytes(f, b"\x40\x00\x00\x00\x00\x00\x00\x00{\"a\""),
@@ -186,6 +190,7 @@ def first_error(folder: Path) -> ObservationError:
 
 
 @pytest.mark.parametrize("case", sorted(OBSERVATION_CASES))
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # numpy's own ("overflow encountered in cast") is not the message
 def test_observation_case_message(tmp_path, case):
     build, parts, hint = OBSERVATION_CASES[case]
     folder = tmp_path / case

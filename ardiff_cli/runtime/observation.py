@@ -96,7 +96,6 @@ def _check_field(f: ObservationField, key: str, value: Any) -> tuple[Any, str | 
     if not any(shape_matches(array.shape, s) for s in f.shapes):
         expected = " or ".join(format_shape(s) for s in f.shapes)
         return None, f"{label} has shape {format_shape(array.shape)}, expected {expected}"
-    array = array.astype(f.dtype, copy=False)
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         # A NaN or Inf would silently poison the session's KV for the rest of the episode.
         bad = ~np.isfinite(array)
@@ -104,7 +103,14 @@ def _check_field(f: ObservationField, key: str, value: Any) -> tuple[Any, str | 
         num_nan, num_inf = int(np.isnan(array).sum()), int(np.isinf(array).sum())
         return None, (f"{label} has {num_nan} NaN and {num_inf} Inf values (first at index {first}), "
                       "expected finite numbers")
-    return array, None
+    with np.errstate(over="ignore"):  # a float64 past float32's range: said below, not as numpy's RuntimeWarning
+        converted = array.astype(f.dtype, copy=False)
+    if converted.dtype.kind == "f" and not np.isfinite(converted).all():
+        first = tuple(int(i) for i in np.argwhere(~np.isfinite(converted))[0])
+        return None, (f"{label} has {int((~np.isfinite(converted)).sum())} values past {f.dtype}'s range (first at "
+                      f"index {first}: {array[first]:.3g}), expected finite numbers of magnitude up to "
+                      f"{np.finfo(f.dtype).max:.3g}")
+    return converted, None
 
 
 def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *, where: str) -> dict[str, Any]:
