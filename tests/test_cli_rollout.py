@@ -1819,6 +1819,18 @@ def test_resume_goes_on_following_and_drawing_previews_as_the_run_started(env, d
     assert (run / "previews" / "arm_a.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_followed_episode_that_never_got_a_step_fails_and_the_summary_lists_only_outputs_that_exist(env, data,
+                                                                                                     tmp_path):
+    """The summary's outputs line named episodes/ where no step had run, so no such folder existed."""
+    write_episode(tmp_path / "live" / "arm_a", [], prompt="task arm_a", end=False)
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(tmp_path / "live" / "arm_a"), "--out",
+                  str(tmp_path / "run"), "--follow", "--idle-timeout", "0.5", "--no-warmup", "--format", "plain")
+    assert proc.returncode == 2, proc.stderr  # every episode failed
+    assert "no step file arrived within --idle-timeout 0.5 s" in proc.stderr
+    assert f"outputs: {tmp_path / 'run'} (results.jsonl, summary.json)\n" in proc.stdout
+    assert not (tmp_path / "run" / "episodes").exists()
+
+
 def test_resume_of_a_followed_run_waits_the_idle_timeout_it_recorded(env, data, tmp_path):
     # Not the default 60 s: arm_b, whose robot has written no step yet, fails naming the timeout it waited. The
     # signal lands inside arm_a's step 0 and the run stops after it, before either episode could idle out.

@@ -849,8 +849,8 @@ def render_summary(s: dict[str, Any], plain: bool):
         + (f"{steps['restored']} restored from swap, " if steps.get("restored") else "")
         + f"{_count(steps['replayed'], 'step')} replayed to rebuild sessions"
         + (f", {_count(steps['skipped_done'], 'step')} already done" if steps["skipped_done"] else ""),
-        f"outputs: {s['out']} (results.jsonl, summary.json, episodes/"
-        + (", previews/)" if Path(s["out"], "previews").is_dir() else ")"),
+        f"outputs: {s['out']} (" + ", ".join(["results.jsonl", "summary.json"] + [
+            f"{folder}/" for folder in ("episodes", "previews") if Path(s["out"], folder).is_dir()]) + ")",
     ]
     text = Text("\n".join(lines))
     if not plain:
