@@ -699,6 +699,36 @@ def test_an_eviction_does_not_wait_for_its_file_and_a_restore_meanwhile_takes_th
     engine.close()
 
 
+@pytest.mark.parametrize("how", ["reset_session", "close_session", "reset request"])
+def test_a_swapped_out_session_discarded_while_its_file_is_written_leaves_the_views_readable(tmp_path, monkeypatch,
+                                                                                            how):
+    # Its snapshot is deleted once its write ends (the file is gone when the call returns); that wait held the
+    # session-table lock, so sessions() and pool_usage() from the CLI's status thread waited for the file too.
+    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    runner = engine.runner
+    run(engine, "a", 0)
+    writes = HeldWrites(monkeypatch)
+    run(engine, "b", 0)  # evicts a: its file is held
+    again = ARDiffusionRequest("a/again", inputs_for(engine.pipeline, "a", 0), {"session_id": "a", "reset": True})
+    call = {"reset_session": lambda: runner.reset_session("a"), "close_session": lambda: runner.close_session("a"),
+            "reset request": lambda: engine.execute(again)}[how]
+    discarding = in_a_thread(call)
+    discarding.join(timeout=0.5)
+    assert discarding.is_alive() and writes.started == 1, "it did not wait for the file it deletes"
+    reader = in_a_thread(lambda: (runner.sessions(), runner.pool_usage()))
+    reader.join(timeout=30)  # a liveness bound: the old code blocked until the write was released
+    blocked = reader.is_alive()
+    writes.release()
+    discarding.join(timeout=60)
+    assert not blocked, "the views waited for the file of a discarded snapshot"
+    assert not discarding.is_alive() and not runner.swap.has("a")
+    said = next((e.kind, e.reason) for e in events
+                if e.kind in ("session_reset", "session_closed") and e.session_id == "a")
+    assert said == {"reset_session": ("session_reset", "explicit"), "close_session": ("session_closed", "explicit"),
+                    "reset request": ("session_reset", "request_reset")}[how]
+    engine.close()
+
+
 def test_one_write_is_in_flight_at_a_time_and_close_waits_for_it(tmp_path, monkeypatch):
     # A second eviction waits for the first file: at most one snapshot is held in memory beyond the sessions.
     engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path / "swap")

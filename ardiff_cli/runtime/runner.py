@@ -472,12 +472,11 @@ class ARDiffusionModelRunner:
                                hint="name the session otherwise")
         start = time.perf_counter()
         with self._events_held():
-            if request.reset:
+            if request.reset and session_id in self._sessions:
                 with self._locked():
-                    if session_id in self._sessions:
-                        self._release(session_id, reason="request_reset", hook="reset")
-                    else:  # swapped out: its snapshot goes, with the event a resident one's reset sends
-                        self._discard_swapped(session_id, "reset", reason="request_reset")
+                    self._release(session_id, reason="request_reset", hook="reset")
+            elif request.reset:  # swapped out: its snapshot goes, with the event a resident one's reset sends
+                self._discard_swapped(session_id, "reset", reason="request_reset")
             if not request.reset and self._has_snapshot(session_id):
                 self._restore(session_id)  # swapped out: it goes on where it was (reset=True discards it instead)
             self._make_room(session_id)
@@ -597,9 +596,9 @@ class ARDiffusionModelRunner:
     def reset_session(self, session_id: str) -> None:
         """Release ``session_id`` and call the pipeline's reset hook; the next request starts fresh."""
         self._require_loaded()
+        if self._discard_swapped(session_id, "reset"):
+            return
         with self._locked():
-            if self._discard_swapped(session_id, "reset"):
-                return
             self._require_resident(session_id)
             errors = self._release(session_id, reason="explicit", hook="reset")
         if errors:
@@ -609,9 +608,9 @@ class ARDiffusionModelRunner:
     def close_session(self, session_id: str) -> None:
         """Release ``session_id`` and call the pipeline's close hook."""
         self._require_loaded()
+        if self._discard_swapped(session_id, "close"):
+            return
         with self._locked():
-            if self._discard_swapped(session_id, "close"):
-                return
             self._require_resident(session_id)
             errors = self._release(session_id, reason="explicit", hook="close")
         if errors:
@@ -655,7 +654,9 @@ class ARDiffusionModelRunner:
 
     def _discard_swapped(self, session_id: str, hook: str, *, reason: str = "explicit") -> bool:
         """A swapped-out session is reset or closed by deleting its snapshot (its pipeline state left with it); the
-        same event as for a resident one (after a ``swap_failed`` if the write of its snapshot failed)."""
+        same event as for a resident one (after a ``swap_failed`` if the write of its snapshot failed). Called
+        without the session-table lock: the deletion waits for a write of the snapshot in flight, and the views
+        must not."""
         if session_id in self._sessions or self.swap is None or not self.swap.discard(session_id, report=True):
             return False
         self._warn_about_failed_writes(warn=False)  # closed or reset: nothing is rebuilt
