@@ -238,6 +238,14 @@ def test_invalid_planner_inputs():
         plan_capacity(self_forcing_13b(), "int3", GIB)
     with pytest.raises(ConfigError, match="session_capacity must be a positive integer up to 2147483647, got 0"):
         plan_capacity(self_forcing_13b(), "bfloat16", GIB, session_capacity=0)
+    # a budget as text, as the engine takes it, was a TypeError ('<=' between str and int); True was 1 byte
+    assert plan_capacity(self_forcing_13b(), "bfloat16", "64GiB") == plan_capacity(self_forcing_13b(), "bfloat16",
+                                                                               64 * GIB)
+    for budget, why in ((True, "cannot read a bool as a byte size"), (0, "a byte size must be positive, got 0"),
+                        ("lots", "cannot read 'lots' as a byte size")):
+        with pytest.raises(ConfigError, match=f"^available_bytes: {why}") as info:
+            plan_capacity(self_forcing_13b(), "bfloat16", budget)
+        assert "512MiB" in info.value.hint
 
 
 @pytest.mark.parametrize(

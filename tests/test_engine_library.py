@@ -189,6 +189,16 @@ def test_a_malformed_request_is_a_request_error_and_leaves_its_session_as_it_was
     assert torch.equal(engine.execute(request(engine, "r1", "a", seed=1))["latents"], expected)
 
 
+def test_numpy_booleans_are_flags():
+    """numpy 2 names its bool type 'bool', not 'bool_': np.True_ read from an array was refused as "must be True or
+    False, got np.True_ (bool)"."""
+    for value in (np.True_, np.False_, np.array([1, 0], dtype=bool)[0]):
+        flags = ARDiffusionRequest("r", {}, {"session_id": "a", "reset": value, "close_session": value})
+        assert flags.reset is flags.close_session is bool(value)
+    with pytest.raises(RequestError, match=r"extra_args\['reset'\] must be True or False, got np.int64\(1\)"):
+        ARDiffusionRequest("r", {}, {"reset": np.int64(1)}).reset
+
+
 def test_something_other_than_a_request_is_a_type_error_whose_hint_builds_the_request():
     """engine.execute({...}) was a bare TypeError ('execute_model takes an ARDiffusionRequest, got dict'): right, but
     no word of how to build one from the dict in hand, nor of the method the caller had called."""

@@ -26,7 +26,7 @@ from ardiff_cli.runtime.events import (
     SessionReset,
     WarmupFinished,
 )
-from ardiff_cli.runtime.errors import ArdiffWarning, EngineStateError, PipelineError, StopRequested
+from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError, EngineStateError, PipelineError, StopRequested
 from ardiff_cli.runtime.request import DEFAULT_SESSION_ID, ARDiffusionRequest
 from ardiff_cli.runtime.runner import (
     WARMUP_SESSION_ID,
@@ -308,6 +308,15 @@ def test_load_refusals(pipeline, kwargs, error, match):
     with pytest.raises(error, match=match):
         runner.load()
     assert runner.kv_cache is None
+
+
+def test_a_memory_budget_is_a_byte_size_as_the_engine_takes_it():
+    """'64MiB' was a TypeError at load ('<=' between str and int), and True planned with 1 byte."""
+    runner = ARDiffusionModelRunner(TinyPipeline(), memory_budget="64MiB")
+    runner.load()
+    assert runner.capacity_plan.available_bytes == BUDGET == 64 << 20
+    with pytest.raises(ConfigError, match=r"^ARDiffusionModelRunner\(\): memory_budget: cannot read a bool as a byte "):
+        ARDiffusionModelRunner(TinyPipeline(), memory_budget=True)
 
 
 def test_batch_and_step_entry_points_raise():

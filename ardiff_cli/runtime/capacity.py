@@ -123,6 +123,15 @@ def parse_bytes(text: str | int, *, zero_ok: bool = False) -> int:
     return value
 
 
+def checked_bytes(value: object, name: str) -> int:
+    """An argument that is a byte size (``parse_bytes``: an integer, or text such as '2GiB'), as an int; a
+    ``ConfigError`` naming the argument otherwise."""
+    try:
+        return parse_bytes(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{name}: {exc}", hint=exc.hint or BYTE_SIZE_HINT) from None
+
+
 def total_host_memory() -> int:
     """Physical memory of the host (bytes)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -231,8 +240,7 @@ def plan_capacity(
     fraction = as_fraction(gpu_memory_fraction)  # numpy's numbers too, stored as a float (the plan goes to JSON)
     if fraction is None:
         raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction!r}")
-    if available_bytes <= 0:
-        raise ConfigError(f"available memory must be positive, got {available_bytes} bytes")
+    available_bytes = checked_bytes(available_bytes, "available_bytes")
     given = spec.session_capacity if session_capacity is None else session_capacity
     limit = as_int(given)
     if limit is None or not 1 <= limit <= MAX_SESSIONS:

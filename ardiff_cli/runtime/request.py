@@ -129,7 +129,8 @@ class ARDiffusionRequest:
     def _flag(self, key: str) -> bool:
         self._check_mapping("extra_args", self.extra_args, "session routing and lifecycle flags")
         value = self.extra_args.get(key)
-        if value is None or isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy's bool too
+        numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")  # 2.x, 1.x
+        if value is None or isinstance(value, bool) or numpy_bool:
             return bool(value)
         raise RequestError(f"request {shown(self.request_id)}: extra_args[{key!r}] must be True or False, got "
                            f"{shown(value)} ({type(value).__name__})",

@@ -32,6 +32,7 @@ from ardiff_cli.runtime.capability import (
 from ardiff_cli.runtime.capacity import (
     CapacityPlan,
     available_host_memory,
+    checked_bytes,
     format_bytes,
     plan_capacity,
     total_host_memory,
@@ -210,7 +211,7 @@ class ARDiffusionModelRunner:
         dtype: torch.dtype = torch.float32,
         max_num_seqs: int = 1,
         step_execution: bool = False,
-        memory_budget: int | None = None,
+        memory_budget: int | str | None = None,
         gpu_memory_fraction: float = 0.9,
         session_capacity: int | None = None,
         attention_backend: str = "auto",
@@ -222,7 +223,9 @@ class ARDiffusionModelRunner:
         self.dtype = dtype  # KV dtype, equal to the model's activation dtype
         self.max_num_seqs = max_num_seqs  # must be 1: request mode only
         self.step_execution = step_execution  # must be False: request mode only
-        self.memory_budget = memory_budget  # explicit "available" bytes; None = measure the device
+        # explicit "available" bytes (an int, or text such as '2GiB'); None = measure the device
+        self.memory_budget = (None if memory_budget is None
+                              else checked_bytes(memory_budget, "ARDiffusionModelRunner(): memory_budget"))
         self.gpu_memory_fraction = gpu_memory_fraction  # soft budget for sessions beyond the first
         self.session_capacity_override = session_capacity  # replaces the pipeline's session_capacity
         self.attention_backend_setting = attention_backend  # auto | torch | vllm (kv/backends.py)
