@@ -42,6 +42,33 @@ def test_step_prompt_is_metadata(tmp_path, fmt):
     assert "prompt" not in raw.arrays
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_any_array_name_is_kept_and_a_prompt_from_a_dataset_is_text(tmp_path, fmt):
+    """np.savez(**arrays) took an array named 'allow_pickle' for its option (dropped) and one named 'file' for its
+    argument (TypeError); a prompt read from a dataset is numpy's str_, which YAML could not write to episode.yaml."""
+    named = {"allow_pickle": np.zeros(3, np.float32), "file": np.ones(2, np.float32), "x": np.arange(4)}
+    paths = write_episode(tmp_path / "ep", [named], prompt=np.array(["pick the cup"])[0], format=fmt)
+    raw = read_step(paths[0])
+    assert sorted(raw.arrays) == ["allow_pickle", "file", "x"]
+    np.testing.assert_array_equal(raw.arrays["file"], named["file"])
+    assert (tmp_path / "ep" / "episode.yaml").read_text() == "prompt: pick the cup\n"
+    write_step(tmp_path / "live", 0, named, prompt=np.str_("open it"), format=fmt)
+    assert (tmp_path / "live" / "episode.yaml").read_text() == "prompt: open it\n"
+
+
+def test_what_a_step_file_cannot_hold_is_refused_before_anything_is_written(tmp_path):
+    folder = tmp_path / "ep"
+    with pytest.raises(TypeError, match=r"^prompt must be text \(str\), got 5 \(int\)$"):  # rollout refused it
+        write_episode(folder, [arrays(0)], prompt=5)
+    with pytest.raises(ValueError, match=r"^format must be one of \('safetensors', 'npz'\), got 'pt'$"):
+        write_step(folder, 0, arrays(0), prompt="p", format="pt")
+    with pytest.raises(ValueError, match=r"^'prompt': the name of an array and of a metadata key"):
+        write_step(folder, 0, {"prompt": np.zeros(2)}, prompt="p", format="npz")
+    with pytest.raises(ValueError, match=r"^array 'o': Object arrays cannot be saved when allow_pickle=False"):
+        write_step(folder, 0, {"o": np.array([{}], dtype=object)}, format="npz")  # was pickled, then unreadable
+    assert not folder.exists() or not any(folder.iterdir())
+
+
 def test_write_step_accepts_torch_tensors(tmp_path):
     torch = pytest.importorskip("torch")
     path = write_step(tmp_path, 0, {"x": torch.ones(2, 3, dtype=torch.bfloat16)})

@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 from ardiff_cli.io.atomic import atomic_write_bytes, atomic_write_text
 from ardiff_cli.io.episode import END_MARKER, METADATA_FILE, read_episode_yaml, safetensors_header
 from ardiff_cli.runtime.capacity import as_int
+from ardiff_cli.runtime.errors import shown
 
 FORMATS = ("safetensors", "npz")
 
@@ -55,10 +57,35 @@ def encode_arrays(arrays: Mapping[str, Any], *, format: str = "safetensors",
 
         return _sorted_metadata(save(data, metadata=meta or None))
     if format == "npz":
+        # Not np.savez(**arrays): an array named 'file' or 'allow_pickle' was taken for its argument, and an object
+        # array was pickled into a file the reader refuses. One .npy member per name, as np.savez writes them.
+        clash = sorted(set(data) & set(meta))
+        if clash:
+            raise ValueError(f"{', '.join(map(repr, clash))}: the name of an array and of a metadata key; an .npz "
+                             "holds one member per name")
         buffer = io.BytesIO()
-        np.savez(buffer, **data, **{k: np.array(v) for k, v in meta.items()})
+        with zipfile.ZipFile(buffer, "w") as archive:
+            for name, array in {**data, **{k: np.array(v) for k, v in meta.items()}}.items():
+                with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+                    try:
+                        np.lib.format.write_array(member, array, allow_pickle=False)
+                    except ValueError as exc:
+                        raise ValueError(f"array {name!r}: {exc} (step files are read without pickle)") from None
         return buffer.getvalue()
     raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+
+
+def _check_format(format: str) -> None:
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+
+
+def _check_prompt(prompt: Any) -> str | None:
+    """The prompt as a plain str (numpy's str_, as read from a dataset, too); a TypeError otherwise: episode.yaml
+    would record a number, which rollout refuses, and YAML cannot write numpy's string type at all."""
+    if prompt is None or isinstance(prompt, str):
+        return None if prompt is None else str(prompt)
+    raise TypeError(f"prompt must be text (str), got {shown(prompt)} ({type(prompt).__name__})")
 
 
 def _sorted_metadata(blob: bytes) -> bytes:
@@ -107,12 +134,14 @@ def write_step(folder: str | os.PathLike, step: int, arrays: Mapping[str, Any], 
     if number is None or number < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     step = number
+    prompt = _check_prompt(prompt)
     meta = dict(metadata or {})
     if prompt is not None:
         meta["prompt"] = prompt
+    blob = encode_arrays(arrays, format=format, metadata=meta)  # a step it refuses leaves episode.yaml untouched
+    if prompt is not None:
         _record_episode_prompt(Path(folder), prompt)
-    path = Path(folder) / f"step_{step:06d}.{format}"
-    return atomic_write_bytes(path, encode_arrays(arrays, format=format, metadata=meta))
+    return atomic_write_bytes(Path(folder) / f"step_{step:06d}.{format}", blob)
 
 
 def _record_episode_prompt(folder: Path, prompt: str) -> None:
@@ -131,6 +160,8 @@ def write_episode(folder: str | os.PathLike, steps: Sequence[Mapping[str, Any]],
     """Write a whole episode: ``episode.yaml`` (prompt + metadata), one file per step, and the END marker."""
     import yaml
 
+    _check_format(format)
+    prompt = _check_prompt(prompt)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     info = dict(metadata or {})
