@@ -232,12 +232,17 @@ def test_vllm_cpu_planned_bytes_equal_every_tensor_the_pool_holds(dtype):
 
 
 def test_invalid_planner_inputs():
-    with pytest.raises(ConfigError, match="gpu_memory_fraction must be in \\(0, 1\\], got 1.5"):
-        plan_capacity(self_forcing_13b(), "bfloat16", GIB, 1.5)
-    with pytest.raises(ConfigError, match="unsupported KV dtype 'int3'"):
-        plan_capacity(self_forcing_13b(), "int3", GIB)
-    with pytest.raises(ConfigError, match="session_capacity must be a positive integer up to 2147483647, got 0"):
-        plan_capacity(self_forcing_13b(), "bfloat16", GIB, session_capacity=0)
+    """Each a ConfigError with a hint, as the README promises every error a caller can cause."""
+    for kwargs, message, hint in (
+            ({"gpu_memory_fraction": 1.5}, "gpu_memory_fraction must be in \\(0, 1\\], got 1.5", "such as 0.9"),
+            ({"dtype": "int3"}, "unsupported KV dtype 'int3'", "'bfloat16'"),
+            ({"session_capacity": 0}, "session_capacity must be a positive integer up to 2147483647, got 0",
+             "whole number of sessions"),
+            ({"attention_backend": "auto"}, "attention_backend must be 'torch' or 'vllm' for planning",
+             "select_attention_backend")):
+        with pytest.raises(ConfigError, match=message) as info:
+            plan_capacity(self_forcing_13b(), kwargs.pop("dtype", "bfloat16"), GIB, **kwargs)
+        assert hint in info.value.hint
     # a budget as text, as the engine takes it, was a TypeError ('<=' between str and int); True was 1 byte
     assert plan_capacity(self_forcing_13b(), "bfloat16", "64GiB") == plan_capacity(self_forcing_13b(), "bfloat16",
                                                                                64 * GIB)

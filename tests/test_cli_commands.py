@@ -272,7 +272,8 @@ def test_a_bad_scratch_variable_is_a_usage_error_not_a_bug(cli_env, command):
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", command, "dreamzero-tiny", "--format", "plain"],
                           cwd=REPO, env={**cli_env, SCRATCH_ENV: "x"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.endswith(f"Error: {SCRATCH_ENV} must be a positive integer number of blocks, got 'x'\n")
+    assert proc.stderr.endswith(f"Error: {SCRATCH_ENV} must be a positive integer number of blocks, got 'x'\n"
+                                "hint: unset it (1 block), or set it to a whole number of blocks such as 2\n")
     assert "Traceback" not in proc.stderr and "bug" not in proc.stderr
 
 

@@ -43,7 +43,8 @@ def dtype_name(dtype: object) -> str:
     aliases = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
     name = aliases.get(name, name)
     if name not in DTYPE_SIZES:
-        raise ConfigError(f"unsupported KV dtype {dtype!r}; expected one of {sorted(DTYPE_SIZES)}")
+        raise ConfigError(f"unsupported KV dtype {dtype!r}; expected one of {sorted(DTYPE_SIZES)}",
+                          hint="pass a torch.dtype or its name, such as torch.bfloat16 or 'bfloat16'")
     return name
 
 
@@ -239,16 +240,19 @@ def plan_capacity(
         raise TypeError(f"spec must be an ARDiffusionKVCacheSpec, got {type(spec).__name__}")
     fraction = as_fraction(gpu_memory_fraction)  # numpy's numbers too, stored as a float (the plan goes to JSON)
     if fraction is None:
-        raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction!r}")
+        raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction!r}",
+                          hint="pass the share of the available memory the pools may take, such as 0.9")
     available_bytes = checked_bytes(available_bytes, "available_bytes")
     given = spec.session_capacity if session_capacity is None else session_capacity
     limit = as_int(given)
     if limit is None or not 1 <= limit <= MAX_SESSIONS:
-        raise ConfigError(f"session_capacity must be a positive integer up to {MAX_SESSIONS}, got {given!r}")
+        raise ConfigError(f"session_capacity must be a positive integer up to {MAX_SESSIONS}, got {given!r}",
+                          hint="pass a whole number of sessions, or None for the spec's own bound")
     name = dtype_name(dtype)
     size = DTYPE_SIZES[name]
     if attention_backend not in ("torch", "vllm"):
-        raise ConfigError(f"attention_backend must be 'torch' or 'vllm' for planning, got {attention_backend!r}")
+        raise ConfigError(f"attention_backend must be 'torch' or 'vllm' for planning, got {attention_backend!r}",
+                          hint="plan for the backend a load resolves 'auto' to: select_attention_backend() says which")
     layout = KVLayout.from_spec(spec, page_size=page_size, attention_backend=attention_backend)
     bpp = layout.bytes_per_page(size)
     cross = {cache.name: layout.cross_bytes(cache.name, size) for cache in spec.cross_attention}

@@ -32,7 +32,8 @@ def scratch_blocks_from_env() -> int:
     except ValueError:
         value = 0
     if value <= 0:
-        raise ConfigError(f"{SCRATCH_ENV} must be a positive integer number of blocks, got {raw!r}")
+        raise ConfigError(f"{SCRATCH_ENV} must be a positive integer number of blocks, got {raw!r}",
+                          hint="unset it (1 block), or set it to a whole number of blocks such as 2")
     return value
 
 
