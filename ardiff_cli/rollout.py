@@ -23,7 +23,8 @@ on unless ``--fail-fast``. A step's outputs are written before its session is
 closed, so a failing close hook never loses the last step (it is a warning).
 Signals, failures to append to results.jsonl, outputs that a full disk (or a
 quota, or a file system gone read-only) refuses, where every later step would
-fail alike, and broken internal invariants (``AssertionError``: a bug) stop the run. A first signal lets the step in
+fail alike, and broken internal invariants (an ``AssertionError`` raised in ardiff's own code: a bug) stop the run; a
+pipeline's own assert fails its step, as any other exception there. A first signal lets the step in
 flight finish (``StopSignals.step``), or, while a session is rebuilt, the
 restore or replayed step in flight; a second stops it at once.
 """
@@ -46,7 +47,14 @@ from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.monitor import RunMonitor
 from ardiff_cli.output import Output
-from ardiff_cli.runtime.errors import PIPELINE_HINT, ArdiffError, ObservationError, PipelineError, SwapRestoreError
+from ardiff_cli.runtime.errors import (
+    PIPELINE_HINT,
+    ArdiffError,
+    ObservationError,
+    PipelineError,
+    SwapRestoreError,
+    is_broken_invariant,
+)
 from ardiff_cli.runtime.observation import ObservationSchema
 from ardiff_cli.signals import StopSignals
 
@@ -248,11 +256,13 @@ class Rollout:
             with self.signals.step():
                 try:
                     self._run_step(item)
-                except (Interrupted, OutputError, AssertionError):
-                    # The run stops: a signal, results.jsonl that cannot record anything, or a broken internal
-                    # invariant (a bug: going on could corrupt the pool). Outputs so far are complete; --resume.
+                except (Interrupted, OutputError):
+                    # The run stops: a signal, or results.jsonl that cannot record anything. Outputs so far are
+                    # complete; --resume.
                     raise
                 except Exception as exc:  # noqa: BLE001 - the step's episode fails; the others go on
+                    if is_broken_invariant(exc):  # ardiff's own assert (a bug): going on could corrupt the pool
+                        raise
                     # unless it failed because a stop raised into it was caught there (and perhaps wrapped): the run
                     # stops as the signal asked, and the step, not failed by its input, runs again on --resume
                     self.signals.reraise()

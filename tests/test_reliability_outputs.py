@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -238,25 +239,54 @@ def test_an_out_whose_lock_or_run_json_cannot_be_written_is_an_error_not_a_bug(d
     assert json.loads((out / "run.json").read_text())["format"]  # the old one, whole
 
 
-def test_a_broken_invariant_stops_the_run_as_a_bug(data, reference, tmp_path, monkeypatch):
-    """An AssertionError (a broken internal invariant) is not one episode's problem: the run stops, exit 1."""
+def test_an_assert_in_the_pipelines_code_fails_its_step_not_the_run(data, reference, tmp_path, monkeypatch):
+    """Model code asserts shapes freely: one failing was "unexpected AssertionError ... a bug in ardiff", and it
+    stopped the whole run. It is the pipeline's failure: its episode fails, the others go on (exit 4)."""
     from pipelines.dreamzero.pipeline import DreamZeroPipeline
 
     velocity = DreamZeroPipeline._velocity
 
     def checked(self, rollout, branch, *args):
-        assert rollout.state.session_id != "arm_b", "CFG branches out of step (injected)"
+        assert rollout.state.session_id != "arm_b", "expected a video clip (injected)"
         return velocity(self, rollout, branch, *args)
 
     monkeypatch.setattr(DreamZeroPipeline, "_velocity", checked)
     out = tmp_path / "run"
     result = rollout(data, out)
     monkeypatch.undo()
+    assert result.exit_code == 4, result.stderr
+    assert ("Error: episode 'arm_b' failed at step 0 in the model's forward: AssertionError: expected a video clip "
+            "(injected)") in result.stderr
+    assert "bug in ardiff" not in result.stderr
+    lines = records(out)
+    assert [(r["episode"], r["step"], r["status"]) for r in lines if r["episode"] == "arm_b"] == [("arm_b", 0, "failed")]
+    assert [r["step"] for r in lines if r["episode"] == "arm_a"] == [0, 1, 2]
+
+
+def test_a_broken_invariant_stops_the_run_as_a_bug(data, reference, tmp_path, monkeypatch):
+    """An AssertionError raised in ardiff's own code (a broken internal invariant) is not one episode's problem: the
+    run stops, exit 1."""
+    from pipelines.dreamzero.pipeline import DreamZeroPipeline
+
+    velocity = DreamZeroPipeline._velocity
+
+    def corrupting(self, rollout, branch, *args):
+        if rollout.state.session_id == "arm_b":  # the next page handed out is still owned: the allocator asserts
+            allocator = rollout.state._cache.allocator
+            allocator._owned[allocator._free[-1]] = 1
+        return velocity(self, rollout, branch, *args)
+
+    monkeypatch.setattr(DreamZeroPipeline, "_velocity", corrupting)
+    out = tmp_path / "run"
+    result = rollout(data, out)
+    monkeypatch.undo()
     assert result.exit_code == 1, result.stderr
     assert "Traceback" in result.stderr
-    assert "Error: unexpected AssertionError: CFG branches out of step" in result.stderr
+    assert "Error: unexpected AssertionError: " in result.stderr  # what it broke next: the release's page count
+    assert re.search(r"AssertionError: page \d+ on the free list while owned: free list corrupted", result.stderr)
     assert "this is a bug" in result.stderr
-    assert [(r["episode"], r["step"]) for r in records(out)] == [("arm_a", 0)]
+    # arm_b's step 0 had committed its pages before the corruption; the next step to take a page, arm_a's, asserted
+    assert [(r["episode"], r["step"], r["status"]) for r in records(out)] == [("arm_a", 0, "ok"), ("arm_b", 0, "ok")]
     assert json.loads((out / "summary.json").read_text())["status"] == "failed"
     result = resume(out)
     assert result.exit_code == 0, result.stderr

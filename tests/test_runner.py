@@ -688,14 +688,16 @@ def test_malformed_warmup_requests_are_pipeline_errors_and_release_the_session(p
     runner.execute_model(request("a", 0))  # reusable
 
 
-def test_a_failing_warmup_forward_is_a_pipeline_error_naming_the_request():
+@pytest.mark.parametrize("failure", [RuntimeError, AssertionError])  # a model's own assert too: not ardiff's bug
+def test_a_failing_warmup_forward_is_a_pipeline_error_naming_the_request(failure):
     runner = make_runner(WarmTinyPipeline())
     runner.pipeline.fail_at_layer = 2
+    runner.pipeline.fail_with = failure
     runner.pipeline.fail_in_hook = "close"
-    with pytest.raises(PipelineError, match="warmup request 'warmup-0' of WarmTinyPipeline failed: RuntimeError: "
-                                            "injected failure at layer 2") as info:
+    with pytest.raises(PipelineError, match=f"warmup request 'warmup-0' of WarmTinyPipeline failed: "
+                                            f"{failure.__name__}: injected failure at layer 2") as info:
         runner.warmup()
-    assert isinstance(info.value.__cause__, RuntimeError)
+    assert isinstance(info.value.__cause__, failure)
     assert any("close hook failed" in note for note in info.value.__notes__)
     assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
 

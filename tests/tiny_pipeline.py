@@ -56,6 +56,7 @@ class TinyPipeline:
         self.model_state: dict[str, int] = {}  # session -> requests seen (model-owned state)
         self.hook_calls: list[tuple[str, str]] = []  # (hook, session_id) in call order
         self.fail_at_layer: int | None = None  # raise inside this layer's forward
+        self.fail_with: type[Exception] = RuntimeError  # what it raises there (AssertionError: a model's own check)
         self.fail_in_hook: str | None = None  # "reset" or "close": that hook raises
         self.skip_commit = False  # forget state.commit (a pipeline bug the runner must catch)
         self._state = None
@@ -109,7 +110,7 @@ class TinyPipeline:
             contexts = state.get_kv_caches(branch, x.shape[0], commit_current=True)
             for layer, ctx in enumerate(contexts):
                 if layer == self.fail_at_layer:
-                    raise RuntimeError(f"injected failure at layer {layer}")
+                    raise self.fail_with(f"injected failure at layer {layer}")
                 q = (h @ self.w_q[layer]).view(-1, 2 * s.num_kv_heads, s.head_size).transpose(0, 1)
                 kv = (h @ self.w_kv[layer]).view(-1, 2, s.num_kv_heads, s.head_size)
                 k, v = kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)

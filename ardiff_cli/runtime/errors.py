@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
 import reprlib
 from collections.abc import Iterable
@@ -114,11 +115,29 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(message in str(exc) for message in _OUT_OF_MEMORY_MESSAGES)
 
 
+_ARDIFF_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../ardiff_cli/
+
+
+def is_broken_invariant(exc: BaseException) -> bool:
+    """An ``AssertionError`` raised in ardiff's own code (``ardiff_cli/``): a runtime invariant is broken, a bug.
+    One raised elsewhere, in a pipeline's model code (which asserts shapes freely) or a library it calls, is that
+    pipeline's failure, as any other exception there."""
+    if not isinstance(exc, AssertionError):
+        return False
+    tb = exc.__traceback__
+    if tb is None:  # never raised: no place to tell by
+        return True
+    while tb.tb_next is not None:  # the innermost frame: where it was raised
+        tb = tb.tb_next
+    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_ARDIFF_PACKAGE)
+
+
 def as_pipeline_error(where: str, exc: BaseException) -> PipelineError | None:
     """``exc``, raised while ``where`` (the pipeline's code) ran, as a ``PipelineError`` naming it; None for what
     is not the pipeline's to answer for: ardiff's own typed errors, memory running out, a broken runtime
-    invariant (``AssertionError``), and anything that is not an ``Exception`` (Ctrl-C)."""
-    if not isinstance(exc, Exception) or isinstance(exc, (ArdiffError, AssertionError)) or is_out_of_memory(exc):
+    invariant (``is_broken_invariant``), and anything that is not an ``Exception`` (Ctrl-C)."""
+    if not isinstance(exc, Exception) or isinstance(exc, ArdiffError) or is_broken_invariant(exc) or (
+            is_out_of_memory(exc)):
         return None
     error = PipelineError(f"{where} failed: {type(exc).__name__}: {exc}", hint=PIPELINE_HINT)
     for note in getattr(exc, "__notes__", ()):
