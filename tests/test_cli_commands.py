@@ -310,7 +310,7 @@ def test_a_pipelines_folder_that_hides_ardiffs_is_named(tmp_path, cli_env):
     assert proc.returncode == 2, proc.stderr
     assert "cannot import 'pipelines.dreamzero': ModuleNotFoundError" in proc.stderr
     hint = (f"hint: 'pipelines' was imported from {(tmp_path / 'pipelines').resolve()}, not ardiff's "
-            f"({(REPO / 'pipelines').resolve()}): a folder named pipelines in the working folder hides it")
+            f"({(REPO / 'pipelines').resolve()}): a folder named pipelines earlier on sys.path hides it")
     assert hint in proc.stderr, proc.stderr
 
 

@@ -126,9 +126,9 @@ def _shadowed(module_path: str) -> str | None:
     ours = Path(__file__).resolve().parents[2] / "pipelines"  # beside ardiff_cli/, installed or checked out
     if not module_path.startswith("pipelines.") or not folders or ours in folders:
         return None
-    return (f"'pipelines' was imported from {folders[0]}, not ardiff's ({ours}): a folder named pipelines in the "
-            "working folder hides it when ardiff runs as `python -m ardiff_cli`; run the `ardiff` command, or run "
-            "from another folder")
+    return (f"'pipelines' was imported from {folders[0]}, not ardiff's ({ours}): a folder named pipelines earlier "
+            "on sys.path hides it (the working folder, under `python -m ardiff_cli` or `PYTHONPATH=.`, or a "
+            "PYTHONPATH entry); rename that folder, or run from another one without it on PYTHONPATH")
 
 
 def resolve_entry_module(module_path: str, *, name: str, where: str) -> PipelineEntry:
