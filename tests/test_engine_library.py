@@ -3,11 +3,13 @@ real causal_world pipeline: what a server author hits over many requests, sessio
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import inspect
 import re
 import sys
 import threading
+import types
 import warnings
 import weakref
 
@@ -19,12 +21,14 @@ from ardiff_cli.io import read_step, write_step
 from ardiff_cli.runtime.config import load_config
 from ardiff_cli.runtime.engine import ARDiffusionEngine
 from ardiff_cli.runtime.errors import (
+    PIPELINE_HINT,
     ArdiffError,
     ArdiffWarning,
     CapacityError,
     ConfigError,
     EngineStateError,
     ObservationError,
+    PipelineError,
     RequestError,
     RequestTypeError,
     SessionNotResident,
@@ -403,6 +407,35 @@ class RecordsItsWeights(CausalWorldPipeline):
         pipeline = super().from_config(*args, **kwargs)
         cls.built.append(weakref.ref(next(pipeline.transformer.parameters())))
         return pipeline
+
+
+class SpecRaises(CausalWorldPipeline):
+    def ar_diffusion_kv_cache_spec(self):
+        raise ValueError("no spec for this geometry")
+
+
+def test_the_pipelines_own_code_failing_at_load_is_a_pipeline_error_naming_it():
+    """ar_diffusion_kv_cache_spec() raising, and an entry module's pipeline_class() failing to import the model code
+    (a dependency it lacks), were "unexpected ... a bug in ardiff"."""
+    config = load_config(CONFIGS / "causal-world-tiny.yaml", pipeline="test_engine_library:SpecRaises")
+    engine = ARDiffusionEngine.from_config(config, device="cpu", memory_budget="64MiB")
+    with pytest.raises(PipelineError, match=r"^SpecRaises\.ar_diffusion_kv_cache_spec\(\) failed: ValueError: no "
+                                            r"spec for this geometry$") as info:
+        engine.load()
+    assert info.value.hint == PIPELINE_HINT and not engine.loaded
+
+    def pipeline_class():
+        import a_model_dependency_not_installed  # noqa: F401
+
+    config = load_config(CONFIGS / "causal-world-tiny.yaml")
+    entry = dataclasses.replace(config.entry, module=types.SimpleNamespace(
+        Config=config.entry.module.Config, observation_schema=config.entry.module.observation_schema,
+        pipeline_class=pipeline_class))
+    engine = ARDiffusionEngine(dataclasses.replace(config, entry=entry).with_runtime(where="test", device="cpu"))
+    with pytest.raises(PipelineError, match=r"^pipeline 'causal_world': pipeline_class\(\) failed: "
+                                            r"ModuleNotFoundError: No module named 'a_model_dependency_not_installed'"):
+        engine.load()
+    assert not engine.loaded
 
 
 def test_a_load_that_fails_keeps_nothing_loaded_and_may_be_tried_again():

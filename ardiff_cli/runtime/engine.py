@@ -97,7 +97,13 @@ class ARDiffusionEngine:
             # Process-wide: the engine owns this process's compute. Small models lose to
             # intra-op parallelism, badly so when other processes share the cores.
             torch.set_num_threads(runtime.num_threads)
-        pipeline_class = self.config.entry.pipeline_class()
+        try:  # an entry module's imports the model code: a dependency it lacks fails here
+            pipeline_class = self.config.entry.pipeline_class()
+        except Exception as exc:
+            error = as_pipeline_error(f"pipeline {self.config.entry.name!r}: pipeline_class()", exc)
+            if error is None:
+                raise
+            raise error from exc
         try:
             self._pipeline = pipeline_class.from_config(
                 self.config.model, device=self.device, dtype=dtype, checkpoint=self.config.checkpoint

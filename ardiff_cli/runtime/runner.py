@@ -282,7 +282,13 @@ class ARDiffusionModelRunner:
                 f"missing {', '.join(missing)}",
                 hint="see README, 'Adding a pipeline', for the methods a pipeline class implements",
             )
-        spec = self.pipeline.ar_diffusion_kv_cache_spec()
+        try:
+            spec = self.pipeline.ar_diffusion_kv_cache_spec()
+        except Exception as exc:
+            error = as_pipeline_error(f"{type(self.pipeline).__name__}.ar_diffusion_kv_cache_spec()", exc)
+            if error is None:
+                raise
+            raise error from exc
         if not isinstance(spec, ARDiffusionKVCacheSpec):
             raise PipelineContractError(
                 f"{type(self.pipeline).__name__}.ar_diffusion_kv_cache_spec() must return an ARDiffusionKVCacheSpec, "
