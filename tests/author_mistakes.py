@@ -135,6 +135,18 @@ class SchemaRaises(CausalWorldPipeline):
             raise KeyError("conditioning")
 
 
+class SchemaMiswritten(CausalWorldPipeline):
+    """Its schema's field gives numpy's type for the dtype name, and one shape where a tuple of shapes belongs."""
+
+    class Config(CausalWorldPipeline.Config):
+        def observation_schema(self):
+            import numpy as np
+
+            from ardiff_cli.runtime.observation import ObservationField, ObservationSchema
+
+            return ObservationSchema((ObservationField("conditioning", np.float32, (None,)),))
+
+
 class ConfigIgnoresUnknownKeys(CausalWorldPipeline):
     """Its Config.from_dict keeps the keys it knows and drops the rest without a word."""
 

@@ -476,6 +476,12 @@ def test_a_top_level_typo_is_not_sent_to_model_by_a_config_that_takes_any_key(en
 @pytest.mark.parametrize(("pipeline", "message"), [
     ("SchemaNotASchema", "SchemaNotASchema.Config.observation_schema() returned dict, expected an ObservationSchema"),
     ("SchemaRaises", "SchemaRaises.Config.observation_schema() raised KeyError: 'conditioning'"),
+    # it was every step file that failed, with "'conditioning' has dtype float32, expected <class 'numpy.float32'>"
+    ("SchemaMiswritten", "the schema SchemaMiswritten.Config.observation_schema() returned: field 'conditioning': "
+                         "dtype must be the name of one, such as 'uint8' or 'float32' (bool, uint8, uint16, uint32, "
+                         "uint64, int8, int16, int32, int64, float16, float32, float64), got <class "
+                         "'numpy.float32'>; field 'conditioning': shapes must be a tuple of accepted shapes, each a "
+                         "tuple of sizes or None (any size), such as ((None, None, 3),), got (None,)"),
     ("EntrySchemaNotASchema", "EntrySchemaNotASchema.observation_schema() returned dict, expected an "
                               "ObservationSchema"),
 ])

@@ -174,6 +174,10 @@ class EngineConfig:
         if not isinstance(schema, ObservationSchema):  # else every step file would be blamed for it
             raise PipelineError(f"{self.source}: pipeline {self.entry.name!r}: {label}() returned "
                                 f"{type(schema).__name__}, expected an ObservationSchema", hint=PIPELINE_HINT)
+        problems = schema.problems()
+        if problems:
+            raise PipelineError(f"{self.source}: pipeline {self.entry.name!r}: the schema {label}() returned: "
+                                + "; ".join(problems), hint=PIPELINE_HINT)
         return schema
 
     def with_runtime(self, *, where: str = "command line", **overrides: Any) -> EngineConfig:

@@ -24,7 +24,7 @@ class ObservationField:
     """
 
     name: str  # canonical key
-    dtype: str  # numpy dtype name: "uint8", "float32", ... ("str" for text)
+    dtype: str  # numpy dtype name: "uint8", "float32", ... (one of ARRAY_DTYPES)
     shapes: tuple[tuple[int | None, ...], ...]  # accepted shapes
     aliases: tuple[str, ...] = ()  # other accepted keys
     required: bool = True  # missing optional fields are simply absent
@@ -50,8 +50,45 @@ class ObservationSchema:
                 return f
         return None
 
+    def problems(self) -> list[str]:
+        """What is wrong with this schema as a pipeline wrote it (empty when nothing is): each would otherwise fail
+        every step file as if the file were at fault."""
+        if not isinstance(self.fields, (tuple, list)) or not all(isinstance(f, ObservationField) for f in self.fields):
+            return [f"fields must be a tuple of ObservationField, got {shown(self.fields)}"]
+        problems = []
+        if not isinstance(self.prompt_key, str):
+            problems.append(f"prompt_key must be text, got {shown(self.prompt_key)}")
+        seen: set[object] = set()
+        for f in self.fields:
+            problems += [f"field {shown(f.name)}: {p}" for p in _field_problems(f)]
+            keys = f.keys if all(isinstance(k, str) for k in f.keys) else ()
+            problems += [f"key {key!r} names two fields" for key in keys if key in seen]
+            seen.update(keys)
+        return problems
+
 
 FLOAT_DTYPES = ("float16", "float32", "float64")  # a float field accepts any of these, cast to its dtype
+ARRAY_DTYPES = ("bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", *FLOAT_DTYPES)
+
+
+def _field_problems(f: ObservationField) -> list[str]:
+    problems = []
+    if not isinstance(f.name, str) or not f.name:
+        problems.append("its name must be non-empty text")
+    if not isinstance(f.dtype, str) or f.dtype not in ARRAY_DTYPES:
+        problems.append(f"dtype must be the name of one, such as 'uint8' or 'float32' ({', '.join(ARRAY_DTYPES)}), "
+                        f"got {shown(f.dtype)}")
+    def size_ok(n: object) -> bool:
+        return n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 0)
+
+    shapes_ok = isinstance(f.shapes, (tuple, list)) and len(f.shapes) > 0 and all(
+        isinstance(shape, (tuple, list)) and all(size_ok(n) for n in shape) for shape in f.shapes)
+    if not shapes_ok:
+        problems.append("shapes must be a tuple of accepted shapes, each a tuple of sizes or None (any size), such "
+                        f"as ((None, None, 3),), got {shown(f.shapes)}")
+    if not isinstance(f.aliases, (tuple, list)) or not all(isinstance(a, str) and a for a in f.aliases):
+        problems.append(f"aliases must be a tuple of keys (text), got {shown(f.aliases)}")
+    return problems
 
 
 def as_numpy(value: Any):
