@@ -11,10 +11,19 @@ from pipelines.causal_world.pipeline import CausalWorldPipeline
 
 
 class WrongKVHeads(CausalWorldPipeline):
-    """Its spec declares twice the KV heads its transformer has."""
+    """Its spec (its config's, so inspect-capacity plans the same) declares twice the KV heads its transformer has."""
+
+    class Config(CausalWorldPipeline.Config):
+        def kv_cache_spec(self):
+            spec = super().kv_cache_spec()
+            return dataclasses.replace(spec, num_kv_heads=2 * spec.num_kv_heads)
+
+
+class SpecOtherThanItsConfig(CausalWorldPipeline):
+    """Its spec holds a longer window than its config's, from which inspect-capacity plans."""
 
     def ar_diffusion_kv_cache_spec(self):
-        return dataclasses.replace(self.spec, num_kv_heads=2 * self.spec.num_kv_heads)
+        return dataclasses.replace(self.spec, window_frames=60)
 
 
 class WarmupReturnsNone(CausalWorldPipeline):

@@ -438,6 +438,22 @@ def test_the_pipelines_own_code_failing_at_load_is_a_pipeline_error_naming_it():
     assert not engine.loaded
 
 
+class SpecWiderThanItsConfig(CausalWorldPipeline):
+    def ar_diffusion_kv_cache_spec(self):
+        return dataclasses.replace(super().ar_diffusion_kv_cache_spec(), window_frames=60)
+
+
+def test_a_pipeline_spec_other_than_its_configs_is_refused_at_load():
+    """inspect-capacity plans from Config.kv_cache_spec() alone: it planned a few pages where load allocated the
+    pools of a 60-frame window, and nothing said so."""
+    config = load_config(CONFIGS / "causal-world-tiny.yaml", pipeline="test_engine_library:SpecWiderThanItsConfig")
+    engine = ARDiffusionEngine.from_config(config, device="cpu", memory_budget="64MiB")
+    with pytest.raises(PipelineError, match=r"^SpecWiderThanItsConfig\.ar_diffusion_kv_cache_spec\(\) differs from "
+                                            r"its .*Config\.kv_cache_spec\(\): window_frames 60 \(the config's 6\)$"):
+        engine.load()
+    assert not engine.loaded
+
+
 def test_a_load_that_fails_keeps_nothing_loaded_and_may_be_tried_again():
     """A load() refused for memory (CapacityError) kept the pipeline's weights on the engine: a server that retries
     load() until the GPU frees up planned each try with one more copy of the model resident, so it never fitted."""

@@ -420,12 +420,15 @@ def test_a_signal_caught_inside_a_warmup_request_stops_warmup(env, data, action)
     ("HooksMissing", "Error: HooksMissing does not implement the AR-Diffusion pipeline capability: missing "
                      "ar_diffusion_kv_cache_spec, bind_ar_diffusion_state"),
     ("BrokenFromConfig", "Error: BrokenFromConfig.from_config() failed: KeyError: 'blocks.0.self_attn.q.weight'"),
+    ("SpecOtherThanItsConfig", "Error: SpecOtherThanItsConfig.ar_diffusion_kv_cache_spec() differs from its "
+                               "Config.kv_cache_spec(): window_frames 60 (the config's 6)"),
 ])
 def test_a_pipeline_authors_mistake_is_named_as_the_pipelines_not_as_a_bug_in_ardiff(env, tmp_path, pipeline,
                                                                                      message):
     # a missing method's hint names the README section that lists them; any other, that the pipeline's code failed
-    hint = ("hint: see README, 'Adding a pipeline', for the methods a pipeline class implements"
-            if pipeline == "HooksMissing" else "hint: the pipeline's code")
+    hint = {"HooksMissing": "hint: see README, 'Adding a pipeline', for the methods a pipeline class implements",
+            "SpecOtherThanItsConfig": "hint: build both from the same config fields, so that inspect-capacity plans "
+                                      "what load allocates"}.get(pipeline, "hint: the pipeline's code")
     commands = {"warmup": ["warmup"], "rollout --warmup": ["rollout", "--warmup", "--out", str(tmp_path / "run")]}
     for name, command in commands.items():
         proc = ardiff(env, *command, "causal-world-tiny", "--device", "cpu", "--format", "plain",

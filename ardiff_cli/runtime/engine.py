@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +12,14 @@ import torch
 
 from ardiff_cli.runtime.capacity import CapacityPlan
 from ardiff_cli.runtime.config import EngineConfig, load_config
-from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError, EngineStateError, as_pipeline_error, shown
+from ardiff_cli.runtime.errors import (
+    ArdiffWarning,
+    ConfigError,
+    EngineStateError,
+    PipelineError,
+    as_pipeline_error,
+    shown,
+)
 from ardiff_cli.runtime.events import RuntimeEvent
 from ardiff_cli.runtime.request import ARDiffusionRequest, require_request
 from ardiff_cli.runtime.runner import ARDiffusionModelRunner, WarmupReport, _once, require_subscriber
@@ -128,13 +136,27 @@ class ARDiffusionEngine:
         for callback in self._subscribers:
             self._runner.subscribe(callback)
         try:
-            return self._runner.load()
+            plan = self._runner.load()
+            self._check_spec(self._runner.spec)
+            return plan
         except BaseException:
             # Not loaded: the weights (and any pool) go back now. Held, a server retrying load() until memory
             # frees up planned each try with one more copy of the model resident, and failed again.
             runner, self._runner, self._pipeline = self._runner, None, None
             runner.close()
             raise
+
+    def _check_spec(self, spec: Any) -> None:
+        """The loaded pipeline's KV spec must be its config's (``Config.kv_cache_spec()``): ``inspect-capacity`` plans
+        from the config alone, and said one plan while load allocated another."""
+        expected = self.config.kv_cache_spec()
+        differ = [f"{f.name} {shown(getattr(spec, f.name))} (the config's {shown(getattr(expected, f.name))})"
+                  for f in dataclasses.fields(expected) if getattr(spec, f.name) != getattr(expected, f.name)]
+        if differ:
+            raise PipelineError(
+                f"{type(self._pipeline).__name__}.ar_diffusion_kv_cache_spec() differs from its "
+                f"{type(self.config.model).__qualname__}.kv_cache_spec(): {'; '.join(differ)}",
+                hint="build both from the same config fields, so that inspect-capacity plans what load allocates")
 
     @property
     def loaded(self) -> bool:
