@@ -110,6 +110,11 @@ def _non_finite(output: Mapping[str, Any]) -> str:
                      for name, nan, inf, size in found)
 
 
+def _storable(dtype: Any) -> bool:
+    """Whether a step file (safetensors) holds arrays of ``dtype``, a torch or numpy one: bool, integer, floating."""
+    return not dtype.is_complex if hasattr(dtype, "is_complex") else dtype.kind in "biuf"
+
+
 def log_episode_end(monitor: RunMonitor, name: str, reason: str, steps: int) -> None:
     """An episode's end (reason: complete, end_marker or idle_timeout), in the log and as a JSON object."""
     monitor.log("episode", name, f"ended ({reason}) after {steps} step{'' if steps == 1 else 's'}", episode=name,
@@ -388,6 +393,12 @@ class Rollout:
             got = ", ".join(f"{key!r}: {type(value).__name__}" for key, value in output.items()) or "empty"
             raise PipelineError(f"{type(self.engine.pipeline).__name__}.forward() returned a dict with no array in "
                                 f"it ({got}), expected a dict of arrays (name -> tensor or numpy array)",
+                                hint=PIPELINE_HINT)
+        unstorable = [f"{key!r} ({value.dtype})" for key, value in output.items()
+                      if is_array(value) and not _storable(value.dtype)]
+        if unstorable:  # safetensors refuses them: the step failed "while writing", with a hint about the disk
+            raise PipelineError(f"{type(self.engine.pipeline).__name__}.forward() returned arrays a step file cannot "
+                                f"hold: {', '.join(unstorable)}; expected bool, integer or floating arrays",
                                 hint=PIPELINE_HINT)
         non_finite = _non_finite(output)
         if non_finite:  # NaN actions sent to a robot: the step fails instead, and its session (NaN in its KV) goes

@@ -118,6 +118,15 @@ class ReturnsLists(CausalWorldPipeline):
         return {name: value.tolist() for name, value in super().forward(request).items()}
 
 
+class ReturnsText(CausalWorldPipeline):
+    """Its forward adds the prompt as a numpy string array beside the latents."""
+
+    def forward(self, request):
+        import numpy as np
+
+        return {**super().forward(request), "caption": np.array([request.inputs["prompt"]])}
+
+
 class SchemaNotASchema(CausalWorldPipeline):
     """Its config's observation_schema returns the fields as a plain dict instead of an ObservationSchema."""
 

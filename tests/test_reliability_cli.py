@@ -572,6 +572,8 @@ def test_the_attention_backend_falling_back_is_a_warning_line_that_quiet_silence
     # A dict with no array in it used to be an "ok" step with an empty output file, exit 0.
     ("ReturnsLists", "ReturnsLists.forward() returned a dict with no array in it ('latents': list), expected a dict "
                      "of arrays"),
+    # safetensors refused it: the step failed "while writing its outputs", with a hint to check the disk
+    ("ReturnsText", "ReturnsText.forward() returned arrays a step file cannot hold: 'caption' (<U"),
 ])
 def test_a_forward_that_returns_no_arrays_fails_its_steps_instead_of_writing_empty_outputs(env, tmp_path, pipeline,
                                                                                             message):
