@@ -569,9 +569,15 @@ class Rollout:
             if frame is not None:
                 return frame
         decode = getattr(self.engine.pipeline, "decode_latents", None)
-        if decode is not None and "latents" in arrays:
-            return as_rgb_frame(to_numpy(decode(arrays["latents"])))
-        return None
+        if decode is None or "latents" not in arrays:
+            return None
+        decoded = to_numpy(decode(arrays["latents"]))
+        frame = as_rgb_frame(decoded)
+        if frame is None and ("", "decode_latents") not in self._warned:  # the row would be blank without a word
+            self._warned.add(("", "decode_latents"))
+            self.out.warning(f"{type(self.engine.pipeline).__name__}.decode_latents() returned {decoded.dtype} "
+                             f"{tuple(decoded.shape)}, expected uint8 (T, H, W, 3): previews show no predicted frame")
+        return frame
 
 
 def naming_episode(exc: ArdiffError, episode: str) -> ArdiffError:

@@ -158,6 +158,19 @@ def test_a_preview_with_nothing_to_draw_is_a_warning_not_silence(env, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "cannot write its preview: ValueError: no image to show" in proc.stderr
     assert not (tmp_path / "run" / "previews").exists()
+    # With images in the step files the preview is drawn, its predicted row blank: that was without a word.
+    (tmp_path / "float_decode.py").write_text(
+        "from pipelines.dreamzero.pipeline import DreamZeroPipeline\n"
+        "class FloatDecode(DreamZeroPipeline):\n"
+        "    def decode_latents(self, latents):\n"
+        "        return super().decode_latents(latents).astype('float32')\n")
+    proc = ardiff(env, "rollout", "dreamzero-tiny", "--pipeline", "float_decode:FloatDecode",
+                  "--out", str(tmp_path / "run2"), "--preview", "--format", "plain", "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    warning = ("warning: FloatDecode.decode_latents() returned float32 (4, 32, 32, 3), expected uint8 (T, H, W, 3): "
+               "previews show no predicted frame")
+    assert proc.stderr.count(warning) == 1, proc.stderr  # once per run, not per step or episode
+    assert len(list((tmp_path / "run2" / "previews").glob("*.png"))) == 3
 
 
 def test_json_mode_prints_only_json_on_stdout(env, data, tmp_path):
