@@ -201,6 +201,12 @@ def handle_errors(out: Output) -> Iterator[None]:
                 raise stdout_error(lost)
         except (typer.Exit, typer.Abort, typer.BadParameter):
             raise
+        except SystemExit as exc:  # ardiff's commands never exit so: code they call (a pipeline's) did
+            error = PipelineError(f"the command was ended by SystemExit({exc.code!r}) from the code it ran: a pipeline "
+                                  "(or a library it calls) called sys.exit() or exit()",
+                                  hint="code that ardiff runs raises an exception to fail; --verbose prints where")
+            error.__cause__ = exc  # --verbose: the traceback shows where it was called
+            raise typer.Exit(report(out, error)) from None
         except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the table decides; unknown ones are shown
             lost = out.stdout_lost
             if lost is not None and not isinstance(lost, BrokenPipeError) and exc.__cause__ is not lost:

@@ -127,6 +127,15 @@ class ReturnsText(CausalWorldPipeline):
         return {**super().forward(request), "caption": np.array([request.inputs["prompt"]])}
 
 
+class ForwardExits(CausalWorldPipeline):
+    """Its forward gives up with sys.exit(0), as a script's code may."""
+
+    def forward(self, request):
+        import sys
+
+        sys.exit(0)
+
+
 class SchemaNotASchema(CausalWorldPipeline):
     """Its config's observation_schema returns the fields as a plain dict instead of an ObservationSchema."""
 

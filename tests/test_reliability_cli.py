@@ -588,6 +588,20 @@ def test_a_forward_that_returns_no_arrays_fails_its_steps_instead_of_writing_emp
     assert not list((run / "episodes").rglob("*.safetensors"))
 
 
+def test_a_pipeline_that_calls_sys_exit_fails_the_command_with_exit_1(env, tmp_path):
+    """sys.exit(0) in a forward ended warmup with exit 0 and no word, and a rollout whose summary said "failed" (exit
+    code 1 in summary.json) with exit 0."""
+    run = tmp_path / "run"
+    for command in (["warmup"], ["rollout", "--no-warmup", "--out", str(run)]):
+        proc = ardiff(env, *command, "causal-world-tiny", "--device", "cpu", "--format", "plain",
+                      "--pipeline", "author_mistakes:ForwardExits")
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.endswith("Error: the command was ended by SystemExit(0) from the code it ran: a pipeline "
+                                    "(or a library it calls) called sys.exit() or exit()\nhint: code that ardiff runs "
+                                    "raises an exception to fail; --verbose prints where\n"), proc.stderr
+    assert json.loads((run / "summary.json").read_text())["exit_code"] == 1
+
+
 def test_a_cuda_error_out_of_memory_raised_as_a_plain_runtime_error_is_out_of_memory(env, data, tmp_path):
     """Kernels that allocate outside torch's caching allocator (cuBLAS handles, FlashAttention workspaces) report a
     full GPU as a RuntimeError, not OutOfMemoryError: exit 3 with the memory hint, not "a bug in ardiff"."""
