@@ -26,7 +26,14 @@ from ardiff_cli.runtime.events import (
     SessionReset,
     WarmupFinished,
 )
-from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError, EngineStateError, PipelineError, StopRequested
+from ardiff_cli.runtime.errors import (
+    PIPELINE_HINT,
+    ArdiffWarning,
+    ConfigError,
+    EngineStateError,
+    PipelineError,
+    StopRequested,
+)
 from ardiff_cli.runtime.request import DEFAULT_SESSION_ID, ARDiffusionRequest
 from ardiff_cli.runtime.runner import (
     WARMUP_SESSION_ID,
@@ -216,8 +223,9 @@ def test_hook_errors_are_reported_not_swallowed():
     runner = make_runner(events=events)
     runner.execute_model(request("a", 0))
     runner.pipeline.fail_in_hook = "close"
-    with pytest.raises(LifecycleHookError, match="close_ar_diffusion_session\\('a'\\) raised RuntimeError"):
+    with pytest.raises(LifecycleHookError, match="close_ar_diffusion_session\\('a'\\) raised RuntimeError") as info:
         runner.close_session("a")
+    assert info.value.hint == PIPELINE_HINT  # as the README promises of every error a caller sees
     assert runner.kv_cache.allocator.num_used == 0  # KV released regardless
     assert any(isinstance(e, HookFailed) for e in events)
     # a failed forward whose close hook also fails: the original error wins, the hook error is noted
@@ -658,9 +666,9 @@ class _BindNotAContextManager(TinyPipeline):
 def test_bind_that_is_not_a_context_manager_is_named_and_releases_the_session():
     runner = make_runner(_BindNotAContextManager())
     with pytest.raises(PipelineContractError, match=r"_BindNotAContextManager.bind_ar_diffusion_state\(\) returned "
-                                                    r"NoneType, expected a context manager .*\(decorate it with "
-                                                    r"@contextlib.contextmanager and yield once, in a try/finally\)"):
+                                                    r"NoneType, expected a context manager inside which") as info:
         runner.execute_model(request("a", 0))
+    assert info.value.hint == "decorate it with @contextlib.contextmanager and yield once, in a try/finally"
     assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
 
 

@@ -500,8 +500,8 @@ class ARDiffusionModelRunner:
             if not (hasattr(binding, "__enter__") and hasattr(binding, "__exit__")):
                 raise PipelineContractError(
                     f"{type(self.pipeline).__name__}.bind_ar_diffusion_state() returned {type(binding).__name__}, "
-                    "expected a context manager inside which the forward uses the state (decorate it with "
-                    "@contextlib.contextmanager and yield once, in a try/finally)")
+                    "expected a context manager inside which the forward uses the state",
+                    hint="decorate it with @contextlib.contextmanager and yield once, in a try/finally")
             with binding:
                 forward_start = time.perf_counter()
                 output = self.pipeline.forward(request)
@@ -716,7 +716,8 @@ class ARDiffusionModelRunner:
         except Exception as exc:  # noqa: BLE001 - collected, emitted and returned to the caller
             hook_error = LifecycleHookError(
                 f"{type(self.pipeline).__name__}.{callback.__name__}({session_id!r}) raised "
-                f"{type(exc).__name__}: {exc}; the session's KV was released"
+                f"{type(exc).__name__}: {exc}; the session's KV was released",
+                hint=PIPELINE_HINT,
             )
             hook_error.__cause__ = exc
             errors.append(hook_error)
