@@ -174,6 +174,16 @@ class SchemaMiswritten(CausalWorldPipeline):
             return ObservationSchema((ObservationField("conditioning", np.float32, (None,)),))
 
 
+class ConfigFromDictReturnsDict(CausalWorldPipeline):
+    """Its Config.from_dict validates the mapping, then returns the mapping instead of a Config."""
+
+    class Config(CausalWorldPipeline.Config):
+        @classmethod
+        def from_dict(cls, data, *, where):
+            super().from_dict(data, where=where)
+            return dict(data)
+
+
 class ConfigIgnoresUnknownKeys(CausalWorldPipeline):
     """Its Config.from_dict keeps the keys it knows and drops the rest without a word."""
 

@@ -450,6 +450,10 @@ def test_a_pipeline_authors_mistake_is_named_as_the_pipelines_not_as_a_bug_in_ar
                           "raised ValueError: AR-Diffusion window_frames must be positive, got 0"),
     ("ConfigWithoutSpec", "pipeline 'author_mistakes:ConfigWithoutSpec': ConfigWithoutSpec.Config.kv_cache_spec() "
                           "raised AttributeError: 'Config' object has no attribute 'kv_cache_spec'"),
+    # it read "Config.kv_cache_spec() raised AttributeError: 'dict' object has no attribute 'kv_cache_spec'"
+    ("ConfigFromDictReturnsDict", "pipeline 'author_mistakes:ConfigFromDictReturnsDict': "
+                                  "ConfigFromDictReturnsDict.Config.from_dict() returned dict, expected a "
+                                  "ConfigFromDictReturnsDict.Config"),
 ])
 @pytest.mark.parametrize("command", ["inspect-capacity", "warmup"])
 def test_a_pipeline_config_that_raises_is_named_as_the_pipelines_mistake(env, command, pipeline, message):

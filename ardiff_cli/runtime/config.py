@@ -415,6 +415,9 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
                         "model: section: drop --pipeline, or give a config of that pipeline"
                         + (f"; {exc.hint}" if exc.hint else ""))
         raise
+    if not isinstance(model, entry.config_class):  # else "kv_cache_spec() raised AttributeError" on a dict, say
+        raise PipelineError(f"{where}: pipeline {entry.name!r}: {config_class}.from_dict() returned "
+                            f"{type(model).__name__}, expected a {config_class}", hint=CONFIG_CONTRACT_HINT)
     spec = _pipeline_config_call(entry, where, f"{config_class}.kv_cache_spec", lambda: model.kv_cache_spec())
     if not isinstance(spec, ARDiffusionKVCacheSpec):
         raise PipelineError(f"{where}: pipeline {entry.name!r}: {config_class}.kv_cache_spec() returned "
