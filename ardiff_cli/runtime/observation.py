@@ -78,6 +78,7 @@ def _field_problems(f: ObservationField) -> list[str]:
     if not isinstance(f.dtype, str) or f.dtype not in ARRAY_DTYPES:
         problems.append(f"dtype must be the name of one, such as 'uint8' or 'float32' ({', '.join(ARRAY_DTYPES)}), "
                         f"got {shown(f.dtype)}")
+
     def size_ok(n: object) -> bool:
         return n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 0)
 
