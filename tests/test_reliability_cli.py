@@ -422,6 +422,9 @@ def test_a_signal_caught_inside_a_warmup_request_stops_warmup(env, data, action)
     ("BrokenFromConfig", "Error: BrokenFromConfig.from_config() failed: KeyError: 'blocks.0.self_attn.q.weight'"),
     ("SpecOtherThanItsConfig", "Error: SpecOtherThanItsConfig.ar_diffusion_kv_cache_spec() differs from its "
                                "Config.kv_cache_spec(): window_frames 60 (the config's 6)"),
+    # warmup passed (exit 0), and then every step of a rollout failed
+    ("ReturnsTensor", "Error: warmup request 'warmup-0' of ReturnsTensor: ReturnsTensor.forward() returned Tensor, "
+                      "expected a dict of arrays"),
 ])
 def test_a_pipeline_authors_mistake_is_named_as_the_pipelines_not_as_a_bug_in_ardiff(env, tmp_path, pipeline,
                                                                                      message):

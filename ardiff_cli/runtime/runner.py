@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -983,7 +983,11 @@ class ARDiffusionModelRunner:
                     )
                 where = f"warmup request {request.request_id!r} of {type(self.pipeline).__name__}"
                 t0 = time.perf_counter()
-                self._execute(request, internal=True)
+                output = self._execute(request, internal=True)
+                if not isinstance(output, Mapping):  # else warmup passed and every real step failed
+                    raise PipelineError(f"{where}: {type(self.pipeline).__name__}.forward() returned "
+                                        f"{type(output).__name__}, expected a dict of arrays (name -> tensor or numpy "
+                                        "array)", hint=PIPELINE_HINT)
                 timings.append((request.request_id, describe_inputs(request.inputs), time.perf_counter() - t0))
                 where = provider
         except Exception as exc:
