@@ -2,8 +2,10 @@
 resident, and the swap file written in the background vs on the request's path.
 
 The DreamZero geometry of ``bench_resume`` (``small``, 12-frame window, 2 CFG
-branches, 4 sampling steps), two sessions with full windows, requests
-alternating between them. Three engines get the same requests:
+branches, 4 sampling steps), two sessions, requests alternating between
+them. DreamZero restarts a full window (``reset_at_window``), so over the
+timed requests a session holds 1 to 12 frames (6.5 on average), and so does
+each snapshot restored and written. Three engines get the same requests:
 
 - ``resident``: ``session_capacity=2``; both sessions stay resident.
 - ``swap`` (the runtime): ``session_capacity=1`` with a swap folder: each request
@@ -92,7 +94,7 @@ def _run(quick: bool, swap_root: str) -> dict:
             runner.swap.flush()  # the block's last file: not left to overlap the next contender's block
         return outputs
 
-    # Untimed: fill both sessions' windows (a snapshot then holds the whole window), and warm every path up.
+    # Untimed: fill both sessions' windows once, and warm every path up (the timed requests then restart them).
     history = [inputs(seed) for seed in range(2 * WINDOW_FRAMES)]
     for name in runners:
         block(name, 0, history)
