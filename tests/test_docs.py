@@ -164,7 +164,8 @@ def _core_figures() -> list[str]:
         f"{prof['kv_ms_per_request']['store']:.2f} ms in the 2 `store` calls",
         f"{prof['kv_ms_per_request']['get_kv_caches']:.2f} ms in `get_kv_caches` and "
         f"{prof['mean_ms']['runner']:.2f} ms in the runner",
-        f"its total ({prof['overhead']:.1%})",
+        f"over {prof['mean_ms']['model']:.1f} ms of the model's own compute",
+        f"timers add {prof['mean_ms']['timers']:.2f} ms per request: its total ({prof['overhead']:.1%})",
         f"| `--help` {st['help_s'] * 1e3:.0f} ms, "
         f"`inspect-capacity dreamzero-14b` {st['inspect_capacity_s'] * 1e3:.0f} "
         f"ms; `warmup causal-world-tiny` {st['warmup_s']:.2f} s, {st['exit_ratio']:.2f}x its "
