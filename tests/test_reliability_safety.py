@@ -176,6 +176,22 @@ def test_discovered_names_are_safe_and_unique(tmp_path):
     assert [e.name for e in discover_episodes([tmp_path / "set" / ".dot"])] == ["_dot"]
 
 
+def test_folders_whose_names_differ_only_past_the_length_cap_get_safe_unique_names(tmp_path):
+    """The second was named the capped name plus "-2": one character over the cap, it was refused as unsafe when its
+    first output was written, and that episode failed "while writing its outputs"."""
+    steps = [demo_step(_schema(), (16, 16), 0, 0, 1)]
+    prefix = "pick_cube_" + "x" * (MAX_NAME_CHARS + 10)
+    for end in ("0042", "0043", "0044"):
+        write_episode(tmp_path / "set" / (prefix + end), steps, prompt="p")
+    names = [e.name for e in discover_episodes([tmp_path / "set"])]
+    assert names == [prefix[:MAX_NAME_CHARS], prefix[:MAX_NAME_CHARS - 2] + "-2", prefix[:MAX_NAME_CHARS - 2] + "-3"]
+    assert all(safe_name(name) == name for name in names)
+    run = RunFolder(tmp_path / "out")
+    for name in names:  # what refused the second one
+        run.step_output(name, 0)
+        run.preview_path(name)
+
+
 @pytest.mark.parametrize("name", ["../escape", "/abs", "a/b", "..", "line\nbreak", ""])
 def test_run_folder_refuses_unsafe_names(tmp_path, name):
     run = RunFolder(tmp_path / "run")

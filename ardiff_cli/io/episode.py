@@ -271,6 +271,14 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
     return episodes
 
 
+def _with_suffix(base: str, suffix: str) -> str:
+    """``base + suffix``, ``base`` cut short enough that the whole is still a :func:`safe_name` (a name at the
+    length cap with ``-2`` added was refused when its first output was written)."""
+    while safe_name(base + suffix) != base + suffix:
+        base = base[:-1]
+    return base + suffix
+
+
 class EpisodeNames:
     """The episodes of a run by folder: one per folder (resolved, so a symlink to one is that one), named by the
     folder's name made safe (:func:`safe_name`), with ``-2``, ``-3``, ... when another folder took that name."""
@@ -288,7 +296,7 @@ class EpisodeNames:
         name, count = base, 1
         while name in self._names:
             count += 1
-            name = f"{base}-{count}"
+            name = _with_suffix(base, f"-{count}")
         self._names.add(name)
         self._folders[resolved] = name
         return EpisodeSource(name=name, path=folder)
