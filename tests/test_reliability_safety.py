@@ -227,6 +227,12 @@ def test_rollout_of_a_hostile_folder_name_writes_inside_out_only(tmp_path, monke
     assert "\x1b" not in result.stdout + result.stderr
     assert {json.loads(line)["episode"] for line in (out / "results.jsonl").read_text().splitlines()} == {safe}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "data", "fast.yaml", "out"]
+    # an --out holding an escape: the summary's outputs line printed it raw, on stdout
+    other = tmp_path / "o\x1b[31mut"
+    result = runner.invoke(app, ["rollout", str(config), str(tmp_path / "data" / hostile), "--out", str(other),
+                                 "--no-warmup", "--format", "plain"])
+    assert result.exit_code == 0, result.stderr
+    assert "\x1b" not in result.stdout + result.stderr and "o\\x1b[31mut (results.jsonl" in result.stdout
 
 
 # -- only the command line imports code -----------------------------------------------------------------------

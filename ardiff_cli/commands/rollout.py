@@ -34,7 +34,7 @@ from ardiff_cli.options import (
     VerboseOpt,
     check_swap_space,
 )
-from ardiff_cli.output import Format, Output, stdout_error
+from ardiff_cli.output import Format, Output, stdout_error, visible
 from ardiff_cli.runtime.errors import ArdiffError, ConfigError, ObservationError
 
 DEMO_SESSION_CAPACITY = 2  # the demo has 3 episodes: with 2 resident sessions, LRU eviction shows
@@ -849,7 +849,7 @@ def render_summary(s: dict[str, Any], plain: bool):
         + (f"{steps['restored']} restored from swap, " if steps.get("restored") else "")
         + f"{_count(steps['replayed'], 'step')} replayed to rebuild sessions"
         + (f", {_count(steps['skipped_done'], 'step')} already done" if steps["skipped_done"] else ""),
-        f"outputs: {s['out']} (" + ", ".join(["results.jsonl", "summary.json"] + [
+        f"outputs: {visible(s['out'])} (" + ", ".join(["results.jsonl", "summary.json"] + [
             f"{folder}/" for folder in ("episodes", "previews") if Path(s["out"], folder).is_dir()]) + ")",
     ]
     text = Text("\n".join(lines))
