@@ -228,24 +228,50 @@ def _sessions_height(s: Snapshot, num_rows: int) -> int:
     return 3 + max(1, shown) + (len(s.sessions) > shown)
 
 
+class _EventsTable:
+    """Events, one per line: time, kind, session, detail. The session takes up to ``NAME_CELLS`` and the detail what
+    is left; where that would be under ``MIN_DETAIL`` cells the detail goes and the session takes it all (at 40
+    columns Rich cropped the rows at the border: the ends of the names, which tell episodes apart, went first)."""
+
+    GAP = 2  # cells between two columns
+    NAME_CELLS = 20
+    MIN_DETAIL = 6
+
+    def __init__(self, events: tuple[EventRow, ...]) -> None:
+        self.events = events
+
+    def __rich_console__(self, console, options):
+        from rich.cells import cell_len
+        from rich.table import Table
+        from rich.text import Text
+
+        if not self.events:
+            yield Text("no events yet", style="dim", no_wrap=True, overflow="ellipsis")
+            return
+        times = [f"+{event.at_s:.3f}s" for event in self.events]
+        fixed = [max([8, *map(cell_len, times)]), max([8, *(cell_len(e.kind) for e in self.events)])]
+        left = options.max_width - sum(fixed) - 2 * self.GAP  # for the session and the detail
+        name = min(self.NAME_CELLS, max([6, *(cell_len(visible(e.session_id)) for e in self.events)]))
+        detail = left - name - self.GAP >= self.MIN_DETAIL
+        table = Table.grid(padding=(0, self.GAP), expand=True)  # a grid collapses the two paddings into one gap
+        table.add_column(justify="right", style="dim", no_wrap=True, width=fixed[0])
+        table.add_column(no_wrap=True, width=fixed[1])
+        table.add_column(no_wrap=True, width=name if detail else max(1, left))
+        if detail:
+            table.add_column(overflow="ellipsis", no_wrap=True, ratio=1)  # the detail takes what is left
+        for at, event in zip(times, self.events):
+            style = EVENT_STYLES.get(event.kind, "")
+            kind = f"[{style}]{event.kind}[/{style}]" if style else event.kind
+            table.add_row(at, kind, _Name(event.session_id), *([_text(event.detail)] if detail else []))
+        yield table
+
+
 def _events_panel(s: Snapshot, num_rows: int):
     """The newest ``num_rows`` events, oldest first."""
     from rich.panel import Panel
-    from rich.table import Table
 
     events = s.events[max(0, len(s.events) - num_rows):]
-    table = Table.grid(padding=(0, 2), expand=True)
-    table.add_column(justify="right", style="dim", no_wrap=True, min_width=8)
-    table.add_column(no_wrap=True, min_width=8)
-    table.add_column(no_wrap=True, overflow="ellipsis", min_width=6, max_width=20)
-    table.add_column(overflow="ellipsis", no_wrap=True, ratio=1)  # the detail takes what is left
-    for event in events:
-        style = EVENT_STYLES.get(event.kind, "")
-        table.add_row(f"+{event.at_s:.3f}s", f"[{style}]{event.kind}[/{style}]" if style else event.kind,
-                      _Name(event.session_id), _text(event.detail))
-    if not events:
-        table.add_row("", "[dim]no events yet[/dim]", "", "")
-    return Panel(table, title="events", title_align="left", border_style="cyan")
+    return Panel(_EventsTable(events), title="events", title_align="left", border_style="cyan")
 
 
 # Columns the status line leaves free at its end. The terminal echoes a typed Ctrl-C as "^C" where the cursor is,

@@ -507,6 +507,19 @@ def test_long_names_that_share_a_prefix_are_cut_in_the_middle_so_they_stay_apart
         text = console.export_text()
         for i in range(3):
             assert re.search(rf"pick_\S*…\S*_000{i}\b", text), (width, text)
+    # At 40 columns Rich cropped event rows at the border, the names' ends first ("pick_cub…sion_00" for all):
+    # there the detail goes and the name takes its room, cut in its middle.
+    evicted = replace(snapshot, events=tuple(EventRow(1.0, "evicted", n, "lru_eviction (by ep_1), swapped out "
+                                                                         "(164.08 KiB)") for n in names))
+    for width, detail in ((40, False), (50, False), (60, True), (120, True)):
+        console = Console(record=True, width=width, height=60, file=io.StringIO())
+        console.print(render(evicted))
+        text = console.export_text()
+        rows = [line for line in text.splitlines() if "evicted" in line]
+        assert len(rows) == 3 and all(len(row) <= width for row in rows), (width, text)
+        for i, row in enumerate(rows):
+            assert re.search(rf"evicted +pick_\S*…\S*_000{i} ", row), (width, row)
+            assert ("lru_eviction" in row) == detail, (width, row)
     from ardiff_cli.panels import middle_cut
 
     assert middle_cut("机器人_抓取_红色方块_0001", 10) == "机器…_0001"
