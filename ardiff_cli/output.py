@@ -258,7 +258,12 @@ def _raise_again() -> None:
 
 
 def _plain_text(console: Any, renderable: Any) -> str:
-    """``renderable`` as lines of text (a table without the cell padding at line ends), ending in a newline."""
+    """``renderable`` as lines of text (a table without the cell padding at line ends), ending in a newline. Text
+    keeps its own lines: wrapped at the console's width, a long path in a file was cut in two."""
+    from rich.text import Text
+
+    if isinstance(renderable, Text):
+        renderable = renderable.plain
     if not isinstance(renderable, str):
         with console.capture() as captured:
             console.print(renderable)

@@ -233,6 +233,12 @@ def test_rollout_of_a_hostile_folder_name_writes_inside_out_only(tmp_path, monke
                                  "--no-warmup", "--format", "plain"])
     assert result.exit_code == 0, result.stderr
     assert "\x1b" not in result.stdout + result.stderr and "o\\x1b[31mut (results.jsonl" in result.stdout
+    # a long --out: the plain summary was wrapped at 120 columns, cutting the path in two
+    deep = tmp_path / ("x" * 60) / ("y" * 70)
+    result = runner.invoke(app, ["rollout", str(config), str(tmp_path / "data" / hostile), "--out", str(deep),
+                                 "--no-warmup", "--format", "plain"])
+    assert result.exit_code == 0, result.stderr
+    assert f"\noutputs: {deep} (results.jsonl, summary.json, episodes/)\n" in result.stdout, result.stdout
 
 
 # -- only the command line imports code -----------------------------------------------------------------------
