@@ -131,8 +131,11 @@ class RunMonitor:
         with self._lock:
             if phase in self.counted_phases and self._counted_since is None:
                 self._counted_since = time.monotonic()
-            elif phase not in self.counted_phases and self._counted_since is not None and self._counted_until is None:
-                self._counted_until = time.monotonic()  # stopping or done: the rate stays that of the work
+            elif phase not in (*self.counted_phases, "stopping") and self._counted_since is not None and (
+                    self._counted_until is None):
+                # done, interrupted or failed: the rate stays that of the work. Not at "stopping": the step in
+                # flight still runs and is counted, and the last frame's rate was above the summary's.
+                self._counted_until = time.monotonic()
             self._snapshot = replace(self._snapshot, phase=phase)
 
     @contextlib.contextmanager

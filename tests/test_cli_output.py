@@ -7,6 +7,7 @@ import json
 import re
 import signal
 import threading
+import time
 
 import pytest
 import typer
@@ -331,8 +332,13 @@ def test_the_rate_and_eta_are_of_the_counted_phase_and_the_noun_is_the_commands(
     monitor.set_phase("warmup")
     assert monitor.snapshot().counting_s == 0.0  # nothing counted yet: no rate, whatever the time loading took
     monitor.set_phase("running")
-    monitor.set_phase("stopping")
+    monitor.set_phase("stopping")  # the step in flight still runs: its time counts, as the summary's does
+    stopping = monitor.snapshot().counting_s
+    time.sleep(0.01)
+    monitor.set_phase("interrupted")
     first = monitor.snapshot().counting_s
+    assert first > stopping
+    time.sleep(0.01)
     monitor.set_phase("done")
     assert monitor.snapshot().counting_s == first  # frozen: the rate stays that of the steps' time
     warmup = RunMonitor(output, "test", noun="requests", counted_phases=("warmup",))
