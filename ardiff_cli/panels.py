@@ -162,6 +162,11 @@ def _capacity_panel(rows: list[tuple[str, object]]):
     return Panel(grid, title="capacity", title_align="left", border_style="cyan")
 
 
+def _short(branch: str) -> str:
+    """A CFG branch's name in the pages column: whole up to four letters ("main"), else its first three ("pos")."""
+    return branch if len(branch) <= 4 else branch[:3]
+
+
 class _SessionsTable:
     """The sessions table with the columns that fit the width: the session and its steps always, then its pages,
     its last latency and its cross-attention bytes while they fit (at 40 columns, six columns cut to "ses…",
@@ -175,7 +180,7 @@ class _SessionsTable:
             steps = f"{row.steps_done}/{row.steps_total}" if row.steps_total is not None else str(row.steps_done)
             latency = f"{row.last_latency_s * 1000:.0f} ms" if row.last_latency_s is not None else "-"
             rows.append({"session": row.session_id, s.noun: steps,
-                         "pages": " ".join(f"{branch[:3]}:{n}" for branch, n in row.pages_per_branch.items()),
+                         "pages": " ".join(f"{_short(branch)}:{n}" for branch, n in row.pages_per_branch.items()),
                          "last": latency, "x-attn": format_bytes(row.cross_attention_bytes)})
         self.noun, self.rows = s.noun, rows
 
