@@ -495,7 +495,8 @@ def test_a_narrow_sessions_panel_drops_its_last_columns_instead_of_cutting_every
         rows = sessions_panel(long, width)[2:4]
         for i, row in enumerate(rows):
             assert re.search(rf"│ pick_\S*…\S*_000{i} +1/5", row), (width, row)
-    assert re.search(r"│ pick_\S*_0000 +1/5 +main:3 ", sessions_panel(long, 60)[2])  # a short branch name whole, not "mai"
+    # a branch name of up to four letters whole, not "mai:3"
+    assert re.search(r"│ pick_\S*_0000 +1/5 +main:3 ", sessions_panel(long, 60)[2])
     empty = sessions_panel(replace(SNAPSHOT, sessions=()), 40)
     assert empty[1].split("│")[1].split() == all_columns and "none" in empty[2]  # the headers alone fit
 
