@@ -1742,6 +1742,12 @@ def test_resume_of_a_followed_folder_of_episodes_runs_the_episode_folders_starte
     assert proc.returncode == 143, stderr
     write_episode(live / "arm_a", steps_of(0, 3)[2:], first_step=2)
     write_episode(live / "arm_b", steps_of(1, 3), prompt="task arm_b")
+    # Given the episode folder instead of the folder it follows, a resume looked for no new episode, and said ok.
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), str(data / "fast.yaml"), str(live / "arm_a"),
+                  "--no-warmup", "--idle-timeout", "1")
+    assert proc.returncode == 2, proc.stderr
+    assert (f"Error: the folders of episodes watched differ from those of the run in {run}: expected "
+            f"['{live.resolve()}'], got []") in proc.stderr
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--idle-timeout", "1")
     assert proc.returncode == 0, proc.stderr
     assert_same_outputs(run, reference)

@@ -252,6 +252,11 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         if given != recorded:
             raise ConfigError(f"the episodes differ from those of the run in {out}: expected {recorded}, got {given}",
                               hint="resume with the same EPISODE arguments (or none, to reuse the recorded ones)")
+        watched = sorted(map(str, watch))  # else the episodes started meanwhile in a watched folder were not looked for
+        if info.get("follow") and watched != sorted(info.get("watch") or []):
+            raise ConfigError(f"the folders of episodes watched differ from those of the run in {out}: expected "
+                              f"{sorted(info.get('watch') or [])}, got {watched}",
+                              hint="resume with the same EPISODE arguments (or none, to reuse the recorded ones)")
     from ardiff_cli.runtime.config import resolve_config
 
     # What the command line says, else (--resume) what run.json recorded, else the defaults.
