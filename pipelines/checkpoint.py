@@ -117,7 +117,10 @@ def save_checkpoint(module: nn.Module, path: str | Path, metadata: dict[str, str
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+        except SafetensorError as exc:  # its I/O errors (a full disk) are no OSError: callers name the folder
+            raise OSError(str(exc).removeprefix("Error while serializing: ")) from exc
         sort_metadata_in_file(tmp)  # safetensors writes metadata in hash order: the same weights, the same bytes
         os.chmod(tmp, FILE_MODE)  # mkstemp made it 0600: give it the mode of every other file ardiff writes
         os.replace(tmp, path)

@@ -204,6 +204,25 @@ def test_a_full_disk_keeps_the_runs_own_error_when_summary_json_cannot_be_writte
     assert_complete(out, reference)
 
 
+def test_a_cache_too_full_for_the_default_checkpoint_is_said_so_not_blamed_on_the_pipeline(tmp_path, cli_env):
+    """safetensors reports a full disk as its own SafetensorError, not an OSError: building the default checkpoint
+    into a full cache was "DreamZeroPipeline.from_config() failed: SafetensorError: ... No space left on device",
+    with the hint to report a bug in a built-in pipeline. Here the kernel refuses files past 4 KiB (RLIMIT_FSIZE)."""
+    import resource
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "warmup", "--format", "plain"],
+                          env={**cli_env, "ARDIFF_CACHE_DIR": str(cache)}, capture_output=True, text=True,
+                          timeout=300, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)))
+    assert proc.returncode == 2, proc.stderr
+    assert re.search(rf"Error: cannot write the default checkpoint to {re.escape(str(cache))}/dreamzero-\w+"
+                     r"\.safetensors: I/O error: File too large", proc.stderr), proc.stderr
+    assert "hint: set ARDIFF_CACHE_DIR to a writable folder" in proc.stderr and "report" not in proc.stderr
+    assert list(cache.iterdir()) == []  # its temporary file removed
+
+
 def test_an_out_whose_lock_or_run_json_cannot_be_written_is_an_error_not_a_bug(data, tmp_path, cli_env):
     """--out on a full disk: writing the lock's pid (before the model loads) or run.json (after) ended in 'Error:
     unexpected OSError: [Errno 28] No space left on device', a traceback and 'this is a bug in ardiff'. Here the
