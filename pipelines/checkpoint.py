@@ -130,7 +130,19 @@ def save_checkpoint(module: nn.Module, path: str | Path, metadata: dict[str, str
     return path
 
 
+def _check_readable(path: str | Path) -> None:
+    """Open ``path`` as Python does: safetensors reports a file it may not read as not found (EACCES as ENOENT)."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}",
+                              hint="check the file's permissions" if isinstance(exc, PermissionError) else None
+                              ) from None
+
+
 def read_metadata(path: str | Path) -> dict[str, str]:
+    _check_readable(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             return dict(f.metadata() or {})
@@ -150,6 +162,7 @@ def load_checkpoint(module: nn.Module, path: str | Path) -> dict[str, str]:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}", hint="fix the path, or use checkpoint: null")
+    _check_readable(path)
     try:
         raw = load_file(str(path), device="cpu")
     except (OSError, SafetensorError) as exc:

@@ -850,6 +850,22 @@ def test_a_step_file_that_cannot_be_read_is_named_with_a_hint(tmp_path, cli_env)
     assert "Traceback" not in proc.stderr
 
 
+def test_a_checkpoint_that_cannot_be_read_says_permission_denied(tmp_path, cli_env):
+    """safetensors reports EACCES as a file not found: "No such file or directory" for a file that exists, with the
+    hint to check that it is a .safetensors file."""
+    checkpoint = tmp_path / "weights.safetensors"
+    checkpoint.write_bytes(b"\x00" * 64)
+    (tmp_path / "c.yaml").write_text(f"pipeline: causal_world\ncheckpoint: {checkpoint}\n")
+    checkpoint.chmod(0)
+    try:
+        proc = subprocess.run([*modes_bind(), sys.executable, "-m", "ardiff_cli", "warmup", str(tmp_path / "c.yaml"),
+                               "--format", "plain"], env=cli_env, capture_output=True, text=True, timeout=300)
+    finally:
+        checkpoint.chmod(0o644)
+    assert proc.returncode == 2, proc.stderr
+    assert f"cannot read checkpoint {checkpoint}: Permission denied\nhint: check the file's permissions" in proc.stderr
+
+
 def test_a_folder_that_cannot_be_entered_is_named_not_a_traceback(tmp_path, cli_env, locked):
     # Path.exists raised PermissionError on `locked/run.json`: an unreadable episode folder among a folder of
     # episodes, `-o locked/run` and `--resume -o locked/run` each ended in a traceback ('this is a bug', exit 1).
