@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
-from ardiff_cli.runtime.errors import ObservationError
+from ardiff_cli.runtime.errors import CheckpointError, ObservationError
 from ardiff_cli.runtime.observation import ObservationSchema, validate_observation
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from pipelines.checkpoint import (build_on_meta, check_weight_fields, default_checkpoint, fresh_modules,
@@ -104,7 +104,13 @@ class ARPipeline(abc.ABC):
         """Load ``checkpoint`` (None: the built-in default, built on first use) for ``config``."""
         path = Path(checkpoint) if checkpoint is not None else default_checkpoint(cls, config)
         modules = build_on_meta(lambda: cls.build_modules(config))
-        check_weight_fields(cls.name, config, load_checkpoint(modules, path), path)
+        try:
+            check_weight_fields(cls.name, config, load_checkpoint(modules, path), path)
+        except CheckpointError as exc:
+            if checkpoint is None:  # ardiff's own cached file, damaged (a disk error, an edit): it is only a cache
+                exc.hint = f"it is the default checkpoint ardiff built in its cache: delete {path}, and it is built " \
+                           "again"
+            raise
         modules = modules.to(device=device, dtype=dtype).eval().requires_grad_(False)
         return cls(config, modules, device=torch.device(device), dtype=dtype, checkpoint=path)
 

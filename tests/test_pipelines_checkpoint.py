@@ -116,6 +116,20 @@ def test_default_checkpoint_is_built_once_into_the_cache(ardiff_cache):
         assert torch.equal(p, q), name
 
 
+def test_a_damaged_default_checkpoint_says_to_delete_it_to_build_it_again(ardiff_cache):
+    """A cached default checkpoint cut short (a disk error) failed every run with the hint to check that it is a
+    .safetensors file, and nothing said that it is ardiff's own cache, built again once deleted."""
+    cls = causal_world.pipeline_class()
+    path = cls.from_config(tiny(causal_world), device="cpu", checkpoint=None).checkpoint
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="cannot read checkpoint") as err:
+        cls.from_config(tiny(causal_world), device="cpu", checkpoint=None)
+    assert err.value.hint == (f"it is the default checkpoint ardiff built in its cache: delete {path}, and it is "
+                              "built again")
+    path.unlink()
+    assert cls.from_config(tiny(causal_world), device="cpu", checkpoint=None).checkpoint == path
+
+
 def test_mismatches_are_reported_together(tmp_path):
     cls = dreamzero.pipeline_class()
     state = fresh_modules(lambda: cls.build_modules(tiny(dreamzero)), 0).state_dict()
