@@ -143,7 +143,7 @@ def _check_field(f: ObservationField, key: str, value: Any) -> tuple[Any, str | 
                       "expected finite numbers")
     with np.errstate(over="ignore"):  # a float64 past float32's range: said below, not as numpy's RuntimeWarning
         converted = array.astype(f.dtype, copy=False)
-    if converted.dtype.kind == "f" and not np.isfinite(converted).all():
+    if converted is not array and converted.dtype.kind == "f" and not np.isfinite(converted).all():  # a cast
         first = tuple(int(i) for i in np.argwhere(~np.isfinite(converted))[0])
         return None, (f"{label} has {int((~np.isfinite(converted)).sum())} values past {f.dtype}'s range (first at "
                       f"index {first}: {array[first]:.3g}), expected finite numbers of magnitude up to "
