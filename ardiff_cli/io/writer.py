@@ -50,29 +50,28 @@ def encode_arrays(arrays: Mapping[str, Any], *, format: str = "safetensors",
     """The bytes of one .safetensors or .npz file holding ``arrays`` (and text ``metadata``)."""
     import numpy as np
 
+    _check_format(format)
     data = {str(k): to_numpy(v) for k, v in arrays.items()}
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     if format == "safetensors":
         from safetensors.numpy import save
 
         return _sorted_metadata(save(data, metadata=meta or None))
-    if format == "npz":
-        # Not np.savez(**arrays): an array named 'file' or 'allow_pickle' was taken for its argument, and an object
-        # array was pickled into a file the reader refuses. One .npy member per name, as np.savez writes them.
-        clash = sorted(set(data) & set(meta))
-        if clash:
-            raise ValueError(f"{', '.join(map(repr, clash))}: the name of an array and of a metadata key; an .npz "
-                             "holds one member per name")
-        buffer = io.BytesIO()
-        with zipfile.ZipFile(buffer, "w") as archive:
-            for name, array in {**data, **{k: np.array(v) for k, v in meta.items()}}.items():
-                with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
-                    try:
-                        np.lib.format.write_array(member, array, allow_pickle=False)
-                    except ValueError as exc:
-                        raise ValueError(f"array {name!r}: {exc} (step files are read without pickle)") from None
-        return buffer.getvalue()
-    raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    # Not np.savez(**arrays): an array named 'file' or 'allow_pickle' was taken for its argument, and an object
+    # array was pickled into a file the reader refuses. One .npy member per name, as np.savez writes them.
+    clash = sorted(set(data) & set(meta))
+    if clash:
+        raise ValueError(f"{', '.join(map(repr, clash))}: the name of an array and of a metadata key; an .npz "
+                         "holds one member per name")
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name, array in {**data, **{k: np.array(v) for k, v in meta.items()}}.items():
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+                try:
+                    np.lib.format.write_array(member, array, allow_pickle=False)
+                except ValueError as exc:
+                    raise ValueError(f"array {name!r}: {exc} (step files are read without pickle)") from None
+    return buffer.getvalue()
 
 
 def _check_format(format: str) -> None:

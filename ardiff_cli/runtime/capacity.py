@@ -124,11 +124,11 @@ def parse_bytes(text: str | int, *, zero_ok: bool = False) -> int:
     return value
 
 
-def checked_bytes(value: object, name: str) -> int:
+def checked_bytes(value: object, name: str, *, zero_ok: bool = False) -> int:
     """An argument that is a byte size (``parse_bytes``: an integer, or text such as '2GiB'), as an int; a
     ``ConfigError`` naming the argument otherwise."""
     try:
-        return parse_bytes(value)
+        return parse_bytes(value, zero_ok=zero_ok)
     except ConfigError as exc:
         raise ConfigError(f"{name}: {exc}", hint=exc.hint or BYTE_SIZE_HINT) from None
 

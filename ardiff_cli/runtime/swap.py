@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ardiff_cli.runtime.capacity import as_int, parse_bytes
+from ardiff_cli.runtime.capacity import as_int, checked_bytes
 from ardiff_cli.runtime.errors import ConfigError, shown
 
 if TYPE_CHECKING:  # torch-free at import: the CLI clears a run's swap folder without loading anything
@@ -63,10 +63,7 @@ def check_swap_arguments(swap_dir: Any, swap_space: Any, *, where: str) -> tuple
         raise ConfigError(f"{where}: swap_dir must be a folder path (str or os.PathLike) or None, got "
                           f"{shown(swap_dir)}", hint=hint)
     if isinstance(swap_space, str):
-        try:
-            swap_space = parse_bytes(swap_space, zero_ok=True)
-        except ConfigError as exc:
-            raise ConfigError(f"{where}: swap_space: {exc}", hint=exc.hint) from None
+        swap_space = checked_bytes(swap_space, f"{where}: swap_space", zero_ok=True)
     elif swap_space is not None:
         number = as_int(swap_space)  # numpy's integers too, as memory_budget takes them; never a bool
         if number is None or number < 0:
