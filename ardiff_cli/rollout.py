@@ -126,7 +126,7 @@ class Rollout:
 
     def __init__(self, engine: Any, schema: ObservationSchema, episodes: list[EpisodeSource], run: RunFolder,
                  out: Output, monitor: RunMonitor, signals: StopSignals, options: RolloutOptions,
-                 done: dict[str, set[int]], *, digests: dict[str, dict[int, str]],
+                 done: dict[str, dict[int, int | None]], *, digests: dict[str, dict[int, str]],
                  swapped: dict[str, int] | None = None) -> None:
         self.engine = engine
         self.schema = schema  # what every step file must hold

@@ -883,6 +883,27 @@ def test_a_resume_after_an_episodes_first_step_files_were_deleted_fails_those_ep
     assert not (run / ".swap").exists()
 
 
+def test_a_resume_fails_an_episode_whose_earlier_step_was_written_after_its_later_ones_ran(env, data, tmp_path):
+    # The robot wrote steps 1 and 2 first: they ran as chunks 0 and 1 (an episode may start at any step). Its step 0
+    # came later; the resume ran it and kept steps 1 and 2 as done, outputs made without step 0 (exit 0, ok).
+    episodes = tmp_path / "eps"
+    steps = steps_of(0, 3)
+    for step in (1, 2):
+        write_step(episodes / "arm", step, steps[step], prompt="task arm")
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(episodes / "arm"), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    before = {p.name: p.read_bytes() for p in (run / "episodes" / "arm").iterdir()}
+    write_step(episodes / "arm", 0, steps[0])
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 2, proc.stderr  # its one episode failed
+    assert (f"episode 'arm' failed: {episodes / 'arm'}: step 1 ran (results.jsonl) as chunk 0 of the episode, but it "
+            "is chunk 1 now that the folder starts at step 0: step 0 was written after it ran") in proc.stderr
+    assert "hint: run the episode again from its first step in a new --out" in proc.stderr
+    assert {p.name: p.read_bytes() for p in (run / "episodes" / "arm").iterdir()} == before  # nothing ran
+    assert [(r["step"], r["status"], r.get("phase")) for r in records(run)][2:] == [(-1, "failed", "scan")]
+
+
 @pytest.mark.parametrize("change", ["rewritten", "emptied"])
 @pytest.mark.parametrize("which", ["swapped", "resident"])
 def test_a_done_step_rewritten_before_a_resume_fails_its_episode_whether_its_session_was_kept_or_replayed(

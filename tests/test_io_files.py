@@ -148,11 +148,11 @@ def test_jsonl_appender_repairs_a_partial_last_line(tmp_path):
 def test_done_steps_need_a_line_and_the_file(tmp_path):
     run = RunFolder(tmp_path)
     path = run.write_step_outputs("ep", 0, {"actions": np.zeros((2, 8), np.float32), "note": "ignored"}, {})
-    run.append_result({"episode": "ep", "step": 0, "status": "ok", "output": run.relative(path)})
+    run.append_result({"episode": "ep", "step": 0, "chunk": 3, "status": "ok", "output": run.relative(path)})
     run.append_result({"episode": "ep", "step": 1, "status": "ok", "output": "episodes/ep/step_000001.safetensors"})
     run.append_result({"episode": "ep", "step": 2, "status": "failed", "error": "bad"})
     run.close()
-    assert run.resume_state()[0] == {"ep": {0}}
+    assert run.resume_state()[0] == {"ep": {0: 3}}  # each done step with its chunk when it ran
 
 
 def test_start_refuses_a_folder_with_a_run(tmp_path):

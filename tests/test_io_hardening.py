@@ -290,6 +290,7 @@ def test_a_step_file_whose_header_is_nested_too_deeply_is_not_whole_yet(tmp_path
     ({"episode": "ep", "step": 1, "status": "done", "output": "x"}, "expected a line with 'status' ok or failed"),
     ({"episode": "ep", "step": 1, "status": "ok", "output": "x", "input_sha256": "ab12"},
      "expected 'input_sha256' to be a SHA-256 hex digest (64 hex digits)"),
+    ({"episode": "ep", "step": 1, "chunk": "1", "status": "ok", "output": "x"}, "expected 'chunk' to be an integer"),
 ])
 def test_a_results_line_lacking_what_resume_reads_is_named(tmp_path, line, fault):
     """A hand-edited line that parses but lacks a field is a ConfigError naming it, not a KeyError."""

@@ -63,6 +63,11 @@ def _drain(scheduler: StepScheduler) -> list[tuple[str, int]]:
     return items
 
 
+def _ran(*steps: int, first: int = 0) -> dict[int, int]:
+    """``done`` of an episode whose ``steps`` ran (results.jsonl) when its folder started at step ``first``."""
+    return {step: step - first for step in steps}
+
+
 def _episodes(tmp_path, sizes: dict[str, int]) -> list[EpisodeSource]:
     for name, n in sizes.items():
         write_episode(tmp_path / name, [good(i) for i in range(n)], prompt="p")
@@ -73,7 +78,7 @@ def _episodes(tmp_path, sizes: dict[str, int]) -> list[EpisodeSource]:
 def test_pending_steps_and_history_while_resuming_with_done_steps_in_between(tmp_path, order):
     """num_pending counts by bisection and history copies only the asked slice: both must equal the plain count."""
     episodes = _episodes(tmp_path, {"a": 7, "b": 4})
-    done = {"a": {0, 1, 4, 6}, "b": {2}}
+    done = {"a": _ran(0, 1, 4, 6), "b": _ran(2)}
     scheduler = StepScheduler(episodes, order=order, done=done)
     handed = {"a": set(), "b": set()}
     while True:
@@ -146,7 +151,7 @@ def test_an_episode_whose_last_step_failed_gets_no_end(tmp_path):
 
 def test_last_step_flag_history_and_resume_skips(tmp_path):
     episodes = _episodes(tmp_path, {"a": 4})
-    scheduler = StepScheduler(episodes, done={"a": {0, 1}})
+    scheduler = StepScheduler(episodes, done={"a": _ran(0, 1)})
     task = scheduler.next()
     assert (task.file.step, task.ordinal, task.is_last) == (2, 2, False)
     assert [f.step for f in scheduler.history("a")] == [0, 1]
@@ -166,7 +171,8 @@ def test_an_episode_whose_first_done_step_files_are_gone_fails_instead_of_runnin
         (tmp_path / name / f"step_{step:06d}.safetensors").unlink()
     for name in "abc":
         (tmp_path / name / "END").write_text("")
-    scheduler = StepScheduler(episodes, follow=follow, poll_interval=0, done={"a": {0, 1}, "b": {0}, "c": {0, 1}})
+    done = {"a": _ran(0, 1), "b": _ran(0), "c": _ran(0, 1)}
+    scheduler = StepScheduler(episodes, follow=follow, poll_interval=0, done=done)
     items = []
     while (item := scheduler.next()) is not None:
         items.append((item.episode.name, item.file.step, item.ordinal) if isinstance(item, StepTask) else item)
@@ -174,6 +180,33 @@ def test_an_episode_whose_first_done_step_files_are_gone_fails_instead_of_runnin
     assert failed.episode.name == "a" and "steps 0..1 ran (results.jsonl) but their files are gone" in str(failed.error)
     assert [i for i in items if isinstance(i, tuple)] == [("b", 1, 1), ("b", 2, 2)]
     assert sorted(i.episode.name for i in items if isinstance(i, EpisodeEnded) and i.reason != "error") == ["b", "c"]
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_a_resume_fails_an_episode_whose_done_steps_are_no_longer_where_they_ran(tmp_path, follow):
+    # "a": steps 1 and 2 ran as chunks 0 and 1 (the robot wrote step 0 after them); a resume ran step 0 and kept
+    # step 1's output, made without step 0. "b": step 0's output and file were deleted, so steps 1 and 2 are chunks
+    # 0 and 1 now. "c" ran from step 0 (its chunks match) and goes on; "d"'s chunks are unknown (a line without one).
+    episodes = _episodes(tmp_path, {"a": 4, "b": 4, "c": 4, "d": 3})
+    (tmp_path / "b" / "step_000000.safetensors").unlink()
+    for name in "abcd":
+        (tmp_path / name / "END").write_text("")
+    done = {"a": _ran(1, 2, first=1), "b": _ran(1, 2), "c": _ran(0, 1), "d": dict.fromkeys([0, 1])}
+    scheduler = StepScheduler(episodes, follow=follow, poll_interval=0, done=done)
+    items = []
+    while (item := scheduler.next()) is not None:
+        items.append((item.episode.name, item.file.step, item.ordinal) if isinstance(item, StepTask) else item)
+    errors = {i.episode.name: str(i.error) for i in items if isinstance(i, EpisodeEnded) and i.reason == "error"}
+    assert errors == {
+        "a": f"{tmp_path / 'a'}: step 1 ran (results.jsonl) as chunk 0 of the episode, but it is chunk 1 now that the "
+             "folder starts at step 0: step 0 was written after it ran (out of step order), so its outputs were "
+             "made without it",
+        "b": f"{tmp_path / 'b'}: step 1 ran (results.jsonl) as chunk 1 of the episode, but it is chunk 0 now that the "
+             "folder starts at step 1: the files of step 0 before it are gone",
+    }
+    assert sorted(i for i in items if isinstance(i, tuple)) == [("c", 2, 2), ("c", 3, 3), ("d", 2, 2)]
+    error = next(i.error for i in items if isinstance(i, EpisodeEnded) and i.episode.name == "a")
+    assert error.hint.startswith("run the episode again from its first step in a new --out")
 
 
 def test_dropped_episode_gets_no_more_steps(tmp_path):

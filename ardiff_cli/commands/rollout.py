@@ -78,7 +78,7 @@ class _Prepared:
     episodes: list  # EpisodeSource
     out_dir: Path
     info: dict[str, Any]  # run.json content
-    done: dict[str, set[int]]  # resume: steps already written
+    done: dict[str, dict[int, int | None]]  # resume: steps already written, each with its chunk when it ran
     digests: dict[str, dict[int, str]]  # resume: SHA-256 of each done step's file when it ran (where recorded)
     run: Any  # RunFolder of out_dir, locked against a second process until closed
     options: dict[str, Any]  # order, follow, idle_timeout, preview, swap_space: given, or recorded (--resume)
@@ -182,7 +182,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
 
     info: dict[str, Any] = {}
     watch: list[Path] | None = None  # the folders of episodes among the EPISODE arguments (None: not known yet)
-    done: dict[str, set[int]] = {}
+    done: dict[str, dict[int, int | None]] = {}
     digests: dict[str, dict[int, str]] = {}
     if resume:
         if out is None:
@@ -613,8 +613,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 output.result(summary, lambda plain: render_summary(summary, plain))
 
 
-def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, set[int]], swap_dir: Path,
-                output: Output) -> dict[str, int]:
+def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, dict[int, int | None]],
+                swap_dir: Path, output: Output) -> dict[str, int]:
     """Take back the snapshots a stopped run kept (``io.kept``): {episode: steps its session had consumed}. One of
     fewer steps than the episode has done (a run stopped while rebuilding a session keeps what it rebuilt) is
     restored, then the rest replayed. One of more steps (ok lines went missing from results.jsonl), or that this

@@ -205,18 +205,19 @@ class RunFolder:
         (100,000 lines: 220 MiB); a line lacking what resuming reads is named."""
         return read_jsonl(self.results_path, _record_problem)
 
-    def resume_state(self) -> tuple[dict[str, set[int]], dict[str, dict[int, str]]]:
-        """What ``--resume`` reads, in one pass over results.jsonl that holds no line: episode -> steps with an
-        ``ok`` line whose output file exists (those are not run again), and episode -> step -> SHA-256 of the
-        step file when it ran (``input_sha256`` of its ok line; lines of earlier versions have none), which a
-        replay of that step checks the file still has."""
-        done: dict[str, set[int]] = {}
+    def resume_state(self) -> tuple[dict[str, dict[int, int | None]], dict[str, dict[int, str]]]:
+        """What ``--resume`` reads, in one pass over results.jsonl that holds no line: episode -> step -> its
+        ``chunk`` (its position in the episode when it ran; None on a line without one) for the steps with an ``ok``
+        line whose output file exists (those are not run again), and episode -> step -> SHA-256 of the step file
+        when it ran (``input_sha256`` of its ok line; lines of earlier versions have none), which a replay of that
+        step checks the file still has."""
+        done: dict[str, dict[int, int | None]] = {}
         digests: dict[str, dict[int, str]] = {}
         for record in self.iter_records():
             if record["status"] != "ok":
                 continue
             if (self.root / record["output"]).is_file():
-                done.setdefault(record["episode"], set()).add(record["step"])
+                done.setdefault(record["episode"], {})[record["step"]] = record.get("chunk")
             if "input_sha256" in record:
                 digests.setdefault(record["episode"], {})[record["step"]] = record["input_sha256"]
         return done, digests
@@ -325,6 +326,8 @@ def _record_problem(record: Mapping[str, Any]) -> str | None:
         return "expected a line with 'status' ok or failed"
     if record["status"] == "ok" and not isinstance(record.get("output"), str):
         return "expected an ok line to name its 'output' file"
+    if "chunk" in record and type(record["chunk"]) is not int:
+        return "expected 'chunk' to be an integer"
     if "input_sha256" in record and not _is_sha256(record["input_sha256"]):
         return "expected 'input_sha256' to be a SHA-256 hex digest (64 hex digits)"
     return None

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,7 +69,7 @@ class _Track:
     """Scheduling state of one episode."""
 
     source: EpisodeSource
-    done: set[int]  # step numbers already in results.jsonl (resume): skipped, but part of the history
+    done: dict[int, int | None]  # resume: step -> its chunk when it ran (results.jsonl): skipped, part of the history
     done_sorted: list[int] = field(default_factory=list)  # ``done`` in order: counts pending steps by bisection
     files: list[StepFile] = field(default_factory=list)  # known step files, in step order
     taken: set[str] = field(default_factory=set)  # follow: names of ``files``, not looked at again by a poll
@@ -77,6 +77,7 @@ class _Track:
     current: int = 0  # ordinal of the step handed out last: ``files[:current]`` is its history
     sizes: dict[str, int] = field(default_factory=dict)  # follow: size of each unready file at the last poll
     last_activity: float = 0.0  # follow: when a step last arrived or was handed out (idle timer)
+    history_checked: bool = False  # resume: the done steps were checked to be where they ran in the episode
     ended: bool = False
     end_reason: str | None = None  # follow: "end_marker" or "idle_timeout" once it ended cleanly (late files?)
     gap: tuple[int, int] | None = None  # follow: (last taken step, next step present) while steps between are missing
@@ -89,7 +90,8 @@ class StepScheduler:
     """
 
     def __init__(self, episodes: list[EpisodeSource], *, order: str = "round-robin", follow: bool = False,
-                 idle_timeout: float = 60.0, poll_interval: float = 0.1, done: dict[str, set[int]] | None = None,
+                 idle_timeout: float = 60.0, poll_interval: float = 0.1,
+                 done: Mapping[str, Mapping[int, int | None]] | None = None,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                  warn: Callable[[str], None] = lambda message: None, watch: Sequence[Path] = (),
                  on_new_episode: Callable[[EpisodeSource], None] = lambda episode: None) -> None:
@@ -111,7 +113,7 @@ class StepScheduler:
         self._all_ended_at: float | None = None  # follow: when the last episode ended (watching: the idle timer)
         self._done = done = done or {}
         now = clock()
-        self._tracks = [_Track(source=e, done=set(done.get(e.name, ())), done_sorted=sorted(done.get(e.name, ())),
+        self._tracks = [_Track(source=e, done=dict(done.get(e.name, {})), done_sorted=sorted(done.get(e.name, ())),
                                last_activity=now) for e in episodes]
         self._by_name: dict[str, _Track] = {}  # episode name -> its track: every step looks its episode up
         for track in self._tracks:
@@ -212,8 +214,8 @@ class StepScheduler:
                 if source is None:  # an episode already: given as EPISODE too, or a link to one
                     continue
                 self._on_new_episode(source)  # the run records it before any of its steps is handed out
-                done = self._done.get(source.name, set())
-                track = _Track(source=source, done=set(done), done_sorted=sorted(done), last_activity=self._clock())
+                done = self._done.get(source.name, {})
+                track = _Track(source=source, done=dict(done), done_sorted=sorted(done), last_activity=self._clock())
                 self._tracks.append(track)
                 self._by_name[source.name] = track
                 self._all_ended_at = None
@@ -246,11 +248,13 @@ class StepScheduler:
             track.cursor += 1
             if step_file.step in track.done:
                 continue
-            if track.done_sorted and track.done_sorted[0] < track.files[0].step:
-                track.ended = True  # its session cannot be what it was: fail the episode, never run the step
-                self._pending_ends.append(EpisodeEnded(episode=track.source, reason="error",
-                                                       error=_lost_history(track)))
-                return None
+            if not track.history_checked:  # once: the first step file cannot change after one was taken
+                track.history_checked = True
+                changed = _changed_history(track)
+                if changed is not None:  # its session cannot be what it was: fail the episode, never run the step
+                    track.ended = True
+                    self._pending_ends.append(EpisodeEnded(episode=track.source, reason="error", error=changed))
+                    return None
             track.current = ordinal
             track.last_activity = self._clock()
             is_last = self._is_last(track)
@@ -422,9 +426,39 @@ class StepScheduler:
             del track.sizes[name]
 
 
-def _lost_history(track: _Track) -> ObservationError:
-    """Steps that ran (results.jsonl) before the first step file in the folder: their files are gone."""
+def _changed_history(track: _Track) -> ObservationError | None:
+    """Whether the done steps (results.jsonl) are where they ran in the episode, now that a step of it is to run:
+    each at its recorded chunk. Not so when the files of the first steps that ran are gone, or when step files
+    before the first one that ran were written since (a writer that wrote them out of order: the steps that ran
+    took a later step for the episode's first). The step files taken are consecutive from the first, so a step's
+    position is its number less the first's."""
     first = track.files[0].step
+    if track.done_sorted and track.done_sorted[0] < first:
+        return _lost_history(track, first)
+    moved = sorted(step for step, chunk in track.done.items() if chunk is not None and chunk != step - first)
+    if not moved:
+        return None
+    step, chunk = moved[0], track.done[moved[0]]
+    began = step - chunk  # the episode's first step when it ran
+    again = "run the episode again from its first step in a new --out; a session's outputs depend on every earlier step"
+    if began > first:
+        why = (f"{_steps(first, began - 1)} {'was' if began - first == 1 else 'were'} written after it ran (out of "
+               f"step order), so its outputs were made without {'it' if began - first == 1 else 'them'}")
+        hint = f"{again} (have the robot write an episode's steps in increasing step order)"
+    else:
+        why = f"the files of {_steps(began, first - 1)} before it are gone"
+        hint = f"put the episode's step files back as they were when they ran (--resume then goes on), or {again}"
+    return ObservationError(f"{track.source.path}: step {step} ran (results.jsonl) as chunk {chunk} of the episode, "
+                            f"but it is chunk {step - first} now that the folder starts at step {first}: {why}",
+                            hint=hint)
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}..{last}"
+
+
+def _lost_history(track: _Track, first: int) -> ObservationError:
+    """Steps that ran (results.jsonl) before the first step file in the folder: their files are gone."""
     lost = [step for step in track.done_sorted if step < first]
     shown = f"{lost[0]}" if len(lost) == 1 else f"{lost[0]}..{lost[-1]}"
     return ObservationError(
