@@ -318,6 +318,20 @@ def test_resume_with_a_damaged_results_line_exits_2_naming_it(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_the_demo_rollout_builds_a_damaged_demo_set_again_with_a_warning(tmp_path):
+    cache = tmp_path / "cache"
+    first = ardiff("rollout", "--no-warmup", "-o", str(tmp_path / "r1"), cwd=tmp_path, ARDIFF_CACHE_DIR=str(cache))
+    assert first.returncode == 0, first.stderr
+    (step,) = cache.glob("demo/*/demo_1/step_000002.safetensors")
+    step.write_bytes(step.read_bytes()[:50])  # a disk that lost the end of a cached file
+    again = ardiff("rollout", "--no-warmup", "-o", str(tmp_path / "r2"), cwd=tmp_path, ARDIFF_CACHE_DIR=str(cache))
+    assert again.returncode == 0, again.stderr  # its episode failed reading the file: exit 4
+    warning = f"the demo episodes in {step.parents[1]} were damaged (demo_1/step_000002.safetensors has 50 bytes"
+    assert f"warning: {warning}" in again.stderr, again.stderr
+    for output in (tmp_path / "r1" / "episodes").rglob("*.safetensors"):
+        assert output.read_bytes() == (tmp_path / "r2" / output.relative_to(tmp_path / "r1")).read_bytes()
+
+
 def test_cache_folder_that_is_a_file_is_a_config_error(tmp_path):
     cache = tmp_path / "cache"
     cache.write_text("not a folder")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -359,6 +361,38 @@ def test_demo_episodes_are_deterministic_valid_and_cached(tmp_path):
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert not np.array_equal(a["camera"], demo_step(SCHEMA, (16, 24), 0, 2)["camera"])  # it moves
     assert not [p for p in (tmp_path / "demo").iterdir() if p.name.startswith(".")]  # no temp folder left
+
+
+@pytest.mark.parametrize("damage", ["cut short", "deleted", "episode deleted", "added", "no manifest"])
+def test_a_damaged_demo_set_is_built_again_and_an_intact_one_is_not(tmp_path, damage):
+    # A demo step file cut short in the cache failed its episode in every run after (exit 4), naming a cache file
+    # the user never made; a deleted episode folder quietly left the demo with two episodes.
+    root = ensure_demo_episodes("toy", SCHEMA, (16, 24), root=tmp_path)
+    built = {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    step = root / "demo_1" / "step_000003.safetensors"
+    warnings: list[str] = []
+    assert ensure_demo_episodes("toy", SCHEMA, (16, 24), root=tmp_path, warn=warnings.append) == root
+    assert warnings == []  # intact: used as it is
+    if damage == "cut short":
+        step.write_bytes(step.read_bytes()[:100])
+    elif damage == "deleted":
+        step.unlink()
+    elif damage == "episode deleted":
+        shutil.rmtree(root / "demo_2")
+    elif damage == "added":
+        write_step(root / "demo_0", 9, good(9))
+    else:
+        (root / ".manifest.json").unlink()
+    assert ensure_demo_episodes("toy", SCHEMA, (16, 24), root=tmp_path, warn=warnings.append) == root
+    what = {"cut short": f"demo_1/step_000003.safetensors has 100 bytes, {len(built[step.relative_to(root)])} when "
+                         "built",
+            "deleted": "demo_1/step_000003.safetensors is missing",
+            "episode deleted": "demo_2/END is missing",
+            "added": "demo_0/step_000009.safetensors was not in it",
+            "no manifest": "no .manifest.json"}[damage]
+    assert warnings == [f"the demo episodes in {root} were damaged ({what}): building them again"]
+    assert {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()} == built
+    assert [p.name for p in (tmp_path / "demo").iterdir()] == [root.name]  # no temporary or old folder left
 
 
 def test_follow_fails_an_episode_whose_folder_is_deleted_or_renamed(tmp_path):

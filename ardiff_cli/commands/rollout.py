@@ -224,7 +224,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     schema = cfg.observation_schema()
     demo = not episode_paths
     if demo:
-        demo_root = ensure_demo_episodes(cfg.pipeline_name, schema, image_size(cfg.model), model_config=cfg.model)
+        demo_root = ensure_demo_episodes(cfg.pipeline_name, schema, image_size(cfg.model), model_config=cfg.model,
+                                         warn=output.warning)
         output.info(f"no EPISODE given: using the demo episodes in {demo_root}")
         episode_paths = [demo_root]
         if overrides["session_capacity"] is None:

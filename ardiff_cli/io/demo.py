@@ -4,15 +4,19 @@ For any pipeline schema: camera fields get frames of coloured shapes moving
 over a gradient, numeric fields get smooth trajectories, each episode gets a
 prompt. They are generated once into ``$ARDIFF_CACHE_DIR/demo`` (default
 ``~/.cache/ardiff/demo``), in a temporary folder renamed into place, so a
-crash or a concurrent run never leaves a half-written demo set.
+crash or a concurrent run never leaves a half-written demo set. The set lists
+its files with their sizes (``.manifest.json``); one whose files no longer
+match it (a file cut short, deleted or added) is built again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,7 @@ DEMO_STEPS = (6, 5, 7)  # steps per demo episode (5-8, deterministic)
 DEMO_PROMPTS = ("pick up the red cube", "push the blue ball to the left", "open the green drawer")
 _COLORS = ((220, 50, 47), (38, 139, 210), (133, 153, 0), (181, 137, 0))
 CACHE_ENV = "ARDIFF_CACHE_DIR"
+MANIFEST = ".manifest.json"  # in a demo set: {"files": {relative path: size in bytes}} of every other file in it
 
 
 def cache_dir() -> Path:
@@ -121,17 +126,22 @@ def demo_key(pipeline_name: str, schema: ObservationSchema, image_size: tuple[in
 
 
 def ensure_demo_episodes(pipeline_name: str, schema: ObservationSchema, image_size: tuple[int, int], *,
-                         model_config: Any = None, root: Path | None = None) -> Path:
+                         model_config: Any = None, root: Path | None = None,
+                         warn: Callable[[str], None] = lambda message: None) -> Path:
     """The folder of demo episodes for this schema, generated on first use. Returns the set's folder.
 
-    A cache folder that cannot be written (a file, no permission, a full disk) is a ``ConfigError``, as for
-    the default checkpoints in the same cache.
+    A set whose files differ from its manifest is built again, and ``warn`` told what differed. A cache folder
+    that cannot be written (a file, no permission, a full disk) is a ``ConfigError``, as for the default
+    checkpoints in the same cache.
     """
     frames = tuple(frames_per_step(model_config, step) for step in range(max(DEMO_STEPS)))
     base = (root or cache_dir()) / "demo"
     target = base / demo_key(pipeline_name, schema, image_size, frames)
     if target.is_dir():
-        return target
+        damage = _damage(target)
+        if damage is None:
+            return target
+        warn(f"the demo episodes in {target} were damaged ({damage}): building them again")
     try:
         _generate(target, schema, image_size, frames)
     except OSError as exc:
@@ -154,6 +164,13 @@ def _generate(target: Path, schema: ObservationSchema, image_size: tuple[int, in
             steps = [demo_step(schema, image_size, episode, step, frames[step]) for step in range(num_steps)]
             meta = {schema.prompt_key: DEMO_PROMPTS[episode % len(DEMO_PROMPTS)]} if schema.prompt_key else None
             write_episode(tmp / f"demo_{episode}", steps, metadata=meta)
+        (tmp / MANIFEST).write_text(json.dumps({"files": _sizes(tmp)}, indent=1, sort_keys=True), encoding="utf-8")
+        if target.is_dir():  # a damaged set: moved aside first (a concurrent run may have done so already)
+            old = Path(f"{tmp}.old")
+            try:
+                os.rename(target, old)
+            except FileNotFoundError:
+                pass
         try:
             os.rename(tmp, target)
         except OSError:
@@ -161,3 +178,33 @@ def _generate(target: Path, schema: ObservationSchema, image_size: tuple[int, in
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(f"{tmp}.old", ignore_errors=True)
+
+
+def _sizes(folder: Path) -> dict[str, int]:
+    """{path relative to ``folder``: size} of every file under it but the manifest."""
+    return {p.relative_to(folder).as_posix(): p.stat().st_size
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
+def _damage(target: Path) -> str | None:
+    """How the demo set ``target`` differs from its manifest (the first difference), or None when it does not."""
+    from ardiff_cli.io.atomic import parse_json
+
+    try:
+        listed = parse_json((target / MANIFEST).read_text(encoding="utf-8"))["files"]
+        found = _sizes(target)
+    except FileNotFoundError:
+        return f"no {MANIFEST}"  # also a set made by ardiff before the manifest: built again once
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"cannot read it: {exc}"
+    if not isinstance(listed, dict):
+        return f"{MANIFEST} holds no file list"
+    for name in sorted(set(listed) | set(found)):
+        if name not in found:
+            return f"{name} is missing"
+        if name not in listed:
+            return f"{name} was not in it"
+        if found[name] != listed[name]:
+            return f"{name} has {found[name]} bytes, {listed[name]} when built"
+    return None
