@@ -8,6 +8,7 @@ import zlib
 
 import numpy as np
 import pytest
+import yaml
 
 from ardiff_cli.io import end_episode, read_step, write_episode, write_step
 from ardiff_cli.io.atomic import JsonlAppender, atomic_write_bytes, read_jsonl
@@ -54,6 +55,20 @@ def test_any_array_name_is_kept_and_a_prompt_from_a_dataset_is_text(tmp_path, fm
     assert (tmp_path / "ep" / "episode.yaml").read_text() == "prompt: pick the cup\n"
     write_step(tmp_path / "live", 0, named, prompt=np.str_("open it"), format=fmt)
     assert (tmp_path / "live" / "episode.yaml").read_text() == "prompt: open it\n"
+
+
+def test_episode_metadata_read_with_numpy_or_torch_is_written_as_plain_yaml(tmp_path):
+    # YAML's safe dumper raised "cannot represent an object" for a numpy float, after the folder was made.
+    import torch
+
+    meta = {"fps": np.float32(15.0), "arm": {"id": np.int64(3), "home": np.array([0.5, -1.0]),
+                                             "limits": [np.float64(1.5), torch.tensor(2.0)]}, "tags": ("a", "b")}
+    write_episode(tmp_path / "ep", [arrays(0)], prompt="pick", metadata=meta)
+    assert yaml.safe_load((tmp_path / "ep" / "episode.yaml").read_text()) == {
+        "fps": 15.0, "arm": {"id": 3, "home": [0.5, -1.0], "limits": [1.5, 2.0]}, "tags": ["a", "b"], "prompt": "pick"}
+    with pytest.raises(TypeError, match=r"^metadata: episode.yaml cannot hold .*\(object\); it holds text, numbers"):
+        write_episode(tmp_path / "bad", [arrays(0)], metadata={"calibration": object()})
+    assert not (tmp_path / "bad").exists()
 
 
 def test_what_a_step_file_cannot_hold_is_refused_before_anything_is_written(tmp_path):

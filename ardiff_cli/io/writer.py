@@ -162,16 +162,34 @@ def write_episode(folder: str | os.PathLike, steps: Sequence[Mapping[str, Any]],
     _check_format(format)
     prompt = _check_prompt(prompt)
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    info = dict(metadata or {})
+    info = _plain(dict(metadata or {}))
     if prompt is not None:
         info["prompt"] = prompt
-    if info:
-        atomic_write_text(folder / METADATA_FILE, yaml.safe_dump(info, sort_keys=False))
+    try:
+        text = yaml.safe_dump(info, sort_keys=False) if info else None
+    except yaml.representer.RepresenterError as exc:  # refused before anything is written
+        value = exc.args[1] if len(exc.args) > 1 else None
+        raise TypeError(f"metadata: episode.yaml cannot hold {shown(value)} ({type(value).__name__}); it holds "
+                        "text, numbers, booleans, lists and mappings") from None
+    folder.mkdir(parents=True, exist_ok=True)
+    if text is not None:
+        atomic_write_text(folder / METADATA_FILE, text)
     paths = [write_step(folder, first_step + i, arrays, format=format) for i, arrays in enumerate(steps)]
     if end:
         end_episode(folder)
     return paths
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with numpy scalars and arrays, and torch tensors, as Python numbers and lists (a camera's
+    calibration read with numpy), in mappings and lists too: YAML's safe dumper writes only Python's own types."""
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if type(value).__module__ in ("numpy", "torch") and hasattr(value, "tolist"):
+        return value.tolist()
+    return value
 
 
 def end_episode(folder: str | os.PathLike) -> Path:
