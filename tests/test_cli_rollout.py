@@ -375,8 +375,10 @@ def test_stdout_on_a_full_disk_is_an_error_with_exit_1_not_a_bug(env, data, tmp_
                                     "hint: check the file or device standard output goes to (free space, "
                                     "permissions)\n"), (name, proc.stderr)
         assert "Traceback" not in proc.stderr and "warning" not in proc.stderr, (name, proc.stderr)
-    # Only the summary goes to stdout in plain format, after the run: the run itself is whole.
-    assert json.loads((run / "summary.json").read_text())["status"] == "ok"
+    # Only the summary goes to stdout in plain format, after the run: the run itself is whole, and its summary.json
+    # (written before the summary is printed) says so
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["exit_code"]) == ("ok", 0)
     assert len(records(run)) == 6
 
 
