@@ -130,24 +130,49 @@ def _capacity_rows(s: Snapshot) -> list[tuple[str, object]]:
 
     rows: list[tuple[str, object]] = [("device", f"{s.device} · {s.dtype}")]
     if s.budget_bytes is not None:
-        available = f" of {format_bytes(s.available_bytes)}" if s.available_bytes else ""
-        rows.append(("budget", f"{format_bytes(s.budget_bytes)}{available}"))
+        budget = format_bytes(s.budget_bytes)
+        rows.append(("budget", _Fit(f"{budget} of {format_bytes(s.available_bytes)}", budget)
+                     if s.available_bytes else budget))
     if s.page_size is not None:
-        size = f" · {format_bytes(s.bytes_per_page)}" if s.bytes_per_page else ""
-        rows.append(("page", f"{s.page_size} tokens{size}"))
+        tokens = f"{s.page_size} tokens"
+        rows.append(("page", _Fit(f"{tokens} · {format_bytes(s.bytes_per_page)}", tokens)
+                     if s.bytes_per_page else tokens))
     bar = Table.grid(padding=(0, 1))
     bar.add_column(width=12)
     bar.add_column(no_wrap=True, overflow="ellipsis")
+    pages = f"{s.pages_used}/{s.pages_total}"
     bar.add_row(ProgressBar(total=max(1, s.pages_total), completed=s.pages_used, width=12),
-                f"{s.pages_used}/{s.pages_total}, {s.pages_total - s.pages_used} free")
+                _Fit(f"{pages}, {s.pages_total - s.pages_used} free", pages))
     rows.append(("pages", bar))
     rows.append(("sessions", f"{len(s.sessions)}/{s.session_capacity} resident"))
     if s.swap_budget_bytes:
-        swapped = f"{s.swapped} out, {format_bytes(s.swapped_bytes)} of {format_bytes(s.swap_budget_bytes)}"
-        rows.append(("swap", swapped))
+        out, used, space = f"{s.swapped} out", format_bytes(s.swapped_bytes), format_bytes(s.swap_budget_bytes)
+        rows.append(("swap", _Fit(f"{out}, {used} of {space}", f"{out}, {used}/{space}", f"{out}, {used}", out)))
     if s.attention:
         rows.append(("attention", s.attention))
     return rows
+
+
+class _Fit:
+    """The first of ``variants`` (each shorter than the one before) that fits the width it gets: a value too long
+    for a narrow panel loses whole parts from its end ("1 out, 160.58 KiB" at 40 columns), never half a unit
+    ("1 out, 160.58 KiB of 19.61")."""
+
+    def __init__(self, *variants: str) -> None:
+        self.variants = variants
+
+    def __rich_measure__(self, console, options):
+        from rich.cells import cell_len
+        from rich.measure import Measurement
+
+        return Measurement(cell_len(self.variants[-1]), cell_len(self.variants[0]))
+
+    def __rich_console__(self, console, options):
+        from rich.cells import cell_len
+        from rich.text import Text
+
+        fits = [v for v in self.variants if cell_len(v) <= options.max_width]
+        yield Text(fits[0] if fits else self.variants[-1], no_wrap=True, overflow="ellipsis")
 
 
 def _capacity_panel(rows: list[tuple[str, object]]):
@@ -155,10 +180,10 @@ def _capacity_panel(rows: list[tuple[str, object]]):
     from rich.table import Table
 
     grid = Table.grid(padding=(0, 1))
-    grid.add_column(style="bold", no_wrap=True, min_width=8)
-    grid.add_column(overflow="ellipsis", no_wrap=True)
+    grid.add_column(style="bold", no_wrap=True, min_width=max(len(label) for label, _ in rows))
+    grid.add_column()  # a _Fit never wraps; the column may narrow to a value's shortest form (Table collapses it)
     for label, value in rows:
-        grid.add_row(label, value)
+        grid.add_row(label, _Fit(value) if isinstance(value, str) else value)
     return Panel(grid, title="capacity", title_align="left", border_style="cyan")
 
 

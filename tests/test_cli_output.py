@@ -501,6 +501,28 @@ def test_a_narrow_sessions_panel_drops_its_last_columns_instead_of_cutting_every
     assert empty[1].split("│")[1].split() == all_columns and "none" in empty[2]  # the headers alone fit
 
 
+def test_a_narrow_capacity_panel_drops_whole_parts_of_a_value_and_keeps_its_labels():
+    """At 40 columns the swap row read "1 out, 160.58 KiB of 19.61" (the unit cut off) and the last label
+    "attenti…"; a value now loses whole parts from its end, and the labels show whole."""
+    from dataclasses import replace
+
+    snapshot = replace(SNAPSHOT, swapped=1, swapped_bytes=164434, swap_budget_bytes=21056048250, attention="torch")
+
+    def capacity_panel(width):
+        console = Console(record=True, width=width, height=60, file=io.StringIO())
+        console.print(render(snapshot))
+        text = console.export_text()
+        lines = text[text.index("╭─ capacity"):text.index("╰")].splitlines()[1:]
+        return {line.split()[1]: " ".join(w for w in line.strip("│ ").split()[1:] if "━" not in w) for line in lines}
+
+    full = {"device": "cpu · float32", "budget": "3.00 MiB of 8.00 GiB", "page": "16 tokens · 8.00 KiB",
+            "pages": "18/36, 18 free", "sessions": "2/2 resident",
+            "swap": "1 out, 160.58 KiB of 19.61 GiB", "attention": "torch"}
+    assert capacity_panel(80) == capacity_panel(44) == full
+    assert capacity_panel(40) == {**full, "pages": "18/36", "swap": "1 out, 160.58 KiB"}
+    assert capacity_panel(30) == {**full, "budget": "3.00 MiB", "page": "16 tokens", "pages": "18/36", "swap": "1 out"}
+
+
 def test_long_names_that_share_a_prefix_are_cut_in_the_middle_so_they_stay_apart():
     """Names were cut at their end: 50 episodes named pick_cube_2025-06-01_episode_NNNN all read
     "pick_cube_2025-06…" in the sessions and the events panels. Wide and combining characters are cut whole."""
