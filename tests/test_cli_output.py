@@ -513,7 +513,8 @@ def test_a_narrow_capacity_panel_drops_whole_parts_of_a_value_and_keeps_its_labe
         console.print(render(snapshot))
         text = console.export_text()
         lines = text[text.index("╭─ capacity"):text.index("╰")].splitlines()[1:]
-        return {line.split()[1]: " ".join(w for w in line.strip("│ ").split()[1:] if "━" not in w) for line in lines}
+        words = [line.strip("│ ").split() for line in lines]
+        return {label: " ".join(w for w in rest if "━" not in w) for label, *rest in words}  # the bar's cells not
 
     full = {"device": "cpu · float32", "budget": "3.00 MiB of 8.00 GiB", "page": "16 tokens · 8.00 KiB",
             "pages": "18/36, 18 free", "sessions": "2/2 resident",
