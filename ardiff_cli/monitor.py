@@ -30,6 +30,7 @@ SHORT_KINDS = {
     "session_closed": "closed",
     "hook_failed": "hook_failed",
     "swap_failed": "swap_failed",
+    "snapshot_dropped": "dropped",
     "warmup_finished": "warmup",
     "capacity_planned": "planned",
     "request_finished": "request",
@@ -53,6 +54,9 @@ def describe_event(data: dict[str, Any]) -> str:
         return f"{data.get('hook')}: {data.get('error')}"
     if kind == "swap_failed":
         return f"{'snapshot lost' if data.get('background', True) else 'not written'}: {data.get('error')}"
+    if kind == "snapshot_dropped":
+        return (f"swap snapshot ({format_bytes(data.get('swap_bytes', 0))}) deleted to make room for "
+                f"{data.get('by_session_id')}'s")
     if kind == "warmup_finished":
         restored = "pool restored" if data.get("restored") else "POOL NOT RESTORED"
         return f"{data.get('num_requests')} requests in {data.get('seconds', 0):.3f}s, {restored}"

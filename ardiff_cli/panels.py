@@ -119,8 +119,9 @@ def middle_cut(name: str, width: int) -> str:
 # them 4 times a second took more than the CPU time there is (1,000 rows: 0.4 s per frame).
 SESSION_ROWS = 16
 
-EVENT_STYLES = {"admitted": "green", "evicted": "yellow", "restored": "green", "reset": "magenta", "closed": "blue",
-                "failed": "red", "hook_failed": "red", "swap_failed": "red", "warmup": "cyan", "episode": "cyan"}
+EVENT_STYLES = {"admitted": "green", "evicted": "yellow", "dropped": "yellow", "restored": "green", "reset": "magenta",
+                "closed": "blue", "failed": "red", "hook_failed": "red", "swap_failed": "red", "warmup": "cyan",
+                "episode": "cyan"}
 
 
 def _capacity_rows(s: Snapshot) -> list[tuple[str, object]]:

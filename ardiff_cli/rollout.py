@@ -217,6 +217,8 @@ class Rollout:
         if kind == "session_evicted":
             self.stats.evictions += event.reason == "lru_eviction"  # not the sessions a stopped run swaps out
             self.stats.swapped_out += bool(event.swapped)
+        if kind == "snapshot_dropped":  # to make room for a newer one: its episode replays
+            self._swapped.pop(event.session_id, None)
         if kind == "swap_failed":
             self.stats.swap_failed += 1
             if event.background:  # after its eviction said swapped: no snapshot after all

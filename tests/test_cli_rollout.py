@@ -134,6 +134,29 @@ def test_default_rollout_exits_0_and_writes_the_documented_outputs(env, tmp_path
     assert summary["device"] == info["device"] == "cpu"  # the config says auto: both record what it resolved to
 
 
+def test_a_snapshot_dropped_for_room_in_the_swap_space_is_an_event_and_its_episode_replays(env, data, tmp_path):
+    # One resident session and three episodes: two snapshots at a time, in a swap space that holds one. Each drop
+    # was counted in summary.json only; the JSON stream now says which snapshot went, and for whose.
+    for name in ("arm_a", "arm_b"):
+        shutil.copytree(data / "eps" / name, tmp_path / "eps" / name)
+    write_episode(tmp_path / "eps" / "arm_c", steps_of(2, 3), prompt="task arm_c")
+
+    def rollout(out: str, *options: str) -> list[dict]:
+        proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(tmp_path / "eps"), "--out", str(tmp_path / out),
+                      "--format", "json", "--no-warmup", *options)
+        assert proc.returncode == 0, proc.stderr
+        return [json.loads(line) for line in proc.stdout.splitlines()]
+
+    planned = max(e["swap_bytes"] for e in rollout("whole") if e["kind"] == "session_evicted")
+    events = rollout("run", "--swap-space", str(planned * 3 // 2))
+    dropped = [e for e in events if e["kind"] == "snapshot_dropped"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert len(dropped) == summary["swap"]["dropped"] > 0
+    assert all(e["session_id"] != e["by_session_id"] and 0 < e["swap_bytes"] <= planned for e in dropped), dropped
+    assert summary["steps"]["replayed"] > 0  # their episodes replayed, to the same outputs
+    assert_same_outputs(tmp_path / "run", tmp_path / "whole")
+
+
 def test_an_episodes_last_step_is_reported_before_its_session_closes(env, data, tmp_path):
     """The event stream tells what happened in order: the last step's line, then its session's close."""
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "run"),

@@ -172,8 +172,14 @@ def test_over_budget_drops_the_least_recently_swapped_snapshot(tmp_path):
     runner = engine.runner
     one = runner.pool_usage().swapped_bytes
     runner.swap.budget_bytes = int(one * 1.5)  # room for one snapshot of this size, not two
+    del events[:]
     run(engine, "c", 0)  # b swapped out: a's snapshot, the oldest, goes
     assert runner.pool_usage().num_swapped == 1 and runner.swap.num_dropped == 1
+    # An API caller is told, as the eviction had told it the snapshot was there (no event came)
+    assert [(e.kind, e.session_id) for e in events][:3] == [
+        ("snapshot_dropped", "a"), ("session_evicted", "b"), ("session_admitted", "c")]
+    assert events[0].to_dict() == {"kind": "snapshot_dropped", "session_id": "a", "swap_bytes": one,  # its file's
+                                   "by_session_id": "b", "time": events[0].time}
     assert runner.restore_session("a") is False  # replay is the caller's fallback
     assert runner.restore_session("b") is True
     runner.swap.budget_bytes = one // 2  # a snapshot larger than the whole budget is not written, and said once

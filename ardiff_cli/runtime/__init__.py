@@ -57,6 +57,7 @@ _EXPORTS = {
     "SessionClosed": "events",
     "RequestFinished": "events",
     "HookFailed": "events",
+    "SnapshotDropped": "events",
     "SwapFailed": "events",
     "WarmupFinished": "events",
 }

@@ -91,6 +91,19 @@ class SwapFailed(RuntimeEvent):
 
 
 @dataclass(frozen=True)
+class SnapshotDropped(RuntimeEvent):
+    """A swapped-out session's snapshot was deleted to make room in the swap space for a newer one (the least
+    recently swapped go first): the session is one evicted without a snapshot from now on (``restore_session``
+    returns False, and its next request starts it afresh; the CLI replays its episode's steps)."""
+
+    kind: ClassVar[str] = "snapshot_dropped"
+    session_id: str
+    swap_bytes: int  # bytes of the file deleted
+    by_session_id: str  # the session whose snapshot needed the room
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class SessionReset(RuntimeEvent):
     kind: ClassVar[str] = "session_reset"
     session_id: str

@@ -62,6 +62,7 @@ from ardiff_cli.runtime.events import (
     SessionEvicted,
     SessionReset,
     SessionRestored,
+    SnapshotDropped,
     SwapFailed,
     WarmupFinished,
 )
@@ -767,6 +768,9 @@ class ARDiffusionModelRunner:
             return None
         finally:
             self._warn_about_failed_writes()
+            dropped, self.swap.dropped = self.swap.dropped, []
+            for other, nbytes in dropped:
+                self._emit(SnapshotDropped(session_id=other, swap_bytes=nbytes, by_session_id=session_id))
         if written is None and evicting and ("SwapSpace", None) not in self._swap_causes_warned:
             self._swap_causes_warned.add(("SwapSpace", None))
             size, space = format_bytes(self.swap.refused_bytes), format_bytes(self.swap.budget_bytes)

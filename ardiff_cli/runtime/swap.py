@@ -133,6 +133,8 @@ class SwapStore:
         # earlier write was taken in before it started (write() flushes first).
         self._last_write: tuple[str, _Snapshot, threading.Thread] | None = None
         self.num_dropped = 0  # snapshots deleted to make room for newer ones (their sessions are rebuilt otherwise)
+        # (session id, file bytes) of the snapshots dropped since the caller last emptied this list (its events)
+        self.dropped: list[tuple[str, int]] = []
         self.refused_bytes = 0  # the planned file size of the last snapshot refused as larger than the whole budget
         # (session id, why) of background writes that failed since the caller last emptied this list: those
         # sessions have no snapshot (the eviction had announced one)
@@ -256,6 +258,7 @@ class SwapStore:
         for session_id in [s for s in self._files if s != keep]:
             if self._nbytes + needed <= self.budget_bytes:
                 return
+            self.dropped.append((session_id, self._files[session_id].nbytes))
             self.discard(session_id)
             self.num_dropped += 1
 
