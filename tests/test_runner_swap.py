@@ -1047,6 +1047,24 @@ def test_resident_sessions_swapped_out_on_request_are_adopted_by_a_later_runner_
     assert not tmp_path.exists()
 
 
+def test_snapshots_dropped_while_adopting_a_stopped_runs_snapshots_are_events_then(tmp_path):
+    # A resume with a smaller swap space: adopting b's snapshot drops a's. The event came at the next swap-out,
+    # naming that session as the one the room was made for, or never.
+    first, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    for session in ("a", "b", "c"):
+        run(first, session, 0)
+    first.runner.swap.flush()
+    one = first.runner.pool_usage().swapped_bytes // 2
+    kept = first.runner.detach_snapshots()
+    first.close()
+    second, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path, swap_space=one * 3 // 2)
+    assert second.runner.adopt_snapshot("a", kept["a"]) and second.runner.adopt_snapshot("b", kept["b"])
+    assert [(e.kind, e.session_id, e.by_session_id, e.swap_bytes) for e in events if e.kind != "capacity_planned"] \
+        == [("snapshot_dropped", "a", "b", one)]  # a's file (a and b ran one step each: their files are alike)
+    assert second.runner.restore_session("a") is False and second.runner.restore_session("b") is True
+    second.close()
+
+
 def test_swapping_out_one_session_id_given_as_a_string_is_refused_not_taken_letter_by_letter(tmp_path):
     """swap_out_sessions("robot-a") took the string for an iterable of the ids 'r', 'o', 'b', ...: nothing was
     resident under those, so it swapped nothing out and returned {} without a word; None was a bare TypeError."""

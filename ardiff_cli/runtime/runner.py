@@ -768,9 +768,7 @@ class ARDiffusionModelRunner:
             return None
         finally:
             self._warn_about_failed_writes()
-            dropped, self.swap.dropped = self.swap.dropped, []
-            for other, nbytes in dropped:
-                self._emit(SnapshotDropped(session_id=other, swap_bytes=nbytes, by_session_id=session_id))
+            self._report_dropped(session_id)
         if written is None and evicting and ("SwapSpace", None) not in self._swap_causes_warned:
             self._swap_causes_warned.add(("SwapSpace", None))
             size, space = format_bytes(self.swap.refused_bytes), format_bytes(self.swap.budget_bytes)
@@ -873,7 +871,17 @@ class ARDiffusionModelRunner:
         if self.swap is None or session_id in self._sessions:
             return False
         with self._locked():
-            return self.swap.adopt(session_id, name)
+            try:
+                return self.swap.adopt(session_id, name)
+            finally:
+                self._report_dropped(session_id)
+
+    def _report_dropped(self, by_session_id: str) -> None:
+        """A ``snapshot_dropped`` event for each snapshot the swap store deleted to make room for ``by_session_id``'s
+        (written or adopted just now)."""
+        dropped, self.swap.dropped = self.swap.dropped, []
+        for session_id, nbytes in dropped:
+            self._emit(SnapshotDropped(session_id=session_id, swap_bytes=nbytes, by_session_id=by_session_id))
 
     def _has_snapshot(self, session_id: str) -> bool:
         """Whether ``session_id`` has a swap snapshot; warns first about snapshots whose write failed meanwhile."""
