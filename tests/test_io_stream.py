@@ -363,7 +363,7 @@ def test_demo_episodes_are_deterministic_valid_and_cached(tmp_path):
     assert not [p for p in (tmp_path / "demo").iterdir() if p.name.startswith(".")]  # no temp folder left
 
 
-@pytest.mark.parametrize("damage", ["cut short", "deleted", "episode deleted", "added", "no manifest"])
+@pytest.mark.parametrize("damage", ["cut short", "deleted", "episode deleted", "added"])
 def test_a_damaged_demo_set_is_built_again_and_an_intact_one_is_not(tmp_path, damage):
     # A demo step file cut short in the cache failed its episode in every run after (exit 4), naming a cache file
     # the user never made; a deleted episode folder quietly left the demo with two episodes.
@@ -379,20 +379,33 @@ def test_a_damaged_demo_set_is_built_again_and_an_intact_one_is_not(tmp_path, da
         step.unlink()
     elif damage == "episode deleted":
         shutil.rmtree(root / "demo_2")
-    elif damage == "added":
-        write_step(root / "demo_0", 9, good(9))
     else:
-        (root / ".manifest.json").unlink()
+        write_step(root / "demo_0", 9, good(9))
     assert ensure_demo_episodes("toy", SCHEMA, (16, 24), root=tmp_path, warn=warnings.append) == root
     what = {"cut short": f"demo_1/step_000003.safetensors has 100 bytes, {len(built[step.relative_to(root)])} when "
                          "built",
             "deleted": "demo_1/step_000003.safetensors is missing",
             "episode deleted": "demo_2/END is missing",
-            "added": "demo_0/step_000009.safetensors was not in it",
-            "no manifest": "no .manifest.json"}[damage]
+            "added": "demo_0/step_000009.safetensors was not in it"}[damage]
     assert warnings == [f"the demo episodes in {root} were damaged ({what}): building them again"]
     assert {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()} == built
     assert [p.name for p in (tmp_path / "demo").iterdir()] == [root.name]  # no temporary or old folder left
+
+
+def test_a_demo_set_another_run_made_meanwhile_or_an_earlier_version_made_is_used_as_it_is(tmp_path):
+    # Runs started together each build the set: one that finished later moved the set another had returned aside
+    # and deleted it, under that run's reads. A set without a manifest (made before there was one) was "damaged".
+    from ardiff_cli.io import demo
+
+    root = ensure_demo_episodes("toy", SCHEMA, (16, 24), root=tmp_path)
+    (root / ".manifest.json").unlink()
+    inode = root.stat().st_ino
+    warnings: list[str] = []
+    assert ensure_demo_episodes("toy", SCHEMA, (16, 24), root=tmp_path, warn=warnings.append) == root
+    frames = tuple(demo.frames_per_step(None, step) for step in range(max(demo.DEMO_STEPS)))
+    demo._generate(root, SCHEMA, (16, 24), frames)  # as a concurrent run that found no set, finishing second
+    assert warnings == [] and root.stat().st_ino == inode and not (root / ".manifest.json").exists()
+    assert [p.name for p in (tmp_path / "demo").iterdir()] == [root.name]
 
 
 def test_follow_fails_an_episode_whose_folder_is_deleted_or_renamed(tmp_path):

@@ -6,7 +6,8 @@ prompt. They are generated once into ``$ARDIFF_CACHE_DIR/demo`` (default
 ``~/.cache/ardiff/demo``), in a temporary folder renamed into place, so a
 crash or a concurrent run never leaves a half-written demo set. The set lists
 its files with their sizes (``.manifest.json``); one whose files no longer
-match it (a file cut short, deleted or added) is built again.
+match it (a file cut short, deleted or added) is built again, and replaces
+it unless a concurrent run replaced it first.
 """
 
 from __future__ import annotations
@@ -165,11 +166,10 @@ def _generate(target: Path, schema: ObservationSchema, image_size: tuple[int, in
             meta = {schema.prompt_key: DEMO_PROMPTS[episode % len(DEMO_PROMPTS)]} if schema.prompt_key else None
             write_episode(tmp / f"demo_{episode}", steps, metadata=meta)
         (tmp / MANIFEST).write_text(json.dumps({"files": _sizes(tmp)}, indent=1, sort_keys=True), encoding="utf-8")
-        if target.is_dir():  # a damaged set: moved aside first (a concurrent run may have done so already)
-            old = Path(f"{tmp}.old")
+        if target.is_dir() and _damage(target) is not None:  # damaged still: not a set a concurrent run just made
             try:
-                os.rename(target, old)
-            except FileNotFoundError:
+                os.rename(target, f"{tmp}.old")  # moved aside, then deleted
+            except FileNotFoundError:  # a concurrent run moved it first
                 pass
         try:
             os.rename(tmp, target)
@@ -195,7 +195,7 @@ def _damage(target: Path) -> str | None:
         listed = parse_json((target / MANIFEST).read_text(encoding="utf-8"))["files"]
         found = _sizes(target)
     except FileNotFoundError:
-        return f"no {MANIFEST}"  # also a set made by ardiff before the manifest: built again once
+        return None  # a set made before ardiff wrote a manifest: used as it is, as it was then
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"cannot read it: {exc}"
     if not isinstance(listed, dict):
