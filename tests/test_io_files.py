@@ -62,10 +62,12 @@ def test_episode_metadata_read_with_numpy_or_torch_is_written_as_plain_yaml(tmp_
     import torch
 
     meta = {"fps": np.float32(15.0), "arm": {"id": np.int64(3), "home": np.array([0.5, -1.0]),
-                                             "limits": [np.float64(1.5), torch.tensor(2.0)]}, "tags": ("a", "b")}
+                                             "limits": [np.float64(1.5), torch.tensor(2.0)]}, "tags": ("a", "b"),
+            "offset": torch.nn.Parameter(torch.tensor([0.25])), "mask": np.ma.masked_array([1, 2], mask=[0, 1])}
     write_episode(tmp_path / "ep", [arrays(0)], prompt="pick", metadata=meta)
     assert yaml.safe_load((tmp_path / "ep" / "episode.yaml").read_text()) == {
-        "fps": 15.0, "arm": {"id": 3, "home": [0.5, -1.0], "limits": [1.5, 2.0]}, "tags": ["a", "b"], "prompt": "pick"}
+        "fps": 15.0, "arm": {"id": 3, "home": [0.5, -1.0], "limits": [1.5, 2.0]}, "tags": ["a", "b"], "offset": [0.25],
+        "mask": [1, None], "prompt": "pick"}  # subclasses too: a model's parameter, a masked array
     with pytest.raises(TypeError, match=r"^metadata: episode.yaml cannot hold .*\(object\); it holds text, numbers"):
         write_episode(tmp_path / "bad", [arrays(0)], metadata={"calibration": object()})
     assert not (tmp_path / "bad").exists()

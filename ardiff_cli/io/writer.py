@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import sys
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -187,7 +188,10 @@ def _plain(value: Any) -> Any:
         return {key: _plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(item) for item in value]
-    if type(value).__module__ in ("numpy", "torch") and hasattr(value, "tolist"):
+    import numpy as np
+
+    torch = sys.modules.get("torch")  # a tensor means torch was imported: never imported here
+    if isinstance(value, (np.generic, np.ndarray)) or (torch is not None and isinstance(value, torch.Tensor)):
         return value.tolist()
     return value
 
