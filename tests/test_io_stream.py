@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -406,6 +408,17 @@ def test_a_demo_set_another_run_made_meanwhile_or_an_earlier_version_made_is_use
     demo._generate(root, SCHEMA, (16, 24), frames)  # as a concurrent run that found no set, finishing second
     assert warnings == [] and root.stat().st_ino == inode and not (root / ".manifest.json").exists()
     assert [p.name for p in (tmp_path / "demo").iterdir()] == [root.name]
+
+
+def test_a_demo_set_a_killed_run_was_building_is_removed_once_an_hour_old(tmp_path):
+    root = ensure_demo_episodes("toy", SCHEMA, (16, 24), root=tmp_path)
+    stale = [tmp_path / "demo" / f".{root.name}.k1ll3d_x", tmp_path / "demo" / f".{root.name}.r3pl4c3d.old"]
+    fresh, other = tmp_path / "demo" / f".{root.name}.b0ild1ng", tmp_path / "demo" / ".mine.abcdefgh"
+    for folder in (*stale, fresh, other):
+        write_step(folder / "demo_0", 0, good(0))
+        os.utime(folder, (time.time() - 7200, time.time() - 7200) if folder != fresh else None)
+    assert ensure_demo_episodes("toy", SCHEMA, (16, 24), root=tmp_path) == root
+    assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == sorted([root.name, fresh.name, other.name])
 
 
 def test_follow_fails_an_episode_whose_folder_is_deleted_or_renamed(tmp_path):

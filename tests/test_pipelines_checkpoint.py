@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from pipelines import causal_world, dreamzero
 from pipelines.checkpoint import (
     count_config_parameters,
     count_parameters,
+    default_checkpoint_path,
     fresh_modules,
     load_checkpoint,
     main,
@@ -128,6 +131,20 @@ def test_a_damaged_default_checkpoint_says_to_delete_it_to_build_it_again(ardiff
                               "built again")
     path.unlink()
     assert cls.from_config(tiny(causal_world), device="cpu", checkpoint=None).checkpoint == path
+
+
+def test_the_temporary_file_of_a_killed_checkpoint_build_is_removed_once_an_hour_old(ardiff_cache):
+    # A run killed (kill -9) while it built a default checkpoint left its temporary file in the cache for good.
+    cls = causal_world.pipeline_class()
+    name = default_checkpoint_path(cls, tiny(causal_world)).name
+    stale, fresh = ardiff_cache / f".{name}.k1ll3d_x.tmp", ardiff_cache / f".{name}.b0ild1ng.tmp"
+    other = ardiff_cache / ".notes.abcdefgh.tmp"  # not a checkpoint's: a cache folder may be shared
+    for path in (stale, fresh, other):
+        path.write_bytes(b"part of a checkpoint")
+    for path in (stale, other):
+        os.utime(path, (time.time() - 7200, time.time() - 7200))
+    cls.from_config(tiny(causal_world), device="cpu", checkpoint=None)
+    assert not stale.exists() and fresh.exists() and other.exists()  # fresh: another run may be writing it
 
 
 def test_mismatches_are_reported_together(tmp_path):
