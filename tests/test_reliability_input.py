@@ -1027,6 +1027,18 @@ def test_a_step_file_given_as_config_says_what_it_is(tmp_path, cli_env, command)
         assert f"pass the config first: ardiff rollout dreamzero-tiny {step.parent}" in hint, hint
 
 
+def test_episodes_given_before_the_config_get_a_hint_that_keeps_the_config(tmp_path, cli_env):
+    # `ardiff rollout data my_config.yaml`: the hint said `ardiff rollout dreamzero-tiny data`, which runs another
+    # model than the user's.
+    data = episode(tmp_path / "data" / "arm_a", 1).parent
+    config = tmp_path / "my_config.yaml"
+    config.write_text("pipeline: causal_world\nmodel: {preset: tiny}\n")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data), str(config), "--format", "plain"],
+                          env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(f"hint: pass the config first: ardiff rollout {config} {data}\n"), proc.stderr
+
+
 def test_resume_with_other_episodes_says_which_were_given(tmp_path, cli_env):
     # It named only the run's episodes ("...: ['arm_a', 'arm_b']"), not what the command line gave instead.
     folders = [episode(tmp_path / name, 1) for name in ("arm_a", "arm_b")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,12 +11,13 @@ from ardiff_cli.runtime.errors import ConfigError
 
 
 def load_engine_config(config: str | None, *, pipeline: str | None = None, command: str = "rollout",
-                       **overrides: Any):
+                       episodes: Sequence[Path] = (), **overrides: Any):
     """The validated ``EngineConfig`` of CONFIG (a path or built-in name) with runtime ``overrides`` applied.
 
     ``pipeline`` is ``--pipeline`` (a registered name or MODULE:CLASS). ``None``
     overrides keep the config's value; enum options are passed by value. ``command``: the one whose usage a hint
-    shows (rollout's folder is its episodes, given without CONFIG before them).
+    shows (rollout's folder is its episodes, given without CONFIG before them); ``episodes``: rollout's other
+    arguments, where a config given after the folder is (the hint then puts it first).
     """
     from ardiff_cli.runtime.config import load_config
 
@@ -25,7 +27,7 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
     if config is not None and Path(config).is_dir():
         raise ConfigError(
             f"CONFIG {config!r} is a folder; the first argument is a config file or a built-in config name",
-            hint=(f"pass the config first: ardiff rollout {DEFAULT_CONFIG} {config}" if command == "rollout"
+            hint=(f"pass the config first: ardiff rollout {_config_among(episodes)} {config}" if command == "rollout"
                   else f"pass a config file or a built-in config name, e.g. ardiff {command} {DEFAULT_CONFIG}"),
         )
     suffix = Path(config).suffix.lower() if config is not None else ""
@@ -39,6 +41,14 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
         )
     values = {k: getattr(v, "value", v) for k, v in overrides.items()}
     return load_config(config if config is not None else DEFAULT_CONFIG, pipeline=pipeline).with_runtime(**values)
+
+
+def _config_among(arguments: Sequence[Path]) -> str:
+    """The config among rollout's other arguments (a YAML file given after the episodes), else the default's name;
+    then those arguments, but the config."""
+    yaml = [a for a in arguments if a.suffix.lower() in (".yaml", ".yml") and a.is_file()]
+    config = str(yaml[0]) if yaml else DEFAULT_CONFIG
+    return " ".join([config, *(str(a) for a in arguments if str(a) != config)])
 
 
 def refuse_contradictions(*, quiet: bool = False, verbose: bool = False, **given: Any) -> None:

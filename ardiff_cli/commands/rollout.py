@@ -213,7 +213,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         if RunFolder(out).holds_run():
             raise ConfigError(f"{out} already holds a run",
                               hint=f"continue it with: ardiff rollout --resume --out {out}; or choose another --out")
-    cfg = load_engine_config(config, pipeline=pipeline, **overrides)
+    cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), **overrides)
     if not resume and cfg.runtime.device.startswith("cuda"):  # refused now, before --out or demo files are made
         from ardiff_cli.runtime.engine import resolve_device
 
