@@ -213,6 +213,21 @@ def test_extra_key_is_a_warning_not_an_error(tmp_path):
         f"{step1(folder)}: key 'timestamp' is not in the pipeline's schema; ignored"]
 
 
+def test_a_file_failing_for_a_missing_key_names_the_keys_it_holds_instead(tmp_path):
+    # "missing 'joint_position' (also accepted as: ...)" never named the file's 'jont_position': the warning that
+    # would have is not shown for a file that fails.
+    from pipelines.dreamzero import observation_schema
+
+    folder = episode(tmp_path / "typo", step1={"joint_position": None, "jont_position": np.zeros(7, np.float32),
+                                               "timestamp": np.zeros(1)})
+    with pytest.raises(ObservationError) as info:
+        validate_step(load_step(step1(folder)), observation_schema(), path=step1(folder),
+                      episode_metadata={"prompt": "p"})
+    assert str(info.value).startswith(f"{step1(folder)}: missing 'joint_position' (also accepted as: ")
+    assert str(info.value).endswith("; the file's other keys, not in the schema: 'jont_position' (did you mean "
+                                    "'joint_position'?), 'timestamp'")
+
+
 @pytest.fixture(scope="module")
 def bad_dataset(tmp_path_factory):
     """One folder of episodes: every bad case, one episode with extra keys, and one healthy episode."""

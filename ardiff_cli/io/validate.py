@@ -34,8 +34,8 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
     prompt_keys = (schema.prompt_key, *schema.prompt_aliases) if schema.prompt_key else ()
     field_keys = {k for f in schema.fields for k in f.keys}
     arrays = {k: v for k, v in raw.arrays.items() if k in field_keys or k in prompt_keys}
-    warnings = [f"{path}: key {k!r} is not in the pipeline's schema; ignored{did_you_mean(k, field_keys)}"
-                for k in sorted(raw.arrays) if k not in arrays]
+    ignored = [(repr(k), did_you_mean(k, field_keys)) for k in sorted(raw.arrays) if k not in arrays]
+    warnings = [f"{path}: key {k} is not in the pipeline's schema; ignored{near}" for k, near in ignored]
     prompt_missing = False
     if schema.prompt_key and not any(k in arrays for k in prompt_keys):
         for source in (raw.metadata, episode_metadata):
@@ -59,6 +59,10 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
         if prompt_missing:  # the schema's hint lists the prompt among the fields, as if it were one more array
             exc.hint = (f"{exc.hint}; put `{schema.prompt_key}: ...` in {path.parent / METADATA_FILE} for the whole "
                         "episode, or in a step file's metadata")
+        if ignored:  # what the file holds instead (a misspelt key): its warning never shows for a failed file
+            others = ", ".join(k + near for k, near in ignored)
+            raise ObservationError(f"{exc}; the file's other keys, not in the schema: {others}",
+                                   hint=exc.hint) from None
         raise
 
 
