@@ -1973,6 +1973,10 @@ def test_a_second_rollout_on_a_folder_in_use_is_refused_and_kill_9_leaves_no_sta
         second = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
         assert second.returncode == 2, second.stderr
         assert f"{run} is in use by another ardiff rollout (pid {proc.pid})" in second.stderr
+        # A new run into it: "already holds a run", with the hint to --resume it, which was refused next
+        fresh = ardiff(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--no-warmup")
+        assert fresh.returncode == 2 and "already holds a run" not in fresh.stderr, fresh.stderr
+        assert f"{run} is in use by another ardiff rollout (pid {proc.pid})" in fresh.stderr
         assert len(records(run)) == 1 and "summary.json" not in {p.name for p in run.iterdir()}
     finally:
         proc.kill()  # kill -9: the kernel drops the lock with the process

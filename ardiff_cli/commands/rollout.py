@@ -211,6 +211,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             watch = _recorded_watch(info, run.root / RUN_FILE)
     elif out is not None:
         if RunFolder(out).holds_run():
+            RunFolder(out).refuse_while_locked()  # a run still going: not one to resume now
             raise ConfigError(f"{out} already holds a run",
                               hint=f"continue it with: ardiff rollout --resume --out {out}; or choose another --out")
     cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), **overrides)

@@ -154,7 +154,7 @@ class RunFolder:
                                    + (f"; runs in {self.root.parent}: {', '.join(near[-5:])}"
                                       f"{did_you_mean(self.root.name, near)}" if near else ""))
         if not path.exists():
-            self._refuse_while_locked()  # a run that is still loading its model: run.json comes after
+            self.refuse_while_locked()  # a run that is still loading its model: run.json comes after
             raise ConfigError(f"nothing to resume: {path} does not exist",
                               hint="run without --resume to start a run in this folder")
         try:
@@ -287,7 +287,7 @@ class RunFolder:
             hint="wait for it to end, or stop it; two processes writing one run would mix their results "
                  "(choose another --out to run both)")
 
-    def _refuse_while_locked(self) -> None:
+    def refuse_while_locked(self) -> None:
         """:meth:`lock`'s refusal, without taking the lock or creating anything: while another process holds it."""
         try:
             import fcntl
