@@ -148,6 +148,10 @@ OBSERVATION_CASES = {
     "duplicate": (duplicate, ["{folder}: two files for step 1: step_00000"], "one file per step"),
     "empty_folder": (lambda f: f.mkdir(parents=True), ["{folder}: the episode folder holds no step files"],
                      "--follow"),
+    # np.save's files: "holds no step files" of a folder the user could see full of them
+    "npy_steps": (lambda f: f.mkdir(parents=True) or [np.save(f / f"step_{i}.npy", np.zeros(7)) for i in range(4)],
+                  ["{folder}: the episode folder holds no step files (it holds step_0.npy, step_1.npy, step_2.npy, "
+                   "...: a step file is .safetensors or .npz)"], "ardiff_cli.io.write_step writes them"),
     # it said "missing prompt" alone, though the prompt was there under a misspelt key (never read)
     "misspelt_prompt": (lambda f: episode(f) and (f / "episode.yaml").write_text("promt: pick up the cube\n"),
                         ["{folder}/step_000000.safetensors: missing prompt 'prompt' or 'language_instruction'; "
