@@ -33,7 +33,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from ardiff_cli.io.atomic import FILE_MODE, parse_json, remove_stale_temporaries
+from ardiff_cli.io.atomic import FILE_MODE, parse_json, remove_temporaries
 from ardiff_cli.io.demo import CACHE_ENV, cache_dir
 from ardiff_cli.io.writer import sort_metadata_in_file
 from ardiff_cli.runtime.errors import CheckpointError
@@ -259,7 +259,7 @@ def default_checkpoint_path(pipeline_class: Any, config) -> Path:
 def default_checkpoint(pipeline_class: Any, config) -> Path:
     """The built-in checkpoint of ``config``: built into the cache folder on first use, then reused."""
     path = default_checkpoint_path(pipeline_class, config)
-    remove_stale_temporaries(path.parent, r"[\w.-]+-[0-9a-f]{16}\.safetensors", r"\.tmp")  # a killed run's, unfinished
+    remove_temporaries(path.parent, r"[\w.-]+-[0-9a-f]{16}\.safetensors")  # a killed run's, unfinished
     if path.is_file():
         return path
     num = count_config_parameters(pipeline_class, config)

@@ -64,13 +64,14 @@ def _fsync_dir(folder: Path) -> None:
 STALE_AFTER_S = 3600.0  # a temporary entry nothing changed for this long is a killed writer's, not a slow one's
 
 
-def remove_stale_temporaries(folder: Path, name: str, suffix: str = "", *,
-                             older_than_s: float = STALE_AFTER_S) -> None:
-    """Delete what writes killed midway (``kill -9``, a power loss) left in ``folder``: the temporary files and
-    folders tempfile named for a target matching the regular expression ``name`` (".NAME." + 8 random characters
-    + ``suffix``, a regular expression too), that nothing changed for ``older_than_s`` seconds. A write in progress,
-    of another process too, changes its entry far more often than that. Errors are ignored: this is housekeeping
-    before the work, which must not fail for it."""
+def remove_temporaries(folder: Path, name: str = ".+", suffix: str = r"\.tmp", *,
+                       older_than_s: float = STALE_AFTER_S) -> list[Path]:
+    """Delete what writes killed midway (``kill -9``, a power loss) left in ``folder``, and return it: the temporary
+    files and folders tempfile named for a target matching the regular expression ``name`` (".NAME." + 8 random
+    characters + ``suffix``, a regular expression too), that nothing changed for ``older_than_s`` seconds. A write
+    in progress, of another process too, changes its entry far more often than that; 0 where no other process can
+    own one (a locked run folder). Errors are ignored: this is housekeeping before the work, which must not fail
+    for it."""
     import shutil
 
     pattern = re.compile(rf"\.(?:{name})\.[a-z0-9_]{{8}}{suffix}")
@@ -78,14 +79,18 @@ def remove_stale_temporaries(folder: Path, name: str, suffix: str = "", *,
     try:
         entries = list(os.scandir(folder))
     except OSError:
-        return
+        return []
+    removed = []
     for entry in entries:
         with contextlib.suppress(OSError):
-            if pattern.fullmatch(entry.name) and now - entry.stat(follow_symlinks=False).st_mtime > older_than_s:
+            if pattern.fullmatch(entry.name) and (
+                    older_than_s <= 0 or now - entry.stat(follow_symlinks=False).st_mtime > older_than_s):
                 if entry.is_dir(follow_symlinks=False):
                     shutil.rmtree(entry.path, ignore_errors=True)
                 else:
                     os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    return removed
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:

@@ -135,12 +135,12 @@ def ensure_demo_episodes(pipeline_name: str, schema: ObservationSchema, image_si
     that cannot be written (a file, no permission, a full disk) is a ``ConfigError``, as for the default
     checkpoints in the same cache.
     """
-    from ardiff_cli.io.atomic import remove_stale_temporaries
+    from ardiff_cli.io.atomic import remove_temporaries
 
     frames = tuple(frames_per_step(model_config, step) for step in range(max(DEMO_STEPS)))
     base = (root or cache_dir()) / "demo"
     target = base / demo_key(pipeline_name, schema, image_size, frames)
-    remove_stale_temporaries(base, r".+-\d+x\d+-[0-9a-f]{10}", r"(?:\.old)?")  # sets a killed run was building
+    remove_temporaries(base, r".+-\d+x\d+-[0-9a-f]{10}", r"(?:\.old)?")  # sets a killed run was building
     if target.is_dir():
         damage = _damage(target)
         if damage is None:

@@ -23,7 +23,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.io.atomic import JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_jsonl
+from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_jsonl,
+                                 remove_temporaries)
 from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error
 
 RUN_FILE = "run.json"
@@ -190,15 +191,7 @@ class RunFolder:
         folders = [self.root, self.root / PREVIEWS_DIR, self.root / SWAP_DIR, episodes]  # .swap: kept.json's
         if episodes.is_dir():
             folders += [p for p in episodes.iterdir() if p.is_dir()]
-        removed = []
-        for folder in folders:
-            if not folder.is_dir():
-                continue
-            for path in folder.iterdir():
-                if path.name.startswith(".") and path.name.endswith(".tmp") and path.is_file():
-                    path.unlink()
-                    removed.append(path)
-        return removed
+        return [path for folder in folders for path in remove_temporaries(folder, older_than_s=0)]
 
     def iter_records(self) -> Iterator[dict[str, Any]]:
         """Every whole line of results.jsonl, in order, one at a time: a long run's file is never held whole
