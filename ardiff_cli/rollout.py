@@ -35,14 +35,13 @@ import copy
 import errno
 import time
 import traceback
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ardiff_cli.errors_cli import Interrupted, OutputError, StepFailed
 from ardiff_cli.io.episode import METADATA_FILE, EpisodeSource, StepFile, load_step, step_sha256
-from ardiff_cli.io.run import RUN_FILE, RunFolder, is_array
+from ardiff_cli.io.run import RUN_FILE, RunFolder
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.monitor import RunMonitor
@@ -56,6 +55,7 @@ from ardiff_cli.runtime.errors import (
     is_broken_invariant,
 )
 from ardiff_cli.runtime.observation import ObservationSchema
+from ardiff_cli.runtime.outputs import output_problem
 from ardiff_cli.signals import StopSignals
 
 
@@ -90,29 +90,6 @@ class RolloutStats:
 
 # errno values that refuse every later write to --out alike: the run stops instead of failing each episode
 _DISK_FULL = {errno.ENOSPC, errno.EROFS, *([errno.EDQUOT] if hasattr(errno, "EDQUOT") else [])}
-
-
-def _non_finite(output: Mapping[str, Any]) -> str:
-    """What of a step's outputs is NaN or infinite ('actions': 3 NaN, 1 inf of 24 values; ...), or ''."""
-    import numpy as np
-    import torch
-
-    found = []
-    for name, value in output.items():
-        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
-            if not bool(torch.isfinite(value).all()):  # one reduction (and one sync) when all is well
-                found.append((name, int(torch.isnan(value).sum()), int(torch.isinf(value).sum()), value.numel()))
-        elif isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.inexact):
-            if not np.isfinite(value).all():
-                found.append((name, int(np.isnan(value).sum()), int(np.isinf(value).sum()), value.size))
-    return "; ".join(f"{name!r}: " + ", ".join(f"{count} {kind}" for count, kind in ((nan, "NaN"), (inf, "inf"))
-                                                if count) + f" of {size} values"
-                     for name, nan, inf, size in found)
-
-
-def _storable(dtype: Any) -> bool:
-    """Whether a step file (safetensors) holds arrays of ``dtype``, a torch or numpy one: bool, integer, floating."""
-    return not dtype.is_complex if hasattr(dtype, "is_complex") else dtype.kind in "biuf"
 
 
 def log_episode_end(monitor: RunMonitor, name: str, reason: str, steps: int) -> None:
@@ -387,25 +364,14 @@ class Rollout:
         request_id = f"{episode.name}/{step:06d}"
         self._at = ("forward", task.file)
         output = self._execute(request_id, episode.name, inputs)
-        if not isinstance(output, Mapping):  # nothing to write: an "ok" step with an empty file would hide it
-            raise PipelineError(f"{type(self.engine.pipeline).__name__}.forward() returned "
-                                f"{type(output).__name__}, expected a dict of arrays (name -> tensor or numpy array)",
-                                hint=PIPELINE_HINT)
-        if not any(is_array(value) for value in output.values()):  # the same: an "ok" step with an empty file
-            got = ", ".join(f"{key!r}: {type(value).__name__}" for key, value in output.items()) or "empty"
-            raise PipelineError(f"{type(self.engine.pipeline).__name__}.forward() returned a dict with no array in "
-                                f"it ({got}), expected a dict of arrays (name -> tensor or numpy array)",
-                                hint=PIPELINE_HINT)
-        unstorable = [f"{key!r} ({value.dtype})" for key, value in output.items()
-                      if is_array(value) and not _storable(value.dtype)]
-        if unstorable:  # safetensors refuses them: the step failed "while writing", with a hint about the disk
-            raise PipelineError(f"{type(self.engine.pipeline).__name__}.forward() returned arrays a step file cannot "
-                                f"hold: {', '.join(unstorable)}; expected bool, integer or floating arrays",
-                                hint=PIPELINE_HINT)
-        non_finite = _non_finite(output)
-        if non_finite:  # NaN actions sent to a robot: the step fails instead, and its session (NaN in its KV) goes
-            raise PipelineError(f"{type(self.engine.pipeline).__name__}.forward() returned non-finite values: "
-                                f"{non_finite}; nothing of this step was written",
+        problem = output_problem(output)
+        if problem is not None:
+            kind, what = problem
+            name = type(self.engine.pipeline).__name__
+            if kind != "non_finite":
+                raise PipelineError(f"{name}.forward() returned {what}", hint=PIPELINE_HINT)
+            # NaN actions sent to a robot: the step fails instead, and its session (NaN in its KV) goes
+            raise PipelineError(f"{name}.forward() returned {what}; nothing of this step was written",
                                 hint="the model diverged: check the config's sampling settings (a guidance scale "
                                      "too large) and the checkpoint; the episode's session was released")
         if episode.name in self._resident:

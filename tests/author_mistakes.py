@@ -118,6 +118,13 @@ class ReturnsLists(CausalWorldPipeline):
         return {name: value.tolist() for name, value in super().forward(request).items()}
 
 
+class ReturnsNaN(CausalWorldPipeline):
+    """Its forward divides by zero: every latent NaN (0/0) or infinite."""
+
+    def forward(self, request):
+        return {name: value / 0 for name, value in super().forward(request).items()}
+
+
 class ReturnsText(CausalWorldPipeline):
     """Its forward adds the prompt as a numpy string array beside the latents."""
 

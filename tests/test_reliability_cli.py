@@ -425,13 +425,20 @@ def test_a_signal_caught_inside_a_warmup_request_stops_warmup(env, data, action)
     # warmup passed (exit 0), and then every step of a rollout failed
     ("ReturnsTensor", "Error: warmup request 'warmup-0' of ReturnsTensor: ReturnsTensor.forward() returned Tensor, "
                       "expected a dict of arrays"),
+    ("ReturnsLists", "Error: warmup request 'warmup-0' of ReturnsLists: ReturnsLists.forward() returned a dict with "
+                     "no array in it ('latents': list), expected a dict of arrays"),
+    ("ReturnsText", "Error: warmup request 'warmup-0' of ReturnsText: ReturnsText.forward() returned arrays a step "
+                    "file cannot hold: 'caption' (<U"),
+    ("ReturnsNaN", "Error: warmup request 'warmup-0' of ReturnsNaN: ReturnsNaN.forward() returned non-finite values: "
+                   "'latents': "),
 ])
 def test_a_pipeline_authors_mistake_is_named_as_the_pipelines_not_as_a_bug_in_ardiff(env, tmp_path, pipeline,
                                                                                      message):
     # a missing method's hint names the README section that lists them; any other, that the pipeline's code failed
     hint = {"HooksMissing": "hint: see README, 'Adding a pipeline', for the methods a pipeline class implements",
             "SpecOtherThanItsConfig": "hint: build both from the same config fields, so that inspect-capacity plans "
-                                      "what load allocates"}.get(pipeline, "hint: the pipeline's code")
+                                      "what load allocates",
+            "ReturnsNaN": "hint: the model diverged on the warmup's inputs"}.get(pipeline, "hint: the pipeline's code")
     commands = {"warmup": ["warmup"], "rollout --warmup": ["rollout", "--warmup", "--out", str(tmp_path / "run")]}
     for name, command in commands.items():
         proc = ardiff(env, *command, "causal-world-tiny", "--device", "cpu", "--format", "plain",
@@ -706,7 +713,7 @@ def test_a_step_whose_outputs_are_not_finite_fails_and_writes_nothing(env, data,
 def test_non_finite_outputs_are_counted_by_name_in_torch_and_numpy_arrays_but_not_in_integers():
     import torch
 
-    from ardiff_cli.rollout import _non_finite
+    from ardiff_cli.runtime.outputs import _non_finite
 
     assert _non_finite({"actions": torch.zeros(3), "frames": np.ones((2, 2), np.float16), "ids": np.arange(3)}) == ""
     actions = torch.tensor([1.0, float("nan"), float("inf"), -float("inf")], dtype=torch.bfloat16)

@@ -26,6 +26,7 @@ from typing import Any
 from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_jsonl,
                                  remove_temporaries)
 from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error
+from ardiff_cli.runtime.outputs import is_array
 
 RUN_FILE = "run.json"
 RESULTS_FILE = "results.jsonl"
@@ -337,10 +338,6 @@ def _checked_name(episode: str) -> str:
     if not isinstance(episode, str) or safe_name(episode) != episode:
         raise ValueError(f"unsafe episode name {episode!r} for an output path; names come from safe_name()")
     return episode
-
-
-def is_array(value: Any) -> bool:
-    return hasattr(value, "shape") and hasattr(value, "dtype")
 
 
 # -- summary -------------------------------------------------------------------------------------------------

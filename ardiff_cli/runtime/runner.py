@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +70,7 @@ from ardiff_cli.runtime.kv.backends import select_attention_backend
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
 from ardiff_cli.runtime.kv.layout import KVLayout
 from ardiff_cli.runtime.kv.state import ARDiffusionKVState
+from ardiff_cli.runtime.outputs import output_problem
 from ardiff_cli.runtime.request import RUNNER_KEYS, ARDiffusionRequest, require_request
 from ardiff_cli.runtime.swap import (
     SNAPSHOT_FILE,
@@ -90,6 +91,8 @@ REQUEST_MODE_ONLY = (
     "no step execution): batching or stepping requests would bypass bind_ar_diffusion_state(), which binds "
     "exactly one session's KV state around one forward"
 )
+_DIVERGED_IN_WARMUP = ("the model diverged on the warmup's inputs (every step would fail alike): check the "
+                       "config's sampling settings (a guidance scale too large) and the checkpoint")
 
 
 class LifecycleHookError(ArdiffError, RuntimeError):
@@ -996,10 +999,11 @@ class ARDiffusionModelRunner:
                 where = f"warmup request {request.request_id!r} of {type(self.pipeline).__name__}"
                 t0 = time.perf_counter()
                 output = self._execute(request, internal=True)
-                if not isinstance(output, Mapping):  # else warmup passed and every real step failed
-                    raise PipelineError(f"{where}: {type(self.pipeline).__name__}.forward() returned "
-                                        f"{type(output).__name__}, expected a dict of arrays (name -> tensor or numpy "
-                                        "array)", hint=PIPELINE_HINT)
+                problem = output_problem(output)  # else warmup passed and every real step failed
+                if problem is not None:
+                    kind, what = problem
+                    raise PipelineError(f"{where}: {type(self.pipeline).__name__}.forward() returned {what}",
+                                        hint=PIPELINE_HINT if kind != "non_finite" else _DIVERGED_IN_WARMUP)
                 timings.append((request.request_id, describe_inputs(request.inputs), time.perf_counter() - t0))
                 where = provider
         except Exception as exc:
