@@ -836,6 +836,40 @@ main()
 """
 
 
+TORCH_IMPORT_WATCH = """\
+import importlib.abc, pathlib, signal, sys
+record = pathlib.Path(sys.argv[1])
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and not record.exists():  # who handles SIGINT and SIGTERM as torch starts to import
+            record.write_text(" ".join(getattr(signal.getsignal(s), "__qualname__", str(signal.getsignal(s)))
+                                       for s in (signal.SIGINT, signal.SIGTERM)))
+sys.meta_path.insert(0, Watch())
+from ardiff_cli.app import main
+sys.argv = ["ardiff", *sys.argv[2:]]
+main()
+"""
+
+
+def test_torch_imports_under_the_rollouts_signal_handlers_on_a_new_run_and_on_a_resume(env, data, tmp_path):
+    # A resume imported torch (resolving its recorded device) before the handlers were installed: Ctrl-C in its
+    # first second exited 0 (ignored), 1 blaming the pipeline ("module 'numpy' has no attribute 'void'": numpy
+    # left half imported), 1 as "a bug in ardiff", or 134 (SIGABRT); SIGTERM killed it without a word.
+    live, run = tmp_path / "live", tmp_path / "run"
+    write_episode(live / "arm_a", steps_of(0, 3)[:2], prompt="task arm_a")
+    for command, extra in ((["rollout", str(data / "fast.yaml"), str(live / "arm_a")], 0),
+                           (["rollout", "--resume"], 1)):
+        record = tmp_path / f"handlers-{extra}"
+        proc = subprocess.run([sys.executable, "-c", TORCH_IMPORT_WATCH, str(record), *command, "--out", str(run),
+                               "--no-warmup", "--format", "plain"], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        assert record.read_text() == "StopSignals._handle StopSignals._handle", command
+        if not extra:
+            write_episode(live / "arm_a", steps_of(0, 3)[2:], first_step=2)  # a step for the resume to run
+    assert [r["step"] for r in map(json.loads, (run / "results.jsonl").read_text().splitlines())] == [0, 1, 2]
+
+
 def test_a_resume_that_stops_before_taking_the_kept_snapshots_leaves_them_to_the_next(env, data, reference, tmp_path):
     # The index was deleted as the resume read it, before anything could refuse or kill it (a --device it cannot
     # use here; a SIGTERM while torch imports; kill -9 while the model loads): the next resume replayed them all.

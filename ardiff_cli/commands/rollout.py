@@ -524,8 +524,6 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 log_episode_end(monitor, item.episode.name, item.reason, len(p.done.get(item.episode.name, ())))
             output.result(_write_summary(run, summary, output, None), lambda plain: render_summary(summary, plain))
             return
-        _same_device(p.cfg.runtime.device, p.recorded_device)  # torch resolves the device: not needed above
-        _recorded_backend_installed(p.cfg.runtime.attention_backend, p.recorded_backend, p.recorded_device)
     engine = driver = plan = summary = None
     ran_from = ran_until = None  # monotonic times driver.run() began and ended: the time spent running steps
     error: BaseException | None = None
@@ -541,6 +539,10 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 from ardiff_cli.runtime.engine import ARDiffusionEngine
 
                 signals.check()  # a signal that arrived while torch imported
+                if resume:  # before the model loads; under the signals, as torch resolves the device
+                    _same_device(p.cfg.runtime.device, p.recorded_device)
+                    _recorded_backend_installed(p.cfg.runtime.attention_backend, p.recorded_backend,
+                                                p.recorded_device)
                 engine = ARDiffusionEngine(p.cfg, swap_dir=None if swap_space == 0 else swap_dir,
                                            swap_space=swap_space)
                 engine.subscribe(monitor.on_event)
