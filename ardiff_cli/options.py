@@ -157,7 +157,7 @@ EpisodesArg = Annotated[
 ]
 PipelineOpt = Annotated[
     Optional[str],
-    typer.Option("--pipeline", rich_help_panel=RUNTIME_PANEL, metavar="MODULE:CLASS",
+    typer.Option("--pipeline", rich_help_panel=RUNTIME_PANEL, metavar="NAME|MODULE:CLASS",
                  help="Use this pipeline instead of the config's: a registered name, or MODULE:CLASS to import a "
                       "pipeline class (one that carries Config and observation_schema, like "
                       "pipelines.dreamzero.pipeline:DreamZeroPipeline). Importing runs MODULE's code, so only this "
