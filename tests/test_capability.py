@@ -42,7 +42,9 @@ def test_branch_spec_valid():
         branch.local_index = 0  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("name", ["", None, 3, b"positive"])
+# "/" separates the names of a session's tensors in its swap snapshot: a branch 'cam/left' was swapped out and
+# could not be restored (SwapRestoreError, its history lost), a cache 'text/en' only after another eviction
+@pytest.mark.parametrize("name", ["", None, 3, b"positive", "cam/left"])
 def test_branch_spec_bad_name(name):
     with pytest.raises(ValueError) as excinfo:
         ARDiffusionKVBranchSpec(name, 0)
@@ -62,7 +64,7 @@ def test_cross_spec_defaults_to_self_geometry():
     assert (cache.num_kv_heads, cache.head_size) == (None, None)
 
 
-@pytest.mark.parametrize("name", ["", None, 5])
+@pytest.mark.parametrize("name", ["", None, 5, "text/en"])
 def test_cross_spec_bad_name(name):
     with pytest.raises(ValueError) as excinfo:
         ARDiffusionCrossAttentionKVSpec(name, 4)

@@ -31,9 +31,13 @@ def _require_int(field: str, value: Any, *, minimum: int) -> None:
 
 
 def _require_name(field: str, value: Any) -> None:
-    """Raise ``ValueError`` unless ``value`` is a non-empty str (``field`` is plural: the contract's wording)."""
+    """Raise ``ValueError`` unless ``value`` is a non-empty str without "/" (``field`` is plural: the contract's
+    wording). A session's swap snapshot names its tensors ``self/BRANCH/k`` and ``cross/BRANCH/CACHE``."""
     if not isinstance(value, str) or not value:
         raise ValueError(f"AR-Diffusion {field} must be non-empty strings, got {value!r}")
+    if "/" in value:
+        raise ValueError(f"AR-Diffusion {field} must not contain '/' (it separates the names of a session's tensors "
+                         f"in its swap snapshot), got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class ARDiffusionKVBranchSpec:
     branches share a cross-attention cache.
     """
 
-    name: str  # logical branch name used by the model ("positive", "main", ...)
+    name: str  # logical branch name used by the model ("positive", "main", ...; no "/")
     local_index: int  # worker-local storage slot, contiguous from zero
 
     def __post_init__(self) -> None:
@@ -63,7 +67,7 @@ class ARDiffusionCrossAttentionKVSpec:
     often project to a different geometry, so they may be given explicitly.
     """
 
-    name: str  # cache name ("text", "image", ...)
+    name: str  # cache name ("text", "image", ...; no "/")
     num_tokens: int  # fixed number of key/value tokens per layer
     num_kv_heads: int | None = None  # None: the spec's num_kv_heads
     head_size: int | None = None  # None: the spec's head_size
