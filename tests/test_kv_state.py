@@ -424,6 +424,21 @@ def test_populate_that_closes_the_state_publishes_nothing(make_spec, make_cache)
     assert state.cross_attention_bytes == 0
 
 
+def test_populate_refuses_tensors_that_require_grad_and_keeps_the_published_cache(make_spec, make_cache):
+    # Its copy held the graph that made it (CopyBackwards) for the session's life, memory no plan counts, where
+    # attend and store refuse such K/V
+    spec = make_spec(cross_attention=CROSS)
+    state = make_cache(spec).new_state("s")
+    published = cross_pairs(spec, "text")
+    state.populate_cross_attention("positive", "text", published)
+    weight = torch.ones((), requires_grad=True)
+    with pytest.raises(ValueError, match="layer 1 v requires grad, but the KV cache is inference-only.*no_grad"):
+        state.populate_cross_attention("positive", "text", [(k, v * weight if i == 1 else v)
+                                                            for i, (k, v) in enumerate(cross_pairs(spec, "text", seed=1))])
+    for (k, v), (k0, v0) in zip(state.cross_attention("positive", "text"), published):
+        assert torch.equal(k, k0) and torch.equal(v, v0) and not k.requires_grad and not v.requires_grad
+
+
 # -------------------------------------------------------------- names and sizes
 def test_unknown_branch_names_valid_ones(make_spec, make_cache):
     spec = make_spec(cross_attention=CROSS)

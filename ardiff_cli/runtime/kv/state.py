@@ -328,6 +328,10 @@ class ARDiffusionKVState:
                             f"{where}: layer {layer} {label} must be {pool.dtype} on {pool.device}, "
                             f"got {t.dtype} on {t.device}"
                         )
+                    if t.requires_grad:  # its copy would hold the graph that made it for the session's life
+                        raise ValueError(f"{where}: layer {layer} {label} requires grad, but the KV cache is "
+                                         "inference-only; run the pipeline's forward under torch.no_grad() or "
+                                         "torch.inference_mode()")
                     try:
                         copies.append(torch.empty(expected, dtype=pool.dtype, device=pool.device).copy_(t))
                     except torch.OutOfMemoryError as exc:
