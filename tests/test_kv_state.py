@@ -465,6 +465,15 @@ def test_seq_len_must_be_whole_frames_within_one_block(make_spec, make_cache, se
     assert_names(excinfo, "seq_len", str(seq_len))
 
 
+def test_seq_len_may_be_a_numpy_integer(make_spec, make_cache):
+    # np.int64(4), a whole frame, was refused as not "a positive whole number of frames"
+    import numpy as np
+
+    state = make_cache(make_spec()).new_state("s")
+    layers = state.get_kv_caches("positive", seq_len=np.int64(4))
+    assert type(layers[0].seq_len) is int and layers[0].seq_len == 4
+
+
 @pytest.mark.parametrize("backend", ["torch", "torch-paged-kernel"])
 def test_device_spelled_with_an_index_accepts_tensors_on_it(make_spec, backend):
     # torch.device("cuda") != torch.device("cuda:0"), the device CUDA tensors report; "cpu:0" vs "cpu"

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ardiff_cli.runtime.capacity import as_int
 from ardiff_cli.runtime.kv.allocator import KVCacheExhaustedError, PageAllocator
 from ardiff_cli.runtime.kv.attention import ARDiffusionForwardContext, ARDiffusionLayerContext
 
@@ -236,10 +237,11 @@ class ARDiffusionKVState:
         kv = self._branch(branch)
         layout = self._cache.layout
         tokens_per_frame = layout.spec.tokens_per_frame
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0 or seq_len % tokens_per_frame:
+        given, seq_len = seq_len, as_int(seq_len)  # numpy's int64 too, as the runtime's other integers
+        if seq_len is None or seq_len <= 0 or seq_len % tokens_per_frame:
             raise ValueError(
                 f"seq_len must be a positive whole number of frames (multiple of tokens_per_frame="
-                f"{tokens_per_frame}), got {seq_len!r}"
+                f"{tokens_per_frame}), got {given!r}"
             )
         if seq_len > layout.block_tokens:
             raise ValueError(
