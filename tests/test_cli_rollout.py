@@ -836,6 +836,39 @@ main()
 """
 
 
+def test_a_resume_whose_episode_folder_moved_names_it_and_goes_on_through_a_symlink_at_its_old_path(
+        env, data, reference, tmp_path):
+    # Its hint was a new run's "create its folder first (mkdir -p) and use --follow", and the empty folder made as
+    # told failed the episode as one that "holds no step files", not as the episode whose steps had run
+    live, run = tmp_path / "live", tmp_path / "run"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[:2], prompt=f"task {name}")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), str(live / "arm_b"), "--out", str(run),
+                  "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[2:], first_step=2)
+    moved = tmp_path / "moved"
+    (live / "arm_b").rename(moved)
+    resume = ("rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    proc = ardiff(env, *resume)
+    assert proc.returncode == 2, proc.stderr
+    assert (f"Error: episode 'arm_b' of this run: its folder {live / 'arm_b'} is gone; {run / 'run.json'} records "
+            "where each episode's folder was when the run started\nhint: put it back at that path (moved: a symlink "
+            "there to where it is now will do)") in proc.stderr, proc.stderr
+    assert len(records(run)) == 4  # refused before anything ran
+    (live / "arm_b").mkdir()  # as the old hint told
+    proc = ardiff(env, *resume)
+    assert proc.returncode == 4, proc.stderr
+    assert (f"{live / 'arm_b'}: steps 0..1 ran (results.jsonl) but their files are gone: the folder holds no step "
+            "files, so the episode's next step cannot run") in proc.stderr, proc.stderr
+    (live / "arm_b").rmdir()
+    (live / "arm_b").symlink_to(moved)
+    proc = ardiff(env, *resume)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_outputs(reference, run)
+
+
 TORCH_IMPORT_WATCH = """\
 import importlib.abc, pathlib, signal, sys
 record = pathlib.Path(sys.argv[1])

@@ -209,6 +209,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         if not episode_paths and not info.get("demo"):
             episode_paths = [Path(e["path"]) for e in info["episodes"]]
             watch = _recorded_watch(info, run.root / RUN_FILE)
+            _recorded_folders_exist(info["episodes"], run.root / RUN_FILE)
     elif out is not None:
         if RunFolder(out).holds_run():
             RunFolder(out).refuse_while_locked()  # a run still going: not one to resume now
@@ -243,13 +244,15 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     if resume:
         # An episode keeps the name its folder had when the run started, whatever the order of EPISODE now:
         # two folders both named `ep` are `ep` and `ep-2` by the order they were given in.
+        # A recorded path is the episode's even where a symlink there leads elsewhere now (its folder moved).
         names = {e["path"]: e["name"] for e in info["episodes"]}
         for episode in episodes:
-            episode.name = names.get(str(episode.path.resolve()), episode.name)
+            episode.name = names.get(str(episode.path), names.get(str(episode.path.resolve()), episode.name))
         recorded = sorted(e["name"] for e in info["episodes"])
         # an episode folder made since in a watched folder of episodes is not one yet: the run's first poll adds it
         paths = {e["path"] for e in info["episodes"]}
-        episodes = [e for e in episodes if str(e.path.resolve()) in paths or e.path.resolve().parent not in watch]
+        episodes = [e for e in episodes if str(e.path) in paths or str(e.path.resolve()) in paths
+                    or e.path.resolve().parent not in watch]
         given = sorted(e.name for e in episodes)
         if given != recorded:
             raise ConfigError(f"the episodes differ from those of the run in {out}: expected {recorded}, got {given}",
@@ -379,6 +382,19 @@ def _recorded(info: dict[str, Any], key: str, path: Path) -> Any:
         raise field_error(str(path), key, RECORDED[key], value, hint="correct it there, to what the run ran with")
     raise field_error(str(path), key, RECORDED[key], value,
                       hint=f"correct it there, or give --{key.replace('_', '-')} to replace it")
+
+
+def _recorded_folders_exist(episodes: list[dict[str, Any]], run_file: Path) -> None:
+    """The episode folders a resume reads are where the run started them: one moved or deleted since is named as
+    this run's (where a new run's missing EPISODE hints at --follow)."""
+    gone = [(e["name"], e["path"]) for e in episodes if not Path(e["path"]).exists()]
+    if gone:
+        name, path = gone[0]
+        more = f" (and {len(gone) - 1} more episode folder{'s' if len(gone) > 2 else ''})" if len(gone) > 1 else ""
+        raise ConfigError(f"episode {name!r} of this run: its folder {path} is gone{more}; {run_file} records where "
+                          "each episode's folder was when the run started",
+                          hint="put it back at that path (moved: a symlink there to where it is now will do), then "
+                               "resume; or run its episodes again in a new --out")
 
 
 def _same_device(setting: str, recorded: str | None, *, load: bool = True) -> None:

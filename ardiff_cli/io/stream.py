@@ -363,6 +363,8 @@ class StepScheduler:
     def _scan(self, track: _Track, *, force: bool = False) -> None:
         if not self.follow:
             files = track.source.scan()
+            if not files and track.done_sorted:  # emptied since they ran
+                raise _lost_history(track, None)
             if not files:
                 others = _other_step_formats(track.source.path)
                 raise ObservationError(
@@ -461,13 +463,15 @@ def _steps(first: int, last: int) -> str:
     return f"step {first}" if first == last else f"steps {first}..{last}"
 
 
-def _lost_history(track: _Track, first: int) -> ObservationError:
-    """Steps that ran (results.jsonl) before the first step file in the folder: their files are gone."""
-    lost = [step for step in track.done_sorted if step < first]
+def _lost_history(track: _Track, first: int | None) -> ObservationError:
+    """Steps that ran (results.jsonl) before the first step file in the folder (``None``: it holds none): their
+    files are gone."""
+    lost = [step for step in track.done_sorted if first is None or step < first]
     shown = f"{lost[0]}" if len(lost) == 1 else f"{lost[0]}..{lost[-1]}"
+    now = "the folder holds no step files" if first is None else f"the folder starts at step {first}"
     return ObservationError(
         f"{track.source.path}: step{'s' if len(lost) > 1 else ''} {shown} ran (results.jsonl) but "
-        f"{'their files are' if len(lost) > 1 else 'its file is'} gone: the folder starts at step {first}, so the "
+        f"{'their files are' if len(lost) > 1 else 'its file is'} gone: {now}, so the "
         f"episode's next step cannot run on the history its earlier outputs were made from",
         hint="put the episode's step files back as they were when they ran (--resume then goes on), or run the "
              "episode again from its first step in a new --out; a session's outputs depend on every earlier step",
