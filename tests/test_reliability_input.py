@@ -1058,6 +1058,23 @@ def test_episodes_given_before_the_config_get_a_hint_that_keeps_the_config(tmp_p
     assert proc.stderr.endswith(f"hint: pass the config first: ardiff rollout {config} {data}\n"), proc.stderr
 
 
+def test_hints_that_show_a_command_quote_its_paths_and_keep_the_episodes_order(tmp_path, cli_env):
+    # `ardiff rollout "my data/épisode un" "my data/ep 2"` was told `ardiff rollout dreamzero-tiny my data/ep 2 my
+    # data/épisode un`: split at the spaces, and the first episode moved last. The same of --out's "continue it".
+    first, second = episode(tmp_path / "my data" / "épisode un", 1), episode(tmp_path / "my data" / "ep 2", 1)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(first), str(second), "--format",
+                           "plain"], env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(f"hint: pass the config first: ardiff rollout dreamzero-tiny '{first}' '{second}'\n")
+    out = tmp_path / "out dir" / "r s"
+    for expected in (0, 2):
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "causal-world-tiny", str(first),
+                               "--out", str(out), "--no-warmup", "--format", "plain"], env=cli_env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == expected, proc.stderr
+    assert f"hint: continue it with: ardiff rollout --resume --out '{out}'; or choose another --out" in proc.stderr
+
+
 def test_resume_with_other_episodes_says_which_were_given(tmp_path, cli_env):
     # It named only the run's episodes ("...: ['arm_a', 'arm_b']"), not what the command line gave instead.
     folders = [episode(tmp_path / name, 1) for name in ("arm_a", "arm_b")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
     if config is not None and Path(config).is_dir():
         raise ConfigError(
             f"CONFIG {config!r} is a folder; the first argument is a config file or a built-in config name",
-            hint=(f"pass the config first: ardiff rollout {_config_among(episodes)} {config}" if command == "rollout"
+            hint=(f"pass the config first: ardiff rollout {_config_among([Path(config), *episodes])}"
+                  if command == "rollout"
                   else f"pass a config file or a built-in config name, e.g. ardiff {command} {DEFAULT_CONFIG}"),
         )
     suffix = Path(config).suffix.lower() if config is not None else ""
@@ -35,7 +37,7 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
         raise ConfigError(
             f"CONFIG {config!r} is a {suffix} file, not a config: the first argument is a config file or a built-in "
             "config name",
-            hint=(f"pass the config first: ardiff rollout {DEFAULT_CONFIG} {Path(config).parent}; "
+            hint=(f"pass the config first: ardiff rollout {DEFAULT_CONFIG} {shlex.quote(str(Path(config).parent))}; "
                   if command == "rollout" else f"pass a config, e.g. ardiff {command} {DEFAULT_CONFIG}; ")
             + "a checkpoint goes in the config's `checkpoint:` field",
         )
@@ -44,11 +46,11 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
 
 
 def _config_among(arguments: Sequence[Path]) -> str:
-    """The config among rollout's other arguments (a YAML file given after the episodes), else the default's name;
-    then those arguments, but the config."""
+    """Rollout's arguments as a shell would take them, the config first: the YAML file among them (given after the
+    episodes), else the default's name; then the others, in their order."""
     yaml = [a for a in arguments if a.suffix.lower() in (".yaml", ".yml") and a.is_file()]
     config = str(yaml[0]) if yaml else DEFAULT_CONFIG
-    return " ".join([config, *(str(a) for a in arguments if str(a) != config)])
+    return " ".join(map(shlex.quote, [config, *(str(a) for a in arguments if str(a) != config)]))
 
 
 def refuse_contradictions(*, quiet: bool = False, verbose: bool = False, **given: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import shlex
 import signal
 import time
 from collections.abc import Callable
@@ -214,7 +215,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         if RunFolder(out).holds_run():
             RunFolder(out).refuse_while_locked()  # a run still going: not one to resume now
             raise ConfigError(f"{out} already holds a run",
-                              hint=f"continue it with: ardiff rollout --resume --out {out}; or choose another --out")
+                              hint=f"continue it with: ardiff rollout --resume --out {shlex.quote(str(out))}; or "
+                                   "choose another --out")
     cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), **overrides)
     if not resume and cfg.runtime.device.startswith("cuda"):  # refused now, before --out or demo files are made
         from ardiff_cli.runtime.engine import resolve_device

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -339,7 +340,7 @@ class StepScheduler:
         if made:
             what += (f"; episode folders were made in it since ({listed(made)}): it was empty when the run started, "
                      "so it was followed as one episode")
-            hint = (f"make one episode folder in it before the run (mkdir -p {folder / made[0]}): --follow then "
+            hint = (f"make one episode folder in it before the run (mkdir -p {shlex.quote(str(folder / made[0]))}): --follow then "
                     "takes it for a folder of episodes, and follows each episode folder made in it")
         raise ObservationError(f"{folder}: {what}", hint=hint)
 
