@@ -438,7 +438,8 @@ class Rollout:
         """
         message = str(exc)
         cause = exc.cause if isinstance(exc, StepFailed) else exc
-        record = {"episode": episode.name, "step": step_file.step, "chunk": ordinal, "session": episode.name,
+        step, chunk = (None, None) if phase == "scan" else (step_file.step, ordinal)  # scan: the folder, no step
+        record = {"episode": episode.name, "step": step, "chunk": chunk, "session": episode.name,
                   "status": "failed", "error": message, "path": str(step_file.path.absolute()), "phase": phase,
                   "error_type": type(cause).__name__, "time": time.time()}
         if not isinstance(cause, ArdiffError):  # unexpected: keep the traceback, the run is unattended
@@ -447,8 +448,8 @@ class Rollout:
             self._append(record)
         if self.out.is_json:  # the same step object as an ok line's; plain and rich show the Error: lines below
             self.out.json({"kind": "step", **record, "session_id": episode.name,
-                           "detail": f"step {step_file.step} (chunk {ordinal}) failed in {phase}: "
-                                     f"{message.splitlines()[0]}"})
+                           "detail": ("episode" if step is None else f"step {step} (chunk {chunk})")
+                                     + f" failed in {phase}: {message.splitlines()[0]}"})
         self.stats.failed[episode.name] = message
         self.stats.errors[episode.name] = exc
         self.scheduler.drop(episode.name)
@@ -468,7 +469,8 @@ class Rollout:
         name = item.episode.name
         if item.reason == "error":
             assert item.error is not None
-            self._fail_episode(item.episode, StepFile(path=item.episode.path, step=-1), -1, item.error, phase="scan")
+            self._fail_episode(item.episode, StepFile(path=item.episode.path, step=-1), -1, item.error,
+                               phase="scan")
             if self.options.fail_fast:
                 raise naming_episode(item.error, item.episode.name)
             return

@@ -862,10 +862,15 @@ def test_a_resume_whose_episode_folder_moved_names_it_and_goes_on_through_a_syml
     assert proc.returncode == 4, proc.stderr
     assert (f"{live / 'arm_b'}: steps 0..1 ran (results.jsonl) but their files are gone: the folder holds no step "
             "files, so the episode's next step cannot run") in proc.stderr, proc.stderr
+    # the folder's failure, not a step's: it read "step": -1, "chunk": -1
+    assert [(r["episode"], r["phase"], r["step"], r["chunk"]) for r in records(run) if r["status"] == "failed"] == [
+        ("arm_b", "scan", None, None)]
     (live / "arm_b").rmdir()
     (live / "arm_b").symlink_to(moved)
-    proc = ardiff(env, *resume)
+    proc = ardiff(env, *resume, "--format", "json")
     assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    assert summary["steps"]["failed"] == 0 and summary["episodes"]["completed"] == 2, summary
     assert_same_outputs(reference, run)
 
 
@@ -993,7 +998,7 @@ def test_a_resume_fails_an_episode_whose_earlier_step_was_written_after_its_late
             "is chunk 1 now that the folder starts at step 0: step 0 was written after it ran") in proc.stderr
     assert "hint: run the episode again from its first step in a new --out" in proc.stderr
     assert {p.name: p.read_bytes() for p in (run / "episodes" / "arm").iterdir()} == before  # nothing ran
-    assert [(r["step"], r["status"], r.get("phase")) for r in records(run)][2:] == [(-1, "failed", "scan")]
+    assert [(r["step"], r["status"], r.get("phase")) for r in records(run)][2:] == [(None, "failed", "scan")]
 
 
 @pytest.mark.parametrize("change", ["rewritten", "emptied"])

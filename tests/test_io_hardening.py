@@ -286,7 +286,10 @@ def test_a_step_file_whose_header_is_nested_too_deeply_is_not_whole_yet(tmp_path
 @pytest.mark.parametrize(("line", "fault"), [
     ({"episode": "ep", "step": 1, "status": "ok"}, "expected an ok line to name its 'output' file"),
     ({"step": 1, "status": "failed"}, "expected a line with an 'episode' name"),
-    ({"episode": "ep", "step": "1", "status": "ok", "output": "x"}, "expected a line with an integer 'step'"),
+    *[(line, "expected a line with an integer 'step' (null on a failed line of phase scan)") for line in (
+        {"episode": "ep", "step": "1", "status": "ok", "output": "x"},
+        {"episode": "ep", "step": None, "status": "ok", "output": "x"},
+        {"episode": "ep", "step": None, "status": "failed", "phase": "load"})],
     ({"episode": "ep", "step": 1, "status": "done", "output": "x"}, "expected a line with 'status' ok or failed"),
     ({"episode": "ep", "step": 1, "status": "ok", "output": "x", "input_sha256": "ab12"},
      "expected 'input_sha256' to be a SHA-256 hex digest (64 hex digits)"),

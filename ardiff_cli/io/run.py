@@ -314,13 +314,13 @@ def _record_problem(record: Mapping[str, Any]) -> str | None:
     """What a results.jsonl line lacks of the fields resuming and the summary read, or None."""
     if not isinstance(record.get("episode"), str):
         return "expected a line with an 'episode' name"
-    if type(record.get("step")) is not int:
-        return "expected a line with an integer 'step'"
+    if type(record.get("step")) is not int and not (record.get("step") is None and record.get("phase") == "scan"):
+        return "expected a line with an integer 'step' (null on a failed line of phase scan)"
     if record.get("status") not in ("ok", "failed"):
         return "expected a line with 'status' ok or failed"
     if record["status"] == "ok" and not isinstance(record.get("output"), str):
         return "expected an ok line to name its 'output' file"
-    if "chunk" in record and type(record["chunk"]) is not int:
+    if "chunk" in record and type(record["chunk"]) is not int and record["chunk"] is not None:
         return "expected 'chunk' to be an integer"
     if "input_sha256" in record and not _is_sha256(record["input_sha256"]):
         return "expected 'input_sha256' to be a SHA-256 hex digest (64 hex digits)"
@@ -392,7 +392,8 @@ def build_summary(records: Iterable[Mapping[str, Any]], *, episodes: list[str], 
     # failed line of its episode comes: an episode stops at its failure, so that line is a --resume retrying it.
     pending: dict[Any, int] = {}  # episode -> step of its newest failed line (scan: -1) no later ok line reached
     for r in records:
-        episode, step = r.get("episode"), r.get("step", -1)
+        episode, step = r.get("episode"), r.get("step")
+        step = -1 if step is None else step  # a failed scan (null; -1 in lines of earlier versions)
         if r.get("status") == "ok":
             done.add((r["episode"], r["step"]))
             if r.get("latency"):
