@@ -301,7 +301,9 @@ def test_an_episode_yaml_of_the_wrong_type_is_named_not_the_step_file_that_took_
     # sending the user to a step file that holds no prompt; an episode.yaml that is no mapping came after the step
     # file's path (`ep/step_000000.safetensors: ep/episode.yaml: ...`) and without a hint.
     eps = tmp_path / "eps"
-    texts = {"number": "prompt: 5\n", "null": "prompt:\n", "list": "- pick up the cube\n"}
+    # and a prompt given twice ran with the second, silently
+    texts = {"number": "prompt: 5\n", "null": "prompt:\n", "list": "- pick up the cube\n",
+             "twice": "prompt: pick up the cube\nprompt: put down the cube\n"}
     for name, text in texts.items():
         episode(eps / name, 1)
         (eps / name / "episode.yaml").write_text(text)
@@ -313,7 +315,8 @@ def test_an_episode_yaml_of_the_wrong_type_is_named_not_the_step_file_that_took_
     assert proc.returncode == 4, proc.stderr
     said = {"number": "field 'prompt': expected the prompt as text, got 5",
             "null": "field 'prompt': expected the prompt as text, got None",
-            "list": "episode metadata must be a YAML mapping, got list"}
+            "list": "episode metadata must be a YAML mapping, got list",
+            "twice": "key 'prompt' is given twice (lines 1 and 2); YAML would keep the second silently"}
     for name, message in said.items():
         assert f"Error: episode '{name}' failed: {eps / name / 'episode.yaml'}: {message}\nhint: " in proc.stderr, (
             proc.stderr)

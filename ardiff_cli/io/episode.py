@@ -338,8 +338,11 @@ def new_episode_folders(folder: Path, settled: set[str]) -> list[Path]:
 def read_episode_yaml(path: Path) -> dict[str, Any]:
     import yaml
 
+    from ardiff_cli.runtime.config import duplicate_key
+
     try:
-        data = yaml.safe_load(path.read_bytes().decode("utf-8"))  # UTF-8 whatever the locale, as the writer writes
+        text = path.read_bytes().decode("utf-8")  # UTF-8 whatever the locale, as the writer writes
+        data = yaml.safe_load(text)
     except UnicodeDecodeError as exc:
         raise ObservationError(
             f"{path}: episode metadata is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
@@ -365,6 +368,11 @@ def read_episode_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ObservationError(f"{path}: episode metadata must be a YAML mapping, got {type(data).__name__}",
                                hint="write it as `key: value` lines, e.g. `prompt: pick up the red cube`")
+    duplicate = duplicate_key(text)
+    if duplicate is not None:  # two prompts: which one the episode ran with would be YAML's silent choice
+        key, where = duplicate
+        raise ObservationError(f"{path}: key {key!r} is given twice ({where}); YAML would keep the second silently",
+                               hint="keep one of them")
     return data
 
 

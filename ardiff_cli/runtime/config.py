@@ -230,7 +230,7 @@ def _not_found_hint(path: Path, builtins: dict[str, Path]) -> str:
     return f"{where}check the path{near}, or use a built-in config: {', '.join(sorted(builtins))}"
 
 
-def _duplicate_key(text: str) -> tuple[str, str] | None:
+def duplicate_key(text: str) -> tuple[str, str] | None:
     """The first key given twice in one mapping, as its dotted path (``model.dim``) and where both are: YAML
     keeps the last one silently, so a second ``runtime:`` block would quietly undo the first. Reads the node
     graph only (nothing constructed).
@@ -288,7 +288,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config must be a YAML mapping, got {type(data).__name__}",
                           hint="write it as `key: value` lines, starting with `pipeline: NAME`; see README, Configs")
-    duplicate = _duplicate_key(text)
+    duplicate = duplicate_key(text)
     if duplicate is not None:
         key, where = duplicate
         raise ConfigError(f"{path}: key {key!r} is given twice ({where}); YAML would keep the second silently",
