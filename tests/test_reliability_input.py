@@ -96,6 +96,13 @@ def gap(folder: Path) -> None:
     (folder / "step_000002.safetensors").unlink()
 
 
+def capitals(folder: Path) -> None:
+    """Step 2 renamed with its suffix in capitals, which ardiff does not read: the error said "step 2 missing"
+    without naming the file that was there."""
+    episode(folder, 4)
+    (folder / "step_000002.safetensors").rename(folder / "step_000002.SAFETENSORS")
+
+
 def duplicate(folder: Path) -> None:
     episode(folder, 2)
     write_step(folder, 1, good(0, 1), format="npz")
@@ -145,6 +152,9 @@ OBSERVATION_CASES = {
                                        "cannot be loaded when allow_pickle=False"], "plain numeric arrays"),
     "gap": (gap, ["{folder}: step 2 missing: the episode has steps 0..3 with a gap (expected consecutive step "
                   "numbers)"], "renumber"),
+    "capitals": (capitals, ["{folder}: step 2 missing: the episode has steps 0..3 with a gap (expected consecutive "
+                            "step numbers); it also holds step_000002.SAFETENSORS, which ardiff does not read (a step "
+                            "file ends in .safetensors or .npz)"], "renumber"),
     "duplicate": (duplicate, ["{folder}: two files for step 1: step_00000"], "one file per step"),
     "empty_folder": (lambda f: f.mkdir(parents=True), ["{folder}: the episode folder holds no step files"],
                      "--follow"),

@@ -131,11 +131,25 @@ def missing_steps(steps: list[int]) -> list[int]:
     return missing
 
 
+def other_step_formats(folder: Path) -> list[str]:
+    """Files in ``folder`` named as steps in a format ardiff does not read (``step_000000.npy``, ``.pt``,
+    ``.SAFETENSORS``), sorted."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted(n for n in names if n.lower().startswith("step") and any(c.isdigit() for c in n)
+                  and not n.startswith(".") and not n.endswith(STEP_SUFFIXES))
+
+
 def gap_error(folder: Path, steps: list[int], missing: list[int]) -> ObservationError:
     shown = ", ".join(map(str, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    others = other_step_formats(folder)  # the missing step may be one of them: a suffix in capitals, a .npy
     return ObservationError(
         f"{folder}: step{'s' if len(missing) > 1 else ''} {shown} missing: the episode has steps "
-        f"{steps[0]}..{steps[-1]} with a gap (expected consecutive step numbers)",
+        f"{steps[0]}..{steps[-1]} with a gap (expected consecutive step numbers)"
+        + (f"; it also holds {listed(others)}, which ardiff does not read (a step file ends in .safetensors or "
+           ".npz)" if others else ""),
         hint="add the missing step files, or renumber the steps consecutively; outputs of a session depend on "
              "every earlier step, so a gap is never skipped silently",
     )

@@ -35,15 +35,14 @@ every episode has ended and no new one came for ``idle_timeout`` seconds.
 from __future__ import annotations
 
 import bisect
-import os
 import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, StepFile, gap_error, listed,
-                                   missing_steps, new_episode_folders, safetensors_header)
+from ardiff_cli.io.episode import (EpisodeNames, EpisodeSource, StepFile, gap_error, listed, missing_steps,
+                                   new_episode_folders, other_step_formats, safetensors_header)
 from ardiff_cli.runtime.errors import ObservationError
 
 
@@ -367,7 +366,7 @@ class StepScheduler:
             if not files and track.done_sorted:  # emptied since they ran
                 raise _lost_history(track, None)
             if not files:
-                others = _other_step_formats(track.source.path)
+                others = other_step_formats(track.source.path)
                 raise ObservationError(
                     f"{track.source.path}: the episode folder holds no step files"
                     + (f" (it holds {listed(others)}: a step file is .safetensors or .npz)" if others else ""),
@@ -477,16 +476,6 @@ def _lost_history(track: _Track, first: int | None) -> ObservationError:
         hint="put the episode's step files back as they were when they ran (--resume then goes on), or run the "
              "episode again from its first step in a new --out; a session's outputs depend on every earlier step",
     )
-
-
-def _other_step_formats(folder: Path) -> list[str]:
-    """Files in ``folder`` named as steps in a format ardiff does not read (``step_000000.npy``, ``.pt``), sorted."""
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return []
-    return sorted(n for n in names if n.lower().startswith("step") and any(c.isdigit() for c in n)
-                  and not n.startswith(".") and not n.endswith(STEP_SUFFIXES))
 
 
 def _looks_whole(path: Path, size: int) -> bool:
