@@ -661,9 +661,10 @@ def test_out_that_cannot_be_a_folder_is_refused_before_loading(tmp_path, where):
     out = tmp_path / "a_file" if where == "a_file" else tmp_path / "a_file" / "run"
     result = runner.invoke(app, ["rollout", "--out", str(out), "--format", "plain"])
     assert result.exit_code == 2, result.stderr
-    why = "File exists" if where == "a_file" else "Not a directory"
-    assert (f"Error: --out {out}: cannot create the output folder: {why}\n"
-            "hint: choose a folder you can write, or one that does not exist yet\n") in result.stderr, result.stderr
+    # it read "cannot create the output folder: File exists", of the file it named
+    what = "it" if where == "a_file" else tmp_path / "a_file"
+    assert (f"Error: --out {out}: {what} is a file, not a folder\n"
+            "hint: choose a folder, or a path where none exists yet\n") in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and "planned" not in result.stderr  # the model never loaded
 
 

@@ -290,6 +290,10 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             Path(out).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         out = out or exc.filename or "ardiff-runs"
+        in_the_way = next((p for p in (Path(out), *Path(out).parents) if p.exists() and not p.is_dir()), None)
+        if in_the_way is not None:  # mkdir's "File exists" of a path that exists, said of a folder it is not
+            raise ConfigError(f"--out {out}: {'it' if in_the_way == Path(out) else in_the_way} is a file, not a "
+                              "folder", hint="choose a folder, or a path where none exists yet") from None
         raise ConfigError(f"--out {out}: cannot create the output folder: {exc.strerror or exc}",
                           hint="choose a folder you can write, or one that does not exist yet") from None
     run = RunFolder(out)
