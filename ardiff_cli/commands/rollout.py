@@ -520,9 +520,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     options = RolloutOptions(order=order, follow=follow, idle_timeout=idle_timeout, fail_fast=fail_fast,
                              preview=preview, watch=tuple(p.watch))
     skipped = sum(len(s) for s in p.done.values())
-    output.info(f"{'resuming' if resume else 'writing'} {p.out_dir}: {len(p.episodes)} episode"
-                + ("s" if len(p.episodes) != 1 else "") + f", order {order}"
-                + (f", {skipped} steps already done" if resume else ""))
+    output.info(f"{'resuming' if resume else 'writing'} {p.out_dir}: {_count(len(p.episodes), 'episode')}, order "
+                f"{order}" + (f", {_count(skipped, 'step')} already done" if resume else ""))
     started = time.monotonic()
     swap_dir = p.out_dir / SWAP_DIR
     kept = read_kept(swap_dir, run=p.info["started"]) if resume else {}  # what a stopped run left for this resume
