@@ -1455,11 +1455,18 @@ def test_resume_after_kill_equals_an_uninterrupted_run(env, data, reference, tmp
     assert_same_outputs(reference, run)
 
 
-def test_a_step_whose_output_was_deleted_runs_again_on_resume_and_counts_once(env, data, reference, tmp_path):
+@pytest.mark.parametrize("damage", ["deleted", "emptied", "cut short"])
+def test_a_step_whose_output_was_deleted_runs_again_on_resume_and_counts_once(env, data, reference, tmp_path, damage):
+    # An output file emptied or cut short (a failed copy or sync of the run folder) counted as done: "resume until
+    # exit 0" left a file no script could read
     run = tmp_path / "run"
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
     assert proc.returncode == 0, proc.stderr
-    (run / "episodes" / "arm_a" / "step_000001.safetensors").unlink()
+    output = run / "episodes" / "arm_a" / "step_000001.safetensors"
+    if damage == "deleted":
+        output.unlink()
+    else:
+        output.write_bytes(output.read_bytes()[:0 if damage == "emptied" else -1])
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
     assert proc.returncode == 0, proc.stderr
     assert len(records(run)) == 7  # the step ran again: a second ok line

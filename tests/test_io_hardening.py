@@ -20,7 +20,7 @@ from ardiff_cli.io.atomic import atomic_write_bytes
 from ardiff_cli.io.demo import ensure_demo_episodes
 from ardiff_cli.io.episode import discover_episodes
 from ardiff_cli.io.run import RunFolder
-from ardiff_cli.io.stream import _looks_whole
+from ardiff_cli.io.episode import looks_whole
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.runtime.errors import ConfigError, ObservationError
 from ardiff_cli.runtime.observation import ObservationField, ObservationSchema
@@ -278,7 +278,7 @@ def test_a_step_file_whose_header_is_nested_too_deeply_is_not_whole_yet(tmp_path
     header = ('{"__metadata__": {"prompt": "p"}, "x": ' + NESTED + "}").encode()
     path = tmp_path / "step_000000.safetensors"
     path.write_bytes(len(header).to_bytes(8, "little") + header)
-    assert not _looks_whole(path, path.stat().st_size)
+    assert not looks_whole(path, path.stat().st_size)
     with pytest.raises(ObservationError, match="step_000000.safetensors: cannot read safetensors file"):
         read_step(path)
 

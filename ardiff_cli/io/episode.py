@@ -468,6 +468,29 @@ _NUMPY_DTYPES = {"BOOL": "?", "U8": "u1", "I8": "i1", "U16": "<u2", "I16": "<i2"
                  "I32": "<i4", "F32": "<f4", "U64": "<u8", "I64": "<i8", "F64": "<f8", "C64": "<c8"}
 
 
+def looks_whole(path: Path, size: int) -> bool:
+    """Whether ``path`` holds as many bytes as its own structure says: a safetensors file its header and every
+    tensor's data, an .npz (a zip) its end-of-directory record at the end. Anything unparsable: False (a follower
+    waits for the rest; a forced take reports it; a resume runs the step of such an output file again)."""
+    try:
+        with open(path, "rb") as f:
+            if path.suffix == ".safetensors":
+                head = f.read(8)
+                header_len = int.from_bytes(head, "little")
+                if 8 + header_len > size:
+                    return False
+                _, header = safetensors_header(head + f.read(header_len))
+                ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+                return 8 + header_len + max(ends, default=0) == size
+            tail_len = min(size, 22 + 0xFFFF)  # the end record (22 bytes) and its comment
+            f.seek(size - tail_len)
+            tail = f.read(tail_len)
+            at = tail.rfind(b"PK\x05\x06")
+            return at >= 0 and at + 22 + int.from_bytes(tail[at + 20:at + 22], "little") == len(tail)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return False  # a header cut mid-way
+
+
 def safetensors_header(data: bytes) -> tuple[int, dict[str, Any]]:
     """The length and parsed JSON of the header at the start of safetensors bytes ``data`` (the file, or at
     least its first ``8 + length`` bytes); ``ValueError`` when they are cut short or not JSON."""

@@ -210,7 +210,7 @@ class RunFolder:
         for record in self.iter_records():
             if record["status"] != "ok":
                 continue
-            if (self.root / record["output"]).is_file():
+            if _whole(self.root / record["output"]):  # not: a step whose output went missing, or was cut short
                 done.setdefault(record["episode"], {})[record["step"]] = record.get("chunk")
             if "input_sha256" in record:
                 digests.setdefault(record["episode"], {})[record["step"]] = record["input_sha256"]
@@ -308,6 +308,17 @@ class RunFolder:
         if self._lock is not None and not keep_lock:
             os.close(self._lock)  # releases the flock
             self._lock = None
+
+
+def _whole(output: Path) -> bool:
+    """Whether a step's output file is there and whole (ardiff writes none cut short; a failed copy or sync of the
+    run folder may leave one empty or truncated: its step runs again, as one whose file is gone)."""
+    from ardiff_cli.io.episode import looks_whole
+
+    try:
+        return output.is_file() and looks_whole(output, output.stat().st_size)
+    except OSError:
+        return False
 
 
 def _record_problem(record: Mapping[str, Any]) -> str | None:

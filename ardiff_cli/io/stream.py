@@ -41,8 +41,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ardiff_cli.io.episode import (EpisodeNames, EpisodeSource, StepFile, gap_error, listed, missing_steps,
-                                   new_episode_folders, other_step_formats, safetensors_header)
+from ardiff_cli.io.episode import (EpisodeNames, EpisodeSource, StepFile, gap_error, listed, looks_whole,
+                                   missing_steps, new_episode_folders, other_step_formats)
 from ardiff_cli.runtime.errors import ObservationError
 
 
@@ -400,7 +400,7 @@ class StepScheduler:
             if track.sizes.get(name) != size:
                 track.last_activity = self._clock()  # arriving or growing: the writer is not idle
             stable = track.sizes.get(name) == size and (size > 0 or force)
-            if stable and not force and not _looks_whole(step_file.path, size):
+            if stable and not force and not looks_whole(step_file.path, size):
                 stable = False  # a writer paused mid-file: wait for the rest
             if blocked or not stable:
                 track.sizes[name] = size
@@ -476,25 +476,3 @@ def _lost_history(track: _Track, first: int | None) -> ObservationError:
         hint="put the episode's step files back as they were when they ran (--resume then goes on), or run the "
              "episode again from its first step in a new --out; a session's outputs depend on every earlier step",
     )
-
-
-def _looks_whole(path: Path, size: int) -> bool:
-    """Whether ``path`` holds as many bytes as its own structure says: a safetensors file its header and every
-    tensor's data, an .npz (a zip) its end-of-directory record at the end. Anything unparsable: False (a forced take reports it)."""
-    try:
-        with open(path, "rb") as f:
-            if path.suffix == ".safetensors":
-                head = f.read(8)
-                header_len = int.from_bytes(head, "little")
-                if 8 + header_len > size:
-                    return False
-                _, header = safetensors_header(head + f.read(header_len))
-                ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-                return 8 + header_len + max(ends, default=0) == size
-            tail_len = min(size, 22 + 0xFFFF)  # the end record (22 bytes) and its comment
-            f.seek(size - tail_len)
-            tail = f.read(tail_len)
-            at = tail.rfind(b"PK\x05\x06")
-            return at >= 0 and at + 22 + int.from_bytes(tail[at + 20:at + 22], "little") == len(tail)
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
-        return False  # a header cut mid-way: wait (forced when END or the idle timeout comes)
