@@ -9,12 +9,13 @@ import zlib
 import numpy as np
 import pytest
 import yaml
+from safetensors.numpy import save_file
 
 from ardiff_cli.io import end_episode, read_step, write_episode, write_step
 from ardiff_cli.io.atomic import JsonlAppender, atomic_write_bytes, read_jsonl
 from ardiff_cli.io.episode import discover_episodes, scan_steps, step_number, step_sha256
 from ardiff_cli.io.png import encode_png, evenly_spaced, preview_strip
-from ardiff_cli.io.run import RunFolder, percentiles
+from ardiff_cli.io.run import RunFolder, build_summary, percentiles
 from ardiff_cli.runtime.errors import ConfigError, ObservationError
 
 
@@ -215,6 +216,27 @@ def test_the_summary_of_many_episodes_reads_the_completed_ones_once(tmp_path):
                             running_s=0.5, status="partial", exit_code=4, root=tmp_path)
     assert summary["episodes"]["completed"] == 299 and summary["episodes"]["failed"] == 1
     assert Listed.passes == 1, f"{Listed.passes} passes over the completed episodes"  # was one per episode
+
+
+@pytest.mark.parametrize("scan_step", [None, -1])  # -1: lines of versions before null
+def test_a_failed_scan_line_reads_and_counts_until_a_later_ok_line_of_its_episode(tmp_path, scan_step):
+    run = RunFolder(tmp_path)
+    (tmp_path / "episodes" / "ep").mkdir(parents=True)
+    for step in (0, 1):
+        save_file({"actions": np.zeros(2, np.float32)}, str(tmp_path / f"episodes/ep/step_{step:06d}.safetensors"))
+    lines = [{"episode": "ep", "step": 0, "chunk": 0, "status": "ok", "output": "episodes/ep/step_000000.safetensors"},
+             {"episode": "ep", "step": scan_step, "chunk": scan_step, "status": "failed", "phase": "scan"},
+             {"episode": "ep", "step": 1, "chunk": 1, "status": "ok", "output": "episodes/ep/step_000001.safetensors"}]
+    for line in lines:
+        run.append_result(line)
+    run.close()
+    assert run.resume_state()[0] == {"ep": {0: 0, 1: 1}}
+
+    def failed_steps(records):
+        return build_summary(records, episodes=["ep"], failed={}, info={}, plan=None, this_run={}, wall_s=1.0,
+                             running_s=0.5, status="ok", exit_code=0, root=tmp_path)["steps"]["failed"]
+
+    assert failed_steps(lines[:2]) == 1 and failed_steps(lines) == 0
 
 
 def test_png_decodes_to_the_same_pixels():

@@ -18,9 +18,8 @@ import pytest
 from ardiff_cli.io import read_step, write_episode, write_step
 from ardiff_cli.io.atomic import atomic_write_bytes
 from ardiff_cli.io.demo import ensure_demo_episodes
-from ardiff_cli.io.episode import discover_episodes
+from ardiff_cli.io.episode import discover_episodes, looks_whole
 from ardiff_cli.io.run import RunFolder
-from ardiff_cli.io.episode import looks_whole
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.runtime.errors import ConfigError, ObservationError
 from ardiff_cli.runtime.observation import ObservationField, ObservationSchema
@@ -289,7 +288,8 @@ def test_a_step_file_whose_header_is_nested_too_deeply_is_not_whole_yet(tmp_path
     *[(line, "expected a line with an integer 'step' (null on a failed line of phase scan)") for line in (
         {"episode": "ep", "step": "1", "status": "ok", "output": "x"},
         {"episode": "ep", "step": None, "status": "ok", "output": "x"},
-        {"episode": "ep", "step": None, "status": "failed", "phase": "load"})],
+        {"episode": "ep", "step": None, "status": "failed", "phase": "load"},
+        {"episode": "ep", "step": None, "status": "ok", "phase": "scan", "output": "x"})],
     ({"episode": "ep", "step": 1, "status": "done", "output": "x"}, "expected a line with 'status' ok or failed"),
     ({"episode": "ep", "step": 1, "status": "ok", "output": "x", "input_sha256": "ab12"},
      "expected 'input_sha256' to be a SHA-256 hex digest (64 hex digits)"),

@@ -207,10 +207,14 @@ class RunFolder:
         step checks the file still has."""
         done: dict[str, dict[int, int | None]] = {}
         digests: dict[str, dict[int, str]] = {}
+        whole: dict[str, bool] = {}  # output -> _whole: a step's file is read once, whatever its ok lines
         for record in self.iter_records():
             if record["status"] != "ok":
                 continue
-            if _whole(self.root / record["output"]):  # not: a step whose output went missing, or was cut short
+            output = record["output"]
+            if output not in whole:
+                whole[output] = _whole(self.root / output)
+            if whole[output]:  # not: a step whose output went missing, or was cut short
                 done.setdefault(record["episode"], {})[record["step"]] = record.get("chunk")
             if "input_sha256" in record:
                 digests.setdefault(record["episode"], {})[record["step"]] = record["input_sha256"]
@@ -325,7 +329,8 @@ def _record_problem(record: Mapping[str, Any]) -> str | None:
     """What a results.jsonl line lacks of the fields resuming and the summary read, or None."""
     if not isinstance(record.get("episode"), str):
         return "expected a line with an 'episode' name"
-    if type(record.get("step")) is not int and not (record.get("step") is None and record.get("phase") == "scan"):
+    if type(record.get("step")) is not int and not (record.get("step") is None and record.get("status") == "failed"
+                                                    and record.get("phase") == "scan"):
         return "expected a line with an integer 'step' (null on a failed line of phase scan)"
     if record.get("status") not in ("ok", "failed"):
         return "expected a line with 'status' ok or failed"
