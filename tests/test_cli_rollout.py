@@ -906,6 +906,15 @@ def test_torch_imports_under_the_rollouts_signal_handlers_on_a_new_run_and_on_a_
         if not extra:
             write_episode(live / "arm_a", steps_of(0, 3)[2:], first_step=2)  # a step for the resume to run
     assert [r["step"] for r in map(json.loads, (run / "results.jsonl").read_text().splitlines())] == [0, 1, 2]
+    # So did a new run given --device cuda, which resolves it before making --out (here: CUDA is not available)
+    import torch
+
+    record = tmp_path / "handlers-cuda"
+    proc = subprocess.run([sys.executable, "-c", TORCH_IMPORT_WATCH, str(record), "rollout", str(data / "fast.yaml"),
+                           str(live / "arm_a"), "--device", "cuda", "--out", str(tmp_path / "cuda"), "--no-warmup",
+                           "--format", "plain"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == (0 if torch.cuda.is_available() else 2), proc.stderr
+    assert record.read_text() == "StopSignals._handle StopSignals._handle"
 
 
 def test_a_resume_that_stops_before_taking_the_kept_snapshots_leaves_them_to_the_next(env, data, reference, tmp_path):

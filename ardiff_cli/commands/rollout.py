@@ -219,9 +219,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
                                    "choose another --out")
     cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), **overrides)
     if not resume and cfg.runtime.device.startswith("cuda"):  # refused now, before --out or demo files are made
-        from ardiff_cli.runtime.engine import resolve_device
-
-        resolve_device(cfg.runtime.device)
+        _resolve_under_signals(cfg.runtime.device)
     recorded_device = info.get("device") if resume else None
     recorded_backend = info.get("attention_backend") if resume else None
     output.debug(f"config {cfg.source}: pipeline {cfg.pipeline_name}, {cfg.runtime}")
@@ -388,6 +386,23 @@ def _recorded(info: dict[str, Any], key: str, path: Path) -> Any:
         raise field_error(str(path), key, RECORDED[key], value, hint="correct it there, to what the run ran with")
     raise field_error(str(path), key, RECORDED[key], value,
                       hint=f"correct it there, or give --{key.replace('_', '-')} to replace it")
+
+
+def _resolve_under_signals(device: str) -> None:
+    """``resolve_device``, which imports torch, under the rollout's signal handlers, as every import of torch by a
+    rollout is: a signal while it imports waits for it to end, then stops the command (Python's default handlers
+    left numpy half imported, or a C++ exception uncaught: exit 0, 1 or 134)."""
+    from ardiff_cli.signals import StopSignals
+
+    try:
+        with StopSignals() as signals:
+            from ardiff_cli.runtime.engine import resolve_device
+
+            resolve_device(device)
+            signals.check()
+    except Interrupted as stop:
+        stop.hint = "nothing was written yet: run the same command again"
+        raise
 
 
 def _recorded_folders_exist(episodes: list[dict[str, Any]], run_file: Path) -> None:
