@@ -6,6 +6,7 @@ import hashlib
 import math
 import shlex
 import signal
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -288,10 +289,11 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             Path(out).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         out = out or exc.filename or "ardiff-runs"
-        in_the_way = next((p for p in (Path(out), *Path(out).parents) if p.exists() and not p.is_dir()), None)
+        in_the_way = _not_a_folder(Path(out))
         if in_the_way is not None:  # mkdir's "File exists" of a path that exists, said of a folder it is not
-            raise ConfigError(f"--out {out}: {'it' if in_the_way == Path(out) else in_the_way} is a file, not a "
-                              "folder", hint="choose a folder, or a path where none exists yet") from None
+            path, what = in_the_way
+            raise ConfigError(f"--out {out}: {'it' if path == Path(out) else path} is {what}, not a folder",
+                              hint="choose a folder, or a path where none exists yet") from None
         raise ConfigError(f"--out {out}: cannot create the output folder: {exc.strerror or exc}",
                           hint="choose a folder you can write, or one that does not exist yet") from None
     run = RunFolder(out)
@@ -386,6 +388,20 @@ def _recorded(info: dict[str, Any], key: str, path: Path) -> Any:
         raise field_error(str(path), key, RECORDED[key], value, hint="correct it there, to what the run ran with")
     raise field_error(str(path), key, RECORDED[key], value,
                       hint=f"correct it there, or give --{key.replace('_', '-')} to replace it")
+
+
+def _not_a_folder(out: Path) -> tuple[Path, str] | None:
+    """The path among ``out`` and its parents that exists and is not a folder, and what it is; None if none is (one
+    that cannot be looked at counts as none: mkdir's own error names it)."""
+    for path in (out, *out.parents):
+        try:
+            mode = path.stat().st_mode
+        except OSError:
+            continue
+        if not stat.S_ISDIR(mode):
+            kinds = ((stat.S_ISREG, "a file"), (stat.S_ISFIFO, "a pipe"), (stat.S_ISSOCK, "a socket"))
+            return path, next((what for test, what in kinds if test(mode)), "a device")
+    return None
 
 
 def _resolve_under_signals(device: str) -> None:
