@@ -857,15 +857,17 @@ def test_a_resume_whose_episode_folder_moved_names_it_and_goes_on_through_a_syml
             "where each episode's folder was when the run started\nhint: put it back at that path (moved: a symlink "
             "there to where it is now will do)") in proc.stderr, proc.stderr
     assert len(records(run)) == 4  # refused before anything ran
-    (live / "arm_b").mkdir()  # as the old hint told
+    (live / "arm_b").mkdir()  # as the old hint told, and a step converted to a format ardiff does not read
+    np.save(live / "arm_b" / "step_000000.npy", np.zeros(3))
     proc = ardiff(env, *resume)
     assert proc.returncode == 4, proc.stderr
     assert (f"{live / 'arm_b'}: steps 0..1 ran (results.jsonl) but their files are gone: the folder holds no step "
-            "files, so the episode's next step cannot run") in proc.stderr, proc.stderr
+            "files (it holds step_000000.npy: a step file is .safetensors or .npz), so the episode's next step cannot "
+            "run") in proc.stderr, proc.stderr
     # the folder's failure, not a step's: it read "step": -1, "chunk": -1
     assert [(r["episode"], r["phase"], r["step"], r["chunk"]) for r in records(run) if r["status"] == "failed"] == [
         ("arm_b", "scan", None, None)]
-    (live / "arm_b").rmdir()
+    shutil.rmtree(live / "arm_b")
     (live / "arm_b").symlink_to(moved)
     proc = ardiff(env, *resume, "--format", "json")
     assert proc.returncode == 0, proc.stderr

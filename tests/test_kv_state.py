@@ -433,8 +433,9 @@ def test_populate_refuses_tensors_that_require_grad_and_keeps_the_published_cach
     state.populate_cross_attention("positive", "text", published)
     weight = torch.ones((), requires_grad=True)
     with pytest.raises(ValueError, match="layer 1 v requires grad, but the KV cache is inference-only.*no_grad"):
+        pairs = cross_pairs(spec, "text", seed=1)
         state.populate_cross_attention("positive", "text", [(k, v * weight if i == 1 else v)
-                                                            for i, (k, v) in enumerate(cross_pairs(spec, "text", seed=1))])
+                                                            for i, (k, v) in enumerate(pairs)])
     for (k, v), (k0, v0) in zip(state.cross_attention("positive", "text"), published):
         assert torch.equal(k, k0) and torch.equal(v, v0) and not k.requires_grad and not v.requires_grad
 

@@ -339,8 +339,8 @@ class StepScheduler:
         if made:
             what += (f"; episode folders were made in it since ({listed(made)}): it was empty when the run started, "
                      "so it was followed as one episode")
-            hint = (f"make one episode folder in it before the run (mkdir -p {shlex.quote(str(folder / made[0]))}): --follow then "
-                    "takes it for a folder of episodes, and follows each episode folder made in it")
+            hint = (f"make one episode folder in it before the run (mkdir -p {shlex.quote(str(folder / made[0]))}): "
+                    "--follow then takes it for a folder of episodes, and follows each episode folder made in it")
         raise ObservationError(f"{folder}: {what}", hint=hint)
 
     def _raise_gap(self, track: _Track) -> None:
@@ -468,7 +468,9 @@ def _lost_history(track: _Track, first: int | None) -> ObservationError:
     files are gone."""
     lost = [step for step in track.done_sorted if first is None or step < first]
     shown = f"{lost[0]}" if len(lost) == 1 else f"{lost[0]}..{lost[-1]}"
-    now = "the folder holds no step files" if first is None else f"the folder starts at step {first}"
+    others = other_step_formats(track.source.path) if first is None else []  # converted to another format?
+    now = (f"the folder starts at step {first}" if first is not None else "the folder holds no step files"
+           + (f" (it holds {listed(others)}: a step file is .safetensors or .npz)" if others else ""))
     return ObservationError(
         f"{track.source.path}: step{'s' if len(lost) > 1 else ''} {shown} ran (results.jsonl) but "
         f"{'their files are' if len(lost) > 1 else 'its file is'} gone: {now}, so the "
