@@ -430,17 +430,18 @@ class Rollout:
             except ArdiffError:  # LifecycleHookError: the KV is released; _hook_failed warned. Or its snapshot was
                 pass  # dropped to make room: nothing is left to close
 
-    def _fail_episode(self, episode: EpisodeSource, step_file: StepFile, ordinal: int, exc: ArdiffError, *,
-                      phase: str) -> None:
+    def _fail_episode(self, episode: EpisodeSource, step_file: StepFile | None, ordinal: int | None,
+                      exc: ArdiffError, *, phase: str) -> None:
         """Record the failure, release the episode's session, skip its remaining steps.
 
-        ``phase``: scan (the folder), load, replay, forward or write (see ``StepFailed``).
+        ``phase``: scan (the folder: no ``step_file``, and the line's step and chunk are null), load, replay,
+        forward or write (see ``StepFailed``).
         """
         message = str(exc)
         cause = exc.cause if isinstance(exc, StepFailed) else exc
-        step, chunk = (None, None) if phase == "scan" else (step_file.step, ordinal)  # scan: the folder, no step
-        record = {"episode": episode.name, "step": step, "chunk": chunk, "session": episode.name,
-                  "status": "failed", "error": message, "path": str(step_file.path.absolute()), "phase": phase,
+        step, path = (None, episode.path) if step_file is None else (step_file.step, step_file.path)
+        record = {"episode": episode.name, "step": step, "chunk": ordinal, "session": episode.name,
+                  "status": "failed", "error": message, "path": str(path.absolute()), "phase": phase,
                   "error_type": type(cause).__name__, "time": time.time()}
         if not isinstance(cause, ArdiffError):  # unexpected: keep the traceback, the run is unattended
             record["traceback"] = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
@@ -448,7 +449,7 @@ class Rollout:
             self._append(record)
         if self.out.is_json:  # the same step object as an ok line's; plain and rich show the Error: lines below
             self.out.json({"kind": "step", **record, "session_id": episode.name,
-                           "detail": ("episode" if step is None else f"step {step} (chunk {chunk})")
+                           "detail": ("episode" if step is None else f"step {step} (chunk {ordinal})")
                                      + f" failed in {phase}: {message.splitlines()[0]}"})
         self.stats.failed[episode.name] = message
         self.stats.errors[episode.name] = exc
@@ -469,8 +470,7 @@ class Rollout:
         name = item.episode.name
         if item.reason == "error":
             assert item.error is not None
-            self._fail_episode(item.episode, StepFile(path=item.episode.path, step=-1), -1, item.error,
-                               phase="scan")
+            self._fail_episode(item.episode, None, None, item.error, phase="scan")
             if self.options.fail_fast:
                 raise naming_episode(item.error, item.episode.name)
             return

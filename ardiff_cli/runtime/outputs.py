@@ -20,7 +20,8 @@ def is_array(value: Any) -> bool:
 def output_problem(output: Any) -> tuple[str, str] | None:
     """Why ``output`` cannot be a step's outputs, as (kind, what forward() returned), or None when it can.
 
-    kind is ``"contract"`` (not a dict, no array in it, or arrays a step file cannot hold: complex) or
+    kind is ``"contract"`` (not a dict, no array in it, or arrays a step file cannot hold: complex, strings,
+    objects) or
     ``"non_finite"`` (NaN or infinite values: the model diverged); the text reads after "forward() returned ".
     """
     if not isinstance(output, Mapping):  # nothing to write: an "ok" step with an empty file would hide it
@@ -51,10 +52,10 @@ def _non_finite(output: Mapping[str, Any]) -> str:
 
     found = []
     for name, value in output.items():
-        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
             if not bool(torch.isfinite(value).all()):  # one reduction (and one sync) when all is well
                 found.append((name, int(torch.isnan(value).sum()), int(torch.isinf(value).sum()), value.numel()))
-        elif isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.inexact):
+        elif isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.floating):
             if not np.isfinite(value).all():
                 found.append((name, int(np.isnan(value).sum()), int(np.isinf(value).sum()), value.size))
     return "; ".join(f"{name!r}: " + ", ".join(f"{count} {kind}" for count, kind in ((nan, "NaN"), (inf, "inf"))
