@@ -876,6 +876,23 @@ def test_a_resume_whose_episode_folder_moved_names_it_and_goes_on_through_a_syml
     assert_same_outputs(reference, run)
 
 
+def test_a_resume_given_its_moved_folder_of_episodes_as_episode_goes_on(env, data, reference, tmp_path):
+    # Its episodes were taken for ones started since in a watched folder and left out: "the episodes differ ...:
+    # expected ['arm_a', 'arm_b'], got []"
+    live, run = tmp_path / "live", tmp_path / "run"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[:2], prompt=f"task {name}")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[2:], first_step=2)
+    live.rename(tmp_path / "moved")
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), str(data / "fast.yaml"), str(tmp_path / "moved"),
+                  "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert_same_outputs(reference, run)
+
+
 TORCH_IMPORT_WATCH = """\
 import importlib.abc, pathlib, signal, sys
 record = pathlib.Path(sys.argv[1])

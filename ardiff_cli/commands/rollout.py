@@ -251,9 +251,10 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             episode.name = names.get(str(episode.path), names.get(str(episode.path.resolve()), episode.name))
         recorded = sorted(e["name"] for e in info["episodes"])
         # an episode folder made since in a watched folder of episodes is not one yet: the run's first poll adds it
-        paths = {e["path"] for e in info["episodes"]}
+        # (one of a recorded name is the run's, in a folder of episodes that moved)
+        paths, run_names = set(names), set(names.values())
         episodes = [e for e in episodes if str(e.path) in paths or str(e.path.resolve()) in paths
-                    or e.path.resolve().parent not in watch]
+                    or e.name in run_names or e.path.resolve().parent not in watch]
         given = sorted(e.name for e in episodes)
         if given != recorded:
             raise ConfigError(f"the episodes differ from those of the run in {out}: expected {recorded}, got {given}",
