@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from ardiff_cli.errors_cli import Interrupted, OutputError, StepFailed
-from ardiff_cli.io.episode import METADATA_FILE, EpisodeSource, StepFile, load_step, step_sha256
+from ardiff_cli.io.episode import (METADATA_FILE, EpisodeSource, StepFile, file_signature, listed, load_step,
+                                   step_sha256)
 from ardiff_cli.io.run import RUN_FILE, RunFolder
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import validate_step
@@ -85,6 +86,8 @@ class RolloutStats:
     timed_out: list[str] = field(default_factory=list)  # of those, the ones --idle-timeout ended (no END came)
     # follow: step files that arrived after their episode ended and did not run, by episode (--resume runs them)
     late_steps: dict[str, list[str]] = field(default_factory=dict)
+    # step files written again after they ran, by episode (their outputs are of the file as it was read)
+    rewritten_steps: dict[str, list[str]] = field(default_factory=dict)
     hook_errors: list[dict[str, Any]] = field(default_factory=list)  # pipeline reset/close hooks that raised
 
 
@@ -131,6 +134,8 @@ class Rollout:
         self._steps_done = {e.name: len(done.get(e.name, ())) for e in episodes}  # per episode, incl. earlier runs
         # episode -> step -> SHA-256 of its file when it ran (this run, and results.jsonl on resume): replays check it
         self._digests = {name: dict(steps) for name, steps in digests.items()}
+        # episode -> step -> (file, its signature when read) of the steps this run read: checked at the episode's end
+        self._read_as: dict[str, dict[int, tuple[Path, tuple[int, int, int] | None]]] = {}
         self._warned: set[tuple[str, str]] = set()  # (episode, warning) shown once
         self._at: tuple[str, StepFile] | None = None  # (phase, step file) of the work in progress, for errors
         self._running: StepTask | None = None  # the step in progress
@@ -276,6 +281,7 @@ class Rollout:
         file it ran with (when that was recorded), checked before anything else about it."""
         raw = load_step(step_file.path)
         self._check_unchanged(episode, step_file, raw.sha256)
+        self._read_as.setdefault(episode.name, {})[step_file.step] = (step_file.path, raw.signature)
         valid = validate_step(raw, self.schema, path=step_file.path, episode_metadata=episode.metadata())
         for warning in valid.warnings:
             if (episode.name, warning) not in self._warned:
@@ -455,6 +461,7 @@ class Rollout:
         self.stats.errors[episode.name] = exc
         self.scheduler.drop(episode.name)
         self._digests.pop(episode.name, None)  # never replayed again: a long run holds only live episodes' digests
+        self._read_as.pop(episode.name, None)
         self._ok_outputs.pop(episode.name, None)  # and draws no preview
         self._close_session(episode.name)
         self.monitor.log("failed", episode.name, message.splitlines()[0], echo=False)
@@ -466,6 +473,30 @@ class Rollout:
         # drop them now, not at the end of the run. A traceback printed later needs only code and line numbers.
         traceback.clear_frames(cause.__traceback__)
 
+    def _report_rewritten(self, name: str) -> None:
+        """Warn of the episode's step files written since they ran (a restarted recorder writing a step again, two
+        writers, a copy that preallocated the file and filled it after it looked whole): its outputs were made from
+        what was read, which no rerun over the files now would give. One stat per step file; one hash of each file
+        whose size, mtime or inode changed, so a file touched or copied over with the same bytes is not one."""
+        ran = self._read_as.pop(name, {})
+        digests = self._digests.get(name, {})
+        rewritten = []
+        for step, (path, signature) in sorted(ran.items()):
+            now = file_signature(path)
+            if now is None or now == signature or step not in digests:  # deleted since: not rewritten
+                continue
+            try:
+                if step_sha256(path) != digests[step]:
+                    rewritten.append(path.name)
+            except ObservationError:  # emptied, unreadable: another version than the one that ran
+                rewritten.append(path.name)
+        if rewritten:
+            self.stats.rewritten_steps[name] = rewritten
+            they = "it" if len(rewritten) == 1 else "they"
+            self.out.warning(f"episode {name!r}: {listed(rewritten)} changed after {they} ran (written again): the "
+                             "outputs of its steps from there were made from the files as they were read "
+                             "(input_sha256 in results.jsonl); run the episode again in a new --out for the new ones")
+
     def _end_episode(self, item: EpisodeEnded) -> None:
         name = item.episode.name
         if item.reason == "error":
@@ -475,6 +506,7 @@ class Rollout:
                 raise naming_episode(item.error, item.episode.name)
             return
         self._close_session(name)  # following: the end was learnt after the last step ran
+        self._report_rewritten(name)
         self._digests.pop(name, None)  # never replayed again: a long run holds only live episodes' digests
         self.stats.completed_episodes.append(name)
         if item.reason == "idle_timeout":

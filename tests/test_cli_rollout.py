@@ -893,6 +893,33 @@ def test_a_resume_given_its_moved_folder_of_episodes_as_episode_goes_on(env, dat
     assert_same_outputs(reference, run)
 
 
+def test_a_step_file_written_again_after_it_ran_is_named_when_its_episode_ends(env, data, tmp_path):
+    # A recorder restarted and wrote step 1 again after it ran: the run said ok without a word, its outputs made
+    # from a file the folder no longer held. One copied over with the same bytes (a new mtime) is not one.
+    live, run = tmp_path / "live", tmp_path / "run"
+    steps = steps_of(0, 3)
+    write_episode(live / "arm_a", steps[:2], prompt="task arm_a", end=False)
+    write_episode(live / "arm_b", steps_of(1, 3)[:2], prompt="task arm_b", end=False)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                 "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 4, proc)
+        write_step(live / "arm_a", 1, steps[2])  # other arrays under step 1's name
+        same = live / "arm_b" / "step_000001.safetensors"
+        same.write_bytes(same.read_bytes())  # the same bytes, written again
+        write_episode(live / "arm_a", steps[2:], first_step=2)
+        write_episode(live / "arm_b", steps_of(1, 3)[2:], first_step=2)
+        stderr = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert ("warning: episode 'arm_a': step_000001.safetensors changed after it ran (written again): the outputs of "
+            "its steps from there were made from the files as they were read") in stderr, stderr
+    assert stderr.count("changed after") == 1, stderr  # not arm_b's
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["episodes"]["rewritten_steps"] == {"arm_a": ["step_000001.safetensors"]}, summary["episodes"]
+
+
 TORCH_IMPORT_WATCH = """\
 import importlib.abc, pathlib, signal, sys
 record = pathlib.Path(sys.argv[1])

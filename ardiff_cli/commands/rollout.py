@@ -873,6 +873,7 @@ def _summary_of(run: Any, p: _Prepared, stats: Any, *, device: str | None, plan:
         this_run={"steps": stats.steps, "skipped": stats.skipped, "replayed": stats.replayed,
                   "evictions": stats.evictions, "completed_episodes": stats.completed_episodes,
                   "timed_out": stats.timed_out, "late_steps": stats.late_steps,
+                  "rewritten_steps": stats.rewritten_steps,
                   "restored": stats.restored},
         wall_s=wall_s, running_s=running_s, status=status, exit_code=0 if error is None else exit_code_for(error),
         root=run.root)

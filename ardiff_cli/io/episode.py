@@ -55,6 +55,7 @@ class RawStep:
     arrays: dict[str, Any]  # numpy arrays by key
     metadata: dict[str, str]  # safetensors metadata, or 0-d string arrays of an .npz
     sha256: str = ""  # hex digest of the file's bytes: the very bytes parsed (the file is read once)
+    signature: tuple[int, int, int] | None = None  # (size, mtime_ns, inode) of the file read: see file_signature
 
 
 @dataclass
@@ -409,7 +410,7 @@ def load_step(path: str | os.PathLike[str]) -> RawStep:
     arrays of one version and the digest of another (``--resume`` and session rebuilds compare digests).
     """
     path = Path(path)
-    data = _read_bytes(path)
+    data, signature = _read_bytes(path)
     if not data:
         raise _empty(path)
     if path.suffix == ".safetensors":
@@ -419,7 +420,18 @@ def load_step(path: str | os.PathLike[str]) -> RawStep:
     else:
         raise ObservationError(f"{path}: unsupported step file type {path.suffix!r}; use .safetensors or .npz")
     raw.sha256 = hashlib.sha256(data).hexdigest()
+    raw.signature = signature
     return raw
+
+
+def file_signature(path: Path) -> tuple[int, int, int] | None:
+    """(size, mtime_ns, inode) of ``path`` now, or None when it cannot be looked at: equal to a step's
+    ``RawStep.signature`` while nobody wrote the file since it was read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ino
 
 
 def step_sha256(path: Path) -> str:
@@ -441,11 +453,13 @@ def _empty(path: Path) -> ObservationError:
     return ObservationError(f"{path}: the file is empty (0 bytes)", hint=WRITE_HINT)
 
 
-def _read_bytes(path: Path) -> bytes:
-    """The whole file, or an ``ObservationError`` saying why it cannot be read."""
+def _read_bytes(path: Path) -> tuple[bytes, tuple[int, int, int]]:
+    """The whole file and its signature as it was read (see :func:`file_signature`), or an ``ObservationError``
+    saying why it cannot be read."""
     try:
         with open(path, "rb") as f:
-            return f.read()
+            st = os.fstat(f.fileno())  # before the read: a write while or after it is read changes mtime from this
+            return f.read(), (st.st_size, st.st_mtime_ns, st.st_ino)
     except OSError as exc:
         raise _unreadable(path, exc) from None
 

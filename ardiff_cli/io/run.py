@@ -445,6 +445,8 @@ def build_summary(records: Iterable[Mapping[str, Any]], *, episodes: list[str], 
             "timed_out": [e for e in completed if e in timed_out],  # completed, but by --idle-timeout: no END came
             # follow: step files that arrived after their episode ended, and did not run (--resume runs them)
             "late_steps": dict(this_run.get("late_steps", {})),
+            # step files written again after they ran: their outputs are of the files as they were read
+            "rewritten_steps": dict(this_run.get("rewritten_steps", {})),
             "steps": {e: steps_by_episode.get(e, 0) for e in episodes},
             "failures": dict(failed),
         },
