@@ -82,9 +82,46 @@ def test_what_a_step_file_cannot_hold_is_refused_before_anything_is_written(tmp_
         write_step(folder, 0, arrays(0), prompt="p", format="pt")
     with pytest.raises(ValueError, match=r"^'prompt': the name of an array and of a metadata key"):
         write_step(folder, 0, {"prompt": np.zeros(2)}, prompt="p", format="npz")
-    with pytest.raises(ValueError, match=r"^array 'o': Object arrays cannot be saved when allow_pickle=False"):
-        write_step(folder, 0, {"o": np.array([{}], dtype=object)}, format="npz")  # was pickled, then unreadable
+    for format in ("npz", "safetensors"):  # npz: was pickled, then unreadable; safetensors: 'Unknown dtype'
+        with pytest.raises(TypeError, match=r"^array 'o' has dtype object: a step file holds bool, integer or "):
+            write_step(folder, 0, {"o": np.array([{}], dtype=object)}, format=format)
+    with pytest.raises(TypeError, match=r"^array 'caption' has dtype <U4"):
+        write_step(folder, 0, {"caption": np.array(["pick"])})
+    # the prompt None was written as the text 'None' and ran as the prompt; a tensor as 'tensor(1.5000)'
+    with pytest.raises(TypeError, match=r"^prompt must be text \(str\), got None"):
+        write_step(folder, 0, arrays(0), metadata={"prompt": None})
+    with pytest.raises(TypeError, match=r"^metadata 'scale': a step file's metadata is text \(or a number, written as "
+                                        r"text\), got None \(NoneType\)"):
+        write_step(folder, 0, arrays(0), metadata={"scale": None})
+    with pytest.raises(TypeError, match=r"^metadata 'gain': .*got .*\(Tensor\)"):
+        write_step(folder, 0, arrays(0), metadata={"gain": __import__("torch").ones(2)})
+    # episode.yaml: written, then refused by rollout ('expected the prompt as text'; 'found unhashable key')
+    with pytest.raises(TypeError, match=r"^prompt must be text \(str\), got 5 \(int\)$"):
+        write_episode(folder, [arrays(0)], metadata={"prompt": 5})
+    with pytest.raises(TypeError, match=r"^metadata 'prompt': prompt must be text \(str\), got None$"):
+        write_episode(folder, [arrays(0)], metadata={"prompt": None})
+    with pytest.raises(TypeError, match=r"^metadata\['calib'\]: key \(0, 1\) \(tuple\) is not text"):
+        write_episode(folder, [arrays(0)], metadata={"calib": {(0, 1): 0.5}})
     assert not folder.exists() or not any(folder.iterdir())
+
+
+def test_step_metadata_numbers_are_written_as_text_and_a_folder_is_a_folder(tmp_path, monkeypatch):
+    path = write_step(tmp_path / "ep", 0, arrays(0), prompt="p", metadata={"fps": np.float32(15.0), "arm": 3})
+    assert read_step(path).metadata == {"fps": "15.0", "arm": "3", "prompt": "p"}
+    (tmp_path / "afile").write_text("x")
+    # it read mkdir's "[Errno 17] File exists", of a path the recorder meant as a folder
+    for call in (lambda: write_step(tmp_path / "afile", 0, arrays(0)), lambda: end_episode(tmp_path / "afile"),
+                 lambda: write_episode(tmp_path / "afile", [arrays(0)])):
+        with pytest.raises(NotADirectoryError, match=f"^{tmp_path / 'afile'}: an episode folder, but it is a file$"):
+            call()
+    # a mistyped folder was made, holding only END: an episode that fails for having no step
+    with pytest.raises(FileNotFoundError, match="no such episode folder"):
+        end_episode(tmp_path / "ep_typo")
+    assert not (tmp_path / "ep_typo").exists()
+    # ~ is the home folder, as on the command line: a recorder and `ardiff rollout --follow '~/ep'` agree
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert write_step("~/ep", 0, arrays(0), prompt="p") == tmp_path / "home" / "ep" / "step_000000.safetensors"
+    assert end_episode("~/ep") == tmp_path / "home" / "ep" / "END"
 
 
 def test_write_step_accepts_torch_tensors(tmp_path):
@@ -291,6 +328,7 @@ def test_evenly_spaced_keeps_the_first_and_last_and_at_most_the_limit():
 
 
 def test_end_marker(tmp_path):
+    (tmp_path / "ep").mkdir()
     end_episode(tmp_path / "ep")
     assert (tmp_path / "ep" / "END").read_bytes() == b""
 

@@ -52,7 +52,15 @@ def encode_arrays(arrays: Mapping[str, Any], *, format: str = "safetensors",
     import numpy as np
 
     _check_format(format)
-    data = {str(k): to_numpy(v) for k, v in arrays.items()}
+    data = {}
+    for key, value in arrays.items():
+        try:
+            data[str(key)] = array = to_numpy(value)
+        except (TypeError, ValueError, RuntimeError) as exc:  # a float8 tensor, a ragged list
+            raise TypeError(f"array {str(key)!r}: cannot be a step file's array: {exc}") from None
+        if array.dtype.kind not in "biuf":  # safetensors said only 'Unknown dtype "object"'
+            raise TypeError(f"array {str(key)!r} has dtype {array.dtype}: a step file holds bool, integer or "
+                            "floating arrays (text goes in metadata, or prompt=)")
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     if format == "safetensors":
         from safetensors.numpy import save
@@ -78,6 +86,49 @@ def encode_arrays(arrays: Mapping[str, Any], *, format: str = "safetensors",
 def _check_format(format: str) -> None:
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+
+
+def _folder(folder: str | os.PathLike) -> Path:
+    """An episode folder argument as a Path, ``~`` expanded as the command line does (a recorder and a follower given
+    the same string use the same folder); a path that is a file is an error naming it."""
+    path = Path(folder).expanduser()
+    if path.exists() and not path.is_dir():  # mkdir's 'File exists', of a path the user thinks is a folder
+        raise NotADirectoryError(f"{path}: an episode folder, but it is a file")
+    return path
+
+
+def _step_metadata(metadata: Mapping[str, Any] | None) -> dict[str, str]:
+    """A step file's metadata as text: text as is, numbers (numpy's and 0-d tensors too) written out; ``None``
+    (read back as the text 'None') or anything else is a TypeError naming the key, as is a prompt that is not text."""
+    meta = {}
+    for key, value in (metadata or {}).items():
+        if key == "prompt":
+            if value is None:
+                raise TypeError("prompt must be text (str), got None")
+            meta[key] = _check_prompt(value)
+            continue
+        plain = _plain(value)
+        if isinstance(plain, (str, int, float)):  # bool too
+            meta[str(key)] = str(plain)
+            continue
+        raise TypeError(f"metadata {str(key)!r}: a step file's metadata is text (or a number, written as text), got "
+                        f"{shown(value)} ({type(value).__name__}); other values go in episode.yaml "
+                        "(write_episode(metadata=...))")
+    return meta
+
+
+def _check_keys(info: Any, where: str = "metadata") -> None:
+    """Mapping keys episode.yaml can hold and rollout read back: text (a tuple key is written as a YAML complex key,
+    which reading refuses)."""
+    if isinstance(info, Mapping):
+        for key, value in info.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{where}: key {shown(key)} ({type(key).__name__}) is not text; episode.yaml keys "
+                                "are text")
+            _check_keys(value, f"{where}[{key!r}]")
+    elif isinstance(info, list):
+        for item in info:
+            _check_keys(item, where)
 
 
 def _check_prompt(prompt: Any) -> str | None:
@@ -135,13 +186,14 @@ def write_step(folder: str | os.PathLike, step: int, arrays: Mapping[str, Any], 
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     step = number
     prompt = _check_prompt(prompt)
-    meta = dict(metadata or {})
+    folder = _folder(folder)
+    meta = _step_metadata(metadata)
     if prompt is not None:
         meta["prompt"] = prompt
     blob = encode_arrays(arrays, format=format, metadata=meta)  # a step it refuses leaves episode.yaml untouched
     if prompt is not None:
-        _record_episode_prompt(Path(folder), prompt)
-    return atomic_write_bytes(Path(folder) / f"step_{step:06d}.{format}", blob)
+        _record_episode_prompt(folder, prompt)
+    return atomic_write_bytes(folder / f"step_{step:06d}.{format}", blob)
 
 
 def _record_episode_prompt(folder: Path, prompt: str) -> None:
@@ -162,8 +214,11 @@ def write_episode(folder: str | os.PathLike, steps: Sequence[Mapping[str, Any]],
 
     _check_format(format)
     prompt = _check_prompt(prompt)
-    folder = Path(folder)
+    folder = _folder(folder)
     info = _plain(dict(metadata or {}))
+    _check_keys(info)
+    if "prompt" in info and _check_prompt(info["prompt"]) is None:  # rollout refuses a prompt that is not text
+        raise TypeError("metadata 'prompt': prompt must be text (str), got None")
     if prompt is not None:
         info["prompt"] = prompt
     try:
@@ -197,5 +252,10 @@ def _plain(value: Any) -> Any:
 
 
 def end_episode(folder: str | os.PathLike) -> Path:
-    """Mark the episode complete (``--follow`` stops waiting for it)."""
-    return atomic_write_bytes(Path(folder) / END_MARKER, b"")
+    """Mark the episode complete (``--follow`` stops waiting for it). The folder must exist: a mistyped one would
+    be made, holding only END, an episode that fails for having no step."""
+    path = _folder(folder)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such episode folder; end_episode marks the end of an episode whose steps "
+                                "were written there")
+    return atomic_write_bytes(path / END_MARKER, b"")
