@@ -19,8 +19,9 @@ import sys
 import time
 import traceback
 
-from benchmarks.common import (DEFAULT_THREADS, REPO_ROOT, add_attention_backend_option, exit_on_signals, json_path,
-                               machine_info, positive_int, set_attention_backend, set_threads, write_json)
+from benchmarks.common import (DEFAULT_THREADS, REPO_ROOT, add_attention_backend_option, check_attention_backend,
+                               exit_on_signals, json_path, machine_info, positive_int, set_attention_backend,
+                               set_threads, write_json)
 
 BENCHMARKS = ("attention", "rolling", "resume", "capacity", "overhead", "startup", "churn", "swap")
 RESULTS = REPO_ROOT / "benchmarks" / "results.json"
@@ -56,16 +57,18 @@ def format_table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    description = __doc__.splitlines()[0].replace("``", "`")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=description)
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few repetitions (a smoke run)")
     parser.add_argument("--only", metavar="ID,ID", help=f"comma-separated subset of: {','.join(BENCHMARKS)}")
     parser.add_argument("--threads", type=positive_int, default=DEFAULT_THREADS,
-                        help=f"torch intra-op threads for every benchmark (default {DEFAULT_THREADS})")
-    parser.add_argument("--json", type=json_path, default=None,
+                        help=f"torch intra-op threads for every benchmark, 1 to 1024 (default {DEFAULT_THREADS})")
+    parser.add_argument("--json", type=json_path, default=None, metavar="PATH",
                         help=f"results file (default {RESULTS.relative_to(REPO_ROOT)}, for the whole suite only: "
                              "none with --quick or --only)")
     add_attention_backend_option(parser)
     args = parser.parse_args(argv)
+    check_attention_backend(parser, args.attention_backend)
     names = list(BENCHMARKS)
     if args.only is not None:  # '' too: it named no benchmark, which ran them all and wrote results.json
         # each once, in the order given: `--only capacity,capacity` ran it twice, two rows of one id

@@ -147,6 +147,11 @@ def attention_backend() -> str:
     return _attention_backend
 
 
+# Set outside ardiff, they change what is measured: which GPUs it sees and in what order, and torch's threads
+# (--threads sets the intra-op count; these reach the libraries below it)
+MEASURED_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 def machine_info() -> dict:
     """What the figures were measured on, and what to check out and set to measure them again."""
     import torch
@@ -168,7 +173,8 @@ def machine_info() -> dict:
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         **code_revision(REPO_ROOT),
         # every variable ardiff reads that was set (a test checks this list against the names the code holds)
-        "environment": {name: os.environ[name] for name in (SCRATCH_ENV, CACHE_ENV) if name in os.environ},
+        "environment": {name: os.environ[name] for name in (SCRATCH_ENV, CACHE_ENV, *MEASURED_ENV)
+                        if name in os.environ},
     }
 
 
@@ -250,21 +256,36 @@ def exit_on_signals(main: Callable[[], int]) -> int:
     started ignoring (a shell's background job ignores SIGINT) stays ignored."""
     from ardiff_cli.signals import HANDLED
 
+    done = False  # main() returned: its outcome stands, and a signal now only ends the process after it
+
     def stop(signum: int, frame: object) -> None:
-        raise Stopped(signum)
+        if not done:
+            raise Stopped(signum)
 
     previous = {}
     if threading.current_thread() is threading.main_thread():
         previous = {signum: signal.signal(signum, stop) for signum in HANDLED if signal.getsignal(signum) is not
                     signal.SIG_IGN}
     try:
-        return main()
+        code = main()
+        done = True
+        return code
     except Stopped as stopped:
         print(f"{stopped}; no results were written", file=sys.stderr)
         return 128 + stopped.signum
     finally:
+        done = True  # a signal while the handlers are put back raised Stopped out of here: a traceback, exit 1
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def check_attention_backend(parser: argparse.ArgumentParser, setting: str) -> None:
+    """``--attention-backend vllm`` where vLLM is not installed: a usage error (exit 2) before anything runs, not
+    an error row for each benchmark that takes it."""
+    from ardiff_cli.runtime.kv.backends import install_instructions, vllm_installed
+
+    if setting == "vllm" and not vllm_installed():
+        parser.error(f"--attention-backend vllm: vLLM is not installed; {install_instructions('cpu')}")
 
 
 def add_attention_backend_option(parser: argparse.ArgumentParser) -> None:
@@ -309,8 +330,13 @@ def json_path(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text!r}: folder {str(folder)!r} does not exist; create it first")
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: {str(folder)!r} is not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text!r}: folder {str(folder)!r} is not writable")
+    try:  # a file made and removed: os.access says yes to root on a read-only file system (/sys, a ro mount)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".bench-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: folder {str(folder)!r} is not writable "
+                                         f"({error.strerror or error})") from None
     return path
 
 
@@ -340,10 +366,12 @@ def cli(run: Callable[[bool], dict], description: str, argv: list[str] | None = 
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions (smoke test)")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help=f"torch intra-op threads (default {DEFAULT_THREADS})")
-    parser.add_argument("--json", type=json_path, help="also write the result as JSON to this path")
+    parser.add_argument("--json", type=json_path, metavar="PATH", help="also write the result as JSON to this path")
     if attention:
         add_attention_backend_option(parser)
     args = parser.parse_args(argv)
+    if attention:
+        check_attention_backend(parser, args.attention_backend)
 
     def main() -> int:
         set_threads(args.threads)

@@ -132,12 +132,14 @@ def test_machine_info_names_the_cpu_generation_and_the_vector_extensions_kernels
 def test_machine_info_records_every_ardiff_environment_variable_that_is_set(monkeypatch):
     """The names are those the code reads (string literals of ardiff_cli/ and pipelines/): a new variable that is
     not recorded fails here."""
-    from benchmarks.common import machine_info
+    from benchmarks.common import MEASURED_ENV, machine_info
 
     literal = re.compile(r"""["']((?:AR_DIFFUSION|ARDIFF)_[A-Z0-9_]+)["']""")
     names = {name for folder in ("ardiff_cli", "pipelines") for path in (REPO_ROOT / folder).rglob("*.py")
              for name in literal.findall(path.read_text())}
     assert {"AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH", "ARDIFF_CACHE_DIR"} <= names
+    assert {"CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS"} <= set(MEASURED_ENV)  # which GPUs, the libraries' threads
+    names |= set(MEASURED_ENV)
     for name in names:
         monkeypatch.delenv(name, raising=False)
     assert machine_info()["environment"] == {}  # unset: not recorded
@@ -514,10 +516,17 @@ def test_suite_attention_backend_reaches_rolling_resume_and_swap(tmp_path):
     from benchmarks.__main__ import main
     from benchmarks.common import attention_backend, set_attention_backend
 
+    from ardiff_cli.runtime.kv.backends import vllm_installed
+
     path = tmp_path / "results.json"
+    argv = ["--quick", "--only", "rolling,resume,swap", "--attention-backend", "vllm", "--json", str(path)]
+    if not vllm_installed():  # each row said so, after the suite ran: a usage error now, before anything runs
+        proc = bench("benchmarks", *argv)
+        assert proc.returncode == 2 and "--attention-backend vllm: vLLM is not installed; pip install" in proc.stderr
+        assert not path.exists()
+        return
     try:
-        assert main(["--quick", "--only", "rolling,resume,swap", "--attention-backend", "vllm", "--json",
-                     str(path)]) == 1
+        assert main(argv) == 1
     finally:
         set_attention_backend("auto")
     rows = json.loads(path.read_text())["results"]
@@ -527,6 +536,26 @@ def test_suite_attention_backend_reaches_rolling_resume_and_swap(tmp_path):
     assert attention_backend() == "auto"
     proc = bench("benchmarks.bench_capacity", "--quick", "--attention-backend", "torch")
     assert proc.returncode == 2 and "unrecognized arguments: --attention-backend torch" in proc.stderr
+
+
+def test_a_signal_as_the_run_ends_leaves_its_outcome_not_a_traceback(monkeypatch):
+    # One landing while the handlers were put back raised Stopped out of exit_on_signals: exit 1 with a traceback
+    # after the results were written (5 times in 15 SIGTERMs sent as "wrote PATH" was printed)
+    from benchmarks import common
+
+    real, sent = signal.signal, []
+
+    def restoring(signum, handler):
+        if not sent:  # the first handler put back: a SIGTERM lands right then
+            sent.append(signum)
+            signal.raise_signal(signal.SIGTERM)
+        return real(signum, handler)
+
+    def main() -> int:
+        monkeypatch.setattr(common.signal, "signal", restoring)  # the handlers are installed: patch their restore
+        return 0
+
+    assert common.exit_on_signals(main) == 0 and sent
 
 
 def bench(*args: str, **kwargs) -> subprocess.CompletedProcess:
@@ -557,6 +586,9 @@ def bench(*args: str, **kwargs) -> subprocess.CompletedProcess:
     ("benchmarks", ["--quick", "--json", ""], "argument --json: expected a file path, got ''"),
     ("benchmarks.bench_swap", ["--quick", "--json", "{tmp}"], "'{tmp}' is a folder; expected a file path"),
     ("benchmarks.bench_backends", ["--quick", "--json", "{tmp}/missing/r.json"], "folder '{tmp}/missing' does not"),
+    # os.access says yes to root there: the suite ran, then could not write (exit 1)
+    ("benchmarks", ["--quick", "--json", "/proc/r.json"], "argument --json: '/proc/r.json': folder '/proc' is not "
+                                                           "writable"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, module, args, message):
     (tmp_path / "file").write_text("not a folder\n")
