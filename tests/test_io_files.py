@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import warnings
 import zlib
 
 import numpy as np
@@ -103,6 +104,20 @@ def test_what_a_step_file_cannot_hold_is_refused_before_anything_is_written(tmp_
     with pytest.raises(TypeError, match=r"^metadata\['calib'\]: key \(0, 1\) \(tuple\) is not text"):
         write_episode(folder, [arrays(0)], metadata={"calib": {(0, 1): 0.5}})
     assert not folder.exists() or not any(folder.iterdir())
+
+
+def test_a_step_prompt_other_than_episode_yamls_is_a_warning(tmp_path):
+    # A recorder restarted with a corrected task: step 0 ran with it, the later steps silently with the old one
+    from ardiff_cli.runtime.errors import ArdiffWarning
+
+    write_step(tmp_path, 0, arrays(0), prompt="pick up the red cube")
+    with pytest.warns(ArdiffWarning, match=r"episode.yaml says prompt 'pick up the red cube'; this step's is 'pick "
+                                           r"up the blue cube', and the steps written without a prompt run with"):
+        write_step(tmp_path, 0, arrays(0), prompt="pick up the blue cube")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        write_step(tmp_path, 1, arrays(1), prompt="pick up the red cube")  # the same: no word
+    assert yaml.safe_load((tmp_path / "episode.yaml").read_text()) == {"prompt": "pick up the red cube"}
 
 
 def test_step_metadata_numbers_are_written_as_text_and_a_folder_is_a_folder(tmp_path, monkeypatch):

@@ -23,6 +23,7 @@ import io
 import json
 import os
 import sys
+import warnings
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,7 +32,7 @@ from typing import Any
 from ardiff_cli.io.atomic import atomic_write_bytes, atomic_write_text
 from ardiff_cli.io.episode import END_MARKER, METADATA_FILE, read_episode_yaml, safetensors_header
 from ardiff_cli.runtime.capacity import as_int
-from ardiff_cli.runtime.errors import shown
+from ardiff_cli.runtime.errors import ArdiffWarning, shown
 
 FORMATS = ("safetensors", "npz")
 
@@ -204,6 +205,10 @@ def _record_episode_prompt(folder: Path, prompt: str) -> None:
     info = read_episode_yaml(path) if path.exists() else {}
     if "prompt" not in info:
         atomic_write_text(path, yaml.safe_dump({**info, "prompt": prompt}, sort_keys=False))
+    elif info["prompt"] != prompt:  # a recorder restarted with a corrected task: its later steps would run the old one
+        warnings.warn(f"{path} says prompt {info['prompt']!r}; this step's is {prompt!r}, and the steps written "
+                      "without a prompt run with episode.yaml's: edit it, or pass prompt= with every step",
+                      ArdiffWarning, stacklevel=3)
 
 
 def write_episode(folder: str | os.PathLike, steps: Sequence[Mapping[str, Any]], *, prompt: str | None = None,
