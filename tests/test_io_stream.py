@@ -308,6 +308,33 @@ def test_follow_warns_once_per_episode_about_step_files_that_arrived_after_it_en
     assert scheduler.late == {"d": ["step_000001.safetensors"]}
 
 
+def test_a_step_written_under_its_temporary_name_keeps_its_episode_from_the_idle_timeout(tmp_path):
+    # write_step writes `.step_000001.safetensors.XXXX.tmp`, then renames it: a step slower to write than
+    # --idle-timeout ended its episode, the step never ran, and the run said ok
+    write_step(tmp_path / "e", 0, good(0), prompt="p")
+    partial = tmp_path / "e" / ".step_000001.safetensors.abcd1234.tmp"
+
+    def grow() -> None:
+        with open(partial, "ab") as f:
+            f.write(b"x")
+
+    clock = FakeClock([lambda: None, lambda: partial.write_bytes(b""), grow, lambda: None, grow, lambda: None,
+                       lambda: (partial.unlink(), write_step(tmp_path / "e", 1, good(1)))])
+    scheduler = StepScheduler(discover_episodes([tmp_path / "e"]), follow=True, idle_timeout=2, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert scheduler.next().file.step == 0
+    assert scheduler.next().file.step == 1  # written for 5 s, 2.5 times the idle timeout
+    assert scheduler.next().reason == "idle_timeout"
+    # a writer killed mid-write leaves one that stops changing: the episode ends one idle timeout later
+    write_step(tmp_path / "k", 0, good(0), prompt="p")
+    (tmp_path / "k" / ".step_000001.safetensors.dead0000.tmp").write_bytes(b"half")
+    clock = FakeClock()
+    scheduler = StepScheduler(discover_episodes([tmp_path / "k"]), follow=True, idle_timeout=2, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert scheduler.next().file.step == 0
+    assert scheduler.next().reason == "idle_timeout" and clock.now >= 2 * 2  # not at 2 or 3 s: one timeout more
+
+
 def test_follow_waits_for_a_file_to_stop_growing(tmp_path):
     folder = tmp_path / "live"
     folder.mkdir()

@@ -35,13 +35,15 @@ every episode has ended and no new one came for ``idle_timeout`` seconds.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import os
 import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ardiff_cli.io.episode import (EpisodeNames, EpisodeSource, StepFile, gap_error, listed, looks_whole,
+from ardiff_cli.io.episode import (EpisodeNames, EpisodeSource, StepFile, gap_error, is_step_file, listed, looks_whole,
                                    missing_steps, new_episode_folders, other_step_formats)
 from ardiff_cli.runtime.errors import ObservationError
 
@@ -82,6 +84,7 @@ class _Track:
     ended: bool = False
     end_reason: str | None = None  # follow: "end_marker" or "idle_timeout" once it ended cleanly (late files?)
     gap: tuple[int, int] | None = None  # follow: (last taken step, next step present) while steps between are missing
+    writing: dict[str, int] = field(default_factory=dict)  # follow: size of each step's temporary file, last looked at
 
 
 class StepScheduler:
@@ -316,6 +319,9 @@ class StepScheduler:
                               "write END after the episode's last step file")
             return "end_marker"
         if self._clock() - track.last_activity >= self.idle_timeout:
+            if self._still_writing(track):
+                track.last_activity = self._clock()
+                return None
             known = len(track.files)
             self._guarded_scan(track, force=True)  # an incomplete file that stopped changing: its error, not a skip
             if len(track.files) > known or track.ended:
@@ -326,6 +332,25 @@ class StepScheduler:
                               "or raise --idle-timeout")
             return "idle_timeout"
         return None
+
+    @staticmethod
+    def _still_writing(track: _Track) -> bool:
+        """Whether a step file is being written under its temporary name (``.step_000001.safetensors.XXXX.tmp``,
+        as ``write_step`` writes it before renaming it): one that appeared or changed size since the last look is
+        activity, and the idle timer starts again. Looked at only when the timer runs out: a writer killed
+        mid-write leaves a file that stops changing, and the episode then ends one timeout later."""
+        try:
+            names = os.listdir(track.source.path)
+        except OSError:  # gone: the scan says so
+            names = []
+        sizes = {}
+        for name in names:
+            if name.startswith(".") and name.endswith(".tmp") and is_step_file(Path(name[1:].rsplit(".", 2)[0])):
+                with contextlib.suppress(OSError):
+                    sizes[name] = (track.source.path / name).stat().st_size
+        changed = any(track.writing.get(name) != size for name, size in sizes.items())
+        track.writing = sizes
+        return changed
 
     @staticmethod
     def _raise_empty(track: _Track, what: str, hint: str) -> None:
