@@ -483,7 +483,7 @@ def test_suite_help_says_a_quick_or_partial_run_writes_no_file_without_json():
     --json said only --quick skipped the file, as if `--only rolling` replaced results.json with one row."""
     proc = bench("benchmarks", "--help")
     assert proc.returncode == 0, proc.stderr
-    json_help = " ".join(proc.stdout.partition("--json JSON")[2].split())
+    json_help = " ".join(proc.stdout.partition("--json PATH")[2].split())
     assert "none with --quick or --only" in json_help, json_help
 
 

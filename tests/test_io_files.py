@@ -111,12 +111,13 @@ def test_a_step_prompt_other_than_episode_yamls_is_a_warning(tmp_path):
     from ardiff_cli.runtime.errors import ArdiffWarning
 
     write_step(tmp_path, 0, arrays(0), prompt="pick up the red cube")
-    with pytest.warns(ArdiffWarning, match=r"episode.yaml says prompt 'pick up the red cube'; this step's is 'pick "
-                                           r"up the blue cube', and the steps written without a prompt run with"):
+    with pytest.warns(ArdiffWarning, match=r"episode.yaml says prompt 'pick up the red cube'; the first step's is "
+                                           r"'pick up the blue cube', and the steps written without a prompt run"):
         write_step(tmp_path, 0, arrays(0), prompt="pick up the blue cube")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         write_step(tmp_path, 1, arrays(1), prompt="pick up the red cube")  # the same: no word
+        write_step(tmp_path, 2, arrays(1), prompt="put it down")  # an instruction that changes mid-episode
     assert yaml.safe_load((tmp_path / "episode.yaml").read_text()) == {"prompt": "pick up the red cube"}
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ardiff_cli.io.atomic import atomic_write_bytes, atomic_write_text
-from ardiff_cli.io.episode import END_MARKER, METADATA_FILE, read_episode_yaml, safetensors_header
+from ardiff_cli.io.episode import END_MARKER, METADATA_FILE, read_episode_yaml, safetensors_header, scan_steps
 from ardiff_cli.runtime.capacity import as_int
 from ardiff_cli.runtime.errors import ArdiffWarning, shown
 
@@ -193,20 +193,22 @@ def write_step(folder: str | os.PathLike, step: int, arrays: Mapping[str, Any], 
         meta["prompt"] = prompt
     blob = encode_arrays(arrays, format=format, metadata=meta)  # a step it refuses leaves episode.yaml untouched
     if prompt is not None:
-        _record_episode_prompt(folder, prompt)
+        _record_episode_prompt(folder, prompt, step)
     return atomic_write_bytes(folder / f"step_{step:06d}.{format}", blob)
 
 
-def _record_episode_prompt(folder: Path, prompt: str) -> None:
-    """Set ``prompt`` in ``folder/episode.yaml`` unless it has one (its other fields are kept)."""
+def _record_episode_prompt(folder: Path, prompt: str, step: int) -> None:
+    """Set ``prompt`` in ``folder/episode.yaml`` unless it has one (its other fields are kept). Another one there,
+    given with the episode's first step, is a warning: a recorder restarted with a corrected task, whose later
+    steps would run with the old one (a later step's own prompt is an instruction that changes mid-episode)."""
     import yaml
 
     path = folder / METADATA_FILE
     info = read_episode_yaml(path) if path.exists() else {}
     if "prompt" not in info:
         atomic_write_text(path, yaml.safe_dump({**info, "prompt": prompt}, sort_keys=False))
-    elif info["prompt"] != prompt:  # a recorder restarted with a corrected task: its later steps would run the old one
-        warnings.warn(f"{path} says prompt {info['prompt']!r}; this step's is {prompt!r}, and the steps written "
+    elif info["prompt"] != prompt and all(f.step >= step for f in scan_steps(folder)):
+        warnings.warn(f"{path} says prompt {info['prompt']!r}; the first step's is {prompt!r}, and the steps written "
                       "without a prompt run with episode.yaml's: edit it, or pass prompt= with every step",
                       ArdiffWarning, stacklevel=3)
 
