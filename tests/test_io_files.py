@@ -121,6 +121,19 @@ def test_a_step_prompt_other_than_episode_yamls_is_a_warning(tmp_path):
     assert yaml.safe_load((tmp_path / "episode.yaml").read_text()) == {"prompt": "pick up the red cube"}
 
 
+def test_write_episode_over_a_longer_recording_warns_of_the_steps_it_leaves(tmp_path):
+    # Re-recording 3 steps over 5 left steps 3 and 4, which rollout ran after the new ones, silently
+    from ardiff_cli.runtime.errors import ArdiffWarning
+
+    write_episode(tmp_path / "ep", [arrays(i) for i in range(5)], prompt="p")
+    with pytest.warns(ArdiffWarning, match=r"ep also holds step_000003.safetensors, step_000004.safetensors, after "
+                                           r"the 3 steps written: an episode runs every step file in its folder"):
+        write_episode(tmp_path / "ep", [arrays(i) for i in range(3)], prompt="p")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        write_episode(tmp_path / "ep", [arrays(5)], first_step=5)  # appending: no word
+
+
 def test_step_metadata_numbers_are_written_as_text_and_a_folder_is_a_folder(tmp_path, monkeypatch):
     path = write_step(tmp_path / "ep", 0, arrays(0), prompt="p", metadata={"fps": np.float32(15.0), "arm": 3})
     assert read_step(path).metadata == {"fps": "15.0", "arm": "3", "prompt": "p"}

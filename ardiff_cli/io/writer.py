@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from ardiff_cli.io.atomic import atomic_write_bytes, atomic_write_text
-from ardiff_cli.io.episode import END_MARKER, METADATA_FILE, read_episode_yaml, safetensors_header, scan_steps
+from ardiff_cli.io.episode import (END_MARKER, METADATA_FILE, listed, read_episode_yaml, safetensors_header,
+                                   scan_steps)
 from ardiff_cli.runtime.capacity import as_int
 from ardiff_cli.runtime.errors import ArdiffWarning, shown
 
@@ -238,6 +239,11 @@ def write_episode(folder: str | os.PathLike, steps: Sequence[Mapping[str, Any]],
     if text is not None:
         atomic_write_text(folder / METADATA_FILE, text)
     paths = [write_step(folder, first_step + i, arrays, format=format) for i, arrays in enumerate(steps)]
+    beyond = [f.path.name for f in scan_steps(folder) if f.step >= first_step + len(steps)]
+    if beyond:  # an earlier recording of the episode, longer than this one: rollout runs them after these steps
+        warnings.warn(f"{folder} also holds {listed(beyond)}, after the {len(steps)} steps written: an episode "
+                      "runs every step file in its folder; remove them, or record into an empty folder",
+                      ArdiffWarning, stacklevel=2)
     if end:
         end_episode(folder)
     return paths
