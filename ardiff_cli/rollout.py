@@ -135,7 +135,7 @@ class Rollout:
         # episode -> step -> SHA-256 of its file when it ran (this run, and results.jsonl on resume): replays check it
         self._digests = {name: dict(steps) for name, steps in digests.items()}
         # episode -> step -> (file, its signature when read) of the steps this run read: checked at the episode's end
-        self._read_as: dict[str, dict[int, tuple[Path, tuple[int, int, int] | None]]] = {}
+        self._read_as: dict[str, dict[int, tuple[Path, tuple[int, ...] | None]]] = {}
         self._warned: set[tuple[str, str]] = set()  # (episode, warning) shown once
         self._at: tuple[str, StepFile] | None = None  # (phase, step file) of the work in progress, for errors
         self._running: StepTask | None = None  # the step in progress

@@ -256,7 +256,7 @@ def exit_on_signals(main: Callable[[], int]) -> int:
     started ignoring (a shell's background job ignores SIGINT) stays ignored."""
     from ardiff_cli.signals import HANDLED
 
-    done = False  # main() returned: its outcome stands, and a signal now only ends the process after it
+    done = False  # main() returned: its outcome stands, and a signal from then on is dropped
 
     def stop(signum: int, frame: object) -> None:
         if not done:

@@ -893,6 +893,21 @@ def test_a_resume_given_its_moved_folder_of_episodes_as_episode_goes_on(env, dat
     assert_same_outputs(reference, run)
 
 
+def test_an_episode_folder_made_since_in_a_watched_folder_under_a_name_of_the_run_is_not_the_runs(env, data,
+                                                                                                 tmp_path):
+    # robot1/arm_b, started after the run stopped, has the name of robot2/arm_b: taken for the run's, the resume
+    # was refused ("expected ['arm_a', 'arm_b'], got ['arm_a', 'arm_b', 'arm_b']")
+    run = tmp_path / "run"
+    write_episode(tmp_path / "robot1" / "arm_a", steps_of(0, 3), prompt="task arm_a")
+    write_episode(tmp_path / "robot2" / "arm_b", steps_of(1, 3), prompt="task arm_b")
+    folders = [str(tmp_path / "robot1"), str(tmp_path / "robot2")]
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), *folders, "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    write_episode(tmp_path / "robot1" / "arm_b", steps_of(1, 3), prompt="task arm_b")
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), str(data / "fast.yaml"), *folders, "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_a_step_file_written_again_after_it_ran_is_named_when_its_episode_ends(env, data, tmp_path):
     # A recorder restarted and wrote step 1 again after it ran: the run said ok without a word, its outputs made
     # from a file the folder no longer held. One copied over with the same bytes (a new mtime) is not one.

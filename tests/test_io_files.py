@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import struct
-import warnings
 import zlib
 
 import numpy as np
@@ -104,34 +103,6 @@ def test_what_a_step_file_cannot_hold_is_refused_before_anything_is_written(tmp_
     with pytest.raises(TypeError, match=r"^metadata\['calib'\]: key \(0, 1\) \(tuple\) is not text"):
         write_episode(folder, [arrays(0)], metadata={"calib": {(0, 1): 0.5}})
     assert not folder.exists() or not any(folder.iterdir())
-
-
-def test_a_step_prompt_other_than_episode_yamls_is_a_warning(tmp_path):
-    # A recorder restarted with a corrected task: step 0 ran with it, the later steps silently with the old one
-    from ardiff_cli.runtime.errors import ArdiffWarning
-
-    write_step(tmp_path, 0, arrays(0), prompt="pick up the red cube")
-    with pytest.warns(ArdiffWarning, match=r"episode.yaml says prompt 'pick up the red cube'; the first step's is "
-                                           r"'pick up the blue cube', and the steps written without a prompt run"):
-        write_step(tmp_path, 0, arrays(0), prompt="pick up the blue cube")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        write_step(tmp_path, 1, arrays(1), prompt="pick up the red cube")  # the same: no word
-        write_step(tmp_path, 2, arrays(1), prompt="put it down")  # an instruction that changes mid-episode
-    assert yaml.safe_load((tmp_path / "episode.yaml").read_text()) == {"prompt": "pick up the red cube"}
-
-
-def test_write_episode_over_a_longer_recording_warns_of_the_steps_it_leaves(tmp_path):
-    # Re-recording 3 steps over 5 left steps 3 and 4, which rollout ran after the new ones, silently
-    from ardiff_cli.runtime.errors import ArdiffWarning
-
-    write_episode(tmp_path / "ep", [arrays(i) for i in range(5)], prompt="p")
-    with pytest.warns(ArdiffWarning, match=r"ep also holds step_000003.safetensors, step_000004.safetensors, after "
-                                           r"the 3 steps written: an episode runs every step file in its folder"):
-        write_episode(tmp_path / "ep", [arrays(i) for i in range(3)], prompt="p")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        write_episode(tmp_path / "ep", [arrays(5)], first_step=5)  # appending: no word
 
 
 def test_step_metadata_numbers_are_written_as_text_and_a_folder_is_a_folder(tmp_path, monkeypatch):

@@ -655,15 +655,16 @@ def test_warmup_and_rollout_read_dtype_and_device_spellings_as_a_config_does(tmp
     assert "'f64' is not a dtype: use float32, bfloat16 or float16" in unboxed, result.stderr
 
 
-@pytest.mark.parametrize("where", ["a_file", "under_a_file"])
+@pytest.mark.parametrize("where", ["a_file", "under_a_file", "a_pipe"])
 def test_out_that_cannot_be_a_folder_is_refused_before_loading(tmp_path, where):
     (tmp_path / "a_file").write_text("not a folder")
-    out = tmp_path / "a_file" if where == "a_file" else tmp_path / "a_file" / "run"
+    os.mkfifo(tmp_path / "a_pipe")
+    out = tmp_path / "a_file" / "run" if where == "under_a_file" else tmp_path / where
     result = runner.invoke(app, ["rollout", "--out", str(out), "--format", "plain"])
     assert result.exit_code == 2, result.stderr
     # it read "cannot create the output folder: File exists", of the file it named
-    what = "it" if where == "a_file" else tmp_path / "a_file"
-    assert (f"Error: --out {out}: {what} is a file, not a folder\n"
+    what = {"a_file": "it is a file", "under_a_file": f"{tmp_path / 'a_file'} is a file", "a_pipe": "it is a pipe"}
+    assert (f"Error: --out {out}: {what[where]}, not a folder\n"
             "hint: choose a folder, or a path where none exists yet\n") in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and "planned" not in result.stderr  # the model never loaded
 

@@ -251,10 +251,13 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             episode.name = names.get(str(episode.path), names.get(str(episode.path.resolve()), episode.name))
         recorded = sorted(e["name"] for e in info["episodes"])
         # an episode folder made since in a watched folder of episodes is not one yet: the run's first poll adds it
-        # (one of a recorded name is the run's, in a folder of episodes that moved)
+        # (one of a recorded name in a folder of episodes the run did not watch is the run's: that folder moved)
         paths, run_names = set(names), set(names.values())
+        recorded_watch = info.get("watch") if isinstance(info.get("watch"), list) else []
+        watched_then = {Path(folder) for folder in recorded_watch if isinstance(folder, str)}
         episodes = [e for e in episodes if str(e.path) in paths or str(e.path.resolve()) in paths
-                    or e.name in run_names or e.path.resolve().parent not in watch]
+                    or e.path.resolve().parent not in watch
+                    or (e.name in run_names and e.path.resolve().parent not in watched_then)]
         given = sorted(e.name for e in episodes)
         if given != recorded:
             raise ConfigError(f"the episodes differ from those of the run in {out}: expected {recorded}, got {given}",

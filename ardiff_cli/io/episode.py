@@ -55,7 +55,7 @@ class RawStep:
     arrays: dict[str, Any]  # numpy arrays by key
     metadata: dict[str, str]  # safetensors metadata, or 0-d string arrays of an .npz
     sha256: str = ""  # hex digest of the file's bytes: the very bytes parsed (the file is read once)
-    signature: tuple[int, int, int] | None = None  # (size, mtime_ns, inode) of the file read: see file_signature
+    signature: tuple[int, ...] | None = None  # (size, mtime_ns, ctime_ns, inode) of the file read: file_signature
 
 
 @dataclass
@@ -424,14 +424,19 @@ def load_step(path: str | os.PathLike[str]) -> RawStep:
     return raw
 
 
-def file_signature(path: Path) -> tuple[int, int, int] | None:
-    """(size, mtime_ns, inode) of ``path`` now, or None when it cannot be looked at: equal to a step's
-    ``RawStep.signature`` while nobody wrote the file since it was read."""
+def file_signature(path: Path) -> tuple[int, ...] | None:
+    """(size, mtime_ns, ctime_ns, inode) of ``path`` now, or None when it cannot be looked at: equal to a step's
+    ``RawStep.signature`` while nobody wrote the file since it was read (ctime: also when its mtime was set back,
+    as ``cp -p`` sets it)."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return st.st_size, st.st_mtime_ns, st.st_ino
+    return _signature(st)
+
+
+def _signature(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 def step_sha256(path: Path) -> str:
@@ -453,13 +458,13 @@ def _empty(path: Path) -> ObservationError:
     return ObservationError(f"{path}: the file is empty (0 bytes)", hint=WRITE_HINT)
 
 
-def _read_bytes(path: Path) -> tuple[bytes, tuple[int, int, int]]:
+def _read_bytes(path: Path) -> tuple[bytes, tuple[int, ...]]:
     """The whole file and its signature as it was read (see :func:`file_signature`), or an ``ObservationError``
     saying why it cannot be read."""
     try:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())  # before the read: a write while or after it is read changes mtime from this
-            return f.read(), (st.st_size, st.st_mtime_ns, st.st_ino)
+            return f.read(), _signature(st)
     except OSError as exc:
         raise _unreadable(path, exc) from None
 

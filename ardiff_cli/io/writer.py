@@ -23,17 +23,15 @@ import io
 import json
 import os
 import sys
-import warnings
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ardiff_cli.io.atomic import atomic_write_bytes, atomic_write_text
-from ardiff_cli.io.episode import (END_MARKER, METADATA_FILE, listed, read_episode_yaml, safetensors_header,
-                                   scan_steps)
+from ardiff_cli.io.episode import END_MARKER, METADATA_FILE, read_episode_yaml, safetensors_header
 from ardiff_cli.runtime.capacity import as_int
-from ardiff_cli.runtime.errors import ArdiffWarning, shown
+from ardiff_cli.runtime.errors import shown
 
 FORMATS = ("safetensors", "npz")
 
@@ -93,7 +91,10 @@ def _check_format(format: str) -> None:
 def _folder(folder: str | os.PathLike) -> Path:
     """An episode folder argument as a Path, ``~`` expanded as the command line does (a recorder and a follower given
     the same string use the same folder); a path that is a file is an error naming it."""
-    path = Path(folder).expanduser()
+    try:
+        path = Path(folder).expanduser()
+    except RuntimeError:  # ~nosuchuser: kept as written, as a shell keeps it
+        path = Path(folder)
     if path.exists() and not path.is_dir():  # mkdir's 'File exists', of a path the user thinks is a folder
         raise NotADirectoryError(f"{path}: an episode folder, but it is a file")
     return path
@@ -194,24 +195,19 @@ def write_step(folder: str | os.PathLike, step: int, arrays: Mapping[str, Any], 
         meta["prompt"] = prompt
     blob = encode_arrays(arrays, format=format, metadata=meta)  # a step it refuses leaves episode.yaml untouched
     if prompt is not None:
-        _record_episode_prompt(folder, prompt, step)
+        _record_episode_prompt(folder, prompt)
     return atomic_write_bytes(folder / f"step_{step:06d}.{format}", blob)
 
 
-def _record_episode_prompt(folder: Path, prompt: str, step: int) -> None:
-    """Set ``prompt`` in ``folder/episode.yaml`` unless it has one (its other fields are kept). Another one there,
-    given with the episode's first step, is a warning: a recorder restarted with a corrected task, whose later
-    steps would run with the old one (a later step's own prompt is an instruction that changes mid-episode)."""
+def _record_episode_prompt(folder: Path, prompt: str) -> None:
+    """Set ``prompt`` in ``folder/episode.yaml`` unless it has one (its other fields are kept): a later step's own
+    prompt is that step's (an instruction that changes mid-episode), never the episode's."""
     import yaml
 
     path = folder / METADATA_FILE
     info = read_episode_yaml(path) if path.exists() else {}
     if "prompt" not in info:
         atomic_write_text(path, yaml.safe_dump({**info, "prompt": prompt}, sort_keys=False))
-    elif info["prompt"] != prompt and all(f.step >= step for f in scan_steps(folder)):
-        warnings.warn(f"{path} says prompt {info['prompt']!r}; the first step's is {prompt!r}, and the steps written "
-                      "without a prompt run with episode.yaml's: edit it, or pass prompt= with every step",
-                      ArdiffWarning, stacklevel=3)
 
 
 def write_episode(folder: str | os.PathLike, steps: Sequence[Mapping[str, Any]], *, prompt: str | None = None,
@@ -225,7 +221,7 @@ def write_episode(folder: str | os.PathLike, steps: Sequence[Mapping[str, Any]],
     folder = _folder(folder)
     info = _plain(dict(metadata or {}))
     _check_keys(info)
-    if "prompt" in info and _check_prompt(info["prompt"]) is None:  # rollout refuses a prompt that is not text
+    if prompt is None and "prompt" in info and _check_prompt(info["prompt"]) is None:  # rollout refuses it
         raise TypeError("metadata 'prompt': prompt must be text (str), got None")
     if prompt is not None:
         info["prompt"] = prompt
@@ -239,11 +235,6 @@ def write_episode(folder: str | os.PathLike, steps: Sequence[Mapping[str, Any]],
     if text is not None:
         atomic_write_text(folder / METADATA_FILE, text)
     paths = [write_step(folder, first_step + i, arrays, format=format) for i, arrays in enumerate(steps)]
-    beyond = [f.path.name for f in scan_steps(folder) if f.step >= first_step + len(steps)]
-    if beyond:  # an earlier recording of the episode, longer than this one: rollout runs them after these steps
-        warnings.warn(f"{folder} also holds {listed(beyond)}, after the {len(steps)} steps written: an episode "
-                      "runs every step file in its folder; remove them, or record into an empty folder",
-                      ArdiffWarning, stacklevel=2)
     if end:
         end_episode(folder)
     return paths

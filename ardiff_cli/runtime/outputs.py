@@ -21,8 +21,8 @@ def output_problem(output: Any) -> tuple[str, str] | None:
     """Why ``output`` cannot be a step's outputs, as (kind, what forward() returned), or None when it can.
 
     kind is ``"contract"`` (not a dict, no array in it, or arrays a step file cannot hold: complex, strings,
-    objects) or
-    ``"non_finite"`` (NaN or infinite values: the model diverged); the text reads after "forward() returned ".
+    objects) or ``"non_finite"`` (NaN or infinite values: the model diverged); the text reads after "forward()
+    returned ".
     """
     if not isinstance(output, Mapping):  # nothing to write: an "ok" step with an empty file would hide it
         return "contract", f"{type(output).__name__}, {EXPECTED}"
