@@ -471,6 +471,41 @@ def test_a_load_that_fails_keeps_nothing_loaded_and_may_be_tried_again():
     engine.close()  # nothing to close
 
 
+def test_a_subscriber_whose_error_cannot_be_shown_still_cannot_fail_a_request():
+    # Formatting its exception raised (a __str__ that raises) inside the report: the request failed, its session
+    # admitted with no forward run
+    class Unprintable(Exception):
+        def __str__(self):
+            raise ValueError("cannot format")
+
+    def metrics(event):
+        if event.kind == "session_admitted":
+            raise Unprintable
+
+    engine = server_engine()
+    engine.load()
+    engine.subscribe(metrics)
+    with pytest.warns(ArdiffWarning, match=r"event subscriber .*metrics raised Unprintable \(which cannot be shown as "
+                                           r"text\) \(on a session_admitted event\)"):
+        engine.execute(request(engine, "r0", "a"))
+    assert [s.num_requests for s in engine.runner.sessions()] == [1]
+    engine.close()
+
+
+def test_a_session_id_argument_that_is_not_a_string_is_a_request_error():
+    # close_session(["a"]) and the others raised a plain TypeError: unhashable type
+    engine = server_engine()
+    engine.load()
+    runner = engine.runner
+    for call, name in ((lambda: runner.close_session(["a"]), "close_session"),
+                       (lambda: runner.reset_session({"a": 1}), "reset_session"),
+                       (lambda: runner.swap_out_sessions([["a"]]), "swap_out_sessions"),
+                       (lambda: runner.restore_session(""), "restore_session")):
+        with pytest.raises(RequestError, match=rf"^{name}\(\) takes a session id \(a non-empty string\), got "):
+            call()
+    engine.close()
+
+
 def test_every_engine_call_before_load_and_after_close_is_an_engine_state_error_naming_what_to_do():
     """engine.runner.sessions() (the README's own line) and engine.pipeline.example_inputs() before load() were an
     AttributeError on None ('NoneType' object has no attribute 'sessions'), which named neither the engine nor

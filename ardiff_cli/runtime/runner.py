@@ -95,6 +95,13 @@ _DIVERGED_IN_WARMUP = ("the model diverged on the warmup's inputs (every step wo
                        "config's sampling settings (a guidance scale too large) and the checkpoint")
 
 
+def _require_session_id(method: str, session_id: Any) -> None:
+    """A session id argument is a non-empty str: a list or dict raised a plain ``TypeError: unhashable type``."""
+    if not isinstance(session_id, str) or not session_id:
+        raise RequestError(f"{method}() takes a session id (a non-empty string), got {shown(session_id)} "
+                           f"({type(session_id).__name__})", hint="name a session by the id its requests give")
+
+
 class LifecycleHookError(ArdiffError, RuntimeError):
     """A pipeline reset/close hook raised. The session's KV was released regardless."""
 
@@ -449,10 +456,14 @@ class ARDiffusionModelRunner:
             except Exception as exc:  # noqa: BLE001 - reported, never allowed to fail a request
                 name = getattr(callback, "__qualname__", None) or repr(callback)
                 code = getattr(callback, "__code__", None)  # functions and bound methods: point at the subscriber
+                try:
+                    said = f": {exc}"
+                except Exception:  # noqa: BLE001 - its __str__ raised: that failed the request
+                    said = " (which cannot be shown as text)"
                 # A throwaway registry: warn() would remember each distinct message (they name the error) in this
                 # module's __warningregistry__ for the process's life, one entry per failing request.
                 warnings.warn_explicit(
-                    f"event subscriber {name} raised {type(exc).__name__}: {exc} (on a {event.kind} event); ignored: "
+                    f"event subscriber {name} raised {type(exc).__name__}{said} (on a {event.kind} event); ignored: "
                     "a subscriber cannot fail a request", ArdiffWarning,
                     code.co_filename if code else __file__, code.co_firstlineno if code else 0, registry={})
 
@@ -609,6 +620,7 @@ class ARDiffusionModelRunner:
     def reset_session(self, session_id: str) -> None:
         """Release ``session_id`` and call the pipeline's reset hook; the next request starts fresh."""
         self._require_loaded()
+        _require_session_id("reset_session", session_id)
         if self._discard_swapped(session_id, "reset"):
             return
         with self._locked():
@@ -621,6 +633,7 @@ class ARDiffusionModelRunner:
     def close_session(self, session_id: str) -> None:
         """Release ``session_id`` and call the pipeline's close hook."""
         self._require_loaded()
+        _require_session_id("close_session", session_id)
         if self._discard_swapped(session_id, "close"):
             return
         with self._locked():
@@ -810,10 +823,13 @@ class ARDiffusionModelRunner:
                                    f"({type(session_ids).__name__})",
                                    hint=f"pass a list, even of one: swap_out_sessions([{shown(session_ids)}])"
                                    if isinstance(session_ids, str) else "pass a list of session ids")
+        session_ids = list(session_ids)
+        for session_id in session_ids:
+            _require_session_id("swap_out_sessions", session_id)
         swapped: dict[str, int] = {}
         if self.swap is None:
             return swapped
-        for session_id in list(session_ids):
+        for session_id in session_ids:
             session = self._sessions.get(session_id)
             if session is None or not session.settled or session_id == WARMUP_SESSION_ID:
                 continue
@@ -832,9 +848,7 @@ class ARDiffusionModelRunner:
         the CLI's ``Interrupted``) or a ``KeyboardInterrupt`` meanwhile leaves it so too, and propagates as itself.
         A request for a swapped-out session (without ``reset``) restores it so first."""
         self._require_loaded()
-        if not isinstance(session_id, str) or not session_id:
-            raise RequestError(f"restore_session() takes a session id (a non-empty string), got {shown(session_id)}",
-                               hint="name a session that was evicted")
+        _require_session_id("restore_session", session_id)
         if session_id == WARMUP_SESSION_ID:
             raise RequestError(f"session id {WARMUP_SESSION_ID!r} is reserved for warmup, which is never swapped",
                                hint="name a session that was evicted")
