@@ -944,6 +944,31 @@ def test_another_engine_closing_while_a_snapshot_is_written_to_the_shared_folder
     assert not (tmp_path / "swap").exists()
 
 
+def test_another_engine_removing_the_shared_folder_as_a_write_begins_does_not_lose_the_snapshot(tmp_path,
+                                                                                                 monkeypatch):
+    # Its clear() removed the folder, empty then, between the write's making it and making its staging folder in
+    # it: FileNotFoundError, the snapshot lost (4 of 715 in a 20 s run with one engine closed and loaded in a loop)
+    import pathlib
+
+    first, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path / "swap")
+    run(first, "a", 0)
+    mkdir, raced = pathlib.Path.mkdir, []
+
+    def mkdir_then_lose_it(self, *args, **kwargs):
+        mkdir(self, *args, **kwargs)
+        if self == tmp_path / "swap" and not raced:
+            raced.append(self)
+            self.rmdir()  # the other engine's clear(), right then
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", mkdir_then_lose_it)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(first, "b", 0)  # a swapped out
+        first.runner.swap.flush()
+        assert raced and first.runner.restore_session("a") is True
+    first.close()
+
+
 def test_a_write_that_failed_before_close_all_is_no_warning_about_a_session_it_closed(tmp_path, monkeypatch):
     # close_all() closes swapped-out sessions too; a snapshot whose write had failed meanwhile used to be reported
     # at the next request, of another session, as "its snapshot is lost, so it is rebuilt".

@@ -185,14 +185,22 @@ class SwapStore:
         if not drop_older and self._nbytes + planned > self.budget_bytes:
             return None
         self._make_room(planned)
-        self.directory.mkdir(parents=True, exist_ok=True)
         snapshot = _Snapshot(path, path.name, planned, header, dict(tensors))
         # The file is written in a folder of its own, created here: safetensors writes its own temporary file
         # (.tmpXXXXXX) beside the file it is given, which a killed process would leave where remove_snapshot_files
         # cannot know it; and the swap folder is not empty until the write ends, so another store sharing it (its
         # clear()) cannot remove it under the background write.
-        staging = snapshot.path.with_name(f".{snapshot.path.name}.{secrets.token_hex(4)}.tmp")
-        staging.mkdir()
+        for attempt in range(3):
+            staging = snapshot.path.with_name(f".{snapshot.path.name}.{secrets.token_hex(4)}.tmp")
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                staging.mkdir()
+                break
+            except (FileNotFoundError, FileExistsError):
+                # another store's clear() removed the folder, empty then, between its making and the staging one's
+                # (pathlib's exist_ok says FileExistsError when it goes as it looks): make both again
+                if attempt == 2:
+                    raise
         writer = threading.Thread(target=self._write_file, args=(snapshot, staging), name="ardiff-swap-writer")
         try:
             writer.start()  # "can't start new thread" raises here, with nothing of the snapshot kept
