@@ -32,6 +32,7 @@ from ardiff_cli.io.atomic import atomic_write_bytes, atomic_write_text
 from ardiff_cli.io.episode import END_MARKER, METADATA_FILE, read_episode_yaml, safetensors_header
 from ardiff_cli.runtime.capacity import as_int
 from ardiff_cli.runtime.errors import shown
+from ardiff_cli.runtime.outputs import storable
 
 FORMATS = ("safetensors", "npz")
 
@@ -58,7 +59,7 @@ def encode_arrays(arrays: Mapping[str, Any], *, format: str = "safetensors",
             data[str(key)] = array = to_numpy(value)
         except (TypeError, ValueError, RuntimeError) as exc:  # a float8 tensor, a ragged list
             raise TypeError(f"array {str(key)!r}: cannot be a step file's array: {exc}") from None
-        if array.dtype.kind not in "biuf":  # safetensors said only 'Unknown dtype "object"'
+        if not storable(array.dtype):  # safetensors said only 'Unknown dtype "object"'
             raise TypeError(f"array {str(key)!r} has dtype {array.dtype}: a step file holds bool, integer or "
                             "floating arrays (text goes in metadata, or prompt=)")
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}

@@ -30,7 +30,7 @@ def output_problem(output: Any) -> tuple[str, str] | None:
         got = ", ".join(f"{key!r}: {type(value).__name__}" for key, value in output.items()) or "empty"
         return "contract", f"a dict with no array in it ({got}), {EXPECTED}"
     unstorable = [f"{key!r} ({value.dtype})" for key, value in output.items()
-                  if is_array(value) and not _storable(value.dtype)]
+                  if is_array(value) and not storable(value.dtype)]
     if unstorable:  # safetensors refuses them
         return "contract", (f"arrays a step file cannot hold: {', '.join(unstorable)}; expected bool, integer or "
                             "floating arrays")
@@ -40,7 +40,7 @@ def output_problem(output: Any) -> tuple[str, str] | None:
     return None
 
 
-def _storable(dtype: Any) -> bool:
+def storable(dtype: Any) -> bool:
     """Whether a step file (safetensors) holds arrays of ``dtype``, a torch or numpy one: bool, integer, floating."""
     return not dtype.is_complex if hasattr(dtype, "is_complex") else dtype.kind in "biuf"
 
