@@ -320,7 +320,7 @@ def _whole(output: Path) -> bool:
     from ardiff_cli.io.episode import looks_whole
 
     try:
-        return output.is_file() and looks_whole(output, output.stat().st_size)
+        return looks_whole(output, output.stat().st_size)  # False for a folder: it cannot be opened to read
     except OSError:
         return False
 
