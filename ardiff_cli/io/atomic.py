@@ -64,6 +64,12 @@ def _fsync_dir(folder: Path) -> None:
 STALE_AFTER_S = 3600.0  # a temporary entry nothing changed for this long is a killed writer's, not a slow one's
 
 
+def temporary_pattern(name: str = ".+", suffix: str = r"\.tmp") -> re.Pattern[str]:
+    """The names tempfile gives the temporary entry of a write of a target matching the regular expression ``name``:
+    ".NAME." + 8 random characters + ``suffix`` (a regular expression too), as ``atomic_write_bytes`` makes them."""
+    return re.compile(rf"\.(?:{name})\.[a-z0-9_]{{8}}{suffix}")
+
+
 def remove_temporaries(folder: Path, name: str = ".+", suffix: str = r"\.tmp", *,
                        older_than_s: float = STALE_AFTER_S) -> list[Path]:
     """Delete what writes killed midway (``kill -9``, a power loss) left in ``folder``, and return it: the temporary
@@ -74,7 +80,7 @@ def remove_temporaries(folder: Path, name: str = ".+", suffix: str = r"\.tmp", *
     for it."""
     import shutil
 
-    pattern = re.compile(rf"\.(?:{name})\.[a-z0-9_]{{8}}{suffix}")
+    pattern = temporary_pattern(name, suffix)
     now = time.time()
     try:
         entries = list(os.scandir(folder))

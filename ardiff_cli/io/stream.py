@@ -37,15 +37,20 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
+import re
 import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ardiff_cli.io.episode import (EpisodeNames, EpisodeSource, StepFile, gap_error, is_step_file, listed, looks_whole,
+from ardiff_cli.io.atomic import temporary_pattern
+from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, StepFile, gap_error, listed, looks_whole,
                                    missing_steps, new_episode_folders, other_step_formats)
 from ardiff_cli.runtime.errors import ObservationError
+
+# write_step's temporary file of a step file being written (atomic_write_bytes): activity for the idle timer
+_STEP_TEMPORARY = temporary_pattern("[^.].*(?:" + "|".join(map(re.escape, STEP_SUFFIXES)) + ")")
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,7 +350,7 @@ class StepScheduler:
             names = []
         sizes = {}
         for name in names:
-            if name.startswith(".") and name.endswith(".tmp") and is_step_file(Path(name[1:].rsplit(".", 2)[0])):
+            if _STEP_TEMPORARY.fullmatch(name):
                 with contextlib.suppress(OSError):
                     sizes[name] = (track.source.path / name).stat().st_size
         changed = any(track.writing.get(name) != size for name, size in sizes.items())
