@@ -91,6 +91,7 @@ class ARPipeline(abc.ABC):
         self.spec: ARDiffusionKVCacheSpec = config.kv_cache_spec()
         self.sessions: dict[str, Any] = {}  # session id -> the pipeline's own record (model-owned state)
         self._bound: tuple[str, Any] | None = None  # (session id, KV state) during one forward only
+        self._checked: tuple[Any, Any] | None = None  # (request, its parsed inputs) from the runner's check
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -182,16 +183,31 @@ class ARPipeline(abc.ABC):
         session_id, state = self._bound
         if request.session_id != session_id:
             raise RuntimeError(f"request names session {request.session_id!r} but {session_id!r} is bound")
-        return self.step(session_id, PagedRollout(self.transformer, state, self.cross_names), request.inputs)
+        checked, self._checked = self._checked, None
+        parsed = checked[1] if checked is not None and checked[0] is request else None
+        return self.step(session_id, PagedRollout(self.transformer, state, self.cross_names), request.inputs,
+                         parsed=parsed)
 
-    def step(self, session_id: str, rollout, inputs: dict[str, Any]) -> dict[str, Any]:
-        """One request of ``session_id`` against ``rollout`` (paged, or the dense reference in tests)."""
+    def check_ar_diffusion_request(self, request: ARDiffusionRequest) -> None:
+        """Parse the request's inputs as the forward would (``_parse``), before the runner touches its session;
+        the forward then takes them as parsed here."""
+        self._checked = None
         with torch.no_grad():
-            return self._step(session_id, rollout, inputs)
+            self._checked = (request, self._parse(request.inputs))
+
+    def step(self, session_id: str, rollout, inputs: dict[str, Any], *, parsed: Any = None) -> dict[str, Any]:
+        """One request of ``session_id`` against ``rollout`` (paged, or the dense reference in tests); ``parsed``:
+        ``_parse(inputs)``, when it ran already."""
+        with torch.no_grad():
+            return self._step(session_id, rollout, self._parse(inputs) if parsed is None else parsed)
 
     @abc.abstractmethod
-    def _step(self, session_id: str, rollout, inputs: dict[str, Any]) -> dict[str, Any]:
-        """The pipeline's request logic (no grad)."""
+    def _parse(self, inputs: dict[str, Any]) -> Any:
+        """The request's inputs checked and converted for ``_step``, touching no session: bad ones raise here."""
+
+    @abc.abstractmethod
+    def _step(self, session_id: str, rollout, parsed: Any) -> dict[str, Any]:
+        """The pipeline's request logic (no grad), on ``_parse``'s result."""
 
     def _seed_and_observation(self, inputs: dict[str, Any], schema: ObservationSchema) -> tuple[int, dict[str, Any]]:
         """The request's noise ``seed`` (default: the config's) and its other inputs validated against ``schema``."""

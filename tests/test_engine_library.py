@@ -310,9 +310,9 @@ def test_a_subscriber_that_is_not_callable_is_refused_when_subscribed():
     engine.close()
 
 
-def test_a_failed_forward_says_which_request_and_session_it_cost():
+def test_a_refused_request_says_which_request_and_session_it_was_for():
     """A robot's malformed observation mid-episode was 'ObservationError: request inputs: missing prompt ...': a
-    server logging it could not tell which robot it came from, nor that the robot's session had been released."""
+    server logging it could not tell which robot it came from, nor whether the robot's session was kept."""
     engine = server_engine(capacity=3)
     engine.load()
     for i, sid in enumerate(["arm_a", "arm_b"]):
@@ -321,9 +321,9 @@ def test_a_failed_forward_says_which_request_and_session_it_cost():
     del inputs["prompt"]
     with pytest.raises(ObservationError, match=r"^request inputs: .*missing prompt") as info:
         engine.execute(ARDiffusionRequest("arm_b/000001", inputs, {"session_id": "arm_b"}))
-    assert info.value.__notes__ == ["request 'arm_b/000001' failed, so session 'arm_b' was released: its history "
-                                    "is gone, and its next request starts afresh"]
-    assert engine.runner.session_ids == ["arm_a"]
+    assert info.value.__notes__ == ["request 'arm_b/000001' was refused before session 'arm_b' was touched: the "
+                                    "session is as it was"]
+    assert engine.runner.session_ids == ["arm_a", "arm_b"]
     engine.close()
 
 

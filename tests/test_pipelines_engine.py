@@ -71,15 +71,20 @@ def test_causal_world_warmup_and_rollout():
     engine.close()
 
 
-def test_failed_request_releases_the_session():
+@pytest.mark.parametrize("problem", ["missing joint_position", "two frames"])
+def test_a_request_with_bad_inputs_is_refused_and_the_session_kept(problem):
     engine, events = engine_for("dreamzero-tiny")
     pipe = engine.pipeline
     engine.execute(ARDiffusionRequest("ok", pipe.example_inputs(1), {"session_id": "s"}))
-    bad = pipe.example_inputs(4)
-    bad.pop("joint_position")
-    with pytest.raises(ObservationError, match="missing 'joint_position'") as info:  # typed: the CLI's exit 2
+    before = engine.runner.sessions()
+    if problem == "two frames":  # the schema takes any number: the pipeline's own check refuses it
+        bad, match = pipe.example_inputs(2), "cameras carry 2 frames; expected 1 .* or 4"
+    else:
+        bad, match = pipe.example_inputs(4), "missing 'joint_position'"
+        bad.pop("joint_position")
+    with pytest.raises(ObservationError, match=match) as info:  # typed: the CLI's exit 2
         engine.execute(ARDiffusionRequest("bad", bad, {"session_id": "s"}))
     assert info.value.exit_code == 2
-    assert engine.runner.sessions() == [] and pipe.sessions == {}
-    assert [e.reason for e in events if e.kind == "session_closed"] == ["forward_exception"]
+    assert engine.runner.sessions() == before and list(pipe.sessions) == ["s"]
+    assert [e.kind for e in events if e.kind.startswith("session_")] == ["session_admitted"]
     engine.close()

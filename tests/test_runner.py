@@ -174,8 +174,10 @@ def test_forward_failure_at_any_layer_releases_only_that_session(layer):
     before_a = held_pages(runner)["a"]
     runner.execute_model(request("b", 0))
     runner.pipeline.fail_at_layer = layer
-    with pytest.raises(RuntimeError, match=f"injected failure at layer {layer}"):
+    with pytest.raises(RuntimeError, match=f"injected failure at layer {layer}") as caught:
         runner.execute_model(request("b", 1))
+    assert caught.value.__notes__ == ["request 'b:1' failed, so session 'b' was released: its history is gone, and "
+                                      "its next request starts afresh"]
     assert runner.session_ids == ["a"]
     assert held_pages(runner)["a"] == before_a
     assert runner.kv_cache.allocator.num_used == len(before_a)

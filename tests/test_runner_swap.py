@@ -18,7 +18,8 @@ from tiny_pipeline import TinyPipeline, request, tiny_spec
 
 from ardiff_cli.runtime.config import load_config
 from ardiff_cli.runtime.engine import ARDiffusionEngine
-from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError, RequestError, RequestTypeError, SwapRestoreError
+from ardiff_cli.runtime.errors import (ArdiffWarning, ConfigError, ObservationError, RequestError, RequestTypeError,
+                                      SwapRestoreError)
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from ardiff_cli.runtime.runner import ARDiffusionModelRunner
 from pipelines.dreamzero.pipeline import DreamZeroPipeline
@@ -273,6 +274,31 @@ def test_a_request_for_a_swapped_out_session_restores_it_first(tmp_path, name):
         assert_same(a, b, f"step {step}")
     restored = [e.session_id for e in events if e.kind == "session_restored"]
     assert restored == ["a", "b", "a", "b"] and engine.runner.pool_usage().num_swapped == 1
+    engine.close()
+
+
+@pytest.mark.parametrize("name", ["dreamzero-tiny", "causal-world-tiny"])
+def test_a_request_with_bad_inputs_touches_no_session(tmp_path, name):
+    # It used to be refused only by the forward: for a new session after the least recently used one was evicted,
+    # for a swapped-out one after it was restored (its history then released with the failed forward), for a
+    # resident one after its history was released. A bad frame from one client cost another its session.
+    reference, _ = engine_for(name, capacity=2)
+    want = {session: [run(reference, session, step) for step in range(2)] for session in "abc"}
+    reference.close()
+    engine, events = engine_for(name, capacity=2, swap_dir=tmp_path)
+    got = {session: [run(engine, session, 0)] for session in "abc"}  # "c" swapped "a" out
+    engine.runner.swap.flush()
+    before = (engine.runner.session_ids, engine.runner.pool_usage(), len(events))
+    for session, reset in [("new", False), ("a", False), ("b", False), ("c", True)]:
+        bad = dict(inputs_for(engine.pipeline, session, 1), prompt=3)
+        with pytest.raises(ObservationError, match="prompt 'prompt' must be a string") as caught:
+            engine.execute(ARDiffusionRequest(f"{session}/bad", bad, {"session_id": session, "reset": reset}))
+        assert f"session '{session}' was touched: the session is as it was" in "".join(caught.value.__notes__)
+    assert (engine.runner.session_ids, engine.runner.pool_usage(), len(events)) == before
+    for session in "abc":
+        got[session].append(run(engine, session, 1))
+        for step, (a, b) in enumerate(zip(got[session], want[session])):
+            assert_same(a, b, f"{session} step {step}")
     engine.close()
 
 

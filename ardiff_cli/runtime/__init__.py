@@ -16,6 +16,7 @@ _EXPORTS = {
     "SupportsARDiffusionPipeline": "capability",
     "SupportsARDiffusionWarmup": "capability",
     "SupportsARDiffusionSwap": "capability",
+    "SupportsARDiffusionRequestCheck": "capability",
     "CapacityPlan": "capacity",
     "plan_capacity": "capacity",
     "ARDiffusionRequest": "request",

@@ -226,6 +226,18 @@ class SupportsARDiffusionWarmup(Protocol):
 
 
 @runtime_checkable
+class SupportsARDiffusionRequestCheck(Protocol):
+    """Optional: refuse a request whose inputs ``forward`` would refuse, before its session is touched.
+
+    Without it the runner learns of bad inputs only when the forward raises: by then a new session has evicted
+    the least recently used one, a swapped-out one has been restored, and the failed forward releases either.
+    """
+
+    def check_ar_diffusion_request(self, request: Any) -> None:
+        """Raise (an ``ObservationError``, say) for inputs the forward would refuse; touch no session state."""
+
+
+@runtime_checkable
 class SupportsARDiffusionSwap(Protocol):
     """Optional: what the pipeline keeps per session outside the runner's pools, out and back in.
 

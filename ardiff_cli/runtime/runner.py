@@ -495,6 +495,15 @@ class ARDiffusionModelRunner:
             raise RequestError(f"session id {WARMUP_SESSION_ID!r} is reserved for warmup",
                                hint="name the session otherwise")
         start = time.perf_counter()
+        check = getattr(self.pipeline, "check_ar_diffusion_request", None)
+        if check is not None:  # inputs the forward would refuse: nobody is evicted, restored, reset or released
+            try:
+                check(request)
+            except BaseException as exc:
+                if not internal:
+                    exc.add_note(f"request {shown(request.request_id)} was refused before session "
+                                 f"{shown(session_id)} was touched: the session is as it was")
+                raise
         with self._events_held():
             if request.reset and session_id in self._sessions:
                 with self._locked():

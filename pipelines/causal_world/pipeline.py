@@ -84,10 +84,13 @@ class CausalWorldPipeline(ARPipeline):
     def build_modules(cls, config: Config) -> CausalWorldModules:
         return CausalWorldModules(config)
 
-    def _step(self, session_id: str, rollout, inputs: dict[str, Any]) -> dict[str, Any]:
-        c = self.config
+    def _parse(self, inputs: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         # The config's exact schema: conditioning of length cond_dim, or an unknown key when cond_dim is 0.
-        seed, obs = self._seed_and_observation(inputs, c.observation_schema())
+        return self._seed_and_observation(inputs, self.config.observation_schema())
+
+    def _step(self, session_id: str, rollout, parsed: tuple[int, dict[str, Any]]) -> dict[str, Any]:
+        c = self.config
+        seed, obs = parsed
         prompt = obs[SCHEMA.prompt_key]
         cond = obs.get("conditioning")  # (cond_dim,) float32 or None
 

@@ -167,20 +167,24 @@ class DreamZeroPipeline(ARPipeline):
         return torch.cat([mask, anchor[:, None].expand(C, num_frames, h, w)])
 
     # ------------------------------------------------------------------ the request
-    def _step(self, session_id: str, rollout, inputs: dict[str, Any]) -> dict[str, Any]:
+    def _parse(self, inputs: dict[str, Any]) -> tuple[int, torch.Tensor, torch.Tensor, str]:
+        """(seed, camera frames (T, H, W, 3) uint8, robot state (state_dim,), prompt)."""
         c = self.config
         seed, obs = self._seed_and_observation(inputs, SCHEMA)
-        frames = self._camera_frames(obs)  # (T, H, W, 3) uint8
-        num_rgb = frames.shape[0]
-        if num_rgb not in (1, c.frames_per_request):
+        frames = self._camera_frames(obs)
+        if frames.shape[0] not in (1, c.frames_per_request):
             raise ObservationError(
-                f"request inputs: cameras carry {num_rgb} frames; expected 1 (a session's first request) or "
+                f"request inputs: cameras carry {frames.shape[0]} frames; expected 1 (a session's first request) or "
                 f"{c.frames_per_request}",
                 hint=f"each camera's array is (frames, height, width, 3): the first step of an episode holds one "
                      f"frame, each later one {c.frames_per_request}",
             )
-        robot_state = self._robot_state(obs)  # (state_dim,)
-        prompt = obs[SCHEMA.prompt_key]
+        return seed, frames, self._robot_state(obs), obs[SCHEMA.prompt_key]
+
+    def _step(self, session_id: str, rollout, parsed: tuple[int, torch.Tensor, torch.Tensor, str]) -> dict[str, Any]:
+        c = self.config
+        seed, frames, robot_state, prompt = parsed
+        num_rgb = frames.shape[0]
         session = self.sessions.pop(session_id, None)  # re-stored only when the request succeeds
 
         committed = rollout.num_frames("positive")
