@@ -189,6 +189,39 @@ def test_forward_failure_at_any_layer_releases_only_that_session(layer):
     assert runner.kv_cache.num_free_pages == free0
 
 
+def test_a_stop_between_the_forward_and_its_bookkeeping_releases_the_session(monkeypatch):
+    """A KeyboardInterrupt (a signal) just after the forward committed its frames, before the request was counted,
+    left the session resident with one more step in its KV than its request count said: a retry of the step ran it
+    twice, and a snapshot of it restored with the wrong count (a CLI --resume reran the step on top of itself)."""
+    from ardiff_cli.runtime.kv.state import ARDiffusionKVState
+
+    runner = make_runner()
+    runner.execute_model(request("a", 0))
+    runner.execute_model(request("b", 0))
+    pages_of_a = held_pages(runner)["a"]
+    armed = []
+    end_request, locked = ARDiffusionKVState.end_request, ARDiffusionModelRunner._locked
+
+    def ended(state):
+        end_request(state)
+        armed.append(True)
+
+    @contextmanager
+    def interrupted_once(self):
+        if armed:
+            armed.clear()
+            raise KeyboardInterrupt
+        with locked(self):
+            yield
+
+    monkeypatch.setattr(ARDiffusionKVState, "end_request", ended)
+    monkeypatch.setattr(ARDiffusionModelRunner, "_locked", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        runner.execute_model(request("b", 1))
+    assert runner.session_ids == ["a"] and held_pages(runner) == {"a": pages_of_a}
+    assert runner.kv_cache.allocator.num_used == len(pages_of_a)
+
+
 def test_failed_forward_of_a_closing_request_closes_its_session_once():
     """``close_session=True`` on a request whose forward fails: the failure releases the session, and the request's
     own close does not release it a second time (one close hook call, one ``session_closed`` event)."""

@@ -543,6 +543,17 @@ class ARDiffusionModelRunner:
                     f"branches {dangling}: call state.commit(branch) after each commit pass"
                 )
             state.end_request()
+            with self._locked():  # in the try: a stop before the request is counted must not leave it uncounted
+                session.num_requests += 1
+                if request.close_session:
+                    # A failing close hook must not cost the caller this forward's output: the
+                    # error is recorded in hook_errors and emitted as HookFailed instead.
+                    self._release(session_id, reason="close_session", hook="close")
+                else:
+                    session.last_latency_s = time.perf_counter() - start
+                    session.view = self._snapshot(session_id, session)
+                    session.settled = True
+                end = time.perf_counter()
         except BaseException as exc:
             with self._locked():
                 if self._sessions.get(session_id) is session:
@@ -555,17 +566,6 @@ class ARDiffusionModelRunner:
                     for hook_error in errors:
                         exc.add_note(str(hook_error))
             raise
-        with self._locked():
-            session.num_requests += 1
-            if request.close_session:
-                # A failing close hook must not cost the caller this forward's output: the
-                # error is recorded in hook_errors and emitted as HookFailed instead.
-                self._release(session_id, reason="close_session", hook="close")
-            else:
-                session.last_latency_s = time.perf_counter() - start
-                session.view = self._snapshot(session_id, session)
-                session.settled = True
-            end = time.perf_counter()
         bind_s = (bound - start) + (forward_start - bound)
         self._emit(
             RequestFinished(
