@@ -7,8 +7,11 @@ pool's page counts exact, its files deleted once restored, and nothing half-rest
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shutil
+import subprocess
+import sys
 import threading
 import warnings
 
@@ -849,6 +852,46 @@ def test_after_a_full_disk_an_eviction_exports_nothing_until_the_disk_has_room_f
     run(engine, "d", 0)
     assert exported == ["a", "c"] and runner.restore_session("c") is True
     engine.close()
+
+
+def test_a_write_safetensors_fails_is_reported_as_the_oserror_it_says_it_was(tmp_path):
+    # safetensors raises SafetensorError("... I/O error: No space left on device (os error 28)"), with no errno: a
+    # real full disk never turned the full-disk check above on. A file size limit makes its write fail for real.
+    script = """if True:
+        import resource, signal, sys, torch
+        from ardiff_cli.runtime.swap import SwapStore
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+        store = SwapStore(sys.argv[1], 1 << 30)
+        store.write("a", {"k": torch.zeros(1 << 16)}, {})
+        store.flush()
+        print([(sid, type(e).__name__, e.errno, str(e.__cause__)[-39:]) for sid, e in store.failures])
+    """
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "swap")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[('a', 'OSError', 27, 'I/O error: File too large (os error 27)')]"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a small disk needs root")
+def test_a_real_full_disk_turns_the_full_disk_check_on(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("this machine does not let tmpfs be mounted")
+    try:
+        engine, events = engine_for("dreamzero-tiny", capacity=1, swap_dir=disk / "swap", swap_space="64MiB")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ArdiffWarning)
+            for session in "abcd":  # each evicts the one before: a snapshot is larger than the disk
+                run(engine, session, 0)
+                engine.runner.swap.flush()
+        lost = [e.error for e in events if e.kind == "swap_failed"]
+        assert lost[0].startswith("OSError: [Errno 28] No space left on device"), lost
+        assert lost[1:] and all(error.endswith("(not exported)") for error in lost[1:]), lost
+        engine.close()
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_a_write_that_fails_before_its_session_is_closed_is_a_swap_failed_event_without_a_warning(tmp_path,

@@ -43,6 +43,20 @@ SNAPSHOT_FILE = re.compile(r"[0-9a-f]{32}\.safetensors")
 SNAPSHOT_NAME = re.compile(rf"{SNAPSHOT_FILE.pattern}|\.[0-9a-f]{{32}}\.safetensors\.[0-9a-f]{{8}}\.tmp")
 
 
+# safetensors raises its own SafetensorError for a failed write, the system's error only in its text ("I/O error: No
+# space left on device (os error 28)"): without the errno, a full disk was not known as one (os_error).
+OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def os_error(exc: BaseException, path: Path) -> BaseException:
+    """``exc`` as the ``OSError`` whose errno its text names (safetensors'), else ``exc`` itself."""
+    match = None if isinstance(exc, OSError) else OS_ERROR.search(str(exc))
+    if match is None:
+        return exc
+    code = int(match.group(1))
+    return OSError(code, os.strerror(code), str(path))
+
+
 def file_bytes_at_most(tensors: dict[str, torch.Tensor], header: str) -> int:
     """An upper bound on the size of the safetensors file of ``tensors`` with ``header`` as its metadata: 8 bytes of
     length, the JSON header (every tensor's name, dtype, shape and offsets; the metadata string, escaped), padded
@@ -220,8 +234,11 @@ class SwapStore:
             if not snapshot.dropped:  # discarded before its write began: nothing to write
                 from safetensors.torch import save_file
 
-                save_file({k: t.contiguous() for k, t in snapshot.tensors.items()}, str(temporary),
-                          metadata={"ardiff_swap": snapshot.header})
+                try:
+                    save_file({k: t.contiguous() for k, t in snapshot.tensors.items()}, str(temporary),
+                              metadata={"ardiff_swap": snapshot.header})
+                except Exception as exc:  # noqa: BLE001 - its errno, for the runner's full-disk check
+                    raise os_error(exc, path) from exc
                 os.replace(temporary, path)
         except BaseException as exc:  # noqa: BLE001 - reported by settle(), on the caller's thread
             snapshot.error = exc
