@@ -371,9 +371,11 @@ def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(t
     engine.close()
 
 
-def test_ctrl_c_while_a_session_is_restored_leaves_no_part_of_it_resident(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["import", "count"])
+def test_ctrl_c_while_a_session_is_restored_leaves_no_part_of_it_resident(tmp_path, monkeypatch, where):
     # It used to stay resident with its KV restored but no pipeline record (and 0 requests): its next request
-    # would have silently started another history on top of the old KV.
+    # would have silently started another history on top of the old KV. A stop once the pipeline took its record
+    # back, before the runner counted its requests, left it resident with a count of 0.
     engine, events = engine_for("dreamzero-tiny", capacity=1, swap_dir=tmp_path)
     runner = engine.runner
     run(engine, "a", 0)
@@ -382,7 +384,10 @@ def test_ctrl_c_while_a_session_is_restored_leaves_no_part_of_it_resident(tmp_pa
     def ctrl_c(session_id, snapshot):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(engine.pipeline, "import_ar_diffusion_session", ctrl_c)
+    if where == "import":
+        monkeypatch.setattr(engine.pipeline, "import_ar_diffusion_session", ctrl_c)
+    else:
+        monkeypatch.setattr(runner, "_snapshot", ctrl_c)  # the view, taken as the requests are counted
     with pytest.raises(KeyboardInterrupt):  # as itself, not a SwapRestoreError
         runner.restore_session("a")
     assert runner.session_ids == [] and runner.pool_usage().num_used == 0 and "a" not in engine.pipeline.sessions
@@ -670,6 +675,65 @@ def test_another_stores_snapshot_of_the_same_session_put_in_place_of_its_file_is
     assert first.runner.pool_usage().num_swapped == 0 and first.runner.restore_session("robot") is False
     first.close()
     other.close()
+
+
+def test_an_older_snapshot_of_the_session_put_back_in_place_of_its_file_is_refused(tmp_path):
+    # Same store, same session, same file name: only the write differs. It was restored, one request behind.
+    engine, _ = a_swapped_out(tmp_path)
+    older = tmp_path / "older.safetensors"
+    shutil.copyfile(engine.runner.swap.path_for("a"), older)
+    run(engine, "a", 1)  # restored; b swapped out
+    run(engine, "b", 1)  # a swapped out again, after 2 requests
+    engine.runner.swap.flush()
+    shutil.copyfile(older, engine.runner.swap.path_for("a"))
+    with pytest.raises(SwapRestoreError, match="is not the snapshot last written of this session .* an older one "
+                                               "put back in its place"):
+        engine.runner.restore_session("a")
+    assert engine.runner.session_ids == ["b"] and engine.runner.pool_usage().num_swapped == 0
+    engine.close()
+
+
+def test_adopting_a_file_this_store_holds_or_one_that_is_missing_is_a_request_error(tmp_path):
+    engine, _ = a_swapped_out(tmp_path)
+    runner = engine.runner
+    own = runner.swap.path_for("a").name
+    with pytest.raises(RequestError, match=f"{own} is this store's snapshot of session 'a', not one another store "
+                                           "left"):
+        runner.adopt_snapshot("c", own)  # took a's file as c's: a's history was lost
+    with pytest.raises(RequestError, match=r"no file 0{32}\.safetensors in "):
+        runner.adopt_snapshot("c", "0" * 32 + ".safetensors")  # was a bare FileNotFoundError
+    assert runner.restore_session("a") is True and runner.pool_usage().num_swapped == 1  # b's, swapped out for it
+    engine.close()
+
+
+@pytest.mark.parametrize("started", [True, False])
+def test_a_stop_as_a_snapshot_write_starts_leaves_no_file_behind(tmp_path, monkeypatch, started):
+    # A signal landing in Thread.start() after the writer had started: the write went on, its file renamed into place,
+    # and the store knew nothing of it, so close() left it (and the folder) on disk for good.
+    import ardiff_cli.runtime.swap as swap_module
+
+    class StoppedThread(threading.Thread):
+        def start(self):
+            if started:
+                super().start()
+            raise KeyboardInterrupt
+
+    engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path / "swap")
+    run(engine, "a", 0)
+    monkeypatch.setattr(swap_module, "threading", type("Threading", (), {"Thread": StoppedThread}))
+    with pytest.raises(KeyboardInterrupt):
+        run(engine, "b", 0)  # evicts a: its snapshot's write is stopped as it starts
+    monkeypatch.undo()
+    engine.runner.swap.flush()
+    assert engine.runner.session_ids == ["a"] and engine.runner.pool_usage().num_swapped == 0
+    for thread in threading.enumerate():  # a writer that no store waits for, too
+        if thread.name == "ardiff-swap-writer":
+            thread.join()
+    assert sorted(p.name for p in (tmp_path / "swap").iterdir()) == []
+    run(engine, "b", 0)  # the next eviction swaps a out as usual
+    assert engine.runner.restore_session("a") is True
+    engine.close()
+    assert not (tmp_path / "swap").exists()
 
 
 class HeldWrites:
@@ -1192,8 +1256,9 @@ def test_swapping_resident_sessions_out_takes_only_the_swap_space_left(tmp_path)
 
 
 def test_a_session_whose_request_a_stop_cut_short_is_not_swapped_out(tmp_path, monkeypatch):
-    # Ctrl-C after the forward, before the runner counted the request: the session stays resident, its KV one
-    # step ahead of its count. Swapped out, a later process would restore it as the history before that step.
+    # Ctrl-C after the forward, before the runner counted the request: the session stayed resident, its KV one
+    # step ahead of its count. Swapped out, a later process would restore it as the history before that step. It is
+    # released now, as for any stop inside a request.
     engine, _ = engine_for("causal-world-tiny", capacity=2, swap_dir=tmp_path)
     runner = engine.runner
     run(engine, "a", 0)
@@ -1206,7 +1271,7 @@ def test_a_session_whose_request_a_stop_cut_short_is_not_swapped_out(tmp_path, m
     with pytest.raises(KeyboardInterrupt):
         run(engine, "a", 1)
     monkeypatch.undo()
-    assert runner.session_ids == ["b", "a"]  # resident: the forward itself had ended
+    assert runner.session_ids == ["b"]
     assert list(runner.swap_out_sessions(["a", "b"])) == ["b"]
-    assert runner.session_ids == ["a"] and not runner.swap.has("a")
+    assert runner.session_ids == [] and not runner.swap.has("a")
     engine.close()

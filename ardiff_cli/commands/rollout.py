@@ -680,6 +680,7 @@ def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, d
     restored, then the rest replayed. One of more steps (ok lines went missing from results.jsonl), or that this
     run cannot take (no swapping, too large), is deleted: its episode replays. Then the index goes (``drop_kept``)."""
     from ardiff_cli.io.kept import drop_kept
+    from ardiff_cli.runtime.errors import RequestError
 
     swapping = engine.runner.swap is not None
     if kept and not swapping:
@@ -696,7 +697,7 @@ def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, d
                     swapped[name] = steps
                     continue
                 why = "it is larger than the whole swap space"
-            except OSError as exc:
+            except (OSError, RequestError) as exc:  # RequestError: its file is gone
                 output.debug(f"cannot take back the swap snapshot of episode {name!r} ({exc}); it replays")
         if why is not None:
             output.warning(f"episode {name!r}: the swap snapshot the stopped run kept was deleted ({why}); its done "

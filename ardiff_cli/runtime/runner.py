@@ -896,9 +896,16 @@ class ARDiffusionModelRunner:
                                hint="pass a file name that detach_snapshots() returned, as it returned it")
         if self.swap is None or session_id in self._sessions:
             return False
+        self.swap.flush()  # the write in flight ends before the views' lock is taken: they must not wait for it
         with self._locked():
             try:
                 return self.swap.adopt(session_id, name)
+            except FileNotFoundError as exc:
+                raise RequestError(f"adopt_snapshot(): no file {name} in {self.swap.directory}",
+                                   hint="pass a file that detach_snapshots() left in this swap_dir") from exc
+            except ValueError as exc:  # one of this store's own files
+                raise RequestError(f"adopt_snapshot(): {exc}",
+                                   hint="pass a file that detach_snapshots() of an earlier runner left") from exc
             finally:
                 self._report_dropped(session_id)
 
@@ -965,21 +972,23 @@ class ARDiffusionModelRunner:
         with self._events_held():  # the eviction it may cause is delivered once it is admitted
             self._make_room(session_id)
             with self._locked():
-                session = self._admit(session_id)
                 step = "its KV"
-                try:
+                try:  # from the admission on: a stop anywhere in it leaves no part of the session resident
+                    session = self._admit(session_id)
                     session.state.restore(kv)
                     step = f"{type(self.pipeline).__name__}.import_ar_diffusion_session()"
                     self.pipeline.import_ar_diffusion_session(session_id, state)
+                    step = "the runner's count of its requests"  # in the try: a stop must not leave it uncounted
+                    session.num_requests = num_requests
+                    session.view = self._snapshot(session_id, session)
+                    session.settled = True
                 except BaseException as exc:  # released whole, then raised as one error (a stop as itself)
-                    self._release(session_id, reason="restore_failed", hook="close", error=exc)
+                    if session_id in self._sessions:
+                        self._release(session_id, reason="restore_failed", hook="close", error=exc)
                     if isinstance(exc, StopRequested) or not isinstance(exc, Exception):
                         raise
                     raise SwapRestoreError(f"cannot restore session {shown(session_id)} from {path}: {step} "
                                            f"raised {type(exc).__name__}: {exc}", hint=hint) from exc
-                session.num_requests = num_requests
-                session.view = self._snapshot(session_id, session)
-                session.settled = True
         self._emit(SessionRestored(session_id=session_id, swap_bytes=nbytes, seconds=time.perf_counter() - start))
 
     # ---------------------------------------------------------------- warmup

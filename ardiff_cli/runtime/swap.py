@@ -120,6 +120,7 @@ class _Snapshot:
 
     path: Path
     written_as: str  # the file name its metadata must hold: this store's (path's), or the earlier store's (adopt)
+    write_id: str | None  # the token its metadata must hold: this write's (None: adopted, written by another store)
     nbytes: int  # the file's size once its write is taken in (settle); until then the planned size, at least that
     header: str  # the JSON metadata, as written into the file
     tensors: dict[str, torch.Tensor] | None  # held until the file is written (a read meanwhile takes them)
@@ -191,7 +192,9 @@ class SwapStore:
         self.flush()
         self.discard(session_id)
         path = self.path_for(session_id)
-        header = json.dumps({"format": FORMAT, "session_id": session_id, "file": path.name, **metadata})
+        write_id = secrets.token_hex(8)  # an older snapshot of the session put back in place of this one is refused
+        header = json.dumps({"format": FORMAT, "session_id": session_id, "file": path.name, "write": write_id,
+                             **metadata})
         planned = file_bytes_at_most(tensors, header)
         if planned > self.budget_bytes:
             self.refused_bytes = planned
@@ -199,31 +202,41 @@ class SwapStore:
         if not drop_older and self._nbytes + planned > self.budget_bytes:
             return None
         self._make_room(planned)
-        snapshot = _Snapshot(path, path.name, planned, header, dict(tensors))
+        snapshot = _Snapshot(path, path.name, write_id, planned, header, dict(tensors))
         # The file is written in a folder of its own, created here: safetensors writes its own temporary file
         # (.tmpXXXXXX) beside the file it is given, which a killed process would leave where remove_snapshot_files
         # cannot know it; and the swap folder is not empty until the write ends, so another store sharing it (its
         # clear()) cannot remove it under the background write.
-        for attempt in range(3):
-            staging = snapshot.path.with_name(f".{snapshot.path.name}.{secrets.token_hex(4)}.tmp")
-            try:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                staging.mkdir()
-                break
-            except (FileNotFoundError, FileExistsError):
-                # another store's clear() removed the folder, empty then, between its making and the staging one's
-                # (pathlib's exist_ok says FileExistsError when it goes as it looks): make both again
-                if attempt == 2:
-                    raise
-        writer = threading.Thread(target=self._write_file, args=(snapshot, staging), name="ardiff-swap-writer")
+        staging = writer = None
         try:
-            writer.start()  # "can't start new thread" raises here, with nothing of the snapshot kept
+            for attempt in range(3):
+                name = snapshot.path.with_name(f".{snapshot.path.name}.{secrets.token_hex(4)}.tmp")
+                try:
+                    self.directory.mkdir(parents=True, exist_ok=True)
+                    name.mkdir()
+                    staging = name
+                    break
+                except (FileNotFoundError, FileExistsError):
+                    # another store's clear() removed the folder, empty then, between its making and the staging
+                    # one's (pathlib's exist_ok says FileExistsError when it goes as it looks): make both again
+                    if attempt == 2:
+                        raise
+            writer = threading.Thread(target=self._write_file, args=(snapshot, staging), name="ardiff-swap-writer")
+            # known before the thread starts: a stop (KeyboardInterrupt) as it starts must not leave a file no store
+            # knows of, written by a thread nobody waits for
+            self._files[session_id] = snapshot
+            self._nbytes += planned
+            self._last_write = (session_id, snapshot, writer)
+            writer.start()  # "can't start new thread" raises here
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            if self._files.get(session_id) is snapshot:
+                self.discard(session_id, wait=False)  # a started write deletes its file and folder when it ends
+            if writer is None or writer.ident is None:  # never started: flush() must not join it
+                if self._last_write is not None and self._last_write[1] is snapshot:
+                    self._last_write = None
+                if staging is not None:
+                    shutil.rmtree(staging, ignore_errors=True)
             raise
-        self._last_write = (session_id, snapshot, writer)
-        self._files[session_id] = snapshot
-        self._nbytes += planned
         return planned
 
     @staticmethod
@@ -238,7 +251,10 @@ class SwapStore:
                     save_file({k: t.contiguous() for k, t in snapshot.tensors.items()}, str(temporary),
                               metadata={"ardiff_swap": snapshot.header})
                 except Exception as exc:  # noqa: BLE001 - its errno, for the runner's full-disk check
-                    raise os_error(exc, path) from exc
+                    error = os_error(exc, path)
+                    if error is exc:
+                        raise
+                    raise error from exc
                 os.replace(temporary, path)
         except BaseException as exc:  # noqa: BLE001 - reported by settle(), on the caller's thread
             snapshot.error = exc
@@ -321,6 +337,10 @@ class SwapStore:
             raise ValueError(f"{path}: was written as {shown(metadata.get('file'))}, expected "
                              f"{snapshot.written_as!r}: another swap store's snapshot of this session (another run's, "
                              "or another engine's) put in its place")
+        if snapshot.write_id is not None and metadata.get("write") != snapshot.write_id:
+            raise ValueError(f"{path}: is not the snapshot last written of this session (write "
+                             f"{shown(metadata.get('write'))}, expected {snapshot.write_id!r}): an older one put back "
+                             "in its place")
         return tensors, metadata, snapshot.nbytes
 
     def discard(self, session_id: str, *, wait: bool = True, report: bool = False) -> bool:
@@ -328,12 +348,13 @@ class SwapStore:
         flight is waited for, so the file is gone when this returns; with ``wait=False`` it is deleted when its
         write ends instead (the caller has its tensors already). With ``report``, a write of it that failed and was
         not taken in yet is named in ``failures`` (its session is closed while swapped out)."""
-        snapshot = self._files.pop(session_id, None)
+        snapshot = self._files.get(session_id)
         if snapshot is None:
             return False
-        self._nbytes -= snapshot.nbytes
-        with snapshot.lock:
+        with snapshot.lock:  # first: a stop before the pop leaves it known (deleted by clear()), never a lost file
             snapshot.dropped = True  # a write in flight deletes its file when it ends (so, also if a wait is cut)
+        del self._files[session_id]
+        self._nbytes -= snapshot.nbytes
         if wait:
             snapshot.written.wait()
         if report and snapshot.written.is_set() and snapshot.error is not None:  # settle() would have forgotten it
@@ -360,6 +381,9 @@ class SwapStore:
         ``OSError``."""
         if not SNAPSHOT_FILE.fullmatch(name):
             raise ValueError(f"{name!r} is not the name of a swap snapshot file")
+        owner = next((sid for sid, snapshot in self._files.items() if snapshot.path.name == name), None)
+        if owner is not None:  # taking it would lose that session's snapshot
+            raise ValueError(f"{name} is this store's snapshot of session {shown(owner)}, not one another store left")
         self.discard(session_id)
         path = self.path_for(session_id)
         os.replace(self.directory / name, path)
@@ -368,7 +392,7 @@ class SwapStore:
             path.unlink(missing_ok=True)
             return False
         self._make_room(size)
-        snapshot = _Snapshot(path, name, size, header="", tensors=None)
+        snapshot = _Snapshot(path, name, None, size, header="", tensors=None)
         snapshot.written.set()
         self._files[session_id] = snapshot
         self._nbytes += size
