@@ -47,7 +47,7 @@ def check_device(value: Optional[str]) -> Optional[str]:
     """auto, cpu, cuda or cuda:N (any case); anything else is a usage error naming the choices."""
     from ardiff_cli.runtime.config import device_name
 
-    return _canonical(value, device_name, "a device: use auto, cpu, cuda or cuda:N (e.g. cuda:1)")
+    return _canonical(value, device_name, "a device: use auto, cpu, cuda or cuda:N (N from 0 to 127, e.g. cuda:1)")
 
 
 def check_dtype(value: Optional[str]) -> Optional[str]:

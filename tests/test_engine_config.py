@@ -29,7 +29,10 @@ def test_unknown_config_name_suggests_a_builtin():
 @pytest.mark.parametrize(
     ("runtime", "message"),
     [
-        ({"device": "tpu"}, "field 'runtime.device': expected auto, cpu, cuda or cuda:N, got 'tpu'"),
+        ({"device": "tpu"}, "field 'runtime.device': expected auto, cpu, cuda or cuda:N \\(N from 0 to 127\\), got "
+                            "'tpu'"),
+        # torch keeps the index in 8 bits: cuda:256 was cuda:0, and cuda:2147483648 "a bug in ardiff"
+        ({"device": "cuda:256"}, "field 'runtime.device': expected auto, .*, got 'cuda:256'"),
         ({"dtype": "int8"}, "field 'runtime.dtype': expected float32 | bfloat16 | float16, got 'int8'"),
         ({"session_capacity": 0}, "field 'runtime.session_capacity': expected a positive integer up to 2147483647, "
                                   "got 0"),

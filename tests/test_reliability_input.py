@@ -485,11 +485,11 @@ CONFIG_CASES = {
                                                         "67108864 tokens per frame"],
                                    "lower the frame size (tokens per latent frame)"),
     "device_index_not_a_number": ("pipeline: dreamzero\nruntime: {device: 'cuda:x'}\n", "inspect-capacity",
-                                  ["{config}: field 'runtime.device': expected auto, cpu, cuda or cuda:N, got "
-                                   "'cuda:x'"], "set 'runtime.device'"),
+                                  ["{config}: field 'runtime.device': expected auto, cpu, cuda or cuda:N (N from 0 "
+                                   "to 127), got 'cuda:x'"], "set 'runtime.device'"),
     "device_index_not_ascii": ("pipeline: dreamzero\nruntime: {device: 'cuda:\u0661'}\n", "inspect-capacity",
-                               ["{config}: field 'runtime.device': expected auto, cpu, cuda or cuda:N, got "
-                                "'cuda:\u0661'"], "set 'runtime.device'"),
+                               ["{config}: field 'runtime.device': expected auto, cpu, cuda or cuda:N (N from 0 "
+                                "to 127), got 'cuda:\u0661'"], "set 'runtime.device'"),
 }
 
 
@@ -607,12 +607,14 @@ def test_a_budget_beyond_the_device_whose_plan_fits_loads():
 
 def test_device_option_takes_an_index_and_refuses_what_is_not_a_device(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # cuda:1 is a visible GPU (only planned for, never used)
-    result = runner.invoke(app, ["inspect-capacity", "--device", "CUDA:1", "--available", "1GiB", "--format", "json"])
-    assert result.exit_code == 0, result.stderr
-    assert json.loads(result.stdout)["device"] == "cuda:1"
+    for device in ("CUDA:1", "cuda:01"):  # cuda:01 was planned for GPU 1, and warmup's torch.device() refused it
+        result = runner.invoke(app, ["inspect-capacity", "--device", device, "--available", "1GiB", "--format",
+                                     "json"])
+        assert result.exit_code == 0, result.stderr
+        assert json.loads(result.stdout)["device"] == "cuda:1"
     # cuda:١ (an Arabic-Indic 1) and cuda:１ (a fullwidth 1) used to pass the check: inspect-capacity planned for
     # GPU 1 and warmup failed in torch.device() as "a bug in ardiff". The index is ASCII digits.
-    for device in ("cuda:x", "cuda:\u0661", "cuda:\uff11"):
+    for device in ("cuda:x", "cuda:\u0661", "cuda:\uff11", "cuda:128", "cuda:2147483648"):
         result = runner.invoke(app, ["inspect-capacity", "--device", device])
         assert result.exit_code == 2
         # Typer draws usage errors in a box

@@ -80,14 +80,22 @@ class RuntimeConfig:
         return replace(self, **changes)
 
 
+MAX_CUDA_INDEX = 127  # torch.device's index is an 8-bit signed integer
+
+
 def device_name(value: Any) -> str | None:
     """The canonical spelling (auto, cpu, cuda, cuda:N) of a device given in any case, or None when ``value`` is
     not one. ``runtime.device`` and ``--device`` both read devices through this, so they take the same spellings.
-    The index is ASCII digits: ``\\d`` would take ``cuda:\\u0661``, which torch.device() refuses."""
+    The index is ASCII digits: ``\\d`` would take ``cuda:\\u0661``, which torch.device() refuses. It is written
+    without leading zeros (torch.device() refuses ``cuda:01``) and is at most MAX_CUDA_INDEX: torch keeps it in 8
+    bits, so ``cuda:256`` was ``cuda:0``."""
     if not isinstance(value, str):
         return None
     name = value.strip().lower()
-    return name if name in DEVICES or re.fullmatch(r"cuda:[0-9]+", name) else None
+    if name in DEVICES:
+        return name
+    match = re.fullmatch(r"cuda:([0-9]{1,4})", name)
+    return f"cuda:{int(match.group(1))}" if match and int(match.group(1)) <= MAX_CUDA_INDEX else None
 
 
 def model_dtype_name(value: Any) -> str | None:
@@ -108,7 +116,7 @@ def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
     if key == "device":
         name = device_name(value)
         if name is None:
-            raise field_error(where, field, "auto, cpu, cuda or cuda:N", value)
+            raise field_error(where, field, f"auto, cpu, cuda or cuda:N (N from 0 to {MAX_CUDA_INDEX})", value)
         return name
     if key == "dtype":
         name = model_dtype_name(value)
