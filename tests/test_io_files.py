@@ -400,3 +400,53 @@ def test_step_sha256_is_the_digest_read_step_records_and_names_a_file_it_cannot_
         read_step(path)
     assert str(hashing.value) == f"{path}: the file is empty (0 bytes)"
     assert (str(hashing.value), hashing.value.hint) == (str(reading.value), reading.value.hint)
+
+
+@pytest.mark.parametrize("line", [
+    {"episode": "ep", "step": 1, "status": "ok", "output": "x", "input_sha256": "z" * 64},  # 64 chars, not hex
+    {"episode": "ep", "step": 1, "status": "ok", "output": "x", "input_sha256": "AB" * 32},  # hashlib is lowercase
+])
+def test_a_results_line_whose_digest_is_64_chars_but_not_lowercase_hex_is_named(tmp_path, line):
+    run = RunFolder(tmp_path)
+    run.append_result({"episode": "ep", "step": 0, "status": "ok", "output": "episodes/ep/step_000000.safetensors"})
+    run.append_result(line)
+    run.close()
+    with pytest.raises(ConfigError, match="line 2: expected 'input_sha256' to be a SHA-256 hex digest"):
+        run.resume_state()
+
+
+def test_a_failed_step_that_resume_retries_to_ok_is_no_longer_counted_failed(tmp_path):
+    """An episode fails at step 2 (forward); --resume runs step 2 again, ok: the failure is resolved."""
+    from ardiff_cli.io.run import build_summary
+
+    lines = [{"episode": "ep", "step": 0, "status": "ok", "output": "episodes/ep/step_000000.safetensors"},
+             {"episode": "ep", "step": 1, "status": "ok", "output": "episodes/ep/step_000001.safetensors"},
+             {"episode": "ep", "step": 2, "status": "failed", "phase": "forward"},
+             {"episode": "ep", "step": 2, "status": "ok", "output": "episodes/ep/step_000002.safetensors"}]
+
+    def steps(records):
+        return build_summary(records, episodes=["ep"], failed={}, info={}, plan=None, this_run={}, wall_s=1.0,
+                             running_s=0.5, status="ok", exit_code=0, root=tmp_path)["steps"]
+
+    assert steps(lines[:3])["failed"] == 1
+    assert steps(lines) == {**steps(lines), "ok": 3, "failed": 0}
+
+
+def test_a_results_line_whose_step_is_a_boolean_is_named(tmp_path):
+    """JSON true is no step number (Python would take it for step 1)."""
+    run = RunFolder(tmp_path)
+    run.append_result({"episode": "ep", "step": 0, "status": "ok", "output": "episodes/ep/step_000000.safetensors"})
+    run.append_result({"episode": "ep", "step": True, "status": "ok", "output": "episodes/ep/step_000001.safetensors"})
+    run.close()
+    with pytest.raises(ConfigError, match="line 2: expected a line with an integer 'step'"):
+        run.resume_state()
+
+
+def test_summary_episode_counts_add_up(tmp_path):
+    """total = completed + failed + incomplete: a failed episode is not also incomplete."""
+    from ardiff_cli.io.run import build_summary
+
+    summary = build_summary([], episodes=["a", "b", "c"], failed={"c": "bad file"}, info={}, plan=None,
+                            this_run={"completed_episodes": ["a"]}, wall_s=1.0, running_s=0.5, status="failed",
+                            exit_code=1, root=tmp_path)["episodes"]
+    assert (summary["total"], summary["completed"], summary["failed"], summary["incomplete"]) == (3, 1, 1, 1)

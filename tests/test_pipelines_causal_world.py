@@ -5,11 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ardiff_cli.runtime.errors import ObservationError
 from pipeline_helpers import Driver, RecordingRollout, causal_world, single_thread  # noqa: F401 - fixture
-from pipelines.base import noise_generator, shift_sigma
+from pipelines.base import noise_generator, shift_sigma, shifted_sigmas
+from pipelines.encoders import to_uint8, tokenize
 from pipelines.rollout import DenseReferenceRollout
+from pipelines.wan import Segment, sinusoidal_embedding
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -181,3 +184,101 @@ def test_commit_pass_without_outputs_writes_what_a_full_commit_pass_writes(backe
             assert full.run("main", segment(0.0), commit=True).video is not None
             assert lean.commit("main", segment(0.0)) is None
     assert full.num_frames("main") == lean.num_frames("main") == num_blocks * c.frames_per_block
+
+
+def test_shifted_schedule_is_wans_and_runs_from_pure_noise_to_data():
+    """Wan's shift s' = k s / (1 + (k - 1) s): it keeps the ends (1 = noise, 0 = data) and warps the middle."""
+    for k in (1.0, 3.0, 5.0):
+        sigmas = shifted_sigmas(4, k)
+        assert sigmas[0] == pytest.approx(1.0) and sigmas[-1] == 0.0
+        assert all(a > b for a, b in zip(sigmas, sigmas[1:]))
+    assert shift_sigma(0.5, 5.0) == pytest.approx(2.5 / 3.0)
+    assert shift_sigma(0.25, 3.0) == pytest.approx(0.5)
+
+
+def test_noise_of_neighbouring_seed_counter_pairs_is_independent():
+    """(seed 0, request 1) and (seed 1, request 0) are different draws: seed + counter must not collide."""
+    draws = {}
+    for seed, counter in [(0, 1), (1, 0), (2, 0), (1, 1), (0, 2)]:
+        draws[(seed, counter)] = torch.randn(16, generator=noise_generator(seed, counter))
+    keys = list(draws)
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            assert not torch.equal(draws[a], draws[b]), (a, b)
+
+
+def test_a_request_without_seed_uses_the_configs_seed():
+    pipe = causal_world(seed=7)
+    inputs = pipe.example_inputs(seed=0)
+    del inputs["seed"]
+    rollout = lambda: RecordingRollout(pipe, sink_frames=pipe.config.sink_frames,  # noqa: E731
+                                       window_frames=pipe.config.window_frames)
+    default = pipe.step("a", rollout(), inputs)["latents"]
+    seven = pipe.step("b", rollout(), {**inputs, "seed": 7})["latents"]
+    zero = pipe.step("c", rollout(), {**inputs, "seed": 0})["latents"]
+    assert torch.equal(default, seven) and not torch.equal(default, zero)
+
+
+def test_missing_conditioning_is_a_zero_vector():
+    pipe = causal_world(cond_dim=8)
+    c = pipe.config
+    inputs = pipe.example_inputs(seed=3)
+    rollout = lambda: RecordingRollout(pipe, sink_frames=c.sink_frames, window_frames=c.window_frames)  # noqa: E731
+    without = {k: v for k, v in inputs.items() if k != "conditioning"}
+    zeros = {**inputs, "conditioning": np.zeros(8, np.float32)}
+    torch.testing.assert_close(pipe.step("a", rollout(), without)["latents"],
+                               pipe.step("b", rollout(), zeros)["latents"], atol=0, rtol=0)
+
+
+def _dense(model):
+    return [lambda q, k, v: F.scaled_dot_product_attention(q, k, v)] * model.num_layers
+
+
+def test_register_timesteps_condition_the_registers():
+    """A register's own diffusion time modulates it (not its block's first frame's)."""
+    pipe = causal_world(cond_dim=8)
+    model, c = pipe.transformer, pipe.config
+    gen = torch.Generator().manual_seed(0)
+    latents = torch.randn(c.in_dim, c.frames_per_block, c.latent_height, c.latent_width, generator=gen)
+    regs = torch.randn(1, c.dim, generator=gen)
+    text_kv = list(model.project_text(pipe.text_encoder("a street")))
+
+    def registers(t_reg: float) -> torch.Tensor:
+        seg = Segment(latents=latents, timesteps=torch.full((c.frames_per_block,), 700.0), first_frame=0,
+                      registers=regs, register_timesteps=torch.tensor([t_reg]))
+        return model(seg, _dense(model), text_kv).registers
+
+    assert not torch.allclose(registers(0.0), registers(700.0))
+
+
+def test_a_register_sits_at_its_blocks_first_frame_and_the_grid_origin():
+    """A register carrying exactly video token 0's embedding, at token 0's time, is indistinguishable from it
+    (same position: the block's first frame, row 0, col 0), so it ends with token 0's prediction."""
+    pipe = causal_world(cond_dim=8)
+    model, c = pipe.transformer, pipe.config
+    gen = torch.Generator().manual_seed(1)
+    num_frames, t = 2, 600.0
+    latents = torch.randn(c.in_dim, num_frames, c.latent_height, c.latent_width, generator=gen)
+    text_kv = list(model.project_text(pipe.text_encoder("a street")))
+    seg = Segment(latents=latents, timesteps=torch.full((num_frames,), t), first_frame=5,
+                  registers=model.patchify(latents)[:1], register_timesteps=torch.tensor([t]))
+    out = model(seg, _dense(model), text_kv)
+    e0 = model.time_embedding(sinusoidal_embedding(torch.tensor([t]), model.freq_dim)).float()
+    _, ph, pw = model.patch_size
+    register_patch = model.head(out.registers, e0).float().view(ph, pw, model.out_dim).permute(2, 0, 1)
+    torch.testing.assert_close(register_patch, out.video[:, 0, :ph, :pw], atol=1e-5, rtol=1e-5)
+
+
+def test_to_uint8_rounds():
+    assert to_uint8(torch.tensor([0.999 / 127.5 - 1.0])).item() == 1  # 0.999 -> 1, not truncated to 0
+
+
+def test_prompt_whitespace_and_unicode_form_do_not_change_the_tokens():
+    assert tokenize("pick  up\tthe cube ", 32) == tokenize("pick up the cube", 32)
+    assert tokenize("cafe\u0301", 16) == tokenize("caf\u00e9", 16)
+
+
+def test_text_padding_positions_are_zero():
+    pipe = causal_world()
+    states = pipe.text_encoder("hi")  # 2 bytes + EOS, the rest padding
+    assert states[3:].abs().sum() == 0 and states[:3].abs().sum() > 0

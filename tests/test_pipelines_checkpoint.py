@@ -317,3 +317,15 @@ def test_bfloat16_rollout(ardiff_cache, module):
     for value in out.values():
         assert value.dtype == torch.float32 and torch.isfinite(value).all()
     assert driver.cache.pool.dtype == torch.bfloat16
+
+
+def test_a_checkpoint_key_given_with_and_without_a_wrapper_prefix_is_refused(tmp_path):
+    from pipeline_helpers import causal_world as fresh_causal_world
+
+    pipe = fresh_causal_world()
+    tensors = {k: v.contiguous().clone() for k, v in pipe.modules.state_dict().items()}
+    tensors["module.transformer.head.head.bias"] = torch.ones_like(tensors["transformer.head.head.bias"])
+    path = tmp_path / "dup.safetensors"
+    save_file(tensors, str(path))
+    with pytest.raises(CheckpointError, match="duplicated after prefix removal"):
+        load_checkpoint(pipe.modules, path)

@@ -10,6 +10,7 @@ from ardiff_cli.runtime.errors import ObservationError
 from pipeline_helpers import Driver, RecordingRollout, dreamzero, single_thread  # noqa: F401 - fixture
 from pipelines.base import noise_generator, shifted_sigmas
 from pipelines.dreamzero import SCHEMA
+from pipelines.dreamzero.config import CAMERAS
 from ardiff_cli.runtime import validate_observation  # the public name the README gives pipeline authors
 from pipelines.rollout import DenseReferenceRollout
 
@@ -300,3 +301,73 @@ def test_the_robot_state_is_the_newest_row_of_each_reading():
     c = driver.run("c", newest_changed)["actions"]
     torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert not torch.allclose(a, c)
+
+
+def test_dreamzero_actions_are_as_noisy_as_the_video_and_the_state_token_is_clean():
+    pipe = dreamzero(guidance_scale=3.0, num_inference_steps=2)
+    c = pipe.config
+    rollout = RecordingRollout(pipe, sink_frames=c.sink_frames, window_frames=c.window_frames)
+    pipe.step("s", rollout, pipe.example_inputs(1, seed=0))
+    sampling = [seg for _, seg, commit, _ in rollout.passes if not commit]
+    assert sampling
+    for seg in sampling:
+        t = seg.timesteps[0].item()
+        assert t > 0
+        assert torch.equal(seg.register_timesteps[:c.action_horizon], torch.full((c.action_horizon,), t))
+        assert seg.register_timesteps[c.action_horizon].item() == 0.0
+
+
+def test_action_registers_are_ordered_by_their_embedding():
+    """Registers share one RoPE position, so the register embedding is their only order: swapping two noisy
+    actions does not just swap their tokens."""
+    pipe = dreamzero()
+    model, c = pipe.transformer, pipe.config
+    gen = torch.Generator().manual_seed(2)
+    actions, state = torch.randn(c.action_horizon, c.action_dim, generator=gen), torch.randn(c.state_dim, generator=gen)
+    perm = torch.arange(c.action_horizon + 1)
+    perm[[0, 1]] = perm[[1, 0]]
+    tokens = model.registers(actions, state)
+    swapped = model.registers(actions[perm[:-1]], state)
+    assert not torch.allclose(swapped[perm], tokens)
+
+
+def test_cameras_are_tiled_left_right_then_wrist_bottom_left():
+    pipe = dreamzero()
+    c = pipe.config
+    th, tw = c.height // 2, c.width // 2
+    obs = {key: np.full((th, tw, 3), 50 * (i + 1), np.uint8) for i, key in enumerate(CAMERAS)}
+    frames = pipe._camera_frames(obs)[0]  # (H, W, 3)
+    assert (frames[:th, :tw] == 50).all() and (frames[:th, tw:] == 100).all()
+    assert (frames[th:, :tw] == 150).all() and (frames[th:, tw:] == 0).all()
+
+
+def test_resized_cameras_are_rounded_not_truncated():
+    """Halving a view averages 2 x 2 pixels; 1.75 must become 2 (truncating darkens every resized image)."""
+    pipe = dreamzero()
+    c = pipe.config
+    th, tw = c.height // 2, c.width // 2
+    big = np.full((2 * th, 2 * tw, 3), 2, np.uint8)
+    big[::2, ::2] = 1  # every 2 x 2 block: 1, 2, 2, 2 -> 1.75
+    obs = {key: big for key in CAMERAS}
+    frames = pipe._camera_frames(obs)[0]
+    assert (frames[:th, :tw] == 2).all()
+
+
+def test_decoded_frames_keep_their_colour_through_the_codec():
+    """Fresh weights carry a mean-colour path: a constant colour survives encode -> decode (RGB order and frame
+    order of the decoder's output channels)."""
+    pipe = dreamzero()
+    c = pipe.config
+    frames = np.zeros((4, c.height, c.width, 3), np.uint8)
+    frames[..., 0], frames[..., 1], frames[..., 2] = 230, 40, 120
+    rgb = pipe.decode_latents(pipe.vae.encode(torch.from_numpy(frames)))
+    assert rgb.shape == frames.shape
+    assert np.abs(rgb.astype(int) - frames.astype(int)).max() <= 12
+
+
+def test_an_image_with_a_zero_size_is_refused():
+    pipe = dreamzero()
+    inputs = pipe.example_inputs(1)
+    inputs["wrist_image"] = np.zeros((0, 16, 3), np.uint8)
+    with pytest.raises(ObservationError, match="wrist_image"):
+        validate_observation(SCHEMA, inputs, where="t")
