@@ -260,8 +260,12 @@ def default_checkpoint(pipeline_class: Any, config) -> Path:
     """The built-in checkpoint of ``config``: built into the cache folder on first use, then reused."""
     path = default_checkpoint_path(pipeline_class, config)
     remove_temporaries(path.parent, r"[\w.-]+-[0-9a-f]{16}\.safetensors")  # a killed run's, unfinished
-    if path.is_file():
-        return path
+    try:
+        if path.is_file():
+            return path
+    except OSError as exc:  # a cache folder this user cannot enter: "from_config() failed", blamed on the pipeline
+        raise CheckpointError(f"cannot look at the default checkpoint {path}: {exc.strerror or exc}",
+                              hint=f"set {CACHE_ENV} to a folder this user can read and write") from exc
     num = count_config_parameters(pipeline_class, config)
     if num > MAX_DEFAULT_PARAMETERS:
         raise CheckpointError(

@@ -886,6 +886,27 @@ def test_a_step_file_that_cannot_be_read_is_named_with_a_hint(tmp_path, cli_env)
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("what", ["config", "missing config", "checkpoint", "cache"])
+def test_a_path_in_a_folder_this_user_cannot_enter_is_a_config_error_naming_it(tmp_path, cli_env, locked, what):
+    # Path.is_file() raises PermissionError there: it was "unexpected PermissionError ... a bug in ardiff" (exit 1),
+    # and for the cache folder "CausalWorldPipeline.from_config() failed ... please report it", blaming the pipeline.
+    (locked.parent / "c.yaml").write_text(f"pipeline: causal_world\ncheckpoint: {locked / 'w.safetensors'}\n")
+    args = {"config": ["inspect-capacity", str(locked / "c.yaml")],
+            "missing config": ["inspect-capacity", str(locked / "nope")],
+            "checkpoint": ["inspect-capacity", str(locked.parent / "c.yaml")],
+            "cache": ["warmup", "causal-world-tiny"]}[what]
+    env = {**cli_env, "ARDIFF_CACHE_DIR": str(locked / "cache")} if what == "cache" else cli_env
+    proc = subprocess.run([*modes_bind(), sys.executable, "-m", "ardiff_cli", *args, "--format", "plain"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    named = {"config": f"CONFIG {locked / 'c.yaml'}", "missing config": f"CONFIG {locked / 'nope'}",
+             "checkpoint": f"{locked / 'w.safetensors'}",
+             "cache": f"the default checkpoint {locked / 'cache'}/"}[what]
+    assert "Error: " in proc.stderr and f"cannot look at {named}" in proc.stderr, proc.stderr
+    assert ": Permission denied\n" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "report" not in proc.stderr
+
+
 def test_a_checkpoint_that_cannot_be_read_says_permission_denied(tmp_path, cli_env):
     """safetensors reports EACCES as a file not found: "No such file or directory" for a file that exists, with the
     hint to check that it is a .safetensors file."""

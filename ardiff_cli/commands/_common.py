@@ -20,12 +20,12 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
     shows (rollout's folder is its episodes, given without CONFIG before them); ``episodes``: rollout's other
     arguments, where a config given after the folder is (the hint then puts it first).
     """
-    from ardiff_cli.runtime.config import load_config
+    from ardiff_cli.runtime.config import load_config, path_kind
 
     if config == "":  # Path("") is the current folder
         raise ConfigError("CONFIG is an empty string; the first argument is a config file or a built-in config name",
                           hint=f"omit it for the default ({DEFAULT_CONFIG}), or check the variable that should hold it")
-    if config is not None and Path(config).is_dir():
+    if config is not None and path_kind(Path(config), "CONFIG") == "folder":
         raise ConfigError(
             f"CONFIG {config!r} is a folder; the first argument is a config file or a built-in config name",
             hint=(f"pass the config first: ardiff rollout {_config_among([Path(config), *episodes])}"
@@ -48,7 +48,9 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
 def _config_among(arguments: Sequence[Path]) -> str:
     """Rollout's arguments as a shell would take them, the config first: the YAML file among them (given after the
     episodes), else the default's name; then the others, in their order."""
-    yaml = [a for a in arguments if a.suffix.lower() in (".yaml", ".yml") and a.is_file()]
+    from ardiff_cli.runtime.config import path_kind
+
+    yaml = [a for a in arguments if a.suffix.lower() in (".yaml", ".yml") and path_kind(a, "argument") == "file"]
     config = str(yaml[0]) if yaml else DEFAULT_CONFIG
     return " ".join(map(shlex.quote, [config, *(str(a) for a in arguments if str(a) != config)]))
 

@@ -193,6 +193,23 @@ class EngineConfig:
         return replace(self, runtime=self.runtime.with_overrides(where=where, **overrides))
 
 
+def path_kind(path: Path, what: str, *, where: str = "") -> str:
+    """"file", "folder", "other" (a FIFO, socket or device) or "missing" (a dangling link too) for ``path``; a
+    ``ConfigError`` naming ``what`` and the system's reason when it cannot be looked at: a folder on its path that
+    this user cannot enter (``Path.is_file()`` raised PermissionError there: "a bug in ardiff"), a link loop."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing"
+    except OSError as exc:
+        raise ConfigError(f"{where + ': ' if where else ''}cannot look at {what + ' ' if what else ''}{path}: "
+                          f"{exc.strerror or exc}",
+                          hint="check the permissions of the folders on its path (each needs x for this user)") from exc
+    return "file" if stat.S_ISREG(mode) else "folder" if stat.S_ISDIR(mode) else "other"
+
+
 def builtin_configs() -> dict[str, Path]:
     """Built-in config names (file stems) -> paths."""
     root = importlib.resources.files("ardiff_cli.configs")
@@ -204,9 +221,10 @@ def resolve_config(name_or_path: str | Path | None) -> Path:
     if name_or_path is None:
         name_or_path = DEFAULT_CONFIG
     path = Path(name_or_path)
-    if path.is_file():
+    kind = path_kind(path, "config")
+    if kind == "file":
         return path
-    if path.exists() and not path.is_dir():  # a FIFO would block the read, a device never ends
+    if kind == "other":  # a FIFO would block the read, a device never ends
         raise ConfigError(f"config {path} is not a regular file (a FIFO, socket or device)",
                           hint="pass a YAML file, or a built-in config name")
     builtins = builtin_configs()
@@ -438,9 +456,9 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
         checkpoint = Path(checkpoint).expanduser()
         if not checkpoint.is_absolute():
             checkpoint = base / checkpoint
-        if not checkpoint.is_file():
-            found = ("a folder, not a file" if checkpoint.is_dir() else "not a regular file" if checkpoint.exists()
-                     else "file not found")  # a folder used to read 'file not found'
+        kind = path_kind(checkpoint, "", where=f"{where}: field 'checkpoint'")
+        if kind != "file":
+            found = {"folder": "a folder, not a file", "other": "not a regular file"}.get(kind, "file not found")
             raise ConfigError(
                 f"{where}: field 'checkpoint': {found}: {checkpoint}",
                 hint="give the .safetensors file's path, or set checkpoint: null to use the pipeline's built-in "
