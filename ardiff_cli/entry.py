@@ -12,6 +12,10 @@ import sys
 
 
 def main() -> None:
+    # A stdout that cannot encode a character (PYTHONIOENCODING=ascii, a latin-1 locale) writes it as \uXXXX, as
+    # stderr does: a name in the output was a UnicodeEncodeError traceback after the work had succeeded.
+    if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         from ardiff_cli.app import main as run
     except KeyboardInterrupt:

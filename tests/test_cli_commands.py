@@ -253,6 +253,28 @@ def test_warmup_plain_prints_a_table(fast_configs):
     assert "warmup-0" in result.stdout and "\x1b[" not in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("command", ["inspect-capacity", "warmup"])
+def test_a_config_name_with_control_characters_reaches_stdout_escaped(fast_configs, command):
+    # stderr and the panels escaped them; the result's title on stdout sent them raw to the terminal
+    config = fast_configs[1].with_name("w\x1b[31morld.yaml")
+    fast_configs[1].rename(config)
+    result = invoke(command, str(config), "--device", "cpu", "--available" if command == "inspect-capacity"
+                    else "--memory-budget", "1GiB", "--format", "plain")
+    assert result.exit_code == 0, result.stderr
+    assert "w\\x1b[31morld.yaml (pipeline causal_world" in result.stdout and "\x1b" not in result.stdout
+
+
+def test_a_stdout_that_cannot_encode_a_name_writes_it_escaped(fast_configs, cli_env):
+    # PYTHONIOENCODING=ascii (or a latin-1 locale): the plan, already made, ended in a UnicodeEncodeError traceback
+    config = fast_configs[1].with_name("конфиг.yaml")
+    fast_configs[1].rename(config)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--available", "1GiB",
+                           "--format", "plain"], env={**cli_env, "PYTHONIOENCODING": "ascii"}, capture_output=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(b"capacity plan: ") and b"/\\u043a\\u043e\\u043d\\u0444\\u0438\\u0433.yaml" in proc.stdout
+
+
 def test_the_plain_planned_line_names_the_attention_backend_that_runs(fast_configs, cli_env):
     """The README says the backend `auto` picked is shown; in plain format (a log under nohup or CI) the `planned`
     line was the only word of the plan and named no backend, so a run could not tell which kernel it used."""

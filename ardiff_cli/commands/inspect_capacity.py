@@ -374,7 +374,9 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
                    else "over budget" if required <= plan.available_bytes else "does not fit")
         table.add_row(f"{_count(int(n))} session{'s' if n != '1' else ''}", f"{_three_digits(fraction * 100)}%",
                       f"of available memory ({verdict})")
-    title = f"capacity plan: {data['config']} (pipeline {data['pipeline']}, {plan.dtype})"
+    from ardiff_cli.output import visible
+
+    title = visible(f"capacity plan: {data['config']} (pipeline {data['pipeline']}, {plan.dtype})")
     if plain:
         return Group(Text(title), table)
     return Group(Text(title, style="bold"), table)

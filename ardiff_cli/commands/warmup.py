@@ -147,7 +147,9 @@ def render_warmup(data: dict[str, Any], plain: bool):
     from rich.table import Table
     from rich.text import Text
 
-    title = f"warmup: {data['config']} (pipeline {data['pipeline']}) on {data['device']}, {data['dtype']}"
+    from ardiff_cli.output import visible
+
+    title = visible(f"warmup: {data['config']} (pipeline {data['pipeline']}) on {data['device']}, {data['dtype']}")
     if data["skipped"]:
         return Text(f"{title}\nthe pipeline has no warmup provider: nothing to warm up")
     table = Table(box=None if plain else box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
