@@ -264,6 +264,18 @@ def test_a_config_name_with_control_characters_reaches_stdout_escaped(fast_confi
     assert "w\\x1b[31morld.yaml (pipeline causal_world" in result.stdout and "\x1b" not in result.stdout
 
 
+def test_a_folder_named_like_a_built_in_config_does_not_hide_it(tmp_path, monkeypatch):
+    # `ardiff rollout -o dreamzero-tiny` made one: "CONFIG 'dreamzero-tiny' is a folder", with a hint repeating the
+    # command that had just failed
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dreamzero-tiny").mkdir()
+    result = invoke("inspect-capacity", "dreamzero-tiny", "--available", "1GiB", "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["config"] == "dreamzero-tiny"
+    result = invoke("inspect-capacity", "./dreamzero-tiny", "--format", "json")  # a path: the folder it names
+    assert result.exit_code == 2 and "is a folder" in result.stdout
+
+
 def test_a_stdout_that_cannot_encode_a_name_writes_it_escaped(fast_configs, cli_env):
     # PYTHONIOENCODING=ascii (or a latin-1 locale): the plan, already made, ended in a UnicodeEncodeError traceback
     config = fast_configs[1].with_name("конфиг.yaml")

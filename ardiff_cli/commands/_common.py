@@ -20,12 +20,14 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
     shows (rollout's folder is its episodes, given without CONFIG before them); ``episodes``: rollout's other
     arguments, where a config given after the folder is (the hint then puts it first).
     """
-    from ardiff_cli.runtime.config import load_config, path_kind
+    from ardiff_cli.runtime.config import builtin_configs, load_config, path_kind
 
     if config == "":  # Path("") is the current folder
         raise ConfigError("CONFIG is an empty string; the first argument is a config file or a built-in config name",
                           hint=f"omit it for the default ({DEFAULT_CONFIG}), or check the variable that should hold it")
-    if config is not None and path_kind(Path(config), "CONFIG") == "folder":
+    # a folder named like a built-in config (`-o dreamzero-tiny`) is never a config: the built-in is meant
+    builtin = command != "rollout" and config in builtin_configs()
+    if config is not None and not builtin and path_kind(Path(config), "CONFIG") == "folder":
         raise ConfigError(
             f"CONFIG {config!r} is a folder; the first argument is a config file or a built-in config name",
             hint=(f"pass the config first: ardiff rollout {_config_among([Path(config), *episodes])}"
