@@ -451,6 +451,10 @@ CONFIG_CASES = {
     "invalid_yaml": ("pipeline: [dreamzero\n", "inspect-capacity",
                      ["{config}: not valid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>'"],
                      "check the indentation"),
+    # a character the YAML reader refuses had no line or column, and PyYAML's "<unicode string>"
+    "control_character": ("pipeline: dreamzero\nruntime:\n  device: \"cp\x1bu\"\n", "inspect-capacity",
+                          ["{config}: not valid YAML at line 3, column 14: unacceptable character #x001b: special "
+                           "characters are not allowed"], "check the indentation"),
     "duplicate_key": ("pipeline: dreamzero\nruntime: {device: cpu}\nmodel: {preset: tiny}\n"
                       "runtime: {dtype: bfloat16}\n", "inspect-capacity",
                       ["{config}: key 'runtime' is given twice (lines 2 and 4)"],

@@ -369,7 +369,7 @@ def read_episode_yaml(path: Path) -> dict[str, Any]:
         raise ObservationError(f"{path}: cannot read episode metadata: {exc.strerror or exc}",
                                hint="check that the user running ardiff may read it (permissions)") from None
     except yaml.YAMLError as exc:  # one line, as a config's: PyYAML's own text spans five, with a caret drawn
-        raise ObservationError(f"{path}: cannot read episode metadata: {yaml_problem(exc)}",
+        raise ObservationError(f"{path}: cannot read episode metadata: {yaml_problem(exc, text)}",
                                hint=f"{YAML_SYNTAX_HINT}; episode.yaml holds `key: value` lines, e.g. "
                                     "`prompt: pick up the red cube`") from None
     except RecursionError:  # the parser recurses once per level of nesting

@@ -301,7 +301,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: {yaml_problem(exc)}", hint=YAML_SYNTAX_HINT) from None
+        raise ConfigError(f"{path}: {yaml_problem(exc, text)}", hint=YAML_SYNTAX_HINT) from None
     except RecursionError:  # the parser recurses once per level of nesting
         raise ConfigError(f"{path}: lists or mappings are nested too deeply to read",
                           hint="a config is a few levels deep; look for runaway brackets") from None

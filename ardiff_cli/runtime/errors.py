@@ -156,13 +156,21 @@ def shown(value: object) -> str:
     return _SHOWN.repr(value)
 
 
-def yaml_problem(exc: BaseException) -> str:
+def yaml_problem(exc: BaseException, text: str = "") -> str:
     """A PyYAML error in one line: ``not valid YAML at line L, column C: problem (context)``. Its own text spans
-    five lines, quotes the source as ``"<unicode string>"`` and draws a caret under it."""
+    five lines, quotes the source as ``"<unicode string>"`` and draws a caret under it. A character the reader
+    refuses (ESC, NUL) has only an offset into ``text``, the source: its line and column come from that."""
     mark = getattr(exc, "problem_mark", None)
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    context = getattr(exc, "context", None)
-    problem = (getattr(exc, "problem", None) or str(exc)) + (f" ({context})" if context else "")
+    position = getattr(exc, "position", None)
+    if mark is None and isinstance(position, int) and 0 <= position <= len(text):
+        where = f" at line {text.count(chr(10), 0, position) + 1}, column {position - text.rfind(chr(10), 0, position)}"
+    if hasattr(exc, "character") and hasattr(exc, "reason"):  # a ReaderError: its str() names "<unicode string>"
+        character = f"#x{exc.character:04x}" if isinstance(exc.character, int) else repr(exc.character)
+        problem = f"unacceptable character {character}: {exc.reason}"
+    else:
+        context = getattr(exc, "context", None)
+        problem = (getattr(exc, "problem", None) or str(exc)) + (f" ({context})" if context else "")
     return f"not valid YAML{where}: {problem}"
 
 
