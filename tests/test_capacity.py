@@ -256,7 +256,8 @@ def test_invalid_planner_inputs():
 @pytest.mark.parametrize(
     ("text", "expected"),
     [("512MiB", 512 << 20), ("2 GiB", 2 << 30), ("1.5G", int(1.5 * GIB)), (1000, 1000), ("10kb", 10_000),
-     ("1.7GiB", 1_825_361_100)],  # 1825361100.8 bytes: with a unit, the fraction of a byte is dropped
+     ("1.7GiB", 1_825_361_100),  # 1825361100.8 bytes: with a unit, the fraction of a byte is dropped
+     ("9007199254740993", 2**53 + 1), ("3GiB", 3 << 30)],  # digits exactly: through a float, the first lost its 1
 )
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
@@ -273,6 +274,7 @@ def test_parse_bytes_rejects(text):
     ("-inf", "not a finite number"), ("nan", "not a finite number"), ("1e400", "'1e400' is too large a number"),
     ("10ZiB", "unknown unit 'ZiB'"), ("1e", "unknown unit 'e'"), ("1.2.3GiB", "'1.2.3' is not a number"),
     ("1e305", "too large a number (at most 1000 bits"), (10**400, "a 1329-bit integer as a byte size: too large"),
+    ("\u0661\u0660\u0660", "is not a number"),  # Arabic-Indic 100: float() read it, --device refuses such digits
 ], ids=lambda value: str(value)[:12])
 def test_parse_bytes_says_what_is_wrong(text, why):
     """Every unreadable size was 'cannot read X as a byte size', whatever was wrong; a YAML int past a float's range
