@@ -451,6 +451,9 @@ CONFIG_CASES = {
     "invalid_yaml": ("pipeline: [dreamzero\n", "inspect-capacity",
                      ["{config}: not valid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>'"],
                      "check the indentation"),
+    # 20 MB of comments took 18 s before it was read as nothing; a 300k-item list 20 s, to say "unknown key"
+    "too_large": ("pipeline: dreamzero\n" + "# a comment\n" * 6000, "inspect-capacity",
+                  ["{config}: more than 64 KiB, which no config is: is it the config?"], "pass a config YAML"),
     # a character the YAML reader refuses had no line or column, and PyYAML's "<unicode string>"
     "control_character": ("pipeline: dreamzero\nruntime:\n  device: \"cp\x1bu\"\n", "inspect-capacity",
                           ["{config}: not valid YAML at line 3, column 14: unacceptable character #x001b: special "

@@ -288,9 +288,17 @@ def duplicate_key(text: str) -> tuple[str, str] | None:
     return None
 
 
+MAX_CONFIG_BYTES = 64 << 10  # a config is a few hundred bytes; PyYAML reads about 0.5 MB/s, and reads it twice
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as file:
+            raw = file.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:  # a data file given as CONFIG: it stalled for seconds to minutes, silently
+            raise ConfigError(f"{path}: more than {MAX_CONFIG_BYTES >> 10} KiB, which no config is: is it the config?",
+                              hint="pass a config YAML (a few lines: pipeline, model, runtime) or a built-in name")
+        text = raw.decode("utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}",
                           hint="check that the user running ardiff may read it and enter its folders "
