@@ -521,6 +521,20 @@ def test_config_case_message(tmp_path, case):
         assert re.search(r"^hint: .*" + re.escape(hint), result.stderr, re.M), result.stderr
 
 
+@pytest.mark.parametrize(("target", "message", "hint"), [
+    ("missing.yaml", "config {config} is a link to {target}, which does not exist", "mount or restore what it links to"),
+    ("c.yaml", "cannot look at CONFIG {config}: Too many levels of symbolic links", "check the links on its path"),
+])
+def test_a_config_that_is_a_dangling_link_or_a_link_loop_says_so(tmp_path, target, message, hint):
+    # "config file not found: c.yaml" with "did you mean 'c.yaml'?", the file's own name; a loop: the same
+    config = tmp_path / "c.yaml"
+    config.symlink_to(tmp_path / target)
+    result = runner.invoke(app, ["inspect-capacity", str(config), "--format", "plain"])
+    assert result.exit_code == 2, result.stderr
+    said = f"Error: {message.format(config=config, target=tmp_path / target)}\nhint: {hint}"
+    assert result.stderr.startswith(said) and "did you mean" not in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("command", ["rollout", "warmup"])
 def test_a_window_no_attention_call_can_see_is_refused_before_weights_demo_episodes_or_out_are_made(
         tmp_path, monkeypatch, command):

@@ -18,6 +18,7 @@ A config file::
 from __future__ import annotations
 
 import importlib.resources
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePath
@@ -204,9 +205,12 @@ def path_kind(path: Path, what: str, *, where: str = "") -> str:
     except (FileNotFoundError, NotADirectoryError):
         return "missing"
     except OSError as exc:
+        import errno
+
+        hint = ("check the permissions of the folders on its path (each needs x for this user)"
+                if exc.errno in (errno.EACCES, errno.EPERM) else "check the links on its path")  # ELOOP: a link loop
         raise ConfigError(f"{where + ': ' if where else ''}cannot look at {what + ' ' if what else ''}{path}: "
-                          f"{exc.strerror or exc}",
-                          hint="check the permissions of the folders on its path (each needs x for this user)") from exc
+                          f"{exc.strerror or exc}", hint=hint) from exc
     return "file" if stat.S_ISREG(mode) else "folder" if stat.S_ISDIR(mode) else "other"
 
 
@@ -230,6 +234,9 @@ def resolve_config(name_or_path: str | Path | None) -> Path:
     builtins = builtin_configs()
     if str(name_or_path) in builtins:
         return builtins[str(name_or_path)]
+    if path.is_symlink():  # "not found", and "did you mean" its own name, for a link to a disk not mounted
+        raise ConfigError(f"config {path} is a link to {os.readlink(path)}, which does not exist",
+                          hint="mount or restore what it links to, or pass the config's own path")
     if path.suffix in (".yaml", ".yml") or path.parent != Path("."):
         raise ConfigError(f"config file not found: {path}", hint=_not_found_hint(path, builtins))
     name = str(name_or_path)
@@ -250,7 +257,8 @@ def _not_found_hint(path: Path, builtins: dict[str, Path]) -> str:
     if builtin:
         return f"{where}the built-in config is named without a folder or suffix: {builtin}"
     try:
-        near = did_you_mean(path.name, [p.name for p in path.parent.iterdir() if p.suffix in (".yaml", ".yml")])
+        near = did_you_mean(path.name, [p.name for p in path.parent.iterdir()
+                                        if p.suffix in (".yaml", ".yml") and p.name != path.name])
     except OSError:  # the folder is missing too, or cannot be listed: nothing to suggest from it
         near = ""
     return f"{where}check the path{near}, or use a built-in config: {', '.join(sorted(builtins))}"
