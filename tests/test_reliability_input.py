@@ -522,7 +522,8 @@ def test_config_case_message(tmp_path, case):
 
 
 @pytest.mark.parametrize(("target", "message", "hint"), [
-    ("missing.yaml", "config {config} is a link to {target}, which does not exist", "mount or restore what it links to"),
+    ("missing.yaml", "config {config} is a link to {target}, which does not exist",
+     "mount or restore what it links to"),
     ("c.yaml", "cannot look at CONFIG {config}: Too many levels of symbolic links", "check the links on its path"),
 ])
 def test_a_config_that_is_a_dangling_link_or_a_link_loop_says_so(tmp_path, target, message, hint):
