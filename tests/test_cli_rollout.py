@@ -1640,8 +1640,9 @@ def test_resume_with_nothing_left_refuses_a_device_named_outright_that_is_not_th
         assert "nothing left to run" not in proc.stderr and "a resume imported torch" not in proc.stderr
         here = "cpu" if device == "cpu" else "cuda:1"
         refused[device] = proc.stderr.splitlines()[-2:]
+        given = device.replace(":0", ":")  # --device cuda:01 is read as cuda:1
         assert refused[device] == [
-            f"Error: this run was started on cuda:0, and --device {device} resolves to {here} here",
+            f"Error: this run was started on cuda:0, and --device {given} resolves to {here} here",
             "hint: resume with --device cuda:0 (outputs are identical only on one device)"], proc.stderr
     assert (run / "run.json").read_bytes() == run_json and (run / "summary.json").read_bytes() == summary
     for device in ("cuda:0", "auto"):  # the run's own, or one that only torch can resolve: nothing to refuse

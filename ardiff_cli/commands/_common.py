@@ -26,8 +26,8 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
         raise ConfigError("CONFIG is an empty string; the first argument is a config file or a built-in config name",
                           hint=f"omit it for the default ({DEFAULT_CONFIG}), or check the variable that should hold it")
     # a folder named like a built-in config (`-o dreamzero-tiny`) is never a config: the built-in is meant
-    builtin = command != "rollout" and config in builtin_configs()
-    if config is not None and not builtin and path_kind(Path(config), "CONFIG") == "folder":
+    if config is not None and path_kind(Path(config), "CONFIG") == "folder" and not (
+            command != "rollout" and config in builtin_configs()):
         raise ConfigError(
             f"CONFIG {config!r} is a folder; the first argument is a config file or a built-in config name",
             hint=(f"pass the config first: ardiff rollout {_config_among([Path(config), *episodes])}"
