@@ -648,3 +648,28 @@ def test_runner_on_vllm_cpu_matches_torch():
             [runner.execute_model(request("ab"[i % 2], i, tokens_per_frame=40))["positive"] for i in range(8)])
     assert set(runs) == {"torch", "vllm"}
     assert (runs["torch"] - runs["vllm"]).abs().max().item() < 1e-4
+
+
+def test_kernel_geometry_of_one_frame_blocks_counts_their_loose_tokens():
+    """B1: with frames_per_block=1 the only legal forward is one frame; its tails and registers must be counted."""
+    from ardiff_cli.runtime.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
+    from ardiff_cli.runtime.kv.backends import KernelGeometry
+    from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
+    from ardiff_cli.runtime.kv.layout import KVLayout
+    from ardiff_cli.runtime.kv.vllm_attention import TorchPagedKernel
+
+    def spec(**kw):
+        fields = dict(num_layers=2, num_kv_heads=2, head_size=32, tokens_per_frame=40, frames_per_block=1,
+                      window_frames=3, sink_frames=1, kv_branches=(ARDiffusionKVBranchSpec("main", 0),),
+                      session_capacity=1, max_scratch_tokens_per_branch=3)
+        return ARDiffusionKVCacheSpec(**{**fields, **kw})
+
+    geometry = KernelGeometry.create(KVLayout.from_spec(spec()), 5, 32, staged=True)
+    assert geometry.tail_tokens == 8
+    assert geometry.max_loose_tokens == geometry.staging_tokens == (1 + 3 + 1) * 8 + 3  # 5 visible tails + 3 registers
+    # every token a tail, 6 pages of workspace: 22 loose tokens need 2 spare 16-token blocks, there is 1
+    tiny = spec(tokens_per_frame=4, head_size=8, max_scratch_tokens_per_branch=2)
+    layout = KVLayout.from_spec(tiny)
+    assert not KernelGeometry.create(layout, 5, 16).fits
+    with pytest.raises(ValueError, match="too small"):
+        ARDiffusionKVCache(tiny, layout.managed_pages(1), attention_backend=TorchPagedKernel(16))

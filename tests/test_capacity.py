@@ -325,3 +325,12 @@ def test_torch_backend_stages_scratch_in_the_workspace():
     assert torch_plan.total_pages == 1 + torch_plan.num_managed_pages
     with pytest.raises(ConfigError, match="attention_backend must be 'torch' or 'vllm'"):
         plan_capacity(wan14b_dreamzero(), "bfloat16", 80 * GIB, attention_backend="auto")
+
+
+def test_plan_never_exceeds_its_budget_when_the_session_limit_is_high():
+    """C1: capacity is what fits in budget - fixed, not budget // per_session."""
+    for gib in (20, 200):
+        plan = plan_capacity(wan14b_dreamzero(), "bfloat16", gib * GIB, 0.9, session_capacity=10_000,
+                             attention_backend="vllm")
+        assert plan.session_capacity == (plan.budget_bytes - plan.fixed_bytes) // plan.bytes_per_session
+        assert plan.required_bytes(plan.session_capacity) <= plan.budget_bytes

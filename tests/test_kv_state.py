@@ -760,3 +760,40 @@ def test_reset_keeps_named_cross_attention(make_spec, make_cache):
     state.reset()
     assert state.cross_attention_bytes == 0
     assert not state.has_cross_attention("positive", "text")
+
+
+def _commit_block(state, branch, frames):
+    spec = state.spec
+    seq_len = frames * spec.tokens_per_frame
+    for ctx in state.get_kv_caches(branch, seq_len=seq_len, commit_current=True):
+        t = torch.randn(spec.num_kv_heads, seq_len, spec.head_size)
+        ctx.attend(t, t, t)
+    return state.commit(branch)
+
+
+def test_reset_keeps_a_cross_attention_cache_named_by_a_plain_string(make_spec, make_cache):
+    """S17: reset(keep_cross_attention="text") keeps "text"; a str must not be taken as its letters."""
+    spec = make_spec(cross_attention=CROSS)
+    cache = make_cache(spec)
+    state = cache.new_state("s")
+    for name in ("text", "image"):
+        state.populate_cross_attention("positive", name, cross_pairs(spec, name))
+    _commit_block(state, "positive", 2)
+    state.reset(keep_cross_attention="text")
+    assert state.has_cross_attention("positive", "text") and not state.has_cross_attention("positive", "image")
+    assert state.num_pages == 0 and state.adapter("positive").num_committed_frames == 0
+    state.close()
+
+
+def test_adapter_counts_resident_frames_not_pages_when_a_frame_spans_pages(make_spec, make_cache):
+    """S18: with 2-token pages and 4-token frames, num_resident_frames is page_ids // pages_per_frame."""
+    spec = make_spec(kv_branches=MAIN)  # sink 1, window 3, 4 tokens per frame, 2-frame blocks
+    cache = make_cache(spec, page_size=2)
+    assert cache.layout.pages_per_frame == 2
+    state = cache.new_state("s")
+    for blocks, frames in ((1, 2), (2, 4), (3, 4)):  # the window fills at 1 + 3 frames
+        _commit_block(state, "main", 2)
+        adapter = state.adapter("main")
+        assert adapter.num_committed_frames == 2 * blocks
+        assert adapter.num_resident_frames == frames and len(adapter.page_ids) == 2 * frames
+    state.close()

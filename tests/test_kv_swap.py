@@ -203,3 +203,69 @@ def test_a_restored_session_reads_exactly_what_it_read_before_with_vllms_cpu_ker
         for branch in ("positive", "negative"):
             got, want = block(restored, branch, seed, commit=commit), block(reference, branch, seed, commit=commit)
             assert all(torch.equal(g, w) for g, w in zip(got, want)), branch
+
+
+def test_a_snapshot_with_a_cross_cache_of_an_unknown_branch_is_refused(make_spec):
+    """S11: check_snapshot must refuse cross/<branch>/<name> for a branch the cache does not have."""
+    cache, snapshot, free = exported(make_spec, 2)
+    tensors = {**snapshot.tensors, "cross/ghost/text": snapshot.tensors["cross/positive/text"].clone()}
+    state = cache.new_state("a")
+    with pytest.raises(ValueError, match=r"KV snapshot of session 'a': tensors .*cross/ghost/text"):
+        state.restore(KVSnapshot(tensors, snapshot.metadata))
+    assert cache.num_free_pages == free and state.num_pages == 0 and state.cross_attention_bytes == 0
+
+
+def test_swap_store_makes_room_by_dropping_the_least_recently_swapped_first(tmp_path):
+    """W1: with three snapshots and room for two, the oldest goes, not the newest."""
+    from ardiff_cli.runtime.swap import SwapStore
+
+    tensors = {"kv/x": torch.zeros(256)}
+    store = SwapStore(tmp_path / "swap", 1 << 20)
+    one = store.write("p", tensors, {})  # same-length ids: same planned size
+    store.discard("p")
+    store.budget_bytes = 2 * one + one // 2  # room for two snapshots, not three
+    for sid in ("a", "b", "c"):
+        assert store.write(sid, tensors, {}) == one
+    store.flush()
+    assert store.session_ids == ["b", "c"]
+    assert [sid for sid, _ in store.dropped] == ["a"] and store.num_dropped == 1
+    assert store.nbytes <= store.budget_bytes
+    store.clear()
+
+
+def test_decode_snapshot_refuses_tensors_it_cannot_have_written():
+    """W5: a snapshot file holding a tensor outside kv/ and pipeline/ is not one encode_snapshot wrote."""
+    from ardiff_cli.runtime.swap import decode_snapshot, encode_snapshot
+
+    tensors, metadata = encode_snapshot(KVSnapshot({}, {"branches": {}}), {"step": 3}, 1)
+    kv, state, num_requests = decode_snapshot(tensors, metadata)
+    assert state == {"step": 3} and num_requests == 1
+    with pytest.raises(ValueError, match=r"cannot have written: \['junk/x'\]"):
+        decode_snapshot({**tensors, "junk/x": torch.zeros(1)}, metadata)
+
+
+def test_a_new_snapshot_of_a_session_replaces_its_old_one_in_the_byte_count(tmp_path):
+    """W10: writing a session's snapshot again must drop the older one first, not count both."""
+    from ardiff_cli.runtime.swap import SwapStore
+
+    store = SwapStore(tmp_path / "swap", 1 << 20)
+    tensors = {"kv/x": torch.zeros(256)}
+    store.write("a", tensors, {})
+    store.flush()
+    one = store.nbytes
+    store.write("a", {"kv/x": torch.ones(256)}, {})
+    store.flush()
+    assert store.num_snapshots == 1 and store.nbytes == one == store.path_for("a").stat().st_size
+    store.clear()
+
+
+def test_adopting_a_snapshot_larger_than_the_whole_budget_is_refused_and_deletes_it(tmp_path):
+    """W8: adopt() refuses (False) a file over the budget, and deletes it."""
+    from ardiff_cli.runtime.swap import SwapStore
+
+    earlier = SwapStore(tmp_path, 1 << 20)
+    assert earlier.write("a", {"kv/x": torch.zeros(1024)}, {})
+    names = earlier.detach()
+    later = SwapStore(tmp_path, 1000)  # smaller than the 4 KiB file
+    assert later.adopt("a", names["a"]) is False
+    assert later.num_snapshots == 0 and later.nbytes == 0 and not list(tmp_path.glob("*.safetensors"))

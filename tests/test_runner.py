@@ -812,3 +812,26 @@ def test_every_release_path_frees_kv_and_cross_attention_before_the_pipeline_hoo
     # one hook call; the state closed, holding no pages and no cross-attention; the pool holds only the others'
     # pages; the session no longer resident
     assert calls == [(hook, target, True, 0, 0, False)]
+
+
+def test_a_layer_context_kept_past_its_request_is_stale(tmp_path):
+    """R12: the runner ends every request (state.end_request()): a context the pipeline kept cannot attend later,
+    outside any request, into the workspace every session shares."""
+    from test_runner import make_runner
+    class KeepsContexts(TinyPipeline):
+        kept = None
+
+        def forward(self, req):
+            out = super().forward(req)  # commit passes, committed
+            self.kept = self._state.get_kv_caches(self.spec.branch_names[0], req.inputs["frames"].shape[0])
+            return out  # a denoising pass's contexts, handed out and never used
+
+    pipe = KeepsContexts()
+    runner = make_runner(pipe)
+    req = request("a", 0)
+    runner.execute_model(req)
+    s = pipe.spec
+    t = torch.zeros(s.num_kv_heads, req.inputs["frames"].shape[0], s.head_size)
+    with pytest.raises(RuntimeError, match="stale AR-Diffusion KV context"):
+        pipe.kept[0].attend(t, t, t)
+    runner.close()

@@ -1275,3 +1275,31 @@ def test_a_session_whose_request_a_stop_cut_short_is_not_swapped_out(tmp_path, m
     assert list(runner.swap_out_sessions(["a", "b"])) == ["b"]
     assert runner.session_ids == [] and not runner.swap.has("a")
     engine.close()
+
+
+def test_after_a_full_disk_the_room_check_counts_the_cross_attention_bytes_too(tmp_path, monkeypatch):
+    """R10: _check_disk_room's lower bound is the session's pages plus its cross-attention caches. Only the free
+    space is faked, as in test_runner_swap's full-disk test; writes and exports are real."""
+    import ardiff_cli.runtime.runner as runner_module
+    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    runner, pipe = engine.runner, engine.pipeline
+    exported, real_export = [], pipe.export_ar_diffusion_session
+    monkeypatch.setattr(pipe, "export_ar_diffusion_session", lambda sid: exported.append(sid) or real_export(sid))
+    free = [10 << 30]
+    monkeypatch.setattr(runner_module, "free_disk_bytes", lambda directory: free[0])
+    run(engine, "a", 0)
+    writes = HeldWrites(monkeypatch)
+    writes.fail_with = OSError(28, "No space left on device")
+    run(engine, "b", 0)  # evicts a, whose write fails: the disk is full
+    writes.release()
+    runner.swap.flush()
+    state = runner._sessions["b"].state
+    assert state.cross_attention_bytes > 0
+    free[0] = state.num_pages * runner.capacity_plan.bytes_per_page  # room for b's pages, not its caches too
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", category=Warning)
+        run(engine, "c", 0)  # evicts b: not exported, as its snapshot cannot fit
+    assert exported == ["a"]
+    evicted = [(e.session_id, e.swapped) for e in events if e.kind == "session_evicted"]
+    assert evicted == [("a", True), ("b", False)]
+    engine.close()
