@@ -334,3 +334,17 @@ def test_plan_never_exceeds_its_budget_when_the_session_limit_is_high():
                              attention_backend="vllm")
         assert plan.session_capacity == (plan.budget_bytes - plan.fixed_bytes) // plan.bytes_per_session
         assert plan.required_bytes(plan.session_capacity) <= plan.budget_bytes
+
+
+def test_a_session_that_does_not_fit_says_where_its_bytes_go():
+    # "one session needs 190.74 GiB" and a hint to shrink the window, for a text context of 1e8 tokens: the
+    # message now names each part, as the plan that fits counts it
+    spec = wan14b_dreamzero(model_owned_state_bytes_per_session=4096)
+    plan = plan_capacity(spec, "bfloat16", 1 << 40)
+    with pytest.raises(CapacityError) as caught:
+        plan_capacity(spec, "bfloat16", 1 << 30)
+    assert str(caught.value).endswith(
+        f"is available: self-attention (sink + window) "
+        f"{format_bytes(plan.managed_pages_per_session * plan.bytes_per_page)}, cross-attention caches "
+        f"{format_bytes(plan.cross_attention_bytes_per_session)}, fixed (null page, in-flight block, workspace) "
+        f"{format_bytes(plan.fixed_bytes)}, model-owned {format_bytes(plan.model_owned_bytes_per_session)}")

@@ -265,9 +265,15 @@ def plan_capacity(
     fixed = (1 + layout.inflight_pages + layout.scratch_pages) * bpp + workspace
     required_one = fixed + per_session
     if required_one > available_bytes:
+        # where the bytes go: a text context of 1e8 tokens was told to shrink its window
+        parts = {"self-attention (sink + window)": layout.pages_per_session * bpp,
+                 "cross-attention caches": cross_per_session,
+                 "fixed (null page, in-flight block, workspace)": fixed,
+                 "model-owned": spec.model_owned_state_bytes_per_session}
+        shown_parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in parts.items() if n)
         raise CapacityError(
             f"one session needs {format_bytes(required_one)} ({required_one} bytes) of KV cache but only "
-            f"{format_bytes(available_bytes)} ({available_bytes} bytes) is available",
+            f"{format_bytes(available_bytes)} ({available_bytes} bytes) is available: {shown_parts}",
             hint="use a smaller window or dtype, a larger --memory-budget, or a device with more memory",
         )
     budget = max(int(available_bytes * fraction), required_one)
