@@ -880,15 +880,13 @@ def test_a_write_that_fails_in_the_background_is_a_warning_and_its_session_is_re
     engine.close()
 
 
-def test_after_a_full_disk_an_eviction_exports_nothing_until_the_disk_has_room_for_its_snapshot(tmp_path,
-                                                                                                 monkeypatch):
-    # Every eviction on a full disk copied its session's KV out (gigabytes for a 14B session) only for the write to
-    # fail. After a snapshot fails for a full disk, the next ones check the folder's free space first. The free
-    # space is the one thing faked here (no test can fill a real disk); the writes and the exports are real.
+def after_a_full_disk(tmp_path, monkeypatch):
+    """A causal-world-tiny engine whose eviction of "a" (by "b") failed for a full disk: (engine, events, the ids
+    exported, [the free bytes the runner sees], the held writes, failing)."""
     import ardiff_cli.runtime.runner as runner_module
 
     engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
-    runner, pipe = engine.runner, engine.pipeline
+    pipe = engine.pipeline
     exported, real_export = [], pipe.export_ar_diffusion_session
     monkeypatch.setattr(pipe, "export_ar_diffusion_session", lambda sid: exported.append(sid) or real_export(sid))
     free = [10 << 30]
@@ -898,7 +896,17 @@ def test_after_a_full_disk_an_eviction_exports_nothing_until_the_disk_has_room_f
     writes.fail_with = OSError(28, "No space left on device")
     run(engine, "b", 0)  # evicts a, whose write fails: the disk is full
     writes.release()
-    runner.swap.flush()
+    engine.runner.swap.flush()
+    return engine, events, exported, free, writes
+
+
+def test_after_a_full_disk_an_eviction_exports_nothing_until_the_disk_has_room_for_its_snapshot(tmp_path,
+                                                                                                 monkeypatch):
+    # Every eviction on a full disk copied its session's KV out (gigabytes for a 14B session) only for the write to
+    # fail. After a snapshot fails for a full disk, the next ones check the folder's free space first. The free
+    # space is the one thing faked here (no test can fill a real disk); the writes and the exports are real.
+    engine, events, exported, free, writes = after_a_full_disk(tmp_path, monkeypatch)
+    runner = engine.runner
     free[0] = 1024  # still full
     with pytest.warns(ArdiffWarning, match=r"cannot swap session 'a' out .* No space left on device"):
         run(engine, "c", 0)  # evicts b: nothing exported, said once (the cause is the same)
@@ -1279,20 +1287,9 @@ def test_a_session_whose_request_a_stop_cut_short_is_not_swapped_out(tmp_path, m
 
 def test_after_a_full_disk_the_room_check_counts_the_cross_attention_bytes_too(tmp_path, monkeypatch):
     """R10: _check_disk_room's lower bound is the session's pages plus its cross-attention caches. Only the free
-    space is faked, as in test_runner_swap's full-disk test; writes and exports are real."""
-    import ardiff_cli.runtime.runner as runner_module
-    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
-    runner, pipe = engine.runner, engine.pipeline
-    exported, real_export = [], pipe.export_ar_diffusion_session
-    monkeypatch.setattr(pipe, "export_ar_diffusion_session", lambda sid: exported.append(sid) or real_export(sid))
-    free = [10 << 30]
-    monkeypatch.setattr(runner_module, "free_disk_bytes", lambda directory: free[0])
-    run(engine, "a", 0)
-    writes = HeldWrites(monkeypatch)
-    writes.fail_with = OSError(28, "No space left on device")
-    run(engine, "b", 0)  # evicts a, whose write fails: the disk is full
-    writes.release()
-    runner.swap.flush()
+    space is faked, as in the full-disk test above; writes and exports are real."""
+    engine, events, exported, free, _ = after_a_full_disk(tmp_path, monkeypatch)
+    runner = engine.runner
     state = runner._sessions["b"].state
     assert state.cross_attention_bytes > 0
     free[0] = state.num_pages * runner.capacity_plan.bytes_per_page  # room for b's pages, not its caches too
