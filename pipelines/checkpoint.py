@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from ardiff_cli.io.atomic import FILE_MODE, parse_json, remove_temporaries
 from ardiff_cli.io.demo import CACHE_ENV, cache_dir
 from ardiff_cli.io.writer import sort_metadata_in_file
-from ardiff_cli.runtime.errors import CheckpointError
+from ardiff_cli.runtime.errors import CheckpointError, os_error
 from pipelines.wan import remap_checkpoint_key
 
 FORMAT_VERSION = "1"  # bump when parameter names or meanings change: cached defaults are then rebuilt
@@ -120,7 +120,9 @@ def save_checkpoint(module: nn.Module, path: str | Path, metadata: dict[str, str
         try:
             save_file(tensors, tmp, metadata=metadata)
         except SafetensorError as exc:  # its I/O errors (a full disk) are no OSError: callers name the folder
-            raise OSError(str(exc).removeprefix("Error while serializing: ")) from exc
+            error = os_error(exc, path)
+            raise (error if error is not exc else OSError(str(exc).removeprefix("Error while serializing: "))) \
+                from exc
         sort_metadata_in_file(tmp)  # safetensors writes metadata in hash order: the same weights, the same bytes
         os.chmod(tmp, FILE_MODE)  # mkstemp made it 0600: give it the mode of every other file ardiff writes
         os.replace(tmp, path)
@@ -277,7 +279,7 @@ def default_checkpoint(pipeline_class: Any, config) -> Path:
     try:
         return write_fresh_checkpoint(pipeline_class, config, path)
     except OSError as exc:
-        raise CheckpointError(f"cannot write the default checkpoint to {path}: {exc}",
+        raise CheckpointError(f"cannot write the default checkpoint to {path}: {exc.strerror or exc}",
                               hint=f"set {CACHE_ENV} to a writable folder") from None
 
 

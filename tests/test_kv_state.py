@@ -772,7 +772,7 @@ def _commit_block(state, branch, frames):
 
 
 def test_reset_keeps_a_cross_attention_cache_named_by_a_plain_string(make_spec, make_cache):
-    """S17: reset(keep_cross_attention="text") keeps "text"; a str must not be taken as its letters."""
+    """reset(keep_cross_attention="text") keeps "text"; a str must not be taken as its letters."""
     spec = make_spec(cross_attention=CROSS)
     cache = make_cache(spec)
     state = cache.new_state("s")
@@ -786,7 +786,7 @@ def test_reset_keeps_a_cross_attention_cache_named_by_a_plain_string(make_spec, 
 
 
 def test_adapter_counts_resident_frames_not_pages_when_a_frame_spans_pages(make_spec, make_cache):
-    """S18: with 2-token pages and 4-token frames, num_resident_frames is page_ids // pages_per_frame."""
+    """with 2-token pages and 4-token frames, num_resident_frames is page_ids // pages_per_frame."""
     spec = make_spec(kv_branches=MAIN)  # sink 1, window 3, 4 tokens per frame, 2-frame blocks
     cache = make_cache(spec, page_size=2)
     assert cache.layout.pages_per_frame == 2

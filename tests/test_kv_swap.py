@@ -206,7 +206,7 @@ def test_a_restored_session_reads_exactly_what_it_read_before_with_vllms_cpu_ker
 
 
 def test_a_snapshot_with_a_cross_cache_of_an_unknown_branch_is_refused(make_spec):
-    """S11: check_snapshot must refuse cross/<branch>/<name> for a branch the cache does not have."""
+    """check_snapshot must refuse cross/<branch>/<name> for a branch the cache does not have."""
     cache, snapshot, free = exported(make_spec, 2)
     tensors = {**snapshot.tensors, "cross/ghost/text": snapshot.tensors["cross/positive/text"].clone()}
     state = cache.new_state("a")
@@ -216,7 +216,7 @@ def test_a_snapshot_with_a_cross_cache_of_an_unknown_branch_is_refused(make_spec
 
 
 def test_swap_store_makes_room_by_dropping_the_least_recently_swapped_first(tmp_path):
-    """W1: with three snapshots and room for two, the oldest goes, not the newest."""
+    """with three snapshots and room for two, the oldest goes, not the newest."""
     from ardiff_cli.runtime.swap import SwapStore
 
     tensors = {"kv/x": torch.zeros(256)}
@@ -234,7 +234,7 @@ def test_swap_store_makes_room_by_dropping_the_least_recently_swapped_first(tmp_
 
 
 def test_decode_snapshot_refuses_tensors_it_cannot_have_written():
-    """W5: a snapshot file holding a tensor outside kv/ and pipeline/ is not one encode_snapshot wrote."""
+    """a snapshot file holding a tensor outside kv/ and pipeline/ is not one encode_snapshot wrote."""
     from ardiff_cli.runtime.swap import decode_snapshot, encode_snapshot
 
     tensors, metadata = encode_snapshot(KVSnapshot({}, {"branches": {}}), {"step": 3}, 1)
@@ -245,7 +245,7 @@ def test_decode_snapshot_refuses_tensors_it_cannot_have_written():
 
 
 def test_a_new_snapshot_of_a_session_replaces_its_old_one_in_the_byte_count(tmp_path):
-    """W10: writing a session's snapshot again must drop the older one first, not count both."""
+    """writing a session's snapshot again must drop the older one first, not count both."""
     from ardiff_cli.runtime.swap import SwapStore
 
     store = SwapStore(tmp_path / "swap", 1 << 20)
@@ -260,7 +260,7 @@ def test_a_new_snapshot_of_a_session_replaces_its_old_one_in_the_byte_count(tmp_
 
 
 def test_adopting_a_snapshot_larger_than_the_whole_budget_is_refused_and_deletes_it(tmp_path):
-    """W8: adopt() refuses (False) a file over the budget, and deletes it."""
+    """adopt() refuses (False) a file over the budget, and deletes it."""
     from ardiff_cli.runtime.swap import SwapStore
 
     earlier = SwapStore(tmp_path, 1 << 20)

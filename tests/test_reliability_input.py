@@ -521,6 +521,13 @@ def test_config_case_message(tmp_path, case):
         assert re.search(r"^hint: .*" + re.escape(hint), result.stderr, re.M), result.stderr
 
 
+def test_a_config_name_too_long_for_the_system_is_named_with_its_error():
+    name = "a" * 300  # ENAMETOOLONG: it was "a bug in ardiff"
+    result = runner.invoke(app, ["inspect-capacity", name, "--format", "plain"])
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr == f"Error: cannot look at CONFIG {name}: File name too long\nhint: check the path\n"
+
+
 @pytest.mark.parametrize(("target", "message", "hint"), [
     ("missing.yaml", "config {config} is a link to {target}, which does not exist",
      "mount or restore what it links to"),
@@ -629,7 +636,7 @@ def test_a_budget_beyond_the_device_whose_plan_fits_loads():
 
 def test_device_option_takes_an_index_and_refuses_what_is_not_a_device(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # cuda:1 is a visible GPU (only planned for, never used)
-    for device in ("CUDA:1", "cuda:01"):  # cuda:01 was planned for GPU 1, and warmup's torch.device() refused it
+    for device in ("CUDA:1", "cuda:01", "cuda:00001"):  # cuda:01 was planned for GPU 1, and torch.device() refused it
         result = runner.invoke(app, ["inspect-capacity", "--device", device, "--available", "1GiB", "--format",
                                      "json"])
         assert result.exit_code == 0, result.stderr

@@ -814,10 +814,10 @@ def test_every_release_path_frees_kv_and_cross_attention_before_the_pipeline_hoo
     assert calls == [(hook, target, True, 0, 0, False)]
 
 
-def test_a_layer_context_kept_past_its_request_is_stale(tmp_path):
-    """R12: the runner ends every request (state.end_request()): a context the pipeline kept cannot attend later,
+def test_a_layer_context_kept_past_its_request_is_stale():
+    """the runner ends every request (state.end_request()): a context the pipeline kept cannot attend later,
     outside any request, into the workspace every session shares."""
-    from test_runner import make_runner
+
     class KeepsContexts(TinyPipeline):
         kept = None
 

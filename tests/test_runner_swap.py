@@ -386,8 +386,11 @@ def test_ctrl_c_while_a_session_is_restored_leaves_no_part_of_it_resident(tmp_pa
 
     if where == "import":
         monkeypatch.setattr(engine.pipeline, "import_ar_diffusion_session", ctrl_c)
-    else:
-        monkeypatch.setattr(runner, "_snapshot", ctrl_c)  # the view, taken as the requests are counted
+    else:  # the view, taken as the requests are counted: once the pipeline took its record back (not at admission)
+        imported, real_import, real_snapshot = [], engine.pipeline.import_ar_diffusion_session, runner._snapshot
+        monkeypatch.setattr(engine.pipeline, "import_ar_diffusion_session",
+                            lambda *args: imported.append(True) or real_import(*args))
+        monkeypatch.setattr(runner, "_snapshot", lambda *args: ctrl_c(*args) if imported else real_snapshot(*args))
     with pytest.raises(KeyboardInterrupt):  # as itself, not a SwapRestoreError
         runner.restore_session("a")
     assert runner.session_ids == [] and runner.pool_usage().num_used == 0 and "a" not in engine.pipeline.sessions
@@ -701,7 +704,7 @@ def test_adopting_a_file_this_store_holds_or_one_that_is_missing_is_a_request_er
                                            "left"):
         runner.adopt_snapshot("c", own)  # took a's file as c's: a's history was lost
     with pytest.raises(RequestError, match=r"no file 0{32}\.safetensors in "):
-        runner.adopt_snapshot("c", "0" * 32 + ".safetensors")  # was a bare FileNotFoundError
+        runner.adopt_snapshot("a", "0" * 32 + ".safetensors")  # a FileNotFoundError, after a's own was deleted
     assert runner.restore_session("a") is True and runner.pool_usage().num_swapped == 1  # b's, swapped out for it
     engine.close()
 
@@ -1286,7 +1289,7 @@ def test_a_session_whose_request_a_stop_cut_short_is_not_swapped_out(tmp_path, m
 
 
 def test_after_a_full_disk_the_room_check_counts_the_cross_attention_bytes_too(tmp_path, monkeypatch):
-    """R10: _check_disk_room's lower bound is the session's pages plus its cross-attention caches. Only the free
+    """_check_disk_room's lower bound is the session's pages plus its cross-attention caches. Only the free
     space is faked, as in the full-disk test above; writes and exports are real."""
     engine, events, exported, free, _ = after_a_full_disk(tmp_path, monkeypatch)
     runner = engine.runner

@@ -25,9 +25,10 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
     if config == "":  # Path("") is the current folder
         raise ConfigError("CONFIG is an empty string; the first argument is a config file or a built-in config name",
                           hint=f"omit it for the default ({DEFAULT_CONFIG}), or check the variable that should hold it")
-    # a folder named like a built-in config (`-o dreamzero-tiny`) is never a config: the built-in is meant
+    # a folder named like a built-in config (`-o dreamzero-tiny`) is never a config: the built-in is meant, but by a
+    # rollout given no episode folder, which may mean that folder's episodes
     if config is not None and path_kind(Path(config), "CONFIG") == "folder" and not (
-            command != "rollout" and config in builtin_configs()):
+            (command != "rollout" or episodes) and config in builtin_configs()):
         raise ConfigError(
             f"CONFIG {config!r} is a folder; the first argument is a config file or a built-in config name",
             hint=(f"pass the config first: ardiff rollout {_config_among([Path(config), *episodes])}"
@@ -54,7 +55,9 @@ def _config_among(arguments: Sequence[Path]) -> str:
 
     yaml = [a for a in arguments if a.suffix.lower() in (".yaml", ".yml") and path_kind(a, "argument") == "file"]
     config = str(yaml[0]) if yaml else DEFAULT_CONFIG
-    return " ".join(map(shlex.quote, [config, *(str(a) for a in arguments if str(a) != config)]))
+    # a folder named like the default config is written ./NAME: "ardiff rollout dreamzero-tiny" repeated the command
+    others = [f"./{a}" if str(a) == config and not yaml else str(a) for a in arguments if not yaml or a != yaml[0]]
+    return " ".join(map(shlex.quote, [config, *others]))
 
 
 def refuse_contradictions(*, quiet: bool = False, verbose: bool = False, **given: Any) -> None:

@@ -105,7 +105,7 @@ def parse_bytes(text: str | int, *, zero_ok: bool = False) -> int:
             if not number.isascii():  # float() reads '١٠٠' (Arabic-Indic digits) as 100
                 raise ValueError(number)
             # digits alone exactly: through a float, 9007199254740993 bytes was 9007199254740992
-            exact = int(number) * scale if number.isdigit() else float(number) * scale
+            exact = int(number) * scale if number.isdigit() and len(number) < 400 else float(number) * scale
             value = int(exact)
         except (KeyError, ValueError, OverflowError) as exc:  # OverflowError: '1e400' (a float's inf)
             why = (": it is empty" if not raw

@@ -95,7 +95,7 @@ def device_name(value: Any) -> str | None:
     name = value.strip().lower()
     if name in DEVICES:
         return name
-    match = re.fullmatch(r"cuda:([0-9]{1,4})", name)
+    match = re.fullmatch(r"cuda:0*([0-9]{1,3})", name)
     return f"cuda:{int(match.group(1))}" if match and int(match.group(1)) <= MAX_CUDA_INDEX else None
 
 
@@ -208,7 +208,8 @@ def path_kind(path: Path, what: str, *, where: str = "") -> str:
         import errno
 
         hint = ("check the permissions of the folders on its path (each needs x for this user)"
-                if exc.errno in (errno.EACCES, errno.EPERM) else "check the links on its path")  # ELOOP: a link loop
+                if exc.errno in (errno.EACCES, errno.EPERM) else "check the links on its path"
+                if exc.errno == errno.ELOOP else "check the path")
         raise ConfigError(f"{where + ': ' if where else ''}cannot look at {what + ' ' if what else ''}{path}: "
                           f"{exc.strerror or exc}", hint=hint) from exc
     return "file" if stat.S_ISREG(mode) else "folder" if stat.S_ISDIR(mode) else "other"

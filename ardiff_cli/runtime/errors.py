@@ -156,6 +156,20 @@ def shown(value: object) -> str:
     return _SHOWN.repr(value)
 
 
+# safetensors raises its own SafetensorError for a failed write, the system's error only in its text ("I/O error: No
+# space left on device (os error 28)"): without the errno, a full disk was not known as one (os_error).
+OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def os_error(exc: BaseException, path: object) -> BaseException:
+    """``exc`` as the ``OSError`` whose errno its text names (safetensors'), else ``exc`` itself."""
+    match = None if isinstance(exc, OSError) else OS_ERROR.search(str(exc))
+    if match is None:
+        return exc
+    code = int(match.group(1))
+    return OSError(code, os.strerror(code), str(path))
+
+
 def yaml_problem(exc: BaseException, text: str = "") -> str:
     """A PyYAML error in one line: ``not valid YAML at line L, column C: problem (context)``. Its own text spans
     five lines, quotes the source as ``"<unicode string>"`` and draws a caret under it. A character the reader

@@ -194,8 +194,9 @@ class _Session:
     last_latency_s: float | None = None
     view: SessionView | None = None
     # Its last request (or restore) ended: its KV and pipeline state are that request's, and ``num_requests`` counts
-    # them. False from admission, and while a request runs on it: still False between requests, a stop (or a bug)
-    # cut one short, and ``swap_out_sessions`` leaves it.
+    # them. False from admission, and while a request runs on it (a stop inside one releases the session); still
+    # False between requests only when a stop came between its admission and its forward: ``swap_out_sessions``
+    # leaves it then.
     settled: bool = False
 
 
@@ -499,7 +500,7 @@ class ARDiffusionModelRunner:
         if check is not None:  # inputs the forward would refuse: nobody is evicted, restored, reset or released
             try:
                 check(request)
-            except BaseException as exc:
+            except Exception as exc:
                 if not internal:
                     exc.add_note(f"request {shown(request.request_id)} was refused before session "
                                  f"{shown(session_id)} was touched: the session is as it was")
@@ -972,9 +973,10 @@ class ARDiffusionModelRunner:
         with self._events_held():  # the eviction it may cause is delivered once it is admitted
             self._make_room(session_id)
             with self._locked():
-                step = "its KV"
+                step = "its admission"
                 try:  # from the admission on: a stop anywhere in it leaves no part of the session resident
                     session = self._admit(session_id)
+                    step = "its KV"
                     session.state.restore(kv)
                     step = f"{type(self.pipeline).__name__}.import_ar_diffusion_session()"
                     self.pipeline.import_ar_diffusion_session(session_id, state)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ardiff_cli.runtime.capacity import as_int, checked_bytes
-from ardiff_cli.runtime.errors import ConfigError, shown
+from ardiff_cli.runtime.errors import ConfigError, os_error, shown
 
 if TYPE_CHECKING:  # torch-free at import: the CLI clears a run's swap folder without loading anything
     import torch
@@ -41,20 +41,6 @@ FORMAT = "ardiff-swap-2"  # metadata["format"]; bump when the layout of a snapsh
 # The names SwapStore gives its files (path_for) and the temporary folders they are written in (write).
 SNAPSHOT_FILE = re.compile(r"[0-9a-f]{32}\.safetensors")
 SNAPSHOT_NAME = re.compile(rf"{SNAPSHOT_FILE.pattern}|\.[0-9a-f]{{32}}\.safetensors\.[0-9a-f]{{8}}\.tmp")
-
-
-# safetensors raises its own SafetensorError for a failed write, the system's error only in its text ("I/O error: No
-# space left on device (os error 28)"): without the errno, a full disk was not known as one (os_error).
-OS_ERROR = re.compile(r"\(os error (\d+)\)")
-
-
-def os_error(exc: BaseException, path: Path) -> BaseException:
-    """``exc`` as the ``OSError`` whose errno its text names (safetensors'), else ``exc`` itself."""
-    match = None if isinstance(exc, OSError) else OS_ERROR.search(str(exc))
-    if match is None:
-        return exc
-    code = int(match.group(1))
-    return OSError(code, os.strerror(code), str(path))
 
 
 def file_bytes_at_most(tensors: dict[str, torch.Tensor], header: str) -> int:
@@ -143,6 +129,7 @@ class SwapStore:
         self.budget_bytes = budget_bytes  # the most bytes of snapshot files at once
         # session id -> its snapshot, least recently swapped first: the order in which room is made.
         self._files: OrderedDict[str, _Snapshot] = OrderedDict()
+        self._owners: dict[str, str] = {}  # file name -> session id, of each of _files: adopt() refuses them
         self._nbytes = 0  # sum of the files' bytes, kept as one int so other threads read it whole
         # The last write started, until settle() takes in its end: (session id, snapshot, its thread). Every
         # earlier write was taken in before it started (write() flushes first).
@@ -225,12 +212,14 @@ class SwapStore:
             # known before the thread starts: a stop (KeyboardInterrupt) as it starts must not leave a file no store
             # knows of, written by a thread nobody waits for
             self._files[session_id] = snapshot
+            self._owners[path.name] = session_id
             self._nbytes += planned
             self._last_write = (session_id, snapshot, writer)
             writer.start()  # "can't start new thread" raises here
         except BaseException:
             if self._files.get(session_id) is snapshot:
                 self.discard(session_id, wait=False)  # a started write deletes its file and folder when it ends
+            self._nbytes = sum(s.nbytes for s in self._files.values())  # a stop may have come between the two
             if writer is None or writer.ident is None:  # never started: flush() must not join it
                 if self._last_write is not None and self._last_write[1] is snapshot:
                     self._last_write = None
@@ -354,6 +343,7 @@ class SwapStore:
         with snapshot.lock:  # first: a stop before the pop leaves it known (deleted by clear()), never a lost file
             snapshot.dropped = True  # a write in flight deletes its file when it ends (so, also if a wait is cut)
         del self._files[session_id]
+        self._owners.pop(snapshot.path.name, None)
         self._nbytes -= snapshot.nbytes
         if wait:
             snapshot.written.wait()
@@ -370,6 +360,7 @@ class SwapStore:
         self.flush()
         kept = {session_id: snapshot.path.name for session_id, snapshot in self._files.items()}
         self._files.clear()
+        self._owners.clear()
         self._nbytes = 0
         return kept
 
@@ -381,9 +372,10 @@ class SwapStore:
         ``OSError``."""
         if not SNAPSHOT_FILE.fullmatch(name):
             raise ValueError(f"{name!r} is not the name of a swap snapshot file")
-        owner = next((sid for sid, snapshot in self._files.items() if snapshot.path.name == name), None)
+        owner = self._owners.get(name)
         if owner is not None:  # taking it would lose that session's snapshot
             raise ValueError(f"{name} is this store's snapshot of session {shown(owner)}, not one another store left")
+        (self.directory / name).stat()  # a missing file raises before the session's own snapshot is discarded
         self.discard(session_id)
         path = self.path_for(session_id)
         os.replace(self.directory / name, path)
@@ -395,6 +387,7 @@ class SwapStore:
         snapshot = _Snapshot(path, name, None, size, header="", tensors=None)
         snapshot.written.set()
         self._files[session_id] = snapshot
+        self._owners[path.name] = session_id
         self._nbytes += size
         return True
 
