@@ -9,6 +9,8 @@ the runner calls after releasing the KV.
 from __future__ import annotations
 
 import abc
+import hashlib
+import json
 
 import dataclasses
 import typing
@@ -28,6 +30,8 @@ from ardiff_cli.runtime.request import ARDiffusionRequest
 from pipelines.checkpoint import (build_on_meta, check_weight_fields, default_checkpoint, fresh_modules,
                                   load_checkpoint)
 from pipelines.rollout import PagedRollout
+
+MODEL_KEY = "__model__"  # the exported session's model_identity(), beside its record's fields
 
 
 def noise_generator(seed: int, counter: int) -> torch.Generator:
@@ -92,6 +96,7 @@ class ARPipeline(abc.ABC):
         self.sessions: dict[str, Any] = {}  # session id -> the pipeline's own record (model-owned state)
         self._bound: tuple[str, Any] | None = None  # (session id, KV state) during one forward only
         self._checked: tuple[Any, Any] | None = None  # (request, its parsed inputs) from the runner's check
+        self._model_identity: str | None = None  # model_identity(), once computed
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -152,7 +157,21 @@ class ARPipeline(abc.ABC):
         if record is None:
             return None
         values = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
-        return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+        return {**{k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in values.items()},
+                MODEL_KEY: self.model_identity()}
+
+    def model_identity(self) -> str:
+        """A digest of this pipeline's config (every field) and checkpoint file (path, size, modification time),
+        stored with each exported session: a session goes on only under the model that made its history."""
+        if self._model_identity is None:
+            weights = None
+            if self.checkpoint is not None:
+                stat = Path(self.checkpoint).stat()
+                weights = [str(Path(self.checkpoint).resolve()), stat.st_size, stat.st_mtime_ns]
+            text = json.dumps({"pipeline": self.name, "config": self.config.to_dict(), "weights": weights},
+                              sort_keys=True, default=str)
+            self._model_identity = hashlib.sha256(text.encode()).hexdigest()[:16]
+        return self._model_identity
 
     def import_ar_diffusion_session(self, session_id: str, snapshot: dict[str, Any] | None) -> None:
         """Take back what :meth:`export_ar_diffusion_session` gave for ``session_id``. A snapshot that is not a
@@ -162,6 +181,12 @@ class ARPipeline(abc.ABC):
         if snapshot is None:
             self.sessions.pop(session_id, None)
             return
+        if isinstance(snapshot, dict) and MODEL_KEY in snapshot:
+            snapshot = dict(snapshot)
+            model = snapshot.pop(MODEL_KEY)
+            if model != self.model_identity():  # another config or checkpoint: its KV is another model's
+                raise ValueError(f"{where}: the session was exported by another model (config or checkpoint "
+                                 f"{model!r}, this one {self.model_identity()!r}): its history is not this model's")
         record_type = self.session_record
         hints = typing.get_type_hints(record_type)
         names = [f.name for f in dataclasses.fields(record_type)]

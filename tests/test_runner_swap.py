@@ -346,7 +346,7 @@ def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(t
         elif damage == "other-dtype":  # the same geometry in half precision (a run with another --dtype, say)
             tensors = {k: t.half() if k.startswith("kv/") else t for k, t in tensors.items()}
         else:  # a pipeline record whose counter is not a number
-            metadata["ardiff_swap"] = metadata["ardiff_swap"].replace('"num_requests": 1}', '"num_requests": "1"}', 1)
+            metadata["ardiff_swap"] = metadata["ardiff_swap"].replace('"num_requests": 1,', '"num_requests": "1",', 1)
             assert '"num_requests": "1"' in metadata["ardiff_swap"]
         save_file(tensors, str(path), metadata=metadata)
     free = runner.pool_usage().num_free
@@ -1303,3 +1303,42 @@ def test_after_a_full_disk_the_room_check_counts_the_cross_attention_bytes_too(t
     evicted = [(e.session_id, e.swapped) for e in events if e.kind == "session_evicted"]
     assert evicted == [("a", True), ("b", False)]
     engine.close()
+
+
+def fresh_runner(name: str, swap_dir, **model) -> ARDiffusionModelRunner:
+    from pipelines import causal_world, dreamzero
+
+    module = {"dreamzero": dreamzero, "causal_world": causal_world}[name]
+    pipe = module.pipeline_class().fresh(module.Config.from_dict({"preset": "tiny", **model}, where="test"))
+    runner = ARDiffusionModelRunner(pipe, memory_budget="1GiB", session_capacity=1, attention_backend="torch",
+                                    swap_dir=swap_dir)
+    runner.load()
+    return runner
+
+
+@pytest.mark.parametrize(("name", "change", "said"), [
+    ("causal_world", {}, None),  # the control: the same model takes its session back
+    ("causal_world", {"window_frames": 9}, "written under another KV spec (window_frames differ)"),
+    ("causal_world", {"seed": 7}, "exported by another model"),  # other weights, the same geometry
+    ("causal_world", {"timestep_shift": 3.0}, "exported by another model"),  # its history was sampled otherwise
+    # was a shape error in the next forward: its anchor latent is model-owned state of another size
+    ("dreamzero", {"latent_channels": 2}, "another KV spec (model_owned_state_bytes_per_session differ)"),
+    ("dreamzero", {"num_inference_steps": 2}, "exported by another model"),
+])
+def test_a_snapshot_adopted_by_a_runner_of_another_model_config_is_refused(tmp_path, name, change, said):
+    # The file recorded neither: a session went on with KV another model computed, or crashed in the model.
+    first = fresh_runner(name, tmp_path)
+    inputs = first.pipeline.example_inputs(1, seed=0) if name == "dreamzero" else first.pipeline.example_inputs()
+    first.execute_model(ARDiffusionRequest("a/0", inputs, {"session_id": "a"}))
+    assert first.swap_out_sessions(["a"])
+    kept = first.detach_snapshots()
+    first.close()
+    later = fresh_runner(name, tmp_path, **change)
+    assert later.adopt_snapshot("a", kept["a"]) is True
+    if said is None:
+        assert later.restore_session("a") is True
+    else:
+        with pytest.raises(SwapRestoreError, match=re.escape(said)):
+            later.restore_session("a")
+        assert later.session_ids == [] and later.pool_usage().num_used == 0
+    later.close()
