@@ -9,10 +9,8 @@ pipeline around exactly one forward, and releases sessions through one path
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import functools
-import json
 import logging
 import threading
 import time
@@ -246,7 +244,6 @@ class ARDiffusionModelRunner:
         self.attention_backend: str | None = None  # the backend chosen at load: "torch" or "vllm"
         self.attention_backend_reason = ""  # why, in words (logged and emitted with the plan)
         self.spec: ARDiffusionKVCacheSpec | None = None  # the pipeline's spec, read at load
-        self._spec_json: dict[str, Any] | None = None  # _spec_record(), once computed
         self.capacity_plan: CapacityPlan | None = None
         self.kv_cache: ARDiffusionKVCache | None = None  # pools, preallocated once at load
         # Where LRU-evicted sessions are swapped (None: no swapping; they are released, as a close), and the most
@@ -786,7 +783,6 @@ class ARDiffusionModelRunner:
             tensors, metadata = encode_snapshot(
                 session.state.export(), state, session.num_requests,
                 where=f"{type(self.pipeline).__name__}.export_ar_diffusion_session({session_id!r})")
-            metadata["spec"] = self._spec_record()  # restored only under the same retention geometry
             # in the background; waits for the last one
             written = self.swap.write(session_id, tensors, metadata, drop_older=evicting)
         except StopRequested:  # the CLI's Interrupted, not a failure to swap
@@ -808,12 +804,6 @@ class ARDiffusionModelRunner:
                           f"({space}): sessions this large are evicted without one (a larger swap space keeps them)",
                           ArdiffWarning, stacklevel=2)
         return written
-
-    def _spec_record(self) -> dict[str, Any]:
-        """The pipeline's KV spec as a snapshot records it (JSON's types: tuples as lists)."""
-        if self._spec_json is None:
-            self._spec_json = json.loads(json.dumps(dataclasses.asdict(self.spec)))
-        return self._spec_json
 
     def _check_disk_room(self, session: _Session) -> None:
         """After a snapshot failed for a full disk: ``OSError(ENOSPC)`` before anything is exported while the swap
@@ -972,13 +962,6 @@ class ARDiffusionModelRunner:
             kv, state, num_requests = decode_snapshot(tensors, metadata)
             if expected is not None and num_requests != expected:
                 raise ValueError(f"it holds {num_requests} requests, not the {expected} expected")
-            spec = metadata.get("spec")  # None: written by an ardiff that did not record it yet
-            if spec is not None and spec != self._spec_record():
-                mine = self._spec_record()
-                fields = sorted(k for k in {*spec, *mine} if spec.get(k) != mine.get(k)) if isinstance(spec, dict) \
-                    else ["all"]
-                raise ValueError(f"it was written under another KV spec ({', '.join(fields)} differ): another "
-                                 "model config's session")
             self.kv_cache.new_state(session_id).check_snapshot(kv)  # before anyone is evicted for it
         except StopRequested:  # the CLI's Interrupted, not an unreadable file
             raise

@@ -6,6 +6,8 @@ except through :class:`ARDiffusionKVState`.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,6 +48,8 @@ class ARDiffusionKVCache:
                 f"{layout.managed_pages(1)} ({layout.pages_per_session} resident + {layout.inflight_pages} in flight)"
             )
         self.spec = spec  # geometry and policy from the pipeline
+        # the spec as a session's snapshot records it (JSON's types): restored only under the same spec
+        self.spec_record = json.loads(json.dumps(dataclasses.asdict(spec)))
         self.layout = layout  # pages per frame, scratch size, byte arithmetic
         self.allocator = PageAllocator(1 + num_managed_pages)  # managed ids 1..M; 0 is the null page
         # The tensors, in the layout the attention backend reads: "torch" = heads-first pages + gather

@@ -381,7 +381,7 @@ class ARDiffusionKVState:
         for (branch, name), pairs in self._cross.items():
             # stacked on the host, pair by pair: no device copy of every layer's cache at an eviction
             tensors[f"cross/{branch}/{name}"] = torch.stack([torch.stack([k.cpu(), v.cpu()]) for k, v in pairs])
-        return KVSnapshot(tensors=tensors, metadata={"branches": branches})
+        return KVSnapshot(tensors=tensors, metadata={"branches": branches, "spec": self._cache.spec_record})
 
     def restore(self, snapshot: KVSnapshot) -> None:
         """Load ``snapshot`` (from :meth:`export`) into this fresh state: allocate pages, write their contents,
@@ -420,6 +420,12 @@ class ARDiffusionKVState:
         if not isinstance(branches, dict) or sorted(branches) != sorted(self._branches):
             got = sorted(branches) if isinstance(branches, dict) else branches
             raise ValueError(f"{where}: branches {got}, expected {sorted(self._branches)}")
+        recorded, mine = snapshot.metadata.get("spec"), self._cache.spec_record  # None: not recorded (older files)
+        if recorded is not None and recorded != mine:
+            fields = (sorted(k for k in {*recorded, *mine} if recorded.get(k) != mine.get(k))
+                      if isinstance(recorded, dict) else ["all"])
+            raise ValueError(f"{where}: written under another KV spec ({', '.join(fields)} differ): another model "
+                             "config's session")
         pool, layout, spec = self._cache.pool, self._cache.layout, self.spec
         per_frame = layout.pages_per_frame
         plan: dict[str, tuple[int, int, int]] = {}
