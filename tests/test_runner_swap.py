@@ -346,8 +346,8 @@ def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(t
         elif damage == "other-dtype":  # the same geometry in half precision (a run with another --dtype, say)
             tensors = {k: t.half() if k.startswith("kv/") else t for k, t in tensors.items()}
         else:  # a pipeline record whose counter is not a number
-            metadata["ardiff_swap"] = re.sub(r'"num_requests": 1(?=[,}])', '"num_requests": "1"', metadata["ardiff_swap"],
-                                             count=1)
+            header = metadata["ardiff_swap"]
+            metadata["ardiff_swap"] = re.sub(r'"num_requests": 1(?=[,}])', '"num_requests": "1"', header, count=1)
             assert '"num_requests": "1"' in metadata["ardiff_swap"]
         save_file(tensors, str(path), metadata=metadata)
     free = runner.pool_usage().num_free
