@@ -9,10 +9,9 @@ the runner calls after releasing the KV.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import hashlib
 import json
-
-import dataclasses
 import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
