@@ -32,8 +32,8 @@ Both must produce the same latents (checked every block). Reported: the
 median over steady-state blocks (window full, every commit evicts) of the
 per-block ratio ardiff/rolling (target <= 1.00), ardiff's p99/p50 per-block
 time (target <= 1.2), and KV bytes, block-table length and RSS at block 20
-and at the end (flat memory: KV bytes and table length unchanged). Times
-are this process's CPU time (one torch thread, see ``benchmarks/common.py``);
+and at the end (flat memory: KV bytes and table length unchanged, RSS within
+``RSS_SLACK``). Times are this process's CPU time (one torch thread, see ``benchmarks/common.py``);
 the same statistics in wall time are under ``wall``. ``profile`` shows where the
 time goes: after the timed blocks, 20 more of ``ardiff`` and ``rolling_lean``
 (interleaved) run under torch.profiler, and the ops whose self CPU time per

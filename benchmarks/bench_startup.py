@@ -2,8 +2,10 @@
 
 Baseline: `python -c pass` with the same interpreter, measured alternately with
 the two commands (``turn_order`` every repetition). Target: both commands
-under 1 s wall on this machine (the one absolute figure of the suite, because
-the issue asks for it); the ratio to a bare interpreter start is reported.
+under 1 s wall on this machine in every timed run, the slowest included (the
+one absolute figure of the suite, because the issue asks for it); the ratio of
+the medians to a bare interpreter start is reported. The warmup's checkpoint is
+built in a temporary cache (``private_cache``) unless ARDIFF_CACHE_DIR names one.
 
 Also reported, in the same rotation: the end of a process that imported torch.
 `ardiff warmup causal-world-tiny` as a whole process, against the same command
@@ -29,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO_ROOT, cli, turn_order
+from benchmarks.common import REPO_ROOT, cli, private_cache, turn_order
 
 CONFIG_14B = "dreamzero-14b"
 # `ardiff ARGS` ended by sys.exit, as it was before main() skipped the interpreter's teardown
@@ -54,7 +56,11 @@ def _wall(argv: list[str], env: dict[str, str]) -> float:
 
 
 def run(quick: bool = False) -> dict:
-    repeats = 2 if quick else FULL_REPETITIONS
+    with private_cache():  # the warmup builds its checkpoint: never into the user's cache
+        return _run(2 if quick else FULL_REPETITIONS, quick)
+
+
+def _run(repeats: int, quick: bool) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                NO_COLOR="1")
     ardiff = ardiff_command()
@@ -79,8 +85,8 @@ def run(quick: bool = False) -> dict:
     med = {name: statistics.median(values) for name, values in times.items()}
     return {
         "id": "startup",
-        "target": f"both < {TARGET_S:.0f} s wall",
-        "passed": med["help"] < TARGET_S and med["inspect"] < TARGET_S,
+        "target": f"both < {TARGET_S:.0f} s wall, every run",
+        "passed": max(times["help"]) < TARGET_S and max(times["inspect"]) < TARGET_S,
         "measured": f"--help {med['help'] * 1e3:.0f} ms, inspect-capacity {med['inspect'] * 1e3:.0f} ms "
                     f"(warmup {med['warmup']:.2f} s, {med['warmup'] / med['warmup_interpreter_exit']:.2f}x "
                     "its time with the interpreter's teardown)",

@@ -8,7 +8,8 @@ the process's CPU time (``time.process_time``, all threads). With one torch
 thread (the suite's default) CPU time is the work done, and it does not count
 the time another process holds the core: on a shared 2-core machine a 20 ms
 matmul loop measured p99/p50 = 1.5 in wall time and 1.02 in CPU time in the same
-run. Verdicts use CPU time; wall-clock figures are reported next to them.
+run. Verdicts use CPU time, except attention's, swap's and startup's, which time the wall clock (a
+row's ``clock`` says which); wall-clock figures are reported next to CPU ones.
 """
 
 from __future__ import annotations

@@ -293,11 +293,18 @@ def test_overhead_quick():
     assert attention.attend_visible.__name__ == "attend_visible"
 
 
-def test_startup_quick():
+def test_startup_quick(tmp_path, monkeypatch):
+    """Its warmup builds a checkpoint in a cache of its own: with ARDIFF_CACHE_DIR unset it used to build it into the
+    user's ~/.cache/ardiff."""
     from benchmarks import bench_startup
 
+    monkeypatch.delenv("ARDIFF_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
     r = bench_startup.run(quick=True)
+    assert list(tmp_path.iterdir()) == []
+    assert "ARDIFF_CACHE_DIR" not in os.environ  # the temporary one is gone with its folder
     check_common(r, "startup")
+    assert r["passed"] is (max(r["help_max_s"], r["inspect_capacity_max_s"]) < 1.0)
     assert "dreamzero-14b" in r["command"]
     for key in ("python_s", "help_s", "inspect_capacity_s", "warmup_s", "warmup_interpreter_exit_s", "exit_ratio"):
         assert positive(r[key])
