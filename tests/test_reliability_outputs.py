@@ -197,6 +197,7 @@ def test_a_full_disk_keeps_the_runs_own_error_when_summary_json_cannot_be_writte
         result.stderr)
     assert "Traceback" not in result.stderr and "a bug in ardiff" not in result.stderr
     assert not (out / "summary.json").exists() and len(records(out)) == 2
+    assert f"outputs: {out} (results.jsonl, episodes/)\n" in result.stdout  # the files there: no summary.json
 
     result = resume(out)
     assert result.exit_code == 0, result.stderr

@@ -903,6 +903,9 @@ def render_summary(s: dict[str, Any], plain: bool):
     # The rate is of the steps' time (running_s), as the live display's; wall_s adds the load, warmup and teardown
     rate = f"{s['steps_per_s']:.1f} steps/s" if s.get("steps_per_s") else "-"
     plan = s.get("capacity_plan") or {}
+    # what is there: a full disk may have refused summary.json (a warning said so)
+    written = [name for name in ("results.jsonl", "summary.json") if Path(s["out"], name).is_file()] + [
+        f"{folder}/" for folder in ("episodes", "previews") if Path(s["out"], folder).is_dir()]
     lines = [
         f"rollout {s['status']}: {_count(steps['this_run'], 'step')} in {s['running_s']:.1f} s ({rate}); "
         f"episodes {episodes['completed']} completed"
@@ -916,8 +919,7 @@ def render_summary(s: dict[str, Any], plain: bool):
         + (f"{steps['restored']} restored from swap, " if steps.get("restored") else "")
         + f"{_count(steps['replayed'], 'step')} replayed to rebuild sessions"
         + (f", {_count(steps['skipped_done'], 'step')} already done" if steps["skipped_done"] else ""),
-        f"outputs: {visible(s['out'])} (" + ", ".join(["results.jsonl", "summary.json"] + [
-            f"{folder}/" for folder in ("episodes", "previews") if Path(s["out"], folder).is_dir()]) + ")",
+        f"outputs: {visible(s['out'])}" + (f" ({', '.join(written)})" if written else ""),
     ]
     text = Text("\n".join(lines))
     if not plain:
