@@ -166,6 +166,11 @@ def _core_figures() -> list[str]:
         f"{prof['mean_ms']['runner']:.2f} ms in the runner",
         f"over {prof['mean_ms']['model']:.1f} ms of the model's own compute",
         f"timers add {prof['mean_ms']['timers']:.2f} ms per request: its total ({prof['overhead']:.1%})",
+        f"The verdict is the median of the {ovh['requests']} paired per-request ratios ({ovh['overhead']:.1%}); in the "
+        f"same run the total times' ratio (`overhead_of_sums`) was {ovh['overhead_of_sums']:.1%} and the table's two "
+        f"medians differ by {ovh['ardiff_ms'] / ovh['forward_ms'] - 1:.1%}",
+        f"(the slowest runs: `--help` {st['help_max_s'] * 1e3:.0f} ms, `inspect-capacity` "
+        f"{st['inspect_capacity_max_s'] * 1e3:.0f} ms)",
         f"| `--help` {st['help_s'] * 1e3:.0f} ms, "
         f"`inspect-capacity dreamzero-14b` {st['inspect_capacity_s'] * 1e3:.0f} "
         f"ms; `warmup causal-world-tiny` {st['warmup_s']:.2f} s, {st['exit_ratio']:.2f}x its "

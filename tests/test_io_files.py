@@ -172,8 +172,12 @@ def test_discover_expands_dataset_folders_and_dedups_names(tmp_path):
     assert [e.name for e in episodes] == ["a", "b", "a-2"]
     (tmp_path / "empty").mkdir()
     assert [e.name for e in discover_episodes([tmp_path / "empty"])] == ["empty"]  # a live episode, not yet written
-    with pytest.raises(ConfigError, match="not found"):
+    with pytest.raises(ConfigError, match="not found") as info:
         discover_episodes([tmp_path / "missing"])
+    assert info.value.hint.endswith("create its folder first (mkdir -p) and use --follow")
+    with pytest.raises(ConfigError, match="not found") as info:  # given --follow already: not suggested again
+        discover_episodes([tmp_path / "missing"], follow=True)
+    assert info.value.hint.endswith("create its folder first (mkdir -p)")
     with pytest.raises(ConfigError, match="not a file"):
         discover_episodes([tmp_path / "set" / "a" / "END"])
 

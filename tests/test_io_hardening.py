@@ -104,6 +104,13 @@ def test_run_folders_next_to_episodes_are_not_episodes(tmp_path):
         run.append_result({"episode": "a", "step": 0, "status": "ok", "output": "episodes/a/step_000000.safetensors"})
         run.close()
     assert [e.name for e in discover_episodes([data])] == ["a", "b"]
+    # Given as EPISODE, one is refused: its episodes/ folder used to be taken for an episode with no step files.
+    for given, what in ((data / "eval1", "an ardiff run folder"), (data / "ardiff-runs", "a folder of ardiff run "
+                                                                                          "folders")):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(str(given))} is {what} \(what a rollout wrote\), not an "
+                                              "episode$") as info:
+            discover_episodes([data / "a", given])
+        assert "ardiff rollout --resume -o RUN" in info.value.hint
     # Only ardiff's own folders are skipped: a folder holding a run folder and anything else is still an episode.
     (data / "ardiff-runs" / "notes").mkdir()
     assert [e.name for e in discover_episodes([data])] == ["a", "ardiff-runs", "b"]

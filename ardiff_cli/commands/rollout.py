@@ -234,7 +234,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         if overrides["session_capacity"] is None:
             limit = cfg.runtime.session_capacity or cfg.kv_cache_spec().session_capacity
             cfg = cfg.with_runtime(session_capacity=min(limit, DEMO_SESSION_CAPACITY))
-    episodes = discover_episodes(episode_paths, warn=output.warning)
+    episodes = discover_episodes(episode_paths, warn=output.warning,
+                                 follow=bool(options["follow"] or info.get("follow")))
     if not episodes:
         raise ConfigError(f"no episode folders in {', '.join(map(str, episode_paths))}")
     if watch is None:  # EPISODE arguments that are folders of episodes

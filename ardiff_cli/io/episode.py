@@ -245,7 +245,8 @@ def _warn_about_episodes_inside(folder: Path, warn: Callable[[str], None] | None
              "files out")
 
 
-def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None = None) -> list[EpisodeSource]:
+def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None = None,
+                      follow: bool = False) -> list[EpisodeSource]:
     """Episode folders from the command line: each path is an episode, or a folder of episode folders.
 
     A folder of episode folders contributes each visible subfolder, except
@@ -256,6 +257,8 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
     Names are the folder names made safe (:func:`safe_name`), and unique with a
     numeric suffix when two collide. A folder reached twice (``data/ data/pick_cube``, a
     symlink to another argument) is one episode, run once; ``warn`` is told.
+    A path that is one of ardiff's outputs itself is refused; ``follow``: the
+    command line has ``--follow`` (a missing folder's hint does not suggest it).
     """
     folders: list[Path] = []
     for path in paths:
@@ -263,7 +266,7 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
             where = "" if path.is_absolute() else f"it is read relative to {Path.cwd()}; "
             raise ConfigError(f"episode folder not found: {path}",
                               hint=f"{where}for a robot that has not started writing yet, create its folder first "
-                                   "(mkdir -p) and use --follow")
+                                   "(mkdir -p)" + ("" if follow else " and use --follow"))
         if not path.is_dir():
             raise ConfigError(
                 f"{path}: an EPISODE is a folder of step files, not a file",
@@ -272,6 +275,13 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
         if _holds_episode(path):
             folders.append(path)
             _warn_about_episodes_inside(path, warn)
+        elif _is_run_output(path):  # its episodes/ and previews/ were taken for episodes with no step files
+            from ardiff_cli.io.run import RunFolder
+
+            what = "an ardiff run folder" if RunFolder(path).holds_run() else "a folder of ardiff run folders"
+            raise ConfigError(f"{path} is {what} (what a rollout wrote), not an episode",
+                              hint="pass the folders of step files the robots wrote; to finish a stopped run: "
+                                   "ardiff rollout --resume -o RUN")
         else:
             folders.extend(_episode_folders_in(path))
     names = EpisodeNames()
