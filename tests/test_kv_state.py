@@ -516,6 +516,31 @@ def test_attend_validates_inputs(make_spec, make_cache):
         attend_once(contexts[1], spec, 5)
 
 
+def test_inputs_that_passed_the_checks_in_an_earlier_forward_are_still_checked_against_this_one(make_spec, make_cache):
+    """The cache remembers inputs that passed the full checks (shapes, dtypes, devices, grad flags, with seq_len) and
+    skips those checks for them in later forwards; what depends on the forward is checked all the same."""
+    spec = make_spec()
+    cache = make_cache(spec)
+    state = cache.new_state("s")
+    for registers in (0, 1):  # each register count passes the checks as a forward's first layer
+        for ctx in state.get_kv_caches("positive", seq_len=4):
+            attend_once(ctx, spec, 4 + registers)
+    contexts = state.get_kv_caches("positive", seq_len=4)
+    attend_once(contexts[0], spec, 4)
+    with pytest.raises(ValueError, match="^layer 1 has 1 register tokens, earlier layers of this forward had 0$"):
+        attend_once(contexts[1], spec, 5)
+    # 4 tokens passed for seq_len 4; for seq_len 8 they are fewer tokens than the block
+    with pytest.raises(ValueError, match="^attend got 4 tokens for seq_len=8: expected the video tokens followed by"):
+        attend_once(state.get_kv_caches("positive", seq_len=8)[0], spec, 4)
+    good = torch.randn(2, 4, 8)
+    for q, k in ((good.double(), good), (good, good.clone().requires_grad_())):  # not the inputs that passed
+        with pytest.raises(ValueError, match="must be torch.float32|require grad"):
+            state.get_kv_caches("positive", seq_len=4)[0].attend(q, k, good)
+    for ctx in state.get_kv_caches("positive", seq_len=4):  # and the session goes on
+        ctx.attend(good, good, good)
+    assert len(cache.validated_inputs) == 2
+
+
 def test_attend_given_tokens_before_heads_says_the_layout_it_expects(make_spec, make_cache):
     """(L, H, D) instead of (H, L, D) used to read `k and v must be shaped (2, 2, 8), got (8, 2, 8)`: a token count
     taken from q's heads, with no word of the layout, the layer or seq_len."""

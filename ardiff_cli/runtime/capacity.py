@@ -63,6 +63,8 @@ def format_bytes(num_bytes: float) -> str:
 
 def as_int(value: object) -> int | None:
     """``value`` as a Python int when it is an integer of any kind (int, numpy's int64, ...) but not a bool; else None."""
+    if type(value) is int:  # the common case, without the ABC check (every forward's seq_len comes here)
+        return value
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
     return None

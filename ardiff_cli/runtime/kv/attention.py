@@ -41,6 +41,16 @@ def attend_visible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return out.reshape(num_q_heads, length, head_size)
 
 
+MAX_VALIDATED = 256  # signatures a cache remembers as validated (a few per pipeline: commit, denoise, store)
+
+
+def _store_signature(k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """What the checks of a store's inputs depend on, besides the cache and seq_len: an attend's (``attend`` builds
+    its own inline), with no q."""
+    return (None, k.shape, v.shape, None, k.dtype, v.dtype, None, k.device, v.device, k.requires_grad,
+            v.requires_grad)
+
+
 class ARDiffusionForwardContext:
     """Branch-level state of one ``get_kv_caches`` call, shared by its layer contexts.
 
@@ -50,7 +60,7 @@ class ARDiffusionForwardContext:
 
     __slots__ = ("state", "generation", "branch", "seq_len", "commit_current", "pool", "allocator", "inflight_pages",
                  "num_registers", "_prepared", "_inflight_ids", "_gather_ids", "_views", "_kernel_pool",
-                 "_kernel_forward", "layers_written", "finished", "_checked")
+                 "_kernel_forward", "layers_written", "finished", "_checked", "_validated")
 
     def __init__(self, state: ARDiffusionKVState, branch: BranchKV, seq_len: int, commit_current: bool) -> None:
         cache = state._cache
@@ -83,8 +93,11 @@ class ARDiffusionForwardContext:
         self.layers_written = bytearray(cache.spec.num_layers)
         # Set by commit (or by the state when it orphans the context).
         self.finished = False
-        # Shapes, dtypes and devices the last validated layer had; equal inputs skip validation.
+        # The last validated layer's inputs (shapes, dtypes, devices, grad flags): the next layers' with equal ones
+        # skip validation.
         self._checked: tuple | None = None
+        # Signatures (with seq_len) the cache has seen pass validation, in any forward: the checks are skipped.
+        self._validated = cache.validated_inputs
 
     @property
     def allocated(self) -> bool:
@@ -117,27 +130,48 @@ class ARDiffusionForwardContext:
                     "should have reserved these pages, so this is a bug in the plan or a leak"
                 ) from exc
             self._inflight_ids = torch.tensor(self.inflight_pages, dtype=torch.long, device=self.pool.device)
-        history = self.branch.page_ids()
         self.num_registers = num_registers
         if self._kernel_pool:  # paged-kernel layout: block tables of every layer, built once per forward
             scratch = self.pool.scratch_page_ids(self.branch.local_index)
             current = self.inflight_pages if self.commit_current else list(scratch[:video_pages])
-            self._kernel_forward = self.pool.plan_forward(history + current, current, self.seq_len, num_registers,
-                                                          num_q_heads)
+            self._kernel_forward = self.pool.plan_forward(self.branch.page_ids() + current, current, self.seq_len,
+                                                          num_registers, num_q_heads)
         else:
             # torch path: each layer gathers sink + window pages straight into the workspace and stages its
             # current block and registers right after them, the uncommitted block's scratch on this path
             # (one copy fewer per layer than writing scratch pages and gathering them back: 1% per block).
-            if history:
+            num_history = self.branch.num_pages
+            if num_history:
                 if self.branch.history_ids is None:  # every pass of a block reads the same history
-                    self.branch.history_ids = torch.tensor(history, dtype=torch.long, device=self.pool.device)
+                    self.branch.history_ids = torch.tensor(self.branch.page_ids(), dtype=torch.long,
+                                                           device=self.pool.device)
                 self._gather_ids = self.branch.history_ids
-            self._views = self.pool.visible_views(len(history), self.seq_len, num_registers)
+            self._views = self.pool.visible_views(num_history, self.seq_len, num_registers)
         self._prepared = True
 
-    def _validate(self, layer: int, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Full checks of one layer's inputs (``q`` None: a ``store``); the layers after the first that pass them
-        take a fast path."""
+    def _validate(self, layer: int, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, signature: tuple) -> None:
+        """One layer's inputs (``q`` None: a ``store``) checked, then the forward prepared by its first layer. The
+        full checks run once per ``signature`` and seq_len in the cache; the layers after the first with the same
+        inputs skip this call (``_checked``)."""
+        if (signature, self.seq_len) not in self._validated:
+            self._check(layer, q, k, v)
+            if len(self._validated) >= MAX_VALIDATED:  # a caller whose shapes never repeat: bounded all the same
+                self._validated.clear()
+            self._validated.add((signature, self.seq_len))
+        queries = k if q is None else q
+        num_registers = queries.shape[1] - self.seq_len
+        if not self._prepared:
+            self._prepare(num_registers, queries.shape[0])
+        elif num_registers != self.num_registers:
+            raise ValueError(
+                f"layer {layer} has {num_registers} register tokens, earlier layers of this forward had "
+                f"{self.num_registers}"
+            )
+        if q is not None:  # what the next layers must match to skip this call
+            self._checked = signature
+
+    def _check(self, layer: int, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The full checks of one layer's inputs against the pool's spec, dtype and device."""
         pool = self.pool
         spec = pool.layout.spec
         room = pool.layout.scratch_tokens - self.seq_len
@@ -173,22 +207,13 @@ class ARDiffusionForwardContext:
                 f"{'attend' if q is not None else 'store'} got {queries.shape[1]} tokens for seq_len={self.seq_len}: "
                 f"expected the video tokens followed by 0..{room} scratch register tokens"
             )
-        if not self._prepared:
-            self._prepare(num_registers, queries.shape[0])
-        elif num_registers != self.num_registers:
-            raise ValueError(
-                f"layer {layer} has {num_registers} register tokens, earlier layers of this forward had "
-                f"{self.num_registers}"
-            )
-        if q is not None:  # what the next layers must match to skip these checks (same shapes, dtypes, no grad)
-            self._checked = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-                             False, False)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         self.check_live()
-        if self._checked != (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-                             k.requires_grad, v.requires_grad):
-            self._validate(layer, q, k, v)
+        signature = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                     k.requires_grad, v.requires_grad)  # what the checks depend on, as _store_signature
+        if self._checked != signature:
+            self._validate(layer, q, k, v, signature)
         if self.layers_written[layer]:  # a second call would replace this layer's current K/V: history lost
             self._written_twice(layer)
         pool = self.pool
@@ -220,7 +245,7 @@ class ARDiffusionForwardContext:
                 f"layer {layer} of branch {self.branch.name!r}: store writes a commit pass's K/V, but this forward "
                 "was not asked to commit (get_kv_caches(..., commit_current=True)); a denoising pass attends"
             )
-        self._validate(layer, None, k, v)
+        self._validate(layer, None, k, v, _store_signature(k, v))
         if self.layers_written[layer]:
             self._written_twice(layer)
         pool = self.pool
