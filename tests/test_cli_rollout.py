@@ -2286,3 +2286,105 @@ def test_a_step_run_again_for_a_missing_output_after_its_file_was_rewritten_fail
     (failed,) = [r for r in records(run) if r["status"] == "failed"]
     assert (failed["episode"], failed["step"]) == ("arm_a", 1)
     assert not (run / "episodes/arm_a/step_000001.safetensors").exists()
+
+
+def test_a_resume_that_runs_steps_counts_the_done_ones_it_skipped(cli_env, tmp_path):
+    """summary.json's steps.skipped_done of a resume that loads the model and runs a new step: the steps found done
+    in results.jsonl (a resume with nothing left counts them elsewhere, without the rollout driver)."""
+    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
+    steps = steps_of(0, 3)
+    write_episode(tmp_path / "eps" / "arm", steps[:2], prompt="task arm", end=False)
+    run = tmp_path / "run"
+    proc = ardiff(cli_env, "rollout", str(tmp_path / "fast.yaml"), str(tmp_path / "eps"), "--out", str(run),
+                  "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    write_step(tmp_path / "eps" / "arm", 2, steps[2])  # the robot recorded one more step
+    proc = ardiff(cli_env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"]["this_run"] == 1 and summary["steps"]["skipped_done"] == 2, summary["steps"]
+    assert "2 steps already done" in proc.stdout + proc.stderr
+
+
+def test_a_replay_does_not_repeat_a_step_files_warning(cli_env, tmp_path):
+    """A step file's warning (a key outside the schema) is shown once: a replay that reads the file again to rebuild
+    an evicted session (one resident session, no swap space: every step of the other episode replays) stays silent."""
+    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
+    for i, name in enumerate(("arm_a", "arm_b")):
+        steps = [{**s, "timestamp": np.zeros(1, np.float32)} for s in steps_of(i, 3)]
+        write_episode(tmp_path / "eps" / name, steps, prompt=f"task {name}")
+    run = tmp_path / "run"
+    proc = ardiff(cli_env, "rollout", str(tmp_path / "fast.yaml"), str(tmp_path / "eps"), "--out", str(run),
+                  "--no-warmup", "--swap-space", "0", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert "rebuilding the session from 2 earlier steps" in proc.stderr  # steps were replayed
+    warned = [line for line in proc.stderr.splitlines() if "is not in the pipeline's schema" in line]
+    assert len(warned) == 6, "\n".join(warned)  # one per step file, not again for each replay of it
+    assert len(set(warned)) == 6
+
+
+def test_results_lines_say_closed_on_each_episodes_last_step_only(cli_env, tmp_path):
+    """README: `closed` is whether the session was closed right after the step as its episode's last one."""
+    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(tmp_path / "eps" / name, steps_of(i, 2 + i), prompt=f"task {name}")
+    run = tmp_path / "run"
+    proc = ardiff(cli_env, "rollout", str(tmp_path / "fast.yaml"), str(tmp_path / "eps"), "--out", str(run),
+                  "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    closed = sorted((r["episode"], r["step"], r["closed"]) for r in records(run))
+    assert closed == [("arm_a", 0, False), ("arm_a", 1, True),
+                      ("arm_b", 0, False), ("arm_b", 1, False), ("arm_b", 2, True)]
+
+
+def _run_with_a_bad_second_step(cli_env, tmp_path, order: str) -> tuple[dict, list[dict]]:
+    """Two 3-step episodes at one resident session; arm_a's step 1 file is not a step file: arm_a fails at its load."""
+    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(tmp_path / "eps" / name, steps_of(i, 3), prompt=f"task {name}")
+    (tmp_path / "eps" / "arm_a" / "step_000001.safetensors").write_bytes(b"not a step file " * 4)
+    run = tmp_path / "run"
+    proc = ardiff(cli_env, "rollout", str(tmp_path / "fast.yaml"), str(tmp_path / "eps"), "--out", str(run),
+                  "--no-warmup", "--order", order, "--format", "plain")
+    assert proc.returncode == 4, proc.stderr  # some episodes failed
+    return json.loads((run / "summary.json").read_text()), records(run)
+
+
+def test_a_failed_episodes_resident_session_is_released_at_once_not_evicted_later(cli_env, tmp_path):
+    """Sequential: arm_a fails at its step 1 while its session is resident. The session is released with the failure,
+    so arm_b's first step finds room: nothing is evicted, nor swapped out for an episode that never runs again."""
+    summary, lines = _run_with_a_bad_second_step(cli_env, tmp_path, "sequential")
+    assert [(r["episode"], r["step"], r["status"]) for r in lines] == [
+        ("arm_a", 0, "ok"), ("arm_a", 1, "failed"), ("arm_b", 0, "ok"), ("arm_b", 1, "ok"), ("arm_b", 2, "ok")]
+    assert [r["evicted"] for r in lines if r["status"] == "ok"] == [[], [], [], []]
+    assert summary["evictions_this_run"] == 0 and summary["swap"]["swapped_out"] == 0
+
+
+def test_a_failed_episodes_swapped_out_session_has_its_snapshot_deleted(cli_env, tmp_path):
+    """Round-robin: arm_a's session is swapped out for arm_b's step 0 when arm_a's step 1 fails to load. The failure
+    deletes its snapshot (``_fail_episode`` closes a swapped-out session too): a finished run keeps none for resume."""
+    summary, lines = _run_with_a_bad_second_step(cli_env, tmp_path, "round-robin")
+    assert [(r["episode"], r["step"], r["status"]) for r in lines] == [
+        ("arm_a", 0, "ok"), ("arm_b", 0, "ok"), ("arm_a", 1, "failed"), ("arm_b", 1, "ok"), ("arm_b", 2, "ok")]
+    assert summary["swap"]["swapped_out"] == 1
+    assert summary["swap"]["kept"] == 0, summary["swap"]
+
+
+def test_an_episode_ended_by_a_later_end_marker_has_its_session_closed_when_it_ends(cli_env, tmp_path):
+    """--follow: END arrives after the episode's last step ran. Its session is closed as the episode ends (before its
+    `episode` object), not left resident until the run shuts down (holding KV, and swapped out, then kept for
+    --resume, as soon as another episode needs the room)."""
+    from ardiff_cli.io import end_episode
+
+    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
+    proc, live, run = follow_a_live_episode(cli_env, tmp_path, tmp_path, "json")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)
+        end_episode(live / "arm_a")
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    kinds = [(o["kind"], o.get("session_id", o.get("episode"))) for o in map(json.loads, stdout.splitlines())]
+    assert kinds.count(("session_closed", "arm_a")) == 1
+    assert kinds.index(("step", "arm_a")) < kinds.index(("session_closed", "arm_a")) < kinds.index(("episode", "arm_a"))

@@ -454,3 +454,155 @@ def test_summary_episode_counts_add_up(tmp_path):
                             this_run={"completed_episodes": ["a"]}, wall_s=1.0, running_s=0.5, status="failed",
                             exit_code=1, root=tmp_path)["episodes"]
     assert (summary["total"], summary["completed"], summary["failed"], summary["incomplete"]) == (3, 1, 1, 1)
+
+
+def test_safe_name_caps_names_at_150_utf8_bytes_exactly():
+    """MAX_NAME_BYTES is the cap: a name whose characters do not divide it evenly (one ASCII letter, then 3-byte
+    characters) is cut to the last whole character within 150 bytes, never one byte over."""
+    from ardiff_cli.io.episode import MAX_NAME_BYTES, safe_name
+
+    name = safe_name("a" + "日" * 99)
+    assert len(name.encode("utf-8")) <= MAX_NAME_BYTES == 150
+    assert name == "a" + "日" * 49  # 148 bytes: a 50th character would make 151
+    assert safe_name("é" * 100) == "é" * 75  # 2-byte characters: exactly 150
+
+
+def test_new_episode_folders_returns_each_started_folder_once(tmp_path):
+    """``settled`` holds what was returned (and what can never be an episode): a later poll returns only folders
+    started since, in name order, and never one already returned."""
+    from ardiff_cli.io.episode import new_episode_folders
+
+    robots = tmp_path / "robots"
+    (robots / "ep_b").mkdir(parents=True)
+    (robots / "ep_a").mkdir()
+    (robots / "notes.txt").write_text("not an episode")
+    settled: set[str] = set()
+    assert new_episode_folders(robots, settled) == []  # both still empty
+    write_episode(robots / "ep_b", [arrays(0)], prompt="p", end=False)
+    assert new_episode_folders(robots, settled) == [robots / "ep_b"]
+    assert new_episode_folders(robots, settled) == []
+    (robots / "ep_a" / "END").write_text("")
+    assert new_episode_folders(robots, settled) == [robots / "ep_a"]
+    assert settled == {"ep_a", "ep_b", "notes.txt"}
+
+
+def test_a_read_steps_signature_matches_the_file_until_it_is_written_again(tmp_path):
+    """load_step records the file's signature as read: file_signature equals it while nobody wrote the file, and
+    differs once it was written again (what the end-of-episode check of rewritten step files hashes only then)."""
+    import os
+
+    from ardiff_cli.io import write_step
+    from ardiff_cli.io.episode import file_signature, load_step
+
+    path = write_step(tmp_path / "ep", 0, arrays(0), prompt="p")
+    raw = load_step(path)
+    assert raw.signature is not None and raw.signature == file_signature(path)
+    assert raw.signature[0] == path.stat().st_size
+    os.utime(path, ns=(1, 1))  # touched (cp -p sets the mtime back): ctime moves, so it is looked at again
+    assert file_signature(path) != raw.signature
+    assert file_signature(tmp_path / "ep" / "gone.safetensors") is None
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_a_file_longer_than_its_own_structure_says_does_not_look_whole(tmp_path, fmt):
+    """looks_whole: exactly as many bytes as the structure says. A byte more (a second write over a shorter first,
+    an append) is not a whole step file any more than a byte less."""
+    from ardiff_cli.io.episode import looks_whole
+    from ardiff_cli.io.writer import encode_arrays
+
+    blob = encode_arrays(arrays(0), format=fmt)
+    path = tmp_path / f"step_000000.{fmt}"
+    path.write_bytes(blob)
+    assert looks_whole(path, len(blob))
+    path.write_bytes(blob + b"\0")
+    assert not looks_whole(path, len(blob) + 1)
+    path.write_bytes(blob[:-1])
+    assert not looks_whole(path, len(blob) - 1)
+
+
+def test_safetensors_header_refuses_bytes_cut_inside_the_header_even_where_the_json_still_parses(tmp_path):
+    """The header's length counts the padding spaces after its JSON: bytes cut inside that padding still parse as
+    JSON, but they are cut short, and safetensors_header says so."""
+    from ardiff_cli.io.episode import safetensors_header
+    from ardiff_cli.io.writer import encode_arrays
+
+    blob = encode_arrays(arrays(0), metadata={"prompt": "p"})
+    length = int.from_bytes(blob[:8], "little")
+    assert blob[8 + length - 1:8 + length] == b" "  # padded to 8 bytes (true of this header)
+    assert safetensors_header(blob[:8 + length])[0] == length
+    with pytest.raises(ValueError):
+        safetensors_header(blob[:8 + length - 1])
+
+
+@pytest.mark.parametrize(("content", "what"), [
+    (b"\x93NUMPY\x01\x00v\x00{'descr': '<f4', 'fortran_order': False, 'shape': (7,), }" + b" " * 50 + b"\n"
+     + bytes(28), "a .npy array file"),
+    (b"\x89PNG\r\n\x1a\n" + bytes(64), "a PNG image"),
+    (b"\x80\x04\x95" + bytes(64), "a pickle"),
+], ids=["npy", "png", "pickle"])
+def test_an_npz_step_file_of_another_format_is_named_not_parsed(tmp_path, content, what):
+    """An .npz is a zip archive: anything else under the suffix is named by its format, never handed to np.load."""
+    from ardiff_cli.io.episode import load_step
+    from ardiff_cli.runtime.errors import ObservationError
+
+    path = tmp_path / "step_000000.npz"
+    path.write_bytes(content)
+    with pytest.raises(ObservationError, match=f"cannot read .npz file: it is {what}"):
+        load_step(path)
+
+
+def test_an_npz_text_array_is_an_array_only_a_0d_one_is_metadata(tmp_path):
+    """0-d string arrays of an .npz are metadata (the prompt); a 1-d string array is an array like any other (the
+    schema's validation then names it), never folded into a metadata string."""
+    from ardiff_cli.io.episode import load_step
+
+    path = tmp_path / "step_000000.npz"
+    np.savez(path, joints=np.zeros(7, np.float32), prompt=np.array("pick it up"), labels=np.array(["a", "b"]))
+    raw = load_step(path)
+    assert raw.metadata == {"prompt": "pick it up"}
+    assert sorted(raw.arrays) == ["joints", "labels"] and raw.arrays["labels"].tolist() == ["a", "b"]
+
+
+def test_an_episode_yaml_that_arrives_after_the_first_look_is_read(tmp_path):
+    """EpisodeSource.metadata: {} while episode.yaml is absent, read once it exists (a recorder writes it late)."""
+    from ardiff_cli.io.episode import EpisodeSource
+
+    folder = tmp_path / "ep"
+    folder.mkdir()
+    source = EpisodeSource(name="ep", path=folder)
+    assert source.metadata() == {}
+    (folder / "episode.yaml").write_text("prompt: pick up the red cube\n")
+    assert source.metadata() == {"prompt": "pick up the red cube"}
+    (folder / "episode.yaml").write_text("prompt: another\n")
+    assert source.metadata() == {"prompt": "pick up the red cube"}  # read once, then kept
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_non_contiguous_arrays_are_written_with_their_values(tmp_path, fmt):
+    """A transposed or flipped view (a camera frame mirrored, joints read column-wise) is written as its values, not
+    as the buffer underneath it."""
+    from ardiff_cli.io import write_step
+    from ardiff_cli.io.episode import load_step
+
+    joints = np.arange(12, dtype=np.float32).reshape(3, 4).T
+    camera = np.arange(48, dtype=np.uint8).reshape(4, 4, 3)[:, ::-1]
+    assert not joints.flags.c_contiguous and not camera.flags.c_contiguous
+    raw = load_step(write_step(tmp_path / "ep", 0, {"joints": joints, "camera": camera}, format=fmt))
+    np.testing.assert_array_equal(raw.arrays["joints"], joints)
+    np.testing.assert_array_equal(raw.arrays["camera"], camera)
+
+
+def test_a_step_files_tensor_data_stays_8_byte_aligned_whatever_its_metadata(tmp_path):
+    """Sorting the metadata rewrites the header: it is padded again so that the tensors' data starts at a multiple
+    of 8 bytes, as safetensors writes it (readers that map the file rely on it)."""
+    from ardiff_cli.io.episode import load_step, safetensors_header
+    from ardiff_cli.io.writer import encode_arrays
+
+    for n in range(1, 17):  # every header length modulo 8
+        blob = encode_arrays(arrays(0), metadata={"prompt": "x" * n, "b": "1", "a": "2"})
+        length, header = safetensors_header(blob)
+        assert length % 8 == 0, (n, length)
+        assert list(header["__metadata__"]) == ["a", "b", "prompt"]
+        path = tmp_path / f"step_{n:06d}.safetensors"
+        path.write_bytes(blob)
+        np.testing.assert_array_equal(load_step(path).arrays["joints"], arrays(0)["joints"])

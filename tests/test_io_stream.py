@@ -753,3 +753,139 @@ def test_without_a_watched_folder_a_followed_run_ends_when_its_episodes_end(tmp_
                               clock=clock, sleep=clock.sleep, watch=[])
     assert _drain(scheduler) == [("a", 0), ("a", "end_marker")]
     assert clock.now < 50
+
+
+def test_a_dropped_episodes_steps_are_no_longer_pending(tmp_path):
+    """The progress total is recounted after a failure as done + num_pending(): the failed episode's remaining
+    steps never run, so they must leave the count."""
+    scheduler = StepScheduler(_episodes(tmp_path, {"a": 5, "b": 3}), order="round-robin")
+    assert scheduler.num_pending() == 8
+    first = scheduler.next()
+    assert isinstance(first, StepTask) and (first.episode.name, first.file.step) == ("a", 0)
+    assert scheduler.num_pending() == 7
+    scheduler.drop("a")  # its step 0 failed: steps 1..4 never run
+    assert scheduler.num_pending() == 3
+    names = []
+    while (item := scheduler.next()) is not None:
+        names.append((item.episode.name, item.file.step if isinstance(item, StepTask) else item.reason))
+        if isinstance(item, StepTask):
+            assert scheduler.num_pending() == 3 - item.file.step - 1
+    assert names == [("b", 0), ("b", 1), ("b", 2), ("b", "complete")]
+
+
+def test_follow_sequential_waits_for_the_first_episodes_next_step_instead_of_starting_the_next_episode(tmp_path):
+    """--order sequential finishes an episode before starting the next, also while following: when the first
+    episode's next step has not arrived yet, the scheduler waits for it; it does not run the next episode's
+    steps meanwhile (which would be round-robin by another name)."""
+    from ardiff_cli.io import end_episode, write_step
+    from fake_clock import FakeClock
+
+    write_episode(tmp_path / "a", [good(0)], prompt="p", end=False)  # the robot is still recording
+    write_episode(tmp_path / "b", [good(0), good(1)], prompt="p")  # complete, with END
+    arrive = [lambda: None, lambda: None, lambda: write_step(tmp_path / "a", 1, good(1)), lambda: None,
+              lambda: None, lambda: end_episode(tmp_path / "a")]
+    clock = FakeClock(arrive)
+    scheduler = StepScheduler(discover_episodes([tmp_path / "a", tmp_path / "b"]), order="sequential", follow=True,
+                              idle_timeout=100, poll_interval=1, clock=clock, sleep=clock.sleep)
+    items = []
+    while (item := scheduler.next()) is not None:
+        items.append((item.episode.name, item.file.step if isinstance(item, StepTask) else item.reason))
+    assert items == [("a", 0), ("a", 1), ("a", "end_marker"), ("b", 0), ("b", 1), ("b", "end_marker")]
+
+
+def test_follow_end_marker_waits_for_a_step_file_first_seen_with_it(tmp_path):
+    """END and a new step file appear while a step runs, and the next look (no poll is due yet) is the check for END:
+    the file, seen for the first time, is not settled yet. The episode must wait for it and run it, not end at END
+    and leave it behind as a late file (a step of a recorded episode that never runs)."""
+    from ardiff_cli.io import end_episode, write_step
+    from fake_clock import FakeClock
+
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0)], prompt="p", end=False)
+    clock = FakeClock()
+    warnings: list[str] = []
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=clock, sleep=clock.sleep, warn=warnings.append)
+    first = scheduler.next()
+    assert (first.file.step, first.is_last) == (0, False)
+    write_step(folder, 1, good(1))  # the robot writes its last step and END while step 0 runs
+    end_episode(folder)
+    second = scheduler.next()
+    assert isinstance(second, StepTask) and (second.file.step, second.is_last) == (1, True), second
+    end = scheduler.next()
+    assert end.reason == "end_marker" and scheduler.next() is None
+    assert warnings == [] and scheduler.late == {}
+
+
+def test_a_resume_whose_single_done_steps_file_is_gone_fails_even_when_its_chunk_is_unknown(tmp_path):
+    """Step 0 ran (its results line has no chunk: an older line) and its file was deleted: the folder starts at step
+    1 now. Step 1 must not run as the first chunk of a fresh session (a shorter history than the outputs' own)."""
+    from ardiff_cli.io.stream import EpisodeEnded
+
+    episodes = _episodes(tmp_path, {"a": 3})
+    (tmp_path / "a" / "step_000000.safetensors").unlink()
+    scheduler = StepScheduler(episodes, done={"a": {0: None}})
+    item = scheduler.next()
+    assert isinstance(item, EpisodeEnded) and item.reason == "error", item
+    assert "step 0 ran (results.jsonl) but its file is gone: the folder starts at step 1" in str(item.error)
+    assert scheduler.next() is None
+
+
+def test_follow_never_takes_a_later_step_before_an_earlier_one_still_being_written(tmp_path):
+    """A writer that writes in place paused mid-way through step 0 while step 1 is already whole (two writers, or a
+    copy of a recording). Step 1 waits for step 0: taken first, it would run as the episode's first chunk (and
+    step 0 would then fail the episode as arriving after step 1 ran)."""
+    from ardiff_cli.io.writer import encode_arrays
+    from fake_clock import FakeClock
+
+    folder = tmp_path / "live"
+    folder.mkdir()
+    (folder / "episode.yaml").write_text("prompt: p\n")
+    blob = encode_arrays(good(0))
+    step0 = folder / "step_000000.safetensors"
+    step0.write_bytes(blob[: len(blob) // 2])  # paused mid-file
+    (folder / "step_000001.safetensors").write_bytes(encode_arrays(good(1)))
+    clock = FakeClock([lambda: None, lambda: None, lambda: step0.write_bytes(blob),
+                       lambda: None, lambda: None, lambda: (folder / "END").write_bytes(b"")])
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    items = []
+    while (item := scheduler.next()) is not None:
+        items.append((item.file.step, item.ordinal) if isinstance(item, StepTask) else item.reason)
+    assert items == [(0, 0), (1, 1), "end_marker"]
+
+
+def test_a_resume_of_an_episode_whose_folder_was_emptied_names_the_steps_that_ran(tmp_path):
+    """Without --follow: every step file of an episode that ran is gone. The error says its done steps' files are gone
+    (put them back, or run it again), not merely that the folder holds no step files (and to use --follow)."""
+    from ardiff_cli.io.stream import EpisodeEnded
+
+    episodes = _episodes(tmp_path, {"a": 2, "b": 1})
+    for step in (0, 1):
+        (tmp_path / "a" / f"step_{step:06d}.safetensors").unlink()
+    scheduler = StepScheduler(episodes, done={"a": {0: 0, 1: 1}})
+    items = []
+    while (item := scheduler.next()) is not None:
+        items.append(item)
+    (failed,) = [i for i in items if isinstance(i, EpisodeEnded) and i.reason == "error"]
+    assert failed.episode.name == "a"
+    message = str(failed.error)
+    assert "steps 0..1 ran (results.jsonl) but their files are gone: the folder holds no step files" in message
+    assert "--follow" not in failed.error.hint
+
+
+def test_follow_an_idle_episode_ends_idle_timeout_seconds_after_its_last_step(tmp_path):
+    """--idle-timeout N: an episode ends once no new step file came for N seconds, at the first poll N seconds after
+    its last step was handed out, not a poll later."""
+    from fake_clock import FakeClock
+
+    write_episode(tmp_path / "a", [good(0)], prompt="p", end=False)
+    clock = FakeClock()
+    scheduler = StepScheduler(discover_episodes([tmp_path / "a"]), follow=True, idle_timeout=3, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    first = scheduler.next()
+    assert isinstance(first, StepTask) and first.file.step == 0
+    handed_at = clock.now
+    end = scheduler.next()
+    assert end.reason == "idle_timeout"
+    assert clock.now - handed_at == 3

@@ -720,3 +720,42 @@ def test_non_finite_outputs_are_counted_by_name_in_torch_and_numpy_arrays_but_no
     frames = np.array([[np.nan, 0.0]], np.float32)
     assert _non_finite({"actions": actions, "ids": torch.arange(3), "frames": frames}) == (
         "'actions': 1 NaN, 2 inf of 4 values; 'frames': 1 NaN of 2 values")
+
+
+def test_a_kept_partly_rebuilt_snapshot_whose_step_lost_its_output_is_replayed_not_a_crash(cli_env, tmp_path):
+    """A resume stopped while it rebuilt arm_a's session keeps a snapshot of 1 step (arm_a has 2 done). Then arm_a's
+    step 0 output goes missing: the next resume runs step 0 again (README), so the 1-step snapshot (ahead of step 0)
+    cannot be restored. It was adopted by count (1 <= 1 done), and the run stopped: "AssertionError: session 'arm_a'
+    is ahead of its episode (1 > 0)", exit 1, "a bug in ardiff". Now it is deleted with a warning saying why."""
+    from pipelines.dreamzero import observation_schema
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "fast.yaml").write_text(FAST_CONFIG)
+    for i, name in enumerate(EPISODES):
+        write_episode(data / "eps" / name, [demo_step(observation_schema(), (16, 16), i, s, 1 if s == 0 else 4)
+                                            for s in range(3)], prompt=f"task {name}")
+
+    def ardiff(*args, faults=()):
+        return subprocess.run([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, capture_output=True, text=True,
+                              env={**cli_env, "ARDIFF_TEST_FAULTS": json.dumps(list(faults))}, timeout=600)
+
+    run = tmp_path / "run"
+    failed = ardiff(*rollout_args(data, run, "--swap-space", "0", "--fail-fast"),
+                    faults=[{"request": "arm_a/000002", "site": "block", "layer": 1}])
+    assert failed.returncode == 1, failed.stderr
+    resume = ["rollout", "--resume", "--out", str(run), "--swap-space", "16MiB", "--pipeline", PIPELINE,
+              "--no-warmup", "--format", "plain"]
+    proc, err = stop_inside_a_fault(cli_env, resume, [{"request": "arm_a/000000/replay", "site": "block", "layer": 1,
+                                                       "action": "sleep"}], tmp_path)
+    assert proc.returncode == 143, err
+    kept = json.loads((run / ".swap" / "kept.json").read_text())["sessions"]
+    assert {name: entry["steps"] for name, entry in kept.items()} == {"arm_a": 1}
+    (run / "episodes" / "arm_a" / "step_000000.safetensors").unlink()  # its output goes missing
+    proc = ardiff(*resume)
+    assert "is ahead of its episode" not in proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    assert ("episode 'arm_a': the swap snapshot the stopped run kept was deleted (it holds 1 step, and the one at "
+            "position 0 in the episode is not done (its output went missing)); its done steps are replayed instead"
+            ) in proc.stderr
+    assert (run / "episodes" / "arm_a" / "step_000000.safetensors").is_file()

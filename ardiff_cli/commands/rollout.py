@@ -678,8 +678,9 @@ def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, d
                 swap_dir: Path, output: Output) -> dict[str, int]:
     """Take back the snapshots a stopped run kept (``io.kept``): {episode: steps its session had consumed}. One of
     fewer steps than the episode has done (a run stopped while rebuilding a session keeps what it rebuilt) is
-    restored, then the rest replayed. One of more steps (ok lines went missing from results.jsonl), or that this
-    run cannot take (no swapping, too large), is deleted: its episode replays. Then the index goes (``drop_kept``)."""
+    restored, then the rest replayed. One of more steps (ok lines went missing from results.jsonl), or of a step that
+    is not done (its output went missing: it runs again), or that this run cannot take (no swapping, too large), is
+    deleted: its episode replays. Then the index goes (``drop_kept``)."""
     from ardiff_cli.io.kept import drop_kept
     from ardiff_cli.runtime.errors import RequestError
 
@@ -690,8 +691,13 @@ def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, d
     swapped = {}
     for name, (file, steps) in kept.items():
         num_done, why = len(done.get(name, ())), None
+        chunks = set(done.get(name, {}).values())  # the positions in the episode the done steps ran at
         if swapping and steps > num_done:
-            why = f"it holds {steps} steps, more than the {num_done} done in results.jsonl"
+            why = f"it holds {_count(steps, 'step')}, more than the {num_done} done in results.jsonl"
+        elif swapping and None not in chunks and not chunks.issuperset(range(steps)):  # lines without: by count
+            missing = min(set(range(steps)) - chunks)
+            why = f"it holds {_count(steps, 'step')}, and the one at position {missing} in the episode is not done " \
+                  "(its output went missing)"
         elif swapping:
             try:
                 if engine.runner.adopt_snapshot(name, file):
