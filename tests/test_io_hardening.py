@@ -104,9 +104,14 @@ def test_run_folders_next_to_episodes_are_not_episodes(tmp_path):
         run.append_result({"episode": "a", "step": 0, "status": "ok", "output": "episodes/a/step_000000.safetensors"})
         run.close()
     assert [e.name for e in discover_episodes([data])] == ["a", "b"]
-    # Given as EPISODE, one is refused: its episodes/ folder used to be taken for an episode with no step files.
-    for given, what in ((data / "eval1", "an ardiff run folder"), (data / "ardiff-runs", "a folder of ardiff run "
-                                                                                          "folders")):
+    # Given as EPISODE, one is refused: its episodes/ folder used to be taken for an episode with no step files, and
+    # a run that wrote no step (every episode failed at its scan) for one episode itself.
+    empty = RunFolder(tmp_path / "empty-run")
+    empty.start({"config": "x"})
+    empty.close()
+    assert sorted(p.name for p in empty.root.iterdir() if not p.name.startswith(".")) == ["run.json"]
+    for given, what in ((data / "eval1", "an ardiff run folder"), (empty.root, "an ardiff run folder"),
+                        (data / "ardiff-runs", "a folder of ardiff run folders")):
         with pytest.raises(ConfigError, match=rf"^{re.escape(str(given))} is {what} \(what a rollout wrote\), not an "
                                               "episode$") as info:
             discover_episodes([data / "a", given])

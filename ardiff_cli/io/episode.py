@@ -272,16 +272,17 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
                 f"{path}: an EPISODE is a folder of step files, not a file",
                 hint="pass the folder that holds the step files",
             )
-        if _holds_episode(path):
-            folders.append(path)
-            _warn_about_episodes_inside(path, warn)
-        elif _is_run_output(path):  # its episodes/ and previews/ were taken for episodes with no step files
+        if not episode_entries(path) and _is_run_output(path):
+            # its episodes/ and previews/ were taken for episodes with no step files, or (none) the folder itself
             from ardiff_cli.io.run import RunFolder
 
             what = "an ardiff run folder" if RunFolder(path).holds_run() else "a folder of ardiff run folders"
             raise ConfigError(f"{path} is {what} (what a rollout wrote), not an episode",
                               hint="pass the folders of step files the robots wrote; to finish a stopped run: "
                                    "ardiff rollout --resume -o RUN")
+        if _holds_episode(path):
+            folders.append(path)
+            _warn_about_episodes_inside(path, warn)
         else:
             folders.extend(_episode_folders_in(path))
     names = EpisodeNames()
