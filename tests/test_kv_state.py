@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ardiff_cli.runtime.capability import ARDiffusionCrossAttentionKVSpec, ARDiffusionKVBranchSpec
+from ardiff_cli.runtime.kv import attention
 from ardiff_cli.runtime.kv.allocator import KVCacheExhaustedError
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
 from ardiff_cli.runtime.kv.layout import SCRATCH_ENV, KVLayout
@@ -516,7 +517,8 @@ def test_attend_validates_inputs(make_spec, make_cache):
         attend_once(contexts[1], spec, 5)
 
 
-def test_inputs_that_passed_the_checks_in_an_earlier_forward_are_still_checked_against_this_one(make_spec, make_cache):
+def test_inputs_that_passed_the_checks_in_an_earlier_forward_are_still_checked_against_this_one(make_spec, make_cache,
+                                                                                               monkeypatch):
     """The cache remembers inputs that passed the full checks (shapes, dtypes, devices, grad flags, with seq_len) and
     skips those checks for them in later forwards; what depends on the forward is checked all the same."""
     spec = make_spec()
@@ -539,6 +541,9 @@ def test_inputs_that_passed_the_checks_in_an_earlier_forward_are_still_checked_a
     for ctx in state.get_kv_caches("positive", seq_len=4):  # and the session goes on
         ctx.attend(good, good, good)
     assert len(cache.validated_inputs) == 2
+    monkeypatch.setattr(attention, "MAX_VALIDATED", 2)  # bounded: a third signature starts the set afresh
+    attend_once(state.get_kv_caches("positive", seq_len=4)[0], spec, 6)
+    assert len(cache.validated_inputs) == 1
 
 
 def test_attend_given_tokens_before_heads_says_the_layout_it_expects(make_spec, make_cache):
