@@ -272,7 +272,7 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
                 f"{path}: an EPISODE is a folder of step files, not a file",
                 hint="pass the folder that holds the step files",
             )
-        if not episode_entries(path) and _is_run_output(path):
+        if _is_run_output(path) and not episode_entries(path):  # cheap first: a robot folder may hold 20,000 files
             # its episodes/ and previews/ were taken for episodes with no step files, or (none) the folder itself
             from ardiff_cli.io.run import RunFolder
 
