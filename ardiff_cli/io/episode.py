@@ -223,11 +223,18 @@ def _is_run_output(folder: Path) -> bool:
 
     if RunFolder(folder).holds_run():
         return True
+    runs = 0
     try:
-        entries = [p for p in folder.iterdir() if not p.name.startswith(".")]
+        with os.scandir(folder) as entries:  # stops at the first entry that is not a run: a robot's folder of
+            for entry in entries:            # 20,000 camera frames is not listed whole for this
+                if entry.name.startswith("."):
+                    continue
+                if not (entry.is_dir() and RunFolder(Path(entry.path)).holds_run()):
+                    return False
+                runs += 1
     except OSError:
         return False  # unreadable: kept as an episode, whose error is then reported with it
-    return bool(entries) and all(p.is_dir() and RunFolder(p).holds_run() for p in entries)
+    return runs > 0
 
 
 def _warn_about_episodes_inside(folder: Path, warn: Callable[[str], None] | None) -> None:
@@ -272,7 +279,7 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
                 f"{path}: an EPISODE is a folder of step files, not a file",
                 hint="pass the folder that holds the step files",
             )
-        if _is_run_output(path) and not episode_entries(path):  # cheap first: a robot folder may hold 20,000 files
+        if _is_run_output(path) and not episode_entries(path):
             # its episodes/ and previews/ were taken for episodes with no step files, or (none) the folder itself
             from ardiff_cli.io.run import RunFolder
 
