@@ -456,17 +456,6 @@ def test_summary_episode_counts_add_up(tmp_path):
     assert (summary["total"], summary["completed"], summary["failed"], summary["incomplete"]) == (3, 1, 1, 1)
 
 
-def test_safe_name_caps_names_at_150_utf8_bytes_exactly():
-    """MAX_NAME_BYTES is the cap: a name whose characters do not divide it evenly (one ASCII letter, then 3-byte
-    characters) is cut to the last whole character within 150 bytes, never one byte over."""
-    from ardiff_cli.io.episode import MAX_NAME_BYTES, safe_name
-
-    name = safe_name("a" + "日" * 99)
-    assert len(name.encode("utf-8")) <= MAX_NAME_BYTES == 150
-    assert name == "a" + "日" * 49  # 148 bytes: a 50th character would make 151
-    assert safe_name("é" * 100) == "é" * 75  # 2-byte characters: exactly 150
-
-
 def test_new_episode_folders_returns_each_started_folder_once(tmp_path):
     """``settled`` holds what was returned (and what can never be an episode): a later poll returns only folders
     started since, in name order, and never one already returned."""

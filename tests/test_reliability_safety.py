@@ -149,6 +149,9 @@ def test_safe_name_caps_the_length():
     assert len(safe_name("x" * 1000)) == MAX_NAME_CHARS
     cjk = safe_name("日" * 84)  # 252 bytes in UTF-8: its preview's temporary name would pass NAME_MAX
     assert cjk == "日" * 50 and len(cjk.encode()) == MAX_NAME_BYTES
+    # characters that do not divide the cap evenly: cut to the last whole one within it, never a byte over
+    assert safe_name("a" + "日" * 99) == "a" + "日" * 49  # 148 bytes: a 50th character would make 151
+    assert safe_name("é" * 100) == "é" * 75  # 2-byte characters: exactly 150
 
 
 def test_a_long_non_ascii_episode_name_gets_its_outputs_and_preview(tmp_path, monkeypatch):
