@@ -349,3 +349,20 @@ def test_a_session_that_does_not_fit_says_where_its_bytes_go():
         f"{format_bytes(plan.managed_pages_per_session * plan.bytes_per_page)}, cross-attention caches "
         f"{format_bytes(plan.cross_attention_bytes_per_session)}, fixed (null page, in-flight block, workspace) "
         f"{format_bytes(plan.fixed_bytes)}, model-owned {format_bytes(plan.model_owned_bytes_per_session)}")
+
+
+def test_a_smaller_window_is_hinted_at_only_when_a_one_block_window_would_fit():
+    spec = wan14b_dreamzero()
+    smallest = ARDiffusionKVCacheSpec(**{**spec.__dict__, "window_frames": spec.frames_per_block})
+    available = plan_capacity(smallest, "bfloat16", 1 << 50).required_bytes(1)  # that window, exactly
+    for memory, helps in ((available, True), (available - 1, False)):
+        with pytest.raises(CapacityError) as caught:
+            plan_capacity(spec, "bfloat16", memory)
+        assert caught.value.window_helps is helps
+        assert caught.value.hint.startswith("use a smaller window, model or dtype" if helps else
+                                            "use a smaller model or dtype")
+    # A text context of 1e8 tokens on an 80 GiB device was told to shrink its window: no window makes it fit.
+    huge_text = wan14b_dreamzero(cross_attention=(ARDiffusionCrossAttentionKVSpec("text", 10**8),))
+    with pytest.raises(CapacityError) as caught:
+        plan_capacity(huge_text, "bfloat16", 80 * GIB)
+    assert caught.value.window_helps is False and "window" not in caught.value.hint

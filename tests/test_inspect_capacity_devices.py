@@ -278,13 +278,14 @@ def options_of_inspect_capacity(tmp_path: Path) -> set[str]:
                     reason="vLLM is installed: the fake GPU would plan FlashAttention's scratch pages (5.42 GiB)")
 @pytest.mark.parametrize(("args", "fix"), [
     # --memory-budget is not read when --available is given: the hint said "a larger --memory-budget" all the same
-    (("dreamzero-14b", "--available", "1GiB", "--memory-budget", "100GiB"),
+    (("dreamzero-14b", "--available", "3GiB", "--memory-budget", "100GiB"),
      "a larger --available (the memory of a device the config is meant for)"),
-    (("dreamzero-14b", "--memory-budget", "1GiB"), "a larger --memory-budget (or runtime.memory_budget in the config)"),
+    (("dreamzero-14b", "--memory-budget", "3GiB"), "a larger --memory-budget (or runtime.memory_budget in the config)"),
     (("dreamzero-14b",), "--available BYTES to plan for a device with more memory than this one has free"),
 ])
 def test_a_session_that_does_not_fit_is_hinted_at_by_the_option_that_set_the_memory(tmp_path, args, fix):
-    fake_nvidia_smi(tmp_path / "bin", {"0": 1000})  # the fake GPU has 1000 MiB free: dreamzero-14b needs 4.74 GiB
+    # The fake GPU has 3000 MiB free: dreamzero-14b needs 4.74 GiB, 2.03 GiB with a one-frame window.
+    fake_nvidia_smi(tmp_path / "bin", {"0": 3000})
     proc = inspect(tmp_path, *args)
     assert proc.returncode == 3, proc.stdout
     error = json.loads(proc.stdout)
@@ -293,8 +294,21 @@ def test_a_session_that_does_not_fit_is_hinted_at_by_the_option_that_set_the_mem
     assert error["hint"] == f"plan with {fix} or a smaller model.window_frames in the config"
 
 
+@pytest.mark.skipif(VLLM_INSTALLED, reason="vLLM is installed: the fake GPU would plan FlashAttention's scratch pages")
+def test_a_session_that_no_window_makes_fit_is_not_told_to_shrink_its_window(tmp_path):
+    # dreamzero-14b's cross-attention caches alone are 1.17 GiB: at 1000 MiB the hint said "a smaller
+    # model.window_frames", which could not help.
+    fake_nvidia_smi(tmp_path / "bin", {"0": 1000})
+    proc = inspect(tmp_path, "dreamzero-14b", "--available", "1000MiB")
+    assert proc.returncode == 3, proc.stdout
+    error = json.loads(proc.stdout)
+    assert "cross-attention caches 1.17 GiB" in error["message"]
+    assert error["hint"] == ("plan with a larger --available (the memory of a device the config is meant for) or a "
+                             "smaller model in the config")
+
+
 def test_the_out_of_memory_hint_names_only_options_of_inspect_capacity_and_fields_of_the_config(tmp_path):
-    proc = inspect(tmp_path, "lingbot-world-14b", "--available", "1GiB", "--dtype", "float32", gpu=False)
+    proc = inspect(tmp_path, "lingbot-world-14b", "--available", "20GiB", "--dtype", "float32", gpu=False)
     assert proc.returncode == 3, proc.stdout
     hint = json.loads(proc.stdout)["hint"]
     assert hint == ("plan with a larger --available (the memory of a device the config is meant for), --dtype "

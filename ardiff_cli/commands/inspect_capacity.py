@@ -114,7 +114,7 @@ def inspect_capacity(
             plan = plan_capacity(spec, runtime.dtype, available_bytes, runtime.gpu_memory_fraction,
                                  session_capacity=runtime.session_capacity, attention_backend=backend)
         except CapacityError as exc:
-            exc.hint = does_not_fit_hint(cfg, source)
+            exc.hint = does_not_fit_hint(cfg, source, window_helps=exc.window_helps)
             raise
         counts = sorted(set(sessions or DEFAULT_SESSION_COUNTS) | {plan.session_capacity})
         data = capacity_report(plan, spec, counts)
@@ -125,10 +125,10 @@ def inspect_capacity(
         out.result(data, lambda plain: render_capacity(data, plan, plain))
 
 
-def does_not_fit_hint(cfg: Any, source: str) -> str:
+def does_not_fit_hint(cfg: Any, source: str, *, window_helps: bool) -> str:
     """What the user of this command can change when one session does not fit: the memory planned with (by the
     option that set it: ``--memory-budget`` is not read when ``--available`` is given), ``--dtype`` when a smaller
-    one exists, and the config's window fields where its model has them."""
+    one exists, and the config's window fields where its model has them and a smaller window could fit."""
     if source == "--available":
         fixes = ["a larger --available (the memory of a device the config is meant for)"]
     elif source == "memory budget":
@@ -138,7 +138,7 @@ def does_not_fit_hint(cfg: Any, source: str) -> str:
     if cfg.runtime.dtype == "float32":
         fixes.append("--dtype bfloat16 (half the bytes)")
     fields = [f"model.{name}" for name in ("window_frames", "sink_frames")
-              if type(getattr(cfg.model, name, None)) is int and getattr(cfg.model, name) > 0]
+              if window_helps and type(getattr(cfg.model, name, None)) is int and getattr(cfg.model, name) > 0]
     fixes.append(f"a smaller {' or '.join(fields)} in the config" if fields else "a smaller model in the config")
     return f"plan with {', '.join(fixes[:-1])} or {fixes[-1]}"
 

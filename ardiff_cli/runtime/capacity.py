@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.errors import CapacityError, ConfigError
@@ -223,6 +223,18 @@ class CapacityPlan:
         return data
 
 
+def one_session_parts(layout: KVLayout, dtype_size: int) -> dict[str, int]:
+    """The bytes of one session's plan by part (``fixed`` is the worker's, shared by all sessions)."""
+    spec = layout.spec
+    bpp = layout.bytes_per_page(dtype_size)
+    cross = sum(layout.cross_bytes(cache.name, dtype_size) for cache in spec.cross_attention)
+    return {"self-attention (sink + window)": layout.pages_per_session * bpp,
+            "cross-attention caches": len(spec.kv_branches) * cross,
+            "fixed (null page, in-flight block, workspace)":
+                (1 + layout.inflight_pages + layout.scratch_pages) * bpp + layout.workspace_bytes(dtype_size),
+            "model-owned": spec.model_owned_state_bytes_per_session}
+
+
 def plan_capacity(
     spec: ARDiffusionKVCacheSpec,
     dtype: object,
@@ -261,22 +273,23 @@ def plan_capacity(
     layout = KVLayout.from_spec(spec, page_size=page_size, attention_backend=attention_backend)
     bpp = layout.bytes_per_page(size)
     cross = {cache.name: layout.cross_bytes(cache.name, size) for cache in spec.cross_attention}
-    cross_per_session = len(spec.kv_branches) * sum(cross.values())
-    per_session = layout.pages_per_session * bpp + cross_per_session + spec.model_owned_state_bytes_per_session
-    workspace = layout.workspace_bytes(size)
-    fixed = (1 + layout.inflight_pages + layout.scratch_pages) * bpp + workspace
-    required_one = fixed + per_session
+    parts = one_session_parts(layout, size)
+    fixed = parts["fixed (null page, in-flight block, workspace)"]
+    required_one = sum(parts.values())
+    per_session = required_one - fixed
     if required_one > available_bytes:
-        # where the bytes go: a text context of 1e8 tokens was told to shrink its window
-        parts = {"self-attention (sink + window)": layout.pages_per_session * bpp,
-                 "cross-attention caches": cross_per_session,
-                 "fixed (null page, in-flight block, workspace)": fixed,
-                 "model-owned": spec.model_owned_state_bytes_per_session}
+        # Where the bytes go, and whether the window is worth shrinking: only when a window of one block and no
+        # sink (with the workspace that gathers it) would fit. A text context of 1e8 tokens was told to shrink it.
+        smallest = replace(spec, sink_frames=0, window_frames=min(spec.window_frames, spec.frames_per_block))
+        smallest_layout = KVLayout.from_spec(smallest, page_size=page_size, attention_backend=attention_backend)
+        window_helps = sum(one_session_parts(smallest_layout, size).values()) <= available_bytes
         shown_parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in parts.items() if n)
         raise CapacityError(
             f"one session needs {format_bytes(required_one)} ({required_one} bytes) of KV cache but only "
             f"{format_bytes(available_bytes)} ({available_bytes} bytes) is available: {shown_parts}",
-            hint="use a smaller window or dtype, a larger --memory-budget, or a device with more memory",
+            hint=f"use a smaller {'window, model' if window_helps else 'model'} or dtype, a larger --memory-budget, "
+                 "or a device with more memory",
+            window_helps=window_helps,
         )
     budget = max(int(available_bytes * fraction), required_one)
     capacity = max(1, min(limit, (budget - fixed) // per_session))
@@ -293,10 +306,10 @@ def plan_capacity(
         inflight_pages=layout.inflight_pages,
         scratch_pages=layout.scratch_pages,
         scratch_bytes=layout.scratch_pages * bpp,
-        workspace_bytes=workspace,
+        workspace_bytes=layout.workspace_bytes(size),
         fixed_bytes=fixed,
         cross_attention_bytes=cross,
-        cross_attention_bytes_per_session=cross_per_session,
+        cross_attention_bytes_per_session=parts["cross-attention caches"],
         model_owned_bytes_per_session=spec.model_owned_state_bytes_per_session,
         bytes_per_session=per_session,
         available_bytes=available_bytes,

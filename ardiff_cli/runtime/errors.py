@@ -50,9 +50,14 @@ class ObservationError(ArdiffError, ValueError):
 
 
 class CapacityError(ArdiffError, MemoryError):
-    """One session of the configured model does not fit in the memory available (exit 3)."""
+    """One session of the configured model does not fit in the memory available (exit 3). ``window_helps`` says
+    whether a smaller window could make it fit (False: the rest of the session alone is too large)."""
 
     exit_code = 3
+
+    def __init__(self, message: str, *, hint: str | None = None, window_helps: bool = True) -> None:
+        super().__init__(message, hint=hint)
+        self.window_helps = window_helps
 
 
 class RequestError(ArdiffError, ValueError):
