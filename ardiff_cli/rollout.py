@@ -389,6 +389,7 @@ class Rollout:
             "total_s": finished.total_s}
         self._at = ("write", task.file)
         with self.signals.critical():
+            self._check_folder()
             try:
                 path = self.run_folder.write_step_outputs(
                     episode.name, step, output,
@@ -421,10 +422,18 @@ class Rollout:
 
     def _append(self, record: dict[str, Any]) -> None:
         """One whole line in results.jsonl; failing to write it stops the run (nothing else can record it)."""
+        self._check_folder()
         try:
             self.run_folder.append_result(record)
         except OSError as exc:
             raise OutputError(f"cannot append to {self.run_folder.results_path}: {exc.strerror or exc}") from exc
+
+    def _check_folder(self) -> None:
+        """Stop the run (``OutputError``) when its --out folder was removed or replaced since it started: its
+        results.jsonl is gone, and writing on would re-create the folder with only part of the run in it."""
+        if self.run_folder.moved():
+            raise OutputError(f"{self.run_folder.root} was removed or replaced while this run wrote it",
+                              hint="its results.jsonl went with it: run the command again, without --resume")
 
     def _close_session(self, session_id: str) -> None:
         """Close a resident session; a hook failure was reported through its ``hook_failed`` event."""
@@ -557,6 +566,7 @@ class Rollout:
         if not any(f is not None for f in (*observed, *predicted)):
             raise ValueError("no image to show: neither its step files nor its outputs hold a uint8 (H, W, 3) "
                              "frame, and the pipeline's decode_latents is missing or returned no such frame")
+        self._check_folder()
         self.run_folder.write_preview(episode.name, preview_strip(observed, predicted, min_height=96))
 
     def _predicted_frame(self, path) -> Any:

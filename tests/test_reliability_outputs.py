@@ -205,6 +205,40 @@ def test_a_full_disk_keeps_the_runs_own_error_when_summary_json_cannot_be_writte
     assert_complete(out, reference)
 
 
+@pytest.mark.parametrize("replaced", [False, True], ids=["removed", "replaced"])
+def test_an_out_folder_removed_during_the_run_stops_it_instead_of_re_creating_it(data, tmp_path, monkeypatch,
+                                                                                  replaced):
+    """A cleanup job removes the run's folder after its 2nd results line (or another run makes a new one there). The
+    run went on: it re-created the folder with its later outputs and summary.json ('ok', exit 0) but no results.jsonl
+    or run.json, so --resume had nothing to resume, and a second run there took a lock the first no longer held."""
+    import shutil
+
+    from ardiff_cli.io.run import RunFolder
+
+    out = tmp_path / "run"
+    real_append = RunFolder.append_result
+
+    def append_result(self, record):
+        real_append(self, record)
+        if len(records(out)) == 2:
+            shutil.rmtree(out)
+            if replaced:
+                (out / "other").mkdir(parents=True)
+
+    monkeypatch.setattr(RunFolder, "append_result", append_result)
+    result = rollout(data, out)
+    monkeypatch.undo()
+    assert result.exit_code == 1, result.stderr
+    assert f"Error: {out} was removed or replaced while this run wrote it\n" in result.stderr
+    assert f"warning: {out} was removed or replaced while this run wrote it: summary.json not written" in (
+        result.stderr)
+    assert "Traceback" not in result.stderr
+    if replaced:  # the new folder holds only what its owner put there
+        assert [p.relative_to(out).as_posix() for p in out.rglob("*")] == ["other"]
+    else:
+        assert not out.exists()
+
+
 def test_a_cache_too_full_for_the_default_checkpoint_is_said_so_not_blamed_on_the_pipeline(tmp_path, cli_env):
     """safetensors reports a full disk as its own SafetensorError, not an OSError: building the default checkpoint
     into a full cache was "DreamZeroPipeline.from_config() failed: SafetensorError: ... No space left on device",

@@ -649,7 +649,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 # that said ok while the run exited 130
                 signals.hold()
                 try:
-                    if engine is not None and driver is not None and error is not None:
+                    if engine is not None and driver is not None and error is not None and not run.moved():
                         if stopped:
                             _swap_out_resident(engine, driver, output)
                         # for --resume to restore, not replay
@@ -819,6 +819,12 @@ def _write_summary(run: Any, summary: dict[str, Any], output: Output,
     stays the one reported: a warning says summary.json is missing, and --resume writes it."""
     from ardiff_cli.errors_cli import OutputError
 
+    if run.moved():  # writing would re-create the folder, or write into another run's
+        message = f"{run.root} was removed or replaced while this run wrote it: summary.json not written"
+        if error is None:
+            raise OutputError(message, hint="its results.jsonl went with it: run the command again, without --resume")
+        output.warning(message)
+        return summary
     try:
         run.write_summary(summary)
     except OSError as exc:

@@ -16,6 +16,7 @@ file, and a step without a line is simply run again on resume.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import time
@@ -91,6 +92,7 @@ class RunFolder:
         self.root = Path(root)  # the --out folder
         self._results: JsonlAppender | None = None  # opened on first append
         self._lock: int | None = None  # descriptor holding the folder's flock (see lock())
+        self._identity: tuple[int, int] | None = None  # the locked folder's (device, inode): see moved()
 
     # -- paths ---------------------------------------------------------------------------------------------
 
@@ -267,6 +269,7 @@ class RunFolder:
             raise error from None
         except OSError:  # a file system without flock (some network mounts): go on unlocked, as before
             os.close(fd)
+            self._remember_identity()
             return
         try:  # the holder's pid, for the message above
             os.ftruncate(fd, 0)
@@ -276,6 +279,30 @@ class RunFolder:
             raise ConfigError(f"--out {self.root}: cannot write the output folder: {exc.strerror or exc}",
                               hint="free some space in it, or choose another --out") from None
         self._lock = fd
+        self._remember_identity()
+
+    def _remember_identity(self) -> None:
+        with contextlib.suppress(OSError):
+            st = os.stat(self.root)
+            self._identity = (st.st_dev, st.st_ino)
+
+    def moved(self) -> bool:
+        """Whether the folder this run locked is no longer at its path: removed (a cleanup job's ``rm -rf``),
+        renamed, or replaced by a new folder there (another run's, maybe). Writing on would re-create the path and
+        leave results in a folder without the run's results.jsonl, or beside another writer. A folder whose lock file
+        is gone or another counts as replaced."""
+        if self._identity is None:
+            return False
+        try:
+            st = os.stat(self.root)
+            if (st.st_dev, st.st_ino) != self._identity:
+                return True
+            if self._lock is not None:  # an rm -rf racing the run's writes leaves the folder, without its files
+                held, there = os.fstat(self._lock), os.stat(self.root / LOCK_FILE)
+                return (held.st_dev, held.st_ino) != (there.st_dev, there.st_ino)
+        except OSError:
+            return True
+        return False
 
     def _in_use(self, fd: int) -> ConfigError:
         """The error for this folder while another process holds its lock (``fd``: the lock file, with its pid)."""
