@@ -1144,6 +1144,14 @@ def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, d
         save_file(load_file(str(snapshot)), str(snapshot), metadata={"ardiff_swap": "[" * 5000 + "]" * 5000})
     else:
         options = ["--swap-space", "0"]
+    if damage == "index of another run":  # its snapshots are that run's to restore: this resume deleted them
+        files = sorted(p.name for p in (run / ".swap").iterdir())
+        proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+        assert proc.returncode == 2, proc.stderr
+        assert (f"Error: {index}: the swap snapshots there are kept for the --resume of another run (started "
+                in proc.stderr and "hint: give this run a .swap of its own, or delete that kept.json" in proc.stderr)
+        assert sorted(p.name for p in (run / ".swap").iterdir()) == files
+        index.unlink()  # as the hint says: its snapshots go, and both episodes replay
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain", *options)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((run / "summary.json").read_text())
@@ -1164,6 +1172,60 @@ def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, d
                 "were deleted, and their done steps are replayed instead") in proc.stderr
     assert_same_outputs(reference, run)
     assert not (run / ".swap").exists()
+
+
+def test_runs_whose_swap_folders_link_to_one_folder_never_delete_each_others_snapshots(env, data, tmp_path):
+    """Each run deletes the snapshot files in its swap folder it will not restore (a killed run's). Two runs whose
+    .swap linked to one folder deleted each other's live snapshots (both then replayed), and a fresh run deleted
+    those another, stopped run had kept for its --resume, with its kept.json: that resume replayed everything."""
+    from ardiff_cli.io.kept import write_kept
+    from ardiff_cli.io.run import RunFolder
+
+    shared = tmp_path / "scratch"
+    shared.mkdir()
+    snapshot = shared / ("ab" * 16 + ".safetensors")  # another run's
+    snapshot.write_bytes(b"its tensors")
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".swap").symlink_to(shared)
+    args = ("rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "two"), "--no-warmup")
+
+    holder = RunFolder(tmp_path / "one")  # the other run, live
+    holder.lock()
+    try:
+        proc = ardiff(env, *args)
+    finally:
+        holder.close()
+    assert proc.returncode == 2, proc.stderr
+    assert (f"Error: --out {tmp_path / 'two'}: its swap folder {shared} is in use by another ardiff rollout\n"
+            "hint: give each run a .swap of its own: runs sharing one delete each other's snapshots") in proc.stderr
+    assert snapshot.read_bytes() == b"its tensors" and not (tmp_path / "two" / "run.json").exists()
+
+    write_kept(shared, {"arm_a": (snapshot.name, 2)}, run=1234.5)  # the other run, stopped: kept for its --resume
+    proc = ardiff(env, *args)
+    assert proc.returncode == 2, proc.stderr
+    assert f"Error: {tmp_path / 'two' / '.swap' / 'kept.json'}: the swap snapshots there are kept for the --resume " \
+           "of another run (started " in proc.stderr
+    assert snapshot.read_bytes() == b"its tensors" and (shared / "kept.json").exists()
+    assert not (tmp_path / "two" / "run.json").exists()
+
+    (shared / "kept.json").unlink()  # that run is given up on: its files are stale, and go as such
+    proc = ardiff(env, *args)
+    assert proc.returncode == 0, proc.stderr
+    assert not snapshot.exists()
+
+
+def test_a_swap_folder_linked_to_nothing_is_named_before_the_run_starts(env, data, tmp_path):
+    # The runner failed to make it at every eviction ("FileExistsError: File exists: 'OUT/.swap'"), and the run
+    # replayed every evicted session, with one warning.
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".swap").symlink_to(tmp_path / "not-mounted" / "swap")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "run"),
+                  "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert (f"Error: --out {tmp_path / 'run'}: its .swap is a link to {tmp_path / 'not-mounted' / 'swap'}, which "
+            "does not exist\nhint: create that folder for the run's swap snapshots, or remove the link") in proc.stderr
+    assert not (tmp_path / "run" / "run.json").exists()
 
 
 def test_a_kept_snapshot_replaced_by_another_runs_of_the_same_episode_is_replayed_instead(env, data, reference,

@@ -180,7 +180,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     ``overrides`` means not given."""
     from ardiff_cli.io.demo import ensure_demo_episodes
     from ardiff_cli.io.episode import discover_episodes
-    from ardiff_cli.io.run import RUN_FILE, RunFolder, make_default_out_dir
+    from ardiff_cli.io.run import RUN_FILE, SWAP_DIR, RunFolder, make_default_out_dir
 
     info: dict[str, Any] = {}
     watch: list[Path] | None = None  # the folders of episodes among the EPISODE arguments (None: not known yet)
@@ -303,15 +303,29 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
                           hint="choose a folder you can write, or one that does not exist yet") from None
     run = RunFolder(out)
     run.lock()  # held until the command ends: a second rollout writing this folder is refused
-    if resume:
-        try:
+    try:
+        _refuse_another_runs_kept_snapshots(Path(out) / SWAP_DIR, info["started"])
+        if resume:
             done, digests = run.resume_state()  # read under the lock: another process may have been adding to it
-        except BaseException:
-            run.close()
-            raise
+    except BaseException:
+        run.close()
+        raise
     return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done, digests=digests,
                      run=run, options=options, recorded_device=recorded_device,
                      recorded_backend=recorded_backend, watch=watch)
+
+
+def _refuse_another_runs_kept_snapshots(swap_dir: Path, started: float) -> None:
+    """A run deletes the snapshot files in its swap folder it will not restore, as left by a killed run. Those another
+    run kept for its --resume (its kept.json), in a folder both runs' ``.swap`` link to, are refused instead."""
+    from ardiff_cli.io.kept import KEPT_FILE, kept_for
+
+    other = kept_for(swap_dir)
+    if other is not None and other != started:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(other))
+        raise ConfigError(f"{swap_dir / KEPT_FILE}: the swap snapshots there are kept for the --resume of another run "
+                          f"(started {when}), and this run would delete them",
+                          hint="give this run a .swap of its own, or delete that kept.json to let it discard them")
 
 
 def _refuse_an_episode_folder_as_out(out: Path, inputs: list[Path]) -> None:

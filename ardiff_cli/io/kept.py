@@ -61,6 +61,19 @@ def read_kept(swap_dir: Path, *, run: float) -> dict[str, tuple[str, int]]:
     return kept
 
 
+def kept_for(swap_dir: Path) -> float | None:
+    """The start (run.json's ``started``) of the run the index in ``swap_dir`` keeps snapshots for; None when there is
+    no index this version wrote whole."""
+    from ardiff_cli.io.atomic import parse_json
+
+    try:
+        data = parse_json((swap_dir / KEPT_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    run = data.get("run") if isinstance(data, dict) and data.get("format") == FORMAT else None
+    return run if isinstance(run, (int, float)) and not isinstance(run, bool) else None
+
+
 def drop_kept(swap_dir: Path) -> None:
     """Delete the index: its snapshots were adopted (or deleted), or there is nothing left to run."""
     with contextlib.suppress(OSError):

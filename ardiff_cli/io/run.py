@@ -93,6 +93,7 @@ class RunFolder:
         self._results: JsonlAppender | None = None  # opened on first append
         self._lock: int | None = None  # descriptor holding the folder's flock (see lock())
         self._identity: tuple[int, int] | None = None  # the locked folder's (device, inode): see moved()
+        self._swap_lock: int | None = None  # descriptor holding the swap folder's flock, when it was there already
 
     # -- paths ---------------------------------------------------------------------------------------------
 
@@ -280,6 +281,37 @@ class RunFolder:
                               hint="free some space in it, or choose another --out") from None
         self._lock = fd
         self._remember_identity()
+        try:
+            self._lock_swap()
+        except BaseException:
+            self.close()
+            raise
+
+    def _lock_swap(self) -> None:
+        """Lock the run's swap folder too when it is there already: a ``.swap`` linked to a folder another run's
+        ``.swap`` links to as well is refused while that run holds it (each run deletes the snapshot files it did not
+        write as stale, the other's included); a link to nothing is named here, not as a swap that fails later."""
+        import fcntl
+
+        swap = self.root / SWAP_DIR
+        if swap.is_symlink() and not swap.exists():
+            raise ConfigError(f"--out {self.root}: its {SWAP_DIR} is a link to {os.readlink(swap)}, which does not "
+                              "exist", hint="create that folder for the run's swap snapshots, or remove the link")
+        try:
+            fd = os.open(swap, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:  # none yet: the runner makes it, inside this locked folder
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(f"--out {self.root}: its swap folder {swap.resolve()} is in use by another ardiff "
+                              "rollout", hint=f"give each run a {SWAP_DIR} of its own: runs sharing one delete each "
+                                              "other's snapshots") from None
+        except OSError:  # a file system without flock
+            os.close(fd)
+            return
+        self._swap_lock = fd
 
     def _remember_identity(self) -> None:
         with contextlib.suppress(OSError):
@@ -339,6 +371,9 @@ class RunFolder:
         if self._lock is not None and not keep_lock:
             os.close(self._lock)  # releases the flock
             self._lock = None
+        if self._swap_lock is not None and not keep_lock:
+            os.close(self._swap_lock)
+            self._swap_lock = None
 
 
 def _whole(output: Path) -> bool:
