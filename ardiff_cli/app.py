@@ -101,6 +101,12 @@ def _run(args: list[str]) -> None:
         sys.exit(exc.exit_code)
     except typer.Abort:
         sys.exit(1)
+    except SystemExit as exc:
+        # Rich's and Click's own exit for --help or --version written to a reader that went away (`| grep -q`):
+        # it wanted no more, as of `inspect-capacity | head` (exit 0), not a failure under `set -o pipefail`.
+        if exc.code == 1 and isinstance(exc.__context__, BrokenPipeError):
+            sys.exit(0)
+        raise
     except OSError as exc:
         if exc.filename is not None:  # not a stream's write: a bug, with its traceback
             raise

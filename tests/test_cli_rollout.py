@@ -464,6 +464,14 @@ def test_a_reader_gone_from_either_stream_is_handled_alike_in_every_format(env, 
     assert (proc.returncode, proc.stderr) == (0, "")
 
 
+@pytest.mark.parametrize("args", [("--help",), ("rollout", "--help"), ("inspect-capacity", "-h"), ("--version",)])
+def test_help_and_version_to_a_reader_gone_exit_0_like_the_commands(env, args):
+    # `ardiff rollout --help | grep -q follow` exited 1 without a word (Rich's and Click's own handling of the broken
+    # pipe), which fails a script under `set -o pipefail`; `inspect-capacity | head` exits 0.
+    proc = with_reader_gone(env, "stdout", *args)
+    assert (proc.returncode, proc.stderr) == (0, "")
+
+
 def test_a_tilde_no_shell_expanded_means_home_not_a_folder_named_tilde(env, data, tmp_path):
     """`subprocess.run(["ardiff", "rollout", ..., "-o", "~/runs/x"])`, a systemd unit, a quoted '~/runs/x'."""
     home, cwd = tmp_path / "home", tmp_path / "cwd"
