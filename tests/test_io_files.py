@@ -12,7 +12,7 @@ import yaml
 from safetensors.numpy import save_file
 
 from ardiff_cli.io import end_episode, read_step, write_episode, write_step
-from ardiff_cli.io.atomic import JsonlAppender, atomic_write_bytes, read_jsonl
+from ardiff_cli.io.atomic import JsonlAppender, atomic_write_bytes, read_jsonl, truncate_partial_line
 from ardiff_cli.io.episode import discover_episodes, scan_steps, step_number, step_sha256
 from ardiff_cli.io.png import encode_png, evenly_spaced, preview_strip
 from ardiff_cli.io.run import RunFolder, build_summary, percentiles
@@ -202,6 +202,17 @@ def test_jsonl_appender_repairs_a_partial_last_line(tmp_path):
         log.append({"step": 2})
     assert path.read_bytes().count(b"\n") == 3
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("content", [b"", b"\n", b"abc", b"a\n", b"a\nbc", b"line\n" * 7 + b"x" * 9,
+                                     b"line\n" * 7 + b"x" * 3, b"x" * 20, b"ab\n" + b"y" * 13, b"\n" + b"z" * 4])
+@pytest.mark.parametrize("chunk", [1, 2, 4, 1 << 16])
+def test_a_partial_last_line_is_cut_reading_back_from_the_end(tmp_path, content, chunk):
+    # The whole file was read to find its last newline: 220 MiB for a results.jsonl of 100,000 lines.
+    path = tmp_path / "results.jsonl"
+    path.write_bytes(content)
+    truncate_partial_line(path, chunk=chunk)
+    assert path.read_bytes() == content[:content.rfind(b"\n") + 1]
 
 
 def test_done_steps_need_a_line_and_the_file(tmp_path):

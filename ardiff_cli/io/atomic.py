@@ -164,15 +164,28 @@ class JsonlAppender:
         self.close()
 
 
-def truncate_partial_line(path: Path) -> None:
-    """Cut a trailing partial line (no final newline) off ``path``, if any."""
+def truncate_partial_line(path: Path, chunk: int = 1 << 16) -> None:
+    """Cut a trailing partial line (no final newline) off ``path``, if any. Reads back from the end, ``chunk`` bytes
+    at a time, to the last newline: a long run's results.jsonl is never read whole."""
     if not path.exists():
         return
     with open(path, "rb+") as f:
-        data = f.read()
-        if not data or data.endswith(b"\n"):
+        end = f.seek(0, os.SEEK_END)
+        if end == 0:
             return
-        f.truncate(data.rfind(b"\n") + 1)
+        f.seek(end - 1)
+        if f.read(1) == b"\n":
+            return
+        start = end
+        while start > 0:
+            start = max(0, start - chunk)
+            f.seek(start)
+            newline = f.read(end - start).rfind(b"\n")
+            if newline >= 0:
+                f.truncate(start + newline + 1)
+                return
+            end = start
+        f.truncate(0)
 
 
 def read_jsonl(path: str | os.PathLike,
