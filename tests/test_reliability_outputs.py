@@ -239,6 +239,28 @@ def test_an_out_folder_removed_during_the_run_stops_it_instead_of_re_creating_it
         assert not out.exists()
 
 
+def test_an_out_on_a_file_system_without_locks_runs_and_says_it_is_unlocked(data, reference, tmp_path, monkeypatch):
+    # Some network mounts refuse flock: the run went on unlocked without a word, though a second rollout there
+    # would then not be refused.
+    import fcntl
+
+    real_flock = fcntl.flock
+
+    def flock(fd, operation):
+        if operation & fcntl.LOCK_EX:
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    out = tmp_path / "run"
+    result = rollout(data, out)
+    monkeypatch.undo()
+    assert result.exit_code == 0, result.stderr
+    assert (f"warning: --out {out}: its file system cannot lock .lock ({os.strerror(errno.ENOLCK)}): a second rollout "
+            "writing this folder would not be refused; run one at a time") in result.stderr
+    assert_complete(out, reference)
+
+
 def test_a_cache_too_full_for_the_default_checkpoint_is_said_so_not_blamed_on_the_pipeline(tmp_path, cli_env):
     """safetensors reports a full disk as its own SafetensorError, not an OSError: building the default checkpoint
     into a full cache was "DreamZeroPipeline.from_config() failed: SafetensorError: ... No space left on device",

@@ -268,9 +268,16 @@ class RunFolder:
             error = self._in_use(fd)
             os.close(fd)
             raise error from None
-        except OSError:  # a file system without flock (some network mounts): go on unlocked, as before
+        except OSError as exc:  # a file system without flock (some network mounts): go on unlocked, as before
             os.close(fd)
             self._remember_identity()
+            import warnings
+
+            from ardiff_cli.runtime.errors import ArdiffWarning
+
+            why = exc.strerror or exc
+            warnings.warn(f"--out {self.root}: its file system cannot lock {LOCK_FILE} ({why}): a second rollout "
+                          "writing this folder would not be refused; run one at a time", ArdiffWarning, stacklevel=2)
             return
         try:  # the holder's pid, for the message above
             os.ftruncate(fd, 0)
