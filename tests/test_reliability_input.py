@@ -28,6 +28,7 @@ from ardiff_cli.io.episode import EpisodeSource, load_step
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.runtime.errors import ObservationError
+from ardiff_cli.runtime.observation import ObservationField, ObservationSchema, validate_observation
 
 runner = CliRunner()
 FAST_CONFIG = """\
@@ -1152,3 +1153,88 @@ def test_resume_with_other_episodes_says_which_were_given(tmp_path, cli_env):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(f"Error: the episodes differ from those of the run in {run}: expected ['arm_a', "
                                   "'arm_b'], got ['arm_a']\nhint: resume with the same EPISODE arguments"), proc.stderr
+
+
+SCHEMA = ObservationSchema((
+    ObservationField("image", "uint8", ((None, None, 3),), aliases=("observation/image",)),
+    ObservationField("joints", "float32", ((7,),)),
+    ObservationField("gripper", "float32", ((1,),), required=False),
+), prompt_aliases=("language_instruction",))
+
+
+def observation(**changes):
+    return {"image": np.zeros((4, 4, 3), np.uint8), "joints": np.zeros(7, np.float32), "prompt": "p", **changes}
+
+
+def problems(arrays) -> str:
+    with pytest.raises(ObservationError) as info:
+        validate_observation(SCHEMA, arrays, where="w")
+    return str(info.value)
+
+
+def test_a_bfloat16_tensor_is_read_as_floats_and_cast_to_the_fields_dtype():
+    import torch
+
+    out = validate_observation(SCHEMA, observation(joints=torch.full((7,), 0.5, dtype=torch.bfloat16)), where="w")
+    assert out["joints"].dtype == np.float32 and out["joints"].tolist() == [0.5] * 7
+
+
+@pytest.mark.parametrize(("joints", "image", "message"), [
+    (np.zeros(6, np.float32), None, "w: 'joints' has shape (6,), expected (7,)"),
+    (np.zeros((7, 1), np.float32), None, "w: 'joints' has shape (7, 1), expected (7,)"),
+    (None, np.zeros((0, 4, 3), np.uint8), "w: 'image' has shape (0, 4, 3), expected (*, *, 3)"),  # * is positive
+])
+def test_shapes_are_matched_whole_and_a_star_is_a_positive_size(joints, image, message):
+    changes = {"joints": joints} if joints is not None else {"image": image}
+    assert problems(observation(**changes)) == message
+
+
+def test_an_optional_field_may_be_absent_and_a_prompt_of_the_wrong_type_is_not_also_missing():
+    assert set(validate_observation(SCHEMA, observation(), where="w")) == {"image", "joints", "prompt"}
+    assert problems(observation(prompt=5)) == "w: prompt 'prompt' must be a string, got int"
+
+
+def test_a_float64_past_float32s_range_is_refused_not_cast_to_inf():
+    message = problems(observation(joints=np.array([0, 0, 0, 1e39, 0, 0, 0], np.float64)))
+    assert message == ("w: 'joints' has 1 values past float32's range (first at index (3,): 1e+39), expected finite "
+                       "numbers of magnitude up to 3.4e+38")
+
+
+def test_a_non_finite_value_gets_the_hint_to_fix_or_drop_the_step():
+    with pytest.raises(ObservationError) as info:
+        validate_observation(SCHEMA, observation(joints=np.full(7, np.nan, np.float32)), where="w")
+    assert "ardiff never feeds non-finite values to the model" in info.value.hint
+
+
+def test_schema_problems_of_shapes_and_shared_keys():
+    ok = ObservationField("x", "float32", ((0,), (None, 3)))  # a declared size of 0 is a size
+    assert ObservationSchema((ok,)).problems() == []
+    no_shapes = ObservationField("x", "float32", ())
+    assert ObservationSchema((no_shapes,)).problems() == [
+        "field 'x': shapes must be a tuple of accepted shapes, each a tuple of sizes or None (any size), such as "
+        "((None, None, 3),), got ()"]
+    shared = (ObservationField("a", "float32", ((1,),), aliases=("cam",)),
+              ObservationField("b", "float32", ((1,),), aliases=("cam",)))
+    assert ObservationSchema(shared).problems() == ["key 'cam' names two fields"]
+
+
+def test_a_prompt_given_under_two_keys_is_refused_not_one_silently_dropped():
+    assert problems(observation(language_instruction="place it")) == (
+        "w: prompt given twice ('prompt' and 'language_instruction')")
+
+
+JOINTS = ObservationField("joints", "float32", ((7,),))
+
+
+@pytest.mark.parametrize(("schema", "problem"), [
+    # aliases=None: problems() itself raised TypeError ("Value after * must be an iterable"): 'a bug in ardiff'
+    (ObservationSchema((ObservationField("joints", "float32", ((7,),), aliases=None),)),
+     "field 'joints': aliases must be a tuple of keys (text), got None"),
+    # prompt_aliases=None: every request failed with that TypeError, blamed on the forward
+    (ObservationSchema((JOINTS,), prompt_aliases=None), "prompt_aliases must be a tuple of keys (text), got None"),
+    # ("instruction") for ("instruction",): each letter became a prompt key, and a step's 'i' was taken for its prompt
+    (ObservationSchema((JOINTS,), prompt_aliases="instruction"),
+     "prompt_aliases must be a tuple of keys (text), got 'instruction'"),
+])
+def test_a_schema_whose_aliases_are_not_a_tuple_of_keys_is_a_problem_not_a_crash(schema, problem):
+    assert schema.problems() == [problem]

@@ -58,10 +58,13 @@ class ObservationSchema:
         problems = []
         if not isinstance(self.prompt_key, str):
             problems.append(f"prompt_key must be text, got {shown(self.prompt_key)}")
+        if not isinstance(self.prompt_aliases, (tuple, list)) or not all(
+                isinstance(a, str) and a for a in self.prompt_aliases):
+            problems.append(f"prompt_aliases must be a tuple of keys (text), got {shown(self.prompt_aliases)}")
         seen: set[object] = set()
         for f in self.fields:
             problems += [f"field {shown(f.name)}: {p}" for p in _field_problems(f)]
-            keys = f.keys if all(isinstance(k, str) for k in f.keys) else ()
+            keys = f.keys if isinstance(f.aliases, (tuple, list)) and all(isinstance(k, str) for k in f.keys) else ()
             problems += [f"key {key!r} names two fields" for key in keys if key in seen]
             seen.update(keys)
         return problems
