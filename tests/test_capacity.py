@@ -18,7 +18,7 @@ from ardiff_cli.runtime.capability import (
 )
 from test_backends import needs_vllm_cpu
 
-from ardiff_cli.runtime.capacity import format_bytes, parse_bytes, plan_capacity
+from ardiff_cli.runtime.capacity import MAX_SESSIONS, format_bytes, parse_bytes, plan_capacity
 from ardiff_cli.runtime.errors import CapacityError, ConfigError
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
 
@@ -366,3 +366,62 @@ def test_a_smaller_window_is_hinted_at_only_when_a_one_block_window_would_fit():
     with pytest.raises(CapacityError) as caught:
         plan_capacity(huge_text, "bfloat16", 80 * GIB)
     assert caught.value.window_helps is False and "window" not in caught.value.hint
+
+
+GIB = 1 << 30
+
+
+def small_spec() -> ARDiffusionKVCacheSpec:
+    return ARDiffusionKVCacheSpec(num_layers=2, num_kv_heads=2, head_size=8, tokens_per_frame=4, frames_per_block=2,
+                                  window_frames=3, sink_frames=1, kv_branches=(ARDiffusionKVBranchSpec("main", 0),),
+                                  session_capacity=2)
+
+
+def test_format_bytes_switches_unit_at_exactly_1024():
+    assert format_bytes(1024) == "1.00 KiB" and format_bytes(1 << 20) == "1.00 MiB"
+    assert format_bytes(1 << 30) == "1.00 GiB" and format_bytes(1 << 60) == "1.00 EiB"
+
+
+def test_parse_bytes_takes_exactly_1000_bits_and_refuses_1001():
+    assert parse_bytes(2**1000 - 1) == 2**1000 - 1  # 1000 bits: the documented maximum
+    with pytest.raises(ConfigError, match="a 1001-bit integer as a byte size: too large"):
+        parse_bytes(2**1000)
+
+
+def test_session_capacity_takes_exactly_max_sessions():
+    plan = plan_capacity(small_spec(), "float32", GIB, session_capacity=MAX_SESSIONS)
+    assert plan.session_capacity_limit == MAX_SESSIONS == 2**31 - 1
+    with pytest.raises(ConfigError, match="session_capacity must be a positive integer up to 2147483647"):
+        plan_capacity(small_spec(), "float32", GIB, session_capacity=MAX_SESSIONS + 1)
+
+
+def test_a_session_that_does_not_fit_names_only_the_parts_it_has():
+    """No cross-attention and no model-owned state: '... 0 B' parts would only be noise in the message."""
+    from ardiff_cli.runtime.errors import CapacityError
+
+    plan = plan_capacity(small_spec(), "float32", GIB)
+    with pytest.raises(CapacityError) as caught:
+        plan_capacity(small_spec(), "float32", plan.required_bytes_one_session - 1)
+    assert str(caught.value).endswith(
+        "is available: self-attention (sink + window) "
+        f"{format_bytes(plan.managed_pages_per_session * plan.bytes_per_page)}"
+        f", fixed (null page, in-flight block, workspace) {format_bytes(plan.fixed_bytes)}")
+    assert "cross-attention" not in str(caught.value) and "model-owned" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("dtype", "name", "size"), [
+    ("bf16", "bfloat16", 2), ("half", "float16", 2), ("fp32", "float32", 4),
+    ("float8_e4m3fn", "float8_e4m3fn", 1), ("float8_e5m2", "float8_e5m2", 1)])
+def test_every_kv_dtype_spelling_plans_with_its_name_and_element_size(dtype, name, size):
+    plan = plan_capacity(small_spec(), dtype, GIB)
+    reference = plan_capacity(small_spec(), "float32", GIB)
+    assert (plan.dtype, plan.dtype_size) == (name, size)
+    assert plan.bytes_per_token * 4 == reference.bytes_per_token * size
+
+
+def test_available_host_memory_is_in_bytes():
+    """/proc/meminfo counts kB: without the factor 1024 the host looked 1024 times smaller (8 GiB free: 8 MiB)."""
+    from ardiff_cli.runtime.capacity import available_host_memory, total_host_memory
+
+    total = total_host_memory()
+    assert total // 64 < available_host_memory() <= total

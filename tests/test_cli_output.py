@@ -17,7 +17,7 @@ from ardiff_cli.errors_cli import EpisodesFailed, Interrupted, exit_code_for, ha
 from ardiff_cli.output import Format, Output, resolve_format
 from ardiff_cli.panels import EventRow, SessionRow, Snapshot, render
 from ardiff_cli.runtime.errors import CapacityError, CheckpointError, ConfigError, ObservationError
-from ardiff_cli.signals import StopSignals
+from ardiff_cli.signals import HANDLED, StopSignals
 
 ESC = re.compile(r"\x1b\[")
 
@@ -556,3 +556,72 @@ def test_long_names_that_share_a_prefix_are_cut_in_the_middle_so_they_stay_apart
     assert middle_cut("机器人_抓取_红色方块_0001", 10) == "机器…_0001"
     assert middle_cut("e\u0301" * 8 + "_01", 6) == "e\u0301e\u0301…_01"  # never a mark without its letter
     assert middle_cut("short", 10) == "short"
+
+
+def test_leaving_the_block_puts_back_the_handlers_it_replaced():
+    # A library caller (or a test) that runs a command in-process gets its own Ctrl-C back afterwards.
+    before = {signum: signal.getsignal(signum) for signum in HANDLED}
+    with StopSignals() as signals:
+        assert all(signal.getsignal(signum) == signals._handle for signum in HANDLED)
+    assert {signum: signal.getsignal(signum) for signum in HANDLED} == before
+
+
+def test_the_first_of_two_signals_in_a_critical_section_is_the_one_raised():
+    with StopSignals() as signals, pytest.raises(Interrupted) as info:
+        with signals.critical():
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGINT)
+    assert info.value.exit_code == 143  # SIGTERM's, not the later SIGINT's
+
+
+def test_the_first_deferred_stop_is_the_one_raised():
+    # The disk filled (an OutputError deferred), then stdout's reader went away (SIGPIPE): the run stops for the disk.
+    signals = StopSignals()
+    first = ConfigError("disk full")
+    signals.defer(first)
+    signals.defer(signal.SIGPIPE)
+    with pytest.raises(ConfigError) as raised:
+        signals.check()
+    assert raised.value is first
+
+
+def test_a_step_announces_only_its_first_signal():
+    notices = []
+    with StopSignals(notice=notices.append) as signals, pytest.raises(Interrupted):
+        with signals.step():
+            signal.raise_signal(signal.SIGINT)
+            with signals.critical():
+                signal.raise_signal(signal.SIGINT)  # the second one, recorded inside the write: no second notice
+            signals.check()
+    for thread in threading.enumerate():
+        if thread.name == "ardiff-stop-notice":
+            thread.join()
+    assert notices == [signal.SIGINT]
+
+
+def test_after_hold_a_signal_is_only_recorded():
+    with StopSignals() as signals:
+        signals.hold()
+        signal.raise_signal(signal.SIGTERM)
+        signals.check()  # the command's outcome is decided: nothing is raised
+    assert signals.pending == signal.SIGTERM
+
+
+def test_outside_the_main_thread_it_installs_nothing_and_does_not_fail():
+    before = {signum: signal.getsignal(signum) for signum in HANDLED}
+    errors = []
+
+    def worker():
+        try:
+            with StopSignals() as signals:
+                with signals.critical():
+                    pass
+                signals.check()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert errors == []
+    assert {signum: signal.getsignal(signum) for signum in HANDLED} == before

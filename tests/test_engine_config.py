@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ardiff_cli.runtime.capacity import plan_capacity
-from ardiff_cli.runtime.config import builtin_configs, load_config, resolve_config
+from ardiff_cli.runtime.config import MAX_CONFIG_BYTES, builtin_configs, load_config, resolve_config
 from ardiff_cli.runtime.engine import ARDiffusionEngine
 from ardiff_cli.runtime.errors import ConfigError
 
@@ -134,3 +134,42 @@ def test_public_surface_resolves_lazily():
     code = ("import sys; from ardiff_cli.runtime import plan_capacity, load_config, ARDiffusionKVCacheSpec; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_unknown_runtime_key_is_refused_even_when_null():
+    """`runtime: {sesion_capacity: null}` was skipped as 'keep the default' instead of named as a typo."""
+    with pytest.raises(ConfigError, match="unknown key 'runtime.sesion_capacity' \\(did you mean 'session_capacity'"):
+        load_config({"pipeline": "causal_world", "model": {"preset": "tiny"}, "runtime": {"sesion_capacity": None}})
+
+
+def test_a_config_of_exactly_the_size_limit_loads_and_one_byte_more_is_refused(tmp_path):
+    head = "pipeline: causal_world\nmodel: {preset: tiny}\n#"
+    config = tmp_path / "padded.yaml"
+    config.write_text(head + "x" * (MAX_CONFIG_BYTES - len(head) - 1) + "\n")
+    assert config.stat().st_size == MAX_CONFIG_BYTES
+    assert load_config(config).pipeline_name == "causal_world"
+    config.write_text(head + "x" * (MAX_CONFIG_BYTES - len(head)) + "\n")
+    with pytest.raises(ConfigError, match="more than 64 KiB"):
+        load_config(config)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "torch.float8_e5m2"])
+def test_a_kv_only_dtype_is_refused_as_the_model_dtype(dtype):
+    """float8 is a KV cache dtype the planner knows, not one a model runs in."""
+    expected = f"field 'runtime.dtype': expected float32 \\| bfloat16 \\| float16, got '{dtype}'"
+    with pytest.raises(ConfigError, match=expected):
+        load_config({"pipeline": "causal_world", "model": {"preset": "tiny"}, "runtime": {"dtype": dtype}})
+
+
+@pytest.mark.parametrize("config_pipeline", ["causal_world", None])
+def test_a_model_error_blames_pipeline_only_when_the_config_names_another(config_pipeline):
+    """--pipeline naming the config's own pipeline (or a config without `pipeline:`) is no mismatch to hint at."""
+    data = {"model": {"preset": "no-such-preset"}}
+    if config_pipeline:
+        data["pipeline"] = config_pipeline
+    with pytest.raises(ConfigError) as caught:
+        load_config(data, pipeline="causal_world")
+    assert "the config is for pipeline" not in (caught.value.hint or "")
+    with pytest.raises(ConfigError) as caught:
+        load_config({"pipeline": "dreamzero", "model": {"preset": "no-such-preset"}}, pipeline="causal_world")
+    assert "the config is for pipeline 'dreamzero', but --pipeline causal_world" in caught.value.hint

@@ -738,3 +738,66 @@ def test_close_from_another_thread_waits_for_the_request_in_progress_and_later_r
     assert engine.runner.closed and engine.runner.sessions() == []
     with pytest.raises(EngineStateError, match="closed"):
         engine.execute(ARDiffusionRequest("r1", {}, {"session_id": "a"}))
+
+
+def test_an_empty_session_id_is_refused_not_made_a_session_of_its_own():
+    # extra_args={'session_id': ''} (a client's unset variable) must not become a shared nameless session.
+    engine = server_engine()
+    engine.load()
+    engine.execute(request(engine, "r0", "a"))
+    before = engine.runner.sessions()
+    bad = ARDiffusionRequest("bad", engine.pipeline.example_inputs(seed=1), {"session_id": ""})
+    with pytest.raises(RequestError, match=r"^request 'bad': extra_args\['session_id'\] must be a non-empty string, "
+                                           r"got ''$"):
+        engine.execute(bad)
+    assert engine.runner.sessions() == before
+    engine.close()
+
+
+def test_a_dict_holding_a_request_id_among_other_keys_is_not_taken_for_a_requests_fields():
+    # ARDiffusionRequest(**that_dict) would fail again on 'prompt' and 'session_id': the hint must not suggest it.
+    from ardiff_cli.runtime.errors import RequestTypeError
+    from ardiff_cli.runtime.request import require_request
+
+    with pytest.raises(RequestTypeError) as info:
+        require_request({"request_id": "r0", "prompt": "go", "session_id": "a"}, "ARDiffusionEngine.execute()")
+    assert "ARDiffusionRequest(**that_dict)" not in info.value.hint
+    assert "inputs=that_dict" in info.value.hint
+    with pytest.raises(RequestTypeError) as info:  # a request's fields and nothing else: that one is right
+        require_request({"request_id": "r0", "inputs": {}}, "ARDiffusionEngine.execute()")
+    assert "ARDiffusionRequest(**that_dict)" in info.value.hint
+
+
+def test_an_empty_list_is_named_as_it_is_not_as_a_batch_of_requests():
+    from ardiff_cli.runtime.errors import RequestTypeError
+    from ardiff_cli.runtime.request import require_request
+
+    with pytest.raises(RequestTypeError) as info:
+        require_request([], "ARDiffusionEngine.execute()")
+    assert str(info.value) == "ARDiffusionEngine.execute() takes an ARDiffusionRequest, got [] (list)"
+    assert "one call per request" not in info.value.hint
+
+
+def test_a_request_built_from_a_reloaded_module_is_named_as_such(monkeypatch):
+    import importlib.util
+    import sys
+
+    import ardiff_cli.runtime.request as module
+    from ardiff_cli.runtime.errors import RequestTypeError
+    from ardiff_cli.runtime.request import require_request
+
+    spec = importlib.util.spec_from_file_location("reloaded_request", module.__file__)
+    other = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "reloaded_request", other)  # what importlib.reload or a second import path does
+    spec.loader.exec_module(other)
+    with pytest.raises(RequestTypeError) as info:
+        require_request(other.ARDiffusionRequest("r0"), "ARDiffusionEngine.execute()")
+    assert str(info.value) == ("ARDiffusionEngine.execute() takes an ARDiffusionRequest, got an ARDiffusionRequest of "
+                               "another module (reloaded_request, not ardiff_cli.runtime.request: a reloaded module?)")
+    assert info.value.hint == "import ARDiffusionRequest from ardiff_cli.runtime, as the engine does"
+
+
+@pytest.mark.parametrize(("key", "meant"), [("SessionId", "session_id"), ("SESSION_ID", "session_id"),
+                                            ("Close-Session", "close_session")])
+def test_a_runner_key_in_other_capitals_is_warned_of_as_misspelt(key, meant):
+    assert ARDiffusionRequest("r0", {}, {key: True}).misspelt_keys() == [(key, meant)]

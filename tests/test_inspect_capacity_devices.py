@@ -326,3 +326,25 @@ def test_a_folder_given_as_config_is_hinted_at_with_this_command(tmp_path):
     assert error["message"] == (f"CONFIG {str(tmp_path)!r} is a folder; the first argument is a config file or a "
                                 "built-in config name")
     assert error["hint"] == "pass a config file or a built-in config name, e.g. ardiff inspect-capacity dreamzero-tiny"
+
+
+def test_available_auto_measures_even_when_a_memory_budget_is_set(tmp_path):
+    """`--available auto` asks for the measured memory: the config's or --memory-budget must not replace it."""
+    result = inspect(tmp_path, "causal-world-tiny", "--device", "cpu", "--memory-budget", "64MiB",
+                     "--available", "auto", gpu=False, gpu_torch=False)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["available_source"] == "available host memory"
+    assert data["plan"]["available_bytes"] != 64 << 20
+    budget = inspect(tmp_path, "causal-world-tiny", "--device", "cpu", "--memory-budget", "64MiB",
+                     gpu=False, gpu_torch=False)
+    assert json.loads(budget.stdout)["available_source"] == "memory budget"
+
+
+def test_plain_output_says_branches_share_slots_only_when_they_do(tmp_path):
+    """dreamzero-tiny keeps its two CFG branches in two slots: no 'branches share' row."""
+    result = inspect(tmp_path, "dreamzero-tiny", "--device", "cpu", "--available", "1GiB", gpu=False,
+                     gpu_torch=False, fmt="plain")
+    assert result.returncode == 0, result.stderr
+    assert "self-attn positive" in result.stdout and "self-attn negative" in result.stdout
+    assert "storage slot" not in result.stdout

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import resource
+import signal
 import struct
+import subprocess
+import sys
+import time
 import zlib
 
 import numpy as np
@@ -12,7 +19,8 @@ import yaml
 from safetensors.numpy import save_file
 
 from ardiff_cli.io import end_episode, read_step, write_episode, write_step
-from ardiff_cli.io.atomic import JsonlAppender, atomic_write_bytes, read_jsonl, truncate_partial_line
+from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, read_jsonl, remove_temporaries, temporary_pattern,
+                                  truncate_partial_line)
 from ardiff_cli.io.episode import discover_episodes, scan_steps, step_number, step_sha256
 from ardiff_cli.io.png import encode_png, evenly_spaced, preview_strip
 from ardiff_cli.io.run import RunFolder, build_summary, percentiles
@@ -606,3 +614,128 @@ def test_a_step_files_tensor_data_stays_8_byte_aligned_whatever_its_metadata(tmp
         path = tmp_path / f"step_{n:06d}.safetensors"
         path.write_bytes(blob)
         np.testing.assert_array_equal(load_step(path).arrays["joints"], arrays(0)["joints"])
+
+
+def _write_in_a_child(target, size: int, *, die: bool) -> subprocess.CompletedProcess:
+    """``atomic_write_bytes`` in a child whose files may not grow past 4 KiB (RLIMIT_FSIZE). SIGXFSZ at its default
+    action: the kernel kills the child inside the write, as kill -9 or a power loss would. Ignored (Python's own
+    setting): the write fails with EFBIG, as on a full disk."""
+    code = ("import signal, sys\nfrom ardiff_cli.io.atomic import atomic_write_bytes\n"
+            f"signal.signal(signal.SIGXFSZ, signal.{'SIG_DFL' if die else 'SIG_IGN'})\n"
+            f"atomic_write_bytes(sys.argv[1], b'x' * {size})\n")
+    return subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)))
+
+
+def test_a_write_that_fails_midway_keeps_the_old_file_and_removes_its_temporary(tmp_path):
+    target = atomic_write_bytes(tmp_path / "out.bin", b"old")
+    proc = _write_in_a_child(target, 100_000, die=False)
+    assert proc.returncode == 1 and "File too large" in proc.stderr, proc.stderr
+    assert target.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["out.bin"]  # no temporary file left behind
+
+
+def test_a_write_killed_midway_leaves_a_temporary_that_remove_temporaries_finds(tmp_path):
+    target = atomic_write_bytes(tmp_path / "out.bin", b"old")
+    proc = _write_in_a_child(target, 100_000, die=True)
+    assert proc.returncode == -signal.SIGXFSZ, proc.stderr
+    assert target.read_bytes() == b"old"  # the target is never half written
+    left = sorted(set(os.listdir(tmp_path)) - {"out.bin"})
+    assert len(left) == 1 and temporary_pattern(re.escape("out.bin")).fullmatch(left[0]), left
+    assert remove_temporaries(tmp_path, re.escape("out.bin")) == []  # just written: a live writer's, for all it knows
+    assert remove_temporaries(tmp_path, re.escape("out.bin"), older_than_s=0) == [tmp_path / left[0]]
+    assert os.listdir(tmp_path) == ["out.bin"]
+
+
+def test_a_blank_line_left_by_deleting_a_damaged_line_in_an_editor_is_skipped(tmp_path):
+    # read_jsonl's hint says to delete a damaged line: an editor can leave it empty (or blank) instead.
+    path = tmp_path / "results.jsonl"
+    path.write_bytes(b'{"step": 0}\n\n  \n{"step": 1}\n')
+    assert [r["step"] for r in read_jsonl(path)] == [0, 1]
+
+
+@pytest.mark.parametrize(("length", "cut"), [(80, False), (81, True)])
+def test_a_damaged_line_is_quoted_whole_up_to_80_characters_then_cut_with_an_ellipsis(tmp_path, length, cut):
+    path = tmp_path / "results.jsonl"
+    path.write_bytes(b'{"step": 0}\n' + b"x" * length + b"\n")
+    with pytest.raises(ConfigError) as info:
+        list(read_jsonl(path))
+    assert str(info.value) == (f"{path}, line 2: expected one JSON object per line, got {'x' * 80!r}"
+                               + ("..." if cut else ""))
+
+
+def test_a_locked_folders_cleanup_removes_a_temporary_whatever_its_timestamp(tmp_path):
+    # older_than_s=0 is for a folder no other process can own (a locked run folder): a temporary file whose mtime is
+    # ahead of this host's clock (NFS server skew, a copy that kept its times) must go too.
+    future = tmp_path / ".out.bin.abcd1234.tmp"
+    future.write_bytes(b"half")
+    os.utime(future, (time.time() + 3600, time.time() + 3600))
+    assert remove_temporaries(tmp_path, older_than_s=0) == [future]
+    assert not future.exists()
+
+
+def test_a_record_that_is_not_strict_json_is_refused_and_the_log_stays_readable(tmp_path):
+    path = tmp_path / "results.jsonl"
+    with JsonlAppender(path) as log:
+        log.append({"step": 0})
+        with pytest.raises(ValueError):
+            log.append({"step": 1, "latency_s": float("nan")})  # NaN is no JSON: jq and strict readers refuse it
+    assert path.read_bytes() == b'{"step":0}\n'
+
+
+def test_only_whole_temporary_names_are_removed(tmp_path):
+    # A locked run folder's cleanup (older_than_s=0) must not take a user's file that merely contains such a name.
+    temporary = tmp_path / ".out.bin.abcd1234.tmp"
+    kept = [tmp_path / ".out.bin.abcd1234.tmp.bak", tmp_path / "copy.out.bin.abcd1234.tmp"]
+    for path in (temporary, *kept):
+        path.write_bytes(b"x")
+    assert remove_temporaries(tmp_path, older_than_s=0) == [temporary]
+    assert all(path.exists() for path in kept)
+
+
+@pytest.mark.parametrize("image", [np.zeros((2, 2, 3), np.float32), np.zeros((2, 2, 3), np.int16),
+                                   np.zeros((2, 2, 4), np.uint8), np.zeros((2, 2, 1), np.uint8),
+                                   np.zeros(4, np.uint8)], ids=["float32", "int16", "rgba", "1-channel", "1-d"])
+def test_encode_png_refuses_an_image_it_would_write_wrong(image):
+    # float or int16 pixels would be written as their raw bytes; 4 channels under an RGB header: a garbled picture.
+    with pytest.raises(ValueError, match=r"^expected a uint8 \(H, W, 3\) or \(H, W\) image, got "):
+        encode_png(image)
+
+
+def test_a_grey_png_decodes_to_the_same_pixels():
+    image = np.random.default_rng(0).integers(0, 255, (5, 7), dtype=np.uint8)
+    chunks = dict(_png_chunks(encode_png(image)))
+    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (width, height, depth, color) == (7, 5, 8, 0)  # greyscale
+    rows = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), np.uint8).reshape(5, 1 + 7)
+    assert (rows[:, 0] == 0).all()
+    np.testing.assert_array_equal(rows[:, 1:], image)
+
+
+def test_only_an_image_shaped_uint8_array_is_a_frame_and_of_a_video_the_last_frame():
+    from ardiff_cli.io.png import as_rgb_frame
+
+    assert as_rgb_frame(np.zeros((5, 3), np.uint8)) is None  # 5 positions of 3 coordinates: no picture
+    assert as_rgb_frame(np.zeros(3, np.uint8)) is None
+    assert as_rgb_frame(np.zeros((4, 6, 3), np.float32)) is None
+    video = np.arange(2 * 4 * 6 * 3, dtype=np.uint8).reshape(2, 4, 6, 3)
+    np.testing.assert_array_equal(as_rgb_frame(video), video[-1])
+
+
+def test_small_frames_are_scaled_up_by_a_whole_factor_to_at_least_min_height():
+    from ardiff_cli.io.png import preview_strip
+
+    frame = np.full((40, 30, 3), 7, np.uint8)
+    strip = preview_strip([frame], [None], gap=2, min_height=96)
+    assert strip.shape == (2 * 120 + 2, 90, 3)  # x3 (120 >= 96), not x2 (80): proportions kept
+    assert (strip[:120] == 7).all()
+
+
+def test_a_strip_has_a_column_for_every_step_that_has_either_frame():
+    from ardiff_cli.io.png import preview_strip
+
+    frame = np.full((4, 4, 3), 9, np.uint8)
+    strip = preview_strip([frame], [frame, frame], gap=1)  # the last step's observation not (yet) drawn
+    assert strip.shape == (9, 9, 3)
+    assert (strip[5:, 5:] == 9).all() and (strip[:4, 5:] == 32).all()

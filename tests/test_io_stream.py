@@ -889,3 +889,29 @@ def test_follow_an_idle_episode_ends_idle_timeout_seconds_after_its_last_step(tm
     end = scheduler.next()
     assert end.reason == "idle_timeout"
     assert clock.now - handed_at == 3
+
+
+def test_a_prompt_stored_among_the_arrays_is_checked_as_the_prompt_not_ignored(tmp_path):
+    # np.savez(..., prompt=np.array("go")): the file's own prompt, in the wrong form. Ignoring it ran the step with
+    # episode.yaml's prompt instead, the file's warning saying nothing of a prompt.
+    raw = RawStep(arrays={**good(), "prompt": np.array("go")}, metadata={})
+    path = tmp_path / "ep" / "step_000000.npz"
+    with pytest.raises(ObservationError) as info:
+        validate_step(raw, SCHEMA, path=path, episode_metadata={"prompt": "from yaml"})
+    assert str(info.value) == f"{path}: prompt 'prompt' must be a string, got ndarray"
+
+
+def test_the_warnings_for_ignored_keys_come_in_key_order(tmp_path):
+    raw = RawStep(arrays={**good(), "timestamp": np.zeros(1), "battery": np.zeros(1)}, metadata={})
+    path = tmp_path / "s.npz"
+    valid = validate_step(raw, SCHEMA, path=path, episode_metadata={"prompt": "p"})
+    assert valid.warnings == [f"{path}: key 'battery' is not in the pipeline's schema; ignored",
+                              f"{path}: key 'timestamp' is not in the pipeline's schema; ignored"]
+
+
+def test_a_step_files_own_prompt_of_the_wrong_type_is_blamed_on_the_step_file_not_episode_yaml(tmp_path):
+    raw = RawStep(arrays=good(), metadata={"prompt": 5})
+    path = tmp_path / "ep" / "step_000000.npz"
+    with pytest.raises(ObservationError) as info:
+        validate_step(raw, SCHEMA, path=path, episode_metadata={"prompt": "from yaml"})
+    assert str(info.value) == f"{path}: prompt 'prompt' must be a string, got int"

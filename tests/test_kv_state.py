@@ -12,7 +12,7 @@ from ardiff_cli.runtime.capability import ARDiffusionCrossAttentionKVSpec, ARDif
 from ardiff_cli.runtime.kv import attention
 from ardiff_cli.runtime.kv.allocator import KVCacheExhaustedError
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
-from ardiff_cli.runtime.kv.layout import SCRATCH_ENV, KVLayout
+from ardiff_cli.runtime.kv.layout import SCRATCH_ENV, KVLayout, scratch_blocks_from_env
 
 MAIN = (ARDiffusionKVBranchSpec("main", 0),)
 CFG = (ARDiffusionKVBranchSpec("positive", 0), ARDiffusionKVBranchSpec("negative", 1))
@@ -827,3 +827,25 @@ def test_adapter_counts_resident_frames_not_pages_when_a_frame_spans_pages(make_
         assert adapter.num_committed_frames == 2 * blocks
         assert adapter.num_resident_frames == frames and len(adapter.page_ids) == 2 * frames
     state.close()
+
+
+@pytest.mark.parametrize("page_size", [0, -4])
+def test_a_page_size_that_is_not_positive_is_a_value_error(make_spec, page_size):
+    """page_size=0 reached `tokens_per_frame % 0`: a ZeroDivisionError, not the documented ValueError."""
+    expected = f"page_size must be a positive divisor of tokens_per_frame=4, got {page_size}"
+    with pytest.raises(ValueError, match=expected):
+        KVLayout.from_spec(make_spec(), page_size=page_size)
+
+
+@pytest.mark.parametrize("blocks", [0, -1])
+def test_scratch_blocks_that_are_not_positive_are_refused(make_spec, blocks):
+    with pytest.raises(ValueError, match=f"scratch_blocks must be positive, got {blocks}"):
+        KVLayout.from_spec(make_spec(), scratch_blocks=blocks)
+
+
+@pytest.mark.parametrize("value", ["", "   "])
+def test_an_empty_scratch_env_means_unset(monkeypatch, make_spec, value):
+    """An exported but empty variable (`export AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH=`) is the default."""
+    monkeypatch.setenv(SCRATCH_ENV, value)
+    assert scratch_blocks_from_env() == 1
+    assert KVLayout.from_spec(make_spec()) == KVLayout.from_spec(make_spec(), scratch_blocks=1)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from ardiff_cli.runtime.errors import CheckpointError
 from pipeline_helpers import CONFIGS, Driver, ardiff_cache, single_thread  # noqa: F401 - fixtures
+import pipelines.checkpoint as checkpoint
 from pipelines import causal_world, dreamzero
 from pipelines.checkpoint import (
     count_config_parameters,
@@ -329,3 +330,62 @@ def test_a_checkpoint_key_given_with_and_without_a_wrapper_prefix_is_refused(tmp
     save_file(tensors, str(path))
     with pytest.raises(CheckpointError, match="duplicated after prefix removal"):
         load_checkpoint(pipe.modules, path)
+
+
+def test_a_new_format_version_gives_the_default_checkpoint_a_new_name(monkeypatch):
+    # Bumping FORMAT_VERSION must rebuild cached defaults: a file of the old parameter names is never loaded again.
+    cls = causal_world.pipeline_class()
+    before = default_checkpoint_path(cls, tiny(causal_world))
+    monkeypatch.setattr(checkpoint, "FORMAT_VERSION", str(int(checkpoint.FORMAT_VERSION) + 1))
+    assert default_checkpoint_path(cls, tiny(causal_world)) != before
+
+
+def test_building_fresh_weights_leaves_the_callers_random_state_as_it_was(tmp_path):
+    # A library caller seeding torch for its own noise gets the same draws whether or not a default was built first.
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    write_fresh_checkpoint(causal_world.pipeline_class(), tiny(causal_world), tmp_path / "w.safetensors")
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_the_geometry_recorded_by_another_pipeline_is_not_compared_field_by_field(tmp_path):
+    # Only a record this pipeline wrote names its fields: another pipeline's 'num_layers' is its own, and refusing
+    # with "written for another dreamzero geometry" would blame the wrong thing (load_checkpoint names the pipeline).
+    from pipelines import dreamzero
+    from pipelines.checkpoint import check_weight_fields, read_metadata
+
+    path = write_fresh_checkpoint(causal_world.pipeline_class(), tiny(causal_world, num_layers=3),
+                                  tmp_path / "causal.safetensors")
+    check_weight_fields(dreamzero.pipeline_class().name, tiny(dreamzero), read_metadata(path), path)
+
+
+def test_command_line_refuses_extra_arguments_instead_of_ignoring_them(tmp_path, capsys):
+    out = tmp_path / "world.safetensors"
+    assert main(["init", "causal-world-tiny", str(out), "--force"]) == 2  # not an option init has: usage, no file
+    assert capsys.readouterr().err.startswith("usage: python -m pipelines.checkpoint") and not out.exists()
+    assert main(["path", "causal-world-tiny", "extra"]) == 2
+
+
+def test_command_line_init_needs_four_bytes_of_host_memory_a_parameter(tmp_path, monkeypatch):
+    import ardiff_cli.runtime.capacity as capacity
+    from pipelines.checkpoint import count_config_parameters
+
+    params = count_config_parameters(causal_world.pipeline_class(), tiny(causal_world))
+    out = tmp_path / "world.safetensors"
+    monkeypatch.setattr(capacity, "available_host_memory", lambda: 4 * params - 1)  # float32: one byte short
+    assert main(["init", "causal-world-tiny", str(out)]) == 2 and not out.exists()
+    monkeypatch.setattr(capacity, "available_host_memory", lambda: 4 * params)
+    assert main(["init", "causal-world-tiny", str(out)]) == 0 and out.exists()
+
+
+def test_fresh_weights_get_each_modules_own_initialisation():
+    # Wan's: Xavier linears with zero biases and a near-zero head (PyTorch's default would leave biases random and
+    # the head at full scale: fresh rollouts far from what the docs describe).
+    from pipelines.checkpoint import fresh_modules
+
+    cls = causal_world.pipeline_class()
+    modules = fresh_modules(lambda: cls.build_modules(tiny(causal_world)), 0)
+    linears = [m for m in modules.transformer.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(torch.count_nonzero(m.bias) == 0 for m in linears if m.bias is not None)
+    assert modules.transformer.head.head.weight.std() < 0.03
