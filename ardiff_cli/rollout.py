@@ -421,8 +421,8 @@ class Rollout:
             self._close_session(episode.name)
 
     def _append(self, record: dict[str, Any]) -> None:
-        """One whole line in results.jsonl; failing to write it stops the run (nothing else can record it)."""
-        self._check_folder()
+        """One whole line in results.jsonl; failing to write it stops the run (nothing else can record it). The caller
+        checked the folder is still this run's (``_check_folder``)."""
         try:
             self.run_folder.append_result(record)
         except OSError as exc:
@@ -461,6 +461,7 @@ class Rollout:
         if not isinstance(cause, ArdiffError):  # unexpected: keep the traceback, the run is unattended
             record["traceback"] = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
         with self.signals.critical():
+            self._check_folder()
             self._append(record)
         if self.out.is_json:  # the same step object as an ok line's; plain and rich show the Error: lines below
             self.out.json({"kind": "step", **record, "session_id": episode.name,

@@ -37,20 +37,10 @@ def read_kept(swap_dir: Path, *, run: float) -> dict[str, tuple[str, int]]:
     snapshot of an episode of the same name and steps, silently. ``run`` is the run's start (run.json's
     ``started``), which a copy of the run folder keeps with its snapshots. The temporary file of a write of it that
     a ``kill -9`` cut short goes with the run folder's others (``RunFolder.remove_stale_temporaries``)."""
-    from ardiff_cli.io.atomic import parse_json
     from ardiff_cli.runtime.swap import SNAPSHOT_FILE
 
-    path = swap_dir / KEPT_FILE
-    try:
-        text = path.read_bytes()
-    except OSError:
-        return {}
-    try:
-        data = parse_json(text)  # bytes: a file that is not UTF-8 is a ValueError too, not a crash of every resume
-    except ValueError:
-        return {}
-    ours = isinstance(data, dict) and data.get("format") == FORMAT and data.get("run") == run
-    sessions = data.get("sessions") if ours else None
+    data = _read_index(swap_dir)
+    sessions = data.get("sessions") if data is not None and data.get("run") == run else None
     if not isinstance(sessions, dict):
         return {}
     kept = {}
@@ -64,14 +54,19 @@ def read_kept(swap_dir: Path, *, run: float) -> dict[str, tuple[str, int]]:
 def kept_for(swap_dir: Path) -> float | None:
     """The start (run.json's ``started``) of the run the index in ``swap_dir`` keeps snapshots for; None when there is
     no index this version wrote whole."""
+    run = (_read_index(swap_dir) or {}).get("run")
+    return run if isinstance(run, (int, float)) and not isinstance(run, bool) else None
+
+
+def _read_index(swap_dir: Path) -> dict | None:
+    """The index as written, when it is one of this version's; else None."""
     from ardiff_cli.io.atomic import parse_json
 
-    try:
+    try:  # bytes: a file that is not UTF-8 is a ValueError too, not a crash of every resume
         data = parse_json((swap_dir / KEPT_FILE).read_bytes())
     except (OSError, ValueError):
         return None
-    run = data.get("run") if isinstance(data, dict) and data.get("format") == FORMAT else None
-    return run if isinstance(run, (int, float)) and not isinstance(run, bool) else None
+    return data if isinstance(data, dict) and data.get("format") == FORMAT else None
 
 
 def drop_kept(swap_dir: Path) -> None:
