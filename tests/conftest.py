@@ -22,9 +22,19 @@ def pytest_configure(config):
     """pytest started as a background job of a shell script (`python -m pytest tests &`, no job control) ignores
     SIGINT, and every CLI subprocess inherits that (ardiff keeps an ignored signal ignored, as under nohup): the tests
     that stop a rollout with SIGINT waited out their 120 s timeouts and failed. Children of a handled SIGINT start
-    with the default action."""
+    with the default action.
+
+    Likewise SIGHUP under `nohup python -m pytest tests`: the SIGHUP test's rollout kept running until its
+    --idle-timeout and exited 0. pytest itself goes on ignoring a hangup (a handler that does nothing), while its
+    children start with the default action."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _hangup_ignored)
+
+
+def _hangup_ignored(signum, frame) -> None:
+    """pytest was started under nohup: a hangup still does not stop it."""
 
 
 @pytest.fixture(scope="module")
