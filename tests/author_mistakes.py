@@ -40,6 +40,12 @@ class WarmupYieldsNothing(CausalWorldPipeline):
         yield from ()
 
 
+class WithoutWarmup(CausalWorldPipeline):
+    """Not a mistake, for contrast with the two above: no warmup provider at all (it is optional)."""
+
+    ar_diffusion_warmup_requests = None  # a protocol member set to None: the pipeline lacks it
+
+
 class WarmupMisspeltKey(CausalWorldPipeline):
     """Its warmup requests carry ``closeSession`` for ``close_session``: the runner warns of the key it does not read."""
 

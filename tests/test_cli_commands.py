@@ -257,6 +257,47 @@ def test_warmup_plain_prints_a_table(fast_configs):
     assert len(rows) == 4 and all(re.fullmatch(r"warmup-\d  .*, prompt +\d+\.\d ms", row) for row in rows), rows
 
 
+def test_warmup_reports_the_first_against_the_median_of_repeated_shapes_and_the_device_that_ran(fast_configs):
+    """The figures warmup exists to show: the first request's time, the steady state (median of the requests whose
+    input shape was seen before: DreamZero's one-frame request then three of four frames; causal_world's four of one
+    shape), the ratio of the two, each request's time in ms, and the device that ran (not the config's "auto")."""
+    import statistics
+
+    from rich.console import Console
+
+    from ardiff_cli.commands.warmup import render_warmup
+
+    result = invoke("warmup", str(fast_configs[0]), "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["device"] == "cpu" and report["restored"] is True, report
+    seconds = [r["seconds"] for r in report["requests"]]
+    assert len(seconds) == 4 and report["first_s"] == seconds[0]
+    assert (report["steady_count"], report["steady_s"]) == (2, statistics.median(seconds[2:])), report
+    world = json.loads(invoke("warmup", str(fast_configs[1]), "--format", "json").stdout.splitlines()[-1])
+    repeated = [r["seconds"] for r in world["requests"][1:]]  # four requests of one shape: a median of three
+    assert (world["steady_count"], world["steady_s"]) == (3, statistics.median(repeated)), world
+    report["restored"], report["pages_free"] = False, report["pages_total"] - 1  # as a leaking pipeline leaves it
+    console = Console(width=300, color_system=None)
+    with console.capture() as captured:
+        console.print(render_warmup(report, plain=True))
+    text = captured.get()
+    first, steady = report["first_s"], report["steady_s"]
+    assert (f"first request {first * 1000:.1f} ms, steady state {steady * 1000:.1f} ms (median of 2 repeated "
+            f"shapes); the first took {first / steady:.1f}x\n") in text, text
+    assert f"KV pool NOT restored: {report['pages_total'] - 1}/{report['pages_total']} pages free" in text, text
+    for request in report["requests"]:
+        assert f"{request['request_id']}  {request['shape']}" in text
+        assert f"{request['seconds'] * 1000:.1f} ms\n" in text
+
+
+def test_warmup_without_a_config_names_the_default_config_it_ran():
+    result = invoke("warmup", "--device", "cpu", "--format", "plain")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.startswith("warmup: dreamzero-tiny (pipeline dreamzero) on cpu, float32\n"), result.stdout
+    assert "loading dreamzero-tiny (pipeline dreamzero)" in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("command", ["inspect-capacity", "warmup"])
 def test_a_config_name_with_control_characters_reaches_stdout_escaped(fast_configs, command):
     # stderr and the panels escaped them; the result's title on stdout sent them raw to the terminal

@@ -134,6 +134,33 @@ def test_default_rollout_exits_0_and_writes_the_documented_outputs(env, tmp_path
     assert summary["device"] == info["device"] == "cpu"  # the config says auto: both record what it resolved to
 
 
+def test_the_demo_lowers_the_session_capacity_to_2_but_never_raises_it_or_overrides_the_option(env, data, tmp_path):
+    """The demo lowers the config's capacity to 2 so that eviction shows; a config's own lower one stays (it may be
+    all the memory holds), and one given with --session-capacity is the user's: 3 sessions for its 3 episodes."""
+    for name, args, capacity in (("given", ["--session-capacity", "3"], 3), ("config", [str(data / "fast.yaml")], 1)):
+        run = tmp_path / name
+        proc = ardiff(env, "rollout", *args, "--out", str(run), "--no-warmup", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["capacity_plan"]["session_capacity"] == capacity, summary
+        assert (summary["evictions"] == 0) == (capacity == 3), summary
+        assert json.loads((run / "run.json").read_text())["session_capacity"] == capacity
+
+
+def test_the_demo_draws_frames_of_the_models_own_height_and_width(env, tmp_path):
+    """A config of frames wider than high gets demo episodes of that size (height 16, width 32). Frames of the
+    transposed size ran too (DreamZero resizes its cameras), so nothing else would say the demo was not the model's."""
+    config = tmp_path / "wide.yaml"
+    config.write_text(FAST_CONFIG.replace("guidance_scale: 1.0}", "guidance_scale: 1.0, height: 16, width: 32}"))
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(config), "--out", str(run), "--no-warmup", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    episode = Path(json.loads((run / "run.json").read_text())["episodes"][0]["path"])
+    step = load_file(str(episode / "step_000001.safetensors"))
+    assert {key: tuple(step[key].shape) for key in ("exterior_image_0", "wrist_image")} == {
+        "exterior_image_0": (4, 16, 32, 3), "wrist_image": (4, 16, 32, 3)}
+
+
 def test_a_snapshot_dropped_for_room_in_the_swap_space_is_an_event_and_its_episode_replays(env, data, tmp_path):
     # One resident session and three episodes: two snapshots at a time, in a swap space that holds one. Each drop
     # was counted in summary.json only; the JSON stream now says which snapshot went, and for whose.
@@ -1693,6 +1720,21 @@ def test_resume_with_nothing_left_writes_the_summary_without_loading_the_model(e
         "ended (complete) after 3 steps"]
 
 
+def test_resume_with_every_step_done_but_a_preview_missing_draws_it_again(env, data, tmp_path):
+    """A --preview run whose preview is missing (deleted, or the run stopped before drawing it) is not finished: the
+    resume loads the model and draws it, instead of reporting nothing left to run without it."""
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps" / "arm_a"), "--out", str(run),
+                  "--preview", "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    drawn = (run / "previews" / "arm_a.png").read_bytes()
+    (run / "previews" / "arm_a.png").unlink()
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing left to run" not in proc.stderr and "3 steps already done" in proc.stdout, proc.stdout
+    assert (run / "previews" / "arm_a.png").read_bytes() == drawn
+
+
 def test_resume_with_nothing_left_refuses_a_device_named_outright_that_is_not_the_runs_as_with_steps_left(
         env, data, tmp_path):
     # With nothing left to run, --device cpu for a run started on a GPU was taken (exit 0, 'nothing left to run'),
@@ -1995,6 +2037,12 @@ def test_a_run_json_whose_watched_folders_were_edited_wrong_is_a_usage_error(env
     assert proc.returncode == 2, proc.stderr
     assert (f"Error: {run / 'run.json'}: field 'watch': expected a list of absolute folder paths, got 'eps'"
             in proc.stderr)
+    # a relative folder would be taken from wherever the resume is started: the wrong folder watched, silently
+    (run / "run.json").write_text(json.dumps({**info, "watch": ["eps"]}))
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert (f"Error: {run / 'run.json'}: field 'watch': expected a list of absolute folder paths, got ['eps']"
+            in proc.stderr)
 
 
 def test_resume_of_a_followed_folder_of_episodes_runs_the_episode_folders_started_while_it_was_stopped(
@@ -2107,6 +2155,21 @@ def test_resume_goes_on_following_and_drawing_previews_as_the_run_started(env, d
     assert (run / "previews" / "arm_a.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_resume_of_a_followed_run_with_no_new_step_file_yet_follows_instead_of_calling_it_done(env, data, tmp_path):
+    """Every step file there ran, but the robot has written no END: the resumed run waits for more (here until its
+    --idle-timeout), as the run it continues would, rather than finding nothing left and ending the episode."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                 "--format", "plain")
+    signal_after_the_first_step(proc, run, signal.SIGTERM)
+    assert proc.returncode == 143 and (run / "summary.json").is_file()
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--idle-timeout", "0.5", "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing left to run" not in proc.stderr and "arm_a ended (idle_timeout) after 1 step" in proc.stderr
+    assert json.loads((run / "summary.json").read_text())["episodes"]["timed_out"] == ["arm_a"]
+
+
 def test_a_followed_episode_that_never_got_a_step_fails_and_the_summary_lists_only_outputs_that_exist(env, data,
                                                                                                      tmp_path):
     """The summary's outputs line named episodes/ where no step had run, so no such folder existed."""
@@ -2136,6 +2199,19 @@ def test_resume_of_a_followed_run_waits_the_idle_timeout_it_recorded(env, data, 
     assert proc.returncode == 4, proc.stderr  # arm_b failed, arm_a completed
     assert "episode 'arm_b' failed" in proc.stderr and "no step file arrived within --idle-timeout 1 s" in proc.stderr
     assert "arm_a ended (idle_timeout) after 2 steps" in proc.stderr
+
+
+def test_a_run_followed_with_an_idle_timeout_of_0_resumes_with_the_timeout_it_recorded(env, data, tmp_path):
+    # `--idle-timeout 0` is a valid value (min=0) that run.json records: --resume must take it back, not refuse
+    # its own run.json as edited by hand ("field 'idle_timeout': expected a number of seconds >= 0").
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps" / "arm_a"), "--out", str(run), "--follow",
+                  "--idle-timeout", "0", "--no-warmup", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((run / "run.json").read_text())["idle_timeout"] == 0
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert "rollout ok: 0 steps" in proc.stdout and "3 steps already done" in proc.stdout, proc.stdout
 
 
 def test_step_files_that_arrive_after_their_episode_ended_are_listed_in_the_summary_and_resume_runs_them(env, data,

@@ -156,6 +156,8 @@ EVERY_EPISODE_FAILS = {
     "exception": ([], [], 1),
     "out_of_memory_and_exception": ([], ["arm_a"], 3),
     "invalid_input_and_exception": (["arm_a"], [], 2),
+    # invalid input does not hide that another episode ran out of memory: 3, not the 2 of a run of bad files only
+    "invalid_input_and_out_of_memory": (["arm_a"], ["arm_b"], 3),
 }
 
 
@@ -206,6 +208,20 @@ def test_a_failing_close_hook_alone_is_a_warning_that_changes_neither_the_exit_c
     assert len(hooks) == 3 and all(h["session"] == "arm_a" and h["hook"] == "close_ar_diffusion_session"
                                    for h in hooks), hooks
     assert {"episode": "arm_a", "step": 2} in [h["during"] for h in hooks], hooks
+
+
+def test_a_close_hook_failing_as_a_stopped_run_releases_its_resident_session_keeps_the_exit_code_of_the_stop(
+        env, data, tmp_path):
+    """Stopped by SIGTERM with swapping off, arm_c's session is still resident when the model is released, and its
+    close hook raises then: a warning, while the run exits 143 and its summary says interrupted, as any stopped run."""
+    run = tmp_path / "run"
+    faults = [{"request": "arm_c/000001", "site": "block", "layer": 0, "action": "sleep"},
+              {"site": "close_hook", "session": "arm_c"}]
+    proc, err = stop_inside_a_fault(env, rollout_args(data, run, "--swap-space", "0"), faults, tmp_path)
+    assert proc.returncode == 143, err
+    assert "interrupted by SIGTERM" in err and "Traceback" not in err
+    assert "warning: " in err and "injected fault in the close hook of 'arm_c'" in err, err
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
 
 
 def test_resume_that_retries_an_episodes_last_step_leaves_no_failure_in_the_summary(env, data, reference, tmp_path):
@@ -540,6 +556,32 @@ def test_a_warmup_warning_is_on_stderr_and_in_the_results_warnings(env, pipeline
     normal = ardiff(env, "warmup", "causal-world-tiny", "--device", "cpu", "--format", "json")
     assert normal.returncode == 0 and json.loads(normal.stdout.splitlines()[-1])["warnings"] == []
     assert "warning" not in normal.stderr
+
+
+def test_a_pipeline_without_a_warmup_provider_warms_nothing_and_says_so_without_a_warning(env):
+    """The provider is optional: warmup says there is nothing to warm up and exits 0, with no warning (the one for a
+    provider that yields no request is for a mistake in the provider)."""
+    args = ("warmup", "causal-world-tiny", "--device", "cpu", "--pipeline", "author_mistakes:WithoutWarmup")
+    plain = ardiff(env, *args, "--format", "plain")
+    assert plain.returncode == 0, plain.stderr
+    assert "the pipeline has no warmup provider: nothing to warm up" in plain.stdout
+    assert "warning" not in plain.stderr and "first request" not in plain.stdout
+    as_json = ardiff(env, *args, "--format", "json")
+    assert as_json.returncode == 0, as_json.stderr
+    result = json.loads(as_json.stdout.splitlines()[-1])
+    assert (result["kind"], result["skipped"], result["requests"], result["warnings"]) == ("warmup", True, [], [])
+
+
+def test_warmups_live_display_counts_finished_requests_not_the_runtimes_other_events(env):
+    """The progress line counts warmup requests: a provider that yields none shows 0, not the count of the plan,
+    session and warmup events around them (which equal the requests of the built-in pipelines, 4)."""
+    rich = {key: value for key, value in env.items() if key != "NO_COLOR"}
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "warmup", "causal-world-tiny", "--device", "cpu",
+                           "--pipeline", "author_mistakes:WarmupYieldsNothing", "--format", "rich"], cwd=REPO,
+                          env={**rich, "COLUMNS": "120"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", proc.stderr)
+    assert re.search(r"^0 requests · ", text, re.M), text
 
 
 # The vLLM kernel failing to build under `auto` cannot happen on a CPU machine (its probe and its pool

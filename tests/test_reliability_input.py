@@ -1098,20 +1098,24 @@ def test_resume_given_an_episode_folder_first_says_it_is_a_folder(tmp_path, cli_
                            "them out (ardiff rollout --resume -o OUT), or give the config before them\n")
 
 
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
 @pytest.mark.parametrize("command", ["rollout", "warmup"])
-def test_a_step_file_given_as_config_says_what_it_is(tmp_path, cli_env, command):
+def test_a_step_file_given_as_config_says_what_it_is(tmp_path, cli_env, command, suffix):
     # `ardiff rollout data/arm_a/step_000000.safetensors` (the config forgotten) read "not UTF-8 text (byte 0:
     # b'\x80')", hint "save the config as UTF-8 YAML", of a file that was never meant to be one.
     step = episode(tmp_path / "arm_a", 1) / "step_000000.safetensors"
+    if suffix == ".npz":  # the other step file format
+        step = Path(write_episode(tmp_path / "npz", [good(0, 0)], prompt="p", format="npz")[0])
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", command, str(step), "--format", "plain"],
                           env=cli_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     message, _, hint = proc.stderr.partition("\nhint: ")
-    assert message == (f"Error: CONFIG '{step}' is a .safetensors file, not a config: the first argument is a config "
+    assert message == (f"Error: CONFIG '{step}' is a {suffix} file, not a config: the first argument is a config "
                        "file or a built-in config name"), proc.stderr
     assert "a checkpoint goes in the config's `checkpoint:` field" in hint, hint
     if command == "rollout":
         assert f"pass the config first: ardiff rollout dreamzero-tiny {step.parent}" in hint, hint
+        assert f"dreamzero-tiny {step.parent}; a checkpoint" in hint, hint  # its episode folder, not the file
 
 
 def test_episodes_given_before_the_config_get_a_hint_that_keeps_the_config(tmp_path, cli_env):
@@ -1153,6 +1157,47 @@ def test_resume_with_other_episodes_says_which_were_given(tmp_path, cli_env):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(f"Error: the episodes differ from those of the run in {run}: expected ['arm_a', "
                                   "'arm_b'], got ['arm_a']\nhint: resume with the same EPISODE arguments"), proc.stderr
+
+
+@pytest.mark.parametrize(("recorded", "given", "message", "hint"), [
+    (None, ["--pipeline", "causal_world"], "the run used its config's pipeline, not --pipeline causal_world",
+     "resume without --pipeline"),
+    ("my_lab.models:Mine", ["--pipeline", "causal_world"],
+     "--pipeline 'causal_world' differs from the run's 'my_lab.models:Mine'",
+     "resume with --pipeline my_lab.models:Mine"),
+    ("my_lab.models:Mine", [], "the run used --pipeline my_lab.models:Mine; ardiff imports code only when the command "
+                               "line names it", "resume with --pipeline my_lab.models:Mine"),
+])
+def test_a_resume_runs_the_pipeline_the_run_ran_and_imports_only_what_it_is_told(tmp_path, cli_env, recorded, given,
+                                                                                 message, hint):
+    # Another pipeline would mix two models' outputs in one run; and run.json naming a module is no reason to
+    # import it. Refused before anything is imported or loaded.
+    run = a_run_of(tmp_path / "run", [episode(tmp_path / "arm_a", 1)])
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**info, "pipeline_option": recorded}))
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "-o", str(run), *given,
+                           "--format", "plain"], env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"Error: {message}\nhint: {hint}\n", proc.stderr
+
+
+def test_a_resume_whose_episode_folders_are_gone_names_the_first_and_counts_the_others(tmp_path, cli_env):
+    # Refused before the model loads: the first missing folder by name, and how many more are gone, so that all of
+    # them are put back at once rather than one per attempt.
+    folders = [episode(tmp_path / name, 1) for name in ("arm_a", "arm_b", "arm_c")]
+    run = a_run_of(tmp_path / "run", folders)
+    resume = [sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "-o", str(run), "--format", "plain"]
+    for gone, first, more in (([], "arm_b", ""), (["arm_c"], "arm_b", " (and 1 more episode folder)"),
+                              (["arm_a"], "arm_a", " (and 2 more episode folders)")):
+        for name in [first, *gone]:
+            if (tmp_path / name).exists():
+                (tmp_path / name).rename(tmp_path / f"{name}.moved")
+        proc = subprocess.run(resume, env=cli_env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith(f"Error: episode {first!r} of this run: its folder {tmp_path / first} is gone"
+                                      f"{more}; {run / 'run.json'} records where each episode's folder was when the "
+                                      "run started\nhint: put it back at that path"), proc.stderr
+    assert not (run / "results.jsonl").exists()
 
 
 SCHEMA = ObservationSchema((

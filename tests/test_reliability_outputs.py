@@ -239,6 +239,29 @@ def test_an_out_folder_removed_during_the_run_stops_it_instead_of_re_creating_it
         assert not out.exists()
 
 
+def test_an_out_folder_removed_after_the_last_step_is_an_error_not_an_ok_run(data, tmp_path, monkeypatch):
+    """Removed once every step ran (while the model is released): nothing stopped the run, but its summary.json
+    cannot be written where its results.jsonl went. Exit 1 saying so, not an ok run with a warning."""
+    import shutil
+
+    from ardiff_cli.runtime.engine import ARDiffusionEngine
+
+    out = tmp_path / "run"
+    real_close = ARDiffusionEngine.close
+
+    def close(self):
+        shutil.rmtree(out)
+        real_close(self)
+
+    monkeypatch.setattr(ARDiffusionEngine, "close", close)
+    result = rollout(data, out)
+    monkeypatch.undo()
+    assert result.exit_code == 1, result.stderr
+    assert (f"Error: {out} was removed or replaced while this run wrote it: summary.json not written\nhint: its "
+            "results.jsonl went with it: run the command again, without --resume") in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not out.exists()
+
+
 def test_an_out_on_a_file_system_without_locks_runs_and_says_it_is_unlocked(data, reference, tmp_path, monkeypatch):
     # Some network mounts refuse flock: the run went on unlocked without a word, though a second rollout there
     # would then not be refused.
