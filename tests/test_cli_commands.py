@@ -222,6 +222,24 @@ def test_warmup_reports_requests_and_a_restored_pool(fast_configs):
     assert {"capacity_planned", "session_admitted", "request_finished", "session_closed", "warmup_finished"} <= kinds
 
 
+def test_the_json_event_lines_say_the_device_backend_plan_and_time_of_the_run(fast_configs):
+    """A script reading --format json learns from the capacity_planned line where the run went (its device, the
+    attention backend that runs and why, the plan), and from every event line when it happened."""
+    import time
+
+    before = time.time()
+    result = invoke("warmup", str(fast_configs[1]), "--device", "cpu", "--attention-backend", "torch",
+                    "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    objects = [json.loads(line) for line in result.stdout.splitlines()]
+    (planned,) = [o for o in objects if o["kind"] == "capacity_planned"]
+    assert set(planned) == {"kind", "plan", "device", "time", "attention_backend", "attention_detail"}
+    assert planned["device"] == "cpu" and planned["attention_backend"] == "torch"
+    assert planned["attention_detail"].startswith("requested;") and planned["plan"]["session_capacity"] >= 1
+    times = [o["time"] for o in objects[:-1]]  # the runtime's events, before the report
+    assert before <= times[0] and times == sorted(times) and times[-1] <= time.time()
+
+
 def test_rollout_exit_3_when_the_model_does_not_fit(fast_configs, tmp_path):
     result = invoke("rollout", str(fast_configs[0]), "--device", "cpu", "--memory-budget", "4KiB",
                     "--out", str(tmp_path / "run"))

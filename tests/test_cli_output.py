@@ -86,6 +86,10 @@ def test_control_characters_in_messages_are_shown_not_sent_to_the_terminal(fmt):
     assert "data/ev\\x1b[31mil\\x07/step_000001.safetensors" in text
     assert "\x07" not in text and ("\x1b" not in text if fmt is Format.plain else True)
     assert "and\nnewline stay" in text  # (Rich expands the tab)
+    if fmt is Format.plain:
+        assert "tab\tand" in text
+    out.warning("del\x7f csi\x9b2J")  # DEL, and C1's one-byte CSI, which some terminals obey as ESC [ does
+    assert "del\\x7f csi\\x9b2J" in stderr.getvalue()
 
 
 def test_quiet_keeps_data_and_errors_only():
@@ -97,6 +101,57 @@ def test_quiet_keeps_data_and_errors_only():
     out.error("bad")
     assert stdout.getvalue() == "data\n"
     assert stderr.getvalue() == "Error: bad\n"
+
+
+def test_quiet_draws_no_live_panel_and_a_failing_stderr_loses_the_panel_not_the_command():
+    """--quiet in rich format silences the live panel too; a stderr that fails (its disk full) drops the panel and
+    the progress lines, never the command: its result still reaches stdout and its warnings are still listed."""
+    import errno
+
+    out, stdout, stderr = sink(Format.rich, quiet=True)
+    with out.live(lambda: "FRAME"):
+        out.info("progress")
+    out.result({}, lambda plain: "data")
+    assert (stdout.getvalue(), stderr.getvalue()) == ("data\n", "")
+
+    class Full(Tty):  # a terminal: the live display draws (and fails) from its start
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    stdout = io.StringIO()
+    out = Output(Format.rich, stdout=stdout, stderr=Full())
+    with out.live(lambda: "FRAME"):
+        out.info("progress")
+        out.warning("odd key")
+    out.result({}, lambda plain: "data")
+    assert stdout.getvalue() == "data\n" and out.warnings == ["odd key"]
+
+
+def test_json_lines_carry_numpy_scalars_as_numbers_and_never_nan():
+    """A result's numbers may be numpy scalars: they are JSON numbers, not strings; NaN is not JSON (a reader's
+    json.loads of the line would fail), so it never reaches stdout."""
+    from pathlib import Path
+
+    import numpy as np
+
+    out, stdout, _ = sink(Format.json)
+    out.json({"ms": np.float32(0.5), "pages": np.int64(3), "shape": (1, None), "path": Path("a")})
+    assert json.loads(stdout.getvalue()) == {"ms": 0.5, "pages": 3, "shape": [1, None], "path": "a"}
+    with pytest.raises(ValueError):
+        out.json({"loss": float("nan")})
+    assert stdout.getvalue().count("\n") == 1
+
+
+def test_plain_tables_are_never_cut_narrower_than_40_columns(monkeypatch):
+    """A tiny $COLUMNS (a narrow pane, a script's setting) does not split a plain table's rows into pieces."""
+    from rich.table import Table
+
+    monkeypatch.setenv("COLUMNS", "10")
+    out, stdout, _ = sink(Format.plain)
+    table = Table("name", "value", box=None)
+    table.add_row("page_size", "16 tokens")
+    out.result({}, lambda plain: table)
+    assert stdout.getvalue().splitlines()[-1].split() == ["page_size", "16", "tokens"]
 
 
 def test_rich_respects_no_color(monkeypatch):
@@ -121,9 +176,34 @@ def test_rich_respects_no_color(monkeypatch):
     (ConfigError("c"), 2), (CheckpointError("k"), 2), (ObservationError("o"), 2), (CapacityError("m"), 3),
     (EpisodesFailed("e"), 4), (Interrupted(signal.SIGINT), 130), (Interrupted(signal.SIGTERM), 143),
     (KeyboardInterrupt(), 130), (RuntimeError("bug"), 1),
+    (EpisodesFailed("every episode failed", exit_code=2), 2),  # a run whose episodes all failed: their errors' code
+    (RuntimeError("CUDA error: out of memory"), 3),  # the CUDA allocator says so in a plain RuntimeError
 ])
 def test_exit_code_table(exc, code):
     assert exit_code_for(exc) == code
+
+
+def test_a_failed_step_names_its_episode_step_and_file_and_takes_its_causes_exit_code_and_hint():
+    """A failed step's message says which episode, step and file; its exit code and hint are its cause's (a bad
+    step file: 2 and the file's hint), else 1 and where to look; a write that failed says how to continue."""
+    from ardiff_cli.errors_cli import StepFailed, report
+
+    cause = ObservationError("'rgb': expected (H, W, 3), got (3, 64, 64)", hint="see the episode format")
+    load = StepFailed("arm_a", 3, "load", cause, path="eps/arm_a/step_000003.safetensors")
+    assert str(load) == ("episode 'arm_a' failed at step 3 while reading eps/arm_a/step_000003.safetensors: "
+                         "'rgb': expected (H, W, 3), got (3, 64, 64)")
+    assert (exit_code_for(load), load.hint) == (2, "see the episode format")
+    forward = StepFailed("arm_b", 0, "forward", ValueError("shape mismatch"))
+    assert exit_code_for(forward) == 1 and "fix the pipeline" in forward.hint
+    write = StepFailed("arm_c", 1, "write", OSError(28, "No space left on device"))
+    assert "ardiff rollout --resume --out OUT" in write.hint
+    # an error without a hint of its own gets its table row's; Ctrl-C's JSON error object has the exit code too
+    out, stdout, stderr = sink(Format.json)
+    assert report(out, ObservationError("step_000000.safetensors: no field 'rgb'")) == 2
+    assert report(out, KeyboardInterrupt()) == 130
+    assert "hint: see the episode format: ardiff rollout --help" in stderr.getvalue()
+    errors = [json.loads(line) for line in stdout.getvalue().splitlines()]
+    assert [(e["kind"], e["exit_code"]) for e in errors] == [("observation_error", 2), ("interrupted", 130)]
 
 
 def test_handle_errors_hint_traceback_only_with_verbose_and_always_for_bugs():
@@ -265,6 +345,24 @@ SNAPSHOT = Snapshot(
     steps_done=12, steps_total=18, evictions=3, steps_replayed=4, elapsed_s=2.0)
 
 
+def test_the_progress_line_counts_failures_shows_hours_and_minutes_and_no_eta_once_all_steps_ran():
+    """A long run's clock reads 1:15:00 (not 1:75:00), failed steps are counted, a run whose steps all ran shows no
+    ETA; exactly SESSION_ROWS sessions leave no "… and 0 more" line; swapping on shows its row before anything is
+    swapped out."""
+    from dataclasses import replace
+
+    from ardiff_cli.panels import SESSION_ROWS
+
+    rows = tuple(SessionRow(f"demo_{i}", 1, 5, {"positive": 1}, 0, None) for i in range(SESSION_ROWS))
+    console = Console(record=True, width=110, height=200, color_system=None, file=io.StringIO())
+    console.print(render(replace(SNAPSHOT, steps_done=18, steps_failed=2, elapsed_s=4500.0, sessions=rows,
+                                 session_capacity=SESSION_ROWS, swap_budget_bytes=1 << 20)))
+    text = console.export_text()
+    progress = text.splitlines()[-1]
+    assert "18/18 steps" in progress and "2 failed" in progress and "1:15:00" in progress, progress
+    assert "ETA" not in progress and "more" not in text and "0 out, 0 B of 1.00 MiB" in text, text
+
+
 def test_live_layout_shows_swapped_sessions_and_restores():
     from dataclasses import replace
 
@@ -291,6 +389,89 @@ def test_the_live_eviction_count_leaves_out_the_sessions_a_stopped_run_swaps_out
     monitor.on_event(SessionEvicted(session_id="b", reason="explicit", swapped=True, swap_bytes=2048))
     assert monitor.snapshot().evictions == 1
     assert re.search(r"evicted +b explicit, swapped out \(2\.00 KiB\)", err.getvalue()), err.getvalue()
+
+
+def test_the_monitor_counts_and_describes_every_kind_of_event_and_echoes_what_each_format_shows():
+    """The live panel's counters and event log, and the plain lines, say what happened with its numbers: restores
+    counted, swap and restore sizes and times, who evicted whom, a warmup that did not restore its pool; the plan
+    and per-request timings stay out of the log, and json carries every request while plain echoes them only
+    where asked (warmup)."""
+    from ardiff_cli.monitor import RunMonitor
+    from ardiff_cli.runtime import events
+
+    output, _, err = sink(Format.plain)
+    monitor = RunMonitor(output, "test")
+    t0 = monitor._t0
+    monitor.on_event(events.SessionEvicted(session_id="a", by_session_id="b", time=t0 + 1.5))
+    monitor.on_event(events.SessionRestored(session_id="a", swap_bytes=4096, seconds=0.0125))
+    monitor.on_event(events.SwapFailed(session_id="c", error="disk full"))
+    monitor.on_event(events.WarmupFinished(num_requests=3, seconds=0.5, restored=False))
+    monitor.on_event(events.RequestFinished(request_id="r1", session_id="a", bind_s=0, forward_s=0, commit_s=0,
+                                            total_s=0.25))
+    monitor.log("episode", "a", "done", echo=False)
+    lines = err.getvalue().splitlines()
+    assert lines[0].startswith("+   1.500s evicted") and lines[0].endswith("a lru_eviction (by b)"), lines
+    assert lines[1].endswith("a from its swap snapshot (4.00 KiB) in 12.5 ms"), lines
+    assert lines[2].endswith("c snapshot lost: disk full"), lines
+    assert lines[3].endswith("3 requests in 0.500s, POOL NOT RESTORED"), lines
+    assert len(lines) == 4  # the request is not echoed in a rollout; the logged episode was not to be
+    snapshot = monitor.snapshot()
+    assert (snapshot.evictions, snapshot.restores) == (1, 1)
+    assert [e.kind for e in snapshot.events] == ["evicted", "restored", "swap_failed", "warmup", "episode"]
+    for i in range(10):
+        monitor.log("episode", f"e{i}", "done", echo=False)
+    assert [e.session_id for e in monitor.snapshot().events] == [f"e{i}" for i in range(2, 10)]  # the newest 8
+
+    output, stdout, err = sink(Format.json)
+    monitor = RunMonitor(output, "test")
+    monitor.on_event(events.RequestFinished(request_id="r1", session_id="a", bind_s=0, forward_s=0, commit_s=0,
+                                            total_s=0.25))
+    assert json.loads(stdout.getvalue())["request_id"] == "r1" and monitor.snapshot().events == ()
+    output, _, err = sink(Format.plain)
+    monitor = RunMonitor(output, "warmup", echo_requests=True, noun="requests")
+    monitor.on_event(events.RequestFinished(request_id="r1", session_id="a", bind_s=0, forward_s=0, commit_s=0,
+                                            total_s=0.25))
+    assert err.getvalue().rstrip().endswith("request     a r1 250.0 ms"), err.getvalue()
+
+
+def test_the_monitor_shows_a_real_runners_plan_pages_and_sessions_with_their_episodes_progress():
+    """The capacity panel's plan and page counts and the sessions panel's rows come from the runner: an episode's
+    steps are its own count of its episode (done/total), a session without one shows its requests; the plan is in
+    the panel, not in the event log."""
+    from tiny_pipeline import TinyPipeline, request
+
+    from ardiff_cli.monitor import RunMonitor
+    from ardiff_cli.runtime.runner import ARDiffusionModelRunner
+
+    monitor = RunMonitor(sink(Format.plain)[0], "test")
+    runner = ARDiffusionModelRunner(TinyPipeline(), memory_budget=64 << 20, session_capacity=2)
+    runner.subscribe(monitor.on_event)
+    runner.load()
+    for step in range(2):
+        runner.execute_model(request("ep_a", step))
+    runner.execute_model(request("ep_b", 0))
+    monitor.set_episode("ep_a", 2, 6)
+    monitor.refresh(runner)
+    snapshot, usage = monitor.snapshot(), runner.pool_usage()
+    assert snapshot.session_capacity == 2 and snapshot.attention == "torch"
+    assert (snapshot.pages_used, snapshot.pages_total) == (usage.num_used, usage.num_pages)
+    assert 0 < usage.num_used < usage.num_pages
+    assert [(r.session_id, r.steps_done, r.steps_total) for r in snapshot.sessions] == [("ep_a", 2, 6),
+                                                                                         ("ep_b", 1, None)]
+    assert "planned" not in [e.kind for e in snapshot.events]
+
+
+def test_a_block_that_fails_leaves_the_last_frame_saying_failed_and_the_rate_of_its_first_counted_phase():
+    from ardiff_cli.monitor import RunMonitor
+
+    monitor = RunMonitor(sink(Format.plain)[0], "test")
+    monitor.set_phase("running")
+    since = monitor._counted_since
+    monitor.set_phase("following")  # still the counted work: its rate is over both phases
+    assert monitor._counted_since == since
+    with pytest.raises(ValueError), monitor.ending():
+        raise ValueError("the pipeline failed")
+    assert monitor.snapshot().phase == "failed"
 
 
 def test_live_layout_renders_every_panel():

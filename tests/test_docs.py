@@ -470,3 +470,17 @@ def test_every_field_of_the_benchmark_results_is_in_the_readme():
         for record in row.get("rows", []):
             fields |= set(record) | set(record["actual"])
     assert sorted(key for key in fields if not _named(key, doc)) == []
+
+
+def test_every_runtime_event_kind_is_one_the_readme_lists_and_back():
+    """An event's ``kind`` is the stable string JSON consumers match on (``--format json`` lines, subscribers): a kind
+    renamed in code, or one added without the README's list of events naming it, breaks every script written
+    against that list."""
+    from ardiff_cli.runtime import events
+
+    kinds = {cls.kind for cls in vars(events).values()
+             if isinstance(cls, type) and issubclass(cls, events.RuntimeEvent) and cls is not events.RuntimeEvent}
+    section = _section((REPO / "README.md").read_text(), "The events:\n", "**Threads.**")
+    listed = {kind for line in section.splitlines() if line.startswith("- ")
+              for kind in re.findall(r"`(\w+)`", line.split(" with ")[0].split(":")[0])}
+    assert sorted(kinds) == sorted(listed)

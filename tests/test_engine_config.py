@@ -67,6 +67,24 @@ def test_num_threads_is_applied_at_load():
         torch.set_num_threads(before)
 
 
+def test_the_memory_fraction_and_attention_backend_settings_are_what_load_plans_and_runs_with():
+    """runtime.gpu_memory_fraction sizes the pools (the plan's budget and the sessions it admits) and
+    runtime.attention_backend picks the kernel: load() passing neither on would plan 0.9 of the memory and run
+    ``auto``'s choice whatever the config or --attention-backend said."""
+    events: list = []
+    engine = ARDiffusionEngine.from_config("causal-world-tiny", memory_budget="64MiB", gpu_memory_fraction=0.25,
+                                           attention_backend="torch")
+    engine.subscribe(events.append)
+    plan = engine.load()
+    try:
+        assert plan.gpu_memory_fraction == 0.25 and plan.available_bytes == 64 << 20
+        assert plan.budget_bytes == max(int((64 << 20) * 0.25), plan.fixed_bytes + plan.bytes_per_session)
+        (planned,) = [e for e in events if e.kind == "capacity_planned"]
+        assert planned.attention_backend == "torch" and planned.attention_detail.startswith("requested;")
+    finally:
+        engine.close()
+
+
 def test_an_empty_or_null_model_or_runtime_section_means_the_defaults(tmp_path):
     """`model:` left empty (YAML's null) is the pipeline's defaults, as no `model:` at all; `model: []` or
     `runtime: false` are refused (test_reliability_input.py)."""

@@ -471,6 +471,19 @@ def test_a_load_that_fails_keeps_nothing_loaded_and_may_be_tried_again():
     engine.close()  # nothing to close
 
 
+def test_a_failed_load_frees_the_weights_even_while_its_exception_is_kept():
+    """A server keeps the last load error to report it (``last_error = exc``): its traceback holds load()'s frame,
+    and a runner left unclosed there kept the pipeline's weights resident for as long as the error was kept."""
+    config = load_config(CONFIGS / "causal-world-tiny.yaml", pipeline="test_engine_library:RecordsItsWeights")
+    engine = ARDiffusionEngine.from_config(config, device="cpu", memory_budget="1KiB")
+    RecordsItsWeights.built.clear()
+    with pytest.raises(CapacityError, match=r"one session needs") as info:
+        engine.load()
+    gc.collect()
+    assert info.value.__traceback__ is not None and RecordsItsWeights.built[-1]() is None
+    assert not engine.loaded
+
+
 def test_a_subscriber_whose_error_cannot_be_shown_still_cannot_fail_a_request():
     # Formatting its exception raised (a __str__ that raises) inside the report: the request failed, its session
     # admitted with no forward run

@@ -392,6 +392,38 @@ def test_demo_episodes_are_deterministic_valid_and_cached(tmp_path):
     assert not [p for p in (tmp_path / "demo").iterdir() if p.name.startswith(".")]  # no temp folder left
 
 
+def test_demo_steps_of_a_pipeline_that_takes_several_frames_a_request_have_them_after_the_first(tmp_path,
+                                                                                                   monkeypatch):
+    """DreamZero takes one frame on a session's first request and frames_per_request after: the demo set has those
+    shapes (a one-frame demo failed its second step), in its own cache folder (not a one-frame set's), under a
+    $ARDIFF_CACHE_DIR given as ~/... (no shell expanded it), readable as any folder the user makes."""
+    from types import SimpleNamespace
+
+    from ardiff_cli.io.atomic import DIR_MODE
+    from ardiff_cli.io.episode import load_step
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("ARDIFF_CACHE_DIR", "~/cache")
+    single = ensure_demo_episodes("toy", SCHEMA, (16, 24))
+    multi = ensure_demo_episodes("toy", SCHEMA, (16, 24), model_config=SimpleNamespace(frames_per_request=4))
+    assert single.parent == multi.parent == tmp_path / "home" / "cache" / "demo" and single != multi
+    assert (multi.stat().st_mode & 0o777) == DIR_MODE
+    steps = discover_episodes([multi])[0].scan()
+    shapes = [load_step(step.path).arrays["camera"].shape for step in steps]
+    assert shapes[:3] == [(16, 24, 3), (4, 16, 24, 3), (4, 16, 24, 3)], shapes
+
+
+@pytest.mark.parametrize("manifest", ['{"files": [1, 2]}', '{"sizes": {}}', '[]'])
+def test_a_demo_set_whose_manifest_is_not_a_file_list_is_built_again(tmp_path, manifest):
+    """A manifest edited or written wrong is a damaged set (built again with a warning), not a crash of every run."""
+    root = ensure_demo_episodes("toy", SCHEMA, (16, 24), root=tmp_path)
+    (root / ".manifest.json").write_text(manifest)
+    warnings: list[str] = []
+    assert ensure_demo_episodes("toy", SCHEMA, (16, 24), root=tmp_path, warn=warnings.append) == root
+    assert len(warnings) == 1 and "were damaged" in warnings[0], warnings
+    assert '"files"' in (root / ".manifest.json").read_text()
+
+
 @pytest.mark.parametrize("damage", ["cut short", "deleted", "episode deleted", "added"])
 def test_a_damaged_demo_set_is_built_again_and_an_intact_one_is_not(tmp_path, damage):
     # A demo step file cut short in the cache failed its episode in every run after (exit 4), naming a cache file

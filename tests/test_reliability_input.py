@@ -628,6 +628,14 @@ def test_contradictory_or_invalid_options(case):
         assert hint in result.stderr
 
 
+def test_a_fraction_of_all_the_memory_and_a_format_in_capitals_are_taken():
+    """The bounds are (0, 1]: --gpu-memory-fraction 1 (all of it) is valid; --format, as every choice, takes any
+    case (`--format JSON`)."""
+    result = runner.invoke(app, ["inspect-capacity", "--gpu-memory-fraction", "1", "--format", "JSON"])
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1])["plan"]["gpu_memory_fraction"] == 1.0
+
+
 def test_a_budget_beyond_the_device_whose_plan_fits_loads():
     """The spec caps dreamzero-tiny's sessions, so a 1e30 budget plans a few pages: nothing to refuse."""
     result = runner.invoke(app, ["warmup", "--device", "cpu", "--memory-budget", "1e30", "--format", "json"])
@@ -1239,6 +1247,14 @@ def test_an_optional_field_may_be_absent_and_a_prompt_of_the_wrong_type_is_not_a
     assert problems(observation(prompt=5)) == "w: prompt 'prompt' must be a string, got int"
 
 
+def test_non_finite_values_are_counted_by_kind_and_the_first_one_is_located():
+    """A sensor dropout shows as several NaN and Inf values: the message counts each kind and points at the first, where
+    the user looks in the recording."""
+    joints = np.array([0, np.nan, 0, np.inf, 0, -np.inf, 0], np.float32)
+    assert problems(observation(joints=joints)) == (
+        "w: 'joints' has 1 NaN and 2 Inf values (first at index (1,)), expected finite numbers")
+
+
 def test_a_float64_past_float32s_range_is_refused_not_cast_to_inf():
     message = problems(observation(joints=np.array([0, 0, 0, 1e39, 0, 0, 0], np.float64)))
     assert message == ("w: 'joints' has 1 values past float32's range (first at index (3,): 1e+39), expected finite "
@@ -1261,6 +1277,23 @@ def test_schema_problems_of_shapes_and_shared_keys():
     shared = (ObservationField("a", "float32", ((1,),), aliases=("cam",)),
               ObservationField("b", "float32", ((1,),), aliases=("cam",)))
     assert ObservationSchema(shared).problems() == ["key 'cam' names two fields"]
+
+
+def test_a_schema_with_a_wrong_field_prompt_key_dtype_or_size_is_a_problem_named_for_its_author():
+    """A pipeline's schema holding something other than ObservationFields, a prompt key that is not text, a dtype
+    numpy does not name ("float") or a negative size otherwise fails every step file as if the file were at fault
+    (or crashes in numpy): problems() names each, so the author is told."""
+    joints = ObservationField("joints", "float32", ((7,),))
+    assert ObservationSchema((joints, ("joints", "float32"))).problems() == [
+        "fields must be a tuple of ObservationField, got (ObservationField(name='joints', dtype=...ases=(), "
+        "required=True, description=''), ('joints', 'float32'))"]
+    assert ObservationSchema((joints,), prompt_key=None).problems() == ["prompt_key must be text, got None"]
+    (problem,) = ObservationSchema((ObservationField("j", "float", ((7,),)),)).problems()
+    assert problem.startswith("field 'j': dtype must be the name of one, such as 'uint8' or 'float32' (bool, ")
+    assert problem.endswith("float64), got 'float'")
+    assert ObservationSchema((ObservationField("j", "float32", ((-1,),)),)).problems() == [
+        "field 'j': shapes must be a tuple of accepted shapes, each a tuple of sizes or None (any size), such as "
+        "((None, None, 3),), got ((-1,),)"]
 
 
 def test_a_prompt_given_under_two_keys_is_refused_not_one_silently_dropped():

@@ -316,6 +316,56 @@ def test_entry_points_register_pipelines_but_never_shadow_builtins(tmp_path, mon
     assert "installed" in info.value.hint
 
 
+def test_one_module_registered_twice_is_no_conflict_and_a_missing_pipelines_module_is_not_called_shadowed(
+        tmp_path, monkeypatch):
+    """Two installed distributions (dist-info folders read by the real importlib.metadata) that register the same
+    module under one name agree: no warning. And an entry point naming a ``pipelines.`` module that does not exist,
+    with ardiff's own ``pipelines`` package imported, is a module not installed, not a folder hiding ardiff's."""
+    import importlib
+    import warnings
+
+    importlib.import_module("pipelines.causal_world")  # ardiff's own pipelines package, imported as a run imports it
+
+    for name in ("alpha", "beta"):
+        dist = tmp_path / f"{name}_world-1.0.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}-world\nVersion: 1.0\n")
+        (dist / "entry_points.txt").write_text(f"[{registry.ENTRY_POINT_GROUP}]\nshared = pipelines.causal_world\n"
+                                               f"gone_{name} = pipelines.no_such_world\nbare_{name} = json\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert registry.registered_pipelines()["shared"] == "pipelines.causal_world"
+        assert load_config({"pipeline": "shared", "model": {"preset": "tiny"}}).pipeline_name == "shared"
+        with pytest.raises(ConfigError, match="pipeline 'gone_alpha': cannot import 'pipelines.no_such_world': "
+                                              "ModuleNotFoundError") as info:
+            load_config({"pipeline": "gone_alpha"})
+    assert "installed" in info.value.hint and "hides it" not in info.value.hint, info.value.hint
+    # a registered module that is no entry module (json) is named with what it lacks, not an AttributeError later
+    with pytest.raises(ConfigError, match="pipeline module 'json' lacks Config, observation_schema, pipeline_class"):
+        load_config({"pipeline": "bare_beta"})
+
+
+def test_the_pipeline_option_ignores_surrounding_blanks_and_refuses_a_blank_one():
+    """--pipeline " causal_world " (a shell variable's stray space) names the registered pipeline; a blank one says
+    what the option takes rather than "unknown pipeline ''"."""
+    assert load_config({"model": {"preset": "tiny"}}, pipeline=" causal_world ").pipeline_name == "causal_world"
+    for blank in ("", "  "):
+        with pytest.raises(ConfigError, match="^--pipeline: expected a registered pipeline name or MODULE:CLASS, got "):
+            load_config("dreamzero-tiny", pipeline=blank)
+
+
+def test_the_pipeline_option_says_what_it_found_in_place_of_a_class():
+    """MODULE:NAME naming a function says so (not that a "class" lacks the pipeline attributes), and a name the
+    module lacks lists the classes it has, for the user to pick from."""
+    with pytest.raises(ConfigError, match=r"^--pipeline: 'json:dumps' is a function, expected a pipeline class$"):
+        load_config("dreamzero-tiny", pipeline="json:dumps")
+    with pytest.raises(ConfigError, match=r"^--pipeline: 'json' has no attribute 'JSONDecoderr' \(did you mean "
+                                          r"'JSONDecoder'\?\)$") as info:
+        load_config("dreamzero-tiny", pipeline="json:JSONDecoderr")
+    assert info.value.hint == "classes in json: JSONDecodeError, JSONDecoder, JSONEncoder"
+
+
 def test_an_installed_entry_point_named_like_a_builtin_is_a_warning_and_the_builtin_runs(tmp_path):
     """A real distribution on sys.path (a dist-info folder) registering `dreamzero`: it used to be dropped
     silently, so its author could not tell why their model never ran."""
