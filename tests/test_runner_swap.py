@@ -1167,6 +1167,39 @@ def test_a_detached_snapshot_adopted_by_a_later_runner_restores_the_same_session
     assert not tmp_path.exists()  # adopted, restored and deleted: nothing left, folder included
 
 
+def test_detached_snapshots_are_flushed_to_the_disk_and_one_the_disk_would_not_flush_is_not_kept(tmp_path,
+                                                                                                   monkeypatch):
+    """A stopped run's kept.json is written with an fsync; the snapshot files it names were not, so a power loss
+    after it could leave them with their data lost, restored on --resume as zeros. Detaching flushes each file and
+    the folder first; a file whose flush fails (EIO) is no kept snapshot: deleted, and a swap_failed event."""
+    import errno
+
+    from ardiff_cli.runtime import swap
+
+    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    for session in ("a", "b", "c"):  # a, then b, swapped out
+        run(engine, session, 0)
+    engine.runner.swap.flush()
+    failing = engine.runner.swap.path_for("a")
+    flushed, real_fsync = [], os.fsync
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path == str(failing):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        flushed.append(path)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(swap.os, "fsync", fsync)
+    kept = engine.runner.detach_snapshots()
+    monkeypatch.undo()
+    assert list(kept) == ["b"] and flushed == [str(tmp_path / kept["b"]), str(tmp_path)]
+    assert not failing.exists() and sorted(p.name for p in tmp_path.iterdir()) == [kept["b"]]
+    (lost,) = [e for e in events if e.kind == "swap_failed"]
+    assert lost.session_id == "a" and "Input/output error" in lost.error
+    engine.close()
+
+
 def test_an_adopted_file_of_another_session_or_a_bad_name_is_refused(tmp_path):
     first, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
     run(first, "a", 0)

@@ -871,8 +871,10 @@ class ARDiffusionModelRunner:
     def detach_snapshots(self) -> dict[str, str]:
         """Forget every swapped-out session but leave its snapshot file in ``swap_dir``: {session id: file name}.
         A runner of a later process with the same ``swap_dir`` takes one back with ``adopt_snapshot`` (the CLI's
-        ``--resume`` does, instead of replaying the session's steps). Resident sessions stay as they are. A snapshot
-        whose write failed is a ``swap_failed`` event, and not in the result."""
+        ``--resume`` does, instead of replaying the session's steps). The files are flushed to the disk first, so that
+        a power loss after the caller records them cannot leave files whose data was lost. Resident sessions stay as
+        they are. A snapshot whose write failed, or that the disk would not flush, is a ``swap_failed`` event, and
+        not in the result."""
         if self.swap is None:
             return {}
         self.swap.flush()  # the write in flight ends first, outside the lock the views take

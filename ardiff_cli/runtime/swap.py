@@ -84,6 +84,15 @@ def free_disk_bytes(directory: Path) -> int:
     return shutil.disk_usage(path).free
 
 
+def _fsync(path: Path) -> None:
+    """Flush the file or folder ``path`` (its renames, for a folder) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def remove_snapshot_files(directory: Path, *, keep: frozenset[str] = frozenset()) -> None:
     """Delete the snapshot files any store wrote in ``directory`` (a killed process's too) but the files named in
     ``keep``, then the folder if nothing else is in it: a folder that only shares the name keeps what ardiff did not
@@ -355,9 +364,22 @@ class SwapStore:
         return True
 
     def detach(self) -> dict[str, str]:
-        """Wait for the write in flight, then forget every snapshot but leave its file: {session id: file name},
-        least recently swapped first, for a later store to :meth:`adopt`. A write that failed is in ``failures``."""
+        """Wait for the write in flight, then forget every snapshot but leave its file, flushed to the disk:
+        {session id: file name}, least recently swapped first, for a later store to :meth:`adopt`. The files are
+        written without a flush (a session swapped out in a run is read back by it, or deleted), so a power loss
+        after the caller recorded the result (the CLI's kept.json) would have left files it names with their data
+        lost, restored as zeros. A write that failed, or a file the disk would not flush (deleted), is in
+        ``failures``."""
         self.flush()
+        for session_id, snapshot in list(self._files.items()):
+            try:
+                _fsync(snapshot.path)
+            except OSError as exc:
+                self.discard(session_id)
+                self.failures.append((session_id, exc))
+        if self._files:
+            with contextlib.suppress(OSError):  # a rename lost with it leaves no file: that session is replayed
+                _fsync(self.directory)
         kept = {session_id: snapshot.path.name for session_id, snapshot in self._files.items()}
         self._files.clear()
         self._owners.clear()
