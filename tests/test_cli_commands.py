@@ -601,6 +601,16 @@ def test_inspect_capacity_says_one_session_fits_when_the_budget_is_raised_to_hol
     assert re.search(r"^2 sessions +95% +of available memory \(over budget\)", result.stdout, re.M), result.stdout
 
 
+def test_inspect_capacity_says_sessions_that_need_exactly_the_available_memory_are_over_budget_not_too_many():
+    """Two sessions needing every byte available fit the device, only not within gpu_memory_fraction: 'over
+    budget' (raise the fraction), not 'does not fit' (a larger device)."""
+    two = plan_capacity(load_config("dreamzero-tiny").kv_cache_spec(), "float32", 1 << 30, 0.9).required_bytes(2)
+    result = runner.invoke(app, ["inspect-capacity", "dreamzero-tiny", "--available", str(two), "--sessions", "2",
+                                 "--format", "plain"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.stderr
+    assert re.search(r"^2 sessions +100% +of available memory \(over budget\)", result.stdout, re.M), result.stdout
+
+
 def test_inspect_capacity_shows_an_absurd_available_in_few_digits_and_says_why_one_is_unreadable(tmp_path):
     """--available 1e30 printed '909494701772928256.00 TiB' and '4507211538461538692125700 fit the budget'; an
     unreadable size said only 'cannot read X as a byte size'; a YAML memory_budget past a float (10**400) ended in

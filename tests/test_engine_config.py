@@ -191,3 +191,62 @@ def test_a_model_error_blames_pipeline_only_when_the_config_names_another(config
     with pytest.raises(ConfigError) as caught:
         load_config({"pipeline": "dreamzero", "model": {"preset": "no-such-preset"}}, pipeline="causal_world")
     assert "the config is for pipeline 'dreamzero', but --pipeline causal_world" in caught.value.hint
+
+
+def test_the_largest_device_index_and_thread_count_a_config_may_name_are_taken():
+    """The limits the messages state (cuda:N with N up to 127, num_threads up to 1024) are themselves valid: a
+    config naming the 128th GPU or 1024 threads loads, as the refusals 'from 0 to 127' and 'up to 1024' promise."""
+    cfg = load_config({"pipeline": "causal_world", "model": {"preset": "tiny"},
+                       "runtime": {"device": "cuda:127", "num_threads": 1024}})
+    assert (cfg.runtime.device, cfg.runtime.num_threads) == ("cuda:127", 1024)
+
+
+def test_a_checkpoint_under_the_home_folder_may_be_written_with_a_tilde(tmp_path, monkeypatch):
+    """`checkpoint: ~/weights.safetensors` is the home folder's file, not a folder named `~` next to the config."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "weights.safetensors").write_bytes(b"\x00" * 8)
+    config = tmp_path / "configs" / "c.yaml"
+    config.parent.mkdir()
+    config.write_text("pipeline: causal_world\nmodel: {preset: tiny}\ncheckpoint: ~/weights.safetensors\n")
+    assert load_config(config).checkpoint == tmp_path / "home" / "weights.safetensors"
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("pipeline: ''", "field 'pipeline': expected a registered pipeline name, got ''"),
+    # Path('') is the config's own folder: it was "field 'checkpoint': a folder, not a file: <the config's folder>"
+    ("pipeline: causal_world\ncheckpoint: ''", "field 'checkpoint': expected a .safetensors path or null, got ''"),
+])
+def test_an_empty_pipeline_or_checkpoint_is_named_as_empty(tmp_path, line, message):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"{line}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(config)
+    assert str(caught.value) == f"{config}: {message}"
+
+
+def test_a_key_given_twice_in_a_list_deep_in_the_config_is_named_by_its_whole_path(tmp_path):
+    """A mapping inside a list is checked too, and the key is named from the top (model.cameras.name), so the
+    user finds the line; YAML would keep the second value silently."""
+    config = tmp_path / "c.yaml"
+    config.write_text("pipeline: causal_world\nmodel:\n  cameras:\n    - {name: a, name: b}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(config)
+    assert str(caught.value) == (f"{config}: key 'model.cameras.name' is given twice (line 4, columns 8 and 17); "
+                                 "YAML would keep the second silently")
+
+
+def test_a_config_path_through_a_file_is_not_found(tmp_path):
+    """`c.yaml/x.yaml` (a file taken for a folder, ENOTDIR) is a config not found, as a missing path is, not
+    'cannot look at' it."""
+    (tmp_path / "c.yaml").write_text("pipeline: causal_world\n")
+    with pytest.raises(ConfigError, match="^config file not found: .*/c.yaml/x.yaml$"):
+        resolve_config(tmp_path / "c.yaml" / "x.yaml")
+
+
+def test_a_model_setting_at_the_top_of_a_config_without_a_pipeline_is_placed_by_the_pipeline_option():
+    """A config may leave `pipeline:` out when --pipeline names it: `preset: tiny` at the top is still recognised
+    as a setting of that pipeline's model section, as it is when the config names its pipeline."""
+    with pytest.raises(ConfigError, match="^<dict>: unknown key 'preset' \\(did you mean 'model.preset'\\? the "
+                                          "pipeline's settings go under `model:`\\)$"):
+        load_config({"preset": "tiny"}, pipeline="causal_world")

@@ -348,3 +348,52 @@ def test_plain_output_says_branches_share_slots_only_when_they_do(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "self-attn positive" in result.stdout and "self-attn negative" in result.stdout
     assert "storage slot" not in result.stdout
+
+
+def test_a_gpu_build_of_torch_which_holds_its_cpu_library_too_plans_for_the_gpu(tmp_path):
+    """A CUDA wheel of torch ships libtorch_cpu.so next to libtorch_cuda.so: it is a GPU build all the same, so
+    auto plans for the GPU loading will run on, not for host memory."""
+    log = fake_nvidia_smi(tmp_path / "bin")
+    fake_package(tmp_path / "site", "torch", "lib/libtorch_cuda.so", "lib/libtorch_cpu.so")
+    data = json.loads(inspect(tmp_path, "dreamzero-tiny", gpu_torch=False).stdout)
+    assert data["plan_device"] == "cuda:0" and data["plan"]["available_bytes"] == FOUR_GPUS["0"] * MIB
+    assert calls_of(log) == [QUERY + "0"]
+
+
+def test_an_nvidia_smi_that_fails_with_its_error_on_stdout_is_named_by_its_exit_status_and_error(tmp_path):
+    """nvidia-smi prints a driver mismatch on stdout and exits 18: the plan falls back to the host and says why in
+    nvidia-smi's words, not as numbers it could not read."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'Failed to initialize NVML: Driver/library version mismatch'"
+                                        "\nexit 18\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    data = json.loads(inspect(tmp_path, "dreamzero-tiny").stdout)
+    assert data["plan_device"] == "cpu" and data["available_source"] == "available host memory"
+    assert data["plan_device_reason"] == ("auto: no GPU (nvidia-smi -i 0 exited 18: Failed to initialize NVML: "
+                                          "Driver/library version mismatch)")
+
+
+@pytest.mark.parametrize(("args", "backend", "scratch"), [
+    (("--dtype", "bfloat16"), "vllm", "scratch pages 687.50 MiB"),  # FlashAttention's scratch lives in the pool
+    (("--dtype", "float32"), "torch", "scratch in the workspace (torch)"),
+])
+def test_plain_output_says_where_the_scratch_lives_for_the_backend_planned(tmp_path, args, backend, scratch):
+    """The fixed row names the scratch pages the vllm plan allocates, and says the torch plan keeps it in the
+    workspace: swapped, a user would read its 687.50 MiB as missing from the plan (or present in the torch one)."""
+    fake_nvidia_smi(tmp_path / "bin")
+    proc = inspect(tmp_path, "dreamzero-14b", "--available", "80GiB", *args, vllm=True, fmt="plain",
+                   COLUMNS="200")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(rf"^attention +{backend} ", proc.stdout, re.M), proc.stdout
+    fixed = next(line for line in proc.stdout.splitlines() if line.startswith("fixed"))
+    assert f", {scratch}, in-flight block" in fixed, fixed
+
+
+def test_the_out_of_memory_hint_offers_bfloat16_only_from_float32(tmp_path):
+    """float16 is already half the bytes: --dtype bfloat16 would plan the same size, so it is not offered."""
+    proc = inspect(tmp_path, "lingbot-world-14b", "--available", "12GiB", "--dtype", "float16", gpu=False)
+    assert proc.returncode == 3, proc.stdout
+    hint = json.loads(proc.stdout)["hint"]
+    assert hint == ("plan with a larger --available (the memory of a device the config is meant for) or a smaller "
+                    "model.window_frames or model.sink_frames in the config")

@@ -22,6 +22,7 @@ from ardiff_cli.io import end_episode, read_step, write_episode, write_step
 from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, read_jsonl, remove_temporaries, temporary_pattern,
                                   truncate_partial_line)
 from ardiff_cli.io.episode import discover_episodes, scan_steps, step_number, step_sha256
+from ardiff_cli.io.kept import drop_kept, kept_for, read_kept, write_kept
 from ardiff_cli.io.png import encode_png, evenly_spaced, preview_strip
 from ardiff_cli.io.run import RunFolder, build_summary, percentiles
 from ardiff_cli.runtime.errors import ConfigError, ObservationError
@@ -739,3 +740,26 @@ def test_a_strip_has_a_column_for_every_step_that_has_either_frame():
     strip = preview_strip([frame], [frame, frame], gap=1)  # the last step's observation not (yet) drawn
     assert strip.shape == (9, 9, 3)
     assert (strip[5:, 5:] == 9).all() and (strip[:4, 5:] == 32).all()
+
+
+def test_the_index_of_kept_snapshots_gives_back_only_what_this_run_may_restore(tmp_path):
+    """--resume restores the sessions read_kept names from the files it names, then deletes them: an index of another
+    run or format, and entries naming a file outside the swap folder or no step count (0, true), give nothing to
+    restore (those sessions are replayed); kept_for names the run only for an index this version wrote."""
+    snapshot = "0123456789abcdef" * 2 + ".safetensors"
+    write_kept(tmp_path, {"arm_a": (snapshot, 2)}, run=1234.5)
+    assert read_kept(tmp_path, run=1234.5) == {"arm_a": (snapshot, 2)} and kept_for(tmp_path) == 1234.5
+    assert read_kept(tmp_path, run=1234.75) == {}  # two runs' .swap linked to one folder: the other run's index
+    index = tmp_path / "kept.json"
+    written = json.loads(index.read_text())
+    damaged = {"up": {"file": "../../" + snapshot, "steps": 2}, "none": {"file": snapshot, "steps": 0},
+               "bool": {"file": snapshot, "steps": True}, "text": {"file": snapshot, "steps": "2"},
+               "pair": [snapshot, 2]}  # not an entry: it used to be read as one (AttributeError, every resume)
+    index.write_text(json.dumps({**written, "sessions": {**written["sessions"], **damaged}}))
+    assert read_kept(tmp_path, run=1234.5) == {"arm_a": (snapshot, 2)}
+    for other in ({"format": "ardiff-kept-2"}, {"run": True}):  # a later version's index; a run that is no time
+        index.write_text(json.dumps({**written, **other}))
+        assert read_kept(tmp_path, run=1234.5) == {} and kept_for(tmp_path) is None
+    drop_kept(tmp_path)
+    assert not index.exists() and read_kept(tmp_path, run=1234.5) == {} and kept_for(tmp_path) is None
+    drop_kept(tmp_path)  # nothing left to delete: no error

@@ -764,6 +764,23 @@ def test_non_finite_outputs_are_counted_by_name_in_torch_and_numpy_arrays_but_no
         "'actions': 1 NaN, 2 inf of 4 values; 'frames': 1 NaN of 2 values")
 
 
+def test_a_forward_may_return_any_mapping_of_bool_integer_or_floating_arrays_beside_other_values():
+    """What a step file holds: bool masks, integer ids and floats, numpy or torch, from any mapping, other values
+    beside them being left out (not a failed step); an empty dict says so, and a complex tensor is named as
+    the pipeline's mistake before safetensors refuses it 'while writing its outputs' with a hint to check the disk."""
+    from types import MappingProxyType
+
+    import torch
+
+    from ardiff_cli.runtime.outputs import EXPECTED, output_problem
+
+    assert output_problem(MappingProxyType({"mask": np.ones(3, bool), "ids": torch.arange(3),
+                                            "actions": torch.zeros(2), "step": 3})) is None
+    assert output_problem({}) == ("contract", f"a dict with no array in it (empty), {EXPECTED}")
+    assert output_problem({"x": torch.zeros(2, dtype=torch.complex64)}) == (
+        "contract", "arrays a step file cannot hold: 'x' (torch.complex64); expected bool, integer or floating arrays")
+
+
 def test_a_kept_partly_rebuilt_snapshot_whose_step_lost_its_output_is_replayed_not_a_crash(cli_env, tmp_path):
     """A resume stopped while it rebuilt arm_a's session keeps a snapshot of 1 step (arm_a has 2 done). Then arm_a's
     step 0 output goes missing: the next resume runs step 0 again (README), so the 1-step snapshot (ahead of step 0)

@@ -468,8 +468,9 @@ CONFIG_CASES = {
     "python_tag": ("pipeline: !!python/name:os.system dreamzero\n", "inspect-capacity",
                    ["{config}: not valid YAML at line 1, column 11: could not determine a constructor for the tag "
                     "'tag:yaml.org,2002:python/name:os.system'"], None),
-    "not_utf8": (b"pipeline: dreamzero\n\xff\xfe\n", "inspect-capacity", ["{config}: not UTF-8 text"],
-                 "save the config as UTF-8"),
+    # The offending byte, by its offset and value: the first one that is not UTF-8 (not the one after it).
+    "not_utf8": (b"pipeline: dreamzero\n\xff\xfe\n", "inspect-capacity",
+                 ["{config}: not UTF-8 text (byte 20: b'\\xff')"], "save the config as UTF-8"),
     "nested_too_deeply": ("pipeline: dreamzero\nmodel: {patch_size: " + "[" * 5000 + "]" * 5000 + "}\n",
                           "inspect-capacity", ["{config}: lists or mappings are nested too deeply to read"],
                           "runaway brackets"),
@@ -942,6 +943,10 @@ def test_a_path_in_a_folder_this_user_cannot_enter_is_a_config_error_naming_it(t
              "cache": f"the default checkpoint {locked / 'cache'}/"}[what]
     assert "Error: " in proc.stderr and f"cannot look at {named}" in proc.stderr, proc.stderr
     assert ": Permission denied\n" in proc.stderr, proc.stderr
+    # The fix for EACCES is the folders' modes (x to enter), not "check the path", which reads as a typo in it.
+    hint = ("set ARDIFF_CACHE_DIR to a folder this user can read and write" if what == "cache"
+            else "check the permissions of the folders on its path (each needs x for this user)")
+    assert f"\nhint: {hint}\n" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and "report" not in proc.stderr
 
 
