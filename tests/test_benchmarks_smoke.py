@@ -649,3 +649,255 @@ def test_a_signal_in_the_middle_of_a_run_leaves_the_json_file_as_it_was(tmp_path
     assert "Traceback" not in err
     assert path.read_text() == '{"previous": "run"}\n'
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no temporary file left beside it
+
+
+def test_percentile_takes_the_nearest_rank_of_the_sorted_values():
+    """rolling's p99/p50 (published in the README) is this rank: the nearest one, not the one below it."""
+    from benchmarks.common import percentile
+
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]  # any order
+    assert [percentile(values, q) for q in (0, 50, 60, 90, 100)] == [1.0, 3.0, 3.0, 5.0, 5.0]
+    assert percentile([float(v) for v in range(11)], 99) == 10.0  # 9.9 rounds to the last
+    assert values == [5.0, 1.0, 4.0, 2.0, 3.0]  # the caller's list is left as it was
+
+
+def test_turn_order_runs_the_rotations_then_those_of_the_reversed_list():
+    """The order the docstring and README describe, from the first turn: a quick run times less than a period."""
+    from benchmarks.common import turn_order
+
+    names = ["a", "b", "c"]
+    assert [turn_order(names, turn) for turn in range(7)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
+        ["c", "b", "a"], ["b", "a", "c"], ["a", "c", "b"],
+        ["a", "b", "c"]]  # period 6
+    assert names == ["a", "b", "c"]
+
+
+def test_timed_returns_the_result_with_wall_and_cpu_time_apart(monkeypatch):
+    """Verdicts use the CPU clock and wall figures sit beside them: the two must not trade places. A scripted
+    clock, not a measurement."""
+    from benchmarks.common import Timing, timed
+
+    wall, cpu = iter([10.0, 10.5]), iter([3.0, 3.25])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(wall))
+    monkeypatch.setattr(time, "process_time", lambda: next(cpu))
+    assert timed(lambda: "result") == ("result", Timing(wall=0.5, cpu=0.25))
+
+
+def test_threads_take_1_to_the_runtime_bound_inclusive():
+    from benchmarks.common import positive_int
+
+    from ardiff_cli.runtime.config import MAX_THREADS
+
+    assert (positive_int("1"), positive_int(str(MAX_THREADS))) == (1, MAX_THREADS)
+
+
+def test_a_signal_ends_main_with_128_plus_its_number_and_puts_the_handlers_back(capsys):
+    """In process, each signal the suite handles: one line on stderr and 128 + the number (SIGHUP: 129, which no
+    subprocess test sends); a signal the process ignores (a background job's SIGINT) stays ignored and main's
+    outcome stands; afterwards the handlers are those from before."""
+    from benchmarks.common import exit_on_signals
+
+    from ardiff_cli.signals import HANDLED
+
+    before = {signum: signal.getsignal(signum) for signum in HANDLED}
+    try:
+        for signum in HANDLED:
+            signal.signal(signum, signal.SIG_DFL)
+
+            def main() -> int:
+                os.kill(os.getpid(), signum)
+                time.sleep(0.2)  # not a timing assertion: a handled signal ends it at once, an ignored one not
+                return 0
+
+            assert exit_on_signals(main) == 128 + signum
+            assert capsys.readouterr().err == f"interrupted by {signal.Signals(signum).name}; no results were written\n"
+            assert signal.getsignal(signum) is signal.SIG_DFL
+            signal.signal(signum, signal.SIG_IGN)
+            assert exit_on_signals(main) == 0
+            assert capsys.readouterr().err == "" and signal.getsignal(signum) is signal.SIG_IGN
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+def test_a_benchmark_cli_gives_its_options_to_the_run_and_writes_the_result(tmp_path, capsys):
+    """`python -m benchmarks.bench_X [--quick] --threads N --attention-backend B --json PATH`: the run gets --quick,
+    the threads and the backend; the file holds what stdout shows, and nothing else is left in its folder."""
+    import torch
+
+    from benchmarks.common import attention_backend, cli, set_attention_backend
+
+    from ardiff_cli.runtime.kv.backends import vllm_installed
+
+    seen = []
+
+    def run(quick: bool) -> dict:
+        seen.append((quick, torch.get_num_threads(), attention_backend()))
+        return {"id": "probe", "quick": quick}
+
+    folder = tmp_path / "out"
+    folder.mkdir()
+    path = folder / "result.json"
+    before = torch.get_num_threads()
+    try:
+        for quick in (False, True):
+            argv = ["--threads", "3", "--attention-backend", "torch", "--json", str(path)] + ["--quick"] * quick
+            assert cli(run, "probe", argv, attention=True) == 0
+            result = json.loads(path.read_text())
+            assert result == json.loads(capsys.readouterr().out)
+            assert (result["id"], result["quick"], result["machine"]["torch_threads"]) == ("probe", quick, 3)
+            assert [p.name for p in folder.iterdir()] == ["result.json"]  # the --json check's probe file is gone
+            assert path.read_text().endswith("}\n")
+    finally:
+        torch.set_num_threads(before)
+        set_attention_backend("auto")
+    assert seen == [(False, 3, "torch"), (True, 3, "torch")]  # 3: no machine's default here
+    if not vllm_installed():  # refused as the suite refuses it: a usage error before the run
+        with pytest.raises(SystemExit) as stopped:
+            cli(run, "probe", ["--attention-backend", "vllm"], attention=True)
+        assert stopped.value.code == 2 and len(seen) == 2
+        assert "--attention-backend vllm: vLLM is not installed; pip install" in capsys.readouterr().err
+
+
+def test_a_benchmark_cli_exits_1_and_says_why_when_its_json_file_cannot_be_written(tmp_path, capsys):
+    """The path checked before the run is a folder by the time the result is written (a full disk reads the same):
+    exit 1 with the path and the reason on stderr, the result still on stdout, no temporary file left."""
+    from benchmarks.common import cli
+
+    path = tmp_path / "result.json"
+
+    def run(quick: bool) -> dict:
+        path.mkdir()
+        (path / "kept").write_text("")
+        return {"id": "probe"}
+
+    assert cli(run, "probe", ["--json", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["id"] == "probe"
+    assert err == f"error: could not write {path}: Is a directory\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"] and path.is_dir()
+
+
+def test_suite_verdict_table_exit_status_and_results_file_from_given_rows(tmp_path, monkeypatch, capsys):
+    """What the README says of `python -m benchmarks`, on rows given in place of each benchmark's run (no timing):
+    the whole suite writes benchmarks/results.json, a partial or quick one only with --json; `passed` is every
+    row's; exit 0 when every benchmark ran, met its target or not, 1 when one raised (its row and the table show
+    the error's last line) or the file could not be written; the table shows each row's figures and verdict."""
+    import importlib
+
+    import benchmarks.__main__ as suite
+
+    def given(name: str, passed: bool = True, ratio: float = 1.0, target: object = "a target"):
+        row = {"id": name, "passed": passed, "measured": f"{name}-measured", "baseline": f"{name}-baseline",
+               "ratio": ratio, "target": target}
+        return lambda quick: dict(row, quick=quick)
+
+    def broken(quick: bool) -> dict:
+        raise RuntimeError("the churn engine broke")
+
+    runs = {name: given(name) for name in suite.BENCHMARKS}
+    runs.update(attention=given("attention", ratio=1.0049, target=1.1), capacity=given("capacity", False, 0.5),
+                churn=broken)
+    for name, run in runs.items():
+        monkeypatch.setattr(importlib.import_module(f"benchmarks.bench_{name}"), "run", run)
+    results = tmp_path / "benchmarks" / "results.json"  # in place of the clone's
+    results.parent.mkdir()
+    monkeypatch.setattr(suite, "REPO_ROOT", tmp_path)
+    monkeypatch.setattr(suite, "RESULTS", results)
+
+    assert suite.main([]) == 1  # the whole suite: churn raised
+    out = capsys.readouterr().out
+    report = json.loads(results.read_text())
+    assert (report["command"], report["quick"], report["passed"]) == ("python -m benchmarks ", False, False)
+    rows = {r["id"]: r for r in report["results"]}
+    assert list(rows) == list(suite.BENCHMARKS) and rows["attention"]["quick"] is False  # the full sizes
+    assert rows["attention"]["target"] == "paged/contiguous <= 1.10" and rows["capacity"]["passed"] is False
+    assert rows["churn"]["passed"] is False and rows["churn"]["error"].endswith(
+        "RuntimeError: the churn engine broke\n")
+    assert all(isinstance(r["seconds"], float) and r["seconds"] >= 0 for r in rows.values())
+    lines = out.splitlines()
+    assert lines[0].split() == ["id", "measured", "baseline", "ratio", "target", "pass"]
+    assert set(lines[1]) == {"-", " "} and len(lines[1]) >= len(lines[0])
+    table = {line.split()[0]: line.split()[1:] for line in lines[2:2 + len(suite.BENCHMARKS)]}
+    assert table["attention"] == ["attention-measured", "attention-baseline", "1.005", "paged/contiguous", "<=",
+                                  "1.10", "yes"]
+    assert table["capacity"] == ["capacity-measured", "capacity-baseline", "0.500", "a", "target", "NO"]
+    assert table["churn"] == ["error:", "RuntimeError:", "the", "churn", "engine", "broke", "FAIL"]
+    assert f"wrote {results}" in out
+
+    results.unlink()
+    runs["churn"] = given("churn")
+    monkeypatch.setattr(importlib.import_module("benchmarks.bench_churn"), "run", runs["churn"])
+    for argv in (["--only", "attention, capacity"], ["--quick"]):  # results.json is the whole suite's only
+        assert suite.main(argv) == 0
+        assert not results.exists() and "wrote" not in capsys.readouterr().out
+    path = tmp_path / "partial.json"
+    assert suite.main(["--quick", "--only", "attention,capacity", "--json", str(path)]) == 0  # a target not met: 0
+    report = json.loads(path.read_text())
+    assert report["command"] == f"python -m benchmarks --quick --only attention,capacity --json {path}"
+    assert (report["quick"], report["passed"]) == (True, False)  # capacity did not meet its target
+    assert [r["quick"] for r in report["results"]] == [True, True]
+    assert suite.main(["--only", "attention", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["passed"] is True
+    capsys.readouterr()
+
+    def unwritable(quick: bool) -> dict:
+        path.unlink()
+        path.mkdir()
+        return runs["attention"](quick)
+
+    monkeypatch.setattr(importlib.import_module("benchmarks.bench_attention"), "run", unwritable)
+    assert suite.main(["--only", "attention", "--json", str(path)]) == 1  # every benchmark ran, the file failed
+    out, err = capsys.readouterr()
+    assert f"error: could not write {path}: Is a directory" in err and "wrote" not in out
+
+
+@pytest.mark.usefixtures("single_thread", "ardiff_cache")
+def test_capacity_counts_what_else_the_engine_run_holds_and_fails_past_one_percent(monkeypatch):
+    """A tensor made while the sessions fill and still held when the bytes are counted is `other`: part of the
+    actual bytes, which the plan misses, so the error is past 1% and the verdict fails. The worst row is the one
+    the table shows, and the ratio is planned over actual."""
+    from benchmarks import bench_capacity
+
+    fill, held = bench_capacity.fill_sessions, []
+
+    def fill_and_hold(engine, num_sessions):
+        fill(engine, num_sessions)
+        held.append(torch.zeros(3000))  # 12,000 bytes: 4% of one session's plan, 2% of two sessions'
+
+    monkeypatch.setattr(bench_capacity, "fill_sessions", fill_and_hold)
+    r = bench_capacity.run(quick=True)
+    assert [row["sessions"] for row in r["rows"]] == [1, 2] and all(row["windows_full"] for row in r["rows"])
+    for row in r["rows"]:
+        assert row["actual"]["other"] == 12_000
+        assert row["actual_bytes"] == sum(row["actual"][k] for k in ("pool", "cross_attention", "model_owned")) \
+            + 12_000
+        assert row["error"] == abs(row["planned_bytes"] - row["actual_bytes"]) / row["actual_bytes"]
+        assert 0.01 < row["error"] < 0.1
+    worst = r["rows"][0]  # one session: the same 12,000 bytes are the larger share
+    assert worst["error"] > r["rows"][1]["error"] and r["max_error"] == worst["error"]
+    assert r["ratio"] == worst["planned_bytes"] / worst["actual_bytes"] < 1
+    assert r["measured"] == f"{worst['planned_bytes']} B planned (dreamzero-tiny float32, N=1)"
+    assert r["baseline"] == f"{worst['actual_bytes']} B allocated"
+    assert r["passed"] is False
+
+
+@pytest.mark.usefixtures("single_thread", "ardiff_cache")
+def test_capacity_fails_when_a_window_is_not_full(monkeypatch):
+    """The bytes are compared once every window is full (the plan's worst case): sessions driven one request each
+    leave their windows part full, and the run fails whatever the bytes say."""
+    from benchmarks import bench_capacity
+
+    from ardiff_cli.runtime.request import ARDiffusionRequest
+
+    def first_request_only(engine, num_sessions):
+        for index in range(num_sessions):
+            request = next(iter(engine.pipeline.ar_diffusion_warmup_requests(f"session-{index}")))
+            engine.execute(ARDiffusionRequest(f"session-{index}/0", dict(request.inputs, prompt=f"task {index}"),
+                                              {"session_id": f"session-{index}"}))
+
+    monkeypatch.setattr(bench_capacity, "fill_sessions", first_request_only)
+    r = bench_capacity.run(quick=True)
+    assert r["rows"] and not any(row["windows_full"] for row in r["rows"])
+    assert r["max_error"] <= bench_capacity.TARGET and r["passed"] is False  # the bytes alone would pass

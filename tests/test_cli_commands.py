@@ -667,3 +667,62 @@ def test_inspect_capacity_shows_large_figures_without_exponent_notation():
     assert re.search(r"^per GiB +5,380 +sessions per GiB", result.stdout, re.M), result.stdout
     assert re.search(r"^1 session +0\.000347% ", result.stdout, re.M), result.stdout
     assert "e+" not in result.stdout and "e-0" not in result.stdout
+
+
+def _ardiff(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}, **kwargs)
+
+
+def test_version_is_one_line_on_stdout_and_bare_ardiff_is_the_help_without_an_error_line():
+    """`ardiff --version` is what scripts and bug reports read: `ardiff X.Y.Z`, nothing else. Bare `ardiff` shows the
+    help (exit 2, Click's status for a missing command), not the help followed by an `Error:` line."""
+    from ardiff_cli import __version__
+
+    proc = _ardiff("--version")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"ardiff {__version__}\n", "")
+    proc = _ardiff()
+    assert proc.returncode == 2 and "Usage: ardiff [OPTIONS] COMMAND" in proc.stdout and "rollout" in proc.stdout
+    assert proc.stderr == ""
+
+
+END_WITH = """
+import sys
+
+from ardiff_cli.app import _end_process
+
+print("buffered", end="")  # stdout is a file here: flushed only as the process ends
+_end_process(eval(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize(("code", "status", "err"), [
+    ("None", 0, ""), ("3", 3, ""), ("256 + 4", 4, ""),  # the low byte, as exit() keeps it
+    ("'a message'", 1, "a message\n"),  # sys.exit("a message"): printed, exit 1, as the interpreter does
+])
+def test_the_process_end_keeps_the_interpreters_exit_status(code, status, err):
+    proc = subprocess.run([sys.executable, "-c", END_WITH, code], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (proc.returncode, proc.stdout, proc.stderr) == (status, "buffered", err)
+
+
+def test_output_that_cannot_be_flushed_as_the_process_ends_is_exit_120_not_0():
+    """As the interpreter reports a stdout it cannot flush at exit (a full disk): a run whose last lines were lost
+    must not exit 0."""
+    script = ("import sys\nfrom ardiff_cli.app import _end_process\n"
+              "class Full:\n    def flush(self):\n        raise OSError(28, 'No space left on device')\n"
+              "sys.stdout = Full()\n_end_process(0)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 120, proc.stderr
+
+
+def test_an_error_before_typer_reads_format_takes_the_last_format_given_as_typer_does():
+    """Ctrl-C before a command began, or a usage error, is reported in the --format the command line asks for:
+    the last one wins (as Typer takes it), in either spelling and any case; one that is not a format is auto."""
+    from ardiff_cli.entry import requested_format
+
+    assert requested_format(["--format", "plain", "inspect-capacity", "--format=JSON"]) == "json"
+    assert requested_format(["--format=json", "--format", "Plain"]) == "plain"
+    assert requested_format(["--format", "json", "--format", "jsn"]) == "auto"
+    assert requested_format(["--format"]) == "auto"

@@ -261,3 +261,21 @@ def test_eviction_with_a_failing_close_hook_still_admits(monkeypatch):
     monkeypatch.undo()
     engine.close()
     assert runner.pool_usage().num_free == total
+
+
+def test_a_failure_is_the_pipelines_unless_memory_ran_out_or_an_ardiff_invariant_broke():
+    """What decides the exit code and hint of a failed step: memory running out is exit 3 with the memory hint, a
+    broken invariant a bug in ardiff, anything else the pipeline's failure naming it. CUDA's own OutOfMemoryError
+    and the RuntimeErrors cuBLAS and cuDNN raise on a full GPU are memory; an AssertionError never raised (no
+    traceback to place it by) is ardiff's."""
+    from ardiff_cli.runtime.errors import PipelineError, as_pipeline_error, is_broken_invariant, is_out_of_memory
+
+    for exc in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"), MemoryError(),
+                RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+                RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED")):
+        assert is_out_of_memory(exc) and as_pipeline_error("Pipe.forward", exc) is None, exc
+    assert not is_out_of_memory(RuntimeError("CUDA error: device-side assert triggered"))
+    assert is_broken_invariant(AssertionError("free count out of sync with the free list"))
+    assert as_pipeline_error("Pipe.forward", AssertionError("never raised")) is None
+    error = as_pipeline_error("Pipe.forward", ValueError("bad shape"))
+    assert type(error) is PipelineError and str(error) == "Pipe.forward failed: ValueError: bad shape"

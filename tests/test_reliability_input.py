@@ -385,6 +385,15 @@ CONFIG_CASES = {
     "exponent_in_an_integer": ("pipeline: dreamzero\nruntime: {session_capacity: 1e3}\n", "inspect-capacity",
                                ["{config}: field 'runtime.session_capacity': expected a positive integer up to 2147483647, got '1e3'"],
                                "takes '1e3' for text, not a number: write 1000"),
+    # past what an int holds exactly, the exponent form: str(int(1e30)) is 1000000000000000019884624838656, a number
+    # other than the one the user wrote
+    "huge_exponent_in_an_integer": ("pipeline: dreamzero\nruntime: {session_capacity: 1e30}\n", "inspect-capacity",
+                                    ["{config}: field 'runtime.session_capacity': expected a positive integer up to "
+                                     "2147483647, got '1e30'"], "takes '1e30' for text, not a number: write 1.0e+30"),
+    # float() takes 'nan', YAML reads it as text (its own is .nan): no quotes to remove
+    "nan_as_text": ("pipeline: dreamzero\nmodel: {guidance_scale: nan}\n", "inspect-capacity",
+                    ["{config}: field 'model.guidance_scale': expected a number, got 'nan'"],
+                    "set 'model.guidance_scale' to a number"),
     "quoted_number": ("pipeline: dreamzero\nmodel: {guidance_scale: '5'}\n", "inspect-capacity",
                       ["{config}: field 'model.guidance_scale': expected a number, got '5'"],
                       "'5' is text (quoted), not a number: remove the quotes"),

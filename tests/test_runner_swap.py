@@ -949,6 +949,19 @@ def test_a_write_safetensors_fails_is_reported_as_the_oserror_it_says_it_was(tmp
     assert done.stdout.strip() == "[('a', 'OSError', 27, 'I/O error: File too large (os error 27)')]"
 
 
+def test_the_oserror_a_safetensors_message_names_is_about_the_file_written(tmp_path):
+    """The errno in safetensors' text becomes an OSError naming the file, which the warning shows; an OSError, or an
+    error naming no errno, is left as it is."""
+    from ardiff_cli.runtime.errors import os_error
+
+    path = tmp_path / "a.safetensors"
+    error = os_error(Exception("I/O error: No space left on device (os error 28)"), path)
+    assert type(error) is OSError and (error.errno, error.strerror, error.filename) == (28, os.strerror(28), str(path))
+    assert str(error) == f"[Errno 28] {os.strerror(28)}: '{path}'"
+    for same in (OSError(5, "Input/output error (os error 28)"), ValueError("no errno here")):
+        assert os_error(same, path) is same
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a small disk needs root")
 def test_a_real_full_disk_turns_the_full_disk_check_on(tmp_path):
     disk = tmp_path / "disk"
