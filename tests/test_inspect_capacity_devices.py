@@ -307,12 +307,17 @@ def test_a_session_that_no_window_makes_fit_is_not_told_to_shrink_its_window(tmp
                              "smaller model in the config")
 
 
-def test_the_out_of_memory_hint_names_only_options_of_inspect_capacity_and_fields_of_the_config(tmp_path):
-    proc = inspect(tmp_path, "lingbot-world-14b", "--available", "20GiB", "--dtype", "float32", gpu=False)
+@pytest.mark.parametrize(("dtype", "available", "halved"), [
+    ("float32", "20GiB", ", --dtype bfloat16 (half the bytes)"),
+    ("float16", "12GiB", ""),  # already half the bytes of float32: bfloat16 would plan the same, so not offered
+])
+def test_the_out_of_memory_hint_names_only_options_of_inspect_capacity_and_fields_of_the_config(tmp_path, dtype,
+                                                                                                available, halved):
+    proc = inspect(tmp_path, "lingbot-world-14b", "--available", available, "--dtype", dtype, gpu=False)
     assert proc.returncode == 3, proc.stdout
     hint = json.loads(proc.stdout)["hint"]
-    assert hint == ("plan with a larger --available (the memory of a device the config is meant for), --dtype "
-                    "bfloat16 (half the bytes) or a smaller model.window_frames or model.sink_frames in the config")
+    assert hint == (f"plan with a larger --available (the memory of a device the config is meant for){halved} or a "
+                    "smaller model.window_frames or model.sink_frames in the config")
     assert set(re.findall(r"--[a-z][a-z-]+", hint)) <= options_of_inspect_capacity(tmp_path)
     model = load_config("lingbot-world-14b").model
     assert all(getattr(model, field) > 0 for field in re.findall(r"model\.([a-z_]+)", hint))
@@ -388,12 +393,3 @@ def test_plain_output_says_where_the_scratch_lives_for_the_backend_planned(tmp_p
     assert re.search(rf"^attention +{backend} ", proc.stdout, re.M), proc.stdout
     fixed = next(line for line in proc.stdout.splitlines() if line.startswith("fixed"))
     assert f", {scratch}, in-flight block" in fixed, fixed
-
-
-def test_the_out_of_memory_hint_offers_bfloat16_only_from_float32(tmp_path):
-    """float16 is already half the bytes: --dtype bfloat16 would plan the same size, so it is not offered."""
-    proc = inspect(tmp_path, "lingbot-world-14b", "--available", "12GiB", "--dtype", "float16", gpu=False)
-    assert proc.returncode == 3, proc.stdout
-    hint = json.loads(proc.stdout)["hint"]
-    assert hint == ("plan with a larger --available (the memory of a device the config is meant for) or a smaller "
-                    "model.window_frames or model.sink_frames in the config")
