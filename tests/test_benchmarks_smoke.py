@@ -901,3 +901,540 @@ def test_capacity_fails_when_a_window_is_not_full(monkeypatch):
     r = bench_capacity.run(quick=True)
     assert r["rows"] and not any(row["windows_full"] for row in r["rows"])
     assert r["max_error"] <= bench_capacity.TARGET and r["passed"] is False  # the bytes alone would pass
+
+
+class ScriptedClock:
+    """A benchmark's ``timed`` and its ordering function (``order_name``), replaced: each contender still runs (its
+    outputs are compared as ever), but its time is ``seconds(name, turn)`` on the CPU clock and ``WALL_FACTOR``
+    times that on the wall clock, ``turn`` counting that contender's timed calls from 0 (the untimed warm-up
+    included). The name is the one the ordering function put next; a ``timed`` inside a contender's (resume's
+    bare chunk) is ``"<name>.inner"``. Given timings, not measurements: the verdict and figures follow exactly."""
+
+    WALL_FACTOR = 2.0
+
+    def __init__(self, monkeypatch, module, seconds, order_name: str = "turn_order") -> None:
+        from benchmarks.common import Timing
+
+        self.next: list[str] = []  # contenders in the order the ordering function gave them
+        self.orders: list[list[str]] = []  # every order it gave, one per turn
+        self.outer: list[str] = []  # the contender being timed, when a timed call is inside another
+        self.turns: dict[str, int] = {}
+
+        real_order = getattr(module, order_name)
+
+        def order(*args):
+            names = real_order(*args)
+            self.orders.append(list(names))
+            self.next.extend(names)
+            return names
+
+        def timed(fn):
+            name = f"{self.outer[-1]}.inner" if self.outer else self.next.pop(0)
+            turn = self.turns[name] = self.turns.get(name, -1) + 1
+            self.outer.append(name)
+            try:
+                result = fn()
+            finally:
+                self.outer.pop()
+            cpu = seconds(name, turn)
+            return result, Timing(wall=cpu * self.WALL_FACTOR, cpu=cpu)
+
+        monkeypatch.setattr(module, order_name, order)
+        monkeypatch.setattr(module, "timed", timed)
+
+
+@pytest.mark.usefixtures("single_thread")
+@pytest.mark.parametrize("rebuild_s", [5.0, 4.9])
+def test_resume_verdict_and_figures_from_given_timings(monkeypatch, rebuild_s):
+    """speedup (the verdict's `ratio`) is rebuild over resident, and 5x exactly meets the target; `bound` is rebuild
+    over the bare chunk timed inside the counted rebuilds; the warm-up repetition counts nowhere; each figure's
+    numerator is the side the README names first; CPU figures at the top, wall ones under `wall`."""
+    from benchmarks import bench_resume
+    from benchmarks.common import turn_order
+
+    base = {"resident": 1.0, "swap": 1.5, "rebuild": rebuild_s, "rebuild_dense": 4.0, "rebuild.inner": 0.8,
+            "rebuild_dense.inner": 0.1}
+
+    def seconds(name: str, turn: int) -> float:
+        return base[name] * (100 if turn == 0 else 1)  # the warm-up: slow, and never counted
+
+    clock = ScriptedClock(monkeypatch, bench_resume, seconds)
+    r = bench_resume.run(quick=True)
+    names = ["resident", "swap", "rebuild", "rebuild_dense"]  # the warm-up's turn, then the counted ones from 0
+    assert clock.orders == [turn_order(names, turn) for turn in range(-1, bench_resume.QUICK["repetitions"])]
+    assert r["outputs_match"] is True and r["swap_outputs_identical"] is True
+    expected = {"speedup": rebuild_s, "bound": rebuild_s / 0.8, "resident_over_bare_chunk": 1.0 / 0.8,
+                "bare_chunk_ms": 800.0, "speedup_dense_prefill": 4.0, "speedup_swap": rebuild_s / 1.5,
+                "swap_over_resident": 1.5, "resident_ms": 1000.0, "swap_ms": 1500.0, "rebuild_ms": rebuild_s * 1e3,
+                "rebuild_dense_ms": 4000.0}
+    for key, value in expected.items():
+        assert r[key] == pytest.approx(value), key
+        wall = value * ScriptedClock.WALL_FACTOR if key.endswith("_ms") else value
+        assert r["wall"][key] == pytest.approx(wall), key
+    assert r["ratio"] == r["speedup"] and r["clock"] == "cpu"
+    assert r["passed"] is (rebuild_s >= 5.0)
+    assert r["measured"] == "1000.0 ms/chunk resident"
+    assert r["baseline"] == f"{rebuild_s * 1e3:.1f} ms rebuild (dense prefill 4000.0 ms)"
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_resume_fails_a_met_speedup_when_the_dense_rebuilds_latents_differ(monkeypatch):
+    """Both rebuilds must return the resident session's actions and latents: a 10x speedup is no pass when the
+    dense prefill's rebuild (reported beside the verdict) returns latents 2e-4 off, its actions equal."""
+    from benchmarks import bench_resume
+
+    rebuild = bench_resume.rebuild
+
+    def latents_off_when_dense(*args, dense, **kwargs):
+        outputs = rebuild(*args, dense=dense, **kwargs)
+        return dict(outputs, latents=outputs["latents"] + 2e-4) if dense else outputs
+
+    monkeypatch.setattr(bench_resume, "rebuild", latents_off_when_dense)
+    ScriptedClock(monkeypatch, bench_resume, lambda name, turn: 10.0 if name.startswith("rebuild") else 1.0)
+    r = bench_resume.run(quick=True)
+    assert r["speedup"] == 10.0 and r["swap_outputs_identical"] is True
+    assert bench_resume.TOLERANCE < r["max_abs_diff"] < 1e-3
+    assert r["outputs_match"] is False and r["passed"] is False
+
+
+ROLLING_STEADY = {  # CPU seconds of each side in the quick run's 6 steady blocks (window full, every commit evicts)
+    "ardiff": [2.0, 2.0, 2.0, 2.0, 2.0, 2.375],  # per block 1.0 of the baseline's but in the last: 0.95
+    "rolling": [2.0, 2.0, 2.0, 2.0, 2.0, 2.5],
+    "rolling_again": [3.0] * 6,  # the A/A control 1.5x (1.2x in the last block)
+    "rolling_lean": [1.6, 1.6, 1.6, 2.0, 2.0, 2.375],  # per-block median 1.125, the medians' ratio 1.11
+}
+
+
+def rolling_clock(monkeypatch, bench_rolling, *, ardiff_last: float = 2.375, rss_growth: int = 0):
+    """The quick rolling run on given timings; returns its ScriptedClock. The blocks before the steady ones take
+    100 s for ardiff (they count nowhere), the steady ones ROLLING_STEADY with ardiff's last block ``ardiff_last``;
+    RSS grows by ``rss_growth`` bytes between the two memory samples."""
+    fill = math.ceil((3 + 6) / 3) + 1  # blocks before every commit evicts: sink + window, plus one
+
+    def seconds(name: str, block: int) -> float:
+        if block < fill:
+            return 100.0 if name == "ardiff" else 1.0
+        if name == "ardiff" and block - fill == 5:
+            return ardiff_last
+        return ROLLING_STEADY[name][block - fill]
+
+    clock = ScriptedClock(monkeypatch, bench_rolling, seconds)
+    samples = iter([1 << 30, (1 << 30) + rss_growth])
+    monkeypatch.setattr(bench_rolling, "rss_bytes", lambda: next(samples))
+    return clock
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_rolling_verdict_and_figures_from_given_timings(monkeypatch):
+    """On the targets exactly (ardiff/rolling 1.00, p99/p50 1.1875 <= 1.2, RSS grown by RSS_SLACK) it passes. The
+    verdict's ratio is the median of per-block ardiff/rolling over the steady blocks only; each figure's
+    numerator is the side the README names first; CPU figures at the top, the same in wall time under `wall`."""
+    from benchmarks import bench_rolling
+    from benchmarks.common import turn_order
+
+    clock = rolling_clock(monkeypatch, bench_rolling, rss_growth=bench_rolling.RSS_SLACK)
+    r = bench_rolling.run(quick=True)
+    names = ["ardiff", "rolling", "rolling_again", "rolling_lean"]  # block b runs in turn b's order
+    assert clock.orders == [turn_order(names, block) for block in range(r["blocks"])]
+    assert r["steady_blocks"] == len(ROLLING_STEADY["ardiff"]) and r["outputs_match"] is True
+    assert r["committed_frames"] == r["blocks"] * 3  # 3 frames a block, the timed ones
+    assert r["window_passes"] == r["committed_frames"] / (3 + 6)  # over sink + window
+    expected = {"ratio": 1.0, "ratio_p99_over_p50": 1.0, "ratio_of_medians": 1.0, "ardiff_p50_ms": 2000.0,
+                "ardiff_p99_ms": 2375.0, "ardiff_p99_over_p50": 1.1875, "rolling_p50_ms": 2000.0,
+                "rolling_p99_ms": 2500.0, "rolling_p99_over_p50": 1.25, "a_a_ratio": 1.5,
+                "a_a_ratio_p99_over_p50": 1.0, "cache_ratio": 1.125, "rolling_lean_p50_ms": 1800.0,
+                "lean_commit_ratio": 0.875}
+    for key, value in expected.items():
+        assert r[key] == pytest.approx(value), key
+        wall = value * ScriptedClock.WALL_FACTOR if key.endswith("_ms") else value
+        assert r["wall"][key] == pytest.approx(wall), key
+    assert r["memory_end"]["rss_bytes"] - r["memory_early"]["rss_bytes"] == bench_rolling.RSS_SLACK
+    assert r["memory_early"]["rolling_kv_bytes"] == r["memory_end"]["rolling_kv_bytes"] > 0  # the baseline's, flat
+    assert r["memory_flat"] is True and r["passed"] is True
+    assert r["measured"] == "2000.0 ms/block (torch), p99/p50 1.19"
+    assert r["baseline"] == "2000.0 ms/block, p99/p50 1.25, A/A 1.500; same commit pass as ardiff 1.125"
+
+
+@pytest.mark.usefixtures("single_thread")
+@pytest.mark.parametrize("fault", ["tail", "memory", "kv", "outputs"])
+def test_rolling_fails_on_any_one_of_its_targets(monkeypatch, fault):
+    """The ratio met, the run still fails when ardiff's own p99/p50 is past 1.2 (the per-block ratio's tail and the
+    baseline's are not the target), when RSS grew past RSS_SLACK, when ardiff's KV pages grew (one more page in
+    use at each look), or when a side's latents differ from the baseline's by 1e-3 (here the rolling cache given
+    ardiff's commit pass)."""
+    import dataclasses
+    import itertools
+
+    from benchmarks import bench_rolling
+
+    from ardiff_cli.runtime.runner import ARDiffusionModelRunner
+
+    rolling_clock(monkeypatch, bench_rolling, ardiff_last=2.5 if fault == "tail" else 2.375,
+                  rss_growth=bench_rolling.RSS_SLACK + (fault == "memory"))
+    if fault == "outputs":
+        build = bench_rolling.build
+
+        def build_lean_off(model_overrides):
+            config, pipe, runners, baselines = build(model_overrides)
+            step = pipe.step
+
+            def step_off(session_id, rollout, inputs, **kwargs):
+                outputs = step(session_id, rollout, inputs, **kwargs)
+                lean = session_id == "rolling_lean-baseline"
+                return dict(outputs, latents=outputs["latents"] + 1e-3) if lean else outputs
+
+            pipe.step = step_off
+            return config, pipe, runners, baselines
+
+        monkeypatch.setattr(bench_rolling, "build", build_lean_off)
+    if fault == "kv":
+        pool_usage, more = ARDiffusionModelRunner.pool_usage, itertools.count()
+        monkeypatch.setattr(ARDiffusionModelRunner, "pool_usage", lambda self: dataclasses.replace(
+            pool_usage(self), num_used=pool_usage(self).num_used + next(more)))
+    r = bench_rolling.run(quick=True)
+    assert r["ratio"] == 1.0
+    assert (r["ardiff_p99_over_p50"] > 1.2) is (fault == "tail")
+    assert r["ratio_p99_over_p50"] <= 1.2 and r["rolling_p99_over_p50"] > 1.2  # neither is the tail target
+    assert (r["memory_early"]["kv_bytes"] < r["memory_end"]["kv_bytes"]) is (fault == "kv")
+    assert r["memory_early"]["block_table_len"] == r["memory_end"]["block_table_len"]
+    assert r["memory_flat"] is (fault not in ("memory", "kv"))
+    assert r["outputs_match"] is (fault != "outputs") and (r["max_abs_diff"] > 1e-4) is (fault == "outputs")
+    assert r["max_abs_diff"] < 2e-3
+    assert r["passed"] is False
+
+
+@pytest.mark.usefixtures("single_thread", "ardiff_cache")
+@pytest.mark.parametrize("fault", [None, "slow", "outputs"])
+def test_overhead_verdict_and_figures_from_given_timings(monkeypatch, fault):
+    """overhead is the median of per-request ardiff/forward less 1, over the requests after each session's first
+    (those take 100 s here and count nowhere), beside the total times' ratio; 3.1% passes, 6.25% does not, and
+    neither does 3.1% when the bare forward's latents are 1e-4 off. The order alternates every step of the
+    two-session stream, and the bare forward's commit passes stop at the last layer's K/V, as ardiff's do."""
+    from benchmarks import bench_overhead
+    from benchmarks.contiguous import ContiguousRollout
+
+    from pipelines.dreamzero.pipeline import DreamZeroPipeline
+
+    ardiff = 1.0625 if fault == "slow" else 1.03125
+    forward = [1.0] * 5 + [4.0]  # seconds of the 6 counted requests, in stream order
+    ardiffs = [ardiff] * 5 + [8.0]
+
+    def seconds(name: str, index: int) -> float:
+        if index < 2:
+            return 100.0 if name == "ardiff" else 1.0
+        return (ardiffs if name == "ardiff" else forward)[index - 2]
+
+    clock = ScriptedClock(monkeypatch, bench_overhead, seconds, order_name="order")
+    lean = []
+
+    def rollout(*args, **kwargs):
+        lean.append(kwargs["lean_commits"])
+        return ContiguousRollout(*args, **kwargs)
+
+    monkeypatch.setattr(bench_overhead, "ContiguousRollout", rollout)
+    if fault == "outputs":
+        step = DreamZeroPipeline.step
+
+        def step_off(self, session_id, *args, **kwargs):
+            outputs = step(self, session_id, *args, **kwargs)
+            return dict(outputs, latents=outputs["latents"] + 1e-4) if session_id.startswith("bare-") else outputs
+
+        monkeypatch.setattr(DreamZeroPipeline, "step", step_off)
+    r = bench_overhead.run(quick=True)
+    assert lean == [True, True]  # one bare rollout per session
+    steps = [["ardiff", "forward"], ["ardiff", "forward"], ["forward", "ardiff"], ["forward", "ardiff"]]
+    assert clock.orders == steps * 2 and r["requests"] == 6
+    expected = {"ratio": ardiff, "overhead": ardiff - 1, "overhead_of_sums": (5 * ardiff + 8) / 9 - 1,
+                "ardiff_ms": ardiff * 1e3, "forward_ms": 1000.0}
+    for key, value in expected.items():
+        assert r[key] == pytest.approx(value), key
+        wall = value * ScriptedClock.WALL_FACTOR if key.endswith("_ms") else value
+        assert r["wall"][key] == pytest.approx(wall), key
+    assert r["measured"] == f"{ardiff * 1e3:.2f} ms/request through the runner"
+    assert r["baseline"] == "1000.00 ms/request bare forward"
+    assert r["outputs_match"] is (fault != "outputs") and (r["max_abs_diff"] > 1e-5) is (fault == "outputs")
+    assert r["max_abs_diff"] < 2e-4 and r["passed"] is (fault is None)
+
+
+@pytest.mark.parametrize(("reads", "ratio", "paged_ms", "contiguous_ms"), [
+    # (start, end) of each timed call, in call order: paged 0.5 s, contiguous 1.0 s; contiguous 0.5, paged 0.75:
+    # a median of 0.5 and 1.5, where contiguous/paged would be 1.33
+    ([0.0, 0.5, 0.0, 1.0, 0.0, 0.5, 0.0, 0.75], 1.0, 625.0, 750.0),
+    ([0.0, 0.0011, 0.0, 0.001, 0.0, 0.001, 0.0, 0.0011], 1.1, 1.1, 1.0),  # on the target: met
+])
+def test_attention_ratio_is_the_median_of_paged_over_contiguous_as_the_order_alternates(monkeypatch, reads, ratio,
+                                                                                         paged_ms, contiguous_ms):
+    """A scripted wall clock (no measurement): the paged side runs first in repetition 0 and second in
+    repetition 1, each repetition's pair gives one paged/contiguous ratio, and the verdict is their median."""
+    from types import SimpleNamespace
+
+    from benchmarks import bench_attention
+
+    reads = iter(reads)
+    monkeypatch.setattr(bench_attention, "time", SimpleNamespace(perf_counter=lambda: next(reads)))
+    r = bench_attention.run(quick=True)
+    assert r["ratio"] == ratio and r["passed"] is True
+    assert (r["paged_ms"], r["contiguous_ms"]) == (paged_ms, contiguous_ms)
+    assert (r["measured"], r["baseline"]) == (f"{paged_ms:.2f} ms paged", f"{contiguous_ms:.2f} ms contiguous")
+    assert r["clock"] == "wall" and r["repetitions"] == 2
+    geometry = bench_attention.QUICK  # one forward's: sink + window + the block, of which the block queries
+    frames = geometry["sink_frames"] + geometry["window_frames"] + geometry["frames_per_block"]
+    assert r["visible_tokens"] == frames * geometry["tokens_per_frame"]
+    assert r["query_tokens"] == geometry["frames_per_block"] * geometry["tokens_per_frame"]
+
+
+def test_attention_fails_when_the_sides_differ_by_1e_3_in_float32(monkeypatch):
+    """float32's tolerance is 1e-5, not the 2e-2 of lower precisions: values 1e-3 apart (every output 1e-3 off)
+    are no match, whatever the ratio."""
+    from benchmarks import bench_attention
+
+    setup = bench_attention._setup
+
+    def shifted(geometry, dtype):
+        state, block, q, k, v, keys, values = setup(geometry, dtype)
+        return state, block, q, k, v, keys, values + 1e-3
+
+    monkeypatch.setattr(bench_attention, "_setup", shifted)
+    monkeypatch.setattr(bench_attention, "TARGET", 1e9)  # any ratio meets it
+    r = bench_attention.run(quick=True)
+    assert r["max_abs_diff"] == pytest.approx(1e-3, rel=1e-2)
+    assert r["outputs_match"] is False and r["passed"] is False
+
+
+def scripted_startup(monkeypatch, seconds: dict[str, list[float]], fail: str | None = None) -> list[tuple]:
+    """bench_startup's commands, not run: each takes the next of its given seconds (the first is the untimed warm-up
+    run); ``fail`` exits 3 with a message on stderr. Returns every (command, argv, env) it was asked to run."""
+    from benchmarks import bench_startup
+
+    def name(argv: list[str]) -> str:
+        if bench_startup.INTERPRETER_EXIT in argv:
+            return "warmup_interpreter_exit"
+        for flag, command in (("pass", "python"), ("--help", "help"), ("inspect-capacity", "inspect"),
+                              ("warmup", "warmup")):
+            if flag in argv:
+                return command
+        raise AssertionError(argv)
+
+    calls: list[tuple] = []
+    left = {command: iter(values) for command, values in seconds.items()}
+
+    def wall(argv: list[str], env: dict[str, str]) -> float:
+        command = name(argv)
+        calls.append((command, argv, env))
+        if command == fail:
+            raise subprocess.CalledProcessError(3, argv, stderr=b"x" * 600 + b"the config is gone")
+        return next(left[command])
+
+    monkeypatch.setattr(bench_startup, "_wall", wall)
+    return calls
+
+
+@pytest.mark.parametrize(("slowest_help", "slowest_inspect"), [(0.999, 0.75), (1.0, 0.75), (0.999, 1.0)])
+def test_startup_verdict_is_every_run_under_one_second_and_the_ratios_are_over_python(monkeypatch, tmp_path,
+                                                                                      slowest_help, slowest_inspect):
+    """Given seconds (the commands are not run): the verdict is on the slowest timed run of `--help` and of
+    `inspect-capacity`, strictly under 1 s (the untimed warm-up run, here 5 s, counts nowhere); `ratio` is the
+    larger command's median over python's; exit_ratio is ardiff's warmup over the one ended by sys.exit."""
+    from benchmarks import bench_startup
+    from benchmarks.common import turn_order
+
+    monkeypatch.setenv("ARDIFF_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "elsewhere"))
+    calls = scripted_startup(monkeypatch, {
+        "python": [5.0, 0.02, 0.03], "help": [5.0, 0.1, slowest_help], "inspect": [5.0, 0.25, slowest_inspect],
+        "warmup": [5.0, 1.0, 2.0], "warmup_interpreter_exit": [5.0, 2.0, 4.0]})
+    r = bench_startup.run(quick=True)
+    assert r["passed"] is (max(slowest_help, slowest_inspect) < 1.0)
+    assert (r["help_max_s"], r["inspect_capacity_max_s"]) == (slowest_help, slowest_inspect)
+    assert r["python_s"] == pytest.approx(0.025)
+    assert r["help_s"] == pytest.approx((0.1 + slowest_help) / 2)
+    assert r["inspect_capacity_s"] == pytest.approx((0.25 + slowest_inspect) / 2)
+    assert r["help_ratio"] == pytest.approx(r["help_s"] / 0.025)
+    assert r["inspect_ratio"] == pytest.approx(r["inspect_capacity_s"] / 0.025)
+    assert r["ratio"] == max(r["help_ratio"], r["inspect_ratio"])
+    assert (r["warmup_s"], r["warmup_interpreter_exit_s"], r["exit_ratio"]) == (1.5, 3.0, 0.5)
+    assert r["baseline"] == "python -c pass 25 ms" and "warmup 1.50 s, 0.50x" in r["measured"]
+    assert r["command"].endswith("inspect-capacity dreamzero-14b --available 80GiB")
+    assert r["repetitions"] == 2 and r["clock"] == "wall"
+    names = ["python", "help", "inspect", "warmup", "warmup_interpreter_exit"]
+    # each warmed up once, then the timed runs in turn_order's rotation
+    assert [command for command, _, _ in calls] == names + turn_order(names, 0) + turn_order(names, 1)
+    for _, argv, env in calls:  # the checkout's pipelines first, then the caller's path; no colour codes
+        assert env["PYTHONPATH"] == f"{REPO_ROOT}{os.pathsep}{tmp_path / 'elsewhere'}" and env["NO_COLOR"] == "1"
+
+
+def test_startup_says_which_command_failed_with_its_exit_status_and_the_end_of_its_stderr(monkeypatch, tmp_path):
+    from benchmarks import bench_startup
+
+    monkeypatch.setenv("ARDIFF_CACHE_DIR", str(tmp_path))
+    scripted_startup(monkeypatch, {name: [0.1] * 3 for name in ("python", "help", "warmup")}, fail="inspect")
+    with pytest.raises(RuntimeError) as failed:
+        bench_startup.run(quick=True)
+    message = str(failed.value)
+    assert "inspect-capacity dreamzero-14b --available 80GiB failed (3): " in message
+    assert message.endswith("the config is gone") and len(message.partition("failed (3): ")[2]) == 500
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_resume_fails_a_met_speedup_when_a_restored_session_once_answered_otherwise(monkeypatch):
+    """The session restored from its swap file must return the resident one's outputs bit for bit in every
+    repetition: one whose anchor frame came back off in the first fails the run, whatever the later repetitions,
+    the speedup and the rebuilds say."""
+    from benchmarks import bench_resume
+
+    from ardiff_cli.runtime.runner import ARDiffusionModelRunner
+
+    restore, restored = ARDiffusionModelRunner.restore_session, []
+
+    def restore_once_off(self, session_id, **kwargs):
+        done = restore(self, session_id, **kwargs)
+        if not restored:
+            self.pipeline.sessions[session_id].anchor_latent += 1e-3
+        restored.append(session_id)
+        return done
+
+    monkeypatch.setattr(ARDiffusionModelRunner, "restore_session", restore_once_off)
+    ScriptedClock(monkeypatch, bench_resume, lambda name, turn: 10.0 if name.startswith("rebuild") else 1.0)
+    r = bench_resume.run(quick=True)
+    assert len(restored) == bench_resume.QUICK["repetitions"] + 1  # the warm-up's, then one per repetition
+    assert r["speedup"] == 10.0 and r["max_abs_diff"] <= bench_resume.TOLERANCE
+    assert r["swap_outputs_identical"] is False and r["outputs_match"] is False and r["passed"] is False
+
+
+class AlternatingClock:
+    """churn's ``timed``, replaced: its two engines run each request in turn, capacity 4 first at even requests and
+    the unlimited engine first at odd ones (the order the README gives); each call gets the CPU seconds
+    ``seconds(engine, request index)`` and twice that on the wall clock. Given timings, not measurements."""
+
+    def __init__(self, monkeypatch, module, seconds) -> None:
+        from benchmarks.common import Timing
+
+        self.calls = 0
+
+        def timed(fn):
+            index, first = divmod(self.calls, 2)
+            self.calls += 1
+            names = ["capacity_4", "unlimited"] if index % 2 == 0 else ["unlimited", "capacity_4"]
+            cpu = seconds(names[first], index)
+            return fn(), Timing(wall=2 * cpu, cpu=cpu)
+
+        monkeypatch.setattr(module, "timed", timed)
+
+
+@pytest.mark.usefixtures("single_thread", "ardiff_cache")
+def test_churn_figures_from_given_timings_and_its_verdict_on_the_outputs(monkeypatch):
+    """ratio is capacity 4's throughput over the unlimited engine's (whole sequence, CPU time), wall_ratio the same
+    in wall time; hit_ms and miss_ms are capacity 4's requests that found their session resident and those that
+    (re)started it. The one verdict is the outputs (test_churn_quick: they match): capacity 4's actions 1e-4 off
+    fail it."""
+    from benchmarks import bench_churn
+
+    sequence = bench_churn.zipf_sequence(bench_churn.QUICK["requests"])
+    resident: list[int] = []  # capacity 4's sessions, least recently used first
+    hit = []
+    for rank in sequence:
+        hit.append(rank in resident)
+        resident = [r for r in resident if r != rank][-(bench_churn.CAPACITY - 1):] + [rank]
+
+    AlternatingClock(monkeypatch, bench_churn,
+                     lambda engine, index: 1.0 if engine == "unlimited" else (0.5 if hit[index] else 3.0))
+    make_engine = bench_churn.make_engine
+
+    def engine_off(capacity: int):
+        engine, admitted = make_engine(capacity)
+        if capacity == bench_churn.CAPACITY:
+            execute = engine.execute
+
+            def off(request):
+                outputs = dict(execute(request))
+                outputs["actions"] = outputs["actions"] + 1e-4
+                return outputs
+
+            engine.execute = off
+        return engine, admitted
+
+    monkeypatch.setattr(bench_churn, "make_engine", engine_off)
+    r = bench_churn.run(quick=True)
+    n, hits = len(sequence), sum(hit)
+    assert r["hit_rate"] == hits / n and 0 < hits < n
+    capacity_4_s = hits * 0.5 + (n - hits) * 3.0
+    assert r["ratio"] == pytest.approx(n / capacity_4_s) and r["wall_ratio"] == pytest.approx(r["ratio"])
+    assert r["requests_per_s"] == pytest.approx({"capacity_4": n / capacity_4_s, "unlimited": 1.0})
+    assert r["requests_per_s_wall"] == pytest.approx({"capacity_4": n / capacity_4_s / 2, "unlimited": 0.5})
+    assert (r["hit_ms"], r["miss_ms"]) == (500.0, 3000.0)
+    assert r["max_abs_diff"] == pytest.approx(1e-4, rel=1e-2) and r["outputs_match"] is False and r["passed"] is False
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_swap_figures_from_given_timings_and_its_verdict_on_all_three_outputs(monkeypatch):
+    """Per request, wall clock: ratio is swap over resident, sync_over_async swap_sync over swap, each a block's
+    time over its requests. The verdict is the outputs, bit for bit (test_swap_quick: they are): the file-on-the-path
+    engine's actions off by 1e-6 fail it, though the background one's match."""
+    from benchmarks import bench_swap
+    from benchmarks.common import turn_order
+
+    per_block = {"resident": 1.0, "swap": 3.0, "swap_sync": 4.5}  # CPU seconds; the wall clock twice that
+    clock = ScriptedClock(monkeypatch, bench_swap, lambda name, turn: per_block[name])
+    build = bench_swap.build
+
+    def build_off(model_overrides, swap_root):
+        config, pipe, runners = build(model_overrides, swap_root)
+        execute = runners["swap_sync"].execute_model
+
+        def off(request):
+            outputs = dict(execute(request))
+            outputs["actions"] = outputs["actions"] + 1e-6
+            return outputs
+
+        runners["swap_sync"].execute_model = off
+        for name in ("swap", "swap_sync"):
+            flush = runners[name].swap.flush
+            runners[name].swap.flush = lambda name=name, flush=flush: (flushes.append(name), flush())[1]
+        return config, pipe, runners
+
+    flushes: list[str] = []
+
+    monkeypatch.setattr(bench_swap, "build", build_off)
+    r = bench_swap.run(quick=True)
+    assert clock.orders == [turn_order(list(per_block), rep) for rep in range(bench_swap.QUICK["repetitions"])]
+    block = bench_swap.QUICK["block"]
+    assert (r["resident_ms"], r["swap_ms"], r["swap_sync_ms"]) == (2e3 / block, 6e3 / block, 9e3 / block)
+    assert (r["ratio"], r["sync_over_async"]) == (3.0, 1.5)
+    assert r["measured"] == f"{6e3 / block:.1f} ms/request swapping, {9e3 / block:.1f} ms with the write on its " \
+                            "path (1.50x)"
+    assert r["outputs_identical"] is False and r["passed"] is False
+    # the baseline also waits for each request's file (the untimed requests included), the runtime does not
+    requests = 2 * bench_swap.WINDOW_FRAMES + r["repetitions"] * block
+    assert flushes.count("swap_sync") - flushes.count("swap") == requests
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_contiguous_commit_pass_runs_every_layer_only_in_the_verdicts_baseline():
+    """rolling's and resume's verdict baseline (lean_commits=False) runs each commit pass through every layer, as
+    the public code does; the lean one stops at the last layer's K/V, as ardiff does: one pass of the last layer
+    fewer per block."""
+    from benchmarks.contiguous import ContiguousRollout
+    from pipeline_helpers import causal_world
+
+    pipe = causal_world(cond_dim=8)
+    steps = len(pipe.config.denoising_timesteps)
+    for lean, passes in ((False, steps + 1), (True, steps)):
+        rollout = ContiguousRollout(pipe.transformer, pipe.spec, cross_names=pipe.cross_names, dtype=pipe.dtype,
+                                    lean_commits=lean)
+        calls = []
+        hook = pipe.transformer.blocks[-1].cross_attn.register_forward_hook(lambda *args: calls.append(1))
+        try:
+            with torch.inference_mode():
+                pipe.step(f"lean-{lean}", rollout, pipe.example_inputs(seed=0))
+        finally:
+            hook.remove()
+        assert len(calls) == passes, f"lean_commits={lean}"
+
+
+def test_contiguous_baseline_counts_the_bytes_of_both_its_k_and_v():
+    """rolling's `rolling_kv_bytes` (memory_early, memory_end): the baseline's K and V buffers, both."""
+    from benchmarks.contiguous import ContiguousKV
+
+    kv = ContiguousKV(num_layers=2, num_heads=3, head_size=4, tokens_per_frame=5, sink_frames=1, window_frames=2,
+                      max_segment_frames=1, max_registers=1, dtype=torch.float32)
+    assert kv.nbytes == 2 * (2 * 3 * ((1 + 2 + 1) * 5 + 1) * 4) * 4
