@@ -325,16 +325,21 @@ def test_churn_quick():
     assert 0 < r["hit_rate"] < r["hit_rate_unlimited"] < 1
 
 
-def lru_hit_rate(sequence: list[int], capacity: int) -> float:
+def lru_hits(sequence: list[int], capacity: int) -> list[bool]:
+    """Whether each request of ``sequence`` finds its session resident in an LRU of ``capacity`` sessions."""
     resident: list[int] = []  # least recently used first
-    hits = 0
+    hits = []
     for key in sequence:
-        hits += key in resident
+        hits.append(key in resident)
         if key in resident:
             resident.remove(key)
         resident.append(key)
         del resident[:-capacity]
-    return hits / len(sequence)
+    return hits
+
+
+def lru_hit_rate(sequence: list[int], capacity: int) -> float:
+    return sum(lru_hits(sequence, capacity)) / len(sequence)
 
 
 @pytest.mark.usefixtures("single_thread")
@@ -1329,12 +1334,7 @@ def test_churn_figures_from_given_timings_and_its_verdict_on_the_outputs(monkeyp
     fail it."""
     from benchmarks import bench_churn
 
-    sequence = bench_churn.zipf_sequence(bench_churn.QUICK["requests"])
-    resident: list[int] = []  # capacity 4's sessions, least recently used first
-    hit = []
-    for rank in sequence:
-        hit.append(rank in resident)
-        resident = [r for r in resident if r != rank][-(bench_churn.CAPACITY - 1):] + [rank]
+    hit = lru_hits(bench_churn.zipf_sequence(bench_churn.QUICK["requests"]), bench_churn.CAPACITY)
 
     AlternatingClock(monkeypatch, bench_churn,
                      lambda engine, index: 1.0 if engine == "unlimited" else (0.5 if hit[index] else 3.0))
@@ -1355,7 +1355,7 @@ def test_churn_figures_from_given_timings_and_its_verdict_on_the_outputs(monkeyp
 
     monkeypatch.setattr(bench_churn, "make_engine", engine_off)
     r = bench_churn.run(quick=True)
-    n, hits = len(sequence), sum(hit)
+    n, hits = len(hit), sum(hit)
     assert r["hit_rate"] == hits / n and 0 < hits < n
     capacity_4_s = hits * 0.5 + (n - hits) * 3.0
     assert r["ratio"] == pytest.approx(n / capacity_4_s) and r["wall_ratio"] == pytest.approx(r["ratio"])

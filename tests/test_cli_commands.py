@@ -669,9 +669,14 @@ def test_inspect_capacity_shows_large_figures_without_exponent_notation():
     assert "e+" not in result.stdout and "e-0" not in result.stdout
 
 
-def _ardiff(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}, **kwargs)
+def _python(*args: str) -> subprocess.CompletedProcess:
+    """This Python on this checkout, as a whole process."""
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def _ardiff(*args: str) -> subprocess.CompletedProcess:
+    return _python("-m", "ardiff_cli", *args)
 
 
 def test_version_is_one_line_on_stdout_and_bare_ardiff_is_the_help_without_an_error_line():
@@ -701,8 +706,7 @@ _end_process(eval(sys.argv[1]))
     ("'a message'", 1, "a message\n"),  # sys.exit("a message"): printed, exit 1, as the interpreter does
 ])
 def test_the_process_end_keeps_the_interpreters_exit_status(code, status, err):
-    proc = subprocess.run([sys.executable, "-c", END_WITH, code], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = _python("-c", END_WITH, code)
     assert (proc.returncode, proc.stdout, proc.stderr) == (status, "buffered", err)
 
 
@@ -712,8 +716,7 @@ def test_output_that_cannot_be_flushed_as_the_process_ends_is_exit_120_not_0():
     script = ("import sys\nfrom ardiff_cli.app import _end_process\n"
               "class Full:\n    def flush(self):\n        raise OSError(28, 'No space left on device')\n"
               "sys.stdout = Full()\n_end_process(0)\n")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = _python("-c", script)
     assert proc.returncode == 120, proc.stderr
 
 
