@@ -845,6 +845,26 @@ def test_follow_fails_an_episode_whose_gap_is_never_filled(tmp_path, ending):
     assert f"{folder}: steps 1, 2 missing: the episode has steps 0..3 with a gap" in message
 
 
+@pytest.mark.parametrize("ending", ["end_marker", "idle_timeout"])
+def test_follow_runs_a_step_file_linked_to_nothing_so_that_reading_it_names_the_link(tmp_path, ending):
+    """A step file that is a link to a recording on a disk not mounted fails its episode naming the link, with
+    --follow as without. --follow skipped it: the episode ended cleanly after step 0, and the file was reported as
+    having "arrived after its END file was seen" (--resume skipped it again). It is waited for as an unready file,
+    then taken at END or at the idle timeout."""
+    folder = tmp_path / "live"
+    dangling_link(folder)  # steps 0 and 1, step 1 a link to nothing; END written
+    if ending == "idle_timeout":
+        (folder / "END").unlink()
+    clock, warned = FakeClock(), []
+    scheduler = StepScheduler([EpisodeSource(name="live", path=folder)], follow=True, idle_timeout=10,
+                              poll_interval=1, clock=clock, sleep=clock.sleep, warn=warned.append)
+    assert _drain(scheduler) == [0, 1, (ending, "")]
+    assert warned == [] and scheduler.late == {}
+    with pytest.raises(ObservationError, match=re.escape(f"{step1(folder)}: cannot read the step file: it is a link "
+                                                         "to ../../nas/arm/step_000001.safetensors, which does not")):
+        load_step(step1(folder))
+
+
 def test_a_python_request_with_nan_is_refused_by_the_pipeline_too():
     """The finiteness check is part of the shared validator, not only of the file reader."""
     from pipelines.dreamzero import observation_schema

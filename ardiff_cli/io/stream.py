@@ -425,7 +425,11 @@ class StepScheduler:
             try:
                 size = step_file.path.stat().st_size
             except FileNotFoundError:
-                continue
+                if not step_file.path.is_symlink():
+                    continue  # deleted since the listing
+                # A link to nothing (a recording's disk not mounted): waited for as an empty file, then taken at END
+                # or the idle timeout, where reading it names the link, as without follow; never skipped silently.
+                size = 0
             present.add(name)
             if track.sizes.get(name) != size:
                 track.last_activity = self._clock()  # arriving or growing: the writer is not idle
