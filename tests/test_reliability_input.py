@@ -1022,6 +1022,55 @@ def test_a_folder_that_cannot_be_entered_is_named_not_a_traceback(tmp_path, cli_
     assert "Traceback" not in proc.stderr
 
 
+def _rollout(tmp_path: Path, cli_env: dict, *args: str) -> subprocess.CompletedProcess:
+    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
+    command = [sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "fast.yaml"), *args]
+    return subprocess.run([*modes_bind(), *command, "--no-warmup", "--format", "plain"], env=cli_env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_resume_of_a_run_whose_episode_folder_was_locked_since_fails_that_episode_alone(tmp_path, cli_env):
+    """--resume takes its EPISODE folders from run.json, unchecked by the command line: one this user may no longer
+    enter was 'unexpected PermissionError ... a bug in ardiff' (exit 1, no episode ran). It is one episode whose
+    error names it, while the others run."""
+    locked = episode(tmp_path / "locked", 1)
+    episode(tmp_path / "healthy", 1)
+    proc = _rollout(tmp_path, cli_env, str(locked), str(tmp_path / "healthy"), "-o", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr
+    for name in ("results.jsonl", "summary.json"):  # as a run killed before its first step was recorded leaves it
+        (tmp_path / "run" / name).unlink()
+    locked.chmod(0)
+    try:
+        proc = _rollout(tmp_path, cli_env, "--resume", "-o", str(tmp_path / "run"))
+    finally:
+        locked.chmod(0o755)
+    assert proc.returncode == 4, proc.stderr  # some episodes failed
+    assert (f"Error: episode 'locked' failed: {locked}: cannot list the episode folder: Permission denied\n"
+            "hint: check that the folder exists and that the user running ardiff may read and enter it "
+            "(permissions r-x)\n") in proc.stderr, proc.stderr
+    assert [json.loads(line)["episode"] for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()
+            if json.loads(line)["status"] == "ok"] == ["healthy"]
+    assert "Traceback" not in proc.stderr
+
+
+def test_an_out_folder_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, cli_env):
+    """`-o` an existing folder this user may enter but not write (mode 555): a usage error naming it, not a failure
+    after the model loaded, and nothing is made in it."""
+    episode(tmp_path / "healthy", 1)
+    out = tmp_path / "read-only"
+    out.mkdir()
+    out.chmod(0o555)
+    try:
+        proc = _rollout(tmp_path, cli_env, str(tmp_path / "healthy"), "-o", str(out))
+    finally:
+        out.chmod(0o755)
+    assert proc.returncode == 2, proc.stderr
+    assert (f"Error: --out {out}: cannot write the output folder: Permission denied\n"
+            "hint: choose a folder you can write\n") in proc.stderr, proc.stderr
+    assert list(out.iterdir()) == []
+    assert "Traceback" not in proc.stderr and "planned" not in proc.stderr  # refused before the model loads
+
+
 @pytest.mark.parametrize("value", ["inf", "1e400"])
 def test_an_infinite_idle_timeout_is_a_usage_error_before_anything_is_made(tmp_path, cli_env, value):
     # `--follow --idle-timeout inf` (wait forever) passed min=0, made --out, loaded the model, then failed to write

@@ -207,9 +207,9 @@ def listed(names: list[str], limit: int = 3) -> str:
 
 
 def _holds_episode(folder: Path) -> bool:
-    if (folder / METADATA_FILE).exists() or (folder / END_MARKER).exists():
-        return True
-    try:
+    try:  # Path.exists raises PermissionError in a folder this user may not enter (--resume of a folder locked since)
+        if (folder / METADATA_FILE).exists() or (folder / END_MARKER).exists():
+            return True
         children = list(folder.iterdir())
     except OSError:
         return True  # unreadable: an episode whose error is reported with it, while the others run
