@@ -1053,6 +1053,59 @@ def test_resume_of_a_run_whose_episode_folder_was_locked_since_fails_that_episod
     assert "Traceback" not in proc.stderr
 
 
+def test_an_episode_on_a_path_this_user_cannot_enter_fails_alone_in_a_run_and_in_its_resume(tmp_path, cli_env):
+    """EPISODE in a folder this user may not enter (mode 000): Path.exists raised PermissionError, so the run, and
+    its --resume, ended in 'unexpected PermissionError ... a bug in ardiff' (exit 1) before any episode ran. It is
+    one episode whose error names it, while the others run; once the folder is opened, --resume runs it."""
+    healthy = episode(tmp_path / "healthy", 1)
+    fenced = episode(tmp_path / "fence" / "b", 1)
+    said = (f"Error: episode 'b' failed: {fenced}: cannot list the episode folder: Permission denied\n"
+            "hint: check that the folder exists and that the user running ardiff may read and enter it")
+    (tmp_path / "fence").chmod(0)
+    try:
+        runs = [_rollout(tmp_path, cli_env, str(healthy), str(fenced), "-o", str(tmp_path / "run")),
+                _rollout(tmp_path, cli_env, "--resume", "-o", str(tmp_path / "run"))]
+    finally:
+        (tmp_path / "fence").chmod(0o755)
+    for proc in runs:
+        assert proc.returncode == 4, proc.stderr  # some episodes failed
+        assert said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    proc = _rollout(tmp_path, cli_env, "--resume", "-o", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert [(r["episode"], r["status"]) for r in lines if r["status"] == "ok"] == [("healthy", "ok"), ("b", "ok")]
+
+
+def test_a_followed_episode_folder_locked_mid_run_fails_that_episode_naming_why(tmp_path):
+    """An episode folder made unenterable while --follow watches it (its recorder's account changed): looking for
+    its END file raised PermissionError out of the scheduler, a traceback that stopped the whole run. The episode
+    ends with the error of its folder, as when a scan meets it."""
+    folder = tmp_path / "live"
+    write_step(folder, 0, good(0, 0), prompt="p")
+    script = f"""
+import os
+from pathlib import Path
+from fake_clock import FakeClock
+from ardiff_cli.io.episode import EpisodeSource
+from ardiff_cli.io.stream import StepScheduler
+clock = FakeClock()
+scheduler = StepScheduler([EpisodeSource(name="live", path=Path({str(folder)!r}))], follow=True, idle_timeout=10,
+                          poll_interval=1, clock=clock, sleep=clock.sleep)
+print(scheduler.next().file.step)
+os.chmod({str(folder)!r}, 0)
+ended = scheduler.next()
+print(ended.reason, ended.error, scheduler.next())
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    try:
+        proc = subprocess.run([*modes_bind(), sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                              timeout=120)
+    finally:
+        folder.chmod(0o755)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"0\nerror {folder}: cannot list the episode folder: Permission denied None\n"
+
+
 def test_an_out_folder_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, cli_env):
     """`-o` an existing folder this user may enter but not write (mode 555): a usage error naming it, not a failure
     after the model loaded, and nothing is made in it."""

@@ -443,7 +443,7 @@ def _resolve_under_signals(device: str) -> None:
 def _recorded_folders_exist(episodes: list[dict[str, Any]], run_file: Path) -> None:
     """The episode folders a resume reads are where the run started them: one moved or deleted since is named as
     this run's (where a new run's missing EPISODE hints at --follow)."""
-    gone = [(e["name"], e["path"]) for e in episodes if not Path(e["path"]).exists()]
+    gone = [(e["name"], e["path"]) for e in episodes if _gone(Path(e["path"]))]
     if gone:
         name, path = gone[0]
         more = f" (and {len(gone) - 1} more episode folder{'s' if len(gone) > 2 else ''})" if len(gone) > 1 else ""
@@ -451,6 +451,13 @@ def _recorded_folders_exist(episodes: list[dict[str, Any]], run_file: Path) -> N
                           "each episode's folder was when the run started",
                           hint="put it back at that path (moved: a symlink there to where it is now will do), then "
                                "resume; or run its episodes again in a new --out")
+
+
+def _gone(path: Path) -> bool:
+    try:
+        return not path.exists()
+    except OSError:  # there, but on a path this user may no longer enter (EACCES): its episode fails saying so
+        return False
 
 
 def _same_device(setting: str, recorded: str | None, *, load: bool = True) -> None:

@@ -16,6 +16,7 @@ ignored, so a writer can create a step under a temporary name and rename it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -72,14 +73,18 @@ class EpisodeSource:
         return scan_steps(self.path, skip=skip)
 
     def has_end_marker(self) -> bool:
-        return (self.path / END_MARKER).exists()
+        try:
+            return (self.path / END_MARKER).exists()
+        except OSError:  # a folder this user may no longer enter (EACCES: Path.exists raises): the scan names it
+            return False
 
     def metadata(self) -> dict[str, Any]:
         """``episode.yaml`` as a mapping ({} when absent); re-read until it exists (it may arrive late)."""
         if self._metadata is None:
             meta_path = self.path / METADATA_FILE
-            if not meta_path.exists():
-                return {}
+            with contextlib.suppress(OSError):  # a folder this user may not enter: reading the file says so
+                if not meta_path.exists():
+                    return {}
             self._metadata = read_episode_yaml(meta_path)
         return self._metadata
 
@@ -269,7 +274,12 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
     """
     folders: list[Path] = []
     for path in paths:
-        if not path.exists():
+        try:
+            found = path.exists()
+        except OSError:  # on a path this user may not enter (EACCES): one episode, which fails saying so
+            folders.append(path)
+            continue
+        if not found:
             where = "" if path.is_absolute() else f"it is read relative to {Path.cwd()}; "
             raise ConfigError(f"episode folder not found: {path}",
                               hint=f"{where}for a robot that has not started writing yet, create its folder first "
