@@ -81,7 +81,9 @@ class StepFailed(ArdiffError):
         self.step = step  # the step number the failure belongs to
         self.phase = phase  # load, replay, forward or write
         self.cause = cause
-        self.exit_code = EXIT_CAPACITY if is_out_of_memory(cause) else int(getattr(cause, "exit_code", EXIT_BUG))
+        # ardiff's own errors say their code; another's exit_code attribute (click's Exit: 0) is not ardiff's to take
+        self.exit_code = (EXIT_CAPACITY if is_out_of_memory(cause)
+                          else cause.exit_code if isinstance(cause, ArdiffError) else EXIT_BUG)
 
 
 def _step_hint(phase: str, cause: BaseException) -> str:

@@ -21,7 +21,9 @@ Each fault is a JSON object:
   in ``dir``, once written, is overwritten with bytes that are no safetensors file, as a failing disk would
   leave them);
 - ``action`` (block and sampler): ``raise`` (default), ``oom`` (allocate 1 PiB on the host: torch's CPU allocator
-  raises its own RuntimeError), ``memory_error`` (a bare ``MemoryError()``, as Python's allocator raises), ``sleep`` (touch ``marker``, then sleep ``seconds``, or until the file ``release``
+  raises its own RuntimeError), ``memory_error`` (a bare ``MemoryError()``, as Python's allocator raises), ``exit``
+  (``typer.Exit(0)``: an exception whose ``exit_code`` is 0), ``sleep`` (touch ``marker``, then sleep ``seconds``,
+  or until the file ``release``
   exists: for signals that must arrive in the middle of a forward), ``swallow_signal`` (send the process SIGTERM
   twice inside ``try: ... except Exception: pass`` and go on, as a pipeline or library that catches everything
   would: the first only asks the step to finish, the second is raised there) or ``wrap_signal`` (the same, then
@@ -81,6 +83,10 @@ def _act(fault: dict[str, Any], message: str) -> None:
         torch.empty(1 << 50, dtype=torch.uint8)
     if fault.get("action") == "memory_error":  # what Python's own allocator raises: no message
         raise MemoryError()
+    if fault.get("action") == "exit":  # a library built on click or Typer ending "its" command: exit_code 0
+        import typer
+
+        raise typer.Exit(0)
     if fault.get("action") == "cuda_oom":  # what a kernel allocating outside torch's allocator raises on a full GPU
         raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some "
                            "other API call, so the stacktrace below might be incorrect.")
@@ -210,7 +216,8 @@ def load_faults() -> list[dict[str, Any]]:
 class FaultyDreamZero(DreamZeroPipeline):
     """DreamZero with the faults of ``$ARDIFF_TEST_FAULTS`` (none: exactly DreamZero, same checkpoint).
 
-    Site ``load`` (no ``request``) sleeps while the pipeline loads, after touching ``marker``. Site ``import`` (no
+    Site ``load`` (no ``request``) sleeps while the pipeline loads, after touching ``marker`` (or takes the
+    ``action`` given: ``swallow_signal``, ``wrap_signal``, ``raise``). Site ``import`` (no
     ``request``) imports ``interrupted_dependency`` while it loads, as an optional dependency: what the import
     raises is taken for the module's absence.
     """
@@ -219,7 +226,7 @@ class FaultyDreamZero(DreamZeroPipeline):
     def from_config(cls, config, **kwargs):
         for fault in load_faults():
             if fault["site"] == "load":
-                _act({**fault, "action": "sleep"}, "loading")
+                _act({"action": "sleep", **fault}, "loading")
             if fault["site"] == "import":
                 try:
                     import interrupted_dependency  # noqa: F401

@@ -668,6 +668,18 @@ def test_a_cuda_error_out_of_memory_raised_as_a_plain_runtime_error_is_out_of_me
     assert "hint: lower --session-capacity" in proc.stderr and "bug in ardiff" not in proc.stderr
 
 
+def test_a_pipeline_error_that_carries_an_exit_code_of_its_own_fails_the_run_with_exit_1_not_0(env, data, tmp_path):
+    """Only ardiff's own errors (an ObservationError: 2) choose a failed step's exit code: click's and Typer's Exit,
+    raised by a library built on them, carries exit_code 0, and the run its failed step stopped exited 0."""
+    run = tmp_path / "run"
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0, "action": "exit"}]
+    proc = ardiff(env, *rollout_args(data, run, "--fail-fast"), faults=faults)
+    assert proc.returncode == 1, proc.stderr
+    assert "Error: episode 'arm_b' failed at step 1 in the model's forward: Exit: 0\n" in proc.stderr, proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["exit_code"]) == ("failed", 1), summary
+
+
 def test_the_hosts_allocator_running_out_is_out_of_memory_in_a_step_and_in_warmup(env, data, tmp_path):
     """torch's CPU allocator raises a plain RuntimeError: still exit 3 and its hint, and never blamed on the
     pipeline when warmup hits it."""
