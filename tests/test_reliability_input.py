@@ -628,6 +628,22 @@ CLI_CASES = {
 }
 
 
+def test_a_folder_of_episodes_that_holds_none_is_a_usage_error_before_anything_is_made(tmp_path):
+    """A folder whose only subfolders are hidden (.cache) or ardiff's own (ardiff-runs/, where a rollout without
+    --out wrote) holds no episode: exit 2 naming it, before the model loads or --out is made."""
+    robots = tmp_path / "robots"
+    (robots / ".cache").mkdir(parents=True)
+    (robots / "ardiff-runs" / "20250601-101500").mkdir(parents=True)
+    (robots / "ardiff-runs" / "20250601-101500" / "results.jsonl").write_text("")
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["rollout", "dreamzero-tiny", str(robots), "-o", str(out), "--format", "plain"])
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr == (f"Error: no episode folders in {robots}\nhint: pass folders of step files "
+                             "(step_000000.safetensors, ...); hidden folders and ardiff's own run folders are not "
+                             "taken for episodes\n"), result.stderr
+    assert "planned" not in result.stderr and not out.exists()
+
+
 @pytest.mark.parametrize("case", sorted(CLI_CASES))
 def test_contradictory_or_invalid_options(case):
     args, message, hint = CLI_CASES[case]

@@ -237,7 +237,9 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     episodes = discover_episodes(episode_paths, warn=output.warning,
                                  follow=bool(options["follow"] or info.get("follow")))
     if not episodes:
-        raise ConfigError(f"no episode folders in {', '.join(map(str, episode_paths))}")
+        raise ConfigError(f"no episode folders in {', '.join(map(str, episode_paths))}",
+                          hint="pass folders of step files (step_000000.safetensors, ...); hidden folders and "
+                               "ardiff's own run folders are not taken for episodes")
     if watch is None:  # EPISODE arguments that are folders of episodes
         known = {e.path.resolve() for e in episodes}
         watch = [path.resolve() for path in episode_paths if path.resolve() not in known]
