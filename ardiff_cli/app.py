@@ -99,8 +99,6 @@ def _run(args: list[str]) -> None:
         Output(resolve_format(requested_format(args))).error(
             message, f"see {command} --help", exit_code=exc.exit_code, kind="usage_error")
         sys.exit(exc.exit_code)
-    except typer.Abort:
-        sys.exit(1)
     except SystemExit as exc:
         # Rich's and Click's own exit for --help or --version written to a reader that went away (`| grep -q`):
         # it wanted no more, as of `inspect-capacity | head` (exit 0), not a failure under `set -o pipefail`.
@@ -159,8 +157,6 @@ def _fill_closed_standard_streams() -> None:
         except OSError:
             pass
         null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: fd itself, as the lower ones are open
-        if null != fd:
-            os.dup2(null, fd)
-            os.close(null)
+        assert null == fd, f"{os.devnull} opened as fd {null}, not the closed {fd}: a lower one was closed meanwhile"
         if getattr(sys, name) is None:
             setattr(sys, name, open(fd, mode, closefd=False, errors="replace"))

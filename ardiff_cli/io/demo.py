@@ -106,8 +106,6 @@ def demo_step(schema: ObservationSchema, image_size: tuple[int, int], episode: i
     arrays: dict[str, Any] = {}
     cameras = 0
     for index, f in enumerate(schema.fields):
-        if f.dtype == "str":
-            continue
         shape = concrete_shape(f, image_size, num_frames)
         if is_image_field(f):
             arrays[f.name] = _frames(shape, episode, step, cameras)

@@ -359,7 +359,7 @@ def new_episode_folders(folder: Path, settled: set[str]) -> list[Path]:
     """The subfolders of the folder of episodes ``folder`` that a robot has started (they hold step files, ``END``
     or ``episode.yaml``) and whose names are not in ``settled``, in name order. Adds to ``settled`` what it returns
     and what can never be one (files, run outputs), so a call costs one listing of ``folder`` and one of each
-    subfolder still empty. None when ``folder`` is gone or unreadable."""
+    subfolder still empty. Empty when ``folder`` is gone or unreadable."""
     try:
         names = sorted(os.listdir(folder))
     except OSError:

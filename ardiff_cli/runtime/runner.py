@@ -581,15 +581,13 @@ class ARDiffusionModelRunner:
         return output
 
     def _make_room(self, session_id: str) -> None:
-        """Evict least recently used sessions until ``session_id`` can be admitted; a session that is not resident
-        drops any snapshot of its id first (restoring it later would bring back an older history, and its bytes
-        may be what a victim's snapshot needs). A victim's snapshot is written before the session-table lock is
+        """Evict least recently used sessions until ``session_id`` can be admitted. Its own snapshot, if it had
+        one, is gone already: both callers discard it first (a reset request through ``_discard_swapped``,
+        ``_restore`` once it has read it). A victim's snapshot is written before the session-table lock is
         taken: for a large session that takes seconds, and the views (``sessions()``, ``pool_usage()``) must not
         wait for it. Every other call that changes the table waits on the request lock meanwhile."""
         if session_id in self._sessions:
             return
-        if self.swap is not None and self.swap.discard(session_id, report=True):  # a reset request's, say
-            self._warn_about_failed_writes(warn=False)  # replaced by a fresh session: nothing is rebuilt
         assert self.capacity_plan is not None
         while len(self._sessions) >= self.capacity_plan.session_capacity:
             self._evict(next(iter(self._sessions)), by_session_id=session_id)
