@@ -593,6 +593,21 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, module, args, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing written
 
 
+@pytest.mark.parametrize(("name", "attention"), [("churn", False), ("overhead", False), ("resume", True)])
+def test_a_benchmark_run_alone_offers_its_own_options(name, attention):
+    """`python -m benchmarks.bench_X` runs that one benchmark (README: "any one benchmark alone"); without its
+    `__main__` line it would exit 0 having run nothing. Its help is its docstring's, and --attention-backend is
+    offered where the benchmark builds ardiff's runner with the backend chosen."""
+    import importlib
+
+    module = importlib.import_module(f"benchmarks.bench_{name}")
+    proc = bench(f"benchmarks.bench_{name}", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: bench_{name}.py [-h] [--quick] [--threads THREADS] [--json PATH]")
+    assert module.__doc__.splitlines()[0] in proc.stdout
+    assert ("--attention-backend {auto,torch,vllm}" in proc.stdout) is attention
+
+
 @pytest.mark.parametrize("module", ["benchmarks", "benchmarks.bench_capacity"])
 def test_json_naming_a_fifo_or_a_link_to_one_is_refused_and_left_as_it_was(tmp_path, module):
     """The results file is renamed over the --json path: a FIFO, or a link to one, became a plain file after the run

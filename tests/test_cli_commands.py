@@ -583,6 +583,16 @@ def test_ctrl_c_however_early_is_one_error_line_and_exit_130_never_a_traceback(t
         assert proc.stdout == ""
 
 
+@pytest.mark.parametrize("format", [[], ["--format", "json"]], ids=["auto", "json"])
+def test_ctrl_c_while_ardiff_imports_with_stdout_closed_is_still_exit_130_and_no_traceback(tmp_path, format):
+    """A closed stdout (`>&-`, a cron line) is None then: auto cannot ask it whether it is a terminal, and json's
+    error object cannot go there. Either would be an AttributeError traceback and exit 1; the exit code says it all."""
+    proc = subprocess.run(["bash", "-c", '"$@" >&-', "_", sys.executable, "-c", CTRL_C, "ardiff_cli.app",
+                           "inspect-capacity", *format], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (proc.returncode, proc.stderr) == (130, "Error: interrupted\n"), proc.stderr
+
+
 def test_inspect_capacity_says_one_session_fits_when_the_budget_is_raised_to_hold_it():
     """The budget is never less than one session: a device with room for one session but not within
     gpu_memory_fraction plans 1 session, so the '1 session' row says it fits (it said 'over budget' under

@@ -223,6 +223,21 @@ def test_handle_errors_hint_traceback_only_with_verbose_and_always_for_bugs():
     assert "Traceback" in stderr.getvalue() and "this is a bug" in stderr.getvalue()
 
 
+def test_a_warning_that_is_not_ardiffs_is_passed_on_as_python_shows_it(recwarn):
+    """Only ardiff's own warnings become `warning:` lines: a library's (torch's UserWarning, say) is shown as Python
+    shows it, where a user and its filters expect it, never dropped."""
+    import warnings
+
+    from ardiff_cli.runtime.errors import ArdiffWarning
+
+    out, _, stderr = sink(Format.plain)
+    with handle_errors(out):
+        warnings.warn("a library says so", UserWarning)
+        warnings.warn("ardiff says so", ArdiffWarning)
+    assert [(w.category, str(w.message)) for w in recwarn] == [(UserWarning, "a library says so")]
+    assert stderr.getvalue() == "warning: ardiff says so\n"
+
+
 def test_signal_inside_a_critical_section_waits_for_its_end():
     with StopSignals() as signals:
         written = []
@@ -737,6 +752,7 @@ def test_long_names_that_share_a_prefix_are_cut_in_the_middle_so_they_stay_apart
     assert middle_cut("机器人_抓取_红色方块_0001", 10) == "机器…_0001"
     assert middle_cut("e\u0301" * 8 + "_01", 6) == "e\u0301e\u0301…_01"  # never a mark without its letter
     assert middle_cut("short", 10) == "short"
+    assert (middle_cut("pick_cube_0001", 1), middle_cut("pick_cube_0001", 0)) == ("…", "")  # never wider than given
 
 
 def test_leaving_the_block_puts_back_the_handlers_it_replaced():

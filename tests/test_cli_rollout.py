@@ -332,6 +332,39 @@ def test_a_preview_shows_every_observed_step_the_last_one_included(env, data, tm
                                 for s in range(3)])
 
 
+@pytest.mark.parametrize(("pipeline", "bottom"), [("FramesOut", (200, 40, 7)), ("NoLatents", (32, 32, 32))])
+def test_a_preview_draws_a_predicted_frame_an_output_holds_else_grey_without_latents(env, data, tmp_path, pipeline,
+                                                                                     bottom):
+    """The README's bottom row: an output that is a uint8 (..., H, W, 3) image is the predicted frame (a pipeline
+    that renders its own frames needs no decode_latents); outputs with neither such an image nor `latents` leave
+    it grey. decode_latents is called for neither."""
+    (tmp_path / "frames_out.py").write_text(
+        "import numpy as np\n"
+        "from pipelines.dreamzero.pipeline import DreamZeroPipeline\n"
+        "class FramesOut(DreamZeroPipeline):\n"
+        "    def forward(self, request):\n"
+        "        frame = np.empty((2, 8, 8, 3), np.uint8)\n"
+        "        frame[:] = (9, 9, 9)\n"
+        "        frame[-1] = (200, 40, 7)  # the last frame is the one drawn\n"
+        "        return {**super().forward(request), 'frame': frame}\n"
+        "    def decode_latents(self, latents):\n"
+        "        raise AssertionError('decode_latents called')\n"
+        "class NoLatents(FramesOut):\n"
+        "    def forward(self, request):\n"
+        "        return {k: v for k, v in DreamZeroPipeline.forward(self, request).items() if k != 'latents'}\n")
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])}
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps" / "arm_a"), "--pipeline",
+                  f"frames_out:{pipeline}", "--out", str(tmp_path / "run"), "--preview", "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr, proc.stderr
+    strip, gap = read_png(tmp_path / "run" / "previews" / "arm_a.png"), 2
+    tile = (strip.shape[0] - gap) // 2
+    assert strip.shape[1] == 3 * (tile + gap) - gap, strip.shape  # one column per step
+    for column in range(3):
+        x = column * (tile + gap)
+        assert (strip[tile + gap:, x:x + tile] == bottom).all(), f"column {column}"
+
+
 def test_a_long_episodes_preview_shows_64_evenly_spaced_steps_the_first_and_last_included(env, data, tmp_path):
     """One column per step made an episode of 10,000 steps a picture millions of pixels wide (gigabytes in memory
     as it was drawn, every step file read at its end, and no viewer opens it); it keeps 64 columns now."""
@@ -785,6 +818,53 @@ def test_a_stopped_runs_resident_session_that_does_not_fit_the_swap_space_left_i
     assert not (run / ".swap").exists()
 
 
+def test_a_kept_snapshot_larger_than_the_resumes_swap_space_is_deleted_with_a_warning_and_its_steps_replayed(
+        env, data, reference, tmp_path):
+    """--resume with a smaller --swap-space than the stopped run's: a kept snapshot it cannot hold is deleted, the
+    warning says so and why, and its episode's done steps are replayed: the outputs are the uninterrupted run's."""
+    run, kept, _ = stopped_while_following(env, data, tmp_path)
+    assert sorted(kept) == ["arm_a", "arm_b"]
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--swap-space", "1KiB", "--format",
+                  "plain")
+    assert proc.returncode == 0, proc.stderr
+    for name in ("arm_a", "arm_b"):
+        assert (f"warning: episode {name!r}: the swap snapshot the stopped run kept was deleted (it is larger than "
+                "the whole swap space); its done steps are replayed instead\n") in proc.stderr, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["steps"]["replayed"] == 4
+    assert_same_outputs(reference, run)
+    assert not (run / ".swap").exists()
+
+
+def test_a_stopped_run_whose_kept_index_cannot_be_written_keeps_nothing_and_resume_replays(env, data, reference,
+                                                                                            tmp_path):
+    """SIGTERM, and the index of the snapshots kept for --resume cannot be written (a folder in its place here; a
+    full disk alike): none is kept, as a snapshot without the index is never restored. The run still stops as
+    interrupted (exit 143), and --resume replays the done steps to the uninterrupted run's outputs."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[:2], prompt=f"task {name}", end=False)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), str(live / "arm_b"), "--out", str(run),
+                 "--follow", "--no-warmup", "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 4, proc)
+        (run / ".swap" / "kept.json").mkdir()  # replacing it with the index's temporary file fails
+        proc.send_signal(signal.SIGTERM)
+        stderr = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr
+    assert "Traceback" not in stderr and json.loads((run / "summary.json").read_text())["swap"]["kept"] == 0, stderr
+    assert [p.name for p in (run / ".swap").iterdir()] == ["kept.json"]  # the snapshots went, none is left over
+    (run / ".swap" / "kept.json").rmdir()
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[2:], first_step=2)
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["steps"]["replayed"] == 4
+    assert_same_outputs(reference, run)
+    assert not (run / ".swap").exists()
+
+
 def test_a_second_signal_while_a_stopped_run_swaps_its_sessions_out_is_only_recorded(env, data, reference, tmp_path):
     # SignalWhileSwapping sends SIGINT from inside its first session export: with room for both sessions (no
     # eviction), that is the stop's own swap-out of a resident session. It must not cut the stop short.
@@ -968,6 +1048,27 @@ def test_a_step_file_written_again_after_it_ran_is_named_when_its_episode_ends(e
     assert stderr.count("changed after") == 1, stderr  # not arm_b's
     summary = json.loads((run / "summary.json").read_text())
     assert summary["episodes"]["rewritten_steps"] == {"arm_a": ["step_000001.safetensors"]}, summary["episodes"]
+
+
+def test_a_step_file_emptied_after_it_ran_is_named_as_changed_when_its_episode_ends(env, data, tmp_path):
+    """A step file truncated after it ran (a recorder that reopened it to write it again, then died) can no longer be
+    read to compare: it is another version than the one that ran, and named as one."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    steps = steps_of(0, 3)
+    write_episode(live / "arm_a", steps[:2], prompt="task arm_a", end=False)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                 "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 2, proc)
+        (live / "arm_a" / "step_000000.safetensors").write_bytes(b"")
+        write_episode(live / "arm_a", steps[2:], first_step=2)
+        stderr = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "warning: episode 'arm_a': step_000000.safetensors changed after it ran (written again)" in stderr, stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["episodes"]["rewritten_steps"] == {"arm_a": ["step_000000.safetensors"]}, summary["episodes"]
 
 
 TORCH_IMPORT_WATCH = """\
@@ -1154,7 +1255,7 @@ def test_a_done_step_rewritten_before_a_resume_fails_its_episode_whether_its_ses
 
 @pytest.mark.parametrize("damage", ["index steps", "index steps ahead", "index of another run", "index garbage",
                                     "index not utf-8", "index nested", "snapshot truncated", "snapshot header nested",
-                                    "swap off"])
+                                    "snapshot deleted", "swap off"])
 def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, data, reference, tmp_path, damage):
     run, swapped, entry = stopped_with_a_swapped_session(env, data, tmp_path)
     index, snapshot = run / ".swap" / "kept.json", run / ".swap" / entry["file"]
@@ -1177,6 +1278,8 @@ def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, d
         snapshot.write_bytes(snapshot.read_bytes()[:1000])
     elif damage == "snapshot header nested":  # the same tensors, under a header nested deeper than the parser goes
         save_file(load_file(str(snapshot)), str(snapshot), metadata={"ardiff_swap": "[" * 5000 + "]" * 5000})
+    elif damage == "snapshot deleted":  # by hand, or a cleanup of the disk: the index names a file that is gone
+        snapshot.unlink()
     else:
         options = ["--swap-space", "0"]
     if damage == "index of another run":  # its snapshots are that run's to restore: this resume deleted them
@@ -1194,7 +1297,7 @@ def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, d
     assert summary["steps"]["replayed"] == (2 if damaged_file else 4)  # arm_a's two steps, or both episodes'
     # a count of fewer steps than done is taken (a run stopped while it rebuilt the session), and the restore
     # finds that the snapshot holds another
-    refused = damaged_file or damage == "index steps"
+    refused = (damaged_file and damage != "snapshot deleted") or damage == "index steps"  # never taken back
     assert (summary["swap"]["restore_failed"], summary["swap"]["restored"]) == (refused, damaged_file)
     if damage == "index steps":
         assert "it holds 2 requests, not the 1 expected; replaying its earlier steps instead" in proc.stderr
@@ -1843,6 +1946,31 @@ def test_resume_reads_the_runs_own_config_from_any_folder_and_refuses_an_edited_
     assert len(records(run)) == len(lines)  # refused before anything ran
 
 
+def test_resume_after_the_runs_config_was_deleted_is_refused_naming_it_and_a_copy_of_it_finishes_the_run(env,
+                                                                                                          tmp_path):
+    """run.json records the config by path and SHA-256: with that file gone, --resume names it (exit 2, before
+    anything runs) and says how to go on; the same config passed again from elsewhere finishes the run."""
+    episodes = tmp_path / "eps"
+    write_episode(episodes / "arm", steps_of(0, 2), prompt="task arm")
+    config = tmp_path / "my.yaml"
+    config.write_text(FAST_CONFIG)
+    run = tmp_path / "mine"
+    proc = ardiff(env, "rollout", str(config), str(episodes), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text(lines[0])  # as if stopped after the first step
+    config.unlink()
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(f"Error: the run's config {config.resolve()} is gone\n"
+                                "hint: restore it, or pass the same CONFIG again\n"), proc.stderr
+    assert len(records(run)) == 1  # refused before anything ran
+    (tmp_path / "copy.yaml").write_text(FAST_CONFIG)
+    proc = ardiff(env, "rollout", str(tmp_path / "copy.yaml"), "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert len(records(run)) == len(lines)
+
+
 def test_resume_with_another_attention_backend_is_refused_and_the_one_it_started_with_finishes_it(env, data, reference,
                                                                                                    tmp_path):
     """vLLM's kernels and torch's differ in the last bits: a run started where `auto` picked vLLM (a GPU node with
@@ -1991,6 +2119,32 @@ def follow_a_live_episode(env, data, tmp_path: Path, fmt: str) -> tuple[subproce
     proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), "--out", str(run), "--follow",
                  "--no-warmup", "--format", fmt)
     return proc, live, run
+
+
+def test_an_episode_folder_that_cannot_be_added_to_run_json_stops_the_run_naming_both(env, data, tmp_path):
+    """A robot starts an episode folder while the run's folder refuses writes (a full disk, a folder gone
+    read-only): run.json cannot list it, so --resume would not find its outputs. The run stops there (exit 1) with
+    an error naming the episode and run.json, not a traceback; run.json still lists the episodes it ran."""
+    from test_reliability_input import modes_bind
+
+    live, run = tmp_path / "live", tmp_path / "run"
+    write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
+    proc = subprocess.Popen([*modes_bind(), sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"),
+                             str(live), "--out", str(run), "--follow", "--no-warmup", "--format", "plain"], cwd=REPO,
+                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)  # arm_a's step 0 ran
+        run.chmod(0o555)
+        write_episode(live / "arm_b", steps_of(1, 3), prompt="task arm_b")
+        stderr = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+        run.chmod(0o755)
+    assert proc.returncode == 1, stderr
+    assert (f"Error: cannot add episode 'arm_b' ({live / 'arm_b'}) to {run / 'run.json'}: Permission denied\n"
+            in stderr), stderr
+    assert "Traceback" not in stderr
+    assert [e["name"] for e in json.loads((run / "run.json").read_text())["episodes"]] == ["arm_a"]
 
 
 def test_an_episode_folder_a_robot_starts_in_a_followed_folder_of_episodes_joins_the_run(env, data, reference,

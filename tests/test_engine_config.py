@@ -33,7 +33,10 @@ def test_unknown_config_name_suggests_a_builtin():
                             "'tpu'"),
         # torch keeps the index in 8 bits: cuda:256 was cuda:0, and cuda:2147483648 "a bug in ardiff"
         ({"device": "cuda:256"}, "field 'runtime.device': expected auto, .*, got 'cuda:256'"),
-        ({"dtype": "int8"}, "field 'runtime.dtype': expected float32 | bfloat16 | float16, got 'int8'"),
+        ({"dtype": "int8"}, "field 'runtime.dtype': expected float32 \\| bfloat16 \\| float16, got 'int8'$"),
+        # YAML reads `device: 0` and `dtype: 16` as numbers: the same error, not an AttributeError on .strip()
+        ({"device": 0}, "field 'runtime.device': expected auto, cpu, cuda or cuda:N \\(N from 0 to 127\\), got 0$"),
+        ({"dtype": 16}, "field 'runtime.dtype': expected float32 \\| bfloat16 \\| float16, got 16$"),
         ({"session_capacity": 0}, "field 'runtime.session_capacity': expected a positive integer up to 2147483647, "
                                   "got 0"),
         ({"session_capacity": 10**400}, "field 'runtime.session_capacity': expected a positive integer up to "
@@ -146,6 +149,9 @@ def test_public_surface_resolves_lazily():
     import ardiff_cli.runtime as runtime
 
     assert all(hasattr(runtime, name) for name in runtime.__all__)
+    assert not hasattr(runtime, "ARDiffusionEngin")  # a misspelt name: AttributeError, as for any module
+    with pytest.raises(ImportError, match="cannot import name 'ARDiffusionEngin' from 'ardiff_cli.runtime'"):
+        exec("from ardiff_cli.runtime import ARDiffusionEngin", {})
     for name in ("ARDiffusionEngine", "ARDiffusionModelRunner", "ARDiffusionKVState", "plan_capacity",
                  "SessionEvicted", "ARDiffusionRequest"):
         assert name in runtime.__all__

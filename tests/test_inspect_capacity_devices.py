@@ -355,6 +355,37 @@ def test_plain_output_says_branches_share_slots_only_when_they_do(tmp_path):
     assert "storage slot" not in result.stdout
 
 
+SHARED_SLOT = """
+import dataclasses
+
+from pipelines.dreamzero.pipeline import DreamZeroPipeline
+
+
+class SharedSlotDreamZero(DreamZeroPipeline):
+    class Config(DreamZeroPipeline.Config):
+        def kv_cache_spec(self):  # the CFG branches take turns in one storage slot
+            spec = super().kv_cache_spec()
+            return dataclasses.replace(spec, kv_branches=tuple(
+                dataclasses.replace(branch, local_index=0) for branch in spec.kv_branches))
+"""
+
+
+def test_plain_output_says_branches_share_slots_when_they_do(tmp_path):
+    """A pipeline whose two CFG branches share one storage slot: both self-attn rows are listed, and the row under
+    them says the session holds one slot, which is why its total is one branch's self-attention, not two."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "shared_slot.py").write_text(SHARED_SLOT)
+    args = ("dreamzero-tiny", "--pipeline", "shared_slot:SharedSlotDreamZero", "--device", "cpu", "--available", "1GiB")
+    result = inspect(tmp_path, *args, gpu=False, gpu_torch=False, fmt="plain", COLUMNS="200")
+    assert result.returncode == 0, result.stderr
+    assert "self-attn positive" in result.stdout and "self-attn negative" in result.stdout
+    assert re.search(r"^ +branches share 1 storage slot\(s\)$", result.stdout, re.M), result.stdout
+    per_session = json.loads(inspect(tmp_path, *args, gpu=False, gpu_torch=False).stdout)["per_session"]
+    assert per_session["self_attention_slots"] == 1
+    one_branch = per_session["self_attention_per_branch"]["positive"]
+    assert per_session["total"] == (one_branch + per_session["cross_attention_total"] + per_session["model_owned"])
+
+
 def test_a_gpu_build_of_torch_which_holds_its_cpu_library_too_plans_for_the_gpu(tmp_path):
     """A CUDA wheel of torch ships libtorch_cpu.so next to libtorch_cuda.so: it is a GPU build all the same, so
     auto plans for the GPU loading will run on, not for host memory."""
@@ -377,6 +408,30 @@ def test_an_nvidia_smi_that_fails_with_its_error_on_stdout_is_named_by_its_exit_
     assert data["plan_device"] == "cpu" and data["available_source"] == "available host memory"
     assert data["plan_device_reason"] == ("auto: no GPU (nvidia-smi -i 0 exited 18: Failed to initialize NVML: "
                                           "Driver/library version mismatch)")
+
+
+@pytest.mark.parametrize(("script", "why"), [
+    ("not a program\n", r"nvidia-smi failed: \[Errno 8\] Exec format error: '/.+/nvidia-smi'"),  # cannot start
+    ("#!/bin/sh\necho '[N/A], 1'\n", re.escape("nvidia-smi printed '[N/A], 1', expected 'FREE_MIB, COUNT'")),
+], ids=["cannot-start", "no-numbers"])
+def test_an_nvidia_smi_that_cannot_start_or_prints_no_numbers_is_named_and_never_a_traceback(tmp_path, script, why):
+    """An nvidia-smi that cannot be run (a broken driver install) or answers with no numbers: auto plans on the host
+    and says why; --device cuda, which has no host to fall back on, exits 2 with the same reason and a hint to pass
+    --available."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(script)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    proc = inspect(tmp_path, "dreamzero-tiny")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["plan_device"] == "cpu" and data["available_source"] == "available host memory"
+    assert re.fullmatch(rf"auto: no GPU \({why}\)", data["plan_device_reason"]), data["plan_device_reason"]
+    proc = inspect(tmp_path, "dreamzero-tiny", "--device", "cuda")
+    assert proc.returncode == 2, proc.stderr
+    error = json.loads(proc.stdout)
+    assert re.fullmatch(rf"cannot measure free memory of cuda:0 \(nvidia-smi GPU 0\): {why}", error["message"]), error
+    assert error["hint"] == "pass --available BYTES (e.g. --available 80GiB)" and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize(("args", "backend", "scratch"), [

@@ -54,6 +54,17 @@ def test_step_prompt_is_metadata(tmp_path, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_a_prompt_given_in_step_metadata_is_the_steps_prompt_and_only_text(tmp_path, fmt):
+    """metadata={"prompt": ...} is the step's prompt, as prompt= is: numpy's str_ (read from a dataset) is written as
+    text, a number is refused as prompt= refuses it, before anything is written."""
+    path = write_step(tmp_path / "ep", 0, arrays(0), metadata={"prompt": np.str_("open the drawer")}, format=fmt)
+    assert read_step(path).metadata == {"prompt": "open the drawer"}
+    with pytest.raises(TypeError, match=r"^prompt must be text \(str\), got 5 \(int\)$"):
+        write_step(tmp_path / "ep", 1, arrays(1), metadata={"prompt": 5}, format=fmt)
+    assert [p.name for p in (tmp_path / "ep").iterdir()] == [path.name]
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
 def test_any_array_name_is_kept_and_a_prompt_from_a_dataset_is_text(tmp_path, fmt):
     """np.savez(**arrays) took an array named 'allow_pickle' for its option (dropped) and one named 'file' for its
     argument (TypeError); a prompt read from a dataset is numpy's str_, which YAML could not write to episode.yaml."""
@@ -96,6 +107,12 @@ def test_what_a_step_file_cannot_hold_is_refused_before_anything_is_written(tmp_
             write_step(folder, 0, {"o": np.array([{}], dtype=object)}, format=format)
     with pytest.raises(TypeError, match=r"^array 'caption' has dtype <U4"):
         write_step(folder, 0, {"caption": np.array(["pick"])})
+    # numpy's and torch's own errors, named by the array: a ragged list, a dtype numpy has no type for
+    import torch
+
+    for value in ([[0.0, 1.0], [2.0]], torch.zeros(2, dtype=torch.float8_e4m3fn)):
+        with pytest.raises(TypeError, match=r"^array 'joints': cannot be a step file's array: "):
+            write_step(folder, 0, {"joints": value})
     # the prompt None was written as the text 'None' and ran as the prompt; a tensor as 'tensor(1.5000)'
     with pytest.raises(TypeError, match=r"^prompt must be text \(str\), got None"):
         write_step(folder, 0, arrays(0), metadata={"prompt": None})
@@ -131,6 +148,10 @@ def test_step_metadata_numbers_are_written_as_text_and_a_folder_is_a_folder(tmp_
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert write_step("~/ep", 0, arrays(0), prompt="p") == tmp_path / "home" / "ep" / "step_000000.safetensors"
     assert end_episode("~/ep") == tmp_path / "home" / "ep" / "END"
+    # ~user of no user is kept as written, as a shell keeps it: a folder of that name in the working folder
+    monkeypatch.chdir(tmp_path)
+    assert str(write_step("~nosuchuser-ardiff/ep", 0, arrays(0))) == "~nosuchuser-ardiff/ep/step_000000.safetensors"
+    assert (tmp_path / "~nosuchuser-ardiff" / "ep" / "step_000000.safetensors").is_file()
 
 
 def test_write_step_accepts_torch_tensors(tmp_path):
@@ -402,6 +423,16 @@ def test_read_step_takes_a_path_given_as_a_string(tmp_path):
     raw = read_step(str(path))
     np.testing.assert_array_equal(raw.arrays["image"], arrays(0)["image"])
     assert raw.sha256 == read_step(path).sha256
+
+
+def test_read_step_of_a_file_of_another_type_names_the_suffixes_it_reads(tmp_path):
+    """read_step (the public reader) of a file in a format ardiff never reads, a torch.save file here: the file and the
+    suffixes it does read are named, nothing is unpickled."""
+    path = tmp_path / "step_000000.pt"
+    path.write_bytes(b"\x80\x04K\x01.")
+    with pytest.raises(ObservationError, match=rf"^{re.escape(str(path))}: unsupported step file type '.pt'; use "
+                                               r"\.safetensors or \.npz$"):
+        read_step(path)
 
 
 @pytest.mark.parametrize("format", ["safetensors", "npz"])

@@ -171,6 +171,18 @@ def test_binary_episode_yaml_is_named_as_not_utf8(tmp_path):
         episode.metadata()
 
 
+@pytest.mark.parametrize("text", ["", "# the prompt comes with the first step\n"])
+def test_an_empty_episode_yaml_holds_no_metadata_and_takes_a_steps_prompt(tmp_path, text):
+    """An episode.yaml with nothing in it yet (`touch`, or only comments) is no metadata, not "must be a YAML mapping,
+    got NoneType"; the first step written with a prompt records it there."""
+    (tmp_path / "ep").mkdir()
+    (tmp_path / "ep" / "episode.yaml").write_text(text)
+    (episode,) = discover_episodes([tmp_path / "ep"])
+    assert episode.metadata() == {}
+    write_step(tmp_path / "ep", 0, good(0), prompt="pick")
+    assert (tmp_path / "ep" / "episode.yaml").read_text() == "prompt: pick\n"
+
+
 @pytest.mark.parametrize(("text", "fault", "hint"), [
     ("prompt: " + "[" * 5000 + "]" * 5000, "lists or mappings are nested too deeply", "runaway brackets"),
     ("prompt: pick\nrecorded: 2024-13-45\n", "month must be in 1..12", "quote the value"),  # Python cannot hold it
@@ -272,6 +284,21 @@ def test_run_info_that_is_not_an_object_is_a_config_error(tmp_path, text, fault)
     with pytest.raises(ConfigError, match=rf"run.json: cannot read run info: {re.escape(fault)}$") as info:
         RunFolder(tmp_path).read_info()
     assert "start a new run in another --out" in info.value.hint
+
+
+def test_resume_of_a_run_another_run_format_wrote_is_refused_and_left_as_it_was(tmp_path):
+    """A run folder written by an ardiff with another layout (run.json's "format") is not resumed with this one's
+    reading of it: exit 2 naming the file and the format found, a hint naming this one's, and nothing written."""
+    RunFolder(tmp_path / "run").start({"config": "dreamzero-tiny", "dtype": "float32", "episodes": []})
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    (tmp_path / "run" / "run.json").write_text(json.dumps({**info, "format": 2}))
+    before = sorted(p.name for p in (tmp_path / "run").iterdir())
+    result = ardiff("rollout", "--resume", "--out", "run", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    error = json.loads(result.stdout.splitlines()[-1])
+    assert error["message"] == "run/run.json: written by an incompatible ardiff (format 2)", error
+    assert error["hint"] == "resume it with the ardiff that started it (format 1 is this one's)", error
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before == ["run.json"]
 
 
 def test_resume_of_a_file_says_it_is_a_file_not_that_no_folder_is_there(tmp_path):

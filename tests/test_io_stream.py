@@ -308,6 +308,25 @@ def test_follow_warns_once_per_episode_about_step_files_that_arrived_after_it_en
     assert scheduler.late == {"d": ["step_000001.safetensors"]}
 
 
+def test_follow_ends_cleanly_when_an_ended_episodes_folder_is_taken_away_before_the_others_end(tmp_path):
+    """An episode folder moved away once its END was seen (an uploader archiving it) while another is still
+    followed: the look for step files that came after END, once every episode ended, has nothing to say of it,
+    rather than failing the whole run as it ends."""
+    write_episode(tmp_path / "a", [good(0)], prompt="p")  # step 0 and END
+    write_episode(tmp_path / "b", [good(0)], prompt="p", end=False)
+    clock = FakeClock([lambda: None] * 3 + [lambda: (tmp_path / "b" / "END").write_bytes(b"")])
+    warnings: list[str] = []
+    scheduler = StepScheduler(discover_episodes([tmp_path / "a", tmp_path / "b"]), follow=True, idle_timeout=10,
+                              poll_interval=1, clock=clock, sleep=clock.sleep, warn=warnings.append)
+    items = []
+    while (item := scheduler.next()) is not None:
+        items.append((item.episode.name, item.file.step if isinstance(item, StepTask) else item.reason))
+        if items[-1] == ("a", "end_marker"):
+            shutil.move(tmp_path / "a", tmp_path / "archived")
+    assert items == [("a", 0), ("a", "end_marker"), ("b", 0), ("b", "end_marker")]
+    assert warnings == [] and scheduler.late == {}
+
+
 def test_a_step_written_under_its_temporary_name_keeps_its_episode_from_the_idle_timeout(tmp_path):
     # write_step writes `.step_000001.safetensors.XXXX.tmp`, then renames it: a step slower to write than
     # --idle-timeout ended its episode, the step never ran, and the run said ok
@@ -722,6 +741,21 @@ def test_an_episode_folder_made_in_a_watched_folder_of_episodes_joins_the_run(tm
     assert items == [("arm_a", 0), ("arm_a", 1), ("arm_a", "end_marker"), ("arm_b", 0), ("arm_b", 1),
                      ("arm_b", "end_marker")]
     assert [(e.name, e.path) for e in added] == [("arm_b", data / "arm_b")]
+
+
+def test_a_watched_folder_of_episodes_taken_away_ends_the_run_naming_its_episodes_not_crashing_it(tmp_path):
+    """`--follow robots/`, and robots/ is moved away (an uploader archiving it) while followed: its episodes fail as
+    gone, and watching it for new episode folders stops finding any; the run ends an --idle-timeout later."""
+    data = tmp_path / "robots"
+    write_episode(data / "arm_a", [good(0)], prompt="p", end=False)
+    clock = FakeClock([lambda: shutil.move(data, tmp_path / "archived")])
+    scheduler = _watching(data, clock, idle_timeout=5)
+    items = []
+    while (item := scheduler.next()) is not None:
+        items.append((item.episode.name, item.reason, str(item.error)))
+    assert items == [("arm_a", "error", f"{data / 'arm_a'}: the episode folder is gone (deleted or renamed while it "
+                                        "was followed); 0 of its steps had arrived")]
+    assert clock.now == 6  # the move at 1 s, then 5 s with no episode folder made
 
 
 def test_a_watched_folder_of_episodes_ends_idle_timeout_after_its_last_episode_ended(tmp_path):

@@ -130,6 +130,9 @@ def test_a_snapshot_that_does_not_fit_is_refused_and_leaves_the_state_empty(make
         "counts": (KVSnapshot(snapshot.tensors, {"branches": {
             **snapshot.metadata["branches"], "positive": {"num_committed_frames": 4, "num_sink_pages": 1,
                                                           "num_window_pages": 9}}}), "holds 1 sink and 9 window"),
+        "count types": (KVSnapshot(snapshot.tensors, {"branches": {
+            **snapshot.metadata["branches"], "positive": {"num_committed_frames": "4", "num_sink_pages": True,
+                                                          "num_window_pages": 1}}}), "expected non-negative integers"),
         "layout": (KVSnapshot({**{k: t for k, t in snapshot.tensors.items() if "/kv" not in k},
                                "self/positive/blocks": torch.zeros(1), "self/negative/blocks": torch.zeros(1)},
                               snapshot.metadata), "expected ['cross/negative/text'"),
@@ -242,6 +245,32 @@ def test_decode_snapshot_refuses_tensors_it_cannot_have_written():
     assert state == {"step": 3} and num_requests == 1
     with pytest.raises(ValueError, match=r"cannot have written: \['junk/x'\]"):
         decode_snapshot({**tensors, "junk/x": torch.zeros(1)}, metadata)
+
+
+def test_a_pipeline_state_of_nested_plain_values_comes_back_equal_and_one_json_would_change_is_refused(tmp_path):
+    """A pipeline's exported state of dicts and lists (str keys, plain items) comes back from the file equal; a
+    dict key JSON would give back as a str, or a state that is no dict, is a TypeError naming where it is, before
+    any file is written. Decoding refuses metadata it cannot have written, naming what is wrong."""
+    from ardiff_cli.runtime.swap import SwapStore, decode_snapshot, encode_snapshot
+
+    kv = KVSnapshot({}, {"branches": {}})
+    plain = {"steps": [1, 2.5, None, ["a", {"b": 3}]], "record": {"task": "pick", "ids": []}}
+    store = SwapStore(tmp_path / "swap", 1 << 20)
+    store.write("a", *encode_snapshot(kv, {**plain, "latent": torch.ones(2)}, 4))
+    store.flush()
+    tensors, metadata, _ = store.read("a")
+    _, state, num_requests = decode_snapshot(tensors, metadata)
+    assert num_requests == 4 and torch.equal(state.pop("latent"), torch.ones(2)) and state == plain
+    store.clear()
+    with pytest.raises(TypeError, match=r"^export\(\)\['record'\]\['by_step'\]\[0\] has the key 3, a int, which "
+                       "JSON gives back as a str$"):
+        encode_snapshot(kv, {"record": {"by_step": [{3: "x"}]}}, 1, where="export()")
+    with pytest.raises(TypeError, match=r"^export\(\) returned list, expected a dict"):
+        encode_snapshot(kv, [("step", 3)], 1, where="export()")
+    with pytest.raises(ValueError, match=r"metadata is malformed \(kv, pipeline, num_requests\)"):
+        decode_snapshot(tensors, {**metadata, "num_requests": "4"})
+    with pytest.raises(ValueError, match=r"pipeline tensors are \['latent'\], its metadata lists \[\]"):
+        decode_snapshot(tensors, {**metadata, "pipeline": {**metadata["pipeline"], "tensors": []}})
 
 
 def test_a_new_snapshot_of_a_session_replaces_its_old_one_in_the_byte_count(tmp_path):

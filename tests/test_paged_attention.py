@@ -193,8 +193,9 @@ def test_seeded_random_geometries_match_dense_reference(layout):
 
 @pytest.mark.parametrize("layout", ["torch", "block"])
 def test_store_is_a_commit_pass_write_checked_like_attend(make_spec, make_cache, layout):
-    """``store`` writes only in a commit pass, once per layer, with attend's K/V shapes; a partial forward that
-    stored only some layers is still refused at commit, and the session is usable after each refusal."""
+    """``store`` writes only in a commit pass (the layer's ``commit_current``), once per layer (a second store or
+    attend of it is refused), with attend's K/V shapes; a partial forward that stored only some layers is still
+    refused at commit, and the session is usable after each refusal."""
     spec = make_spec(num_layers=2, kv_branches=CFG, max_scratch_tokens_per_branch=2)
     backend = "torch" if layout == "torch" else TorchPagedKernel(2)
     cache = make_cache(spec, attention_backend=backend)
@@ -213,7 +214,10 @@ def test_store_is_a_commit_pass_write_checked_like_attend(make_spec, make_cache,
         contexts[1].store(too_long, too_long)
     with pytest.raises(ValueError, match=r"^k must be torch.float32 on cpu like the KV pool, got torch.float64"):
         contexts[1].store(k.double(), k)  # named as the tensor it is (a store has no q)
+    assert contexts[1].commit_current and not denoise[1].commit_current  # how a layer tells store from attend
     contexts[1].store(k, k)
+    with pytest.raises(RuntimeError, match="layer 1 of branch 'positive' attended twice"):
+        contexts[1].store(k, k)
     with pytest.raises(RuntimeError, match="attended twice"):
         contexts[1].attend(torch.randn(2, seq_len + 1, 8), k, k)
     with pytest.raises(RuntimeError, match="after a partial forward: 1 of 2 layers"):

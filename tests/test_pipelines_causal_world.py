@@ -150,7 +150,8 @@ def test_commit_pass_without_outputs_writes_what_a_full_commit_pass_writes(backe
     """``rollout.commit`` (the last layer only projects and stores its K/V) against ``run(commit=True)`` (every
     layer attends, the head runs), on two sessions of one cache fed the same segments, with a register token,
     past several window wraps: every later pass returns bit-identical outputs, so every layer committed the same
-    K/V. ``kernel`` is the paged-kernel layout (the stand-in with 3-token blocks, leaving a tail in every page)."""
+    K/V. ``kernel`` is the paged-kernel layout (the stand-in with 3-token blocks, leaving a tail in every page).
+    The dense reference's ``run(commit=True)``, which no sampler of ours calls, makes history as the paged one."""
     from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
     from ardiff_cli.runtime.kv.layout import KVLayout
     from ardiff_cli.runtime.kv.vllm_attention import TorchPagedKernel
@@ -163,10 +164,12 @@ def test_commit_pass_without_outputs_writes_what_a_full_commit_pass_writes(backe
     cache = ARDiffusionKVCache(spec, KVLayout.from_spec(spec).managed_pages(2), dtype=pipe.dtype,
                                attention_backend="torch" if backend == "torch" else TorchPagedKernel(3))
     full, lean = (PagedRollout(pipe.transformer, cache.new_state(s), pipe.cross_names) for s in ("full", "lean"))
+    dense = DenseReferenceRollout(pipe.transformer, sink_frames=c.sink_frames, window_frames=c.window_frames,
+                                  cross_names=pipe.cross_names)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         text = list(pipe._text_kv("a lighthouse at dusk"))
-        for rollout in (full, lean):
+        for rollout in (full, lean, dense):
             rollout.set_cross("main", "text", iter(text))
         num_blocks = 3 * (c.sink_frames + c.window_frames) // c.frames_per_block
         for _ in range(num_blocks):
@@ -181,9 +184,13 @@ def test_commit_pass_without_outputs_writes_what_a_full_commit_pass_writes(backe
 
             a, b = (rollout.run("main", segment(500.0), commit=False) for rollout in (full, lean))
             assert torch.equal(a.video, b.video) and torch.equal(a.registers, b.registers)
-            assert full.run("main", segment(0.0), commit=True).video is not None
+            torch.testing.assert_close(dense.run("main", segment(500.0), commit=False).video, a.video, atol=1e-5,
+                                       rtol=0)
+            committed = full.run("main", segment(0.0), commit=True).video
+            torch.testing.assert_close(dense.run("main", segment(0.0), commit=True).video, committed, atol=1e-5, rtol=0)
             assert lean.commit("main", segment(0.0)) is None
-    assert full.num_frames("main") == lean.num_frames("main") == num_blocks * c.frames_per_block
+    frames = num_blocks * c.frames_per_block
+    assert full.num_frames("main") == lean.num_frames("main") == dense.num_frames("main") == frames
 
 
 def test_shifted_schedule_is_wans_and_runs_from_pure_noise_to_data():

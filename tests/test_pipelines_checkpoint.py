@@ -262,6 +262,24 @@ def test_a_config_of_absurdly_many_layers_is_refused_without_building_its_blocks
     assert max(built) <= 3 and set(ardiff_cache.iterdir()) == cached
 
 
+def test_a_model_whose_layers_are_not_alike_is_counted_whole():
+    """The count from one, two and three layers holds only for a model whose every layer adds the same parameters;
+    a third-party model whose don't (here a gate per pair of layers) is counted whole, not extrapolated: the count
+    decides the refusal and the host memory fresh weights take."""
+    base = causal_world.pipeline_class()
+
+    class Uneven(base):
+        @classmethod
+        def build_modules(cls, config):
+            modules = super().build_modules(config)
+            modules.register_parameter("gates", torch.nn.Parameter(torch.zeros(config.num_layers ** 2)))
+            return modules
+
+    five = tiny(causal_world, num_layers=5)
+    whole = count_parameters(lambda: Uneven.build_modules(five))
+    assert count_config_parameters(Uneven, five) == whole == count_config_parameters(base, five) + 25
+
+
 def test_command_line_init_refuses_weights_the_host_cannot_hold(tmp_path, capsys, monkeypatch):
     """Checked before building: a 14B config would take 57+ GB of float32 on the host."""
     import ardiff_cli.runtime.capacity as capacity
@@ -365,6 +383,19 @@ def test_command_line_refuses_extra_arguments_instead_of_ignoring_them(tmp_path,
     assert main(["init", "causal-world-tiny", str(out), "--force"]) == 2  # not an option init has: usage, no file
     assert capsys.readouterr().err.startswith("usage: python -m pipelines.checkpoint") and not out.exists()
     assert main(["path", "causal-world-tiny", "extra"]) == 2
+
+
+def test_command_line_init_into_a_folder_says_so_exits_2_and_leaves_no_temporary_file(tmp_path):
+    """`python -m pipelines.checkpoint init CONFIG OUT` with OUT an existing folder: "Error: cannot write OUT: Is a
+    directory" and exit status 2 (main()'s return is the process's), and the temporary file the weights were
+    written to first is removed, not left beside OUT."""
+    out = tmp_path / "world.safetensors"
+    out.mkdir()
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "pipelines.checkpoint", "init", "causal-world-tiny", str(out)],
+                          cwd=repo, capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stdout) == (2, "") and done.stderr == f"Error: cannot write {out}: Is a directory\n"
+    assert list(tmp_path.iterdir()) == [out] and list(out.iterdir()) == []
 
 
 def test_command_line_init_needs_four_bytes_of_host_memory_a_parameter(tmp_path, monkeypatch):

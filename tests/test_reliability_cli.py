@@ -238,6 +238,19 @@ def test_resume_that_retries_an_episodes_last_step_leaves_no_failure_in_the_summ
     assert summary["status"] == "ok" and summary["steps"]["failed"] == 0 and summary["steps"]["ok"] == 12
 
 
+def test_verbose_prints_a_failed_episodes_traceback_where_the_run_goes_on(env, data, tmp_path):
+    """--verbose is where a pipeline author sees where their forward failed: the failed episode's traceback is
+    printed before its error line, also when the run goes on with the other episodes (without --fail-fast)."""
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 1}]
+    proc = ardiff(env, *rollout_args(data, tmp_path / "run", "--verbose"), faults=faults)
+    assert proc.returncode == 4, proc.stderr
+    error = ("Error: episode 'arm_b' failed at step 1 in the model's forward: InjectedFault: injected fault in "
+             "transformer block 1")
+    before = proc.stderr[:proc.stderr.index(error)]
+    assert before.count("Traceback (most recent call last):") == 1, proc.stderr
+    assert "faulty_pipelines.py" in before and "InjectedFault: injected fault in transformer block 1" in before
+
+
 def test_a_failed_episode_does_not_keep_its_forwards_tensors_alive(env, data, tmp_path):
     probe = tmp_path / "alive.json"
     faults = [{"request": "arm_b/000001", "site": "block", "layer": 1, "probe": True},
@@ -392,6 +405,18 @@ def test_a_signal_that_a_pipelines_catch_all_caught_still_stops_the_run_then_res
     assert sorted((r["episode"], r["step"]) for r in records(run)) == sorted(
         (e, s) for e in EPISODES for s in range(3))
     assert_matches(run, reference)
+
+
+def test_a_signal_that_a_pipelines_catch_all_wraps_while_it_loads_stops_the_run_as_interrupted(env, data, tmp_path):
+    """The stop raised inside the pipeline's from_config, caught there and wrapped in the pipeline's own error: the
+    run is reported as stopped (exit 143, its hint that nothing was written), not as a pipeline that failed to load
+    (exit 1, "fix the pipeline")."""
+    run = tmp_path / "run"
+    proc = ardiff(env, *rollout_args(data, run), faults=[{"site": "load", "action": "wrap_signal"}])
+    assert proc.returncode == 143, proc.stderr
+    assert proc.stderr.splitlines()[-2:] == [
+        "Error: interrupted by SIGTERM", "hint: nothing was written yet: run the same command again"], proc.stderr
+    assert not (run / "run.json").exists() and not (run / "summary.json").exists()
 
 
 def test_a_signal_while_the_pipeline_imports_a_dependency_stops_the_run_before_it_writes_anything(env, data, reference,

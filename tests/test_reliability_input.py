@@ -901,6 +901,20 @@ def test_a_python_request_with_nan_is_refused_by_the_pipeline_too():
     assert "sensor dropout" in info.value.hint
 
 
+def test_a_python_request_value_that_is_no_array_names_its_key_and_why():
+    """A value numpy cannot make one array of (a ragged list of joint readings) is the ObservationError naming the
+    key and numpy's reason, like every other bad field: not a ValueError from inside numpy."""
+    from pipelines.dreamzero import observation_schema
+
+    from ardiff_cli.runtime.observation import validate_observation
+
+    image = np.zeros((16, 16, 3), np.uint8)
+    arrays = {"exterior_image_0": image, "exterior_image_1": image, "wrist_image": image,
+              "joint_position": [[0.0] * 4, [0.0] * 3], "gripper_position": np.zeros(1, np.float32), "prompt": "pick"}
+    with pytest.raises(ObservationError, match=r"^request r1: 'joint_position' is not an array \(list: \w"):
+        validate_observation(observation_schema(), arrays, where="request r1")
+
+
 def test_validating_something_other_than_a_mapping_is_an_observation_error_naming_the_fields():
     """validate_observation(schema, None, where=...) (a client's observation not yet decoded, or a list of them) was
     an AttributeError: 'NoneType' object has no attribute 'items'."""
@@ -1138,6 +1152,24 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_the_model_loads(
             "hint: choose a folder you can write\n") in proc.stderr, proc.stderr
     assert list(out.iterdir()) == []
     assert "Traceback" not in proc.stderr and "planned" not in proc.stderr  # refused before the model loads
+
+
+@pytest.mark.parametrize("given", ["EPISODE", "--out"])
+def test_an_episode_or_out_folder_this_user_cannot_read_is_a_usage_error_naming_it(tmp_path, cli_env, locked, given):
+    """A folder given on the command line that exists but that this user may not read: exit 2 naming the option and
+    the folder, before the model loads or any output folder is made."""
+    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
+    episode(tmp_path / "healthy", 1)
+    episodes, out = (locked, tmp_path / "run") if given == "EPISODE" else (tmp_path / "healthy", locked)
+    proc = subprocess.run([*modes_bind(), sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "fast.yaml"),
+                           str(episodes), "-o", str(out), "--no-warmup", "--format", "json"], env=cli_env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    option = "'EPISODE'" if given == "EPISODE" else "'--out' / '-o'"
+    assert json.loads(proc.stdout) == {  # the whole of stdout: one object
+        "kind": "usage_error", "message": f"Invalid value for {option}: path {str(locked)!r} is not readable.",
+        "hint": "see ardiff rollout --help", "exit_code": 2}
+    assert not (tmp_path / "run").exists() and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("value", ["inf", "1e400"])
@@ -1432,14 +1464,16 @@ def test_schema_problems_of_shapes_and_shared_keys():
 
 
 def test_a_schema_with_a_wrong_field_prompt_key_dtype_or_size_is_a_problem_named_for_its_author():
-    """A pipeline's schema holding something other than ObservationFields, a prompt key that is not text, a dtype
-    numpy does not name ("float") or a negative size otherwise fails every step file as if the file were at fault
-    (or crashes in numpy): problems() names each, so the author is told."""
+    """A pipeline's schema holding something other than ObservationFields, a field without a name, a prompt key that
+    is not text, a dtype numpy does not name ("float") or a negative size otherwise fails every step file as if the
+    file were at fault (or crashes in numpy): problems() names each, so the author is told."""
     joints = ObservationField("joints", "float32", ((7,),))
     assert ObservationSchema((joints, ("joints", "float32"))).problems() == [
         "fields must be a tuple of ObservationField, got (ObservationField(name='joints', dtype=...ases=(), "
         "required=True, description=''), ('joints', 'float32'))"]
     assert ObservationSchema((joints,), prompt_key=None).problems() == ["prompt_key must be text, got None"]
+    assert ObservationSchema((ObservationField("", "float32", ((7,),)),)).problems() == [
+        "field '': its name must be non-empty text"]  # no step file could give it
     (problem,) = ObservationSchema((ObservationField("j", "float", ((7,),)),)).problems()
     assert problem.startswith("field 'j': dtype must be the name of one, such as 'uint8' or 'float32' (bool, ")
     assert problem.endswith("float64), got 'float'")

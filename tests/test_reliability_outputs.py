@@ -205,6 +205,34 @@ def test_a_full_disk_keeps_the_runs_own_error_when_summary_json_cannot_be_writte
     assert_complete(out, reference)
 
 
+def test_a_summary_json_that_cannot_be_written_after_every_step_ran_is_exit_1_and_resume_writes_it(data, reference,
+                                                                                                  tmp_path,
+                                                                                                  monkeypatch):
+    """Every step done, then the disk refuses summary.json alone: the run must not exit 0 (a script would take it as
+    whole, with no summary to read); it says which file and that --resume writes it, which it does without running
+    a step again."""
+    out = tmp_path / "run"
+    real_mkstemp = atomic.tempfile.mkstemp
+
+    def mkstemp(*args, **kwargs):  # every atomic write starts here; summary.json's temporary file is .summary.json.*
+        if kwargs.get("prefix") == ".summary.json.":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_mkstemp(*args, **kwargs)
+
+    monkeypatch.setattr(atomic.tempfile, "mkstemp", mkstemp)
+    result = rollout(data, out)
+    monkeypatch.undo()
+    assert result.exit_code == 1, result.stderr
+    assert result.stderr.endswith(f"Error: cannot write {out / 'summary.json'}: No space left on device\n"
+                                  "hint: free some space or fix the folder's permissions, then --resume writes it\n"
+                                  ), result.stderr
+    assert not (out / "summary.json").exists() and len(records(out)) == 6
+    result = resume(out)
+    assert result.exit_code == 0, result.stderr
+    assert json.loads((out / "summary.json").read_text())["status"] == "ok" and len(records(out)) == 6
+    assert_complete(out, reference)
+
+
 @pytest.mark.parametrize("replaced", [False, True], ids=["removed", "replaced"])
 def test_an_out_folder_removed_during_the_run_stops_it_instead_of_re_creating_it(data, tmp_path, monkeypatch,
                                                                                   replaced):

@@ -379,6 +379,20 @@ def test_requests_before_load_and_reserved_id_are_refused():
         runner.execute_model(request(WARMUP_SESSION_ID, 0))
 
 
+def test_a_second_load_is_refused_and_leaves_the_pools_and_sessions_as_they_were():
+    """load() of a loaded runner would allocate a second set of pools under its live sessions: an EngineStateError
+    saying it ran already, with the hint to close() it and make a new one; the sessions' KV stays."""
+    runner = make_runner()
+    runner.execute_model(request("a", 0))
+    cache, plan, held = runner.kv_cache, runner.capacity_plan, held_pages(runner)
+    with pytest.raises(EngineStateError, match=r"^ARDiffusionModelRunner.load\(\) ran already") as info:
+        runner.load()
+    assert "close() it" in info.value.hint
+    assert runner.kv_cache is cache and runner.capacity_plan is plan and held_pages(runner) == held
+    runner.execute_model(request("a", 1))
+    runner.close()
+
+
 def test_a_runner_closed_before_it_loaded_has_no_pool_to_report():
     """pool_usage() of a runner closed without load() raised AttributeError on its None KV cache."""
     runner = ARDiffusionModelRunner(TinyPipeline(), memory_budget=BUDGET)

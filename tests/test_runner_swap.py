@@ -320,7 +320,7 @@ def test_a_request_for_a_session_whose_snapshot_is_corrupt_raises_and_does_not_r
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "missing", "other-geometry", "other-dtype",
-                                    "other-record"])
+                                    "other-record", "other-fields"])
 def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(tmp_path, damage):
     engine, events = engine_for("dreamzero-tiny", capacity=1, swap_dir=tmp_path)
     runner = engine.runner
@@ -345,10 +345,11 @@ def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(t
             tensors = {k: t[:-1].clone() if k.startswith("kv/") else t for k, t in tensors.items()}
         elif damage == "other-dtype":  # the same geometry in half precision (a run with another --dtype, say)
             tensors = {k: t.half() if k.startswith("kv/") else t for k, t in tensors.items()}
-        else:  # a pipeline record whose counter is not a number
+        else:  # a pipeline record whose counter is not a number, or is named otherwise (another release's record)
             header = metadata["ardiff_swap"]
-            metadata["ardiff_swap"] = re.sub(r'"num_requests": 1(?=[,}])', '"num_requests": "1"', header, count=1)
-            assert '"num_requests": "1"' in metadata["ardiff_swap"]
+            given = '"num_requests": "1"' if damage == "other-record" else '"requests_done": 1'
+            metadata["ardiff_swap"] = re.sub(r'"num_requests": 1(?=[,}])', given, header, count=1)
+            assert given in metadata["ardiff_swap"]
         save_file(tensors, str(path), metadata=metadata)
     free = runner.pool_usage().num_free
     with pytest.raises(SwapRestoreError, match=r"cannot restore session 'a' from .*\.safetensors: ") as info:
@@ -359,9 +360,11 @@ def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(t
     if damage == "other-dtype":
         # the dtype alone differs: the shape is this cache's
         assert re.search(r"'[\w/]+' is torch\.float16 (\([\d, ]+\)), expected torch\.float32 \1 ", str(info.value))
-    if damage == "other-record":  # found by the pipeline once admitted: released whole, b was swapped for it
+    if damage in ("other-record", "other-fields"):  # found by the pipeline once admitted: released whole, b was
+        # swapped for it
         assert "DreamZeroPipeline.import_ar_diffusion_session() raised ValueError: " in str(info.value)
-        assert "field 'num_requests' is str, expected int" in str(info.value)
+        assert ("field 'num_requests' is str, expected int" if damage == "other-record" else
+                "'requests_done'], expected those of DreamZeroSession: [") in str(info.value)
         assert [e.reason for e in events if e.kind == "session_closed"] == ["restore_failed"]
         assert runner.session_ids == [] and runner.pool_usage().num_used == 0 and runner.restore_session("b")
     else:
@@ -398,6 +401,31 @@ def test_ctrl_c_while_a_session_is_restored_leaves_no_part_of_it_resident(tmp_pa
     runner.swap.flush()
     assert not runner.swap.has("a") and not runner.swap.path_for("a").exists()  # deleted as it was read
     assert [(e.session_id, e.reason) for e in events if e.kind == "session_closed"] == [("a", "restore_failed")]
+    engine.close()
+
+
+def test_a_stop_while_a_snapshot_is_read_is_the_stop_not_an_unreadable_snapshot(tmp_path, monkeypatch):
+    """The CLI's Interrupted (a StopRequested, an Exception) raised while a snapshot file is read propagates as
+    itself: not taken for an unreadable file (a SwapRestoreError, whose episode fails) or for a pipeline's error;
+    nobody is evicted for the session, and its snapshot goes, as in a stop while the pipeline takes it back."""
+    from ardiff_cli.runtime.errors import StopRequested
+
+    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    runner = engine.runner
+    run(engine, "a", 0)
+    run(engine, "b", 0)  # a swapped out
+    runner.swap.flush()
+
+    def stop(session_id):
+        raise StopRequested("interrupted while reading")
+
+    monkeypatch.setattr(runner.swap, "read", stop)
+    with pytest.raises(StopRequested) as info:
+        runner.restore_session("a")
+    assert type(info.value) is StopRequested and info.value.__cause__ is None
+    monkeypatch.undo()
+    assert runner.session_ids == ["b"] and not [e for e in events if e.kind in ("session_restored", "swap_failed")]
+    assert not runner.swap.has("a") and not runner.swap.path_for("a").exists()
     engine.close()
 
 
@@ -1229,6 +1257,35 @@ def test_an_adopted_file_of_another_session_or_a_bad_name_is_refused(tmp_path):
     with pytest.raises(SwapRestoreError, match="holds session 'a', expected 'b'"):
         second.runner.restore_session("b")
     second.close()
+
+
+def test_a_snapshot_adopted_for_a_resident_session_or_by_a_runner_that_does_not_swap_is_not_taken(tmp_path):
+    """adopt_snapshot() is False, leaving the file and the session as they were, when the session is resident (its
+    live history must not be replaced by the file's) or the runner does not swap; a session id that is no
+    non-empty string, or warmup's reserved one, is a RequestError naming it."""
+    from ardiff_cli.runtime.runner import WARMUP_SESSION_ID
+
+    first, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    run(first, "a", 0)
+    run(first, "b", 0)
+    kept = first.runner.detach_snapshots()
+    first.close()
+    second, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    for session_id in ("", WARMUP_SESSION_ID, 7):
+        with pytest.raises(RequestError, match=r"^adopt_snapshot\(\) takes a session id \(a non-empty string, not "
+                           rf"'{WARMUP_SESSION_ID}'\), got {re.escape(repr(session_id))}$"):
+            second.runner.adopt_snapshot(session_id, kept["a"])
+    run(second, "a", 0)
+    run(second, "a", 1)
+    assert second.runner.adopt_snapshot("a", kept["a"]) is False
+    assert (tmp_path / kept["a"]).is_file() and second.runner.pool_usage().num_swapped == 0
+    (view,) = second.runner.sessions()
+    assert view.session_id == "a" and view.committed_frames == {"main": 6}  # its own two blocks, not the file's one
+    second.close()
+    plain, _ = engine_for("causal-world-tiny", capacity=1)
+    assert plain.runner.adopt_snapshot("a", kept["a"]) is False and (tmp_path / kept["a"]).is_file()
+    plain.close()
+    assert not [e for e in events if e.kind == "session_restored"]
 
 
 @pytest.mark.parametrize("name", ["causal-world-tiny", "dreamzero-tiny"])
