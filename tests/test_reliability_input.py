@@ -1106,23 +1106,29 @@ def test_an_episode_on_a_path_this_user_cannot_enter_fails_alone_in_a_run_and_in
     assert [(r["episode"], r["status"]) for r in lines if r["status"] == "ok"] == [("healthy", "ok"), ("b", "ok")]
 
 
-def test_a_followed_episode_folder_locked_mid_run_fails_that_episode_naming_why(tmp_path):
-    """An episode folder made unenterable while --follow watches it (its recorder's account changed): looking for
-    its END file raised PermissionError out of the scheduler, a traceback that stopped the whole run. The episode
-    ends with the error of its folder, as when a scan meets it."""
-    folder = tmp_path / "live"
+@pytest.mark.parametrize(("locked", "mode"), [("folder", "000"), ("folder", "444"), ("parent", "000")])
+def test_a_followed_episode_folder_locked_mid_run_fails_that_episode_naming_why(tmp_path, locked, mode):
+    """An episode folder made unenterable while --follow watches it (its recorder's account changed: no access at
+    all, read but not enter, or a folder above it locked): looking for its END file, at it, or at a new step file
+    raised PermissionError out of the scheduler, a traceback that stopped the whole run. The episode ends with the
+    error of its folder, as when a listing of it fails."""
+    folder = tmp_path / "robots" / "live"
     write_step(folder, 0, good(0, 0), prompt="p")
+    target = folder if locked == "folder" else folder.parent
     script = f"""
 import os
 from pathlib import Path
 from fake_clock import FakeClock
+from ardiff_cli.io import write_step
 from ardiff_cli.io.episode import EpisodeSource
 from ardiff_cli.io.stream import StepScheduler
+from test_reliability_input import good
 clock = FakeClock()
 scheduler = StepScheduler([EpisodeSource(name="live", path=Path({str(folder)!r}))], follow=True, idle_timeout=10,
                           poll_interval=1, clock=clock, sleep=clock.sleep)
 print(scheduler.next().file.step)
-os.chmod({str(folder)!r}, 0)
+write_step({str(folder)!r}, 1, good(0, 1))  # listed, then looked at: refused in a folder it may read, not enter
+os.chmod({str(target)!r}, {int(mode, 8)})
 ended = scheduler.next()
 print(ended.reason, ended.error, scheduler.next())
 """
@@ -1131,7 +1137,7 @@ print(ended.reason, ended.error, scheduler.next())
         proc = subprocess.run([*modes_bind(), sys.executable, "-c", script], env=env, capture_output=True, text=True,
                               timeout=120)
     finally:
-        folder.chmod(0o755)
+        target.chmod(0o755)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == f"0\nerror {folder}: cannot list the episode folder: Permission denied None\n"
 

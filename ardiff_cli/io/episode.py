@@ -161,15 +161,18 @@ def gap_error(folder: Path, steps: list[int], missing: list[int]) -> Observation
     )
 
 
+def unreadable_folder(folder: Path, exc: OSError) -> ObservationError:
+    """The error of an episode folder that cannot be listed, or looked into (EACCES on it or a folder above)."""
+    return ObservationError(f"{folder}: cannot list the episode folder: {exc.strerror or exc}",
+                            hint="check that the folder exists and that the user running ardiff may read and enter "
+                                 "it (permissions r-x)")
+
+
 def _list_names(folder: Path) -> list[str]:
     try:
         return os.listdir(folder)
     except OSError as exc:
-        raise ObservationError(
-            f"{folder}: cannot list the episode folder: {exc.strerror or exc}",
-            hint="check that the folder exists and that the user running ardiff may read and enter it "
-                 "(permissions r-x)",
-        ) from None
+        raise unreadable_folder(folder, exc) from None
 
 
 def _list_folder(folder: Path) -> list[Path]:

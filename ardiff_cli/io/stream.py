@@ -46,7 +46,7 @@ from pathlib import Path
 
 from ardiff_cli.io.atomic import temporary_pattern
 from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, StepFile, gap_error, listed, looks_whole,
-                                   missing_steps, new_episode_folders, other_step_formats)
+                                   missing_steps, new_episode_folders, other_step_formats, unreadable_folder)
 from ardiff_cli.runtime.errors import ObservationError
 
 # write_step's temporary file of a step file being written (atomic_write_bytes): activity for the idle timer
@@ -386,9 +386,10 @@ class StepScheduler:
             return
         try:
             self._scan(track, force=force)
-        except ObservationError as exc:
+        except (ObservationError, OSError) as exc:  # OSError: its folder, or one above, made unenterable meanwhile
+            error = exc if isinstance(exc, ObservationError) else unreadable_folder(track.source.path, exc)
             track.ended = True
-            self._pending_ends.append(EpisodeEnded(episode=track.source, reason="error", error=exc))
+            self._pending_ends.append(EpisodeEnded(episode=track.source, reason="error", error=error))
 
     def _scan(self, track: _Track, *, force: bool = False) -> None:
         if not self.follow:
