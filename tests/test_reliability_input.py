@@ -1083,20 +1083,24 @@ def test_resume_of_a_run_whose_episode_folder_was_locked_since_fails_that_episod
     assert "Traceback" not in proc.stderr
 
 
-def test_an_episode_on_a_path_this_user_cannot_enter_fails_alone_in_a_run_and_in_its_resume(tmp_path, cli_env):
-    """EPISODE in a folder this user may not enter (mode 000): Path.exists raised PermissionError, so the run, and
-    its --resume, ended in 'unexpected PermissionError ... a bug in ardiff' (exit 1) before any episode ran. It is
-    one episode whose error names it, while the others run; once the folder is opened, --resume runs it."""
+@pytest.mark.parametrize("locked", ["parent", "folder"])
+def test_an_episode_on_a_path_this_user_cannot_enter_fails_alone_in_a_run_and_in_its_resume(tmp_path, cli_env,
+                                                                                           locked):
+    """EPISODE in a folder this user may not enter (mode 000), or one it may list but not enter (mode 444):
+    Path.exists and Path.is_dir raised PermissionError, so the run, and its --resume, ended in 'unexpected
+    PermissionError ... a bug in ardiff' (exit 1) before any episode ran. It is one episode whose error names it,
+    while the others run; once the folder is opened, --resume runs it."""
     healthy = episode(tmp_path / "healthy", 1)
     fenced = episode(tmp_path / "fence" / "b", 1)
     said = (f"Error: episode 'b' failed: {fenced}: cannot list the episode folder: Permission denied\n"
             "hint: check that the folder exists and that the user running ardiff may read and enter it")
-    (tmp_path / "fence").chmod(0)
+    target, mode = (tmp_path / "fence", 0) if locked == "parent" else (fenced, 0o444)
+    target.chmod(mode)
     try:
         runs = [_rollout(tmp_path, cli_env, str(healthy), str(fenced), "-o", str(tmp_path / "run")),
                 _rollout(tmp_path, cli_env, "--resume", "-o", str(tmp_path / "run"))]
     finally:
-        (tmp_path / "fence").chmod(0o755)
+        target.chmod(0o755)
     for proc in runs:
         assert proc.returncode == 4, proc.stderr  # some episodes failed
         assert said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

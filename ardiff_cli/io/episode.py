@@ -249,11 +249,10 @@ def _warn_about_episodes_inside(folder: Path, warn: Callable[[str], None] | None
     """A folder taken for one episode whose subfolders hold episodes (a stray step file copied into a folder of
     episodes) runs as one episode: say that those do not run."""
     try:
-        children = _list_folder(folder)
-    except ObservationError:
-        return  # unreadable: its episode fails with the reason
-    inside = sorted(p.name for p in children if p.is_dir() and not p.name.startswith(".")
-                    and episode_entries(p) and not _is_run_output(p))
+        inside = sorted(p.name for p in _list_folder(folder) if p.is_dir() and not p.name.startswith(".")
+                        and episode_entries(p) and not _is_run_output(p))
+    except (ObservationError, OSError):
+        return  # unreadable, or readable but not enterable (is_dir raises EACCES): its episode fails with the reason
     if inside and warn is not None:
         warn(f"{folder} is one episode (it holds {listed(episode_entries(folder))}); its folders "
              f"{listed(inside, limit=5)} hold episodes that do not run: pass them as EPISODE, or move the stray "
