@@ -1146,6 +1146,41 @@ print(ended.reason, ended.error, scheduler.next())
     assert proc.stdout == f"0\nerror {folder}: cannot list the episode folder: Permission denied None\n"
 
 
+def test_a_watched_folder_of_episodes_made_unenterable_mid_run_ends_its_episodes_naming_why(tmp_path):
+    """`--follow robots/`, and robots/ becomes readable but not enterable (mode 444) just as a robot starts arm_b
+    there: looking at the new entry raised PermissionError out of the scheduler, a traceback that stopped the run.
+    Its followed episode fails naming its folder, the entry it cannot look at is not taken for an episode, and the
+    run ends."""
+    data = tmp_path / "robots"
+    write_step(data / "arm_a", 0, good(0, 0), prompt="p")
+    script = f"""
+import os
+from pathlib import Path
+from fake_clock import FakeClock
+from ardiff_cli.io import write_step
+from ardiff_cli.io.episode import discover_episodes
+from ardiff_cli.io.stream import StepScheduler
+from test_reliability_input import good
+data = Path({str(data)!r})
+clock = FakeClock()
+scheduler = StepScheduler(discover_episodes([data]), follow=True, idle_timeout=5, poll_interval=1, clock=clock,
+                          sleep=clock.sleep, watch=[data], on_new_episode=print)
+print(scheduler.next().file.step)
+write_step(data / "arm_b", 0, good(0, 0), prompt="p")
+os.chmod(data, 0o444)
+while (item := scheduler.next()) is not None:
+    print(item.episode.name, item.reason, item.error)
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    try:
+        proc = subprocess.run([*modes_bind(), sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                              timeout=120)
+    finally:
+        data.chmod(0o755)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"0\narm_a error {data / 'arm_a'}: cannot list the episode folder: Permission denied\n"
+
+
 def test_an_out_folder_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, cli_env):
     """`-o` an existing folder this user may enter but not write (mode 555): a usage error naming it, not a failure
     after the model loaded, and nothing is made in it."""

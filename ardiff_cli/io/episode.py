@@ -371,7 +371,11 @@ def new_episode_folders(folder: Path, settled: set[str]) -> list[Path]:
         if name in settled or name.startswith("."):
             continue
         path = folder / name
-        if not path.is_dir():
+        try:
+            is_folder = path.is_dir()
+        except OSError:  # ``folder`` readable but no longer enterable (EACCES): looked at again on the next poll
+            continue
+        if not is_folder:
             settled.add(name)
         elif episode_entries(path):
             settled.add(name)
