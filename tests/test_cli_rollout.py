@@ -1305,6 +1305,9 @@ def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, d
     if damage == "index steps ahead":
         assert (f"warning: episode {swapped!r}: the swap snapshot the stopped run kept was deleted (it holds 3 steps, "
                 "more than the 2 done in results.jsonl); its done steps are replayed instead") in proc.stderr
+    if damage == "snapshot deleted":
+        assert (f"warning: episode {swapped!r}: the swap snapshot the stopped run kept was deleted (its file is gone); "
+                "its done steps are replayed instead") in proc.stderr, proc.stderr
     if damage == "swap off":
         assert ("warning: swapping is off (--swap-space 0): the swap snapshots the stopped run kept of 2 episode(s) "
                 "were deleted, and their done steps are replayed instead") in proc.stderr

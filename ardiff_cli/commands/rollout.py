@@ -721,14 +721,16 @@ def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, d
             missing = min(set(range(steps)) - chunks)
             why = f"it holds {_count(steps, 'step')}, and the one at position {missing} in the episode is not done " \
                   "(its output went missing)"
+        elif swapping and not (swap_dir / file).is_file():
+            why = "its file is gone"
         elif swapping:
             try:
                 if engine.runner.adopt_snapshot(name, file):
                     swapped[name] = steps
                     continue
                 why = "it is larger than the whole swap space"
-            except (OSError, RequestError) as exc:  # RequestError: its file is gone
-                output.debug(f"cannot take back the swap snapshot of episode {name!r} ({exc}); it replays")
+            except (OSError, RequestError) as exc:  # its file unreadable, or gone since the check above
+                why = f"it cannot be taken back: {exc}"
         if why is not None:
             output.warning(f"episode {name!r}: the swap snapshot the stopped run kept was deleted ({why}); its done "
                            "steps are replayed instead")
