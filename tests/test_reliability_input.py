@@ -1110,6 +1110,22 @@ def test_an_episode_on_a_path_this_user_cannot_enter_fails_alone_in_a_run_and_in
     assert [(r["episode"], r["status"]) for r in lines if r["status"] == "ok"] == [("healthy", "ok"), ("b", "ok")]
 
 
+def _schedule_under_modes(script: str, unlock: Path) -> str:
+    """stdout of ``script`` (after the imports a scheduler needs) run where file modes bind; ``unlock``'s mode is
+    given back after, whatever the script made it."""
+    preamble = ("import os\nfrom pathlib import Path\nfrom fake_clock import FakeClock\nfrom ardiff_cli.io import "
+                "write_step\nfrom ardiff_cli.io.episode import EpisodeSource, discover_episodes\nfrom "
+                "ardiff_cli.io.stream import StepScheduler\nfrom test_reliability_input import good\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    try:
+        proc = subprocess.run([*modes_bind(), sys.executable, "-c", preamble + script], env=env, capture_output=True,
+                              text=True, timeout=120)
+    finally:
+        unlock.chmod(0o755)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
 @pytest.mark.parametrize(("locked", "mode"), [("folder", "000"), ("folder", "444"), ("parent", "000")])
 def test_a_followed_episode_folder_locked_mid_run_fails_that_episode_naming_why(tmp_path, locked, mode):
     """An episode folder made unenterable while --follow watches it (its recorder's account changed: no access at
@@ -1119,14 +1135,7 @@ def test_a_followed_episode_folder_locked_mid_run_fails_that_episode_naming_why(
     folder = tmp_path / "robots" / "live"
     write_step(folder, 0, good(0, 0), prompt="p")
     target = folder if locked == "folder" else folder.parent
-    script = f"""
-import os
-from pathlib import Path
-from fake_clock import FakeClock
-from ardiff_cli.io import write_step
-from ardiff_cli.io.episode import EpisodeSource
-from ardiff_cli.io.stream import StepScheduler
-from test_reliability_input import good
+    stdout = _schedule_under_modes(f"""
 clock = FakeClock()
 scheduler = StepScheduler([EpisodeSource(name="live", path=Path({str(folder)!r}))], follow=True, idle_timeout=10,
                           poll_interval=1, clock=clock, sleep=clock.sleep)
@@ -1135,15 +1144,8 @@ write_step({str(folder)!r}, 1, good(0, 1))  # listed, then looked at: refused in
 os.chmod({str(target)!r}, {int(mode, 8)})
 ended = scheduler.next()
 print(ended.reason, ended.error, scheduler.next())
-"""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
-    try:
-        proc = subprocess.run([*modes_bind(), sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                              timeout=120)
-    finally:
-        target.chmod(0o755)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == f"0\nerror {folder}: cannot list the episode folder: Permission denied None\n"
+""", target)
+    assert stdout == f"0\nerror {folder}: cannot list the episode folder: Permission denied None\n"
 
 
 def test_a_watched_folder_of_episodes_made_unenterable_mid_run_ends_its_episodes_naming_why(tmp_path):
@@ -1153,14 +1155,7 @@ def test_a_watched_folder_of_episodes_made_unenterable_mid_run_ends_its_episodes
     run ends."""
     data = tmp_path / "robots"
     write_step(data / "arm_a", 0, good(0, 0), prompt="p")
-    script = f"""
-import os
-from pathlib import Path
-from fake_clock import FakeClock
-from ardiff_cli.io import write_step
-from ardiff_cli.io.episode import discover_episodes
-from ardiff_cli.io.stream import StepScheduler
-from test_reliability_input import good
+    stdout = _schedule_under_modes(f"""
 data = Path({str(data)!r})
 clock = FakeClock()
 scheduler = StepScheduler(discover_episodes([data]), follow=True, idle_timeout=5, poll_interval=1, clock=clock,
@@ -1170,15 +1165,8 @@ write_step(data / "arm_b", 0, good(0, 0), prompt="p")
 os.chmod(data, 0o444)
 while (item := scheduler.next()) is not None:
     print(item.episode.name, item.reason, item.error)
-"""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
-    try:
-        proc = subprocess.run([*modes_bind(), sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                              timeout=120)
-    finally:
-        data.chmod(0o755)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == f"0\narm_a error {data / 'arm_a'}: cannot list the episode folder: Permission denied\n"
+""", data)
+    assert stdout == f"0\narm_a error {data / 'arm_a'}: cannot list the episode folder: Permission denied\n"
 
 
 def test_an_out_folder_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, cli_env):

@@ -1241,12 +1241,19 @@ def test_detached_snapshots_are_flushed_to_the_disk_and_one_the_disk_would_not_f
     engine.close()
 
 
-def test_an_adopted_file_of_another_session_or_a_bad_name_is_refused(tmp_path):
-    first, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+def kept_by_a_stopped_runner(swap_dir) -> dict[str, str]:
+    """The snapshot files a causal-world-tiny runner of one session slot kept when it stopped (detached), after
+    step 0 of "a" and then of "b": "a"'s only, as "b" was resident."""
+    first, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=swap_dir)
     run(first, "a", 0)
     run(first, "b", 0)
     kept = first.runner.detach_snapshots()
     first.close()
+    return kept
+
+
+def test_an_adopted_file_of_another_session_or_a_bad_name_is_refused(tmp_path):
+    kept = kept_by_a_stopped_runner(tmp_path)
     second, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
     for name in ("../../etc/passwd", 1, None):  # 1 and None were a bare TypeError from the file-name pattern
         with pytest.raises(RequestError, match=r"^adopt_snapshot\(\): .* is not the name of a swap snapshot file") \
@@ -1265,11 +1272,7 @@ def test_a_snapshot_adopted_for_a_resident_session_or_by_a_runner_that_does_not_
     non-empty string, or warmup's reserved one, is a RequestError naming it."""
     from ardiff_cli.runtime.runner import WARMUP_SESSION_ID
 
-    first, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
-    run(first, "a", 0)
-    run(first, "b", 0)
-    kept = first.runner.detach_snapshots()
-    first.close()
+    kept = kept_by_a_stopped_runner(tmp_path)
     second, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
     for session_id in ("", WARMUP_SESSION_ID, 7):
         with pytest.raises(RequestError, match=r"^adopt_snapshot\(\) takes a session id \(a non-empty string, not "
