@@ -445,7 +445,10 @@ def _resolve_under_signals(device: str) -> None:
 def _recorded_folders_exist(episodes: list[dict[str, Any]], run_file: Path) -> None:
     """The episode folders a resume reads are where the run started them: one moved or deleted since is named as
     this run's (where a new run's missing EPISODE hints at --follow)."""
-    gone = [(e["name"], e["path"]) for e in episodes if _gone(Path(e["path"]))]
+    from ardiff_cli.io.episode import present
+
+    # None: there, on a path this user may no longer enter; its episode fails saying so
+    gone = [(e["name"], e["path"]) for e in episodes if present(Path(e["path"])) is False]
     if gone:
         name, path = gone[0]
         more = f" (and {len(gone) - 1} more episode folder{'s' if len(gone) > 2 else ''})" if len(gone) > 1 else ""
@@ -453,13 +456,6 @@ def _recorded_folders_exist(episodes: list[dict[str, Any]], run_file: Path) -> N
                           "each episode's folder was when the run started",
                           hint="put it back at that path (moved: a symlink there to where it is now will do), then "
                                "resume; or run its episodes again in a new --out")
-
-
-def _gone(path: Path) -> bool:
-    try:
-        return not path.exists()
-    except OSError:  # there, but on a path this user may no longer enter (EACCES): its episode fails saying so
-        return False
 
 
 def _same_device(setting: str, recorded: str | None, *, load: bool = True) -> None:
@@ -721,16 +717,14 @@ def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, d
             missing = min(set(range(steps)) - chunks)
             why = f"it holds {_count(steps, 'step')}, and the one at position {missing} in the episode is not done " \
                   "(its output went missing)"
-        elif swapping and not (swap_dir / file).is_file():
-            why = "its file is gone"
         elif swapping:
             try:
                 if engine.runner.adopt_snapshot(name, file):
                     swapped[name] = steps
                     continue
                 why = "it is larger than the whole swap space"
-            except (OSError, RequestError) as exc:  # its file unreadable, or gone since the check above
-                why = f"it cannot be taken back: {exc}"
+            except (OSError, RequestError) as exc:  # RequestError: its file is gone (deleted by hand, say)
+                why = "its file is gone" if not (swap_dir / file).is_file() else f"it cannot be taken back: {exc}"
         if why is not None:
             output.warning(f"episode {name!r}: the swap snapshot the stopped run kept was deleted ({why}); its done "
                            "steps are replayed instead")

@@ -16,7 +16,6 @@ ignored, so a writer can create a step under a temporary name and rename it.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
@@ -73,18 +72,14 @@ class EpisodeSource:
         return scan_steps(self.path, skip=skip)
 
     def has_end_marker(self) -> bool:
-        try:
-            return (self.path / END_MARKER).exists()
-        except OSError:  # a folder this user may no longer enter (EACCES: Path.exists raises): the scan names it
-            return False
+        return present(self.path / END_MARKER) is True  # None (a folder it may not enter): the scan names why
 
     def metadata(self) -> dict[str, Any]:
         """``episode.yaml`` as a mapping ({} when absent); re-read until it exists (it may arrive late)."""
         if self._metadata is None:
             meta_path = self.path / METADATA_FILE
-            with contextlib.suppress(OSError):  # a folder this user may not enter: reading the file says so
-                if not meta_path.exists():
-                    return {}
+            if present(meta_path) is False:  # None (a folder it may not enter): reading the file says why
+                return {}
             self._metadata = read_episode_yaml(meta_path)
         return self._metadata
 
@@ -159,6 +154,15 @@ def gap_error(folder: Path, steps: list[int], missing: list[int]) -> Observation
         hint="add the missing step files, or renumber the steps consecutively; outputs of a session depend on "
              "every earlier step, so a gap is never skipped silently",
     )
+
+
+def present(path: Path) -> bool | None:
+    """Whether ``path`` exists; None where this user may not look (EACCES on a folder on its path, which Python
+    3.11's Path.exists raises for), so that each caller says what that means for it."""
+    try:
+        return path.exists()
+    except OSError:
+        return None
 
 
 def unreadable_folder(folder: Path, exc: OSError) -> ObservationError:
@@ -276,9 +280,8 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
     """
     folders: list[Path] = []
     for path in paths:
-        try:
-            found = path.exists()
-        except OSError:  # on a path this user may not enter (EACCES): one episode, which fails saying so
+        found = present(path)
+        if found is None:  # on a path this user may not enter: one episode, which fails saying so
             folders.append(path)
             continue
         if not found:
