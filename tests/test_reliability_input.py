@@ -1028,13 +1028,10 @@ def test_a_checkpoint_that_cannot_be_read_says_permission_denied(tmp_path, cli_e
 def test_a_folder_that_cannot_be_entered_is_named_not_a_traceback(tmp_path, cli_env, locked):
     # Path.exists raised PermissionError on `locked/run.json`: an unreadable episode folder among a folder of
     # episodes, `-o locked/run` and `--resume -o locked/run` each ended in a traceback ('this is a bug', exit 1).
-    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
     episode(tmp_path / "healthy", 1)
 
     def ardiff(*args: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "fast.yaml"), *args]
-        return subprocess.run([*modes_bind(), *command, "--no-warmup", "--format", "plain"], env=cli_env,
-                              capture_output=True, text=True, timeout=300)
+        return _rollout(tmp_path, cli_env, *args)
 
     proc = ardiff(str(tmp_path), "-o", str(tmp_path / "run"))  # tmp_path holds healthy/ and locked/
     assert proc.returncode == 4, proc.stderr
