@@ -81,6 +81,17 @@ def test_help_shows_no_type_for_flags_and_every_default_it_documents():
     assert "[default: 1 2 4 8 16 and the capacity]" in inspect
 
 
+def test_help_paragraphs_are_not_broken_mid_sentence():
+    """The help keeps an epilog's line breaks: rollout's paragraph on failed steps, written over three source
+    lines, printed as three short lines at any width."""
+    for command in ([], ["rollout"], ["warmup"], ["inspect-capacity"]):
+        lines = [line.strip() for line in runner.invoke(app, [*command, "--help"], env={"COLUMNS": "400"}).stdout
+                 .splitlines()]
+        for line, after in zip(lines, lines[1:]):
+            unboxed = line and after and not re.match("[│╭╰]", line) and not re.match("[│╭╰]", after)
+            assert not unboxed, (command, line, after)  # outside the boxes, one paragraph is one line at 400 columns
+
+
 def test_help_shows_brackets_in_option_help_instead_of_reading_them_as_markup():
     # Rich markup would swallow "[vllm]" and tell the user to install plain "ardiff".
     help_text = runner.invoke(app, ["warmup", "--help"], env={"COLUMNS": "400"}).stdout

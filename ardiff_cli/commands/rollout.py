@@ -51,6 +51,12 @@ HELP = (
     "the pipeline's observation arrays, with the prompt in the safetensors metadata or in episode.yaml; an END "
     "file marks it complete for --follow. Write one from Python with ardiff_cli.io.write_episode."
 )
+FAILURES_HELP = (  # one paragraph: the help keeps an epilog's line breaks
+    "A step that fails (an invalid file, an error in the model, an output that cannot be written) fails its episode: "
+    "the error names the episode, the step and the file, its session is released, and the other episodes go on "
+    "(exit 4), unless --fail-fast. Nothing already written is lost: --resume continues after any failure or "
+    "interruption."
+)
 EPILOG = f"""Examples (the first runs the demo):
 
   ardiff rollout
@@ -65,9 +71,7 @@ EPILOG = f"""Examples (the first runs the demo):
 
   ardiff rollout my_config.yaml data/ --pipeline my_lab.models:MyPipeline
 
-A step that fails (an invalid file, an error in the model, an output that cannot be written) fails its episode: the
-error names the episode, the step and the file, its session is released, and the other episodes go on (exit 4),
-unless --fail-fast. Nothing already written is lost: --resume continues after any failure or interruption.
+{FAILURES_HELP}
 
 Outputs: OUT/results.jsonl (a line per step), OUT/summary.json, OUT/episodes/EPISODE/step_NNNNNN.safetensors and OUT/previews/EPISODE.png (--preview).
 
