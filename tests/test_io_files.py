@@ -56,12 +56,20 @@ def test_step_prompt_is_metadata(tmp_path, fmt):
 @pytest.mark.parametrize("fmt", ["safetensors", "npz"])
 def test_a_prompt_given_in_step_metadata_is_the_steps_prompt_and_only_text(tmp_path, fmt):
     """metadata={"prompt": ...} is the step's prompt, as prompt= is: numpy's str_ (read from a dataset) is written as
-    text, a number is refused as prompt= refuses it, before anything is written."""
+    text and recorded in episode.yaml for the later steps (it was not: a step 1 written without a prompt then had
+    none), a number is refused as prompt= refuses it, and so are two different prompts, before anything is
+    written."""
     path = write_step(tmp_path / "ep", 0, arrays(0), metadata={"prompt": np.str_("open the drawer")}, format=fmt)
     assert read_step(path).metadata == {"prompt": "open the drawer"}
+    assert (tmp_path / "ep" / "episode.yaml").read_text() == "prompt: open the drawer\n"
     with pytest.raises(TypeError, match=r"^prompt must be text \(str\), got 5 \(int\)$"):
         write_step(tmp_path / "ep", 1, arrays(1), metadata={"prompt": 5}, format=fmt)
-    assert [p.name for p in (tmp_path / "ep").iterdir()] == [path.name]
+    with pytest.raises(ValueError, match=r"^two prompts for step 1: prompt='close it' and metadata\['prompt'\]="
+                                         r"'open it'; give one$"):
+        write_step(tmp_path / "ep", 1, arrays(1), prompt="close it", metadata={"prompt": "open it"}, format=fmt)
+    assert sorted(p.name for p in (tmp_path / "ep").iterdir()) == ["episode.yaml", path.name]
+    same = write_step(tmp_path / "ep", 1, arrays(1), prompt="open it", metadata={"prompt": "open it"}, format=fmt)
+    assert read_step(same).metadata == {"prompt": "open it"}
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "npz"])

@@ -178,10 +178,10 @@ def write_step(folder: str | os.PathLike, step: int, arrays: Mapping[str, Any], 
     """Write step ``step`` of the episode in ``folder`` (created if needed); returns the file's path.
 
     ``prompt`` and ``metadata`` go to the safetensors metadata (or 0-d string
-    arrays in an .npz); a step's prompt overrides the one in ``episode.yaml``.
-    The prompt is an episode-level field, so while ``episode.yaml`` holds no
-    ``prompt`` this one is recorded there too, before the step file appears:
-    later steps written without a prompt then use it.
+    arrays in an .npz); a step's prompt (``prompt=`` or ``metadata["prompt"]``)
+    overrides the one in ``episode.yaml``. The prompt is an episode-level field,
+    so while ``episode.yaml`` holds no ``prompt`` this one is recorded there too,
+    before the step file appears: later steps written without a prompt then use it.
     """
     number = as_int(step)  # numpy's integers too (a step counted with np.arange), never a bool
     if number is None or number < 0:
@@ -191,10 +191,13 @@ def write_step(folder: str | os.PathLike, step: int, arrays: Mapping[str, Any], 
     folder = _folder(folder)
     meta = _step_metadata(metadata)
     if prompt is not None:
+        if meta.get("prompt", prompt) != prompt:
+            raise ValueError(f"two prompts for step {step}: prompt={prompt!r} and metadata['prompt']="
+                             f"{meta['prompt']!r}; give one")
         meta["prompt"] = prompt
     blob = encode_arrays(arrays, format=format, metadata=meta)  # a step it refuses leaves episode.yaml untouched
-    if prompt is not None:
-        _record_episode_prompt(folder, prompt)
+    if "prompt" in meta:
+        _record_episode_prompt(folder, meta["prompt"])
     return atomic_write_bytes(folder / f"step_{step:06d}.{format}", blob)
 
 
