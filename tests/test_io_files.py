@@ -139,6 +139,32 @@ def test_what_a_step_file_cannot_hold_is_refused_before_anything_is_written(tmp_
     assert not folder.exists() or not any(folder.iterdir())
 
 
+def test_a_misused_writer_call_is_a_typed_error_and_writes_nothing(tmp_path, monkeypatch):
+    """Arguments wrong in their kind: no AttributeError from deep inside ('NoneType' object has no attribute
+    'items'), no episode.yaml left behind by a write_episode that fails at its first step, and no steps written into
+    the current folder for an empty folder argument (an unset environment variable)."""
+    folder = tmp_path / "ep"
+    for value in (None, [arrays(0)]):
+        with pytest.raises(TypeError, match=r"^a step's arrays are a mapping \(dict\) of name -> array, got "):
+            write_step(folder, 0, value, prompt="p")
+    with pytest.raises(TypeError, match=r"^steps is a sequence of steps, .* got a dict \(for one step, pass "
+                                        r"\[arrays\]\)$"):
+        write_episode(folder, arrays(0), prompt="p")  # one step's arrays: each key was taken for a step
+    with pytest.raises(TypeError, match=r"^steps\[1\]: a step's arrays are a mapping \(dict\) of name -> array, "
+                                        r"got None \(NoneType\)$"):
+        write_episode(folder, [arrays(0), None], prompt="p")
+    for first_step in (-1, 0.5, "1"):
+        with pytest.raises(ValueError, match=r"^first_step must be a non-negative integer, got "):
+            write_episode(folder, [arrays(0)], prompt="p", first_step=first_step)
+    assert not folder.exists()
+    monkeypatch.chdir(tmp_path)
+    for call in (lambda: write_step("", 0, arrays(0), prompt="p"), lambda: write_episode("", [arrays(0)]),
+                 lambda: end_episode("")):
+        with pytest.raises(ValueError, match=r"^the episode folder is empty \(''\)"):
+            call()
+    assert not list(tmp_path.iterdir())
+
+
 def test_step_metadata_numbers_are_written_as_text_and_a_folder_is_a_folder(tmp_path, monkeypatch):
     path = write_step(tmp_path / "ep", 0, arrays(0), prompt="p", metadata={"fps": np.float32(15.0), "arm": 3})
     assert read_step(path).metadata == {"fps": "15.0", "arm": "3", "prompt": "p"}

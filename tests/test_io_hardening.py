@@ -249,6 +249,99 @@ def test_truncated_safetensors_whose_header_length_starts_with_0x80_is_not_calle
     assert "pickle" not in str(info.value) and "pickle" not in info.value.hint
 
 
+def test_a_safetensors_file_named_npz_is_named_as_safetensors_not_as_a_pickle(tmp_path):
+    """A safetensors step saved under .npz: it was called 'a pickle (torch.save / pickle.dump)' when its header's
+    length began with byte 0x80 (384 bytes, a DreamZero step's), and 'neither a zip archive nor a known format'
+    otherwise; the error says what it is and which suffix reads it."""
+    from ardiff_cli.io.writer import encode_arrays
+
+    def step(length: int) -> bytes:
+        return encode_arrays({"joints": np.zeros(7, np.float32)}, metadata={"prompt": "p" * length})
+
+    starts_as_pickle = next(step(n) for n in range(64) if step(n)[0] == 0x80)  # a header of 128 bytes
+    for data in (step(0), starts_as_pickle):
+        path = tmp_path / "step_000000.npz"
+        path.write_bytes(data)
+        with pytest.raises(ObservationError) as info:
+            read_step(path)
+        assert str(info.value) == f"{path}: cannot read .npz file: it is a safetensors file, not an .npz"
+        assert info.value.hint == "give it the .safetensors suffix"
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_a_torch_save_file_under_a_step_suffix_is_named_as_one(tmp_path, suffix):
+    """torch.save writes a zip holding a pickle: under .safetensors it was taken for an .npz ('give it the .npz
+    suffix', after which it failed again listing data.pkl), under .npz its members were listed one by one."""
+    torch = pytest.importorskip("torch")
+    path = tmp_path / f"step_000000{suffix}"
+    torch.save({"joints": torch.zeros(7)}, path)
+    with pytest.raises(ObservationError) as info:
+        read_step(path)
+    kind = "safetensors file" if suffix == ".safetensors" else ".npz file"
+    assert str(info.value) == f"{path}: cannot read {kind}: it is a torch.save file (a zip holding a pickle), not " + (
+        "safetensors" if suffix == ".safetensors" else "an .npz")
+    assert "never unpickles" in info.value.hint and "safetensors.torch.save_file" in info.value.hint
+
+
+def test_an_npz_object_array_is_refused_naming_its_array(tmp_path):
+    """np.savez pickles an object array (a dict of calibration, a list of mixed values): the error names which
+    array, never unpickling it."""
+    path = tmp_path / "step_000000.npz"
+    np.savez(path, joints=np.zeros(7, np.float32), calibration=np.array([{"fx": 1.0}], dtype=object))
+    with pytest.raises(ObservationError) as info:
+        read_step(path)
+    assert str(info.value).startswith(f"{path}: cannot read .npz without pickle: ")
+    assert str(info.value).endswith(" (array 'calibration')")
+
+
+def test_an_episode_yaml_linked_to_nothing_is_named_not_taken_for_no_metadata(tmp_path):
+    """episode.yaml linked from a disk not mounted: it read as absent, so a step without its own prompt failed
+    with 'missing prompt ... put `prompt: ...` in episode.yaml', the file the user had put it in."""
+    folder = tmp_path / "ep"
+    write_step(folder, 0, good(0))
+    (folder / "episode.yaml").symlink_to(tmp_path / "nas" / "episode.yaml")
+    (episode,) = discover_episodes([folder])
+    with pytest.raises(ObservationError) as info:
+        episode.metadata()
+    assert str(info.value) == (f"{folder / 'episode.yaml'}: cannot read episode metadata: it is a link to "
+                               f"{tmp_path / 'nas' / 'episode.yaml'}, which does not exist")
+    assert "mount the disk" in info.value.hint
+
+
+def test_an_episode_folder_linked_to_nothing_is_named_as_a_link(tmp_path):
+    """An EPISODE that is a link to a folder on a disk not mounted read 'episode folder not found', with the hint to
+    create it with mkdir -p, which fails on the link ('File exists')."""
+    link = tmp_path / "pick_cube"
+    link.symlink_to(tmp_path / "nas" / "pick_cube")
+    with pytest.raises(ConfigError) as info:
+        discover_episodes([link])
+    assert str(info.value) == (f"episode folder not found: {link} is a link to {tmp_path / 'nas' / 'pick_cube'}, "
+                               "which does not exist")
+    assert info.value.hint == "mount the disk the link points to (or fix the link)"
+
+
+@pytest.mark.parametrize("where", ["step", "episode.yaml"])
+def test_a_prompt_given_twice_differently_in_one_place_is_refused_not_one_silently_taken(tmp_path, where):
+    """`prompt` and `language_instruction` with different tasks in one step's metadata or one episode.yaml: one was
+    taken silently (a Python request giving both is refused); the same text under both keys runs."""
+    folder = tmp_path / "ep"
+    both = {"prompt": "pick the cup", "language_instruction": "place the cup"}
+    if where == "step":
+        write_step(folder, 0, good(0), metadata=both)
+    else:
+        write_episode(folder, [good(0)], metadata=both)
+    (episode,) = discover_episodes([folder])
+    (step,) = episode.scan()
+    with pytest.raises(ObservationError) as info:
+        validate_step(read_step(step.path), SCHEMA, path=step.path, episode_metadata=episode.metadata())
+    named = step.path if where == "step" else folder / "episode.yaml"
+    assert str(info.value) == (f"{named}: prompt given twice, differently: 'prompt' is 'pick the cup', "
+                               "'language_instruction' is 'place the cup'")
+    write_step(folder, 0, good(0), metadata={"prompt": "pick", "language_instruction": "pick"})
+    valid = validate_step(read_step(step.path), SCHEMA, path=step.path, episode_metadata={})
+    assert valid.inputs["prompt"] == "pick"
+
+
 # -- damaged run folder and cache ------------------------------------------------------------------------------
 
 def test_damaged_results_line_is_named_with_its_line(tmp_path):

@@ -79,6 +79,11 @@ class EpisodeSource:
         if self._metadata is None:
             meta_path = self.path / METADATA_FILE
             if present(meta_path) is False:  # None (a folder it may not enter): reading the file says why
+                if meta_path.is_symlink():  # metadata linked from a disk not mounted: not the same as none at all
+                    raise ObservationError(
+                        f"{meta_path}: cannot read episode metadata: it is a link to {os.readlink(meta_path)}, "
+                        "which does not exist",
+                        hint="mount the disk the link points to (or fix the link), then rerun with --resume")
                 return {}
             self._metadata = read_episode_yaml(meta_path)
         return self._metadata
@@ -284,6 +289,9 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
         if found is None:  # on a path this user may not enter: one episode, which fails saying so
             folders.append(path)
             continue
+        if not found and path.is_symlink():  # a recording linked from a disk not mounted: mkdir -p would fail
+            raise ConfigError(f"episode folder not found: {path} is a link to {os.readlink(path)}, which does not "
+                              "exist", hint="mount the disk the link points to (or fix the link)")
         if not found:
             where = "" if path.is_absolute() else f"it is read relative to {Path.cwd()}; "
             raise ConfigError(f"episode folder not found: {path}",
@@ -440,6 +448,33 @@ _SIGNATURES = (
 )
 
 
+_TORCH_SAVE = "a torch.save file (a zip holding a pickle)"
+_TORCH_SAVE_HINT = ("ardiff never unpickles files; save the tensors with safetensors.torch.save_file, or write the "
+                    "step with ardiff_cli.io.write_step")
+
+
+def _is_torch_save(data: bytes) -> bool:
+    """Whether zip bytes ``data`` are what torch.save writes: a ``<name>/data.pkl`` member beside the tensors."""
+    import io
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            return any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return False
+
+
+def _is_safetensors(data: bytes) -> bool:
+    """Whether ``data`` starts as a whole safetensors header: an .npz file that is safetensors renamed."""
+    if data[8:9] != b"{":
+        return False
+    try:
+        return isinstance(safetensors_header(data)[1], dict)
+    except (ValueError, TypeError):
+        return False
+
+
 def load_step(path: str | os.PathLike[str]) -> RawStep:
     """Read one step file; an unreadable file is an ``ObservationError`` naming it and saying why.
 
@@ -565,7 +600,7 @@ def _load_safetensors(path: Path, data: bytes) -> RawStep:
         tensors = sorted(deserialize(data), key=lambda t: t[0])
         metadata = dict(safetensors_header(data)[1].get("__metadata__") or {})
     except Exception as exc:  # noqa: BLE001 - safetensors raises several types for corrupt files
-        raise _unreadable_safetensors(path, data[:16], len(data), exc) from None
+        raise _unreadable_safetensors(path, data, exc) from None
     dtypes = {key: view["dtype"] for key, view in tensors}
     arrays = {key: np.frombuffer(view["data"], dtype=_NUMPY_DTYPES[view["dtype"]]).reshape(view["shape"])
               for key, view in tensors if view["dtype"] in _NUMPY_DTYPES}
@@ -581,8 +616,13 @@ def _load_safetensors(path: Path, data: bytes) -> RawStep:
     return RawStep(arrays=arrays, metadata=metadata)
 
 
-def _unreadable_safetensors(path: Path, head: bytes, size: int, exc: Exception) -> ObservationError:
-    """Why safetensors refused ``path``, in words: another format, a truncated file, or corrupt bytes."""
+def _unreadable_safetensors(path: Path, data: bytes, exc: Exception) -> ObservationError:
+    """Why safetensors refused ``path`` (its bytes ``data``), in words: another format, a truncated file, or corrupt
+    bytes."""
+    head, size = data[:16], len(data)
+    if head.startswith(b"PK\x03\x04") and _is_torch_save(data):  # not an .npz: renamed, it would fail again
+        return ObservationError(f"{path}: cannot read safetensors file: it is {_TORCH_SAVE}, not safetensors",
+                                hint=_TORCH_SAVE_HINT)
     for signature, what, hint in _SIGNATURES:
         # A header length whose low byte is 0x80 (128, 384, ...) starts like a pickle: a safetensors header's "{" at
         # byte 8 tells them apart.
@@ -604,6 +644,9 @@ def _load_npz(path: Path, data: bytes) -> RawStep:
     import numpy as np
 
     head = data[:16]
+    if not head.startswith(b"PK\x03\x04") and _is_safetensors(data):  # its header length may start with 0x80
+        raise ObservationError(f"{path}: cannot read .npz file: it is a safetensors file, not an .npz",
+                               hint="give it the .safetensors suffix")
     if not head.startswith(b"PK\x03\x04"):  # an .npz is a zip archive; never let np.load guess (pickle)
         unknown = ("neither a zip archive nor a known format",
                    "write .npz files with numpy.savez or ardiff_cli.io.write_step")
@@ -612,6 +655,7 @@ def _load_npz(path: Path, data: bytes) -> RawStep:
     arrays: dict[str, Any] = {}
     metadata: dict[str, str] = {}
     not_arrays: list[str] = []  # zip members that are not .npy files
+    key = None  # the member being read: an object array is refused by name
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
             for key in npz.files:
@@ -623,10 +667,14 @@ def _load_npz(path: Path, data: bytes) -> RawStep:
                 else:
                     arrays[key] = value
     except ValueError as exc:
-        raise ObservationError(f"{path}: cannot read .npz without pickle: {exc}",
+        member = "" if key is None else f" (array {key!r})"
+        raise ObservationError(f"{path}: cannot read .npz without pickle: {exc}{member}",
                                hint="store plain numeric arrays; put text in episode.yaml") from None
     except (OSError, zipfile.BadZipFile, EOFError) as exc:
         raise ObservationError(f"{path}: cannot read .npz file: truncated or corrupt: {exc}", hint=WRITE_HINT) from None
+    if not_arrays and _is_torch_save(data):
+        raise ObservationError(f"{path}: cannot read .npz file: it is {_TORCH_SAVE}, not an .npz",
+                               hint=_TORCH_SAVE_HINT)
     if not_arrays:
         raise ObservationError(
             f"{path}: expected only .npy arrays in the .npz, got other files: {', '.join(map(repr, not_arrays))}",

@@ -39,8 +39,16 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
     prompt_missing = False
     if schema.prompt_key and not any(k in arrays for k in prompt_keys):
         for source in (raw.metadata, episode_metadata):
-            key = next((k for k in prompt_keys if k in source), None)
+            keys = [k for k in prompt_keys if k in source]
+            key = keys[0] if keys else None
             if key is not None:
+                where = path if source is raw.metadata else path.parent / METADATA_FILE
+                other = next((k for k in keys[1:] if source[k] != source[key]), None)
+                if other is not None:  # a converter that copied 'language_instruction' and set 'prompt' apart
+                    raise ObservationError(
+                        f"{where}: prompt given twice, differently: {key!r} is {shown(source[key])}, {other!r} is "
+                        f"{shown(source[other])}",
+                        hint="keep one of them: ardiff does not choose which task the episode runs")
                 if source is not raw.metadata and not isinstance(source[key], str):
                     # YAML types `prompt: 5` or `prompt:` (null): name the file it is in, not the step file
                     raise ObservationError(

@@ -53,6 +53,9 @@ def encode_arrays(arrays: Mapping[str, Any], *, format: str = "safetensors",
     import numpy as np
 
     _check_format(format)
+    if not isinstance(arrays, Mapping):  # it was an AttributeError: 'NoneType' object has no attribute 'items'
+        raise TypeError(f"a step's arrays are a mapping (dict) of name -> array, got {shown(arrays)} "
+                        f"({type(arrays).__name__})")
     data = {}
     for key, value in arrays.items():
         try:
@@ -90,6 +93,9 @@ def _check_format(format: str) -> None:
 def _folder(folder: str | os.PathLike) -> Path:
     """An episode folder argument as a Path, ``~`` expanded as the command line does (a recorder and a follower given
     the same string use the same folder); a path that is a file is an error naming it."""
+    if isinstance(folder, (str, os.PathLike)) and os.fspath(folder) in ("", b""):
+        # Path("") is the current folder: a recorder given an unset variable would write its steps there
+        raise ValueError("the episode folder is empty (''): give the folder the steps go to")
     try:
         path = Path(folder).expanduser()
     except RuntimeError:  # ~nosuchuser: kept as written, as a shell keeps it
@@ -219,6 +225,17 @@ def write_episode(folder: str | os.PathLike, steps: Sequence[Mapping[str, Any]],
     import yaml
 
     _check_format(format)
+    first = as_int(first_step)
+    if first is None or first < 0:  # refused before episode.yaml is written
+        raise ValueError(f"first_step must be a non-negative integer, got {first_step!r}")
+    if isinstance(steps, (Mapping, str, bytes)):  # one step's arrays given as the episode: each key was a step
+        raise TypeError(f"steps is a sequence of steps, each a mapping of name -> array, got a {type(steps).__name__}"
+                        " (for one step, pass [arrays])")
+    if isinstance(steps, Sequence):
+        bad = next((i for i, arrays in enumerate(steps) if not isinstance(arrays, Mapping)), None)
+        if bad is not None:
+            raise TypeError(f"steps[{bad}]: a step's arrays are a mapping (dict) of name -> array, got "
+                            f"{shown(steps[bad])} ({type(steps[bad]).__name__})")
     prompt = _check_prompt(prompt)
     folder = _folder(folder)
     info = _plain(dict(metadata or {}))
@@ -236,7 +253,7 @@ def write_episode(folder: str | os.PathLike, steps: Sequence[Mapping[str, Any]],
     folder.mkdir(parents=True, exist_ok=True)
     if text is not None:
         atomic_write_text(folder / METADATA_FILE, text)
-    paths = [write_step(folder, first_step + i, arrays, format=format) for i, arrays in enumerate(steps)]
+    paths = [write_step(folder, first + i, arrays, format=format) for i, arrays in enumerate(steps)]
     if end:
         end_episode(folder)
     return paths
