@@ -136,7 +136,7 @@ class Rollout:
         self._digests = {name: dict(steps) for name, steps in digests.items()}
         # episode -> step -> (file, its signature when read) of the steps this run read: checked at the episode's end
         self._read_as: dict[str, dict[int, tuple[Path, tuple[int, ...] | None]]] = {}
-        self._warned: set[tuple[str, str]] = set()  # (episode, warning) shown once
+        self._warned: set[tuple[str, str]] = set()  # (episode, ignored key): said once, not for every step
         self._at: tuple[str, StepFile] | None = None  # (phase, step file) of the work in progress, for errors
         self._running: StepTask | None = None  # the step in progress
         self._steps_total: int | None = None  # steps done and left in this run, for the progress bar (None: following)
@@ -283,10 +283,10 @@ class Rollout:
         self._check_unchanged(episode, step_file, raw.sha256)
         self._read_as.setdefault(episode.name, {})[step_file.step] = (step_file.path, raw.signature)
         valid = validate_step(raw, self.schema, path=step_file.path, episode_metadata=episode.metadata())
-        for warning in valid.warnings:
-            if (episode.name, warning) not in self._warned:
-                self._warned.add((episode.name, warning))
-                self.out.warning(warning)
+        for key, warning in valid.warnings.items():
+            if (episode.name, key) not in self._warned:
+                self._warned.add((episode.name, key))
+                self.out.warning(f"{warning} (said once for the episode)")
         return valid.inputs, raw.sha256
 
     def _check_unchanged(self, episode: EpisodeSource, step_file: StepFile, sha256: str | None = None) -> None:

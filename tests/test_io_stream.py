@@ -40,7 +40,7 @@ def test_valid_step_uses_canonical_keys_and_the_prompt_fallbacks(tmp_path):
     assert set(valid.inputs) == {"camera", "joints", "prompt"}
     assert valid.inputs["joints"].dtype == np.float32  # float64 recordings are converted
     assert valid.inputs["prompt"] == "from yaml"
-    assert len(valid.warnings) == 1 and "'timestamp'" in valid.warnings[0]
+    assert list(valid.warnings) == ["timestamp"] and "'timestamp'" in valid.warnings["timestamp"]
     raw.metadata["language_instruction"] = "from the file"
     assert validate_step(raw, SCHEMA, path=tmp_path / "s.npz",
                          episode_metadata={"prompt": "from yaml"}).inputs["prompt"] == "from the file"
@@ -971,8 +971,8 @@ def test_the_warnings_for_ignored_keys_come_in_key_order(tmp_path):
     raw = RawStep(arrays={**good(), "timestamp": np.zeros(1), "battery": np.zeros(1)}, metadata={})
     path = tmp_path / "s.npz"
     valid = validate_step(raw, SCHEMA, path=path, episode_metadata={"prompt": "p"})
-    assert valid.warnings == [f"{path}: key 'battery' is not in the pipeline's schema; ignored",
-                              f"{path}: key 'timestamp' is not in the pipeline's schema; ignored"]
+    assert list(valid.warnings.values()) == [f"{path}: key 'battery' is not in the pipeline's schema; ignored",
+                                             f"{path}: key 'timestamp' is not in the pipeline's schema; ignored"]
 
 
 def test_a_step_files_own_prompt_of_the_wrong_type_is_blamed_on_the_step_file_not_episode_yaml(tmp_path):

@@ -222,10 +222,10 @@ def test_extra_key_is_a_warning_not_an_error(tmp_path):
     folder = episode(tmp_path / "extra", step1={"timestamp": np.zeros(1), "jont_position": np.zeros(7, np.float32)})
     valid = validate_step(load_step(step1(folder)), observation_schema(), path=step1(folder),
                           episode_metadata={"prompt": "p"})
-    assert valid.warnings == [
-        f"{step1(folder)}: key 'jont_position' is not in the pipeline's schema; ignored (did you mean "
-        "'joint_position'?)",
-        f"{step1(folder)}: key 'timestamp' is not in the pipeline's schema; ignored"]
+    assert valid.warnings == {
+        "jont_position": f"{step1(folder)}: key 'jont_position' is not in the pipeline's schema; ignored (did you "
+                         "mean 'joint_position'?)",
+        "timestamp": f"{step1(folder)}: key 'timestamp' is not in the pipeline's schema; ignored"}
 
 
 def test_a_file_failing_for_a_missing_key_names_the_keys_it_holds_instead(tmp_path):

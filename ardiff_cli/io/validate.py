@@ -23,7 +23,7 @@ from ardiff_cli.io.episode import METADATA_FILE, RawStep
 @dataclass(slots=True)
 class ValidStep:
     inputs: dict[str, Any]  # canonical key -> numpy array, plus the prompt under schema.prompt_key
-    warnings: list[str] = field(default_factory=list)  # extra keys (ignored)
+    warnings: dict[str, str] = field(default_factory=dict)  # an extra key (ignored) -> the warning about it
 
 
 def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
@@ -34,8 +34,8 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
     prompt_keys = (schema.prompt_key, *schema.prompt_aliases) if schema.prompt_key else ()
     field_keys = {k for f in schema.fields for k in f.keys}
     arrays = {k: v for k, v in raw.arrays.items() if k in field_keys or k in prompt_keys}
-    ignored = [(repr(k), did_you_mean(k, field_keys)) for k in sorted(raw.arrays) if k not in arrays]
-    warnings = [f"{path}: key {k} is not in the pipeline's schema; ignored{near}" for k, near in ignored]
+    ignored = {k: did_you_mean(k, field_keys) for k in sorted(raw.arrays) if k not in arrays}
+    warnings = {k: f"{path}: key {k!r} is not in the pipeline's schema; ignored{near}" for k, near in ignored.items()}
     prompt_missing = False
     if schema.prompt_key and not any(k in arrays for k in prompt_keys):
         for source in (raw.metadata, episode_metadata):
@@ -68,7 +68,7 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
             exc.hint = (f"{exc.hint}; put `{schema.prompt_key}: ...` in {path.parent / METADATA_FILE} for the whole "
                         "episode, or in a step file's metadata")
         if ignored:  # what the file holds instead (a misspelt key): its warning never shows for a failed file
-            others = ", ".join(k + near for k, near in ignored)
+            others = ", ".join(repr(k) + near for k, near in ignored.items())
             raise ObservationError(f"{exc}; the file's other keys, not in the schema: {others}",
                                    hint=exc.hint) from None
         raise
