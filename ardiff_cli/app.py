@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import signal
 import sys
 import threading
@@ -17,6 +18,7 @@ from ardiff_cli.entry import report_interrupted, requested_format
 from ardiff_cli.errors_cli import EXIT_CODES_HELP, EXIT_SIGINT
 from ardiff_cli.options import FLAG, HelpOpt
 from ardiff_cli.output import Output, resolve_format, stdout_error
+from ardiff_cli.runtime.capacity import split_unit_hint
 
 app = typer.Typer(
     name="ardiff",
@@ -96,8 +98,12 @@ def _run(args: list[str]) -> None:
             command = f"ardiff {args[0]}"
         message = exc.format_message().replace(": Value error, ", ": ", 1)  # Typer's choice errors carry pydantic's
         message += _given(exc, message)
-        Output(resolve_format(requested_format(args))).error(
-            message, f"see {command} --help", exit_code=exc.exit_code, kind="usage_error")
+        hint = f"see {command} --help"
+        extra = re.fullmatch(r"Got unexpected extra argument(?:s|\(s\))? \((.*)\)", message)
+        units = [split_unit_hint(arg) for arg in extra.group(1).split()] if extra else []
+        if any(units):  # `warmup CFG --memory-budget 2 GiB`: the shell split the size in two
+            hint = f"{next(unit for unit in units if unit)}; {hint}"
+        Output(resolve_format(requested_format(args))).error(message, hint, exit_code=exc.exit_code, kind="usage_error")
         sys.exit(exc.exit_code)
     except SystemExit as exc:
         # Rich's and Click's own exit for --help or --version written to a reader that went away (`| grep -q`):

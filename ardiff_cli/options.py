@@ -182,7 +182,8 @@ DtypeOpt = Annotated[
 MemoryBudgetOpt = Annotated[
     Optional[str],
     typer.Option("--memory-budget", rich_help_panel=RUNTIME_PANEL, metavar="BYTES", callback=check_byte_size,
-                 help="Memory the KV cache may plan with, e.g. 512MiB or 2GiB. "
+                 help="Memory the KV cache plans with as available, e.g. 512MiB or 2GiB (sessions beyond the first "
+                      "take --gpu-memory-fraction of it). "
                       "\\[default: the config's, else free device memory (host memory on CPU)]", show_default=False),
 ]
 SessionCapacityOpt = Annotated[

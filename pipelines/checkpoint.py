@@ -317,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if len(argv) == 3 and argv[0] == "init":
             pipeline_class, config = _load_yaml_config(argv[1])
+            if Path(argv[2]).is_file():  # random weights over a trained file (OUT mistyped, or run twice) lose it
+                raise CheckpointError(f"{argv[2]} exists: init writes random weights and does not replace a file",
+                                      hint="choose another OUT, or delete the file first if it is one init wrote")
             _check_room_for_fresh_weights(pipeline_class, config)
             try:
                 print(write_fresh_checkpoint(pipeline_class, config, argv[2]))

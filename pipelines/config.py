@@ -111,7 +111,7 @@ def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str, prese
             )
         if key not in settable:
             raise ConfigError(
-                f"{where}: unknown key 'model.{key}'{did_you_mean(str(key), settable)}",
+                f"{where}: unknown key 'model.{key}'{did_you_mean(str(key), ['preset', *settable])}",
                 hint=f"valid keys: preset, {', '.join(settable)}",
             )
         try:

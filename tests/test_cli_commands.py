@@ -676,6 +676,25 @@ def test_inspect_capacity_shows_an_absurd_available_in_few_digits_and_says_why_o
     assert "bug" not in proc.stderr
 
 
+def test_a_byte_size_split_by_a_space_after_the_config_names_the_unit_as_the_size_given_apart(tmp_path):
+    """`--memory-budget 2 GiB` after a CONFIG: the unit is an extra argument to warmup and inspect-capacity, and an
+    EPISODE to rollout. Only the unit taken for CONFIG said why; these said "Got unexpected extra argument(s) (GiB)"
+    and "episode folder not found: GiB". A subprocess, as the usage errors are reported by the entry point."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "ARDIFF_CACHE_DIR": str(tmp_path / "cache")}
+    why = "'GiB' looks like the unit of a byte size given apart from its number: write the size as one argument"
+    for command in ("warmup", "inspect-capacity", "rollout"):
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", command, "dreamzero-tiny", "--memory-budget", "2",
+                               "GiB", "-q", "--format", "json", *(["-o", "out"] if command == "rollout" else [])],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        error = json.loads(proc.stdout)
+        assert proc.returncode == 2 and error["hint"].startswith(why), (command, proc.stdout, proc.stderr)
+    assert not (tmp_path / "out").exists()
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "warmup", "dreamzero-tiny", "extra", "--format",
+                           "json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert json.loads(proc.stdout)["hint"] == "see ardiff warmup --help", proc.stdout
+
+
 def test_inspect_capacity_shows_large_figures_without_exponent_notation():
     """'1.05e+03%' and '5.38e+03' sessions per GiB read as a typo; three digits stay, in plain notation."""
     result = runner.invoke(app, ["inspect-capacity", "dreamzero-14b", "--available", "80GiB", "--sessions", "200",

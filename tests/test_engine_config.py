@@ -218,6 +218,39 @@ def test_a_checkpoint_under_the_home_folder_may_be_written_with_a_tilde(tmp_path
     assert load_config(config).checkpoint == tmp_path / "home" / "weights.safetensors"
 
 
+def test_a_relative_checkpoint_not_found_says_it_is_read_from_the_config_files_folder(tmp_path, monkeypatch):
+    """`checkpoint: weights/w.safetensors` written from the folder the user runs in, or in a config reached through
+    a link from another folder, was only "file not found": the hint now says which folder a relative path is read
+    from. An absolute path needs no such note."""
+    (tmp_path / "run" / "weights").mkdir(parents=True)
+    (tmp_path / "run" / "weights" / "w.safetensors").write_bytes(b"\x00" * 8)
+    config = tmp_path / "configs" / "c.yaml"
+    config.parent.mkdir()
+    config.write_text("pipeline: causal_world\nmodel: {preset: tiny}\ncheckpoint: weights/w.safetensors\n")
+    monkeypatch.chdir(tmp_path / "run")
+    with pytest.raises(ConfigError, match="'checkpoint': file not found: .*/configs/weights/w.safetensors$") as err:
+        load_config(config)
+    assert err.value.hint.startswith(f"a relative checkpoint path is read from the config file's folder, "
+                                     f"{config.parent.resolve()}; give the .safetensors file's path"), err.value.hint
+    config.write_text(f"pipeline: causal_world\ncheckpoint: {tmp_path}/nowhere.safetensors\n")
+    with pytest.raises(ConfigError, match="file not found") as err:
+        load_config(config)
+    assert err.value.hint.startswith("give the .safetensors file's path"), err.value.hint
+
+
+def test_a_checkpoint_that_is_a_link_to_nothing_is_named_as_such(tmp_path):
+    """A checkpoint linked to a disk not mounted was "file not found" while `ls` lists it: as for CONFIG, the error
+    says it is a link and to what."""
+    (tmp_path / "w.safetensors").symlink_to(tmp_path / "mnt" / "weights.safetensors")
+    config = tmp_path / "c.yaml"
+    config.write_text("pipeline: causal_world\ncheckpoint: w.safetensors\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    assert str(err.value) == (f"{config}: field 'checkpoint': {tmp_path}/w.safetensors is a link to "
+                              f"{tmp_path}/mnt/weights.safetensors, which does not exist")
+    assert err.value.hint.startswith("mount or restore what it links to"), err.value.hint
+
+
 @pytest.mark.parametrize(("line", "message"), [
     ("pipeline: ''", "field 'pipeline': expected a registered pipeline name, got ''"),
     # Path('') is the config's own folder: it was "field 'checkpoint': a folder, not a file: <the config's folder>"

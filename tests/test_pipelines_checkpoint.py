@@ -204,6 +204,18 @@ def test_checkpoint_of_another_head_count_is_refused(tmp_path):
     assert pipe.checkpoint == path
 
 
+def test_checkpoint_of_another_size_is_named_by_the_fields_it_records_not_by_every_tensor(tmp_path):
+    """A `preset: tiny` file loaded with `preset: small` said "64 missing keys: ..., N shape mismatches: ..." in one
+    error line of about 11 KB; the file records its geometry, so the error names the fields that differ instead."""
+    cls = dreamzero.pipeline_class()
+    path = write_fresh_checkpoint(cls, tiny(dreamzero), tmp_path / "tiny.safetensors")
+    small = dreamzero.Config.from_dict({"preset": "small"}, where="test")
+    with pytest.raises(CheckpointError, match=r"written for another dreamzero geometry: dim: checkpoint 64 vs config "
+                                              r"128; ffn_dim: checkpoint 128 vs config 512; ") as err:
+        cls.from_config(small, device="cpu", checkpoint=path)
+    assert "missing keys" not in str(err.value) and len(str(err.value)) < 1000, str(err.value)[:300]
+
+
 def test_checkpoint_of_another_pipeline_names_it(tmp_path):
     path = write_fresh_checkpoint(causal_world.pipeline_class(), tiny(causal_world), tmp_path / "world.safetensors")
     with pytest.raises(CheckpointError, match="written for pipeline 'causal_world'.*missing keys"):
@@ -383,6 +395,17 @@ def test_command_line_refuses_extra_arguments_instead_of_ignoring_them(tmp_path,
     assert main(["init", "causal-world-tiny", str(out), "--force"]) == 2  # not an option init has: usage, no file
     assert capsys.readouterr().err.startswith("usage: python -m pipelines.checkpoint") and not out.exists()
     assert main(["path", "causal-world-tiny", "extra"]) == 2
+
+
+def test_command_line_init_never_replaces_an_existing_file(tmp_path, capsys):
+    """`init CONFIG OUT` with OUT a checkpoint already there (the trained weights' path, mistyped or given twice)
+    replaced it with random weights, silently. It is refused with exit 2, the file left byte for byte."""
+    out = tmp_path / "trained.safetensors"
+    out.write_bytes(b"trained weights")
+    assert main(["init", "causal-world-tiny", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"Error: {out} exists: init writes random weights and does not replace a file\n"), err
+    assert out.read_bytes() == b"trained weights" and list(tmp_path.iterdir()) == [out]
 
 
 def test_command_line_init_into_a_folder_says_so_exits_2_and_leaves_no_temporary_file(tmp_path):

@@ -131,6 +131,14 @@ def test_config_errors_name_the_field():
     assert causal_world.Config.from_dict({"seed": (1 << 64) - 1}, where="cfg.yaml").seed == (1 << 64) - 1
 
 
+@pytest.mark.parametrize("key", ["Preset", "presets", "prest"])
+def test_a_misspelt_preset_key_is_named_with_a_did_you_mean(key):
+    """`model: {Preset: tiny}` or `presets:` said only "unknown key" (the suggestion looked among the model's
+    fields, which `preset` is not one of), though every other misspelt model key gets a did-you-mean."""
+    with pytest.raises(ConfigError, match=rf"^cfg.yaml: unknown key 'model.{key}' \(did you mean 'preset'\?\)$"):
+        dreamzero.Config.from_dict({key: "tiny"}, where="cfg.yaml")
+
+
 def test_yaml_ints_are_accepted_for_floats_and_lists_for_tuples():
     config = causal_world.Config.from_dict({"timestep_shift": 3, "patch_size": [1, 2, 2]}, where="x")
     assert config.timestep_shift == 3.0 and config.patch_size == (1, 2, 2)

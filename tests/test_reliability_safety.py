@@ -355,6 +355,37 @@ def test_the_pipeline_option_ignores_surrounding_blanks_and_refuses_a_blank_one(
             load_config("dreamzero-tiny", pipeline=blank)
 
 
+def test_the_pipeline_option_given_an_import_path_says_to_name_the_class_after_a_colon():
+    """`--pipeline pipelines.dreamzero.pipeline.DreamZeroPipeline` (a dot where the colon goes, as Python imports
+    write it) or a module alone said only "unknown pipeline" and listed the registered names, never the MODULE:CLASS
+    form the user was reaching for."""
+    with pytest.raises(ConfigError, match="unknown pipeline 'pipelines.dreamzero.pipeline.DreamZeroPipeline'") as info:
+        load_config("dreamzero-tiny", pipeline="pipelines.dreamzero.pipeline.DreamZeroPipeline")
+    assert info.value.hint.endswith("e.g. --pipeline pipelines.dreamzero.pipeline:DreamZeroPipeline")
+    with pytest.raises(ConfigError, match="unknown pipeline 'my_lab.models'") as info:
+        load_config("dreamzero-tiny", pipeline="my_lab.models")
+    assert "write MODULE:CLASS, e.g. --pipeline my_lab.models:MyPipeline" in info.value.hint
+    # a config's own `pipeline:` field names registered pipelines only: its hint does not offer MODULE:CLASS
+    with pytest.raises(ConfigError, match="unknown pipeline 'dreamzeroo'") as info:
+        load_config({"pipeline": "dreamzeroo"})
+    assert info.value.hint == "registered pipelines: causal_world, dreamzero"
+
+
+def test_a_pipeline_module_that_raises_as_it_imports_is_not_called_a_package_not_installed(tmp_path, monkeypatch):
+    """`--pipeline my_lab_boom:Model` whose module raises at its top level (a RuntimeError, a bad path) was told "is
+    the package installed in this environment?": it is, and runs; the hint now says where to look. A module that is
+    not there keeps the install hint."""
+    (tmp_path / "my_lab_boom.py").write_text("raise RuntimeError('no GPU driver loaded')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_lab_boom", raising=False)
+    with pytest.raises(ConfigError, match="cannot import 'my_lab_boom': RuntimeError: no GPU driver loaded$") as info:
+        load_config("dreamzero-tiny", pipeline="my_lab_boom:Model")
+    assert "installed" not in info.value.hint and "python -c 'import my_lab_boom'" in info.value.hint, info.value.hint
+    with pytest.raises(ConfigError, match="cannot import 'my_lab_gone': ModuleNotFoundError") as info:
+        load_config("dreamzero-tiny", pipeline="my_lab_gone:Model")
+    assert "installed" in info.value.hint, info.value.hint
+
+
 def test_the_pipeline_option_says_what_it_found_in_place_of_a_class():
     """MODULE:NAME naming a function says so (not that a "class" lacks the pipeline attributes), and a name the
     module lacks lists the classes it has, for the user to pick from."""

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ardiff_cli.io.atomic import parse_json
+from ardiff_cli.runtime.capacity import split_unit_hint
 from ardiff_cli.runtime.errors import YAML_SYNTAX_HINT, ConfigError, ObservationError, yaml_problem
 
 STEP_SUFFIXES = (".safetensors", ".npz")
@@ -294,6 +295,8 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
                               "exist", hint="mount the disk the link points to (or fix the link)")
         if not found:
             where = "" if path.is_absolute() else f"it is read relative to {Path.cwd()}; "
+            unit = split_unit_hint(str(path))  # `rollout CFG --memory-budget 2 GiB`: the unit was taken for an EPISODE
+            where = f"{unit}; {where}" if unit else where
             raise ConfigError(f"episode folder not found: {path}",
                               hint=f"{where}for a robot that has not started writing yet, create its folder first "
                                    "(mkdir -p)" + ("" if follow else " and use --follow"))

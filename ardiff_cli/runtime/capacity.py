@@ -90,6 +90,16 @@ BYTE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "
 BYTE_SIZE_HINT = ("use a whole number of bytes, or a number and a unit such as 512MiB, 2GiB, 1.5G: KiB .. EiB and "
                   "K, M, G, T, P are powers of 1024, KB .. EB powers of 1000")
 
+
+def split_unit_hint(argument: str) -> str:
+    """The hint for an argument that is a byte unit alone (`--memory-budget 2 GiB`: the shell split the size in two,
+    and the unit was taken for CONFIG, an EPISODE or an extra argument); '' for any other."""
+    if not argument or argument.lower() not in BYTE_UNITS:
+        return ""
+    return (f"{argument!r} looks like the unit of a byte size given apart from its number: write the size as one "
+            "argument (2GB, or quoted: '2 GB')")
+
+
 MAX_BYTE_SIZE_BITS = 1000  # a byte size is a few bits short of a float's range (2**1024): 1e301 is far past any device
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
-from ardiff_cli.runtime.capacity import BYTE_UNITS, MAX_SESSIONS, as_fraction, as_int, dtype_name, parse_bytes
+from ardiff_cli.runtime.capacity import MAX_SESSIONS, as_fraction, as_int, dtype_name, parse_bytes, split_unit_hint
 from ardiff_cli.runtime.errors import (
     PIPELINE_HINT,
     YAML_SYNTAX_HINT,
@@ -242,9 +242,8 @@ def resolve_config(name_or_path: str | Path | None) -> Path:
         raise ConfigError(f"config file not found: {path}", hint=_not_found_hint(path, builtins))
     name = str(name_or_path)
     hint = f"built-in configs: {', '.join(sorted(builtins))}"
-    if name and name.lower() in BYTE_UNITS:  # `--memory-budget 2 GB`: the shell split the size in two
-        hint = (f"{name!r} looks like the unit of a byte size given apart from its number: write the size as one "
-                f"argument (2GB, or quoted: '2 GB'); {hint}")
+    unit = split_unit_hint(name)  # `--memory-budget 2 GB`: the shell split the size in two
+    hint = f"{unit}; {hint}" if unit else hint
     raise ConfigError(
         f"unknown config {name!r}{did_you_mean(name, builtins)}: not a file and not a built-in config", hint=hint
     )
@@ -471,15 +470,23 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
         if not isinstance(checkpoint, str) or not checkpoint:
             raise field_error(where, "checkpoint", "a .safetensors path or null", checkpoint)
         checkpoint = Path(checkpoint).expanduser()
-        if not checkpoint.is_absolute():
+        relative = not checkpoint.is_absolute()
+        if relative:
             checkpoint = base / checkpoint
         kind = path_kind(checkpoint, "", where=f"{where}: field 'checkpoint'")
+        if kind == "missing" and checkpoint.is_symlink():  # `ls` lists it: "file not found" read as a false error
+            raise ConfigError(f"{where}: field 'checkpoint': {checkpoint} is a link to {os.readlink(checkpoint)}, "
+                              "which does not exist", hint="mount or restore what it links to, or give the "
+                                                           ".safetensors file's own path")
         if kind != "file":
             found = {"folder": "a folder, not a file", "other": "not a regular file"}.get(kind, "file not found")
+            # A path written relative to the folder the user runs from (or a config linked from elsewhere) was only
+            # named as not found: say where a relative one is read from.
+            origin = "the current folder" if isinstance(source, dict) else f"the config file's folder, {base.resolve()}"
             raise ConfigError(
                 f"{where}: field 'checkpoint': {found}: {checkpoint}",
-                hint="give the .safetensors file's path, or set checkpoint: null to use the pipeline's built-in "
-                     "default",
+                hint=(f"a relative checkpoint path is read from {origin}; " if relative and kind == "missing" else "")
+                + "give the .safetensors file's path, or set checkpoint: null to use the pipeline's built-in default",
             )
     runtime = RuntimeConfig.from_dict({} if data.get("runtime") is None else data["runtime"], where=where)
     return EngineConfig(

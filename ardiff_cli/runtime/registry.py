@@ -108,10 +108,14 @@ def _import(module_path: str, *, what: str, where: str):
     try:
         return importlib.import_module(module_path)
     except Exception as exc:  # noqa: BLE001 - ImportError, or whatever the module raised while importing
+        # A module that was found but raised as it ran (a RuntimeError at its top level) is no install problem.
+        hint = ("is the package installed in this environment (or its folder on PYTHONPATH)?"
+                if isinstance(exc, ImportError) else
+                f"the module was found but raised while importing: fix it (python -c 'import {module_path}' shows "
+                "the traceback)")
         raise ConfigError(
             f"{where}: {what}: cannot import {module_path!r}: {type(exc).__name__}: {exc}",
-            hint=_shadowed(module_path) or "is the package installed in this environment (or its folder on "
-                                           "PYTHONPATH)?",
+            hint=_shadowed(module_path) or hint,
         ) from None
 
 
@@ -152,9 +156,13 @@ def resolve_pipeline(name: str, *, where: str = "config") -> PipelineEntry:
                 hint=f"registered pipelines: {', '.join(sorted(registry))}; to load a class from a module, "
                      f"{CLASS_REFERENCE_HINT}",
             )
+        hint = f"registered pipelines: {', '.join(sorted(registry))}"
+        if where == "--pipeline":  # `my_lab.models.MyPipeline` (an import path) or `my_lab.models` (no class)
+            module, _, last = name.rpartition(".")
+            example = f"{module}:{last}" if module and last[:1].isupper() else "my_lab.models:MyPipeline"
+            hint += f"; to load a class from a module, write MODULE:CLASS, e.g. --pipeline {example}"
         raise ConfigError(
-            f"{where}: field 'pipeline': unknown pipeline {name!r}{did_you_mean(name, registry)}",
-            hint=f"registered pipelines: {', '.join(sorted(registry))}",
+            f"{where}: field 'pipeline': unknown pipeline {name!r}{did_you_mean(name, registry)}", hint=hint
         )
     return resolve_entry_module(registry[name], name=name, where=where)
 
