@@ -26,6 +26,12 @@ class SpecOtherThanItsConfig(CausalWorldPipeline):
         return dataclasses.replace(self.spec, window_frames=60)
 
 
+class DeclaresBatching(CausalWorldPipeline):
+    """It declares request batching, which the runner never does (one request per forward)."""
+
+    supports_request_batch = True
+
+
 class WarmupReturnsNone(CausalWorldPipeline):
     """Its warmup provider forgot to return (or yield) its requests."""
 

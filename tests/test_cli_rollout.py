@@ -1369,6 +1369,20 @@ def test_a_swap_folder_linked_to_nothing_is_named_before_the_run_starts(env, dat
     assert not (tmp_path / "run" / "run.json").exists()
 
 
+def test_a_swap_that_is_a_file_is_named_before_the_run_starts(env, data, tmp_path):
+    """A file named .swap in --out (a copied run, a stray file) made the runner fail to make the folder at every
+    eviction ("FileExistsError: File exists: 'OUT/.swap'"): one warning, and every evicted session replayed."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".swap").write_text("not a folder")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "run"),
+                  "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert (f"Error: --out {tmp_path / 'run'}: its .swap is not a folder\nhint: remove or rename it: the run keeps "
+            f"its swap snapshots in the folder {tmp_path / 'run' / '.swap'}") in proc.stderr
+    assert not (tmp_path / "run" / "run.json").exists()
+    assert (tmp_path / "run" / ".swap").read_text() == "not a folder"
+
+
 def test_a_kept_snapshot_replaced_by_another_runs_of_the_same_episode_is_replayed_instead(env, data, reference,
                                                                                        tmp_path):
     # Another run's snapshot of an episode of the same name, after as many steps (same geometry, dtype and step

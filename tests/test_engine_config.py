@@ -289,3 +289,17 @@ def test_a_model_setting_at_the_top_of_a_config_without_a_pipeline_is_placed_by_
     with pytest.raises(ConfigError, match="^<dict>: unknown key 'preset' \\(did you mean 'model.preset'\\? the "
                                           "pipeline's settings go under `model:`\\)$"):
         load_config({"preset": "tiny"}, pipeline="causal_world")
+
+
+def test_a_model_error_under_a_pipeline_class_does_not_blame_a_config_naming_an_unregistered_pipeline():
+    """README, 'Adding a pipeline': a config saying `pipeline: my_world` is tried before packaging with
+    `--pipeline my_lab.models:MyPipeline`. A mistake in its model: section said "the config is for pipeline
+    'my_world' ...: drop --pipeline", and dropping it fails with "unknown pipeline 'my_world'"."""
+    reference = "pipelines.causal_world.pipeline:CausalWorldPipeline"
+    with pytest.raises(ConfigError) as caught:
+        load_config({"pipeline": "my_world", "model": {"preset": "no-such-preset"}}, pipeline=reference)
+    assert "field 'model.preset'" in str(caught.value)
+    assert "the config is for pipeline" not in (caught.value.hint or "")
+    with pytest.raises(ConfigError) as caught:
+        load_config({"pipeline": "dreamzero", "model": {"preset": "no-such-preset"}}, pipeline=reference)
+    assert f"the config is for pipeline 'dreamzero', but --pipeline {reference}" in caught.value.hint

@@ -348,6 +348,21 @@ def test_a_misspelt_runner_key_is_a_warning_once_and_the_request_runs_as_it_did(
     assert sorted(view.session_id for view in engine.runner.sessions()) == ["arm_c", "default"]  # routed as before
 
 
+def test_a_misspelt_runner_key_is_warned_of_at_the_callers_line():
+    """The warning pointed at ardiff's own runner.py (`return method(self, *args, **kwargs)`), so a server's log
+    did not say which of its calls sent the key, and `warnings.filterwarnings(module=...)` could not single it out."""
+    engine = server_engine()
+    engine.load()
+    inputs = engine.pipeline.example_inputs(seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.execute(ARDiffusionRequest("r0", inputs, {"sesion_id": "arm_a"}))
+        engine.runner.execute_model(ARDiffusionRequest("r1", inputs, {"sessionId": "arm_b"}))
+    said = [w for w in caught if issubclass(w.category, ArdiffWarning)]
+    assert [(w.filename, "extra_args key" in str(w.message)) for w in said] == [(__file__, True)] * 2
+    engine.close()
+
+
 def test_closing_or_resetting_a_session_that_is_not_resident_is_a_typed_key_error_with_a_readable_message():
     """A server closes a robot's session when it disconnects, and LRU may have evicted it already: that was a bare
     KeyError whose message printed in quotes, listing every resident session id whatever their number and length."""

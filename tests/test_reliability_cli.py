@@ -463,6 +463,11 @@ def test_a_signal_caught_inside_a_warmup_request_stops_warmup(env, data, action)
     ("BrokenFromConfig", "Error: BrokenFromConfig.from_config() failed: KeyError: 'blocks.0.self_attn.q.weight'"),
     ("SpecOtherThanItsConfig", "Error: SpecOtherThanItsConfig.ar_diffusion_kv_cache_spec() differs from its "
                                "Config.kv_cache_spec(): window_frames 60 (the config's 6)"),
+    # "Error: unexpected ValueError: ...", "hint: this is a bug in ardiff", and the traceback
+    ("DeclaresBatching", "Error: ARDiffusionModelRunner supports request-mode execution only (max_num_seqs=1, one "
+                         "request per forward, no step execution): batching or stepping requests would bypass "
+                         "bind_ar_diffusion_state(), which binds exactly one session's KV state around one forward; "
+                         "the pipeline DeclaresBatching declares supports_request_batch=True"),
     # warmup passed (exit 0), and then every step of a rollout failed
     ("ReturnsTensor", "Error: warmup request 'warmup-0' of ReturnsTensor: ReturnsTensor.forward() returned Tensor, "
                       "expected a dict of arrays"),
@@ -479,7 +484,9 @@ def test_a_pipeline_authors_mistake_is_named_as_the_pipelines_not_as_a_bug_in_ar
     hint = {"HooksMissing": "hint: see README, 'Adding a pipeline', for the methods a pipeline class implements",
             "SpecOtherThanItsConfig": "hint: build both from the same config fields, so that inspect-capacity plans "
                                       "what load allocates",
-            "ReturnsNaN": "hint: the model diverged on the warmup's inputs"}.get(pipeline, "hint: the pipeline's code")
+            "ReturnsNaN": "hint: the model diverged on the warmup's inputs",
+            "DeclaresBatching": "hint: leave supports_request_batch out (or False)"}.get(pipeline,
+                                                                                         "hint: the pipeline's code")
     commands = {"warmup": ["warmup"], "rollout --warmup": ["rollout", "--warmup", "--out", str(tmp_path / "run")]}
     for name, command in commands.items():
         proc = ardiff(env, *command, "causal-world-tiny", "--device", "cpu", "--format", "plain",

@@ -304,6 +304,9 @@ class RunFolder:
         if swap.is_symlink() and not swap.exists():
             raise ConfigError(f"--out {self.root}: its {SWAP_DIR} is a link to {os.readlink(swap)}, which does not "
                               "exist", hint="create that folder for the run's swap snapshots, or remove the link")
+        if swap.exists() and not swap.is_dir():  # every snapshot's write failed, and each evicted session replayed
+            raise ConfigError(f"--out {self.root}: its {SWAP_DIR} is not a folder",
+                              hint=f"remove or rename it: the run keeps its swap snapshots in the folder {swap}")
         try:
             fd = os.open(swap, os.O_RDONLY | os.O_DIRECTORY)
         except OSError:  # none yet: the runner makes it, inside this locked folder

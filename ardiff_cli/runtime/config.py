@@ -40,7 +40,12 @@ from ardiff_cli.runtime.errors import (
 )
 from ardiff_cli.runtime.kv.backends import ATTENTION_BACKEND_SETTINGS
 from ardiff_cli.runtime.observation import ObservationSchema
-from ardiff_cli.runtime.registry import PipelineEntry, resolve_pipeline, resolve_pipeline_reference
+from ardiff_cli.runtime.registry import (
+    PipelineEntry,
+    registered_pipelines,
+    resolve_pipeline,
+    resolve_pipeline_reference,
+)
 
 DEFAULT_CONFIG = "dreamzero-tiny"
 TOP_LEVEL_KEYS = ("pipeline", "checkpoint", "model", "runtime")
@@ -452,7 +457,11 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
         model = _pipeline_config_call(entry, where, f"{config_class}.from_dict",
                                       lambda: entry.config_class.from_dict(model_data, where=where))
     except ConfigError as exc:
-        if pipeline is not None and data.get("pipeline") not in (None, entry.name):  # another pipeline's settings
+        named = data.get("pipeline")
+        # Another pipeline's settings: a config naming a registered pipeline other than --pipeline's. One naming an
+        # unregistered one is that pipeline class's own config (`pipeline: my_world` before it is packaged).
+        if (pipeline is not None and isinstance(named, str) and named != entry.name
+                and named in registered_pipelines()):
             exc.hint = (f"the config is for pipeline {data['pipeline']!r}, but --pipeline {pipeline} reads its "
                         "model: section: drop --pipeline, or give a config of that pipeline"
                         + (f"; {exc.hint}" if exc.hint else ""))

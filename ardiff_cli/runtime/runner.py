@@ -12,6 +12,7 @@ import contextlib
 import errno
 import functools
 import logging
+import sys
 import threading
 import time
 import warnings
@@ -110,6 +111,10 @@ class PipelineContractError(PipelineError, TypeError):
     """The pipeline lacks a capability method, or its spec is not an ``ARDiffusionKVCacheSpec`` (refused at load)."""
 
 
+class PipelineModeError(PipelineError, ValueError):
+    """The pipeline declares request batching or step execution, which the runner never does (refused at load)."""
+
+
 def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``method`` alone: calls from other threads wait for the request in progress; a call from inside
     it (an event callback, the pipeline's forward) would corrupt it and raises instead of deadlocking."""
@@ -130,6 +135,17 @@ def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
                 self._request_owner = None
 
     return exclusive
+
+
+def _caller_stacklevel() -> int:
+    """``warnings.warn``'s ``stacklevel``, in the function that calls this, for the first frame outside the runtime
+    package: a warning about a request points at the caller's ``engine.execute(...)`` (or ``execute_model``), not
+    at the wrappers between it and the runner."""
+    package = str(Path(__file__).parent)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def require_subscriber(callback: Any, where: str) -> None:
@@ -286,7 +302,10 @@ class ARDiffusionModelRunner:
             raise ValueError(f"{REQUEST_MODE_ONLY}; step execution was requested")
         for flag in ("supports_request_batch", "supports_step_execution"):
             if getattr(self.pipeline, flag, False):
-                raise ValueError(f"{REQUEST_MODE_ONLY}; the pipeline declares {flag}=True")
+                raise PipelineModeError(
+                    f"{REQUEST_MODE_ONLY}; the pipeline {type(self.pipeline).__name__} declares {flag}=True",
+                    hint=f"leave {flag} out (or False): ardiff runs one request per forward, its session's KV state "
+                         "bound around it")
         missing = [name for name in (*PIPELINE_METHODS, "forward") if not callable(getattr(self.pipeline, name, None))]
         if missing:
             raise PipelineContractError(
@@ -368,7 +387,7 @@ class ARDiffusionModelRunner:
                 raise
             reason = f"vLLM kernel failed to initialise ({type(exc).__name__}: {exc}); using torch"
             # The user asked for the fast path (auto) and gets the slow one: a warning, not a log record.
-            warnings.warn(f"attention backend: {reason}", ArdiffWarning, stacklevel=3)
+            warnings.warn(f"attention backend: {reason}", ArdiffWarning, stacklevel=_caller_stacklevel())
             name = "torch"
             plan, cache = allocate(name)
         self.attention_backend, self.attention_backend_reason = name, reason
@@ -491,7 +510,7 @@ class ARDiffusionModelRunner:
                 routed = f", and the request to session {session_id!r}" if meant == "session_id" else ""
                 warnings.warn(f"request {shown(request.request_id)}: extra_args key {key!r} is not one the runner "
                               f"reads ({', '.join(RUNNER_KEYS)}): it goes to the pipeline as is{routed}; did you mean "
-                              f"{meant!r}?", ArdiffWarning, stacklevel=3)
+                              f"{meant!r}?", ArdiffWarning, stacklevel=_caller_stacklevel())
         if session_id == WARMUP_SESSION_ID and not internal:
             raise RequestError(f"session id {WARMUP_SESSION_ID!r} is reserved for warmup",
                                hint="name the session otherwise")
@@ -800,7 +819,7 @@ class ARDiffusionModelRunner:
                 size, space = f"{self.swap.refused_bytes:,} bytes", f"{self.swap.budget_bytes:,} bytes"
             warnings.warn(f"the snapshot of session {shown(session_id)} ({size}) is larger than the whole swap space "
                           f"({space}): sessions this large are evicted without one (a larger swap space keeps them)",
-                          ArdiffWarning, stacklevel=2)
+                          ArdiffWarning, stacklevel=_caller_stacklevel())
         return written
 
     def _check_disk_room(self, session: _Session) -> None:
@@ -950,7 +969,7 @@ class ARDiffusionModelRunner:
         warnings.warn(f"cannot swap session {shown(session_id)} out to {self.swap.directory} "
                       f"({type(error).__name__}: {error}); {then} (later snapshots that fail alike are not warned "
                       "about: each is a swap_failed event, counted in summary.json's swap.swap_failed)",
-                      ArdiffWarning, stacklevel=4)
+                      ArdiffWarning, stacklevel=_caller_stacklevel())
 
     def _restore(self, session_id: str, expected: int | None = None) -> None:
         """``restore_session`` of a session that has a snapshot and is not resident (``expected``: its requests)."""
