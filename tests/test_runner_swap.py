@@ -457,8 +457,8 @@ def test_ctrl_c_just_after_a_snapshot_was_written_leaves_the_session_resident_wi
 
 def test_a_swap_write_failure_is_a_warning_and_the_eviction_goes_on(tmp_path):
     blocker = tmp_path / "not-a-folder"
-    blocker.write_text("a file where the swap folder should go")
     engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=blocker / "swap", swap_space=1 << 30)
+    blocker.write_text("a file where the swap folder should go")  # after the engine was made: it refuses one at once
     run(engine, "a", 0)
     with pytest.warns(ArdiffWarning, match=r"cannot swap session 'a' out to .*not-a-folder/swap \(.*Error") as said:
         run(engine, "b", 0)
@@ -602,6 +602,21 @@ def test_bad_swap_arguments_are_a_config_error_at_once(tmp_path, kwargs, message
     assert info.value.hint
     with pytest.raises(ConfigError, match=r"^ARDiffusionModelRunner\(\): " + message):
         ARDiffusionModelRunner(TinyPipeline(tiny_spec()), memory_budget=64 << 20, **kwargs)
+
+
+def test_a_swap_dir_that_is_a_file_or_under_one_is_a_config_error_at_once(tmp_path):
+    """README: the runner refuses bad swap arguments at once. A swap_dir that is a file (or under one) was taken:
+    every eviction then failed to make the folder, one warning, and every evicted session restarted from nothing.
+    With swap_space=0 (no swapping) it is never used, so it is not looked at."""
+    (tmp_path / "config.yaml").write_text("a file")
+    for swap_dir in (tmp_path / "config.yaml", tmp_path / "config.yaml" / "swap"):
+        message = rf"^ARDiffusionEngine\(\): swap_dir {swap_dir}: {tmp_path / 'config.yaml'} is not a folder$"
+        with pytest.raises(ConfigError, match=message) as info:
+            ARDiffusionEngine.from_config(CONFIGS / "causal-world-tiny.yaml", device="cpu", swap_dir=swap_dir)
+        assert info.value.hint
+        with pytest.raises(ConfigError, match=r"^ARDiffusionModelRunner\(\): swap_dir "):
+            ARDiffusionModelRunner(TinyPipeline(tiny_spec()), memory_budget=64 << 20, swap_dir=str(swap_dir))
+        ARDiffusionModelRunner(TinyPipeline(tiny_spec()), memory_budget=64 << 20, swap_dir=swap_dir, swap_space=0)
 
 
 def test_the_default_swap_space_is_the_kv_budget_at_most_half_the_free_disk(tmp_path, monkeypatch):

@@ -73,7 +73,13 @@ def check_swap_arguments(swap_dir: Any, swap_space: Any, *, where: str) -> tuple
     if swap_dir is None and swap_space:
         raise ConfigError(f"{where}: swap_space={swap_space} without swap_dir: nothing would be swapped",
                           hint="give the folder for the snapshots too: swap_dir='runs/swap'")
-    return None if swap_dir is None else Path(swap_dir), swap_space
+    if swap_dir is None:
+        return None, swap_space
+    folder = Path(swap_dir)
+    existing = next((p for p in (folder, *folder.parents) if os.path.lexists(p)), None)
+    if existing is not None and swap_space != 0 and not existing.is_dir():  # every snapshot's write would fail
+        raise ConfigError(f"{where}: swap_dir {folder}: {existing} is not a folder", hint=hint)
+    return folder, swap_space
 
 
 def free_disk_bytes(directory: Path) -> int:
