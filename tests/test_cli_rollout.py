@@ -703,6 +703,27 @@ def test_a_failure_that_resume_retries_and_meets_again_is_counted_once(env, data
     assert summary["steps"]["ok"] == first["steps"]["ok"] and summary["episodes"] == first["episodes"]
 
 
+def test_a_failed_last_steps_file_removed_is_no_longer_counted_failed_once_its_episode_completes(env, data, tmp_path):
+    """A recorder's cut last step fails its episode; the user deletes that file and resumes. The episode completes
+    (exit 0, status ok), and the summary's steps.failed said 1 still, of a step no ok line would ever resolve: a
+    script checking it took the finished run for a failed one."""
+    eps = tmp_path / "eps"
+    shutil.copytree(data / "eps", eps)
+    arrays = steps_of(1, 3)[2]
+    arrays["joint_position"] = np.zeros(5, np.float32)
+    write_step(eps / "arm_b", 2, arrays)
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 4, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["steps"]["failed"] == 1
+    (eps / "arm_b" / "step_000002.safetensors").unlink()
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["episodes"]["completed"], summary["episodes"]["failed"]) == ("ok", 2, 0)
+    assert summary["steps"]["failed"] == 0 and summary["steps"]["ok"] == 5, summary["steps"]
+
+
 def test_a_failed_lines_path_is_absolute_whatever_folder_the_run_was_started_from(env, data, tmp_path):
     """Episodes given relative to the caller's folder: the failed line's path still opens from anywhere, and a
     --resume (which reads run.json's absolute paths) writes the same path for the same step."""
@@ -1313,6 +1334,30 @@ def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, d
                 "were deleted, and their done steps are replayed instead") in proc.stderr
     assert_same_outputs(reference, run)
     assert not (run / ".swap").exists()
+
+
+def test_kept_snapshots_in_a_swap_folder_gone_read_only_are_replayed_not_a_crash(env, data, reference, tmp_path):
+    """A stopped run's .swap (a link to a scratch disk, say) that refuses changes when it is resumed: the kept
+    snapshots cannot be taken back, nor deleted. The resume crashed there ("unexpected PermissionError ... a bug in
+    ardiff", exit 1, before any step); it replays their episodes with a warning each, as the swapping that fails."""
+    from test_reliability_input import modes_bind
+
+    run, kept, _ = stopped_while_following(env, data, tmp_path)
+    assert kept
+    (run / ".swap").chmod(0o555)
+    try:
+        proc = subprocess.run([*modes_bind(), sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out",
+                               str(run), "--no-warmup", "--format", "plain"], cwd=REPO, env=env, text=True,
+                              capture_output=True, timeout=600)
+    finally:
+        (run / ".swap").chmod(0o755)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "bug in ardiff" not in proc.stderr
+    for name in kept:
+        assert (f"warning: episode {name!r}: the swap snapshot the stopped run kept was deleted (it cannot be taken "
+                "back: ") in proc.stderr, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["status"] == "ok"
+    assert_same_outputs(reference, run)
 
 
 def test_runs_whose_swap_folders_link_to_one_folder_never_delete_each_others_snapshots(env, data, tmp_path):

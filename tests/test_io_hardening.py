@@ -153,6 +153,22 @@ def test_resume_of_a_misspelt_folder_says_it_does_not_exist_rather_than_to_start
     assert error["hint"] == "run without --resume to start a run in this folder"
 
 
+def test_resume_of_a_run_whose_run_json_is_gone_does_not_send_the_user_back_to_a_new_run(tmp_path):
+    """A run copied without its run.json (or one deleted by hand): --resume said to run without --resume, and that
+    new run was refused as one over a folder that already holds a run, with a hint to --resume: a loop."""
+    RunFolder(tmp_path / "eval1").start({"config": "x"})
+    (tmp_path / "eval1" / "results.jsonl").write_text("")
+    (tmp_path / "eval1" / "run.json").unlink()
+    error = json.loads(ardiff("rollout", "--out", "eval1", cwd=tmp_path).stdout.splitlines()[-1])
+    assert error["message"] == "eval1 already holds a run" and "--resume" in error["hint"]
+    result = ardiff("rollout", "--resume", "--out", "eval1", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    error = json.loads(result.stdout.splitlines()[-1])
+    assert error["message"] == (f"nothing to resume: {Path('eval1', 'run.json')} does not exist, though results.jsonl "
+                                "does (run.json was deleted, or not copied with the run)")
+    assert error["hint"] == "restore run.json from where the run was copied, or start a new run in another --out"
+
+
 def test_resume_of_a_misspelt_folder_names_the_closest_run_among_many(tmp_path):
     """The hint lists the last five runs by name (the newest of timestamped ones): the run the typo was meant for
     is named too when it is not among them."""

@@ -735,6 +735,24 @@ def test_out_that_cannot_be_a_folder_is_refused_before_loading(tmp_path, where):
     assert "Traceback" not in result.stderr and "planned" not in result.stderr  # the model never loaded
 
 
+@pytest.mark.parametrize("where", ["the_link", "under_the_link"])
+def test_out_that_is_a_link_to_nothing_names_the_link_before_loading(tmp_path, where):
+    """`-o runs/eval1` where runs/eval1 (or runs) links to a scratch disk not mounted: the error read only "cannot
+    create the output folder: File exists", with a hint to choose one that does not exist yet, of a path `ls` shows
+    as nothing but a link. It names the link and where it points."""
+    link = tmp_path / "scratch"
+    link.symlink_to(tmp_path / "not-mounted")
+    out = link if where == "the_link" else link / "eval1"
+    result = runner.invoke(app, ["rollout", "--out", str(out), "--format", "plain"])
+    assert result.exit_code == 2, result.stderr
+    assert (f"Error: --out {out}: cannot create the output folder: File exists ({link} is a link to "
+            f"{tmp_path / 'not-mounted'}, which does not exist)\n"
+            "hint: create the folder it links to (a disk not mounted?), or remove the link\n") in result.stderr, \
+        result.stderr
+    assert "Traceback" not in result.stderr and "planned" not in result.stderr  # the model never loaded
+    assert not (tmp_path / "not-mounted").exists()
+
+
 @pytest.mark.parametrize("where", ["another_episode", "an_episode_of_the_run", "the_folder_of_episodes",
                                    "the_folder_of_the_episode"])
 def test_out_that_is_an_episode_folder_is_refused_and_left_as_it_was(tmp_path, cli_env, where):

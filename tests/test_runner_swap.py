@@ -1223,6 +1223,35 @@ def test_a_detached_snapshot_adopted_by_a_later_runner_restores_the_same_session
     assert not tmp_path.exists()  # adopted, restored and deleted: nothing left, folder included
 
 
+@pytest.mark.parametrize("name", ["causal-world-tiny", "dreamzero-tiny"])
+def test_a_snapshot_adopted_then_detached_again_unrestored_is_adopted_by_a_third_runner(tmp_path, name):
+    """A run stopped, its --resume stopped too before it restored a kept snapshot, then resumed again: the second
+    resume refused that snapshot ("was written as X, expected Y: another swap store's snapshot of this session ...
+    put in its place", a warning per episode) and replayed the episode's steps instead of restoring them."""
+    reference, _ = engine_for(name, capacity=2)
+    expected = [run(reference, "a", step) for step in range(3)]
+    reference.close()
+    first, _ = engine_for(name, capacity=1, swap_dir=tmp_path)
+    run(first, "a", 0)
+    run(first, "a", 1)
+    run(first, "b", 0)  # evicts a: swapped out after two steps
+    kept = first.runner.detach_snapshots()
+    first.close()
+    second, _ = engine_for(name, capacity=1, swap_dir=tmp_path)
+    assert second.runner.adopt_snapshot("a", kept["a"]) is True
+    kept = second.runner.detach_snapshots()  # stopped before a's next step: a's snapshot is kept as it was
+    second.close()
+    assert list(kept) == ["a"] and (tmp_path / kept["a"]).is_file()
+    third, events = engine_for(name, capacity=1, swap_dir=tmp_path)
+    assert third.runner.adopt_snapshot("a", kept["a"]) is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same(run(third, "a", 2), expected[2], "snapshot adopted twice")
+    assert [e.session_id for e in events if e.kind == "session_restored"] == ["a"]
+    third.close()
+    assert not tmp_path.exists()
+
+
 def test_detached_snapshots_are_flushed_to_the_disk_and_one_the_disk_would_not_flush_is_not_kept(tmp_path,
                                                                                                    monkeypatch):
     """A stopped run's kept.json is written with an fsync; the snapshot files it names were not, so a power loss

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
+import os
 import shlex
 import signal
 import stat
@@ -305,6 +307,12 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             path, what = in_the_way
             raise ConfigError(f"--out {out}: {'it' if path == Path(out) else path} is {what}, not a folder",
                               hint="choose a folder, or a path where none exists yet") from None
+        dangling = _dangling_link(Path(out))
+        if dangling is not None:  # mkdir's "File exists" of a path that ls shows as nothing but a link
+            path, target = dangling
+            raise ConfigError(f"--out {out}: cannot create the output folder: {exc.strerror or exc} ({path} is a "
+                              f"link to {target}, which does not exist)",
+                              hint="create the folder it links to (a disk not mounted?), or remove the link") from None
         raise ConfigError(f"--out {out}: cannot create the output folder: {exc.strerror or exc}",
                           hint="choose a folder you can write, or one that does not exist yet") from None
     run = RunFolder(out)
@@ -426,6 +434,18 @@ def _not_a_folder(out: Path) -> tuple[Path, str] | None:
         if not stat.S_ISDIR(mode):
             kinds = ((stat.S_ISREG, "a file"), (stat.S_ISFIFO, "a pipe"), (stat.S_ISSOCK, "a socket"))
             return path, next((what for test, what in kinds if test(mode)), "a device")
+    return None
+
+
+def _dangling_link(out: Path) -> tuple[Path, str] | None:
+    """The link among ``out`` and its parents that leads to nothing (a scratch disk not mounted), and where it
+    points; None if none does."""
+    for path in (out, *out.parents):
+        try:
+            if path.is_symlink() and not path.exists():
+                return path, os.readlink(path)
+        except OSError:  # one this user may not look at: mkdir's own error names it
+            continue
     return None
 
 
@@ -732,7 +752,8 @@ def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, d
         if why is not None:
             output.warning(f"episode {name!r}: the swap snapshot the stopped run kept was deleted ({why}); its done "
                            "steps are replayed instead")
-        (swap_dir / file).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a swap folder gone read-only: the file stays, as its index does
+            (swap_dir / file).unlink(missing_ok=True)
     drop_kept(swap_dir)
     if swapped:
         output.debug(f"took back the swap snapshots of {len(swapped)} episode(s) the stopped run had swapped out")

@@ -160,6 +160,11 @@ class RunFolder:
                                       f"{did_you_mean(self.root.name, near)}" if near else ""))
         if not path.exists():
             self.refuse_while_locked()  # a run that is still loading its model: run.json comes after
+            if os.path.exists(self.results_path):  # a new run there is refused too, with a hint to --resume
+                raise ConfigError(f"nothing to resume: {path} does not exist, though {self.results_path.name} does "
+                                  "(run.json was deleted, or not copied with the run)",
+                                  hint="restore run.json from where the run was copied, or start a new run in "
+                                       "another --out")
             raise ConfigError(f"nothing to resume: {path} does not exist",
                               hint="run without --resume to start a run in this folder")
         try:
@@ -492,12 +497,14 @@ def build_summary(records: Iterable[Mapping[str, Any]], *, episodes: list[str], 
                 del pending[episode]
         elif r.get("status") == "failed":
             pending[episode] = step
-    unresolved = len(pending)
     steps_by_episode: dict[str, int] = {}
     for episode, _ in done:
         steps_by_episode[episode] = steps_by_episode.get(episode, 0) + 1
     ended = set(this_run.get("completed_episodes", ()))  # once: a set per episode took 1.3 s at 10,000 episodes
     completed = [e for e in episodes if e not in failed and e in ended]
+    # An episode that completed ran every step file it holds: a failure left is of a step file removed since (a
+    # recorder's cut last step, deleted), which no ok line will ever resolve
+    unresolved = len(pending.keys() - set(completed))
     timed_out = set(this_run.get("timed_out", ()))
     return {
         "kind": "summary",

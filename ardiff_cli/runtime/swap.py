@@ -371,7 +371,8 @@ class SwapStore:
 
     def detach(self) -> dict[str, str]:
         """Wait for the write in flight, then forget every snapshot but leave its file, flushed to the disk:
-        {session id: file name}, least recently swapped first, for a later store to :meth:`adopt`. The files are
+        {session id: file name}, least recently swapped first, for a later store to :meth:`adopt` (one adopted and
+        not written since goes back to the name it was written as, which its metadata holds). The files are
         written without a flush (a session swapped out in a run is read back by it, or deleted), so a power loss
         after the caller recorded the result (the CLI's kept.json) would have left files it names with their data
         lost, restored as zeros. A write that failed, or a file the disk would not flush (deleted), is in
@@ -380,6 +381,11 @@ class SwapStore:
         for session_id, snapshot in list(self._files.items()):
             try:
                 _fsync(snapshot.path)
+                if snapshot.written_as != snapshot.path.name:  # adopted, not written since: its metadata names the
+                    # file it was written as, which the next store's adopt checks the name it is given against
+                    written_as = self.directory / snapshot.written_as
+                    os.replace(snapshot.path, written_as)
+                    snapshot.path = written_as
             except OSError as exc:
                 self.discard(session_id)
                 self.failures.append((session_id, exc))
