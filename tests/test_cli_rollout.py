@@ -2008,6 +2008,44 @@ def test_resume_reads_the_runs_own_config_from_any_folder_and_refuses_an_edited_
     assert len(records(run)) == len(lines)  # refused before anything ran
 
 
+def test_resume_refuses_a_checkpoint_replaced_since_the_run_started_and_says_how_to_go_on(env, data, reference,
+                                                                                          tmp_path):
+    """run.json records the config's checkpoint (path, size, modification time): other weights copied over it, or
+    a copy of the config whose relative checkpoint path reads another file, were taken, and the resumed steps ran
+    another model's weights beside the first's (exit 0). Both are refused before anything runs (exit 2); the same
+    weights copied again go on once the file has its modification time back, as the hint says."""
+    subprocess.run([sys.executable, "-m", "pipelines.checkpoint", "init", str(data / "fast.yaml"),
+                    str(tmp_path / "w.safetensors")], check=True, capture_output=True, env=env)
+    (tmp_path / "my.yaml").write_text(FAST_CONFIG + "checkpoint: w.safetensors\n")
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(tmp_path / "my.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    weights = tmp_path / "w.safetensors"
+    recorded = json.loads((run / "run.json").read_text())["checkpoint"]
+    assert recorded == {"path": str(weights), "size": weights.stat().st_size, "mtime_ns": weights.stat().st_mtime_ns}
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-2]))  # as if stopped two steps before the end
+    os.utime(weights, ns=(recorded["mtime_ns"] + 10**9, recorded["mtime_ns"] + 10**9))  # copied over (same size)
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert f"Error: checkpoint {weights} changed since the run started (size {recorded['size']} bytes" in proc.stderr
+    assert "the run's outputs so far came from the weights it had then" in proc.stderr
+    touch = re.search(r"give it back its modification time: (touch -d \S+ \S+)\n", proc.stderr)
+    assert touch is not None and len(records(run)) == len(lines) - 2, proc.stderr  # refused before anything ran
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "my.yaml").write_text((tmp_path / "my.yaml").read_text())  # same SHA-256, another folder
+    (tmp_path / "copy" / "w.safetensors").write_bytes(weights.read_bytes())
+    proc = ardiff(env, "rollout", str(tmp_path / "copy" / "my.yaml"), "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert (f"Error: the config's checkpoint {tmp_path / 'copy' / 'w.safetensors'} is not the run's, {weights}"
+            in proc.stderr)
+    subprocess.run(touch.group(1), shell=True, check=True)
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert len(records(run)) == len(lines)
+    assert_same_outputs(reference, run)  # init writes the default checkpoint's weights: the same outputs
+
+
 def test_resume_after_the_runs_config_was_deleted_is_refused_naming_it_and_a_copy_of_it_finishes_the_run(env,
                                                                                                           tmp_path):
     """run.json records the config by path and SHA-256: with that file gone, --resume names it (exit 2, before

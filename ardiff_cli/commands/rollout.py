@@ -285,9 +285,12 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
                "preview": bool(options["preview"] or info.get("preview")),
                "swap_space": info.get("swap_space") if options["swap_space"] is None else options["swap_space"]}
     config_file = resolve_config(config_label(config)).resolve()
+    checkpoint = _checkpoint_record(cfg.checkpoint)
+    if resume:
+        _refuse_changed_checkpoint(info.get("checkpoint"), checkpoint)
     info = {
         "config": info.get("config", config_label(config)), "config_path": str(config_file),
-        "config_sha256": _sha256(config_file), "pipeline": cfg.pipeline_name,
+        "config_sha256": _sha256(config_file), "checkpoint": checkpoint, "pipeline": cfg.pipeline_name,
         "pipeline_option": pipeline,
         "episodes": [{"name": e.name, "path": str(e.path.resolve())} for e in episodes], "demo": demo,
         "watch": [str(folder) for folder in watch],
@@ -567,6 +570,44 @@ def _resume_config(given: str | None, info: dict[str, Any]) -> str:
         raise ConfigError(f"config {path} {what} (SHA-256 differs)",
                           hint="resume with the config the run started with, or start a new run in another --out")
     return str(path)
+
+
+def _checkpoint_record(path: Path | None) -> dict[str, Any] | None:
+    """run.json's ``checkpoint``: the config's weights file as path, size and modification time (hashing a 14B
+    checkpoint would take a minute at every start); None for the pipeline's built-in default, built the same from
+    the config, or a file gone since the config was read (loading it names it)."""
+    if path is None:
+        return None
+    try:
+        stat_result = Path(path).stat()
+    except OSError:
+        return None
+    return {"path": str(Path(path).resolve()), "size": stat_result.st_size, "mtime_ns": stat_result.st_mtime_ns}
+
+
+def _refuse_changed_checkpoint(recorded: Any, now: dict[str, Any] | None) -> None:
+    """A resume whose config reads another weights file than the run's, or the run's file replaced since (its size
+    or modification time differ), is refused: the run's outputs so far came from the weights it had then, and a
+    resumed run must equal an uninterrupted one. Nothing to compare in a run.json without the field (an older
+    ardiff's) or where either side has the built-in default."""
+    if not isinstance(recorded, dict) or now is None or not isinstance(recorded.get("path"), str):
+        return
+    if recorded["path"] != now["path"]:
+        raise ConfigError(f"the config's checkpoint {now['path']} is not the run's, {recorded['path']}",
+                          hint="resume with the config the run started with (a relative checkpoint path is read "
+                               "from the config's folder), or start a new run in another --out")
+    if (recorded.get("size"), recorded.get("mtime_ns")) == (now["size"], now["mtime_ns"]):
+        return
+    mtime = recorded.get("mtime_ns")
+    then = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime / 1e9))
+            if isinstance(mtime, int) and not isinstance(mtime, bool) else "unknown")
+    touch = (f"; if it holds the same weights (copied again), give it back its modification time: touch -d "
+             f"@{mtime // 10**9}.{mtime % 10**9:09d} {shlex.quote(now['path'])}" if then != "unknown" else "")
+    raise ConfigError(f"checkpoint {now['path']} changed since the run started (size {recorded.get('size')} bytes, "
+                      f"modified {then}; now {now['size']} bytes, modified "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now['mtime_ns'] / 1e9))}): the run's "
+                      "outputs so far came from the weights it had then",
+                      hint=f"restore those weights to resume, or start a new run in another --out{touch}")
 
 
 def _same(given: Any, recorded: Any, name: str) -> Any:
