@@ -1358,6 +1358,22 @@ def test_a_step_file_given_as_config_says_what_it_is(tmp_path, cli_env, command,
         assert f"dreamzero-tiny {step.parent}; a checkpoint" in hint, hint  # its episode folder, not the file
 
 
+@pytest.mark.parametrize("suffix", [".pt", ".pth", ".ckpt", ".bin"])
+def test_a_torch_checkpoint_given_as_config_says_what_it_is(tmp_path, cli_env, suffix):
+    """`ardiff warmup model.pt` read "not UTF-8 text", hint "save the config as UTF-8 YAML", of a file that was
+    never meant to be one: it is named a checkpoint, which goes in the config as .safetensors."""
+    weights = tmp_path / f"model{suffix}"
+    weights.write_bytes(b"\x80\x02}q\x00.")  # a pickle, as torch.save's legacy format begins
+    for command in ("rollout", "warmup", "inspect-capacity"):
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", command, str(weights), "--format", "plain"],
+                              env=cli_env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr == (f"Error: CONFIG '{weights}' is a {suffix} file, not a config: the first argument is a "
+                               f"config file or a built-in config name\nhint: pass a config, e.g. ardiff {command} "
+                               "dreamzero-tiny; a checkpoint goes in the config's `checkpoint:` field, converted to "
+                               ".safetensors (ardiff never unpickles a file)\n"), proc.stderr
+
+
 def test_episodes_given_before_the_config_get_a_hint_that_keeps_the_config(tmp_path, cli_env):
     # `ardiff rollout data my_config.yaml`: the hint said `ardiff rollout dreamzero-tiny data`, which runs another
     # model than the user's.

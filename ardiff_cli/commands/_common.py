@@ -36,13 +36,16 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
                   else f"pass a config file or a built-in config name, e.g. ardiff {command} {DEFAULT_CONFIG}"),
         )
     suffix = Path(config).suffix.lower() if config is not None else ""
-    if suffix in (".safetensors", ".npz"):  # binary: it read "not UTF-8 text (byte 0: ...)"
+    pickled = suffix in (".pt", ".pth", ".ckpt", ".bin")  # torch.save's checkpoints
+    if suffix in (".safetensors", ".npz") or pickled:  # binary: it read "not UTF-8 text (byte 0: ...)"
         raise ConfigError(
             f"CONFIG {config!r} is a {suffix} file, not a config: the first argument is a config file or a built-in "
             "config name",
             hint=(f"pass the config first: ardiff rollout {DEFAULT_CONFIG} {shlex.quote(str(Path(config).parent))}; "
-                  if command == "rollout" else f"pass a config, e.g. ardiff {command} {DEFAULT_CONFIG}; ")
-            + "a checkpoint goes in the config's `checkpoint:` field",
+                  if command == "rollout" and not pickled
+                  else f"pass a config, e.g. ardiff {command} {DEFAULT_CONFIG}; ")
+            + "a checkpoint goes in the config's `checkpoint:` field"
+            + (", converted to .safetensors (ardiff never unpickles a file)" if pickled else ""),
         )
     values = {k: getattr(v, "value", v) for k, v in overrides.items()}
     return load_config(config if config is not None else DEFAULT_CONFIG, pipeline=pipeline).with_runtime(**values)
