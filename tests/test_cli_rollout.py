@@ -1354,8 +1354,8 @@ def test_kept_snapshots_in_a_swap_folder_gone_read_only_are_replayed_not_a_crash
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr and "bug in ardiff" not in proc.stderr
     for name in kept:
-        assert (f"warning: episode {name!r}: the swap snapshot the stopped run kept was deleted (it cannot be taken "
-                "back: ") in proc.stderr, proc.stderr
+        assert (f"warning: episode {name!r}: the swap snapshot the stopped run kept is left unused (it cannot be "
+                "taken back: ") in proc.stderr, proc.stderr
     assert json.loads((run / "summary.json").read_text())["status"] == "ok"
     assert_same_outputs(reference, run)
 

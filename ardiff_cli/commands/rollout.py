@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import os
@@ -790,11 +789,14 @@ def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, d
                 why = "it is larger than the whole swap space"
             except (OSError, RequestError) as exc:  # RequestError: its file is gone (deleted by hand, say)
                 why = "its file is gone" if not (swap_dir / file).is_file() else f"it cannot be taken back: {exc}"
-        if why is not None:
-            output.warning(f"episode {name!r}: the swap snapshot the stopped run kept was deleted ({why}); its done "
-                           "steps are replayed instead")
-        with contextlib.suppress(OSError):  # a swap folder gone read-only: the file stays, as its index does
+        try:
             (swap_dir / file).unlink(missing_ok=True)
+            fate = "was deleted"
+        except OSError:  # a swap folder gone read-only: the file stays, as its index does
+            fate = "is left unused"
+        if why is not None:
+            output.warning(f"episode {name!r}: the swap snapshot the stopped run kept {fate} ({why}); its done "
+                           "steps are replayed instead")
     drop_kept(swap_dir)
     if swapped:
         output.debug(f"took back the swap snapshots of {len(swapped)} episode(s) the stopped run had swapped out")
