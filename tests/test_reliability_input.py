@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from ardiff_cli.app import app
 from ardiff_cli.io import write_episode, write_step
 from ardiff_cli.io.demo import demo_step
-from ardiff_cli.io.episode import EpisodeSource, load_step
+from ardiff_cli.io.episode import EpisodeSource, RawStep, load_step
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.runtime.errors import ObservationError
@@ -226,6 +226,29 @@ def test_extra_key_is_a_warning_not_an_error(tmp_path):
         "jont_position": f"{step1(folder)}: key 'jont_position' is not in the pipeline's schema; ignored (did you "
                          "mean 'joint_position'?)",
         "timestamp": f"{step1(folder)}: key 'timestamp' is not in the pipeline's schema; ignored"}
+
+
+def test_a_file_none_of_whose_arrays_is_in_a_schema_of_optional_fields_fails_instead_of_running_on_the_prompt(
+        tmp_path):
+    """A DreamZero recording given to causal-world-tiny (whose one field is optional): every array was ignored with
+    a warning and the model ran on the prompt alone, "rollout ok", exit 0. It fails naming the file's arrays and the
+    schema's; a file with one field of the schema beside extra keys, or with no arrays at all, still runs."""
+    from pipelines.causal_world.config import observation_schema
+
+    schema = observation_schema()
+    folder = episode(tmp_path / "dreamzero_recording", 1)
+    with pytest.raises(ObservationError) as info:
+        validate_step(load_step(folder / "step_000000.safetensors"), schema, path=folder / "step_000000.safetensors",
+                      episode_metadata={"prompt": "p"})
+    assert str(info.value) == (
+        f"{folder / 'step_000000.safetensors'}: none of the file's arrays ('cartesian_position', 'exterior_image_0', "
+        "'exterior_image_1', 'gripper_position', 'joint_position', 'wrist_image') is in the pipeline's schema "
+        "('conditioning' ('action', 'camera')): the model would run on the prompt alone")
+    assert info.value.hint.startswith("is this the right CONFIG?")
+    for arrays in ({"action": np.zeros(8, np.float32), "timestamp": np.zeros(1)}, {}):
+        valid = validate_step(RawStep(arrays=arrays, metadata={}), schema, path=tmp_path / "s.npz",
+                              episode_metadata={"prompt": "p"})
+        assert valid.inputs["prompt"] == "p" and list(valid.warnings) == (["timestamp"] if arrays else [])
 
 
 def test_a_file_failing_for_a_missing_key_names_the_keys_it_holds_instead(tmp_path):
@@ -1396,7 +1419,7 @@ def test_hints_that_show_a_command_quote_its_paths_and_keep_the_episodes_order(t
     assert proc.stderr.endswith(f"hint: pass the config first: ardiff rollout dreamzero-tiny '{first}' '{second}'\n")
     out = tmp_path / "out dir" / "r s"
     for expected in (0, 2):
-        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "causal-world-tiny", str(first),
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", str(first),
                                "--out", str(out), "--no-warmup", "--format", "plain"], env=cli_env,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == expected, proc.stderr

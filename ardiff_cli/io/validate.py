@@ -62,7 +62,7 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
             _refuse_a_misspelt_prompt(path, prompt_keys, raw.metadata, episode_metadata)
             prompt_missing = True
     try:
-        return ValidStep(inputs=validate_observation(schema, arrays, where=str(path)), warnings=warnings)
+        inputs = validate_observation(schema, arrays, where=str(path))
     except ObservationError as exc:
         if prompt_missing:  # the schema's hint lists the prompt among the fields, as if it were one more array
             exc.hint = (f"{exc.hint}; put `{schema.prompt_key}: ...` in {path.parent / METADATA_FILE} for the whole "
@@ -72,6 +72,14 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
             raise ObservationError(f"{exc}; the file's other keys, not in the schema: {others}",
                                    hint=exc.hint) from None
         raise
+    if ignored and not field_keys & set(arrays):  # every field optional, and the file holds none of them
+        fields = ", ".join(f"{f.name!r}" + (f" ({', '.join(map(repr, f.aliases))})" if f.aliases else "")
+                           for f in schema.fields)
+        raise ObservationError(f"{path}: none of the file's arrays ({', '.join(map(repr, ignored))}) is in the "
+                               f"pipeline's schema ({fields}): the model would run on the prompt alone",
+                               hint="is this the right CONFIG? A recording made for another pipeline holds that "
+                                    "pipeline's keys")
+    return ValidStep(inputs=inputs, warnings=warnings)
 
 
 def _refuse_a_misspelt_prompt(path: Path, prompt_keys: tuple[str, ...], *sources: dict[str, Any]) -> None:
