@@ -36,6 +36,12 @@ SHORT_KINDS = {
     "request_finished": "request",
 }
 
+# Events after which the resident sessions have changed: the views are read again at once, or the sessions panel
+# showed an evicted session as resident, beside the event saying it was evicted, for the whole of the next step
+# (seconds with a large model), and a stopped run's last frame kept the sessions it had swapped out. Not a finished
+# request: a step's row is read once its outputs are written and counted, so its steps and pages agree.
+VIEW_KINDS = frozenset({"session_admitted", "session_evicted", "session_restored", "session_reset", "session_closed"})
+
 
 def describe_event(data: dict[str, Any]) -> str:
     """One line of detail for an event dict (runtime ``to_dict()`` or a CLI event)."""
@@ -87,6 +93,7 @@ class RunMonitor:
         self._events: deque[EventRow] = deque(maxlen=8)  # the newest events, for the events panel
         self._episodes: dict[str, tuple[int, int | None]] = {}  # session (its episode's name) -> (done, total)
         self._views: tuple[Any, ...] = ()  # the runner's session views at the last refresh, least recently used first
+        self._runner: Any = None  # the runner of the last refresh: its views are read again after VIEW_KINDS events
         self._snapshot = Snapshot(title=title, noun=noun)
 
     # -- inputs --------------------------------------------------------------------------------------------
@@ -110,6 +117,8 @@ class RunMonitor:
             if kind not in ("request_finished", "capacity_planned"):
                 self._events.append(EventRow(at_s=data["time"] - self._t0, kind=SHORT_KINDS.get(kind, kind),
                                              session_id=str(data.get("session_id", "")), detail=describe_event(data)))
+        if kind in VIEW_KINDS and self._runner is not None:  # delivered outside the runner's lock: safe to read
+            self.refresh(self._runner)
         if kind == "request_finished" and not self.echo_requests:
             if self.out.is_json:
                 self.out.json(data)
@@ -141,6 +150,13 @@ class RunMonitor:
                 # flight still runs and is counted, and the last frame's rate was above the summary's.
                 self._counted_until = time.monotonic()
             self._snapshot = replace(self._snapshot, phase=phase)
+
+    def end_counting(self) -> None:
+        """The counted work is over, however it ended: the rate stays that of its time, as the summary's, not of
+        the teardown after it (a stopped run swaps its sessions out, then sets its phase to "interrupted")."""
+        with self._lock:
+            if self._counted_since is not None and self._counted_until is None:
+                self._counted_until = time.monotonic()
 
     @contextlib.contextmanager
     def ending(self) -> Iterator[None]:
@@ -178,6 +194,7 @@ class RunMonitor:
         views = tuple(runner.sessions())
         usage = runner.pool_usage()
         with self._lock:
+            self._runner = runner
             self._views = views
             self._snapshot = replace(self._snapshot, pages_used=usage.num_used, pages_total=usage.num_pages,
                                      swapped=usage.num_swapped, swapped_bytes=usage.swapped_bytes,

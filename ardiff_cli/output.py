@@ -109,7 +109,8 @@ class Output:
 
             file = self._stdout if stream == "stdout" else self._stderr
             if self.format is Format.rich:
-                console = Console(file=file, highlight=False, soft_wrap=False)
+                # no emoji codes: a path such as data/arm:robot:1 read "data/arm🤖1" in an error
+                console = Console(file=file, highlight=False, soft_wrap=False, emoji=False)
             else:
                 # No colour, no cursor movement, no terminal features: plain text only.
                 console = Console(file=file, color_system=None, force_terminal=False, force_interactive=False,
@@ -198,7 +199,9 @@ class Output:
             self.json({"kind": kind, "message": message, "hint": hint, "exit_code": exit_code})
 
     def traceback(self, exc: BaseException) -> None:
-        self._write_err("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip("\n"))
+        """Through the console in rich format: written to stderr beside a live display, a failed step's traceback
+        (``--verbose``) began on the progress line and the display's next frame drew over its end."""
+        self._print_err("", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip("\n"))
 
     @contextlib.contextmanager
     def live(self, get_renderable: Callable[[], Any]) -> Iterator[None]:

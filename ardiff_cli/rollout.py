@@ -469,6 +469,7 @@ class Rollout:
                                      + f" failed in {phase}: {message.splitlines()[0]}"})
         self.stats.failed[episode.name] = message
         self.stats.errors[episode.name] = exc
+        self.monitor.set_progress(failed=len(self.stats.failed))  # --fail-fast stops before the next progress update
         self.scheduler.drop(episode.name)
         self._digests.pop(episode.name, None)  # never replayed again: a long run holds only live episodes' digests
         self._read_as.pop(episode.name, None)

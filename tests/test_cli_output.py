@@ -92,6 +92,18 @@ def test_control_characters_in_messages_are_shown_not_sent_to_the_terminal(fmt):
     assert "del\\x7f csi\\x9b2J" in stderr.getvalue()
 
 
+@pytest.mark.parametrize("fmt", [Format.plain, Format.rich])
+def test_emoji_codes_in_names_are_shown_as_written(fmt):
+    """Rich replaced ``:name:`` with its emoji: an error naming data/arm:robot:1/step_000003.safetensors (a colon is
+    legal in a Linux file name) read "data/arm🤖1/...", a path the user could neither find nor paste; the summary's
+    outputs line and the results table likewise."""
+    out, stdout, stderr = sink(fmt)
+    out.error("data/arm:robot:1/step_000003.safetensors: bad", "see :warning: here")
+    out.result({}, lambda plain: "outputs: runs/a:fire:b (results.jsonl)")
+    assert "data/arm:robot:1/step_000003.safetensors" in stderr.getvalue() and ":warning:" in stderr.getvalue()
+    assert "runs/a:fire:b" in stdout.getvalue()
+
+
 def test_quiet_keeps_data_and_errors_only():
     out, stdout, stderr = sink(Format.plain, quiet=True)
     out.info("progress")
@@ -392,6 +404,30 @@ def test_live_layout_shows_swapped_sessions_and_restores():
     assert " out, " not in off.export_text() and "restored" not in off.export_text()
 
 
+def test_the_live_rate_counts_the_steps_time_not_the_teardown_of_a_stopped_run(monkeypatch):
+    """A stopped run swaps its resident sessions out and closes its engine before its phase becomes "interrupted":
+    the last frame's steps/s counted that teardown too, below the summary's rate of the same steps (27.0 against
+    40.1). The counted time ends where the steps end (``end_counting``), as the summary's does."""
+    import types
+
+    import ardiff_cli.monitor as monitor_module
+    from fake_clock import FakeClock
+
+    clock = FakeClock()
+    monkeypatch.setattr(monitor_module, "time", types.SimpleNamespace(monotonic=clock, time=time.time))
+    output, _, _ = sink(Format.plain)
+    monitor = monitor_module.RunMonitor(output, "test")
+    clock.now = 3.0  # loading and warmup: not counted
+    monitor.set_phase("running")
+    clock.now = 5.0
+    monitor.end_counting()  # the steps are over
+    clock.now = 12.0  # the teardown: sessions swapped out, the engine closed
+    monitor.set_phase("interrupted")
+    assert monitor.snapshot().counting_s == 2.0
+    monitor.end_counting()  # once ended, it stays ended
+    assert monitor.snapshot().counting_s == 2.0
+
+
 def test_the_live_eviction_count_leaves_out_the_sessions_a_stopped_run_swaps_out():
     # A run stopped by a signal swaps its resident sessions out to keep them (session_evicted, reason explicit):
     # the panel's count, like summary.json's evictions_this_run, is of LRU evictions.
@@ -474,6 +510,33 @@ def test_the_monitor_shows_a_real_runners_plan_pages_and_sessions_with_their_epi
     assert [(r.session_id, r.steps_done, r.steps_total) for r in snapshot.sessions] == [("ep_a", 2, 6),
                                                                                          ("ep_b", 1, None)]
     assert "planned" not in [e.kind for e in snapshot.events]
+
+
+def test_the_sessions_and_pages_follow_every_admission_eviction_and_close_not_only_the_next_refresh():
+    """The views were read only after a step: while the next one ran (seconds with a large model), the sessions panel
+    showed the session just evicted as resident, beside the event saying it was evicted, and the newly admitted one
+    not at all; a stopped run's last frame kept the sessions it had swapped out, and warmup never showed its own."""
+    from tiny_pipeline import TinyPipeline, request
+
+    from ardiff_cli.monitor import RunMonitor
+    from ardiff_cli.runtime.runner import ARDiffusionModelRunner
+
+    monitor = RunMonitor(sink(Format.plain)[0], "test")
+    runner = ARDiffusionModelRunner(TinyPipeline(), memory_budget=64 << 20, session_capacity=1)
+    runner.subscribe(monitor.on_event)
+    runner.load()
+    monitor.refresh(runner)  # once, after the load, as the commands do
+    seen = []
+    runner.subscribe(lambda event: seen.append((event.kind, [r.session_id for r in monitor.snapshot().sessions],
+                                                monitor.snapshot().pages_used)))
+    runner.execute_model(request("ep_a", 0))
+    runner.execute_model(request("ep_b", 0))  # evicts ep_a
+    runner.close_session("ep_b")
+    # each as the runner's table stood when the event was delivered (after the request that caused it)
+    assert [(kind, ids) for kind, ids, _ in seen if kind != "request_finished"] == [
+        ("session_admitted", ["ep_a"]), ("session_evicted", ["ep_b"]), ("session_admitted", ["ep_b"]),
+        ("session_closed", [])], seen
+    assert seen[-1][2] == 0, seen  # the closed session's pages are free
 
 
 def test_a_block_that_fails_leaves_the_last_frame_saying_failed_and_the_rate_of_its_first_counted_phase():

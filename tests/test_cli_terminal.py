@@ -6,6 +6,7 @@ matters: the terminal echoes it, as ``^C``, where the live display's cursor is.
 
 from __future__ import annotations
 
+import json
 import re
 
 from fast_run import write_fast_data
@@ -80,3 +81,56 @@ def test_warmup_on_a_narrow_terminal_shows_every_input_shape_whole(tmp_path, cli
     for word in ("exterior_image_0", "exterior_image_1", "wrist_image", "joint_position", "(7,),", "gripper_position",
                  "(1,),"):
         assert word in result, text
+
+
+def test_the_last_frame_of_a_stopped_run_agrees_with_its_summary(tmp_path, cli_env):
+    """A stopped run swaps its resident sessions out, then ends: its last frame, left above the summary, still
+    showed them resident with their pages (the views were read only after a step), beside the events saying they
+    were swapped out."""
+    write_fast_data(tmp_path, {f"ep_{i}": 40 for i in range(3)})
+    code, output = run_in_pty(["rollout", "fast.yaml", "eps", "-o", "out", "--no-warmup"], env=cli_env,
+                              cwd=tmp_path, cols=100, rows=40, type_after=" restored · ".encode())
+    lines = [line for line in Screen(100, 40).feed(output).display() if line]
+    text = "\n".join(lines)
+    assert code == 130, text
+    summary = re.search(r"rollout interrupted: (\d+) steps? in [\d.]+ s \(([\d.]+) steps/s\)", text)
+    frame = re.findall(r"^(\d+)/\d+ steps · ([\d.]+) steps/s · ", text, re.MULTILINE)
+    assert summary and frame, text
+    assert frame[-1][0] == summary.group(1), text  # its rate: test_the_live_rate_counts_the_steps_time_not_...
+    assert re.search(r"evicted +ep_\d +explicit, swapped out", text), text  # the stop swapped a session out
+    assert re.search(r"sessions +0/2 resident", text) and re.search(r"pages +\S+ 0/\d+, \d+ free", text), text
+    assert re.search(r"^│ none ", text, re.MULTILINE), text
+
+
+def test_the_last_frame_of_a_fail_fast_run_counts_the_failure_its_summary_counts(tmp_path, cli_env):
+    """With --fail-fast the run stopped at the failure before the progress line was updated: the last frame, left
+    above the summary, read "... · 0:00:01 failed" without the "1 failed" that summary.json's steps.failed has."""
+    write_fast_data(tmp_path, {"ep_a": 3, "ep_b": 3})
+    (tmp_path / "eps" / "ep_b" / "step_000001.safetensors").write_bytes(b"garbage")
+    code, output = run_in_pty(["rollout", "fast.yaml", "eps", "-o", "out", "--no-warmup", "--fail-fast"],
+                              env=cli_env, cwd=tmp_path, cols=100, rows=40)
+    lines = [line for line in Screen(100, 40).feed(output).display() if line]
+    text = "\n".join(lines)
+    assert code == 2, text
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"]["failed"] == 1
+    last = [line for line in lines if STATUS.match(line)][-1]
+    assert " · 1 failed · " in last and last.endswith(" failed"), text
+
+
+def test_a_failed_steps_traceback_with_verbose_shows_whole_above_the_live_display(tmp_path, cli_env):
+    """--verbose prints a failed step's traceback while the run goes on: written to stderr beside the live display,
+    it began on the progress line ("... runningTraceback (most recent call last):") and the display's next frame,
+    drawn over the lines it thought were its own, erased the traceback's end, the exception it was printed for."""
+    write_fast_data(tmp_path, {"ep_a": 3, "ep_b": 3})
+    env = {**cli_env, "ARDIFF_TEST_FAULTS": json.dumps([{"request": "ep_a/000001", "site": "block", "layer": 0}])}
+    code, output = run_in_pty(["rollout", "fast.yaml", "eps", "-o", "out", "--no-warmup", "-v",
+                               "--pipeline", "faulty_pipelines:FaultyDreamZero"], env=env, cwd=tmp_path, cols=100,
+                              rows=40)
+    screen = Screen(100, 40).feed(output)
+    lines = screen.history + screen.display()
+    text = "\n".join(lines)
+    assert code == 4, text
+    assert lines.count("Traceback (most recent call last):") == 2, text  # the step's, then the run's at exit
+    error = lines.index("Error: episode 'ep_a' failed at step 1 in the model's forward: InjectedFault: injected "
+                        "fault in")
+    assert "faulty_pipelines.InjectedFault: injected fault in transformer block 0 (call 1)" in lines[:error], text

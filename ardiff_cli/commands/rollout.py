@@ -687,6 +687,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                                            swap_space=swap_space)
                 engine.subscribe(monitor.on_event)
                 plan = engine.load()
+                monitor.refresh(engine.runner)  # the warmup's session shows, and its pages
                 signals.check_signal()  # one that arrived while the pipeline imported: not after warmup
                 output.debug(f"loaded on {engine.device} in {time.monotonic() - started:.2f}s: "
                              f"{plan.session_capacity} sessions, {plan.num_managed_pages} pages")
@@ -706,16 +707,17 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     engine.warmup()
                 swapped = _adopt_kept(engine, kept, p.done, swap_dir, output)
                 kept = {}
-                monitor.set_phase("following" if follow else "running")
                 driver = Rollout(engine, p.cfg.observation_schema(), p.episodes, run, output, monitor,
                                  signals, options, p.done, digests=p.digests, swapped=swapped)
                 if resume:  # the last run's word on a run that goes on from here: a script must not take it as final
                     run.summary_path.unlink(missing_ok=True)  # with a driver: this run's own is written at its end
+                monitor.set_phase("following" if follow else "running")  # the rate's time, as the summary's
                 ran_from = time.monotonic()
                 try:
                     stats = driver.run()
                 finally:
                     ran_until = time.monotonic()  # the steps' time, for summary.json's rate: not the teardown's
+                    monitor.end_counting()  # and the live display's
                 monitor.set_phase("done")
                 if stats.failed:
                     raise _failed_episodes(stats, len(p.episodes))
