@@ -213,6 +213,27 @@ def test_a_resume_fails_an_episode_whose_done_steps_are_no_longer_where_they_ran
     assert error.hint.startswith("run the episode again from its first step in a new --out")
 
 
+@pytest.mark.parametrize("follow", [False, True])
+def test_a_resume_completes_an_episode_that_ran_every_step_though_a_done_steps_file_was_deleted_since(tmp_path,
+                                                                                                     follow):
+    """A lab's cleanup deleting step files that ran, between others, must not fail an episode with nothing left to
+    run (as deleting its first one does not): "a" ran every step and completes. "b" has step 3 left, whose session
+    history lacks step 1: it fails as a gap, and step 3 does not run."""
+    episodes = _episodes(tmp_path, {"a": 4, "b": 4})
+    for name in "ab":
+        (tmp_path / name / "step_000001.safetensors").unlink()
+    done = {"a": _ran(0, 1, 2, 3), "b": _ran(0, 1, 2)}
+    scheduler = StepScheduler(episodes, follow=follow, poll_interval=0, done=done)
+    items = []
+    while (item := scheduler.next()) is not None:
+        items.append((item.episode.name, item.file.step) if isinstance(item, StepTask) else item)
+    assert [i for i in items if isinstance(i, tuple)] == []
+    ends = {i.episode.name: i for i in items if isinstance(i, EpisodeEnded)}
+    assert ends["a"].reason == ("end_marker" if follow else "complete")
+    assert ends["b"].reason == "error"
+    assert str(ends["b"].error).startswith(f"{tmp_path / 'b'}: step 1 missing: the episode has steps 0..3 with a gap")
+
+
 def test_dropped_episode_gets_no_more_steps(tmp_path):
     episodes = _episodes(tmp_path, {"a": 3, "b": 2})
     scheduler = StepScheduler(episodes)
@@ -513,6 +534,29 @@ def test_follow_fails_an_episode_whose_folder_is_deleted_or_renamed(tmp_path):
     assert str(item.error) == (f"{folder}: the episode folder is gone (deleted or renamed while it was followed); "
                                "1 of its steps had arrived")
     assert clock.now < 100 and scheduler.next() is None
+
+
+def test_follow_fails_an_episode_whose_folder_is_replaced_by_another_between_two_polls(tmp_path):
+    """Another episode's folder moved in place of a followed one (a recorder restarting its episode): its later steps
+    must not run on the first episode's session, and the outcome must not depend on whether a poll fell between the
+    old folder's removal and the new one's arrival (the folder is gone then)."""
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0), good(1)], prompt="p", end=False)
+
+    def restart() -> None:
+        write_episode(tmp_path / "staged", [good(10 + step) for step in range(3)], prompt="p")
+        shutil.rmtree(folder)
+        (tmp_path / "staged").rename(folder)
+
+    clock = FakeClock([lambda: None, restart])
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert [scheduler.next().file.step for _ in range(2)] == [0, 1]
+    item = scheduler.next()
+    assert isinstance(item, EpisodeEnded) and item.reason == "error", item
+    assert str(item.error) == (f"{folder}: the episode folder was replaced (deleted or renamed, and another folder "
+                               "put in its place, while it was followed); 2 of its steps had arrived from the old one")
+    assert scheduler.next() is None
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "npz"])

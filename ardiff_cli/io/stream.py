@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import errno
 import os
 import re
 import shlex
+import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -90,6 +92,8 @@ class _Track:
     end_reason: str | None = None  # follow: "end_marker" or "idle_timeout" once it ended cleanly (late files?)
     gap: tuple[int, int] | None = None  # follow: (last taken step, next step present) while steps between are missing
     writing: dict[str, int] = field(default_factory=dict)  # follow: size of each step's temporary file, last looked at
+    lost: list[int] = field(default_factory=list)  # resume: done steps whose files are gone, between present ones
+    identity: int | None = None  # follow: its folder's inode number at the first poll (not st_dev: a remount)
 
 
 class StepScheduler:
@@ -257,6 +261,13 @@ class StepScheduler:
             track.cursor += 1
             if step_file.step in track.done:
                 continue
+            if track.lost and track.lost[0] < step_file.step:  # its history lacks a done step's file: cannot run
+                track.ended = True
+                lost = [step for step in track.lost if step < step_file.step]
+                present = [f.step for f in track.files if f.step not in track.lost]
+                self._pending_ends.append(EpisodeEnded(episode=track.source, reason="error",
+                                                       error=gap_error(track.source.path, present, lost)))
+                return None
             if not track.history_checked:  # once: the first step file cannot change after one was taken
                 track.history_checked = True
                 changed = _changed_history(track)
@@ -406,17 +417,29 @@ class StepScheduler:
                             "for a folder a robot is still writing, use --follow"),
                 )
             missing = missing_steps([f.step for f in files])
-            if missing:
+            later = [f.step for f in files if f.step > missing[0]] if missing else []
+            if missing and not all(step in track.done for step in [*missing, *later]):  # else: lost done steps
                 raise gap_error(track.source.path, [f.step for f in files], missing)
-            track.files = files
+            track.files = _with_lost(track, files, missing)
             return
-        if not track.source.path.is_dir():  # it existed at the start (discover_episodes): deleted or renamed since
+        identity = _folder_identity(track.source.path)
+        if identity is None:  # it existed at the start (discover_episodes): deleted or renamed since
             raise ObservationError(
                 f"{track.source.path}: the episode folder is gone (deleted or renamed while it was followed); "
                 f"{len(track.files)} of its steps had arrived",
                 hint="keep an episode's folder in place until its END file is written; --resume runs it again "
                      "once the folder is back",
             )
+        if track.identity is not None and identity != track.identity and track.files:
+            # Another folder put in its place between two polls (a recorder restarting its episode): its steps are
+            # another episode's, not the session's history; a poll between the two would have found it gone.
+            raise ObservationError(
+                f"{track.source.path}: the episode folder was replaced (deleted or renamed, and another folder put "
+                f"in its place, while it was followed); {len(track.files)} of its steps had arrived from the old one",
+                hint="keep an episode's folder in place until its END file is written, and start a new episode in a "
+                     "folder of its own; run this one again in a new --out",
+            )
+        track.identity = identity
         last = track.files[-1].step if track.files else -1
         blocked = False  # an earlier new file is not stable yet: later ones wait for it
         track.gap = None
@@ -450,6 +473,10 @@ class StepScheduler:
                     f"{step_file.path}: step {step_file.step} arrived after step {last} had already run",
                     hint="write the steps of an episode in increasing step order",
                 )
+            if track.files and step_file.step != last + 1 and all(
+                    step in track.done for step in range(last + 1, step_file.step + 1)):
+                track.files = _with_lost(track, track.files, list(range(last + 1, step_file.step)))
+                last = step_file.step - 1
             if track.files and step_file.step != last + 1:  # a gap: wait for the missing steps
                 track.sizes[name] = size
                 track.gap = (last, step_file.step)
@@ -465,6 +492,32 @@ class StepScheduler:
         # timeout, which END comes before.
         for name in [n for n in track.sizes if n not in present]:
             del track.sizes[name]
+
+
+def _folder_identity(path: Path) -> int | None:
+    """The inode number of the folder ``path``; None when it is not there (or not a folder). Other errors (a folder
+    above it locked) propagate: the scan names them."""
+    try:
+        st = path.stat()
+    except OSError as exc:  # as Path.is_dir: only these mean "not there"
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP):
+            return None
+        raise
+    return st.st_ino if stat.S_ISDIR(st.st_mode) else None
+
+
+def _with_lost(track: _Track, files: list[StepFile], lost: list[int]) -> list[StepFile]:
+    """``files`` with a stand-in for each of the ``lost`` steps: steps that ran (results.jsonl) and whose files were
+    deleted since (a cleanup of what ran), between step files present. They keep each later step at its chunk and
+    are skipped as done, so an episode with nothing left to run completes; one that has a step to run after them
+    fails as a gap then (its session's history is gone)."""
+    if not lost:
+        return files
+    track.lost = sorted({*track.lost, *lost})
+    suffix = files[0].path.suffix
+    stand_ins = [StepFile(path=track.source.path / f"step_{step:06d}{suffix}", step=step) for step in lost]
+    track.taken.update(f.path.name for f in stand_ins)  # one put back later is not a second file for its step
+    return sorted([*files, *stand_ins], key=lambda f: f.step)
 
 
 def _changed_history(track: _Track) -> ObservationError | None:
