@@ -234,7 +234,7 @@ def _holds_episode(folder: Path) -> bool:
     return any(p.is_file() and is_step_file(p) for p in children) or not any(p.is_dir() for p in children)
 
 
-def _is_run_output(folder: Path) -> bool:
+def is_run_output(folder: Path) -> bool:
     """An ardiff run folder (holds ``run.json`` or ``results.jsonl``), or a folder whose visible entries are
     all run folders (``./ardiff-runs``, the default parent of ``--out``)."""
     from ardiff_cli.io.run import RunFolder
@@ -260,7 +260,7 @@ def _warn_about_episodes_inside(folder: Path, warn: Callable[[str], None] | None
     episodes) runs as one episode: say that those do not run."""
     try:
         inside = sorted(p.name for p in _list_folder(folder) if p.is_dir() and not p.name.startswith(".")
-                        and episode_entries(p) and not _is_run_output(p))
+                        and episode_entries(p) and not is_run_output(p))
     except (ObservationError, OSError):
         return  # unreadable, or readable but not enterable (is_dir raises EACCES): its episode fails with the reason
     if inside and warn is not None:
@@ -274,7 +274,7 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
     """Episode folders from the command line: each path is an episode, or a folder of episode folders.
 
     A folder of episode folders contributes each visible subfolder, except
-    ardiff's own outputs (:func:`_is_run_output`): a run folder, or a folder
+    ardiff's own outputs (:func:`is_run_output`): a run folder, or a folder
     holding only run folders. So ``ardiff rollout CFG .`` can run again in a
     folder where its default ``--out`` (``./ardiff-runs/<timestamp>``) landed.
 
@@ -305,7 +305,7 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
                 f"{path}: an EPISODE is a folder of step files, not a file",
                 hint="pass the folder that holds the step files",
             )
-        if _is_run_output(path) and not episode_entries(path):
+        if is_run_output(path) and not episode_entries(path):
             # its episodes/ and previews/ were taken for episodes with no step files, or (none) the folder itself
             from ardiff_cli.io.run import RunFolder
 
@@ -368,7 +368,7 @@ class EpisodeNames:
 def _episode_folders_in(folder: Path) -> list[Path]:
     """The episode folders of a folder of episodes: its visible subfolders, but ardiff's own outputs."""
     return sorted(p for p in _list_folder(folder)
-                  if p.is_dir() and not p.name.startswith(".") and not _is_run_output(p))
+                  if p.is_dir() and not p.name.startswith(".") and not is_run_output(p))
 
 
 def new_episode_folders(folder: Path, settled: set[str]) -> list[Path]:
@@ -393,7 +393,7 @@ def new_episode_folders(folder: Path, settled: set[str]) -> list[Path]:
             settled.add(name)
         elif episode_entries(path):
             settled.add(name)
-            if not _is_run_output(path):
+            if not is_run_output(path):
                 found.append(path)
     return found
 

@@ -47,8 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ardiff_cli.io.atomic import temporary_pattern
-from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, StepFile, gap_error, listed, looks_whole,
-                                   missing_steps, new_episode_folders, other_step_formats, unreadable_folder)
+from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, StepFile, gap_error, is_run_output,
+                                   listed, looks_whole, missing_steps, new_episode_folders, other_step_formats,
+                                   unreadable_folder)
 from ardiff_cli.runtime.errors import ObservationError
 
 # write_step's temporary file of a step file being written (atomic_write_bytes): activity for the idle timer
@@ -198,6 +199,7 @@ class StepScheduler:
                     self._all_ended_at = now if self._all_ended_at is None else self._all_ended_at
                     if not self._watch or now - self._all_ended_at >= self.idle_timeout:
                         self._warn_late_files()
+                        self._warn_unjoined()
                         return None
                     self._sleep(self.poll_interval)
                     self._slept = True
@@ -312,6 +314,27 @@ class StepScheduler:
                 when = "its END file was seen" if reason == "end_marker" else "it ended at --idle-timeout"
                 self._warn(f"episode {track.source.name!r}: {', '.join(late)} arrived in {track.source.path} after "
                            f"{when} and did not run (--resume runs {'it' if len(late) == 1 else 'them'})")
+
+    def _warn_unjoined(self) -> None:
+        """When a followed run ends: what a robot wrote in a watched folder of episodes that never ran, instead of
+        leaving it unrun without a word. A subfolder that never held a step file, END or episode.yaml (a robot
+        writing its episodes one level deeper, robots/2026-12-03/ep1), and step files in the watched folder itself
+        (a writer given the folder of episodes for an episode's)."""
+        for folder, settled in self._watch:
+            try:
+                names = sorted(name for name in os.listdir(folder) if not name.startswith("."))
+                idle = [name for name in names if name not in settled and (folder / name).is_dir()
+                        and not is_run_output(folder / name)]
+            except OSError:  # gone or unreadable now: its episodes said so
+                continue
+            steps = [name for name in names if name.endswith(STEP_SUFFIXES)]
+            if idle:
+                self._warn(f"{folder}: {listed(idle)} never joined the run: no step file, END or episode.yaml came "
+                           "in it (a folder of episodes is watched for episode folders in it, not deeper: give a "
+                           "deeper folder of episodes as EPISODE)")
+            if steps:
+                self._warn(f"{folder}: {listed(steps)} did not run: a followed folder of episodes runs the step files "
+                           "of the episode folders in it, not its own")
 
     def _is_last(self, track: _Track) -> bool:
         if track.cursor < len(track.files):
