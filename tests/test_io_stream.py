@@ -790,21 +790,23 @@ def test_an_episode_folder_made_in_a_watched_folder_of_episodes_joins_the_run(tm
 def test_what_never_joined_a_watched_folder_of_episodes_is_named_when_the_run_ends(tmp_path):
     """A robot writing its episodes one level deeper (robots/2026-12-03/ep1) or its steps into robots/ itself: the
     followed run ended ok with none of them run and no word (a run without --follow fails such a folder). Each is
-    named in a warning at the end; a folder of ardiff's own runs there, and hidden ones, are not."""
+    named in a warning at the end; a folder of ardiff's own runs there, hidden ones and empty ones are not."""
     data = tmp_path / "robots"
     write_episode(data / "arm_a", [good(0)], prompt="p")
     write_episode(data / "old-runs" / "r1" / "episodes" / "arm_a", [good(0)], prompt="p")
     (data / "old-runs" / "r1" / "run.json").write_text("{}")
     clock = FakeClock([lambda: write_episode(data / "2026-12-03" / "ep1", [good(0)], prompt="p"),
                        lambda: write_step(data, 0, good(0), prompt="p"),
-                       lambda: (data / ".staging").mkdir()])
+                       lambda: (data / ".staging").mkdir(),
+                       lambda: (data / "arm_c").mkdir()])  # a robot that has not started: no word
     warnings: list[str] = []
     scheduler = StepScheduler(discover_episodes([data]), follow=True, idle_timeout=5, poll_interval=1, clock=clock,
                               sleep=clock.sleep, watch=[data], warn=warnings.append)
     assert _drain(scheduler) == [("arm_a", 0), ("arm_a", "end_marker")]
     assert warnings == [
-        f"{data}: 2026-12-03 never joined the run: no step file, END or episode.yaml came in it (a folder of episodes "
-        "is watched for episode folders in it, not deeper: give a deeper folder of episodes as EPISODE)",
+        f"{data}: 2026-12-03 never joined the run: no step file, END or episode.yaml came in it, only other files or "
+        "folders (a folder of episodes is watched for episode folders in it, not deeper: give a deeper folder of "
+        "episodes as EPISODE)",
         f"{data}: step_000000.safetensors did not run: a followed folder of episodes runs the step files of the "
         "episode folders in it, not its own"]
 

@@ -317,21 +317,23 @@ class StepScheduler:
 
     def _warn_unjoined(self) -> None:
         """When a followed run ends: what a robot wrote in a watched folder of episodes that never ran, instead of
-        leaving it unrun without a word. A subfolder that never held a step file, END or episode.yaml (a robot
-        writing its episodes one level deeper, robots/2026-12-03/ep1), and step files in the watched folder itself
-        (a writer given the folder of episodes for an episode's)."""
+        leaving it unrun without a word. A subfolder that holds something but never a step file, END or
+        episode.yaml (a robot writing its episodes one level deeper, robots/2026-12-03/ep1; an empty one is a robot
+        that has not started), and step files in the watched folder itself (a writer given the folder of episodes
+        for an episode's)."""
         for folder, settled in self._watch:
             try:
                 names = sorted(name for name in os.listdir(folder) if not name.startswith("."))
                 idle = [name for name in names if name not in settled and (folder / name).is_dir()
+                        and any(not entry.startswith(".") for entry in os.listdir(folder / name))
                         and not is_run_output(folder / name)]
             except OSError:  # gone or unreadable now: its episodes said so
                 continue
             steps = [name for name in names if name.endswith(STEP_SUFFIXES)]
             if idle:
                 self._warn(f"{folder}: {listed(idle)} never joined the run: no step file, END or episode.yaml came "
-                           "in it (a folder of episodes is watched for episode folders in it, not deeper: give a "
-                           "deeper folder of episodes as EPISODE)")
+                           "in it, only other files or folders (a folder of episodes is watched for episode folders "
+                           "in it, not deeper: give a deeper folder of episodes as EPISODE)")
             if steps:
                 self._warn(f"{folder}: {listed(steps)} did not run: a followed folder of episodes runs the step files "
                            "of the episode folders in it, not its own")
