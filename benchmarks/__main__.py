@@ -20,8 +20,8 @@ import time
 import traceback
 
 from benchmarks.common import (DEFAULT_THREADS, REPO_ROOT, add_attention_backend_option, check_attention_backend,
-                               exit_on_signals, json_path, machine_info, positive_int, set_attention_backend,
-                               set_threads, write_json)
+                               exit_on_signals, json_path, machine_info, positive_int, reader_may_leave,
+                               set_attention_backend, set_threads, write_json)
 
 BENCHMARKS = ("attention", "rolling", "resume", "capacity", "overhead", "startup", "churn", "swap")
 RESULTS = REPO_ROOT / "benchmarks" / "results.json"
@@ -78,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [name for name in names if name not in BENCHMARKS]
         if unknown:
             parser.error(f"unknown benchmark(s) {', '.join(unknown)}; valid: {', '.join(BENCHMARKS)}")
+    if args.json is None and not (args.quick or args.only):  # the whole suite's file, checked as --json's is
+        try:
+            json_path(str(RESULTS))
+        except argparse.ArgumentTypeError as error:  # a read-only checkout: minutes of runs, then no file
+            parser.error(f"cannot write the default results file: {error}; name another with --json PATH")
 
     def run() -> int:
         set_threads(args.threads)
@@ -96,15 +101,17 @@ def main(argv: list[str] | None = None) -> int:
             "passed": all(r.get("passed") for r in results),
             "results": results,
         }
-        print(format_table(results))
-        print(f"\n{len(results)} benchmarks in {report['seconds']:.0f} s, {report['machine']['torch_threads']} torch "
-              f"thread(s), {report['machine']['cpu_count']} CPUs, torch {report['machine']['torch']}")
         # results.json holds the whole suite: a quick or partial run writes a file only when --json names one
         path = args.json if args.json is not None else (None if args.quick or args.only else RESULTS)
-        if path is not None:
-            if not write_json(path, report):
-                return 1
-            print(f"wrote {path}")
+        written = path is None or write_json(path, report)  # before the table: stdout's reader may be gone
+        with reader_may_leave():
+            print(format_table(results))
+            print(f"\n{len(results)} benchmarks in {report['seconds']:.0f} s, {report['machine']['torch_threads']} "
+                  f"torch thread(s), {report['machine']['cpu_count']} CPUs, torch {report['machine']['torch']}")
+            if path is not None and written:
+                print(f"wrote {path}")
+        if not written:
+            return 1
         return 0 if all("error" not in r for r in results) else 1
 
     return exit_on_signals(run)

@@ -36,7 +36,7 @@ from ardiff_cli.runtime.kv.backends import select_attention_backend
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
 from ardiff_cli.runtime.kv.layout import KVLayout
 from benchmarks.common import (DEFAULT_THREADS, exit_on_signals, json_path, machine_info, positive_int,
-                               set_threads, write_json)
+                               reader_may_leave, set_threads, write_json)
 
 FULL = dict(num_heads=40, head_size=128, tokens_per_frame=220, frames_per_block=4, sink_frames=0,
             window_frames=12, registers=17, repetitions=8, warmup=1)
@@ -194,9 +194,11 @@ def main(argv: list[str] | None = None) -> int:
                      f"commit x{result['commit_speedup_vllm_over_torch']:.2f}")
         else:
             line += f" | vllm {result['vllm']}"
-        print(line)
-        print(json.dumps(result))
-        return 0 if args.json is None or write_json(args.json, result) else 1
+        written = args.json is None or write_json(args.json, result)  # before stdout, whose reader may be gone
+        with reader_may_leave():
+            print(line)
+            print(json.dumps(result))
+        return 0 if written else 1
 
     return exit_on_signals(measure)
 

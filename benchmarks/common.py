@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import errno
 import json
 import os
 import platform
@@ -186,7 +187,10 @@ def code_revision(root: Path) -> dict:
 
     def git(*args: str) -> str | None:
         try:
-            done = subprocess.run(["git", *args], cwd=root, env=env, capture_output=True, text=True, timeout=30)
+            # safe.directory: a clone owned by another user (a container's bind mount) is refused as "dubious
+            # ownership" and read as no checkout at all; this process runs the clone's code already
+            done = subprocess.run(["git", "-c", f"safe.directory={root}", *args], cwd=root, env=env,
+                                  capture_output=True, text=True, timeout=30)
         except (OSError, subprocess.SubprocessError):  # no git, or it hung
             return None
         return done.stdout if done.returncode == 0 else None
@@ -280,6 +284,20 @@ def exit_on_signals(main: Callable[[], int]) -> int:
             signal.signal(signum, handler)
 
 
+@contextlib.contextmanager
+def reader_may_leave() -> Iterator[None]:
+    """Print what follows to stdout, whose reader may be gone (``| head -1``, ``| grep -q``): the lines it did not
+    take are dropped and stdout goes to /dev/null (no second error at exit), so the run's exit code stands, as in
+    ardiff's own commands. Write files before this: a broken pipe once ended the suite before results.json."""
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def check_attention_backend(parser: argparse.ArgumentParser, setting: str) -> None:
     """``--attention-backend vllm`` where vLLM is not installed: a usage error (exit 2) before anything runs, not
     an error row for each benchmark that takes it."""
@@ -315,27 +333,46 @@ def positive_int(text: str) -> int:
 def json_path(text: str) -> Path:
     """argparse type of ``--json``: a file path whose folder exists and can be written to, checked before any
     benchmark runs (the suite takes minutes, and its results were lost to a traceback at the end)."""
+    try:
+        return _json_path(text)
+    except OSError as error:  # a name longer than the file system takes: argparse showed a traceback
+        raise argparse.ArgumentTypeError(f"{text!r}: {error.strerror or error}; use a shorter name") from None
+
+
+def _json_path(text: str) -> Path:
     path = Path(text)
     if not text:
         raise argparse.ArgumentTypeError("expected a file path, got ''")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; expected a file path, such as "
                                          f"{str(path / 'results.json')!r}")
+    if text.endswith(("/", os.sep)):  # Path drops the slash: `--json out/` wrote a file named `out`
+        raise argparse.ArgumentTypeError(f"{text!r} ends in a slash, so it names a folder, which does not exist; "
+                                         f"expected a file path, such as {str(path / 'results.json')!r}")
     if path.exists() and not path.is_file():
         # write_json renames a new file over the path: a link to a FIFO became a plain file, and `--json
         # /dev/stdout` run as root would replace the /dev/stdout link itself
         raise argparse.ArgumentTypeError(f"{text!r} is not a regular file (a FIFO, device or socket, or a link to "
                                          "one); expected a file path, such as 'results.json'")
+    if path.is_symlink():  # written through, as `>` writes: the new file replaced the link and left its file as was
+        path = Path(os.path.realpath(path))
     folder = path.parent
     if not folder.exists():
-        raise argparse.ArgumentTypeError(f"{text!r}: folder {str(folder)!r} does not exist; create it first")
+        # `--json=~/r.json`: the shell leaves that ~ as it is, and a folder named ~ is not what to create
+        fix = ("the shell expands ~ only at the start of a word: write --json ~/..., not --json=~/..."
+               if text.startswith("~") else "create it first")
+        raise argparse.ArgumentTypeError(f"{text!r}: folder {str(folder)!r} does not exist; {fix}")
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: {str(folder)!r} is not a folder")
     try:  # a file made and removed: os.access says yes to root on a read-only file system (/sys, a ro mount)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".bench-probe-")
+        # named as write_json's temporary file is, whose name is longer than the path's
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
         os.unlink(probe)
     except OSError as error:
+        if error.errno == errno.ENAMETOOLONG:  # the run went by, then the temporary file's name was refused
+            raise argparse.ArgumentTypeError(f"{text!r}: the name is too long to write the file under a temporary "
+                                             "name first, as it is written; use a shorter name") from None
         raise argparse.ArgumentTypeError(f"{text!r}: folder {str(folder)!r} is not writable "
                                          f"({error.strerror or error})") from None
     return path
@@ -379,7 +416,9 @@ def cli(run: Callable[[bool], dict], description: str, argv: list[str] | None = 
         if attention:
             set_attention_backend(args.attention_backend)
         result = {**run(args.quick), "machine": machine_info()}
-        print(json.dumps(result, indent=2))
-        return 0 if args.json is None or write_json(args.json, result) else 1
+        written = args.json is None or write_json(args.json, result)  # before stdout, whose reader may be gone
+        with reader_may_leave():
+            print(json.dumps(result, indent=2))
+        return 0 if written else 1
 
     return exit_on_signals(main)

@@ -114,6 +114,28 @@ def test_code_revision_names_the_commit_and_uncommitted_changes_to_tracked_files
     assert code_revision(repo) == {"git_commit": None, "git_dirty": None}  # git is missing
 
 
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to give the clone away")
+def test_code_revision_names_the_commit_of_a_clone_another_user_owns(tmp_path, monkeypatch):
+    """A clone owned by another user (a bind mount in a container, run as root): git refuses it as "dubious
+    ownership", and git_commit and git_dirty were null, as if it were no checkout."""
+    from benchmarks.common import code_revision
+
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    (repo / "tracked.txt").write_text("a\n")
+    git(repo, "add", "tracked.txt")
+    git(repo, "commit", "-q", "-m", "first")
+    head = git(repo, "rev-parse", "HEAD")
+    for folder, _, files in os.walk(repo):
+        for name in [folder, *(os.path.join(folder, f) for f in files)]:
+            os.chown(name, 12345, 12345)
+    assert code_revision(repo) == {"git_commit": head, "git_dirty": False}
+    (repo / "tracked.txt").write_text("b\n")
+    assert code_revision(repo) == {"git_commit": head, "git_dirty": True}
+
+
 def test_machine_info_names_the_cpu_generation_and_the_vector_extensions_kernels_dispatch_on():
     from benchmarks.common import ISA_FLAGS, machine_info
 
@@ -583,6 +605,19 @@ def bench(*args: str, **kwargs) -> subprocess.CompletedProcess:
     # os.access says yes to root there: the suite ran, then could not write (exit 1)
     ("benchmarks", ["--quick", "--json", "/proc/r.json"], "argument --json: '/proc/r.json': folder '/proc' is not "
                                                            "writable"),
+    # a trailing slash names a folder: Path dropped it, and the suite wrote its results to a file named `out`
+    ("benchmarks", ["--quick", "--json", "{tmp}/out/"], "'{tmp}/out/' ends in a slash, so it names a folder, which "
+                                                         "does not exist; expected a file path, such as '{tmp}/out/"),
+    ("benchmarks.bench_capacity", ["--quick", "--json", "{tmp}/file/"], "'{tmp}/file/' ends in a slash"),
+    # a name the file system takes, but not its temporary file's (".NAME.xxxxxxxx.tmp"): refused after the run, exit 1
+    ("benchmarks", ["--quick", "--json", "{tmp}/" + "r" * 245 + ".json"], "the name is too long to write the file "
+                                                                         "under a temporary name first"),
+    # longer than the file system takes: an OSError traceback out of argparse
+    ("benchmarks.bench_capacity", ["--quick", "--json", "{tmp}/" + "r" * 260 + ".json"], "File name too long; use a "
+                                                                                         "shorter name"),
+    # the shell leaves `--json=~/...` as it is: "create it first" asked for a folder named ~ in the clone
+    ("benchmarks", ["--quick", "--json=~/r.json"], "folder '~' does not exist; the shell expands ~ only at the start "
+                                                   "of a word: write --json ~/..., not --json=~/..."),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, module, args, message):
     (tmp_path / "file").write_text("not a folder\n")
@@ -606,6 +641,72 @@ def test_a_benchmark_run_alone_offers_its_own_options(name, attention):
     assert proc.stdout.startswith(f"usage: bench_{name}.py [-h] [--quick] [--threads THREADS] [--json PATH]")
     assert module.__doc__.splitlines()[0] in proc.stdout
     assert ("--attention-backend {auto,torch,vllm}" in proc.stdout) is attention
+
+
+@pytest.mark.parametrize("module", ["benchmarks", "benchmarks.bench_capacity", "benchmarks.bench_backends"])
+def test_results_are_written_when_stdouts_reader_is_gone(tmp_path, module):
+    """`... --json r.json | head -1` (here a reader gone before the end): the table or result printed first raised
+    BrokenPipeError, so the file was never written, with a traceback and exit 1 after the whole run. The file is
+    written and the exit code is the run's, as in ardiff's own commands."""
+    path = tmp_path / "results.json"
+    args = {"benchmarks": ["--only", "capacity"], "benchmarks.bench_backends": ["--device", "cpu"]}.get(module, [])
+    read, write = os.pipe()
+    os.close(read)  # no reader
+    try:
+        proc = subprocess.run([sys.executable, "-m", module, "--quick", *args, "--json", str(path)], cwd=REPO_ROOT,
+                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    finally:
+        os.close(write)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr
+    written = json.loads(path.read_text())
+    row = written["results"][0] if module == "benchmarks" else written
+    assert row["id"] == ("capacity" if module == "benchmarks" else module.rpartition("_")[2])
+
+
+def test_json_naming_a_link_to_a_file_writes_through_it(tmp_path, capsys):
+    """The results file was renamed over the link itself: the link became a plain file and the file it named kept
+    the previous results. Written through, as `>` writes: the link stays, its file (made if missing) holds them."""
+    from benchmarks.common import cli
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "run.json").write_text('{"previous": "run"}\n')
+    link, dangling = tmp_path / "link.json", tmp_path / "dangling.json"
+    link.symlink_to(kept / "run.json")
+    dangling.symlink_to(kept / "new.json")
+    for path, target in ((link, "run.json"), (dangling, "new.json")):
+        assert cli(lambda quick: {"id": "probe"}, "probe", ["--json", str(path)]) == 0
+        assert path.is_symlink() and path.resolve() == kept / target
+        assert json.loads((kept / target).read_text())["id"] == "probe"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling.json", "kept", "link.json"]
+    assert sorted(p.name for p in kept.iterdir()) == ["new.json", "run.json"]  # no temporary file left
+    capsys.readouterr()
+
+
+def test_suite_refuses_a_default_results_file_it_could_not_write_before_anything_runs(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """The whole suite writes benchmarks/results.json: a checkout where it cannot be written (read-only, or here
+    its folder gone) ran every benchmark for minutes, then exited 1 without the file. Refused first (exit 2),
+    as --json is; a quick or partial run writes no file there and is not refused."""
+    import importlib
+
+    import benchmarks.__main__ as suite
+
+    ran = []
+    for name in suite.BENCHMARKS:
+        monkeypatch.setattr(importlib.import_module(f"benchmarks.bench_{name}"), "run",
+                            lambda quick, name=name: ran.append(name) or {"id": name, "passed": True, "ratio": 1.0})
+    monkeypatch.setattr(suite, "REPO_ROOT", tmp_path)
+    monkeypatch.setattr(suite, "RESULTS", tmp_path / "benchmarks" / "results.json")  # no such folder
+    with pytest.raises(SystemExit) as refused:
+        suite.main([])
+    assert refused.value.code == 2 and ran == []
+    err = capsys.readouterr().err
+    assert f"cannot write the default results file: '{tmp_path / 'benchmarks' / 'results.json'}'" in err
+    assert "name another with --json PATH" in err
+    assert suite.main(["--only", "capacity"]) == 0 and ran == ["capacity"]
 
 
 @pytest.mark.parametrize("module", ["benchmarks", "benchmarks.bench_capacity"])
