@@ -1199,21 +1199,28 @@ def test_closing_every_session_closes_the_swapped_out_ones_with_the_event_close_
         engine.close()
 
 
-@pytest.mark.parametrize("name", ["causal-world-tiny", "dreamzero-tiny"])
-def test_a_detached_snapshot_adopted_by_a_later_runner_restores_the_same_session(tmp_path, name):
-    # An interrupted CLI run leaves its swapped-out sessions' files; the resumed run's runner takes them back
-    # instead of replaying their steps. Bit-identical to a session that was never swapped.
+def _detached_after_two_steps(name: str, swap_dir) -> tuple[list, dict[str, str]]:
+    """Session "a"'s three outputs on an engine that never swaps, and what ``detach_snapshots`` left of it on one
+    that swapped it out after two steps (then closed: the detached file stays)."""
     reference, _ = engine_for(name, capacity=2)
     expected = [run(reference, "a", step) for step in range(3)]
     reference.close()
-    first, _ = engine_for(name, capacity=1, swap_dir=tmp_path)
+    first, _ = engine_for(name, capacity=1, swap_dir=swap_dir)
     run(first, "a", 0)
     run(first, "a", 1)
     run(first, "b", 0)  # evicts a: swapped out after two steps
     kept = first.runner.detach_snapshots()
     assert list(kept) == ["a"] and first.runner.pool_usage().num_swapped == 0
-    first.close()  # the detached file stays
-    assert (tmp_path / kept["a"]).is_file()
+    first.close()
+    assert (swap_dir / kept["a"]).is_file()
+    return expected, kept
+
+
+@pytest.mark.parametrize("name", ["causal-world-tiny", "dreamzero-tiny"])
+def test_a_detached_snapshot_adopted_by_a_later_runner_restores_the_same_session(tmp_path, name):
+    # An interrupted CLI run leaves its swapped-out sessions' files; the resumed run's runner takes them back
+    # instead of replaying their steps. Bit-identical to a session that was never swapped.
+    expected, kept = _detached_after_two_steps(name, tmp_path)
     second, events = engine_for(name, capacity=1, swap_dir=tmp_path)
     assert second.runner.adopt_snapshot("a", kept["a"]) is True
     assert second.runner.pool_usage().num_swapped == 1
@@ -1228,15 +1235,7 @@ def test_a_snapshot_adopted_then_detached_again_unrestored_is_adopted_by_a_third
     """A run stopped, its --resume stopped too before it restored a kept snapshot, then resumed again: the second
     resume refused that snapshot ("was written as X, expected Y: another swap store's snapshot of this session ...
     put in its place", a warning per episode) and replayed the episode's steps instead of restoring them."""
-    reference, _ = engine_for(name, capacity=2)
-    expected = [run(reference, "a", step) for step in range(3)]
-    reference.close()
-    first, _ = engine_for(name, capacity=1, swap_dir=tmp_path)
-    run(first, "a", 0)
-    run(first, "a", 1)
-    run(first, "b", 0)  # evicts a: swapped out after two steps
-    kept = first.runner.detach_snapshots()
-    first.close()
+    expected, kept = _detached_after_two_steps(name, tmp_path)
     second, _ = engine_for(name, capacity=1, swap_dir=tmp_path)
     assert second.runner.adopt_snapshot("a", kept["a"]) is True
     kept = second.runner.detach_snapshots()  # stopped before a's next step: a's snapshot is kept as it was
