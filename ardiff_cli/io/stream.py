@@ -324,11 +324,10 @@ class StepScheduler:
         for folder, settled in self._watch:
             try:
                 names = sorted(name for name in os.listdir(folder) if not name.startswith("."))
-                idle = [name for name in names if name not in settled and (folder / name).is_dir()
-                        and any(not entry.startswith(".") for entry in os.listdir(folder / name))
-                        and not is_run_output(folder / name)]
             except OSError:  # gone or unreadable now: its episodes said so
                 continue
+            idle = [name for name in names if name not in settled and _holds_something(folder / name)
+                    and not is_run_output(folder / name)]
             steps = [name for name in names if name.endswith(STEP_SUFFIXES)]
             if idle:
                 self._warn(f"{folder}: {listed(idle)} never joined the run: no step file, END or episode.yaml came "
@@ -517,6 +516,14 @@ class StepScheduler:
         # timeout, which END comes before.
         for name in [n for n in track.sizes if n not in present]:
             del track.sizes[name]
+
+
+def _holds_something(path: Path) -> bool:
+    """Whether ``path`` is a folder with a visible entry; False for anything this user may not list."""
+    try:
+        return any(not name.startswith(".") for name in os.listdir(path))
+    except OSError:  # a file (ENOTDIR), gone, or locked
+        return False
 
 
 def _folder_identity(path: Path) -> int | None:
