@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import shlex
 import signal
 import stat
@@ -38,7 +37,7 @@ from ardiff_cli.options import (
     check_swap_space,
 )
 from ardiff_cli.output import Format, Output, stdout_error, visible
-from ardiff_cli.runtime.errors import ArdiffError, ConfigError, ObservationError
+from ardiff_cli.runtime.errors import ArdiffError, ConfigError, ObservationError, link_to_nothing
 
 DEMO_SESSION_CAPACITY = 2  # the demo has 3 episodes: with 2 resident sessions, LRU eviction shows
 DEFAULT_IDLE_TIMEOUT = 60.0  # --follow: seconds without a new step file before an episode ends
@@ -309,11 +308,11 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             path, what = in_the_way
             raise ConfigError(f"--out {out}: {'it' if path == Path(out) else path} is {what}, not a folder",
                               hint="choose a folder, or a path where none exists yet") from None
-        dangling = _dangling_link(Path(out))
-        if dangling is not None:  # mkdir's "File exists" of a path that ls shows as nothing but a link
-            path, target = dangling
-            raise ConfigError(f"--out {out}: cannot create the output folder: {exc.strerror or exc} ({path} is a "
-                              f"link to {target}, which does not exist)",
+        # mkdir's "File exists" of a path that ls shows as nothing but a link
+        dangling = next(((p, why) for p in (Path(out), *Path(out).parents) if (why := link_to_nothing(p))), None)
+        if dangling is not None:
+            raise ConfigError(f"--out {out}: cannot create the output folder: {exc.strerror or exc} ({dangling[0]} is "
+                              f"{dangling[1]})",
                               hint="create the folder it links to (a disk not mounted?), or remove the link") from None
         raise ConfigError(f"--out {out}: cannot create the output folder: {exc.strerror or exc}",
                           hint="choose a folder you can write, or one that does not exist yet") from None
@@ -436,18 +435,6 @@ def _not_a_folder(out: Path) -> tuple[Path, str] | None:
         if not stat.S_ISDIR(mode):
             kinds = ((stat.S_ISREG, "a file"), (stat.S_ISFIFO, "a pipe"), (stat.S_ISSOCK, "a socket"))
             return path, next((what for test, what in kinds if test(mode)), "a device")
-    return None
-
-
-def _dangling_link(out: Path) -> tuple[Path, str] | None:
-    """The link among ``out`` and its parents that leads to nothing (a scratch disk not mounted), and where it
-    points; None if none does."""
-    for path in (out, *out.parents):
-        try:
-            if path.is_symlink() and not path.exists():
-                return path, os.readlink(path)
-        except OSError:  # one this user may not look at: mkdir's own error names it
-            continue
     return None
 
 

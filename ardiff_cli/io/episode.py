@@ -27,7 +27,7 @@ from typing import Any
 
 from ardiff_cli.io.atomic import parse_json
 from ardiff_cli.runtime.capacity import split_unit_hint
-from ardiff_cli.runtime.errors import YAML_SYNTAX_HINT, ConfigError, ObservationError, yaml_problem
+from ardiff_cli.runtime.errors import YAML_SYNTAX_HINT, ConfigError, ObservationError, link_to_nothing, yaml_problem
 
 STEP_SUFFIXES = (".safetensors", ".npz")
 METADATA_FILE = "episode.yaml"
@@ -37,6 +37,7 @@ _NUMBER = re.compile(r"(\d+)")
 _UNSAFE_CHARS = frozenset('/\\:*?"<>|')  # separators, and characters some file systems refuse
 # Episode names become folder and file names: keep them well under NAME_MAX (255 bytes on Linux and macOS), with
 # room for a collision suffix, ".png" and an atomic write's temporary name around them.
+MOUNT_HINT = "mount the disk the link points to (or fix the link)"
 MAX_NAME_CHARS = 100
 MAX_NAME_BYTES = 150  # UTF-8: 100 CJK characters would take 300 bytes
 
@@ -80,11 +81,10 @@ class EpisodeSource:
         if self._metadata is None:
             meta_path = self.path / METADATA_FILE
             if present(meta_path) is False:  # None (a folder it may not enter): reading the file says why
-                if meta_path.is_symlink():  # metadata linked from a disk not mounted: not the same as none at all
-                    raise ObservationError(
-                        f"{meta_path}: cannot read episode metadata: it is a link to {os.readlink(meta_path)}, "
-                        "which does not exist",
-                        hint="mount the disk the link points to (or fix the link), then rerun with --resume")
+                dangling = link_to_nothing(meta_path)  # linked from a disk not mounted: not the same as none at all
+                if dangling:
+                    raise ObservationError(f"{meta_path}: cannot read episode metadata: it is {dangling}",
+                                           hint=f"{MOUNT_HINT}, then rerun with --resume")
                 return {}
             self._metadata = read_episode_yaml(meta_path)
         return self._metadata
@@ -290,9 +290,9 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
         if found is None:  # on a path this user may not enter: one episode, which fails saying so
             folders.append(path)
             continue
-        if not found and path.is_symlink():  # a recording linked from a disk not mounted: mkdir -p would fail
-            raise ConfigError(f"episode folder not found: {path} is a link to {os.readlink(path)}, which does not "
-                              "exist", hint="mount the disk the link points to (or fix the link)")
+        dangling = None if found else link_to_nothing(path)  # a recording on a disk not mounted: mkdir -p would fail
+        if dangling:
+            raise ConfigError(f"episode folder not found: {path} is {dangling}", hint=MOUNT_HINT)
         if not found:
             where = "" if path.is_absolute() else f"it is read relative to {Path.cwd()}; "
             unit = split_unit_hint(str(path))  # `rollout CFG --memory-budget 2 GiB`: the unit was taken for an EPISODE
@@ -545,11 +545,10 @@ def _read_bytes(path: Path) -> tuple[bytes, tuple[int, ...]]:
 
 
 def _unreadable(path: Path, exc: OSError) -> ObservationError:
-    if isinstance(exc, FileNotFoundError) and path.is_symlink():  # a recording linked from a disk not mounted
-        return ObservationError(
-            f"{path}: cannot read the step file: it is a link to {os.readlink(path)}, which does not exist",
-            hint="mount the disk the link points to (or fix the link), then rerun with --resume",
-        )
+    dangling = link_to_nothing(path) if isinstance(exc, FileNotFoundError) else None  # a disk not mounted
+    if dangling:
+        return ObservationError(f"{path}: cannot read the step file: it is {dangling}",
+                                hint=f"{MOUNT_HINT}, then rerun with --resume")
     return ObservationError(
         f"{path}: cannot read the step file: {exc.strerror or exc}",
         hint="check that the file exists and that the user running ardiff may read it (permissions)",

@@ -26,7 +26,7 @@ from typing import Any
 
 from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_jsonl,
                                  remove_temporaries)
-from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error
+from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error, link_to_nothing
 from ardiff_cli.runtime.outputs import is_array
 
 RUN_FILE = "run.json"
@@ -306,9 +306,10 @@ class RunFolder:
         import fcntl
 
         swap = self.root / SWAP_DIR
-        if swap.is_symlink() and not swap.exists():
-            raise ConfigError(f"--out {self.root}: its {SWAP_DIR} is a link to {os.readlink(swap)}, which does not "
-                              "exist", hint="create that folder for the run's swap snapshots, or remove the link")
+        dangling = link_to_nothing(swap)
+        if dangling:
+            raise ConfigError(f"--out {self.root}: its {SWAP_DIR} is {dangling}",
+                              hint="create that folder for the run's swap snapshots, or remove the link")
         if swap.exists() and not swap.is_dir():  # every snapshot's write failed, and each evicted session replayed
             raise ConfigError(f"--out {self.root}: its {SWAP_DIR} is not a folder",
                               hint=f"remove or rename it: the run keeps its swap snapshots in the folder {swap}")

@@ -18,7 +18,6 @@ A config file::
 from __future__ import annotations
 
 import importlib.resources
-import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePath
@@ -35,6 +34,7 @@ from ardiff_cli.runtime.errors import (
     PipelineError,
     did_you_mean,
     field_error,
+    link_to_nothing,
     shown,
     yaml_problem,
 )
@@ -240,8 +240,9 @@ def resolve_config(name_or_path: str | Path | None) -> Path:
     builtins = builtin_configs()
     if str(name_or_path) in builtins:
         return builtins[str(name_or_path)]
-    if path.is_symlink():  # "not found", and "did you mean" its own name, for a link to a disk not mounted
-        raise ConfigError(f"config {path} is a link to {os.readlink(path)}, which does not exist",
+    dangling = link_to_nothing(path)  # "not found", and "did you mean" its own name, for a disk not mounted
+    if dangling:
+        raise ConfigError(f"config {path} is {dangling}",
                           hint="mount or restore what it links to, or pass the config's own path")
     if path.suffix in (".yaml", ".yml") or path.parent != Path("."):
         raise ConfigError(f"config file not found: {path}", hint=_not_found_hint(path, builtins))
@@ -483,10 +484,10 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
         if relative:
             checkpoint = base / checkpoint
         kind = path_kind(checkpoint, "", where=f"{where}: field 'checkpoint'")
-        if kind == "missing" and checkpoint.is_symlink():  # `ls` lists it: "file not found" read as a false error
-            raise ConfigError(f"{where}: field 'checkpoint': {checkpoint} is a link to {os.readlink(checkpoint)}, "
-                              "which does not exist", hint="mount or restore what it links to, or give the "
-                                                           ".safetensors file's own path")
+        dangling = link_to_nothing(checkpoint) if kind == "missing" else None
+        if dangling:
+            raise ConfigError(f"{where}: field 'checkpoint': {checkpoint} is {dangling}",
+                              hint="mount or restore what it links to, or give the .safetensors file's own path")
         if kind != "file":
             found = {"folder": "a folder, not a file", "other": "not a regular file"}.get(kind, "file not found")
             # A path written relative to the folder the user runs from (or a config linked from elsewhere) was only

@@ -155,6 +155,18 @@ _SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxlong, _SHOWN.maxother = 2, 80, 60, 
 _SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 8
 
 
+def link_to_nothing(path: os.PathLike | str) -> str | None:
+    """``"a link to TARGET, which does not exist"`` for a link that leads nowhere (a disk not mounted): a path that
+    ``ls`` lists, so "not found" of it reads as a false error; None for anything else, or a path this user may not
+    look at (the caller's own error names it)."""
+    try:
+        if os.path.islink(path) and not os.path.exists(path):
+            return f"a link to {os.readlink(path)}, which does not exist"
+    except OSError:
+        pass
+    return None
+
+
 def shown(value: object) -> str:
     """``repr(value)`` cut to a line: a config value may be a YAML alias bomb (a 10-deep list of lists, 10**9
     strings in all) or hold itself, and an error message must neither take minutes nor fill the terminal."""
