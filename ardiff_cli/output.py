@@ -156,7 +156,7 @@ class Output:
             self._stdout.flush()
         except OSError as exc:
             self.stdout_lost = exc
-            _to_devnull(self._stdout)  # so that the interpreter's own flush at exit does not fail on it again
+            to_devnull(self._stdout)  # so that the interpreter's own flush at exit does not fail on it again
             if self.on_stdout_lost is not None:
                 self.on_stdout_lost(exc)
 
@@ -252,7 +252,7 @@ class Output:
         """As coreutils do, a stderr that fails (its disk full) does not stop the work it reports on: its lines are
         dropped from then on. The results, the files and the exit code say how the command went."""
         self._stderr_lost = True
-        _to_devnull(self._stderr)
+        to_devnull(self._stderr)
 
 
 def _raise_again() -> None:
@@ -285,7 +285,7 @@ def stdout_error(exc: OSError) -> Exception:
     return error
 
 
-def _to_devnull(stream: IO[str]) -> None:
+def to_devnull(stream: IO[str]) -> None:
     """Point ``stream``'s file descriptor at /dev/null, and drop what its buffer still holds."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -289,13 +289,13 @@ def reader_may_leave() -> Iterator[None]:
     """Print what follows to stdout, whose reader may be gone (``| head -1``, ``| grep -q``): the lines it did not
     take are dropped and stdout goes to /dev/null (no second error at exit), so the run's exit code stands, as in
     ardiff's own commands. Write files before this: a broken pipe once ended the suite before results.json."""
+    from ardiff_cli.output import to_devnull
+
     try:
         yield
         sys.stdout.flush()
     except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        to_devnull(sys.stdout)
 
 
 def check_attention_backend(parser: argparse.ArgumentParser, setting: str) -> None:
