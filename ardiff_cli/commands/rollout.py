@@ -337,7 +337,7 @@ def _refuse_another_runs_kept_snapshots(swap_dir: Path, started: float) -> None:
 
     other = kept_for(swap_dir)
     if other is not None and other != started:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(other))
+        when = _local_time(other)
         raise ConfigError(f"{swap_dir / KEPT_FILE}: the swap snapshots there are kept for the --resume of another run "
                           f"(started {when}), and this run would delete them",
                           hint="give this run a .swap of its own, or delete that kept.json to let it discard them")
@@ -585,15 +585,18 @@ def _refuse_changed_checkpoint(recorded: Any, now: dict[str, Any] | None) -> Non
     if (recorded.get("size"), recorded.get("mtime_ns")) == (now["size"], now["mtime_ns"]):
         return
     mtime = recorded.get("mtime_ns")
-    then = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime / 1e9))
-            if isinstance(mtime, int) and not isinstance(mtime, bool) else "unknown")
+    known = isinstance(mtime, int) and not isinstance(mtime, bool)
     touch = (f"; if it holds the same weights (copied again), give it back its modification time: touch -d "
-             f"@{mtime // 10**9}.{mtime % 10**9:09d} {shlex.quote(now['path'])}" if then != "unknown" else "")
+             f"@{mtime // 10**9}.{mtime % 10**9:09d} {shlex.quote(now['path'])}" if known else "")
     raise ConfigError(f"checkpoint {now['path']} changed since the run started (size {recorded.get('size')} bytes, "
-                      f"modified {then}; now {now['size']} bytes, modified "
-                      f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now['mtime_ns'] / 1e9))}): the run's "
-                      "outputs so far came from the weights it had then",
+                      f"modified {_local_time(mtime / 1e9) if known else 'unknown'}; now {now['size']} bytes, "
+                      f"modified {_local_time(now['mtime_ns'] / 1e9)}): the run's outputs so far came from the "
+                      "weights it had then",
                       hint=f"restore those weights to resume, or start a new run in another --out{touch}")
+
+
+def _local_time(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
 
 
 def _same(given: Any, recorded: Any, name: str) -> Any:
