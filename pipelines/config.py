@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
+from ardiff_cli.runtime.capacity import MAX_SESSIONS
 from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error, shown
 
 C = TypeVar("C")
@@ -171,6 +172,10 @@ class BackboneConfig:
                      "session_capacity"):
             value = getattr(self, name)
             require(value >= 1, name, "a positive integer", value)
+        # The plan takes at most MAX_SESSIONS (block tables index pages with int32): past it, load and inspect-capacity
+        # failed with the planner's message, naming neither this file nor the field.
+        require(self.session_capacity <= MAX_SESSIONS, "session_capacity", f"a positive integer up to {MAX_SESSIONS}",
+                self.session_capacity)
         require(self.sink_frames >= 0, "sink_frames", "a non-negative integer", self.sink_frames)
         # torch.manual_seed (fresh checkpoints) takes 64 bits; a larger seed would fail there, far from the config.
         require(0 <= self.seed < 1 << 64, "seed", "a non-negative integer below 2**64", self.seed)

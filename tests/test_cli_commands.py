@@ -192,6 +192,24 @@ def test_invalid_config_value_names_the_field(tmp_path):
     assert "model.window_frame" in result.stderr and "did you mean 'window_frames'" in result.stderr
 
 
+@pytest.mark.parametrize("pipeline", ["dreamzero", "causal_world"])
+def test_a_model_session_capacity_past_what_a_plan_takes_names_the_file_and_field(tmp_path, pipeline):
+    """model.session_capacity: 2147483648 passed the config and failed in the planner as "session_capacity must be
+    a positive integer up to 2147483647" with a Python hint ("or None for the spec's own bound"), naming neither
+    the file nor the field, while runtime.session_capacity's error names both."""
+    bad = tmp_path / "big.yaml"
+    bad.write_text(f"pipeline: {pipeline}\nmodel: {{preset: tiny, session_capacity: 2147483648}}\n")
+    result = invoke("inspect-capacity", str(bad), "--available", "1GiB", "--format", "plain")
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (f"Error: {bad}: field 'model.session_capacity': expected a positive integer up to "
+                             "2147483647, got 2147483648\nhint: set 'model.session_capacity' to a positive integer "
+                             "up to 2147483647\n")
+    bad.write_text(f"pipeline: {pipeline}\nmodel: {{preset: tiny, session_capacity: 2147483647}}\n")
+    result = invoke("inspect-capacity", str(bad), "--available", "1GiB", "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["plan"]["session_capacity_limit"] == 2147483647
+
+
 def test_a_model_section_read_by_another_pipeline_says_so(tmp_path):
     """--pipeline causal_world on the default DreamZero config said only "unknown key 'model.num_inference_steps'":
     nothing said that the key was checked against another pipeline than the config's."""
@@ -392,6 +410,21 @@ def test_a_bad_scratch_variable_is_a_usage_error_not_a_bug(cli_env, command):
     assert "Traceback" not in proc.stderr and "bug" not in proc.stderr
 
 
+@pytest.mark.parametrize("command", ["inspect-capacity", "warmup"])
+def test_a_scratch_variable_past_max_model_len_is_named_not_the_window(cli_env, command):
+    """AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH=100000 made an attention call longer than max_model_len, and the
+    hint said "use a smaller window or fewer sink frames": the config's window fits; the variable is what to lower."""
+    from ardiff_cli.runtime.kv.layout import SCRATCH_ENV
+
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", command, "dreamzero-tiny", "--format", "plain"],
+                          cwd=REPO, env={**cli_env, SCRATCH_ENV: "100000"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith("Error: one attention call can see 1600064 tokens (sink + window + block + scratch), "
+                                "more than max_model_len=1048576\n"
+                                f"hint: lower {SCRATCH_ENV} (now 100000 blocks of 16 tokens), or unset it\n")
+
+
 @pytest.mark.parametrize("given", ["dreamzero-tiny.yaml", "configs/dreamzero-tiny.yaml", "my_confg.yaml"])
 def test_a_config_file_not_found_says_where_it_was_looked_for_and_names_a_built_in_it_meant(tmp_path, cli_env, given):
     """`ardiff rollout dreamzero-tiny.yaml` (a built-in name with the file's suffix, as the README's configs/ folder
@@ -408,6 +441,19 @@ def test_a_config_file_not_found_says_where_it_was_looked_for_and_names_a_built_
         assert "the built-in config is named without a folder or suffix: dreamzero-tiny" in hint, hint
     else:
         assert "did you mean 'my_config.yaml'?" in hint and "dreamzero-tiny" in hint, hint
+
+
+def test_a_config_file_with_an_upper_case_suffix_not_found_is_a_file_not_found_too(tmp_path, cli_env):
+    """`ROBOT.YAML` (a suffix in capitals, as files from some systems have it) was taken for a built-in name:
+    "unknown config 'ROBOT.YAML': not a file and not a built-in config", without the folder it was looked for in or
+    the `Robot.YAML` beside it, which `robot.yaml` got."""
+    (tmp_path / "Robot.YAML").write_text("pipeline: dreamzero\n")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", "ROBOT.YAML", "--format", "plain"],
+                          cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Error: config file not found: ROBOT.YAML\n" in proc.stderr, proc.stderr
+    hint = proc.stderr.partition("hint: ")[2]
+    assert f"it is read relative to {tmp_path}" in hint and "did you mean 'Robot.YAML'?" in hint, hint
 
 
 def test_a_pipelines_folder_that_hides_ardiffs_is_named(tmp_path, cli_env):

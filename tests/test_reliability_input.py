@@ -525,6 +525,16 @@ CONFIG_CASES = {
                                    "inspect-capacity", ["{config}: one attention call can see",
                                                         "67108864 tokens per frame"],
                                    "lower the frame size (tokens per latent frame)"),
+    # A frame of max_model_len tokens, or of half of it: no window or block fits, yet 'model.window_frames' (the most
+    # frames) was named, and lowering it to 1 left the call 3 frames long.
+    "frame_no_window_fits": ("pipeline: causal_world\nmodel: {preset: tiny, height: 8192, width: 8192}\n",
+                             "inspect-capacity", ["Error: {config}: one attention call can see 13631488 tokens",
+                                                  "1048576 tokens per frame"],
+                             "lower the frame size (tokens per latent frame)"),
+    "half_frame_no_window_fits": ("pipeline: causal_world\nmodel: {preset: tiny, height: 4096, width: 8192}\n",
+                                  "inspect-capacity", ["Error: {config}: one attention call can see 6815744 tokens",
+                                                       "524288 tokens per frame"],
+                                  "lower the frame size (tokens per latent frame)"),
     "device_index_not_a_number": ("pipeline: dreamzero\nruntime: {device: 'cuda:x'}\n", "inspect-capacity",
                                   ["{config}: field 'runtime.device': expected auto, cpu, cuda or cuda:N (N from 0 "
                                    "to 127), got 'cuda:x'"], "set 'runtime.device'"),

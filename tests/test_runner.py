@@ -362,6 +362,23 @@ def test_a_memory_budget_is_a_byte_size_as_the_engine_takes_it():
         ARDiffusionModelRunner(TinyPipeline(), memory_budget=True)
 
 
+def test_a_session_past_the_free_memory_is_not_told_to_raise_a_budget_it_was_not_given():
+    """Without a memory budget the plan has the device's free memory; its CapacityError said "a larger
+    --memory-budget" all the same (`ardiff warmup` of a config too large for the host), which would plan past
+    the free memory. With a budget, raising it stays the first fix."""
+    from ardiff_cli.runtime.capability import ARDiffusionCrossAttentionKVSpec
+    from ardiff_cli.runtime.errors import CapacityError
+
+    spec = tiny_spec(cross_attention=(ARDiffusionCrossAttentionKVSpec("text", 10**15),))  # 341 PiB a session
+    with pytest.raises(CapacityError) as free:
+        ARDiffusionModelRunner(TinyPipeline(spec)).load()
+    assert "--memory-budget" not in free.value.hint.partition("(")[0], free.value.hint
+    assert "no --memory-budget was given: the plan had the free memory of cpu" in free.value.hint
+    with pytest.raises(CapacityError) as budget:
+        ARDiffusionModelRunner(TinyPipeline(spec), memory_budget=BUDGET).load()
+    assert "a larger --memory-budget" in budget.value.hint
+
+
 def test_batch_and_step_entry_points_raise():
     runner = make_runner()
     with pytest.raises(RuntimeError, match="request-mode execution only.*execute_model_batch"):

@@ -18,6 +18,7 @@ A config file::
 from __future__ import annotations
 
 import importlib.resources
+import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePath
@@ -244,7 +245,7 @@ def resolve_config(name_or_path: str | Path | None) -> Path:
     if dangling:
         raise ConfigError(f"config {path} is {dangling}",
                           hint="mount or restore what it links to, or pass the config's own path")
-    if path.suffix in (".yaml", ".yml") or path.parent != Path("."):
+    if path.suffix.lower() in (".yaml", ".yml") or path.parent != Path("."):
         raise ConfigError(f"config file not found: {path}", hint=_not_found_hint(path, builtins))
     name = str(name_or_path)
     hint = f"built-in configs: {', '.join(sorted(builtins))}"
@@ -264,7 +265,7 @@ def _not_found_hint(path: Path, builtins: dict[str, Path]) -> str:
         return f"{where}the built-in config is named without a folder or suffix: {builtin}"
     try:
         near = did_you_mean(path.name, [p.name for p in path.parent.iterdir()
-                                        if p.suffix in (".yaml", ".yml") and p.name != path.name])
+                                        if p.suffix.lower() in (".yaml", ".yml") and p.name != path.name])
     except OSError:  # the folder is missing too, or cannot be listed: nothing to suggest from it
         near = ""
     return f"{where}check the path{near}, or use a built-in config: {', '.join(sorted(builtins))}"
@@ -380,7 +381,8 @@ def _check_attention_span(spec: ARDiffusionKVCacheSpec, model: Any, where: str) 
         largest = max(frames, key=frames.get)
         if registers > frames[largest] * tokens:
             field, fix = "", "the pipeline's register tokens per branch"
-        elif tokens > spec.max_model_len:
+        elif tokens * (1 + math.ceil((tokens + registers) / tokens)) > spec.max_model_len:
+            # not even a one-frame window and a one-frame block (with the registers) fit: no frame count can help
             field, fix = "", "the frame size (tokens per latent frame)"
         elif getattr(model, largest, None) == frames[largest]:
             field, fix = f"field 'model.{largest}': ", f"'model.{largest}'"

@@ -42,6 +42,7 @@ from ardiff_cli.runtime.errors import (
     PIPELINE_HINT,
     ArdiffError,
     ArdiffWarning,
+    CapacityError,
     ConfigError,
     EngineStateError,
     PipelineError,
@@ -356,14 +357,21 @@ class ARDiffusionModelRunner:
         available, total = self._available_bytes()
 
         def allocate(backend: str) -> tuple[CapacityPlan, ARDiffusionKVCache]:
-            plan = plan_capacity(
-                spec,
-                self.dtype,
-                available,
-                self.gpu_memory_fraction,
-                session_capacity=self.session_capacity_override,
-                attention_backend=backend,
-            )
+            try:
+                plan = plan_capacity(
+                    spec,
+                    self.dtype,
+                    available,
+                    self.gpu_memory_fraction,
+                    session_capacity=self.session_capacity_override,
+                    attention_backend=backend,
+                )
+            except CapacityError as exc:
+                if self.memory_budget is None:  # the plan had the free memory: a budget past it does not add any
+                    exc.hint = (f"use a smaller {'window, model' if exc.window_helps else 'model'} or dtype, or a "
+                                f"device with more free memory (no --memory-budget was given: the plan had the free "
+                                f"memory of {self.device}, and a larger budget would not fit in it)")
+                raise
             planned = plan.required_bytes(plan.session_capacity)
             if self.memory_budget is not None and planned > total:
                 # The pools would be allocated (and zeroed) for it: on CPU that is the OOM killer, not an error.

@@ -83,10 +83,16 @@ class KVLayout:
         )
         visible = layout.max_visible_pages * page_size
         if visible > spec.max_model_len:  # here, so the capacity plan refuses what loading would
+            hint = "use a smaller window or fewer sink frames, or raise the pipeline's max_model_len"
+            if layout.scratch_tokens > derived:  # the variable raised scratch: name it if the window alone fits
+                # (raises the window's own error if it does not; "use a smaller window" sent users to a config
+                # that fitted)
+                cls.from_spec(spec, page_size=page_size, scratch_blocks=1, attention_backend=attention_backend)
+                hint = f"lower {SCRATCH_ENV} (now {blocks} blocks of {spec.tokens_per_frame} tokens), or unset it"
             raise ConfigError(
                 f"one attention call can see {visible} tokens (sink + window + block + scratch), "
                 f"more than max_model_len={spec.max_model_len}",
-                hint="use a smaller window or fewer sink frames, or raise the pipeline's max_model_len",
+                hint=hint,
             )
         return layout
 
