@@ -829,3 +829,27 @@ def test_a_request_built_from_a_reloaded_module_is_named_as_such(monkeypatch):
                                             ("Close-Session", "close_session")])
 def test_a_runner_key_in_other_capitals_is_warned_of_as_misspelt(key, meant):
     assert ARDiffusionRequest("r0", {}, {key: True}).misspelt_keys() == [(key, meant)]
+
+
+def test_an_engine_loaded_under_inference_mode_serves_requests_made_with_or_without_it():
+    """A server that loads its engine under torch.inference_mode() (a decorated start-up function) and serves outside
+    it: the KV pools used to be inference tensors then, which every forward writes in place, so every request failed
+    ("Inplace update to inference tensor outside InferenceMode") and released its session."""
+    reference = server_engine()
+    reference.load()
+    expected = [reference.execute(request(reference, f"r{i}", "a", seed=i))["latents"] for i in range(4)]
+    reference.close()
+    engine = server_engine()
+    with torch.inference_mode():
+        engine.load()
+    got = []
+    for i in range(4):
+        if i % 2:  # requests alternate: inside inference mode, then outside it
+            with torch.inference_mode():
+                got.append(engine.execute(request(engine, f"r{i}", "a", seed=i))["latents"])
+        else:
+            got.append(engine.execute(request(engine, f"r{i}", "a", seed=i))["latents"])
+    assert [view.num_requests for view in engine.runner.sessions()] == [4]
+    engine.close()
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)

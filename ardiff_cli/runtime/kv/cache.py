@@ -55,20 +55,24 @@ class ARDiffusionKVCache:
         # The tensors, in the layout the attention backend reads: "torch" = heads-first pages + gather
         # workspace (KVPagePool); "vllm" = blocks of vLLM's kernel for this device; a PagedKernel instance
         # = that kernel's block layout (tests use vllm_attention.TorchPagedKernel). Same bytes either way.
-        if isinstance(attention_backend, str) and attention_backend == "torch":
-            self.pool = KVPagePool(layout, num_managed_pages, dtype, device)
-        else:
-            from ardiff_cli.runtime.kv import vllm_attention
-
-            if attention_backend == "vllm":
-                kernel = vllm_attention.vllm_kernel_for(layout, dtype, torch.device(device))
-            elif isinstance(attention_backend, vllm_attention.PagedKernel):
-                kernel = attention_backend
+        # Normal tensors even when built under torch.inference_mode() (an engine loaded in a server's
+        # inference-mode start-up): every forward writes them in place, which torch refuses for inference
+        # tensors outside inference mode, so every request made without it failed.
+        with torch.inference_mode(False):
+            if isinstance(attention_backend, str) and attention_backend == "torch":
+                self.pool = KVPagePool(layout, num_managed_pages, dtype, device)
             else:
-                raise ValueError(
-                    f"attention_backend must be 'torch', 'vllm' or a PagedKernel, got {attention_backend!r}"
-                )
-            self.pool = vllm_attention.PagedKernelPool(layout, num_managed_pages, dtype, device, kernel)
+                from ardiff_cli.runtime.kv import vllm_attention
+
+                if attention_backend == "vllm":
+                    kernel = vllm_attention.vllm_kernel_for(layout, dtype, torch.device(device))
+                elif isinstance(attention_backend, vllm_attention.PagedKernel):
+                    kernel = attention_backend
+                else:
+                    raise ValueError(
+                        f"attention_backend must be 'torch', 'vllm' or a PagedKernel, got {attention_backend!r}"
+                    )
+                self.pool = vllm_attention.PagedKernelPool(layout, num_managed_pages, dtype, device, kernel)
         # "torch" or "vllm" (a PagedKernel instance is named by the kernel).
         self.attention_backend = attention_backend if isinstance(attention_backend, str) else attention_backend.name
         # Layer inputs (shapes, dtypes, devices, grad flags, seq_len) that passed the full checks of attend or store:
