@@ -99,13 +99,20 @@ def count_config_parameters(pipeline_class: Any, config) -> int:
 
 
 def fresh_modules(build: Callable[[], nn.Module], seed: int) -> nn.Module:
-    """``build()`` initialised from ``seed`` alone, whatever the global RNG state (CPU, float32)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        module = build()
-        for sub in module.modules():
-            if sub is not module and hasattr(sub, "init_weights"):
-                sub.init_weights()
+    """``build()`` initialised from ``seed`` alone, whatever the global RNG state or default dtype (CPU, float32)."""
+    # A caller's torch.set_default_dtype(torch.float64) made float64 parameters drawn from other random numbers, and
+    # the default checkpoint cached from them gave every later run other weights than the same config's.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            module = build()
+            for sub in module.modules():
+                if sub is not module and hasattr(sub, "init_weights"):
+                    sub.init_weights()
+    finally:
+        torch.set_default_dtype(previous)
     return module
 
 

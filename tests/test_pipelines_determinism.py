@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from pipeline_helpers import REPO
 
 ROLLOUT = r"""
@@ -51,3 +52,41 @@ def test_two_processes_give_bit_identical_outputs(tmp_path):
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert results[0] == results[1]
     assert set(results[0]) == {"dreamzero", "causal_world"}
+
+
+@pytest.mark.parametrize("default", ["float64", "bfloat16"])
+def test_a_callers_default_dtype_changes_neither_the_default_weights_nor_the_outputs(tmp_path, monkeypatch, default):
+    """A notebook or lab script that ran torch.set_default_dtype(torch.float64) for its own maths: the default
+    checkpoint built then used to hold float64 weights drawn from other random numbers (and stayed cached for every
+    later run), each request's noise was drawn in float64 and its timesteps rounded to the default dtype, so the same
+    config, inputs and seed gave other outputs (3.5 apart in latents; 1e-3 with bfloat16's timesteps)."""
+    import torch
+
+    from ardiff_cli.runtime import ARDiffusionEngine, ARDiffusionRequest
+
+    runs = {}
+    for dtype in (torch.float32, getattr(torch, default)):
+        monkeypatch.setenv("ARDIFF_CACHE_DIR", str(tmp_path / str(dtype)))  # each builds its own checkpoint
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            outputs, files = [], []
+            for name in ("dreamzero-tiny", "causal-world-tiny"):
+                with ARDiffusionEngine.from_config(name, device="cpu", memory_budget="64MiB", num_threads=1) as engine:
+                    engine.load()
+                    files.append(engine.pipeline.checkpoint.read_bytes())
+                    for step in range(3):
+                        if name == "dreamzero-tiny":
+                            inputs = engine.pipeline.example_inputs(1 if step == 0 else 4, seed=step)
+                        else:
+                            inputs = engine.pipeline.example_inputs(seed=step)
+                        out = engine.execute(ARDiffusionRequest(f"r{step}", inputs, {"session_id": "s"}))
+                        outputs.extend(out[key] for key in sorted(out))
+        finally:
+            torch.set_default_dtype(previous)
+        runs[dtype] = outputs, files
+    (expected, expected_files), (got, got_files) = runs.values()
+    assert got_files == expected_files  # the same config gives the same checkpoint bytes
+    assert len(got) == len(expected) == 9  # dreamzero: actions and latents; causal_world: latents
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)

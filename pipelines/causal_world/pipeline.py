@@ -106,26 +106,28 @@ class CausalWorldPipeline(ARPipeline):
 
         registers = register_t = None
         if c.cond_dim:
-            vector = torch.zeros(c.cond_dim) if cond is None else torch.from_numpy(np.ascontiguousarray(cond))
+            vector = (torch.zeros(c.cond_dim, dtype=torch.float32) if cond is None
+                      else torch.from_numpy(np.ascontiguousarray(cond)))
             registers = self.transformer.registers(vector.to(self.device))  # (1, dim)
-            register_t = torch.zeros(1, device=self.device)  # conditioning is clean
+            register_t = torch.zeros(1, dtype=torch.float32, device=self.device)  # conditioning is clean
         first = rollout.num_frames("main")
         frames = c.frames_per_block
 
         def segment(x: torch.Tensor, t: float) -> Segment:
-            return Segment(latents=x.to(self.dtype), timesteps=torch.full((frames,), t, device=self.device),
+            return Segment(latents=x.to(self.dtype),
+                           timesteps=torch.full((frames,), t, dtype=torch.float32, device=self.device),
                            first_frame=first, registers=registers, register_timesteps=register_t)
 
         gen = noise_generator(seed, session.num_blocks)
         shape = (c.latent_channels, frames, c.latent_height, c.latent_width)
-        x = torch.randn(shape, generator=gen).to(self.device)  # (C, F, h, w) at sigma = 1
+        x = torch.randn(shape, generator=gen, dtype=torch.float32).to(self.device)  # (C, F, h, w) at sigma = 1
         sigmas = [shift_sigma(t / 1000.0, c.timestep_shift) for t in c.denoising_timesteps]
         x0 = x
         for i, sigma in enumerate(sigmas):
             v = rollout.run("main", segment(x, sigma * 1000.0), commit=False).video  # (C, F, h, w)
             x0 = x - sigma * v
             if i + 1 < len(sigmas):
-                noise = torch.randn(shape, generator=gen).to(self.device)
+                noise = torch.randn(shape, generator=gen, dtype=torch.float32).to(self.device)
                 x = (1.0 - sigmas[i + 1]) * x0 + sigmas[i + 1] * noise
         # Commit pass: the clean block, at timestep 0, becomes history.
         rollout.commit("main", segment(x0, 0.0))

@@ -212,7 +212,8 @@ class DreamZeroPipeline(ARPipeline):
             first = rollout.num_frames(branch)
             cond = self._anchor_channels(session.anchor_latent, first, observed.shape[1])
             seg = Segment(latents=torch.cat([observed, cond]).to(self.dtype),
-                          timesteps=torch.zeros(observed.shape[1], device=self.device), first_frame=first)
+                          timesteps=torch.zeros(observed.shape[1], dtype=torch.float32, device=self.device),
+                          first_frame=first)
             rollout.commit(branch, seg)
 
         actions, latents = self._sample(rollout, session, robot_state, seed)
@@ -228,8 +229,9 @@ class DreamZeroPipeline(ARPipeline):
         assert all(rollout.num_frames(b) == first for b in self.branches), "CFG branches out of step"
         gen = noise_generator(seed, session.num_requests)
         shape = (c.latent_channels, c.frames_per_block, c.latent_height, c.latent_width)
-        x = torch.randn(shape, generator=gen).to(self.device)  # (C, F, h, w) float32
-        a = torch.randn((c.action_horizon, c.action_dim), generator=gen).to(self.device)  # (H, action_dim)
+        x = torch.randn(shape, generator=gen, dtype=torch.float32).to(self.device)  # (C, F, h, w) float32
+        a = torch.randn((c.action_horizon, c.action_dim), generator=gen,
+                        dtype=torch.float32).to(self.device)  # (H, action_dim)
         cond = self._anchor_channels(session.anchor_latent, first, c.frames_per_block)  # (4 + C, F, h, w)
         sigmas = shifted_sigmas(c.num_inference_steps, c.timestep_shift)
         for i in range(c.num_inference_steps):
@@ -249,11 +251,12 @@ class DreamZeroPipeline(ARPipeline):
         H = self.config.action_horizon
         seg = Segment(
             latents=torch.cat([x, cond]).to(self.dtype),  # (in_dim, F, h, w)
-            timesteps=torch.full((x.shape[1],), t, device=self.device),
+            timesteps=torch.full((x.shape[1],), t, dtype=torch.float32, device=self.device),
             first_frame=first,
             registers=self.transformer.registers(a, robot_state),  # (H + 1, dim)
             # Actions are as noisy as the video; the state token is an observation, clean.
-            register_timesteps=torch.cat([torch.full((H,), t, device=self.device), torch.zeros(1, device=self.device)]),
+            register_timesteps=torch.cat([torch.full((H,), t, dtype=torch.float32, device=self.device),
+                                           torch.zeros(1, dtype=torch.float32, device=self.device)]),
         )
         out = rollout.run(branch, seg, commit=False)
         return out.video, self.transformer.decode_actions(out.registers)
