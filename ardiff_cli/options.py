@@ -92,6 +92,9 @@ def check_swap_space(value: Optional[str]) -> Optional[str]:
 def _checked_bytes(value: Optional[str], *, zero_ok: bool) -> Optional[str]:
     if value is None:
         return value
+    if value.strip().lower() == "auto":  # it said "no number before 'auto'", as if a number were missing
+        raise typer.BadParameter("'auto' is not a byte size: leave the option out for its default (only "
+                                 "inspect-capacity's --available takes auto)")
     from ardiff_cli.runtime.capacity import parse_bytes
     from ardiff_cli.runtime.errors import ConfigError
 

@@ -818,7 +818,10 @@ def test_out_that_is_an_episode_folder_is_refused_and_left_as_it_was(tmp_path, c
 @pytest.mark.parametrize("option, value, why", [
     ("--memory-budget", "0", "a byte size must be positive, got '0'"),
     ("--memory-budget", "1.5", "a byte size without a unit is a whole number of bytes, got '1.5'"),
-    ("--memory-budget", "auto", "cannot read 'auto' as a byte size"),  # only --available takes auto
+    # only --available takes auto; it said "no number before 'auto'", as if a number were missing
+    ("--memory-budget", "auto", "'auto' is not a byte size: leave the option out for its default (only "
+                                "inspect-capacity's --available takes auto)"),
+    ("--memory-budget", " AUTO", "'auto' is not a byte size: leave the option out for its default"),
     ("--gpu-memory-fraction", "nan", "expected a number in (0, 1], got nan"),
     ("--gpu-memory-fraction", "0", "expected a number in (0, 1], got 0"),
     ("--gpu-memory-fraction", "1.0000001", "expected a number in (0, 1], got 1.0000001"),  # it read 'got 1'
@@ -845,6 +848,8 @@ def test_an_option_value_refused_early_names_the_option_and_says_why(option, val
     (["rollout", "--session-capacity", str(2**31)], "Invalid value for '--session-capacity': expected at most "
      "2147483647 sessions (no pool holds more), got 2147483648", "2147483648"),
     (["rollout", "--order", "sideways"], "Invalid value for '--order': 'sideways' is not one of", "'sequential'."),
+    (["rollout", "--swap-space", "auto"], "Invalid value for '--swap-space': 'auto' is not a byte size: leave the "
+     "option out for its default", "takes auto)"),
     (["warmup", "--bogus"], "No such option: --bogus", ""),
 ])
 def test_usage_errors_are_a_json_object_too_with_format_json(cli_env, args, message, ending):

@@ -139,7 +139,8 @@ def rollout(
         "--swap-space", metavar="SIZE", callback=check_swap_space,
         help="Disk space (e.g. 2GiB) for snapshots of evicted sessions, in OUT/.swap while the run lasts: an "
              "evicted episode's next step restores its session instead of replaying its earlier steps. 0: always "
-             "replay. \\[default: the KV budget, at most half the free space of --out]", show_default=False)] = None,
+             "replay. \\[default: the KV budget, at most half the free space of the disk OUT/.swap is on]",
+        show_default=False)] = None,
     warmup: Annotated[bool, typer.Option(
         "--warmup/--no-warmup", metavar=FLAG, show_default=False,
         help="Run the pipeline's warmup requests before the first step. \\[default: --warmup]")] = True,
