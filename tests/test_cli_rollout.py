@@ -1401,6 +1401,31 @@ def test_runs_whose_swap_folders_link_to_one_folder_never_delete_each_others_sna
     assert not snapshot.exists()
 
 
+def test_a_swap_folder_linked_to_the_swap_folder_another_live_run_made_is_refused(env, data, tmp_path):
+    """A run makes its own OUT/.swap at its first eviction, after it locked its folder, so that folder was not locked:
+    a second run whose .swap linked to it was not refused, deleted the first run's snapshots as stale (their episodes
+    replayed), and once the first run ended and removed the folder, every snapshot of its own failed (`File exists`)."""
+    from ardiff_cli.io.run import RunFolder
+
+    holder = RunFolder(tmp_path / "one")  # the other run, live, as it is once it has swapped a session out
+    (tmp_path / "one").mkdir()
+    holder.lock()
+    try:
+        (tmp_path / "one" / ".swap").mkdir()
+        snapshot = tmp_path / "one" / ".swap" / ("ab" * 16 + ".safetensors")
+        snapshot.write_bytes(b"its tensors")
+        (tmp_path / "two").mkdir()
+        (tmp_path / "two" / ".swap").symlink_to(tmp_path / "one" / ".swap")
+        proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "two"),
+                      "--no-warmup")
+    finally:
+        holder.close()
+    assert proc.returncode == 2, proc.stderr
+    assert (f"Error: --out {tmp_path / 'two'}: its swap folder {tmp_path / 'one' / '.swap'} is in use by another "
+            "ardiff rollout\nhint: give each run a .swap of its own") in proc.stderr
+    assert snapshot.read_bytes() == b"its tensors" and not (tmp_path / "two" / "run.json").exists()
+
+
 def test_a_swap_folder_linked_to_nothing_is_named_before_the_run_starts(env, data, tmp_path):
     # The runner failed to make it at every eviction ("FileExistsError: File exists: 'OUT/.swap'"), and the run
     # replayed every evicted session, with one warning.

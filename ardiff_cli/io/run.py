@@ -313,6 +313,15 @@ class RunFolder:
         if swap.exists() and not swap.is_dir():  # every snapshot's write failed, and each evicted session replayed
             raise ConfigError(f"--out {self.root}: its {SWAP_DIR} is not a folder",
                               hint=f"remove or rename it: the run keeps its swap snapshots in the folder {swap}")
+        in_use = ConfigError(f"--out {self.root}: its swap folder {swap.resolve()} is in use by another ardiff rollout",
+                             hint=f"give each run a {SWAP_DIR} of its own: runs sharing one delete each other's "
+                                  "snapshots")
+        owner = swap.resolve().parent
+        if swap.is_symlink() and owner != self.root.resolve():
+            try:  # a link into another run's folder (its own .swap, which that run made after it locked): not locked
+                RunFolder(owner).refuse_while_locked()
+            except ConfigError:
+                raise in_use from None
         try:
             fd = os.open(swap, os.O_RDONLY | os.O_DIRECTORY)
         except OSError:  # none yet: the runner makes it, inside this locked folder
@@ -321,9 +330,7 @@ class RunFolder:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise ConfigError(f"--out {self.root}: its swap folder {swap.resolve()} is in use by another ardiff "
-                              "rollout", hint=f"give each run a {SWAP_DIR} of its own: runs sharing one delete each "
-                                              "other's snapshots") from None
+            raise in_use from None
         except OSError:  # a file system without flock
             os.close(fd)
             return
