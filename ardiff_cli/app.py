@@ -12,9 +12,9 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from ardiff_cli import __version__
+from ardiff_cli import __version__, entry
 from ardiff_cli.commands import inspect_capacity, rollout, warmup
-from ardiff_cli.entry import report_interrupted, requested_format
+from ardiff_cli.entry import report_interrupted, requested_format, signal_of
 from ardiff_cli.errors_cli import EXIT_CODES_HELP, EXIT_SIGINT
 from ardiff_cli.options import FLAG, HelpOpt
 from ardiff_cli.output import Output, resolve_format, stdout_error
@@ -66,9 +66,9 @@ def main() -> NoReturn:
         _run(sys.argv[1:])
     except SystemExit as exc:
         _end_process(exc.code)
-    except KeyboardInterrupt:  # raised as Typer builds the command, before its own catch: it was a traceback
-        report_interrupted(sys.argv[1:])
-        _end_process(EXIT_SIGINT)
+    except KeyboardInterrupt as exc:  # raised as Typer builds the command, before its own catch: it was a traceback
+        report_interrupted(sys.argv[1:], signal_of(exc))
+        _end_process(128 + signal_of(exc))
 
 
 def _given(exc: BaseException, message: str) -> str:
@@ -119,7 +119,9 @@ def _run(args: list[str]) -> None:
         Output(resolve_format(requested_format(args))).error(str(error), error.hint, exit_code=1, kind="output_error")
         sys.exit(1)
     if code == EXIT_SIGINT and not Output.errors_reported:  # Typer's exit for a Ctrl-C before a command took it
-        report_interrupted(args)
+        signum = entry.stopped_by or signal.SIGINT  # or for SIGTERM, SIGHUP (entry.Stopped): 130 all the same
+        report_interrupted(args, signum)
+        code = 128 + signum
     sys.exit(code or 0)
 
 
@@ -132,6 +134,7 @@ def _end_process(code: object) -> NoReturn:
     else:  # what the interpreter does with sys.exit("message")
         print(code, file=sys.stderr)
         status = 1
+    entry.release_early_signals()
     shutdown = getattr(threading, "_shutdown", None)  # what the interpreter's exit calls first: joins threads
     if shutdown is None:  # another Python: let the interpreter exit as usual
         raise SystemExit(status)

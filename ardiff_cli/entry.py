@@ -3,12 +3,47 @@
 Ctrl-C in the first tenth of a second, while Typer, Rich and the commands import, raised KeyboardInterrupt out of
 the import: a traceback. Nothing has started then, so it is reported as a later one is (``app`` reports one while
 Typer builds the command): ``Error: interrupted``, the error object on stdout under ``--format json``, exit 130.
+SIGTERM and SIGHUP, until a command installs its own handlers (``ardiff_cli.signals``), are raised the same way
+(:class:`Stopped`), exit 143 and 129: by their default action they killed the process, with no word and no error
+object, for the first second or more of every command (imports, reading the config, a resume's results.jsonl).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+
+# Python's own is the KeyboardInterrupt of SIGINT; these, left to their default action, would kill the process
+EARLY_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+stopped_by: int | None = None  # the signal a Stopped was raised for, which Typer turns into its exit 130
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP before a command took the signals (a KeyboardInterrupt, as Ctrl-C is there)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum: int, frame: object) -> None:
+    global stopped_by
+    stopped_by = signum
+    raise Stopped(signum)
+
+
+def release_early_signals() -> None:
+    """Give SIGTERM and SIGHUP back their default action (the command is over): as the process ends, one of them
+    kills it as before, rather than raise a KeyboardInterrupt where nothing is left to report it."""
+    for signum in EARLY_SIGNALS:
+        if signal.getsignal(signum) is _stop:
+            signal.signal(signum, signal.SIG_DFL)
+
+
+def signal_of(exc: BaseException) -> int:
+    """The signal a KeyboardInterrupt stands for: SIGINT, or a :class:`Stopped`'s."""
+    return getattr(exc, "signum", signal.SIGINT)
 
 
 def main() -> None:
@@ -16,23 +51,32 @@ def main() -> None:
     # stderr does: a name in the output was a UnicodeEncodeError traceback after the work had succeeded.
     if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="backslashreplace")
+    for signum in EARLY_SIGNALS:  # not one the process was started ignoring (nohup's SIGHUP)
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, _stop)
     try:
         from ardiff_cli.app import main as run
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         try:  # a closed stream (`>&-`) is None; one whose reader is gone raises: the exit code says it all then
-            report_interrupted(sys.argv[1:])
+            report_interrupted(sys.argv[1:], signal_of(exc))
             sys.stdout.flush()
         except (AttributeError, OSError):
             pass
-        os._exit(130)  # not sys.exit: the interpreter's own flush of a stdout whose reader is gone would print more
+        # not sys.exit: the interpreter's own flush of a stdout whose reader is gone would print more
+        os._exit(128 + signal_of(exc))
     run()
 
 
-def report_interrupted(args: list[str]) -> None:
-    """Ctrl-C before a command began, reported as a command reports a later one."""
+def report_interrupted(args: list[str], signum: int = signal.SIGINT) -> None:
+    """Ctrl-C (or SIGTERM, SIGHUP) before a command began, reported as a command reports a later one."""
     from ardiff_cli.output import Output, resolve_format  # standard library only, as this module
 
-    Output(resolve_format(requested_format(args))).error("interrupted", None, exit_code=130, kind="interrupted")
+    Output(resolve_format(requested_format(args))).error(interrupted_message(signum), None, exit_code=128 + signum,
+                                                         kind="interrupted")
+
+
+def interrupted_message(signum: int) -> str:
+    return "interrupted" if signum == signal.SIGINT else f"interrupted by {signal.Signals(signum).name}"
 
 
 def requested_format(args: list[str]) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import typer
 
+from ardiff_cli.entry import interrupted_message, signal_of
 from ardiff_cli.output import Output, stdout_error
 from ardiff_cli.runtime.errors import (
     ArdiffError,
@@ -159,7 +160,7 @@ def rule_for(exc: BaseException) -> ErrorRule | None:
 def exit_code_for(exc: BaseException) -> int:
     rule = rule_for(exc)
     if rule is None:
-        return EXIT_SIGINT if isinstance(exc, KeyboardInterrupt) else EXIT_BUG
+        return 128 + signal_of(exc) if isinstance(exc, KeyboardInterrupt) else EXIT_BUG
     return rule.exit_code if rule.exit_code is not None else int(getattr(exc, "exit_code", EXIT_BUG))
 
 
@@ -173,8 +174,8 @@ def report(out: Output, exc: BaseException) -> int:
             out.traceback(exc)
         # a bare MemoryError() (Python's own allocator) has no message: its name says what happened
         out.error(str(exc) or type(exc).__name__, hint, exit_code=code, kind=rule.label)
-    elif isinstance(exc, KeyboardInterrupt):
-        out.error("interrupted", None, exit_code=code, kind="interrupted")
+    elif isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM or SIGHUP before a command took them (entry.Stopped)
+        out.error(interrupted_message(signal_of(exc)), None, exit_code=code, kind="interrupted")
     else:
         out.traceback(exc)
         out.error(f"unexpected {type(exc).__name__}: {exc}",

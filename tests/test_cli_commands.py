@@ -640,6 +640,22 @@ def test_ctrl_c_however_early_is_one_error_line_and_exit_130_never_a_traceback(t
         assert proc.stdout == ""
 
 
+@pytest.mark.parametrize("when", ["ardiff_cli.app", "typer", "ardiff_cli.runtime.capacity",
+                                  "ardiff_cli.runtime.kv.backends"])
+@pytest.mark.parametrize(("name", "code"), [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_sigterm_or_sighup_however_early_ends_the_command_as_ctrl_c_does_with_its_own_exit_code(
+        tmp_path, when, name, code):
+    """`kill $pid` at the same points as Ctrl-C above, before a command takes the signals: by their default action
+    the process died with no word and no JSON error object (a shell saw 143, a Python caller -15)."""
+    script = CTRL_C.replace("signal.raise_signal(signal.SIGINT)", f"signal.raise_signal(signal.{name})")
+    proc = subprocess.run([sys.executable, "-c", script, when, "inspect-capacity", "dreamzero-14b", "--format",
+                           "json"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (proc.returncode, proc.stderr) == (code, f"Error: interrupted by {name}\n"), proc.stderr
+    assert [json.loads(line) for line in proc.stdout.splitlines()] == [
+        {"kind": "interrupted", "message": f"interrupted by {name}", "hint": None, "exit_code": code}]
+
+
 @pytest.mark.parametrize("format", [[], ["--format", "json"]], ids=["auto", "json"])
 def test_ctrl_c_while_ardiff_imports_with_stdout_closed_is_still_exit_130_and_no_traceback(tmp_path, format):
     """A closed stdout (`>&-`, a cron line) is None then: auto cannot ask it whether it is a terminal, and json's

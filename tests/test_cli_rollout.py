@@ -2623,6 +2623,44 @@ def test_a_shell_scripts_background_run_ignores_kill_int_and_stops_on_kill_term(
     assert proc.returncode == code, proc.stderr
     assert json.loads((run / "summary.json").read_text())["status"] == ("ok" if code == 0 else "interrupted")
 
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_a_signal_before_the_rollout_takes_the_signals_ends_it_as_ctrl_c_does_with_its_own_exit_code(
+        env, reference, tmp_path, signum, code):
+    """`kill $pid` in the first second or more of a command (imports, the config, a resume reading its run folder),
+    before the rollout installs its handlers: by SIGTERM's default action the process died, with no `Error:` line
+    and no JSON error object, and a Python caller saw -15, not the 143 the README gives SIGTERM. Here the resume
+    reads a run.json that blocks as on a hung network mount (a FIFO no one writes yet)."""
+    import errno
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    (run / "run.json").unlink()
+    os.mkfifo(run / "run.json")
+    results = (run / "results.jsonl").read_bytes()
+    proc = spawn(env, "rollout", "--resume", "--out", str(run), "--format", "json")
+    writer = None
+    try:
+        deadline = time.monotonic() + 300
+        while writer is None:  # opens once the resume has opened run.json to read it: it then waits in its read
+            try:
+                writer = os.open(run / "run.json", os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as exc:
+                assert exc.errno == errno.ENXIO and proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.01)
+        proc.send_signal(signum)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        if writer is not None:
+            os.close(writer)
+    name = signal.Signals(signum).name
+    assert proc.returncode == code, stderr
+    assert f"Error: interrupted by {name}" in stderr and "Traceback" not in stderr
+    assert json.loads(stdout.splitlines()[-1]) == {"kind": "interrupted", "message": f"interrupted by {name}",
+                                                   "hint": None, "exit_code": code}
+    assert (run / "results.jsonl").read_bytes() == results
+
 # -- a step file rewritten after it ran ------------------------------------------------------------------------
 
 def test_a_step_rewritten_after_it_ran_fails_its_episode_when_an_eviction_replays_it(env, data, reference, tmp_path):
