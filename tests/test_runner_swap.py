@@ -320,7 +320,7 @@ def test_a_request_for_a_session_whose_snapshot_is_corrupt_raises_and_does_not_r
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "missing", "other-geometry", "other-dtype",
-                                    "other-record", "other-fields"])
+                                    "other-record", "other-fields", "flipped-bit"])
 def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(tmp_path, damage):
     engine, events = engine_for("dreamzero-tiny", capacity=1, swap_dir=tmp_path)
     runner = engine.runner
@@ -334,9 +334,15 @@ def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(t
         path.write_bytes(b"\x00" * 64)
     elif damage == "missing":
         path.unlink()
+    elif damage == "flipped-bit":  # one bit of its KV data changed on the disk: the header and its size are whole
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 1
+        path.write_bytes(bytes(data))
     else:
         from safetensors import safe_open
         from safetensors.torch import load_file, save_file
+
+        from ardiff_cli.runtime.swap import CRC_KEY, data_crc32
 
         with safe_open(str(path), "pt") as f:
             metadata = f.metadata()
@@ -350,6 +356,7 @@ def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(t
             given = '"num_requests": "1"' if damage == "other-record" else '"requests_done": 1'
             metadata["ardiff_swap"] = re.sub(r'"num_requests": 1(?=[,}])', given, header, count=1)
             assert given in metadata["ardiff_swap"]
+        metadata[CRC_KEY] = str(data_crc32(tensors))  # a whole file of its own: its data as written
         save_file(tensors, str(path), metadata=metadata)
     free = runner.pool_usage().num_free
     with pytest.raises(SwapRestoreError, match=r"cannot restore session 'a' from .*\.safetensors: ") as info:
@@ -357,6 +364,9 @@ def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(t
     assert "snapshot was deleted" in info.value.hint
     if damage == "other-geometry":
         assert ", expected torch.float32 (2, 2," in str(info.value)  # checked before anyone is evicted for it
+    if damage == "flipped-bit":  # it was restored, silently, as another history
+        assert re.search(r"its data is damaged \(CRC-32 \d+, written as '\d+'\): its bytes changed on the disk",
+                         str(info.value)), str(info.value)
     if damage == "other-dtype":
         # the dtype alone differs: the shape is this cache's
         assert re.search(r"'[\w/]+' is torch\.float16 (\([\d, ]+\)), expected torch\.float32 \1 ", str(info.value))
@@ -1059,7 +1069,7 @@ def test_the_planned_bytes_of_a_snapshot_file_bound_its_size(tmp_path):
 
     from safetensors.torch import save
 
-    from ardiff_cli.runtime.swap import file_bytes_at_most
+    from ardiff_cli.runtime.swap import FORMAT, file_bytes_at_most, file_metadata
 
     rng = random.Random(0)
     dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]
@@ -1069,9 +1079,9 @@ def test_the_planned_bytes_of_a_snapshot_file_bound_its_size(tmp_path):
             shape = [rng.choice([0, 1, 3, 17, 1000]) for _ in range(rng.randint(0, 4))]
             name = rng.choice(["kv/self/positive/k", "pipeline/anchor", 'é"\\', "x" * 60]) + str(i)
             tensors[name] = torch.zeros(shape, dtype=rng.choice(dtypes))
-        header = json.dumps({"format": "ardiff-swap-2", "session_id": rng.choice(["a", 'ü/\n"x']),
+        header = json.dumps({"format": FORMAT, "session_id": rng.choice(["a", 'ü/\n"x']),
                              "file": "0" * 32 + ".safetensors", "kv": {"n": [1]}})
-        size = len(save(tensors, metadata={"ardiff_swap": header}))
+        size = len(save(tensors, metadata=file_metadata(header, tensors)))
         assert size <= file_bytes_at_most(tensors, header) <= size + 128, (sorted(tensors), header)
 
 

@@ -3,7 +3,9 @@
 One safetensors file per swapped session (tensors, and string metadata holding JSON), named by a hash of the
 session id salted per store, written in a temporary folder beside it and renamed: a reader never sees half a file.
 The metadata names the session and the file it was written as, so a file put in its place (another session's, or
-another store's of the same session: another run's) is refused when read, not restored as this session's history.
+another store's of the same session: another run's) is refused when read, not restored as this session's history;
+and the CRC-32 of its tensors' bytes, so a file whose data changed on the disk (a flipped bit, bytes overwritten in
+place) is refused too, not restored as another history.
 The store keeps a byte budget: making room drops the least recently swapped snapshots first, and a snapshot larger
 than the whole budget is not written. Nothing here is pickled.
 
@@ -24,6 +26,7 @@ import re
 import secrets
 import shutil
 import threading
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +40,8 @@ if TYPE_CHECKING:  # torch-free at import: the CLI clears a run's swap folder wi
 
     from ardiff_cli.runtime.kv.state import KVSnapshot
 
-FORMAT = "ardiff-swap-2"  # metadata["format"]; bump when the layout of a snapshot file changes (2: "file")
+FORMAT = "ardiff-swap-3"  # metadata["format"]; bump when the layout of a snapshot file changes (2: "file", 3: CRC)
+CRC_KEY = "ardiff_swap_crc32"  # the file's metadata key beside "ardiff_swap": data_crc32 of its tensors, in decimal
 # The names SwapStore gives its files (path_for) and the temporary folders they are written in (write).
 SNAPSHOT_FILE = re.compile(r"[0-9a-f]{32}\.safetensors")
 SNAPSHOT_NAME = re.compile(rf"{SNAPSHOT_FILE.pattern}|\.[0-9a-f]{{32}}\.safetensors\.[0-9a-f]{{8}}\.tmp")
@@ -52,7 +56,25 @@ def file_bytes_at_most(tensors: dict[str, torch.Tensor], header: str) -> int:
     entries = sum(len(json.dumps(name)) + len(',{"dtype":"F8_E4M3","shape":[],"data_offsets":[,]}')
                   + len(",".join(str(n) for n in t.shape)) + 2 * offset_digits for name, t in tensors.items())
     metadata = len('{"__metadata__":{"ardiff_swap":}') + len(json.dumps(header))  # ASCII escapes: never shorter
+    metadata += len(f',"{CRC_KEY}":"{2 ** 32 - 1}"')  # the data's CRC-32, at most 10 digits
     return 8 + metadata + entries + 1 + 7 + data  # "}" and at most 7 bytes of padding
+
+
+def data_crc32(tensors: dict[str, torch.Tensor]) -> int:
+    """The CRC-32 of the bytes of ``tensors`` (on the CPU), in name order: what a snapshot file records of its data,
+    checked when it is read. zlib's CRC-32 runs at several GB/s, a fraction of the file's read."""
+    import torch
+
+    crc = 0
+    for name in sorted(tensors):
+        data = tensors[name].detach().cpu().reshape(-1).contiguous().view(torch.uint8)  # any dtype, 0-d ones too
+        crc = zlib.crc32(data.numpy(), crc)
+    return crc
+
+
+def file_metadata(header: str, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The safetensors metadata of the snapshot file of ``tensors`` with ``header``."""
+    return {"ardiff_swap": header, CRC_KEY: str(data_crc32(tensors))}
 
 
 def check_swap_arguments(swap_dir: Any, swap_space: Any, *, where: str) -> tuple[Path | None, int | None]:
@@ -252,8 +274,8 @@ class SwapStore:
                 from safetensors.torch import save_file
 
                 try:
-                    save_file({k: t.contiguous() for k, t in snapshot.tensors.items()}, str(temporary),
-                              metadata={"ardiff_swap": snapshot.header})
+                    tensors = {k: t.contiguous() for k, t in snapshot.tensors.items()}
+                    save_file(tensors, str(temporary), metadata=file_metadata(snapshot.header, tensors))
                 except Exception as exc:  # noqa: BLE001 - its errno, for the runner's full-disk check
                     error = os_error(exc, path)
                     if error is exc:
@@ -309,12 +331,15 @@ class SwapStore:
 
     def read(self, session_id: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
         """The tensors, metadata and bytes of ``session_id``'s snapshot (from memory while its write is in flight);
-        raises ``OSError`` or ``ValueError`` for a missing, unreadable or corrupt file, or one that is not this
-        session's snapshot as written: another session's, or another store's (its metadata names another file)."""
+        raises ``OSError`` or ``ValueError`` for a missing, unreadable or corrupt file (its data too: the CRC-32 it
+        records), or one that is not this session's snapshot as written: another session's, or another store's (its
+        metadata names another file)."""
         snapshot = self._files[session_id]
         path = snapshot.path
         with snapshot.lock:
             tensors = None if snapshot.tensors is None else dict(snapshot.tensors)
+        from_file = tensors is None  # else from memory, as written: nothing to check of its data
+        crc = None  # the CRC-32 its file records
         if tensors is not None:
             header = snapshot.header
         else:
@@ -322,7 +347,7 @@ class SwapStore:
 
             try:
                 with safe_open(str(path), framework="pt") as f:
-                    header = (f.metadata() or {}).get("ardiff_swap")
+                    header, crc = ((f.metadata() or {}).get(key) for key in ("ardiff_swap", CRC_KEY))
                     tensors = {key: f.get_tensor(key) for key in f.keys()}
             except OSError:
                 raise
@@ -345,6 +370,9 @@ class SwapStore:
             raise ValueError(f"{path}: is not the snapshot last written of this session (write "
                              f"{shown(metadata.get('write'))}, expected {snapshot.write_id!r}): an older one put back "
                              "in its place")
+        if from_file and crc != (computed := str(data_crc32(tensors))):  # the header is whole, the data is not
+            raise ValueError(f"{path}: its data is damaged (CRC-32 {computed}, written as {shown(crc)}): its bytes "
+                             "changed on the disk since it was written")
         return tensors, metadata, snapshot.nbytes
 
     def discard(self, session_id: str, *, wait: bool = True, report: bool = False) -> bool:
