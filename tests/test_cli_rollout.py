@@ -839,6 +839,34 @@ def test_a_stopped_runs_resident_session_that_does_not_fit_the_swap_space_left_i
     assert not (run / ".swap").exists()
 
 
+def test_a_stopped_run_whose_kept_index_cannot_be_written_says_so_and_resume_replays(env, data, reference, tmp_path):
+    # A swap folder that takes no kept.json (here a folder in its way; a scratch disk gone read-only or full alike):
+    # the run had said it swapped its sessions out for --resume, then dropped their snapshots without a word.
+    live, run = tmp_path / "live", tmp_path / "run"
+    (run / ".swap" / "kept.json").mkdir(parents=True)
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[:2], prompt=f"task {name}", end=False)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), str(live / "arm_b"), "--out", str(run),
+                 "--follow", "--no-warmup", "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 4, proc)
+        proc.send_signal(signal.SIGTERM)
+        stderr = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr
+    assert re.search(r"evicted +arm_b explicit, swapped out", stderr), stderr
+    assert (f"warning: cannot write {run / '.swap' / 'kept.json'} (Is a directory): the swap snapshots of 2 episodes "
+            "(arm_a, arm_b) are not kept, so --resume replays their done steps instead\n") in stderr, stderr
+    assert json.loads((run / "summary.json").read_text())["swap"]["kept"] == 0
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[2:], first_step=2)
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["steps"]["replayed"] == 4
+    assert_same_outputs(reference, run)
+
+
 def test_a_kept_snapshot_larger_than_the_resumes_swap_space_is_deleted_with_a_warning_and_its_steps_replayed(
         env, data, reference, tmp_path):
     """--resume with a smaller --swap-space than the stopped run's: a kept snapshot it cannot hold is deleted, the

@@ -729,7 +729,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                         if stopped:
                             _swap_out_resident(engine, driver, output)
                         # for --resume to restore, not replay
-                        kept = _keep_swapped(engine, driver, swap_dir, p.info["started"])
+                        kept = _keep_swapped(engine, driver, swap_dir, p.info["started"], output)
                     if engine is not None:
                         _close_engine(engine, output)
                 finally:
@@ -812,10 +812,12 @@ def _swap_out_resident(engine: Any, driver: Any, output: Output) -> None:
                      "others, if any, did not fit in the swap space left, or could not be exported: they replay)")
 
 
-def _keep_swapped(engine: Any, driver: Any, swap_dir: Path, run: float) -> dict[str, tuple[str, int]]:
+def _keep_swapped(engine: Any, driver: Any, swap_dir: Path, run: float, output: Output) -> dict[str, tuple[str, int]]:
     """Leave the snapshots of the episodes swapped out when the run stopped, with their index, for --resume; {}
-    when the index cannot be written (the disk that stopped the run is full): the files go, and --resume replays."""
-    from ardiff_cli.io.kept import write_kept
+    when the index cannot be written (the disk that stopped the run is full, a swap folder gone read-only): a
+    warning, the files go, and --resume replays."""
+    from ardiff_cli.io.episode import listed
+    from ardiff_cli.io.kept import KEPT_FILE, write_kept
 
     detached = engine.runner.detach_snapshots()
     steps = driver.swapped_steps()
@@ -823,7 +825,10 @@ def _keep_swapped(engine: Any, driver: Any, swap_dir: Path, run: float) -> dict[
     if kept:
         try:
             write_kept(swap_dir, kept, run=run)
-        except OSError:
+        except OSError as exc:  # the sessions were said swapped out for --resume: say that it replays them instead
+            output.warning(f"cannot write {swap_dir / KEPT_FILE} ({exc.strerror or exc}): the swap snapshots of "
+                           f"{_count(len(kept), 'episode')} ({listed(list(kept))}) are not kept, so --resume replays "
+                           "their done steps instead")
             return {}
     return kept
 
