@@ -187,7 +187,10 @@ def report(out: Output, exc: BaseException) -> int:
 def handle_errors(out: Output) -> Iterator[None]:
     """Wrap a command body: typed errors become messages and exit codes, and the runtime's warnings
     (``ArdiffWarning``) become ``warning:`` lines of the output sink."""
-    with warnings.catch_warnings():  # restores showwarning on the way out
+    with warnings.catch_warnings():  # restores showwarning (and the filters) on the way out
+        # The runtime's warnings are lines of this output, whatever PYTHONWARNINGS or -W say: `error` raised them
+        # where they were issued, an eviction's included, and failed the episode as "in the model's forward".
+        warnings.filterwarnings("default", category=ArdiffWarning)
         python_showwarning = warnings.showwarning
 
         def showwarning(message, category, *args, **kwargs):

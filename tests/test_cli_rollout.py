@@ -757,6 +757,22 @@ def reference(env, data, tmp_path_factory):
     return run
 
 
+@pytest.mark.parametrize("filters", ["error", "ignore"])
+def test_the_runtimes_warnings_are_warning_lines_whatever_python_warning_filters_say(env, data, reference, tmp_path,
+                                                                                     filters):
+    """PYTHONWARNINGS=error (a developer's shell, a CI job) raised ardiff's own warning where it was issued: the
+    swap space's, in an eviction, failed the evicting episode "in the model's forward" with the hint to fix the
+    pipeline (exit 4); `ignore` dropped the warning line."""
+    run = tmp_path / "run"
+    proc = ardiff({**env, "PYTHONWARNINGS": filters}, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out",
+                  str(run), "--no-warmup", "--swap-space", "1KiB", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^warning: the snapshot of session 'arm_a' \([0-9.]+ KiB\) is larger than the whole swap "
+                     r"space \(1.00 KiB\)", proc.stderr, re.M), proc.stderr
+    assert [r["status"] for r in records(run)] == ["ok"] * 6
+    assert_same_outputs(run, reference)
+
+
 def kept_snapshots(run: Path) -> dict[str, dict]:
     """What a stopped run left in OUT/.swap for --resume: nothing, or the index and exactly the files it names."""
     swap = run / ".swap"
