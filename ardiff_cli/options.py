@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from ardiff_cli.output import Format
+from ardiff_cli.runtime import errors
 
 DEFAULT_CONFIG = "dreamzero-tiny"  # the small DreamZero-style built-in config
 RUNTIME_PANEL = "Model and memory"  # --help section of the runtime overrides
@@ -124,7 +125,10 @@ def expand_home(value):
         return None
     if isinstance(value, list):
         return [expand_home(v) for v in value]
-    return type(value)(os.path.expanduser(value))
+    try:
+        return type(value)(errors.expand_home(str(value), str(value), hint=""))
+    except errors.ConfigError as exc:  # no home folder: a folder named ~ would be made in the working folder
+        raise typer.BadParameter(f"{exc}; set HOME to this user's home folder, or write the full path") from None
 
 
 def parse_path(value: str) -> Path:

@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ardiff_cli.io.atomic import FILE_MODE, parse_json, remove_temporaries
-from ardiff_cli.io.demo import CACHE_ENV, cache_dir
+from ardiff_cli.io.demo import CACHE_ENV, cache_dir, cache_write_error
 from ardiff_cli.io.writer import sort_metadata_in_file
 from ardiff_cli.runtime.errors import CheckpointError, os_error
 from pipelines.wan import remap_checkpoint_key
@@ -286,8 +286,8 @@ def default_checkpoint(pipeline_class: Any, config) -> Path:
     try:
         return write_fresh_checkpoint(pipeline_class, config, path)
     except OSError as exc:
-        raise CheckpointError(f"cannot write the default checkpoint to {path}: {exc.strerror or exc}",
-                              hint=f"set {CACHE_ENV} to a writable folder") from None
+        error = cache_write_error("the default checkpoint", path, exc)
+        raise CheckpointError(str(error), hint=error.hint) from None
 
 
 def _load_yaml_config(config: str):

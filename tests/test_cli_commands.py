@@ -456,6 +456,32 @@ def test_a_config_file_with_an_upper_case_suffix_not_found_is_a_file_not_found_t
     assert f"it is read relative to {tmp_path}" in hint and "did you mean 'Robot.YAML'?" in hint, hint
 
 
+@pytest.mark.parametrize("args", [("inspect-capacity", "my_config.yaml"), ("rollout",), ("warmup", "causal-world-tiny")])
+def test_a_current_folder_deleted_under_the_shell_is_named_before_anything_runs(tmp_path, cli_env, args):
+    """A shell left in a folder that was deleted: a relative CONFIG was 'unexpected FileNotFoundError ... a bug in
+    ardiff', rollout's default output folder was named as the user's '--out ardiff-runs', and loading a model ended
+    the process with exit 2 and only torch's "Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so" on stderr (no
+    error object under --format json)."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+
+    def enter_then_delete() -> None:
+        os.chdir(gone)
+        os.rmdir(gone)
+
+    # PYTHONPATH without its empty (relative: the current folder) entry, which Python itself cannot start with there
+    env = {**cli_env, "PYTHONPATH": os.pathsep.join(p for p in cli_env["PYTHONPATH"].split(os.pathsep) if p)}
+    out = ["-o", str(tmp_path / "run")] if args[0] == "rollout" else []
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *args, *out, "--format", "json"], env=env,
+                          preexec_fn=enter_then_delete, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert error["message"] == "the current folder no longer exists (it was deleted while this shell was in it)", error
+    assert error["hint"] == "cd to a folder that exists, then run the command again", error
+    assert "Traceback" not in proc.stderr and "bug" not in proc.stderr and "FATAL" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_pipelines_folder_that_hides_ardiffs_is_named(tmp_path, cli_env):
     """`python -m ardiff_cli` puts the working folder first on sys.path: a lab's own `pipelines/` there hid ardiff's,
     and the error's hint asked whether the package was installed. -S with the repo and site-packages on PYTHONPATH

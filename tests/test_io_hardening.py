@@ -486,13 +486,40 @@ def test_the_demo_rollout_builds_a_damaged_demo_set_again_with_a_warning(tmp_pat
 def test_cache_folder_that_is_a_file_is_a_config_error(tmp_path):
     cache = tmp_path / "cache"
     cache.write_text("not a folder")
-    with pytest.raises(ConfigError, match=r"cannot write the demo episodes to .*cache/demo: Not a directory") as info:
+    with pytest.raises(ConfigError, match=r"cannot write the demo episodes to .*cache/demo: .*cache is a file, not a "
+                       "folder") as info:
         ensure_demo_episodes("toy", SCHEMA, (4, 4), root=cache)
     assert "ARDIFF_CACHE_DIR" in info.value.hint
     result = ardiff("rollout", cwd=tmp_path, ARDIFF_CACHE_DIR=str(cache))
     assert result.returncode == 2, result.stderr
     assert json.loads(result.stdout.splitlines()[-1])["kind"] == "config_error"
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", ["rollout", "warmup"])
+@pytest.mark.parametrize("cache_is", ["a file", "a link to nothing"])
+def test_a_cache_folder_that_is_a_file_or_a_link_to_nothing_is_named_so(tmp_path, command, cache_is):
+    """ARDIFF_CACHE_DIR on a scratch disk not mounted read "cannot write the demo episodes to CACHE/demo: File
+    exists" (and the default checkpoint's the same), and a file there read "File exists" for the checkpoint: as if
+    something were in the way of the file itself, where the cache folder is what is missing."""
+    cache = tmp_path / "cache"
+    if cache_is == "a file":
+        cache.write_text("not a folder")
+    else:
+        cache.symlink_to(tmp_path / "not-mounted" / "cache")
+    result = ardiff(command, "causal-world-tiny", cwd=tmp_path, ARDIFF_CACHE_DIR=str(cache))
+    assert result.returncode == 2, result.stderr
+    error = json.loads(result.stdout.splitlines()[-1])
+    what = "the demo episodes" if command == "rollout" else "the default checkpoint"
+    assert error["message"].startswith(f"cannot write {what} to {cache}/"), error
+    if cache_is == "a file":
+        assert error["message"].endswith(f": {cache} is a file, not a folder"), error
+        assert error["hint"] == "set ARDIFF_CACHE_DIR to a writable folder", error
+    else:
+        assert error["message"].endswith(f": {cache} is a link to {tmp_path / 'not-mounted' / 'cache'}, which does "
+                                         "not exist"), error
+        assert error["hint"].startswith("mount the disk it links to"), error
+    assert "Traceback" not in result.stderr and not (tmp_path / "not-mounted").exists()
 
 
 # -- a live writer gives the prompt once -----------------------------------------------------------------------

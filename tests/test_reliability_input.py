@@ -1065,6 +1065,78 @@ def test_a_path_in_a_folder_this_user_cannot_enter_is_a_config_error_naming_it(t
     assert "Traceback" not in proc.stderr and "report" not in proc.stderr
 
 
+def test_a_demo_folder_this_user_cannot_enter_is_a_config_error_naming_it(tmp_path, cli_env):
+    # A shared cache whose demo folder another account made with umask 077: `ardiff rollout` was "unexpected
+    # PermissionError ... this is a bug in ardiff" (exit 1), where the default checkpoint beside it was named.
+    demo = tmp_path / "cache" / "demo"
+    demo.mkdir(parents=True)
+    demo.chmod(0)
+    try:
+        proc = subprocess.run([*modes_bind(), sys.executable, "-m", "ardiff_cli", "rollout", "causal-world-tiny",
+                               "-o", str(tmp_path / "run"), "--format", "plain"],
+                              env={**cli_env, "ARDIFF_CACHE_DIR": str(tmp_path / "cache")}, capture_output=True,
+                              text=True, timeout=300)
+    finally:
+        demo.chmod(0o755)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(f"Error: cannot look at the demo episodes in {demo}: Permission denied\n"
+                                "hint: set ARDIFF_CACHE_DIR to a folder this user can read and write\n"), proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def homeless() -> list[str]:
+    """A command prefix that runs it as a user id with no passwd entry and no HOME (a container run with `--user
+    1234`): in a user namespace, where this user's own files are that id's."""
+    import pwd
+    import shutil
+
+    uid = 4242
+    while True:
+        try:
+            pwd.getpwuid(uid)
+            uid += 1
+        except KeyError:
+            break
+    prefix = [shutil.which("unshare") or "unshare", "--user", f"--map-user={uid}", f"--map-group={uid}"]
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=60)
+    except OSError:
+        probe = None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("no unshare --user here (util-linux, user namespaces)")
+    return [*prefix, "env", "-u", "HOME"]
+
+
+@pytest.mark.parametrize("what", ["rollout", "warmup", "cache ~", "checkpoint ~", "out ~"])
+def test_no_home_folder_to_find_is_a_config_error_naming_what_needs_it(tmp_path, cli_env, what):
+    # HOME unset for a user id with no passwd entry: `rollout` (the demo's cache) was "unexpected RuntimeError: Could
+    # not determine home directory ... a bug in ardiff" (exit 1), `warmup` blamed the pipeline's from_config(), and
+    # `-o ~/run` made a folder named ~ in the working folder.
+    (tmp_path / "c.yaml").write_text("pipeline: causal_world\ncheckpoint: ~/w.safetensors\n")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    args = {"rollout": ["rollout", "causal-world-tiny", "-o", str(tmp_path / "run")],
+            "warmup": ["warmup", "causal-world-tiny"], "cache ~": ["warmup", "causal-world-tiny"],
+            "checkpoint ~": ["inspect-capacity", str(tmp_path / "c.yaml")],
+            "out ~": ["rollout", "causal-world-tiny", "-o", "~/run"]}[what]
+    env = {k: v for k, v in cli_env.items() if k != "ARDIFF_CACHE_DIR" or what == "out ~"}
+    if what == "cache ~":
+        env["ARDIFF_CACHE_DIR"] = "~/cache"
+    proc = subprocess.run([*homeless(), sys.executable, "-m", "ardiff_cli", *args, "--format", "plain"], env=env,
+                          cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    named = {"rollout": "ardiff's cache folder (~/.cache/ardiff, as ARDIFF_CACHE_DIR is not set)",
+             "cache ~": "ARDIFF_CACHE_DIR ~/cache", "checkpoint ~": "field 'checkpoint': ~/w.safetensors",
+             "out ~": "Invalid value for '--out' / '-o': ~/run"}
+    assert f"{named.get(what, named['rollout'])}: cannot tell which folder ~ is: HOME is not set" in proc.stderr, (
+        proc.stderr)
+    hint = {"checkpoint ~": "set HOME to this user's home folder, or write the checkpoint's full path",
+            "out ~": "see ardiff rollout --help"}.get(what, "set ARDIFF_CACHE_DIR to a writable folder")
+    assert f"\nhint: {hint}" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "report" not in proc.stderr
+    assert not list(cwd.iterdir()) and not (tmp_path / "run").exists()
+
+
 def test_a_checkpoint_that_cannot_be_read_says_permission_denied(tmp_path, cli_env):
     """safetensors reports EACCES as a file not found: "No such file or directory" for a file that exists, with the
     hint to check that it is a .safetensors file."""

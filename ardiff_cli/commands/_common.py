@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,6 +62,18 @@ def _config_among(arguments: Sequence[Path]) -> str:
     # a folder named like the default config is written ./NAME: "ardiff rollout dreamzero-tiny" repeated the command
     others = [f"./{a}" if str(a) == config and not yaml else str(a) for a in arguments if not yaml or a != yaml[0]]
     return " ".join(map(shlex.quote, [config, *others]))
+
+
+def check_working_folder() -> None:
+    """A current folder that was deleted (the shell still in it) is an error before anything runs: a relative path
+    in it was a FileNotFoundError traceback as a bug in ardiff, the default --out was named as the user's --out, and
+    loading the model ended the process with exit 2 and only "Intel oneMKL FATAL ERROR: Cannot load
+    libtorch_cpu.so" (torch's import there)."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise ConfigError("the current folder no longer exists (it was deleted while this shell was in it)",
+                          hint="cd to a folder that exists, then run the command again") from None
 
 
 def refuse_contradictions(*, quiet: bool = False, verbose: bool = False, **given: Any) -> None:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ardiff_cli.commands._common import config_label, load_engine_config, refuse_contradictions
+from ardiff_cli.commands._common import check_working_folder, config_label, load_engine_config, refuse_contradictions
 from ardiff_cli.errors_cli import EXIT_CODES_HELP, handle_errors
 from ardiff_cli.options import (
     ConfigArg,
@@ -83,6 +83,7 @@ def inspect_capacity(
     """Print the capacity plan (help text: ``HELP``)."""
     out = Output.create(format, quiet=quiet, verbose=verbose and not quiet)  # both: refused
     with handle_errors(out):
+        check_working_folder()
         from ardiff_cli.runtime.capacity import parse_bytes, plan_capacity
         from ardiff_cli.runtime.kv.backends import describe_backend, expected_backend, select_attention_backend
         from ardiff_cli.runtime.kv.layout import KVLayout

@@ -15,7 +15,13 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ardiff_cli.commands._common import config_label, image_size, load_engine_config, refuse_contradictions
+from ardiff_cli.commands._common import (
+    check_working_folder,
+    config_label,
+    image_size,
+    load_engine_config,
+    refuse_contradictions,
+)
 from ardiff_cli.errors_cli import EXIT_CODES_HELP, EpisodesFailed, Interrupted, exit_code_for, handle_errors
 from ardiff_cli.options import (
     ConfigArg,
@@ -159,6 +165,7 @@ def rollout(
     """Stream episodes through persistent sessions (help text: ``HELP``)."""
     output = Output.create(format, quiet=quiet, verbose=verbose and not quiet)  # both: refused
     with handle_errors(output):
+        check_working_folder()
         # --resume: whether the run followed is in its run.json (checked again there)
         refuse_contradictions(quiet=quiet, verbose=verbose, follow=follow or resume, idle_timeout=idle_timeout)
         overrides = dict(device=device, dtype=dtype, memory_budget=memory_budget, session_capacity=session_capacity,

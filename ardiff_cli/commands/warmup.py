@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Iterator
 from typing import Any
 
-from ardiff_cli.commands._common import config_label, load_engine_config, refuse_contradictions
+from ardiff_cli.commands._common import check_working_folder, config_label, load_engine_config, refuse_contradictions
 from ardiff_cli.errors_cli import EXIT_CODES_HELP, Interrupted, handle_errors
 from ardiff_cli.options import (
     ConfigArg,
@@ -57,6 +57,7 @@ def warmup(
     """Warm the pipeline up and report (help text: ``HELP``)."""
     out = Output.create(format, quiet=quiet, verbose=verbose and not quiet)  # both: refused
     with handle_errors(out):
+        check_working_folder()
         from ardiff_cli.monitor import RunMonitor
         from ardiff_cli.panels import render
         from ardiff_cli.signals import StopSignals

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.runtime.errors import ConfigError
+from ardiff_cli.runtime.errors import ConfigError, expand_home, link_to_nothing
 from ardiff_cli.runtime.observation import ObservationField, ObservationSchema
 
 DEMO_VERSION = 1  # bump when the generated content changes
@@ -35,7 +35,11 @@ MANIFEST = ".manifest.json"  # in a demo set: {"files": {relative path: size in 
 def cache_dir() -> Path:
     """ardiff's cache folder (demo episodes, default checkpoints): $ARDIFF_CACHE_DIR, else ~/.cache/ardiff."""
     root = os.environ.get(CACHE_ENV)
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "ardiff"
+    hint = f"set {CACHE_ENV} to a writable folder (or HOME to this user's home folder)"
+    if root:
+        return Path(expand_home(root, f"{CACHE_ENV} {root}", hint=hint))
+    return Path(expand_home("~/.cache/ardiff", f"ardiff's cache folder (~/.cache/ardiff, as {CACHE_ENV} is not set)",
+                            hint=hint))
 
 
 def is_image_field(f: ObservationField) -> bool:
@@ -139,7 +143,12 @@ def ensure_demo_episodes(pipeline_name: str, schema: ObservationSchema, image_si
     base = (root or cache_dir()) / "demo"
     target = base / demo_key(pipeline_name, schema, image_size, frames)
     remove_temporaries(base, r".+-\d+x\d+-[0-9a-f]{10}", r"(?:\.old)?")  # sets a killed run was building
-    if target.is_dir():
+    try:
+        found = target.is_dir()
+    except OSError as exc:  # a demo folder another user made and this one cannot enter (a shared cache, umask 077)
+        raise ConfigError(f"cannot look at the demo episodes in {base}: {exc.strerror or exc}",
+                          hint=f"set {CACHE_ENV} to a folder this user can read and write") from None
+    if found:
         damage = _damage(target)
         if damage is None:
             return target
@@ -147,9 +156,22 @@ def ensure_demo_episodes(pipeline_name: str, schema: ObservationSchema, image_si
     try:
         _generate(target, schema, image_size, frames)
     except OSError as exc:
-        raise ConfigError(f"cannot write the demo episodes to {base}: {exc.strerror or exc}",
-                          hint=f"set {CACHE_ENV} to a writable folder") from None
+        raise cache_write_error("the demo episodes", base, exc) from None
     return target
+
+
+def cache_write_error(what: str, path: Path, exc: OSError) -> ConfigError:
+    """``cannot write WHAT to PATH: ...`` for the cache folder, naming a link on its path that leads nowhere
+    ($ARDIFF_CACHE_DIR on a scratch disk not mounted) or a file there, of which mkdir's "File exists" read as a file
+    in the way of PATH itself."""
+    dangling = next(((p, why) for p in (path, *path.parents) if (why := link_to_nothing(p))), None)
+    if dangling is not None:
+        return ConfigError(f"cannot write {what} to {path}: {dangling[0]} is {dangling[1]}",
+                           hint=f"mount the disk it links to (or fix the link), or set {CACHE_ENV} to a writable "
+                           "folder")
+    in_the_way = next((p for p in path.parents if os.path.exists(p) and not os.path.isdir(p)), None)
+    problem = f"{in_the_way} is a file, not a folder" if in_the_way is not None else exc.strerror or exc
+    return ConfigError(f"cannot write {what} to {path}: {problem}", hint=f"set {CACHE_ENV} to a writable folder")
 
 
 def _generate(target: Path, schema: ObservationSchema, image_size: tuple[int, int], frames: tuple[int, ...]) -> None:

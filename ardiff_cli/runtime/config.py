@@ -34,6 +34,7 @@ from ardiff_cli.runtime.errors import (
     ConfigError,
     PipelineError,
     did_you_mean,
+    expand_home,
     field_error,
     link_to_nothing,
     shown,
@@ -481,7 +482,8 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
     if checkpoint is not None:
         if not isinstance(checkpoint, str) or not checkpoint:
             raise field_error(where, "checkpoint", "a .safetensors path or null", checkpoint)
-        checkpoint = Path(checkpoint).expanduser()
+        checkpoint = Path(expand_home(checkpoint, f"{where}: field 'checkpoint': {checkpoint}",
+                                      hint="set HOME to this user's home folder, or write the checkpoint's full path"))
         relative = not checkpoint.is_absolute()
         if relative:
             checkpoint = base / checkpoint

@@ -167,6 +167,18 @@ def link_to_nothing(path: os.PathLike | str) -> str | None:
     return None
 
 
+def expand_home(path: str, where: str, *, hint: str) -> str:
+    """``path`` with a leading ``~`` made the home folder, as a shell does; a ``ConfigError`` naming ``where`` when
+    there is none to find: HOME not set for a user id with no passwd entry (a container run with ``--user 1234``).
+    ``os.path.expanduser`` then keeps the ``~`` (a folder named ``~`` made in the working folder) and
+    ``Path.expanduser`` raises a bare ``RuntimeError`` (a traceback as a bug in ardiff)."""
+    expanded = os.path.expanduser(path)
+    if expanded == path and (path == "~" or path.startswith("~/")):
+        raise ConfigError(f"{where}: cannot tell which folder ~ is: HOME is not set and user id {os.getuid()} has no "
+                          "entry in the password database", hint=hint)
+    return expanded
+
+
 def shown(value: object) -> str:
     """``repr(value)`` cut to a line: a config value may be a YAML alias bomb (a 10-deep list of lists, 10**9
     strings in all) or hold itself, and an error message must neither take minutes nor fill the terminal."""
