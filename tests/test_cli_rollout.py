@@ -1814,9 +1814,13 @@ def test_a_signal_while_a_finished_episodes_session_is_closed_stops_the_run(env,
 
 
 def test_round_robin_and_sequential_give_identical_episode_outputs(env, data, reference, tmp_path):
+    # in capitals: --order was the one choice option that took only lower case (--format PLAIN, --dtype BF16 ran)
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "seq"),
-                  "--order", "sequential", "--no-warmup")
+                  "--order", "SEQUENTIAL", "--no-warmup")
     assert proc.returncode == 0, proc.stderr
+    assert [(r["episode"], r["step"]) for r in records(tmp_path / "seq")] == [
+        ("arm_a", 0), ("arm_a", 1), ("arm_a", 2), ("arm_b", 0), ("arm_b", 1), ("arm_b", 2)]
+    assert json.loads((tmp_path / "seq" / "run.json").read_text())["order"] == "sequential"
     assert json.loads((tmp_path / "seq" / "summary.json").read_text())["steps"]["replayed"] == 0
     assert_same_outputs(reference, tmp_path / "seq")
 

@@ -115,7 +115,7 @@ def rollout(
     episodes: EpisodesArg = None,
     out: OutOpt = None,
     order: Annotated[Optional[Order], typer.Option(
-        "--order", metavar="round-robin|sequential",
+        "--order", metavar="round-robin|sequential", case_sensitive=False,
         help="round-robin: one step of each episode in turn (robots sharing a model); "
              "sequential: one episode after another. \\[default: round-robin; with --resume, the run's]",
         show_default=False)] = None,
