@@ -786,12 +786,10 @@ def kept_snapshots(run: Path) -> dict[str, dict]:
 ONE_SNAPSHOT = "100KiB"  # --swap-space for one snapshot of a fast.yaml session after two steps (66 KiB), not two
 
 
-def stopped_while_following(env, data, tmp_path: Path, *options: str,
-                             task: str = "task") -> tuple[Path, dict[str, dict], str]:
+def stop_following(env, data, tmp_path: Path, *options: str, task: str = "task") -> tuple[Path, str]:
     """Two live episodes, stopped by SIGTERM after two steps each (the run waiting for more), with ``options``: one
     session resident (arm_b's), the other swapped out (arm_a's). Then both episodes get their last step and END.
-    (run, what it kept: kept_snapshots, its stderr). ``task`` starts the episodes' prompts (the reference's:
-    "task")."""
+    (run, its stderr). ``task`` starts the episodes' prompts (the reference's: "task")."""
     live, run = tmp_path / "live", tmp_path / "run"
     for i, name in enumerate(("arm_a", "arm_b")):
         write_episode(live / name, steps_of(i, 3)[:2], prompt=f"{task} {name}", end=False)
@@ -804,11 +802,18 @@ def stopped_while_following(env, data, tmp_path: Path, *options: str,
     finally:
         proc.kill()
     assert proc.returncode == 143, stderr
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[2:], first_step=2)
+    return run, stderr
+
+
+def stopped_while_following(env, data, tmp_path: Path, *options: str,
+                             task: str = "task") -> tuple[Path, dict[str, dict], str]:
+    """``stop_following``: (run, what it kept: kept_snapshots, its stderr)."""
+    run, stderr = stop_following(env, data, tmp_path, *options, task=task)
     kept = kept_snapshots(run)
     assert all(entry["steps"] == 2 for entry in kept.values()), kept
     assert json.loads((run / "summary.json").read_text())["swap"]["kept"] == len(kept)
-    for i, name in enumerate(("arm_a", "arm_b")):
-        write_episode(live / name, steps_of(i, 3)[2:], first_step=2)
     return run, kept, stderr
 
 
@@ -858,25 +863,12 @@ def test_a_stopped_runs_resident_session_that_does_not_fit_the_swap_space_left_i
 def test_a_stopped_run_whose_kept_index_cannot_be_written_says_so_and_resume_replays(env, data, reference, tmp_path):
     # A swap folder that takes no kept.json (here a folder in its way; a scratch disk gone read-only or full alike):
     # the run had said it swapped its sessions out for --resume, then dropped their snapshots without a word.
-    live, run = tmp_path / "live", tmp_path / "run"
-    (run / ".swap" / "kept.json").mkdir(parents=True)
-    for i, name in enumerate(("arm_a", "arm_b")):
-        write_episode(live / name, steps_of(i, 3)[:2], prompt=f"task {name}", end=False)
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), str(live / "arm_b"), "--out", str(run),
-                 "--follow", "--no-warmup", "--format", "plain")
-    try:
-        wait_for_lines(run / "results.jsonl", 4, proc)
-        proc.send_signal(signal.SIGTERM)
-        stderr = proc.communicate(timeout=300)[1]
-    finally:
-        proc.kill()
-    assert proc.returncode == 143, stderr
+    (tmp_path / "run" / ".swap" / "kept.json").mkdir(parents=True)
+    run, stderr = stop_following(env, data, tmp_path)
     assert re.search(r"evicted +arm_b explicit, swapped out", stderr), stderr
     assert (f"warning: cannot write {run / '.swap' / 'kept.json'} (Is a directory): the swap snapshots of 2 episodes "
             "(arm_a, arm_b) are not kept, so --resume replays their done steps instead\n") in stderr, stderr
     assert json.loads((run / "summary.json").read_text())["swap"]["kept"] == 0
-    for i, name in enumerate(("arm_a", "arm_b")):
-        write_episode(live / name, steps_of(i, 3)[2:], first_step=2)
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
     assert proc.returncode == 0, proc.stderr
     assert json.loads((run / "summary.json").read_text())["steps"]["replayed"] == 4
