@@ -1593,7 +1593,12 @@ def test_a_bfloat16_tensor_is_read_as_floats_and_cast_to_the_fields_dtype():
 @pytest.mark.parametrize(("joints", "image", "message"), [
     (np.zeros(6, np.float32), None, "w: 'joints' has shape (6,), expected (7,)"),
     (np.zeros((7, 1), np.float32), None, "w: 'joints' has shape (7, 1), expected (7,)"),
-    (None, np.zeros((0, 4, 3), np.uint8), "w: 'image' has shape (0, 4, 3), expected (*, *, 3)"),  # * is positive
+    # * is positive: (0, 4, 3) reads like a match of (*, *, 3) unless the message says why it is not
+    (None, np.zeros((0, 4, 3), np.uint8),
+     "w: 'image' has shape (0, 4, 3), expected (*, *, 3) (an empty array: each * is a size of at least 1)"),
+    (None, np.zeros((4, 0, 4), np.uint8),
+     "w: 'image' has shape (4, 0, 4), expected (*, *, 3) (an empty array: each * is a size of at least 1)"),
+    (np.zeros(0, np.float32), None, "w: 'joints' has shape (0,), expected (7,)"),
 ])
 def test_shapes_are_matched_whole_and_a_star_is_a_positive_size(joints, image, message):
     changes = {"joints": joints} if joints is not None else {"image": image}

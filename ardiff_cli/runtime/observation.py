@@ -136,7 +136,11 @@ def _check_field(f: ObservationField, key: str, value: Any) -> tuple[Any, str | 
         return None, f"{label} has dtype {dtype}, expected {f.dtype}"
     if not any(shape_matches(array.shape, s) for s in f.shapes):
         expected = " or ".join(format_shape(s) for s in f.shapes)
-        return None, f"{label} has shape {format_shape(array.shape)}, expected {expected}"
+        # (0, 4, 3) read against (*, *, 3) looks like a match: say what the star excludes
+        empty = any(len(s) == array.ndim and any(want is None and not got for got, want in zip(array.shape, s))
+                    for s in f.shapes)
+        return None, (f"{label} has shape {format_shape(array.shape)}, expected {expected}"
+                      + (" (an empty array: each * is a size of at least 1)" if empty else ""))
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         # A NaN or Inf would silently poison the session's KV for the rest of the episode.
         bad = ~np.isfinite(array)
