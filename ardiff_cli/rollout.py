@@ -559,10 +559,11 @@ class Rollout:
         for step in (steps[i] for i in evenly_spaced(len(steps), MAX_COLUMNS)):
             output = outputs[step]
             step_file = step_files.get(step)
-            frame = None
-            if step_file is not None:
-                arrays = load_step(step_file.path).arrays
-                frame = next((f for f in map(as_rgb_frame, arrays.values()) if f is not None), None)
+            try:  # a step file moved away or emptied since it ran (its outputs stand) is a grey frame, not no preview
+                arrays = {} if step_file is None else load_step(step_file.path).arrays
+            except ObservationError:
+                arrays = {}
+            frame = next((f for f in map(as_rgb_frame, arrays.values()) if f is not None), None)
             observed.append(frame)
             predicted.append(self._predicted_frame(self.run_folder.root / output))
         if not any(f is not None for f in (*observed, *predicted)):

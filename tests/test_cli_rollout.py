@@ -1965,6 +1965,30 @@ def test_resume_with_every_step_done_but_a_preview_missing_draws_it_again(env, d
     assert (run / "previews" / "arm_a.png").read_bytes() == drawn
 
 
+def test_a_step_file_gone_since_it_ran_is_a_grey_column_in_the_preview_not_no_preview(env, data, tmp_path):
+    """A done step's file moved away (an uploader taking what ran) left the episode complete, its outputs whole, but
+    its preview was lost to a warning (``cannot read the step file``) for one column's top frame; that frame is grey
+    now, the other columns and the predicted row as an uninterrupted run draws them."""
+    episode, run = tmp_path / "arm_a", tmp_path / "run"
+    shutil.copytree(data / "eps" / "arm_a", episode)
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(episode), "--out", str(run), "--preview",
+                  "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    drawn = read_png(run / "previews" / "arm_a.png")
+    (run / "previews" / "arm_a.png").unlink()
+    (episode / "step_000001.safetensors").unlink()
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr, proc.stderr
+    strip, gap = read_png(run / "previews" / "arm_a.png").copy(), 2
+    tile = (strip.shape[0] - gap) // 2
+    assert strip.shape == drawn.shape
+    column = slice(tile + gap, 2 * tile + gap)
+    assert (strip[:tile, column] == 32).all()  # the grey of a missing frame
+    strip[:tile, column] = drawn[:tile, column]
+    np.testing.assert_array_equal(strip, drawn)
+
+
 def test_resume_with_nothing_left_refuses_a_device_named_outright_that_is_not_the_runs_as_with_steps_left(
         env, data, tmp_path):
     # With nothing left to run, --device cpu for a run started on a GPU was taken (exit 0, 'nothing left to run'),
