@@ -1544,6 +1544,10 @@ def test_a_swap_space_smaller_than_one_snapshot_warns_once_then_replays(env, dat
     warned = re.findall(r"warning: the snapshot of session '(arm_a|arm_b)' \([0-9.]+ KiB\) is larger than the whole "
                         r"swap space \(1\.00 KiB\)", proc.stderr)
     assert len(warned) == 1, proc.stderr  # 4 evictions, one warning
+    # but each is counted, as a snapshot not written (swapped_out + swap_failed: every eviction), and an event
+    assert (summary["evictions_this_run"], summary["swap"]["swap_failed"]) == (4, 4)
+    assert len(re.findall(r"swap_failed +arm_[ab] not written: the snapshot \([0-9,]+ bytes\) is larger than the "
+                          r"whole swap space \(1,024 bytes\)", proc.stderr)) == 4, proc.stderr
     assert_same_outputs(reference, tmp_path / "small")
 
 

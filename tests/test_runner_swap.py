@@ -194,8 +194,15 @@ def test_over_budget_drops_the_least_recently_swapped_snapshot(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         run(engine, "e", 0)  # d evicted without a snapshot too, and no second warning
-    last = [e for e in events if e.kind == "session_evicted"][-1]
+    evicted = [e for e in events if e.kind == "session_evicted"]
+    last = evicted[-1]
     assert last.session_id == "d" and not last.swapped
+    # each is a swap_failed event (not background) before its session_evicted: counted, as a write that failed
+    failed = [(i, e) for i, e in enumerate(events) if e.kind == "swap_failed"]
+    assert [e.session_id for _, e in failed] == [evicted[-2].session_id, "d"]
+    assert not any(e.background for _, e in failed)
+    assert all("is larger than the whole swap space" in e.error for _, e in failed)
+    assert all(events[i + 1] is e for (i, _), e in zip(failed, evicted[-2:])), events
     engine.close()
 
 

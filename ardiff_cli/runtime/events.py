@@ -80,8 +80,9 @@ class SwapFailed(RuntimeEvent):
     """A session's snapshot could not be written. ``background``: its write failed in the background (a full disk),
     after its ``session_evicted`` said ``swapped``: the snapshot is lost, and the session is rebuilt as one evicted
     without a snapshot. Not ``background``: it failed as it started (a swap folder that cannot be written, a
-    pipeline state that cannot be saved), and the ``session_evicted`` that follows says not ``swapped`` (or, for
-    ``swap_out_sessions``, the session stays resident)."""
+    pipeline state that cannot be saved, an evicted session's snapshot larger than the whole swap space), and the
+    ``session_evicted`` that follows says not ``swapped`` (or, for ``swap_out_sessions``, the session stays
+    resident)."""
 
     kind: ClassVar[str] = "swap_failed"
     session_id: str

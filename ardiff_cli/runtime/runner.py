@@ -820,6 +820,11 @@ class ARDiffusionModelRunner:
         finally:
             self._warn_about_failed_writes()
             self._report_dropped(session_id)
+        if written is None and evicting:  # larger than the whole swap space: a swap_failed event each, so that
+            # the counts of evictions add up (summary.json's swapped_out + swap_failed), a warning for the first
+            self._emit(SwapFailed(session_id=session_id, background=False,
+                                  error=f"the snapshot ({self.swap.refused_bytes:,} bytes) is larger than the whole "
+                                        f"swap space ({self.swap.budget_bytes:,} bytes)"))
         if written is None and evicting and ("SwapSpace", None) not in self._swap_causes_warned:
             self._swap_causes_warned.add(("SwapSpace", None))
             size, space = format_bytes(self.swap.refused_bytes), format_bytes(self.swap.budget_bytes)
