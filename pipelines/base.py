@@ -26,8 +26,8 @@ from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.errors import CheckpointError, ObservationError
 from ardiff_cli.runtime.observation import ObservationSchema, validate_observation
 from ardiff_cli.runtime.request import ARDiffusionRequest
-from pipelines.checkpoint import (build_on_meta, check_weight_fields, default_checkpoint, fresh_modules,
-                                  load_checkpoint, read_metadata)
+from pipelines.checkpoint import (build_on_meta, check_weight_fields, default_checkpoint, default_checkpoint_hint,
+                                  fresh_modules, load_checkpoint, read_metadata)
 from pipelines.rollout import PagedRollout
 
 MODEL_KEY = "__model__"  # the exported session's model_identity(), beside its record's fields
@@ -128,8 +128,7 @@ class ARPipeline(abc.ABC):
             check_weight_fields(cls.name, config, metadata, path)
         except CheckpointError as exc:
             if checkpoint is None:  # ardiff's own cached file, damaged (a disk error, an edit): it is only a cache
-                exc.hint = f"it is the default checkpoint ardiff built in its cache: delete {path}, and it is built " \
-                           "again"
+                exc.hint = default_checkpoint_hint(path)
             raise
         modules = modules.to(device=device, dtype=dtype).eval().requires_grad_(False)
         return cls(config, modules, device=torch.device(device), dtype=dtype, checkpoint=path)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Callable
@@ -265,6 +266,36 @@ def default_checkpoint_path(pipeline_class: Any, config) -> Path:
     return cache_dir() / f"{pipeline_class.name}-{weight_digest(pipeline_class.name, config)}.safetensors"
 
 
+def refuse_too_large_for_default(pipeline_class: Any, config) -> None:
+    """Refuse to build the default checkpoint of a config larger than ``MAX_DEFAULT_PARAMETERS``: what
+    ``default_checkpoint`` would refuse, and ``rollout`` refuses before it makes demo episodes or ``--out``."""
+    num = count_config_parameters(pipeline_class, config)
+    if num > MAX_DEFAULT_PARAMETERS:
+        raise CheckpointError(
+            f"no built-in checkpoint for this {pipeline_class.name} geometry ({num / 1e9:.2f}B parameters): "
+            "large configs are for capacity planning",
+            hint="set checkpoint: to a .safetensors file of this model's weights; "
+            "`ardiff inspect-capacity` plans its memory without them",
+        )
+
+
+def default_checkpoint_hint(path: Path) -> str:
+    """The hint for a default checkpoint in the cache that cannot be loaded: delete it, and it is built again; or,
+    when it is not this user's to delete (another account's file in a shared cache, a folder this user cannot
+    write), a cache folder of one's own."""
+    try:
+        owner, folder = path.stat().st_uid, path.parent.stat()
+    except OSError:
+        owner = folder = None
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    sticky = folder is not None and folder.st_mode & stat.S_ISVTX  # a /tmp-like folder: only owners delete
+    if uid is None or uid == 0 or (os.access(path.parent, os.W_OK | os.X_OK)
+                                   and not (sticky and uid not in (owner, folder.st_uid))):
+        return f"it is the default checkpoint ardiff built in its cache: delete {path}, and it is built again"
+    return (f"it is the default checkpoint ardiff built in the cache {path.parent}, a file this user cannot delete "
+            f"(a shared cache?): set {CACHE_ENV} to a folder of your own, where it is built again")
+
+
 def default_checkpoint(pipeline_class: Any, config) -> Path:
     """The built-in checkpoint of ``config``: built into the cache folder on first use, then reused."""
     path = default_checkpoint_path(pipeline_class, config)
@@ -275,14 +306,7 @@ def default_checkpoint(pipeline_class: Any, config) -> Path:
     except OSError as exc:  # a cache folder this user cannot enter: "from_config() failed", blamed on the pipeline
         raise CheckpointError(f"cannot look at the default checkpoint {path}: {exc.strerror or exc}",
                               hint=f"set {CACHE_ENV} to a folder this user can read and write") from exc
-    num = count_config_parameters(pipeline_class, config)
-    if num > MAX_DEFAULT_PARAMETERS:
-        raise CheckpointError(
-            f"no built-in checkpoint for this {pipeline_class.name} geometry ({num / 1e9:.2f}B parameters): "
-            "large configs are for capacity planning",
-            hint="set checkpoint: to a .safetensors file of this model's weights; "
-            "`ardiff inspect-capacity` plans its memory without them",
-        )
+    refuse_too_large_for_default(pipeline_class, config)
     try:
         return write_fresh_checkpoint(pipeline_class, config, path)
     except OSError as exc:

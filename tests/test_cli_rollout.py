@@ -608,8 +608,33 @@ def test_a_dangling_ardiff_runs_link_is_a_usage_error_not_a_hang(env, data, tmp_
     except subprocess.TimeoutExpired:
         pytest.fail("the rollout was still looking for a free default output folder after 60 s")
     assert proc.returncode == 2, proc.stderr
-    assert "Error: --out ardiff-runs: cannot create the output folder: File exists" in proc.stderr
+    # no --out was given: the default folder is named as such, where it is, and the hint offers --out
+    assert (f"Error: cannot create the default output folder {tmp_path / 'ardiff-runs'} (no --out given): File "
+            f"exists (ardiff-runs is a link to {tmp_path / 'not-mounted' / 'runs'}") in proc.stderr, proc.stderr
+    assert "; or pass --out DIR to write the run elsewhere\n" in proc.stderr
     assert not (tmp_path / "not-mounted").exists()
+
+
+def test_a_default_output_folder_that_cannot_be_made_is_named_as_the_default_with_a_hint_to_pass_out(env, data,
+                                                                                                     tmp_path):
+    """No --out, run from a folder this user cannot write: the error read `--out ardiff-runs: cannot create the
+    output folder`, naming an option not given, and the hint did not say to pass one."""
+    from test_reliability_input import modes_bind
+
+    here = tmp_path / "read-only"
+    here.mkdir()
+    here.chmod(0o555)
+    try:
+        proc = subprocess.run([*modes_bind(), sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"),
+                               str(data / "eps" / "arm_a"), "--no-warmup"], cwd=here, env=env, capture_output=True,
+                              text=True, timeout=300)
+    finally:
+        here.chmod(0o755)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(f"Error: cannot create the default output folder {here / 'ardiff-runs'} (no --out "
+                                "given): Permission denied\nhint: pass --out DIR (a folder you can write), or run "
+                                "where you can create ardiff-runs\n"), proc.stderr
+    assert list(here.iterdir()) == []
 
 
 def test_a_device_this_machine_lacks_is_refused_before_anything_is_made(env, data, tmp_path):
@@ -627,6 +652,19 @@ def test_a_device_this_machine_lacks_is_refused_before_anything_is_made(env, dat
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr == ("Error: device 'cuda:1' requested but CUDA is not available\n"
                                "hint: use --device cpu or auto\n"), proc.stderr
+        assert not (tmp_path / "run").exists() and not cache.exists()
+
+
+def test_a_config_too_large_for_a_built_in_checkpoint_is_refused_before_anything_is_made(env, tmp_path):
+    """A 14B config without checkpoint: was refused only as the model loaded: 31 MB of demo episodes had been
+    written to the cache and the --out folder made, holding a lone .lock."""
+    cache = tmp_path / "cache"
+    env = {**env, "ARDIFF_CACHE_DIR": str(cache)}
+    for config, pipeline in (("dreamzero-14b", "dreamzero"), ("self-forcing-1.3b", "causal_world")):
+        proc = ardiff(env, "rollout", config, "--out", str(tmp_path / "run"))
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith(f"Error: no built-in checkpoint for this {pipeline} geometry ("), proc.stderr
+        assert "hint: set checkpoint: to a .safetensors file" in proc.stderr
         assert not (tmp_path / "run").exists() and not cache.exists()
 
 

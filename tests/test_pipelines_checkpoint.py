@@ -134,6 +134,33 @@ def test_a_damaged_default_checkpoint_says_to_delete_it_to_build_it_again(ardiff
     assert cls.from_config(tiny(causal_world), device="cpu", checkpoint=None).checkpoint == path
 
 
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to act as another user")
+def test_a_default_checkpoint_another_user_cannot_delete_suggests_a_cache_of_ones_own(monkeypatch):
+    """A shared ARDIFF_CACHE_DIR (mode 1777) holding the default checkpoint another account built with umask 077:
+    the hint said to delete the file, which this user cannot do in a sticky folder."""
+    import shutil
+    import tempfile
+
+    shared = Path(tempfile.mkdtemp(dir="/tmp"))  # a folder another user can reach (pytest's are root's alone)
+    try:
+        shared.chmod(0o1777)
+        monkeypatch.setenv("ARDIFF_CACHE_DIR", str(shared))
+        cls = causal_world.pipeline_class()
+        path = cls.from_config(tiny(causal_world), device="cpu", checkpoint=None).checkpoint  # root's, read once
+        path.chmod(0o600)
+        os.seteuid(65534)  # nobody: neither reads nor deletes root's file
+        try:
+            with pytest.raises(CheckpointError, match="cannot read checkpoint") as err:
+                cls.from_config(tiny(causal_world), device="cpu", checkpoint=None)
+        finally:
+            os.seteuid(0)
+        assert err.value.hint == (f"it is the default checkpoint ardiff built in the cache {shared}, a file this "
+                                  "user cannot delete (a shared cache?): set ARDIFF_CACHE_DIR to a folder of your "
+                                  "own, where it is built again")
+    finally:
+        shutil.rmtree(shared)
+
+
 def test_the_temporary_file_of_a_killed_checkpoint_build_is_removed_once_an_hour_old(ardiff_cache):
     # A run killed (kill -9) while it built a default checkpoint left its temporary file in the cache for good.
     cls = causal_world.pipeline_class()

@@ -233,6 +233,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), **overrides)
     if not resume and cfg.runtime.device.startswith("cuda"):  # refused now, before --out or demo files are made
         _resolve_under_signals(cfg.runtime.device)
+    if not resume:  # as loading the model would, before --out or demo files are made (a resume started that way)
+        _refuse_a_default_checkpoint_too_large(cfg)
     recorded_device = info.get("device") if resume else None
     recorded_backend = info.get("attention_backend") if resume else None
     output.debug(f"config {cfg.source}: pipeline {cfg.pipeline_name}, {cfg.runtime}")
@@ -310,20 +312,28 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         else:
             Path(out).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
+        given = out is not None
         out = out or exc.filename or "ardiff-runs"
+        # without --out, the folder is ardiff's default, in the current folder: not an --out the user gave
+        subject = f"--out {out}" if given else f"the default output folder {Path.cwd() / out} (no --out given)"
+        cannot = f"--out {out}: cannot create the output folder" if given else f"cannot create {subject}"
+        elsewhere = "" if given else "; or pass --out DIR to write the run elsewhere"
         in_the_way = _not_a_folder(Path(out))
         if in_the_way is not None:  # mkdir's "File exists" of a path that exists, said of a folder it is not
             path, what = in_the_way
-            raise ConfigError(f"--out {out}: {'it' if path == Path(out) else path} is {what}, not a folder",
-                              hint="choose a folder, or a path where none exists yet") from None
+            raise ConfigError(f"{subject}: {'it' if path == Path(out) else path} is {what}, not a folder",
+                              hint="choose a folder, or a path where none exists yet" if given
+                              else f"move {path} out of the way{elsewhere}") from None
         # mkdir's "File exists" of a path that ls shows as nothing but a link
         dangling = next(((p, why) for p in (Path(out), *Path(out).parents) if (why := link_to_nothing(p))), None)
         if dangling is not None:
-            raise ConfigError(f"--out {out}: cannot create the output folder: {exc.strerror or exc} ({dangling[0]} is "
-                              f"{dangling[1]})",
-                              hint="create the folder it links to (a disk not mounted?), or remove the link") from None
-        raise ConfigError(f"--out {out}: cannot create the output folder: {exc.strerror or exc}",
-                          hint="choose a folder you can write, or one that does not exist yet") from None
+            raise ConfigError(f"{cannot}: {exc.strerror or exc} ({dangling[0]} is {dangling[1]})",
+                              hint="create the folder it links to (a disk not mounted?), or remove the link"
+                              + elsewhere) from None
+        raise ConfigError(f"{cannot}: {exc.strerror or exc}",
+                          hint="choose a folder you can write, or one that does not exist yet" if given
+                          else "pass --out DIR (a folder you can write), or run where you can create ardiff-runs") \
+            from None
     run = RunFolder(out)
     run.lock()  # held until the command ends: a second rollout writing this folder is refused
     try:
@@ -336,6 +346,31 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done, digests=digests,
                      run=run, options=options, recorded_device=recorded_device,
                      recorded_backend=recorded_backend, watch=watch)
+
+
+def _refuse_a_default_checkpoint_too_large(cfg: Any) -> None:
+    """A config without ``checkpoint:`` whose built-in pipeline has no default checkpoint of its size (a 14B
+    geometry) is refused as the model's load would refuse it, but before the demo episodes and --out are made.
+    The pipeline's module imports torch: under the rollout's signal handlers."""
+    if cfg.checkpoint is not None:
+        return
+    _under_signals(lambda: _refuse_too_large(cfg))
+
+
+def _refuse_too_large(cfg: Any) -> None:
+    from pipelines.base import ARPipeline
+    from pipelines.checkpoint import default_checkpoint_path, refuse_too_large_for_default
+
+    pipeline_class = cfg.entry.pipeline_class()
+    if not (isinstance(pipeline_class, type) and issubclass(pipeline_class, ARPipeline)) \
+            or getattr(pipeline_class.from_config, "__func__", None) is not ARPipeline.from_config.__func__:
+        return  # a pipeline that loads its weights its own way
+    try:
+        if default_checkpoint_path(pipeline_class, cfg.model).is_file():  # built or placed there: it loads
+            return
+    except OSError:  # a cache folder this user cannot enter: the load says so
+        return
+    refuse_too_large_for_default(pipeline_class, cfg.model)
 
 
 def _refuse_another_runs_kept_snapshots(swap_dir: Path, started: float) -> None:
@@ -447,16 +482,24 @@ def _not_a_folder(out: Path) -> tuple[Path, str] | None:
 
 
 def _resolve_under_signals(device: str) -> None:
-    """``resolve_device``, which imports torch, under the rollout's signal handlers, as every import of torch by a
-    rollout is: a signal while it imports waits for it to end, then stops the command (Python's default handlers
-    left numpy half imported, or a C++ exception uncaught: exit 0, 1 or 134)."""
+    """``resolve_device``, which imports torch, under the rollout's signal handlers (``_under_signals``)."""
+    def resolve() -> None:
+        from ardiff_cli.runtime.engine import resolve_device
+
+        resolve_device(device)
+
+    _under_signals(resolve)
+
+
+def _under_signals(work: Callable[[], None]) -> None:
+    """``work()``, which imports torch, under the rollout's signal handlers, as every import of torch by a rollout
+    is: a signal while it imports waits for it to end, then stops the command (Python's default handlers left numpy
+    half imported, or a C++ exception uncaught: exit 0, 1 or 134)."""
     from ardiff_cli.signals import StopSignals
 
     try:
         with StopSignals() as signals:
-            from ardiff_cli.runtime.engine import resolve_device
-
-            resolve_device(device)
+            work()
             signals.check()
     except Interrupted as stop:
         stop.hint = "nothing was written yet: run the same command again"
