@@ -6,7 +6,6 @@ import hashlib
 import math
 import shlex
 import signal
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +42,13 @@ from ardiff_cli.options import (
     check_swap_space,
 )
 from ardiff_cli.output import Format, Output, stdout_error, visible
-from ardiff_cli.runtime.errors import ArdiffError, ConfigError, ObservationError, link_to_nothing
+from ardiff_cli.runtime.errors import (
+    ArdiffError,
+    ConfigError,
+    ObservationError,
+    link_to_nothing_on,
+    not_a_folder,
+)
 
 DEMO_SESSION_CAPACITY = 2  # the demo has 3 episodes: with 2 resident sessions, LRU eviction shows
 DEFAULT_IDLE_TIMEOUT = 60.0  # --follow: seconds without a new step file before an episode ends
@@ -231,10 +236,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
                               hint=f"continue it with: ardiff rollout --resume --out {shlex.quote(str(out))}; or "
                                    "choose another --out")
     cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), **overrides)
-    if not resume and cfg.runtime.device.startswith("cuda"):  # refused now, before --out or demo files are made
-        _resolve_under_signals(cfg.runtime.device)
-    if not resume:  # as loading the model would, before --out or demo files are made (a resume started that way)
-        _refuse_a_default_checkpoint_too_large(cfg)
+    if not resume and (cfg.runtime.device.startswith("cuda") or cfg.checkpoint is None):
+        _under_signals(lambda: _refuse_what_loading_would(cfg))  # now, before --out or demo files are made
     recorded_device = info.get("device") if resume else None
     recorded_backend = info.get("attention_backend") if resume else None
     output.debug(f"config {cfg.source}: pipeline {cfg.pipeline_name}, {cfg.runtime}")
@@ -318,14 +321,13 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         subject = f"--out {out}" if given else f"the default output folder {Path.cwd() / out} (no --out given)"
         cannot = f"--out {out}: cannot create the output folder" if given else f"cannot create {subject}"
         elsewhere = "" if given else "; or pass --out DIR to write the run elsewhere"
-        in_the_way = _not_a_folder(Path(out))
+        in_the_way = not_a_folder(Path(out))
         if in_the_way is not None:  # mkdir's "File exists" of a path that exists, said of a folder it is not
             path, what = in_the_way
             raise ConfigError(f"{subject}: {'it' if path == Path(out) else path} is {what}, not a folder",
                               hint="choose a folder, or a path where none exists yet" if given
                               else f"move {path} out of the way{elsewhere}") from None
-        # mkdir's "File exists" of a path that ls shows as nothing but a link
-        dangling = next(((p, why) for p in (Path(out), *Path(out).parents) if (why := link_to_nothing(p))), None)
+        dangling = link_to_nothing_on(Path(out))  # mkdir's "File exists" of a path ls shows as nothing but a link
         if dangling is not None:
             raise ConfigError(f"{cannot}: {exc.strerror or exc} ({dangling[0]} is {dangling[1]})",
                               hint="create the folder it links to (a disk not mounted?), or remove the link"
@@ -348,16 +350,16 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
                      recorded_backend=recorded_backend, watch=watch)
 
 
-def _refuse_a_default_checkpoint_too_large(cfg: Any) -> None:
-    """A config without ``checkpoint:`` whose built-in pipeline has no default checkpoint of its size (a 14B
-    geometry) is refused as the model's load would refuse it, but before the demo episodes and --out are made.
-    The pipeline's module imports torch: under the rollout's signal handlers."""
+def _refuse_what_loading_would(cfg: Any) -> None:
+    """What loading the model would refuse, refused before --out and the demo episodes are made (a resume's run was
+    started past these): a CUDA device this machine lacks, and a config without ``checkpoint:`` whose built-in
+    pipeline has no default checkpoint of its size (a 14B geometry). Both import torch: run it ``_under_signals``."""
+    if cfg.runtime.device.startswith("cuda"):
+        from ardiff_cli.runtime.engine import resolve_device
+
+        resolve_device(cfg.runtime.device)
     if cfg.checkpoint is not None:
         return
-    _under_signals(lambda: _refuse_too_large(cfg))
-
-
-def _refuse_too_large(cfg: Any) -> None:
     from pipelines.base import ARPipeline
     from pipelines.checkpoint import default_checkpoint_path, refuse_too_large_for_default
 
@@ -465,30 +467,6 @@ def _recorded(info: dict[str, Any], key: str, path: Path) -> Any:
         raise field_error(str(path), key, RECORDED[key], value, hint="correct it there, to what the run ran with")
     raise field_error(str(path), key, RECORDED[key], value,
                       hint=f"correct it there, or give --{key.replace('_', '-')} to replace it")
-
-
-def _not_a_folder(out: Path) -> tuple[Path, str] | None:
-    """The path among ``out`` and its parents that exists and is not a folder, and what it is; None if none is (one
-    that cannot be looked at counts as none: mkdir's own error names it)."""
-    for path in (out, *out.parents):
-        try:
-            mode = path.stat().st_mode
-        except OSError:
-            continue
-        if not stat.S_ISDIR(mode):
-            kinds = ((stat.S_ISREG, "a file"), (stat.S_ISFIFO, "a pipe"), (stat.S_ISSOCK, "a socket"))
-            return path, next((what for test, what in kinds if test(mode)), "a device")
-    return None
-
-
-def _resolve_under_signals(device: str) -> None:
-    """``resolve_device``, which imports torch, under the rollout's signal handlers (``_under_signals``)."""
-    def resolve() -> None:
-        from ardiff_cli.runtime.engine import resolve_device
-
-        resolve_device(device)
-
-    _under_signals(resolve)
 
 
 def _under_signals(work: Callable[[], None]) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.runtime.errors import ConfigError, expand_home, link_to_nothing
+from ardiff_cli.runtime.errors import ConfigError, expand_home, link_to_nothing_on, not_a_folder
 from ardiff_cli.runtime.observation import ObservationField, ObservationSchema
 
 DEMO_VERSION = 1  # bump when the generated content changes
@@ -164,13 +164,13 @@ def cache_write_error(what: str, path: Path, exc: OSError) -> ConfigError:
     """``cannot write WHAT to PATH: ...`` for the cache folder, naming a link on its path that leads nowhere
     ($ARDIFF_CACHE_DIR on a scratch disk not mounted) or a file there, of which mkdir's "File exists" read as a file
     in the way of PATH itself."""
-    dangling = next(((p, why) for p in (path, *path.parents) if (why := link_to_nothing(p))), None)
+    dangling = link_to_nothing_on(path)
     if dangling is not None:
         return ConfigError(f"cannot write {what} to {path}: {dangling[0]} is {dangling[1]}",
                            hint=f"mount the disk it links to (or fix the link), or set {CACHE_ENV} to a writable "
                            "folder")
-    in_the_way = next((p for p in path.parents if os.path.exists(p) and not os.path.isdir(p)), None)
-    problem = f"{in_the_way} is a file, not a folder" if in_the_way is not None else exc.strerror or exc
+    in_the_way = not_a_folder(path.parent)
+    problem = f"{in_the_way[0]} is {in_the_way[1]}, not a folder" if in_the_way is not None else exc.strerror or exc
     return ConfigError(f"cannot write {what} to {path}: {problem}", hint=f"set {CACHE_ENV} to a writable folder")
 
 

@@ -10,7 +10,9 @@ import math
 import os
 import re
 import reprlib
+import stat
 from collections.abc import Iterable
+from pathlib import Path
 
 
 class ArdiffError(Exception):
@@ -164,6 +166,26 @@ def link_to_nothing(path: os.PathLike | str) -> str | None:
             return f"a link to {os.readlink(path)}, which does not exist"
     except OSError:
         pass
+    return None
+
+
+def link_to_nothing_on(path: Path) -> tuple[Path, str] | None:
+    """The link among ``path`` and its parents that leads nowhere, and :func:`link_to_nothing`'s words for it: why a
+    folder cannot be made at ``path`` where mkdir said only "File exists"; None if none does."""
+    return next(((p, why) for p in (path, *path.parents) if (why := link_to_nothing(p))), None)
+
+
+def not_a_folder(path: Path) -> tuple[Path, str] | None:
+    """The path among ``path`` and its parents that exists and is not a folder, and what it is ("a file", "a pipe",
+    ...); None if none is (one that cannot be looked at counts as none: mkdir's own error names it)."""
+    for p in (path, *path.parents):
+        try:
+            mode = p.stat().st_mode
+        except OSError:
+            continue
+        if not stat.S_ISDIR(mode):
+            kinds = ((stat.S_ISREG, "a file"), (stat.S_ISFIFO, "a pipe"), (stat.S_ISSOCK, "a socket"))
+            return p, next((what for test, what in kinds if test(mode)), "a device")
     return None
 
 
