@@ -126,9 +126,10 @@ def expand_home(value):
     if isinstance(value, list):
         return [expand_home(v) for v in value]
     try:
-        return type(value)(errors.expand_home(str(value), str(value), hint=""))
+        return type(value)(errors.expand_home(str(value), str(value),
+                                              hint="set HOME to this user's home folder, or write the full path"))
     except errors.ConfigError as exc:  # no home folder: a folder named ~ would be made in the working folder
-        raise typer.BadParameter(f"{exc}; set HOME to this user's home folder, or write the full path") from None
+        raise typer.BadParameter(f"{exc}; {exc.hint}") from None
 
 
 def parse_path(value: str) -> Path:
