@@ -1434,12 +1434,23 @@ def test_kept_snapshots_in_a_swap_folder_gone_read_only_are_replayed_not_a_crash
     assert_same_outputs(reference, run)
 
 
+def ardiff_beside_a_live_run(env, live: Path, *args: str) -> subprocess.CompletedProcess:
+    """``ardiff(*args)`` while another run holds the lock of its folder ``live``."""
+    from ardiff_cli.io.run import RunFolder
+
+    holder = RunFolder(live)
+    holder.lock()
+    try:
+        return ardiff(env, *args)
+    finally:
+        holder.close()
+
+
 def test_runs_whose_swap_folders_link_to_one_folder_never_delete_each_others_snapshots(env, data, tmp_path):
     """Each run deletes the snapshot files in its swap folder it will not restore (a killed run's). Two runs whose
     .swap linked to one folder deleted each other's live snapshots (both then replayed), and a fresh run deleted
     those another, stopped run had kept for its --resume, with its kept.json: that resume replayed everything."""
     from ardiff_cli.io.kept import write_kept
-    from ardiff_cli.io.run import RunFolder
 
     shared = tmp_path / "scratch"
     shared.mkdir()
@@ -1450,12 +1461,7 @@ def test_runs_whose_swap_folders_link_to_one_folder_never_delete_each_others_sna
         (tmp_path / name / ".swap").symlink_to(shared)
     args = ("rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "two"), "--no-warmup")
 
-    holder = RunFolder(tmp_path / "one")  # the other run, live
-    holder.lock()
-    try:
-        proc = ardiff(env, *args)
-    finally:
-        holder.close()
+    proc = ardiff_beside_a_live_run(env, tmp_path / "one", *args)
     assert proc.returncode == 2, proc.stderr
     assert (f"Error: --out {tmp_path / 'two'}: its swap folder {shared} is in use by another ardiff rollout\n"
             "hint: give each run a .swap of its own: runs sharing one delete each other's snapshots") in proc.stderr
@@ -1479,21 +1485,13 @@ def test_a_swap_folder_linked_to_the_swap_folder_another_live_run_made_is_refuse
     """A run makes its own OUT/.swap at its first eviction, after it locked its folder, so that folder was not locked:
     a second run whose .swap linked to it was not refused, deleted the first run's snapshots as stale (their episodes
     replayed), and once the first run ended and removed the folder, every snapshot of its own failed (`File exists`)."""
-    from ardiff_cli.io.run import RunFolder
-
-    holder = RunFolder(tmp_path / "one")  # the other run, live, as it is once it has swapped a session out
-    (tmp_path / "one").mkdir()
-    holder.lock()
-    try:
-        (tmp_path / "one" / ".swap").mkdir()
-        snapshot = tmp_path / "one" / ".swap" / ("ab" * 16 + ".safetensors")
-        snapshot.write_bytes(b"its tensors")
-        (tmp_path / "two").mkdir()
-        (tmp_path / "two" / ".swap").symlink_to(tmp_path / "one" / ".swap")
-        proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "two"),
-                      "--no-warmup")
-    finally:
-        holder.close()
+    (tmp_path / "one" / ".swap").mkdir(parents=True)  # the other run's, as it is once it has swapped a session out
+    snapshot = tmp_path / "one" / ".swap" / ("ab" * 16 + ".safetensors")
+    snapshot.write_bytes(b"its tensors")
+    (tmp_path / "two").mkdir()
+    (tmp_path / "two" / ".swap").symlink_to(tmp_path / "one" / ".swap")
+    proc = ardiff_beside_a_live_run(env, tmp_path / "one", "rollout", str(data / "fast.yaml"), str(data / "eps"),
+                                    "--out", str(tmp_path / "two"), "--no-warmup")
     assert proc.returncode == 2, proc.stderr
     assert (f"Error: --out {tmp_path / 'two'}: its swap folder {tmp_path / 'one' / '.swap'} is in use by another "
             "ardiff rollout\nhint: give each run a .swap of its own") in proc.stderr
