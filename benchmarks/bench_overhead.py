@@ -19,7 +19,7 @@ time, one torch thread; target <= 5%). Everything ardiff does beyond the bare fo
 
 Profile (reported, not the verdict): a second pass wraps the KV core's calls
 with timers and splits each request into ``runner`` (outside
-``pipeline.forward``), ``kv`` (inside ``get_kv_caches``, ``commit``,
+``pipeline.forward`` and the KV calls), ``kv`` (inside ``get_kv_caches``, ``commit``,
 ``adapter``, ``has_cross_attention``, ``cross_attention``, ``reset``,
 ``populate_cross_attention`` less the generator's projections, ``attend``
 less the attention math, and ``store``) and ``model`` (the rest). The timers' own cost
@@ -218,14 +218,17 @@ def profile(pipe, runner, geometry: dict, first_index: int) -> dict:
     recorder = Recorder()
     per_call = timer_cost(recorder)
     forward_time = [0.0]
+    forward_kv = [0.0]  # KV time inside the forward, timers included: the runner's own KV calls are its share
     real_forward = pipe.forward
 
     def timed_forward(request):
+        kv_before, calls_before = recorder.kv, recorder.calls
         start = clock()
         try:
             return real_forward(request)
         finally:
             forward_time[0] = clock() - start
+            forward_kv[0] = recorder.kv - kv_before + (recorder.calls - calls_before) * per_call
 
     rows = []
     kv_by_name: dict[str, float] = defaultdict(float)
@@ -241,8 +244,10 @@ def profile(pipe, runner, geometry: dict, first_index: int) -> dict:
                 total = clock() - start
                 timers = recorder.calls * per_call
                 kv = recorder.kv + timers
-                rows.append({"total": total, "forward": forward_time[0], "runner": total - forward_time[0],
-                             "kv": kv, "model": forward_time[0] - kv, "timers": timers})
+                # the runner's KV calls (a session's view after its request) count once, as KV, not as runner too
+                rows.append({"total": total, "forward": forward_time[0],
+                             "runner": total - forward_time[0] - (kv - forward_kv[0]),
+                             "kv": kv, "model": forward_time[0] - forward_kv[0], "timers": timers})
                 for name, seconds in recorder.kv_by_name.items():
                     kv_by_name[name] += seconds
     finally:
