@@ -95,6 +95,7 @@ class RunMonitor:
         self._views: tuple[Any, ...] = ()  # the runner's session views at the last refresh, least recently used first
         self._runner: Any = None  # the runner of the last refresh: its views are read again after VIEW_KINDS events
         self._snapshot = Snapshot(title=title, noun=noun)
+        self._kept: tuple[int, int] | None = None  # (snapshots, bytes) a stopped run keeps for --resume
 
     # -- inputs --------------------------------------------------------------------------------------------
 
@@ -196,9 +197,17 @@ class RunMonitor:
         with self._lock:
             self._runner = runner
             self._views = views
+            swapped, swapped_bytes = (usage.num_swapped, usage.swapped_bytes) if self._kept is None else self._kept
             self._snapshot = replace(self._snapshot, pages_used=usage.num_used, pages_total=usage.num_pages,
-                                     swapped=usage.num_swapped, swapped_bytes=usage.swapped_bytes,
+                                     swapped=swapped, swapped_bytes=swapped_bytes,
                                      swap_budget_bytes=usage.swap_budget_bytes)
+
+    def keep_snapshots(self, count: int, nbytes: int) -> None:
+        """A stopped run keeps ``count`` snapshots (``nbytes``) for --resume: the swap line shows them from here on,
+        though the runner's store has let go of them (and the sessions it then closes refresh the views)."""
+        with self._lock:
+            self._kept = (count, nbytes)
+            self._snapshot = replace(self._snapshot, swapped=count, swapped_bytes=nbytes, swap_kept=True)
 
     # -- output --------------------------------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ class Snapshot:
     swapped: int = 0  # sessions swapped out to disk now
     swapped_bytes: int = 0  # bytes of their snapshot files
     swap_budget_bytes: int = 0  # the swap space (0: swapping is off)
+    swap_kept: bool = False  # a stopped run's end: ``swapped`` counts the snapshots kept for --resume
     elapsed_s: float = 0.0
     attention: str = ""  # the attention backend that runs ("torch" or "vllm"); "" before the plan
     noun: str = "steps"  # what steps_done counts: a rollout's steps, warmup's requests
@@ -147,7 +148,8 @@ def _capacity_rows(s: Snapshot) -> list[tuple[str, object]]:
     rows.append(("pages", bar))
     rows.append(("sessions", f"{len(s.sessions)}/{s.session_capacity} resident"))
     if s.swap_budget_bytes:
-        out, used, space = f"{s.swapped} out", format_bytes(s.swapped_bytes), format_bytes(s.swap_budget_bytes)
+        out = f"{s.swapped} {'kept' if s.swap_kept else 'out'}"
+        used, space = format_bytes(s.swapped_bytes), format_bytes(s.swap_budget_bytes)
         rows.append(("swap", _Fit(f"{out}, {used} of {space}", f"{out}, {used}/{space}", f"{out}, {used}", out)))
     if s.attention:
         rows.append(("attention", s.attention))

@@ -102,6 +102,28 @@ def test_the_last_frame_of_a_stopped_run_agrees_with_its_summary(tmp_path, cli_e
     assert re.search(r"^│ none ", text, re.MULTILINE), text
 
 
+def test_the_last_frame_of_a_stopped_run_counts_the_snapshots_it_keeps(tmp_path, cli_env):
+    """A swap space with room for one snapshot (52,672 bytes here: each session one step in): the first eviction's
+    swap-out sends SIGINT, and the stop keeps that snapshot, then closes the two resident sessions it has no room to
+    swap out. The frame that close redrew read "swap  0 out, 0 B of 60.00 KiB" above a summary whose --resume
+    restores the one OUT/.swap/kept.json names."""
+    from ardiff_cli.runtime.capacity import format_bytes
+
+    write_fast_data(tmp_path, {f"ep_{i}": 3 for i in range(3)})
+    env = {**cli_env, "ARDIFF_TEST_SIGNAL_IN": "export", "ARDIFF_TEST_SIGNALS": "1"}
+    code, output = run_in_pty(["rollout", "fast.yaml", "eps", "-o", "out", "--no-warmup", "--swap-space", "60KiB",
+                               "--pipeline", "faulty_pipelines:SignalWhileSwapping"], env=env, cwd=tmp_path,
+                              cols=100, rows=40)
+    text = "\n".join(line for line in Screen(100, 40).feed(output).display() if line)
+    assert code == 130, text
+    swap = tmp_path / "out" / ".swap"
+    kept = json.loads((swap / "kept.json").read_text())["sessions"]
+    assert list(kept) == ["ep_0"], text
+    assert re.search(r"closed +ep_\d +explicit", text), text  # what redrew the frame after the snapshots were kept
+    size = (swap / kept["ep_0"]["file"]).stat().st_size
+    assert re.search(rf"swap +1 kept, {re.escape(format_bytes(size))} of 60.00 KiB", text), text
+
+
 def test_the_last_frame_of_a_fail_fast_run_counts_the_failure_its_summary_counts(tmp_path, cli_env):
     """With --fail-fast the run stopped at the failure before the progress line was updated: the last frame, left
     above the summary, read "... · 0:00:01 failed" without the "1 failed" that summary.json's steps.failed has."""

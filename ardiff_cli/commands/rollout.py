@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import shlex
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -758,6 +759,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                             _swap_out_resident(engine, driver, output)
                         # for --resume to restore, not replay
                         kept = _keep_swapped(engine, driver, swap_dir, p.info["started"], output)
+                        monitor.keep_snapshots(len(kept), _bytes_of(swap_dir, (file for file, _ in kept.values())))
                     if engine is not None:
                         _close_engine(engine, output)
                 finally:
@@ -859,6 +861,15 @@ def _keep_swapped(engine: Any, driver: Any, swap_dir: Path, run: float, output: 
                            "their done steps instead")
             return {}
     return kept
+
+
+def _bytes_of(folder: Path, names: Iterable[str]) -> int:
+    """The bytes of the files ``names`` in ``folder`` (one gone counts 0)."""
+    total = 0
+    for name in names:
+        with contextlib.suppress(OSError):
+            total += (folder / name).stat().st_size
+    return total
 
 
 def _stop_notice(output: Output, monitor: Any) -> Callable[[int], None]:
