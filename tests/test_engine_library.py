@@ -831,6 +831,38 @@ def test_a_runner_key_in_other_capitals_is_warned_of_as_misspelt(key, meant):
     assert ARDiffusionRequest("r0", {}, {key: True}).misspelt_keys() == [(key, meant)]
 
 
+def test_a_request_under_autocast_to_another_dtype_is_refused_and_leaves_its_session_as_it_was():
+    """A float32 engine's request under torch.autocast(bfloat16) (a notebook's, a server's mixed-precision block)
+    made bfloat16 K/V the float32 pools refuse: a ValueError about layer 0's dtypes, half way through the forward,
+    and the session's history released. Refused before the session is touched now, naming autocast; autocast to
+    the engine's own dtype runs as without it."""
+    reference = server_engine()
+    reference.load()
+    expected = [reference.execute(request(reference, f"r{i}", "a", seed=i))["latents"] for i in range(3)]
+    reference.close()
+    engine = server_engine()
+    engine.load()
+    got = [engine.execute(request(engine, "r0", "a", seed=0))["latents"]]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RequestError, match=r"request 'r1' runs under torch.autocast\('cpu', dtype=torch.bfloat16"
+                                               r"\), and this engine computes .* in torch.float32: the session 'a' "
+                                               "is as it was") as refused:
+            engine.execute(request(engine, "r1", "a", seed=1))
+    assert "outside the autocast block" in refused.value.hint
+    assert [view.num_requests for view in engine.runner.sessions()] == [1]
+    got += [engine.execute(request(engine, f"r{i}", "a", seed=i))["latents"] for i in (1, 2)]
+    engine.close()
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+    # autocast to the engine's own dtype runs, as it did
+    engine = ARDiffusionEngine.from_config(CONFIGS / "causal-world-tiny.yaml", device="cpu", memory_budget="64MiB",
+                                           dtype="bfloat16")
+    engine.load()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.isfinite(engine.execute(request(engine, "r0", "a"))["latents"]).all()
+    engine.close()
+
+
 def test_an_engine_loaded_under_inference_mode_serves_requests_made_with_or_without_it():
     """A server that loads its engine under torch.inference_mode() (a decorated start-up function) and serves outside
     it: the KV pools used to be inference tensors then, which every forward writes in place, so every request failed

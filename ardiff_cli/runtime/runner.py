@@ -501,6 +501,18 @@ class ARDiffusionModelRunner:
         """Run one request on its session; see ``ARDiffusionRequest`` for the lifecycle flags."""
         return self._execute(request, internal=False)
 
+    def _refuse_autocast(self, request: ARDiffusionRequest) -> None:
+        """Under ``torch.autocast`` to another dtype than the engine's, the forward would make K/V the pools cannot
+        take and fail half way, releasing the session: refused before it is touched instead."""
+        kind = self.device.type
+        if not torch.is_autocast_enabled(kind) or torch.get_autocast_dtype(kind) == self.dtype:
+            return
+        raise RequestError(
+            f"request {shown(request.request_id)} runs under torch.autocast({kind!r}, "
+            f"dtype={torch.get_autocast_dtype(kind)}), and this engine computes and keeps its KV cache in "
+            f"{self.dtype}: the session {shown(request.session_id)} is as it was",
+            hint="run requests outside the autocast block; for another dtype, set runtime.dtype in the config")
+
     def execute_model_batch(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"{REQUEST_MODE_ONLY}; execute_model_batch is not available")
 
@@ -522,6 +534,7 @@ class ARDiffusionModelRunner:
         if session_id == WARMUP_SESSION_ID and not internal:
             raise RequestError(f"session id {WARMUP_SESSION_ID!r} is reserved for warmup",
                                hint="name the session otherwise")
+        self._refuse_autocast(request)
         start = time.perf_counter()
         check = getattr(self.pipeline, "check_ar_diffusion_request", None)
         if check is not None:  # inputs the forward would refuse: nobody is evicted, restored, reset or released
