@@ -168,14 +168,14 @@ PipelineOpt = Annotated[
     typer.Option("--pipeline", rich_help_panel=RUNTIME_PANEL, metavar="NAME|MODULE:CLASS",
                  help="Use this pipeline instead of the config's: a registered name, or MODULE:CLASS to import a "
                       "pipeline class (one that carries Config and observation_schema, like "
-                      "pipelines.dreamzero.pipeline:DreamZeroPipeline). Importing runs MODULE's code, so only this "
+                      "mylab.models:World). Importing runs MODULE's code, so only this "
                       "option can ask for it, never a config file. \\[default: the config's pipeline]",
                  show_default=False),
 ]
 OutOpt = Annotated[
     Optional[Path],
     typer.Option("--out", "-o", metavar="DIR", parser=parse_path, callback=expand_home,
-                 help="Output folder. \\[default: ./ardiff-runs/<timestamp>]", show_default=False),
+                 help="Output folder. \\[default: a new folder in ./ardiff-runs, named by the time]", show_default=False),
 ]
 DeviceOpt = Annotated[
     Optional[str],

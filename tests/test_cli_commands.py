@@ -92,6 +92,14 @@ def test_help_paragraphs_are_not_broken_mid_sentence():
             assert not unboxed, (command, line, after)  # outside the boxes, one paragraph is one line at 400 columns
 
 
+def test_help_on_an_80_column_terminal_cuts_no_word():
+    """A terminal's default width: the help column is about 20 characters there, and words longer than it were cut
+    with an ellipsis: "./ardiff-runs/<time…", "OUT/previews/EPISOD…", "pipelines.dreamzero.pi…"."""
+    for command in ([], ["rollout"], ["warmup"], ["inspect-capacity"]):
+        result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "80"})
+        assert result.exit_code == 0 and "…" not in result.stdout, result.stdout
+
+
 def test_help_shows_brackets_in_option_help_instead_of_reading_them_as_markup():
     # Rich markup would swallow "[vllm]" and tell the user to install plain "ardiff".
     help_text = runner.invoke(app, ["warmup", "--help"], env={"COLUMNS": "400"}).stdout

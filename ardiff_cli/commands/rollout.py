@@ -146,7 +146,7 @@ def rollout(
              "again.")] = False,
     preview: Annotated[bool, typer.Option(
         "--preview", metavar=FLAG,
-        help="Write OUT/previews/EPISODE.png: observed (top) versus predicted (bottom) frames.")] = False,
+        help="Write a PNG of each episode in OUT/previews: observed (top) versus predicted (bottom) frames.")] = False,
     swap_space: Annotated[Optional[str], typer.Option(
         "--swap-space", metavar="SIZE", callback=check_swap_space,
         help="Disk space (e.g. 2GiB) for snapshots of evicted sessions, in OUT/.swap while the run lasts: an "
