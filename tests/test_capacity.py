@@ -309,6 +309,47 @@ def test_visible_tokens_over_max_model_len_are_refused_by_plan_and_cache():
     assert plan_capacity(dataclasses.replace(spec, max_model_len=24), "float32", GIB).session_capacity == 1
 
 
+def test_max_model_len_counts_the_tokens_a_call_sees_not_the_pages_scratch_rounds_up_to():
+    """Registers that do not fill a page: the longest call is 2 window frames + a 1-frame block + 1 register = 13
+    tokens, but the check counted the scratch as whole pages (16 tokens) and refused max_model_len=13, saying the call
+    could see 16 (lingbot-world-14b's geometry, 1,560-token frames and 1 register, was told of 1,559 tokens too
+    many)."""
+    spec = ARDiffusionKVCacheSpec(num_layers=1, num_kv_heads=1, head_size=4, tokens_per_frame=4, frames_per_block=1,
+                                  window_frames=2, kv_branches=(ARDiffusionKVBranchSpec("main", 0),),
+                                  session_capacity=1, max_scratch_tokens_per_branch=1, max_model_len=13)
+    assert plan_capacity(spec, "float32", GIB).session_capacity == 1
+    cache = ARDiffusionKVCache(spec, 64)
+    state = cache.new_state("s")
+    longest = 0
+    for _ in range(4):  # past the window: every later call sees the whole window, the block and its register
+        layer = state.get_kv_caches("main", 4, commit_current=True)[0]
+        x = torch.randn(1, 5, 4)
+        layer.attend(x, x, x)
+        longest = max(longest, state.adapter("main").num_resident_frames * 4 + 5)
+        state.commit("main")
+        with pytest.raises(ValueError, match="0..1 scratch register tokens"):  # no call sees more
+            state.get_kv_caches("main", 4)[0].attend(*(torch.randn(1, 6, 4),) * 3)
+    assert longest == 13
+    with pytest.raises(ConfigError, match=r"one attention call can see 13 tokens .* more than max_model_len=12$"):
+        plan_capacity(dataclasses.replace(spec, max_model_len=12), "float32", GIB)
+
+
+def test_a_window_that_would_fit_if_shorter_is_named_not_the_frame_size():
+    """16-token frames, 1 register, max_model_len=40: a 1-frame window and block see 33 tokens, which fits, but the
+    config check counted the scratch as whole frames (48) and said to lower the frame size."""
+    from types import SimpleNamespace
+
+    from ardiff_cli.runtime.config import _check_attention_span
+
+    spec = ARDiffusionKVCacheSpec(num_layers=1, num_kv_heads=1, head_size=4, tokens_per_frame=16, frames_per_block=1,
+                                  window_frames=4, kv_branches=(ARDiffusionKVBranchSpec("main", 0),),
+                                  session_capacity=1, max_scratch_tokens_per_branch=1, max_model_len=40)
+    with pytest.raises(ConfigError, match=r"^c.yaml: field 'model.window_frames': one attention call can see 81 ") as e:
+        _check_attention_span(spec, SimpleNamespace(window_frames=4, sink_frames=0, frames_per_block=1), "c.yaml")
+    assert e.value.hint == "lower 'model.window_frames', or raise the pipeline's max_model_len"
+    assert plan_capacity(dataclasses.replace(spec, window_frames=1), "float32", GIB).session_capacity == 1
+
+
 def test_planner_imports_no_torch():
     code = (
         "import sys; from ardiff_cli.runtime import plan_capacity, ARDiffusionKVCacheSpec; "

@@ -512,7 +512,7 @@ CONFIG_CASES = {
     "impossible_date": ("pipeline: dreamzero\nruntime: {device: 2024-13-45}\n", "inspect-capacity",
                         ["{config}: cannot read a value: month must be in 1..12"], "quote the value"),
     "window_beyond_max_model_len": ("pipeline: causal_world\nmodel: {preset: tiny, window_frames: 100000}\n", "warmup",
-                                    ["{config}: field 'model.window_frames': one attention call can see 1600112 "
+                                    ["{config}: field 'model.window_frames': one attention call can see 1600097 "
                                      "tokens (sink + window + block + scratch), more than max_model_len=1048576 "
                                      "(sink_frames=3, window_frames=100000, frames_per_block=3, 16 tokens per frame, "
                                      "1 register token)"], "lower 'model.window_frames'"),
@@ -528,11 +528,11 @@ CONFIG_CASES = {
     # A frame of max_model_len tokens, or of half of it: no window or block fits, yet 'model.window_frames' (the most
     # frames) was named, and lowering it to 1 left the call 3 frames long.
     "frame_no_window_fits": ("pipeline: causal_world\nmodel: {preset: tiny, height: 8192, width: 8192}\n",
-                             "inspect-capacity", ["Error: {config}: one attention call can see 13631488 tokens",
+                             "inspect-capacity", ["Error: {config}: one attention call can see 12582913 tokens",
                                                   "1048576 tokens per frame"],
                              "lower the frame size (tokens per latent frame)"),
     "half_frame_no_window_fits": ("pipeline: causal_world\nmodel: {preset: tiny, height: 4096, width: 8192}\n",
-                                  "inspect-capacity", ["Error: {config}: one attention call can see 6815744 tokens",
+                                  "inspect-capacity", ["Error: {config}: one attention call can see 6291457 tokens",
                                                        "524288 tokens per frame"],
                                   "lower the frame size (tokens per latent frame)"),
     "device_index_not_a_number": ("pipeline: dreamzero\nruntime: {device: 'cuda:x'}\n", "inspect-capacity",

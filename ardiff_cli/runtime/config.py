@@ -18,7 +18,6 @@ A config file::
 from __future__ import annotations
 
 import importlib.resources
-import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePath
@@ -382,7 +381,7 @@ def _check_attention_span(spec: ARDiffusionKVCacheSpec, model: Any, where: str) 
         largest = max(frames, key=frames.get)
         if registers > frames[largest] * tokens:
             field, fix = "", "the pipeline's register tokens per branch"
-        elif tokens * (1 + math.ceil((tokens + registers) / tokens)) > spec.max_model_len:
+        elif 2 * tokens + registers > spec.max_model_len:
             # not even a one-frame window and a one-frame block (with the registers) fit: no frame count can help
             field, fix = "", "the frame size (tokens per latent frame)"
         elif getattr(model, largest, None) == frames[largest]:

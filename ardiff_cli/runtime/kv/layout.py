@@ -81,7 +81,9 @@ class KVLayout:
             scratch_tokens=max(derived, blocks * spec.tokens_per_frame),
             scratch_in_pages=attention_backend != "torch",
         )
-        visible = layout.max_visible_pages * page_size
+        # The longest call: the whole sink + window, the block and every register (tokens, not the pages the scratch
+        # rounds up to: a pipeline whose max_model_len was exactly that was refused, told of up to a page more).
+        visible = layout.retained_frames * spec.tokens_per_frame + layout.scratch_tokens
         if visible > spec.max_model_len:  # here, so the capacity plan refuses what loading would
             hint = "use a smaller window or fewer sink frames, or raise the pipeline's max_model_len"
             if layout.scratch_tokens > derived:  # the variable raised scratch: name it if the window alone fits
