@@ -185,6 +185,20 @@ def test_a_kv_only_dtype_is_refused_as_the_model_dtype(dtype):
         load_config({"pipeline": "causal_world", "model": {"preset": "tiny"}, "runtime": {"dtype": dtype}})
 
 
+def test_runtime_overrides_take_torch_dtypes_and_devices():
+    """from_config(..., dtype=torch.bfloat16) was refused as "expected float32 | bfloat16 | float16, got
+    torch.bfloat16", and device=torch.device('cpu') as "expected auto, cpu, cuda or cuda:N"; numpy's numbers were
+    taken already."""
+    import torch
+
+    cfg = load_config("causal-world-tiny").with_runtime(dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert (cfg.runtime.dtype, cfg.runtime.device) == ("bfloat16", "cpu")
+    assert load_config("causal-world-tiny").with_runtime(device=torch.device("cuda", 1)).runtime.device == "cuda:1"
+    with pytest.raises(ConfigError, match="field 'runtime.dtype': expected float32 \\| bfloat16 \\| float16, got "
+                                          "torch.float64"):
+        load_config("causal-world-tiny").with_runtime(dtype=torch.float64)
+
+
 @pytest.mark.parametrize("config_pipeline", ["causal_world", None])
 def test_a_model_error_blames_pipeline_only_when_the_config_names_another(config_pipeline):
     """--pipeline naming the config's own pipeline (or a config without `pipeline:`) is no mismatch to hint at."""

@@ -90,12 +90,21 @@ class RuntimeConfig:
 MAX_CUDA_INDEX = 127  # torch.device's index is an 8-bit signed integer
 
 
+def torch_spelling(value: Any) -> Any:
+    """``str()`` of a ``torch.dtype`` or ``torch.device`` ('torch.bfloat16', 'cuda:1'), which a Python caller's runtime
+    overrides may be (``from_config(..., dtype=torch.bfloat16)`` was refused as "expected float32 | bfloat16 |
+    float16, got torch.bfloat16"); any other value as it is. Without importing torch."""
+    kind = type(value)
+    return str(value) if kind.__module__ == "torch" and kind.__name__ in ("dtype", "device") else value
+
+
 def device_name(value: Any) -> str | None:
     """The canonical spelling (auto, cpu, cuda, cuda:N) of a device given in any case, or None when ``value`` is
     not one. ``runtime.device`` and ``--device`` both read devices through this, so they take the same spellings.
     The index is ASCII digits: ``\\d`` would take ``cuda:\\u0661``, which torch.device() refuses. It is written
     without leading zeros (torch.device() refuses ``cuda:01``) and is at most MAX_CUDA_INDEX: torch keeps it in 8
     bits, so ``cuda:256`` was ``cuda:0``."""
+    value = torch_spelling(value)
     if not isinstance(value, str):
         return None
     name = value.strip().lower()
@@ -109,6 +118,7 @@ def model_dtype_name(value: Any) -> str | None:
     """float32, bfloat16 or float16 from any spelling ``dtype_name`` reads (fp32, float, bf16, fp16, half,
     torch.float16), in any case; None when ``value`` is not one. ``runtime.dtype`` and ``--dtype`` both read
     dtypes through this."""
+    value = torch_spelling(value)
     if not isinstance(value, str):
         return None
     try:
