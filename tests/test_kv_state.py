@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ardiff_cli.runtime.capability import ARDiffusionCrossAttentionKVSpec, ARDiffusionKVBranchSpec
+from ardiff_cli.runtime.errors import ConfigError
 from ardiff_cli.runtime.kv import attention
 from ardiff_cli.runtime.kv.allocator import KVCacheExhaustedError
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
@@ -841,6 +842,67 @@ def test_a_page_size_that_is_not_positive_is_a_value_error(make_spec, page_size)
 def test_scratch_blocks_that_are_not_positive_are_refused(make_spec, blocks):
     with pytest.raises(ValueError, match=f"scratch_blocks must be positive, got {blocks}"):
         KVLayout.from_spec(make_spec(), scratch_blocks=blocks)
+
+
+@pytest.mark.parametrize("page_size", ["2", 2.0, True])
+def test_a_page_size_that_is_not_an_int_is_refused_by_the_planner_and_the_cache(make_spec, page_size):
+    """'2' was a TypeError from a comparison (naming no argument); 2.0 planned float byte counts and then failed in
+    torch.zeros; True planned one-token pages."""
+    from ardiff_cli.runtime.capacity import plan_capacity
+
+    expected = f"page_size must be a positive divisor of tokens_per_frame=4, got {page_size!r} \\(an int"
+    with pytest.raises(ValueError, match=expected):
+        plan_capacity(make_spec(), "float32", 1 << 30, page_size=page_size)
+    with pytest.raises(ValueError, match=expected):
+        ARDiffusionKVCache(make_spec(), 100, page_size=page_size)
+
+
+def test_a_numpy_page_size_plans_python_ints(make_spec):
+    """numpy's int64 (a page size computed with numpy) went into the plan as it was: to_dict() was not JSON."""
+    import json
+
+    import numpy as np
+
+    from ardiff_cli.runtime.capacity import plan_capacity
+
+    plan = plan_capacity(make_spec(), "float32", 1 << 30, page_size=np.int64(2))
+    assert type(plan.page_size) is int and type(plan.bytes_per_page) is int
+    assert json.loads(json.dumps(plan.to_dict()))["page_size"] == 2
+
+
+@pytest.mark.parametrize("blocks", [1.5, "2", True])
+def test_scratch_blocks_that_are_not_ints_are_refused(make_spec, blocks):
+    """1.5 and True were taken (1.5 blocks of scratch tokens, a float size for the workspace)."""
+    with pytest.raises(ValueError, match=f"scratch_blocks must be positive, got {blocks!r} \\(an int"):
+        KVLayout.from_spec(make_spec(), scratch_blocks=blocks)
+
+
+@pytest.mark.parametrize("pages", ["10", 7.5, True])
+def test_a_page_count_that_is_not_an_int_is_refused_by_name(make_spec, pages):
+    """'10' was a TypeError from a comparison; 7.5 failed in the allocator as 'num_pages ... got 8.5'."""
+    with pytest.raises(ValueError, match=f"^num_managed_pages must be an integer, got {pages!r}$"):
+        ARDiffusionKVCache(make_spec(), pages)
+
+
+@pytest.mark.parametrize("name, dtype", [("bfloat16", torch.bfloat16), ("fp16", torch.float16),
+                                         ("Float32", torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_the_cache_takes_a_dtype_by_name_as_the_planner_does(make_spec, name, dtype):
+    """plan_capacity takes 'bfloat16'; the cache failed on it with a TypeError from torch.zeros."""
+    cache = ARDiffusionKVCache(make_spec(), 100, dtype=name)
+    assert cache.pool.kv.dtype == dtype
+    state = cache.new_state("s")
+    q = torch.randn(2, 4, 8).to(dtype)
+    out = state.get_kv_caches("positive", 4, commit_current=True)[0].attend(q, q, q)
+    assert out.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.float8_e4m3fn, "float8_e5m2", "int8", None])
+def test_the_cache_refuses_a_dtype_attention_does_not_run_in(make_spec, dtype):
+    """float64 and int32 pools were built (int32 then failed at the first attend: 'expected scalar type Float but
+    found Int'), and a float8 one at its first commit ('index_copy_cpu' not implemented)."""
+    with pytest.raises(ConfigError, match=r"^ARDiffusionKVCache\(\): unsupported KV dtype .*; expected one of "
+                                          r"float32, bfloat16, float16$"):
+        ARDiffusionKVCache(make_spec(), 100, dtype=dtype)
 
 
 @pytest.mark.parametrize("value", ["", "   "])

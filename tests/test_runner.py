@@ -362,6 +362,19 @@ def test_a_memory_budget_is_a_byte_size_as_the_engine_takes_it():
         ARDiffusionModelRunner(TinyPipeline(), memory_budget=True)
 
 
+def test_a_dtype_is_a_name_or_a_torch_dtype_as_the_planner_takes_it():
+    """dtype='float32' was planned, then failed at load with a TypeError from torch.zeros (the planner's own hint for a
+    wrong dtype says to pass its name); a float8 dtype, which the planner sizes, loaded and failed in the KV core."""
+    runner = make_runner(dtype="float32")
+    assert runner.dtype is torch.float32 and runner.kv_cache.pool.kv.dtype == torch.float32
+    runner.execute_model(request("a", 0))
+    assert runner.pool_usage().num_used > 0
+    for dtype in (torch.float8_e4m3fn, torch.float64, "int8"):
+        with pytest.raises(ConfigError, match=r"^ARDiffusionModelRunner\(\): unsupported KV dtype .*; expected one of "
+                                              r"float32, bfloat16, float16$"):
+            ARDiffusionModelRunner(TinyPipeline(), dtype=dtype, memory_budget=BUDGET)
+
+
 def test_a_session_past_the_free_memory_is_not_told_to_raise_a_budget_it_was_not_given():
     """Without a memory budget the plan has the device's free memory; its CapacityError said "a larger
     --memory-budget" all the same (`ardiff warmup` of a config too large for the host), which would plan past

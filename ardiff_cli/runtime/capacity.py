@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.errors import CapacityError, ConfigError
-from ardiff_cli.runtime.kv.layout import KVLayout
+from ardiff_cli.runtime.kv.layout import KVLayout, as_int
 
 # The most sessions a plan takes: every session holds pages, and a block table indexes pages with int32 (vLLM's
 # kernels), so no pool holds more. Also keeps a plan's figures within a float (10**400 sessions overflowed them).
@@ -59,15 +59,6 @@ def format_bytes(num_bytes: float) -> str:
     if unit == "B":
         return f"{value:.0f} B"
     return f"{value:.2f} {unit}" if abs(value) < 1024 else f"{value:.3g} {unit}"
-
-
-def as_int(value: object) -> int | None:
-    """``value`` as a Python int when it is an integer of any kind (int, numpy's int64, ...) but not a bool; else None."""
-    if type(value) is int:  # the common case, without the ABC check (every forward's seq_len comes here)
-        return value
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    return None
 
 
 def as_fraction(value: object) -> float | None:

@@ -69,7 +69,7 @@ from ardiff_cli.runtime.events import (
     WarmupFinished,
 )
 from ardiff_cli.runtime.kv.backends import select_attention_backend
-from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
+from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache, kv_dtype
 from ardiff_cli.runtime.kv.layout import KVLayout
 from ardiff_cli.runtime.kv.state import ARDiffusionKVState
 from ardiff_cli.runtime.outputs import output_problem
@@ -249,7 +249,9 @@ class ARDiffusionModelRunner:
     ) -> None:
         self.pipeline = pipeline  # the model; sees KV only through bind_ar_diffusion_state
         self.device = torch.device(device)
-        self.dtype = dtype  # KV dtype, equal to the model's activation dtype
+        # KV dtype, equal to the model's activation dtype (a name as plan_capacity takes it: 'bfloat16' was a TypeError
+        # from torch.zeros at load, after the plan had taken it)
+        self.dtype = kv_dtype(dtype, "ARDiffusionModelRunner()")
         self.max_num_seqs = max_num_seqs  # must be 1: request mode only
         self.step_execution = step_execution  # must be False: request mode only
         # explicit "available" bytes (an int, or text such as '2GiB'); None = measure the device

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
+from ardiff_cli.runtime.capacity import as_int, dtype_name
+from ardiff_cli.runtime.errors import ConfigError
 from ardiff_cli.runtime.kv.allocator import PageAllocator
 from ardiff_cli.runtime.kv.layout import KVLayout
 from ardiff_cli.runtime.kv.pool import KVPagePool
@@ -20,6 +22,25 @@ from ardiff_cli.runtime.kv.state import ARDiffusionKVState
 
 if TYPE_CHECKING:
     from ardiff_cli.runtime.kv.vllm_attention import PagedKernel
+
+
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kv_dtype(dtype: object, where: str) -> torch.dtype:
+    """The torch dtype of the KV pools for ``dtype``, a torch dtype or any name ``dtype_name`` reads ('bfloat16',
+    'fp16'); a ``ConfigError`` naming ``where`` for any other. The planner sizes float8 too, but attention does not
+    run in it: a float8 pool failed at the first commit ("index_copy_cpu" not implemented), a float64 or int32 one was
+    taken, and a name was a TypeError from torch.zeros."""
+    try:
+        name = dtype_name(dtype.strip().lower() if isinstance(dtype, str) else dtype)
+    except ConfigError:
+        name = None
+    if name not in KV_DTYPES:
+        raise ConfigError(f"{where}: unsupported KV dtype {dtype!r}; expected one of {', '.join(KV_DTYPES)}",
+                          hint="pass a torch.dtype or its name, such as torch.bfloat16 or 'bfloat16' (the model's "
+                               "activation dtype)")
+    return KV_DTYPES[name]
 
 
 class ARDiffusionKVCache:
@@ -38,6 +59,10 @@ class ARDiffusionKVCache:
     ) -> None:
         if not isinstance(spec, ARDiffusionKVCacheSpec):
             raise TypeError(f"spec must be an ARDiffusionKVCacheSpec, got {type(spec).__name__}")
+        dtype = kv_dtype(dtype, "ARDiffusionKVCache()")
+        given, num_managed_pages = num_managed_pages, as_int(num_managed_pages)
+        if num_managed_pages is None:
+            raise ValueError(f"num_managed_pages must be an integer, got {given!r}")
         # Any paged-kernel backend reads the uncommitted block from scratch pages; torch stages it.
         backend_kind = "torch" if isinstance(attention_backend, str) and attention_backend == "torch" else "vllm"
         layout = KVLayout.from_spec(spec, page_size=page_size, scratch_blocks=scratch_blocks,

@@ -7,6 +7,7 @@ Pure arithmetic shared by the pools (which allocate) and the capacity planner
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -37,6 +38,16 @@ def scratch_blocks_from_env() -> int:
     return value
 
 
+def as_int(value: object) -> int | None:
+    """``value`` as a Python int when it is an integer of any kind (int, numpy's int64, ...) but not a bool; else None.
+    Here, below the planner (``capacity`` imports it from this module), as the layout reads its own arguments."""
+    if type(value) is int:  # the common case, without the ABC check (every forward's seq_len comes here)
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """How one spec is laid out in pages. All counts are per worker.
@@ -64,14 +75,19 @@ class KVLayout:
         scratch_blocks: int | None = None,
         attention_backend: str = "torch",
     ) -> KVLayout:
-        page_size = spec.tokens_per_frame if page_size is None else page_size
-        if page_size <= 0 or spec.tokens_per_frame % page_size:
+        # Whole numbers only (numpy's too, made ints): '2' failed as a TypeError in a comparison, and 2.0 or True
+        # were taken, 2.0 giving a plan of float byte counts.
+        given = page_size
+        page_size = spec.tokens_per_frame if page_size is None else as_int(page_size)
+        if page_size is None or page_size <= 0 or spec.tokens_per_frame % page_size:
             raise ValueError(
-                f"page_size must be a positive divisor of tokens_per_frame={spec.tokens_per_frame}, got {page_size}"
+                f"page_size must be a positive divisor of tokens_per_frame={spec.tokens_per_frame}, got {given!r}"
+                + ("" if page_size is not None else " (an int: a whole number of tokens)")
             )
-        blocks = scratch_blocks_from_env() if scratch_blocks is None else scratch_blocks
-        if blocks <= 0:
-            raise ValueError(f"scratch_blocks must be positive, got {blocks}")
+        blocks = scratch_blocks_from_env() if scratch_blocks is None else as_int(scratch_blocks)
+        if blocks is None or blocks <= 0:
+            raise ValueError(f"scratch_blocks must be positive, got {scratch_blocks!r}"
+                             + ("" if blocks is not None else " (an int: a whole number of blocks)"))
         block_tokens = spec.frames_per_block * spec.tokens_per_frame
         derived = block_tokens + spec.max_scratch_tokens_per_branch
         layout = cls(
