@@ -50,6 +50,9 @@ class StopSignals:
         self._notice = notice
         self._stopping = False  # a stop was raised already: later signals are only recorded
         self.raised: int | None = None  # the signal the handler raised as ``Interrupted``
+        # signals that arrived once the stop was raised or the outcome held: the teardown may cut its optional work
+        # short for one (a stopped rollout saving its resident sessions for --resume)
+        self.after_stop: list[int] = []
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopSignals:
@@ -76,6 +79,8 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         first = self.pending is None
+        if self._stopping:
+            self.after_stop.append(signum)
         if self._depth or self._stopping or _importing(frame) or (self._steps and first):
             self.pending = self.pending or signum
             if first and self._steps and not self._stopping and self._notice is not None:

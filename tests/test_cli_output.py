@@ -865,6 +865,17 @@ def test_after_hold_a_signal_is_only_recorded():
         signal.raise_signal(signal.SIGTERM)
         signals.check()  # the command's outcome is decided: nothing is raised
     assert signals.pending == signal.SIGTERM
+    assert signals.after_stop == [signal.SIGTERM]  # for the teardown's optional work to stop at
+
+
+def test_signals_after_the_stop_are_listed_but_not_the_stop_itself():
+    with StopSignals() as signals:
+        with pytest.raises(Interrupted):
+            signal.raise_signal(signal.SIGINT)  # between steps: raised at once
+        assert signals.after_stop == []
+        signal.raise_signal(signal.SIGTERM)  # the stop is on its way: recorded
+        signal.raise_signal(signal.SIGINT)
+    assert signals.after_stop == [signal.SIGTERM, signal.SIGINT]
 
 
 def test_outside_the_main_thread_it_installs_nothing_and_does_not_fail():

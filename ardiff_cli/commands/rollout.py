@@ -756,7 +756,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 try:
                     if engine is not None and driver is not None and error is not None and not run.moved():
                         if stopped:
-                            _swap_out_resident(engine, driver, output)
+                            _swap_out_resident(engine, driver, output, signals)
                         # for --resume to restore, not replay
                         kept = _keep_swapped(engine, driver, swap_dir, p.info["started"], output)
                         monitor.keep_snapshots(len(kept), _bytes_of(swap_dir, (file for file, _ in kept.values())))
@@ -826,20 +826,29 @@ def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, d
     return swapped
 
 
-def _swap_out_resident(engine: Any, driver: Any, output: Output) -> None:
+def _swap_out_resident(engine: Any, driver: Any, output: Output, signals: Any) -> None:
     """Swap out the sessions resident when a signal stopped the run (or stdout's reader went away), so that
     ``_keep_swapped`` keeps them with the swapped-out ones and --resume restores every partly done episode
     instead of replaying its steps. Only those whose count of consumed steps the runner agrees with: a stop
     between a forward and the rollout's count of it leaves its session to be replayed (and the runner itself
     releases the session whose forward the stop interrupted, and leaves one whose request it cut short). Only
     the swap space left is used. Not after a failure (a bug, a full disk, --fail-fast): the sessions go as before.
-    A second signal meanwhile is only recorded (``StopSignals``): this runs whole."""
+    One at a time: a signal meanwhile (``StopSignals.after_stop``: "again to stop at once", several GiB a 14B
+    session) stops it after the snapshot being written, and the sessions left replay."""
     steps = driver.resident_steps()
     ids = [view.session_id for view in engine.runner.sessions() if steps.get(view.session_id) == view.num_requests]
-    swapped = engine.runner.swap_out_sessions(ids)
+    swapped: dict[str, int] = {}
+    for number, session_id in enumerate(ids):
+        if signals.after_stop:
+            name = signal.Signals(signals.after_stop[-1]).name
+            output.info(f"{name}: stopped saving the resident sessions for --resume: {len(swapped)} saved, "
+                        f"{_count(len(ids) - number, 'session')} not (their episodes replay their done steps)")
+            break
+        swapped.update(engine.runner.swap_out_sessions([session_id]))
     if ids:
         output.debug(f"swapped out {len(swapped)} of the {len(ids)} resident sessions for --resume to restore (the "
-                     "others, if any, did not fit in the swap space left, or could not be exported: they replay)")
+                     "others, if any, did not fit in the swap space left, could not be exported, or a signal "
+                     "stopped the saving: they replay)")
 
 
 def _keep_swapped(engine: Any, driver: Any, swap_dir: Path, run: float, output: Output) -> dict[str, tuple[str, int]]:
