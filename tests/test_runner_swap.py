@@ -15,6 +15,7 @@ import sys
 import threading
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from tiny_pipeline import TinyPipeline, request, tiny_spec
@@ -169,6 +170,26 @@ def test_a_snapshot_of_another_request_count_than_the_caller_counts_is_not_resto
     run(engine, "a", 0)  # b swapped out after 1 request: the right count restores it
     assert runner.restore_session("b", num_requests=1) and runner.sessions()[-1].num_requests == 1
     engine.close()
+
+
+def test_a_request_count_of_another_type_is_a_request_error_and_keeps_the_snapshot(tmp_path):
+    # '1' read from a JSON file: it was compared with the snapshot's 1, "it holds 1 requests, not the 1 expected",
+    # and the snapshot deleted, the session's history lost to a caller's type mistake
+    engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    runner = engine.runner
+    first = run(engine, "a", 0)
+    run(engine, "b", 0)  # a swapped out after 1 request
+    for bad in ("1", 1.0, True, -1, [1]):
+        with pytest.raises(RequestError, match=r"restore_session\(\): num_requests must be a non-negative integer"):
+            runner.restore_session("a", num_requests=bad)
+        assert runner.swap.has("a") and runner.session_ids == ["b"]
+    assert runner.restore_session("a", num_requests=np.int64(1))  # a numpy count is an integer
+    second = run(engine, "a", 1)
+    engine.close()
+    alone, _ = engine_for("causal-world-tiny", capacity=1)
+    assert_same(run(alone, "a", 0), first, "first step")
+    assert_same(run(alone, "a", 1), second, "the step after the restore")
+    alone.close()
 
 
 def test_over_budget_drops_the_least_recently_swapped_snapshot(tmp_path):
@@ -1245,6 +1266,30 @@ def test_a_detached_snapshot_adopted_by_a_later_runner_restores_the_same_session
     assert [e.session_id for e in events if e.kind == "session_restored"] == ["a"]
     second.close()
     assert not tmp_path.exists()  # adopted, restored and deleted: nothing left, folder included
+
+
+def test_a_detached_snapshot_is_not_written_over_by_the_runner_that_goes_on_serving(tmp_path):
+    # detach_snapshots() leaves the files for a later process, and the runner goes on serving: a new session of the
+    # same id, swapped out, was written under the same name over the file left (its history replaced), and
+    # close() then deleted it: the later process found no file to adopt
+    engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    run(engine, "a", 0)
+    run(engine, "b", 0)  # a swapped out after step 0
+    kept = engine.runner.detach_snapshots()
+    left = (tmp_path / kept["a"]).read_bytes()
+    run(engine, "a", 5)  # a new session a (the detached one is forgotten); b swapped out
+    run(engine, "b", 1)  # b restored; the new a swapped out
+    engine.runner.swap.flush()
+    assert (tmp_path / kept["a"]).read_bytes() == left
+    engine.close()
+    later, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
+    assert later.runner.adopt_snapshot("a", kept["a"]) is True
+    resumed = run(later, "a", 1)
+    later.close()
+    alone, _ = engine_for("causal-world-tiny", capacity=1)
+    run(alone, "a", 0)
+    assert_same(run(alone, "a", 1), resumed, "the step after the detached snapshot")
+    alone.close()
 
 
 @pytest.mark.parametrize("name", ["causal-world-tiny", "dreamzero-tiny"])

@@ -32,6 +32,7 @@ from ardiff_cli.runtime.capability import (
 )
 from ardiff_cli.runtime.capacity import (
     CapacityPlan,
+    as_int,
     available_host_memory,
     checked_bytes,
     format_bytes,
@@ -901,9 +902,15 @@ class ARDiffusionModelRunner:
         the caller counts, when given) raises ``SwapRestoreError``: the
         snapshot is deleted and no part of the session stays resident. A ``StopRequested`` (such as
         the CLI's ``Interrupted``) or a ``KeyboardInterrupt`` meanwhile leaves it so too, and propagates as itself.
-        A request for a swapped-out session (without ``reset``) restores it so first."""
+        A request for a swapped-out session (without ``reset``) restores it so first. A ``num_requests`` that is not
+        a non-negative integer is a ``RequestError``, raised before the snapshot is touched."""
         self._require_loaded()
         _require_session_id("restore_session", session_id)
+        if num_requests is not None and (as_int(num_requests) is None or num_requests < 0):
+            # a count of another type ('1' from a JSON file) was told apart from the snapshot's, which was deleted
+            raise RequestError(f"restore_session(): num_requests must be a non-negative integer or None, got "
+                               f"{shown(num_requests)} ({type(num_requests).__name__})",
+                               hint="pass the number of requests the session had run (an int), or leave it out")
         if session_id == WARMUP_SESSION_ID:
             raise RequestError(f"session id {WARMUP_SESSION_ID!r} is reserved for warmup, which is never swapped",
                                hint="name a session that was evicted")

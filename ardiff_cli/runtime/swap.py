@@ -404,7 +404,7 @@ class SwapStore:
         written without a flush (a session swapped out in a run is read back by it, or deleted), so a power loss
         after the caller recorded the result (the CLI's kept.json) would have left files it names with their data
         lost, restored as zeros. A write that failed, or a file the disk would not flush (deleted), is in
-        ``failures``."""
+        ``failures``. Later snapshots of this store are named anew, never as a file left."""
         self.flush()
         for session_id, snapshot in list(self._files.items()):
             try:
@@ -424,6 +424,9 @@ class SwapStore:
         self._files.clear()
         self._owners.clear()
         self._nbytes = 0
+        # The files left keep their names: this store's later snapshots of those sessions (it may go on serving) get
+        # others, or they were written over the files left, and deleted with them by clear().
+        self._salt = secrets.token_bytes(16)
         return kept
 
     def adopt(self, session_id: str, name: str) -> bool:
