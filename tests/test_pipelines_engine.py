@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ardiff_cli.runtime.engine import ARDiffusionEngine
@@ -71,7 +73,7 @@ def test_causal_world_warmup_and_rollout():
     engine.close()
 
 
-@pytest.mark.parametrize("problem", ["missing joint_position", "two frames"])
+@pytest.mark.parametrize("problem", ["missing joint_position", "two frames", "a prompt that is no text"])
 def test_a_request_with_bad_inputs_is_refused_and_the_session_kept(problem):
     engine, events = engine_for("dreamzero-tiny")
     pipe = engine.pipeline
@@ -79,6 +81,11 @@ def test_a_request_with_bad_inputs_is_refused_and_the_session_kept(problem):
     before = engine.runner.sessions()
     if problem == "two frames":  # the schema takes any number: the pipeline's own check refuses it
         bad, match = pipe.example_inputs(2), "cameras carry 2 frames; expected 1 .* or 4"
+    elif problem == "a prompt that is no text":
+        # what json.loads gives for a JSON client's "\udcff": the forward's tokenizer raised UnicodeEncodeError,
+        # and the session was released with the failed forward
+        bad = pipe.example_inputs(4, prompt=json.loads('"pick \\udcff up"'))
+        match = r"prompt 'prompt' holds '\\udcff' at position 5, a lone surrogate"
     else:
         bad, match = pipe.example_inputs(4), "missing 'joint_position'"
         bad.pop("joint_position")

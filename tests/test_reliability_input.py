@@ -337,7 +337,9 @@ def test_an_episode_yaml_of_the_wrong_type_is_named_not_the_step_file_that_took_
     eps = tmp_path / "eps"
     # and a prompt given twice ran with the second, silently
     texts = {"number": "prompt: 5\n", "null": "prompt:\n", "list": "- pick up the cube\n",
-             "twice": "prompt: pick up the cube\nprompt: put down the cube\n"}
+             "twice": "prompt: pick up the cube\nprompt: put down the cube\n",
+             # YAML's escape of no character: it passed as text and failed in the model's forward (UnicodeEncodeError)
+             "surrogate": 'prompt: "pick \\udcff up"\n'}
     for name, text in texts.items():
         episode(eps / name, 1)
         (eps / name / "episode.yaml").write_text(text)
@@ -350,7 +352,9 @@ def test_an_episode_yaml_of_the_wrong_type_is_named_not_the_step_file_that_took_
     said = {"number": "field 'prompt': expected the prompt as text, got 5",
             "null": "field 'prompt': expected the prompt as text, got None",
             "list": "episode metadata must be a YAML mapping, got list",
-            "twice": "key 'prompt' is given twice (lines 1 and 2); YAML would keep the second silently"}
+            "twice": "key 'prompt' is given twice (lines 1 and 2); YAML would keep the second silently",
+            "surrogate": "field 'prompt': the prompt holds '\\udcff' at position 5, a lone surrogate that is no "
+                         "character"}
     for name, message in said.items():
         assert f"Error: episode '{name}' failed: {eps / name / 'episode.yaml'}: {message}\nhint: " in proc.stderr, (
             proc.stderr)

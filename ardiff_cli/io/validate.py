@@ -29,7 +29,7 @@ class ValidStep:
 def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
                   episode_metadata: dict[str, Any]) -> ValidStep:
     """Canonical inputs for the model, or an ``ObservationError`` naming ``path`` and every problem."""
-    from ardiff_cli.runtime.observation import validate_observation
+    from ardiff_cli.runtime.observation import lone_surrogate, validate_observation
 
     prompt_keys = (schema.prompt_key, *schema.prompt_aliases) if schema.prompt_key else ()
     field_keys = {k for f in schema.fields for k in f.keys}
@@ -56,6 +56,13 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
                         f"{shown(source[key])}",
                         hint=f"write it as one line of text, quoted if YAML would read it as something else: "
                              f"{key}: \"pick up the red cube\"")
+                if source is not raw.metadata and (at := lone_surrogate(source[key])) is not None:
+                    # YAML's "\udcff" escape: no character, so no tokenizer takes it; name the file it is in
+                    raise ObservationError(
+                        f"{path.parent / METADATA_FILE}: field {key!r}: the prompt holds {source[key][at]!r} at "
+                        f"position {at}, a lone surrogate that is no character",
+                        hint=f"write the prompt as plain UTF-8 text, without \\udcXX escapes: {key}: \"pick up the "
+                             "red cube\"")
                 arrays[key] = source[key]
                 break
         else:

@@ -158,6 +158,15 @@ def _check_field(f: ObservationField, key: str, value: Any) -> tuple[Any, str | 
     return converted, None
 
 
+def lone_surrogate(text: str) -> int | None:
+    """The position of the first character of ``text`` that UTF-8 cannot encode (a lone surrogate), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
 def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *, where: str) -> dict[str, Any]:
     """Check ``arrays`` (canonical or alias keys, plus the prompt) against ``schema``.
 
@@ -183,6 +192,12 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
             elif not isinstance(value, str):
                 problems.append(f"prompt {key!r} must be a string, got {type(value).__name__}")
                 seen[schema.prompt_key] = key  # given, if wrongly: not also "missing prompt"
+            elif (surrogate := lone_surrogate(value)) is not None:
+                # JSON's "\udcff", or bytes decoded with errors="surrogateescape": no tokenizer can encode it, and
+                # the forward failed on it with a UnicodeEncodeError, its session released
+                problems.append(f"prompt {key!r} holds {value[surrogate]!r} at position {surrogate}, a lone "
+                                "surrogate that is no character (text decoded from bytes that are not UTF-8?)")
+                seen[schema.prompt_key] = key
             else:
                 out[schema.prompt_key] = value
                 seen[schema.prompt_key] = key
