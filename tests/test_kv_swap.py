@@ -6,6 +6,8 @@ what it read before: the same page contents in the same attention order, the sam
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 from test_backends import _vllm_cpu_ready
@@ -206,6 +208,43 @@ def test_a_restored_session_reads_exactly_what_it_read_before_with_vllms_cpu_ker
         for branch in ("positive", "negative"):
             got, want = block(restored, branch, seed, commit=commit), block(reference, branch, seed, commit=commit)
             assert all(torch.equal(g, w) for g, w in zip(got, want)), branch
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not _vllm_cpu_ready() or platform.machine() != "x86_64",
+                    reason="vLLM's x86 CPU attention kernels (vllm-cpu) not installed")
+def test_a_snapshot_of_vllms_cpu_blocks_laid_out_for_another_isa_is_refused_not_read_as_other_keys(make_spec):
+    """vLLM lays its bfloat16 CPU blocks out for AMX on a CPU that has it, and for "vec" on one without: a run's
+    kept snapshot resumed on the other machine has the same shapes and dtype, and was restored as it was, so
+    attention read other keys and values (max abs error 0.66 against the dense reference, bfloat16 tolerance 2e-2).
+    Blocks are written here with the ISA's reshape op only (``store``): AMX's attention needs an AMX CPU."""
+    from ardiff_cli.runtime.kv.vllm_attention import CpuAttentionKernel
+
+    overrides = dict(head_size=32, tokens_per_frame=64)  # two 32-token blocks per page, no tail
+    caches = {isa: make(make_spec, CpuAttentionKernel(32, torch.bfloat16, 32, isa=isa), dtype=torch.bfloat16,
+                        **overrides) for isa in ("amx", "vec")}
+    snapshots = {}
+    for isa, cache in caches.items():
+        state, gen = cache.new_state("a"), torch.Generator().manual_seed(0)
+        spec = state.spec
+        for _ in range(2):  # the same K/V into both
+            for ctx in state.get_kv_caches("positive", seq_len=spec.frames_per_block * 64, commit_current=True):
+                k, v = (torch.randn(spec.num_kv_heads, spec.frames_per_block * 64, 32, generator=gen).bfloat16()
+                        for _ in range(2))
+                ctx.store(k, v)
+            state.commit("positive")
+        snapshots[isa] = state.export()
+    amx, vec = snapshots["amx"], snapshots["vec"]
+    assert amx.tensors["self/positive/blocks"].shape == vec.tensors["self/positive/blocks"].shape
+    assert not torch.equal(amx.tensors["self/positive/blocks"], vec.tensors["self/positive/blocks"])  # other bytes
+    free = caches["vec"].num_free_pages
+    state = caches["vec"].new_state("b")
+    with pytest.raises(ValueError, match=r"KV snapshot of session 'b': its KV blocks are in the format "
+                                         r"'vllm-cpu-attn amx', this cache reads 'vllm-cpu-attn vec'"):
+        state.restore(amx)
+    assert caches["vec"].num_free_pages == free and state.num_pages == 0
+    state.restore(vec)  # its own format
+    assert_same_snapshot(vec, state.export())
 
 
 def test_a_snapshot_with_a_cross_cache_of_an_unknown_branch_is_refused(make_spec):

@@ -35,6 +35,8 @@ from ardiff_cli.runtime.kv.layout import KVLayout
 class KVPagePool:
     """The worker's self-attention pages and gather workspace (torch backend)."""
 
+    block_format = "torch"  # plain heads-first pages, recorded in swap snapshots (ARDiffusionKVState.export)
+
     def __init__(self, layout: KVLayout, num_managed_pages: int, dtype: torch.dtype, device: torch.device | str) -> None:
         spec = layout.spec
         # Geometry this pool was sized for.

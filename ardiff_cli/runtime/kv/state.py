@@ -381,7 +381,8 @@ class ARDiffusionKVState:
         for (branch, name), pairs in self._cross.items():
             # stacked on the host, pair by pair: no device copy of every layer's cache at an eviction
             tensors[f"cross/{branch}/{name}"] = torch.stack([torch.stack([k.cpu(), v.cpu()]) for k, v in pairs])
-        return KVSnapshot(tensors=tensors, metadata={"branches": branches, "spec": self._cache.spec_record})
+        return KVSnapshot(tensors=tensors, metadata={"branches": branches, "spec": self._cache.spec_record,
+                                                     "block_format": pool.block_format})
 
     def restore(self, snapshot: KVSnapshot) -> None:
         """Load ``snapshot`` (from :meth:`export`) into this fresh state: allocate pages, write their contents,
@@ -462,6 +463,12 @@ class ARDiffusionKVState:
             if tuple(tensor.shape) != expected[key] or tensor.dtype != pool.dtype:
                 raise ValueError(f"{where}: {key!r} is {tensor.dtype} {tuple(tensor.shape)}, expected "
                                  f"{pool.dtype} {expected[key]} (this cache's geometry, dtype and attention backend)")
+        recorded = snapshot.metadata.get("block_format")  # None: not recorded (older files)
+        if recorded is not None and recorded != pool.block_format:
+            # Same shapes, other bytes: vLLM's CPU kernel lays blocks out per ISA (AMX or not), so another machine's
+            # snapshot would be read as other keys and values, silently.
+            raise ValueError(f"{where}: its KV blocks are in the format {recorded!r}, this cache reads "
+                             f"{pool.block_format!r}: written by another attention kernel or instruction set")
         return plan
 
     # --------------------------------------------------------------- lifecycle

@@ -71,6 +71,11 @@ class PagedKernel(abc.ABC):
     block_size: int
     token_major = True  # blocks are (block, H, D): token slots are plain rows, writable with torch
 
+    @property
+    def block_format(self) -> str:
+        """How a block's bytes are laid out: a swap snapshot's blocks are restored only into the same format."""
+        return self.name
+
     def block_shape(self, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (self.block_size, num_kv_heads, head_size)
 
@@ -181,6 +186,11 @@ class CpuAttentionKernel(PagedKernel):
 
     def block_shape(self, num_kv_heads, head_size):
         return (num_kv_heads, self.block_size, head_size)
+
+    @property
+    def block_format(self):
+        # vLLM lays its CPU blocks out per ISA: bfloat16 blocks written for AMX read as other data by "vec".
+        return f"{self.name} {self.isa}"
 
     def prepare(self, pool, forward, num_q_heads):
         spec = pool.layout.spec
@@ -311,6 +321,11 @@ class PagedKernelPool:
     @property
     def description(self) -> str:
         return f"{self.kernel.name}, {self.geometry.describe()}"
+
+    @property
+    def block_format(self) -> str:
+        """The kernel's block format, recorded in swap snapshots (``ARDiffusionKVState.export``)."""
+        return self.kernel.block_format
 
     def scratch_page_ids(self, local_index: int) -> range:
         """The scratch pages of one local branch slot, contiguous."""
