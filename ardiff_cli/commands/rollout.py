@@ -525,14 +525,24 @@ def _same_device(setting: str, recorded: str | None, *, load: bool = True) -> No
 
 
 def _recorded_backend_installed(setting: str, recorded: str | None, device: str | None) -> None:
-    """A run that vLLM ran, resumed where vLLM is not installed: said before the model loads, as the run's, not as
+    """A run that vLLM ran, resumed where vLLM is not installed, or is but its kernels do not load (its CUDA build on
+    a CPU, an import that fails): said before the model loads, as the run's, not as
     an --attention-backend vllm the user did not give (whose hint, the torch backend, a resume refuses)."""
-    from ardiff_cli.runtime.kv.backends import install_instructions, vllm_installed
+    from ardiff_cli.runtime.kv.backends import install_instructions, probe_vllm_cpu, probe_vllm_flash, vllm_installed
 
-    if setting == recorded == "vllm" and not vllm_installed():
+    if setting != "vllm" or recorded != "vllm":
+        return
+    device = device or "cpu"
+    if not vllm_installed():
         raise ConfigError("this run was started with attention backend vllm, and vLLM is not installed here",
-                          hint=f"install the extra to resume it: {install_instructions(device or 'cpu')}; outputs "
+                          hint=f"install the extra to resume it: {install_instructions(device)}; outputs "
                                "are identical only with one attention backend")
+    probe = probe_vllm_cpu() if device == "cpu" else probe_vllm_flash()
+    if not probe.ok:
+        raise ConfigError(f"this run was started with attention backend vllm, and vLLM's kernels cannot run here: "
+                          f"{probe.reason}",
+                          hint=f"repair the install to resume it: {install_instructions(device)}; outputs are "
+                               "identical only with one attention backend")
 
 
 def _same_backend(here: str, setting: str, recorded: str | None) -> None:
