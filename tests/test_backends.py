@@ -650,6 +650,25 @@ def test_runner_on_vllm_cpu_matches_torch():
     assert (runs["torch"] - runs["vllm"]).abs().max().item() < 1e-4
 
 
+@pytest.mark.vllm
+@needs_vllm_cpu
+def test_vllms_import_warnings_stay_off_a_quiet_commands_stderr(cli_env, tmp_path):
+    """vllm-cpu pulls triton (through xgrammar), and vLLM's import warned "Triton is installed, but doesn't include
+    CPU backend. Disabling Triton." through Python's last-resort handler: on stderr, every run, --quiet too."""
+    import json
+
+    config = tmp_path / "head32.yaml"  # head size 32 (64 / 2 heads) and 64-token frames: the CPU kernel takes them
+    config.write_text("pipeline: causal_world\ncheckpoint: null\nmodel:\n  preset: tiny\n  num_heads: 2\n"
+                      "  height: 64\n  width: 64\nruntime:\n  device: cpu\n  num_threads: 1\n")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "warmup", str(config), "--attention-backend", "vllm",
+                           "--quiet", "--format", "json"], env=cli_env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    events = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [e["attention_backend"] for e in events if e["kind"] == "capacity_planned"] == ["vllm"]
+    assert proc.stderr == ""
+
+
 def test_kernel_geometry_of_one_frame_blocks_counts_their_loose_tokens():
     """with frames_per_block=1 the only legal forward is one frame; its tails and registers must be counted."""
     from ardiff_cli.runtime.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec

