@@ -831,6 +831,23 @@ def test_a_runner_key_in_other_capitals_is_warned_of_as_misspelt(key, meant):
     assert ARDiffusionRequest("r0", {}, {key: True}).misspelt_keys() == [(key, meant)]
 
 
+def test_a_request_returns_non_finite_outputs_as_the_forward_made_them_and_output_problem_names_them():
+    """What the README tells a server: the runtime returns a diverged step's outputs as they are (the session goes
+    on from its KV), and output_problem is how `rollout` tells them apart, before it releases the session."""
+    from ardiff_cli.runtime.outputs import output_problem
+
+    config = {"pipeline": "dreamzero", "model": {"preset": "tiny", "guidance_scale": 1.0e30}}
+    with ARDiffusionEngine.from_config(config, device="cpu", memory_budget="64MiB") as engine:
+        engine.load()
+        out = engine.execute(ARDiffusionRequest("r0", engine.pipeline.example_inputs(1), {"session_id": "a"}))
+        assert not torch.isfinite(out["actions"]).all()
+        kind, what = output_problem(out)
+        assert kind == "non_finite" and "'actions':" in what and "NaN" in what, what
+        assert [(view.session_id, view.num_requests) for view in engine.runner.sessions()] == [("a", 1)]
+        engine.runner.close_session("a")
+        assert engine.runner.sessions() == [] and engine.runner.pool_usage().num_used == 0
+
+
 def test_a_request_under_autocast_to_another_dtype_is_refused_and_leaves_its_session_as_it_was():
     """A float32 engine's request under torch.autocast(bfloat16) (a notebook's, a server's mixed-precision block)
     made bfloat16 K/V the float32 pools refuse: a ValueError about layer 0's dtypes, half way through the forward,
