@@ -73,6 +73,22 @@ def test_a_prompt_given_in_step_metadata_is_the_steps_prompt_and_only_text(tmp_p
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_a_prompt_with_a_lone_surrogate_is_refused_before_anything_is_written(tmp_path, fmt):
+    """rollout refuses a prompt holding a lone surrogate (text decoded with errors="surrogateescape"); the writer
+    recorded it in episode.yaml and the .npz (an episode every rollout then failed), or failed in safetensors with a
+    bare UnicodeEncodeError. Refused up front, by every way a prompt is given, and nothing is written."""
+    bad = "pick \udcff up"
+    message = r"^prompt holds '\\udcff' at position 5, a lone surrogate that is no character"
+    for call in (lambda: write_step(tmp_path / "ep", 0, arrays(0), prompt=bad, format=fmt),
+                 lambda: write_step(tmp_path / "ep", 0, arrays(0), metadata={"prompt": bad}, format=fmt),
+                 lambda: write_episode(tmp_path / "ep", [arrays(0)], prompt=bad, format=fmt),
+                 lambda: write_episode(tmp_path / "ep", [arrays(0)], metadata={"prompt": bad}, format=fmt)):
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert not (tmp_path / "ep").exists()
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
 def test_any_array_name_is_kept_and_a_prompt_from_a_dataset_is_text(tmp_path, fmt):
     """np.savez(**arrays) took an array named 'allow_pickle' for its option (dropped) and one named 'file' for its
     argument (TypeError); a prompt read from a dataset is numpy's str_, which YAML could not write to episode.yaml."""

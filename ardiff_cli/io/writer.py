@@ -32,6 +32,7 @@ from ardiff_cli.io.atomic import atomic_write_bytes, atomic_write_text
 from ardiff_cli.io.episode import END_MARKER, METADATA_FILE, read_episode_yaml, safetensors_header
 from ardiff_cli.runtime.capacity import as_int
 from ardiff_cli.runtime.errors import shown
+from ardiff_cli.runtime.observation import lone_surrogate
 from ardiff_cli.runtime.outputs import storable
 
 FORMATS = ("safetensors", "npz")
@@ -141,10 +142,17 @@ def _check_keys(info: Any, where: str = "metadata") -> None:
 
 def _check_prompt(prompt: Any) -> str | None:
     """The prompt as a plain str (numpy's str_, as read from a dataset, too); a TypeError otherwise: episode.yaml
-    would record a number, which rollout refuses, and YAML cannot write numpy's string type at all."""
-    if prompt is None or isinstance(prompt, str):
-        return None if prompt is None else str(prompt)
-    raise TypeError(f"prompt must be text (str), got {shown(prompt)} ({type(prompt).__name__})")
+    would record a number, which rollout refuses, and YAML cannot write numpy's string type at all. A lone surrogate
+    (bytes decoded with errors="surrogateescape") is a ValueError: rollout refuses such a prompt, and safetensors
+    failed on it with a bare UnicodeEncodeError."""
+    if prompt is None:
+        return None
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompt must be text (str), got {shown(prompt)} ({type(prompt).__name__})")
+    if (at := lone_surrogate(prompt)) is not None:
+        raise ValueError(f"prompt holds {prompt[at]!r} at position {at}, a lone surrogate that is no character "
+                         "(text decoded from bytes that are not UTF-8?); rollout would refuse it")
+    return str(prompt)
 
 
 def _sorted_metadata(blob: bytes) -> bytes:
