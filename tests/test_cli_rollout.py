@@ -960,6 +960,36 @@ def test_a_stopped_run_whose_kept_index_cannot_be_written_keeps_nothing_and_resu
     assert not (run / ".swap").exists()
 
 
+def test_the_line_of_a_signal_that_stops_the_saving_counts_every_session_not_saved():
+    """Four resident sessions: the first does not fit in the swap space left, the second is saved, and a signal
+    while it is written stops the saving. Three replay; the line said "1 saved, 2 sessions not", leaving out the
+    one that did not fit. A signal that came before the saving began (SIGHUP to the group and from a shell) had
+    it save nothing. (The runner's side, stubbed here for its counts, runs whole in the test below.)"""
+    from types import SimpleNamespace
+
+    from ardiff_cli.commands.rollout import _swap_out_resident
+
+    said = []
+    signals = SimpleNamespace(after_stop=[])
+
+    def swap_out(ids):
+        if ids == ["a"]:
+            return {}  # larger than the swap space left
+        signals.after_stop.append(signal.SIGINT)  # Ctrl-C while its snapshot is written
+        return {ids[0]: 100}
+
+    views = [SimpleNamespace(session_id=s, num_requests=1) for s in "abcd"]
+    engine = SimpleNamespace(runner=SimpleNamespace(sessions=lambda: views, swap_out_sessions=swap_out, swap=object()))
+    driver = SimpleNamespace(resident_steps=lambda: dict.fromkeys("abcd", 1))
+    output = SimpleNamespace(info=said.append, debug=lambda text: None)
+    signals.after_stop.append(signal.SIGHUP)  # before the saving began (delivered twice): it skips nothing
+    _swap_out_resident(engine, driver, output, signals)
+    assert said == ["saving 4 resident sessions for --resume (another signal skips those not saved yet: their "
+                    "episodes replay)",
+                    "SIGINT: stopped saving the resident sessions for --resume: 1 saved, 3 sessions not (their "
+                    "episodes replay their done steps)"]
+
+
 def test_a_second_signal_while_a_stopped_run_swaps_its_sessions_out_stops_after_the_snapshot_in_flight(
         env, data, reference, tmp_path):
     """SignalWhileSwapping sends SIGINT from inside its first session export: with room for both sessions (no

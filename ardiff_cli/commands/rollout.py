@@ -845,14 +845,22 @@ def _swap_out_resident(engine: Any, driver: Any, output: Output, signals: Any) -
     the swap space left is used. Not after a failure (a bug, a full disk, --fail-fast): the sessions go as before.
     One at a time: a signal meanwhile (``StopSignals.after_stop``: "again to stop at once", several GiB a 14B
     session) stops it after the snapshot being written, and the sessions left replay."""
+    if engine.runner.swap is None:  # --swap-space 0: nothing to save them to
+        return
     steps = driver.resident_steps()
     ids = [view.session_id for view in engine.runner.sessions() if steps.get(view.session_id) == view.num_requests]
+    if ids:  # several GiB a session for a 14B model: say what the wait is, and how to cut it short
+        output.info(f"saving {_count(len(ids), 'resident session')} for --resume (another signal skips those not "
+                    "saved yet: their episodes replay)")
+    # A signal that came before the saving began (SIGHUP delivered twice, to the group and by a shell) skips nothing
+    start = len(signals.after_stop)
     swapped: dict[str, int] = {}
-    for number, session_id in enumerate(ids):
-        if signals.after_stop:
+    for session_id in ids:
+        if len(signals.after_stop) > start:
+            # not saved: those left, and any before that did not fit in the swap space or could not be exported
             name = signal.Signals(signals.after_stop[-1]).name
             output.info(f"{name}: stopped saving the resident sessions for --resume: {len(swapped)} saved, "
-                        f"{_count(len(ids) - number, 'session')} not (their episodes replay their done steps)")
+                        f"{_count(len(ids) - len(swapped), 'session')} not (their episodes replay their done steps)")
             break
         swapped.update(engine.runner.swap_out_sessions([session_id]))
     if ids:
