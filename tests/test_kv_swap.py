@@ -243,8 +243,28 @@ def test_a_snapshot_of_vllms_cpu_blocks_laid_out_for_another_isa_is_refused_not_
                                          r"'vllm-cpu-attn amx', this cache reads 'vllm-cpu-attn vec'"):
         state.restore(amx)
     assert caches["vec"].num_free_pages == free and state.num_pages == 0
+    unrecorded = KVSnapshot(vec.tensors, {k: v for k, v in vec.metadata.items() if k != "block_format"})
+    with pytest.raises(ValueError, match=r"does not record its KV block format \(written by an earlier ardiff\)"):
+        state.restore(unrecorded)  # an older file: which ISA laid it out is unknown
+    assert caches["vec"].num_free_pages == free and state.num_pages == 0
     state.restore(vec)  # its own format
     assert_same_snapshot(vec, state.export())
+
+
+def test_a_snapshot_of_another_block_format_is_refused_and_an_older_torch_one_restored(make_spec):
+    """The block format check on the torch backend (no vLLM needed): a snapshot recording another format is refused
+    before any page is taken; one recording none (written before formats were recorded) restores, since the torch
+    backend's pages are plain heads-first rows on every machine."""
+    cache, snapshot, free = exported(make_spec, 2)
+    assert snapshot.metadata["block_format"] == "torch"
+    state = cache.new_state("b")
+    other = KVSnapshot(snapshot.tensors, {**snapshot.metadata, "block_format": "vllm-cpu-attn amx"})
+    with pytest.raises(ValueError, match=r"its KV blocks are in the format 'vllm-cpu-attn amx', this cache reads "
+                                         r"'torch'"):
+        state.restore(other)
+    assert cache.num_free_pages == free and state.num_pages == 0
+    state.restore(KVSnapshot(snapshot.tensors, {k: v for k, v in snapshot.metadata.items() if k != "block_format"}))
+    assert_same_snapshot(snapshot, state.export())
 
 
 def test_a_snapshot_with_a_cross_cache_of_an_unknown_branch_is_refused(make_spec):

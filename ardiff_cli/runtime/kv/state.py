@@ -469,6 +469,10 @@ class ARDiffusionKVState:
             # snapshot would be read as other keys and values, silently.
             raise ValueError(f"{where}: its KV blocks are in the format {recorded!r}, this cache reads "
                              f"{pool.block_format!r}: written by another attention kernel or instruction set")
+        if recorded is None and not getattr(getattr(pool, "kernel", None), "token_major", True):
+            # an older file of opaque blocks (vLLM's CPU kernel): which ISA laid them out is unknown, so a replay
+            raise ValueError(f"{where}: it does not record its KV block format (written by an earlier ardiff), and "
+                             f"this cache's blocks ({pool.block_format!r}) are laid out per instruction set")
         return plan
 
     # --------------------------------------------------------------- lifecycle
