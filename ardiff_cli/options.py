@@ -175,7 +175,8 @@ PipelineOpt = Annotated[
 OutOpt = Annotated[
     Optional[Path],
     typer.Option("--out", "-o", metavar="DIR", parser=parse_path, callback=expand_home,
-                 help="Output folder. \\[default: a new folder in ./ardiff-runs, named by the time]", show_default=False),
+                 help="Output folder. \\[default: a new folder in ./ardiff-runs, named by the time]",
+                 show_default=False),
 ]
 DeviceOpt = Annotated[
     Optional[str],

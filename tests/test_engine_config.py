@@ -194,6 +194,7 @@ def test_runtime_overrides_take_torch_dtypes_and_devices():
     cfg = load_config("causal-world-tiny").with_runtime(dtype=torch.bfloat16, device=torch.device("cpu"))
     assert (cfg.runtime.dtype, cfg.runtime.device) == ("bfloat16", "cpu")
     assert load_config("causal-world-tiny").with_runtime(device=torch.device("cuda", 1)).runtime.device == "cuda:1"
+    assert load_config("causal-world-tiny").with_runtime(device=torch.device("cpu", 0)).runtime.device == "cpu"
     with pytest.raises(ConfigError, match="field 'runtime.dtype': expected float32 \\| bfloat16 \\| float16, got "
                                           "torch.float64"):
         load_config("causal-world-tiny").with_runtime(dtype=torch.float64)

@@ -180,8 +180,9 @@ def test_a_request_count_of_another_type_is_a_request_error_and_keeps_the_snapsh
     first = run(engine, "a", 0)
     run(engine, "b", 0)  # a swapped out after 1 request
     for bad in ("1", 1.0, True, -1, [1]):
-        with pytest.raises(RequestError, match=r"restore_session\(\): num_requests must be a non-negative integer"):
+        with pytest.raises(RequestError, match=r"restore_session\(\): num_requests must be a non-negative") as e:
             runner.restore_session("a", num_requests=bad)
+        assert isinstance(e.value, TypeError) is (bad != -1)  # a RequestTypeError for a count of another type
         assert runner.swap.has("a") and runner.session_ids == ["b"]
     assert runner.restore_session("a", num_requests=np.int64(1))  # a numpy count is an integer
     second = run(engine, "a", 1)

@@ -93,9 +93,12 @@ MAX_CUDA_INDEX = 127  # torch.device's index is an 8-bit signed integer
 def torch_spelling(value: Any) -> Any:
     """``str()`` of a ``torch.dtype`` or ``torch.device`` ('torch.bfloat16', 'cuda:1'), which a Python caller's runtime
     overrides may be (``from_config(..., dtype=torch.bfloat16)`` was refused as "expected float32 | bfloat16 |
-    float16, got torch.bfloat16"); any other value as it is. Without importing torch."""
+    float16, got torch.bfloat16"); ``torch.device('cpu', 0)`` is 'cpu'; any other value as it is. Without importing
+    torch."""
     kind = type(value)
-    return str(value) if kind.__module__ == "torch" and kind.__name__ in ("dtype", "device") else value
+    if kind.__module__ != "torch" or kind.__name__ not in ("dtype", "device"):
+        return value
+    return "cpu" if kind.__name__ == "device" and value.type == "cpu" else str(value)  # cpu:0 is the CPU too
 
 
 def device_name(value: Any) -> str | None:

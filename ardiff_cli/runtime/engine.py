@@ -21,11 +21,10 @@ from ardiff_cli.runtime.errors import (
     shown,
 )
 from ardiff_cli.runtime.events import RuntimeEvent
+from ardiff_cli.runtime.kv.cache import KV_DTYPES
 from ardiff_cli.runtime.request import ARDiffusionRequest, require_request
 from ardiff_cli.runtime.runner import ARDiffusionModelRunner, WarmupReport, _once, require_subscriber
 from ardiff_cli.runtime.swap import check_swap_arguments
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -100,7 +99,7 @@ class ARDiffusionEngine:
                                    hint="close() it first to load it again (its sessions are closed)")
         runtime = self.config.runtime
         self.device = resolve_device(runtime.device)
-        dtype = TORCH_DTYPES[runtime.dtype]
+        dtype = KV_DTYPES[runtime.dtype]  # the model computes in its KV dtype
         if runtime.num_threads is not None:
             # Process-wide: the engine owns this process's compute. Small models lose to
             # intra-op parallelism, badly so when other processes share the cores.

@@ -508,7 +508,10 @@ class ARDiffusionModelRunner:
         """Under ``torch.autocast`` to another dtype than the engine's, the forward would make K/V the pools cannot
         take and fail half way, releasing the session: refused before it is touched instead."""
         kind = self.device.type
-        if not torch.is_autocast_enabled(kind) or torch.get_autocast_dtype(kind) == self.dtype:
+        try:
+            if not torch.is_autocast_enabled(kind) or torch.get_autocast_dtype(kind) == self.dtype:
+                return
+        except RuntimeError:  # a device type autocast does not know (meta): nothing to cast
             return
         raise RequestError(
             f"request {shown(request.request_id)} runs under torch.autocast({kind!r}, "
@@ -908,9 +911,10 @@ class ARDiffusionModelRunner:
         _require_session_id("restore_session", session_id)
         if num_requests is not None and (as_int(num_requests) is None or num_requests < 0):
             # a count of another type ('1' from a JSON file) was told apart from the snapshot's, which was deleted
-            raise RequestError(f"restore_session(): num_requests must be a non-negative integer or None, got "
-                               f"{shown(num_requests)} ({type(num_requests).__name__})",
-                               hint="pass the number of requests the session had run (an int), or leave it out")
+            error = RequestError if as_int(num_requests) is not None else RequestTypeError  # -1, or another type
+            raise error(f"restore_session(): num_requests must be a non-negative integer or None, got "
+                        f"{shown(num_requests)} ({type(num_requests).__name__})",
+                        hint="pass the number of requests the session had run (an int), or leave it out")
         if session_id == WARMUP_SESSION_ID:
             raise RequestError(f"session id {WARMUP_SESSION_ID!r} is reserved for warmup, which is never swapped",
                                hint="name a session that was evicted")

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
-from ardiff_cli.runtime.capacity import as_int, dtype_name
+from ardiff_cli.runtime.capacity import dtype_name
 from ardiff_cli.runtime.errors import ConfigError
 from ardiff_cli.runtime.kv.allocator import PageAllocator
-from ardiff_cli.runtime.kv.layout import KVLayout
+from ardiff_cli.runtime.kv.layout import KVLayout, as_int
 from ardiff_cli.runtime.kv.pool import KVPagePool
 from ardiff_cli.runtime.kv.state import ARDiffusionKVState
 
