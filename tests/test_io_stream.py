@@ -12,6 +12,7 @@ import pytest
 from ardiff_cli.io import write_episode, write_step
 from ardiff_cli.io.demo import demo_step, ensure_demo_episodes
 from ardiff_cli.io.episode import EpisodeSource, RawStep, discover_episodes
+from ardiff_cli.io import stream
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.runtime.errors import ObservationError
@@ -1049,3 +1050,112 @@ def test_a_step_files_own_prompt_of_the_wrong_type_is_blamed_on_the_step_file_no
     with pytest.raises(ObservationError) as info:
         validate_step(raw, SCHEMA, path=path, episode_metadata={"prompt": "from yaml"})
     assert str(info.value) == f"{path}: prompt 'prompt' must be a string, got int"
+
+
+# -- a caught-up folder is not listed again while its timestamps stand still -----------------------------------------
+
+
+def _settle(folder) -> None:
+    """Wait (real time) until a listing of ``folder`` made now is trusted: its timestamps older than a tick."""
+    coarse = os.stat(folder).st_mtime_ns % 1_000_000_000 == 0
+    time.sleep((stream._SETTLE_COARSE if coarse else stream._SETTLE) + 0.1)
+
+
+def _followed(folder, idle_timeout: float = 100) -> tuple[StepScheduler, FakeClock]:
+    clock = FakeClock()
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=idle_timeout, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    first = scheduler.next()
+    assert isinstance(first, StepTask) and first.file.step == 0
+    return scheduler, clock
+
+
+@pytest.mark.parametrize("tick", ["same mtime", "right after a listing"])
+def test_follow_sees_a_step_file_made_in_the_timestamp_tick_of_the_last_listing(tmp_path, tick):
+    """A file made in the same timestamp tick as a listing leaves the folder's mtime as it was (a coarse clock: a
+    jiffy, or a second on some file systems): the poll must not take the unchanged mtime for "nothing new". "same
+    mtime" puts the mtime back by hand, once the listing is trusted; "right after a listing" makes each file right
+    after a poll, where a coarse clock gives it the listing's tick."""
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0)], prompt="p", end=False)
+    scheduler, clock = _followed(folder)
+    made: list[float] = []
+
+    def make(step: int) -> None:
+        before = os.stat(folder)
+        write_step(folder, step, good(step))
+        if tick == "same mtime":
+            os.utime(folder, ns=(before.st_atime_ns, before.st_mtime_ns))
+            assert os.stat(folder).st_mtime_ns == before.st_mtime_ns
+        made.append(clock.now)
+
+    steps = range(1, 2) if tick == "same mtime" else range(1, 11)
+    for step in steps:
+        clock.actions = [lambda: _settle(folder), lambda s=step: make(s)] if tick == "same mtime" else \
+            [lambda s=step: make(s)]
+        item = scheduler.next()
+        assert isinstance(item, StepTask) and item.file.step == step
+        assert clock.now - made[-1] <= 2  # taken at the second poll after it was made (its size stable), not later
+
+
+def test_follow_a_skipped_listing_still_sees_a_step_file_grow(tmp_path):
+    """While the folder's listing is skipped (its timestamps unchanged), the file still being written is stat'ed
+    at each poll: its growth keeps the episode from idling out, and it is taken once whole."""
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0)], prompt="p", end=False)
+    data = write_step(tmp_path / "src", 1, good(1)).read_bytes()
+    part = folder / "step_000001.safetensors"
+    part.write_bytes(data[:16])
+    scheduler, clock = _followed(folder, idle_timeout=3.5)
+    track = scheduler._tracks[0]
+    skipped = []
+
+    def grow(end: int) -> None:
+        skipped.append(track.trusted)  # the polls since the listing was trusted did not list the folder
+        with open(part, "ab") as f:
+            f.write(data[os.path.getsize(part):end])
+
+    ends = [16 + (len(data) - 16) * i // 8 for i in range(1, 8)]
+    clock.actions = [lambda: _settle(folder), *[lambda e=e: grow(e) for e in ends], lambda: grow(len(data))]
+    item = scheduler.next()
+    assert isinstance(item, StepTask) and item.file.step == 1  # not an idle timeout, nor a truncated file taken
+    assert skipped == [True] * 8 and len(clock.actions) == 0
+
+
+@pytest.mark.parametrize("change", ["deleted", "replaced", "folder gone", "folder replaced"])
+def test_follow_a_trusted_listing_still_notices_a_change(tmp_path, change):
+    """Once the listing of a caught-up folder is trusted, a file deleted before it was whole is still forgotten
+    (END then ends the episode), one replaced is taken anew, and the folder deleted or replaced fails its episode."""
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0)], prompt="p", end=False)
+    data = write_step(tmp_path / "src", 1, good(1)).read_bytes()
+    part = folder / "step_000001.safetensors"
+    part.write_bytes(data[:16])
+    scheduler, clock = _followed(folder)
+    track = scheduler._tracks[0]
+
+    def act() -> None:
+        assert track.trusted
+        if change == "deleted":
+            part.unlink()
+            (folder / "END").write_bytes(b"")
+        elif change == "replaced":
+            (tmp_path / "whole").write_bytes(data)
+            os.replace(tmp_path / "whole", part)
+        elif change == "folder gone":
+            shutil.rmtree(folder)
+        else:
+            folder.rename(tmp_path / "old")
+            write_episode(folder, [good(0), good(1)], prompt="p", end=False)
+
+    clock.actions = [lambda: _settle(folder), lambda: None, act]
+    item = scheduler.next()
+    at = clock.now
+    if change == "deleted":
+        assert isinstance(item, EpisodeEnded) and item.reason == "end_marker"
+    elif change == "replaced":
+        assert isinstance(item, StepTask) and item.file.step == 1
+    else:
+        assert isinstance(item, EpisodeEnded) and item.reason == "error"
+        assert ("is gone" if change == "folder gone" else "was replaced") in str(item.error)
+    assert at <= 3 + 3  # step 0's polls, the settling, and at most two polls after the change
