@@ -361,6 +361,9 @@ def test_an_episode_yaml_of_the_wrong_type_is_named_not_the_step_file_that_took_
     assert "step_000000.safetensors: " not in proc.stderr and "Traceback" not in proc.stderr
     assert 'hint: write it as one line of text, quoted if YAML would read it as something else: prompt: "pick' in (
         proc.stderr)
+    assert 'character\nhint: write the prompt as plain UTF-8 text, without \\udcXX escapes: prompt: "pick' in (
+        proc.stderr)
+
 
 def _checkpoint_for_another_geometry(path: Path) -> Path:
     from pipelines.causal_world import Config, pipeline_class

@@ -56,11 +56,10 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
                         f"{shown(source[key])}",
                         hint=f"write it as one line of text, quoted if YAML would read it as something else: "
                              f"{key}: \"pick up the red cube\"")
-                if source is not raw.metadata and (at := lone_surrogate(source[key])) is not None:
-                    # YAML's "\udcff" escape: no character, so no tokenizer takes it; name the file it is in
+                if source is not raw.metadata and (surrogate := lone_surrogate(source[key])) is not None:
+                    # YAML's "\udcff" escape: no tokenizer takes it; name the file it is in
                     raise ObservationError(
-                        f"{path.parent / METADATA_FILE}: field {key!r}: the prompt holds {source[key][at]!r} at "
-                        f"position {at}, a lone surrogate that is no character",
+                        f"{path.parent / METADATA_FILE}: field {key!r}: the prompt {surrogate}",
                         hint=f"write the prompt as plain UTF-8 text, without \\udcXX escapes: {key}: \"pick up the "
                              "red cube\"")
                 arrays[key] = source[key]

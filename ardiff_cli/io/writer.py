@@ -149,9 +149,8 @@ def _check_prompt(prompt: Any) -> str | None:
         return None
     if not isinstance(prompt, str):
         raise TypeError(f"prompt must be text (str), got {shown(prompt)} ({type(prompt).__name__})")
-    if (at := lone_surrogate(prompt)) is not None:
-        raise ValueError(f"prompt holds {prompt[at]!r} at position {at}, a lone surrogate that is no character "
-                         "(text decoded from bytes that are not UTF-8?); rollout would refuse it")
+    if (surrogate := lone_surrogate(prompt)) is not None:
+        raise ValueError(f"prompt {surrogate} (text decoded from bytes that are not UTF-8?); rollout would refuse it")
     return str(prompt)
 
 

@@ -158,12 +158,13 @@ def _check_field(f: ObservationField, key: str, value: Any) -> tuple[Any, str | 
     return converted, None
 
 
-def lone_surrogate(text: str) -> int | None:
-    """The position of the first character of ``text`` that UTF-8 cannot encode (a lone surrogate), or None."""
+def lone_surrogate(text: str) -> str | None:
+    """Why ``text`` is no text UTF-8 can encode ("holds '\\udcff' at position 5, a lone surrogate that is no
+    character": JSON's or YAML's escape, or bytes decoded with errors="surrogateescape"), or None when it is."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        return exc.start
+        return f"holds {text[exc.start]!r} at position {exc.start}, a lone surrogate that is no character"
     return None
 
 
@@ -193,10 +194,8 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
                 problems.append(f"prompt {key!r} must be a string, got {type(value).__name__}")
                 seen[schema.prompt_key] = key  # given, if wrongly: not also "missing prompt"
             elif (surrogate := lone_surrogate(value)) is not None:
-                # JSON's "\udcff", or bytes decoded with errors="surrogateescape": no tokenizer can encode it, and
-                # the forward failed on it with a UnicodeEncodeError, its session released
-                problems.append(f"prompt {key!r} holds {value[surrogate]!r} at position {surrogate}, a lone "
-                                "surrogate that is no character (text decoded from bytes that are not UTF-8?)")
+                # no tokenizer can encode it: the forward failed on it with a UnicodeEncodeError, its session released
+                problems.append(f"prompt {key!r} {surrogate} (text decoded from bytes that are not UTF-8?)")
                 seen[schema.prompt_key] = key
             else:
                 out[schema.prompt_key] = value
