@@ -3,7 +3,7 @@
 A pipeline checkpoint is a single ``.safetensors`` file holding all of a
 pipeline's modules under their attribute prefixes (``transformer.``, ``vae.``,
 ``text_encoder.``, ``image_encoder.``); the transformer's own keys follow Wan
-2.1. Its metadata records the pipeline, the config and a format version.
+2.1. Its metadata records the pipeline, the config's weight fields and a format version.
 Nothing is ever unpickled.
 
 Default checkpoints: a config without ``checkpoint:`` uses a freshly
@@ -40,7 +40,9 @@ from ardiff_cli.io.writer import sort_metadata_in_file
 from ardiff_cli.runtime.errors import CheckpointError, os_error
 from pipelines.wan import remap_checkpoint_key
 
-FORMAT_VERSION = "1"  # bump when parameter names or meanings change: cached defaults are then rebuilt
+# bump when parameter names or meanings change, or what a file records: cached defaults are then rebuilt (2: the
+# metadata records the weight fields only)
+FORMAT_VERSION = "2"
 MAX_DEFAULT_PARAMETERS = 500_000_000  # larger configs are for capacity planning: bring a checkpoint
 
 
@@ -252,11 +254,16 @@ def check_weight_fields(pipeline_name: str, config, metadata: dict[str, str], pa
 def write_fresh_checkpoint(pipeline_class: Any, config, path: str | Path) -> Path:
     """A freshly initialised checkpoint for ``config`` (deterministic: the config's ``seed``)."""
     modules = fresh_modules(lambda: pipeline_class.build_modules(config), config.seed)
+    # The fields that decide the tensors, as the default's file name digests them, not the sampler's or the KV's:
+    # two configs sharing a default file wrote it with other metadata, so its header, and with it where each tensor
+    # lies in memory once loaded, depended on which config built the cache first, and so did the outputs (by up to
+    # 8e-7: the matmul kernels round alike only for the same alignment)
+    fields = {name: getattr(config, name) for name in config.WEIGHT_FIELDS}
     metadata = {
         "format": "pt",
         "ardiff_format": FORMAT_VERSION,
         "pipeline": pipeline_class.name,
-        "config": json.dumps(config.to_dict(), sort_keys=True),
+        "config": json.dumps(fields, sort_keys=True),
     }
     return save_checkpoint(modules, path, metadata)
 
