@@ -48,6 +48,21 @@ def dtype_name(dtype: object) -> str:
     return name
 
 
+# what a model computes and keeps its KV cache in (the planner also sizes float8 KV, which attention does not run in)
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def model_dtype_name(value: object) -> str | None:
+    """float32, bfloat16 or float16 from any spelling ``dtype_name`` reads (fp32, float, bf16, fp16, half,
+    'torch.float16', a torch.dtype), in any case; None when ``value`` is not one. ``runtime.dtype``, ``--dtype`` and
+    the KV pools all read dtypes through this."""
+    try:
+        name = dtype_name(value.strip().lower() if isinstance(value, str) else value)
+    except ConfigError:
+        return None
+    return name if name in MODEL_DTYPES else None
+
+
 def format_bytes(num_bytes: float) -> str:
     """Human units, binary: '1.50 GiB', up to EiB (each one ``parse_bytes`` reads back). Past 1024 EiB, which only an
     absurd budget gives (``--available 1e30``), three significant digits: '8.67e+11 EiB', not 18 digits of TiB."""

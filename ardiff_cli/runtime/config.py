@@ -26,7 +26,8 @@ from typing import Any
 import yaml
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
-from ardiff_cli.runtime.capacity import MAX_SESSIONS, as_fraction, as_int, dtype_name, parse_bytes, split_unit_hint
+from ardiff_cli.runtime.capacity import (MAX_SESSIONS, MODEL_DTYPES, as_fraction, as_int, model_dtype_name, parse_bytes,
+                                        split_unit_hint)
 from ardiff_cli.runtime.errors import (
     PIPELINE_HINT,
     YAML_SYNTAX_HINT,
@@ -51,7 +52,6 @@ from ardiff_cli.runtime.registry import (
 DEFAULT_CONFIG = "dreamzero-tiny"
 TOP_LEVEL_KEYS = ("pipeline", "checkpoint", "model", "runtime")
 DEVICES = ("auto", "cpu", "cuda")
-MODEL_DTYPES = ("float32", "bfloat16", "float16")
 MAX_THREADS = 1024  # runtime.num_threads: more than the largest hosts have hardware threads
 
 
@@ -91,14 +91,12 @@ MAX_CUDA_INDEX = 127  # torch.device's index is an 8-bit signed integer
 
 
 def torch_spelling(value: Any) -> Any:
-    """``str()`` of a ``torch.dtype`` or ``torch.device`` ('torch.bfloat16', 'cuda:1'), which a Python caller's runtime
-    overrides may be (``from_config(..., dtype=torch.bfloat16)`` was refused as "expected float32 | bfloat16 |
-    float16, got torch.bfloat16"); ``torch.device('cpu', 0)`` is 'cpu'; any other value as it is. Without importing
-    torch."""
-    kind = type(value)
-    if kind.__module__ != "torch" or kind.__name__ not in ("dtype", "device"):
+    """``str()`` of a ``torch.device`` ('cuda:1'), which a Python caller's runtime overrides may be
+    (``from_config(..., device=torch.device('cuda', 1))``); ``torch.device('cpu', 0)`` is 'cpu'; any other value as
+    it is. Without importing torch. (A ``torch.dtype`` ``model_dtype_name`` reads itself.)"""
+    if type(value).__module__ != "torch" or type(value).__name__ != "device":
         return value
-    return "cpu" if kind.__name__ == "device" and value.type == "cpu" else str(value)  # cpu:0 is the CPU too
+    return "cpu" if value.type == "cpu" else str(value)  # cpu:0 is the CPU too
 
 
 def device_name(value: Any) -> str | None:
@@ -115,20 +113,6 @@ def device_name(value: Any) -> str | None:
         return name
     match = re.fullmatch(r"cuda:0*([0-9]{1,3})", name)
     return f"cuda:{int(match.group(1))}" if match and int(match.group(1)) <= MAX_CUDA_INDEX else None
-
-
-def model_dtype_name(value: Any) -> str | None:
-    """float32, bfloat16 or float16 from any spelling ``dtype_name`` reads (fp32, float, bf16, fp16, half,
-    torch.float16), in any case; None when ``value`` is not one. ``runtime.dtype`` and ``--dtype`` both read
-    dtypes through this."""
-    value = torch_spelling(value)
-    if not isinstance(value, str):
-        return None
-    try:
-        name = dtype_name(value.strip().lower())
-    except ConfigError:
-        return None
-    return name if name in MODEL_DTYPES else None
 
 
 def _validate_runtime_value(key: str, value: Any, where: str) -> Any:

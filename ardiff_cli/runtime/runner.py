@@ -909,9 +909,10 @@ class ARDiffusionModelRunner:
         a non-negative integer is a ``RequestError``, raised before the snapshot is touched."""
         self._require_loaded()
         _require_session_id("restore_session", session_id)
-        if num_requests is not None and (as_int(num_requests) is None or num_requests < 0):
+        count = None if num_requests is None else as_int(num_requests)
+        if num_requests is not None and (count is None or count < 0):
             # a count of another type ('1' from a JSON file) was told apart from the snapshot's, which was deleted
-            error = RequestError if as_int(num_requests) is not None else RequestTypeError  # -1, or another type
+            error = RequestError if count is not None else RequestTypeError  # -1, or another type
             raise error(f"restore_session(): num_requests must be a non-negative integer or None, got "
                         f"{shown(num_requests)} ({type(num_requests).__name__})",
                         hint="pass the number of requests the session had run (an int), or leave it out")

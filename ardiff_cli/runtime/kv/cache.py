@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
-from ardiff_cli.runtime.capacity import dtype_name
+from ardiff_cli.runtime.capacity import MODEL_DTYPES, model_dtype_name
 from ardiff_cli.runtime.errors import ConfigError
 from ardiff_cli.runtime.kv.allocator import PageAllocator
 from ardiff_cli.runtime.kv.layout import KVLayout, as_int
@@ -24,20 +24,17 @@ if TYPE_CHECKING:
     from ardiff_cli.runtime.kv.vllm_attention import PagedKernel
 
 
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = {name: getattr(torch, name) for name in MODEL_DTYPES}
 
 
 def kv_dtype(dtype: object, where: str) -> torch.dtype:
-    """The torch dtype of the KV pools for ``dtype``, a torch dtype or any name ``dtype_name`` reads ('bfloat16',
-    'fp16'); a ``ConfigError`` naming ``where`` for any other. The planner sizes float8 too, but attention does not
-    run in it: a float8 pool failed at the first commit ("index_copy_cpu" not implemented), a float64 or int32 one was
-    taken, and a name was a TypeError from torch.zeros."""
-    try:
-        name = dtype_name(dtype.strip().lower() if isinstance(dtype, str) else dtype)
-    except ConfigError:
-        name = None
-    if name not in KV_DTYPES:
-        raise ConfigError(f"{where}: unsupported KV dtype {dtype!r}; expected one of {', '.join(KV_DTYPES)}",
+    """The torch dtype of the KV pools for ``dtype``, a torch dtype or any name ``model_dtype_name`` reads
+    ('bfloat16', 'fp16'); a ``ConfigError`` naming ``where`` for any other. The planner sizes float8 too, but attention
+    does not run in it: a float8 pool failed at the first commit ("index_copy_cpu" not implemented), a float64 or
+    int32 one was taken, and a name was a TypeError from torch.zeros."""
+    name = model_dtype_name(dtype)
+    if name is None:
+        raise ConfigError(f"{where}: unsupported KV dtype {dtype!r}; expected one of {', '.join(MODEL_DTYPES)}",
                           hint="pass a torch.dtype or its name, such as torch.bfloat16 or 'bfloat16' (the model's "
                                "activation dtype)")
     return KV_DTYPES[name]
