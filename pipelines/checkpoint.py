@@ -46,10 +46,15 @@ FORMAT_VERSION = "2"
 MAX_DEFAULT_PARAMETERS = 500_000_000  # larger configs are for capacity planning: bring a checkpoint
 
 
+def weight_fields(config) -> dict[str, Any]:
+    """Everything that decides a fresh checkpoint's tensors (not sampler or KV settings)."""
+    return {name: getattr(config, name) for name in config.WEIGHT_FIELDS}
+
+
 def weight_digest(pipeline_name: str, config) -> str:
-    """Hash of everything that decides a fresh checkpoint's tensors (not sampler or KV settings)."""
-    fields = {name: getattr(config, name) for name in config.WEIGHT_FIELDS}
-    text = json.dumps({"format": FORMAT_VERSION, "pipeline": pipeline_name, "fields": fields}, sort_keys=True)
+    """Hash of ``weight_fields``: the default checkpoint's name."""
+    text = json.dumps({"format": FORMAT_VERSION, "pipeline": pipeline_name, "fields": weight_fields(config)},
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -237,11 +242,11 @@ def check_weight_fields(pipeline_name: str, config, metadata: dict[str, str], pa
         return
     if not isinstance(recorded, dict):  # not a record this module wrote
         return
-    ours = json.loads(json.dumps(config.to_dict()))  # as recorded: tuples become lists
+    ours = json.loads(json.dumps(weight_fields(config)))  # as recorded: tuples become lists
     differing = [
-        f"{name}: checkpoint {recorded[name]!r} vs config {ours[name]!r}"
-        for name in config.WEIGHT_FIELDS
-        if name != "seed" and name in recorded and recorded[name] != ours[name]
+        f"{name}: checkpoint {recorded[name]!r} vs config {value!r}"
+        for name, value in ours.items()
+        if name != "seed" and name in recorded and recorded[name] != value
     ]
     if differing:
         raise CheckpointError(
@@ -258,12 +263,11 @@ def write_fresh_checkpoint(pipeline_class: Any, config, path: str | Path) -> Pat
     # two configs sharing a default file wrote it with other metadata, so its header, and with it where each tensor
     # lies in memory once loaded, depended on which config built the cache first, and so did the outputs (by up to
     # 8e-7: the matmul kernels round alike only for the same alignment)
-    fields = {name: getattr(config, name) for name in config.WEIGHT_FIELDS}
     metadata = {
         "format": "pt",
         "ardiff_format": FORMAT_VERSION,
         "pipeline": pipeline_class.name,
-        "config": json.dumps(fields, sort_keys=True),
+        "config": json.dumps(weight_fields(config), sort_keys=True),
     }
     return save_checkpoint(modules, path, metadata)
 
