@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import tracemalloc
 
+import numpy as np
 import pytest
 import torch
 
@@ -885,9 +886,12 @@ def test_a_page_count_that_is_not_an_int_is_refused_by_name(make_spec, pages):
 
 
 @pytest.mark.parametrize("name, dtype", [("bfloat16", torch.bfloat16), ("fp16", torch.float16),
-                                         ("Float32", torch.float32), (torch.bfloat16, torch.bfloat16)])
+                                         ("Float32", torch.float32), (torch.bfloat16, torch.bfloat16),
+                                         (np.dtype("float16"), torch.float16), (np.float16, torch.float16),
+                                         (np.float32, torch.float32)])
 def test_the_cache_takes_a_dtype_by_name_as_the_planner_does(make_spec, name, dtype):
-    """plan_capacity takes 'bfloat16'; the cache failed on it with a TypeError from torch.zeros."""
+    """plan_capacity takes 'bfloat16'; the cache failed on it with a TypeError from torch.zeros. numpy's dtype was
+    taken and its scalar type (np.float16, "<class 'numpy.float16'>") refused."""
     cache = ARDiffusionKVCache(make_spec(), 100, dtype=name)
     assert cache.pool.kv.dtype == dtype
     state = cache.new_state("s")

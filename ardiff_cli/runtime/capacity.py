@@ -38,8 +38,10 @@ DTYPE_SIZES = {
 
 
 def dtype_name(dtype: object) -> str:
-    """Canonical name of a dtype given as a string or a ``torch.dtype``."""
-    name = str(dtype).removeprefix("torch.")
+    """Canonical name of a dtype given as a string, a ``torch.dtype``, a numpy dtype or numpy scalar type."""
+    # numpy's scalar types (np.float16) print as "<class 'numpy.float16'>"; its dtypes print as their names
+    numpy_type = isinstance(dtype, type) and dtype.__module__ == "numpy"
+    name = dtype.__name__ if numpy_type else str(dtype).removeprefix("torch.")
     aliases = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
     name = aliases.get(name, name)
     if name not in DTYPE_SIZES:
