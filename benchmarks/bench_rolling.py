@@ -36,8 +36,9 @@ and at the end (flat memory: KV bytes and table length unchanged, RSS within
 ``RSS_SLACK``). Times are this process's CPU time (one torch thread, see ``benchmarks/common.py``);
 the same statistics in wall time are under ``wall``. ``profile`` shows where the
 time goes: after the timed blocks, 20 more of ``ardiff`` and ``rolling_lean``
-(interleaved) run under torch.profiler, and the ops whose self CPU time per
-block differs most between them are listed: where the paged cache costs what
+(interleaved) run under torch.profiler, and the ops whose median self CPU time
+per block differs most between them are listed (medians: one pause of the
+machine inside a cheap op would move a mean by its whole length): where the paged cache costs what
 the contiguous one does not, the commit passes alike (instrumented, not the verdict).
 
     python -m benchmarks.bench_rolling            # 200 steady blocks, 64 tokens per frame
@@ -53,8 +54,8 @@ import sys
 
 import torch
 
-from benchmarks.common import (Timing, attention_backend, cli, op_profiles, percentile, profile_difference, rss_bytes,
-                               timed, turn_order)
+from benchmarks.common import (Timing, attention_backend, cli, median_ops, op_profiles, percentile, profile_difference,
+                               rss_bytes, timed, turn_order)
 from benchmarks.contiguous import ContiguousRollout
 
 TARGET_RATIO = 1.00
@@ -149,7 +150,7 @@ def run(quick: bool = False) -> dict:
     committed = runner.sessions()[0].committed_frames["main"]
     # Where the time goes: more steady blocks of each side under torch.profiler (untimed, not the verdict).
     extra = range(num_blocks, num_blocks + geometry["profile_blocks"])
-    ops = op_profiles({"ardiff": lambda b: runner.execute_model(ARDiffusionRequest(
+    calls = op_profiles({"ardiff": lambda b: runner.execute_model(ARDiffusionRequest(
                            f"block-{b}", block_inputs(b), {"session_id": "rollout-ardiff"})),
                        "rolling_lean": lambda b: pipe.step("rolling_lean-baseline", baselines["rolling_lean"],
                                                            block_inputs(b))}, extra)
@@ -205,10 +206,13 @@ def run(quick: bool = False) -> dict:
         "memory_end": end,
         "memory_flat": memory_flat,
         # per-block self CPU ms by op (torch.profiler over profile_blocks more steady blocks of ardiff and
-        # rolling_lean: the same commit pass, so what differs is the cache)
-        "profile": {"blocks": len(extra), "ardiff_ms": sum(ops["ardiff"].values()),
-                    "rolling_lean_ms": sum(ops["rolling_lean"].values()),
-                    "top_differences": profile_difference(ops, top=PROFILE_TOP)},
+        # rolling_lean: the same commit pass, so what differs is the cache); medians over the blocks, each op's
+        # and the blocks' totals
+        "profile": {"blocks": len(extra),
+                    **{f"{name}_ms": statistics.median(sum(call.values()) for call in calls[name])
+                       for name in ("ardiff", "rolling_lean")},
+                    "top_differences": profile_difference({name: median_ops(c) for name, c in calls.items()},
+                                                          top=PROFILE_TOP)},
         "max_abs_diff": max_abs_diff,
         "outputs_match": outputs_match,
         "geometry": {"tokens_per_frame": config.tokens_per_frame, "frames_per_block": config.frames_per_block,

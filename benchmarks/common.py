@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,15 +83,15 @@ def turn_order(names: list[str], turn: int) -> list[str]:
     return base[k:] + base[:k]
 
 
-def op_profiles(contenders: dict[str, Callable[[int], object]], calls: range) -> dict[str, dict[str, float]]:
-    """Self CPU milliseconds per call of every op each contender ``fn(i)`` runs, ``i`` in ``calls``.
+def op_profiles(contenders: dict[str, Callable[[int], object]], calls: range) -> dict[str, list[dict[str, float]]]:
+    """Self CPU milliseconds of every op each contender ``fn(i)`` runs, one dict per call, ``i`` in ``calls``.
 
     torch.profiler, one call at a time, the contenders interleaved (the order alternates) so drift
     spreads evenly. Instrumented and untimed: for finding where time goes, never for a verdict.
     """
     from torch.profiler import ProfilerActivity, profile
 
-    totals: dict[str, dict[str, float]] = {name: {} for name in contenders}
+    per_call: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
     names = list(contenders)
     for i in calls:
         for name in names if i % 2 == 0 else names[::-1]:
@@ -102,13 +103,21 @@ def op_profiles(contenders: dict[str, Callable[[int], object]], calls: range) ->
             finally:
                 with quiet_stderr():
                     prof.stop()
-            for event in prof.key_averages():
-                totals[name][event.key] = totals[name].get(event.key, 0.0) + event.self_cpu_time_total / 1e3
-    return {name: {op: ms / len(calls) for op, ms in ops.items()} for name, ops in totals.items()}
+            per_call[name].append({event.key: event.self_cpu_time_total / 1e3 for event in prof.key_averages()})
+    return per_call
+
+
+def median_ops(calls: list[dict[str, float]]) -> dict[str, float]:
+    """Each op's median self time over the calls of one contender of ``op_profiles`` (0 in a call without it).
+
+    A median, not a mean: one pause of the machine inside a cheap op would move a mean by its whole length.
+    """
+    ops = set().union(*calls)
+    return {op: statistics.median(call.get(op, 0.0) for call in calls) for op in ops}
 
 
 def profile_difference(profiles: dict[str, dict[str, float]], *, top: int) -> list[dict]:
-    """The ``top`` ops whose per-call self time differs most between the two profiles of ``op_profiles``."""
+    """The ``top`` ops whose per-call self time differs most between two profiles of ``median_ops``."""
     (name_a, a), (name_b, b) = profiles.items()
     ops = sorted(set(a) | set(b), key=lambda op: -abs(a.get(op, 0.0) - b.get(op, 0.0)))[:top]
     return [{"op": op, f"{name_a}_ms": a.get(op, 0.0), f"{name_b}_ms": b.get(op, 0.0),

@@ -222,12 +222,17 @@ def test_rolling_quick():
 def test_op_profiles_count_the_ops_each_side_runs(capfd):
     import torch
 
-    from benchmarks.common import op_profiles, profile_difference
+    from benchmarks.common import median_ops, op_profiles, profile_difference
 
     a, b = torch.randn(64, 64), torch.randn(64, 64)
-    ops = op_profiles({"matmul": lambda i: a @ b, "add": lambda i: a + b}, range(3))
+    calls = op_profiles({"matmul": lambda i: a @ b, "add": lambda i: a + b}, range(3))
+    assert len(calls["matmul"]) == len(calls["add"]) == 3  # one profile per call
+    ops = {name: median_ops(c) for name, c in calls.items()}
     assert "aten::mm" in ops["matmul"] and "aten::mm" not in ops["add"]
     assert "aten::add" in ops["add"] and "aten::add" not in ops["matmul"]
+    # an op's median over the calls, a call without it counting 0: one slow call (a pause of the machine) does not
+    # move it, where it would move a mean by its whole length
+    assert median_ops([{"p": 1.0, "q": 2.0}, {"p": 1.5}, {"p": 900.0, "q": 4.0}]) == {"p": 1.5, "q": 2.0}
     print("still here", file=sys.stderr)  # the profiler's start/stop lines are silenced, stderr is not
     err = capfd.readouterr().err
     assert "profiler_st" not in err and "still here" in err
