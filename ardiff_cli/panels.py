@@ -8,6 +8,7 @@ the title, the capacity and sessions panels, the events, the progress line.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ardiff_cli.output import visible
@@ -190,9 +191,17 @@ def _capacity_panel(rows: list[tuple[str, object]]):
     return Panel(grid, title="capacity", title_align="left", border_style="cyan")
 
 
-def _short(branch: str) -> str:
-    """A CFG branch's name in the pages column: whole up to four letters ("main"), else its first three ("pos")."""
-    return branch if len(branch) <= 4 else branch[:3]
+def _short(branch: str, branches: Iterable[str] = ()) -> str:
+    """A CFG branch's name in the pages column: whole up to four letters ("main"), else its first three ("pos"), or
+    as many more as tell it from the session's other ``branches`` ("cond_text" and "cond_image": "cond_t", "cond_i";
+    both were "con", with three or more branches of one pipeline)."""
+    if len(branch) <= 4:
+        return branch
+    others = [other for other in branches if other != branch]
+    size = 3
+    while size < len(branch) and any(other[:size] == branch[:size] for other in others):
+        size += 1
+    return branch[:size]
 
 
 class _SessionsTable:
@@ -208,7 +217,8 @@ class _SessionsTable:
             steps = f"{row.steps_done}/{row.steps_total}" if row.steps_total is not None else str(row.steps_done)
             latency = f"{row.last_latency_s * 1000:.0f} ms" if row.last_latency_s is not None else "-"
             rows.append({"session": row.session_id, s.noun: steps,
-                         "pages": " ".join(f"{_short(branch)}:{n}" for branch, n in row.pages_per_branch.items()),
+                         "pages": " ".join(f"{_short(branch, row.pages_per_branch)}:{n}"
+                                           for branch, n in row.pages_per_branch.items()),
                          "last": latency, "x-attn": format_bytes(row.cross_attention_bytes)})
         self.noun, self.rows = s.noun, rows
 

@@ -390,6 +390,19 @@ def test_the_progress_line_counts_failures_shows_hours_and_minutes_and_no_eta_on
     assert "ETA" not in progress and "more" not in text and "0 out, 0 B of 1.00 MiB" in text, text
 
 
+def test_the_pages_column_tells_apart_branches_whose_names_start_alike():
+    """A pipeline of three CFG branches, cond_text, cond_image and uncond: the pages read "con:3 con:0 unc:3", which
+    "con" held no pages? Each name is cut only as far as it stays apart from its session's other branches."""
+    from dataclasses import replace
+
+    rows = (SessionRow("arm_a", 2, 7, {"cond_text": 3, "cond_image": 0, "uncond": 3}, 65536, 0.04),
+            SessionRow("arm_b", 2, 7, {"positive": 3, "negative": 3}, 65536, 0.04))
+    console = Console(record=True, width=110, color_system=None, file=io.StringIO())
+    console.print(render(replace(SNAPSHOT, sessions=rows)))
+    text = console.export_text()
+    assert "cond_t:3 cond_i:0 unc:3" in text and "pos:3 neg:3" in text, text
+
+
 def test_live_layout_shows_swapped_sessions_and_restores():
     from dataclasses import replace
 
