@@ -548,6 +548,20 @@ def test_inputs_that_passed_the_checks_in_an_earlier_forward_are_still_checked_a
     assert len(cache.validated_inputs) == 1
 
 
+def test_register_tokens_the_spec_does_not_declare_name_the_layer_branch_and_spec_field(make_spec, make_cache):
+    """A model that adds register tokens its spec does not declare (max_scratch_tokens_per_branch 0, a full block)
+    was told only "attend got 10 tokens for seq_len=8: ... followed by 0..0 scratch register tokens": not where, nor
+    which field of its spec to raise."""
+    spec = make_spec()
+    state = make_cache(spec).new_state("s")
+    with pytest.raises(ValueError, match=r"^attend got 10 tokens for seq_len=8: expected the video tokens followed by "
+                                         r"0\.\.0 scratch register tokens \(layer 0 of branch 'negative'; the spec "
+                                         r"declares max_scratch_tokens_per_branch=0\)$"):
+        attend_once(state.get_kv_caches("negative", seq_len=8)[0], spec, 10)
+    for ctx in state.get_kv_caches("negative", seq_len=8):  # the session goes on
+        attend_once(ctx, spec, 8)
+
+
 def test_attend_given_tokens_before_heads_says_the_layout_it_expects(make_spec, make_cache):
     """(L, H, D) instead of (H, L, D) used to read `k and v must be shaped (2, 2, 8), got (8, 2, 8)`: a token count
     taken from q's heads, with no word of the layout, the layer or seq_len."""

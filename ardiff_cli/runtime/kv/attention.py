@@ -203,9 +203,13 @@ class ARDiffusionForwardContext:
             )
         num_registers = queries.shape[1] - self.seq_len
         if not 0 <= num_registers <= room:
+            # Too many: registers the model adds past what its spec declares; name the layer and the field to raise.
+            declared = (f" (layer {layer} of branch {self.branch.name!r}; the spec declares "
+                        f"max_scratch_tokens_per_branch={spec.max_scratch_tokens_per_branch})" if num_registers > 0
+                        else "")
             raise ValueError(
                 f"{'attend' if q is not None else 'store'} got {queries.shape[1]} tokens for seq_len={self.seq_len}: "
-                f"expected the video tokens followed by 0..{room} scratch register tokens"
+                f"expected the video tokens followed by 0..{room} scratch register tokens{declared}"
             )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
