@@ -82,6 +82,30 @@ class BrokenFromConfig(CausalWorldPipeline):
         raise KeyError("blocks.0.self_attn.q.weight")
 
 
+class FromConfigReturnsNothing(CausalWorldPipeline):
+    """Its from_config builds the pipeline and forgets to return it."""
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        super().from_config(config, **kwargs)
+
+
+class FromConfigReturnsClass(CausalWorldPipeline):
+    """Its from_config returns the class instead of an instance of it."""
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        return cls
+
+
+class DeclaresNoSessionLimit(CausalWorldPipeline):
+    """Its spec's session_capacity is 2**32, meant as "no limit: as many as fit" (the spec takes any positive bound)."""
+
+    class Config(CausalWorldPipeline.Config):
+        def kv_cache_spec(self):
+            return dataclasses.replace(super().kv_cache_spec(), session_capacity=2**32)
+
+
 class ReturnsTensor(CausalWorldPipeline):
     """Its forward returns the latents tensor itself instead of a dict of arrays."""
 

@@ -461,6 +461,12 @@ def test_a_signal_caught_inside_a_warmup_request_stops_warmup(env, data, action)
     ("HooksMissing", "Error: HooksMissing does not implement the AR-Diffusion pipeline capability: missing "
                      "ar_diffusion_kv_cache_spec, bind_ar_diffusion_state"),
     ("BrokenFromConfig", "Error: BrokenFromConfig.from_config() failed: KeyError: 'blocks.0.self_attn.q.weight'"),
+    # "Error: NoneType does not implement the AR-Diffusion pipeline capability: missing ar_diffusion_kv_cache_spec,
+    # ...": the class does implement them; its from_config returned nothing
+    ("FromConfigReturnsNothing", "Error: FromConfigReturnsNothing.from_config() returned NoneType, expected the "
+                                 "pipeline (a FromConfigReturnsNothing)"),
+    ("FromConfigReturnsClass", "Error: FromConfigReturnsClass.from_config() returned the class FromConfigReturnsClass, "
+                               "expected the pipeline (a FromConfigReturnsClass)"),
     ("SpecOtherThanItsConfig", "Error: SpecOtherThanItsConfig.ar_diffusion_kv_cache_spec() differs from its "
                                "Config.kv_cache_spec(): window_frames 60 (the config's 6)"),
     # "Error: unexpected ValueError: ...", "hint: this is a bug in ardiff", and the traceback
@@ -485,7 +491,9 @@ def test_a_pipeline_authors_mistake_is_named_as_the_pipelines_not_as_a_bug_in_ar
             "SpecOtherThanItsConfig": "hint: build both from the same config fields, so that inspect-capacity plans "
                                       "what load allocates",
             "ReturnsNaN": "hint: the model diverged on the warmup's inputs",
-            "DeclaresBatching": "hint: leave supports_request_batch out (or False)"}.get(pipeline,
+            "DeclaresBatching": "hint: leave supports_request_batch out (or False)",
+            "FromConfigReturnsNothing": "hint: end from_config with `return cls(...)`",
+            "FromConfigReturnsClass": "hint: end from_config with `return cls(...)`"}.get(pipeline,
                                                                                          "hint: the pipeline's code")
     commands = {"warmup": ["warmup"], "rollout --warmup": ["rollout", "--warmup", "--out", str(tmp_path / "run")]}
     for name, command in commands.items():
@@ -522,6 +530,25 @@ def test_a_pipeline_config_that_raises_is_named_as_the_pipelines_mistake(env, co
     assert "causal-world-tiny.yaml: " + message in proc.stderr.splitlines()[-2]
     assert "hint: a pipeline's Config raises ardiff_cli.runtime.errors.ConfigError" in proc.stderr
     assert "bug in ardiff" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_pipeline_spec_bound_past_what_a_plan_takes_names_the_spec_and_the_runtime_setting(env, tmp_path):
+    """A spec's session_capacity of 2**32 ("no limit") was refused as "session_capacity must be a positive integer up
+    to 2147483647" with a Python hint ("pass ..., or None for the spec's own bound"): the user passed nothing, and the
+    runtime setting that works around it went unsaid."""
+    config = tmp_path / "world.yaml"  # no runtime.session_capacity: the spec's bound is the plan's
+    config.write_text("pipeline: causal_world\nmodel: {preset: tiny}\nruntime: {device: cpu, num_threads: 1}\n")
+    args = [str(config), "--format", "plain", "--pipeline", "author_mistakes:DeclaresNoSessionLimit"]
+    for command in (["inspect-capacity", "--available", "1GiB"], ["warmup"]):
+        proc = ardiff(env, *command, *args)
+        assert proc.returncode == 2, (command, proc.stderr)
+        assert proc.stderr.splitlines()[-2:] == [
+            "Error: the pipeline's KV spec declares session_capacity=4294967296, more than a plan takes (up to "
+            "2147483647: block tables index pages with int32)",
+            "hint: set runtime.session_capacity (--session-capacity) to at most 2147483647, or have the pipeline "
+            "declare at most that (as many sessions as fit the memory are kept)"], (command, proc.stderr)
+    proc = ardiff(env, "inspect-capacity", "--available", "1GiB", "--session-capacity", "3", *args)
+    assert proc.returncode == 0 and "limit 3" in proc.stdout, proc.stderr
 
 
 def test_a_top_level_typo_is_not_sent_to_model_by_a_config_that_takes_any_key(env, tmp_path):

@@ -433,6 +433,44 @@ def test_an_installed_entry_point_named_like_a_builtin_is_a_warning_and_the_buil
     assert api.returncode == 0 and api.stdout.strip() == "['ArdiffWarning']", api.stderr
 
 
+@pytest.mark.parametrize(("body", "message"), [
+    # rollout: "Error: unexpected ModuleNotFoundError: ...", "hint: this is a bug in ardiff" and the traceback (warmup
+    # named the pipeline): rollout called pipeline_class() before the load, to check the default checkpoint's size
+    ("    import flash_attn_that_is_not_installed\n",
+     "Error: pipeline 'lab_world': pipeline_class() failed: ModuleNotFoundError: No module named "
+     "'flash_attn_that_is_not_installed'"),
+    # "Error: None.from_config() failed: AttributeError: 'NoneType' object has no attribute 'from_config'"
+    ("    from pipelines.causal_world.pipeline import CausalWorldPipeline\n",
+     "Error: pipeline 'lab_world': pipeline_class() returned None, expected the pipeline class (with from_config())"),
+])
+def test_an_entry_modules_pipeline_class_that_fails_is_the_pipelines_mistake_in_rollout_and_warmup(tmp_path, body,
+                                                                                                   message):
+    """An installed entry module (a dist-info folder on sys.path) whose pipeline_class() raises (a dependency of the
+    model code missing) or returns nothing: exit 1 naming the pipeline (one that raises, before rollout makes
+    --out)."""
+    import subprocess
+
+    dist = tmp_path / "lab_world-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: lab-world\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[ardiff.pipelines]\nlab_world = lab_world_entry\n")
+    (tmp_path / "lab_world_entry.py").write_text(
+        "from pipelines.causal_world import Config, observation_schema\n\n\ndef pipeline_class():\n" + body)
+    config = tmp_path / "lab.yaml"
+    config.write_text("pipeline: lab_world\nmodel: {preset: tiny}\nruntime: {device: cpu}\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "COLUMNS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(tmp_path)])
+    out = tmp_path / "run"
+    for command in (["rollout", str(config), "-o", str(out)], ["warmup", str(config)]):
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *command, "--format", "plain"],
+                              capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+        assert proc.returncode == 1, (command, proc.stderr)
+        assert message in proc.stderr and "bug in ardiff" not in proc.stderr, (command, proc.stderr)
+        assert "Traceback" not in proc.stderr, (command, proc.stderr)
+    if "failed:" in message:  # raised where rollout first imports the model code: before --out is made
+        assert not out.exists()
+
+
 def test_two_distributions_registering_one_name_is_a_warning_and_the_choice_does_not_depend_on_the_disk(tmp_path):
     """The first entry point found used to win silently, and entry_points() lists a folder in the file system's
     order (creation order on tmpfs, hash order on ext4): the same two packages ran one model here, the other there."""

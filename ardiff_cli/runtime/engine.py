@@ -23,7 +23,8 @@ from ardiff_cli.runtime.errors import (
 from ardiff_cli.runtime.events import RuntimeEvent
 from ardiff_cli.runtime.kv.cache import KV_DTYPES
 from ardiff_cli.runtime.request import ARDiffusionRequest, require_request
-from ardiff_cli.runtime.runner import ARDiffusionModelRunner, WarmupReport, _once, require_subscriber
+from ardiff_cli.runtime.runner import (ARDiffusionModelRunner, PipelineContractError, WarmupReport, _once,
+                                       require_subscriber)
 from ardiff_cli.runtime.swap import check_swap_arguments
 
 
@@ -47,6 +48,19 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError(f"device {name!r} requested but only {count} CUDA device(s) are visible "
                           f"(cuda:0 .. cuda:{count - 1})", hint="check CUDA_VISIBLE_DEVICES, or use --device cuda")
     return device
+
+
+def _not_a_pipeline(pipeline_class: Any, built: Any) -> PipelineError | None:
+    """The error for what ``from_config`` returned when it is no pipeline (``None``: it forgot to return one; the class
+    itself), else None. The runner named the returned object's type instead ("NoneType does not implement ...")."""
+    duck = (isinstance(pipeline_class, type) and isinstance(built, pipeline_class)
+            or callable(getattr(built, "forward", None)))
+    if not isinstance(built, type) and duck:
+        return None
+    name = getattr(pipeline_class, "__qualname__", pipeline_class)
+    got = f"the class {built.__qualname__}" if isinstance(built, type) else type(built).__name__
+    return PipelineContractError(f"{name}.from_config() returned {got}, expected the pipeline (a {name})",
+                                 hint="end from_config with `return cls(...)`: the built pipeline")
 
 
 class ARDiffusionEngine:
@@ -111,6 +125,10 @@ class ARDiffusionEngine:
             if error is None:
                 raise
             raise error from exc
+        if not callable(getattr(pipeline_class, "from_config", None)):  # else "None.from_config() failed: ..."
+            raise PipelineContractError(
+                f"pipeline {self.config.entry.name!r}: pipeline_class() returned {shown(pipeline_class)}, expected "
+                "the pipeline class (with from_config())", hint="end pipeline_class() with `return MyPipeline`")
         try:
             self._pipeline = pipeline_class.from_config(
                 self.config.model, device=self.device, dtype=dtype, checkpoint=self.config.checkpoint
@@ -121,6 +139,10 @@ class ARDiffusionEngine:
             if error is None:
                 raise
             raise error from exc
+        problem = _not_a_pipeline(pipeline_class, self._pipeline)  # no local holds it: a kept error keeps no weights
+        if problem is not None:
+            self._pipeline = None
+            raise problem
         self._runner = ARDiffusionModelRunner(
             self._pipeline,
             device=self.device,
