@@ -109,6 +109,23 @@ def test_double_free():
     check(allocator, {pages[1]})
 
 
+def test_reclaim_takes_back_the_pages_an_interrupted_operation_left_with_nobody():
+    """A stop half way through ``allocate`` (pages popped, not all marked) or ``free`` (marked free, not yet listed)
+    leaves pages neither free nor owned by anyone the caller knows: ``reclaim`` makes the pages still held the owned
+    ones and lists every other page as free again, keeping the free pages' order."""
+    allocator = PageAllocator(8)
+    held = set(allocator.allocate(3))  # 1, 2, 3
+    lost = allocator.allocate(2)  # 4, 5: handed to a forward that a Ctrl-C then dropped
+    allocator._free.pop()  # 6: popped by an allocate the Ctrl-C cut short, never marked owned
+    free_before = list(allocator._free)
+    assert allocator.reclaim(held) == 3
+    check(allocator, held)
+    assert allocator._free[:len(free_before)] == free_before and sorted(allocator._free) == [4, 5, 6, 7]
+    assert allocator.reclaim(held) == 0  # nothing lost: nothing changes
+    check(allocator, held)
+    assert sorted(allocator.allocate(4)) == [4, 5, 6, 7] and lost == [4, 5]
+
+
 def test_duplicate_in_one_free_is_atomic():
     allocator = PageAllocator(5)
     pages = allocator.allocate(2)

@@ -222,6 +222,62 @@ def test_a_stop_between_the_forward_and_its_bookkeeping_releases_the_session(mon
     assert runner.kv_cache.allocator.num_used == len(pages_of_a)
 
 
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler (a KeyboardInterrupt) for the test, whatever the process had; put back after."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("python_sigint")
+@pytest.mark.parametrize("where", ["commit", "release"])
+def test_a_ctrl_c_in_the_kv_page_bookkeeping_takes_the_pages_back_and_stays_a_keyboard_interrupt(monkeypatch, where):
+    """A real SIGINT that lands inside the KV's page bookkeeping: a commit that had taken the block's pages from its
+    forward but not yet into the history (``commit``), or the freeing of an evicted session's pages (``release``).
+    Those pages were held by nobody: the release of the interrupted session failed its page-leak assert, so the
+    caller got an ``AssertionError`` in place of the ``KeyboardInterrupt``, and every later release (eviction,
+    ``close_session``, ``close()``) failed it again. Found with an outside process sending SIGINT during requests."""
+    import signal
+
+    from ardiff_cli.runtime.kv.allocator import PageAllocator
+    from ardiff_cli.runtime.kv.state import BranchKV
+
+    reference = make_runner()
+    runner = make_runner()
+    for r in (reference, runner):
+        r.execute_model(request("a", 0))
+        r.execute_model(request("b", 0))
+    pages_of_a = held_pages(runner)["a"]
+    armed = [True]
+    patched, name = (BranchKV, "commit") if where == "commit" else (PageAllocator, "free")
+    original = getattr(patched, name)
+
+    def interrupted(self, *args):
+        if armed:  # the first call: a Ctrl-C as it starts, after its caller took the pages it passes
+            armed.clear()
+            signal.raise_signal(signal.SIGINT)  # the handler raises KeyboardInterrupt before this returns
+        return original(self, *args)
+
+    monkeypatch.setattr(patched, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):  # commit: b's own request; release: c's, as it evicts a
+        runner.execute_model(request("b", 1) if where == "commit" else request("c", 0))
+    monkeypatch.undo()
+    kept = {"commit": ["a"], "release": ["b"]}[where]
+    assert runner.session_ids == kept
+    assert runner.kv_cache.allocator.num_used == sum(len(held_pages(runner)[sid]) for sid in kept)
+    if where == "commit":
+        assert held_pages(runner) == {"a": pages_of_a}
+    # the sessions left go on as if nothing happened, and one started afresh equals a fresh one
+    reference.close_session("b" if where == "commit" else "a")  # the interrupted request released it
+    for sid, step in (("a", 1), ("b", 1), ("c", 0)):
+        expected, got = reference.execute_model(request(sid, step)), runner.execute_model(request(sid, step))
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert runner.close() == [] and runner.kv_cache.allocator.num_used == 0
+
+
 def test_failed_forward_of_a_closing_request_closes_its_session_once():
     """``close_session=True`` on a request whose forward fails: the failure releases the session, and the request's
     own close does not release it a second time (one close hook call, one ``session_closed`` event)."""

@@ -139,6 +139,12 @@ def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
     return exclusive
 
 
+def _is_stop(exc: BaseException) -> bool:
+    """A deliberate stop, which a signal raises wherever the main thread is: the CLI's ``Interrupted`` (a
+    ``StopRequested``), a ``KeyboardInterrupt``, a ``SystemExit`` from a server's SIGTERM handler."""
+    return isinstance(exc, StopRequested) or not isinstance(exc, Exception)
+
+
 def _caller_stacklevel() -> int:
     """``warnings.warn``'s ``stacklevel``, in the function that calls this, for the first frame outside the runtime
     package: a warning about a request points at the caller's ``engine.execute(...)`` (or ``execute_model``), not
@@ -767,23 +773,29 @@ class ARDiffusionModelRunner:
     ) -> list[LifecycleHookError]:
         """The one release path: free pages and cross-attention, then call the pipeline's hook.
 
-        Hook failures are returned (and recorded and emitted), never swallowed. A ``StopRequested`` from the hook is
-        a deliberate stop (the CLI's ``Interrupted``, raised by its signal handler), raised once the release is done.
-        ``swap_bytes``: the size of the snapshot that ``_swap_out`` wrote before an LRU eviction or a
-        ``swap_out_sessions`` (None: none).
+        Hook failures are returned (and recorded and emitted), never swallowed. A stop (a ``StopRequested``, the
+        CLI's ``Interrupted`` raised by its signal handler, or a ``KeyboardInterrupt``) as the KV is freed or from the
+        hook is deliberate: raised once the release is done. ``swap_bytes``: the size of the snapshot that
+        ``_swap_out`` wrote before an LRU eviction or a ``swap_out_sessions`` (None: none).
         """
         cache = self._require_loaded()
-        session = self._sessions.pop(session_id)
-        session.state.close()
+        session = self._sessions[session_id]
+        stop: BaseException | None = None
+        try:
+            del self._sessions[session_id]  # no call between the lookup and the try: a stop cannot land there
+            session.state.close()
+        except BaseException as exc:
+            if not _is_stop(exc):
+                raise
+            stop = exc  # half way through freeing its pages: they are taken back below, and the hook still runs
         callback = (
             self.pipeline.reset_ar_diffusion_session if hook == "reset" else self.pipeline.close_ar_diffusion_session
         )
         errors: list[LifecycleHookError] = []
-        stop: StopRequested | None = None
         try:
             callback(session_id)
         except StopRequested as exc:  # the CLI's Interrupted: raised once the release is complete
-            stop = exc
+            stop = stop or exc
         except Exception as exc:  # noqa: BLE001 - collected, emitted and returned to the caller
             hook_error = LifecycleHookError(
                 f"{type(self.pipeline).__name__}.{callback.__name__}({session_id!r}) raised "
@@ -795,6 +807,13 @@ class ARDiffusionModelRunner:
             self.hook_errors.append(hook_error)
             self._emit(HookFailed(session_id=session_id, hook=callback.__name__, error=str(exc)))
         used = sum(s.state.num_pages for s in self._sessions.values())
+        if cache.allocator.num_used != used and (stop is not None or error is not None and _is_stop(error)):
+            # A stop (Ctrl-C: a KeyboardInterrupt, or the CLI's Interrupted) lands wherever the forward is, also
+            # half way through the KV's page bookkeeping (a commit that had taken the block's pages from its
+            # forward but not yet into the history): pages nobody held any more. The other sessions hold what
+            # they held, and one request runs at a time: the rest go back. Else this assert failed in place of
+            # the stop, and at every release after it, engine.close() too.
+            cache.allocator.reclaim(page for s in self._sessions.values() for page in s.state.page_ids())
         assert cache.allocator.num_used == used, (
             f"page leak: allocator holds {cache.allocator.num_used} pages, resident sessions {used}"
         )

@@ -6,6 +6,8 @@ ids and takes them back.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 NULL_PAGE_ID = 0
 
 
@@ -82,6 +84,24 @@ class PageAllocator:
             self._owned[page_id] = 0
             self._free.append(page_id)
         assert len(self._free) <= self.num_allocatable, "free count exceeds allocatable pages: free list corrupted"
+
+    def reclaim(self, held: Iterable[int]) -> int:
+        """Make ``held`` the owned pages and put every other page that is not free back on the free list; how many
+        came back. For the pages an operation stopped half way left with no owner (a Ctrl-C inside ``allocate``,
+        ``free``, or a commit between them, while a session's forward ran): ``held`` must be every page a live
+        owner holds. Free pages keep their order; the ones taken back go on top."""
+        owned = bytearray(self.num_pages)
+        for page_id in held:
+            owned[page_id] = 1
+        free = bytearray(self.num_pages)
+        for page_id in self._free:
+            free[page_id] = 1
+        lost = [page_id for page_id in range(self.num_pages - 1, NULL_PAGE_ID, -1) if not owned[page_id]
+                and not free[page_id]]
+        self._free.extend(lost)
+        self._owned = owned
+        assert len(self._free) + sum(owned) == self.num_allocatable, "held pages on the free list: free list corrupted"
+        return len(lost)
 
     def is_owned(self, page_id: int) -> bool:
         return bool(self._owned[page_id])

@@ -191,6 +191,12 @@ class ARDiffusionKVState:
         held = sum(kv.num_pages for kv in self._branches.values())
         return held + sum(len(fc.inflight_pages or ()) for fc in self._pending.values() if fc is not None)
 
+    def page_ids(self) -> list[int]:
+        """The managed pages counted by ``num_pages``: every branch's history, then any in-flight block."""
+        held = [page_id for kv in self._branches.values() for page_id in kv.page_ids()]
+        inflight = [fc.inflight_pages or () for fc in self._pending.values() if fc is not None]
+        return held + [page_id for pages in inflight for page_id in pages]
+
     @property
     def cross_attention_bytes(self) -> int:
         return sum(k.nbytes + v.nbytes for pairs in self._cross.values() for k, v in pairs)
