@@ -168,6 +168,9 @@ class SwapStore:
         self._files: OrderedDict[str, _Snapshot] = OrderedDict()
         self._owners: dict[str, str] = {}  # file name -> session id, of each of _files: adopt() refuses them
         self._nbytes = 0  # sum of the files' bytes, kept as one int so other threads read it whole
+        # Files of forgotten snapshots not yet deleted: a stop (Ctrl-C) that lands in discard() between forgetting a
+        # snapshot and deleting its file leaves it here, for clear() to delete (else close() left it in the folder).
+        self._unlinking: set[Path] = set()
         # The last write started, until settle() takes in its end: (session id, snapshot, its thread). Every
         # earlier write was taken in before it started (write() flushes first).
         self._last_write: tuple[str, _Snapshot, threading.Thread] | None = None
@@ -385,6 +388,7 @@ class SwapStore:
             return False
         with snapshot.lock:  # first: a stop before the pop leaves it known (deleted by clear()), never a lost file
             snapshot.dropped = True  # a write in flight deletes its file when it ends (so, also if a wait is cut)
+        self._unlinking.add(snapshot.path)  # before it is forgotten: a stop from here on leaves it to clear()
         del self._files[session_id]
         self._owners.pop(snapshot.path.name, None)
         self._nbytes -= snapshot.nbytes
@@ -395,6 +399,7 @@ class SwapStore:
         if snapshot.written.is_set():
             with contextlib.suppress(OSError):  # forgotten either way; the folder goes when the run ends
                 snapshot.path.unlink(missing_ok=True)
+            self._unlinking.discard(snapshot.path)
         return True
 
     def detach(self) -> dict[str, str]:
@@ -421,6 +426,7 @@ class SwapStore:
             with contextlib.suppress(OSError):  # a rename lost with it leaves no file: that session is replayed
                 _fsync(self.directory)
         kept = {session_id: snapshot.path.name for session_id, snapshot in self._files.items()}
+        self._unlinking.difference_update(snapshot.path for snapshot in self._files.values())  # kept, not deleted
         self._files.clear()
         self._owners.clear()
         self._nbytes = 0
@@ -461,6 +467,10 @@ class SwapStore:
         self.flush()
         for session_id in list(self._files):
             self.discard(session_id)
+        for path in list(self._unlinking):  # forgotten by a discard a stop cut short
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+            self._unlinking.discard(path)
         self.failures.clear()  # their sessions are closed: a snapshot lost meanwhile is nothing to warn about
         try:
             self.directory.rmdir()
