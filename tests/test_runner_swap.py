@@ -1139,10 +1139,13 @@ def test_ctrl_c_while_a_close_waits_for_the_snapshot_file_leaves_no_file_behind(
     engine.close()
 
 
-def test_ctrl_c_after_a_snapshot_is_forgotten_and_before_its_file_is_deleted_leaves_no_file_after_close(tmp_path):
-    # discard() forgets a snapshot, then deletes its file: a Ctrl-C between the two (a real SIGINT, found by
-    # sending one at every point a request or close_session can take it) left the file, which the store no longer
-    # knew, in the swap folder after close(), and the folder with it.
+@pytest.mark.parametrize("cut", ["forgotten", "known"])
+def test_ctrl_c_as_a_snapshot_is_discarded_leaves_no_file_after_close_and_a_known_one_for_detach(tmp_path, cut):
+    # discard() forgets a snapshot, then deletes its file. A Ctrl-C between the two (a real SIGINT, found by sending
+    # one at every point a request or close_session can take it) left the file, which the store no longer knew, in
+    # the swap folder after close(), and the folder with it ("forgotten"). One that lands after the file was marked
+    # for deletion but before the snapshot was forgotten leaves it known ("known"): restorable, or kept whole by
+    # detach_snapshots for --resume, so close() after a detach must not delete it.
     import signal
 
     engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
@@ -1151,60 +1154,39 @@ def test_ctrl_c_after_a_snapshot_is_forgotten_and_before_its_file_is_deleted_lea
     run(engine, "b", 0)  # evicts a to a file
     runner.swap.flush()
     assert runner.swap.has("a") and len(list(tmp_path.glob("*.safetensors"))) == 1
-
     armed = [True]
 
-    class InterruptedOnce(dict):
+    def interrupt_once():
+        if armed:
+            armed.clear()
+            signal.raise_signal(signal.SIGINT)  # Python's handler raises KeyboardInterrupt before this returns
+
+    class Owners(dict):
         def pop(self, *args):  # the first thing discard() does once the snapshot is forgotten
-            if armed:
-                armed.clear()
-                signal.raise_signal(signal.SIGINT)  # Python's handler raises KeyboardInterrupt before this returns
+            interrupt_once()
             return dict.pop(self, *args)
 
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        runner.swap._owners = InterruptedOnce(runner.swap._owners)
-        with pytest.raises(KeyboardInterrupt):
-            runner.close_session("a")
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    assert not runner.swap.has("a")
-    engine.close()
-    assert not tmp_path.exists() or not list(tmp_path.iterdir())
-
-
-def test_a_snapshot_whose_discard_a_ctrl_c_cut_before_it_was_forgotten_is_kept_whole_by_detach(tmp_path):
-    # The other side of the test above: a stop that lands after discard() marked the file for deletion but before
-    # it forgot the snapshot leaves it known (restorable, or kept by detach_snapshots for --resume); close() after
-    # a detach must not delete that kept file.
-    import signal
-
-    engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path)
-    runner = engine.runner
-    run(engine, "a", 0)
-    run(engine, "b", 0)  # evicts a to a file
-    runner.swap.flush()
-    armed = [True]
-
-    class InterruptedOnce(set):
-        def add(self, item):
+    class Unlinking(set):
+        def add(self, item):  # the last thing discard() does before it forgets the snapshot
             set.add(self, item)
-            if armed:
-                armed.clear()
-                signal.raise_signal(signal.SIGINT)
+            interrupt_once()
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        runner.swap._unlinking = InterruptedOnce()
+        if cut == "forgotten":
+            runner.swap._owners = Owners(runner.swap._owners)
+        else:
+            runner.swap._unlinking = Unlinking()
         with pytest.raises(KeyboardInterrupt):
             runner.close_session("a")
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert runner.swap.has("a")  # cut before it was forgotten
+    assert runner.swap.has("a") is (cut == "known")
     kept = runner.detach_snapshots()
-    assert list(kept) == ["a"]
+    assert list(kept) == (["a"] if cut == "known" else [])
     engine.close()
-    assert [p.name for p in tmp_path.iterdir()] == [kept["a"]]
+    left = [path.name for path in tmp_path.iterdir()] if tmp_path.exists() else []
+    assert left == list(kept.values())
 
 
 def test_a_writer_thread_that_cannot_start_is_a_warning_and_the_eviction_goes_on(tmp_path, monkeypatch):
