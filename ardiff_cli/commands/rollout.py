@@ -47,7 +47,6 @@ from ardiff_cli.runtime.errors import (
     ArdiffError,
     ConfigError,
     ObservationError,
-    as_pipeline_error,
     link_to_nothing_on,
     not_a_folder,
 )
@@ -362,16 +361,11 @@ def _refuse_what_loading_would(cfg: Any) -> None:
         resolve_device(cfg.runtime.device)
     if cfg.checkpoint is not None:
         return
+    from ardiff_cli.runtime.engine import pipeline_class_of
     from pipelines.base import ARPipeline
     from pipelines.checkpoint import default_checkpoint_path, refuse_too_large_for_default
 
-    try:
-        pipeline_class = cfg.entry.pipeline_class()
-    except Exception as exc:  # a dependency the model code lacks: the pipeline's, as the load names it
-        error = as_pipeline_error(f"pipeline {cfg.entry.name!r}: pipeline_class()", exc)
-        if error is None:
-            raise
-        raise error from exc
+    pipeline_class = pipeline_class_of(cfg.entry)
     if not (isinstance(pipeline_class, type) and issubclass(pipeline_class, ARPipeline)) \
             or getattr(pipeline_class.from_config, "__func__", None) is not ARPipeline.from_config.__func__:
         return  # a pipeline that loads its weights its own way

@@ -50,6 +50,25 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def pipeline_class_of(entry: Any) -> Any:
+    """``entry.pipeline_class()``, the class whose ``from_config`` builds the pipeline. Its failure is the pipeline's
+    (an entry module imports the model code: a dependency it lacks fails here), and so is a result with no
+    ``from_config`` (``None``: it forgot to return the class), not "None.from_config() failed: ...". The load and
+    rollout's checks before ``--out`` is made both call it."""
+    try:
+        pipeline_class = entry.pipeline_class()
+    except Exception as exc:
+        error = as_pipeline_error(f"pipeline {entry.name!r}: pipeline_class()", exc)
+        if error is None:
+            raise
+        raise error from exc
+    if not callable(getattr(pipeline_class, "from_config", None)):
+        raise PipelineContractError(
+            f"pipeline {entry.name!r}: pipeline_class() returned {shown(pipeline_class)}, expected the pipeline class "
+            "(with from_config())", hint="end pipeline_class() with `return MyPipeline`")
+    return pipeline_class
+
+
 def _not_a_pipeline(pipeline_class: Any, built: Any) -> PipelineError | None:
     """The error for what ``from_config`` returned when it is no pipeline (``None``: it forgot to return one; the class
     itself), else None. The runner named the returned object's type instead ("NoneType does not implement ...")."""
@@ -118,17 +137,7 @@ class ARDiffusionEngine:
             # Process-wide: the engine owns this process's compute. Small models lose to
             # intra-op parallelism, badly so when other processes share the cores.
             torch.set_num_threads(runtime.num_threads)
-        try:  # an entry module's imports the model code: a dependency it lacks fails here
-            pipeline_class = self.config.entry.pipeline_class()
-        except Exception as exc:
-            error = as_pipeline_error(f"pipeline {self.config.entry.name!r}: pipeline_class()", exc)
-            if error is None:
-                raise
-            raise error from exc
-        if not callable(getattr(pipeline_class, "from_config", None)):  # else "None.from_config() failed: ..."
-            raise PipelineContractError(
-                f"pipeline {self.config.entry.name!r}: pipeline_class() returned {shown(pipeline_class)}, expected "
-                "the pipeline class (with from_config())", hint="end pipeline_class() with `return MyPipeline`")
+        pipeline_class = pipeline_class_of(self.config.entry)
         try:
             self._pipeline = pipeline_class.from_config(
                 self.config.model, device=self.device, dtype=dtype, checkpoint=self.config.checkpoint
