@@ -1065,7 +1065,7 @@ class ARDiffusionModelRunner:
                 except BaseException as exc:  # released whole, then raised as one error (a stop as itself)
                     if session_id in self._sessions:
                         self._release(session_id, reason="restore_failed", hook="close", error=exc)
-                    if isinstance(exc, StopRequested) or not isinstance(exc, Exception):
+                    if _is_stop(exc):
                         raise
                     raise SwapRestoreError(f"cannot restore session {shown(session_id)} from {path}: {step} "
                                            f"raised {type(exc).__name__}: {exc}", hint=hint) from exc
