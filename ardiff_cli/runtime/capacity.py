@@ -280,12 +280,13 @@ def plan_capacity(
     available_bytes = checked_bytes(available_bytes, "available_bytes")
     given = spec.session_capacity if session_capacity is None else session_capacity
     limit = as_int(given)
-    if session_capacity is None and limit is not None and limit > MAX_SESSIONS:  # a spec takes any bound ("no limit")
-        raise ConfigError(f"the pipeline's KV spec declares session_capacity={limit}, more than a plan takes (up to "
-                          f"{MAX_SESSIONS}: block tables index pages with int32)",
-                          hint=f"set runtime.session_capacity (--session-capacity) to at most {MAX_SESSIONS}, or have "
-                               "the pipeline declare at most that (as many sessions as fit the memory are kept)")
     if limit is None or not 1 <= limit <= MAX_SESSIONS:
+        if session_capacity is None:  # the spec's own bound: it takes any positive one (a pipeline's "no limit")
+            raise ConfigError(f"the pipeline's KV spec declares session_capacity={given!r}, more than a plan takes (up "
+                              f"to {MAX_SESSIONS}: block tables index pages with int32)",
+                              hint=f"set runtime.session_capacity (--session-capacity) to at most {MAX_SESSIONS}, or "
+                                   "have the pipeline declare at most that (as many sessions as fit the memory are "
+                                   "kept)")
         raise ConfigError(f"session_capacity must be a positive integer up to {MAX_SESSIONS}, got {given!r}",
                           hint="pass a whole number of sessions, or None for the spec's own bound")
     name = dtype_name(dtype)
