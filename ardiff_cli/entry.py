@@ -80,10 +80,12 @@ def interrupted_message(signum: int) -> str:
 
 
 def requested_format(args: list[str]) -> str:
-    """The --format a command line asks for (the last one wins, as Typer takes it), if it is one, else auto."""
+    """The --format a command line asks for (the last one wins, as Typer takes it), if it is one, else auto. After
+    ``--`` every word is an argument, as Typer takes it: ``warmup -- --format json`` gave a usage error as JSON."""
     from ardiff_cli.output import Format
 
     requested = "auto"
+    args = args[:args.index("--")] if "--" in args else args
     for arg, following in zip(args, [*args[1:], ""]):
         if arg.lower().startswith("--format="):
             requested = arg.split("=", 1)[1]

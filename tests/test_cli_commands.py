@@ -865,3 +865,17 @@ def test_an_error_before_typer_reads_format_takes_the_last_format_given_as_typer
     assert requested_format(["--format=json", "--format", "Plain"]) == "plain"
     assert requested_format(["--format", "json", "--format", "jsn"]) == "auto"
     assert requested_format(["--format"]) == "auto"
+
+
+def test_a_format_after_a_double_dash_is_an_argument_not_the_option():
+    """After `--` Typer takes every word as an argument (an EPISODE named `--format`): the usage error that follows
+    is in the format given before it, not JSON because `--format json` came after it."""
+    from ardiff_cli.entry import requested_format
+
+    assert requested_format(["warmup", "--", "--format", "json"]) == "auto"
+    assert requested_format(["warmup", "--format", "plain", "--", "--format=json"]) == "plain"
+    proc = _ardiff("warmup", "--", "--format", "json")
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stdout
+    assert proc.stderr == "Error: Got unexpected extra argument(s) (json)\nhint: see ardiff warmup --help\n"
+    proc = _ardiff("warmup", "--format", "json", "--", "cfg", "extra")
+    assert proc.returncode == 2 and json.loads(proc.stdout)["kind"] == "usage_error", proc.stdout
