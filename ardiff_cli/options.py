@@ -144,6 +144,15 @@ def parse_path(value: str) -> Path:
     return Path(value)
 
 
+def parse_out(value: str) -> Path:
+    """``--out`` as ``parse_path``, but not a value that looks like an option: ``--out --preview`` (the folder left
+    out) made a folder named ``--preview`` and ran without previews. ``./-x`` names such a folder."""
+    if value.startswith("-"):
+        raise typer.BadParameter(f"{value!r} looks like an option, not a folder (was the folder left out?); if a "
+                                 f"folder of that name is meant, write ./{value}")
+    return parse_path(value)
+
+
 ConfigArg = Annotated[
     Optional[str],
     typer.Argument(
@@ -174,8 +183,9 @@ PipelineOpt = Annotated[
 ]
 OutOpt = Annotated[
     Optional[Path],
-    typer.Option("--out", "-o", metavar="DIR", parser=parse_path, callback=expand_home,
-                 help="Output folder. \\[default: a new folder in ./ardiff-runs, named by the time]",
+    typer.Option("--out", "-o", metavar="DIR", parser=parse_out, callback=expand_home,
+                 help="Output folder (./-x for one named like an option). "
+                      "\\[default: a new folder in ./ardiff-runs, named by the time]",
                  show_default=False),
 ]
 DeviceOpt = Annotated[

@@ -1376,6 +1376,35 @@ def test_an_empty_out_or_episode_is_a_usage_error_not_the_current_folder(tmp_pat
     assert list(here.iterdir()) == []  # nothing written where the command ran
 
 
+def test_an_out_that_looks_like_an_option_is_a_usage_error_not_a_folder(tmp_path, cli_env):
+    # `--out --preview` (the folder left out) made a folder named `--preview` and ran without previews, exit 0.
+    # `./--preview` names such a folder, and the hint of a second run there gives it so.
+    episode(tmp_path / "ep", 1)
+    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
+    here = tmp_path / "here"
+    here.mkdir()
+
+    def rollout(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "fast.yaml"),
+                               str(tmp_path / "ep"), *args, "--no-warmup", "--format", "json"], cwd=here,
+                              env=cli_env, capture_output=True, text=True, timeout=300)
+
+    for args in (["--out", "--preview"], ["-o", "-x"], ["--out=-q"]):
+        proc = rollout(*args)
+        assert proc.returncode == 2, proc.stderr
+        error = json.loads(proc.stdout)  # the whole of stdout: one object
+        value = args[-1].removeprefix("--out=")
+        assert error["kind"] == "usage_error", error
+        assert error["message"] == (f"Invalid value for '--out' / '-o': {value!r} looks like an option, not a folder "
+                                    f"(was the folder left out?); if a folder of that name is meant, write ./{value}")
+        assert list(here.iterdir()) == []
+    assert rollout("--out", "./--preview").returncode == 0
+    assert (here / "--preview" / "run.json").is_file()
+    proc = rollout("--out", "./--preview")
+    assert proc.returncode == 2 and json.loads(proc.stdout)["hint"].startswith(
+        "continue it with: ardiff rollout --resume --out ./--preview;"), proc.stdout
+
+
 def test_an_episode_yaml_that_is_not_yaml_or_not_readable_is_one_line_and_a_hint(tmp_path, cli_env):
     # It was PyYAML's own text, five lines quoting the file as "<unicode string>" with a caret drawn under it and no
     # hint (a config's YAML error is one line naming the line and column); one that could not be read repeated its

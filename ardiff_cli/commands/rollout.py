@@ -234,7 +234,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         if RunFolder(out).holds_run():
             RunFolder(out).refuse_while_locked()  # a run still going: not one to resume now
             raise ConfigError(f"{out} already holds a run",
-                              hint=f"continue it with: ardiff rollout --resume --out {shlex.quote(str(out))}; or "
+                              hint=f"continue it with: ardiff rollout --resume --out {_out_arg(out)}; or "
                                    "choose another --out")
     cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), **overrides)
     if not resume and (cfg.runtime.device.startswith("cuda") or cfg.checkpoint is None):
@@ -638,6 +638,12 @@ def _refuse_changed_checkpoint(recorded: Any, now: dict[str, Any] | None) -> Non
 
 def _local_time(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
+def _out_arg(out: Path) -> str:
+    """``out`` as an ``--out`` value to paste: ``./--preview`` for a folder named like an option (``Path`` drops
+    the ``./`` that was given, and ``--out --preview`` is refused)."""
+    return shlex.quote(f"./{out}" if str(out).startswith("-") else str(out))
 
 
 def _same(given: Any, recorded: Any, name: str) -> Any:
