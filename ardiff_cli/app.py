@@ -107,9 +107,10 @@ def _run(args: list[str]) -> None:
         sys.exit(exc.exit_code)
     except SystemExit as exc:
         # Rich's and Click's own exit for --help or --version written to a reader that went away (`| grep -q`):
-        # it wanted no more, as of `inspect-capacity | head` (exit 0), not a failure under `set -o pipefail`.
+        # it wanted no more, as of `inspect-capacity | head` (exit 0), not a failure under `set -o pipefail`. Bare
+        # `ardiff` keeps its usage error's 2 (no command given), as when all of its help was read.
         if exc.code == 1 and isinstance(exc.__context__, BrokenPipeError):
-            sys.exit(0)
+            sys.exit(0 if args else 2)
         raise
     except OSError as exc:
         if exc.filename is not None:  # not a stream's write: a bug, with its traceback

@@ -532,6 +532,13 @@ def test_help_and_version_to_a_reader_gone_exit_0_like_the_commands(env, args):
     assert (proc.returncode, proc.stderr) == (0, "")
 
 
+def test_bare_ardiff_to_a_reader_gone_exits_2_as_to_one_that_reads_it(env):
+    # `ardiff | head -1` exited 0, as --help does, where bare `ardiff` exits 2 (no command given): a script's
+    # `set -o pipefail` saw a missing command succeed.
+    proc = with_reader_gone(env, "stdout")
+    assert (proc.returncode, proc.stderr) == (2, "")
+
+
 def test_a_tilde_no_shell_expanded_means_home_not_a_folder_named_tilde(env, data, tmp_path):
     """`subprocess.run(["ardiff", "rollout", ..., "-o", "~/runs/x"])`, a systemd unit, a quoted '~/runs/x'."""
     home, cwd = tmp_path / "home", tmp_path / "cwd"
