@@ -168,7 +168,8 @@ EpisodesArg = Annotated[
         metavar="EPISODE",
         parser=parse_path,
         callback=expand_home,
-        help="Episode folders (step files), or folders of episode folders. \\[default: the bundled demo episodes]",
+        help="Episode folders (step files), or folders of episode folders. \\[default: three demo episodes, "
+             "generated for the config into $ARDIFF_CACHE_DIR/demo]",
         show_default=False,
     ),
 ]
@@ -214,7 +215,7 @@ SessionCapacityOpt = Annotated[
 GpuMemoryFractionOpt = Annotated[
     Optional[float],
     typer.Option("--gpu-memory-fraction", rich_help_panel=RUNTIME_PANEL, metavar="F", callback=check_fraction,
-                 help="Share of the available memory the KV pools may take beyond one session. "
+                 help="Share of the available memory the KV pools may take beyond one session, in (0, 1]. "
                       "\\[default: the config's, else 0.9]", show_default=False),
 ]
 AttentionBackendOpt = Annotated[
@@ -229,7 +230,8 @@ AttentionBackendOpt = Annotated[
 FormatOpt = Annotated[
     Format,
     typer.Option("--format", rich_help_panel=OUTPUT_PANEL, case_sensitive=False, metavar="auto|rich|plain|json",
-                 help="auto: rich on a terminal, plain otherwise; json: only JSON lines on stdout."),
+                 help="auto: rich when stdout and stderr are both terminals, plain otherwise; json: only JSON lines on "
+                      "stdout."),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT_PANEL, metavar=FLAG,
                                          help="Only data and errors; no progress or events.")]

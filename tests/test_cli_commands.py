@@ -338,8 +338,8 @@ def test_warmup_reports_the_first_against_the_median_of_repeated_shapes_and_the_
         console.print(render_warmup(report, plain=True))
     text = captured.get()
     first, steady = report["first_s"], report["steady_s"]
-    assert (f"first request {first * 1000:.1f} ms, steady state {steady * 1000:.1f} ms (median of 2 repeated "
-            f"shapes); the first took {first / steady:.1f}x\n") in text, text
+    assert (f"first request {first * 1000:.1f} ms, steady state {steady * 1000:.1f} ms (median of 2 requests "
+            f"of a shape seen before); the first took {first / steady:.1f}x\n") in text, text
     assert f"KV pool NOT restored: {report['pages_total'] - 1}/{report['pages_total']} pages free" in text, text
     for request in report["requests"]:
         assert f"{request['request_id']}  {request['shape']}" in text

