@@ -1955,6 +1955,38 @@ def test_a_step_whose_output_was_deleted_runs_again_on_resume_and_counts_once(en
     assert_same_outputs(reference, run)
 
 
+@pytest.mark.parametrize("damage", ["swapped", "linked"])
+def test_a_done_output_file_of_another_step_runs_its_step_again_on_resume_with_a_warning(env, data, reference, tmp_path,
+                                                                                       damage):
+    """Two done steps' output files exchanged (a hand edit, a copy script mixing folders up), or one replaced by a link
+    to another step's, counted as done: the resumed run kept another step's actions as this step's. The metadata each
+    output file is written with (its episode and step), read from its header alone, is checked against its line."""
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    a1, b1 = run / "episodes/arm_a/step_000001.safetensors", run / "episodes/arm_b/step_000001.safetensors"
+    a2 = run / "episodes/arm_a/step_000002.safetensors"
+    if damage == "swapped":
+        first, second = a1.read_bytes(), b1.read_bytes()
+        a1.write_bytes(second)
+        b1.write_bytes(first)
+        warning = ("warning: episodes/arm_a/step_000001.safetensors holds episode 'arm_b' step 1, "
+                   "episodes/arm_b/step_000001.safetensors holds episode 'arm_a' step 1 by their metadata, not the "
+                   "step their results.jsonl line names (copied or linked in their place?): those 2 steps run again")
+    else:
+        a2.unlink()
+        a2.symlink_to("../arm_b/step_000002.safetensors")
+        warning = ("warning: episodes/arm_a/step_000002.safetensors holds episode 'arm_b' step 2 by its metadata, not "
+                   "the step its results.jsonl line names (copied or linked in its place?): that step runs again")
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert warning in proc.stderr, proc.stderr
+    ran = [(r["episode"], r["step"]) for r in records(run)[6:]]
+    assert ran == ([("arm_a", 1), ("arm_b", 1)] if damage == "swapped" else [("arm_a", 2)])
+    assert not a2.is_symlink()  # the link was replaced by the step's own file; arm_b's is untouched
+    assert json.loads((run / "summary.json").read_text())["steps"]["ok"] == 6
+    assert_same_outputs(reference, run)
+
+
 def finished_run(env, data, tmp_path: Path) -> tuple[Path, Path]:
     """(episodes, run): a run of one 2-step episode (no END, so steps may be added) that completed."""
     episodes = tmp_path / "eps"

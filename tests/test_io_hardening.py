@@ -459,7 +459,7 @@ def test_resume_with_a_damaged_results_line_exits_2_naming_it(tmp_path):
     write_episode(tmp_path / "ep", [good(0)], prompt="p")
     run = RunFolder(tmp_path / "out")
     run.start({"config": "dreamzero-tiny", "dtype": "float32", "pipeline_option": None, "demo": False,
-               "episodes": [{"name": "ep", "path": str(tmp_path / "ep")}]})
+               "started": 1796379443.5, "episodes": [{"name": "ep", "path": str(tmp_path / "ep")}]})
     with open(run.results_path, "wb") as f:
         f.write(b'{"episode": garbage\n')
     result = ardiff("rollout", "--resume", "-o", "out", cwd=tmp_path)

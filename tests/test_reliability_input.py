@@ -750,7 +750,7 @@ def test_warmup_and_rollout_read_dtype_and_device_spellings_as_a_config_does(tmp
     data = json.loads(result.stdout.splitlines()[-1])
     assert (data["dtype"], data["device"], data["restored"]) == ("float32", "cpu", True)
     (tmp_path / "run.json").write_text(json.dumps({"format": 1, "config": "dreamzero-tiny", "dtype": "float32",
-                                                   "episodes": [], "demo": True}))
+                                                   "started": 1796379443.5, "episodes": [], "demo": True}))
     result = runner.invoke(app, ["rollout", "--resume", "--out", str(tmp_path), "--dtype", "half"])
     assert result.exit_code == 2  # compared by its canonical name
     assert result.stderr.endswith("Error: --dtype 'float16' differs from the run's 'float32'\n"
@@ -1429,46 +1429,109 @@ def test_an_episode_yaml_that_is_not_yaml_or_not_readable_is_one_line_and_a_hint
     assert "<unicode string>" not in proc.stderr and "Errno" not in proc.stderr
 
 
-@pytest.mark.parametrize(("field", "edit", "expected", "got"), [
-    ("config", lambda info: info.pop("config"), "a string", "nothing (the field is missing)"),
-    ("dtype", lambda info: info.update(dtype=32), "a string", "32"),
-    ("episodes", lambda info: info.update(episodes="arm_a"), 'a list of {"name": ..., "path": ...} objects',
-     "'arm_a'"),
-    ("episodes[0]", lambda info: info["episodes"][0].pop("path"),
-     'an object with the episode\'s "name" and "path" (strings)', "{'name': 'arm_a'}"),
-])
-def test_a_run_json_lacking_what_resume_reads_is_named_not_a_traceback(tmp_path, cli_env, field, edit, expected, got):
-    # A run.json edited by hand (or cut by a copy) without `config` or `dtype`, or with `episodes` of another shape,
-    # ended in 'unexpected KeyError' or 'TypeError ... this is a bug in ardiff' (exit 1); its other fields (watch,
-    # the recorded options) were already named.
-    info = {"format": 1, "config": "dreamzero-tiny", "dtype": "float32", "demo": False,
-            "episodes": [{"name": "arm_a", "path": str(episode(tmp_path / "arm_a", 1))}]}
-    edit(info)
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "run.json").write_text(json.dumps(info))
-    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "-o", str(run), "--format",
-                           "json"], env=cli_env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr
-    error = json.loads(proc.stdout)  # the whole of stdout: one object
-    assert error["kind"] == "config_error", error
-    assert error["message"] == f"{run / 'run.json'}: field '{field}': expected {expected}, got {got}"
-    assert error["hint"].startswith("correct it there") and "Traceback" not in proc.stderr
-
-
-def a_run_of(run: Path, folders: list[Path]) -> Path:
-    """A run folder whose run.json (as a rollout of the tiny DreamZero config writes it) lists ``folders``."""
+def tiny_config_record() -> dict:
+    """run.json's config_path and config_sha256, as a rollout of the tiny DreamZero config writes them."""
     import hashlib
 
     from ardiff_cli.runtime.config import resolve_config
 
     config = resolve_config("dreamzero-tiny").resolve()
+    return {"config_path": str(config), "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest()}
+
+
+@pytest.mark.parametrize(("field", "edit", "expected", "got"), [
+    ("config", lambda info: info.pop("config"), "a string", "nothing (the field is missing)"),
+    ("dtype", lambda info: info.update(dtype=32), "float32, bfloat16 or float16", "32"),
+    ("episodes", lambda info: info.update(episodes="arm_a"), 'a list of {"name": ..., "path": ...} objects',
+     "'arm_a'"),
+    ("episodes[0]", lambda info: info["episodes"][0].pop("path"),
+     'an object with the episode\'s "name" and "path" (strings)', "{'name': 'arm_a'}"),
+    # Those below were a traceback, or another message than run.json's: the command line's ("command line: field
+    # 'runtime.dtype'"), another run's kept snapshots (a resume without `started` took a start time of its own), a
+    # failed episode (its outputs refused outside OUT/episodes), an episode folder read against today's folder.
+    ("config_path", lambda info: info.pop("config_path"), "the absolute path of the run's config file (a string)",
+     "nothing (the field is missing)"),
+    ("config_path", lambda info: info.update(config_path=3), "the absolute path of the run's config file (a string)",
+     "3"),
+    ("dtype", lambda info: info.update(dtype="float33"), "float32, bfloat16 or float16", "'float33'"),
+    ("started", lambda info: info.pop("started"), "the run's start time in seconds since the epoch (a number)",
+     "nothing (the field is missing)"),
+    ("episodes[0].name", lambda info: info["episodes"][0].update(name="../evil"),
+     "an episode name as ardiff records it, one folder name (no '/', no leading '.')", "'../evil'"),
+    ("episodes[0].path", lambda info: info["episodes"][0].update(path="arm_a"),
+     "the absolute path of the episode's folder", "'arm_a'"),
+])
+def test_a_run_json_lacking_what_resume_reads_is_named_not_a_traceback(tmp_path, cli_env, field, edit, expected, got):
+    # A run.json edited by hand (or cut by a copy) without `config` or `dtype`, or with `episodes` of another shape,
+    # ended in 'unexpected KeyError' or 'TypeError ... this is a bug in ardiff' (exit 1); its other fields (watch,
+    # the recorded options) were already named.
+    info = {"format": 1, "config": "dreamzero-tiny", **tiny_config_record(), "dtype": "float32", "demo": False,
+            "started": 1796379443.5, "episodes": [{"name": "arm_a", "path": str(episode(tmp_path / "arm_a", 1))}]}
+    edit(info)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps(info))
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "-o", str(run), "--format",
+                           "json"], cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    error = json.loads(proc.stdout)  # the whole of stdout: one object
+    assert error["kind"] == "config_error", error
+    assert error["message"] == f"{run / 'run.json'}: field '{field}': expected {expected}, got {got}"
+    assert error["hint"].startswith("correct it there") and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["run.json"]  # refused before anything was written
+
+
+def a_run_of(run: Path, folders: list[Path]) -> Path:
+    """A run folder whose run.json (as a rollout of the tiny DreamZero config writes it) lists ``folders``."""
     run.mkdir()
     (run / "run.json").write_text(json.dumps({
-        "format": 1, "config": "dreamzero-tiny", "config_path": str(config),
-        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(), "dtype": "float32", "demo": False,
-        "episodes": [{"name": f.name, "path": str(f)} for f in folders]}))
+        "format": 1, "config": "dreamzero-tiny", **tiny_config_record(), "dtype": "float32", "demo": False,
+        "started": 1796379443.5, "episodes": [{"name": f.name, "path": str(f)} for f in folders]}))
     return run
+
+
+FOLDER_HINT = "move that folder out of the way and restore the file from a backup"
+READ_HINT = "check that it is a file the user running ardiff may read (permissions r--)"
+
+
+@pytest.mark.parametrize(("damage", "message", "hint"), [
+    ("results.jsonl folder", "{run}/results.jsonl: cannot read it: it is a folder, not a file", FOLDER_HINT),
+    ("results.jsonl loop", "{run}/results.jsonl: cannot read it: Too many levels of symbolic links", READ_HINT),
+    ("results.jsonl mode 000", "{run}/results.jsonl: cannot read it: Permission denied", READ_HINT),
+    ("summary.json folder", "{run}/summary.json is a folder, not the run's summary file",
+     "move that folder out of the way: the run writes summary.json there as it ends"),
+    ("run.json folder", "{run}/run.json: cannot read run info: it is a folder, not a file",
+     "move that folder out of the way and restore the run's run.json (a file) from a backup, or start a new run in "
+     "another --out"),
+    ("run.json mode 000", "{run}/run.json: cannot read run info: Permission denied",
+     "check that the user running ardiff may read it (permissions r--)"),
+    (".lock folder", "--out {run}: its .lock is a folder, not the file ardiff locks",
+     "remove that folder ({run}/.lock): ardiff makes .lock itself, a file it holds locked to keep a second rollout "
+     "off the run"),
+])
+def test_a_run_file_that_is_a_folder_or_cannot_be_read_is_named_on_resume(tmp_path, cli_env, damage, message, hint):
+    # A results.jsonl or summary.json that is a folder, or a results.jsonl this user may not read, ended in
+    # 'unexpected IsADirectoryError ... this is a bug in ardiff' (exit 1); a results.jsonl linking to itself was taken
+    # for none (every step ran again, then appending to it failed: exit 1). run.json said "[Errno 21] Is a directory:
+    # 'OUT/run.json'" (or Errno 13), and that it "was cut or edited"; a .lock folder, "cannot write the output folder".
+    run = a_run_of(tmp_path / "run", [episode(tmp_path / "arm_a", 1)])
+    name, what = damage.split(" ", 1)
+    (run / name).unlink(missing_ok=True)
+    if what == "folder":
+        (run / name).mkdir()
+    elif what == "loop":
+        (run / name).symlink_to(name)
+    else:
+        (run / name).write_text('{"format": 1}\n')
+        (run / name).chmod(0)
+    proc = subprocess.run([*(modes_bind() if "mode" in what else []), sys.executable, "-m", "ardiff_cli", "rollout",
+                           "--resume", "-o", str(run), "--format", "json"], env=cli_env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    error = json.loads(proc.stdout)  # the whole of stdout: one object
+    assert (error["kind"], error["message"], error["hint"]) == ("config_error", message.format(run=run),
+                                                                hint.format(run=run)), error
+    assert "Traceback" not in proc.stderr and "planned" not in proc.stderr  # refused before the model loads
 
 
 def test_resume_given_an_episode_folder_first_says_it_is_a_folder(tmp_path, cli_env):

@@ -343,8 +343,9 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     run.lock()  # held until the command ends: a second rollout writing this folder is refused
     try:
         _refuse_another_runs_kept_snapshots(Path(out) / SWAP_DIR, info["started"])
-        if resume:
-            done, digests = run.resume_state()  # read under the lock: another process may have been adding to it
+        run.refuse_a_folder_as_summary()
+        if resume:  # read under the lock: another process may have been adding to it
+            done, digests = run.resume_state(warn=output.warning)
     except BaseException:
         run.close()
         raise

@@ -197,9 +197,17 @@ def read_jsonl(path: str | os.PathLike,
     and line, never a guess at what it held.
     """
     path = Path(path)
-    if not path.exists():
+    try:  # not Path.exists: it says False of a link looping to itself, whose lines were then taken for none
+        f = open(path, "rb")
+    except FileNotFoundError:
         return
-    with open(path, "rb") as f:
+    except OSError as exc:  # a folder, a file this user may not read: it was a traceback ('a bug in ardiff')
+        folder = isinstance(exc, IsADirectoryError)
+        raise ConfigError(f"{path}: cannot read it: " + ("it is a folder, not a file" if folder else
+                                                          exc.strerror or str(exc)),
+                          hint="move that folder out of the way and restore the file from a backup" if folder
+                          else "check that it is a file the user running ardiff may read (permissions r--)") from None
+    with f:
         for number, raw in enumerate(f, start=1):
             if not raw.endswith(b"\n"):
                 break

@@ -17,16 +17,17 @@ file, and a step without a line is simply run again on resume.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import platform
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_jsonl,
                                  remove_temporaries)
-from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error, link_to_nothing
+from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error, link_to_nothing, shown
 from ardiff_cli.runtime.outputs import is_array
 
 RUN_FILE = "run.json"
@@ -41,27 +42,44 @@ RUN_INFO_HINT = ("ardiff writes run.json as a run starts, whole or not at all: o
                  "edited since; restore it from a backup, or start a new run in another --out")
 
 
-def _run_info_problem(info: Mapping[str, Any]) -> tuple[str, str] | None:
-    """The first field of run.json that ``--resume`` reads as it is (no default) and that is missing or of
-    another type, and what it takes; None when all are there."""
-    for key in ("config", "dtype"):
-        if not isinstance(info.get(key), str):
-            return key, "a string"
-    episodes = info.get("episodes")
+_MISSING = object()  # what _run_info_problem says a field that is not there holds
+
+
+def _run_info_problem(info: Mapping[str, Any]) -> tuple[str, str, Any] | None:
+    """The first field of run.json that ``--resume`` reads as it is (no default) and that is missing, or of another
+    type or value than ardiff writes there: (the field, what it takes, what it holds or ``_MISSING``); None when all
+    are right."""
+    from ardiff_cli.io.episode import safe_name
+    from ardiff_cli.runtime.capacity import MODEL_DTYPES
+
+    if not isinstance(info.get("config"), str):
+        return "config", "a string", info.get("config", _MISSING)
+    if info.get("config_sha256") is not None:  # the config is read by its recorded path (older runs: by its label)
+        if not _is_sha256(info["config_sha256"]):
+            return "config_sha256", "a SHA-256 hex digest (64 hex digits)", info["config_sha256"]
+        path = info.get("config_path", _MISSING)
+        if not (isinstance(path, str) and Path(path).is_absolute()):
+            return "config_path", "the absolute path of the run's config file (a string)", path
+    if info.get("dtype") not in MODEL_DTYPES:
+        return "dtype", f"{', '.join(MODEL_DTYPES[:-1])} or {MODEL_DTYPES[-1]}", info.get("dtype", _MISSING)
+    started = info.get("started", _MISSING)
+    if not isinstance(started, (int, float)) or isinstance(started, bool) or not math.isfinite(started):
+        # it names the run in OUT/.swap/kept.json: without it each resume took a start time of its own, and refused
+        # the snapshots the stopped run kept for it as another run's
+        return "started", "the run's start time in seconds since the epoch (a number)", started
+    episodes = info.get("episodes", _MISSING)
     if not isinstance(episodes, list):
-        return "episodes", "a list of {\"name\": ..., \"path\": ...} objects"
+        return "episodes", "a list of {\"name\": ..., \"path\": ...} objects", episodes
     for index, episode in enumerate(episodes):
         if not (isinstance(episode, dict) and isinstance(episode.get("name"), str)
                 and isinstance(episode.get("path"), str)):
-            return f"episodes[{index}]", "an object with the episode's \"name\" and \"path\" (strings)"
+            return f"episodes[{index}]", "an object with the episode's \"name\" and \"path\" (strings)", episode
+        if safe_name(episode["name"]) != episode["name"]:  # its outputs would be written outside OUT/episodes/NAME
+            return (f"episodes[{index}].name", "an episode name as ardiff records it, one folder name (no '/', no "
+                    "leading '.')", episode["name"])
+        if not Path(episode["path"]).is_absolute():  # read against the folder a resume runs in
+            return f"episodes[{index}].path", "the absolute path of the episode's folder", episode["path"]
     return None
-
-
-def _at(info: Mapping[str, Any], field: str) -> Any:
-    """run.json's value of ``field`` (``episodes[3]``)."""
-    if field.startswith("episodes["):
-        return info["episodes"][int(field[9:-1])]
-    return info.get(field)
 
 
 def make_default_out_dir() -> Path:
@@ -169,7 +187,14 @@ class RunFolder:
                               hint="run without --resume to start a run in this folder")
         try:
             info = parse_json(path.read_text())
-        except (OSError, ValueError) as exc:
+        except IsADirectoryError:  # it read "[Errno 21] Is a directory: 'OUT/run.json'", and "was cut or edited"
+            raise ConfigError(f"{path}: cannot read run info: it is a folder, not a file",
+                              hint="move that folder out of the way and restore the run's run.json (a file) from a "
+                                   "backup, or start a new run in another --out") from None
+        except OSError as exc:  # not a damaged file: one this user may not read
+            raise ConfigError(f"{path}: cannot read run info: {exc.strerror or exc}",
+                              hint="check that the user running ardiff may read it (permissions r--)") from None
+        except ValueError as exc:
             raise ConfigError(f"{path}: cannot read run info: {exc}", hint=RUN_INFO_HINT) from None
         if not isinstance(info, dict):
             raise ConfigError(f"{path}: cannot read run info: expected a JSON object, got {type(info).__name__}",
@@ -185,13 +210,21 @@ class RunFolder:
         info = self.read_info()
         problem = _run_info_problem(info)
         if problem is not None:
-            field, expected = problem
+            field, expected, got = problem
             hint = "correct it there (ardiff writes run.json as a run starts), or start a new run in another --out"
-            if field in info or field.startswith("episodes["):
-                raise field_error(str(self.root / RUN_FILE), field, expected, _at(info, field), hint=hint)
-            raise ConfigError(f"{self.root / RUN_FILE}: field {field!r}: expected {expected}, got nothing (the "
-                              "field is missing)", hint=hint)
+            if got is _MISSING:
+                raise ConfigError(f"{self.root / RUN_FILE}: field {field!r}: expected {expected}, got nothing (the "
+                                  "field is missing)", hint=hint)
+            raise field_error(str(self.root / RUN_FILE), field, expected, got, hint=hint)
         return info
+
+    def refuse_a_folder_as_summary(self) -> None:
+        """summary.json as a folder (made by hand, or by a copy gone wrong) is named before the model loads: a resume
+        deletes the last run's summary.json before its first step, and a run writes its own at its end, both a
+        traceback ('a bug in ardiff') of such a folder."""
+        if self.summary_path.is_dir():
+            raise ConfigError(f"{self.summary_path} is a folder, not the run's summary file",
+                              hint="move that folder out of the way: the run writes summary.json there as it ends")
 
     def remove_stale_temporaries(self) -> list[Path]:
         """Remove the temporary files of atomic writes cut short by ``kill -9`` or a power loss (``.NAME.XXXX.tmp``);
@@ -207,25 +240,39 @@ class RunFolder:
         (100,000 lines: 220 MiB); a line lacking what resuming reads is named."""
         return read_jsonl(self.results_path, _record_problem)
 
-    def resume_state(self) -> tuple[dict[str, dict[int, int | None]], dict[str, dict[int, str]]]:
+    def resume_state(self, warn: Callable[[str], None] | None = None
+                     ) -> tuple[dict[str, dict[int, int | None]], dict[str, dict[int, str]]]:
         """What ``--resume`` reads, in one pass over results.jsonl that holds no line: episode -> step -> its
         ``chunk`` (its position in the episode when it ran; None on a line without one) for the steps with an ``ok``
-        line whose output file exists (those are not run again), and episode -> step -> SHA-256 of the step file
-        when it ran (``input_sha256`` of its ok line; lines of earlier versions have none), which a replay of that
-        step checks the file still has."""
+        line whose output file exists, is whole and holds that step (those are not run again), and episode -> step ->
+        SHA-256 of the step file when it ran (``input_sha256`` of its ok line; lines of earlier versions have none),
+        which a replay of that step checks the file still has. An output file that holds another step by its own
+        metadata (one copied or linked in its place) runs its step again, and ``warn`` says so."""
         done: dict[str, dict[int, int | None]] = {}
         digests: dict[str, dict[int, str]] = {}
-        whole: dict[str, bool] = {}  # output -> _whole: a step's file is read once, whatever its ok lines
+        read: dict[str, dict[str, Any] | None] = {}  # output -> _whole_metadata: a step's file is read once
+        misplaced: dict[str, str] = {}  # output -> the other step it holds, to warn of
         for record in self.iter_records():
             if record["status"] != "ok":
                 continue
             output = record["output"]
-            if output not in whole:
-                whole[output] = _whole(self.root / output)
-            if whole[output]:  # not: a step whose output went missing, or was cut short
+            if output not in read:
+                read[output] = _whole_metadata(self.root / output)
+            holds = _other_step(read[output], record["episode"], record["step"])
+            if holds is not None:
+                misplaced[output] = holds
+            elif read[output] is not None:  # not: a step whose output went missing, or was cut short
                 done.setdefault(record["episode"], {})[record["step"]] = record.get("chunk")
             if "input_sha256" in record:
                 digests.setdefault(record["episode"], {})[record["step"]] = record["input_sha256"]
+        if misplaced and warn is not None:
+            from ardiff_cli.io.episode import listed
+
+            one = len(misplaced) == 1
+            warn(f"{listed([f'{output} holds {holds}' for output, holds in misplaced.items()])} by "
+                 f"{'its' if one else 'their'} metadata, not the step {'its' if one else 'their'} results.jsonl "
+                 f"line names (copied or linked in {'its' if one else 'their'} place?): "
+                 f"{'that step runs' if one else f'those {len(misplaced)} steps run'} again")
         return done, digests
 
     # -- writing -------------------------------------------------------------------------------------------
@@ -264,6 +311,10 @@ class RunFolder:
         path = self.root / LOCK_FILE
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except IsADirectoryError:  # it read "cannot write the output folder: Is a directory", of a folder it can
+            raise ConfigError(f"--out {self.root}: its {LOCK_FILE} is a folder, not the file ardiff locks",
+                              hint=f"remove that folder ({path}): ardiff makes {LOCK_FILE} itself, a file it holds "
+                                   "locked to keep a second rollout off the run") from None
         except OSError as exc:
             raise ConfigError(f"--out {self.root}: cannot write the output folder: {exc.strerror or exc}",
                               hint="choose a folder you can write") from None
@@ -399,15 +450,34 @@ class RunFolder:
             self._swap_lock = None
 
 
-def _whole(output: Path) -> bool:
-    """Whether a step's output file is there and whole (ardiff writes none cut short; a failed copy or sync of the
-    run folder may leave one empty or truncated: its step runs again, as one whose file is gone)."""
-    from ardiff_cli.io.episode import looks_whole
+def _whole_metadata(output: Path) -> dict[str, Any] | None:
+    """A step's output file's metadata, read from its header alone, when the file is there and whole; None when it is
+    not (ardiff writes none cut short; a failed copy or sync of the run folder may leave one empty or truncated: its
+    step runs again, as one whose file is gone). {} for a file without metadata (an .npz)."""
+    from ardiff_cli.io.episode import looks_whole, safetensors_header
 
     try:
-        return looks_whole(output, output.stat().st_size)  # False for a folder: it cannot be opened to read
-    except OSError:
-        return False
+        if not looks_whole(output, output.stat().st_size):  # False for a folder: it cannot be opened to read
+            return None
+        if output.suffix != ".safetensors":
+            return {}
+        with open(output, "rb") as f:  # the header only, which looks_whole found within the file
+            head = f.read(8)
+            metadata = safetensors_header(head + f.read(int.from_bytes(head, "little")))[1].get("__metadata__")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return metadata if isinstance(metadata, dict) else {}
+
+
+def _other_step(metadata: dict[str, Any] | None, episode: str, step: int) -> str | None:
+    """What a step's output file holds by its metadata (``episode 'arm_b' step 1``) when that is another step than
+    ``episode``'s ``step``; None when it is that step, or the file does not say (one of another writer)."""
+    if not metadata or "episode" not in metadata or "step" not in metadata:
+        return None
+    if (metadata["episode"], metadata["step"]) == (episode, str(step)):
+        return None
+    step = str(metadata["step"])
+    return f"episode {shown(metadata['episode'])} step {step if step.isascii() and step.isdigit() else shown(step)}"
 
 
 def _record_problem(record: Mapping[str, Any]) -> str | None:
