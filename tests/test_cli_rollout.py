@@ -2798,6 +2798,34 @@ def test_resume_while_the_first_run_still_loads_names_the_run_in_use_not_a_missi
     assert sorted(p.name for p in run.iterdir()) == [".lock"]  # the check created nothing
 
 
+def test_a_rollout_of_the_folder_above_a_run_still_loading_does_not_take_that_run_for_an_episode(env, data,
+                                                                                                   tmp_path):
+    """`ardiff rollout CFG .` twice in one folder of episodes: while the first loads its model, its default --out
+    (ardiff-runs/<time>) holds only .lock. The second took that folder of runs for an episode with no step files,
+    which failed: exit 4 after running the two real episodes."""
+    work, marker, release = tmp_path / "work", tmp_path / "loading", tmp_path / "release"
+    shutil.copytree(data / "eps", work)
+    faults = [{"site": "load", "marker": str(marker), "release": str(release)}]
+    first = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), ".",
+                              "--pipeline", FAULTY, "--no-warmup", "--format", "plain"], cwd=work, text=True,
+                             env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    try:
+        wait_for_marker(first, marker, "loading the model")
+        (loading,) = (work / "ardiff-runs").iterdir()
+        assert [p.name for p in loading.iterdir()] == [".lock"]
+        second = ardiff(env, "rollout", str(data / "fast.yaml"), ".", "--no-warmup", "--format", "plain", cwd=work)
+        assert second.returncode == 0, second.stderr
+        assert ": 2 episodes, order" in second.stderr and "Error" not in second.stderr, second.stderr
+        release.touch()
+        stderr = first.communicate(timeout=300)[1]
+    finally:
+        first.kill()
+    assert first.returncode == 0, stderr
+    runs = sorted((work / "ardiff-runs").iterdir())
+    assert len(runs) == 2 and all(sorted({r["episode"] for r in records(run)}) == ["arm_a", "arm_b"] for run in runs)
+
+
 def test_a_signal_the_process_was_started_ignoring_stays_ignored(env, data, tmp_path):
     """nohup ignores SIGHUP (and a shell ignores SIGINT for a script's background jobs): ardiff keeps it so."""
     live, run = tmp_path / "live", tmp_path / "run"

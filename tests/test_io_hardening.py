@@ -121,6 +121,29 @@ def test_run_folders_next_to_episodes_are_not_episodes(tmp_path):
     assert [e.name for e in discover_episodes([data])] == ["a", "ardiff-runs", "b"]
 
 
+def test_a_run_folder_holding_only_its_lock_is_a_run_folder_not_an_episode(tmp_path):
+    """A rollout takes its folder's lock before the model loads and writes run.json after: meanwhile (or for good,
+    when it was stopped then) the folder holds only .lock. A second rollout of the folder above took it for an
+    episode with no step files, which failed (exit 4); given as EPISODE, it was run as one."""
+    data = tmp_path / "data"
+    write_episode(data / "a", [good(0)], prompt="p")
+    loading = RunFolder(data / "ardiff-runs" / "20250601-101500")
+    loading.root.mkdir(parents=True)
+    loading.lock()  # held, as by a rollout still loading its model
+    try:
+        assert [e.name for e in discover_episodes([data])] == ["a"]
+        assert not loading.holds_run() and loading.is_run_folder()
+        with pytest.raises(ConfigError, match=r" is an ardiff run folder \(what a rollout wrote\), not an episode$"):
+            discover_episodes([loading.root])
+    finally:
+        loading.close()
+    assert [e.name for e in discover_episodes([data])] == ["a"]  # one stopped while loading leaves the same
+    # A robot's folder holding a file named .lock beside anything visible is still an episode.
+    write_step(loading.root, 0, good(0), prompt="p")
+    assert not loading.is_run_folder()
+    assert [e.name for e in discover_episodes([data])] == ["a", "ardiff-runs"]
+
+
 def test_a_folder_of_episodes_with_a_stray_step_file_warns_that_its_episodes_do_not_run(tmp_path):
     # A step file copied into the data folder makes it one episode: its episode folders used to be passed over
     # without a word (a run of one stray step, exit 0, for a whole dataset).

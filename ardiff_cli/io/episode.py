@@ -235,11 +235,12 @@ def _holds_episode(folder: Path) -> bool:
 
 
 def is_run_output(folder: Path) -> bool:
-    """An ardiff run folder (holds ``run.json`` or ``results.jsonl``), or a folder whose visible entries are
-    all run folders (``./ardiff-runs``, the default parent of ``--out``)."""
+    """An ardiff run folder (holds ``run.json`` or ``results.jsonl``, or only the ``.lock`` of a run still loading:
+    :meth:`RunFolder.is_run_folder`), or a folder whose visible entries are all run folders (``./ardiff-runs``, the
+    default parent of ``--out``)."""
     from ardiff_cli.io.run import RunFolder
 
-    if RunFolder(folder).holds_run():
+    if RunFolder(folder).is_run_folder():
         return True
     runs = 0
     try:
@@ -247,7 +248,7 @@ def is_run_output(folder: Path) -> bool:
             for entry in entries:            # 20,000 camera frames is not listed whole for this
                 if entry.name.startswith("."):
                     continue
-                if not (entry.is_dir() and RunFolder(Path(entry.path)).holds_run()):
+                if not (entry.is_dir() and RunFolder(Path(entry.path)).is_run_folder()):
                     return False
                 runs += 1
     except OSError:
@@ -309,7 +310,7 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
             # its episodes/ and previews/ were taken for episodes with no step files, or (none) the folder itself
             from ardiff_cli.io.run import RunFolder
 
-            what = "an ardiff run folder" if RunFolder(path).holds_run() else "a folder of ardiff run folders"
+            what = "an ardiff run folder" if RunFolder(path).is_run_folder() else "a folder of ardiff run folders"
             raise ConfigError(f"{path} is {what} (what a rollout wrote), not an episode",
                               hint="pass the folders of step files the robots wrote; to finish a stopped run: "
                                    "ardiff rollout --resume -o RUN")

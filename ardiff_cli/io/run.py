@@ -140,6 +140,20 @@ class RunFolder:
         # Such a folder is then reported by what comes next (creating the output folder, listing the episode).
         return os.path.exists(self.root / RUN_FILE) or os.path.exists(self.results_path)
 
+    def is_run_folder(self) -> bool:
+        """Whether a rollout made this folder: it holds a run (:meth:`holds_run`), or ``.lock`` and nothing visible, a
+        run whose model is still loading (the lock is taken before, run.json written after) or that stopped then. A
+        second rollout given the folder above took such a folder for an episode with no step files (exit 4)."""
+        if self.holds_run():
+            return True
+        if not os.path.exists(self.root / LOCK_FILE):  # one stat for an episode folder: it is not listed
+            return False
+        try:
+            with os.scandir(self.root) as entries:
+                return all(entry.name.startswith(".") for entry in entries)  # stops at the first visible entry
+        except OSError:
+            return False
+
     def start(self, info: Mapping[str, Any]) -> None:
         """A fresh run: refuse a folder that holds one already (it would be mixed with this one)."""
         if self.holds_run():
