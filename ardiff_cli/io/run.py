@@ -70,6 +70,7 @@ def _run_info_problem(info: Mapping[str, Any]) -> tuple[str, str, Any] | None:
     episodes = info.get("episodes", _MISSING)
     if not isinstance(episodes, list):
         return "episodes", "a list of {\"name\": ..., \"path\": ...} objects", episodes
+    names: dict[str, int] = {}  # name -> the index of the episode that has it
     for index, episode in enumerate(episodes):
         if not (isinstance(episode, dict) and isinstance(episode.get("name"), str)
                 and isinstance(episode.get("path"), str)):
@@ -79,6 +80,9 @@ def _run_info_problem(info: Mapping[str, Any]) -> tuple[str, str, Any] | None:
                     "leading '.')", episode["name"])
         if not Path(episode["path"]).is_absolute():  # read against the folder a resume runs in
             return f"episodes[{index}].path", "the absolute path of the episode's folder", episode["path"]
+        if names.setdefault(episode["name"], index) != index:  # one session and output folder for two episodes
+            return (f"episodes[{index}].name", f"a name no other episode of the run has (ardiff records each once), "
+                    f"not that of episodes[{names[episode['name']]}]", episode["name"])
     return None
 
 
