@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -119,6 +120,12 @@ def test_run_folders_next_to_episodes_are_not_episodes(tmp_path):
     # Only ardiff's own folders are skipped: a folder holding a run folder and anything else is still an episode.
     (data / "ardiff-runs" / "notes").mkdir()
     assert [e.name for e in discover_episodes([data])] == ["a", "ardiff-runs", "b"]
+    # ./ardiff-runs emptied by hand (`rm -rf ardiff-runs/*`) is still the default runs' folder, not an episode with no
+    # step files that failed the next `ardiff rollout CFG .`; another empty folder still is one (--follow fills it).
+    shutil.rmtree(data / "ardiff-runs")
+    (data / "ardiff-runs").mkdir()
+    (data / "c").mkdir()
+    assert [e.name for e in discover_episodes([data])] == ["a", "b", "c"]
 
 
 def test_a_run_folder_holding_only_its_lock_is_a_run_folder_not_an_episode(tmp_path):

@@ -237,8 +237,8 @@ def _holds_episode(folder: Path) -> bool:
 def is_run_output(folder: Path) -> bool:
     """An ardiff run folder (holds ``run.json`` or ``results.jsonl``, or only the ``.lock`` of a run still loading:
     :meth:`RunFolder.is_run_folder`), or a folder whose visible entries are all run folders (``./ardiff-runs``, the
-    default parent of ``--out``)."""
-    from ardiff_cli.io.run import RunFolder
+    default parent of ``--out``, also once its runs were deleted: it was an episode with no step files)."""
+    from ardiff_cli.io.run import RUNS_FOLDER, RunFolder
 
     if RunFolder(folder).is_run_folder():
         return True
@@ -253,7 +253,7 @@ def is_run_output(folder: Path) -> bool:
                 runs += 1
     except OSError:
         return False  # unreadable: kept as an episode, whose error is then reported with it
-    return runs > 0
+    return runs > 0 or folder.name == RUNS_FOLDER
 
 
 def _warn_about_episodes_inside(folder: Path, warn: Callable[[str], None] | None) -> None:

@@ -31,6 +31,7 @@ from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error, li
 from ardiff_cli.runtime.outputs import is_array
 
 RUN_FILE = "run.json"
+RUNS_FOLDER = "ardiff-runs"  # the default --out is a new folder in it
 RESULTS_FILE = "results.jsonl"
 SUMMARY_FILE = "summary.json"
 EPISODES_DIR = "episodes"
@@ -93,7 +94,7 @@ def make_default_out_dir() -> Path:
     get their own, since only one ``mkdir`` of a name succeeds.
     """
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime())
-    base = Path("ardiff-runs") / stamp
+    base = Path(RUNS_FOLDER) / stamp
     # The parent once, so that only the run's own name can exist already: `ardiff-runs` as a dangling link (a
     # scratch disk not mounted) fails here, where retrying the next suffix would never end.
     base.parent.mkdir(parents=True, exist_ok=True)
