@@ -20,8 +20,8 @@ import time
 import traceback
 
 from benchmarks.common import (DEFAULT_THREADS, REPO_ROOT, add_attention_backend_option, check_attention_backend,
-                               exit_on_signals, json_path, machine_info, positive_int, reader_may_leave,
-                               set_attention_backend, set_threads, write_json)
+                               exit_on_signals, fill_closed_standard_streams, json_path, machine_info, positive_int,
+                               reader_may_leave, set_attention_backend, set_threads, write_json)
 
 BENCHMARKS = ("attention", "rolling", "resume", "capacity", "overhead", "startup", "churn", "swap")
 RESULTS = REPO_ROOT / "benchmarks" / "results.json"
@@ -57,6 +57,7 @@ def format_table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    fill_closed_standard_streams()
     description = __doc__.splitlines()[0].replace("``", "`")
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=description)
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few repetitions (a smoke run)")

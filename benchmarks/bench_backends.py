@@ -35,8 +35,8 @@ from ardiff_cli.runtime.errors import ConfigError
 from ardiff_cli.runtime.kv.backends import select_attention_backend
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
 from ardiff_cli.runtime.kv.layout import KVLayout
-from benchmarks.common import (DEFAULT_THREADS, exit_on_signals, json_path, machine_info, positive_int,
-                               reader_may_leave, set_threads, write_json)
+from benchmarks.common import (DEFAULT_THREADS, exit_on_signals, fill_closed_standard_streams, json_path,
+                               machine_info, positive_int, reader_may_leave, set_threads, write_json)
 
 FULL = dict(num_heads=40, head_size=128, tokens_per_frame=220, frames_per_block=4, sink_frames=0,
             window_frames=12, registers=17, repetitions=8, warmup=1)
@@ -171,6 +171,7 @@ def run(quick: bool = False, *, device: str | None = None, dtype: str = "bfloat1
 
 
 def main(argv: list[str] | None = None) -> int:
+    fill_closed_standard_streams()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small geometry, 2 repetitions (a smoke run)")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")

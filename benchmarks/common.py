@@ -42,6 +42,8 @@ DEFAULT_THREADS = 1
 # others run the tiny configs, whose head size 16 vLLM's CPU kernel does not take, or measure torch by design.
 ATTENTION_BENCHMARKS = ("rolling", "resume", "swap")
 _attention_backend = "auto"
+# every results file write_json wrote, in order: what a stop after the write (while the table prints) must name
+_written: list[Path] = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,8 +268,9 @@ class Stopped(BaseException):
 def exit_on_signals(main: Callable[[], int]) -> int:
     """``main()``, with SIGINT, SIGTERM and SIGHUP raised as :class:`Stopped`; a stop ends it with one line on stderr
     and 128 + the signal number (130, 143, 129), without a traceback. Results files are written whole or not at all
-    (:func:`write_json`), so a stop leaves a file already at the ``--json`` path as it was. A signal the process was
-    started ignoring (a shell's background job ignores SIGINT) stays ignored."""
+    (:func:`write_json`), so a stop leaves a file already at the ``--json`` path as it was; a stop once the file was
+    written (stdout's reader slow or stalled) names it. A signal the process was started ignoring (a shell's
+    background job ignores SIGINT) stays ignored."""
     from ardiff_cli.signals import HANDLED
 
     done = False  # main() returned: its outcome stands, and a signal from then on is dropped
@@ -277,6 +280,7 @@ def exit_on_signals(main: Callable[[], int]) -> int:
             raise Stopped(signum)
 
     previous = {}
+    first = len(_written)  # files written before this run are not its results
     if threading.current_thread() is threading.main_thread():
         previous = {signum: signal.signal(signum, stop) for signum in HANDLED if signal.getsignal(signum) is not
                     signal.SIG_IGN}
@@ -285,7 +289,9 @@ def exit_on_signals(main: Callable[[], int]) -> int:
         done = True
         return code
     except Stopped as stopped:
-        print(f"{stopped}; no results were written", file=sys.stderr)
+        written = _written[first:]  # it said "no results were written" of a file written before the table
+        print(f"{stopped}; " + (f"results were written to {', '.join(map(str, written))}" if written
+                                else "no results were written"), file=sys.stderr)
         return 128 + stopped.signum
     finally:
         done = True  # a signal while the handlers are put back raised Stopped out of here: a traceback, exit 1
@@ -293,11 +299,20 @@ def exit_on_signals(main: Callable[[], int]) -> int:
             signal.signal(signum, handler)
 
 
+def fill_closed_standard_streams() -> None:
+    """/dev/null on a standard stream the caller closed (`>&-` in a cron line), as ardiff's own commands do: the
+    table's print raised AttributeError on a None stdout (a traceback, exit 1), and a file opened next took fd 1."""
+    from ardiff_cli.app import _fill_closed_standard_streams
+
+    _fill_closed_standard_streams()
+
+
 @contextlib.contextmanager
 def reader_may_leave() -> Iterator[None]:
     """Print what follows to stdout, whose reader may be gone (``| head -1``, ``| grep -q``): the lines it did not
     take are dropped and stdout goes to /dev/null (no second error at exit), so the run's exit code stands, as in
-    ardiff's own commands. Write files before this: a broken pipe once ended the suite before results.json."""
+    ardiff's own commands. Write files before this: a broken pipe once ended the suite before results.json.
+    A stdout that cannot be written (``> out.txt`` on a full disk) ends the run with one line on stderr, exit 1."""
     from ardiff_cli.output import to_devnull
 
     try:
@@ -305,6 +320,10 @@ def reader_may_leave() -> Iterator[None]:
         sys.stdout.flush()
     except BrokenPipeError:
         to_devnull(sys.stdout)
+    except OSError as error:  # it ended in a traceback
+        to_devnull(sys.stdout)
+        print(f"error: cannot write to standard output: {error.strerror or error}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def check_attention_backend(parser: argparse.ArgumentParser, setting: str) -> None:
@@ -352,6 +371,9 @@ def _json_path(text: str) -> Path:
     path = Path(text)
     if not text:
         raise argparse.ArgumentTypeError("expected a file path, got ''")
+    if text.startswith("-"):  # `--json -` wrote a file named '-' where stdout was meant, as ardiff's --out refuses
+        raise argparse.ArgumentTypeError(f"{text!r} starts with '-', so it is no file path; the result goes to stdout "
+                                         f"anyway: write ./{text} for a file so named")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; expected a file path, such as "
                                          f"{str(path / 'results.json')!r}")
@@ -397,6 +419,7 @@ def write_json(path: Path, obj: dict) -> bool:
     except OSError as error:
         print(f"error: could not write {path}: {error.strerror or error}", file=sys.stderr)
         return False
+    _written.append(path)
     return True
 
 
@@ -409,6 +432,7 @@ def cli(run: Callable[[bool], dict], description: str, argv: list[str] | None = 
     The result carries ``machine`` (torch version and threads, CPUs, date, git commit, ardiff's environment
     variables), as the suite's results.json does.
     """
+    fill_closed_standard_streams()
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions (smoke test)")
     parser.add_argument("--threads", type=positive_int, default=None,

@@ -584,8 +584,8 @@ def test_suite_attention_backend_reaches_rolling_resume_and_swap(tmp_path, monke
     assert proc.returncode == 2 and "unrecognized arguments: --attention-backend torch" in proc.stderr
 
 
-def bench(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+def bench(*args: str, cwd: Path = REPO_ROOT, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, **kwargs)
 
 
@@ -610,6 +610,11 @@ def bench(*args: str, **kwargs) -> subprocess.CompletedProcess:
     ("benchmarks", ["--quick", "--json", "{tmp}/file/r.json"], "'{tmp}/file' is not a folder"),
     ("benchmarks", ["--quick", "--json", "{tmp}"], "'{tmp}' is a folder; expected a file path, such as '{tmp}/results"),
     ("benchmarks", ["--quick", "--json", ""], "argument --json: expected a file path, got ''"),
+    # `--json -` (stdout, by the usual convention) wrote a file named '-' in the working folder
+    ("benchmarks", ["--quick", "--only", "capacity", "--json", "-"],
+     "argument --json: '-' starts with '-', so it is no file path; the result goes to stdout anyway: write ./- for a "
+     "file so named"),
+    ("benchmarks.bench_backends", ["--quick", "--json=-r.json"], "write ./-r.json for a file so named"),
     ("benchmarks.bench_swap", ["--quick", "--json", "{tmp}"], "'{tmp}' is a folder; expected a file path"),
     ("benchmarks.bench_backends", ["--quick", "--json", "{tmp}/missing/r.json"], "folder '{tmp}/missing' does not"),
     # os.access says yes to root there: the suite ran, then could not write (exit 1)
@@ -631,7 +636,8 @@ def bench(*args: str, **kwargs) -> subprocess.CompletedProcess:
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, module, args, message):
     (tmp_path / "file").write_text("not a folder\n")
-    proc = bench(module, *(arg.replace("{tmp}", str(tmp_path)) for arg in args))
+    # run from tmp_path: a relative path a regression writes lands where the check below sees it
+    proc = bench(module, *(arg.replace("{tmp}", str(tmp_path)) for arg in args), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert message.replace("{tmp}", str(tmp_path)) in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and "running" not in proc.stderr and not proc.stdout
@@ -673,6 +679,32 @@ def test_results_are_written_when_stdouts_reader_is_gone(tmp_path, module):
     written = json.loads(path.read_text())
     row = written["results"][0] if module == "benchmarks" else written
     assert row["id"] == ("capacity" if module == "benchmarks" else module.rpartition("_")[2])
+
+
+@pytest.mark.parametrize("module", ["benchmarks", "benchmarks.bench_capacity", "benchmarks.bench_backends"])
+@pytest.mark.parametrize("stdout", ["closed", "full"])
+def test_a_closed_or_full_stdout_ends_without_a_traceback(tmp_path, module, stdout):
+    """`... --json r.json >&-` (a cron line) ended in an AttributeError traceback, exit 1, on the None stdout: it is
+    /dev/null now, as in ardiff's own commands (exit 0). `> out.txt` on a full disk ended in an OSError traceback:
+    one line says so, exit 1. The file is written either way."""
+    if stdout == "full" and not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    path = tmp_path / "results.json"
+    args = {"benchmarks": ["--only", "capacity"], "benchmarks.bench_backends": ["--device", "cpu"]}.get(module, [])
+    with open("/dev/full" if stdout == "full" else os.devnull, "w") as out:
+        proc = subprocess.run([sys.executable, "-m", module, "--quick", *args, "--json", str(path)], cwd=tmp_path,
+                              stdout=out, stderr=subprocess.PIPE, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                              preexec_fn=(lambda: os.close(1)) if stdout == "closed" else None)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    if stdout == "closed":
+        assert proc.returncode == 0, proc.stderr
+    else:
+        assert proc.returncode == 1 and "error: cannot write to standard output: No space left on device" in proc.stderr
+    written = json.loads(path.read_text())
+    row = written["results"][0] if module == "benchmarks" else written
+    assert row["id"] == ("capacity" if module == "benchmarks" else module.rpartition("_")[2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
 
 
 def test_json_naming_a_link_to_a_file_writes_through_it(tmp_path, capsys):
@@ -780,6 +812,41 @@ def test_a_signal_in_the_middle_of_a_run_leaves_the_json_file_as_it_was(tmp_path
     assert "Traceback" not in err
     assert path.read_text() == '{"previous": "run"}\n'
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no temporary file left beside it
+
+
+@pytest.mark.parametrize("module", ["benchmarks", "benchmarks.bench_capacity"])
+def test_a_signal_once_the_file_is_written_says_it_was_written(tmp_path, module):
+    """The file is written before the table: a stop while the table waits on a stalled stdout (here a pipe already
+    full) said "no results were written" of a complete results file. It names the file, and still exits 143."""
+    path = tmp_path / "results.json"
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    with pytest.raises(BlockingIOError):
+        while True:  # fill the pipe: the first line the run prints blocks until the signal
+            os.write(write, b"x" * 4096)
+    os.set_blocking(write, True)
+    args = ["--only", "capacity"] if module == "benchmarks" else []
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", module, "--quick", *args, "--json", str(path)], cwd=REPO_ROOT,
+                                env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stdout=write,
+                                stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write)
+    try:
+        deadline = time.monotonic() + 120  # not a timing assertion: a bound on a hang
+        while not path.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the results file was never written"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        os.close(read)
+    assert proc.returncode == 143, err
+    assert f"interrupted by SIGTERM; results were written to {path}\n" in err and "no results" not in err
+    written = json.loads(path.read_text())
+    assert (written["results"][0] if module == "benchmarks" else written)["id"] == "capacity"
 
 
 def test_percentile_takes_the_nearest_rank_of_the_sorted_values():
