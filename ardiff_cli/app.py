@@ -84,7 +84,7 @@ def _given(exc: BaseException, message: str) -> str:
 
 
 def _run(args: list[str]) -> None:
-    _fill_closed_standard_streams()
+    entry.fill_closed_standard_streams()
     # Usage errors (an unknown option, a bad option value) are reported like every other error: `Error:` and
     # `hint:` lines on stderr, or one JSON object on stdout under --format json, never Typer's box.
     try:
@@ -151,22 +151,3 @@ def _end_process(code: object) -> NoReturn:
         except (OSError, ValueError, AttributeError):
             status = status or 120  # as the interpreter reports a flush that fails at exit
     os._exit(status & 0xFF)  # as exit() keeps the low byte
-
-
-def _fill_closed_standard_streams() -> None:
-    """Open /dev/null on a standard stream the caller closed (`>&-`, `2>&-` in a cron line).
-
-    Python leaves a closed one as ``None``, which the first message would trip over, and the next file opened
-    would take its number: a native library's message on stderr would then land in ``.lock`` or
-    ``results.jsonl``. Nobody reads a closed stream, so its output is dropped, as with ``>/dev/null``.
-    """
-    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
-        try:
-            os.fstat(fd)
-            continue
-        except OSError:
-            pass
-        null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: fd itself, as the lower ones are open
-        assert null == fd, f"{os.devnull} opened as fd {null}, not the closed {fd}: a lower one was closed meanwhile"
-        if getattr(sys, name) is None:
-            setattr(sys, name, open(fd, mode, closefd=False, errors="replace"))

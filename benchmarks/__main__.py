@@ -19,9 +19,10 @@ import sys
 import time
 import traceback
 
+from ardiff_cli.entry import fill_closed_standard_streams
 from benchmarks.common import (DEFAULT_THREADS, REPO_ROOT, add_attention_backend_option, check_attention_backend,
-                               exit_on_signals, fill_closed_standard_streams, json_path, machine_info, positive_int,
-                               reader_may_leave, set_attention_backend, set_threads, write_json)
+                               exit_on_signals, json_path, machine_info, positive_int, reader_may_leave,
+                               set_attention_backend, set_threads, write_json)
 
 BENCHMARKS = ("attention", "rolling", "resume", "capacity", "overhead", "startup", "churn", "swap")
 RESULTS = REPO_ROOT / "benchmarks" / "results.json"

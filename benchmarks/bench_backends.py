@@ -30,13 +30,14 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ardiff_cli.entry import fill_closed_standard_streams
 from ardiff_cli.runtime.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.errors import ConfigError
 from ardiff_cli.runtime.kv.backends import select_attention_backend
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
 from ardiff_cli.runtime.kv.layout import KVLayout
-from benchmarks.common import (DEFAULT_THREADS, exit_on_signals, fill_closed_standard_streams, json_path,
-                               machine_info, positive_int, reader_may_leave, set_threads, write_json)
+from benchmarks.common import (DEFAULT_THREADS, exit_on_signals, json_path, machine_info, positive_int,
+                               reader_may_leave, set_threads, write_json)
 
 FULL = dict(num_heads=40, head_size=128, tokens_per_frame=220, frames_per_block=4, sink_frames=0,
             window_frames=12, registers=17, repetitions=8, warmup=1)

@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ardiff_cli.entry import fill_closed_standard_streams
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Intra-op threads used by the suite unless --threads says otherwise. One: on a small shared machine a second
@@ -297,14 +299,6 @@ def exit_on_signals(main: Callable[[], int]) -> int:
         done = True  # a signal while the handlers are put back raised Stopped out of here: a traceback, exit 1
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-
-
-def fill_closed_standard_streams() -> None:
-    """/dev/null on a standard stream the caller closed (`>&-` in a cron line), as ardiff's own commands do: the
-    table's print raised AttributeError on a None stdout (a traceback, exit 1), and a file opened next took fd 1."""
-    from ardiff_cli.app import _fill_closed_standard_streams
-
-    _fill_closed_standard_streams()
 
 
 @contextlib.contextmanager
