@@ -566,23 +566,33 @@ def looks_whole(path: Path, size: int) -> bool:
     """Whether ``path`` holds as many bytes as its own structure says: a safetensors file its header and every
     tensor's data, an .npz (a zip) its end-of-directory record at the end. Anything unparsable: False (a follower
     waits for the rest; a forced take reports it; a resume runs the step of such an output file again)."""
+    if path.suffix == ".safetensors":
+        return whole_safetensors_header(path, size) is not None
     try:
         with open(path, "rb") as f:
-            if path.suffix == ".safetensors":
-                head = f.read(8)
-                header_len = int.from_bytes(head, "little")
-                if 8 + header_len > size:
-                    return False
-                _, header = safetensors_header(head + f.read(header_len))
-                ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-                return 8 + header_len + max(ends, default=0) == size
             tail_len = min(size, 22 + 0xFFFF)  # the end record (22 bytes) and its comment
             f.seek(size - tail_len)
             tail = f.read(tail_len)
             at = tail.rfind(b"PK\x05\x06")
             return at >= 0 and at + 22 + int.from_bytes(tail[at + 20:at + 22], "little") == len(tail)
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
-        return False  # a header cut mid-way
+        return False  # unreadable, or cut short
+
+
+def whole_safetensors_header(path: Path, size: int) -> dict[str, Any] | None:
+    """The parsed header of the safetensors file ``path`` of ``size`` bytes when it holds its header and every
+    tensor's data, read from the header alone; None when it is cut short or unparsable."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            header_len = int.from_bytes(head, "little")
+            if 8 + header_len > size:
+                return None
+            _, header = safetensors_header(head + f.read(header_len))
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        return header if 8 + header_len + max(ends, default=0) == size else None
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None  # a header cut mid-way
 
 
 def safetensors_header(data: bytes) -> tuple[int, dict[str, Any]]:

@@ -473,18 +473,18 @@ def _whole_metadata(output: Path) -> dict[str, Any] | None:
     """A step's output file's metadata, read from its header alone, when the file is there and whole; None when it is
     not (ardiff writes none cut short; a failed copy or sync of the run folder may leave one empty or truncated: its
     step runs again, as one whose file is gone). {} for a file without metadata (an .npz)."""
-    from ardiff_cli.io.episode import looks_whole, safetensors_header
+    from ardiff_cli.io.episode import looks_whole, whole_safetensors_header
 
     try:
-        if not looks_whole(output, output.stat().st_size):  # False for a folder: it cannot be opened to read
-            return None
-        if output.suffix != ".safetensors":
-            return {}
-        with open(output, "rb") as f:  # the header only, which looks_whole found within the file
-            head = f.read(8)
-            metadata = safetensors_header(head + f.read(int.from_bytes(head, "little")))[1].get("__metadata__")
-    except (OSError, ValueError, AttributeError):
+        size = output.stat().st_size
+    except OSError:
         return None
+    if output.suffix != ".safetensors":
+        return {} if looks_whole(output, size) else None  # False for a folder: it cannot be opened to read
+    header = whole_safetensors_header(output, size)
+    if header is None:
+        return None
+    metadata = header.get("__metadata__")
     return metadata if isinstance(metadata, dict) else {}
 
 
