@@ -287,11 +287,10 @@ class RunFolder:
         if misplaced and warn is not None:
             from ardiff_cli.io.episode import listed
 
-            one = len(misplaced) == 1
-            warn(f"{listed([f'{output} holds {holds}' for output, holds in misplaced.items()])} by "
-                 f"{'its' if one else 'their'} metadata, not the step {'its' if one else 'their'} results.jsonl "
-                 f"line names (copied or linked in {'its' if one else 'their'} place?): "
-                 f"{'that step runs' if one else f'those {len(misplaced)} steps run'} again")
+            count = len(misplaced)
+            its, which = ("its", "that step runs") if count == 1 else ("their", f"those {count} steps run")
+            warn(f"{listed([f'{output} holds {holds}' for output, holds in misplaced.items()])} by {its} metadata, "
+                 f"not the step {its} results.jsonl line names (copied or linked in {its} place?): {which} again")
         return done, digests
 
     # -- writing -------------------------------------------------------------------------------------------
