@@ -40,7 +40,9 @@ def test_a_typed_ctrl_c_leaves_the_last_frame_whole_and_saying_interrupted(tmp_p
 def test_on_a_short_terminal_every_frame_shows_the_title_and_the_progress(tmp_path, cli_env):
     """The live display cut what did not fit from the bottom: on 12 lines the progress line never showed, nor did
     the events (a run of several resident sessions on a 24-line terminal lost them too)."""
-    write_fast_data(tmp_path, {f"ep_{i}": 4 for i in range(6)})
+    # 240 steps, over a second: the live display draws four times a second, its first frame a quarter second in, so
+    # 24 steps (0.2 s on an idle machine) could end before any redraw, leaving no frame to check
+    write_fast_data(tmp_path, {f"ep_{i}": 40 for i in range(6)})
     (tmp_path / "fast.yaml").write_text((tmp_path / "fast.yaml").read_text().replace("session_capacity: 2",
                                                                                       "session_capacity: 4"))
     code, output = run_in_pty(["rollout", "fast.yaml", "eps", "-o", "out", "--no-warmup"], env=cli_env,
