@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 import time
 import traceback
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_one(name, args.quick))
             print(f"  {name}: {results[-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
         report = {
-            "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
+            # a shell line that reruns it: `--json "my results.json"` was written as two words
+            "command": shlex.join(["python", "-m", "benchmarks", *(argv if argv is not None else sys.argv[1:])]),
             "machine": machine_info(),
             "quick": args.quick,
             "seconds": time.perf_counter() - start,

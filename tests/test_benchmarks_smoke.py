@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import stat
 import subprocess
@@ -512,9 +513,11 @@ def test_contiguous_lean_commits_keep_the_same_history():
 def test_suite_main_quick_only(tmp_path, capsys):
     from benchmarks.__main__ import main
 
-    path = tmp_path / "results.json"
-    assert main(["--quick", "--only", "capacity,startup,capacity", "--json", str(path)]) == 0  # each once
+    path = tmp_path / "my results.json"
+    args = ["--quick", "--only", "capacity,startup,capacity", "--json", str(path)]
+    assert main(args) == 0  # each once
     report = json.loads(path.read_text())
+    assert shlex.split(report["command"]) == ["python", "-m", "benchmarks", *args]  # a line that reruns it
     assert [r["id"] for r in report["results"]] == ["capacity", "startup"]
     for key in ("cpu_count", "torch", "torch_threads", "date", "git_commit", "git_dirty", "environment"):
         assert key in report["machine"]
@@ -1007,7 +1010,7 @@ def test_suite_verdict_table_exit_status_and_results_file_from_given_rows(tmp_pa
     assert suite.main([]) == 1  # the whole suite: churn raised
     out = capsys.readouterr().out
     report = json.loads(results.read_text())
-    assert (report["command"], report["quick"], report["passed"]) == ("python -m benchmarks ", False, False)
+    assert (report["command"], report["quick"], report["passed"]) == ("python -m benchmarks", False, False)
     rows = {r["id"]: r for r in report["results"]}
     assert list(rows) == list(suite.BENCHMARKS) and rows["attention"]["quick"] is False  # the full sizes
     assert rows["attention"]["target"] == "paged/contiguous <= 1.10" and rows["capacity"]["passed"] is False
