@@ -46,6 +46,9 @@ ATTENTION_BENCHMARKS = ("rolling", "resume", "swap")
 _attention_backend = "auto"
 # every results file write_json wrote, in order: what a stop after the write (while the table prints) must name
 _written: list[Path] = []
+# a signal that came while write_json was writing (and recording) a file, raised once it is done: a stop between the
+# rename and the record said "no results were written" of a file in place
+_held: dict[str, int | None] = {"depth": 0, "signum": None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +281,9 @@ def exit_on_signals(main: Callable[[], int]) -> int:
     done = False  # main() returned: its outcome stands, and a signal from then on is dropped
 
     def stop(signum: int, frame: object) -> None:
-        if not done:
+        if _held["depth"]:
+            _held["signum"] = _held["signum"] or signum
+        elif not done:
             raise Stopped(signum)
 
     previous = {}
@@ -408,12 +413,18 @@ def write_json(path: Path, obj: dict) -> bool:
     write leaves the file that was there; on failure, say so on stderr and return False."""
     from ardiff_cli.io.atomic import atomic_write_text
 
+    _held["depth"] += 1  # a stop meanwhile waits: the file and its record in _written go together
     try:
         atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+        _written.append(path)
     except OSError as error:
         print(f"error: could not write {path}: {error.strerror or error}", file=sys.stderr)
         return False
-    _written.append(path)
+    finally:
+        _held["depth"] -= 1
+        signum, _held["signum"] = _held["signum"], None
+        if signum is not None:
+            raise Stopped(signum)
     return True
 
 

@@ -852,6 +852,26 @@ def test_a_signal_once_the_file_is_written_says_it_was_written(tmp_path, module)
     assert (written["results"][0] if module == "benchmarks" else written)["id"] == "capacity"
 
 
+def test_a_signal_while_the_file_is_written_waits_for_it_and_names_it(tmp_path, monkeypatch, capsys):
+    """A SIGTERM between the rename that puts results.json in place and the record that it was written said "no
+    results were written" of a whole file (seen as a flaky run of the test above). The stop waits for the write."""
+    import ardiff_cli.io.atomic as atomic
+    from benchmarks.common import exit_on_signals, write_json
+
+    write = atomic.atomic_write_text
+
+    def write_then_signal(path, text):  # the real write; the signal comes right after its rename, as it may
+        written = write(path, text)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return written
+
+    monkeypatch.setattr(atomic, "atomic_write_text", write_then_signal)
+    path = tmp_path / "results.json"
+    assert exit_on_signals(lambda: 0 if write_json(path, {"id": "capacity"}) else 1) == 143
+    assert f"interrupted by SIGTERM; results were written to {path}\n" in capsys.readouterr().err
+    assert json.loads(path.read_text()) == {"id": "capacity"}
+
+
 def test_percentile_takes_the_nearest_rank_of_the_sorted_values():
     """rolling's p99/p50 (published in the README) is this rank: the nearest one, not the one below it."""
     from benchmarks.common import percentile
