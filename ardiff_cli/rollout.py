@@ -56,7 +56,7 @@ from ardiff_cli.runtime.errors import (
     is_broken_invariant,
 )
 from ardiff_cli.runtime.observation import ObservationSchema
-from ardiff_cli.runtime.outputs import output_problem
+from ardiff_cli.runtime.outputs import FLOAT16_OVERFLOW, output_problem
 from ardiff_cli.signals import StopSignals
 
 
@@ -377,9 +377,10 @@ class Rollout:
             if kind != "non_finite":
                 raise PipelineError(f"{name}.forward() returned {what}", hint=PIPELINE_HINT)
             # NaN actions sent to a robot: the step fails instead, and its session (NaN in its KV) goes
+            overflow = FLOAT16_OVERFLOW if self.engine.config.runtime.dtype == "float16" else ""
             raise PipelineError(f"{name}.forward() returned {what}; nothing of this step was written",
                                 hint="the model diverged: check the config's sampling settings (a guidance scale "
-                                     "too large) and the checkpoint; the episode's session was released")
+                                     f"too large) and the checkpoint{overflow}; the episode's session was released")
         if episode.name in self._resident:
             self._resident[episode.name] = task.ordinal + 1
         finished = next((e for e in events if e.kind == "request_finished" and e.request_id == request_id), None)

@@ -481,6 +481,10 @@ def test_a_signal_caught_inside_a_warmup_request_stops_warmup(env, data, action)
                      "no array in it ('latents': list), expected a dict of arrays"),
     ("ReturnsText", "Error: warmup request 'warmup-0' of ReturnsText: ReturnsText.forward() returned arrays a step "
                     "file cannot hold: 'caption' (<U"),
+    # warmup passed, and every step failed "while writing its outputs", with a hint to check free space
+    ("ReturnsFloat8", "Error: warmup request 'warmup-0' of ReturnsFloat8: ReturnsFloat8.forward() returned arrays a "
+                      "step file cannot hold: 'latents' (torch.float8_e5m2); expected bool, integer or floating "
+                      "arrays (float16, bfloat16, float32 or float64)"),
     ("ReturnsNaN", "Error: warmup request 'warmup-0' of ReturnsNaN: ReturnsNaN.forward() returned non-finite values: "
                    "'latents': "),
 ])
@@ -823,6 +827,36 @@ def test_a_step_whose_outputs_are_not_finite_fails_and_writes_nothing(env, data,
     assert json.loads((run / "summary.json").read_text())["status"] == "failed"
 
 
+def test_a_float16_overflow_fails_its_step_with_a_hint_naming_float16s_range(env, tmp_path):
+    # A conditioning of 1e6 is a float32 input past float16's range (65504): in float16 every latent is NaN, and the
+    # hint sent the user to the guidance scale of a pipeline that has none. bfloat16 runs it (float32's range).
+    from ardiff_cli.io import write_step
+
+    episode = tmp_path / "far"
+    for step in range(2):
+        write_step(episode, step, {"conditioning": np.full(8, 1e6, np.float32)}, prompt="drive on")
+    overflow = "in float16 a value past 65504 is inf: runtime.dtype (--dtype) bfloat16 keeps float32's range"
+    for dtype in ("float16", "bfloat16"):
+        run = tmp_path / dtype
+        proc = ardiff(env, "rollout", "causal-world-tiny", str(episode), "--dtype", dtype, "--device", "cpu",
+                      "--no-warmup", "--out", str(run), "--format", "plain")
+        if dtype == "bfloat16":
+            assert proc.returncode == 0 and len(records(run)) == 2, proc.stderr
+            continue
+        assert proc.returncode == 1, proc.stderr
+        assert "CausalWorldPipeline.forward() returned non-finite values: 'latents': 768 NaN" in proc.stderr
+        assert "hint: the model diverged: check" in proc.stderr and overflow in proc.stderr, proc.stderr
+        assert not list(run.rglob("*.safetensors"))
+    # the same words when warmup finds it: DreamZero's guided velocity past 65504 as its block is committed
+    config = tmp_path / "guided.yaml"
+    config.write_text("pipeline: dreamzero\nmodel: {preset: tiny, guidance_scale: 1.0e+8}\n")
+    proc = ardiff(env, "warmup", str(config), "--dtype", "fp16", "--device", "cpu", "--format", "plain")
+    assert proc.returncode == 1 and "hint: the model diverged on the warmup's inputs" in proc.stderr, proc.stderr
+    assert overflow in proc.stderr, proc.stderr
+    proc = ardiff(env, "warmup", str(config), "--dtype", "bf16", "--device", "cpu", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_non_finite_outputs_are_counted_by_name_in_torch_and_numpy_arrays_but_not_in_integers():
     import torch
 
@@ -843,13 +877,21 @@ def test_a_forward_may_return_any_mapping_of_bool_integer_or_floating_arrays_bes
 
     import torch
 
-    from ardiff_cli.runtime.outputs import EXPECTED, output_problem
+    from ardiff_cli.runtime.outputs import EXPECTED, STORABLE, output_problem
 
     assert output_problem(MappingProxyType({"mask": np.ones(3, bool), "ids": torch.arange(3),
                                             "actions": torch.zeros(2), "step": 3})) is None
     assert output_problem({}) == ("contract", f"a dict with no array in it (empty), {EXPECTED}")
     assert output_problem({"x": torch.zeros(2, dtype=torch.complex64)}) == (
-        "contract", "arrays a step file cannot hold: 'x' (torch.complex64); expected bool, integer or floating arrays")
+        "contract", f"arrays a step file cannot hold: 'x' (torch.complex64); {STORABLE}")
+    # float8 has no numpy dtype (numpy() refused it as the step was written), and torch has no isfinite for e4m3fn
+    # (a NotImplementedError in the step's check)
+    assert output_problem({"x": torch.zeros(2, dtype=torch.float8_e4m3fn), "half": torch.zeros(2, dtype=torch.bfloat16),
+                           "u": torch.zeros(2, dtype=torch.uint16), "h": np.zeros(2, np.float16)}) == (
+        "contract", f"arrays a step file cannot hold: 'x' (torch.float8_e4m3fn); {STORABLE}")
+    if np.dtype(np.longdouble).itemsize > 8:  # float128 on x86-64 Linux, which safetensors refuses
+        assert output_problem({"y": np.zeros(2, np.longdouble)}) == (
+            "contract", f"arrays a step file cannot hold: 'y' ({np.dtype(np.longdouble)}); {STORABLE}")
 
 
 def test_a_kept_partly_rebuilt_snapshot_whose_step_lost_its_output_is_replayed_not_a_crash(cli_env, tmp_path):

@@ -11,6 +11,15 @@ from collections.abc import Mapping
 from typing import Any
 
 EXPECTED = "expected a dict of arrays (name -> tensor or numpy array)"
+STORABLE = "expected bool, integer or floating arrays (float16, bfloat16, float32 or float64)"
+# The torch dtypes a step file holds: those numpy has, and bfloat16 (written as float32). float8, float4, int4, bits
+# and quantized tensors have none: numpy() refused them as the outputs were written, a failure "to check the disk".
+TORCH_STORABLE = frozenset({"bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
+                            "float16", "bfloat16", "float32", "float64"})
+# Added to the hint of a non-finite output in float16, where that is the likeliest cause: one value past float16's
+# range (a large input, a large activation) is inf, and inf - inf or 0 * inf is NaN in every output after it.
+FLOAT16_OVERFLOW = ("; in float16 a value past 65504 is inf: runtime.dtype (--dtype) bfloat16 keeps float32's range "
+                    "at the same size")
 
 
 def is_array(value: Any) -> bool:
@@ -32,8 +41,7 @@ def output_problem(output: Any) -> tuple[str, str] | None:
     unstorable = [f"{key!r} ({value.dtype})" for key, value in output.items()
                   if is_array(value) and not storable(value.dtype)]
     if unstorable:  # safetensors refuses them
-        return "contract", (f"arrays a step file cannot hold: {', '.join(unstorable)}; expected bool, integer or "
-                            "floating arrays")
+        return "contract", f"arrays a step file cannot hold: {', '.join(unstorable)}; {STORABLE}"
     non_finite = _non_finite(output)
     if non_finite:
         return "non_finite", f"non-finite values: {non_finite}"
@@ -42,7 +50,9 @@ def output_problem(output: Any) -> tuple[str, str] | None:
 
 def storable(dtype: Any) -> bool:
     """Whether a step file (safetensors) holds arrays of ``dtype``, a torch or numpy one: bool, integer, floating."""
-    return not dtype.is_complex if hasattr(dtype, "is_complex") else dtype.kind in "biuf"
+    if hasattr(dtype, "is_complex"):  # a torch dtype
+        return str(dtype).removeprefix("torch.") in TORCH_STORABLE
+    return dtype.kind in "biu" or dtype.name in ("float16", "float32", "float64")  # safetensors refuses float128
 
 
 def _non_finite(output: Mapping[str, Any]) -> str:

@@ -73,7 +73,7 @@ from ardiff_cli.runtime.kv.backends import select_attention_backend
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache, kv_dtype
 from ardiff_cli.runtime.kv.layout import KVLayout
 from ardiff_cli.runtime.kv.state import ARDiffusionKVState
-from ardiff_cli.runtime.outputs import output_problem
+from ardiff_cli.runtime.outputs import FLOAT16_OVERFLOW, output_problem
 from ardiff_cli.runtime.request import RUNNER_KEYS, ARDiffusionRequest, require_request
 from ardiff_cli.runtime.swap import (
     SNAPSHOT_FILE,
@@ -1114,8 +1114,9 @@ class ARDiffusionModelRunner:
                 problem = output_problem(output)  # else warmup passed and every real step failed
                 if problem is not None:
                     kind, what = problem
+                    overflow = FLOAT16_OVERFLOW if self.dtype == torch.float16 else ""
                     raise PipelineError(f"{where}: {type(self.pipeline).__name__}.forward() returned {what}",
-                                        hint=PIPELINE_HINT if kind != "non_finite" else _DIVERGED_IN_WARMUP)
+                                        hint=PIPELINE_HINT if kind != "non_finite" else _DIVERGED_IN_WARMUP + overflow)
                 timings.append((request.request_id, describe_inputs(request.inputs), time.perf_counter() - t0))
                 where = provider
         except Exception as exc:
