@@ -51,6 +51,11 @@ def main() -> None:
     # stderr does: a name in the output was a UnicodeEncodeError traceback after the work had succeeded.
     if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="backslashreplace")
+    # COLUMNS=0 (`stty size` of a pty nobody sized, exported by a script) made Rich lay everything out 0 columns
+    # wide: no help, no live panel, no result and no error message, only the exit code. As for Python's shutil,
+    # 0 is unset: the terminal's own width is used.
+    if os.environ.get("COLUMNS", "").isdigit() and int(os.environ["COLUMNS"]) == 0:
+        del os.environ["COLUMNS"]
     for signum in EARLY_SIGNALS:  # not one the process was started ignoring (nohup's SIGHUP)
         if signal.getsignal(signum) is signal.SIG_DFL:
             signal.signal(signum, _stop)

@@ -394,6 +394,20 @@ def test_a_stdout_that_cannot_encode_a_name_writes_it_escaped(fast_configs, cli_
     assert proc.stdout.startswith(b"capacity plan: ") and b"/\\u043a\\u043e\\u043d\\u0444\\u0438\\u0433.yaml" in proc.stdout
 
 
+def test_columns_0_is_taken_as_unset_not_as_a_width_of_nothing(fast_configs, cli_env):
+    """COLUMNS=0 (`stty size` of a pty nobody sized) made Rich lay out at 0 columns: the help, the plan and the error
+    message came out empty, leaving only the exit code."""
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ardiff_cli", *args], env={**cli_env, "COLUMNS": "0"},
+                              capture_output=True, text=True, timeout=120)
+
+    assert "Usage: ardiff" in run("--help").stdout
+    proc = run("inspect-capacity", str(fast_configs[1]), "--available", "1GiB", "--format", "rich")
+    assert proc.returncode == 0 and "capacity plan: " in proc.stdout, proc.stderr
+    proc = run("rollout", "no-such-config", "--format", "rich")
+    assert proc.returncode == 2 and "Error: unknown config 'no-such-config'" in proc.stderr
+
+
 def test_the_plain_planned_line_names_the_attention_backend_that_runs(fast_configs, cli_env):
     """The README says the backend `auto` picked is shown; in plain format (a log under nohup or CI) the `planned`
     line was the only word of the plan and named no backend, so a run could not tell which kernel it used."""
