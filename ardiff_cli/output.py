@@ -36,13 +36,22 @@ class Format(str, enum.Enum):
 
 
 def resolve_format(requested: Format | str, *, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> Format:
-    """``auto`` is rich when stdout and stderr are both terminals (and TERM is not dumb), plain otherwise."""
+    """``auto`` is rich when stdout and stderr are both terminals that take Unicode (and TERM is not dumb), plain
+    otherwise."""
     requested = Format(requested)
     if requested is not Format.auto:
         return requested
     streams = (stdout or sys.stdout, stderr or sys.stderr)
-    tty = all(_isatty(stream) for stream in streams)
+    tty = all(_isatty(stream) and _takes_unicode(stream) for stream in streams)
     return Format.rich if tty and os.environ.get("TERM") != "dumb" else Format.plain
+
+
+def _takes_unicode(stream: IO[str]) -> bool:
+    """Whether ``stream`` encodes every character (UTF-8, as Rich assumes of a stream with no encoding). The panels'
+    ``·``, ``→`` and names such as ``日本`` went to an ASCII one (PYTHONIOENCODING=ascii, a C locale without Python's
+    UTF-8 mode) as ``\\xb7`` escapes, longer than Rich had measured them: rows wrapped and every redraw left the
+    last frame's top on the screen."""
+    return (getattr(stream, "encoding", None) or "utf-8").lower().startswith("utf")
 
 
 def _isatty(stream: IO[str]) -> bool:

@@ -42,6 +42,19 @@ def test_auto_is_rich_only_when_both_streams_are_terminals(monkeypatch):
     assert resolve_format("auto", stdout=Tty(), stderr=Tty()) is Format.plain
 
 
+class AsciiTty(Tty):
+    encoding = "ascii"  # PYTHONIOENCODING=ascii, or a C locale without Python's UTF-8 mode
+
+
+def test_auto_is_plain_on_a_terminal_that_cannot_take_the_panels_characters(monkeypatch):
+    """The live panel's `·` went to an ASCII terminal as `\\xb7`, three columns wider than Rich had laid the row out:
+    rows wrapped and every redraw left the last frame's top on the screen."""
+    monkeypatch.delenv("TERM", raising=False)
+    assert resolve_format("auto", stdout=AsciiTty(), stderr=Tty()) is Format.plain
+    assert resolve_format("auto", stdout=Tty(), stderr=AsciiTty()) is Format.plain
+    assert resolve_format("rich", stdout=AsciiTty(), stderr=AsciiTty()) is Format.rich  # asked for: as asked
+
+
 @pytest.mark.parametrize("fmt", [Format.plain, Format.json, Format.rich])
 def test_data_goes_to_stdout_and_messages_to_stderr(fmt):
     out, stdout, stderr = sink(fmt)
