@@ -2450,6 +2450,30 @@ def test_resume_of_a_run_json_with_a_bad_recorded_option_names_run_json_and_the_
     assert proc.returncode == 0, proc.stderr
 
 
+def test_a_path_that_the_locale_cannot_write_is_named_so_not_a_traceback_nor_gone(env, data, tmp_path):
+    """Under an ASCII locale (LC_ALL=C with PYTHONUTF8=0) a config's `checkpoint: modèle.safetensors`, there, was a
+    UnicodeEncodeError traceback ("a bug in ardiff"), and a resume of a run whose episode folder is named with é said
+    the folder "is gone": Python cannot write é in a file name there."""
+    ascii_env = {**env, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    hint = "hint: run ardiff in a UTF-8 locale (LANG=C.UTF-8), or with PYTHONUTF8=1\n"
+    (tmp_path / "mod\u00e8le.safetensors").write_bytes(b"")
+    config = tmp_path / "checkpoint.yaml"
+    config.write_text("pipeline: dreamzero\nmodel: {preset: tiny}\ncheckpoint: mod\u00e8le.safetensors\n", "utf-8")
+    proc = ardiff(ascii_env, "inspect-capacity", str(config), "--available", "1GiB")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"Error: {config}: field 'checkpoint': cannot look at {tmp_path}/mod\\xe8le.safetensors: this locale's " \
+           "file name encoding (ascii) cannot write '\\xe8'\n" + hint in proc.stderr
+    write_episode(tmp_path / "eps" / "bras_\u00e9", steps_of(0, 2), prompt="p")
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(tmp_path / "eps"), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    proc = ardiff(ascii_env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 2 and "is gone" not in proc.stderr, proc.stderr
+    assert f"Error: episode 'bras_\\xe9' of this run: its folder {tmp_path}/eps/bras_\\xe9 (recorded in " \
+           f"{run}/run.json): this locale's file name encoding (ascii) cannot write '\\xe9'\n" + hint in proc.stderr
+    assert ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup").returncode == 0  # in the run's locale
+
+
 def follow_a_live_episode(env, data, tmp_path: Path, fmt: str) -> tuple[subprocess.Popen, Path, Path]:
     """`rollout --follow` of one episode whose robot has written step 0 only: (process, episodes, run)."""
     live, run = tmp_path / "live", tmp_path / "run"

@@ -44,11 +44,13 @@ from ardiff_cli.options import (
 )
 from ardiff_cli.output import Format, Output, stdout_error, visible
 from ardiff_cli.runtime.errors import (
+    UTF8_LOCALE_HINT,
     ArdiffError,
     ConfigError,
     ObservationError,
     link_to_nothing_on,
     not_a_folder,
+    unencodable,
 )
 
 DEMO_SESSION_CAPACITY = 2  # the demo has 3 episodes: with 2 resident sessions, LRU eviction shows
@@ -494,6 +496,10 @@ def _recorded_folders_exist(episodes: list[dict[str, Any]], run_file: Path) -> N
     this run's (where a new run's missing EPISODE hints at --follow)."""
     from ardiff_cli.io.episode import present
 
+    for episode in episodes:  # resumed in another locale than the run's: there, but not a path this one can write
+        if why := unencodable(episode["path"]):
+            raise ConfigError(f"episode {episode['name']!r} of this run: its folder {episode['path']} (recorded in "
+                              f"{run_file}): {why}", hint=UTF8_LOCALE_HINT)
     # None: there, on a path this user may no longer enter; its episode fails saying so
     gone = [(e["name"], e["path"]) for e in episodes if present(Path(e["path"])) is False]
     if gone:
@@ -593,6 +599,8 @@ def _resume_config(given: str | None, info: dict[str, Any]) -> str:
     if digest is None:  # run.json of an older ardiff: only the label was kept
         return _same(given, info["config"], "CONFIG")
     path = Path(recorded) if given is None else resolve_config(given).resolve()
+    if why := unencodable(path):  # resumed in another locale than the run's: "is gone" of a config that is there
+        raise ConfigError(f"the run's config {recorded}: {why}", hint=UTF8_LOCALE_HINT)
     if not path.is_file():
         raise ConfigError(f"the run's config {recorded} is gone", hint="restore it, or pass the same CONFIG again")
     if _sha256(path) != digest:

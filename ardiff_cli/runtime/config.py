@@ -30,6 +30,7 @@ from ardiff_cli.runtime.capacity import (MAX_SESSIONS, MODEL_DTYPES, as_fraction
                                         split_unit_hint)
 from ardiff_cli.runtime.errors import (
     PIPELINE_HINT,
+    UTF8_LOCALE_HINT,
     YAML_SYNTAX_HINT,
     ConfigError,
     PipelineError,
@@ -38,6 +39,7 @@ from ardiff_cli.runtime.errors import (
     field_error,
     link_to_nothing,
     shown,
+    unencodable,
     yaml_problem,
 )
 from ardiff_cli.runtime.kv.backends import ATTENTION_BACKEND_SETTINGS
@@ -203,6 +205,10 @@ def path_kind(path: Path, what: str, *, where: str = "") -> str:
     this user cannot enter (``Path.is_file()`` raised PermissionError there: "a bug in ardiff"), a link loop."""
     import stat
 
+    why = unencodable(path)
+    if why:
+        raise ConfigError(f"{where + ': ' if where else ''}cannot look at {what + ' ' if what else ''}{path}: {why}",
+                          hint=UTF8_LOCALE_HINT)
     try:
         mode = path.stat().st_mode
     except (FileNotFoundError, NotADirectoryError):

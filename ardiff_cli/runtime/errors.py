@@ -169,6 +169,21 @@ def link_to_nothing(path: os.PathLike | str) -> str | None:
     return None
 
 
+UTF8_LOCALE_HINT = "run ardiff in a UTF-8 locale (LANG=C.UTF-8), or with PYTHONUTF8=1"
+
+
+def unencodable(path: os.PathLike | str) -> str | None:
+    """Why ``path``, read from a text file (a config's ``checkpoint:``, run.json), cannot be handed to the system:
+    this locale's file name encoding (ASCII under ``LC_ALL=C`` with ``PYTHONUTF8=0``, latin-1) has no bytes for one of
+    its characters. ``Path.stat`` raised UnicodeEncodeError there (a traceback as a bug in ardiff) and
+    ``Path.exists`` said False (a folder that is there "is gone"). None when it can."""
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError as exc:
+        return f"this locale's file name encoding ({exc.encoding}) cannot write {exc.object[exc.start:exc.end]!r}"
+    return None
+
+
 def link_to_nothing_on(path: Path) -> tuple[Path, str] | None:
     """The link among ``path`` and its parents that leads nowhere, and :func:`link_to_nothing`'s words for it: why a
     folder cannot be made at ``path`` where mkdir said only "File exists"; None if none does."""
