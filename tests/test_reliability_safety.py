@@ -6,6 +6,7 @@ import ast
 import json
 import os
 import sys
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -177,6 +178,18 @@ def test_discovered_names_are_safe_and_unique(tmp_path):
     # ".dot" is a hidden folder inside a dataset folder: skipped; given explicitly it is an episode
     assert names == ["a_b", "a_b-2", "evil_]0;title__name"]
     assert [e.name for e in discover_episodes([tmp_path / "set" / ".dot"])] == ["_dot"]
+
+
+def test_folders_whose_names_differ_only_in_case_or_normalisation_get_names_unique_in_both(tmp_path):
+    """Pick/pick and a composed and a decomposed é were four names: on an output folder's case-insensitive file system
+    (macOS, exFAT, a Windows share) two episodes wrote their steps, over each other's, into one episodes/ folder."""
+    steps = [demo_step(_schema(), (16, 16), 0, 0, 1)]
+    for folder in ("Pick", "pick", "caf\u00e9", "cafe\u0301"):
+        write_episode(tmp_path / "set" / folder, steps, prompt="p")
+    names = [e.name for e in discover_episodes([tmp_path / "set"])]
+    assert names == ["Pick", "cafe\u0301", "caf\u00e9-2", "pick-2"]
+    folded = {unicodedata.normalize("NFC", name).casefold() for name in names}
+    assert len(folded) == len(names)
 
 
 def test_folders_whose_names_differ_only_past_the_length_cap_get_safe_unique_names(tmp_path):

@@ -280,8 +280,9 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
     folder where its default ``--out`` (``./ardiff-runs/<timestamp>``) landed.
 
     Names are the folder names made safe (:func:`safe_name`), and unique with a
-    numeric suffix when two collide. A folder reached twice (``data/ data/pick_cube``, a
-    symlink to another argument) is one episode, run once; ``warn`` is told.
+    numeric suffix when two collide, in case and Unicode normalisation too. A folder
+    reached twice (``data/ data/pick_cube``, a symlink to another argument) is one
+    episode, run once; ``warn`` is told.
     A path that is one of ardiff's outputs itself is refused; ``follow``: the
     command line has ``--follow`` (a missing folder's hint does not suggest it).
     """
@@ -339,12 +340,20 @@ def _with_suffix(base: str, suffix: str) -> str:
     return base + suffix
 
 
+def _folded(name: str) -> str:
+    """``name`` as a case-insensitive file system compares it (macOS, exFAT, a Windows share): ``Pick`` and ``pick``,
+    or ``é`` composed and decomposed (NFC, NFD), are one folder there."""
+    return unicodedata.normalize("NFC", name).casefold()
+
+
 class EpisodeNames:
     """The episodes of a run by folder: one per folder (resolved, so a symlink to one is that one), named by the
-    folder's name made safe (:func:`safe_name`), with ``-2``, ``-3``, ... when another folder took that name."""
+    folder's name made safe (:func:`safe_name`), with ``-2``, ``-3``, ... when another folder took that name, or one
+    that differs from it only in case or Unicode normalisation (both would write to one output folder where the
+    output folder's file system ignores the difference: :func:`_folded`)."""
 
     def __init__(self, episodes: list[EpisodeSource] = ()) -> None:
-        self._names = {e.name for e in episodes}
+        self._names = {_folded(e.name) for e in episodes}  # the names taken, folded
         self._folders = {e.path.resolve(): e.name for e in episodes}  # resolved folder -> its episode's name
 
     def add(self, folder: Path) -> EpisodeSource | None:
@@ -354,10 +363,10 @@ class EpisodeNames:
             return None
         base = safe_name(resolved.name)
         name, count = base, 1
-        while name in self._names:
+        while _folded(name) in self._names:
             count += 1
             name = _with_suffix(base, f"-{count}")
-        self._names.add(name)
+        self._names.add(_folded(name))
         self._folders[resolved] = name
         return EpisodeSource(name=name, path=folder)
 
