@@ -1462,6 +1462,8 @@ def tiny_config_record() -> dict:
      "the absolute path of the episode's folder", "'arm_a'"),
     ("episodes[1].name", lambda info: info["episodes"].append(dict(info["episodes"][0])),
      "a name no other episode of the run has (ardiff records each once), not that of episodes[0]", "'arm_a'"),
+    # taken for true: the resume ran the demo episodes, and refused them as not the run's ("the episodes differ")
+    ("demo", lambda info: info.update(demo="no"), "true or false", "'no'"),
 ])
 def test_a_run_json_lacking_what_resume_reads_is_named_not_a_traceback(tmp_path, cli_env, field, edit, expected, got):
     # A run.json edited by hand (or cut by a copy) without `config` or `dtype`, or with `episodes` of another shape,

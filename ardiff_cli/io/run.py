@@ -68,6 +68,8 @@ def _run_info_problem(info: Mapping[str, Any]) -> tuple[str, str, Any] | None:
         # it names the run in OUT/.swap/kept.json: without it each resume took a start time of its own, and refused
         # the snapshots the stopped run kept for it as another run's
         return "started", "the run's start time in seconds since the epoch (a number)", started
+    if not isinstance(info.get("demo", False), bool):  # "no" was taken for true: the demo episodes, "they differ"
+        return "demo", "true or false", info["demo"]
     episodes = info.get("episodes", _MISSING)
     if not isinstance(episodes, list):
         return "episodes", "a list of {\"name\": ..., \"path\": ...} objects", episodes
