@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -2472,6 +2473,34 @@ def test_a_path_that_the_locale_cannot_write_is_named_so_not_a_traceback_nor_gon
     assert f"Error: episode 'bras_\\xe9' of this run: its folder {tmp_path}/eps/bras_\\xe9 (recorded in " \
            f"{run}/run.json): this locale's file name encoding (ascii) cannot write '\\xe9'\n" + hint in proc.stderr
     assert ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup").returncode == 0  # in the run's locale
+
+
+@pytest.mark.parametrize(("damage", "given", "expected"), [
+    ("idle_timeout", [], "run.json: cannot read run info: Infinity is not JSON"),
+    ("gpu_memory_fraction", ["--gpu-memory-fraction", "0.9"], "run.json: cannot read run info: NaN is not JSON"),
+    ("latency", [], "results.jsonl, line 1: expected one JSON object per line"),
+])
+def test_a_run_file_edited_to_hold_nan_or_infinity_is_refused_before_the_resume_runs(env, data, tmp_path, damage,
+                                                                                    given, expected):
+    # Python's json reads NaN and Infinity (ardiff writes neither): run.json's were written back once the model had
+    # loaded, a results line's when summary.json was (after the resumed steps ran, the old summary deleted): a
+    # traceback as a bug in ardiff, exit 1, even with the option given again that replaces the recorded value.
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    lines = records(run)[:2]
+    if damage == "latency":
+        lines[0]["latency"]["total_s"] = math.nan
+    else:
+        info = json.loads((run / "run.json").read_text())
+        (run / "run.json").write_text(json.dumps({**info, damage: math.inf if damage == "idle_timeout" else math.nan}))
+    (run / "results.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", *given)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"Error: {run / expected}" in proc.stderr, proc.stderr
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".lock"} == {
+        name: data for name, data in before.items() if name != ".lock"}  # summary.json kept, nothing ran
 
 
 def follow_a_live_episode(env, data, tmp_path: Path, fmt: str) -> tuple[subprocess.Popen, Path, Path]:

@@ -365,6 +365,34 @@ def test_an_episode_yaml_of_the_wrong_type_is_named_not_the_step_file_that_took_
         proc.stderr)
 
 
+def test_an_episode_yaml_or_step_file_that_is_a_fifo_fails_its_episode_instead_of_hanging_the_run(tmp_path, cli_env):
+    # Opening a FIFO waits for a writer: the run hung before its first step, and SIGTERM (which only marks a stop)
+    # did not end it. A step file linked to one passed the scan (a link is kept, so that reading it names a problem);
+    # one that is a FIFO was passed over: its episode ended one step short, "complete".
+    eps = tmp_path / "eps"
+    episode(eps / "fifo", 1)
+    os.mkfifo(eps / "fifo" / "step_000001.safetensors")
+    episode(eps / "meta", 1)
+    (eps / "meta" / "episode.yaml").unlink()
+    os.mkfifo(eps / "meta" / "episode.yaml")
+    episode(eps / "linked", 1)
+    os.mkfifo(tmp_path / "fifo")
+    (eps / "linked" / "step_000001.safetensors").symlink_to(tmp_path / "fifo")
+    episode(eps / "healthy", 1)
+    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "fast.yaml"), str(eps),
+                           "--out", str(tmp_path / "run"), "--no-warmup", "--format", "plain"], env=cli_env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 4, proc.stderr
+    assert (f"Error: episode 'meta' failed: {eps / 'meta' / 'episode.yaml'}: cannot read episode metadata: it is a "
+            "FIFO, socket or device, not a file\n") in proc.stderr, proc.stderr
+    for name in ("linked", "fifo"):
+        assert (f"Error: episode '{name}' failed: {eps / name / 'step_000001.safetensors'}: cannot read the step "
+                "file: it is a FIFO, socket or device, not a file\n") in proc.stderr, proc.stderr
+    ok = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert {(r["episode"], r["step"]) for r in ok if r["status"] == "ok"} == {("healthy", 0), ("linked", 0),
+                                                                               ("fifo", 0)}
+
 def _checkpoint_for_another_geometry(path: Path) -> Path:
     from pipelines.causal_world import Config, pipeline_class
     from pipelines.checkpoint import write_fresh_checkpoint
@@ -1502,6 +1530,9 @@ READ_HINT = "check that it is a file the user running ardiff may read (permissio
     ("results.jsonl folder", "{run}/results.jsonl: cannot read it: it is a folder, not a file", FOLDER_HINT),
     ("results.jsonl loop", "{run}/results.jsonl: cannot read it: Too many levels of symbolic links", READ_HINT),
     ("results.jsonl mode 000", "{run}/results.jsonl: cannot read it: Permission denied", READ_HINT),
+    # a FIFO in place of either file: opening it waited for a writer, forever (SIGTERM did not end the wait)
+    ("results.jsonl fifo", "{run}/results.jsonl: cannot read it: it is a FIFO, socket or device, not a file",
+     READ_HINT),
     ("summary.json folder", "{run}/summary.json is a folder, not the run's summary file",
      "move that folder out of the way: the run writes summary.json there as it ends"),
     ("run.json folder", "{run}/run.json: cannot read run info: it is a folder, not a file",
@@ -1525,6 +1556,8 @@ def test_a_run_file_that_is_a_folder_or_cannot_be_read_is_named_on_resume(tmp_pa
         (run / name).mkdir()
     elif what == "loop":
         (run / name).symlink_to(name)
+    elif what == "fifo":
+        os.mkfifo(run / name)
     else:
         (run / name).write_text('{"format": 1}\n')
         (run / name).chmod(0)

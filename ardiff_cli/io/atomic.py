@@ -11,14 +11,17 @@ cut off, so the log always ends at a line boundary. Files get the mode a plain
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import math
 import os
 import re
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ardiff_cli.output import to_jsonable
 from ardiff_cli.runtime.errors import ConfigError
@@ -38,11 +41,42 @@ FILE_MODE = 0o666 & ~UMASK
 DIR_MODE = 0o777 & ~UMASK  # likewise for folders made with mkdtemp (0700)
 
 
+def open_file(path: str | os.PathLike) -> BinaryIO:
+    """``open(path, "rb")`` of a regular file; a folder is ``IsADirectoryError``, and a FIFO, socket or device an
+    ``OSError`` saying what it is, without waiting: opening a FIFO waited for a writer, forever (a signal only marks
+    a stop, so the run hung through SIGTERM), and a device never ends."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once instead of waiting for a writer
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "it is a FIFO, socket or device, not a file", str(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (ardiff writes no NaN or infinity)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (math.inf, -math.inf):  # 1e999: the infinity Python's json would read it as
+        raise ValueError(f"{text} is beyond the range of a float")
+    return value
+
+
 def parse_json(data: str | bytes) -> Any:
     """``json.loads``, with nesting too deep for the parser (``RecursionError``, from a damaged or hostile file of a
-    few kilobytes of brackets) raised as the ``ValueError`` every other undecodable text raises."""
+    few kilobytes of brackets) raised as the ``ValueError`` every other undecodable text raises. ``NaN`` and
+    ``Infinity`` (which Python's json reads, and ardiff never writes) are refused alike: a file edited to hold one was
+    read, then failed to be written back (run.json, summary.json: a traceback after the run's steps)."""
     try:
-        return json.loads(data)
+        return json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
     except RecursionError:
         raise ValueError("JSON nested too deeply to read") from None
 
@@ -198,7 +232,7 @@ def read_jsonl(path: str | os.PathLike,
     """
     path = Path(path)
     try:  # not Path.exists: it says False of a link looping to itself, whose lines were then taken for none
-        f = open(path, "rb")
+        f = open_file(path)
     except FileNotFoundError:
         return
     except OSError as exc:  # a folder, a file this user may not read: it was a traceback ('a bug in ardiff')

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.io.atomic import parse_json
+from ardiff_cli.io.atomic import open_file, parse_json
 from ardiff_cli.runtime.capacity import split_unit_hint
 from ardiff_cli.runtime.errors import YAML_SYNTAX_HINT, ConfigError, ObservationError, link_to_nothing, yaml_problem
 
@@ -198,8 +198,8 @@ def scan_steps(folder: Path, *, skip: Container[str] = ()) -> list[StepFile]:
         if name in skip or not name.endswith(STEP_SUFFIXES):
             continue
         path = folder / name
-        if not is_step_file(path) or not (path.is_file() or path.is_symlink()):
-            continue  # a dangling link is kept: reading it names the problem instead of leaving a silent gap
+        if not is_step_file(path) or (path.is_dir() and not path.is_symlink()):
+            continue  # a dangling link (or a FIFO) is kept: reading it names the problem instead of a silent gap
         number = step_number(path)
         if number in steps:
             raise ObservationError(
@@ -414,7 +414,8 @@ def read_episode_yaml(path: Path) -> dict[str, Any]:
     from ardiff_cli.runtime.config import duplicate_key
 
     try:
-        text = path.read_bytes().decode("utf-8")  # UTF-8 whatever the locale, as the writer writes
+        with open_file(path) as f:
+            text = f.read().decode("utf-8")  # UTF-8 whatever the locale, as the writer writes
         data = yaml.safe_load(text)
     except UnicodeDecodeError as exc:
         raise ObservationError(
@@ -529,7 +530,7 @@ def step_sha256(path: Path) -> str:
     checking that a step is the one that ran needs. An unreadable or empty file is ``load_step``'s
     ``ObservationError`` (an empty one is a write cut short, not a step that changed)."""
     try:
-        with open(path, "rb") as f:
+        with open_file(path) as f:
             digest = hashlib.file_digest(f, "sha256").hexdigest()
             size = f.tell()
     except OSError as exc:
@@ -547,7 +548,7 @@ def _read_bytes(path: Path) -> tuple[bytes, tuple[int, ...]]:
     """The whole file and its signature as it was read (see :func:`file_signature`), or an ``ObservationError``
     saying why it cannot be read."""
     try:
-        with open(path, "rb") as f:
+        with open_file(path) as f:
             st = os.fstat(f.fileno())  # before the read: a write while or after it is read changes mtime from this
             return f.read(), _signature(st)
     except OSError as exc:
@@ -578,7 +579,7 @@ def looks_whole(path: Path, size: int) -> bool:
     if path.suffix == ".safetensors":
         return whole_safetensors_header(path, size) is not None
     try:
-        with open(path, "rb") as f:
+        with open_file(path) as f:
             tail_len = min(size, 22 + 0xFFFF)  # the end record (22 bytes) and its comment
             f.seek(size - tail_len)
             tail = f.read(tail_len)
@@ -592,7 +593,7 @@ def whole_safetensors_header(path: Path, size: int) -> dict[str, Any] | None:
     """The parsed header of the safetensors file ``path`` of ``size`` bytes when it holds its header and every
     tensor's data, read from the header alone; None when it is cut short or unparsable."""
     try:
-        with open(path, "rb") as f:
+        with open_file(path) as f:
             head = f.read(8)
             header_len = int.from_bytes(head, "little")
             if 8 + header_len > size:

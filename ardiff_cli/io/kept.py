@@ -60,10 +60,11 @@ def kept_for(swap_dir: Path) -> float | None:
 
 def _read_index(swap_dir: Path) -> dict | None:
     """The index as written, when it is one of this version's; else None."""
-    from ardiff_cli.io.atomic import parse_json
+    from ardiff_cli.io.atomic import open_file, parse_json
 
     try:  # bytes: a file that is not UTF-8 is a ValueError too, not a crash of every resume
-        data = parse_json((swap_dir / KEPT_FILE).read_bytes())
+        with open_file(swap_dir / KEPT_FILE) as f:
+            data = parse_json(f.read())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and data.get("format") == FORMAT else None
