@@ -131,7 +131,11 @@ class ARPipeline(abc.ABC):
                 exc.hint = default_checkpoint_hint(path)
             raise
         modules = modules.to(device=device, dtype=dtype).eval().requires_grad_(False)
-        return cls(config, modules, device=torch.device(device), dtype=dtype, checkpoint=path)
+        pipeline = cls(config, modules, device=torch.device(device), dtype=dtype, checkpoint=path)
+        # The file as loaded: one deleted or moved later (a training job rotating its checkpoints) failed every
+        # swap-out of the run, first made after the model loaded
+        pipeline.model_identity()
+        return pipeline
 
     @classmethod
     def fresh(cls, config):
