@@ -119,7 +119,7 @@ class ARPipeline(abc.ABC):
         modules = build_on_meta(lambda: cls.build_modules(config))
         try:
             try:
-                metadata = load_checkpoint(modules, path)
+                metadata = load_checkpoint(modules, path, device)
             except CheckpointError:
                 # A file that records another geometry of this pipeline (written for `preset: tiny`, loaded with
                 # `preset: small`) is named by the fields that differ, not by its hundreds of mismatched tensors.

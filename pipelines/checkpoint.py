@@ -167,21 +167,36 @@ def read_metadata(path: str | Path) -> dict[str, str]:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
 
 
-def load_checkpoint(module: nn.Module, path: str | Path) -> dict[str, str]:
+def _read_tensors(path: Path, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The file's tensors. ``load_file``'s map the file: a model on the CPU, of the file's dtype, kept reading it
+    for the whole run, so a checkpoint copied or saved over in place (``cp``, a training job) changed its weights
+    mid-run, or, truncated first, killed the run with SIGBUS and no summary. For the CPU they are read into memory
+    of their own; for an accelerator they stream from the mapping (the host needs no copy of the whole file), which
+    is let go once the weights are on the device."""
+    if torch.device(device).type != "cpu":
+        return load_file(str(path), device="cpu")
+    try:
+        return load_file(str(path), device="cpu", backend="pread")
+    except TypeError:  # an older safetensors, whose load_file has no backend: copy each tensor out of the mapping
+        return {key: value.clone() for key, value in load_file(str(path), device="cpu").items()}
+
+
+def load_checkpoint(module: nn.Module, path: str | Path, device: torch.device | str = "cpu") -> dict[str, str]:
     """Load ``path`` into ``module`` strictly; returns the file's metadata.
 
     Keys pass through ``remap_checkpoint_key`` first (wrapper prefixes).
     Missing keys, unexpected keys, shape mismatches and non-floating tensors
     in place of floating weights are collected and raised together as one
-    ``CheckpointError``. The file's tensors are adopted, not copied, so
-    ``module`` may be built on the meta device.
+    ``CheckpointError``. The file's tensors are adopted, so ``module`` may
+    be built on the meta device; ``device`` is where the caller then moves
+    them (see ``_read_tensors``).
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}", hint="fix the path, or use checkpoint: null")
     _check_readable(path)
     try:
-        raw = load_file(str(path), device="cpu")
+        raw = _read_tensors(path, device)
     except (OSError, SafetensorError) as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}",
                               hint="is it a .safetensors file? pickled checkpoints are never loaded") from None

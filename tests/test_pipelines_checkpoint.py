@@ -289,6 +289,40 @@ def test_wrapper_prefixes_are_stripped(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), modules.state_dict().values()))
 
 
+def test_a_checkpoint_rewritten_in_place_after_loading_changes_no_loaded_weight(tmp_path):
+    """The loaded weights are the file's bytes as read at load, not a mapping of it: ``cp new.safetensors
+    model.safetensors`` or a training job saving over the file while a CPU run goes on used to change its weights
+    under it mid-run (same size) or kill it with SIGBUS, leaving no summary (truncated first)."""
+    cls = causal_world.pipeline_class()
+    path = tmp_path / "model.safetensors"
+    write_fresh_checkpoint(cls, tiny(causal_world), path)
+    pipe = cls.from_config(tiny(causal_world), device="cpu", checkpoint=path)
+    before = {k: v.clone() for k, v in pipe.modules.state_dict().items()}
+    other = fresh_modules(lambda: cls.build_modules(tiny(causal_world)), 1)
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()}, str(tmp_path / "other.safetensors"),
+              metadata=read_metadata(path))
+    with open(path, "r+b") as f:  # in place, as cp does: the same inode, truncated and written again
+        f.truncate(0)
+        f.write((tmp_path / "other.safetensors").read_bytes())
+    assert all(torch.equal(v, before[k]) for k, v in pipe.modules.state_dict().items())
+
+
+def test_a_checkpoint_deleted_after_loading_leaves_the_model_its_identity(tmp_path):
+    """A session's snapshot records the model that made it, the checkpoint by path, size and modification time as
+    loaded: a file deleted or moved after the model loaded (a training job rotating its checkpoints) made every
+    swap-out of the run fail with FileNotFoundError, its sessions rebuilt by replaying every step instead."""
+    cls = causal_world.pipeline_class()
+    path = tmp_path / "model.safetensors"
+    write_fresh_checkpoint(cls, tiny(causal_world), path)
+    data, mtime_ns = path.read_bytes(), path.stat().st_mtime_ns
+    pipe = cls.from_config(tiny(causal_world), device="cpu", checkpoint=path)
+    path.unlink()
+    identity = pipe.model_identity()
+    path.write_bytes(data)
+    os.utime(path, ns=(mtime_ns, mtime_ns))
+    assert cls.from_config(tiny(causal_world), device="cpu", checkpoint=path).model_identity() == identity
+
+
 def test_unreadable_and_missing_files(tmp_path):
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"\x80\x04not a safetensors file")
