@@ -2248,6 +2248,53 @@ def test_resume_refuses_a_checkpoint_replaced_since_the_run_started_and_says_how
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
     assert proc.returncode == 0, proc.stderr
     assert len(records(run)) == len(lines)
+
+
+def test_resume_refuses_a_built_in_checkpoint_the_run_did_not_run_on(env, data, reference, tmp_path):
+    """An ardiff upgraded mid-run (checkpoint format 1 to 2) resumed a run with the default checkpoint on another
+    file: the resumed steps' outputs differed from the first's by up to 6e-6, exit 0, and with no word where no
+    snapshot was kept. run.json names the file now; one an older ardiff wrote (without the name) needs the file
+    in the cache before run.json was written (after the model loaded)."""
+    env = {**env, "ARDIFF_CACHE_DIR": str(tmp_path / "cache")}
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads((run / "run.json").read_text())
+    weights = tmp_path / "cache" / info["default_checkpoint"]
+    assert weights.is_file() and info["checkpoint"] is None
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-2]))  # as if stopped two steps before the end
+    again = "finish the run with the ardiff version that started it, or start a new run in another --out"
+    (run / "run.json").write_text(json.dumps({**info, "default_checkpoint": "dreamzero-0123456789abcdef.safetensors"}))
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(
+        "Error: this run ran on the built-in checkpoint dreamzero-0123456789abcdef.safetensors, and this ardiff loads "
+        f"{weights.name} (another checkpoint format, which rounds otherwise): the outputs of the steps left would not "
+        f"be those of the weights its steps so far ran on\nhint: {again}\n"), proc.stderr
+    # An older ardiff's run.json: the file built since (next to the older format's) is refused, and a missing one.
+    del info["default_checkpoint"]
+    (run / "run.json").write_text(json.dumps(info))
+    later = (run / "run.json").stat().st_mtime_ns + 10**9
+    os.utime(weights, ns=(later, later))
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert f"Error: the built-in checkpoint {weights} was built at " in proc.stderr
+    assert f"after this run loaded its model, and {run / 'run.json'} (an older ardiff's) does not name" in proc.stderr
+    touch = re.search(r"give it the time of run.json: (touch -r \S+ \S+)\n", proc.stderr)
+    assert touch is not None and len(records(run)) == len(lines) - 2, proc.stderr  # refused before anything ran
+    weights.rename(tmp_path / "w.safetensors")
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert f"Error: the built-in checkpoint {weights} is not in the cache and {run / 'run.json'}" in proc.stderr
+    assert f"hint: resume with the ARDIFF_CACHE_DIR the run started with; else {again}\n" in proc.stderr
+    assert not weights.exists() and len(records(run)) == len(lines) - 2
+    (tmp_path / "w.safetensors").rename(weights)
+    subprocess.run(touch.group(1), shell=True, check=True)
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert len(records(run)) == len(lines)
+    assert_same_outputs(reference, run)
     assert_same_outputs(reference, run)  # init writes the default checkpoint's weights: the same outputs
 
 

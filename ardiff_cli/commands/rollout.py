@@ -364,22 +364,71 @@ def _refuse_what_loading_would(cfg: Any) -> None:
         from ardiff_cli.runtime.engine import resolve_device
 
         resolve_device(cfg.runtime.device)
-    if cfg.checkpoint is not None:
+    path = _default_checkpoint(cfg)
+    if path is None:
+        return
+    from pipelines.checkpoint import refuse_too_large_for_default
+
+    try:
+        if path.is_file():  # built or placed there: it loads
+            return
+    except OSError:  # a cache folder this user cannot enter: the load says so
         return
     from ardiff_cli.runtime.engine import pipeline_class_of
+
+    refuse_too_large_for_default(pipeline_class_of(cfg.entry), cfg.model)
+
+
+def _default_checkpoint(cfg: Any) -> Path | None:
+    """The built-in checkpoint the model loads (built or not), or None: the config names one, or the pipeline loads
+    its weights its own way. Imports torch."""
+    if cfg.checkpoint is not None:
+        return None
+    from ardiff_cli.runtime.engine import pipeline_class_of
     from pipelines.base import ARPipeline
-    from pipelines.checkpoint import default_checkpoint_path, refuse_too_large_for_default
+    from pipelines.checkpoint import default_checkpoint_path
 
     pipeline_class = pipeline_class_of(cfg.entry)
     if not (isinstance(pipeline_class, type) and issubclass(pipeline_class, ARPipeline)) \
             or getattr(pipeline_class.from_config, "__func__", None) is not ARPipeline.from_config.__func__:
-        return  # a pipeline that loads its weights its own way
+        return None
+    return default_checkpoint_path(pipeline_class, cfg.model)
+
+
+def _same_default_checkpoint(cfg: Any, recorded: dict[str, Any], run_file: Path) -> None:
+    """A resume with steps left refuses a built-in checkpoint that is not the one the run's steps so far ran on:
+    another ardiff's (a checkpoint format since changed: outputs differ by up to 1e-5), so a resumed run's
+    outputs would mix two models'. run.json names the file (``default_checkpoint``); one an older ardiff wrote
+    does not, and there the file must have been in the cache before run.json was written (after the model
+    loaded)."""
+    path = _default_checkpoint(cfg)
+    if path is None or recorded.get("checkpoint") is not None:
+        return
+    name = recorded.get("default_checkpoint")
+    again = "finish the run with the ardiff version that started it, or start a new run in another --out"
+    if isinstance(name, str):
+        if name != path.name:
+            raise ConfigError(f"this run ran on the built-in checkpoint {name}, and this ardiff loads {path.name} "
+                              "(another checkpoint format, which rounds otherwise): the outputs of the steps left "
+                              "would not be those of the weights its steps so far ran on", hint=again)
+        return
     try:
-        if default_checkpoint_path(pipeline_class, cfg.model).is_file():  # built or placed there: it loads
-            return
+        built, written = path.stat().st_mtime_ns, run_file.stat().st_mtime_ns
+    except FileNotFoundError:
+        built = written = None
     except OSError:  # a cache folder this user cannot enter: the load says so
         return
-    refuse_too_large_for_default(pipeline_class, cfg.model)
+    if built is not None and built <= written:
+        return
+    when = "is not in the cache" if built is None else \
+        f"was built at {_local_time(built / 1e9)}, after this run loaded its model,"
+    raise ConfigError(f"the built-in checkpoint {path} {when} and {run_file} "
+                      "(an older ardiff's) does not name the one its steps so far ran on: an older ardiff's "
+                      "checkpoint format rounds otherwise (outputs differ by up to 1e-5)",
+                      hint=f"resume with the ARDIFF_CACHE_DIR the run started with; else {again}"
+                           + ("" if built is None else f"; if the run's version built this very file, give it "
+                              f"the time of run.json: touch -r {shlex.quote(str(run_file))} "
+                              f"{shlex.quote(str(path))}"))
 
 
 def _refuse_another_runs_kept_snapshots(swap_dir: Path, started: float) -> None:
@@ -731,6 +780,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     _same_device(p.cfg.runtime.device, p.recorded_device)
                     _recorded_backend_installed(p.cfg.runtime.attention_backend, p.recorded_backend,
                                                 p.recorded_device)
+                    _same_default_checkpoint(p.cfg, run.read_info(), p.out_dir / RUN_FILE)
                 engine = ARDiffusionEngine(p.cfg, swap_dir=None if swap_space == 0 else swap_dir,
                                            swap_space=swap_space)
                 engine.subscribe(monitor.on_event)
@@ -747,8 +797,10 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                                                               {**recorded, "resumed_at": time.time()}),
                                     p.out_dir / RUN_FILE, resume=True)
                 else:
+                    default = _default_checkpoint(p.cfg)  # named: another ardiff's may round otherwise
                     _write_run_info(lambda: run.start({**p.info, "device": str(engine.device),
-                                                       "attention_backend": engine.runner.attention_backend}),
+                                                       "attention_backend": engine.runner.attention_backend,
+                                                       "default_checkpoint": default and default.name}),
                                     p.out_dir / RUN_FILE, resume=False)
                 if warmup:
                     monitor.set_phase("warmup")
