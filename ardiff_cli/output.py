@@ -179,7 +179,7 @@ class Output:
         if self.is_json:
             self.json(data)
         elif self.format is Format.plain and not self.quiet:
-            self._write_err(line)
+            self._write_err(one_line(line))
 
     # -- human stream (stderr) ----------------------------------------------------------------------------
 
@@ -190,20 +190,20 @@ class Output:
 
     def debug(self, message: str) -> None:
         if self.verbose:
-            self._print_err("[dim]debug:[/dim] ", message, plain_prefix="debug: ")
+            self._print_err("[dim]debug:[/dim] ", one_line(message), plain_prefix="debug: ")
 
     def warning(self, message: str) -> None:
         self.warnings.append(message)
         if not self.quiet:
-            self._print_err("[yellow]warning:[/yellow] ", message, plain_prefix="warning: ")
+            self._print_err("[yellow]warning:[/yellow] ", one_line(message), plain_prefix="warning: ")
 
     def error(self, message: str, hint: str | None = None, *, exit_code: int | None = None,
               kind: str = "error") -> None:
         """'Error: ...' and 'hint: ...' on stderr (never silenced); json also gets an error object on stdout."""
         Output.errors_reported += 1
-        self._print_err("[bold red]Error:[/bold red] ", message, plain_prefix="Error: ")
+        self._print_err("[bold red]Error:[/bold red] ", one_line(message), plain_prefix="Error: ")
         if hint:
-            self._print_err("[cyan]hint:[/cyan] ", hint, plain_prefix="hint: ")
+            self._print_err("[cyan]hint:[/cyan] ", one_line(hint), plain_prefix="hint: ")
         if self.is_json:
             self.json({"kind": kind, "message": message, "hint": hint, "exit_code": exit_code})
 
@@ -315,6 +315,14 @@ _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x09), *range(0x0b, 0x20), 0x7f, 
 def visible(text: str) -> str:
     """``text`` with its control characters (but tab and newline) written as ``\\xNN``."""
     return text.translate(_CONTROLS)
+
+
+def one_line(text: str) -> str:
+    """``text`` with its newlines written as ``\\x0a`` too: the one line of an ``Error:``, ``hint:``, ``warning:`` or
+    ``debug:`` record, or a plain event. ardiff's messages are one line, but the paths they quote are the user's: a
+    folder named ``ep<newline>hint: ...`` cut a record in two, and its second line passed for one of ardiff's. (The
+    text of another library's exception that spans lines reads on one line too; ``--verbose`` prints it as it is.)"""
+    return text.replace("\n", "\\x0a")
 
 
 def _plain_width() -> int:

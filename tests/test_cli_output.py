@@ -94,11 +94,12 @@ def test_plain_has_no_escape_codes_even_with_tables():
 def test_control_characters_in_messages_are_shown_not_sent_to_the_terminal(fmt):
     out, _, stderr = sink(fmt)
     out.error("data/ev\x1b[31mil\x07/step_000001.safetensors: bad", None)
-    out.warning("tab\tand\nnewline stay")
+    out.warning("tab\tand\nnewline")  # one line a record: a newline in a quoted path made a line of its own
+    out.info("info\nkeeps its lines")  # as a traceback does
     text = stderr.getvalue()
     assert "data/ev\\x1b[31mil\\x07/step_000001.safetensors" in text
     assert "\x07" not in text and ("\x1b" not in text if fmt is Format.plain else True)
-    assert "and\nnewline stay" in text  # (Rich expands the tab)
+    assert "and\\x0anewline" in text and "info\nkeeps its lines" in text  # (Rich expands the tab)
     if fmt is Format.plain:
         assert "tab\tand" in text
     out.warning("del\x7f csi\x9b2J")  # DEL, and C1's one-byte CSI, which some terminals obey as ESC [ does

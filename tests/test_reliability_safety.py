@@ -257,6 +257,31 @@ def test_rollout_of_a_hostile_folder_name_writes_inside_out_only(tmp_path, monke
     assert f"\noutputs: {deep} (results.jsonl, summary.json, episodes/)\n" in result.stdout, result.stdout
 
 
+@pytest.mark.parametrize("fmt", ["plain", "rich", "json"])
+def test_a_newline_in_a_path_stays_inside_its_error_line(tmp_path, monkeypatch, fmt):
+    """A folder name holding a newline cut the Error: line quoting its path in two (plain and rich), and what followed
+    it was a line of its own: here a `hint:` that ardiff never wrote. A script reading `^Error:` lines got half the
+    path. The newline is shown as \\x0a, as every other control character in a message is; JSON keeps it."""
+    monkeypatch.setenv("ARDIFF_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("COLUMNS", "1000")  # rich: no wrapping of the long line
+    folder = tmp_path / "data" / "arm\nhint: nothing failed"
+    write_episode(folder, [demo_step(_schema(), (16, 16), 0, 0, 1)], prompt="p")
+    (folder / "step_000000.safetensors").write_bytes(b"junk")
+    config = tmp_path / "fast.yaml"
+    config.write_text("pipeline: dreamzero\nmodel: {preset: tiny, num_inference_steps: 1, guidance_scale: 1.0}\n"
+                      "runtime: {device: cpu}\n")
+    result = runner.invoke(app, ["rollout", str(config), str(folder), "--out", str(tmp_path / "out"), "--no-warmup",
+                                 "--format", fmt])
+    assert result.exit_code == 2, result.stderr
+    shown = str(folder).replace("\n", "\\x0a")
+    assert f"Error: episode 'arm_hint_ nothing failed' failed: {shown}/step_000000.safetensors: cannot read " in (
+        result.stderr), result.stderr
+    assert "\nhint: nothing failed" not in result.stderr, result.stderr
+    if fmt == "json":
+        errors = [json.loads(line) for line in result.stdout.splitlines() if '"episode_failed"' in line]
+        assert errors and errors[0]["message"].startswith(f"episode 'arm_hint_ nothing failed' failed: {folder}/")
+
+
 # -- only the command line imports code -----------------------------------------------------------------------
 
 @pytest.fixture
