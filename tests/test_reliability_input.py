@@ -393,6 +393,31 @@ def test_an_episode_yaml_or_step_file_that_is_a_fifo_fails_its_episode_instead_o
     assert {(r["episode"], r["step"]) for r in ok if r["status"] == "ok"} == {("healthy", 0), ("linked", 0),
                                                                                ("fifo", 0)}
 
+
+def test_a_folder_named_like_a_step_file_fails_its_episode_naming_it(tmp_path, cli_env):
+    # A folder step_000001.safetensors was passed over: as the last step its episode ended one step short,
+    # "complete"; in the middle it was "step 1 missing ... a gap", which did not say what was in the way.
+    eps = tmp_path / "eps"
+    episode(eps / "last", 1)
+    (eps / "last" / "step_000001.safetensors").mkdir()
+    episode(eps / "middle", 2)
+    (eps / "middle" / "step_000001.safetensors").rename(eps / "middle" / "step_000002.safetensors")
+    (eps / "middle" / "step_000001.safetensors").mkdir()
+    episode(eps / "healthy", 1)
+    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "fast.yaml"), str(eps),
+                           "--out", str(tmp_path / "run"), "--no-warmup", "--format", "plain"], env=cli_env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 4, proc.stderr
+    for name in ("last", "middle"):
+        assert (f"Error: episode '{name}' failed: {eps / name / 'step_000001.safetensors'}: cannot read the step "
+                "file: it is a folder, not a file\nhint: move that folder out of the episode folder") in proc.stderr, (
+            proc.stderr)
+    ok = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert {(r["episode"], r["step"]) for r in ok if r["status"] == "ok"} == {("healthy", 0), ("last", 0),
+                                                                               ("middle", 0)}
+
+
 def _checkpoint_for_another_geometry(path: Path) -> Path:
     from pipelines.causal_world import Config, pipeline_class
     from pipelines.checkpoint import write_fresh_checkpoint

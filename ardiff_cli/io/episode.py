@@ -198,8 +198,12 @@ def scan_steps(folder: Path, *, skip: Container[str] = ()) -> list[StepFile]:
         if name in skip or not name.endswith(STEP_SUFFIXES):
             continue
         path = folder / name
-        if not is_step_file(path) or (path.is_dir() and not path.is_symlink()):
-            continue  # a dangling link (or a FIFO) is kept: reading it names the problem instead of a silent gap
+        if not is_step_file(path):
+            continue  # a folder, a dangling link or a FIFO is kept: reading it names the problem, not a silent gap
+        try:  # in a folder this user may list but not enter (mode 444), EACCES: the caller names the folder
+            path.lstat()
+        except (FileNotFoundError, NotADirectoryError):
+            pass  # deleted since the listing: reading it says so
         number = step_number(path)
         if number in steps:
             raise ObservationError(
@@ -560,6 +564,10 @@ def _unreadable(path: Path, exc: OSError) -> ObservationError:
     if dangling:
         return ObservationError(f"{path}: cannot read the step file: it is {dangling}",
                                 hint=f"{MOUNT_HINT}, then rerun with --resume")
+    if isinstance(exc, IsADirectoryError):
+        return ObservationError(f"{path}: cannot read the step file: it is a folder, not a file",
+                                hint="move that folder out of the episode folder (every .safetensors and .npz entry "
+                                     "there is a step file), then rerun with --resume")
     return ObservationError(
         f"{path}: cannot read the step file: {exc.strerror or exc}",
         hint="check that the file exists and that the user running ardiff may read it (permissions)",
