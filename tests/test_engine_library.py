@@ -172,6 +172,10 @@ def test_failing_close_hooks_over_a_long_run_keep_only_the_latest_errors():
     ("ok", {"session_id": "a", "reset": "false"}, r"request 'bad': extra_args\['reset'\] must be True or False, "
                                                   r"got 'false' \(str\)"),
     ("ok", {"session_id": "a", "close_session": "yes"}, r"extra_args\['close_session'\] must be True or False"),
+    # a JSON null: taken for False, where a session_id of None was refused
+    ("ok", {"session_id": "a", "close_session": None}, r"extra_args\['close_session'\] must be True or False, got "
+                                                       r"None \(NoneType\)"),
+    ("ok", {"session_id": "a", "reset": None}, r"extra_args\['reset'\] must be True or False, got None"),
 ])
 def test_a_malformed_request_is_a_request_error_and_leaves_its_session_as_it_was(inputs, extra_args, message):
     """A request a JSON client sent with "reset": "false" used to reset the robot's session (a non-empty string is

@@ -41,8 +41,9 @@ class ARDiffusionRequest:
     ``extra_args`` keys read by the runner:
 
     - ``session_id`` (str): the persistent session; ``DEFAULT_SESSION_ID`` when absent.
-    - ``reset`` (bool): replace the session before the forward.
-    - ``close_session`` (bool): release the session after a successful forward.
+    - ``reset`` (bool): replace the session before the forward; False when absent (``None`` is refused).
+    - ``close_session`` (bool): release the session after a successful forward; False when absent (``None`` is
+      refused).
 
     ``session_id``, ``reset`` and ``close_session`` are also read-only properties that read ``extra_args`` (setting
     one is a ``RequestError`` that is an ``AttributeError`` too); a keyword argument of that name
@@ -128,9 +129,9 @@ class ARDiffusionRequest:
 
     def _flag(self, key: str) -> bool:
         self._check_mapping("extra_args", self.extra_args, "session routing and lifecycle flags")
-        value = self.extra_args.get(key)
+        value = self.extra_args.get(key, False)  # absent is False; None (a JSON null) is refused, as for session_id
         numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")  # 2.x, 1.x
-        if value is None or isinstance(value, bool) or numpy_bool:
+        if isinstance(value, bool) or numpy_bool:
             return bool(value)
         raise RequestError(f"request {shown(self.request_id)}: extra_args[{key!r}] must be True or False, got "
                            f"{shown(value)} ({type(value).__name__})",
