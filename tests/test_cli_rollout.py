@@ -2525,7 +2525,7 @@ def test_a_path_that_the_locale_cannot_write_is_named_so_not_a_traceback_nor_gon
 @pytest.mark.parametrize(("damage", "given", "expected"), [
     ("idle_timeout", [], "run.json: cannot read run info: Infinity is not JSON"),
     ("gpu_memory_fraction", ["--gpu-memory-fraction", "0.9"], "run.json: cannot read run info: NaN is not JSON"),
-    ("latency", [], "results.jsonl, line 1: expected one JSON object per line"),
+    ("latency", [], "results.jsonl, line 1: expected one JSON object per line: NaN is not JSON"),
 ])
 def test_a_run_file_edited_to_hold_nan_or_infinity_is_refused_before_the_resume_runs(env, data, tmp_path, damage,
                                                                                     given, expected):

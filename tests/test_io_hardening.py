@@ -411,7 +411,25 @@ def test_a_results_line_nested_too_deeply_is_named_with_its_line(tmp_path):
     run.close()
     with open(run.results_path, "a") as f:
         f.write(NESTED + "\n")
-    with pytest.raises(ConfigError, match=r"results.jsonl, line 2: expected one JSON object per line, got '\[\[\["):
+    with pytest.raises(ConfigError, match=r"results.jsonl, line 2: expected one JSON object per line: JSON nested too "
+                                          r"deeply to read, got '\[\[\["):
+        list(run.iter_records())
+
+
+@pytest.mark.parametrize(("value", "reason"), [("NaN", "NaN is not JSON (ardiff writes no NaN or infinity)"),
+                                               ("-Infinity", "-Infinity is not JSON (ardiff writes no NaN or "
+                                                             "infinity)"),
+                                               ("1e999", "1e999 is beyond the range of a float")])
+def test_a_results_line_holding_nan_or_infinity_says_so(tmp_path, value, reason):
+    """A line whose only fault is a NaN or an infinity (a hand edit) was refused as "expected one JSON object per
+    line", which it looks like: the reason was left out."""
+    run = RunFolder(tmp_path)
+    run.append_result({"episode": "ep", "step": 0, "status": "failed", "error": "x"})
+    run.close()
+    with open(run.results_path, "a") as f:
+        f.write('{"episode": "ep", "step": 1, "status": "ok", "latency": {"total_s": %s}}\n' % value)
+    with pytest.raises(ConfigError, match=rf"results.jsonl, line 2: expected one JSON object per line: "
+                                          rf"{re.escape(reason)}, got "):
         list(run.iter_records())
 
 

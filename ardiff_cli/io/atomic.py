@@ -247,11 +247,14 @@ def read_jsonl(path: str | os.PathLike,
                 break
             if not raw.strip():
                 continue
+            reason = ""
             try:
                 record = parse_json(raw)
-            except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+            except ValueError as exc:  # JSONDecodeError, bytes that are not UTF-8, or parse_json's own refusal
                 record = None
-            fault = "expected one JSON object per line" if not isinstance(record, dict) else \
+                if type(exc) is ValueError:  # parse_json's own: NaN, Infinity, 1e999, nesting; the line may look fine
+                    reason = f": {exc}"
+            fault = "expected one JSON object per line" + reason if not isinstance(record, dict) else \
                 problem(record) if problem is not None else None
             if fault is not None:
                 got = raw.rstrip(b"\n").decode("utf-8", "replace")
