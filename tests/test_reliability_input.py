@@ -45,6 +45,20 @@ def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
+def rollout_of_episodes(tmp_path: Path, eps: Path, cli_env: dict, *, timeout: int) -> subprocess.CompletedProcess:
+    """``ardiff rollout`` (plain) of the folder of episodes ``eps`` on the fast config, into ``tmp_path/run``."""
+    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
+    return subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "fast.yaml"), str(eps),
+                           "--out", str(tmp_path / "run"), "--no-warmup", "--format", "plain"], env=cli_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def ok_steps(run: Path) -> set[tuple[str, int]]:
+    """The (episode, step) pairs results.jsonl in ``run`` records as ok."""
+    records = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()]
+    return {(r["episode"], r["step"]) for r in records if r["status"] == "ok"}
+
+
 def good(episode: int, step: int) -> dict[str, np.ndarray]:
     from pipelines.dreamzero import observation_schema
 
@@ -344,10 +358,7 @@ def test_an_episode_yaml_of_the_wrong_type_is_named_not_the_step_file_that_took_
         episode(eps / name, 1)
         (eps / name / "episode.yaml").write_text(text)
     episode(eps / "healthy", 1)
-    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
-    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "fast.yaml"), str(eps),
-                           "--out", str(tmp_path / "run"), "--no-warmup", "--format", "plain"], env=cli_env,
-                          capture_output=True, text=True, timeout=300)
+    proc = rollout_of_episodes(tmp_path, eps, cli_env, timeout=300)
     assert proc.returncode == 4, proc.stderr
     said = {"number": "field 'prompt': expected the prompt as text, got 5",
             "null": "field 'prompt': expected the prompt as text, got None",
@@ -379,19 +390,14 @@ def test_an_episode_yaml_or_step_file_that_is_a_fifo_fails_its_episode_instead_o
     os.mkfifo(tmp_path / "fifo")
     (eps / "linked" / "step_000001.safetensors").symlink_to(tmp_path / "fifo")
     episode(eps / "healthy", 1)
-    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
-    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "fast.yaml"), str(eps),
-                           "--out", str(tmp_path / "run"), "--no-warmup", "--format", "plain"], env=cli_env,
-                          capture_output=True, text=True, timeout=120)
+    proc = rollout_of_episodes(tmp_path, eps, cli_env, timeout=120)
     assert proc.returncode == 4, proc.stderr
     assert (f"Error: episode 'meta' failed: {eps / 'meta' / 'episode.yaml'}: cannot read episode metadata: it is a "
             "FIFO, socket or device, not a file\n") in proc.stderr, proc.stderr
     for name in ("linked", "fifo"):
         assert (f"Error: episode '{name}' failed: {eps / name / 'step_000001.safetensors'}: cannot read the step "
                 "file: it is a FIFO, socket or device, not a file\n") in proc.stderr, proc.stderr
-    ok = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
-    assert {(r["episode"], r["step"]) for r in ok if r["status"] == "ok"} == {("healthy", 0), ("linked", 0),
-                                                                               ("fifo", 0)}
+    assert ok_steps(tmp_path / "run") == {("healthy", 0), ("linked", 0), ("fifo", 0)}
 
 
 def test_a_folder_named_like_a_step_file_fails_its_episode_naming_it(tmp_path, cli_env):
@@ -404,18 +410,13 @@ def test_a_folder_named_like_a_step_file_fails_its_episode_naming_it(tmp_path, c
     (eps / "middle" / "step_000001.safetensors").rename(eps / "middle" / "step_000002.safetensors")
     (eps / "middle" / "step_000001.safetensors").mkdir()
     episode(eps / "healthy", 1)
-    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
-    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "fast.yaml"), str(eps),
-                           "--out", str(tmp_path / "run"), "--no-warmup", "--format", "plain"], env=cli_env,
-                          capture_output=True, text=True, timeout=120)
+    proc = rollout_of_episodes(tmp_path, eps, cli_env, timeout=120)
     assert proc.returncode == 4, proc.stderr
     for name in ("last", "middle"):
         assert (f"Error: episode '{name}' failed: {eps / name / 'step_000001.safetensors'}: cannot read the step "
                 "file: it is a folder, not a file\nhint: move that folder out of the episode folder") in proc.stderr, (
             proc.stderr)
-    ok = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
-    assert {(r["episode"], r["step"]) for r in ok if r["status"] == "ok"} == {("healthy", 0), ("last", 0),
-                                                                               ("middle", 0)}
+    assert ok_steps(tmp_path / "run") == {("healthy", 0), ("last", 0), ("middle", 0)}
 
 
 def _checkpoint_for_another_geometry(path: Path) -> Path:
