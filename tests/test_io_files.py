@@ -262,6 +262,17 @@ def test_discover_expands_dataset_folders_and_dedups_names(tmp_path):
         discover_episodes([tmp_path / "set" / "a" / "END"])
 
 
+def test_a_link_to_the_folder_of_episodes_or_one_above_it_is_no_episode(tmp_path):
+    """Each ran as an episode of no step files (the folder it leads to), which failed the run (exit 4), with a
+    warning that the one was given twice."""
+    write_episode(tmp_path / "set" / "a", [arrays(0)])
+    (tmp_path / "set" / "latest").symlink_to(".")
+    (tmp_path / "set" / "up").symlink_to("..")
+    warnings: list[str] = []
+    assert [e.name for e in discover_episodes([tmp_path / "set"], warn=warnings.append)] == ["a"]
+    assert warnings == []
+
+
 def test_atomic_write_replaces_whole_file_and_leaves_no_temp(tmp_path):
     target = tmp_path / "sub" / "out.bin"
     atomic_write_bytes(target, b"first")

@@ -232,10 +232,13 @@ def test_an_empty_episode_yaml_holds_no_metadata_and_takes_a_steps_prompt(tmp_pa
 @pytest.mark.parametrize(("text", "fault", "hint"), [
     ("prompt: " + "[" * 5000 + "]" * 5000, "lists or mappings are nested too deeply", "runaway brackets"),
     ("prompt: pick\nrecorded: 2024-13-45\n", "month must be in 1..12", "quote the value"),  # Python cannot hold it
+    # a data file saved as episode.yaml: read whatever its size, it stalled every episode of the run for minutes
+    ("prompt: pick\n# " + "x" * (1 << 20), "it takes more than 1 MiB, which no episode metadata does",
+     "per-step data goes in the step files"),
 ])
 def test_episode_yaml_the_parser_cannot_hold_is_named(tmp_path, text, fault, hint):
-    """Both were taken for a failure of the pipeline reading the first step file ('fix the pipeline'). They are the
-    episode's bad input: with a hint, and exit 2 when it is the only episode."""
+    """The first two were taken for a failure of the pipeline reading the first step file ('fix the pipeline'). They
+    are the episode's bad input: with a hint, and exit 2 when it is the only episode."""
     write_step(tmp_path / "ep", 0, good(0))
     (tmp_path / "ep" / "episode.yaml").write_text(text)
     (episode,) = discover_episodes([tmp_path / "ep"])
@@ -250,6 +253,27 @@ def test_episode_yaml_the_parser_cannot_hold_is_named(tmp_path, text, fault, hin
     assert failed["message"] == f"episode 'ep' failed: {Path('ep', 'episode.yaml')}: cannot read episode metadata: " + (
         fault)
     assert failed["hint"] == info.value.hint and objects[-1]["kind"] == "observation_error", objects[-1]
+
+
+def test_an_episode_yaml_or_episode_folder_linked_to_itself_is_named_a_loop_not_a_link_to_nothing(tmp_path):
+    """Both read "a link to episode.yaml, which does not exist", with a hint to mount a disk."""
+    write_step(tmp_path / "ep", 0, good(0))
+    (tmp_path / "ep" / "episode.yaml").symlink_to("episode.yaml")
+    (episode,) = discover_episodes([tmp_path / "ep"])
+    with pytest.raises(ObservationError, match=r"ep/episode.yaml: cannot read episode metadata: it is a link to "
+                                               r"episode.yaml, which leads back to itself \(a loop of links\)$"):
+        episode.metadata()
+    (tmp_path / "loop").symlink_to("loop")
+    with pytest.raises(ConfigError, match=r"episode folder not found: .*loop is a link to loop, which leads back to "
+                                          r"itself"):
+        discover_episodes([tmp_path / "loop"])
+
+
+def test_write_episode_refuses_metadata_that_rollout_would_refuse_for_its_size(tmp_path):
+    with pytest.raises(ValueError, match=r"metadata: episode.yaml would take \d+ bytes, more than the 1 MiB rollout "
+                                         r"reads"):
+        write_episode(tmp_path / "ep", [good(0)], prompt="pick", metadata={"timestamps": list(range(200_000))})
+    assert not (tmp_path / "ep").exists()
 
 
 def test_npz_member_that_is_not_an_array_is_named(tmp_path):

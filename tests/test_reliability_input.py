@@ -106,9 +106,33 @@ def pickled_npz(folder: Path) -> None:
     np.savez(folder / "step_000001.npz", joint_position=np.array([{"a": 1}], dtype=object))
 
 
+def npz_declaring_terabytes(folder: Path) -> None:
+    """An .npz whose array header declares 14.6 TiB over 28 bytes of data: np.load allocated the declared size first,
+    and the step failed as out of memory (exit 3, a hint to lower --session-capacity)."""
+    import zipfile
+
+    episode(folder, 1)
+    header = "{'descr': '<f4', 'fortran_order': False, 'shape': (4000000000000,), }".ljust(117) + "\n"
+    with zipfile.ZipFile(folder / "step_000001.npz", "w") as archive:
+        archive.writestr("joint_position.npy", b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little")
+                         + header.encode() + bytes(28))
+
+
 def gap(folder: Path) -> None:
     episode(folder, 4)
     (folder / "step_000002.safetensors").unlink()
+
+
+def header_only(folder: Path, header: dict) -> None:
+    """Step 1 a safetensors file of ``header`` and no data: one safetensors reads."""
+    text = json.dumps(header).encode()
+    write_bytes(folder, len(text).to_bytes(8, "little") + text)
+
+
+def timestamp_names(folder: Path) -> None:
+    """Step 2 named by a timestamp: a gap of 10**12 steps, which were listed one by one until the memory ran out."""
+    episode(folder, 3)
+    (folder / "step_000002.safetensors").rename(folder / "step_1733312345123.safetensors")
 
 
 def capitals(folder: Path) -> None:
@@ -158,6 +182,19 @@ OBSERVATION_CASES = {
     "cut_header": (lambda f: write_bytes(f, b"\x40\x00\x00\x00\x00\x00\x00\x00{\"a\""),
                    ["{path}: cannot read safetensors file: truncated (its header alone should take 64 bytes; "
                     "the file has 12 bytes in all)"], "--resume"),
+    # safetensors takes an empty tensor of any shape, which numpy cannot: it failed "while reading" as a bug (exit 1)
+    "shape_no_array_holds": (lambda f: header_only(f, {"wrist_image": {"dtype": "U8", "shape": [0, 2 ** 62, 3],
+                                                                       "data_offsets": [0, 0]}}),
+                             ["{path}: tensor 'wrist_image' has shape [0, 4611686018427387904, 3], which no array can "
+                              "hold (array is too big"], "header is damaged"),
+    "shape_of_100_dimensions": (lambda f: header_only(f, {"joint_position": {"dtype": "F32", "shape": [0] * 100,
+                                                                             "data_offsets": [0, 0]}}),
+                                ["{path}: tensor 'joint_position' has shape [0, 0, 0, 0, 0, 0, 0, 0, ...], which no "
+                                 "array can hold (maximum supported dimension"], "header is damaged"),
+    # a file cut right after its header length of 384 bytes (0x80 0x01 0 ...): it was called a pickle
+    "cut_after_header_length": (lambda f: write_bytes(f, (384).to_bytes(8, "little")),
+                                ["{path}: cannot read safetensors file: truncated (its header alone should take 384 "
+                                 "bytes; the file has 8 bytes in all)"], "--resume"),
     "png_renamed": (lambda f: write_bytes(f, b"\x89PNG\r\n\x1a\n" + bytes(64)),
                     ["{path}: cannot read safetensors file: it is a PNG image, not safetensors"], "uint8 arrays"),
     "pickle_renamed": (lambda f: write_bytes(f, pickle.dumps({"joint_position": [0.0] * 7})),
@@ -165,8 +202,13 @@ OBSERVATION_CASES = {
                        "never unpickles"),
     "npz_object_array": (pickled_npz, ["{folder}/step_000001.npz: cannot read .npz without pickle: Object arrays "
                                        "cannot be loaded when allow_pickle=False"], "plain numeric arrays"),
+    "npz_declaring_terabytes": (npz_declaring_terabytes, [
+        "{folder}/step_000001.npz: cannot read .npz file: truncated or corrupt: array 'joint_position' declares shape "
+        "(4000000000000,) of float32 (16000000000000 bytes), and its member holds 28 bytes"], "written completely"),
     "gap": (gap, ["{folder}: step 2 missing: the episode has steps 0..3 with a gap (expected consecutive step "
                   "numbers)"], "renumber"),
+    "timestamp_names": (timestamp_names, ["{folder}: steps 2, 3, 4, 5, 6 and 1733312345116 more missing: the episode "
+                                          "has steps 0..1733312345123 with a gap"], "renumber"),
     "capitals": (capitals, ["{folder}: step 2 missing: the episode has steps 0..3 with a gap (expected consecutive "
                             "step numbers); it also holds step_000002.SAFETENSORS, which ardiff does not read (a step "
                             "file ends in .safetensors or .npz)"], "renumber"),
@@ -240,6 +282,27 @@ def test_extra_key_is_a_warning_not_an_error(tmp_path):
         "jont_position": f"{step1(folder)}: key 'jont_position' is not in the pipeline's schema; ignored (did you "
                          "mean 'joint_position'?)",
         "timestamp": f"{step1(folder)}: key 'timestamp' is not in the pipeline's schema; ignored"}
+
+
+def test_a_file_of_many_extra_keys_names_ten_and_counts_the_rest(tmp_path):
+    """A step file of 200,000 other arrays printed 200,000 warning lines, or an error message of 2 MB, and looked
+    for a did-you-mean of each key at every step (seconds a step)."""
+    from pipelines.dreamzero import observation_schema
+
+    extra = {f"t{i:02d}": np.zeros(0, np.uint8) for i in range(25)}
+    path = tmp_path / "step_000001.safetensors"
+    valid = validate_step(RawStep(arrays={**good(0, 1), **extra}, metadata={}), observation_schema(), path=path,
+                          episode_metadata={"prompt": "p"})
+    assert list(valid.warnings) == [f"t{i:02d}" for i in range(11)]
+    assert valid.warnings["t10"] == (f"{path}: 15 more keys not in the pipeline's schema ('t10', 't11', 't12', ...); "
+                                     "ignored")
+    arrays = {**good(0, 1), **extra}
+    del arrays["joint_position"]
+    with pytest.raises(ObservationError) as info:
+        validate_step(RawStep(arrays=arrays, metadata={}), observation_schema(), path=path,
+                      episode_metadata={"prompt": "p"})
+    assert str(info.value).endswith("the file's other keys, not in the schema: 't00', 't01', 't02', 't03', 't04', "
+                                    "'t05', 't06', 't07', 't08', 't09' and 15 more")
 
 
 def test_a_file_none_of_whose_arrays_is_in_a_schema_of_optional_fields_fails_instead_of_running_on_the_prompt(
@@ -535,6 +598,10 @@ CONFIG_CASES = {
     "checkpoint_is_a_folder": ("pipeline: dreamzero\ncheckpoint: weights\n", "inspect-capacity",  # 'file not found'
                                ["{config}: field 'checkpoint': a folder, not a file: {dir}/weights"],
                                "checkpoint: null"),
+    # YAML's "\0" escape: os.stat raised ValueError ("embedded null byte"), a traceback as a bug in ardiff
+    "checkpoint_holding_a_nul": ('pipeline: dreamzero\ncheckpoint: "model\\0.safetensors"\n', "inspect-capacity",
+                                 ["{config}: field 'checkpoint': cannot look at {dir}/model\\x00.safetensors: it holds "
+                                  "a NUL character, which no file name can"], "check the path"),
     "mismatched_checkpoint": ("pipeline: dreamzero\ncheckpoint: world.safetensors\nmodel: {preset: tiny}\n",
                               "warmup", ["checkpoint {dir}/world.safetensors (written for pipeline 'causal_world') "
                                          "does not match the model config:", "missing keys:", "shape mismatches:"],
@@ -966,16 +1033,18 @@ def test_follow_waits_for_a_missing_step_then_runs_in_order(tmp_path):
 
 
 @pytest.mark.parametrize("ending", ["end_marker", "idle_timeout"])
-def test_follow_fails_an_episode_whose_gap_is_never_filled(tmp_path, ending):
+@pytest.mark.parametrize(("last", "missing"), [(3, "1, 2"), (1733312345123, "1, 2, 3, 4, 5 and 1733312345117 more")])
+def test_follow_fails_an_episode_whose_gap_is_never_filled(tmp_path, ending, last, missing):
+    """Also a step named by a timestamp, whose gap of 10**12 steps was listed one by one until the memory ran out."""
     folder = tmp_path / "live"
     write_step(folder, 0, good(0, 0), prompt="p")
-    write_step(folder, 3, good(0, 3))
+    write_step(folder, last, good(0, 3))
     clock = FakeClock([lambda: (folder / "END").write_bytes(b"")] if ending == "end_marker" else [])
     items = _drain(_follow(folder, clock))
     assert items[0] == 0 and len(items) == 2
     reason, message = items[1]
     assert reason == "error"
-    assert f"{folder}: steps 1, 2 missing: the episode has steps 0..3 with a gap" in message
+    assert f"{folder}: steps {missing} missing: the episode has steps 0..{last} with a gap" in message
 
 
 @pytest.mark.parametrize("ending", ["end_marker", "idle_timeout"])

@@ -27,7 +27,8 @@ from typing import Any
 
 from ardiff_cli.io.atomic import open_file, parse_json
 from ardiff_cli.runtime.capacity import split_unit_hint
-from ardiff_cli.runtime.errors import YAML_SYNTAX_HINT, ConfigError, ObservationError, link_to_nothing, yaml_problem
+from ardiff_cli.runtime.errors import (YAML_SYNTAX_HINT, ConfigError, ObservationError, link_to_nothing, shown,
+                                      yaml_problem)
 
 STEP_SUFFIXES = (".safetensors", ".npz")
 METADATA_FILE = "episode.yaml"
@@ -130,12 +131,16 @@ def safe_name(name: str) -> str:
     return cleaned or "episode"
 
 
-def missing_steps(steps: list[int]) -> list[int]:
-    """Step numbers absent between the first and the last of ``steps`` (sorted, distinct)."""
+def missing_steps(steps: list[int], limit: int) -> tuple[list[int], int]:
+    """The first ``limit`` step numbers absent between the first and the last of ``steps`` (sorted, distinct), and
+    how many are absent in all. Never the whole list: steps numbered by a timestamp (``step_1733312345123``) leave
+    10**12 numbers out, and listing them filled the memory."""
     missing: list[int] = []
+    count = 0
     for before, after in zip(steps, steps[1:]):
-        missing.extend(range(before + 1, after))
-    return missing
+        missing.extend(range(before + 1, min(after, before + 1 + limit - len(missing))))
+        count += after - before - 1
+    return missing, count
 
 
 def other_step_formats(folder: Path) -> list[str]:
@@ -149,11 +154,12 @@ def other_step_formats(folder: Path) -> list[str]:
                   and not n.startswith(".") and not n.endswith(STEP_SUFFIXES))
 
 
-def gap_error(folder: Path, steps: list[int], missing: list[int]) -> ObservationError:
-    shown = ", ".join(map(str, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+def gap_error(folder: Path, steps: list[int], missing: list[int], count: int) -> ObservationError:
+    """``missing``: the first missing steps (five are shown), of ``count`` in all."""
+    shown = ", ".join(map(str, missing[:5])) + (f" and {count - 5} more" if count > 5 else "")
     others = other_step_formats(folder)  # the missing step may be one of them: a suffix in capitals, a .npy
     return ObservationError(
-        f"{folder}: step{'s' if len(missing) > 1 else ''} {shown} missing: the episode has steps "
+        f"{folder}: step{'s' if count > 1 else ''} {shown} missing: the episode has steps "
         f"{steps[0]}..{steps[-1]} with a gap (expected consecutive step numbers)"
         + (f"; it also holds {listed(others)}, which ardiff does not read (a step file ends in .safetensors or "
            ".npz)" if others else ""),
@@ -380,9 +386,11 @@ class EpisodeNames:
 
 
 def _episode_folders_in(folder: Path) -> list[Path]:
-    """The episode folders of a folder of episodes: its visible subfolders, but ardiff's own outputs."""
+    """The episode folders of a folder of episodes: its visible subfolders, but ardiff's own outputs and links to the
+    folder itself or one above it (``latest -> .``: it ran as an episode with no step files, and failed the run)."""
+    around = {folder.resolve(), *folder.resolve().parents}
     return sorted(p for p in _list_folder(folder)
-                  if p.is_dir() and not p.name.startswith(".") and not is_run_output(p))
+                  if p.is_dir() and not p.name.startswith(".") and not is_run_output(p) and p.resolve() not in around)
 
 
 def new_episode_folders(folder: Path, settled: set[str]) -> list[Path]:
@@ -412,6 +420,11 @@ def new_episode_folders(folder: Path, settled: set[str]) -> list[Path]:
     return found
 
 
+# A prompt and a few fields; PyYAML reads about 0.5 MB/s, and reads it twice. A data file of 16 MiB saved as
+# episode.yaml stalled the whole run (every episode) for minutes, through a first SIGTERM.
+MAX_METADATA_BYTES = 1 << 20
+
+
 def read_episode_yaml(path: Path) -> dict[str, Any]:
     import yaml
 
@@ -419,7 +432,17 @@ def read_episode_yaml(path: Path) -> dict[str, Any]:
 
     try:
         with open_file(path) as f:
-            text = f.read().decode("utf-8")  # UTF-8 whatever the locale, as the writer writes
+            raw = f.read(MAX_METADATA_BYTES + 1)
+    except OSError as exc:  # its text repeats the path: "[Errno 13] Permission denied: '.../episode.yaml'"
+        raise ObservationError(f"{path}: cannot read episode metadata: {exc.strerror or exc}",
+                               hint="check that the user running ardiff may read it (permissions)") from None
+    if len(raw) > MAX_METADATA_BYTES:
+        raise ObservationError(f"{path}: cannot read episode metadata: it takes more than {MAX_METADATA_BYTES >> 20} "
+                               "MiB, which no episode metadata does",
+                               hint="episode.yaml holds the prompt and a few fields; per-step data goes in the step "
+                                    "files, as arrays")
+    try:
+        text = raw.decode("utf-8")  # UTF-8 whatever the locale, as the writer writes
         data = yaml.safe_load(text)
     except UnicodeDecodeError as exc:
         raise ObservationError(
@@ -428,9 +451,6 @@ def read_episode_yaml(path: Path) -> dict[str, Any]:
             hint="write episode.yaml as UTF-8 text, e.g. `prompt: pick up the red cube` "
                  "(ardiff_cli.io.write_episode does)",
         ) from None
-    except OSError as exc:  # its text repeats the path: "[Errno 13] Permission denied: '.../episode.yaml'"
-        raise ObservationError(f"{path}: cannot read episode metadata: {exc.strerror or exc}",
-                               hint="check that the user running ardiff may read it (permissions)") from None
     except yaml.YAMLError as exc:  # one line, as a config's: PyYAML's own text spans five, with a caret drawn
         raise ObservationError(f"{path}: cannot read episode metadata: {yaml_problem(exc, text)}",
                                hint=f"{YAML_SYNTAX_HINT}; episode.yaml holds `key: value` lines, e.g. "
@@ -633,8 +653,17 @@ def _load_safetensors(path: Path, data: bytes) -> RawStep:
     except Exception as exc:  # noqa: BLE001 - safetensors raises several types for corrupt files
         raise _unreadable_safetensors(path, data, exc) from None
     dtypes = {key: view["dtype"] for key, view in tensors}
-    arrays = {key: np.frombuffer(view["data"], dtype=_NUMPY_DTYPES[view["dtype"]]).reshape(view["shape"])
-              for key, view in tensors if view["dtype"] in _NUMPY_DTYPES}
+    arrays = {}
+    for key, view in tensors:
+        if view["dtype"] not in _NUMPY_DTYPES:
+            continue
+        try:
+            arrays[key] = np.frombuffer(view["data"], dtype=_NUMPY_DTYPES[view["dtype"]]).reshape(view["shape"])
+        except ValueError as exc:  # a header safetensors takes: no data and a dimension of 2**62, or 100 dimensions
+            raise ObservationError(f"{path}: tensor {key!r} has shape {shown(view['shape'])}, which no array can "
+                                   f"hold ({exc})",
+                                   hint="its header is damaged or was not written by a safetensors writer; write "
+                                        "step files with ardiff_cli.io.write_step") from None
     unheld = [(key, "bfloat16" if dtype == "BF16" else dtype) for key, dtype in dtypes.items() if key not in arrays]
     if unheld:
         # Not loaded through torch: read_step stays torch-free and behaves the same in a script as in a rollout.
@@ -656,8 +685,8 @@ def _unreadable_safetensors(path: Path, data: bytes, exc: Exception) -> Observat
                                 hint=_TORCH_SAVE_HINT)
     for signature, what, hint in _SIGNATURES:
         # A header length whose low byte is 0x80 (128, 384, ...) starts like a pickle: a safetensors header's "{" at
-        # byte 8 tells them apart.
-        if head.startswith(signature) and head[8:9] != b"{":
+        # byte 8 tells them apart, and in a file cut before it, the length's zero third byte (a pickle's is an opcode).
+        if head.startswith(signature) and head[8:9] != b"{" and head[2:3] != b"\0":
             return ObservationError(f"{path}: cannot read safetensors file: it is {what}, not safetensors", hint=hint)
     header_len = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
     if len(head) >= 8 and 8 + header_len > size and header_len < (100 << 20):
@@ -683,6 +712,12 @@ def _load_npz(path: Path, data: bytes) -> RawStep:
                    "write .npz files with numpy.savez or ardiff_cli.io.write_step")
         what, hint = next(((w, h) for sig, w, h in _SIGNATURES if head.startswith(sig)), unknown)
         raise ObservationError(f"{path}: cannot read .npz file: it is {what}, not an .npz", hint=hint)
+    try:
+        short = _declared_past_member(data)
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError):
+        short = None  # np.load names what is wrong with it
+    if short:
+        raise ObservationError(f"{path}: cannot read .npz file: truncated or corrupt: {short}", hint=WRITE_HINT)
     arrays: dict[str, Any] = {}
     metadata: dict[str, str] = {}
     not_arrays: list[str] = []  # zip members that are not .npy files
@@ -712,3 +747,29 @@ def _load_npz(path: Path, data: bytes) -> RawStep:
             hint="write .npz files with numpy.savez or ardiff_cli.io.write_step; put text in episode.yaml",
         )
     return RawStep(arrays=arrays, metadata=metadata)
+
+
+def _declared_past_member(data: bytes) -> str | None:
+    """The first array of the .npz bytes ``data`` whose header declares more data than its member holds, in words;
+    None if none does. np.load allocates what a header declares before reading: a 150-byte file declaring 14.6 TiB
+    failed its step as out of memory (exit 3, a hint to lower --session-capacity)."""
+    import io
+    import math
+    import zipfile
+
+    import numpy as np
+
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        for info in archive.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            with archive.open(info) as member:
+                version = np.lib.format.read_magic(member)
+                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                shape, _, dtype = read(member)
+                declared = math.prod(shape) * dtype.itemsize
+                held = info.file_size - member.tell()
+            if declared > held and not dtype.hasobject:  # an object array's data is a pickle: np.load refuses it
+                return (f"array {info.filename[:-4]!r} declares shape {shape} of {dtype} ({declared} bytes), and its "
+                        f"member holds {held} bytes")
+    return None

@@ -278,7 +278,7 @@ class StepScheduler:
                 lost = [step for step in track.lost if step < step_file.step]
                 present = [f.step for f in track.files if f.step not in track.lost]
                 self._pending_ends.append(EpisodeEnded(episode=track.source, reason="error",
-                                                       error=gap_error(track.source.path, present, lost)))
+                                                       error=gap_error(track.source.path, present, lost, len(lost))))
                 return None
             if not track.history_checked:  # once: the first step file cannot change after one was taken
                 track.history_checked = True
@@ -422,7 +422,8 @@ class StepScheduler:
         if track.gap is not None:
             last, present = track.gap
             steps = [f.step for f in track.files] + [present]
-            raise gap_error(track.source.path, steps, list(range(last + 1, present)))
+            raise gap_error(track.source.path, steps, list(range(last + 1, min(present, last + 6))),
+                            present - last - 1)
 
     def _guarded_scan(self, track: _Track, *, force: bool = False) -> None:
         """Scan ``track``'s folder; an unreadable folder ends the episode with an error item. ``force``: take a
@@ -450,10 +451,11 @@ class StepScheduler:
                          + ("ardiff_cli.io.write_step writes them" if others else
                             "for a folder a robot is still writing, use --follow"),
                 )
-            missing = missing_steps([f.step for f in files])
+            # the five an error shows, or one more than the done steps: then not all of them are done
+            missing, count = missing_steps([f.step for f in files], limit=max(5, len(track.done) + 1))
             later = [f.step for f in files if f.step > missing[0]] if missing else []
             if missing and not all(step in track.done for step in [*missing, *later]):  # else: lost done steps
-                raise gap_error(track.source.path, [f.step for f in files], missing)
+                raise gap_error(track.source.path, [f.step for f in files], missing, count)
             track.files = _with_lost(track, files, missing)
             return
         st = _folder_stat(track.source.path)

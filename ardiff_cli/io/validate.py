@@ -17,7 +17,9 @@ from typing import Any
 from ardiff_cli.runtime.errors import ObservationError, did_you_mean, shown
 from ardiff_cli.runtime.observation import ObservationSchema
 
-from ardiff_cli.io.episode import METADATA_FILE, RawStep
+from ardiff_cli.io.episode import METADATA_FILE, RawStep, listed
+
+MAX_NAMED_KEYS = 10  # keys outside the schema named one by one in a warning or an error; the rest are counted
 
 
 @dataclass(slots=True)
@@ -34,8 +36,15 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
     prompt_keys = (schema.prompt_key, *schema.prompt_aliases) if schema.prompt_key else ()
     field_keys = {k for f in schema.fields for k in f.keys}
     arrays = {k: v for k, v in raw.arrays.items() if k in field_keys or k in prompt_keys}
-    ignored = {k: did_you_mean(k, field_keys) for k in sorted(raw.arrays) if k not in arrays}
+    extra = sorted(k for k in raw.arrays if k not in arrays)
+    # Named one by one up to a limit: a file of 200,000 other arrays printed 200,000 warning lines (or an error of
+    # 2 MB), and looking for a did-you-mean of each took seconds a step.
+    ignored = {k: did_you_mean(k, field_keys) for k in extra[:MAX_NAMED_KEYS]}
+    more = extra[MAX_NAMED_KEYS:]
     warnings = {k: f"{path}: key {k!r} is not in the pipeline's schema; ignored{near}" for k, near in ignored.items()}
+    if more:  # under the first of them: said once for the episode, as each named key is
+        warnings[more[0]] = f"{path}: {len(more)} more keys not in the pipeline's schema ({listed([repr(k) for k in more])}); ignored"
+    and_more = f" and {len(more)} more" if more else ""
     prompt_missing = False
     if schema.prompt_key and not any(k in arrays for k in prompt_keys):
         for source in (raw.metadata, episode_metadata):
@@ -74,15 +83,16 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
             exc.hint = (f"{exc.hint}; put `{schema.prompt_key}: ...` in {path.parent / METADATA_FILE} for the whole "
                         "episode, or in a step file's metadata")
         if ignored:  # what the file holds instead (a misspelt key): its warning never shows for a failed file
-            others = ", ".join(repr(k) + near for k, near in ignored.items())
+            others = ", ".join(repr(k) + near for k, near in ignored.items()) + and_more
             raise ObservationError(f"{exc}; the file's other keys, not in the schema: {others}",
                                    hint=exc.hint) from None
         raise
     if ignored and not field_keys & set(arrays):  # every field optional, and the file holds none of them
         fields = ", ".join(f"{f.name!r}" + (f" ({', '.join(map(repr, f.aliases))})" if f.aliases else "")
                            for f in schema.fields)
-        raise ObservationError(f"{path}: none of the file's arrays ({', '.join(map(repr, ignored))}) is in the "
-                               f"pipeline's schema ({fields}): the model would run on the prompt alone",
+        held = ", ".join(map(repr, ignored)) + and_more
+        raise ObservationError(f"{path}: none of the file's arrays ({held}) is in the pipeline's schema ({fields}): "
+                               "the model would run on the prompt alone",
                                hint="is this the right CONFIG? A recording made for another pipeline holds that "
                                     "pipeline's keys")
     return ValidStep(inputs=inputs, warnings=warnings)

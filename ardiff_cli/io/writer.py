@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from ardiff_cli.io.atomic import atomic_write_bytes, atomic_write_text
-from ardiff_cli.io.episode import END_MARKER, METADATA_FILE, read_episode_yaml, safetensors_header
+from ardiff_cli.io.episode import (END_MARKER, MAX_METADATA_BYTES, METADATA_FILE, read_episode_yaml,
+                                   safetensors_header)
 from ardiff_cli.runtime.capacity import as_int
 from ardiff_cli.runtime.errors import shown
 from ardiff_cli.runtime.observation import lone_surrogate
@@ -257,6 +258,10 @@ def write_episode(folder: str | os.PathLike, steps: Sequence[Mapping[str, Any]],
         value = exc.args[1] if len(exc.args) > 1 else None
         raise TypeError(f"metadata: episode.yaml cannot hold {shown(value)} ({type(value).__name__}); it holds "
                         "text, numbers, booleans, lists and mappings") from None
+    size = len(text.encode()) if text is not None else 0
+    if size > MAX_METADATA_BYTES:  # refused before anything is written, as rollout would refuse the file
+        raise ValueError(f"metadata: episode.yaml would take {size} bytes, more than the "
+                         f"{MAX_METADATA_BYTES >> 20} MiB rollout reads; per-step data goes in the step files, as arrays")
     folder.mkdir(parents=True, exist_ok=True)
     if text is not None:
         atomic_write_text(folder / METADATA_FILE, text)

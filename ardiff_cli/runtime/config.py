@@ -213,6 +213,9 @@ def path_kind(path: Path, what: str, *, where: str = "") -> str:
         mode = path.stat().st_mode
     except (FileNotFoundError, NotADirectoryError):
         return "missing"
+    except ValueError:  # a NUL (YAML's "\0" escape): os.stat raised ValueError, "a bug in ardiff"
+        raise ConfigError(f"{where + ': ' if where else ''}cannot look at {what + ' ' if what else ''}{path}: it holds "
+                          "a NUL character, which no file name can", hint="check the path") from None
     except OSError as exc:
         import errno
 

@@ -6,6 +6,7 @@ No torch import: the CLI and config parsing use these before loading anything.
 from __future__ import annotations
 
 import difflib
+import errno
 import math
 import os
 import re
@@ -163,7 +164,13 @@ def link_to_nothing(path: os.PathLike | str) -> str | None:
     look at (the caller's own error names it)."""
     try:
         if os.path.islink(path) and not os.path.exists(path):
-            return f"a link to {os.readlink(path)}, which does not exist"
+            target = os.readlink(path)
+            try:
+                os.stat(path)
+            except OSError as exc:  # exists() says False of a loop too: it was "a link to x, which does not exist"
+                if exc.errno == errno.ELOOP:
+                    return f"a link to {target}, which leads back to itself (a loop of links)"
+            return f"a link to {target}, which does not exist"
     except OSError:
         pass
     return None
