@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import shlex
 import signal
 import sys
 import threading
@@ -83,6 +84,16 @@ def _given(exc: BaseException, message: str) -> str:
     return f", got {given}" if given and given not in message else ""
 
 
+def _path_read_as_an_option(args: list[str], option: str | None) -> str | None:
+    """The word of ``args`` that Click read as the unknown ``option`` (``-dash`` as ``-d``, ``--dash``) where a file or
+    folder of that name is here: a path that begins with '-', an EPISODE or CONFIG. As ``rm -x`` names ``./-x``, only
+    for one that exists: a mistyped option gets no such hint. Words after ``--`` are arguments already."""
+    if not option:
+        return None
+    words = args[: args.index("--")] if "--" in args else args
+    return next((word for word in words if word.startswith(option) and os.path.lexists(word)), None)
+
+
 def _run(args: list[str]) -> None:
     entry.fill_closed_standard_streams()
     # Usage errors (an unknown option, a bad option value) are reported like every other error: `Error:` and
@@ -99,6 +110,10 @@ def _run(args: list[str]) -> None:
         message = exc.format_message().replace(": Value error, ", ": ", 1)  # Typer's choice errors carry pydantic's
         message += _given(exc, message)
         hint = f"see {command} --help"
+        path = _path_read_as_an_option(args, getattr(exc, "option_name", None))
+        if path is not None:  # `rollout CFG -dash`: "No such option: -d", of an EPISODE (or CONFIG) folder
+            hint = (f"{shlex.quote(path)} is a file or folder here, not an option: to name it, put it after -- "
+                    f"({command} ... -- {shlex.quote(path)}) or write {shlex.quote('./' + path)}; {hint}")
         extra = re.fullmatch(r"Got unexpected extra argument(?:s|\(s\))? \((.*)\)", message)
         units = [split_unit_hint(arg) for arg in extra.group(1).split()] if extra else []
         if any(units):  # `warmup CFG --memory-budget 2 GiB`: the shell split the size in two

@@ -38,6 +38,10 @@ EXIT_CAPACITY = 3  # one session of the configured model does not fit in memory
 EXIT_PARTIAL = 4  # some episodes failed while others completed
 EXIT_SIGINT = 130  # 128 + SIGINT
 
+# A step's outputs or the run's own files that could not be written (one hint for both: they had two wordings)
+WRITE_HINT = ("check free space and permissions of the output folder, then continue with: "
+              "ardiff rollout --resume --out OUT")
+
 EXIT_CODES_HELP = (
     "Exit codes: 0 success; 1 an unexpected error (in the pipeline, ardiff or writing outputs); 2 bad usage or "
     "invalid input (config, files); 3 out of memory (the model or its sessions do not fit); 4 some episodes failed "
@@ -89,8 +93,7 @@ class StepFailed(ArdiffError):
 
 def _step_hint(phase: str, cause: BaseException) -> str:
     if phase == "write":
-        return ("check free space and permissions of the output folder, then continue with: "
-                "ardiff rollout --resume --out OUT")
+        return WRITE_HINT
     if is_out_of_memory(cause):
         return ("lower --session-capacity or --gpu-memory-fraction, or use a smaller dtype or model; the other "
                 "sessions were untouched; continue with --resume")
@@ -133,8 +136,7 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     ErrorRule(Interrupted, None, "interrupted", "run the same command with --resume to continue"),
     ErrorRule(EpisodesFailed, None, "episodes_failed", "fix what is named above and rerun with --resume"),
     ErrorRule(StepFailed, None, "step_failed"),
-    ErrorRule(OutputError, None, "output_error",
-              "check free space and permissions of the output folder, then continue with --resume"),
+    ErrorRule(OutputError, None, "output_error", WRITE_HINT),
     ErrorRule(CapacityError, EXIT_CAPACITY, "capacity_error",
               "use a smaller dtype or window, a larger --memory-budget, or a device with more memory"),
     ErrorRule(ObservationError, EXIT_USAGE, "observation_error", "see the episode format: ardiff rollout --help"),
@@ -172,6 +174,8 @@ def report(out: Output, exc: BaseException) -> int:
         hint = getattr(exc, "hint", None) or rule.hint
         if out.verbose:
             out.traceback(exc)
+            for line in getattr(exc, "details", ()):  # what the message left out (a checkpoint's every key)
+                out.debug(line)
         # a bare MemoryError() (Python's own allocator) has no message: its name says what happened
         out.error(str(exc) or type(exc).__name__, hint, exit_code=code, kind=rule.label)
     elif isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM or SIGHUP before a command took them (entry.Stopped)

@@ -13,17 +13,31 @@ docstring for what is timed and against which baseline.
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import shlex
 import sys
-import time
-import traceback
 
-from ardiff_cli.entry import fill_closed_standard_streams
-from benchmarks.common import (DEFAULT_THREADS, REPO_ROOT, add_attention_backend_option, check_attention_backend,
-                               exit_on_signals, json_path, machine_info, positive_int, reader_may_leave,
-                               set_attention_backend, set_threads, write_json)
+EARLY_STOP = "interrupted by SIGINT; no results were written"  # Ctrl-C before exit_on_signals took the signals
+
+
+def _stopped_early() -> None:
+    """Ctrl-C in the suite's first tenth of a second (its imports, its options) ends it as a later one does, exit 130:
+    it printed a KeyboardInterrupt traceback."""
+    print(EARLY_STOP, file=sys.stderr)
+    sys.exit(130)
+
+
+try:
+    import argparse
+    import importlib
+    import shlex
+    import time
+    import traceback
+
+    from ardiff_cli.entry import fill_closed_standard_streams
+    from benchmarks.common import (DEFAULT_THREADS, REPO_ROOT, add_attention_backend_option, check_attention_backend,
+                                   exit_on_signals, json_path, machine_info, positive_int, reader_may_leave,
+                                   set_attention_backend, set_threads, write_json)
+except KeyboardInterrupt:
+    _stopped_early()
 
 BENCHMARKS = ("attention", "rolling", "resume", "capacity", "overhead", "startup", "churn", "swap")
 RESULTS = REPO_ROOT / "benchmarks" / "results.json"
@@ -122,4 +136,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except KeyboardInterrupt:  # before exit_on_signals took the signals (after, a stop is its Stopped)
+        _stopped_early()
+    sys.exit(code)

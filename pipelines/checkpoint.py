@@ -44,6 +44,7 @@ from pipelines.wan import remap_checkpoint_key
 # metadata records the weight fields only)
 FORMAT_VERSION = "2"
 MAX_DEFAULT_PARAMETERS = 500_000_000  # larger configs are for capacity planning: bring a checkpoint
+MISMATCHES_SHOWN = 3  # keys named per kind of mismatch in a load's error; its ``details`` hold them all
 
 
 def weight_fields(config) -> dict[str, Any]:
@@ -187,9 +188,10 @@ def load_checkpoint(module: nn.Module, path: str | Path, device: torch.device | 
     Keys pass through ``remap_checkpoint_key`` first (wrapper prefixes).
     Missing keys, unexpected keys, shape mismatches and non-floating tensors
     in place of floating weights are collected and raised together as one
-    ``CheckpointError``. The file's tensors are adopted, so ``module`` may
-    be built on the meta device; ``device`` is where the caller then moves
-    them (see ``_read_tensors``).
+    ``CheckpointError`` (its message counts each kind and names the first
+    few, its ``details`` name every one). The file's tensors are adopted, so
+    ``module`` may be built on the meta device; ``device`` is where the caller
+    then moves them (see ``_read_tensors``).
     """
     path = Path(path)
     if not path.is_file():
@@ -222,19 +224,28 @@ def load_checkpoint(module: nn.Module, path: str | Path, device: torch.device | 
         for k in expected
         if k in tensors and tensors[k].is_floating_point() != expected[k].is_floating_point()
     ]
-    problems = []
-    for label, items in (("missing keys", missing), ("unexpected keys", unexpected),
-                         ("shape mismatches", mismatched), ("dtype mismatches", wrong_dtype),
-                         ("keys duplicated after prefix removal", duplicates)):
+    problems, details, cut = [], [], False
+    for label, one, items in (("missing keys", "missing key", missing),
+                              ("unexpected keys", "unexpected key", unexpected),
+                              ("shape mismatches", "shape mismatch", mismatched),
+                              ("dtype mismatches", "dtype mismatch", wrong_dtype),
+                              ("keys duplicated after prefix removal", "key duplicated after prefix removal",
+                               duplicates)):
         if items:
-            problems.append(f"{len(items)} {label}: {', '.join(items)}")
+            # the first few of each: a tiny file given to a 14B config listed 1,000 keys in one 48 KB line
+            cut |= len(items) > MISMATCHES_SHOWN
+            more = f" and {len(items) - MISMATCHES_SHOWN} more" if len(items) > MISMATCHES_SHOWN else ""
+            problems.append(f"{len(items)} {label}: {', '.join(items[:MISMATCHES_SHOWN])}{more}")
+            details += [f"{one}: {item}" for item in items]
     if problems:
         meta = read_metadata(path)
         written_for = f" (written for pipeline {meta['pipeline']!r})" if "pipeline" in meta else ""
         raise CheckpointError(
-            f"checkpoint {path}{written_for} does not match the model config: " + "; ".join(problems),
+            f"checkpoint {path}{written_for} does not match the model config: " + "; ".join(problems)
+            + (" (--verbose lists them all)" if cut else ""),
             hint="use the config the checkpoint was written for, or write a fresh one with "
             "`python -m pipelines.checkpoint init CONFIG.yaml OUT.safetensors`",
+            details=details,
         )
     module.load_state_dict(tensors, strict=True, assign=True)
     return read_metadata(path)

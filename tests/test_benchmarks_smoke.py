@@ -754,6 +754,35 @@ def test_suite_refuses_a_default_results_file_it_could_not_write_before_anything
     assert suite.main(["--only", "capacity"]) == 0 and ran == ["capacity"]
 
 
+EARLY_CTRL_C = """
+import argparse, runpy, signal, sys
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever this process inherited
+when, sys.argv = sys.argv[1], ["benchmarks", "--quick", "--only", "capacity"]
+if when == "options":  # as the suite parses its options, before it takes the signals
+    parse = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = lambda *a, **k: (signal.raise_signal(signal.SIGINT), parse(*a, **k))[1]
+else:  # as that module starts to import
+    class CtrlC:
+        def find_spec(self, name, path=None, target=None):
+            if name == when:
+                signal.raise_signal(signal.SIGINT)
+
+    sys.meta_path.insert(0, CtrlC())
+runpy.run_module("benchmarks", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("when", ["benchmarks.common", "ardiff_cli.entry", "options"])
+def test_ctrl_c_in_the_suites_first_tenth_of_a_second_is_its_one_line_and_exit_130(tmp_path, when):
+    """Before exit_on_signals took the signals (the suite's imports, its options), Ctrl-C printed a KeyboardInterrupt
+    traceback."""
+    proc = subprocess.run([sys.executable, "-c", EARLY_CTRL_C, when], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert (proc.returncode, proc.stderr, proc.stdout) == (130, "interrupted by SIGINT; no results were written\n",
+                                                           ""), proc.stderr
+
+
 @pytest.mark.parametrize("module", ["benchmarks", "benchmarks.bench_capacity"])
 def test_json_naming_a_fifo_or_a_link_to_one_is_refused_and_left_as_it_was(tmp_path, module):
     """The results file is renamed over the --json path: a FIFO, or a link to one, became a plain file after the run

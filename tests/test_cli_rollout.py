@@ -1393,8 +1393,9 @@ def test_a_done_step_rewritten_before_a_resume_fails_its_episode_whether_its_ses
 
 
 @pytest.mark.parametrize("damage", ["index steps", "index steps ahead", "index of another run", "index garbage",
-                                    "index not utf-8", "index nested", "snapshot truncated", "snapshot header nested",
-                                    "snapshot deleted", "swap off"])
+                                    "index not utf-8", "index nested", "index of an older ardiff", "snapshot truncated",
+                                    "snapshot header nested", "snapshot of an older ardiff", "snapshot deleted",
+                                    "swap off"])
 def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, data, reference, tmp_path, damage):
     run, swapped, entry = stopped_with_a_swapped_session(env, data, tmp_path)
     index, snapshot = run / ".swap" / "kept.json", run / ".swap" / entry["file"]
@@ -1417,6 +1418,15 @@ def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, d
         snapshot.write_bytes(snapshot.read_bytes()[:1000])
     elif damage == "snapshot header nested":  # the same tensors, under a header nested deeper than the parser goes
         save_file(load_file(str(snapshot)), str(snapshot), metadata={"ardiff_swap": "[" * 5000 + "]" * 5000})
+    elif damage == "index of an older ardiff":  # before it named its run: ignored, and its sessions replayed silently
+        index.write_text(json.dumps({key: value for key, value in written.items() if key != "run"}))
+    elif damage == "snapshot of an older ardiff":  # its format before the CRC-32: "not an ardiff swap snapshot"
+        from safetensors import safe_open
+
+        with safe_open(str(snapshot), framework="pt") as f:
+            header = json.loads(f.metadata()["ardiff_swap"])
+        save_file(load_file(str(snapshot)), str(snapshot),
+                  metadata={"ardiff_swap": json.dumps({**header, "format": "ardiff-swap-2"})})
     elif damage == "snapshot deleted":  # by hand, or a cleanup of the disk: the index names a file that is gone
         snapshot.unlink()
     else:
@@ -1450,6 +1460,17 @@ def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, d
     if damage == "swap off":
         assert ("warning: swapping is off (--swap-space 0): the swap snapshots the stopped run kept of 2 episode(s) "
                 "were deleted, and their done steps are replayed instead") in proc.stderr
+    if damage == "snapshot of an older ardiff":
+        assert re.search(rf"^warning: episode {swapped!r}: cannot restore .*\.safetensors: a swap snapshot in an older "
+                         r"ardiff's format \('ardiff-swap-2'; this version reads 'ardiff-swap-3'\); replaying its "
+                         "earlier steps instead$", proc.stderr, re.M), proc.stderr
+    # an index it ignores is said once, with why (an older ardiff's had every session replay with not a word)
+    why = {"index of an older ardiff": "it names no run: an older ardiff wrote it", "index garbage": "not JSON: ",
+           "index not utf-8": "not JSON: ", "index nested": "not JSON: JSON nested too deeply to read"}.get(damage)
+    said = re.findall(rf"^warning: {re.escape(str(index))} is ignored \((.*)\): the swap snapshots a stopped run "
+                      "kept there are deleted, and an episode still to run replays its done steps instead$",
+                      proc.stderr, re.M)
+    assert [s.startswith(why) for s in said] == ([] if why is None else [True]), proc.stderr
     assert_same_outputs(reference, run)
     assert not (run / ".swap").exists()
 

@@ -848,10 +848,19 @@ def test_the_index_of_kept_snapshots_gives_back_only_what_this_run_may_restore(t
                "bool": {"file": snapshot, "steps": True}, "text": {"file": snapshot, "steps": "2"},
                "pair": [snapshot, 2]}  # not an entry: it used to be read as one (AttributeError, every resume)
     index.write_text(json.dumps({**written, "sessions": {**written["sessions"], **damaged}}))
-    assert read_kept(tmp_path, run=1234.5) == {"arm_a": (snapshot, 2)}
-    for other in ({"format": "ardiff-kept-2"}, {"run": True}):  # a later version's index; a run that is no time
+    said = []
+    assert read_kept(tmp_path, run=1234.5, warn=said.append) == {"arm_a": (snapshot, 2)}
+    assert said == [f"{index}: the entries of 5 episode(s) (up, none, bool, ...) name no snapshot file and step count "
+                    "this version reads: those episodes replay their done steps instead"]
+    for other, why in (({"format": "ardiff-kept-2"}, "its format is 'ardiff-kept-2', not 'ardiff-kept-1'"),
+                       ({"run": True}, "it names another run")):  # a later version's index; a run that is no time
         index.write_text(json.dumps({**written, **other}))
-        assert read_kept(tmp_path, run=1234.5) == {} and kept_for(tmp_path) is None
+        said = []
+        assert read_kept(tmp_path, run=1234.5, warn=said.append) == {} and kept_for(tmp_path) is None
+        assert said == [f"{index} is ignored ({why}): the swap snapshots a stopped run kept there are deleted, and an "
+                        "episode still to run replays its done steps instead"]
     drop_kept(tmp_path)
-    assert not index.exists() and read_kept(tmp_path, run=1234.5) == {} and kept_for(tmp_path) is None
+    said = []
+    assert not index.exists() and read_kept(tmp_path, run=1234.5, warn=said.append) == {} and not said
+    assert kept_for(tmp_path) is None
     drop_kept(tmp_path)  # nothing left to delete: no error

@@ -223,6 +223,21 @@ def test_mismatches_are_reported_together(tmp_path):
     assert "python -m pipelines.checkpoint init" in err.value.hint
 
 
+def test_many_mismatches_are_counted_with_the_first_few_named_and_all_in_details(tmp_path):
+    state = fresh_modules(lambda: causal_world.pipeline_class().build_modules(tiny(causal_world)), 0).state_dict()
+    path = tmp_path / "world.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    expected = dreamzero.pipeline_class().build_modules(tiny(dreamzero)).state_dict()
+    missing = [k for k in expected if k not in state]
+    with pytest.raises(CheckpointError) as err:
+        dreamzero.pipeline_class().from_config(tiny(dreamzero), device="cpu", checkpoint=path)
+    message = str(err.value)
+    assert f"{len(missing)} missing keys: {', '.join(missing[:3])} and {len(missing) - 3} more;" in message
+    assert message.endswith(" (--verbose lists them all)") and len(message) < 1500
+    assert [line.removeprefix("missing key: ") for line in err.value.details
+            if line.startswith("missing key: ")] == missing
+
+
 def test_integer_tensor_for_a_float_weight_is_a_checkpoint_error(tmp_path):
     """Float weights of another precision are cast on load; an integer tensor is reported, not a torch traceback."""
     cls = causal_world.pipeline_class()

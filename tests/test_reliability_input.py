@@ -693,6 +693,26 @@ def test_config_case_message(tmp_path, case):
         assert re.search(r"^hint: .*" + re.escape(hint), result.stderr, re.M), result.stderr
 
 
+def test_a_checkpoint_of_another_pipeline_is_named_by_counts_and_first_keys_and_verbose_lists_every_key(tmp_path):
+    """A tiny checkpoint given to a larger config named every key it lacked: a 48 KB error line for
+    lingbot-world-14b. The error counts each kind and names the first few; --verbose prints one line per key."""
+    _checkpoint_for_another_geometry(tmp_path / "world.safetensors")
+    config = tmp_path / "dreamzero.yaml"
+    config.write_text(CONFIG_CASES["mismatched_checkpoint"][0])
+    args = ["warmup", str(config), "--device", "cpu", "--format", "plain"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.stderr
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(error) < 1500, error[:300]
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (missing keys|unexpected keys|shape mismatches): ", error)}
+    assert counts["missing keys"] > 3 and re.search(r"and \d+ more.* \(--verbose lists them all\)$", error), error
+    result = runner.invoke(app, [*args, "--verbose"])
+    assert result.exit_code == 2, result.stderr
+    listed = re.findall(r"^debug: (missing key|unexpected key|shape mismatch): ", result.stderr, re.M)
+    assert {kind: listed.count(kind) for kind in set(listed)} == {
+        kind.removesuffix("es").removesuffix("s"): n for kind, n in counts.items()}
+
+
 def test_a_config_name_too_long_for_the_system_is_named_with_its_error():
     name = "a" * 300  # ENAMETOOLONG: it was "a bug in ardiff"
     result = runner.invoke(app, ["inspect-capacity", name, "--format", "plain"])
@@ -1009,6 +1029,23 @@ def test_usage_errors_read_error_then_hint_like_every_other_error(cli_env, args,
     first, hint = proc.stderr.splitlines()
     assert first.startswith(f"Error: {message}"), proc.stderr
     assert hint == f"hint: see {command} --help"
+
+
+@pytest.mark.parametrize("word", ["-dash", "--dash"])
+def test_an_episode_folder_named_like_an_option_is_named_in_the_hint_with_how_to_pass_it(tmp_path, cli_env, word):
+    """`rollout CFG -dash` said only "No such option: -d": the folder is there, and `--` or ./-dash names it. A
+    mistyped option with no such file gets the usual hint."""
+    (tmp_path / word).mkdir()
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", word, "-x"], cwd=tmp_path,
+                          capture_output=True, text=True, env=cli_env, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr == (f"Error: No such option: {word[:2] if word == '-dash' else word}\nhint: {word} is a file or "
+                           f"folder here, not an option: to name it, put it after -- (ardiff rollout ... -- {word}) or "
+                           f"write ./{word}; see ardiff rollout --help\n")
+    (tmp_path / word).rmdir()
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", word], cwd=tmp_path,
+                          capture_output=True, text=True, env=cli_env, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.endswith("\nhint: see ardiff rollout --help\n"), proc.stderr
 
 
 def _follow(folder: Path, clock: FakeClock) -> StepScheduler:

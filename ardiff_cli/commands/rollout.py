@@ -740,7 +740,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 f"{order}" + (f", {_count(skipped, 'step')} already done" if resume else ""))
     started = time.monotonic()
     swap_dir = p.out_dir / SWAP_DIR
-    kept = read_kept(swap_dir, run=p.info["started"]) if resume else {}  # what a stopped run left for this resume
+    # what a stopped run left for this resume; why not, once, when its index is ignored
+    kept = read_kept(swap_dir, run=p.info["started"], warn=output.warning) if resume else {}
     # the rest is stale: left by a run killed before it could remove them
     remove_snapshot_files(swap_dir, keep=frozenset(file for file, _ in kept.values()))
     if resume:

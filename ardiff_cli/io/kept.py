@@ -15,6 +15,7 @@ every session replayed.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 KEPT_FILE = "kept.json"
@@ -30,24 +31,42 @@ def write_kept(swap_dir: Path, kept: dict[str, tuple[str, int]], *, run: float) 
     atomic_write_json(swap_dir / KEPT_FILE, {"format": FORMAT, "run": run, "sessions": sessions})
 
 
-def read_kept(swap_dir: Path, *, run: float) -> dict[str, tuple[str, int]]:
+def read_kept(swap_dir: Path, *, run: float, warn: Callable[[str], None] | None = None) -> dict[str, tuple[str, int]]:
     """The index as {episode: (file name, steps)}, left in place (:func:`drop_kept` deletes it). {} when there is
     none, it is not one this version wrote whole, or another run wrote it (its sessions are then replayed): two runs
     whose ``.swap`` folders are links to one folder each wrote kept.json there, and a resume restored the other run's
     snapshot of an episode of the same name and steps, silently. ``run`` is the run's start (run.json's
     ``started``), which a copy of the run folder keeps with its snapshots. The temporary file of a write of it that
-    a ``kill -9`` cut short goes with the run folder's others (``RunFolder.remove_stale_temporaries``)."""
+    a ``kill -9`` cut short goes with the run folder's others (``RunFolder.remove_stale_temporaries``).
+
+    ``warn`` is told, once, why an index file there, or some of its entries, is not taken: without it an older
+    ardiff's index (one that names no run) had every session replay with not a word of why."""
     from ardiff_cli.runtime.swap import SNAPSHOT_FILE
 
-    data = _read_index(swap_dir)
-    sessions = data.get("sessions") if data is not None and data.get("run") == run else None
-    if not isinstance(sessions, dict):
+    why: list[str] = []
+    data = _read_index(swap_dir, why)
+    sessions = None if data is None else data.get("sessions")
+    if data is not None and data.get("run") != run:
+        why.append("it names no run: an older ardiff wrote it" if "run" not in data else "it names another run")
+    elif data is not None and not isinstance(sessions, dict):
+        why.append("its sessions are not a mapping")
+    if data is None or why:
+        if warn is not None and why:
+            warn(f"{swap_dir / KEPT_FILE} is ignored ({why[0]}): the swap snapshots a stopped run kept there are "
+                 "deleted, and an episode still to run replays its done steps instead")
         return {}
-    kept = {}
+    kept, ignored = {}, []
     for name, entry in sessions.items():
         file, steps = (entry.get("file"), entry.get("steps")) if isinstance(entry, dict) else (None, None)
         if isinstance(file, str) and SNAPSHOT_FILE.fullmatch(file) and type(steps) is int and steps > 0:
             kept[name] = (file, steps)
+        else:
+            ignored.append(name)
+    if warn is not None and ignored:
+        from ardiff_cli.io.episode import listed
+
+        warn(f"{swap_dir / KEPT_FILE}: the entries of {len(ignored)} episode(s) ({listed(ignored)}) name no snapshot "
+             "file and step count this version reads: those episodes replay their done steps instead")
     return kept
 
 
@@ -58,16 +77,30 @@ def kept_for(swap_dir: Path) -> float | None:
     return run if isinstance(run, (int, float)) and not isinstance(run, bool) else None
 
 
-def _read_index(swap_dir: Path) -> dict | None:
-    """The index as written, when it is one of this version's; else None."""
+def _read_index(swap_dir: Path, why: list[str] | None = None) -> dict | None:
+    """The index as written, when it is one of this version's; else None, and ``why`` (when given) gets the reason
+    when there is an index file that is not (no file: no reason)."""
     from ardiff_cli.io.atomic import open_file, parse_json
+    from ardiff_cli.runtime.errors import shown
 
+    path, why = swap_dir / KEPT_FILE, [] if why is None else why
     try:  # bytes: a file that is not UTF-8 is a ValueError too, not a crash of every resume
-        with open_file(swap_dir / KEPT_FILE) as f:
+        with open_file(path) as f:
             data = parse_json(f.read())
-    except (OSError, ValueError):
+    except (FileNotFoundError, IsADirectoryError):  # none; a folder in its way, which the stopped run warned of
         return None
-    return data if isinstance(data, dict) and data.get("format") == FORMAT else None
+    except OSError as exc:
+        why.append(f"cannot read it: {exc.strerror or exc}")
+        return None
+    except ValueError as exc:
+        why.append(f"not JSON: {exc}")
+        return None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        got = data.get("format") if isinstance(data, dict) else None
+        why.append(f"its format is {shown(got)}, not {FORMAT!r}" if isinstance(got, str)
+                   else "not an index ardiff wrote")
+        return None
+    return data
 
 
 def drop_kept(swap_dir: Path) -> None:

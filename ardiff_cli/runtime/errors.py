@@ -45,6 +45,10 @@ class ConfigError(ArdiffError, ValueError):
 class CheckpointError(ConfigError):
     """A checkpoint is missing, unreadable, or does not match the config (exit 2)."""
 
+    def __init__(self, message: str, *, hint: str | None = None, details: Iterable[str] = ()) -> None:
+        super().__init__(message, hint=hint)
+        self.details = tuple(details)  # one line per mismatched key, where the message names only the first few
+
 
 class ObservationError(ArdiffError, ValueError):
     """An observation file does not match the pipeline's schema (exit 2)."""

@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # torch-free at import: the CLI clears a run's swap folder wi
     from ardiff_cli.runtime.kv.state import KVSnapshot
 
 FORMAT = "ardiff-swap-3"  # metadata["format"]; bump when the layout of a snapshot file changes (2: "file", 3: CRC)
+FORMAT_NAME = re.compile(r"ardiff-swap-[0-9]{1,6}")  # FORMAT of any version
 CRC_KEY = "ardiff_swap_crc32"  # the file's metadata key beside "ardiff_swap": data_crc32 of its tensors, in decimal
 # The names SwapStore gives its files (path_for) and the temporary folders they are written in (write).
 SNAPSHOT_FILE = re.compile(r"[0-9a-f]{32}\.safetensors")
@@ -360,8 +361,14 @@ class SwapStore:
             metadata = json.loads(header) if header is not None else None
         except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             metadata = None
-        if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
-            got = f", got {shown(metadata.get('format'))}" if isinstance(metadata, dict) else ""
+        written = metadata.get("format") if isinstance(metadata, dict) else None
+        if isinstance(written, str) and written != FORMAT and FORMAT_NAME.fullmatch(written):
+            # kept for --resume by an older ardiff (or a newer one): ardiff's own, in a layout this one does not read
+            age = "an older" if int(written.rpartition("-")[2]) < int(FORMAT.rpartition("-")[2]) else "a newer"
+            raise ValueError(f"{path}: a swap snapshot in {age} ardiff's format ({written!r}; this version reads "
+                             f"{FORMAT!r})")
+        if written != FORMAT:
+            got = f", got {shown(written)}" if isinstance(metadata, dict) else ""
             raise ValueError(f"{path}: not an ardiff swap snapshot (format {FORMAT!r} expected{got})")
         if metadata.get("session_id") != session_id:
             raise ValueError(f"{path}: holds session {metadata.get('session_id')!r}, expected {session_id!r}")

