@@ -29,7 +29,9 @@ from ardiff_cli.runtime.errors import (
     ObservationError,
     PipelineError,
     StopRequested,
+    address_space_limit,
     is_out_of_memory,
+    unmappable_library,
 )
 
 EXIT_BUG = 1
@@ -95,8 +97,8 @@ def _step_hint(phase: str, cause: BaseException) -> str:
     if phase == "write":
         return WRITE_HINT
     if is_out_of_memory(cause):
-        return ("lower --session-capacity or --gpu-memory-fraction, or use a smaller dtype or model; the other "
-                "sessions were untouched; continue with --resume")
+        return out_of_memory_hint("lower --session-capacity or --gpu-memory-fraction, or use a smaller dtype or model; "
+                                  "the other sessions were untouched; continue with --resume")
     if isinstance(cause, ArdiffError) and cause.hint:
         return cause.hint
     return ("the episode's session was released; the traceback is in results.jsonl (and printed with --verbose); "
@@ -152,6 +154,14 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
 _OUT_OF_MEMORY = ERROR_TABLE[-1]
 
 
+def out_of_memory_hint(hint: str) -> str:
+    """``hint``, and under an address-space limit (``ulimit -v``), which memory it was that ran out."""
+    limit = address_space_limit()
+    if limit is None:
+        return hint
+    return f"{hint}; or raise this process's address-space limit (now ulimit -v {limit // 1024})"
+
+
 def rule_for(exc: BaseException) -> ErrorRule | None:
     for rule in ERROR_TABLE:
         if isinstance(exc, rule.exc_type):
@@ -172,12 +182,20 @@ def report(out: Output, exc: BaseException) -> int:
     rule = rule_for(exc)
     if rule is not None:
         hint = getattr(exc, "hint", None) or rule.hint
+        # a bare MemoryError() (Python's own allocator) has no message: its name says what happened
+        message = str(exc) or type(exc).__name__
+        library = unmappable_library(exc)
+        if library is not None:  # no room left to load torch: no session to lower, the limit is the cause
+            message = f"cannot load a library: {library}"
+            hint = (f"this process's address-space limit (now ulimit -v {address_space_limit() // 1024}) leaves no "
+                    "room to load torch: raise it, or run with ulimit -v unlimited")
+        elif rule is _OUT_OF_MEMORY:
+            hint = out_of_memory_hint(hint)
         if out.verbose:
             out.traceback(exc)
             for line in getattr(exc, "details", ()):  # what the message left out (a checkpoint's every key)
                 out.debug(line)
-        # a bare MemoryError() (Python's own allocator) has no message: its name says what happened
-        out.error(str(exc) or type(exc).__name__, hint, exit_code=code, kind=rule.label)
+        out.error(message, hint, exit_code=code, kind=rule.label)
     elif isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM or SIGHUP before a command took them (entry.Stopped)
         out.error(interrupted_message(signal_of(exc)), None, exit_code=code, kind="interrupted")
     else:

@@ -44,7 +44,7 @@ import tempfile
 
 import torch
 
-from benchmarks.common import Timing, attention_backend, cli, timed, turn_order
+from benchmarks.common import Timing, attention_backend, check_swapped, cli, swap_failures, timed, turn_order
 from benchmarks.contiguous import ContiguousRollout
 
 TARGET = 5.0
@@ -122,6 +122,7 @@ def _run(quick: bool, swap_dir: str) -> dict:
 
     geometry = QUICK if quick else FULL
     config, pipe, runner = build(geometry["model"], swap_dir)
+    failures = swap_failures(runner)
     # 1 one-frame request (the anchor) + 10 four-frame requests = 11 frames; the chunk commits the 12th
     history = [pipe.example_inputs(1, prompt=PROMPT, seed=0)]
     history += [pipe.example_inputs(config.frames_per_request, prompt=PROMPT, seed=k)
@@ -142,6 +143,7 @@ def _run(quick: bool, swap_dir: str) -> dict:
                                                        {"session_id": session_id}))
 
     def restore_then_chunk(session_id: str):
+        check_swapped(failures, swap_dir)
         assert runner.restore_session(session_id), "the swapped session has no snapshot"
         return execute(session_id, "chunk", chunk)
 

@@ -35,7 +35,7 @@ import tempfile
 
 import torch
 
-from benchmarks.common import attention_backend, cli, timed, turn_order
+from benchmarks.common import attention_backend, check_swapped, cli, swap_failures, timed, turn_order
 
 WINDOW_FRAMES = 12
 SESSIONS = ("robot-a", "robot-b")
@@ -72,6 +72,7 @@ def _run(quick: bool, swap_root: str) -> dict:
 
     geometry = QUICK if quick else FULL
     config, pipe, runners = build(geometry["model"], swap_root)
+    failures = [swap_failures(runners[name]) for name in ("swap", "swap_sync")]
 
     def inputs(seed: int) -> dict:
         frames = 1 if seed < len(SESSIONS) else config.frames_per_request  # each session starts with one frame
@@ -114,6 +115,8 @@ def _run(quick: bool, swap_root: str) -> dict:
     usage = runners["swap"].pool_usage()
     for runner in runners.values():
         runner.close()
+    for failed in failures:
+        check_swapped(failed, swap_root)
 
     ratio = statistics.median(s / r for s, r in zip(times["swap"], times["resident"]))
     sync_over_async = statistics.median(y / s for y, s in zip(times["swap_sync"], times["swap"]))

@@ -66,6 +66,21 @@ def timed(fn: Callable[[], object]) -> tuple[object, Timing]:
     return result, Timing(time.perf_counter() - wall, time.process_time() - cpu)
 
 
+def swap_failures(runner) -> list[str]:
+    """The errors of the snapshots ``runner`` could not write, appended as its ``swap_failed`` events come."""
+    failures: list[str] = []
+    runner.subscribe(lambda event: failures.append(event.error) if event.kind == "swap_failed" else None)
+    return failures
+
+
+def check_swapped(failures: list[str], folder: str) -> None:
+    """Refuse figures of a swap that did not happen: snapshots the disk refused (a full ``TMPDIR``) leave the
+    sessions evicted without one, so what was timed as swapping was not, and the outputs differ."""
+    if failures:
+        raise RuntimeError(f"{len(failures)} swap snapshot(s) could not be written to {folder} ({failures[0]}): "
+                           "no figure of swapping without them; free space there (TMPDIR)")
+
+
 @contextlib.contextmanager
 def quiet_stderr() -> Iterator[None]:
     """Silence file descriptor 2 (C++ writers included): torch.profiler prints a line at start and stop."""

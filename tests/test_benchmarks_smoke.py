@@ -592,6 +592,21 @@ def bench(*args: str, cwd: Path = REPO_ROOT, **kwargs) -> subprocess.CompletedPr
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, **kwargs)
 
 
+def test_swap_figures_are_refused_when_the_disk_refuses_the_snapshots(tmp_path):
+    """A full TMPDIR (here the kernel refusing files past 16 KiB: RLIMIT_FSIZE) made every snapshot fail: the swap
+    row reported "ms/request swapping" of runs that never swapped (and a bare NO), the resume row
+    `AssertionError: the swapped session has no snapshot`. Each row now names the folder and the disk's error."""
+    import resource
+
+    proc = bench("benchmarks", "--quick", "--only", "swap,resume", cwd=tmp_path,
+                 preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, 16 << 10)))
+    assert proc.returncode == 1, proc.stderr
+    for name in ("swap", "resume"):
+        row = next(line for line in proc.stdout.splitlines() if line.startswith(f"{name} "))
+        assert re.search(r"error: RuntimeError: \d+ swap snapshot\(s\) could not be written to \S+ \(OSError: "
+                         r"\[Errno 27\] File too large: .*\): no figure of swapping without them", row), row
+
+
 @pytest.mark.parametrize(("module", "args", "message"), [
     # '' named no benchmark: the whole suite ran (without --quick, for minutes, then overwrote results.json: so
     # --quick here, which a regression runs for seconds and writes nothing with); ',' ran none and exited 0

@@ -763,6 +763,36 @@ def test_the_hosts_allocator_running_out_is_out_of_memory_in_a_step_and_in_warmu
     assert "Error: MemoryError\nhint: lower --session-capacity" in proc.stderr
 
 
+def test_an_address_space_limit_too_small_for_torch_is_out_of_memory_naming_the_limit(env, data, tmp_path):
+    """Under `ulimit -v` the loader cannot map torch's (or numpy's) shared libraries: importing torch raised
+    `ImportError: libtorch_cpu.so: failed to map segment from shared object`, shown as `unexpected ImportError` with a
+    traceback and "this is a bug in ardiff" (exit 1; numpy's page of advice inside the Error line). A MemoryError
+    under the limit said only to lower --session-capacity, with no word of the limit."""
+    import resource
+
+    def limited(limit: int, *args: str, faults: list | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, capture_output=True, text=True,
+                              env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults or [])}, timeout=600,
+                              preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+
+    small = 256 << 20  # Python, Typer and Rich start in it; torch's library alone is larger
+    for args in (["warmup", str(data / "fast.yaml")], rollout_args(data, tmp_path / "run")):
+        proc = limited(small, *args[:-2] if args[0] == "rollout" else args, "--format", "json")
+        assert proc.returncode == 3, proc.stderr
+        error = json.loads(proc.stdout.splitlines()[-1])
+        assert error["kind"] == "out_of_memory", error
+        assert re.fullmatch(r"cannot load a library: \S+\.so\S*: failed to map segment from shared object",
+                            error["message"]), error
+        assert f"address-space limit (now ulimit -v {small >> 10}) leaves no room to load torch" in error["hint"]
+        assert "Traceback" not in proc.stderr and "bug in ardiff" not in proc.stderr
+    faults = [{"request": "warmup-0", "site": "block", "layer": 0, "action": "memory_error"}]
+    proc = limited(16 << 30, "warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, "--format", "plain",
+                   faults=faults)
+    assert proc.returncode == 3, proc.stderr
+    assert ("Error: MemoryError\nhint: lower --session-capacity or --gpu-memory-fraction, or use a smaller dtype or "
+            f"model; or raise this process's address-space limit (now ulimit -v {16 << 20})\n") in proc.stderr
+
+
 # A bug in the rollout's own event subscriber (simulated: KeyError on the first eviction, before any bookkeeping).
 BUGGY_SUBSCRIBER = """
 import sys

@@ -15,6 +15,11 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
+try:  # now, at start: under a tight `ulimit -v`, importing it (a shared library) once memory ran out would fail too
+    import resource
+except ImportError:  # not POSIX
+    resource = None
+
 
 class ArdiffError(Exception):
     """Base of every expected failure. ``hint`` says how to fix it."""
@@ -121,10 +126,35 @@ _OUT_OF_MEMORY_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "CUDA e
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """Host or device out of memory: ``MemoryError`` (the KV page pool's included), torch's ``OutOfMemoryError``
-    (CUDA), or a ``RuntimeError`` saying so (``_OUT_OF_MEMORY_MESSAGES``)."""
+    (CUDA), a ``RuntimeError`` saying so (``_OUT_OF_MEMORY_MESSAGES``), or a library that an address-space limit
+    left no room to load (``unmappable_library``)."""
     if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
         return True
+    if unmappable_library(exc) is not None:
+        return True
     return isinstance(exc, RuntimeError) and any(message in str(exc) for message in _OUT_OF_MEMORY_MESSAGES)
+
+
+_MAP_FAILED = "failed to map segment from shared object"  # the loader's words for an mmap it was refused
+
+
+def address_space_limit() -> int | None:
+    """This process's address-space limit in bytes (``ulimit -v``, RLIMIT_AS), or None when there is none."""
+    if resource is None:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def unmappable_library(exc: BaseException) -> str | None:
+    """The loader's line for a shared library (torch's, numpy's) that could not be mapped under an address-space
+    limit (``libtorch_cpu.so: failed to map segment from shared object``), else None. Importing torch under
+    ``ulimit -v`` fails so, as an ``ImportError`` (numpy's wraps the line in a page of advice); the loader says
+    the same of a ``noexec`` mount, so without a limit it is left to be what it is."""
+    if not isinstance(exc, (ImportError, OSError)) or address_space_limit() is None:
+        return None
+    line = next((line for line in str(exc).splitlines() if _MAP_FAILED in line), None)
+    return None if line is None else line.strip().removeprefix("Original error was: ")
 
 
 _ARDIFF_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../ardiff_cli/

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError, did_you_mean
+from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError, did_you_mean, is_out_of_memory
 
 BUILTIN_PIPELINES = {
     "dreamzero": "pipelines.dreamzero",
@@ -108,6 +108,8 @@ def _import(module_path: str, *, what: str, where: str):
     try:
         return importlib.import_module(module_path)
     except Exception as exc:  # noqa: BLE001 - ImportError, or whatever the module raised while importing
+        if is_out_of_memory(exc):  # no room to load it (torch under `ulimit -v`): out of memory, not the install
+            raise
         # A module that was found but raised as it ran (a RuntimeError at its top level) is no install problem.
         hint = ("is the package installed in this environment (or its folder on PYTHONPATH)?"
                 if isinstance(exc, ImportError) else
