@@ -46,6 +46,14 @@ class WarmupYieldsNothing(CausalWorldPipeline):
         yield from ()
 
 
+class WarmupFailsItsOwnCheck(CausalWorldPipeline):
+    """Its warmup requests carry a seed its own input check refuses (an ObservationError, as a bad episode file's)."""
+
+    def ar_diffusion_warmup_requests(self, session_id):
+        for request in super().ar_diffusion_warmup_requests(session_id):
+            yield dataclasses.replace(request, inputs={**request.inputs, "seed": -1})
+
+
 class WithoutWarmup(CausalWorldPipeline):
     """Not a mistake, for contrast with the two above: no warmup provider at all (it is optional)."""
 

@@ -458,6 +458,9 @@ def test_a_signal_caught_inside_a_warmup_request_stops_warmup(env, data, action)
                      "(4, 16, 16)"),
     ("WarmupReturnsNone", "Error: WarmupReturnsNone.ar_diffusion_warmup_requests() must return an iterable of "
                           "ARDiffusionRequest, got NoneType"),
+    # exit 2 and "hint: see the episode format": no episode was given, the pipeline's own warmup request was refused
+    ("WarmupFailsItsOwnCheck", "Error: warmup request 'warmup-0' of WarmupFailsItsOwnCheck failed: ObservationError: "
+                               "request inputs: 'seed' must be a non-negative integer, got -1"),
     ("HooksMissing", "Error: HooksMissing does not implement the AR-Diffusion pipeline capability: missing "
                      "ar_diffusion_kv_cache_spec, bind_ar_diffusion_state"),
     ("BrokenFromConfig", "Error: BrokenFromConfig.from_config() failed: KeyError: 'blocks.0.self_attn.q.weight'"),

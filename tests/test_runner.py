@@ -31,7 +31,9 @@ from ardiff_cli.runtime.errors import (
     ArdiffWarning,
     ConfigError,
     EngineStateError,
+    ObservationError,
     PipelineError,
+    RequestError,
     StopRequested,
 )
 from ardiff_cli.runtime.request import DEFAULT_SESSION_ID, ARDiffusionRequest
@@ -363,6 +365,93 @@ def test_an_ardiff_error_from_a_hook_or_a_subscriber_is_their_failure_not_a_stop
         warnings.simplefilter("error")  # propagated, not a warning
         with pytest.raises(StopRequested, match="interrupted by SIGINT"):
             runner.execute_model(request("b", 2))
+
+
+class _InterruptedHook(TinyPipeline):
+    """Its reset or close hook is where a stop lands: Ctrl-C (a KeyboardInterrupt, in a server) or the CLI's
+    Interrupted (a StopRequested)."""
+
+    interrupt: str | None = None  # "reset" or "close"
+    stop: type[BaseException] = KeyboardInterrupt
+
+    def reset_ar_diffusion_session(self, session_id):
+        super().reset_ar_diffusion_session(session_id)
+        if self.interrupt == "reset":
+            raise self.stop("interrupted")
+
+    def close_ar_diffusion_session(self, session_id):
+        super().close_ar_diffusion_session(session_id)
+        if self.interrupt == "close":
+            raise self.stop("interrupted")
+
+
+@pytest.mark.parametrize(("how", "hook", "event"), [
+    ("close_session", "close", ("session_closed", "explicit")),
+    ("reset_session", "reset", ("session_reset", "explicit")),
+    ("close_session flag", "close", ("session_closed", "close_session")),
+    ("reset flag", "reset", ("session_reset", "request_reset")),
+    ("eviction", "close", ("session_evicted", "lru_eviction")),
+    ("failed forward", "close", ("session_closed", "forward_exception")),
+])
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, StopRequested])
+def test_a_stop_in_a_hook_propagates_once_the_release_is_done_and_its_event_sent(how, hook, event, stop):
+    """A KeyboardInterrupt from a hook left the release without its event (a StopRequested had it): a subscriber
+    tracking sessions saw the released session live on. Its pages go back, the other session stays, and the runner
+    goes on serving."""
+    events = []
+    runner = make_runner(_InterruptedHook(), events=events)
+    runner.execute_model(request("a", 0))
+    runner.execute_model(request("b", 0))
+    pages_of_b = held_pages(runner)["b"]
+    runner.pipeline.interrupt, runner.pipeline.stop = hook, stop
+    events.clear()
+    with pytest.raises(stop):
+        if how == "close_session":
+            runner.close_session("a")
+        elif how == "reset_session":
+            runner.reset_session("a")
+        elif how == "close_session flag":
+            runner.execute_model(request("a", 1, close_session=True))
+        elif how == "reset flag":
+            runner.execute_model(request("a", 1, reset=True))
+        elif how == "eviction":
+            runner.execute_model(request("c", 0))
+        else:
+            runner.pipeline.fail_at_layer = 1
+            runner.execute_model(request("a", 1))
+    assert [(e.kind, e.reason) for e in events if e.kind != "request_finished"] == [event]
+    assert events[0].session_id == "a" and runner.pipeline.hook_calls[-1] == (hook, "a")
+    assert runner.session_ids == ["b"] and held_pages(runner) == {"b": pages_of_b}
+    assert runner.kv_cache.allocator.num_used == len(pages_of_b)
+    runner.pipeline.interrupt = runner.pipeline.fail_at_layer = None
+    runner.execute_model(request("a", 0))
+    assert runner.close() == [] and runner.kv_cache.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, StopRequested])
+def test_a_stop_in_a_subscriber_propagates_once_every_subscriber_has_every_event(stop):
+    """A stop raised inside one subscriber (the CLI's second Ctrl-C landing in its live panel's callback) cut the
+    delivery short: the subscribers after it never got that event (the rollout's bookkeeping missed an eviction),
+    and the request's later events waited for the next request. Now each one gets every event, in order, first."""
+    runner = make_runner()
+    runner.execute_model(request("a", 0))
+    runner.execute_model(request("b", 0))
+    seen, armed = [], [True]
+
+    def panel(event):  # the first subscriber: where the signal lands
+        if armed and event.kind == "session_evicted":
+            armed.clear()
+            raise stop("interrupted")
+
+    runner.subscribe(panel)
+    runner.subscribe(seen.append)
+    with pytest.raises(stop, match="interrupted"):
+        runner.execute_model(request("c", 0))  # evicts a, admits c
+    assert [(e.kind, e.session_id) for e in seen] == [("session_evicted", "a"), ("session_admitted", "c")]
+    assert runner.session_ids == ["b", "c"] and runner.sessions()[-1].num_requests == 0  # stopped before its forward
+    seen.clear()
+    runner.execute_model(request("c", 0))
+    assert [(e.kind, e.session_id) for e in seen] == [("request_finished", "c")]  # nothing left over
 
 
 class _NoHooks:
@@ -818,10 +907,28 @@ class _WarmupNamesAnotherSession(WarmTinyPipeline):
         yield request("robot-a", 0)
 
 
+class _WarmupFailsItsOwnCheck(WarmTinyPipeline):
+    """Its input check refuses a one-frame block, which its own first warmup request is."""
+
+    def check_ar_diffusion_request(self, request):
+        if request.inputs["frames"].shape[0] < 2 * self.spec.tokens_per_frame:
+            raise ObservationError("request inputs: 'frames' must hold 2 frames")
+
+
+class _WarmupFlagAsText(WarmTinyPipeline):
+    def ar_diffusion_warmup_requests(self, session_id):
+        yield request(session_id, 0, reset="false")  # from a JSON file of warmup requests, say
+
+
 @pytest.mark.parametrize(("pipeline", "match"), [
     (_WarmupYieldsDicts(), r"_WarmupYieldsDicts.ar_diffusion_warmup_requests\(\) yielded dict as request 4, "
                            "expected an ARDiffusionRequest"),
     (_WarmupNamesAnotherSession(), "warmup request 'robot-a:0' names session 'robot-a', expected '__ardiff_warmup__'"),
+    # an ObservationError (exit 2, "see the episode format") or a RequestError for inputs nobody but the pipeline gave
+    (_WarmupFailsItsOwnCheck(), "warmup request 'warmup-0' of _WarmupFailsItsOwnCheck failed: ObservationError: "
+                                "request inputs: 'frames' must hold 2 frames"),
+    (_WarmupFlagAsText(), r"warmup request '__ardiff_warmup__:0' of _WarmupFlagAsText failed: RequestError: request "
+                          r"'__ardiff_warmup__:0': extra_args\['reset'\] must be True or False"),
 ])
 def test_malformed_warmup_requests_are_pipeline_errors_and_release_the_session(pipeline, match):
     runner = make_runner(pipeline)
@@ -829,6 +936,17 @@ def test_malformed_warmup_requests_are_pipeline_errors_and_release_the_session(p
         runner.warmup()
     assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
     runner.execute_model(request("a", 0))  # reusable
+
+
+def test_warmup_under_autocast_to_another_dtype_is_the_callers_request_error_not_the_pipelines():
+    runner = make_runner(WarmTinyPipeline())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RequestError, match=r"warmup runs under torch.autocast\('cpu', dtype=torch.bfloat16\)") \
+                as info:
+            runner.warmup()
+    assert not isinstance(info.value, PipelineError) and "outside the autocast block" in info.value.hint
+    assert runner.session_ids == [] and runner.pipeline.hook_calls == []  # no warmup request ran
+    assert not runner.warmup().skipped
 
 
 @pytest.mark.parametrize("failure", [RuntimeError, AssertionError])  # a model's own assert too: not ardiff's bug

@@ -612,6 +612,65 @@ def test_a_pipeline_without_the_protocol_is_evicted_as_before(tmp_path):
         warnings.simplefilter("error")
         runner.execute_model(request("b", 0))
     assert runner.restore_session("a") is False and not list(tmp_path.iterdir())
+    assert runner.swap_out_sessions(["b"]) == {} and runner.session_ids == ["b"]  # nothing to swap it out to
+    runner.close()
+
+
+class _KVOnly(TinyPipeline):
+    """Swaps its sessions, and keeps nothing of them outside the KV: its export is None, as the README allows."""
+
+    def __init__(self) -> None:
+        super().__init__(tiny_spec())
+        self.imported: list[tuple[str, object]] = []
+
+    def export_ar_diffusion_session(self, session_id):
+        return None
+
+    def import_ar_diffusion_session(self, session_id, snapshot):
+        self.imported.append((session_id, snapshot))
+
+
+def test_a_pipeline_that_exports_none_is_swapped_and_restored_bit_identical(tmp_path):
+    reference = ARDiffusionModelRunner(_KVOnly(), memory_budget=64 << 20, session_capacity=2)
+    runner = ARDiffusionModelRunner(_KVOnly(), memory_budget=64 << 20, session_capacity=1, swap_dir=tmp_path)
+    for r in (reference, runner):
+        r.load()
+    for step in range(3):
+        for session in "ab":
+            expected = reference.execute_model(request(session, step))
+            got = runner.execute_model(request(session, step))
+            assert all(torch.equal(got[k], expected[k]) for k in expected), (session, step)
+    assert runner.pipeline.imported[:3] == [("a", None), ("b", None), ("a", None)]
+    usage = runner.pool_usage()
+    assert usage.num_swapped == 1 and usage.num_used == sum(sum(v.pages_per_branch.values()) for v in runner.sessions())
+    runner.close()
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("metadata", [None, {"ardiff_swap": "{not json"}, {"ardiff_swap": "[1]"},
+                                      {"ardiff_swap": "[" * 100_000 + "]" * 100_000},
+                                      {"ardiff_swap": '{"format": "ardiff-swap-2", "session_id": "a"}'}],
+                         ids=["no-metadata", "not-json", "not-a-mapping", "nested-too-deep", "older-format"])
+def test_an_adopted_safetensors_file_that_is_no_snapshot_is_refused_when_restored(tmp_path, metadata):
+    """A file in the swap folder whose name fits but which ardiff did not write (another tool's safetensors file) is
+    a SwapRestoreError naming it, its format expected; nothing of it is resident and the file is gone."""
+    from safetensors.torch import save_file
+
+    name = "0" * 32 + ".safetensors"
+    save_file({"x": torch.zeros(2)}, str(tmp_path / name), metadata=metadata)
+    runner = ARDiffusionModelRunner(_KVOnly(), memory_budget=64 << 20, session_capacity=1, swap_dir=tmp_path)
+    runner.load()
+    assert runner.adopt_snapshot("a", name) is True
+    older = metadata is not None and "ardiff-swap-2" in metadata["ardiff_swap"]
+    expected = (re.escape("a swap snapshot in an older ardiff's format ('ardiff-swap-2'; this version reads "
+                          "'ardiff-swap-3')") if older else
+                r"not an ardiff swap snapshot \(format 'ardiff-swap-3' expected\)")
+    with pytest.raises(SwapRestoreError, match=expected):
+        runner.execute_model(request("a", 0))
+    usage = runner.pool_usage()
+    assert runner.session_ids == [] and usage.num_used == 0 and usage.num_swapped == 0
+    assert not list(tmp_path.iterdir()) and runner.pipeline.imported == []
+    runner.execute_model(request("a", 0))  # afresh
     runner.close()
 
 
@@ -656,6 +715,25 @@ def test_a_swap_dir_that_is_a_file_or_under_one_is_a_config_error_at_once(tmp_pa
         with pytest.raises(ConfigError, match=r"^ARDiffusionModelRunner\(\): swap_dir "):
             ARDiffusionModelRunner(TinyPipeline(tiny_spec()), memory_budget=64 << 20, swap_dir=str(swap_dir))
         ARDiffusionModelRunner(TinyPipeline(tiny_spec()), memory_budget=64 << 20, swap_dir=swap_dir, swap_space=0)
+
+
+@pytest.mark.parametrize(("name", "why"), [("a\0b", "embedded null byte"), ("x" * 300, "File name too long")],
+                         ids=["nul", "too-long"])
+@pytest.mark.parametrize("swap_space", [None, "1MiB"])
+def test_a_swap_dir_that_cannot_be_a_folder_is_a_config_error_at_once(tmp_path, name, why, swap_space):
+    """A swap_dir with a NUL or a name longer than the file system takes was taken: load() raised a bare ValueError or
+    OSError (with the default swap space, which looks at the disk), or every eviction warned and close() raised the
+    ValueError, leaving the engine unclosed."""
+    swap_dir = tmp_path / name / "swap"
+    with pytest.raises(ConfigError, match=rf"^ARDiffusionEngine\(\): swap_dir .*: cannot be a folder \({why}\)$") \
+            as info:
+        ARDiffusionEngine.from_config(CONFIGS / "causal-world-tiny.yaml", device="cpu", swap_dir=swap_dir,
+                                      swap_space=swap_space)
+    assert info.value.hint
+    with pytest.raises(ConfigError, match=r"^ARDiffusionModelRunner\(\): swap_dir "):
+        ARDiffusionModelRunner(TinyPipeline(tiny_spec()), memory_budget=64 << 20, swap_dir=str(swap_dir),
+                               swap_space=swap_space)
+    ARDiffusionModelRunner(TinyPipeline(tiny_spec()), memory_budget=64 << 20, swap_dir=swap_dir, swap_space=0)
 
 
 def test_the_default_swap_space_is_the_kv_budget_at_most_half_the_free_disk(tmp_path, monkeypatch):

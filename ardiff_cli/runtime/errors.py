@@ -174,12 +174,14 @@ def is_broken_invariant(exc: BaseException) -> bool:
     return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_ARDIFF_PACKAGE)
 
 
-def as_pipeline_error(where: str, exc: BaseException) -> PipelineError | None:
+def as_pipeline_error(where: str, exc: BaseException, *,
+                      also: tuple[type[ArdiffError], ...] = ()) -> PipelineError | None:
     """``exc``, raised while ``where`` (the pipeline's code) ran, as a ``PipelineError`` naming it; None for what
-    is not the pipeline's to answer for: ardiff's own typed errors, memory running out, a broken runtime
-    invariant (``is_broken_invariant``), and anything that is not an ``Exception`` (Ctrl-C)."""
-    if not isinstance(exc, Exception) or isinstance(exc, ArdiffError) or is_broken_invariant(exc) or (
-            is_out_of_memory(exc)):
+    is not the pipeline's to answer for: ardiff's own typed errors (but those of the types ``also``, the pipeline's
+    there), memory running out, a broken runtime invariant (``is_broken_invariant``), and anything that is not an
+    ``Exception`` (Ctrl-C)."""
+    if not isinstance(exc, Exception) or isinstance(exc, ArdiffError) and not isinstance(exc, also) or (
+            is_broken_invariant(exc) or is_out_of_memory(exc)):
         return None
     error = PipelineError(f"{where} failed: {type(exc).__name__}: {exc}", hint=PIPELINE_HINT)
     for note in getattr(exc, "__notes__", ()):

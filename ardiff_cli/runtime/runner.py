@@ -46,6 +46,7 @@ from ardiff_cli.runtime.errors import (
     CapacityError,
     ConfigError,
     EngineStateError,
+    ObservationError,
     PipelineError,
     RequestError,
     RequestTypeError,
@@ -479,17 +480,25 @@ class ARDiffusionModelRunner:
     def _deliver(self) -> None:
         """Deliver the queued events, in order, to every subscriber. A subscriber observes: one that raises is a
         warning, and the request (or load) goes on, since its effects are committed by now. A ``StopRequested`` is
-        a deliberate stop (the CLI's ``Interrupted``, raised by its signal handler wherever the main thread is)
-        and propagates."""
+        a deliberate stop (the CLI's ``Interrupted``, raised by its signal handler wherever the main thread is), as
+        a ``KeyboardInterrupt`` is: it propagates once every queued event reached every subscriber (the ones after
+        the stopped one missed the event, and the rest waited for the next request: a session admitted or evicted
+        that a subscriber never heard of)."""
+        stop: BaseException | None = None
         while self._outbox:
-            self._notify(self._outbox.popleft())
+            stopped = self._notify(self._outbox.popleft())
+            stop = stop or stopped
+        if stop is not None:
+            raise stop
 
-    def _notify(self, event: RuntimeEvent) -> None:
+    def _notify(self, event: RuntimeEvent) -> BaseException | None:
+        """``event`` to every subscriber; the first stop one raised (``_deliver``), or None."""
+        stop: BaseException | None = None
         for callback in list(self._subscribers):
             try:
                 callback(event)
-            except StopRequested:
-                raise
+            except StopRequested as exc:
+                stop = stop or exc
             except Exception as exc:  # noqa: BLE001 - reported, never allowed to fail a request
                 name = getattr(callback, "__qualname__", None) or repr(callback)
                 code = getattr(callback, "__code__", None)  # functions and bound methods: point at the subscriber
@@ -503,6 +512,9 @@ class ARDiffusionModelRunner:
                     f"event subscriber {name} raised {type(exc).__name__}{said} (on a {event.kind} event); ignored: "
                     "a subscriber cannot fail a request", ArdiffWarning,
                     code.co_filename if code else __file__, code.co_firstlineno if code else 0, registry={})
+            except BaseException as exc:  # a KeyboardInterrupt: a stop too
+                stop = stop or exc
+        return stop
 
     # ------------------------------------------------------------- execution
     @_one_at_a_time
@@ -510,19 +522,21 @@ class ARDiffusionModelRunner:
         """Run one request on its session; see ``ARDiffusionRequest`` for the lifecycle flags."""
         return self._execute(request, internal=False)
 
-    def _refuse_autocast(self, request: ARDiffusionRequest) -> None:
+    def _refuse_autocast(self, request: ARDiffusionRequest | None) -> None:
         """Under ``torch.autocast`` to another dtype than the engine's, the forward would make K/V the pools cannot
-        take and fail half way, releasing the session: refused before it is touched instead."""
+        take and fail half way, releasing the session: refused before it is touched instead (``request`` None:
+        before warmup runs a request, so that it is the caller's error, not the pipeline's)."""
         kind = self.device.type
         try:
             if not torch.is_autocast_enabled(kind) or torch.get_autocast_dtype(kind) == self.dtype:
                 return
         except RuntimeError:  # a device type autocast does not know (meta): nothing to cast
             return
+        what = "warmup" if request is None else f"request {shown(request.request_id)}"
+        untouched = "" if request is None else f": the session {shown(request.session_id)} is as it was"
         raise RequestError(
-            f"request {shown(request.request_id)} runs under torch.autocast({kind!r}, "
-            f"dtype={torch.get_autocast_dtype(kind)}), and this engine computes and keeps its KV cache in "
-            f"{self.dtype}: the session {shown(request.session_id)} is as it was",
+            f"{what} runs under torch.autocast({kind!r}, dtype={torch.get_autocast_dtype(kind)}), and this engine "
+            f"computes and keeps its KV cache in {self.dtype}{untouched}",
             hint="run requests outside the autocast block; for another dtype, set runtime.dtype in the config")
 
     def execute_model_batch(self, *args: Any, **kwargs: Any) -> Any:
@@ -806,6 +820,8 @@ class ARDiffusionModelRunner:
             errors.append(hook_error)
             self.hook_errors.append(hook_error)
             self._emit(HookFailed(session_id=session_id, hook=callback.__name__, error=str(exc)))
+        except BaseException as exc:  # a KeyboardInterrupt too: raised once the release is complete, its event sent
+            stop = stop or exc
         used = sum(s.state.num_pages for s in self._sessions.values())
         if cache.allocator.num_used != used and (stop is not None or error is not None and _is_stop(error)):
             # A stop (Ctrl-C: a KeyboardInterrupt, or the CLI's Interrupted) lands wherever the forward is, also
@@ -1087,6 +1103,7 @@ class ARDiffusionModelRunner:
                     f"warmup needs a free session slot, and all {len(resident)} are taken: {shown(resident)}",
                     hint="warm up before serving, or free a slot first (runner.close_session(id))",
                 )
+        self._refuse_autocast(None)
         free_before = cache.allocator.num_free
         timings: list[tuple[str, str, float]] = []
         start = time.perf_counter()
@@ -1102,13 +1119,13 @@ class ARDiffusionModelRunner:
                 if not isinstance(request, ARDiffusionRequest):
                     raise PipelineError(f"{provider} yielded {type(request).__name__} as request {index}, "
                                         "expected an ARDiffusionRequest", hint=PIPELINE_HINT)
+                where = f"warmup request {request.request_id!r} of {type(self.pipeline).__name__}"
                 if request.session_id != WARMUP_SESSION_ID:
                     raise PipelineError(
                         f"warmup request {request.request_id!r} names session {request.session_id!r}, "
                         f"expected {WARMUP_SESSION_ID!r} (the session_id {provider} is given)",
                         hint=PIPELINE_HINT,
                     )
-                where = f"warmup request {request.request_id!r} of {type(self.pipeline).__name__}"
                 t0 = time.perf_counter()
                 output = self._execute(request, internal=True)
                 problem = output_problem(output)  # else warmup passed and every real step failed
@@ -1120,7 +1137,9 @@ class ARDiffusionModelRunner:
                 timings.append((request.request_id, describe_inputs(request.inputs), time.perf_counter() - t0))
                 where = provider
         except Exception as exc:
-            error = as_pipeline_error(where, exc)
+            # The caller gives warmup no input: its own requests refused as malformed are the pipeline's mistake (an
+            # ObservationError was exit 2 with a hint about episode files).
+            error = as_pipeline_error(where, exc, also=(ObservationError, RequestError))
             if error is None:
                 raise
             raise error from exc

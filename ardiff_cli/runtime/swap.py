@@ -19,6 +19,7 @@ and reported in ``failures``; the snapshot is then gone, and its session is rebu
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -99,8 +100,22 @@ def check_swap_arguments(swap_dir: Any, swap_space: Any, *, where: str) -> tuple
     if swap_dir is None:
         return None, swap_space
     folder = Path(swap_dir)
-    existing = next((p for p in (folder, *folder.parents) if os.path.lexists(p)), None)
-    if existing is not None and swap_space != 0 and not existing.is_dir():  # every snapshot's write would fail
+    if swap_space == 0:  # no swapping: never used, so not looked at
+        return folder, swap_space
+    existing = None
+    for path in (folder, *folder.parents):
+        try:
+            os.lstat(path)
+        except (OSError, ValueError) as exc:
+            if getattr(exc, "errno", None) in (errno.ENOENT, errno.ENOTDIR):  # not there (yet): its parent decides
+                continue
+            # a NUL, a name too long: the load raised a bare OSError or ValueError (with swap_space given, every
+            # snapshot's write failed, and close() raised it)
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigError(f"{where}: swap_dir {shown(str(folder))}: cannot be a folder ({why})", hint=hint) from exc
+        existing = path
+        break
+    if existing is not None and not existing.is_dir():  # every snapshot's write would fail
         raise ConfigError(f"{where}: swap_dir {folder}: {existing} is not a folder", hint=hint)
     return folder, swap_space
 
