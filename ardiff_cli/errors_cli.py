@@ -60,8 +60,8 @@ class EpisodesFailed(ArdiffError):
 
     exit_code = EXIT_PARTIAL
 
-    def __init__(self, message: str, *, hint: str | None = None, exit_code: int = EXIT_PARTIAL) -> None:
-        super().__init__(message, hint=hint)
+    def __init__(self, message: str, *, exit_code: int = EXIT_PARTIAL) -> None:
+        super().__init__(message)
         self.exit_code = exit_code
 
 
@@ -116,9 +116,9 @@ class Interrupted(StopRequested):
     """SIGINT, SIGTERM or SIGHUP arrived (or stdout's reader went away: SIGPIPE); the current write finished and
     outputs are consistent (exit 128 + the signal number: 130, 143, 129, 141)."""
 
-    def __init__(self, signum: int, *, hint: str | None = None) -> None:
+    def __init__(self, signum: int) -> None:
         name = signal.Signals(signum).name
-        super().__init__(f"interrupted by {name}", hint=hint)
+        super().__init__(f"interrupted by {name}")
         self.signum = signum
         self.exit_code = 128 + signum
 

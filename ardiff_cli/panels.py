@@ -376,13 +376,13 @@ SIDE_BY_SIDE_WIDTH = 110  # capacity and sessions side by side from this width, 
 class _SideBySide:
     """Two renderables side by side when the console is wide enough, else one above the other."""
 
-    def __init__(self, left, right, *, min_width: int = SIDE_BY_SIDE_WIDTH) -> None:
-        self.left, self.right, self.min_width = left, right, min_width
+    def __init__(self, left, right) -> None:
+        self.left, self.right = left, right
 
     def __rich_console__(self, console, options):
         from rich.table import Table
 
-        if options.max_width < self.min_width:
+        if options.max_width < SIDE_BY_SIDE_WIDTH:
             yield self.left
             yield self.right
             return

@@ -193,9 +193,9 @@ def swap_folder_replaced(directory: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def page_shortage(allocator: Any, *, keep: int = 0) -> Iterator[list[int]]:
-    """Hold every free page but ``keep`` (a leak elsewhere, or a plan too small); give them back after."""
-    stolen = allocator.allocate(max(0, allocator.num_free - keep))
+def page_shortage(allocator: Any) -> Iterator[list[int]]:
+    """Hold every free page (a leak elsewhere, or a plan too small); give them back after."""
+    stolen = allocator.allocate(allocator.num_free)
     try:
         yield stolen
     finally:

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
 
-@pytest.fixture(scope="module", autouse=False)
+@pytest.fixture(scope="module")
 def single_thread():
     """One intra-op thread: tiny ops gain nothing from two, and lose badly when another process holds a core."""
     before = torch.get_num_threads()
@@ -127,6 +127,21 @@ def wait_for_marker(proc: subprocess.Popen, marker: Path, what: str, *, text: st
         assert proc.poll() is None, proc.communicate()[1] or (marker.read_text() if marker.exists() else "")
         assert time.monotonic() < deadline, f"{what} never started"
         time.sleep(0.02)
+
+
+def records(run: Path) -> list[dict]:
+    """The lines of ``run``'s results.jsonl (fails on a partial last line)."""
+    text = (run / "results.jsonl").read_text()
+    assert text == "" or text.endswith("\n"), "results.jsonl ends in a partial line"
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def outputs(run: Path) -> dict:
+    """Every step output file of ``run``, loaded in full (a truncated file would fail here)."""
+    from safetensors.numpy import load_file
+
+    assert not list(run.rglob("*.tmp")), "a temporary file was left behind"
+    return {p.relative_to(run).as_posix(): load_file(str(p)) for p in sorted((run / "episodes").rglob("*.safetensors"))}
 
 
 NOTICE = "finishing the step in flight, then stopping"  # what a rollout says of a first signal in a step

@@ -25,12 +25,13 @@ from rich.cells import cell_len
 # a live display's redraw starts at its last line: back to column 0, erase, then up and erase once per line
 REDRAW = "\r\x1b[2K\x1b[1A"
 _ESCAPE = re.compile(r"\x1b\[([0-9;?]*)([A-Za-z])")
+TIMEOUT_S = 120  # the longest wait for the next output, then for the exit
 
 
 def run_in_pty(args: list[str], *, env: dict[str, str], cwd: Path, cols: int, rows: int,
-               type_after: bytes | None = None, keys: bytes = b"\x03", timeout: float = 120) -> tuple[int, bytes]:
+               type_after: bytes | None = None) -> tuple[int, bytes]:
     """Run ``python -m ardiff_cli ARGS`` in ``cwd`` on a ``cols`` x ``rows`` pty (the size only the pty gives: no
-    COLUMNS or LINES); type ``keys`` once ``type_after`` appeared in its output. Returns the exit code and every
+    COLUMNS or LINES); type Ctrl-C once ``type_after`` appeared in its output. Returns the exit code and every
     byte it wrote."""
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
@@ -47,8 +48,8 @@ def run_in_pty(args: list[str], *, env: dict[str, str], cwd: Path, cols: int, ro
     output = bytearray()
     try:
         while True:
-            ready, _, _ = select.select([master], [], [], timeout)
-            assert ready, f"no output for {timeout} s; so far: {bytes(output[-2000:])!r}"
+            ready, _, _ = select.select([master], [], [], TIMEOUT_S)
+            assert ready, f"no output for {TIMEOUT_S} s; so far: {bytes(output[-2000:])!r}"
             try:
                 chunk = os.read(master, 65536)
             except OSError:  # EIO: every process holding the pty's other end has exited
@@ -57,11 +58,11 @@ def run_in_pty(args: list[str], *, env: dict[str, str], cwd: Path, cols: int, ro
                 break
             output += chunk
             if type_after is not None and type_after in output:
-                os.write(master, keys)
+                os.write(master, b"\x03")
                 type_after = None
     finally:
         os.close(master)
-    return proc.wait(timeout=timeout), bytes(output)
+    return proc.wait(timeout=TIMEOUT_S), bytes(output)
 
 
 class Screen:

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import signal
 import struct
@@ -28,7 +29,7 @@ from ardiff_cli.io import write_episode, write_step
 from ardiff_cli.runtime.errors import shown
 from ardiff_cli.runtime.kv.backends import install_instructions, vllm_installed
 from ardiff_cli.io.demo import demo_step
-from pipeline_helpers import stop_inside_a_fault, wait_for_marker
+from pipeline_helpers import records, stop_inside_a_fault, wait_for_marker
 
 REPO = Path(__file__).resolve().parents[1]
 ESC = re.compile(r"\x1b\[")
@@ -86,10 +87,9 @@ def assert_same_outputs(a: Path, b: Path) -> None:
         assert (a / name).read_bytes() == (b / name).read_bytes(), f"{name}: same arrays, other bytes"
 
 
-def records(run: Path) -> list[dict]:
-    text = (run / "results.jsonl").read_text()
-    assert text == "" or text.endswith("\n"), "results.jsonl ends in a partial line"
-    return [json.loads(line) for line in text.splitlines()]
+def small_files_only() -> None:
+    """A ``preexec_fn``: files may grow to 64 KiB (RLIMIT_FSIZE; a larger write fails with EFBIG)."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
 
 
 def wait_for_lines(path: Path, count: int, proc: subprocess.Popen) -> None:
@@ -1683,11 +1683,6 @@ def test_swap_files_the_disk_refuses_are_warnings_then_replays_to_the_same_outpu
     # larger write fails with EFBIG), enough for the outputs and results.jsonl, not for a session's snapshot. The
     # snapshots are written in the background, after their evictions said "swapped out": each failure is a
     # warning, and the session is replayed instead of restored.
-    import resource
-
-    def small_files_only():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
-
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),
                            "--out", str(run), "--no-warmup", "--format", "plain"], cwd=REPO, capture_output=True,
@@ -1740,11 +1735,6 @@ def test_a_lost_snapshot_of_a_session_closed_while_swapped_out_is_counted_as_los
     # As above, files may grow to 64 KiB: arm_a's snapshot after its step 1 (66 KiB) fails. Its step 2 cannot be
     # read: its episode fails, and its session is closed while swapped out, before any call took the failed write
     # in. The failure used to be dropped: no event, and summary.json counted the snapshot as swapped out.
-    import resource
-
-    def small_files_only():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
-
     shutil.copytree(data / "eps", tmp_path / "eps")
     (tmp_path / "eps" / "arm_a" / "step_000002.safetensors").write_bytes(b"not a safetensors file")
     run = tmp_path / "run"

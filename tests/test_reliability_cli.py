@@ -26,7 +26,7 @@ import pytest
 
 from ardiff_cli.io import write_episode
 from ardiff_cli.io.demo import demo_step
-from pipeline_helpers import NOTICE, stop_inside_a_fault, wait_for_marker
+from pipeline_helpers import NOTICE, outputs, records, stop_inside_a_fault, wait_for_marker
 
 REPO = Path(__file__).resolve().parents[1]
 PIPELINE = "faulty_pipelines:FaultyDreamZero"
@@ -63,20 +63,6 @@ def ardiff(env, *args: str, faults: list | None = None) -> subprocess.CompletedP
 def rollout_args(data, out: Path, *extra: str) -> list[str]:
     return ["rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(out), "--pipeline", PIPELINE,
             "--no-warmup", "--format", "plain", *extra]
-
-
-def records(run: Path) -> list[dict]:
-    text = (run / "results.jsonl").read_text()
-    assert text == "" or text.endswith("\n"), "results.jsonl ends in a partial line"
-    return [json.loads(line) for line in text.splitlines()]
-
-
-def outputs(run: Path) -> dict[str, dict[str, np.ndarray]]:
-    """Every step output file, loaded in full (a truncated file would fail here)."""
-    from safetensors.numpy import load_file
-
-    assert not list(run.rglob("*.tmp")), "a temporary file was left behind"
-    return {p.relative_to(run).as_posix(): load_file(str(p)) for p in sorted((run / "episodes").rglob("*.safetensors"))}
 
 
 def assert_matches(run: Path, reference: Path, episodes=EPISODES) -> None:

@@ -16,6 +16,7 @@ import re
 import numpy as np
 import pytest
 from fast_run import rollout, runner, write_fast_data
+from pipeline_helpers import outputs as load_outputs, records
 
 import ardiff_cli.io.atomic as atomic
 from ardiff_cli.app import app
@@ -34,19 +35,6 @@ def data(tmp_path_factory):
 
 def resume(out):
     return runner.invoke(app, ["rollout", "--resume", "--out", str(out), "--no-warmup", "--format", "plain"])
-
-
-def records(out) -> list[dict]:
-    text = (out / "results.jsonl").read_text()
-    assert text == "" or text.endswith("\n"), "results.jsonl ends in a partial line"
-    return [json.loads(line) for line in text.splitlines()]
-
-
-def load_outputs(out) -> dict:
-    from safetensors.numpy import load_file
-
-    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")], "a temporary file was left behind"
-    return {p.relative_to(out).as_posix(): load_file(str(p)) for p in sorted((out / "episodes").rglob("*.safetensors"))}
 
 
 @pytest.fixture(scope="module")

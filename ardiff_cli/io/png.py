@@ -64,11 +64,11 @@ def _resize_nearest(image: Any, height: int, width: int) -> Any:
 
 
 def preview_strip(observed: Sequence[Any], predicted: Sequence[Any | None], *, gap: int = 2,
-                  min_height: int = 0, max_side: int = MAX_SIDE) -> Any:
+                  min_height: int = 0) -> Any:
     """One column per step: the observed frame on top, the predicted frame below (grey when missing).
 
     Frames are scaled (nearest) to the largest frame, up by a whole factor to ``min_height`` pixels, then down
-    to at most ``max_side`` pixels a side, keeping that frame's proportions (at least 1 pixel).
+    to at most ``MAX_SIDE`` pixels a side, keeping that frame's proportions (at least 1 pixel).
     """
     import numpy as np
 
@@ -77,9 +77,9 @@ def preview_strip(observed: Sequence[Any], predicted: Sequence[Any | None], *, g
     width = max(f.shape[1] for f in frames)
     scale = max(1, -(-min_height // height))
     height, width = height * scale, width * scale
-    if max(height, width) > max_side:  # a 1x1000 frame scaled to 96 pixels high was a 96,000-pixel-wide tile
+    if max(height, width) > MAX_SIDE:  # a 1x1000 frame scaled to 96 pixels high was a 96,000-pixel-wide tile
         longest = max(height, width)
-        height, width = max(1, height * max_side // longest), max(1, width * max_side // longest)
+        height, width = max(1, height * MAX_SIDE // longest), max(1, width * MAX_SIDE // longest)
     columns = max(len(observed), len(predicted))
     strip = np.full((2 * height + gap, columns * (width + gap) - gap, 3), 32, np.uint8)
     for row, frames_row in enumerate((observed, predicted)):

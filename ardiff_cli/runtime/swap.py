@@ -340,8 +340,8 @@ class SwapStore:
         self._nbytes += size - snapshot.nbytes  # at most the planned bytes: the budget holds
         snapshot.nbytes = size
 
-    def _make_room(self, needed: int, *, keep: str | None = None) -> None:
-        for session_id in [s for s in self._files if s != keep]:
+    def _make_room(self, needed: int) -> None:
+        for session_id in list(self._files):
             if self._nbytes + needed <= self.budget_bytes:
                 return
             self.dropped.append((session_id, self._files[session_id].nbytes))

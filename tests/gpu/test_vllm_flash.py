@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from dense_stream import dense_reference
 
 from ardiff_cli.runtime.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.capacity import plan_capacity
@@ -47,13 +47,6 @@ def make_spec(**overrides) -> ARDiffusionKVCacheSpec:
     return ARDiffusionKVCacheSpec(**fields)
 
 
-def dense(q, keys, values, scale=None):
-    group = q.shape[0] // keys.shape[0]
-    k = keys.float().repeat_interleave(group, dim=0)
-    v = values.float().repeat_interleave(group, dim=0)
-    return F.scaled_dot_product_attention(q.float()[None], k[None], v[None], scale=scale)[0]
-
-
 class Twin:
     """One (session, branch) run on a torch-backend cache and a vLLM-backend cache with identical inputs."""
 
@@ -80,7 +73,7 @@ class Twin:
             q, k, v = rand(self.num_q_heads), rand(spec.num_kv_heads), rand(spec.num_kv_heads)
             keys = torch.cat([self.frames[f][layer][0] for f in kept] + [k], dim=1)
             values = torch.cat([self.frames[f][layer][1] for f in kept] + [v], dim=1)
-            expected = dense(q, keys, values, scale)
+            expected = dense_reference(q, keys, values, scale)
             outs = [contexts[layer].attend(q, k, v, scale=scale) for contexts in per_backend]
             for name, out in zip(("torch", "vllm"), outs):
                 assert out.shape == q.shape and out.dtype == self.dtype and out.is_cuda

@@ -123,7 +123,7 @@ class FlashAttentionKernel(PagedKernel):
 
     name = "vllm-flash-attn"
 
-    def __init__(self, block_size: int, head_size: int | None = None, fa_version: int | None = None) -> None:
+    def __init__(self, block_size: int, head_size: int | None = None) -> None:
         if block_size % 16:
             raise ValueError(f"FlashAttention block sizes are multiples of 16, got {block_size}")
         probe = probe_vllm_flash(head_size)
@@ -132,7 +132,7 @@ class FlashAttentionKernel(PagedKernel):
         from vllm.vllm_flash_attn import flash_attn_varlen_func
 
         self.block_size = block_size
-        self.fa_version = probe.fa_version if fa_version is None else fa_version  # chosen by vLLM's helper
+        self.fa_version = probe.fa_version  # chosen by vLLM's helper
         self._varlen = flash_attn_varlen_func
 
     def attend(self, pool, forward, layer, q, scale):
