@@ -364,6 +364,94 @@ def test_an_npz_object_array_is_refused_naming_its_array(tmp_path):
     assert str(info.value).endswith(" (array 'calibration')")
 
 
+def test_an_npz_holding_a_key_twice_is_refused_naming_it(tmp_path):
+    """A zip may hold two members of one name (numpy.savez never writes it, zipfile warns 'Duplicate name'): the step
+    ran with one of them silently, while episode.yaml giving a key twice is refused."""
+    path = tmp_path / "step_000000.npz"
+    np.savez(path, joints=np.zeros(7, np.float32))
+    with zipfile.ZipFile(path, "a") as archive, pytest.warns(UserWarning, match="Duplicate name"):
+        with archive.open("joints.npy", "w") as member:
+            np.lib.format.write_array(member, np.ones(7, np.float32))
+    with pytest.raises(ObservationError, match=r"step_000000.npz: key 'joints' is given twice in the .npz") as info:
+        read_step(path)
+    assert "keep one of them" in info.value.hint
+
+
+def _in_a_small_address_space(code: str, cwd: Path) -> str:
+    """What ``code`` prints in a child whose address space is 2 GiB (ulimit -v): a file read whole is MemoryError."""
+    import resource
+
+    limit = 2 << 30
+    result = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO),
+                                                                              os.environ.get("PYTHONPATH", "")])},
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_a_huge_safetensors_step_is_refused_from_its_header_without_reading_it(tmp_path):
+    """A 100 GB step file (sparse: all zeros, or a valid header before a huge tail) was read whole before its header
+    was checked: MemoryError, exit 3 with a hint to lower --session-capacity, the file not always named."""
+    from ardiff_cli.io.writer import encode_arrays
+
+    zeros, tailed = tmp_path / "zeros.safetensors", tmp_path / "tailed.safetensors"
+    zeros.touch()
+    tailed.write_bytes(encode_arrays(good(0), metadata={"prompt": "p"}))
+    for path in (zeros, tailed):
+        os.truncate(path, 100 << 30)
+    code = ("from ardiff_cli.io import read_step\n"
+            "for name in ('zeros.safetensors', 'tailed.safetensors'):\n"
+            "    try:\n        read_step(name)\n"
+            "    except BaseException as exc:\n        print(type(exc).__name__, exc)\n")
+    lines = _in_a_small_address_space(code, tmp_path).splitlines()
+    assert lines[0].startswith("ObservationError zeros.safetensors: cannot read safetensors file: truncated or "
+                               "corrupt (107374182400 bytes)"), lines
+    assert re.match(r"ObservationError tailed.safetensors: cannot read safetensors file: it has 107374182400 bytes, "
+                    r"\d+ more than its header declares \(\d+\); safetensors refuses data after the last tensor$",
+                    lines[1]), lines
+
+
+def test_a_safetensors_step_with_data_after_its_last_tensor_is_named_so(tmp_path):
+    from ardiff_cli.io.writer import encode_arrays
+
+    path = tmp_path / "step_000000.safetensors"
+    data = encode_arrays(good(0), metadata={"prompt": "p"})
+    path.write_bytes(data + b"\0" * 16)
+    with pytest.raises(ObservationError) as info:
+        read_step(path)
+    assert str(info.value) == (f"{path}: cannot read safetensors file: it has {len(data) + 16} bytes, 16 more than "
+                               f"its header declares ({len(data)}); safetensors refuses data after the last tensor")
+    path.write_bytes(data[:-4])  # cut short: named as before
+    with pytest.raises(ObservationError, match="truncated or corrupt"):
+        read_step(path)
+
+
+def test_huge_run_files_are_refused_naming_them_not_read_whole(tmp_path):
+    """A sparse 8 GB run.json, results.jsonl or .swap/kept.json in --out: `Error: MemoryError`, naming no file."""
+    for name in ("run", "results", "kept"):
+        run = RunFolder(tmp_path / name)
+        run.start({"config": "x", "started": 1.5})
+        path = {"run": run.root / "run.json", "results": run.results_path,
+                "kept": run.root / ".swap" / "kept.json"}[name]
+        path.parent.mkdir(exist_ok=True)
+        path.touch()
+        os.truncate(path, 8 << 30)
+    code = ("from pathlib import Path\n"
+            "from ardiff_cli.io.kept import read_kept\n"
+            "from ardiff_cli.io.run import RunFolder\n"
+            "for read in (lambda: RunFolder(Path('run')).read_info(), lambda: list(RunFolder(Path('results'))"
+            ".iter_records()), lambda: read_kept(Path('kept/.swap'), run=1.5, warn=print)):\n"
+            "    try:\n        read()\n"
+            "    except BaseException as exc:\n        print(type(exc).__name__, exc)\n")
+    assert _in_a_small_address_space(code, tmp_path).splitlines() == [
+        "ConfigError run/run.json: cannot read run info: it takes more than 64 MiB, which no file ardiff writes there "
+        "does",
+        "ConfigError results/results.jsonl, line 1: it takes more than 64 MiB, which no line ardiff writes does",
+        "kept/.swap/kept.json is ignored (it takes more than 64 MiB, which no file ardiff writes there does): the swap "
+        "snapshots a stopped run kept there are deleted, and an episode still to run replays its done steps instead"]
+
+
 def test_an_episode_yaml_linked_to_nothing_is_named_not_taken_for_no_metadata(tmp_path):
     """episode.yaml linked from a disk not mounted: it read as absent, so a step without its own prompt failed
     with 'missing prompt ... put `prompt: ...` in episode.yaml', the file the user had put it in."""

@@ -997,13 +997,13 @@ def _nothing_left(p: _Prepared, *, order: str, preview: bool,
     them: every episode's step files are done and it ends whole, as the run would find after loading; ``None``
     when anything is left, or unclear (a folder that cannot be read, a missing or unreadable summary.json to take
     the plan from, a missing preview), so the run goes on as usual and reports it."""
-    from ardiff_cli.io.atomic import open_file, parse_json
+    from ardiff_cli.io.atomic import open_file, parse_json, read_capped
     from ardiff_cli.io.stream import EpisodeEnded, StepScheduler
     from ardiff_cli.rollout import RolloutStats
 
     try:
         with open_file(p.run.summary_path) as f:
-            previous = parse_json(f.read())
+            previous = parse_json(read_capped(f))
         scheduler = StepScheduler(p.episodes, order=order, done=p.done)
         ended = []
         while (item := scheduler.next()) is not None:

@@ -59,6 +59,23 @@ def open_file(path: str | os.PathLike) -> BinaryIO:
     return os.fdopen(fd, "rb")
 
 
+# run.json, summary.json and .swap/kept.json are a few KiB (run.json lists the episodes, about 200 bytes each), and a
+# results.jsonl line is one step's: a file past this (a sparse 8 GB one) was read whole, a MemoryError naming no file.
+MAX_RUN_FILE_BYTES = 64 << 20
+
+
+class TooLarge(ValueError):
+    """A file, or a line of one, past :data:`MAX_RUN_FILE_BYTES`."""
+
+
+def read_capped(f: BinaryIO) -> bytes:
+    """The whole of ``f`` when it holds at most :data:`MAX_RUN_FILE_BYTES`, else :class:`TooLarge`."""
+    data = f.read(MAX_RUN_FILE_BYTES + 1)
+    if len(data) > MAX_RUN_FILE_BYTES:
+        raise TooLarge(f"it takes more than {MAX_RUN_FILE_BYTES >> 20} MiB, which no file ardiff writes there does")
+    return data
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON (ardiff writes no NaN or infinity)")
 
@@ -242,7 +259,13 @@ def read_jsonl(path: str | os.PathLike,
                           hint="move that folder out of the way and restore the file from a backup" if folder
                           else "check that it is a file the user running ardiff may read (permissions r--)") from None
     with f:
-        for number, raw in enumerate(f, start=1):
+        # by lines read at most MAX_RUN_FILE_BYTES at a time: a sparse 8 GB file is one line of zeros
+        for number, raw in enumerate(iter(lambda: f.readline(MAX_RUN_FILE_BYTES + 1), b""), start=1):
+            if len(raw) > MAX_RUN_FILE_BYTES:
+                raise ConfigError(f"{path}, line {number}: it takes more than {MAX_RUN_FILE_BYTES >> 20} MiB, which "
+                                  "no line ardiff writes does",
+                                  hint="the file was changed outside ardiff: restore it from a backup, or start a new "
+                                       "run in another --out")
             if not raw.endswith(b"\n"):
                 break
             if not raw.strip():

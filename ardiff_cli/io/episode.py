@@ -520,6 +520,8 @@ def load_step(path: str | os.PathLike[str]) -> RawStep:
     arrays of one version and the digest of another (``--resume`` and session rebuilds compare digests).
     """
     path = Path(path)
+    if path.suffix == ".safetensors":
+        _refuse_safetensors_of_another_size(path)  # before the read: a 100 GB file is not read whole to refuse it
     data, signature = _read_bytes(path)
     if not data:
         raise _empty(path)
@@ -642,6 +644,44 @@ def safetensors_header(data: bytes) -> tuple[int, dict[str, Any]]:
     return length, parse_json(data[8:8 + length])
 
 
+# safetensors refuses a header longer than this; a file whose header cannot be parsed is read whole up to this size to
+# say what it is (a torch.save zip is told by its last bytes), and named from its first bytes above it.
+_MAX_HEADER_BYTES = 100_000_000
+_DIAGNOSED_WHOLE = 1 << 30
+
+
+def _refuse_safetensors_of_another_size(path: Path) -> None:
+    """Refuse, from its header alone, a safetensors file whose size is not what its header declares (safetensors
+    refuses it too, once it is read whole): a 100 GB file, sparse or a valid header before a huge tail, was read whole
+    first, a MemoryError (exit 3, with a hint to lower --session-capacity) that did not always name the file."""
+    try:
+        with open_file(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            length = int.from_bytes(head, "little")
+            try:
+                if len(head) < 8 or 8 + length > size or length > _MAX_HEADER_BYTES:
+                    raise ValueError(f"the header takes {8 + length} bytes, {size} given")
+                _, header = safetensors_header(head + f.read(length))
+                declared = 8 + length + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                                            default=0)
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+                if size <= _DIAGNOSED_WHOLE:
+                    return  # read whole, the file is named as what it is
+                f.seek(0)
+                raise _unreadable_safetensors(path, f.read(16), exc, size=size) from None
+    except OSError:
+        return  # the read says why it cannot be read
+    if declared > size:
+        raise ObservationError(f"{path}: cannot read safetensors file: truncated or corrupt ({size} bytes; its header "
+                               f"declares {declared})", hint=WRITE_HINT)
+    if declared < size:
+        raise ObservationError(f"{path}: cannot read safetensors file: it has {size} bytes, {size - declared} more "
+                               f"than its header declares ({declared}); safetensors refuses data after the last tensor",
+                               hint="remove what follows the last tensor, or write the step again (safetensors and "
+                                    "ardiff_cli.io.write_step write nothing after it), then rerun with --resume")
+
+
 def _load_safetensors(path: Path, data: bytes) -> RawStep:
     import numpy as np
     from safetensors import deserialize
@@ -676,10 +716,10 @@ def _load_safetensors(path: Path, data: bytes) -> RawStep:
     return RawStep(arrays=arrays, metadata=metadata)
 
 
-def _unreadable_safetensors(path: Path, data: bytes, exc: Exception) -> ObservationError:
-    """Why safetensors refused ``path`` (its bytes ``data``), in words: another format, a truncated file, or corrupt
-    bytes."""
-    head, size = data[:16], len(data)
+def _unreadable_safetensors(path: Path, data: bytes, exc: Exception, *, size: int | None = None) -> ObservationError:
+    """Why safetensors refused ``path`` (its bytes ``data``, or their first ones of ``size`` in all), in words: another
+    format, a truncated file, or corrupt bytes."""
+    head, size = data[:16], len(data) if size is None else size
     if head.startswith(b"PK\x03\x04") and _is_torch_save(data):  # not an .npz: renamed, it would fail again
         return ObservationError(f"{path}: cannot read safetensors file: it is {_TORCH_SAVE}, not safetensors",
                                 hint=_TORCH_SAVE_HINT)
@@ -700,6 +740,7 @@ def _unreadable_safetensors(path: Path, data: bytes, exc: Exception) -> Observat
 def _load_npz(path: Path, data: bytes) -> RawStep:
     import io
     import zipfile
+    from collections import Counter
 
     import numpy as np
 
@@ -722,9 +763,11 @@ def _load_npz(path: Path, data: bytes) -> RawStep:
     metadata: dict[str, str] = {}
     not_arrays: list[str] = []  # zip members that are not .npy files
     key = None  # the member being read: an object array is refused by name
+    keys: list[str] = []
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            for key in npz.files:
+            keys = npz.files
+            for key in dict.fromkeys(keys):
                 value = npz[key]
                 if not isinstance(value, np.ndarray):  # np.load hands back raw bytes for a member that is not .npy
                     not_arrays.append(key)
@@ -738,6 +781,12 @@ def _load_npz(path: Path, data: bytes) -> RawStep:
                                hint="store plain numeric arrays; put text in episode.yaml") from None
     except (OSError, zipfile.BadZipFile, EOFError) as exc:
         raise ObservationError(f"{path}: cannot read .npz file: truncated or corrupt: {exc}", hint=WRITE_HINT) from None
+    twice = next((k for k, count in Counter(keys).items() if count > 1), None)
+    if twice is not None:  # a zip may hold two members of one name (numpy.savez never writes it): one ran silently
+        raise ObservationError(f"{path}: key {twice!r} is given twice in the .npz (two members named {twice!r} or "
+                               f"{twice + '.npy'!r}); np.load would take one of them silently",
+                               hint="keep one of them: write the step again with numpy.savez or "
+                                    "ardiff_cli.io.write_step")
     if not_arrays and _is_torch_save(data):
         raise ObservationError(f"{path}: cannot read .npz file: it is {_TORCH_SAVE}, not an .npz",
                                hint=_TORCH_SAVE_HINT)

@@ -80,17 +80,20 @@ def kept_for(swap_dir: Path) -> float | None:
 def _read_index(swap_dir: Path, why: list[str] | None = None) -> dict | None:
     """The index as written, when it is one of this version's; else None, and ``why`` (when given) gets the reason
     when there is an index file that is not (no file: no reason)."""
-    from ardiff_cli.io.atomic import open_file, parse_json
+    from ardiff_cli.io.atomic import TooLarge, open_file, parse_json, read_capped
     from ardiff_cli.runtime.errors import shown
 
     path, why = swap_dir / KEPT_FILE, [] if why is None else why
     try:  # bytes: a file that is not UTF-8 is a ValueError too, not a crash of every resume
         with open_file(path) as f:
-            data = parse_json(f.read())
+            data = parse_json(read_capped(f))
     except (FileNotFoundError, IsADirectoryError):  # none; a folder in its way, which the stopped run warned of
         return None
     except OSError as exc:
         why.append(f"cannot read it: {exc.strerror or exc}")
+        return None
+    except TooLarge as exc:
+        why.append(str(exc))
         return None
     except ValueError as exc:
         why.append(f"not JSON: {exc}")

@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_jsonl,
-                                 remove_temporaries)
+from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_capped,
+                                 read_jsonl, remove_temporaries)
 from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error, link_to_nothing, shown
 from ardiff_cli.runtime.outputs import is_array
 
@@ -207,7 +207,8 @@ class RunFolder:
             raise ConfigError(f"nothing to resume: {path} does not exist",
                               hint="run without --resume to start a run in this folder")
         try:
-            info = parse_json(path.read_text())
+            with open(path, "rb") as f:  # not open_file: a FIFO here waits, as a hung network mount does
+                info = parse_json(read_capped(f))
         except IsADirectoryError:  # it read "[Errno 21] Is a directory: 'OUT/run.json'", and "was cut or edited"
             raise ConfigError(f"{path}: cannot read run info: it is a folder, not a file",
                               hint="move that folder out of the way and restore the run's run.json (a file) from a "
