@@ -31,6 +31,8 @@ from ardiff_cli.runtime.errors import (
     StopRequested,
     address_space_limit,
     is_out_of_memory,
+    open_files_limit,
+    too_many_open_files,
     unmappable_library,
 )
 
@@ -152,6 +154,8 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
               "lower --session-capacity or --gpu-memory-fraction, or use a smaller dtype or model"),
 )
 _OUT_OF_MEMORY = ERROR_TABLE[-1]
+# Not in the table, which goes by class: an OSError EMFILE or ENFILE, or an error saying so (too_many_open_files)
+_TOO_MANY_OPEN_FILES = ErrorRule(OSError, EXIT_BUG, "too_many_open_files")
 
 
 def out_of_memory_hint(hint: str) -> str:
@@ -162,11 +166,21 @@ def out_of_memory_hint(hint: str) -> str:
     return f"{hint}; or raise this process's address-space limit (now ulimit -v {limit // 1024})"
 
 
+def open_files_hint() -> str:
+    """What to do when the limit on open files was reached: it was called the pipeline's failure, to be reported."""
+    limit = open_files_limit()
+    now = "" if limit is None else f" (now ulimit -n {limit})"
+    return (f"this process reached its limit on open files{now}, or the system its own: raise it (ulimit -n 1024, "
+            "say) and run again")
+
+
 def rule_for(exc: BaseException) -> ErrorRule | None:
     for rule in ERROR_TABLE:
         if isinstance(exc, rule.exc_type):
             return rule
-    return _OUT_OF_MEMORY if is_out_of_memory(exc) else None
+    if is_out_of_memory(exc):
+        return _OUT_OF_MEMORY
+    return _TOO_MANY_OPEN_FILES if too_many_open_files(exc) else None
 
 
 def exit_code_for(exc: BaseException) -> int:
@@ -191,6 +205,8 @@ def report(out: Output, exc: BaseException) -> int:
                     "room to load torch: raise it, or run with ulimit -v unlimited")
         elif rule is _OUT_OF_MEMORY:
             hint = out_of_memory_hint(hint)
+        elif rule is _TOO_MANY_OPEN_FILES:
+            hint = open_files_hint()
         if out.verbose:
             out.traceback(exc)
             for line in getattr(exc, "details", ()):  # what the message left out (a checkpoint's every key)

@@ -1,1 +1,18 @@
 """Benchmarks of the runtime core. Run one with ``python -m benchmarks.<name> [--quick] [--json PATH]``."""
+
+import signal
+import sys
+
+EARLY_STOP = "interrupted by SIGINT; no results were written"  # Ctrl-C before exit_on_signals took the signals
+
+
+def _stopped_early(signum: int, frame: object) -> None:
+    print(EARLY_STOP, file=sys.stderr)
+    sys.exit(130)
+
+
+# `python -m benchmarks[.bench_<id>]` (Python names the module "-m" while it imports its package): Ctrl-C in the first
+# second, as the module imports torch before its cli() took the signals, printed a KeyboardInterrupt traceback. A
+# signal the process was started ignoring stays ignored; imported by anything else, the handler is left as it is.
+if sys.argv[:1] == ["-m"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _stopped_early)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-EARLY_STOP = "interrupted by SIGINT; no results were written"  # Ctrl-C before exit_on_signals took the signals
+from benchmarks import EARLY_STOP  # the line of a Ctrl-C before exit_on_signals took the signals
 
 
 def _stopped_early() -> None:

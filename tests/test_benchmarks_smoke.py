@@ -798,6 +798,34 @@ def test_ctrl_c_in_the_suites_first_tenth_of_a_second_is_its_one_line_and_exit_1
                                                            ""), proc.stderr
 
 
+CTRL_C_AT_IMPORT = """
+import signal, sys
+
+class CtrlC:  # Ctrl-C as `python -m` imports that module (torch: about the first second)
+    def find_spec(self, name, path=None, target=None):
+        if name == {name!r}:
+            sys.meta_path.remove(self)
+            signal.raise_signal(signal.SIGINT)
+
+sys.meta_path.insert(0, CtrlC())
+"""
+
+
+@pytest.mark.parametrize("module", ["benchmarks", *(f"benchmarks.{path.stem}" for path in
+                                                    sorted((REPO_ROOT / "benchmarks").glob("bench_*.py")))])
+def test_ctrl_c_as_python_m_imports_a_benchmark_is_its_one_line_and_exit_130(tmp_path, module):
+    """Each `python -m benchmarks.bench_<id>` imports torch before its cli() takes the signals: Ctrl-C then printed a
+    KeyboardInterrupt traceback. Run as a user does (`python -m`), Ctrl-C comes as it imports torch (benchmarks.common
+    for the ones that import no torch)."""
+    source = REPO_ROOT / "benchmarks" / f"{module.partition('.')[2] or '__main__'}.py"
+    name = "torch" if "\nimport torch\n" in source.read_text() else "benchmarks.common"
+    (tmp_path / "sitecustomize.py").write_text(CTRL_C_AT_IMPORT.format(name=name))
+    proc = subprocess.run([sys.executable, "-m", module, "--quick"], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO_ROOT}"})
+    assert (proc.returncode, proc.stderr, proc.stdout) == (130, "interrupted by SIGINT; no results were written\n",
+                                                           ""), proc.stderr
+
+
 @pytest.mark.parametrize("module", ["benchmarks", "benchmarks.bench_capacity"])
 def test_json_naming_a_fifo_or_a_link_to_one_is_refused_and_left_as_it_was(tmp_path, module):
     """The results file is renamed over the --json path: a FIFO, or a link to one, became a plain file after the run

@@ -782,6 +782,24 @@ def test_an_address_space_limit_too_small_for_torch_is_out_of_memory_naming_the_
             f"model; or raise this process's address-space limit (now ulimit -v {16 << 20})\n") in proc.stderr
 
 
+def test_the_open_files_limit_reached_while_the_model_loads_is_named_as_the_limit_not_the_pipelines_bug(env, data,
+                                                                                                       tmp_path):
+    """Under `ulimit -n 5` torch's read of the checkpoint fails with `Too many open files (24)`: it was reported as
+    `DreamZeroPipeline.from_config() failed: RuntimeError: ...`, the pipeline's failure, "please report it"."""
+    import resource
+
+    limit = 5  # Python, torch and the run's lock start in it; the checkpoint is one file too many
+    args = [*rollout_args(data, tmp_path / "run")[:-2], "--format", "json"]
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=600,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
+    assert proc.returncode == 1, proc.stderr
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert error["kind"] == "too_many_open_files" and "Too many open files" in error["message"], error
+    assert error["hint"].startswith(f"this process reached its limit on open files (now ulimit -n {limit})"), error
+    assert "from_config() failed" not in proc.stderr and "report" not in proc.stderr and "Traceback" not in proc.stderr
+
+
 # A bug in the rollout's own event subscriber (simulated: KeyError on the first eviction, before any bookkeeping).
 BUGGY_SUBSCRIBER = """
 import sys

@@ -14,6 +14,8 @@ a lifecycle hook; see ``faulty_pipelines``). After it, the test checks:
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import zlib
 
 import pytest
@@ -263,12 +265,13 @@ def test_eviction_with_a_failing_close_hook_still_admits(monkeypatch):
     assert runner.pool_usage().num_free == total
 
 
-def test_a_failure_is_the_pipelines_unless_memory_ran_out_or_an_ardiff_invariant_broke():
+def test_a_failure_is_the_pipelines_unless_memory_or_open_files_ran_out_or_an_ardiff_invariant_broke():
     """What decides the exit code and hint of a failed step: memory running out is exit 3 with the memory hint, a
     broken invariant a bug in ardiff, anything else the pipeline's failure naming it. CUDA's own OutOfMemoryError
     and the RuntimeErrors cuBLAS and cuDNN raise on a full GPU are memory; an AssertionError never raised (no
     traceback to place it by) is ardiff's."""
-    from ardiff_cli.runtime.errors import PipelineError, as_pipeline_error, is_broken_invariant, is_out_of_memory
+    from ardiff_cli.runtime.errors import (PipelineError, as_pipeline_error, is_broken_invariant, is_out_of_memory,
+                                           too_many_open_files)
 
     for exc in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"), MemoryError(),
                 RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
@@ -279,3 +282,7 @@ def test_a_failure_is_the_pipelines_unless_memory_ran_out_or_an_ardiff_invariant
     assert as_pipeline_error("Pipe.forward", AssertionError("never raised")) is None
     error = as_pipeline_error("Pipe.forward", ValueError("bad shape"))
     assert type(error) is PipelineError and str(error) == "Pipe.forward failed: ValueError: bad shape"
+    for exc in (OSError(errno.EMFILE, os.strerror(errno.EMFILE)), OSError(errno.ENFILE, os.strerror(errno.ENFILE)),
+                RuntimeError("unable to open file <m.safetensors> in read-only mode: Too many open files (24)")):
+        assert too_many_open_files(exc) and as_pipeline_error("Pipe.from_config()", exc) is None, exc
+    assert not too_many_open_files(OSError(errno.ENOENT, os.strerror(errno.ENOENT)))

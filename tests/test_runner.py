@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
 import time
 import warnings
@@ -565,6 +567,51 @@ def test_a_second_load_is_refused_and_leaves_the_pools_and_sessions_as_they_were
     assert "close() it" in info.value.hint
     assert runner.kv_cache is cache and runner.capacity_plan is plan and held_pages(runner) == held
     runner.execute_model(request("a", 1))
+    runner.close()
+
+
+class _Swappable(TinyPipeline):  # swap_dir is used: load() looks at its disk's free space
+    def export_ar_diffusion_session(self, session_id):
+        return None
+
+    def import_ar_diffusion_session(self, session_id, snapshot):
+        pass
+
+
+@pytest.mark.parametrize("failure", ["stop_in_a_subscriber", "free_disk_unknown"])
+def test_a_load_that_fails_after_the_pools_are_allocated_leaves_them_free_and_may_run_again(monkeypatch, tmp_path,
+                                                                                             failure):
+    """A subscriber's stop on capacity_planned, or the swap folder's free space that could not be looked at, failed
+    load() with the pools kept: they held their memory, and the next load() was refused as "ran already"."""
+    import ardiff_cli.runtime.runner as runner_module
+
+    runner = ARDiffusionModelRunner(_Swappable(), memory_budget=BUDGET, session_capacity=2, swap_dir=tmp_path / "swap")
+    failed = []  # the pools of the failed load
+    if failure == "stop_in_a_subscriber":
+        def stop(event):
+            if isinstance(event, CapacityPlanned):
+                unsubscribe()
+                failed.append(runner.kv_cache)
+                raise StopRequested("interrupted by SIGINT")
+
+        unsubscribe = runner.subscribe(stop)
+        expected = StopRequested
+    else:
+        def unknown(directory):
+            monkeypatch.undo()
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        monkeypatch.setattr(runner_module, "free_disk_bytes", unknown)
+        expected = OSError
+    with pytest.raises(expected):
+        runner.load()
+    assert runner.kv_cache is None and runner.capacity_plan is None and runner.swap is None
+    assert all(cache.pool is None for cache in failed)  # their memory went back
+    with pytest.raises(EngineStateError, match=r"^ARDiffusionModelRunner.load\(\) must run before requests"):
+        runner.execute_model(request("a", 0))
+    plan = runner.load()
+    assert runner.capacity_plan is plan and runner.swap is not None
+    runner.execute_model(request("a", 0))
     runner.close()
 
 

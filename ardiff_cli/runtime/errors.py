@@ -157,6 +157,23 @@ def unmappable_library(exc: BaseException) -> str | None:
     return None if line is None else line.strip().removeprefix("Original error was: ")
 
 
+def too_many_open_files(exc: BaseException) -> bool:
+    """This process's (``ulimit -n``, RLIMIT_NOFILE) or the system's limit on open files was reached: an ``OSError``
+    EMFILE or ENFILE, or a library's error saying so in its text (torch's ``unable to open file <...>: Too many open
+    files (24)`` as it reads a checkpoint). The environment's limit, not a failure of the code that opened the file."""
+    if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+        return True
+    return isinstance(exc, Exception) and os.strerror(errno.EMFILE) in str(exc)  # ENFILE's says it too
+
+
+def open_files_limit() -> int | None:
+    """This process's limit on open files (``ulimit -n``, RLIMIT_NOFILE), or None when there is none."""
+    if resource is None:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 _ARDIFF_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../ardiff_cli/
 
 
@@ -178,10 +195,10 @@ def as_pipeline_error(where: str, exc: BaseException, *,
                       also: tuple[type[ArdiffError], ...] = ()) -> PipelineError | None:
     """``exc``, raised while ``where`` (the pipeline's code) ran, as a ``PipelineError`` naming it; None for what
     is not the pipeline's to answer for: ardiff's own typed errors (but those of the types ``also``, the pipeline's
-    there), memory running out, a broken runtime invariant (``is_broken_invariant``), and anything that is not an
-    ``Exception`` (Ctrl-C)."""
+    there), memory or open files running out (``too_many_open_files``), a broken runtime invariant
+    (``is_broken_invariant``), and anything that is not an ``Exception`` (Ctrl-C)."""
     if not isinstance(exc, Exception) or isinstance(exc, ArdiffError) and not isinstance(exc, also) or (
-            is_broken_invariant(exc) or is_out_of_memory(exc)):
+            is_broken_invariant(exc) or is_out_of_memory(exc) or too_many_open_files(exc)):
         return None
     error = PipelineError(f"{where} failed: {type(exc).__name__}: {exc}", hint=PIPELINE_HINT)
     for note in getattr(exc, "__notes__", ()):

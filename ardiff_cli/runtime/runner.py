@@ -302,7 +302,8 @@ class ARDiffusionModelRunner:
 
     # ------------------------------------------------------------------ load
     def load(self) -> CapacityPlan:
-        """Check the pipeline and execution mode, plan capacity, preallocate the pools."""
+        """Check the pipeline and execution mode, plan capacity, preallocate the pools. When it fails, no pool stays
+        allocated and it may run again."""
         self._require_open()
         if self.kv_cache is not None:
             raise EngineStateError("ARDiffusionModelRunner.load() ran already: its pools are allocated",
@@ -340,19 +341,28 @@ class ARDiffusionModelRunner:
         self.spec = spec
         plan, self.kv_cache = self._plan_and_allocate(spec)
         self.capacity_plan = plan
-        if self.swap_dir is not None and isinstance(self.pipeline, SupportsARDiffusionSwap):
-            space = self.swap_space
-            if space is None:
-                space = min(plan.budget_bytes, free_disk_bytes(self.swap_dir) // 2)
-            self.swap = SwapStore(self.swap_dir, space) if space > 0 else None
-        self._emit(
-            CapacityPlanned(
-                plan=plan,
-                device=str(self.device),
-                attention_backend=self.attention_backend,
-                attention_detail=f"{self.attention_backend_reason}; {self.kv_cache.attention_description}",
+        try:
+            if self.swap_dir is not None and isinstance(self.pipeline, SupportsARDiffusionSwap):
+                space = self.swap_space
+                if space is None:
+                    space = min(plan.budget_bytes, free_disk_bytes(self.swap_dir) // 2)
+                self.swap = SwapStore(self.swap_dir, space) if space > 0 else None
+            self._emit(
+                CapacityPlanned(
+                    plan=plan,
+                    device=str(self.device),
+                    attention_backend=self.attention_backend,
+                    attention_detail=f"{self.attention_backend_reason}; {self.kv_cache.attention_description}",
+                )
             )
-        )
+        except BaseException:
+            # Not loaded (a subscriber's stop, the swap folder's disk that could not be looked at): the pools go back
+            # now and load() may run again, as after a failed plan. They stayed, and a retry "ran already".
+            self.kv_cache.release()
+            self.kv_cache = self.capacity_plan = self.swap = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise
         return plan
 
     def _plan_and_allocate(self, spec: ARDiffusionKVCacheSpec) -> tuple[CapacityPlan, ARDiffusionKVCache]:
