@@ -69,11 +69,15 @@ class TooLarge(ValueError):
 
 
 def read_capped(f: BinaryIO) -> bytes:
-    """The whole of ``f`` when it holds at most :data:`MAX_RUN_FILE_BYTES`, else :class:`TooLarge`."""
-    data = f.read(MAX_RUN_FILE_BYTES + 1)
-    if len(data) > MAX_RUN_FILE_BYTES:
+    """The whole of ``f`` when it holds at most :data:`MAX_RUN_FILE_BYTES`, else :class:`TooLarge`. Read in pieces:
+    ``read(n)`` allocates its ``n`` first, and a 64 MiB buffer per file read multiplied a resume's heap."""
+    pieces, size = [], 0
+    while size <= MAX_RUN_FILE_BYTES and (piece := f.read(1 << 20)):
+        pieces.append(piece)
+        size += len(piece)
+    if size > MAX_RUN_FILE_BYTES:
         raise TooLarge(f"it takes more than {MAX_RUN_FILE_BYTES >> 20} MiB, which no file ardiff writes there does")
-    return data
+    return b"".join(pieces)
 
 
 def _no_constant(name: str) -> Any:
