@@ -65,18 +65,18 @@ MAX_RUN_FILE_BYTES = 64 << 20
 
 
 class TooLarge(ValueError):
-    """A file, or a line of one, past :data:`MAX_RUN_FILE_BYTES`."""
+    """A file, or a line of one, past the size ardiff reads of it."""
 
 
-def read_capped(f: BinaryIO) -> bytes:
-    """The whole of ``f`` when it holds at most :data:`MAX_RUN_FILE_BYTES`, else :class:`TooLarge`. Read in pieces:
-    ``read(n)`` allocates its ``n`` first, and a 64 MiB buffer per file read multiplied a resume's heap."""
+def read_capped(f: BinaryIO, limit: int = MAX_RUN_FILE_BYTES) -> bytes:
+    """The whole of ``f`` when it holds at most ``limit`` bytes, else :class:`TooLarge`. Read in pieces: ``read(n)``
+    allocates its ``n`` first, and a 64 MiB buffer per file read multiplied a resume's heap."""
     pieces, size = [], 0
-    while size <= MAX_RUN_FILE_BYTES and (piece := f.read(1 << 20)):
+    while size <= limit and (piece := f.read(min(limit + 1 - size, 1 << 20))):
         pieces.append(piece)
         size += len(piece)
-    if size > MAX_RUN_FILE_BYTES:
-        raise TooLarge(f"it takes more than {MAX_RUN_FILE_BYTES >> 20} MiB, which no file ardiff writes there does")
+    if size > limit:
+        raise TooLarge(f"it takes more than {limit >> 20} MiB, which no file ardiff writes there does")
     return b"".join(pieces)
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.io.atomic import open_file, parse_json
+from ardiff_cli.io.atomic import TooLarge, open_file, parse_json, read_capped
 from ardiff_cli.runtime.capacity import split_unit_hint
 from ardiff_cli.runtime.errors import (YAML_SYNTAX_HINT, ConfigError, ObservationError, link_to_nothing, shown,
                                       yaml_problem)
@@ -432,15 +432,15 @@ def read_episode_yaml(path: Path) -> dict[str, Any]:
 
     try:
         with open_file(path) as f:
-            raw = f.read(MAX_METADATA_BYTES + 1)
+            raw = read_capped(f, MAX_METADATA_BYTES)
     except OSError as exc:  # its text repeats the path: "[Errno 13] Permission denied: '.../episode.yaml'"
         raise ObservationError(f"{path}: cannot read episode metadata: {exc.strerror or exc}",
                                hint="check that the user running ardiff may read it (permissions)") from None
-    if len(raw) > MAX_METADATA_BYTES:
+    except TooLarge:
         raise ObservationError(f"{path}: cannot read episode metadata: it takes more than {MAX_METADATA_BYTES >> 20} "
                                "MiB, which no episode metadata does",
                                hint="episode.yaml holds the prompt and a few fields; per-step data goes in the step "
-                                    "files, as arrays")
+                                    "files, as arrays") from None
     try:
         text = raw.decode("utf-8")  # UTF-8 whatever the locale, as the writer writes
         data = yaml.safe_load(text)
