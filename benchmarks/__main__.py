@@ -13,31 +13,17 @@ docstring for what is timed and against which baseline.
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import shlex
 import sys
+import time
+import traceback
 
-from benchmarks import EARLY_STOP  # the line of a Ctrl-C before exit_on_signals took the signals
-
-
-def _stopped_early() -> None:
-    """Ctrl-C in the suite's first tenth of a second (its imports, its options) ends it as a later one does, exit 130:
-    it printed a KeyboardInterrupt traceback."""
-    print(EARLY_STOP, file=sys.stderr)
-    sys.exit(130)
-
-
-try:
-    import argparse
-    import importlib
-    import shlex
-    import time
-    import traceback
-
-    from ardiff_cli.entry import fill_closed_standard_streams
-    from benchmarks.common import (DEFAULT_THREADS, REPO_ROOT, add_attention_backend_option, check_attention_backend,
-                                   exit_on_signals, json_path, machine_info, positive_int, reader_may_leave,
-                                   set_attention_backend, set_threads, write_json)
-except KeyboardInterrupt:
-    _stopped_early()
+from ardiff_cli.entry import fill_closed_standard_streams
+from benchmarks.common import (DEFAULT_THREADS, REPO_ROOT, add_attention_backend_option, check_attention_backend,
+                               exit_on_signals, json_path, machine_info, positive_int, reader_may_leave,
+                               set_attention_backend, set_threads, write_json)
 
 BENCHMARKS = ("attention", "rolling", "resume", "capacity", "overhead", "startup", "churn", "swap")
 RESULTS = REPO_ROOT / "benchmarks" / "results.json"
@@ -135,9 +121,5 @@ def main(argv: list[str] | None = None) -> int:
     return exit_on_signals(run)
 
 
-if __name__ == "__main__":
-    try:
-        code = main()
-    except KeyboardInterrupt:  # before exit_on_signals took the signals (after, a stop is its Stopped)
-        _stopped_early()
-    sys.exit(code)
+if __name__ == "__main__":  # a Ctrl-C before exit_on_signals takes the signals: benchmarks/__init__.py
+    sys.exit(main())

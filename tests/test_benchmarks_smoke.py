@@ -773,7 +773,8 @@ EARLY_CTRL_C = """
 import argparse, runpy, signal, sys
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever this process inherited
-when, sys.argv = sys.argv[1], ["benchmarks", "--quick", "--only", "capacity"]
+# "-m": what `python -m` leaves in argv[0] while it imports the package (run_module sets it to the file after)
+when, sys.argv = sys.argv[1], ["-m", "--quick", "--only", "capacity"]
 if when == "options":  # as the suite parses its options, before it takes the signals
     parse = argparse.ArgumentParser.parse_args
     argparse.ArgumentParser.parse_args = lambda *a, **k: (signal.raise_signal(signal.SIGINT), parse(*a, **k))[1]
