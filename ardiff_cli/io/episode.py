@@ -23,7 +23,7 @@ import unicodedata
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ardiff_cli.io.atomic import TooLarge, open_file, parse_json, read_capped
 from ardiff_cli.runtime.capacity import split_unit_hint
@@ -520,8 +520,6 @@ def load_step(path: str | os.PathLike[str]) -> RawStep:
     arrays of one version and the digest of another (``--resume`` and session rebuilds compare digests).
     """
     path = Path(path)
-    if path.suffix == ".safetensors":
-        _refuse_safetensors_of_another_size(path)  # before the read: a 100 GB file is not read whole to refuse it
     data, signature = _read_bytes(path)
     if not data:
         raise _empty(path)
@@ -576,6 +574,9 @@ def _read_bytes(path: Path) -> tuple[bytes, tuple[int, ...]]:
     try:
         with open_file(path) as f:
             st = os.fstat(f.fileno())  # before the read: a write while or after it is read changes mtime from this
+            if path.suffix == ".safetensors":  # before the read: a 100 GB file is not read whole to refuse it
+                _refuse_safetensors_of_another_size(path, f, st.st_size)
+                f.seek(0)
             return f.read(), _signature(st)
     except OSError as exc:
         raise _unreadable(path, exc) from None
@@ -624,15 +625,21 @@ def whole_safetensors_header(path: Path, size: int) -> dict[str, Any] | None:
     tensor's data, read from the header alone; None when it is cut short or unparsable."""
     try:
         with open_file(path) as f:
-            head = f.read(8)
-            header_len = int.from_bytes(head, "little")
-            if 8 + header_len > size:
-                return None
-            _, header = safetensors_header(head + f.read(header_len))
-        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-        return header if 8 + header_len + max(ends, default=0) == size else None
+            declared, header = _declared_safetensors_size(f, size)
+        return header if declared == size else None
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return None  # a header cut mid-way
+
+
+def _declared_safetensors_size(f: BinaryIO, size: int) -> tuple[int, dict[str, Any]]:
+    """From the start of the open safetensors file ``f`` of ``size`` bytes: the bytes its header declares in all (the
+    header and every tensor's data), and the parsed header; ValueError (or KeyError, TypeError...) when unparsable."""
+    head = f.read(8)
+    length = int.from_bytes(head, "little")
+    if len(head) < 8 or 8 + length > size or length > _MAX_HEADER_BYTES:
+        raise ValueError(f"the header takes {8 + length} bytes, {size} given")
+    _, header = safetensors_header(head + f.read(length))
+    return 8 + length + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0), header
 
 
 def safetensors_header(data: bytes) -> tuple[int, dict[str, Any]]:
@@ -650,28 +657,18 @@ _MAX_HEADER_BYTES = 100_000_000
 _DIAGNOSED_WHOLE = 1 << 30
 
 
-def _refuse_safetensors_of_another_size(path: Path) -> None:
-    """Refuse, from its header alone, a safetensors file whose size is not what its header declares (safetensors
-    refuses it too, once it is read whole): a 100 GB file, sparse or a valid header before a huge tail, was read whole
-    first, a MemoryError (exit 3, with a hint to lower --session-capacity) that did not always name the file."""
+def _refuse_safetensors_of_another_size(path: Path, f: BinaryIO, size: int) -> None:
+    """Refuse, from its header alone, the safetensors file ``path`` (open as ``f``, of ``size`` bytes) whose size is
+    not what its header declares (safetensors refuses it too, once it is read whole): a 100 GB file, sparse or a
+    valid header before a huge tail, was read whole first, a MemoryError (exit 3, with a hint to lower
+    --session-capacity) that did not always name the file."""
     try:
-        with open_file(path) as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            length = int.from_bytes(head, "little")
-            try:
-                if len(head) < 8 or 8 + length > size or length > _MAX_HEADER_BYTES:
-                    raise ValueError(f"the header takes {8 + length} bytes, {size} given")
-                _, header = safetensors_header(head + f.read(length))
-                declared = 8 + length + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
-                                            default=0)
-            except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-                if size <= _DIAGNOSED_WHOLE:
-                    return  # read whole, the file is named as what it is
-                f.seek(0)
-                raise _unreadable_safetensors(path, f.read(16), exc, size=size) from None
-    except OSError:
-        return  # the read says why it cannot be read
+        declared, _ = _declared_safetensors_size(f, size)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        if size <= _DIAGNOSED_WHOLE:
+            return  # read whole, the file is named as what it is
+        f.seek(0)
+        raise _unreadable_safetensors(path, f.read(16), exc, size=size) from None
     if declared > size:
         raise ObservationError(f"{path}: cannot read safetensors file: truncated or corrupt ({size} bytes; its header "
                                f"declares {declared})", hint=WRITE_HINT)
