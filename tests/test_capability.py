@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 
 from ardiff_cli.runtime.capability import (
@@ -218,6 +220,35 @@ def test_cache_spec_duplicate_cross_names(make_spec):
     with pytest.raises(ValueError) as excinfo:
         make_spec(cross_attention=cross)
     assert_names(excinfo, "cross-attention", "unique", "text")
+
+
+def test_numpy_integers_are_taken_as_the_plain_ints_they_hold(make_spec):
+    """The contract only compares its integer fields, so a geometry computed with numpy (``np.prod`` of a latent
+    grid) is a valid spec, and the rest of the runtime takes numpy integers too. The spec refused them as
+    'local_index must be an integer, got np.int64(0)'; kept as numpy, the KV cache's JSON record of the spec
+    would fail instead."""
+    numpy_spec = make_spec(
+        num_layers=np.int64(2), tokens_per_frame=np.int32(4), session_capacity=np.uint16(2), sink_frames=np.int64(1),
+        max_scratch_tokens_per_branch=np.int8(0),
+        kv_branches=(ARDiffusionKVBranchSpec("positive", np.int64(0)),
+                     ARDiffusionKVBranchSpec("negative", np.int64(1))),
+        cross_attention=(ARDiffusionCrossAttentionKVSpec("image", np.int64(5), num_kv_heads=np.int64(1),
+                                                         head_size=np.int32(4)),),
+    )
+    plain_spec = make_spec(
+        kv_branches=(ARDiffusionKVBranchSpec("positive", 0), ARDiffusionKVBranchSpec("negative", 1)),
+        cross_attention=(ARDiffusionCrossAttentionKVSpec("image", 5, num_kv_heads=1, head_size=4),),
+    )
+    assert numpy_spec == plain_spec and hash(numpy_spec) == hash(plain_spec)
+    # plain ints: the KV cache records its spec as JSON (a numpy integer is a TypeError there)
+    assert json.dumps(dataclasses.asdict(numpy_spec)) == json.dumps(dataclasses.asdict(plain_spec))
+    ints = [numpy_spec.num_layers, numpy_spec.tokens_per_frame, numpy_spec.session_capacity, numpy_spec.sink_frames,
+            numpy_spec.kv_branches[1].local_index, *dataclasses.astuple(numpy_spec.cross_attention[0])[1:]]
+    assert all(type(value) is int for value in ints), ints
+    with pytest.raises(ValueError, match=r"local_index must be non-negative, got -1"):
+        ARDiffusionKVBranchSpec("main", np.int64(-1))
+    with pytest.raises(ValueError, match=r"num_layers must be an integer"):
+        make_spec(num_layers=np.float64(2.0))
 
 
 def test_cache_spec_lists_are_frozen_to_tuples(make_spec):

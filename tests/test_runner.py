@@ -127,6 +127,20 @@ def test_lru_eviction_at_capacity_and_event_order():
     assert times == sorted(times)
 
 
+@pytest.mark.parametrize("reset_at_boundary", [False, True])
+def test_the_runtime_never_restarts_a_window_by_itself_whatever_reset_at_boundary_says(reset_at_boundary):
+    """README, 'Where ardiff differs from the upstream contract': the field is recorded, not acted on; a pipeline
+    that restarts at the boundary calls state.reset itself. Past sink (1) + window (3) frames the window slides:
+    positions go on, the oldest window frames go back to the pool, no hook runs."""
+    events = []
+    runner = make_runner(TinyPipeline(tiny_spec(reset_at_boundary=reset_at_boundary)), events=events)
+    for step in range(5):  # 10 frames, 2 per request
+        runner.execute_model(request("a", step))
+    (view,) = runner.sessions()
+    assert view.committed_frames == {"main": 10} and view.pages_per_branch == {"main": 1 + 3}
+    assert runner.pipeline.hook_calls == [] and not [e for e in events if isinstance(e, SessionReset)]
+
+
 def test_evicted_session_restarts_from_scratch():
     runner = make_runner(capacity=1)
     runner.execute_model(request("a", 0))

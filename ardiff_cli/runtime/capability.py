@@ -11,6 +11,7 @@ and ``ardiff inspect-capacity`` can use it without paying for them.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -20,14 +21,26 @@ if TYPE_CHECKING:
     from ardiff_cli.runtime.kv.state import ARDiffusionKVState
 
 
-def _require_int(field: str, value: Any, *, minimum: int) -> None:
-    """Raise ``ValueError`` naming ``field`` unless ``value`` is an int >= ``minimum``."""
-    # bool is an int subclass; `True` as a layer count is always a bug.
-    if isinstance(value, bool) or not isinstance(value, int):
+def as_int(value: object) -> int | None:
+    """``value`` as a Python int when it is an integer of any kind (int, numpy's int64, ...) but not a bool; else None.
+    Here, in the lowest module of the runtime, so that the spec, the layout and the planner read integers alike."""
+    if type(value) is int:  # the common case, without the ABC check (every forward's seq_len comes here)
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return None
+
+
+def _require_int(field: str, value: Any, *, minimum: int) -> int:
+    """``value`` as a plain int (a numpy integer too: the contract only compares these fields, so a geometry
+    computed with numpy is valid); ``ValueError`` naming ``field`` unless it is an integer >= ``minimum``."""
+    number = as_int(value)  # None for a bool: `True` as a layer count is always a bug
+    if number is None:
         raise ValueError(f"AR-Diffusion {field} must be an integer, got {value!r}")
-    if value < minimum:
+    if number < minimum:
         kind = "positive" if minimum == 1 else "non-negative"
-        raise ValueError(f"AR-Diffusion {field} must be {kind}, got {value}")
+        raise ValueError(f"AR-Diffusion {field} must be {kind}, got {number}")
+    return number
 
 
 def _require_name(field: str, value: Any) -> None:
@@ -55,7 +68,7 @@ class ARDiffusionKVBranchSpec:
 
     def __post_init__(self) -> None:
         _require_name("KV branch names", self.name)
-        _require_int("KV branch local_index", self.local_index, minimum=0)
+        object.__setattr__(self, "local_index", _require_int("KV branch local_index", self.local_index, minimum=0))
 
 
 @dataclass(frozen=True)
@@ -74,11 +87,11 @@ class ARDiffusionCrossAttentionKVSpec:
 
     def __post_init__(self) -> None:
         _require_name("cross-attention cache names", self.name)
-        _require_int("cross-attention num_tokens", self.num_tokens, minimum=1)
-        if self.num_kv_heads is not None:
-            _require_int(f"cross-attention {self.name!r} num_kv_heads", self.num_kv_heads, minimum=1)
-        if self.head_size is not None:
-            _require_int(f"cross-attention {self.name!r} head_size", self.head_size, minimum=1)
+        object.__setattr__(self, "num_tokens", _require_int("cross-attention num_tokens", self.num_tokens, minimum=1))
+        for field in ("num_kv_heads", "head_size"):
+            if getattr(self, field) is not None:
+                number = _require_int(f"cross-attention {self.name!r} {field}", getattr(self, field), minimum=1)
+                object.__setattr__(self, field, number)
 
 
 @dataclass(frozen=True)
@@ -124,9 +137,9 @@ class ARDiffusionKVCacheSpec:
             "session_capacity",
             "max_model_len",
         ):
-            _require_int(field, getattr(self, field), minimum=1)
+            object.__setattr__(self, field, _require_int(field, getattr(self, field), minimum=1))
         for field in ("sink_frames", "max_scratch_tokens_per_branch", "model_owned_state_bytes_per_session"):
-            _require_int(field, getattr(self, field), minimum=0)
+            object.__setattr__(self, field, _require_int(field, getattr(self, field), minimum=0))
         if not isinstance(self.reset_at_boundary, bool):
             raise ValueError(f"AR-Diffusion reset_at_boundary must be a bool, got {self.reset_at_boundary!r}")
         # Lists are accepted for convenience and frozen here, so the spec stays hashable.

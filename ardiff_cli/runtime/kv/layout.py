@@ -7,11 +7,10 @@ Pure arithmetic shared by the pools (which allocate) and the capacity planner
 from __future__ import annotations
 
 import math
-import numbers
 import os
 from dataclasses import dataclass
 
-from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
+from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec, as_int
 from ardiff_cli.runtime.errors import ConfigError
 
 SCRATCH_ENV = "AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH"
@@ -36,16 +35,6 @@ def scratch_blocks_from_env() -> int:
         raise ConfigError(f"{SCRATCH_ENV} must be a positive integer number of blocks, got {raw!r}",
                           hint="unset it (1 block), or set it to a whole number of blocks such as 2")
     return value
-
-
-def as_int(value: object) -> int | None:
-    """``value`` as a Python int when it is an integer of any kind (int, numpy's int64, ...) but not a bool; else None.
-    Here, below the planner (``capacity`` imports it from this module), as the layout reads its own arguments."""
-    if type(value) is int:  # the common case, without the ABC check (every forward's seq_len comes here)
-        return value
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    return None
 
 
 @dataclass(frozen=True, slots=True)
