@@ -2224,6 +2224,24 @@ def test_resume_reads_the_runs_own_config_from_any_folder_and_refuses_an_edited_
     assert len(records(run)) == len(lines)  # refused before anything ran
 
 
+def test_resume_refuses_a_config_replaced_by_a_huge_file_without_reading_it_whole(env, data, tmp_path):
+    """run.json's config_sha256 was checked by reading the config whole, while loading it reads 64 KiB at most: a
+    config replaced by a sparse 8 GB file failed the resume as `Error: MemoryError` (exit 3), naming no file."""
+    config, run = tmp_path / "my.yaml", tmp_path / "run"
+    config.write_text(FAST_CONFIG)
+    episodes = tmp_path / "eps"
+    write_episode(episodes / "arm", steps_of(0, 1), prompt="task arm")
+    proc = ardiff(env, "rollout", str(config), str(episodes), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    os.truncate(config, 8 << 30)
+    limit = 1 << 30  # an address space no 8 GB read fits in
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    assert proc.returncode == 2, proc.stderr
+    assert f"Error: {config.resolve()}: more than 64 KiB, which no config is: is it the config?" in proc.stderr
+
+
 def test_resume_refuses_a_checkpoint_replaced_since_the_run_started_and_says_how_to_go_on(env, data, reference,
                                                                                           tmp_path):
     """run.json records the config's checkpoint (path, size, modification time): other weights copied over it, or

@@ -427,6 +427,146 @@ def test_a_safetensors_step_with_data_after_its_last_tensor_is_named_so(tmp_path
         read_step(path)
 
 
+def _npy_header(shape: tuple[int, ...], descr: str = "|u1") -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buffer.getvalue()
+
+
+def _one_member_zip(path: Path, name: str, head: bytes, zeros: int, *, deflated: bool) -> None:
+    """A zip of one member, ``head`` then ``zeros`` zero bytes, its sizes and CRC honest, built without those zeros in
+    memory: stored, the file is sparse; deflated, each MiB of zeros is the same few bytes (a full flush before it)."""
+    import struct
+    import zlib
+
+    block = bytes(1 << 20)
+    crc = zlib.crc32(head)
+    for _ in range(zeros >> 20):
+        crc = zlib.crc32(block, crc)
+    usize = len(head) + zeros
+    if deflated:
+        packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+        first = packer.compress(head) + packer.flush(zlib.Z_FULL_FLUSH)
+        packed_block = packer.compress(block) + packer.flush(zlib.Z_FULL_FLUSH)
+        last = packer.flush()
+        csize = len(first) + len(packed_block) * (zeros >> 20) + len(last)
+    else:
+        csize = usize
+    method, raw_name = 8 if deflated else 0, name.encode()
+    local = struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, method, 0, 0, crc, csize, usize, len(raw_name), 0)
+    with open(path, "wb") as f:
+        f.write(local + raw_name)
+        if deflated:
+            f.write(first)
+            for _ in range(zeros >> 20):
+                f.write(packed_block)
+            f.write(last)
+        else:
+            f.write(head)
+            f.seek(zeros, os.SEEK_CUR)
+        directory_at = f.tell()
+        entry = struct.pack("<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, method, 0, 0, crc, csize, usize, len(raw_name),
+                            0, 0, 0, 0, 0, 0) + raw_name
+        f.write(entry + struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 1, 1, len(entry), directory_at, 0))
+
+
+def test_a_huge_npz_step_is_refused_before_it_is_read_or_unpacked(tmp_path):
+    """An .npz of 3 GiB of zeros (sparse, sizes honest) was read whole, and one of 2.5 GiB of zeros deflated to 2.5 MB
+    (a zip bomb) unpacked whole, before anything was checked: MemoryError (exit 3, a hint to lower
+    --session-capacity). A torch.save checkpoint too large to read, renamed to a step suffix, was 'a zip archive (an
+    .npz?)' under .safetensors: it is named as one from its first member, as a smaller one is. A safetensors step as
+    long as its header declares, 2.5 GiB, was read whole too."""
+    torch = pytest.importorskip("torch")
+    zeros = 2560 << 20
+    _one_member_zip(tmp_path / "stored.npz", "joints.npy", _npy_header((zeros + (512 << 20),)), zeros + (512 << 20),
+                    deflated=False)
+    _one_member_zip(tmp_path / "bomb.npz", "joints.npy", _npy_header((zeros,)), zeros, deflated=True)
+    assert (tmp_path / "bomb.npz").stat().st_size < 4 << 20
+    header = json.dumps({"x": {"dtype": "U8", "shape": [zeros], "data_offsets": [0, zeros]}}).encode()
+    honest = len(header).to_bytes(8, "little") + header  # a safetensors header declaring 2.5 GiB, all there
+    (tmp_path / "honest.safetensors").write_bytes(honest)
+    os.truncate(tmp_path / "honest.safetensors", len(honest) + zeros)
+    for suffix in (".safetensors", ".npz"):
+        torch.save({"joints": torch.zeros(7)}, tmp_path / f"checkpoint{suffix}")
+        os.truncate(tmp_path / f"checkpoint{suffix}", (1 << 30) + 1)  # as long as a real one, never read
+    code = ("from ardiff_cli.io import read_step\n"
+            "for name in ('stored.npz', 'bomb.npz', 'honest.safetensors', 'checkpoint.safetensors', "
+            "'checkpoint.npz'):\n"
+            "    try:\n        read_step(name)\n"
+            "    except BaseException as exc:\n        print(type(exc).__name__, exc)\n")
+    assert _in_a_small_address_space(code, tmp_path).splitlines() == [
+        "ObservationError stored.npz: cannot read .npz file: it takes 3221225718 bytes, more than the 1 GiB a step "
+        "file may take",
+        "ObservationError bomb.npz: cannot read .npz file: its members take 2684354688 bytes unpacked ('joints.npy': "
+        "2684354688), more than the 1 GiB a step file may take",
+        f"ObservationError honest.safetensors: cannot read safetensors file: it takes {len(honest) + zeros} bytes, "
+        "more than the 1 GiB a step file may take",
+        "ObservationError checkpoint.safetensors: cannot read safetensors file: it is a torch.save file (a zip holding "
+        "a pickle), not safetensors",
+        "ObservationError checkpoint.npz: cannot read .npz file: it is a torch.save file (a zip holding a pickle), not "
+        "an .npz"]
+
+
+def test_an_npz_array_whose_header_numpy_will_not_read_is_named_without_a_word_of_pickle(tmp_path):
+    """numpy refuses an .npy header over 10,000 bytes, and its message says to pass allow_pickle=True, which ardiff
+    never does; a damaged header failed the step as an error in the pipeline (tokenize's TokenError, exit 1)."""
+    header = "{'descr': '<f4', 'fortran_order': False, 'shape': (7,), }"
+    long = header.ljust(12_000) + "\n"
+    cut = "{'descr': '<f4', 'fortran_order': False, 'shape': (7,".ljust(117) + "\n"
+    for name, text in (("long", long), ("cut", cut)):
+        with zipfile.ZipFile(tmp_path / f"{name}.npz", "w") as archive:
+            archive.writestr("joints.npy", b"\x93NUMPY\x02\x00" + len(text).to_bytes(4, "little") + text.encode()
+                             + np.zeros(7, np.float32).tobytes())
+    with pytest.raises(ObservationError) as info:
+        read_step(tmp_path / "long.npz")
+    assert str(info.value) == (f"{tmp_path / 'long.npz'}: cannot read .npz file: array 'joints' has a .npy header of "
+                               "12001 bytes, more than the 10000 numpy reads (numpy.savez writes about 120)")
+    assert "pickle" not in info.value.hint and "numpy.savez" in info.value.hint
+    with pytest.raises(ObservationError, match=r"cut.npz: cannot read .npz file: array 'joints' has a .npy header "
+                                               r"numpy cannot read: "):
+        read_step(tmp_path / "cut.npz")
+
+
+def test_an_npz_whose_deflated_data_is_damaged_is_named_corrupt(tmp_path):
+    """zlib's own error (`Error -3 while decompressing data`) failed the step as an error in the pipeline (exit 1)."""
+    path = tmp_path / "step_000000.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        with archive.open("joints.npy", "w") as member:
+            np.lib.format.write_array(member, np.arange(7, dtype=np.float32))
+    data = bytearray(path.read_bytes())
+    data[30 + len("joints.npy")] = 0xFF  # the first deflate block's type: 3, which no deflate stream has
+    path.write_bytes(bytes(data))
+    with pytest.raises(ObservationError) as info:
+        read_step(path)
+    assert str(info.value) == (f"{path}: cannot read .npz file: truncated or corrupt: Error -3 while decompressing "
+                               "data: invalid block type")
+
+
+@pytest.mark.parametrize("flag_offsets, message", [
+    ((6, 8), "is encrypted, password required for extraction"),  # the 'encrypted' bit of each header's flags
+    ((8, 10), "That compression method is not supported"),  # each header's method: 99, which zipfile does not know
+])
+def test_an_npz_member_zipfile_cannot_unpack_is_bad_input_not_a_pipeline_error(tmp_path, flag_offsets, message):
+    """zipfile's RuntimeError (a password) and NotImplementedError (another packing) failed the step as an error in
+    the pipeline: exit 1, 'fix the pipeline'."""
+    path = tmp_path / "step_000000.npz"
+    np.savez(path, joints=np.arange(7, dtype=np.float32))
+    data = bytearray(path.read_bytes())
+    local, central = data.find(b"PK\x03\x04"), data.find(b"PK\x01\x02")
+    if message.startswith("That"):
+        data[local + flag_offsets[0]], data[central + flag_offsets[1]] = 99, 99
+    else:
+        data[local + flag_offsets[0]] |= 1
+        data[central + flag_offsets[1]] |= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(ObservationError) as info:
+        read_step(path)
+    assert str(info.value).startswith(f"{path}: cannot read .npz file: ") and message in str(info.value)
+    assert "without a password" in info.value.hint
+
+
 def test_huge_run_files_are_refused_naming_them_not_read_whole(tmp_path):
     """A sparse 8 GB run.json, results.jsonl or .swap/kept.json in --out: `Error: MemoryError`, naming no file."""
     for name in ("run", "results", "kept"):

@@ -628,7 +628,9 @@ def _same_pipeline_option(given: str | None, recorded: str | None) -> None:
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    from ardiff_cli.runtime.config import read_config_bytes
+
+    return hashlib.sha256(read_config_bytes(path)).hexdigest()
 
 
 def _resume_config(given: str | None, info: dict[str, Any]) -> str:

@@ -492,15 +492,24 @@ _TORCH_SAVE_HINT = ("ardiff never unpickles files; save the tensors with safeten
 
 
 def _is_torch_save(data: bytes) -> bool:
-    """Whether zip bytes ``data`` are what torch.save writes: a ``<name>/data.pkl`` member beside the tensors."""
+    """Whether ``data``, a file's bytes or only its first ones, are what torch.save writes: a zip whose first member
+    (the one torch.save writes first) or any member is ``<name>/data.pkl``, beside the tensors."""
     import io
     import zipfile
 
+    if not data.startswith(b"PK\x03\x04"):
+        return False
+    if _is_pickle_member(data[30:30 + int.from_bytes(data[26:28], "little")].decode("latin-1")):  # its local header
+        return True
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            return any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist())
+            return any(map(_is_pickle_member, archive.namelist()))
     except (zipfile.BadZipFile, OSError, EOFError, ValueError):
         return False
+
+
+def _is_pickle_member(name: str) -> bool:
+    return name == "data.pkl" or name.endswith("/data.pkl")
 
 
 def _is_safetensors(data: bytes) -> bool:
@@ -577,9 +586,32 @@ def _read_bytes(path: Path) -> tuple[bytes, tuple[int, ...]]:
             if path.suffix == ".safetensors":  # before the read: a 100 GB file is not read whole to refuse it
                 _refuse_safetensors_of_another_size(path, f, st.st_size)
                 f.seek(0)
+            if st.st_size > MAX_STEP_BYTES:
+                raise _too_large(path, f, st.st_size)
             return f.read(), _signature(st)
     except OSError as exc:
         raise _unreadable(path, exc) from None
+
+
+# A step file holds one step's observations: a few MB (four 720p frames of three cameras take 33 MB, and the model
+# resizes them to its tiles). One past this, or an .npz whose arrays take more unpacked, is refused before it is read
+# or unpacked: an 8 GB one (sparse, or a zip of zeros a few MB long) was read whole, a MemoryError (exit 3, a hint to
+# lower --session-capacity).
+MAX_STEP_BYTES = 1 << 30
+_TOO_LARGE_HINT = ("a step file holds one step's observations, a few MB: store camera frames at about the model's size "
+                   "(it resizes them to its tiles), one step's frames per file")
+_HEAD_BYTES = 4096  # what is read of a step file refused for its size, to say what it is
+
+
+def _too_large(path: Path, f: BinaryIO, size: int) -> ObservationError:
+    """Why the step file ``path`` (open as ``f``, at its start) of ``size`` bytes, more than ``MAX_STEP_BYTES``, is
+    not read: a torch.save checkpoint under a step suffix is named as one (from its first member), any other file
+    by its size."""
+    kind, other = ("safetensors file", "safetensors") if path.suffix == ".safetensors" else (".npz file", "an .npz")
+    if _is_torch_save(f.read(_HEAD_BYTES)):
+        return ObservationError(f"{path}: cannot read {kind}: it is {_TORCH_SAVE}, not {other}", hint=_TORCH_SAVE_HINT)
+    return ObservationError(f"{path}: cannot read {kind}: it takes {size} bytes, more than the "
+                            f"{MAX_STEP_BYTES >> 30} GiB a step file may take", hint=_TOO_LARGE_HINT)
 
 
 def _unreadable(path: Path, exc: OSError) -> ObservationError:
@@ -651,10 +683,9 @@ def safetensors_header(data: bytes) -> tuple[int, dict[str, Any]]:
     return length, parse_json(data[8:8 + length])
 
 
-# safetensors refuses a header longer than this; a file whose header cannot be parsed is read whole up to this size to
-# say what it is (a torch.save zip is told by its last bytes), and named from its first bytes above it.
+# safetensors refuses a header longer than this. A file whose header cannot be parsed is read whole to say what it is
+# (a torch.save zip is told by its member names), and named from its first bytes when too large to be read.
 _MAX_HEADER_BYTES = 100_000_000
-_DIAGNOSED_WHOLE = 1 << 30
 
 
 def _refuse_safetensors_of_another_size(path: Path, f: BinaryIO, size: int) -> None:
@@ -665,10 +696,10 @@ def _refuse_safetensors_of_another_size(path: Path, f: BinaryIO, size: int) -> N
     try:
         declared, _ = _declared_safetensors_size(f, size)
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-        if size <= _DIAGNOSED_WHOLE:
+        if size <= MAX_STEP_BYTES:
             return  # read whole, the file is named as what it is
         f.seek(0)
-        raise _unreadable_safetensors(path, f.read(16), exc, size=size) from None
+        raise _unreadable_safetensors(path, f.read(_HEAD_BYTES), exc, size=size) from None
     if declared > size:
         raise ObservationError(f"{path}: cannot read safetensors file: truncated or corrupt ({size} bytes; its header "
                                f"declares {declared})", hint=WRITE_HINT)
@@ -717,7 +748,7 @@ def _unreadable_safetensors(path: Path, data: bytes, exc: Exception, *, size: in
     """Why safetensors refused ``path`` (its bytes ``data``, or their first ones of ``size`` in all), in words: another
     format, a truncated file, or corrupt bytes."""
     head, size = data[:16], len(data) if size is None else size
-    if head.startswith(b"PK\x03\x04") and _is_torch_save(data):  # not an .npz: renamed, it would fail again
+    if _is_torch_save(data):  # not an .npz: renamed, it would fail again
         return ObservationError(f"{path}: cannot read safetensors file: it is {_TORCH_SAVE}, not safetensors",
                                 hint=_TORCH_SAVE_HINT)
     for signature, what, hint in _SIGNATURES:
@@ -735,9 +766,12 @@ def _unreadable_safetensors(path: Path, data: bytes, exc: Exception, *, size: in
 
 
 def _load_npz(path: Path, data: bytes) -> RawStep:
+    """The arrays and text of the .npz bytes ``data``, checked before any array is unpacked: its zip directory (keys,
+    a torch.save's pickle, the size of its members unpacked), then each member's .npy header. np.load unpacked every
+    member first: a zip of a few MB of zeros became 8 GB, a MemoryError (exit 3, a hint to lower --session-capacity)."""
     import io
     import zipfile
-    from collections import Counter
+    import zlib
 
     import numpy as np
 
@@ -750,72 +784,107 @@ def _load_npz(path: Path, data: bytes) -> RawStep:
                    "write .npz files with numpy.savez or ardiff_cli.io.write_step")
         what, hint = next(((w, h) for sig, w, h in _SIGNATURES if head.startswith(sig)), unknown)
         raise ObservationError(f"{path}: cannot read .npz file: it is {what}, not an .npz", hint=hint)
-    try:
-        short = _declared_past_member(data)
-    except (OSError, zipfile.BadZipFile, EOFError, ValueError):
-        short = None  # np.load names what is wrong with it
-    if short:
-        raise ObservationError(f"{path}: cannot read .npz file: truncated or corrupt: {short}", hint=WRITE_HINT)
     arrays: dict[str, Any] = {}
     metadata: dict[str, str] = {}
-    not_arrays: list[str] = []  # zip members that are not .npy files
-    key = None  # the member being read: an object array is refused by name
-    keys: list[str] = []
     try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            keys = npz.files
-            for key in dict.fromkeys(keys):
-                value = npz[key]
-                if not isinstance(value, np.ndarray):  # np.load hands back raw bytes for a member that is not .npy
-                    not_arrays.append(key)
-                elif value.dtype.kind == "U" and value.ndim == 0:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            members = archive.infolist()
+            _refuse_npz_directory(path, members)
+            headers = {info: _npy_header(path, archive, info) for info in members}
+            not_arrays = [info.filename.removesuffix(".npy") for info, header in headers.items() if header is None]
+            if not_arrays:  # np.load hands back a member that is not .npy as its bytes, unpacked whole
+                raise ObservationError(f"{path}: expected only .npy arrays in the .npz, got other files: "
+                                       f"{', '.join(map(repr, not_arrays))}",
+                                       hint="write .npz files with numpy.savez or ardiff_cli.io.write_step; put text "
+                                            "in episode.yaml")
+            for info, (_, _, dtype) in headers.items():
+                key = info.filename.removesuffix(".npy")
+                try:
+                    with archive.open(info) as member:
+                        value = np.lib.format.read_array(member, allow_pickle=False)
+                except ValueError as exc:
+                    if dtype.hasobject:  # its data is a pickle
+                        raise ObservationError(f"{path}: cannot read .npz without pickle: {exc} (array {key!r})",
+                                               hint="store plain numeric arrays; put text in episode.yaml") from None
+                    raise ObservationError(f"{path}: cannot read .npz file: truncated or corrupt: array {key!r}: {exc}",
+                                           hint=WRITE_HINT) from None
+                if value.dtype.kind == "U" and value.ndim == 0:
                     metadata[key] = str(value)  # text (the prompt) stored as a 0-d string array
                 else:
                     arrays[key] = value
-    except ValueError as exc:
-        member = "" if key is None else f" (array {key!r})"
-        raise ObservationError(f"{path}: cannot read .npz without pickle: {exc}{member}",
-                               hint="store plain numeric arrays; put text in episode.yaml") from None
-    except (OSError, zipfile.BadZipFile, EOFError) as exc:
+    except (OSError, zipfile.BadZipFile, EOFError, zlib.error) as exc:
         raise ObservationError(f"{path}: cannot read .npz file: truncated or corrupt: {exc}", hint=WRITE_HINT) from None
+    except (RuntimeError, NotImplementedError) as exc:  # zipfile: a member with a password, or packed another way
+        raise ObservationError(f"{path}: cannot read .npz file: {exc}",
+                               hint="numpy.savez and ardiff_cli.io.write_step write members stored or deflated, "
+                                    "without a password: write the step again with one of them") from None
+    return RawStep(arrays=arrays, metadata=metadata)
+
+
+def _refuse_npz_directory(path: Path, members: list[Any]) -> None:
+    """Refuse, from its zip directory ``members`` alone (nothing unpacked), an .npz holding a key twice, a torch.save
+    file, or members that take more than a step file may once unpacked."""
+    from collections import Counter
+
+    keys = [info.filename.removesuffix(".npy") for info in members]
     twice = next((k for k, count in Counter(keys).items() if count > 1), None)
     if twice is not None:  # a zip may hold two members of one name (numpy.savez never writes it): one ran silently
         raise ObservationError(f"{path}: key {twice!r} is given twice in the .npz (two members named {twice!r} or "
                                f"{twice + '.npy'!r}); np.load would take one of them silently",
                                hint="keep one of them: write the step again with numpy.savez or "
                                     "ardiff_cli.io.write_step")
-    if not_arrays and _is_torch_save(data):
+    if any(_is_pickle_member(info.filename) for info in members):
         raise ObservationError(f"{path}: cannot read .npz file: it is {_TORCH_SAVE}, not an .npz",
                                hint=_TORCH_SAVE_HINT)
-    if not_arrays:
-        raise ObservationError(
-            f"{path}: expected only .npy arrays in the .npz, got other files: {', '.join(map(repr, not_arrays))}",
-            hint="write .npz files with numpy.savez or ardiff_cli.io.write_step; put text in episode.yaml",
-        )
-    return RawStep(arrays=arrays, metadata=metadata)
+    unpacked = sum(info.file_size for info in members)  # what unpacking yields at most: zipfile stops there
+    if unpacked > MAX_STEP_BYTES:
+        largest = max(members, key=lambda info: info.file_size)
+        raise ObservationError(f"{path}: cannot read .npz file: its members take {unpacked} bytes unpacked "
+                               f"({largest.filename!r}: {largest.file_size}), more than the {MAX_STEP_BYTES >> 30} "
+                               "GiB a step file may take", hint=_TOO_LARGE_HINT)
 
 
-def _declared_past_member(data: bytes) -> str | None:
-    """The first array of the .npz bytes ``data`` whose header declares more data than its member holds, in words;
-    None if none does. np.load allocates what a header declares before reading: a 150-byte file declaring 14.6 TiB
-    failed its step as out of memory (exit 3, a hint to lower --session-capacity)."""
+# numpy reads an .npy header at most this long unless told to trust the file (allow_pickle=True, which ardiff never
+# passes); numpy.savez writes about 120 for any array a step holds.
+_MAX_NPY_HEADER_BYTES = 10_000
+
+
+def _npy_header(path: Path, archive: Any, info: Any) -> tuple[tuple[int, ...], bool, Any] | None:
+    """(shape, fortran_order, dtype) from the .npy header of the .npz member ``info`` of the open zip ``archive``, its
+    data left packed; None for a member that is not an .npy array. A header numpy would refuse, or one declaring
+    more data than its member holds, is an ``ObservationError`` naming the array: np.load allocated the declared size
+    first (a 150-byte file declaring 14.6 TiB failed its step as out of memory, exit 3)."""
     import io
     import math
-    import zipfile
+    import tokenize
 
     import numpy as np
 
-    with zipfile.ZipFile(io.BytesIO(data)) as archive:
-        for info in archive.infolist():
-            if not info.filename.endswith(".npy"):
-                continue
-            with archive.open(info) as member:
-                version = np.lib.format.read_magic(member)
-                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-                shape, _, dtype = read(member)
-                declared = math.prod(shape) * dtype.itemsize
-                held = info.file_size - member.tell()
-            if declared > held and not dtype.hasobject:  # an object array's data is a pickle: np.load refuses it
-                return (f"array {info.filename[:-4]!r} declares shape {shape} of {dtype} ({declared} bytes), and its "
-                        f"member holds {held} bytes")
-    return None
+    key = info.filename.removesuffix(".npy")
+    with archive.open(info) as member:
+        prefix = member.read(10)  # magic (6 bytes), version (2), the header's length (2 bytes; 4 from version 2)
+        if not prefix.startswith(np.lib.format.MAGIC_PREFIX):
+            return None
+        if prefix[6:7] not in (b"", b"\x01"):
+            prefix += member.read(2)
+        length = int.from_bytes(prefix[8:], "little")
+        if length > _MAX_NPY_HEADER_BYTES:  # numpy's own error said to pass allow_pickle=True
+            raise ObservationError(f"{path}: cannot read .npz file: array {key!r} has a .npy header of {length} bytes, "
+                                   f"more than the {_MAX_NPY_HEADER_BYTES} numpy reads (numpy.savez writes about 120)",
+                                   hint="it is damaged or was not written by numpy: write the step again with "
+                                        "numpy.savez or ardiff_cli.io.write_step")
+        try:
+            header = io.BytesIO(prefix + member.read(length))
+            version = np.lib.format.read_magic(header)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran_order, dtype = read(header)
+        except (ValueError, tokenize.TokenError) as exc:  # a damaged header: numpy tokenizes it, and may not finish
+            raise ObservationError(f"{path}: cannot read .npz file: array {key!r} has a .npy header numpy cannot read: "
+                                   f"{exc}", hint=WRITE_HINT) from None
+    declared = math.prod(shape) * dtype.itemsize
+    held = info.file_size - len(prefix) - length
+    if declared > held and not dtype.hasobject:  # an object array's data is a pickle: reading it refuses it
+        raise ObservationError(f"{path}: cannot read .npz file: truncated or corrupt: array {key!r} declares shape "
+                               f"{shape} of {dtype} ({declared} bytes), and its member holds {held} bytes",
+                               hint=WRITE_HINT)
+    return shape, fortran_order, dtype

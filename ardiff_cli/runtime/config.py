@@ -312,18 +312,27 @@ def duplicate_key(text: str) -> tuple[str, str] | None:
 MAX_CONFIG_BYTES = 64 << 10  # a config is a few hundred bytes; PyYAML reads about 0.5 MB/s, and reads it twice
 
 
-def read_yaml(path: Path) -> dict[str, Any]:
+def read_config_bytes(path: Path) -> bytes:
+    """The bytes of the config file ``path``; one longer than ``MAX_CONFIG_BYTES`` (never read past them), or that
+    cannot be read, is a ``ConfigError`` naming it. What ``read_yaml`` parses and run.json's ``config_sha256`` hashes:
+    a resumed run's config replaced by a sparse 8 GB file was read whole to hash it, `Error: MemoryError` (exit 3)."""
     try:
         with open(path, "rb") as file:
             raw = file.read(MAX_CONFIG_BYTES + 1)
-        if len(raw) > MAX_CONFIG_BYTES:  # a data file given as CONFIG: it stalled for seconds to minutes, silently
-            raise ConfigError(f"{path}: more than {MAX_CONFIG_BYTES >> 10} KiB, which no config is: is it the config?",
-                              hint="pass a config YAML (a few lines: pipeline, model, runtime) or a built-in name")
-        text = raw.decode("utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}",
                           hint="check that the user running ardiff may read it and enter its folders "
                                "(permissions)") from None
+    if len(raw) > MAX_CONFIG_BYTES:  # a data file given as CONFIG: it stalled for seconds to minutes, silently
+        raise ConfigError(f"{path}: more than {MAX_CONFIG_BYTES >> 10} KiB, which no config is: is it the config?",
+                          hint="pass a config YAML (a few lines: pipeline, model, runtime) or a built-in name")
+    return raw
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    raw = read_config_bytes(path)
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r})",
                           hint="save the config as UTF-8 YAML") from None
