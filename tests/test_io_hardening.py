@@ -276,6 +276,23 @@ def test_write_episode_refuses_metadata_that_rollout_would_refuse_for_its_size(t
     assert not (tmp_path / "ep").exists()
 
 
+@pytest.mark.parametrize("format", ["safetensors", "npz"])
+def test_write_step_refuses_a_step_that_rollout_would_refuse_for_its_size(tmp_path, monkeypatch, format):
+    """The writer wrote a step file over the reader's MAX_STEP_BYTES (1 GiB), which rollout then refused; both now
+    read one limit, lowered here to 1 MiB so that the test holds a few MiB, not GiBs."""
+    from ardiff_cli.io import episode
+
+    monkeypatch.setattr(episode, "MAX_STEP_BYTES", 1 << 20)
+    small = {"image": np.zeros((1, 64, 64, 3), np.uint8)}
+    write_step(tmp_path / "ep", 0, small, format=format)
+    assert read_step(tmp_path / "ep" / f"step_000000.{format}").arrays["image"].shape == (1, 64, 64, 3)
+    big = {"image": np.zeros((4, 256, 256, 3), np.uint8)}  # 786,432 bytes: taken; twice that: refused
+    write_step(tmp_path / "ep", 1, big, format=format)
+    with pytest.raises(ValueError, match=r"^step 2: its file would take \d+ bytes, more than the 1.00 MiB rollout reads"):
+        write_step(tmp_path / "ep", 2, {"image": np.zeros((8, 256, 256, 3), np.uint8)}, format=format)
+    assert sorted(p.name for p in (tmp_path / "ep").iterdir()) == [f"step_000000.{format}", f"step_000001.{format}"]
+
+
 def test_npz_member_that_is_not_an_array_is_named(tmp_path):
     path = tmp_path / "step_000000.npz"
     np.savez(path, joints=np.zeros(7, np.float32))
