@@ -96,6 +96,8 @@ class StepFailed(ArdiffError):
 
 
 def _step_hint(phase: str, cause: BaseException) -> str:
+    if too_many_open_files(cause):  # the environment's limit, in any phase: not the disk's, the file's or the model's
+        return open_files_hint("continue with --resume")
     if phase == "write":
         return WRITE_HINT
     if is_out_of_memory(cause):
@@ -166,15 +168,17 @@ def out_of_memory_hint(hint: str) -> str:
     return f"{hint}; or raise this process's address-space limit (now ulimit -v {limit // 1024})"
 
 
-def open_files_hint() -> str:
+def open_files_hint(then: str = "run again") -> str:
     """What to do when the limit on open files was reached: it was called the pipeline's failure, to be reported."""
     limit = open_files_limit()
     now = "" if limit is None else f" (now ulimit -n {limit})"
     return (f"this process reached its limit on open files{now}, or the system its own: raise it (ulimit -n 1024, "
-            "say) and run again")
+            f"say) and {then}")
 
 
 def rule_for(exc: BaseException) -> ErrorRule | None:
+    if isinstance(exc, StepFailed) and too_many_open_files(exc.cause):  # as the limit reached anywhere else
+        return _TOO_MANY_OPEN_FILES
     for rule in ERROR_TABLE:
         if isinstance(exc, rule.exc_type):
             return rule
@@ -205,7 +209,7 @@ def report(out: Output, exc: BaseException) -> int:
                     "room to load torch: raise it, or run with ulimit -v unlimited")
         elif rule is _OUT_OF_MEMORY:
             hint = out_of_memory_hint(hint)
-        elif rule is _TOO_MANY_OPEN_FILES:
+        elif rule is _TOO_MANY_OPEN_FILES and not isinstance(exc, StepFailed):  # a step's says to --resume
             hint = open_files_hint()
         if out.verbose:
             out.traceback(exc)

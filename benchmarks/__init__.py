@@ -4,10 +4,15 @@ import signal
 import sys
 
 EARLY_STOP = "interrupted by SIGINT; no results were written"  # Ctrl-C before exit_on_signals took the signals
+# every results file benchmarks.common.write_json wrote, in order: what a stop after the write must name (while the
+# table prints: common.exit_on_signals; as the process exits, the signals given back: here, which said "no results
+# were written" of a file in place)
+WRITTEN: list = []
 
 
 def _stopped_early(signum: int, frame: object) -> None:
-    print(EARLY_STOP, file=sys.stderr)
+    written = ", ".join(map(str, WRITTEN))
+    print(f"interrupted by SIGINT; results were written to {written}" if written else EARLY_STOP, file=sys.stderr)
     sys.exit(130)
 
 

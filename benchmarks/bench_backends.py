@@ -22,7 +22,6 @@ Both outputs are compared with each other and with a dense float32 reference.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ from ardiff_cli.runtime.errors import ConfigError
 from ardiff_cli.runtime.kv.backends import select_attention_backend
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
 from ardiff_cli.runtime.kv.layout import KVLayout
-from benchmarks.common import (DEFAULT_THREADS, exit_on_signals, json_path, machine_info, positive_int,
+from benchmarks.common import (DEFAULT_THREADS, dumps, exit_on_signals, json_path, machine_info, positive_int,
                                reader_may_leave, set_threads, write_json)
 
 FULL = dict(num_heads=40, head_size=128, tokens_per_frame=220, frames_per_block=4, sink_frames=0,
@@ -199,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         written = args.json is None or write_json(args.json, result)  # before stdout, whose reader may be gone
         with reader_may_leave():
             print(line)
-            print(json.dumps(result))
+            print(dumps(result))
         return 0 if written else 1
 
     return exit_on_signals(measure)

@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import errno
 import json
+import math
 import os
 import platform
 import signal
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ardiff_cli.entry import fill_closed_standard_streams
+from benchmarks import WRITTEN
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,8 +46,6 @@ DEFAULT_THREADS = 1
 # others run the tiny configs, whose head size 16 vLLM's CPU kernel does not take, or measure torch by design.
 ATTENTION_BENCHMARKS = ("rolling", "resume", "swap")
 _attention_backend = "auto"
-# every results file write_json wrote, in order: what a stop after the write (while the table prints) must name
-_written: list[Path] = []
 # a signal that came while write_json was writing (and recording) a file, raised once it is done: a stop between the
 # rename and the record said "no results were written" of a file in place
 _held: dict[str, int | None] = {"depth": 0, "signum": None}
@@ -302,7 +302,7 @@ def exit_on_signals(main: Callable[[], int]) -> int:
             raise Stopped(signum)
 
     previous = {}
-    first = len(_written)  # files written before this run are not its results
+    first = len(WRITTEN)  # files written before this run are not its results
     if threading.current_thread() is threading.main_thread():
         previous = {signum: signal.signal(signum, stop) for signum in HANDLED if signal.getsignal(signum) is not
                     signal.SIG_IGN}
@@ -311,7 +311,7 @@ def exit_on_signals(main: Callable[[], int]) -> int:
         done = True
         return code
     except Stopped as stopped:
-        written = _written[first:]  # it said "no results were written" of a file written before the table
+        written = WRITTEN[first:]  # it said "no results were written" of a file written before the table
         print(f"{stopped}; " + (f"results were written to {', '.join(map(str, written))}" if written
                                 else "no results were written"), file=sys.stderr)
         return 128 + stopped.signum
@@ -423,15 +423,33 @@ def _json_path(text: str) -> Path:
     return path
 
 
+def _finite(obj: object) -> object:
+    """``obj`` with every NaN or infinite float as None: ``json.dumps`` writes them as ``NaN`` and ``Infinity``,
+    which are not JSON (jq, JavaScript and strict parsers refuse the whole file), and a diverged output's
+    ``max_abs_diff`` is NaN."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {key: _finite(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(value) for value in obj]
+    return obj
+
+
+def dumps(obj: object, **kwargs) -> str:
+    """``obj`` as strict JSON: NaN and infinity become null (:func:`_finite`)."""
+    return json.dumps(_finite(obj), allow_nan=False, **kwargs)
+
+
 def write_json(path: Path, obj: dict) -> bool:
     """Write ``obj`` to ``path`` whole or not at all (a temporary file renamed over it), so an interrupted or failed
     write leaves the file that was there; on failure, say so on stderr and return False."""
     from ardiff_cli.io.atomic import atomic_write_text
 
-    _held["depth"] += 1  # a stop meanwhile waits: the file and its record in _written go together
+    _held["depth"] += 1  # a stop meanwhile waits: the file and its record in WRITTEN go together
     try:
-        atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
-        _written.append(path)
+        atomic_write_text(path, dumps(obj, indent=2) + "\n")
+        WRITTEN.append(path)
     except OSError as error:
         print(f"error: could not write {path}: {error.strerror or error}", file=sys.stderr)
         return False
@@ -471,7 +489,7 @@ def cli(run: Callable[[bool], dict], description: str, argv: list[str] | None = 
         result = {**run(args.quick), "machine": machine_info()}
         written = args.json is None or write_json(args.json, result)  # before stdout, whose reader may be gone
         with reader_may_leave():
-            print(json.dumps(result, indent=2))
+            print(dumps(result, indent=2))
         return 0 if written else 1
 
     return exit_on_signals(main)

@@ -22,8 +22,8 @@ Each fault is a JSON object:
   leave them);
 - ``action`` (block and sampler): ``raise`` (default), ``oom`` (allocate 1 PiB on the host: torch's CPU allocator
   raises its own RuntimeError), ``memory_error`` (a bare ``MemoryError()``, as Python's allocator raises), ``exit``
-  (``typer.Exit(0)``: an exception whose ``exit_code`` is 0), ``sleep`` (touch ``marker``, then sleep ``seconds``,
-  or until the file ``release``
+  (``typer.Exit(0)``: an exception whose ``exit_code`` is 0), ``emfile`` (``OSError`` EMFILE), ``sleep`` (touch
+  ``marker``, then sleep ``seconds``, or until the file ``release``
   exists: for signals that must arrive in the middle of a forward), ``swallow_signal`` (send the process SIGTERM
   twice inside ``try: ... except Exception: pass`` and go on, as a pipeline or library that catches everything
   would: the first only asks the step to finish, the second is raised there) or ``wrap_signal`` (the same, then
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import gc
 import json
 import os
@@ -87,6 +88,8 @@ def _act(fault: dict[str, Any], message: str) -> None:
         import typer
 
         raise typer.Exit(0)
+    if fault.get("action") == "emfile":  # the limit on open files reached by a library the forward calls
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), "/tmp/kernel-cache.lock")
     if fault.get("action") == "cuda_oom":  # what a kernel allocating outside torch's allocator raises on a full GPU
         raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some "
                            "other API call, so the stacktrace below might be incorrect.")

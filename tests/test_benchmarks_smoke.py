@@ -945,6 +945,47 @@ def test_a_signal_while_the_file_is_written_waits_for_it_and_names_it(tmp_path, 
     assert json.loads(path.read_text()) == {"id": "capacity"}
 
 
+STOP_AS_IT_EXITS = """
+import os, signal, sys
+path = sys.argv[1]
+sys.argv = ["-m"]  # as `python -m benchmarks[.bench_<id>]` imports the package: its early Ctrl-C handler
+import benchmarks
+from benchmarks.common import exit_on_signals, write_json
+code = exit_on_signals(lambda: 0 if write_json(path, {"id": "capacity"}) else 1)
+os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in sys.exit(main()): the run done, the signals given back
+sys.exit(code)
+"""
+
+
+def test_a_ctrl_c_as_the_process_exits_names_the_file_it_wrote(tmp_path):
+    """exit_on_signals gives the signals back as it returns, to the package's early handler: a Ctrl-C in the last
+    moments of `python -m benchmarks` said "no results were written" of a whole results file."""
+    path = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, "-c", STOP_AS_IT_EXITS, str(path)], cwd=REPO_ROOT, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr == f"interrupted by SIGINT; results were written to {path}\n"
+    assert json.loads(path.read_text()) == {"id": "capacity"}
+
+
+def test_results_files_are_strict_json_nan_and_infinity_written_as_null(tmp_path):
+    """json.dump wrote a diverged output's max_abs_diff as NaN (and an infinity as Infinity), which is not JSON:
+    jq and JavaScript refused the whole results file."""
+    from benchmarks.common import dumps, write_json
+
+    path = tmp_path / "results.json"
+    result = {"id": "attention", "max_abs_diff": math.nan, "ratio": math.inf, "rows": [{"error": -math.inf}, 1.5]}
+    assert write_json(path, result)
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    assert json.loads(path.read_text(), parse_constant=refuse) == {
+        "id": "attention", "max_abs_diff": None, "ratio": None, "rows": [{"error": None}, 1.5]}
+    assert json.loads(dumps(result), parse_constant=refuse)["max_abs_diff"] is None  # what stdout gets
+    assert math.isnan(result["max_abs_diff"])  # the caller's figures (the table's) are left as they were
+
+
 def test_percentile_takes_the_nearest_rank_of_the_sorted_values():
     """rolling's p99/p50 (published in the README) is this rank: the nearest one, not the one below it."""
     from benchmarks.common import percentile

@@ -567,6 +567,22 @@ def test_an_episode_folder_given_twice_runs_once(env, data, tmp_path):
     assert sorted(p.name for p in (run / "episodes").iterdir()) == ["arm_a", "arm_b"]
 
 
+def test_episodes_one_level_deeper_than_a_folder_of_episodes_are_named_with_the_folder_to_give(env, data, tmp_path):
+    """`data/run1/episode_000/step_*` given as `data`: run1 was an episode that "holds no step files", with a hint
+    to use --follow."""
+    for name in ("episode_000", "episode_001"):
+        shutil.copytree(data / "eps" / "arm_a", tmp_path / "data" / "run1" / name)
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(tmp_path / "data"), "--out", str(tmp_path / "run"),
+                  "--no-warmup", "--format", "plain")
+    assert proc.returncode == 2, proc.stderr
+    assert (f"Error: episode 'run1' failed: {tmp_path / 'data' / 'run1'}: the episode folder holds no step files, "
+            "but its sub-folders episode_000, episode_001 look like episode folders, one level down") in proc.stderr
+    assert f"hint: give {tmp_path / 'data' / 'run1'} as EPISODE: a folder of episode folders runs" in proc.stderr
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(tmp_path / "data" / "run1"), "--out",
+                  str(tmp_path / "run2"), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_runs_started_in_the_same_second_in_one_folder_each_get_their_own_default_out(env, data, tmp_path):
     """Two cron jobs started at 02:00:00 in one folder, without --out: both pick ardiff-runs/<that second>. The
     first is held while its --pipeline module imports (after it named its folder, before it created it) and the

@@ -151,6 +151,34 @@ def test_a_run_folder_holding_only_its_lock_is_a_run_folder_not_an_episode(tmp_p
     assert [e.name for e in discover_episodes([data])] == ["a", "ardiff-runs"]
 
 
+READ_AT_THE_LIMIT = """
+import os, sys
+from pathlib import Path
+from ardiff_cli.io.episode import EpisodeSource, load_step
+held = []
+try:
+    while True:  # every descriptor this process may have: the next open is EMFILE
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+for read in (lambda: load_step(Path(sys.argv[1]) / "step_000000.safetensors"),
+             lambda: EpisodeSource(name="e", path=Path(sys.argv[1])).metadata()):
+    try:
+        read()
+    except Exception as exc:
+        print(type(exc).__name__, getattr(exc, "errno", None))
+"""
+
+
+def test_a_step_file_read_at_the_open_files_limit_is_not_taken_for_invalid_input(tmp_path):
+    """At the limit on open files, reading a step file or episode.yaml was an ObservationError (`cannot read the step
+    file: Too many open files`, hint: permissions), invalid input, exit 2: the OSError goes on, as the limit's."""
+    write_episode(tmp_path / "e", [good(0)], prompt="p")
+    proc = subprocess.run([sys.executable, "-c", READ_AT_THE_LIMIT, str(tmp_path / "e")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split("\n")[:2] == ["OSError 24", "OSError 24"], proc.stdout + proc.stderr
+
+
 def test_a_folder_of_episodes_with_a_stray_step_file_warns_that_its_episodes_do_not_run(tmp_path):
     # A step file copied into the data folder makes it one episode: its episode folders used to be passed over
     # without a word (a run of one stray step, exit 0, for a whole dataset).

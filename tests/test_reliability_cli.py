@@ -800,6 +800,25 @@ def test_the_open_files_limit_reached_while_the_model_loads_is_named_as_the_limi
     assert "from_config() failed" not in proc.stderr and "report" not in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_step_that_reaches_the_open_files_limit_is_named_as_the_limit_not_the_pipelines_bug(env, data, tmp_path):
+    """A forward (a library it calls) failing with EMFILE mid-run kept the step's hint to fix the pipeline, and with
+    --fail-fast the JSON kind `step_failed`: it is the limit, exit 1, as when the model loads."""
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0, "action": "emfile"}]
+    proc = ardiff(env, *rollout_args(data, tmp_path / "run"), faults=faults)
+    assert proc.returncode == 4, proc.stderr
+    assert ("Error: episode 'arm_b' failed at step 1 in the model's forward: OSError: [Errno 24] Too many open files"
+            in proc.stderr)
+    assert "hint: this process reached its limit on open files (now ulimit -n " in proc.stderr
+    assert "fix the pipeline" not in proc.stderr
+    proc = ardiff(env, *rollout_args(data, tmp_path / "stopped")[:-2], "--format", "json", "--fail-fast",
+                  faults=faults)
+    assert proc.returncode == 1, proc.stderr
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert error["kind"] == "too_many_open_files" and error["exit_code"] == 1, error
+    assert error["hint"].startswith("this process reached its limit on open files"), error
+    assert error["hint"].endswith("continue with --resume"), error
+
+
 # A bug in the rollout's own event subscriber (simulated: KeyError on the first eviction, before any bookkeeping).
 BUGGY_SUBSCRIBER = """
 import sys

@@ -221,9 +221,15 @@ def test_failing_hooks_release_the_kv_and_are_reported(reference, monkeypatch):
         runner.reset_session("c")
     assert runner.pool_usage().num_free == free_without_c
 
-    # A reset flag on a request: the hook fails, the event says so, the request still runs on a fresh session.
+    # A reset flag on a request: as reset_session, the caller gets the LifecycleHookError and the forward does not
+    # run (it ran on whatever the failing hook had left of the pipeline's state for the session, the error only an
+    # event); the KV is released, and the next request starts afresh.
     run(engine, "c", 0)
-    out = run(engine, "c", 0, reset=True)
+    with pytest.raises(LifecycleHookError, match=r"reset_ar_diffusion_session\('c'\)") as info:
+        run(engine, "c", 0, reset=True)
+    assert any("did not run" in note and "next request starts afresh" in note for note in info.value.__notes__)
+    assert runner.session_ids == [*BYSTANDERS] and runner.pool_usage().num_free == free_without_c
+    out = run(engine, "c", 0, reset=True)  # not resident: no hook to call
     assert_outputs_equal(out, reference[("c", 0)])
     hook_events = [e for e in events if isinstance(e, HookFailed)]
     assert [e.hook for e in hook_events] == ["close_ar_diffusion_session", "reset_ar_diffusion_session",

@@ -215,6 +215,10 @@ OBSERVATION_CASES = {
     "duplicate": (duplicate, ["{folder}: two files for step 1: step_00000"], "one file per step"),
     "empty_folder": (lambda f: f.mkdir(parents=True), ["{folder}: the episode folder holds no step files"],
                      "--follow"),
+    # data/run1/episode_000/step_*, given as data: run1 "holds no step files", of a folder full of episodes
+    "episodes_one_level_down": (lambda f: [episode(f / name) for name in ("episode_000", "episode_001")],
+                                ["{folder}: the episode folder holds no step files, but its sub-folders episode_000, "
+                                 "episode_001 look like episode folders, one level down"], "give {folder} as EPISODE"),
     # np.save's files: "holds no step files" of a folder the user could see full of them
     "npy_steps": (lambda f: f.mkdir(parents=True) or [np.save(f / f"step_{i}.npy", np.zeros(7)) for i in range(4)],
                   ["{folder}: the episode folder holds no step files (it holds step_0.npy, step_1.npy, step_2.npy, "
@@ -223,6 +227,15 @@ OBSERVATION_CASES = {
     "misspelt_prompt": (lambda f: episode(f) and (f / "episode.yaml").write_text("promt: pick up the cube\n"),
                         ["{folder}/step_000000.safetensors: missing prompt 'prompt' or 'language_instruction'; "
                          "{folder}/episode.yaml has 'promt' (did you mean 'prompt'?)"], "rename that key to 'prompt'"),
+    # the hint said "rename that key to 'prompt'" whatever prompt key the did-you-mean named
+    "misspelt_alias_of_prompt": (lambda f: episode(f) and (f / "episode.yaml").write_text("language_instructon: p\n"),
+                                 ["{folder}/step_000000.safetensors: missing prompt 'prompt' or "
+                                  "'language_instruction'; {folder}/episode.yaml has 'language_instructon' (did you "
+                                  "mean 'language_instruction'?)"], "rename that key to 'language_instruction'"),
+    # it had the hint to check permissions, of a folder the user could read
+    "episode_yaml_folder": (lambda f: episode(f) and ((f / "episode.yaml").unlink() or (f / "episode.yaml").mkdir()),
+                            ["{folder}/episode.yaml: cannot read episode metadata: it is a folder, not a file"],
+                            "move that folder out of the episode folder"),
     # no prompt anywhere: the hint listed the schema's fields "and the prompt 'prompt'", as if it were one more
     # array in the step file, and never said that a recorded episode's prompt goes in its episode.yaml
     "no_prompt": (lambda f: episode(f) and (f / "episode.yaml").unlink(),
@@ -1674,6 +1687,10 @@ READ_HINT = "check that it is a file the user running ardiff may read (permissio
      "check that the user running ardiff may read it (permissions r--)"),
     (".lock folder", "--out {run}: its .lock is a folder, not the file ardiff locks",
      "remove that folder ({run}/.lock): ardiff makes .lock itself, a file it holds locked to keep a second rollout "
+     "off the run"),
+    # it read "cannot write the output folder: Too many levels of symbolic links", hint: choose a folder you can write
+    (".lock loop", "--out {run}: its .lock is a link to .lock, which leads back to itself (a loop of links)",
+     "remove that link ({run}/.lock): ardiff makes .lock itself, a file it holds locked to keep a second rollout "
      "off the run"),
 ])
 def test_a_run_file_that_is_a_folder_or_cannot_be_read_is_named_on_resume(tmp_path, cli_env, damage, message, hint):

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 from ardiff_cli.io.atomic import TooLarge, open_file, parse_json, read_capped
 from ardiff_cli.runtime.capacity import split_unit_hint
 from ardiff_cli.runtime.errors import (YAML_SYNTAX_HINT, ConfigError, ObservationError, link_to_nothing, shown,
-                                      yaml_problem)
+                                      too_many_open_files, yaml_problem)
 
 STEP_SUFFIXES = (".safetensors", ".npz")
 METADATA_FILE = "episode.yaml"
@@ -266,14 +266,20 @@ def is_run_output(folder: Path) -> bool:
     return runs > 0 or folder.name == RUNS_FOLDER
 
 
+def episode_folders_inside(folder: Path) -> list[str]:
+    """The names of ``folder``'s visible subfolders that hold an episode (step files, ``episode.yaml`` or ``END``),
+    ardiff's run folders left out, sorted; [] for a folder this user may not list or enter."""
+    try:
+        return sorted(p.name for p in _list_folder(folder) if p.is_dir() and not p.name.startswith(".")
+                      and episode_entries(p) and not is_run_output(p))
+    except (ObservationError, OSError):  # readable but not enterable: is_dir raises EACCES
+        return []
+
+
 def _warn_about_episodes_inside(folder: Path, warn: Callable[[str], None] | None) -> None:
     """A folder taken for one episode whose subfolders hold episodes (a stray step file copied into a folder of
     episodes) runs as one episode: say that those do not run."""
-    try:
-        inside = sorted(p.name for p in _list_folder(folder) if p.is_dir() and not p.name.startswith(".")
-                        and episode_entries(p) and not is_run_output(p))
-    except (ObservationError, OSError):
-        return  # unreadable, or readable but not enterable (is_dir raises EACCES): its episode fails with the reason
+    inside = episode_folders_inside(folder)  # unreadable: its episode fails with the reason
     if inside and warn is not None:
         warn(f"{folder} is one episode (it holds {listed(episode_entries(folder))}); its folders "
              f"{listed(inside, limit=5)} hold episodes that do not run: pass them as EPISODE, or move the stray "
@@ -433,7 +439,13 @@ def read_episode_yaml(path: Path) -> dict[str, Any]:
     try:
         with open_file(path) as f:
             raw = read_capped(f, MAX_METADATA_BYTES)
+    except IsADirectoryError:  # it had the hint about permissions of a folder the user could read
+        raise ObservationError(f"{path}: cannot read episode metadata: it is a folder, not a file",
+                               hint=f"{METADATA_FILE} is a YAML file (prompt: ...): move that folder out of the "
+                                    "episode folder, then rerun with --resume") from None
     except OSError as exc:  # its text repeats the path: "[Errno 13] Permission denied: '.../episode.yaml'"
+        if too_many_open_files(exc):  # the process's limit, not the file: no invalid input (exit 2)
+            raise
         raise ObservationError(f"{path}: cannot read episode metadata: {exc.strerror or exc}",
                                hint="check that the user running ardiff may read it (permissions)") from None
     except TooLarge:
@@ -567,6 +579,8 @@ def step_sha256(path: Path) -> str:
             digest = hashlib.file_digest(f, "sha256").hexdigest()
             size = f.tell()
     except OSError as exc:
+        if too_many_open_files(exc):  # the process's limit, not the file: no invalid input (exit 2)
+            raise
         raise _unreadable(path, exc) from None
     if not size:
         raise _empty(path)
@@ -590,6 +604,8 @@ def _read_bytes(path: Path) -> tuple[bytes, tuple[int, ...]]:
                 raise _too_large(path, f, st.st_size)
             return f.read(), _signature(st)
     except OSError as exc:
+        if too_many_open_files(exc):  # the process's limit, not the file: no invalid input (exit 2)
+            raise
         raise _unreadable(path, exc) from None
 
 

@@ -337,6 +337,11 @@ class RunFolder:
                               hint=f"remove that folder ({path}): ardiff makes {LOCK_FILE} itself, a file it holds "
                                    "locked to keep a second rollout off the run") from None
         except OSError as exc:
+            link = link_to_nothing(path)  # a link to itself: "cannot write the output folder", of one it can
+            if link:
+                raise ConfigError(f"--out {self.root}: its {LOCK_FILE} is {link}",
+                                  hint=f"remove that link ({path}): ardiff makes {LOCK_FILE} itself, a file it holds "
+                                       "locked to keep a second rollout off the run") from None
             raise ConfigError(f"--out {self.root}: cannot write the output folder: {exc.strerror or exc}",
                               hint="choose a folder you can write") from None
         try:

@@ -47,9 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ardiff_cli.io.atomic import temporary_pattern
-from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, StepFile, gap_error, is_run_output,
-                                   listed, looks_whole, missing_steps, new_episode_folders, other_step_formats,
-                                   unreadable_folder)
+from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, StepFile, episode_entries,
+                                   episode_folders_inside, gap_error, is_run_output, listed, looks_whole,
+                                   missing_steps, new_episode_folders, other_step_formats, unreadable_folder)
 from ardiff_cli.runtime.errors import ObservationError
 
 # write_step's temporary file of a step file being written (atomic_write_bytes): activity for the idle timer
@@ -443,14 +443,7 @@ class StepScheduler:
             if not files and track.done_sorted:  # emptied since they ran
                 raise _lost_history(track, None)
             if not files:
-                others = other_step_formats(track.source.path)
-                raise ObservationError(
-                    f"{track.source.path}: the episode folder holds no step files"
-                    + (f" (it holds {listed(others)}: a step file is .safetensors or .npz)" if others else ""),
-                    hint="an episode is a folder of step_000000.safetensors, step_000001.safetensors, ... (or .npz); "
-                         + ("ardiff_cli.io.write_step writes them" if others else
-                            "for a folder a robot is still writing, use --follow"),
-                )
+                raise _no_step_files(track.source.path)
             # the five an error shows, or one more than the done steps: then not all of them are done
             missing, count = missing_steps([f.step for f in files], limit=max(5, len(track.done) + 1))
             later = [f.step for f in files if f.step > missing[0]] if missing else []
@@ -616,6 +609,27 @@ def _changed_history(track: _Track) -> ObservationError | None:
     return ObservationError(f"{track.source.path}: step {step} ran (results.jsonl) as chunk {chunk} of the episode, "
                             f"but it is chunk {step - first} now that the folder starts at step {first}: {why}",
                             hint=hint)
+
+
+def _no_step_files(folder: Path) -> ObservationError:
+    """An episode folder with no step file: it may hold files in another format, or be a folder of episode folders
+    given one level too high (``data`` for ``data/run1/episode_000/step_*``: ``data/run1`` was taken for one)."""
+    others = other_step_formats(folder)
+    inside = [] if others else episode_folders_inside(folder)
+    if inside:
+        marks = episode_entries(folder)  # episode.yaml or END: taken for an episode, given or not
+        hint = (f"move {listed(marks)} out of it, or give its sub-folders as EPISODE" if marks else
+                f"give {shlex.quote(str(folder))} as EPISODE: a folder of episode folders runs each of them (one "
+                "level deep, not two)")
+        return ObservationError(f"{folder}: the episode folder holds no step files, but its sub-folders "
+                                f"{listed(inside)} look like episode folders, one level down", hint=hint)
+    return ObservationError(
+        f"{folder}: the episode folder holds no step files"
+        + (f" (it holds {listed(others)}: a step file is .safetensors or .npz)" if others else ""),
+        hint="an episode is a folder of step_000000.safetensors, step_000001.safetensors, ... (or .npz); "
+             + ("ardiff_cli.io.write_step writes them" if others else
+                "for a folder a robot is still writing, use --follow"),
+    )
 
 
 def _steps(first: int, last: int) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.runtime.errors import ObservationError, did_you_mean, shown
+from ardiff_cli.runtime.errors import ObservationError, close_match, did_you_mean, shown
 from ardiff_cli.runtime.observation import ObservationSchema
 
 from ardiff_cli.io.episode import METADATA_FILE, RawStep, listed
@@ -103,8 +103,7 @@ def _refuse_a_misspelt_prompt(path: Path, prompt_keys: tuple[str, ...], *sources
     where it is. The schema's own "missing prompt" said nothing of it, and other keys there are never read."""
     for source, where in zip(sources, (path, path.parent / METADATA_FILE)):
         for key in source:
-            near = did_you_mean(str(key), prompt_keys)
-            if near:
-                raise ObservationError(
-                    f"{path}: missing prompt {' or '.join(map(repr, prompt_keys))}; {where} has {shown(key)}{near}",
-                    hint=f"rename that key to {prompt_keys[0]!r}")
+            near = close_match(str(key), prompt_keys)
+            if near is not None:  # the hint names the key the did-you-mean does, not always the first prompt key
+                raise ObservationError(f"{path}: missing prompt {' or '.join(map(repr, prompt_keys))}; {where} has "
+                                       f"{shown(key)} (did you mean {near!r}?)", hint=f"rename that key to {near!r}")

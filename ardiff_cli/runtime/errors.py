@@ -317,10 +317,15 @@ def yaml_problem(exc: BaseException, text: str = "") -> str:
 YAML_SYNTAX_HINT = "check the indentation, quotes and brackets there and on the line before"
 
 
+def close_match(name: str, valid: Iterable[str]) -> str | None:
+    """The closest of ``valid`` to ``name``, or None when none is close."""
+    return next(iter(difflib.get_close_matches(name, list(valid), n=1)), None)
+
+
 def did_you_mean(name: str, valid: Iterable[str]) -> str:
     """' (did you mean 'x'?)' when a close match exists, else ''."""
-    match = difflib.get_close_matches(name, list(valid), n=1)
-    return f" (did you mean {match[0]!r}?)" if match else ""
+    match = close_match(name, valid)
+    return f" (did you mean {match!r}?)" if match is not None else ""
 
 
 def field_error(where: str, field: str, expected: str, got: object, *, hint: str | None = None) -> ConfigError:

@@ -584,7 +584,13 @@ class ARDiffusionModelRunner:
         with self._events_held():
             if request.reset and session_id in self._sessions:
                 with self._locked():
-                    self._release(session_id, reason="request_reset", hook="reset")
+                    errors = self._release(session_id, reason="request_reset", hook="reset")
+                if errors:  # as reset_session() raises: the forward would run on what the hook failed to drop
+                    if not internal:
+                        errors[0].add_note(f"request {shown(request.request_id)} did not run: the reset it asked for "
+                                           f"failed in the pipeline's hook; session {shown(session_id)} was released, "
+                                           "so its next request starts afresh")
+                    raise errors[0]
             elif request.reset:  # swapped out: its snapshot goes, with the event a resident one's reset sends
                 self._discard_swapped(session_id, "reset", reason="request_reset")
             if not request.reset and self._has_snapshot(session_id):
