@@ -416,6 +416,20 @@ def test_close_gives_the_memory_back_at_once_and_a_closed_engine_refuses_request
     engine.close()
 
 
+def test_close_frees_the_weights_before_the_runner_empties_torchs_cuda_cache():
+    """The runner empties torch's CUDA cache as its close() ends, but the engine dropped its own reference to the
+    pipeline only after that: on a GPU the weights went back to torch's cache, not to the device, and the next engine
+    (another model, another process) planned its KV without that memory. Here the pipeline must be gone while the
+    runner is still closing, which is when it empties the cache."""
+    engine = server_engine()
+    engine.load()
+    engine.execute(request(engine, "r0", "a"))
+    runner, died = engine.runner, []
+    weakref.finalize(engine.pipeline, lambda: died.append("closed" if runner.closed else "closing"))
+    engine.close()
+    assert died == ["closing"]
+
+
 class RecordsItsWeights(CausalWorldPipeline):
     """The causal_world pipeline, keeping a weak reference to the weights of each one built."""
 

@@ -231,8 +231,10 @@ class ARDiffusionEngine:
         KV pools and the pipeline's weights at once, whatever still references the engine. Requests then raise
         ``EngineStateError`` until ``load()`` runs again; a second ``close()`` does nothing."""
         if self._runner is not None:
-            errors = self._runner.close()
+            # Dropped first: the runner holds the last reference, so the weights are freed before it empties torch's
+            # CUDA cache. Dropped after, they stayed in that cache, and the next engine planned without them.
             self._pipeline = None
+            errors = self._runner.close()
             if errors:
                 raise errors[0]
 
