@@ -98,6 +98,8 @@ class Side:
 def run(quick: bool = False, *, device: str | None = None, dtype: str = "bfloat16") -> dict:
     geometry = QUICK if quick else FULL
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and dev.index is None:  # indexed, as its tensors report it: which GPU measured
+        dev = torch.device("cuda", torch.cuda.current_device())
     torch_dtype = DTYPES[dtype]
     spec = _spec(geometry)
     layout = KVLayout.from_spec(spec, scratch_blocks=1)
@@ -126,6 +128,7 @@ def run(quick: bool = False, *, device: str | None = None, dtype: str = "bfloat1
         "id": "backends",
         "quick": quick,
         "device": str(dev),
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,  # machine records only the CPU
         "dtype": dtype,
         "threads": torch.get_num_threads(),
         "geometry": {key: geometry[key] for key in ("num_heads", "head_size", "tokens_per_frame",

@@ -401,7 +401,7 @@ def test_backends_quick(capsys):
     finally:
         torch.set_num_threads(before)
     result = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert result["device"] == "cpu" and result["quick"] is True and result["threads"] == 2
+    assert result["device"] == "cpu" and result["gpu"] is None and result["quick"] is True and result["threads"] == 2
     assert result["machine"]["torch_threads"] == 2 and "git_commit" in result["machine"]
     assert result["torch_max_abs_diff_vs_dense"] <= 1e-4
     for phase in ("denoise", "commit"):

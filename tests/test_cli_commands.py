@@ -325,7 +325,8 @@ def test_warmup_reports_the_first_against_the_median_of_repeated_shapes_and_the_
     result = invoke("warmup", str(fast_configs[0]), "--format", "json")
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout.splitlines()[-1])
-    assert report["device"] == "cpu" and report["restored"] is True, report
+    resolved = "cuda:0" if __import__("torch").cuda.is_available() else "cpu"  # auto: the first GPU, on a GPU host
+    assert report["device"] == resolved and report["restored"] is True, report
     seconds = [r["seconds"] for r in report["requests"]]
     assert len(seconds) == 4 and report["first_s"] == seconds[0]
     assert (report["steady_count"], report["steady_s"]) == (2, statistics.median(seconds[2:])), report

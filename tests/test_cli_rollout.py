@@ -132,7 +132,8 @@ def test_default_rollout_exits_0_and_writes_the_documented_outputs(env, tmp_path
     assert "vllm" in summary["versions"]  # None without the extra
     info = json.loads((run / "run.json").read_text())
     assert info["demo"] is True
-    assert summary["device"] == info["device"] == "cpu"  # the config says auto: both record what it resolved to
+    resolved = "cuda:0" if __import__("torch").cuda.is_available() else "cpu"  # auto: the first GPU, on a GPU host
+    assert summary["device"] == info["device"] == resolved  # the config says auto: both record what it resolved to
 
 
 def test_the_demo_lowers_the_session_capacity_to_2_but_never_raises_it_or_overrides_the_option(env, data, tmp_path):

@@ -612,6 +612,9 @@ class ARDiffusionModelRunner:
             with binding:
                 forward_start = time.perf_counter()
                 output = self.pipeline.forward(request)
+                if self.device.type == "cuda":  # its kernels run after it returns: for outputs left on the GPU,
+                    # forward_s timed their launch only, and an error of theirs surfaced at the next use of the device
+                    torch.cuda.synchronize(self.device)
                 forward_end = time.perf_counter()
             if forward_end is None:  # the forward raised and the pipeline's context manager swallowed it
                 raise RuntimeError(
