@@ -316,7 +316,8 @@ def test_write_step_refuses_a_step_that_rollout_would_refuse_for_its_size(tmp_pa
     assert read_step(tmp_path / "ep" / f"step_000000.{format}").arrays["image"].shape == (1, 64, 64, 3)
     big = {"image": np.zeros((4, 256, 256, 3), np.uint8)}  # 786,432 bytes: taken; twice that: refused
     write_step(tmp_path / "ep", 1, big, format=format)
-    with pytest.raises(ValueError, match=r"^step 2: its file would take \d+ bytes, more than the 1.00 MiB rollout reads"):
+    with pytest.raises(ValueError, match=r"^step 2: its file would take \d+ bytes, more than the 1.00 MiB rollout "
+                                         r"reads"):
         write_step(tmp_path / "ep", 2, {"image": np.zeros((8, 256, 256, 3), np.uint8)}, format=format)
     assert sorted(p.name for p in (tmp_path / "ep").iterdir()) == [f"step_000000.{format}", f"step_000001.{format}"]
 
@@ -329,6 +330,16 @@ def test_npz_member_that_is_not_an_array_is_named(tmp_path):
     with pytest.raises(ObservationError, match=r"step_000000.npz: expected only .npy arrays .* got other files: "
                                                r"'notes.txt'"):
         read_step(path)
+
+
+def test_an_npz_of_no_arrays_is_read_as_a_step_of_none_as_an_empty_safetensors_step_is(tmp_path):
+    """numpy.savez(path) with no arrays (a writer given an empty dict) writes an empty zip archive, which starts with
+    its end record (`PK\\x05\\x06`): it was 'neither a zip archive nor a known format'. Read as a step holding no
+    arrays, it fails validation naming the keys it lacks, as the same step written as safetensors does."""
+    np.savez(tmp_path / "step_000000.npz")
+    write_step(tmp_path / "st", 0, {}, format="safetensors")
+    empty = read_step(tmp_path / "st" / "step_000000.safetensors")
+    assert read_step(tmp_path / "step_000000.npz").arrays == empty.arrays == {}
 
 
 def _safetensors_bytes(dtype: str, shape: list[int], data: bytes) -> bytes:

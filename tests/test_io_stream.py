@@ -758,6 +758,25 @@ def test_an_empty_folder_followed_as_an_episode_says_so_when_episode_folders_are
     assert "check that the robot writes step_000000.safetensors" in ended.error.hint
 
 
+def test_episodes_one_level_down_of_a_followed_folder_are_named_as_there_from_the_start(tmp_path):
+    """`--follow data` of data/run1/episode_000/step_*: run1 failed at the idle timeout saying its episode folders
+    "were made in it since ...: it was empty when the run started" (they were there before), and the run's end
+    warned that run1 "never joined the run", of the episode it had just failed. As without --follow, the error names
+    them one level down and the folder to give."""
+    data = tmp_path / "data"
+    for name in ("episode_000", "episode_001"):
+        write_episode(data / "run1" / name, [good(0)], prompt="p")
+    clock, warnings = FakeClock(), []
+    scheduler = StepScheduler(discover_episodes([data]), follow=True, idle_timeout=3, poll_interval=1, clock=clock,
+                              sleep=clock.sleep, watch=[data], warn=warnings.append)
+    ended = scheduler.next()
+    assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
+    assert str(ended.error) == (f"{data / 'run1'}: no step file arrived within --idle-timeout 3 s; its sub-folders "
+                                "episode_000, episode_001 look like episode folders, one level down")
+    assert ended.error.hint.startswith(f"give {data / 'run1'} as EPISODE: a folder of episode folders runs each")
+    assert scheduler.next() is None and warnings == []
+
+
 def _watching(data, clock, *, idle_timeout=5, added=None):
     """A follower of the folder of episodes ``data`` that watches it for new episode folders."""
     return StepScheduler(discover_episodes([data]), follow=True, idle_timeout=idle_timeout, poll_interval=1,

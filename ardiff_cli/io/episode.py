@@ -792,10 +792,11 @@ def _load_npz(path: Path, data: bytes) -> RawStep:
     import numpy as np
 
     head = data[:16]
-    if not head.startswith(b"PK\x03\x04") and _is_safetensors(data):  # its header length may start with 0x80
+    zip_signatures = (b"PK\x03\x04", b"PK\x05\x06")  # a first member, or the end record of a zip of none
+    if not head.startswith(zip_signatures) and _is_safetensors(data):  # its header length may start with 0x80
         raise ObservationError(f"{path}: cannot read .npz file: it is a safetensors file, not an .npz",
                                hint="give it the .safetensors suffix")
-    if not head.startswith(b"PK\x03\x04"):  # an .npz is a zip archive; never let np.load guess (pickle)
+    if not head.startswith(zip_signatures):  # an .npz is a zip archive; never let np.load guess (pickle)
         unknown = ("neither a zip archive nor a known format",
                    "write .npz files with numpy.savez or ardiff_cli.io.write_step")
         what, hint = next(((w, h) for sig, w, h in _SIGNATURES if head.startswith(sig)), unknown)

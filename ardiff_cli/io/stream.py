@@ -105,6 +105,7 @@ class _Track:
     listed_at: float = -float("inf")  # follow: when its folder was last listed (time.monotonic)
     trusted: bool = False  # follow: listed once ``stamp`` was settled: nothing was added or removed while it holds
     stamp_unreliable: bool = False  # follow: a file came in its folder without changing ``stamp``: listed every poll
+    inside: frozenset[str] = frozenset()  # follow: episode folders in it at its first poll, when it held no step file
 
 
 class StepScheduler:
@@ -336,8 +337,9 @@ class StepScheduler:
                 names = sorted(name for name in os.listdir(folder) if not name.startswith("."))
             except OSError:  # gone or unreadable now: its episodes said so
                 continue
+            # an episode of the run is not one: one that held no step file failed, its error naming why
             idle = [name for name in names if name not in settled and _holds_something(folder / name)
-                    and not is_run_output(folder / name)]
+                    and not is_run_output(folder / name) and self._names.of(folder / name) is None]
             steps = [name for name in names if name.endswith(STEP_SUFFIXES)]
             if idle:
                 self._warn(f"{folder}: {listed(idle)} never joined the run: no step file, END or episode.yaml came "
@@ -411,6 +413,10 @@ class StepScheduler:
             return
         folder = track.source.path
         made = [child.name for child in new_episode_folders(folder, set())]
+        there = [name for name in made if name in track.inside]  # at the start: not made since
+        if there:
+            raise ObservationError(f"{folder}: {what}; its sub-folders {listed(there)} look like episode folders, one "
+                                   "level down", hint=_one_level_down_hint(folder))
         if made:
             what += (f"; episode folders were made in it since ({listed(made)}): it was empty when the run started, "
                      "so it was followed as one episode")
@@ -469,7 +475,7 @@ class StepScheduler:
                 hint="keep an episode's folder in place until its END file is written, and start a new episode in a "
                      "folder of its own; run this one again in a new --out",
             )
-        track.identity = identity
+        first_poll, track.identity = track.identity is None, identity
         last = track.files[-1].step if track.files else -1
         blocked = False  # an earlier new file is not stable yet: later ones wait for it
         track.gap = None
@@ -523,6 +529,8 @@ class StepScheduler:
         for name in [n for n in track.sizes if n not in present]:
             del track.sizes[name]
         track.unready = [f for f in track.unready if f.path.name in track.sizes]
+        if first_poll and not track.files and not track.sizes:  # episodes one level down, or a folder still empty
+            track.inside = frozenset(episode_folders_inside(track.source.path))
 
     @staticmethod
     def _listing(track: _Track, st: os.stat_result, *, force: bool) -> list[StepFile]:
@@ -617,12 +625,9 @@ def _no_step_files(folder: Path) -> ObservationError:
     others = other_step_formats(folder)
     inside = [] if others else episode_folders_inside(folder)
     if inside:
-        marks = episode_entries(folder)  # episode.yaml or END: taken for an episode, given or not
-        hint = (f"move {listed(marks)} out of it, or give its sub-folders as EPISODE" if marks else
-                f"give {shlex.quote(str(folder))} as EPISODE: a folder of episode folders runs each of them (one "
-                "level deep, not two)")
         return ObservationError(f"{folder}: the episode folder holds no step files, but its sub-folders "
-                                f"{listed(inside)} look like episode folders, one level down", hint=hint)
+                                f"{listed(inside)} look like episode folders, one level down",
+                                hint=_one_level_down_hint(folder))
     return ObservationError(
         f"{folder}: the episode folder holds no step files"
         + (f" (it holds {listed(others)}: a step file is .safetensors or .npz)" if others else ""),
@@ -630,6 +635,15 @@ def _no_step_files(folder: Path) -> ObservationError:
              + ("ardiff_cli.io.write_step writes them" if others else
                 "for a folder a robot is still writing, use --follow"),
     )
+
+
+def _one_level_down_hint(folder: Path) -> str:
+    """What to give for ``folder``, an episode with no step file whose sub-folders hold episodes."""
+    marks = episode_entries(folder)  # episode.yaml or END: taken for an episode, given or not
+    if marks:
+        return f"move {listed(marks)} out of it, or give its sub-folders as EPISODE"
+    return (f"give {shlex.quote(str(folder))} as EPISODE: a folder of episode folders runs each of them (one level "
+            "deep, not two)")
 
 
 def _steps(first: int, last: int) -> str:
