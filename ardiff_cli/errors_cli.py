@@ -209,7 +209,7 @@ def report(out: Output, exc: BaseException) -> int:
                     "room to load torch: raise it, or run with ulimit -v unlimited")
         elif rule is _OUT_OF_MEMORY:
             hint = out_of_memory_hint(hint)
-        elif rule is _TOO_MANY_OPEN_FILES and not isinstance(exc, StepFailed):  # a step's says to --resume
+        elif rule is _TOO_MANY_OPEN_FILES and not getattr(exc, "hint", None):  # a step's, a run's: to --resume
             hint = open_files_hint()
         if out.verbose:
             out.traceback(exc)

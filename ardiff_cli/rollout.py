@@ -54,6 +54,7 @@ from ardiff_cli.runtime.errors import (
     PipelineError,
     SwapRestoreError,
     is_broken_invariant,
+    too_many_open_files,
 )
 from ardiff_cli.runtime.observation import ObservationSchema
 from ardiff_cli.runtime.outputs import FLOAT16_OVERFLOW, output_problem
@@ -166,6 +167,8 @@ class Rollout:
         try:
             self.run_folder.add_episode(episode.name, episode.path)
         except OSError as exc:
+            if too_many_open_files(exc):  # the process's limit, not the disk's or the folder's
+                raise
             raise OutputError(f"cannot add episode {episode.name!r} ({episode.path}) to "
                               f"{self.run_folder.root / RUN_FILE}: {exc.strerror or exc}") from exc
         self.episodes.append(episode)
@@ -427,6 +430,8 @@ class Rollout:
         try:
             self.run_folder.append_result(record)
         except OSError as exc:
+            if too_many_open_files(exc):  # the process's limit, not the disk's or the folder's
+                raise
             raise OutputError(f"cannot append to {self.run_folder.results_path}: {exc.strerror or exc}") from exc
 
     def _check_folder(self) -> None:

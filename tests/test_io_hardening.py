@@ -179,6 +179,51 @@ def test_a_step_file_read_at_the_open_files_limit_is_not_taken_for_invalid_input
     assert proc.stdout.split("\n")[:2] == ["OSError 24", "OSError 24"], proc.stdout + proc.stderr
 
 
+LIST_AT_THE_LIMIT = """
+import os, resource, sys
+from pathlib import Path
+from types import SimpleNamespace
+from ardiff_cli.errors_cli import exit_code_for, rule_for
+from ardiff_cli.io.episode import discover_episodes, scan_steps
+from ardiff_cli.io.run import RunFolder
+from ardiff_cli.io.stream import StepScheduler
+from ardiff_cli.rollout import Rollout
+data, out = Path(sys.argv[1]), Path(sys.argv[2])
+episodes = discover_episodes([data])
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))  # ulimit -n 64
+held = []
+try:
+    while True:  # every descriptor this process may have: the next open is EMFILE
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+for call in (lambda: scan_steps(data / "a"), lambda: StepScheduler(episodes),
+             lambda: StepScheduler(episodes, follow=True).next(),
+             lambda: Rollout._append(SimpleNamespace(run_folder=RunFolder(out)), {"step": 0}),
+             lambda: list(RunFolder(out).iter_records()), lambda: RunFolder(out).read_info(),
+             lambda: RunFolder(out).lock()):
+    try:
+        call()
+        print("no error")
+    except Exception as exc:
+        print(exit_code_for(exc), rule_for(exc).label)
+"""
+
+
+def test_an_episode_folder_listed_or_a_run_file_opened_at_the_open_files_limit_is_the_limits_error(tmp_path):
+    """Under `ulimit -n`, listing an episode folder was `cannot list the episode folder: Too many open files` (exit 2,
+    a permissions hint), appending to results.jsonl an output_error with the disk-space hint, and reading
+    results.jsonl or run.json or taking the run's lock a config_error (exit 2): each is the limit's error now (exit 1,
+    kind too_many_open_files, the `ulimit -n` hint), as when a step file is read there."""
+    for name in ("a", "b"):
+        write_episode(tmp_path / "data" / name, [good(0)], prompt="p")
+    RunFolder(tmp_path / "run").start({"config": "x"})
+    (tmp_path / "run" / "results.jsonl").write_text("")
+    proc = subprocess.run([sys.executable, "-c", LIST_AT_THE_LIMIT, str(tmp_path / "data"), str(tmp_path / "run")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines() == ["1 too_many_open_files"] * 7, proc.stdout + proc.stderr
+
+
 def test_a_folder_of_episodes_with_a_stray_step_file_warns_that_its_episodes_do_not_run(tmp_path):
     # A step file copied into the data folder makes it one episode: its episode folders used to be passed over
     # without a word (a run of one stray step, exit 0, for a whole dataset).
@@ -900,6 +945,19 @@ def test_step_prompt_keeps_episode_yaml_fields_and_its_prompt(tmp_path):
 
     assert yaml.safe_load((folder / "episode.yaml").read_text()) == {"robot": "franka", "prompt": "first"}
     assert read_step(folder / "step_000001.safetensors").metadata["prompt"] == "second"
+
+
+def test_write_step_into_an_episode_whose_episode_yaml_is_a_folder_says_so_without_the_rollouts_hint(tmp_path):
+    """Recording the prompt raised the rollout's ObservationError, whose hint says to rerun with --resume: an API
+    caller has no --resume. It is an IsADirectoryError naming the folder, and no step file is written."""
+    folder = tmp_path / "ep"
+    (folder / "episode.yaml").mkdir(parents=True)
+    with pytest.raises(IsADirectoryError) as caught:
+        write_step(folder, 0, good(0), prompt="p")
+    assert str(caught.value) == (f"{folder / 'episode.yaml'}: the episode's episode.yaml is a folder, not a file; "
+                                 "move it out of the episode folder: write_step records the episode's prompt there")
+    assert not isinstance(caught.value, ObservationError) and "--resume" not in str(caught.value)
+    assert sorted(p.name for p in folder.iterdir()) == ["episode.yaml"]
 
 
 def test_demo_steps_exist_for_any_episode_index():

@@ -800,6 +800,26 @@ def test_the_open_files_limit_reached_while_the_model_loads_is_named_as_the_limi
     assert "from_config() failed" not in proc.stderr and "report" not in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_the_open_files_limit_reached_by_a_resume_says_to_continue_with_resume(env, data, tmp_path):
+    """The limit's hint said `raise it and run again` of a run that holds run.json, where the same command without
+    --resume is refused: a resume that reaches it (here as the model loads) says to continue with --resume."""
+    import resource
+
+    run = tmp_path / "run"
+    first = ardiff(env, *rollout_args(data, run), faults=[{"request": "arm_b/000001", "site": "sampler"}])
+    assert first.returncode == 4, first.stderr  # a run to resume: arm_b failed
+    limit = 5
+    args = ["rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--format", "json"]
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=600,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
+    assert proc.returncode == 1, proc.stderr
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert error["kind"] == "too_many_open_files", error
+    assert error["hint"] == (f"this process reached its limit on open files (now ulimit -n {limit}), or the system "
+                             "its own: raise it (ulimit -n 1024, say) and continue with --resume"), error
+
+
 def test_a_step_that_reaches_the_open_files_limit_is_named_as_the_limit_not_the_pipelines_bug(env, data, tmp_path):
     """A forward (a library it calls) failing with EMFILE mid-run kept the step's hint to fix the pipeline, and with
     --fail-fast the JSON kind `step_failed`: it is the limit, exit 1, as when the model loads."""

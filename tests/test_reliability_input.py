@@ -1673,7 +1673,9 @@ READ_HINT = "check that it is a file the user running ardiff may read (permissio
 
 @pytest.mark.parametrize(("damage", "message", "hint"), [
     ("results.jsonl folder", "{run}/results.jsonl: cannot read it: it is a folder, not a file", FOLDER_HINT),
-    ("results.jsonl loop", "{run}/results.jsonl: cannot read it: Too many levels of symbolic links", READ_HINT),
+    # "Too many levels of symbolic links", hint: permissions r--
+    ("results.jsonl loop", "{run}/results.jsonl: cannot read it: it is a link to results.jsonl, which leads back to "
+     "itself (a loop of links)", "replace that link with the file (restore it from a backup)"),
     ("results.jsonl mode 000", "{run}/results.jsonl: cannot read it: Permission denied", READ_HINT),
     # a FIFO in place of either file: opening it waited for a writer, forever (SIGTERM did not end the wait)
     ("results.jsonl fifo", "{run}/results.jsonl: cannot read it: it is a FIFO, socket or device, not a file",
@@ -1682,6 +1684,9 @@ READ_HINT = "check that it is a file the user running ardiff may read (permissio
      "move that folder out of the way: the run writes summary.json there as it ends"),
     ("run.json folder", "{run}/run.json: cannot read run info: it is a folder, not a file",
      "move that folder out of the way and restore the run's run.json (a file) from a backup, or start a new run in "
+     "another --out"),
+    ("run.json loop", "{run}/run.json: cannot read run info: it is a link to run.json, which leads back to itself "
+     "(a loop of links)", "replace that link with the run's run.json (a file) from a backup, or start a new run in "
      "another --out"),
     ("run.json mode 000", "{run}/run.json: cannot read run info: Permission denied",
      "check that the user running ardiff may read it (permissions r--)"),

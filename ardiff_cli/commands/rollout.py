@@ -22,7 +22,8 @@ from ardiff_cli.commands._common import (
     load_engine_config,
     refuse_contradictions,
 )
-from ardiff_cli.errors_cli import EXIT_CODES_HELP, EpisodesFailed, Interrupted, exit_code_for, handle_errors
+from ardiff_cli.errors_cli import (EXIT_CODES_HELP, EpisodesFailed, Interrupted, exit_code_for, handle_errors,
+                                  open_files_hint)
 from ardiff_cli.options import (
     ConfigArg,
     DeviceOpt,
@@ -50,6 +51,7 @@ from ardiff_cli.runtime.errors import (
     ObservationError,
     link_to_nothing_on,
     not_a_folder,
+    too_many_open_files,
     unencodable,
 )
 
@@ -829,6 +831,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 stopped = isinstance(exc, Interrupted)
                 if isinstance(error, Interrupted) and not run.holds_run():  # stopped while loading: no run.json
                     error.hint = "nothing was written yet: run the same command again"
+                if too_many_open_files(error) and not isinstance(error, ArdiffError) and run.holds_run():
+                    error.hint = open_files_hint("continue with --resume")  # the same command is refused now
                 if error is exc:
                     raise
                 raise error from exc  # --verbose shows what the stop cut short
@@ -1033,6 +1037,8 @@ def _write_run_info(write: Callable[[], Any], path: Path, *, resume: bool) -> No
     try:
         write()
     except OSError as exc:
+        if too_many_open_files(exc):  # the process's limit, not the disk's or the folder's
+            raise
         again = "then continue with --resume" if resume else "then run the same command again (it has no run yet)"
         raise OutputError(f"cannot write {path}: {exc.strerror or exc}",
                           hint=f"free some space or fix the folder's permissions, {again}") from exc
@@ -1053,6 +1059,8 @@ def _write_summary(run: Any, summary: dict[str, Any], output: Output,
     try:
         run.write_summary(summary)
     except OSError as exc:
+        if too_many_open_files(exc) and error is None:  # the process's limit, not the disk's or the folder's
+            raise
         message = f"cannot write {run.summary_path}: {exc.strerror or exc}"
         if error is None:
             raise OutputError(message, hint="free some space or fix the folder's permissions, then --resume "

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ardiff_cli.output import to_jsonable
-from ardiff_cli.runtime.errors import ConfigError
+from ardiff_cli.runtime.errors import ConfigError, link_to_nothing, too_many_open_files
 
 
 def _read_umask() -> int:
@@ -257,6 +257,12 @@ def read_jsonl(path: str | os.PathLike,
     except FileNotFoundError:
         return
     except OSError as exc:  # a folder, a file this user may not read: it was a traceback ('a bug in ardiff')
+        if too_many_open_files(exc):  # the process's limit, not the file: no invalid input (exit 2)
+            raise
+        loop = link_to_nothing(path) if exc.errno == errno.ELOOP else None  # "Too many levels of symbolic links"
+        if loop:
+            raise ConfigError(f"{path}: cannot read it: it is {loop}",
+                              hint="replace that link with the file (restore it from a backup)") from None
         folder = isinstance(exc, IsADirectoryError)
         raise ConfigError(f"{path}: cannot read it: " + ("it is a folder, not a file" if folder else
                                                           exc.strerror or str(exc)),

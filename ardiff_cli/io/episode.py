@@ -188,6 +188,8 @@ def _list_names(folder: Path) -> list[str]:
     try:
         return os.listdir(folder)
     except OSError as exc:
+        if too_many_open_files(exc):  # the process's limit, not the folder: no invalid input (exit 2)
+            raise
         raise unreadable_folder(folder, exc) from None
 
 

@@ -27,7 +27,8 @@ from typing import Any
 
 from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_capped,
                                  read_jsonl, remove_temporaries)
-from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error, link_to_nothing, shown
+from ardiff_cli.runtime.errors import (ConfigError, did_you_mean, field_error, link_to_nothing, shown,
+                                      too_many_open_files)
 from ardiff_cli.runtime.outputs import is_array
 
 RUN_FILE = "run.json"
@@ -185,6 +186,11 @@ class RunFolder:
         except (FileNotFoundError, NotADirectoryError):
             pass  # told below
         except OSError as exc:  # a folder (or one above it) this user may not enter: not "there is no folder"
+            loop = link_to_nothing(path)  # ELOOP: "Too many levels of symbolic links", with this hint
+            if loop:
+                raise ConfigError(f"{path}: cannot read run info: it is {loop}",
+                                  hint="replace that link with the run's run.json (a file) from a backup, or start "
+                                       "a new run in another --out") from None
             raise ConfigError(f"{path}: cannot read run info: {exc.strerror or exc}",
                               hint="check that the user running ardiff may read and enter the run folder and the "
                                    "folders above it (permissions r-x)") from None
@@ -214,6 +220,8 @@ class RunFolder:
                               hint="move that folder out of the way and restore the run's run.json (a file) from a "
                                    "backup, or start a new run in another --out") from None
         except OSError as exc:  # not a damaged file: one this user may not read
+            if too_many_open_files(exc):  # the process's limit, not the file: no invalid input (exit 2)
+                raise
             raise ConfigError(f"{path}: cannot read run info: {exc.strerror or exc}",
                               hint="check that the user running ardiff may read it (permissions r--)") from None
         except ValueError as exc:
@@ -337,6 +345,8 @@ class RunFolder:
                               hint=f"remove that folder ({path}): ardiff makes {LOCK_FILE} itself, a file it holds "
                                    "locked to keep a second rollout off the run") from None
         except OSError as exc:
+            if too_many_open_files(exc):  # the process's limit, not the folder's: no bad usage (exit 2)
+                raise
             link = link_to_nothing(path)  # a link to itself: "cannot write the output folder", of one it can
             if link:
                 raise ConfigError(f"--out {self.root}: its {LOCK_FILE} is {link}",

@@ -50,7 +50,7 @@ from ardiff_cli.io.atomic import temporary_pattern
 from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, StepFile, episode_entries,
                                    episode_folders_inside, gap_error, is_run_output, listed, looks_whole,
                                    missing_steps, new_episode_folders, other_step_formats, unreadable_folder)
-from ardiff_cli.runtime.errors import ObservationError
+from ardiff_cli.runtime.errors import ObservationError, too_many_open_files
 
 # write_step's temporary file of a step file being written (atomic_write_bytes): activity for the idle timer
 _STEP_TEMPORARY = temporary_pattern("[^.].*(?:" + "|".join(map(re.escape, STEP_SUFFIXES)) + ")")
@@ -408,7 +408,8 @@ class StepScheduler:
     def _raise_empty(track: _Track, what: str, hint: str) -> None:
         """An episode that ends with no step file at all failed, as it does without ``follow``. A folder that was
         empty at the start was taken for an episode: if episode folders were made in it since (the run started
-        before the robots' first episodes), the error says so."""
+        before the robots' first episodes), the error says so; one that held them already at its first poll (a
+        folder of episodes given one level too high) names them, as without ``follow``."""
         if track.files:
             return
         folder = track.source.path
@@ -439,6 +440,10 @@ class StepScheduler:
         try:
             self._scan(track, force=force)
         except (ObservationError, OSError) as exc:  # OSError: its folder, or one above, made unenterable meanwhile
+            # The process's limit on open files, not this folder's fault: failing every episode in turn as its
+            # folder is listed would bury the cause; the run stops (exit 1, the limit's hint)
+            if too_many_open_files(exc):
+                raise
             error = exc if isinstance(exc, ObservationError) else unreadable_folder(track.source.path, exc)
             track.ended = True
             self._pending_ends.append(EpisodeEnded(episode=track.source, reason="error", error=error))

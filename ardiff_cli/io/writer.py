@@ -226,6 +226,9 @@ def _record_episode_prompt(folder: Path, prompt: str) -> None:
     import yaml
 
     path = folder / METADATA_FILE
+    if path.is_dir():  # read_episode_yaml's error is the rollout's: its hint says to rerun with --resume
+        raise IsADirectoryError(f"{path}: the episode's {METADATA_FILE} is a folder, not a file; move it out of the "
+                                "episode folder: write_step records the episode's prompt there")
     info = read_episode_yaml(path) if path.exists() else {}
     if "prompt" not in info:
         atomic_write_text(path, yaml.safe_dump({**info, "prompt": prompt}, sort_keys=False))

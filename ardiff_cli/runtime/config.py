@@ -39,6 +39,7 @@ from ardiff_cli.runtime.errors import (
     field_error,
     link_to_nothing,
     shown,
+    too_many_open_files,
     unencodable,
     yaml_problem,
 )
@@ -320,6 +321,8 @@ def read_config_bytes(path: Path) -> bytes:
         with open(path, "rb") as file:
             raw = file.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
+        if too_many_open_files(exc):  # the process's limit, not the file: no invalid input (exit 2)
+            raise
         raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}",
                           hint="check that the user running ardiff may read it and enter its folders "
                                "(permissions)") from None
