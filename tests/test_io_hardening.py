@@ -151,16 +151,21 @@ def test_a_run_folder_holding_only_its_lock_is_a_run_folder_not_an_episode(tmp_p
     assert [e.name for e in discover_episodes([data])] == ["a", "ardiff-runs"]
 
 
+# opens every descriptor this process may have: the next open is EMFILE
+HOLD_EVERY_DESCRIPTOR = """
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+"""
+
 READ_AT_THE_LIMIT = """
 import os, sys
 from pathlib import Path
 from ardiff_cli.io.episode import EpisodeSource, load_step
-held = []
-try:
-    while True:  # every descriptor this process may have: the next open is EMFILE
-        held.append(os.open(os.devnull, os.O_RDONLY))
-except OSError:
-    pass
+""" + HOLD_EVERY_DESCRIPTOR + """
 for read in (lambda: load_step(Path(sys.argv[1]) / "step_000000.safetensors"),
              lambda: EpisodeSource(name="e", path=Path(sys.argv[1])).metadata()):
     try:
@@ -191,12 +196,7 @@ from ardiff_cli.rollout import Rollout
 data, out = Path(sys.argv[1]), Path(sys.argv[2])
 episodes = discover_episodes([data])
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))  # ulimit -n 64
-held = []
-try:
-    while True:  # every descriptor this process may have: the next open is EMFILE
-        held.append(os.open(os.devnull, os.O_RDONLY))
-except OSError:
-    pass
+""" + HOLD_EVERY_DESCRIPTOR + """
 for call in (lambda: scan_steps(data / "a"), lambda: StepScheduler(episodes),
              lambda: StepScheduler(episodes, follow=True).next(),
              lambda: Rollout._append(SimpleNamespace(run_folder=RunFolder(out)), {"step": 0}),
