@@ -839,6 +839,33 @@ def test_a_step_that_reaches_the_open_files_limit_is_named_as_the_limit_not_the_
     assert error["hint"].endswith("continue with --resume"), error
 
 
+def test_the_open_files_limit_that_stops_a_run_keeps_its_error_when_summary_json_cannot_be_made(env, data, tmp_path):
+    """At the limit, summary.json's read of results.jsonl fails too: raised in the teardown, that EMFILE replaced the
+    run's error (a step's, naming it) and said to `run again`, a command refused once the run holds run.json; the
+    same of a run whose every step was done. The run's error stays, summary.json is a warning, --resume writes it."""
+    def at_close_of(episode: str) -> list:
+        return [{"site": "close_hook", "session": episode, "action": "ulimit"}]  # ulimit -n 3 from there on
+
+    stopped = tmp_path / "stopped"
+    proc = ardiff(env, *rollout_args(data, stopped, "--order", "sequential", "--fail-fast"),
+                  faults=at_close_of("arm_a"))
+    assert proc.returncode == 1, proc.stderr
+    assert "Error: episode 'arm_b' failed at step 0 while reading" in proc.stderr, proc.stderr
+    assert "and continue with --resume" in proc.stderr and "and run again" not in proc.stderr, proc.stderr
+    assert f"warning: cannot write {stopped / 'summary.json'}: Too many open files; --resume writes it" in proc.stderr
+    done = tmp_path / "done"
+    proc = ardiff(env, *rollout_args(data, done)[:-2], "--format", "json", "--order", "sequential",
+                  faults=at_close_of("arm_d"))
+    assert proc.returncode == 1, proc.stderr
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert error["kind"] == "too_many_open_files", error
+    assert error["hint"].endswith("(ulimit -n 1024, say) and continue with --resume"), error
+    assert not (done / "summary.json").exists()
+    proc = ardiff(env, "rollout", "--resume", "--out", str(done), "--pipeline", PIPELINE, "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((done / "summary.json").read_text())["status"] == "ok"
+
+
 # A bug in the rollout's own event subscriber (simulated: KeyError on the first eviction, before any bookkeeping).
 BUGGY_SUBSCRIBER = """
 import sys

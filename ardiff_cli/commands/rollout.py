@@ -764,7 +764,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                             p.out_dir / RUN_FILE, resume=True)
             for item in ended:  # the objects a loaded resume prints: a script counts its episodes the same way
                 log_episode_end(monitor, item.episode.name, item.reason, len(p.done.get(item.episode.name, ())))
-            output.result(_write_summary(run, summary, output, None), lambda plain: render_summary(summary, plain))
+            output.result(_write_summary(run, lambda: summary, output, None),
+                          lambda plain: render_summary(summary, plain))
             return
     engine = driver = plan = summary = None
     ran_from = ran_until = None  # monotonic times driver.run() began and ended: the time spent running steps
@@ -856,10 +857,10 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     run.close(keep_lock=True)  # the summary is written under the lock; rollout() releases it
                     if driver is not None:
                         running_s = 0.0 if ran_from is None else (ran_until or time.monotonic()) - ran_from
-                        written = _summary(run, p, driver, plan, time.monotonic() - started, running_s, error,
-                                           len(kept))
+                        wall_s = time.monotonic() - started
                         with signals.critical():
-                            summary = _write_summary(run, written, output, error)
+                            summary = _write_summary(run, lambda: _summary(run, p, driver, plan, wall_s, running_s,
+                                                                           error, len(kept)), output, error)
     finally:
         output.on_stdout_lost = None
         if summary is not None:  # after the live display, so the two never interleave
@@ -1044,10 +1045,11 @@ def _write_run_info(write: Callable[[], Any], path: Path, *, resume: bool) -> No
                           hint=f"free some space or fix the folder's permissions, {again}") from exc
 
 
-def _write_summary(run: Any, summary: dict[str, Any], output: Output,
-                   error: BaseException | None) -> dict[str, Any]:
-    """Write summary.json. When that fails too (the disk that stopped the run is full), the run's own error
-    stays the one reported: a warning says summary.json is missing, and --resume writes it."""
+def _write_summary(run: Any, build: Callable[[], dict[str, Any]], output: Output,
+                   error: BaseException | None) -> dict[str, Any] | None:
+    """Write summary.json, as ``build`` makes it from results.jsonl. When that fails too (the disk that stopped the
+    run is full, or the open-files limit that stopped it keeps results.jsonl from being read), the run's own error
+    stays the one reported: a warning says summary.json is missing, and --resume writes it (None: no summary)."""
     from ardiff_cli.errors_cli import OutputError
 
     if run.moved():  # writing would re-create the folder, or write into another run's
@@ -1055,11 +1057,14 @@ def _write_summary(run: Any, summary: dict[str, Any], output: Output,
         if error is None:
             raise OutputError(message, hint="its results.jsonl went with it: run the command again, without --resume")
         output.warning(message)
-        return summary
+        return build()
+    summary = None  # build() failed: nothing to print
     try:
+        summary = build()
         run.write_summary(summary)
     except OSError as exc:
         if too_many_open_files(exc) and error is None:  # the process's limit, not the disk's or the folder's
+            exc.hint = open_files_hint("continue with --resume")  # it holds run.json: the same command is refused
             raise
         message = f"cannot write {run.summary_path}: {exc.strerror or exc}"
         if error is None:
