@@ -213,8 +213,8 @@ def write_step(folder: str | os.PathLike, step: int, arrays: Mapping[str, Any], 
     blob = encode_arrays(arrays, format=format, metadata=meta)  # a step it refuses leaves episode.yaml untouched
     if len(blob) > episode.MAX_STEP_BYTES:  # an .npz's members are stored: its size is at least what they unpack to
         raise ValueError(f"step {step}: its file would take {len(blob)} bytes, more than the "
-                         f"{format_bytes(episode.MAX_STEP_BYTES)} rollout reads of a step: store camera frames at about "
-                         "the model's size, one step's frames per file")
+                         f"{format_bytes(episode.MAX_STEP_BYTES)} rollout reads of a step: store camera frames at "
+                         "about the model's size, one step's frames per file")
     if "prompt" in meta:
         _record_episode_prompt(folder, meta["prompt"])
     return atomic_write_bytes(folder / f"step_{step:06d}.{format}", blob)
