@@ -178,7 +178,11 @@ def present(path: Path) -> bool | None:
 
 
 def unreadable_folder(folder: Path, exc: OSError) -> ObservationError:
-    """The error of an episode folder that cannot be listed, or looked into (EACCES on it or a folder above)."""
+    """The error of an episode folder that cannot be listed, or looked into (EACCES on it or a folder above). The
+    limit on open files is the process's, not the folder's: ``exc`` is raised again as it is (exit 1, not invalid
+    input)."""
+    if too_many_open_files(exc):
+        raise exc
     return ObservationError(f"{folder}: cannot list the episode folder: {exc.strerror or exc}",
                             hint="check that the folder exists and that the user running ardiff may read and enter "
                                  "it (permissions r-x)")
@@ -188,8 +192,6 @@ def _list_names(folder: Path) -> list[str]:
     try:
         return os.listdir(folder)
     except OSError as exc:
-        if too_many_open_files(exc):  # the process's limit, not the folder: no invalid input (exit 2)
-            raise
         raise unreadable_folder(folder, exc) from None
 
 
@@ -581,8 +583,6 @@ def step_sha256(path: Path) -> str:
             digest = hashlib.file_digest(f, "sha256").hexdigest()
             size = f.tell()
     except OSError as exc:
-        if too_many_open_files(exc):  # the process's limit, not the file: no invalid input (exit 2)
-            raise
         raise _unreadable(path, exc) from None
     if not size:
         raise _empty(path)
@@ -606,8 +606,6 @@ def _read_bytes(path: Path) -> tuple[bytes, tuple[int, ...]]:
                 raise _too_large(path, f, st.st_size)
             return f.read(), _signature(st)
     except OSError as exc:
-        if too_many_open_files(exc):  # the process's limit, not the file: no invalid input (exit 2)
-            raise
         raise _unreadable(path, exc) from None
 
 
@@ -633,6 +631,9 @@ def _too_large(path: Path, f: BinaryIO, size: int) -> ObservationError:
 
 
 def _unreadable(path: Path, exc: OSError) -> ObservationError:
+    """Why the step file ``path`` cannot be read; the limit on open files, the process's, is raised again as it is."""
+    if too_many_open_files(exc):
+        raise exc
     dangling = link_to_nothing(path) if isinstance(exc, FileNotFoundError) else None  # a disk not mounted
     if dangling:
         return ObservationError(f"{path}: cannot read the step file: it is {dangling}",

@@ -50,7 +50,7 @@ from ardiff_cli.io.atomic import temporary_pattern
 from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, StepFile, episode_entries,
                                    episode_folders_inside, gap_error, is_run_output, listed, looks_whole,
                                    missing_steps, new_episode_folders, other_step_formats, unreadable_folder)
-from ardiff_cli.runtime.errors import ObservationError, too_many_open_files
+from ardiff_cli.runtime.errors import ObservationError
 
 # write_step's temporary file of a step file being written (atomic_write_bytes): activity for the idle timer
 _STEP_TEMPORARY = temporary_pattern("[^.].*(?:" + "|".join(map(re.escape, STEP_SUFFIXES)) + ")")
@@ -440,10 +440,8 @@ class StepScheduler:
         try:
             self._scan(track, force=force)
         except (ObservationError, OSError) as exc:  # OSError: its folder, or one above, made unenterable meanwhile
-            # The process's limit on open files, not this folder's fault: failing every episode in turn as its
-            # folder is listed would bury the cause; the run stops (exit 1, the limit's hint)
-            if too_many_open_files(exc):
-                raise
+            # unreadable_folder raises the limit on open files again: failing every episode in turn as its folder is
+            # listed would bury the cause; the run stops (exit 1, the limit's hint)
             error = exc if isinstance(exc, ObservationError) else unreadable_folder(track.source.path, exc)
             track.ended = True
             self._pending_ends.append(EpisodeEnded(episode=track.source, reason="error", error=error))
