@@ -333,3 +333,19 @@ class SignalWhileSwapping(DreamZeroPipeline):
             self._signalled = True
             for _ in range(int(os.environ.get("ARDIFF_TEST_SIGNALS", "2"))):
                 signal.raise_signal(signal.SIGINT)  # the handler runs before this returns
+
+
+class _ConfigEditedWhileParsed(DreamZeroPipeline.Config):
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, where: str) -> Any:
+        # called by load_config after it has read the file: an edit in the same instant, as an editor's save lands
+        with open(os.environ["ARDIFF_TEST_EDIT_CONFIG"], "a") as file:
+            file.write("# saved by an editor while ardiff read the config\n")
+        return super().from_dict(data, where=where)
+
+
+class ConfigEditedWhileParsed(DreamZeroPipeline):
+    """DreamZero whose Config, while the config is being loaded, appends a comment to the file
+    ``ARDIFF_TEST_EDIT_CONFIG`` names: what the run parsed is no longer what the file holds."""
+
+    Config = _ConfigEditedWhileParsed

@@ -2241,6 +2241,26 @@ def test_resume_reads_the_runs_own_config_from_any_folder_and_refuses_an_edited_
     assert len(records(run)) == len(lines)  # refused before anything ran
 
 
+def test_run_json_hashes_the_config_bytes_the_run_parsed_not_a_second_read(env, data, tmp_path):
+    """config_sha256 was the hash of a second read of the config, after it had been parsed: an editor's save in
+    between was recorded as the run's config, and --resume then took the edited file as the one the run started
+    with. Here the save lands while the config is loaded (the pipeline's Config appends a comment)."""
+    config, run = tmp_path / "my.yaml", tmp_path / "run"
+    config.write_text(FAST_CONFIG)
+    parsed = hashlib.sha256(config.read_bytes()).hexdigest()
+    args = ("--pipeline", "faulty_pipelines:ConfigEditedWhileParsed", "--no-warmup")
+    proc = ardiff({**env, "ARDIFF_TEST_EDIT_CONFIG": str(config)}, "rollout", str(config), str(data / "eps"),
+                  "--out", str(run), *args)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((run / "run.json").read_text())["config_sha256"] == parsed
+    assert hashlib.sha256(config.read_bytes()).hexdigest() != parsed  # the file changed under the run
+    (run / "results.jsonl").write_text("")  # as if stopped before its first step: there is something to resume
+    proc = ardiff({**env, "ARDIFF_TEST_EDIT_CONFIG": str(tmp_path / "scratch.yaml")}, "rollout", "--resume",
+                  "--out", str(run), *args)
+    assert proc.returncode == 2, proc.stderr
+    assert f"Error: config {config.resolve()} was edited since the run started (SHA-256 differs)" in proc.stderr
+
+
 def test_resume_refuses_a_config_replaced_by_a_huge_file_without_reading_it_whole(env, data, tmp_path):
     """run.json's config_sha256 was checked by reading the config whole, while loading it reads 64 KiB at most: a
     config replaced by a sparse 8 GB file failed the resume as `Error: MemoryError` (exit 3), naming no file."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import shlex
 import signal
@@ -243,6 +242,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
                               hint=f"continue it with: ardiff rollout --resume --out {_out_arg(out)}; or "
                                    "choose another --out")
     cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), **overrides)
+    if resume:  # the bytes just parsed: a second read to hash them could see an edit made meanwhile
+        _same_config(Path(config), cfg.sha256, info)
     if not resume and (cfg.runtime.device.startswith("cuda") or cfg.checkpoint is None):
         _under_signals(lambda: _refuse_what_loading_would(cfg))  # now, before --out or demo files are made
     recorded_device = info.get("device") if resume else None
@@ -308,7 +309,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         _refuse_changed_checkpoint(info.get("checkpoint"), checkpoint)
     info = {
         "config": info.get("config", config_label(config)), "config_path": str(config_file),
-        "config_sha256": _sha256(config_file), "checkpoint": checkpoint, "pipeline": cfg.pipeline_name,
+        "config_sha256": cfg.sha256, "checkpoint": checkpoint, "pipeline": cfg.pipeline_name,
         "pipeline_option": pipeline,
         "episodes": [{"name": e.name, "path": str(e.path.resolve())} for e in episodes], "demo": demo,
         "watch": [str(folder) for folder in watch],
@@ -629,14 +630,9 @@ def _same_pipeline_option(given: str | None, recorded: str | None) -> None:
     raise ConfigError(message, hint=f"resume with --pipeline {recorded}")
 
 
-def _sha256(path: Path) -> str:
-    from ardiff_cli.runtime.config import read_config_bytes
-
-    return hashlib.sha256(read_config_bytes(path)).hexdigest()
-
-
 def _resume_config(given: str | None, info: dict[str, Any]) -> str:
-    """The config file the run started with, by absolute path, unchanged since (its SHA-256 in run.json).
+    """The config file the run started with, by absolute path (that it is unchanged since, its SHA-256 in
+    run.json, is checked on the bytes parsed: ``_same_config``).
 
     A config named relatively would otherwise resolve against today's working folder, and an
     edited one would silently mix two models' outputs in one run.
@@ -656,11 +652,17 @@ def _resume_config(given: str | None, info: dict[str, Any]) -> str:
         raise ConfigError(f"the run's config {recorded}: {why}", hint=UTF8_LOCALE_HINT)
     if not path.is_file():
         raise ConfigError(f"the run's config {recorded} is gone", hint="restore it, or pass the same CONFIG again")
-    if _sha256(path) != digest:
+    return str(path)
+
+
+def _same_config(path: Path, digest: str | None, info: dict[str, Any]) -> None:
+    """Refuse to resume the run of ``info`` (run.json) with the config ``path`` whose bytes hash to ``digest``,
+    unless they are the run's (``config_sha256``; older runs recorded none)."""
+    recorded = info.get("config_path")
+    if info.get("config_sha256") not in (None, digest):
         what = "was edited since the run started" if str(path) == recorded else f"differs from the run's {recorded}"
         raise ConfigError(f"config {path} {what} (SHA-256 differs)",
                           hint="resume with the config the run started with, or start a new run in another --out")
-    return str(path)
 
 
 def _checkpoint_record(path: Path | None) -> dict[str, Any] | None:

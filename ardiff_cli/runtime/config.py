@@ -17,6 +17,7 @@ A config file::
 
 from __future__ import annotations
 
+import hashlib
 import importlib.resources
 import re
 from dataclasses import dataclass, replace
@@ -171,6 +172,7 @@ class EngineConfig:
     model: Any  # the pipeline's Config instance
     checkpoint: Path | None  # None = the pipeline's built-in default checkpoint
     runtime: RuntimeConfig
+    sha256: str | None = None  # of the config file's bytes, the very ones parsed (None: a dict)
 
     def kv_cache_spec(self) -> ARDiffusionKVCacheSpec:
         """The pipeline's KV spec for this config, without torch or weights."""
@@ -332,7 +334,9 @@ def read_config_bytes(path: Path) -> bytes:
     return raw
 
 
-def read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path) -> tuple[dict[str, Any], str]:
+    """The config file's mapping and the SHA-256 of the bytes it was parsed from (run.json's ``config_sha256``: a
+    second read to hash it would record an edit made meanwhile)."""
     raw = read_config_bytes(path)
     try:
         text = raw.decode("utf-8")
@@ -360,7 +364,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
         key, where = duplicate
         raise ConfigError(f"{path}: key {key!r} is given twice ({where}); YAML would keep the second silently",
                           hint="merge the two into one")
-    return data
+    return data, hashlib.sha256(raw).hexdigest()
 
 
 CONFIG_CONTRACT_HINT = ("a pipeline's Config raises ardiff_cli.runtime.errors.ConfigError naming the field, expected "
@@ -447,6 +451,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
     ``pipeline:`` field, which may then be left out. The config itself can
     only name registered pipelines.
     """
+    digest = None
     if isinstance(source, dict):
         data, where, base = source, "<dict>", Path.cwd()
     elif source is not None and not isinstance(source, (str, PurePath)):
@@ -454,7 +459,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
                           hint=f"built-in configs: {', '.join(sorted(builtin_configs()))}")
     else:
         path = resolve_config(source)
-        data, where, base = read_yaml(path), str(path), path.parent
+        (data, digest), where, base = read_yaml(path), str(path), path.parent
     for key in data:
         if key not in TOP_LEVEL_KEYS:
             raise ConfigError(
@@ -521,5 +526,6 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
             )
     runtime = RuntimeConfig.from_dict({} if data.get("runtime") is None else data["runtime"], where=where)
     return EngineConfig(
-        source=where, pipeline_name=name, entry=entry, model=model, checkpoint=checkpoint, runtime=runtime
+        source=where, pipeline_name=name, entry=entry, model=model, checkpoint=checkpoint, runtime=runtime,
+        sha256=digest,
     )
