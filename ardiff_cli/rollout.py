@@ -41,7 +41,7 @@ from typing import Any
 
 from ardiff_cli.errors_cli import Interrupted, OutputError, StepFailed
 from ardiff_cli.io.episode import (METADATA_FILE, EpisodeSource, StepFile, file_signature, listed, load_step,
-                                   step_sha256)
+                                   present, step_sha256)
 from ardiff_cli.io.run import RUN_FILE, RunFolder
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import validate_step
@@ -353,6 +353,15 @@ class Rollout:
                              steps=[f.step for f in history])
         for step_file in history:
             self._at = ("replay", step_file)
+            # else "cannot read the step file", hinting at its permissions (a link to nothing: reading it names it)
+            if present(step_file.path) is False and not step_file.path.is_symlink():
+                raise ObservationError(
+                    f"{step_file.path}: step {step_file.step} ran, but its file is gone (deleted since): the session "
+                    f"of episode {episode.name!r} is rebuilt by replaying its earlier steps (it was evicted, or the "
+                    "run resumed, and no swap snapshot restored it)",
+                    hint="keep an episode's step files until it has ended (a robot's cleanup of the steps that ran "
+                         "breaks this), and leave --swap-space on; put the file back and --resume, or run the "
+                         "episode again in a new --out")
             inputs, _ = self._load(episode, step_file)
             self._execute(f"{episode.name}/{step_file.step:06d}/replay", episode.name, inputs)
             self._resident[episode.name] = self._resident.get(episode.name, 0) + 1

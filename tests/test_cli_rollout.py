@@ -584,6 +584,43 @@ def test_episodes_one_level_deeper_than_a_folder_of_episodes_are_named_with_the_
     assert proc.returncode == 0, proc.stderr
 
 
+def test_episodes_nested_too_deep_after_a_followed_run_started_are_named_with_the_folder_to_give(env, data, tmp_path):
+    """The same, made while `--follow` runs: `data` holding arm_a and an empty run1 that a robot then fills with
+    episode folders failed run1 saying they "were made in it since the run started" (hint: mkdir one before the run,
+    which fails as one level down), and data/2026-12-03/ep1 "never joined the run" naming no folder to give; an empty
+    `data` that gets data/run1/episode_000 said only "no step file arrived"."""
+    live, empty = tmp_path / "live", tmp_path / "empty"
+    write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
+    (live / "run1").mkdir()
+    empty.mkdir()
+    procs = [spawn(env, "rollout", str(data / "fast.yaml"), str(folder), "--out", str(tmp_path / f"run_{folder.name}"),
+                   "--follow", "--idle-timeout", "3", "--no-warmup", "--format", "plain") for folder in (live, empty)]
+    try:
+        wait_for_lines(tmp_path / "run_live" / "results.jsonl", 1, procs[0])  # arm_a's step 0 ran: run1 was polled
+        wait_for_marker(procs[1], tmp_path / "run_empty" / "run.json", "the run of empty/")
+        shutil.copytree(data / "eps" / "arm_b", live / "run1" / "episode_000")
+        shutil.copytree(data / "eps" / "arm_b", live / "2026-12-03" / "ep1")
+        shutil.copytree(data / "eps" / "arm_b", empty / "run1" / "episode_000")
+        write_episode(live / "arm_a", steps_of(0, 3)[1:], first_step=1)
+        (_, stderr), (_, empty_stderr) = (proc.communicate(timeout=300) for proc in procs)
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert procs[0].returncode == 4, stderr  # arm_a completed, run1 failed
+    assert (f"Error: episode 'run1' failed: {live / 'run1'}: no step file arrived within --idle-timeout 3 s; its "
+            "sub-folders episode_000 look like episode folders, one level down\n"
+            f"hint: give {live / 'run1'} as EPISODE: a folder of episode folders runs") in stderr
+    assert (f"warning: {live}: 2026-12-03 never joined the run: its sub-folders ep1 look like episode folders, one "
+            f"level deeper than a folder of episodes is watched (give {live / '2026-12-03'} as EPISODE)") in stderr
+    assert "made in it since" not in stderr
+    assert [(r["episode"], r["step"]) for r in records(tmp_path / "run_live")] == [
+        ("arm_a", 0), ("arm_a", 1), ("arm_a", 2), ("run1", None)]  # run1's failure is a line too
+    assert procs[1].returncode == 2, empty_stderr
+    assert (f"Error: episode 'empty' failed: {empty}: no step file arrived within --idle-timeout 3 s; its sub-folder "
+            f"run1 holds episode folders (episode_000), two levels down\nhint: give {empty / 'run1'} as EPISODE"
+            in empty_stderr)
+
+
 def test_runs_started_in_the_same_second_in_one_folder_each_get_their_own_default_out(env, data, tmp_path):
     """Two cron jobs started at 02:00:00 in one folder, without --out: both pick ardiff-runs/<that second>. The
     first is held while its --pipeline module imports (after it named its folder, before it created it) and the
@@ -2682,6 +2719,59 @@ def test_an_episode_folder_a_robot_starts_in_a_followed_folder_of_episodes_joins
     summary = json.loads((run / "summary.json").read_text())
     assert summary["episodes"]["completed"] == 2 and summary["episodes"]["total"] == 2
     assert "warning" not in stderr
+
+
+def test_a_robot_that_writes_steps_under_tempfile_names_and_renames_them_is_followed(env, data, reference, tmp_path):
+    """A robot saving each step into tempfile.NamedTemporaryFile(dir=episode, suffix=".safetensors"), then renaming
+    it: a temporary name without a digit (tmpabcdefgh.safetensors, about one in 12) failed the episode at once with
+    "step file name has no step number" (exit 2), though renamed to its step's name a moment later."""
+    proc, live, run = follow_a_live_episode(env, data, tmp_path, "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)  # step 0 ran: the follower polls the folder
+        for step in (1, 2):
+            whole = (data / "eps" / "arm_a" / f"step_{step:06d}.safetensors").read_bytes()
+            with open(live / "arm_a" / "tmpabcdefgh.safetensors", "wb") as f:
+                f.write(whole[:64])
+                f.flush()
+                time.sleep(0.5)  # several polls see it
+                f.write(whole[64:])
+            os.rename(live / "arm_a" / "tmpabcdefgh.safetensors", live / "arm_a" / f"step_{step:06d}.safetensors")
+        (live / "arm_a" / "END").touch()
+        stderr = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert [r["step"] for r in records(run)] == [0, 1, 2]
+    ran = sorted(outputs(run))
+    assert ran == sorted(name for name in outputs(reference) if name.startswith("episodes/arm_a/"))
+    for name in ran:  # the outputs of an uninterrupted run
+        assert (run / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+def test_a_step_file_deleted_after_it_ran_is_named_as_such_when_its_evicted_session_replays(env, data, tmp_path):
+    """A robot that cleans up the step files that ran, while `--follow` runs two episodes in one resident session
+    without swap space: rebuilding an evicted session replays its steps, and the missing file failed the episode
+    with "cannot read the step file: No such file or directory" and a hint about permissions."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[:1], prompt=f"task {name}", end=False)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                 "--swap-space", "0", "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 2, proc)  # step 0 of both ran; arm_a's session was evicted
+        (live / "arm_a" / "step_000000.safetensors").unlink()
+        for i, name in enumerate(("arm_a", "arm_b")):
+            write_episode(live / name, steps_of(i, 3)[1:], first_step=1)
+        stderr = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 4, stderr  # arm_b completed
+    assert (f"Error: episode 'arm_a' failed: {live / 'arm_a' / 'step_000000.safetensors'}: step 0 ran, but its file "
+            "is gone (deleted since): the session of episode 'arm_a' is rebuilt by replaying its earlier steps"
+            in stderr), stderr
+    assert "hint: keep an episode's step files until it has ended" in stderr and "permissions" not in stderr
+    assert [(r["episode"], r["step"], r["status"]) for r in records(run) if r["episode"] == "arm_a"] == [
+        ("arm_a", 0, "ok"), ("arm_a", 0, "failed")]
 
 
 def test_a_run_json_whose_watched_folders_were_edited_wrong_is_a_usage_error(env, data, tmp_path):

@@ -714,6 +714,43 @@ def test_follow_polls_pass_over_other_files_by_name(tmp_path, monkeypatch):
     assert checked[0] <= 5, f"{checked[0]} names checked as step files"  # was 2,711
 
 
+def test_follow_waits_for_a_step_file_named_without_a_step_number_to_be_renamed(tmp_path):
+    """A writer that saves into tempfile.NamedTemporaryFile(dir=episode, suffix=".safetensors") and then renames it
+    to step_000001.safetensors (tmpabcdefgh.safetensors: about one name in 12 has no digit) failed its episode with
+    "step file name has no step number" at the poll that saw the temporary file. It is now waited for and forgotten
+    once renamed; one still there at END fails the episode naming it, as without --follow."""
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0)], prompt="p", end=False)
+    temporary = folder / "tmpabcdefgh.safetensors"
+    clock = FakeClock([lambda: write_step(folder, 1, good(1)) and os.rename(folder / "step_000001.safetensors",
+                                                                               temporary),
+                       lambda: None, lambda: os.rename(temporary, folder / "step_000001.safetensors"),
+                       lambda: (folder / "END").touch()])
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert _drain(scheduler) == [("live", 0), ("live", 1), ("live", "end_marker")]
+
+    stray = tmp_path / "stray"
+    write_episode(stray, [good(0)], prompt="p", end=False)
+    clock = FakeClock([lambda: write_step(stray, 1, good(1)) and os.rename(stray / "step_000001.safetensors",
+                                                                              stray / "notes.safetensors"),
+                       lambda: (stray / "END").touch()])
+    scheduler = StepScheduler(discover_episodes([stray]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert isinstance(scheduler.next(), StepTask)
+    ended = scheduler.next()
+    assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
+    assert str(ended.error) == f"{stray / 'notes.safetensors'}: step file name has no step number"
+    assert scheduler.next() is None
+
+    # one there when the run starts is a stray file, not a writer's: its episode fails before any step, as before
+    scheduler = StepScheduler(discover_episodes([stray]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    ended = scheduler.next()
+    assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
+    assert str(ended.error) == f"{stray / 'notes.safetensors'}: step file name has no step number"
+
+
 def test_follow_a_second_file_for_a_step_already_taken_fails_the_episode(tmp_path):
     folder = tmp_path / "live"
     write_episode(folder, [good(0), good(1)], prompt="p", end=False)
@@ -777,6 +814,44 @@ def test_episodes_one_level_down_of_a_followed_folder_are_named_as_there_from_th
     assert scheduler.next() is None and warnings == []
 
 
+def test_episodes_nested_in_a_followed_folder_after_the_start_are_named_with_the_folder_to_give(tmp_path):
+    """Episode folders one or two levels too deep that a robot made after the run's first poll: `--follow data` of
+    data/run1 (empty) gaining run1/episode_000 failed run1 saying they "were made in it since ...: it was empty when
+    the run started", hinting to mkdir one before the run (which fails as one level down); an empty data/ gaining
+    data/run1/episode_000 said only "no step file arrived". Each now names the folder to give, as the first poll
+    does."""
+    data = tmp_path / "data"
+    (data / "run1").mkdir(parents=True)
+    write_episode(data / "arm_a", [good(0)], prompt="p")
+    clock, warnings = FakeClock(), []
+    clock.actions = [lambda: write_episode(data / "run1" / "episode_000", [good(0)], prompt="p")]
+    scheduler = StepScheduler(discover_episodes([data]), follow=True, idle_timeout=3, poll_interval=1, clock=clock,
+                              sleep=clock.sleep, watch=[data], warn=warnings.append)
+    items = []
+    while (item := scheduler.next()) is not None:
+        items.append(item)
+        if isinstance(item, EpisodeEnded) and item.reason == "error":
+            error = item.error
+    assert [(i.episode.name, getattr(i, "reason", None)) for i in items] == [
+        ("arm_a", None), ("arm_a", "end_marker"), ("run1", "error")]
+    assert str(error) == (f"{data / 'run1'}: no step file arrived within --idle-timeout 3 s; its sub-folders "
+                          "episode_000 look like episode folders, one level down")
+    assert error.hint.startswith(f"give {data / 'run1'} as EPISODE: a folder of episode folders runs each")
+    assert warnings == []  # run1, an episode of the run, is not said to have never joined it
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    clock = FakeClock([lambda: write_episode(empty / "run1" / "episode_000", [good(0)], prompt="p")])
+    scheduler = StepScheduler(discover_episodes([empty]), follow=True, idle_timeout=3, poll_interval=1, clock=clock,
+                              sleep=clock.sleep)
+    ended = scheduler.next()
+    assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
+    assert str(ended.error) == (f"{empty}: no step file arrived within --idle-timeout 3 s; its sub-folder run1 holds "
+                                "episode folders (episode_000), two levels down")
+    assert ended.error.hint.startswith(f"give {empty / 'run1'} as EPISODE")
+    assert scheduler.next() is None
+
+
 def _watching(data, clock, *, idle_timeout=5, added=None):
     """A follower of the folder of episodes ``data`` that watches it for new episode folders."""
     return StepScheduler(discover_episodes([data]), follow=True, idle_timeout=idle_timeout, poll_interval=1,
@@ -818,13 +893,16 @@ def test_what_never_joined_a_watched_folder_of_episodes_is_named_when_the_run_en
     clock = FakeClock([lambda: write_episode(data / "2026-12-03" / "ep1", [good(0)], prompt="p"),
                        lambda: write_step(data, 0, good(0), prompt="p"),
                        lambda: (data / ".staging").mkdir(),
-                       lambda: (data / "arm_c").mkdir()])  # a robot that has not started: no word
+                       lambda: (data / "arm_c").mkdir(),  # a robot that has not started: no word
+                       lambda: (data / "notes" / "old").mkdir(parents=True)])
     warnings: list[str] = []
     scheduler = StepScheduler(discover_episodes([data]), follow=True, idle_timeout=5, poll_interval=1, clock=clock,
                               sleep=clock.sleep, watch=[data], warn=warnings.append)
     assert _drain(scheduler) == [("arm_a", 0), ("arm_a", "end_marker")]
     assert warnings == [
-        f"{data}: 2026-12-03 never joined the run: no step file, END or episode.yaml came in it, only other files or "
+        f"{data}: 2026-12-03 never joined the run: its sub-folders ep1 look like episode folders, one level deeper "
+        f"than a folder of episodes is watched (give {data / '2026-12-03'} as EPISODE)",
+        f"{data}: notes never joined the run: no step file, END or episode.yaml came in it, only other files or "
         "folders (a folder of episodes is watched for episode folders in it, not deeper: give a deeper folder of "
         "episodes as EPISODE)",
         f"{data}: step_000000.safetensors did not run: a followed folder of episodes runs the step files of the "

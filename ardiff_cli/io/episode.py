@@ -69,10 +69,11 @@ class EpisodeSource:
     path: Path
     _metadata: dict[str, Any] | None = field(default=None, repr=False)  # episode.yaml, read once
 
-    def scan(self, *, skip: Container[str] = ()) -> list[StepFile]:
+    def scan(self, *, skip: Container[str] = (), unnumbered: list[Path] | None = None) -> list[StepFile]:
         """The step files present now, in step order; duplicate step numbers are an error. ``skip``: names not
-        to look at again (the steps a follower has taken), so a poll costs one listing, not a stat per file."""
-        return scan_steps(self.path, skip=skip)
+        to look at again (the steps a follower has taken), so a poll costs one listing, not a stat per file.
+        ``unnumbered``: see :func:`scan_steps`."""
+        return scan_steps(self.path, skip=skip, unnumbered=unnumbered)
 
     def has_end_marker(self) -> bool:
         return present(self.path / END_MARKER) is True  # None (a folder it may not enter): the scan names why
@@ -199,8 +200,10 @@ def _list_folder(folder: Path) -> list[Path]:
     return [folder / name for name in _list_names(folder)]
 
 
-def scan_steps(folder: Path, *, skip: Container[str] = ()) -> list[StepFile]:
-    """The step files of ``folder`` in step order, except those named in ``skip`` (not even stat'ed)."""
+def scan_steps(folder: Path, *, skip: Container[str] = (), unnumbered: list[Path] | None = None) -> list[StepFile]:
+    """The step files of ``folder`` in step order, except those named in ``skip`` (not even stat'ed). A step file
+    whose name has no step number is an error, unless ``unnumbered`` is given: it is appended there (a follower
+    waits to see whether it is a writer's temporary file, ``tempfile``'s ``tmpk_ohzexq.safetensors``, renamed)."""
     steps: dict[int, Path] = {}
     for name in _list_names(folder):
         # By name first: a follower lists its folders 10 times a second, and a robot's folder may hold thousands
@@ -214,6 +217,9 @@ def scan_steps(folder: Path, *, skip: Container[str] = ()) -> list[StepFile]:
             path.lstat()
         except (FileNotFoundError, NotADirectoryError):
             pass  # deleted since the listing: reading it says so
+        if unnumbered is not None and not _NUMBER.search(path.stem):
+            unnumbered.append(path)
+            continue
         number = step_number(path)
         if number in steps:
             raise ObservationError(

@@ -42,14 +42,15 @@ import re
 import shlex
 import stat
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ardiff_cli.io.atomic import temporary_pattern
 from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, StepFile, episode_entries,
                                    episode_folders_inside, gap_error, is_run_output, listed, looks_whole,
-                                   missing_steps, new_episode_folders, other_step_formats, unreadable_folder)
+                                   missing_steps, new_episode_folders, other_step_formats, step_number,
+                                   unreadable_folder)
 from ardiff_cli.runtime.errors import ObservationError
 
 # write_step's temporary file of a step file being written (atomic_write_bytes): activity for the idle timer
@@ -106,6 +107,7 @@ class _Track:
     trusted: bool = False  # follow: listed once ``stamp`` was settled: nothing was added or removed while it holds
     stamp_unreliable: bool = False  # follow: a file came in its folder without changing ``stamp``: listed every poll
     inside: frozenset[str] = frozenset()  # follow: episode folders in it at its first poll, when it held no step file
+    unnumbered: list[Path] = field(default_factory=list)  # follow: files named like steps but without a step number
 
 
 class StepScheduler:
@@ -341,6 +343,12 @@ class StepScheduler:
             idle = [name for name in names if name not in settled and _holds_something(folder / name)
                     and not is_run_output(folder / name) and self._names.of(folder / name) is None]
             steps = [name for name in names if name.endswith(STEP_SUFFIXES)]
+            deeper = dict(_folders_of_episodes(folder, idle))
+            idle = [name for name in idle if name not in deeper]
+            for name, inside in deeper.items():
+                self._warn(f"{folder}: {name} never joined the run: its sub-folders {listed(inside)} look like "
+                           "episode folders, one level deeper than a folder of episodes is watched (give "
+                           f"{shlex.quote(str(folder / name))} as EPISODE)")
             if idle:
                 self._warn(f"{folder}: {listed(idle)} never joined the run: no step file, END or episode.yaml came "
                            "in it, only other files or folders (a folder of episodes is watched for episode folders "
@@ -364,6 +372,8 @@ class StepScheduler:
             return "complete"
         if track.source.has_end_marker():
             self._guarded_scan(track, force=True)
+            if track.ended:  # the scan failed it: its error is queued, not an end_marker too
+                return None
             self._raise_gap(track)
             if track.cursor < len(track.files) or track.sizes:
                 return None
@@ -404,20 +414,27 @@ class StepScheduler:
         track.writing = sizes
         return changed
 
-    @staticmethod
-    def _raise_empty(track: _Track, what: str, hint: str) -> None:
-        """An episode that ends with no step file at all failed, as it does without ``follow``. A folder that was
-        empty at the start was taken for an episode: if episode folders were made in it since (the run started
-        before the robots' first episodes), the error says so; one that held them already at its first poll (a
-        folder of episodes given one level too high) names them, as without ``follow``."""
+    def _raise_empty(self, track: _Track, what: str, hint: str) -> None:
+        """An episode that ends with no step file at all failed, as it does without ``follow``. A folder given as
+        EPISODE that was empty at the start was taken for an episode: if episode folders were made in it since (the
+        run started before the robots' first episodes), the error says so. Episode folders one level down of one
+        that held them at its first poll (a folder of episodes given one level too high), or of an episode of a
+        watched folder of episodes (``data/run1/episode_000``, ``data`` given: whenever they were made), are named
+        with the folder to give, as without ``follow``; so are episode folders two levels down."""
         if track.files:
             return
         folder = track.source.path
         made = [child.name for child in new_episode_folders(folder, set())]
-        there = [name for name in made if name in track.inside]  # at the start: not made since
+        watched = Path(os.path.abspath(folder)).parent.resolve() in {path.resolve() for path, _ in self._watch}
+        there = made if watched else [name for name in made if name in track.inside]
         if there:
             raise ObservationError(f"{folder}: {what}; its sub-folders {listed(there)} look like episode folders, one "
                                    "level down", hint=_one_level_down_hint(folder))
+        deeper = [] if made else _folders_of_episodes(folder)
+        if deeper:
+            name, inside = deeper[0]
+            raise ObservationError(f"{folder}: {what}; its sub-folder {name} holds episode folders ({listed(inside)}), "
+                                   "two levels down", hint=_one_level_down_hint(folder / name))
         if made:
             what += (f"; episode folders were made in it since ({listed(made)}): it was empty when the run started, "
                      "so it was followed as one episode")
@@ -532,6 +549,13 @@ class StepScheduler:
         for name in [n for n in track.sizes if n not in present]:
             del track.sizes[name]
         track.unready = [f for f in track.unready if f.path.name in track.sizes]
+        # A name without a step number (a writer's temporary file, tempfile's tmpk_ohzexq.safetensors) failed the
+        # episode at the poll that saw it, though renamed to its step's name a moment later. It is waited for like an
+        # unready file, forgotten once gone, and fails the episode (as without follow) if still there at END or the
+        # idle timeout.
+        track.unnumbered = [path for path in track.unnumbered if os.path.lexists(path)]
+        if track.unnumbered and (force or first_poll):  # there at the start: a stray file (calibration.npz)
+            step_number(track.unnumbered[0])  # raises, naming it
         if first_poll and not track.files and not track.sizes:  # episodes one level down, or a folder still empty
             track.inside = frozenset(episode_folders_inside(track.source.path))
 
@@ -551,7 +575,9 @@ class StepScheduler:
             track.stamp, track.stamp_seen, track.trusted = stamp, now, False
         elif track.trusted and not force and now - track.listed_at < _RELIST:
             return list(track.unready)
-        files = track.source.scan(skip=track.taken)
+        unnumbered: list[Path] = []
+        files = track.source.scan(skip=track.taken, unnumbered=unnumbered)
+        track.unnumbered = unnumbered
         if track.trusted and {f.path.name for f in files} != {f.path.name for f in track.unready}:
             track.stamp_unreliable = True  # a file came (or went) without the timestamps changing
         settle = _SETTLE if st.st_mtime_ns % 1_000_000_000 else _SETTLE_COARSE
@@ -638,6 +664,23 @@ def _no_step_files(folder: Path) -> ObservationError:
              + ("ardiff_cli.io.write_step writes them" if others else
                 "for a folder a robot is still writing, use --follow"),
     )
+
+
+def _folders_of_episodes(folder: Path, names: Container[str] | None = None) -> list[tuple[str, list[str]]]:
+    """The sub-folders of ``folder`` (those in ``names`` only, if given) that hold episode folders, each with the
+    names of those, in name order: a folder of episodes one level deeper than ``folder`` is read."""
+    try:
+        with os.scandir(folder) as entries:  # files (a robot's camera frames) are passed over without a listing
+            subfolders = sorted(e.name for e in entries if not e.name.startswith(".")
+                                and (names is None or e.name in names) and e.is_dir())
+    except OSError:
+        return []
+    found = []
+    for name in subfolders:
+        inside = episode_folders_inside(folder / name)
+        if inside and not episode_entries(folder / name) and not is_run_output(folder / name):
+            found.append((name, inside))
+    return found
 
 
 def _one_level_down_hint(folder: Path) -> str:
