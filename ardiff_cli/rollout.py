@@ -349,7 +349,8 @@ class Rollout:
         assert start <= ordinal, f"session {episode.name!r} is ahead of its episode ({start} > {ordinal})"
         history = self.scheduler.history(episode.name, start)[: ordinal - start]
         if history:
-            self.monitor.log("replay", episode.name, f"rebuilding the session from {len(history)} earlier steps",
+            earlier = f"{len(history)} earlier step{'s' if len(history) > 1 else ''}"
+            self.monitor.log("replay", episode.name, f"rebuilding the session from {earlier}",
                              steps=[f.step for f in history])
         for step_file in history:
             self._at = ("replay", step_file)

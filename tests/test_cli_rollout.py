@@ -1687,6 +1687,7 @@ def test_with_swapping_off_evicted_sessions_are_replayed_to_the_same_outputs(env
     assert summary["swap"] == {"space_bytes": 0, "swapped_out": 0, "swap_failed": 0, "restored": 0,
                                "restore_failed": 0, "dropped": 0, "kept": 0}
     assert "swapped out" not in proc.stderr and "rebuilding the session from 2 earlier steps" in proc.stderr
+    assert re.search(r"rebuilding the session from 1 earlier step$", proc.stderr, re.M)  # not "1 earlier steps"
     assert_same_outputs(reference, tmp_path / "replay")
 
 

@@ -439,6 +439,35 @@ def test_the_readme_inspect_capacity_sample_is_what_the_command_prints(monkeypat
     assert result.stdout == printed
 
 
+def test_the_readme_live_layout_sample_agrees_with_its_own_events():
+    """The rollout layout sample is one frame: its sessions panel lists the sessions its events leave resident (the
+    most recently admitted, least recently used first), and its capacity panel counts their pages and the swapped
+    out snapshot its events name. An edited sample once listed a session its events had just evicted."""
+    readme = (REPO / "README.md").read_text()
+    sample = _section(readme, "ardiff rollout · dreamzero-tiny", "\n```")
+    rows = re.findall(r"│ (\w+) +\d+/\d+ +pos:(\d+) neg:(\d+) ", sample)
+    events = re.findall(r"│ +\+[\d.]+s +(admitted|evicted) +(\w+)(?: .*?swapped out \(([\d.]+ \w+)\))?", sample)
+    last: dict[str, tuple[str, str]] = {}  # session -> its last admission or eviction (and a snapshot's size)
+    for kind, session, size in events:
+        last.pop(session, None)
+        last[session] = (kind, size)
+    admitted = [session for session, (kind, _) in last.items() if kind == "admitted"]
+    swapped = [size for kind, size in last.values() if kind == "evicted" and size]
+    resident, capacity = map(int, re.search(r"sessions +(\d+)/(\d+) resident", sample).groups())
+    used = int(re.search(r"pages .* (\d+)/\d+, \d+ free", sample).group(1))
+    swap = re.search(r"swap +(\d+) out, ([\d.]+ \w+) of", sample).groups()
+    names = [session for session, *_ in rows]
+    assert len(rows) == resident <= capacity and resident > 0
+    # Sessions admitted before the newest events are not shown there: only the others are checked.
+    shown = min(resident, len(admitted))
+    assert shown > 0 and names[-shown:] == admitted[-shown:]
+    assert not {session for session, (kind, _) in last.items() if kind == "evicted"} & set(names)
+    assert sum(int(pos) + int(neg) for _, pos, neg in rows) == used
+    assert int(swap[0]) >= len(swapped)
+    if swap[0] == "1" and swapped:  # one snapshot out, its eviction among the events: the swap row shows its size
+        assert swap[1] == swapped[0]
+
+
 def test_the_built_in_configs_the_readme_lists_are_the_shipped_ones():
     readme = (REPO / "README.md").read_text()
     shipped = sorted(path.stem for path in (REPO / "configs").glob("*.yaml"))

@@ -281,7 +281,8 @@ def options_of_inspect_capacity(tmp_path: Path) -> set[str]:
     (("dreamzero-14b", "--available", "3GiB", "--memory-budget", "100GiB"),
      "a larger --available (the memory of a device the config is meant for)"),
     (("dreamzero-14b", "--memory-budget", "3GiB"), "a larger --memory-budget (or runtime.memory_budget in the config)"),
-    (("dreamzero-14b",), "--available BYTES to plan for a device with more memory than this one has free"),
+    # in parentheses, as above: "... than this one has free or a smaller model.window_frames" read as one phrase
+    (("dreamzero-14b",), "--available BYTES (the free memory of a device larger than this one)"),
 ])
 def test_a_session_that_does_not_fit_is_hinted_at_by_the_option_that_set_the_memory(tmp_path, args, fix):
     # The fake GPU has 3000 MiB free: dreamzero-14b needs 4.74 GiB, 2.03 GiB with a one-frame window.

@@ -116,6 +116,10 @@ def test_episode_metadata_read_with_numpy_or_torch_is_written_as_plain_yaml(tmp_
     with pytest.raises(TypeError, match=r"^metadata: episode.yaml cannot hold .*\(object\); it holds text, numbers"):
         write_episode(tmp_path / "bad", [arrays(0)], metadata={"calibration": object()})
     assert not (tmp_path / "bad").exists()
+    # Keys are text at every level, as the README says: a number is not made text, it is refused, naming it.
+    with pytest.raises(TypeError, match=r"^metadata\['arm'\]: key 3 \(int\) is not text; episode.yaml keys are text"):
+        write_episode(tmp_path / "bad", [arrays(0)], metadata={"arm": {3: "wrist"}})
+    assert not (tmp_path / "bad").exists()
 
 
 def test_what_a_step_file_cannot_hold_is_refused_before_anything_is_written(tmp_path):

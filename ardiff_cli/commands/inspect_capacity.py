@@ -135,7 +135,7 @@ def does_not_fit_hint(cfg: Any, source: str, *, window_helps: bool) -> str:
     elif source == "memory budget":
         fixes = ["a larger --memory-budget (or runtime.memory_budget in the config)"]
     else:
-        fixes = ["--available BYTES to plan for a device with more memory than this one has free"]
+        fixes = ["--available BYTES (the free memory of a device larger than this one)"]
     if cfg.runtime.dtype == "float32":
         fixes.append("--dtype bfloat16 (half the bytes)")
     fields = [f"model.{name}" for name in ("window_frames", "sink_frames")
