@@ -26,8 +26,8 @@ from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.errors import CheckpointError, ObservationError
 from ardiff_cli.runtime.observation import ObservationSchema, validate_observation
 from ardiff_cli.runtime.request import ARDiffusionRequest
-from pipelines.checkpoint import (build_on_meta, check_weight_fields, default_checkpoint, default_checkpoint_hint,
-                                  fresh_modules, load_checkpoint, read_metadata)
+from pipelines.checkpoint import (build_config_on_meta, check_weight_fields, default_checkpoint,
+                                  default_checkpoint_hint, fresh_modules, load_checkpoint, read_metadata)
 from pipelines.rollout import PagedRollout
 
 MODEL_KEY = "__model__"  # the exported session's model_identity(), beside its record's fields
@@ -116,7 +116,7 @@ class ARPipeline(abc.ABC):
                     checkpoint: str | Path | None = None):
         """Load ``checkpoint`` (None: the built-in default, built on first use) for ``config``."""
         path = Path(checkpoint) if checkpoint is not None else default_checkpoint(cls, config)
-        modules = build_on_meta(lambda: cls.build_modules(config))
+        modules = build_config_on_meta(cls, config)
         try:
             try:
                 metadata = load_checkpoint(modules, path, device)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -37,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from ardiff_cli.io.atomic import FILE_MODE, parse_json, remove_temporaries
 from ardiff_cli.io.demo import CACHE_ENV, cache_dir, cache_write_error
 from ardiff_cli.io.writer import sort_metadata_in_file
-from ardiff_cli.runtime.errors import CheckpointError, os_error
+from ardiff_cli.runtime.errors import CheckpointError, ConfigError, os_error
 from pipelines.wan import remap_checkpoint_key
 
 # bump when parameter names or meanings change, or what a file records: cached defaults are then rebuilt (2: the
@@ -85,6 +86,27 @@ def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
         return build()
 
 
+def build_config_on_meta(pipeline_class: Any, config) -> nn.Module:
+    """``pipeline_class.build_modules(config)`` on the meta device. A weight of 2**63 bytes or more, which torch cannot
+    size even there, is the config's mistake: a ``ConfigError`` naming the model fields of its largest size (a
+    ``cond_dim: 2**62`` was "from_config() failed" in warmup, blamed on the pipeline, and a traceback in rollout)."""
+    try:
+        return build_on_meta(lambda: pipeline_class.build_modules(config))
+    except RuntimeError as exc:
+        if "Storage size calculation overflowed" not in str(exc):
+            raise
+        sizes = [int(n) for n in re.findall(r"[0-9]+", str(exc).partition("sizes=")[2])]
+        fields = config.to_dict() if callable(getattr(config, "to_dict", None)) else {}
+        named = [f"'model.{name}'" for name, value in fields.items()
+                 if type(value) is int and sizes and value == max(sizes) > 1]
+        raise ConfigError(
+            f"the {pipeline_class.name} model is too large for torch: "
+            + (f"{' and '.join(named)} ({max(sizes)}) make{'s' if len(named) == 1 else ''} " if named else "")
+            + f"a weight of shape {sizes or '?'}, 2**63 bytes or more (torch sizes a tensor in int64)",
+            hint=f"lower {' or '.join(named) if named else 'the widths in the model: section'}",
+        ) from None
+
+
 def count_parameters(build: Callable[[], nn.Module]) -> int:
     """Parameters of the module ``build`` makes, counted on the meta device (nothing allocated)."""
     return sum(p.numel() for p in build_on_meta(build).parameters())
@@ -96,7 +118,7 @@ def count_config_parameters(pipeline_class: Any, config) -> int:
     device, took 12 s for 5,000 layers and never ended for ``num_layers: 10**12``, while ``warmup`` only needed
     the count to refuse the geometry."""
     def count(cfg) -> int:
-        return count_parameters(lambda: pipeline_class.build_modules(cfg))
+        return sum(p.numel() for p in build_config_on_meta(pipeline_class, cfg).parameters())
 
     layers = getattr(config, "num_layers", None)
     if not isinstance(layers, int) or layers <= 3 or not callable(getattr(config, "replace", None)):

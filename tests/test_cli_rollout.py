@@ -717,6 +717,31 @@ def test_a_device_this_machine_lacks_is_refused_before_anything_is_made(env, dat
         assert not (tmp_path / "run").exists() and not cache.exists()
 
 
+def test_a_run_of_a_config_given_as_a_link_resumes_with_the_checkpoint_it_read(env, tmp_path):
+    """A config given as a link reads a relative `checkpoint:` from the link's folder, but run.json recorded the
+    link's target, so `--resume` read the checkpoint from the target's folder: `field 'checkpoint': file not
+    found`, exit 2, and the run could not be finished. It records the config's path as given, made absolute."""
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "fast.yaml").write_text(f"{FAST_CONFIG}checkpoint: weights.safetensors\n")
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "exp" / "fast.yaml").symlink_to(tmp_path / "shared" / "fast.yaml")
+    (tmp_path / "plain.yaml").write_text(FAST_CONFIG)  # the same weights, with no checkpoint to look for yet
+    init = subprocess.run([sys.executable, "-m", "pipelines.checkpoint", "init", str(tmp_path / "plain.yaml"),
+                           str(tmp_path / "exp" / "weights.safetensors")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert init.returncode == 0, init.stderr
+    write_episode(tmp_path / "eps" / "arm_a", steps_of(0, 1), prompt="task", end=False)  # step 1 comes later
+    run = tmp_path / "run"
+    first = ardiff(env, "rollout", "exp/fast.yaml", str(tmp_path / "eps"), "--out", str(run), "--no-warmup",
+                   "--format", "plain", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    write_step(tmp_path / "eps" / "arm_a", 1, steps_of(0, 2)[1])
+    resumed = ardiff(env, "rollout", "--resume", "--out", str(run), "--format", "plain")  # from another folder
+    assert resumed.returncode == 0, resumed.stderr
+    assert (run / "episodes" / "arm_a" / "step_000001.safetensors").is_file(), resumed.stderr
+    assert json.loads((run / "run.json").read_text())["config_path"] == str(tmp_path / "exp" / "fast.yaml")
+
+
 def test_a_config_too_large_for_a_built_in_checkpoint_is_refused_before_anything_is_made(env, tmp_path):
     """A 14B config without checkpoint: was refused only as the model loaded: 31 MB of demo episodes had been
     written to the cache and the --out folder made, holding a lone .lock."""
@@ -2266,7 +2291,7 @@ def test_resume_reads_the_runs_own_config_from_any_folder_and_refuses_an_edited_
     assert_same_outputs(reference, run)
     # Naming the other my.yaml, or editing the run's own, is refused before anything runs.
     hint = "hint: resume with the config the run started with, or start a new run in another --out\n"
-    ours, other = (started / "my.yaml").resolve(), (elsewhere / "my.yaml").resolve()
+    ours, other = started / "my.yaml", elsewhere / "my.yaml"  # absolute paths, as given (links kept)
     proc = ardiff(env, "rollout", "my.yaml", "--resume", "--out", str(run), cwd=elsewhere)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.endswith(f"Error: config {other} differs from the run's {ours} (SHA-256 differs)\n{hint}"), (

@@ -761,6 +761,45 @@ def test_a_window_no_attention_call_can_see_is_refused_before_weights_demo_episo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["window.yaml"]  # no cache, no out
 
 
+@pytest.mark.parametrize(("command", "checkpoint"), [("warmup", False), ("rollout", False), ("warmup", True)])
+def test_a_weight_too_large_for_torch_is_a_config_error_naming_the_field(tmp_path, command, checkpoint):
+    """`cond_dim: 2**62` makes a weight torch cannot size even on the meta device: warmup ended "from_config() failed:
+    RuntimeError: Storage size calculation overflowed" (exit 1, blamed on the pipeline), rollout with a traceback.
+    With or without `checkpoint:`, it is the config's mistake, named before --out or the demo episodes are made."""
+    (tmp_path / "w.safetensors").write_bytes(b"\x00" * 8)  # never read: the model is refused before its weights
+    config = tmp_path / "huge.yaml"
+    config.write_text(f"pipeline: causal_world\ncheckpoint: {'w.safetensors' if checkpoint else 'null'}\n"
+                      f"model: {{preset: tiny, cond_dim: {2**62}}}\n")
+    out = ["--out", str(tmp_path / "out")] if command == "rollout" else []
+    env = {**os.environ, "ARDIFF_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", command, str(config), *out, "--device", "cpu",
+                           "--format", "plain"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert (f"Error: the causal_world model is too large for torch: 'model.cond_dim' ({2**62}) makes a weight of "
+            f"shape [64, {2**62}], 2**63 bytes or more") in proc.stderr, proc.stderr
+    assert "hint: lower 'model.cond_dim'" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["huge.yaml", "w.safetensors"]  # no cache, no out
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("pipeline: dreamzero\nMODEL: {preset: tiny}\n", "unknown key 'MODEL' (did you mean 'model'?)"),
+    ("pipeline: dreamzero\nmodel: {PRESET: tiny}\n", "unknown key 'model.PRESET' (did you mean 'preset'?)"),
+    ("pipeline: dreamzero\nmodel: {preset: TINY}\n",
+     "field 'model.preset': unknown preset 'TINY' (did you mean 'tiny'?)"),
+    ("pipeline: DREAMZERO\n", "field 'pipeline': unknown pipeline 'DREAMZERO' (did you mean 'dreamzero'?)"),
+])
+def test_a_name_written_in_another_case_gets_a_did_you_mean(tmp_path, text, said):
+    """`Model` was answered "did you mean 'model'?", but `MODEL`, `PRESET`, `TINY` and `DREAMZERO` got no suggestion:
+    difflib finds no likeness between upper- and lower-case letters."""
+    config = tmp_path / "c.yaml"
+    config.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--available", "8GiB",
+                           "--format", "plain"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.startswith(f"Error: {config}: {said}\nhint: "), proc.stderr
+
+
 def _alias_bomb(depth: int = 9) -> str:
     """A flow list whose anchors nest ``depth`` deep, ten aliases each: 10**depth strings once expanded."""
     items = ["&l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]

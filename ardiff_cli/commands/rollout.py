@@ -303,7 +303,9 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
                "idle_timeout": info.get("idle_timeout") if options["idle_timeout"] is None else options["idle_timeout"],
                "preview": bool(options["preview"] or info.get("preview")),
                "swap_space": info.get("swap_space") if options["swap_space"] is None else options["swap_space"]}
-    config_file = resolve_config(config_label(config)).resolve()
+    # Absolute, its links kept: a config given as a link reads a relative checkpoint from the link's folder, and
+    # --resume loaded the link's target, which read it from another folder (`file not found`, exit 2).
+    config_file = resolve_config(config_label(config)).absolute()
     checkpoint = _checkpoint_record(cfg.checkpoint)
     if resume:
         _refuse_changed_checkpoint(info.get("checkpoint"), checkpoint)
@@ -647,7 +649,7 @@ def _resume_config(given: str | None, info: dict[str, Any]) -> str:
     recorded, digest = info.get("config_path"), info.get("config_sha256")
     if digest is None:  # run.json of an older ardiff: only the label was kept
         return _same(given, info["config"], "CONFIG")
-    path = Path(recorded) if given is None else resolve_config(given).resolve()
+    path = Path(recorded) if given is None else resolve_config(given).absolute()
     if why := unencodable(path):  # resumed in another locale than the run's: "is gone" of a config that is there
         raise ConfigError(f"the run's config {recorded}: {why}", hint=UTF8_LOCALE_HINT)
     if not path.is_file():

@@ -318,8 +318,13 @@ YAML_SYNTAX_HINT = "check the indentation, quotes and brackets there and on the 
 
 
 def close_match(name: str, valid: Iterable[str]) -> str | None:
-    """The closest of ``valid`` to ``name``, or None when none is close."""
-    return next(iter(difflib.get_close_matches(name, list(valid), n=1)), None)
+    """The closest of ``valid`` to ``name``, or None when none is close. Case is ignored: `Model` found 'model', but
+    `MODEL`, `preset: TINY` and `pipeline: DREAMZERO` found nothing (difflib compares characters as they are)."""
+    folded: dict[str, str] = {}
+    for item in valid:
+        folded.setdefault(item.casefold(), item)  # of names alike but for case, the first
+    match = next(iter(difflib.get_close_matches(name.casefold(), list(folded), n=1)), None)
+    return None if match is None else folded[match]
 
 
 def did_you_mean(name: str, valid: Iterable[str]) -> str:
