@@ -521,20 +521,48 @@ def test_a_demo_set_a_killed_run_was_building_is_removed_once_an_hour_old(tmp_pa
     assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == sorted([root.name, fresh.name, other.name])
 
 
-def test_follow_fails_an_episode_whose_folder_is_deleted_or_renamed(tmp_path):
-    """Not an idle timeout (which would count the episode as completed): the folder is gone, and that is an error."""
+@pytest.mark.parametrize("how", ["deleted", "moved", "renamed"])
+def test_follow_fails_an_episode_whose_folder_is_deleted_or_renamed(tmp_path, how):
+    """Not an idle timeout (which would count the episode as completed): the folder is gone, and that is an error.
+    One renamed beside where it was is named with its new name."""
     folder = tmp_path / "live"
     write_episode(folder, [good(0)], prompt="p", end=False)
+    (tmp_path / "elsewhere").mkdir()
+    away = {"deleted": lambda: shutil.rmtree(folder), "moved": lambda: folder.rename(tmp_path / "elsewhere" / "live"),
+            "renamed": lambda: folder.rename(tmp_path / "live_done")}[how]
     clock = FakeClock()
-    clock.actions = [lambda: None, lambda: folder.rename(tmp_path / "moved")]
+    clock.actions = [lambda: None, away]
     scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
                               clock=clock, sleep=clock.sleep)
     assert scheduler.next().file.step == 0
     item = scheduler.next()
     assert isinstance(item, EpisodeEnded) and item.reason == "error", item
-    assert str(item.error) == (f"{folder}: the episode folder is gone (deleted or renamed while it was followed); "
-                               "1 of its steps had arrived")
+    what = ("was renamed to live_done while it was followed" if how == "renamed"
+            else "is gone (deleted or renamed while it was followed)")
+    assert str(item.error) == f"{folder}: the episode folder {what}; 1 of its steps had arrived"
     assert clock.now < 100 and scheduler.next() is None
+
+
+def test_an_episode_folder_renamed_in_a_watched_folder_is_named_with_the_episode_it_joins_as(tmp_path):
+    """A recorder that renames each episode's folder once done (robots/ep1.part -> robots/ep1): the old name fails
+    naming the new one, which joins the run as an episode of its own, and the hint says how to avoid the rerun."""
+    data = tmp_path / "robots"
+    write_episode(data / "ep1.part", [good(0)], prompt="p", end=False)
+    clock = FakeClock([lambda: None, lambda: (data / "ep1.part").rename(data / "ep1")])
+    scheduler = _watching(data, clock, idle_timeout=5)
+    items = []
+    while (item := scheduler.next()) is not None:
+        items.append((item.episode.name, item.file.step) if isinstance(item, StepTask) else
+                     (item.episode.name, item.reason, str(item.error) if item.error else None))
+        if isinstance(item, EpisodeEnded) and item.error:
+            hint = item.error.hint
+    assert items == [("ep1.part", 0),
+                     ("ep1.part", "error", f"{data / 'ep1.part'}: the episode folder was renamed to ep1 while it was "
+                                           f"followed; 1 of its steps had arrived; in the watched {data} it joins the "
+                                           "run as an episode of its own, from its first step"),
+                     ("ep1", 0), ("ep1", "idle_timeout", None)]
+    assert hint.startswith("its steps run again as episode ep1: a recorder that renames an episode folder once it is "
+                           "done should make it under a hidden name (.NAME: not watched)")
 
 
 def test_follow_fails_an_episode_whose_folder_is_replaced_by_another_between_two_polls(tmp_path):

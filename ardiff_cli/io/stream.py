@@ -414,6 +414,25 @@ class StepScheduler:
         track.writing = sizes
         return changed
 
+    def _gone(self, track: _Track) -> ObservationError:
+        """The error of an episode whose folder is gone: renamed in its folder (a recorder publishing a finished
+        episode under its final name) is named as such, as is the new name joining a watched folder's run."""
+        folder, arrived = track.source.path, f"{len(track.files)} of its steps had arrived"
+        renamed = _renamed_to(folder, track.identity)
+        if renamed is None:
+            return ObservationError(
+                f"{folder}: the episode folder is gone (deleted or renamed while it was followed); {arrived}",
+                hint="keep an episode's folder in place until its END file is written; --resume runs it again "
+                     "once the folder is back")
+        watched = folder.parent.resolve() in {path.resolve() for path, _ in self._watch}
+        return ObservationError(
+            f"{folder}: the episode folder was renamed to {renamed.name} while it was followed; {arrived}"
+            + (f"; in the watched {folder.parent} it joins the run as an episode of its own, from its first step"
+               if watched else ""),
+            hint=(f"its steps run again as episode {renamed.name}: a recorder that renames an episode folder once "
+                  "it is done should make it under a hidden name (.NAME: not watched) or outside the watched folder"
+                  if watched else "keep an episode's folder in place until its END file is written"))
+
     def _raise_empty(self, track: _Track, what: str, hint: str) -> None:
         """An episode that ends with no step file at all failed, as it does without ``follow``. A folder given as
         EPISODE that was empty at the start was taken for an episode: if episode folders were made in it since (the
@@ -480,12 +499,7 @@ class StepScheduler:
         st = _folder_stat(track.source.path)
         identity = st.st_ino if st is not None else None
         if identity is None:  # it existed at the start (discover_episodes): deleted or renamed since
-            raise ObservationError(
-                f"{track.source.path}: the episode folder is gone (deleted or renamed while it was followed); "
-                f"{len(track.files)} of its steps had arrived",
-                hint="keep an episode's folder in place until its END file is written; --resume runs it again "
-                     "once the folder is back",
-            )
+            raise self._gone(track)
         if track.identity is not None and identity != track.identity and track.files:
             # Another folder put in its place between two polls (a recorder restarting its episode): its steps are
             # another episode's, not the session's history; a poll between the two would have found it gone.
@@ -664,6 +678,21 @@ def _no_step_files(folder: Path) -> ObservationError:
              + ("ardiff_cli.io.write_step writes them" if others else
                 "for a folder a robot is still writing, use --follow"),
     )
+
+
+def _renamed_to(folder: Path, identity: int | None) -> Path | None:
+    """The folder beside where ``folder`` was that has its inode number ``identity`` (it was renamed), or None."""
+    if identity is None:
+        return None
+    try:
+        with os.scandir(folder.parent) as entries:
+            for entry in entries:
+                # stat's, not the listing's inode(): overlayfs lists other numbers for folders than stat gives
+                if entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_ino == identity:
+                    return Path(entry.path)
+    except OSError:
+        pass
+    return None
 
 
 def _folders_of_episodes(folder: Path, names: Container[str] | None = None) -> list[tuple[str, list[str]]]:
