@@ -2301,6 +2301,13 @@ def test_resume_reads_the_runs_own_config_from_any_folder_and_refuses_an_edited_
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.endswith(f"Error: config {ours} was edited since the run started (SHA-256 differs)\n{hint}"), (
         proc.stderr)
+    # An edit that no longer loads is refused as the edit too: once the hash moved after parsing, it said
+    # "unknown key 'modle' (did you mean 'model'?)", leading to another edit of the run's config.
+    (started / "my.yaml").write_text(FAST_CONFIG + "modle: {}\n")
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), cwd=elsewhere)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(f"Error: config {ours} was edited since the run started (SHA-256 differs)\n{hint}"), (
+        proc.stderr)
     assert len(records(run)) == len(lines)  # refused before anything ran
 
 

@@ -565,6 +565,49 @@ def test_an_episode_folder_renamed_in_a_watched_folder_is_named_with_the_episode
                            "done should make it under a hidden name (.NAME: not watched)")
 
 
+def test_an_episode_folder_deleted_and_a_new_one_given_its_inode_number_is_not_said_to_be_renamed(tmp_path):
+    """A robot that deletes a followed episode's folder and starts its next one beside it: ext4 hands the freed inode
+    number to the next folder made, and the error said the episode "was renamed to ep2" and that ep2's "steps run
+    again", of another episode. A renamed folder holds the step files taken from it; this one holds none of them."""
+    data = tmp_path / "robots"
+    write_episode(data / "ep1", [good(0), good(1)], prompt="p", end=False)
+    number = (data / "ep1").stat().st_ino
+    reused = []
+
+    def replace() -> None:  # the next folders made until one gets the deleted folder's inode number back
+        shutil.rmtree(data / "ep1")
+        for i in range(64):
+            (data / f".new{i}").mkdir()
+            if (data / f".new{i}").stat().st_ino == number:
+                (data / f".new{i}").rename(data / "ep2")
+                write_step(data / "ep2", 0, good(0))  # its first step: a name taken from ep1 too
+                reused.append(True)
+                break
+
+    clock = FakeClock([lambda: None, replace])
+    items = list(iter(_watching(data, clock).next, None))
+    if not reused:
+        pytest.skip("this file system did not give the deleted folder's inode number to a new one")
+    error = next(item.error for item in items if isinstance(item, EpisodeEnded) and item.episode.name == "ep1")
+    assert str(error) == (f"{data / 'ep1'}: the episode folder is gone (deleted or renamed while it was followed); 2 "
+                          "of its steps had arrived")
+    assert [item.file.step for item in items if isinstance(item, StepTask) and item.episode.name == "ep2"] == [0]
+
+
+def test_an_episode_folder_renamed_to_a_hidden_name_in_a_watched_folder_is_not_said_to_join_the_run(tmp_path):
+    """A folder renamed to a hidden name (moved aside, `.trash-ep1`) is not watched: the error said it "joins the run
+    as an episode of its own", hinting that its steps run again as episode .trash-ep1 and to use a hidden name."""
+    data = tmp_path / "robots"
+    write_episode(data / "ep1", [good(0)], prompt="p", end=False)
+    clock = FakeClock([lambda: None, lambda: (data / "ep1").rename(data / ".trash-ep1")])
+    items = list(iter(_watching(data, clock).next, None))
+    assert [(item.episode.name, item.reason) for item in items if isinstance(item, EpisodeEnded)] == [("ep1", "error")]
+    error = items[-1].error
+    assert str(error) == (f"{data / 'ep1'}: the episode folder was renamed to .trash-ep1 while it was followed; 1 of "
+                          "its steps had arrived")
+    assert error.hint == "keep an episode's folder in place until its END file is written"
+
+
 def test_follow_fails_an_episode_whose_folder_is_replaced_by_another_between_two_polls(tmp_path):
     """Another episode's folder moved in place of a followed one (a recorder restarting its episode): its later steps
     must not run on the first episode's session, and the outcome must not depend on whether a poll fell between the
@@ -777,6 +820,60 @@ def test_follow_waits_for_a_step_file_named_without_a_step_number_to_be_renamed(
     ended = scheduler.next()
     assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
     assert str(ended.error) == f"{stray / 'notes.safetensors'}: step file name has no step number"
+
+
+def test_an_episode_joining_a_watched_folder_with_its_first_step_under_a_temporary_name_waits_for_it(tmp_path):
+    """A robot that starts its next episode in a watched folder of episodes by writing step 0 under tempfile's name
+    (robots/b/tmpabcdefgh.safetensors) and renaming it: the folder joins the run at that file, and the episode's first
+    poll took it for a stray file there from the start, failing the episode with "step file name has no step
+    number". It is waited for as in an episode that was there from the start; one still there at END fails it."""
+    data = tmp_path / "robots"
+    write_episode(data / "a", [good(0)], prompt="p")
+    temporary = data / "b" / "tmpabcdefgh.safetensors"
+
+    def start_b() -> None:
+        (data / "b").mkdir()
+        write_step(data / "b", 0, good(0))
+        os.rename(data / "b" / "step_000000.safetensors", temporary)
+
+    clock = FakeClock([start_b, lambda: None, lambda: os.rename(temporary, data / "b" / "step_000000.safetensors"),
+                       lambda: (data / "b" / "END").touch()])
+    assert _drain(_watching(data, clock)) == [("a", 0), ("a", "end_marker"), ("b", 0), ("b", "end_marker")]
+
+    stray = data / "c" / "notes.safetensors"  # joining with a file that is never renamed: it fails at END
+
+    def start_c() -> None:
+        (data / "c").mkdir()
+        write_step(data / "c", 0, good(0))
+        os.rename(data / "c" / "step_000000.safetensors", stray)
+
+    clock = FakeClock([start_c, lambda: None, lambda: (data / "c" / "END").touch()])
+    scheduler = _watching(data, clock)
+    ended = [item for item in iter(scheduler.next, None) if item.episode.name == "c"]
+    assert [(item.reason, str(item.error)) for item in ended] == [
+        ("error", f"{stray}: step file name has no step number")]
+
+
+def test_a_step_file_that_arrived_after_its_episode_ended_is_named_beside_a_temporary_name(tmp_path):
+    """The late-file warning (and summary.json's late_steps) scanned the ended episode's folder as without --follow:
+    a writer's temporary file there (tmpabcdefgh.safetensors, its next step under way) raised "no step number", and
+    the step file that arrived after END went unnamed."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_episode(a, [good(0)], prompt="p")
+    write_episode(b, [good(0)], prompt="p", end=False)
+
+    def late() -> None:
+        write_step(a, 1, good(1))
+        write_step(a, 2, good(2))
+        os.rename(a / "step_000002.safetensors", a / "tmpabcdefgh.safetensors")
+
+    clock, warnings = FakeClock([lambda: None, late, lambda: None, lambda: (b / "END").touch()]), []
+    scheduler = StepScheduler(discover_episodes([a, b]), follow=True, idle_timeout=100, poll_interval=1, clock=clock,
+                              sleep=clock.sleep, warn=warnings.append)
+    assert _drain(scheduler) == [("a", 0), ("a", "end_marker"), ("b", 0), ("b", "end_marker")]
+    assert scheduler.late == {"a": ["step_000001.safetensors"]}
+    assert warnings == [f"episode 'a': step_000001.safetensors arrived in {a} after its END file was seen and did not "
+                        "run (--resume runs it)"]
 
 
 def test_follow_a_second_file_for_a_step_already_taken_fails_the_episode(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import shlex
 import signal
@@ -241,7 +242,13 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             raise ConfigError(f"{out} already holds a run",
                               hint=f"continue it with: ardiff rollout --resume --out {_out_arg(out)}; or "
                                    "choose another --out")
-    cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), **overrides)
+    try:
+        cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), **overrides)
+    except ConfigError:
+        # an edit that no longer loads (a key misspelt) is refused as the edit it is, as before the file was parsed
+        if resume and (now := _config_sha256(Path(config))) is not None:
+            _same_config(Path(config), now, info)
+        raise
     if resume:  # the bytes just parsed: a second read to hash them could see an edit made meanwhile
         _same_config(Path(config), cfg.sha256, info)
     if not resume and (cfg.runtime.device.startswith("cuda") or cfg.checkpoint is None):
@@ -665,6 +672,16 @@ def _same_config(path: Path, digest: str | None, info: dict[str, Any]) -> None:
         what = "was edited since the run started" if str(path) == recorded else f"differs from the run's {recorded}"
         raise ConfigError(f"config {path} {what} (SHA-256 differs)",
                           hint="resume with the config the run started with, or start a new run in another --out")
+
+
+def _config_sha256(path: Path) -> str | None:
+    """The SHA-256 of the config file ``path`` as it is now, or None where it cannot be read (its load said why)."""
+    from ardiff_cli.runtime.config import read_config_bytes
+
+    try:
+        return hashlib.sha256(read_config_bytes(path)).hexdigest()
+    except (ConfigError, OSError):
+        return None
 
 
 def _checkpoint_record(path: Path | None) -> dict[str, Any] | None:

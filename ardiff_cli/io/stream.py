@@ -42,7 +42,7 @@ import re
 import shlex
 import stat
 import time
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,6 +108,7 @@ class _Track:
     stamp_unreliable: bool = False  # follow: a file came in its folder without changing ``stamp``: listed every poll
     inside: frozenset[str] = frozenset()  # follow: episode folders in it at its first poll, when it held no step file
     unnumbered: list[Path] = field(default_factory=list)  # follow: files named like steps but without a step number
+    joined: bool = False  # follow: made in a watched folder of episodes since the start: nothing in it is a leftover
 
 
 class StepScheduler:
@@ -243,7 +244,8 @@ class StepScheduler:
                     continue
                 self._on_new_episode(source)  # the run records it before any of its steps is handed out
                 done = self._done.get(source.name, {})
-                track = _Track(source=source, done=dict(done), done_sorted=sorted(done), last_activity=self._clock())
+                track = _Track(source=source, done=dict(done), done_sorted=sorted(done), last_activity=self._clock(),
+                               joined=True)
                 self._tracks.append(track)
                 self._by_name[source.name] = track
                 self._all_ended_at = None
@@ -319,7 +321,8 @@ class StepScheduler:
             if reason is None:
                 continue
             try:
-                late = [f.path.name for f in track.source.scan(skip=track.taken)]
+                # a writer's temporary name there (tmpabcdefgh.safetensors) hid the numbered ones: passed over
+                late = [f.path.name for f in track.source.scan(skip=track.taken, unnumbered=[])]
             except (ObservationError, OSError):  # the folder is gone or unreadable now: nothing to name
                 continue
             if late:
@@ -418,13 +421,15 @@ class StepScheduler:
         """The error of an episode whose folder is gone: renamed in its folder (a recorder publishing a finished
         episode under its final name) is named as such, as is the new name joining a watched folder's run."""
         folder, arrived = track.source.path, f"{len(track.files)} of its steps had arrived"
-        renamed = _renamed_to(folder, track.identity)
+        renamed = _renamed_to(folder, track.identity, track.taken)
         if renamed is None:
             return ObservationError(
                 f"{folder}: the episode folder is gone (deleted or renamed while it was followed); {arrived}",
                 hint="keep an episode's folder in place until its END file is written; --resume runs it again "
                      "once the folder is back")
-        watched = folder.parent.resolve() in {path.resolve() for path, _ in self._watch}
+        # a hidden name (`.trash-ep1`) is not looked at in a watched folder: that one does not join
+        watched = (not renamed.name.startswith(".")
+                   and folder.parent.resolve() in {path.resolve() for path, _ in self._watch})
         return ObservationError(
             f"{folder}: the episode folder was renamed to {renamed.name} while it was followed; {arrived}"
             + (f"; in the watched {folder.parent} it joins the run as an episode of its own, from its first step"
@@ -568,7 +573,8 @@ class StepScheduler:
         # unready file, forgotten once gone, and fails the episode (as without follow) if still there at END or the
         # idle timeout.
         track.unnumbered = [path for path in track.unnumbered if os.path.lexists(path)]
-        if track.unnumbered and (force or first_poll):  # there at the start: a stray file (calibration.npz)
+        # there at the start: a stray file (calibration.npz); not so in an episode that joined since (its step 0's)
+        if track.unnumbered and (force or first_poll and not track.joined):
             step_number(track.unnumbered[0])  # raises, naming it
         if first_poll and not track.files and not track.sizes:  # episodes one level down, or a folder still empty
             track.inside = frozenset(episode_folders_inside(track.source.path))
@@ -680,15 +686,18 @@ def _no_step_files(folder: Path) -> ObservationError:
     )
 
 
-def _renamed_to(folder: Path, identity: int | None) -> Path | None:
-    """The folder beside where ``folder`` was that has its inode number ``identity`` (it was renamed), or None."""
+def _renamed_to(folder: Path, identity: int | None, taken: Iterable[str]) -> Path | None:
+    """The folder beside where ``folder`` was that has its inode number ``identity`` and holds the step files
+    ``taken`` from it (it was renamed), or None. The inode number alone named a folder made after ``folder`` was
+    deleted (a robot's next episode), which may get it back."""
     if identity is None:
         return None
     try:
         with os.scandir(folder.parent) as entries:
             for entry in entries:
                 # stat's, not the listing's inode(): overlayfs lists other numbers for folders than stat gives
-                if entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_ino == identity:
+                if (entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_ino == identity
+                        and all(os.path.lexists(os.path.join(entry.path, name)) for name in taken)):
                     return Path(entry.path)
     except OSError:
         pass
