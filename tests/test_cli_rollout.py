@@ -2308,6 +2308,11 @@ def test_resume_reads_the_runs_own_config_from_any_folder_and_refuses_an_edited_
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.endswith(f"Error: config {ours} was edited since the run started (SHA-256 differs)\n{hint}"), (
         proc.stderr)
+    spelt = elsewhere / ".." / "started" / "my.yaml"  # the same file, however it is named
+    proc = ardiff(env, "rollout", str(spelt), "--resume", "--out", str(run), cwd=elsewhere)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(f"Error: config {spelt} was edited since the run started (SHA-256 differs)\n{hint}"), (
+        proc.stderr)
     assert len(records(run)) == len(lines)  # refused before anything ran
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import os
 import shlex
 import signal
 import time
@@ -669,9 +670,18 @@ def _same_config(path: Path, digest: str | None, info: dict[str, Any]) -> None:
     unless they are the run's (``config_sha256``; older runs recorded none)."""
     recorded = info.get("config_path")
     if info.get("config_sha256") not in (None, digest):
-        what = "was edited since the run started" if str(path) == recorded else f"differs from the run's {recorded}"
+        what = ("was edited since the run started" if _same_file(path, recorded)
+                else f"differs from the run's {recorded}")
         raise ConfigError(f"config {path} {what} (SHA-256 differs)",
                           hint="resume with the config the run started with, or start a new run in another --out")
+
+
+def _same_file(path: Path, recorded: str | None) -> bool:
+    """Whether ``path`` is the file run.json recorded as ``recorded``, however spelt (`x/../my.yaml`, a link)."""
+    try:
+        return recorded is not None and os.path.samefile(path, recorded)
+    except OSError:  # one of them is gone or cannot be reached: by name
+        return str(path) == recorded
 
 
 def _config_sha256(path: Path) -> str | None:
