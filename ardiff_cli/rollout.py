@@ -120,7 +120,8 @@ class Rollout:
         self.stats = RolloutStats(skipped=sum(len(done.get(e.name, ())) for e in episodes))
         self.scheduler = StepScheduler(episodes, order=options.order, follow=options.follow,
                                        idle_timeout=options.idle_timeout, done=done, warn=out.warning,
-                                       watch=options.watch, on_new_episode=self._new_episode)
+                                       watch=options.watch, on_new_episode=self._new_episode,
+                                       on_moved=self._episode_moved)
         self.stats.late_steps = self.scheduler.late  # filled as it warns of them, when every episode has ended
         # session id -> steps of its episode the resident session has consumed (absent: not resident)
         self._resident: dict[str, int] = {}
@@ -136,7 +137,8 @@ class Rollout:
         # episode -> step -> SHA-256 of its file when it ran (this run, and results.jsonl on resume): replays check it
         self._digests = {name: dict(steps) for name, steps in digests.items()}
         # episode -> step -> (file, its signature when read) of the steps this run read: checked at the episode's end
-        self._read_as: dict[str, dict[int, tuple[Path, tuple[int, ...] | None]]] = {}
+        # (by name: its folder may be renamed meanwhile)
+        self._read_as: dict[str, dict[int, tuple[str, tuple[int, ...] | None]]] = {}
         self._warned: set[tuple[str, str]] = set()  # (episode, ignored key): said once, not for every step
         self._at: tuple[str, StepFile] | None = None  # (phase, step file) of the work in progress, for errors
         self._running: StepTask | None = None  # the step in progress
@@ -176,6 +178,20 @@ class Rollout:
         self.monitor.log("episode_added", episode.name, f"new episode folder {episode.path}: following it",
                          episode=episode.name, path=str(episode.path.absolute()))
         self._show_progress([episode], recount=False)
+
+    def _episode_moved(self, episode: EpisodeSource, old: Path) -> None:
+        """An episode's folder was renamed in its followed folder of episodes (``ep1.part`` -> ``ep1``): it goes on
+        there under its name, and run.json records the new path, where ``--resume`` reads it."""
+        try:
+            self.run_folder.move_episode(episode.name, episode.path)
+        except OSError as exc:
+            if too_many_open_files(exc):
+                raise
+            raise OutputError(f"cannot record the new folder {episode.path} of episode {episode.name!r} in "
+                              f"{self.run_folder.root / RUN_FILE}: {exc.strerror or exc}") from exc
+        self.monitor.log("episode_moved", episode.name, f"episode folder {old} renamed to {episode.path.name}: "
+                         "following it there", episode=episode.name, path=str(episode.path.absolute()),
+                         old_path=str(old.absolute()))
 
     # -- events --------------------------------------------------------------------------------------------
 
@@ -282,15 +298,23 @@ class Rollout:
         """The step's validated inputs and the SHA-256 of its file. A step that ran before (replayed, or run again
         on --resume because its output file went missing: later steps' outputs were made after it) must find the
         file it ran with (when that was recorded), checked before anything else about it."""
+        step_file = self._where(episode, step_file)
         raw = load_step(step_file.path)
         self._check_unchanged(episode, step_file, raw.sha256)
-        self._read_as.setdefault(episode.name, {})[step_file.step] = (step_file.path, raw.signature)
+        self._read_as.setdefault(episode.name, {})[step_file.step] = (step_file.path.name, raw.signature)
         valid = validate_step(raw, self.schema, path=step_file.path, episode_metadata=episode.metadata())
         for key, warning in valid.warnings.items():
             if (episode.name, key) not in self._warned:
                 self._warned.add((episode.name, key))
                 self.out.warning(f"{warning} (said once for the episode)")
         return valid.inputs, raw.sha256
+
+    def _where(self, episode: EpisodeSource, step_file: StepFile) -> StepFile:
+        """``step_file``, in its episode's folder as it is named now: one handed out (or listed for a replay) before
+        the folder was renamed in its followed folder of episodes is read at the new name."""
+        if present(step_file.path) is False and self.scheduler.relocate(episode.name):
+            return StepFile(path=episode.path / step_file.path.name, step=step_file.step)
+        return step_file
 
     def _check_unchanged(self, episode: EpisodeSource, step_file: StepFile, sha256: str | None = None) -> None:
         """A step that ran must still have the file it ran with (its ``input_sha256``, where recorded): the
@@ -353,6 +377,7 @@ class Rollout:
             self.monitor.log("replay", episode.name, f"rebuilding the session from {earlier}",
                              steps=[f.step for f in history])
         for step_file in history:
+            step_file = self._where(episode, step_file)
             self._at = ("replay", step_file)
             # else "cannot read the step file", hinting at its permissions (a link to nothing: reading it names it)
             if present(step_file.path) is False and not step_file.path.is_symlink():
@@ -500,15 +525,17 @@ class Rollout:
         # drop them now, not at the end of the run. A traceback printed later needs only code and line numbers.
         traceback.clear_frames(cause.__traceback__)
 
-    def _report_rewritten(self, name: str) -> None:
+    def _report_rewritten(self, episode: EpisodeSource) -> None:
         """Warn of the episode's step files written since they ran (a restarted recorder writing a step again, two
         writers, a copy that preallocated the file and filled it after it looked whole): its outputs were made from
         what was read, which no rerun over the files now would give. One stat per step file; one hash of each file
         whose size, mtime or inode changed, so a file touched or copied over with the same bytes is not one."""
+        name = episode.name
         ran = self._read_as.pop(name, {})
         digests = self._digests.get(name, {})
         rewritten = []
-        for step, (path, signature) in sorted(ran.items()):
+        for step, (file_name, signature) in sorted(ran.items()):
+            path = episode.path / file_name  # where it is now: its folder may have been renamed since it was read
             now = file_signature(path)
             if now is None or now == signature or step not in digests:  # deleted since: not rewritten
                 continue
@@ -533,7 +560,7 @@ class Rollout:
                 raise naming_episode(item.error, item.episode.name)
             return
         self._close_session(name)  # following: the end was learnt after the last step ran
-        self._report_rewritten(name)
+        self._report_rewritten(item.episode)
         self._digests.pop(name, None)  # never replayed again: a long run holds only live episodes' digests
         self.stats.completed_episodes.append(name)
         if item.reason == "idle_timeout":

@@ -2759,6 +2759,81 @@ def test_an_episode_folder_a_robot_starts_in_a_followed_folder_of_episodes_joins
     assert "warning" not in stderr
 
 
+def assert_same_arrays_as_arm_a(run: Path, episode: str, reference: Path) -> None:
+    """The outputs of ``episode`` in ``run`` are those of arm_a in ``reference``, array for array (the bytes differ:
+    a file's metadata names its episode)."""
+    ran = {name.replace(f"episodes/{episode}/", "episodes/arm_a/"): arrays for name, arrays in outputs(run).items()}
+    expected = {name: arrays for name, arrays in outputs(reference).items() if name.startswith("episodes/arm_a/")}
+    assert sorted(ran) == sorted(expected)
+    for name in ran:
+        assert sorted(ran[name]) == sorted(expected[name]), name
+        for key in expected[name]:
+            np.testing.assert_array_equal(ran[name][key], expected[name][key], err_msg=f"{name}:{key}")
+
+
+@pytest.mark.parametrize("when", ["before_end", "after_end"])
+def test_an_episode_a_recorder_publishes_by_renaming_its_folder_runs_once_and_resumes(env, data, reference, tmp_path,
+                                                                                      when):
+    """A recorder that writes robots/arm_a.part, then renames it to robots/arm_a. Renamed before its END, the old
+    name failed and the new one ran every step again (exit 4); after its END, the new name ran them again; and
+    --resume then exited 2 forever (the recorded folder was gone). Now the episode goes on at its new path under the
+    name it joined with, each step runs once, with the outputs a run over arm_a writes, and run.json records the
+    new path for --resume."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    steps = steps_of(0, 3)
+    write_episode(live / "arm_a.part", steps if when == "after_end" else steps[:1], prompt="task arm_a",
+                  end=when == "after_end")
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                 "--idle-timeout", "5", "--format", "json")
+    try:
+        wait_for_lines(run / "results.jsonl", 1 if when == "before_end" else 3, proc)
+        (live / "arm_a.part").rename(live / "arm_a")
+        if when == "before_end":
+            write_episode(live / "arm_a", steps[1:], first_step=1)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert [(r["episode"], r["step"], r["status"]) for r in records(run)] == [("arm_a.part", s, "ok") for s in range(3)]
+    assert_same_arrays_as_arm_a(run, "arm_a.part", reference)
+    moved = [json.loads(line) for line in stdout.splitlines() if '"episode_moved"' in line]
+    assert [(o["episode"], o["old_path"], o["path"]) for o in moved] == [
+        ("arm_a.part", str((live / "arm_a.part").absolute()), str((live / "arm_a").absolute()))]
+    info = json.loads((run / "run.json").read_text())
+    assert [(e["name"], e["path"]) for e in info["episodes"]] == [("arm_a.part", str((live / "arm_a").resolve()))]
+    assert "warning" not in stderr and "Error" not in stderr, stderr
+    again = ardiff(env, "rollout", "--resume", "--out", str(run), "--idle-timeout", "1")
+    assert again.returncode == 0, again.stderr
+    assert len(records(run)) == 3 and "Error" not in again.stderr
+
+
+def test_an_episode_folder_renamed_in_a_watched_folder_while_the_run_was_stopped_resumes_through_a_link(
+        env, data, reference, tmp_path):
+    """Renamed while no run follows it, the folder is gone for --resume (exit 2, naming it); a link at the old name
+    to the new one resumes it as the same episode: the new name, in the watched folder, is not another episode."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    steps = steps_of(0, 3)
+    write_episode(live / "arm_a.part", steps[:1], prompt="task arm_a", end=False)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                 "--idle-timeout", "30", "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    (live / "arm_a.part").rename(live / "arm_a")
+    write_episode(live / "arm_a", steps[1:], first_step=1)
+    resume = ("rollout", "--resume", "--out", str(run), "--idle-timeout", "1")
+    again = ardiff(env, *resume)
+    assert again.returncode == 2 and f"its folder {live / 'arm_a.part'} is gone" in again.stderr, again.stderr
+    (live / "arm_a.part").symlink_to("arm_a")
+    again = ardiff(env, *resume)
+    assert again.returncode == 0, again.stderr
+    assert [(r["episode"], r["step"], r["status"]) for r in records(run)] == [("arm_a.part", s, "ok") for s in range(3)]
+    assert_same_arrays_as_arm_a(run, "arm_a.part", reference)
+
+
 def test_a_robot_that_writes_steps_under_tempfile_names_and_renames_them_is_followed(env, data, reference, tmp_path):
     """A robot saving each step into tempfile.NamedTemporaryFile(dir=episode, suffix=".safetensors"), then renaming
     it: a temporary name without a digit (tmpabcdefgh.safetensors, about one in 12) failed the episode at once with

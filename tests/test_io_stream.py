@@ -543,26 +543,96 @@ def test_follow_fails_an_episode_whose_folder_is_deleted_or_renamed(tmp_path, ho
     assert clock.now < 100 and scheduler.next() is None
 
 
-def test_an_episode_folder_renamed_in_a_watched_folder_is_named_with_the_episode_it_joins_as(tmp_path):
-    """A recorder that renames each episode's folder once done (robots/ep1.part -> robots/ep1): the old name fails
-    naming the new one, which joins the run as an episode of its own, and the hint says how to avoid the rerun."""
+def _items(scheduler: StepScheduler) -> list[tuple]:
+    items = []
+    while (item := scheduler.next()) is not None:
+        items.append((item.episode.name, item.file.step, item.file.path.parent.name) if isinstance(item, StepTask)
+                     else (item.episode.name, item.reason, str(item.error) if item.error else None))
+    return items
+
+
+def _moves(scheduler: StepScheduler) -> list[tuple[str, str, str]]:
+    moved: list[tuple[str, str, str]] = []
+    scheduler._on_moved = lambda episode, old: moved.append((episode.name, old.name, episode.path.name))
+    return moved
+
+
+def test_an_episode_folder_renamed_in_a_watched_folder_is_followed_there_as_the_same_episode(tmp_path):
+    """A recorder that publishes each episode by renaming its folder (robots/ep1.part -> robots/ep1) before its
+    END: the episode goes on at the new name, under the name it joined with, each step once; the new name is not
+    another episode, and the old name is free for the recorder's next episode."""
     data = tmp_path / "robots"
     write_episode(data / "ep1.part", [good(0)], prompt="p", end=False)
+
+    def publish() -> None:
+        (data / "ep1.part").rename(data / "ep1")
+        write_step(data / "ep1", 1, good(1))
+        (data / "ep1" / "END").touch()
+
+    clock = FakeClock([lambda: None, publish, lambda: None, lambda: write_episode(data / "ep1.part", [good(0)])])
+    added: list = []
+    scheduler = _watching(data, clock, added=added)
+    moved = _moves(scheduler)
+    assert _items(scheduler) == [("ep1.part", 0, "ep1.part"), ("ep1.part", 1, "ep1"), ("ep1.part", "end_marker", None),
+                                 ("ep1.part-2", 0, "ep1.part"), ("ep1.part-2", "end_marker", None)]
+    assert moved == [("ep1.part", "ep1.part", "ep1")] and [e.name for e in added] == ["ep1.part-2"]
+    assert [f.path for f in scheduler.history("ep1.part")] == [data / "ep1" / "step_000000.safetensors",
+                                                               data / "ep1" / "step_000001.safetensors"]
+
+
+def test_an_episode_folder_renamed_after_its_end_is_not_another_episode(tmp_path):
+    """The usual recorder: END, then the rename. The episode ran; its folder's new name does not run it again."""
+    data = tmp_path / "robots"
+    write_episode(data / "ep1.part", [good(0), good(1)], prompt="p")
     clock = FakeClock([lambda: None, lambda: (data / "ep1.part").rename(data / "ep1")])
+    scheduler = _watching(data, clock)
+    moved = _moves(scheduler)
+    assert _items(scheduler) == [("ep1.part", 0, "ep1.part"), ("ep1.part", 1, "ep1.part"),
+                                 ("ep1.part", "end_marker", None)]
+    assert moved == [("ep1.part", "ep1.part", "ep1")]
+
+
+def test_a_step_handed_out_before_its_folder_was_renamed_is_found_at_the_new_name(tmp_path):
+    """The rename can come between a step being handed out and its file being read (``relocate``)."""
+    data = tmp_path / "robots"
+    write_episode(data / "ep1.part", [good(0), good(1)], prompt="p")
+    scheduler = _watching(data, FakeClock())
+    moved = _moves(scheduler)
+    assert scheduler.next().file.path == data / "ep1.part" / "step_000000.safetensors"
+    assert not scheduler.relocate("ep1.part")  # still there
+    (data / "ep1.part").rename(data / "ep1")
+    assert scheduler.relocate("ep1.part") and moved == [("ep1.part", "ep1.part", "ep1")]
+    assert scheduler.history("ep1.part", 0) == []
+    assert _items(scheduler) == [("ep1.part", 1, "ep1"), ("ep1.part", "end_marker", None)]
+
+
+def test_a_renamed_folder_whose_first_step_file_is_another_is_not_taken_for_the_episode(tmp_path):
+    """The same inode number beside where the folder was is not enough (a folder deleted, and another made that got
+    its number): the first step file taken must be there, the same file. Else the old name fails, naming the new
+    one, which joins the run as an episode of its own."""
+    data = tmp_path / "robots"
+    write_episode(data / "ep1.part", [good(0)], prompt="p", end=False)
+
+    def rename_and_rewrite() -> None:
+        (data / "ep1.part").rename(data / "ep1")
+        write_step(data / "ep1", 0, good(5))  # a new file (atomic: another inode) under the first step's name
+
+    clock = FakeClock([lambda: None, rename_and_rewrite])
     scheduler = _watching(data, clock, idle_timeout=5)
+    hints = []
     items = []
     while (item := scheduler.next()) is not None:
         items.append((item.episode.name, item.file.step) if isinstance(item, StepTask) else
                      (item.episode.name, item.reason, str(item.error) if item.error else None))
         if isinstance(item, EpisodeEnded) and item.error:
-            hint = item.error.hint
+            hints.append(item.error.hint)
     assert items == [("ep1.part", 0),
                      ("ep1.part", "error", f"{data / 'ep1.part'}: the episode folder was renamed to ep1 while it was "
                                            f"followed; 1 of its steps had arrived; in the watched {data} it joins the "
-                                           "run as an episode of its own, from its first step"),
+                                           "run as an episode of its own, from its first step (step_000000."
+                                           "safetensors in it is not the file that ran)"),
                      ("ep1", 0), ("ep1", "idle_timeout", None)]
-    assert hint.startswith("its steps run again as episode ep1: a recorder that renames an episode folder once it is "
-                           "done should make it under a hidden name (.NAME: not watched)")
+    assert hints[0].startswith("its steps run again as episode ep1: keep an episode's step files as they are")
 
 
 def test_an_episode_folder_deleted_and_a_new_one_given_its_inode_number_is_not_said_to_be_renamed(tmp_path):

@@ -396,6 +396,14 @@ class EpisodeNames:
         self._folders[resolved] = name
         return EpisodeSource(name=name, path=folder)
 
+    def move(self, name: str, old: Path, new: Path) -> None:
+        """Episode ``name``'s folder ``old`` was renamed to ``new``; its name stays taken."""
+        if self._folders.get(old.resolve()) == name:  # gone: its parent resolved, as when it was added
+            del self._folders[old.resolve()]
+        else:  # given as a link that is gone now, or the links above it changed
+            self._folders = {path: taken for path, taken in self._folders.items() if taken != name}
+        self._folders[new.resolve()] = name
+
     def of(self, folder: Path) -> str | None:
         """The name of ``folder``'s episode, if it is one."""
         return self._folders.get(folder.resolve())

@@ -179,6 +179,13 @@ class RunFolder:
         info["episodes"] = [*info["episodes"], {"name": name, "path": str(path.resolve())}]
         atomic_write_json(self.root / RUN_FILE, info)
 
+    def move_episode(self, name: str, path: Path) -> None:
+        """Record ``path`` as the folder of episode ``name`` in run.json (with ``--follow``, its folder was renamed in
+        a followed folder of episodes), so that ``--resume`` reads it there."""
+        info = self.read_info()
+        info["episodes"] = [{**e, "path": str(path.resolve())} if e["name"] == name else e for e in info["episodes"]]
+        atomic_write_json(self.root / RUN_FILE, info)
+
     def read_info(self) -> dict[str, Any]:
         path = self.root / RUN_FILE
         try:

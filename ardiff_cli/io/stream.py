@@ -29,7 +29,9 @@ file (``--resume`` runs them).
 A followed folder of episodes (``watch``) is listed at each poll too: an
 episode folder a robot starts in it (once it holds a step file, ``END`` or
 ``episode.yaml``) becomes an episode of the run, and the run ends only when
-every episode has ended and no new one came for ``idle_timeout`` seconds.
+every episode has ended and no new one came for ``idle_timeout`` seconds. An episode folder renamed in it (a
+recorder publishing ``ep1.part`` as ``ep1``, before or after its END) is followed at its new name as the same
+episode, not taken for a new one.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class _Track:
     inside: frozenset[str] = frozenset()  # follow: episode folders in it at its first poll, when it held no step file
     unnumbered: list[Path] = field(default_factory=list)  # follow: files named like steps but without a step number
     joined: bool = False  # follow: made in a watched folder of episodes since the start: nothing in it is a leftover
+    first_file: tuple[str, int, int] | None = None  # follow: name, inode and mtime of its first step file taken
 
 
 class StepScheduler:
@@ -122,7 +125,8 @@ class StepScheduler:
                  done: Mapping[str, Mapping[int, int | None]] | None = None,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                  warn: Callable[[str], None] = lambda message: None, watch: Sequence[Path] = (),
-                 on_new_episode: Callable[[EpisodeSource], None] = lambda episode: None) -> None:
+                 on_new_episode: Callable[[EpisodeSource], None] = lambda episode: None,
+                 on_moved: Callable[[EpisodeSource, Path], None] = lambda episode, old: None) -> None:
         if order not in ("round-robin", "sequential"):
             raise ValueError(f"order must be 'round-robin' or 'sequential', got {order!r}")
         self.order = order
@@ -137,6 +141,7 @@ class StepScheduler:
         # settled (episodes, files), and what to call with each new episode before its first step is handed out
         self._watch = [(folder, set()) for folder in watch] if follow else []
         self._on_new_episode = on_new_episode
+        self._on_moved = on_moved  # follow: an episode's folder renamed in its watched folder, with its old path
         self._names = EpisodeNames(episodes)
         self._all_ended_at: float | None = None  # follow: when the last episode ended (watching: the idle timer)
         self._done = done = done or {}
@@ -179,6 +184,12 @@ class StepScheduler:
             done = bisect.bisect_right(t.done_sorted, last) - bisect.bisect_left(t.done_sorted, first)
             pending += len(t.files) - t.cursor - done
         return pending
+
+    def relocate(self, episode_name: str) -> bool:
+        """Whether ``episode_name``'s folder was renamed in its watched folder of episodes since it was last looked
+        at; it is followed at its new path from now on (its ``source.path`` and step files). For a step handed out
+        before the rename, whose file is no longer where the task says."""
+        return self._follow_rename(self._track(episode_name))
 
     # -- control -------------------------------------------------------------------------------------------
 
@@ -239,6 +250,8 @@ class StepScheduler:
         """Follow the episode folders a robot has started in a watched folder of episodes since the last poll."""
         for folder, settled in self._watch:
             for path in new_episode_folders(folder, settled):
+                if self._renamed_episode(path):  # an episode's folder under a new name: not another episode
+                    continue
                 source = self._names.add(path)
                 if source is None:  # an episode already: given as EPISODE too, or a link to one
                     continue
@@ -249,6 +262,56 @@ class StepScheduler:
                 self._tracks.append(track)
                 self._by_name[source.name] = track
                 self._all_ended_at = None
+
+    def _renamed_episode(self, path: Path) -> bool:
+        """Whether ``path``, new in a watched folder of episodes, is an episode's folder renamed there (a recorder
+        publishing it under its final name, ``ep1.part`` -> ``ep1``); that episode is then followed at ``path``."""
+        if self._names.of(path) is not None:
+            return False
+        try:
+            identity = path.stat().st_ino
+        except OSError:
+            return False
+        parent = path.parent.resolve()
+        for track in self._tracks:
+            if track.identity == identity and track.source.path.parent.resolve() == parent:
+                return self._follow_rename(track)
+        return False
+
+    def _follow_rename(self, track: _Track) -> bool:
+        """Follow ``track`` at its folder's new name, if the folder was renamed in a watched folder of episodes to a
+        name that is watched (not hidden): the same inode beside where it was, holding the step files taken from it
+        and the first one unchanged (a folder deleted and another made that got its inode number is not it). Its
+        episode keeps its name (its session, its outputs, results.jsonl); the old name is free for a new episode
+        folder."""
+        old = track.source.path
+        if track.identity is None or not self._watched(old):
+            return False
+        try:
+            st = _folder_stat(old)
+        except OSError:
+            return False
+        if st is not None and st.st_ino == track.identity:  # still there
+            return False
+        renamed = _renamed_to(old, track.identity, track.taken)
+        if renamed is None or renamed.name.startswith(".") or not _holds_first_file(renamed, track.first_file):
+            return False
+        new = old.parent / renamed.name  # as the run names it: relative where it was given so
+        track.source.path = new
+        track.files = [StepFile(path=new / f.path.name, step=f.step) for f in track.files]
+        track.unready, track.unnumbered, track.stamp, track.trusted = [], [], None, False
+        self._names.move(track.source.name, old, new)
+        for folder, settled in self._watch:
+            if folder.resolve() == old.parent.resolve():
+                settled.discard(old.name)  # another folder made under the old name is a new episode
+                settled.add(new.name)
+        self._on_moved(track.source, old)
+        return True
+
+    def _watched(self, folder: Path) -> bool:
+        """Whether ``folder`` is in a watched folder of episodes."""
+        parent = Path(os.path.abspath(folder)).parent.resolve()
+        return any(parent == path.resolve() for path, _ in self._watch)
 
     def _pick(self) -> StepTask | None:
         """The next step, by index from the turn (sequential: from the first episode not ended), looking at no
@@ -427,16 +490,20 @@ class StepScheduler:
                 f"{folder}: the episode folder is gone (deleted or renamed while it was followed); {arrived}",
                 hint="keep an episode's folder in place until its END file is written; --resume runs it again "
                      "once the folder is back")
-        # a hidden name (`.trash-ep1`) is not looked at in a watched folder: that one does not join
-        watched = (not renamed.name.startswith(".")
-                   and folder.parent.resolve() in {path.resolve() for path, _ in self._watch})
+        # a hidden name (`.trash-ep1`) is not looked at in a watched folder: that one is not followed, nor joins
+        if not self._watched(folder) or renamed.name.startswith("."):
+            return ObservationError(f"{folder}: the episode folder was renamed to {renamed.name} while it was "
+                                    f"followed; {arrived}",
+                                    hint="keep an episode's folder in place until its END file is written")
+        # renamed in a watched folder of episodes, and not followed there: its first step file is another one now
+        first = track.first_file[0] if track.first_file else "its first step file"
         return ObservationError(
-            f"{folder}: the episode folder was renamed to {renamed.name} while it was followed; {arrived}"
-            + (f"; in the watched {folder.parent} it joins the run as an episode of its own, from its first step"
-               if watched else ""),
-            hint=(f"its steps run again as episode {renamed.name}: a recorder that renames an episode folder once "
-                  "it is done should make it under a hidden name (.NAME: not watched) or outside the watched folder"
-                  if watched else "keep an episode's folder in place until its END file is written"))
+            f"{folder}: the episode folder was renamed to {renamed.name} while it was followed; {arrived}; in the "
+            f"watched {folder.parent} it joins the run as an episode of its own, from its first step ({first} in it "
+            "is not the file that ran)",
+            hint=f"its steps run again as episode {renamed.name}: keep an episode's step files as they are when its "
+                 "folder is renamed (a renamed folder goes on as the same episode while its first step file is the "
+                 "one that ran)")
 
     def _raise_empty(self, track: _Track, what: str, hint: str) -> None:
         """An episode that ends with no step file at all failed, as it does without ``follow``. A folder given as
@@ -502,6 +569,8 @@ class StepScheduler:
             track.files = _with_lost(track, files, missing)
             return
         st = _folder_stat(track.source.path)
+        if (st is None or st.st_ino != track.identity) and self._follow_rename(track):
+            st = _folder_stat(track.source.path)
         identity = st.st_ino if st is not None else None
         if identity is None:  # it existed at the start (discover_episodes): deleted or renamed since
             raise self._gone(track)
@@ -522,8 +591,10 @@ class StepScheduler:
         for step_file in self._listing(track, st, force=force):  # only new names: a poll stats no taken file
             name = step_file.path.name
             try:
-                size = step_file.path.stat().st_size
+                file_st = step_file.path.stat()
+                size = file_st.st_size
             except FileNotFoundError:
+                file_st = None
                 if not step_file.path.is_symlink():
                     continue  # deleted since the listing
                 # A link to nothing (a recording's disk not mounted): waited for as an empty file, then taken at END
@@ -558,6 +629,8 @@ class StepScheduler:
                 blocked = True
                 continue
             del track.sizes[name]
+            if not track.files and file_st is not None:
+                track.first_file = (name, file_st.st_ino, file_st.st_mtime_ns)
             track.files.append(step_file)
             track.taken.add(name)
             last = step_file.step
@@ -613,6 +686,19 @@ def _holds_something(path: Path) -> bool:
         return any(not name.startswith(".") for name in os.listdir(path))
     except OSError:  # a file (ENOTDIR), gone, or locked
         return False
+
+
+def _holds_first_file(folder: Path, first: tuple[str, int, int] | None) -> bool:
+    """Whether ``folder`` holds the file ``first`` (name, inode, mtime) of an episode's first step file taken; True
+    when none was taken."""
+    if first is None:
+        return True
+    name, inode, mtime = first
+    try:
+        st = (folder / name).stat()
+    except OSError:
+        return False
+    return (st.st_ino, st.st_mtime_ns) == (inode, mtime)
 
 
 def _folder_stat(path: Path) -> os.stat_result | None:
