@@ -606,6 +606,31 @@ def test_a_step_handed_out_before_its_folder_was_renamed_is_found_at_the_new_nam
     assert _items(scheduler) == [("ep1.part", 1, "ep1"), ("ep1.part", "end_marker", None)]
 
 
+def test_a_last_step_handed_out_as_its_folder_is_renamed_is_at_the_new_name(tmp_path):
+    """The rename can come between END being seen and the scan that checks for a step written just before it: the
+    scan follows the folder to its new name, and the last step was handed out at the old one (its file gone there),
+    so reading it failed the episode."""
+    data = tmp_path / "robots"
+    write_episode(data / "ep1.part", [good(0)], prompt="p")
+
+    seen_before = []
+
+    class Publishing(EpisodeSource):  # the recorder renames the folder right after END is seen with its step taken
+        def has_end_marker(self) -> bool:
+            seen = super().has_end_marker()
+            if seen and self.path.name == "ep1.part" and seen_before:  # the first look: its step not taken yet
+                self.path.rename(self.path.parent / "ep1")
+            seen_before.append(seen)
+            return seen
+
+    scheduler = StepScheduler([Publishing(name="ep1.part", path=data / "ep1.part")], follow=True, idle_timeout=5,
+                              poll_interval=1, clock=(clock := FakeClock()), sleep=clock.sleep, watch=[data])
+    moved = _moves(scheduler)
+    task = scheduler.next()
+    assert task.is_last and moved == [("ep1.part", "ep1.part", "ep1")]
+    assert task.file.path == data / "ep1" / "step_000000.safetensors" and task.file.path.is_file()
+
+
 def test_a_renamed_folder_whose_first_step_file_is_another_is_not_taken_for_the_episode(tmp_path):
     """The same inode number beside where the folder was is not enough (a folder deleted, and another made that got
     its number): the first step file taken must be there, the same file. Else the old name fails, naming the new
@@ -633,6 +658,89 @@ def test_a_renamed_folder_whose_first_step_file_is_another_is_not_taken_for_the_
                                            "safetensors in it is not the file that ran)"),
                      ("ep1", 0), ("ep1", "idle_timeout", None)]
     assert hints[0].startswith("its steps run again as episode ep1: keep an episode's step files as they are")
+
+
+def test_an_episode_folder_renamed_while_the_model_loads_is_followed_there_as_the_same_episode(tmp_path):
+    """Renamed after the episodes were found and before the first poll (the model loading, its warmup: minutes): the
+    old name failed as gone and the new one joined as an episode of its own (exit 4, and --resume exited 2)."""
+    data = tmp_path / "robots"
+    write_episode(data / "ep1.part", [good(0)], prompt="p", end=False)
+    episodes = discover_episodes([data])
+    (data / "ep1.part").rename(data / "ep1")  # while the model loads
+    write_step(data / "ep1", 1, good(1))
+    (data / "ep1" / "END").touch()
+    added: list = []
+    scheduler = StepScheduler(episodes, follow=True, idle_timeout=5, poll_interval=1, clock=(clock := FakeClock()),
+                              sleep=clock.sleep, watch=[data], on_new_episode=added.append)
+    moved = _moves(scheduler)
+    assert _items(scheduler) == [("ep1.part", 0, "ep1"), ("ep1.part", 1, "ep1"), ("ep1.part", "end_marker", None)]
+    assert moved == [("ep1.part", "ep1.part", "ep1")] and added == []
+
+
+def test_a_folder_given_the_inode_number_of_an_episode_that_failed_without_a_step_is_a_new_episode(tmp_path):
+    """An episode that ended with no step file (END first: it failed), its folder deleted, and the next folder made
+    given its inode number back (ext4): that folder holds every step file taken from it (none), and was followed as
+    the failed episode renamed, so its steps never ran, without a word."""
+    data = tmp_path / "robots"
+    (data / "ep1").mkdir(parents=True)
+    (data / "ep1" / "episode.yaml").write_text("prompt: p\n")
+    write_episode(data / "ep0", [good(0)], prompt="p", end=False)  # keeps the run going
+    number = (data / "ep1").stat().st_ino
+    reused = []
+
+    def replace() -> None:  # the next folders made until one gets the deleted folder's inode number back
+        shutil.rmtree(data / "ep1")
+        for i in range(64):
+            (data / f".new{i}").mkdir()
+            if (data / f".new{i}").stat().st_ino == number:
+                write_step(data / f".new{i}", 0, good(0))
+                (data / f".new{i}" / "END").touch()
+                (data / f".new{i}").rename(data / "ep2")
+                reused.append(True)
+                break
+
+    clock = FakeClock([lambda: None, lambda: (data / "ep1" / "END").touch(), lambda: None, replace,
+                       lambda: (data / "ep0" / "END").touch()])
+    scheduler = _watching(data, clock)
+    moved = _moves(scheduler)
+    items = _items(scheduler)
+    if not reused:
+        pytest.skip("this file system did not give the deleted folder's inode number to a new one")
+    assert ("ep2", 0, "ep2") in items and ("ep2", "end_marker", None) in items and moved == []
+
+
+def test_an_episode_folder_given_a_deleted_episodes_inode_number_and_renamed_runs_once(tmp_path):
+    """A recorder that deletes each episode's folder once it ran and publishes the next by renaming it: ext4 gives
+    the next folder the deleted one's inode number, and the rename was matched to the deleted episode only, so the
+    new name joined as an episode of its own and the renamed one went on there too: each step ran twice."""
+    data = tmp_path / "robots"
+    write_episode(data / "ep1", [good(0)], prompt="p")
+    number = (data / "ep1").stat().st_ino
+    reused = []
+
+    def replace() -> None:  # the next folders made until one gets the deleted folder's inode number back
+        shutil.rmtree(data / "ep1")
+        for i in range(64):
+            (data / f".new{i}").mkdir()
+            if (data / f".new{i}").stat().st_ino == number:
+                write_step(data / f".new{i}", 0, good(0))
+                (data / f".new{i}").rename(data / "ep2.part")
+                reused.append(True)
+                break
+
+    def publish() -> None:
+        (data / "ep2.part").rename(data / "ep2")
+        write_step(data / "ep2", 1, good(1))
+        (data / "ep2" / "END").touch()
+
+    scheduler = _watching(data, FakeClock([lambda: None, replace, lambda: None, lambda: None, publish]))
+    moved = _moves(scheduler)
+    items = _items(scheduler)
+    if not reused:
+        pytest.skip("this file system did not give the deleted folder's inode number to a new one")
+    assert items == [("ep1", 0, "ep1"), ("ep1", "end_marker", None), ("ep2.part", 0, "ep2.part"),
+                     ("ep2.part", 1, "ep2"), ("ep2.part", "end_marker", None)]
+    assert moved == [("ep2.part", "ep2.part", "ep2")]
 
 
 def test_an_episode_folder_deleted_and_a_new_one_given_its_inode_number_is_not_said_to_be_renamed(tmp_path):

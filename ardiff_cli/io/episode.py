@@ -68,6 +68,9 @@ class EpisodeSource:
     name: str
     path: Path
     _metadata: dict[str, Any] | None = field(default=None, repr=False)  # episode.yaml, read once
+    # its folder's inode number when it was found (None: not a folder then): --follow knows it renamed before its
+    # first poll (the model loading) by it
+    inode: int | None = field(default=None, repr=False, compare=False)
 
     def scan(self, *, skip: Container[str] = (), unnumbered: list[Path] | None = None) -> list[StepFile]:
         """The step files present now, in step order; duplicate step numbers are an error. ``skip``: names not
@@ -394,7 +397,11 @@ class EpisodeNames:
             name = _with_suffix(base, f"-{count}")
         self._names.add(_folded(name))
         self._folders[resolved] = name
-        return EpisodeSource(name=name, path=folder)
+        try:
+            inode = folder.stat().st_ino
+        except OSError:
+            inode = None
+        return EpisodeSource(name=name, path=folder, inode=inode)
 
     def move(self, name: str, old: Path, new: Path) -> None:
         """Episode ``name``'s folder ``old`` was renamed to ``new``; its name stays taken."""

@@ -273,9 +273,12 @@ class StepScheduler:
         except OSError:
             return False
         parent = path.parent.resolve()
+        # identity: at its first poll, else when found (renamed while the model loaded). Each episode with that inode
+        # number is tried: an ended one's deleted folder may have given it to the folder renamed (ext4 reuses them).
         for track in self._tracks:
-            if track.identity == identity and track.source.path.parent.resolve() == parent:
-                return self._follow_rename(track)
+            if (_identity(track) == identity and track.source.path.parent.resolve() == parent
+                    and self._follow_rename(track)):
+                return True
         return False
 
     def _follow_rename(self, track: _Track) -> bool:
@@ -284,16 +287,17 @@ class StepScheduler:
         and the first one unchanged (a folder deleted and another made that got its inode number is not it). Its
         episode keeps its name (its session, its outputs, results.jsonl); the old name is free for a new episode
         folder."""
-        old = track.source.path
-        if track.identity is None or not self._watched(old):
+        old, identity = track.source.path, _identity(track)
+        # ended having taken no step file (it failed): a folder made since that got its inode number is not it
+        if identity is None or (track.ended and not track.taken) or not self._watched(old):
             return False
         try:
             st = _folder_stat(old)
         except OSError:
             return False
-        if st is not None and st.st_ino == track.identity:  # still there
+        if st is not None and st.st_ino == identity:  # still there
             return False
-        renamed = _renamed_to(old, track.identity, track.taken)
+        renamed = _renamed_to(old, identity, track.taken)
         if renamed is None or renamed.name.startswith(".") or not _holds_first_file(renamed, track.first_file):
             return False
         new = old.parent / renamed.name  # as the run names it: relative where it was given so
@@ -363,7 +367,8 @@ class StepScheduler:
                 track.end_reason = "end_marker" if self.follow else None
                 self._pending_ends.append(
                     EpisodeEnded(episode=track.source, reason="end_marker" if self.follow else "complete"))
-            return StepTask(episode=track.source, file=step_file, ordinal=ordinal, is_last=is_last)
+            # as listed now: its END's scan may have found the folder renamed (a recorder publishing it right then)
+            return StepTask(episode=track.source, file=track.files[ordinal], ordinal=ordinal, is_last=is_last)
         try:
             reason = self._end_reason(track)
         except ObservationError as exc:  # the episode cannot end cleanly: a step is missing
@@ -686,6 +691,12 @@ def _holds_something(path: Path) -> bool:
         return any(not name.startswith(".") for name in os.listdir(path))
     except OSError:  # a file (ENOTDIR), gone, or locked
         return False
+
+
+def _identity(track: _Track) -> int | None:
+    """``track``'s folder's inode number: at its first poll, else when it was found (renamed during the model's load,
+    before that poll)."""
+    return track.identity if track.identity is not None else track.source.inode
 
 
 def _holds_first_file(folder: Path, first: tuple[str, int, int] | None) -> bool:
