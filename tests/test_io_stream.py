@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -677,6 +678,18 @@ def test_an_episode_folder_renamed_while_the_model_loads_is_followed_there_as_th
     assert moved == [("ep1.part", "ep1.part", "ep1")] and added == []
 
 
+def _deleted_and_given_its_inode_number(folder: Path) -> Path | None:
+    """Delete ``folder``, then make hidden folders beside it until one gets its inode number back (ext4 reuses it):
+    that one, or None where the file system did not give it."""
+    number = folder.stat().st_ino
+    shutil.rmtree(folder)
+    for i in range(64):
+        (made := folder.parent / f".new{i}").mkdir()
+        if made.stat().st_ino == number:
+            return made
+    return None
+
+
 def test_a_folder_given_the_inode_number_of_an_episode_that_failed_without_a_step_is_a_new_episode(tmp_path):
     """An episode that ended with no step file (END first: it failed), its folder deleted, and the next folder made
     given its inode number back (ext4): that folder holds every step file taken from it (none), and was followed as
@@ -685,19 +698,14 @@ def test_a_folder_given_the_inode_number_of_an_episode_that_failed_without_a_ste
     (data / "ep1").mkdir(parents=True)
     (data / "ep1" / "episode.yaml").write_text("prompt: p\n")
     write_episode(data / "ep0", [good(0)], prompt="p", end=False)  # keeps the run going
-    number = (data / "ep1").stat().st_ino
     reused = []
 
-    def replace() -> None:  # the next folders made until one gets the deleted folder's inode number back
-        shutil.rmtree(data / "ep1")
-        for i in range(64):
-            (data / f".new{i}").mkdir()
-            if (data / f".new{i}").stat().st_ino == number:
-                write_step(data / f".new{i}", 0, good(0))
-                (data / f".new{i}" / "END").touch()
-                (data / f".new{i}").rename(data / "ep2")
-                reused.append(True)
-                break
+    def replace() -> None:
+        if (folder := _deleted_and_given_its_inode_number(data / "ep1")) is not None:
+            write_step(folder, 0, good(0))
+            (folder / "END").touch()
+            folder.rename(data / "ep2")
+            reused.append(True)
 
     clock = FakeClock([lambda: None, lambda: (data / "ep1" / "END").touch(), lambda: None, replace,
                        lambda: (data / "ep0" / "END").touch()])
@@ -715,18 +723,13 @@ def test_an_episode_folder_given_a_deleted_episodes_inode_number_and_renamed_run
     new name joined as an episode of its own and the renamed one went on there too: each step ran twice."""
     data = tmp_path / "robots"
     write_episode(data / "ep1", [good(0)], prompt="p")
-    number = (data / "ep1").stat().st_ino
     reused = []
 
-    def replace() -> None:  # the next folders made until one gets the deleted folder's inode number back
-        shutil.rmtree(data / "ep1")
-        for i in range(64):
-            (data / f".new{i}").mkdir()
-            if (data / f".new{i}").stat().st_ino == number:
-                write_step(data / f".new{i}", 0, good(0))
-                (data / f".new{i}").rename(data / "ep2.part")
-                reused.append(True)
-                break
+    def replace() -> None:
+        if (folder := _deleted_and_given_its_inode_number(data / "ep1")) is not None:
+            write_step(folder, 0, good(0))
+            folder.rename(data / "ep2.part")
+            reused.append(True)
 
     def publish() -> None:
         (data / "ep2.part").rename(data / "ep2")
@@ -749,18 +752,13 @@ def test_an_episode_folder_deleted_and_a_new_one_given_its_inode_number_is_not_s
     again", of another episode. A renamed folder holds the step files taken from it; this one holds none of them."""
     data = tmp_path / "robots"
     write_episode(data / "ep1", [good(0), good(1)], prompt="p", end=False)
-    number = (data / "ep1").stat().st_ino
     reused = []
 
-    def replace() -> None:  # the next folders made until one gets the deleted folder's inode number back
-        shutil.rmtree(data / "ep1")
-        for i in range(64):
-            (data / f".new{i}").mkdir()
-            if (data / f".new{i}").stat().st_ino == number:
-                (data / f".new{i}").rename(data / "ep2")
-                write_step(data / "ep2", 0, good(0))  # its first step: a name taken from ep1 too
-                reused.append(True)
-                break
+    def replace() -> None:
+        if (folder := _deleted_and_given_its_inode_number(data / "ep1")) is not None:
+            folder.rename(data / "ep2")
+            write_step(data / "ep2", 0, good(0))  # its first step: a name taken from ep1 too
+            reused.append(True)
 
     clock = FakeClock([lambda: None, replace])
     items = list(iter(_watching(data, clock).next, None))
