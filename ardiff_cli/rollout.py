@@ -312,7 +312,8 @@ class Rollout:
     def _where(self, episode: EpisodeSource, step_file: StepFile) -> StepFile:
         """``step_file``, in its episode's folder as it is named now: one handed out (or listed for a replay) before
         the folder was renamed in its followed folder of episodes is read at the new name."""
-        if present(step_file.path) is False and self.scheduler.relocate(episode.name):
+        # only a followed folder of episodes renames its episodes: no stat per step otherwise
+        if self.options.watch and present(step_file.path) is False and self.scheduler.relocate(episode.name):
             return StepFile(path=episode.path / step_file.path.name, step=step_file.step)
         return step_file
 

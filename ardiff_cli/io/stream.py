@@ -521,8 +521,7 @@ class StepScheduler:
             return
         folder = track.source.path
         made = [child.name for child in new_episode_folders(folder, set())]
-        watched = Path(os.path.abspath(folder)).parent.resolve() in {path.resolve() for path, _ in self._watch}
-        there = made if watched else [name for name in made if name in track.inside]
+        there = made if self._watched(folder) else [name for name in made if name in track.inside]
         if there:
             raise ObservationError(f"{folder}: {what}; its sub-folders {listed(there)} look like episode folders, one "
                                    "level down", hint=_one_level_down_hint(folder))
@@ -574,7 +573,8 @@ class StepScheduler:
             track.files = _with_lost(track, files, missing)
             return
         st = _folder_stat(track.source.path)
-        if (st is None or st.st_ino != track.identity) and self._follow_rename(track):
+        # gone, or another folder in its place: renamed in its watched folder? (not at every first poll: only then)
+        if (st is None or st.st_ino != _identity(track)) and self._follow_rename(track):
             st = _folder_stat(track.source.path)
         identity = st.st_ino if st is not None else None
         if identity is None:  # it existed at the start (discover_episodes): deleted or renamed since
