@@ -2691,12 +2691,12 @@ def test_a_run_file_edited_to_hold_nan_or_infinity_is_refused_before_the_resume_
         name: data for name, data in before.items() if name != ".lock"}  # summary.json kept, nothing ran
 
 
-def follow_a_live_episode(env, data, tmp_path: Path, fmt: str) -> tuple[subprocess.Popen, Path, Path]:
+def follow_a_live_episode(env, data, tmp_path: Path, fmt: str, *options: str) -> tuple[subprocess.Popen, Path, Path]:
     """`rollout --follow` of one episode whose robot has written step 0 only: (process, episodes, run)."""
     live, run = tmp_path / "live", tmp_path / "run"
     write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
     proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), "--out", str(run), "--follow",
-                 "--no-warmup", "--format", fmt)
+                 "--no-warmup", "--format", fmt, *options)
     return proc, live, run
 
 
@@ -2858,6 +2858,62 @@ def test_a_robot_that_writes_steps_under_tempfile_names_and_renames_them_is_foll
     ran = sorted(outputs(run))
     assert ran == sorted(name for name in outputs(reference) if name.startswith("episodes/arm_a/"))
     for name in ran:  # the outputs of an uninterrupted run
+        assert (run / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+def test_a_step_under_a_tempfile_name_when_the_run_starts_is_waited_for_until_renamed(env, data, reference,
+                                                                                         tmp_path):
+    """A robot mid-write of step 1 into tempfile's tmpabcdefgh.safetensors as `rollout --follow` starts: the file
+    there at the first poll was taken for a stray one, and the episode failed at once ("step file name has no step
+    number", exit 2, no step ran), though the same file seen at a later poll was waited for until renamed."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
+    whole = (data / "eps" / "arm_a" / "step_000001.safetensors").read_bytes()
+    temporary = live / "arm_a" / "tmpabcdefgh.safetensors"
+    temporary.write_bytes(whole[:64])
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), "--out", str(run), "--follow",
+                 "--no-warmup", "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)  # step 0 ran: the first poll saw the temporary file
+        with open(temporary, "ab") as f:
+            f.write(whole[64:])
+        os.rename(temporary, live / "arm_a" / "step_000001.safetensors")
+        write_episode(live / "arm_a", steps_of(0, 3)[2:], first_step=2)
+        stderr = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert [r["step"] for r in records(run)] == [0, 1, 2]
+    ran = sorted(outputs(run))
+    assert ran == sorted(name for name in outputs(reference) if name.startswith("episodes/arm_a/"))
+    for name in ran:  # the outputs of an uninterrupted run
+        assert (run / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+def test_a_step_written_slowly_under_a_tempfile_name_keeps_the_episode_from_idling_out(env, data, reference,
+                                                                                         tmp_path):
+    """A robot writing a large step slowly into tempfile's tmpabcdefgh.safetensors, longer than --idle-timeout, then
+    renaming it: the growing file was no activity, and the episode failed at the idle timeout ("step file name has
+    no step number", exit 2) while the robot was still writing it."""
+    proc, live, run = follow_a_live_episode(env, data, tmp_path, "plain", "--idle-timeout", "2")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)  # step 0 ran: the idle timer runs from here
+        whole = (data / "eps" / "arm_a" / "step_000001.safetensors").read_bytes()
+        temporary = live / "arm_a" / "tmpabcdefgh.safetensors"
+        chunk = -(-len(whole) // 50)
+        with open(temporary, "wb") as f:
+            for start in range(0, len(whole), chunk):  # 50 writes over 5 s: 2.5 idle timeouts
+                f.write(whole[start:start + chunk])
+                f.flush()
+                time.sleep(0.1)
+        os.rename(temporary, live / "arm_a" / "step_000001.safetensors")
+        write_episode(live / "arm_a", steps_of(0, 3)[2:], first_step=2)
+        stderr = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert [r["step"] for r in records(run)] == [0, 1, 2]
+    for name in sorted(outputs(run)):  # the outputs of an uninterrupted run
         assert (run / name).read_bytes() == (reference / name).read_bytes(), name
 
 

@@ -377,6 +377,47 @@ def test_a_step_written_under_its_temporary_name_keeps_its_episode_from_the_idle
     assert scheduler.next().reason == "idle_timeout" and clock.now >= 2 * 2  # not at 2 or 3 s: one timeout more
 
 
+def test_a_step_written_under_a_name_without_a_step_number_keeps_its_episode_from_the_idle_timeout(tmp_path):
+    """A recorder writing a large step slowly into tempfile's tmpabcdefgh.safetensors, then renaming it: the file was
+    waited for, but its growth was no activity, so a write slower than --idle-timeout failed the episode ("step file
+    name has no step number") though the writer was at work. A change of its size or of its mtime (a writer that
+    sized the file first) keeps the episode going; one that stops changing ends it one idle timeout later."""
+    write_step(tmp_path / "e", 0, good(0), prompt="p")
+    temporary = tmp_path / "e" / "tmpabcdefgh.safetensors"
+
+    def grow() -> None:
+        with open(temporary, "ab") as f:
+            f.write(b"x")
+
+    def touch() -> None:  # same size, later mtime
+        st = temporary.stat()
+        os.utime(temporary, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+    def rename() -> None:
+        write_step(tmp_path / "e", 1, good(1))
+        os.replace(tmp_path / "e" / "step_000001.safetensors", temporary)
+        os.rename(temporary, tmp_path / "e" / "step_000001.safetensors")
+
+    clock = FakeClock([lambda: None, lambda: temporary.write_bytes(b""), grow, lambda: None, grow, lambda: None,
+                       touch, lambda: None, touch, lambda: None, rename])
+    scheduler = StepScheduler(discover_episodes([tmp_path / "e"]), follow=True, idle_timeout=2, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert scheduler.next().file.step == 0
+    assert scheduler.next().file.step == 1  # written for 9 s, 4.5 times the idle timeout
+    assert scheduler.next().reason == "idle_timeout"
+
+    # a writer killed mid-write leaves one that stops changing: it fails its episode one idle timeout later
+    write_step(tmp_path / "k", 0, good(0), prompt="p")
+    clock = FakeClock([lambda: (tmp_path / "k" / "tmpabcdefgh.safetensors").write_bytes(b"half")])
+    scheduler = StepScheduler(discover_episodes([tmp_path / "k"]), follow=True, idle_timeout=2, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert scheduler.next().file.step == 0
+    ended = scheduler.next()
+    assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
+    assert str(ended.error) == f"{tmp_path / 'k' / 'tmpabcdefgh.safetensors'}: step file name has no step number"
+    assert clock.now >= 2 * 2  # not at 2 or 3 s: one timeout more
+
+
 def test_follow_waits_for_a_file_to_stop_growing(tmp_path):
     folder = tmp_path / "live"
     folder.mkdir()
@@ -990,12 +1031,39 @@ def test_follow_waits_for_a_step_file_named_without_a_step_number_to_be_renamed(
     assert str(ended.error) == f"{stray / 'notes.safetensors'}: step file name has no step number"
     assert scheduler.next() is None
 
-    # one there when the run starts is a stray file, not a writer's: its episode fails before any step, as before
+    # one there when the run starts is waited for too: with END there already, the episode fails before any step
     scheduler = StepScheduler(discover_episodes([stray]), follow=True, idle_timeout=100, poll_interval=1,
                               clock=clock, sleep=clock.sleep)
     ended = scheduler.next()
     assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
     assert str(ended.error) == f"{stray / 'notes.safetensors'}: step file name has no step number"
+
+
+def test_follow_waits_for_a_temporary_name_already_there_when_the_run_starts(tmp_path):
+    """A run started while the recorder was mid-write of step 1 under tempfile's name (tmpabcdefgh.safetensors):
+    the first poll took the file for a stray one and failed the episode before any step ran, though the same file
+    seen at a later poll was waited for until renamed. It is waited for as at any poll; one never renamed fails its
+    episode at the idle timeout, naming it, as at END."""
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0), good(1)], prompt="p", end=False)
+    temporary = folder / "tmpabcdefgh.safetensors"
+    os.rename(folder / "step_000001.safetensors", temporary)
+    clock = FakeClock([lambda: None, lambda: os.rename(temporary, folder / "step_000001.safetensors"),
+                       lambda: (folder / "END").touch()])
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert _drain(scheduler) == [("live", 0), ("live", 1), ("live", "end_marker")]
+
+    stuck = tmp_path / "stuck"
+    write_episode(stuck, [good(0)], prompt="p", end=False)
+    (stuck / "tmpabcdefgh.safetensors").write_bytes(b"half")  # a writer killed mid-write before the run started
+    clock = FakeClock()
+    scheduler = StepScheduler(discover_episodes([stuck]), follow=True, idle_timeout=5, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert isinstance(scheduler.next(), StepTask)
+    ended = scheduler.next()
+    assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
+    assert str(ended.error) == f"{stuck / 'tmpabcdefgh.safetensors'}: step file name has no step number"
 
 
 def test_an_episode_joining_a_watched_folder_with_its_first_step_under_a_temporary_name_waits_for_it(tmp_path):

@@ -99,7 +99,7 @@ class _Track:
     ended: bool = False
     end_reason: str | None = None  # follow: "end_marker" or "idle_timeout" once it ended cleanly (late files?)
     gap: tuple[int, int] | None = None  # follow: (last taken step, next step present) while steps between are missing
-    writing: dict[str, int] = field(default_factory=dict)  # follow: size of each step's temporary file, last looked at
+    writing: dict[str, tuple[int, int]] = field(default_factory=dict)  # follow: temporary files' size, mtime last seen
     lost: list[int] = field(default_factory=list)  # resume: done steps whose files are gone, between present ones
     identity: int | None = None  # follow: its folder's inode number at the first poll (not st_dev: a remount)
     unready: list[StepFile] = field(default_factory=list)  # follow: the files of ``sizes``, as last listed
@@ -110,7 +110,6 @@ class _Track:
     stamp_unreliable: bool = False  # follow: a file came in its folder without changing ``stamp``: listed every poll
     inside: frozenset[str] = frozenset()  # follow: episode folders in it at its first poll, when it held no step file
     unnumbered: list[Path] = field(default_factory=list)  # follow: files named like steps but without a step number
-    joined: bool = False  # follow: made in a watched folder of episodes since the start: nothing in it is a leftover
     first_file: tuple[str, int, int] | None = None  # follow: name, inode and mtime of its first step file taken
 
 
@@ -257,8 +256,7 @@ class StepScheduler:
                     continue
                 self._on_new_episode(source)  # the run records it before any of its steps is handed out
                 done = self._done.get(source.name, {})
-                track = _Track(source=source, done=dict(done), done_sorted=sorted(done), last_activity=self._clock(),
-                               joined=True)
+                track = _Track(source=source, done=dict(done), done_sorted=sorted(done), last_activity=self._clock())
                 self._tracks.append(track)
                 self._by_name[source.name] = track
                 self._all_ended_at = None
@@ -468,21 +466,25 @@ class StepScheduler:
 
     @staticmethod
     def _still_writing(track: _Track) -> bool:
-        """Whether a step file is being written under its temporary name (``.step_000001.safetensors.XXXX.tmp``,
-        as ``write_step`` writes it before renaming it): one that appeared or changed size since the last look is
-        activity, and the idle timer starts again. Looked at only when the timer runs out: a writer killed
-        mid-write leaves a file that stops changing, and the episode then ends one timeout later."""
+        """Whether a step file is being written under a temporary name: ``write_step``'s
+        (``.step_000001.safetensors.XXXX.tmp``), or one without a step number that the follower waits to see renamed
+        (tempfile's ``tmpabcdefgh.safetensors``). One that appeared, or whose size or mtime changed (a writer that
+        sizes the file first), since the last look is activity, and the idle timer starts again. Looked at only when
+        the timer runs out: a writer killed mid-write leaves a file that stops changing, and the episode then ends
+        one timeout later."""
         try:
             names = os.listdir(track.source.path)
         except OSError:  # gone: the scan says so
             names = []
-        sizes = {}
+        unnumbered = {path.name for path in track.unnumbered}
+        looks = {}
         for name in names:
-            if _STEP_TEMPORARY.fullmatch(name):
+            if _STEP_TEMPORARY.fullmatch(name) or name in unnumbered:
                 with contextlib.suppress(OSError):
-                    sizes[name] = (track.source.path / name).stat().st_size
-        changed = any(track.writing.get(name) != size for name, size in sizes.items())
-        track.writing = sizes
+                    st = (track.source.path / name).stat()
+                    looks[name] = (st.st_size, st.st_mtime_ns)
+        changed = any(track.writing.get(name) != look for name, look in looks.items())
+        track.writing = looks
         return changed
 
     def _gone(self, track: _Track) -> ObservationError:
@@ -649,10 +651,9 @@ class StepScheduler:
         # A name without a step number (a writer's temporary file, tempfile's tmpk_ohzexq.safetensors) failed the
         # episode at the poll that saw it, though renamed to its step's name a moment later. It is waited for like an
         # unready file, forgotten once gone, and fails the episode (as without follow) if still there at END or the
-        # idle timeout.
+        # idle timeout. One there at the first poll too: the run may start while the recorder is mid-write.
         track.unnumbered = [path for path in track.unnumbered if os.path.lexists(path)]
-        # there at the start: a stray file (calibration.npz); not so in an episode that joined since (its step 0's)
-        if track.unnumbered and (force or first_poll and not track.joined):
+        if track.unnumbered and force:
             step_number(track.unnumbered[0])  # raises, naming it
         if first_poll and not track.files and not track.sizes:  # episodes one level down, or a folder still empty
             track.inside = frozenset(episode_folders_inside(track.source.path))
