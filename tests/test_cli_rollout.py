@@ -2497,6 +2497,82 @@ def test_resume_with_another_attention_backend_is_refused_and_the_one_it_started
     assert_same_outputs(reference, run)
 
 
+def test_a_resume_under_another_ardiff_torch_or_thread_count_warns_naming_each_and_goes_on(env, data, reference,
+                                                                                          tmp_path):
+    """Outputs are bit-identical across --resume only with the same ardiff, torch and CPU thread count. run.json
+    recorded none of them: a run resumed after an upgrade, or under another OMP_NUM_THREADS with a config of
+    `num_threads: null` (as fast.yaml is), mixed the steps left into the outputs without a word. Now a warning
+    names each difference and summary.json lists them; the resume is not refused, and a run.json of an older
+    ardiff, without the fields, resumes without it."""
+    import torch
+
+    from ardiff_cli import __version__
+
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads((run / "run.json").read_text())
+    assert (info["ardiff_version"], info["torch_version"], info["torch_threads"]) == (
+        __version__, str(torch.__version__), 1)  # OMP_NUM_THREADS=1 (cli_env), the config's num_threads null
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+
+    def resume(run_json: dict, threads: str) -> tuple[subprocess.CompletedProcess, dict]:
+        (run / "results.jsonl").write_text("".join(lines[:-2]))  # as if stopped two steps before the end
+        (run / "run.json").write_text(json.dumps(run_json))
+        proc = ardiff({**env, "OMP_NUM_THREADS": threads}, "rollout", "--resume", "--out", str(run), "--no-warmup",
+                      "--format", "json")
+        assert proc.returncode == 0, proc.stderr
+        assert len(records(run)) == len(lines)
+        return proc, json.loads(proc.stdout.splitlines()[-1])
+
+    proc, summary = resume(info, "1")  # the same: no word
+    assert "warning" not in proc.stderr and summary["resume_changes"] == {}, proc.stderr
+    assert_same_outputs(reference, run)
+    proc, summary = resume(info, "2")
+    assert ("warning: this run was started with 1 CPU thread and resumes with 2 CPU threads: the outputs of the "
+            "steps left may differ in the last bits from those of an uninterrupted run (the steps done are kept as "
+            "they are); resume with OMP_NUM_THREADS=1 for outputs identical to an uninterrupted run's\n") \
+        in proc.stderr, proc.stderr
+    assert summary["kind"] == "summary" and summary["resume_changes"] == {"torch_threads": {"recorded": 1, "now": 2}}
+    assert json.loads((run / "summary.json").read_text())["resume_changes"] == summary["resume_changes"]
+    older = {**info, "ardiff_version": "0.0.9", "torch_version": "2.12.0"}  # what the versions before would write
+    proc, summary = resume(older, "1")
+    assert (f"warning: this run was started with ardiff 0.0.9, torch 2.12.0 and resumes with ardiff {__version__}, "
+            f"torch {torch.__version__}: the outputs of the steps left may differ in the last bits") in proc.stderr
+    assert "resume with ardiff 0.0.9, torch 2.12.0 for outputs identical" in proc.stderr, proc.stderr
+    assert summary["resume_changes"] == {"ardiff_version": {"recorded": "0.0.9", "now": __version__},
+                                         "torch_version": {"recorded": "2.12.0", "now": str(torch.__version__)}}
+    assert json.loads((run / "run.json").read_text())["torch_version"] == "2.12.0"  # the run's: a later resume warns
+    unrecorded = {k: v for k, v in info.items() if k not in ("ardiff_version", "torch_version", "torch_threads")}
+    proc, summary = resume(unrecorded, "2")  # a run.json of an ardiff before the fields: nothing to compare
+    assert "warning" not in proc.stderr and summary["resume_changes"] == {}, proc.stderr
+    # nothing left to run: no model loads, no step is made, no word
+    proc = ardiff({**env, "OMP_NUM_THREADS": "2"}, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0 and "nothing left to run" in proc.stderr and "warning" not in proc.stderr
+    (run / "results.jsonl").write_text("".join(lines[:-2]))
+    for field, value, expected in [("torch_version", 2.12, "a version (a string such as '2.5.1')"),
+                                   ("torch_threads", "1", "the number of CPU threads torch ran with (a positive "
+                                                          "integer)")]:
+        (run / "run.json").write_text(json.dumps({**info, field: value}))
+        proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+        assert proc.returncode == 2, proc.stderr
+        assert f"Error: {run / 'run.json'}: field '{field}': expected {expected}, got {shown(value)}" in proc.stderr
+        assert len(records(run)) == len(lines) - 2  # refused before anything ran
+
+
+def test_the_thread_count_is_compared_only_for_a_run_on_the_cpu():
+    """A GPU's kernels do not split over the CPU threads: a GPU run resumed under another OMP_NUM_THREADS, on a node
+    with other cores, gets no warning for it; its versions are still compared."""
+    from ardiff_cli.commands.rollout import _build_changes
+
+    now = {"ardiff_version": "0.1.0", "torch_version": "2.13.0", "torch_threads": 8}
+    recorded = {"ardiff_version": "0.1.0", "torch_version": "2.12.0", "torch_threads": 16}
+    assert _build_changes({**recorded, "device": "cuda:0"}, now) == {
+        "torch_version": {"recorded": "2.12.0", "now": "2.13.0"}}
+    assert _build_changes({**recorded, "device": "cpu"}, now) == {
+        "torch_version": {"recorded": "2.12.0", "now": "2.13.0"}, "torch_threads": {"recorded": 16, "now": 8}}
+
+
 @pytest.mark.parametrize("build", ["broken", "cuda"])
 def test_resume_of_a_vllm_run_where_vllm_is_installed_but_its_kernels_do_not_load_says_to_repair_it(env, data, build,
                                                                                                      tmp_path):

@@ -627,6 +627,45 @@ def _same_backend(here: str, setting: str, recorded: str | None) -> None:
                           "attention backend)" + ("; vLLM must be installed for it" if recorded == "vllm" else ""))
 
 
+def _build() -> dict[str, Any]:
+    """What an output's last bits depend on beside the device and attention backend, as run.json records it: this
+    ardiff, this torch, and the CPU intra-op threads torch runs with (``runtime.num_threads``, else OMP_NUM_THREADS or
+    one per core: kernels split over another count sum in another order). Once the engine has loaded (it sets the
+    threads); torch is imported by then."""
+    import torch
+
+    from ardiff_cli import __version__
+
+    return {"ardiff_version": __version__, "torch_version": str(torch.__version__),
+            "torch_threads": torch.get_num_threads()}
+
+
+def _build_changes(recorded: dict[str, Any], now: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{field: {"recorded": ..., "now": ...}} of ``_build``'s fields whose value differs from run.json's. A field
+    run.json lacks (an older ardiff's) is not compared; nor are the threads of a run on a GPU, whose kernels do not
+    split over them."""
+    return {key: {"recorded": recorded[key], "now": value} for key, value in now.items()
+            if recorded.get(key) is not None and recorded[key] != value
+            and (key != "torch_threads" or str(recorded.get("device")) == "cpu")}
+
+
+def _build_changes_warning(changes: dict[str, dict[str, Any]]) -> str:
+    """The warning of a resume whose ardiff, torch or thread count is not the run's: each named, recorded and now."""
+    def said(key: str, value: Any) -> str:
+        if key == "torch_threads":
+            return _count(value, "CPU thread")
+        return f"{'ardiff' if key == 'ardiff_version' else 'torch'} {value}"
+
+    then = ", ".join(said(key, change["recorded"]) for key, change in changes.items())
+    now = ", ".join(said(key, change["now"]) for key, change in changes.items())
+    again = [said(key, change["recorded"]) for key, change in changes.items() if key != "torch_threads"]
+    if "torch_threads" in changes:  # a config that sets runtime.num_threads has the run's: it is null
+        again.append(f"OMP_NUM_THREADS={changes['torch_threads']['recorded']}")
+    return (f"this run was started with {then} and resumes with {now}: the outputs of the steps left may differ in "
+            "the last bits from those of an uninterrupted run (the steps done are kept as they are); resume with "
+            f"{', '.join(again)} for outputs identical to an uninterrupted run's")
+
+
 def _same_pipeline_option(given: str | None, recorded: str | None) -> None:
     """``--resume`` never imports code because a file (run.json) names it: the command line must say it again."""
     if given == recorded:
@@ -799,6 +838,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                           lambda plain: render_summary(summary, plain))
             return
     engine = driver = plan = summary = None
+    changes: dict[str, dict[str, Any]] = {}  # --resume: what differs from the ardiff, torch and threads of run.json
     ran_from = ran_until = None  # monotonic times driver.run() began and ended: the time spent running steps
     error: BaseException | None = None
     stopped = False  # a signal (or stdout's reader gone) stopped the run, and nothing else went wrong
@@ -830,6 +870,9 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     recorded = run.read_info()
                     _same_backend(engine.runner.attention_backend, p.cfg.runtime.attention_backend,
                                   recorded.get("attention_backend"))
+                    changes = _build_changes(recorded, _build())
+                    if changes:  # not refused: an upgrade may be what the user resumes for
+                        output.warning(_build_changes_warning(changes))
                     _write_run_info(lambda: atomic_write_json(p.out_dir / RUN_FILE,
                                                               {**recorded, "resumed_at": time.time()}),
                                     p.out_dir / RUN_FILE, resume=True)
@@ -837,7 +880,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     default = _default_checkpoint(p.cfg)  # named: another ardiff's may round otherwise
                     _write_run_info(lambda: run.start({**p.info, "device": str(engine.device),
                                                        "attention_backend": engine.runner.attention_backend,
-                                                       "default_checkpoint": default and default.name}),
+                                                       "default_checkpoint": default and default.name,
+                                                       **_build()}),
                                     p.out_dir / RUN_FILE, resume=False)
                 if warmup:
                     monitor.set_phase("warmup")
@@ -891,7 +935,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                         wall_s = time.monotonic() - started
                         with signals.critical():
                             summary = _write_summary(run, lambda: _summary(run, p, driver, plan, wall_s, running_s,
-                                                                           error, len(kept)), output, error)
+                                                                           error, len(kept), changes),
+                                                     output, error)
     finally:
         output.on_stdout_lost = None
         if summary is not None:  # after the live display, so the two never interleave
@@ -1128,18 +1173,18 @@ def _close_engine(engine: Any, output: Output) -> None:
 
 
 def _summary(run: Any, p: _Prepared, driver: Any, plan: Any, wall_s: float, running_s: float,
-             error: BaseException | None, kept: int) -> dict[str, Any]:
+             error: BaseException | None, kept: int, changes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     swap = driver.engine.runner.swap  # a driver runs on a loaded engine: its runner (closed by now) is there
     return _summary_of(run, p, driver.stats, device=str(driver.engine.device),  # resolved, as run.json has it
                        plan=None if plan is None else plan.to_dict(),
                        swap_space=0 if swap is None else swap.budget_bytes,
                        dropped=0 if swap is None else swap.num_dropped, wall_s=wall_s, running_s=running_s,
-                       error=error, kept=kept)
+                       error=error, kept=kept, changes=changes)
 
 
 def _summary_of(run: Any, p: _Prepared, stats: Any, *, device: str | None, plan: dict[str, Any] | None,
                 swap_space: int, dropped: int, wall_s: float, running_s: float, error: BaseException | None,
-                kept: int = 0) -> dict[str, Any]:
+                kept: int = 0, changes: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """summary.json of a run whose counters are ``stats`` (a ``RolloutStats``); ``wall_s`` is the whole run's time,
     ``running_s`` that of running its steps (the rate's)."""
     from ardiff_cli.errors_cli import EXIT_PARTIAL, EpisodesFailed, Interrupted
@@ -1167,6 +1212,8 @@ def _summary_of(run: Any, p: _Prepared, stats: Any, *, device: str | None, plan:
                        "restored": stats.restored, "restore_failed": stats.restore_failed, "dropped": dropped,
                        "kept": kept}  # snapshots left in OUT/.swap for --resume to restore
     summary["hook_errors"] = list(stats.hook_errors)  # pipeline reset/close hooks that raised (KV released anyway)
+    # a resume's warning that its ardiff, torch or threads are not run.json's, for a script (--format json too)
+    summary["resume_changes"] = dict(changes or {})
     return summary
 
 

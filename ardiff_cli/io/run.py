@@ -71,6 +71,12 @@ def _run_info_problem(info: Mapping[str, Any]) -> tuple[str, str, Any] | None:
         return "started", "the run's start time in seconds since the epoch (a number)", started
     if not isinstance(info.get("demo", False), bool):  # "no" was taken for true: the demo episodes, "they differ"
         return "demo", "true or false", info["demo"]
+    for key in ("ardiff_version", "torch_version"):  # compared, to warn, when there (an older ardiff's lacks them)
+        if info.get(key) is not None and not (isinstance(info[key], str) and info[key]):
+            return key, "a version (a string such as '2.5.1')", info[key]
+    threads = info.get("torch_threads")
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        return "torch_threads", "the number of CPU threads torch ran with (a positive integer)", threads
     episodes = info.get("episodes", _MISSING)
     if not isinstance(episodes, list):
         return "episodes", "a list of {\"name\": ..., \"path\": ...} objects", episodes
