@@ -20,6 +20,7 @@ from ardiff_cli.errors_cli import Interrupted
 from ardiff_cli.output import Output
 from ardiff_cli.panels import EventRow, SessionRow, Snapshot
 from ardiff_cli.runtime.capacity import format_bytes
+from ardiff_cli.runtime.errors import plural
 
 # runtime event kind -> short name shown in the event log and in plain lines
 SHORT_KINDS = {
@@ -65,11 +66,12 @@ def describe_event(data: dict[str, Any]) -> str:
                 f"{data.get('by_session_id')}'s")
     if kind == "warmup_finished":
         restored = "pool restored" if data.get("restored") else "POOL NOT RESTORED"
-        return f"{data.get('num_requests')} requests in {data.get('seconds', 0):.3f}s, {restored}"
+        return f"{plural(data.get('num_requests'), 'request')} in {data.get('seconds', 0):.3f}s, {restored}"
     if kind == "capacity_planned":
         plan = data.get("plan", {})
         attention = f", attention {data['attention_backend']}" if data.get("attention_backend") else ""
-        return (f"{plan.get('session_capacity')} sessions, {plan.get('num_managed_pages')} pages of "
+        return (f"{plural(plan.get('session_capacity'), 'session')}, "
+                f"{plural(plan.get('num_managed_pages'), 'page')} of "
                 f"{format_bytes(plan.get('bytes_per_page', 0))}, budget {format_bytes(plan.get('budget_bytes', 0))}"
                 + attention)
     if kind == "request_finished":

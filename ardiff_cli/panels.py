@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ardiff_cli.output import visible
 from ardiff_cli.runtime.capacity import format_bytes
+from ardiff_cli.runtime.errors import plural
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,7 +351,7 @@ def _progress_line(s: Snapshot):
         # only while the counted work runs: a stopping, stopped or failed run has no time left to show
         running = s.phase in ("running", "warmup")
         eta = f" · ETA {_clock(remaining / rate)}" if running and rate > 0 and remaining else ""
-    text = f"{count} · {rate:.1f} {s.noun}/s{eta} · {s.evictions} evictions"
+    text = f"{count} · {rate:.1f} {s.noun}/s{eta} · {plural(s.evictions, 'eviction')}"
     if s.restores:
         text += f" · {s.restores} restored"
     if s.steps_replayed:

@@ -93,18 +93,53 @@ def build_config_on_meta(pipeline_class: Any, config) -> nn.Module:
     try:
         return build_on_meta(lambda: pipeline_class.build_modules(config))
     except RuntimeError as exc:
-        if "Storage size calculation overflowed" not in str(exc):
+        if not _overflowed(exc):
             raise
         sizes = [int(n) for n in re.findall(r"[0-9]+", str(exc).partition("sizes=")[2])]
         fields = config.to_dict() if callable(getattr(config, "to_dict", None)) else {}
-        named = [f"'model.{name}'" for name, value in fields.items()
-                 if type(value) is int and sizes and value == max(sizes) > 1]
+        names = [name for name, value in fields.items() if type(value) is int and sizes and value == max(sizes) > 1]
+        # Of fields that hold the same size (a seed too), those too large alone: `seed: 2**62` beside `cond_dim: 2**62`
+        # was named with it. None alone: together they are (a weight of two of them).
+        alone = [name for name in names if len(names) > 1 and _too_large_alone(pipeline_class, config, name, names)]
+        named = [f"'model.{name}'" for name in alone or names]
+        which = " and ".join(named)
+        if not named:
+            said = ""
+        elif len(named) == 1:
+            said = f"{which} ({max(sizes)}) makes "
+        elif alone:
+            said = f"{which} ({max(sizes)} each) are each too large alone; one makes "
+        else:
+            said = f"{which} ({max(sizes)}) together make "
         raise ConfigError(
-            f"the {pipeline_class.name} model is too large for torch: "
-            + (f"{' and '.join(named)} ({max(sizes)}) make{'s' if len(named) == 1 else ''} " if named else "")
-            + f"a weight of shape {sizes or '?'}, 2**63 bytes or more (torch sizes a tensor in int64)",
+            f"the {pipeline_class.name} model is too large for torch: {said}"
+            f"a weight of shape {sizes or '?'}, 2**63 bytes or more (torch sizes a tensor in int64)",
             hint=f"lower {' or '.join(named) if named else 'the widths in the model: section'}",
         ) from None
+
+
+def _overflowed(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch refusing a tensor of 2**63 bytes or more."""
+    return isinstance(exc, RuntimeError) and "Storage size calculation overflowed" in str(exc)
+
+
+def _too_large_alone(pipeline_class: Any, config, name: str, names: list[str]) -> bool:
+    """Whether the model still overflows with ``name`` as it is and the other ``names`` at their defaults (one layer:
+    the layer count changes no shape). True when that cannot be told: the field stays named."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(config):
+        return True
+    defaults = {f.name: f.default for f in dataclasses.fields(config)
+                if f.name in names and f.name != name and f.default is not dataclasses.MISSING}
+    if isinstance(getattr(config, "num_layers", None), int) and "num_layers" not in names:
+        defaults["num_layers"] = 1
+    try:
+        trial = dataclasses.replace(config, **defaults)
+        build_on_meta(lambda: pipeline_class.build_modules(trial))
+    except Exception:  # noqa: BLE001 - the overflow (too large alone), or a trial its config refuses: cannot tell
+        return True
+    return False
 
 
 def count_parameters(build: Callable[[], nn.Module]) -> int:

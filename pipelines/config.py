@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.capacity import MAX_SESSIONS
-from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error, shown
+from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error, shown, yaml_key_note
 
 C = TypeVar("C")
 
@@ -112,7 +112,8 @@ def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str, prese
             )
         if key not in settable:
             raise ConfigError(
-                f"{where}: unknown key 'model.{key}'{did_you_mean(str(key), ['preset', *settable])}",
+                f"{where}: unknown key 'model.{key}'{yaml_key_note(key)}"
+                f"{did_you_mean(str(key), ['preset', *settable])}",
                 hint=f"valid keys: preset, {', '.join(settable)}",
             )
         try:

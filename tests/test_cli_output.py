@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -589,6 +590,9 @@ def test_live_layout_renders_every_panel():
                      "3 evictions", "4 replayed"):
         assert expected in text, expected
     assert text.index("demo_2") < text.index("demo_1")  # LRU order kept
+    one = Console(record=True, width=110, color_system=None, file=io.StringIO())
+    one.print(render(dataclasses.replace(SNAPSHOT, evictions=1)))
+    assert "· 1 eviction ·" in one.export_text()  # it said "1 evictions"
     empty = Console(record=True, width=80, file=io.StringIO())
     empty.print(render(Snapshot(title="warmup")))
     text = empty.export_text()
@@ -669,6 +673,15 @@ def test_live_layout_while_following_has_no_eta():
     console.print(render(Snapshot(title="t", phase="following", steps_done=3, steps_total=None, elapsed_s=1.0)))
     text = console.export_text()
     assert "3 steps · 3.0 steps/s" in text and "following" in text and "ETA" not in text
+
+
+def test_event_details_say_1_session_1_page_and_1_request_in_the_singular():
+    from ardiff_cli.monitor import describe_event
+
+    plan = {"session_capacity": 1, "num_managed_pages": 1, "bytes_per_page": 1024, "budget_bytes": 4096}
+    assert describe_event({"kind": "capacity_planned", "plan": plan}).startswith("1 session, 1 page of 1.00 KiB")
+    assert describe_event({"kind": "warmup_finished", "num_requests": 1, "seconds": 0.5, "restored": True}) == (
+        "1 request in 0.500s, pool restored")
 
 
 def test_long_event_details_are_cut_not_the_time_kind_or_session():

@@ -280,13 +280,17 @@ def options_of_inspect_capacity(tmp_path: Path) -> set[str]:
     # --memory-budget is not read when --available is given: the hint said "a larger --memory-budget" all the same
     (("dreamzero-14b", "--available", "3GiB", "--memory-budget", "100GiB"),
      "a larger --available (the memory of a device the config is meant for)"),
-    (("dreamzero-14b", "--memory-budget", "3GiB"), "a larger --memory-budget (or runtime.memory_budget in the config)"),
+    (("dreamzero-14b", "--memory-budget", "3GiB"), "a larger --memory-budget"),
+    # a budget the config set is raised in the config: the hint named --memory-budget first, as for the option's
+    (("BUDGET_IN_CONFIG",), "a larger runtime.memory_budget in the config (or --memory-budget)"),
     # in parentheses, as above: "... than this one has free or a smaller model.window_frames" read as one phrase
     (("dreamzero-14b",), "--available BYTES (the free memory of a device larger than this one)"),
 ])
 def test_a_session_that_does_not_fit_is_hinted_at_by_the_option_that_set_the_memory(tmp_path, args, fix):
     # The fake GPU has 3000 MiB free: dreamzero-14b needs 4.74 GiB, 2.03 GiB with a one-frame window.
     fake_nvidia_smi(tmp_path / "bin", {"0": 3000})
+    if args == ("BUDGET_IN_CONFIG",):
+        args = (str(config_with_budget(tmp_path, REPO / "configs" / "dreamzero-14b.yaml", "3GiB")),)
     proc = inspect(tmp_path, *args)
     assert proc.returncode == 3, proc.stdout
     error = json.loads(proc.stdout)
@@ -344,7 +348,42 @@ def test_available_auto_measures_even_when_a_memory_budget_is_set(tmp_path):
     assert data["plan"]["available_bytes"] != 64 << 20
     budget = inspect(tmp_path, "causal-world-tiny", "--device", "cpu", "--memory-budget", "64MiB",
                      gpu=False, gpu_torch=False)
-    assert json.loads(budget.stdout)["available_source"] == "memory budget"
+    assert json.loads(budget.stdout)["available_source"] == "--memory-budget"
+
+
+def config_with_budget(tmp_path: Path, source: Path, budget: str) -> Path:
+    """``source`` (a config file) with ``runtime.memory_budget: budget``, written in ``tmp_path``."""
+    import yaml
+
+    data = yaml.safe_load(source.read_text())
+    data["runtime"] = {**(data.get("runtime") or {}), "memory_budget": budget}
+    config = tmp_path / f"budget_{source.name}"
+    config.write_text(yaml.safe_dump(data))
+    return config
+
+
+def test_the_available_memory_is_labelled_with_the_option_or_the_config_field_that_set_it(tmp_path):
+    """The plan's `available` row said "memory budget" whether --memory-budget or the config's runtime.memory_budget
+    set it: which one to change was left to guess."""
+    config = config_with_budget(tmp_path, REPO / "configs" / "causal-world-tiny.yaml", "64MiB")
+    from_config = inspect(tmp_path, str(config), "--device", "cpu", gpu=False, gpu_torch=False)
+    assert from_config.returncode == 0, from_config.stderr
+    assert json.loads(from_config.stdout)["available_source"] == "runtime.memory_budget"
+    plain = inspect(tmp_path, str(config), "--device", "cpu", gpu=False, gpu_torch=False, fmt="plain")
+    assert re.search(r"^available +64\.00 MiB +runtime\.memory_budget$", plain.stdout, re.M), plain.stdout
+    option = inspect(tmp_path, str(config), "--device", "cpu", "--memory-budget", "32MiB", gpu=False,
+                     gpu_torch=False, fmt="plain")
+    assert re.search(r"^available +32\.00 MiB +--memory-budget$", option.stdout, re.M), option.stdout
+
+
+def test_a_session_of_one_page_is_one_page_at_rest(tmp_path):
+    config = tmp_path / "one.yaml"  # one branch, a one-frame window: "1 pages at rest"
+    config.write_text("pipeline: causal_world\nmodel: {preset: tiny, window_frames: 1, sink_frames: 0, "
+                      "frames_per_block: 1}\n")
+    proc = inspect(tmp_path, str(config), "--device", "cpu", "--available", "1GiB", gpu=False, gpu_torch=False,
+                   fmt="plain")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^per session +[0-9.]+ KiB +1 page at rest$", proc.stdout, re.M), proc.stdout
 
 
 def test_plain_output_says_branches_share_slots_only_when_they_do(tmp_path):

@@ -122,6 +122,16 @@ def test_episode_metadata_read_with_numpy_or_torch_is_written_as_plain_yaml(tmp_
     assert not (tmp_path / "bad").exists()
 
 
+def test_numpy_string_keys_in_episode_metadata_are_written_as_text(tmp_path):
+    """A key read from a dataset is numpy's str_, a str: episode.yaml "cannot hold np.str_('arm') (str_); it holds
+    text, ..." refused it as what it is."""
+    meta = {np.str_("arm"): {np.str_("id"): 3}, "cameras": [{np.str_("name"): np.str_("wrist")}]}
+    write_episode(tmp_path / "ep", [arrays(0)], prompt="pick", metadata=meta)
+    text = (tmp_path / "ep" / "episode.yaml").read_text()
+    assert yaml.safe_load(text) == {"arm": {"id": 3}, "cameras": [{"name": "wrist"}], "prompt": "pick"}
+    assert discover_episodes([tmp_path / "ep"])[0].metadata() == yaml.safe_load(text)  # as rollout reads it
+
+
 def test_what_a_step_file_cannot_hold_is_refused_before_anything_is_written(tmp_path):
     folder = tmp_path / "ep"
     with pytest.raises(TypeError, match=r"^prompt must be text \(str\), got 5 \(int\)$"):  # rollout refused it

@@ -420,6 +420,15 @@ def test_truncated_safetensors_whose_header_length_starts_with_0x80_is_not_calle
     assert "pickle" not in str(info.value) and "pickle" not in info.value.hint
 
 
+def test_a_one_byte_step_file_is_said_to_hold_1_byte(tmp_path):
+    """A step file cut short after its first byte: "truncated or corrupt (1 bytes)"."""
+    path = tmp_path / "step_000000.safetensors"
+    path.write_bytes(write_step(tmp_path / "ep", 0, {"x": np.zeros(4, np.float32)}).read_bytes()[:1])
+    with pytest.raises(ObservationError, match=r"truncated or corrupt \(1 byte\): ") as info:
+        read_step(path)
+    assert "1 bytes" not in str(info.value)
+
+
 def test_a_safetensors_file_named_npz_is_named_as_safetensors_not_as_a_pickle(tmp_path):
     """A safetensors step saved under .npz: it was called 'a pickle (torch.save / pickle.dump)' when its header's
     length began with byte 0x80 (384 bytes, a DreamZero step's), and 'neither a zip archive nor a known format'

@@ -519,6 +519,13 @@ def test_attend_validates_inputs(make_spec, make_cache):
         attend_once(contexts[1], spec, 5)
 
 
+def test_a_seq_len_past_a_one_frame_block_says_1_frame(make_spec, make_cache):
+    """A block of one frame (DreamZero's default) was "exceeds one block (1 frames = 4 tokens)"."""
+    state = make_cache(make_spec(frames_per_block=1)).new_state("s")
+    with pytest.raises(ValueError, match=r"^seq_len=8 exceeds one block \(1 frame = 4 tokens\)$"):
+        state.get_kv_caches("positive", seq_len=8)
+
+
 def test_inputs_that_passed_the_checks_in_an_earlier_forward_are_still_checked_against_this_one(make_spec, make_cache,
                                                                                                monkeypatch):
     """The cache remembers inputs that passed the full checks (shapes, dtypes, devices, grad flags, with seq_len) and
@@ -531,9 +538,11 @@ def test_inputs_that_passed_the_checks_in_an_earlier_forward_are_still_checked_a
             attend_once(ctx, spec, 4 + registers)
     contexts = state.get_kv_caches("positive", seq_len=4)
     attend_once(contexts[0], spec, 4)
-    with pytest.raises(ValueError, match="^layer 1 has 1 register tokens, earlier layers of this forward had 0$"):
+    with pytest.raises(ValueError, match="^layer 1 has 1 register token, earlier layers of this forward had 0$"):
         attend_once(contexts[1], spec, 5)
     # 4 tokens passed for seq_len 4; for seq_len 8 they are fewer tokens than the block
+    with pytest.raises(ValueError, match="^attend got 1 token for seq_len=4: expected the video tokens followed by"):
+        attend_once(state.get_kv_caches("positive", seq_len=4)[0], spec, 1)
     with pytest.raises(ValueError, match="^attend got 4 tokens for seq_len=8: expected the video tokens followed by"):
         attend_once(state.get_kv_caches("positive", seq_len=8)[0], spec, 4)
     good = torch.randn(2, 4, 8)

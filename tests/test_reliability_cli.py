@@ -253,7 +253,7 @@ def test_fail_fast_stops_at_the_first_failure_and_resume_completes(env, data, re
     assert proc.returncode == 3, proc.stderr  # out of memory
     err = proc.stderr
     assert ("episode 'arm_b' failed at step 1 in the model's forward: KVCacheExhaustedError: session 'arm_b', "
-            "branch 'positive': KV page pool exhausted: 1 pages requested, 0 free of") in err
+            "branch 'positive': KV page pool exhausted: 1 page requested, 0 free of") in err
     assert "Traceback" in err and "hint: lower --session-capacity" in err
     lines = records(run)
     assert [(r["episode"], r["step"], r["status"]) for r in lines] == [
@@ -970,6 +970,8 @@ def test_non_finite_outputs_are_counted_by_name_in_torch_and_numpy_arrays_but_no
     frames = np.array([[np.nan, 0.0]], np.float32)
     assert _non_finite({"actions": actions, "ids": torch.arange(3), "frames": frames}) == (
         "'actions': 1 NaN, 2 inf of 4 values; 'frames': 1 NaN of 2 values")
+    # a one-value output (a scalar reward): "1 NaN of 1 values"
+    assert _non_finite({"reward": torch.tensor([float("nan")])}) == "'reward': 1 NaN of 1 value"
 
 
 def test_a_forward_may_return_any_mapping_of_bool_integer_or_floating_arrays_beside_other_values():

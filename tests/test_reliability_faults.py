@@ -191,7 +191,7 @@ def test_page_shortage_names_session_branch_and_numbers(reference, monkeypatch):
     engine, events = make_engine()
     assert engine.runner.capacity_plan.session_capacity == 4
     check_fault(engine, events, reference, "c", 2, contextlib.nullcontext, KVCacheExhaustedError,
-                rf"session 'c', branch 'positive': KV page pool exhausted: 1 pages requested, 0 free of {pages}")
+                rf"session 'c', branch 'positive': KV page pool exhausted: 1 page requested, 0 free of {pages}")
 
 
 def test_failing_hooks_release_the_kv_and_are_reported(reference, monkeypatch):

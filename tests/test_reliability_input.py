@@ -676,6 +676,13 @@ CONFIG_CASES = {
                                   "inspect-capacity", ["Error: {config}: one attention call can see 6291457 tokens",
                                                        "524288 tokens per frame"],
                                   "lower the frame size (tokens per latent frame)"),
+    # 2**62 actions are as many register tokens: "lower the pipeline's register tokens per branch" named no field
+    "action_horizon_beyond_max_model_len": (f"pipeline: dreamzero\nmodel: {{preset: tiny, action_horizon: {2**62}}}\n",
+                                            "inspect-capacity",
+                                            ["{config}: field 'model.action_horizon': expected a positive integer "
+                                             f"below max_model_len=1048576 (one attention call sees every action "
+                                             f"token and the state token), got {2**62}"],
+                                            "set 'model.action_horizon'"),
     "device_index_not_a_number": ("pipeline: dreamzero\nruntime: {device: 'cuda:x'}\n", "inspect-capacity",
                                   ["{config}: field 'runtime.device': expected auto, cpu, cuda or cuda:N (N from 0 "
                                    "to 127), got 'cuda:x'"], "set 'runtime.device'"),
@@ -780,6 +787,46 @@ def test_a_weight_too_large_for_torch_is_a_config_error_naming_the_field(tmp_pat
             f"shape [64, {2**62}], 2**63 bytes or more") in proc.stderr, proc.stderr
     assert "hint: lower 'model.cond_dim'" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["huge.yaml", "w.safetensors"]  # no cache, no out
+
+
+@pytest.mark.parametrize(("fields", "said"), [
+    # the seed holds the same size but makes no weight: it was named with cond_dim ("... and ... make a weight")
+    ({"seed": 2**62, "cond_dim": 2**62}, f"'model.cond_dim' ({2**62}) makes a weight of shape [64, {2**62}]"),
+    ({"text_dim": 2**62, "cond_dim": 2**62},
+     f"'model.text_dim' and 'model.cond_dim' ({2**62} each) are each too large alone; one makes a weight of shape"),
+])
+def test_a_weight_too_large_for_torch_names_only_the_fields_too_large(tmp_path, fields, said):
+    config = tmp_path / "huge.yaml"
+    config.write_text("pipeline: causal_world\nmodel: " + json.dumps({"preset": "tiny", **fields}) + "\n")
+    env = {**os.environ, "ARDIFF_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "warmup", str(config), "--device", "cpu",
+                           "--format", "plain"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert f"Error: the causal_world model is too large for torch: {said}" in proc.stderr, proc.stderr
+    named = [name for name in fields if f"'model.{name}'" in said]
+    assert f"hint: lower {' or '.join(repr('model.' + name) for name in named)}\n" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("pipeline: dreamzero\nmodel:\n  preset: tiny\n  yes: 1\n",
+     "unknown key 'model.True' (a key written yes, on or true, which YAML reads as true)"),
+    ("pipeline: causal_world\nmodel: {preset: tiny, on: 1}\n",
+     "unknown key 'model.True' (a key written yes, on or true, which YAML reads as true)"),
+    ("pipeline: dreamzero\nruntime:\n  off: 1\n",
+     "unknown key 'runtime.False' (a key written no, off or false, which YAML reads as false)"),
+    ("pipeline: dreamzero\nno: 1\n", "unknown key False (a key written no, off or false, which YAML reads as false)"),
+    ("pipeline: dreamzero\nmodel: {preset: tiny, ~: 1}\n",
+     "unknown key 'model.None' (a key written null or ~, which YAML reads as null)"),
+])
+def test_a_key_yaml_reads_as_a_boolean_or_null_is_named_with_how_it_was_written(tmp_path, text, said):
+    """YAML 1.1 reads a key `yes:` (or `on:`, `off:`, `~:`) as True, False or None: the error named 'model.True', a
+    key nobody wrote."""
+    config = tmp_path / "c.yaml"
+    config.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--available", "8GiB",
+                           "--format", "plain"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.startswith(f"Error: {config}: {said}\nhint: "), proc.stderr
 
 
 @pytest.mark.parametrize(("text", "said"), [
@@ -1949,7 +1996,7 @@ def test_non_finite_values_are_counted_by_kind_and_the_first_one_is_located():
 
 def test_a_float64_past_float32s_range_is_refused_not_cast_to_inf():
     message = problems(observation(joints=np.array([0, 0, 0, 1e39, 0, 0, 0], np.float64)))
-    assert message == ("w: 'joints' has 1 values past float32's range (first at index (3,): 1e+39), expected finite "
+    assert message == ("w: 'joints' has 1 value past float32's range (first at index (3,): 1e+39), expected finite "
                        "numbers of magnitude up to 3.4e+38")
 
 

@@ -169,6 +169,8 @@ def test_a_snapshot_of_another_request_count_than_the_caller_counts_is_not_resto
     assert runner.session_ids == ["b"] and not runner.swap.has("a")  # deleted, as any snapshot that cannot restore
     run(engine, "a", 0)  # b swapped out after 1 request: the right count restores it
     assert runner.restore_session("b", num_requests=1) and runner.sessions()[-1].num_requests == 1
+    with pytest.raises(SwapRestoreError, match=r"ValueError: it holds 1 request, not the 2 expected"):  # not "1 requests"
+        runner.restore_session("a", num_requests=2)  # a swapped out after its 1 request since
     engine.close()
 
 

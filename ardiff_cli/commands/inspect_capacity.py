@@ -32,7 +32,7 @@ from ardiff_cli.options import (
     check_session_count,
 )
 from ardiff_cli.output import Format, Output
-from ardiff_cli.runtime.errors import CapacityError, ConfigError
+from ardiff_cli.runtime.errors import CapacityError, ConfigError, plural
 
 DEFAULT_SESSION_COUNTS = (1, 2, 4, 8, 16)
 
@@ -105,8 +105,9 @@ def inspect_capacity(
                                  "the two disagree")
         if available is not None and available != "auto":
             available_bytes, source = parse_bytes(available), "--available"
-        elif available is None and runtime.memory_budget is not None:
-            available_bytes, source = runtime.memory_budget, "memory budget"
+        elif available is None and runtime.memory_budget is not None:  # say which set it: both read "memory budget"
+            available_bytes = runtime.memory_budget
+            source = "--memory-budget" if memory_budget is not None else "runtime.memory_budget"
         else:
             available_bytes, source = detect_available(target)
         attention = describe_backend(runtime.attention_backend, runtime.device, layout, runtime.dtype)
@@ -132,8 +133,10 @@ def does_not_fit_hint(cfg: Any, source: str, *, window_helps: bool) -> str:
     one exists, and the config's window fields where its model has them and a smaller window could fit."""
     if source == "--available":
         fixes = ["a larger --available (the memory of a device the config is meant for)"]
-    elif source == "memory budget":
-        fixes = ["a larger --memory-budget (or runtime.memory_budget in the config)"]
+    elif source == "--memory-budget":
+        fixes = ["a larger --memory-budget"]
+    elif source == "runtime.memory_budget":
+        fixes = ["a larger runtime.memory_budget in the config (or --memory-budget)"]
     else:
         fixes = ["--available BYTES (the free memory of a device larger than this one)"]
     if cfg.runtime.dtype == "float32":
@@ -349,7 +352,8 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
         shape = (f"{blocks} block(s) per page" + (f" + {tail}-token tail" if tail else "") if blocks
                  else f"a page is smaller than one block: all {tail} of its tokens are tail")
         table.add_row(f"  {kernel} block", f"{att[f'{kernel}_block_size']} tokens", f"{label}: {shape}")
-    table.add_row("per session", fb(plan.bytes_per_session), f"{plan.managed_pages_per_session} pages at rest")
+    table.add_row("per session", fb(plan.bytes_per_session),
+                  f"{plural(plan.managed_pages_per_session, 'page')} at rest")
     for branch, size in per["self_attention_per_branch"].items():
         table.add_row(f"  self-attn {branch}", fb(size), "sink + window frames")
     if plan.num_local_branches != len(per["self_attention_per_branch"]):

@@ -52,6 +52,7 @@ from ardiff_cli.runtime.errors import (
     ObservationError,
     link_to_nothing_on,
     not_a_folder,
+    plural,
     too_many_open_files,
     unencodable,
 )
@@ -653,7 +654,7 @@ def _build_changes_warning(changes: dict[str, dict[str, Any]]) -> str:
     """The warning of a resume whose ardiff, torch or thread count is not the run's: each named, recorded and now."""
     def said(key: str, value: Any) -> str:
         if key == "torch_threads":
-            return _count(value, "CPU thread")
+            return plural(value, "CPU thread")
         return f"{'ardiff' if key == 'ardiff_version' else 'torch'} {value}"
 
     then = ", ".join(said(key, change["recorded"]) for key, change in changes.items())
@@ -810,8 +811,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     options = RolloutOptions(order=order, follow=follow, idle_timeout=idle_timeout, fail_fast=fail_fast,
                              preview=preview, watch=tuple(p.watch))
     skipped = sum(len(s) for s in p.done.values())
-    output.info(f"{'resuming' if resume else 'writing'} {p.out_dir}: {_count(len(p.episodes), 'episode')}, order "
-                f"{order}" + (f", {_count(skipped, 'step')} already done" if resume else ""))
+    output.info(f"{'resuming' if resume else 'writing'} {p.out_dir}: {plural(len(p.episodes), 'episode')}, order "
+                f"{order}" + (f", {plural(skipped, 'step')} already done" if resume else ""))
     started = time.monotonic()
     swap_dir = p.out_dir / SWAP_DIR
     # what a stopped run left for this resume; why not, once, when its index is ignored
@@ -865,7 +866,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 monitor.refresh(engine.runner)  # the warmup's session shows, and its pages
                 signals.check_signal()  # one that arrived while the pipeline imported: not after warmup
                 output.debug(f"loaded on {engine.device} in {time.monotonic() - started:.2f}s: "
-                             f"{plan.session_capacity} sessions, {plan.num_managed_pages} pages")
+                             f"{plural(plan.session_capacity, 'session')}, {plural(plan.num_managed_pages, 'page')}")
                 if resume:
                     recorded = run.read_info()
                     _same_backend(engine.runner.attention_backend, p.cfg.runtime.attention_backend,
@@ -963,10 +964,10 @@ def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, d
         num_done, why = len(done.get(name, ())), None
         chunks = set(done.get(name, {}).values())  # the positions in the episode the done steps ran at
         if swapping and steps > num_done:
-            why = f"it holds {_count(steps, 'step')}, more than the {num_done} done in results.jsonl"
+            why = f"it holds {plural(steps, 'step')}, more than the {num_done} done in results.jsonl"
         elif swapping and None not in chunks and not chunks.issuperset(range(steps)):  # lines without: by count
             missing = min(set(range(steps)) - chunks)
-            why = f"it holds {_count(steps, 'step')}, and the one at position {missing} in the episode is not done " \
+            why = f"it holds {plural(steps, 'step')}, and the one at position {missing} in the episode is not done " \
                   "(its output went missing)"
         elif swapping:
             try:
@@ -1004,7 +1005,7 @@ def _swap_out_resident(engine: Any, driver: Any, output: Output, signals: Any) -
     steps = driver.resident_steps()
     ids = [view.session_id for view in engine.runner.sessions() if steps.get(view.session_id) == view.num_requests]
     if ids:  # several GiB a session for a 14B model: say what the wait is, and how to cut it short
-        output.info(f"saving {_count(len(ids), 'resident session')} for --resume (another signal skips those not "
+        output.info(f"saving {plural(len(ids), 'resident session')} for --resume (another signal skips those not "
                     "saved yet: their episodes replay)")
     # A signal that came before the saving began (SIGHUP delivered twice, to the group and by a shell) skips nothing
     start = len(signals.after_stop)
@@ -1014,7 +1015,7 @@ def _swap_out_resident(engine: Any, driver: Any, output: Output, signals: Any) -
             # not saved: those left, and any before that did not fit in the swap space or could not be exported
             name = signal.Signals(signals.after_stop[-1]).name
             output.info(f"{name}: stopped saving the resident sessions for --resume: {len(swapped)} saved, "
-                        f"{_count(len(ids) - len(swapped), 'session')} not (their episodes replay their done steps)")
+                        f"{plural(len(ids) - len(swapped), 'session')} not (their episodes replay their done steps)")
             break
         swapped.update(engine.runner.swap_out_sessions([session_id]))
     if ids:
@@ -1038,7 +1039,7 @@ def _keep_swapped(engine: Any, driver: Any, swap_dir: Path, run: float, output: 
             write_kept(swap_dir, kept, run=run)
         except OSError as exc:  # the sessions were said swapped out for --resume: say that it replays them instead
             output.warning(f"cannot write {swap_dir / KEPT_FILE} ({exc.strerror or exc}): the swap snapshots of "
-                           f"{_count(len(kept), 'episode')} ({listed(list(kept))}) are not kept, so --resume replays "
+                           f"{plural(len(kept), 'episode')} ({listed(list(kept))}) are not kept, so --resume replays "
                            "their done steps instead")
             return {}
     return kept
@@ -1217,11 +1218,6 @@ def _summary_of(run: Any, p: _Prepared, stats: Any, *, device: str | None, plan:
     return summary
 
 
-def _count(number: int, noun: str) -> str:
-    """``1 step``, ``2 steps``."""
-    return f"{number} {noun}" + ("" if number == 1 else "s")
-
-
 def render_summary(s: dict[str, Any], plain: bool):
     from rich.text import Text
 
@@ -1236,7 +1232,7 @@ def render_summary(s: dict[str, Any], plain: bool):
     written = [name for name in ("results.jsonl", "summary.json") if Path(s["out"], name).is_file()] + [
         f"{folder}/" for folder in ("episodes", "previews") if Path(s["out"], folder).is_dir()]
     lines = [
-        f"rollout {s['status']}: {_count(steps['this_run'], 'step')} in {s['running_s']:.1f} s ({rate}); "
+        f"rollout {s['status']}: {plural(steps['this_run'], 'step')} in {s['running_s']:.1f} s ({rate}); "
         f"episodes {episodes['completed']} completed"
         + (f" ({len(episodes['timed_out'])} ended by --idle-timeout)" if episodes.get("timed_out") else "")
         + f", {episodes['failed']} failed, "
@@ -1244,10 +1240,10 @@ def render_summary(s: dict[str, Any], plain: bool):
         f"time {s['wall_s']:.1f} s in all, {s['running_s']:.1f} s of it running steps",
         f"latency p50 {ms(latency['total']['p50'])}, p90 {ms(latency['total']['p90'])}, "
         f"p99 {ms(latency['total']['p99'])} (forward p50 {ms(latency['forward']['p50'])})",
-        f"sessions: capacity {plan.get('session_capacity', '-')}, {_count(s['evictions_this_run'], 'eviction')}, "
+        f"sessions: capacity {plan.get('session_capacity', '-')}, {plural(s['evictions_this_run'], 'eviction')}, "
         + (f"{steps['restored']} restored from swap, " if steps.get("restored") else "")
-        + f"{_count(steps['replayed'], 'step')} replayed to rebuild sessions"
-        + (f", {_count(steps['skipped_done'], 'step')} already done" if steps["skipped_done"] else ""),
+        + f"{plural(steps['replayed'], 'step')} replayed to rebuild sessions"
+        + (f", {plural(steps['skipped_done'], 'step')} already done" if steps["skipped_done"] else ""),
         f"outputs: {visible(s['out'])}" + (f" ({', '.join(written)})" if written else ""),
     ]
     text = Text("\n".join(lines))

@@ -27,8 +27,8 @@ from typing import Any, BinaryIO
 
 from ardiff_cli.io.atomic import TooLarge, open_file, parse_json, read_capped
 from ardiff_cli.runtime.capacity import split_unit_hint
-from ardiff_cli.runtime.errors import (YAML_SYNTAX_HINT, ConfigError, ObservationError, link_to_nothing, shown,
-                                      too_many_open_files, yaml_problem)
+from ardiff_cli.runtime.errors import (YAML_SYNTAX_HINT, ConfigError, ObservationError, link_to_nothing, plural,
+                                      shown, too_many_open_files, yaml_problem)
 
 STEP_SUFFIXES = (".safetensors", ".npz")
 METADATA_FILE = "episode.yaml"
@@ -741,8 +741,8 @@ def _refuse_safetensors_of_another_size(path: Path, f: BinaryIO, size: int) -> N
         f.seek(0)
         raise _unreadable_safetensors(path, f.read(_HEAD_BYTES), exc, size=size) from None
     if declared > size:
-        raise ObservationError(f"{path}: cannot read safetensors file: truncated or corrupt ({size} bytes; its header "
-                               f"declares {declared})", hint=WRITE_HINT)
+        raise ObservationError(f"{path}: cannot read safetensors file: truncated or corrupt ({plural(size, 'byte')}; "
+                               f"its header declares {declared})", hint=WRITE_HINT)
     if declared < size:
         raise ObservationError(f"{path}: cannot read safetensors file: it has {size} bytes, {size - declared} more "
                                f"than its header declares ({declared}); safetensors refuses data after the last tensor",
@@ -800,8 +800,9 @@ def _unreadable_safetensors(path: Path, data: bytes, exc: Exception, *, size: in
     if len(head) >= 8 and 8 + header_len > size and header_len < (100 << 20):
         return ObservationError(
             f"{path}: cannot read safetensors file: truncated (its header alone should take {header_len} bytes; "
-            f"the file has {size} bytes in all)", hint=WRITE_HINT)
-    return ObservationError(f"{path}: cannot read safetensors file: truncated or corrupt ({size} bytes): {exc}",
+            f"the file has {plural(size, 'byte')} in all)", hint=WRITE_HINT)
+    return ObservationError(f"{path}: cannot read safetensors file: truncated or corrupt ({plural(size, 'byte')}): "
+                            f"{exc}",
                             hint=WRITE_HINT)
 
 
@@ -926,6 +927,6 @@ def _npy_header(path: Path, archive: Any, info: Any) -> tuple[tuple[int, ...], b
     held = info.file_size - len(prefix) - length
     if declared > held and not dtype.hasobject:  # an object array's data is a pickle: reading it refuses it
         raise ObservationError(f"{path}: cannot read .npz file: truncated or corrupt: array {key!r} declares shape "
-                               f"{shape} of {dtype} ({declared} bytes), and its member holds {held} bytes",
+                               f"{shape} of {dtype} ({declared} bytes), and its member holds {plural(held, 'byte')}",
                                hint=WRITE_HINT)
     return shape, fortran_order, dtype

@@ -281,13 +281,15 @@ def write_episode(folder: str | os.PathLike, steps: Sequence[Mapping[str, Any]],
 
 def _plain(value: Any) -> Any:
     """``value`` with numpy scalars and arrays, and torch tensors, as Python numbers and lists (a camera's
-    calibration read with numpy), in mappings and lists too: YAML's safe dumper writes only Python's own types."""
-    if isinstance(value, Mapping):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
+    calibration read with numpy), in mappings and lists too: YAML's safe dumper writes only Python's own types. A
+    ``np.str_`` key (a name read from a dataset) is made a str: it is text, yet was refused as a value episode.yaml
+    "cannot hold"."""
     import numpy as np
 
+    if isinstance(value, Mapping):
+        return {(str(key) if isinstance(key, np.str_) else key): _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
     torch = sys.modules.get("torch")  # a tensor means torch was imported: never imported here
     if isinstance(value, (np.generic, np.ndarray)) or (torch is not None and isinstance(value, torch.Tensor)):
         return value.tolist()

@@ -42,6 +42,7 @@ from ardiff_cli.runtime.errors import (
     shown,
     too_many_open_files,
     unencodable,
+    yaml_key_note,
     yaml_problem,
 )
 from ardiff_cli.runtime.kv.backends import ATTENTION_BACKEND_SETTINGS
@@ -76,7 +77,8 @@ class RuntimeConfig:
         for key in data:
             if key not in cls.__dataclass_fields__:
                 raise ConfigError(
-                    f"{where}: unknown key 'runtime.{key}'{did_you_mean(str(key), cls.__dataclass_fields__)}",
+                    f"{where}: unknown key 'runtime.{key}'{yaml_key_note(key)}"
+                    f"{did_you_mean(str(key), cls.__dataclass_fields__)}",
                     hint=f"valid runtime keys: {', '.join(cls.__dataclass_fields__)}",
                 )
         return cls().with_overrides(where=where, **data)
@@ -463,7 +465,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
     for key in data:
         if key not in TOP_LEVEL_KEYS:
             raise ConfigError(
-                f"{where}: unknown key {key!r}{_misplaced_key(str(key), data, pipeline, where)}",
+                f"{where}: unknown key {key!r}{yaml_key_note(key)}{_misplaced_key(str(key), data, pipeline, where)}",
                 hint=f"valid top-level keys: {', '.join(TOP_LEVEL_KEYS)}",
             )
     name = data.get("pipeline")

@@ -276,6 +276,11 @@ def expand_home(path: str, where: str, *, hint: str) -> str:
     return expanded
 
 
+def plural(count: int, noun: str) -> str:
+    """``1 step``, ``2 steps``: a count and its noun, singular for one (a regular plural: add "s")."""
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
 def shown(value: object) -> str:
     """``repr(value)`` cut to a line: a config value may be a YAML alias bomb (a 10-deep list of lists, 10**9
     strings in all) or hold itself, and an error message must neither take minutes nor fill the terminal."""
@@ -331,6 +336,19 @@ def did_you_mean(name: str, valid: Iterable[str]) -> str:
     """' (did you mean 'x'?)' when a close match exists, else ''."""
     match = close_match(name, valid)
     return f" (did you mean {match!r}?)" if match is not None else ""
+
+
+# What YAML 1.1 (PyYAML's safe_load) reads a plain key as when it is no text: `yes:` under model: was named 'model.True'
+_YAML_KEY_SPELLINGS = {True: "yes, on or true", False: "no, off or false", None: "null or ~"}
+
+
+def yaml_key_note(key: object) -> str:
+    """' (a key written yes, on or true, which YAML reads as true)' for a key that YAML read as a boolean or null,
+    to follow its name in a message; '' for any other key."""
+    if key is None or isinstance(key, bool):
+        value = "null" if key is None else str(key).lower()
+        return f" (a key written {_YAML_KEY_SPELLINGS[key]}, which YAML reads as {value})"
+    return ""
 
 
 def field_error(where: str, field: str, expected: str, got: object, *, hint: str | None = None) -> ConfigError:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ardiff_cli.runtime.errors import ObservationError, did_you_mean, shown
+from ardiff_cli.runtime.errors import ObservationError, did_you_mean, plural, shown
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +152,8 @@ def _check_field(f: ObservationField, key: str, value: Any) -> tuple[Any, str | 
         converted = array.astype(f.dtype, copy=False)
     if converted is not array and converted.dtype.kind == "f" and not np.isfinite(converted).all():  # a cast
         first = tuple(int(i) for i in np.argwhere(~np.isfinite(converted))[0])
-        return None, (f"{label} has {int((~np.isfinite(converted)).sum())} values past {f.dtype}'s range (first at "
+        past = plural(int((~np.isfinite(converted)).sum()), "value")
+        return None, (f"{label} has {past} past {f.dtype}'s range (first at "
                       f"index {first}: {array[first]:.3g}), expected finite numbers of magnitude up to "
                       f"{np.finfo(f.dtype).max:.3g}")
     return converted, None

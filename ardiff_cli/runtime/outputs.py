@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ardiff_cli.runtime.errors import plural
+
 EXPECTED = "expected a dict of arrays (name -> tensor or numpy array)"
 STORABLE = "expected bool, integer or floating arrays (float16, bfloat16, float32 or float64)"
 # The torch dtypes a step file holds: those numpy has, and bfloat16 (written as float32). float8, float4, int4, bits
@@ -69,5 +71,5 @@ def _non_finite(output: Mapping[str, Any]) -> str:
             if not np.isfinite(value).all():
                 found.append((name, int(np.isnan(value).sum()), int(np.isinf(value).sum()), value.size))
     return "; ".join(f"{name!r}: " + ", ".join(f"{count} {kind}" for count, kind in ((nan, "NaN"), (inf, "inf"))
-                                                if count) + f" of {size} values"
+                                                if count) + f" of {plural(size, 'value')}"
                      for name, nan, inf, size in found)

@@ -54,6 +54,7 @@ from ardiff_cli.runtime.errors import (
     StopRequested,
     SwapRestoreError,
     as_pipeline_error,
+    plural,
     shown,
 )
 from ardiff_cli.runtime.events import (
@@ -1074,7 +1075,7 @@ class ARDiffusionModelRunner:
             tensors, metadata, nbytes = self.swap.read(session_id)
             kv, state, num_requests = decode_snapshot(tensors, metadata)
             if expected is not None and num_requests != expected:
-                raise ValueError(f"it holds {num_requests} requests, not the {expected} expected")
+                raise ValueError(f"it holds {plural(num_requests, 'request')}, not the {expected} expected")
             self.kv_cache.new_state(session_id).check_snapshot(kv)  # before anyone is evicted for it
         except StopRequested:  # the CLI's Interrupted, not an unreadable file
             raise

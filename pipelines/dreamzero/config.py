@@ -17,6 +17,7 @@ MASK_CHANNELS = 4  # Wan I2V marks the conditioning frame with 4 mask channels (
 JOINTS, GRIPPER, CARTESIAN = 7, 1, 6  # DROID / RoboArena proprioception sizes
 FLOAT32_BYTES = 4
 MAX_INFERENCE_STEPS = 1000  # sampler steps per request (the published 14B model uses 16)
+MAX_MODEL_LEN = ARDiffusionKVCacheSpec.max_model_len  # tokens one attention call may see (the spec's default)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,11 @@ class Config(BackboneConfig):
         for name in ("image_dim", "image_size", "image_patch", "action_dim", "action_horizon"):
             value = getattr(self, name)
             require(value >= 1, name, "a positive integer", value)
+        # Each action is a register token in every attention call, with the state's: past max_model_len the span
+        # check could only blame "the pipeline's register tokens" (2**62 of them), naming no field.
+        require(self.action_horizon < MAX_MODEL_LEN, "action_horizon",
+                f"a positive integer below max_model_len={MAX_MODEL_LEN} (one attention call sees every action "
+                "token and the state token)", self.action_horizon)
         # Each step is a forward per branch, and the schedule is built as a list first: 10**8 steps would hold
         # gigabytes and never end. 1000 matches causal_world, whose steps are distinct timesteps in (0, 1000].
         require(1 <= self.num_inference_steps <= MAX_INFERENCE_STEPS, "num_inference_steps",

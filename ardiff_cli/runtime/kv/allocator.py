@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ardiff_cli.runtime.errors import plural
+
 NULL_PAGE_ID = 0
 
 
@@ -58,7 +60,7 @@ class PageAllocator:
             raise ValueError(f"cannot allocate a negative number of pages, got {count}")
         if count > len(self._free):
             raise KVCacheExhaustedError(
-                f"KV page pool exhausted: {count} pages requested, {len(self._free)} free "
+                f"KV page pool exhausted: {plural(count, 'page')} requested, {len(self._free)} free "
                 f"of {self.num_allocatable}"
             )
         pages = [self._free.pop() for _ in range(count)]

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ardiff_cli.runtime.errors import plural
 from ardiff_cli.runtime.kv.allocator import KVCacheExhaustedError
 
 if TYPE_CHECKING:
@@ -164,7 +165,7 @@ class ARDiffusionForwardContext:
             self._prepare(num_registers, queries.shape[0])
         elif num_registers != self.num_registers:
             raise ValueError(
-                f"layer {layer} has {num_registers} register tokens, earlier layers of this forward had "
+                f"layer {layer} has {plural(num_registers, 'register token')}, earlier layers of this forward had "
                 f"{self.num_registers}"
             )
         if q is not None:  # what the next layers must match to skip this call
@@ -208,7 +209,8 @@ class ARDiffusionForwardContext:
                         f"max_scratch_tokens_per_branch={spec.max_scratch_tokens_per_branch})" if num_registers > 0
                         else "")
             raise ValueError(
-                f"{'attend' if q is not None else 'store'} got {queries.shape[1]} tokens for seq_len={self.seq_len}: "
+                f"{'attend' if q is not None else 'store'} got {plural(queries.shape[1], 'token')} for "
+                f"seq_len={self.seq_len}: "
                 f"expected the video tokens followed by 0..{room} scratch register tokens{declared}"
             )
 

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from ardiff_cli.runtime.errors import ConfigError
+from ardiff_cli.runtime.errors import ConfigError, plural
 
 if TYPE_CHECKING:
     from ardiff_cli.runtime.kv.layout import KVLayout
@@ -210,7 +210,7 @@ class KernelGeometry:
 
     def describe(self) -> str:
         tail = f" + {self.tail_tokens}-token tail" if self.tail_tokens else ""
-        return f"kernel block {self.block_size} tokens: {self.blocks_per_page} blocks per page{tail}"
+        return f"kernel block {self.block_size} tokens: {plural(self.blocks_per_page, 'block')} per page{tail}"
 
 
 # ---------------------------------------------------------------------------------------- probes

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec, as_int
-from ardiff_cli.runtime.errors import ConfigError
+from ardiff_cli.runtime.errors import ConfigError, plural
 
 SCRATCH_ENV = "AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH"
 
@@ -95,7 +95,8 @@ class KVLayout:
                 # (raises the window's own error if it does not; "use a smaller window" sent users to a config
                 # that fitted)
                 cls.from_spec(spec, page_size=page_size, scratch_blocks=1, attention_backend=attention_backend)
-                hint = f"lower {SCRATCH_ENV} (now {blocks} blocks of {spec.tokens_per_frame} tokens), or unset it"
+                hint = (f"lower {SCRATCH_ENV} (now {plural(blocks, 'block')} of "
+                        f"{plural(spec.tokens_per_frame, 'token')}), or unset it")
             raise ConfigError(
                 f"one attention call can see {visible} tokens (sink + window + block + scratch), "
                 f"more than max_model_len={spec.max_model_len}",

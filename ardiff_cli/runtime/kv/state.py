@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ardiff_cli.runtime.capacity import as_int
+from ardiff_cli.runtime.errors import plural
 from ardiff_cli.runtime.kv.allocator import KVCacheExhaustedError, PageAllocator
 from ardiff_cli.runtime.kv.attention import ARDiffusionForwardContext, ARDiffusionLayerContext
 
@@ -251,8 +252,8 @@ class ARDiffusionKVState:
             )
         if seq_len > layout.block_tokens:
             raise ValueError(
-                f"seq_len={seq_len} exceeds one block ({layout.spec.frames_per_block} frames = "
-                f"{layout.block_tokens} tokens)"
+                f"seq_len={seq_len} exceeds one block ({plural(layout.spec.frames_per_block, 'frame')} = "
+                f"{plural(layout.block_tokens, 'token')})"
             )
         pending = self._pending[kv.name]
         if pending is not None and pending.commit_current and pending.allocated and not pending.finished:
@@ -297,7 +298,7 @@ class ARDiffusionKVState:
             self._cache.allocator.free(forward.inflight_pages)
             raise RuntimeError(
                 f"commit of branch {kv.name!r} after a partial forward: {written} of "
-                f"{len(forward.layers_written)} layers wrote their K/V; the block was discarded"
+                f"{plural(len(forward.layers_written), 'layer')} wrote their K/V; the block was discarded"
             )
         kv.commit(forward.inflight_pages, self._cache.allocator)
         return forward.seq_len // self._cache.spec.tokens_per_frame
