@@ -70,24 +70,26 @@ class EpisodesFailed(ArdiffError):
 class StepFailed(ArdiffError):
     """A step failed in the model or while writing its outputs; the episode's session was released.
 
-    ``phase`` says where: ``load`` (reading the step file), ``replay`` (rerunning an
-    earlier step to rebuild an evicted session), ``forward`` (the model) or
-    ``write`` (its output file). The cause is chained (``__cause__``).
+    ``phase`` says where: ``load`` (reading the step file), ``replay`` (rerunning
+    the earlier step ``replayed`` to rebuild an evicted session), ``forward`` (the
+    model) or ``write`` (its output file). The cause is chained (``__cause__``).
     """
 
     PHASES = {
         "load": "while reading {path}",
-        "replay": "while replaying it to rebuild the session",
+        "replay": "while replaying its earlier step {replayed} to rebuild the session",
         "forward": "in the model's forward",
         "write": "while writing its outputs",
     }
 
-    def __init__(self, episode: str, step: int, phase: str, cause: BaseException, *, path: str = "") -> None:
+    def __init__(self, episode: str, step: int, phase: str, cause: BaseException, *, path: str = "",
+                 replayed: int | None = None) -> None:
         detail = str(cause) if isinstance(cause, ArdiffError) else f"{type(cause).__name__}: {cause}"
-        where = self.PHASES[phase].format(path=path)
+        where = self.PHASES[phase].format(path=path, replayed=replayed)
         super().__init__(f"episode {episode!r} failed at step {step} {where}: {detail}", hint=_step_hint(phase, cause))
         self.episode = episode  # the episode (= session id)
-        self.step = step  # the step number the failure belongs to
+        self.step = step  # the step being run when it failed (in phase replay, the one whose session was rebuilt)
+        self.replayed = replayed  # in phase replay: the earlier step being replayed
         self.phase = phase  # load, replay, forward or write
         self.cause = cause
         # ardiff's own errors say their code; another's exit_code attribute (click's Exit: 0) is not ardiff's to take

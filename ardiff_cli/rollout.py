@@ -83,6 +83,8 @@ class RolloutStats:
     restore_failed: int = 0  # snapshots that could not be restored (replayed instead, with a warning)
     failed: dict[str, str] = field(default_factory=dict)  # episode -> error message
     errors: dict[str, Exception] = field(default_factory=dict)  # episode -> ObservationError or StepFailed
+    # of the failed episodes, those whose folder is gone (deleted or renamed away) when the run ends
+    folders_gone: set[str] = field(default_factory=set)
     completed_episodes: list[str] = field(default_factory=list)
     timed_out: list[str] = field(default_factory=list)  # of those, the ones --idle-timeout ended (no END came)
     # follow: step files that arrived after their episode ended and did not run, by episode (--resume runs them)
@@ -140,7 +142,9 @@ class Rollout:
         # (by name: its folder may be renamed meanwhile)
         self._read_as: dict[str, dict[int, tuple[str, tuple[int, ...] | None]]] = {}
         self._warned: set[tuple[str, str]] = set()  # (episode, ignored key): said once, not for every step
-        self._at: tuple[str, StepFile] | None = None  # (phase, step file) of the work in progress, for errors
+        # (phase, step file, its chunk) of the work in progress, for errors: the step's own, or in phase replay the
+        # earlier step's being replayed (or checked before a kept snapshot made from it is restored)
+        self._at: tuple[str, StepFile, int] | None = None
         self._running: StepTask | None = None  # the step in progress
         self._steps_total: int | None = None  # steps done and left in this run, for the progress bar (None: following)
         # --preview: episode -> (step, output) of its ok lines in results.jsonl, in order (earlier runs' read once
@@ -254,6 +258,10 @@ class Rollout:
                 raise self._event_error
             item = self.scheduler.next()
             if item is None:
+                # looked at now, not as each failed: a folder being deleted (rm -rf) fails its episode at its first
+                # file gone, while the folder is still there; whatever that error said, the closing hint is this
+                self.stats.folders_gone = {e.name for e in self.episodes
+                                           if e.name in self.stats.failed and present(e.path) is False}
                 return self.stats
             if isinstance(item, EpisodeEnded):
                 self._end_episode(item)
@@ -275,8 +283,9 @@ class Rollout:
                     # stops as the signal asked, and the step, not failed by its input, runs again on --resume
                     self.signals.reraise()
                     failure = self._step_failure(item, exc)
-                    phase, step_file = self._at or ("load", item.file)
-                    self._fail_episode(item.episode, step_file, item.ordinal, failure, phase=phase)
+                    phase, step_file, chunk = self._at or ("load", item.file, item.ordinal)
+                    self._fail_episode(item.episode, item.file, item.ordinal, failure, phase=phase,
+                                       replayed=(step_file, chunk) if phase == "replay" else None)
                     if self.options.fail_fast:
                         raise naming_episode(failure, item.episode.name) from (None if failure is exc else exc)
                 finally:
@@ -286,13 +295,14 @@ class Rollout:
 
     def _step_failure(self, task: StepTask, exc: Exception) -> ArdiffError:
         """An invalid file stays an ``ObservationError``; anything else becomes a ``StepFailed`` naming the step."""
-        phase, step_file = self._at or ("forward", task.file)
+        phase, step_file, _ = self._at or ("forward", task.file, task.ordinal)
         if isinstance(exc, ObservationError):
             if str(step_file.path) in str(exc) or str(task.episode.path / METADATA_FILE) in str(exc):
                 return exc  # it names its file: the step's, or the episode's episode.yaml
             # Raised by the pipeline's own input checks, which know no files: name the step's.
             return ObservationError(f"{step_file.path}: {exc}", hint=exc.hint)
-        return StepFailed(task.episode.name, step_file.step, phase, exc, path=str(step_file.path))
+        return StepFailed(task.episode.name, task.file.step, phase, exc, path=str(step_file.path),
+                          replayed=step_file.step if phase == "replay" else None)
 
     def _load(self, episode: EpisodeSource, step_file: StepFile) -> tuple[dict[str, Any], str]:
         """The step's validated inputs and the SHA-256 of its file. A step that ran before (replayed, or run again
@@ -347,8 +357,8 @@ class Rollout:
         of them would, and its snapshot is deleted with its session (``_fail_episode``)."""
         name = episode.name
         if name in self._kept and name in self._swapped and name not in self._resident:
-            for step_file in self.scheduler.history(name)[: self._swapped[name]]:
-                self._at = ("replay", step_file)
+            for chunk, step_file in enumerate(self.scheduler.history(name)[: self._swapped[name]]):
+                self._at = ("replay", step_file, chunk)
                 self._check_unchanged(episode, step_file)
             self._kept.discard(name)
         consumed = self._swapped.pop(name, None)
@@ -377,9 +387,9 @@ class Rollout:
             earlier = f"{len(history)} earlier step{'s' if len(history) > 1 else ''}"
             self.monitor.log("replay", episode.name, f"rebuilding the session from {earlier}",
                              steps=[f.step for f in history])
-        for step_file in history:
+        for chunk, step_file in enumerate(history, start):
             step_file = self._where(episode, step_file)
-            self._at = ("replay", step_file)
+            self._at = ("replay", step_file, chunk)
             # else "cannot read the step file", hinting at its permissions (a link to nothing: reading it names it)
             if present(step_file.path) is False and not step_file.path.is_symlink():
                 raise ObservationError(
@@ -400,14 +410,14 @@ class Rollout:
 
     def _run_step(self, task: StepTask) -> None:
         episode, step = task.episode, task.file.step
-        self._at = ("load", task.file)
+        self._at = ("load", task.file, task.ordinal)
         inputs, digest = self._load(episode, task.file)
         self._captured = events = []  # what the rebuild and the step itself cause (evictions)
         restores = self.stats.restored
         replayed = self._rebuild_session(episode, task.ordinal)
         restored = self.stats.restored > restores
         request_id = f"{episode.name}/{step:06d}"
-        self._at = ("forward", task.file)
+        self._at = ("forward", task.file, task.ordinal)
         output = self._execute(request_id, episode.name, inputs)
         problem = output_problem(output)
         if problem is not None:
@@ -427,7 +437,7 @@ class Rollout:
         latency = None if finished is None else {
             "bind_s": finished.bind_s, "forward_s": finished.forward_s, "commit_s": finished.commit_s,
             "total_s": finished.total_s}
-        self._at = ("write", task.file)
+        self._at = ("write", task.file, task.ordinal)
         with self.signals.critical():
             self._check_folder()
             try:
@@ -488,11 +498,14 @@ class Rollout:
                 pass  # dropped to make room: nothing is left to close
 
     def _fail_episode(self, episode: EpisodeSource, step_file: StepFile | None, ordinal: int | None,
-                      exc: ArdiffError, *, phase: str) -> None:
+                      exc: ArdiffError, *, phase: str, replayed: tuple[StepFile, int] | None = None) -> None:
         """Record the failure, release the episode's session, skip its remaining steps.
 
         ``phase``: scan (the folder: no ``step_file``, and the line's step and chunk are null), load, replay,
-        forward or write (see ``StepFailed``).
+        forward or write (see ``StepFailed``). The line's step, chunk and path are always those of the step that
+        failed (``step_file``, ``ordinal``: it has no ok line, and runs again on --resume); in phase replay,
+        ``replayed`` is the (file, chunk) of the earlier step whose replay (or check) failed: its ok line and
+        output stay, and the line names it in ``replay_step``, ``replay_chunk`` and ``replay_path``.
         """
         message = str(exc)
         cause = exc.cause if isinstance(exc, StepFailed) else exc
@@ -500,6 +513,9 @@ class Rollout:
         record = {"episode": episode.name, "step": step, "chunk": ordinal, "session": episode.name,
                   "status": "failed", "error": message, "path": str(path.absolute()), "phase": phase,
                   "error_type": type(cause).__name__, "time": time.time()}
+        if replayed is not None:
+            record.update(replay_step=replayed[0].step, replay_chunk=replayed[1],
+                          replay_path=str(replayed[0].path.absolute()))
         if not isinstance(cause, ArdiffError):  # unexpected: keep the traceback, the run is unattended
             record["traceback"] = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
         with self.signals.critical():
@@ -508,7 +524,9 @@ class Rollout:
         if self.out.is_json:  # the same step object as an ok line's; plain and rich show the Error: lines below
             self.out.json({"kind": "step", **record, "session_id": episode.name,
                            "detail": ("episode" if step is None else f"step {step} (chunk {ordinal})")
-                                     + f" failed in {phase}: {message.splitlines()[0]}"})
+                                     + f" failed in {phase}"
+                                     + ("" if replayed is None else f" of step {replayed[0].step}")
+                                     + f": {message.splitlines()[0]}"})
         self.stats.failed[episode.name] = message
         self.stats.errors[episode.name] = exc
         self.monitor.set_progress(failed=len(self.stats.failed))  # --fail-fast stops before the next progress update

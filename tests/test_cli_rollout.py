@@ -1186,9 +1186,12 @@ def test_a_resume_whose_episode_folder_moved_names_it_and_goes_on_through_a_syml
     resume = ("rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
     proc = ardiff(env, *resume)
     assert proc.returncode == 2, proc.stderr
+    # it said run.json records "where each episode's folder was when the run started": after a followed rename
+    # (episode_moved), it records the new one
     assert (f"Error: episode 'arm_b' of this run: its folder {live / 'arm_b'} is gone; {run / 'run.json'} records "
-            "where each episode's folder was when the run started\nhint: put it back at that path (moved: a symlink "
-            "there to where it is now will do)") in proc.stderr, proc.stderr
+            "where the run last found each episode's folder (where it started, or where --follow followed its "
+            "rename)\nhint: put it back at that path (moved: a symlink there to where it is now will do)"
+            ) in proc.stderr, proc.stderr
     assert len(records(run)) == 4  # refused before anything ran
     (live / "arm_b").mkdir()  # as the old hint told, and a step converted to a format ardiff does not read
     np.save(live / "arm_b" / "step_000000.npy", np.zeros(3))
@@ -1206,6 +1209,35 @@ def test_a_resume_whose_episode_folder_moved_names_it_and_goes_on_through_a_syml
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.splitlines()[-1])
     assert summary["steps"]["failed"] == 0 and summary["episodes"]["completed"] == 2, summary
+    assert_same_outputs(reference, run)
+
+
+def test_a_run_whose_every_episode_folder_went_away_says_so_and_resumes_once_they_are_back(env, data, reference,
+                                                                                            tmp_path):
+    # Its closing hint was the generic "see the episode format: ardiff rollout --help", of a folder deleted (arm_a)
+    # or renamed (arm_b) while the run followed it: nothing wrong with the episode's format
+    live, run = tmp_path / "live", tmp_path / "run"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[:1], prompt=f"task {name}", end=False)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), str(live / "arm_b"), "--out", str(run),
+                 "--follow", "--no-warmup", "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 2, proc)  # both step 0s ran
+        shutil.rmtree(live / "arm_a")
+        (live / "arm_b").rename(tmp_path / "arm_b.moved")
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, stderr
+    assert (f"Error: every episode failed (arm_a, arm_b): their folders are gone (deleted or renamed while the run "
+            f"read them)\nhint: put each back at its path (moved: a symlink there to where it is now will do), then "
+            f"continue with: ardiff rollout --resume --out {run}") in stderr, stderr
+    assert "see the episode format" not in stderr
+    write_episode(live / "arm_a", steps_of(0, 3), prompt="task arm_a")  # the same files again, and its END
+    (live / "arm_b").symlink_to(tmp_path / "arm_b.moved")
+    write_episode(live / "arm_b", steps_of(1, 3)[1:], first_step=1)
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
     assert_same_outputs(reference, run)
 
 
@@ -1461,9 +1493,12 @@ def test_a_done_step_rewritten_before_a_resume_fails_its_episode_whether_its_ses
         assert "changed since it ran" not in stderr and "was it written completely?" in stderr
     assert not re.search(rf"restored +{target} from its swap snapshot", stderr)
     (failed,) = [r for r in records(run) if r["status"] == "failed"]
-    assert {k: failed[k] for k in ("episode", "step", "chunk", "phase", "path", "error_type")} == {
-        "episode": target, "step": 1, "chunk": 2, "phase": "replay", "path": str(rewritten),
-        "error_type": "ObservationError"}
+    # the line is step 2's, which failed (it read step 1 with chunk 2), and names the replayed step 1 apart
+    keys = ("episode", "step", "chunk", "phase", "path", "replay_step", "replay_chunk", "replay_path", "error_type")
+    assert {k: failed[k] for k in keys} == {
+        "episode": target, "step": 2, "chunk": 2, "phase": "replay",
+        "path": str(tmp_path / "live" / target / "step_000002.safetensors"),
+        "replay_step": 1, "replay_chunk": 1, "replay_path": str(rewritten), "error_type": "ObservationError"}
     assert not (run / "episodes" / target / "step_000002.safetensors").exists()
     for step in range(3):  # the other episode goes on as it would have
         output = f"episodes/{other}/step_{step:06d}.safetensors"
@@ -2881,6 +2916,13 @@ def test_an_episode_a_recorder_publishes_by_renaming_its_folder_runs_once_and_re
     again = ardiff(env, "rollout", "--resume", "--out", str(run), "--idle-timeout", "1")
     assert again.returncode == 0, again.stderr
     assert len(records(run)) == 3 and "Error" not in again.stderr
+    # moved again, with no run to follow it: the resume names the path the run followed it to, not where it started
+    (live / "arm_a").rename(tmp_path / "elsewhere")
+    again = ardiff(env, "rollout", "--resume", "--out", str(run), "--idle-timeout", "1")
+    assert again.returncode == 2, again.stderr
+    assert (f"episode 'arm_a.part' of this run: its folder {(live / 'arm_a').resolve()} is gone; {run / 'run.json'} "
+            "records where the run last found each episode's folder (where it started, or where --follow followed "
+            "its rename)") in again.stderr, again.stderr
 
 
 def test_an_episode_folder_renamed_in_a_watched_folder_while_the_run_was_stopped_resumes_through_a_link(
@@ -3015,8 +3057,8 @@ def test_a_step_file_deleted_after_it_ran_is_named_as_such_when_its_evicted_sess
             "is gone (deleted since): the session of episode 'arm_a' is rebuilt by replaying its earlier steps"
             in stderr), stderr
     assert "hint: keep an episode's step files until it has ended" in stderr and "permissions" not in stderr
-    assert [(r["episode"], r["step"], r["status"]) for r in records(run) if r["episode"] == "arm_a"] == [
-        ("arm_a", 0, "ok"), ("arm_a", 0, "failed")]
+    assert [(r["episode"], r["step"], r["status"], r.get("replay_step")) for r in records(run)
+            if r["episode"] == "arm_a"] == [("arm_a", 0, "ok", None), ("arm_a", 1, "failed", 0)]  # step 1 replaying 0
 
 
 def test_a_run_json_whose_watched_folders_were_edited_wrong_is_a_usage_error(env, data, tmp_path):
@@ -3427,8 +3469,11 @@ def test_a_step_rewritten_after_it_ran_fails_its_episode_when_an_eviction_replay
     assert [(r["episode"], r["step"]) for r in lines if r["status"] == "ok"] == [
         ("arm_a", 0), ("arm_b", 0), ("arm_b", 1), ("arm_b", 2)]
     (failed,) = [r for r in lines if r["status"] == "failed"]
-    assert (failed["episode"], failed["step"], failed["phase"], failed["path"]) == (
-        "arm_a", 0, "replay", str(rewritten))
+    # step 1 failed, while it replayed step 0 (the line said step 0, with step 1's chunk 1)
+    assert {k: failed[k] for k in ("episode", "step", "chunk", "phase", "path", "replay_step", "replay_chunk",
+                                   "replay_path")} == {
+        "episode": "arm_a", "step": 1, "chunk": 1, "phase": "replay",
+        "path": str(live / "arm_a" / "step_000001.safetensors"), "replay_step": 0, "replay_chunk": 0, "replay_path": str(rewritten)}
     assert "episodes/arm_a/step_000001.safetensors" not in outputs(run)
     for step in range(3):  # the other episode is untouched
         name = f"episodes/arm_b/step_{step:06d}.safetensors"
@@ -3448,7 +3493,8 @@ def test_resume_after_a_done_step_was_rewritten_fails_its_episode(env, data, ref
     assert proc.returncode == 4, proc.stderr
     assert f"{rewritten}: step 1 changed since it ran" in proc.stderr
     (failed,) = [r for r in records(run) if r["status"] == "failed"]
-    assert (failed["episode"], failed["step"], failed["phase"]) == ("arm_a", 1, "replay")
+    assert (failed["episode"], failed["step"], failed["chunk"], failed["phase"], failed["replay_step"],
+            failed["replay_chunk"], failed["replay_path"]) == ("arm_a", 2, 2, "replay", 1, 1, str(rewritten))
     assert json.loads((run / "summary.json").read_text())["episodes"]["failures"].keys() == {"arm_a"}
     name = "episodes/arm_b/step_000002.safetensors"  # arm_b resumed as it would have run
     assert (run / name).read_bytes() == (reference / name).read_bytes()

@@ -103,8 +103,8 @@ def test_faults_fail_their_episode_only_and_name_episode_and_step(env, data, ref
             "transformer block 1") in err
     assert ("Error: episode 'arm_c' failed at step 0 in the model's forward: KVCacheExhaustedError: "
             "cross-attention 'text' of branch 'positive' (session 'arm_c'): out of memory allocating layer 0") in err
-    assert ("Error: episode 'arm_d' failed at step 0 while replaying it to rebuild the session: InjectedFault: "
-            "injected fault in the sampler") in err
+    assert ("Error: episode 'arm_d' failed at step 1 while replaying its earlier step 0 to rebuild the session: "
+            "InjectedFault: injected fault in the sampler") in err
     # arm_a's close hook fails each time its session is evicted, and when it completes: warnings, no loss.
     assert ("warning: episode 'arm_a': the pipeline's close_ar_diffusion_session raised at its step 2: injected "
             "fault in the close hook of 'arm_a'") in err
@@ -118,8 +118,11 @@ def test_faults_fail_their_episode_only_and_name_episode_and_step(env, data, ref
         1, "forward", "InjectedFault")
     assert "Traceback" in failed["arm_b"]["traceback"] and "faulty_pipelines.py" in failed["arm_b"]["traceback"]
     assert (failed["arm_c"]["step"], failed["arm_c"]["error_type"]) == (0, "KVCacheExhaustedError")
-    assert (failed["arm_d"]["step"], failed["arm_d"]["phase"]) == (0, "replay")
-    assert failed["arm_d"]["path"].endswith("arm_d/step_000000.safetensors")
+    # step 1 failed (no ok line, no output) while replaying step 0 (whose ok line and output stay)
+    assert ({k: failed["arm_d"][k] for k in ("step", "chunk", "phase", "replay_step", "replay_chunk")}
+            == {"step": 1, "chunk": 1, "phase": "replay", "replay_step": 0, "replay_chunk": 0})
+    assert failed["arm_d"]["path"].endswith("arm_d/step_000001.safetensors")
+    assert failed["arm_d"]["replay_path"].endswith("arm_d/step_000000.safetensors")
     ok = sorted((r["episode"], r["step"]) for r in lines if r["status"] == "ok")
     assert ok == [("arm_a", 0), ("arm_a", 1), ("arm_a", 2), ("arm_b", 0), ("arm_d", 0)]
     assert_matches(run, reference, episodes=("arm_a",))  # the healthy episode did not notice a thing
@@ -134,6 +137,8 @@ def test_faults_fail_their_episode_only_and_name_episode_and_step(env, data, ref
     assert_matches(run, reference)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"]["failed"] == 0  # the retried steps' lines came later
+    last = {(r["episode"], r["step"]): r["status"] for r in records(run)}  # a step's last line is the one that counts
+    assert set(last.values()) == {"ok"}, last  # arm_d's step 0 was last said failed: its replay is no line of it
 
 
 # When every episode fails, the exit code is the highest of their causes' codes: out of memory (3) over invalid

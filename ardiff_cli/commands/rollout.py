@@ -555,8 +555,9 @@ def _under_signals(work: Callable[[], None]) -> None:
 
 
 def _recorded_folders_exist(episodes: list[dict[str, Any]], run_file: Path) -> None:
-    """The episode folders a resume reads are where the run started them: one moved or deleted since is named as
-    this run's (where a new run's missing EPISODE hints at --follow)."""
+    """The episode folders a resume reads are where run.json last recorded them (where the run started them, or
+    where it followed a rename: ``episode_moved``): one moved or deleted since is named as this run's (where a new
+    run's missing EPISODE hints at --follow)."""
     from ardiff_cli.io.episode import present
 
     for episode in episodes:  # resumed in another locale than the run's: there, but not a path this one can write
@@ -569,7 +570,8 @@ def _recorded_folders_exist(episodes: list[dict[str, Any]], run_file: Path) -> N
         name, path = gone[0]
         more = f" (and {len(gone) - 1} more episode folder{'s' if len(gone) > 2 else ''})" if len(gone) > 1 else ""
         raise ConfigError(f"episode {name!r} of this run: its folder {path} is gone{more}; {run_file} records where "
-                          "each episode's folder was when the run started",
+                          "the run last found each episode's folder (where it started, or where --follow followed "
+                          "its rename)",
                           hint="put it back at that path (moved: a symlink there to where it is now will do), then "
                                "resume; or run its episodes again in a new --out")
 
@@ -902,7 +904,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     monitor.end_counting()  # and the live display's
                 monitor.set_phase("done")
                 if stats.failed:
-                    raise _failed_episodes(stats, len(p.episodes))
+                    raise _failed_episodes(stats, len(p.episodes), p.out_dir)
             except BaseException as exc:
                 error = signals.outcome(exc)
                 stopped = isinstance(exc, Interrupted)
@@ -1151,15 +1153,25 @@ def _write_summary(run: Any, build: Callable[[], dict[str, Any]], output: Output
     return summary
 
 
-def _failed_episodes(stats: Any, num_episodes: int) -> Exception:
-    """Exit 4 when other episodes completed; else 2 when every failure was invalid input, else their code."""
+def _failed_episodes(stats: Any, num_episodes: int, out_dir: Path) -> Exception:
+    """Exit 4 when other episodes completed; else 2 when every failure was invalid input, else their code. Every
+    episode failed with its folder gone (deleted or renamed while the run read it): 2, saying so, with the way back."""
     names = ", ".join(stats.failed)
     if stats.completed_episodes:
         return EpisodesFailed(f"{len(stats.failed)} of {num_episodes} episodes failed: {names}; the others completed")
+    message, hint = f"every episode failed ({names})", None
+    if stats.failed.keys() <= stats.folders_gone:
+        one = len(stats.failed) == 1
+        message += (f": {'its folder is' if one else 'their folders are'} gone (deleted or renamed while the run read "
+                    f"{'it' if one else 'them'})")
+        hint = (f"put {'it' if one else 'each'} back at its path (moved: a symlink there to where it is now will do), "
+                f"then continue with: ardiff rollout --resume --out {_out_arg(out_dir)}")
     errors = list(stats.errors.values())
     if all(isinstance(e, ObservationError) for e in errors):
-        return ObservationError(f"every episode failed ({names})")
-    return EpisodesFailed(f"every episode failed ({names})", exit_code=max(exit_code_for(e) for e in errors))
+        return ObservationError(message, hint=hint)
+    failed = EpisodesFailed(message, exit_code=max(exit_code_for(e) for e in errors))
+    failed.hint = hint  # None: the table's
+    return failed
 
 
 def _close_engine(engine: Any, output: Output) -> None:

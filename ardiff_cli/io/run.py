@@ -607,9 +607,10 @@ def build_summary(records: Iterable[Mapping[str, Any]], *, episodes: list[str], 
     total_s: list[float] = []
     forward_s: list[float] = []
     evictions = 0
-    # A failure is retried when a later ok line of its episode reaches its step (a failed replay of step 0
-    # is retried by step 1's line: step 0's own ok line came earlier and is not written again), or when a later
-    # failed line of its episode comes: an episode stops at its failure, so that line is a --resume retrying it.
+    # A failure is retried when a later ok line of its episode reaches its step (a failed replay's line is the step
+    # being run's; lines of earlier versions named the replayed step, whose own ok line came before: a later step's
+    # line retries those too), or when a later failed line of its episode comes: an episode stops at its failure,
+    # so that line is a --resume retrying it.
     pending: dict[Any, int] = {}  # episode -> step of its newest failed line (scan: -1) no later ok line reached
     for r in records:
         episode, step = r.get("episode"), r.get("step")
