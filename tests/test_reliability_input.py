@@ -1937,8 +1937,9 @@ def test_a_resume_whose_episode_folders_are_gone_names_the_first_and_counts_the_
         proc = subprocess.run(resume, env=cli_env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.startswith(f"Error: episode {first!r} of this run: its folder {tmp_path / first} is gone"
-                                      f"{more}; {run / 'run.json'} records where each episode's folder was when the "
-                                      "run started\nhint: put it back at that path"), proc.stderr
+                                      f"{more}; {run / 'run.json'} records where the run last found each episode's "
+                                      "folder (where it started, or where --follow followed its rename)\nhint: put it "
+                                      "back at that path"), proc.stderr
     assert not (run / "results.jsonl").exists()
 
 
