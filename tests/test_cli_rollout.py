@@ -2979,6 +2979,43 @@ def test_a_robot_that_writes_steps_under_tempfile_names_and_renames_them_is_foll
         assert (run / name).read_bytes() == (reference / name).read_bytes(), name
 
 
+def test_a_robot_whose_tempfile_names_hold_a_digit_is_followed_and_a_leftover_one_fails(env, data, reference,
+                                                                                          tmp_path):
+    """A robot saving each step into tempfile.NamedTemporaryFile(dir=episode, suffix=".safetensors") and renaming it
+    after an fsync, the whole file sitting under its temporary name for a few polls: a name holding a digit (11 in
+    12: tmpk3jx9a1b.safetensors) was numbered by its last integer and taken as step 1, so the rename failed the
+    episode with "two files for step 1" (exit 2). Without --follow, one left by a robot killed before the rename
+    ran as a step; it fails the episode naming it as a writer's temporary file."""
+    proc, live, run = follow_a_live_episode(env, data, tmp_path, "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)  # step 0 ran: the follower polls the folder
+        for step, name in ((1, "tmpk3jx9a1b.safetensors"), (2, "tmp0qzxk_wa.safetensors")):
+            whole = (data / "eps" / "arm_a" / f"step_{step:06d}.safetensors").read_bytes()
+            (live / "arm_a" / name).write_bytes(whole)
+            time.sleep(0.5)  # the fsync: several polls see it whole
+            os.rename(live / "arm_a" / name, live / "arm_a" / f"step_{step:06d}.safetensors")
+        (live / "arm_a" / "END").touch()
+        stderr = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert [r["step"] for r in records(run)] == [0, 1, 2]
+    ran = sorted(outputs(run))
+    assert ran == sorted(name for name in outputs(reference) if name.startswith("episodes/arm_a/"))
+    for name in ran:  # the outputs of an uninterrupted run
+        assert (run / name).read_bytes() == (reference / name).read_bytes(), name
+
+    left = live / "arm_a" / "tmpk3jx9a1b.safetensors"
+    os.rename(live / "arm_a" / "step_000002.safetensors", left)
+    again = ardiff(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), "--out", str(tmp_path / "again"),
+                   "--no-warmup", "--format", "plain")
+    assert again.returncode == 2, again.stderr
+    assert (f"{left}: looks like a writer's temporary file that was never renamed" in " ".join(again.stderr.split())
+            ), again.stderr
+    # the episode failed before its first step, not after running the file as step 2
+    assert [(r["step"], r["status"], r["phase"]) for r in records(tmp_path / "again")] == [(None, "failed", "scan")]
+
+
 def test_a_step_under_a_tempfile_name_when_the_run_starts_is_waited_for_until_renamed(env, data, reference,
                                                                                          tmp_path):
     """A robot mid-write of step 1 into tempfile's tmpabcdefgh.safetensors as `rollout --follow` starts: the file

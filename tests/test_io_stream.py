@@ -12,7 +12,7 @@ import pytest
 
 from ardiff_cli.io import write_episode, write_step
 from ardiff_cli.io.demo import demo_step, ensure_demo_episodes
-from ardiff_cli.io.episode import EpisodeSource, RawStep, discover_episodes
+from ardiff_cli.io.episode import EpisodeSource, RawStep, discover_episodes, is_temporary_name, step_number
 from ardiff_cli.io import stream
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import validate_step
@@ -29,6 +29,11 @@ SCHEMA = ObservationSchema(
     prompt_key="prompt",
     prompt_aliases=("language_instruction",),
 )
+
+
+# the error of a step file under a writer's temporary name still there (its writer killed before the rename)
+TEMPORARY_LEFT = ("{}: looks like a writer's temporary file that was never renamed (tempfile's tmpXXXXXXXX name, or "
+                  ".tmp, .temp, .part or .partial in its name), not a step file")
 
 
 def good(step: int = 0) -> dict[str, np.ndarray]:
@@ -414,7 +419,7 @@ def test_a_step_written_under_a_name_without_a_step_number_keeps_its_episode_fro
     assert scheduler.next().file.step == 0
     ended = scheduler.next()
     assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
-    assert str(ended.error) == f"{tmp_path / 'k' / 'tmpabcdefgh.safetensors'}: step file name has no step number"
+    assert str(ended.error) == TEMPORARY_LEFT.format(tmp_path / "k" / "tmpabcdefgh.safetensors")
     assert clock.now >= 2 * 2  # not at 2 or 3 s: one timeout more
 
 
@@ -1063,7 +1068,7 @@ def test_follow_waits_for_a_temporary_name_already_there_when_the_run_starts(tmp
     assert isinstance(scheduler.next(), StepTask)
     ended = scheduler.next()
     assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
-    assert str(ended.error) == f"{stuck / 'tmpabcdefgh.safetensors'}: step file name has no step number"
+    assert str(ended.error) == TEMPORARY_LEFT.format(stuck / "tmpabcdefgh.safetensors")
 
 
 def test_an_episode_joining_a_watched_folder_with_its_first_step_under_a_temporary_name_waits_for_it(tmp_path):
@@ -1096,6 +1101,84 @@ def test_an_episode_joining_a_watched_folder_with_its_first_step_under_a_tempora
     ended = [item for item in iter(scheduler.next, None) if item.episode.name == "c"]
     assert [(item.reason, str(item.error)) for item in ended] == [
         ("error", f"{stray}: step file name has no step number")]
+
+
+@pytest.mark.parametrize("temporary", ["tmpk3jx9a1b.safetensors", "step_000001.tmp.safetensors",
+                                       "step_000001.npz.tmp.npz", "tmpqzxk_wa0.safetensors"])
+def test_follow_waits_for_a_temporary_name_holding_a_digit_until_renamed(tmp_path, temporary):
+    """A recorder that writes a step under a temporary name and renames it, the whole file sitting there for a few
+    polls first (an fsync on slow storage): tempfile's tmpk3jx9a1b.safetensors (11 names in 12 hold a digit),
+    step_000001.tmp.safetensors, np.savez's step_000001.npz.tmp.npz. The name was numbered by its last integer and
+    the file taken as a step, so the rename made "two files for step 1" (tmpqzxk_wa0, numbered 0: "two files for step
+    0" at once; in an episode that starts at a later step, "step 0 arrived after step N had already run"). It is waited for until renamed, as a name without a step number is."""
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0)], prompt="p", end=False)
+    suffix = "." + temporary.rsplit(".", 1)[1]
+    final = folder / f"step_000001{suffix}"
+
+    def write() -> None:
+        write_step(folder, 1, good(1), format=suffix[1:])
+        os.rename(final, folder / temporary)
+
+    clock = FakeClock([write, lambda: None, lambda: None, lambda: None, lambda: os.rename(folder / temporary, final),
+                       lambda: write_step(folder, 2, good(2)), lambda: (folder / "END").touch()])
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert _drain(scheduler) == [("live", 0), ("live", 1), ("live", 2), ("live", "end_marker")]
+
+
+def test_a_temporary_name_holding_a_digit_left_in_an_episode_fails_it_naming_it(tmp_path):
+    """A recorder killed between writing a step under tempfile's name and renaming it leaves tmpk3jx9a1b.safetensors:
+    without --follow it ran as step 1 (its last integer), silently; with --follow it was taken as step 1 too. It
+    fails its episode saying it looks like a writer's temporary file, without --follow and with it at END or the idle
+    timeout (once it stopped changing)."""
+    message = TEMPORARY_LEFT
+    left = tmp_path / "left"
+    write_episode(left, [good(0), good(1)], prompt="p")
+    os.rename(left / "step_000001.safetensors", left / "tmpk3jx9a1b.safetensors")
+    ended = StepScheduler(discover_episodes([left])).next()
+    assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
+    assert str(ended.error) == message.format(left / "tmpk3jx9a1b.safetensors")
+    assert "delete it, or rename it" in ended.error.hint
+
+    # following: at END, and at the idle timeout (its growth kept the episode going until it stopped)
+    ended = StepScheduler(discover_episodes([left]), follow=True, idle_timeout=100, poll_interval=1,
+                          clock=(clock := FakeClock()), sleep=clock.sleep).next()
+    assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
+    assert str(ended.error) == message.format(left / "tmpk3jx9a1b.safetensors")
+    stuck = tmp_path / "stuck"
+    write_episode(stuck, [good(0)], prompt="p", end=False)
+    temporary = stuck / "step_000001.part.safetensors"
+
+    def grow() -> None:
+        with open(temporary, "ab") as f:
+            f.write(b"x")
+
+    clock = FakeClock([lambda: None, grow, lambda: None, grow, lambda: None, grow])
+    scheduler = StepScheduler(discover_episodes([stuck]), follow=True, idle_timeout=2, poll_interval=1, clock=clock,
+                              sleep=clock.sleep)
+    assert scheduler.next().file.step == 0
+    ended = scheduler.next()
+    assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
+    assert str(ended.error) == message.format(temporary)
+    assert clock.now >= 6 + 2  # not before it stopped growing
+
+
+def test_step_names_stay_step_files_and_temporary_names_do_not(tmp_path):
+    """Every step name read so far keeps its number; tempfile's exact pattern, and a .tmp/.temp/.part/.partial part
+    in the stem, are temporary (tmp00000001.npz too: tempfile's pattern)."""
+    for name, step in [("step_000001.safetensors", 1), ("cam2.npz", 2), ("frame12.npz", 12), ("0001.safetensors", 1),
+                       ("tmp_000003.npz", 3), ("template07.npz", 7), ("step_4.partition.npz", 4),
+                       ("tmpk3jx9a1bc.safetensors", 1), ("parts.5.npz", 5)]:
+        assert not is_temporary_name(name) and step_number(tmp_path / name) == step, name
+    for name in ["tmpk3jx9a1b.safetensors", "tmp00000001.npz", "tmpabcdefgh.safetensors", "step_000001.tmp.safetensors",
+                 "step_000001.npz.tmp.npz", "step_1.TEMP.npz", "step_1.part.safetensors", "step_1.partial.npz"]:
+        assert is_temporary_name(name), name
+        with pytest.raises(ObservationError, match="looks like a writer's temporary file"):
+            step_number(tmp_path / name)
+    for step in range(3):  # write_step's own names
+        assert not is_temporary_name(write_step(tmp_path / "e", step, good(step), format="npz").name)
+    assert [f.step for f in EpisodeSource("e", tmp_path / "e").scan()] == [0, 1, 2]
 
 
 def test_a_step_file_that_arrived_after_its_episode_ended_is_named_beside_a_temporary_name(tmp_path):

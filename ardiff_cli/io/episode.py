@@ -12,6 +12,10 @@ integer in the file name: ``step_000012.safetensors`` is step 12)::
 
 Files whose names start with ``.`` or end in ``.tmp``/``.partial`` are
 ignored, so a writer can create a step under a temporary name and rename it.
+Other writers' temporary names with a step suffix (:func:`is_temporary_name`:
+tempfile's ``tmpk3jx9a1b.safetensors``, ``step_000001.tmp.safetensors``) are no
+step files either, though they hold a digit: a follower waits for them to be
+renamed, and one left there fails its episode, naming it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,11 @@ METADATA_FILE = "episode.yaml"
 END_MARKER = "END"
 _IGNORED_SUFFIXES = (".tmp", ".partial")
 _NUMBER = re.compile(r"(\d+)")
+# A writer's temporary name for a step file: tempfile's (NamedTemporaryFile(dir=episode, suffix=".safetensors"): "tmp"
+# and 8 random characters), or one whose stem has one of these as a dot-separated part (step_000001.tmp.safetensors,
+# np.savez's step_000001.npz.tmp.npz). Either may hold a digit, which would number it as a step.
+_TEMPFILE_STEM = re.compile(r"tmp[a-z0-9_]{8}")
+TEMPORARY_MARKERS = frozenset({"tmp", "temp", "part", "partial"})
 _UNSAFE_CHARS = frozenset('/\\:*?"<>|')  # separators, and characters some file systems refuse
 # Episode names become folder and file names: keep them well under NAME_MAX (255 bytes on Linux and macOS), with
 # room for a collision suffix, ".png" and an atomic write's temporary name around them.
@@ -104,8 +113,23 @@ def is_step_file(path: Path) -> bool:
     )
 
 
+def is_temporary_name(name: str) -> bool:
+    """Whether ``name``, a step file's name (suffix included), is a writer's temporary name for one: tempfile's
+    ``tmpXXXXXXXX.safetensors``, or a stem with a dot-separated part in :data:`TEMPORARY_MARKERS` (in any case)."""
+    stem = name.rsplit(".", 1)[0]
+    return bool(_TEMPFILE_STEM.fullmatch(stem)) or not TEMPORARY_MARKERS.isdisjoint(stem.lower().split("."))
+
+
 def step_number(path: Path) -> int:
-    """The last integer in the file stem; a name without one is an error naming the file."""
+    """The last integer in the file stem; a name without one, or a writer's temporary name (:func:`is_temporary_name`),
+    is an error naming the file."""
+    if is_temporary_name(path.name):
+        raise ObservationError(
+            f"{path}: looks like a writer's temporary file that was never renamed (tempfile's tmpXXXXXXXX name, or "
+            ".tmp, .temp, .part or .partial in its name), not a step file",
+            hint="a recorder stopped mid-write leaves one: delete it, or rename it to its step's name "
+                 "(step_000001.safetensors) if it is whole; ardiff_cli.io.write_step writes under hidden names",
+        )
     numbers = _NUMBER.findall(path.stem)
     if not numbers:
         raise ObservationError(
@@ -205,8 +229,8 @@ def _list_folder(folder: Path) -> list[Path]:
 
 def scan_steps(folder: Path, *, skip: Container[str] = (), unnumbered: list[Path] | None = None) -> list[StepFile]:
     """The step files of ``folder`` in step order, except those named in ``skip`` (not even stat'ed). A step file
-    whose name has no step number is an error, unless ``unnumbered`` is given: it is appended there (a follower
-    waits to see whether it is a writer's temporary file, ``tempfile``'s ``tmpk_ohzexq.safetensors``, renamed)."""
+    whose name has no step number, or is a writer's temporary name (:func:`is_temporary_name`), is an error, unless
+    ``unnumbered`` is given: it is appended there (a follower waits to see it renamed to its step's name)."""
     steps: dict[int, Path] = {}
     for name in _list_names(folder):
         # By name first: a follower lists its folders 10 times a second, and a robot's folder may hold thousands
@@ -220,7 +244,7 @@ def scan_steps(folder: Path, *, skip: Container[str] = (), unnumbered: list[Path
             path.lstat()
         except (FileNotFoundError, NotADirectoryError):
             pass  # deleted since the listing: reading it says so
-        if unnumbered is not None and not _NUMBER.search(path.stem):
+        if unnumbered is not None and (not _NUMBER.search(path.stem) or is_temporary_name(name)):
             unnumbered.append(path)
             continue
         number = step_number(path)

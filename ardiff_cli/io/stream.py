@@ -109,7 +109,8 @@ class _Track:
     trusted: bool = False  # follow: listed once ``stamp`` was settled: nothing was added or removed while it holds
     stamp_unreliable: bool = False  # follow: a file came in its folder without changing ``stamp``: listed every poll
     inside: frozenset[str] = frozenset()  # follow: episode folders in it at its first poll, when it held no step file
-    unnumbered: list[Path] = field(default_factory=list)  # follow: files named like steps but without a step number
+    # follow: files named like steps but without a step number, or under a writer's temporary name (is_temporary_name)
+    unnumbered: list[Path] = field(default_factory=list)
     first_file: tuple[str, int, int] | None = None  # follow: name, inode and mtime of its first step file taken
 
 
@@ -467,11 +468,11 @@ class StepScheduler:
     @staticmethod
     def _still_writing(track: _Track) -> bool:
         """Whether a step file is being written under a temporary name: ``write_step``'s
-        (``.step_000001.safetensors.XXXX.tmp``), or one without a step number that the follower waits to see renamed
-        (tempfile's ``tmpabcdefgh.safetensors``). One that appeared, or whose size or mtime changed (a writer that
-        sizes the file first), since the last look is activity, and the idle timer starts again. Looked at only when
-        the timer runs out: a writer killed mid-write leaves a file that stops changing, and the episode then ends
-        one timeout later."""
+        (``.step_000001.safetensors.XXXX.tmp``), or one without a step number or under another writer's temporary
+        name (tempfile's ``tmpk3jx9a1b.safetensors``) that the follower waits to see renamed. One that appeared, or
+        whose size or mtime changed (a writer that sizes the file first), since the last look is activity, and the
+        idle timer starts again. Looked at only when the timer runs out: a writer killed mid-write leaves a file that
+        stops changing, and the episode then ends one timeout later."""
         try:
             names = os.listdir(track.source.path)
         except OSError:  # gone: the scan says so
@@ -648,8 +649,9 @@ class StepScheduler:
         for name in [n for n in track.sizes if n not in present]:
             del track.sizes[name]
         track.unready = [f for f in track.unready if f.path.name in track.sizes]
-        # A name without a step number (a writer's temporary file, tempfile's tmpk_ohzexq.safetensors) failed the
-        # episode at the poll that saw it, though renamed to its step's name a moment later. It is waited for like an
+        # A name without a step number (tempfile's tmpk_ohzexq.safetensors) failed the episode at the poll that saw
+        # it, though renamed to its step's name a moment later; a writer's temporary name with a digit in it
+        # (tmpk3jx9a1b.safetensors, step_000001.tmp.safetensors) was taken for a step. Either is waited for like an
         # unready file, forgotten once gone, and fails the episode (as without follow) if still there at END or the
         # idle timeout. One there at the first poll too: the run may start while the recorder is mid-write.
         track.unnumbered = [path for path in track.unnumbered if os.path.lexists(path)]
