@@ -142,6 +142,9 @@ class Rollout:
         # (by name: its folder may be renamed meanwhile)
         self._read_as: dict[str, dict[int, tuple[str, tuple[int, ...] | None]]] = {}
         self._warned: set[tuple[str, str]] = set()  # (episode, ignored key): said once, not for every step
+        # failed episodes whose folder, or the step file their failure names, was gone as they failed: only these may
+        # close the run as "their folders are gone" (one that failed on its input and was deleted after is not)
+        self._vanished: set[str] = set()
         # (phase, step file, its chunk) of the work in progress, for errors: the step's own, or in phase replay the
         # earlier step's being replayed (or checked before a kept snapshot made from it is restored)
         self._at: tuple[str, StepFile, int] | None = None
@@ -261,7 +264,7 @@ class Rollout:
                 # looked at now, not as each failed: a folder being deleted (rm -rf) fails its episode at its first
                 # file gone, while the folder is still there; whatever that error said, the closing hint is this
                 self.stats.folders_gone = {e.name for e in self.episodes
-                                           if e.name in self.stats.failed and present(e.path) is False}
+                                           if e.name in self._vanished and present(e.path) is False}
                 return self.stats
             if isinstance(item, EpisodeEnded):
                 self._end_episode(item)
@@ -516,6 +519,9 @@ class Rollout:
         if replayed is not None:
             record.update(replay_step=replayed[0].step, replay_chunk=replayed[1],
                           replay_path=str(replayed[0].path.absolute()))
+        files = [f.path for f in (step_file, replayed and replayed[0]) if f]
+        if any(present(path) is False for path in (episode.path, *files)):  # deleted under it: rm -rf, a rename
+            self._vanished.add(episode.name)
         if not isinstance(cause, ArdiffError):  # unexpected: keep the traceback, the run is unattended
             record["traceback"] = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
         with self.signals.critical():

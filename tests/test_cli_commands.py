@@ -146,7 +146,7 @@ def test_inspect_capacity_human_units_and_published_sizes():
     kib, mib, gib = 1 << 10, 1 << 20, 1 << 30
     assert rows["token"][0] == f"{token / kib:.2f} KiB" == "800.00 KiB"
     page = 220 * token  # one frame
-    assert rows["page"] == [f"{page / mib:.2f} MiB", "220 tokens, 1 page(s) per frame, bfloat16"]
+    assert rows["page"] == [f"{page / mib:.2f} MiB", "220 tokens, 1 page per frame, bfloat16"]
     for branch in ("positive", "negative"):
         assert rows[f"self-attn {branch}"] == [f"{9 * page / gib:.2f} GiB", "sink + window frames"]
     text_kv, image_kv = 512 * token, 257 * token  # per branch
@@ -550,7 +550,7 @@ def test_inspect_capacity_shows_paging_unit_and_kernel_blocks():
     assert (attention["flash_block_size"], attention["flash_blocks_per_page"], attention["flash_tail_tokens"]) == (
         16, 13, 12)
     plain = invoke("inspect-capacity", "dreamzero-14b", "--available", "80GiB", "--format", "plain").stdout
-    assert "flash block" in plain and "13 block(s) per page + 12-token tail" in plain
+    assert "flash block" in plain and "13 blocks per page + 12-token tail" in plain
 
 
 def test_inspect_capacity_says_when_a_page_is_smaller_than_one_kernel_block(tmp_path):
@@ -559,7 +559,7 @@ def test_inspect_capacity_says_when_a_page_is_smaller_than_one_kernel_block(tmp_
     result = invoke("inspect-capacity", str(config), "--available", "1GiB", "--format", "plain")
     assert result.exit_code == 0, result.stderr
     assert "FlashAttention (CUDA): a page is smaller than one block: all 4 of its tokens are tail" in result.stdout
-    assert "0 block(s)" not in result.stdout
+    assert "0 block" not in result.stdout
 
 
 @pytest.mark.skipif(__import__("importlib.util").util.find_spec("vllm") is not None, reason="vLLM is installed")

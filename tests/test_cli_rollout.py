@@ -1241,6 +1241,28 @@ def test_a_run_whose_every_episode_folder_went_away_says_so_and_resumes_once_the
     assert_same_outputs(reference, run)
 
 
+def test_an_episode_that_failed_on_its_input_and_was_deleted_after_is_not_said_to_have_lost_its_folder(env, data,
+                                                                                                     tmp_path):
+    # A recorder that deletes each episode once recorded, the run watching their folder: an episode whose step 1 the
+    # model refused (a wrong shape), deleted after it failed, closed the run with "its folder is gone (deleted or
+    # renamed while the run read it)" and a hint to put it back and --resume, which fails on the same step again
+    robots, run = tmp_path / "robots", tmp_path / "run"
+    steps = steps_of(0, 2)
+    steps[1] = {**steps[1], "joint_position": steps[1]["joint_position"][:-1]}
+    write_episode(robots / "ep1", steps, prompt="task ep1")
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(robots), "--out", str(run), "--follow",
+                 "--idle-timeout", "3", "--no-warmup", "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 2, proc)  # step 0 ran, step 1 failed: the run watches on
+        shutil.rmtree(robots / "ep1")
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, stderr
+    assert "'joint_position' has shape (6,)" in stderr and "Error: every episode failed (ep1)" in stderr, stderr
+    assert "its folder is gone" not in stderr and "--resume" not in stderr, stderr
+
+
 def test_a_resume_given_its_moved_folder_of_episodes_as_episode_goes_on(env, data, reference, tmp_path):
     # Its episodes were taken for ones started since in a watched folder and left out: "the episodes differ ...:
     # expected ['arm_a', 'arm_b'], got []"
@@ -3050,14 +3072,14 @@ def test_a_step_written_slowly_under_a_tempfile_name_keeps_the_episode_from_idli
     """A robot writing a large step slowly into tempfile's tmpabcdefgh.safetensors, longer than --idle-timeout, then
     renaming it: the growing file was no activity, and the episode failed at the idle timeout ("step file name has
     no step number", exit 2) while the robot was still writing it."""
-    proc, live, run = follow_a_live_episode(env, data, tmp_path, "plain", "--idle-timeout", "2")
+    proc, live, run = follow_a_live_episode(env, data, tmp_path, "plain", "--idle-timeout", "4")
     try:
         wait_for_lines(run / "results.jsonl", 1, proc)  # step 0 ran: the idle timer runs from here
         whole = (data / "eps" / "arm_a" / "step_000001.safetensors").read_bytes()
         temporary = live / "arm_a" / "tmpabcdefgh.safetensors"
-        chunk = -(-len(whole) // 50)
-        with open(temporary, "wb") as f:
-            for start in range(0, len(whole), chunk):  # 50 writes over 5 s: 2.5 idle timeouts
+        chunk = -(-len(whole) // 100)
+        with open(temporary, "wb") as f:  # a pause of this process under 4 s (a busy CI machine) keeps it a writer's
+            for start in range(0, len(whole), chunk):  # 100 writes over 10 s: 2.5 idle timeouts
                 f.write(whole[start:start + chunk])
                 f.flush()
                 time.sleep(0.1)

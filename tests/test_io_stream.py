@@ -422,6 +422,20 @@ def test_a_step_written_under_a_name_without_a_step_number_keeps_its_episode_fro
     assert str(ended.error) == TEMPORARY_LEFT.format(tmp_path / "k" / "tmpabcdefgh.safetensors")
     assert clock.now >= 2 * 2  # not at 2 or 3 s: one timeout more
 
+    # one written long before (a stray calibration.npz) is no writer at work: it fails its episode at the timeout
+    write_step(tmp_path / "s", 0, good(0), prompt="p")
+    stray = tmp_path / "s" / "calibration.npz"
+    stray.write_bytes(b"old")
+    os.utime(stray, (time.time() - 3600, time.time() - 3600))
+    clock = FakeClock()
+    scheduler = StepScheduler(discover_episodes([tmp_path / "s"]), follow=True, idle_timeout=2, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert scheduler.next().file.step == 0
+    ended = scheduler.next()
+    assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
+    assert str(ended.error) == f"{stray}: step file name has no step number"
+    assert clock.now < 2 * 2  # it took two timeouts: its first look counted as a writer's
+
 
 def test_follow_waits_for_a_file_to_stop_growing(tmp_path):
     folder = tmp_path / "live"
@@ -1169,7 +1183,9 @@ def test_step_names_stay_step_files_and_temporary_names_do_not(tmp_path):
     in the stem, are temporary (tmp00000001.npz too: tempfile's pattern)."""
     for name, step in [("step_000001.safetensors", 1), ("cam2.npz", 2), ("frame12.npz", 12), ("0001.safetensors", 1),
                        ("tmp_000003.npz", 3), ("template07.npz", 7), ("step_4.partition.npz", 4),
-                       ("tmpk3jx9a1bc.safetensors", 1), ("parts.5.npz", 5)]:
+                       ("tmpk3jx9a1bc.safetensors", 1), ("parts.5.npz", 5),
+                       # a marker that does not end the stem is no writer's: a temperature sensor's, an episode's name
+                       ("temp.000001.npz", 1), ("ep1.part.000003.safetensors", 3), ("cam.TMP.7.npz", 7)]:
         assert not is_temporary_name(name) and step_number(tmp_path / name) == step, name
     for name in ["tmpk3jx9a1b.safetensors", "tmp00000001.npz", "tmpabcdefgh.safetensors", "step_000001.tmp.safetensors",
                  "step_000001.npz.tmp.npz", "step_1.TEMP.npz", "step_1.part.safetensors", "step_1.partial.npz"]:

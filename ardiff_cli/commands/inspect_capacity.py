@@ -233,7 +233,8 @@ def resolve_plan_device(device: str) -> PlanDevice:
         return PlanDevice("cuda:0", gpu_id, f"auto: a GPU is visible (nvidia-smi GPU {gpu_id}{_mask(raw)})", memory)
     index = int(device.partition(":")[2] or 0)  # bare cuda: the current device, 0 unless code changed it
     if visible is not None and index >= len(visible):
-        shown = f"{len(visible)} GPU(s) visible (cuda:0 .. cuda:{len(visible) - 1})" if visible else "no GPU visible"
+        shown = (f"{plural(len(visible), 'GPU')} visible (cuda:0 .. cuda:{len(visible) - 1})" if visible
+                 else "no GPU visible")
         others = "cuda, cpu or auto" if visible else "cpu or auto"  # bare cuda: the first visible GPU
         raise ConfigError(f"device {device!r} requested but CUDA_VISIBLE_DEVICES={raw!r} leaves {shown}",
                           hint=f"check CUDA_VISIBLE_DEVICES, or use --device {others}")
@@ -340,7 +341,7 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
     table.add_row("budget", fb(plan.budget_bytes), f"available x gpu_memory_fraction {plan.gpu_memory_fraction:g} "
                   "(never less than one session)")
     table.add_row("page", fb(plan.bytes_per_page),
-                  f"{plan.page_size} tokens, {plan.pages_per_frame} page(s) per frame, {plan.dtype}")
+                  f"{plan.page_size} tokens, {plural(plan.pages_per_frame, 'page')} per frame, {plan.dtype}")
     table.add_row("token", fb(plan.bytes_per_token), "self-attention K+V, all layers, one branch")
     att = data["attention"]
     expected = att["expected_backend"]  # "torch", or "vllm on CUDA, torch on CPU" for --device auto
@@ -349,7 +350,7 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
                   escape(f"--attention-backend {att['setting']}: {reason}"))  # '[vllm]' is not markup
     for kernel, label in (("flash", "FlashAttention (CUDA)"), ("cpu", "vLLM CPU kernel")):
         tail, blocks = att[f"{kernel}_tail_tokens"], att[f"{kernel}_blocks_per_page"]
-        shape = (f"{blocks} block(s) per page" + (f" + {tail}-token tail" if tail else "") if blocks
+        shape = (f"{plural(blocks, 'block')} per page" + (f" + {tail}-token tail" if tail else "") if blocks
                  else f"a page is smaller than one block: all {tail} of its tokens are tail")
         table.add_row(f"  {kernel} block", f"{att[f'{kernel}_block_size']} tokens", f"{label}: {shape}")
     table.add_row("per session", fb(plan.bytes_per_session),
@@ -357,7 +358,7 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
     for branch, size in per["self_attention_per_branch"].items():
         table.add_row(f"  self-attn {branch}", fb(size), "sink + window frames")
     if plan.num_local_branches != len(per["self_attention_per_branch"]):
-        table.add_row("", "", f"branches share {plan.num_local_branches} storage slot(s)")
+        table.add_row("", "", f"branches share {plural(plan.num_local_branches, 'storage slot')}")
     for name, size in per["cross_attention_per_branch"].items():
         branches = len(per["self_attention_per_branch"])
         table.add_row(f"  cross-attn {name}", fb(size * branches), f"{fb(size)} per branch x {branches}")

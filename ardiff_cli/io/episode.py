@@ -40,7 +40,7 @@ END_MARKER = "END"
 _IGNORED_SUFFIXES = (".tmp", ".partial")
 _NUMBER = re.compile(r"(\d+)")
 # A writer's temporary name for a step file: tempfile's (NamedTemporaryFile(dir=episode, suffix=".safetensors"): "tmp"
-# and 8 random characters), or one whose stem has one of these as a dot-separated part (step_000001.tmp.safetensors,
+# and 8 random characters), or one whose stem ends in one of these as a dot-separated part (step_000001.tmp.safetensors,
 # np.savez's step_000001.npz.tmp.npz). Either may hold a digit, which would number it as a step.
 _TEMPFILE_STEM = re.compile(r"tmp[a-z0-9_]{8}")
 TEMPORARY_MARKERS = frozenset({"tmp", "temp", "part", "partial"})
@@ -115,9 +115,12 @@ def is_step_file(path: Path) -> bool:
 
 def is_temporary_name(name: str) -> bool:
     """Whether ``name``, a step file's name (suffix included), is a writer's temporary name for one: tempfile's
-    ``tmpXXXXXXXX.safetensors``, or a stem with a dot-separated part in :data:`TEMPORARY_MARKERS` (in any case)."""
+    ``tmpXXXXXXXX.safetensors``, or a stem whose last dot-separated part is in :data:`TEMPORARY_MARKERS` (in any
+    case)."""
     stem = name.rsplit(".", 1)[0]
-    return bool(_TEMPFILE_STEM.fullmatch(stem)) or not TEMPORARY_MARKERS.isdisjoint(stem.lower().split("."))
+    # the part a writer appends, just before the suffix: temp.000001.npz (a sensor's) and ep1.part.000003.npz are steps
+    parts = stem.lower().rsplit(".", 1)
+    return bool(_TEMPFILE_STEM.fullmatch(stem)) or (len(parts) == 2 and parts[1] in TEMPORARY_MARKERS)
 
 
 def step_number(path: Path) -> int:

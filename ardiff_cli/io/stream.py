@@ -451,7 +451,7 @@ class StepScheduler:
                               "write END after the episode's last step file")
             return "end_marker"
         if self._clock() - track.last_activity >= self.idle_timeout:
-            if self._still_writing(track):
+            if self._still_writing(track, self.idle_timeout):
                 track.last_activity = self._clock()
                 return None
             known = len(track.files)
@@ -466,13 +466,14 @@ class StepScheduler:
         return None
 
     @staticmethod
-    def _still_writing(track: _Track) -> bool:
+    def _still_writing(track: _Track, idle_timeout: float) -> bool:
         """Whether a step file is being written under a temporary name: ``write_step``'s
         (``.step_000001.safetensors.XXXX.tmp``), or one without a step number or under another writer's temporary
         name (tempfile's ``tmpk3jx9a1b.safetensors``) that the follower waits to see renamed. One that appeared, or
         whose size or mtime changed (a writer that sizes the file first), since the last look is activity, and the
-        idle timer starts again. Looked at only when the timer runs out: a writer killed mid-write leaves a file that
-        stops changing, and the episode then ends one timeout later."""
+        idle timer starts again; one first seen only if written within the last ``idle_timeout`` seconds (a stray
+        ``calibration.npz`` there for longer keeps no episode waiting). Looked at only when the timer runs out: a
+        writer killed mid-write leaves a file that stops changing, and the episode then ends one timeout later."""
         try:
             names = os.listdir(track.source.path)
         except OSError:  # gone: the scan says so
@@ -484,7 +485,9 @@ class StepScheduler:
                 with contextlib.suppress(OSError):
                     st = (track.source.path / name).stat()
                     looks[name] = (st.st_size, st.st_mtime_ns)
-        changed = any(track.writing.get(name) != look for name, look in looks.items())
+        recent = time.time_ns() - idle_timeout * 1e9
+        changed = any(track.writing[name] != look if name in track.writing else look[1] > recent
+                      for name, look in looks.items())
         track.writing = looks
         return changed
 
