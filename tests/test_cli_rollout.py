@@ -2974,6 +2974,14 @@ def test_an_episode_folder_renamed_in_a_watched_folder_while_the_run_was_stopped
     assert_same_arrays_as_arm_a(run, "arm_a.part", reference)
 
 
+def assert_arm_a_as_in(reference: Path, run: Path) -> None:
+    """``run`` wrote arm_a's outputs, and only those, byte for byte as the uninterrupted ``reference`` run did."""
+    ran = sorted(outputs(run))
+    assert ran == sorted(name for name in outputs(reference) if name.startswith("episodes/arm_a/"))
+    for name in ran:
+        assert (run / name).read_bytes() == (reference / name).read_bytes(), name
+
+
 def test_a_robot_that_writes_steps_under_tempfile_names_and_renames_them_is_followed(env, data, reference, tmp_path):
     """A robot saving each step into tempfile.NamedTemporaryFile(dir=episode, suffix=".safetensors"), then renaming
     it: a temporary name without a digit (tmpabcdefgh.safetensors, about one in 12) failed the episode at once with
@@ -2995,10 +3003,7 @@ def test_a_robot_that_writes_steps_under_tempfile_names_and_renames_them_is_foll
         proc.kill()
     assert proc.returncode == 0, stderr
     assert [r["step"] for r in records(run)] == [0, 1, 2]
-    ran = sorted(outputs(run))
-    assert ran == sorted(name for name in outputs(reference) if name.startswith("episodes/arm_a/"))
-    for name in ran:  # the outputs of an uninterrupted run
-        assert (run / name).read_bytes() == (reference / name).read_bytes(), name
+    assert_arm_a_as_in(reference, run)
 
 
 def test_a_robot_whose_tempfile_names_hold_a_digit_is_followed_and_a_leftover_one_fails(env, data, reference,
@@ -3022,10 +3027,7 @@ def test_a_robot_whose_tempfile_names_hold_a_digit_is_followed_and_a_leftover_on
         proc.kill()
     assert proc.returncode == 0, stderr
     assert [r["step"] for r in records(run)] == [0, 1, 2]
-    ran = sorted(outputs(run))
-    assert ran == sorted(name for name in outputs(reference) if name.startswith("episodes/arm_a/"))
-    for name in ran:  # the outputs of an uninterrupted run
-        assert (run / name).read_bytes() == (reference / name).read_bytes(), name
+    assert_arm_a_as_in(reference, run)
 
     left = live / "arm_a" / "tmpk3jx9a1b.safetensors"
     os.rename(live / "arm_a" / "step_000002.safetensors", left)
@@ -3061,10 +3063,7 @@ def test_a_step_under_a_tempfile_name_when_the_run_starts_is_waited_for_until_re
         proc.kill()
     assert proc.returncode == 0, stderr
     assert [r["step"] for r in records(run)] == [0, 1, 2]
-    ran = sorted(outputs(run))
-    assert ran == sorted(name for name in outputs(reference) if name.startswith("episodes/arm_a/"))
-    for name in ran:  # the outputs of an uninterrupted run
-        assert (run / name).read_bytes() == (reference / name).read_bytes(), name
+    assert_arm_a_as_in(reference, run)
 
 
 def test_a_step_written_slowly_under_a_tempfile_name_keeps_the_episode_from_idling_out(env, data, reference,

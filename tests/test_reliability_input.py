@@ -821,6 +821,11 @@ def test_a_weight_too_large_for_torch_names_only_the_fields_too_large(tmp_path, 
 def test_a_key_yaml_reads_as_a_boolean_or_null_is_named_with_how_it_was_written(tmp_path, text, said):
     """YAML 1.1 reads a key `yes:` (or `on:`, `off:`, `~:`) as True, False or None: the error named 'model.True', a
     key nobody wrote."""
+    assert_inspect_capacity_refuses(tmp_path, text, said)
+
+
+def assert_inspect_capacity_refuses(tmp_path: Path, text: str, said: str) -> None:
+    """`inspect-capacity` of a config holding ``text`` exits 2, its error ``said`` after the file's name."""
     config = tmp_path / "c.yaml"
     config.write_text(text)
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--available", "8GiB",
@@ -839,12 +844,7 @@ def test_a_key_yaml_reads_as_a_boolean_or_null_is_named_with_how_it_was_written(
 def test_a_name_written_in_another_case_gets_a_did_you_mean(tmp_path, text, said):
     """`Model` was answered "did you mean 'model'?", but `MODEL`, `PRESET`, `TINY` and `DREAMZERO` got no suggestion:
     difflib finds no likeness between upper- and lower-case letters."""
-    config = tmp_path / "c.yaml"
-    config.write_text(text)
-    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--available", "8GiB",
-                           "--format", "plain"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
-    assert proc.stderr.startswith(f"Error: {config}: {said}\nhint: "), proc.stderr
+    assert_inspect_capacity_refuses(tmp_path, text, said)
 
 
 def _alias_bomb(depth: int = 9) -> str:
