@@ -54,6 +54,7 @@ from ardiff_cli.runtime.errors import (
     PipelineError,
     SwapRestoreError,
     is_broken_invariant,
+    plural,
     too_many_open_files,
 )
 from ardiff_cli.runtime.observation import ObservationSchema
@@ -387,7 +388,7 @@ class Rollout:
         assert start <= ordinal, f"session {episode.name!r} is ahead of its episode ({start} > {ordinal})"
         history = self.scheduler.history(episode.name, start)[: ordinal - start]
         if history:
-            earlier = f"{len(history)} earlier step{'s' if len(history) > 1 else ''}"
+            earlier = plural(len(history), "earlier step")
             self.monitor.log("replay", episode.name, f"rebuilding the session from {earlier}",
                              steps=[f.step for f in history])
         for chunk, step_file in enumerate(history, start):

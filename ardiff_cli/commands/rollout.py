@@ -568,7 +568,7 @@ def _recorded_folders_exist(episodes: list[dict[str, Any]], run_file: Path) -> N
     gone = [(e["name"], e["path"]) for e in episodes if present(Path(e["path"])) is False]
     if gone:
         name, path = gone[0]
-        more = f" (and {len(gone) - 1} more episode folder{'s' if len(gone) > 2 else ''})" if len(gone) > 1 else ""
+        more = f" (and {plural(len(gone) - 1, 'more episode folder')})" if len(gone) > 1 else ""
         raise ConfigError(f"episode {name!r} of this run: its folder {path} is gone{more}; {run_file} records where "
                           "the run last found each episode's folder (where it started, or where --follow followed "
                           "its rename)",

@@ -123,9 +123,20 @@ def is_temporary_name(name: str) -> bool:
     return bool(_TEMPFILE_STEM.fullmatch(stem)) or (len(parts) == 2 and parts[1] in TEMPORARY_MARKERS)
 
 
+def _number_in(path: Path) -> int | None:
+    """The last integer in the file stem; None for a name without one or a writer's temporary name."""
+    if is_temporary_name(path.name):
+        return None
+    numbers = _NUMBER.findall(path.stem)
+    return int(numbers[-1]) if numbers else None
+
+
 def step_number(path: Path) -> int:
     """The last integer in the file stem; a name without one, or a writer's temporary name (:func:`is_temporary_name`),
     is an error naming the file."""
+    number = _number_in(path)
+    if number is not None:
+        return number
     if is_temporary_name(path.name):
         raise ObservationError(
             f"{path}: looks like a writer's temporary file that was never renamed (tempfile's tmpXXXXXXXX name, or "
@@ -133,13 +144,10 @@ def step_number(path: Path) -> int:
             hint="a recorder stopped mid-write leaves one: delete it, or rename it to its step's name "
                  "(step_000001.safetensors) if it is whole; ardiff_cli.io.write_step writes under hidden names",
         )
-    numbers = _NUMBER.findall(path.stem)
-    if not numbers:
-        raise ObservationError(
-            f"{path}: step file name has no step number",
-            hint="name step files by their step, e.g. step_000000.safetensors, step_000001.safetensors, ...",
-        )
-    return int(numbers[-1])
+    raise ObservationError(
+        f"{path}: step file name has no step number",
+        hint="name step files by their step, e.g. step_000000.safetensors, step_000001.safetensors, ...",
+    )
 
 
 def safe_name(name: str) -> str:
@@ -247,10 +255,12 @@ def scan_steps(folder: Path, *, skip: Container[str] = (), unnumbered: list[Path
             path.lstat()
         except (FileNotFoundError, NotADirectoryError):
             pass  # deleted since the listing: reading it says so
-        if unnumbered is not None and (not _NUMBER.search(path.stem) or is_temporary_name(name)):
+        number = _number_in(path)
+        if number is None:
+            if unnumbered is None:
+                step_number(path)  # raises, saying which: no step number, or a writer's temporary name
             unnumbered.append(path)
             continue
-        number = step_number(path)
         if number in steps:
             raise ObservationError(
                 f"{folder}: two files for step {number}: {steps[number].name} and {path.name}",
