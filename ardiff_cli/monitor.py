@@ -82,7 +82,7 @@ def describe_event(data: dict[str, Any]) -> str:
 class RunMonitor:
     """Collects what the live panels show; echoes events to the output sink."""
 
-    def __init__(self, out: Output, title: str, *, echo_requests: bool = False, noun: str = "steps",
+    def __init__(self, out: Output, title: str, *, echo_requests: bool = False, noun: str = "step",
                  counted_phases: tuple[str, ...] = ("running", "following")) -> None:
         self.out = out  # where plain/json event lines go
         self.echo_requests = echo_requests  # also echo request_finished in plain format (warmup)

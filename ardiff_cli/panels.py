@@ -63,7 +63,7 @@ class Snapshot:
     swap_kept: bool = False  # a stopped run's end: ``swapped`` counts the snapshots kept for --resume
     elapsed_s: float = 0.0
     attention: str = ""  # the attention backend that runs ("torch" or "vllm"); "" before the plan
-    noun: str = "steps"  # what steps_done counts: a rollout's steps, warmup's requests
+    noun: str = "step"  # what steps_done counts, singular (plural() adds the s): a rollout's step, warmup's request
     counting_s: float | None = None  # seconds of the phase that does the counted work (the rate and ETA are of it,
     # not of the model's load or the warmup before it); None: elapsed_s
 
@@ -217,11 +217,11 @@ class _SessionsTable:
         for row in s.sessions[:num_rows]:
             steps = f"{row.steps_done}/{row.steps_total}" if row.steps_total is not None else str(row.steps_done)
             latency = f"{row.last_latency_s * 1000:.0f} ms" if row.last_latency_s is not None else "-"
-            rows.append({"session": row.session_id, s.noun: steps,
+            rows.append({"session": row.session_id, f"{s.noun}s": steps,
                          "pages": " ".join(f"{_short(branch, row.pages_per_branch)}:{n}"
                                            for branch, n in row.pages_per_branch.items()),
                          "last": latency, "x-attn": format_bytes(row.cross_attention_bytes)})
-        self.noun, self.rows = s.noun, rows
+        self.noun, self.rows = f"{s.noun}s", rows
 
     def columns(self, width: int) -> dict[str, int]:
         """The columns shown in ``width`` cells, in the order they are kept, and the cells each may take: the
@@ -344,14 +344,14 @@ def _progress_line(s: Snapshot):
     span = s.elapsed_s if s.counting_s is None else s.counting_s
     rate = s.steps_done / span if span > 0 else 0.0
     if s.steps_total is None:
-        count, eta = f"{s.steps_done} {s.noun}", ""
+        count, eta = plural(s.steps_done, s.noun), ""
     else:
-        count = f"{s.steps_done}/{s.steps_total} {s.noun}"
+        count = f"{s.steps_done}/{plural(s.steps_total, s.noun)}"
         remaining = max(0, s.steps_total - s.steps_done)
         # only while the counted work runs: a stopping, stopped or failed run has no time left to show
         running = s.phase in ("running", "warmup")
         eta = f" · ETA {_clock(remaining / rate)}" if running and rate > 0 and remaining else ""
-    text = f"{count} · {rate:.1f} {s.noun}/s{eta} · {plural(s.evictions, 'eviction')}"
+    text = f"{count} · {rate:.1f} {s.noun}s/s{eta} · {plural(s.evictions, 'eviction')}"
     if s.restores:
         text += f" · {s.restores} restored"
     if s.steps_replayed:

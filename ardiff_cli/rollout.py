@@ -101,7 +101,7 @@ _DISK_FULL = {errno.ENOSPC, errno.EROFS, *([errno.EDQUOT] if hasattr(errno, "EDQ
 
 def log_episode_end(monitor: RunMonitor, name: str, reason: str, steps: int) -> None:
     """An episode's end (reason: complete, end_marker or idle_timeout), in the log and as a JSON object."""
-    monitor.log("episode", name, f"ended ({reason}) after {steps} step{'' if steps == 1 else 's'}", episode=name,
+    monitor.log("episode", name, f"ended ({reason}) after {plural(steps, 'step')}", episode=name,
                 reason=reason, steps=steps)
 
 

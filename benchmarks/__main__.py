@@ -21,6 +21,7 @@ import time
 import traceback
 
 from ardiff_cli.entry import fill_closed_standard_streams
+from ardiff_cli.runtime.errors import plural
 from benchmarks.common import (DEFAULT_THREADS, REPO_ROOT, add_attention_backend_option, check_attention_backend,
                                exit_on_signals, json_path, machine_info, positive_int, reader_may_leave,
                                set_attention_backend, set_threads, write_json)
@@ -110,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         written = path is None or write_json(path, report)  # before the table: stdout's reader may be gone
         with reader_may_leave():
             print(format_table(results))
-            print(f"\n{len(results)} benchmarks in {report['seconds']:.0f} s, {report['machine']['torch_threads']} "
-                  f"torch thread(s), {report['machine']['cpu_count']} CPUs, torch {report['machine']['torch']}")
+            machine = report["machine"]
+            print(f"\n{plural(len(results), 'benchmark')} in {report['seconds']:.0f} s, "
+                  f"{plural(machine['torch_threads'], 'torch thread')}, {plural(machine['cpu_count'], 'CPU')}, "
+                  f"torch {machine['torch']}")
             if path is not None and written:
                 print(f"wrote {path}")
         if not written:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ardiff_cli.entry import fill_closed_standard_streams
+from ardiff_cli.runtime.errors import plural
 from benchmarks import WRITTEN
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -77,8 +78,8 @@ def check_swapped(failures: list[str], folder: str) -> None:
     """Refuse figures of a swap that did not happen: snapshots the disk refused (a full ``TMPDIR``) leave the
     sessions evicted without one, so what was timed as swapping was not, and the outputs differ."""
     if failures:
-        raise RuntimeError(f"{len(failures)} swap snapshot(s) could not be written to {folder} ({failures[0]}): "
-                           "no figure of swapping without them; free space there (TMPDIR)")
+        raise RuntimeError(f"{plural(len(failures), 'swap snapshot')} could not be written to {folder} "
+                           f"({failures[0]}): no figure of swapping without them; free space there (TMPDIR)")
 
 
 @contextlib.contextmanager

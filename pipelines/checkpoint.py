@@ -99,16 +99,21 @@ def build_config_on_meta(pipeline_class: Any, config) -> nn.Module:
         fields = config.to_dict() if callable(getattr(config, "to_dict", None)) else {}
         names = [name for name, value in fields.items() if type(value) is int and sizes and value == max(sizes) > 1]
         # Of fields that hold the same size (a seed too), those too large alone: `seed: 2**62` beside `cond_dim: 2**62`
-        # was named with it. None alone: together they are (a weight of two of them).
-        alone = [name for name in names if len(names) > 1 and _too_large_alone(pipeline_class, config, name, names)]
-        named = [f"'model.{name}'" for name in alone or names]
+        # was named with it. None alone: together they are (a weight of two of them). A field whose trial the config
+        # refused is neither: `seed` beside `dim: 2**62, num_heads: 64` was said "too large alone".
+        alone = ({name: _too_large_alone(pipeline_class, config, name, names) for name in names}
+                 if len(names) > 1 else {})
+        proven = [name for name in names if alone.get(name)]
+        named = [f"'model.{name}'" for name in proven or names]
         which = " and ".join(named)
         if not named:
             said = ""
         elif len(named) == 1:
             said = f"{which} ({max(sizes)}) makes "
-        elif alone:
+        elif proven:
             said = f"{which} ({max(sizes)} each) are each too large alone; one makes "
+        elif None in alone.values():  # untried: whether one alone or only together is not known
+            said = f"one or more of {which} ({max(sizes)} each) make "
         else:
             said = f"{which} ({max(sizes)}) together make "
         raise ConfigError(
@@ -123,13 +128,14 @@ def _overflowed(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "Storage size calculation overflowed" in str(exc)
 
 
-def _too_large_alone(pipeline_class: Any, config, name: str, names: list[str]) -> bool:
+def _too_large_alone(pipeline_class: Any, config, name: str, names: list[str]) -> bool | None:
     """Whether the model still overflows with ``name`` as it is and the other ``names`` at their defaults (one layer:
-    the layer count changes no shape). True when that cannot be told: the field stays named."""
+    the layer count changes no shape). None when that cannot be told: a config that is no dataclass, or one that
+    refuses the trial (``num_heads: 64`` with ``dim`` back at its default of 64)."""
     import dataclasses
 
     if not dataclasses.is_dataclass(config):
-        return True
+        return None
     defaults = {f.name: f.default for f in dataclasses.fields(config)
                 if f.name in names and f.name != name and f.default is not dataclasses.MISSING}
     if isinstance(getattr(config, "num_layers", None), int) and "num_layers" not in names:
@@ -137,8 +143,8 @@ def _too_large_alone(pipeline_class: Any, config, name: str, names: list[str]) -
     try:
         trial = dataclasses.replace(config, **defaults)
         build_on_meta(lambda: pipeline_class.build_modules(trial))
-    except Exception:  # noqa: BLE001 - the overflow (too large alone), or a trial its config refuses: cannot tell
-        return True
+    except Exception as exc:  # noqa: BLE001 - the overflow (too large alone), or a trial its config refuses
+        return True if _overflowed(exc) else None
     return False
 
 

@@ -603,7 +603,7 @@ def test_swap_figures_are_refused_when_the_disk_refuses_the_snapshots(tmp_path):
     assert proc.returncode == 1, proc.stderr
     for name in ("swap", "resume"):
         row = next(line for line in proc.stdout.splitlines() if line.startswith(f"{name} "))
-        assert re.search(r"error: RuntimeError: \d+ swap snapshot\(s\) could not be written to \S+ \(OSError: "
+        assert re.search(r"error: RuntimeError: \d+ swap snapshots? could not be written to \S+ \(OSError: "
                          r"\[Errno 27\] File too large: .*\): no figure of swapping without them", row), row
 
 

@@ -507,7 +507,7 @@ def test_the_monitor_counts_and_describes_every_kind_of_event_and_echoes_what_ea
                                             total_s=0.25))
     assert json.loads(stdout.getvalue())["request_id"] == "r1" and monitor.snapshot().events == ()
     output, _, err = sink(Format.plain)
-    monitor = RunMonitor(output, "warmup", echo_requests=True, noun="requests")
+    monitor = RunMonitor(output, "warmup", echo_requests=True, noun="request")
     monitor.on_event(events.RequestFinished(request_id="r1", session_id="a", bind_s=0, forward_s=0, commit_s=0,
                                             total_s=0.25))
     assert err.getvalue().rstrip().endswith("request     a r1 250.0 ms"), err.getvalue()
@@ -593,6 +593,10 @@ def test_live_layout_renders_every_panel():
     one = Console(record=True, width=110, color_system=None, file=io.StringIO())
     one.print(render(dataclasses.replace(SNAPSHOT, evictions=1)))
     assert "· 1 eviction ·" in one.export_text()  # it said "1 evictions"
+    for total, said in [(1, "1/1 step · 1.0 steps/s"), (None, "1 step · 1.0 steps/s")]:  # it said "1/1 steps"
+        step = Console(record=True, width=110, color_system=None, file=io.StringIO())
+        step.print(render(dataclasses.replace(SNAPSHOT, steps_done=1, steps_total=total, elapsed_s=1.0)))
+        assert said in step.export_text(), step.export_text()
     empty = Console(record=True, width=80, file=io.StringIO())
     empty.print(render(Snapshot(title="warmup")))
     text = empty.export_text()
@@ -611,7 +615,7 @@ def test_the_rate_and_eta_are_of_the_counted_phase_and_the_noun_is_the_commands(
     console.print(render(replace(SNAPSHOT, elapsed_s=100.0, counting_s=2.0)))  # 12 steps in 2 s of 100
     assert "12/18 steps · 6.0 steps/s · ETA 0:00:01" in console.export_text()
     console = Console(record=True, width=110, color_system=None, file=io.StringIO())
-    console.print(render(replace(SNAPSHOT, noun="requests", steps_total=None, elapsed_s=100.0, counting_s=0.5)))
+    console.print(render(replace(SNAPSHOT, noun="request", steps_total=None, elapsed_s=100.0, counting_s=0.5)))
     text = console.export_text()
     assert "12 requests · 24.0 requests/s" in text and re.search(r"session +requests +pages", text)
     assert "steps" not in text
@@ -631,11 +635,11 @@ def test_the_rate_and_eta_are_of_the_counted_phase_and_the_noun_is_the_commands(
     time.sleep(0.01)
     monitor.set_phase("done")
     assert monitor.snapshot().counting_s == first  # frozen: the rate stays that of the steps' time
-    warmup = RunMonitor(output, "test", noun="requests", counted_phases=("warmup",))
+    warmup = RunMonitor(output, "test", noun="request", counted_phases=("warmup",))
     warmup.set_phase("warmup")
     warmup.set_phase("done")
     done = warmup.snapshot()
-    assert done.noun == "requests" and warmup.snapshot().counting_s == done.counting_s
+    assert done.noun == "request" and warmup.snapshot().counting_s == done.counting_s
 
 
 def test_many_resident_sessions_leave_room_for_the_events_and_the_progress_line():

@@ -251,6 +251,8 @@ def test_an_episode_of_one_step_ends_after_1_step(env, data, tmp_path):
     assert proc.returncode == 0, proc.stderr
     (line,) = [line for line in proc.stderr.splitlines() if re.search(r"\sepisode\s", line)]
     assert line.endswith("arm_c ended (complete) after 1 step"), line
+    assert proc.stdout.startswith("rollout ok: 1 step in "), proc.stdout  # the summary's first line
+    assert not re.search(r"(?<![\d.])1 (?!ms\b)[a-z]+s\b|\(s\)", proc.stdout + proc.stderr), proc.stdout + proc.stderr
 
 
 def episodes_with_a_bad_step(data: Path, tmp_path: Path) -> Path:
@@ -1594,7 +1596,7 @@ def test_a_kept_snapshot_that_does_not_fit_the_resume_is_replayed_instead(env, d
         assert (f"warning: episode {swapped!r}: the swap snapshot the stopped run kept was deleted (its file is gone); "
                 "its done steps are replayed instead") in proc.stderr, proc.stderr
     if damage == "swap off":
-        assert ("warning: swapping is off (--swap-space 0): the swap snapshots the stopped run kept of 2 episode(s) "
+        assert ("warning: swapping is off (--swap-space 0): the swap snapshots the stopped run kept of 2 episodes "
                 "were deleted, and their done steps are replayed instead") in proc.stderr
     if damage == "snapshot of an older ardiff":
         assert re.search(rf"^warning: episode {swapped!r}: cannot restore .*\.safetensors: a swap snapshot in an older "
@@ -2559,8 +2561,8 @@ def test_a_resume_under_another_ardiff_torch_or_thread_count_warns_naming_each_a
     """Outputs are bit-identical across --resume only with the same ardiff, torch and CPU thread count. run.json
     recorded none of them: a run resumed after an upgrade, or under another OMP_NUM_THREADS with a config of
     `num_threads: null` (as fast.yaml is), mixed the steps left into the outputs without a word. Now a warning
-    names each difference and summary.json lists them; the resume is not refused, and a run.json of an older
-    ardiff, without the fields, resumes without it."""
+    names run.json and each field it recorded, then and now, and summary.json lists them; the resume is not
+    refused, and a run.json of an older ardiff, without the fields, resumes without it."""
     import torch
 
     from ardiff_cli import __version__
@@ -2586,16 +2588,16 @@ def test_a_resume_under_another_ardiff_torch_or_thread_count_warns_naming_each_a
     assert "warning" not in proc.stderr and summary["resume_changes"] == {}, proc.stderr
     assert_same_outputs(reference, run)
     proc, summary = resume(info, "2")
-    assert ("warning: this run was started with 1 CPU thread and resumes with 2 CPU threads: the outputs of the "
-            "steps left may differ in the last bits from those of an uninterrupted run (the steps done are kept as "
-            "they are); resume with OMP_NUM_THREADS=1 for outputs identical to an uninterrupted run's\n") \
-        in proc.stderr, proc.stderr
+    assert (f"warning: {run / 'run.json'}: torch_threads 1, now 2: the outputs of the steps left may differ in the "
+            "last bits from those of an uninterrupted run (the steps done are kept as they are); resume with "
+            "OMP_NUM_THREADS=1 for outputs identical to an uninterrupted run's\n") in proc.stderr, proc.stderr
+    assert proc.stderr.count("warning:") == 1, proc.stderr
     assert summary["kind"] == "summary" and summary["resume_changes"] == {"torch_threads": {"recorded": 1, "now": 2}}
     assert json.loads((run / "summary.json").read_text())["resume_changes"] == summary["resume_changes"]
     older = {**info, "ardiff_version": "0.0.9", "torch_version": "2.12.0"}  # what the versions before would write
     proc, summary = resume(older, "1")
-    assert (f"warning: this run was started with ardiff 0.0.9, torch 2.12.0 and resumes with ardiff {__version__}, "
-            f"torch {torch.__version__}: the outputs of the steps left may differ in the last bits") in proc.stderr
+    assert (f"warning: {run / 'run.json'}: ardiff_version 0.0.9, now {__version__}; torch_version 2.12.0, now "
+            f"{torch.__version__}: the outputs of the steps left may differ in the last bits") in proc.stderr
     assert "resume with ardiff 0.0.9, torch 2.12.0 for outputs identical" in proc.stderr, proc.stderr
     assert summary["resume_changes"] == {"ardiff_version": {"recorded": "0.0.9", "now": __version__},
                                          "torch_version": {"recorded": "2.12.0", "now": str(torch.__version__)}}

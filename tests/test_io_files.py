@@ -117,7 +117,7 @@ def test_episode_metadata_read_with_numpy_or_torch_is_written_as_plain_yaml(tmp_
         write_episode(tmp_path / "bad", [arrays(0)], metadata={"calibration": object()})
     assert not (tmp_path / "bad").exists()
     # Keys are text at every level, as the README says: a number is not made text, it is refused, naming it.
-    with pytest.raises(TypeError, match=r"^metadata\['arm'\]: key 3 \(int\) is not text; episode.yaml keys are text"):
+    with pytest.raises(TypeError, match=r"^metadata\['arm'\]: key 3 \(int\) is not text; .*episode.yaml keys are text"):
         write_episode(tmp_path / "bad", [arrays(0)], metadata={"arm": {3: "wrist"}})
     assert not (tmp_path / "bad").exists()
 
@@ -130,6 +130,20 @@ def test_numpy_string_keys_in_episode_metadata_are_written_as_text(tmp_path):
     text = (tmp_path / "ep" / "episode.yaml").read_text()
     assert yaml.safe_load(text) == {"arm": {"id": 3}, "cameras": [{"name": "wrist"}], "prompt": "pick"}
     assert discover_episodes([tmp_path / "ep"])[0].metadata() == yaml.safe_load(text)  # as rollout reads it
+
+
+@pytest.mark.parametrize("key, said", [(np.int64(3), r"np.int64\(3\) \(numpy.int64\)"),
+                                       (np.bool_(True), r"np.True_ \(numpy.bool\)")])
+def test_numpy_number_and_bool_keys_in_episode_metadata_are_refused_naming_the_file_key_and_type(tmp_path, key, said):
+    """numpy's str_ is text and is written as text; its int64 and bool_ are not, and are refused as Python's int
+    and bool are ({3: ...} and {"3": ...} would read back as one key). The refusal said "key np.True_ (bool)", a
+    Python bool's name, and named no file: it names episode.yaml's path, numpy's type and what to give instead."""
+    folder = tmp_path / "ep"
+    with pytest.raises(TypeError) as raised:
+        write_episode(folder, [arrays(0)], prompt="pick", metadata={"cams": [{key: "wrist"}]})
+    assert re.fullmatch(rf"metadata\['cams'\]: key {said} is not text; {re.escape(str(folder / 'episode.yaml'))} keys "
+                        rf"are text: give str\(key\) \('{key}'\) if it names a field", str(raised.value)), raised.value
+    assert not folder.exists()  # refused before anything is written
 
 
 def test_what_a_step_file_cannot_hold_is_refused_before_anything_is_written(tmp_path):
@@ -864,7 +878,7 @@ def test_the_index_of_kept_snapshots_gives_back_only_what_this_run_may_restore(t
     index.write_text(json.dumps({**written, "sessions": {**written["sessions"], **damaged}}))
     said = []
     assert read_kept(tmp_path, run=1234.5, warn=said.append) == {"arm_a": (snapshot, 2)}
-    assert said == [f"{index}: the entries of 5 episode(s) (up, none, bool, ...) name no snapshot file and step count "
+    assert said == [f"{index}: the entries of 5 episodes (up, none, bool, ...) name no snapshot file and step count "
                     "this version reads: those episodes replay their done steps instead"]
     for other, why in (({"format": "ardiff-kept-2"}, "its format is 'ardiff-kept-2', not 'ardiff-kept-1'"),
                        ({"run": True}, "it names another run")):  # a later version's index; a run that is no time

@@ -549,3 +549,20 @@ def test_fresh_weights_get_each_modules_own_initialisation():
     linears = [m for m in modules.transformer.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(torch.count_nonzero(m.bias) == 0 for m in linears if m.bias is not None)
     assert modules.transformer.head.head.weight.std() < 0.03
+
+
+def test_a_field_whose_trial_the_config_refuses_is_not_said_too_large_alone():
+    """Of fields holding the size of a weight torch cannot make, each is tried alone, the others at their defaults.
+    `seed` beside `dim: 2**62, num_heads: 64` cannot be: dim at its default of 64 leaves heads of 1, which the config
+    refuses. That trial counted as "too large alone", so the error named the seed and hinted to lower it; it is
+    untold (None), and only dim, which overflows alone, is named."""
+    cfg = causal_world.Config.from_dict({"preset": "tiny", "dim": 2**62, "num_heads": 64, "seed": 2**62}, where="t")
+    names = ["dim", "seed"]
+    cls = causal_world.pipeline_class()
+    assert checkpoint._too_large_alone(cls, cfg, "dim", names) is True
+    assert checkpoint._too_large_alone(cls, cfg, "seed", names) is None
+    with pytest.raises(checkpoint.ConfigError) as raised:
+        checkpoint.build_config_on_meta(cls, cfg)
+    assert str(raised.value).startswith(f"the causal_world model is too large for torch: 'model.dim' ({2**62}) makes "
+                                        "a weight of shape"), raised.value
+    assert raised.value.hint == "lower 'model.dim'"

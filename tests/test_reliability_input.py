@@ -794,6 +794,13 @@ def test_a_weight_too_large_for_torch_is_a_config_error_naming_the_field(tmp_pat
     ({"seed": 2**62, "cond_dim": 2**62}, f"'model.cond_dim' ({2**62}) makes a weight of shape [64, {2**62}]"),
     ({"text_dim": 2**62, "cond_dim": 2**62},
      f"'model.text_dim' and 'model.cond_dim' ({2**62} each) are each too large alone; one makes a weight of shape"),
+    # the seed's trial (dim back at its default of 64) is refused, num_heads 64 leaving heads of 1: it was said "too
+    # large alone" and its lowering hinted; only dim is known to be
+    ({"dim": 2**62, "num_heads": 64, "seed": 2**62}, f"'model.dim' ({2**62}) makes a weight of shape [{2**62}, "),
+    # none known alone: height and width fit with the stride at its default; the stride's trial (the height at its
+    # default, no multiple of it) is refused. It was named alone, said to make the weight, as if tried
+    ({"patch_size": [1, 1, 1], "height": 2**62, "width": 2**62, "vae_stride": 2**62},
+     f"one or more of 'model.height' and 'model.width' and 'model.vae_stride' ({2**62} each) make a weight of shape"),
 ])
 def test_a_weight_too_large_for_torch_names_only_the_fields_too_large(tmp_path, fields, said):
     config = tmp_path / "huge.yaml"

@@ -652,20 +652,16 @@ def _build_changes(recorded: dict[str, Any], now: dict[str, Any]) -> dict[str, d
             and (key != "torch_threads" or str(recorded.get("device")) == "cpu")}
 
 
-def _build_changes_warning(changes: dict[str, dict[str, Any]]) -> str:
-    """The warning of a resume whose ardiff, torch or thread count is not the run's: each named, recorded and now."""
-    def said(key: str, value: Any) -> str:
-        if key == "torch_threads":
-            return plural(value, "CPU thread")
-        return f"{'ardiff' if key == 'ardiff_version' else 'torch'} {value}"
-
-    then = ", ".join(said(key, change["recorded"]) for key, change in changes.items())
-    now = ", ".join(said(key, change["now"]) for key, change in changes.items())
-    again = [said(key, change["recorded"]) for key, change in changes.items() if key != "torch_threads"]
+def _build_changes_warning(changes: dict[str, dict[str, Any]], run_file: Path) -> str:
+    """The warning of a resume whose ardiff, torch or thread count is not the run's: ``run_file`` and each field it
+    recorded, with its value then and now (``runs/x/run.json: torch_threads 1, now 2``)."""
+    fields = "; ".join(f"{key} {change['recorded']}, now {change['now']}" for key, change in changes.items())
+    again = [f"{'ardiff' if key == 'ardiff_version' else 'torch'} {change['recorded']}"
+             for key, change in changes.items() if key != "torch_threads"]
     if "torch_threads" in changes:  # a config that sets runtime.num_threads has the run's: it is null
         again.append(f"OMP_NUM_THREADS={changes['torch_threads']['recorded']}")
-    return (f"this run was started with {then} and resumes with {now}: the outputs of the steps left may differ in "
-            "the last bits from those of an uninterrupted run (the steps done are kept as they are); resume with "
+    return (f"{run_file}: {fields}: the outputs of the steps left may differ in the last bits from those of an "
+            "uninterrupted run (the steps done are kept as they are); resume with "
             f"{', '.join(again)} for outputs identical to an uninterrupted run's")
 
 
@@ -875,7 +871,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                                   recorded.get("attention_backend"))
                     changes = _build_changes(recorded, _build())
                     if changes:  # not refused: an upgrade may be what the user resumes for
-                        output.warning(_build_changes_warning(changes))
+                        output.warning(_build_changes_warning(changes, p.out_dir / RUN_FILE))
                     _write_run_info(lambda: atomic_write_json(p.out_dir / RUN_FILE,
                                                               {**recorded, "resumed_at": time.time()}),
                                     p.out_dir / RUN_FILE, resume=True)
@@ -959,8 +955,8 @@ def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, d
 
     swapping = engine.runner.swap is not None
     if kept and not swapping:
-        output.warning(f"swapping is off (--swap-space 0): the swap snapshots the stopped run kept of {len(kept)} "
-                       "episode(s) were deleted, and their done steps are replayed instead")
+        output.warning("swapping is off (--swap-space 0): the swap snapshots the stopped run kept of "
+                       f"{plural(len(kept), 'episode')} were deleted, and their done steps are replayed instead")
     swapped = {}
     for name, (file, steps) in kept.items():
         num_done, why = len(done.get(name, ())), None
@@ -989,7 +985,8 @@ def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, d
                            "steps are replayed instead")
     drop_kept(swap_dir)
     if swapped:
-        output.debug(f"took back the swap snapshots of {len(swapped)} episode(s) the stopped run had swapped out")
+        output.debug(f"took back the swap snapshots of {plural(len(swapped), 'episode')} the stopped run had "
+                     "swapped out")
     return swapped
 
 
@@ -1021,8 +1018,8 @@ def _swap_out_resident(engine: Any, driver: Any, output: Output, signals: Any) -
             break
         swapped.update(engine.runner.swap_out_sessions([session_id]))
     if ids:
-        output.debug(f"swapped out {len(swapped)} of the {len(ids)} resident sessions for --resume to restore (the "
-                     "others, if any, did not fit in the swap space left, could not be exported, or a signal "
+        output.debug(f"swapped out {len(swapped)} of {plural(len(ids), 'resident session')} for --resume to restore "
+                     "(the others, if any, did not fit in the swap space left, could not be exported, or a signal "
                      "stopped the saving: they replay)")
 
 
@@ -1158,7 +1155,8 @@ def _failed_episodes(stats: Any, num_episodes: int, out_dir: Path) -> Exception:
     episode failed with its folder gone (deleted or renamed while the run read it): 2, saying so, with the way back."""
     names = ", ".join(stats.failed)
     if stats.completed_episodes:
-        return EpisodesFailed(f"{len(stats.failed)} of {num_episodes} episodes failed: {names}; the others completed")
+        return EpisodesFailed(f"{len(stats.failed)} of {plural(num_episodes, 'episode')} failed: {names}; "
+                              "the others completed")
     message, hint = f"every episode failed ({names})", None
     if stats.failed.keys() <= stats.folders_gone:
         one = len(stats.failed) == 1

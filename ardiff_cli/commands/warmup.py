@@ -67,7 +67,7 @@ def warmup(
         cfg = load_engine_config(config, pipeline=pipeline, command="warmup", device=device, dtype=dtype,
                                  memory_budget=memory_budget, session_capacity=session_capacity,
                                  gpu_memory_fraction=gpu_memory_fraction, attention_backend=attention_backend)
-        monitor = RunMonitor(out, f"ardiff warmup · {config_label(config)}", echo_requests=True, noun="requests",
+        monitor = RunMonitor(out, f"ardiff warmup · {config_label(config)}", echo_requests=True, noun="request",
                              counted_phases=("warmup",))
         out.info(f"loading {config_label(config)} (pipeline {cfg.pipeline_name})")
         out.debug(f"config {cfg.source}: {cfg.runtime}")
@@ -150,6 +150,7 @@ def render_warmup(data: dict[str, Any], plain: bool):
     from rich.text import Text
 
     from ardiff_cli.output import visible
+    from ardiff_cli.runtime.errors import plural
 
     title = visible(f"warmup: {data['config']} (pipeline {data['pipeline']}) on {data['device']}, {data['dtype']}")
     if data["skipped"]:
@@ -165,9 +166,9 @@ def render_warmup(data: dict[str, Any], plain: bool):
         line = f"first request {data['first_s'] * 1000:.1f} ms"
         if data["steady_s"]:
             count = data["steady_count"]
-            line += (f", steady state {data['steady_s'] * 1000:.1f} ms (median of {count} request{'s' * (count != 1)} "
+            line += (f", steady state {data['steady_s'] * 1000:.1f} ms (median of {plural(count, 'request')} "
                      f"of a shape seen before); the first took {data['first_s'] / data['steady_s']:.1f}x")
         lines.append(line)
     restored = "restored" if data["restored"] else "NOT restored"
-    lines.append(f"KV pool {restored}: {data['pages_free']}/{data['pages_total']} pages free")
+    lines.append(f"KV pool {restored}: {data['pages_free']}/{plural(data['pages_total'], 'page')} free")
     return Group(Text(lines[0], style="" if plain else "bold"), table, Text("\n".join(lines[1:])))

@@ -64,9 +64,10 @@ def read_kept(swap_dir: Path, *, run: float, warn: Callable[[str], None] | None 
             ignored.append(name)
     if warn is not None and ignored:
         from ardiff_cli.io.episode import listed
+        from ardiff_cli.runtime.errors import plural
 
-        warn(f"{swap_dir / KEPT_FILE}: the entries of {len(ignored)} episode(s) ({listed(ignored)}) name no snapshot "
-             "file and step count this version reads: those episodes replay their done steps instead")
+        warn(f"{swap_dir / KEPT_FILE}: the entries of {plural(len(ignored), 'episode')} ({listed(ignored)}) name no "
+             "snapshot file and step count this version reads: those episodes replay their done steps instead")
     return kept
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.runtime.errors import ObservationError, close_match, did_you_mean, shown
+from ardiff_cli.runtime.errors import ObservationError, close_match, did_you_mean, plural, shown
 from ardiff_cli.runtime.observation import ObservationSchema
 
 from ardiff_cli.io.episode import METADATA_FILE, RawStep, listed
@@ -43,7 +43,8 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
     more = extra[MAX_NAMED_KEYS:]
     warnings = {k: f"{path}: key {k!r} is not in the pipeline's schema; ignored{near}" for k, near in ignored.items()}
     if more:  # under the first of them: said once for the episode, as each named key is
-        warnings[more[0]] = f"{path}: {len(more)} more keys not in the pipeline's schema ({listed([repr(k) for k in more])}); ignored"
+        warnings[more[0]] = (f"{path}: {plural(len(more), 'more key')} not in the pipeline's schema "
+                             f"({listed([repr(k) for k in more])}); ignored")
     and_more = f" and {len(more)} more" if more else ""
     prompt_missing = False
     if schema.prompt_key and not any(k in arrays for k in prompt_keys):

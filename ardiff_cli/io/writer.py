@@ -128,18 +128,22 @@ def _step_metadata(metadata: Mapping[str, Any] | None) -> dict[str, str]:
     return meta
 
 
-def _check_keys(info: Any, where: str = "metadata") -> None:
-    """Mapping keys episode.yaml can hold and rollout read back: text (a tuple key is written as a YAML complex key,
-    which reading refuses)."""
+def _check_keys(info: Any, path: Path, where: str = "metadata") -> None:
+    """Mapping keys episode.yaml (``path``) can hold and rollout read back: text, numpy's str_ too (a tuple key is
+    written as a YAML complex key, which reading refuses). A number or bool, numpy's included, is refused rather than
+    made text: ``{3: ...}`` and ``{"3": ...}`` would read back as one key."""
     if isinstance(info, Mapping):
         for key, value in info.items():
             if not isinstance(key, str):
-                raise TypeError(f"{where}: key {shown(key)} ({type(key).__name__}) is not text; episode.yaml keys "
-                                "are text")
-            _check_keys(value, f"{where}[{key!r}]")
+                kind = type(key)
+                got = f"{kind.__module__}.{kind.__qualname__}" if kind.__module__ == "numpy" else kind.__qualname__
+                numeric = isinstance(key, (int, float)) or kind.__module__ == "numpy"  # np.int64, np.bool_
+                hint = f": give str(key) ({str(key)!r}) if it names a field" if numeric else ""
+                raise TypeError(f"{where}: key {shown(key)} ({got}) is not text; {path} keys are text{hint}")
+            _check_keys(value, path, f"{where}[{key!r}]")
     elif isinstance(info, list):
         for item in info:
-            _check_keys(item, where)
+            _check_keys(item, path, where)
 
 
 def _check_prompt(prompt: Any) -> str | None:
@@ -255,7 +259,7 @@ def write_episode(folder: str | os.PathLike, steps: Sequence[Mapping[str, Any]],
     prompt = _check_prompt(prompt)
     folder = _folder(folder)
     info = _plain(dict(metadata or {}))
-    _check_keys(info)
+    _check_keys(info, folder / METADATA_FILE)
     if prompt is None and "prompt" in info and _check_prompt(info["prompt"]) is None:  # rollout refuses it
         raise TypeError("metadata 'prompt': prompt must be text (str), got None")
     if prompt is not None:

@@ -39,6 +39,7 @@ from ardiff_cli.runtime.errors import (
     expand_home,
     field_error,
     link_to_nothing,
+    plural,
     shown,
     too_many_open_files,
     unencodable,
@@ -401,7 +402,7 @@ def _check_attention_span(spec: ARDiffusionKVCacheSpec, model: Any, where: str) 
                   "frames_per_block": spec.frames_per_block}
         registers = spec.max_scratch_tokens_per_branch
         detail = (", ".join(f"{name}={count}" for name, count in frames.items())
-                  + f", {tokens} tokens per frame, {registers} register token{'' if registers == 1 else 's'}")
+                  + f", {tokens} tokens per frame, {plural(registers, 'register token')}")
         largest = max(frames, key=frames.get)
         if registers > frames[largest] * tokens:
             field, fix = "", "the pipeline's register tokens per branch"

@@ -18,6 +18,7 @@ from ardiff_cli.runtime.errors import (
     EngineStateError,
     PipelineError,
     as_pipeline_error,
+    plural,
     shown,
 )
 from ardiff_cli.runtime.events import RuntimeEvent
@@ -45,7 +46,7 @@ def resolve_device(name: str) -> torch.device:
     if device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     if device.index >= count:
-        raise ConfigError(f"device {name!r} requested but only {count} CUDA device(s) are visible "
+        raise ConfigError(f"device {name!r} requested but only {plural(count, 'CUDA device')} visible "
                           f"(cuda:0 .. cuda:{count - 1})", hint="check CUDA_VISIBLE_DEVICES, or use --device cuda")
     return device
 

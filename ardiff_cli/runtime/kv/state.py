@@ -452,7 +452,7 @@ class ARDiffusionKVState:
             if (num_sink, num_window) != (want_sink, want_window):
                 raise ValueError(
                     f"{where}: branch {name!r} holds {num_sink} sink and {num_window} window pages after {frames} "
-                    f"frames, expected {want_sink} and {want_window} ({per_frame} page(s) per frame, "
+                    f"frames, expected {want_sink} and {want_window} ({plural(per_frame, 'page')} per frame, "
                     f"sink_frames={spec.sink_frames}, window_frames={spec.window_frames})")
             plan[name] = (frames, num_sink, num_window)
             for part, shape in pool.page_content_shapes(num_sink + num_window).items():
