@@ -950,6 +950,37 @@ def stopped_with_a_swapped_session(env, data, tmp_path: Path, *options: str) -> 
     return run, "arm_a", kept["arm_a"]
 
 
+def test_a_run_stopped_before_its_first_step_has_an_empty_results_jsonl_beside_its_summary(env, data, tmp_path):
+    """A --follow run stopped while it waited for a robot's first step wrote run.json and summary.json, but no
+    results.jsonl, which the README lists in every run folder: a script reading it (`wc -l`, `open`) failed."""
+    (tmp_path / "live" / "arm_a").mkdir(parents=True)
+    run = tmp_path / "run"
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(tmp_path / "live" / "arm_a"), "--out", str(run),
+                 "--follow", "--format", "json")
+    try:
+        for line in proc.stdout:  # run.json is written before the warmup: the run is past it now
+            if json.loads(line)["kind"] == "warmup_finished":
+                break
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert (run / "results.jsonl").read_text() == ""
+    if (run / "summary.json").exists():  # unless the signal landed before the run began to wait
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["steps"]["ok"] == 0
+        assert summary["latency_s"]["total"] == {"count": 0, "p50": None, "p90": None, "p99": None, "mean": None,
+                                                 "max": None}  # as the README says: null with no ok line
+    # and --resume takes that empty file as a run with no step done
+    live = tmp_path / "live" / "arm_a"
+    write_episode(live, steps_of(0, 1), prompt="task arm_a")
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--idle-timeout", "1", "--no-warmup",
+                  "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert [(r["step"], r["status"]) for r in records(run)] == [(0, "ok")]
+
+
 def test_resume_restores_every_session_a_run_stopped_by_a_signal_had_resident_or_swapped_out(env, data, reference,
                                                                                               tmp_path):
     """A preempted run (SIGTERM from a scheduler) used to delete its swap snapshots: --resume replayed every done

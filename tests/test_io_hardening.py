@@ -110,7 +110,8 @@ def test_run_folders_next_to_episodes_are_not_episodes(tmp_path):
     empty = RunFolder(tmp_path / "empty-run")
     empty.start({"config": "x"})
     empty.close()
-    assert sorted(p.name for p in empty.root.iterdir() if not p.name.startswith(".")) == ["run.json"]
+    assert sorted(p.name for p in empty.root.iterdir() if not p.name.startswith(".")) == ["results.jsonl", "run.json"]
+    (empty.root / "results.jsonl").unlink()  # as an older ardiff left it: run.json alone
     for given, what in ((data / "eval1", "an ardiff run folder"), (empty.root, "an ardiff run folder"),
                         (data / "ardiff-runs", "a folder of ardiff run folders")):
         with pytest.raises(ConfigError, match=rf"^{re.escape(str(given))} is {what} \(what a rollout wrote\), not an "
@@ -817,7 +818,7 @@ def test_resume_of_a_run_another_run_format_wrote_is_refused_and_left_as_it_was(
     error = json.loads(result.stdout.splitlines()[-1])
     assert error["message"] == "run/run.json: written by an incompatible ardiff (format 2)", error
     assert error["hint"] == "resume it with the ardiff that started it (format 1 is this one's)", error
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before == ["run.json"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before == ["results.jsonl", "run.json"]
 
 
 def test_resume_of_a_file_says_it_is_a_file_not_that_no_folder_is_there(tmp_path):

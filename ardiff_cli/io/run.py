@@ -177,6 +177,9 @@ class RunFolder:
             )
         self.root.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.root / RUN_FILE, {"format": RUN_FORMAT, **info})
+        # results.jsonl is there, empty, from now on: a run stopped before its first step (a --follow run waiting
+        # for a robot) has a summary.json, and a script reading both found no results.jsonl beside it
+        self._results = JsonlAppender(self.results_path)
 
     def add_episode(self, name: str, path: Path) -> None:
         """List one more episode in run.json (with ``--follow``, one a robot started in a followed folder of
