@@ -245,7 +245,8 @@ def handle_errors(out: Output) -> Iterator[None]:
 
         warnings.showwarning = showwarning
         try:
-            yield
+            with out.chatter_to_stderr():  # a pipeline's print() was a line of `--format json`'s stdout
+                yield
             lost = out.stdout_lost
             if lost is not None and not isinstance(lost, BrokenPipeError):  # `> file` on a full disk: not whole
                 raise stdout_error(lost)

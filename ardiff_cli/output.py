@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import io
 import json
 import os
 import sys
@@ -249,13 +250,23 @@ class Output:
                 self._lose_stderr()
 
     def _write_err(self, line: str) -> None:
+        self._write_err_raw(visible(line) + "\n")
+
+    def _write_err_raw(self, text: str) -> None:
         if self._stderr_lost:
             return
         try:
-            self._stderr.write(visible(line) + "\n")
+            self._stderr.write(text)
             self._stderr.flush()
         except OSError:
             self._lose_stderr()
+
+    @contextlib.contextmanager
+    def chatter_to_stderr(self) -> Iterator[None]:
+        """While a command runs, what the code it calls prints (a pipeline's ``print()``, a library's banner) goes to
+        stderr: stdout holds only the command's data. ardiff writes to the stream it was given, never ``sys.stdout``."""
+        with contextlib.redirect_stdout(_Chatter(self)):
+            yield
 
     def _lose_stderr(self) -> None:
         """As coreutils do, a stderr that fails (its disk full) does not stop the work it reports on: its lines are
@@ -292,6 +303,20 @@ def stdout_error(exc: OSError) -> Exception:
                         hint="check the file or device standard output goes to (free space, permissions)")
     error.__cause__ = exc
     return error
+
+
+class _Chatter(io.TextIOBase):
+    """``sys.stdout`` inside ``Output.chatter_to_stderr``: text to the sink's stderr, dropped once that failed."""
+
+    def __init__(self, out: Output) -> None:
+        self._out = out  # the sink whose stderr takes the text
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._out._write_err_raw(text)
+        return len(text)
 
 
 def to_devnull(stream: IO[str]) -> None:

@@ -277,6 +277,22 @@ def test_the_json_event_lines_say_the_device_backend_plan_and_time_of_the_run(fa
     assert before <= times[0] and times == sorted(times) and times[-1] <= time.time()
 
 
+@pytest.mark.parametrize("config", ["dreamzero-tiny", "causal-world-tiny"])
+def test_inspect_capacity_plans_what_warmup_allocates_for_each_shipped_config_that_loads_on_cpu(config):
+    """The plan inspect-capacity prints (from the config alone, no torch) is the one the runner makes and allocates
+    when it loads the model (the pools hold exactly it: test_capacity.py, benchmarks/bench_capacity.py)."""
+    args = (config, "--device", "cpu", "--memory-budget", "1MiB", "--format", "json")
+    inspected = invoke("inspect-capacity", *args)
+    assert inspected.exit_code == 0, inspected.stderr
+    plan = json.loads(inspected.stdout)["plan"]
+    warmed = invoke("warmup", *args)
+    assert warmed.exit_code == 0, warmed.stderr
+    objects = [json.loads(line) for line in warmed.stdout.splitlines()]
+    (planned,) = [o for o in objects if o["kind"] == "capacity_planned"]
+    assert planned["plan"] == plan
+    assert objects[-1]["pages_total"] == objects[-1]["pages_free"] == plan["num_managed_pages"]
+
+
 def test_rollout_exit_3_when_the_model_does_not_fit(fast_configs, tmp_path):
     result = invoke("rollout", str(fast_configs[0]), "--device", "cpu", "--memory-budget", "4KiB",
                     "--out", str(tmp_path / "run"))

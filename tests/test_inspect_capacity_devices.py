@@ -488,3 +488,23 @@ def test_plain_output_says_where_the_scratch_lives_for_the_backend_planned(tmp_p
     assert re.search(rf"^attention +{backend} ", proc.stdout, re.M), proc.stdout
     fixed = next(line for line in proc.stdout.splitlines() if line.startswith("fixed"))
     assert f", {scratch}, in-flight block" in fixed, fixed
+
+
+def test_the_table_shows_the_paths_and_device_ids_it_quotes_as_they_are(tmp_path):
+    """The table's cells were read as Rich markup: a torch installed under a folder named 'envs[old]' was shown
+    without '[old]', a path holding '[/]' ended the command with exit 1 as a bug in ardiff (MarkupError), and an
+    escape code in CUDA_VISIBLE_DEVICES reached the terminal of a --format plain run."""
+    folder = tmp_path / "envs[old]" / "a[" / "]"  # the path holds '[old]' and '[/]'
+    fake_package(folder / "site", "torch", "lib/libtorch_cpu.so")  # a CPU build: the device row quotes its path
+    proc = inspect(folder, "dreamzero-tiny", "--available", "1GiB", gpu=False, gpu_torch=False, fmt="plain")
+    assert proc.returncode == 0, proc.stderr
+    assert f"auto: the installed torch ({folder / 'site' / 'torch'}) is a CPU build" in proc.stdout, proc.stdout
+    visible = "\x1b[31mGPU-[bold]1"
+    args = ("dreamzero-tiny", "--device", "cuda", "--available", "1GiB")
+    proc = inspect(tmp_path, *args, fmt="plain", CUDA_VISIBLE_DEVICES=visible)
+    assert proc.returncode == 0, proc.stderr
+    assert ("requested (nvidia-smi GPU \\x1b[31mGPU-[bold]1, CUDA_VISIBLE_DEVICES='\\x1b[31mGPU-[bold]1')"
+            in proc.stdout), proc.stdout
+    assert "\x1b" not in proc.stdout
+    data = json.loads(inspect(tmp_path, *args, CUDA_VISIBLE_DEVICES=visible).stdout)  # JSON keeps the text as it is
+    assert data["plan_device_reason"] == f"requested (nvidia-smi GPU {visible}, CUDA_VISIBLE_DEVICES={visible!r})"

@@ -14,6 +14,7 @@ a forward exit 130/143 with complete outputs, and --resume completes every inter
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -639,6 +640,60 @@ def test_warmups_live_display_counts_finished_requests_not_the_runtimes_other_ev
     assert proc.returncode == 0, proc.stderr
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", proc.stderr)
     assert re.search(r"^0 requests · ", text, re.M), text
+
+
+BRACKETED_REQUEST_IDS = """\
+from ardiff_cli.runtime.request import ARDiffusionRequest
+from pipelines.causal_world.pipeline import CausalWorldPipeline
+
+
+class BracketedRequestIds(CausalWorldPipeline):
+    def ar_diffusion_warmup_requests(self, session_id):
+        for i, request in enumerate(super().ar_diffusion_warmup_requests(session_id)):
+            yield ARDiffusionRequest(f"warmup[/]{i}\\x1b[31m", request.inputs, request.extra_args)
+"""
+
+
+def test_warmups_table_shows_the_pipelines_request_ids_as_they_are(env, tmp_path):
+    """The table read each request id as Rich markup: 'warmup[/]0' failed the warmup that had run (exit 1, a bug in
+    ardiff: MarkupError), and an escape code in one reached the terminal of a --format plain run."""
+    (tmp_path / "bracketed.py").write_text(BRACKETED_REQUEST_IDS)
+    env = {**env, "PYTHONPATH": f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"}
+    proc = ardiff(env, "warmup", "causal-world-tiny", "--device", "cpu", "--format", "plain",
+                  "--pipeline", "bracketed:BracketedRequestIds")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("warmup[")]
+    assert len(rows) == 4 and all(re.match(rf"warmup\[/\]{i}\\x1b\[31m  prompt", row) for i, row in enumerate(rows))
+    assert "\x1b" not in proc.stdout + proc.stderr
+
+
+CHATTY_PIPELINE = """\
+from pipelines.causal_world.pipeline import CausalWorldPipeline
+
+print("chatty: imported")
+
+
+class Chatty(CausalWorldPipeline):
+    def forward(self, *args, **kwargs):
+        print("chatty: a forward")
+        return super().forward(*args, **kwargs)
+"""
+
+
+@pytest.mark.parametrize("command", ["inspect-capacity", "warmup"])
+@pytest.mark.parametrize("fmt", ["json", "plain"])
+def test_what_a_pipeline_prints_goes_to_stderr_not_into_the_data_on_stdout(env, tmp_path, command, fmt):
+    """A pipeline's print() (at import, in its forward) was a line of stdout: with --format json a script's
+    json.loads of each line failed on it, and in plain it sat among the table's rows."""
+    (tmp_path / "chatty.py").write_text(CHATTY_PIPELINE)
+    env = {**env, "PYTHONPATH": f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"}
+    proc = ardiff(env, command, "causal-world-tiny", "--device", "cpu", "--format", fmt, "--pipeline", "chatty:Chatty")
+    assert proc.returncode == 0, proc.stderr
+    assert "chatty: " not in proc.stdout
+    printed = [line for line in proc.stderr.splitlines() if line.startswith("chatty: ")]
+    assert printed == ["chatty: imported"] + ["chatty: a forward"] * (4 if command == "warmup" else 0), proc.stderr
+    if fmt == "json":
+        assert [json.loads(line)["kind"] for line in proc.stdout.splitlines()][-1] in ("capacity_plan", "warmup")
 
 
 # The vLLM kernel failing to build under `auto` cannot happen on a CPU machine (its probe and its pool

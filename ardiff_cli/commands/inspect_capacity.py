@@ -325,10 +325,10 @@ def _count(value: int) -> str:
 def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
     from rich import box
     from rich.console import Group
-    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
+    from ardiff_cli.output import visible
     from ardiff_cli.runtime.capacity import format_bytes as fb
 
     per = data["per_session"]
@@ -336,52 +336,55 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
     table.add_column("item", overflow="fold")
     table.add_column("size", justify="right")
     table.add_column("detail", overflow="fold")  # a narrow terminal breaks a long word (a pip hint), never cuts it
-    table.add_row("device", data["plan_device"], data["plan_device_reason"])
-    table.add_row("available", fb(plan.available_bytes), data["available_source"])
-    table.add_row("budget", fb(plan.budget_bytes), f"available x gpu_memory_fraction {plan.gpu_memory_fraction:g} "
-                  "(never less than one session)")
-    table.add_row("page", fb(plan.bytes_per_page),
-                  f"{plan.page_size} tokens, {plural(plan.pages_per_frame, 'page')} per frame, {plan.dtype}")
-    table.add_row("token", fb(plan.bytes_per_token), "self-attention K+V, all layers, one branch")
+
+    def add_row(*cells: str) -> None:
+        # Text, never markup: cells quote paths, CUDA_VISIBLE_DEVICES, nvidia-smi's words and the pipeline's names
+        # ('[/]' in a path was a MarkupError, '[old]' vanished, an escape code in one reached the terminal)
+        table.add_row(*(Text(visible(cell)) for cell in cells))
+
+    add_row("device", data["plan_device"], data["plan_device_reason"])
+    add_row("available", fb(plan.available_bytes), data["available_source"])
+    add_row("budget", fb(plan.budget_bytes), f"available x gpu_memory_fraction {plan.gpu_memory_fraction:g} "
+            "(never less than one session)")
+    add_row("page", fb(plan.bytes_per_page),
+            f"{plan.page_size} tokens, {plural(plan.pages_per_frame, 'page')} per frame, {plan.dtype}")
+    add_row("token", fb(plan.bytes_per_token), "self-attention K+V, all layers, one branch")
     att = data["attention"]
     expected = att["expected_backend"]  # "torch", or "vllm on CUDA, torch on CPU" for --device auto
     reason = att["reason"] if expected == att["plan_backend"] else f"{expected} ({att['reason']})"
-    table.add_row("attention", att["plan_backend"],
-                  escape(f"--attention-backend {att['setting']}: {reason}"))  # '[vllm]' is not markup
+    add_row("attention", att["plan_backend"], f"--attention-backend {att['setting']}: {reason}")
     for kernel, label in (("flash", "FlashAttention (CUDA)"), ("cpu", "vLLM CPU kernel")):
         tail, blocks = att[f"{kernel}_tail_tokens"], att[f"{kernel}_blocks_per_page"]
         shape = (f"{plural(blocks, 'block')} per page" + (f" + {tail}-token tail" if tail else "") if blocks
                  else f"a page is smaller than one block: all {tail} of its tokens are tail")
-        table.add_row(f"  {kernel} block", f"{att[f'{kernel}_block_size']} tokens", f"{label}: {shape}")
-    table.add_row("per session", fb(plan.bytes_per_session),
-                  f"{plural(plan.managed_pages_per_session, 'page')} at rest")
+        add_row(f"  {kernel} block", f"{att[f'{kernel}_block_size']} tokens", f"{label}: {shape}")
+    add_row("per session", fb(plan.bytes_per_session),
+            f"{plural(plan.managed_pages_per_session, 'page')} at rest")
     for branch, size in per["self_attention_per_branch"].items():
-        table.add_row(f"  self-attn {branch}", fb(size), "sink + window frames")
+        add_row(f"  self-attn {branch}", fb(size), "sink + window frames")
     if plan.num_local_branches != len(per["self_attention_per_branch"]):
-        table.add_row("", "", f"branches share {plural(plan.num_local_branches, 'storage slot')}")
+        add_row("", "", f"branches share {plural(plan.num_local_branches, 'storage slot')}")
     for name, size in per["cross_attention_per_branch"].items():
         branches = len(per["self_attention_per_branch"])
-        table.add_row(f"  cross-attn {name}", fb(size * branches), f"{fb(size)} per branch x {branches}")
-    table.add_row("  model-owned", fb(per["model_owned"]), "declared by the pipeline")
+        add_row(f"  cross-attn {name}", fb(size * branches), f"{fb(size)} per branch x {branches}")
+    add_row("  model-owned", fb(per["model_owned"]), "declared by the pipeline")
     fixed = data["fixed"]
     scratch = (f"scratch pages {fb(fixed['scratch'])}" if plan.scratch_pages
                else "scratch in the workspace (torch)")
-    table.add_row("fixed", fb(fixed["total"]), f"null page {fb(fixed['null_page'])}, {scratch}, in-flight block "
-                  f"{fb(fixed['inflight'])}, workspace {fb(fixed['workspace'])}")
-    table.add_row("sessions", _count(plan.session_capacity),
-                  f"{_count(data['sessions_fit'])} fit the budget, limit {_count(plan.session_capacity_limit)}; "
-                  f"{_count(plan.num_managed_pages)} pages, {fb(plan.planned_bytes)} planned")
-    table.add_row("per GiB", _three_digits(plan.sessions_per_gib), "sessions per GiB of memory")
+    add_row("fixed", fb(fixed["total"]), f"null page {fb(fixed['null_page'])}, {scratch}, in-flight block "
+            f"{fb(fixed['inflight'])}, workspace {fb(fixed['workspace'])}")
+    add_row("sessions", _count(plan.session_capacity),
+            f"{_count(data['sessions_fit'])} fit the budget, limit {_count(plan.session_capacity_limit)}; "
+            f"{_count(plan.num_managed_pages)} pages, {fb(plan.planned_bytes)} planned")
+    add_row("per GiB", _three_digits(plan.sessions_per_gib), "sessions per GiB of memory")
     for n, fraction in data["fraction_needed"].items():
         # Against the budget, not the fraction: the budget is never less than one session, so one session whose
         # fraction is above gpu_memory_fraction (but within what is available) is admitted, as the plan says.
         required = plan.required_bytes(int(n))
         verdict = ("fits" if required <= plan.budget_bytes
                    else "over budget" if required <= plan.available_bytes else "does not fit")
-        table.add_row(f"{_count(int(n))} session{'s' if n != '1' else ''}", f"{_three_digits(fraction * 100)}%",
-                      f"of available memory ({verdict})")
-    from ardiff_cli.output import visible
-
+        add_row(f"{_count(int(n))} session{'s' if n != '1' else ''}", f"{_three_digits(fraction * 100)}%",
+                f"of available memory ({verdict})")
     title = visible(f"capacity plan: {data['config']} (pipeline {data['pipeline']}, {plan.dtype})")
     if plain:
         return Group(Text(title), table)

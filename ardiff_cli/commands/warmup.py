@@ -160,7 +160,9 @@ def render_warmup(data: dict[str, Any], plain: bool):
     table.add_column("inputs", overflow="fold")  # every input shape whole, however narrow the terminal
     table.add_column("time", justify="right")
     for request in data["requests"]:
-        table.add_row(request["request_id"], request["shape"], f"{request['seconds'] * 1000:.1f} ms")
+        # the pipeline's request ids and input names, never markup ('warmup[/]0' was a MarkupError after the warmup)
+        table.add_row(Text(visible(request["request_id"])), Text(visible(request["shape"])),
+                      f"{request['seconds'] * 1000:.1f} ms")
     lines = [title]
     if data["first_s"] is not None:
         line = f"first request {data['first_s'] * 1000:.1f} ms"
