@@ -165,7 +165,8 @@ def test_seeded_random_geometries_match_dense_reference(layout):
             sink_frames=rng.choice([0, 1, 2]), kv_branches=CFG, session_capacity=1,
             max_scratch_tokens_per_branch=rng.choice([0, 3, 9]))
         dtype = rng.choice([torch.float32, torch.bfloat16])
-        # Blocks no larger than a page always fit; larger ones are refused at construction (test_backends.py).
+        # Blocks no larger than a page always fit; larger ones only where their workspace holds every token as a
+        # tail (test_seeded_kernel_blocks_longer_than_a_page_match_dense_reference).
         backend = "torch" if layout == "torch" else TorchPagedKernel(rng.randint(1, page_size))
         pages = KVLayout.from_spec(spec, page_size=page_size).managed_pages(1)
         cache = ARDiffusionKVCache(spec, pages, dtype=dtype, page_size=page_size, attention_backend=backend)
@@ -189,6 +190,53 @@ def test_seeded_random_geometries_match_dense_reference(layout):
             raise AssertionError(f"{where}: {exc}") from exc
         state.close()
         assert cache.num_free_pages == cache.num_managed_pages, where
+
+
+def test_seeded_kernel_blocks_longer_than_a_page_match_dense_reference():
+    """Kernel blocks longer than a page (vLLM's 16-token blocks over pages of a few tokens): every token of every page
+    is a tail, packed with the registers into the workspace's dynamic blocks. A pool is built where those hold the
+    largest forward (``KernelGeometry.fits``) and refused otherwise; the built ones match the dense reference over
+    sinks, sliding windows, several pages per frame, partial blocks and both CFG branches, in float32 and bfloat16.
+    The fixed geometries of test_backends.py have one such case ("all-tail")."""
+    built = refused = 0
+    for draw in range(40):
+        rng = random.Random(f"long blocks {draw}")
+        tokens_per_frame = rng.randint(1, 12)
+        page_size = rng.choice([d for d in range(1, tokens_per_frame + 1) if tokens_per_frame % d == 0])
+        spec = ARDiffusionKVCacheSpec(
+            num_layers=rng.randint(1, 2), num_kv_heads=rng.randint(1, 2), head_size=rng.choice([1, 4, 8]),
+            tokens_per_frame=tokens_per_frame, frames_per_block=rng.randint(1, 4), window_frames=rng.randint(1, 5),
+            sink_frames=rng.choice([0, 1, 3]), kv_branches=CFG, session_capacity=1,
+            max_scratch_tokens_per_branch=rng.choice([0, 3, 9]))
+        dtype = rng.choice([torch.float32, torch.bfloat16])
+        kernel = TorchPagedKernel(rng.randint(page_size + 1, 3 * page_size + 4))
+        scratch_blocks = rng.choice([1, 3])  # more scratch: a larger workspace, so more geometries fit
+        layout = KVLayout.from_spec(spec, page_size=page_size, scratch_blocks=scratch_blocks)
+        where = f"draw {draw}: {spec}, page_size={page_size}, {kernel.block_size}-token blocks, {dtype}"
+        try:
+            cache = ARDiffusionKVCache(spec, layout.managed_pages(1), dtype=dtype, page_size=page_size,
+                                       scratch_blocks=scratch_blocks, attention_backend=kernel)
+        except ValueError as exc:
+            assert "too small" in str(exc), f"{where}: {exc}"
+            refused += 1
+            continue
+        built += 1
+        assert cache.pool.geometry.blocks_per_page == 0, where
+        state = cache.new_state("s")
+        streams = [Stream(state, b.name, spec.num_kv_heads * rng.randint(1, 3), dtype,
+                          torch.Generator().manual_seed(draw)) for b in CFG]
+        try:
+            for _ in range(8 + 3 * (spec.sink_frames + spec.window_frames)):  # the window wraps several times
+                frames = rng.randint(1, spec.frames_per_block)
+                registers = rng.randint(0, cache.layout.scratch_tokens - frames * tokens_per_frame)
+                commit = rng.random() < 0.6
+                rng.choice(streams).run(frames, commit=commit, num_registers=registers,
+                                        store_last=commit and rng.random() < 0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"{where}: {exc}") from exc
+        state.close()
+        assert cache.num_free_pages == cache.num_managed_pages, where
+    assert built >= 10 and refused >= 10, (built, refused)
 
 
 @pytest.mark.parametrize("layout", ["torch", "block"])
