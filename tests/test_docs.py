@@ -577,3 +577,17 @@ def test_every_runtime_event_kind_is_one_the_readme_lists_and_back():
     listed = {kind for line in section.splitlines() if line.startswith("- ")
               for kind in re.findall(r"`(\w+)`", line.split(" with ")[0].split(":")[0])}
     assert sorted(kinds) == sorted(listed)
+
+
+def test_the_adding_a_pipeline_section_says_how_a_forward_uses_the_kv_state_with_methods_that_exist():
+    """A pipeline author following the README alone learned what to implement, but not how the forward reads and
+    writes the session's KV (the bound state's methods were named nowhere); each method it names is the runtime's."""
+    from ardiff_cli.runtime import ARDiffusionKVState, ARDiffusionLayerContext
+
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Adding a pipeline"):readme.index("## Development")]
+    named = set(re.findall(r"`state\.(\w+)\(", section))
+    assert {"populate_cross_attention", "get_kv_caches", "commit", "cross_attention"} <= named, named
+    assert [name for name in named if not callable(getattr(ARDiffusionKVState, name, None))] == []
+    attends = set(re.findall(r"`ctx\.(\w+)\(", section))
+    assert "attend" in attends and all(callable(getattr(ARDiffusionLayerContext, n, None)) for n in attends)

@@ -260,7 +260,8 @@ def test_store_is_a_commit_pass_write_checked_like_attend(make_spec, make_cache,
     too_long = torch.randn(2, seq_len + 7, spec.head_size)
     with pytest.raises(ValueError, match="store got 11 tokens for seq_len=4: expected the video tokens followed by 0"):
         contexts[1].store(too_long, too_long)
-    with pytest.raises(ValueError, match=r"^k must be torch.float32 on cpu like the KV pool, got torch.float64"):
+    with pytest.raises(ValueError, match=r"^layer 1 of branch 'positive': k must be torch.float32 on cpu like the "
+                       r"KV pool \(the dtype and device from_config was given\), got torch.float64"):
         contexts[1].store(k.double(), k)  # named as the tensor it is (a store has no q)
     assert contexts[1].commit_current and not denoise[1].commit_current  # how a layer tells store from attend
     contexts[1].store(k, k)

@@ -50,6 +50,7 @@ from ardiff_cli.runtime.kv.backends import ATTENTION_BACKEND_SETTINGS
 from ardiff_cli.runtime.observation import ObservationSchema
 from ardiff_cli.runtime.registry import (
     PipelineEntry,
+    called_without_instance,
     registered_pipelines,
     resolve_pipeline,
     resolve_pipeline_reference,
@@ -190,7 +191,13 @@ class EngineConfig:
             module = self.entry.module
             owner = module.__qualname__ if self.entry.is_class else module.__name__
             label, call = f"{owner}.observation_schema", self.entry.observation_schema
-        schema = _pipeline_config_call(self.entry, self.source, label, call)
+        try:
+            schema = _pipeline_config_call(self.entry, self.source, label, call)
+        except PipelineError as exc:
+            if call is exact or not self.entry.is_class:
+                raise
+            exc.hint = called_without_instance(self.entry.module, "observation_schema", exc.__cause__) or exc.hint
+            raise
         if not isinstance(schema, ObservationSchema):  # else every step file would be blamed for it
             raise PipelineError(f"{self.source}: pipeline {self.entry.name!r}: {label}() returned "
                                 f"{type(schema).__name__}, expected an ObservationSchema", hint=PIPELINE_HINT)

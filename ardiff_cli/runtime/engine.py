@@ -23,6 +23,7 @@ from ardiff_cli.runtime.errors import (
 )
 from ardiff_cli.runtime.events import RuntimeEvent
 from ardiff_cli.runtime.kv.cache import KV_DTYPES
+from ardiff_cli.runtime.registry import called_without_instance
 from ardiff_cli.runtime.request import ARDiffusionRequest, require_request
 from ardiff_cli.runtime.runner import (ARDiffusionModelRunner, PipelineContractError, WarmupReport, _once,
                                        require_subscriber)
@@ -148,6 +149,7 @@ class ARDiffusionEngine:
             error = as_pipeline_error(f"{getattr(pipeline_class, '__qualname__', pipeline_class)}.from_config()", exc)
             if error is None:
                 raise
+            error.hint = called_without_instance(pipeline_class, "from_config", exc) or error.hint
             raise error from exc
         problem = _not_a_pipeline(pipeline_class, self._pipeline)  # no local holds it: a kept error keeps no weights
         if problem is not None:

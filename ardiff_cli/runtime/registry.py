@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import re
+import traceback
+import types
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +71,22 @@ class PipelineEntry:
     def pipeline_class(self) -> type:
         """The pipeline class; for an entry module this imports torch and the model code."""
         return self.module if self.is_class else self.module.pipeline_class()
+
+
+def called_without_instance(owner: Any, attr: str, exc: BaseException) -> str | None:
+    """The hint for ``owner.attr()`` that raised ``TypeError`` because ``attr`` is a plain method (``def
+    observation_schema(self)``): ardiff calls ``from_config`` and a class's ``observation_schema`` on the class, so
+    Python said only "missing 1 required positional argument". None for any other failure, a ``TypeError`` raised
+    inside the method included (its traceback runs through the method's code; a call that did not bind does not)."""
+    method = inspect.getattr_static(owner, attr, None) if isinstance(owner, type) else None
+    if not isinstance(exc, TypeError) or not isinstance(method, types.FunctionType):
+        return None  # a classmethod or staticmethod raised TypeError itself
+    if any(frame.f_code is method.__code__ for frame, _ in traceback.walk_tb(exc.__traceback__)):
+        return None
+    decorator = "@classmethod" if attr == "from_config" else "@staticmethod"
+    return (f"{owner.__qualname__}.{attr} is a plain method, but ardiff calls it on the class, with no instance: "
+            f"decorate it with {decorator}, as pipelines.dreamzero.pipeline:DreamZeroPipeline does "
+            "(README, 'Adding a pipeline')")
 
 
 def registered_pipelines() -> dict[str, str]:
@@ -138,6 +157,14 @@ def _shadowed(module_path: str) -> str | None:
 
 
 def resolve_entry_module(module_path: str, *, name: str, where: str) -> PipelineEntry:
+    if ":" in module_path:  # `my_world = "my_lab.models:MyPipeline"`, as console scripts are registered
+        module, _, attr = module_path.partition(":")
+        raise ConfigError(
+            f"{where}: pipeline {name!r}: its entry point in group {ENTRY_POINT_GROUP!r} is {module_path!r}, an object "
+            f"({attr.strip()!r} in module {module.strip()!r}); an {ENTRY_POINT_GROUP} entry point names a module",
+            hint=f"register the torch-free module that defines {', '.join(ENTRY_ATTRS)} ({name} = "
+                 f"\"{module.strip()}\" if it is that one) and reinstall the package (README, 'Adding a pipeline'); "
+                 f"to run a pipeline class as it is: --pipeline {module_path}")
     module = _import(module_path, what=f"pipeline {name!r}", where=where)
     missing = [attr for attr in ENTRY_ATTRS if not hasattr(module, attr)]
     if missing:

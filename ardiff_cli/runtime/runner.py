@@ -1156,6 +1156,7 @@ class ARDiffusionModelRunner:
                                         hint=PIPELINE_HINT if kind != "non_finite" else _DIVERGED_IN_WARMUP + overflow)
                 timings.append((request.request_id, describe_inputs(request.inputs), time.perf_counter() - t0))
                 where = provider
+            self._warn_if_nothing_committed(len(timings))
         except Exception as exc:
             # The caller gives warmup no input: its own requests refused as malformed are the pipeline's mistake (an
             # ObservationError was exit 2 with a hint about episode files).
@@ -1177,6 +1178,22 @@ class ARDiffusionModelRunner:
         if hook_errors:  # the pool is restored, but the pipeline's own cleanup failed: its sessions would too
             raise hook_errors[0]
         return WarmupReport(skipped=False, timings=timings, restored=restored, seconds=seconds)
+
+    def _warn_if_nothing_committed(self, num_requests: int) -> None:
+        """A warmup whose forwards committed no frame: a model that never ends a block with a commit pass keeps no
+        history, and every step attends to its own block alone, silently (a spec's window then costs only memory).
+        Not for one request: a pipeline may commit a block at the start of the next request, as DreamZero does."""
+        with self._locked():
+            session = self._sessions.get(WARMUP_SESSION_ID)  # gone: a request closed it (close_session)
+        if num_requests < 2 or session is None:
+            return
+        state = session.state
+        if not any(state.adapter(branch).num_committed_frames for branch in state.spec.branch_names):
+            warnings.warn(f"{type(self.pipeline).__name__}: its {plural(num_requests, 'warmup request')} committed no "
+                          "frame to the KV cache: if its forwards never commit, its sessions keep no history and each "
+                          "step attends to its own block alone; end each block with get_kv_caches(branch, seq_len, "
+                          "commit_current=True) and state.commit(branch) (README, 'Adding a pipeline')",
+                          ArdiffWarning, stacklevel=2)
 
     # ----------------------------------------------------------------- views
     def _snapshot(self, session_id: str, session: _Session) -> SessionView:

@@ -192,8 +192,10 @@ class ARDiffusionForwardContext:
             )
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t is not None and (t.dtype != pool.dtype or t.device != pool.device):  # a store has no q
+                # Named with its layer and branch as a shape error is: a model with one layer in another dtype.
                 raise ValueError(
-                    f"{name} must be {pool.dtype} on {pool.device} like the KV pool, got {t.dtype} on {t.device}"
+                    f"layer {layer} of branch {self.branch.name!r}: {name} must be {pool.dtype} on {pool.device} "
+                    f"like the KV pool (the dtype and device from_config was given), got {t.dtype} on {t.device}"
                 )
         if k.requires_grad or v.requires_grad:
             # Copied in place into buffers every session shares: autograd would take them over and fail

@@ -1,0 +1,255 @@
+"""A third-party pipeline written from the README's "Adding a pipeline" alone, outside the repository: a package
+registered through an entry point (a dist-info folder on PYTHONPATH), with a tiny torch model that attends over the
+paged KV cache of two CFG branches and reads one cross-attention cache. It runs end to end, and the mistakes its
+author plausibly makes are named as what they are."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ardiff_cli.io import write_episode
+
+ENTRY = '''
+from dataclasses import dataclass, fields
+
+from ardiff_cli.runtime import (ARDiffusionCrossAttentionKVSpec, ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec,
+                                ObservationField, ObservationSchema)
+from ardiff_cli.runtime.errors import ConfigError
+
+
+@dataclass
+class Config:
+    num_layers: int = 2
+    num_heads: int = 2
+    head_size: int = 8
+    tokens_per_frame: int = 4
+    window_frames: int = 2
+    sink_frames: int = 1
+    text_tokens: int = 3
+
+    @classmethod
+    def from_dict(cls, data, *, where):
+        unknown = sorted(set(data or {}) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"{where}: unknown key model.{unknown[0]}")
+        return cls(**(data or {}))
+
+    def kv_cache_spec(self):
+        return ARDiffusionKVCacheSpec(
+            num_layers=self.num_layers, num_kv_heads=self.num_heads, head_size=self.head_size,
+            tokens_per_frame=self.tokens_per_frame, frames_per_block=1, window_frames=self.window_frames,
+            sink_frames=self.sink_frames, session_capacity=4,
+            kv_branches=(ARDiffusionKVBranchSpec("cond", 0), ARDiffusionKVBranchSpec("uncond", 1)),
+            cross_attention=(ARDiffusionCrossAttentionKVSpec("text", self.text_tokens),))
+
+
+def observation_schema():
+    return ObservationSchema(fields=(ObservationField("state", "float32", ((6,),)),), prompt_key="prompt")
+
+
+def pipeline_class():
+    from lab_world.model import LabPipeline
+    return LabPipeline
+'''
+
+MODEL = '''
+import contextlib
+import zlib
+
+import numpy as np
+import torch
+
+from ardiff_cli.runtime import ARDiffusionRequest
+from lab_world import Config, observation_schema as _schema
+
+
+class LabPipeline:
+    Config = Config
+    observation_schema = staticmethod(_schema)
+
+    def __init__(self, config, device, dtype):
+        self.config, self.device, self.dtype = config, device, dtype
+        gen = torch.Generator().manual_seed(0)
+        dim = config.num_heads * config.head_size
+        self.qkv = [torch.randn(dim, 3 * dim, generator=gen, dtype=torch.float32).to(device, dtype) / dim ** 0.5
+                    for _ in range(config.num_layers)]
+        self.embed = torch.randn(6, dim, generator=gen, dtype=torch.float32).to(device, dtype)
+        self.text = torch.randn(256, dim, generator=gen, dtype=torch.float32).to(device, dtype)
+        self.counters, self.state = {}, None
+
+    @classmethod
+    def from_config(cls, config, *, device, dtype, checkpoint):
+        return cls(config, device, dtype)
+
+    def ar_diffusion_kv_cache_spec(self):
+        return self.config.kv_cache_spec()
+
+    @contextlib.contextmanager
+    def bind_ar_diffusion_state(self, session_id, state):
+        self.state = state
+        try:
+            yield
+        finally:
+            self.state = None
+
+    def reset_ar_diffusion_session(self, session_id):
+        self.counters.pop(session_id, None)
+
+    def close_ar_diffusion_session(self, session_id):
+        self.counters.pop(session_id, None)
+
+    def export_ar_diffusion_session(self, session_id):
+        return {"counter": self.counters.get(session_id, 0)}
+
+    def import_ar_diffusion_session(self, session_id, snapshot):
+        self.counters[session_id] = snapshot["counter"]
+
+    def ar_diffusion_warmup_requests(self, session_id):
+        for i in range(2):
+            yield ARDiffusionRequest(f"warm{i}", {"state": np.zeros(6, np.float32), "prompt": "warm"},
+                                     {"session_id": session_id})
+
+    def _pass(self, x, branch, commit):  # x (L, dim)
+        c, state = self.config, self.state
+        for qkv, ctx, (ck, cv) in zip(self.qkv, state.get_kv_caches(branch, x.shape[0], commit_current=commit),
+                                      state.cross_attention(branch, "text")):
+            q, k, v = (x @ qkv).view(x.shape[0], 3, c.num_heads, c.head_size).permute(1, 2, 0, 3)  # (H, L, D)
+            x = x + ctx.attend(q.contiguous(), k.contiguous(), v.contiguous()).transpose(0, 1).flatten(1)
+            x = x + torch.nn.functional.scaled_dot_product_attention(q, ck, cv).transpose(0, 1).flatten(1)
+        if commit:
+            state.commit(branch)
+        return x
+
+    @torch.inference_mode()
+    def forward(self, request):
+        c, sid = self.config, request.session_id
+        for branch in ("cond", "uncond"):
+            if not self.state.has_cross_attention(branch, "text"):
+                ids = list(request.inputs["prompt"].encode()[:c.text_tokens]) if branch == "cond" else []
+                ids = torch.tensor(ids + [0] * (c.text_tokens - len(ids)), device=self.device)
+                kv = self.text[ids].view(c.text_tokens, c.num_heads, c.head_size).transpose(0, 1).contiguous()
+                self.state.populate_cross_attention(branch, "text", [(kv, kv)] * c.num_layers)
+        n = self.counters.get(sid, 0)
+        gen = torch.Generator().manual_seed(zlib.crc32(sid.encode()) * 1000 + n)
+        x = torch.randn(c.tokens_per_frame, c.num_heads * c.head_size, generator=gen, dtype=torch.float32)
+        obs = torch.as_tensor(request.inputs["state"]).to(self.device, self.dtype)  # (6,)
+        x = x.to(self.device, self.dtype) + obs @ self.embed
+        cond, uncond = self._pass(x, "cond", False), self._pass(x, "uncond", False)
+        x = uncond + 2.0 * (cond - uncond)
+        for branch in ("cond", "uncond"):
+            self._pass(x, branch, True)
+        self.counters[sid] = n + 1
+        return {"frame": x.float().cpu().numpy()}
+
+
+class PlainFromConfig(LabPipeline):
+    def from_config(self, config, *, device, dtype, checkpoint):  # no @classmethod
+        return LabPipeline(config, device, dtype)
+
+
+class NeverCommits(LabPipeline):
+    def _pass(self, x, branch, commit):  # every pass a denoising one: no block becomes history
+        return super()._pass(x, branch, False)
+
+
+class PlainSchema(LabPipeline):
+    def observation_schema(self):  # no @staticmethod
+        return _schema()
+'''
+
+
+@pytest.fixture(scope="module")
+def lab(cli_env, tmp_path_factory):
+    """The package, its registration (lab_world = lab_world, and lab_world_class naming the class as console scripts
+    are registered), a config and four episodes of six steps."""
+    root = tmp_path_factory.mktemp("lab")
+    (root / "lab_world").mkdir()
+    (root / "lab_world" / "__init__.py").write_text(ENTRY)
+    (root / "lab_world" / "model.py").write_text(MODEL)
+    dist = root / "lab_world-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: lab-world\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[ardiff.pipelines]\nlab_world = lab_world\n"
+                                           "lab_world_class = lab_world.model:LabPipeline\n")
+    for name in ("lab_world", "lab_world_class"):
+        (root / f"{name}.yaml").write_text(f"pipeline: {name}\nmodel: {{}}\n"
+                                           "runtime: {device: cpu, num_threads: 1, session_capacity: 1}\n")
+    (root / "unnamed.yaml").write_text("model: {}\nruntime: {device: cpu, num_threads: 1}\n")  # for --pipeline
+    rng = np.random.default_rng(0)
+    for e in range(3):
+        write_episode(root / "eps" / f"ep{e}", [{"state": rng.standard_normal(6).astype(np.float32)}
+                                               for _ in range(4)], prompt=f"task {e}")
+    env = {**cli_env, "PYTHONPATH": os.pathsep.join([str(root), cli_env["PYTHONPATH"]])}
+    return root, env
+
+
+def ardiff(lab, *args: str) -> subprocess.CompletedProcess:
+    root, env = lab
+    return subprocess.run([sys.executable, "-m", "ardiff_cli", *args, "--format", "plain"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def frames(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted((run / "episodes").rglob("*.safetensors"))}
+
+
+def test_a_pipeline_written_from_the_readme_plans_warms_up_and_rolls_out_with_eviction(lab):
+    root, _ = lab
+    assert ardiff(lab, "inspect-capacity", "lab_world.yaml", "--available", "1GiB").returncode == 0
+    warmup = ardiff(lab, "warmup", "lab_world.yaml")
+    assert warmup.returncode == 0 and "KV pool restored" in warmup.stdout and "warning" not in warmup.stderr, \
+        warmup.stderr
+    swapped = ardiff(lab, "rollout", "lab_world.yaml", "eps", "-o", "rr")  # capacity 1: every step evicts one
+    assert swapped.returncode == 0 and "restored from swap" in swapped.stdout + swapped.stderr, swapped.stderr
+    alone = ardiff(lab, "rollout", "lab_world.yaml", "eps", "-o", "seq", "--order", "sequential",
+                   "--session-capacity", "4")
+    assert alone.returncode == 0, alone.stderr
+    assert json.loads((root / "rr" / "summary.json").read_text())["exit_code"] == 0
+    assert len(frames(root / "rr")) == 12 and frames(root / "rr") == frames(root / "seq")
+    # the class itself, named on the command line, with a config that names no pipeline (README: "may be left out")
+    named = ardiff(lab, "rollout", "unnamed.yaml", "eps", "-o", "named", "--pipeline", "lab_world.model:LabPipeline")
+    assert named.returncode == 0 and frames(root / "named") == frames(root / "seq"), named.stderr
+
+
+def test_an_entry_point_that_names_an_object_says_an_entry_point_names_a_module(lab):
+    """`lab_world_class = "lab_world.model:LabPipeline"` (how console scripts are registered) was "cannot import
+    'lab_world.model:LabPipeline': No module named ...", hint "is the package installed?": it is."""
+    for command in (["warmup"], ["inspect-capacity"]):
+        proc = ardiff(lab, *command, "lab_world_class.yaml")
+        assert proc.returncode == 2, proc.stderr
+        assert ("its entry point in group 'ardiff.pipelines' is 'lab_world.model:LabPipeline', an object "
+                "('LabPipeline' in module 'lab_world.model'); an ardiff.pipelines entry point names a module"
+                in proc.stderr), proc.stderr
+        assert "is the package installed" not in proc.stderr and "--pipeline lab_world.model:LabPipeline" in proc.stderr
+
+
+@pytest.mark.parametrize(("name", "command", "decorator"), [
+    ("PlainFromConfig", "warmup", "@classmethod"),
+    ("PlainSchema", "rollout", "@staticmethod"),
+])
+def test_a_method_ardiff_calls_on_the_class_written_without_its_decorator_is_named(lab, name, command, decorator):
+    """`def from_config(self, ...)` or `def observation_schema(self)` on a --pipeline class: Python's "missing 1
+    required positional argument" came with the hint about a Config raising ConfigError, or none at all."""
+    args = ["eps", "-o", f"out_{name}"] if command == "rollout" else []
+    proc = ardiff(lab, command, "unnamed.yaml", *args, "--pipeline", f"lab_world.model:{name}")
+    assert proc.returncode == 1, proc.stderr
+    attr = "from_config" if decorator == "@classmethod" else "observation_schema"
+    assert (f"hint: {name}.{attr} is a plain method, but ardiff calls it on the class, with no instance: decorate "
+            f"it with {decorator}" in proc.stderr), proc.stderr
+    assert "ConfigError" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_forward_that_never_commits_a_block_is_a_warmup_warning(lab):
+    """A model whose passes all leave commit_current False ran every step on its own block, with no history and no
+    word of it: the window it declared was memory spent on nothing."""
+    proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:NeverCommits")
+    assert proc.returncode == 0, proc.stderr
+    assert ("warning: NeverCommits: its 2 warmup requests committed no frame to the KV cache: if its forwards never "
+            "commit, its sessions keep no history" in proc.stderr), proc.stderr
