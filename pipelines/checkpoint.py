@@ -372,11 +372,17 @@ def refuse_too_large_for_default(pipeline_class: Any, config) -> None:
     num = count_config_parameters(pipeline_class, config)
     if num > MAX_DEFAULT_PARAMETERS:
         raise CheckpointError(
-            f"no built-in checkpoint for this {pipeline_class.name} geometry ({num / 1e9:.2f}B parameters): "
+            f"no built-in checkpoint for this {pipeline_class.name} geometry ({parameter_count(num)}): "
             "large configs are for capacity planning",
             hint="set checkpoint: to a .safetensors file of this model's weights; "
             "`ardiff inspect-capacity` plans its memory without them",
         )
+
+
+def parameter_count(num: int) -> str:
+    """'14.29B parameters' for a model's size; past a thousand billion, which only an absurd geometry gives
+    (``num_layers: 10**12``), three significant digits: '5.06e+16 parameters', not '50624000.00B parameters'."""
+    return f"{num / 1e9:.2f}B parameters" if num < 10**12 else f"{num:.3g} parameters"
 
 
 def default_checkpoint_hint(path: Path) -> str:

@@ -910,3 +910,26 @@ def test_a_format_after_a_double_dash_is_an_argument_not_the_option():
     assert proc.stderr == "Error: Got unexpected extra argument(s) (json)\nhint: see ardiff warmup --help\n"
     proc = _ardiff("warmup", "--format", "json", "--", "cfg", "extra")
     assert proc.returncode == 2 and json.loads(proc.stdout)["kind"] == "usage_error", proc.stdout
+
+
+def test_warmup_out_of_its_memory_budget_names_the_dtype_and_window_fields_as_inspect_capacity_does(tmp_path,
+                                                                                                   cli_env):
+    """`warmup --memory-budget` too small for one session hinted "use a smaller window, model or dtype, a larger
+    --memory-budget, or a device with more memory" while inspect-capacity, for the same plan, names `--dtype bfloat16`
+    and the config's window field: both give the one hint now, by the option or config field that set the budget."""
+    config = tmp_path / "budget.yaml"
+    config.write_text("pipeline: dreamzero\nmodel: {preset: tiny}\nruntime: {memory_budget: 200KiB}\n")
+    hints = {}
+    for label, args in (("option", ("dreamzero-tiny", "--memory-budget", "200KiB")), ("config", (str(config),))):
+        for command in ("warmup", "inspect-capacity"):
+            proc = subprocess.run([sys.executable, "-m", "ardiff_cli", command, *args, "--dtype", "float32",
+                                   *(["--device", "cpu"] if command == "warmup" else []), "--format", "json"],
+                                  cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 3, proc.stderr  # one session of dreamzero-tiny needs 291 KiB
+            hints[label, command] = json.loads(proc.stdout)["hint"]
+    assert hints["option", "warmup"] == hints["option", "inspect-capacity"] == (
+        "plan with a larger --memory-budget, --dtype bfloat16 (half the bytes) or a smaller model.window_frames in "
+        "the config")
+    assert hints["config", "warmup"] == hints["config", "inspect-capacity"] == (
+        "plan with a larger runtime.memory_budget in the config (or --memory-budget), --dtype bfloat16 (half the "
+        "bytes) or a smaller model.window_frames in the config")

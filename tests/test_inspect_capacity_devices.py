@@ -508,3 +508,45 @@ def test_the_table_shows_the_paths_and_device_ids_it_quotes_as_they_are(tmp_path
     assert "\x1b" not in proc.stdout
     data = json.loads(inspect(tmp_path, *args, CUDA_VISIBLE_DEVICES=visible).stdout)  # JSON keeps the text as it is
     assert data["plan_device_reason"] == f"requested (nvidia-smi GPU {visible}, CUDA_VISIBLE_DEVICES={visible!r})"
+
+
+def test_a_config_whose_checkpoint_is_not_here_is_planned_with_a_warning_and_refused_by_loading(tmp_path, cli_env):
+    """A cluster's config (its checkpoint on the cluster's disk, or a link to a disk not mounted here) planned from a
+    laptop: inspect-capacity, which reads no weights, refused it (exit 2, "field 'checkpoint': file not found"). It
+    plans it now, as without the checkpoint, and says in one warning that warmup and rollout refuse it here; they
+    still do, before loading. A folder given as the checkpoint is a mistake on any machine: still refused."""
+    import yaml
+
+    data = yaml.safe_load((REPO / "configs" / "dreamzero-14b.yaml").read_text())
+    plans = {}
+    (tmp_path / "mnt.safetensors").symlink_to("/mnt/cluster/dz-14b.safetensors")
+    for name, checkpoint in (("none", None), ("cluster", "/cluster/weights/dz-14b.safetensors"),
+                             ("link", "mnt.safetensors")):
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(yaml.safe_dump({**data, "checkpoint": checkpoint}))
+        proc = inspect(tmp_path, str(config), "--available", "80GiB", gpu=False, gpu_torch=False)
+        assert proc.returncode == 0, proc.stderr
+        plans[name] = json.loads(proc.stdout)
+    assert plans["none"]["warnings"] == []
+    for name, why in (("cluster", "file not found: /cluster/weights/dz-14b.safetensors"),
+                      ("link", f"{tmp_path}/mnt.safetensors is a link to /mnt/cluster/dz-14b.safetensors, which does "
+                               "not exist")):
+        assert {k: v for k, v in plans[name].items() if k not in ("config", "warnings")} == {
+            k: v for k, v in plans["none"].items() if k not in ("config", "warnings")}
+        assert plans[name]["warnings"] == [f"{tmp_path}/{name}.yaml: field 'checkpoint': {why}: planned all the same "
+                                           "(a plan reads no weights); warmup and rollout refuse it on this machine"]
+    proc = inspect(tmp_path, str(tmp_path / "cluster.yaml"), "--available", "80GiB", gpu=False, gpu_torch=False,
+                   fmt="plain")
+    assert proc.returncode == 0 and proc.stdout.startswith("capacity plan: "), proc.stderr
+    assert proc.stderr.count("warning: ") == 1 and "file not found: /cluster/weights" in proc.stderr, proc.stderr
+    for command in ("warmup", "rollout"):
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", command, str(tmp_path / "cluster.yaml"), "--device",
+                               "cpu", "--format", "plain", *(["-o", "run"] if command == "rollout" else [])],
+                              cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert "Error: " in proc.stderr and "field 'checkpoint': file not found: /cluster/weights" in proc.stderr
+        assert "warning: " not in proc.stderr and not (tmp_path / "run").exists()
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "folder.yaml").write_text(yaml.safe_dump({**data, "checkpoint": "weights"}))
+    proc = inspect(tmp_path, str(tmp_path / "folder.yaml"), "--available", "80GiB", gpu=False, gpu_torch=False)
+    assert proc.returncode == 2 and "field 'checkpoint': a folder, not a file" in proc.stderr, proc.stderr

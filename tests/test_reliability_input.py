@@ -582,7 +582,7 @@ CONFIG_CASES = {
                                                           "integer from 1 to 1000, got 100000000"], None),
     "layers_no_host_could_hold": ("pipeline: causal_world\ncheckpoint: null\nmodel: {preset: tiny, num_layers: "
                                   + str(10**12) + "}\n", "warmup",
-                                  ["no built-in checkpoint for this causal_world geometry (50624000.00B parameters)"],
+                                  ["no built-in checkpoint for this causal_world geometry (5.06e+16 parameters)"],
                                   "set checkpoint: to a .safetensors file"),
     "int_beyond_int64": ("pipeline: dreamzero\nmodel: {ffn_dim: " + str(10**30) + "}\n", "warmup",
                          ["{config}: field 'model.ffn_dim': expected an integer below 2**63, got " + str(10**30)],
@@ -605,7 +605,8 @@ CONFIG_CASES = {
     "class_in_config": ("pipeline: faulty_pipelines:FaultyDreamZero\n", "inspect-capacity",
                         ["{config}: field 'pipeline': 'faulty_pipelines:FaultyDreamZero' is not a registered "
                          "pipeline; a config names registered pipelines only"], "--pipeline MODULE:CLASS"),
-    "missing_checkpoint": ("pipeline: dreamzero\ncheckpoint: weights/missing.safetensors\n", "inspect-capacity",
+    # inspect-capacity plans it (a cluster's checkpoint): test_inspect_capacity_devices.py
+    "missing_checkpoint": ("pipeline: dreamzero\ncheckpoint: weights/missing.safetensors\n", "warmup",
                            ["{config}: field 'checkpoint': file not found: {dir}/weights/missing.safetensors"],
                            "checkpoint: null"),
     "checkpoint_is_a_folder": ("pipeline: dreamzero\ncheckpoint: weights\n", "inspect-capacity",  # 'file not found'

@@ -1,4 +1,5 @@
-"""What several commands share: reading the config with command-line overrides. Torch-free."""
+"""What several commands share: reading the config with command-line overrides, the hint for a plan that does not
+fit. Torch-free."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from ardiff_cli.runtime.errors import ConfigError
 
 
 def load_engine_config(config: str | None, *, pipeline: str | None = None, command: str = "rollout",
-                       episodes: Sequence[Path] = (), **overrides: Any):
+                       episodes: Sequence[Path] = (), plan_only: bool = False, **overrides: Any):
     """The validated ``EngineConfig`` of CONFIG (a path or built-in name) with runtime ``overrides`` applied.
 
     ``pipeline`` is ``--pipeline`` (a registered name or MODULE:CLASS). ``None``
     overrides keep the config's value; enum options are passed by value. ``command``: the one whose usage a hint
     shows (rollout's folder is its episodes, given without CONFIG before them); ``episodes``: rollout's other
-    arguments, where a config given after the folder is (the hint then puts it first).
+    arguments, where a config given after the folder is (the hint then puts it first); ``plan_only``: as
+    ``load_config``'s (a checkpoint not found here is noted, not refused).
     """
     from ardiff_cli.runtime.config import builtin_configs, load_config, path_kind
 
@@ -49,7 +51,29 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
             + (", converted to .safetensors (ardiff never unpickles a file)" if pickled else ""),
         )
     values = {k: getattr(v, "value", v) for k, v in overrides.items()}
-    return load_config(config if config is not None else DEFAULT_CONFIG, pipeline=pipeline).with_runtime(**values)
+    return load_config(config if config is not None else DEFAULT_CONFIG, pipeline=pipeline,
+                       plan_only=plan_only).with_runtime(**values)
+
+
+def does_not_fit_hint(cfg: Any, source: str, *, window_helps: bool) -> str:
+    """What the user of this command can change when one session does not fit (inspect-capacity's plan, warmup's
+    load with a memory budget): the memory planned with (by the option that set it: ``--memory-budget`` is not read
+    when ``--available`` is given), ``--dtype`` when a smaller one exists, and the config's window fields where its
+    model has them and a smaller window could fit."""
+    if source == "--available":
+        fixes = ["a larger --available (the memory of a device the config is meant for)"]
+    elif source == "--memory-budget":
+        fixes = ["a larger --memory-budget"]
+    elif source == "runtime.memory_budget":
+        fixes = ["a larger runtime.memory_budget in the config (or --memory-budget)"]
+    else:
+        fixes = ["--available BYTES (the free memory of a device larger than this one)"]
+    if cfg.runtime.dtype == "float32":
+        fixes.append("--dtype bfloat16 (half the bytes)")
+    fields = [f"model.{name}" for name in ("window_frames", "sink_frames")
+              if window_helps and type(getattr(cfg.model, name, None)) is int and getattr(cfg.model, name) > 0]
+    fixes.append(f"a smaller {' or '.join(fields)} in the config" if fields else "a smaller model in the config")
+    return f"plan with {', '.join(fixes[:-1])} or {fixes[-1]}"
 
 
 def _config_among(arguments: Sequence[Path]) -> str:

@@ -13,7 +13,13 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ardiff_cli.commands._common import check_working_folder, config_label, load_engine_config, refuse_contradictions
+from ardiff_cli.commands._common import (
+    check_working_folder,
+    config_label,
+    does_not_fit_hint,
+    load_engine_config,
+    refuse_contradictions,
+)
 from ardiff_cli.errors_cli import EXIT_CODES_HELP, handle_errors
 from ardiff_cli.options import (
     ConfigArg,
@@ -89,9 +95,12 @@ def inspect_capacity(
         from ardiff_cli.runtime.kv.layout import KVLayout
 
         refuse_contradictions(quiet=quiet, verbose=verbose)
-        cfg = load_engine_config(config, pipeline=pipeline, command="inspect-capacity", device=device, dtype=dtype,
-                                 memory_budget=memory_budget, session_capacity=session_capacity,
+        cfg = load_engine_config(config, pipeline=pipeline, command="inspect-capacity", plan_only=True, device=device,
+                                 dtype=dtype, memory_budget=memory_budget, session_capacity=session_capacity,
                                  gpu_memory_fraction=gpu_memory_fraction, attention_backend=attention_backend)
+        if cfg.checkpoint_missing:  # a cluster's config planned from a laptop: the plan reads no weights
+            out.warning(f"{cfg.source}: field 'checkpoint': {cfg.checkpoint_missing}: planned all the same (a plan "
+                        "reads no weights); warmup and rollout refuse it on this machine")
         runtime = cfg.runtime
         target = resolve_plan_device(runtime.device)
         spec = cfg.kv_cache_spec()
@@ -123,28 +132,8 @@ def inspect_capacity(
         data["attention"] = attention
         data = {"kind": "capacity_plan", "config": config_label(config), "pipeline": cfg.pipeline_name,
                 "device": runtime.device, "plan_device": target.name, "plan_device_reason": target.reason,
-                "available_source": source, **data}
+                "available_source": source, **data, "warnings": list(out.warnings)}
         out.result(data, lambda plain: render_capacity(data, plan, plain))
-
-
-def does_not_fit_hint(cfg: Any, source: str, *, window_helps: bool) -> str:
-    """What the user of this command can change when one session does not fit: the memory planned with (by the
-    option that set it: ``--memory-budget`` is not read when ``--available`` is given), ``--dtype`` when a smaller
-    one exists, and the config's window fields where its model has them and a smaller window could fit."""
-    if source == "--available":
-        fixes = ["a larger --available (the memory of a device the config is meant for)"]
-    elif source == "--memory-budget":
-        fixes = ["a larger --memory-budget"]
-    elif source == "runtime.memory_budget":
-        fixes = ["a larger runtime.memory_budget in the config (or --memory-budget)"]
-    else:
-        fixes = ["--available BYTES (the free memory of a device larger than this one)"]
-    if cfg.runtime.dtype == "float32":
-        fixes.append("--dtype bfloat16 (half the bytes)")
-    fields = [f"model.{name}" for name in ("window_frames", "sink_frames")
-              if window_helps and type(getattr(cfg.model, name, None)) is int and getattr(cfg.model, name) > 0]
-    fixes.append(f"a smaller {' or '.join(fields)} in the config" if fields else "a smaller model in the config")
-    return f"plan with {', '.join(fixes[:-1])} or {fixes[-1]}"
 
 
 # ------------------------------------------------------------------------------- device, without torch

@@ -7,7 +7,13 @@ import statistics
 from collections.abc import Iterator
 from typing import Any
 
-from ardiff_cli.commands._common import check_working_folder, config_label, load_engine_config, refuse_contradictions
+from ardiff_cli.commands._common import (
+    check_working_folder,
+    config_label,
+    does_not_fit_hint,
+    load_engine_config,
+    refuse_contradictions,
+)
 from ardiff_cli.errors_cli import EXIT_CODES_HELP, Interrupted, handle_errors
 from ardiff_cli.options import (
     ConfigArg,
@@ -24,6 +30,7 @@ from ardiff_cli.options import (
     VerboseOpt,
 )
 from ardiff_cli.output import Format, Output
+from ardiff_cli.runtime.errors import CapacityError
 
 HELP = (
     "Load the pipeline and run its warmup requests (each input shape it will see); print each request's inputs "
@@ -81,7 +88,14 @@ def warmup(
             counter = _RequestCounter(monitor)
             engine.subscribe(counter)
             try:
-                engine.load()
+                try:
+                    engine.load()
+                except CapacityError as exc:  # without a budget, the runner's hint names the device's free memory
+                    if cfg.runtime.memory_budget is not None:
+                        exc.hint = does_not_fit_hint(
+                            cfg, "--memory-budget" if memory_budget is not None else "runtime.memory_budget",
+                            window_helps=exc.window_helps)
+                    raise
                 signals.check()
                 monitor.refresh(engine.runner)
                 monitor.set_phase("warmup")

@@ -177,6 +177,8 @@ class EngineConfig:
     checkpoint: Path | None  # None = the pipeline's built-in default checkpoint
     runtime: RuntimeConfig
     sha256: str | None = None  # of the config file's bytes, the very ones parsed (None: a dict)
+    # Why ``checkpoint`` is not here (loaded with ``plan_only``: inspect-capacity plans without it); loading refuses it
+    checkpoint_missing: str | None = None
 
     def kv_cache_spec(self) -> ARDiffusionKVCacheSpec:
         """The pipeline's KV spec for this config, without torch or weights."""
@@ -453,13 +455,16 @@ def _takes(entry: PipelineEntry, model_data: dict[Any, Any], where: str) -> bool
     return True
 
 
-def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: str | None = None) -> EngineConfig:
+def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: str | None = None,
+                plan_only: bool = False) -> EngineConfig:
     """Parse and validate a config from a file, a built-in name or a dict.
 
     ``pipeline`` is the command line's ``--pipeline``: a registered name or
     ``module:Class`` (which imports ``module``). It replaces the config's
     ``pipeline:`` field, which may then be left out. The config itself can
-    only name registered pipelines.
+    only name registered pipelines. ``plan_only``: the config is for a plan, which reads no weights, so a
+    ``checkpoint:`` not found here (on another machine's disk) is kept, with why in ``checkpoint_missing``; a
+    folder or anything else that is no file is refused all the same.
     """
     digest = None
     if isinstance(source, dict):
@@ -510,7 +515,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
         raise PipelineError(f"{where}: pipeline {entry.name!r}: {config_class}.kv_cache_spec() returned "
                             f"{type(spec).__name__}, expected an ARDiffusionKVCacheSpec", hint=CONFIG_CONTRACT_HINT)
     _check_attention_span(spec, model, where)
-    checkpoint = data.get("checkpoint")
+    checkpoint, missing = data.get("checkpoint"), None
     if checkpoint is not None:
         if not isinstance(checkpoint, str) or not checkpoint:
             raise field_error(where, "checkpoint", "a .safetensors path or null", checkpoint)
@@ -521,10 +526,12 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
             checkpoint = base / checkpoint
         kind = path_kind(checkpoint, "", where=f"{where}: field 'checkpoint'")
         dangling = link_to_nothing(checkpoint) if kind == "missing" else None
-        if dangling:
+        if kind == "missing" and plan_only:
+            missing = f"{checkpoint} is {dangling}" if dangling else f"file not found: {checkpoint}"
+        elif dangling:
             raise ConfigError(f"{where}: field 'checkpoint': {checkpoint} is {dangling}",
                               hint="mount or restore what it links to, or give the .safetensors file's own path")
-        if kind != "file":
+        elif kind != "file":
             found = {"folder": "a folder, not a file", "other": "not a regular file"}.get(kind, "file not found")
             # A path written relative to the folder the user runs from (or a config linked from elsewhere) was only
             # named as not found: say where a relative one is read from.
@@ -537,5 +544,5 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
     runtime = RuntimeConfig.from_dict({} if data.get("runtime") is None else data["runtime"], where=where)
     return EngineConfig(
         source=where, pipeline_name=name, entry=entry, model=model, checkpoint=checkpoint, runtime=runtime,
-        sha256=digest,
+        sha256=digest, checkpoint_missing=missing,
     )
