@@ -151,8 +151,12 @@ def _end_process(code: object) -> NoReturn:
         print(code, file=sys.stderr)
         status = 1
     entry.release_early_signals()
+    # The command is over, its data written: what a pipeline's thread still running or an atexit handler prints
+    # goes to stderr, as it did while the command ran (handle_errors), not after the data (a --format json line)
+    stdout, sys.stdout = sys.stdout, sys.stderr
     shutdown = getattr(threading, "_shutdown", None)  # what the interpreter's exit calls first: joins threads
     if shutdown is None:  # another Python: let the interpreter exit as usual
+        sys.stdout = stdout
         raise SystemExit(status)
     shutdown()  # a thread that never ends (a snapshot written to a hung disk) can still be interrupted here
     from ardiff_cli.signals import HANDLED  # imported by then by the commands that handle signals
@@ -160,7 +164,7 @@ def _end_process(code: object) -> NoReturn:
     for signum in HANDLED:  # but the status is decided: a signal now (a second Ctrl-C) would only garble or change it
         signal.signal(signum, signal.SIG_IGN)
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError, AttributeError):

@@ -306,7 +306,9 @@ def stdout_error(exc: OSError) -> Exception:
 
 
 class _Chatter(io.TextIOBase):
-    """``sys.stdout`` inside ``Output.chatter_to_stderr``: text to the sink's stderr, dropped once that failed."""
+    """``sys.stdout`` inside ``Output.chatter_to_stderr``: text to the sink's stderr, dropped once that failed. What
+    code asks of a real stream is stderr's: its descriptor (``subprocess.run(..., stdout=sys.stdout)``,
+    ``faulthandler``), ``encoding``, ``buffer``; they raised (``UnsupportedOperation: fileno``) or were None."""
 
     def __init__(self, out: Output) -> None:
         self._out = out  # the sink whose stderr takes the text
@@ -317,6 +319,25 @@ class _Chatter(io.TextIOBase):
     def write(self, text: str) -> int:
         self._out._write_err_raw(text)
         return len(text)
+
+    def fileno(self) -> int:
+        return self._out._stderr.fileno()
+
+    def isatty(self) -> bool:
+        return _isatty(self._out._stderr)
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self._out._stderr, "encoding", None) or "utf-8"
+
+    @property
+    def errors(self) -> str | None:
+        return getattr(self._out._stderr, "errors", None)
+
+    def __getattr__(self, name: str) -> Any:  # buffer, reconfigure, ...: not a TextIOBase's own
+        if name.startswith("_"):  # _out itself, before __init__ set it (copy, pickle): no endless recursion
+            raise AttributeError(name)
+        return getattr(self._out._stderr, name)
 
 
 def to_devnull(stream: IO[str]) -> None:

@@ -162,6 +162,50 @@ class NeverCommits(LabPipeline):
 class PlainSchema(LabPipeline):
     def observation_schema(self):  # no @staticmethod
         return _schema()
+
+
+def _build(config, *, device, dtype):  # no checkpoint keyword: called on the class, a plain function is right
+    return LabPipeline(config, device, dtype)
+
+
+class FactoryFromConfig(LabPipeline):
+    from_config = _build
+
+
+class CommitsNextRequest(LabPipeline):
+    """DreamZero's way: a request's block becomes history at the start of the next request of its session."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.held, self.sid = {}, None
+
+    def ar_diffusion_warmup_requests(self, session_id):  # then a fresh episode: its block is never committed
+        yield from super().ar_diffusion_warmup_requests(session_id)
+        yield ARDiffusionRequest("fresh", {"state": np.zeros(6, np.float32), "prompt": "warm"},
+                                 {"session_id": session_id, "reset": True})
+
+    def reset_ar_diffusion_session(self, session_id):
+        self.held.pop(session_id, None)
+        super().reset_ar_diffusion_session(session_id)
+
+    def close_ar_diffusion_session(self, session_id):
+        self.held.pop(session_id, None)
+        super().close_ar_diffusion_session(session_id)
+
+    @torch.inference_mode()
+    def forward(self, request):
+        self.sid = request.session_id
+        held = self.held.pop(self.sid, None)
+        if held is not None:
+            for branch in ("cond", "uncond"):
+                super()._pass(held, branch, True)
+        return super().forward(request)
+
+    def _pass(self, x, branch, commit):
+        if commit:  # the block is committed at the start of the next request
+            self.held[self.sid] = x
+            return x
+        return super()._pass(x, branch, False)
 '''
 
 
@@ -230,20 +274,30 @@ def test_an_entry_point_that_names_an_object_says_an_entry_point_names_a_module(
         assert "is the package installed" not in proc.stderr and "--pipeline lab_world.model:LabPipeline" in proc.stderr
 
 
-@pytest.mark.parametrize(("name", "command", "decorator"), [
-    ("PlainFromConfig", "warmup", "@classmethod"),
-    ("PlainSchema", "rollout", "@staticmethod"),
+@pytest.mark.parametrize(("name", "command", "attr", "fix"), [
+    ("PlainFromConfig", "warmup", "from_config", "@classmethod, as"),
+    # @staticmethod alone, which the hint said, left `def observation_schema(self)` failing as before
+    ("PlainSchema", "rollout", "observation_schema",
+     "@classmethod, or drop its first parameter and decorate it with @staticmethod, as"),
 ])
-def test_a_method_ardiff_calls_on_the_class_written_without_its_decorator_is_named(lab, name, command, decorator):
+def test_a_method_ardiff_calls_on_the_class_written_without_its_decorator_is_named(lab, name, command, attr, fix):
     """`def from_config(self, ...)` or `def observation_schema(self)` on a --pipeline class: Python's "missing 1
     required positional argument" came with the hint about a Config raising ConfigError, or none at all."""
     args = ["eps", "-o", f"out_{name}"] if command == "rollout" else []
     proc = ardiff(lab, command, "unnamed.yaml", *args, "--pipeline", f"lab_world.model:{name}")
     assert proc.returncode == 1, proc.stderr
-    attr = "from_config" if decorator == "@classmethod" else "observation_schema"
     assert (f"hint: {name}.{attr} is a plain method, but ardiff calls it on the class, with no instance: decorate "
-            f"it with {decorator}" in proc.stderr), proc.stderr
+            f"it with {fix}" in proc.stderr), proc.stderr
     assert "ConfigError" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_plain_function_whose_signature_is_wrong_is_not_told_to_take_a_decorator(lab):
+    """`from_config = _build`, a module's function without the checkpoint keyword, was hinted "a plain method ...
+    decorate it with @classmethod", which would have made its first argument the class; its own error is the one."""
+    proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:FactoryFromConfig")
+    assert proc.returncode == 1, proc.stderr
+    assert "unexpected keyword argument 'checkpoint'" in proc.stderr and "plain method" not in proc.stderr, \
+        proc.stderr
 
 
 def test_a_forward_that_never_commits_a_block_is_a_warmup_warning(lab):
@@ -253,3 +307,11 @@ def test_a_forward_that_never_commits_a_block_is_a_warmup_warning(lab):
     assert proc.returncode == 0, proc.stderr
     assert ("warning: NeverCommits: its 2 warmup requests committed no frame to the KV cache: if its forwards never "
             "commit, its sessions keep no history" in proc.stderr), proc.stderr
+
+
+def test_a_warmup_whose_last_request_starts_afresh_is_no_warning_for_a_pipeline_that_commits_on_the_next_request(lab):
+    """The warmup session was looked at once, after the last request: one that reset it (a fresh episode) left no
+    committed frame in a pipeline that commits a block at the start of the next request, as DreamZero does, and a
+    pipeline that keeps its history was told it keeps none."""
+    proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:CommitsNextRequest")
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr

@@ -668,6 +668,13 @@ def test_warmups_table_shows_the_pipelines_request_ids_as_they_are(env, tmp_path
 
 
 CHATTY_PIPELINE = """\
+import atexit
+import codecs
+import subprocess
+import sys
+import threading
+import time
+
 from pipelines.causal_world.pipeline import CausalWorldPipeline
 
 print("chatty: imported")
@@ -676,6 +683,30 @@ print("chatty: imported")
 class Chatty(CausalWorldPipeline):
     def forward(self, *args, **kwargs):
         print("chatty: a forward")
+        return super().forward(*args, **kwargs)
+
+
+class ChattyToTheEnd(CausalWorldPipeline):
+    def forward(self, *args, **kwargs):  # a thread that prints as the process ends, and an atexit handler
+        if not getattr(self, "started", False):
+            self.started = True
+            atexit.register(print, "chatty: at exit")
+            threading.Thread(target=self.late).start()
+        return super().forward(*args, **kwargs)
+
+    @staticmethod
+    def late():
+        while threading.main_thread().is_alive():  # until the command is over and the process ends
+            time.sleep(0.01)
+        print("chatty: a thread, late")
+
+
+class ChattyTools(CausalWorldPipeline):
+    def forward(self, *args, **kwargs):  # what a tool does with sys.stdout: its descriptor, its encoding, its bytes
+        subprocess.run([sys.executable, "-c", "print('chatty: a subprocess')"], stdout=sys.stdout, check=True)
+        print(f"chatty: writes {codecs.lookup(sys.stdout.encoding).name}", flush=True)
+        sys.stdout.buffer.write(b"chatty: bytes\\n")
+        sys.stdout.buffer.flush()
         return super().forward(*args, **kwargs)
 """
 
@@ -694,6 +725,34 @@ def test_what_a_pipeline_prints_goes_to_stderr_not_into_the_data_on_stdout(env, 
     assert printed == ["chatty: imported"] + ["chatty: a forward"] * (4 if command == "warmup" else 0), proc.stderr
     if fmt == "json":
         assert [json.loads(line)["kind"] for line in proc.stdout.splitlines()][-1] in ("capacity_plan", "warmup")
+
+
+def test_what_a_pipeline_prints_after_the_command_goes_to_stderr_too(env, tmp_path):
+    """A thread of the pipeline's still printing as the process ends, or an atexit handler, wrote after the result:
+    a line of `--format json`'s stdout that was no JSON object."""
+    (tmp_path / "chatty.py").write_text(CHATTY_PIPELINE)
+    env = {**env, "PYTHONPATH": f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"}
+    proc = ardiff(env, "warmup", "causal-world-tiny", "--device", "cpu", "--format", "json",
+                  "--pipeline", "chatty:ChattyToTheEnd")
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(line)["kind"] for line in proc.stdout.splitlines()][-1] == "warmup", proc.stdout
+    printed = [line for line in proc.stderr.splitlines() if line.startswith("chatty: ")]
+    assert printed == ["chatty: imported", "chatty: a thread, late", "chatty: at exit"], proc.stderr
+
+
+def test_a_pipeline_that_hands_sys_stdout_to_a_tool_runs_and_what_it_writes_goes_to_stderr(env, tmp_path):
+    """sys.stdout, stderr's stand-in while a command runs, had no descriptor, no encoding and no buffer: a forward
+    running a tool with stdout=sys.stdout failed every step (`UnsupportedOperation: fileno`), as did one reading
+    sys.stdout.encoding (None), though both had worked before the stand-in."""
+    (tmp_path / "chatty.py").write_text(CHATTY_PIPELINE)
+    env = {**env, "PYTHONPATH": f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"}
+    proc = ardiff(env, "warmup", "causal-world-tiny", "--device", "cpu", "--format", "json",
+                  "--pipeline", "chatty:ChattyTools")
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(line)["kind"] for line in proc.stdout.splitlines()][-1] == "warmup"
+    printed = [line for line in proc.stderr.splitlines() if line.startswith("chatty: ")]
+    assert printed == ["chatty: imported"] + ["chatty: a subprocess", "chatty: writes utf-8", "chatty: bytes"] * 4, \
+        proc.stderr
 
 
 # The vLLM kernel failing to build under `auto` cannot happen on a CPU machine (its probe and its pool

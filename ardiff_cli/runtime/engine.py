@@ -140,16 +140,16 @@ class ARDiffusionEngine:
             # intra-op parallelism, badly so when other processes share the cores.
             torch.set_num_threads(runtime.num_threads)
         pipeline_class = pipeline_class_of(self.config.entry)
+        given = dict(device=self.device, dtype=dtype, checkpoint=self.config.checkpoint)
         try:
-            self._pipeline = pipeline_class.from_config(
-                self.config.model, device=self.device, dtype=dtype, checkpoint=self.config.checkpoint
-            )
+            self._pipeline = pipeline_class.from_config(self.config.model, **given)
         except Exception as exc:
             # A checkpoint or config the user can fix, or memory, is named as such already.
             error = as_pipeline_error(f"{getattr(pipeline_class, '__qualname__', pipeline_class)}.from_config()", exc)
             if error is None:
                 raise
-            error.hint = called_without_instance(pipeline_class, "from_config", exc) or error.hint
+            error.hint = called_without_instance(pipeline_class, "from_config", exc, self.config.model,
+                                                 **given) or error.hint
             raise error from exc
         problem = _not_a_pipeline(pipeline_class, self._pipeline)  # no local holds it: a kept error keeps no weights
         if problem is not None:

@@ -73,19 +73,25 @@ class PipelineEntry:
         return self.module if self.is_class else self.module.pipeline_class()
 
 
-def called_without_instance(owner: Any, attr: str, exc: BaseException) -> str | None:
-    """The hint for ``owner.attr()`` that raised ``TypeError`` because ``attr`` is a plain method (``def
-    observation_schema(self)``): ardiff calls ``from_config`` and a class's ``observation_schema`` on the class, so
-    Python said only "missing 1 required positional argument". None for any other failure, a ``TypeError`` raised
-    inside the method included (its traceback runs through the method's code; a call that did not bind does not)."""
+def called_without_instance(owner: Any, attr: str, exc: BaseException, *args: Any, **kwargs: Any) -> str | None:
+    """The hint for ``owner.attr(*args, **kwargs)`` that raised ``TypeError`` because ``attr`` is a plain method
+    (``def observation_schema(self)``): ardiff calls ``from_config`` and a class's ``observation_schema`` on the class,
+    so Python said only "missing 1 required positional argument". None for any other failure, a ``TypeError`` raised
+    inside the method included (its traceback runs through the method's code; a call that did not bind does not), and
+    a call that would not bind with an instance either (a plain function of another signature: no decorator helps)."""
     method = inspect.getattr_static(owner, attr, None) if isinstance(owner, type) else None
     if not isinstance(exc, TypeError) or not isinstance(method, types.FunctionType):
         return None  # a classmethod or staticmethod raised TypeError itself
     if any(frame.f_code is method.__code__ for frame, _ in traceback.walk_tb(exc.__traceback__)):
         return None
-    decorator = "@classmethod" if attr == "from_config" else "@staticmethod"
+    try:
+        inspect.signature(method).bind(owner, *args, **kwargs)
+    except TypeError:
+        return None
+    # @classmethod mends any call that binds with the class first; @staticmethod alone left `self` unfilled
+    fix = "" if attr == "from_config" else ", or drop its first parameter and decorate it with @staticmethod"
     return (f"{owner.__qualname__}.{attr} is a plain method, but ardiff calls it on the class, with no instance: "
-            f"decorate it with {decorator}, as pipelines.dreamzero.pipeline:DreamZeroPipeline does "
+            f"decorate it with @classmethod{fix}, as pipelines.dreamzero.pipeline:DreamZeroPipeline does "
             "(README, 'Adding a pipeline')")
 
 

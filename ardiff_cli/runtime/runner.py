@@ -1130,6 +1130,7 @@ class ARDiffusionModelRunner:
         hook_errors: list[LifecycleHookError] = []  # the close hook of the warmup session, as close_session raises
         provider = f"{type(self.pipeline).__name__}.ar_diffusion_warmup_requests()"
         where = provider  # what ran when something raised: the provider, or one of its requests
+        went_on = committed = False  # a request went on with the session's history; a frame was committed
         try:
             requests = self.pipeline.ar_diffusion_warmup_requests(WARMUP_SESSION_ID)
             if not isinstance(requests, Iterable):
@@ -1147,6 +1148,8 @@ class ARDiffusionModelRunner:
                         hint=PIPELINE_HINT,
                     )
                 t0 = time.perf_counter()
+                with self._locked():
+                    goes_on = WARMUP_SESSION_ID in self._sessions and not request.reset
                 output = self._execute(request, internal=True)
                 problem = output_problem(output)  # else warmup passed and every real step failed
                 if problem is not None:
@@ -1156,7 +1159,11 @@ class ARDiffusionModelRunner:
                                         hint=PIPELINE_HINT if kind != "non_finite" else _DIVERGED_IN_WARMUP + overflow)
                 timings.append((request.request_id, describe_inputs(request.inputs), time.perf_counter() - t0))
                 where = provider
-            self._warn_if_nothing_committed(len(timings))
+                frames = self._warmup_committed_frames()  # None: the request closed the session
+                went_on |= goes_on and frames is not None
+                committed |= bool(frames)
+            if went_on and not committed:
+                self._warn_nothing_committed(len(timings))
         except Exception as exc:
             # The caller gives warmup no input: its own requests refused as malformed are the pipeline's mistake (an
             # ObservationError was exit 2 with a hint about episode files).
@@ -1179,21 +1186,26 @@ class ARDiffusionModelRunner:
             raise hook_errors[0]
         return WarmupReport(skipped=False, timings=timings, restored=restored, seconds=seconds)
 
-    def _warn_if_nothing_committed(self, num_requests: int) -> None:
-        """A warmup whose forwards committed no frame: a model that never ends a block with a commit pass keeps no
-        history, and every step attends to its own block alone, silently (a spec's window then costs only memory).
-        Not for one request: a pipeline may commit a block at the start of the next request, as DreamZero does."""
+    def _warmup_committed_frames(self) -> int | None:
+        """The frames the warmup session has committed, over its branches; None once a request closed it."""
         with self._locked():
-            session = self._sessions.get(WARMUP_SESSION_ID)  # gone: a request closed it (close_session)
-        if num_requests < 2 or session is None:
-            return
+            session = self._sessions.get(WARMUP_SESSION_ID)
+        if session is None:
+            return None
         state = session.state
-        if not any(state.adapter(branch).num_committed_frames for branch in state.spec.branch_names):
-            warnings.warn(f"{type(self.pipeline).__name__}: its {plural(num_requests, 'warmup request')} committed no "
-                          "frame to the KV cache: if its forwards never commit, its sessions keep no history and each "
-                          "step attends to its own block alone; end each block with get_kv_caches(branch, seq_len, "
-                          "commit_current=True) and state.commit(branch) (README, 'Adding a pipeline')",
-                          ArdiffWarning, stacklevel=2)
+        return sum(state.adapter(branch).num_committed_frames for branch in state.spec.branch_names)
+
+    def _warn_nothing_committed(self, num_requests: int) -> None:
+        """A warmup whose forwards committed no frame, though a request went on with its session's history: a model
+        that never ends a block with a commit pass keeps no history, and every step attends to its own block alone,
+        silently (a spec's window then costs only memory). Only then: a pipeline may commit a block at the start of
+        the next request of its session, as DreamZero does, so one request, or requests that each reset the session
+        (a fresh episode), tell nothing."""
+        warnings.warn(f"{type(self.pipeline).__name__}: its {plural(num_requests, 'warmup request')} committed no "
+                      "frame to the KV cache: if its forwards never commit, its sessions keep no history and each "
+                      "step attends to its own block alone; end each block with get_kv_caches(branch, seq_len, "
+                      "commit_current=True) and state.commit(branch) (README, 'Adding a pipeline')",
+                      ArdiffWarning, stacklevel=2)
 
     # ----------------------------------------------------------------- views
     def _snapshot(self, session_id: str, session: _Session) -> SessionView:
