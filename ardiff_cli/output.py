@@ -305,6 +305,14 @@ def stdout_error(exc: OSError) -> Exception:
     return error
 
 
+def lost_stdout_stop(exc: OSError) -> int | Exception:
+    """How a command that stops at safe points (``StopSignals.defer``: rollout, warmup) stops once stdout is lost: as
+    SIGPIPE when its reader went away (exit 141, as a shell's writer killed by it), else with the write's error."""
+    import signal
+
+    return signal.SIGPIPE if isinstance(exc, BrokenPipeError) else stdout_error(exc)
+
+
 class _Chatter(io.TextIOBase):
     """``sys.stdout`` inside ``Output.chatter_to_stderr``: text to the sink's stderr, dropped once that failed. What
     code asks of a real stream is stderr's: its descriptor (``subprocess.run(..., stdout=sys.stdout)``,

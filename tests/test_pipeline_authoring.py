@@ -61,6 +61,8 @@ def pipeline_class():
 
 MODEL = '''
 import contextlib
+import os
+import time
 import zlib
 
 import numpy as np
@@ -206,6 +208,33 @@ class CommitsNextRequest(LabPipeline):
             self.held[self.sid] = x
             return x
         return super()._pass(x, branch, False)
+
+
+class ReadsObs(LabPipeline):
+    def forward(self, request):  # the schema (and its warmup requests) name the input 'state'
+        request.inputs["obs"]
+        return super().forward(request)
+
+
+class OwnKeyError(LabPipeline):
+    def forward(self, request):  # a KeyError of the model's own, not of the request's inputs
+        return self._weight("blocks.9")
+
+    def _weight(self, name):
+        return {"blocks.0": 0}[name]
+
+
+class SlowWarmup(LabPipeline):
+    def ar_diffusion_warmup_requests(self, session_id):
+        for i in range(40):
+            yield ARDiffusionRequest(f"warm{i}", {"state": np.zeros(6, np.float32), "prompt": "warm"},
+                                     {"session_id": session_id})
+
+    def forward(self, request):  # each request logged, and slow enough for a reader to leave half way
+        time.sleep(0.05)
+        with open(os.environ["LAB_FORWARDS"], "a") as log:
+            log.write(request.request_id + "\\n")
+        return super().forward(request)
 '''
 
 
@@ -315,3 +344,49 @@ def test_a_warmup_whose_last_request_starts_afresh_is_no_warning_for_a_pipeline_
     pipeline that keeps its history was told it keeps none."""
     proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:CommitsNextRequest")
     assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+
+
+def test_a_forward_reading_an_input_its_request_does_not_hold_is_named_as_such(lab):
+    """`request.inputs["obs"]` where the schema says `state`: warmup and every step failed with a bare
+    `KeyError: 'obs'`, which reads as a bug in ardiff, not as the schema and the forward disagreeing."""
+    root, _ = lab
+    said = ("ReadsObs.forward() raised KeyError: 'obs': the forward read input 'obs', which the inputs of "
+            "{request} do not hold (their keys: 'state', 'prompt')")
+    hint = "the pipeline's observation_schema and ReadsObs.forward() disagree on the input's name"
+    warmup = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:ReadsObs")
+    assert warmup.returncode == 1, warmup.stderr
+    assert "Error: " + said.format(request="warmup request 'warm0'") in warmup.stderr, warmup.stderr
+    assert f"hint: {hint}" in warmup.stderr, warmup.stderr
+    # not any KeyError: one of the model's own lookups (a missing weight) stays what it is
+    own = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:OwnKeyError")
+    assert "Error: warmup request 'warm0' of OwnKeyError failed: KeyError: 'blocks.9'" in own.stderr, own.stderr
+    assert own.returncode == 1 and "observation_schema" not in own.stderr, own.stderr
+    rollout = ardiff(lab, "rollout", "unnamed.yaml", "eps/ep0", "-o", "out_obs", "--no-warmup", "--pipeline",
+                     "lab_world.model:ReadsObs")
+    assert rollout.returncode == 1, rollout.stderr
+    (failed,) = [json.loads(line) for line in (root / "out_obs" / "results.jsonl").read_text().splitlines()]
+    assert failed["status"] == "failed" and failed["phase"] == "forward", failed
+    assert failed["error"] == ("episode 'ep0' failed at step 0 in the model's forward: "
+                               + said.format(request="request 'ep0/000000'")), failed
+
+
+def test_a_reader_that_leaves_stops_warmup_like_sigpipe_as_it_stops_a_rollout(lab, tmp_path):
+    """`ardiff warmup --format json | head -1` ran every warmup request after head had gone, then exited 0: under
+    `set -o pipefail` the pipeline succeeded, where the same with `rollout` exits 141."""
+    root, env = lab
+    log = tmp_path / "forwards"
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "warmup", "unnamed.yaml", "--pipeline",
+                             "lab_world.model:SlowWarmup", "--format", "json"], cwd=root,
+                            env={**env, "LAB_FORWARDS": str(log)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        while json.loads(proc.stdout.readline())["kind"] != "request_finished":  # mid-warmup, the reader goes away
+            pass
+        proc.stdout.close()
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 141, stderr  # 128 + SIGPIPE
+    assert "Error: interrupted by SIGPIPE" in stderr and "Traceback" not in stderr, stderr
+    assert "hint: warmup keeps nothing: run the same command again" in stderr, stderr
+    assert len(log.read_text().splitlines()) < 40  # it stopped at the end of a request, not after all 40

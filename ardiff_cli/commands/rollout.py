@@ -44,7 +44,7 @@ from ardiff_cli.options import (
     VerboseOpt,
     check_swap_space,
 )
-from ardiff_cli.output import Format, Output, stdout_error, visible
+from ardiff_cli.output import Format, Output, lost_stdout_stop, visible
 from ardiff_cli.runtime.errors import (
     UTF8_LOCALE_HINT,
     ArdiffError,
@@ -1066,12 +1066,11 @@ def _stop_notice(output: Output, monitor: Any) -> Callable[[int], None]:
 
 
 def _stop_for_lost_stdout(exc: OSError) -> int | Exception:
-    """How a rollout stops once stdout is lost: as SIGPIPE when its reader went away, else with the write's error."""
-    if isinstance(exc, BrokenPipeError):
-        return signal.SIGPIPE
-    error = stdout_error(exc)
-    error.hint = f"{error.hint}, then continue with --resume"
-    return error
+    """How a rollout stops once stdout is lost (``lost_stdout_stop``): its write error's hint says --resume."""
+    stop = lost_stdout_stop(exc)
+    if isinstance(stop, ArdiffError):
+        stop.hint = f"{stop.hint}, then continue with --resume"
+    return stop
 
 
 def _nothing_left(p: _Prepared, *, order: str, preview: bool,

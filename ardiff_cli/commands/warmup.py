@@ -29,7 +29,7 @@ from ardiff_cli.options import (
     SessionCapacityOpt,
     VerboseOpt,
 )
-from ardiff_cli.output import Format, Output
+from ardiff_cli.output import Format, Output, lost_stdout_stop
 from ardiff_cli.runtime.errors import CapacityError
 
 HELP = (
@@ -83,9 +83,12 @@ def warmup(
             from ardiff_cli.runtime.engine import ARDiffusionEngine
 
             signals.check()  # a signal that arrived while torch imported
+            # `ardiff warmup --format json | head -1`: once the reader is gone, stop as a rollout does (exit 141), at
+            # the end of a request; a stdout that fails otherwise (a full disk) ends it once the warmup is done
+            out.on_stdout_lost = lambda exc: signals.defer(lost_stdout_stop(exc))
             engine = ARDiffusionEngine(cfg)
             engine.subscribe(monitor.on_event)
-            counter = _RequestCounter(monitor)
+            counter = _RequestCounter(monitor, signals)
             engine.subscribe(counter)
             try:
                 try:
@@ -105,6 +108,7 @@ def warmup(
                 monitor.set_phase("done")
                 usage = engine.runner.pool_usage()
             finally:
+                out.on_stdout_lost = None
                 engine.close()
         data = warmup_data(report, usage, config=config_label(config), device=str(engine.device),
                            dtype=cfg.runtime.dtype, pipeline=cfg.pipeline_name)
@@ -127,16 +131,19 @@ def _run_again_when_stopped() -> Iterator[None]:
 
 
 class _RequestCounter:
-    """Counts finished warmup requests for the progress line."""
+    """Counts finished warmup requests for the progress line; stops the warmup there when stdout's reader left."""
 
-    def __init__(self, monitor: Any) -> None:
+    def __init__(self, monitor: Any, signals: Any) -> None:
         self.monitor = monitor
+        self.signals = signals  # the command's: a stop deferred to a safe point (stdout's reader gone) is raised here
         self.count = 0
 
     def __call__(self, event: Any) -> None:
         if event.kind == "request_finished":
             self.count += 1
             self.monitor.set_progress(done=self.count)
+            # between two requests: the runner lets a stop raised by a subscriber through once the event is out
+            self.signals.check_signal()
 
 
 def warmup_data(report: Any, usage: Any, **context: Any) -> dict[str, Any]:

@@ -9,6 +9,7 @@ pipeline around exactly one forward, and releases sessions through one path
 from __future__ import annotations
 
 import contextlib
+import difflib
 import errno
 import functools
 import logging
@@ -117,6 +118,39 @@ class PipelineContractError(PipelineError, TypeError):
 
 class PipelineModeError(PipelineError, ValueError):
     """The pipeline declares request batching or step execution, which the runner never does (refused at load)."""
+
+
+class MissingInputError(PipelineError, KeyError):
+    """The forward raised ``KeyError(key)`` for a key its request's ``inputs`` do not hold: it read an input under
+    another name than the request gives it (``inputs['obs']`` where the observation schema says ``image``). A
+    ``KeyError`` too, as the forward raised it."""
+
+    __str__ = Exception.__str__  # the message as written, not KeyError's repr of it
+
+
+def _missing_input(pipeline: Any, request: ARDiffusionRequest, exc: KeyError) -> MissingInputError | None:
+    """``exc``, raised by ``pipeline``'s forward, as a ``MissingInputError`` when it was raised where the request or
+    its inputs are at hand (``request.inputs[key]``) and its key is a name the inputs lack; None for any other
+    ``KeyError`` (a model's own lookup in a function of its own, ardiff's unknown KV branch), which stays as it was."""
+    inputs = request.inputs
+    if len(exc.args) != 1 or not isinstance(exc.args[0], str) or not isinstance(inputs, dict):
+        return None
+    key = exc.args[0]
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:  # the innermost frame: where the lookup failed
+        tb = tb.tb_next
+    if key in inputs or tb is None or not any(v is request or v is inputs for v in tb.tb_frame.f_locals.values()):
+        return None
+    name = type(pipeline).__name__
+    held = ", ".join(shown(k) for k in inputs) if inputs else "none"
+    near = difflib.get_close_matches(key, [k for k in inputs if isinstance(k, str)], n=1)
+    what = "warmup request" if request.session_id == WARMUP_SESSION_ID else "request"
+    return MissingInputError(
+        f"{name}.forward() raised KeyError: {key!r}: the forward read input {key!r}, which the inputs of {what} "
+        f"{shown(request.request_id)} do not hold (their keys: {held})",
+        hint=f"the pipeline's observation_schema and {name}.forward() disagree on the input's name: a step's inputs "
+             "hold the schema's fields (a warmup request, what ar_diffusion_warmup_requests() put in it); read that "
+             f"name in the forward, or rename the schema's field{f' (did you mean {near[0]!r}?)' if near else ''}")
 
 
 def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -612,7 +646,13 @@ class ARDiffusionModelRunner:
                     hint="decorate it with @contextlib.contextmanager and yield once, in a try/finally")
             with binding:
                 forward_start = time.perf_counter()
-                output = self.pipeline.forward(request)
+                try:
+                    output = self.pipeline.forward(request)
+                except KeyError as exc:  # inputs['obs'] where the request holds 'image': say so
+                    missing = _missing_input(self.pipeline, request, exc)
+                    if missing is None:
+                        raise
+                    raise missing from exc
                 if self.device.type == "cuda":  # its kernels run after it returns: for outputs left on the GPU,
                     # forward_s timed their launch only, and an error of theirs surfaced at the next use of the device
                     torch.cuda.synchronize(self.device)
