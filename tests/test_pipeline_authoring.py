@@ -33,6 +33,7 @@ class Config:
     window_frames: int = 2
     sink_frames: int = 1
     text_tokens: int = 3
+    model_owned_bytes: int = 0
 
     @classmethod
     def from_dict(cls, data, *, where):
@@ -47,7 +48,8 @@ class Config:
             tokens_per_frame=self.tokens_per_frame, frames_per_block=1, window_frames=self.window_frames,
             sink_frames=self.sink_frames, session_capacity=4,
             kv_branches=(ARDiffusionKVBranchSpec("cond", 0), ARDiffusionKVBranchSpec("uncond", 1)),
-            cross_attention=(ARDiffusionCrossAttentionKVSpec("text", self.text_tokens),))
+            cross_attention=(ARDiffusionCrossAttentionKVSpec("text", self.text_tokens),),
+            model_owned_state_bytes_per_session=self.model_owned_bytes)
 
 
 def observation_schema():
@@ -224,6 +226,35 @@ class OwnKeyError(LabPipeline):
         return {"blocks.0": 0}[name]
 
 
+class KeepsFrames(LabPipeline):
+    """Keeps every frame a session made, a tensor growing by 256 bytes a request, and exports it."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.kept = {}
+
+    def reset_ar_diffusion_session(self, session_id):
+        self.kept.pop(session_id, None)
+        super().reset_ar_diffusion_session(session_id)
+
+    def close_ar_diffusion_session(self, session_id):
+        self.kept.pop(session_id, None)
+        super().close_ar_diffusion_session(session_id)
+
+    def forward(self, request):
+        out = super().forward(request)
+        frame = torch.as_tensor(out["frame"])  # (4, 16) float32
+        self.kept[request.session_id] = torch.cat([self.kept.get(request.session_id, frame[:0]), frame])
+        return out
+
+    def export_ar_diffusion_session(self, session_id):
+        return {**super().export_ar_diffusion_session(session_id), "frames": self.kept[session_id]}
+
+    def import_ar_diffusion_session(self, session_id, snapshot):
+        self.kept[session_id] = snapshot["frames"]
+        super().import_ar_diffusion_session(session_id, snapshot)
+
+
 class SlowWarmup(LabPipeline):
     def ar_diffusion_warmup_requests(self, session_id):
         for i in range(40):
@@ -255,6 +286,7 @@ def lab(cli_env, tmp_path_factory):
         (root / f"{name}.yaml").write_text(f"pipeline: {name}\nmodel: {{}}\n"
                                            "runtime: {device: cpu, num_threads: 1, session_capacity: 1}\n")
     (root / "unnamed.yaml").write_text("model: {}\nruntime: {device: cpu, num_threads: 1}\n")  # for --pipeline
+    (root / "owned.yaml").write_text("model: {model_owned_bytes: 1024}\nruntime: {device: cpu, num_threads: 1}\n")
     rng = np.random.default_rng(0)
     for e in range(3):
         write_episode(root / "eps" / f"ep{e}", [{"state": rng.standard_normal(6).astype(np.float32)}
@@ -390,3 +422,50 @@ def test_a_reader_that_leaves_stops_warmup_like_sigpipe_as_it_stops_a_rollout(la
     assert "Error: interrupted by SIGPIPE" in stderr and "Traceback" not in stderr, stderr
     assert "hint: warmup keeps nothing: run the same command again" in stderr, stderr
     assert len(log.read_text().splitlines()) < 40  # it stopped at the end of a request, not after all 40
+
+
+UNDERCOUNTS = "the capacity plan undercounts"
+
+
+def test_a_session_keeping_more_than_its_spec_declares_is_one_warning_at_warmup_naming_both_sizes(lab):
+    """The plan counts model_owned_state_bytes_per_session for each session, and nothing checked it: a pipeline
+    keeping more admitted sessions "within budget" that held more memory than planned, silently."""
+    warmup = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:KeepsFrames")
+    assert warmup.returncode == 0, warmup.stderr
+    assert warmup.stderr.count("warning:") == 1 and warmup.stderr.count(UNDERCOUNTS) == 1, warmup.stderr
+    assert ("KeepsFrames: a session keeps 256 B (256 bytes) of tensors outside the KV pools "
+            "(KeepsFrames.export_ar_diffusion_session() when warming up), but its KV spec declares "
+            "model_owned_state_bytes_per_session = 0 bytes") in " ".join(warmup.stderr.split()), warmup.stderr
+    # a rollout that evicts to swap at every step: warned at its warmup, and not again at each swap-out
+    rollout = ardiff(lab, "rollout", "unnamed.yaml", "eps", "-o", "kept", "--pipeline", "lab_world.model:KeepsFrames",
+                     "--session-capacity", "1")
+    assert rollout.returncode == 0 and "restored from swap" in rollout.stdout + rollout.stderr, rollout.stderr
+    assert rollout.stderr.count(UNDERCOUNTS) == 1 and "when warming up" in rollout.stderr, rollout.stderr
+
+
+def test_without_warmup_the_first_swap_out_that_exports_more_than_declared_warns_once(lab):
+    proc = ardiff(lab, "rollout", "unnamed.yaml", "eps", "-o", "cold", "--pipeline", "lab_world.model:KeepsFrames",
+                  "--session-capacity", "1", "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count(UNDERCOUNTS) == 1, proc.stderr
+    assert "when swapping session 'ep0' out" in " ".join(proc.stderr.split()), proc.stderr
+
+
+def test_a_session_within_its_declared_bytes_is_no_warning(lab):
+    """Four requests an episode keep 1 KiB: declared, so neither warmup nor any swap-out warns."""
+    proc = ardiff(lab, "rollout", "owned.yaml", "eps", "-o", "declared", "--pipeline", "lab_world.model:KeepsFrames",
+                  "--session-capacity", "1")
+    assert proc.returncode == 0 and "restored from swap" in proc.stdout + proc.stderr, proc.stderr
+    assert "warning" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("config, dtype", [("dreamzero-tiny", "float32"), ("dreamzero-tiny", "bfloat16"),
+                                           ("causal-world-tiny", "float32")])
+def test_the_built_in_pipelines_never_keep_more_than_they_declare(cli_env, tmp_path, config, dtype):
+    """Their warmup and every swap-out of a demo rollout (capacity 1: each step evicts) are checked: no warning.
+    The geometry-only configs are checked without a model in test_pipelines_config.py."""
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", config, "-o", str(tmp_path / "run"),
+                           "--session-capacity", "1", "--device", "cpu", "--dtype", dtype, "--format", "plain"],
+                          cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "swapped out" in proc.stdout + proc.stderr, proc.stderr
+    assert "warning" not in proc.stderr, proc.stderr

@@ -10,7 +10,7 @@ import yaml
 
 import pipelines.causal_world as causal_world
 import pipelines.dreamzero as dreamzero
-from ardiff_cli.runtime.config import load_config
+from ardiff_cli.runtime.config import builtin_configs, load_config
 from ardiff_cli.runtime.errors import ConfigError
 from pipeline_helpers import CONFIGS, REPO
 
@@ -142,3 +142,29 @@ def test_a_misspelt_preset_key_is_named_with_a_did_you_mean(key):
 def test_yaml_ints_are_accepted_for_floats_and_lists_for_tuples():
     config = causal_world.Config.from_dict({"timestep_shift": 3, "patch_size": [1, 2, 2]}, where="x")
     assert config.timestep_shift == 3.0 and config.patch_size == (1, 2, 2)
+
+
+@pytest.mark.parametrize("name", sorted(builtin_configs()))
+def test_every_shipped_config_declares_the_tensors_its_sessions_keep(name):
+    """The plan counts the spec's model_owned_state_bytes_per_session for each session (and the runner warns when an
+    export holds more): a shipped config must declare at least what its session record holds. DreamZero's record
+    holds its anchor latent, whose shape the VAE gives on the meta device (no weights, no compute, the 14B configs
+    too); CausalWorld's holds no tensor."""
+    import typing
+
+    import torch
+
+    from pipelines.checkpoint import build_config_on_meta
+
+    config = load_config(name)
+    cls, model = config.entry.pipeline_class(), config.model
+    declared = config.kv_cache_spec().model_owned_state_bytes_per_session
+    hints = typing.get_type_hints(cls.session_record)
+    tensors = sorted(field for field, hint in hints.items() if hint is torch.Tensor)
+    if cls.name == "causal_world":
+        assert tensors == [] and declared == 0
+    else:  # a new tensor field in the record is counted here, or this fails
+        assert cls.name == "dreamzero" and tensors == ["anchor_latent"], (cls.name, tensors)
+        frame = torch.zeros((1, model.height, model.width, 3), dtype=torch.uint8, device="meta")
+        anchor = build_config_on_meta(cls, model).vae.encode(frame)[:, 0]  # (C, h, w), as _step keeps it
+        assert anchor.nbytes == declared > 0, (anchor.shape, declared)

@@ -181,6 +181,23 @@ def _is_stop(exc: BaseException) -> bool:
     return isinstance(exc, StopRequested) or not isinstance(exc, Exception)
 
 
+def _tensors_of(exported: Any) -> list[torch.Tensor] | None:
+    """The tensors of what a pipeline's ``export_ar_diffusion_session`` returned (None: it returned no dict)."""
+    return [v for v in exported.values() if isinstance(v, torch.Tensor)] if isinstance(exported, dict) else None
+
+
+def _distinct_bytes(tensors: list[torch.Tensor]) -> int:
+    """The memory ``tensors`` hold: tensors sharing one storage (a buffer and views of it) count it once, and at most
+    their own bytes (a slice of a larger buffer counts the slice)."""
+    storages: dict[tuple[str, int], tuple[int, int]] = {}  # (device, storage address) -> (its bytes, its views')
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr())
+        size, views = storages.get(key, (storage.nbytes(), 0))
+        storages[key] = (size, views + tensor.nbytes)
+    return sum(min(size, views) for size, views in storages.values())
+
+
 def _caller_stacklevel() -> int:
     """``warnings.warn``'s ``stacklevel``, in the function that calls this, for the first frame outside the runtime
     package: a warning about a request points at the caller's ``engine.execute(...)`` (or ``execute_model``), not
@@ -316,6 +333,8 @@ class ARDiffusionModelRunner:
         # (exception type, errno) of a failed write, as every later eviction would say the same (_swap_failed)
         self._swap_causes_warned: set[tuple[str, Any]] = set()
         self._disk_full = False  # a snapshot failed for a full disk: the next ones check the free space first
+        # a session's export held more tensor bytes than the spec's model_owned_state_bytes_per_session: warned once
+        self._model_owned_warned = False
         self._warned_keys: set[str] = set()  # misspelt extra_args keys reported (``ARDiffusionRequest.misspelt_keys``)
         self._closed = False  # close() ran: pools and pipeline dropped, every later request refused
         # Resident sessions, least recently used first.
@@ -915,6 +934,7 @@ class ARDiffusionModelRunner:
         ``KeyboardInterrupt``) propagates: the caller deletes the snapshot, since the session stays resident."""
         if self.swap is None or session_id == WARMUP_SESSION_ID:
             return None
+        exported = None  # the tensors of the pipeline's export, once it is encoded
         try:
             if self._disk_full:
                 self._check_disk_room(session)
@@ -922,6 +942,7 @@ class ARDiffusionModelRunner:
             tensors, metadata = encode_snapshot(
                 session.state.export(), state, session.num_requests,
                 where=f"{type(self.pipeline).__name__}.export_ar_diffusion_session({session_id!r})")
+            exported = _tensors_of(state)
             # in the background; waits for the last one
             written = self.swap.write(session_id, tensors, metadata, drop_older=evicting)
         except StopRequested:  # the CLI's Interrupted, not a failure to swap
@@ -934,6 +955,7 @@ class ARDiffusionModelRunner:
         finally:
             self._warn_about_failed_writes()
             self._report_dropped(session_id)
+        self._check_model_owned(exported, f"swapping session {shown(session_id)} out")
         if written is None and evicting:  # larger than the whole swap space: a swap_failed event each, so that
             # the counts of evictions add up (summary.json's swapped_out + swap_failed), a warning for the first
             self._emit(SwapFailed(session_id=session_id, background=False,
@@ -948,6 +970,25 @@ class ARDiffusionModelRunner:
                           f"({space}): sessions this large are evicted without one (a larger swap space keeps them)",
                           ArdiffWarning, stacklevel=_caller_stacklevel())
         return written
+
+    def _check_model_owned(self, tensors: list[torch.Tensor] | None, when: str) -> None:
+        """Warn once per runner when the tensors a session's export holds (``tensors``, exported ``when``) are more
+        bytes than the spec's ``model_owned_state_bytes_per_session``: the plan counts the declared bytes for each
+        session, so sessions admitted within its budget hold more memory than planned. It looks only at what warmup
+        or a swap-out exported anyway: no step pays for it."""
+        if not tensors or self._model_owned_warned:
+            return
+        actual, declared = _distinct_bytes(tensors), self.spec.model_owned_state_bytes_per_session
+        if actual <= declared:
+            return
+        self._model_owned_warned = True
+        name = type(self.pipeline).__name__
+        warnings.warn(f"{name}: a session keeps {format_bytes(actual)} ({actual:,} bytes) of tensors outside the KV "
+                      f"pools ({name}.export_ar_diffusion_session() when {when}), but its KV spec declares "
+                      f"model_owned_state_bytes_per_session = {declared:,} bytes: the capacity plan undercounts every "
+                      f"session by at least {format_bytes(actual - declared)}, and sessions admitted within budget use "
+                      "more memory than planned; declare the most a session keeps in the spec (README, 'Adding a "
+                      "pipeline')", ArdiffWarning, stacklevel=_caller_stacklevel())
 
     def _check_disk_room(self, session: _Session) -> None:
         """After a snapshot failed for a full disk: ``OSError(ENOSPC)`` before anything is exported while the swap
@@ -1202,6 +1243,8 @@ class ARDiffusionModelRunner:
                 frames = self._warmup_committed_frames()  # None: the request closed the session
                 went_on |= goes_on and frames is not None
                 committed |= bool(frames)
+                if frames is not None:
+                    self._check_model_owned(self._warmup_exported_tensors(), "warming up")
             if went_on and not committed:
                 self._warn_nothing_committed(len(timings))
         except Exception as exc:
@@ -1234,6 +1277,19 @@ class ARDiffusionModelRunner:
             return None
         state = session.state
         return sum(state.adapter(branch).num_committed_frames for branch in state.spec.branch_names)
+
+    def _warmup_exported_tensors(self) -> list[torch.Tensor] | None:
+        """The tensors of the warmup session's export (None: the pipeline cannot export, or has been warned about
+        already). An export that fails is left to the swap-out that would write it, which warns of it."""
+        if self._model_owned_warned or not isinstance(self.pipeline, SupportsARDiffusionSwap):
+            return None
+        try:
+            state = self.pipeline.export_ar_diffusion_session(WARMUP_SESSION_ID)
+        except Exception as exc:  # noqa: BLE001 - the check is advisory; a stop propagates
+            if _is_stop(exc):
+                raise
+            return None
+        return _tensors_of(state)
 
     def _warn_nothing_committed(self, num_requests: int) -> None:
         """A warmup whose forwards committed no frame, though a request went on with its session's history: a model
