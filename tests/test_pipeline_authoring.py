@@ -255,6 +255,13 @@ class KeepsFrames(LabPipeline):
         super().import_ar_diffusion_session(session_id, snapshot)
 
 
+class OwnKeyErrorInForward(LabPipeline):
+    def forward(self, request):  # the model's own lookups, in the forward itself: not the request's inputs
+        if request.request_id.startswith("warm"):
+            return {"blocks.0": 0}["blocks.9"]
+        return super().forward(request) if request.extra_args["camera"] else None
+
+
 class SlowWarmup(LabPipeline):
     def ar_diffusion_warmup_requests(self, session_id):
         for i in range(40):
@@ -393,6 +400,15 @@ def test_a_forward_reading_an_input_its_request_does_not_hold_is_named_as_such(l
     own = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:OwnKeyError")
     assert "Error: warmup request 'warm0' of OwnKeyError failed: KeyError: 'blocks.9'" in own.stderr, own.stderr
     assert own.returncode == 1 and "observation_schema" not in own.stderr, own.stderr
+    # nor one in the forward itself, of a table of its own or of the request's extra_args: it was said to be an input
+    own = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:OwnKeyErrorInForward")
+    assert "Error: warmup request 'warm0' of OwnKeyErrorInForward failed: KeyError: 'blocks.9'" in own.stderr, \
+        own.stderr
+    assert own.returncode == 1 and "observation_schema" not in own.stderr, own.stderr
+    own = ardiff(lab, "rollout", "unnamed.yaml", "eps/ep0", "-o", "out_own", "--no-warmup", "--pipeline",
+                 "lab_world.model:OwnKeyErrorInForward")
+    assert own.returncode == 1 and "observation_schema" not in own.stderr and "KeyError: 'camera'" in own.stderr, \
+        own.stderr
     rollout = ardiff(lab, "rollout", "unnamed.yaml", "eps/ep0", "-o", "out_obs", "--no-warmup", "--pipeline",
                      "lab_world.model:ReadsObs")
     assert rollout.returncode == 1, rollout.stderr

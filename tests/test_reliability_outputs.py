@@ -357,6 +357,36 @@ def test_an_out_whose_lock_or_run_json_cannot_be_written_is_an_error_not_a_bug(d
     assert json.loads((out / "run.json").read_text())["format"]  # the old one, whole
 
 
+def test_a_results_jsonl_that_cannot_be_created_leaves_no_run_json_and_names_itself(data, tmp_path, cli_env):
+    """results.jsonl is made, empty, right after run.json: when it cannot be (a link named results.jsonl in --out that
+    leads nowhere or back to itself), the error named run.json and said to run the same command again, which was then
+    refused ("already holds a run") for the run.json left behind. It names results.jsonl and what it is now, and
+    leaves no run.json: once the link is removed, the same command runs."""
+    import subprocess
+    import sys
+
+    def ardiff(out):
+        return subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"),
+                               str(data / "eps"), "--out", str(out), "--no-warmup", "--format", "plain"],
+                              env=cli_env, capture_output=True, text=True, timeout=300)
+
+    for name, target, why in (("dangling", "/nonexistent/results.jsonl", "a link to /nonexistent/results.jsonl, "
+                                                                         "which does not exist"),
+                              ("loop", "results.jsonl", "a link to results.jsonl, which leads back to itself (a loop "
+                                                        "of links)")):
+        out = tmp_path / name
+        out.mkdir()
+        (out / "results.jsonl").symlink_to(target)
+        proc = ardiff(out)
+        assert proc.returncode == 1, proc.stderr
+        assert (f"Error: cannot write {out}/results.jsonl: it is {why}\nhint: remove that link, or make what it "
+                "links to, then run the same command again (it has no run yet)\n" in proc.stderr), proc.stderr
+        assert "Traceback" not in proc.stderr and not (out / "run.json").exists()
+        (out / "results.jsonl").unlink()
+        rerun = ardiff(out)
+        assert rerun.returncode == 0, rerun.stderr  # as the hint says: the folder holds no run yet
+
+
 def test_an_assert_in_the_pipelines_code_fails_its_step_not_the_run(data, reference, tmp_path, monkeypatch):
     """Model code asserts shapes freely: one failing was "unexpected AssertionError ... a bug in ardiff", and it
     stopped the whole run. It is the pipeline's failure: its episode fails, the others go on (exit 4)."""

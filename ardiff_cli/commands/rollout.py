@@ -50,6 +50,7 @@ from ardiff_cli.runtime.errors import (
     ArdiffError,
     ConfigError,
     ObservationError,
+    link_to_nothing,
     link_to_nothing_on,
     not_a_folder,
     plural,
@@ -881,7 +882,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                                                        "attention_backend": engine.runner.attention_backend,
                                                        "default_checkpoint": default and default.name,
                                                        **_build()}),
-                                    p.out_dir / RUN_FILE, resume=False)
+                                    p.out_dir / RUN_FILE, resume=False, results=run.results_path)
                 if warmup:
                     monitor.set_phase("warmup")
                     engine.warmup()
@@ -1105,9 +1106,9 @@ def _nothing_left(p: _Prepared, *, order: str, preview: bool,
                        error=None), ended
 
 
-def _write_run_info(write: Callable[[], Any], path: Path, *, resume: bool) -> None:
-    """``write`` run.json; a full disk (or a folder gone read-only) is an ``OutputError`` naming it: it was 'an
-    unexpected OSError ... a bug in ardiff', with a traceback."""
+def _write_run_info(write: Callable[[], Any], path: Path, *, resume: bool, results: Path | None = None) -> None:
+    """``write`` run.json (and a new run's empty ``results``); a full disk (or a folder gone read-only) is an
+    ``OutputError`` naming the file: it was 'an unexpected OSError ... a bug in ardiff', with a traceback."""
     from ardiff_cli.errors_cli import OutputError
 
     try:
@@ -1115,7 +1116,13 @@ def _write_run_info(write: Callable[[], Any], path: Path, *, resume: bool) -> No
     except OSError as exc:
         if too_many_open_files(exc):  # the process's limit, not the disk's or the folder's
             raise
+        if results is not None and exc.filename == str(results):  # run.json was taken back: RunFolder.start
+            path = results
         again = "then continue with --resume" if resume else "then run the same command again (it has no run yet)"
+        link = link_to_nothing(path)  # a link named results.jsonl in --out: "No such file or directory" of it misled
+        if link:
+            raise OutputError(f"cannot write {path}: it is {link}",
+                              hint=f"remove that link, or make what it links to, {again}") from exc
         raise OutputError(f"cannot write {path}: {exc.strerror or exc}",
                           hint=f"free some space or fix the folder's permissions, {again}") from exc
 

@@ -179,7 +179,11 @@ class RunFolder:
         atomic_write_json(self.root / RUN_FILE, {"format": RUN_FORMAT, **info})
         # results.jsonl is there, empty, from now on: a run stopped before its first step (a --follow run waiting
         # for a robot) has a summary.json, and a script reading both found no results.jsonl beside it
-        self._results = JsonlAppender(self.results_path)
+        try:
+            self._results = JsonlAppender(self.results_path)
+        except BaseException:  # no run without it: run.json left alone would refuse the same command run again
+            (self.root / RUN_FILE).unlink(missing_ok=True)
+            raise
 
     def add_episode(self, name: str, path: Path) -> None:
         """List one more episode in run.json (with ``--follow``, one a robot started in a followed folder of

@@ -12,6 +12,8 @@ import contextlib
 import difflib
 import errno
 import functools
+import itertools
+import linecache
 import logging
 import sys
 import threading
@@ -128,10 +130,29 @@ class MissingInputError(PipelineError, KeyError):
     __str__ = Exception.__str__  # the message as written, not KeyError's repr of it
 
 
+def _subscripts_inputs(tb: Any, request: ARDiffusionRequest) -> bool:
+    """Whether the expression the innermost frame ``tb`` failed in subscripts the request's inputs: its text (from the
+    instruction's source position) before its last ``[`` is ``X.inputs`` for a local ``X`` holding the request, or a
+    local holding its inputs. A forward's own lookup beside it (``self.table[name]``, ``request.extra_args[k]``,
+    ``os.environ[k]``), whose frame holds the request too, does not; nor one whose source cannot be read."""
+    code, local = tb.tb_frame.f_code, tb.tb_frame.f_locals
+    start, end, first, last = next(itertools.islice(code.co_positions(), tb.tb_lasti // 2, None), (None,) * 4)
+    if None in (start, end, first, last):
+        return False
+    lines = [linecache.getline(code.co_filename, n).encode() for n in range(start, end + 1)]
+    lines[-1] = lines[-1][:last]  # byte offsets, as co_positions gives them: the end first, on one line too
+    lines[0] = lines[0][first:]
+    container, bracket, _ = b"".join(lines).decode(errors="replace").rpartition("[")
+    container = container.strip()
+    owner, dot, attr = container.rpartition(".")
+    held = container in local and local[container] is request.inputs
+    return bracket == "[" and (held or (dot == "." and attr == "inputs" and local.get(owner) is request))
+
+
 def _missing_input(pipeline: Any, request: ARDiffusionRequest, exc: KeyError) -> MissingInputError | None:
-    """``exc``, raised by ``pipeline``'s forward, as a ``MissingInputError`` when it was raised where the request or
-    its inputs are at hand (``request.inputs[key]``) and its key is a name the inputs lack; None for any other
-    ``KeyError`` (a model's own lookup in a function of its own, ardiff's unknown KV branch), which stays as it was."""
+    """``exc``, raised by ``pipeline``'s forward, as a ``MissingInputError`` when the lookup that raised it subscripts
+    the request's inputs (``request.inputs[key]``) and its key is a name they lack; None for any other ``KeyError``
+    (a model's own lookup, in the forward or a function of its own; ardiff's unknown KV branch): it stays as it was."""
     inputs = request.inputs
     if len(exc.args) != 1 or not isinstance(exc.args[0], str) or not isinstance(inputs, dict):
         return None
@@ -139,7 +160,7 @@ def _missing_input(pipeline: Any, request: ARDiffusionRequest, exc: KeyError) ->
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:  # the innermost frame: where the lookup failed
         tb = tb.tb_next
-    if key in inputs or tb is None or not any(v is request or v is inputs for v in tb.tb_frame.f_locals.values()):
+    if key in inputs or tb is None or not _subscripts_inputs(tb, request):
         return None
     name = type(pipeline).__name__
     held = ", ".join(shown(k) for k in inputs) if inputs else "none"
