@@ -371,6 +371,14 @@ def visible(text: str) -> str:
     return text.translate(_CONTROLS)
 
 
+def as_text(value: str):
+    """User-derived text for a Rich table (episode names, paths, request ids, error messages): never Rich markup
+    (``[/]`` in a path was a MarkupError, ``[old]`` vanished), no control characters."""
+    from rich.text import Text
+
+    return Text(visible(value))
+
+
 def one_line(text: str) -> str:
     """``text`` with its newlines written as ``\\x0a`` too: the one line of an ``Error:``, ``hint:``, ``warning:`` or
     ``debug:`` record, or a plain event. ardiff's messages are one line, but the paths they quote are the user's: a

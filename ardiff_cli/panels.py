@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ardiff_cli.output import visible
+from ardiff_cli.output import as_text, visible
 from ardiff_cli.runtime.capacity import format_bytes
 from ardiff_cli.runtime.errors import plural
 
@@ -66,13 +66,6 @@ class Snapshot:
     noun: str = "step"  # what steps_done counts, singular (plural() adds the s): a rollout's step, warmup's request
     counting_s: float | None = None  # seconds of the phase that does the counted work (the rate and ETA are of it,
     # not of the model's load or the warmup before it); None: elapsed_s
-
-
-def _text(value: str):
-    """User-derived text (episode names, paths, error messages): never Rich markup, no control characters."""
-    from rich.text import Text
-
-    return Text(visible(value))
 
 
 class _Name:
@@ -306,7 +299,7 @@ class _EventsTable:
         for at, event in zip(times, self.events):
             style = EVENT_STYLES.get(event.kind, "")
             kind = f"[{style}]{event.kind}[/{style}]" if style else event.kind
-            table.add_row(at, kind, _Name(event.session_id), *([_text(event.detail)] if detail else []))
+            table.add_row(at, kind, _Name(event.session_id), *([as_text(event.detail)] if detail else []))
         yield table
 
 

@@ -317,7 +317,7 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
     from rich.table import Table
     from rich.text import Text
 
-    from ardiff_cli.output import visible
+    from ardiff_cli.output import as_text, visible
     from ardiff_cli.runtime.capacity import format_bytes as fb
 
     per = data["per_session"]
@@ -326,10 +326,8 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
     table.add_column("size", justify="right")
     table.add_column("detail", overflow="fold")  # a narrow terminal breaks a long word (a pip hint), never cuts it
 
-    def add_row(*cells: str) -> None:
-        # Text, never markup: cells quote paths, CUDA_VISIBLE_DEVICES, nvidia-smi's words and the pipeline's names
-        # ('[/]' in a path was a MarkupError, '[old]' vanished, an escape code in one reached the terminal)
-        table.add_row(*(Text(visible(cell)) for cell in cells))
+    def add_row(*cells: str) -> None:  # cells quote paths, CUDA_VISIBLE_DEVICES, nvidia-smi's words, branch names
+        table.add_row(*map(as_text, cells))
 
     add_row("device", data["plan_device"], data["plan_device_reason"])
     add_row("available", fb(plan.available_bytes), data["available_source"])

@@ -170,7 +170,7 @@ def render_warmup(data: dict[str, Any], plain: bool):
     from rich.table import Table
     from rich.text import Text
 
-    from ardiff_cli.output import visible
+    from ardiff_cli.output import as_text, visible
     from ardiff_cli.runtime.errors import plural
 
     title = visible(f"warmup: {data['config']} (pipeline {data['pipeline']}) on {data['device']}, {data['dtype']}")
@@ -182,7 +182,7 @@ def render_warmup(data: dict[str, Any], plain: bool):
     table.add_column("time", justify="right")
     for request in data["requests"]:
         # the pipeline's request ids and input names, never markup ('warmup[/]0' was a MarkupError after the warmup)
-        table.add_row(Text(visible(request["request_id"])), Text(visible(request["shape"])),
+        table.add_row(as_text(request["request_id"]), as_text(request["shape"]),
                       f"{request['seconds'] * 1000:.1f} ms")
     lines = [title]
     if data["first_s"] is not None:
