@@ -933,3 +933,55 @@ def test_warmup_out_of_its_memory_budget_names_the_dtype_and_window_fields_as_in
     assert hints["config", "warmup"] == hints["config", "inspect-capacity"] == (
         "plan with a larger runtime.memory_budget in the config (or --memory-budget), --dtype bfloat16 (half the "
         "bytes) or a smaller model.window_frames in the config")
+
+
+def test_rollout_out_of_its_memory_budget_hints_as_warmup_does_and_a_resume_names_what_set_the_budget(tmp_path,
+                                                                                                      cli_env):
+    """`rollout --memory-budget` too small for one session had the runtime's generic hint ("use a smaller window,
+    model or dtype, a larger --memory-budget, or a device with more memory"): it has warmup's now. A resume keeps
+    the run's dtype and config (--resume refuses others), so its hint is a larger --memory-budget, naming what set
+    the budget: the option given again, the budget run.json recorded (reused unless given), or the config's."""
+    def ardiff(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", *args, "--format", "json"],
+                              cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300)
+
+    def hint(*args: str) -> str:
+        proc = ardiff(*args)
+        assert proc.returncode == 3, proc.stderr
+        error = json.loads(proc.stdout.splitlines()[-1])
+        assert error["kind"] == "capacity_error" and error["message"].startswith("one session needs "), error
+        return error["hint"]
+
+    config = tmp_path / "budget.yaml"
+    config.write_text("pipeline: dreamzero\nmodel: {preset: tiny}\nruntime: {memory_budget: 200KiB}\n")
+    # one session of dreamzero-tiny needs 291 KiB in float32
+    assert hint("dreamzero-tiny", "--memory-budget", "200KiB", "--dtype", "float32", "--device", "cpu",
+                "-o", "given") == ("plan with a larger --memory-budget, --dtype bfloat16 (half the bytes) or a smaller "
+                                   "model.window_frames in the config")
+    assert hint(str(config), "--dtype", "float32", "--device", "cpu", "-o", "field") == (
+        "plan with a larger runtime.memory_budget in the config (or --memory-budget), --dtype bfloat16 (half the "
+        "bytes) or a smaller model.window_frames in the config")
+    fast = tmp_path / "fast.yaml"  # 178 KiB a session in float32, cpu's default dtype
+    fast.write_text("pipeline: dreamzero\nmodel: {preset: tiny, num_inference_steps: 1, guidance_scale: 1.0}\n"
+                    "runtime: {memory_budget: 1MiB}\n")
+    run = tmp_path / "run"
+    proc = ardiff(str(fast), "--device", "cpu", "-o", "run", "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    (run / "summary.json").unlink()  # as a run killed before its end leaves it: a resume loads the model
+    kept = "the dtype and the config are the run's (--resume keeps them)"
+    assert hint("--resume", "-o", "run", "--memory-budget", "100KiB") == (
+        f"resume with a larger --memory-budget; {kept}")
+    info = json.loads((run / "run.json").read_text())
+    assert info["memory_budget"] == 1 << 20  # the config's, recorded
+    (run / "run.json").write_text(json.dumps({**info, "memory_budget": 100 << 10}))
+    assert hint("--resume", "-o", "run") == (
+        f"resume with a larger --memory-budget than the memory_budget recorded in {Path('run', 'run.json')} (it set "
+        f"this budget; one given replaces it for this resume only); {kept}")
+    # an older ardiff's run.json, which recorded neither the budget nor the config's SHA-256: the config's budget
+    fast.write_text(fast.read_text().replace("1MiB", "100KiB"))
+    older = {k: v for k, v in info.items() if k not in ("memory_budget", "config_sha256", "config_path")}
+    (run / "run.json").write_text(json.dumps({**older, "config": str(fast)}))
+    assert hint(str(fast), "--resume", "-o", "run") == (
+        f"resume with a larger --memory-budget than the config's runtime.memory_budget (it set this budget); {kept}")
+    proc = ardiff(str(fast), "--resume", "-o", "run", "--memory-budget", "1MiB")  # as the hint says
+    assert proc.returncode == 0, proc.stderr

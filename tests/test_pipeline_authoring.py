@@ -440,6 +440,41 @@ def test_a_reader_that_leaves_stops_warmup_like_sigpipe_as_it_stops_a_rollout(la
     assert len(log.read_text().splitlines()) < 40  # it stopped at the end of a request, not after all 40
 
 
+def test_a_reader_that_leaves_during_a_rollouts_warmup_stops_it_there_and_resume_finishes_the_run(lab, tmp_path):
+    """`ardiff rollout --format json | head -3`: rollout's own warmup writes its request_finished lines to stdout,
+    and a reader gone half way through was acted on only once every warmup request had run (minutes of a 14B
+    model's). It stops at the end of the request in flight now, as `ardiff warmup` does: exit 141, with the run's
+    run.json written, and --resume gives the outputs of a run never stopped."""
+    root, env = lab
+    log = tmp_path / "forwards"
+    env = {**env, "LAB_FORWARDS": str(log)}
+    args = [sys.executable, "-m", "ardiff_cli", "rollout", "unnamed.yaml", "eps/ep0", "--pipeline",
+            "lab_world.model:SlowWarmup"]
+    run = tmp_path / "run"
+    proc = subprocess.Popen([*args, "-o", str(run), "--format", "json"], cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        while json.loads(proc.stdout.readline())["kind"] != "request_finished":  # mid-warmup, the reader goes away
+            pass
+        proc.stdout.close()
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 141, stderr  # 128 + SIGPIPE
+    assert "Error: interrupted by SIGPIPE" in stderr and "Traceback" not in stderr, stderr
+    assert "--resume" in stderr, stderr
+    assert len(log.read_text().splitlines()) < 40  # it stopped at the end of a warmup request, not after all 40
+    assert (run / "run.json").is_file() and (run / "results.jsonl").read_text() == ""  # no step ran
+    resumed = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "-o", str(run), "--pipeline",
+                              "lab_world.model:SlowWarmup"], cwd=root, env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    whole = subprocess.run([*args, "-o", str(tmp_path / "whole")], cwd=root, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    assert len(frames(run)) == 4 and frames(run) == frames(tmp_path / "whole")
+
+
 UNDERCOUNTS = "the capacity plan undercounts"
 
 

@@ -19,6 +19,7 @@ import typer
 from ardiff_cli.commands._common import (
     check_working_folder,
     config_label,
+    does_not_fit_hint,
     image_size,
     load_engine_config,
     refuse_contradictions,
@@ -48,6 +49,7 @@ from ardiff_cli.output import Format, Output, lost_stdout_stop, visible
 from ardiff_cli.runtime.errors import (
     UTF8_LOCALE_HINT,
     ArdiffError,
+    CapacityError,
     ConfigError,
     ObservationError,
     link_to_nothing,
@@ -109,6 +111,10 @@ class _Prepared:
     options: dict[str, Any]  # order, follow, idle_timeout, preview, swap_space: given, or recorded (--resume)
     recorded_device: str | None = None  # --resume: the device the run started on (checked before the model loads)
     recorded_backend: str | None = None  # --resume: the attention backend it ran (checked after the model loads)
+    # what set the KV memory budget, for the hint when one session does not fit it: "--memory-budget" (given now),
+    # "runtime.memory_budget" (the config's), or OUT/run.json's path (--resume: the budget it recorded); None: no
+    # budget (the device's free memory, which the runtime's hint names)
+    budget_source: str | None = None
     # the folders of episodes among the EPISODE arguments: with --follow, an episode folder a robot starts in one
     # joins the run
     watch: list[Path] = field(default_factory=list)
@@ -213,6 +219,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     watch: list[Path] | None = None  # the folders of episodes among the EPISODE arguments (None: not known yet)
     done: dict[str, dict[int, int | None]] = {}
     digests: dict[str, dict[int, str]] = {}
+    budget_given = overrides["memory_budget"] is not None  # before --resume fills it in from run.json
     if resume:
         if out is None:
             raise ConfigError("--resume needs --out DIR: the folder of the run to continue",
@@ -254,6 +261,12 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         raise
     if resume:  # the bytes just parsed: a second read to hash them could see an edit made meanwhile
         _same_config(Path(config), cfg.sha256, info)
+    if budget_given:
+        budget_source = "--memory-budget"
+    elif resume and info.get("memory_budget") is not None:  # run.json's, checked: reused as if given
+        budget_source = str(run.root / RUN_FILE)
+    else:
+        budget_source = "runtime.memory_budget" if cfg.runtime.memory_budget is not None else None
     if not resume and (cfg.runtime.device.startswith("cuda") or cfg.checkpoint is None):
         _under_signals(lambda: _refuse_what_loading_would(cfg))  # now, before --out or demo files are made
     recorded_device = info.get("device") if resume else None
@@ -368,7 +381,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         raise
     return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done, digests=digests,
                      run=run, options=options, recorded_device=recorded_device,
-                     recorded_backend=recorded_backend, watch=watch)
+                     recorded_backend=recorded_backend, budget_source=budget_source, watch=watch)
 
 
 def _refuse_what_loading_would(cfg: Any) -> None:
@@ -861,7 +874,13 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 engine = ARDiffusionEngine(p.cfg, swap_dir=None if swap_space == 0 else swap_dir,
                                            swap_space=swap_space)
                 engine.subscribe(monitor.on_event)
-                plan = engine.load()
+                try:
+                    plan = engine.load()
+                except CapacityError as exc:  # without a budget, the runner's hint names the device's free memory
+                    if p.budget_source is not None:
+                        exc.hint = (_resumed_does_not_fit_hint(p.budget_source) if resume else
+                                    does_not_fit_hint(p.cfg, p.budget_source, window_helps=exc.window_helps))
+                    raise
                 monitor.refresh(engine.runner)  # the warmup's session shows, and its pages
                 signals.check_signal()  # one that arrived while the pipeline imported: not after warmup
                 output.debug(f"loaded on {engine.device} in {time.monotonic() - started:.2f}s: "
@@ -885,7 +904,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                                     p.out_dir / RUN_FILE, resume=False, results=run.results_path)
                 if warmup:
                     monitor.set_phase("warmup")
-                    engine.warmup()
+                    _warm_up(engine, signals)
                 swapped = _adopt_kept(engine, kept, p.done, swap_dir, output)
                 kept = {}
                 driver = Rollout(engine, p.cfg.observation_schema(), p.episodes, run, output, monitor,
@@ -942,6 +961,22 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
         if summary is not None:  # after the live display, so the two never interleave
             with signals:  # held since the teardown (``hold``): a signal while the result prints is only recorded
                 output.result(summary, lambda plain: render_summary(summary, plain))
+
+
+def _warm_up(engine: Any, signals: Any) -> None:
+    """The pipeline's warmup requests. A reader of stdout gone meanwhile (their request_finished lines, --format json)
+    stops the run at the end of the request in flight, as ``ardiff warmup`` does: it was acted on only after the
+    last one, minutes later for a large model. A stdout that fails otherwise (a full disk) stops it before its first
+    step, with a summary that records the error (``check_signal`` leaves that to the steps' ``check``)."""
+    def between_requests(event: Any) -> None:
+        if event.kind == "request_finished":  # the runner lets a stop raised here through once the event is out
+            signals.check_signal()
+
+    unsubscribe = engine.subscribe(between_requests)  # after the monitor: its line is written (or lost) first
+    try:
+        engine.warmup()
+    finally:
+        unsubscribe()
 
 
 def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, dict[int, int | None]],
@@ -1064,6 +1099,19 @@ def _stop_notice(output: Output, monitor: Any) -> Callable[[int], None]:
                     "again to stop at once; that step's episode then replays on --resume)")
 
     return notice
+
+
+def _resumed_does_not_fit_hint(source: str) -> str:
+    """``does_not_fit_hint`` of a resumed run: its dtype and config are the run's (--resume refuses others), so only
+    the budget can change; ``source`` (``_Prepared.budget_source``) says what set it."""
+    kept = "the dtype and the config are the run's (--resume keeps them)"
+    if source == "--memory-budget":
+        return f"resume with a larger --memory-budget; {kept}"
+    if source == "runtime.memory_budget":
+        return (f"resume with a larger --memory-budget than the config's runtime.memory_budget (it set this "
+                f"budget); {kept}")
+    return (f"resume with a larger --memory-budget than the memory_budget recorded in {source} (it set this budget; "
+            f"one given replaces it for this resume only); {kept}")
 
 
 def _stop_for_lost_stdout(exc: OSError) -> int | Exception:
