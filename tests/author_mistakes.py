@@ -252,3 +252,10 @@ class ConfigIgnoresUnknownKeys(CausalWorldPipeline):
         def from_dict(cls, data, *, where):
             known = {f.name for f in dataclasses.fields(cls)}
             return super().from_dict({k: v for k, v in data.items() if k in known}, where=where)
+
+
+class ReturnsNumberedArrays(CausalWorldPipeline):
+    """Its forward names its arrays by index: written as "0", and {0: ...} with {'0': ...} one array."""
+
+    def forward(self, request):
+        return dict(enumerate(super().forward(request).values()))

@@ -2717,7 +2717,8 @@ def test_resume_keeps_each_folders_name_whatever_the_order_of_episode_arguments(
 
 
 def test_resume_keeps_the_order_the_run_started_with_unless_told_otherwise(env, data, tmp_path):
-    """A sequential run resumed without --order goes on sequentially (and says so in summary.json)."""
+    """A sequential run resumed without --order goes on sequentially (and says so in summary.json); one resumed with
+    --order round-robin runs round-robin and its summary.json says so, while run.json keeps the run's order."""
     run = tmp_path / "run"
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--order",
                   "sequential", "--no-warmup")
@@ -2735,6 +2736,13 @@ def test_resume_keeps_the_order_the_run_started_with_unless_told_otherwise(env, 
     resumed = [(r["episode"], r["step"]) for r in records(run)[1:]]
     assert resumed == [("arm_a", 1), ("arm_b", 0), ("arm_a", 2), ("arm_b", 1), ("arm_b", 2)]
     assert json.loads((run / "summary.json").read_text())["order"] == "round-robin"
+    # summary.json says the order this invocation ran in; run.json keeps the run's, which the next resume goes on in
+    assert json.loads((run / "run.json").read_text())["order"] == "sequential"
+    (run / "results.jsonl").write_text(lines[0])
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert [(r["episode"], r["step"]) for r in records(run)[1:]][:2] == [("arm_a", 1), ("arm_a", 2)]
+    assert json.loads((run / "summary.json").read_text())["order"] == "sequential"
 
 
 def test_resume_keeps_the_memory_sessions_and_swap_space_the_run_started_with_unless_told_otherwise(env, data,

@@ -25,6 +25,7 @@ from ardiff_cli.runtime.errors import (
     ArdiffError,
     ArdiffWarning,
     CapacityError,
+    CheckpointError,
     ConfigError,
     EngineStateError,
     ObservationError,
@@ -679,6 +680,26 @@ def test_an_engine_or_config_built_from_something_else_is_a_config_error_at_once
             load_config(source)
         assert info.value.hint
     assert ARDiffusionEngine(load_config(CONFIGS / "causal-world-tiny.yaml")).config.pipeline_name == "causal_world"
+
+
+def test_an_engine_built_from_a_plan_only_config_without_its_checkpoint_says_so_at_once(tmp_path):
+    """load_config(..., plan_only=True) keeps a checkpoint that is not on this machine, for a plan; an engine built
+    from it failed only at load(), in the pipeline's checkpoint loader, with no word of plan_only."""
+    text = (CONFIGS / "causal-world-tiny.yaml").read_text()
+    config = tmp_path / "cluster.yaml"
+    config.write_text(text.replace("checkpoint: null", "checkpoint: weights/model.safetensors"))
+    planned = load_config(config, plan_only=True)
+    expected = (rf"^ARDiffusionEngine\(\): {re.escape(str(config))}: field 'checkpoint': file not found: "
+                rf"{re.escape(str(tmp_path / 'weights' / 'model.safetensors'))}: the config was loaded with "
+                r"plan_only=True, for a capacity plan, which reads no weights; an engine loads them$")
+    for build in (ARDiffusionEngine, ARDiffusionEngine.from_config):
+        with pytest.raises(CheckpointError, match=expected) as info:
+            build(planned)
+        assert info.value.hint == ("put the checkpoint there, then load the config again without plan_only "
+                                   "(load_config(source))")
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "model.safetensors").write_bytes(b"")  # there when loaded: an engine is built from it
+    assert ARDiffusionEngine(load_config(config, plan_only=True)).config.checkpoint_missing is None
 
 
 def test_write_step_keeps_every_array_its_shape(tmp_path):

@@ -173,6 +173,21 @@ def test_what_a_step_file_cannot_hold_is_refused_before_anything_is_written(tmp_
         write_step(folder, 0, arrays(0), metadata={"scale": None})
     with pytest.raises(TypeError, match=r"^metadata 'gain': .*got .*\(Tensor\)"):
         write_step(folder, 0, arrays(0), metadata={"gain": __import__("torch").ones(2)})
+    # a key made text: None read back as 'None', and {3: ...} with {"3": ...} one key (episode.yaml refuses both)
+    with pytest.raises(TypeError, match=rf"^{re.escape(str(folder))} step 2: metadata key None \(NoneType\) is not "
+                                        r"text; a step file's metadata keys are text: give the field a str name "
+                                        r"\('None' if that is what it means\)$"):
+        write_step(folder, 2, arrays(0), metadata={None: "x"})
+    for key, said in ((3, r"3 \(int\)"), (np.int64(3), r"np.int64\(3\) \(numpy.int64\)")):
+        with pytest.raises(TypeError, match=rf"step 0: metadata key {said} is not text; .*\('3' if that is"):
+            write_step(folder, 0, arrays(0), metadata={key: "a", "3": "b"})
+    write_step(folder, 0, arrays(0), metadata={np.str_("camera"): "wrist"})  # numpy's str_ is text
+    for key in (3, None):  # an array's name made text: {3: ..} with {"3": ..} was one array
+        with pytest.raises(TypeError, match=rf"^array name {key} \({type(key).__name__}\) is not text: .*"
+                                            rf"give the array a str name \('{key}' if that is what it means\)$"):
+            write_step(folder, 1, {key: np.zeros(2), "3": np.ones(2)})
+    assert not (folder / "step_000001.safetensors").exists()
+    (folder / "step_000000.safetensors").unlink()
     # episode.yaml: written, then refused by rollout ('expected the prompt as text'; 'found unhashable key')
     with pytest.raises(TypeError, match=r"^prompt must be text \(str\), got 5 \(int\)$"):
         write_episode(folder, [arrays(0)], metadata={"prompt": 5})

@@ -218,6 +218,26 @@ class ReadsObs(LabPipeline):
         return super().forward(request)
 
 
+class ReadsObsThroughSelf(LabPipeline):
+    def forward(self, request):  # the request kept on the pipeline, for its helpers, and its inputs read there
+        self.request = request
+        self.request.inputs["obs"]
+        return super().forward(request)
+
+
+class ReadsBracketedKey(LabPipeline):
+    def forward(self, request):  # a dataset's field name, brackets and all
+        request.inputs[
+            "cam[0]"]
+        return super().forward(request)
+
+
+class OwnBracketedKeyError(LabPipeline):
+    def forward(self, request):  # the model's own table, under keys with brackets, beside the request it keeps
+        self.request, self.table = request, {"blocks[0]": 0}
+        return self.table["blocks[9]"]
+
+
 class OwnKeyError(LabPipeline):
     def forward(self, request):  # a KeyError of the model's own, not of the request's inputs
         return self._weight("blocks.9")
@@ -416,6 +436,23 @@ def test_a_forward_reading_an_input_its_request_does_not_hold_is_named_as_such(l
     assert failed["status"] == "failed" and failed["phase"] == "forward", failed
     assert failed["error"] == ("episode 'ep0' failed at step 0 in the model's forward: "
                                + said.format(request="request 'ep0/000000'")), failed
+
+
+@pytest.mark.parametrize(("pipeline", "key"), [("ReadsObsThroughSelf", "obs"), ("ReadsBracketedKey", "cam[0]")])
+def test_an_input_read_through_the_pipelines_attribute_or_under_a_bracketed_key_is_named_as_missing(lab, pipeline,
+                                                                                                    key):
+    """`self.request.inputs["obs"]`, and `request.inputs["cam[0]"]` (a key holding a bracket, written over two lines),
+    failed with a bare `KeyError`: only `request.inputs[...]` and a local holding the inputs were recognised."""
+    proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", f"lab_world.model:{pipeline}")
+    assert proc.returncode == 1, proc.stderr
+    assert (f"Error: {pipeline}.forward() raised KeyError: {key!r}: the forward read input {key!r}, which the inputs "
+            "of warmup request 'warm0' do not hold (their keys: 'state', 'prompt')") in proc.stderr, proc.stderr
+    assert f"hint: the pipeline's observation_schema and {pipeline}.forward() disagree" in proc.stderr, proc.stderr
+    # the model's own table, under a bracketed key, in a forward that keeps the request: its KeyError stays its own
+    own = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:OwnBracketedKeyError")
+    assert "Error: warmup request 'warm0' of OwnBracketedKeyError failed: KeyError: 'blocks[9]'" in own.stderr, \
+        own.stderr
+    assert own.returncode == 1 and "observation_schema" not in own.stderr, own.stderr
 
 
 def test_a_reader_that_leaves_stops_warmup_like_sigpipe_as_it_stops_a_rollout(lab, tmp_path):

@@ -480,6 +480,9 @@ def test_a_signal_caught_inside_a_warmup_request_stops_warmup(env, data, action)
     ("ReturnsFloat8", "Error: warmup request 'warmup-0' of ReturnsFloat8: ReturnsFloat8.forward() returned arrays a "
                       "step file cannot hold: 'latents' (torch.float8_e5m2); expected bool, integer or floating "
                       "arrays (float16, bfloat16, float32 or float64)"),
+    ("ReturnsNumberedArrays", "Error: warmup request 'warmup-0' of ReturnsNumberedArrays: ReturnsNumberedArrays"
+                              ".forward() returned arrays named by keys that are not text: 0 (int); expected a "
+                              "dict of arrays"),
     ("ReturnsNaN", "Error: warmup request 'warmup-0' of ReturnsNaN: ReturnsNaN.forward() returned non-finite values: "
                    "'latents': "),
 ])
@@ -801,6 +804,9 @@ def test_the_attention_backend_falling_back_is_a_warning_line_that_quiet_silence
                      "of arrays"),
     # safetensors refused it: the step failed "while writing its outputs", with a hint to check the disk
     ("ReturnsText", "ReturnsText.forward() returned arrays a step file cannot hold: 'caption' (<U"),
+    # each step was "ok", its arrays written as '0' and '1' (a key None as 'None'; {0: ..} with {'0': ..} one array)
+    ("ReturnsNumberedArrays", "ReturnsNumberedArrays.forward() returned arrays named by keys that are not text: 0 "
+                              "(int); expected a dict of arrays (name -> tensor or numpy array), each name a str"),
 ])
 def test_a_forward_that_returns_no_arrays_fails_its_steps_instead_of_writing_empty_outputs(env, tmp_path, pipeline,
                                                                                             message):

@@ -61,8 +61,11 @@ def encode_arrays(arrays: Mapping[str, Any], *, format: str = "safetensors",
                         f"({type(arrays).__name__})")
     data = {}
     for key, value in arrays.items():
+        if not isinstance(key, str):  # made text, {3: ..} and {"3": ..} were one array, None read back as 'None'
+            raise TypeError(f"array name {shown(key)} ({type(key).__qualname__}) is not text: a step file names its "
+                            f"arrays with text; give the array a str name ({str(key)!r} if that is what it means)")
         try:
-            data[str(key)] = array = to_numpy(value)
+            data[str(key)] = array = to_numpy(value)  # numpy's str_ as str
         except (TypeError, ValueError, RuntimeError) as exc:  # a float8 tensor, a ragged list
             raise TypeError(f"array {str(key)!r}: cannot be a step file's array: {exc}") from None
         if not storable(array.dtype):  # safetensors said only 'Unknown dtype "object"'
@@ -108,11 +111,18 @@ def _folder(folder: str | os.PathLike) -> Path:
     return path
 
 
-def _step_metadata(metadata: Mapping[str, Any] | None) -> dict[str, str]:
+def _step_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str, str]:
     """A step file's metadata as text: text as is, numbers (numpy's and 0-d tensors too) written out; ``None``
-    (read back as the text 'None') or anything else is a TypeError naming the key, as is a prompt that is not text."""
+    (read back as the text 'None') or anything else is a TypeError naming the key, as is a prompt that is not text.
+    A key that is not text is a TypeError naming ``where`` (the episode folder and step): made text, ``None`` read
+    back as 'None', and ``{3: ...}`` with ``{"3": ...}`` became one key."""
     meta = {}
     for key, value in (metadata or {}).items():
+        if not isinstance(key, str):  # numpy's str_ is a str
+            kind = type(key)
+            got = f"{kind.__module__}.{kind.__qualname__}" if kind.__module__ == "numpy" else kind.__qualname__
+            raise TypeError(f"{where}: metadata key {shown(key)} ({got}) is not text; a step file's metadata keys "
+                            f"are text: give the field a str name ({str(key)!r} if that is what it means)")
         if key == "prompt":
             if value is None:
                 raise TypeError("prompt must be text (str), got None")
@@ -208,7 +218,7 @@ def write_step(folder: str | os.PathLike, step: int, arrays: Mapping[str, Any], 
     step = number
     prompt = _check_prompt(prompt)
     folder = _folder(folder)
-    meta = _step_metadata(metadata)
+    meta = _step_metadata(metadata, f"{folder} step {step}")
     if prompt is not None:
         if meta.get("prompt", prompt) != prompt:
             raise ValueError(f"two prompts for step {step}: prompt={prompt!r} and metadata['prompt']="

@@ -14,6 +14,7 @@ from ardiff_cli.runtime.capacity import CapacityPlan
 from ardiff_cli.runtime.config import EngineConfig, load_config
 from ardiff_cli.runtime.errors import (
     ArdiffWarning,
+    CheckpointError,
     ConfigError,
     EngineStateError,
     PipelineError,
@@ -93,6 +94,12 @@ class ARDiffusionEngine:
             raise ConfigError(f"ARDiffusionEngine() takes an EngineConfig, got {shown(config)}",
                               hint="for a YAML path, a built-in config name or a dict, use "
                               "ARDiffusionEngine.from_config(source, **runtime_overrides)")
+        if config.checkpoint_missing:  # else load() failed in the pipeline's own loader, naming no plan_only
+            raise CheckpointError(f"ARDiffusionEngine(): {config.source}: field 'checkpoint': "
+                                  f"{config.checkpoint_missing}: the config was loaded with plan_only=True, for a "
+                                  "capacity plan, which reads no weights; an engine loads them",
+                                  hint="put the checkpoint there, then load the config again without plan_only "
+                                       "(load_config(source))")
         self.config = config  # validated config, runtime overrides applied
         self._pipeline: Any = None  # built by load(), dropped by close(): the ``pipeline`` property
         self._runner: ARDiffusionModelRunner | None = None  # built by load(), kept closed by close(): ``runner``

@@ -31,15 +31,20 @@ def is_array(value: Any) -> bool:
 def output_problem(output: Any) -> tuple[str, str] | None:
     """Why ``output`` cannot be a step's outputs, as (kind, what forward() returned), or None when it can.
 
-    kind is ``"contract"`` (not a dict, no array in it, or arrays a step file cannot hold: complex, strings,
-    objects) or ``"non_finite"`` (NaN or infinite values: the model diverged); the text reads after "forward()
-    returned ".
+    kind is ``"contract"`` (not a dict, no array in it, an array named by a key that is not text, or arrays a step
+    file cannot hold: complex, strings, objects) or ``"non_finite"`` (NaN or infinite values: the model diverged);
+    the text reads after "forward() returned ".
     """
     if not isinstance(output, Mapping):  # nothing to write: an "ok" step with an empty file would hide it
         return "contract", f"{type(output).__name__}, {EXPECTED}"
     if not any(is_array(value) for value in output.values()):  # the same
         got = ", ".join(f"{key!r}: {type(value).__name__}" for key, value in output.items()) or "empty"
         return "contract", f"a dict with no array in it ({got}), {EXPECTED}"
+    untitled = [f"{key!r} ({type(key).__name__})" for key, value in output.items()
+                if is_array(value) and not isinstance(key, str)]
+    if untitled:  # written under str(key): None as 'None', and {3: ..} with {'3': ..} one array
+        return "contract", (f"arrays named by keys that are not text: {', '.join(untitled)}; {EXPECTED}, each "
+                            "name a str")
     unstorable = [f"{key!r} ({value.dtype})" for key, value in output.items()
                   if is_array(value) and not storable(value.dtype)]
     if unstorable:  # safetensors refuses them

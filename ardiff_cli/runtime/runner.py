@@ -8,16 +8,19 @@ pipeline around exactly one forward, and releases sessions through one path
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import difflib
 import errno
 import functools
+import inspect
 import itertools
 import linecache
 import logging
 import sys
 import threading
 import time
+import types
 import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
@@ -132,9 +135,11 @@ class MissingInputError(PipelineError, KeyError):
 
 def _subscripts_inputs(tb: Any, request: ARDiffusionRequest) -> bool:
     """Whether the expression the innermost frame ``tb`` failed in subscripts the request's inputs: its text (from the
-    instruction's source position) before its last ``[`` is ``X.inputs`` for a local ``X`` holding the request, or a
-    local holding its inputs. A forward's own lookup beside it (``self.table[name]``, ``request.extra_args[k]``,
-    ``os.environ[k]``), whose frame holds the request too, does not; nor one whose source cannot be read."""
+    instruction's source position), parsed, is ``X[...]`` where ``X`` is ``request.inputs`` (``R.inputs`` for an
+    ``R`` holding the request, ``self.request.inputs`` too) or a name holding its inputs, each read from the frame's
+    locals and their attributes without running code. A forward's own lookup beside it (``self.table[name]``,
+    ``request.extra_args[k]``, ``os.environ[k]``), whose frame holds the request too, does not; nor one whose source
+    cannot be read. Parsed, not split at its last ``[``: a key holding a bracket (``inputs["cam[0]"]``) is a key."""
     code, local = tb.tb_frame.f_code, tb.tb_frame.f_locals
     start, end, first, last = next(itertools.islice(code.co_positions(), tb.tb_lasti // 2, None), (None,) * 4)
     if None in (start, end, first, last):
@@ -142,11 +147,41 @@ def _subscripts_inputs(tb: Any, request: ARDiffusionRequest) -> bool:
     lines = [linecache.getline(code.co_filename, n).encode() for n in range(start, end + 1)]
     lines[-1] = lines[-1][:last]  # byte offsets, as co_positions gives them: the end first, on one line too
     lines[0] = lines[0][first:]
-    container, bracket, _ = b"".join(lines).decode(errors="replace").rpartition("[")
-    container = container.strip()
-    owner, dot, attr = container.rpartition(".")
-    held = container in local and local[container] is request.inputs
-    return bracket == "[" and (held or (dot == "." and attr == "inputs" and local.get(owner) is request))
+    text = b"".join(lines).decode(errors="replace")
+    try:  # in parentheses: an expression over several lines is one
+        node = ast.parse(f"({text}\n)", mode="eval").body
+    except (SyntaxError, ValueError):  # not an expression of its own: the source changed since, or a statement's part
+        return False
+    if not isinstance(node, ast.Subscript):
+        return False
+    container = node.value
+    if _local_value(container, local) is request.inputs:
+        return True
+    return (isinstance(container, ast.Attribute) and container.attr == "inputs"
+            and _local_value(container.value, local) is request)
+
+
+_UNKNOWN = object()  # _local_value's "cannot tell"
+
+
+def _local_value(node: ast.expr, local: dict[str, Any]) -> Any:
+    """The value of ``node``, a local's name or attributes of one (``self.request``), read without running code: an
+    attribute found by ``inspect.getattr_static`` (an instance's own, or a slot's), never a property or
+    ``__getattr__`` (a pipeline's code, run again while its error is reported); ``_UNKNOWN`` for anything else."""
+    if isinstance(node, ast.Name):
+        return local.get(node.id, _UNKNOWN)
+    if not isinstance(node, ast.Attribute):
+        return _UNKNOWN
+    owner = _local_value(node.value, local)
+    if owner is _UNKNOWN:
+        return _UNKNOWN
+    try:
+        value = inspect.getattr_static(owner, node.attr)
+        if isinstance(value, types.MemberDescriptorType):  # a __slots__ attribute (ARDiffusionRequest's): its value
+            value = value.__get__(owner, type(owner))
+    except (AttributeError, TypeError):  # none, or a slot unset, or the class's own descriptor
+        return _UNKNOWN
+    return value
 
 
 def _missing_input(pipeline: Any, request: ARDiffusionRequest, exc: KeyError) -> MissingInputError | None:
