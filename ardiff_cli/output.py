@@ -22,6 +22,7 @@ import io
 import json
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any
@@ -103,6 +104,11 @@ class Output:
         # command, stdout lost to anything but a reader that went away ends it with exit 1 (handle_errors).
         self.on_stdout_lost: Callable[[OSError], None] | None = None
         self._stderr_lost = False  # progress lines are for a human: once stderr fails they are dropped
+        # While a live display redraws the terminal, that display, whose console prints what code prints above it
+        # (None: the text goes to stderr as it is), and that text after its last newline, printed once its line ends
+        self._live: Any = None
+        self._unfinished = ""
+        self._chatter_lock = threading.RLock()  # a pipeline's threads print too, and the live display ends meanwhile
         self.warnings: list[str] = []  # every warning of the command, shown or silenced: a result may list them
 
     @classmethod
@@ -228,13 +234,19 @@ class Output:
             live.start()
         except OSError:
             self._lose_stderr()
+        if live.console.is_interactive:  # redrawn in place: what code prints goes above it (chatter)
+            self._live = live
         try:
             yield
         finally:
-            try:
-                live.stop()
-            except OSError:
-                self._lose_stderr()
+            with self._chatter_lock:  # a thread's text waits for the last frame, then goes below it as it is
+                if self._unfinished:  # a line left unfinished: shown whole, not lost
+                    self._print_above(self._unfinished)
+                self._live, self._unfinished = None, ""
+                try:
+                    live.stop()
+                except OSError:
+                    self._lose_stderr()
 
     def _print_err(self, rich_prefix: str, message: str, *, plain_prefix: str = "") -> None:
         """``message`` is never read as markup; only the fixed prefix carries Rich styles."""
@@ -264,15 +276,53 @@ class Output:
     @contextlib.contextmanager
     def chatter_to_stderr(self) -> Iterator[None]:
         """While a command runs, what the code it calls prints (a pipeline's ``print()``, a library's banner) goes to
-        stderr: stdout holds only the command's data. ardiff writes to the stream it was given, never ``sys.stdout``."""
-        with contextlib.redirect_stdout(_Chatter(self)):
+        stderr: stdout holds only the command's data. ardiff writes to the stream it was given, never ``sys.stdout``.
+        ``sys.stderr`` is the same stand-in (``print(file=sys.stderr)``, warnings, the handlers ``logging`` makes):
+        beside a live display, written to the terminal as it is, that text landed in the region the next frame
+        redrew."""
+        with contextlib.redirect_stdout(_Chatter(self)), contextlib.redirect_stderr(_Chatter(self)):
             yield
+
+    def chatter(self, text: str) -> None:
+        """Text that code printed (``_Chatter``): to stderr as it is, dropped once that failed; while a live display
+        runs, each line, once it ends, above the display, as the console prints ardiff's own lines."""
+        with self._chatter_lock:
+            if self._live is None:
+                self._write_err_raw(text)
+                return
+            *lines, self._unfinished = (self._unfinished + text).split("\n")
+            self._unfinished = _as_shown(self._unfinished)  # a progress bar's updates: its last only
+            if lines:
+                self._print_above(*lines)
+
+    def _print_above(self, *lines: str) -> None:
+        """``lines`` above the live display: their colours kept, other escape sequences dropped (they moved the
+        cursor inside the display), any control character left written as ``\\xNN``."""
+        from rich.text import Text
+
+        shown = [Text.from_ansi(_as_shown(line).removesuffix("\r")) for line in lines]
+        shown = [text if visible(text.plain) == text.plain else Text(visible(text.plain)) for text in shown]
+        if not self._stderr_lost:
+            # under the lock its refresh thread draws under: a frame drawn between the console's move up over the
+            # display and the write of these lines left the top of the display behind (a second title line).
+            # Rich's own (private, in every Rich this supports): a Rich without it risks that glitch only.
+            try:
+                with getattr(self._live, "_lock", None) or contextlib.nullcontext():
+                    self._live.console.print(Text("\n").join(shown))
+            except OSError:
+                self._lose_stderr()
 
     def _lose_stderr(self) -> None:
         """As coreutils do, a stderr that fails (its disk full) does not stop the work it reports on: its lines are
         dropped from then on. The results, the files and the exit code say how the command went."""
         self._stderr_lost = True
         to_devnull(self._stderr)
+
+
+def _as_shown(line: str) -> str:
+    """``line`` as a terminal shows it: from its last carriage return on (a progress bar redraws its line so), unless
+    that return ends it (a Windows line end)."""
+    return line[line.rfind("\r", 0, len(line) - 1) + 1:]
 
 
 def _raise_again() -> None:
@@ -314,18 +364,20 @@ def lost_stdout_stop(exc: OSError) -> int | Exception:
 
 
 class _Chatter(io.TextIOBase):
-    """``sys.stdout`` inside ``Output.chatter_to_stderr``: text to the sink's stderr, dropped once that failed. What
-    code asks of a real stream is stderr's: its descriptor (``subprocess.run(..., stdout=sys.stdout)``,
-    ``faulthandler``), ``encoding``, ``buffer``; they raised (``UnsupportedOperation: fileno``) or were None."""
+    """``sys.stdout`` and ``sys.stderr`` inside ``Output.chatter_to_stderr``: text to the sink (``Output.chatter``).
+    What code asks of a real stream is stderr's: its descriptor (``subprocess.run(..., stdout=sys.stdout)``,
+    ``faulthandler``), ``encoding``; they raised (``UnsupportedOperation: fileno``) or were None. Its ``buffer``
+    takes bytes to the sink too: written to stderr's own, they failed the step once stderr's reader had gone."""
 
     def __init__(self, out: Output) -> None:
         self._out = out  # the sink whose stderr takes the text
+        self.buffer = _ChatterBytes(self)  # bytes, decoded as stderr's encoding, to the same sink
 
     def writable(self) -> bool:
         return True
 
     def write(self, text: str) -> int:
-        self._out._write_err_raw(text)
+        self._out.chatter(text)
         return len(text)
 
     def fileno(self) -> int:
@@ -346,6 +398,30 @@ class _Chatter(io.TextIOBase):
         if name.startswith("_"):  # _out itself, before __init__ set it (copy, pickle): no endless recursion
             raise AttributeError(name)
         return getattr(self._out._stderr, name)
+
+
+class _ChatterBytes(io.BufferedIOBase):
+    """``buffer`` of a ``_Chatter``: bytes decoded as stderr's encoding (a character may span writes; bytes it
+    cannot decode are written as ``\\xNN``), then as the text it takes."""
+
+    def __init__(self, text: _Chatter) -> None:
+        import codecs
+
+        self._text = text  # the text stream whose sink takes the decoded bytes
+        self._decoder = codecs.getincrementaldecoder(text.encoding)(errors="backslashreplace")
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        self._text.write(self._decoder.decode(bytes(data)))
+        return len(data)
+
+    def fileno(self) -> int:
+        return self._text.fileno()
+
+    def isatty(self) -> bool:
+        return self._text.isatty()
 
 
 def to_devnull(stream: IO[str]) -> None:

@@ -41,6 +41,7 @@ import contextlib
 import errno
 import gc
 import json
+import logging
 import os
 import resource
 import shutil
@@ -276,6 +277,32 @@ class FaultyDreamZero(DreamZeroPipeline):
                 resource.setrlimit(resource.RLIMIT_NOFILE, (3, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
                 continue
             raise InjectedFault(f"injected fault in the close hook of {session_id!r}")
+
+
+# A handler made as the module is imported (inside the command, as a pipeline's module is): it keeps the sys.stderr
+# of that moment, as torch's loggers do
+_CHATTY_LOG = logging.getLogger("faulty_pipelines.chatty")
+_CHATTY_LOG.addHandler(logging.StreamHandler())
+_CHATTY_LOG.propagate = False
+
+
+class ChattyDreamZero(DreamZeroPipeline):
+    """DreamZero that prints in its forward as pipelines do, each line naming the request: bytes to
+    ``sys.stdout.buffer`` (first: with stderr's reader gone, the first write meets the broken pipe), ``print()``, a
+    line to ``sys.stderr``, a ``logging`` warning through Python's default handler and one through a handler made at
+    import. The request ``$ARDIFF_TEST_UNFINISHED`` names then leaves a line unfinished (no newline)."""
+
+    def forward(self, request):
+        name = request.request_id
+        sys.stdout.buffer.write(f"chatty: bytes {name}\n".encode())
+        sys.stdout.buffer.flush()
+        print(f"chatty: print {name}")
+        print(f"chatty: stderr {name}", file=sys.stderr)
+        logging.getLogger("chatty").warning("chatty: logging %s", name)
+        _CHATTY_LOG.warning("chatty: handler %s", name)
+        if name == os.environ.get("ARDIFF_TEST_UNFINISHED"):
+            print(f"chatty: unfinished {name}", end="", flush=True)
+        return super().forward(request)
 
 
 class NoSwapDreamZero(DreamZeroPipeline):

@@ -528,6 +528,17 @@ def test_a_reader_gone_from_either_stream_is_handled_alike_in_every_format(env, 
     assert (proc.returncode, proc.stderr) == (0, "")
 
 
+def test_a_pipelines_bytes_to_sys_stdout_buffer_are_dropped_like_its_print_once_stderrs_reader_is_gone(env, data,
+                                                                                                   tmp_path):
+    """print() is stderr's text, dropped once stderr failed; bytes written to sys.stdout.buffer went to stderr's own
+    buffer and raised BrokenPipeError in the forward: the episode whose step wrote first failed (exit 4)."""
+    run = tmp_path / "run"
+    proc = with_reader_gone(env, "stderr", "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run),
+                            "--no-warmup", "--quiet", "--pipeline", "faulty_pipelines:ChattyDreamZero")
+    assert proc.returncode == 0
+    assert [record["status"] for record in records(run)] == ["ok"] * 6
+
+
 @pytest.mark.parametrize("args", [("--help",), ("rollout", "--help"), ("inspect-capacity", "-h"), ("--version",)])
 def test_help_and_version_to_a_reader_gone_exit_0_like_the_commands(env, args):
     # `ardiff rollout --help | grep -q follow` exited 1 without a word (Rich's and Click's own handling of the broken

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 from fast_run import write_fast_data
 from terminal import Screen, run_in_pty
@@ -158,3 +160,46 @@ def test_a_failed_steps_traceback_with_verbose_shows_whole_above_the_live_displa
     error = lines.index("Error: episode 'ep_a' failed at step 1 in the model's forward: InjectedFault: injected "
                         "fault in")
     assert "faulty_pipelines.InjectedFault: injected fault in transformer block 0 (call 1)" in lines[:error], text
+
+
+CHATTY = ("bytes", "print", "stderr", "logging", "handler")  # faulty_pipelines.ChattyDreamZero's lines, in order
+
+
+def chatty_run(tmp_path, cli_env) -> tuple[dict[str, str], list[str], str]:
+    """3 episodes of 12 steps, each step's forward printing its lines; the environment, the ardiff arguments, and
+    the line its last step leaves unfinished."""
+    write_fast_data(tmp_path, {f"ep_{i}": 12 for i in range(3)})
+    env = {**cli_env, "ARDIFF_TEST_UNFINISHED": "ep_2/000011"}
+    args = ["rollout", "fast.yaml", "eps", "-o", "out", "--no-warmup", "--pipeline", "faulty_pipelines:ChattyDreamZero"]
+    return env, args, "chatty: unfinished ep_2/000011"
+
+
+def chatter(out) -> list[str]:
+    """The lines ChattyDreamZero printed, in the order its steps ran (results.jsonl)."""
+    ran = [json.loads(line)["request_id"] for line in (out / "results.jsonl").read_text().splitlines()]
+    return [f"chatty: {kind} {request}" for request in ran for kind in CHATTY]
+
+
+def test_what_a_pipeline_prints_shows_above_the_live_display_whole_and_in_order(tmp_path, cli_env):
+    """Written to the terminal as it was, beside the live display, the text landed in the region its next frame
+    redrew: lines were erased, and the frames' tops they pushed up were left behind (more title lines). A line the
+    display's end left unfinished is shown too, above its last frame."""
+    env, args, unfinished = chatty_run(tmp_path, cli_env)
+    code, output = run_in_pty(args, env=env, cwd=tmp_path, cols=100, rows=40)
+    screen = Screen(100, 40).feed(output)
+    lines = screen.history + screen.display()
+    text = "\n".join(lines)
+    assert code == 0, text
+    printed = [i for i, line in enumerate(lines) if line.startswith("chatty: ")]
+    assert [lines[i] for i in printed] == [*chatter(tmp_path / "out"), unfinished], text
+    assert lines.count("ardiff rollout · fast.yaml → out") == 1, text
+    assert lines.index("ardiff rollout · fast.yaml → out") > printed[-1], text  # the last frame, under them all
+
+
+def test_what_a_pipeline_prints_without_a_live_display_is_written_as_it_is(tmp_path, cli_env):
+    """--quiet (no live display, no line of ardiff's): stderr holds exactly what the pipeline wrote, in order."""
+    env, args, unfinished = chatty_run(tmp_path, cli_env)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *args, "--quiet"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "".join(f"{line}\n" for line in chatter(tmp_path / "out")) + unfinished
