@@ -140,17 +140,19 @@ class LabPipeline:
                 ids = torch.tensor(ids + [0] * (c.text_tokens - len(ids)), device=self.device)
                 kv = self.text[ids].view(c.text_tokens, c.num_heads, c.head_size).transpose(0, 1).contiguous()
                 self.state.populate_cross_attention(branch, "text", [(kv, kv)] * c.num_layers)
-        n = self.counters.get(sid, 0)
-        gen = torch.Generator().manual_seed(zlib.crc32(sid.encode()) * 1000 + n)
-        x = torch.randn(c.tokens_per_frame, c.num_heads * c.head_size, generator=gen, dtype=torch.float32)
+        x = self.noise(sid, (c.tokens_per_frame, c.num_heads * c.head_size))
         obs = torch.as_tensor(request.inputs["state"]).to(self.device, self.dtype)  # (6,)
         x = x.to(self.device, self.dtype) + obs @ self.embed
         cond, uncond = self._pass(x, "cond", False), self._pass(x, "uncond", False)
         x = uncond + 2.0 * (cond - uncond)
         for branch in ("cond", "uncond"):
             self._pass(x, branch, True)
-        self.counters[sid] = n + 1
+        self.counters[sid] = self.counters.get(sid, 0) + 1
         return {"frame": x.float().cpu().numpy()}
+
+    def noise(self, sid, shape):  # seeded by the session and its request counter, which the export holds
+        gen = torch.Generator().manual_seed(zlib.crc32(sid.encode()) * 1000 + self.counters.get(sid, 0))
+        return torch.randn(shape, generator=gen, dtype=torch.float32)
 
 
 class PlainFromConfig(LabPipeline):
@@ -195,6 +197,15 @@ class CommitsNextRequest(LabPipeline):
     def close_ar_diffusion_session(self, session_id):
         self.held.pop(session_id, None)
         super().close_ar_diffusion_session(session_id)
+
+    def export_ar_diffusion_session(self, session_id):  # the block it holds is the session's state too
+        held = self.held.get(session_id)
+        return {**super().export_ar_diffusion_session(session_id), "held": None if held is None else held.cpu()}
+
+    def import_ar_diffusion_session(self, session_id, snapshot):
+        if snapshot["held"] is not None:
+            self.held[session_id] = snapshot["held"].to(self.device)
+        super().import_ar_diffusion_session(session_id, snapshot)
 
     @torch.inference_mode()
     def forward(self, request):
@@ -280,6 +291,24 @@ class OwnKeyErrorInForward(LabPipeline):
         if request.request_id.startswith("warm"):
             return {"blocks.0": 0}["blocks.9"]
         return super().forward(request) if request.extra_args["camera"] else None
+
+
+class GlobalNoise(LabPipeline):
+    def noise(self, sid, shape):  # torch's global generator: another draw each time, whatever the session
+        return torch.randn(shape, dtype=torch.float32)
+
+
+class CountsOnItself(LabPipeline):
+    drawn = 0  # draws made, on the pipeline, not in the session its export gives
+
+    def noise(self, sid, shape):
+        self.drawn += 1
+        return torch.randn(shape, generator=torch.Generator().manual_seed(self.drawn), dtype=torch.float32)
+
+
+class TupleInExport(LabPipeline):
+    def export_ar_diffusion_session(self, session_id):
+        return {**super().export_ar_diffusion_session(session_id), "grid": (2, 2)}  # JSON gives a list back
 
 
 class SlowWarmup(LabPipeline):
@@ -401,8 +430,8 @@ def test_a_warmup_whose_last_request_starts_afresh_is_no_warning_for_a_pipeline_
     """The warmup session was looked at once, after the last request: one that reset it (a fresh episode) left no
     committed frame in a pipeline that commits a block at the start of the next request, as DreamZero does, and a
     pipeline that keeps its history was told it keeps none."""
-    proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:CommitsNextRequest")
-    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+    proc = ardiff(lab, "warmup", "owned.yaml", "--pipeline", "lab_world.model:CommitsNextRequest")  # it exports
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr  # its held block: 256 bytes declared
 
 
 def test_a_forward_reading_an_input_its_request_does_not_hold_is_named_as_such(lab):
@@ -510,6 +539,44 @@ def test_a_reader_that_leaves_during_a_rollouts_warmup_stops_it_there_and_resume
                            timeout=300)
     assert whole.returncode == 0, whole.stderr
     assert len(frames(run)) == 4 and frames(run) == frames(tmp_path / "whole")
+
+
+RERUN = "returned other outputs when run again on its session rebuilt from the session's export"
+
+
+@pytest.mark.parametrize("name", ["GlobalNoise", "CountsOnItself"])
+def test_a_forward_that_its_rebuilt_session_does_not_reproduce_is_one_warning_at_warmup(lab, name):
+    """Noise from torch's global generator, or numbered by a counter on the pipeline that its export leaves out:
+    every swapped, replayed or resumed session went on with other outputs than an uninterrupted one, and warmup and
+    rollout said nothing of it."""
+    warmup = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", f"lab_world.model:{name}")
+    said = " ".join(warmup.stderr.split())
+    assert warmup.returncode == 0 and warmup.stderr.count("warning:") == 1, warmup.stderr
+    assert (f"warning: {name}: warmup request 'warm1' {RERUN}, as a swapped-out session is restored: 'frame' differs "
+            "by up to ") in said, warmup.stderr
+    assert ("(64 of 64 values); replayed, swapped and resumed sessions will not reproduce the run. Draw the "
+            "forward's noise from a generator seeded from the request or its session") in said, warmup.stderr
+    # a rollout's warmup runs the same check
+    rollout = ardiff(lab, "rollout", "unnamed.yaml", "eps/ep0", "-o", f"out_{name}", "--pipeline",
+                     f"lab_world.model:{name}")
+    assert rollout.returncode == 0 and rollout.stderr.count(RERUN) == 1, rollout.stderr
+
+
+def test_an_export_holding_a_value_no_snapshot_keeps_is_a_warning_at_warmup_not_first_at_an_eviction(lab):
+    """A tuple in the export passed warmup, and the first eviction warned that it could not be swapped out."""
+    root, _ = lab
+    warmup = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:TupleInExport")
+    said = " ".join(warmup.stderr.split())
+    assert warmup.returncode == 0 and warmup.stderr.count("warning:") == 1, warmup.stderr
+    assert ("warning: TupleInExport.export_ar_diffusion_session('__ardiff_warmup__')['grid'] is a tuple ((2, 2)), "
+            "which JSON gives back as another type or not at all") in said, warmup.stderr
+    assert "swapping its sessions out will fail alike" in said, warmup.stderr
+    # every step evicts: the swap-outs fail alike, and are counted, not warned about again
+    rollout = ardiff(lab, "rollout", "unnamed.yaml", "eps", "-o", "tuple", "--pipeline",
+                     "lab_world.model:TupleInExport", "--session-capacity", "1")
+    assert rollout.returncode == 0 and rollout.stderr.count("warning:") == 1, rollout.stderr
+    assert "'grid'] is a tuple" in rollout.stderr and "cannot swap session" not in rollout.stderr, rollout.stderr
+    assert json.loads((root / "tuple" / "summary.json").read_text())["swap"]["swap_failed"] > 0
 
 
 UNDERCOUNTS = "the capacity plan undercounts"

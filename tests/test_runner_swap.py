@@ -604,6 +604,17 @@ def test_an_exported_value_that_json_would_change_is_refused_with_a_warning_nami
     engine.close()
 
 
+@pytest.mark.parametrize("value", [torch.zeros(2), 0], ids=["tensor", "plain"])
+def test_an_exported_name_that_is_no_str_is_refused_as_the_snapshot_would_give_it_back_as_one(value):
+    """{1: value}: a plain value came back under '1', a tensor's snapshot could not be restored (and replayed)."""
+    from ardiff_cli.runtime.kv.state import KVSnapshot
+    from ardiff_cli.runtime.swap import encode_snapshot
+
+    with pytest.raises(TypeError, match=r"^P.export_ar_diffusion_session\('a'\) has the key 1, a int, which a "
+                                        r"snapshot gives back as a str$"):
+        encode_snapshot(KVSnapshot({}, {}), {1: value}, 0, where="P.export_ar_diffusion_session('a')")
+
+
 def test_a_pipeline_without_the_protocol_is_evicted_as_before(tmp_path):
     runner = ARDiffusionModelRunner(TinyPipeline(tiny_spec()), memory_budget=64 << 20, session_capacity=1,
                                     swap_dir=tmp_path)

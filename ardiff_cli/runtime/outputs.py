@@ -78,3 +78,43 @@ def _non_finite(output: Mapping[str, Any]) -> str:
     return "; ".join(f"{name!r}: " + ", ".join(f"{count} {kind}" for count, kind in ((nan, "NaN"), (inf, "inf"))
                                                 if count) + f" of {plural(size, 'value')}"
                      for name, nan, inf, size in found)
+
+
+def host_arrays(output: Mapping[str, Any]) -> dict[str, Any]:
+    """The arrays of a forward's ``output`` as numpy copies of their own on the host (bfloat16 as float32, which
+    holds it exactly): a forward may return views of buffers that its next request writes over."""
+    import numpy as np
+    import torch
+
+    arrays = {}
+    for name, value in output.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu()
+            arrays[name] = (value.float() if value.dtype == torch.bfloat16 else value).numpy().copy()
+        elif is_array(value):
+            arrays[name] = np.array(value, copy=True)
+    return arrays
+
+
+def output_differences(expected: Mapping[str, Any], output: Any) -> list[tuple[float, str]]:
+    """How the arrays of ``output`` (a forward's) differ from ``expected`` (``host_arrays`` of the same request's
+    first outputs) bit for bit, the largest difference first: (its size, inf for an array missing or of another
+    dtype or shape; ``'name' differs by up to D (N of M values)``). Empty when every array is the same."""
+    import numpy as np
+
+    got = host_arrays(output) if isinstance(output, Mapping) else {}
+    found = []
+    for name in sorted(expected.keys() | got.keys(), key=str):
+        a, b = expected.get(name), got.get(name)
+        if a is None or b is None:
+            found.append((float("inf"), f"{name!r} {'is missing' if b is None else 'is new'}"))
+        elif a.dtype != b.dtype or a.shape != b.shape:
+            found.append((float("inf"), f"{name!r} is {b.dtype} {b.shape}, was {a.dtype} {a.shape}"))
+        elif a.tobytes() != b.tobytes():  # bits, not values: -0.0 and 0.0 differ too
+            delta = np.abs(a.astype(np.float64) - b.astype(np.float64))
+            largest = float(np.nan_to_num(delta, nan=np.inf).max())  # NaN where a number was: inf, for the order
+            shown_largest = "NaN" if np.isnan(delta).any() else f"{largest:.3g}"
+            count = int(np.count_nonzero(~((a == b) & (np.signbit(a) == np.signbit(b)))))
+            found.append((largest, f"{name!r} differs by up to {shown_largest} ({count} of "
+                                   f"{plural(a.size, 'value')})"))
+    return sorted(found, key=lambda item: -item[0])

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import difflib
 import errno
 import functools
 import inspect
 import itertools
+import json
 import linecache
 import logging
 import sys
@@ -81,11 +83,12 @@ from ardiff_cli.runtime.kv.backends import select_attention_backend
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache, kv_dtype
 from ardiff_cli.runtime.kv.layout import KVLayout
 from ardiff_cli.runtime.kv.state import ARDiffusionKVState
-from ardiff_cli.runtime.outputs import FLOAT16_OVERFLOW, output_problem
+from ardiff_cli.runtime.outputs import FLOAT16_OVERFLOW, host_arrays, output_differences, output_problem
 from ardiff_cli.runtime.request import RUNNER_KEYS, ARDiffusionRequest, require_request
 from ardiff_cli.runtime.swap import (
     SNAPSHOT_FILE,
     SwapStore,
+    check_exported,
     check_swap_arguments,
     decode_snapshot,
     encode_snapshot,
@@ -391,6 +394,10 @@ class ARDiffusionModelRunner:
         self._disk_full = False  # a snapshot failed for a full disk: the next ones check the free space first
         # a session's export held more tensor bytes than the spec's model_owned_state_bytes_per_session: warned once
         self._model_owned_warned = False
+        self._export_warned = False  # a warmup session's export failed, or held a value a snapshot cannot: warned once
+        # >0 while warmup runs a request again on its rebuilt session (_check_rerun): its events are dropped, since
+        # for every subscriber it is the one request it already saw
+        self._muted = 0
         self._warned_keys: set[str] = set()  # misspelt extra_args keys reported (``ARDiffusionRequest.misspelt_keys``)
         self._closed = False  # close() ran: pools and pipeline dropped, every later request refused
         # Resident sessions, least recently used first.
@@ -592,7 +599,9 @@ class ARDiffusionModelRunner:
 
     def _emit(self, event: RuntimeEvent) -> None:
         """Deliver ``event`` now, or when the session-table lock is released and the request holds its session
-        (``_locked``, ``_events_held``)."""
+        (``_locked``, ``_events_held``). Dropped while warmup checks a rerun (``_muted``)."""
+        if self._muted:
+            return
         self._outbox.append(event)
         if not self._hold_depth:
             self._deliver()
@@ -1268,6 +1277,7 @@ class ARDiffusionModelRunner:
         provider = f"{type(self.pipeline).__name__}.ar_diffusion_warmup_requests()"
         where = provider  # what ran when something raised: the provider, or one of its requests
         went_on = committed = False  # a request went on with the session's history; a frame was committed
+        rerun = False  # a request was run again on its session rebuilt from its export (_check_rerun): once a warmup
         try:
             requests = self.pipeline.ar_diffusion_warmup_requests(WARMUP_SESSION_ID)
             if not isinstance(requests, Iterable):
@@ -1284,9 +1294,12 @@ class ARDiffusionModelRunner:
                         f"expected {WARMUP_SESSION_ID!r} (the session_id {provider} is given)",
                         hint=PIPELINE_HINT,
                     )
-                t0 = time.perf_counter()
                 with self._locked():
                     goes_on = WARMUP_SESSION_ID in self._sessions and not request.reset
+                before = None  # (the session as a swap-out writes it, the request as given) before it ran
+                if goes_on and not rerun and isinstance(self.pipeline, SupportsARDiffusionSwap):
+                    rerun, before = True, self._warmup_snapshot(request)
+                t0 = time.perf_counter()
                 output = self._execute(request, internal=True)
                 problem = output_problem(output)  # else warmup passed and every real step failed
                 if problem is not None:
@@ -1300,7 +1313,11 @@ class ARDiffusionModelRunner:
                 went_on |= goes_on and frames is not None
                 committed |= bool(frames)
                 if frames is not None:
-                    self._check_model_owned(self._warmup_exported_tensors(), "warming up")
+                    exported, state = self._warmup_export()
+                    if exported and not self._model_owned_warned:
+                        self._check_model_owned(_tensors_of(state), "warming up")
+                if before is not None:  # last: the counts above are of the request as it ran, not of its rerun
+                    self._check_rerun(output, *before)
             if went_on and not committed:
                 self._warn_nothing_committed(len(timings))
         except Exception as exc:
@@ -1334,18 +1351,101 @@ class ARDiffusionModelRunner:
         state = session.state
         return sum(state.adapter(branch).num_committed_frames for branch in state.spec.branch_names)
 
-    def _warmup_exported_tensors(self) -> list[torch.Tensor] | None:
-        """The tensors of the warmup session's export (None: the pipeline cannot export, or has been warned about
-        already). An export that fails is left to the swap-out that would write it, which warns of it."""
-        if self._model_owned_warned or not isinstance(self.pipeline, SupportsARDiffusionSwap):
-            return None
+    def _warmup_export(self) -> tuple[bool, Any]:
+        """(True, the warmup session's export) when it is what a swap-out can write; (False, None) when the pipeline
+        cannot export, or its export raised or held a value a snapshot cannot keep (a tuple, a numpy array): one
+        warning, at warmup, for what every swap-out of the run would fail alike (each evicted without a snapshot and
+        replayed), and those are not warned about again."""
+        if self._export_warned or not isinstance(self.pipeline, SupportsARDiffusionSwap):
+            return False, None
+        where = f"{type(self.pipeline).__name__}.export_ar_diffusion_session({WARMUP_SESSION_ID!r})"
         try:
             state = self.pipeline.export_ar_diffusion_session(WARMUP_SESSION_ID)
+            check_exported(state, where)
         except Exception as exc:  # noqa: BLE001 - the check is advisory; a stop propagates
             if _is_stop(exc):
                 raise
+            self._export_warned = True
+            self._swap_causes_warned.add((type(exc).__name__, getattr(exc, "errno", None)))
+            said = str(exc) if str(exc).startswith(where) else f"{where} raised {type(exc).__name__}: {exc}"
+            warnings.warn(f"{said}: swapping its sessions out will fail alike (each evicted session is then replayed "
+                          "from its first step, and --resume replays a stopped run's sessions; the swap-outs that "
+                          "fail so are not warned about again) (README, 'Adding a pipeline')",
+                          ArdiffWarning, stacklevel=_caller_stacklevel())
+            return False, None
+        return True, state
+
+    def _warmup_snapshot(self, request: ARDiffusionRequest) -> tuple[tuple[Any, Any], ARDiffusionRequest] | None:
+        """The warmup session as a swap-out writes it (tensors, and metadata as its file gives it back), and a copy
+        of ``request`` for a rerun (a forward may change its inputs); None when its export cannot be written."""
+        exported, state = self._warmup_export()
+        if not exported:
             return None
-        return _tensors_of(state)
+        session = self._sessions[WARMUP_SESSION_ID]
+        tensors, metadata = encode_snapshot(session.state.export(), state, session.num_requests,
+                                            where=f"{type(self.pipeline).__name__}.export_ar_diffusion_session()")
+        try:
+            again = copy.deepcopy(request)
+        except Exception:  # noqa: BLE001 - inputs that cannot be copied: the request itself
+            again = request
+        return (tensors, json.loads(json.dumps(metadata))), again
+
+    def _check_rerun(self, output: Any, snapshot: tuple[Any, Any], request: ARDiffusionRequest) -> None:
+        """Rebuild the warmup session from ``snapshot`` (taken before ``request`` ran) as a swap restore does (the
+        close hook, a fresh session, its KV restored and its export imported), run ``request`` again, and warn
+        unless it returns ``output`` again bit for bit: replayed, swapped and resumed sessions rest on that. The
+        events of all this are dropped: it is one request to subscribers. The session is left as the rerun left it,
+        or released when rebuilding or rerunning failed (a warning too)."""
+        name = type(self.pipeline).__name__
+        expected = host_arrays(output)
+        step, failure = f"{name}.close_ar_diffusion_session()", None
+        self._muted += 1
+        try:
+            with self._locked():
+                if WARMUP_SESSION_ID in self._sessions:  # not when the request closed it
+                    errors = self._release(WARMUP_SESSION_ID, reason="explicit", hook="close")
+                    if errors:
+                        raise errors[0]
+                kv, state, num_requests = decode_snapshot(*snapshot)
+                step = "its KV"
+                session = self._admit(WARMUP_SESSION_ID)
+                session.state.restore(kv)
+                step = f"{name}.import_ar_diffusion_session()"
+                self.pipeline.import_ar_diffusion_session(WARMUP_SESSION_ID, state)
+                session.num_requests = num_requests
+                session.view = self._snapshot(WARMUP_SESSION_ID, session)
+                session.settled = True
+            step = "the request run again"
+            again = self._execute(request, internal=True)
+        except Exception as exc:
+            if _is_stop(exc):
+                raise
+            failure = exc
+        finally:
+            self._muted -= 1
+        if failure is not None:  # the session goes, as subscribers are told: they saw it admitted
+            with self._locked():
+                if WARMUP_SESSION_ID in self._sessions:  # imported half way: nobody's state
+                    self._release(WARMUP_SESSION_ID, reason="restore_failed", hook="close", error=failure)
+                else:  # released while muted (a failed rerun, a close hook that raised)
+                    self._emit(SessionClosed(session_id=WARMUP_SESSION_ID, reason="restore_failed",
+                                             error=repr(failure)))
+            warnings.warn(f"{name}: warmup request {shown(request.request_id)} could not run again on its session "
+                          f"rebuilt from the session's export, as a swapped-out session is restored: {step} raised "
+                          f"{type(failure).__name__}: {failure}; swapped-out sessions will fail as they are restored "
+                          "or at their next step (README, 'Adding a pipeline')", ArdiffWarning,
+                          stacklevel=_caller_stacklevel())
+            return
+        differences = output_differences(expected, again)
+        if differences:
+            others = f" (and {plural(len(differences) - 1, 'other output')} too)" if len(differences) > 1 else ""
+            warnings.warn(f"{name}: warmup request {shown(request.request_id)} returned other outputs when run again "
+                          f"on its session rebuilt from the session's export, as a swapped-out session is restored: "
+                          f"{differences[0][1]}{others}; "
+                          "replayed, swapped and resumed sessions will not reproduce the run. Draw the forward's "
+                          "noise from a generator seeded from the request or its session (never torch's global "
+                          "generator or the clock), and export all the state a session keeps (README, 'Adding a "
+                          "pipeline')", ArdiffWarning, stacklevel=_caller_stacklevel())
 
     def _warn_nothing_committed(self, num_requests: int) -> None:
         """A warmup whose forwards committed no frame, though a request went on with its session's history: a model

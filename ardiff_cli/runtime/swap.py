@@ -526,21 +526,36 @@ def encode_snapshot(kv: KVSnapshot, pipeline_state: dict[str, Any] | None, num_r
     the pipeline's tensors (its plain values go in the metadata; ``where`` names what returned them)."""
     import torch
 
+    check_exported(pipeline_state, where)
     tensors = {f"kv/{key}": t for key, t in kv.tensors.items()}
     pipeline = None
     if pipeline_state is not None:
-        if not isinstance(pipeline_state, dict):
-            raise TypeError(f"{where} returned {type(pipeline_state).__name__}, expected a "
-                            "dict (name -> tensor or JSON-able value) or None")
         pipeline = {"tensors": [], "values": {}}
         for name, value in pipeline_state.items():
             if isinstance(value, torch.Tensor):  # a copy of its own: safetensors refuses tensors sharing memory
                 tensors[f"pipeline/{name}"] = value.detach().cpu().clone(memory_format=torch.contiguous_format)
                 pipeline["tensors"].append(name)
             else:
-                check_plain(value, f"{where}[{name!r}]")
                 pipeline["values"][name] = value
     return tensors, {"kv": kv.metadata, "pipeline": pipeline, "num_requests": num_requests}
+
+
+def check_exported(pipeline_state: Any, where: str) -> None:
+    """A ``TypeError`` naming ``where`` (what returned it) unless ``pipeline_state`` is what a snapshot keeps: None,
+    or a dict of tensors and :func:`check_plain` values. What :func:`encode_snapshot` checks, without copying."""
+    import torch
+
+    if pipeline_state is None:
+        return
+    if not isinstance(pipeline_state, dict):
+        raise TypeError(f"{where} returned {type(pipeline_state).__name__}, expected a "
+                        "dict (name -> tensor or JSON-able value) or None")
+    for name, value in pipeline_state.items():
+        if not isinstance(name, str):  # a snapshot gives every name back as a str
+            raise TypeError(f"{where} has the key {name!r}, a {type(name).__name__}, which a snapshot gives back as "
+                            "a str")
+        if not isinstance(value, torch.Tensor):
+            check_plain(value, f"{where}[{name!r}]")
 
 
 def decode_snapshot(tensors: dict[str, torch.Tensor],
