@@ -175,7 +175,7 @@ class Rollout:
         """A robot started an episode folder in a followed folder of episodes: run.json lists it before any of its
         steps runs (``--resume`` finds its outputs' episode), then it is one of the run's episodes."""
         try:
-            self.run_folder.add_episode(episode.name, episode.path)
+            recorded = self.run_folder.add_episode(episode.name, episode.path)
         except OSError as exc:
             if too_many_open_files(exc):  # the process's limit, not the disk's or the folder's
                 raise
@@ -184,22 +184,24 @@ class Rollout:
         self.episodes.append(episode)
         self._steps_done[episode.name] = 0
         self.monitor.log("episode_added", episode.name, f"new episode folder {episode.path}: following it",
-                         episode=episode.name, path=str(episode.path.absolute()))
+                         episode=episode.name, path=recorded)
         self._show_progress([episode], recount=False)
 
     def _episode_moved(self, episode: EpisodeSource, old: Path) -> None:
         """An episode's folder was renamed in its followed folder of episodes (``ep1.part`` -> ``ep1``): it goes on
         there under its name, and run.json records the new path, where ``--resume`` reads it."""
         try:
-            self.run_folder.move_episode(episode.name, episode.path)
+            recorded = self.run_folder.move_episode(episode.name, episode.path)
         except OSError as exc:
             if too_many_open_files(exc):
                 raise
             raise OutputError(f"cannot record the new folder {episode.path} of episode {episode.name!r} in "
                               f"{self.run_folder.root / RUN_FILE}: {exc.strerror or exc}") from exc
+        # the paths as run.json records them (links resolved: a watched folder given through a link): the old one is
+        # gone, so only its parent resolves
         self.monitor.log("episode_moved", episode.name, f"episode folder {old} renamed to {episode.path.name}: "
-                         "following it there", episode=episode.name, path=str(episode.path.absolute()),
-                         old_path=str(old.absolute()))
+                         "following it there", episode=episode.name, path=recorded,
+                         old_path=str(old.absolute().parent.resolve() / old.name))
 
     # -- events --------------------------------------------------------------------------------------------
 

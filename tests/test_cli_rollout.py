@@ -2999,6 +2999,33 @@ def test_an_episode_a_recorder_publishes_by_renaming_its_folder_runs_once_and_re
             "its rename)") in again.stderr, again.stderr
 
 
+def test_a_folder_of_episodes_followed_through_a_link_names_the_folders_as_run_json_records_them(env, data, tmp_path):
+    """A folder of episodes given through a symlink (robots -> /mnt/robots): episode_moved's path and old_path went
+    through the link, while run.json (and episode_added) gave the real folder, so a script matching the event's path
+    against run.json's found no episode. Both events now give the paths as run.json records them."""
+    live, link, run = tmp_path / "live", tmp_path / "robots", tmp_path / "run"
+    write_episode(live / "arm_a.part", steps_of(0, 3), prompt="task arm_a")
+    link.symlink_to(live)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(link), "--out", str(run), "--follow", "--no-warmup",
+                 "--idle-timeout", "3", "--format", "json")
+    try:
+        wait_for_lines(run / "results.jsonl", 3, proc)
+        (live / "arm_a.part").rename(live / "arm_a")
+        write_episode(live / "arm_b", steps_of(1, 3)[:1], prompt="task arm_b")  # joins: episode_added
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    moved = [(o["old_path"], o["path"]) for o in events if o.get("kind") == "episode_moved"]
+    added = [o["path"] for o in events if o.get("kind") == "episode_added"]
+    real = live.resolve()
+    assert moved == [(str(real / "arm_a.part"), str(real / "arm_a"))], moved
+    assert added == [str(real / "arm_b")], added
+    recorded = {e["name"]: e["path"] for e in json.loads((run / "run.json").read_text())["episodes"]}
+    assert recorded == {"arm_a.part": moved[0][1], "arm_b": added[0]}
+
+
 def test_an_episode_folder_renamed_in_a_watched_folder_while_the_run_was_stopped_resumes_through_a_link(
         env, data, reference, tmp_path):
     """Renamed while no run follows it, the folder is gone for --resume (exit 2, naming it); a link at the old name
@@ -3118,16 +3145,18 @@ def test_a_step_under_a_tempfile_name_when_the_run_starts_is_waited_for_until_re
     assert_arm_a_as_in(reference, run)
 
 
+@pytest.mark.parametrize("name", ["tmpabcdefgh.safetensors", ".step_000001.safetensors.Ab3dE9"])
 def test_a_step_written_slowly_under_a_tempfile_name_keeps_the_episode_from_idling_out(env, data, reference,
-                                                                                         tmp_path):
+                                                                                         tmp_path, name):
     """A robot writing a large step slowly into tempfile's tmpabcdefgh.safetensors, longer than --idle-timeout, then
     renaming it: the growing file was no activity, and the episode failed at the idle timeout ("step file name has
-    no step number", exit 2) while the robot was still writing it."""
+    no step number", exit 2) while the robot was still writing it. So with rsync's hidden temporary name
+    (.step_000001.safetensors.Ab3dE9): the episode ended at the idle timeout mid-copy, and the step arrived late."""
     proc, live, run = follow_a_live_episode(env, data, tmp_path, "plain", "--idle-timeout", "4")
     try:
         wait_for_lines(run / "results.jsonl", 1, proc)  # step 0 ran: the idle timer runs from here
         whole = (data / "eps" / "arm_a" / "step_000001.safetensors").read_bytes()
-        temporary = live / "arm_a" / "tmpabcdefgh.safetensors"
+        temporary = live / "arm_a" / name
         chunk = -(-len(whole) // 100)
         with open(temporary, "wb") as f:  # a pause of this process under 4 s (a busy CI machine) keeps it a writer's
             for start in range(0, len(whole), chunk):  # 100 writes over 10 s: 2.5 idle timeouts

@@ -437,6 +437,43 @@ def test_a_step_written_under_a_name_without_a_step_number_keeps_its_episode_fro
     assert clock.now < 2 * 2  # it took two timeouts: its first look counted as a writer's
 
 
+def test_a_step_copied_slowly_by_rsync_keeps_its_episode_from_the_idle_timeout(tmp_path):
+    """rsync copies a step into a hidden temporary name (".step_000001.safetensors.Ab3dE9") and renames it: the name
+    is passed over as a step (hidden), but its growth was no activity either, so a copy slower than --idle-timeout
+    ended the episode (idle_timeout) mid-copy and the step arrived late, never run. A killed copy's leftover stops
+    changing and the episode ends one idle timeout later."""
+    write_step(tmp_path / "e", 0, good(0), prompt="p")
+    temporary = tmp_path / "e" / ".step_000001.safetensors.Ab3dE9"
+
+    def grow() -> None:
+        with open(temporary, "ab") as f:
+            f.write(b"x")
+
+    def rename() -> None:
+        write_step(tmp_path / "e", 1, good(1))
+        os.replace(tmp_path / "e" / "step_000001.safetensors", temporary)
+        os.rename(temporary, tmp_path / "e" / "step_000001.safetensors")
+
+    clock = FakeClock([lambda: None, lambda: temporary.write_bytes(b""), grow, lambda: None, grow, lambda: None,
+                       grow, lambda: None, rename])
+    scheduler = StepScheduler(discover_episodes([tmp_path / "e"]), follow=True, idle_timeout=2, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert scheduler.next().file.step == 0
+    assert scheduler.next().file.step == 1  # copied for 7 s, 3.5 times the idle timeout
+    assert scheduler.next().reason == "idle_timeout"
+
+    write_step(tmp_path / "k", 0, good(0), prompt="p")
+    clock = FakeClock([lambda: (tmp_path / "k" / ".step_000001.safetensors.Zz09aB").write_bytes(b"half")])
+    scheduler = StepScheduler(discover_episodes([tmp_path / "k"]), follow=True, idle_timeout=2, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert scheduler.next().file.step == 0
+    ended = scheduler.next()
+    assert isinstance(ended, EpisodeEnded) and ended.reason == "idle_timeout", ended
+    assert clock.now >= 2 * 2  # one timeout more for the copy that stopped
+    # without --follow, that leftover of an interrupted copy is passed over: the episode's step files run
+    assert _drain(StepScheduler(discover_episodes([tmp_path / "k"]))) == [("k", 0), ("k", "complete")]
+
+
 def test_follow_waits_for_a_file_to_stop_growing(tmp_path):
     folder = tmp_path / "live"
     folder.mkdir()

@@ -185,19 +185,24 @@ class RunFolder:
             (self.root / RUN_FILE).unlink(missing_ok=True)
             raise
 
-    def add_episode(self, name: str, path: Path) -> None:
+    def add_episode(self, name: str, path: Path) -> str:
         """List one more episode in run.json (with ``--follow``, one a robot started in a followed folder of
-        episodes), so that ``--resume`` knows it."""
+        episodes), so that ``--resume`` knows it; returns the path recorded (links resolved)."""
         info = self.read_info()
-        info["episodes"] = [*info["episodes"], {"name": name, "path": str(path.resolve())}]
+        recorded = str(path.resolve())
+        info["episodes"] = [*info["episodes"], {"name": name, "path": recorded}]
         atomic_write_json(self.root / RUN_FILE, info)
+        return recorded
 
-    def move_episode(self, name: str, path: Path) -> None:
+    def move_episode(self, name: str, path: Path) -> str:
         """Record ``path`` as the folder of episode ``name`` in run.json (with ``--follow``, its folder was renamed in
-        a followed folder of episodes), so that ``--resume`` reads it there."""
+        a followed folder of episodes), so that ``--resume`` reads it there; returns the path recorded (links
+        resolved)."""
         info = self.read_info()
-        info["episodes"] = [{**e, "path": str(path.resolve())} if e["name"] == name else e for e in info["episodes"]]
+        recorded = str(path.resolve())
+        info["episodes"] = [{**e, "path": recorded} if e["name"] == name else e for e in info["episodes"]]
         atomic_write_json(self.root / RUN_FILE, info)
+        return recorded
 
     def read_info(self) -> dict[str, Any]:
         path = self.root / RUN_FILE

@@ -55,8 +55,11 @@ from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, S
                                    unreadable_folder)
 from ardiff_cli.runtime.errors import ObservationError
 
-# write_step's temporary file of a step file being written (atomic_write_bytes): activity for the idle timer
-_STEP_TEMPORARY = temporary_pattern("[^.].*(?:" + "|".join(map(re.escape, STEP_SUFFIXES)) + ")")
+# Activity for the idle timer: write_step's temporary file of a step file being written (atomic_write_bytes), and
+# rsync's of one it copies (".step_000001.safetensors.Ab3dE9": "." + name + "." + mkstemp's 6 characters)
+_STEP_NAME = "[^.].*(?:" + "|".join(map(re.escape, STEP_SUFFIXES)) + ")"
+_STEP_TEMPORARY = temporary_pattern(_STEP_NAME)
+_RSYNC_TEMPORARY = re.compile(rf"\.{_STEP_NAME}\.[A-Za-z0-9]{{6}}")
 # follow: how long after its folder's timestamps were first seen a listing of it is trusted to hold every name they
 # stand for (longer than a timestamp's tick: 2 s on FAT, 1 s on ext4 with small inodes; a few ms with sub-second
 # stamps), and how often a folder whose timestamps did not change is listed anyway (see StepScheduler._listing)
@@ -468,8 +471,9 @@ class StepScheduler:
     @staticmethod
     def _still_writing(track: _Track, idle_timeout: float) -> bool:
         """Whether a step file is being written under a temporary name: ``write_step``'s
-        (``.step_000001.safetensors.XXXX.tmp``), or one without a step number or under another writer's temporary
-        name (tempfile's ``tmpk3jx9a1b.safetensors``) that the follower waits to see renamed. One that appeared, or
+        (``.step_000001.safetensors.XXXX.tmp``), rsync's (``.step_000001.safetensors.Ab3dE9``), or one without a step
+        number or under another writer's temporary name (tempfile's ``tmpk3jx9a1b.safetensors``) that the follower
+        waits to see renamed. One that appeared, or
         whose size or mtime changed (a writer that sizes the file first), since the last look is activity, and the
         idle timer starts again; one first seen only if written within the last ``idle_timeout`` seconds (a stray
         ``calibration.npz`` there for longer keeps no episode waiting). Looked at only when the timer runs out: a
@@ -481,7 +485,7 @@ class StepScheduler:
         unnumbered = {path.name for path in track.unnumbered}
         looks = {}
         for name in names:
-            if _STEP_TEMPORARY.fullmatch(name) or name in unnumbered:
+            if _STEP_TEMPORARY.fullmatch(name) or _RSYNC_TEMPORARY.fullmatch(name) or name in unnumbered:
                 with contextlib.suppress(OSError):
                     st = (track.source.path / name).stat()
                     looks[name] = (st.st_size, st.st_mtime_ns)
