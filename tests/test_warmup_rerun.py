@@ -13,6 +13,7 @@ import torch
 from ardiff_cli.runtime.config import load_config
 from ardiff_cli.runtime.engine import ARDiffusionEngine
 from ardiff_cli.runtime.errors import ArdiffWarning
+from ardiff_cli.runtime.request import ARDiffusionRequest
 from pipeline_helpers import CONFIGS, ardiff_cache, single_thread  # noqa: F401 - fixtures
 from pipelines.causal_world.pipeline import CausalWorldPipeline
 from pipelines.dreamzero.pipeline import DreamZeroPipeline
@@ -136,4 +137,48 @@ def test_an_import_that_refuses_its_own_export_is_a_warning_and_the_warmup_goes_
     assert [(e.kind, getattr(e, "reason", None)) for e in events if e.kind.startswith("session_")] == [
         ("session_admitted", None), ("session_closed", "restore_failed"), ("session_admitted", None),
         ("session_closed", "explicit")]
+    engine.close()
+
+
+class ClosesAndRefusesItsExport(RefusesItsExport):
+    """Its second (and last) warmup request closes the session it goes on with; its import fails."""
+
+    def ar_diffusion_warmup_requests(self, session_id):
+        first, second = list(super().ar_diffusion_warmup_requests(session_id))[:2]
+        yield first
+        yield ARDiffusionRequest(second.request_id, second.inputs, {**second.extra_args, "close_session": True})
+
+
+def test_a_failed_rerun_of_a_request_that_closed_its_session_does_not_close_it_twice():
+    """Subscribers were told the request closed it: the rebuilt session that failed goes unseen (a second
+    session_closed counted the one warmup session twice)."""
+    engine, events = engine_for("dreamzero-tiny", "ClosesAndRefusesItsExport")
+    with pytest.warns(ArdiffWarning, match="could not run again on its session rebuilt"):
+        report = engine.warmup()
+    assert report.restored and len(report.timings) == 2 and engine.runner.pool_usage().num_used == 0
+    assert [(e.kind, getattr(e, "reason", None)) for e in events if e.kind.startswith("session_")] == [
+        ("session_admitted", None), ("session_closed", "close_session")]
+    engine.close()
+
+
+class StoppedInItsRerun(CountedDreamZero):
+    """Ctrl-C lands in the forward of the request run again (its third forward)."""
+
+    def forward(self, request):
+        if self.forwards == 2:
+            self.forwards += 1
+            raise KeyboardInterrupt
+        return super().forward(request)
+
+
+def test_a_stop_in_the_rerun_propagates_and_subscribers_are_told_the_warmup_session_went():
+    """As for a stop in any warmup request: the session they saw admitted is closed for them too (nothing was said,
+    and the display and --format json kept a warmup session that was gone)."""
+    engine, events = engine_for("dreamzero-tiny", "StoppedInItsRerun")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(KeyboardInterrupt):
+            engine.warmup()
+    assert engine.runner.session_ids == [] and engine.runner.pool_usage().num_used == 0
+    assert [e.kind for e in events if e.kind.startswith("session_")] == ["session_admitted", "session_closed"]
     engine.close()

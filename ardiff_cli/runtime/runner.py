@@ -1395,9 +1395,11 @@ class ARDiffusionModelRunner:
         close hook, a fresh session, its KV restored and its export imported), run ``request`` again, and warn
         unless it returns ``output`` again bit for bit: replayed, swapped and resumed sessions rest on that. The
         events of all this are dropped: it is one request to subscribers. The session is left as the rerun left it,
-        or released when rebuilding or rerunning failed (a warning too)."""
+        or released when rebuilding or rerunning failed (a warning too; a stop propagates once it is released)."""
         name = type(self.pipeline).__name__
         expected = host_arrays(output)
+        with self._locked():
+            closed = WARMUP_SESSION_ID not in self._sessions  # by the request: subscribers were told so
         step, failure = f"{name}.close_ar_diffusion_session()", None
         self._muted += 1
         try:
@@ -1417,19 +1419,14 @@ class ARDiffusionModelRunner:
                 session.settled = True
             step = "the request run again"
             again = self._execute(request, internal=True)
-        except Exception as exc:
-            if _is_stop(exc):
-                raise
+        except BaseException as exc:  # a stop too: the session goes first, as subscribers are told
             failure = exc
         finally:
             self._muted -= 1
-        if failure is not None:  # the session goes, as subscribers are told: they saw it admitted
-            with self._locked():
-                if WARMUP_SESSION_ID in self._sessions:  # imported half way: nobody's state
-                    self._release(WARMUP_SESSION_ID, reason="restore_failed", hook="close", error=failure)
-                else:  # released while muted (a failed rerun, a close hook that raised)
-                    self._emit(SessionClosed(session_id=WARMUP_SESSION_ID, reason="restore_failed",
-                                             error=repr(failure)))
+        if failure is not None:
+            self._drop_rebuilt(failure, closed=closed)
+            if _is_stop(failure) or not isinstance(failure, Exception):
+                raise failure
             warnings.warn(f"{name}: warmup request {shown(request.request_id)} could not run again on its session "
                           f"rebuilt from the session's export, as a swapped-out session is restored: {step} raised "
                           f"{type(failure).__name__}: {failure}; swapped-out sessions will fail as they are restored "
@@ -1446,6 +1443,21 @@ class ARDiffusionModelRunner:
                           "noise from a generator seeded from the request or its session (never torch's global "
                           "generator or the clock), and export all the state a session keeps (README, 'Adding a "
                           "pipeline')", ArdiffWarning, stacklevel=_caller_stacklevel())
+
+    def _drop_rebuilt(self, failure: BaseException, *, closed: bool) -> None:
+        """Release the warmup session a failed ``_check_rerun`` rebuilt, telling subscribers it went as they saw it:
+        closed, unless the request had closed it already (``closed``: they were told then, and a second
+        ``session_closed`` counted one session twice)."""
+        with self._locked():
+            self._muted += closed
+            try:
+                if WARMUP_SESSION_ID in self._sessions:  # imported half way: nobody's state
+                    self._release(WARMUP_SESSION_ID, reason="restore_failed", hook="close", error=failure)
+                elif not closed:  # released while muted (a failed rerun, a close hook that raised)
+                    self._emit(SessionClosed(session_id=WARMUP_SESSION_ID, reason="restore_failed",
+                                             error=repr(failure)))
+            finally:
+                self._muted -= closed
 
     def _warn_nothing_committed(self, num_requests: int) -> None:
         """A warmup whose forwards committed no frame, though a request went on with its session's history: a model
