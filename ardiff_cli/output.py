@@ -239,7 +239,9 @@ class Output:
         try:
             yield
         finally:
-            with self._chatter_lock:  # a thread's text waits for the last frame, then goes below it as it is
+            # a thread's text waits for the last frame, then goes below it as it is; the display's lock first, as
+            # in chatter (its refresh thread holds it while a frame draws, and whatever that writes comes to chatter)
+            with _lock_of(live), self._chatter_lock:
                 if self._unfinished:  # a line left unfinished: shown whole, not lost
                     self._print_above(self._unfinished)
                 self._live, self._unfinished = None, ""
@@ -286,14 +288,23 @@ class Output:
     def chatter(self, text: str) -> None:
         """Text that code printed (``_Chatter``): to stderr as it is, dropped once that failed; while a live display
         runs, each line, once it ends, above the display, as the console prints ardiff's own lines."""
-        with self._chatter_lock:
-            if self._live is None:
-                self._write_err_raw(text)
+        while True:
+            # Under the display's lock, the one its refresh thread draws under, taken before ours by every thread:
+            # a frame drawn between the console's move up over the display and the write of these lines left the
+            # top of the display behind (a second title line), and the opposite order deadlocked with a refresh
+            # thread whose frame wrote to sys.stderr (a library's warning) while another thread printed.
+            live = self._live
+            with _lock_of(live), self._chatter_lock:
+                if self._live is not live:  # the display started or stopped meanwhile
+                    continue
+                if live is None:
+                    self._write_err_raw(text)
+                    return
+                *lines, self._unfinished = (self._unfinished + text).split("\n")
+                self._unfinished = _as_shown(self._unfinished)  # a progress bar's updates: its last only
+                if lines:
+                    self._print_above(*lines)
                 return
-            *lines, self._unfinished = (self._unfinished + text).split("\n")
-            self._unfinished = _as_shown(self._unfinished)  # a progress bar's updates: its last only
-            if lines:
-                self._print_above(*lines)
 
     def _print_above(self, *lines: str) -> None:
         """``lines`` above the live display: their colours kept, other escape sequences dropped (they moved the
@@ -302,13 +313,9 @@ class Output:
 
         shown = [Text.from_ansi(_as_shown(line).removesuffix("\r")) for line in lines]
         shown = [text if visible(text.plain) == text.plain else Text(visible(text.plain)) for text in shown]
-        if not self._stderr_lost:
-            # under the lock its refresh thread draws under: a frame drawn between the console's move up over the
-            # display and the write of these lines left the top of the display behind (a second title line).
-            # Rich's own (private, in every Rich this supports): a Rich without it risks that glitch only.
+        if not self._stderr_lost:  # the caller holds the display's lock (chatter)
             try:
-                with getattr(self._live, "_lock", None) or contextlib.nullcontext():
-                    self._live.console.print(Text("\n").join(shown))
+                self._live.console.print(Text("\n").join(shown))
             except OSError:
                 self._lose_stderr()
 
@@ -317,6 +324,12 @@ class Output:
         dropped from then on. The results, the files and the exit code say how the command went."""
         self._stderr_lost = True
         to_devnull(self._stderr)
+
+
+def _lock_of(live: Any) -> Any:
+    """The lock a Rich ``Live`` draws its frames under (private, in every Rich this supports; a Rich without it
+    risks a garbled frame only), or none for no display."""
+    return getattr(live, "_lock", None) or contextlib.nullcontext()
 
 
 def _as_shown(line: str) -> str:

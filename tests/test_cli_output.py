@@ -940,3 +940,57 @@ def test_outside_the_main_thread_it_installs_nothing_and_does_not_fail():
     thread.join()
     assert errors == []
     assert {signum: signal.getsignal(signum) for signum in HANDLED} == before
+
+
+LIVE_LOCK_ORDER = r'''
+import io, os, pty, sys, threading, time
+from ardiff_cli.output import Format, Output
+
+master, slave = pty.openpty()  # a terminal: the live display redraws in place
+terminal = io.TextIOWrapper(os.fdopen(slave, "wb", buffering=0), encoding="utf-8", write_through=True)
+threading.Thread(target=lambda: [None for _ in iter(lambda: os.read(master, 65536), b"")], daemon=True).start()
+out = Output(Format.rich, stdout=io.StringIO(), stderr=terminal)
+stop = threading.Event()
+
+
+def printer():  # a pipeline's thread printing all along
+    i = 0
+    while not stop.is_set():
+        print(f"thread line {i}")
+        i += 1
+
+
+def frame():  # a frame whose drawing writes to sys.stderr, as a library's warning or log line does
+    print("drawing", file=sys.stderr)
+    from rich.text import Text
+    return Text(f"frame {time.monotonic():.3f}")
+
+
+with out.chatter_to_stderr():
+    thread = threading.Thread(target=printer, daemon=True)
+    thread.start()
+    for _ in range(8):
+        with out.live(frame):
+            time.sleep(0.6)  # two or three frames drawn by the refresh thread
+    stop.set()
+    thread.join()
+print("done", file=sys.__stderr__)
+'''
+
+
+def test_a_frame_that_writes_to_stderr_while_a_thread_prints_does_not_deadlock_the_live_display(tmp_path):
+    """Rich's refresh thread draws a frame under the display's lock; what that frame writes to sys.stderr (ardiff's
+    stand-in) came to chatter, which took its own lock and then the display's, while a pipeline's thread printing
+    held ours and waited for the display's: both hung, the command never ended. Every thread now takes the display's
+    lock first."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "lock_order.py"
+    script.write_text(LIVE_LOCK_ORDER)
+    try:
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the live display and a printing thread deadlocked (8 displays of 0.6 s did not end in 120 s)")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().endswith("done"), done.stderr
