@@ -73,6 +73,11 @@ class RefusesItsExport(DreamZeroPipeline):
         raise ValueError("field 'anchor_latent' is not what this pipeline keeps")
 
 
+class ExportsAMetaTensor(DreamZeroPipeline):
+    def export_ar_diffusion_session(self, session_id):
+        return {**super().export_ar_diffusion_session(session_id), "scale": torch.empty(2, device="meta")}
+
+
 def engine_for(config: str, pipeline: str, dtype: str = "float32") -> tuple[ARDiffusionEngine, list]:
     source = load_config(CONFIGS / f"{config}.yaml", pipeline=f"test_warmup_rerun:{pipeline}")
     engine = ARDiffusionEngine(source.with_runtime(where="test", device="cpu", memory_budget="1GiB",
@@ -181,4 +186,15 @@ def test_a_stop_in_the_rerun_propagates_and_subscribers_are_told_the_warmup_sess
             engine.warmup()
     assert engine.runner.session_ids == [] and engine.runner.pool_usage().num_used == 0
     assert [e.kind for e in events if e.kind.startswith("session_")] == ["session_admitted", "session_closed"]
+    engine.close()
+
+
+def test_an_export_a_snapshot_cannot_encode_is_a_warning_at_warmup_not_its_failure():
+    """A tensor that cannot be copied to the host (on the meta device) fails every swap-out, which warns and evicts;
+    the warmup that encodes the export before its rerun failed (exit 1) instead of saying so."""
+    engine, _ = engine_for("dreamzero-tiny", "ExportsAMetaTensor")
+    with pytest.warns(ArdiffWarning, match=r"^ExportsAMetaTensor.export_ar_diffusion_session\('__ardiff_warmup__'\) "
+                      r"raised NotImplementedError: .*: swapping its sessions out will fail alike"):
+        report = engine.warmup()
+    assert report.restored and engine.pipeline.__class__ is ExportsAMetaTensor
     engine.close()

@@ -1351,17 +1351,21 @@ class ARDiffusionModelRunner:
         state = session.state
         return sum(state.adapter(branch).num_committed_frames for branch in state.spec.branch_names)
 
-    def _warmup_export(self) -> tuple[bool, Any]:
-        """(True, the warmup session's export) when it is what a swap-out can write; (False, None) when the pipeline
-        cannot export, or its export raised or held a value a snapshot cannot keep (a tuple, a numpy array): one
-        warning, at warmup, for what every swap-out of the run would fail alike (each evicted without a snapshot and
-        replayed), and those are not warned about again."""
+    def _warmup_export(self, encode: bool = False) -> tuple[bool, Any]:
+        """(True, the warmup session's export; ``encode``: its snapshot as ``encode_snapshot`` gives it) when it is
+        what a swap-out can write; (False, None) when the pipeline cannot export, or its export raised or held a value
+        a snapshot cannot keep (a tuple, a numpy array, a tensor that cannot be copied): one warning, at warmup, for
+        what every swap-out of the run would fail alike (each evicted without a snapshot and replayed), and those are
+        not warned about again."""
         if self._export_warned or not isinstance(self.pipeline, SupportsARDiffusionSwap):
             return False, None
         where = f"{type(self.pipeline).__name__}.export_ar_diffusion_session({WARMUP_SESSION_ID!r})"
         try:
             state = self.pipeline.export_ar_diffusion_session(WARMUP_SESSION_ID)
             check_exported(state, where)
+            if encode:
+                session = self._sessions[WARMUP_SESSION_ID]
+                state = encode_snapshot(session.state.export(), state, session.num_requests, where=where)
         except Exception as exc:  # noqa: BLE001 - the check is advisory; a stop propagates
             if _is_stop(exc):
                 raise
@@ -1378,12 +1382,10 @@ class ARDiffusionModelRunner:
     def _warmup_snapshot(self, request: ARDiffusionRequest) -> tuple[tuple[Any, Any], ARDiffusionRequest] | None:
         """The warmup session as a swap-out writes it (tensors, and metadata as its file gives it back), and a copy
         of ``request`` for a rerun (a forward may change its inputs); None when its export cannot be written."""
-        exported, state = self._warmup_export()
+        exported, snapshot = self._warmup_export(encode=True)
         if not exported:
             return None
-        session = self._sessions[WARMUP_SESSION_ID]
-        tensors, metadata = encode_snapshot(session.state.export(), state, session.num_requests,
-                                            where=f"{type(self.pipeline).__name__}.export_ar_diffusion_session()")
+        tensors, metadata = snapshot
         try:
             again = copy.deepcopy(request)
         except Exception:  # noqa: BLE001 - inputs that cannot be copied: the request itself
