@@ -985,3 +985,14 @@ def test_rollout_out_of_its_memory_budget_hints_as_warmup_does_and_a_resume_name
         f"resume with a larger --memory-budget than the config's runtime.memory_budget (it set this budget); {kept}")
     proc = ardiff(str(fast), "--resume", "-o", "run", "--memory-budget", "1MiB")  # as the hint says
     assert proc.returncode == 0, proc.stderr
+
+
+def test_an_octal_window_in_a_config_is_refused_with_its_field_and_text(tmp_path, cli_env):
+    config = tmp_path / "octal.yaml"
+    config.write_text("pipeline: dreamzero\nmodel:\n  preset: tiny\n  window_frames: 010\n")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--available", "1GiB",
+                           "--format", "plain"], env=cli_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (f"Error: {config}: field 'model.window_frames' (line 4): 010 is read as 8: YAML 1.1 takes "
+                           "it as octal (the leading 0)\nhint: write 10 (or 8, if octal was meant) without the leading "
+                           "0, or \"010\" in quotes for text\n")

@@ -318,3 +318,42 @@ def test_a_model_error_under_a_pipeline_class_does_not_blame_a_config_naming_an_
     with pytest.raises(ConfigError) as caught:
         load_config({"pipeline": "dreamzero", "model": {"preset": "no-such-preset"}}, pipeline=reference)
     assert f"the config is for pipeline 'dreamzero', but --pipeline {reference}" in caught.value.hint
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("model: {preset: tiny, window_frames: 010}",
+     "field 'model.window_frames' (line 2): 010 is read as 8: YAML 1.1 takes it as octal"),
+    ("runtime: {memory_budget: 0100000000}", "field 'runtime.memory_budget' (line 2): 0100000000 is read as 16777216"),
+    ("model: {preset: tiny, window_frames: 1:30}", "field 'model.window_frames' (line 2): 1:30 is read as 90: YAML 1.1 "
+                                                   "takes it as base 60"),
+    ("model: {preset: tiny, guidance_scale: 1:30.5}", "field 'model.guidance_scale' (line 2): 1:30.5 is read as 90.5"),
+    ("model: {preset: tiny, 010: 3}", "key 'model.010' (line 2): 010 is read as 8"),
+])
+def test_a_number_yaml_1_1_reads_otherwise_than_it_is_written_is_refused(tmp_path, line, message):
+    """PyYAML's YAML 1.1 made `window_frames: 010` 8 and `1:30` 90, silently: the model planned another window."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"pipeline: dreamzero\n{line}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(config)
+    assert str(info.value).startswith(f"{config}: {message}")
+    assert "in quotes for text" in info.value.hint
+
+
+@pytest.mark.parametrize(("line", "field", "value"), [
+    ("window_frames: 07", "window_frames", 7), ("window_frames: 0x4", "window_frames", 4),
+    ("window_frames: 1_0", "window_frames", 10), ("guidance_scale: 1.0e+1", "guidance_scale", 10.0),
+    ("guidance_scale: 010.5", "guidance_scale", 10.5), ("reset_at_window: off", "reset_at_window", False),
+])
+def test_numbers_yaml_1_1_reads_as_written_and_booleans_in_boolean_fields_load(tmp_path, line, field, value):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"pipeline: dreamzero\nmodel:\n  preset: tiny\n  {line}\n")
+    assert getattr(load_config(config).model, field) == value
+
+
+def test_a_boolean_where_none_is_expected_says_how_yaml_read_it(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("pipeline: dreamzero\nruntime: {attention_backend: off}\n")
+    with pytest.raises(ConfigError, match="expected auto | torch | vllm, got False") as info:
+        load_config(config)
+    assert info.value.hint == ("set 'runtime.attention_backend' to auto | torch | vllm; YAML 1.1 reads no, off or "
+                               "false unquoted as false (quote a word meant as text)")

@@ -1,4 +1,5 @@
-"""Engine configs: YAML (``safe_load`` only, no key twice) -> validated ``EngineConfig``. No torch import.
+"""Engine configs: YAML (PyYAML's SafeLoader only, no key twice, no number YAML 1.1 reads otherwise than it is
+written) -> validated ``EngineConfig``. No torch import.
 
 A config file::
 
@@ -324,6 +325,69 @@ def duplicate_key(text: str) -> tuple[str, str] | None:
     return None
 
 
+class _ConfigLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that keeps each plain number YAML 1.1 reads otherwise than it is written: a leading 0 makes
+    an integer octal (``window_frames: 010`` was 8), and colons make one base 60 (``1:30`` was 90), silently.
+    ``0x10``, ``0b11`` and ``1_000`` read as written; ``07`` and ``00`` are the same number either way."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.surprises: list[tuple[yaml.ScalarNode, Any]] = []  # (node, what YAML 1.1 made of it), in file order
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> Any:
+        value = super().construct_yaml_int(node)
+        digits = node.value.replace("_", "").lstrip("+-")
+        if ":" in digits or (digits[:1] == "0" and digits.isdigit() and int(digits, 10) != abs(value)):
+            self.surprises.append((node, value))
+        return value
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> Any:
+        value = super().construct_yaml_float(node)
+        if ":" in node.value:  # 1:30.5 is 90.5
+            self.surprises.append((node, value))
+        return value
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
+_ConfigLoader.add_constructor("tag:yaml.org,2002:float", _ConfigLoader.construct_yaml_float)
+
+
+def _field_path(root: yaml.Node, target: yaml.Node) -> tuple[str, bool]:
+    """The dotted path (``model.window_frames``) of ``target`` in the tree under ``root``, and whether it is a key
+    (named by its own text). Each node is walked once (an alias is its anchor's node), as in ``duplicate_key``."""
+    stack: list[tuple[yaml.Node, str]] = [(root, "")]
+    seen: set[int] = set()
+    while stack:
+        node, path = stack.pop()
+        if node is target:
+            return path.rstrip(".") or "(the whole file)", False
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                name = f"{path}{key.value}" if isinstance(key, yaml.ScalarNode) else path.rstrip(".")
+                if key is target:
+                    return name, True
+                stack.append((value, f"{name}."))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((item, f"{path.rstrip('.')}[{i}].") for i, item in enumerate(node.value))
+    raise AssertionError("a node _ConfigLoader constructed is not in the tree it composed")
+
+
+def _refuse_yaml11_number(path: Path, root: yaml.Node, node: yaml.ScalarNode, value: Any) -> None:
+    """A ConfigError for a number YAML 1.1 read otherwise than it is written (``_ConfigLoader.surprises``)."""
+    text = node.value
+    if ":" in text:
+        why, fix = "base 60 (the colons)", f"write {value} if that number is meant"
+    else:
+        decimal = int(text.replace("_", ""), 10)
+        why, fix = "octal (the leading 0)", f"write {decimal} (or {value}, if octal was meant) without the leading 0"
+    field, is_key = _field_path(root, node)
+    raise ConfigError(f"{path}: {'key' if is_key else 'field'} {field!r} (line {node.start_mark.line + 1}): {text} is "
+                      f"read as {value!r}: YAML 1.1 takes it as {why}", hint=f"{fix}, or \"{text}\" in quotes for text")
+
+
 MAX_CONFIG_BYTES = 64 << 10  # a config is a few hundred bytes; PyYAML reads about 0.5 MB/s, and reads it twice
 
 
@@ -355,8 +419,11 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], str]:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r})",
                           hint="save the config as UTF-8 YAML") from None
+    loader = None
     try:
-        data = yaml.safe_load(text)
+        loader = _ConfigLoader(text)  # its reader refuses a control character here
+        root = loader.get_single_node()
+        data = None if root is None else loader.construct_document(root)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: {yaml_problem(exc, text)}", hint=YAML_SYNTAX_HINT) from None
     except RecursionError:  # the parser recurses once per level of nesting
@@ -365,6 +432,11 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], str]:
     except ValueError as exc:  # a plain scalar YAML types but Python cannot hold: 2024-13-45, a 5000-digit number
         raise ConfigError(f"{path}: cannot read a value: {str(exc).split(';')[0]}",
                           hint="quote the value if it is text; numbers in a config are a few digits long") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+    if loader.surprises:
+        _refuse_yaml11_number(path, root, *loader.surprises[0])
     if data is None:  # "got NoneType" said nothing to whoever saved an empty file (or only comments, or `~`)
         raise ConfigError(f"{path}: the config is empty (no YAML mapping in it)",
                           hint="a config holds at least `pipeline: NAME`; see README, Configs")

@@ -354,7 +354,16 @@ def yaml_key_note(key: object) -> str:
 def field_error(where: str, field: str, expected: str, got: object, *, hint: str | None = None) -> ConfigError:
     """A ``ConfigError`` in the one format users see: where, field, expected vs got, and how to fix it."""
     return ConfigError(f"{where}: field {field!r}: expected {expected}, got {shown(got)}",
-                       hint=hint or _number_as_text_hint(expected, got) or f"set {field!r} to {expected}")
+                       hint=hint or _number_as_text_hint(expected, got) or f"set {field!r} to {expected}"
+                       + _bool_note(expected, got))
+
+
+def _bool_note(expected: str, got: object) -> str:
+    """Why a boolean may have come where none is expected: YAML 1.1 reads `on`, `off`, `yes` and `no` unquoted as
+    booleans (`attention_backend: off` was "got False", which the user never wrote)."""
+    if not isinstance(got, bool) or "true" in expected:
+        return ""
+    return f"; YAML 1.1 reads {_YAML_KEY_SPELLINGS[got]} unquoted as {str(got).lower()} (quote a word meant as text)"
 
 
 # A float in YAML 1.1, which PyYAML reads, has a dot before its exponent and a sign in it (1.0e+30, not 1e30)
