@@ -328,6 +328,10 @@ def test_a_model_error_under_a_pipeline_class_does_not_blame_a_config_naming_an_
                                                    "takes it as base 60"),
     ("model: {preset: tiny, guidance_scale: 1:30.5}", "field 'model.guidance_scale' (line 2): 1:30.5 is read as 90.5"),
     ("model: {preset: tiny, 010: 3}", "key 'model.010' (line 2): 010 is read as 8"),
+    # an alias repeats the node: named where its anchor writes it, the line given ('model.sink_frames' was named)
+    ("model:\n  window_frames: &w 010\n  sink_frames: *w", "field 'model.window_frames' (line 3): 010 is read as 8"),
+    ("model: {window_frames: &w 010}\nruntime: {<<: {num_threads: *w}}",
+     "field 'model.window_frames' (line 2): 010 is read as 8"),
 ])
 def test_a_number_yaml_1_1_reads_otherwise_than_it_is_written_is_refused(tmp_path, line, message):
     """PyYAML's YAML 1.1 made `window_frames: 010` 8 and `1:30` 90, silently: the model planned another window."""

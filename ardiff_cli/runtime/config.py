@@ -354,24 +354,26 @@ _ConfigLoader.add_constructor("tag:yaml.org,2002:float", _ConfigLoader.construct
 
 def _field_path(root: yaml.Node, target: yaml.Node) -> tuple[str, bool]:
     """The dotted path (``model.window_frames``) of ``target`` in the tree under ``root``, and whether it is a key
-    (named by its own text). Each node is walked once (an alias is its anchor's node), as in ``duplicate_key``."""
-    stack: list[tuple[yaml.Node, str]] = [(root, "")]
+    (named by its own text). Each node is walked once (an alias is its anchor's node), as in ``duplicate_key``, and
+    in file order: a node an alias repeats is named where its anchor is, the line the error gives (a merge key
+    ``<<: *base`` or ``sink_frames: *w`` named the alias, under the anchor's line)."""
+    stack: list[tuple[yaml.Node, str, bool]] = [(root, "", False)]
     seen: set[int] = set()
     while stack:
-        node, path = stack.pop()
+        node, path, is_key = stack.pop()
         if node is target:
-            return path.rstrip(".") or "(the whole file)", False
+            return path or "(the whole file)", is_key
         if id(node) in seen:
             continue
         seen.add(id(node))
+        children: list[tuple[yaml.Node, str, bool]] = []
         if isinstance(node, yaml.MappingNode):
             for key, value in node.value:
-                name = f"{path}{key.value}" if isinstance(key, yaml.ScalarNode) else path.rstrip(".")
-                if key is target:
-                    return name, True
-                stack.append((value, f"{name}."))
+                name = (f"{path}.{key.value}" if path else key.value) if isinstance(key, yaml.ScalarNode) else path
+                children += [(key, name, True), (value, name, False)]
         elif isinstance(node, yaml.SequenceNode):
-            stack.extend((item, f"{path.rstrip('.')}[{i}].") for i, item in enumerate(node.value))
+            children = [(item, f"{path}[{i}]", False) for i, item in enumerate(node.value)]
+        stack.extend(reversed(children))
     raise AssertionError("a node _ConfigLoader constructed is not in the tree it composed")
 
 
