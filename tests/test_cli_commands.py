@@ -996,3 +996,36 @@ def test_an_octal_window_in_a_config_is_refused_with_its_field_and_text(tmp_path
     assert proc.stderr == (f"Error: {config}: field 'model.window_frames' (line 4): 010 is read as 8: YAML 1.1 takes "
                            "it as octal (the leading 0)\nhint: write 10 (or 8, if octal was meant) without the leading "
                            "0, or \"010\" in quotes for text\n")
+
+
+def test_resuming_a_run_whose_unchanged_config_this_ardiff_refuses_says_no_edit_resumes_it(tmp_path, cli_env):
+    """A run an older ardiff started on `window_frames: 010` (read as 8): this one refuses the config, and the hint
+    said to edit it, after which --resume refused the edited config (SHA-256 differs). The hint says so now."""
+    import hashlib
+
+    def ardiff(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", *args, "--format", "plain"],
+                              cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300)
+
+    config = tmp_path / "fast.yaml"
+    config.write_text("pipeline: dreamzero\nmodel: {preset: tiny, num_inference_steps: 1, guidance_scale: 1.0}\n")
+    assert ardiff(str(config), "--device", "cpu", "-o", "run", "--no-warmup").returncode == 0
+    (tmp_path / "run" / "summary.json").unlink()  # as a run killed before its end leaves it
+    # the run as an older ardiff recorded it, started on the config written so
+    config.write_text(config.read_text().replace("preset: tiny,", "preset: tiny, window_frames: 012,"))
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    info["config_sha256"] = hashlib.sha256(config.read_bytes()).hexdigest()
+    (tmp_path / "run" / "run.json").write_text(json.dumps({**info, "ardiff_version": "0.0.9"}))
+    proc = ardiff("--resume", "-o", "run")
+    assert proc.returncode == 2, proc.stderr
+    assert f"Error: {config}: field 'model.window_frames' (line 2): 012 is read as 10: YAML 1.1" in proc.stderr
+    from ardiff_cli import __version__
+    assert proc.stderr.endswith(
+        "hint: this is the config the run started with (its SHA-256 is unchanged), which the ardiff that started it "
+        f"(0.0.9) read as that number and this one ({__version__}) refuses; --resume refuses an edited config, so "
+        "finish the run with the ardiff that started it, or fix the config and start a new run in another --out\n"), \
+        proc.stderr
+    # a config that is not the run's keeps its own hint (an edit is refused as the edit it is)
+    config.write_text(config.read_text().replace("012", "0012"))
+    proc = ardiff("--resume", "-o", "run")
+    assert proc.returncode == 2 and "was edited since the run started (SHA-256 differs)" in proc.stderr, proc.stderr

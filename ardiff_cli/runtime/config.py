@@ -377,6 +377,10 @@ def _field_path(root: yaml.Node, target: yaml.Node) -> tuple[str, bool]:
     raise AssertionError("a node _ConfigLoader constructed is not in the tree it composed")
 
 
+class YAMLNumberError(ConfigError):
+    """A config holds a number YAML 1.1 reads otherwise than it is written (``_refuse_yaml11_number``)."""
+
+
 def _refuse_yaml11_number(path: Path, root: yaml.Node, node: yaml.ScalarNode, value: Any) -> None:
     """A ConfigError for a number YAML 1.1 read otherwise than it is written (``_ConfigLoader.surprises``)."""
     text = node.value
@@ -386,7 +390,7 @@ def _refuse_yaml11_number(path: Path, root: yaml.Node, node: yaml.ScalarNode, va
         decimal = int(text.replace("_", ""), 10)
         why, fix = "octal (the leading 0)", f"write {decimal} (or {value}, if octal was meant) without the leading 0"
     field, is_key = _field_path(root, node)
-    raise ConfigError(f"{path}: {'key' if is_key else 'field'} {field!r} (line {node.start_mark.line + 1}): {text} is "
+    raise YAMLNumberError(f"{path}: {'key' if is_key else 'field'} {field!r} (line {node.start_mark.line + 1}): {text} is "
                       f"read as {value!r}: YAML 1.1 takes it as {why}", hint=f"{fix}, or \"{text}\" in quotes for text")
 
 
