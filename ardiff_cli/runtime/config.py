@@ -390,8 +390,9 @@ def _refuse_yaml11_number(path: Path, root: yaml.Node, node: yaml.ScalarNode, va
         decimal = int(text.replace("_", ""), 10)
         why, fix = "octal (the leading 0)", f"write {decimal} (or {value}, if octal was meant) without the leading 0"
     field, is_key = _field_path(root, node)
-    raise YAMLNumberError(f"{path}: {'key' if is_key else 'field'} {field!r} (line {node.start_mark.line + 1}): {text} is "
-                      f"read as {value!r}: YAML 1.1 takes it as {why}", hint=f"{fix}, or \"{text}\" in quotes for text")
+    where = f"{'key' if is_key else 'field'} {field!r} (line {node.start_mark.line + 1})"
+    raise YAMLNumberError(f"{path}: {where}: {text} is read as {value!r}: YAML 1.1 takes it as {why}",
+                          hint=f"{fix}, or \"{text}\" in quotes for text")
 
 
 MAX_CONFIG_BYTES = 64 << 10  # a config is a few hundred bytes; PyYAML reads about 0.5 MB/s, and reads it twice
