@@ -280,13 +280,13 @@ def test_an_empty_pipeline_or_checkpoint_is_named_as_empty(tmp_path, line, messa
 
 
 def test_a_key_given_twice_in_a_list_deep_in_the_config_is_named_by_its_whole_path(tmp_path):
-    """A mapping inside a list is checked too, and the key is named from the top (model.cameras.name), so the
-    user finds the line; YAML would keep the second value silently."""
+    """A mapping inside a list is checked too, and the key is named from the top with the item's index
+    (model.cameras[0].name), so the user finds the line; YAML would keep the second value silently."""
     config = tmp_path / "c.yaml"
     config.write_text("pipeline: causal_world\nmodel:\n  cameras:\n    - {name: a, name: b}\n")
     with pytest.raises(ConfigError) as caught:
         load_config(config)
-    assert str(caught.value) == (f"{config}: key 'model.cameras.name' is given twice (line 4, columns 8 and 17); "
+    assert str(caught.value) == (f"{config}: key 'model.cameras[0].name' is given twice (line 4, columns 8 and 17); "
                                  "YAML would keep the second silently")
 
 

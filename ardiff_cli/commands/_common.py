@@ -1,11 +1,11 @@
 """What several commands share: reading the config with command-line overrides, the hint for a plan that does not
-fit. Torch-free."""
+fit, the stop between warmup requests. Torch-free."""
 
 from __future__ import annotations
 
 import os
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +120,14 @@ def image_size(model_config: Any) -> tuple[int, int]:
     if isinstance(height, int) and isinstance(width, int):
         return height, width
     return 64, 64
+
+
+def stop_between_requests(signals: Any) -> Callable[[Any], None]:
+    """A runtime subscriber that raises, at the end of each request, a stop deferred to a safe point (``signals``'
+    ``defer``: stdout's reader gone): the runner lets a stop raised by a subscriber through once the event is out.
+    ``warmup`` and ``rollout``'s warmup stop so at the end of the request in flight."""
+    def subscriber(event: Any) -> None:
+        if event.kind == "request_finished":
+            signals.check_signal()
+
+    return subscriber

@@ -23,6 +23,7 @@ from ardiff_cli.commands._common import (
     image_size,
     load_engine_config,
     refuse_contradictions,
+    stop_between_requests,
 )
 from ardiff_cli.errors_cli import (EXIT_CODES_HELP, EpisodesFailed, Interrupted, exit_code_for, handle_errors,
                                   open_files_hint)
@@ -977,11 +978,7 @@ def _warm_up(engine: Any, signals: Any) -> None:
     stops the run at the end of the request in flight, as ``ardiff warmup`` does: it was acted on only after the
     last one, minutes later for a large model. A stdout that fails otherwise (a full disk) stops it before its first
     step, with a summary that records the error (``check_signal`` leaves that to the steps' ``check``)."""
-    def between_requests(event: Any) -> None:
-        if event.kind == "request_finished":  # the runner lets a stop raised here through once the event is out
-            signals.check_signal()
-
-    unsubscribe = engine.subscribe(between_requests)  # after the monitor: its line is written (or lost) first
+    unsubscribe = engine.subscribe(stop_between_requests(signals))  # after the monitor: its line is out (or lost)
     try:
         engine.warmup()
     finally:

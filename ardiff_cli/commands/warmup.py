@@ -13,6 +13,7 @@ from ardiff_cli.commands._common import (
     does_not_fit_hint,
     load_engine_config,
     refuse_contradictions,
+    stop_between_requests,
 )
 from ardiff_cli.errors_cli import EXIT_CODES_HELP, Interrupted, handle_errors
 from ardiff_cli.options import (
@@ -88,8 +89,8 @@ def warmup(
             out.on_stdout_lost = lambda exc: signals.defer(lost_stdout_stop(exc))
             engine = ARDiffusionEngine(cfg)
             engine.subscribe(monitor.on_event)
-            counter = _RequestCounter(monitor, signals)
-            engine.subscribe(counter)
+            engine.subscribe(_RequestCounter(monitor))
+            engine.subscribe(stop_between_requests(signals))  # after the line and the count of its request
             try:
                 try:
                     engine.load()
@@ -131,19 +132,16 @@ def _run_again_when_stopped() -> Iterator[None]:
 
 
 class _RequestCounter:
-    """Counts finished warmup requests for the progress line; stops the warmup there when stdout's reader left."""
+    """Counts finished warmup requests for the progress line."""
 
-    def __init__(self, monitor: Any, signals: Any) -> None:
+    def __init__(self, monitor: Any) -> None:
         self.monitor = monitor
-        self.signals = signals  # the command's: a stop deferred to a safe point (stdout's reader gone) is raised here
         self.count = 0
 
     def __call__(self, event: Any) -> None:
         if event.kind == "request_finished":
             self.count += 1
             self.monitor.set_progress(done=self.count)
-            # between two requests: the runner lets a stop raised by a subscriber through once the event is out
-            self.signals.check_signal()
 
 
 def warmup_data(report: Any, usage: Any, **context: Any) -> dict[str, Any]:

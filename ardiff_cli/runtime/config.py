@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePath
 from typing import Any
@@ -293,35 +294,46 @@ def _not_found_hint(path: Path, builtins: dict[str, Path]) -> str:
     return f"{where}check the path{near}, or use a built-in config: {', '.join(sorted(builtins))}"
 
 
-def duplicate_key(text: str) -> tuple[str, str] | None:
-    """The first key given twice in one mapping, as its dotted path (``model.dim``) and where both are: YAML
-    keeps the last one silently, so a second ``runtime:`` block would quietly undo the first. Reads the node
-    graph only (nothing constructed).
-
-    An alias (``*name``) is the same node object as its anchor, so each node is read once: a chain of
-    aliases nine deep (a "billion laughs" file) or an alias inside its own anchor would otherwise be
-    walked 10**9 times, or forever.
-    """
-    stack: list[tuple[yaml.Node, str]] = [(yaml.compose(text, Loader=yaml.SafeLoader), "")]
+def _nodes(root: yaml.Node) -> Iterator[tuple[yaml.Node, str, bool]]:
+    """Every node of the graph under ``root``, in file order, as (node, its dotted path (``model.window_frames``,
+    ``a[0]``), whether it is a key). An alias (``*name``) is the same node object as its anchor, so each node is
+    read once, where its anchor is: a chain of aliases nine deep (a "billion laughs" file) or an alias inside its own
+    anchor would otherwise be walked 10**9 times, or forever."""
+    stack: list[tuple[yaml.Node, str, bool]] = [(root, "", False)]
     seen: set[int] = set()
     while stack:
-        node, path = stack.pop()
+        node, path, is_key = stack.pop()
         if id(node) in seen:
             continue
         seen.add(id(node))
+        yield node, path, is_key
+        children: list[tuple[yaml.Node, str, bool]] = []
         if isinstance(node, yaml.MappingNode):
-            marks: dict[str, yaml.Mark] = {}
             for key, value in node.value:
-                if isinstance(key, yaml.ScalarNode):
-                    mark, first = key.start_mark, marks.get(key.value)
-                    if first is not None:
-                        where = (f"lines {first.line + 1} and {mark.line + 1}" if first.line != mark.line
-                                 else f"line {mark.line + 1}, columns {first.column + 1} and {mark.column + 1}")
-                        return path + key.value, where
-                    marks[key.value] = mark
-                stack.append((value, f"{path}{key.value}." if isinstance(key, yaml.ScalarNode) else path))
+                name = (f"{path}.{key.value}" if path else key.value) if isinstance(key, yaml.ScalarNode) else path
+                children += [(key, name, True), (value, name, False)]
         elif isinstance(node, yaml.SequenceNode):
-            stack.extend((item, path) for item in node.value)
+            children = [(item, f"{path}[{i}]", False) for i, item in enumerate(node.value)]
+        stack.extend(reversed(children))
+
+
+def duplicate_key(text: str) -> tuple[str, str] | None:
+    """The first key given twice in one mapping, as its dotted path (``model.dim``) and where both are: YAML
+    keeps the last one silently, so a second ``runtime:`` block would quietly undo the first. Reads the node
+    graph only (nothing constructed), each node once (``_nodes``)."""
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    for node, path, _ in () if root is None else _nodes(root):
+        if not isinstance(node, yaml.MappingNode):
+            continue
+        marks: dict[str, yaml.Mark] = {}
+        for key, _value in node.value:
+            if isinstance(key, yaml.ScalarNode):
+                mark, first = key.start_mark, marks.get(key.value)
+                if first is not None:
+                    where = (f"lines {first.line + 1} and {mark.line + 1}" if first.line != mark.line
+                             else f"line {mark.line + 1}, columns {first.column + 1} and {mark.column + 1}")
+                    return (f"{path}.{key.value}" if path else key.value), where
+                marks[key.value] = mark
     return None
 
 
@@ -353,27 +365,12 @@ _ConfigLoader.add_constructor("tag:yaml.org,2002:float", _ConfigLoader.construct
 
 
 def _field_path(root: yaml.Node, target: yaml.Node) -> tuple[str, bool]:
-    """The dotted path (``model.window_frames``) of ``target`` in the tree under ``root``, and whether it is a key
-    (named by its own text). Each node is walked once (an alias is its anchor's node), as in ``duplicate_key``, and
-    in file order: a node an alias repeats is named where its anchor is, the line the error gives (a merge key
+    """The dotted path (``model.window_frames``) of ``target`` in the tree under ``root``, and whether it is a key.
+    A node an alias repeats is named where its anchor is (``_nodes``), the line the error gives (a merge key
     ``<<: *base`` or ``sink_frames: *w`` named the alias, under the anchor's line)."""
-    stack: list[tuple[yaml.Node, str, bool]] = [(root, "", False)]
-    seen: set[int] = set()
-    while stack:
-        node, path, is_key = stack.pop()
+    for node, path, is_key in _nodes(root):
         if node is target:
             return path or "(the whole file)", is_key
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        children: list[tuple[yaml.Node, str, bool]] = []
-        if isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                name = (f"{path}.{key.value}" if path else key.value) if isinstance(key, yaml.ScalarNode) else path
-                children += [(key, name, True), (value, name, False)]
-        elif isinstance(node, yaml.SequenceNode):
-            children = [(item, f"{path}[{i}]", False) for i, item in enumerate(node.value)]
-        stack.extend(reversed(children))
     raise AssertionError("a node _ConfigLoader constructed is not in the tree it composed")
 
 

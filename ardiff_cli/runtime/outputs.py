@@ -81,19 +81,13 @@ def _non_finite(output: Mapping[str, Any]) -> str:
 
 
 def host_arrays(output: Mapping[str, Any]) -> dict[str, Any]:
-    """The arrays of a forward's ``output`` as numpy copies of their own on the host (bfloat16 as float32, which
-    holds it exactly): a forward may return views of buffers that its next request writes over."""
+    """The arrays of a forward's ``output`` as numpy copies of their own on the host (``as_numpy``: bfloat16 as
+    float32, which holds it exactly): a forward may return views of buffers that its next request writes over."""
     import numpy as np
-    import torch
 
-    arrays = {}
-    for name, value in output.items():
-        if isinstance(value, torch.Tensor):
-            value = value.detach().cpu()
-            arrays[name] = (value.float() if value.dtype == torch.bfloat16 else value).numpy().copy()
-        elif is_array(value):
-            arrays[name] = np.array(value, copy=True)
-    return arrays
+    from ardiff_cli.runtime.observation import as_numpy
+
+    return {name: np.array(as_numpy(value), copy=True) for name, value in output.items() if is_array(value)}
 
 
 def output_differences(expected: Mapping[str, Any], output: Any) -> list[tuple[float, str]]:
