@@ -484,22 +484,28 @@ def test_an_input_read_through_the_pipelines_attribute_or_under_a_bracketed_key_
     assert own.returncode == 1 and "observation_schema" not in own.stderr, own.stderr
 
 
-def test_a_reader_that_leaves_stops_warmup_like_sigpipe_as_it_stops_a_rollout(lab, tmp_path):
-    """`ardiff warmup --format json | head -1` ran every warmup request after head had gone, then exited 0: under
-    `set -o pipefail` the pipeline succeeded, where the same with `rollout` exits 141."""
-    root, env = lab
-    log = tmp_path / "forwards"
-    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "warmup", "unnamed.yaml", "--pipeline",
-                             "lab_world.model:SlowWarmup", "--format", "json"], cwd=root,
-                            env={**env, "LAB_FORWARDS": str(log)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+def leave_after_a_warmup_request(args: list[str], root, env) -> tuple[subprocess.Popen, str]:
+    """``ardiff ARGS --format json`` whose stdout's reader goes away at its first request_finished line, mid-warmup:
+    the finished process and its stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args, "--format", "json"], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        while json.loads(proc.stdout.readline())["kind"] != "request_finished":  # mid-warmup, the reader goes away
+        while json.loads(proc.stdout.readline())["kind"] != "request_finished":
             pass
         proc.stdout.close()
         _, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
+    return proc, stderr
+
+
+def test_a_reader_that_leaves_stops_warmup_like_sigpipe_as_it_stops_a_rollout(lab, tmp_path):
+    """`ardiff warmup --format json | head -1` ran every warmup request after head had gone, then exited 0: under
+    `set -o pipefail` the pipeline succeeded, where the same with `rollout` exits 141."""
+    root, env = lab
+    log = tmp_path / "forwards"
+    proc, stderr = leave_after_a_warmup_request(
+        ["warmup", "unnamed.yaml", "--pipeline", "lab_world.model:SlowWarmup"], root, {**env, "LAB_FORWARDS": str(log)})
     assert proc.returncode == 141, stderr  # 128 + SIGPIPE
     assert "Error: interrupted by SIGPIPE" in stderr and "Traceback" not in stderr, stderr
     assert "hint: warmup keeps nothing: run the same command again" in stderr, stderr
@@ -517,15 +523,7 @@ def test_a_reader_that_leaves_during_a_rollouts_warmup_stops_it_there_and_resume
     args = [sys.executable, "-m", "ardiff_cli", "rollout", "unnamed.yaml", "eps/ep0", "--pipeline",
             "lab_world.model:SlowWarmup"]
     run = tmp_path / "run"
-    proc = subprocess.Popen([*args, "-o", str(run), "--format", "json"], cwd=root, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        while json.loads(proc.stdout.readline())["kind"] != "request_finished":  # mid-warmup, the reader goes away
-            pass
-        proc.stdout.close()
-        _, stderr = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
+    proc, stderr = leave_after_a_warmup_request([*args[3:], "-o", str(run)], root, env)
     assert proc.returncode == 141, stderr  # 128 + SIGPIPE
     assert "Error: interrupted by SIGPIPE" in stderr and "Traceback" not in stderr, stderr
     assert "--resume" in stderr, stderr
