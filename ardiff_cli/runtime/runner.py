@@ -1278,6 +1278,7 @@ class ARDiffusionModelRunner:
         where = provider  # what ran when something raised: the provider, or one of its requests
         went_on = committed = False  # a request went on with the session's history; a frame was committed
         rerun = False  # a request was run again on its session rebuilt from its export (_check_rerun): once a warmup
+        last_export: tuple[bool, Any] = (False, None)  # _warmup_export after the last request: a rerun's snapshot
         try:
             requests = self.pipeline.ar_diffusion_warmup_requests(WARMUP_SESSION_ID)
             if not isinstance(requests, Iterable):
@@ -1297,8 +1298,8 @@ class ARDiffusionModelRunner:
                 with self._locked():
                     goes_on = WARMUP_SESSION_ID in self._sessions and not request.reset
                 before = None  # (the session as a swap-out writes it, the request as given) before it ran
-                if goes_on and not rerun and isinstance(self.pipeline, SupportsARDiffusionSwap):
-                    rerun, before = True, self._warmup_snapshot(request)
+                if goes_on and not rerun and last_export[0]:
+                    rerun, before = True, self._warmup_snapshot(request, last_export[1])
                 t0 = time.perf_counter()
                 output = self._execute(request, internal=True)
                 problem = output_problem(output)  # else warmup passed and every real step failed
@@ -1312,10 +1313,9 @@ class ARDiffusionModelRunner:
                 frames = self._warmup_committed_frames()  # None: the request closed the session
                 went_on |= goes_on and frames is not None
                 committed |= bool(frames)
-                if frames is not None:
-                    exported, state = self._warmup_export()
-                    if exported and not self._model_owned_warned:
-                        self._check_model_owned(_tensors_of(state), "warming up")
+                last_export = self._warmup_export() if frames is not None else (False, None)
+                if last_export[0]:
+                    self._check_model_owned(_tensors_of(last_export[1]), "warming up")
                 if before is not None:  # last: the counts above are of the request as it ran, not of its rerun
                     self._check_rerun(output, *before)
             if went_on and not committed:
@@ -1351,41 +1351,50 @@ class ARDiffusionModelRunner:
         state = session.state
         return sum(state.adapter(branch).num_committed_frames for branch in state.spec.branch_names)
 
-    def _warmup_export(self, encode: bool = False) -> tuple[bool, Any]:
-        """(True, the warmup session's export; ``encode``: its snapshot as ``encode_snapshot`` gives it) when it is
-        what a swap-out can write; (False, None) when the pipeline cannot export, or its export raised or held a value
-        a snapshot cannot keep (a tuple, a numpy array, a tensor that cannot be copied): one warning, at warmup, for
-        what every swap-out of the run would fail alike (each evicted without a snapshot and replayed), and those are
-        not warned about again."""
+    def _warmup_export(self) -> tuple[bool, Any]:
+        """(True, the warmup session's export) when it is what a swap-out can write; (False, None) when the pipeline
+        cannot export, or its export raised or held a value a snapshot cannot keep (a tuple, a numpy array): one
+        warning (``_export_failed``)."""
         if self._export_warned or not isinstance(self.pipeline, SupportsARDiffusionSwap):
             return False, None
-        where = f"{type(self.pipeline).__name__}.export_ar_diffusion_session({WARMUP_SESSION_ID!r})"
         try:
             state = self.pipeline.export_ar_diffusion_session(WARMUP_SESSION_ID)
-            check_exported(state, where)
-            if encode:
-                session = self._sessions[WARMUP_SESSION_ID]
-                state = encode_snapshot(session.state.export(), state, session.num_requests, where=where)
+            check_exported(state, self._warmup_export_name())
         except Exception as exc:  # noqa: BLE001 - the check is advisory; a stop propagates
-            if _is_stop(exc):
-                raise
-            self._export_warned = True
-            self._swap_causes_warned.add((type(exc).__name__, getattr(exc, "errno", None)))
-            said = str(exc) if str(exc).startswith(where) else f"{where} raised {type(exc).__name__}: {exc}"
-            warnings.warn(f"{said}: swapping its sessions out will fail alike (each evicted session is then replayed "
-                          "from its first step, and --resume replays a stopped run's sessions; the swap-outs that "
-                          "fail so are not warned about again) (README, 'Adding a pipeline')",
-                          ArdiffWarning, stacklevel=_caller_stacklevel())
+            self._export_failed(exc)
             return False, None
         return True, state
 
-    def _warmup_snapshot(self, request: ARDiffusionRequest) -> tuple[tuple[Any, Any], ARDiffusionRequest] | None:
-        """The warmup session as a swap-out writes it (tensors, and metadata as its file gives it back), and a copy
-        of ``request`` for a rerun (a forward may change its inputs); None when its export cannot be written."""
-        exported, snapshot = self._warmup_export(encode=True)
-        if not exported:
+    def _warmup_export_name(self) -> str:
+        return f"{type(self.pipeline).__name__}.export_ar_diffusion_session({WARMUP_SESSION_ID!r})"
+
+    def _export_failed(self, exc: Exception) -> None:
+        """Warn, once, at warmup, of an export every swap-out of the run would fail alike (each evicted session
+        without a snapshot, replayed); those swap-outs are not warned about again. A stop propagates."""
+        if _is_stop(exc):
+            raise exc
+        where = self._warmup_export_name()
+        self._export_warned = True
+        self._swap_causes_warned.add((type(exc).__name__, getattr(exc, "errno", None)))
+        said = str(exc) if str(exc).startswith(where) else f"{where} raised {type(exc).__name__}: {exc}"
+        warnings.warn(f"{said}: swapping its sessions out will fail alike (each evicted session is then replayed "
+                      "from its first step, and --resume replays a stopped run's sessions; the swap-outs that "
+                      "fail so are not warned about again) (README, 'Adding a pipeline')",
+                      ArdiffWarning, stacklevel=_caller_stacklevel())
+
+    def _warmup_snapshot(self, request: ARDiffusionRequest,
+                         state: Any) -> tuple[tuple[Any, Any], ARDiffusionRequest] | None:
+        """The warmup session as a swap-out writes it (tensors, and metadata as its file gives it back), from
+        ``state``, its export after the last request (nothing ran since), and a copy of ``request`` for a rerun (a
+        forward may change its inputs); None when the export cannot be written (a tensor that cannot be copied to the
+        host: ``_export_failed``)."""
+        session = self._sessions[WARMUP_SESSION_ID]
+        try:
+            tensors, metadata = encode_snapshot(session.state.export(), state, session.num_requests,
+                                                where=self._warmup_export_name())
+        except Exception as exc:  # noqa: BLE001 - as in _warmup_export
+            self._export_failed(exc)
             return None
-        tensors, metadata = snapshot
         try:
             again = copy.deepcopy(request)
         except Exception:  # noqa: BLE001 - inputs that cannot be copied: the request itself
