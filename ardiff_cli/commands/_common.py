@@ -55,6 +55,14 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
                        plan_only=plan_only).with_runtime(**values)
 
 
+def budget_source(given: object, cfg: Any) -> str | None:
+    """What set ``cfg``'s memory budget, for a hint: ``--memory-budget`` (``given``, the option's value), the
+    config's ``runtime.memory_budget``, or None (no budget: the device's free memory)."""
+    if given is not None:
+        return "--memory-budget"
+    return "runtime.memory_budget" if cfg.runtime.memory_budget is not None else None
+
+
 def does_not_fit_hint(cfg: Any, source: str, *, window_helps: bool) -> str:
     """What the user of this command can change when one session does not fit (inspect-capacity's plan, warmup's
     load with a memory budget): the memory planned with (by the option that set it: ``--memory-budget`` is not read

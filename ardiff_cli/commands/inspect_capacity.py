@@ -14,6 +14,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ardiff_cli.commands._common import (
+    budget_source,
     check_working_folder,
     config_label,
     does_not_fit_hint,
@@ -116,7 +117,7 @@ def inspect_capacity(
             available_bytes, source = parse_bytes(available), "--available"
         elif available is None and runtime.memory_budget is not None:  # say which set it: both read "memory budget"
             available_bytes = runtime.memory_budget
-            source = "--memory-budget" if memory_budget is not None else "runtime.memory_budget"
+            source = budget_source(memory_budget, cfg)
         else:
             available_bytes, source = detect_available(target)
         attention = describe_backend(runtime.attention_backend, runtime.device, layout, runtime.dtype)

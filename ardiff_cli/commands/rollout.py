@@ -17,6 +17,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ardiff_cli.commands._common import (
+    budget_source,
     check_working_folder,
     config_label,
     does_not_fit_hint,
@@ -271,12 +272,10 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         raise
     if resume:  # the bytes just parsed: a second read to hash them could see an edit made meanwhile
         _same_config(Path(config), cfg.sha256, info)
-    if budget_given:
-        budget_source = "--memory-budget"
-    elif resume and info.get("memory_budget") is not None:  # run.json's, checked: reused as if given
-        budget_source = str(run.root / RUN_FILE)
+    if resume and not budget_given and info.get("memory_budget") is not None:  # run.json's, reused as if given
+        source = str(run.root / RUN_FILE)
     else:
-        budget_source = "runtime.memory_budget" if cfg.runtime.memory_budget is not None else None
+        source = budget_source(overrides["memory_budget"] if budget_given else None, cfg)
     if not resume and (cfg.runtime.device.startswith("cuda") or cfg.checkpoint is None):
         _under_signals(lambda: _refuse_what_loading_would(cfg))  # now, before --out or demo files are made
     recorded_device = info.get("device") if resume else None
@@ -391,7 +390,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         raise
     return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done, digests=digests,
                      run=run, options=options, recorded_device=recorded_device,
-                     recorded_backend=recorded_backend, budget_source=budget_source, watch=watch)
+                     recorded_backend=recorded_backend, budget_source=source, watch=watch)
 
 
 def _refuse_what_loading_would(cfg: Any) -> None:

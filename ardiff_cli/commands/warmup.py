@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ardiff_cli.commands._common import (
+    budget_source,
     check_working_folder,
     config_label,
     does_not_fit_hint,
@@ -95,10 +96,9 @@ def warmup(
                 try:
                     engine.load()
                 except CapacityError as exc:  # without a budget, the runner's hint names the device's free memory
-                    if cfg.runtime.memory_budget is not None:
-                        exc.hint = does_not_fit_hint(
-                            cfg, "--memory-budget" if memory_budget is not None else "runtime.memory_budget",
-                            window_helps=exc.window_helps)
+                    source = budget_source(memory_budget, cfg)
+                    if source is not None:
+                        exc.hint = does_not_fit_hint(cfg, source, window_helps=exc.window_helps)
                     raise
                 signals.check()
                 monitor.refresh(engine.runner)
