@@ -552,7 +552,8 @@ def test_a_forward_that_its_rebuilt_session_does_not_reproduce_is_one_warning_at
     assert warmup.returncode == 0 and warmup.stderr.count("warning:") == 1, warmup.stderr
     assert (f"warning: {name}: warmup request 'warm1' {RERUN}, as a swapped-out session is restored: 'frame' differs "
             "by up to ") in said, warmup.stderr
-    assert ("(64 of 64 values); replayed, swapped and resumed sessions will not reproduce the run. Draw the "
+    assert ("(64 of 64 values); swapped-out and resumed sessions will not reproduce the run, nor will replayed ones "
+            "(with no swap space, every evicted session is) if the forward's noise is what differs. Draw the "
             "forward's noise from a generator seeded from the request or its session") in said, warmup.stderr
     # a rollout's warmup runs the same check
     rollout = ardiff(lab, "rollout", "unnamed.yaml", "eps/ep0", "-o", f"out_{name}", "--pipeline",

@@ -5,6 +5,7 @@ The third-party mistakes, through the CLI: test_pipeline_authoring.py."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -78,10 +79,11 @@ class ExportsAMetaTensor(DreamZeroPipeline):
         return {**super().export_ar_diffusion_session(session_id), "scale": torch.empty(2, device="meta")}
 
 
-def engine_for(config: str, pipeline: str, dtype: str = "float32") -> tuple[ARDiffusionEngine, list]:
+def engine_for(config: str, pipeline: str, dtype: str = "float32",
+               swap_dir=None) -> tuple[ARDiffusionEngine, list]:
     source = load_config(CONFIGS / f"{config}.yaml", pipeline=f"test_warmup_rerun:{pipeline}")
     engine = ARDiffusionEngine(source.with_runtime(where="test", device="cpu", memory_budget="1GiB",
-                                                   attention_backend="torch", dtype=dtype))
+                                                   attention_backend="torch", dtype=dtype), swap_dir=swap_dir)
     events: list = []
     engine.subscribe(events.append)
     engine.load()
@@ -108,16 +110,22 @@ def test_the_built_in_pipelines_reproduce_a_request_on_their_rebuilt_session(con
     engine.close()
 
 
-@pytest.mark.parametrize(("config", "name"), [("dreamzero-tiny", "DreamZero"), ("causal-world-tiny", "CausalWorld")])
-def test_a_built_in_pipeline_drawing_from_the_global_generator_is_one_warning(config, name):
-    engine, _ = engine_for(config, f"Noisy{name}")
+@pytest.mark.parametrize(("config", "name", "swapping"), [("dreamzero-tiny", "DreamZero", False),
+                                                        ("dreamzero-tiny", "DreamZero", True),
+                                                        ("causal-world-tiny", "CausalWorld", False)])
+def test_a_built_in_pipeline_drawing_from_the_global_generator_is_one_warning(config, name, swapping, tmp_path):
+    """Said so that it holds with no swap space too (--swap-space 0, ``ardiff warmup``), where nothing is swapped
+    and every evicted session is replayed: it said those sessions would not reproduce the run when swapped."""
+    engine, _ = engine_for(config, f"Noisy{name}", swap_dir=tmp_path / "swap" if swapping else None)
+    assert (engine.runner.swap is not None) == swapping
     with pytest.warns(ArdiffWarning) as record:
         engine.warmup()
     said = [str(w.message) for w in record if RERUN in str(w.message)]
     assert len(said) == 1, [str(w.message) for w in record]
     assert said[0].startswith(f"Noisy{name}: warmup request 'warmup-1' {RERUN}, as a swapped-out session is "
                               "restored: '"), said
-    assert "replayed, swapped and resumed sessions will not reproduce the run" in said[0]
+    assert ("; swapped-out and resumed sessions will not reproduce the run, nor will replayed ones (with no swap "
+            "space, every evicted session is) if the forward's noise is what differs. Draw ") in said[0]
     engine.close()
 
 
@@ -135,7 +143,9 @@ def test_an_import_that_refuses_its_own_export_is_a_warning_and_the_warmup_goes_
     engine, events = engine_for("dreamzero-tiny", "RefusesItsExport")
     with pytest.warns(ArdiffWarning, match=r"^RefusesItsExport: warmup request 'warmup-1' could not run again on its "
                       r"session rebuilt from the session's export, as a swapped-out session is restored: "
-                      r"RefusesItsExport.import_ar_diffusion_session\(\) raised ValueError: field 'anchor_latent'"):
+                      r"RefusesItsExport.import_ar_diffusion_session\(\) raised ValueError: field 'anchor_latent'"
+                      r".*; swapped-out sessions will fail as they are restored or at their next step; with no swap "
+                      r"space none is, and evicted sessions are replayed \(README"):
         report = engine.warmup()
     assert report.restored and len(report.timings) == 4 and engine.runner.pool_usage().num_used == 0
     # subscribers saw it admitted: they are told that it went, and that the next request admitted it afresh
@@ -197,4 +207,112 @@ def test_an_export_a_snapshot_cannot_encode_is_a_warning_at_warmup_not_its_failu
                       r"raised NotImplementedError: .*: swapping its sessions out will fail alike"):
         report = engine.warmup()
     assert report.restored and engine.pipeline.__class__ is ExportsAMetaTensor
+    engine.close()
+
+
+class _OneRequest:
+    """Its first warmup request alone: none goes on with its session, so none is run again."""
+
+    def ar_diffusion_warmup_requests(self, session_id):
+        yield next(iter(super().ar_diffusion_warmup_requests(session_id)))
+
+
+class _EachResets:
+    """Each warmup request resets the session (a fresh episode each): none goes on with its history."""
+
+    def ar_diffusion_warmup_requests(self, session_id):
+        for request in super().ar_diffusion_warmup_requests(session_id):
+            yield ARDiffusionRequest(request.request_id, request.inputs, {**request.extra_args, "reset": True})
+
+
+class OneRequestExportsAMetaTensor(_OneRequest, _Counted, ExportsAMetaTensor):
+    pass
+
+
+class EachResetsExportsAMetaTensor(_EachResets, _Counted, ExportsAMetaTensor):
+    pass
+
+
+@pytest.mark.parametrize("name", ["OneRequestExportsAMetaTensor", "EachResetsExportsAMetaTensor"])
+def test_an_export_a_snapshot_cannot_encode_is_a_warning_at_warmup_with_no_request_to_run_again(name):
+    """With no request run again, nothing copied the export to the host as a swap-out does: warmup passed silently,
+    and the run's first swap-out failed. Its last session's export is encoded instead, once, with no forward more."""
+    engine, _ = engine_for("dreamzero-tiny", name)
+    with pytest.warns(ArdiffWarning) as record:
+        report = engine.warmup()
+    said = [str(w.message) for w in record if "swapping its sessions out will fail alike" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith(f"{name}.export_ar_diffusion_session('__ardiff_warmup__') raised "
+                                                 "NotImplementedError: "), [str(w.message) for w in record]
+    assert engine.pipeline.forwards == len(report.timings) and engine.pipeline.imports == 0
+    assert report.restored and engine.runner.pool_usage().num_used == 0
+    engine.close()
+
+
+class ClosingFailsOnItsRebuiltSession(DreamZeroPipeline):
+    """Two warmup requests, the second closing the session it goes on with; its close hook fails on a session its
+    import rebuilt (a record the import forgot to make), as it would for every swapped-in session."""
+
+    rebuilt = False
+
+    def ar_diffusion_warmup_requests(self, session_id):
+        first, second = list(super().ar_diffusion_warmup_requests(session_id))[:2]
+        yield first
+        yield ARDiffusionRequest(second.request_id, second.inputs, {**second.extra_args, "close_session": True})
+
+    def import_ar_diffusion_session(self, session_id, snapshot):
+        super().import_ar_diffusion_session(session_id, snapshot)
+        self.rebuilt = True
+
+    def close_ar_diffusion_session(self, session_id):
+        super().close_ar_diffusion_session(session_id)
+        if self.rebuilt:
+            raise KeyError("the rebuilt session's record")
+
+
+def test_a_close_hook_that_fails_on_the_rerun_is_a_warning():
+    """The rerun's events are dropped: its hook_failed too, so the failure was only an entry of hook_errors."""
+    engine, events = engine_for("dreamzero-tiny", "ClosingFailsOnItsRebuiltSession")
+    with pytest.warns(ArdiffWarning) as record:
+        report = engine.warmup()
+    said = [str(w.message) for w in record]
+    assert said == ["ClosingFailsOnItsRebuiltSession: warmup request 'warmup-1', run again on its session rebuilt from "
+                    "the session's export as a swapped-out session is restored: ClosingFailsOnItsRebuiltSession."
+                    "close_ar_diffusion_session('__ardiff_warmup__') raised KeyError: \"the rebuilt session's record\"; "
+                    "the session's KV was released (README, 'Adding a pipeline')"], said
+    assert len(engine.runner.hook_errors) == 1
+    assert report.restored and engine.runner.pool_usage().num_used == 0
+    # subscribers still hear of one session, closed by its request
+    assert [(e.kind, getattr(e, "reason", None)) for e in events if e.kind.startswith(("session_", "hook_"))] == [
+        ("session_admitted", None), ("session_closed", "close_session")]
+    engine.close()
+
+
+class WaitsInItsRerun(CountedDreamZero):
+    """Another thread's request starts while warmup runs its request again (its third forward)."""
+
+    other: threading.Thread | None = None
+
+    def forward(self, request):
+        if self.forwards == 2 and self.other is not None:
+            self.other.start()
+            self.other.join(timeout=0.5)
+            assert self.other.is_alive(), "another thread's request ran inside the warmup"
+        return super().forward(request)
+
+
+def test_another_threads_request_waits_for_the_warmup_and_its_events_are_not_muted():
+    """The rerun mutes the runner's events, runner-wide: that is the rerun's alone since warmup holds the request
+    lock, and a request from another thread waits for it to end."""
+    engine, events = engine_for("dreamzero-tiny", "WaitsInItsRerun")
+    warm = list(engine.pipeline.ar_diffusion_warmup_requests("robot"))[0]
+    done = []
+    engine.pipeline.other = threading.Thread(target=lambda: done.append(engine.execute(warm)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = engine.warmup()
+    engine.pipeline.other.join()
+    assert done and engine.pipeline.forwards == len(report.timings) + 2
+    finished = [e.request_id for e in events if e.kind == "request_finished"]
+    assert finished == [r for r, _, _ in report.timings] + [warm.request_id]
+    assert engine.runner.session_ids == ["robot"]
     engine.close()

@@ -91,6 +91,7 @@ from ardiff_cli.runtime.swap import (
     check_exported,
     check_swap_arguments,
     decode_snapshot,
+    encode_exported,
     encode_snapshot,
     free_disk_bytes,
 )
@@ -396,8 +397,10 @@ class ARDiffusionModelRunner:
         self._model_owned_warned = False
         self._export_warned = False  # a warmup session's export failed, or held a value a snapshot cannot: warned once
         # >0 while warmup runs a request again on its rebuilt session (_check_rerun): its events are dropped, since
-        # for every subscriber it is the one request it already saw
+        # for every subscriber it is the one request it already saw. Runner-wide, yet only the rerun's: warmup holds
+        # the request lock (_one_at_a_time), so no other thread's request or session call runs meanwhile
         self._muted = 0
+        self._muted_hook_errors: list[LifecycleHookError] = []  # hooks that failed meanwhile: _check_rerun warns
         self._warned_keys: set[str] = set()  # misspelt extra_args keys reported (``ARDiffusionRequest.misspelt_keys``)
         self._closed = False  # close() ran: pools and pipeline dropped, every later request refused
         # Resident sessions, least recently used first.
@@ -963,6 +966,8 @@ class ARDiffusionModelRunner:
             hook_error.__cause__ = exc
             errors.append(hook_error)
             self.hook_errors.append(hook_error)
+            if self._muted:  # its event is dropped: warned of instead
+                self._muted_hook_errors.append(hook_error)
             self._emit(HookFailed(session_id=session_id, hook=callback.__name__, error=str(exc)))
         except BaseException as exc:  # a KeyboardInterrupt too: raised once the release is complete, its event sent
             stop = stop or exc
@@ -1318,6 +1323,8 @@ class ARDiffusionModelRunner:
                     self._check_model_owned(_tensors_of(last_export[1]), "warming up")
                 if before is not None:  # last: the counts above are of the request as it ran, not of its rerun
                     self._check_rerun(output, *before)
+            if last_export[0] and not rerun:  # no rerun encoded an export: one request, or each reset its session
+                self._check_encoding(last_export[1])
             if went_on and not committed:
                 self._warn_nothing_committed(len(timings))
         except Exception as exc:
@@ -1382,6 +1389,16 @@ class ARDiffusionModelRunner:
                       "fail so are not warned about again) (README, 'Adding a pipeline')",
                       ArdiffWarning, stacklevel=_caller_stacklevel())
 
+    def _check_encoding(self, state: Any) -> None:
+        """Copy the tensors of ``state``, the warmup session's export after its last request, to the host as a
+        swap-out does, when no rerun has (``_warmup_snapshot``): ``check_exported`` does not copy, and a tensor that
+        cannot be (on the meta device) failed the run's first swap-out instead of the warmup (``_export_failed``).
+        The copy costs the bytes of the export's tensors, once; not its session's KV."""
+        try:
+            encode_exported(state, self._warmup_export_name())
+        except Exception as exc:  # noqa: BLE001 - as in _warmup_export
+            self._export_failed(exc)
+
     def _warmup_snapshot(self, request: ARDiffusionRequest,
                          state: Any) -> tuple[tuple[Any, Any], ARDiffusionRequest] | None:
         """The warmup session as a swap-out writes it (tensors, and metadata as its file gives it back), from
@@ -1405,8 +1422,9 @@ class ARDiffusionModelRunner:
         """Rebuild the warmup session from ``snapshot`` (taken before ``request`` ran) as a swap restore does (the
         close hook, a fresh session, its KV restored and its export imported), run ``request`` again, and warn
         unless it returns ``output`` again bit for bit: replayed, swapped and resumed sessions rest on that. The
-        events of all this are dropped: it is one request to subscribers. The session is left as the rerun left it,
-        or released when rebuilding or rerunning failed (a warning too; a stop propagates once it is released)."""
+        events of all this are dropped: it is one request to subscribers (a hook that fails meanwhile is a
+        warning instead). The session is left as the rerun left it, or released when rebuilding or rerunning failed
+        (a warning too; a stop propagates once it is released)."""
         name = type(self.pipeline).__name__
         expected = host_arrays(output)
         with self._locked():
@@ -1434,26 +1452,37 @@ class ARDiffusionModelRunner:
             failure = exc
         finally:
             self._muted -= 1
+        unheard, self._muted_hook_errors = self._muted_hook_errors, []
         if failure is not None:
             self._drop_rebuilt(failure, closed=closed)
+            unheard += self._muted_hook_errors
+            self._muted_hook_errors = []
+        for hook_error in unheard:  # a hook of the rebuilt session that failed: its hook_failed event was dropped
+            if hook_error is not failure:  # not the close that came first: said below, as what failed
+                warnings.warn(f"{name}: warmup request {shown(request.request_id)}, run again on its session rebuilt "
+                              f"from the session's export as a swapped-out session is restored: {hook_error} "
+                              "(README, 'Adding a pipeline')", ArdiffWarning, stacklevel=_caller_stacklevel())
+        # Said so that it holds with no swap space too (--swap-space 0, `ardiff warmup`): nothing is swapped then,
+        # and every evicted session is replayed, which only the forward's own noise can make differ.
+        if failure is not None:
             if _is_stop(failure) or not isinstance(failure, Exception):
                 raise failure
             warnings.warn(f"{name}: warmup request {shown(request.request_id)} could not run again on its session "
                           f"rebuilt from the session's export, as a swapped-out session is restored: {step} raised "
                           f"{type(failure).__name__}: {failure}; swapped-out sessions will fail as they are restored "
-                          "or at their next step (README, 'Adding a pipeline')", ArdiffWarning,
-                          stacklevel=_caller_stacklevel())
+                          "or at their next step; with no swap space none is, and evicted sessions are replayed "
+                          "(README, 'Adding a pipeline')", ArdiffWarning, stacklevel=_caller_stacklevel())
             return
         differences = output_differences(expected, again)
         if differences:
             others = f" (and {plural(len(differences) - 1, 'other output')} too)" if len(differences) > 1 else ""
             warnings.warn(f"{name}: warmup request {shown(request.request_id)} returned other outputs when run again "
                           f"on its session rebuilt from the session's export, as a swapped-out session is restored: "
-                          f"{differences[0][1]}{others}; "
-                          "replayed, swapped and resumed sessions will not reproduce the run. Draw the forward's "
-                          "noise from a generator seeded from the request or its session (never torch's global "
-                          "generator or the clock), and export all the state a session keeps (README, 'Adding a "
-                          "pipeline')", ArdiffWarning, stacklevel=_caller_stacklevel())
+                          f"{differences[0][1]}{others}; swapped-out and resumed sessions will not reproduce the run, "
+                          "nor will replayed ones (with no swap space, every evicted session is) if the forward's "
+                          "noise is what differs. Draw the forward's noise from a generator seeded from the request or "
+                          "its session (never torch's global generator or the clock), and export all the state a "
+                          "session keeps (README, 'Adding a pipeline')", ArdiffWarning, stacklevel=_caller_stacklevel())
 
     def _drop_rebuilt(self, failure: BaseException, *, closed: bool) -> None:
         """Release the warmup session a failed ``_check_rerun`` rebuilt, telling subscribers it went as they saw it:

@@ -524,20 +524,29 @@ def encode_snapshot(kv: KVSnapshot, pipeline_state: dict[str, Any] | None, num_r
                     where: str = "export_ar_diffusion_session()") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """One session's snapshot as safetensors tensors and JSON-able metadata: ``kv/...`` its KV, ``pipeline/<name>``
     the pipeline's tensors (its plain values go in the metadata; ``where`` names what returned them)."""
+    pipeline_tensors, pipeline = encode_exported(pipeline_state, where)
+    tensors = {f"kv/{key}": t for key, t in kv.tensors.items()}
+    tensors.update(pipeline_tensors)
+    return tensors, {"kv": kv.metadata, "pipeline": pipeline, "num_requests": num_requests}
+
+
+def encode_exported(pipeline_state: dict[str, Any] | None,
+                    where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """The pipeline's part of a snapshot: its tensors copied to the host, as ``pipeline/<name>``, and the metadata
+    that lists them and holds its plain values (None for a None export)."""
     import torch
 
     check_exported(pipeline_state, where)
-    tensors = {f"kv/{key}": t for key, t in kv.tensors.items()}
-    pipeline = None
-    if pipeline_state is not None:
-        pipeline = {"tensors": [], "values": {}}
-        for name, value in pipeline_state.items():
-            if isinstance(value, torch.Tensor):  # a copy of its own: safetensors refuses tensors sharing memory
-                tensors[f"pipeline/{name}"] = value.detach().cpu().clone(memory_format=torch.contiguous_format)
-                pipeline["tensors"].append(name)
-            else:
-                pipeline["values"][name] = value
-    return tensors, {"kv": kv.metadata, "pipeline": pipeline, "num_requests": num_requests}
+    if pipeline_state is None:
+        return {}, None
+    tensors, pipeline = {}, {"tensors": [], "values": {}}
+    for name, value in pipeline_state.items():
+        if isinstance(value, torch.Tensor):  # a copy of its own: safetensors refuses tensors sharing memory
+            tensors[f"pipeline/{name}"] = value.detach().cpu().clone(memory_format=torch.contiguous_format)
+            pipeline["tensors"].append(name)
+        else:
+            pipeline["values"][name] = value
+    return tensors, pipeline
 
 
 def check_exported(pipeline_state: Any, where: str) -> None:
