@@ -244,22 +244,25 @@ def handle_errors(out: Output) -> Iterator[None]:
                 python_showwarning(message, category, *args, **kwargs)
 
         warnings.showwarning = showwarning
-        try:
-            with out.chatter_to_stderr():  # a pipeline's print() was a line of `--format json`'s stdout
+        # A pipeline's print() was a line of `--format json`'s stdout. The error's report runs under the stand-in too:
+        # a pipeline's thread still printing wrote to the real stdout meanwhile, before the error's JSON object.
+        with out.chatter_to_stderr():
+            try:
                 yield
-            lost = out.stdout_lost
-            if lost is not None and not isinstance(lost, BrokenPipeError):  # `> file` on a full disk: not whole
-                raise stdout_error(lost)
-        except (typer.Exit, typer.Abort, typer.BadParameter):
-            raise
-        except SystemExit as exc:  # ardiff's commands never exit so: code they call (a pipeline's) did
-            error = PipelineError(f"the command was ended by SystemExit({exc.code!r}) from the code it ran: a pipeline "
-                                  "(or a library it calls) called sys.exit() or exit()",
-                                  hint="code that ardiff runs raises an exception to fail; --verbose prints where")
-            error.__cause__ = exc  # --verbose: the traceback shows where it was called
-            raise typer.Exit(report(out, error)) from None
-        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the table decides; unknown ones are shown
-            lost = out.stdout_lost
-            if lost is not None and not isinstance(lost, BrokenPipeError) and exc.__cause__ is not lost:
-                out.warning(f"{stdout_error(lost)} either")  # the exit code is the other error's
-            raise typer.Exit(report(out, exc)) from None
+                lost = out.stdout_lost
+                if lost is not None and not isinstance(lost, BrokenPipeError):  # `> file` on a full disk
+                    raise stdout_error(lost)
+            except (typer.Exit, typer.Abort, typer.BadParameter):
+                raise
+            except SystemExit as exc:  # ardiff's commands never exit so: code they call (a pipeline's) did
+                error = PipelineError(f"the command was ended by SystemExit({exc.code!r}) from the code it ran: a "
+                                      "pipeline (or a library it calls) called sys.exit() or exit()",
+                                      hint="code that ardiff runs raises an exception to fail; --verbose prints "
+                                      "where")
+                error.__cause__ = exc  # --verbose: the traceback shows where it was called
+                raise typer.Exit(report(out, error)) from None
+            except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the table decides; unknown ones shown
+                lost = out.stdout_lost
+                if lost is not None and not isinstance(lost, BrokenPipeError) and exc.__cause__ is not lost:
+                    out.warning(f"{stdout_error(lost)} either")  # the exit code is the other error's
+                raise typer.Exit(report(out, exc)) from None

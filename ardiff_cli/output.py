@@ -242,8 +242,8 @@ class Output:
             # a thread's text waits for the last frame, then goes below it as it is; the display's lock first, as
             # in chatter (its refresh thread holds it while a frame draws, and whatever that writes comes to chatter)
             with _lock_of(live), self._chatter_lock:
-                if self._unfinished:  # a line left unfinished: shown whole, not lost
-                    self._print_above(self._unfinished)
+                if self._unfinished:  # a line left unfinished, or lines a stop cut off (chatter): shown, not lost
+                    self._print_above(*self._unfinished.removesuffix("\n").split("\n"))
                 self._live, self._unfinished = None, ""
                 try:
                     live.stop()
@@ -300,10 +300,12 @@ class Output:
                 if live is None:
                     self._write_err_raw(text)
                     return
-                *lines, self._unfinished = (self._unfinished + text).split("\n")
-                self._unfinished = _as_shown(self._unfinished)  # a progress bar's updates: its last only
-                if lines:
+                buffered = self._unfinished + text
+                *lines, unfinished = buffered.split("\n")
+                if lines:  # taken from the buffer once printed: a stop raised meanwhile (Ctrl-C) lost them
+                    self._unfinished = buffered  # the display's end shows them then
                     self._print_above(*lines)
+                self._unfinished = _as_shown(unfinished)  # a progress bar's updates: its last only
                 return
 
     def _print_above(self, *lines: str) -> None:

@@ -987,6 +987,45 @@ def test_rollout_out_of_its_memory_budget_hints_as_warmup_does_and_a_resume_name
     assert proc.returncode == 0, proc.stderr
 
 
+def test_a_budget_beyond_the_device_names_what_set_it(tmp_path, cli_env):
+    """A memory budget whose plan needs more than the device has in all (host memory on CPU: 10 TiB, with sessions
+    enough to plan it) is refused before the pools are allocated, exit 2. Its hint said "lower --memory-budget
+    (runtime.memory_budget)", whichever set it: it names the option, the config's field or a resumed run's run.json
+    now, as the hint of a budget too small for one session does."""
+    def hint(command: str, *args: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", command, *args, "--format", "json"],
+                              cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        error = json.loads(proc.stdout.splitlines()[-1])
+        assert error["kind"] == "config_error" and "of KV memory, more than cpu has (" in error["message"], error
+        return error["hint"]
+
+    many = ("--session-capacity", "100000000")
+    tail = "or --session-capacity, or leave the budget out to plan with the free memory; `ardiff inspect-capacity` "
+    given = f"plan with a smaller --memory-budget {tail}plans for any amount"
+    assert hint("warmup", "dreamzero-tiny", "--device", "cpu", "--memory-budget", "10TiB", *many) == given
+    assert hint("rollout", "dreamzero-tiny", "--device", "cpu", "--memory-budget", "10TiB", *many, "-o", "a") == given
+    config = tmp_path / "budget.yaml"
+    config.write_text("pipeline: dreamzero\nmodel: {preset: tiny}\nruntime: {memory_budget: 10TiB}\n")
+    assert hint("warmup", str(config), "--device", "cpu", *many) == (
+        "plan with a smaller budget (the config's runtime.memory_budget set it; --memory-budget replaces it) "
+        f"{tail}plans for any amount")
+    fast = tmp_path / "fast.yaml"
+    fast.write_text("pipeline: dreamzero\nmodel: {preset: tiny, num_inference_steps: 1, guidance_scale: 1.0}\n"
+                    "runtime: {memory_budget: 1MiB}\n")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(fast), "--device", "cpu", "-o", "run",
+                           "--no-warmup", "--format", "plain"], cwd=tmp_path, env=cli_env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    run = tmp_path / "run"
+    (run / "summary.json").unlink()  # as a run killed before its end leaves it: a resume loads the model
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**info, "memory_budget": 10 << 40}))
+    assert hint("rollout", "--resume", "-o", "run", *many) == (
+        f"plan with a smaller --memory-budget (the memory_budget recorded in {Path('run', 'run.json')} set it) or "
+        "--session-capacity; `ardiff inspect-capacity` plans for any amount")
+
+
 def test_an_octal_window_in_a_config_is_refused_with_its_field_and_text(tmp_path, cli_env):
     config = tmp_path / "octal.yaml"
     config.write_text("pipeline: dreamzero\nmodel:\n  preset: tiny\n  window_frames: 010\n")

@@ -994,3 +994,53 @@ def test_a_frame_that_writes_to_stderr_while_a_thread_prints_does_not_deadlock_t
         pytest.fail("the live display and a printing thread deadlocked (8 displays of 0.6 s did not end in 120 s)")
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip().endswith("done"), done.stderr
+
+
+CTRL_C_ABOVE_THE_DISPLAY = r'''
+import io, os, pty, re, signal, sys, threading, time
+from rich.console import Console
+from rich.text import Text
+from ardiff_cli.output import Format, Output
+
+master, slave = pty.openpty()  # a terminal: the live display redraws in place, code's lines go above it
+terminal = io.TextIOWrapper(os.fdopen(slave, "wb", buffering=0), encoding="utf-8", write_through=True)
+shown = bytearray()
+threading.Thread(target=lambda: [shown.extend(b) for b in iter(lambda: os.read(master, 65536), b"")],
+                 daemon=True).start()
+out = Output(Format.rich, stdout=io.StringIO(), stderr=terminal)
+
+
+def ctrl_c_as_a_line_is_printed_above(frame, event, arg):
+    if event == "call" and frame.f_code is Console.print.__code__ and frame.f_back.f_code.co_name == "_print_above":
+        sys.setprofile(None)
+        signal.raise_signal(signal.SIGINT)  # its handler raises KeyboardInterrupt here, in the main thread
+
+
+with out.chatter_to_stderr():
+    try:
+        with out.live(lambda: Text("frame")):
+            print("a line before")
+            sys.setprofile(ctrl_c_as_a_line_is_printed_above)
+            print("the line Ctrl-C interrupted")  # its text, then its newline: the second write prints it
+            print("not reached")
+    except KeyboardInterrupt:
+        pass
+time.sleep(0.5)  # the terminal's reader takes what was written
+text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode("utf-8", "replace"))  # the display's escape codes
+print([line.strip() for line in text.replace("\r", "\n").split("\n") if "line" in line or "reached" in line])
+'''
+
+
+def test_a_line_printed_above_the_live_display_as_ctrl_c_arrives_is_kept(tmp_path):
+    """A pipeline's line went to the terminal above the display only once its newline was written: Ctrl-C arriving
+    as it was printed (KeyboardInterrupt, or the commands' Interrupted, raised in the main thread) lost it, though
+    its text had been written before. It is taken from the buffer once printed now, and the display's end shows it."""
+    import ast
+    import subprocess
+    import sys
+
+    script = tmp_path / "ctrl_c_above.py"
+    script.write_text(CTRL_C_ABOVE_THE_DISPLAY)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert ast.literal_eval(done.stdout) == ["a line before", "the line Ctrl-C interrupted"], done.stdout

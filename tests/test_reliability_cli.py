@@ -704,6 +704,19 @@ class ChattyToTheEnd(CausalWorldPipeline):
         print("chatty: a thread, late")
 
 
+class ChattyAsItFails(CausalWorldPipeline):
+    def forward(self, *args, **kwargs):  # fails with an error that a thread of the pipeline's prints as it is reported
+        raise ToldByAThread("forward failed")
+
+
+class ToldByAThread(RuntimeError):
+    def __str__(self):  # --verbose's traceback reads it as the error is reported, past the command's body
+        thread = threading.Thread(target=print, args=("chatty: a thread, as the error is reported",))
+        thread.start()
+        thread.join()
+        return super().__str__()
+
+
 class ChattyTools(CausalWorldPipeline):
     def forward(self, *args, **kwargs):  # what a tool does with sys.stdout: its descriptor, its encoding, its bytes
         subprocess.run([sys.executable, "-c", "print('chatty: a subprocess')"], stdout=sys.stdout, check=True)
@@ -742,6 +755,19 @@ def test_what_a_pipeline_prints_after_the_command_goes_to_stderr_too(env, tmp_pa
     assert [json.loads(line)["kind"] for line in proc.stdout.splitlines()][-1] == "warmup", proc.stdout
     printed = [line for line in proc.stderr.splitlines() if line.startswith("chatty: ")]
     assert printed == ["chatty: imported", "chatty: a thread, late", "chatty: at exit"], proc.stderr
+
+
+def test_what_a_pipeline_prints_while_its_error_is_reported_goes_to_stderr_too(env, tmp_path):
+    """The error report ran once the stand-in for sys.stdout was gone: a thread of the pipeline's printing
+    meanwhile wrote to stdout, among `--format json`'s objects (before the pipeline_error object)."""
+    (tmp_path / "chatty.py").write_text(CHATTY_PIPELINE)
+    env = {**env, "PYTHONPATH": f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"}
+    proc = ardiff(env, "warmup", "causal-world-tiny", "--device", "cpu", "--format", "json", "--verbose",
+                  "--pipeline", "chatty:ChattyAsItFails")
+    assert proc.returncode == 1, proc.stderr
+    assert [json.loads(line)["kind"] for line in proc.stdout.splitlines()][-1] == "pipeline_error", proc.stdout
+    assert "chatty: a thread, as the error is reported" in proc.stderr.splitlines()
+    assert "Error: warmup request 'warmup-0' of ChattyAsItFails failed: ToldByAThread: forward failed" in proc.stderr
 
 
 def test_a_pipeline_that_hands_sys_stdout_to_a_tool_runs_and_what_it_writes_goes_to_stderr(env, tmp_path):

@@ -84,6 +84,19 @@ def does_not_fit_hint(cfg: Any, source: str, *, window_helps: bool) -> str:
     return f"plan with {', '.join(fixes[:-1])} or {fixes[-1]}"
 
 
+def beyond_device_hint(source: str, *, resume: bool = False) -> str:
+    """The hint of a memory budget whose plan needs more than the device has in all (``BudgetBeyondDeviceError``),
+    naming what set the budget: ``source`` as ``budget_source`` gives it, or a resumed run's ``OUT/run.json``."""
+    if source == "--memory-budget":
+        budget = "a smaller --memory-budget"
+    elif source == "runtime.memory_budget":
+        budget = "a smaller budget (the config's runtime.memory_budget set it; --memory-budget replaces it)"
+    else:
+        budget = f"a smaller --memory-budget (the memory_budget recorded in {source} set it)"
+    leave = "" if resume else ", or leave the budget out to plan with the free memory"
+    return f"plan with {budget} or --session-capacity{leave}; `ardiff inspect-capacity` plans for any amount"
+
+
 def _config_among(arguments: Sequence[Path]) -> str:
     """Rollout's arguments as a shell would take them, the config first: the YAML file among them (given after the
     episodes), else the default's name; then the others, in their order."""

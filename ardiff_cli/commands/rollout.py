@@ -17,6 +17,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ardiff_cli.commands._common import (
+    beyond_device_hint,
     budget_source,
     check_working_folder,
     config_label,
@@ -51,6 +52,7 @@ from ardiff_cli.output import Format, Output, lost_stdout_stop, visible
 from ardiff_cli.runtime.errors import (
     UTF8_LOCALE_HINT,
     ArdiffError,
+    BudgetBeyondDeviceError,
     CapacityError,
     ConfigError,
     ObservationError,
@@ -889,6 +891,9 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     if p.budget_source is not None:
                         exc.hint = (_resumed_does_not_fit_hint(p.budget_source) if resume else
                                     does_not_fit_hint(p.cfg, p.budget_source, window_helps=exc.window_helps))
+                    raise
+                except BudgetBeyondDeviceError as exc:  # the runner's hint cannot tell the option from the config
+                    exc.hint = beyond_device_hint(p.budget_source, resume=resume)
                     raise
                 monitor.refresh(engine.runner)  # the warmup's session shows, and its pages
                 signals.check_signal()  # one that arrived while the pipeline imported: not after warmup

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ardiff_cli.commands._common import (
+    beyond_device_hint,
     budget_source,
     check_working_folder,
     config_label,
@@ -32,7 +33,7 @@ from ardiff_cli.options import (
     VerboseOpt,
 )
 from ardiff_cli.output import Format, Output, lost_stdout_stop
-from ardiff_cli.runtime.errors import CapacityError
+from ardiff_cli.runtime.errors import BudgetBeyondDeviceError, CapacityError
 
 HELP = (
     "Load the pipeline and run its warmup requests (each input shape it will see); print each request's inputs "
@@ -99,6 +100,9 @@ def warmup(
                     source = budget_source(memory_budget, cfg)
                     if source is not None:
                         exc.hint = does_not_fit_hint(cfg, source, window_helps=exc.window_helps)
+                    raise
+                except BudgetBeyondDeviceError as exc:  # the runner's hint cannot tell the option from the config
+                    exc.hint = beyond_device_hint(budget_source(memory_budget, cfg))
                     raise
                 signals.check()
                 monitor.refresh(engine.runner)

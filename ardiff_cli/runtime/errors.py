@@ -47,6 +47,11 @@ class ConfigError(ArdiffError, ValueError):
     exit_code = 2
 
 
+class BudgetBeyondDeviceError(ConfigError):
+    """A memory budget whose plan needs more KV memory than the device has in all (exit 2): the pools would be
+    allocated (and zeroed) for it, on CPU an end by the OOM killer. The CLI's hint names what set the budget."""
+
+
 class CheckpointError(ConfigError):
     """A checkpoint is missing, unreadable, or does not match the config (exit 2)."""
 

@@ -51,8 +51,8 @@ from ardiff_cli.runtime.errors import (
     PIPELINE_HINT,
     ArdiffError,
     ArdiffWarning,
+    BudgetBeyondDeviceError,
     CapacityError,
-    ConfigError,
     EngineStateError,
     ObservationError,
     PipelineError,
@@ -515,7 +515,7 @@ class ARDiffusionModelRunner:
             planned = plan.required_bytes(plan.session_capacity)
             if self.memory_budget is not None and planned > total:
                 # The pools would be allocated (and zeroed) for it: on CPU that is the OOM killer, not an error.
-                raise ConfigError(
+                raise BudgetBeyondDeviceError(
                     f"the memory budget ({format_bytes(self.memory_budget)}, {self.memory_budget} bytes) plans "
                     f"{format_bytes(planned)} of KV memory, more than {self.device} has ({format_bytes(total)} in all)",
                     hint="lower --memory-budget (runtime.memory_budget) or --session-capacity, or leave the budget "
