@@ -271,6 +271,11 @@ def test_every_field_of_summary_json_and_results_jsonl_is_in_the_readme(cli_env,
     assert {line["status"] for line in lines} == {"ok", "failed"}
     fields = {key for line in lines for key in line} | {key for line in lines for key in line.get("latency", {})}
     assert sorted(key for key in fields if not _named(key, results_doc)) == []
+    # The sample ok line has a real ok line's fields in the order the file gives them (it had latency before
+    # input_sha256).
+    sample = json.loads(re.search(r"```json\n(.*?)```", results_doc, flags=re.S).group(1))
+    ok = next(line for line in lines if line["status"] == "ok")
+    assert (list(sample), list(sample["latency"])) == (list(ok), list(ok["latency"]))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     fields = set(summary) - {"kind"}  # "kind": "summary" is the --format json bullet's
     for part in ("episodes", "steps", "swap", "latency_s"):
