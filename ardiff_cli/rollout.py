@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import shlex
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -195,8 +196,13 @@ class Rollout:
         except OSError as exc:
             if too_many_open_files(exc):
                 raise
+            # --resume reads the folder run.json records, the old one: a link there to the new one resumes it
             raise OutputError(f"cannot record the new folder {episode.path} of episode {episode.name!r} in "
-                              f"{self.run_folder.root / RUN_FILE}: {exc.strerror or exc}") from exc
+                              f"{self.run_folder.root / RUN_FILE}: {exc.strerror or exc}",
+                              hint=f"check free space and permissions of {self.run_folder.root}, then (run.json still "
+                                   "records the episode's old folder) link it to the new one and continue: ln -s "
+                                   f"{shlex.quote(episode.path.name)} {shlex.quote(str(old))}; ardiff rollout "
+                                   f"--resume --out {shlex.quote(str(self.run_folder.root))}") from exc
         # the paths as run.json records them (links resolved: a watched folder given through a link): the old one is
         # gone, so only its parent resolves
         self.monitor.log("episode_moved", episode.name, f"episode folder {old} renamed to {episode.path.name}: "
@@ -315,7 +321,13 @@ class Rollout:
         on --resume because its output file went missing: later steps' outputs were made after it) must find the
         file it ran with (when that was recorded), checked before anything else about it."""
         step_file = self._where(episode, step_file)
-        raw = load_step(step_file.path)
+        try:
+            raw = load_step(step_file.path)
+        except ObservationError:
+            # listed, then gone (a link to nothing: reading it named the link): not a permission problem
+            if present(step_file.path) is False and not step_file.path.is_symlink():
+                raise _gone_while_read(episode, step_file) from None
+            raise
         self._check_unchanged(episode, step_file, raw.sha256)
         self._read_as.setdefault(episode.name, {})[step_file.step] = (step_file.path.name, raw.signature)
         valid = validate_step(raw, self.schema, path=step_file.path, episode_metadata=episode.metadata())
@@ -676,3 +688,14 @@ def naming_episode(exc: ArdiffError, episode: str) -> ArdiffError:
     named = copy.copy(exc)
     named.args = (f"episode {episode!r} failed: {exc}",)
     return named.with_traceback(exc.__traceback__)
+
+
+def _gone_while_read(episode: EpisodeSource, step_file: StepFile) -> ObservationError:
+    """The error of a step file listed and gone before it was read: its episode folder deleted (rm -rf, which takes
+    the files first) or renamed while the run read it, or the file alone deleted."""
+    what = "it is gone (deleted or renamed since the episode folder was listed)"
+    if present(episode.path) is False:
+        what = f"the episode folder {episode.path} is gone (deleted or renamed while the run read it)"
+    return ObservationError(f"{step_file.path}: cannot read the step file: {what}",
+                            hint="keep an episode's folder and its step files in place while a run reads them; put "
+                                 "them back, then continue with --resume")

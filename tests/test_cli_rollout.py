@@ -1256,6 +1256,35 @@ def test_a_resume_whose_episode_folder_moved_names_it_and_goes_on_through_a_syml
     assert_same_outputs(reference, run)
 
 
+def test_a_resume_whose_watched_folder_of_episodes_was_renamed_names_that_folder_and_goes_on_through_a_symlink(
+        env, data, tmp_path):
+    """A folder of episodes followed, renamed while the run was stopped (robots -> robots-old): the error named its
+    first episode folder and said to put a symlink at that path, which cannot be made while the folder above it is
+    gone. It names the watched folder, the one to put back."""
+    robots, renamed, run = tmp_path / "robots", tmp_path / "robots-old", tmp_path / "run"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(robots / name, steps_of(i, 3)[:2], prompt=f"task {name}", end=False)
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(robots), "--out", str(run), "--follow",
+                  "--idle-timeout", "1", "--no-warmup", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    for i, name in enumerate(("arm_a", "arm_b")):  # arrived after the run ended: --resume runs them
+        write_episode(robots / name, steps_of(i, 3)[2:], first_step=2)
+    robots.rename(renamed)
+    resume = ("rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    proc = ardiff(env, *resume)
+    assert proc.returncode == 2, proc.stderr
+    assert (f"Error: {robots}, the folder of episodes this run followed, is gone, and with it the folders of its "
+            f"episodes arm_a, arm_b (recorded in {run / 'run.json'})\nhint: put it back at that path (renamed or "
+            f"moved: a symlink there to where it is now will do, ln -s NEW {robots}), then resume"
+            ) in proc.stderr, proc.stderr
+    assert len(records(run)) == 4  # refused before anything ran
+    robots.symlink_to(renamed)
+    proc = ardiff(env, *resume, "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    assert summary["steps"]["failed"] == 0 and len(records(run)) == 6, summary
+
+
 def test_a_run_whose_every_episode_folder_went_away_says_so_and_resumes_once_they_are_back(env, data, reference,
                                                                                             tmp_path):
     # Its closing hint was the generic "see the episode format: ardiff rollout --help", of a folder deleted (arm_a)
@@ -1283,6 +1312,38 @@ def test_a_run_whose_every_episode_folder_went_away_says_so_and_resumes_once_the
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
     assert proc.returncode == 0, proc.stderr
     assert_same_outputs(reference, run)
+
+
+@pytest.mark.parametrize("how", ["folder", "files"])
+def test_an_episode_folder_deleted_while_the_run_reads_it_is_named_as_gone_not_as_a_permission_problem(env, data,
+                                                                                                      tmp_path, how):
+    """`rm -rf` of an episode folder while the run reads its steps (its step files listed at the start): the step
+    read next failed with "cannot read the step file: No such file or directory" and a hint to check permissions.
+    It says the folder (or, rm -rf caught mid-way, the file) went while the run read it."""
+    eps, run = tmp_path / "eps", tmp_path / "run"
+    write_episode(eps / "arm_a", steps_of(0, 3), prompt="task arm_a")
+    write_episode(eps / "arm_b", steps_of(1, 30), prompt="task arm_b")  # still being read when deleted
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(run), "--no-warmup", "--format",
+                 "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 2, proc)
+        if how == "folder":  # gone at once (rm -rf takes the files first: that is "files", below)
+            (eps / "arm_b").rename(tmp_path / "trash")
+            shutil.rmtree(tmp_path / "trash")
+        else:  # rm -rf caught mid-way: the files go first, the folder last
+            for path in sorted((eps / "arm_b").glob("step_*"))[10:]:
+                path.unlink()
+        stderr = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 4, stderr  # arm_a completed
+    what = (f"the episode folder {eps / 'arm_b'} is gone (deleted or renamed while the run read it)" if how == "folder"
+            else "it is gone (deleted or renamed since the episode folder was listed)")
+    assert re.search(rf"Error: episode 'arm_b' failed: {re.escape(str(eps / 'arm_b'))}/step_\d+\.safetensors: "
+                     rf"cannot read the step file: {re.escape(what)}\nhint: keep an episode's folder and its step "
+                     "files in place while a run reads them; put them back, then continue with --resume",
+                     stderr), stderr
+    assert "permissions" not in stderr, stderr
 
 
 def test_an_episode_that_failed_on_its_input_and_was_deleted_after_is_not_said_to_have_lost_its_folder(env, data,
@@ -2909,6 +2970,43 @@ def test_an_episode_folder_that_cannot_be_added_to_run_json_stops_the_run_naming
             in stderr), stderr
     assert "Traceback" not in stderr
     assert [e["name"] for e in json.loads((run / "run.json").read_text())["episodes"]] == ["arm_a"]
+
+
+def test_an_episode_folder_renamed_while_run_json_cannot_be_written_stops_the_run_with_the_way_back(env, data,
+                                                                                                    tmp_path):
+    """A recorder publishes ep1.part as ep1 while the run's folder refuses writes (a full disk, a folder gone
+    read-only): run.json cannot record the new path. The run stops (exit 1) naming both; the steps that ran are
+    kept, and the hint says how --resume finds the folder, since run.json still records the old path."""
+    from test_reliability_input import modes_bind
+
+    live, run = tmp_path / "live", tmp_path / "run"
+    write_episode(live / "arm_a.part", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
+    proc = subprocess.Popen([*modes_bind(), sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"),
+                             str(live), "--out", str(run), "--follow", "--no-warmup", "--format", "plain"], cwd=REPO,
+                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)  # step 0 ran
+        run.chmod(0o555)
+        (live / "arm_a.part").rename(live / "arm_a")
+        stderr = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+        run.chmod(0o755)
+    assert proc.returncode == 1, stderr
+    assert (f"Error: cannot record the new folder {live / 'arm_a'} of episode 'arm_a.part' in {run / 'run.json'}: "
+            f"Permission denied\nhint: check free space and permissions of {run}, then (run.json still records the "
+            f"episode's old folder) link it to the new one and continue: ln -s arm_a {live / 'arm_a.part'}; ardiff "
+            f"rollout --resume --out {run}") in stderr, stderr
+    assert "Traceback" not in stderr
+    assert [r["step"] for r in records(run)] == [0]  # the step that ran is kept
+    assert [e["path"] for e in json.loads((run / "run.json").read_text())["episodes"]] == [str(live / "arm_a.part")]
+    # the way back the hint gives
+    (live / "arm_a.part").symlink_to("arm_a")
+    write_episode(live / "arm_a", steps_of(0, 3)[1:], first_step=1)
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--idle-timeout", "1", "--format",
+                  "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert [r["step"] for r in records(run)] == [0, 1, 2]
 
 
 def test_an_episode_folder_a_robot_starts_in_a_followed_folder_of_episodes_joins_the_run(env, data, reference,

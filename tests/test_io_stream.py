@@ -984,6 +984,35 @@ def test_follow_a_file_still_growing_keeps_its_episode_from_idling_out(tmp_path)
     assert isinstance(task, StepTask) and task.file.path.read_bytes() == data, task
 
 
+def test_follow_waits_for_a_writer_that_sizes_a_step_file_first_then_fills_it_in_place(tmp_path):
+    """A recorder that makes step_000001.safetensors at its full size (truncate) and then writes it in place: the
+    size never changes, so the header, once written, said the file was whole and it was taken with its data still
+    zeros; and the fill did not count as activity, so a slow one idled its episode out. A change of mtime is the
+    writer at work as a change of size is."""
+    from ardiff_cli.io.writer import encode_arrays
+
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0)], prompt="p", end=False)
+    path = folder / "step_000001.safetensors"
+    data = encode_arrays({"camera": np.full((8, 8, 3), 7, np.uint8), "joints": np.arange(7, dtype=np.float32) + 1})
+
+    def fill(upto: int) -> None:
+        time.sleep(0.01)  # a later mtime than the last write's, on any file system with sub-second stamps
+        with path.open("r+b") as f:
+            f.write(data[:upto])
+
+    pieces = [len(data) * i // 8 for i in range(1, 9)]  # the header first, then one more piece at every poll
+    clock = FakeClock()
+    clock.actions = [lambda: path.write_bytes(bytes(len(data)))] + [lambda n=n: fill(n) for n in pieces]
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=3, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert scheduler.next().file.step == 0
+    task = scheduler.next()
+    assert isinstance(task, StepTask) and task.file.step == 1, task
+    assert task.file.path.read_bytes() == data  # taken once whole, not while its data was still zeros
+    assert clock.now >= len(pieces)
+
+
 def test_follow_polls_look_at_each_step_file_once_not_at_every_step(tmp_path, monkeypatch):
     """A follower left running for hours: its folder holds thousands of step files. A poll must not stat and
     parse every one of them again (20,000 files took 170 ms per step), nor list the folder while steps that

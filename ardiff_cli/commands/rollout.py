@@ -148,8 +148,8 @@ def rollout(
                                        "for episode folders started in it later.")] = False,
     idle_timeout: Annotated[Optional[float], typer.Option(
         "--idle-timeout", min=0, metavar="SECONDS", callback=_finite_idle_timeout,
-        help=f"With --follow: end an episode after this long without a new or growing step file, and a folder "
-             f"of episodes this long after its episodes ended without a new one. "
+        help=f"With --follow: end an episode after this long without a new step file or one still being "
+             f"written, and a folder of episodes this long after its episodes ended without a new one. "
              f"\\[default: {DEFAULT_IDLE_TIMEOUT:g}]", show_default=False)] = None,
     fail_fast: Annotated[bool, typer.Option(
         "--fail-fast", metavar=FLAG,
@@ -249,7 +249,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         if not episode_paths and not info.get("demo"):
             episode_paths = [Path(e["path"]) for e in info["episodes"]]
             watch = _recorded_watch(info, run.root / RUN_FILE)
-            _recorded_folders_exist(info["episodes"], run.root / RUN_FILE)
+            _recorded_folders_exist(info["episodes"], run.root / RUN_FILE, watch)
     elif out is not None:
         if RunFolder(out).holds_run():
             RunFolder(out).refuse_while_locked()  # a run still going: not one to resume now
@@ -579,11 +579,12 @@ def _under_signals(work: Callable[[], None]) -> None:
         raise
 
 
-def _recorded_folders_exist(episodes: list[dict[str, Any]], run_file: Path) -> None:
+def _recorded_folders_exist(episodes: list[dict[str, Any]], run_file: Path, watch: list[Path]) -> None:
     """The episode folders a resume reads are where run.json last recorded them (where the run started them, or
     where it followed a rename: ``episode_moved``): one moved or deleted since is named as this run's (where a new
-    run's missing EPISODE hints at --follow)."""
-    from ardiff_cli.io.episode import present
+    run's missing EPISODE hints at --follow). A watched folder of episodes renamed while the run was stopped is
+    named itself: a symlink at an episode's path cannot be made while the folder above it is gone."""
+    from ardiff_cli.io.episode import listed, present
 
     for episode in episodes:  # resumed in another locale than the run's: there, but not a path this one can write
         if why := unencodable(episode["path"]):
@@ -591,6 +592,14 @@ def _recorded_folders_exist(episodes: list[dict[str, Any]], run_file: Path) -> N
                               f"{run_file}): {why}", hint=UTF8_LOCALE_HINT)
     # None: there, on a path this user may no longer enter; its episode fails saying so
     gone = [(e["name"], e["path"]) for e in episodes if present(Path(e["path"])) is False]
+    for folder in watch:
+        inside = [name for name, path in gone if Path(path).parent == folder]
+        if inside and present(folder) is False:
+            raise ConfigError(f"{folder}, the folder of episodes this run followed, is gone, and with it the folders "
+                              f"of its episodes {listed(inside)} (recorded in {run_file})",
+                              hint="put it back at that path (renamed or moved: a symlink there to where it is now "
+                                   f"will do, ln -s NEW {shlex.quote(str(folder))}), then resume; or run its "
+                                   "episodes again in a new --out")
     if gone:
         name, path = gone[0]
         more = f" (and {plural(len(gone) - 1, 'more episode folder')})" if len(gone) > 1 else ""

@@ -7,14 +7,16 @@ episode's folder is rescanned for new step files until its END marker appears
 (and every step before it ran) or no new file arrived for ``idle_timeout``
 seconds.
 
-A follower only takes a file once its size was the same at two polls and
-its bytes are whole (a safetensors file as long as its header says, an .npz
+A follower only takes a file once its size and mtime were the same at two polls
+and its bytes are whole (a safetensors file as long as its header says, an .npz
 ending in its zip directory), so a writer that does not rename, even one that
-pauses mid-file, never hands over half a file. A file still growing keeps its
-episode from idling out; one that stays incomplete is taken anyway when the
-END marker appears or the idle timeout passes, and then fails its episode as
-truncated instead of being skipped; one deleted before it was taken (a writer
-cleaning up the step it was cut short in) is forgotten.
+pauses mid-file, never hands over half a file; one that sizes the file first and
+then fills it in place is waited for while it writes (its mtime changes), but not
+through a pause mid-fill, which looks like a whole file. A file still growing or
+being written keeps its episode from idling out; one that stays incomplete is
+taken anyway when the END marker appears or the idle timeout passes, and then
+fails its episode as truncated instead of being skipped; one deleted before it
+was taken (a writer cleaning up the step it was cut short in) is forgotten.
 
 Step numbers must be consecutive: a session's outputs depend on every earlier
 step, so a gap is never skipped. Without ``follow`` a gap (or a folder with no
@@ -96,7 +98,7 @@ class _Track:
     taken: set[str] = field(default_factory=set)  # follow: names of ``files``, not looked at again by a poll
     cursor: int = 0  # index in ``files`` of the next step to consider
     current: int = 0  # ordinal of the step handed out last: ``files[:current]`` is its history
-    sizes: dict[str, int] = field(default_factory=dict)  # follow: size of each unready file at the last poll
+    looks: dict[str, tuple[int, int]] = field(default_factory=dict)  # follow: unready files' size, mtime at last poll
     last_activity: float = 0.0  # follow: when a step last arrived or was handed out (idle timer)
     history_checked: bool = False  # resume: the done steps were checked to be where they ran in the episode
     ended: bool = False
@@ -105,7 +107,7 @@ class _Track:
     writing: dict[str, tuple[int, int]] = field(default_factory=dict)  # follow: temporary files' size, mtime last seen
     lost: list[int] = field(default_factory=list)  # resume: done steps whose files are gone, between present ones
     identity: int | None = None  # follow: its folder's inode number at the first poll (not st_dev: a remount)
-    unready: list[StepFile] = field(default_factory=list)  # follow: the files of ``sizes``, as last listed
+    unready: list[StepFile] = field(default_factory=list)  # follow: the files of ``looks``, as last listed
     stamp: tuple[int, ...] | None = None  # follow: its folder's device, inode, mtime and ctime at the last poll
     stamp_seen: float = 0.0  # follow: when ``stamp`` was first seen (time.monotonic)
     listed_at: float = -float("inf")  # follow: when its folder was last listed (time.monotonic)
@@ -438,7 +440,7 @@ class StepScheduler:
         if not track.source.has_end_marker():
             return False
         self._guarded_scan(track, force=True)  # a step written just before the marker
-        return track.cursor >= len(track.files) and not track.sizes and not track.ended
+        return track.cursor >= len(track.files) and not track.looks and not track.ended
 
     def _end_reason(self, track: _Track) -> str | None:
         if not self.follow:
@@ -448,7 +450,7 @@ class StepScheduler:
             if track.ended:  # the scan failed it: its error is queued, not an end_marker too
                 return None
             self._raise_gap(track)
-            if track.cursor < len(track.files) or track.sizes:
+            if track.cursor < len(track.files) or track.looks:
                 return None
             self._raise_empty(track, "its END marker came before any step file",
                               "write END after the episode's last step file")
@@ -556,7 +558,7 @@ class StepScheduler:
 
     def _guarded_scan(self, track: _Track, *, force: bool = False) -> None:
         """Scan ``track``'s folder; an unreadable folder ends the episode with an error item. ``force``: take a
-        file whose size stopped changing even if it looks incomplete (END or the idle timeout came)."""
+        file that stopped changing even if it looks incomplete (END or the idle timeout came)."""
         if track.ended:
             return
         try:
@@ -607,22 +609,24 @@ class StepScheduler:
             name = step_file.path.name
             try:
                 file_st = step_file.path.stat()
-                size = file_st.st_size
+                size, look = file_st.st_size, (file_st.st_size, file_st.st_mtime_ns)
             except FileNotFoundError:
                 file_st = None
                 if not step_file.path.is_symlink():
                     continue  # deleted since the listing
                 # A link to nothing (a recording's disk not mounted): waited for as an empty file, then taken at END
                 # or the idle timeout, where reading it names the link, as without follow; never skipped silently.
-                size = 0
+                size, look = 0, (0, 0)
             present.add(name)
-            if track.sizes.get(name) != size:
-                track.last_activity = self._clock()  # arriving or growing: the writer is not idle
-            stable = track.sizes.get(name) == size and (size > 0 or force)
+            # Its size or mtime changed: the writer is not idle, and the file not done (one sized first, then filled
+            # in place, keeps its size: its header may say it is whole while its data is still being written)
+            if track.looks.get(name) != look:
+                track.last_activity = self._clock()
+            stable = track.looks.get(name) == look and (size > 0 or force)
             if stable and not force and not looks_whole(step_file.path, size):
                 stable = False  # a writer paused mid-file: wait for the rest
             if blocked or not stable:
-                track.sizes[name] = size
+                track.looks[name] = look
                 blocked = True
                 continue
             if track.files and track.files[0].step <= step_file.step <= last:  # taken steps are consecutive
@@ -639,11 +643,11 @@ class StepScheduler:
                 track.files = _with_lost(track, track.files, list(range(last + 1, step_file.step)))
                 last = step_file.step - 1
             if track.files and step_file.step != last + 1:  # a gap: wait for the missing steps
-                track.sizes[name] = size
+                track.looks[name] = look
                 track.gap = (last, step_file.step)
                 blocked = True
                 continue
-            del track.sizes[name]
+            del track.looks[name]
             if not track.files and file_st is not None:
                 track.first_file = (name, file_st.st_ino, file_st.st_mtime_ns)
             track.files.append(step_file)
@@ -653,9 +657,9 @@ class StepScheduler:
         # A file seen unready and then deleted (a writer's cleanup of the step it was cut short in) would be waited
         # for forever: its episode never ended, not at END, which waits for every unready file, nor at the idle
         # timeout, which END comes before.
-        for name in [n for n in track.sizes if n not in present]:
-            del track.sizes[name]
-        track.unready = [f for f in track.unready if f.path.name in track.sizes]
+        for name in [n for n in track.looks if n not in present]:
+            del track.looks[name]
+        track.unready = [f for f in track.unready if f.path.name in track.looks]
         # A name without a step number (tempfile's tmpk_ohzexq.safetensors) failed the episode at the poll that saw
         # it, though renamed to its step's name a moment later; a writer's temporary name with a digit in it
         # (tmpk3jx9a1b.safetensors, step_000001.tmp.safetensors) was taken for a step. Either is waited for like an
@@ -664,7 +668,7 @@ class StepScheduler:
         track.unnumbered = [path for path in track.unnumbered if os.path.lexists(path)]
         if track.unnumbered and force:
             step_number(track.unnumbered[0])  # raises, naming it
-        if first_poll and not track.files and not track.sizes:  # episodes one level down, or a folder still empty
+        if first_poll and not track.files and not track.looks:  # episodes one level down, or a folder still empty
             track.inside = frozenset(episode_folders_inside(track.source.path))
 
     @staticmethod
