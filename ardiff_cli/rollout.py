@@ -100,6 +100,15 @@ class RolloutStats:
 _DISK_FULL = {errno.ENOSPC, errno.EROFS, *([errno.EDQUOT] if hasattr(errno, "EDQUOT") else [])}
 
 
+def _recorded_folder(episode: EpisodeSource, recorded: str | None) -> str:
+    """The episode's folder as run.json records it (``recorded``), where that is the folder the run reads it from
+    (directly or through a link); else its path now, links resolved (a resume given the folder where it moved)."""
+    here = str(episode.path.resolve())
+    if recorded is not None and (recorded in (str(episode.path), here) or str(Path(recorded).resolve()) == here):
+        return recorded
+    return here
+
+
 def log_episode_end(monitor: RunMonitor, name: str, reason: str, steps: int) -> None:
     """An episode's end (reason: complete, end_marker or idle_timeout), in the log and as a JSON object."""
     monitor.log("episode", name, f"ended ({reason}) after {plural(steps, 'step')}", episode=name,
@@ -138,6 +147,11 @@ class Rollout:
         self._captured: list[Any] = []  # runtime events of the request in flight
         self._event_error: Exception | None = None  # the first error of _record_event (a bug): stops the run
         self._steps_done = {e.name: len(done.get(e.name, ())) for e in episodes}  # per episode, incl. earlier runs
+        # episode -> its folder as run.json records it (links resolved), which results.jsonl's paths name too, so a
+        # script joins them (and the events) by path: a link there leading elsewhere since (a dataset moved) keeps
+        # its recorded path; an episode a resume was given where it is now is named there
+        recorded = {e["name"]: e["path"] for e in run.read_info()["episodes"]}
+        self._folders = {e.name: _recorded_folder(e, recorded.get(e.name)) for e in episodes}
         # episode -> step -> SHA-256 of its file when it ran (this run, and results.jsonl on resume): replays check it
         self._digests = {name: dict(steps) for name, steps in digests.items()}
         # episode -> step -> (file, its signature when read) of the steps this run read: checked at the episode's end
@@ -183,6 +197,7 @@ class Rollout:
             raise OutputError(f"cannot add episode {episode.name!r} ({episode.path}) to "
                               f"{self.run_folder.root / RUN_FILE}: {exc.strerror or exc}") from exc
         self.episodes.append(episode)
+        self._folders[episode.name] = recorded
         self._steps_done[episode.name] = 0
         self.monitor.log("episode_added", episode.name, f"new episode folder {episode.path}: following it",
                          episode=episode.name, path=recorded)
@@ -192,7 +207,7 @@ class Rollout:
         """An episode's folder was renamed in its followed folder of episodes (``ep1.part`` -> ``ep1``): it goes on
         there under its name, and run.json records the new path, where ``--resume`` reads it."""
         try:
-            recorded = self.run_folder.move_episode(episode.name, episode.path)
+            before, recorded = self.run_folder.move_episode(episode.name, episode.path)
         except OSError as exc:
             if too_many_open_files(exc):
                 raise
@@ -203,11 +218,11 @@ class Rollout:
                                    "records the episode's old folder) link it to the new one and continue: ln -s "
                                    f"{shlex.quote(episode.path.name)} {shlex.quote(str(old))}; ardiff rollout "
                                    f"--resume --out {shlex.quote(str(self.run_folder.root))}") from exc
-        # the paths as run.json records them (links resolved: a watched folder given through a link): the old one is
-        # gone, so only its parent resolves
+        # the paths as run.json records them (links resolved: a watched folder given through a link, an episode
+        # folder that was a link), the old one as it was recorded: the old name is gone and resolves to nothing
+        self._folders[episode.name] = recorded
         self.monitor.log("episode_moved", episode.name, f"episode folder {old} renamed to {episode.path.name}: "
-                         "following it there", episode=episode.name, path=recorded,
-                         old_path=str(old.absolute().parent.resolve() / old.name))
+                         "following it there", episode=episode.name, path=recorded, old_path=before)
 
     # -- events --------------------------------------------------------------------------------------------
 
@@ -529,11 +544,11 @@ class Rollout:
         cause = exc.cause if isinstance(exc, StepFailed) else exc
         step, path = (None, episode.path) if step_file is None else (step_file.step, step_file.path)
         record = {"episode": episode.name, "step": step, "chunk": ordinal, "session": episode.name,
-                  "status": "failed", "error": message, "path": str(path.absolute()), "phase": phase,
+                  "status": "failed", "error": message, "path": self._as_recorded(episode, path), "phase": phase,
                   "error_type": type(cause).__name__, "time": time.time()}
         if replayed is not None:
             record.update(replay_step=replayed[0].step, replay_chunk=replayed[1],
-                          replay_path=str(replayed[0].path.absolute()))
+                          replay_path=self._as_recorded(episode, replayed[0].path))
         files = [f.path for f in (step_file, replayed and replayed[0]) if f]
         if any(present(path) is False for path in (episode.path, *files)):  # deleted under it: rm -rf, a rename
             self._vanished.add(episode.name)
@@ -564,6 +579,16 @@ class Rollout:
         # The traceback's frames hold the failed forward's locals (activations, the released session's caches):
         # drop them now, not at the end of the run. A traceback printed later needs only code and line numbers.
         traceback.clear_frames(cause.__traceback__)
+
+    def _as_recorded(self, episode: EpisodeSource, path: Path) -> str:
+        """``path``, the episode's folder or a step file in it, as run.json names that folder (links resolved); a
+        step file that is a link is named in its folder, where it is to be put back, not by its target."""
+        folder = Path(self._folders[episode.name])
+        if path == episode.path:
+            return str(folder)
+        if path.parent == episode.path:
+            return str(folder / path.name)
+        return str(path.absolute().parent.resolve() / path.name)  # not in its folder as the run names it
 
     def _report_rewritten(self, episode: EpisodeSource) -> None:
         """Warn of the episode's step files written since they ran (a restarted recorder writing a step again, two

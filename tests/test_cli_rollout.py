@@ -3124,6 +3124,99 @@ def test_a_folder_of_episodes_followed_through_a_link_names_the_folders_as_run_j
     assert recorded == {"arm_a.part": moved[0][1], "arm_b": added[0]}
 
 
+def recorded_folders(run: Path) -> dict[str, str]:
+    """run.json's ``episodes``: name -> the folder path it records."""
+    return {e["name"]: e["path"] for e in json.loads((run / "run.json").read_text())["episodes"]}
+
+
+def failed_step_events(stdout: str) -> list[dict]:
+    """The ``step`` objects of failed steps in a ``--format json`` stdout."""
+    return [o for o in map(json.loads, stdout.splitlines()) if o.get("kind") == "step" and o["status"] == "failed"]
+
+
+def test_failed_lines_of_an_episode_given_through_a_link_name_its_folder_as_run_json_does(env, data, tmp_path):
+    """An episode folder given as a symlink (given/arm_a -> real/arm_a): run.json records real/arm_a, but a failed
+    line's path and replay_path went through the link, so a script joining results.jsonl with run.json by path
+    found no episode. Both now name the step files in the folder run.json records; a resume given the link again
+    still finds the run's episode through it."""
+    real, given, run = tmp_path / "real" / "arm_a", tmp_path / "given", tmp_path / "run"
+    write_episode(real, steps_of(0, 3)[:1], prompt="task arm_a")
+    given.mkdir()
+    (given / "arm_a").symlink_to(real)
+    first = ardiff(env, "rollout", str(data / "fast.yaml"), str(given / "arm_a"), "--out", str(run), "--no-warmup")
+    assert first.returncode == 0, first.stderr
+    folder = recorded_folders(run)["arm_a"]
+    assert folder == str(real.resolve())
+    write_step(real, 1, steps_of(0, 3)[1])
+    write_step(real, 0, steps_of(2, 3)[0])  # rewritten since it ran: step 1's replay of it fails
+    # given through the link again (a resume without EPISODE reads the folder run.json records)
+    again = ardiff(env, "rollout", str(data / "fast.yaml"), str(given / "arm_a"), "--resume", "--out", str(run),
+                   "--no-warmup", "--format", "json")
+    assert again.returncode == 2 and "step 0 changed since it ran" in again.stderr, again.stderr
+    (failed,) = [r for r in records(run) if r["status"] == "failed"]
+    assert (failed["phase"], failed["path"], failed["replay_path"]) == (
+        "replay", f"{folder}/step_000001.safetensors", f"{folder}/step_000000.safetensors"), failed
+    (event,) = failed_step_events(again.stdout)
+    assert (event["path"], event["replay_path"]) == (failed["path"], failed["replay_path"])
+    assert recorded_folders(run) == {"arm_a": folder}
+
+
+def test_a_folder_of_episodes_followed_through_a_link_names_failed_steps_as_run_json_and_resumes(env, data,
+                                                                                               tmp_path):
+    """A watched folder given through a symlink (robots -> live), with --follow: a failed step's line named
+    robots/arm_a/step_000001.safetensors while run.json (and episode_added) named live/arm_a. It now names the file
+    in the folder run.json records; with the file fixed, --resume of that run runs the step and completes."""
+    live, link, run = tmp_path / "live", tmp_path / "robots", tmp_path / "run"
+    good = steps_of(0, 3)
+    write_episode(live / "arm_a", good[:1], prompt="task arm_a")
+    write_step(live / "arm_a", 1, {k: v for k, v in good[1].items() if k != "joint_position"})
+    (live / "arm_a" / "END").touch()
+    link.symlink_to(live)
+    first = ardiff(env, "rollout", str(data / "fast.yaml"), str(link), "--out", str(run), "--follow", "--no-warmup",
+                   "--idle-timeout", "1", "--format", "json")
+    assert first.returncode == 2, first.stderr  # its one episode failed on its input
+    folder = recorded_folders(run)["arm_a"]
+    assert folder == str((live / "arm_a").resolve())
+    (failed,) = [r for r in records(run) if r["status"] == "failed"]
+    assert (failed["step"], failed["phase"], failed["path"]) == (1, "load", f"{folder}/step_000001.safetensors")
+    (event,) = failed_step_events(first.stdout)
+    assert event["path"] == failed["path"]
+    write_step(live / "arm_a", 1, good[1])
+    write_step(live / "arm_a", 2, good[2])
+    again = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--idle-timeout", "1")
+    assert again.returncode == 0, again.stderr
+    assert [(r["step"], r["status"]) for r in records(run)][-2:] == [(1, "ok"), (2, "ok")]
+    assert recorded_folders(run) == {"arm_a": folder}
+
+
+def test_an_episode_folder_that_is_a_link_moved_into_place_gives_run_json_s_old_path(env, data, tmp_path):
+    """An episode folder in a watched folder that is a link to a hidden folder there (live/cam -> .rec/arm_a: the
+    episode arm_a, run.json records live/.rec/arm_a), the recording then moved into place (.rec/arm_a -> arm_a):
+    the run follows it there, but episode_moved's old_path named the link (live/cam), a path run.json never held.
+    It is now the path run.json recorded before the move."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    steps = steps_of(0, 3)
+    write_episode(live / ".rec" / "arm_a", steps[:1], prompt="task arm_a", end=False)
+    (live / "cam").symlink_to(Path(".rec") / "arm_a")
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                 "--idle-timeout", "5", "--format", "json")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)
+        before = recorded_folders(run)
+        (live / ".rec" / "arm_a").rename(live / "arm_a")
+        write_episode(live / "arm_a", steps[1:], first_step=1)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert before == {"arm_a": str((live / ".rec" / "arm_a").resolve())}
+    events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    moved = [(o["old_path"], o["path"]) for o in events if o.get("kind") == "episode_moved"]
+    assert moved == [(before["arm_a"], str((live / "arm_a").resolve()))], moved
+    assert recorded_folders(run) == {"arm_a": moved[0][1]}
+    assert [(r["episode"], r["step"], r["status"]) for r in records(run)] == [("arm_a", s, "ok") for s in range(3)]
+
+
 def test_an_episode_folder_renamed_in_a_watched_folder_while_the_run_was_stopped_resumes_through_a_link(
         env, data, reference, tmp_path):
     """Renamed while no run follows it, the folder is gone for --resume (exit 2, naming it); a link at the old name

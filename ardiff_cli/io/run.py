@@ -194,15 +194,16 @@ class RunFolder:
         atomic_write_json(self.root / RUN_FILE, info)
         return recorded
 
-    def move_episode(self, name: str, path: Path) -> str:
+    def move_episode(self, name: str, path: Path) -> tuple[str, str]:
         """Record ``path`` as the folder of episode ``name`` in run.json (with ``--follow``, its folder was renamed in
-        a followed folder of episodes), so that ``--resume`` reads it there; returns the path recorded (links
-        resolved)."""
+        a followed folder of episodes), so that ``--resume`` reads it there; returns the paths recorded before and
+        now (links resolved: the old one as run.json gave it, which a link's old name no longer leads to)."""
         info = self.read_info()
         recorded = str(path.resolve())
+        before = next(e["path"] for e in info["episodes"] if e["name"] == name)
         info["episodes"] = [{**e, "path": recorded} if e["name"] == name else e for e in info["episodes"]]
         atomic_write_json(self.root / RUN_FILE, info)
-        return recorded
+        return before, recorded
 
     def read_info(self) -> dict[str, Any]:
         path = self.root / RUN_FILE
