@@ -714,3 +714,18 @@ def test_kernel_geometry_of_one_frame_blocks_counts_their_loose_tokens():
     assert not KernelGeometry.create(layout, 5, 16).fits
     with pytest.raises(ValueError, match="too small"):
         ARDiffusionKVCache(tiny, layout.managed_pages(1), attention_backend=TorchPagedKernel(16))
+
+
+def test_a_budget_beyond_the_device_under_auto_is_not_said_to_be_a_vllm_kernel_failure(monkeypatch, recwarn):
+    """``auto`` on a device where vLLM is picked (CUDA; here the selection is made to say so): a budget whose plan
+    needs more than the device has is the user's config, not the kernel's. It was caught as a ValueError and warned
+    "vLLM kernel failed to initialise ...; using torch", then raised again by the torch plan."""
+    from ardiff_cli.runtime import runner as runner_module
+    from ardiff_cli.runtime.errors import BudgetBeyondDeviceError
+
+    monkeypatch.setattr(runner_module, "select_attention_backend", lambda *a, **k: ("vllm", "picked for the test"))
+    runner = ARDiffusionModelRunner(TinyPipeline(tiny_spec(session_capacity=2**31 - 1)), memory_budget=1 << 100,
+                                    session_capacity=2**31 - 1)
+    with pytest.raises(BudgetBeyondDeviceError, match="more than cpu has"):
+        runner.load()
+    assert [str(w.message) for w in recwarn if "kernel" in str(w.message)] == []

@@ -528,8 +528,10 @@ class ARDiffusionModelRunner:
 
         try:
             plan, cache = allocate(name)
-        except torch.OutOfMemoryError:
-            raise  # the plan did not fit: the smaller torch layout would hide that, not fix it
+        except (torch.OutOfMemoryError, ArdiffError):
+            # the plan did not fit (the smaller torch layout would hide that, not fix it), or the user's budget or
+            # geometry is refused (a ConfigError is a ValueError): neither is the kernel's failure
+            raise
         except (ImportError, RuntimeError, ValueError) as exc:
             if name == "torch" or setting != "auto":
                 raise
