@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -2946,26 +2947,35 @@ def follow_a_live_episode(env, data, tmp_path: Path, fmt: str, *options: str) ->
     return proc, live, run
 
 
-def test_an_episode_folder_that_cannot_be_added_to_run_json_stops_the_run_naming_both(env, data, tmp_path):
-    """A robot starts an episode folder while the run's folder refuses writes (a full disk, a folder gone
-    read-only): run.json cannot list it, so --resume would not find its outputs. The run stops there (exit 1) with
-    an error naming the episode and run.json, not a traceback; run.json still lists the episodes it ran."""
+def follow_until_run_json_is_refused(env, data, live: Path, run: Path,
+                                     change: Callable[[], object]) -> tuple[int, str]:
+    """`rollout --follow` of the folder of episodes ``live`` into ``run``; once a step ran, ``run`` goes read-only
+    (file modes bind, as root too: modes_bind) and ``change`` is made to ``live``: (exit code, stderr)."""
     from test_reliability_input import modes_bind
 
-    live, run = tmp_path / "live", tmp_path / "run"
-    write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
     proc = subprocess.Popen([*modes_bind(), sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"),
                              str(live), "--out", str(run), "--follow", "--no-warmup", "--format", "plain"], cwd=REPO,
                             env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        wait_for_lines(run / "results.jsonl", 1, proc)  # arm_a's step 0 ran
+        wait_for_lines(run / "results.jsonl", 1, proc)  # a step ran
         run.chmod(0o555)
-        write_episode(live / "arm_b", steps_of(1, 3), prompt="task arm_b")
+        change()
         stderr = proc.communicate(timeout=300)[1]
     finally:
         proc.kill()
         run.chmod(0o755)
-    assert proc.returncode == 1, stderr
+    return proc.returncode, stderr
+
+
+def test_an_episode_folder_that_cannot_be_added_to_run_json_stops_the_run_naming_both(env, data, tmp_path):
+    """A robot starts an episode folder while the run's folder refuses writes (a full disk, a folder gone
+    read-only): run.json cannot list it, so --resume would not find its outputs. The run stops there (exit 1) with
+    an error naming the episode and run.json, not a traceback; run.json still lists the episodes it ran."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
+    code, stderr = follow_until_run_json_is_refused(
+        env, data, live, run, lambda: write_episode(live / "arm_b", steps_of(1, 3), prompt="task arm_b"))
+    assert code == 1, stderr
     assert (f"Error: cannot add episode 'arm_b' ({live / 'arm_b'}) to {run / 'run.json'}: Permission denied\n"
             in stderr), stderr
     assert "Traceback" not in stderr
@@ -2977,22 +2987,11 @@ def test_an_episode_folder_renamed_while_run_json_cannot_be_written_stops_the_ru
     """A recorder publishes ep1.part as ep1 while the run's folder refuses writes (a full disk, a folder gone
     read-only): run.json cannot record the new path. The run stops (exit 1) naming both; the steps that ran are
     kept, and the hint says how --resume finds the folder, since run.json still records the old path."""
-    from test_reliability_input import modes_bind
-
     live, run = tmp_path / "live", tmp_path / "run"
     write_episode(live / "arm_a.part", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
-    proc = subprocess.Popen([*modes_bind(), sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"),
-                             str(live), "--out", str(run), "--follow", "--no-warmup", "--format", "plain"], cwd=REPO,
-                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        wait_for_lines(run / "results.jsonl", 1, proc)  # step 0 ran
-        run.chmod(0o555)
-        (live / "arm_a.part").rename(live / "arm_a")
-        stderr = proc.communicate(timeout=300)[1]
-    finally:
-        proc.kill()
-        run.chmod(0o755)
-    assert proc.returncode == 1, stderr
+    code, stderr = follow_until_run_json_is_refused(env, data, live, run,
+                                                    lambda: (live / "arm_a.part").rename(live / "arm_a"))
+    assert code == 1, stderr
     assert (f"Error: cannot record the new folder {live / 'arm_a'} of episode 'arm_a.part' in {run / 'run.json'}: "
             f"Permission denied\nhint: check free space and permissions of {run}, then (run.json still records the "
             f"episode's old folder) link it to the new one and continue: ln -s arm_a {live / 'arm_a.part'}; ardiff "
