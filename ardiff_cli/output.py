@@ -300,12 +300,15 @@ class Output:
                 if live is None:
                     self._write_err_raw(text)
                     return
-                buffered = self._unfinished + text
-                *lines, unfinished = buffered.split("\n")
-                if lines:  # taken from the buffer once printed: a stop raised meanwhile (Ctrl-C) lost them
-                    self._unfinished = buffered  # the display's end shows them then
-                    self._print_above(*lines)
+                *lines, unfinished = (self._unfinished + text).split("\n")
+                # out of the buffer before they print: a frame drawn under them may write to stderr, back to here
                 self._unfinished = _as_shown(unfinished)  # a progress bar's updates: its last only
+                if lines:
+                    try:
+                        self._print_above(*lines)
+                    except BaseException:  # a stop raised meanwhile (Ctrl-C): the display's end shows them
+                        self._unfinished = "\n".join([*lines, self._unfinished])
+                        raise
                 return
 
     def _print_above(self, *lines: str) -> None:

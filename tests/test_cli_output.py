@@ -997,7 +997,7 @@ def test_a_frame_that_writes_to_stderr_while_a_thread_prints_does_not_deadlock_t
 
 
 CTRL_C_ABOVE_THE_DISPLAY = r'''
-import io, os, pty, re, signal, sys, threading, time
+import io, os, pty, re, signal, sys, threading
 from rich.console import Console
 from rich.text import Text
 from ardiff_cli.output import Format, Output
@@ -1005,8 +1005,18 @@ from ardiff_cli.output import Format, Output
 master, slave = pty.openpty()  # a terminal: the live display redraws in place, code's lines go above it
 terminal = io.TextIOWrapper(os.fdopen(slave, "wb", buffering=0), encoding="utf-8", write_through=True)
 shown = bytearray()
-threading.Thread(target=lambda: [shown.extend(b) for b in iter(lambda: os.read(master, 65536), b"")],
-                 daemon=True).start()
+
+
+def read_the_terminal():
+    try:
+        while chunk := os.read(master, 65536):
+            shown.extend(chunk)
+    except OSError:  # EIO: the terminal closed, and all it was given has been read
+        pass
+
+
+reader = threading.Thread(target=read_the_terminal, daemon=True)
+reader.start()
 out = Output(Format.rich, stdout=io.StringIO(), stderr=terminal)
 
 
@@ -1025,7 +1035,8 @@ with out.chatter_to_stderr():
             print("not reached")
     except KeyboardInterrupt:
         pass
-time.sleep(0.5)  # the terminal's reader takes what was written
+terminal.close()  # its reader takes all that was written, then ends: no sleep a loaded machine may outlast
+reader.join(timeout=60)
 text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode("utf-8", "replace"))  # the display's escape codes
 print([line.strip() for line in text.replace("\r", "\n").split("\n") if "line" in line or "reached" in line])
 '''
@@ -1044,3 +1055,67 @@ def test_a_line_printed_above_the_live_display_as_ctrl_c_arrives_is_kept(tmp_pat
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert ast.literal_eval(done.stdout) == ["a line before", "the line Ctrl-C interrupted"], done.stdout
+
+
+DRAWN_UNDER_A_LINE = r'''
+import io, os, pty, re, sys, threading
+from rich.text import Text
+from ardiff_cli.output import Format, Output
+
+master, slave = pty.openpty()  # a terminal: the live display redraws in place, code's lines go above it
+terminal = io.TextIOWrapper(os.fdopen(slave, "wb", buffering=0), encoding="utf-8", write_through=True)
+shown = bytearray()
+
+
+def read_the_terminal():
+    try:
+        while chunk := os.read(master, 65536):
+            shown.extend(chunk)
+    except OSError:  # EIO: the terminal closed, and all it was given has been read
+        pass
+
+
+reader = threading.Thread(target=read_the_terminal, daemon=True)
+reader.start()
+out = Output(Format.rich, stdout=io.StringIO(), stderr=terminal)
+
+
+class Panel:
+    """A panel drawn again under each line printed above the display; drawn under the first, it writes to stderr
+    (a library's warning), which comes back to the stand-in while that line is being printed."""
+
+    said = False
+
+    def __rich_console__(self, console, options):
+        if printing and not Panel.said:
+            Panel.said = True
+            print("said while drawing", file=sys.stderr)
+        yield Text("frame")
+
+
+printing, panel = False, Panel()
+with out.chatter_to_stderr():
+    with out.live(lambda: panel):
+        printing = True
+        print("a line")
+        printing = False
+terminal.close()  # its reader takes all that was written, then ends
+reader.join(timeout=60)
+text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode("utf-8", "replace"))  # the display's escape codes
+print([line.count("a line") for line in text.replace("\r", "\n").split("\n") if "a line" in line])
+'''
+
+
+def test_a_line_printed_above_the_live_display_shows_once_when_the_frame_drawn_under_it_writes_to_stderr(tmp_path):
+    """A line being printed above the display stayed in the buffer until it was printed (so that Ctrl-C meanwhile
+    would not lose it): a frame drawn under it that wrote to stderr (a library's warning) came back to the stand-in,
+    which printed the buffered line a second time."""
+    import ast
+    import subprocess
+    import sys
+
+    script = tmp_path / "drawn_under_a_line.py"
+    script.write_text(DRAWN_UNDER_A_LINE)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sum(ast.literal_eval(done.stdout)) == 1, done.stdout

@@ -1274,7 +1274,7 @@ def test_a_resume_whose_watched_folder_of_episodes_was_renamed_names_that_folder
     resume = ("rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
     proc = ardiff(env, *resume)
     assert proc.returncode == 2, proc.stderr
-    assert (f"Error: {robots}, the folder of episodes this run followed, is gone, and with it the folders of its "
+    assert (f"Error: {robots}, a folder of episodes given to this run, is gone, and with it the folders of its "
             f"episodes arm_a, arm_b (recorded in {run / 'run.json'})\nhint: put it back at that path (renamed or "
             f"moved: a symlink there to where it is now will do, ln -s NEW {robots}), then resume"
             ) in proc.stderr, proc.stderr
@@ -1284,6 +1284,29 @@ def test_a_resume_whose_watched_folder_of_episodes_was_renamed_names_that_folder
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.splitlines()[-1])
     assert summary["steps"]["failed"] == 0 and len(records(run)) == 6, summary
+
+
+def test_a_resume_whose_folder_of_episodes_was_renamed_without_follow_does_not_say_it_was_followed(env, data,
+                                                                                                   tmp_path):
+    """run.json records a folder of episodes given as EPISODE with or without --follow: renamed while a run without
+    --follow was stopped, it was named "the folder of episodes this run followed", which that run never did."""
+    eps, renamed, run = tmp_path / "eps", tmp_path / "eps-old", tmp_path / "run"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(eps / name, steps_of(i, 3)[:2], prompt=f"task {name}")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(run), "--no-warmup", "--format",
+                  "plain")
+    assert proc.returncode == 0, proc.stderr
+    (run / "summary.json").unlink()  # as a run killed before its end leaves it
+    eps.rename(renamed)
+    resume = ("rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    proc = ardiff(env, *resume)
+    assert proc.returncode == 2, proc.stderr
+    assert (f"Error: {eps}, a folder of episodes given to this run, is gone, and with it the folders of its episodes "
+            f"arm_a, arm_b (recorded in {run / 'run.json'})") in proc.stderr, proc.stderr
+    assert "followed" not in proc.stderr, proc.stderr
+    eps.symlink_to(renamed)
+    proc = ardiff(env, *resume)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_a_run_whose_every_episode_folder_went_away_says_so_and_resumes_once_they_are_back(env, data, reference,

@@ -582,8 +582,9 @@ def _under_signals(work: Callable[[], None]) -> None:
 def _recorded_folders_exist(episodes: list[dict[str, Any]], run_file: Path, watch: list[Path]) -> None:
     """The episode folders a resume reads are where run.json last recorded them (where the run started them, or
     where it followed a rename: ``episode_moved``): one moved or deleted since is named as this run's (where a new
-    run's missing EPISODE hints at --follow). A watched folder of episodes renamed while the run was stopped is
-    named itself: a symlink at an episode's path cannot be made while the folder above it is gone."""
+    run's missing EPISODE hints at --follow). A folder of episodes the run was given (run.json's ``watch``, with or
+    without --follow) renamed while the run was stopped is named itself: a symlink at an episode's path cannot be
+    made while the folder above it is gone."""
     from ardiff_cli.io.episode import listed, present
 
     for episode in episodes:  # resumed in another locale than the run's: there, but not a path this one can write
@@ -595,7 +596,7 @@ def _recorded_folders_exist(episodes: list[dict[str, Any]], run_file: Path, watc
     for folder in watch:
         inside = [name for name, path in gone if Path(path).parent == folder]
         if inside and present(folder) is False:
-            raise ConfigError(f"{folder}, the folder of episodes this run followed, is gone, and with it the folders "
+            raise ConfigError(f"{folder}, a folder of episodes given to this run, is gone, and with it the folders "
                               f"of its episodes {listed(inside)} (recorded in {run_file})",
                               hint="put it back at that path (renamed or moved: a symlink there to where it is now "
                                    f"will do, ln -s NEW {shlex.quote(str(folder))}), then resume; or run its "
