@@ -397,8 +397,10 @@ class ARDiffusionModelRunner:
         self._model_owned_warned = False
         self._export_warned = False  # a warmup session's export failed, or held a value a snapshot cannot: warned once
         # >0 while warmup runs a request again on its rebuilt session (_check_rerun): its events are dropped, since
-        # for every subscriber it is the one request it already saw. Runner-wide, yet only the rerun's: warmup holds
-        # the request lock (_one_at_a_time), so no other thread's request or session call runs meanwhile
+        # for every subscriber it is the one request it already saw. Runner-wide: warmup holds the request lock
+        # (_one_at_a_time), so no other thread's request or session call runs meanwhile, but another session's
+        # background swap write that fails meanwhile has its event dropped too (Python API only: the CLI warms up
+        # before any session of its own exists)
         self._muted = 0
         self._muted_hook_errors: list[LifecycleHookError] = []  # hooks that failed meanwhile: _check_rerun warns
         self._warned_keys: set[str] = set()  # misspelt extra_args keys reported (``ARDiffusionRequest.misspelt_keys``)
