@@ -4,13 +4,14 @@ Inside :meth:`StopSignals.critical` (writing a step's output file and its
 results line) a signal is only remembered; it is raised as
 :class:`~ardiff_cli.errors_cli.Interrupted` as soon as the write is complete.
 Inside :meth:`StopSignals.step` (a rollout's step: the request in flight, and
-what it writes) the first signal is remembered too, and announced: the step
-finishes, so its session holds whole steps and a stopped run can keep it, and
-the caller's next :meth:`StopSignals.check` raises it. A second one is raised
-at once. Anywhere else a signal is raised at once, except inside an import: a
-module cut off half way through (torch's numpy, say) is left broken for the
-rest of the run, and the import machinery and the libraries around it catch
-what it raises. There too it is only remembered, and the next safe point
+what it writes) the first signal is remembered too, and announced (on a
+thread, out before the step ends): the step finishes, so its session holds
+whole steps and a stopped run can keep it, and the caller's next
+:meth:`StopSignals.check` raises it. A second one is raised at once. Anywhere
+else a signal is raised at once, except inside an import: a module cut off
+half way through (torch's numpy, say) is left broken for the rest of the run,
+and the import machinery and the libraries around it catch what it raises.
+There too it is only remembered, and the next safe point
 (:meth:`StopSignals.check`) raises it.
 
 A stop raised from the handler can still be caught on its way out, by a
@@ -35,6 +36,8 @@ from ardiff_cli.errors_cli import Interrupted
 
 # Ctrl-C, kill, a closed terminal or ssh session (no SIGHUP on Windows)
 HANDLED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+# the most a step's end waits for the notice of a signal that came in it (``StopSignals._noticed``)
+NOTICE_WAIT_S = 5.0
 
 
 class StopSignals:
@@ -46,8 +49,16 @@ class StopSignals:
         self._depth = 0  # nesting of critical sections
         self._steps = 0  # nesting of steps (``step``)
         # called with a signal a step goes on after, on a thread of its own: the main thread, which the handler
-        # interrupted, may be in the middle of writing to the stream the notice goes to
+        # interrupted, may be in the middle of writing to the stream the notice goes to, or hold the lock of what the
+        # notice updates (the live panel's phase), so the handler can neither write nor wait for it there
         self._notice = notice
+        # the thread showing that notice: the step waits for it as it ends, so the notice comes out before whatever
+        # follows the step (the stop's own lines: "saving N resident sessions", its error), never after them
+        self._noticing: threading.Thread | None = None
+        # a signal that came while the handler started that thread (a second one, as SIGHUP sent to the group and by
+        # a shell comes twice): raised there it left the thread unknown to the step, which went on without it
+        self._again: int | None = None
+        self._starting_notice = False  # the handler is starting that thread
         self._stopping = False  # a stop was raised already: later signals are only recorded
         self.raised: int | None = None  # the signal the handler raised as ``Interrupted``
         # signals that arrived once the stop was raised or the outcome held: the teardown may cut its optional work
@@ -78,21 +89,36 @@ class StopSignals:
         self.pending = self.pending or stop
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._starting_notice:  # called inside the handler of the first signal: that one handles it next
+            self._again = signum
+            return
         first = self.pending is None
         if self._stopping:
             self.after_stop.append(signum)
         if self._depth or self._stopping or _importing(frame) or (self._steps and first):
             self.pending = self.pending or signum
             if first and self._steps and not self._stopping and self._notice is not None:
-                try:
-                    threading.Thread(target=self._notice, args=(signum,), name="ardiff-stop-notice",
-                                     daemon=True).start()
-                except RuntimeError:  # can't start new thread (a process limit): the stop itself still comes
-                    pass
+                self._start_notice(signum)
+                if self._again is not None:  # a second signal came while it started: handled now, as it asks
+                    again, self._again = self._again, None
+                    self._handle(again, frame)
             return
         self._stopping = True
         self.raised = signum
         raise Interrupted(signum)
+
+    def _start_notice(self, signum: int) -> None:
+        """Show the notice of signal ``signum`` on a thread of its own, which the step's end waits for
+        (``_noticed``)."""
+        thread = threading.Thread(target=self._notice, args=(signum,), name="ardiff-stop-notice", daemon=True)
+        self._starting_notice = True
+        try:
+            thread.start()
+            self._noticing = thread
+        except RuntimeError:  # can't start new thread (a process limit): the stop itself still comes
+            pass
+        finally:
+            self._starting_notice = False
 
     @contextlib.contextmanager
     def critical(self) -> Iterator[None]:
@@ -116,6 +142,15 @@ class StopSignals:
             yield
         finally:
             self._steps -= 1
+            self._noticed()
+
+    def _noticed(self) -> None:
+        """Wait for the notice of a first signal in the step to be out: its thread may not have run yet, or wait for
+        a lock the step held when the signal came, while the main thread goes on to stop the run and says so. Not for
+        ever: a stderr that blocks (a full pipe nobody reads) must not keep the run from stopping."""
+        thread, self._noticing = self._noticing, None
+        if thread is not None:
+            thread.join(NOTICE_WAIT_S)
 
     def hold(self) -> None:
         """From now on a signal is only recorded, never raised: the command's outcome is decided, and what is left

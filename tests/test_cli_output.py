@@ -7,6 +7,7 @@ import io
 import json
 import re
 import signal
+import sys
 import threading
 import time
 
@@ -297,6 +298,56 @@ def test_the_notice_of_a_first_signal_says_the_step_finishes_and_the_live_panel_
     console = Console(record=True, width=110, color_system=None, file=io.StringIO())
     console.print(render(monitor.snapshot()))
     assert re.search(r" · \S+ stopping$", console.export_text(), re.M), console.export_text()
+
+
+@pytest.mark.parametrize("second", [None, "in the step", "as the notice starts"])
+def test_the_notice_of_a_first_signal_comes_out_before_the_lines_of_the_stop(monkeypatch, second):
+    """The notice ('SIGTERM: finishing the step in flight, then stopping') is shown from a thread of its own: the
+    handler interrupted the main thread, which may hold the lock of the panel or of the stream the notice takes.
+    When the step held such a lock as the signal came, the main thread went on to stop the run, and its own lines
+    ('saving 2 resident sessions for --resume ...') came out before the notice (about 1 run in 10 of a real rollout
+    SIGTERMed as its steps ran): a user, and a script reading stderr, read that a step was being finished after the
+    run had said it was stopping. Now the step's end waits for the notice. So too when a second signal stops the step
+    at once, even one that comes while the handler of the first starts the notice's thread (SIGHUP sent twice, to the
+    process group and by a shell): raised there, it left the step unaware of the thread."""
+    from ardiff_cli.commands.rollout import _stop_notice
+    from ardiff_cli.monitor import RunMonitor
+
+    start = threading.Thread.start
+
+    def start_then_signal(thread: threading.Thread) -> None:
+        start(thread)
+        if thread.name == "ardiff-stop-notice":
+            signal.raise_signal(signal.SIGTERM)  # the handler of the first signal has not returned yet
+
+    if second == "as the notice starts":
+        monkeypatch.setattr(threading.Thread, "start", start_then_signal)
+
+    output, _, stderr = sink(Format.plain)
+    monitor = RunMonitor(output, "ardiff rollout · fast.yaml → out")
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)  # the main thread keeps the GIL while it runs on, as between two of its own lines
+    try:
+        with StopSignals(notice=_stop_notice(output, monitor)) as signals, pytest.raises(Interrupted) as info:
+            try:
+                with signals.step():
+                    with monitor._lock:  # the step updates the panel (its progress, its sessions) as the signal comes
+                        signal.raise_signal(signal.SIGTERM)
+                    output.info("the step's line")
+                    if second == "in the step":
+                        signal.raise_signal(signal.SIGTERM)  # raised at once: the step is cut short
+                signals.check()
+            finally:
+                output.info("saving 2 resident sessions for --resume")  # the stopped run's teardown
+    finally:
+        sys.setswitchinterval(previous)
+    assert info.value.exit_code == 143
+    assert stderr.getvalue().splitlines() == [
+        *["the step's line"] * (second != "as the notice starts"),  # that one cut the step as the signal came
+        "SIGTERM: finishing the step in flight, then stopping (SIGTERM again to stop at once; that step's episode "
+        "then replays on --resume)",
+        "saving 2 resident sessions for --resume"]
+    assert monitor.snapshot().phase == "stopping"
 
 
 def test_the_first_signal_in_a_step_lets_it_finish_and_a_second_stops_it_at_once():
