@@ -32,6 +32,7 @@ from ardiff_cli.runtime.errors import (
     address_space_limit,
     is_out_of_memory,
     open_files_limit,
+    out_of_memory_message,
     too_many_open_files,
     unmappable_library,
 )
@@ -84,7 +85,8 @@ class StepFailed(ArdiffError):
 
     def __init__(self, episode: str, step: int, phase: str, cause: BaseException, *, path: str = "",
                  replayed: int | None = None) -> None:
-        detail = str(cause) if isinstance(cause, ArdiffError) else f"{type(cause).__name__}: {cause}"
+        detail = (str(cause) if isinstance(cause, ArdiffError)
+                  else out_of_memory_message(cause) or f"{type(cause).__name__}: {cause}")
         where = self.PHASES[phase].format(path=path, replayed=replayed)
         super().__init__(f"episode {episode!r} failed at step {step} {where}: {detail}", hint=_step_hint(phase, cause))
         self.episode = episode  # the episode (= session id)
@@ -155,7 +157,8 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     # Not ardiff's own: the KV page pool (KVCacheExhaustedError), host memory, torch's OutOfMemoryError, or its
     # CPU allocator's RuntimeError (is_out_of_memory).
     ErrorRule(MemoryError, EXIT_CAPACITY, "out_of_memory",
-              "lower --session-capacity or --gpu-memory-fraction, or use a smaller dtype or model"),
+              "lower --memory-budget, --session-capacity or --gpu-memory-fraction, or use --dtype bfloat16 or a "
+              "smaller model"),
 )
 _OUT_OF_MEMORY = ERROR_TABLE[-1]
 # Not in the table, which goes by class: an OSError EMFILE or ENFILE, or an error saying so (too_many_open_files)
@@ -210,6 +213,7 @@ def report(out: Output, exc: BaseException) -> int:
             hint = (f"this process's address-space limit (now ulimit -v {address_space_limit() // 1024}) leaves no "
                     "room to load torch: raise it, or run with ulimit -v unlimited")
         elif rule is _OUT_OF_MEMORY:
+            message = out_of_memory_message(exc) or message
             hint = out_of_memory_hint(hint)
         elif rule is _TOO_MANY_OPEN_FILES and not getattr(exc, "hint", None):  # a step's, a run's: to --resume
             hint = open_files_hint()

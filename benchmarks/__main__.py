@@ -14,6 +14,7 @@ docstring for what is timed and against which baseline.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import shlex
 import sys
@@ -67,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", metavar="ID,ID", help=f"comma-separated subset of: {','.join(BENCHMARKS)}")
     parser.add_argument("--threads", type=positive_int, default=DEFAULT_THREADS,
                         help=f"torch intra-op threads for every benchmark, 1 to 1024 (default {DEFAULT_THREADS})")
-    parser.add_argument("--json", type=json_path, default=None, metavar="PATH",
+    # the suite's stdout is its table: `--json -` would mix JSON into it
+    stdout = "stdout gets the table, not JSON (a benchmark run alone, python -m benchmarks.bench_ID, prints JSON there)"
+    parser.add_argument("--json", type=functools.partial(json_path, stdout=stdout), default=None, metavar="PATH",
                         help=f"results file (default {RESULTS.relative_to(REPO_ROOT)}, for the whole suite only: "
                              "none with --quick or --only)")
     add_attention_backend_option(parser)

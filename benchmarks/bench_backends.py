@@ -22,6 +22,7 @@ Both outputs are compared with each other and with a dense float32 reference.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -181,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help=f"torch intra-op threads (default {DEFAULT_THREADS})")
-    parser.add_argument("--json", metavar="PATH", type=json_path, help="also write the result dict to PATH")
+    parser.add_argument("--json", metavar="PATH", help="also write the result dict to PATH",
+                        type=functools.partial(json_path, stdout="stdout gets a summary line, then the result as JSON"))
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():  # it ended in a traceback from torch.cuda
         parser.error(f"--device cuda: CUDA is not available here (torch {torch.__version__}"

@@ -373,22 +373,23 @@ def positive_int(text: str) -> int:
     return value
 
 
-def json_path(text: str) -> Path:
+def json_path(text: str, *, stdout: str = "the result goes to stdout as JSON anyway") -> Path:
     """argparse type of ``--json``: a file path whose folder exists and can be written to, checked before any
-    benchmark runs (the suite takes minutes, and its results were lost to a traceback at the end)."""
+    benchmark runs (the suite takes minutes, and its results were lost to a traceback at the end). ``stdout`` says
+    what the command prints there, for ``--json -``: the suite's table is no JSON."""
     try:
-        return _json_path(text)
+        return _json_path(text, stdout)
     except OSError as error:  # a name longer than the file system takes: argparse showed a traceback
         raise argparse.ArgumentTypeError(f"{text!r}: {error.strerror or error}; use a shorter name") from None
 
 
-def _json_path(text: str) -> Path:
+def _json_path(text: str, stdout: str) -> Path:
     path = Path(text)
     if not text:
         raise argparse.ArgumentTypeError("expected a file path, got ''")
     if text.startswith("-"):  # `--json -` wrote a file named '-' where stdout was meant, as ardiff's --out refuses
-        raise argparse.ArgumentTypeError(f"{text!r} starts with '-', so it is no file path; the result goes to stdout "
-                                         f"anyway: write ./{text} for a file so named")
+        raise argparse.ArgumentTypeError(f"{text!r} starts with '-', so it is no file path; {stdout}: write "
+                                         f"./{text} for a file so named")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; expected a file path, such as "
                                          f"{str(path / 'results.json')!r}")

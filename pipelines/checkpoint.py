@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from ardiff_cli.io.atomic import FILE_MODE, parse_json, remove_temporaries
 from ardiff_cli.io.demo import CACHE_ENV, cache_dir, cache_write_error
 from ardiff_cli.io.writer import sort_metadata_in_file
-from ardiff_cli.runtime.errors import CheckpointError, ConfigError, os_error
+from ardiff_cli.runtime.errors import CheckpointError, ConfigError, os_error, plural
 from pipelines.wan import remap_checkpoint_key
 
 # bump when parameter names or meanings change, or what a file records: cached defaults are then rebuilt (2: the
@@ -298,7 +298,7 @@ def load_checkpoint(module: nn.Module, path: str | Path, device: torch.device | 
             # the first few of each: a tiny file given to a 14B config listed 1,000 keys in one 48 KB line
             cut |= len(items) > MISMATCHES_SHOWN
             more = f" and {len(items) - MISMATCHES_SHOWN} more" if len(items) > MISMATCHES_SHOWN else ""
-            problems.append(f"{len(items)} {label}: {', '.join(items[:MISMATCHES_SHOWN])}{more}")
+            problems.append(f"{plural(len(items), one, label)}: {', '.join(items[:MISMATCHES_SHOWN])}{more}")
             details += [f"{one}: {item}" for item in items]
     if problems:
         meta = read_metadata(path)

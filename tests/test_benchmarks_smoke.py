@@ -628,10 +628,15 @@ def test_swap_figures_are_refused_when_the_disk_refuses_the_snapshots(tmp_path):
     ("benchmarks", ["--quick", "--json", "{tmp}/file/r.json"], "'{tmp}/file' is not a folder"),
     ("benchmarks", ["--quick", "--json", "{tmp}"], "'{tmp}' is a folder; expected a file path, such as '{tmp}/results"),
     ("benchmarks", ["--quick", "--json", ""], "argument --json: expected a file path, got ''"),
-    # `--json -` (stdout, by the usual convention) wrote a file named '-' in the working folder
+    # `--json -` (stdout, by the usual convention) wrote a file named '-' in the working folder; refused, the suite's
+    # said "the result goes to stdout anyway", where its table goes, no JSON
     ("benchmarks", ["--quick", "--only", "capacity", "--json", "-"],
-     "argument --json: '-' starts with '-', so it is no file path; the result goes to stdout anyway: write ./- for a "
-     "file so named"),
+     "argument --json: '-' starts with '-', so it is no file path; stdout gets the table, not JSON (a benchmark run "
+     "alone, python -m benchmarks.bench_ID, prints JSON there): write ./- for a file so named"),
+    ("benchmarks.bench_rolling", ["--quick", "--json", "-"],
+     "'-' starts with '-', so it is no file path; the result goes to stdout as JSON anyway: write ./- for a file"),
+    ("benchmarks.bench_backends", ["--quick", "--json", "-"],
+     "'-' starts with '-', so it is no file path; stdout gets a summary line, then the result as JSON: write ./-"),
     ("benchmarks.bench_backends", ["--quick", "--json=-r.json"], "write ./-r.json for a file so named"),
     ("benchmarks.bench_swap", ["--quick", "--json", "{tmp}"], "'{tmp}' is a folder; expected a file path"),
     ("benchmarks.bench_backends", ["--quick", "--json", "{tmp}/missing/r.json"], "folder '{tmp}/missing' does not"),

@@ -218,8 +218,8 @@ def test_mismatches_are_reported_together(tmp_path):
         cls.from_config(tiny(dreamzero), device="cpu", checkpoint=path)
     message = str(err.value)
     assert "2 missing keys: transformer.head.head.bias, vae.decoder.bias" in message
-    assert "1 unexpected keys: transformer.blocks.0.extra.weight" in message
-    assert "1 shape mismatches: transformer.blocks.0.ffn.0.weight: checkpoint (3, 3) vs model (128, 64)" in message
+    assert "1 unexpected key: transformer.blocks.0.extra.weight" in message
+    assert "1 shape mismatch: transformer.blocks.0.ffn.0.weight: checkpoint (3, 3) vs model (128, 64)" in message
     assert "python -m pipelines.checkpoint init" in err.value.hint
 
 
@@ -247,7 +247,7 @@ def test_integer_tensor_for_a_float_weight_is_a_checkpoint_error(tmp_path):
     path = tmp_path / "ints.safetensors"
     save_file({k: v.contiguous() for k, v in state.items()}, str(path))
     with pytest.raises(CheckpointError,
-                       match=r"1 dtype mismatches: transformer\.head\.head\.weight: checkpoint torch\.int64 vs "
+                       match=r"1 dtype mismatch: transformer\.head\.head\.weight: checkpoint torch\.int64 vs "
                              r"model torch\.float32$"):
         cls.from_config(tiny(causal_world), device="cpu", checkpoint=path)
 

@@ -899,9 +899,10 @@ def test_the_hosts_allocator_running_out_is_out_of_memory_in_a_step_and_in_warmu
     assert error["kind"] == "out_of_memory" and "DefaultCPUAllocator" in error["message"]
     faults = [{"request": "warmup-0", "site": "block", "layer": 0, "action": "memory_error"}]
     proc = ardiff(env, "warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, "--format", "json", faults=faults)
-    assert proc.returncode == 3, proc.stderr  # Python's MemoryError has no message: "Error: " and nothing after it
-    assert json.loads(proc.stdout.splitlines()[-1])["message"] == "MemoryError"
-    assert "Error: MemoryError\nhint: lower --session-capacity" in proc.stderr
+    assert proc.returncode == 3, proc.stderr  # Python's MemoryError has no message: it said `Error: MemoryError`
+    message = "out of host memory while running the warmup requests: MemoryError"
+    assert json.loads(proc.stdout.splitlines()[-1])["message"] == message
+    assert f"Error: {message}\nhint: lower --memory-budget, --session-capacity" in proc.stderr
 
 
 def test_an_address_space_limit_too_small_for_torch_is_out_of_memory_naming_the_limit(env, data, tmp_path):
@@ -930,8 +931,30 @@ def test_an_address_space_limit_too_small_for_torch_is_out_of_memory_naming_the_
     proc = limited(16 << 30, "warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, "--format", "plain",
                    faults=faults)
     assert proc.returncode == 3, proc.stderr
-    assert ("Error: MemoryError\nhint: lower --session-capacity or --gpu-memory-fraction, or use a smaller dtype or "
-            f"model; or raise this process's address-space limit (now ulimit -v {16 << 20})\n") in proc.stderr
+    assert ("Error: out of host memory while running the warmup requests: MemoryError\nhint: lower --memory-budget, "
+            "--session-capacity or --gpu-memory-fraction, or use --dtype bfloat16 or a smaller model; or raise this "
+            f"process's address-space limit (now ulimit -v {16 << 20})\n") in proc.stderr
+
+
+def test_memory_running_out_under_an_address_space_limit_names_what_ran_out_and_what_to_do(tmp_path):
+    """A real allocation refused under RLIMIT_AS (ulimit -v), set in the child once torch is imported (so it fails
+    in loading, not at start): the KV pools of 5000 sessions of 2 GiB. A bare `Error: MemoryError` named neither
+    the memory nor the part of the load that ran out of it."""
+    child = ("import resource, sys, torch\n"
+             "from ardiff_cli.app import main\n"
+             "size = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+             "resource.setrlimit(resource.RLIMIT_AS, (size + (300 << 20), resource.RLIM_INFINITY))\n"
+             "sys.argv = ['ardiff', *sys.argv[1:]]\n"
+             "main()\n")
+    proc = subprocess.run([sys.executable, "-c", child, "warmup", "--device", "cpu", "--format", "plain",
+                           "--memory-budget", "2GiB", "--session-capacity", "5000"], cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, "ARDIFF_CACHE_DIR": str(tmp_path)}, timeout=600)
+    assert proc.returncode == 3, proc.stderr
+    (error,) = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
+    assert error.startswith("Error: out of host memory while planning and allocating the KV cache pools: "), error
+    assert re.search(r"^hint: lower --memory-budget, --session-capacity or --gpu-memory-fraction, or use --dtype "
+                     r"bfloat16 or a smaller model; or raise this process's address-space limit \(now ulimit -v "
+                     r"\d+\)$", proc.stderr, re.M), proc.stderr
 
 
 def test_the_open_files_limit_reached_while_the_model_loads_is_named_as_the_limit_not_the_pipelines_bug(env, data,

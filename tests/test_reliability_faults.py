@@ -277,12 +277,15 @@ def test_a_failure_is_the_pipelines_unless_memory_or_open_files_ran_out_or_an_ar
     and the RuntimeErrors cuBLAS and cuDNN raise on a full GPU are memory; an AssertionError never raised (no
     traceback to place it by) is ardiff's."""
     from ardiff_cli.runtime.errors import (PipelineError, as_pipeline_error, is_broken_invariant, is_out_of_memory,
-                                           too_many_open_files)
+                                           out_of_memory_message, too_many_open_files)
 
     for exc in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"), MemoryError(),
                 RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
-                RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED")):
+                RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), RuntimeError("std::bad_alloc")):
         assert is_out_of_memory(exc) and as_pipeline_error("Pipe.forward", exc) is None, exc
+    # C++'s bad_alloc as torch raises it (importing torch under `ulimit -v 650000`): it was `unexpected RuntimeError`
+    assert out_of_memory_message(RuntimeError("std::bad_alloc")) == "out of host memory: RuntimeError: std::bad_alloc"
+    assert out_of_memory_message(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED")).startswith("out of GPU memory")
     assert not is_out_of_memory(RuntimeError("CUDA error: device-side assert triggered"))
     assert is_broken_invariant(AssertionError("free count out of sync with the free list"))
     assert as_pipeline_error("Pipe.forward", AssertionError("never raised")) is None

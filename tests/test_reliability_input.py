@@ -618,7 +618,7 @@ CONFIG_CASES = {
                                   "a NUL character, which no file name can"], "check the path"),
     "mismatched_checkpoint": ("pipeline: dreamzero\ncheckpoint: world.safetensors\nmodel: {preset: tiny}\n",
                               "warmup", ["checkpoint {dir}/world.safetensors (written for pipeline 'causal_world') "
-                                         "does not match the model config:", "missing keys:", "shape mismatches:"],
+                                         "does not match the model config:", "missing keys:", "; 1 shape mismatch: "],
                               "python -m pipelines.checkpoint init"),
     "pickled_checkpoint": ("pipeline: dreamzero\ncheckpoint: pickled.safetensors\n", "warmup",
                            ["cannot read checkpoint {dir}/pickled.safetensors"],
@@ -725,13 +725,25 @@ def test_a_checkpoint_of_another_pipeline_is_named_by_counts_and_first_keys_and_
     assert result.exit_code == 2, result.stderr
     (error,) = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
     assert len(error) < 1500, error[:300]
-    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (missing keys|unexpected keys|shape mismatches): ", error)}
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (missing keys|unexpected keys|shape mismatch): ", error)}
     assert counts["missing keys"] > 3 and re.search(r"and \d+ more.* \(--verbose lists them all\)$", error), error
+    assert counts["shape mismatch"] == 1, error  # one, not "1 shape mismatches"
     result = runner.invoke(app, [*args, "--verbose"])
     assert result.exit_code == 2, result.stderr
     listed = re.findall(r"^debug: (missing key|unexpected key|shape mismatch): ", result.stderr, re.M)
     assert {kind: listed.count(kind) for kind in set(listed)} == {
         kind.removesuffix("es").removesuffix("s"): n for kind, n in counts.items()}
+
+
+def test_a_byte_size_with_an_exponent_reads_the_same_in_a_config_as_on_the_command_line(tmp_path):
+    """YAML 1.1 reads `memory_budget: 1e3` as text, where a number field refuses it (`session_capacity: 1e3`); a byte
+    size takes text ('512MiB'), so it is 1000 bytes, as `--memory-budget 1e3` and YAML's float `1.0e+3` are."""
+    needs = "one session needs 291.00 KiB (297984 bytes) of KV cache but only 1000 B (1000 bytes) is available"
+    for budget, option in (("1e3", []), ("1.0e+3", []), ("null", ["--memory-budget", "1e3"])):
+        config = tmp_path / "budget.yaml"
+        config.write_text(f"pipeline: dreamzero\nruntime: {{memory_budget: {budget}}}\n")
+        result = runner.invoke(app, ["inspect-capacity", str(config), "--format", "plain", *option])
+        assert result.exit_code == 3 and needs in result.stderr, (budget, result.stderr)
 
 
 def test_a_config_name_too_long_for_the_system_is_named_with_its_error():

@@ -60,6 +60,7 @@ from ardiff_cli.runtime.errors import (
     link_to_nothing_on,
     not_a_folder,
     plural,
+    running_out_of_memory_names,
     too_many_open_files,
     unencodable,
 )
@@ -884,7 +885,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
             # `> events.jsonl` on a disk that fills up stops there too, with the write's error (exit 1).
             output.on_stdout_lost = lambda exc: signals.defer(_stop_for_lost_stdout(exc))
             try:
-                from ardiff_cli.runtime.engine import ARDiffusionEngine
+                with running_out_of_memory_names("importing torch"):
+                    from ardiff_cli.runtime.engine import ARDiffusionEngine
 
                 signals.check()  # a signal that arrived while torch imported
                 if resume:  # before the model loads; under the signals, as torch resolves the device

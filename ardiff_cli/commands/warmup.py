@@ -33,7 +33,7 @@ from ardiff_cli.options import (
     VerboseOpt,
 )
 from ardiff_cli.output import Format, Output, lost_stdout_stop
-from ardiff_cli.runtime.errors import BudgetBeyondDeviceError, CapacityError
+from ardiff_cli.runtime.errors import BudgetBeyondDeviceError, CapacityError, running_out_of_memory_names
 
 HELP = (
     "Load the pipeline and run its warmup requests (each input shape it will see); print each request's inputs "
@@ -83,7 +83,8 @@ def warmup(
         out.debug(f"config {cfg.source}: {cfg.runtime}")
         with (_run_again_when_stopped(), StopSignals() as signals, out.live(lambda: render(monitor.snapshot())),
               monitor.ending()):
-            from ardiff_cli.runtime.engine import ARDiffusionEngine
+            with running_out_of_memory_names("importing torch"):
+                from ardiff_cli.runtime.engine import ARDiffusionEngine
 
             signals.check()  # a signal that arrived while torch imported
             # `ardiff warmup --format json | head -1`: once the reader is gone, stop as a rollout does (exit 141), at

@@ -20,6 +20,7 @@ from ardiff_cli.runtime.errors import (
     PipelineError,
     as_pipeline_error,
     plural,
+    running_out_of_memory_names,
     shown,
 )
 from ardiff_cli.runtime.events import RuntimeEvent
@@ -146,10 +147,12 @@ class ARDiffusionEngine:
             # Process-wide: the engine owns this process's compute. Small models lose to
             # intra-op parallelism, badly so when other processes share the cores.
             torch.set_num_threads(runtime.num_threads)
-        pipeline_class = pipeline_class_of(self.config.entry)
+        with running_out_of_memory_names(f"importing pipeline {self.config.pipeline_name!r}"):
+            pipeline_class = pipeline_class_of(self.config.entry)
         given = dict(device=self.device, dtype=dtype, checkpoint=self.config.checkpoint)
         try:
-            self._pipeline = pipeline_class.from_config(self.config.model, **given)
+            with running_out_of_memory_names("loading the model's weights (from_config())"):
+                self._pipeline = pipeline_class.from_config(self.config.model, **given)
         except Exception as exc:
             # A checkpoint or config the user can fix, or memory, is named as such already.
             error = as_pipeline_error(f"{getattr(pipeline_class, '__qualname__', pipeline_class)}.from_config()", exc)
@@ -176,7 +179,8 @@ class ARDiffusionEngine:
         for callback in self._subscribers:
             self._runner.subscribe(callback)
         try:
-            plan = self._runner.load()
+            with running_out_of_memory_names("planning and allocating the KV cache pools"):
+                plan = self._runner.load()
             self._check_spec(self._runner.spec)
             return plan
         except BaseException:
@@ -229,7 +233,9 @@ class ARDiffusionEngine:
 
     def warmup(self) -> WarmupReport:
         """Run the pipeline's warmup requests (``ARDiffusionModelRunner.warmup``)."""
-        return self._require_runner("warmup()").warmup()
+        runner = self._require_runner("warmup()")
+        with running_out_of_memory_names("running the warmup requests"):
+            return runner.warmup()
 
     def execute(self, request: ARDiffusionRequest) -> Any:
         """Run ``request`` on its session (``ARDiffusionModelRunner.execute_model``); the pipeline's output."""

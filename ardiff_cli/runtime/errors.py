@@ -5,6 +5,7 @@ No torch import: the CLI and config parsing use these before loading anything.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import errno
 import math
@@ -12,7 +13,7 @@ import os
 import re
 import reprlib
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 try:  # now, at start: under a tight `ulimit -v`, importing it (a shared library) once memory ran out would fail too
@@ -123,10 +124,12 @@ PIPELINE_HINT = ("the pipeline's code (or its use of the AR-Diffusion contract: 
                  "report it")
 
 
-# What a plain RuntimeError says when memory ran out: torch's CPU allocator; CUDA itself and the cuBLAS/cuDNN handles
-# (raised as RuntimeError, not OutOfMemoryError, by kernels that allocate outside torch's caching allocator).
-_OUT_OF_MEMORY_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "CUDA error: out of memory",
-                           "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+# What a plain RuntimeError says when memory ran out: CUDA itself and the cuBLAS/cuDNN handles (raised as RuntimeError,
+# not OutOfMemoryError, by kernels that allocate outside torch's caching allocator); on the host, torch's CPU allocator,
+# or C++'s std::bad_alloc as torch passes it on (importing torch under a tight `ulimit -v`: it was a bug in ardiff).
+_GPU_OUT_OF_MEMORY_MESSAGES = ("CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+_OUT_OF_MEMORY_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "std::bad_alloc",
+                           *_GPU_OUT_OF_MEMORY_MESSAGES)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -138,6 +141,34 @@ def is_out_of_memory(exc: BaseException) -> bool:
     if unmappable_library(exc) is not None:
         return True
     return isinstance(exc, RuntimeError) and any(message in str(exc) for message in _OUT_OF_MEMORY_MESSAGES)
+
+
+@contextlib.contextmanager
+def running_out_of_memory_names(what: str) -> Iterator[None]:
+    """Memory running out in the block is told as having run out while ``what`` ran ("loading the weights"): a bare
+    ``MemoryError`` said only `Error: MemoryError`. The innermost block names it (``out_of_memory_message``)."""
+    try:
+        yield
+    except BaseException as exc:
+        if is_out_of_memory(exc) and not hasattr(exc, "ardiff_while"):
+            with contextlib.suppress(MemoryError):  # the attribute's dict may find no memory either: told without it
+                exc.ardiff_while = what
+        raise
+
+
+def out_of_memory_message(exc: BaseException) -> str | None:
+    """``out of host memory while loading the weights: MemoryError``: which memory ran out (a CUDA device's, or the
+    host's), while what ran where ``running_out_of_memory_names`` said, and what was raised. None for what is not
+    memory running out, or is told in its own words: the KV page pool's shortage (a ``MemoryError`` subclass), a
+    library an address-space limit left no room to load."""
+    if not is_out_of_memory(exc) or type(exc) is not MemoryError and isinstance(exc, MemoryError) or (
+            unmappable_library(exc) is not None):
+        return None
+    said = str(exc)
+    device = type(exc).__name__ == "OutOfMemoryError" or any(m in said for m in _GPU_OUT_OF_MEMORY_MESSAGES)
+    where = getattr(exc, "ardiff_while", None)
+    return (f"out of {'GPU' if device else 'host'} memory" + (f" while {where}" if where else "")
+            + f": {type(exc).__name__}" + (f": {said}" if said else ""))
 
 
 _MAP_FAILED = "failed to map segment from shared object"  # the loader's words for an mmap it was refused
@@ -281,9 +312,10 @@ def expand_home(path: str, where: str, *, hint: str) -> str:
     return expanded
 
 
-def plural(count: int, noun: str) -> str:
-    """``1 step``, ``2 steps``: a count and its noun, singular for one (a regular plural: add "s")."""
-    return f"{count} {noun}" + ("" if count == 1 else "s")
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``1 step``, ``2 steps``: a count and its noun, singular for one; ``nouns`` is the plural where adding "s"
+    is wrong (``plural(n, "shape mismatch", "shape mismatches")``)."""
+    return f"{count} {noun}" if count == 1 else f"{count} {nouns or noun + 's'}"
 
 
 def shown(value: object) -> str:
