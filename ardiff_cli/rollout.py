@@ -100,7 +100,7 @@ class RolloutStats:
 _DISK_FULL = {errno.ENOSPC, errno.EROFS, *([errno.EDQUOT] if hasattr(errno, "EDQUOT") else [])}
 
 
-def _recorded_folder(episode: EpisodeSource, recorded: str | None) -> str:
+def recorded_folder(episode: EpisodeSource, recorded: str | None) -> str:
     """The episode's folder as run.json records it (``recorded``), where that is the folder the run reads it from
     (directly or through a link); else its path now, links resolved (a resume given the folder where it moved)."""
     here = str(episode.path.resolve())
@@ -151,7 +151,7 @@ class Rollout:
         # script joins them (and the events) by path: a link there leading elsewhere since (a dataset moved) keeps
         # its recorded path; an episode a resume was given where it is now is named there
         recorded = {e["name"]: e["path"] for e in run.read_info()["episodes"]}
-        self._folders = {e.name: _recorded_folder(e, recorded.get(e.name)) for e in episodes}
+        self._folders = {e.name: recorded_folder(e, recorded.get(e.name)) for e in episodes}
         # episode -> step -> SHA-256 of its file when it ran (this run, and results.jsonl on resume): replays check it
         self._digests = {name: dict(steps) for name, steps in digests.items()}
         # episode -> step -> (file, its signature when read) of the steps this run read: checked at the episode's end

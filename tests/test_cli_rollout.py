@@ -3977,3 +3977,76 @@ def test_a_failed_episodes_swapped_out_session_has_its_snapshot_deleted(cli_env,
         ("arm_a", 0, "ok"), ("arm_b", 0, "ok"), ("arm_a", 1, "failed"), ("arm_b", 1, "ok"), ("arm_b", 2, "ok")]
     assert summary["swap"]["swapped_out"] == 1
     assert summary["swap"]["kept"] == 0, summary["swap"]
+
+
+def test_a_resume_given_its_moved_episodes_records_their_new_paths_for_the_next_resume(env, data, reference, tmp_path):
+    # The dataset moved to another disk: a resume given the episodes where they are now went on (matched by name),
+    # but run.json kept the old paths, so the next plain --resume said "its folder ... is gone" and that resume's
+    # failed lines named folders run.json did not hold
+    live, moved, run = tmp_path / "live", tmp_path / "moved", tmp_path / "run"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[:2], prompt=f"task {name}")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), str(live / "arm_b"), "--out", str(run),
+                  "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[2:], first_step=2)
+    live.rename(moved)
+    given = (str(data / "fast.yaml"), str(moved / "arm_a"), str(moved / "arm_b"))
+    before = (run / "run.json").read_bytes()
+    # refused before it starts (a device the run did not run on): run.json is left as it was
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), *given, "--device", "cuda:0", "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert (run / "run.json").read_bytes() == before
+    # a done step's file rewritten at the new place is still checked against the input_sha256 its line recorded
+    step0 = moved / "arm_a" / "step_000000.safetensors"
+    original = step0.read_bytes()
+    step0.write_bytes((moved / "arm_b" / "step_000000.safetensors").read_bytes())
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), *given, "--no-warmup")
+    assert proc.returncode == 4, proc.stderr
+    assert "step 0 changed since it ran" in proc.stderr, proc.stderr
+    info = json.loads((run / "run.json").read_text())
+    assert [(e["name"], e["path"]) for e in info["episodes"]] == [
+        ("arm_a", str(moved / "arm_a")), ("arm_b", str(moved / "arm_b"))]
+    (failed,) = [r for r in records(run) if r["status"] == "failed"]
+    assert (failed["phase"], failed["replay_path"]) == ("replay", str(step0)), failed
+    step0.write_bytes(original)
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")  # no EPISODE: run.json's
+    assert proc.returncode == 0, proc.stderr
+    assert_same_outputs(reference, run)
+
+
+def test_a_followed_resume_given_its_watched_folder_where_it_moved_watches_it_there(env, data, tmp_path):
+    # The watched folder robots moved to robots-new while the run was stopped: given there, the resume was refused
+    # ("the folders of episodes watched differ") with a hint to give "the same EPISODE arguments (or none)", and the
+    # old path cannot be given: the folder is not there
+    robots, renamed, run = tmp_path / "robots", tmp_path / "robots-new", tmp_path / "run"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(robots / name, steps_of(i, 3)[:2], prompt=f"task {name}", end=False)
+    follow = ("--idle-timeout", "1", "--no-warmup", "--format", "plain")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(robots), "--out", str(run), "--follow", *follow)
+    assert proc.returncode == 0, proc.stderr
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(robots / name, steps_of(i, 3)[2:], first_step=2)
+    robots.rename(renamed)
+    before = (run / "run.json").read_bytes()
+    # its episode folders alone are not the folder to watch: refused, the hint saying what to give
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), str(data / "fast.yaml"), str(renamed / "arm_a"),
+                  str(renamed / "arm_b"), *follow)
+    assert proc.returncode == 2, proc.stderr
+    assert (f"hint: {robots} moved since (gone): give it where it is now, holding the run's episodes that were in "
+            f"it, with the run's other folders of episodes; or put a symlink at its old path to where it is now (ln -s "
+            f"NEW {robots}) and resume with no EPISODE") in proc.stderr, proc.stderr
+    assert (run / "run.json").read_bytes() == before
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), str(data / "fast.yaml"), str(renamed), *follow)
+    assert proc.returncode == 0, proc.stderr
+    assert len(records(run)) == 6
+    info = json.loads((run / "run.json").read_text())
+    assert info["watch"] == [str(renamed)]
+    assert [(e["name"], e["path"]) for e in info["episodes"]] == [
+        ("arm_a", str(renamed / "arm_a")), ("arm_b", str(renamed / "arm_b"))]
+    # the next resume, given nothing, watches it there: an episode started in it since joins
+    write_episode(renamed / "arm_c", steps_of(0, 2), prompt="task arm_c")
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), *follow)
+    assert proc.returncode == 0, proc.stderr
+    assert [r["episode"] for r in records(run)][6:] == ["arm_c", "arm_c"]

@@ -327,9 +327,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
                               hint="resume with the same EPISODE arguments (or none, to reuse the recorded ones)")
         watched = sorted(map(str, watch))  # else the episodes started meanwhile in a watched folder were not looked for
         if info.get("follow") and watched != sorted(info.get("watch") or []):
-            raise ConfigError(f"the folders of episodes watched differ from those of the run in {out}: expected "
-                              f"{sorted(info.get('watch') or [])}, got {watched}",
-                              hint="resume with the same EPISODE arguments (or none, to reuse the recorded ones)")
+            _refuse_other_watch(sorted(info.get("watch") or []), watched, info["episodes"], episodes, out)
+    from ardiff_cli.rollout import recorded_folder
     from ardiff_cli.runtime.config import resolve_config
 
     # What the command line says, else (--resume) what run.json recorded, else the defaults.
@@ -344,11 +343,15 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     checkpoint = _checkpoint_record(cfg.checkpoint)
     if resume:
         _refuse_changed_checkpoint(info.get("checkpoint"), checkpoint)
+    # run.json's path of an episode, kept where it still leads to the folder read (a symlink there to where the
+    # dataset moved), else where the episode is now: a resume given it there records it there once it starts
+    recorded_paths = {e["name"]: e["path"] for e in info["episodes"]} if resume else {}
     info = {
         "config": info.get("config", config_label(config)), "config_path": str(config_file),
         "config_sha256": cfg.sha256, "checkpoint": checkpoint, "pipeline": cfg.pipeline_name,
         "pipeline_option": pipeline,
-        "episodes": [{"name": e.name, "path": str(e.path.resolve())} for e in episodes], "demo": demo,
+        "episodes": [{"name": e.name, "path": recorded_folder(e, recorded_paths.get(e.name))} for e in episodes],
+        "demo": demo,
         "watch": [str(folder) for folder in watch],
         "dtype": cfg.runtime.dtype, "device": cfg.runtime.device, "session_capacity": cfg.runtime.session_capacity,
         "memory_budget": cfg.runtime.memory_budget, "gpu_memory_fraction": cfg.runtime.gpu_memory_fraction,
@@ -519,6 +522,34 @@ RECORDED = {  # run.json's fields that --resume reuses unless given again -> wha
     "preview": "true or false",
     "idle_timeout": "a number of seconds >= 0, or null",
 }
+
+
+def _refuse_other_watch(recorded: list[str], given: list[str], recorded_episodes: list[dict[str, Any]],
+                        episodes: list[Any], out: Path | None) -> None:
+    """A followed run resumed given other folders of episodes to watch than it recorded is refused (the episodes
+    started meanwhile in a watched folder were not looked for), unless each recorded one not given is gone and moved
+    to one given in its place: the only given folder not recorded that holds every episode of the run that was in it
+    (by name). That resume then watches the folder where it is now, and run.json records it there."""
+    from ardiff_cli.io.episode import listed, present
+
+    missing = [folder for folder in recorded if folder not in given]
+    extra = [folder for folder in given if folder not in recorded]
+    gone = [folder for folder in missing if present(Path(folder)) is False]
+    if gone == missing and len(extra) == len(missing):
+        held = {folder: {e.name for e in episodes if str(e.path.resolve().parent) == folder} for folder in extra}
+        moved = []
+        for folder in missing:
+            names = {e["name"] for e in recorded_episodes if str(Path(e["path"]).parent) == folder}
+            moved += [new for new in extra if names and names <= held[new]]
+        if sorted(moved) == sorted(extra):  # each gone folder found in exactly one given folder, and each once
+            return
+    hint = "resume with the same EPISODE arguments (or none, to reuse the recorded ones)"
+    if gone:  # it cannot be given at its old path: the hint led nowhere
+        hint = (f"{listed(gone)} moved since (gone): give it where it is now, holding the run's episodes that were "
+                f"in it, with the run's other folders of episodes; or put a symlink at its old path to where it is "
+                f"now (ln -s NEW {shlex.quote(gone[0])}) and resume with no EPISODE")
+    raise ConfigError(f"the folders of episodes watched differ from those of the run in {out}: expected {recorded}, "
+                      f"got {given}", hint=hint)
 
 
 def _recorded_watch(info: dict[str, Any], path: Path) -> list[Path]:
@@ -864,8 +895,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
             remove_snapshot_files(swap_dir)
             summary, ended = finished
             output.info("nothing left to run: every step of every episode is done (the model was not loaded)")
-            _write_run_info(lambda: atomic_write_json(p.out_dir / RUN_FILE, {**run.read_info(),
-                                                                             "resumed_at": time.time()}),
+            _write_run_info(lambda: atomic_write_json(p.out_dir / RUN_FILE, _resumed_info(run.read_info(), p)),
                             p.out_dir / RUN_FILE, resume=True)
             for item in ended:  # the objects a loaded resume prints: a script counts its episodes the same way
                 log_episode_end(monitor, item.episode.name, item.reason, len(p.done.get(item.episode.name, ())))
@@ -918,8 +948,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     changes = _build_changes(recorded, _build())
                     if changes:  # not refused: an upgrade may be what the user resumes for
                         output.warning(_build_changes_warning(changes, p.out_dir / RUN_FILE))
-                    _write_run_info(lambda: atomic_write_json(p.out_dir / RUN_FILE,
-                                                              {**recorded, "resumed_at": time.time()}),
+                    _write_run_info(lambda: atomic_write_json(p.out_dir / RUN_FILE, _resumed_info(recorded, p)),
                                     p.out_dir / RUN_FILE, resume=True)
                 else:
                     default = _default_checkpoint(p.cfg)  # named: another ardiff's may round otherwise
@@ -1174,6 +1203,16 @@ def _nothing_left(p: _Prepared, *, order: str, preview: bool,
     return _summary_of(p.run, p, stats, device=previous.get("device"), plan=previous["capacity_plan"],
                        swap_space=previous["swap"].get("space_bytes", 0), dropped=0, wall_s=wall_s, running_s=0.0,
                        error=None), ended
+
+
+def _resumed_info(recorded: dict[str, Any], p: _Prepared) -> dict[str, Any]:
+    """run.json as a resume that starts writes it: when it was given the episodes (or their folder of episodes) where
+    they are now, the paths it reads them from, so that the next ``--resume`` without EPISODE finds them and
+    results.jsonl's paths are run.json's; the names, and the steps done (checked against their ``input_sha256``)
+    are the run's. Written only once the resume has passed its checks: one refused leaves run.json as it was."""
+    paths = {e["name"]: e["path"] for e in p.info["episodes"]}
+    episodes = [{**e, "path": paths.get(e["name"], e["path"])} for e in recorded["episodes"]]
+    return {**recorded, "episodes": episodes, "watch": p.info["watch"], "resumed_at": time.time()}
 
 
 def _write_run_info(write: Callable[[], Any], path: Path, *, resume: bool, results: Path | None = None) -> None:
