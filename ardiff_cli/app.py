@@ -63,6 +63,9 @@ def main() -> NoReturn:
     before this point. An exception other than ``SystemExit`` (a bug) still leaves through the interpreter, with
     its traceback.
     """
+    from ardiff_cli import signals
+
+    signals.give_back_after_command = False  # the process ends with the command: they are ignored as it exits
     try:
         _run(sys.argv[1:])
     except SystemExit as exc:
@@ -70,6 +73,11 @@ def main() -> NoReturn:
     except KeyboardInterrupt as exc:  # raised as Typer builds the command, before its own catch: it was a traceback
         report_interrupted(sys.argv[1:], signal_of(exc))
         _end_process(128 + signal_of(exc))
+
+
+def _ignore(signals: tuple[int, ...]) -> None:
+    for signum in signals:  # the status is decided: a signal now (a second Ctrl-C) would only garble or change it
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _given(exc: BaseException, message: str) -> str:
@@ -158,11 +166,14 @@ def _end_process(code: object) -> NoReturn:
     if shutdown is None:  # another Python: let the interpreter exit as usual
         sys.stdout = stdout
         raise SystemExit(status)
-    shutdown()  # a thread that never ends (a snapshot written to a hung disk) can still be interrupted here
-    from ardiff_cli.signals import HANDLED  # imported by then by the commands that handle signals
+    from ardiff_cli.signals import HANDLED, give_back
 
-    for signum in HANDLED:  # but the status is decided: a signal now (a second Ctrl-C) would only garble or change it
-        signal.signal(signum, signal.SIG_IGN)
+    try:
+        give_back()  # those a stopped command kept (they only record a signal): Ctrl-C may end the wait below
+        shutdown()  # a thread that never ends (a snapshot written to a hung disk) can still be interrupted here
+        _ignore(HANDLED)
+    except KeyboardInterrupt:  # the status is decided: it only cut the wait short (it was a traceback, and exit -2)
+        _ignore(HANDLED)
     atexit._run_exitfuncs()
     for stream in (stdout, sys.stderr):
         try:

@@ -234,7 +234,20 @@ def report(out: Output, exc: BaseException) -> int:
 @contextlib.contextmanager
 def handle_errors(out: Output) -> Iterator[None]:
     """Wrap a command body: typed errors become messages and exit codes, and the runtime's warnings
-    (``ArdiffWarning``) become ``warning:`` lines of the output sink."""
+    (``ArdiffWarning``) become ``warning:`` lines of the output sink. A command stopped by a signal kept its signal
+    handlers, which only record one now, through the report (``signals.give_back``)."""
+    try:
+        with _reporting(out):
+            yield
+    finally:
+        from ardiff_cli import signals
+
+        if signals.give_back_after_command:
+            signals.give_back()
+
+
+@contextlib.contextmanager
+def _reporting(out: Output) -> Iterator[None]:
     with warnings.catch_warnings():  # restores showwarning (and the filters) on the way out
         # The runtime's warnings are lines of this output, whatever PYTHONWARNINGS or -W say: `error` raised them
         # where they were issued, an eviction's included, and failed the episode as "in the model's forward".

@@ -36,6 +36,14 @@ from ardiff_cli.errors_cli import Interrupted
 
 # Ctrl-C, kill, a closed terminal or ssh session (no SIGHUP on Windows)
 HANDLED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+# The handlers that a stopped command's StopSignals replaced and kept replaced (``__exit__``): once the outcome is
+# decided (a stop was raised, or ``hold``), a signal is only recorded up to the end of the command, its error's report
+# included. Python's own SIGINT handler given back before that raised KeyboardInterrupt into the report (the error
+# printed twice) or as the process exited (killed by SIGINT, not exit 130). ``give_back`` restores them.
+_held: dict[int, object] = {}
+# Whether the command's end gives them back (``give_back``): a test or a library running a command in-process gets its
+# own Ctrl-C back. The `ardiff` process does not (``app.main``): it ends with the command, and ignores them as it exits.
+give_back_after_command = True
 # the most a step's end waits for the notice of a signal that came in it (``StopSignals._noticed``)
 NOTICE_WAIT_S = 5.0
 
@@ -75,7 +83,10 @@ class StopSignals:
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            if not self._stopping:
+                signal.signal(signum, handler)
+            elif handler != self._handle:  # not what a second ``with`` of this object replaced: its own
+                _held.setdefault(signum, handler)
         self._previous.clear()
         stop = exc if exc is None else self.outcome(exc)
         if stop is not exc:  # the block failed after a stop was raised into it: the stop is what ended it
@@ -186,6 +197,13 @@ class StopSignals:
         if self.pending and not self._stopping:
             self._stopping = True
             raise self.pending if isinstance(self.pending, Exception) else Interrupted(self.pending)
+
+
+def give_back() -> None:
+    """Restore the handlers that stopped commands kept replaced (``_held``)."""
+    while _held:
+        signum, handler = _held.popitem()
+        signal.signal(signum, handler)
 
 
 def _importing(frame: FrameType | None) -> bool:

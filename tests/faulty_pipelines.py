@@ -318,7 +318,9 @@ class SignalWhileSwapping(DreamZeroPipeline):
     evicted session released), the way a Ctrl-C lands at any moment. Twice, unless ``ARDIFF_TEST_SIGNALS`` = 1:
     inside a step the CLI's signal handler only records the first and raises the second there. ``exit``: SIGTERM
     from an ``atexit`` callback, as the process exits with its status decided; ``result``: SIGINT twice as the
-    command's result starts to print; ``summary``: SIGINT twice as summary.json starts to be written."""
+    command's result starts to print; ``summary``: SIGINT twice as summary.json starts to be written; ``report``:
+    SIGINT from the first forward (a warmup request, or with --no-warmup a rollout's first step), then again as the
+    stop's error starts to print and once it is printed (a second Ctrl-C while the stop is reported)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -342,6 +344,19 @@ class SignalWhileSwapping(DreamZeroPipeline):
                 return _write(run, *args, **kwargs)
 
             RunFolder.write_summary = write_summary
+        if os.environ.get("ARDIFF_TEST_SIGNAL_IN") == "report":
+            from ardiff_cli.output import Output
+
+            def error(output: Output, *args: Any, _error: Any = Output.error, **kwargs: Any) -> None:
+                signal.raise_signal(signal.SIGINT)
+                _error(output, *args, **kwargs)
+                signal.raise_signal(signal.SIGINT)
+
+            Output.error = error
+
+    def forward(self, request):
+        self._signal_once("report")
+        return super().forward(request)
 
     def close_ar_diffusion_session(self, session_id: str) -> None:
         self._signal_once("close")

@@ -19,7 +19,7 @@ from ardiff_cli.errors_cli import EpisodesFailed, Interrupted, exit_code_for, ha
 from ardiff_cli.output import Format, Output, resolve_format
 from ardiff_cli.panels import EventRow, SessionRow, Snapshot, render
 from ardiff_cli.runtime.errors import CapacityError, CheckpointError, ConfigError, ObservationError
-from ardiff_cli.signals import HANDLED, StopSignals
+from ardiff_cli.signals import HANDLED, StopSignals, give_back
 
 ESC = re.compile(r"\x1b\[")
 
@@ -961,6 +961,39 @@ def test_after_hold_a_signal_is_only_recorded():
         signals.check()  # the command's outcome is decided: nothing is raised
     assert signals.pending == signal.SIGTERM
     assert signals.after_stop == [signal.SIGTERM]  # for the teardown's optional work to stop at
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_given_back():
+    """Tests here run StopSignals outside a command: a stopped one keeps its handlers (they only record a signal)
+    until the command's end gives them back (``handle_errors``); here the test's end does."""
+    yield
+    give_back()
+
+
+def test_a_signal_while_a_stop_is_reported_is_only_recorded_and_the_command_gives_the_handlers_back():
+    # Ctrl-C again as the stop's error is written: Python's own handler, given back as the block was left, raised
+    # KeyboardInterrupt into the report (the error printed twice, or cut short) or after it (killed by SIGINT)
+    before = {signum: signal.getsignal(signum) for signum in HANDLED}
+
+    class CtrlCAgain(io.StringIO):
+        def write(self, text: str) -> int:
+            signal.raise_signal(signal.SIGINT)
+            return super().write(text)
+
+    stderr = CtrlCAgain()
+    try:
+        with pytest.raises(typer.Exit) as info, handle_errors(Output(Format.plain, stdout=io.StringIO(),
+                                                                     stderr=stderr)):
+            with StopSignals() as signals:
+                signal.raise_signal(signal.SIGINT)  # between steps: raised at once
+    except KeyboardInterrupt:
+        pytest.fail(f"the second Ctrl-C was raised into the report: {stderr.getvalue()!r}")
+    assert info.value.exit_code == 130
+    assert stderr.getvalue() == ("Error: interrupted by SIGINT\n"
+                                 "hint: run the same command with --resume to continue\n")
+    assert signals.after_stop and set(signals.after_stop) == {signal.SIGINT}  # recorded, nothing more
+    assert {signum: signal.getsignal(signum) for signum in HANDLED} == before  # a caller in-process gets its own back
 
 
 def test_signals_after_the_stop_are_listed_but_not_the_stop_itself():

@@ -2148,6 +2148,37 @@ def test_a_signal_as_the_result_prints_or_the_process_exits_does_not_change_its_
     assert json.loads(proc.stdout.splitlines()[-1]) == {**summary, "kind": "summary"}
 
 
+@pytest.mark.parametrize("format", ["plain", "json"])
+@pytest.mark.parametrize("command", ["warmup", "rollout"])
+def test_a_second_ctrl_c_while_the_stop_is_reported_is_only_recorded(env, data, reference, tmp_path, command, format):
+    # Ctrl-C stops the command (a warmup request: at once; a rollout: once its first step is done), and Ctrl-C again
+    # as its error starts to print and once it is printed. The command's handlers were given back to Python's before
+    # the report: the second raised KeyboardInterrupt into it, or as the process exited: the error printed twice
+    # ("Error: interrupted by SIGINT", its hint, then "Error: interrupted"), or the process killed by SIGINT (-2)
+    # with a KeyboardInterrupt traceback, where README promises exit 130.
+    run = tmp_path / "run"
+    where = [] if command == "warmup" else [str(data / "eps"), "--out", str(run), "--no-warmup"]
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", command, str(data / "fast.yaml"), *where, "--format",
+                           format, "--pipeline", "faulty_pipelines:SignalWhileSwapping"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env={**env, "ARDIFF_TEST_SIGNAL_IN": "report", "ARDIFF_TEST_SIGNALS": "1"})
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert errors == ["Error: interrupted by SIGINT"], proc.stderr
+    if format == "json":
+        objects = [json.loads(line) for line in proc.stdout.splitlines()]
+        assert [o for o in objects if o["kind"] == "interrupted"] == [objects[-1]], proc.stdout
+        assert objects[-1]["exit_code"] == 130, proc.stdout
+    if command == "rollout":  # nothing lost: the run folder resumes to the reference
+        summary = json.loads((run / "summary.json").read_text())
+        assert (summary["status"], summary["exit_code"]) == ("interrupted", 130), summary
+        proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--format", "plain", "--pipeline",
+                      "faulty_pipelines:SignalWhileSwapping")
+        assert proc.returncode == 0, proc.stderr
+        assert_same_outputs(reference, run)
+
+
 def test_a_signal_while_a_finished_episodes_session_is_closed_stops_the_run(env, data, reference, tmp_path):
     # Sequential: no eviction, so the first close hook to run is arm_a's, closed after its last step. The
     # Interrupted raised there was taken for a failing hook and dropped: the run went on to exit 0, and no later
