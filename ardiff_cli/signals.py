@@ -83,10 +83,12 @@ class StopSignals:
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         for signum, handler in self._previous.items():
-            if not self._stopping:
-                signal.signal(signum, handler)
-            elif handler != self._handle:  # not what a second ``with`` of this object replaced: its own
+            # a StopSignals' handler (this one's, entered again; an outer one's, whose block goes on) is put back: the
+            # one to give back once the command ends is the handler from before the outermost
+            if self._stopping and not isinstance(getattr(handler, "__self__", None), StopSignals):
                 _held.setdefault(signum, handler)
+            else:
+                signal.signal(signum, handler)
         self._previous.clear()
         stop = exc if exc is None else self.outcome(exc)
         if stop is not exc:  # the block failed after a stop was raised into it: the stop is what ended it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -994,6 +995,24 @@ def test_a_signal_while_a_stop_is_reported_is_only_recorded_and_the_command_give
                                  "hint: run the same command with --resume to continue\n")
     assert signals.after_stop and set(signals.after_stop) == {signal.SIGINT}  # recorded, nothing more
     assert {signum: signal.getsignal(signum) for signum in HANDLED} == before  # a caller in-process gets its own back
+
+
+@pytest.mark.parametrize("outer_stops", [False, True])
+def test_nested_stop_signals_give_back_the_handlers_from_before_the_outer_one(outer_stops):
+    # The inner one, stopped, kept the outer one's handler as the one to give back: the command's end then installed
+    # it, a handler of a finished StopSignals, for good. Stopped too, it only recorded every later Ctrl-C (a caller
+    # in-process could no longer interrupt anything); else it raised Interrupted where KeyboardInterrupt was due.
+    before = {signum: signal.getsignal(signum) for signum in HANDLED}
+    with contextlib.suppress(Interrupted), StopSignals() as outer:
+        with contextlib.suppress(Interrupted), StopSignals():
+            signal.raise_signal(signal.SIGINT)  # the inner one raises it
+        assert signal.getsignal(signal.SIGINT) == outer._handle  # the outer block goes on under its own handler
+        if outer_stops:
+            signal.raise_signal(signal.SIGINT)
+    give_back()
+    assert {signum: signal.getsignal(signum) for signum in HANDLED} == before
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
 
 
 def test_signals_after_the_stop_are_listed_but_not_the_stop_itself():

@@ -2179,6 +2179,18 @@ def test_a_second_ctrl_c_while_the_stop_is_reported_is_only_recorded(env, data, 
         assert_same_outputs(reference, run)
 
 
+def test_a_ctrl_c_as_a_finished_warmup_prints_its_result_is_only_recorded(env, data):
+    # Two SIGINTs as the result of a warmup that was done starts to print: its handlers were given back as its block
+    # ended, so the first raised KeyboardInterrupt there: no result on stdout, "Error: interrupted", exit 130.
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "warmup", str(data / "fast.yaml"), "--format", "json",
+                           "--pipeline", "faulty_pipelines:SignalWhileSwapping"], cwd=REPO, capture_output=True,
+                          text=True, env={**env, "ARDIFF_TEST_SIGNAL_IN": "result"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "Error:" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["kind"] == "warmup" and not result["skipped"], result
+
+
 def test_a_signal_while_a_finished_episodes_session_is_closed_stops_the_run(env, data, reference, tmp_path):
     # Sequential: no eviction, so the first close hook to run is arm_a's, closed after its last step. The
     # Interrupted raised there was taken for a failing hook and dropped: the run went on to exit 0, and no later

@@ -114,15 +114,19 @@ def warmup(
                 monitor.set_phase("done")
                 usage = engine.runner.pool_usage()
             finally:
+                # the outcome is decided: a signal from here on is only recorded, as a rollout's (a Ctrl-C as the
+                # result printed lost it from stdout and exited 130 after a warmup that was done)
+                signals.hold()
                 out.on_stdout_lost = None
                 engine.close()
-        data = warmup_data(report, usage, config=config_label(config), device=str(engine.device),
-                           dtype=cfg.runtime.dtype, pipeline=cfg.pipeline_name)
-        if not report.skipped and not report.timings:  # a provider that yields nothing is likely a mistake in it
-            out.warning(f"pipeline {cfg.pipeline_name!r}: ar_diffusion_warmup_requests() yielded no requests: "
-                        "nothing was warmed up (the first real requests pay the one-time costs)")
-        data["warnings"] = list(out.warnings)  # the runtime's too (handle_errors shows them through out.warning)
-        out.result(data, lambda plain: render_warmup(data, plain))
+        with signals:  # held since ``hold``: after the live display, so the two never interleave
+            data = warmup_data(report, usage, config=config_label(config), device=str(engine.device),
+                               dtype=cfg.runtime.dtype, pipeline=cfg.pipeline_name)
+            if not report.skipped and not report.timings:  # a provider that yields nothing is likely a mistake
+                out.warning(f"pipeline {cfg.pipeline_name!r}: ar_diffusion_warmup_requests() yielded no requests: "
+                            "nothing was warmed up (the first real requests pay the one-time costs)")
+            data["warnings"] = list(out.warnings)  # the runtime's too (handle_errors shows them through out.warning)
+            out.result(data, lambda plain: render_warmup(data, plain))
 
 
 @contextlib.contextmanager
