@@ -155,15 +155,21 @@ class StopSignals:
             yield
         finally:
             self._steps -= 1
-            self._noticed()
+            try:
+                self._noticed()
+            except BaseException:  # a second signal, raised at once as the wait began: the notice still comes first
+                self._noticed()  # (a third is only recorded now, as the run stops)
+                raise
 
     def _noticed(self) -> None:
         """Wait for the notice of a first signal in the step to be out: its thread may not have run yet, or wait for
         a lock the step held when the signal came, while the main thread goes on to stop the run and says so. Not for
-        ever: a stderr that blocks (a full pipe nobody reads) must not keep the run from stopping."""
-        thread, self._noticing = self._noticing, None
+        ever: a stderr that blocks (a full pipe nobody reads) must not keep the run from stopping. The thread is
+        forgotten only once waited for: a signal that cuts the wait short leaves it to the next call."""
+        thread = self._noticing
         if thread is not None:
             thread.join(NOTICE_WAIT_S)
+            self._noticing = None
 
     def hold(self) -> None:
         """From now on a signal is only recorded, never raised: the command's outcome is decided, and what is left

@@ -301,7 +301,7 @@ def test_the_notice_of_a_first_signal_says_the_step_finishes_and_the_live_panel_
     assert re.search(r" · \S+ stopping$", console.export_text(), re.M), console.export_text()
 
 
-@pytest.mark.parametrize("second", [None, "in the step", "as the notice starts"])
+@pytest.mark.parametrize("second", [None, "in the step", "as the notice starts", "as the step's end waits"])
 def test_the_notice_of_a_first_signal_comes_out_before_the_lines_of_the_stop(monkeypatch, second):
     """The notice ('SIGTERM: finishing the step in flight, then stopping') is shown from a thread of its own: the
     handler interrupted the main thread, which may hold the lock of the panel or of the stream the notice takes.
@@ -310,7 +310,8 @@ def test_the_notice_of_a_first_signal_comes_out_before_the_lines_of_the_stop(mon
     SIGTERMed as its steps ran): a user, and a script reading stderr, read that a step was being finished after the
     run had said it was stopping. Now the step's end waits for the notice. So too when a second signal stops the step
     at once, even one that comes while the handler of the first starts the notice's thread (SIGHUP sent twice, to the
-    process group and by a shell): raised there, it left the step unaware of the thread."""
+    process group and by a shell): raised there, it left the step unaware of the thread; and one that comes as the
+    step's end waits for the notice (raised at once: it cut that wait short, the thread forgotten)."""
     from ardiff_cli.commands.rollout import _stop_notice
     from ardiff_cli.monitor import RunMonitor
 
@@ -321,8 +322,19 @@ def test_the_notice_of_a_first_signal_comes_out_before_the_lines_of_the_stop(mon
         if thread.name == "ardiff-stop-notice":
             signal.raise_signal(signal.SIGTERM)  # the handler of the first signal has not returned yet
 
+    join = threading.Thread.join
+    waited: list[threading.Thread] = []
+
+    def signal_then_join(thread: threading.Thread, timeout: float | None = None) -> None:
+        if thread.name == "ardiff-stop-notice" and not waited:  # Ctrl-C again as the step's end waits for the notice
+            waited.append(thread)
+            signal.raise_signal(signal.SIGTERM)  # raised at once (the step is over): it cut that wait short
+        join(thread, timeout)
+
     if second == "as the notice starts":
         monkeypatch.setattr(threading.Thread, "start", start_then_signal)
+    elif second == "as the step's end waits":
+        monkeypatch.setattr(threading.Thread, "join", signal_then_join)
 
     output, _, stderr = sink(Format.plain)
     monitor = RunMonitor(output, "ardiff rollout · fast.yaml → out")

@@ -4093,3 +4093,50 @@ def test_a_followed_resume_given_its_watched_folder_where_it_moved_watches_it_th
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), *follow)
     assert proc.returncode == 0, proc.stderr
     assert [r["episode"] for r in records(run)][6:] == ["arm_c", "arm_c"]
+
+
+def test_a_followed_resume_given_its_watched_folder_through_a_link_at_its_old_path_resumes(env, data, tmp_path):
+    # robots moved to robots-new while the run was stopped, and a symlink left at robots leads there (what the error
+    # of a plain --resume says to make): given robots again, the same EPISODE argument as the run's, the resume was
+    # refused, "the folders of episodes watched differ ... expected ['.../robots'], got ['.../robots-new']", its hint
+    # saying to resume with the same EPISODE arguments, as it had
+    robots, renamed, run = tmp_path / "robots", tmp_path / "robots-new", tmp_path / "run"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(robots / name, steps_of(i, 3)[:2], prompt=f"task {name}", end=False)
+    follow = ("--idle-timeout", "1", "--no-warmup", "--format", "plain")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(robots), "--out", str(run), "--follow", *follow)
+    assert proc.returncode == 0, proc.stderr
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(robots / name, steps_of(i, 3)[2:], first_step=2)
+    robots.rename(renamed)
+    robots.symlink_to(renamed)
+    write_episode(renamed / "arm_c", steps_of(0, 2), prompt="task arm_c")  # started while the run was stopped
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), str(data / "fast.yaml"), str(robots), *follow)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(r["episode"] for r in records(run)[4:]) == ["arm_a", "arm_b", "arm_c", "arm_c"]
+    info = json.loads((run / "run.json").read_text())
+    assert info["watch"] == [str(robots)]  # as recorded: the link still leads to the folder
+
+
+def test_a_resume_given_two_moved_episodes_of_one_folder_name_in_another_order_names_each_as_the_run_did(env, data,
+                                                                                                    tmp_path):
+    # a/ep and b/ep are ep and ep-2 by the order the run was given them in. Moved, and given in the other order,
+    # the order named them: b/ep became ep, and both failed as "step 0 changed since it ran"; run.json then recorded
+    # the swapped paths, so no later resume (in the run's order, or with no EPISODE) could put them back
+    live, moved, run = tmp_path / "live", tmp_path / "moved", tmp_path / "run"
+    for i, parent in enumerate(("a", "b")):
+        write_episode(live / parent / "ep", steps_of(i, 3)[:2], prompt=f"task {parent}")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(live / "a" / "ep"), str(live / "b" / "ep"), "--out",
+                  str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    for i, parent in enumerate(("a", "b")):
+        write_episode(live / parent / "ep", steps_of(i, 3)[2:], first_step=2)
+    live.rename(moved)
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), str(data / "fast.yaml"), str(moved / "b" / "ep"),
+                  str(moved / "a" / "ep"), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads((run / "run.json").read_text())
+    assert [(e["name"], e["path"]) for e in info["episodes"]] == [
+        ("ep", str(moved / "a" / "ep")), ("ep-2", str(moved / "b" / "ep"))]
+    assert sorted((r["episode"], r["step"], r["status"]) for r in records(run)[4:]) == [("ep", 2, "ok"),
+                                                                                         ("ep-2", 2, "ok")]

@@ -311,7 +311,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         # A recorded path is the episode's even where a symlink there leads elsewhere now (its folder moved).
         names = {e["path"]: e["name"] for e in info["episodes"]}
         for episode in episodes:
-            episode.name = names.get(str(episode.path), names.get(str(episode.path.resolve()), episode.name))
+            episode.name = names.get(str(episode.path), names.get(str(episode.path.resolve()))) or _moved_name(
+                episode.path, info["episodes"]) or episode.name
         recorded = sorted(e["name"] for e in info["episodes"])
         # an episode folder made since in a watched folder of episodes is not one yet: the run's first poll adds it
         # (one of a recorded name in a folder of episodes the run did not watch is the run's: that folder moved)
@@ -325,6 +326,10 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         if given != recorded:
             raise ConfigError(f"the episodes differ from those of the run in {out}: expected {recorded}, got {given}",
                               hint="resume with the same EPISODE arguments (or none, to reuse the recorded ones)")
+        # a recorded folder of episodes that is now a link to the one given (it moved, a link left at its old path)
+        # is that folder: watched and recorded at its recorded path, as an episode's folder is (recorded_folder)
+        at = {Path(os.path.realpath(folder)): folder for folder in watched_then}
+        watch = [at.get(folder, folder) for folder in watch]
         watched = sorted(map(str, watch))  # else the episodes started meanwhile in a watched folder were not looked for
         if info.get("follow") and watched != sorted(info.get("watch") or []):
             _refuse_other_watch(sorted(info.get("watch") or []), watched, info["episodes"], episodes, out)
@@ -522,6 +527,19 @@ RECORDED = {  # run.json's fields that --resume reuses unless given again -> wha
     "preview": "true or false",
     "idle_timeout": "a number of seconds >= 0, or null",
 }
+
+
+def _moved_name(path: Path, recorded: list[dict[str, Any]]) -> str | None:
+    """The name of the run's episode whose folder moved to ``path``: of its recorded folders, the one whose path ends
+    as ``path`` does in the most parts (``old/b/ep`` for ``new/b/ep``, not ``old/a/ep``, whichever order the resume
+    gives them in: the order named them ``ep`` and ``ep-2``, and run.json records the paths it names); None where
+    none, or several alike, do."""
+    here = path.resolve().parts[::-1]
+    tails = sorted(((next((i for i, (a, b) in enumerate(zip(here, Path(e["path"]).parts[::-1])) if a != b),
+                           min(len(here), len(Path(e["path"]).parts))), e["name"]) for e in recorded), reverse=True)
+    if not tails or tails[0][0] == 0 or len(tails) > 1 and tails[1][0] == tails[0][0]:
+        return None
+    return tails[0][1]
 
 
 def _refuse_other_watch(recorded: list[str], given: list[str], recorded_episodes: list[dict[str, Any]],
