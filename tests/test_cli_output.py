@@ -1111,13 +1111,9 @@ def test_a_frame_that_writes_to_stderr_while_a_thread_prints_does_not_deadlock_t
     assert done.stderr.strip().endswith("done"), done.stderr
 
 
-CTRL_C_ABOVE_THE_DISPLAY = r'''
-import io, os, pty, re, signal, sys, threading
-from rich.console import Console
-from rich.text import Text
-from ardiff_cli.output import Format, Output
-
-master, slave = pty.openpty()  # a terminal: the live display redraws in place, code's lines go above it
+# The start and the end of a script run on a pseudo-terminal (on_a_terminal): ``out``'s stderr is the terminal, whose
+# reader thread takes all that is shown; ``text`` is what was shown, without the display's escape codes.
+ON_A_TERMINAL = ('''master, slave = pty.openpty()  # a terminal: the live display redraws in place, code's lines go above it
 terminal = io.TextIOWrapper(os.fdopen(slave, "wb", buffering=0), encoding="utf-8", write_through=True)
 shown = bytearray()
 
@@ -1133,7 +1129,33 @@ def read_the_terminal():
 reader = threading.Thread(target=read_the_terminal, daemon=True)
 reader.start()
 out = Output(Format.rich, stdout=io.StringIO(), stderr=terminal)
+''', r'''terminal.close()  # its reader takes all that was written, then ends: no sleep a loaded machine may outlast
+reader.join(timeout=60)
+text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode("utf-8", "replace"))  # the display's escape codes
+''')
 
+
+def on_a_terminal(tmp_path, script: str):
+    """Run ``script`` (ON_A_TERMINAL's parts in its {terminal} and {shown}) in a Python of its own: what it printed,
+    read as a Python literal."""
+    import ast
+    import subprocess
+    import sys
+
+    path = tmp_path / "on_a_terminal.py"
+    path.write_text(script.replace("{terminal}", ON_A_TERMINAL[0]).replace("{shown}", ON_A_TERMINAL[1]))
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return ast.literal_eval(done.stdout)
+
+
+CTRL_C_ABOVE_THE_DISPLAY = r'''
+import io, os, pty, re, signal, sys, threading
+from rich.console import Console
+from rich.text import Text
+from ardiff_cli.output import Format, Output
+
+{terminal}
 
 def ctrl_c_as_a_line_is_printed_above(frame, event, arg):
     if event == "call" and frame.f_code is Console.print.__code__ and frame.f_back.f_code.co_name == "_print_above":
@@ -1150,10 +1172,7 @@ with out.chatter_to_stderr():
             print("not reached")
     except KeyboardInterrupt:
         pass
-terminal.close()  # its reader takes all that was written, then ends: no sleep a loaded machine may outlast
-reader.join(timeout=60)
-text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode("utf-8", "replace"))  # the display's escape codes
-print([line.strip() for line in text.replace("\r", "\n").split("\n") if "line" in line or "reached" in line])
+{shown}print([line.strip() for line in text.replace("\r", "\n").split("\n") if "line" in line or "reached" in line])
 '''
 
 
@@ -1161,15 +1180,7 @@ def test_a_line_printed_above_the_live_display_as_ctrl_c_arrives_is_kept(tmp_pat
     """A pipeline's line went to the terminal above the display only once its newline was written: Ctrl-C arriving
     as it was printed (KeyboardInterrupt, or the commands' Interrupted, raised in the main thread) lost it, though
     its text had been written before. It is taken from the buffer once printed now, and the display's end shows it."""
-    import ast
-    import subprocess
-    import sys
-
-    script = tmp_path / "ctrl_c_above.py"
-    script.write_text(CTRL_C_ABOVE_THE_DISPLAY)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert ast.literal_eval(done.stdout) == ["a line before", "the line Ctrl-C interrupted"], done.stdout
+    assert on_a_terminal(tmp_path, CTRL_C_ABOVE_THE_DISPLAY) == ["a line before", "the line Ctrl-C interrupted"]
 
 
 DRAWN_UNDER_A_LINE = r'''
@@ -1177,23 +1188,7 @@ import io, os, pty, re, sys, threading
 from rich.text import Text
 from ardiff_cli.output import Format, Output
 
-master, slave = pty.openpty()  # a terminal: the live display redraws in place, code's lines go above it
-terminal = io.TextIOWrapper(os.fdopen(slave, "wb", buffering=0), encoding="utf-8", write_through=True)
-shown = bytearray()
-
-
-def read_the_terminal():
-    try:
-        while chunk := os.read(master, 65536):
-            shown.extend(chunk)
-    except OSError:  # EIO: the terminal closed, and all it was given has been read
-        pass
-
-
-reader = threading.Thread(target=read_the_terminal, daemon=True)
-reader.start()
-out = Output(Format.rich, stdout=io.StringIO(), stderr=terminal)
-
+{terminal}
 
 class Panel:
     """A panel drawn again under each line printed above the display; drawn under the first, it writes to stderr
@@ -1214,10 +1209,7 @@ with out.chatter_to_stderr():
         printing = True
         print("a line")
         printing = False
-terminal.close()  # its reader takes all that was written, then ends
-reader.join(timeout=60)
-text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode("utf-8", "replace"))  # the display's escape codes
-print([line.count("a line") for line in text.replace("\r", "\n").split("\n") if "a line" in line])
+{shown}print([line.count("a line") for line in text.replace("\r", "\n").split("\n") if "a line" in line])
 '''
 
 
@@ -1225,12 +1217,4 @@ def test_a_line_printed_above_the_live_display_shows_once_when_the_frame_drawn_u
     """A line being printed above the display stayed in the buffer until it was printed (so that Ctrl-C meanwhile
     would not lose it): a frame drawn under it that wrote to stderr (a library's warning) came back to the stand-in,
     which printed the buffered line a second time."""
-    import ast
-    import subprocess
-    import sys
-
-    script = tmp_path / "drawn_under_a_line.py"
-    script.write_text(DRAWN_UNDER_A_LINE)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert sum(ast.literal_eval(done.stdout)) == 1, done.stdout
+    assert sum(on_a_terminal(tmp_path, DRAWN_UNDER_A_LINE)) == 1

@@ -1219,13 +1219,7 @@ def test_a_resume_whose_episode_folder_moved_names_it_and_goes_on_through_a_syml
     # Its hint was a new run's "create its folder first (mkdir -p) and use --follow", and the empty folder made as
     # told failed the episode as one that "holds no step files", not as the episode whose steps had run
     live, run = tmp_path / "live", tmp_path / "run"
-    for i, name in enumerate(("arm_a", "arm_b")):
-        write_episode(live / name, steps_of(i, 3)[:2], prompt=f"task {name}")
-    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), str(live / "arm_b"), "--out", str(run),
-                  "--no-warmup")
-    assert proc.returncode == 0, proc.stderr
-    for i, name in enumerate(("arm_a", "arm_b")):
-        write_episode(live / name, steps_of(i, 3)[2:], first_step=2)
+    two_steps_run_then_a_third(env, data, live, run, follow=False)
     moved = tmp_path / "moved"
     (live / "arm_b").rename(moved)
     resume = ("rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
@@ -4027,13 +4021,7 @@ def test_a_resume_given_its_moved_episodes_records_their_new_paths_for_the_next_
     # but run.json kept the old paths, so the next plain --resume said "its folder ... is gone" and that resume's
     # failed lines named folders run.json did not hold
     live, moved, run = tmp_path / "live", tmp_path / "moved", tmp_path / "run"
-    for i, name in enumerate(("arm_a", "arm_b")):
-        write_episode(live / name, steps_of(i, 3)[:2], prompt=f"task {name}")
-    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), str(live / "arm_b"), "--out", str(run),
-                  "--no-warmup")
-    assert proc.returncode == 0, proc.stderr
-    for i, name in enumerate(("arm_a", "arm_b")):
-        write_episode(live / name, steps_of(i, 3)[2:], first_step=2)
+    two_steps_run_then_a_third(env, data, live, run, follow=False)
     live.rename(moved)
     given = (str(data / "fast.yaml"), str(moved / "arm_a"), str(moved / "arm_b"))
     before = (run / "run.json").read_bytes()
@@ -4059,18 +4047,27 @@ def test_a_resume_given_its_moved_episodes_records_their_new_paths_for_the_next_
     assert_same_outputs(reference, run)
 
 
+def two_steps_run_then_a_third(env, data, folder: Path, run: Path, *, follow: bool) -> tuple[str, ...]:
+    """A run into ``run`` of two episodes in ``folder`` (arm_a, arm_b) that holds their first two steps (given as the
+    episode folders, or ``folder`` followed until idle); then each gets its third step: the options a resume of a
+    followed run goes on with."""
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(folder / name, steps_of(i, 3)[:2], prompt=f"task {name}", end=not follow)
+    options = ("--idle-timeout", "1", "--no-warmup", "--format", "plain") if follow else ("--no-warmup",)
+    given = (str(folder), "--follow") if follow else (str(folder / "arm_a"), str(folder / "arm_b"))
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), *given, "--out", str(run), *options)
+    assert proc.returncode == 0, proc.stderr
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(folder / name, steps_of(i, 3)[2:], first_step=2)
+    return options if follow else ()
+
+
 def test_a_followed_resume_given_its_watched_folder_where_it_moved_watches_it_there(env, data, tmp_path):
     # The watched folder robots moved to robots-new while the run was stopped: given there, the resume was refused
     # ("the folders of episodes watched differ") with a hint to give "the same EPISODE arguments (or none)", and the
     # old path cannot be given: the folder is not there
     robots, renamed, run = tmp_path / "robots", tmp_path / "robots-new", tmp_path / "run"
-    for i, name in enumerate(("arm_a", "arm_b")):
-        write_episode(robots / name, steps_of(i, 3)[:2], prompt=f"task {name}", end=False)
-    follow = ("--idle-timeout", "1", "--no-warmup", "--format", "plain")
-    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(robots), "--out", str(run), "--follow", *follow)
-    assert proc.returncode == 0, proc.stderr
-    for i, name in enumerate(("arm_a", "arm_b")):
-        write_episode(robots / name, steps_of(i, 3)[2:], first_step=2)
+    follow = two_steps_run_then_a_third(env, data, robots, run, follow=True)
     robots.rename(renamed)
     before = (run / "run.json").read_bytes()
     # its episode folders alone are not the folder to watch: refused, the hint saying what to give
@@ -4101,13 +4098,7 @@ def test_a_followed_resume_given_its_watched_folder_through_a_link_at_its_old_pa
     # refused, "the folders of episodes watched differ ... expected ['.../robots'], got ['.../robots-new']", its hint
     # saying to resume with the same EPISODE arguments, as it had
     robots, renamed, run = tmp_path / "robots", tmp_path / "robots-new", tmp_path / "run"
-    for i, name in enumerate(("arm_a", "arm_b")):
-        write_episode(robots / name, steps_of(i, 3)[:2], prompt=f"task {name}", end=False)
-    follow = ("--idle-timeout", "1", "--no-warmup", "--format", "plain")
-    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(robots), "--out", str(run), "--follow", *follow)
-    assert proc.returncode == 0, proc.stderr
-    for i, name in enumerate(("arm_a", "arm_b")):
-        write_episode(robots / name, steps_of(i, 3)[2:], first_step=2)
+    follow = two_steps_run_then_a_third(env, data, robots, run, follow=True)
     robots.rename(renamed)
     robots.symlink_to(renamed)
     write_episode(renamed / "arm_c", steps_of(0, 2), prompt="task arm_c")  # started while the run was stopped
