@@ -317,8 +317,9 @@ class Rollout:
                         raise naming_episode(failure, item.episode.name) from (None if failure is exc else exc)
                 finally:
                     self._at = self._running = None
-            # Only this episode's counts changed, and the total only if it failed (its other steps left it).
-            self._show_progress([item.episode], recount=item.episode.name in self.stats.failed)
+                # Only this episode's counts changed, and the total only if it failed (its other steps left it).
+                # Inside the step: a signal raised as it shows them left the last frame a step short of the summary.
+                self._show_progress([item.episode], recount=item.episode.name in self.stats.failed)
 
     def _step_failure(self, task: StepTask, exc: Exception) -> ArdiffError:
         """An invalid file stays an ``ObservationError``; anything else becomes a ``StepFailed`` naming the step."""
