@@ -75,11 +75,6 @@ def main() -> NoReturn:
         _end_process(128 + signal_of(exc))
 
 
-def _ignore(signals: tuple[int, ...]) -> None:
-    for signum in signals:  # the status is decided: a signal now (a second Ctrl-C) would only garble or change it
-        signal.signal(signum, signal.SIG_IGN)
-
-
 def _given(exc: BaseException, message: str) -> str:
     """``, got '0'`` for Typer's own checks of an option's value (``min=``, a number), whose messages say what was
     expected ("Input should be greater than or equal to 1") but not what was given. They come from pydantic's
@@ -171,9 +166,10 @@ def _end_process(code: object) -> NoReturn:
     try:
         give_back()  # those a stopped command kept (they only record a signal): Ctrl-C may end the wait below
         shutdown()  # a thread that never ends (a snapshot written to a hung disk) can still be interrupted here
-        _ignore(HANDLED)
     except KeyboardInterrupt:  # the status is decided: it only cut the wait short (it was a traceback, and exit -2)
-        _ignore(HANDLED)
+        pass
+    for signum in HANDLED:  # a signal now (a second Ctrl-C) would only garble or change the status
+        signal.signal(signum, signal.SIG_IGN)
     atexit._run_exitfuncs()
     for stream in (stdout, sys.stderr):
         try:
