@@ -20,6 +20,7 @@ import typer
 
 from ardiff_cli.entry import interrupted_message, signal_of
 from ardiff_cli.output import Output, stdout_error
+from ardiff_cli.runtime.kv.allocator import KVCacheExhaustedError
 from ardiff_cli.runtime.errors import (
     ArdiffError,
     ArdiffWarning,
@@ -84,11 +85,12 @@ class StepFailed(ArdiffError):
     }
 
     def __init__(self, episode: str, step: int, phase: str, cause: BaseException, *, path: str = "",
-                 replayed: int | None = None) -> None:
+                 replayed: int | None = None, budget: str | None = None) -> None:
         detail = (str(cause) if isinstance(cause, ArdiffError)
                   else out_of_memory_message(cause) or f"{type(cause).__name__}: {cause}")
         where = self.PHASES[phase].format(path=path, replayed=replayed)
-        super().__init__(f"episode {episode!r} failed at step {step} {where}: {detail}", hint=_step_hint(phase, cause))
+        super().__init__(f"episode {episode!r} failed at step {step} {where}: {detail}",
+                         hint=_step_hint(phase, cause, budget))
         self.episode = episode  # the episode (= session id)
         self.step = step  # the step being run when it failed (in phase replay, the one whose session was rebuilt)
         self.replayed = replayed  # in phase replay: the earlier step being replayed
@@ -99,14 +101,34 @@ class StepFailed(ArdiffError):
                           else cause.exit_code if isinstance(cause, ArdiffError) else EXIT_BUG)
 
 
-def _step_hint(phase: str, cause: BaseException) -> str:
+def _pages_short(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is the KV page pool running short of pages the capacity plan reserved (a
+    ``KVCacheExhaustedError`` from pages alone), not memory running out as a cache was copied (one caused by torch's
+    ``OutOfMemoryError``)."""
+    while isinstance(exc, KVCacheExhaustedError):
+        exc = exc.__cause__
+        if exc is None:
+            return True
+    return False
+
+
+def _step_hint(phase: str, cause: BaseException, budget: str | None) -> str:
+    """``budget``: what set the KV memory budget (``budget_change``'s ``source``; None: the free memory)."""
     if too_many_open_files(cause):  # the environment's limit, in any phase: not the disk's, the file's or the model's
         return open_files_hint("continue with --resume")
     if phase == "write":
         return WRITE_HINT
-    if is_out_of_memory(cause):
-        return out_of_memory_hint("lower --session-capacity or --gpu-memory-fraction, or use a smaller dtype or model; "
-                                  "the other sessions were untouched; continue with --resume")
+    if _pages_short(cause):
+        return ("the KV page pool, sized by the capacity plan for every resident session, ran short: the pipeline's "
+                "KV spec or ardiff's plan undercounts this step's pages (report it, with the --verbose traceback); the "
+                "other sessions were untouched; continue with --resume")
+    if is_out_of_memory(cause):  # the KV pools were allocated at load: a resume with smaller ones leaves the model more
+        pool = ("--gpu-memory-fraction (the share of the free memory the KV pools take)" if budget is None
+                else budget_change(budget, "smaller"))
+        return out_of_memory_hint(f"continue with --resume and a lower --session-capacity or {pool}: a smaller KV "
+                                  "pool leaves more memory to the model's activations (the other sessions were "
+                                  "untouched); --resume keeps the run's dtype and config, so a smaller dtype or model "
+                                  "is a new run (another --out)")
     if isinstance(cause, ArdiffError) and cause.hint:
         return cause.hint
     return ("the episode's session was released; the traceback is in results.jsonl (and printed with --verbose); "
@@ -171,6 +193,18 @@ def out_of_memory_hint(hint: str) -> str:
     if limit is None:
         return hint
     return f"{hint}; or raise this process's address-space limit (now ulimit -v {limit // 1024})"
+
+
+def budget_change(source: str, size: str) -> str:
+    """A ``size`` ("larger" or "smaller") memory budget, as every hint that names one words it: by what set the
+    budget now, ``source`` as ``commands._common.budget_source`` gives it (``--memory-budget``,
+    ``runtime.memory_budget``) or a resumed run's ``OUT/run.json``, and the option that changes it."""
+    if source == "--memory-budget":
+        return f"a {size} --memory-budget"
+    if source == "runtime.memory_budget":
+        return f"a {size} budget (the config's runtime.memory_budget set it; --memory-budget replaces it)"
+    return (f"a {size} --memory-budget (the memory_budget recorded in {source} set it; one given replaces it for that "
+            "resume only)")
 
 
 def open_files_hint(then: str = "run again") -> str:

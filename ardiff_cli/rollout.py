@@ -71,6 +71,9 @@ class RolloutOptions:
     fail_fast: bool
     preview: bool
     watch: tuple[Path, ...] = ()  # with follow: folders of episodes whose new episode folders join the run
+    # what set the KV memory budget (``_Prepared.budget_source``; None: the free memory), which the hint of a step
+    # that ran out of memory names
+    budget_source: str | None = None
 
 
 @dataclass
@@ -330,7 +333,7 @@ class Rollout:
             # Raised by the pipeline's own input checks, which know no files: name the step's.
             return ObservationError(f"{step_file.path}: {exc}", hint=exc.hint)
         return StepFailed(task.episode.name, task.file.step, phase, exc, path=str(step_file.path),
-                          replayed=step_file.step if phase == "replay" else None)
+                          replayed=step_file.step if phase == "replay" else None, budget=self.options.budget_source)
 
     def _load(self, episode: EpisodeSource, step_file: StepFile) -> tuple[dict[str, Any], str]:
         """The step's validated inputs and the SHA-256 of its file. A step that ran before (replayed, or run again

@@ -931,8 +931,8 @@ def test_warmup_out_of_its_memory_budget_names_the_dtype_and_window_fields_as_in
         "plan with a larger --memory-budget, --dtype bfloat16 (half the bytes) or a smaller model.window_frames in "
         "the config")
     assert hints["config", "warmup"] == hints["config", "inspect-capacity"] == (
-        "plan with a larger runtime.memory_budget in the config (or --memory-budget), --dtype bfloat16 (half the "
-        "bytes) or a smaller model.window_frames in the config")
+        "plan with a larger budget (the config's runtime.memory_budget set it; --memory-budget replaces it), --dtype "
+        "bfloat16 (half the bytes) or a smaller model.window_frames in the config")
 
 
 def test_rollout_out_of_its_memory_budget_hints_as_warmup_does_and_a_resume_names_what_set_the_budget(tmp_path,
@@ -959,8 +959,8 @@ def test_rollout_out_of_its_memory_budget_hints_as_warmup_does_and_a_resume_name
                 "-o", "given") == ("plan with a larger --memory-budget, --dtype bfloat16 (half the bytes) or a smaller "
                                    "model.window_frames in the config")
     assert hint(str(config), "--dtype", "float32", "--device", "cpu", "-o", "field") == (
-        "plan with a larger runtime.memory_budget in the config (or --memory-budget), --dtype bfloat16 (half the "
-        "bytes) or a smaller model.window_frames in the config")
+        "plan with a larger budget (the config's runtime.memory_budget set it; --memory-budget replaces it), --dtype "
+        "bfloat16 (half the bytes) or a smaller model.window_frames in the config")
     fast = tmp_path / "fast.yaml"  # 178 KiB a session in float32, cpu's default dtype
     fast.write_text("pipeline: dreamzero\nmodel: {preset: tiny, num_inference_steps: 1, guidance_scale: 1.0}\n"
                     "runtime: {memory_budget: 1MiB}\n")
@@ -975,14 +975,15 @@ def test_rollout_out_of_its_memory_budget_hints_as_warmup_does_and_a_resume_name
     assert info["memory_budget"] == 1 << 20  # the config's, recorded
     (run / "run.json").write_text(json.dumps({**info, "memory_budget": 100 << 10}))
     assert hint("--resume", "-o", "run") == (
-        f"resume with a larger --memory-budget than the memory_budget recorded in {Path('run', 'run.json')} (it set "
-        f"this budget; one given replaces it for this resume only); {kept}")
+        f"resume with a larger --memory-budget (the memory_budget recorded in {Path('run', 'run.json')} set it; one "
+        f"given replaces it for that resume only); {kept}")
     # an older ardiff's run.json, which recorded neither the budget nor the config's SHA-256: the config's budget
     fast.write_text(fast.read_text().replace("1MiB", "100KiB"))
     older = {k: v for k, v in info.items() if k not in ("memory_budget", "config_sha256", "config_path")}
     (run / "run.json").write_text(json.dumps({**older, "config": str(fast)}))
     assert hint(str(fast), "--resume", "-o", "run") == (
-        f"resume with a larger --memory-budget than the config's runtime.memory_budget (it set this budget); {kept}")
+        "resume with a larger budget (the config's runtime.memory_budget set it; --memory-budget replaces it); "
+        f"{kept}")
     proc = ardiff(str(fast), "--resume", "-o", "run", "--memory-budget", "1MiB")  # as the hint says
     assert proc.returncode == 0, proc.stderr
 
@@ -1022,8 +1023,8 @@ def test_a_budget_beyond_the_device_names_what_set_it(tmp_path, cli_env):
     info = json.loads((run / "run.json").read_text())
     (run / "run.json").write_text(json.dumps({**info, "memory_budget": 10 << 40}))
     assert hint("rollout", "--resume", "-o", "run", *many) == (
-        f"plan with a smaller --memory-budget (the memory_budget recorded in {Path('run', 'run.json')} set it) or "
-        "--session-capacity; `ardiff inspect-capacity` plans for any amount")
+        f"plan with a smaller --memory-budget (the memory_budget recorded in {Path('run', 'run.json')} set it; one "
+        "given replaces it for that resume only) or --session-capacity; `ardiff inspect-capacity` plans for any amount")
 
 
 def test_an_octal_window_in_a_config_is_refused_with_its_field_and_text(tmp_path, cli_env):

@@ -282,7 +282,7 @@ def options_of_inspect_capacity(tmp_path: Path) -> set[str]:
      "a larger --available (the memory of a device the config is meant for)"),
     (("dreamzero-14b", "--memory-budget", "3GiB"), "a larger --memory-budget"),
     # a budget the config set is raised in the config: the hint named --memory-budget first, as for the option's
-    (("BUDGET_IN_CONFIG",), "a larger runtime.memory_budget in the config (or --memory-budget)"),
+    (("BUDGET_IN_CONFIG",), "a larger budget (the config's runtime.memory_budget set it; --memory-budget replaces it)"),
     # in parentheses, as above: "... than this one has free or a smaller model.window_frames" read as one phrase
     (("dreamzero-14b",), "--available BYTES (the free memory of a device larger than this one)"),
 ])

@@ -260,7 +260,8 @@ def test_fail_fast_stops_at_the_first_failure_and_resume_completes(env, data, re
     err = proc.stderr
     assert ("episode 'arm_b' failed at step 1 in the model's forward: KVCacheExhaustedError: session 'arm_b', "
             "branch 'positive': KV page pool exhausted: 1 page requested, 0 free of") in err
-    assert "Traceback" in err and "hint: lower --session-capacity" in err
+    assert "Traceback" in err and ("hint: the KV page pool, sized by the capacity plan for every resident session, "
+                                   "ran short: the pipeline's KV spec or ardiff's plan undercounts") in err
     lines = records(run)
     assert [(r["episode"], r["step"], r["status"]) for r in lines] == [
         ("arm_a", 0, "ok"), ("arm_b", 0, "ok"), ("arm_c", 0, "ok"), ("arm_d", 0, "ok"), ("arm_a", 1, "ok"),
@@ -869,7 +870,8 @@ def test_a_cuda_error_out_of_memory_raised_as_a_plain_runtime_error_is_out_of_me
     proc = ardiff(env, *rollout_args(data, tmp_path / "run", "--fail-fast"), faults=faults)
     assert proc.returncode == 3, proc.stderr
     assert "CUDA error: out of memory" in proc.stderr
-    assert "hint: lower --session-capacity" in proc.stderr and "bug in ardiff" not in proc.stderr
+    assert "hint: continue with --resume and a lower --session-capacity" in proc.stderr, proc.stderr
+    assert "bug in ardiff" not in proc.stderr
 
 
 def test_a_pipeline_error_that_carries_an_exit_code_of_its_own_fails_the_run_with_exit_1_not_0(env, data, tmp_path):
@@ -891,7 +893,8 @@ def test_the_hosts_allocator_running_out_is_out_of_memory_in_a_step_and_in_warmu
     proc = ardiff(env, *rollout_args(data, tmp_path / "run", "--fail-fast"), faults=faults)
     assert proc.returncode == 3, proc.stderr
     assert "DefaultCPUAllocator: can't allocate memory" in proc.stderr
-    assert "hint: lower --session-capacity" in proc.stderr and "bug in ardiff" not in proc.stderr
+    assert "hint: continue with --resume and a lower --session-capacity" in proc.stderr, proc.stderr
+    assert "bug in ardiff" not in proc.stderr
     faults = [{"request": "warmup-0", "site": "block", "layer": 0, "action": "oom"}]
     proc = ardiff(env, "warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, "--format", "json", faults=faults)
     assert proc.returncode == 3, proc.stderr
@@ -903,6 +906,51 @@ def test_the_hosts_allocator_running_out_is_out_of_memory_in_a_step_and_in_warmu
     message = "out of host memory while running the warmup requests: MemoryError"
     assert json.loads(proc.stdout.splitlines()[-1])["message"] == message
     assert f"Error: {message}\nhint: lower --memory-budget, --session-capacity" in proc.stderr
+
+
+def test_a_step_out_of_memory_hints_at_what_set_the_budget_and_never_at_another_dtype_for_the_resume(env, data,
+                                                                                                    tmp_path):
+    """A step out of memory hinted "lower --session-capacity or --gpu-memory-fraction, or use a smaller dtype or
+    model; ...; continue with --resume", whatever set the memory budget: --resume refuses another dtype or config, and
+    the option or config field that set the budget went unnamed. It names them now, as the hint of a budget too small
+    for one session does: --memory-budget, the config's runtime.memory_budget, the budget a resumed run's run.json
+    recorded, or (no budget) --gpu-memory-fraction, the share of the free memory the KV pools take."""
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0, "action": "memory_error"}]
+    budget_config = tmp_path / "budget.yaml"
+    budget_config.write_text(FAST_CONFIG.replace("session_capacity: 1", "session_capacity: 1, memory_budget: 64MiB"))
+
+    def hint(config: Path, out: Path, *extra: str) -> str:
+        proc = ardiff(env, "rollout", str(config), str(data / "eps"), "--out", str(out), "--pipeline", PIPELINE,
+                      "--no-warmup", "--fail-fast", "--format", "json", *extra, faults=faults)
+        assert proc.returncode == 3, proc.stderr
+        error = json.loads(proc.stdout.splitlines()[-1])
+        assert error["kind"] == "step_failed" and error["message"] == (
+            "episode 'arm_b' failed at step 1 in the model's forward: out of host memory: MemoryError"), error
+        assert "--dtype" not in error["hint"] and "use a smaller dtype" not in error["hint"], error
+        assert error["hint"].endswith("--resume keeps the run's dtype and config, so a smaller dtype or model is a "
+                                      "new run (another --out)"), error
+        return error["hint"]
+
+    def resume_with(pool: str) -> str:
+        return (f"continue with --resume and a lower --session-capacity or {pool}: a smaller KV pool leaves more "
+                "memory to the model's activations (the other sessions were untouched); ")
+
+    given = tmp_path / "given"
+    assert hint(data / "fast.yaml", given, "--memory-budget", "64MiB").startswith(
+        resume_with("a smaller --memory-budget"))
+    assert hint(budget_config, tmp_path / "field").startswith(resume_with(
+        "a smaller budget (the config's runtime.memory_budget set it; --memory-budget replaces it)"))
+    assert hint(data / "fast.yaml", tmp_path / "free").startswith(resume_with(
+        "--gpu-memory-fraction (the share of the free memory the KV pools take)"))
+    # resumed: the budget run.json recorded, reused; the hint also shows while the other episodes go on
+    proc = ardiff(env, "rollout", "--resume", "--out", str(given), "--pipeline", PIPELINE, "--no-warmup", "--format",
+                  "plain", faults=faults)
+    assert proc.returncode == 4, proc.stderr
+    recorded = resume_with(f"a smaller --memory-budget (the memory_budget recorded in {given / 'run.json'} set it; "
+                           "one given replaces it for that resume only)")
+    assert ("Error: episode 'arm_b' failed at step 1 in the model's forward: out of host memory: MemoryError\n"
+            f"hint: {recorded}") in proc.stderr, proc.stderr
+    assert "--dtype" not in proc.stderr and "use a smaller dtype" not in proc.stderr, proc.stderr
 
 
 def test_an_address_space_limit_too_small_for_torch_is_out_of_memory_naming_the_limit(env, data, tmp_path):

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ardiff_cli.errors_cli import budget_change
 from ardiff_cli.options import DEFAULT_CONFIG
 from ardiff_cli.runtime.errors import ConfigError
 
@@ -56,8 +57,8 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
 
 
 def budget_source(given: object, cfg: Any) -> str | None:
-    """What set ``cfg``'s memory budget, for a hint: ``--memory-budget`` (``given``, the option's value), the
-    config's ``runtime.memory_budget``, or None (no budget: the device's free memory)."""
+    """What set ``cfg``'s memory budget, for a hint (``budget_change`` words it): ``--memory-budget`` (``given``, the
+    option's value), the config's ``runtime.memory_budget``, or None (no budget: the device's free memory)."""
     if given is not None:
         return "--memory-budget"
     return "runtime.memory_budget" if cfg.runtime.memory_budget is not None else None
@@ -70,10 +71,8 @@ def does_not_fit_hint(cfg: Any, source: str, *, window_helps: bool) -> str:
     model has them and a smaller window could fit."""
     if source == "--available":
         fixes = ["a larger --available (the memory of a device the config is meant for)"]
-    elif source == "--memory-budget":
-        fixes = ["a larger --memory-budget"]
-    elif source == "runtime.memory_budget":
-        fixes = ["a larger runtime.memory_budget in the config (or --memory-budget)"]
+    elif source in ("--memory-budget", "runtime.memory_budget"):
+        fixes = [budget_change(source, "larger")]
     else:
         fixes = ["--available BYTES (the free memory of a device larger than this one)"]
     if cfg.runtime.dtype == "float32":
@@ -87,14 +86,9 @@ def does_not_fit_hint(cfg: Any, source: str, *, window_helps: bool) -> str:
 def beyond_device_hint(source: str, *, resume: bool = False) -> str:
     """The hint of a memory budget whose plan needs more than the device has in all (``BudgetBeyondDeviceError``),
     naming what set the budget: ``source`` as ``budget_source`` gives it, or a resumed run's ``OUT/run.json``."""
-    if source == "--memory-budget":
-        budget = "a smaller --memory-budget"
-    elif source == "runtime.memory_budget":
-        budget = "a smaller budget (the config's runtime.memory_budget set it; --memory-budget replaces it)"
-    else:
-        budget = f"a smaller --memory-budget (the memory_budget recorded in {source} set it)"
     leave = "" if resume else ", or leave the budget out to plan with the free memory"
-    return f"plan with {budget} or --session-capacity{leave}; `ardiff inspect-capacity` plans for any amount"
+    return (f"plan with {budget_change(source, 'smaller')} or --session-capacity{leave}; `ardiff inspect-capacity` "
+            "plans for any amount")
 
 
 def _config_among(arguments: Sequence[Path]) -> str:

@@ -27,8 +27,8 @@ from ardiff_cli.commands._common import (
     refuse_contradictions,
     stop_between_requests,
 )
-from ardiff_cli.errors_cli import (EXIT_CODES_HELP, EpisodesFailed, Interrupted, exit_code_for, handle_errors,
-                                  open_files_hint)
+from ardiff_cli.errors_cli import (EXIT_CODES_HELP, EpisodesFailed, Interrupted, budget_change, exit_code_for,
+                                  handle_errors, open_files_hint)
 from ardiff_cli.options import (
     ConfigArg,
     DeviceOpt,
@@ -892,7 +892,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     run = p.run
     monitor = RunMonitor(output, f"ardiff rollout · {p.info['config']} → {p.out_dir}")
     options = RolloutOptions(order=order, follow=follow, idle_timeout=idle_timeout, fail_fast=fail_fast,
-                             preview=preview, watch=tuple(p.watch))
+                             preview=preview, watch=tuple(p.watch), budget_source=p.budget_source)
     skipped = sum(len(s) for s in p.done.values())
     output.info(f"{'resuming' if resume else 'writing'} {p.out_dir}: {plural(len(p.episodes), 'episode')}, order "
                 f"{order}" + (f", {plural(skipped, 'step')} already done" if resume else ""))
@@ -948,8 +948,9 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 try:
                     plan = engine.load()
                 except CapacityError as exc:  # without a budget, the runner's hint names the device's free memory
-                    if p.budget_source is not None:
-                        exc.hint = (_resumed_does_not_fit_hint(p.budget_source) if resume else
+                    if p.budget_source is not None:  # a resume keeps the run's dtype and config: only the budget
+                        exc.hint = (f"resume with {budget_change(p.budget_source, 'larger')}; the dtype and the "
+                                    "config are the run's (--resume keeps them)" if resume else
                                     does_not_fit_hint(p.cfg, p.budget_source, window_helps=exc.window_helps))
                     raise
                 except BudgetBeyondDeviceError as exc:  # the runner's hint cannot tell the option from the config
@@ -1168,19 +1169,6 @@ def _stop_notice(output: Output, monitor: Any) -> Callable[[int], None]:
                     "again to stop at once; that step's episode then replays on --resume)")
 
     return notice
-
-
-def _resumed_does_not_fit_hint(source: str) -> str:
-    """``does_not_fit_hint`` of a resumed run: its dtype and config are the run's (--resume refuses others), so only
-    the budget can change; ``source`` (``_Prepared.budget_source``) says what set it."""
-    kept = "the dtype and the config are the run's (--resume keeps them)"
-    if source == "--memory-budget":
-        return f"resume with a larger --memory-budget; {kept}"
-    if source == "runtime.memory_budget":
-        return (f"resume with a larger --memory-budget than the config's runtime.memory_budget (it set this "
-                f"budget); {kept}")
-    return (f"resume with a larger --memory-budget than the memory_budget recorded in {source} (it set this budget; "
-            f"one given replaces it for this resume only); {kept}")
 
 
 def _stop_for_lost_stdout(exc: OSError) -> int | Exception:
