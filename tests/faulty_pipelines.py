@@ -23,7 +23,8 @@ Each fault is a JSON object:
   failing disk would leave them);
 - ``action`` (block and sampler): ``raise`` (default), ``oom`` (allocate 1 PiB on the host: torch's CPU allocator
   raises its own RuntimeError), ``memory_error`` (a bare ``MemoryError()``, as Python's allocator raises), ``exit``
-  (``typer.Exit(0)``: an exception whose ``exit_code`` is 0), ``emfile`` (``OSError`` EMFILE), ``sleep`` (touch
+  (``typer.Exit(0)``: an exception whose ``exit_code`` is 0), ``emfile`` (``OSError`` EMFILE), ``torch_oom``
+  (``torch.OutOfMemoryError``), ``runtime_error`` (a ``RuntimeError`` of the fault's ``message``), ``sleep`` (touch
   ``marker``, then sleep ``seconds``, or until the file ``release``
   exists: for signals that must arrive in the middle of a forward), ``swallow_signal`` (send the process SIGTERM
   twice inside ``try: ... except Exception: pass`` and go on, as a pipeline or library that catches everything
@@ -93,6 +94,10 @@ def _act(fault: dict[str, Any], message: str) -> None:
         raise typer.Exit(0)
     if fault.get("action") == "emfile":  # the limit on open files reached by a library the forward calls
         raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), "/tmp/kernel-cache.lock")
+    if fault.get("action") == "torch_oom":  # what CUDA's caching allocator raises on a full GPU
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+    if fault.get("action") == "runtime_error":  # a library's own words for its failure (`std::bad_alloc`, cuBLAS's)
+        raise RuntimeError(fault["message"])
     if fault.get("action") == "cuda_oom":  # what a kernel allocating outside torch's allocator raises on a full GPU
         raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some "
                            "other API call, so the stacktrace below might be incorrect.")

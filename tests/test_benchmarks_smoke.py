@@ -895,6 +895,27 @@ def test_a_signal_in_the_middle_of_a_run_leaves_the_json_file_as_it_was(tmp_path
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no temporary file left beside it
 
 
+def test_a_hangup_in_the_middle_of_a_run_exits_129_and_writes_nothing(tmp_path):
+    """The README's 129 for the benchmarks (a closed terminal), which only an in-process test sent: a real process,
+    stopped by SIGHUP as the test above stops it by SIGINT and SIGTERM."""
+    if not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists():
+        pytest.skip("needs /proc/PID/task/PID/children to see the benchmark start its commands")
+    path = tmp_path / "results.json"
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks", "--quick", "--only", "startup", "--json", str(path)],
+                            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # not under nohup
+    try:
+        wait_for_a_child(proc)
+        proc.send_signal(signal.SIGHUP)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 129, err
+    assert "interrupted by SIGHUP; no results were written" in err and "Traceback" not in err
+    assert not path.exists()
+
+
 @pytest.mark.parametrize("module", ["benchmarks", "benchmarks.bench_capacity"])
 def test_a_signal_once_the_file_is_written_says_it_was_written(tmp_path, module):
     """The file is written before the table: a stop while the table waits on a stalled stdout (here a pipe already

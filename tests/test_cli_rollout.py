@@ -471,6 +471,18 @@ def test_stdout_on_a_full_disk_is_an_error_with_exit_1_not_a_bug(env, data, tmp_
 
 
 @needs_dev_full
+@pytest.mark.parametrize("fmt", ["plain", "json"])
+def test_warmup_to_a_full_stdout_exits_1_as_the_other_commands_do(env, data, fmt):
+    """The README's exit-1 row (stdout on a full disk) for `warmup`, which the test above does not run: its result
+    (a table, or the JSON events and object) cannot be written."""
+    proc = redirected(env, "> /dev/full", "warmup", str(data / "fast.yaml"), "--format", fmt)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.endswith("Error: cannot write to standard output: No space left on device\nhint: check the "
+                                "file or device standard output goes to (free space, permissions)\n"), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@needs_dev_full
 def test_a_json_stream_on_a_full_disk_stops_the_run_and_resume_finishes_it(env, data, tmp_path):
     run = tmp_path / "run"
     proc = redirected(env, "> /dev/full", "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run),

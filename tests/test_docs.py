@@ -497,6 +497,24 @@ def test_the_exit_codes_of_the_readme_are_those_of_the_help():
         assert {int(code) for code in re.findall(r"(?<![\w.])(\d{1,3})(?= )", epilog)} == documented, command.name
 
 
+def test_the_json_error_kinds_of_the_readme_are_every_one_ardiff_reports():
+    """The README's table of the error object's `kind` (what a script branches on) against the code: the labels of
+    the table of exceptions (errors_cli.ERROR_TABLE), and each kind given where an error is reported (`kind="..."`).
+    It listed 4 of the 15; a fixed exit code in ERROR_TABLE is the one its row gives."""
+    from ardiff_cli import errors_cli
+
+    readme = (REPO / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", _section(readme, "| kind | exit code |", "\n\n"), re.M))
+    rules = (*errors_cli.ERROR_TABLE, errors_cli._TOO_MANY_OPEN_FILES)
+    reported = {rule.label for rule in rules}
+    for path in (REPO / "ardiff_cli").rglob("*.py"):
+        reported |= set(re.findall(r'\bkind="(\w+)"', path.read_text()))
+    assert set(rows) == reported
+    for rule in rules:
+        if rule.exit_code is not None:
+            assert rows[rule.label].strip() == str(rule.exit_code), rule.label
+
+
 def test_the_readme_table_of_step_file_keys_is_the_built_in_pipelines_schemas():
     """Key, aliases, dtype and whether it is optional, for each field and the prompt of each built-in pipeline."""
     from pipelines.causal_world import observation_schema as causal_world

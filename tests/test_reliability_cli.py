@@ -433,6 +433,29 @@ def test_a_signal_while_the_pipeline_imports_a_dependency_stops_the_run_before_i
     assert proc.returncode == 143 and "Error: interrupted by SIGTERM" in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGHUP, 129)])
+def test_a_signal_inside_a_warmup_request_stops_warmup_with_its_exit_code(env, data, tmp_path, signum, code):
+    """The README's 130 row for `warmup`: Ctrl-C (130) and a closed terminal (SIGHUP, 129) in a warmup request, as
+    SIGTERM (143) is below: `Error: interrupted by ...` (its JSON object too), and nothing to resume."""
+    marker = tmp_path / "in-fault"
+    faults = [{"request": "warmup-1", "site": "block", "layer": 0, "action": "sleep", "marker": str(marker)}]
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "warmup", str(data / "fast.yaml"), "--pipeline",
+                             PIPELINE, "--format", "json"], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)})
+    try:
+        wait_for_marker(proc, marker, "the warmup request")
+        proc.send_signal(signum)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    name = signal.Signals(signum).name
+    assert proc.returncode == code, stderr
+    assert json.loads(stdout.splitlines()[-1]) == {"kind": "interrupted", "message": f"interrupted by {name}",
+                                                   "hint": "warmup keeps nothing: run the same command again",
+                                                   "exit_code": code}
+    assert "Traceback" not in stderr
+
+
 @pytest.mark.parametrize("action", ["swallow_signal", "wrap_signal"])
 def test_a_signal_caught_inside_a_warmup_request_stops_warmup(env, data, action):
     # warmup reported success (exit 0), or the pipeline's failure, for a warmup the user had stopped. Its hint was
@@ -874,6 +897,26 @@ def test_a_cuda_error_out_of_memory_raised_as_a_plain_runtime_error_is_out_of_me
     assert "bug in ardiff" not in proc.stderr
 
 
+CUBLAS = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+
+
+@pytest.mark.parametrize(("fault", "said"), [
+    ({"action": "torch_oom"}, "out of GPU memory: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 MiB"),
+    ({"action": "runtime_error", "message": CUBLAS}, f"out of GPU memory: RuntimeError: {CUBLAS}"),
+    ({"action": "runtime_error", "message": "std::bad_alloc"}, "out of host memory: RuntimeError: std::bad_alloc"),
+], ids=["OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED", "bad_alloc"])
+def test_each_out_of_memory_error_the_readme_names_stops_a_step_with_exit_3(env, data, tmp_path, fault, said):
+    """The README's exit-3 row names torch's `OutOfMemoryError`, `CUBLAS_STATUS_ALLOC_FAILED` and `std::bad_alloc`,
+    which only a unit test of their classification raised: each raised in a real step (emulated: no GPU ran it)."""
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0, **fault}]
+    proc = ardiff(env, *rollout_args(data, tmp_path / "run", "--fail-fast"), faults=faults)
+    assert proc.returncode == 3, proc.stderr
+    error = (f"Error: episode 'arm_b' failed at step 1 in the model's forward: {said}\nhint: continue with --resume and "
+             "a lower --session-capacity")
+    assert error in proc.stderr, proc.stderr
+    assert "bug in ardiff" not in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_a_pipeline_error_that_carries_an_exit_code_of_its_own_fails_the_run_with_exit_1_not_0(env, data, tmp_path):
     """Only ardiff's own errors (an ObservationError: 2) choose a failed step's exit code: click's and Typer's Exit,
     raised by a library built on them, carries exit_code 0, and the run its failed step stopped exited 0."""
@@ -1003,6 +1046,116 @@ def test_memory_running_out_under_an_address_space_limit_names_what_ran_out_and_
     assert re.search(r"^hint: lower --memory-budget, --session-capacity or --gpu-memory-fraction, or use --dtype "
                      r"bfloat16 or a smaller model; or raise this process's address-space limit \(now ulimit -v "
                      r"\d+\)$", proc.stderr, re.M), proc.stderr
+
+
+def test_memory_running_out_as_torch_imports_or_the_weights_load_names_which_in_warmup_and_rollout(env, data,
+                                                                                                     tmp_path):
+    """The README's exit-3 row names `while importing torch` and `while loading the model's weights
+    (from_config())`. A rollout imports torch first to check the config's default checkpoint, outside the block
+    that names the import: its MemoryError there read `out of host memory: MemoryError`, naming nothing. (A torch
+    package that raises MemoryError as it imports stands for the real one under a host that has run out.)"""
+    no_memory = tmp_path / "no_memory"
+    (no_memory / "torch").mkdir(parents=True)
+    (no_memory / "torch" / "__init__.py").write_text("raise MemoryError()\n")
+    rollout = ["rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "run"), "--no-warmup"]
+    for command in (["warmup", str(data / "fast.yaml")], rollout):  # DreamZero: --pipeline's module imports torch
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *command, "--format", "json"], cwd=REPO,
+                              capture_output=True, text=True, timeout=600,
+                              env={**env, "PYTHONPATH": os.pathsep.join([str(no_memory), env["PYTHONPATH"]])})
+        assert proc.returncode == 3, proc.stderr
+        error = json.loads(proc.stdout.splitlines()[-1])
+        assert (error["kind"], error["message"]) == ("out_of_memory", "out of host memory while importing torch: "
+                                                     "MemoryError"), (command[0], error)
+        assert "Traceback" not in proc.stderr
+    faults = [{"site": "load", "action": "memory_error"}]
+    for command in (["warmup", str(data / "fast.yaml")], rollout):
+        proc = ardiff(env, *command, "--pipeline", PIPELINE, "--format", "json", faults=faults)
+        assert proc.returncode == 3, proc.stderr
+        error = json.loads(proc.stdout.splitlines()[-1])
+        assert error == {"kind": "out_of_memory", "message": "out of host memory while loading the model's weights "
+                         "(from_config()): MemoryError", "hint": "lower --memory-budget, --session-capacity or "
+                         "--gpu-memory-fraction, or use --dtype bfloat16 or a smaller model", "exit_code": 3}, error
+    assert not (tmp_path / "run" / "results.jsonl").exists()
+
+
+def test_a_failed_runs_json_error_object_says_which_failure_ended_it(env, data, tmp_path):
+    """The kinds of the README's list that no test read: `episodes_failed` (some episodes failed, exit 4; or every
+    one, the highest of their codes), `step_failed` (--fail-fast stopped at a step: its cause's code, 3 for memory) and
+    `checkpoint_error` (a config's `checkpoint:` that holds no weights, exit 2)."""
+    raises, no_memory = ({"request": "arm_b/000001", "site": "block", "layer": 0, "action": action}
+                         for action in ("raise", "memory_error"))
+    cases = [((), raises, 4, "episodes_failed"), (("--fail-fast",), raises, 1, "step_failed"),
+             (("--fail-fast",), no_memory, 3, "step_failed")]
+    for i, (extra, fault, code, kind) in enumerate(cases):
+        args = [*rollout_args(data, tmp_path / str(i))[:-2], "--format", "json", *extra]
+        proc = ardiff(env, *args, faults=[fault])
+        assert proc.returncode == code, proc.stderr
+        error = json.loads(proc.stdout.splitlines()[-1])
+        assert (error["kind"], error["exit_code"]) == (kind, code), error
+        assert "arm_b" in error["message"], error
+        assert json.loads((tmp_path / str(i) / "summary.json").read_text())["exit_code"] == code
+    # the README's example of a step's: `failed at step N in the model's forward: out of host memory: ...`
+    assert error["message"] == ("episode 'arm_b' failed at step 1 in the model's forward: out of host memory: "
+                                "MemoryError")
+    checkpoint, config = tmp_path / "weights.safetensors", tmp_path / "checkpoint.yaml"
+    checkpoint.write_bytes(b"not weights")
+    config.write_text(f"{FAST_CONFIG}checkpoint: {checkpoint}\n")
+    proc = ardiff(env, "warmup", str(config), "--format", "json")
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert (proc.returncode, error["kind"]) == (2, "checkpoint_error"), proc.stderr
+    assert error["message"].startswith(f"cannot read checkpoint {checkpoint}: "), error
+
+
+@pytest.mark.parametrize("target", ["run.json", "results.jsonl", "summary.json"])
+def test_a_run_file_the_system_refuses_to_write_stops_the_run_with_exit_1_naming_it(env, data, reference, tmp_path,
+                                                                                   target):
+    """The README's exit-1 row: `results.jsonl`, `run.json` or `summary.json` that cannot be written, a real write
+    refused (a file-size limit, `ulimit -f`, set to let through every file the run writes before the one named, as
+    the reference run's sizes say): `output_error` in JSON, and the file named."""
+    import resource
+
+    sizes = {name: (reference / name).stat().st_size for name in ("run.json", "results.jsonl", "summary.json")}
+    step = max(path.stat().st_size for path in (reference / "episodes").rglob("*.safetensors"))
+    episodes, limit = str(data / "eps"), {"run.json": 64, "results.jsonl": max(sizes["run.json"], step)}.get(target)
+    if target == "summary.json":  # one episode: its 3 lines are fewer bytes than the summary
+        episodes = str(data / "eps" / "arm_a")
+        limit = max(sizes["run.json"], step, sum(len(json.dumps(r)) + 1 for r in records(reference)[:3]))
+    assert sizes[target] > limit
+    run = tmp_path / "run"
+    args = ["rollout", str(data / "fast.yaml"), episodes, "--out", str(run), "--pipeline", PIPELINE, "--no-warmup",
+            "--format", "json"]
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=600,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert proc.returncode == 1, proc.stderr
+    error = json.loads(proc.stdout.splitlines()[-1])
+    verb = "append to" if target == "results.jsonl" else "write"
+    assert (error["kind"], error["exit_code"]) == ("output_error", 1), error
+    assert error["message"].startswith(f"cannot {verb} {run / target}: "), error
+    assert "Traceback" not in proc.stderr and "bug in ardiff" not in proc.stderr
+
+
+def test_a_run_folder_removed_while_the_run_writes_it_stops_the_run_with_exit_1(env, data, tmp_path):
+    """The README's exit-1 row, `the run's folder removed while it ran` (a cleanup job's `rm -rf`), in a real
+    process: removed while a step's forward runs, the run stops at that step's write and re-creates nothing."""
+    run, marker, release = tmp_path / "run", tmp_path / "in-fault", tmp_path / "release"
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0, "action": "sleep", "marker": str(marker),
+               "release": str(release)}]
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *rollout_args(data, run)[:-2], "--format", "json"],
+                            cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)})
+    try:
+        wait_for_marker(proc, marker, "the step's forward")
+        shutil.rmtree(run)
+        release.touch()
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, stderr
+    error = json.loads(stdout.splitlines()[-1])
+    assert (error["kind"], error["message"]) == ("output_error", f"{run} was removed or replaced while this run "
+                                                 "wrote it"), error
+    assert not run.exists() and "Traceback" not in stderr
 
 
 def test_the_open_files_limit_reached_while_the_model_loads_is_named_as_the_limit_not_the_pipelines_bug(env, data,

@@ -409,7 +409,8 @@ def _refuse_what_loading_would(cfg: Any) -> None:
     started past these): a CUDA device this machine lacks, and a config without ``checkpoint:`` whose built-in
     pipeline has no default checkpoint of its size (a 14B geometry). Both import torch: run it ``_under_signals``."""
     if cfg.runtime.device.startswith("cuda"):
-        from ardiff_cli.runtime.engine import resolve_device
+        with running_out_of_memory_names("importing torch"):  # the run's first import of torch, as below
+            from ardiff_cli.runtime.engine import resolve_device
 
         resolve_device(cfg.runtime.device)
     path = _default_checkpoint(cfg)
@@ -432,7 +433,8 @@ def _default_checkpoint(cfg: Any) -> Path | None:
     its weights its own way. Imports torch."""
     if cfg.checkpoint is not None:
         return None
-    from ardiff_cli.runtime.engine import pipeline_class_of
+    with running_out_of_memory_names("importing torch"):  # the run's first: the one run() makes is done then
+        from ardiff_cli.runtime.engine import pipeline_class_of
     from pipelines.base import ARPipeline
     from pipelines.checkpoint import default_checkpoint_path
 
