@@ -210,7 +210,8 @@ class Output:
         Output.errors_reported += 1
         self._print_err("[bold red]Error:[/bold red] ", one_line(message), plain_prefix="Error: ")
         if hint:
-            self._print_err("[cyan]hint:[/cyan] ", one_line(hint), plain_prefix="hint: ")
+            # not wrapped by Rich: a command it printed on two lines was two when copied from the terminal
+            self._print_err("[cyan]hint:[/cyan] ", one_line(hint), plain_prefix="hint: ", soft_wrap=True)
         if self.is_json:
             self.json({"kind": kind, "message": message, "hint": hint, "exit_code": exit_code})
 
@@ -250,8 +251,9 @@ class Output:
                 except OSError:
                     self._lose_stderr()
 
-    def _print_err(self, rich_prefix: str, message: str, *, plain_prefix: str = "") -> None:
-        """``message`` is never read as markup; only the fixed prefix carries Rich styles."""
+    def _print_err(self, rich_prefix: str, message: str, *, plain_prefix: str = "", soft_wrap: bool = False) -> None:
+        """``message`` is never read as markup; only the fixed prefix carries Rich styles. ``soft_wrap``: one line
+        however long, that the terminal wraps (Rich breaks a line at its width with a newline)."""
         if not self.is_rich:
             self._write_err(plain_prefix + message)
             return
@@ -259,7 +261,8 @@ class Output:
 
         if not self._stderr_lost:
             try:
-                self.console("stderr").print(rich_prefix + escape(visible(message)), markup=True)
+                self.console("stderr").print(rich_prefix + escape(visible(message)), markup=True,
+                                             soft_wrap=soft_wrap)
             except OSError:
                 self._lose_stderr()
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import copy
 import errno
-import shlex
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -56,6 +55,7 @@ from ardiff_cli.runtime.errors import (
     SwapRestoreError,
     is_broken_invariant,
     plural,
+    shell_word,
     too_many_open_files,
 )
 from ardiff_cli.runtime.observation import ObservationSchema
@@ -219,8 +219,8 @@ class Rollout:
                               f"{self.run_folder.root / RUN_FILE}: {exc.strerror or exc}",
                               hint=f"check free space and permissions of {self.run_folder.root}, then (run.json still "
                                    "records the episode's old folder) link it to the new one and continue: ln -s "
-                                   f"{shlex.quote(episode.path.name)} {shlex.quote(str(old))}; ardiff rollout "
-                                   f"--resume --out {shlex.quote(str(self.run_folder.root))}") from exc
+                                   f"{shell_word(episode.path.name)} {shell_word(old)}; ardiff rollout --resume --out "
+                                   f"{shell_word(self.run_folder.root)}") from exc
         # the paths as run.json records them (links resolved: a watched folder given through a link, an episode
         # folder that was a link), the old one as it was recorded: the old name is gone and resolves to nothing
         self._folders[episode.name] = recorded

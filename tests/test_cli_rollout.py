@@ -12,6 +12,7 @@ import math
 import os
 import re
 import resource
+import shlex
 import shutil
 import signal
 import struct
@@ -4143,3 +4144,158 @@ def test_a_resume_given_two_moved_episodes_of_one_folder_name_in_another_order_n
         ("ep", str(moved / "a" / "ep")), ("ep-2", str(moved / "b" / "ep"))]
     assert sorted((r["episode"], r["step"], r["status"]) for r in records(run)[4:]) == [("ep", 2, "ok"),
                                                                                          ("ep-2", 2, "ok")]
+
+
+# Hints that print a command or a path to paste, pasted into bash in the folder the command ran in: folder names that
+# break a word written as it is (a leading '-', read as an option) or unquoted (a space, a quote, '$', a non-ASCII
+# letter). The paths are relative, as typed: an absolute path never begins with '-'.
+AWKWARD = "-ü $x 'q"
+
+
+def pasted(env, command: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``command``, as a hint printed it, run by bash in ``cwd`` as a user pasting it would (``ardiff``: this one)."""
+    return subprocess.run(["bash", "-c", f'ardiff() {{ "$PASTE_PYTHON" -m ardiff_cli "$@"; }}\n{command}'], cwd=cwd,
+                          env={**env, "PASTE_PYTHON": sys.executable}, capture_output=True, text=True, timeout=600)
+
+
+def hinted(stderr: str, pattern: str) -> str:
+    """Group 1 of ``pattern`` in the first ``hint:`` line of ``stderr`` (its text after ``hint: ``)."""
+    hint = next((line.removeprefix("hint: ") for line in stderr.splitlines() if line.startswith("hint: ")), "")
+    found = re.search(pattern, hint)
+    assert found is not None, stderr
+    return found.group(1)
+
+
+def test_the_hint_to_resume_a_run_already_in_out_pastes_into_bash_for_an_out_named_like_an_option(env, data,
+                                                                                                  tmp_path):
+    eps, run = tmp_path / "eps", f"{AWKWARD} run"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(eps / name, steps_of(i, 3)[:2], prompt=f"task {name}")
+    start = ("rollout", str(data / "fast.yaml"), str(eps), "--out", f"./{run}", "--no-warmup")
+    proc = ardiff(env, *start, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(eps / name, steps_of(i, 3)[2:], first_step=2)
+    proc = ardiff(env, *start, cwd=tmp_path)  # a new run into it
+    assert proc.returncode == 2, proc.stderr
+    command = hinted(proc.stderr, r"continue it with: (.*); or choose another --out$")
+    assert shlex.split(command) == ["ardiff", "rollout", "--resume", "--out", f"./{run}"]
+    resumed = pasted(env, command, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert len(records(tmp_path / run)) == 6
+
+
+def test_the_way_back_after_run_json_could_not_record_a_followed_rename_pastes_into_bash(env, data, tmp_path):
+    """`ln -s NEW OLD; ardiff rollout --resume --out OUT` quoted each path, but wrote the new folder's name and a
+    relative --out as they are: one beginning with '-' was read by ln, the other by ardiff, as options."""
+    from test_reliability_input import modes_bind
+
+    live, run = f"{AWKWARD} live", f"{AWKWARD} run"
+    write_episode(tmp_path / live / "arm_a.part", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
+    proc = subprocess.Popen([*modes_bind(), sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"),
+                             f"./{live}", "--out", f"./{run}", "--follow", "--no-warmup", "--format", "plain"],
+                            cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for_lines(tmp_path / run / "results.jsonl", 1, proc)  # a step ran
+        (tmp_path / run).chmod(0o555)
+        (tmp_path / live / "arm_a.part").rename(tmp_path / live / AWKWARD)
+        stderr = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+        (tmp_path / run).chmod(0o755)
+    assert proc.returncode == 1, stderr
+    command = hinted(stderr, r"link it to the new one and continue: (.*)$")
+    assert [shlex.split(part) for part in command.split("; ")] == [
+        ["ln", "-s", f"./{AWKWARD}", f"./{live}/arm_a.part"],
+        ["ardiff", "rollout", "--resume", "--out", f"./{run}"]], command
+    write_episode(tmp_path / live / AWKWARD, steps_of(0, 3)[1:], first_step=1)
+    # given again: the run's --idle-timeout (60 s) would wait that long for a new episode folder once it ended
+    resumed = pasted(env, f"{command} --idle-timeout 1", tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["step"] for r in records(tmp_path / run)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("follow", [False, True], ids=["given", "followed"])
+def test_a_plain_resume_whose_folder_of_episodes_moved_says_to_give_it_where_it_is_now_which_resumes(env, data,
+                                                                                                     tmp_path, follow):
+    # A resume given other folders than the run's (_refuse_other_watch) said that the moved folder may be given where
+    # it is now; a plain resume (_recorded_folders_exist) gave only the symlink at its old path
+    eps, moved, run = f"{AWKWARD} eps", f"{AWKWARD} moved", f"{AWKWARD} run"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(tmp_path / eps / name, steps_of(i, 3)[:2], prompt=f"task {name}", end=not follow)
+    options = ("--follow", "--idle-timeout", "1", "--format", "plain") if follow else ()
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), f"./{eps}", "--out", f"./{run}", "--no-warmup", *options,
+                  cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(tmp_path / eps / name, steps_of(i, 3)[2:], first_step=2)
+    (tmp_path / eps).rename(tmp_path / moved)
+    proc = ardiff(env, "rollout", "--resume", "--out", f"./{run}", "--no-warmup", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    command = hinted(proc.stderr, r"or give it where it is now, holding the run's episodes that were in it, with the "
+                                  r"run's other EPISODE arguments: (ardiff rollout .*); or run its episodes again")
+    assert shlex.split(command) == ["ardiff", "rollout", "--resume", "--out", f"./{run}", str(data / "fast.yaml"),
+                                    "NEW"]
+    resumed = pasted(env, command.replace(" NEW", f" {shlex.quote(f'./{moved}')}"), tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert sorted((r["episode"], r["step"]) for r in records(tmp_path / run)) == [
+        (e, s) for e in ("arm_a", "arm_b") for s in range(3)]
+    info = json.loads((tmp_path / run / "run.json").read_text())
+    assert info["watch"] == [str(tmp_path / moved)]
+
+
+def test_the_command_a_config_given_after_its_episodes_hints_at_pastes_into_bash(env, data, tmp_path):
+    from ardiff_cli.options import DEFAULT_CONFIG
+
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(tmp_path / AWKWARD / name, steps_of(i, 3), prompt=f"task {name}")
+    proc = ardiff(env, "rollout", "--no-warmup", "--", AWKWARD, str(data / "fast.yaml"), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    command = hinted(proc.stderr, r"pass the config first: (.*)$")
+    assert shlex.split(command) == ["ardiff", "rollout", str(data / "fast.yaml"), f"./{AWKWARD}"]
+    ran = pasted(env, f"{command} --out run --no-warmup", tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert len(records(tmp_path / "run")) == 6
+    # a step file given as CONFIG: the hint runs the default config on its episode
+    proc = ardiff(env, "rollout", "--", f"{AWKWARD}/arm_a/step_000000.safetensors", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    command = hinted(proc.stderr, r"pass the config first: (.*?); a checkpoint")
+    assert shlex.split(command) == ["ardiff", "rollout", DEFAULT_CONFIG, f"./{AWKWARD}/arm_a"]
+
+
+def test_the_folder_to_give_for_episodes_one_level_deeper_pastes_into_bash(env, data, tmp_path):
+    for name in ("episode_000", "episode_001"):
+        shutil.copytree(data / "eps" / "arm_a", tmp_path / AWKWARD / "run1" / name)
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), "--out", "run", "--no-warmup", "--", AWKWARD, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    word = hinted(proc.stderr, r"^give (.*) as EPISODE: a folder of episode folders")
+    assert shlex.split(word) == [f"./{AWKWARD}/run1"]
+    ran = pasted(env, f"ardiff rollout {shlex.quote(str(data / 'fast.yaml'))} {word} --out run2 --no-warmup",
+                 tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert len(records(tmp_path / "run2")) == 6
+
+
+def test_the_touch_giving_a_rebuilt_checkpoint_the_time_of_run_json_pastes_into_bash(env, data, tmp_path):
+    env = {**env, "ARDIFF_CACHE_DIR": str(tmp_path / "cache")}
+    run = f"{AWKWARD} run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", f"./{run}", "--no-warmup",
+                  cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads((tmp_path / run / "run.json").read_text())
+    weights = tmp_path / "cache" / info.pop("default_checkpoint")  # run.json as an older ardiff wrote it
+    lines = (tmp_path / run / "results.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / run / "results.jsonl").write_text("".join(lines[:-2]))  # as if stopped two steps before the end
+    (tmp_path / run / "run.json").write_text(json.dumps(info))
+    later = (tmp_path / run / "run.json").stat().st_mtime_ns + 10**9
+    os.utime(weights, ns=(later, later))  # built after run.json
+    resume = ("rollout", "--resume", "--out", f"./{run}", "--no-warmup")
+    proc = ardiff(env, *resume, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    command = hinted(proc.stderr, r"give it the time of run.json: (touch -r .*)$")
+    assert shlex.split(command) == ["touch", "-r", f"./{run}/run.json", str(weights)]
+    touched = pasted(env, command, tmp_path)
+    assert touched.returncode == 0, touched.stderr
+    proc = ardiff(env, *resume, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert len(records(tmp_path / run)) == len(lines)

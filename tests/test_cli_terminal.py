@@ -203,3 +203,28 @@ def test_what_a_pipeline_prints_without_a_live_display_is_written_as_it_is(tmp_p
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "".join(f"{line}\n" for line in chatter(tmp_path / "out")) + unfinished
+
+
+def test_a_hint_wider_than_the_terminal_is_one_line_to_copy_and_its_command_pastes_into_bash(tmp_path, cli_env):
+    """Rich broke a hint at the terminal's width with a newline: the command of `already holds a run`, copied from a
+    terminal of 60 columns, pasted as two, `ardiff rollout --resume --out` (its value missing) and the folder alone.
+    It is one line now, which the terminal wraps."""
+    write_fast_data(tmp_path, {"ep_a": 2})
+    run = "-ü $x 'q run"  # a leading '-', a space, '$', a quote, a non-ASCII letter: one shell word all the same
+    args = ["rollout", "fast.yaml", "eps", "-o", f"./{run}", "--no-warmup"]
+    first = subprocess.run([sys.executable, "-m", "ardiff_cli", *args], cwd=tmp_path, env=cli_env,
+                           capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    (tmp_path / run / "results.jsonl").write_text((tmp_path / run / "results.jsonl").read_text().splitlines(
+        keepends=True)[0])  # as if stopped after its first step
+    code, output = run_in_pty(args, env=cli_env, cwd=tmp_path, cols=60, rows=20)  # a new run into it
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", output.decode())
+    assert code == 2, text
+    hint = next(line for line in text.split("\r\n") if line.startswith("hint: "))
+    command = re.fullmatch(r"hint: continue it with: (.*); or choose another --out", hint)
+    assert command is not None and len(hint) > 60, text
+    pasted = subprocess.run(["bash", "-c", f'ardiff() {{ "$PASTE_PYTHON" -m ardiff_cli "$@"; }}\n{command.group(1)}'],
+                            cwd=tmp_path, env={**cli_env, "PASTE_PYTHON": sys.executable}, capture_output=True,
+                            text=True)
+    assert pasted.returncode == 0, pasted.stderr
+    assert len((tmp_path / run / "results.jsonl").read_text().splitlines()) == 2

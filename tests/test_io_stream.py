@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -1443,6 +1445,33 @@ def test_what_never_joined_a_watched_folder_of_episodes_is_named_when_the_run_en
         "episodes as EPISODE)",
         f"{data}: step_000000.safetensors did not run: a followed folder of episodes runs the step files of the "
         "episode folders in it, not its own"]
+
+
+def test_the_folders_a_followed_run_says_to_make_or_give_are_one_shell_word_whatever_their_names(tmp_path,
+                                                                                                  monkeypatch):
+    # A folder of episodes given relative, named with a leading '-' (and a space, a quote, a $, a non-ASCII letter):
+    # `mkdir -p '-r ü/robot_a'` was refused by mkdir as options, and `give '-r ü/2026-12-03' as EPISODE` by ardiff
+    monkeypatch.chdir(tmp_path)
+    data = Path("-r ü $x 'q")  # as the command line gave it
+    data.mkdir()
+    clock = FakeClock([lambda: write_episode(data / "robot_a", [good(0)], prompt="p", end=False)])
+    scheduler = StepScheduler(discover_episodes([data]), follow=True, idle_timeout=3, poll_interval=1, clock=clock,
+                              sleep=clock.sleep)
+    (ended,) = [scheduler.next()]
+    mkdir = re.search(r"\(mkdir -p (.*)\): --follow then", ended.error.hint)
+    assert mkdir is not None, ended.error.hint
+    assert shlex.split(mkdir.group(1)) == [f"./{data / 'robot_a'}"]  # one word, not an option
+
+    shutil.rmtree(data / "robot_a")
+    write_episode(data / "arm_a", [good(0)], prompt="p")
+    clock = FakeClock([lambda: write_episode(data / "2026-12-03" / "ep1", [good(0)], prompt="p")])
+    warnings: list[str] = []
+    scheduler = StepScheduler(discover_episodes([data]), follow=True, idle_timeout=5, poll_interval=1, clock=clock,
+                              sleep=clock.sleep, watch=[data], warn=warnings.append)
+    assert _drain(scheduler) == [("arm_a", 0), ("arm_a", "end_marker")]
+    give = re.search(r"\(give (.*) as EPISODE\)$", warnings[0])
+    assert give is not None, warnings
+    assert shlex.split(give.group(1)) == [f"./{data / '2026-12-03'}"]
 
 
 def test_a_watched_folder_of_episodes_taken_away_ends_the_run_naming_its_episodes_not_crashing_it(tmp_path):

@@ -4,14 +4,13 @@ fit, the stop between warmup requests. Torch-free."""
 from __future__ import annotations
 
 import os
-import shlex
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ardiff_cli.errors_cli import budget_change
 from ardiff_cli.options import DEFAULT_CONFIG
-from ardiff_cli.runtime.errors import ConfigError
+from ardiff_cli.runtime.errors import ConfigError, shell_word
 
 
 def load_engine_config(config: str | None, *, pipeline: str | None = None, command: str = "rollout",
@@ -45,7 +44,7 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
         raise ConfigError(
             f"CONFIG {config!r} is a {suffix} file, not a config: the first argument is a config file or a built-in "
             "config name",
-            hint=(f"pass the config first: ardiff rollout {DEFAULT_CONFIG} {shlex.quote(str(Path(config).parent))}; "
+            hint=(f"pass the config first: ardiff rollout {DEFAULT_CONFIG} {shell_word(Path(config).parent)}; "
                   if command == "rollout" and not pickled
                   else f"pass a config, e.g. ardiff {command} {DEFAULT_CONFIG}; ")
             + "a checkpoint goes in the config's `checkpoint:` field"
@@ -100,7 +99,7 @@ def _config_among(arguments: Sequence[Path]) -> str:
     config = str(yaml[0]) if yaml else DEFAULT_CONFIG
     # a folder named like the default config is written ./NAME: "ardiff rollout dreamzero-tiny" repeated the command
     others = [f"./{a}" if str(a) == config and not yaml else str(a) for a in arguments if not yaml or a != yaml[0]]
-    return " ".join(map(shlex.quote, [config, *others]))
+    return " ".join(map(shell_word, [config, *others]))
 
 
 def check_working_folder() -> None:

@@ -6,7 +6,6 @@ import contextlib
 import hashlib
 import math
 import os
-import shlex
 import signal
 import time
 from collections.abc import Callable, Iterable
@@ -61,6 +60,7 @@ from ardiff_cli.runtime.errors import (
     not_a_folder,
     plural,
     running_out_of_memory_names,
+    shell_word,
     too_many_open_files,
     unencodable,
 )
@@ -250,12 +250,12 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         if not episode_paths and not info.get("demo"):
             episode_paths = [Path(e["path"]) for e in info["episodes"]]
             watch = _recorded_watch(info, run.root / RUN_FILE)
-            _recorded_folders_exist(info["episodes"], run.root / RUN_FILE, watch)
+            _recorded_folders_exist(info, run.root, watch)
     elif out is not None:
         if RunFolder(out).holds_run():
             RunFolder(out).refuse_while_locked()  # a run still going: not one to resume now
             raise ConfigError(f"{out} already holds a run",
-                              hint=f"continue it with: ardiff rollout --resume --out {_out_arg(out)}; or "
+                              hint=f"continue it with: ardiff rollout --resume --out {shell_word(out)}; or "
                                    "choose another --out")
     try:
         cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), **overrides)
@@ -477,8 +477,8 @@ def _same_default_checkpoint(cfg: Any, recorded: dict[str, Any], run_file: Path)
                       "checkpoint format rounds otherwise (outputs differ by up to 1e-5)",
                       hint=f"resume with the ARDIFF_CACHE_DIR the run started with; else {again}"
                            + ("" if built is None else f"; if the run's version built this very file, give it "
-                              f"the time of run.json: touch -r {shlex.quote(str(run_file))} "
-                              f"{shlex.quote(str(path))}"))
+                              f"the time of run.json: touch -r {shell_word(run_file)} "
+                              f"{shell_word(path)}"))
 
 
 def _refuse_another_runs_kept_snapshots(swap_dir: Path, started: float) -> None:
@@ -567,7 +567,7 @@ def _refuse_other_watch(recorded: list[str], given: list[str], recorded_episodes
     if gone:  # it cannot be given at its old path: the hint led nowhere
         hint = (f"{listed(gone)} moved since (gone): give it where it is now, holding the run's episodes that were "
                 f"in it, with the run's other folders of episodes; or put a symlink at its old path to where it is "
-                f"now (ln -s NEW {shlex.quote(gone[0])}) and resume with no EPISODE")
+                f"now (ln -s NEW {shell_word(gone[0])}) and resume with no EPISODE")
     raise ConfigError(f"the folders of episodes watched differ from those of the run in {out}: expected {recorded}, "
                       f"got {given}", hint=hint)
 
@@ -631,14 +631,17 @@ def _under_signals(work: Callable[[], None]) -> None:
         raise
 
 
-def _recorded_folders_exist(episodes: list[dict[str, Any]], run_file: Path, watch: list[Path]) -> None:
-    """The episode folders a resume reads are where run.json last recorded them (where the run started them, or
-    where it followed a rename: ``episode_moved``): one moved or deleted since is named as this run's (where a new
-    run's missing EPISODE hints at --follow). A folder of episodes the run was given (run.json's ``watch``, with or
-    without --follow) renamed while the run was stopped is named itself: a symlink at an episode's path cannot be
-    made while the folder above it is gone."""
+def _recorded_folders_exist(info: dict[str, Any], out: Path, watch: list[Path]) -> None:
+    """The episode folders a resume of the run in ``out`` (run.json: ``info``) reads are where run.json last recorded
+    them (where the run started them, or where it followed a rename: ``episode_moved``): one moved or deleted since
+    is named as this run's (where a new run's missing EPISODE hints at --follow). A folder of episodes the run was
+    given (run.json's ``watch``, with or without --follow) renamed while the run was stopped is named itself: a
+    symlink at an episode's path cannot be made while the folder above it is gone, and the folder may be given where
+    it is now instead (``_refuse_other_watch`` takes it), with the run's other EPISODE arguments."""
     from ardiff_cli.io.episode import listed, present
+    from ardiff_cli.io.run import RUN_FILE
 
+    episodes, run_file = info["episodes"], out / RUN_FILE
     for episode in episodes:  # resumed in another locale than the run's: there, but not a path this one can write
         if why := unencodable(episode["path"]):
             raise ConfigError(f"episode {episode['name']!r} of this run: its folder {episode['path']} (recorded in "
@@ -648,11 +651,18 @@ def _recorded_folders_exist(episodes: list[dict[str, Any]], run_file: Path, watc
     for folder in watch:
         inside = [name for name, path in gone if Path(path).parent == folder]
         if inside and present(folder) is False:
+            # the resume given the run's EPISODE arguments, this folder where it is now (NEW) in its place
+            others = [str(other) for other in watch if other != folder] + [
+                e["path"] for e in episodes if Path(e["path"]).parent not in watch]
+            again = " ".join(shell_word(word) for word in (out, info.get("config_path") or info["config"]))
+            again += " NEW" + "".join(f" {shell_word(other)}" for other in others)
             raise ConfigError(f"{folder}, a folder of episodes given to this run, is gone, and with it the folders "
                               f"of its episodes {listed(inside)} (recorded in {run_file})",
                               hint="put it back at that path (renamed or moved: a symlink there to where it is now "
-                                   f"will do, ln -s NEW {shlex.quote(str(folder))}), then resume; or run its "
-                                   "episodes again in a new --out")
+                                   f"will do, ln -s NEW {shell_word(folder)}), then resume; or give it where it is "
+                                   "now, holding the run's episodes that were in it, with the run's other EPISODE "
+                                   f"arguments: ardiff rollout --resume --out {again}; or run its episodes again in a "
+                                   "new --out")
     if gone:
         name, path = gone[0]
         more = f" (and {plural(len(gone) - 1, 'more episode folder')})" if len(gone) > 1 else ""
@@ -848,7 +858,7 @@ def _refuse_changed_checkpoint(recorded: Any, now: dict[str, Any] | None) -> Non
     mtime = recorded.get("mtime_ns")
     known = isinstance(mtime, int) and not isinstance(mtime, bool)
     touch = (f"; if it holds the same weights (copied again), give it back its modification time: touch -d "
-             f"@{mtime // 10**9}.{mtime % 10**9:09d} {shlex.quote(now['path'])}" if known else "")
+             f"@{mtime // 10**9}.{mtime % 10**9:09d} {shell_word(now['path'])}" if known else "")
     raise ConfigError(f"checkpoint {now['path']} changed since the run started (size {recorded.get('size')} bytes, "
                       f"modified {_local_time(mtime / 1e9) if known else 'unknown'}; now {now['size']} bytes, "
                       f"modified {_local_time(now['mtime_ns'] / 1e9)}): the run's outputs so far came from the "
@@ -858,12 +868,6 @@ def _refuse_changed_checkpoint(recorded: Any, now: dict[str, Any] | None) -> Non
 
 def _local_time(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
-
-
-def _out_arg(out: Path) -> str:
-    """``out`` as an ``--out`` value to paste: ``./--preview`` for a folder named like an option (``Path`` drops
-    the ``./`` that was given, and ``--out --preview`` is refused)."""
-    return shlex.quote(f"./{out}" if str(out).startswith("-") else str(out))
 
 
 def _same(given: Any, recorded: Any, name: str) -> Any:
@@ -1286,7 +1290,7 @@ def _failed_episodes(stats: Any, num_episodes: int, out_dir: Path) -> Exception:
         message += (f": {'its folder is' if one else 'their folders are'} gone (deleted or renamed while the run read "
                     f"{'it' if one else 'them'})")
         hint = (f"put {'it' if one else 'each'} back at its path (moved: a symlink there to where it is now will do), "
-                f"then continue with: ardiff rollout --resume --out {_out_arg(out_dir)}")
+                f"then continue with: ardiff rollout --resume --out {shell_word(out_dir)}")
     errors = list(stats.errors.values())
     if all(isinstance(e, ObservationError) for e in errors):
         return ObservationError(message, hint=hint)

@@ -43,7 +43,6 @@ import contextlib
 import errno
 import os
 import re
-import shlex
 import stat
 import time
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
@@ -55,7 +54,7 @@ from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, S
                                    episode_folders_inside, gap_error, is_run_output, listed, looks_whole,
                                    missing_steps, new_episode_folders, other_step_formats, step_number,
                                    unreadable_folder)
-from ardiff_cli.runtime.errors import ObservationError
+from ardiff_cli.runtime.errors import ObservationError, shell_word
 
 # Activity for the idle timer: write_step's temporary file of a step file being written (atomic_write_bytes), and
 # rsync's of one it copies (".step_000001.safetensors.Ab3dE9": "." + name + "." + mkstemp's 6 characters)
@@ -423,7 +422,7 @@ class StepScheduler:
             for name, inside in deeper.items():
                 self._warn(f"{folder}: {name} never joined the run: its sub-folders {listed(inside)} look like "
                            "episode folders, one level deeper than a folder of episodes is watched (give "
-                           f"{shlex.quote(str(folder / name))} as EPISODE)")
+                           f"{shell_word(folder / name)} as EPISODE)")
             if idle:
                 self._warn(f"{folder}: {listed(idle)} never joined the run: no step file, END or episode.yaml came "
                            "in it, only other files or folders (a folder of episodes is watched for episode folders "
@@ -545,7 +544,7 @@ class StepScheduler:
         if made:
             what += (f"; episode folders were made in it since ({listed(made)}): it was empty when the run started, "
                      "so it was followed as one episode")
-            hint = (f"make one episode folder in it before the run (mkdir -p {shlex.quote(str(folder / made[0]))}): "
+            hint = (f"make one episode folder in it before the run (mkdir -p {shell_word(folder / made[0])}): "
                     "--follow then takes it for a folder of episodes, and follows each episode folder made in it")
         raise ObservationError(f"{folder}: {what}", hint=hint)
 
@@ -837,7 +836,7 @@ def _one_level_down_hint(folder: Path) -> str:
     marks = episode_entries(folder)  # episode.yaml or END: taken for an episode, given or not
     if marks:
         return f"move {listed(marks)} out of it, or give its sub-folders as EPISODE"
-    return (f"give {shlex.quote(str(folder))} as EPISODE: a folder of episode folders runs each of them (one level "
+    return (f"give {shell_word(folder)} as EPISODE: a folder of episode folders runs each of them (one level "
             "deep, not two)")
 
 

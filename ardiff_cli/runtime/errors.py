@@ -12,6 +12,7 @@ import math
 import os
 import re
 import reprlib
+import shlex
 import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -316,6 +317,15 @@ def plural(count: int, noun: str, nouns: str | None = None) -> str:
     """``1 step``, ``2 steps``: a count and its noun, singular for one; ``nouns`` is the plural where adding "s"
     is wrong (``plural(n, "shape mismatch", "shape mismatches")``)."""
     return f"{count} {noun}" if count == 1 else f"{count} {nouns or noun + 's'}"
+
+
+def shell_word(path: os.PathLike | str) -> str:
+    """``path`` as one word of a command a hint prints for the user to paste into a shell: quoted where it holds a
+    space, a quote, ``$`` or a non-ASCII letter, and written ``./-x`` where it begins with '-', which the command
+    (``ln``, ``touch``, ``mkdir``, ``ardiff --out``) would read as an option (``Path`` drops the ``./`` the user
+    wrote before it)."""
+    text = os.fspath(path)
+    return shlex.quote(f"./{text}" if text.startswith("-") else text)
 
 
 def shown(value: object) -> str:
