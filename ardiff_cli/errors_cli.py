@@ -101,7 +101,7 @@ class StepFailed(ArdiffError):
                           else cause.exit_code if isinstance(cause, ArdiffError) else EXIT_BUG)
 
 
-def _pages_short(exc: BaseException | None) -> bool:
+def pages_short(exc: BaseException | None) -> bool:
     """Whether ``exc`` is the KV page pool running short of pages the capacity plan reserved (a
     ``KVCacheExhaustedError`` from pages alone), not memory running out as a cache was copied (one caused by torch's
     ``OutOfMemoryError``)."""
@@ -112,23 +112,29 @@ def _pages_short(exc: BaseException | None) -> bool:
     return False
 
 
+def lighter_resume_hint(budget: str | None, aside: str = "") -> str:
+    """What to change when memory ran out once a run was written (``run.json``): only ``--resume`` goes on, and it
+    keeps the run's dtype and config, so the KV pools (allocated at load) are what a resume can make smaller.
+    ``budget``: what set the memory budget (``budget_change``'s ``source``; None: the free memory)."""
+    pool = ("--gpu-memory-fraction (the share of the free memory the KV pools take)" if budget is None
+            else budget_change(budget, "smaller"))
+    return (f"continue with --resume and a lower --session-capacity or {pool}: a smaller KV pool leaves more memory "
+            f"to the model's activations{aside}; --resume keeps the run's dtype and config, so a smaller dtype or "
+            "model is a new run (another --out)")
+
+
 def _step_hint(phase: str, cause: BaseException, budget: str | None) -> str:
     """``budget``: what set the KV memory budget (``budget_change``'s ``source``; None: the free memory)."""
     if too_many_open_files(cause):  # the environment's limit, in any phase: not the disk's, the file's or the model's
         return open_files_hint("continue with --resume")
     if phase == "write":
         return WRITE_HINT
-    if _pages_short(cause):
+    if pages_short(cause):
         return ("the KV page pool, sized by the capacity plan for every resident session, ran short: the pipeline's "
                 "KV spec or ardiff's plan undercounts this step's pages (report it, with the --verbose traceback); the "
                 "other sessions were untouched; continue with --resume")
-    if is_out_of_memory(cause):  # the KV pools were allocated at load: a resume with smaller ones leaves the model more
-        pool = ("--gpu-memory-fraction (the share of the free memory the KV pools take)" if budget is None
-                else budget_change(budget, "smaller"))
-        return out_of_memory_hint(f"continue with --resume and a lower --session-capacity or {pool}: a smaller KV "
-                                  "pool leaves more memory to the model's activations (the other sessions were "
-                                  "untouched); --resume keeps the run's dtype and config, so a smaller dtype or model "
-                                  "is a new run (another --out)")
+    if is_out_of_memory(cause):
+        return out_of_memory_hint(lighter_resume_hint(budget, " (the other sessions were untouched)"))
     if isinstance(cause, ArdiffError) and cause.hint:
         return cause.hint
     return ("the episode's session was released; the traceback is in results.jsonl (and printed with --verbose); "

@@ -996,6 +996,36 @@ def test_a_step_out_of_memory_hints_at_what_set_the_budget_and_never_at_another_
     assert "--dtype" not in proc.stderr and "use a smaller dtype" not in proc.stderr, proc.stderr
 
 
+def test_memory_running_out_in_a_rollouts_warmup_hints_at_the_resume_not_at_another_dtype(env, data, tmp_path):
+    """Warmup runs once run.json is written: the same command is then refused (OUT holds a run) and --resume keeps
+    the run's dtype and config, yet the hint said "... or use --dtype bfloat16 or a smaller model". It says what a
+    resume can change, as a step's does: the session capacity, or the budget by what set it."""
+    faults = [{"request": "warmup-0", "site": "block", "layer": 0, "action": "memory_error"}]
+    run = tmp_path / "run"
+    args = ["rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--pipeline", PIPELINE,
+            "--format", "plain"]
+    proc = ardiff(env, *args, "--memory-budget", "64MiB", faults=faults)
+    assert proc.returncode == 3, proc.stderr
+    assert ("Error: out of host memory while running the warmup requests: MemoryError\nhint: continue with --resume "
+            "and a lower --session-capacity or a smaller --memory-budget: a smaller KV pool leaves more memory to the "
+            "model's activations; --resume keeps the run's dtype and config, so a smaller dtype or model is a new run "
+            "(another --out)\n") in proc.stderr, proc.stderr
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--format", "plain",
+                  faults=faults)
+    assert proc.returncode == 3, proc.stderr
+    assert (f"hint: continue with --resume and a lower --session-capacity or a smaller --memory-budget (the "
+            f"memory_budget recorded in {run / 'run.json'} set it; one given replaces it for that resume only)") in (
+        proc.stderr), proc.stderr
+    assert "--dtype" not in proc.stderr, proc.stderr
+    # before run.json is written (the model's load), the same command may change anything: the general hint stays
+    faults = [{"site": "load", "action": "memory_error"}]
+    proc = ardiff(env, *args[:4], str(tmp_path / "loading"), *args[5:], faults=faults)
+    assert proc.returncode == 3, proc.stderr
+    assert ("Error: out of host memory while loading the model's weights (from_config()): MemoryError\nhint: lower "
+            "--memory-budget, --session-capacity or --gpu-memory-fraction, or use --dtype bfloat16") in proc.stderr, (
+        proc.stderr)
+
+
 def test_an_address_space_limit_too_small_for_torch_is_out_of_memory_naming_the_limit(env, data, tmp_path):
     """Under `ulimit -v` the loader cannot map torch's (or numpy's) shared libraries: importing torch raised
     `ImportError: libtorch_cpu.so: failed to map segment from shared object`, shown as `unexpected ImportError` with a

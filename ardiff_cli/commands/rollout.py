@@ -27,7 +27,7 @@ from ardiff_cli.commands._common import (
     stop_between_requests,
 )
 from ardiff_cli.errors_cli import (EXIT_CODES_HELP, EpisodesFailed, Interrupted, budget_change, exit_code_for,
-                                  handle_errors, open_files_hint)
+                                  handle_errors, lighter_resume_hint, open_files_hint, pages_short)
 from ardiff_cli.options import (
     ConfigArg,
     DeviceOpt,
@@ -55,6 +55,7 @@ from ardiff_cli.runtime.errors import (
     CapacityError,
     ConfigError,
     ObservationError,
+    is_out_of_memory,
     link_to_nothing,
     link_to_nothing_on,
     not_a_folder,
@@ -1008,6 +1009,10 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     error.hint = "nothing was written yet: run the same command again"
                 if too_many_open_files(error) and not isinstance(error, ArdiffError) and run.holds_run():
                     error.hint = open_files_hint("continue with --resume")  # the same command is refused now
+                if (is_out_of_memory(error) and not isinstance(error, ArdiffError) and not pages_short(error)
+                        and run.holds_run()):  # warmup's: the same command with another --dtype is refused now
+                    with contextlib.suppress(MemoryError):
+                        error.hint = lighter_resume_hint(p.budget_source)
                 if error is exc:
                     raise
                 raise error from exc  # --verbose shows what the stop cut short
