@@ -9,6 +9,7 @@ import shlex
 import signal
 import sys
 import threading
+from types import FrameType
 from typing import Annotated, NoReturn
 
 import typer
@@ -161,10 +162,21 @@ def _end_process(code: object) -> NoReturn:
     if shutdown is None:  # another Python: let the interpreter exit as usual
         sys.stdout = stdout
         raise SystemExit(status)
-    from ardiff_cli.signals import HANDLED, give_back
+    from ardiff_cli.signals import HANDLED
 
+    def cut_the_wait_short(signum: int, frame: FrameType | None) -> None:
+        # Raised only inside the wait: one raised anywhere else in this function (two signals came together, the
+        # second handled as the first's KeyboardInterrupt was caught) left it, a traceback and exit -2 (killed by
+        # SIGINT), not the status
+        while frame is not None:
+            if frame.f_code is shutdown.__code__:
+                raise KeyboardInterrupt
+            frame = frame.f_back
+
+    for signum in HANDLED:  # not one the process was started ignoring (nohup's SIGHUP)
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, cut_the_wait_short)
     try:
-        give_back()  # those a stopped command kept (they only record a signal): Ctrl-C may end the wait below
         shutdown()  # a thread that never ends (a snapshot written to a hung disk) can still be interrupted here
     except KeyboardInterrupt:  # the status is decided: it only cut the wait short (it was a traceback, and exit -2)
         pass

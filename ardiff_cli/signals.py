@@ -20,6 +20,12 @@ if the run comes back to a safe point, and :meth:`StopSignals.outcome` (which
 leaving the ``with`` block applies) makes it what ended a command that failed
 after it.
 
+Several signals stop the command with the first one's exit code (128 + its number), whichever acts on it: the
+second, in a step, stops it at once, but SIGTERM then Ctrl-C exits 143. Python runs the handlers of signals that came
+while the main thread was inside one call (a torch op) in the order of their numbers, SIGINT's before SIGTERM's, not
+in the order they came: the order they came in is read from the signal module's wakeup file descriptor, where the
+process's C handler writes each signal's number as it arrives (``_first_to_arrive``).
+
 A signal the process was started ignoring stays ignored: ``nohup`` ignores
 SIGHUP, and a shell ignores SIGINT for a script's background jobs.
 """
@@ -27,6 +33,7 @@ SIGHUP, and a shell ignores SIGINT for a script's background jobs.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -46,6 +53,8 @@ _held: dict[int, object] = {}
 give_back_after_command = True
 # the most a step's end waits for the notice of a signal that came in it (``StopSignals._noticed``)
 NOTICE_WAIT_S = 5.0
+# the pipe the signal module writes each signal's number to as it arrives (its wakeup fd), made once: (read, write)
+_arrivals: tuple[int, int] | None = None
 
 
 class StopSignals:
@@ -69,6 +78,8 @@ class StopSignals:
         self._starting_notice = False  # the handler is starting that thread
         self._stopping = False  # a stop was raised already: later signals are only recorded
         self.raised: int | None = None  # the signal the handler raised as ``Interrupted``
+        self.first: int | None = None  # the first signal to arrive: the one a stop is raised for
+        self._wakeup: int | None = None  # the wakeup fd this one replaced (``_listen``), to put back
         # signals that arrived once the stop was raised or the outcome held: the teardown may cut its optional work
         # short for one (a stopped rollout saving its resident sessions for --resume)
         self.after_stop: list[int] = []
@@ -79,7 +90,26 @@ class StopSignals:
             for signum in HANDLED:
                 if signal.getsignal(signum) is not signal.SIG_IGN:
                     self._previous[signum] = signal.signal(signum, self._handle)
+            self._listen()
         return self
+
+    def _listen(self) -> None:
+        """Make ``_arrivals`` the wakeup fd, unless another one is (asyncio's loop, an outer StopSignals' own)."""
+        global _arrivals
+        try:
+            if _arrivals is None:
+                read, write = os.pipe()
+                os.set_blocking(read, False)
+                os.set_blocking(write, False)
+                _arrivals = read, write
+            previous = signal.set_wakeup_fd(_arrivals[1], warn_on_full_buffer=False)
+        except (OSError, ValueError):  # no pipe to be had (no descriptor left), or not one it takes (Windows)
+            return
+        if previous != -1:  # someone else's: it is theirs, and the order of arrival is not known
+            signal.set_wakeup_fd(previous)
+        else:
+            _drain()  # a signal that came before this command is none of its
+            self._wakeup = previous
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         for signum, handler in self._previous.items():
@@ -90,6 +120,9 @@ class StopSignals:
             else:
                 signal.signal(signum, handler)
         self._previous.clear()
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._wakeup)
+            self._wakeup = None
         stop = exc if exc is None else self.outcome(exc)
         if stop is not exc:  # the block failed after a stop was raised into it: the stop is what ended it
             raise stop from exc
@@ -108,17 +141,21 @@ class StopSignals:
         first = self.pending is None
         if self._stopping:
             self.after_stop.append(signum)
+        if self.first is None:  # not always this one: of two that came inside one torch op, SIGINT is handled first
+            self.first = _first_to_arrive(tuple(self._previous)) or signum
+        else:
+            _drain()
         if self._depth or self._stopping or _importing(frame) or (self._steps and first):
-            self.pending = self.pending or signum
+            self.pending = self.pending or self.first
             if first and self._steps and not self._stopping and self._notice is not None:
-                self._start_notice(signum)
+                self._start_notice(self.first)
                 if self._again is not None:  # a second signal came while it started: handled now, as it asks
                     again, self._again = self._again, None
                     self._handle(again, frame)
             return
         self._stopping = True
-        self.raised = signum
-        raise Interrupted(signum)
+        self.raised = self.first  # a second signal stops at once, but as the first: SIGTERM then Ctrl-C exits 143
+        raise Interrupted(self.first)
 
     def _start_notice(self, signum: int) -> None:
         """Show the notice of signal ``signum`` on a thread of its own, which the step's end waits for
@@ -212,6 +249,22 @@ def give_back() -> None:
     while _held:
         signum, handler = _held.popitem()
         signal.signal(signum, handler)
+
+
+def _drain() -> bytes:
+    """The numbers of the signals that arrived since the last call, in the order they came (``_arrivals``)."""
+    if _arrivals is None:
+        return b""
+    got = b""
+    with contextlib.suppress(OSError):  # empty (BlockingIOError)
+        while chunk := os.read(_arrivals[0], 512):
+            got += chunk
+    return got
+
+
+def _first_to_arrive(handled: tuple[int, ...]) -> int | None:
+    """The first of the signals in ``handled`` that arrived since the last ``_drain``, if the wakeup fd says."""
+    return next((signum for signum in _drain() if signum in handled), None)
 
 
 def _importing(frame: FrameType | None) -> bool:

@@ -26,7 +26,11 @@ Each fault is a JSON object:
   (``typer.Exit(0)``: an exception whose ``exit_code`` is 0), ``emfile`` (``OSError`` EMFILE), ``torch_oom``
   (``torch.OutOfMemoryError``), ``runtime_error`` (a ``RuntimeError`` of the fault's ``message``), ``sleep`` (touch
   ``marker``, then sleep ``seconds``, or until the file ``release``
-  exists: for signals that must arrive in the middle of a forward), ``swallow_signal`` (send the process SIGTERM
+  exists: for signals that must arrive in the middle of a forward), ``torch_wait`` (touch ``marker``, then wait in
+  one torch call, ``torch.futures.Future.wait``, until the file ``release`` exists: signals that come meanwhile are
+  handled together as it returns, in the order of their numbers), ``linger`` (a thread keeps the process from
+  exiting until ``release`` exists, and touches ``marker`` once the process waits for it; the main thread takes no
+  SIGINT or SIGTERM from then on), ``swallow_signal`` (send the process SIGTERM
   twice inside ``try: ... except Exception: pass`` and go on, as a pipeline or library that catches everything
   would: the first only asks the step to finish, the second is raised there) or ``wrap_signal`` (the same, then
   raise its own error ``from`` what it caught);
@@ -78,6 +82,15 @@ def _act(fault: dict[str, Any], message: str) -> None:
             if fault["action"] == "wrap_signal":
                 raise InjectedFault(message) from exc
         return
+    if fault.get("action") == "torch_wait":  # the main thread in one torch call that checks no signal meanwhile
+        Path(fault["marker"]).write_text(message)
+        done = torch.futures.Future()
+        threading.Thread(target=_complete_when, args=(done, fault["release"]), daemon=True).start()
+        done.wait()  # Python runs the handlers of the signals that came meanwhile once it returns
+        return
+    if fault.get("action") == "linger":
+        _linger(fault)
+        return
     if fault.get("action", "raise") == "sleep":
         Path(fault["marker"]).write_text(message)
         deadline, release = time.monotonic() + float(fault.get("seconds", 120)), fault.get("release")
@@ -102,6 +115,30 @@ def _act(fault: dict[str, Any], message: str) -> None:
         raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some "
                            "other API call, so the stacktrace below might be incorrect.")
     raise InjectedFault(message)
+
+
+def _complete_when(done: torch.futures.Future, release: str) -> None:
+    while not Path(release).exists():
+        time.sleep(0.02)
+    done.set_result(None)
+
+
+def _linger(fault: dict[str, Any]) -> None:
+    """Keep the process from exiting until ``release`` exists, with a thread that never ends before (a snapshot
+    written to a hung disk), which touches ``marker`` once the main thread waits for it as the process exits. The
+    main thread takes no SIGINT or SIGTERM from here on: they come to that thread, so the wait for that one is not
+    cut short and the handlers of those that came meanwhile run together as it ends."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+    def linger() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # a new thread has its maker's
+        while threading.main_thread().is_alive():  # until the interpreter's exit marks it stopped, then waits
+            time.sleep(0.02)
+        Path(fault["marker"]).write_text("exiting")
+        while not Path(fault["release"]).exists():
+            time.sleep(0.02)
+
+    threading.Thread(target=linger, name="lingering", daemon=False).start()
 
 
 @contextlib.contextmanager

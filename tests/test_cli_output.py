@@ -398,6 +398,32 @@ def test_the_first_signal_in_a_step_lets_it_finish_and_a_second_stops_it_at_once
         signal.raise_signal(signal.SIGINT)
 
 
+@pytest.mark.parametrize(("first", "second"), [(signal.SIGTERM, signal.SIGINT), (signal.SIGINT, signal.SIGTERM),
+                                               (signal.SIGHUP, signal.SIGTERM)])
+def test_a_second_different_signal_as_the_step_waits_for_the_notice_stops_as_the_first(first, second):
+    # The second stopped the run at once with its own code: SIGTERM, then Ctrl-C as the step's end waited for the
+    # notice of the SIGTERM, exited 130.
+    main = threading.main_thread()
+
+    def waiting_for_the_notice() -> bool:
+        frame = sys._current_frames().get(main.ident)
+        while frame is not None and frame.f_code.co_name != "_noticed":
+            frame = frame.f_back
+        return frame is not None
+
+    def notice(signum: int) -> None:
+        notices.append(signum)
+        while not waiting_for_the_notice():  # the main thread has left the step and waits for this thread
+            time.sleep(0.001)
+        signal.pthread_kill(main.ident, second)  # to the main thread: it cuts that wait short
+
+    notices: list[int] = []
+    with StopSignals(notice=notice) as signals, pytest.raises(Interrupted) as info:
+        with signals.step():
+            signal.raise_signal(first)
+    assert info.value.exit_code == 128 + first and notices == [first]
+
+
 def test_a_signal_during_an_import_is_raised_at_the_next_check_not_inside_the_import(tmp_path, monkeypatch):
     # Raised inside an import, it left the module half-imported (torch's numpy: "module 'numpy' has no attribute
     # 'void'" later) or was caught by the import machinery's and libraries' error handling around it.

@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -329,6 +330,117 @@ def test_signal_in_the_middle_of_a_forward_then_resume(env, data, reference, tmp
         (e, s) for e in EPISODES for s in range(3))  # nothing run twice, nothing missing
     assert json.loads((run / "summary.json").read_text())["steps"]["replayed"] == (signals == 2)  # arm_c's step 0
     assert_matches(run, reference)
+
+
+TWO_SIGNALS = [(signal.SIGTERM, signal.SIGINT), (signal.SIGINT, signal.SIGTERM), (signal.SIGHUP, signal.SIGTERM)]
+
+
+def send_and_wait_delivered(proc: subprocess.Popen, signum: int) -> None:
+    """``signum`` to ``proc``, then wait until a thread of it took the signal (its C handler ran: the bit left
+    the process's pending set, /proc/PID/status ShdPnd), even while Python waits to run the handler's Python half.
+    Sent before, the next signal would be pending with it, and the kernel hands two pending signals to a thread
+    together: their C handlers ran in no order the test chose."""
+    proc.send_signal(signum)
+    deadline = time.monotonic() + 300
+    while True:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        if not int(re.search(r"^ShdPnd:\s*([0-9a-f]+)", status, re.M).group(1), 16) & (1 << (signum - 1)):
+            return
+        assert proc.poll() is None and time.monotonic() < deadline, f"signal {signum} never delivered"
+        time.sleep(0.001)
+
+
+def two_signals(env, args: list[str], faults: list[dict], tmp_path: Path, first: int, second: int, *,
+                notice: bool = False) -> tuple[subprocess.Popen, str]:
+    """``ardiff ARGS`` with ``faults`` (a ``sleep`` or ``torch_wait`` one given this test's marker and release
+    files): ``first`` then ``second`` once the process waits in that fault; after the first's notice for a ``sleep``
+    in a step (``notice``: its handler ran), both inside the one torch call for a ``torch_wait``, which then ends.
+    (The exited process, its stderr.)"""
+    marker, release, log = tmp_path / "in-fault", tmp_path / "release", tmp_path / "stderr"
+    faults = [{**f, "marker": str(marker), "release": str(release)} for f in faults]
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, text=True,
+                                env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, stdout=subprocess.PIPE,
+                                stderr=stderr)
+    try:
+        wait_for_marker(proc, marker, "the fault")
+        send_and_wait_delivered(proc, first)
+        if notice:
+            wait_for_marker(proc, log, "the notice of the first signal", text=NOTICE)
+        send_and_wait_delivered(proc, second)
+        release.touch()  # a torch_wait returns, and its signals are handled; a sleep was cut short already
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return proc, log.read_text()
+
+
+@pytest.mark.parametrize("wait", ["sleep", "torch_wait"])
+@pytest.mark.parametrize(("first", "second"), TWO_SIGNALS)
+def test_two_different_signals_in_a_step_exit_with_the_first_ones_code(env, data, tmp_path, first, second, wait):
+    # The second stopped the step at once and its code was the exit code: SIGTERM then Ctrl-C exited 130. Two that
+    # came inside one torch op were handled in the order of their numbers (SIGINT's first), not as they came: the
+    # notice named SIGINT and the run exited 143, or (SIGHUP then SIGTERM) 143 for 129.
+    run = tmp_path / "run"
+    faults = [{"request": "arm_c/000001", "site": "block", "layer": 0, "call": 2, "action": wait}]
+    proc, err = two_signals(env, rollout_args(data, run), faults, tmp_path, first, second, notice=wait == "sleep")
+    name = signal.Signals(first).name
+    assert proc.returncode == 128 + first, err
+    assert f"{name}: {NOTICE}" in err and err.count(NOTICE) == 1, err
+    assert f"interrupted by {name}" in err and f"interrupted by {signal.Signals(second).name}" not in err, err
+    assert ("arm_c", 1) not in [(r["episode"], r["step"]) for r in records(run)]  # the second stopped it at once
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+
+
+@pytest.mark.parametrize("phase", ["load", "warmup", "warmup command"])
+@pytest.mark.parametrize(("first", "second"), TWO_SIGNALS)
+def test_two_different_signals_in_one_torch_op_as_the_model_loads_or_warms_up_exit_with_the_first_ones_code(
+        env, data, tmp_path, first, second, phase):
+    # There the first is raised at once, and the handlers of two that came inside one torch op run in the order of
+    # their numbers: SIGTERM then Ctrl-C raised SIGINT's stop first, exit 130.
+    run = tmp_path / "run"
+    if phase == "load":
+        faults, args = [{"site": "load", "action": "torch_wait"}], rollout_args(data, run)
+    else:
+        faults = [{"request": "warmup-0", "site": "block", "layer": 0, "action": "torch_wait"}]
+        args = [a for a in rollout_args(data, run) if a != "--no-warmup"]
+        if phase == "warmup command":
+            args = ["warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, "--format", "plain"]
+    proc, err = two_signals(env, args, faults, tmp_path, first, second)
+    assert proc.returncode == 128 + first, err
+    assert f"interrupted by {signal.Signals(first).name}" in err and err.count("Error:") == 1, err
+
+
+def test_signals_that_come_together_as_a_stopped_run_exits_keep_its_exit_code(env, data, tmp_path):
+    # As the process exits, a signal cuts short its wait for a thread that does not end; one more handled just
+    # after (two came together: the second's handler ran as the first's stop was caught) left _end_process with a
+    # traceback, and the process was killed by SIGINT (-2) instead of exiting 143.
+    run = tmp_path / "run"
+    exiting, let_go = tmp_path / "exiting", tmp_path / "let-go"
+    faults = [{"request": "arm_a/000000", "site": "block", "layer": 0, "action": "linger", "marker": str(exiting),
+               "release": str(let_go)},
+              {"request": "arm_b/000001", "site": "block", "layer": 0, "action": "sleep"}]
+    marker, release, log = tmp_path / "in-fault", tmp_path / "release", tmp_path / "stderr"
+    faults[1].update(marker=str(marker), release=str(release))
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *rollout_args(data, run)], cwd=REPO, text=True,
+                                env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, stdout=subprocess.PIPE,
+                                stderr=stderr)
+    try:
+        wait_for_marker(proc, marker, "the fault")
+        proc.send_signal(signal.SIGTERM)  # the step finishes, then the run stops: exit 143
+        wait_for_marker(proc, log, "the notice of the first signal", text=NOTICE)
+        release.touch()
+        wait_for_marker(proc, exiting, "the wait for the lingering thread")
+        send_and_wait_delivered(proc, signal.SIGINT)  # both handled as that thread ends: the main thread takes
+        send_and_wait_delivered(proc, signal.SIGTERM)  # neither, nor is its wait cut short
+        let_go.touch()
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    err = log.read_text()
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and err.count("Error: interrupted by SIGTERM") == 1, err
 
 
 def test_a_step_that_fails_after_the_first_signal_is_recorded_whole_then_the_run_stops(env, data, reference, tmp_path):
