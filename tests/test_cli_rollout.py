@@ -3040,6 +3040,46 @@ def follow_until_run_json_is_refused(env, data, live: Path, run: Path,
     return proc.returncode, stderr
 
 
+@pytest.mark.parametrize("end_at", [0, 2], ids=["end-first", "end-after-step-0"])
+def test_a_finished_episode_copied_into_a_watched_folder_end_first_runs_every_step_once(env, data, tmp_path, end_at):
+    """A finished episode copied into a watched folder of episodes: rsync sends names sorted (END before episode.yaml
+    and step_*), cp -r and shutil.copytree in the order the folder lists them, so END may come before step files.
+    The episode failed ("its END marker came before any step file") or ended at END with its later steps left
+    unrun; END now counts once the folder stayed the same for a moment, and each step runs once, in order, with the
+    outputs of a plain rollout of the episode."""
+    recorded, watched, run, ref, log = (tmp_path / "rec" / "ep", tmp_path / "robots", tmp_path / "run",
+                                        tmp_path / "ref", tmp_path / "stderr")
+    write_episode(recorded, steps_of(0, 4), prompt="task ep")
+    write_episode(watched / "seed", steps_of(1, 1), prompt="task seed")  # a folder of episodes from the start
+    plain = ardiff(env, "rollout", str(data / "fast.yaml"), str(recorded), "--out", str(ref), "--no-warmup")
+    assert plain.returncode == 0, plain.stderr
+    names = sorted(p.name for p in recorded.iterdir() if p.name != "END")
+    names.insert(end_at, "END")  # as the copy writes them
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(watched),
+                                 "--out", str(run), "--follow", "--idle-timeout", "2", "--no-warmup", "--format",
+                                 "plain"], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=stderr)
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)  # the seed ran: the run follows the folder
+        (watched / "ep").mkdir()
+        for i, name in enumerate(names):
+            shutil.copy2(recorded / name, watched / "ep" / name)
+            if i == 0:
+                wait_for_marker(proc, log, "the copied episode joining the run", text="episode_added ep ")
+            time.sleep(0.1)  # the next file comes a moment later, as a copy of larger files would
+        proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    stderr = log.read_text()
+    assert proc.returncode == 0, stderr
+    assert "did not run" not in stderr and "Error" not in stderr, stderr
+    assert [(r["step"], r["chunk"]) for r in records(run) if r["episode"] == "ep"] == [(s, s) for s in range(4)]
+    expected = sorted(p.relative_to(ref) for p in (ref / "episodes").rglob("*.safetensors"))
+    assert sorted(p.relative_to(run) for p in (run / "episodes" / "ep").rglob("*.safetensors")) == expected
+    for name in expected:  # the outputs of a plain rollout of the episode, byte for byte
+        assert (run / name).read_bytes() == (ref / name).read_bytes(), name
+
+
 def test_an_episode_folder_that_cannot_be_added_to_run_json_stops_the_run_naming_both(env, data, tmp_path):
     """A robot starts an episode folder while the run's folder refuses writes (a full disk, a folder gone
     read-only): run.json cannot list it, so --resume would not find its outputs. The run stops there (exit 1) with
@@ -3658,14 +3698,19 @@ def test_step_files_that_arrive_after_their_episode_ended_are_listed_in_the_summ
     live, run = tmp_path / "live", tmp_path / "run"
     write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a")  # its END is there from the start
     write_episode(live / "arm_b", steps_of(1, 3)[:1], prompt="task arm_b", end=False)  # ends at --idle-timeout
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--idle-timeout",
-                 "5", "--no-warmup", "--format", "plain")
+    log = tmp_path / "stderr"
+    with log.open("w") as errors:
+        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(live),
+                                 "--out", str(run), "--follow", "--idle-timeout", "5", "--no-warmup", "--format",
+                                 "plain"], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=errors)
     try:
-        wait_for_lines(run / "results.jsonl", 2, proc)  # both first steps ran: arm_a has ended
+        # its END counts once its folder stayed the same a moment: a file written before is not late
+        wait_for_marker(proc, log, "arm_a's end", text="arm_a ended (end_marker)")
         write_episode(live / "arm_a", steps_of(0, 3)[1:2], first_step=1)
-        stdout, stderr = proc.communicate(timeout=300)
+        proc.communicate(timeout=300)
     finally:
         proc.kill()
+    stderr = log.read_text()
     assert proc.returncode == 0, stderr
     assert "step_000001.safetensors arrived in" in stderr and "after its END file was seen and did not run" in stderr
     episodes = json.loads((run / "summary.json").read_text())["episodes"]

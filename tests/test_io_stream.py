@@ -1120,12 +1120,12 @@ def test_follow_waits_for_a_step_file_named_without_a_step_number_to_be_renamed(
     assert str(ended.error) == f"{stray / 'notes.safetensors'}: step file name has no step number"
     assert scheduler.next() is None
 
-    # one there when the run starts is waited for too: with END there already, the episode fails before any step
+    # one there when the run starts is waited for too, and fails the episode once END counts (its folder the same
+    # for a moment: a copy may make END before the step files), whole steps there running until then
     scheduler = StepScheduler(discover_episodes([stray]), follow=True, idle_timeout=100, poll_interval=1,
                               clock=clock, sleep=clock.sleep)
-    ended = scheduler.next()
-    assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
-    assert str(ended.error) == f"{stray / 'notes.safetensors'}: step file name has no step number"
+    stray_error = f"{stray / 'notes.safetensors'}: step file name has no step number"
+    assert _items(scheduler) == [("stray", 0, "stray"), ("stray", "error", stray_error)]
 
 
 def test_follow_waits_for_a_temporary_name_already_there_when_the_run_starts(tmp_path):
@@ -1225,9 +1225,12 @@ def test_a_temporary_name_holding_a_digit_left_in_an_episode_fails_it_naming_it(
     assert str(ended.error) == message.format(left / "tmpk3jx9a1b.safetensors")
     assert "delete it, or rename it" in ended.error.hint
 
-    # following: at END, and at the idle timeout (its growth kept the episode going until it stopped)
-    ended = StepScheduler(discover_episodes([left]), follow=True, idle_timeout=100, poll_interval=1,
-                          clock=(clock := FakeClock()), sleep=clock.sleep).next()
+    # following: at END (once it counts: step 0 runs first), and at the idle timeout (its growth kept the episode
+    # going until it stopped)
+    scheduler = StepScheduler(discover_episodes([left]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=(clock := FakeClock()), sleep=clock.sleep)
+    assert scheduler.next().file.step == 0
+    ended = scheduler.next()
     assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
     assert str(ended.error) == message.format(left / "tmpk3jx9a1b.safetensors")
     stuck = tmp_path / "stuck"
@@ -1588,6 +1591,35 @@ def test_follow_sequential_waits_for_the_first_episodes_next_step_instead_of_sta
     while (item := scheduler.next()) is not None:
         items.append((item.episode.name, item.file.step if isinstance(item, StepTask) else item.reason))
     assert items == [("a", 0), ("a", 1), ("a", "end_marker"), ("b", 0), ("b", 1), ("b", "end_marker")]
+
+
+def test_follow_an_end_copied_before_the_step_files_waits_for_them(tmp_path):
+    """A copy of a finished episode made END before its step files (rsync sends names sorted, END first; cp -r in
+    listing order): the episode failed (its END marker came before any step file), or ended after the steps there,
+    the others late. END counts once the folder's names stayed the same for a moment: each step runs once, in order."""
+    recorded, folder = tmp_path / "recorded", tmp_path / "copy"
+    write_episode(recorded, [good(0), good(1), good(2)], prompt="p")
+    folder.mkdir()
+    for name in ("END", "episode.yaml"):
+        shutil.copy2(recorded / name, folder / name)
+    clock = FakeClock([lambda step=step: shutil.copy2(recorded / f"step_{step:06d}.safetensors", folder)
+                       for step in range(3)])  # a file at each poll
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=0.2,
+                              clock=clock, sleep=clock.sleep)
+    assert _drain(scheduler) == [("copy", 0), ("copy", 1), ("copy", 2), ("copy", "end_marker")]
+    assert scheduler.late == {}
+
+
+def test_follow_an_end_in_a_folder_that_keeps_getting_other_files_ends_it_by_the_idle_timeout(tmp_path):
+    """END counts once its folder's names stayed the same for a moment; a camera writing frames there all along
+    must not keep the episode waiting forever: END then counts once no step came for the idle timeout."""
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0)], prompt="p")
+    clock = FakeClock([lambda i=i: (folder / f"frame_{i}.png").touch() for i in range(1000)])
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=3, poll_interval=0.2,
+                              clock=clock, sleep=clock.sleep)
+    assert _drain(scheduler) == [("live", 0), ("live", "end_marker")]
+    assert 3 <= clock.now < 4
 
 
 def test_follow_end_marker_waits_for_a_step_file_first_seen_with_it(tmp_path):

@@ -5,7 +5,8 @@ each active episode in turn, the way several robots share one model;
 sequential finishes an episode before starting the next. With ``follow``, an
 episode's folder is rescanned for new step files until its END marker appears
 (and every step before it ran) or no new file arrived for ``idle_timeout``
-seconds.
+seconds. END counts once the folder's names stayed the same for ``_END_SETTLE``
+seconds after it was seen: a copy of a finished episode may make it first.
 
 A follower only takes a file once its size and mtime were the same at two polls
 and its bytes are whole (a safetensors file as long as its header says, an .npz
@@ -65,6 +66,10 @@ _RSYNC_TEMPORARY = re.compile(rf"\.{_STEP_NAME}\.[A-Za-z0-9]{{6}}")
 # stand for (longer than a timestamp's tick: 2 s on FAT, 1 s on ext4 with small inodes; a few ms with sub-second
 # stamps), and how often a folder whose timestamps did not change is listed anyway (see StepScheduler._listing)
 _SETTLE, _SETTLE_COARSE, _RELIST = 0.5, 3.0, 5.0
+# follow: how long an episode folder's names must stay the same, once its END file was seen, for END to end it: a copy
+# of a finished episode may make END before the step files (rsync sends names sorted, END first; cp -r and copytree in
+# listing order), each file right after the one before
+_END_SETTLE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +121,7 @@ class _Track:
     # follow: files named like steps but without a step number, or under a writer's temporary name (is_temporary_name)
     unnumbered: list[Path] = field(default_factory=list)
     first_file: tuple[str, int, int] | None = None  # follow: name, inode and mtime of its first step file taken
+    end_seen: tuple[float, frozenset[str]] | None = None  # follow: since when its folder held these names, END one
 
 
 class StepScheduler:
@@ -436,7 +442,7 @@ class StepScheduler:
             return False
         if not self.follow:
             return True
-        if not track.source.has_end_marker():
+        if not track.source.has_end_marker() or not self._end_settled(track):
             return False
         self._guarded_scan(track, force=True)  # a step written just before the marker
         return track.cursor >= len(track.files) and not track.looks and not track.ended
@@ -445,6 +451,8 @@ class StepScheduler:
         if not self.follow:
             return "complete"
         if track.source.has_end_marker():
+            if not self._end_settled(track):
+                return None
             self._guarded_scan(track, force=True)
             if track.ended:  # the scan failed it: its error is queued, not an end_marker too
                 return None
@@ -468,6 +476,24 @@ class StepScheduler:
                               "or raise --idle-timeout")
             return "idle_timeout"
         return None
+
+    def _end_settled(self, track: _Track) -> bool:
+        """Whether ``track``'s END file ends it now: its folder's names stayed the same for ``_END_SETTLE`` seconds
+        since END was seen, and no step file is being written under a temporary name meanwhile. A copy of a finished
+        episode may make END first (rsync sends names in sorted order, END before episode.yaml and step_*; cp -r and
+        shutil.copytree in the order the folder lists them): ended at once, its step files came after it and never
+        ran, or it failed as an END with no step file."""
+        try:
+            names = frozenset(os.listdir(track.source.path))
+        except OSError:  # gone or unreadable: the scan says so
+            return True
+        now = self._clock()
+        writing = self._still_writing(track, self.idle_timeout)
+        if track.end_seen is None or track.end_seen[1] != names or writing:
+            track.end_seen = (now, names)
+            # other files made there all along (a camera's frames): END counts once no step came for the idle timeout
+            return not writing and now - track.last_activity >= self.idle_timeout
+        return now - track.end_seen[0] >= _END_SETTLE
 
     @staticmethod
     def _still_writing(track: _Track, idle_timeout: float) -> bool:
