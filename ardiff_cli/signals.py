@@ -87,10 +87,21 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for signum in HANDLED:
-                if signal.getsignal(signum) is not signal.SIG_IGN:
-                    self._previous[signum] = signal.signal(signum, self._handle)
-            self._listen()
+            # A signal while the handlers and the wakeup fd are being set is only recorded, and raised once they are:
+            # raised out of here, with no __exit__ to follow, it left the wakeup fd and the handler set for good
+            self._depth += 1
+            try:
+                try:
+                    for signum in HANDLED:
+                        if signal.getsignal(signum) is not signal.SIG_IGN:
+                            self._previous[signum] = signal.signal(signum, self._handle)
+                    self._listen()
+                finally:
+                    self._depth -= 1
+                self._raise_pending()
+            except BaseException as exc:  # that stop (or a handler not yet replaced raised): undo, as the end does
+                self.__exit__(type(exc), exc, exc.__traceback__)
+                raise
         return self
 
     def _listen(self) -> None:
@@ -260,6 +271,29 @@ def _drain() -> bytes:
         while chunk := os.read(_arrivals[0], 512):
             got += chunk
     return got
+
+
+def _leave_arrivals() -> None:
+    """In a child forked from this process (a pipeline's worker): ``_arrivals`` is the parent's pipe, and the wakeup fd
+    the child inherited writes to it. A signal the child took (a worker stopped by SIGTERM) was read by the parent as
+    the first of its own, and the child's handler could read the parent's: the child lets go of it."""
+    global _arrivals
+    if _arrivals is None:
+        return
+    try:
+        previous = signal.set_wakeup_fd(-1)
+    except ValueError:  # not this interpreter's main thread: the pipe stays, a number reused must not be written to
+        return
+    if previous != _arrivals[1]:  # not the pipe: someone else's, put back
+        signal.set_wakeup_fd(previous)
+    for fd in _arrivals:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _arrivals = None
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_leave_arrivals)
 
 
 def _first_to_arrive(handled: tuple[int, ...]) -> int | None:

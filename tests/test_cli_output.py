@@ -1053,6 +1053,60 @@ def test_nested_stop_signals_give_back_the_handlers_from_before_the_outer_one(ou
         signal.raise_signal(signal.SIGINT)
 
 
+@pytest.mark.parametrize("at", ["_listen", "_drain"])
+def test_a_signal_as_stop_signals_takes_the_signals_stops_it_and_leaves_nothing_of_it_set(at):
+    # One handled inside __enter__ (its handlers installed; before or after it made its pipe the wakeup fd) raised
+    # the stop out of it: no __exit__, so the wakeup fd stayed set to the pipe, and the handler, never held for
+    # give_back, stayed installed for good (a caller in-process could no longer interrupt anything).
+    from ardiff_cli.signals import _drain
+
+    code = {"_listen": StopSignals._listen.__code__, "_drain": _drain.__code__}[at]
+    before = {signum: signal.getsignal(signum) for signum in HANDLED}
+    tracing = sys.gettrace()
+
+    def deliver(frame, event, arg):  # a real signal, as the setup reaches ``at``
+        if event == "call" and frame.f_code is code:
+            sys.settrace(tracing)
+            signal.raise_signal(signal.SIGINT)
+
+    with pytest.raises(Interrupted) as info:
+        sys.settrace(deliver)
+        try:
+            with StopSignals():
+                pytest.fail("the block ran")
+        finally:
+            sys.settrace(tracing)
+    give_back()  # as the command's end does (handle_errors)
+    assert info.value.exit_code == 130
+    assert signal.set_wakeup_fd(-1) == -1
+    assert {signum: signal.getsignal(signum) for signum in HANDLED} == before
+
+
+def test_a_signal_a_forked_worker_takes_is_not_taken_for_one_that_came_to_the_command():
+    # A child forked in the block (a pipeline's worker process) kept the pipe the signal module writes the number of
+    # each signal to as it arrives: one that stops cleanly on SIGTERM wrote 15 there as it was stopped, and a Ctrl-C
+    # later stopped the command as the SIGTERM, `Error: interrupted by SIGTERM`, exit 143.
+    import os
+
+    with pytest.raises(Interrupted) as info, StopSignals():
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the worker: never back into pytest
+            try:
+                signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+                os.write(write, b"r")
+                time.sleep(60)
+            finally:
+                os._exit(1)
+        os.close(write)
+        os.read(read, 1)  # its handler is set
+        os.close(read)
+        os.kill(pid, signal.SIGTERM)
+        assert os.waitpid(pid, 0)[1] == 0  # it took the SIGTERM
+        signal.raise_signal(signal.SIGINT)
+    assert info.value.exit_code == 130
+
+
 def test_signals_after_the_stop_are_listed_but_not_the_stop_itself():
     with StopSignals() as signals:
         with pytest.raises(Interrupted):

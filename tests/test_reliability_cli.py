@@ -1138,6 +1138,22 @@ def test_memory_running_out_in_a_rollouts_warmup_hints_at_the_resume_not_at_anot
         proc.stderr)
 
 
+def test_memory_running_out_as_a_resume_loads_the_weights_hints_at_no_kv_pool(env, data, tmp_path):
+    """A resume holds run.json from its start, so memory running out as it loaded the model's weights got the
+    warmup's hint: a lower --session-capacity or a smaller budget, "a smaller KV pool leaves more memory to the
+    model's activations", though the pools are sized and allocated only once the weights are loaded."""
+    run = tmp_path / "run"
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0, "action": "memory_error"}]
+    assert ardiff(env, *rollout_args(data, run, "--fail-fast"), faults=faults).returncode == 3
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--format", "plain",
+                  faults=[{"site": "load", "action": "memory_error"}])
+    assert proc.returncode == 3, proc.stderr
+    assert "Error: out of host memory while loading the model's weights (from_config()): MemoryError\n" in (
+        proc.stderr), proc.stderr
+    assert "KV pool" not in proc.stderr and "--session-capacity" not in proc.stderr, proc.stderr
+    assert "--dtype" not in proc.stderr and "continue with --resume" in proc.stderr, proc.stderr
+
+
 def test_an_address_space_limit_too_small_for_torch_is_out_of_memory_naming_the_limit(env, data, tmp_path):
     """Under `ulimit -v` the loader cannot map torch's (or numpy's) shared libraries: importing torch raised
     `ImportError: libtorch_cpu.so: failed to map segment from shared object`, shown as `unexpected ImportError` with a

@@ -49,6 +49,7 @@ from ardiff_cli.options import (
 )
 from ardiff_cli.output import Format, Output, lost_stdout_stop, visible
 from ardiff_cli.runtime.errors import (
+    KV_POOLS_PHASE,
     UTF8_LOCALE_HINT,
     ArdiffError,
     BudgetBeyondDeviceError,
@@ -66,6 +67,10 @@ from ardiff_cli.runtime.errors import (
     unencodable,
 )
 
+# Memory ran out as a resume loaded its model, before the KV pools (sized by the budget and session capacity)
+RESUME_LOAD_HINT = ("the run's model, in its dtype and config (--resume keeps them), needs more memory than is free "
+                    "now: free some (another process using it?) and continue with --resume, or start a new run with "
+                    "a smaller dtype or model (another --out)")
 DEMO_SESSION_CAPACITY = 2  # the demo has 3 episodes: with 2 resident sessions, LRU eviction shows
 DEFAULT_IDLE_TIMEOUT = 60.0  # --follow: seconds without a new step file before an episode ends
 
@@ -1010,9 +1015,11 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 if too_many_open_files(error) and not isinstance(error, ArdiffError) and run.holds_run():
                     error.hint = open_files_hint("continue with --resume")  # the same command is refused now
                 if (is_out_of_memory(error) and not isinstance(error, ArdiffError) and not pages_short(error)
-                        and run.holds_run()):  # warmup's: the same command with another --dtype is refused now
-                    with contextlib.suppress(MemoryError):
-                        error.hint = lighter_resume_hint(p.budget_source)
+                        and run.holds_run()):  # warmup's, a resume's load: the same command with another --dtype
+                    with contextlib.suppress(MemoryError):  # is refused now
+                        # a resume holds run.json as it loads: the KV pools come after the weights (and torch)
+                        error.hint = (lighter_resume_hint(p.budget_source) if plan is not None
+                                      or getattr(error, "ardiff_while", None) == KV_POOLS_PHASE else RESUME_LOAD_HINT)
                 if error is exc:
                     raise
                 raise error from exc  # --verbose shows what the stop cut short

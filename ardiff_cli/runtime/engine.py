@@ -13,6 +13,7 @@ import torch
 from ardiff_cli.runtime.capacity import CapacityPlan
 from ardiff_cli.runtime.config import EngineConfig, load_config
 from ardiff_cli.runtime.errors import (
+    KV_POOLS_PHASE,
     ArdiffWarning,
     CheckpointError,
     ConfigError,
@@ -179,7 +180,7 @@ class ARDiffusionEngine:
         for callback in self._subscribers:
             self._runner.subscribe(callback)
         try:
-            with running_out_of_memory_names("planning and allocating the KV cache pools"):
+            with running_out_of_memory_names(KV_POOLS_PHASE):
                 plan = self._runner.load()
             self._check_spec(self._runner.spec)
             return plan

@@ -144,6 +144,11 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(message in str(exc) for message in _OUT_OF_MEMORY_MESSAGES)
 
 
+# What ran as a model's load sized and allocated its KV pools (``running_out_of_memory_names``): memory running out
+# there, unlike as the weights load before, is what a smaller budget or session capacity helps
+KV_POOLS_PHASE = "planning and allocating the KV cache pools"
+
+
 @contextlib.contextmanager
 def running_out_of_memory_names(what: str) -> Iterator[None]:
     """Memory running out in the block is told as having run out while ``what`` ran ("loading the weights"): a bare
