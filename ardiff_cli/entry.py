@@ -6,6 +6,8 @@ Typer builds the command): ``Error: interrupted``, the error object on stdout un
 SIGTERM and SIGHUP, until a command installs its own handlers (``ardiff_cli.signals``), are raised the same way
 (:class:`Stopped`), exit 143 and 129: by their default action they killed the process, with no word and no error
 object, for the first second or more of every command (imports, reading the config, a resume's results.jsonl).
+Only the first signal is raised, as later: one more raised into the report of the first cut it short (no ``Error:``
+line, a traceback) or made the exit code its own (SIGINT then SIGTERM, 143; SIGTERM then SIGINT, 130).
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import os
 import signal
 import sys
 
-# Python's own is the KeyboardInterrupt of SIGINT; these, left to their default action, would kill the process
-EARLY_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
-stopped_by: int | None = None  # the signal a Stopped was raised for, which Typer turns into its exit 130
+# Python's own handler of SIGINT raises KeyboardInterrupt for every one; SIGTERM's and SIGHUP's default action kills
+EARLY_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+_DEFAULT = {signal.SIGINT: signal.default_int_handler}  # its handling unless the process was started ignoring it
+stopped_by: int | None = None  # the first signal, the one a Stopped was raised for, which Typer turns into its exit 130
 
 
 class Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGHUP before a command took the signals (a KeyboardInterrupt, as Ctrl-C is there)."""
+    """SIGINT, SIGTERM or SIGHUP before a command took the signals (a KeyboardInterrupt, as Python's Ctrl-C)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -29,16 +32,18 @@ class Stopped(KeyboardInterrupt):
 
 def _stop(signum: int, frame: object) -> None:
     global stopped_by
+    if stopped_by is not None:  # the first one's stop is on its way out, or being reported: only that one counts
+        return
     stopped_by = signum
     raise Stopped(signum)
 
 
 def release_early_signals() -> None:
-    """Give SIGTERM and SIGHUP back their default action (the command is over): as the process ends, one of them
+    """Give the signals back their default handling (the command is over): as the process ends, SIGTERM or SIGHUP
     kills it as before, rather than raise a KeyboardInterrupt where nothing is left to report it."""
     for signum in EARLY_SIGNALS:
         if signal.getsignal(signum) is _stop:
-            signal.signal(signum, signal.SIG_DFL)
+            signal.signal(signum, _DEFAULT.get(signum, signal.SIG_DFL))
 
 
 def signal_of(exc: BaseException) -> int:
@@ -57,7 +62,7 @@ def main() -> None:
     if os.environ.get("COLUMNS", "").isdigit() and int(os.environ["COLUMNS"]) == 0:
         del os.environ["COLUMNS"]
     for signum in EARLY_SIGNALS:  # not one the process was started ignoring (nohup's SIGHUP)
-        if signal.getsignal(signum) is signal.SIG_DFL:
+        if signal.getsignal(signum) is _DEFAULT.get(signum, signal.SIG_DFL):
             signal.signal(signum, _stop)
     try:
         from ardiff_cli.app import main as run

@@ -24,7 +24,9 @@ Several signals stop the command with the first one's exit code (128 + its numbe
 second, in a step, stops it at once, but SIGTERM then Ctrl-C exits 143. Python runs the handlers of signals that came
 while the main thread was inside one call (a torch op) in the order of their numbers, SIGINT's before SIGTERM's, not
 in the order they came: the order they came in is read from the signal module's wakeup file descriptor, where the
-process's C handler writes each signal's number as it arrives (``_first_to_arrive``).
+process's C handler writes each signal's number as it arrives (``_handle``). Python also runs a signal's handler
+once for two of the same number that came inside one call (Ctrl-C twice): the wakeup fd has both, so the second
+stops the step at once.
 
 A signal the process was started ignoring stays ignored: ``nohup`` ignores
 SIGHUP, and a shell ignores SIGINT for a script's background jobs.
@@ -36,6 +38,7 @@ import contextlib
 import os
 import signal
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from types import FrameType
 
@@ -149,13 +152,24 @@ class StopSignals:
         if self._starting_notice:  # called inside the handler of the first signal: that one handles it next
             self._again = signum
             return
+        arrived = [number for number in _drain() if number in self._previous]
+        if self.first is None:  # not always this one: of two that came inside one torch op, SIGINT is handled first
+            self.first = arrived[0] if arrived else signum
+        # Python runs a signal's handler once however often it came since the handler last ran (Ctrl-C twice inside
+        # one torch op): the wakeup fd has a byte for each, and those beyond one of a number are signals of their own
+        merged = list((Counter(arrived) - Counter(set(arrived))).elements())
+        for i, one in enumerate([signum, *merged]):
+            try:
+                self._act(one, frame)
+            except Interrupted:
+                self.after_stop.extend(merged[i:])  # after the stop, as if they had come one by one
+                raise
+
+    def _act(self, signum: int, frame: FrameType | None) -> None:
+        """What signal ``signum`` does, the first to arrive being ``self.first`` (``_handle``)."""
         first = self.pending is None
         if self._stopping:
             self.after_stop.append(signum)
-        if self.first is None:  # not always this one: of two that came inside one torch op, SIGINT is handled first
-            self.first = _first_to_arrive(tuple(self._previous)) or signum
-        else:
-            _drain()
         if self._depth or self._stopping or _importing(frame) or (self._steps and first):
             self.pending = self.pending or self.first
             if first and self._steps and not self._stopping and self._notice is not None:
@@ -294,11 +308,6 @@ def _leave_arrivals() -> None:
 
 if hasattr(os, "register_at_fork"):  # not on Windows
     os.register_at_fork(after_in_child=_leave_arrivals)
-
-
-def _first_to_arrive(handled: tuple[int, ...]) -> int | None:
-    """The first of the signals in ``handled`` that arrived since the last ``_drain``, if the wakeup fd says."""
-    return next((signum for signum in _drain() if signum in handled), None)
 
 
 def _importing(frame: FrameType | None) -> bool:

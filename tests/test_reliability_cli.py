@@ -13,6 +13,7 @@ a forward exit 130/143 with complete outputs, and --resume completes every inter
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,11 +22,13 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from ardiff_cli.entry import interrupted_message
 from ardiff_cli.io import write_episode
 from ardiff_cli.io.demo import demo_step
 from pipeline_helpers import NOTICE, outputs, records, stop_inside_a_fault, wait_for_marker
@@ -390,6 +393,104 @@ def test_two_different_signals_in_a_step_exit_with_the_first_ones_code(env, data
     assert f"interrupted by {name}" in err and f"interrupted by {signal.Signals(second).name}" not in err, err
     assert ("arm_c", 1) not in [(r["episode"], r["step"]) for r in records(run)]  # the second stopped it at once
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_the_same_signal_twice_in_one_torch_op_of_a_step_stops_it_at_once(env, data, tmp_path, signum):
+    # Ctrl-C pressed twice while a step was in one torch op: both delivered (two bytes on the wakeup fd), but Python
+    # ran the handler once, so the step finished as for one signal (arm_c's step 1 written), not stopped at once.
+    run = tmp_path / "run"
+    faults = [{"request": "arm_c/000001", "site": "block", "layer": 0, "call": 2, "action": "torch_wait"}]
+    proc, err = two_signals(env, rollout_args(data, run), faults, tmp_path, signum, signum)
+    name = signal.Signals(signum).name
+    assert proc.returncode == 128 + signum, err
+    assert f"{name}: {NOTICE}" in err and err.count(NOTICE) == 1, err
+    assert err.count("Error:") == 1 and "Traceback" not in err, err
+    assert ("arm_c", 1) not in [(r["episode"], r["step"]) for r in records(run)]  # the second stopped it at once
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+
+
+# imported first of all as ardiff imports its commands: this one waits for HOLD to be opened for writing (once)
+SLOW_SHLEX = """\
+import importlib.util, os, sys, sysconfig
+hold = os.environ.pop("HOLD", None)
+if hold:
+    open(hold).close()
+spec = importlib.util.spec_from_file_location("shlex", os.path.join(sysconfig.get_paths()["stdlib"], "shlex.py"))
+sys.modules["shlex"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sys.modules["shlex"])
+"""
+
+
+@pytest.mark.parametrize("phase", ["import", "resume"])
+@pytest.mark.parametrize(("first", "second"), [(signal.SIGINT, signal.SIGINT), *TWO_SIGNALS])
+def test_a_second_signal_while_a_signal_before_the_command_took_them_is_reported_changes_nothing(
+        env, tmp_path, first, second, phase):
+    # Before a command installs its handlers (ardiff imports its commands, held here by a slow import, or a resume
+    # reads a run.json that blocks: a FIFO no one writes yet), the second signal was raised into the report of the
+    # first (held here by a full stderr): its Error line and JSON object were lost, or a traceback printed instead,
+    # and the exit code was 130 (or 1) whatever the signals (SIGTERM then SIGINT: 130, not 143).
+    import errno
+
+    run = tmp_path / "run"
+    run.mkdir()
+    if phase == "import":
+        hold, shim = tmp_path / "hold", tmp_path / "shim"
+        shim.mkdir()
+        (shim / "shlex.py").write_text(SLOW_SHLEX)
+        env = {**env, "HOLD": str(hold), "PYTHONPATH": os.pathsep.join([str(shim), env.get("PYTHONPATH", "")])}
+    else:
+        hold = run / "run.json"
+    os.mkfifo(hold)
+    read_end, write_end = os.pipe()
+    with open(read_end, "rb") as err_pipe:
+        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run),
+                                 "--format", "json"], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                                stderr=write_end)
+        # the pipe filled through a file description of its own: the process's stderr stays blocking
+        filler = os.open(f"/proc/self/fd/{write_end}", os.O_WRONLY | os.O_NONBLOCK)
+        os.close(write_end)
+        writer = None
+        try:
+            deadline = time.monotonic() + 300
+            while writer is None:  # opens once the process opened the FIFO to read it: it then waits there
+                try:
+                    writer = os.open(hold, os.O_WRONLY | os.O_NONBLOCK)
+                except OSError as exc:
+                    assert exc.errno == errno.ENXIO and proc.poll() is None and time.monotonic() < deadline
+                    time.sleep(0.01)
+            filled = 0
+            for size in (4096, 1):  # full to the last byte
+                with contextlib.suppress(BlockingIOError):
+                    while True:
+                        filled += os.write(filler, b"." * size)
+            assert "Threads:\t1\n" in Path(f"/proc/{proc.pid}/status").read_text()  # the main thread takes them
+            send_and_wait_delivered(proc, first)
+            while True:  # the report of the first waits in its write to stderr (syscall 1, fd 2)
+                call = Path(f"/proc/{proc.pid}/syscall").read_text().split()
+                if call[:2] == ["1", "0x2"]:
+                    break
+                assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
+                time.sleep(0.001)
+            send_and_wait_delivered(proc, second)
+            os.close(filler)
+            filler = None
+            with ThreadPoolExecutor(1) as pool:  # stderr read meanwhile: the report waits for room in it
+                err_read = pool.submit(err_pipe.read)
+                stdout, _ = proc.communicate(timeout=120)
+                err = err_read.result(timeout=120).decode()
+        finally:
+            proc.kill()
+            for fd in (filler, writer):
+                if fd is not None:
+                    os.close(fd)
+    assert "." * filled in err
+    err = err.replace("." * filled, "", 1)
+    code = 128 + first
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and err.count("Error:") == 1 and f"Error: {interrupted_message(first)}\n" in err, err
+    assert json.loads(stdout.splitlines()[-1]) == {"kind": "interrupted", "message": interrupted_message(first),
+                                                   "hint": None, "exit_code": code}
 
 
 @pytest.mark.parametrize("phase", ["load", "warmup", "warmup command"])
