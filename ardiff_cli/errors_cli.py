@@ -31,6 +31,8 @@ from ardiff_cli.runtime.errors import (
     PipelineError,
     StopRequested,
     address_space_limit,
+    file_size_limit,
+    file_too_large,
     is_out_of_memory,
     open_files_limit,
     out_of_memory_message,
@@ -201,6 +203,16 @@ def out_of_memory_hint(hint: str) -> str:
     return f"{hint}; or raise this process's address-space limit (now ulimit -v {limit // 1024})"
 
 
+def file_size_hint(hint: str) -> str:
+    """``hint`` (a write's), led by this process's file-size limit (``ulimit -f``) when that refused the write (EFBIG):
+    no disk is full, and every file that size fails alike until it is raised."""
+    limit = file_size_limit()
+    if limit is None:  # the file system's largest file
+        return hint
+    return (f"a file reached this process's file-size limit (now ulimit -f {limit // 1024}: {limit:,} bytes): raise it "
+            f"(ulimit -f unlimited); {hint}")
+
+
 def budget_change(source: str, size: str) -> str:
     """A ``size`` ("larger" or "smaller") memory budget, as every hint that names one words it: by what set the
     budget now, ``source`` as ``commands._common.budget_source`` gives it (``--memory-budget``,
@@ -257,6 +269,8 @@ def report(out: Output, exc: BaseException) -> int:
             hint = out_of_memory_hint(hint)
         elif rule is _TOO_MANY_OPEN_FILES and not getattr(exc, "hint", None):  # a step's, a run's: to --resume
             hint = open_files_hint()
+        elif hint and file_too_large(exc):
+            hint = file_size_hint(hint)
         if out.verbose:
             out.traceback(exc)
             for line in getattr(exc, "details", ()):  # what the message left out (a checkpoint's every key)

@@ -99,8 +99,9 @@ class RolloutStats:
     hook_errors: list[dict[str, Any]] = field(default_factory=list)  # pipeline reset/close hooks that raised
 
 
-# errno values that refuse every later write to --out alike: the run stops instead of failing each episode
-_DISK_FULL = {errno.ENOSPC, errno.EROFS, *([errno.EDQUOT] if hasattr(errno, "EDQUOT") else [])}
+# errno values that refuse every later write to --out alike: the run stops instead of failing each episode. EFBIG:
+# a file past the process's size limit (ulimit -f), which every step's outputs, about one size, reach alike
+_DISK_FULL = {errno.ENOSPC, errno.EROFS, errno.EFBIG, *([errno.EDQUOT] if hasattr(errno, "EDQUOT") else [])}
 
 
 def recorded_folder(episode: EpisodeSource, recorded: str | None) -> str:

@@ -1337,6 +1337,27 @@ def test_memory_running_out_as_torch_imports_or_the_weights_load_names_which_in_
     assert not (tmp_path / "run" / "results.jsonl").exists()
 
 
+def test_memory_running_out_as_a_pipeline_class_module_imports_names_the_import(env, data, tmp_path):
+    """`--pipeline MODULE:CLASS` whose module runs out of memory as it imports said `out of host memory: MemoryError`,
+    naming nothing that ran, where the import of torch or of a registered pipeline says `while importing ...`. (A
+    module that raises MemoryError at its top level stands for one whose import finds no memory.)"""
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "hungry_lab.py").write_text("raise MemoryError()\n")
+    run = tmp_path / "run"
+    for command in (["warmup", str(data / "fast.yaml")], ["inspect-capacity", str(data / "fast.yaml")],
+                    ["rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup"]):
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *command, "--pipeline", "hungry_lab:MyPipeline",
+                               "--format", "json"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                              env={**env, "PYTHONPATH": os.pathsep.join([str(modules), env["PYTHONPATH"]])})
+        assert proc.returncode == 3, proc.stderr
+        error = json.loads(proc.stdout.splitlines()[-1])
+        assert (error["kind"], error["message"]) == ("out_of_memory", "out of host memory while importing pipeline "
+                                                     "module 'hungry_lab': MemoryError"), (command[0], error)
+        assert "Traceback" not in proc.stderr
+    assert not run.exists()
+
+
 def test_a_failed_runs_json_error_object_says_which_failure_ended_it(env, data, tmp_path):
     """The kinds of the README's list that no test read: `episodes_failed` (some episodes failed, exit 4; or every
     one, the highest of their codes), `step_failed` (--fail-fast stopped at a step: its cause's code, 3 for memory) and

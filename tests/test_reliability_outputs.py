@@ -123,7 +123,8 @@ def test_a_full_disk_refusing_a_steps_outputs_stops_the_run_instead_of_failing_e
 
 @pytest.mark.parametrize("short_write", [False, True], ids=["disk-full", "short-write"])
 def test_a_results_line_that_cannot_be_appended_stops_the_run(data, reference, tmp_path, monkeypatch, short_write):
-    """The 3rd line fails: with ENOSPC before writing, or after half of it reached the file (power loss)."""
+    """The 3rd line fails: with ENOSPC before writing, or after half of it reached the file (a short write: the write
+    of the rest says why). It read 'short write ... is the disk full?', whatever the kernel's reason (EFBIG too)."""
     out = tmp_path / "run"
     real_write = os.write
     appended = 0
@@ -132,9 +133,9 @@ def test_a_results_line_that_cannot_be_appended_stops_the_run(data, reference, t
         nonlocal appended
         if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == "results.jsonl":
             appended += 1
-            if appended == 3:
-                if short_write:
-                    return real_write(fd, data[: len(data) // 2])
+            if appended == 3 and short_write:
+                return real_write(fd, data[: len(data) // 2])
+            if appended == (4 if short_write else 3):  # the kernel: the rest of a short write fails
                 raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(fd, data)
 
@@ -143,7 +144,7 @@ def test_a_results_line_that_cannot_be_appended_stops_the_run(data, reference, t
     monkeypatch.undo()
     assert result.exit_code == 1, result.stderr
     assert f"Error: cannot append to {out / 'results.jsonl'}:" in result.stderr
-    assert ("is the disk full?" if short_write else "No space left on device") in result.stderr
+    assert "No space left on device" in result.stderr
     assert "--resume" in result.stderr and "Traceback" not in result.stderr
     lines = records(out)  # two whole lines, and no partial third
     assert [(r["episode"], r["step"]) for r in lines] == [("arm_a", 0), ("arm_b", 0)]
@@ -338,8 +339,10 @@ def test_an_out_whose_lock_or_run_json_cannot_be_written_is_an_error_not_a_bug(d
 
     assert ardiff("warmup", str(data / "fast.yaml")).returncode == 0  # the checkpoint cached, with no limit
     for limit, code, said in ((0, 2, "Error: --out {out}: cannot write the output folder: File too large\nhint: "),
-                              (64, 1, "Error: cannot write {out}/run.json: File too large\nhint: free some space or "
-                                      "fix the folder's permissions, then run the same command again")):
+                              (64, 1, "Error: cannot write {out}/run.json: File too large\nhint: a file reached this "
+                                      "process's file-size limit (now ulimit -f 0: 64 bytes): raise it (ulimit -f "
+                                      "unlimited); free some space or fix the folder's permissions, then run the same "
+                                      "command again")):
         out = tmp_path / f"run{limit}"
         proc = ardiff("rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(out), "--no-warmup",
                       limit=limit)
@@ -355,6 +358,49 @@ def test_an_out_whose_lock_or_run_json_cannot_be_written_is_an_error_not_a_bug(d
     assert f"Error: cannot write {out}/run.json: File too large" in proc.stderr and "continue with --resume" in (
         proc.stderr)
     assert json.loads((out / "run.json").read_text())["format"]  # the old one, whole
+
+
+def test_a_file_size_limit_stops_the_run_as_a_full_disk_does_and_names_ulimit_f(data, tmp_path, cli_env):
+    """Under a file-size limit (`ulimit -f`, RLIMIT_FSIZE; Python ignores SIGXFSZ, so the write fails with EFBIG) that
+    a step's outputs exceed, each episode failed in turn at its write ('failed at step 0 while writing its outputs:
+    OSError: [Errno 27] File too large', a full disk's hint), until results.jsonl reached the limit too and stopped
+    the run as 'short write ... is the disk full?'. It stops at the first refused file, as a full disk does, and the
+    hint names the limit (the disk is not full); results.jsonl and summary.json say the same. --resume finishes."""
+    import resource
+    import subprocess
+    import sys
+
+    def ardiff(*args: str, limit: int | None = None) -> subprocess.CompletedProcess:
+        cap = None if limit is None else lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        return subprocess.run([sys.executable, "-m", "ardiff_cli", *args, "--no-warmup", "--format", "plain"],
+                              env=cli_env, capture_output=True, text=True, timeout=300, preexec_fn=cap)
+
+    def hint(limit: int) -> str:
+        return f"hint: a file reached this process's file-size limit (now ulimit -f {limit // 1024}: {limit:,} bytes)"
+
+    whole = tmp_path / "whole"  # sizes the limits (and caches the checkpoint, with no limit)
+    assert ardiff("rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(whole)).returncode == 0
+    output_bytes = (whole / "episodes" / "arm_a" / "step_000000.safetensors").stat().st_size
+    assert (whole / "run.json").stat().st_size < output_bytes < (whole / "results.jsonl").stat().st_size
+    assert output_bytes < (whole / "summary.json").stat().st_size
+    for name, limit, refused in (("outputs", output_bytes - 1, "episodes/arm_a/step_000000.safetensors"),
+                                 ("results", output_bytes + 1, "results.jsonl")):
+        out = tmp_path / name
+        proc = ardiff("rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(out), limit=limit)
+        assert proc.returncode == 1, proc.stderr
+        said = "append to" if name == "results" else "write"
+        assert f"Error: cannot {said} {out / refused}: File too large\n{hint(limit)}" in proc.stderr, proc.stderr
+        assert "failed at step" not in proc.stderr and "Traceback" not in proc.stderr
+        assert not [r for r in records(out) if r["status"] != "ok"]  # no episode failed for it
+        resumed = ardiff("rollout", "--resume", "--out", str(out))
+        assert resumed.returncode == 0, resumed.stderr
+        assert_complete(out, load_outputs(whole))  # one thread here and there: the same bytes
+    # nothing left to run: a resume writes run.json and summary.json again, the latter past the limit
+    proc = ardiff("rollout", "--resume", "--out", str(whole), limit=output_bytes)
+    assert proc.returncode == 1, proc.stderr
+    assert (f"Error: cannot write {whole / 'summary.json'}: File too large\n{hint(output_bytes)}: raise it "
+            "(ulimit -f unlimited); free some space or fix the folder's permissions, then --resume writes it\n"
+            ) in proc.stderr, proc.stderr
 
 
 def test_a_results_jsonl_that_cannot_be_created_leaves_no_run_json_and_names_itself(data, tmp_path, cli_env):

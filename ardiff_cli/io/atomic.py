@@ -200,11 +200,19 @@ class JsonlAppender:
     def append(self, record: Mapping[str, Any]) -> None:
         assert self._fd is not None, "append after close"
         line = (json.dumps(to_jsonable(record), separators=(",", ":"), allow_nan=False) + "\n").encode("utf-8")
-        written = os.write(self._fd, line)
-        # A regular file takes a short write only when the disk is full; fail loudly rather than leave half a line.
-        if written != len(line):
-            os.ftruncate(self._fd, os.lseek(self._fd, 0, os.SEEK_END) - written)
-            raise OSError(f"short write to {self.path} ({written} of {len(line)} bytes); is the disk full?")
+        written = 0
+        try:
+            # A regular file takes a short write at a full disk or a file-size limit (ulimit -f): the write of the
+            # rest then fails with the kernel's reason (ENOSPC, EFBIG), and the part written is cut off
+            while written < len(line):
+                chunk = os.write(self._fd, line[written:])
+                if chunk == 0:
+                    raise OSError(f"short write to {self.path} ({written} of {len(line)} bytes); is the disk full?")
+                written += chunk
+        except BaseException:  # the kernel's error, or a signal handler's between two writes
+            if written:  # never half a line
+                os.ftruncate(self._fd, os.lseek(self._fd, 0, os.SEEK_END) - written)
+            raise
         os.fsync(self._fd)
 
     def close(self) -> None:

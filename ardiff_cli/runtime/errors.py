@@ -216,6 +216,25 @@ def open_files_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
+def file_size_limit() -> int | None:
+    """This process's limit on the size of a file it writes, in bytes (``ulimit -f``, RLIMIT_FSIZE), or None when
+    there is none."""
+    if resource is None:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def file_too_large(exc: BaseException | None) -> bool:
+    """A write refused for its file's size (EFBIG: past this process's ``ulimit -f``, Python ignoring SIGXFSZ, or
+    the file system's largest file), in ``exc`` or what caused it. Every later file of that size fails alike."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
+            return True
+        exc = exc.__cause__
+    return False
+
+
 _ARDIFF_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../ardiff_cli/
 
 

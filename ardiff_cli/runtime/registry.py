@@ -32,7 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError, did_you_mean, is_out_of_memory
+from ardiff_cli.runtime.errors import (
+    ArdiffWarning,
+    ConfigError,
+    did_you_mean,
+    is_out_of_memory,
+    running_out_of_memory_names,
+)
 
 BUILTIN_PIPELINES = {
     "dreamzero": "pipelines.dreamzero",
@@ -131,7 +137,10 @@ def _origin(ep: importlib.metadata.EntryPoint) -> str:
 
 def _import(module_path: str, *, what: str, where: str):
     try:
-        return importlib.import_module(module_path)
+        # memory running out names the import (`--pipeline MODULE:CLASS` imports here, before the engine's blocks
+        # that name what ran: it read `out of host memory: MemoryError`)
+        with running_out_of_memory_names(f"importing pipeline module {module_path!r}"):
+            return importlib.import_module(module_path)
     except Exception as exc:  # noqa: BLE001 - ImportError, or whatever the module raised while importing
         if is_out_of_memory(exc):  # no room to load it (torch under `ulimit -v`): out of memory, not the install
             raise
