@@ -1610,6 +1610,60 @@ def test_follow_an_end_copied_before_the_step_files_waits_for_them(tmp_path):
     assert scheduler.late == {}
 
 
+def test_follow_an_end_copied_first_waits_for_a_step_file_copied_in_place_through_a_pause(tmp_path):
+    """cp -r makes END first and writes each step file in place under its own name: the folder's names stay the same
+    while a big file is copied. Once they had for 0.5 s, END counted and each poll's look at the file was END's, which
+    takes a file unchanged for one poll whole or not: a copy pausing that long (a slow source) handed the step over
+    half written, and it failed its episode as truncated. A step file still growing is a copy going on too."""
+    recorded, folder = tmp_path / "recorded", tmp_path / "copy"
+    write_episode(recorded, [good(0), good(1)], prompt="p")
+    folder.mkdir()
+    for name in ("END", "episode.yaml", "step_000000.safetensors"):
+        shutil.copy2(recorded / name, folder / name)
+    data = (recorded / "step_000001.safetensors").read_bytes()
+    cuts = [len(data) * i // 5 for i in range(6)]
+
+    def write(i: int) -> None:
+        with open(folder / "step_000001.safetensors", "ab") as f:
+            f.write(data[cuts[i]:cuts[i + 1]])
+
+    # a part at each poll, but none at the fifth (the source paused for a poll)
+    actions = [lambda: None, lambda: write(0), lambda: write(1), lambda: write(2), lambda: write(3), lambda: None,
+               lambda: write(4)]
+    clock = FakeClock(actions)
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=0.2,
+                              clock=clock, sleep=clock.sleep)
+    items = []
+    while (item := scheduler.next()) is not None:
+        if isinstance(item, StepTask):
+            items.append((item.file.step, item.file.path.read_bytes() == (recorded / item.file.path.name).read_bytes()))
+        else:
+            items.append(item.reason)
+    assert items == [(0, True), (1, True), "end_marker"]
+
+
+def test_follow_sequential_finished_episodes_do_not_each_wait_for_their_end_to_count(tmp_path):
+    """END counts once its folder's names stayed the same for 0.5 s: they were first looked at as the episode's last
+    step was handed out, so in sequential order each finished episode waited 0.5 s after its steps (a folder of 1,000
+    took 500 s more) and none closed its session with its last step. They are looked at as its steps are taken."""
+    for name in "abc":
+        write_episode(tmp_path / name, [good(0), good(1)], prompt="p")
+    clock = FakeClock()
+    scheduler = StepScheduler(discover_episodes([tmp_path]), order="sequential", follow=True, idle_timeout=100,
+                              poll_interval=0.1, clock=clock, sleep=clock.sleep)
+    items = []
+    while (item := scheduler.next()) is not None:
+        if isinstance(item, StepTask):
+            items.append((item.episode.name, item.file.step, item.is_last))
+            clock.now += 0.2  # the model runs the step
+        else:
+            items.append((item.episode.name, item.reason))
+    assert items == [("a", 0, False), ("a", 1, False), ("a", "end_marker"),
+                     ("b", 0, False), ("b", 1, True), ("b", "end_marker"),
+                     ("c", 0, False), ("c", 1, True), ("c", "end_marker")]
+    assert clock.now < 2  # 6 steps of 0.2 s, and 0.5 s for a
+
+
 def test_follow_an_end_in_a_folder_that_keeps_getting_other_files_ends_it_by_the_idle_timeout(tmp_path):
     """END counts once its folder's names stayed the same for a moment; a camera writing frames there all along
     must not keep the episode waiting forever: END then counts once no step came for the idle timeout."""

@@ -121,7 +121,8 @@ class _Track:
     # follow: files named like steps but without a step number, or under a writer's temporary name (is_temporary_name)
     unnumbered: list[Path] = field(default_factory=list)
     first_file: tuple[str, int, int] | None = None  # follow: name, inode and mtime of its first step file taken
-    end_seen: tuple[float, frozenset[str]] | None = None  # follow: since when its folder held these names, END one
+    # follow: since when its folder held these names (END one), none of its unready step files growing, and their looks
+    end_seen: tuple[float, frozenset[str], dict[str, tuple[int, int]]] | None = None
 
 
 class StepScheduler:
@@ -228,6 +229,11 @@ class StepScheduler:
                     for track in self._tracks:
                         if not track.ended and track.cursor >= len(track.files):  # a backlog needs no poll
                             self._guarded_scan(track)
+                            # END there as its steps are taken: its folder's names are looked at now, not first as
+                            # its last step is handed out (then 0.5 s more, each episode in turn in sequential order)
+                            if (track.end_seen is None and track.cursor < len(track.files) and not track.ended
+                                    and track.source.has_end_marker()):
+                                self._end_settled(track)
                 if all(t.ended for t in self._tracks) and not self._pending_ends:
                     # Every episode ended. A watched folder of episodes ends too once no episode folder was made in
                     # it for idle_timeout seconds since: a robot starts its next episode there after a pause.
@@ -479,20 +485,26 @@ class StepScheduler:
 
     def _end_settled(self, track: _Track) -> bool:
         """Whether ``track``'s END file ends it now: its folder's names stayed the same for ``_END_SETTLE`` seconds
-        since END was seen, and no step file is being written under a temporary name meanwhile. A copy of a finished
-        episode may make END first (rsync sends names in sorted order, END before episode.yaml and step_*; cp -r and
-        shutil.copytree in the order the folder lists them): ended at once, its step files came after it and never
-        ran, or it failed as an END with no step file."""
+        since END was seen, and no step file is being written under a temporary name, nor grew in place (cp -r),
+        meanwhile. A copy of a finished episode may make END first (rsync sends names in sorted order, END before
+        episode.yaml and step_*; cp -r and shutil.copytree in the order the folder lists them): ended at once, its
+        step files came after it and never ran, or it failed as an END with no step file."""
         try:
             names = frozenset(os.listdir(track.source.path))
         except OSError:  # gone or unreadable: the scan says so
             return True
         now = self._clock()
         writing = self._still_writing(track, self.idle_timeout)
-        if track.end_seen is None or track.end_seen[1] != names or writing:
-            track.end_seen = (now, names)
+        # END's scan takes a file unchanged for one poll, whole or not: one copied in place under its own name keeps
+        # the names the same, and a copy pausing for a poll handed it over half written (failed as truncated)
+        looks = dict(track.looks)
+        grew = track.end_seen is not None and any(track.end_seen[2].get(name, look) != look
+                                                  for name, look in looks.items())
+        if track.end_seen is None or track.end_seen[1] != names or writing or grew:
+            track.end_seen = (now, names, looks)
             # other files made there all along (a camera's frames): END counts once no step came for the idle timeout
             return not writing and now - track.last_activity >= self.idle_timeout
+        track.end_seen = (track.end_seen[0], names, looks)
         return now - track.end_seen[0] >= _END_SETTLE
 
     @staticmethod
