@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -147,18 +148,27 @@ def outputs(run: Path) -> dict:
 NOTICE = "finishing the step in flight, then stopping"  # what a rollout says of a first signal in a step
 
 
+def start_with_fault_files(env, args: list[str], faults: list[dict], tmp_path: Path,
+                           waits: Callable[[dict], bool] = lambda fault: True):
+    """``ardiff ARGS`` started with ``faults``, those ``waits`` picks given this test's marker and release files (a
+    ``sleep`` or ``torch_wait`` one touches the marker, then waits for the release), stderr into a file. (The
+    process, the marker, the release and the stderr file.)"""
+    marker, release, log = tmp_path / "in-fault", tmp_path / "release", tmp_path / "stderr"
+    faults = [{**f, "marker": str(marker), "release": str(release)} if waits(f) else f for f in faults]
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, text=True,
+                                env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, stdout=subprocess.PIPE,
+                                stderr=stderr)
+    return proc, marker, release, log
+
+
 def stop_inside_a_fault(env, args: list[str], faults: list[dict], tmp_path: Path, *, signum: int = signal.SIGTERM,
                         second: bool = False) -> tuple[subprocess.Popen, str]:
     """``ardiff ARGS`` with ``faults`` (a ``sleep`` one given this test's marker and release files): ``signum`` once the
     process sleeps in that fault, then, after the first signal's notice, the same again (``second``) or the fault let
     go on. (The exited process, its stderr.)"""
-    marker, release, log = tmp_path / "in-fault", tmp_path / "release", tmp_path / "stderr"
-    faults = [{**f, "marker": str(marker), "release": str(release)} if f.get("action") == "sleep" else f
-              for f in faults]
-    with log.open("w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, text=True,
-                                env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, stdout=subprocess.PIPE,
-                                stderr=stderr)
+    proc, marker, release, log = start_with_fault_files(env, args, faults, tmp_path,
+                                                        lambda fault: fault.get("action") == "sleep")
     try:
         wait_for_marker(proc, marker, "the fault")
         proc.send_signal(signum)

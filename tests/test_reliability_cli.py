@@ -31,7 +31,8 @@ import pytest
 from ardiff_cli.entry import interrupted_message
 from ardiff_cli.io import write_episode
 from ardiff_cli.io.demo import demo_step
-from pipeline_helpers import NOTICE, outputs, records, stop_inside_a_fault, wait_for_marker
+from pipeline_helpers import (NOTICE, outputs, records, start_with_fault_files, stop_inside_a_fault,
+                              wait_for_marker)
 
 REPO = Path(__file__).resolve().parents[1]
 PIPELINE = "faulty_pipelines:FaultyDreamZero"
@@ -359,12 +360,7 @@ def two_signals(env, args: list[str], faults: list[dict], tmp_path: Path, first:
     files): ``first`` then ``second`` once the process waits in that fault; after the first's notice for a ``sleep``
     in a step (``notice``: its handler ran), both inside the one torch call for a ``torch_wait``, which then ends.
     (The exited process, its stderr.)"""
-    marker, release, log = tmp_path / "in-fault", tmp_path / "release", tmp_path / "stderr"
-    faults = [{**f, "marker": str(marker), "release": str(release)} for f in faults]
-    with log.open("w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, text=True,
-                                env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, stdout=subprocess.PIPE,
-                                stderr=stderr)
+    proc, marker, release, log = start_with_fault_files(env, args, faults, tmp_path)
     try:
         wait_for_marker(proc, marker, "the fault")
         send_and_wait_delivered(proc, first)
@@ -1124,8 +1120,8 @@ def test_each_out_of_memory_error_the_readme_names_stops_a_step_with_exit_3(env,
     faults = [{"request": "arm_b/000001", "site": "block", "layer": 0, **fault}]
     proc = ardiff(env, *rollout_args(data, tmp_path / "run", "--fail-fast"), faults=faults)
     assert proc.returncode == 3, proc.stderr
-    error = (f"Error: episode 'arm_b' failed at step 1 in the model's forward: {said}\nhint: continue with --resume and "
-             "a lower --session-capacity")
+    error = (f"Error: episode 'arm_b' failed at step 1 in the model's forward: {said}\n"
+             "hint: continue with --resume and a lower --session-capacity")
     assert error in proc.stderr, proc.stderr
     assert "bug in ardiff" not in proc.stderr and "Traceback" not in proc.stderr
 
