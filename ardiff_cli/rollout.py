@@ -55,6 +55,7 @@ from ardiff_cli.runtime.errors import (
     SwapRestoreError,
     is_broken_invariant,
     plural,
+    resume_command,
     shell_word,
     too_many_open_files,
 )
@@ -74,6 +75,7 @@ class RolloutOptions:
     # what set the KV memory budget (``_Prepared.budget_source``; None: the free memory), which the hint of a step
     # that ran out of memory names
     budget_source: str | None = None
+    pipeline: str | None = None  # the run's --pipeline MODULE:CLASS, which a resume hinted at is given again
 
 
 @dataclass
@@ -220,8 +222,8 @@ class Rollout:
                               f"{self.run_folder.root / RUN_FILE}: {exc.strerror or exc}",
                               hint=f"check free space and permissions of {self.run_folder.root}, then (run.json still "
                                    "records the episode's old folder) link it to the new one and continue: ln -s "
-                                   f"{shell_word(episode.path.name)} {shell_word(old)}; ardiff rollout --resume --out "
-                                   f"{shell_word(self.run_folder.root)}") from exc
+                                   f"{shell_word(episode.path.name)} {shell_word(old)}; "
+                                   f"{resume_command(self.run_folder.root, self.options.pipeline)}") from exc
         # the paths as run.json records them (links resolved: a watched folder given through a link, an episode
         # folder that was a link), the old one as it was recorded: the old name is gone and resolves to nothing
         self._folders[episode.name] = recorded

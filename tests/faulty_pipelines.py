@@ -267,7 +267,8 @@ class FaultyDreamZero(DreamZeroPipeline):
     Site ``load`` (no ``request``) sleeps while the pipeline loads, after touching ``marker`` (or takes the
     ``action`` given: ``swallow_signal``, ``wrap_signal``, ``raise``). Site ``import`` (no
     ``request``) imports ``interrupted_dependency`` while it loads, as an optional dependency: what the import
-    raises is taken for the module's absence.
+    raises is taken for the module's absence. Site ``free_memory`` (no ``request``): the host has ``bytes`` free
+    from then on, as the runner reads it to plan without a budget (another process took the rest).
     """
 
     @classmethod
@@ -275,6 +276,10 @@ class FaultyDreamZero(DreamZeroPipeline):
         for fault in load_faults():
             if fault["site"] == "load":
                 _act({"action": "sleep", **fault}, "loading")
+            if fault["site"] == "free_memory":
+                from ardiff_cli.runtime import runner
+
+                runner.available_host_memory = lambda: int(fault["bytes"])
             if fault["site"] == "import":
                 try:
                     import interrupted_dependency  # noqa: F401

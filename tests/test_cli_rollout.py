@@ -1319,12 +1319,14 @@ def test_a_resume_whose_folder_of_episodes_was_renamed_without_follow_does_not_s
 def test_a_run_whose_every_episode_folder_went_away_says_so_and_resumes_once_they_are_back(env, data, reference,
                                                                                             tmp_path):
     # Its closing hint was the generic "see the episode format: ardiff rollout --help", of a folder deleted (arm_a)
-    # or renamed (arm_b) while the run followed it: nothing wrong with the episode's format
+    # or renamed (arm_b) while the run followed it: nothing wrong with the episode's format. The resume it prints
+    # gives the run's --pipeline again (it left it out: refused as pasted)
     live, run = tmp_path / "live", tmp_path / "run"
     for i, name in enumerate(("arm_a", "arm_b")):
         write_episode(live / name, steps_of(i, 3)[:1], prompt=f"task {name}", end=False)
+    pipeline = "faulty_pipelines:FaultyDreamZero"  # DreamZero itself, without faults
     proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), str(live / "arm_b"), "--out", str(run),
-                 "--follow", "--no-warmup", "--format", "plain")
+                 "--follow", "--no-warmup", "--format", "plain", "--pipeline", pipeline)
     try:
         wait_for_lines(run / "results.jsonl", 2, proc)  # both step 0s ran
         shutil.rmtree(live / "arm_a")
@@ -1335,12 +1337,12 @@ def test_a_run_whose_every_episode_folder_went_away_says_so_and_resumes_once_the
     assert proc.returncode == 2, stderr
     assert (f"Error: every episode failed (arm_a, arm_b): their folders are gone (deleted or renamed while the run "
             f"read them)\nhint: put each back at its path (moved: a symlink there to where it is now will do), then "
-            f"continue with: ardiff rollout --resume --out {run}") in stderr, stderr
+            f"continue with: ardiff rollout --resume --out {run} --pipeline {pipeline}") in stderr, stderr
     assert "see the episode format" not in stderr
     write_episode(live / "arm_a", steps_of(0, 3), prompt="task arm_a")  # the same files again, and its END
     (live / "arm_b").symlink_to(tmp_path / "arm_b.moved")
     write_episode(live / "arm_b", steps_of(1, 3)[1:], first_step=1)
-    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--pipeline", pipeline)
     assert proc.returncode == 0, proc.stderr
     assert_same_outputs(reference, run)
 
@@ -4232,13 +4234,16 @@ def test_the_hint_to_resume_a_run_already_in_out_pastes_into_bash_for_an_out_nam
 
 def test_the_way_back_after_run_json_could_not_record_a_followed_rename_pastes_into_bash(env, data, tmp_path):
     """`ln -s NEW OLD; ardiff rollout --resume --out OUT` quoted each path, but wrote the new folder's name and a
-    relative --out as they are: one beginning with '-' was read by ln, the other by ardiff, as options."""
+    relative --out as they are: one beginning with '-' was read by ln, the other by ardiff, as options. The run's
+    --pipeline, which a resume is given again, was left out too."""
     from test_reliability_input import modes_bind
 
     live, run = f"{AWKWARD} live", f"{AWKWARD} run"
+    pipeline = "faulty_pipelines:FaultyDreamZero"  # DreamZero itself, without faults
     write_episode(tmp_path / live / "arm_a.part", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
     proc = subprocess.Popen([*modes_bind(), sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"),
-                             f"./{live}", "--out", f"./{run}", "--follow", "--no-warmup", "--format", "plain"],
+                             f"./{live}", "--out", f"./{run}", "--follow", "--no-warmup", "--format", "plain",
+                             "--pipeline", pipeline],
                             cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         wait_for_lines(tmp_path / run / "results.jsonl", 1, proc)  # a step ran
@@ -4252,7 +4257,7 @@ def test_the_way_back_after_run_json_could_not_record_a_followed_rename_pastes_i
     command = hinted(stderr, r"link it to the new one and continue: (.*)$")
     assert [shlex.split(part) for part in command.split("; ")] == [
         ["ln", "-s", f"./{AWKWARD}", f"./{live}/arm_a.part"],
-        ["ardiff", "rollout", "--resume", "--out", f"./{run}"]], command
+        ["ardiff", "rollout", "--resume", "--out", f"./{run}", "--pipeline", pipeline]], command
     write_episode(tmp_path / live / AWKWARD, steps_of(0, 3)[1:], first_step=1)
     # given again: the run's --idle-timeout (60 s) would wait that long for a new episode folder once it ended
     resumed = pasted(env, f"{command} --idle-timeout 1", tmp_path)
@@ -4287,6 +4292,38 @@ def test_a_plain_resume_whose_folder_of_episodes_moved_says_to_give_it_where_it_
         (e, s) for e in ("arm_a", "arm_b") for s in range(3)]
     info = json.loads((tmp_path / run / "run.json").read_text())
     assert info["watch"] == [str(tmp_path / moved)]
+
+
+def test_the_resume_commands_hints_print_for_a_run_started_with_pipeline_give_it_again(env, data, tmp_path):
+    """A resume must be given the run's --pipeline again (ardiff imports no code a run.json names): the commands the
+    hints of a run already in --out and of a moved folder of episodes print left it out, so pasted they were refused
+    (`the run used --pipeline ...; ardiff imports code only when the command line names it`, exit 2)."""
+    pipeline = "faulty_pipelines:FaultyDreamZero"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(tmp_path / "eps" / name, steps_of(i, 3)[:1], prompt=f"task {name}")
+    start = ("rollout", str(data / "fast.yaml"), "./eps", "--out", "./run", "--pipeline", pipeline, "--no-warmup")
+    assert ardiff(env, *start, cwd=tmp_path).returncode == 0
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(tmp_path / "eps" / name, steps_of(i, 3)[1:2], first_step=1)
+    proc = ardiff(env, *start, cwd=tmp_path)  # a new run into it
+    assert proc.returncode == 2, proc.stderr
+    command = hinted(proc.stderr, r"continue it with: (.*); or choose another --out$")
+    assert shlex.split(command) == ["ardiff", "rollout", "--resume", "--out", "run", "--pipeline", pipeline]
+    resumed = pasted(env, f"{command} --no-warmup", tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert len(records(tmp_path / "run")) == 4
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(tmp_path / "eps" / name, steps_of(i, 3)[2:], first_step=2)
+    (tmp_path / "eps").rename(tmp_path / "moved")
+    proc = ardiff(env, "rollout", "--resume", "--out", "./run", "--pipeline", pipeline, "--no-warmup", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    command = hinted(proc.stderr, r"with the run's other EPISODE arguments: (ardiff rollout .*); or run its "
+                                  r"episodes")
+    assert shlex.split(command) == ["ardiff", "rollout", "--resume", "--out", "run", "--pipeline", pipeline,
+                                    str(data / "fast.yaml"), "NEW"]
+    resumed = pasted(env, command.replace(" NEW", " ./moved --no-warmup"), tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert len(records(tmp_path / "run")) == 6
 
 
 def test_the_command_a_config_given_after_its_episodes_hints_at_pastes_into_bash(env, data, tmp_path):

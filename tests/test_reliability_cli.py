@@ -1251,6 +1251,25 @@ def test_memory_running_out_as_a_resume_loads_the_weights_hints_at_no_kv_pool(en
     assert "--dtype" not in proc.stderr and "continue with --resume" in proc.stderr, proc.stderr
 
 
+def test_a_resume_without_a_budget_whose_session_no_longer_fits_the_free_memory_hints_at_no_other_dtype(env, data,
+                                                                                                      tmp_path):
+    """A run started without a memory budget plans with the free memory; resumed when another process took most of it
+    (one session no longer fits), its CapacityError kept the runner's hint, "use a smaller window, model or dtype",
+    each of which --resume refuses. With a budget the hint said so already (a larger budget)."""
+    run = tmp_path / "run"
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0, "action": "memory_error"}]
+    assert ardiff(env, *rollout_args(data, run, "--fail-fast"), faults=faults).returncode == 3
+    assert json.loads((run / "run.json").read_text())["memory_budget"] is None
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--format", "json",
+                  faults=[{"site": "free_memory", "bytes": 1 << 10}])
+    assert proc.returncode == 3, proc.stderr
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert error["kind"] == "capacity_error" and error["message"].startswith("one session needs "), error
+    assert "use a smaller" not in error["hint"] and "window" not in error["hint"], error["hint"]
+    assert "continue with --resume" in error["hint"], error["hint"]  # a dtype only for a new run:
+    assert "a new run with a smaller dtype or model (another --out)" in error["hint"], error["hint"]
+
+
 def test_an_address_space_limit_too_small_for_torch_is_out_of_memory_naming_the_limit(env, data, tmp_path):
     """Under `ulimit -v` the loader cannot map torch's (or numpy's) shared libraries: importing torch raised
     `ImportError: libtorch_cpu.so: failed to map segment from shared object`, shown as `unexpected ImportError` with a

@@ -61,13 +61,15 @@ from ardiff_cli.runtime.errors import (
     link_to_nothing_on,
     not_a_folder,
     plural,
+    resume_command,
     running_out_of_memory_names,
     shell_word,
     too_many_open_files,
     unencodable,
 )
 
-# Memory ran out as a resume loaded its model, before the KV pools (sized by the budget and session capacity)
+# Memory ran out as a resume loaded its model, before the KV pools (sized by the budget and session capacity), or
+# one session of it does not fit the free memory a resume without a budget plans with
 RESUME_LOAD_HINT = ("the run's model, in its dtype and config (--resume keeps them), needs more memory than is free "
                     "now: free some (another process using it?) and continue with --resume, or start a new run with "
                     "a smaller dtype or model (another --out)")
@@ -260,9 +262,13 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     elif out is not None:
         if RunFolder(out).holds_run():
             RunFolder(out).refuse_while_locked()  # a run still going: not one to resume now
+            pipeline_option = None  # the run's: a resume is given it again (a run.json unread here is told then)
+            with contextlib.suppress(ArdiffError, OSError):
+                pipeline_option = RunFolder(out).read_info().get("pipeline_option")
+            pipeline_option = pipeline_option if isinstance(pipeline_option, str) else None
             raise ConfigError(f"{out} already holds a run",
-                              hint=f"continue it with: ardiff rollout --resume --out {shell_word(out)}; or "
-                                   "choose another --out")
+                              hint=f"continue it with: {resume_command(out, pipeline_option)}; or choose another "
+                                   "--out")
     try:
         cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), **overrides)
     except ConfigError as exc:
@@ -660,15 +666,15 @@ def _recorded_folders_exist(info: dict[str, Any], out: Path, watch: list[Path]) 
             # the resume given the run's EPISODE arguments, this folder where it is now (NEW) in its place
             others = [str(other) for other in watch if other != folder] + [
                 e["path"] for e in episodes if Path(e["path"]).parent not in watch]
-            again = " ".join(shell_word(word) for word in (out, info.get("config_path") or info["config"]))
-            again += " NEW" + "".join(f" {shell_word(other)}" for other in others)
+            again = (f"{resume_command(out, info.get('pipeline_option'))} "
+                     f"{shell_word(info.get('config_path') or info['config'])} NEW"
+                     + "".join(f" {shell_word(other)}" for other in others))
             raise ConfigError(f"{folder}, a folder of episodes given to this run, is gone, and with it the folders "
                               f"of its episodes {listed(inside)} (recorded in {run_file})",
                               hint="put it back at that path (renamed or moved: a symlink there to where it is now "
                                    f"will do, ln -s NEW {shell_word(folder)}), then resume; or give it where it is "
                                    "now, holding the run's episodes that were in it, with the run's other EPISODE "
-                                   f"arguments: ardiff rollout --resume --out {again}; or run its episodes again in a "
-                                   "new --out")
+                                   f"arguments: {again}; or run its episodes again in a new --out")
     if gone:
         name, path = gone[0]
         more = f" (and {plural(len(gone) - 1, 'more episode folder')})" if len(gone) > 1 else ""
@@ -904,7 +910,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     run = p.run
     monitor = RunMonitor(output, f"ardiff rollout · {p.info['config']} → {p.out_dir}")
     options = RolloutOptions(order=order, follow=follow, idle_timeout=idle_timeout, fail_fast=fail_fast,
-                             preview=preview, watch=tuple(p.watch), budget_source=p.budget_source)
+                             preview=preview, watch=tuple(p.watch), budget_source=p.budget_source,
+                             pipeline=p.info.get("pipeline_option"))
     skipped = sum(len(s) for s in p.done.values())
     output.info(f"{'resuming' if resume else 'writing'} {p.out_dir}: {plural(len(p.episodes), 'episode')}, order "
                 f"{order}" + (f", {plural(skipped, 'step')} already done" if resume else ""))
@@ -964,6 +971,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                         exc.hint = (f"resume with {budget_change(p.budget_source, 'larger')}; the dtype and the "
                                     "config are the run's (--resume keeps them)" if resume else
                                     does_not_fit_hint(p.cfg, p.budget_source, window_helps=exc.window_helps))
+                    elif resume:  # the runner's hint says a smaller window, model or dtype: --resume refuses them
+                        exc.hint = RESUME_LOAD_HINT
                     raise
                 except BudgetBeyondDeviceError as exc:  # the runner's hint cannot tell the option from the config
                     exc.hint = beyond_device_hint(p.budget_source, resume=resume)
@@ -1006,7 +1015,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     monitor.end_counting()  # and the live display's
                 monitor.set_phase("done")
                 if stats.failed:
-                    raise _failed_episodes(stats, len(p.episodes), p.out_dir)
+                    raise _failed_episodes(stats, len(p.episodes), p.out_dir, p.info.get("pipeline_option"))
             except BaseException as exc:
                 error = signals.outcome(exc)
                 stopped = isinstance(exc, Interrupted)
@@ -1289,7 +1298,7 @@ def _write_summary(run: Any, build: Callable[[], dict[str, Any]], output: Output
     return summary
 
 
-def _failed_episodes(stats: Any, num_episodes: int, out_dir: Path) -> Exception:
+def _failed_episodes(stats: Any, num_episodes: int, out_dir: Path, pipeline: str | None) -> Exception:
     """Exit 4 when other episodes completed; else 2 when every failure was invalid input, else their code. Every
     episode failed with its folder gone (deleted or renamed while the run read it): 2, saying so, with the way back."""
     names = ", ".join(stats.failed)
@@ -1302,7 +1311,7 @@ def _failed_episodes(stats: Any, num_episodes: int, out_dir: Path) -> Exception:
         message += (f": {'its folder is' if one else 'their folders are'} gone (deleted or renamed while the run read "
                     f"{'it' if one else 'them'})")
         hint = (f"put {'it' if one else 'each'} back at its path (moved: a symlink there to where it is now will do), "
-                f"then continue with: ardiff rollout --resume --out {shell_word(out_dir)}")
+                f"then continue with: {resume_command(out_dir, pipeline)}")
     errors = list(stats.errors.values())
     if all(isinstance(e, ObservationError) for e in errors):
         return ObservationError(message, hint=hint)

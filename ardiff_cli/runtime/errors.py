@@ -352,6 +352,13 @@ def shell_word(path: os.PathLike | str) -> str:
     return shlex.quote(f"./{text}" if text.startswith("-") else text)
 
 
+def resume_command(out: os.PathLike | str, pipeline: str | None) -> str:
+    """The ``ardiff rollout --resume`` of the run in ``out`` that a hint prints to paste: with the ``--pipeline`` the
+    run was started with (``pipeline``, run.json's ``pipeline_option``), which a resume must be given again."""
+    again = f"ardiff rollout --resume --out {shell_word(out)}"
+    return again if pipeline is None else f"{again} --pipeline {shell_word(pipeline)}"
+
+
 def shown(value: object) -> str:
     """``repr(value)`` cut to a line: a config value may be a YAML alias bomb (a 10-deep list of lists, 10**9
     strings in all) or hold itself, and an error message must neither take minutes nor fill the terminal."""
