@@ -202,7 +202,7 @@ class Output:
     def warning(self, message: str) -> None:
         self.warnings.append(message)
         if not self.quiet:
-            self._print_err("[yellow]warning:[/yellow] ", one_line(message), plain_prefix="warning: ")
+            self._print_err("[yellow]warning:[/yellow] ", one_line(message), plain_prefix="warning: ", soft_wrap=True)
 
     def error(self, message: str, hint: str | None = None, *, exit_code: int | None = None,
               kind: str = "error") -> None:
@@ -210,7 +210,7 @@ class Output:
         Output.errors_reported += 1
         self._print_err("[bold red]Error:[/bold red] ", one_line(message), plain_prefix="Error: ")
         if hint:
-            # not wrapped by Rich: a command it printed on two lines was two when copied from the terminal
+            # not wrapped by Rich, as a warning: a command it printed on two lines was two when copied from a terminal
             self._print_err("[cyan]hint:[/cyan] ", one_line(hint), plain_prefix="hint: ", soft_wrap=True)
         if self.is_json:
             self.json({"kind": kind, "message": message, "hint": hint, "exit_code": exit_code})

@@ -228,3 +228,16 @@ def test_a_hint_wider_than_the_terminal_is_one_line_to_copy_and_its_command_past
                             text=True)
     assert pasted.returncode == 0, pasted.stderr
     assert len((tmp_path / run / "results.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_warning_wider_than_the_terminal_is_one_line_to_copy(tmp_path, cli_env):
+    """A warning names paths to copy as a hint does (`give DIR as EPISODE`): Rich broke it at the terminal's width
+    with a newline, in the middle of the folder's name. It is one line now, which the terminal wraps."""
+    write_fast_data(tmp_path, {"ep_a": 2})
+    folder = tmp_path / "eps" / "ep_a"
+    code, output = run_in_pty(["rollout", "fast.yaml", "eps", str(folder), "-o", "run", "--no-warmup"], env=cli_env,
+                              cwd=tmp_path, cols=60, rows=20)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", output.decode())
+    assert code == 0, text
+    warning = next(line for line in text.split("\r\n") if line.startswith("warning: "))
+    assert warning == f"warning: {folder} is episode 'ep_a' again (given twice); it runs once", text
