@@ -185,10 +185,12 @@ def atomic_write_json(path: str | os.PathLike, obj: Mapping[str, Any]) -> Path:
 class JsonlAppender:
     """An append-only JSON-lines file whose every line is whole.
 
-    One ``os.write`` per line on an ``O_APPEND`` descriptor, then ``fsync``:
-    a kill between two calls leaves whole lines only. Callers must write the
-    files a line refers to *before* the line, so a line always names a
-    complete file.
+    One ``os.write`` per line on an ``O_APPEND`` descriptor (more only after a
+    short one: the part written is cut off if the rest fails), then ``fsync``:
+    a kill between two lines leaves whole lines only, and a line a kill cut
+    short is cut off when the file is opened again (``truncate_partial_line``).
+    Callers must write the files a line refers to *before* the line, so a line
+    always names a complete file.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
