@@ -119,7 +119,7 @@ def lighter_resume_hint(budget: str | None, aside: str = "") -> str:
     keeps the run's dtype and config, so the KV pools (allocated at load) are what a resume can make smaller.
     ``budget``: what set the memory budget (``budget_change``'s ``source``; None: the free memory)."""
     pool = ("--gpu-memory-fraction (the share of the free memory the KV pools take)" if budget is None
-            else budget_change(budget, "smaller"))
+            else budget_change(budget, "smaller", resume=True))
     return (f"continue with --resume and a lower --session-capacity or {pool}: a smaller KV pool leaves more memory "
             f"to the model's activations{aside}; --resume keeps the run's dtype and config, so a smaller dtype or "
             "model is a new run (another --out)")
@@ -213,12 +213,15 @@ def file_size_hint(hint: str) -> str:
             f"(ulimit -f unlimited); {hint}")
 
 
-def budget_change(source: str, size: str) -> str:
+def budget_change(source: str, size: str, *, resume: bool = False) -> str:
     """A ``size`` ("larger" or "smaller") memory budget, as every hint that names one words it: by what set the
     budget now, ``source`` as ``commands._common.budget_source`` gives it (``--memory-budget``,
-    ``runtime.memory_budget``) or a resumed run's ``OUT/run.json``, and the option that changes it."""
+    ``runtime.memory_budget``) or a resumed run's ``OUT/run.json``, and the option that changes it. For a
+    ``resume`` (one hinted at, or this one), the option alone: a resume refuses the config edited since the run."""
     if source == "--memory-budget":
         return f"a {size} --memory-budget"
+    if source == "runtime.memory_budget" and resume:
+        return f"a {size} --memory-budget (the config's runtime.memory_budget set it)"
     if source == "runtime.memory_budget":
         return f"a {size} budget (the config's runtime.memory_budget set it; --memory-budget replaces it)"
     return (f"a {size} --memory-budget (the memory_budget recorded in {source} set it; one given replaces it for that "

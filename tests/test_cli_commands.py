@@ -982,8 +982,7 @@ def test_rollout_out_of_its_memory_budget_hints_as_warmup_does_and_a_resume_name
     older = {k: v for k, v in info.items() if k not in ("memory_budget", "config_sha256", "config_path")}
     (run / "run.json").write_text(json.dumps({**older, "config": str(fast)}))
     assert hint(str(fast), "--resume", "-o", "run") == (
-        "resume with a larger budget (the config's runtime.memory_budget set it; --memory-budget replaces it); "
-        f"{kept}")
+        f"resume with a larger --memory-budget (the config's runtime.memory_budget set it); {kept}")
     proc = ardiff(str(fast), "--resume", "-o", "run", "--memory-budget", "1MiB")  # as the hint says
     assert proc.returncode == 0, proc.stderr
 

@@ -1191,7 +1191,7 @@ def test_a_step_out_of_memory_hints_at_what_set_the_budget_and_never_at_another_
     assert hint(data / "fast.yaml", given, "--memory-budget", "64MiB").startswith(
         resume_with("a smaller --memory-budget"))
     assert hint(budget_config, tmp_path / "field").startswith(resume_with(
-        "a smaller budget (the config's runtime.memory_budget set it; --memory-budget replaces it)"))
+        "a smaller --memory-budget (the config's runtime.memory_budget set it)"))
     assert hint(data / "fast.yaml", tmp_path / "free").startswith(resume_with(
         "--gpu-memory-fraction (the share of the free memory the KV pools take)"))
     # resumed: the budget run.json recorded, reused; the hint also shows while the other episodes go on

@@ -86,8 +86,8 @@ def beyond_device_hint(source: str, *, resume: bool = False) -> str:
     """The hint of a memory budget whose plan needs more than the device has in all (``BudgetBeyondDeviceError``),
     naming what set the budget: ``source`` as ``budget_source`` gives it, or a resumed run's ``OUT/run.json``."""
     leave = "" if resume else ", or leave the budget out to plan with the free memory"
-    return (f"plan with {budget_change(source, 'smaller')} or --session-capacity{leave}; `ardiff inspect-capacity` "
-            "plans for any amount")
+    return (f"plan with {budget_change(source, 'smaller', resume=resume)} or --session-capacity{leave}; "
+            "`ardiff inspect-capacity` plans for any amount")
 
 
 def _config_among(arguments: Sequence[Path]) -> str:

@@ -968,8 +968,9 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     plan = engine.load()
                 except CapacityError as exc:  # without a budget, the runner's hint names the device's free memory
                     if p.budget_source is not None:  # a resume keeps the run's dtype and config: only the budget
-                        exc.hint = (f"resume with {budget_change(p.budget_source, 'larger')}; the dtype and the "
-                                    "config are the run's (--resume keeps them)" if resume else
+                        larger = budget_change(p.budget_source, "larger", resume=True)
+                        exc.hint = (f"resume with {larger}; the dtype and the config are the run's (--resume keeps "
+                                    "them)" if resume else
                                     does_not_fit_hint(p.cfg, p.budget_source, window_helps=exc.window_helps))
                     elif resume:  # the runner's hint says a smaller window, model or dtype: --resume refuses them
                         exc.hint = RESUME_LOAD_HINT
