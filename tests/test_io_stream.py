@@ -1907,3 +1907,55 @@ def test_follow_a_trusted_listing_still_notices_a_change(tmp_path, change):
         assert isinstance(item, EpisodeEnded) and item.reason == "error"
         assert ("is gone" if change == "folder gone" else "was replaced") in str(item.error)
     assert at <= 3 + 3  # step 0's polls, the settling, and at most two polls after the change
+
+
+def test_follow_round_robin_end_of_a_caught_up_episode_counts_from_the_poll_that_sees_it_not_from_its_turn(tmp_path):
+    """END written in an episode that ran all its steps, while others run theirs in round-robin: its 0.5 s started
+    first at the episode's turn, so it ended a round after that, up to two rounds and 0.5 s after its END. It counts
+    from the poll that sees END, and the episode ends at its first turn 0.5 s after."""
+    from ardiff_cli.io import end_episode
+
+    write_episode(tmp_path / "a", [good(0)], prompt="p", end=False)
+    for name in "bcde":
+        write_episode(tmp_path / name, [good(s) for s in range(12)], prompt="p")
+    clock = FakeClock()
+    scheduler = StepScheduler(discover_episodes([tmp_path]), follow=True, idle_timeout=100, poll_interval=0.1,
+                              clock=clock, sleep=clock.sleep)
+    items, ended_at = [], None
+    while (item := scheduler.next()) is not None:
+        if isinstance(item, StepTask):
+            items.append((item.episode.name, item.file.step))
+            clock.now += 0.3  # the model runs the step
+            if items == [("a", 0), ("b", 0), ("c", 0)]:
+                end_episode(tmp_path / "a")  # while c's step 0 runs: a's turn comes after d's and e's steps
+                written = clock.now
+        elif item.episode.name == "a":
+            ended_at = clock.now
+    # seen at the poll after c's step; a's turns come after e's step 0 (0.6 s later: ends), not only a round after
+    assert ended_at is not None and ended_at - written <= 0.6 + 1e-9, (ended_at - written, items)
+
+
+def test_follow_an_episode_folder_removed_after_its_end_while_it_settles_ends_by_its_end(tmp_path):
+    """A recorder that writes END after the last step file and then removes (or moves away) the finished episode's
+    folder, as the README allows: once END had to stay 0.5 s the removal failed the episode (`the episode folder is
+    gone`, hint: keep it in place until END is written). Every step file in it ran, so it ends by its END."""
+    from ardiff_cli.io import end_episode
+
+    folder = tmp_path / "a"
+    write_episode(folder, [good(0), good(1)], prompt="p", end=False)
+    # at the first pause once END is there (seen, not yet counted); steps are taken once unchanged for a poll
+    clock = FakeClock([lambda: (folder / "END").exists() and shutil.rmtree(folder)] * 100)
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=0.1,
+                              clock=clock, sleep=clock.sleep)
+    items = []
+    while (item := scheduler.next()) is not None:
+        if isinstance(item, StepTask):
+            items.append((item.episode.name, item.file.step))
+            clock.now += 0.2  # the model runs the step
+            if item.file.step == 1:
+                end_episode(folder)
+        else:
+            items.append((item.episode.name, item.reason, str(item.error)))
+    assert items == [("a", 0), ("a", 1), ("a", "end_marker", "None")], items
+    assert clock.now < 2
+

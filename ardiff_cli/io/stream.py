@@ -123,6 +123,7 @@ class _Track:
     first_file: tuple[str, int, int] | None = None  # follow: name, inode and mtime of its first step file taken
     # follow: since when its folder held these names (END one), none of its unready step files growing, and their looks
     end_seen: tuple[float, frozenset[str], dict[str, tuple[int, int]]] | None = None
+    end_gone: bool = False  # follow: its folder was removed once END was seen there and every step file taken
 
 
 class StepScheduler:
@@ -229,10 +230,10 @@ class StepScheduler:
                     for track in self._tracks:
                         if not track.ended and track.cursor >= len(track.files):  # a backlog needs no poll
                             self._guarded_scan(track)
-                            # END there as its steps are taken: its folder's names are looked at now, not first as
-                            # its last step is handed out (then 0.5 s more, each episode in turn in sequential order)
-                            if (track.end_seen is None and track.cursor < len(track.files) and not track.ended
-                                    and track.source.has_end_marker()):
+                            # END there as its steps are taken, or as it waits for more: its folder's names are
+                            # looked at now, not first at its turn (then 0.5 s more: each episode in turn in
+                            # sequential order, a round of the others' steps more in round-robin)
+                            if track.end_seen is None and not track.ended and track.source.has_end_marker():
                                 self._end_settled(track)
                 if all(t.ended for t in self._tracks) and not self._pending_ends:
                     # Every episode ended. A watched folder of episodes ends too once no episode folder was made in
@@ -456,7 +457,7 @@ class StepScheduler:
     def _end_reason(self, track: _Track) -> str | None:
         if not self.follow:
             return "complete"
-        if track.source.has_end_marker():
+        if track.end_gone or track.source.has_end_marker():
             if not self._end_settled(track):
                 return None
             self._guarded_scan(track, force=True)
@@ -627,6 +628,12 @@ class StepScheduler:
             st = _folder_stat(track.source.path)
         identity = st.st_ino if st is not None else None
         if identity is None:  # it existed at the start (discover_episodes): deleted or renamed since
+            if (track.end_seen is not None and track.files and track.cursor >= len(track.files) and not track.looks
+                    and not track.unnumbered):
+                # removed (or moved away) once its END was seen, every step file in it handed out: a recorder's
+                # cleanup of a finished episode while END counted its 0.5 s. It ends by END (``_end_reason``).
+                track.end_gone = True
+                return
             raise self._gone(track)
         if track.identity is not None and identity != track.identity and track.files:
             # Another folder put in its place between two polls (a recorder restarting its episode): its steps are
