@@ -61,9 +61,13 @@ def data(tmp_path_factory):
     return root
 
 
-def ardiff(env, *args: str, faults: list | None = None) -> subprocess.CompletedProcess:
+def ardiff(env, *args: str, faults: list | None = None, path: Path | None = None) -> subprocess.CompletedProcess:
+    """``ardiff ARGS`` with ``faults``, and ``path`` (a folder of modules) first on PYTHONPATH."""
+    env = {**env, "ARDIFF_TEST_FAULTS": json.dumps(faults or [])}
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(path), env["PYTHONPATH"]])
     return subprocess.run([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, capture_output=True, text=True,
-                          env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults or [])}, timeout=600)
+                          env=env, timeout=600)
 
 
 def rollout_args(data, out: Path, *extra: str) -> list[str]:
@@ -1333,9 +1337,7 @@ def test_memory_running_out_as_torch_imports_or_the_weights_load_names_which_in_
     (no_memory / "torch" / "__init__.py").write_text("raise MemoryError()\n")
     rollout = ["rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "run"), "--no-warmup"]
     for command in (["warmup", str(data / "fast.yaml")], rollout):  # DreamZero: --pipeline's module imports torch
-        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *command, "--format", "json"], cwd=REPO,
-                              capture_output=True, text=True, timeout=600,
-                              env={**env, "PYTHONPATH": os.pathsep.join([str(no_memory), env["PYTHONPATH"]])})
+        proc = ardiff(env, *command, "--format", "json", path=no_memory)
         assert proc.returncode == 3, proc.stderr
         error = json.loads(proc.stdout.splitlines()[-1])
         assert (error["kind"], error["message"]) == ("out_of_memory", "out of host memory while importing torch: "
@@ -1362,9 +1364,7 @@ def test_memory_running_out_as_a_pipeline_class_module_imports_names_the_import(
     run = tmp_path / "run"
     for command in (["warmup", str(data / "fast.yaml")], ["inspect-capacity", str(data / "fast.yaml")],
                     ["rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup"]):
-        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *command, "--pipeline", "hungry_lab:MyPipeline",
-                               "--format", "json"], cwd=REPO, capture_output=True, text=True, timeout=600,
-                              env={**env, "PYTHONPATH": os.pathsep.join([str(modules), env["PYTHONPATH"]])})
+        proc = ardiff(env, *command, "--pipeline", "hungry_lab:MyPipeline", "--format", "json", path=modules)
         assert proc.returncode == 3, proc.stderr
         error = json.loads(proc.stdout.splitlines()[-1])
         assert (error["kind"], error["message"]) == ("out_of_memory", "out of host memory while importing pipeline "
