@@ -30,12 +30,10 @@ from ardiff_cli.runtime.errors import (
     ObservationError,
     PipelineError,
     StopRequested,
-    address_space_limit,
-    file_size_limit,
     file_too_large,
     is_out_of_memory,
-    open_files_limit,
     out_of_memory_message,
+    process_limit,
     too_many_open_files,
     unmappable_library,
 )
@@ -197,7 +195,7 @@ _TOO_MANY_OPEN_FILES = ErrorRule(OSError, EXIT_BUG, "too_many_open_files")
 
 def out_of_memory_hint(hint: str) -> str:
     """``hint``, and under an address-space limit (``ulimit -v``), which memory it was that ran out."""
-    limit = address_space_limit()
+    limit = process_limit("AS")
     if limit is None:
         return hint
     return f"{hint}; or raise this process's address-space limit (now ulimit -v {limit // 1024})"
@@ -206,7 +204,7 @@ def out_of_memory_hint(hint: str) -> str:
 def file_size_hint(hint: str) -> str:
     """``hint`` (a write's), led by this process's file-size limit (``ulimit -f``) when that refused the write (EFBIG):
     no disk is full, and every file that size fails alike until it is raised."""
-    limit = file_size_limit()
+    limit = process_limit("FSIZE")
     if limit is None:  # the file system's largest file
         return hint
     return (f"a file reached this process's file-size limit (now ulimit -f {limit // 1024}: {limit:,} bytes): raise it "
@@ -230,7 +228,7 @@ def budget_change(source: str, size: str, *, resume: bool = False) -> str:
 
 def open_files_hint(then: str = "run again") -> str:
     """What to do when the limit on open files was reached: it was called the pipeline's failure, to be reported."""
-    limit = open_files_limit()
+    limit = process_limit("NOFILE")
     now = "" if limit is None else f" (now ulimit -n {limit})"
     return (f"this process reached its limit on open files{now}, or the system its own: raise it (ulimit -n 1024, "
             f"say) and {then}")
@@ -265,7 +263,7 @@ def report(out: Output, exc: BaseException) -> int:
         library = unmappable_library(exc)
         if library is not None:  # no room left to load torch: no session to lower, the limit is the cause
             message = f"cannot load a library: {library}"
-            hint = (f"this process's address-space limit (now ulimit -v {address_space_limit() // 1024}) leaves no "
+            hint = (f"this process's address-space limit (now ulimit -v {process_limit('AS') // 1024}) leaves no "
                     "room to load torch: raise it, or run with ulimit -v unlimited")
         elif rule is _OUT_OF_MEMORY:
             message = out_of_memory_message(exc) or message

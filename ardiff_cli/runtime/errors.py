@@ -180,11 +180,12 @@ def out_of_memory_message(exc: BaseException) -> str | None:
 _MAP_FAILED = "failed to map segment from shared object"  # the loader's words for an mmap it was refused
 
 
-def address_space_limit() -> int | None:
-    """This process's address-space limit in bytes (``ulimit -v``, RLIMIT_AS), or None when there is none."""
+def process_limit(name: str) -> int | None:
+    """This process's soft limit ``name`` (``"AS"``: its address space in bytes, ``ulimit -v``; ``"NOFILE"``: open
+    files, ``ulimit -n``; ``"FSIZE"``: the bytes of a file it writes, ``ulimit -f``), or None when there is none."""
     if resource is None:
         return None
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    soft, _ = resource.getrlimit(getattr(resource, f"RLIMIT_{name}"))
     return None if soft == resource.RLIM_INFINITY else soft
 
 
@@ -193,7 +194,7 @@ def unmappable_library(exc: BaseException) -> str | None:
     limit (``libtorch_cpu.so: failed to map segment from shared object``), else None. Importing torch under
     ``ulimit -v`` fails so, as an ``ImportError`` (numpy's wraps the line in a page of advice); the loader says
     the same of a ``noexec`` mount, so without a limit it is left to be what it is."""
-    if not isinstance(exc, (ImportError, OSError)) or address_space_limit() is None:
+    if not isinstance(exc, (ImportError, OSError)) or process_limit("AS") is None:
         return None
     line = next((line for line in str(exc).splitlines() if _MAP_FAILED in line), None)
     return None if line is None else line.strip().removeprefix("Original error was: ")
@@ -206,23 +207,6 @@ def too_many_open_files(exc: BaseException) -> bool:
     if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
         return True
     return isinstance(exc, Exception) and os.strerror(errno.EMFILE) in str(exc)  # ENFILE's says it too
-
-
-def open_files_limit() -> int | None:
-    """This process's limit on open files (``ulimit -n``, RLIMIT_NOFILE), or None when there is none."""
-    if resource is None:
-        return None
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return None if soft == resource.RLIM_INFINITY else soft
-
-
-def file_size_limit() -> int | None:
-    """This process's limit on the size of a file it writes, in bytes (``ulimit -f``, RLIMIT_FSIZE), or None when
-    there is none."""
-    if resource is None:
-        return None
-    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
-    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def file_too_large(exc: BaseException | None) -> bool:
