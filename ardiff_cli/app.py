@@ -18,9 +18,22 @@ from ardiff_cli import __version__, entry
 from ardiff_cli.commands import inspect_capacity, rollout, warmup
 from ardiff_cli.entry import report_interrupted, requested_format, signal_of
 from ardiff_cli.errors_cli import EXIT_CODES_HELP, EXIT_SIGINT
-from ardiff_cli.options import FLAG, HelpOpt
+from ardiff_cli.options import ARGUMENT_KINDS, FLAG, HelpOpt
 from ardiff_cli.output import Output, resolve_format, stdout_error
 from ardiff_cli.runtime.capacity import split_unit_hint
+
+
+class Command(typer.core.TyperCommand):
+    """A command whose arguments show what they take in the help's type column (``ARGUMENT_KINDS``), as its options'
+    metavars do, instead of a Python annotation."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            kind = ARGUMENT_KINDS.get(param.metavar) if isinstance(param, typer.core.TyperArgument) else None
+            if kind:
+                param.display_type_rich = lambda ctx, kind=kind: kind
+
 
 app = typer.Typer(
     name="ardiff",
@@ -31,9 +44,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": []},  # each command declares options.HelpOpt (-h/--help) instead
 )
-app.command("rollout", help=rollout.HELP, epilog=rollout.EPILOG)(rollout.rollout)
-app.command("warmup", help=warmup.HELP, epilog=warmup.EPILOG)(warmup.warmup)
-app.command("inspect-capacity", help=inspect_capacity.HELP, epilog=inspect_capacity.EPILOG)(
+app.command("rollout", cls=Command, help=rollout.HELP, epilog=rollout.EPILOG)(rollout.rollout)
+app.command("warmup", cls=Command, help=warmup.HELP, epilog=warmup.EPILOG)(warmup.warmup)
+app.command("inspect-capacity", cls=Command, help=inspect_capacity.HELP, epilog=inspect_capacity.EPILOG)(
     inspect_capacity.inspect_capacity
 )
 COMMANDS = ("rollout", "warmup", "inspect-capacity")

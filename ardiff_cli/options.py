@@ -21,6 +21,9 @@ DEFAULT_CONFIG = "dreamzero-tiny"  # the small DreamZero-style built-in config
 RUNTIME_PANEL = "Model and memory"  # --help section of the runtime overrides
 OUTPUT_PANEL = "Output format"  # --help section of --format/--quiet/--verbose
 FLAG = ""  # the metavar of an option that takes no value: Typer's help would show a `<bool>` type for it
+# What each argument takes, by its metavar, in the help's type column, where Typer (0.29) shows the Python
+# annotation: `<str>` for CONFIG, `<list[Path]>` for EPISODE (app.Command puts them there).
+ARGUMENT_KINDS = {"CONFIG": "FILE|NAME", "EPISODE": "DIR..."}
 
 
 class AttentionBackend(str, enum.Enum):

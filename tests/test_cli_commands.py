@@ -56,8 +56,8 @@ def test_inspect_capacity_help_names_each_part_of_the_plan_where_the_plan_counts
 
 def test_help_shows_no_type_for_flags_and_every_default_it_documents():
     """Typer's help used to show `<bool>` after every flag (--follow, --quiet, even --help), `<path>` for --out,
-    `<...>` around some choices but not others, and Rich markup swallowed the `[default: ...]` of --available and
-    --sessions."""
+    `<str>` and `<list[Path]>` for the arguments, `<...>` around some choices but not others, and Rich markup
+    swallowed the `[default: ...]` of --available and --sessions."""
     pages = {}
     for command in ("", "rollout", "warmup", "inspect-capacity"):
         args = [command] if command else []
@@ -65,6 +65,8 @@ def test_help_shows_no_type_for_flags_and_every_default_it_documents():
         short = runner.invoke(app, [*args, "-h"], env={"COLUMNS": "400"})
         assert long.exit_code == short.exit_code == 0 and long.stdout == short.stdout
         assert "<bool>" not in long.stdout and "<path>" not in long.stdout
+        # Typer 0.29 showed the arguments' Python annotations: `CONFIG <str>`, `EPISODE <list[Path]>`
+        assert not re.search(r"<(str|list|Path|int|float)", long.stdout), long.stdout
         assert re.search(r"--help\s+-h\s+Show this message and exit", long.stdout), long.stdout
         pages[command] = long.stdout
     assert re.search(r"--version\s+Print the version", pages[""])
@@ -76,6 +78,9 @@ def test_help_shows_no_type_for_flags_and_every_default_it_documents():
                     r"--attention-backend\s+auto\|torch\|vllm ", r"--format\s+auto\|rich\|plain\|json "):
         assert re.search(metavar, rollout), metavar
     assert "[default: --warmup]" in rollout
+    assert re.search(r"CONFIG\s+FILE\|NAME\s+A config", rollout), rollout
+    assert re.search(r"EPISODE\s+DIR\.\.\.\s+Episode folders", rollout), rollout
+    assert re.search(r"CONFIG\s+FILE\|NAME\s+A config", pages["warmup"])
     inspect = pages["inspect-capacity"]
     assert "[default: --memory-budget or the config's, else auto]" in inspect
     assert "[default: 1 2 4 8 16 and the capacity]" in inspect
