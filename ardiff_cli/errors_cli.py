@@ -20,6 +20,7 @@ import typer
 
 from ardiff_cli.entry import interrupted_message, signal_of
 from ardiff_cli.output import Output, stdout_error
+from ardiff_cli.runtime.capacity import CapacityPlan
 from ardiff_cli.runtime.kv.allocator import KVCacheExhaustedError
 from ardiff_cli.runtime.errors import (
     ArdiffError,
@@ -75,6 +76,8 @@ class StepFailed(ArdiffError):
     ``phase`` says where: ``load`` (reading the step file), ``replay`` (rerunning
     the earlier step ``replayed`` to rebuild an evicted session), ``forward`` (the
     model) or ``write`` (its output file). The cause is chained (``__cause__``).
+    ``budget`` (what set the memory budget) and ``plan`` (the run's ``CapacityPlan``)
+    word the hint of memory running out (``lighter_resume_hint``).
     """
 
     PHASES = {
@@ -85,12 +88,12 @@ class StepFailed(ArdiffError):
     }
 
     def __init__(self, episode: str, step: int, phase: str, cause: BaseException, *, path: str = "",
-                 replayed: int | None = None, budget: str | None = None) -> None:
+                 replayed: int | None = None, budget: str | None = None, plan: CapacityPlan | None = None) -> None:
         detail = (str(cause) if isinstance(cause, ArdiffError)
                   else out_of_memory_message(cause) or f"{type(cause).__name__}: {cause}")
         where = self.PHASES[phase].format(path=path, replayed=replayed)
         super().__init__(f"episode {episode!r} failed at step {step} {where}: {detail}",
-                         hint=_step_hint(phase, cause, budget))
+                         hint=_step_hint(phase, cause, budget, plan))
         self.episode = episode  # the episode (= session id)
         self.step = step  # the step being run when it failed (in phase replay, the one whose session was rebuilt)
         self.replayed = replayed  # in phase replay: the earlier step being replayed
@@ -112,19 +115,29 @@ def pages_short(exc: BaseException | None) -> bool:
     return False
 
 
-def lighter_resume_hint(budget: str | None, aside: str = "") -> str:
+def lighter_resume_hint(budget: str | None, plan: CapacityPlan | None = None, aside: str = "") -> str:
     """What to change when memory ran out once a run was written (``run.json``): only ``--resume`` goes on, and it
-    keeps the run's dtype and config, so the KV pools (allocated at load) are what a resume can make smaller.
-    ``budget``: what set the memory budget (``budget_change``'s ``source``; None: the free memory)."""
+    keeps the run's dtype and config, so the KV pools (allocated at load) are what a resume can make smaller, where
+    they can be. ``budget``: what set the memory budget (``budget_change``'s ``source``; None: the free memory);
+    ``plan``: the run's ``CapacityPlan`` (None: not known, as when its pools failed to allocate): the sessions it
+    holds, and whether the session capacity, not the budget, limits them."""
+    keeps = "--resume keeps the run's dtype and config, so a smaller dtype or model is a new run (another --out)"
+    if plan is not None and plan.session_capacity == 1:  # no lower --session-capacity; a smaller budget holds one
+        return (f"the KV pool holds one session, the least a plan keeps, and it does not fit with the model's "
+                f"activations{aside}: free memory on the device (another process using it?) and continue with "
+                f"--resume; {keeps}")
+    if plan is not None and plan.bound_limits:  # a smaller budget holds as many sessions: the pool stays
+        return (f"continue with --resume and a --session-capacity below {plan.session_capacity} (it, not the budget, "
+                f"limits the KV pool): a smaller KV pool leaves more memory to the model's activations{aside}; {keeps}")
     pool = ("--gpu-memory-fraction (the share of the free memory the KV pools take)" if budget is None
             else budget_change(budget, "smaller", resume=True))
     return (f"continue with --resume and a lower --session-capacity or {pool}: a smaller KV pool leaves more memory "
-            f"to the model's activations{aside}; --resume keeps the run's dtype and config, so a smaller dtype or "
-            "model is a new run (another --out)")
+            f"to the model's activations{aside}; {keeps}")
 
 
-def _step_hint(phase: str, cause: BaseException, budget: str | None) -> str:
-    """``budget``: what set the KV memory budget (``budget_change``'s ``source``; None: the free memory)."""
+def _step_hint(phase: str, cause: BaseException, budget: str | None, plan: CapacityPlan | None = None) -> str:
+    """``budget``: what set the KV memory budget (``budget_change``'s ``source``; None: the free memory); ``plan``:
+    the run's ``CapacityPlan`` (None: not known)."""
     if too_many_open_files(cause):  # the environment's limit, in any phase: not the disk's, the file's or the model's
         return open_files_hint("continue with --resume")
     if phase == "write":
@@ -134,7 +147,7 @@ def _step_hint(phase: str, cause: BaseException, budget: str | None) -> str:
                 "KV spec or ardiff's plan undercounts this step's pages (report it, with the --verbose traceback); the "
                 "other sessions were untouched; continue with --resume")
     if is_out_of_memory(cause):
-        return out_of_memory_hint(lighter_resume_hint(budget, " (the other sessions were untouched)"))
+        return out_of_memory_hint(lighter_resume_hint(budget, plan, " (the other sessions were untouched)"))
     if isinstance(cause, ArdiffError) and cause.hint:
         return cause.hint
     return ("the episode's session was released; the traceback is in results.jsonl (and printed with --verbose); "

@@ -336,7 +336,8 @@ class Rollout:
             # Raised by the pipeline's own input checks, which know no files: name the step's.
             return ObservationError(f"{step_file.path}: {exc}", hint=exc.hint)
         return StepFailed(task.episode.name, task.file.step, phase, exc, path=str(step_file.path),
-                          replayed=step_file.step if phase == "replay" else None, budget=self.options.budget_source)
+                          replayed=step_file.step if phase == "replay" else None, budget=self.options.budget_source,
+                          plan=self.engine.runner.capacity_plan)
 
     def _load(self, episode: EpisodeSource, step_file: StepFile) -> tuple[dict[str, Any], str]:
         """The step's validated inputs and the SHA-256 of its file. A step that ran before (replayed, or run again

@@ -81,6 +81,18 @@ def test_capacity_bounded_by_session_capacity_and_override():
     assert plan_capacity(self_forcing_13b(), "bfloat16", 1000 * GIB, session_capacity=2).session_capacity == 2
 
 
+def test_a_plan_says_whether_its_session_bound_or_its_budget_limits_it():
+    """``bound_limits``: a smaller budget leaves the pool as it is only while the bound, not the budget, limits it
+    (the memory hint of a step offers a smaller budget only then)."""
+    spec = self_forcing_13b()
+    assert plan_capacity(spec, "bfloat16", 1000 * GIB, session_capacity=2).bound_limits  # the budget holds more
+    per_session = plan_capacity(spec, "bfloat16", 1000 * GIB).bytes_per_session
+    exact = plan_capacity(spec, "bfloat16", 1000 * GIB).required_bytes(2)
+    assert not plan_capacity(spec, "bfloat16", exact, 1.0, session_capacity=2).bound_limits  # both: 2 sessions
+    assert plan_capacity(spec, "bfloat16", exact + per_session, 1.0, session_capacity=2).bound_limits
+    assert not plan_capacity(spec, "bfloat16", exact, 1.0).bound_limits  # the spec's 4: the budget limits it
+
+
 def test_one_session_admitted_when_it_fits_even_with_tiny_fraction():
     spec = self_forcing_13b()
     one = plan_capacity(spec, "bfloat16", 1000 * GIB).required_bytes_one_session

@@ -42,6 +42,9 @@ pipeline: dreamzero
 model: {preset: tiny, num_inference_steps: 1, guidance_scale: 2.0}
 runtime: {device: cpu, session_capacity: 1}
 """
+# the memory hint of a step of FAST_CONFIG, whose plan holds one session: no lower --session-capacity or budget
+ONE_SESSION_HINT = ("the KV pool holds one session, the least a plan keeps, and it does not fit with the model's "
+                    "activations")
 
 
 @pytest.fixture(scope="module")
@@ -1106,7 +1109,7 @@ def test_a_cuda_error_out_of_memory_raised_as_a_plain_runtime_error_is_out_of_me
     proc = ardiff(env, *rollout_args(data, tmp_path / "run", "--fail-fast"), faults=faults)
     assert proc.returncode == 3, proc.stderr
     assert "CUDA error: out of memory" in proc.stderr
-    assert "hint: continue with --resume and a lower --session-capacity" in proc.stderr, proc.stderr
+    assert f"hint: {ONE_SESSION_HINT}" in proc.stderr, proc.stderr
     assert "bug in ardiff" not in proc.stderr
 
 
@@ -1125,7 +1128,7 @@ def test_each_out_of_memory_error_the_readme_names_stops_a_step_with_exit_3(env,
     proc = ardiff(env, *rollout_args(data, tmp_path / "run", "--fail-fast"), faults=faults)
     assert proc.returncode == 3, proc.stderr
     error = (f"Error: episode 'arm_b' failed at step 1 in the model's forward: {said}\n"
-             "hint: continue with --resume and a lower --session-capacity")
+             f"hint: {ONE_SESSION_HINT}")
     assert error in proc.stderr, proc.stderr
     assert "bug in ardiff" not in proc.stderr and "Traceback" not in proc.stderr
 
@@ -1149,7 +1152,7 @@ def test_the_hosts_allocator_running_out_is_out_of_memory_in_a_step_and_in_warmu
     proc = ardiff(env, *rollout_args(data, tmp_path / "run", "--fail-fast"), faults=faults)
     assert proc.returncode == 3, proc.stderr
     assert "DefaultCPUAllocator: can't allocate memory" in proc.stderr
-    assert "hint: continue with --resume and a lower --session-capacity" in proc.stderr, proc.stderr
+    assert f"hint: {ONE_SESSION_HINT}" in proc.stderr, proc.stderr
     assert "bug in ardiff" not in proc.stderr
     faults = [{"request": "warmup-0", "site": "block", "layer": 0, "action": "oom"}]
     proc = ardiff(env, "warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, "--format", "json", faults=faults)
@@ -1170,10 +1173,13 @@ def test_a_step_out_of_memory_hints_at_what_set_the_budget_and_never_at_another_
     model; ...; continue with --resume", whatever set the memory budget: --resume refuses another dtype or config, and
     the option or config field that set the budget went unnamed. It names them now, as the hint of a budget too small
     for one session does: --memory-budget, the config's runtime.memory_budget, the budget a resumed run's run.json
-    recorded, or (no budget) --gpu-memory-fraction, the share of the free memory the KV pools take."""
+    recorded, or (no budget) --gpu-memory-fraction, the share of the free memory the KV pools take. Each plan here is
+    limited by its budget (2 sessions of the spec's 4), where both changes shrink the KV pool."""
     faults = [{"request": "arm_b/000001", "site": "block", "layer": 0, "action": "memory_error"}]
+    sessions_config = tmp_path / "sessions.yaml"  # the spec's bound of 4 sessions
+    sessions_config.write_text(FAST_CONFIG.replace(", session_capacity: 1", ""))
     budget_config = tmp_path / "budget.yaml"
-    budget_config.write_text(FAST_CONFIG.replace("session_capacity: 1", "session_capacity: 1, memory_budget: 64MiB"))
+    budget_config.write_text(FAST_CONFIG.replace("session_capacity: 1", "memory_budget: 600KB"))
 
     def hint(config: Path, out: Path, *extra: str) -> str:
         proc = ardiff(env, "rollout", str(config), str(data / "eps"), "--out", str(out), "--pipeline", PIPELINE,
@@ -1185,6 +1191,7 @@ def test_a_step_out_of_memory_hints_at_what_set_the_budget_and_never_at_another_
         assert "--dtype" not in error["hint"] and "use a smaller dtype" not in error["hint"], error
         assert error["hint"].endswith("--resume keeps the run's dtype and config, so a smaller dtype or model is a "
                                       "new run (another --out)"), error
+        assert json.loads((out / "summary.json").read_text())["capacity_plan"]["session_capacity"] > 1
         return error["hint"]
 
     def resume_with(pool: str) -> str:
@@ -1192,12 +1199,15 @@ def test_a_step_out_of_memory_hints_at_what_set_the_budget_and_never_at_another_
                 "memory to the model's activations (the other sessions were untouched); ")
 
     given = tmp_path / "given"
-    assert hint(data / "fast.yaml", given, "--memory-budget", "64MiB").startswith(
+    assert hint(sessions_config, given, "--memory-budget", "600KB").startswith(
         resume_with("a smaller --memory-budget"))
     assert hint(budget_config, tmp_path / "field").startswith(resume_with(
         "a smaller --memory-budget (the config's runtime.memory_budget set it)"))
-    assert hint(data / "fast.yaml", tmp_path / "free").startswith(resume_with(
-        "--gpu-memory-fraction (the share of the free memory the KV pools take)"))
+    from ardiff_cli.runtime.capacity import available_host_memory  # a share of the free memory of about 10 sessions
+
+    fraction = str((2 << 20) / available_host_memory())
+    free = hint(sessions_config, tmp_path / "free", "--gpu-memory-fraction", fraction, "--session-capacity", "1000")
+    assert free.startswith(resume_with("--gpu-memory-fraction (the share of the free memory the KV pools take)"))
     # resumed: the budget run.json recorded, reused; the hint also shows while the other episodes go on
     proc = ardiff(env, "rollout", "--resume", "--out", str(given), "--pipeline", PIPELINE, "--no-warmup", "--format",
                   "plain", faults=faults)
@@ -1209,15 +1219,85 @@ def test_a_step_out_of_memory_hints_at_what_set_the_budget_and_never_at_another_
     assert "--dtype" not in proc.stderr and "use a smaller dtype" not in proc.stderr, proc.stderr
 
 
+def test_a_step_out_of_memory_hints_only_at_changes_that_shrink_the_kv_pool(env, data, tmp_path):
+    """The hint said "continue with --resume and a lower --session-capacity or a smaller --memory-budget" whatever
+    the plan. With one session planned neither can help: --session-capacity takes no fewer, and a budget too small for
+    one session is refused (one that holds it plans the same pool). With --session-capacity limiting the plan below
+    what the budget holds, a smaller budget plans the same pool. Each hint now offers only what shrinks the pool."""
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0, "action": "memory_error"}]
+    sessions_config = tmp_path / "sessions.yaml"  # the spec's bound of 4 sessions
+    sessions_config.write_text(FAST_CONFIG.replace(", session_capacity: 1", ""))
+
+    def failed(config: Path, out: Path, *extra: str) -> str:
+        proc = ardiff(env, "rollout", str(config), str(data / "eps"), "--out", str(out), "--pipeline", PIPELINE,
+                      "--no-warmup", "--fail-fast", "--format", "json", *extra, faults=faults)
+        assert proc.returncode == 3, proc.stderr
+        error = json.loads(proc.stdout.splitlines()[-1])
+        assert error["kind"] == "step_failed", error
+        return error["hint"]
+
+    def pool(out: Path) -> tuple[int, int]:  # (sessions, pages) the last run of OUT planned
+        plan = json.loads((out / "summary.json").read_text())["capacity_plan"]
+        return plan["session_capacity"], plan["num_managed_pages"]
+
+    def resume(out: Path, *extra: str) -> subprocess.CompletedProcess:
+        return ardiff(env, "rollout", "--resume", "--out", str(out), "--pipeline", PIPELINE, "--no-warmup",
+                      "--format", "json", *extra)
+
+    # one session (the config's session_capacity: 1): neither change, and what following the old hint did
+    one = tmp_path / "one"
+    assert failed(data / "fast.yaml", one, "--memory-budget", "64MiB") == (
+        "the KV pool holds one session, the least a plan keeps, and it does not fit with the model's activations (the "
+        "other sessions were untouched): free memory on the device (another process using it?) and continue with "
+        "--resume; --resume keeps the run's dtype and config, so a smaller dtype or model is a new run (another --out)")
+    planned = pool(one)
+    assert planned[0] == 1, planned
+    proc = resume(one, "--session-capacity", "0")
+    assert proc.returncode == 2 and "'--session-capacity'" in proc.stdout, proc.stdout
+    proc = resume(one, "--memory-budget", "250KB")  # one session takes 297984 bytes
+    assert proc.returncode == 3 and json.loads(proc.stdout.splitlines()[-1])["kind"] == "capacity_error", proc.stdout
+    proc = resume(one, "--memory-budget", "300KB")
+    assert proc.returncode == 0, proc.stderr
+    assert pool(one) == planned  # the same pool: nothing left the activations more memory
+    # --session-capacity 2 limits the plan (the budget holds hundreds): a smaller budget plans the same pool
+    capped = tmp_path / "capped"
+    hint = failed(sessions_config, capped, "--memory-budget", "64MiB", "--session-capacity", "2")
+    assert hint.startswith("continue with --resume and a --session-capacity below 2 (it, not the budget, limits the "
+                           "KV pool): a smaller KV pool leaves more memory to the model's activations"), hint
+    assert "budget" not in hint.replace("not the budget", ""), hint
+    planned = pool(capped)
+    assert planned[0] == 2, planned
+    assert resume(capped, "--memory-budget", "1MiB").returncode == 0  # 4 sessions' worth, still above 2
+    assert pool(capped) == planned
+    # the budget limits the plan (2 of the spec's 4 sessions): both changes, and a smaller budget shrinks the pool
+    limited = tmp_path / "limited"
+    assert failed(sessions_config, limited, "--memory-budget", "600KB").startswith(
+        "continue with --resume and a lower --session-capacity or a smaller --memory-budget: ")
+    planned = pool(limited)
+    assert planned[0] == 2, planned
+    assert resume(limited, "--memory-budget", "450KB").returncode == 0
+    assert pool(limited)[0] == 1 and pool(limited)[1] < planned[1], (pool(limited), planned)
+
+
 def test_memory_running_out_in_a_rollouts_warmup_hints_at_the_resume_not_at_another_dtype(env, data, tmp_path):
     """Warmup runs once run.json is written: the same command is then refused (OUT holds a run) and --resume keeps
     the run's dtype and config, yet the hint said "... or use --dtype bfloat16 or a smaller model". It says what a
-    resume can change, as a step's does: the session capacity, or the budget by what set it."""
+    resume can change, as a step's does: the session capacity, or the budget by what set it (here the budget limits
+    the plan: 2 of the spec's 4 sessions); with one session planned, neither."""
     faults = [{"request": "warmup-0", "site": "block", "layer": 0, "action": "memory_error"}]
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "one"),
+                  "--pipeline", PIPELINE, "--format", "plain", "--memory-budget", "64MiB", faults=faults)
+    assert proc.returncode == 3, proc.stderr
+    assert ("Error: out of host memory while running the warmup requests: MemoryError\nhint: the KV pool holds one "
+            "session, the least a plan keeps, and it does not fit with the model's activations: free memory on the "
+            "device (another process using it?) and continue with --resume; --resume keeps the run's dtype and "
+            "config, so a smaller dtype or model is a new run (another --out)\n") in proc.stderr, proc.stderr
+    sessions_config = tmp_path / "sessions.yaml"  # the spec's bound of 4 sessions
+    sessions_config.write_text(FAST_CONFIG.replace(", session_capacity: 1", ""))
     run = tmp_path / "run"
-    args = ["rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--pipeline", PIPELINE,
+    args = ["rollout", str(sessions_config), str(data / "eps"), "--out", str(run), "--pipeline", PIPELINE,
             "--format", "plain"]
-    proc = ardiff(env, *args, "--memory-budget", "64MiB", faults=faults)
+    proc = ardiff(env, *args, "--memory-budget", "600KB", faults=faults)
     assert proc.returncode == 3, proc.stderr
     assert ("Error: out of host memory while running the warmup requests: MemoryError\nhint: continue with --resume "
             "and a lower --session-capacity or a smaller --memory-budget: a smaller KV pool leaves more memory to the "

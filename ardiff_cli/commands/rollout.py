@@ -1028,7 +1028,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                         and run.holds_run()):  # warmup's, a resume's load: the same command with another --dtype
                     with contextlib.suppress(MemoryError):  # is refused now
                         # a resume holds run.json as it loads: the KV pools come after the weights (and torch)
-                        error.hint = (lighter_resume_hint(p.budget_source) if plan is not None
+                        error.hint = (lighter_resume_hint(p.budget_source, plan) if plan is not None
                                       or getattr(error, "ardiff_while", None) == KV_POOLS_PHASE else RESUME_LOAD_HINT)
                 if error is exc:
                     raise

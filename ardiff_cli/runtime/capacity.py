@@ -224,6 +224,12 @@ class CapacityPlan:
         return self.total_pages * self.bytes_per_page + self.workspace_bytes
 
     @property
+    def bound_limits(self) -> bool:
+        """Whether the session capacity asked for (``session_capacity_limit``), not the budget, limits the plan: the
+        budget holds more sessions, so a smaller one leaves the KV pool as it is until it holds fewer."""
+        return self.session_capacity < (self.budget_bytes - self.fixed_bytes) // self.bytes_per_session
+
+    @property
     def sessions_per_gib(self) -> float:
         return (1 << 30) / self.bytes_per_session
 
