@@ -121,27 +121,28 @@ def check_session_count(value):
     return value
 
 
-def expand_home(value):
-    """A leading ``~`` means the home folder, also where no shell expanded it (quoted, a systemd unit, a Python
-    ``subprocess`` list), as in ``ARDIFF_CACHE_DIR``: never a folder named ``~`` in the working folder."""
+def expand_home(value: Optional[str]) -> Optional[str]:
+    """CONFIG, and EPISODE and ``--out`` (``parse_path``): a leading ``~`` means the home folder, also where no
+    shell expanded it (quoted, a systemd unit, a Python ``subprocess`` list), as in ``ARDIFF_CACHE_DIR``: never a
+    folder named ``~`` in the working folder. ``./~`` (which no shell expands either) is that folder: this runs on
+    the text as typed, as ``Path("./~")`` is ``Path("~")``."""
     if value is None:
         return None
-    if isinstance(value, list):
-        return [expand_home(v) for v in value]
     try:
-        return type(value)(errors.expand_home(str(value), str(value),
-                                              hint="set HOME to this user's home folder, or write the full path"))
+        return errors.expand_home(value, value, hint="set HOME to this user's home folder, or write the full path")
     except errors.ConfigError as exc:  # no home folder: a folder named ~ would be made in the working folder
         raise typer.BadParameter(f"{exc}; {exc.hint}") from None
 
 
 def parse_path(value: str) -> Path:
-    """EPISODE and ``--out`` as Typer reads a path (one that exists must be readable), but not an empty string:
-    ``Path("")`` is the current folder, so ``-o "$OUT"`` with OUT unset wrote the run's files among whatever the
-    current folder held, and ``rollout CFG "$EPISODE"`` ran it as an episode."""
+    """EPISODE and ``--out`` as Typer reads a path (one that exists must be readable), ``~`` expanded
+    (``expand_home``), but not an empty string: ``Path("")`` is the current folder, so ``-o "$OUT"`` with OUT unset
+    wrote the run's files among whatever the current folder held, and ``rollout CFG "$EPISODE"`` ran it as an
+    episode."""
     if value == "":
         raise typer.BadParameter("an empty string is not a folder (a variable that is not set?); "
                                  "write . for the current folder")
+    value = expand_home(value)
     if os.path.exists(value) and not os.access(value, os.R_OK):
         raise typer.BadParameter(f"path {value!r} is not readable.")
     return Path(value)
@@ -170,7 +171,6 @@ EpisodesArg = Annotated[
     typer.Argument(
         metavar="EPISODE",
         parser=parse_path,
-        callback=expand_home,
         help="Episode folders (step files), or folders of episode folders. \\[default: three demo episodes, "
              "generated for the config into $ARDIFF_CACHE_DIR/demo]",
         show_default=False,
@@ -187,7 +187,7 @@ PipelineOpt = Annotated[
 ]
 OutOpt = Annotated[
     Optional[Path],
-    typer.Option("--out", "-o", metavar="DIR", parser=parse_out, callback=expand_home,
+    typer.Option("--out", "-o", metavar="DIR", parser=parse_out,
                  help="Output folder (./-x for one named like an option). "
                       "\\[default: a new folder in ./ardiff-runs, named by the time]",
                  show_default=False),

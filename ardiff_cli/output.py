@@ -208,9 +208,9 @@ class Output:
               kind: str = "error") -> None:
         """'Error: ...' and 'hint: ...' on stderr (never silenced); json also gets an error object on stdout."""
         Output.errors_reported += 1
-        self._print_err("[bold red]Error:[/bold red] ", one_line(message), plain_prefix="Error: ")
+        # not wrapped by Rich, as a warning: a path or command it broke in two was two when copied from a terminal
+        self._print_err("[bold red]Error:[/bold red] ", one_line(message), plain_prefix="Error: ", soft_wrap=True)
         if hint:
-            # not wrapped by Rich, as a warning: a command it printed on two lines was two when copied from a terminal
             self._print_err("[cyan]hint:[/cyan] ", one_line(hint), plain_prefix="hint: ", soft_wrap=True)
         if self.is_json:
             self.json({"kind": kind, "message": message, "hint": hint, "exit_code": exit_code})

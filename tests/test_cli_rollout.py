@@ -581,6 +581,30 @@ def test_a_tilde_no_shell_expanded_means_home_not_a_folder_named_tilde(env, data
     assert len(records(home / "runs" / "x")) == 3 and not list(cwd.iterdir())
 
 
+def test_a_tilde_after_dot_slash_is_the_folder_named_tilde_in_the_working_folder(env, data, tmp_path):
+    """`-o ./~` (which no shell expands) wrote the run into the home folder: Typer made the text a Path, which drops
+    the `./`, and `~` was then expanded; EPISODE `./~/arm_a` was HOME/arm_a. A hint's command says `./~` too: the
+    quoted '~/x' it printed, pasted, went to the home folder."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    env = {**env, "HOME": str(home)}
+    shutil.copytree(data / "eps" / "arm_a", cwd / "~" / "arm_a")
+    shutil.copy(data / "fast.yaml", cwd / "~" / "fast.yaml")
+    proc = ardiff(env, "rollout", "./~/fast.yaml", "./~/arm_a", "--out", "run", "--no-warmup", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    assert len(records(cwd / "run")) == 3
+    args = ("rollout", str(data / "fast.yaml"), str(data / "eps" / "arm_a"), "--no-warmup", "--format", "plain")
+    for out in ("./~", "./~/x"):
+        proc = ardiff(env, *args, "--out", out, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert len(records(tmp_path / out)) == 3 and not list(home.iterdir())
+    proc = ardiff(env, *args, "--out", "./~/x", cwd=tmp_path)
+    assert proc.returncode == 2 and "--resume --out './~/x';" in proc.stderr
+    proc = ardiff(env, *args, "--out", "~/x", cwd=tmp_path)  # no shell: the home folder, as before
+    assert proc.returncode == 0, proc.stderr
+    assert len(records(home / "x")) == 3
+
+
 def test_an_episode_folder_given_twice_runs_once(env, data, tmp_path):
     """`ardiff rollout CFG data/ data/arm_a` (overlapping globs, a symlink to one of them): one session each."""
     (tmp_path / "link").symlink_to(data / "eps" / "arm_b")

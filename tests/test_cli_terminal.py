@@ -11,6 +11,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from fast_run import write_fast_data
 from terminal import Screen, run_in_pty
 
@@ -157,8 +159,8 @@ def test_a_failed_steps_traceback_with_verbose_shows_whole_above_the_live_displa
     text = "\n".join(lines)
     assert code == 4, text
     assert lines.count("Traceback (most recent call last):") == 2, text  # the step's, then the run's at exit
-    error = lines.index("Error: episode 'ep_a' failed at step 1 in the model's forward: InjectedFault: injected "
-                        "fault in")
+    error = next(i for i, line in enumerate(lines)  # one line, that the terminal wraps at its 100th column
+                 if line.startswith("Error: episode 'ep_a' failed at step 1 in the model's forward: InjectedFault: "))
     assert "faulty_pipelines.InjectedFault: injected fault in transformer block 0 (call 1)" in lines[:error], text
 
 
@@ -241,3 +243,18 @@ def test_a_warning_wider_than_the_terminal_is_one_line_to_copy(tmp_path, cli_env
     assert code == 0, text
     warning = next(line for line in text.split("\r\n") if line.startswith("warning: "))
     assert warning == f"warning: {folder} is episode 'ep_a' again (given twice); it runs once", text
+
+
+@pytest.mark.parametrize("command", [["rollout", "fast.yaml", "eps/{missing}", "-o", "run"],
+                                     ["warmup", "{missing}.yaml"], ["inspect-capacity", "{missing}.yaml"]])
+def test_an_error_wider_than_the_terminal_is_one_line_to_copy(tmp_path, cli_env, command):
+    """`Error:` names the path that was wrong, to copy as a hint's: Rich broke it at the terminal's width with a
+    newline, in the middle of the path, where hint and warning lines were already one line. It is one line now."""
+    write_fast_data(tmp_path, {"ep_a": 2})
+    missing = "a_folder_with_a_name_long_enough_to_pass_the_terminal_width"
+    code, output = run_in_pty([arg.format(missing=missing) for arg in command], env=cli_env, cwd=tmp_path, cols=60,
+                              rows=20)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", output.decode())
+    assert code == 2, text
+    error = next(line for line in text.split("\r\n") if line.startswith("Error: "))
+    assert len(error) > 60 and error.endswith((f" eps/{missing}", f" {missing}.yaml")), text

@@ -245,6 +245,9 @@ def test_step_metadata_numbers_are_written_as_text_and_a_folder_is_a_folder(tmp_
     monkeypatch.chdir(tmp_path)
     assert str(write_step("~nosuchuser-ardiff/ep", 0, arrays(0))) == "~nosuchuser-ardiff/ep/step_000000.safetensors"
     assert (tmp_path / "~nosuchuser-ardiff" / "ep" / "step_000000.safetensors").is_file()
+    # "./~" is the folder named ~ in the working folder, as `ardiff rollout ./~/ep` reads it (it was the home folder)
+    assert str(write_step("./~/ep", 0, arrays(0))) == "~/ep/step_000000.safetensors"
+    assert str(end_episode("./~/ep")) == "~/ep/END" and (tmp_path / "~" / "ep" / "END").is_file()
 
 
 def test_write_step_accepts_torch_tensors(tmp_path):

@@ -98,14 +98,17 @@ def _check_format(format: str) -> None:
 
 def _folder(folder: str | os.PathLike) -> Path:
     """An episode folder argument as a Path, ``~`` expanded as the command line does (a recorder and a follower given
-    the same string use the same folder); a path that is a file is an error naming it."""
+    the same string use the same folder: ``"./~"`` is a folder named ``~``, but ``Path("./~")`` is ``Path("~")``); a
+    path that is a file is an error naming it."""
     if isinstance(folder, (str, os.PathLike)) and os.fspath(folder) in ("", b""):
         # Path("") is the current folder: a recorder given an unset variable would write its steps there
         raise ValueError("the episode folder is empty (''): give the folder the steps go to")
-    try:
-        path = Path(folder).expanduser()
-    except RuntimeError:  # ~nosuchuser: kept as written, as a shell keeps it
-        path = Path(folder)
+    path = Path(folder)
+    if os.fspath(folder).startswith("~"):  # as given: the text "./~" is the folder named ~, as on the command line
+        try:
+            path = path.expanduser()
+        except RuntimeError:  # ~nosuchuser: kept as written, as a shell keeps it
+            pass
     if path.exists() and not path.is_dir():  # mkdir's 'File exists', of a path the user thinks is a folder
         raise NotADirectoryError(f"{path}: an episode folder, but it is a file")
     return path

@@ -330,10 +330,11 @@ def plural(count: int, noun: str, nouns: str | None = None) -> str:
 def shell_word(path: os.PathLike | str) -> str:
     """``path`` as one word of a command a hint prints for the user to paste into a shell: quoted where it holds a
     space, a quote, ``$`` or a non-ASCII letter, and written ``./-x`` where it begins with '-', which the command
-    (``ln``, ``touch``, ``mkdir``, ``ardiff --out``) would read as an option (``Path`` drops the ``./`` the user
-    wrote before it)."""
+    (``ln``, ``touch``, ``mkdir``, ``ardiff --out``) would read as an option, and ``./~`` where it begins with '~':
+    a folder named ``~``, which ardiff reads as the home folder when quoted (``Path`` drops the ``./`` the user
+    wrote before both)."""
     text = os.fspath(path)
-    return shlex.quote(f"./{text}" if text.startswith("-") else text)
+    return shlex.quote(f"./{text}" if text.startswith(("-", "~")) else text)
 
 
 def resume_command(out: os.PathLike | str, pipeline: str | None) -> str:
