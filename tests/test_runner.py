@@ -1114,3 +1114,57 @@ def test_a_layer_context_kept_past_its_request_is_stale():
     with pytest.raises(RuntimeError, match="stale AR-Diffusion KV context"):
         pipe.kept[0].attend(t, t, t)
     runner.close()
+
+
+def test_a_kv_state_kept_past_its_request_refuses_changes_and_its_session_is_as_it_was():
+    """The contract: the runner binds a session's state around one forward, and the pipeline must not retain it.
+    One kept past its request (used in a lifecycle hook, or in another session's forward) freed, extended or
+    overwrote that session's KV outside any request of it, the runner's view of the session stale. Each change is
+    a RuntimeError naming the session; the kept session is as it was, and its own next request binds it again."""
+
+    class KeepsState(TinyPipeline):
+        kept = None
+        misuse: str | None = None
+
+        def forward(self, req):
+            if self.misuse == "forward":  # a pipeline bug: the state of an earlier request, another session's
+                self.kept.populate_cross_attention("main", "text", self._text_kv(9, "main"))
+            out = super().forward(req)
+            self.kept = self.kept or self._state
+            return out
+
+        def close_ar_diffusion_session(self, session_id):
+            super().close_ar_diffusion_session(session_id)
+            if self.misuse == "hook":  # "reset the session's KV" through the state it kept: another session's
+                self.kept.reset()
+
+    pipe = KeepsState()
+    runner = make_runner(pipe)
+    runner.execute_model(request("a", 0))
+    kept = pipe.kept
+    before = runner.sessions()[0]
+    free = runner.pool_usage().num_free
+    changes = {
+        "get_kv_caches": lambda: kept.get_kv_caches("main", 8, commit_current=True),
+        "commit": lambda: kept.commit("main"),
+        "populate_cross_attention": lambda: kept.populate_cross_attention("main", "text", pipe._text_kv(9, "main")),
+        "reset": lambda: kept.reset(),
+    }
+    for name, change in changes.items():
+        with pytest.raises(RuntimeError, match=rf"{name}\(\) on the AR-Diffusion KV state of session 'a' outside its "
+                                                r"request.*bind_ar_diffusion_state"):
+            change()
+    pipe.misuse = "forward"  # in session b's forward: b fails (and is released), a is untouched
+    with pytest.raises(RuntimeError, match=r"KV state of session 'a' outside its request"):
+        runner.execute_model(request("b", 0))
+    pipe.misuse = "hook"  # b's close hook: b is closed all the same, a is untouched
+    runner.execute_model(request("b", 0, close_session=True))
+    assert runner.hook_errors and "KV state of session 'a' outside its request" in str(runner.hook_errors[-1])
+    pipe.misuse = None
+    assert runner.session_ids == ["a"] and runner.pool_usage().num_free == free
+    assert kept.adapter("main").num_committed_frames == before.committed_frames["main"] == 2
+    assert kept.cross_attention_bytes == before.cross_attention_bytes > 0
+    assert kept.has_cross_attention("main", "text")  # reads stay open: the runner's views, benchmarks
+    runner.execute_model(request("a", 1))  # bound again by its own request: usable as before
+    assert runner.sessions()[-1].committed_frames == {"main": 4}
+    runner.close()

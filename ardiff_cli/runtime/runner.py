@@ -729,6 +729,7 @@ class ARDiffusionModelRunner:
         bound = time.perf_counter()
         forward_end = None
         try:
+            state.bound = True  # until the binding's context exits: a state the pipeline kept is refused after it
             binding = self.pipeline.bind_ar_diffusion_state(session_id, state)
             if not (hasattr(binding, "__enter__") and hasattr(binding, "__exit__")):
                 raise PipelineContractError(
@@ -748,6 +749,7 @@ class ARDiffusionModelRunner:
                     # forward_s timed their launch only, and an error of theirs surfaced at the next use of the device
                     torch.cuda.synchronize(self.device)
                 forward_end = time.perf_counter()
+            state.bound = False
             if forward_end is None:  # the forward raised and the pipeline's context manager swallowed it
                 raise RuntimeError(
                     f"{type(self.pipeline).__name__}.bind_ar_diffusion_state() suppressed an exception raised by "
@@ -773,6 +775,7 @@ class ARDiffusionModelRunner:
                     session.settled = True
                 end = time.perf_counter()
         except BaseException as exc:
+            state.bound = False
             with self._locked():
                 if self._sessions.get(session_id) is session:
                     errors = self._release(session_id, reason="forward_exception", hook="close", error=exc)
@@ -835,6 +838,7 @@ class ARDiffusionModelRunner:
             return session
         assert self.capacity_plan is not None and len(self._sessions) < self.capacity_plan.session_capacity
         session = _Session(state=self.kv_cache.new_state(session_id), admitted_at=time.time())
+        session.state.bound = False  # the model may use it only while a request binds it
         self._sessions[session_id] = session
         session.view = self._snapshot(session_id, session)
         self._emit(SessionAdmitted(session_id=session_id))

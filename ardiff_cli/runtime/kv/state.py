@@ -148,6 +148,11 @@ class ARDiffusionKVState:
         # Bumped by reset and close so contexts handed out earlier fail loudly.
         self._generation = 0
         self._closed = False
+        # The runner's states are bound to the pipeline around one forward (True) and not between requests (False),
+        # when the calls that change the session's KV raise: the contract says the pipeline must not retain the
+        # state. Reads stay open (the runner's views, benchmarks). None: a state made with
+        # ARDiffusionKVCache.new_state and driven directly (tests, tools), never refused.
+        self.bound: bool | None = None
 
     # ------------------------------------------------------------------ views
     @property
@@ -170,6 +175,16 @@ class ARDiffusionKVState:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"AR-Diffusion KV state of session {self.session_id!r} is closed")
+
+    def _check_bound(self, method: str) -> None:
+        """A state the runner holds between requests takes no change: kept past its forward (another session's
+        forward, a lifecycle hook), it freed, extended or overwrote the session's KV outside any request of it."""
+        self._check_open()
+        if self.bound is False:
+            raise RuntimeError(
+                f"{method}() on the AR-Diffusion KV state of session {self.session_id!r} outside its request: the "
+                "runner binds a session's state only around one forward (bind_ar_diffusion_state), and the pipeline "
+                "must not retain it; use the state the binding gives each request, and drop it when the context exits")
 
     def adapter(self, branch: str) -> BranchAdapter:
         """A snapshot of ``branch``: committed frames and resident pages."""
@@ -241,6 +256,7 @@ class ARDiffusionKVState:
         :meth:`commit` makes it history; otherwise it lives in scratch and is
         forgotten. Nothing is allocated until a layer attends.
         """
+        self._check_bound("get_kv_caches")
         kv = self._branch(branch)
         layout = self._cache.layout
         tokens_per_frame = layout.spec.tokens_per_frame
@@ -283,6 +299,7 @@ class ARDiffusionKVState:
 
         A no-op (0) when the last forward was not a commit pass or never ran.
         """
+        self._check_bound("commit")
         kv = self._branch(branch)
         forward = self._pending[kv.name]
         self._pending[kv.name] = None
@@ -314,6 +331,7 @@ class ARDiffusionKVState:
         readable only once the iterable completes; on any failure the
         previous complete cache (or its absence) is left as it was.
         """
+        self._check_bound("populate_cross_attention")
         kv = self._branch(branch)
         heads, tokens, head_size = self.spec.cross_geometry(name)
         expected = (heads, tokens, head_size)
@@ -489,7 +507,7 @@ class ARDiffusionKVState:
         Used by pipelines at a window boundary (keep the text cache, re-project
         the image cache). Contexts handed out before become invalid.
         """
-        self._check_open()
+        self._check_bound("reset")
         keep = {keep_cross_attention} if isinstance(keep_cross_attention, str) else set(keep_cross_attention)
         for name in keep:
             self.spec.cross_geometry(name)  # KeyError names the valid caches
