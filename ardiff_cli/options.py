@@ -237,7 +237,8 @@ FormatOpt = Annotated[
                       "stdout."),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT_PANEL, metavar=FLAG,
-                                         help="Only data and errors; no progress or events.")]
+                                         help="Only data and errors; no progress, events or warnings (what the "
+                                              "pipeline prints is shown only before an error).")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", rich_help_panel=OUTPUT_PANEL, metavar=FLAG,
                                            help="Debug lines, and tracebacks with errors.")]
 HelpOpt = Annotated[bool, typer.Option("--help", "-h", metavar=FLAG, is_eager=True, expose_value=False,

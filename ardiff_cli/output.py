@@ -10,12 +10,14 @@ Formats:
 - ``plain``: no escape codes at all; one line per event on stderr.
 - ``json``: stdout carries only JSON objects, one per line; humans read stderr.
 
-``--quiet`` silences progress and warnings (errors and data stay). ``NO_COLOR``
+``--quiet`` silences progress and warnings (errors and data stay), and holds what the code a command runs prints
+(``chatter``) until an error is reported, which shows it first: nothing when all goes well. ``NO_COLOR``
 is honoured by every format (Rich reads it; plain and json never colour).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import io
@@ -76,6 +78,9 @@ def to_jsonable(value: Any) -> Any:
     return str(value)
 
 
+HELD_CHARS = 64 * 1024  # of what code prints under --quiet, the most kept for an error's report (Output.chatter)
+
+
 class Output:
     """Where a command's output goes. Build one per command with :meth:`create`."""
 
@@ -110,6 +115,11 @@ class Output:
         self._unfinished = ""
         self._chatter_lock = threading.RLock()  # a pipeline's threads print too, and the live display ends meanwhile
         self.warnings: list[str] = []  # every warning of the command, shown or silenced: a result may list them
+        # --quiet: what code printed (chatter), held until an error is reported, which shows it first; its last
+        # HELD_CHARS characters only (an error's cause is printed just before it), and how many went before them
+        self._held: collections.deque[str] = collections.deque()
+        self._held_chars = 0
+        self._held_dropped = 0
 
     @classmethod
     def create(cls, format: Format | str = Format.auto, *, quiet: bool = False, verbose: bool = False) -> Output:
@@ -208,6 +218,7 @@ class Output:
               kind: str = "error") -> None:
         """'Error: ...' and 'hint: ...' on stderr (never silenced); json also gets an error object on stdout."""
         Output.errors_reported += 1
+        self._show_held()
         # not wrapped by Rich, as a warning: a path or command it broke in two was two when copied from a terminal
         self._print_err("[bold red]Error:[/bold red] ", one_line(message), plain_prefix="Error: ", soft_wrap=True)
         if hint:
@@ -218,6 +229,7 @@ class Output:
     def traceback(self, exc: BaseException) -> None:
         """Through the console in rich format: written to stderr beside a live display, a failed step's traceback
         (``--verbose``) began on the progress line and the display's next frame drew over its end."""
+        self._show_held()
         self._print_err("", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip("\n"))
 
     @contextlib.contextmanager
@@ -290,7 +302,21 @@ class Output:
 
     def chatter(self, text: str) -> None:
         """Text that code printed (``_Chatter``): to stderr as it is, dropped once that failed; while a live display
-        runs, each line, once it ends, above the display, as the console prints ardiff's own lines."""
+        runs, each line, once it ends, above the display, as the console prints ardiff's own lines. Under --quiet it
+        is held, and shown only before an error (``_show_held``): a pipeline's print, a library's warning at every
+        run, wrote to the mail of a cron job that runs ``ardiff -q`` to hear only of failures."""
+        if self.quiet:  # no live display then
+            with self._chatter_lock:
+                self._held.append(text)
+                self._held_chars += len(text)
+                while self._held_chars > HELD_CHARS:  # the oldest text goes, the end of a long write kept
+                    first = self._held.popleft()
+                    cut = min(len(first), self._held_chars - HELD_CHARS)
+                    if cut < len(first):
+                        self._held.appendleft(first[cut:])
+                    self._held_chars -= cut
+                    self._held_dropped += cut
+            return
         while True:
             # Under the display's lock, the one its refresh thread draws under, taken before ours by every thread:
             # a frame drawn between the console's move up over the display and the write of these lines left the
@@ -313,6 +339,20 @@ class Output:
                         self._unfinished = "\n".join([*lines, self._unfinished])
                         raise
                 return
+
+    def _show_held(self) -> None:
+        """Under --quiet, what code printed so far (``chatter``), before the error it may explain."""
+        with self._chatter_lock:
+            if not self._held:
+                return
+            text = "".join(self._held)
+            dropped = self._held_dropped
+            self._held.clear()
+            self._held_chars = self._held_dropped = 0
+        if dropped:
+            self._write_err(f"({dropped} earlier characters of what the code printed are left out: --quiet keeps "
+                            f"the last {HELD_CHARS})")
+        self._write_err_raw(text if text.endswith("\n") else text + "\n")
 
     def _print_above(self, *lines: str) -> None:
         """``lines`` above the live display: their colours kept, other escape sequences dropped (they moved the

@@ -337,7 +337,8 @@ class ChattyDreamZero(DreamZeroPipeline):
     """DreamZero that prints in its forward as pipelines do, each line naming the request: bytes to
     ``sys.stdout.buffer`` (first: with stderr's reader gone, the first write meets the broken pipe), ``print()``, a
     line to ``sys.stderr``, a ``logging`` warning through Python's default handler and one through a handler made at
-    import. The request ``$ARDIFF_TEST_UNFINISHED`` names then leaves a line unfinished (no newline)."""
+    import. The request ``$ARDIFF_TEST_UNFINISHED`` names then leaves a line unfinished (no newline), and the one
+    ``$ARDIFF_TEST_CHATTY_FAIL`` names then fails (``InjectedFault``)."""
 
     def forward(self, request):
         name = request.request_id
@@ -349,6 +350,8 @@ class ChattyDreamZero(DreamZeroPipeline):
         _CHATTY_LOG.warning("chatty: handler %s", name)
         if name == os.environ.get("ARDIFF_TEST_UNFINISHED"):
             print(f"chatty: unfinished {name}", end="", flush=True)
+        if name == os.environ.get("ARDIFF_TEST_CHATTY_FAIL"):
+            raise InjectedFault(f"injected fault in {name}")
         return super().forward(request)
 
 

@@ -132,6 +132,25 @@ def test_quiet_keeps_data_and_errors_only():
     assert stderr.getvalue() == "Error: bad\n"
 
 
+def test_quiet_holds_what_code_prints_for_an_error_and_only_its_last_64_kib():
+    """Under --quiet what a pipeline prints (through ``chatter_to_stderr``) waits for an error; a run that prints on
+    and on (`--follow` for days) keeps its last 64 KiB (README), the end of one long write included."""
+    kept = 64 * 1024
+    out, stdout, stderr = sink(Format.plain, quiet=True)
+    with out.chatter_to_stderr():
+        print("first")
+        assert stderr.getvalue() == ""
+        out.error("bad")
+        print("a" * 10 + "b" * kept, end="")  # one write longer than what is kept: its end stays
+        sys.stderr.write("c\n")
+        out.error("worse")
+    assert stdout.getvalue() == ""
+    dropped = 10 + 2  # the a's, and the b's that made room for "c\n"
+    assert stderr.getvalue() == ("first\nError: bad\n"
+                                 f"({dropped} earlier characters of what the code printed are left out: --quiet "
+                                 f"keeps the last {kept})\n" + "b" * (kept - 2) + "c\nError: worse\n")
+
+
 def test_quiet_draws_no_live_panel_and_a_failing_stderr_loses_the_panel_not_the_command():
     """--quiet in rich format silences the live panel too; a stderr that fails (its disk full) drops the panel and
     the progress lines, never the command: its result still reaches stdout and its warnings are still listed."""

@@ -178,7 +178,8 @@ def chatty_run(tmp_path, cli_env) -> tuple[dict[str, str], list[str], str]:
 
 def chatter(out) -> list[str]:
     """The lines ChattyDreamZero printed, in the order its steps ran (results.jsonl)."""
-    ran = [json.loads(line)["request_id"] for line in (out / "results.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    ran = [record.get("request_id", f"{record['episode']}/{record['step']:06d}") for record in records]  # or failed
     return [f"chatty: {kind} {request}" for request in ran for kind in CHATTY]
 
 
@@ -198,13 +199,66 @@ def test_what_a_pipeline_prints_shows_above_the_live_display_whole_and_in_order(
     assert lines.index("ardiff rollout · fast.yaml → out") > printed[-1], text  # the last frame, under them all
 
 
-def test_what_a_pipeline_prints_without_a_live_display_is_written_as_it_is(tmp_path, cli_env):
-    """--quiet (no live display, no line of ardiff's): stderr holds exactly what the pipeline wrote, in order."""
+def test_what_a_pipeline_prints_under_quiet_is_held_and_shown_whole_and_in_order_before_an_error(tmp_path, cli_env):
+    """--quiet (no live display, no line of ardiff's): what the pipeline wrote is held, and shown as it was written,
+    in order, before the error it may explain (a line left unfinished ends there); then ardiff's Error: lines."""
     env, args, unfinished = chatty_run(tmp_path, cli_env)
+    env["ARDIFF_TEST_CHATTY_FAIL"] = "ep_2/000011"
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *args, "--quiet"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stderr == "".join(f"{line}\n" for line in chatter(tmp_path / "out")) + unfinished
+    assert proc.returncode == 4, proc.stderr  # some episodes failed
+    printed = "".join(f"{line}\n" for line in chatter(tmp_path / "out")) + unfinished + "\n"
+    assert proc.stderr.startswith(printed + "Error: episode 'ep_2' failed at step 11 in the model's forward: "
+                                  "InjectedFault: injected fault in ep_2/000011\n"), proc.stderr
+    assert proc.stderr.count("chatty: ") == printed.count("chatty: "), proc.stderr  # shown once
+
+
+NOISY = """\
+import logging, os, sys, warnings
+import torch
+from pipelines.dreamzero.pipeline import DreamZeroPipeline
+print("noisy: import")
+def noise(where):
+    print(f"noisy: print {where}")
+    print(f"noisy: stderr {where}", file=sys.stderr)
+    warnings.warn(f"noisy: warning {where}")
+    logging.getLogger("x").warning("noisy: logging %s", where)
+class Noisy(DreamZeroPipeline):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        noise("load")
+        torch.range(0, 1)  # deprecated: torch's own UserWarning
+    def ar_diffusion_warmup_requests(self, session_id):
+        noise("warmup")
+        yield from super().ar_diffusion_warmup_requests(session_id)
+    def forward(self, request):
+        noise(request.request_id)
+        return super().forward(request)
+"""
+
+
+def test_quiet_is_silent_whatever_the_pipeline_prints_when_all_goes_well(tmp_path, cli_env):
+    """`ardiff -q rollout ...` from cron, to hear only of failures: a pipeline's print(), its writes to sys.stderr,
+    its warnings, logging's and torch's (a deprecated call) reached stderr on every run, while ardiff's own warnings
+    were silenced. Each command, with or without a terminal, writes nothing to stderr now; JSON stays pure."""
+    write_fast_data(tmp_path, {"ep_a": 2})
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "noisy.py").write_text(NOISY)
+    env = {**cli_env, "PYTHONPATH": f"{tmp_path / 'mods'}:{cli_env['PYTHONPATH']}"}
+    pipeline = ["--pipeline", "noisy:Noisy", "-q"]
+    for i, args in enumerate([["rollout", "fast.yaml", "eps", "-o", "plain"], ["rollout", "fast.yaml", "eps", "-o",
+                              "json", "--format", "json"], ["warmup", "fast.yaml"], ["warmup", "fast.yaml", "--format",
+                              "json"], ["inspect-capacity", "fast.yaml"], ["inspect-capacity", "fast.yaml",
+                              "--format", "json"]]):
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *args, *pipeline], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert (proc.returncode, proc.stderr) == (0, ""), (args, proc.stderr)
+        assert "noisy: " not in proc.stdout, (args, proc.stdout)
+        if "json" in args:
+            assert all(json.loads(line) for line in proc.stdout.splitlines()), proc.stdout
+    code, output = run_in_pty(["rollout", "fast.yaml", "eps", "-o", "pty", *pipeline], env=env, cwd=tmp_path,
+                              cols=100, rows=40)
+    assert code == 0 and b"noisy: " not in output, output.decode()
 
 
 def test_a_hint_wider_than_the_terminal_is_one_line_to_copy_and_its_command_pastes_into_bash(tmp_path, cli_env):
