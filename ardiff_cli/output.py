@@ -113,6 +113,8 @@ class Output:
         # (None: the text goes to stderr as it is), and that text after its last newline, printed once its line ends
         self._live: Any = None
         self._unfinished = ""
+        # code printed a line and did not end it (print(..., end="")): ardiff's next line of its own starts a line
+        self._line_open = False
         self._chatter_lock = threading.RLock()  # a pipeline's threads print too, and the live display ends meanwhile
         self.warnings: list[str] = []  # every warning of the command, shown or silenced: a result may list them
         # --quiet: what code printed (chatter), held until an error is reported, which shows it first; its last
@@ -240,6 +242,7 @@ class Output:
             return
         from rich.live import Live
 
+        self._end_open_line()  # the display's first line is a line of its own
         live = Live(get_renderable=get_renderable, console=self.console("stderr"), refresh_per_second=4,
                     transient=False, redirect_stdout=False, redirect_stderr=False)
         # A stderr that fails (its disk full, its reader gone) drops the display, never the command.
@@ -266,6 +269,7 @@ class Output:
     def _print_err(self, rich_prefix: str, message: str, *, plain_prefix: str = "", soft_wrap: bool = False) -> None:
         """``message`` is never read as markup; only the fixed prefix carries Rich styles. ``soft_wrap``: one line
         however long, that the terminal wraps (Rich breaks a line at its width with a newline)."""
+        self._end_open_line()
         if not self.is_rich:
             self._write_err(plain_prefix + message)
             return
@@ -279,7 +283,16 @@ class Output:
                 self._lose_stderr()
 
     def _write_err(self, line: str) -> None:
+        self._end_open_line()
         self._write_err_raw(visible(line) + "\n")
+
+    def _end_open_line(self) -> None:
+        """Before a line of ardiff's own: a line code printed and left open ends, so that the line begins its own (a
+        script reading ``^Error:`` lines missed one written after a pipeline's ``print(..., end="")``)."""
+        with self._chatter_lock:
+            if self._line_open:
+                self._line_open = False
+                self._write_err_raw("\n")
 
     def _write_err_raw(self, text: str) -> None:
         if self._stderr_lost:
@@ -328,6 +341,8 @@ class Output:
                     continue
                 if live is None:
                     self._write_err_raw(text)
+                    if text:
+                        self._line_open = not text.endswith("\n")
                     return
                 *lines, unfinished = (self._unfinished + text).split("\n")
                 # out of the buffer before they print: a frame drawn under them may write to stderr, back to here

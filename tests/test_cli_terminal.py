@@ -213,6 +213,22 @@ def test_what_a_pipeline_prints_under_quiet_is_held_and_shown_whole_and_in_order
     assert proc.stderr.count("chatty: ") == printed.count("chatty: "), proc.stderr  # shown once
 
 
+def test_a_line_a_pipeline_leaves_unfinished_ends_before_ardiffs_next_line(tmp_path, cli_env):
+    """`print(..., end="")` in a forward, then ardiff's own line (plain events, the failed step's `Error:`): it began
+    after the pipeline's text on the same line, and a script reading `^Error:` lines missed it. The open line ends
+    first; the pipeline's text is kept as it was written."""
+    env, args, _ = chatty_run(tmp_path, cli_env)
+    env["ARDIFF_TEST_UNFINISHED"] = "ep_2/000005"
+    env["ARDIFF_TEST_CHATTY_FAIL"] = "ep_2/000005"  # fails right after leaving its line open
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *args, "--format", "plain"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 4, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert "chatty: unfinished ep_2/000005" in lines, proc.stderr
+    assert any(line.startswith("Error: episode 'ep_2' failed at step 5 in the model's forward: InjectedFault")
+               for line in lines), proc.stderr
+
+
 NOISY = """\
 import logging, os, sys, warnings
 import torch
