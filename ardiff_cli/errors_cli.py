@@ -119,20 +119,33 @@ def lighter_resume_hint(budget: str | None, plan: CapacityPlan | None = None, as
     """What to change when memory ran out once a run was written (``run.json``): only ``--resume`` goes on, and it
     keeps the run's dtype and config, so the KV pools (allocated at load) are what a resume can make smaller, where
     they can be. ``budget``: what set the memory budget (``budget_change``'s ``source``; None: the free memory);
-    ``plan``: the run's ``CapacityPlan`` (None: not known, as when its pools failed to allocate): the sessions it
-    holds, and whether the session capacity, not the budget, limits them."""
+    ``plan``: the run's ``CapacityPlan`` (None: not known, as when its pools failed to allocate)."""
     keeps = "--resume keeps the run's dtype and config, so a smaller dtype or model is a new run (another --out)"
+    return _lighter_pool_hint(budget, plan, aside, resume=True, then=keeps)
+
+
+def lighter_run_hint(budget: str | None, plan: CapacityPlan | None, dtype: str) -> str:
+    """What to change when memory ran out in a command that keeps nothing (``ardiff warmup``): run it again with a
+    smaller KV pool, where one can be, or with a smaller ``dtype`` (from float32) or model."""
+    smaller = "--dtype bfloat16 or a smaller model" if dtype == "float32" else "a smaller model"
+    return _lighter_pool_hint(budget, plan, "", resume=False, then=f"or use {smaller}")
+
+
+def _lighter_pool_hint(budget: str | None, plan: CapacityPlan | None, aside: str, *, resume: bool, then: str) -> str:
+    """The KV pool changes that leave the model's activations more memory, by ``plan``'s facts: the sessions it holds,
+    and whether the session capacity, not the budget, limits them; to go on with ``--resume`` (``resume``) or by
+    running the command again. ``then``: what else can help, after them."""
+    go_on, join = ("continue with --resume", "and") if resume else ("run again", "with")
     if plan is not None and plan.session_capacity == 1:  # no lower --session-capacity; a smaller budget holds one
         return (f"the KV pool holds one session, the least a plan keeps, and it does not fit with the model's "
-                f"activations{aside}: free memory on the device (another process using it?) and continue with "
-                f"--resume; {keeps}")
+                f"activations{aside}: free memory on the device (another process using it?) and {go_on}; {then}")
     if plan is not None and plan.bound_limits:  # a smaller budget holds as many sessions: the pool stays
-        return (f"continue with --resume and a --session-capacity below {plan.session_capacity} (it, not the budget, "
-                f"limits the KV pool): a smaller KV pool leaves more memory to the model's activations{aside}; {keeps}")
+        return (f"{go_on} {join} a --session-capacity below {plan.session_capacity} (it, not the budget, limits the "
+                f"KV pool): a smaller KV pool leaves more memory to the model's activations{aside}; {then}")
     pool = ("--gpu-memory-fraction (the share of the free memory the KV pools take)" if budget is None
-            else budget_change(budget, "smaller", resume=True))
-    return (f"continue with --resume and a lower --session-capacity or {pool}: a smaller KV pool leaves more memory "
-            f"to the model's activations{aside}; {keeps}")
+            else budget_change(budget, "smaller", resume=resume))
+    return (f"{go_on} {join} a lower --session-capacity or {pool}: a smaller KV pool leaves more memory to the model's "
+            f"activations{aside}; {then}")
 
 
 def _step_hint(phase: str, cause: BaseException, budget: str | None, plan: CapacityPlan | None = None) -> str:

@@ -170,8 +170,8 @@ class Output:
             self.json(data)
             return
         renderable = human(not self.is_rich)
-        if self.is_rich:
-            self._to_stdout(lambda: self.console("stdout").print(renderable))
+        if self.is_rich:  # not cropped: a line marked no_wrap (overflow "ignore") stays whole, the terminal wraps it
+            self._to_stdout(lambda: self.console("stdout").print(renderable, crop=False))
             return
         self._to_stdout(lambda: self._stdout.write(_plain_text(self.console("stdout"), renderable)))
 

@@ -3685,6 +3685,19 @@ def test_a_followed_episode_that_never_got_a_step_fails_and_the_summary_lists_on
     assert not (tmp_path / "run" / "episodes").exists()
 
 
+def test_the_summarys_outputs_line_is_one_line_whatever_the_folder_holds(env, data, tmp_path):
+    """`outputs: DIR` printed DIR as it is: a folder holding a newline wrote two lines, the first a folder that is not
+    the run's, for a script reading `^outputs:`. Its control characters are shown as those of `Error:` lines are."""
+    run = tmp_path / "a\nb\x1b[31m"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup",
+                  "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("outputs:")]
+    assert line == f"outputs: {tmp_path}/a\\x0ab\\x1b[31m (results.jsonl, summary.json, episodes/)", proc.stdout
+    assert proc.stdout.endswith(f"{line}\n") and "\x1b" not in proc.stdout, proc.stdout
+    assert json.loads((run / "summary.json").read_text())["out"] == str(run)  # the JSON keeps it as it is
+
+
 def test_resume_of_a_followed_run_waits_the_idle_timeout_it_recorded(env, data, tmp_path):
     # Not the default 60 s: arm_b, whose robot has written no step yet, fails naming the timeout it waited. The
     # signal lands inside arm_a's step 0 and the run stops after it, before either episode could idle out.

@@ -328,3 +328,17 @@ def test_an_error_wider_than_the_terminal_is_one_line_to_copy(tmp_path, cli_env,
     assert code == 2, text
     error = next(line for line in text.split("\r\n") if line.startswith("Error: "))
     assert len(error) > 60 and error.endswith((f" eps/{missing}", f" {missing}.yaml")), text
+
+
+def test_the_summarys_outputs_line_wider_than_the_terminal_is_one_line_to_copy(tmp_path, cli_env):
+    """`outputs: DIR` names the folder to give --resume --out or to read: Rich broke it at the terminal's width with a
+    newline, in the middle of the folder's name, as it did `Error:` lines. It is one line now, which the terminal
+    wraps."""
+    write_fast_data(tmp_path, {"ep_a": 2})
+    run = "a_run_folder_with_a_name_long_enough_to_pass_the_terminal_width"
+    code, output = run_in_pty(["rollout", "fast.yaml", "eps", "-o", run, "--no-warmup"], env=cli_env, cwd=tmp_path,
+                              cols=60, rows=20)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", output.decode())
+    assert code == 0, text
+    line = next(line for line in text.split("\r\n") if line.startswith("outputs: "))
+    assert line == f"outputs: {run} (results.jsonl, summary.json, episodes/)", text

@@ -1164,7 +1164,7 @@ def test_the_hosts_allocator_running_out_is_out_of_memory_in_a_step_and_in_warmu
     assert proc.returncode == 3, proc.stderr  # Python's MemoryError has no message: it said `Error: MemoryError`
     message = "out of host memory while running the warmup requests: MemoryError"
     assert json.loads(proc.stdout.splitlines()[-1])["message"] == message
-    assert f"Error: {message}\nhint: lower --memory-budget, --session-capacity" in proc.stderr
+    assert f"Error: {message}\nhint: {ONE_SESSION_HINT}" in proc.stderr, proc.stderr  # warmup's, for one session
 
 
 def test_a_step_out_of_memory_hints_at_what_set_the_budget_and_never_at_another_dtype_for_the_resume(env, data,
@@ -1319,6 +1319,38 @@ def test_memory_running_out_in_a_rollouts_warmup_hints_at_the_resume_not_at_anot
         proc.stderr)
 
 
+def test_memory_running_out_in_the_warmup_command_hints_only_at_changes_that_can_help(env, data, tmp_path):
+    """`ardiff warmup` out of memory hinted "lower --memory-budget, --session-capacity or --gpu-memory-fraction, or
+    use --dtype bfloat16 or a smaller model" whatever the plan: with one session planned no lower capacity or budget
+    shrinks the KV pool, and with --session-capacity limiting the plan a smaller budget plans the same pool. It words
+    the plan's facts as a step's hint does; with no run to resume, a smaller dtype (from float32) or model stays."""
+    faults = [{"request": "warmup-0", "site": "block", "layer": 0, "action": "memory_error"}]
+    sessions_config = tmp_path / "sessions.yaml"  # the spec's bound of 4 sessions
+    sessions_config.write_text(FAST_CONFIG.replace(", session_capacity: 1", ""))
+
+    def hint(config: Path, *extra: str) -> str:
+        proc = ardiff(env, "warmup", str(config), "--pipeline", PIPELINE, "--format", "json", *extra, faults=faults)
+        assert proc.returncode == 3, proc.stderr
+        error = json.loads(proc.stdout.splitlines()[-1])
+        assert (error["kind"], error["message"]) == (
+            "out_of_memory", "out of host memory while running the warmup requests: MemoryError"), error
+        assert "--resume" not in error["hint"], error
+        return error["hint"]
+
+    smaller = "or use --dtype bfloat16 or a smaller model"  # the configs' dtype is float32
+    assert hint(data / "fast.yaml", "--memory-budget", "64MiB") == (
+        "the KV pool holds one session, the least a plan keeps, and it does not fit with the model's activations: free "
+        f"memory on the device (another process using it?) and run again; {smaller}")
+    assert hint(data / "fast.yaml", "--memory-budget", "64MiB", "--dtype", "bfloat16").endswith(
+        "and run again; or use a smaller model")
+    capped = hint(sessions_config, "--memory-budget", "64MiB", "--session-capacity", "2")
+    assert capped == ("run again with a --session-capacity below 2 (it, not the budget, limits the KV pool): a "
+                      f"smaller KV pool leaves more memory to the model's activations; {smaller}"), capped
+    assert hint(sessions_config, "--memory-budget", "600KB") == (
+        "run again with a lower --session-capacity or a smaller --memory-budget: a smaller KV pool leaves more memory "
+        f"to the model's activations; {smaller}")
+
+
 def test_memory_running_out_as_a_resume_loads_the_weights_hints_at_no_kv_pool(env, data, tmp_path):
     """A resume holds run.json from its start, so memory running out as it loaded the model's weights got the
     warmup's hint: a lower --session-capacity or a smaller budget, "a smaller KV pool leaves more memory to the
@@ -1380,9 +1412,10 @@ def test_an_address_space_limit_too_small_for_torch_is_out_of_memory_naming_the_
     proc = limited(16 << 30, "warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, "--format", "plain",
                    faults=faults)
     assert proc.returncode == 3, proc.stderr
-    assert ("Error: out of host memory while running the warmup requests: MemoryError\nhint: lower --memory-budget, "
-            "--session-capacity or --gpu-memory-fraction, or use --dtype bfloat16 or a smaller model; or raise this "
-            f"process's address-space limit (now ulimit -v {16 << 20})\n") in proc.stderr
+    assert ("Error: out of host memory while running the warmup requests: MemoryError\nhint: the KV pool holds one "
+            "session, the least a plan keeps, and it does not fit with the model's activations: free memory on the "
+            "device (another process using it?) and run again; or use --dtype bfloat16 or a smaller model; or raise "
+            f"this process's address-space limit (now ulimit -v {16 << 20})\n") in proc.stderr, proc.stderr
 
 
 def test_memory_running_out_under_an_address_space_limit_names_what_ran_out_and_what_to_do(tmp_path):
@@ -1401,9 +1434,10 @@ def test_memory_running_out_under_an_address_space_limit_names_what_ran_out_and_
     assert proc.returncode == 3, proc.stderr
     (error,) = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
     assert error.startswith("Error: out of host memory while planning and allocating the KV cache pools: "), error
-    assert re.search(r"^hint: lower --memory-budget, --session-capacity or --gpu-memory-fraction, or use --dtype "
-                     r"bfloat16 or a smaller model; or raise this process's address-space limit \(now ulimit -v "
-                     r"\d+\)$", proc.stderr, re.M), proc.stderr
+    assert re.search(r"^hint: run again with a lower --session-capacity or a smaller --memory-budget: a smaller KV "
+                     r"pool leaves more memory to the model's activations; or use --dtype bfloat16 or a smaller "
+                     r"model; or raise this process's address-space limit \(now ulimit -v \d+\)$", proc.stderr,
+                     re.M), proc.stderr
 
 
 def test_memory_running_out_as_torch_imports_or_the_weights_load_names_which_in_warmup_and_rollout(env, data,

@@ -47,7 +47,7 @@ from ardiff_cli.options import (
     VerboseOpt,
     check_swap_space,
 )
-from ardiff_cli.output import Format, Output, lost_stdout_stop, visible
+from ardiff_cli.output import Format, Output, lost_stdout_stop, one_line, visible
 from ardiff_cli.runtime.errors import (
     KV_POOLS_PHASE,
     UTF8_LOCALE_HINT,
@@ -1378,6 +1378,7 @@ def _summary_of(run: Any, p: _Prepared, stats: Any, *, device: str | None, plan:
 
 
 def render_summary(s: dict[str, Any], plain: bool):
+    from rich.console import Group
     from rich.text import Text
 
     def ms(value: float | None) -> str:
@@ -1403,9 +1404,12 @@ def render_summary(s: dict[str, Any], plain: bool):
         + (f"{steps['restored']} restored from swap, " if steps.get("restored") else "")
         + f"{plural(steps['replayed'], 'step')} replayed to rebuild sessions"
         + (f", {plural(steps['skipped_done'], 'step')} already done" if steps["skipped_done"] else ""),
-        f"outputs: {visible(s['out'])}" + (f" ({', '.join(written)})" if written else ""),
+        # the folder to read or --resume: one line, as Error: lines (a newline in it read as another folder)
+        f"outputs: {one_line(visible(s['out']))}" + (f" ({', '.join(written)})" if written else ""),
     ]
-    text = Text("\n".join(lines))
-    if not plain:
-        text.stylize("bold", 0, len(lines[0]))
-    return text
+    if plain:
+        return Text("\n".join(lines))
+    text = Text("\n".join(lines[:-1]))
+    text.stylize("bold", 0, len(lines[0]))
+    # in a terminal, one line however long, which the terminal wraps (Rich broke it in the folder's name)
+    return Group(text, Text(lines[-1], no_wrap=True, overflow="ignore"))

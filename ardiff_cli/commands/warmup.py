@@ -17,7 +17,7 @@ from ardiff_cli.commands._common import (
     refuse_contradictions,
     stop_between_requests,
 )
-from ardiff_cli.errors_cli import EXIT_CODES_HELP, Interrupted, handle_errors
+from ardiff_cli.errors_cli import EXIT_CODES_HELP, Interrupted, handle_errors, lighter_run_hint, pages_short
 from ardiff_cli.options import (
     ConfigArg,
     DeviceOpt,
@@ -33,7 +33,14 @@ from ardiff_cli.options import (
     VerboseOpt,
 )
 from ardiff_cli.output import Format, Output, lost_stdout_stop
-from ardiff_cli.runtime.errors import BudgetBeyondDeviceError, CapacityError, running_out_of_memory_names
+from ardiff_cli.runtime.errors import (
+    KV_POOLS_PHASE,
+    ArdiffError,
+    BudgetBeyondDeviceError,
+    CapacityError,
+    is_out_of_memory,
+    running_out_of_memory_names,
+)
 
 HELP = (
     "Load the pipeline and run its warmup requests (each input shape it will see); print each request's inputs "
@@ -94,9 +101,10 @@ def warmup(
             engine.subscribe(monitor.on_event)
             engine.subscribe(_RequestCounter(monitor))
             engine.subscribe(stop_between_requests(signals))  # after the line and the count of its request
+            plan = None
             try:
                 try:
-                    engine.load()
+                    plan = engine.load()
                 except CapacityError as exc:  # without a budget, the runner's hint names the device's free memory
                     source = budget_source(memory_budget, cfg)
                     if source is not None:
@@ -113,6 +121,12 @@ def warmup(
                 monitor.refresh(engine.runner)
                 monitor.set_phase("done")
                 usage = engine.runner.pool_usage()
+            except BaseException as exc:  # memory out in the pools or the requests: only what shrinks them, by the plan
+                if (is_out_of_memory(exc) and not isinstance(exc, ArdiffError) and not pages_short(exc)
+                        and (plan is not None or getattr(exc, "ardiff_while", None) == KV_POOLS_PHASE)):
+                    with contextlib.suppress(MemoryError):
+                        exc.hint = lighter_run_hint(budget_source(memory_budget, cfg), plan, cfg.runtime.dtype)
+                raise
             finally:
                 # the outcome is decided: a signal from here on is only recorded, as a rollout's (a Ctrl-C as the
                 # result printed lost it from stdout and exited 130 after a warmup that was done)
