@@ -31,7 +31,7 @@ class Command(typer.core.TyperCommand):
         super().__init__(*args, **kwargs)
         for param in self.params:
             kind = ARGUMENT_KINDS.get(param.metavar) if isinstance(param, typer.core.TyperArgument) else None
-            if kind:
+            if kind:  # beyond Typer's public API (0.29 reads it); should it stop reading it, the annotation shows
                 param.display_type_rich = lambda ctx, kind=kind: kind
 
 

@@ -584,7 +584,8 @@ def test_a_tilde_no_shell_expanded_means_home_not_a_folder_named_tilde(env, data
 def test_a_tilde_after_dot_slash_is_the_folder_named_tilde_in_the_working_folder(env, data, tmp_path):
     """`-o ./~` (which no shell expands) wrote the run into the home folder: Typer made the text a Path, which drops
     the `./`, and `~` was then expanded; EPISODE `./~/arm_a` was HOME/arm_a. A hint's command says `./~` too: the
-    quoted '~/x' it printed, pasted, went to the home folder."""
+    quoted '~/x' it printed, pasted, went to the home folder; and so does the `outputs:` line, which a hint says to
+    give --out from (it said `outputs: ~/x`)."""
     home, cwd = tmp_path / "home", tmp_path / "cwd"
     home.mkdir()
     env = {**env, "HOME": str(home)}
@@ -598,6 +599,8 @@ def test_a_tilde_after_dot_slash_is_the_folder_named_tilde_in_the_working_folder
         proc = ardiff(env, *args, "--out", out, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr
         assert len(records(tmp_path / out)) == 3 and not list(home.iterdir())
+        # the line a hint says to give --out from ("a run prints it as 'outputs: DIR'"): `~/x` copied was HOME/x
+        assert f"\noutputs: {out} (results.jsonl" in proc.stdout, proc.stdout
     proc = ardiff(env, *args, "--out", "./~/x", cwd=tmp_path)
     assert proc.returncode == 2 and "--resume --out './~/x';" in proc.stderr
     proc = ardiff(env, *args, "--out", "~/x", cwd=tmp_path)  # no shell: the home folder, as before

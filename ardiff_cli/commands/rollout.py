@@ -56,6 +56,7 @@ from ardiff_cli.runtime.errors import (
     CapacityError,
     ConfigError,
     ObservationError,
+    as_typed,
     is_out_of_memory,
     link_to_nothing,
     link_to_nothing_on,
@@ -1404,8 +1405,9 @@ def render_summary(s: dict[str, Any], plain: bool):
         + (f"{steps['restored']} restored from swap, " if steps.get("restored") else "")
         + f"{plural(steps['replayed'], 'step')} replayed to rebuild sessions"
         + (f", {plural(steps['skipped_done'], 'step')} already done" if steps["skipped_done"] else ""),
-        # the folder to read or --resume: one line, as Error: lines (a newline in it read as another folder)
-        f"outputs: {one_line(visible(s['out']))}" + (f" ({', '.join(written)})" if written else ""),
+        # the folder to read or --resume: one line, as Error: lines (a newline in it read as another folder), and
+        # ./~ for a folder named ~ (a hint says to give --out from it: copied as ~/x it named the home folder's x)
+        f"outputs: {one_line(visible(as_typed(s['out'])))}" + (f" ({', '.join(written)})" if written else ""),
     ]
     if plain:
         return Text("\n".join(lines))

@@ -337,6 +337,13 @@ def shell_word(path: os.PathLike | str) -> str:
     return shlex.quote(f"./{text}" if text.startswith(("-", "~")) else text)
 
 
+def as_typed(path: os.PathLike | str) -> str:
+    """``path`` as a line to copy from names it (``outputs: DIR``): ``./~`` where it begins with '~', a folder named
+    ``~`` whose ``./`` ``Path`` dropped, which ardiff (and a shell) would read as the home folder without it."""
+    text = os.fspath(path)
+    return f"./{text}" if text.startswith("~") else text
+
+
 def resume_command(out: os.PathLike | str, pipeline: str | None) -> str:
     """The ``ardiff rollout --resume`` of the run in ``out`` that a hint prints to paste: with the ``--pipeline`` the
     run was started with (``pipeline``, run.json's ``pipeline_option``), which a resume must be given again."""
