@@ -79,6 +79,7 @@ def to_jsonable(value: Any) -> Any:
 
 
 HELD_CHARS = 64 * 1024  # of what code prints under --quiet, the most kept for an error's report (Output.chatter)
+_HELD_LINE_CHARS = 4096  # a line not yet ended, held apart while its \r redraws are dropped (Output._hold)
 
 
 class Output:
@@ -120,8 +121,9 @@ class Output:
         # --quiet: what code printed (chatter), held until an error is reported, which shows it first; its last
         # HELD_CHARS characters only (an error's cause is printed just before it), and how many went before them
         self._held: collections.deque[str] = collections.deque()
-        self._held_chars = 0
+        self._held_chars = 0  # in _held; the line not yet ended (_held_line) counts too
         self._held_dropped = 0
+        self._held_line = ""  # the line not yet ended, as a terminal shows it (its \r redraws dropped): _hold
 
     @classmethod
     def create(cls, format: Format | str = Format.auto, *, quiet: bool = False, verbose: bool = False) -> Output:
@@ -320,15 +322,7 @@ class Output:
         run, wrote to the mail of a cron job that runs ``ardiff -q`` to hear only of failures."""
         if self.quiet:  # no live display then
             with self._chatter_lock:
-                self._held.append(text)
-                self._held_chars += len(text)
-                while self._held_chars > HELD_CHARS:  # the oldest text goes, the end of a long write kept
-                    first = self._held.popleft()
-                    cut = min(len(first), self._held_chars - HELD_CHARS)
-                    if cut < len(first):
-                        self._held.appendleft(first[cut:])
-                    self._held_chars -= cut
-                    self._held_dropped += cut
+                self._hold(text)
             return
         while True:
             # Under the display's lock, the one its refresh thread draws under, taken before ours by every thread:
@@ -355,14 +349,37 @@ class Output:
                         raise
                 return
 
+    def _hold(self, text: str) -> None:
+        """Under --quiet (and ``_chatter_lock``), ``text`` kept for an error's report, each line as a terminal shows
+        it (``_as_shown``): a progress bar that redraws its line with \\r 2000 times filled the HELD_CHARS with its
+        redraws, and the line printed before it, the error's cause, was left out. The line not yet ended waits in
+        ``_held_line`` (its redraws dropped as they come), the rest in ``_held``, its last ``HELD_CHARS`` only."""
+        *lines, line = (self._held_line + text).split("\n")
+        kept = "".join(_as_shown(done) + "\n" for done in lines)
+        line = _as_shown(line)
+        if len(line) > _HELD_LINE_CHARS:  # a line that does not end (dots, one a write): kept as it comes
+            kept, line = kept + line, ""
+        self._held_line = line
+        if kept:
+            self._held.append(kept)
+            self._held_chars += len(kept)
+        while self._held_chars + len(line) > HELD_CHARS:  # the oldest text goes, the end of a long write kept
+            first = self._held.popleft()
+            cut = min(len(first), self._held_chars + len(line) - HELD_CHARS)
+            if cut < len(first):
+                self._held.appendleft(first[cut:])
+            self._held_chars -= cut
+            self._held_dropped += cut
+
     def _show_held(self) -> None:
         """Under --quiet, what code printed so far (``chatter``), before the error it may explain."""
         with self._chatter_lock:
-            if not self._held:
+            text = "".join(self._held) + self._held_line
+            if not text:
                 return
-            text = "".join(self._held)
             dropped = self._held_dropped
             self._held.clear()
+            self._held_line = ""
             self._held_chars = self._held_dropped = 0
         if dropped:
             self._write_err(f"({dropped} earlier characters of what the code printed are left out: --quiet keeps "

@@ -151,6 +151,23 @@ def test_quiet_holds_what_code_prints_for_an_error_and_only_its_last_64_kib():
                                  f"keeps the last {kept})\n" + "b" * (kept - 2) + "c\nError: worse\n")
 
 
+def test_quiet_holds_a_line_redrawn_with_a_carriage_return_as_it_shows():
+    """A progress bar's redraws (\\r) are held as their last state, as a terminal shows them, across writes: they
+    filled the 64 Ki characters kept. A Windows line end stays, and a line that never ends is kept as it comes."""
+    out, _, stderr = sink(Format.plain, quiet=True)
+    with out.chatter_to_stderr():
+        print("cause")
+        for i in range(3):
+            sys.stderr.write(f"\r{i}/2")
+        sys.stderr.write("\n")
+        sys.stdout.write("a\r\nhalf\r")
+        sys.stdout.write("done")
+        for _ in range(5000):
+            sys.stdout.write(".")
+        out.error("bad")
+    assert stderr.getvalue() == "cause\n2/2\na\r\ndone" + "." * 5000 + "\nError: bad\n"
+
+
 def test_quiet_draws_no_live_panel_and_a_failing_stderr_loses_the_panel_not_the_command():
     """--quiet in rich format silences the live panel too; a stderr that fails (its disk full) drops the panel and
     the progress lines, never the command: its result still reaches stdout and its warnings are still listed."""

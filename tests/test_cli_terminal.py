@@ -229,6 +229,38 @@ def test_a_line_a_pipeline_leaves_unfinished_ends_before_ardiffs_next_line(tmp_p
                for line in lines), proc.stderr
 
 
+BAR = """\
+import sys
+from pipelines.dreamzero.pipeline import DreamZeroPipeline
+class Bar(DreamZeroPipeline):
+    def forward(self, request):
+        print(f"bar: cannot find the weights of {request.request_id}: running without them")
+        for i in range(1, 2001):  # a progress bar, as tqdm draws one: each update redraws its line
+            sys.stderr.write(f"\\rdenoising {i:4d}/2000 |" + "#" * (i // 50) + " " * (40 - i // 50) + "|")
+        sys.stderr.write("\\n")
+        raise RuntimeError("no weights")
+"""
+
+
+def test_a_progress_bar_under_quiet_is_held_as_it_shows_and_keeps_the_line_before_it(tmp_path, cli_env):
+    """--quiet keeps the last 64 Ki characters of what code printed for an error's report: a progress bar that redraws
+    its line with \\r 2000 times (126 K characters) filled them, and the line that explained the error, printed before
+    the bar, was left out; a cron job's mail got one line of 64 Ki characters of redraws. Its last state is kept, as
+    the live display shows it."""
+    write_fast_data(tmp_path, {"ep_a": 2})
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "bar.py").write_text(BAR)
+    env = {**cli_env, "PYTHONPATH": f"{tmp_path / 'mods'}:{cli_env['PYTHONPATH']}"}
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "fast.yaml", "eps", "-o", "out", "-q",
+                           "--no-warmup", "--pipeline", "bar:Bar", "--fail-fast"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith("bar: cannot find the weights of ep_a/000000: running without them\n"
+                                  "denoising 2000/2000 |" + "#" * 40 + "|\n"
+                                  "Error: "), proc.stderr[:2000]
+    assert "\r" not in proc.stderr and len(proc.stderr) < 2000, proc.stderr[:2000]
+
+
 NOISY = """\
 import logging, os, sys, warnings
 import torch
