@@ -1167,6 +1167,27 @@ def test_the_hosts_allocator_running_out_is_out_of_memory_in_a_step_and_in_warmu
     assert f"Error: {message}\nhint: {ONE_SESSION_HINT}" in proc.stderr, proc.stderr  # warmup's, for one session
 
 
+STEP_OOM = [{"request": "arm_b/000001", "site": "block", "layer": 0, "action": "memory_error"}]  # arm_b step 1
+
+
+def four_sessions_config(folder: Path) -> Path:
+    """FAST_CONFIG without its `session_capacity: 1`: the spec's bound of 4 sessions, which a budget may limit."""
+    path = folder / "sessions.yaml"
+    path.write_text(FAST_CONFIG.replace(", session_capacity: 1", ""))
+    return path
+
+
+def step_out_of_memory(env, data, config: Path, out: Path, *extra: str) -> dict:
+    """The JSON error of a --fail-fast rollout of CONFIG whose arm_b step 1 runs out of host memory (exit 3)."""
+    proc = ardiff(env, "rollout", str(config), str(data / "eps"), "--out", str(out), "--pipeline", PIPELINE,
+                  "--no-warmup", "--fail-fast", "--format", "json", *extra, faults=STEP_OOM)
+    assert proc.returncode == 3, proc.stderr
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert error["kind"] == "step_failed" and error["message"] == (
+        "episode 'arm_b' failed at step 1 in the model's forward: out of host memory: MemoryError"), error
+    return error
+
+
 def test_a_step_out_of_memory_hints_at_what_set_the_budget_and_never_at_another_dtype_for_the_resume(env, data,
                                                                                                     tmp_path):
     """A step out of memory hinted "lower --session-capacity or --gpu-memory-fraction, or use a smaller dtype or
@@ -1175,19 +1196,12 @@ def test_a_step_out_of_memory_hints_at_what_set_the_budget_and_never_at_another_
     for one session does: --memory-budget, the config's runtime.memory_budget, the budget a resumed run's run.json
     recorded, or (no budget) --gpu-memory-fraction, the share of the free memory the KV pools take. Each plan here is
     limited by its budget (2 sessions of the spec's 4), where both changes shrink the KV pool."""
-    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0, "action": "memory_error"}]
-    sessions_config = tmp_path / "sessions.yaml"  # the spec's bound of 4 sessions
-    sessions_config.write_text(FAST_CONFIG.replace(", session_capacity: 1", ""))
+    sessions_config = four_sessions_config(tmp_path)
     budget_config = tmp_path / "budget.yaml"
     budget_config.write_text(FAST_CONFIG.replace("session_capacity: 1", "memory_budget: 600KB"))
 
     def hint(config: Path, out: Path, *extra: str) -> str:
-        proc = ardiff(env, "rollout", str(config), str(data / "eps"), "--out", str(out), "--pipeline", PIPELINE,
-                      "--no-warmup", "--fail-fast", "--format", "json", *extra, faults=faults)
-        assert proc.returncode == 3, proc.stderr
-        error = json.loads(proc.stdout.splitlines()[-1])
-        assert error["kind"] == "step_failed" and error["message"] == (
-            "episode 'arm_b' failed at step 1 in the model's forward: out of host memory: MemoryError"), error
+        error = step_out_of_memory(env, data, config, out, *extra)
         assert "--dtype" not in error["hint"] and "use a smaller dtype" not in error["hint"], error
         assert error["hint"].endswith("--resume keeps the run's dtype and config, so a smaller dtype or model is a "
                                       "new run (another --out)"), error
@@ -1210,7 +1224,7 @@ def test_a_step_out_of_memory_hints_at_what_set_the_budget_and_never_at_another_
     assert free.startswith(resume_with("--gpu-memory-fraction (the share of the free memory the KV pools take)"))
     # resumed: the budget run.json recorded, reused; the hint also shows while the other episodes go on
     proc = ardiff(env, "rollout", "--resume", "--out", str(given), "--pipeline", PIPELINE, "--no-warmup", "--format",
-                  "plain", faults=faults)
+                  "plain", faults=STEP_OOM)
     assert proc.returncode == 4, proc.stderr
     recorded = resume_with(f"a smaller --memory-budget (the memory_budget recorded in {given / 'run.json'} set it; "
                            "one given replaces it for that resume only)")
@@ -1224,17 +1238,10 @@ def test_a_step_out_of_memory_hints_only_at_changes_that_shrink_the_kv_pool(env,
     the plan. With one session planned neither can help: --session-capacity takes no fewer, and a budget too small for
     one session is refused (one that holds it plans the same pool). With --session-capacity limiting the plan below
     what the budget holds, a smaller budget plans the same pool. Each hint now offers only what shrinks the pool."""
-    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0, "action": "memory_error"}]
-    sessions_config = tmp_path / "sessions.yaml"  # the spec's bound of 4 sessions
-    sessions_config.write_text(FAST_CONFIG.replace(", session_capacity: 1", ""))
+    sessions_config = four_sessions_config(tmp_path)
 
     def failed(config: Path, out: Path, *extra: str) -> str:
-        proc = ardiff(env, "rollout", str(config), str(data / "eps"), "--out", str(out), "--pipeline", PIPELINE,
-                      "--no-warmup", "--fail-fast", "--format", "json", *extra, faults=faults)
-        assert proc.returncode == 3, proc.stderr
-        error = json.loads(proc.stdout.splitlines()[-1])
-        assert error["kind"] == "step_failed", error
-        return error["hint"]
+        return step_out_of_memory(env, data, config, out, *extra)["hint"]
 
     def pool(out: Path) -> tuple[int, int]:  # (sessions, pages) the last run of OUT planned
         plan = json.loads((out / "summary.json").read_text())["capacity_plan"]
@@ -1292,8 +1299,7 @@ def test_memory_running_out_in_a_rollouts_warmup_hints_at_the_resume_not_at_anot
             "session, the least a plan keeps, and it does not fit with the model's activations: free memory on the "
             "device (another process using it?) and continue with --resume; --resume keeps the run's dtype and "
             "config, so a smaller dtype or model is a new run (another --out)\n") in proc.stderr, proc.stderr
-    sessions_config = tmp_path / "sessions.yaml"  # the spec's bound of 4 sessions
-    sessions_config.write_text(FAST_CONFIG.replace(", session_capacity: 1", ""))
+    sessions_config = four_sessions_config(tmp_path)
     run = tmp_path / "run"
     args = ["rollout", str(sessions_config), str(data / "eps"), "--out", str(run), "--pipeline", PIPELINE,
             "--format", "plain"]
@@ -1325,8 +1331,7 @@ def test_memory_running_out_in_the_warmup_command_hints_only_at_changes_that_can
     shrinks the KV pool, and with --session-capacity limiting the plan a smaller budget plans the same pool. It words
     the plan's facts as a step's hint does; with no run to resume, a smaller dtype (from float32) or model stays."""
     faults = [{"request": "warmup-0", "site": "block", "layer": 0, "action": "memory_error"}]
-    sessions_config = tmp_path / "sessions.yaml"  # the spec's bound of 4 sessions
-    sessions_config.write_text(FAST_CONFIG.replace(", session_capacity: 1", ""))
+    sessions_config = four_sessions_config(tmp_path)
 
     def hint(config: Path, *extra: str) -> str:
         proc = ardiff(env, "warmup", str(config), "--pipeline", PIPELINE, "--format", "json", *extra, faults=faults)
