@@ -127,8 +127,19 @@ def lighter_resume_hint(budget: str | None, plan: CapacityPlan | None = None, as
 def lighter_run_hint(budget: str | None, plan: CapacityPlan | None, dtype: str) -> str:
     """What to change when memory ran out in a command that keeps nothing (``ardiff warmup``): run it again with a
     smaller KV pool, where one can be, or with a smaller ``dtype`` (from float32) or model."""
-    smaller = "--dtype bfloat16 or a smaller model" if dtype == "float32" else "a smaller model"
-    return _lighter_pool_hint(budget, plan, "", resume=False, then=f"or use {smaller}")
+    return _lighter_pool_hint(budget, plan, "", resume=False, then=f"or use {_smaller(dtype)}")
+
+
+def weights_run_hint(dtype: str) -> str:
+    """What to change when memory ran out as ``ardiff warmup`` loaded the model's weights in ``dtype``: its KV pools,
+    planned after them, are not there to make smaller."""
+    return (f"the model, in {dtype}, needs more memory than is free now (its KV pools come after its weights): free "
+            f"some (another process using it?) and run again, or use {_smaller(dtype)}")
+
+
+def _smaller(dtype: str) -> str:
+    """A smaller dtype (bfloat16, from float32: float16 and bfloat16 take as much) or model than ``dtype``'s."""
+    return "--dtype bfloat16 or a smaller model" if dtype == "float32" else "a smaller model"
 
 
 def _lighter_pool_hint(budget: str | None, plan: CapacityPlan | None, aside: str, *, resume: bool, then: str) -> str:

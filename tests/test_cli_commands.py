@@ -66,7 +66,7 @@ def test_help_shows_no_type_for_flags_and_every_default_it_documents():
         assert long.exit_code == short.exit_code == 0 and long.stdout == short.stdout
         assert "<bool>" not in long.stdout and "<path>" not in long.stdout
         # Typer 0.29 showed the arguments' Python annotations: `CONFIG <str>`, `EPISODE <list[Path]>`; 0.27-0.28
-        # (pyproject allows them) their Click types' names: `CONFIG <str>`, `EPISODE <parse_path>`
+        # their Click types' names: `CONFIG <str>`, `EPISODE <parse_path>`
         assert not re.search(r"<[^\s<>]+>", long.stdout), long.stdout
         assert re.search(r"--help\s+-h\s+Show this message and exit", long.stdout), long.stdout
         pages[command] = long.stdout

@@ -608,6 +608,20 @@ def test_a_tilde_after_dot_slash_is_the_folder_named_tilde_in_the_working_folder
     assert len(records(home / "x")) == 3
 
 
+def test_the_outputs_line_of_a_folder_named_like_an_option_gives_resume_a_folder(env, data, tmp_path):
+    """`-o ./-x` printed `outputs: -x`, the line a hint says to give --out from: `--out -x` is refused as an option
+    (exit 2, "looks like an option"). It says `./-x`, as a hint's command does, and --out takes it as it is."""
+    args = ("rollout", str(data / "fast.yaml"), str(data / "eps" / "arm_a"), "--no-warmup", "--format", "plain")
+    proc = ardiff(env, *args, "--out", "./-x", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("outputs: ")]
+    assert line == "outputs: ./-x (results.jsonl, summary.json, episodes/)", proc.stdout
+    folder = line.removeprefix("outputs: ").removesuffix(" (results.jsonl, summary.json, episodes/)")
+    proc = ardiff(env, *args, "--resume", "--out", folder, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing left to run" in proc.stderr and len(records(tmp_path / "-x")) == 3
+
+
 def test_an_episode_folder_given_twice_runs_once(env, data, tmp_path):
     """`ardiff rollout CFG data/ data/arm_a` (overlapping globs, a symlink to one of them): one session each."""
     (tmp_path / "link").symlink_to(data / "eps" / "arm_b")

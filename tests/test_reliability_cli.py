@@ -1356,6 +1356,35 @@ def test_memory_running_out_in_the_warmup_command_hints_only_at_changes_that_can
         f"to the model's activations; {smaller}")
 
 
+def test_memory_running_out_as_the_warmup_command_loads_the_weights_hints_at_the_model_not_at_the_kv_pool(env, data,
+                                                                                                        tmp_path):
+    """`ardiff warmup` out of memory as the model's weights loaded, before its KV pools are planned, kept the table's
+    hint whatever the dtype: "lower --memory-budget, --session-capacity or --gpu-memory-fraction, or use --dtype
+    bfloat16 or a smaller model": no KV pool is there to shrink yet, and with `--dtype bf16` (or the config's
+    `runtime.dtype: bfloat16`) it offered the dtype the model was already loading in."""
+    faults = [{"site": "load", "action": "memory_error"}]
+
+    def hint(config: Path, *extra: str) -> str:
+        proc = ardiff(env, "warmup", str(config), "--pipeline", PIPELINE, "--format", "json", *extra, faults=faults)
+        assert proc.returncode == 3, proc.stderr
+        error = json.loads(proc.stdout.splitlines()[-1])
+        assert (error["kind"], error["message"]) == ("out_of_memory", "out of host memory while loading the model's "
+                                                     "weights (from_config()): MemoryError"), error
+        return error["hint"]
+
+    assert hint(data / "fast.yaml") == (
+        "the model, in float32, needs more memory than is free now (its KV pools come after its weights): free some "
+        "(another process using it?) and run again, or use --dtype bfloat16 or a smaller model")
+    assert hint(data / "fast.yaml", "--dtype", "bf16") == (
+        "the model, in bfloat16, needs more memory than is free now (its KV pools come after its weights): free some "
+        "(another process using it?) and run again, or use a smaller model")
+    half = tmp_path / "half.yaml"  # the config's dtype, in another spelling
+    half.write_text(FAST_CONFIG.replace("device: cpu", "device: cpu, dtype: fp16"))
+    assert hint(half) == (
+        "the model, in float16, needs more memory than is free now (its KV pools come after its weights): free some "
+        "(another process using it?) and run again, or use a smaller model")
+
+
 def test_memory_running_out_as_a_resume_loads_the_weights_hints_at_no_kv_pool(env, data, tmp_path):
     """A resume holds run.json from its start, so memory running out as it loaded the model's weights got the
     warmup's hint: a lower --session-capacity or a smaller budget, "a smaller KV pool leaves more memory to the
@@ -1467,9 +1496,12 @@ def test_memory_running_out_as_torch_imports_or_the_weights_load_names_which_in_
         proc = ardiff(env, *command, "--pipeline", PIPELINE, "--format", "json", faults=faults)
         assert proc.returncode == 3, proc.stderr
         error = json.loads(proc.stdout.splitlines()[-1])
-        assert error == {"kind": "out_of_memory", "message": "out of host memory while loading the model's weights "
-                         "(from_config()): MemoryError", "hint": "lower --memory-budget, --session-capacity or "
-                         "--gpu-memory-fraction, or use --dtype bfloat16 or a smaller model", "exit_code": 3}, error
+        assert error["message"] == ("out of host memory while loading the model's weights (from_config()): "
+                                    "MemoryError"), error
+        assert error["kind"] == "out_of_memory" and error["exit_code"] == 3, error
+    # rollout's (a new run) keeps the table's; warmup's names the model (test_..._hints_at_the_model_not_at_the_kv_pool)
+    assert error["hint"] == ("lower --memory-budget, --session-capacity or --gpu-memory-fraction, or use --dtype "
+                             "bfloat16 or a smaller model"), error
     assert not (tmp_path / "run" / "results.jsonl").exists()
 
 

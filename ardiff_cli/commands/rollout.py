@@ -1406,7 +1406,7 @@ def render_summary(s: dict[str, Any], plain: bool):
         + f"{plural(steps['replayed'], 'step')} replayed to rebuild sessions"
         + (f", {plural(steps['skipped_done'], 'step')} already done" if steps["skipped_done"] else ""),
         # the folder to read or --resume: one line, as Error: lines (a newline in it read as another folder), and
-        # ./~ for a folder named ~ (a hint says to give --out from it: copied as ~/x it named the home folder's x)
+        # ./~ and ./-x (a hint says to give --out from it: ~/x copied named the home folder's x; -x is refused)
         f"outputs: {one_line(visible(as_typed(s['out'])))}" + (f" ({', '.join(written)})" if written else ""),
     ]
     if plain:

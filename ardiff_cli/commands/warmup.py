@@ -17,7 +17,14 @@ from ardiff_cli.commands._common import (
     refuse_contradictions,
     stop_between_requests,
 )
-from ardiff_cli.errors_cli import EXIT_CODES_HELP, Interrupted, handle_errors, lighter_run_hint, pages_short
+from ardiff_cli.errors_cli import (
+    EXIT_CODES_HELP,
+    Interrupted,
+    handle_errors,
+    lighter_run_hint,
+    pages_short,
+    weights_run_hint,
+)
 from ardiff_cli.options import (
     ConfigArg,
     DeviceOpt,
@@ -35,6 +42,7 @@ from ardiff_cli.options import (
 from ardiff_cli.output import Format, Output, lost_stdout_stop
 from ardiff_cli.runtime.errors import (
     KV_POOLS_PHASE,
+    WEIGHTS_PHASE,
     ArdiffError,
     BudgetBeyondDeviceError,
     CapacityError,
@@ -121,11 +129,15 @@ def warmup(
                 monitor.refresh(engine.runner)
                 monitor.set_phase("done")
                 usage = engine.runner.pool_usage()
-            except BaseException as exc:  # memory out in the pools or the requests: only what shrinks them, by the plan
-                if (is_out_of_memory(exc) and not isinstance(exc, ArdiffError) and not pages_short(exc)
-                        and (plan is not None or getattr(exc, "ardiff_while", None) == KV_POOLS_PHASE)):
+            except BaseException as exc:  # memory out: in the pools or the requests only what shrinks them, by the
+                # plan; in the weights, before the pools, only the model's dtype or size
+                if is_out_of_memory(exc) and not isinstance(exc, ArdiffError) and not pages_short(exc):
+                    phase = getattr(exc, "ardiff_while", None)
                     with contextlib.suppress(MemoryError):
-                        exc.hint = lighter_run_hint(budget_source(memory_budget, cfg), plan, cfg.runtime.dtype)
+                        if plan is not None or phase == KV_POOLS_PHASE:
+                            exc.hint = lighter_run_hint(budget_source(memory_budget, cfg), plan, cfg.runtime.dtype)
+                        elif phase == WEIGHTS_PHASE:  # before the pools: the model's dtype or size, not the pools
+                            exc.hint = weights_run_hint(cfg.runtime.dtype)
                 raise
             finally:
                 # the outcome is decided: a signal from here on is only recorded, as a rollout's (a Ctrl-C as the

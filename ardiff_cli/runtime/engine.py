@@ -14,6 +14,7 @@ from ardiff_cli.runtime.capacity import CapacityPlan
 from ardiff_cli.runtime.config import EngineConfig, load_config
 from ardiff_cli.runtime.errors import (
     KV_POOLS_PHASE,
+    WEIGHTS_PHASE,
     ArdiffWarning,
     CheckpointError,
     ConfigError,
@@ -152,7 +153,7 @@ class ARDiffusionEngine:
             pipeline_class = pipeline_class_of(self.config.entry)
         given = dict(device=self.device, dtype=dtype, checkpoint=self.config.checkpoint)
         try:
-            with running_out_of_memory_names("loading the model's weights (from_config())"):
+            with running_out_of_memory_names(WEIGHTS_PHASE):
                 self._pipeline = pipeline_class.from_config(self.config.model, **given)
         except Exception as exc:
             # A checkpoint or config the user can fix, or memory, is named as such already.

@@ -147,6 +147,8 @@ def is_out_of_memory(exc: BaseException) -> bool:
 # What ran as a model's load sized and allocated its KV pools (``running_out_of_memory_names``): memory running out
 # there, unlike as the weights load before, is what a smaller budget or session capacity helps
 KV_POOLS_PHASE = "planning and allocating the KV cache pools"
+# What ran before them: the weights, which a smaller dtype or model helps, and no KV pool change
+WEIGHTS_PHASE = "loading the model's weights (from_config())"
 
 
 @contextlib.contextmanager
@@ -338,10 +340,11 @@ def shell_word(path: os.PathLike | str) -> str:
 
 
 def as_typed(path: os.PathLike | str) -> str:
-    """``path`` as a line to copy from names it (``outputs: DIR``): ``./~`` where it begins with '~', a folder named
-    ``~`` whose ``./`` ``Path`` dropped, which ardiff (and a shell) would read as the home folder without it."""
+    """``path`` as a line to copy from names it (``outputs: DIR``): ``./`` before a leading '~' or '-', which ``Path``
+    dropped: without it ardiff (and a shell) read a folder named ``~`` as the home folder, and ``--out`` refuses
+    ``-x`` as an option."""
     text = os.fspath(path)
-    return f"./{text}" if text.startswith("~") else text
+    return f"./{text}" if text.startswith(("~", "-")) else text
 
 
 def resume_command(out: os.PathLike | str, pipeline: str | None) -> str:
