@@ -391,7 +391,7 @@ class Output:
         cursor inside the display), any control character left written as ``\\xNN``."""
         from rich.text import Text
 
-        shown = [Text.from_ansi(_as_shown(line).removesuffix("\r")) for line in lines]
+        shown = [Text.from_ansi(_as_shown(line).rstrip("\r")) for line in lines]
         shown = [text if visible(text.plain) == text.plain else Text(visible(text.plain)) for text in shown]
         if not self._stderr_lost:  # the caller holds the display's lock (chatter)
             try:
@@ -413,9 +413,10 @@ def _lock_of(live: Any) -> Any:
 
 
 def _as_shown(line: str) -> str:
-    """``line`` as a terminal shows it: from its last carriage return on (a progress bar redraws its line so), unless
-    that return ends it (a Windows line end)."""
-    return line[line.rfind("\r", 0, len(line) - 1) + 1:]
+    """``line`` as a terminal shows it: from its last carriage return on (a progress bar redraws its line so), the
+    returns that end it aside (a Windows line end, or ``\\r\\r\\n`` as a Windows text stream writes one: its
+    second return, taken for a redraw, left the line empty and its text was lost)."""
+    return line[line.rfind("\r", 0, len(line.rstrip("\r"))) + 1:]
 
 
 def _raise_again() -> None:

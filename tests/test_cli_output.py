@@ -168,6 +168,36 @@ def test_quiet_holds_a_line_redrawn_with_a_carriage_return_as_it_shows():
     assert stderr.getvalue() == "cause\n2/2\na\r\ndone" + "." * 5000 + "\nError: bad\n"
 
 
+WINDOWS_LINE_ABOVE_THE_DISPLAY = r"""
+import io, os, pty, re, sys, threading
+from rich.text import Text
+from ardiff_cli.output import Format, Output
+
+{terminal}
+
+with out.chatter_to_stderr():
+    with out.live(lambda: Text("frame")):
+        sys.stdout.write("a windows line\r\r\n")
+        print("the line after")
+{shown}print([line.strip() for line in text.replace("\r", "\n").split("\n") if "line" in line])
+"""
+
+
+def test_a_line_ending_in_two_carriage_returns_keeps_its_text_under_quiet_and_above_the_live_display(tmp_path):
+    """A line ending in \\r\\r\\n (a Windows tool's \\r\\n written through a Windows text stream; a log of it that a
+    pipeline prints as it is) was read as redrawn by its second \\r, with nothing: --quiet held \\r\\r\\n alone and
+    the live display showed an empty line, the line's text lost. The returns that end a line are its end."""
+    out, _, stderr = sink(Format.plain, quiet=True)
+    with out.chatter_to_stderr():
+        sys.stdout.write("weights not found\r\r\n")
+        sys.stdout.write("50%\r")
+        sys.stdout.write("100%\r")
+        sys.stdout.write("\r\n")  # a bar's last state, ended so
+        out.error("bad")
+    assert stderr.getvalue() == "weights not found\r\r\n100%\r\r\nError: bad\n"
+    assert on_a_terminal(tmp_path, WINDOWS_LINE_ABOVE_THE_DISPLAY) == ["a windows line", "the line after"]
+
+
 def test_quiet_draws_no_live_panel_and_a_failing_stderr_loses_the_panel_not_the_command():
     """--quiet in rich format silences the live panel too; a stderr that fails (its disk full) drops the panel and
     the progress lines, never the command: its result still reaches stdout and its warnings are still listed."""

@@ -1390,8 +1390,7 @@ def test_memory_running_out_as_a_resume_loads_the_weights_hints_at_no_kv_pool(en
     warmup's hint: a lower --session-capacity or a smaller budget, "a smaller KV pool leaves more memory to the
     model's activations", though the pools are sized and allocated only once the weights are loaded."""
     run = tmp_path / "run"
-    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0, "action": "memory_error"}]
-    assert ardiff(env, *rollout_args(data, run, "--fail-fast"), faults=faults).returncode == 3
+    assert ardiff(env, *rollout_args(data, run, "--fail-fast"), faults=STEP_OOM).returncode == 3
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--format", "plain",
                   faults=[{"site": "load", "action": "memory_error"}])
     assert proc.returncode == 3, proc.stderr
@@ -1407,8 +1406,7 @@ def test_a_resume_without_a_budget_whose_session_no_longer_fits_the_free_memory_
     (one session no longer fits), its CapacityError kept the runner's hint, "use a smaller window, model or dtype",
     each of which --resume refuses. With a budget the hint said so already (a larger budget)."""
     run = tmp_path / "run"
-    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0, "action": "memory_error"}]
-    assert ardiff(env, *rollout_args(data, run, "--fail-fast"), faults=faults).returncode == 3
+    assert ardiff(env, *rollout_args(data, run, "--fail-fast"), faults=STEP_OOM).returncode == 3
     assert json.loads((run / "run.json").read_text())["memory_budget"] is None
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--format", "json",
                   faults=[{"site": "free_memory", "bytes": 1 << 10}])
