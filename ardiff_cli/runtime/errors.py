@@ -335,8 +335,7 @@ def shell_word(path: os.PathLike | str) -> str:
     (``ln``, ``touch``, ``mkdir``, ``ardiff --out``) would read as an option, and ``./~`` where it begins with '~':
     a folder named ``~``, which ardiff reads as the home folder when quoted (``Path`` drops the ``./`` the user
     wrote before both)."""
-    text = os.fspath(path)
-    return shlex.quote(f"./{text}" if text.startswith(("-", "~")) else text)
+    return shlex.quote(as_typed(path))
 
 
 def as_typed(path: os.PathLike | str) -> str:
