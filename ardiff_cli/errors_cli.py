@@ -131,10 +131,21 @@ def lighter_run_hint(budget: str | None, plan: CapacityPlan | None, dtype: str) 
 
 
 def weights_run_hint(dtype: str) -> str:
-    """What to change when memory ran out as ``ardiff warmup`` loaded the model's weights in ``dtype``: its KV pools,
-    planned after them, are not there to make smaller."""
+    """What to change when memory ran out as ``ardiff warmup`` or a new run (not ``--resume``) loaded the model's
+    weights in ``dtype``: its KV pools, planned after them, are not there to make smaller."""
     return (f"the model, in {dtype}, needs more memory than is free now (its KV pools come after its weights): free "
             f"some (another process using it?) and run again, or use {_smaller(dtype)}")
+
+
+def while_importing(exc: BaseException) -> bool:
+    """Whether memory ran out as torch or a pipeline's module imported (``running_out_of_memory_names``): before the
+    model's weights and its KV pools, so no smaller dtype, model, budget or session capacity helps there."""
+    return str(getattr(exc, "ardiff_while", "")).startswith("importing ")
+
+
+def import_hint(then: str = "run again") -> str:
+    """What to do when memory ran out as torch or a pipeline's module imported (``while_importing``)."""
+    return f"free some memory (another process using it?) and {then}: it ran out before the model began to load"
 
 
 def _smaller(dtype: str) -> str:
@@ -304,6 +315,8 @@ def report(out: Output, exc: BaseException) -> int:
                     "room to load torch: raise it, or run with ulimit -v unlimited")
         elif rule is _OUT_OF_MEMORY:
             message = out_of_memory_message(exc) or message
+            if not getattr(exc, "hint", None) and while_importing(exc):  # the table's options cannot help there
+                hint = import_hint()
             hint = out_of_memory_hint(hint)
         elif rule is _TOO_MANY_OPEN_FILES and not getattr(exc, "hint", None):  # a step's, a run's: to --resume
             hint = open_files_hint()

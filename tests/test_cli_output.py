@@ -107,6 +107,9 @@ def test_control_characters_in_messages_are_shown_not_sent_to_the_terminal(fmt):
         assert "tab\tand" in text
     out.warning("del\x7f csi\x9b2J")  # DEL, and C1's one-byte CSI, which some terminals obey as ESC [ does
     assert "del\\x7f csi\\x9b2J" in stderr.getvalue()
+    out.error("line\u2028paragraph\u2029nel\x85", "vt\x0bff\x0cfs\x1c")  # what str.splitlines() splits at
+    assert "line\\u2028paragraph\\u2029nel\\x85" in stderr.getvalue() and "vt\\x0bff\\x0cfs\\x1c" in stderr.getvalue()
+    assert len(stderr.getvalue().splitlines()) == stderr.getvalue().count("\n")
 
 
 @pytest.mark.parametrize("fmt", [Format.plain, Format.rich])

@@ -3715,6 +3715,30 @@ def test_the_summarys_outputs_line_is_one_line_whatever_the_folder_holds(env, da
     assert json.loads((run / "summary.json").read_text())["out"] == str(run)  # the JSON keeps it as it is
 
 
+def test_every_line_ardiff_writes_of_a_name_holding_what_splitlines_splits_at_is_one_line(env, data, tmp_path):
+    """Python's str.splitlines() splits at \\x0b, \\x0c, \\x1c-\\x1e, \\x85, U+2028 and U+2029 too. The control
+    characters were shown as \\xNN already, but an episode's name (safe_name keeps the separators, which are not
+    control characters) and a folder's U+2028 and U+2029 were written as they are: a script reading stderr or the
+    summary with splitlines() got an `Error:` line, an event line and the `outputs:` line in two."""
+    odd = "a\x0bb\x0cc\x1cd\x1de\x1ef\x85g\u2028h\u2029i"
+    shown = "a\\x0bb\\x0cc\\x1cd\\x1de\\x1ef\\x85g\\u2028h\\u2029i"
+    episode, run = tmp_path / f"arm{odd}", tmp_path / f"run{odd}"
+    shutil.copytree(data / "eps" / "arm_a", episode)
+    (episode / "step_000002.safetensors").write_bytes(b"junk")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps" / "arm_b"), str(episode), "--out",
+                  str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 4, proc.stderr  # arm_b completed
+    for text in (proc.stdout, proc.stderr):  # one line a line: as many as the newlines that end them
+        assert len(text.splitlines()) == text.count("\n"), text
+    error, _ = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
+    # the episode's name (its controls made _ by safe_name) and its folder
+    assert error.startswith(f"Error: episode 'arma_b_c_d_e_f_g\\u2028h\\u2029i' failed: {tmp_path}/arm{shown}/"
+                            "step_000002.safetensors: "), error
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("outputs: ")]
+    assert line.startswith(f"outputs: {tmp_path}/run{shown} ("), proc.stdout
+    assert json.loads((run / "summary.json").read_text())["out"] == str(run)  # the JSON keeps it as it is
+
+
 def test_resume_of_a_followed_run_waits_the_idle_timeout_it_recorded(env, data, tmp_path):
     # Not the default 60 s: arm_b, whose robot has written no step yet, fails naming the timeout it waited. The
     # signal lands inside arm_a's step 0 and the run stops after it, before either episode could idle out.

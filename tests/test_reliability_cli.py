@@ -1167,6 +1167,8 @@ def test_the_hosts_allocator_running_out_is_out_of_memory_in_a_step_and_in_warmu
     assert f"Error: {message}\nhint: {ONE_SESSION_HINT}" in proc.stderr, proc.stderr  # warmup's, for one session
 
 
+# the hint of memory running out as torch or a pipeline's module imports: before any model or KV pool
+IMPORT_HINT = "free some memory (another process using it?) and run again: it ran out before the model began to load"
 STEP_OOM = [{"request": "arm_b/000001", "site": "block", "layer": 0, "action": "memory_error"}]  # arm_b step 1
 
 
@@ -1316,13 +1318,14 @@ def test_memory_running_out_in_a_rollouts_warmup_hints_at_the_resume_not_at_anot
             f"memory_budget recorded in {run / 'run.json'} set it; one given replaces it for that resume only)") in (
         proc.stderr), proc.stderr
     assert "--dtype" not in proc.stderr, proc.stderr
-    # before run.json is written (the model's load), the same command may change anything: the general hint stays
+    # before run.json is written (the model's load), the same command may change anything: another dtype or model
     faults = [{"site": "load", "action": "memory_error"}]
     proc = ardiff(env, *args[:4], str(tmp_path / "loading"), *args[5:], faults=faults)
     assert proc.returncode == 3, proc.stderr
-    assert ("Error: out of host memory while loading the model's weights (from_config()): MemoryError\nhint: lower "
-            "--memory-budget, --session-capacity or --gpu-memory-fraction, or use --dtype bfloat16") in proc.stderr, (
-        proc.stderr)
+    assert ("Error: out of host memory while loading the model's weights (from_config()): MemoryError\nhint: the "
+            "model, in float32, needs more memory than is free now (its KV pools come after its weights): free some "
+            "(another process using it?) and run again, or use --dtype bfloat16 or a smaller model\n") in (
+        proc.stderr), proc.stderr
 
 
 def test_memory_running_out_in_the_warmup_command_hints_only_at_changes_that_can_help(env, data, tmp_path):
@@ -1488,6 +1491,7 @@ def test_memory_running_out_as_torch_imports_or_the_weights_load_names_which_in_
         error = json.loads(proc.stdout.splitlines()[-1])
         assert (error["kind"], error["message"]) == ("out_of_memory", "out of host memory while importing torch: "
                                                      "MemoryError"), (command[0], error)
+        assert error["hint"] == IMPORT_HINT, (command[0], error)  # no model or KV pool yet: free memory alone helps
         assert "Traceback" not in proc.stderr
     faults = [{"site": "load", "action": "memory_error"}]
     for command in (["warmup", str(data / "fast.yaml")], rollout):
@@ -1497,10 +1501,28 @@ def test_memory_running_out_as_torch_imports_or_the_weights_load_names_which_in_
         assert error["message"] == ("out of host memory while loading the model's weights (from_config()): "
                                     "MemoryError"), error
         assert error["kind"] == "out_of_memory" and error["exit_code"] == 3, error
-    # rollout's (a new run) keeps the table's; warmup's names the model (test_..._hints_at_the_model_not_at_the_kv_pool)
-    assert error["hint"] == ("lower --memory-budget, --session-capacity or --gpu-memory-fraction, or use --dtype "
-                             "bfloat16 or a smaller model"), error
     assert not (tmp_path / "run" / "results.jsonl").exists()
+
+
+def test_memory_running_out_as_a_new_run_loads_the_weights_hints_at_the_model_not_at_the_kv_pool(env, data, tmp_path):
+    """A new run (not --resume) out of memory as the model's weights loaded kept the table's hint, "lower
+    --memory-budget, --session-capacity or --gpu-memory-fraction, or use --dtype bfloat16 or a smaller model": its KV
+    pools are planned only after the weights, and with `--dtype bf16` it offered the dtype the model was loading in.
+    It says what `ardiff warmup` says there, and the same command, run again, runs (nothing was written)."""
+    run = tmp_path / "run"
+    for extra, dtype, smaller in (((), "float32", "--dtype bfloat16 or a smaller model"),
+                                  (("--dtype", "bf16"), "bfloat16", "a smaller model")):
+        proc = ardiff(env, *rollout_args(data, run, *extra, "--format", "json"),
+                      faults=[{"site": "load", "action": "memory_error"}])
+        assert proc.returncode == 3, proc.stderr
+        error = json.loads(proc.stdout.splitlines()[-1])
+        assert error["message"] == ("out of host memory while loading the model's weights (from_config()): "
+                                    "MemoryError"), error
+        assert error["hint"] == (f"the model, in {dtype}, needs more memory than is free now (its KV pools come "
+                                 f"after its weights): free some (another process using it?) and run again, or use "
+                                 f"{smaller}"), error
+    assert ardiff(env, *rollout_args(data, run, "--dtype", "bf16")).returncode == 0  # "run again": it runs
+    assert len(records(run)) == len(EPISODES) * 3
 
 
 def test_memory_running_out_as_a_pipeline_class_module_imports_names_the_import(env, data, tmp_path):
@@ -1518,8 +1540,27 @@ def test_memory_running_out_as_a_pipeline_class_module_imports_names_the_import(
         error = json.loads(proc.stdout.splitlines()[-1])
         assert (error["kind"], error["message"]) == ("out_of_memory", "out of host memory while importing pipeline "
                                                      "module 'hungry_lab': MemoryError"), (command[0], error)
+        assert error["hint"] == IMPORT_HINT, (command[0], error)  # no model or KV pool yet: free memory alone helps
         assert "Traceback" not in proc.stderr
     assert not run.exists()
+
+
+def test_memory_running_out_as_a_resume_imports_torch_hints_at_free_memory_alone(env, data, tmp_path):
+    """A resume holds run.json from its start: memory running out as torch imported got the hint of its model's load,
+    "... or start a new run with a smaller dtype or model", though no model had begun to load."""
+    run, episode = tmp_path / "run", tmp_path / "arm_a"  # the built-in pipeline's: --pipeline's module imports torch
+    shutil.copytree(data / "eps" / "arm_a", episode)
+    (episode / "step_000001.safetensors").write_bytes(b"junk")
+    args = ["rollout", str(data / "fast.yaml"), str(episode), "--out", str(run), "--no-warmup", "--format", "json"]
+    assert ardiff(env, *args).returncode == 2
+    no_memory = tmp_path / "no_memory"
+    (no_memory / "torch").mkdir(parents=True)
+    (no_memory / "torch" / "__init__.py").write_text("raise MemoryError()\n")
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--format", "json", path=no_memory)
+    assert proc.returncode == 3, proc.stderr
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert error["message"] == "out of host memory while importing torch: MemoryError", error
+    assert error["hint"] == IMPORT_HINT.replace("run again", "continue with --resume"), error
 
 
 def test_a_failed_runs_json_error_object_says_which_failure_ended_it(env, data, tmp_path):

@@ -27,7 +27,8 @@ from ardiff_cli.commands._common import (
     stop_between_requests,
 )
 from ardiff_cli.errors_cli import (EXIT_CODES_HELP, EpisodesFailed, Interrupted, budget_change, exit_code_for,
-                                  handle_errors, lighter_resume_hint, open_files_hint, pages_short)
+                                  handle_errors, import_hint, lighter_resume_hint, open_files_hint, pages_short,
+                                  weights_run_hint, while_importing)
 from ardiff_cli.options import (
     ConfigArg,
     DeviceOpt,
@@ -51,6 +52,7 @@ from ardiff_cli.output import Format, Output, lost_stdout_stop, one_line, visibl
 from ardiff_cli.runtime.errors import (
     KV_POOLS_PHASE,
     UTF8_LOCALE_HINT,
+    WEIGHTS_PHASE,
     ArdiffError,
     BudgetBeyondDeviceError,
     CapacityError,
@@ -1025,12 +1027,19 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     error.hint = "nothing was written yet: run the same command again"
                 if too_many_open_files(error) and not isinstance(error, ArdiffError) and run.holds_run():
                     error.hint = open_files_hint("continue with --resume")  # the same command is refused now
-                if (is_out_of_memory(error) and not isinstance(error, ArdiffError) and not pages_short(error)
-                        and run.holds_run()):  # warmup's, a resume's load: the same command with another --dtype
-                    with contextlib.suppress(MemoryError):  # is refused now
-                        # a resume holds run.json as it loads: the KV pools come after the weights (and torch)
-                        error.hint = (lighter_resume_hint(p.budget_source, plan) if plan is not None
-                                      or getattr(error, "ardiff_while", None) == KV_POOLS_PHASE else RESUME_LOAD_HINT)
+                if is_out_of_memory(error) and not isinstance(error, ArdiffError) and not pages_short(error):
+                    phase = getattr(error, "ardiff_while", None)
+                    with contextlib.suppress(MemoryError):
+                        # warmup's, a resume's load: the same command with another --dtype is refused now; a resume
+                        # holds run.json as it loads: the KV pools come after the weights, and they after torch
+                        if run.holds_run() and (plan is not None or phase == KV_POOLS_PHASE):
+                            error.hint = lighter_resume_hint(p.budget_source, plan)
+                        elif run.holds_run() and while_importing(error):  # before any model: free memory alone
+                            error.hint = import_hint("continue with --resume")
+                        elif run.holds_run():
+                            error.hint = RESUME_LOAD_HINT
+                        elif phase == WEIGHTS_PHASE:  # a new run's, before its KV pools: the model's dtype or size
+                            error.hint = weights_run_hint(p.cfg.runtime.dtype)
                 if error is exc:
                     raise
                 raise error from exc  # --verbose shows what the stop cut short
