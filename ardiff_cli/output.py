@@ -205,9 +205,10 @@ class Output:
     # -- human stream (stderr) ----------------------------------------------------------------------------
 
     def info(self, message: str) -> None:
-        """Progress and logs (stderr); silenced by --quiet."""
+        """Progress and logs (stderr), one line each (``one_line``: the paths they quote are the user's); silenced by
+        --quiet."""
         if not self.quiet:
-            self._print_err("", message)
+            self._print_err("", one_line(message))
 
     def debug(self, message: str) -> None:
         if self.verbose:

@@ -98,11 +98,11 @@ def test_control_characters_in_messages_are_shown_not_sent_to_the_terminal(fmt):
     out, _, stderr = sink(fmt)
     out.error("data/ev\x1b[31mil\x07/step_000001.safetensors: bad", None)
     out.warning("tab\tand\nnewline")  # one line a record: a newline in a quoted path made a line of its own
-    out.info("info\nkeeps its lines")  # as a traceback does
+    out.info("writing runs/a\nhint: x")  # a progress line quotes the user's paths too: `--out $'a\nhint: x'`
     text = stderr.getvalue()
     assert "data/ev\\x1b[31mil\\x07/step_000001.safetensors" in text
     assert "\x07" not in text and ("\x1b" not in text if fmt is Format.plain else True)
-    assert "and\\x0anewline" in text and "info\nkeeps its lines" in text  # (Rich expands the tab)
+    assert "and\\x0anewline" in text and "writing runs/a\\x0ahint: x" in text  # (Rich expands the tab)
     if fmt is Format.plain:
         assert "tab\tand" in text
     out.warning("del\x7f csi\x9b2J")  # DEL, and C1's one-byte CSI, which some terminals obey as ESC [ does

@@ -3704,7 +3704,8 @@ def test_a_followed_episode_that_never_got_a_step_fails_and_the_summary_lists_on
 
 def test_the_summarys_outputs_line_is_one_line_whatever_the_folder_holds(env, data, tmp_path):
     """`outputs: DIR` printed DIR as it is: a folder holding a newline wrote two lines, the first a folder that is not
-    the run's, for a script reading `^outputs:`. Its control characters are shown as those of `Error:` lines are."""
+    the run's, for a script reading `^outputs:`. Its control characters are shown as those of `Error:` lines are, and
+    so in the `writing DIR` line on stderr (`--out $'o\nhint: x'` printed a line `hint: x: 3 episodes, ...`)."""
     run = tmp_path / "a\nb\x1b[31m"
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup",
                   "--format", "plain")
@@ -3712,6 +3713,8 @@ def test_the_summarys_outputs_line_is_one_line_whatever_the_folder_holds(env, da
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("outputs:")]
     assert line == f"outputs: {tmp_path}/a\\x0ab\\x1b[31m (results.jsonl, summary.json, episodes/)", proc.stdout
     assert proc.stdout.endswith(f"{line}\n") and "\x1b" not in proc.stdout, proc.stdout
+    assert f"writing {tmp_path}/a\\x0ab\\x1b[31m: 2 episodes, order round-robin" in proc.stderr.splitlines(), (
+        proc.stderr)
     assert json.loads((run / "summary.json").read_text())["out"] == str(run)  # the JSON keeps it as it is
 
 
