@@ -205,10 +205,10 @@ class Output:
     # -- human stream (stderr) ----------------------------------------------------------------------------
 
     def info(self, message: str) -> None:
-        """Progress and logs (stderr), one line each (``one_line``: the paths they quote are the user's); silenced by
-        --quiet."""
+        """Progress and logs (stderr), one line each (``one_line``: the paths they quote are the user's; in a
+        terminal not broken at its width, as an ``Error:`` line); silenced by --quiet."""
         if not self.quiet:
-            self._print_err("", one_line(message))
+            self._print_err("", one_line(message), soft_wrap=True)
 
     def debug(self, message: str) -> None:
         if self.verbose:

@@ -601,8 +601,11 @@ def test_a_tilde_after_dot_slash_is_the_folder_named_tilde_in_the_working_folder
         assert len(records(tmp_path / out)) == 3 and not list(home.iterdir())
         # the line a hint says to give --out from ("a run prints it as 'outputs: DIR'"): `~/x` copied was HOME/x
         assert f"\noutputs: {out} (results.jsonl" in proc.stdout, proc.stdout
+        # and the progress line, as the outputs line names it (it said `writing ~/x`: the home folder's x)
+        assert f"writing {out}: 1 episode," in proc.stderr, proc.stderr
     proc = ardiff(env, *args, "--out", "./~/x", cwd=tmp_path)
     assert proc.returncode == 2 and "--resume --out './~/x';" in proc.stderr
+    assert "Error: ./~/x already holds a run\n" in proc.stderr, proc.stderr  # it said `~/x already holds a run`
     proc = ardiff(env, *args, "--out", "~/x", cwd=tmp_path)  # no shell: the home folder, as before
     assert proc.returncode == 0, proc.stderr
     assert len(records(home / "x")) == 3

@@ -374,3 +374,5 @@ def test_the_summarys_outputs_line_wider_than_the_terminal_is_one_line_to_copy(t
     assert code == 0, text
     line = next(line for line in text.split("\r\n") if line.startswith("outputs: "))
     assert line == f"outputs: {run} (results.jsonl, summary.json, episodes/)", text
+    # and so the progress line that names it (Rich broke it after `writing`, the folder on a line of its own)
+    assert f"writing {run}: 1 episode, order round-robin\r\n" in text, text

@@ -248,6 +248,11 @@ def test_step_metadata_numbers_are_written_as_text_and_a_folder_is_a_folder(tmp_
     # "./~" is the folder named ~ in the working folder, as `ardiff rollout ./~/ep` reads it (it was the home folder)
     assert str(write_step("./~/ep", 0, arrays(0))) == "~/ep/step_000000.safetensors"
     assert str(end_episode("./~/ep")) == "~/ep/END" and (tmp_path / "~" / "ep" / "END").is_file()
+    # and so for a whole episode: its steps and END went to the home folder's ep, its episode.yaml to ./~/ep
+    assert [str(path) for path in write_episode("./~/whole", [arrays(0)], prompt="p")] == [
+        "~/whole/step_000000.safetensors"]
+    assert sorted(os.listdir(tmp_path / "~" / "whole")) == ["END", "episode.yaml", "step_000000.safetensors"]
+    assert not (tmp_path / "home" / "whole").exists()
 
 
 def test_write_step_accepts_torch_tensors(tmp_path):

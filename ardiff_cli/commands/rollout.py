@@ -269,7 +269,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
             with contextlib.suppress(ArdiffError, OSError):
                 pipeline_option = RunFolder(out).read_info().get("pipeline_option")
             pipeline_option = pipeline_option if isinstance(pipeline_option, str) else None
-            raise ConfigError(f"{out} already holds a run",
+            raise ConfigError(f"{as_typed(out)} already holds a run",
                               hint=f"continue it with: {resume_command(out, pipeline_option)}; or choose another "
                                    "--out")
     try:
@@ -916,8 +916,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                              preview=preview, watch=tuple(p.watch), budget_source=p.budget_source,
                              pipeline=p.info.get("pipeline_option"))
     skipped = sum(len(s) for s in p.done.values())
-    output.info(f"{'resuming' if resume else 'writing'} {p.out_dir}: {plural(len(p.episodes), 'episode')}, order "
-                f"{order}" + (f", {plural(skipped, 'step')} already done" if resume else ""))
+    output.info(f"{'resuming' if resume else 'writing'} {as_typed(p.out_dir)}: {plural(len(p.episodes), 'episode')}, "
+                f"order {order}" + (f", {plural(skipped, 'step')} already done" if resume else ""))
     started = time.monotonic()
     swap_dir = p.out_dir / SWAP_DIR
     # what a stopped run left for this resume; why not, once, when its index is ignored

@@ -33,7 +33,7 @@ from ardiff_cli.io import episode
 from ardiff_cli.io.episode import (END_MARKER, MAX_METADATA_BYTES, METADATA_FILE, read_episode_yaml,
                                    safetensors_header)
 from ardiff_cli.runtime.capacity import as_int, format_bytes
-from ardiff_cli.runtime.errors import shown
+from ardiff_cli.runtime.errors import as_typed, shown
 from ardiff_cli.runtime.observation import lone_surrogate
 from ardiff_cli.runtime.outputs import storable
 
@@ -290,9 +290,11 @@ def write_episode(folder: str | os.PathLike, steps: Sequence[Mapping[str, Any]],
     folder.mkdir(parents=True, exist_ok=True)
     if text is not None:
         atomic_write_text(folder / METADATA_FILE, text)
-    paths = [write_step(folder, first + i, arrays, format=format) for i, arrays in enumerate(steps)]
+    # the folder as text that names it again (./~ stays the folder named ~: as a Path, ~/ep was the home folder's)
+    typed = as_typed(folder)
+    paths = [write_step(typed, first + i, arrays, format=format) for i, arrays in enumerate(steps)]
     if end:
-        end_episode(folder)
+        end_episode(typed)
     return paths
 
 
