@@ -137,7 +137,7 @@ def test_quiet_keeps_data_and_errors_only():
 
 def test_quiet_holds_what_code_prints_for_an_error_and_only_its_last_64_kib():
     """Under --quiet what a pipeline prints (through ``chatter_to_stderr``) waits for an error; a run that prints on
-    and on (`--follow` for days) keeps its last 64 KiB (README), the end of one long write included."""
+    and on (`--follow` for days) keeps its last 64 Ki characters (README), the end of one long write included."""
     kept = 64 * 1024
     out, stdout, stderr = sink(Format.plain, quiet=True)
     with out.chatter_to_stderr():
