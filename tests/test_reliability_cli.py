@@ -678,8 +678,7 @@ def test_a_signal_caught_inside_a_warmup_request_stops_warmup(env, data, action)
     # the rollout's "--resume", an option warmup does not take
     faults = [{"request": "warmup-0", "site": "block", "layer": 0, "action": action}]
     proc = ardiff(env, "warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, "--format", "json", faults=faults)
-    assert proc.returncode == 143, proc.stderr
-    error = json.loads(proc.stdout.splitlines()[-1])
+    error = json_error(proc, 143)
     assert error["kind"] == "interrupted" and error["message"] == "interrupted by SIGTERM", error
     assert error["hint"] == "warmup keeps nothing: run the same command again", error
 
@@ -1156,8 +1155,7 @@ def test_the_hosts_allocator_running_out_is_out_of_memory_in_a_step_and_in_warmu
     assert "bug in ardiff" not in proc.stderr
     faults = [{"request": "warmup-0", "site": "block", "layer": 0, "action": "oom"}]
     proc = ardiff(env, "warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, "--format", "json", faults=faults)
-    assert proc.returncode == 3, proc.stderr
-    error = json.loads(proc.stdout.splitlines()[-1])
+    error = json_error(proc, 3)
     assert error["kind"] == "out_of_memory" and "DefaultCPUAllocator" in error["message"]
     faults = [{"request": "warmup-0", "site": "block", "layer": 0, "action": "memory_error"}]
     proc = ardiff(env, "warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, "--format", "json", faults=faults)
@@ -1169,6 +1167,12 @@ def test_the_hosts_allocator_running_out_is_out_of_memory_in_a_step_and_in_warmu
 
 # the hint of memory running out as torch or a pipeline's module imports: before any model or KV pool
 IMPORT_HINT = "free some memory (another process using it?) and run again: it ran out before the model began to load"
+def json_error(proc: subprocess.CompletedProcess, code: int) -> dict:
+    """The last JSON object a `--format json` command printed (its error), once it exited with ``code``."""
+    assert proc.returncode == code, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 STEP_OOM = [{"request": "arm_b/000001", "site": "block", "layer": 0, "action": "memory_error"}]  # arm_b step 1
 
 
@@ -1183,8 +1187,7 @@ def step_out_of_memory(env, data, config: Path, out: Path, *extra: str) -> dict:
     """The JSON error of a --fail-fast rollout of CONFIG whose arm_b step 1 runs out of host memory (exit 3)."""
     proc = ardiff(env, "rollout", str(config), str(data / "eps"), "--out", str(out), "--pipeline", PIPELINE,
                   "--no-warmup", "--fail-fast", "--format", "json", *extra, faults=STEP_OOM)
-    assert proc.returncode == 3, proc.stderr
-    error = json.loads(proc.stdout.splitlines()[-1])
+    error = json_error(proc, 3)
     assert error["kind"] == "step_failed" and error["message"] == (
         "episode 'arm_b' failed at step 1 in the model's forward: out of host memory: MemoryError"), error
     return error
@@ -1338,8 +1341,7 @@ def test_memory_running_out_in_the_warmup_command_hints_only_at_changes_that_can
 
     def hint(config: Path, *extra: str) -> str:
         proc = ardiff(env, "warmup", str(config), "--pipeline", PIPELINE, "--format", "json", *extra, faults=faults)
-        assert proc.returncode == 3, proc.stderr
-        error = json.loads(proc.stdout.splitlines()[-1])
+        error = json_error(proc, 3)
         assert (error["kind"], error["message"]) == (
             "out_of_memory", "out of host memory while running the warmup requests: MemoryError"), error
         assert "--resume" not in error["hint"], error
@@ -1369,8 +1371,7 @@ def test_memory_running_out_as_the_warmup_command_loads_the_weights_hints_at_the
 
     def hint(config: Path, *extra: str) -> str:
         proc = ardiff(env, "warmup", str(config), "--pipeline", PIPELINE, "--format", "json", *extra, faults=faults)
-        assert proc.returncode == 3, proc.stderr
-        error = json.loads(proc.stdout.splitlines()[-1])
+        error = json_error(proc, 3)
         assert (error["kind"], error["message"]) == ("out_of_memory", "out of host memory while loading the model's "
                                                      "weights (from_config()): MemoryError"), error
         return error["hint"]
@@ -1413,8 +1414,7 @@ def test_a_resume_without_a_budget_whose_session_no_longer_fits_the_free_memory_
     assert json.loads((run / "run.json").read_text())["memory_budget"] is None
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--format", "json",
                   faults=[{"site": "free_memory", "bytes": 1 << 10}])
-    assert proc.returncode == 3, proc.stderr
-    error = json.loads(proc.stdout.splitlines()[-1])
+    error = json_error(proc, 3)
     assert error["kind"] == "capacity_error" and error["message"].startswith("one session needs "), error
     assert "use a smaller" not in error["hint"] and "window" not in error["hint"], error["hint"]
     assert "continue with --resume" in error["hint"], error["hint"]  # a dtype only for a new run:
@@ -1436,8 +1436,7 @@ def test_an_address_space_limit_too_small_for_torch_is_out_of_memory_naming_the_
     small = 256 << 20  # Python, Typer and Rich start in it; torch's library alone is larger
     for args in (["warmup", str(data / "fast.yaml")], rollout_args(data, tmp_path / "run")):
         proc = limited(small, *args[:-2] if args[0] == "rollout" else args, "--format", "json")
-        assert proc.returncode == 3, proc.stderr
-        error = json.loads(proc.stdout.splitlines()[-1])
+        error = json_error(proc, 3)
         assert error["kind"] == "out_of_memory", error
         assert re.fullmatch(r"cannot load a library: \S+\.so\S*: failed to map segment from shared object",
                             error["message"]), error
@@ -1487,8 +1486,7 @@ def test_memory_running_out_as_torch_imports_or_the_weights_load_names_which_in_
     rollout = ["rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "run"), "--no-warmup"]
     for command in (["warmup", str(data / "fast.yaml")], rollout):  # DreamZero: --pipeline's module imports torch
         proc = ardiff(env, *command, "--format", "json", path=no_memory)
-        assert proc.returncode == 3, proc.stderr
-        error = json.loads(proc.stdout.splitlines()[-1])
+        error = json_error(proc, 3)
         assert (error["kind"], error["message"]) == ("out_of_memory", "out of host memory while importing torch: "
                                                      "MemoryError"), (command[0], error)
         assert error["hint"] == IMPORT_HINT, (command[0], error)  # no model or KV pool yet: free memory alone helps
@@ -1496,8 +1494,7 @@ def test_memory_running_out_as_torch_imports_or_the_weights_load_names_which_in_
     faults = [{"site": "load", "action": "memory_error"}]
     for command in (["warmup", str(data / "fast.yaml")], rollout):
         proc = ardiff(env, *command, "--pipeline", PIPELINE, "--format", "json", faults=faults)
-        assert proc.returncode == 3, proc.stderr
-        error = json.loads(proc.stdout.splitlines()[-1])
+        error = json_error(proc, 3)
         assert error["message"] == ("out of host memory while loading the model's weights (from_config()): "
                                     "MemoryError"), error
         assert error["kind"] == "out_of_memory" and error["exit_code"] == 3, error
@@ -1514,8 +1511,7 @@ def test_memory_running_out_as_a_new_run_loads_the_weights_hints_at_the_model_no
                                   (("--dtype", "bf16"), "bfloat16", "a smaller model")):
         proc = ardiff(env, *rollout_args(data, run, *extra, "--format", "json"),
                       faults=[{"site": "load", "action": "memory_error"}])
-        assert proc.returncode == 3, proc.stderr
-        error = json.loads(proc.stdout.splitlines()[-1])
+        error = json_error(proc, 3)
         assert error["message"] == ("out of host memory while loading the model's weights (from_config()): "
                                     "MemoryError"), error
         assert error["hint"] == (f"the model, in {dtype}, needs more memory than is free now (its KV pools come "
@@ -1536,8 +1532,7 @@ def test_memory_running_out_as_a_pipeline_class_module_imports_names_the_import(
     for command in (["warmup", str(data / "fast.yaml")], ["inspect-capacity", str(data / "fast.yaml")],
                     ["rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup"]):
         proc = ardiff(env, *command, "--pipeline", "hungry_lab:MyPipeline", "--format", "json", path=modules)
-        assert proc.returncode == 3, proc.stderr
-        error = json.loads(proc.stdout.splitlines()[-1])
+        error = json_error(proc, 3)
         assert (error["kind"], error["message"]) == ("out_of_memory", "out of host memory while importing pipeline "
                                                      "module 'hungry_lab': MemoryError"), (command[0], error)
         assert error["hint"] == IMPORT_HINT, (command[0], error)  # no model or KV pool yet: free memory alone helps
@@ -1557,8 +1552,7 @@ def test_memory_running_out_as_a_resume_imports_torch_hints_at_free_memory_alone
     (no_memory / "torch").mkdir(parents=True)
     (no_memory / "torch" / "__init__.py").write_text("raise MemoryError()\n")
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--format", "json", path=no_memory)
-    assert proc.returncode == 3, proc.stderr
-    error = json.loads(proc.stdout.splitlines()[-1])
+    error = json_error(proc, 3)
     assert error["message"] == "out of host memory while importing torch: MemoryError", error
     assert error["hint"] == IMPORT_HINT.replace("run again", "continue with --resume"), error
 
@@ -1612,8 +1606,7 @@ def test_a_run_file_the_system_refuses_to_write_stops_the_run_with_exit_1_naming
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, capture_output=True, text=True,
                           env=env, timeout=600,
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
-    assert proc.returncode == 1, proc.stderr
-    error = json.loads(proc.stdout.splitlines()[-1])
+    error = json_error(proc, 1)
     verb = "append to" if target == "results.jsonl" else "write"
     assert (error["kind"], error["exit_code"]) == ("output_error", 1), error
     assert error["message"].startswith(f"cannot {verb} {run / target}: "), error
@@ -1654,8 +1647,7 @@ def test_the_open_files_limit_reached_while_the_model_loads_is_named_as_the_limi
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, capture_output=True, text=True,
                           env=env, timeout=600,
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
-    assert proc.returncode == 1, proc.stderr
-    error = json.loads(proc.stdout.splitlines()[-1])
+    error = json_error(proc, 1)
     assert error["kind"] == "too_many_open_files" and "Too many open files" in error["message"], error
     assert error["hint"].startswith(f"this process reached its limit on open files (now ulimit -n {limit})"), error
     assert "from_config() failed" not in proc.stderr and "report" not in proc.stderr and "Traceback" not in proc.stderr
@@ -1674,8 +1666,7 @@ def test_the_open_files_limit_reached_by_a_resume_says_to_continue_with_resume(e
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, capture_output=True, text=True,
                           env=env, timeout=600,
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
-    assert proc.returncode == 1, proc.stderr
-    error = json.loads(proc.stdout.splitlines()[-1])
+    error = json_error(proc, 1)
     assert error["kind"] == "too_many_open_files", error
     assert error["hint"] == (f"this process reached its limit on open files (now ulimit -n {limit}), or the system "
                              "its own: raise it (ulimit -n 1024, say) and continue with --resume"), error
@@ -1693,8 +1684,7 @@ def test_a_step_that_reaches_the_open_files_limit_is_named_as_the_limit_not_the_
     assert "fix the pipeline" not in proc.stderr
     proc = ardiff(env, *rollout_args(data, tmp_path / "stopped")[:-2], "--format", "json", "--fail-fast",
                   faults=faults)
-    assert proc.returncode == 1, proc.stderr
-    error = json.loads(proc.stdout.splitlines()[-1])
+    error = json_error(proc, 1)
     assert error["kind"] == "too_many_open_files" and error["exit_code"] == 1, error
     assert error["hint"].startswith("this process reached its limit on open files"), error
     assert error["hint"].endswith("continue with --resume"), error
@@ -1717,8 +1707,7 @@ def test_the_open_files_limit_that_stops_a_run_keeps_its_error_when_summary_json
     done = tmp_path / "done"
     proc = ardiff(env, *rollout_args(data, done)[:-2], "--format", "json", "--order", "sequential",
                   faults=at_close_of("arm_d"))
-    assert proc.returncode == 1, proc.stderr
-    error = json.loads(proc.stdout.splitlines()[-1])
+    error = json_error(proc, 1)
     assert error["kind"] == "too_many_open_files", error
     assert error["hint"].endswith("(ulimit -n 1024, say) and continue with --resume"), error
     assert not (done / "summary.json").exists()
