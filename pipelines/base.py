@@ -27,7 +27,8 @@ from ardiff_cli.runtime.errors import CheckpointError, ObservationError
 from ardiff_cli.runtime.observation import ObservationSchema, validate_observation
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from pipelines.checkpoint import (build_config_on_meta, check_weight_fields, default_checkpoint,
-                                  default_checkpoint_hint, fresh_modules, load_checkpoint, read_metadata)
+                                  default_checkpoint_hint, fresh_modules, load_checkpoint, read_metadata,
+                                  refuse_non_finite)
 from pipelines.rollout import PagedRollout
 
 MODEL_KEY = "__model__"  # the exported session's model_identity(), beside its record's fields
@@ -126,11 +127,12 @@ class ARPipeline(abc.ABC):
                 check_weight_fields(cls.name, config, _metadata_or_empty(path), path)
                 raise
             check_weight_fields(cls.name, config, metadata, path)
+            modules = modules.to(device=device, dtype=dtype).eval().requires_grad_(False)
+            refuse_non_finite(modules, path, dtype)
         except CheckpointError as exc:
             if checkpoint is None:  # ardiff's own cached file, damaged (a disk error, an edit): it is only a cache
                 exc.hint = default_checkpoint_hint(path)
             raise
-        modules = modules.to(device=device, dtype=dtype).eval().requires_grad_(False)
         pipeline = cls(config, modules, device=torch.device(device), dtype=dtype, checkpoint=path)
         # The file as loaded: one deleted or moved later (a training job rotating its checkpoints) failed every
         # swap-out of the run, first made after the model loaded

@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from ardiff_cli.io.atomic import FILE_MODE, parse_json, remove_temporaries
 from ardiff_cli.io.demo import CACHE_ENV, cache_dir, cache_write_error
 from ardiff_cli.io.writer import sort_metadata_in_file
-from ardiff_cli.runtime.errors import CheckpointError, ConfigError, os_error, plural
+from ardiff_cli.runtime.errors import CheckpointError, ConfigError, os_error, plural, too_many_open_files
 from pipelines.wan import remap_checkpoint_key
 
 # bump when parameter names or meanings change, or what a file records: cached defaults are then rebuilt (2: the
@@ -245,6 +245,73 @@ def _read_tensors(path: Path, device: torch.device | str) -> dict[str, torch.Ten
         return {key: value.clone() for key, value in load_file(str(path), device="cpu").items()}
 
 
+_CONVERT_HINT = ("ardiff reads weights from .safetensors files only, and pickled checkpoints are never loaded: "
+                 "convert it where you trust it, with safetensors.torch.save_file(torch.load(FILE), OUT.safetensors)")
+_RECOPY_HINT = "copy or download it again (a copy cut short, or a disk that filled up?)"
+_PATH_HINT = "give the path of the .safetensors file of the model's weights"
+
+
+def _unreadable(path: Path, exc: Exception) -> CheckpointError:
+    """Why safetensors refused the checkpoint ``path``, in words: what the file is instead (a torch.save file, a
+    pickle, a Git LFS pointer, text), empty, cut short (the size its header declares against the file's), or a header
+    safetensors refuses. safetensors' own words ("header too large" for a torch.save file, "incomplete metadata, file
+    not fully covered" for a copy cut short) named neither what the file was nor what to do."""
+    from ardiff_cli.io.episode import (_MAX_HEADER_BYTES, _SIGNATURES, _TORCH_SAVE, _declared_safetensors_size,
+                                       _is_torch_save)
+
+    def error(what: str, hint: str) -> CheckpointError:
+        return CheckpointError(f"cannot read checkpoint {path}: {what}", hint=hint)
+
+    plain = error(str(exc), "is it a .safetensors file? pickled checkpoints are never loaded")
+    if too_many_open_files(exc):
+        return plain
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(4096)
+            f.seek(0)
+            try:
+                declared = _declared_safetensors_size(f, size)[0]
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+                declared = None  # not a header that parses
+    except OSError:
+        return plain
+    if size == 0:
+        return error("the file is empty (0 bytes), not safetensors", _RECOPY_HINT)
+    if _is_torch_save(head):
+        return error(f"it is {_TORCH_SAVE}, not safetensors", _CONVERT_HINT)
+    if head.startswith(b"version https://git-lfs"):
+        return error(f"it is a Git LFS pointer ({plural(size, 'byte')}), not the weights",
+                     "fetch the file itself: git lfs pull, in the repository it came from")
+    for signature, what, _ in _SIGNATURES:  # a header length whose bytes begin so is told apart as episode.py does
+        if head.startswith(signature) and head[8:9] != b"{" and head[2:3] != b"\0":
+            pickled = signature in (b"PK\x03\x04", b"\x80")  # what torch.save, pickle.dump write
+            return error(f"it is {what.removesuffix(' (an .npz?)')}, not safetensors",
+                         _CONVERT_HINT if pickled else _PATH_HINT)
+    length = int.from_bytes(head[:8], "little")
+    if size < 8:
+        return error(f"truncated: {plural(size, 'byte')}, fewer than the 8 of a safetensors header's length",
+                     _RECOPY_HINT)
+    if declared is not None and declared > size:
+        return error(f"truncated: its header declares {declared} bytes, the file has {size}", _RECOPY_HINT)
+    if declared is None and head[8:9] == b"{" and length > _MAX_HEADER_BYTES:
+        return error(f"its header's length is damaged: it says {length} bytes, more than the {_MAX_HEADER_BYTES} "
+                     f"safetensors reads (the file has {size})", _RECOPY_HINT)
+    if declared is None and head[8:9] == b"{" and 8 + length > size:
+        return error(f"truncated or damaged inside its header: the header alone should take {8 + length} bytes, the "
+                     f"file has {size}", _RECOPY_HINT)
+    if declared is None and all(32 <= b < 127 or b in b"\t\r\n" for b in head[:64]):
+        return error(f"it is a text file (it begins {head[:40].decode('ascii')!r}), not safetensors", _PATH_HINT)
+    if declared is not None and declared < size:
+        return error(f"it has {size} bytes, {size - declared} more than its header declares ({declared}); safetensors "
+                     "refuses data after the last tensor", _RECOPY_HINT)
+    if declared is None:
+        return error(f"it is not a safetensors file: its first 8 bytes give a header length of {length} bytes, "
+                     f"and the file has {size} ({exc})", _CONVERT_HINT)
+    return error(f"its header is damaged: {exc}",
+                 "write it again with safetensors.torch.save_file, or copy it again from where it came from")
+
+
 def load_checkpoint(module: nn.Module, path: str | Path, device: torch.device | str = "cpu") -> dict[str, str]:
     """Load ``path`` into ``module`` strictly; returns the file's metadata.
 
@@ -263,8 +330,7 @@ def load_checkpoint(module: nn.Module, path: str | Path, device: torch.device | 
     try:
         raw = _read_tensors(path, device)
     except (OSError, SafetensorError) as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc}",
-                              hint="is it a .safetensors file? pickled checkpoints are never loaded") from None
+        raise _unreadable(path, exc) from None
     tensors: dict[str, torch.Tensor] = {}
     duplicates = []
     for key, value in raw.items():
@@ -312,6 +378,38 @@ def load_checkpoint(module: nn.Module, path: str | Path, device: torch.device | 
         )
     module.load_state_dict(tensors, strict=True, assign=True)
     return read_metadata(path)
+
+
+def refuse_non_finite(module: nn.Module, path: str | Path, dtype: torch.dtype) -> None:
+    """Refuse weights that hold NaN or inf once cast to the model's ``dtype``: every output of such a model is NaN,
+    so a rollout failed at its warmup (exit 1, blamed on the sampling settings) with ``run.json`` written, and the
+    fixed checkpoint was then refused by the same command (a run is there) and by ``--resume`` (the file changed).
+    A float32 value past 65504 becomes inf in float16: that is named too."""
+    state = module.state_dict()
+    # A sum is finite unless a value is not, or the values overflow it (then each is looked at): ``isfinite`` alone
+    # reads 0.2 GiB/s on one CPU thread (a 5 GB model took 30 s more to load), a sum 6 to 20 GiB/s
+    bad = [name for name, tensor in state.items()
+           if tensor.is_floating_point() and not bool(torch.isfinite(tensor.sum()))
+           and not bool(torch.isfinite(tensor).all())]
+    if not bad:
+        return
+    details = []
+    for name in bad:
+        tensor = state[name]
+        nan, inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
+        what = " and ".join(f"{count} {kind}" for count, kind in ((nan, "NaN"), (inf, "inf")) if count)
+        details.append(f"{name}: {what} of {tensor.numel()} values")
+    more = f" and {len(bad) - MISMATCHES_SHOWN} more" if len(bad) > MISMATCHES_SHOWN else ""
+    in_dtype = str(dtype).removeprefix("torch.")
+    hint = "use a checkpoint of finite weights (a training run that diverged saves NaN)"
+    if dtype == torch.float16:
+        hint = ("in float16 a weight past 65504 is inf: runtime.dtype (--dtype) bfloat16 keeps float32's range at the "
+                "same size; or " + hint)
+    raise CheckpointError(
+        f"checkpoint {path} holds weights that are not finite in {in_dtype}: {plural(len(bad), 'tensor')}: "
+        + ", ".join(details[:MISMATCHES_SHOWN]) + more + (" (--verbose lists them all)" if more else ""),
+        hint=hint, details=[f"not finite: {line}" for line in details],
+    )
 
 
 def check_weight_fields(pipeline_name: str, config, metadata: dict[str, str], path: str | Path) -> None:

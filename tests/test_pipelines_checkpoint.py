@@ -566,3 +566,149 @@ def test_a_field_whose_trial_the_config_refuses_is_not_said_too_large_alone():
     assert str(raised.value).startswith(f"the causal_world model is too large for torch: 'model.dim' ({2**62}) makes "
                                         "a weight of shape"), raised.value
     assert raised.value.hint == "lower 'model.dim'"
+
+
+def _good_checkpoint(tmp_path: Path) -> tuple[Path, bytes]:
+    path = write_fresh_checkpoint(causal_world.pipeline_class(), tiny(causal_world), tmp_path / "good.safetensors")
+    return path, path.read_bytes()
+
+
+def _header_length(data: bytes) -> int:
+    return int.from_bytes(data[:8], "little")
+
+
+# name -> (the file's bytes made from a good checkpoint's, what the error says after "cannot read checkpoint PATH: ",
+# what its hint says). safetensors' own words named neither what the file was nor what to do: "header too large" for
+# a torch.save file, a text file or a Git LFS pointer, "incomplete metadata, file not fully covered" for a copy cut
+# short, each with the hint "is it a .safetensors file?".
+UNREADABLE = {
+    "empty": (lambda good: b"", r"the file is empty \(0 bytes\), not safetensors", "copy or download it again"),
+    "cut_in_length": (lambda good: good[:5], "truncated: 5 bytes, fewer than the 8 of a safetensors header's length",
+                      "copy or download it again"),
+    "cut_in_header": (lambda good: good[:100], r"truncated or damaged inside its header: the header alone should "
+                      r"take \d+ bytes, the file has 100", "copy or download it again"),
+    "cut_in_data": (lambda good: good[:-1], r"truncated: its header declares (\d+) bytes, the file has (\d+)$",
+                    "copy or download it again"),
+    "bytes_after_the_data": (lambda good: good + b"junk", r"it has \d+ bytes, 4 more than its header declares",
+                             "copy or download it again"),
+    "huge_header_length": (lambda good: (2**62).to_bytes(8, "little") + good[8:],
+                           rf"its header's length is damaged: it says {2**62} bytes, more than the 100000000",
+                           "copy or download it again"),
+    "text": (lambda good: b"weights are on the shared drive\n", r"it is a text file \(it begins 'weights are on the "
+             r"shared drive\\n'\), not safetensors", "give the path of the .safetensors file"),
+    "git_lfs_pointer": (lambda good: b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64
+                        + b"\nsize 650056\n", r"it is a Git LFS pointer \(\d+ bytes\), not the weights",
+                        "git lfs pull"),
+    "pickle": (lambda good: b"\x80\x04not a safetensors file", r"it is a pickle \(torch.save / pickle.dump\), not "
+               "safetensors", "pickled checkpoints are never loaded"),
+    "overlapping_offsets": (None, r"its header is damaged: .*offset", "write it again"),
+}
+
+
+def _overlapping(good: bytes) -> bytes:
+    import json
+
+    header = json.loads(good[8:8 + _header_length(good)])
+    first, second = sorted(k for k in header if k != "__metadata__")[:2]
+    header[second]["data_offsets"] = header[first]["data_offsets"]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + good[8 + _header_length(good):]
+
+
+@pytest.mark.parametrize("case", sorted(UNREADABLE))
+def test_an_unreadable_checkpoint_says_what_the_file_is_and_what_to_do(tmp_path, case):
+    make, says, hint = UNREADABLE[case]
+    _, good = _good_checkpoint(tmp_path)
+    path = tmp_path / f"{case}.safetensors"
+    path.write_bytes(_overlapping(good) if make is None else make(good))
+    with pytest.raises(CheckpointError) as raised:
+        causal_world.pipeline_class().from_config(tiny(causal_world), device="cpu", checkpoint=path)
+    message = str(raised.value)
+    assert message.startswith(f"cannot read checkpoint {path}: "), message
+    assert re.search(says, message.removeprefix(f"cannot read checkpoint {path}: ")), message
+    assert hint in raised.value.hint, raised.value.hint
+    if case == "cut_in_data":
+        assert re.search(rf"declares {len(good)} bytes, the file has {len(good) - 1}$", message), message
+
+
+def test_a_torch_save_checkpoint_is_named_as_one(tmp_path):
+    path = tmp_path / "model.pt"
+    torch.save({"transformer.head.head.weight": torch.zeros(2)}, path)
+    with pytest.raises(CheckpointError, match=r": it is a torch\.save file \(a zip holding a pickle\), not "
+                                              r"safetensors$") as raised:
+        causal_world.pipeline_class().from_config(tiny(causal_world), device="cpu", checkpoint=path)
+    assert "safetensors.torch.save_file" in raised.value.hint
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_as_they_load_naming_the_tensor(tmp_path, value):
+    """Weights holding NaN or inf made every output NaN: a rollout failed at its warmup (exit 1, its hint naming the
+    sampling settings first) with run.json written, so the same command with the fixed file was refused (a run is
+    there) and so was --resume (the checkpoint changed)."""
+    cls = causal_world.pipeline_class()
+    state = fresh_modules(lambda: cls.build_modules(tiny(causal_world)), 0).state_dict()
+    state["transformer.head.head.weight"].view(-1)[3] = value
+    path = tmp_path / "diverged.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    kind = "NaN" if value != value else "inf"
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {re.escape(str(path))} holds weights that are not finite "
+                                              rf"in float32: 1 tensor: transformer\.head\.head\.weight: 1 {kind} of "
+                                              rf"\d+ values$"):
+        cls.from_config(tiny(causal_world), device="cpu", checkpoint=path)
+
+
+def test_a_float32_weight_past_float16s_range_is_refused_in_float16_with_bfloat16_named(tmp_path):
+    cls = causal_world.pipeline_class()
+    state = fresh_modules(lambda: cls.build_modules(tiny(causal_world)), 0).state_dict()
+    state["transformer.head.head.weight"].view(-1)[0] = 1e6
+    path = tmp_path / "wide.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    cls.from_config(tiny(causal_world), device="cpu", checkpoint=path)  # finite in float32
+    with pytest.raises(CheckpointError, match=r"not finite in float16: 1 tensor: transformer\.head\.head\.weight: "
+                                              r"1 inf of") as raised:
+        cls.from_config(tiny(causal_world), device="cpu", dtype=torch.float16, checkpoint=path)
+    assert "bfloat16 keeps float32's range" in raised.value.hint
+
+
+@pytest.mark.parametrize("case", ["cut_in_data", "nan"])
+def test_rollout_of_a_bad_checkpoint_exits_2_with_one_error_line_and_writes_no_run(tmp_path, cli_env, case):
+    """Through the real CLI: one `Error:` line naming the file, a hint, exit 2 and no run in --out (only the
+    .lock a loading run holds), so the same command runs once the file is fixed."""
+    path, good = _good_checkpoint(tmp_path)
+    if case == "nan":
+        state = load_file(str(path))
+        state["transformer.head.head.weight"].view(-1)[0] = float("nan")
+        save_file(state, str(path), metadata=read_metadata(path))
+    else:
+        path.write_bytes(good[:-1])
+    config = tmp_path / "world.yaml"
+    config.write_text("pipeline: causal_world\ncheckpoint: good.safetensors\nmodel: {preset: tiny}\n")
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "ardiff_cli", "rollout", str(config), "--out", str(out), "--format", "plain"]
+    proc = subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
+    assert proc.returncode == 2, proc.stderr
+    assert len(errors) == 1 and str(path) in errors[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert re.search(r"^hint: ", proc.stderr, re.M), proc.stderr
+    assert errors[0].endswith(f"declares {len(good)} bytes, the file has {len(good) - 1}") if case != "nan" \
+        else "holds weights that are not finite in float32" in errors[0], errors[0]
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    plan = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--format", "plain"],
+                          env=cli_env, capture_output=True, text=True, timeout=300)
+    assert plan.returncode == 0 and "Error" not in plan.stderr, plan.stderr  # a plan reads no weights
+    path.write_bytes(good)  # fixed: the same command runs
+    proc = subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_finite_weights_whose_sum_overflows_are_accepted():
+    """The check sums each tensor first and looks at every value only when the sum is not finite: a float16 weight
+    of finite values whose sum passes 65504 is looked at, and accepted."""
+    module = torch.nn.Linear(64, 64).half()
+    torch.nn.init.constant_(module.weight, 60000.0)
+    assert not torch.isfinite(module.weight.sum())
+    checkpoint.refuse_non_finite(module, "m.safetensors", torch.float16)
+    module.weight.data[0, 0] = float("nan")
+    with pytest.raises(CheckpointError, match=r"weight: 1 NaN of 4096 values$"):
+        checkpoint.refuse_non_finite(module, "m.safetensors", torch.float16)
