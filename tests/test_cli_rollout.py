@@ -2025,6 +2025,31 @@ def test_swap_files_the_disk_refuses_are_warnings_then_replays_to_the_same_outpu
     assert not (run / ".swap").exists()  # no partial temporary file left either
 
 
+
+def test_the_default_swap_space_on_a_small_disk_never_fills_it(env, tmp_path):
+    # The demo (snapshots of 100 to 200 KiB, 2 sessions) with OUT/.swap on a 400 KiB disk: the default swap space is
+    # half of it. A restored session's pipeline state kept views of its deleted snapshot file's memory map, which kept
+    # the file's space taken while the session was resident: the disk filled up, and 4 of the 12 snapshots were lost
+    # ("No space left on device"), their episodes replayed.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("this machine does not let tmpfs be mounted")
+    try:
+        run = tmp_path / "run"
+        run.mkdir()
+        (run / ".swap").symlink_to(disk)
+        proc = ardiff(env, "rollout", "--out", str(run), "--format", "plain", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert "No space left" not in proc.stderr and "warning" not in proc.stderr, proc.stderr
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["swap"]["space_bytes"] <= 200 << 10
+        assert (summary["swap"]["swap_failed"], summary["swap"]["restored"]) == (0, 12), summary["swap"]
+        assert summary["steps"]["replayed"] == 0
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
 def test_a_swap_folder_that_cannot_be_written_is_one_warning_per_cause_and_every_failure_is_counted(env, data,
                                                                                                    reference, tmp_path):
     # The swap folder turns into a file during arm_a's step 1 (to root, as good as a read-only folder): arm_b's
@@ -2034,18 +2059,18 @@ def test_a_swap_folder_that_cannot_be_written_is_one_warning_per_cause_and_every
     faults = [{"request": "arm_a/000001", "site": "swap_folder_replaced", "dir": str(run / ".swap")}]
     proc = evicting_faulty_rollout(env, data, run, faults)
     assert proc.returncode == 0, proc.stderr
-    lost = re.findall(r"swap_failed (arm_[ab]) snapshot lost: NotADirectoryError", proc.stderr)
     not_written = re.findall(r"swap_failed (arm_[ab]) not written: FileExistsError", proc.stderr)
-    # arm_b's file, written before the folder went, is lost: a failed write if the runner had not taken the write
-    # in yet (the usual order), else a failed restore
-    assert lost in ([], ["arm_b"]) and len(not_written) >= 2, proc.stderr
+    # arm_b's file, written before the folder went, is a failed restore (a warning of its own); it was a failed
+    # write, "snapshot lost: NotADirectoryError", when the runner had not taken the write in yet (the usual order)
+    assert "snapshot lost" not in proc.stderr and len(not_written) >= 2, proc.stderr
+    assert re.search(r"warning: episode 'arm_b': cannot restore session 'arm_b' from .*/\.swap/[0-9a-f]+\.safetensors: "
+                     r"\w+Error: .*; replaying its earlier steps instead", proc.stderr), proc.stderr
     warnings_ = re.findall(r"warning: cannot swap session '(arm_[ab])' out to .*\((\w+Error)", proc.stderr)
-    first = [("arm_b", "NotADirectoryError")] if lost else []
-    assert warnings_ == [*first, (not_written[0], "FileExistsError")], proc.stderr
+    assert warnings_ == [(not_written[0], "FileExistsError")], proc.stderr
     evicted = re.findall(r"evicted +(arm_[ab]) lru_eviction \(by arm_[ab]\)(, swapped out)?", proc.stderr)
     swap = json.loads((run / "summary.json").read_text())["swap"]
-    assert swap["swap_failed"] == len(lost) + len(not_written) and swap["restore_failed"] == 1 - len(lost)
-    assert swap["swapped_out"] == sum(bool(swapped) for _, swapped in evicted) - len(lost)
+    assert swap["swap_failed"] == len(not_written) and swap["restore_failed"] == 1
+    assert swap["swapped_out"] == sum(bool(swapped) for _, swapped in evicted)
     assert swap["swapped_out"] == swap["restored"] + swap["restore_failed"]
     assert_same_outputs(reference, run)
 

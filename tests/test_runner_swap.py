@@ -416,6 +416,27 @@ def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(t
     engine.close()
 
 
+
+def test_a_snapshot_file_deleted_after_its_write_ended_is_a_failed_restore_before_the_runner_looked_too(tmp_path):
+    # Deleted once its background write had ended but before the runner's next call looked at it, it was taken for
+    # a write that failed: "cannot swap session 'a' out ... its snapshot is lost", a swap_failed event, and no warning
+    # for any later write failing with FileNotFoundError; deleted a moment later, it was a failed restore, as here.
+    engine, events = engine_for("dreamzero-tiny", capacity=1, swap_dir=tmp_path)
+    run(engine, "a", 0)
+    run(engine, "b", 0)  # a swapped out, its file written in the background
+    for thread in threading.enumerate():
+        if thread.name == "ardiff-swap-writer":
+            thread.join(timeout=60)
+    engine.runner.swap.path_for("a").unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ArdiffWarning)
+        with pytest.raises(SwapRestoreError, match=r"cannot restore session 'a' from .*: FileNotFoundError: "):
+            engine.runner.restore_session("a")
+    assert not [e for e in events if e.kind == "swap_failed"]
+    assert engine.runner.pool_usage().num_swapped == 0 and engine.runner.restore_session("a") is False
+    engine.close()
+
+
 @pytest.mark.parametrize("where", ["import", "count"])
 def test_ctrl_c_while_a_session_is_restored_leaves_no_part_of_it_resident(tmp_path, monkeypatch, where):
     # It used to stay resident with its KV restored but no pipeline record (and 0 requests): its next request
@@ -514,6 +535,24 @@ def test_a_swap_write_failure_is_a_warning_and_the_eviction_goes_on(tmp_path):
     assert failed == [("swap_failed", "a", False), ("session_evicted", "a", None), ("swap_failed", "b", False),
                       ("session_evicted", "b", None), ("swap_failed", "a", False), ("session_evicted", "a", None)]
     assert engine.runner.restore_session("a") is False and engine.runner.session_ids == ["b"]
+    engine.close()
+
+
+
+def test_a_swap_dir_linked_to_a_folder_removed_meanwhile_is_named_as_such(tmp_path):
+    # It said "FileExistsError: [Errno 17] File exists: '.../swap'" (mkdir of a link that leads nowhere) for every
+    # eviction after a scratch disk's folder that OUT/.swap links to was removed or unmounted mid-run.
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (tmp_path / "swap").symlink_to(scratch)
+    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path / "swap", swap_space=1 << 30)
+    run(engine, "a", 0)
+    scratch.rmdir()
+    with pytest.warns(ArdiffWarning, match=r"cannot swap session 'a' out to .*swap \(FileNotFoundError: \[Errno 2\] "
+                      r".*swap is a link to .*scratch, which does not exist\); it is evicted without a snapshot"):
+        run(engine, "b", 0)
+    assert [e.error for e in events if e.kind == "swap_failed"] == [
+        f"FileNotFoundError: [Errno 2] {tmp_path / 'swap'} is a link to {scratch}, which does not exist"]
     engine.close()
 
 
@@ -1154,6 +1193,33 @@ def test_a_real_full_disk_turns_the_full_disk_check_on(tmp_path):
         engine.close()
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+
+def mapped_files(folder) -> list[str]:
+    """The files under ``folder`` that this process has memory-mapped (deleted ones too), from /proc/self/maps."""
+    with open("/proc/self/maps") as maps:
+        return sorted({line.split(maxsplit=5)[5].strip() for line in maps
+                       if len(line.split(maxsplit=5)) == 6 and str(folder) in line})
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+def test_a_restored_snapshot_file_gives_its_disk_space_back_once_deleted(tmp_path):
+    # The pipeline kept the tensors of its restored state as they were read: views of the whole snapshot file's
+    # memory map, which kept the deleted file's space taken on the disk as long as the session stayed resident. The
+    # swap folder's disk then held a snapshot per resident session beyond the swap space, and with the default swap
+    # space (half the free disk) a small disk filled up: snapshots were lost to "No space left on device".
+    swap = tmp_path / "swap"
+    engine, events = engine_for("dreamzero-tiny", capacity=1, swap_dir=swap)
+    for step in range(2):
+        for session in "ab":  # each evicts the other; from step 1 on, each is restored from its file
+            run(engine, session, step)
+            engine.runner.swap.flush()
+    assert [e.session_id for e in events if e.kind == "session_restored"] == ["a", "b"]
+    assert engine.pipeline.sessions["b"] is not None  # its restored state, kept by the pipeline
+    assert len(list(swap.iterdir())) == 1  # a's snapshot, swapped out as b was restored; b's file is deleted
+    assert mapped_files(swap) == []  # it was b's deleted file: '.../swap/NAME.safetensors (deleted)'
+    engine.close()
 
 
 def test_a_write_that_fails_before_its_session_is_closed_is_a_swap_failed_event_without_a_warning(tmp_path,

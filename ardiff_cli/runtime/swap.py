@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ardiff_cli.runtime.capacity import as_int, checked_bytes
-from ardiff_cli.runtime.errors import ConfigError, os_error, shown
+from ardiff_cli.runtime.errors import ConfigError, link_to_nothing_on, os_error, shown
 
 if TYPE_CHECKING:  # torch-free at import: the CLI clears a run's swap folder without loading anything
     import torch
@@ -259,9 +259,12 @@ class SwapStore:
                     name.mkdir()
                     staging = name
                     break
-                except (FileNotFoundError, FileExistsError):
+                except (FileNotFoundError, FileExistsError) as exc:
                     # another store's clear() removed the folder, empty then, between its making and the staging
                     # one's (pathlib's exist_ok says FileExistsError when it goes as it looks): make both again
+                    dangling = link_to_nothing_on(self.directory)
+                    if dangling is not None:  # the folder a link led to was removed: mkdir says "File exists"
+                        raise FileNotFoundError(errno.ENOENT, f"{dangling[0]} is {dangling[1]}") from exc
                     if attempt == 2:
                         raise
             writer = threading.Thread(target=self._write_file, args=(snapshot, staging), name="ardiff-swap-writer")
@@ -331,8 +334,8 @@ class SwapStore:
         if error is None:
             try:
                 size = snapshot.path.stat().st_size
-            except OSError as exc:  # deleted under us: as a failed write
-                error = exc
+            except OSError:  # written, then deleted (by hand, its folder removed): read() says so, as it does of
+                size = snapshot.nbytes  # one deleted after this call; it was a failed write, or not, by the timing
         if error is not None:  # no snapshot
             self.discard(session_id)
             self.failures.append((session_id, error))
@@ -585,7 +588,9 @@ def decode_snapshot(tensors: dict[str, torch.Tensor],
         if names != sorted(pipeline["tensors"]):
             raise ValueError(f"the snapshot's pipeline tensors are {names}, its metadata lists "
                              f"{sorted(pipeline['tensors'])}")
-        state = {**pipeline["values"], **{name: tensors[f"pipeline/{name}"] for name in names}}
+        # copies: the pipeline keeps them for the session's life, and a tensor read from a snapshot file is a view of
+        # the whole file's mapping, which kept the deleted file's disk space taken as long as the session lived
+        state = {**pipeline["values"], **{name: tensors[f"pipeline/{name}"].clone() for name in names}}
     stray = [k for k in tensors if not k.startswith(("kv/", "pipeline/"))]
     if stray:
         raise ValueError(f"the snapshot holds tensors it cannot have written: {stray}")
