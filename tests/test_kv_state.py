@@ -786,6 +786,18 @@ def test_too_many_pairs_stops_consuming(make_spec, make_cache):
     assert not state.has_cross_attention("positive", "text")
 
 
+def test_cross_attention_of_another_dtype_is_named_as_self_attention_k_v_is(make_spec, make_cache):
+    """A model computing in float64 whatever dtype from_config was given: its self-attention K/V were told to be
+    "like the KV pool (the dtype and device from_config was given)", its cross-attention pairs only the dtype."""
+    spec = make_spec(num_layers=3, cross_attention=CROSS)
+    state = make_cache(spec).new_state("s")
+    pairs = [(k.double(), v.double()) for k, v in cross_pairs(spec, "text")]
+    with pytest.raises(ValueError, match=r"^cross-attention 'text' of branch 'positive' \(session 's'\): layer 0 k "
+                       r"must be torch.float32 on cpu like the KV pool \(the dtype and device from_config was "
+                       r"given\), got torch.float64 on cpu$"):
+        state.populate_cross_attention("positive", "text", pairs)
+
+
 def test_reset_keeps_named_cross_attention(make_spec, make_cache):
     spec = make_spec(cross_attention=CROSS)
     cache = make_cache(spec)

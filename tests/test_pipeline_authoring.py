@@ -63,6 +63,7 @@ def pipeline_class():
 
 MODEL = '''
 import contextlib
+import dataclasses
 import os
 import time
 import zlib
@@ -311,6 +312,33 @@ class TupleInExport(LabPipeline):
         return {**super().export_ar_diffusion_session(session_id), "grid": (2, 2)}  # JSON gives a list back
 
 
+class WarmupWrongShape(LabPipeline):
+    def ar_diffusion_warmup_requests(self, session_id):  # a state of 4 values, the schema's is (6,)
+        for i in range(2):
+            yield ARDiffusionRequest(f"warm{i}", {"state": np.zeros(4, np.float32), "prompt": "warm"},
+                                     {"session_id": session_id})
+
+
+class WarmupWrongDtype(LabPipeline):
+    def ar_diffusion_warmup_requests(self, session_id):  # integers where the schema says float32: ran silently
+        for i in range(2):
+            yield ARDiffusionRequest(f"warm{i}", {"state": np.zeros(6, np.int64), "prompt": "warm"},
+                                     {"session_id": session_id})
+
+
+class WarmupNoPrompt(LabPipeline):
+    def ar_diffusion_warmup_requests(self, session_id):
+        yield ARDiffusionRequest("warm0", {"state": np.zeros(6, np.float32), "seed": 3}, {"session_id": session_id})
+
+    def forward(self, request):
+        return super().forward(dataclasses.replace(request, inputs={**request.inputs, "prompt": ""}))
+
+
+class OutputOnMeta(LabPipeline):
+    def forward(self, request):  # an output left on the meta device: no values to write
+        return {**super().forward(request), "actions": torch.zeros(2, 4, device="meta")}
+
+
 class SlowWarmup(LabPipeline):
     def ar_diffusion_warmup_requests(self, session_id):
         for i in range(40):
@@ -341,6 +369,8 @@ def lab(cli_env, tmp_path_factory):
     for name in ("lab_world", "lab_world_class"):
         (root / f"{name}.yaml").write_text(f"pipeline: {name}\nmodel: {{}}\n"
                                            "runtime: {device: cpu, num_threads: 1, session_capacity: 1}\n")
+    (root / "lab_syntax.py").write_text("class LabPipeline(:\n    pass\n")  # modules whose import raises
+    (root / "lab_needs.py").write_text("import lab_missing_dependency_xyz\n\n\nclass LabPipeline:\n    pass\n")
     (root / "unnamed.yaml").write_text("model: {}\nruntime: {device: cpu, num_threads: 1}\n")  # for --pipeline
     (root / "owned.yaml").write_text("model: {model_owned_bytes: 1024}\nruntime: {device: cpu, num_threads: 1}\n")
     rng = np.random.default_rng(0)
@@ -623,3 +653,67 @@ def test_the_built_in_pipelines_never_keep_more_than_they_declare(cli_env, tmp_p
                           cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "swapped out" in proc.stdout + proc.stderr, proc.stderr
     assert "warning" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(("name", "problem"), [
+    ("WarmupWrongShape", "'state' has shape (4,), expected (6,)"),
+    ("WarmupWrongDtype", "'state' has dtype int64, expected a floating dtype (float32)"),  # it passed silently
+    ("WarmupNoPrompt", "missing prompt 'prompt'"),  # the seed beside it, no schema field, is left alone
+])
+def test_warmup_requests_whose_inputs_the_schema_refuses_are_the_pipelines_error(lab, name, problem):
+    """A warmup request unlike any step rollout hands the forward warmed up another path than the steps take
+    (int64 where the steps get float32: no word), or failed in the model's own code (`mat1 and mat2 shapes cannot be
+    multiplied`), naming neither the schema nor the field."""
+    root, _ = lab
+    said = (f"Error: warmup request 'warm0' of {name}: its inputs do not match the pipeline's observation_schema: "
+            f"{problem}")
+    warmup = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", f"lab_world.model:{name}")
+    assert warmup.returncode == 1 and said in warmup.stderr, warmup.stderr
+    assert "hint: make ar_diffusion_warmup_requests() give inputs like a step's" in warmup.stderr, warmup.stderr
+    if name == "WarmupWrongShape":  # a rollout stops the same way at its warmup, before any step
+        rollout = ardiff(lab, "rollout", "unnamed.yaml", "eps", "-o", f"out_{name}", "--pipeline",
+                         f"lab_world.model:{name}")
+        assert rollout.returncode == 1 and said in rollout.stderr, rollout.stderr
+        assert (root / f"out_{name}" / "results.jsonl").read_text() == ""
+
+
+def test_an_output_on_the_meta_device_is_named_in_warmup_and_in_a_step(lab):
+    """A tensor left on the meta device (no values) failed as `RuntimeError: Tensor.item() cannot be called on meta
+    tensors`, ardiff's own check of its values, naming neither the output nor the forward."""
+    root, _ = lab
+    said = ("OutputOnMeta.forward() returned arrays with no values: 'actions' (on the meta device); expected tensors "
+            "with data, on any real device")
+    warmup = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:OutputOnMeta")
+    assert warmup.returncode == 1 and f"Error: warmup request 'warm0' of OutputOnMeta: {said}" in warmup.stderr, \
+        warmup.stderr
+    rollout = ardiff(lab, "rollout", "unnamed.yaml", "eps/ep0", "eps/ep1", "-o", "out_meta", "--no-warmup",
+                     "--pipeline", "lab_world.model:OutputOnMeta")
+    assert rollout.returncode == 1, rollout.stderr
+    lines = [json.loads(line) for line in (root / "out_meta" / "results.jsonl").read_text().splitlines()]
+    assert [(line["episode"], line["status"]) for line in lines] == [("ep0", "failed"), ("ep1", "failed")], lines
+    assert all(said in line["error"] for line in lines), lines
+    assert not (root / "out_meta" / "episodes").exists() or not frames(root / "out_meta")
+
+
+@pytest.mark.parametrize(("module", "raised", "hint"), [
+    ("lab_syntax", "SyntaxError: invalid syntax (lab_syntax.py, line 1)", "fix the module"),
+    ("lab_needs", "ModuleNotFoundError: No module named 'lab_missing_dependency_xyz'",
+     "it imports 'lab_missing_dependency_xyz', which is not installed in this environment"),
+])
+def test_a_pipeline_module_whose_import_raises_is_the_pipelines_error_not_the_users_input(lab, module, raised, hint):
+    """`--pipeline lab_syntax:LabPipeline`, a module with a syntax error or one importing a package not installed, was
+    a config error (exit 2, `config_error`), where the same module imported by an entry module's pipeline_class() was
+    the pipeline's (exit 1): the pipeline's code failed as it loaded. A module that is not there stays the user's."""
+    said = f"Error: --pipeline: pipeline '{module}:LabPipeline': importing '{module}' raised {raised}"
+    for command in ("warmup", "inspect-capacity", "rollout"):
+        proc = ardiff(lab, command, "unnamed.yaml", "--pipeline", f"{module}:LabPipeline")
+        assert proc.returncode == 1 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert f"hint: {hint}" in proc.stderr, proc.stderr
+    root, env = lab
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "warmup", "unnamed.yaml", "--pipeline",
+                           f"{module}:LabPipeline", "--format", "json"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert proc.returncode == 1 and (error["kind"], error["exit_code"]) == ("pipeline_error", 1), proc.stdout
+    gone = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_gone_xyz:LabPipeline")
+    assert gone.returncode == 2 and "cannot import 'lab_gone_xyz': ModuleNotFoundError" in gone.stderr, gone.stderr

@@ -20,7 +20,7 @@ from ardiff_cli.io.episode import MAX_NAME_BYTES, MAX_NAME_CHARS, discover_episo
 from ardiff_cli.io.run import RunFolder
 from ardiff_cli.runtime import registry
 from ardiff_cli.runtime.config import load_config
-from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError
+from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError, PipelineError
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = ("ardiff_cli", "pipelines")  # what users install; tests and benchmarks are not shipped
@@ -411,12 +411,13 @@ def test_the_pipeline_option_given_an_import_path_says_to_name_the_class_after_a
 
 def test_a_pipeline_module_that_raises_as_it_imports_is_not_called_a_package_not_installed(tmp_path, monkeypatch):
     """`--pipeline my_lab_boom:Model` whose module raises at its top level (a RuntimeError, a bad path) was told "is
-    the package installed in this environment?": it is, and runs; the hint now says where to look. A module that is
-    not there keeps the install hint."""
+    the package installed in this environment?": it is, and runs; the hint now says where to look, and the error is
+    the pipeline's (exit 1), not a config error. A module that is not there keeps the install hint."""
     (tmp_path / "my_lab_boom.py").write_text("raise RuntimeError('no GPU driver loaded')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "my_lab_boom", raising=False)
-    with pytest.raises(ConfigError, match="cannot import 'my_lab_boom': RuntimeError: no GPU driver loaded$") as info:
+    with pytest.raises(PipelineError,
+                       match="importing 'my_lab_boom' raised RuntimeError: no GPU driver loaded$") as info:
         load_config("dreamzero-tiny", pipeline="my_lab_boom:Model")
     assert "installed" not in info.value.hint and "python -c 'import my_lab_boom'" in info.value.hint, info.value.hint
     with pytest.raises(ConfigError, match="cannot import 'my_lab_gone': ModuleNotFoundError") as info:

@@ -234,10 +234,12 @@ class ARDiffusionEngine:
         return self._runner
 
     def warmup(self) -> WarmupReport:
-        """Run the pipeline's warmup requests (``ARDiffusionModelRunner.warmup``)."""
+        """Run the pipeline's warmup requests (``ARDiffusionModelRunner.warmup``), each checked against the
+        config's observation schema as a rollout step is."""
         runner = self._require_runner("warmup()")
+        schema = self.config.observation_schema()
         with running_out_of_memory_names("running the warmup requests"):
-            return runner.warmup()
+            return runner.warmup(schema)
 
     def execute(self, request: ARDiffusionRequest) -> Any:
         """Run ``request`` on its session (``ARDiffusionModelRunner.execute_model``); the pipeline's output."""

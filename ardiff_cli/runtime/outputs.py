@@ -32,8 +32,8 @@ def output_problem(output: Any) -> tuple[str, str] | None:
     """Why ``output`` cannot be a step's outputs, as (kind, what forward() returned), or None when it can.
 
     kind is ``"contract"`` (not a dict, no array in it, an array named by a key that is not text, or arrays a step
-    file cannot hold: complex, strings, objects) or ``"non_finite"`` (NaN or infinite values: the model diverged);
-    the text reads after "forward() returned ".
+    file cannot hold: complex, strings, objects, tensors on the meta device) or ``"non_finite"`` (NaN or infinite
+    values: the model diverged); the text reads after "forward() returned ".
     """
     if not isinstance(output, Mapping):  # nothing to write: an "ok" step with an empty file would hide it
         return "contract", f"{type(output).__name__}, {EXPECTED}"
@@ -49,6 +49,10 @@ def output_problem(output: Any) -> tuple[str, str] | None:
                   if is_array(value) and not storable(value.dtype)]
     if unstorable:  # safetensors refuses them
         return "contract", f"arrays a step file cannot hold: {', '.join(unstorable)}; {STORABLE}"
+    empty = [f"{key!r} (on the meta device)" for key, value in output.items() if getattr(value, "is_meta", False)]
+    if empty:  # shapes without storage: checking their values raised "Tensor.item() cannot be called on meta tensors"
+        return "contract", (f"arrays with no values: {', '.join(empty)}; expected tensors with data, on any real "
+                            "device")
     non_finite = _non_finite(output)
     if non_finite:
         return "non_finite", f"non-finite values: {non_finite}"

@@ -35,6 +35,7 @@ from typing import Any
 from ardiff_cli.runtime.errors import (
     ArdiffWarning,
     ConfigError,
+    PipelineError,
     did_you_mean,
     is_out_of_memory,
     running_out_of_memory_names,
@@ -144,15 +145,19 @@ def _import(module_path: str, *, what: str, where: str):
     except Exception as exc:  # noqa: BLE001 - ImportError, or whatever the module raised while importing
         if is_out_of_memory(exc):  # no room to load it (torch under `ulimit -v`): out of memory, not the install
             raise
-        # A module that was found but raised as it ran (a RuntimeError at its top level) is no install problem.
-        hint = ("is the package installed in this environment (or its folder on PYTHONPATH)?"
-                if isinstance(exc, ImportError) else
-                f"the module was found but raised while importing: fix it (python -c 'import {module_path}' shows "
-                "the traceback)")
-        raise ConfigError(
-            f"{where}: {what}: cannot import {module_path!r}: {type(exc).__name__}: {exc}",
-            hint=_shadowed(module_path) or hint,
-        ) from None
+        missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+        if missing is not None and (module_path == missing or module_path.startswith(f"{missing}.")):
+            # The module named (or its package) is not there: the option or the install, the user's to fix.
+            raise ConfigError(f"{where}: {what}: cannot import {module_path!r}: {type(exc).__name__}: {exc}",
+                              hint=_shadowed(module_path) or "is the package installed in this environment (or its "
+                                                             "folder on PYTHONPATH)?") from None
+        # Found, and raised as it ran (a syntax error, a RuntimeError at its top level, a dependency it imports that
+        # is not installed): the pipeline's code failed as it loaded, as when an entry module's pipeline_class() fails.
+        # It was a config error (exit 2), told "is the package installed?" for a missing dependency.
+        hint = (f"it imports {missing!r}, which is not installed in this environment: install it"
+                if missing is not None else "fix the module")
+        raise PipelineError(f"{where}: {what}: importing {module_path!r} raised {type(exc).__name__}: {exc}",
+                            hint=f"{hint} (python -c 'import {module_path}' shows the traceback)") from None
 
 
 def _shadowed(module_path: str) -> str | None:

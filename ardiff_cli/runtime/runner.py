@@ -83,6 +83,7 @@ from ardiff_cli.runtime.kv.backends import select_attention_backend
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache, kv_dtype
 from ardiff_cli.runtime.kv.layout import KVLayout
 from ardiff_cli.runtime.kv.state import ARDiffusionKVState
+from ardiff_cli.runtime.observation import ObservationSchema, validate_observation
 from ardiff_cli.runtime.outputs import FLOAT16_OVERFLOW, host_arrays, output_differences, output_problem
 from ardiff_cli.runtime.request import RUNNER_KEYS, ARDiffusionRequest, require_request
 from ardiff_cli.runtime.swap import (
@@ -119,6 +120,22 @@ def _require_session_id(method: str, session_id: Any) -> None:
 
 class LifecycleHookError(ArdiffError, RuntimeError):
     """A pipeline reset/close hook raised. The session's KV was released regardless."""
+
+
+def _check_warmup_inputs(schema: ObservationSchema, request: ARDiffusionRequest, where: str, name: str) -> None:
+    """A ``PipelineError`` unless the schema's fields and prompt in ``request.inputs`` are as a rollout step hands
+    them to the forward (``validate_observation``); other keys (a seed) are the pipeline's own and left alone."""
+    prompt_keys = (schema.prompt_key, *schema.prompt_aliases) if schema.prompt_key else ()
+    inputs = {key: value for key, value in request.inputs.items()
+              if isinstance(key, str) and (key in prompt_keys or schema.field(key) is not None)}
+    try:
+        validate_observation(schema, inputs, where=where)
+    except ObservationError as exc:
+        raise PipelineError(
+            f"{where}: its inputs do not match the pipeline's observation_schema: "
+            f"{str(exc).removeprefix(f'{where}: ')}",
+            hint=f"make ar_diffusion_warmup_requests() give inputs like a step's, which rollout checks against "
+                 f"{name}'s observation_schema ({exc.hint}): README, 'Adding a pipeline'") from None
 
 
 class PipelineContractError(PipelineError, TypeError):
@@ -1268,8 +1285,10 @@ class ARDiffusionModelRunner:
 
     # ---------------------------------------------------------------- warmup
     @_one_at_a_time
-    def warmup(self) -> WarmupReport:
-        """Run the pipeline's warmup requests under a reserved session; always release it."""
+    def warmup(self, schema: ObservationSchema | None = None) -> WarmupReport:
+        """Run the pipeline's warmup requests under a reserved session; always release it. With ``schema`` (the
+        pipeline's observation schema, which the engine gives), each request's inputs are checked against it first,
+        as a rollout step's are: a request unlike any step warms up another path than the steps take."""
         cache = self._require_loaded()
         if not isinstance(self.pipeline, SupportsARDiffusionWarmup):
             return WarmupReport(skipped=True)
@@ -1308,6 +1327,8 @@ class ARDiffusionModelRunner:
                         f"expected {WARMUP_SESSION_ID!r} (the session_id {provider} is given)",
                         hint=PIPELINE_HINT,
                     )
+                if schema is not None:
+                    _check_warmup_inputs(schema, request, where, type(self.pipeline).__name__)
                 with self._locked():
                     goes_on = WARMUP_SESSION_ID in self._sessions and not request.reset
                 before = None  # (the session as a swap-out writes it, the request as given) before it ran

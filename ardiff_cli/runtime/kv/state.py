@@ -352,8 +352,8 @@ class ARDiffusionKVState:
                         raise ValueError(f"{where}: layer {layer} {label} must be shaped {expected}, got {got}")
                     if t.dtype != pool.dtype or t.device != pool.device:
                         raise ValueError(
-                            f"{where}: layer {layer} {label} must be {pool.dtype} on {pool.device}, "
-                            f"got {t.dtype} on {t.device}"
+                            f"{where}: layer {layer} {label} must be {pool.dtype} on {pool.device} like the KV pool "
+                            f"(the dtype and device from_config was given), got {t.dtype} on {t.device}"
                         )
                     if t.requires_grad:  # its copy would hold the graph that made it for the session's life
                         raise ValueError(f"{where}: layer {layer} {label} requires grad, but the KV cache is "
