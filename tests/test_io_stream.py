@@ -1959,3 +1959,75 @@ def test_follow_an_episode_folder_removed_after_its_end_while_it_settles_ends_by
     assert items == [("a", 0), ("a", 1), ("a", "end_marker", "None")], items
     assert clock.now < 2
 
+
+
+
+def _finished_and_live(root: Path, finished: int) -> tuple[StepScheduler, FakeClock, Path]:
+    """A scheduler following ``root/robots``, which holds ``finished`` episodes of one step and END, and ``live`` (one
+    step, no END), once it handed out every step and end there is."""
+    robots = root / "robots"
+    for i in range(finished):
+        write_episode(robots / f"done_{i:03d}", [good(0)], prompt="p")
+    write_episode(robots / "live", [good(0)], prompt="p", end=False)
+    clock = FakeClock()
+    scheduler = StepScheduler(discover_episodes([robots]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=clock, sleep=clock.sleep, watch=[robots])
+    items = [scheduler.next() for _ in range(2 * finished + 1)]
+    assert sum(isinstance(item, StepTask) for item in items) == finished + 1
+    assert sum(isinstance(item, EpisodeEnded) and item.reason == "end_marker" for item in items) == finished
+    return scheduler, clock, robots
+
+
+def test_follow_a_caught_up_folder_of_episodes_is_not_listed_at_every_poll(tmp_path, monkeypatch):
+    """A watched folder of episodes was listed (and its names sorted) at every poll, 10 a second: its finished
+    episodes pile up overnight, and 2,000 of them cost 1.2 ms a poll while the run waited for a robot. While its
+    timestamps stand still it is not listed again (every 5 s anyway, as an episode's folder is); a folder a robot
+    makes in it still joins at the next polls, and so does one made empty once it gets a step file."""
+    scheduler, clock, robots = _finished_and_live(tmp_path, 30)
+    listed: list[Path] = []
+    real_listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path=".": listed.append(Path(path)) or real_listdir(path))
+    counts: list[int] = []
+
+    def count() -> None:  # the listings of the folder of episodes at the poll since the last pause
+        counts.append(listed.count(robots))
+        listed.clear()
+
+    clock.actions = [lambda: _settle(robots), listed.clear, *[count] * 20,
+                     lambda: write_episode(robots / "late", [good(0)], prompt="p", end=False)]
+    item = scheduler.next()
+    assert isinstance(item, StepTask) and (item.episode.name, item.file.step) == ("late", 0)
+    assert sum(counts) == 0, f"the folder of episodes was listed at {sum(counts)} of 20 idle polls"
+
+    counts.clear()
+    clock.actions = [lambda: (robots / "empty").mkdir(), lambda: _settle(robots), listed.clear, *[count] * 20,
+                     lambda: write_step(robots / "empty", 0, good(0), prompt="p")]
+    item = scheduler.next()
+    assert isinstance(item, StepTask) and (item.episode.name, item.file.step) == ("empty", 0)
+    assert sum(counts) == 0, f"the folder of episodes was listed at {sum(counts)} of 20 idle polls"
+
+
+def test_follow_a_poll_and_a_step_do_not_look_at_the_episodes_that_ended(tmp_path, monkeypatch):
+    """Every poll and every step went through every episode of the run, the finished ones too: a followed folder of
+    episodes gathers them overnight (2,000: 0.3 ms more a poll and a step). Counted as the reads of their ``ended``
+    flag: an idle poll, and a step of the one live episode, look at it alone."""
+    scheduler, clock, robots = _finished_and_live(tmp_path, 40)
+    reads = [0]
+
+    def get(track):
+        reads[0] += 1
+        return track.__dict__["ended"]
+
+    monkeypatch.setattr(stream._Track, "ended", property(get, lambda track, value: track.__dict__.update(ended=value)),
+                        raising=False)
+    per_poll: list[int] = []
+
+    def count() -> None:
+        per_poll.append(reads[0])
+        reads[0] = 0
+
+    clock.actions = [lambda: _settle(robots), count, *[count] * 10,
+                     lambda: write_step(robots / "live", 1, good(1))]
+    item = scheduler.next()
+    assert isinstance(item, StepTask) and (item.episode.name, item.file.step) == ("live", 1)
+    assert max(per_poll[1:]) <= 10, f"{max(per_poll[1:])} looks at episodes' ends in a poll, 41 episodes, 1 live"

@@ -24,7 +24,7 @@ import hashlib
 import os
 import re
 import unicodedata
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -461,19 +461,19 @@ def _episode_folders_in(folder: Path) -> list[Path]:
                   if p.is_dir() and not p.name.startswith(".") and not is_run_output(p) and p.resolve() not in around)
 
 
-def new_episode_folders(folder: Path, settled: set[str]) -> list[Path]:
+def new_episode_folders(folder: Path, settled: set[str], names: Iterable[str] | None = None) -> list[Path]:
     """The subfolders of the folder of episodes ``folder`` that a robot has started (they hold step files, ``END``
     or ``episode.yaml``) and whose names are not in ``settled``, in name order. Adds to ``settled`` what it returns
     and what can never be one (files, run outputs), so a call costs one listing of ``folder`` and one of each
-    subfolder still empty. Empty when ``folder`` is gone or unreadable."""
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError:
-        return []
+    subfolder still empty. Empty when ``folder`` is gone or unreadable. ``names``: those of ``folder`` to look at,
+    instead of listing it (a follower's, whose listing of it still holds)."""
+    if names is None:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            return []
     found = []
-    for name in names:
-        if name in settled or name.startswith("."):
-            continue
+    for name in sorted(name for name in names if name not in settled and not name.startswith(".")):
         path = folder / name
         try:
             is_folder = path.is_dir()

@@ -126,6 +126,21 @@ class _Track:
     end_gone: bool = False  # follow: its folder was removed once END was seen there and every step file taken
 
 
+@dataclass
+class _Watched:
+    """Follow: a folder of episodes whose new episode folders join the run, and what its last listing found."""
+
+    folder: Path
+    settled: set[str] = field(default_factory=set)  # names that are episodes, or never can be (files, run outputs)
+    waiting: list[str] = field(default_factory=list)  # its other visible names at the last listing (empty folders)
+    names: frozenset[str] = frozenset()  # every name of that listing
+    stamp: tuple[int, ...] | None = None  # its device, inode, mtime and ctime at the last poll
+    stamp_seen: float = 0.0  # when ``stamp`` was first seen (time.monotonic)
+    listed_at: float = -float("inf")  # when it was last listed (time.monotonic)
+    trusted: bool = False  # listed once ``stamp`` was settled: nothing was added or removed while it holds
+    stamp_unreliable: bool = False  # a name came without changing ``stamp``: listed at every poll
+
+
 class StepScheduler:
     """Hands out :class:`StepTask` and :class:`EpisodeEnded` items; ``None`` when every episode ended.
 
@@ -151,7 +166,7 @@ class StepScheduler:
         self.late: dict[str, list[str]] = {}  # follow: those files by episode (the run's summary lists them)
         # follow: the folders of episodes to watch for episode folders made in them since, each with the names in it
         # settled (episodes, files), and what to call with each new episode before its first step is handed out
-        self._watch = [(folder, set()) for folder in watch] if follow else []
+        self._watch = [_Watched(folder) for folder in watch] if follow else []
         self._on_new_episode = on_new_episode
         self._on_moved = on_moved  # follow: an episode's folder renamed in its watched folder, with its old path
         self._names = EpisodeNames(episodes)
@@ -163,8 +178,10 @@ class StepScheduler:
         self._by_name: dict[str, _Track] = {}  # episode name -> its track: every step looks its episode up
         for track in self._tracks:
             self._by_name.setdefault(track.source.name, track)
-        self._turn = 0  # round-robin: index of the episode whose turn is next
-        self._first = 0  # sequential: no episode before this index is left to run
+        # the episodes not ended yet, in order (ended ones are dropped at the next poll or pick): what a poll and a
+        # step look at, so that a followed folder of episodes' finished ones cost nothing (2,000: 1.2 ms a poll)
+        self._live = list(self._tracks)
+        self._turn = 0  # round-robin: index in ``_live`` of the episode whose turn is next
         self._polled_at = -float("inf")  # follow: when the folders of caught-up episodes were last polled
         self._slept = False  # follow: a pause came since that poll (the folders are polled again after each)
         self._pending_ends: list[EpisodeEnded] = []  # items to hand out before any further step
@@ -227,7 +244,8 @@ class StepScheduler:
                 if self._slept or now - self._polled_at >= self.poll_interval:
                     self._polled_at, self._slept = now, False
                     self._adopt_new_episodes()
-                    for track in self._tracks:
+                    self._drop_ended()
+                    for track in self._live:
                         if not track.ended and track.cursor >= len(track.files):  # a backlog needs no poll
                             self._guarded_scan(track)
                             # END there as its steps are taken, or as it waits for more: its folder's names are
@@ -235,7 +253,7 @@ class StepScheduler:
                             # sequential order, a round of the others' steps more in round-robin)
                             if track.end_seen is None and not track.ended and track.source.has_end_marker():
                                 self._end_settled(track)
-                if all(t.ended for t in self._tracks) and not self._pending_ends:
+                if all(t.ended for t in self._live) and not self._pending_ends:
                     # Every episode ended. A watched folder of episodes ends too once no episode folder was made in
                     # it for idle_timeout seconds since: a robot starts its next episode there after a pause.
                     self._all_ended_at = now if self._all_ended_at is None else self._all_ended_at
@@ -265,8 +283,8 @@ class StepScheduler:
 
     def _adopt_new_episodes(self) -> None:
         """Follow the episode folders a robot has started in a watched folder of episodes since the last poll."""
-        for folder, settled in self._watch:
-            for path in new_episode_folders(folder, settled):
+        for watched in self._watch:
+            for path in self._new_episode_folders(watched):
                 if self._renamed_episode(path):  # an episode's folder under a new name: not another episode
                     continue
                 source = self._names.add(path)
@@ -276,8 +294,45 @@ class StepScheduler:
                 done = self._done.get(source.name, {})
                 track = _Track(source=source, done=dict(done), done_sorted=sorted(done), last_activity=self._clock())
                 self._tracks.append(track)
+                self._live.append(track)
                 self._by_name[source.name] = track
                 self._all_ended_at = None
+
+    def _drop_ended(self) -> None:
+        """Drop the ended episodes from ``_live``, the round-robin turn staying on the episode it was on. Called where
+        the episodes are looked at anyway (a poll), or once an ended one was met (a pick)."""
+        if any(t.ended for t in self._live):
+            self._turn = sum(not t.ended for t in self._live[:self._turn])
+            self._live = [t for t in self._live if not t.ended]
+
+    @staticmethod
+    def _new_episode_folders(watched: _Watched) -> list[Path]:
+        """``new_episode_folders`` of a watched folder of episodes, listed only when its timestamps changed (a name
+        made, deleted or renamed in it), as an episode's folder is (``_listing``): its finished episodes piled up in
+        a long run, and each poll listed them all (2,000: 0.9 ms, 10 polls a second). Its subfolders still empty are
+        looked into at each poll."""
+        try:
+            st = os.stat(watched.folder)
+        except OSError:  # gone or unreadable: as new_episode_folders
+            return []
+        stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+        now = time.monotonic()
+        if stamp != watched.stamp:
+            watched.stamp, watched.stamp_seen, watched.trusted = stamp, now, False
+        elif watched.trusted and now - watched.listed_at < _RELIST:
+            return new_episode_folders(watched.folder, watched.settled, watched.waiting)
+        try:
+            names = frozenset(os.listdir(watched.folder))
+        except OSError:
+            return []
+        if watched.trusted and names != watched.names:
+            watched.stamp_unreliable = True  # a name came (or went) without the timestamps changing
+        found = new_episode_folders(watched.folder, watched.settled, names)
+        settle = _SETTLE if st.st_mtime_ns % 1_000_000_000 else _SETTLE_COARSE
+        watched.trusted = not watched.stamp_unreliable and now - watched.stamp_seen >= settle
+        watched.names, watched.listed_at = names, now
+        watched.waiting = [name for name in names if name not in watched.settled and not name.startswith(".")]
+        return found
 
     def _renamed_episode(self, path: Path) -> bool:
         """Whether ``path``, new in a watched folder of episodes, is an episode's folder renamed there (a recorder
@@ -321,37 +376,38 @@ class StepScheduler:
         track.files = [StepFile(path=new / f.path.name, step=f.step) for f in track.files]
         track.unready, track.unnumbered, track.stamp, track.trusted = [], [], None, False
         self._names.move(track.source.name, old, new)
-        for folder, settled in self._watch:
-            if folder.resolve() == old.parent.resolve():
-                settled.discard(old.name)  # another folder made under the old name is a new episode
-                settled.add(new.name)
+        for watched in self._watch:
+            if watched.folder.resolve() == old.parent.resolve():
+                watched.settled.discard(old.name)  # another folder made under the old name is a new episode
+                watched.settled.add(new.name)
         self._on_moved(track.source, old)
         return True
 
     def _watched(self, folder: Path) -> bool:
         """Whether ``folder`` is in a watched folder of episodes."""
         parent = Path(os.path.abspath(folder)).parent.resolve()
-        return any(parent == path.resolve() for path, _ in self._watch)
+        return any(parent == watched.folder.resolve() for watched in self._watch)
 
     def _pick(self) -> StepTask | None:
         """The next step, by index from the turn (sequential: from the first episode not ended), looking at no
         more episodes than it skips: a step costs the same for 10 episodes or 10,000."""
-        n = len(self._tracks)
-        if self.order == "sequential":
-            while self._first < n and self._tracks[self._first].ended:  # an ended episode never runs again
-                self._first += 1
-            indices = range(self._first, min(self._first + 1, n))
-        else:
-            indices = ((self._turn + i) % n for i in range(n))
+        if self.order == "sequential" and self._live and self._live[0].ended:
+            self._drop_ended()  # an ended episode never runs again
+        n = len(self._live)
+        indices = range(min(1, n)) if self.order == "sequential" else ((self._turn + i) % n for i in range(n))
+        task, ended = None, False
         for index in indices:
-            track = self._tracks[index]
+            track = self._live[index]
             if track.ended:
+                ended = True
                 continue
             task = self._advance(track)
             if task is not None or self._pending_ends:  # a step, or this episode just ended
                 self._turn = (index + 1) % n
-                return task
-        return None
+                break
+        if ended:  # once per episode that ended: the next picks skip it no more
+            self._drop_ended()
+        return task
 
     def _advance(self, track: _Track) -> StepTask | None:
         """The next undone step of ``track`` (done ones are skipped); queues its end when it has none."""
@@ -421,7 +477,8 @@ class StepScheduler:
         episode.yaml (a robot writing its episodes one level deeper, robots/2026-12-03/ep1; an empty one is a robot
         that has not started), and step files in the watched folder itself (a writer given the folder of episodes
         for an episode's)."""
-        for folder, settled in self._watch:
+        for watched in self._watch:
+            folder, settled = watched.folder, watched.settled
             try:
                 names = sorted(name for name in os.listdir(folder) if not name.startswith("."))
             except OSError:  # gone or unreadable now: its episodes said so
