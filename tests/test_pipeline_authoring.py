@@ -334,6 +334,11 @@ class WarmupNoPrompt(LabPipeline):
         return super().forward(dataclasses.replace(request, inputs={**request.inputs, "prompt": ""}))
 
 
+class WarmupInputsNone(LabPipeline):
+    def ar_diffusion_warmup_requests(self, session_id):  # inputs left out: no mapping to check
+        yield ARDiffusionRequest("warm0", None, {"session_id": session_id})
+
+
 class OutputOnMeta(LabPipeline):
     def forward(self, request):  # an output left on the meta device: no values to write
         return {**super().forward(request), "actions": torch.zeros(2, 4, device="meta")}
@@ -717,3 +722,37 @@ def test_a_pipeline_module_whose_import_raises_is_the_pipelines_error_not_the_us
     assert proc.returncode == 1 and (error["kind"], error["exit_code"]) == ("pipeline_error", 1), proc.stdout
     gone = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_gone_xyz:LabPipeline")
     assert gone.returncode == 2 and "cannot import 'lab_gone_xyz': ModuleNotFoundError" in gone.stderr, gone.stderr
+
+
+def test_a_warmup_request_whose_inputs_are_no_mapping_is_named_as_such(lab):
+    """Its inputs were checked against the schema before the request itself: `AttributeError: 'NoneType' object has
+    no attribute 'items'`, where the runner names the request's inputs that are no mapping."""
+    warmup = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:WarmupInputsNone")
+    assert warmup.returncode == 1, warmup.stderr
+    assert "request 'warm0': inputs must be a mapping (dict) of the pipeline's inputs, got None" in warmup.stderr, \
+        warmup.stderr
+    assert "AttributeError" not in warmup.stderr, warmup.stderr
+
+
+def test_a_pipeline_module_importing_a_module_its_own_package_lacks_is_not_told_to_install_it(lab):
+    """`lab_pkg.model` importing `lab_pkg.helpers`, a file left out of the package, was told "it imports
+    'lab_pkg.helpers', which is not installed in this environment: install it": no install gives it."""
+    root, _ = lab
+    (root / "lab_pkg").mkdir(exist_ok=True)
+    (root / "lab_pkg" / "__init__.py").write_text("")
+    (root / "lab_pkg" / "model.py").write_text("import lab_pkg.helpers\n")
+    proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_pkg.model:LabPipeline")
+    assert proc.returncode == 1, proc.stderr
+    assert "hint: it imports 'lab_pkg.helpers', which its own package 'lab_pkg' does not hold" in proc.stderr, \
+        proc.stderr
+    assert "install it" not in proc.stderr, proc.stderr
+
+
+def test_a_pipeline_module_given_as_a_files_name_is_told_its_import_name(lab):
+    """`--pipeline lab_plain.py:LabPipeline`, a file's name, was asked "is the package installed?"."""
+    root, _ = lab
+    (root / "lab_plain.py").write_text("class LabPipeline:\n    pass\n")
+    proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_plain.py:LabPipeline")
+    assert proc.returncode == 2 and "cannot import 'lab_plain.py'" in proc.stderr, proc.stderr
+    assert ("hint: 'lab_plain.py' is a file's name; MODULE is the name it is imported by: lab_plain (its folder on "
+            "PYTHONPATH)") in proc.stderr, proc.stderr

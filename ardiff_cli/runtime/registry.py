@@ -148,14 +148,23 @@ def _import(module_path: str, *, what: str, where: str):
         missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
         if missing is not None and (module_path == missing or module_path.startswith(f"{missing}.")):
             # The module named (or its package) is not there: the option or the install, the user's to fix.
+            hint = ("is the package installed in this environment (or its folder on PYTHONPATH)?"
+                    if not module_path.endswith(".py") else
+                    f"{module_path!r} is a file's name; MODULE is the name it is imported by: "
+                    f"{module_path.removesuffix('.py')} (its folder on PYTHONPATH)")
             raise ConfigError(f"{where}: {what}: cannot import {module_path!r}: {type(exc).__name__}: {exc}",
-                              hint=_shadowed(module_path) or "is the package installed in this environment (or its "
-                                                             "folder on PYTHONPATH)?") from None
+                              hint=_shadowed(module_path) or hint) from None
         # Found, and raised as it ran (a syntax error, a RuntimeError at its top level, a dependency it imports that
         # is not installed): the pipeline's code failed as it loaded, as when an entry module's pipeline_class() fails.
         # It was a config error (exit 2), told "is the package installed?" for a missing dependency.
-        hint = (f"it imports {missing!r}, which is not installed in this environment: install it"
-                if missing is not None else "fix the module")
+        package = module_path.partition(".")[0]
+        if missing is None:
+            hint = "fix the module"
+        elif missing.startswith(f"{package}."):  # a module of its own package: no install gives it
+            hint = (f"it imports {missing!r}, which its own package {package!r} does not hold: a file left out of "
+                    "the package (or of its install), or a misspelt import")
+        else:
+            hint = f"it imports {missing!r}, which is not installed in this environment: install it"
         raise PipelineError(f"{where}: {what}: importing {module_path!r} raised {type(exc).__name__}: {exc}",
                             hint=f"{hint} (python -c 'import {module_path}' shows the traceback)") from None
 

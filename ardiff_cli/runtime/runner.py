@@ -125,6 +125,7 @@ class LifecycleHookError(ArdiffError, RuntimeError):
 def _check_warmup_inputs(schema: ObservationSchema, request: ARDiffusionRequest, where: str, name: str) -> None:
     """A ``PipelineError`` unless the schema's fields and prompt in ``request.inputs`` are as a rollout step hands
     them to the forward (``validate_observation``); other keys (a seed) are the pipeline's own and left alone."""
+    request.check()  # inputs that are no mapping: the request's own error, as a step's (not 'no attribute items')
     prompt_keys = (schema.prompt_key, *schema.prompt_aliases) if schema.prompt_key else ()
     inputs = {key: value for key, value in request.inputs.items()
               if isinstance(key, str) and (key in prompt_keys or schema.field(key) is not None)}
