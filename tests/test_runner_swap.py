@@ -556,6 +556,24 @@ def test_a_swap_dir_linked_to_a_folder_removed_meanwhile_is_named_as_such(tmp_pa
     engine.close()
 
 
+def test_a_swap_dir_linked_through_another_link_to_a_removed_folder_names_the_folder(tmp_path):
+    # OUT/.swap -> hop -> scratch: it said "OUT/.swap is a link to hop, which does not exist" while hop, a link, was
+    # there for `ls` to show; what was missing was scratch, which it did not name.
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (tmp_path / "hop").symlink_to("scratch")
+    (tmp_path / "swap").symlink_to("hop")
+    engine, events = engine_for("causal-world-tiny", capacity=1, swap_dir=tmp_path / "swap", swap_space=1 << 30)
+    run(engine, "a", 0)
+    scratch.rmdir()
+    with pytest.warns(ArdiffWarning, match=r"cannot swap session 'a' out to .*swap \(FileNotFoundError: "):
+        run(engine, "b", 0)
+    assert [e.error for e in events if e.kind == "swap_failed"] == [
+        f"FileNotFoundError: [Errno 2] {tmp_path / 'swap'} is a link to hop, a link that leads to "
+        f"{os.path.realpath(scratch)}, which does not exist"]
+    engine.close()
+
+
 def test_the_views_stay_readable_from_another_thread_while_a_snapshot_is_written(tmp_path, monkeypatch):
     # The CLI's status thread reads sessions() and pool_usage() on every refresh. The swap file of a large session
     # takes seconds to write; it used to be written under the session-table lock, freezing the panels meanwhile.

@@ -270,6 +270,10 @@ def link_to_nothing(path: os.PathLike | str) -> str | None:
             except OSError as exc:  # exists() says False of a loop too: it was "a link to x, which does not exist"
                 if exc.errno == errno.ELOOP:
                     return f"a link to {target}, which leads back to itself (a loop of links)"
+            # A link to a link (OUT/.swap -> scratch -> /mnt/disk/swap): what is missing is the last one's target,
+            # not the link that `ls` shows there (it was "a link to scratch, which does not exist")
+            if os.path.islink(os.path.join(os.path.dirname(os.fspath(path)), target)):
+                return f"a link to {target}, a link that leads to {os.path.realpath(path)}, which does not exist"
             return f"a link to {target}, which does not exist"
     except OSError:
         pass
