@@ -22,6 +22,8 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
+import mmap
 import os
 import re
 import secrets
@@ -77,6 +79,88 @@ def data_crc32(tensors: dict[str, torch.Tensor]) -> int:
 def file_metadata(header: str, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """The safetensors metadata of the snapshot file of ``tensors`` with ``header``."""
     return {"ardiff_swap": header, CRC_KEY: str(data_crc32(tensors))}
+
+
+# safetensors' dtype names -> torch's: those safetensors.torch.save_file writes (this torch build's, at read time)
+_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "C64": "complex64",
+                "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32",
+                "U16": "uint16", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
+                "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2": "float8_e5m2", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+                "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2"}
+_MAX_HEADER_BYTES = 100_000_000  # safetensors refuses a longer header
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors (by name) and string metadata of the safetensors file ``path``: views of one private mapping of
+    the file, as ``safe_open``'s were, so nothing is copied, and a tensor written to never changes the file.
+
+    Not ``safe_open``: its torch ``get_tensor`` (safetensors 0.8.0) leaks two small Python objects per tensor read,
+    about 64 B of memory per tensor per restore, hundreds of MB over a run that restores a session at each step. The
+    file is checked as safetensors checks it: a JSON header of string metadata and tensors of known dtypes, each
+    shape filling its data_offsets, the offsets following each other from 0 to the file's end. ``ValueError`` for a
+    file that is not such a file (truncated, overwritten); ``OSError`` for one that cannot be read."""
+    import torch
+
+    def refused(why: str) -> ValueError:
+        return ValueError(f"{path}: not a readable safetensors file ({why})")
+
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        length = int.from_bytes(f.read(8), "little") if size >= 8 else 0
+        if size < 8 or 8 + length > size or length > _MAX_HEADER_BYTES:
+            raise refused(f"{size} bytes: too short for its header ({8 + length} bytes)" if size >= 8 else
+                          f"{size} bytes: too short for a header's length (8 bytes)")
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
+            raise refused(f"its header is not JSON: {type(exc).__name__}") from None
+        strings = header.pop("__metadata__", None) if isinstance(header, dict) else None
+        if not isinstance(header, dict) or not isinstance(strings, (dict, type(None))) or any(
+                not isinstance(v, str) for v in (strings or {}).values()):
+            raise refused("its header is not a JSON object of tensors and string metadata")
+        entries, end = [], 0  # (begin, name, torch dtype, shape, bytes), sorted into the file's order
+        for name, entry in header.items():
+            entry = entry if isinstance(entry, dict) else {}
+            dtype_name = entry.get("dtype") if isinstance(entry.get("dtype"), str) else ""
+            dtype = getattr(torch, _DTYPE_NAMES.get(dtype_name, ""), None)  # None: unknown (to this torch)
+            shape, offsets = entry.get("shape"), entry.get("data_offsets")
+            if not isinstance(dtype, torch.dtype) or not isinstance(shape, list) or not isinstance(offsets, list) \
+                    or len(offsets) != 2 or any(type(n) is not int or n < 0 for n in (*shape, *offsets)):
+                raise refused(f"tensor {name!r} is {shown(header[name])}, expected a known dtype, a shape and "
+                              "data_offsets")
+            packed = dtype == getattr(torch, "float4_e2m1fn_x2", None)  # two values a byte, the header counts values
+            if packed and (not shape or shape[-1] % 2):
+                raise refused(f"tensor {name!r} of dtype F4 has the shape {shape}, an odd number of values a row")
+            torch_shape = [*shape[:-1], shape[-1] // 2] if packed else shape
+            nbytes = math.prod(torch_shape) * dtype.itemsize
+            if offsets[1] - offsets[0] != nbytes:
+                raise refused(f"tensor {name!r} of {dtype_name} {shape} takes {nbytes} bytes, its data_offsets "
+                              f"{offsets} give {offsets[1] - offsets[0]}")
+            entries.append((offsets[0], name, dtype, torch_shape, nbytes))
+        entries.sort()
+        for begin, name, _, _, nbytes in entries:
+            if begin != end:
+                raise refused(f"tensor {name!r} starts at byte {begin} of the data, expected {end}: the tensors' "
+                              "data_offsets leave a gap or overlap")
+            end += nbytes
+        if 8 + length + end != size:
+            raise refused(f"{size} bytes, its header declares {8 + length + end}")
+        # Views of one private mapping of the file, as safe_open's were: nothing is copied (a restore copies them
+        # into its pages), and a write to one never reaches the file.
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        if len(mapping) != size:
+            raise refused(f"it took {size} bytes, then {len(mapping)}: written to while it was read")
+        data = torch.frombuffer(mapping, dtype=torch.uint8)[8 + length:]
+    tensors = {}
+    for begin, name, dtype, shape, nbytes in entries:
+        chunk = data[begin:begin + nbytes]
+        if (8 + length + begin) % dtype.itemsize:  # not aligned to its dtype (safetensors aligns every tensor)
+            chunk = chunk.clone()
+        try:
+            tensors[name] = chunk.view(dtype).reshape(shape)
+        except (RuntimeError, TypeError) as exc:  # a shape torch cannot hold: 65 dimensions, 0 x 2**63
+            raise refused(f"tensor {name!r} has the shape {shown(shape)}: {str(exc).splitlines()[0]}") from None
+    return dict(sorted(tensors.items())), dict(strings or {})  # by name, as safe_open lists them
 
 
 def check_swap_arguments(swap_dir: Any, swap_space: Any, *, where: str) -> tuple[Path | None, int | None]:
@@ -365,16 +449,8 @@ class SwapStore:
         if tensors is not None:
             header = snapshot.header
         else:
-            from safetensors import safe_open
-
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    header, crc = ((f.metadata() or {}).get(key) for key in ("ardiff_swap", CRC_KEY))
-                    tensors = {key: f.get_tensor(key) for key in f.keys()}
-            except OSError:
-                raise
-            except Exception as exc:  # safetensors' own errors: a truncated or overwritten file
-                raise ValueError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
+            tensors, strings = read_safetensors(path)
+            header, crc = (strings.get(key) for key in ("ardiff_swap", CRC_KEY))
         try:
             metadata = json.loads(header) if header is not None else None
         except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
