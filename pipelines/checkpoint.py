@@ -38,7 +38,8 @@ from safetensors.torch import load_file, save_file
 from ardiff_cli.io.atomic import FILE_MODE, parse_json, remove_temporaries
 from ardiff_cli.io.demo import CACHE_ENV, cache_dir, cache_write_error
 from ardiff_cli.io.writer import sort_metadata_in_file
-from ardiff_cli.runtime.errors import CheckpointError, ConfigError, os_error, plural, too_many_open_files
+from ardiff_cli.runtime.errors import (CheckpointError, ConfigError, NonFiniteWeightsError, os_error, plural,
+                                      too_many_open_files)
 from pipelines.wan import remap_checkpoint_key
 
 # bump when parameter names or meanings change, or what a file records: cached defaults are then rebuilt (2: the
@@ -435,7 +436,7 @@ def refuse_non_finite(module: nn.Module, path: str | Path, dtype: torch.dtype) -
     if dtype == torch.float16:
         hint = ("in float16 a weight past 65504 is inf: runtime.dtype (--dtype) bfloat16 keeps float32's range at the "
                 "same size; or " + hint)
-    raise CheckpointError(
+    raise NonFiniteWeightsError(
         f"checkpoint {path} holds weights that are not finite in {in_dtype}: {plural(len(bad), 'tensor')}: "
         + ", ".join(details[:MISMATCHES_SHOWN]) + more + (" (--verbose lists them all)" if more else ""),
         hint=hint, details=[f"not finite: {line}" for line in details],

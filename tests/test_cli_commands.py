@@ -528,14 +528,17 @@ def test_a_current_folder_deleted_under_the_shell_is_named_before_anything_runs(
     assert not (tmp_path / "run").exists()
 
 
-def test_a_pipelines_folder_that_hides_ardiffs_is_named(tmp_path, cli_env):
+@pytest.mark.parametrize("init", ["", "import lab_dependency_not_installed_xyz\n"])
+def test_a_pipelines_folder_that_hides_ardiffs_is_named(tmp_path, cli_env, init):
     """`python -m ardiff_cli` puts the working folder first on sys.path: a lab's own `pipelines/` there hid ardiff's,
     and the error's hint asked whether the package was installed. -S with the repo and site-packages on PYTHONPATH
-    puts the folders in the order a regular (not editable) install has them."""
+    puts the folders in the order a regular (not editable) install has them. A lab's `pipelines/` that raises as it
+    imports (a dependency of its own not installed) is named alike: it was the built-in pipeline's error (exit 1),
+    told to install the lab's dependency."""
     import sysconfig
 
     (tmp_path / "pipelines").mkdir()
-    (tmp_path / "pipelines" / "__init__.py").write_text("")
+    (tmp_path / "pipelines" / "__init__.py").write_text(init)
     env = {**cli_env, "PYTHONPATH": os.pathsep.join([str(REPO), sysconfig.get_paths()["purelib"]])}
     config = REPO / "configs" / "dreamzero-tiny.yaml"  # from the checkout: ardiff_cli.configs is an installed name
     proc = subprocess.run([sys.executable, "-S", "-m", "ardiff_cli", "inspect-capacity", str(config), "--format",

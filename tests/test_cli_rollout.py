@@ -2025,7 +2025,6 @@ def test_swap_files_the_disk_refuses_are_warnings_then_replays_to_the_same_outpu
     assert not (run / ".swap").exists()  # no partial temporary file left either
 
 
-
 def test_the_default_swap_space_on_a_small_disk_never_fills_it(env, tmp_path):
     # The demo (snapshots of 100 to 200 KiB, 2 sessions) with OUT/.swap on a 400 KiB disk: the default swap space is
     # half of it. A restored session's pipeline state kept views of its deleted snapshot file's memory map, which kept
@@ -2696,6 +2695,44 @@ def test_resume_refuses_a_checkpoint_replaced_since_the_run_started_and_says_how
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
     assert proc.returncode == 0, proc.stderr
     assert len(records(run)) == len(lines)
+
+
+def test_resume_of_a_run_whose_weights_are_not_finite_in_its_dtype_is_not_told_to_change_the_dtype(env, data,
+                                                                                                  tmp_path):
+    """A float16 run whose checkpoint holds a weight past 65504 (a run.json written before ardiff checked the
+    weights as they load) is refused as its model loads, and a resume keeps the run's dtype and checkpoint: the hint
+    said `runtime.dtype (--dtype) bfloat16 keeps float32's range`, and `--resume --dtype bfloat16` is refused."""
+    import torch
+
+    from pipelines.checkpoint import read_metadata
+
+    weights = tmp_path / "w.safetensors"
+    subprocess.run([sys.executable, "-m", "pipelines.checkpoint", "init", str(data / "fast.yaml"), str(weights)],
+                   check=True, capture_output=True, env=env)
+    (tmp_path / "my.yaml").write_text(FAST_CONFIG + "checkpoint: w.safetensors\n")
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(tmp_path / "my.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup",
+                  "--dtype", "float16")
+    assert proc.returncode == 0, proc.stderr
+    recorded = json.loads((run / "run.json").read_text())["checkpoint"]
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-2]))  # as if stopped two steps before the end
+    state = load_file(str(weights))
+    name = next(key for key, value in sorted(state.items()) if value.dtype == torch.float32)
+    state[name].view(-1)[0] = 1e6  # finite in float32, inf in float16: the file keeps its size and time
+    save_file(state, str(weights), metadata=read_metadata(weights))
+    os.utime(weights, ns=(recorded["mtime_ns"], recorded["mtime_ns"]))
+    assert weights.stat().st_size == recorded["size"]
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert f"Error: checkpoint {weights} holds weights that are not finite in float16" in proc.stderr, proc.stderr
+    hint = re.search(r"^hint: (.*)$", proc.stderr, re.M)
+    assert hint is not None and "--resume keeps the run's dtype (float16) and checkpoint" in hint.group(1), \
+        proc.stderr
+    assert "start a new run" in hint.group(1) and "--out" in hint.group(1), proc.stderr
+    assert len(records(run)) == len(lines) - 2  # refused before anything ran
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--dtype", "bfloat16")
+    assert proc.returncode == 2 and "--dtype 'bfloat16' differs from the run's 'float16'" in proc.stderr, proc.stderr
 
 
 def test_resume_refuses_a_built_in_checkpoint_the_run_did_not_run_on(env, data, reference, tmp_path):

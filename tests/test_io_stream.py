@@ -1960,8 +1960,6 @@ def test_follow_an_episode_folder_removed_after_its_end_while_it_settles_ends_by
     assert clock.now < 2
 
 
-
-
 def _finished_and_live(root: Path, finished: int) -> tuple[StepScheduler, FakeClock, Path]:
     """A scheduler following ``root/robots``, which holds ``finished`` episodes of one step and END, and ``live`` (one
     step, no END), once it handed out every step and end there is."""

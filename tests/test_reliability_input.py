@@ -621,7 +621,8 @@ CONFIG_CASES = {
                                          "does not match the model config:", "missing keys:", "; 1 shape mismatch: "],
                               "python -m pipelines.checkpoint init"),
     "pickled_checkpoint": ("pipeline: dreamzero\ncheckpoint: pickled.safetensors\n", "warmup",
-                           ["cannot read checkpoint {dir}/pickled.safetensors"],
+                           ["cannot read checkpoint {dir}/pickled.safetensors: it is a torch.save file (a zip "
+                            "holding a pickle), not safetensors"],
                            "pickled checkpoints are never loaded"),
     "invalid_yaml": ("pipeline: [dreamzero\n", "inspect-capacity",
                      ["{config}: not valid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>'"],

@@ -416,7 +416,6 @@ def test_a_corrupt_swap_file_is_a_clear_error_and_leaves_the_runner_consistent(t
     engine.close()
 
 
-
 def test_a_snapshot_file_deleted_after_its_write_ended_is_a_failed_restore_before_the_runner_looked_too(tmp_path):
     # Deleted once its background write had ended but before the runner's next call looked at it, it was taken for
     # a write that failed: "cannot swap session 'a' out ... its snapshot is lost", a swap_failed event, and no warning
@@ -536,7 +535,6 @@ def test_a_swap_write_failure_is_a_warning_and_the_eviction_goes_on(tmp_path):
                       ("session_evicted", "b", None), ("swap_failed", "a", False), ("session_evicted", "a", None)]
     assert engine.runner.restore_session("a") is False and engine.runner.session_ids == ["b"]
     engine.close()
-
 
 
 def test_a_swap_dir_linked_to_a_folder_removed_meanwhile_is_named_as_such(tmp_path):
@@ -1211,7 +1209,6 @@ def test_a_real_full_disk_turns_the_full_disk_check_on(tmp_path):
         engine.close()
     finally:
         subprocess.run(["umount", str(disk)], check=True)
-
 
 
 def mapped_files(folder) -> list[str]:

@@ -57,6 +57,7 @@ from ardiff_cli.runtime.errors import (
     BudgetBeyondDeviceError,
     CapacityError,
     ConfigError,
+    NonFiniteWeightsError,
     ObservationError,
     as_typed,
     is_out_of_memory,
@@ -980,6 +981,14 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     raise
                 except BudgetBeyondDeviceError as exc:  # the runner's hint cannot tell the option from the config
                     exc.hint = beyond_device_hint(p.budget_source, resume=resume)
+                    raise
+                except NonFiniteWeightsError as exc:  # a run an ardiff that loaded such weights started
+                    if resume and p.cfg.checkpoint is not None:  # its hint says another dtype or checkpoint:
+                        # --resume refuses them (the built-in default's, a damaged cache file, says to delete it)
+                        dtype = p.cfg.runtime.dtype
+                        fix = "--dtype bfloat16 or " if dtype == "float16" else ""
+                        exc.hint = (f"--resume keeps the run's dtype ({dtype}) and checkpoint: start a new run in "
+                                    f"another --out, with {fix}a checkpoint of finite weights")
                     raise
                 monitor.refresh(engine.runner)  # the warmup's session shows, and its pages
                 signals.check_signal()  # one that arrived while the pipeline imported: not after warmup

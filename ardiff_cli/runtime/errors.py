@@ -62,6 +62,11 @@ class CheckpointError(ConfigError):
         self.details = tuple(details)  # one line per mismatched key, where the message names only the first few
 
 
+class NonFiniteWeightsError(CheckpointError):
+    """A checkpoint's weights hold NaN or inf in the model's dtype (exit 2): a resume, which keeps the run's dtype and
+    checkpoint, says to start a new run instead."""
+
+
 class ObservationError(ArdiffError, ValueError):
     """An observation file does not match the pipeline's schema (exit 2)."""
 

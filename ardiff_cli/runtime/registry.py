@@ -146,14 +146,15 @@ def _import(module_path: str, *, what: str, where: str):
         if is_out_of_memory(exc):  # no room to load it (torch under `ulimit -v`): out of memory, not the install
             raise
         missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
-        if missing is not None and (module_path == missing or module_path.startswith(f"{missing}.")):
+        shadowed = _shadowed(module_path)  # another `pipelines` in ardiff's place, whatever it raised
+        if shadowed or missing is not None and (module_path == missing or module_path.startswith(f"{missing}.")):
             # The module named (or its package) is not there: the option or the install, the user's to fix.
             hint = ("is the package installed in this environment (or its folder on PYTHONPATH)?"
                     if not module_path.endswith(".py") else
                     f"{module_path!r} is a file's name; MODULE is the name it is imported by: "
                     f"{module_path.removesuffix('.py')} (its folder on PYTHONPATH)")
             raise ConfigError(f"{where}: {what}: cannot import {module_path!r}: {type(exc).__name__}: {exc}",
-                              hint=_shadowed(module_path) or hint) from None
+                              hint=shadowed or hint) from None
         # Found, and raised as it ran (a syntax error, a RuntimeError at its top level, a dependency it imports that
         # is not installed): the pipeline's code failed as it loaded, as when an entry module's pipeline_class() fails.
         # It was a config error (exit 2), told "is the package installed?" for a missing dependency.
@@ -173,12 +174,21 @@ def _shadowed(module_path: str) -> str | None:
     """Why a built-in pipeline did not import, when another ``pipelines`` package was imported in place of ardiff's:
     ``python -m ardiff_cli`` puts the working folder first on ``sys.path``, and a ``pipelines/`` folder there (a
     lab's own code) hides the one installed beside ``ardiff_cli``."""
+    import importlib.util
     import sys
 
+    if not module_path.startswith("pipelines."):
+        return None
     package = sys.modules.get("pipelines")
-    folders = [Path(p).resolve() for p in getattr(package, "__path__", ())]
+    if package is None:  # one whose __init__ raised is not kept there: where it would be imported from
+        try:
+            package = importlib.util.find_spec("pipelines")
+        except (ImportError, ValueError):
+            package = None
+    folders = [Path(p).resolve() for p in getattr(package, "submodule_search_locations", None)
+               or getattr(package, "__path__", None) or ()]
     ours = Path(__file__).resolve().parents[2] / "pipelines"  # beside ardiff_cli/, installed or checked out
-    if not module_path.startswith("pipelines.") or not folders or ours in folders:
+    if not folders or ours in folders:
         return None
     return (f"'pipelines' was imported from {folders[0]}, not ardiff's ({ours}): a folder named pipelines earlier "
             "on sys.path hides it (the working folder, under `python -m ardiff_cli` or `PYTHONPATH=.`, or a "
