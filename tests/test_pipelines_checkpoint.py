@@ -747,3 +747,24 @@ def test_a_float16_weight_whose_sum_passes_65504_is_not_looked_at_value_by_value
     module.weight.data[1000, 3] = float("inf")
     with pytest.raises(CheckpointError, match=r"weight: 1 inf of 1048576 values$"):
         checkpoint.refuse_non_finite(module, "m.safetensors", torch.float16)
+
+
+def test_a_buffer_that_holds_inf_on_purpose_is_not_refused_a_parameter_is():
+    """The check read the whole state dict: a third-party model's attention mask buffer of -inf (saved with its
+    weights, as a persistent buffer is) was refused as "weights that are not finite"."""
+    module = torch.nn.Linear(4, 4)
+    module.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))
+    checkpoint.refuse_non_finite(module, "m.safetensors", torch.float32)
+    with torch.no_grad():
+        module.weight[0, 0] = float("nan")
+    with pytest.raises(CheckpointError, match=r"1 tensor: weight: 1 NaN of 16 values"):
+        checkpoint.refuse_non_finite(module, "m.safetensors", torch.float32)
+
+
+def test_a_disk_error_reading_a_whole_checkpoint_is_not_said_to_be_its_header(tmp_path):
+    """An OSError as the weights are read (EIO from a failing disk) is the disk's say, not the file's bytes: with a
+    whole file it was "its header is damaged: [Errno 5] ...", with the hint to write it again."""
+    path, _ = _good_checkpoint(tmp_path)
+    error = checkpoint._unreadable(path, OSError(5, "Input/output error"))
+    assert str(error) == f"cannot read checkpoint {path}: [Errno 5] Input/output error", error
+    assert "damaged" not in str(error) and "write it again" not in (error.hint or ""), error.hint
