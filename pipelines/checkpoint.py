@@ -277,8 +277,11 @@ def _unreadable(path: Path, exc: Exception) -> CheckpointError:
         return CheckpointError(f"cannot read checkpoint {path}: {what}", hint=hint)
 
     plain = error(str(exc), "is it a .safetensors file? pickled checkpoints are never loaded")
-    if isinstance(exc, OSError) or too_many_open_files(exc):  # the disk's or the system's say (EIO, EMFILE), not
-        return plain  # the file's bytes: safetensors says SafetensorError of those
+    if too_many_open_files(exc):  # the system's say, not the file's bytes (the CLI hints at ulimit -n)
+        return plain
+    if isinstance(exc, OSError):  # the disk's say (EIO), not the file's bytes (safetensors' SafetensorError)
+        return error(str(exc), "the system could not read the file, whatever its bytes are: check the disk or mount "
+                               "it is on (dmesg), or copy the file to another disk")
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -419,10 +422,13 @@ def refuse_non_finite(module: nn.Module, path: str | Path, dtype: torch.dtype) -
     """Refuse weights that hold NaN or inf once cast to the model's ``dtype``: every output of such a model is NaN,
     so a rollout failed at its warmup (exit 1, blamed on the sampling settings) with ``run.json`` written, and the
     fixed checkpoint was then refused by the same command (a run is there) and by ``--resume`` (the file changed).
-    A float32 value past 65504 becomes inf in float16: that is named too. Parameters only: a buffer may hold inf on
-    purpose (an attention mask of -inf)."""
-    state = dict(module.named_parameters())
-    bad = [name for name, tensor in state.items() if tensor.is_floating_point() and not _all_finite(tensor)]
+    A float32 value past 65504 becomes inf in float16: that is named too. A buffer the file holds may hold inf on
+    purpose (an attention mask of -inf), never NaN (a normalisation's running statistics of a run that diverged)."""
+    params, saved = dict(module.named_parameters()), module.state_dict().keys()
+    buffers = {name: tensor for name, tensor in module.named_buffers() if name in saved}
+    state = {**params, **buffers}
+    bad = [name for name, tensor in params.items() if tensor.is_floating_point() and not _all_finite(tensor)]
+    bad += [name for name, tensor in buffers.items() if tensor.is_floating_point() and bool(tensor.isnan().any())]
     if not bad:
         return
     details = []

@@ -761,10 +761,25 @@ def test_a_buffer_that_holds_inf_on_purpose_is_not_refused_a_parameter_is():
         checkpoint.refuse_non_finite(module, "m.safetensors", torch.float32)
 
 
+def test_a_buffer_that_holds_nan_is_refused_as_a_parameter_is():
+    """Parameters only were read (so that a mask of -inf passes): a normalisation's running statistics of a run that
+    diverged (NaN, saved with the weights as a persistent buffer is) loaded, and every output was NaN."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    module.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))
+    module.register_buffer("scratch", torch.full((2,), float("nan")), persistent=False)  # not the file's: the code's
+    checkpoint.refuse_non_finite(module, "m.safetensors", torch.float32)
+    module[1].running_var[2] = float("nan")
+    with pytest.raises(CheckpointError, match=r"1 tensor: 1\.running_var: 1 NaN of 4 values"):
+        checkpoint.refuse_non_finite(module, "m.safetensors", torch.float32)
+
+
 def test_a_disk_error_reading_a_whole_checkpoint_is_not_said_to_be_its_header(tmp_path):
     """An OSError as the weights are read (EIO from a failing disk) is the disk's say, not the file's bytes: with a
-    whole file it was "its header is damaged: [Errno 5] ...", with the hint to write it again."""
+    whole file it was "its header is damaged: [Errno 5] ...", with the hint to write it again; then it was hinted
+    "is it a .safetensors file? pickled checkpoints are never loaded"."""
     path, _ = _good_checkpoint(tmp_path)
     error = checkpoint._unreadable(path, OSError(5, "Input/output error"))
     assert str(error) == f"cannot read checkpoint {path}: [Errno 5] Input/output error", error
     assert "damaged" not in str(error) and "write it again" not in (error.hint or ""), error.hint
+    # nor asked whether it is a .safetensors file, or told that pickles are never loaded: the disk is named
+    assert "pickle" not in error.hint and "safetensors" not in error.hint and "disk" in error.hint, error.hint

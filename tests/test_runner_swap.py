@@ -1237,6 +1237,53 @@ def test_a_restored_snapshot_file_gives_its_disk_space_back_once_deleted(tmp_pat
     engine.close()
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="reads /proc/self/maps and /proc/self/fd")
+@pytest.mark.parametrize("damage", ["flipped-bit", "other-count", "other-record"])
+def test_a_failed_restores_error_kept_by_the_caller_holds_no_mapping_of_the_deleted_snapshot(tmp_path, damage):
+    # The error's traceback kept the frames of the restore, whose locals held the snapshot's tensors: views of a
+    # mapping of its file, deleted as the restore failed. A server that kept the error (a status page's last error,
+    # a log list) kept the deleted file's disk space taken, and an open file descriptor (the mapping's), as long as
+    # it kept the error. Damaged as the file is read (a flipped bit), as its count is checked, or as the pipeline
+    # imports its state (a record of another release's fields), once admitted.
+    import gc
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from ardiff_cli.runtime.swap import CRC_KEY, data_crc32
+
+    swap = tmp_path / "swap"
+    engine, _ = engine_for("dreamzero-tiny", capacity=1, swap_dir=swap)
+    runner = engine.runner
+    run(engine, "a", 0)
+    run(engine, "b", 0)  # a swapped out
+    runner.swap.flush()
+    path = runner.swap.path_for("a")
+    if damage == "flipped-bit":
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 1
+        path.write_bytes(bytes(data))
+    elif damage == "other-record":
+        with safe_open(str(path), "pt") as f:
+            metadata = f.metadata()
+        tensors = load_file(str(path))
+        metadata["ardiff_swap"] = re.sub(r'"num_requests": 1(?=[,}])', '"num_requests": "1"', metadata["ardiff_swap"],
+                                         count=1)
+        metadata[CRC_KEY] = str(data_crc32(tensors))
+        save_file(tensors, str(path), metadata=metadata)
+        del tensors
+    gc.collect()
+    descriptors = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(SwapRestoreError, match=r"cannot restore session 'a' from ") as info:
+        runner.restore_session("a", num_requests=2 if damage == "other-count" else 1)
+    kept = info.value  # as a caller that keeps the error does
+    gc.collect()
+    assert not path.exists() and kept.__traceback__ is not None
+    assert mapped_files(swap) == []  # it was '.../swap/NAME.safetensors (deleted)'
+    assert len(os.listdir("/proc/self/fd")) == descriptors
+    engine.close()
+
+
 def test_a_write_that_fails_before_its_session_is_closed_is_a_swap_failed_event_without_a_warning(tmp_path,
                                                                                                   monkeypatch):
     # close_all (the CLI's end of a run, also an interrupted one), close_session of a swapped-out session and a

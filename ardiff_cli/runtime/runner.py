@@ -253,6 +253,16 @@ def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
     return exclusive
 
 
+def _let_go(exc: BaseException) -> None:
+    """None, once the locals of the frames ``exc`` unwound are cleared: a failed restore's error kept the snapshot's
+    tensors there, views of a mapping of its file (deleted then), and a caller keeping the error (a server's last
+    error) kept that file's disk space and a file descriptor as long. Its frames still show in a traceback."""
+    import traceback
+
+    traceback.clear_frames(exc.__traceback__)  # the frame still running (the caller's) is left: it sets its own
+    return None
+
+
 def _is_stop(exc: BaseException) -> bool:
     """A deliberate stop, which a signal raises wherever the main thread is: the CLI's ``Interrupted`` (a
     ``StopRequested``), a ``KeyboardInterrupt``, a ``SystemExit`` from a server's SIGTERM handler."""
@@ -1254,9 +1264,11 @@ class ARDiffusionModelRunner:
             if expected is not None and num_requests != expected:
                 raise ValueError(f"it holds {plural(num_requests, 'request')}, not the {expected} expected")
             self.kv_cache.new_state(session_id).check_snapshot(kv)  # before anyone is evicted for it
-        except StopRequested:  # the CLI's Interrupted, not an unreadable file
+        except StopRequested as exc:  # the CLI's Interrupted, not an unreadable file
+            tensors = kv = _let_go(exc)
             raise
         except Exception as exc:  # noqa: BLE001 - any unreadable file is this one error
+            tensors = kv = _let_go(exc)
             raise SwapRestoreError(f"cannot restore session {shown(session_id)} from {path}: "
                                    f"{type(exc).__name__}: {exc}", hint=hint) from exc
         finally:
@@ -1278,6 +1290,7 @@ class ARDiffusionModelRunner:
                 except BaseException as exc:  # released whole, then raised as one error (a stop as itself)
                     if session_id in self._sessions:
                         self._release(session_id, reason="restore_failed", hook="close", error=exc)
+                    tensors = kv = _let_go(exc)
                     if _is_stop(exc):
                         raise
                     raise SwapRestoreError(f"cannot restore session {shown(session_id)} from {path}: {step} "
