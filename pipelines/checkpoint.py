@@ -306,7 +306,12 @@ def _unreadable(path: Path, exc: Exception) -> CheckpointError:
             return error(f"it is {what.removesuffix(' (an .npz?)')}, not safetensors",
                          _CONVERT_HINT if pickled else _PATH_HINT)
     length = int.from_bytes(head[:8], "little")
+    text = _text_start(head)
     if size < 8:
+        # 4 bytes of text or more ("none\n") are no header length cut short: bytes of text (\t and up) would give one
+        # past the 100 MB safetensors reads. 1 to 3 may be either.
+        if text is not None and size >= 4:
+            return error(f"it is a text file (it begins {text[:40]!r}), not safetensors", _PATH_HINT)
         return error(f"truncated: {plural(size, 'byte')}, fewer than the 8 of a safetensors header's length",
                      _RECOPY_HINT)
     if declared is not None and declared > size:
@@ -317,7 +322,6 @@ def _unreadable(path: Path, exc: Exception) -> CheckpointError:
     if declared is None and head[8:9] == b"{" and 8 + length > size:
         return error(f"truncated or damaged inside its header: the header alone should take {8 + length} bytes, the "
                      f"file has {size}", _RECOPY_HINT)
-    text = _text_start(head)
     if declared is None and text is not None:
         return error(f"it is a text file (it begins {text[:40]!r}), not safetensors", _PATH_HINT)
     if declared is not None and declared < size:

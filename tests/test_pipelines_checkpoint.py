@@ -585,6 +585,10 @@ UNREADABLE = {
     "empty": (lambda good: b"", r"the file is empty \(0 bytes\), not safetensors", "copy or download it again"),
     "cut_in_length": (lambda good: good[:5], "truncated: 5 bytes, fewer than the 8 of a safetensors header's length",
                       "copy or download it again"),
+    # text of fewer than 8 bytes (a placeholder file): it was "truncated: 5 bytes, fewer than the 8 of a safetensors
+    # header's length", hint: copy or download it again
+    "short_text": (lambda good: b"none\n", r"it is a text file \(it begins 'none\\n'\), not safetensors",
+                   "give the path of the .safetensors file"),
     "cut_in_header": (lambda good: good[:100], r"truncated or damaged inside its header: the header alone should "
                       r"take \d+ bytes, the file has 100", "copy or download it again"),
     "cut_in_data": (lambda good: good[:-1], r"truncated: its header declares (\d+) bytes, the file has (\d+)$",
