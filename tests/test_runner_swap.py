@@ -1284,6 +1284,40 @@ def test_a_failed_restores_error_kept_by_the_caller_holds_no_mapping_of_the_dele
     engine.close()
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps and /proc/self/fd")
+def test_ctrl_c_while_a_snapshot_is_decoded_keeps_no_mapping_of_it_in_the_kept_error(tmp_path, monkeypatch):
+    # Ctrl-C (Python's KeyboardInterrupt, no Exception) once the file was read, before its KV was checked, passed by
+    # both of the read's handlers: the restore's frame, kept by the error's traceback (a notebook's last error, a
+    # server that logs it), held the tensors read, views of a mapping of the deleted file.
+    import gc
+    import signal
+
+    import ardiff_cli.runtime.runner as runner_module
+
+    swap = tmp_path / "swap"
+    engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=swap)
+    runner = engine.runner
+    run(engine, "a", 0)
+    run(engine, "b", 0)  # a swapped out
+    runner.swap.flush()
+    path = runner.swap.path_for("a")
+    gc.collect()
+    descriptors = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(runner_module, "decode_snapshot", lambda *_: signal.raise_signal(signal.SIGINT))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt) as info:  # as itself
+            runner.restore_session("a")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    kept = info.value
+    gc.collect()
+    assert not path.exists() and kept.__traceback__ is not None
+    assert mapped_files(swap) == []
+    assert len(os.listdir("/proc/self/fd")) == descriptors
+    engine.close()
+
+
 def test_a_write_that_fails_before_its_session_is_closed_is_a_swap_failed_event_without_a_warning(tmp_path,
                                                                                                   monkeypatch):
     # close_all (the CLI's end of a run, also an interrupted one), close_session of a swapped-out session and a

@@ -1264,11 +1264,10 @@ class ARDiffusionModelRunner:
             if expected is not None and num_requests != expected:
                 raise ValueError(f"it holds {plural(num_requests, 'request')}, not the {expected} expected")
             self.kv_cache.new_state(session_id).check_snapshot(kv)  # before anyone is evicted for it
-        except StopRequested as exc:  # the CLI's Interrupted, not an unreadable file
-            tensors = kv = _let_go(exc)
-            raise
-        except Exception as exc:  # noqa: BLE001 - any unreadable file is this one error
-            tensors = kv = _let_go(exc)
+        except BaseException as exc:  # noqa: BLE001 - any unreadable file is this one error; a stop is itself
+            tensors = kv = _let_go(exc)  # a stop's too: Ctrl-C (no Exception) once the file was read kept its tensors
+            if _is_stop(exc):  # the CLI's Interrupted, Ctrl-C, SIGTERM's SystemExit: not an unreadable file
+                raise
             raise SwapRestoreError(f"cannot restore session {shown(session_id)} from {path}: "
                                    f"{type(exc).__name__}: {exc}", hint=hint) from exc
         finally:
