@@ -2032,7 +2032,12 @@ def test_the_default_swap_space_on_a_small_disk_never_fills_it(env, tmp_path):
     # ("No space left on device"), their episodes replayed.
     disk = tmp_path / "disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(disk)], capture_output=True).returncode:
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(disk)],
+                                 capture_output=True).returncode == 0
+    except OSError:  # no mount command (a slim container image)
+        mounted = False
+    if not mounted:
         pytest.skip("this machine does not let tmpfs be mounted")
     try:
         run = tmp_path / "run"
