@@ -270,7 +270,7 @@ def _unreadable(path: Path, exc: Exception) -> CheckpointError:
     pickle, a Git LFS pointer, text), empty, cut short (the size its header declares against the file's), or a header
     safetensors refuses. safetensors' own words ("header too large" for a torch.save file, "incomplete metadata, file
     not fully covered" for a copy cut short) named neither what the file was nor what to do."""
-    from ardiff_cli.io.episode import (_MAX_HEADER_BYTES, _SIGNATURES, _TORCH_SAVE, _declared_safetensors_size,
+    from ardiff_cli.io.episode import (MAX_HEADER_BYTES, _SIGNATURES, _TORCH_SAVE, _declared_safetensors_size,
                                        _is_torch_save)
 
     def error(what: str, hint: str) -> CheckpointError:
@@ -316,8 +316,8 @@ def _unreadable(path: Path, exc: Exception) -> CheckpointError:
                      _RECOPY_HINT)
     if declared is not None and declared > size:
         return error(f"truncated: its header declares {declared} bytes, the file has {size}", _RECOPY_HINT)
-    if declared is None and head[8:9] == b"{" and length > _MAX_HEADER_BYTES:
-        return error(f"its header's length is damaged: it says {length} bytes, more than the {_MAX_HEADER_BYTES} "
+    if declared is None and head[8:9] == b"{" and length > MAX_HEADER_BYTES:
+        return error(f"its header's length is damaged: it says {length} bytes, more than the {MAX_HEADER_BYTES} "
                      f"safetensors reads (the file has {size})", _RECOPY_HINT)
     if declared is None and head[8:9] == b"{" and 8 + length > size:
         return error(f"truncated or damaged inside its header: the header alone should take {8 + length} bytes, the "

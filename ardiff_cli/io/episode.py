@@ -745,7 +745,7 @@ def _declared_safetensors_size(f: BinaryIO, size: int) -> tuple[int, dict[str, A
     header and every tensor's data), and the parsed header; ValueError (or KeyError, TypeError...) when unparsable."""
     head = f.read(8)
     length = int.from_bytes(head, "little")
-    if len(head) < 8 or 8 + length > size or length > _MAX_HEADER_BYTES:
+    if len(head) < 8 or 8 + length > size or length > MAX_HEADER_BYTES:
         raise ValueError(f"the header takes {8 + length} bytes, {size} given")
     _, header = safetensors_header(head + f.read(length))
     return 8 + length + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0), header
@@ -762,7 +762,7 @@ def safetensors_header(data: bytes) -> tuple[int, dict[str, Any]]:
 
 # safetensors refuses a header longer than this. A file whose header cannot be parsed is read whole to say what it is
 # (a torch.save zip is told by its member names), and named from its first bytes when too large to be read.
-_MAX_HEADER_BYTES = 100_000_000
+MAX_HEADER_BYTES = 100_000_000
 
 
 def _refuse_safetensors_of_another_size(path: Path, f: BinaryIO, size: int) -> None:
@@ -834,7 +834,7 @@ def _unreadable_safetensors(path: Path, data: bytes, exc: Exception, *, size: in
         if head.startswith(signature) and head[8:9] != b"{" and head[2:3] != b"\0":
             return ObservationError(f"{path}: cannot read safetensors file: it is {what}, not safetensors", hint=hint)
     header_len = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
-    if len(head) >= 8 and 8 + header_len > size and header_len < (100 << 20):
+    if len(head) >= 8 and 8 + header_len > size and header_len <= MAX_HEADER_BYTES:
         return ObservationError(
             f"{path}: cannot read safetensors file: truncated (its header alone should take {header_len} bytes; "
             f"the file has {plural(size, 'byte')} in all)", hint=WRITE_HINT)

@@ -87,7 +87,6 @@ _DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "b
                 "U16": "uint16", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
                 "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2": "float8_e5m2", "F8_E5M2FNUZ": "float8_e5m2fnuz",
                 "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2"}
-_MAX_HEADER_BYTES = 100_000_000  # safetensors refuses a longer header
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -101,18 +100,21 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
     file that is not such a file (truncated, overwritten); ``OSError`` for one that cannot be read."""
     import torch
 
+    from ardiff_cli.io.atomic import parse_json
+    from ardiff_cli.io.episode import MAX_HEADER_BYTES
+
     def refused(why: str) -> ValueError:
         return ValueError(f"{path}: not a readable safetensors file ({why})")
 
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         length = int.from_bytes(f.read(8), "little") if size >= 8 else 0
-        if size < 8 or 8 + length > size or length > _MAX_HEADER_BYTES:
+        if size < 8 or 8 + length > size or length > MAX_HEADER_BYTES:
             raise refused(f"{size} bytes: too short for its header ({8 + length} bytes)" if size >= 8 else
                           f"{size} bytes: too short for a header's length (8 bytes)")
         try:
-            header = json.loads(f.read(length))
-        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
+            header = parse_json(f.read(length))
+        except ValueError as exc:
             raise refused(f"its header is not JSON: {type(exc).__name__}") from None
         strings = header.pop("__metadata__", None) if isinstance(header, dict) else None
         if not isinstance(header, dict) or not isinstance(strings, (dict, type(None))) or any(
