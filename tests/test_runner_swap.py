@@ -1237,6 +1237,15 @@ def test_a_restored_snapshot_file_gives_its_disk_space_back_once_deleted(tmp_pat
     engine.close()
 
 
+def _a_swapped_out(tmp_path, config: str):
+    """An engine of capacity 1 whose session 'a' was swapped out to a file (as 'b' ran), and that file's path."""
+    engine, _ = engine_for(config, capacity=1, swap_dir=tmp_path / "swap")
+    run(engine, "a", 0)
+    run(engine, "b", 0)  # a swapped out
+    engine.runner.swap.flush()
+    return engine, engine.runner.swap.path_for("a")
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="reads /proc/self/maps and /proc/self/fd")
 @pytest.mark.parametrize("damage", ["flipped-bit", "other-count", "other-record"])
 def test_a_failed_restores_error_kept_by_the_caller_holds_no_mapping_of_the_deleted_snapshot(tmp_path, damage):
@@ -1253,12 +1262,8 @@ def test_a_failed_restores_error_kept_by_the_caller_holds_no_mapping_of_the_dele
     from ardiff_cli.runtime.swap import CRC_KEY, data_crc32
 
     swap = tmp_path / "swap"
-    engine, _ = engine_for("dreamzero-tiny", capacity=1, swap_dir=swap)
+    engine, path = _a_swapped_out(tmp_path, "dreamzero-tiny")
     runner = engine.runner
-    run(engine, "a", 0)
-    run(engine, "b", 0)  # a swapped out
-    runner.swap.flush()
-    path = runner.swap.path_for("a")
     if damage == "flipped-bit":
         data = bytearray(path.read_bytes())
         data[-100] ^= 1
@@ -1295,12 +1300,8 @@ def test_ctrl_c_while_a_snapshot_is_decoded_keeps_no_mapping_of_it_in_the_kept_e
     import ardiff_cli.runtime.runner as runner_module
 
     swap = tmp_path / "swap"
-    engine, _ = engine_for("causal-world-tiny", capacity=1, swap_dir=swap)
+    engine, path = _a_swapped_out(tmp_path, "causal-world-tiny")
     runner = engine.runner
-    run(engine, "a", 0)
-    run(engine, "b", 0)  # a swapped out
-    runner.swap.flush()
-    path = runner.swap.path_for("a")
     gc.collect()
     descriptors = len(os.listdir("/proc/self/fd"))
     monkeypatch.setattr(runner_module, "decode_snapshot", lambda *_: signal.raise_signal(signal.SIGINT))
