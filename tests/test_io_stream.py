@@ -1423,6 +1423,43 @@ def test_an_episode_folder_made_in_a_watched_folder_of_episodes_joins_the_run(tm
     assert [(e.name, e.path) for e in added] == [("arm_b", data / "arm_b")]
 
 
+@pytest.mark.parametrize("renamed", [True, False])
+@pytest.mark.parametrize("replaced", ["the_folder_of_episodes", "the_episode_folder"])
+def test_a_folder_made_where_a_finished_episode_of_a_watched_folder_was_read_is_named_and_joins_once_renamed(
+        tmp_path, replaced, renamed):
+    """robots/ renamed away and made again (a recorder's new day), or a finished robots/ep1 moved away and, a poll
+    later, an episode folder made under its name (a robot numbering from ep1 again): it never joined, without a word,
+    and the run's end said its step 1 "arrived after its END file was seen" and that --resume runs it (on the old
+    ep1's history). It is named as another folder where episode ep1 was read, and joins once renamed."""
+    data = tmp_path / "robots"
+    write_episode(data / "ep1", [good(0)], prompt="p")
+
+    def make():
+        write_episode(data / "ep1", [good(0), good(1)], prompt="p")
+
+    def rotate():
+        data.rename(tmp_path / "robots.old")
+        data.mkdir()
+        make()
+
+    if replaced == "the_folder_of_episodes":  # at once: the new folder's names are all looked at
+        away = [rotate]
+    else:  # moved, not deleted (its inode number stays its own), and a poll later a folder made under its name
+        away = [lambda: (data / "ep1").rename(tmp_path / "ep1.done"), make]
+    clock = FakeClock([lambda: None, *away, lambda: None] + [lambda: (data / "ep1").rename(data / "ep1-2")] * renamed)
+    warnings: list[str] = []
+    scheduler = StepScheduler(discover_episodes([data]), follow=True, idle_timeout=5, poll_interval=1, clock=clock,
+                              sleep=clock.sleep, watch=[data], warn=warnings.append)
+    joined = [("ep1-2", 0), ("ep1-2", 1), ("ep1-2", "end_marker")] if renamed else []
+    assert _drain(scheduler) == [("ep1", 0), ("ep1", "end_marker"), *joined]
+    assert warnings == [
+        f"{data / 'ep1'} did not join the run: episode 'ep1' of this run was read from that path, and this is another "
+        "folder (the one it read was deleted or moved away, or the folder of episodes replaced), so its steps do not "
+        f"run (rename it to a name this run has not used, such as {data / 'ep1-2'}, and it joins; or run it in a new "
+        "--out)"]  # not its step 1 as a late file of episode ep1
+    assert scheduler.late == {}
+
+
 def test_what_never_joined_a_watched_folder_of_episodes_is_named_when_the_run_ends(tmp_path):
     """A robot writing its episodes one level deeper (robots/2026-12-03/ep1) or its steps into robots/ itself: the
     followed run ended ok with none of them run and no word (a run without --follow fails such a folder). Each is

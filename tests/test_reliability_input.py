@@ -1055,12 +1055,15 @@ def test_out_that_is_a_link_to_nothing_names_the_link_before_loading(tmp_path, w
 
 
 @pytest.mark.parametrize("where", ["another_episode", "an_episode_of_the_run", "the_folder_of_episodes",
-                                   "the_folder_of_the_episode"])
+                                   "the_folder_of_the_episode", "inside_an_episode_of_the_folder_given",
+                                   "inside_the_episode_given"])
 def test_out_that_is_an_episode_folder_is_refused_and_left_as_it_was(tmp_path, cli_env, where):
     # `-o data/b` typed for `data/b` (or `-o data` for `data`): the run's files used to be written among the step
     # files, and the folder, now holding a run, was no longer taken for an episode by `rollout CFG data/` (skipped
     # without a word). `-o data` for `data/a`: the run was written among the episodes, and `rollout CFG data/` then
-    # failed an episode 'episodes' (the run's outputs folder) with exit 4.
+    # failed an episode 'episodes' (the run's outputs folder) with exit 4. `-o data/a/out`: the run's folder went
+    # wherever data/a went (a recorder publishing it by renaming data/a.part to data/a, with --follow, took it away
+    # mid-run: the run stopped at its next write, its later steps never ran).
     data = tmp_path / "data"
     for name in ("a", "b"):
         frame = np.zeros((16, 16, 3), np.uint8)
@@ -1068,14 +1071,20 @@ def test_out_that_is_an_episode_folder_is_refused_and_left_as_it_was(tmp_path, c
                                      "joint_position": np.zeros(7, np.float32),
                                      "gripper_position": np.zeros(1, np.float32)}], prompt="p")
     out, episode = {"another_episode": ("data/b", "data/a"), "an_episode_of_the_run": ("data/a", "data/a"),
-                    "the_folder_of_episodes": ("data", "data"), "the_folder_of_the_episode": ("data", "data/a")}[where]
+                    "the_folder_of_episodes": ("data", "data"), "the_folder_of_the_episode": ("data", "data/a"),
+                    "inside_an_episode_of_the_folder_given": ("data/a/out", "data"),
+                    "inside_the_episode_given": ("data/a/runs/eval1", "data/a")}[where]
     before = sorted(p.relative_to(tmp_path) for p in data.rglob("*"))
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", episode, "-o", out,
                            "--format", "plain"], cwd=tmp_path, env=cli_env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2, proc.stderr
     said = {"the_folder_of_episodes": "is also given as EPISODE",
-            "the_folder_of_the_episode": "holds the EPISODE data/a"}
+            "the_folder_of_the_episode": "holds the EPISODE data/a",
+            "inside_an_episode_of_the_folder_given": "is inside the episode folder data/a: the run's files would be "
+                                                     "moved or deleted with the robot's",
+            "inside_the_episode_given": "is inside the episode folder data/a: the run's files would be moved or "
+                                        "deleted with the robot's"}
     said = said.get(where, "is an episode folder (it holds END, episode.yaml")
     assert f"Error: --out {out} {said}" in proc.stderr, proc.stderr
     assert "hint: choose another --out" in proc.stderr

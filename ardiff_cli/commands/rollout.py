@@ -320,7 +320,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         known = {e.path.resolve() for e in episodes}
         watch = [path.resolve() for path in episode_paths if path.resolve() not in known]
     if out is not None and not resume:
-        _refuse_an_episode_folder_as_out(Path(out), [*episode_paths, *(e.path for e in episodes)])
+        _refuse_an_episode_folder_as_out(Path(out), [*episode_paths, *(e.path for e in episodes)],
+                                         [e.path for e in episodes])
     if resume:
         # An episode keeps the name its folder had when the run started, whatever the order of EPISODE now:
         # two folders both named `ep` are `ep` and `ep-2` by the order they were given in.
@@ -510,11 +511,14 @@ def _refuse_another_runs_kept_snapshots(swap_dir: Path, started: float) -> None:
                           hint="give this run a .swap of its own, or delete that kept.json to let it discard them")
 
 
-def _refuse_an_episode_folder_as_out(out: Path, inputs: list[Path]) -> None:
+def _refuse_an_episode_folder_as_out(out: Path, inputs: list[Path], episodes: list[Path]) -> None:
     """``--out`` may not be an EPISODE folder or one holding step files: the run's files would be mixed with the
     robot's, and a folder holding a run is no longer taken for an episode (``rollout CFG data/`` skips it). Nor
     may it be a folder of the episodes, given as EPISODE or holding one: ``rollout CFG data/`` would take the
-    run's episodes/ folder for an episode."""
+    run's episodes/ folder for an episode. Nor a folder inside one of the ``episodes`` (``-o data/ep1/out``): the
+    run went where its episode folder went, and a recorder that renames it to publish the episode (which --follow
+    follows) or removes it once ended took the run's folder away mid-run. Inside a folder of episodes is fine: a
+    run's folder there is never taken for an episode (``rollout CFG .`` beside its default ./ardiff-runs)."""
     from ardiff_cli.io.episode import episode_entries, listed
 
     target = out.resolve()
@@ -528,6 +532,10 @@ def _refuse_an_episode_folder_as_out(out: Path, inputs: list[Path]) -> None:
     elif inside := next((path for path in inputs if path.resolve().parent == target), None):
         message = (f"--out {out} holds the EPISODE {inside}: the run's files would be written among the episodes, "
                    "and its episodes/ folder taken for one by a later rollout")
+    elif inside := next((path for path in episodes if path.resolve() in target.parents), None):
+        message = (f"--out {out} is inside the episode folder {inside}: the run's files would be moved or deleted "
+                   "with the robot's (a recorder that renames the folder to publish the episode, or removes it once it "
+                   "ended, takes the run's folder away while it writes)")
     else:
         return
     raise ConfigError(message, hint="choose another --out for the outputs, such as runs/eval1")

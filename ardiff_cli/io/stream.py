@@ -139,6 +139,7 @@ class _Watched:
     listed_at: float = -float("inf")  # when it was last listed (time.monotonic)
     trusted: bool = False  # listed once ``stamp`` was settled: nothing was added or removed while it holds
     stamp_unreliable: bool = False  # a name came without changing ``stamp``: listed at every poll
+    folder_inode: int | None = None  # its inode number at the last listing: another one is another folder there
 
 
 class StepScheduler:
@@ -289,6 +290,7 @@ class StepScheduler:
                     continue
                 source = self._names.add(path)
                 if source is None:  # an episode already: given as EPISODE too, or a link to one
+                    self._warn_another_folder(path)  # or another folder where an episode of the run was read
                     continue
                 self._on_new_episode(source)  # the run records it before any of its steps is handed out
                 done = self._done.get(source.name, {})
@@ -327,6 +329,14 @@ class StepScheduler:
             return []
         if watched.trusted and names != watched.names:
             watched.stamp_unreliable = True  # a name came (or went) without the timestamps changing
+        # A name gone since the last listing, or every name of a folder put in the watched one's place (renamed away
+        # and made again: a recorder starting a new day's folder), is looked at again when a folder comes there: it
+        # stayed settled, and an episode folder made under a finished episode's name was passed over without a word.
+        if watched.folder_inode in (None, st.st_ino):
+            watched.settled -= watched.names - names
+        else:
+            watched.settled.clear()
+        watched.folder_inode = st.st_ino
         found = new_episode_folders(watched.folder, watched.settled, names)
         settle = _SETTLE if st.st_mtime_ns % 1_000_000_000 else _SETTLE_COARSE
         watched.trusted = not watched.stamp_unreliable and now - watched.stamp_seen >= settle
@@ -351,6 +361,23 @@ class StepScheduler:
                     and self._follow_rename(track)):
                 return True
         return False
+
+    def _warn_another_folder(self, path: Path) -> None:
+        """``path``, an episode folder in a watched folder of episodes, is where an episode of the run was read, but
+        another folder (that one deleted or moved away, or the watched folder replaced, and a folder made again under
+        its name): it does not join the run, which has an episode at that path already (its outputs, run.json and
+        --resume name episodes by their folder), and is named instead of passed over."""
+        track = self._by_name.get(self._names.of(path) or "")
+        try:
+            inode = path.stat().st_ino
+        except OSError:
+            return
+        if track is None or _identity(track) in (None, inode):  # the episode's own folder: given twice, or a link
+            return
+        self._warn(f"{path} did not join the run: episode {track.source.name!r} of this run was read from that path, "
+                   "and this is another folder (the one it read was deleted or moved away, or the folder of episodes "
+                   f"replaced), so its steps do not run (rename it to a name this run has not used, such as "
+                   f"{shell_word(path.parent / (path.name + '-2'))}, and it joins; or run it in a new --out)")
 
     def _follow_rename(self, track: _Track) -> bool:
         """Follow ``track`` at its folder's new name, if the folder was renamed in a watched folder of episodes to a
@@ -461,6 +488,9 @@ class StepScheduler:
             if reason is None:
                 continue
             try:
+                st = _folder_stat(track.source.path)
+                if st is not None and st.st_ino != _identity(track):  # another folder there now: not its late files
+                    continue
                 # a writer's temporary name there (tmpabcdefgh.safetensors) hid the numbered ones: passed over
                 late = [f.path.name for f in track.source.scan(skip=track.taken, unnumbered=[])]
             except (ObservationError, OSError):  # the folder is gone or unreadable now: nothing to name
