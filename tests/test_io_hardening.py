@@ -732,7 +732,7 @@ def test_an_episode_folder_linked_to_nothing_is_named_as_a_link(tmp_path):
 @pytest.mark.parametrize("where", ["step", "episode.yaml"])
 def test_a_prompt_given_twice_differently_in_one_place_is_refused_not_one_silently_taken(tmp_path, where):
     """`prompt` and `language_instruction` with different tasks in one step's metadata or one episode.yaml: one was
-    taken silently (a Python request giving both is refused); the same text under both keys runs."""
+    taken silently (a Python request giving both is refused too); the same text under both keys runs."""
     folder = tmp_path / "ep"
     both = {"prompt": "pick the cup", "language_instruction": "place the cup"}
     if where == "step":

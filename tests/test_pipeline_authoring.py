@@ -64,6 +64,7 @@ def pipeline_class():
 MODEL = '''
 import contextlib
 import dataclasses
+import json
 import os
 import time
 import zlib
@@ -71,7 +72,7 @@ import zlib
 import numpy as np
 import torch
 
-from ardiff_cli.runtime import ARDiffusionRequest
+from ardiff_cli.runtime import ARDiffusionRequest, ObservationField, ObservationSchema
 from lab_world import Config, observation_schema as _schema
 
 
@@ -332,6 +333,40 @@ class WarmupNoPrompt(LabPipeline):
 
     def forward(self, request):
         return super().forward(dataclasses.replace(request, inputs={**request.inputs, "prompt": ""}))
+
+
+class WarmupTwoPrompts(LabPipeline):
+    observation_schema = staticmethod(lambda: ObservationSchema(fields=_schema().fields,
+                                                                prompt_aliases=("language_instruction",)))
+
+    def ar_diffusion_warmup_requests(self, session_id):  # two tasks: which one would it warm up?
+        yield ARDiffusionRequest("warm0", {"state": np.zeros(6, np.float32), "prompt": "pick",
+                                           "language_instruction": "place"}, {"session_id": session_id})
+
+
+class RecordsInputs(LabPipeline):
+    """Its schema takes DROID's keys too, and its warmup gives them, in float64, as a recorder might: one inputs
+    mapping, given to each request. Its forward logs what it is given, and what that mapping holds then."""
+
+    observation_schema = staticmethod(lambda: ObservationSchema(
+        fields=(ObservationField("state", "float32", ((6,),), aliases=("observation/state",)),),
+        prompt_aliases=("language_instruction",)))
+
+    def ar_diffusion_warmup_requests(self, session_id):
+        self.given = {"observation/state": np.zeros(6), "language_instruction": "warm", "seed": 3}
+        yield ARDiffusionRequest("warm0", self.given, {"session_id": session_id})
+        yield ARDiffusionRequest("warm1", self.given, {"session_id": session_id})
+        yield ARDiffusionRequest("warm2", {"state": np.zeros(6), "prompt": "warm", "language_instruction": "warm",
+                                           "seed": 3}, {"session_id": session_id})
+
+    def forward(self, request):
+        def kinds(inputs):
+            return {key: [type(v).__name__, str(getattr(v, "dtype", ""))] for key, v in inputs.items()}
+
+        with open(os.environ["LAB_INPUTS"], "a") as log:
+            given = kinds(self.given) if request.request_id.startswith("warm") else None
+            log.write(json.dumps([request.request_id, kinds(request.inputs), given]) + "\\n")
+        return super().forward(request)
 
 
 class WarmupInputsNone(LabPipeline):
@@ -664,6 +699,7 @@ def test_the_built_in_pipelines_never_keep_more_than_they_declare(cli_env, tmp_p
     ("WarmupWrongShape", "'state' has shape (4,), expected (6,)"),
     ("WarmupWrongDtype", "'state' has dtype int64, expected a floating dtype (float32)"),  # it passed silently
     ("WarmupNoPrompt", "missing prompt 'prompt'"),  # the seed beside it, no schema field, is left alone
+    ("WarmupTwoPrompts", "prompt given twice, differently: 'prompt' is 'pick', 'language_instruction' is 'place'"),
 ])
 def test_warmup_requests_whose_inputs_the_schema_refuses_are_the_pipelines_error(lab, name, problem):
     """A warmup request unlike any step rollout hands the forward warmed up another path than the steps take
@@ -680,6 +716,40 @@ def test_warmup_requests_whose_inputs_the_schema_refuses_are_the_pipelines_error
                          f"lab_world.model:{name}")
         assert rollout.returncode == 1 and said in rollout.stderr, rollout.stderr
         assert (root / f"out_{name}" / "results.jsonl").read_text() == ""
+
+
+def test_warmup_requests_reach_the_forward_as_a_steps_inputs_do(lab, tmp_path):
+    """A warmup request's float64 state reached the forward as float64, and one under DROID's keys under those keys
+    (a forward reading 'state' failed with KeyError), where a step's reach it as float32 under the schema's names:
+    warmup warmed up another path than the steps take. A prompt given under both keys, as one text, was refused, where
+    a step file giving both runs. The pipeline's own inputs mapping, which it gives twice, is left as it was."""
+    root, env = lab
+    log = tmp_path / "inputs"
+    env = {**env, "LAB_INPUTS": str(log)}
+    both = {"prompt": "warm", "language_instruction": "warm"}
+    write_episode(tmp_path / "droid", [{"observation/state": np.zeros(6)}] * 2, metadata=both)
+
+    def run(command, *args):
+        return subprocess.run([sys.executable, "-m", "ardiff_cli", command, "unnamed.yaml", *args, "--pipeline",
+                               "lab_world.model:RecordsInputs"], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=300)
+
+    warmup = run("warmup", "--format", "json")
+    assert warmup.returncode == 0, warmup.stderr
+    result = json.loads(warmup.stdout.splitlines()[-1])
+    # what the forward got, so that the requests of one path are of one shape (steady_s)
+    assert [r["shape"] for r in result["requests"]] == ["state (6,), prompt, seed"] * 3, result
+    rollout = run("rollout", str(tmp_path / "droid"), "-o", str(tmp_path / "out"), "--no-warmup")
+    assert rollout.returncode == 0, rollout.stderr
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = {"state": ["ndarray", "float32"], "prompt": ["str", ""]}
+    warm = {**steps, "seed": ["int", ""]}  # the seed, no schema key, the pipeline's own as it gave it
+    # warm1 twice: it is run again on its session rebuilt from its export, as it ran the first time
+    assert [(rid, inputs) for rid, inputs, _ in records] == [
+        ("warm0", warm), ("warm1", warm), ("warm1", warm), ("warm2", warm), ("droid/000000", steps),
+        ("droid/000001", steps)], records
+    given = {"observation/state": ["ndarray", "float64"], "language_instruction": ["str", ""], "seed": ["int", ""]}
+    assert [kept for rid, _, kept in records if rid.startswith("warm")] == [given] * 4, records
 
 
 def test_an_output_on_the_meta_device_is_named_in_warmup_and_in_a_step(lab):

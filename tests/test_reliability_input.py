@@ -2070,7 +2070,16 @@ def test_a_schema_with_a_wrong_field_prompt_key_dtype_or_size_is_a_problem_named
 
 def test_a_prompt_given_under_two_keys_is_refused_not_one_silently_dropped():
     assert problems(observation(language_instruction="place it")) == (
-        "w: prompt given twice ('prompt' and 'language_instruction')")
+        "w: prompt given twice, differently: 'prompt' is 'p', 'language_instruction' is 'place it'")
+    assert problems(observation(language_instruction=["p"])) == (
+        "w: prompt given twice, differently: 'prompt' is 'p', 'language_instruction' is ['p']")
+
+
+def test_one_prompt_under_two_keys_is_one_prompt_as_in_a_step_file():
+    """`prompt` and `language_instruction` giving one text was refused as "given twice" in a request (a warmup
+    request too), where a step file's metadata giving both runs: both run with it, under the prompt key."""
+    out = validate_observation(SCHEMA, observation(language_instruction="p"), where="w")
+    assert list(out) == ["image", "joints", "prompt"] and out["prompt"] == "p"
 
 
 JOINTS = ObservationField("joints", "float32", ((7,),))

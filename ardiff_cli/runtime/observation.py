@@ -174,8 +174,9 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
 
     Returns canonical key -> numpy array (float fields cast to their declared
     dtype) and ``schema.prompt_key`` -> str. Every problem (unknown or
-    duplicate keys, missing fields, wrong dtypes or shapes, a missing prompt)
-    is collected and raised as one ``ObservationError`` that names them all.
+    duplicate keys, missing fields, wrong dtypes or shapes, a missing prompt,
+    two different prompts: one text under two of its keys is one prompt) is
+    collected and raised as one ``ObservationError`` that names them all.
     """
     if not isinstance(arrays, Mapping):  # it was an AttributeError: 'NoneType' object has no attribute 'items'
         raise ObservationError(f"{where}: an observation is a mapping (dict) of field name -> array, got "
@@ -189,8 +190,10 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
     valid_keys = [k for f in schema.fields for k in f.keys] + list(prompt_keys)
     for key, value in arrays.items():
         if key in prompt_keys:
-            if schema.prompt_key in out:
-                problems.append(f"prompt given twice ({seen[schema.prompt_key]!r} and {key!r})")
+            if schema.prompt_key in out:  # one text under two keys is one prompt, as in a step file's metadata
+                if not isinstance(value, str) or value != out[schema.prompt_key]:
+                    problems.append(f"prompt given twice, differently: {seen[schema.prompt_key]!r} is "
+                                    f"{shown(out[schema.prompt_key])}, {key!r} is {shown(value)}")
             elif not isinstance(value, str):
                 problems.append(f"prompt {key!r} must be a string, got {type(value).__name__}")
                 seen[schema.prompt_key] = key  # given, if wrongly: not also "missing prompt"

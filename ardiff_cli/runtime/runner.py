@@ -26,7 +26,7 @@ import types
 import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -122,21 +122,25 @@ class LifecycleHookError(ArdiffError, RuntimeError):
     """A pipeline reset/close hook raised. The session's KV was released regardless."""
 
 
-def _check_warmup_inputs(schema: ObservationSchema, request: ARDiffusionRequest, where: str, name: str) -> None:
-    """A ``PipelineError`` unless the schema's fields and prompt in ``request.inputs`` are as a rollout step hands
-    them to the forward (``validate_observation``); other keys (a seed) are the pipeline's own and left alone."""
+def _as_a_step(schema: ObservationSchema, request: ARDiffusionRequest, where: str, name: str) -> ARDiffusionRequest:
+    """``request`` with the schema's fields and prompt in its inputs as a rollout step hands them to the forward
+    (``validate_observation``: canonical keys, numpy arrays in the fields' dtypes), so that warmup runs the path the
+    steps take; other keys (a seed) are the pipeline's own, passed as given. A new request: the pipeline may give its
+    request, or its inputs mapping, again. A ``PipelineError`` when the schema refuses them."""
     request.check()  # inputs that are no mapping: the request's own error, as a step's (not 'no attribute items')
     prompt_keys = (schema.prompt_key, *schema.prompt_aliases) if schema.prompt_key else ()
-    inputs = {key: value for key, value in request.inputs.items()
+    fields = {key: value for key, value in request.inputs.items()
               if isinstance(key, str) and (key in prompt_keys or schema.field(key) is not None)}
     try:
-        validate_observation(schema, inputs, where=where)
+        valid = validate_observation(schema, fields, where=where)
     except ObservationError as exc:
         raise PipelineError(
             f"{where}: its inputs do not match the pipeline's observation_schema: "
             f"{str(exc).removeprefix(f'{where}: ')}",
             hint=f"make ar_diffusion_warmup_requests() give inputs like a step's, which rollout checks against "
                  f"{name}'s observation_schema ({exc.hint}): README, 'Adding a pipeline'") from None
+    own = {key: value for key, value in request.inputs.items() if key not in fields}
+    return replace(request, inputs={**valid, **own})
 
 
 class PipelineContractError(PipelineError, TypeError):
@@ -226,8 +230,8 @@ def _missing_input(pipeline: Any, request: ARDiffusionRequest, exc: KeyError) ->
     return MissingInputError(
         f"{name}.forward() raised KeyError: {key!r}: the forward read input {key!r}, which the inputs of {what} "
         f"{shown(request.request_id)} do not hold (their keys: {held})",
-        hint=f"the pipeline's observation_schema and {name}.forward() disagree on the input's name: a step's inputs "
-             "hold the schema's fields (a warmup request, what ar_diffusion_warmup_requests() put in it); read that "
+        hint=f"the pipeline's observation_schema and {name}.forward() disagree on the input's name: a step's inputs, "
+             "and a warmup request's, hold the schema's fields under its names (aliases resolved); read that "
              f"name in the forward, or rename the schema's field{f' (did you mean {near[0]!r}?)' if near else ''}")
 
 
@@ -1300,8 +1304,9 @@ class ARDiffusionModelRunner:
     @_one_at_a_time
     def warmup(self, schema: ObservationSchema | None = None) -> WarmupReport:
         """Run the pipeline's warmup requests under a reserved session; always release it. With ``schema`` (the
-        pipeline's observation schema, which the engine gives), each request's inputs are checked against it first,
-        as a rollout step's are: a request unlike any step warms up another path than the steps take."""
+        pipeline's observation schema, which the engine gives), each request's inputs are checked against it and
+        converted first, as a rollout step's are: a request unlike any step warms up another path than the steps take.
+        """
         cache = self._require_loaded()
         if not isinstance(self.pipeline, SupportsARDiffusionWarmup):
             return WarmupReport(skipped=True)
@@ -1340,11 +1345,11 @@ class ARDiffusionModelRunner:
                         f"expected {WARMUP_SESSION_ID!r} (the session_id {provider} is given)",
                         hint=PIPELINE_HINT,
                     )
-                if schema is not None:
-                    _check_warmup_inputs(schema, request, where, type(self.pipeline).__name__)
+                if schema is not None:  # from here on, the request as the forward gets it
+                    request = _as_a_step(schema, request, where, type(self.pipeline).__name__)
                 with self._locked():
                     goes_on = WARMUP_SESSION_ID in self._sessions and not request.reset
-                before = None  # (the session as a swap-out writes it, the request as given) before it ran
+                before = None  # (the session as a swap-out writes it, the request as run) before it ran
                 if goes_on and not rerun and last_export[0]:
                     rerun, before = True, self._warmup_snapshot(request, last_export[1])
                 t0 = time.perf_counter()
