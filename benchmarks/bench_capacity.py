@@ -64,16 +64,12 @@ def actual_bytes(engine) -> dict[str, int]:
     pool_bytes = sum(seen.values())
     assert pool_bytes == pool.nbytes, f"pool tensors hold {pool_bytes} bytes but pool.nbytes says {pool.nbytes}"
     cross_bytes = model_bytes = 0
-    spec = runner.spec
     for session_id in runner.session_ids:
-        state = runner._sessions[session_id].state  # read-only look at the runner's table
-        for branch in spec.branch_names:
-            for cache in spec.cross_attention:
-                if state.has_cross_attention(branch, cache.name):
-                    pairs = state.cross_attention(branch, cache.name)
-                    new = {k: v for k, v in _storages(t for pair in pairs for t in pair).items() if k not in seen}
-                    seen.update(new)
-                    cross_bytes += sum(new.values())
+        # read-only look at the runner's table: its states refuse the forward's reads outside a request
+        for pairs in runner._sessions[session_id].state._cross.values():
+            new = {k: v for k, v in _storages(t for pair in pairs for t in pair).items() if k not in seen}
+            seen.update(new)
+            cross_bytes += sum(new.values())
         record = pipe.sessions.get(session_id)
         if record is not None:
             tensors = [getattr(record, f.name) for f in dataclasses.fields(record)]

@@ -124,8 +124,10 @@ def instrumented(recorder: Recorder):
         setattr(owner, name, value)
 
     State = state.ARDiffusionKVState
-    for name in ("get_kv_caches", "commit", "adapter", "has_cross_attention", "cross_attention", "reset"):
+    for name in ("get_kv_caches", "commit", "has_cross_attention", "cross_attention", "reset"):
         patch(State, name, recorder.kv_call(name, getattr(State, name)))
+    # adapter() is the forward's, _adapter both its and the runner's views between requests (adapter() refuses those)
+    patch(State, "_adapter", recorder.kv_call("adapter", State._adapter))
     populate = State.populate_cross_attention
     patch(State, "populate_cross_attention", recorder.kv_call(
         "populate_cross_attention", lambda self, branch, name, pairs: populate(self, branch, name,

@@ -950,3 +950,58 @@ def test_an_empty_scratch_env_means_unset(monkeypatch, make_spec, value):
     monkeypatch.setenv(SCRATCH_ENV, value)
     assert scratch_blocks_from_env() == 1
     assert KVLayout.from_spec(make_spec()) == KVLayout.from_spec(make_spec(), scratch_blocks=1)
+
+
+def test_a_state_held_outside_its_binding_refuses_the_forwards_calls_and_the_runners(make_spec, make_cache):
+    """The runner holds its states with ``bound`` set: True around one forward, False between requests. Outside the
+    binding every call of the forward's raises, reads included (a pipeline that kept the state read this session's KV
+    into another session's outputs); export, restore and close are the runner's (``_export``, ``_restore``,
+    ``_close``) whether bound or not. The counts stay readable. Once the runner closed it, each call says the
+    session was released and its pages may hold another session's KV."""
+    spec = make_spec(cross_attention=CROSS)
+    cache = make_cache(spec)
+    state = cache.new_state("s")
+    state.bound = True  # as the runner binds it
+    forward(state, "positive", 2, commit=True)
+    state.populate_cross_attention("positive", "text", cross_pairs(spec, "text"))
+    text, adapter = state.cross_attention("positive", "text"), state.adapter("positive")
+    snapshot = state._export()
+    state.bound = False  # the forward is over
+    reads = {
+        "adapter": lambda: state.adapter("positive"),
+        "has_cross_attention": lambda: state.has_cross_attention("positive", "text"),
+        "cross_attention": lambda: state.cross_attention("positive", "text"),
+        "get_kv_caches": lambda: state.get_kv_caches("positive", seq_len=8),
+        "commit": lambda: state.commit("positive"),
+        "reset": lambda: state.reset(),
+    }
+    for name, call in reads.items():
+        with pytest.raises(RuntimeError, match=rf"^{name}\(\) on the AR-Diffusion KV state of session 's' outside its "
+                                                r"request: .*bind_ar_diffusion_state.*must not retain it"):
+            call()
+    other = cache.new_state("t")
+    other.restore(snapshot)  # a state the runner does not hold (bound None) takes it
+    assert other.export().metadata == snapshot.metadata
+    other.close()
+    for bound in (False, True):
+        state.bound = bound
+        for name, call in {"export": state.export, "restore": lambda: state.restore(snapshot),
+                           "close": state.close}.items():
+            with pytest.raises(RuntimeError, match=rf"^{name}\(\) on the AR-Diffusion KV state of session 's', which "
+                                                    "the runner holds"):
+                call()
+    assert not state.closed and state.num_pages == 2 and state.page_ids() == list(adapter.page_ids)
+    assert state.cross_attention_bytes == sum(k.nbytes + v.nbytes for k, v in text)
+    assert state.cross_attention("positive", "text") is text and state.adapter("positive") is adapter  # bound again
+    state.bound = False
+    assert state._adapter("positive") is adapter  # the runner's views
+    state._close()  # the runner releases the session
+    released = (r"state is closed: the runner released the session \(closed, reset, evicted or swapped out\) and "
+                r"freed its pages, which may hold another session's KV now")
+    for name, call in {**reads, "export": state.export, "restore": lambda: state.restore(snapshot)}.items():
+        with pytest.raises(RuntimeError, match=rf"^{name}\(\) on the AR-Diffusion KV state of session 's': the "
+                                                + released):
+            call()
+    state.close()  # closed already: nothing to do
+    assert state.num_pages == state.cross_attention_bytes == 0 and state.page_ids() == []
+    assert cache.num_free_pages == cache.num_managed_pages

@@ -126,7 +126,7 @@ class EngineChurn(RuleBasedStateMachine):
         views = self.runner.sessions()
         assert [v.num_requests for v in views] == [len(h) for h in self.model.values()]
         pages = [p for sid in resident for b in self.runner.spec.branch_names
-                 for p in self.runner._sessions[sid].state.adapter(b).page_ids]
+                 for p in self.runner._sessions[sid].state._adapter(b).page_ids]
         assert len(pages) == len(set(pages)) == self.runner.pool_usage().num_used, "page held twice or leaked"
         full_cross = self.plan.cross_attention_bytes_per_session
         assert all(v.cross_attention_bytes == full_cross for v in views)

@@ -81,12 +81,12 @@ def snapshot(engine, session: str) -> dict:
     kv = runner.kv_cache.pool.kv  # (layers, 2, H, pages, page_size, D)
     out: dict = {"model": engine.pipeline.sessions[session].anchor_latent.clone()}
     for branch in runner.spec.branch_names:
-        adapter = state.adapter(branch)
+        adapter = state._adapter(branch)  # the runner's view: adapter() is the forward's only
         pages = torch.tensor(adapter.page_ids, dtype=torch.long)
         out[branch] = (adapter.page_ids, adapter.num_committed_frames)
         out[(branch, "kv")] = kv.index_select(3, pages).clone()  # every layer's K and V of these pages
         for name in ("text", "image"):
-            out[(branch, name)] = [(k.clone(), v.clone()) for k, v in state.cross_attention(branch, name)]
+            out[(branch, name)] = [(k.clone(), v.clone()) for k, v in state._cross[(branch, name)]]
     return out
 
 
@@ -114,7 +114,7 @@ def assert_outputs_equal(got: dict, want: dict) -> None:
 
 def held(engine, session: str) -> int:
     state = engine.runner._sessions[session].state
-    return sum(len(state.adapter(b).page_ids) for b in engine.runner.spec.branch_names)
+    return sum(len(state._adapter(b).page_ids) for b in engine.runner.spec.branch_names)
 
 
 # (name, target session, target step, fault factory, expected exception, message pattern)

@@ -38,6 +38,7 @@ from ardiff_cli.runtime.errors import (
     RequestError,
     StopRequested,
 )
+from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
 from ardiff_cli.runtime.request import DEFAULT_SESSION_ID, ARDiffusionRequest
 from ardiff_cli.runtime.runner import (
     WARMUP_SESSION_ID,
@@ -61,7 +62,7 @@ def make_runner(pipeline=None, *, capacity=2, events=None, **kwargs) -> ARDiffus
 
 def held_pages(runner) -> dict[str, set[int]]:
     return {
-        sid: {p for b in runner.spec.branch_names for p in s.state.adapter(b).page_ids}
+        sid: {p for b in runner.spec.branch_names for p in s.state._adapter(b).page_ids}
         for sid, s in runner._sessions.items()
     }
 
@@ -813,8 +814,8 @@ def test_two_cfg_branches_each_hold_pages():
     runner.execute_model(request("a", 0))
     view = runner.sessions()[0]
     assert view.pages_per_branch == {"positive": 2, "negative": 2}
-    pos = set(runner._sessions["a"].state.adapter("positive").page_ids)
-    neg = set(runner._sessions["a"].state.adapter("negative").page_ids)
+    pos = set(runner._sessions["a"].state._adapter("positive").page_ids)
+    neg = set(runner._sessions["a"].state._adapter("negative").page_ids)
     assert not pos & neg
     assert view.cross_attention_bytes == 2 * runner.capacity_plan.cross_attention_bytes["text"]
 
@@ -1119,8 +1120,11 @@ def test_a_layer_context_kept_past_its_request_is_stale():
 def test_a_kv_state_kept_past_its_request_refuses_changes_and_its_session_is_as_it_was():
     """The contract: the runner binds a session's state around one forward, and the pipeline must not retain it.
     One kept past its request (used in a lifecycle hook, or in another session's forward) freed, extended or
-    overwrote that session's KV outside any request of it, the runner's view of the session stale. Each change is
-    a RuntimeError naming the session; the kept session is as it was, and its own next request binds it again."""
+    overwrote that session's KV outside any request of it, the runner's view of the session stale, or read it into
+    another session's outputs. Each call of the forward's, reads included, is a RuntimeError naming the session, and
+    so are export, restore and close (the runner's: a kept state's close() freed a resident session's pages, and
+    its next request failed, its history gone); the kept session is as it was, and its own next request binds it
+    again. What it holds (num_pages, cross_attention_bytes) stays readable."""
 
     class KeepsState(TinyPipeline):
         kept = None
@@ -1129,6 +1133,8 @@ def test_a_kv_state_kept_past_its_request_refuses_changes_and_its_session_is_as_
         def forward(self, req):
             if self.misuse == "forward":  # a pipeline bug: the state of an earlier request, another session's
                 self.kept.populate_cross_attention("main", "text", self._text_kv(9, "main"))
+            elif self.misuse == "close":  # "free what the pipeline held": another session's KV, under the runner
+                self.kept.close()
             out = super().forward(req)
             self.kept = self.kept or self._state
             return out
@@ -1144,27 +1150,79 @@ def test_a_kv_state_kept_past_its_request_refuses_changes_and_its_session_is_as_
     kept = pipe.kept
     before = runner.sessions()[0]
     free = runner.pool_usage().num_free
-    changes = {
+    snapshot = ARDiffusionKVCache(pipe.spec, 16).new_state("a").export()  # an empty session's
+    calls = {
         "get_kv_caches": lambda: kept.get_kv_caches("main", 8, commit_current=True),
         "commit": lambda: kept.commit("main"),
         "populate_cross_attention": lambda: kept.populate_cross_attention("main", "text", pipe._text_kv(9, "main")),
         "reset": lambda: kept.reset(),
+        "adapter": lambda: kept.adapter("main"),
+        "has_cross_attention": lambda: kept.has_cross_attention("main", "text"),
+        "cross_attention": lambda: kept.cross_attention("main", "text"),
     }
-    for name, change in changes.items():
+    for name, call in calls.items():
         with pytest.raises(RuntimeError, match=rf"{name}\(\) on the AR-Diffusion KV state of session 'a' outside its "
                                                 r"request.*bind_ar_diffusion_state"):
-            change()
+            call()
+    for name, call in {"export": kept.export, "restore": lambda: kept.restore(snapshot), "close": kept.close}.items():
+        with pytest.raises(RuntimeError, match=rf"{name}\(\) on the AR-Diffusion KV state of session 'a', which the "
+                                                "runner holds: the runner exports, restores and closes"):
+            call()
     pipe.misuse = "forward"  # in session b's forward: b fails (and is released), a is untouched
     with pytest.raises(RuntimeError, match=r"KV state of session 'a' outside its request"):
+        runner.execute_model(request("b", 0))
+    pipe.misuse = "close"
+    with pytest.raises(RuntimeError, match=r"close\(\) on the AR-Diffusion KV state of session 'a', which the runner"):
         runner.execute_model(request("b", 0))
     pipe.misuse = "hook"  # b's close hook: b is closed all the same, a is untouched
     runner.execute_model(request("b", 0, close_session=True))
     assert runner.hook_errors and "KV state of session 'a' outside its request" in str(runner.hook_errors[-1])
     pipe.misuse = None
-    assert runner.session_ids == ["a"] and runner.pool_usage().num_free == free
-    assert kept.adapter("main").num_committed_frames == before.committed_frames["main"] == 2
-    assert kept.cross_attention_bytes == before.cross_attention_bytes > 0
-    assert kept.has_cross_attention("main", "text")  # reads stay open: the runner's views, benchmarks
+    assert runner.session_ids == ["a"] and runner.pool_usage().num_free == free and not kept.closed
+    assert runner.sessions() == [before] and before.committed_frames["main"] == 2
+    assert kept.cross_attention_bytes == before.cross_attention_bytes > 0  # counts stay readable
+    assert kept.num_pages == sum(before.pages_per_branch.values()) > 0
     runner.execute_model(request("a", 1))  # bound again by its own request: usable as before
     assert runner.sessions()[-1].committed_frames == {"main": 4}
+    runner.close()
+
+
+def _prompted(session: str, step: int, prompt: int) -> ARDiffusionRequest:
+    req = request(session, step)
+    req.inputs["prompt"] = prompt
+    return req
+
+
+def test_a_kv_state_kept_past_its_request_is_not_read_in_another_sessions_forward():
+    """A pipeline that keeps the first state bound and reads its text cache in every later forward computed session
+    b's outputs from session a's prompt, silently, while a was resident; once a was evicted, the pages its state
+    had named hold another session's KV. Either read is a RuntimeError naming a and the contract: b's forward fails
+    (b is released, as after any failed forward), and a is as it was."""
+    pipe = TinyPipeline()
+    pipe.keep_state = True
+    runner = make_runner(pipe, capacity=2)
+    runner.execute_model(_prompted("a", 0, prompt=1))
+    a_view, a_pages = runner.sessions()[0], held_pages(runner)["a"]
+    with pytest.raises(RuntimeError, match=r"^cross_attention\(\) on the AR-Diffusion KV state of session 'a' outside "
+                                           r"its request: the runner binds .* must not retain it"):
+        runner.execute_model(_prompted("b", 0, prompt=2))  # it returned b's output of prompt 1, a's
+    assert runner.session_ids == ["a"] and runner.sessions() == [a_view]
+
+    pipe.keep_state = False  # c and d run as they should, and d evicts a (least recently used)
+    runner.execute_model(_prompted("c", 0, prompt=3))
+    runner.execute_model(_prompted("d", 0, prompt=4))
+    assert runner.session_ids == ["c", "d"] and pipe.kept_state.closed
+    assert a_pages & (held_pages(runner)["c"] | held_pages(runner)["d"])  # a's pages hold another session's KV
+    pipe.keep_state = True
+    with pytest.raises(RuntimeError, match=r"^cross_attention\(\) on the AR-Diffusion KV state of session 'a': the "
+                                           r"state is closed: the runner released the session \(closed, reset, "
+                                           r"evicted or swapped out\) and freed its pages, which may hold another "
+                                           r"session's KV now"):
+        runner.execute_model(_prompted("c", 1, prompt=3))
+    assert runner.session_ids == ["d"]
+    for call in (lambda: pipe.kept_state.adapter("main"), lambda: pipe.kept_state.has_cross_attention("main", "text"),
+                 pipe.kept_state.export):
+        with pytest.raises(RuntimeError, match=r"session 'a'.*: the state is closed: the runner released the session"):
+            call()
+    assert pipe.kept_state.num_pages == pipe.kept_state.cross_attention_bytes == 0  # what it holds: nothing
     runner.close()

@@ -1859,3 +1859,30 @@ def test_a_snapshot_adopted_by_a_runner_of_another_model_config_is_refused(tmp_p
             later.restore_session("a")
         assert later.session_ids == [] and later.pool_usage().num_used == 0
     later.close()
+
+
+def test_a_kv_state_kept_past_a_swap_out_is_refused_and_the_session_goes_on_in_a_new_one(tmp_path):
+    """A pipeline that keeps the first state bound (its text cache read through it ever after): once its session is
+    swapped out, the state is closed and its pages free for other sessions, and the session swapped back in gets a
+    new state. A read of the kept one, in the session's own forward too, is a RuntimeError that says so; the swap
+    itself (the runner's export and restore of the states it holds) goes on bit-identical."""
+    reference = ARDiffusionModelRunner(_KVOnly(), memory_budget=64 << 20, session_capacity=2)
+    pipe = _KVOnly()
+    runner = ARDiffusionModelRunner(pipe, memory_budget=64 << 20, session_capacity=1, swap_dir=tmp_path)
+    for r in (reference, runner):
+        r.load()
+    for session, step in (("a", 0), ("b", 0), ("a", 1)):
+        pipe.keep_state = session == "a" and step == 0  # only a's first forward: it reads its own state
+        expected = reference.execute_model(request(session, step))
+        got = runner.execute_model(request(session, step))  # b swaps a out; a's next request swaps it back in
+        assert all(torch.equal(got[k], expected[k]) for k in expected), (session, step)
+    kept = pipe.kept_state
+    assert kept.closed and runner._sessions["a"].state is not kept and runner.session_ids == ["a"]
+    pipe.keep_state = True
+    with pytest.raises(RuntimeError, match=r"^cross_attention\(\) on the AR-Diffusion KV state of session 'a': the "
+                                           r"state is closed: the runner released the session \(closed, reset, "
+                                           r"evicted or swapped out\).*a session swapped back in gets a new state"):
+        runner.execute_model(request("a", 2))
+    assert runner.session_ids == [] and runner.pool_usage().num_used == 0
+    runner.close()
+    reference.close()

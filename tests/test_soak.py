@@ -89,10 +89,10 @@ def test_soak_zipf_churn_has_no_leaks_and_no_crosstalk():
             del history[sid]
 
         assert runner.session_ids == list(reference), f"request {i}: LRU table diverged"
-        held = [p for s in runner._sessions.values() for p in s.state.adapter("main").page_ids]
+        held = [p for s in runner._sessions.values() for p in s.state._adapter("main").page_ids]
         assert len(held) == len(set(held)) == allocator.num_used, f"request {i}: page held twice or leaked"
         for s, frames in reference.items():
-            assert runner._sessions[s].state.adapter("main").num_committed_frames == frames
+            assert runner._sessions[s].state._adapter("main").num_committed_frames == frames
 
         if i % 500 == 499 and sid in reference:
             torch.testing.assert_close(_replay(history[sid], sid), out, rtol=0, atol=0)

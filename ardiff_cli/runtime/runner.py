@@ -984,7 +984,7 @@ class ARDiffusionModelRunner:
         stop: BaseException | None = None
         try:
             del self._sessions[session_id]  # no call between the lookup and the try: a stop cannot land there
-            session.state.close()
+            session.state._close()  # the runner's own: close() refuses a state the runner holds
         except BaseException as exc:
             if not _is_stop(exc):
                 raise
@@ -1050,7 +1050,7 @@ class ARDiffusionModelRunner:
                 self._check_disk_room(session)
             state = self.pipeline.export_ar_diffusion_session(session_id)
             tensors, metadata = encode_snapshot(
-                session.state.export(), state, session.num_requests,
+                session.state._export(), state, session.num_requests,
                 where=f"{type(self.pipeline).__name__}.export_ar_diffusion_session({session_id!r})")
             exported = _tensors_of(state)
             # in the background; waits for the last one
@@ -1283,7 +1283,7 @@ class ARDiffusionModelRunner:
                 try:  # from the admission on: a stop anywhere in it leaves no part of the session resident
                     session = self._admit(session_id)
                     step = "its KV"
-                    session.state.restore(kv)
+                    session.state._restore(kv)
                     step = f"{type(self.pipeline).__name__}.import_ar_diffusion_session()"
                     self.pipeline.import_ar_diffusion_session(session_id, state)
                     step = "the runner's count of its requests"  # in the try: a stop must not leave it uncounted
@@ -1403,7 +1403,7 @@ class ARDiffusionModelRunner:
         if session is None:
             return None
         state = session.state
-        return sum(state.adapter(branch).num_committed_frames for branch in state.spec.branch_names)
+        return sum(state._adapter(branch).num_committed_frames for branch in state.spec.branch_names)
 
     def _warmup_export(self) -> tuple[bool, Any]:
         """(True, the warmup session's export) when it is what a swap-out can write; (False, None) when the pipeline
@@ -1454,7 +1454,7 @@ class ARDiffusionModelRunner:
         host: ``_export_failed``)."""
         session = self._sessions[WARMUP_SESSION_ID]
         try:
-            tensors, metadata = encode_snapshot(session.state.export(), state, session.num_requests,
+            tensors, metadata = encode_snapshot(session.state._export(), state, session.num_requests,
                                                 where=self._warmup_export_name())
         except Exception as exc:  # noqa: BLE001 - as in _warmup_export
             self._export_failed(exc)
@@ -1487,7 +1487,7 @@ class ARDiffusionModelRunner:
                 kv, state, num_requests = decode_snapshot(*snapshot)
                 step = "its KV"
                 session = self._admit(WARMUP_SESSION_ID)
-                session.state.restore(kv)
+                session.state._restore(kv)
                 step = f"{name}.import_ar_diffusion_session()"
                 self.pipeline.import_ar_diffusion_session(WARMUP_SESSION_ID, state)
                 session.num_requests = num_requests
@@ -1561,7 +1561,7 @@ class ARDiffusionModelRunner:
     # ----------------------------------------------------------------- views
     def _snapshot(self, session_id: str, session: _Session) -> SessionView:
         state = session.state
-        adapters = [state.adapter(name) for name in state.spec.branch_names]
+        adapters = [state._adapter(name) for name in state.spec.branch_names]  # unbound: adapter() refuses it
         return SessionView(
             session_id=session_id,
             pages_per_branch={a.branch: len(a.page_ids) for a in adapters},

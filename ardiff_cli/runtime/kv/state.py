@@ -149,9 +149,11 @@ class ARDiffusionKVState:
         self._generation = 0
         self._closed = False
         # The runner's states are bound to the pipeline around one forward (True) and not between requests (False),
-        # when the calls that change the session's KV raise: the contract says the pipeline must not retain the
-        # state. Reads stay open (the runner's views, benchmarks). None: a state made with
-        # ARDiffusionKVCache.new_state and driven directly (tests, tools), never refused.
+        # when the forward's calls raise, reads (adapter, cross_attention) as well as changes: the contract says the
+        # pipeline must not retain the state, and one kept read this session's KV into another session's forward.
+        # The runner's own calls on a state it holds go through _adapter, _export, _restore and _close; the public
+        # export, restore and close refuse it. None: a state made with ARDiffusionKVCache.new_state and driven
+        # directly (tests, tools), refused nothing until it is closed.
         self.bound: bool | None = None
 
     # ------------------------------------------------------------------ views
@@ -164,7 +166,6 @@ class ARDiffusionKVState:
         return self._closed
 
     def _branch(self, branch: str) -> BranchKV:
-        self._check_open()
         try:
             return self._branches[branch]
         except KeyError:
@@ -172,22 +173,53 @@ class ARDiffusionKVState:
                 f"unknown AR-Diffusion KV branch {branch!r}; valid branches: {list(self._branches)}"
             ) from None
 
-    def _check_open(self) -> None:
+    def _check_open(self, method: str) -> None:
         if self._closed:
-            raise RuntimeError(f"AR-Diffusion KV state of session {self.session_id!r} is closed")
+            self._refuse(method)
 
     def _check_bound(self, method: str) -> None:
-        """A state the runner holds between requests takes no change: kept past its forward (another session's
-        forward, a lifecycle hook), it freed, extended or overwrote the session's KV outside any request of it."""
-        self._check_open()
-        if self.bound is False:
+        """The forward's calls, reads as well as changes, on a state the runner holds between requests: kept past
+        its forward (into another session's forward, a lifecycle hook), it read the session's KV into another
+        session's outputs, or freed, extended or overwrote it outside any request of it."""
+        if self._closed or self.bound is False:
+            self._refuse(method)
+
+    def _refuse(self, method: str) -> None:
+        where = f"{method}() on the AR-Diffusion KV state of session {self.session_id!r}"
+        keep = ("the pipeline must not retain it; use the state the binding gives each request, and drop it when the "
+                "context exits")
+        if self._closed and self.bound is None:
+            raise RuntimeError(f"{where}: the state is closed")
+        if self._closed:
             raise RuntimeError(
-                f"{method}() on the AR-Diffusion KV state of session {self.session_id!r} outside its request: the "
-                "runner binds a session's state only around one forward (bind_ar_diffusion_state), and the pipeline "
-                "must not retain it; use the state the binding gives each request, and drop it when the context exits")
+                f"{where}: the state is closed: the runner released the session (closed, reset, evicted or swapped "
+                "out) and freed its pages, which may hold another session's KV now (a session swapped back in gets "
+                f"a new state); {keep}")
+        raise RuntimeError(
+            f"{where} outside its request: the runner binds a session's state only around one forward "
+            f"(bind_ar_diffusion_state), and {keep}")
+
+    def _check_unheld(self, method: str) -> None:
+        """export, restore and close of a state the runner holds are the runner's (``_export``, ``_restore``,
+        ``_close``): a pipeline's close freed a resident session's pages under the runner, its restore wrote KV the
+        session never computed, and its export read a session outside its request."""
+        self._check_open(method)  # a state the runner released is closed: no longer held
+        if self.bound is not None:
+            raise RuntimeError(
+                f"{method}() on the AR-Diffusion KV state of session {self.session_id!r}, which the runner holds: "
+                "the runner exports, restores and closes its sessions' KV itself; a pipeline uses only the state "
+                "its binding gives, through the forward's calls (a session ends with reset_session or "
+                "close_session, or a request's reset or close_session)")
 
     def adapter(self, branch: str) -> BranchAdapter:
         """A snapshot of ``branch``: committed frames and resident pages."""
+        if self._closed or self.bound is False:
+            self._refuse("adapter")
+        return self._adapter(branch)
+
+    def _adapter(self, branch: str) -> BranchAdapter:
+        """``adapter`` of a state the runner holds, bound or not: its views of the session."""
+        self._check_open("adapter")
         kv = self._branch(branch)
         if kv.adapter_snapshot is None:  # immutable, so one snapshot serves until the branch changes
             pages = tuple(kv.page_ids())
@@ -241,6 +273,7 @@ class ARDiffusionKVState:
                 self._pending[name] = None
 
     def has_cross_attention(self, branch: str, name: str) -> bool:
+        self._check_bound("has_cross_attention")
         kv = self._branch(branch)
         self.spec.cross_geometry(name)  # KeyError for unknown names
         return (kv.name, name) in self._cross
@@ -372,15 +405,17 @@ class ARDiffusionKVState:
         except BaseException:
             staged.clear()  # drop the partial copies now; the published cache is untouched
             raise
-        self._check_open()  # the iterable may have closed us re-entrantly
+        self._check_open("populate_cross_attention")  # the iterable may have closed us re-entrantly
         self._cross[(kv.name, name)] = tuple(staged)
 
     def cross_attention(self, branch: str, name: str) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """Per-layer ``(k, v)`` of a published cache; reading an unpublished cache raises."""
-        kv = self._branch(branch)
-        pairs = self._cross.get((kv.name, name))
-        if pairs is not None:  # the hot path: every layer of every denoising step reads here
+        if self._closed or self.bound is False:  # the hot path (every layer of every denoising step): flags only
+            self._refuse("cross_attention")
+        pairs = self._cross.get((branch, name))
+        if pairs is not None:
             return pairs
+        kv = self._branch(branch)  # KeyError for unknown branches
         self.spec.cross_geometry(name)  # KeyError for unknown names
         raise RuntimeError(
             f"cross-attention {name!r} of branch {kv.name!r} (session {self.session_id!r}) read before "
@@ -391,8 +426,13 @@ class ARDiffusionKVState:
     def export(self) -> KVSnapshot:
         """A copy of the committed state on the CPU: every branch's pages (all layers, K and V, as attention
         reads them) and every published cross-attention cache. :meth:`restore` of it into a fresh state of a
-        cache with the same geometry and dtype gives the same state, bit for bit."""
-        self._check_open()
+        cache with the same geometry and dtype gives the same state, bit for bit. Refused on a state the runner
+        holds (its swap-out calls ``_export``)."""
+        self._check_unheld("export")
+        return self._export()
+
+    def _export(self) -> KVSnapshot:
+        self._check_open("export")
         assert not self.uncommitted_branches(), "export of a state with a commit pass in flight"
         pool = self._cache.pool
         tensors: dict[str, torch.Tensor] = {}
@@ -413,8 +453,13 @@ class ARDiffusionKVState:
         """Load ``snapshot`` (from :meth:`export`) into this fresh state: allocate pages, write their contents,
         rebuild each branch's sink and window, publish the cross-attention caches. A snapshot that does not fit
         this cache (branches, page counts, shapes, dtype) is a ``ValueError`` naming what differs; on any
-        failure the state is left empty, its pages freed."""
-        self._check_open()
+        failure the state is left empty, its pages freed. Refused on a state the runner holds (its swap-in calls
+        ``_restore``)."""
+        self._check_unheld("restore")
+        self._restore(snapshot)
+
+    def _restore(self, snapshot: KVSnapshot) -> None:
+        self._check_open("restore")
         if self.num_pages or self._cross:
             raise RuntimeError(f"restore into KV state of session {self.session_id!r}, which holds KV already")
         plan = self.check_snapshot(snapshot)
@@ -515,7 +560,15 @@ class ARDiffusionKVState:
         self._cross = {key: pairs for key, pairs in self._cross.items() if key[1] in keep}
 
     def close(self) -> None:
-        """Free everything; every later call except ``close`` raises. Idempotent."""
+        """Free everything; every later call raises except ``close`` and the counts (``num_pages``, ``page_ids``,
+        ``cross_attention_bytes``: nothing held). Idempotent. Refused on an open state the runner holds (its release
+        calls ``_close``)."""
+        if self._closed:
+            return
+        self._check_unheld("close")
+        self._close()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._release_self_attention()
