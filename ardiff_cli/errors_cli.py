@@ -338,9 +338,10 @@ def report(out: Output, exc: BaseException) -> int:
 
 @contextlib.contextmanager
 def handle_errors(out: Output) -> Iterator[None]:
-    """Wrap a command body: typed errors become messages and exit codes, and the runtime's warnings
-    (``ArdiffWarning``) become ``warning:`` lines of the output sink. A command stopped by a signal kept its signal
-    handlers, which only record one now, through the report (``signals.give_back``)."""
+    """Wrap a command body: typed errors become messages and exit codes, and warnings (the runtime's
+    ``ArdiffWarning`` and those Python's filters show: a pipeline's, torch's) become ``warning:`` lines of the output
+    sink. A command stopped by a signal kept its signal handlers, which only record one now, through the report
+    (``signals.give_back``)."""
     try:
         with _reporting(out):
             yield
@@ -359,11 +360,17 @@ def _reporting(out: Output) -> Iterator[None]:
         warnings.filterwarnings("default", category=ArdiffWarning)
         python_showwarning = warnings.showwarning
 
-        def showwarning(message, category, *args, **kwargs):
-            if issubclass(category, ArdiffWarning):
+        # Every other warning that Python's filters let through (the user's -W and PYTHONWARNINGS decide, once per
+        # place by default), from any thread: a pipeline's, torch's. A line of this output too, as Python's first
+        # line writes it (where, and its category), so that a result's `warnings` lists it: on stderr only, a
+        # script reading `--format json` never saw it.
+        def showwarning(message, category, filename, lineno, file=None, line=None):
+            if file is not None:  # written to a stream of the caller's choosing
+                python_showwarning(message, category, filename, lineno, file, line)
+            elif issubclass(category, ArdiffWarning):
                 out.warning(str(message))
             else:
-                python_showwarning(message, category, *args, **kwargs)
+                out.warning(f"{filename}:{lineno}: {category.__name__}: {message}", held=True)
 
         warnings.showwarning = showwarning
         # A pipeline's print() was a line of `--format json`'s stdout. The error's report runs under the stand-in too:

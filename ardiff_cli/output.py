@@ -214,10 +214,15 @@ class Output:
         if self.verbose:
             self._print_err("[dim]debug:[/dim] ", one_line(message), plain_prefix="debug: ")
 
-    def warning(self, message: str) -> None:
+    def warning(self, message: str, *, held: bool = False) -> None:
+        """A ``warning:`` line (stderr), kept in ``warnings`` for a result. ``held``: a warning of the code the command
+        runs (Python's, a pipeline's), which --quiet holds for an error's report as it holds what that code prints."""
         self.warnings.append(message)
         if not self.quiet:
             self._print_err("[yellow]warning:[/yellow] ", one_line(message), plain_prefix="warning: ", soft_wrap=True)
+        elif held:
+            with self._chatter_lock:
+                self._hold(f"warning: {visible(one_line(message))}\n")
 
     def error(self, message: str, hint: str | None = None, *, exit_code: int | None = None,
               kind: str = "error") -> None:

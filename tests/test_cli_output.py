@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import io
 import json
 import re
@@ -321,19 +322,67 @@ def test_handle_errors_hint_traceback_only_with_verbose_and_always_for_bugs():
     assert "Traceback" in stderr.getvalue() and "this is a bug" in stderr.getvalue()
 
 
-def test_a_warning_that_is_not_ardiffs_is_passed_on_as_python_shows_it(recwarn):
-    """Only ardiff's own warnings become `warning:` lines: a library's (torch's UserWarning, say) is shown as Python
-    shows it, where a user and its filters expect it, never dropped."""
+def _warn_twice_and_from_a_thread() -> int:
+    """A library's UserWarning, twice from one place, once from a thread; ardiff's own; the first's line number."""
     import warnings
 
     from ardiff_cli.runtime.errors import ArdiffWarning
 
-    out, _, stderr = sink(Format.plain)
-    with handle_errors(out):
+    for _ in range(2):
         warnings.warn("a library says so", UserWarning)
-        warnings.warn("ardiff says so", ArdiffWarning)
-    assert [(w.category, str(w.message)) for w in recwarn] == [(UserWarning, "a library says so")]
-    assert stderr.getvalue() == "warning: ardiff says so\n"
+    thread = threading.Thread(target=lambda: warnings.warn("a thread says so", RuntimeWarning))
+    thread.start()
+    thread.join()
+    warnings.warn("ardiff says so", ArdiffWarning)
+    source, first = inspect.getsourcelines(_warn_twice_and_from_a_thread)
+    return first + next(i for i, text in enumerate(source) if '"a library says so"' in text)
+
+
+@contextlib.contextmanager
+def _filtered(action: str):
+    """Python's warning filters set to ``action`` as -W or PYTHONWARNINGS set them: before the command runs."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter(action)
+        yield
+
+
+@pytest.mark.parametrize("fmt", [Format.plain, Format.json, Format.rich])
+def test_a_warning_that_is_not_ardiffs_is_a_warning_line_named_by_its_category_and_listed_once(fmt):
+    """A library's or a pipeline's warning (torch's UserWarning, say) went to stderr as Python writes it, and a result's
+    `warnings` (`warmup --format json`) never listed it. It is a `warning:` line now, as Python's first line writes
+    it (where, its category), once as Python's default filter shows it, from any thread, and listed."""
+    out, stdout, stderr = sink(fmt)
+    with _filtered("default"), handle_errors(out):  # Python's own: once per place (pytest's may differ)
+        line = _warn_twice_and_from_a_thread()
+    assert out.warnings == [f"{__file__}:{line}: UserWarning: a library says so",
+                            f"{__file__}:{line + 1}: RuntimeWarning: a thread says so", "ardiff says so"]
+    assert stderr.getvalue() == "".join(f"warning: {w}\n" for w in out.warnings) and stdout.getvalue() == ""
+
+
+def test_a_warning_that_is_not_ardiffs_is_held_under_quiet_and_the_users_filters_decide():
+    """--quiet holds a library's warning as it holds what that code prints, for an error's report (it may explain
+    it), and writes nothing when all goes well; ardiff's own is silenced. A filter that ignores a warning leaves it
+    out; one that makes it an error raises it where it was issued."""
+    out, _, stderr = sink(Format.plain, quiet=True)
+    with _filtered("default"), handle_errors(out):
+        line = _warn_twice_and_from_a_thread()
+    assert len(out.warnings) == 3 and stderr.getvalue() == ""
+    out, _, stderr = sink(Format.plain, quiet=True)
+    with pytest.raises(typer.Exit), _filtered("default"), handle_errors(out):
+        _warn_twice_and_from_a_thread()
+        raise ConfigError("bad key", hint="fix it")
+    assert stderr.getvalue() == (f"warning: {__file__}:{line}: UserWarning: a library says so\n"
+                                 f"warning: {__file__}:{line + 1}: RuntimeWarning: a thread says so\n"
+                                 "Error: bad key\nhint: fix it\n")
+    out, _, stderr = sink(Format.plain)
+    with _filtered("ignore"), handle_errors(out):
+        _warn_twice_and_from_a_thread()
+    assert out.warnings == ["ardiff says so"]  # ardiff's own, whatever the filters say
+    with pytest.raises(typer.Exit) as info, _filtered("error"), handle_errors(out):
+        _warn_twice_and_from_a_thread()
+    assert info.value.exit_code == 1 and "Error: unexpected UserWarning: a library says so" in stderr.getvalue()
 
 
 def test_signal_inside_a_critical_section_waits_for_its_end():

@@ -66,7 +66,9 @@ import contextlib
 import dataclasses
 import json
 import os
+import threading
 import time
+import warnings
 import zlib
 
 import numpy as np
@@ -377,6 +379,25 @@ class WarmupInputsNone(LabPipeline):
 class OutputOnMeta(LabPipeline):
     def forward(self, request):  # an output left on the meta device: no values to write
         return {**super().forward(request), "actions": torch.zeros(2, 4, device="meta")}
+
+
+class KeepsState(LabPipeline):
+    """Keeps the state of its first session and uses it in every forward: another session's, outside its request."""
+
+    @contextlib.contextmanager
+    def bind_ar_diffusion_state(self, session_id, state):
+        self.state = self.__dict__.setdefault("first", state)
+        yield
+
+
+class Warns(LabPipeline):
+    def forward(self, request):  # its own warning, one from a thread of its own, torch's deprecation
+        warnings.warn("lab: the forward warns")
+        thread = threading.Thread(target=lambda: warnings.warn("lab: its thread warns", RuntimeWarning))
+        thread.start()
+        thread.join()
+        torch.range(0, 1)
+        return super().forward(request)
 
 
 class SlowWarmup(LabPipeline):
@@ -768,6 +789,67 @@ def test_an_output_on_the_meta_device_is_named_in_warmup_and_in_a_step(lab):
     assert [(line["episode"], line["status"]) for line in lines] == [("ep0", "failed"), ("ep1", "failed")], lines
     assert all(said in line["error"] for line in lines), lines
     assert not (root / "out_meta" / "episodes").exists() or not frames(root / "out_meta")
+
+
+def test_a_kv_state_misused_in_a_step_is_named_after_the_pipeline_that_misused_it(lab):
+    """A state kept past its request and used in another session's forward failed the step with `RuntimeError:
+    get_kv_caches() on the AR-Diffusion KV state of session 'ep0' outside its request`, naming what was misused but
+    not the pipeline, where its other mistakes say `OutputOnMeta.forward() returned ...`."""
+    root, _ = lab
+    proc = ardiff(lab, "rollout", "unnamed.yaml", "eps/ep0", "eps/ep1", "-o", "out_kept", "--no-warmup",
+                  "--pipeline", "lab_world.model:KeepsState")
+    said = ("episode 'ep1' failed at step 0 in the model's forward: RuntimeError: KeepsState.forward(): "
+            "has_cross_attention() on the AR-Diffusion KV state of session 'ep0' outside its request: ")
+    assert proc.returncode == 4 and f"Error: {said}" in proc.stderr, proc.stderr
+    lines = [json.loads(line) for line in (root / "out_kept" / "results.jsonl").read_text().splitlines()]
+    failed = [line for line in lines if line["status"] == "failed"]
+    assert [(line["episode"], line["step"]) for line in failed] == [("ep1", 0)] and failed[0]["error"].startswith(
+        said), failed
+
+
+def test_a_pipelines_own_warnings_are_warning_lines_and_listed_in_the_json_result_once_each(lab):
+    """A pipeline's warnings.warn() (in its forward, in a thread of its own) and torch's deprecation warning went to
+    stderr as Python writes them, and a script reading `warmup --format json` found the result's `warnings` empty.
+    Each is a `warning:` line naming where and its category now, once as Python's default filter shows it (two
+    requests, one line), and listed in the result; the user's own filter (PYTHONWARNINGS, -W) still decides."""
+    root, env = lab
+    model = root / "lab_world" / "model.py"
+    expected = [f"{model}:{lineno(model, text)}: {category}: {message}" for text, category, message in [
+        ('warnings.warn("lab: the forward warns")', "UserWarning", "lab: the forward warns"),
+        ('"lab: its thread warns"', "RuntimeWarning", "lab: its thread warns"),
+        ("torch.range(0, 1)", "UserWarning", "torch.range is deprecated")]]
+    command = [sys.executable, "-m", "ardiff_cli", "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:Warns"]
+
+    def warmup(*args: str, **extra_env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+        proc = subprocess.run([*command, *args], cwd=root, env={**env, **extra_env}, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout.splitlines()[-1]) if "json" in args else {"warnings": None}
+        return proc, result["warnings"]
+
+    proc, listed = warmup("--format", "json")
+    assert [w[:len(e)] for w, e in zip(listed, expected)] == expected and len(listed) == 3, listed
+    for fmt in ("json", "plain"):  # each once on stderr, as ardiff's lines, never again as Python writes them
+        proc, _ = warmup("--format", fmt)
+        said = [line for line in proc.stderr.splitlines() if "lab: " in line or "torch.range" in line]
+        assert said == [f"warning: {w}" for w in listed], proc.stderr
+    proc, listed = warmup("--format", "json", "-q")  # silenced, still listed
+    assert proc.stderr == "" and len(listed) == 3, proc.stderr
+    proc, listed = warmup("--format", "json", PYTHONWARNINGS="ignore")  # the user's filter decides
+    assert listed == [] and "warn" not in proc.stderr, proc.stderr
+    rollout = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "unnamed.yaml", "eps/ep0", "eps/ep1", "-o",
+                              "out_warns", "--no-warmup", "--pipeline", "lab_world.model:Warns", "--format", "json"],
+                             cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert rollout.returncode == 0, rollout.stderr
+    summary = json.loads(rollout.stdout.splitlines()[-1])  # eight steps, two sessions, one place each: three lines
+    said = summary["warnings"]
+    assert summary["kind"] == "summary" and [w[:len(e)] for w, e in zip(said, expected)] == expected, summary
+    assert len(said) == 3, said
+    assert json.loads((root / "out_warns" / "summary.json").read_text())["warnings"] == summary["warnings"]
+
+
+def lineno(path: Path, text: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
 
 
 @pytest.mark.parametrize(("module", "raised", "hint"), [

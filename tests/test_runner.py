@@ -323,7 +323,8 @@ def test_forward_failure_on_new_session_mid_commit_pass_frees_inflight_pages():
 def test_forgotten_commit_is_a_failed_forward():
     runner = make_runner()
     runner.pipeline.skip_commit = True
-    with pytest.raises(RuntimeError, match="uncommitted commit passes on branches \\['main'\\]"):
+    with pytest.raises(RuntimeError, match=r"^TinyPipeline\.forward\(\) of request 'a:0' returned with uncommitted "
+                                            r"commit passes on branches \['main'\]"):
         runner.execute_model(request("a", 0))
     assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
 
@@ -1168,8 +1169,9 @@ def test_a_kv_state_kept_past_its_request_refuses_changes_and_its_session_is_as_
         with pytest.raises(RuntimeError, match=rf"{name}\(\) on the AR-Diffusion KV state of session 'a', which the "
                                                 "runner holds: the runner exports, restores and closes"):
             call()
-    pipe.misuse = "forward"  # in session b's forward: b fails (and is released), a is untouched
-    with pytest.raises(RuntimeError, match=r"KV state of session 'a' outside its request"):
+    pipe.misuse = "forward"  # in session b's forward: b fails (and is released), a is untouched; the pipeline named
+    with pytest.raises(RuntimeError, match=r"^KeepsState\.forward\(\): populate_cross_attention\(\) on the "
+                                            r"AR-Diffusion KV state of session 'a' outside its request"):
         runner.execute_model(request("b", 0))
     pipe.misuse = "close"
     with pytest.raises(RuntimeError, match=r"close\(\) on the AR-Diffusion KV state of session 'a', which the runner"):
@@ -1203,8 +1205,9 @@ def test_a_kv_state_kept_past_its_request_is_not_read_in_another_sessions_forwar
     runner = make_runner(pipe, capacity=2)
     runner.execute_model(_prompted("a", 0, prompt=1))
     a_view, a_pages = runner.sessions()[0], held_pages(runner)["a"]
-    with pytest.raises(RuntimeError, match=r"^cross_attention\(\) on the AR-Diffusion KV state of session 'a' outside "
-                                           r"its request: the runner binds .* must not retain it"):
+    with pytest.raises(RuntimeError, match=r"^TinyPipeline\.forward\(\): cross_attention\(\) on the AR-Diffusion KV "
+                                           r"state of session 'a' outside its request: the runner binds .* must not "
+                                           r"retain it"):
         runner.execute_model(_prompted("b", 0, prompt=2))  # it returned b's output of prompt 1, a's
     assert runner.session_ids == ["a"] and runner.sessions() == [a_view]
 
@@ -1214,10 +1217,10 @@ def test_a_kv_state_kept_past_its_request_is_not_read_in_another_sessions_forwar
     assert runner.session_ids == ["c", "d"] and pipe.kept_state.closed
     assert a_pages & (held_pages(runner)["c"] | held_pages(runner)["d"])  # a's pages hold another session's KV
     pipe.keep_state = True
-    with pytest.raises(RuntimeError, match=r"^cross_attention\(\) on the AR-Diffusion KV state of session 'a': the "
-                                           r"state is closed: the runner released the session \(closed, reset, "
-                                           r"evicted or swapped out\) and freed its pages, which may hold another "
-                                           r"session's KV now"):
+    with pytest.raises(RuntimeError, match=r"^TinyPipeline\.forward\(\): cross_attention\(\) on the AR-Diffusion KV "
+                                           r"state of session 'a': the state is closed: the runner released the "
+                                           r"session \(closed, reset, evicted or swapped out\) and freed its pages, "
+                                           r"which may hold another session's KV now"):
         runner.execute_model(_prompted("c", 1, prompt=3))
     assert runner.session_ids == ["d"]
     for call in (lambda: pipe.kept_state.adapter("main"), lambda: pipe.kept_state.has_cross_attention("main", "text"),

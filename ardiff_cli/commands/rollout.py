@@ -1301,7 +1301,9 @@ def _write_summary(run: Any, build: Callable[[], dict[str, Any]], output: Output
                    error: BaseException | None) -> dict[str, Any] | None:
     """Write summary.json, as ``build`` makes it from results.jsonl. When that fails too (the disk that stopped the
     run is full, or the open-files limit that stopped it keeps results.jsonl from being read), the run's own error
-    stays the one reported: a warning says summary.json is missing, and --resume writes it (None: no summary)."""
+    stays the one reported: a warning says summary.json is missing, and --resume writes it (None: no summary).
+    Its ``warnings`` are this invocation's ``warning:`` lines so far (ardiff's and Python's: a pipeline's, torch's),
+    for a script reading ``--format json``, as ``warmup``'s result lists them."""
     from ardiff_cli.errors_cli import OutputError
 
     if run.moved():  # writing would re-create the folder, or write into another run's
@@ -1309,10 +1311,10 @@ def _write_summary(run: Any, build: Callable[[], dict[str, Any]], output: Output
         if error is None:
             raise OutputError(message, hint="its results.jsonl went with it: run the command again, without --resume")
         output.warning(message)
-        return build()
+        return {**build(), "warnings": list(output.warnings)}
     summary = None  # build() failed: nothing to print
     try:
-        summary = build()
+        summary = {**build(), "warnings": list(output.warnings)}
         run.write_summary(summary)
     except OSError as exc:
         if too_many_open_files(exc) and error is None:  # the process's limit, not the disk's or the folder's

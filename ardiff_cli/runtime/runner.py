@@ -19,6 +19,7 @@ import itertools
 import json
 import linecache
 import logging
+import os
 import sys
 import threading
 import time
@@ -62,6 +63,7 @@ from ardiff_cli.runtime.errors import (
     StopRequested,
     SwapRestoreError,
     as_pipeline_error,
+    is_out_of_memory,
     plural,
     shown,
 )
@@ -233,6 +235,29 @@ def _missing_input(pipeline: Any, request: ARDiffusionRequest, exc: KeyError) ->
         hint=f"the pipeline's observation_schema and {name}.forward() disagree on the input's name: a step's inputs, "
              "and a warmup request's, hold the schema's fields under its names (aliases resolved); read that "
              f"name in the forward, or rename the schema's field{f' (did you mean {near[0]!r}?)' if near else ''}")
+
+
+_KV_PACKAGE = os.path.dirname(os.path.abspath(inspect.getfile(ARDiffusionKVState))) + os.sep  # .../runtime/kv/
+
+
+def _name_kv_misuse(pipeline: Any, exc: Exception) -> None:
+    """``exc``, raised by the KV state (or its layer contexts) that ``pipeline``'s forward called, named after that
+    pipeline in its message, the same exception otherwise: ``get_kv_caches() on the AR-Diffusion KV state of session
+    'a' outside its request`` told a failed step what was misused, not which pipeline did it, where its other
+    errors say (``DreamZeroPipeline.forward() returned ...``). Memory running out, ardiff's own typed errors and
+    what is raised anywhere else are left as they are."""
+    if (isinstance(exc, (ArdiffError, MemoryError)) or is_out_of_memory(exc)
+            or not isinstance(exc, (RuntimeError, ValueError, KeyError, TypeError))
+            or not exc.args or not isinstance(exc.args[0], str)):
+        return
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:  # the innermost frame: where it was raised
+        tb = tb.tb_next
+    if tb is None or not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_KV_PACKAGE):
+        return
+    name = type(pipeline).__name__
+    if not exc.args[0].startswith(f"{name}.forward(): "):  # the same error raised again through another request
+        exc.args = (f"{name}.forward(): {exc.args[0]}", *exc.args[1:])
 
 
 def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -775,8 +800,12 @@ class ARDiffusionModelRunner:
                 except KeyError as exc:  # inputs['obs'] where the request holds 'image': say so
                     missing = _missing_input(self.pipeline, request, exc)
                     if missing is None:
+                        _name_kv_misuse(self.pipeline, exc)
                         raise
                     raise missing from exc
+                except Exception as exc:
+                    _name_kv_misuse(self.pipeline, exc)
+                    raise
                 if self.device.type == "cuda":  # its kernels run after it returns: for outputs left on the GPU,
                     # forward_s timed their launch only, and an error of theirs surfaced at the next use of the device
                     torch.cuda.synchronize(self.device)
@@ -791,8 +820,9 @@ class ARDiffusionModelRunner:
             dangling = state.uncommitted_branches()
             if dangling:
                 raise RuntimeError(
-                    f"the forward of request {request.request_id!r} returned with uncommitted commit passes on "
-                    f"branches {dangling}: call state.commit(branch) after each commit pass"
+                    f"{type(self.pipeline).__name__}.forward() of request {request.request_id!r} returned with "
+                    f"uncommitted commit passes on branches {dangling}: call state.commit(branch) after each commit "
+                    "pass"
                 )
             state.end_request()
             with self._locked():  # in the try: a stop before the request is counted must not leave it uncounted
