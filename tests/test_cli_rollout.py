@@ -1050,6 +1050,81 @@ def test_a_run_stopped_before_its_first_step_has_an_empty_results_jsonl_beside_i
     assert [(r["step"], r["status"]) for r in records(run)] == [(0, "ok")]
 
 
+class Opens:
+    """inotify (Linux): the names made in ``folder`` and the openings of the folder ``listed`` (``os.listdir``), in
+    the order they happened."""
+
+    IN_OPEN, IN_MOVED_TO, IN_CREATE = 0x20, 0x80, 0x100
+
+    def __init__(self, folder: Path, listed: Path) -> None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.inotify_init1(0)
+        self.made = libc.inotify_add_watch(self.fd, bytes(folder), self.IN_CREATE | self.IN_MOVED_TO)
+        self.opened = libc.inotify_add_watch(self.fd, bytes(listed), self.IN_OPEN)
+        assert self.fd >= 0 and self.made >= 0 and self.opened >= 0, ctypes.get_errno()
+        self._queued: list[tuple[int, str]] = []
+
+    def next(self) -> tuple[str, str]:
+        """Block until the next event: ("made", name) or ("listed", "") (the folder itself opened)."""
+        while True:
+            while not self._queued:
+                data = os.read(self.fd, 1 << 16)
+                at = 0
+                while at < len(data):
+                    wd, mask, _, size = struct.unpack_from("iIII", data, at)
+                    name = data[at + 16:at + 16 + size].rstrip(b"\0").decode()
+                    self._queued.append((wd, name))
+                    at += 16 + size
+            wd, name = self._queued.pop(0)
+            if wd == self.made:
+                return "made", name
+            if wd == self.opened and name == "":  # not a file opened inside it
+                return "listed", name
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="watches the run with inotify")
+def test_a_signal_as_the_run_first_lists_its_episode_folders_still_leaves_a_summary(env, data, tmp_path):
+    """Past the warmup, the run lists every episode folder before its first step: seconds for thousands of them. A
+    SIGTERM then exited 143 with run.json and an empty results.jsonl but no summary.json and no summary object, which
+    the README promises for a run stopped past its warmup."""
+    one = data / "eps" / "arm_a"
+    for i in range(2000):
+        folder = tmp_path / "eps" / f"ep{i:04d}"
+        folder.mkdir(parents=True)
+        for f in one.iterdir():
+            os.link(f, folder / f.name)
+    run = tmp_path / "run"
+    run.mkdir()
+    opens = Opens(run, tmp_path / "eps" / "ep0100")  # listed before the model loads, then as the run starts
+    try:
+        proc = spawn(env, "rollout", str(data / "fast.yaml"), str(tmp_path / "eps"), "--out", str(run),
+                     "--format", "json")
+        try:
+            while opens.next() != ("made", "run.json"):  # loaded: the next listing is the run's, past its warmup
+                assert proc.poll() is None, proc.stderr.read()
+            while opens.next() != ("listed", ""):
+                pass
+            proc.send_signal(signal.SIGTERM)  # with 1,900 folders left to list
+            stdout, stderr = proc.communicate(timeout=300)
+        finally:
+            proc.kill()
+    finally:
+        opens.close()
+    assert proc.returncode == 143, stderr
+    objects = [json.loads(line) for line in stdout.splitlines()]
+    assert objects[-1]["kind"] == "interrupted" and objects[-1]["exit_code"] == 143
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["exit_code"] == 143
+    assert [o for o in objects if o["kind"] == "summary"] == [summary]
+    assert summary["steps"]["ok"] == len(records(run)) and summary["episodes"]["total"] == 2000
+    assert summary["episodes"]["incomplete"] == 2000 - summary["episodes"]["completed"]
+
+
 def test_resume_restores_every_session_a_run_stopped_by_a_signal_had_resident_or_swapped_out(env, data, reference,
                                                                                               tmp_path):
     """A preempted run (SIGTERM from a scheduler) used to delete its swap snapshots: --resume replayed every done

@@ -915,7 +915,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     from ardiff_cli.io.run import RUN_FILE, SWAP_DIR
     from ardiff_cli.monitor import RunMonitor
     from ardiff_cli.panels import render
-    from ardiff_cli.rollout import Rollout, RolloutOptions, log_episode_end
+    from ardiff_cli.rollout import Rollout, RolloutOptions, RolloutStats, log_episode_end
     from ardiff_cli.runtime.swap import remove_snapshot_files
     from ardiff_cli.signals import StopSignals
 
@@ -952,6 +952,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                           lambda plain: render_summary(summary, plain))
             return
     engine = driver = plan = summary = None
+    warmed_up = False  # past the warmup: a stop from here on is recorded in summary.json, as the README says
     changes: dict[str, dict[str, Any]] = {}  # --resume: what differs from the ardiff, torch and threads of run.json
     ran_from = ran_until = None  # monotonic times driver.run() began and ended: the time spent running steps
     error: BaseException | None = None
@@ -1021,6 +1022,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 if warmup:
                     monitor.set_phase("warmup")
                     _warm_up(engine, signals)
+                warmed_up = True
                 swapped = _adopt_kept(engine, kept, p.done, swap_dir, output)
                 kept = {}
                 driver = Rollout(engine, p.cfg.observation_schema(), p.episodes, run, output, monitor,
@@ -1078,12 +1080,16 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     # before it could adopt them had kept (their index stays for the next resume)
                     remove_snapshot_files(swap_dir, keep=frozenset(file for file, _ in kept.values()))
                     run.close(keep_lock=True)  # the summary is written under the lock; rollout() releases it
-                    if driver is not None:
+                    # a stop as the driver first lists the episode folders (seconds for thousands of them) is past
+                    # the warmup too: its summary says no step ran
+                    if driver is not None or (warmed_up and engine is not None):
+                        stats = driver.stats if driver is not None else RolloutStats(
+                            skipped=sum(len(p.done.get(e.name, ())) for e in p.episodes))
                         running_s = 0.0 if ran_from is None else (ran_until or time.monotonic()) - ran_from
                         wall_s = time.monotonic() - started
                         with signals.critical():
-                            summary = _write_summary(run, lambda: _summary(run, p, driver, plan, wall_s, running_s,
-                                                                           error, len(kept), changes),
+                            summary = _write_summary(run, lambda: _summary(run, p, engine, stats, plan, wall_s,
+                                                                           running_s, error, len(kept), changes),
                                                      output, error)
     finally:
         output.on_stdout_lost = None
@@ -1361,10 +1367,10 @@ def _close_engine(engine: Any, output: Output) -> None:
         output.warning(str(exc))
 
 
-def _summary(run: Any, p: _Prepared, driver: Any, plan: Any, wall_s: float, running_s: float,
+def _summary(run: Any, p: _Prepared, engine: Any, stats: Any, plan: Any, wall_s: float, running_s: float,
              error: BaseException | None, kept: int, changes: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    swap = driver.engine.runner.swap  # a driver runs on a loaded engine: its runner (closed by now) is there
-    return _summary_of(run, p, driver.stats, device=str(driver.engine.device),  # resolved, as run.json has it
+    swap = engine.runner.swap  # a loaded engine (past its warmup): its runner (closed by now) is there
+    return _summary_of(run, p, stats, device=str(engine.device),  # resolved, as run.json has it
                        plan=None if plan is None else plan.to_dict(),
                        swap_space=0 if swap is None else swap.budget_bytes,
                        dropped=0 if swap is None else swap.num_dropped, wall_s=wall_s, running_s=running_s,
