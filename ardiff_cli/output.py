@@ -553,18 +553,20 @@ def visible(text: str) -> str:
 
 def as_text(value: str):
     """User-derived text for a Rich table (episode names, paths, request ids, error messages): never Rich markup
-    (``[/]`` in a path was a MarkupError, ``[old]`` vanished), no control characters."""
+    (``[/]`` in a path was a MarkupError, ``[old]`` vanished), no control characters, one line (``one_line``)."""
     from rich.text import Text
 
-    return Text(visible(value))
+    return Text(one_line(visible(value)))
 
 
 def one_line(text: str) -> str:
-    """``text`` with its newlines written as ``\\x0a`` too: the one line of an ``Error:``, ``hint:``, ``warning:`` or
-    ``debug:`` record, or a plain event. ardiff's messages are one line, but the paths they quote are the user's: a
-    folder named ``ep<newline>hint: ...`` cut a record in two, and its second line passed for one of ardiff's. (The
-    text of another library's exception that spans lines reads on one line too; ``--verbose`` prints it as it is.)"""
-    return text.replace("\n", "\\x0a")
+    """``text`` with its newlines and tabs written as ``\\x0a`` and ``\\x09`` too: the one line of an ``Error:``,
+    ``hint:``, ``warning:`` or ``debug:`` record, or a plain event. ardiff's messages are one line, but the paths they
+    quote are the user's: a folder named ``ep<newline>hint: ...`` cut a record in two, and its second line passed for
+    one of ardiff's; a tab in a folder's name read as spaces (Rich expands it), or split a line a script cuts at tabs.
+    (The text of another library's exception that spans lines reads on one line too; ``--verbose`` prints it as it
+    is.)"""
+    return text.replace("\n", "\\x0a").replace("\t", "\\x09")
 
 
 def _plain_width() -> int:

@@ -302,16 +302,20 @@ def _unreadable(path: Path, exc: Exception) -> CheckpointError:
                      "fetch the file itself: git lfs pull, in the repository it came from")
     for signature, what, _ in _SIGNATURES:  # a header length whose bytes begin so is told apart as episode.py does
         if head.startswith(signature) and head[8:9] != b"{" and head[2:3] != b"\0":
-            pickled = signature in (b"PK\x03\x04", b"\x80")  # what torch.save, pickle.dump write
+            # a pickle is what torch.save wrote before its zip format (and pickle.dump); a zip that is a torch.save
+            # file is told above: another zip (an .npz, a folder zipped) is no torch.load to convert
             return error(f"it is {what.removesuffix(' (an .npz?)')}, not safetensors",
-                         _CONVERT_HINT if pickled else _PATH_HINT)
+                         _CONVERT_HINT if signature == b"\x80" else _PATH_HINT)
     length = int.from_bytes(head[:8], "little")
     text = _text_start(head)
     if size < 8:
         # 4 bytes of text or more ("none\n") are no header length cut short: bytes of text (\t and up) would give one
-        # past the 100 MB safetensors reads. 1 to 3 may be either.
+        # past the 100 MB safetensors reads. 1 to 3 may be either: not said to be cut short, nor text.
         if text is not None and size >= 4:
             return error(f"it is a text file (it begins {text[:40]!r}), not safetensors", _PATH_HINT)
+        if size < 4:
+            return error(f"it has {plural(size, 'byte')}, too few to be a safetensors file (one begins with the 8 "
+                         "bytes of its header's length)", f"{_PATH_HINT}; or, if it is a copy cut short, copy it again")
         return error(f"truncated: {plural(size, 'byte')}, fewer than the 8 of a safetensors header's length",
                      _RECOPY_HINT)
     if declared is not None and declared > size:

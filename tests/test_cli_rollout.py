@@ -611,6 +611,20 @@ def test_a_tilde_after_dot_slash_is_the_folder_named_tilde_in_the_working_folder
     assert len(records(home / "x")) == 3
 
 
+def test_messages_name_a_folder_named_tilde_as_dot_slash_tilde(env, data, tmp_path):
+    """A folder named ~ given as `./~/z` was named `~/z` in messages (Path drops the `./`), which reads as the home
+    folder's z: the episode folder not found, a step file that cannot be read, the config not found."""
+    (tmp_path / "~" / "bad").mkdir(parents=True)
+    (tmp_path / "~" / "bad" / "step_000000.safetensors").write_bytes(b"junk")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), "./~/z", "--no-warmup", "--format", "plain", cwd=tmp_path)
+    assert proc.returncode == 2 and "Error: episode folder not found: ./~/z\n" in proc.stderr, proc.stderr
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), "./~/bad", "--out", "run", "--no-warmup", "--format",
+                  "plain", cwd=tmp_path)
+    assert proc.returncode == 2 and ": ./~/bad/step_000000.safetensors: cannot read" in proc.stderr, proc.stderr
+    proc = ardiff(env, "rollout", "./~/nope.yaml", "--no-warmup", cwd=tmp_path)
+    assert proc.returncode == 2 and "Error: config file not found: ./~/nope.yaml\n" in proc.stderr, proc.stderr
+
+
 def test_the_outputs_line_of_a_folder_named_like_an_option_gives_resume_a_folder(env, data, tmp_path):
     """`-o ./-x` printed `outputs: -x`, the line a hint says to give --out from: `--out -x` is refused as an option
     (exit 2, "looks like an option"). It says `./-x`, as a hint's command does, and --out takes it as it is."""
@@ -3865,7 +3879,7 @@ def test_the_summarys_outputs_line_is_one_line_whatever_the_folder_holds(env, da
 
 def test_every_line_ardiff_writes_of_a_name_holding_what_splitlines_splits_at_is_one_line(env, data, tmp_path):
     """Python's str.splitlines() splits at \\x0b, \\x0c, \\x1c-\\x1e, \\x85, U+2028 and U+2029 too. The control
-    characters were shown as \\xNN already, but an episode's name (safe_name keeps the separators, which are not
+    characters were shown as \\xNN already, but an episode's name (safe_name kept the separators, which are not
     control characters) and a folder's U+2028 and U+2029 were written as they are: a script reading stderr or the
     summary with splitlines() got an `Error:` line, an event line and the `outputs:` line in two."""
     odd = "a\x0bb\x0cc\x1cd\x1de\x1ef\x85g\u2028h\u2029i"
@@ -3879,8 +3893,8 @@ def test_every_line_ardiff_writes_of_a_name_holding_what_splitlines_splits_at_is
     for text in (proc.stdout, proc.stderr):  # one line a line: as many as the newlines that end them
         assert len(text.splitlines()) == text.count("\n"), text
     error, _ = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
-    # the episode's name (its controls made _ by safe_name) and its folder
-    assert error.startswith(f"Error: episode 'arma_b_c_d_e_f_g\\u2028h\\u2029i' failed: {tmp_path}/arm{shown}/"
+    # the episode's name (its controls and separators made _ by safe_name) and its folder
+    assert error.startswith(f"Error: episode 'arma_b_c_d_e_f_g_h_i' failed: {tmp_path}/arm{shown}/"
                             "step_000002.safetensors: "), error
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("outputs: ")]
     assert line.startswith(f"outputs: {tmp_path}/run{shown} ("), proc.stdout

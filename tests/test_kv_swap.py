@@ -441,8 +441,13 @@ _DAMAGED = [
     ("empty", r"0 bytes: too short for a header's length"),
     ("truncated", r"\d+ bytes, its header declares \d+\)"),
     ("longer", r"\d+ bytes, its header declares \d+\)"),
-    ("header-length", r"\d+ bytes: too short for its header \(1000000008 bytes\)"),
+    # it was "N bytes: too short for its header (1000000008 bytes)"
+    ("header-length", r"its header's length says 1000000000 bytes, more than the 100000000 a safetensors header "
+                      r"may take\)$"),
     ("zeros", r"its header is not JSON"),
+    # json.loads of bytes takes UTF-16 (and UTF-32): it was read, as safetensors refuses it
+    ("utf-16", r"its header is not UTF-8 text: it holds NUL bytes \(UTF-16 or UTF-32\?\)\)$"),
+    ("latin-1", r"its header is not UTF-8 text \(byte 0xe9 at offset \d+\)\)$"),
     ("metadata", r"its header is not a JSON object of tensors and string metadata"),
     ("dtype", r"tensor 'b' is \{.*'X9'.*\}, expected a known dtype, a shape and data_offsets"),
     ("shape", r"tensor 'b' of F32 \[3\] takes 12 bytes, its data_offsets \[16, 32\] give 16"),
@@ -466,12 +471,14 @@ def test_a_damaged_snapshot_file_is_a_value_error_naming_it_and_what_is_wrong(tm
     length = int.from_bytes(data[:8], "little")
     header = json.loads(data[8:8 + length])
 
-    def with_header(**changes):
-        text = json.dumps({**header, **changes}).encode()
+    def with_header(encoding="utf-8", **changes):
+        text = json.dumps({**header, **changes}, ensure_ascii=False).encode(encoding)
         return len(text).to_bytes(8, "little") + text + data[8 + length:]
 
     damaged = {"empty": b"", "truncated": data[:-1], "longer": data + b"\0", "zeros": b"\0" * 64,
                "header-length": (10 ** 9).to_bytes(8, "little") + data[8:],
+               "utf-16": with_header(encoding="utf-16-le"),
+               "latin-1": with_header(encoding="latin-1", __metadata__={"k": "caf\u00e9"}),
                "metadata": with_header(__metadata__={"k": 1}),
                "dtype": with_header(b={**header["b"], "dtype": "X9"}),
                "shape": with_header(b={**header["b"], "shape": [3]}),
@@ -481,3 +488,8 @@ def test_a_damaged_snapshot_file_is_a_value_error_naming_it_and_what_is_wrong(tm
     path.write_bytes(damaged)
     with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: not a readable safetensors file \({said}"):
         read_safetensors(path)
+    if damage in ("utf-16", "latin-1"):  # what safetensors refuses too
+        from safetensors.torch import load
+
+        with pytest.raises(Exception):
+            load(damaged)

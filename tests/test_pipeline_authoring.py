@@ -908,3 +908,22 @@ def test_a_pipeline_module_given_as_a_files_name_is_told_its_import_name(lab):
     assert proc.returncode == 2 and "cannot import 'lab_plain.py'" in proc.stderr, proc.stderr
     assert ("hint: 'lab_plain.py' is a file's name; MODULE is the name it is imported by: lab_plain (its folder on "
             "PYTHONPATH)") in proc.stderr, proc.stderr
+
+
+def test_a_pipeline_module_given_as_a_files_path_is_told_its_folder_and_import_name(lab):
+    """`--pipeline lab_code/lab_deep.py:LabPipeline`, a path with a folder, got the generic hint (`pass --pipeline
+    MODULE:CLASS, e.g. my_lab.models:MyPipeline`), which named neither the folder to put on PYTHONPATH nor the name."""
+    root, env = lab
+    (root / "lab_code").mkdir(exist_ok=True)
+    (root / "lab_code" / "lab_deep.py").write_text("class LabPipeline:\n    pass\n")
+    proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_code/lab_deep.py:LabPipeline")
+    assert proc.returncode == 2, proc.stderr
+    hint = ("hint: 'lab_code/lab_deep.py' is a file's path; MODULE is the name it is imported by, from a folder on "
+            "PYTHONPATH: run with PYTHONPATH=lab_code and --pipeline lab_deep:LabPipeline\n")
+    assert hint in proc.stderr, proc.stderr
+    # and so it imports: the class is found (and refused as no pipeline class, which it is not)
+    env = {**env, "PYTHONPATH": os.pathsep.join(["lab_code", env["PYTHONPATH"]])}
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "warmup", "unnamed.yaml", "--pipeline",
+                           "lab_deep:LabPipeline", "--format", "plain"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and "'lab_deep:LabPipeline' is not a pipeline class" in proc.stderr, proc.stderr

@@ -577,6 +577,17 @@ def _header_length(data: bytes) -> int:
     return int.from_bytes(data[:8], "little")
 
 
+def _zip_of_weights(good: bytes) -> bytes:
+    """A zip archive that is no torch.save file: the checkpoint zipped, as a download or a backup may come."""
+    import io
+    import zipfile
+
+    data = io.BytesIO()
+    with zipfile.ZipFile(data, "w") as archive:
+        archive.writestr("model.safetensors", good)
+    return data.getvalue()
+
+
 # name -> (the file's bytes made from a good checkpoint's, what the error says after "cannot read checkpoint PATH: ",
 # what its hint says). safetensors' own words named neither what the file was nor what to do: "header too large" for
 # a torch.save file, a text file or a Git LFS pointer, "incomplete metadata, file not fully covered" for a copy cut
@@ -585,6 +596,10 @@ UNREADABLE = {
     "empty": (lambda good: b"", r"the file is empty \(0 bytes\), not safetensors", "copy or download it again"),
     "cut_in_length": (lambda good: good[:5], "truncated: 5 bytes, fewer than the 8 of a safetensors header's length",
                       "copy or download it again"),
+    # 1 to 3 bytes may be text as well as a header's length cut short: it was "truncated: 2 bytes, fewer than the 8
+    # of a safetensors header's length", hint: copy or download it again
+    "two_bytes": (lambda good: good[:2], r"it has 2 bytes, too few to be a safetensors file \(one begins with the 8 "
+                  r"bytes of its header's length\)$", "give the path of the .safetensors file"),
     # text of fewer than 8 bytes (a placeholder file): it was "truncated: 5 bytes, fewer than the 8 of a safetensors
     # header's length", hint: copy or download it again
     "short_text": (lambda good: b"none\n", r"it is a text file \(it begins 'none\\n'\), not safetensors",
@@ -613,6 +628,9 @@ UNREADABLE = {
                         "git lfs pull"),
     "pickle": (lambda good: b"\x80\x04not a safetensors file", r"it is a pickle \(torch.save / pickle.dump\), not "
                "safetensors", "pickled checkpoints are never loaded"),
+    # a zip that no torch.save wrote: its hint was to convert it with torch.load, which refuses it
+    "zip_not_torch_save": (_zip_of_weights, r"it is a zip archive, not safetensors$",
+                           "give the path of the .safetensors file"),
     # its JSON damaged (a byte changed on the disk): it was "it is not a safetensors file", hint: convert a pickle
     "damaged_header_json": (lambda good: good[:9] + b"X" + good[10:], r"its header is damaged: .*invalid JSON",
                             "write it again"),

@@ -137,6 +137,7 @@ def test_an_npz_holding_an_object_array_is_refused_not_unpickled(tmp_path):
     ("C:\\evil", "C__evil"),
     ("arm\x1b[31m red\x1b[0m", "arm_[31m red_[0m"),  # no terminal escapes in logs either
     ("two\nlines\ttab\x00nul", "two_lines_tab_nul"),
+    ("line\u2028paragraph\u2029end", "line_paragraph_end"),  # separators splitlines() splits at, as \n
     ("\u202eevil", "_evil"),  # bidi override (a format character)
     ("", "episode"),
     ("   ", "episode"),

@@ -388,8 +388,9 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         given = out is not None
         out = out or exc.filename or "ardiff-runs"
         # without --out, the folder is ardiff's default, in the current folder: not an --out the user gave
-        subject = f"--out {out}" if given else f"the default output folder {Path.cwd() / out} (no --out given)"
-        cannot = f"--out {out}: cannot create the output folder" if given else f"cannot create {subject}"
+        subject = (f"--out {as_typed(out)}" if given else
+                   f"the default output folder {Path.cwd() / out} (no --out given)")
+        cannot = f"--out {as_typed(out)}: cannot create the output folder" if given else f"cannot create {subject}"
         elsewhere = "" if given else "; or pass --out DIR to write the run elsewhere"
         in_the_way = not_a_folder(Path(out))
         if in_the_way is not None:  # mkdir's "File exists" of a path that exists, said of a folder it is not
@@ -524,18 +525,18 @@ def _refuse_an_episode_folder_as_out(out: Path, inputs: list[Path], episodes: li
     target = out.resolve()
     found = episode_entries(target)
     if found:
-        message = (f"--out {out} is an episode folder (it holds {listed(found)}): the run's files would be written "
-                   "among its step files, and a folder holding a run is no longer taken for an episode")
+        message = (f"--out {as_typed(out)} is an episode folder (it holds {listed(found)}): the run's files would be "
+                   "written among its step files, and a folder holding a run is no longer taken for an episode")
     elif any(path.resolve() == target for path in inputs):
-        message = (f"--out {out} is also given as EPISODE: the run's files would be written among the "
+        message = (f"--out {as_typed(out)} is also given as EPISODE: the run's files would be written among the "
                    "episodes, and its episodes/ folder taken for one by a later rollout")
     elif inside := next((path for path in inputs if path.resolve().parent == target), None):
-        message = (f"--out {out} holds the EPISODE {inside}: the run's files would be written among the episodes, "
-                   "and its episodes/ folder taken for one by a later rollout")
+        message = (f"--out {as_typed(out)} holds the EPISODE {as_typed(inside)}: the run's files would be written "
+                   "among the episodes, and its episodes/ folder taken for one by a later rollout")
     elif inside := next((path for path in episodes if path.resolve() in target.parents), None):
-        message = (f"--out {out} is inside the episode folder {inside}: the run's files would be moved or deleted "
-                   "with the robot's (a recorder that renames the folder to publish the episode, or removes it once it "
-                   "ended, takes the run's folder away while it writes)")
+        message = (f"--out {as_typed(out)} is inside the episode folder {as_typed(inside)}: the run's files would be "
+                   "moved or deleted with the robot's (a recorder that renames the folder to publish the episode, or "
+                   "removes it once it ended, takes the run's folder away while it writes)")
     else:
         return
     raise ConfigError(message, hint="choose another --out for the outputs, such as runs/eval1")
@@ -681,8 +682,8 @@ def _recorded_folders_exist(info: dict[str, Any], out: Path, watch: list[Path]) 
             again = (f"{resume_command(out, info.get('pipeline_option'))} "
                      f"{shell_word(info.get('config_path') or info['config'])} NEW"
                      + "".join(f" {shell_word(other)}" for other in others))
-            raise ConfigError(f"{folder}, a folder of episodes given to this run, is gone, and with it the folders "
-                              f"of its episodes {listed(inside)} (recorded in {run_file})",
+            raise ConfigError(f"{as_typed(folder)}, a folder of episodes given to this run, is gone, and with it the "
+                              f"folders of its episodes {listed(inside)} (recorded in {run_file})",
                               hint="put it back at that path (renamed or moved: a symlink there to where it is now "
                                    f"will do, ln -s NEW {shell_word(folder)}), then resume; or give it where it is "
                                    "now, holding the run's episodes that were in it, with the run's other EPISODE "
@@ -690,9 +691,9 @@ def _recorded_folders_exist(info: dict[str, Any], out: Path, watch: list[Path]) 
     if gone:
         name, path = gone[0]
         more = f" (and {plural(len(gone) - 1, 'more episode folder')})" if len(gone) > 1 else ""
-        raise ConfigError(f"episode {name!r} of this run: its folder {path} is gone{more}; {run_file} records where "
-                          "the run last found each episode's folder (where it started, or where --follow followed "
-                          "its rename)",
+        raise ConfigError(f"episode {name!r} of this run: its folder {as_typed(path)} is gone{more}; {run_file} "
+                          "records where the run last found each episode's folder (where it started, or where "
+                          "--follow followed its rename)",
                           hint="put it back at that path (moved: a symlink there to where it is now will do), then "
                                "resume; or run its episodes again in a new --out")
 

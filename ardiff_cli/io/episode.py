@@ -31,8 +31,8 @@ from typing import Any, BinaryIO
 
 from ardiff_cli.io.atomic import TooLarge, open_file, parse_json, read_capped
 from ardiff_cli.runtime.capacity import split_unit_hint
-from ardiff_cli.runtime.errors import (YAML_SYNTAX_HINT, ConfigError, ObservationError, link_to_nothing, plural,
-                                      shown, too_many_open_files, yaml_problem)
+from ardiff_cli.runtime.errors import (YAML_SYNTAX_HINT, ConfigError, ObservationError, as_typed, link_to_nothing,
+                                      plural, shown, too_many_open_files, yaml_problem)
 
 STEP_SUFFIXES = (".safetensors", ".npz")
 METADATA_FILE = "episode.yaml"
@@ -139,13 +139,13 @@ def step_number(path: Path) -> int:
         return number
     if is_temporary_name(path.name):
         raise ObservationError(
-            f"{path}: looks like a writer's temporary file that was never renamed (tempfile's tmpXXXXXXXX name, or "
-            ".tmp, .temp, .part or .partial in its name), not a step file",
+            f"{as_typed(path)}: looks like a writer's temporary file that was never renamed (tempfile's tmpXXXXXXXX "
+            "name, or .tmp, .temp, .part or .partial in its name), not a step file",
             hint="a recorder stopped mid-write leaves one: delete it, or rename it to its step's name "
                  "(step_000001.safetensors) if it is whole; ardiff_cli.io.write_step writes under hidden names",
         )
     raise ObservationError(
-        f"{path}: step file name has no step number",
+        f"{as_typed(path)}: step file name has no step number",
         hint="name step files by their step, e.g. step_000000.safetensors, step_000001.safetensors, ...",
     )
 
@@ -156,11 +156,13 @@ def safe_name(name: str) -> str:
     Episode names are session ids and output folder names (``OUT/episodes/<name>/``,
     ``OUT/previews/<name>.png``), and they are printed: path separators and
     characters file systems refuse become ``_``, control characters (terminal
-    escapes, newlines) too, a leading dot becomes ``_`` (so ``.`` and ``..``
-    cannot climb out and no output is hidden), and the length is capped (characters
-    and UTF-8 bytes). A name with nothing left is ``episode``.
+    escapes, newlines) too, and the line and paragraph separators (U+2028, U+2029:
+    Python's ``splitlines()`` splits at them), a leading dot becomes ``_`` (so ``.``
+    and ``..`` cannot climb out and no output is hidden), and the length is capped
+    (characters and UTF-8 bytes). A name with nothing left is ``episode``.
     """
-    chars = ["_" if c in _UNSAFE_CHARS or unicodedata.category(c).startswith("C") else c for c in str(name)]
+    chars = ["_" if c in _UNSAFE_CHARS or unicodedata.category(c)[0] == "C" or c in "\u2028\u2029" else c
+             for c in str(name)]
     cleaned = "".join(chars).strip()[:MAX_NAME_CHARS]
     while len(cleaned.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
         cleaned = cleaned[:-1]
@@ -198,7 +200,7 @@ def gap_error(folder: Path, steps: list[int], missing: list[int], count: int) ->
     shown = ", ".join(map(str, missing[:5])) + (f" and {count - 5} more" if count > 5 else "")
     others = other_step_formats(folder)  # the missing step may be one of them: a suffix in capitals, a .npy
     return ObservationError(
-        f"{folder}: step{'s' if count > 1 else ''} {shown} missing: the episode has steps "
+        f"{as_typed(folder)}: step{'s' if count > 1 else ''} {shown} missing: the episode has steps "
         f"{steps[0]}..{steps[-1]} with a gap (expected consecutive step numbers)"
         + (f"; it also holds {listed(others)}, which ardiff does not read (a step file ends in .safetensors or "
            ".npz)" if others else ""),
@@ -222,7 +224,7 @@ def unreadable_folder(folder: Path, exc: OSError) -> ObservationError:
     input)."""
     if too_many_open_files(exc):
         raise exc
-    return ObservationError(f"{folder}: cannot list the episode folder: {exc.strerror or exc}",
+    return ObservationError(f"{as_typed(folder)}: cannot list the episode folder: {exc.strerror or exc}",
                             hint="check that the folder exists and that the user running ardiff may read and enter "
                                  "it (permissions r-x)")
 
@@ -263,7 +265,7 @@ def scan_steps(folder: Path, *, skip: Container[str] = (), unnumbered: list[Path
             continue
         if number in steps:
             raise ObservationError(
-                f"{folder}: two files for step {number}: {steps[number].name} and {path.name}",
+                f"{as_typed(folder)}: two files for step {number}: {steps[number].name} and {path.name}",
                 hint="keep one file per step",
             )
         steps[number] = path
@@ -331,7 +333,7 @@ def _warn_about_episodes_inside(folder: Path, warn: Callable[[str], None] | None
     episodes) runs as one episode: say that those do not run."""
     inside = episode_folders_inside(folder)  # unreadable: its episode fails with the reason
     if inside and warn is not None:
-        warn(f"{folder} is one episode (it holds {listed(episode_entries(folder))}); its folders "
+        warn(f"{as_typed(folder)} is one episode (it holds {listed(episode_entries(folder))}); its folders "
              f"{listed(inside, limit=5)} hold episodes that do not run: pass them as EPISODE, or move the stray "
              "files out")
 
@@ -360,17 +362,17 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
             continue
         dangling = None if found else link_to_nothing(path)  # a recording on a disk not mounted: mkdir -p would fail
         if dangling:
-            raise ConfigError(f"episode folder not found: {path} is {dangling}", hint=MOUNT_HINT)
+            raise ConfigError(f"episode folder not found: {as_typed(path)} is {dangling}", hint=MOUNT_HINT)
         if not found:
             where = "" if path.is_absolute() else f"it is read relative to {Path.cwd()}; "
             unit = split_unit_hint(str(path))  # `rollout CFG --memory-budget 2 GiB`: the unit was taken for an EPISODE
             where = f"{unit}; {where}" if unit else where
-            raise ConfigError(f"episode folder not found: {path}",
+            raise ConfigError(f"episode folder not found: {as_typed(path)}",
                               hint=f"{where}for a robot that has not started writing yet, create its folder first "
                                    "(mkdir -p)" + ("" if follow else " and use --follow"))
         if not path.is_dir():
             raise ConfigError(
-                f"{path}: an EPISODE is a folder of step files, not a file",
+                f"{as_typed(path)}: an EPISODE is a folder of step files, not a file",
                 hint="pass the folder that holds the step files",
             )
         if is_run_output(path) and not episode_entries(path):
@@ -378,7 +380,7 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
             from ardiff_cli.io.run import RunFolder
 
             what = "an ardiff run folder" if RunFolder(path).is_run_folder() else "a folder of ardiff run folders"
-            raise ConfigError(f"{path} is {what} (what a rollout wrote), not an episode",
+            raise ConfigError(f"{as_typed(path)} is {what} (what a rollout wrote), not an episode",
                               hint="pass the folders of step files the robots wrote; to finish a stopped run: "
                                    "ardiff rollout --resume -o RUN")
         if _holds_episode(path):
@@ -392,7 +394,7 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
         episode = names.add(folder)
         if episode is None:
             if warn is not None:
-                warn(f"{folder} is episode {names.of(folder)!r} again (given twice); it runs once")
+                warn(f"{as_typed(folder)} is episode {names.of(folder)!r} again (given twice); it runs once")
             continue
         episodes.append(episode)
     return episodes
@@ -502,17 +504,17 @@ def read_episode_yaml(path: Path) -> dict[str, Any]:
         with open_file(path) as f:
             raw = read_capped(f, MAX_METADATA_BYTES)
     except IsADirectoryError:  # it had the hint about permissions of a folder the user could read
-        raise ObservationError(f"{path}: cannot read episode metadata: it is a folder, not a file",
+        raise ObservationError(f"{as_typed(path)}: cannot read episode metadata: it is a folder, not a file",
                                hint=f"{METADATA_FILE} is a YAML file (prompt: ...): move that folder out of the "
                                     "episode folder, then rerun with --resume") from None
     except OSError as exc:  # its text repeats the path: "[Errno 13] Permission denied: '.../episode.yaml'"
         if too_many_open_files(exc):  # the process's limit, not the file: no invalid input (exit 2)
             raise
-        raise ObservationError(f"{path}: cannot read episode metadata: {exc.strerror or exc}",
+        raise ObservationError(f"{as_typed(path)}: cannot read episode metadata: {exc.strerror or exc}",
                                hint="check that the user running ardiff may read it (permissions)") from None
     except TooLarge:
-        raise ObservationError(f"{path}: cannot read episode metadata: it takes more than {MAX_METADATA_BYTES >> 20} "
-                               "MiB, which no episode metadata does",
+        raise ObservationError(f"{as_typed(path)}: cannot read episode metadata: it takes more than "
+                               f"{MAX_METADATA_BYTES >> 20} MiB, which no episode metadata does",
                                hint="episode.yaml holds the prompt and a few fields; per-step data goes in the step "
                                     "files, as arrays") from None
     try:
@@ -520,30 +522,32 @@ def read_episode_yaml(path: Path) -> dict[str, Any]:
         data = yaml.safe_load(text)
     except UnicodeDecodeError as exc:
         raise ObservationError(
-            f"{path}: episode metadata is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
-            "expected a UTF-8 YAML mapping",
+            f"{as_typed(path)}: episode metadata is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+            f"{exc.start}); expected a UTF-8 YAML mapping",
             hint="write episode.yaml as UTF-8 text, e.g. `prompt: pick up the red cube` "
                  "(ardiff_cli.io.write_episode does)",
         ) from None
     except yaml.YAMLError as exc:  # one line, as a config's: PyYAML's own text spans five, with a caret drawn
-        raise ObservationError(f"{path}: cannot read episode metadata: {yaml_problem(exc, text)}",
+        raise ObservationError(f"{as_typed(path)}: cannot read episode metadata: {yaml_problem(exc, text)}",
                                hint=f"{YAML_SYNTAX_HINT}; episode.yaml holds `key: value` lines, e.g. "
                                     "`prompt: pick up the red cube`") from None
     except RecursionError:  # the parser recurses once per level of nesting
-        raise ObservationError(f"{path}: cannot read episode metadata: lists or mappings are nested too deeply",
+        raise ObservationError(f"{as_typed(path)}: cannot read episode metadata: lists or mappings are nested "
+                               "too deeply",
                                hint="episode metadata is a few levels deep; look for runaway brackets") from None
     except ValueError as exc:  # a plain scalar YAML types but Python cannot hold: 2024-13-45, a 5000-digit number
-        raise ObservationError(f"{path}: cannot read episode metadata: {str(exc).split(';')[0]}",
+        raise ObservationError(f"{as_typed(path)}: cannot read episode metadata: {str(exc).split(';')[0]}",
                                hint="quote the value if it is text") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ObservationError(f"{path}: episode metadata must be a YAML mapping, got {type(data).__name__}",
+        raise ObservationError(f"{as_typed(path)}: episode metadata must be a YAML mapping, got {type(data).__name__}",
                                hint="write it as `key: value` lines, e.g. `prompt: pick up the red cube`")
     duplicate = duplicate_key(text)
     if duplicate is not None:  # two prompts: which one the episode ran with would be YAML's silent choice
         key, where = duplicate
-        raise ObservationError(f"{path}: key {key!r} is given twice ({where}); YAML would keep the second silently",
+        raise ObservationError(f"{as_typed(path)}: key {key!r} is given twice ({where}); YAML would keep the "
+                               "second silently",
                                hint="keep one of them")
     return data
 
@@ -611,7 +615,8 @@ def load_step(path: str | os.PathLike[str]) -> RawStep:
     elif path.suffix == ".npz":
         raw = _load_npz(path, data)
     else:
-        raise ObservationError(f"{path}: unsupported step file type {path.suffix!r}; use .safetensors or .npz")
+        raise ObservationError(f"{as_typed(path)}: unsupported step file type {path.suffix!r}; use "
+                               ".safetensors or .npz")
     raw.sha256 = hashlib.sha256(data).hexdigest()
     raw.signature = signature
     return raw
@@ -648,7 +653,7 @@ def step_sha256(path: Path) -> str:
 
 
 def _empty(path: Path) -> ObservationError:
-    return ObservationError(f"{path}: the file is empty (0 bytes)", hint=WRITE_HINT)
+    return ObservationError(f"{as_typed(path)}: the file is empty (0 bytes)", hint=WRITE_HINT)
 
 
 def _read_bytes(path: Path) -> tuple[bytes, tuple[int, ...]]:
@@ -683,8 +688,9 @@ def _too_large(path: Path, f: BinaryIO, size: int) -> ObservationError:
     by its size."""
     kind, other = ("safetensors file", "safetensors") if path.suffix == ".safetensors" else (".npz file", "an .npz")
     if _is_torch_save(f.read(_HEAD_BYTES)):
-        return ObservationError(f"{path}: cannot read {kind}: it is {_TORCH_SAVE}, not {other}", hint=_TORCH_SAVE_HINT)
-    return ObservationError(f"{path}: cannot read {kind}: it takes {size} bytes, more than the "
+        return ObservationError(f"{as_typed(path)}: cannot read {kind}: it is {_TORCH_SAVE}, "
+                                f"not {other}", hint=_TORCH_SAVE_HINT)
+    return ObservationError(f"{as_typed(path)}: cannot read {kind}: it takes {size} bytes, more than the "
                             f"{MAX_STEP_BYTES >> 30} GiB a step file may take", hint=_TOO_LARGE_HINT)
 
 
@@ -694,14 +700,14 @@ def _unreadable(path: Path, exc: OSError) -> ObservationError:
         raise exc
     dangling = link_to_nothing(path) if isinstance(exc, FileNotFoundError) else None  # a disk not mounted
     if dangling:
-        return ObservationError(f"{path}: cannot read the step file: it is {dangling}",
+        return ObservationError(f"{as_typed(path)}: cannot read the step file: it is {dangling}",
                                 hint=f"{MOUNT_HINT}, then rerun with --resume")
     if isinstance(exc, IsADirectoryError):
-        return ObservationError(f"{path}: cannot read the step file: it is a folder, not a file",
+        return ObservationError(f"{as_typed(path)}: cannot read the step file: it is a folder, not a file",
                                 hint="move that folder out of the episode folder (every .safetensors and .npz entry "
                                      "there is a step file), then rerun with --resume")
     return ObservationError(
-        f"{path}: cannot read the step file: {exc.strerror or exc}",
+        f"{as_typed(path)}: cannot read the step file: {exc.strerror or exc}",
         hint="check that the file exists and that the user running ardiff may read it (permissions)",
     )
 
@@ -778,11 +784,12 @@ def _refuse_safetensors_of_another_size(path: Path, f: BinaryIO, size: int) -> N
         f.seek(0)
         raise _unreadable_safetensors(path, f.read(_HEAD_BYTES), exc, size=size) from None
     if declared > size:
-        raise ObservationError(f"{path}: cannot read safetensors file: truncated or corrupt ({plural(size, 'byte')}; "
-                               f"its header declares {declared})", hint=WRITE_HINT)
+        raise ObservationError(f"{as_typed(path)}: cannot read safetensors file: truncated or corrupt "
+                               f"({plural(size, 'byte')}; its header declares {declared})", hint=WRITE_HINT)
     if declared < size:
-        raise ObservationError(f"{path}: cannot read safetensors file: it has {size} bytes, {size - declared} more "
-                               f"than its header declares ({declared}); safetensors refuses data after the last tensor",
+        raise ObservationError(f"{as_typed(path)}: cannot read safetensors file: it has {size} bytes, "
+                               f"{size - declared} more than its header declares ({declared}); safetensors refuses "
+                               "data after the last tensor",
                                hint="remove what follows the last tensor, or write the step again (safetensors and "
                                     "ardiff_cli.io.write_step write nothing after it), then rerun with --resume")
 
@@ -805,15 +812,15 @@ def _load_safetensors(path: Path, data: bytes) -> RawStep:
         try:
             arrays[key] = np.frombuffer(view["data"], dtype=_NUMPY_DTYPES[view["dtype"]]).reshape(view["shape"])
         except ValueError as exc:  # a header safetensors takes: no data and a dimension of 2**62, or 100 dimensions
-            raise ObservationError(f"{path}: tensor {key!r} has shape {shown(view['shape'])}, which no array can "
-                                   f"hold ({exc})",
+            raise ObservationError(f"{as_typed(path)}: tensor {key!r} has shape {shown(view['shape'])}, which no "
+                                   f"array can hold ({exc})",
                                    hint="its header is damaged or was not written by a safetensors writer; write "
                                         "step files with ardiff_cli.io.write_step") from None
     unheld = [(key, "bfloat16" if dtype == "BF16" else dtype) for key, dtype in dtypes.items() if key not in arrays]
     if unheld:
         # Not loaded through torch: read_step stays torch-free and behaves the same in a script as in a rollout.
         raise ObservationError(
-            f"{path}: " + ", ".join(f"tensor {key!r} is {dtype}" for key, dtype in unheld)
+            f"{as_typed(path)}: " + ", ".join(f"tensor {key!r} is {dtype}" for key, dtype in unheld)
             + ", which the numpy reader cannot hold; store float32 or float16",
             hint="convert with tensor.float() before saving, or write steps with ardiff_cli.io.write_step "
                  "(it stores bfloat16 tensors as float32)",
@@ -826,20 +833,21 @@ def _unreadable_safetensors(path: Path, data: bytes, exc: Exception, *, size: in
     format, a truncated file, or corrupt bytes."""
     head, size = data[:16], len(data) if size is None else size
     if _is_torch_save(data):  # not an .npz: renamed, it would fail again
-        return ObservationError(f"{path}: cannot read safetensors file: it is {_TORCH_SAVE}, not safetensors",
+        return ObservationError(f"{as_typed(path)}: cannot read safetensors file: it is {_TORCH_SAVE}, not safetensors",
                                 hint=_TORCH_SAVE_HINT)
     for signature, what, hint in _SIGNATURES:
         # A header length whose low byte is 0x80 (128, 384, ...) starts like a pickle: a safetensors header's "{" at
         # byte 8 tells them apart, and in a file cut before it, the length's zero third byte (a pickle's is an opcode).
         if head.startswith(signature) and head[8:9] != b"{" and head[2:3] != b"\0":
-            return ObservationError(f"{path}: cannot read safetensors file: it is {what}, not safetensors", hint=hint)
+            return ObservationError(f"{as_typed(path)}: cannot read safetensors file: it is {what}, not "
+                                    "safetensors", hint=hint)
     header_len = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
     if len(head) >= 8 and 8 + header_len > size and header_len <= MAX_HEADER_BYTES:
         return ObservationError(
-            f"{path}: cannot read safetensors file: truncated (its header alone should take {header_len} bytes; "
-            f"the file has {plural(size, 'byte')} in all)", hint=WRITE_HINT)
-    return ObservationError(f"{path}: cannot read safetensors file: truncated or corrupt ({plural(size, 'byte')}): "
-                            f"{exc}",
+            f"{as_typed(path)}: cannot read safetensors file: truncated (its header alone should take {header_len} "
+            f"bytes; the file has {plural(size, 'byte')} in all)", hint=WRITE_HINT)
+    return ObservationError(f"{as_typed(path)}: cannot read safetensors file: truncated or corrupt "
+                            f"({plural(size, 'byte')}): {exc}",
                             hint=WRITE_HINT)
 
 
@@ -856,13 +864,13 @@ def _load_npz(path: Path, data: bytes) -> RawStep:
     head = data[:16]
     zip_signatures = (b"PK\x03\x04", b"PK\x05\x06")  # a first member, or the end record of a zip of none
     if not head.startswith(zip_signatures) and _is_safetensors(data):  # its header length may start with 0x80
-        raise ObservationError(f"{path}: cannot read .npz file: it is a safetensors file, not an .npz",
+        raise ObservationError(f"{as_typed(path)}: cannot read .npz file: it is a safetensors file, not an .npz",
                                hint="give it the .safetensors suffix")
     if not head.startswith(zip_signatures):  # an .npz is a zip archive; never let np.load guess (pickle)
         unknown = ("neither a zip archive nor a known format",
                    "write .npz files with numpy.savez or ardiff_cli.io.write_step")
         what, hint = next(((w, h) for sig, w, h in _SIGNATURES if head.startswith(sig)), unknown)
-        raise ObservationError(f"{path}: cannot read .npz file: it is {what}, not an .npz", hint=hint)
+        raise ObservationError(f"{as_typed(path)}: cannot read .npz file: it is {what}, not an .npz", hint=hint)
     arrays: dict[str, Any] = {}
     metadata: dict[str, str] = {}
     try:
@@ -872,7 +880,7 @@ def _load_npz(path: Path, data: bytes) -> RawStep:
             headers = {info: _npy_header(path, archive, info) for info in members}
             not_arrays = [info.filename.removesuffix(".npy") for info, header in headers.items() if header is None]
             if not_arrays:  # np.load hands back a member that is not .npy as its bytes, unpacked whole
-                raise ObservationError(f"{path}: expected only .npy arrays in the .npz, got other files: "
+                raise ObservationError(f"{as_typed(path)}: expected only .npy arrays in the .npz, got other files: "
                                        f"{', '.join(map(repr, not_arrays))}",
                                        hint="write .npz files with numpy.savez or ardiff_cli.io.write_step; put text "
                                             "in episode.yaml")
@@ -883,18 +891,21 @@ def _load_npz(path: Path, data: bytes) -> RawStep:
                         value = np.lib.format.read_array(member, allow_pickle=False)
                 except ValueError as exc:
                     if dtype.hasobject:  # its data is a pickle
-                        raise ObservationError(f"{path}: cannot read .npz without pickle: {exc} (array {key!r})",
+                        raise ObservationError(f"{as_typed(path)}: cannot read .npz without pickle: {exc} (array "
+                                               f"{key!r})",
                                                hint="store plain numeric arrays; put text in episode.yaml") from None
-                    raise ObservationError(f"{path}: cannot read .npz file: truncated or corrupt: array {key!r}: {exc}",
+                    raise ObservationError(f"{as_typed(path)}: cannot read .npz file: truncated or corrupt: array "
+                                           f"{key!r}: {exc}",
                                            hint=WRITE_HINT) from None
                 if value.dtype.kind == "U" and value.ndim == 0:
                     metadata[key] = str(value)  # text (the prompt) stored as a 0-d string array
                 else:
                     arrays[key] = value
     except (OSError, zipfile.BadZipFile, EOFError, zlib.error) as exc:
-        raise ObservationError(f"{path}: cannot read .npz file: truncated or corrupt: {exc}", hint=WRITE_HINT) from None
+        raise ObservationError(f"{as_typed(path)}: cannot read .npz file: truncated or "
+                               f"corrupt: {exc}", hint=WRITE_HINT) from None
     except (RuntimeError, NotImplementedError) as exc:  # zipfile: a member with a password, or packed another way
-        raise ObservationError(f"{path}: cannot read .npz file: {exc}",
+        raise ObservationError(f"{as_typed(path)}: cannot read .npz file: {exc}",
                                hint="numpy.savez and ardiff_cli.io.write_step write members stored or deflated, "
                                     "without a password: write the step again with one of them") from None
     return RawStep(arrays=arrays, metadata=metadata)
@@ -908,17 +919,17 @@ def _refuse_npz_directory(path: Path, members: list[Any]) -> None:
     keys = [info.filename.removesuffix(".npy") for info in members]
     twice = next((k for k, count in Counter(keys).items() if count > 1), None)
     if twice is not None:  # a zip may hold two members of one name (numpy.savez never writes it): one ran silently
-        raise ObservationError(f"{path}: key {twice!r} is given twice in the .npz (two members named {twice!r} or "
-                               f"{twice + '.npy'!r}); np.load would take one of them silently",
+        raise ObservationError(f"{as_typed(path)}: key {twice!r} is given twice in the .npz (two members named "
+                               f"{twice!r} or {twice + '.npy'!r}); np.load would take one of them silently",
                                hint="keep one of them: write the step again with numpy.savez or "
                                     "ardiff_cli.io.write_step")
     if any(_is_pickle_member(info.filename) for info in members):
-        raise ObservationError(f"{path}: cannot read .npz file: it is {_TORCH_SAVE}, not an .npz",
+        raise ObservationError(f"{as_typed(path)}: cannot read .npz file: it is {_TORCH_SAVE}, not an .npz",
                                hint=_TORCH_SAVE_HINT)
     unpacked = sum(info.file_size for info in members)  # what unpacking yields at most: zipfile stops there
     if unpacked > MAX_STEP_BYTES:
         largest = max(members, key=lambda info: info.file_size)
-        raise ObservationError(f"{path}: cannot read .npz file: its members take {unpacked} bytes unpacked "
+        raise ObservationError(f"{as_typed(path)}: cannot read .npz file: its members take {unpacked} bytes unpacked "
                                f"({largest.filename!r}: {largest.file_size}), more than the {MAX_STEP_BYTES >> 30} "
                                "GiB a step file may take", hint=_TOO_LARGE_HINT)
 
@@ -948,8 +959,9 @@ def _npy_header(path: Path, archive: Any, info: Any) -> tuple[tuple[int, ...], b
             prefix += member.read(2)
         length = int.from_bytes(prefix[8:], "little")
         if length > _MAX_NPY_HEADER_BYTES:  # numpy's own error said to pass allow_pickle=True
-            raise ObservationError(f"{path}: cannot read .npz file: array {key!r} has a .npy header of {length} bytes, "
-                                   f"more than the {_MAX_NPY_HEADER_BYTES} numpy reads (numpy.savez writes about 120)",
+            raise ObservationError(f"{as_typed(path)}: cannot read .npz file: array {key!r} has a .npy header of "
+                                   f"{length} bytes, more than the {_MAX_NPY_HEADER_BYTES} numpy reads (numpy.savez "
+                                   "writes about 120)",
                                    hint="it is damaged or was not written by numpy: write the step again with "
                                         "numpy.savez or ardiff_cli.io.write_step")
         try:
@@ -958,12 +970,13 @@ def _npy_header(path: Path, archive: Any, info: Any) -> tuple[tuple[int, ...], b
             read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
             shape, fortran_order, dtype = read(header)
         except (ValueError, tokenize.TokenError) as exc:  # a damaged header: numpy tokenizes it, and may not finish
-            raise ObservationError(f"{path}: cannot read .npz file: array {key!r} has a .npy header numpy cannot read: "
-                                   f"{exc}", hint=WRITE_HINT) from None
+            raise ObservationError(f"{as_typed(path)}: cannot read .npz file: array {key!r} has a .npy header numpy "
+                                   f"cannot read: {exc}", hint=WRITE_HINT) from None
     declared = math.prod(shape) * dtype.itemsize
     held = info.file_size - len(prefix) - length
     if declared > held and not dtype.hasobject:  # an object array's data is a pickle: reading it refuses it
-        raise ObservationError(f"{path}: cannot read .npz file: truncated or corrupt: array {key!r} declares shape "
-                               f"{shape} of {dtype} ({declared} bytes), and its member holds {plural(held, 'byte')}",
+        raise ObservationError(f"{as_typed(path)}: cannot read .npz file: truncated or corrupt: array {key!r} "
+                               f"declares shape {shape} of {dtype} ({declared} bytes), and its member holds "
+                               f"{plural(held, 'byte')}",
                                hint=WRITE_HINT)
     return shape, fortran_order, dtype

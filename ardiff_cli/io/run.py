@@ -27,7 +27,7 @@ from typing import Any
 
 from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_capped,
                                  read_jsonl, remove_temporaries)
-from ardiff_cli.runtime.errors import (ConfigError, did_you_mean, field_error, link_to_nothing, shown,
+from ardiff_cli.runtime.errors import (ConfigError, as_typed, did_you_mean, field_error, link_to_nothing, shown,
                                       too_many_open_files)
 from ardiff_cli.runtime.outputs import is_array
 
@@ -172,7 +172,7 @@ class RunFolder:
         """A fresh run: refuse a folder that holds one already (it would be mixed with this one)."""
         if self.holds_run():
             raise ConfigError(
-                f"{self.root} already holds a run",
+                f"{as_typed(self.root)} already holds a run",
                 hint="continue it with --resume, or choose another --out",
             )
         self.root.mkdir(parents=True, exist_ok=True)
@@ -214,49 +214,50 @@ class RunFolder:
         except OSError as exc:  # a folder (or one above it) this user may not enter: not "there is no folder"
             loop = link_to_nothing(path)  # ELOOP: "Too many levels of symbolic links", with this hint
             if loop:
-                raise ConfigError(f"{path}: cannot read run info: it is {loop}",
+                raise ConfigError(f"{as_typed(path)}: cannot read run info: it is {loop}",
                                   hint="replace that link with the run's run.json (a file) from a backup, or start "
                                        "a new run in another --out") from None
-            raise ConfigError(f"{path}: cannot read run info: {exc.strerror or exc}",
+            raise ConfigError(f"{as_typed(path)}: cannot read run info: {exc.strerror or exc}",
                               hint="check that the user running ardiff may read and enter the run folder and the "
                                    "folders above it (permissions r-x)") from None
         if not self.root.is_dir():  # a typo: "start a run in this folder" would lead away from the run
             if self.root.exists():
-                raise ConfigError(f"nothing to resume: {self.root} is a file, not a run folder",
+                raise ConfigError(f"nothing to resume: {as_typed(self.root)} is a file, not a run folder",
                                   hint="give --out the folder a run printed as 'outputs: DIR'")
             near = sorted(p.name for p in self.root.parent.glob("*") if RunFolder(p).holds_run())
-            raise ConfigError(f"nothing to resume: there is no folder {self.root}",
+            raise ConfigError(f"nothing to resume: there is no folder {as_typed(self.root)}",
                               hint="check the path (a run prints it as 'outputs: DIR')"
                                    + (f"; runs in {self.root.parent}: {', '.join(near[-5:])}"
                                       f"{did_you_mean(self.root.name, near)}" if near else ""))
         if not path.exists():
             self.refuse_while_locked()  # a run that is still loading its model: run.json comes after
             if os.path.exists(self.results_path):  # a new run there is refused too, with a hint to --resume
-                raise ConfigError(f"nothing to resume: {path} does not exist, though {self.results_path.name} does "
-                                  "(run.json was deleted, or not copied with the run)",
+                raise ConfigError(f"nothing to resume: {as_typed(path)} does not exist, though "
+                                  f"{self.results_path.name} does (run.json was deleted, or not copied with the run)",
                                   hint="restore run.json from where the run was copied, or start a new run in "
                                        "another --out")
-            raise ConfigError(f"nothing to resume: {path} does not exist",
+            raise ConfigError(f"nothing to resume: {as_typed(path)} does not exist",
                               hint="run without --resume to start a run in this folder")
         try:
             with open(path, "rb") as f:  # not open_file: a FIFO here waits, as a hung network mount does
                 info = parse_json(read_capped(f))
         except IsADirectoryError:  # it read "[Errno 21] Is a directory: 'OUT/run.json'", and "was cut or edited"
-            raise ConfigError(f"{path}: cannot read run info: it is a folder, not a file",
+            raise ConfigError(f"{as_typed(path)}: cannot read run info: it is a folder, not a file",
                               hint="move that folder out of the way and restore the run's run.json (a file) from a "
                                    "backup, or start a new run in another --out") from None
         except OSError as exc:  # not a damaged file: one this user may not read
             if too_many_open_files(exc):  # the process's limit, not the file: no invalid input (exit 2)
                 raise
-            raise ConfigError(f"{path}: cannot read run info: {exc.strerror or exc}",
+            raise ConfigError(f"{as_typed(path)}: cannot read run info: {exc.strerror or exc}",
                               hint="check that the user running ardiff may read it (permissions r--)") from None
         except ValueError as exc:
-            raise ConfigError(f"{path}: cannot read run info: {exc}", hint=RUN_INFO_HINT) from None
+            raise ConfigError(f"{as_typed(path)}: cannot read run info: {exc}", hint=RUN_INFO_HINT) from None
         if not isinstance(info, dict):
-            raise ConfigError(f"{path}: cannot read run info: expected a JSON object, got {type(info).__name__}",
+            raise ConfigError(f"{as_typed(path)}: cannot read run info: expected a JSON object, got "
+                              f"{type(info).__name__}",
                               hint=RUN_INFO_HINT)
         if info.get("format") != RUN_FORMAT:
-            raise ConfigError(f"{path}: written by an incompatible ardiff (format {info.get('format')!r})",
+            raise ConfigError(f"{as_typed(path)}: written by an incompatible ardiff (format {info.get('format')!r})",
                               hint=f"resume it with the ardiff that started it (format {RUN_FORMAT} is this one's)")
         return info
 
@@ -367,7 +368,7 @@ class RunFolder:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         except IsADirectoryError:  # it read "cannot write the output folder: Is a directory", of a folder it can
-            raise ConfigError(f"--out {self.root}: its {LOCK_FILE} is a folder, not the file ardiff locks",
+            raise ConfigError(f"--out {as_typed(self.root)}: its {LOCK_FILE} is a folder, not the file ardiff locks",
                               hint=f"remove that folder ({path}): ardiff makes {LOCK_FILE} itself, a file it holds "
                                    "locked to keep a second rollout off the run") from None
         except OSError as exc:
@@ -375,10 +376,10 @@ class RunFolder:
                 raise
             link = link_to_nothing(path)  # a link to itself: "cannot write the output folder", of one it can
             if link:
-                raise ConfigError(f"--out {self.root}: its {LOCK_FILE} is {link}",
+                raise ConfigError(f"--out {as_typed(self.root)}: its {LOCK_FILE} is {link}",
                                   hint=f"remove that link ({path}): ardiff makes {LOCK_FILE} itself, a file it holds "
                                        "locked to keep a second rollout off the run") from None
-            raise ConfigError(f"--out {self.root}: cannot write the output folder: {exc.strerror or exc}",
+            raise ConfigError(f"--out {as_typed(self.root)}: cannot write the output folder: {exc.strerror or exc}",
                               hint="choose a folder you can write") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -394,15 +395,16 @@ class RunFolder:
             from ardiff_cli.runtime.errors import ArdiffWarning
 
             why = exc.strerror or exc
-            warnings.warn(f"--out {self.root}: its file system cannot lock {LOCK_FILE} ({why}): a second rollout "
-                          "writing this folder would not be refused; run one at a time", ArdiffWarning, stacklevel=2)
+            warnings.warn(f"--out {as_typed(self.root)}: its file system cannot lock {LOCK_FILE} ({why}): a second "
+                          "rollout writing this folder would not be refused; run one at a time", ArdiffWarning,
+                          stacklevel=2)
             return
         try:  # the holder's pid, for the message above
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())
         except OSError as exc:  # a full disk: it was 'an unexpected OSError ... a bug in ardiff'
             os.close(fd)
-            raise ConfigError(f"--out {self.root}: cannot write the output folder: {exc.strerror or exc}",
+            raise ConfigError(f"--out {as_typed(self.root)}: cannot write the output folder: {exc.strerror or exc}",
                               hint="free some space in it, or choose another --out") from None
         self._lock = fd
         self._remember_identity()
@@ -421,12 +423,13 @@ class RunFolder:
         swap = self.root / SWAP_DIR
         dangling = link_to_nothing(swap)
         if dangling:
-            raise ConfigError(f"--out {self.root}: its {SWAP_DIR} is {dangling}",
+            raise ConfigError(f"--out {as_typed(self.root)}: its {SWAP_DIR} is {dangling}",
                               hint="create that folder for the run's swap snapshots, or remove the link")
         if swap.exists() and not swap.is_dir():  # every snapshot's write failed, and each evicted session replayed
-            raise ConfigError(f"--out {self.root}: its {SWAP_DIR} is not a folder",
+            raise ConfigError(f"--out {as_typed(self.root)}: its {SWAP_DIR} is not a folder",
                               hint=f"remove or rename it: the run keeps its swap snapshots in the folder {swap}")
-        in_use = ConfigError(f"--out {self.root}: its swap folder {swap.resolve()} is in use by another ardiff rollout",
+        in_use = ConfigError(f"--out {as_typed(self.root)}: its swap folder {swap.resolve()} is in use by another "
+                             "ardiff rollout",
                              hint=f"give each run a {SWAP_DIR} of its own: runs sharing one delete each other's "
                                   "snapshots")
         owner = swap.resolve().parent
@@ -476,7 +479,7 @@ class RunFolder:
         """The error for this folder while another process holds its lock (``fd``: the lock file, with its pid)."""
         holder = os.read(fd, 32).decode("ascii", "replace").strip()
         return ConfigError(
-            f"{self.root} is in use by another ardiff rollout" + (f" (pid {holder})" if holder else ""),
+            f"{as_typed(self.root)} is in use by another ardiff rollout" + (f" (pid {holder})" if holder else ""),
             hint="wait for it to end, or stop it; two processes writing one run would mix their results "
                  "(choose another --out to run both)")
 

@@ -55,7 +55,7 @@ from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, S
                                    episode_folders_inside, gap_error, is_run_output, listed, looks_whole,
                                    missing_steps, new_episode_folders, other_step_formats, step_number,
                                    unreadable_folder)
-from ardiff_cli.runtime.errors import ObservationError, shell_word
+from ardiff_cli.runtime.errors import ObservationError, as_typed, shell_word
 
 # Activity for the idle timer: write_step's temporary file of a step file being written (atomic_write_bytes), and
 # rsync's of one it copies (".step_000001.safetensors.Ab3dE9": "." + name + "." + mkstemp's 6 characters)
@@ -374,7 +374,7 @@ class StepScheduler:
             return
         if track is None or _identity(track) in (None, inode):  # the episode's own folder: given twice, or a link
             return
-        self._warn(f"{path} did not join the run: episode {track.source.name!r} of this run was read from that path, "
+        self._warn(f"{as_typed(path)} did not join the run: episode {track.source.name!r} of this run was read from that path, "
                    "and this is another folder (the one it read was deleted or moved away, or the folder of episodes "
                    f"replaced), so its steps do not run (rename it to a name this run has not used, such as "
                    f"{shell_word(path.parent / (path.name + '-2'))}, and it joins; or run it in a new --out)")
@@ -520,16 +520,16 @@ class StepScheduler:
             deeper = dict(_folders_of_episodes(folder, idle))
             idle = [name for name in idle if name not in deeper]
             for name, inside in deeper.items():
-                self._warn(f"{folder}: {name} never joined the run: its sub-folders {listed(inside)} look like "
-                           "episode folders, one level deeper than a folder of episodes is watched (give "
+                self._warn(f"{as_typed(folder)}: {name} never joined the run: its sub-folders {listed(inside)} look "
+                           "like episode folders, one level deeper than a folder of episodes is watched (give "
                            f"{shell_word(folder / name)} as EPISODE)")
             if idle:
-                self._warn(f"{folder}: {listed(idle)} never joined the run: no step file, END or episode.yaml came "
-                           "in it, only other files or folders (a folder of episodes is watched for episode folders "
-                           "in it, not deeper: give a deeper folder of episodes as EPISODE)")
+                self._warn(f"{as_typed(folder)}: {listed(idle)} never joined the run: no step file, END or "
+                           "episode.yaml came in it, only other files or folders (a folder of episodes is watched "
+                           "for episode folders in it, not deeper: give a deeper folder of episodes as EPISODE)")
             if steps:
-                self._warn(f"{folder}: {listed(steps)} did not run: a followed folder of episodes runs the step files "
-                           "of the episode folders in it, not its own")
+                self._warn(f"{as_typed(folder)}: {listed(steps)} did not run: a followed folder of episodes runs the "
+                           "step files of the episode folders in it, not its own")
 
     def _is_last(self, track: _Track) -> bool:
         if track.cursor < len(track.files):
@@ -629,20 +629,20 @@ class StepScheduler:
         renamed = _renamed_to(folder, track.identity, track.taken)
         if renamed is None:
             return ObservationError(
-                f"{folder}: the episode folder is gone (deleted or renamed while it was followed); {arrived}",
+                f"{as_typed(folder)}: the episode folder is gone (deleted or renamed while it was followed); {arrived}",
                 hint="keep an episode's folder in place until its END file is written; --resume runs it again "
                      "once the folder is back")
         # a hidden name (`.trash-ep1`) is not looked at in a watched folder: that one is not followed, nor joins
         if not self._watched(folder) or renamed.name.startswith("."):
-            return ObservationError(f"{folder}: the episode folder was renamed to {renamed.name} while it was "
-                                    f"followed; {arrived}",
+            return ObservationError(f"{as_typed(folder)}: the episode folder was renamed to {renamed.name} while it "
+                                    f"was followed; {arrived}",
                                     hint="keep an episode's folder in place until its END file is written")
         # renamed in a watched folder of episodes, and not followed there: its first step file is another one now
         first = track.first_file[0] if track.first_file else "its first step file"
         return ObservationError(
-            f"{folder}: the episode folder was renamed to {renamed.name} while it was followed; {arrived}; in the "
-            f"watched {folder.parent} it joins the run as an episode of its own, from its first step ({first} in it "
-            "is not the file that ran)",
+            f"{as_typed(folder)}: the episode folder was renamed to {renamed.name} while it was followed; {arrived}; "
+            f"in the watched {as_typed(folder.parent)} it joins the run as an episode of its own, from its first step "
+            f"({first} in it is not the file that ran)",
             hint=f"its steps run again as episode {renamed.name}: keep an episode's step files as they are when its "
                  "folder is renamed (a renamed folder goes on as the same episode while its first step file is the "
                  "one that ran)")
@@ -660,19 +660,19 @@ class StepScheduler:
         made = [child.name for child in new_episode_folders(folder, set())]
         there = made if self._watched(folder) else [name for name in made if name in track.inside]
         if there:
-            raise ObservationError(f"{folder}: {what}; its sub-folders {listed(there)} look like episode folders, one "
-                                   "level down", hint=_one_level_down_hint(folder))
+            raise ObservationError(f"{as_typed(folder)}: {what}; its sub-folders {listed(there)} look like episode "
+                                   "folders, one level down", hint=_one_level_down_hint(folder))
         deeper = [] if made else _folders_of_episodes(folder)
         if deeper:
             name, inside = deeper[0]
-            raise ObservationError(f"{folder}: {what}; its sub-folder {name} holds episode folders ({listed(inside)}), "
-                                   "two levels down", hint=_one_level_down_hint(folder / name))
+            raise ObservationError(f"{as_typed(folder)}: {what}; its sub-folder {name} holds episode folders "
+                                   f"({listed(inside)}), two levels down", hint=_one_level_down_hint(folder / name))
         if made:
             what += (f"; episode folders were made in it since ({listed(made)}): it was empty when the run started, "
                      "so it was followed as one episode")
             hint = (f"make one episode folder in it before the run (mkdir -p {shell_word(folder / made[0])}): "
                     "--follow then takes it for a folder of episodes, and follows each episode folder made in it")
-        raise ObservationError(f"{folder}: {what}", hint=hint)
+        raise ObservationError(f"{as_typed(folder)}: {what}", hint=hint)
 
     def _raise_gap(self, track: _Track) -> None:
         if track.gap is not None:
@@ -916,11 +916,11 @@ def _no_step_files(folder: Path) -> ObservationError:
     others = other_step_formats(folder)
     inside = [] if others else episode_folders_inside(folder)
     if inside:
-        return ObservationError(f"{folder}: the episode folder holds no step files, but its sub-folders "
+        return ObservationError(f"{as_typed(folder)}: the episode folder holds no step files, but its sub-folders "
                                 f"{listed(inside)} look like episode folders, one level down",
                                 hint=_one_level_down_hint(folder))
     return ObservationError(
-        f"{folder}: the episode folder holds no step files"
+        f"{as_typed(folder)}: the episode folder holds no step files"
         + (f" (it holds {listed(others)}: a step file is .safetensors or .npz)" if others else ""),
         hint="an episode is a folder of step_000000.safetensors, step_000001.safetensors, ... (or .npz); "
              + ("ardiff_cli.io.write_step writes them" if others else

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.runtime.errors import ObservationError, close_match, did_you_mean, plural, shown
+from ardiff_cli.runtime.errors import ObservationError, as_typed, close_match, did_you_mean, plural, shown
 from ardiff_cli.runtime.observation import ObservationSchema
 
 from ardiff_cli.io.episode import METADATA_FILE, RawStep, listed
@@ -41,9 +41,10 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
     # 2 MB), and looking for a did-you-mean of each took seconds a step.
     ignored = {k: did_you_mean(k, field_keys) for k in extra[:MAX_NAMED_KEYS]}
     more = extra[MAX_NAMED_KEYS:]
-    warnings = {k: f"{path}: key {k!r} is not in the pipeline's schema; ignored{near}" for k, near in ignored.items()}
+    warnings = {k: f"{as_typed(path)}: key {k!r} is not in the pipeline's schema; ignored{near}"
+                for k, near in ignored.items()}
     if more:  # under the first of them: said once for the episode, as each named key is
-        warnings[more[0]] = (f"{path}: {plural(len(more), 'more key')} not in the pipeline's schema "
+        warnings[more[0]] = (f"{as_typed(path)}: {plural(len(more), 'more key')} not in the pipeline's schema "
                              f"({listed([repr(k) for k in more])}); ignored")
     and_more = f" and {len(more)} more" if more else ""
     prompt_missing = False
@@ -92,8 +93,8 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
         fields = ", ".join(f"{f.name!r}" + (f" ({', '.join(map(repr, f.aliases))})" if f.aliases else "")
                            for f in schema.fields)
         held = ", ".join(map(repr, ignored)) + and_more
-        raise ObservationError(f"{path}: none of the file's arrays ({held}) is in the pipeline's schema ({fields}): "
-                               "the model would run on the prompt alone",
+        raise ObservationError(f"{as_typed(path)}: none of the file's arrays ({held}) is in the pipeline's schema "
+                               f"({fields}): the model would run on the prompt alone",
                                hint="is this the right CONFIG? A recording made for another pipeline holds that "
                                     "pipeline's keys")
     return ValidStep(inputs=inputs, warnings=warnings)
@@ -106,5 +107,6 @@ def _refuse_a_misspelt_prompt(path: Path, prompt_keys: tuple[str, ...], *sources
         for key in source:
             near = close_match(str(key), prompt_keys)
             if near is not None:  # the hint names the key the did-you-mean does, not always the first prompt key
-                raise ObservationError(f"{path}: missing prompt {' or '.join(map(repr, prompt_keys))}; {where} has "
-                                       f"{shown(key)} (did you mean {near!r}?)", hint=f"rename that key to {near!r}")
+                raise ObservationError(f"{as_typed(path)}: missing prompt {' or '.join(map(repr, prompt_keys))}; "
+                                       f"{where} has {shown(key)} (did you mean {near!r}?)",
+                                       hint=f"rename that key to {near!r}")

@@ -37,6 +37,7 @@ from ardiff_cli.runtime.errors import (
     YAML_SYNTAX_HINT,
     ConfigError,
     PipelineError,
+    as_typed,
     did_you_mean,
     expand_home,
     field_error,
@@ -224,14 +225,16 @@ def path_kind(path: Path, what: str, *, where: str = "") -> str:
 
     why = unencodable(path)
     if why:
-        raise ConfigError(f"{where + ': ' if where else ''}cannot look at {what + ' ' if what else ''}{path}: {why}",
+        raise ConfigError(f"{where + ': ' if where else ''}cannot look at "
+                          f"{what + ' ' if what else ''}{as_typed(path)}: {why}",
                           hint=UTF8_LOCALE_HINT)
     try:
         mode = path.stat().st_mode
     except (FileNotFoundError, NotADirectoryError):
         return "missing"
     except ValueError:  # a NUL (YAML's "\0" escape): os.stat raised ValueError, "a bug in ardiff"
-        raise ConfigError(f"{where + ': ' if where else ''}cannot look at {what + ' ' if what else ''}{path}: it holds "
+        raise ConfigError(f"{where + ': ' if where else ''}cannot look at "
+                          f"{what + ' ' if what else ''}{as_typed(path)}: it holds "
                           "a NUL character, which no file name can", hint="check the path") from None
     except OSError as exc:
         import errno
@@ -239,8 +242,8 @@ def path_kind(path: Path, what: str, *, where: str = "") -> str:
         hint = ("check the permissions of the folders on its path (each needs x for this user)"
                 if exc.errno in (errno.EACCES, errno.EPERM) else "check the links on its path"
                 if exc.errno == errno.ELOOP else "check the path")
-        raise ConfigError(f"{where + ': ' if where else ''}cannot look at {what + ' ' if what else ''}{path}: "
-                          f"{exc.strerror or exc}", hint=hint) from exc
+        raise ConfigError(f"{where + ': ' if where else ''}cannot look at "
+                          f"{what + ' ' if what else ''}{as_typed(path)}: {exc.strerror or exc}", hint=hint) from exc
     return "file" if stat.S_ISREG(mode) else "folder" if stat.S_ISDIR(mode) else "other"
 
 
@@ -259,17 +262,17 @@ def resolve_config(name_or_path: str | Path | None) -> Path:
     if kind == "file":
         return path
     if kind == "other":  # a FIFO would block the read, a device never ends
-        raise ConfigError(f"config {path} is not a regular file (a FIFO, socket or device)",
+        raise ConfigError(f"config {as_typed(path)} is not a regular file (a FIFO, socket or device)",
                           hint="pass a YAML file, or a built-in config name")
     builtins = builtin_configs()
     if str(name_or_path) in builtins:
         return builtins[str(name_or_path)]
     dangling = link_to_nothing(path)  # "not found", and "did you mean" its own name, for a disk not mounted
     if dangling:
-        raise ConfigError(f"config {path} is {dangling}",
+        raise ConfigError(f"config {as_typed(path)} is {dangling}",
                           hint="mount or restore what it links to, or pass the config's own path")
     if path.suffix.lower() in (".yaml", ".yml") or path.parent != Path("."):
-        raise ConfigError(f"config file not found: {path}", hint=_not_found_hint(path, builtins))
+        raise ConfigError(f"config file not found: {as_typed(path)}", hint=_not_found_hint(path, builtins))
     name = str(name_or_path)
     hint = f"built-in configs: {', '.join(sorted(builtins))}"
     unit = split_unit_hint(name)  # `--memory-budget 2 GB`: the shell split the size in two
@@ -388,7 +391,7 @@ def _refuse_yaml11_number(path: Path, root: yaml.Node, node: yaml.ScalarNode, va
         why, fix = "octal (the leading 0)", f"write {decimal} (or {value}, if octal was meant) without the leading 0"
     field, is_key = _field_path(root, node)
     where = f"{'key' if is_key else 'field'} {field!r} (line {node.start_mark.line + 1})"
-    raise YAMLNumberError(f"{path}: {where}: {text} is read as {value!r}: YAML 1.1 takes it as {why}",
+    raise YAMLNumberError(f"{as_typed(path)}: {where}: {text} is read as {value!r}: YAML 1.1 takes it as {why}",
                           hint=f"{fix}, or \"{text}\" in quotes for text")
 
 
@@ -405,11 +408,12 @@ def read_config_bytes(path: Path) -> bytes:
     except OSError as exc:
         if too_many_open_files(exc):  # the process's limit, not the file: no invalid input (exit 2)
             raise
-        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}",
+        raise ConfigError(f"cannot read config {as_typed(path)}: {exc.strerror or exc}",
                           hint="check that the user running ardiff may read it and enter its folders "
                                "(permissions)") from None
     if len(raw) > MAX_CONFIG_BYTES:  # a data file given as CONFIG: it stalled for seconds to minutes, silently
-        raise ConfigError(f"{path}: more than {MAX_CONFIG_BYTES >> 10} KiB, which no config is: is it the config?",
+        raise ConfigError(f"{as_typed(path)}: more than {MAX_CONFIG_BYTES >> 10} KiB, which no config is: is it "
+                          "the config?",
                           hint="pass a config YAML (a few lines: pipeline, model, runtime) or a built-in name")
     return raw
 
@@ -421,7 +425,8 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], str]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r})",
+        raise ConfigError(f"{as_typed(path)}: not UTF-8 text (byte {exc.start}: "
+                          f"{exc.object[exc.start:exc.start + 1]!r})",
                           hint="save the config as UTF-8 YAML") from None
     loader = None
     try:
@@ -429,12 +434,12 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], str]:
         root = loader.get_single_node()
         data = None if root is None else loader.construct_document(root)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: {yaml_problem(exc, text)}", hint=YAML_SYNTAX_HINT) from None
+        raise ConfigError(f"{as_typed(path)}: {yaml_problem(exc, text)}", hint=YAML_SYNTAX_HINT) from None
     except RecursionError:  # the parser recurses once per level of nesting
-        raise ConfigError(f"{path}: lists or mappings are nested too deeply to read",
+        raise ConfigError(f"{as_typed(path)}: lists or mappings are nested too deeply to read",
                           hint="a config is a few levels deep; look for runaway brackets") from None
     except ValueError as exc:  # a plain scalar YAML types but Python cannot hold: 2024-13-45, a 5000-digit number
-        raise ConfigError(f"{path}: cannot read a value: {str(exc).split(';')[0]}",
+        raise ConfigError(f"{as_typed(path)}: cannot read a value: {str(exc).split(';')[0]}",
                           hint="quote the value if it is text; numbers in a config are a few digits long") from None
     finally:
         if loader is not None:
@@ -442,15 +447,16 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], str]:
     if loader.surprises:
         _refuse_yaml11_number(path, root, *loader.surprises[0])
     if data is None:  # "got NoneType" said nothing to whoever saved an empty file (or only comments, or `~`)
-        raise ConfigError(f"{path}: the config is empty (no YAML mapping in it)",
+        raise ConfigError(f"{as_typed(path)}: the config is empty (no YAML mapping in it)",
                           hint="a config holds at least `pipeline: NAME`; see README, Configs")
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a config must be a YAML mapping, got {type(data).__name__}",
+        raise ConfigError(f"{as_typed(path)}: a config must be a YAML mapping, got {type(data).__name__}",
                           hint="write it as `key: value` lines, starting with `pipeline: NAME`; see README, Configs")
     duplicate = duplicate_key(text)
     if duplicate is not None:
         key, where = duplicate
-        raise ConfigError(f"{path}: key {key!r} is given twice ({where}); YAML would keep the second silently",
+        raise ConfigError(f"{as_typed(path)}: key {key!r} is given twice ({where}); YAML would keep the "
+                          "second silently",
                           hint="merge the two into one")
     return data, hashlib.sha256(raw).hexdigest()
 

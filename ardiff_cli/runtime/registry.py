@@ -39,6 +39,7 @@ from ardiff_cli.runtime.errors import (
     did_you_mean,
     is_out_of_memory,
     running_out_of_memory_names,
+    shell_word,
 )
 
 BUILTIN_PIPELINES = {
@@ -170,6 +171,22 @@ def _import(module_path: str, *, what: str, where: str):
                             hint=f"{hint} (python -c 'import {module_path}' shows the traceback)") from None
 
 
+def _file_path_hint(reference: str) -> str | None:
+    """The hint for ``--pipeline dir/x.py:Class``, a file's path where MODULE is meant: the folder to put on
+    PYTHONPATH and the name to import (``x.py:Class``, a name, is told so as it fails to import); None for a
+    reference that is no file's path."""
+    path, _, qualname = reference.rpartition(":")
+    if "/" not in path:
+        return None
+    folder, _, name = path.rstrip("/").rpartition("/")
+    module = name.removesuffix(".py")
+    said = f"{path!r} is a file's path; MODULE is the name it is imported by, from a folder on PYTHONPATH"
+    if not module.isidentifier():
+        return f"{said}, and {module!r} is no Python name: rename the file (letters, digits and _)"
+    cls = qualname if re.fullmatch(_DOTTED, qualname) else "CLASS"
+    return f"{said}: run with PYTHONPATH={shell_word(folder or '/')} and --pipeline {module}:{cls}"
+
+
 def _shadowed(module_path: str) -> str | None:
     """Why a built-in pipeline did not import, when another ``pipelines`` package was imported in place of ardiff's:
     ``python -m ardiff_cli`` puts the working folder first on ``sys.path``, and a ``pipelines/`` folder there (a
@@ -247,7 +264,7 @@ def resolve_pipeline_reference(reference: str) -> PipelineEntry:
     match = CLASS_REFERENCE.match(reference)
     if match is None:
         raise ConfigError(f"{where}: expected MODULE:CLASS (dotted Python names), got {reference!r}",
-                          hint=CLASS_REFERENCE_HINT)
+                          hint=_file_path_hint(reference) or CLASS_REFERENCE_HINT)
     module_path, qualname = match.groups()
     module = _import(module_path, what=f"pipeline {reference!r}", where=where)
     obj: Any = module

@@ -109,11 +109,22 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         length = int.from_bytes(f.read(8), "little") if size >= 8 else 0
-        if size < 8 or 8 + length > size or length > MAX_HEADER_BYTES:
-            raise refused(f"{size} bytes: too short for its header ({8 + length} bytes)" if size >= 8 else
-                          f"{size} bytes: too short for a header's length (8 bytes)")
+        if size < 8:
+            raise refused(f"{size} bytes: too short for a header's length (8 bytes)")
+        if length > MAX_HEADER_BYTES:  # safetensors refuses it, whatever the file's size
+            raise refused(f"its header's length says {length} bytes, more than the {MAX_HEADER_BYTES} a safetensors "
+                          "header may take")
+        if 8 + length > size:
+            raise refused(f"{size} bytes: too short for its header ({8 + length} bytes)")
+        # UTF-8, as safetensors reads it: json.loads of bytes would take UTF-16 and UTF-32 too
+        raw = f.read(length)
+        if b"\0" in raw:  # no JSON holds a NUL; UTF-16 and UTF-32 text hold one beside each ASCII letter
+            raise refused("its header is not UTF-8 text: it holds NUL bytes (UTF-16 or UTF-32?)")
         try:
-            header = parse_json(f.read(length))
+            header = parse_json(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise refused(f"its header is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                          f"{exc.start})") from None
         except ValueError as exc:
             raise refused(f"its header is not JSON: {type(exc).__name__}") from None
         strings = header.pop("__metadata__", None) if isinstance(header, dict) else None
