@@ -374,9 +374,9 @@ class StepScheduler:
             return
         if track is None or _identity(track) in (None, inode):  # the episode's own folder: given twice, or a link
             return
-        self._warn(f"{as_typed(path)} did not join the run: episode {track.source.name!r} of this run was read from that path, "
-                   "and this is another folder (the one it read was deleted or moved away, or the folder of episodes "
-                   f"replaced), so its steps do not run (rename it to a name this run has not used, such as "
+        self._warn(f"{as_typed(path)} did not join the run: episode {track.source.name!r} of this run was read from "
+                   "that path, and this is another folder (the one it read was deleted or moved away, or the folder of "
+                   f"episodes replaced), so its steps do not run (rename it to a name this run has not used, such as "
                    f"{shell_word(path.parent / (path.name + '-2'))}, and it joins; or run it in a new --out)")
 
     def _follow_rename(self, track: _Track) -> bool:
