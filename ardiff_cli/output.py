@@ -79,6 +79,9 @@ def to_jsonable(value: Any) -> Any:
 
 
 HELD_CHARS = 64 * 1024  # of what code prints under --quiet, the most kept for an error's report (Output.chatter)
+# Of the Python warnings of the code a command runs (held), the most a result's `warnings` lists: one whose text changes
+# each time (a count, a step) passes Python's default filter each time, and a long run's summary.json grew with it
+CODE_WARNINGS_LISTED = 100
 _HELD_LINE_CHARS = 4096  # a line not yet ended, held apart while its \r redraws are dropped (Output._hold)
 
 
@@ -118,6 +121,8 @@ class Output:
         self._line_open = False
         self._chatter_lock = threading.RLock()  # a pipeline's threads print too, and the live display ends meanwhile
         self.warnings: list[str] = []  # every warning of the command, shown or silenced: a result may list them
+        self._code_warnings = 0  # the held ones (Python's) given, listed or not
+        self._more_at: int | None = None  # the entry counting those past CODE_WARNINGS_LISTED
         # --quiet: what code printed (chatter), held until an error is reported, which shows it first; its last
         # HELD_CHARS characters only (an error's cause is printed just before it), and how many went before them
         self._held: collections.deque[str] = collections.deque()
@@ -216,8 +221,19 @@ class Output:
 
     def warning(self, message: str, *, held: bool = False) -> None:
         """A ``warning:`` line (stderr), kept in ``warnings`` for a result. ``held``: a warning of the code the command
-        runs (Python's, a pipeline's), which --quiet holds for an error's report as it holds what that code prints."""
-        self.warnings.append(message)
+        runs (Python's, a pipeline's), which --quiet holds for an error's report as it holds what that code prints;
+        past the first ``CODE_WARNINGS_LISTED`` of those, one entry of ``warnings`` counts the rest."""
+        with self._chatter_lock:  # a pipeline's threads warn too
+            self._code_warnings += held
+            past = self._code_warnings - CODE_WARNINGS_LISTED if held else 0
+            if past <= 0:
+                self.warnings.append(message)
+            else:  # one entry counts them, where the first went (ardiff's own warnings may come after it)
+                if self._more_at is None:
+                    self._more_at = len(self.warnings)
+                    self.warnings.append("")
+                self.warnings[self._more_at] = (f"and {past} more Python warnings of the code the command ran, left "
+                                                "out of this list")
         if not self.quiet:
             self._print_err("[yellow]warning:[/yellow] ", one_line(message), plain_prefix="warning: ", soft_wrap=True)
         elif held:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -397,6 +398,27 @@ class Warns(LabPipeline):
         thread.start()
         thread.join()
         torch.range(0, 1)
+        return super().forward(request)
+
+
+class WarnsEachTime(LabPipeline):
+    def forward(self, request):  # a text of its own each time, which Python's default filter shows each time
+        for i in range(300):
+            warnings.warn(f"lab: {request.request_id}: clamped {i} values")
+        return super().forward(request)
+
+
+class WarmupRequest(ARDiffusionRequest):  # the lab's own request type, with a constructor of its own
+    def __init__(self, request_id, state, session_id):
+        super().__init__(request_id, {"state": state, "prompt": "warm"}, {"session_id": session_id})
+
+
+class WarmupOwnRequests(LabPipeline):
+    def ar_diffusion_warmup_requests(self, session_id):
+        yield WarmupRequest("warm0", np.zeros(6), session_id)
+
+    def forward(self, request):
+        assert isinstance(request, WarmupRequest) == request.request_id.startswith("warm"), type(request)
         return super().forward(request)
 
 
@@ -846,6 +868,38 @@ def test_a_pipelines_own_warnings_are_warning_lines_and_listed_in_the_json_resul
     assert summary["kind"] == "summary" and [w[:len(e)] for w, e in zip(said, expected)] == expected, summary
     assert len(said) == 3, said
     assert json.loads((root / "out_warns" / "summary.json").read_text())["warnings"] == summary["warnings"]
+
+
+def test_a_storm_of_a_pipelines_warnings_lists_a_bounded_number_of_them(lab):
+    """A warning whose text changes each time (a count, a step) is shown each time by Python's default filter: each
+    one was kept for the result, so that a long run's summary.json, and the command's memory, grew with every step
+    (here 300 a forward). The first ones are listed, and one more entry says how many were left out."""
+    root, env = lab
+    from ardiff_cli.output import CODE_WARNINGS_LISTED
+
+    def listed(command: str, *args: str) -> list[str]:
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", command, "unnamed.yaml", *args, "--pipeline",
+                               "lab_world.model:WarnsEachTime", "--format", "json", "-q"], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        return json.loads(proc.stdout.splitlines()[-1])["warnings"]
+
+    said = listed("warmup")
+    assert len(said) == CODE_WARNINGS_LISTED + 1 and said[0].endswith("UserWarning: lab: warm0: clamped 0 values")
+    assert all(": UserWarning: lab: " in w for w in said[:-1]), said
+    assert re.fullmatch(r"and \d+ more Python warnings of the code the command ran, left out of this list", said[-1])
+    said = listed("rollout", "eps/ep0", "-o", "out_storm", "--no-warmup")  # four steps
+    assert said[-1] == (f"and {4 * 300 - CODE_WARNINGS_LISTED} more Python warnings of the code the command ran, left "
+                        "out of this list") and len(said) == CODE_WARNINGS_LISTED + 1, said[-1]
+    assert json.loads((root / "out_storm" / "summary.json").read_text())["warnings"] == said
+
+
+def test_a_warmup_request_of_the_pipelines_own_request_type_runs_as_that_type(lab):
+    """A warmup request of a subclass of ARDiffusionRequest with a constructor of its own failed warmup with
+    `TypeError: WarmupRequest.__init__() got an unexpected keyword argument 'inputs'`, as its inputs were put in
+    a new request made through the constructor: it ran before, its inputs checked only."""
+    proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:WarmupOwnRequests")
+    assert proc.returncode == 0, proc.stderr
 
 
 def lineno(path: Path, text: str) -> int:

@@ -27,7 +27,7 @@ import types
 import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +142,9 @@ def _as_a_step(schema: ObservationSchema, request: ARDiffusionRequest, where: st
             hint=f"make ar_diffusion_warmup_requests() give inputs like a step's, which rollout checks against "
                  f"{name}'s observation_schema ({exc.hint}): README, 'Adding a pipeline'") from None
     own = {key: value for key, value in request.inputs.items() if key not in fields}
-    return replace(request, inputs={**valid, **own})
+    converted = copy.copy(request)  # its type kept, its constructor not called: a subclass may take other arguments
+    converted.inputs = {**valid, **own}
+    return converted
 
 
 class PipelineContractError(PipelineError, TypeError):
