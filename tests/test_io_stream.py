@@ -1424,7 +1424,8 @@ def test_an_episode_folder_made_in_a_watched_folder_of_episodes_joins_the_run(tm
 
 
 @pytest.mark.parametrize("renamed", [True, False])
-@pytest.mark.parametrize("replaced", ["the_folder_of_episodes", "the_episode_folder"])
+@pytest.mark.parametrize("replaced", ["the_folder_of_episodes", "the_episode_folder", "the_episode_folder_deleted",
+                                      "by_a_folder_of_its_inode_number"])
 def test_a_folder_made_where_a_finished_episode_of_a_watched_folder_was_read_is_named_and_joins_once_renamed(
         tmp_path, replaced, renamed):
     """robots/ renamed away and made again (a recorder's new day), or a finished robots/ep1 moved away and, a poll
@@ -1444,8 +1445,18 @@ def test_a_folder_made_where_a_finished_episode_of_a_watched_folder_was_read_is_
 
     if replaced == "the_folder_of_episodes":  # at once: the new folder's names are all looked at
         away = [rotate]
-    else:  # moved, not deleted (its inode number stays its own), and a poll later a folder made under its name
+    elif replaced == "the_episode_folder":  # moved (its inode number stays its own), a poll later one made there
         away = [lambda: (data / "ep1").rename(tmp_path / "ep1.done"), make]
+    elif replaced == "the_episode_folder_deleted":  # ext4 often gives the folder made next its inode number
+        away = [lambda: shutil.rmtree(data / "ep1"), make]
+    else:  # as ext4 reusing it does, every time: it was taken for ep1's own folder, its step 1 for a late file
+        def refill():
+            for file in (tmp_path / "ep1.done").iterdir():
+                file.unlink()
+            write_episode(tmp_path / "ep1.done", [good(0), good(1)], prompt="p")
+            (tmp_path / "ep1.done").rename(data / "ep1")
+
+        away = [lambda: (data / "ep1").rename(tmp_path / "ep1.done"), refill]
     clock = FakeClock([lambda: None, *away, lambda: None] + [lambda: (data / "ep1").rename(data / "ep1-2")] * renamed)
     warnings: list[str] = []
     scheduler = StepScheduler(discover_episodes([data]), follow=True, idle_timeout=5, poll_interval=1, clock=clock,
@@ -1458,6 +1469,58 @@ def test_a_folder_made_where_a_finished_episode_of_a_watched_folder_was_read_is_
         f"run (rename it to a name this run has not used, such as {data / 'ep1-2'}, and it joins; or run it in a new "
         "--out)"]  # not its step 1 as a late file of episode ep1
     assert scheduler.late == {}
+
+
+def test_a_folder_made_as_a_finished_episode_went_no_poll_between_is_named_once_when_the_run_ends(tmp_path):
+    """ep1 moved away and another ep1 made at once (no listing of robots/ between: a step's forward ran), robots/
+    watched twice (given also as a link to it): the new ep1 was passed over without a word, and a folder found by a
+    poll was named once per time its folder of episodes was given."""
+    data = tmp_path / "robots"
+    write_episode(data / "ep1", [good(0)], prompt="p")
+    (tmp_path / "link").symlink_to(data)
+
+    def swap():
+        (data / "ep1").rename(tmp_path / "ep1.done")
+        write_episode(data / "ep1", [good(0), good(1)], prompt="p")
+
+    clock = FakeClock([lambda: None, swap])
+    warnings: list[str] = []
+    watch = [data, tmp_path / "link", data]
+    scheduler = StepScheduler(discover_episodes(watch), follow=True, idle_timeout=5, poll_interval=1, clock=clock,
+                              sleep=clock.sleep, watch=watch, warn=warnings.append)
+    assert _drain(scheduler) == [("ep1", 0), ("ep1", "end_marker")]
+    assert [w.split(":")[0] for w in warnings] == [f"{data / 'ep1'} did not join the run"], warnings
+    assert scheduler.late == {}
+
+
+def test_a_folder_made_where_a_finished_episode_was_read_is_told_a_name_free_in_its_folder(tmp_path):
+    """Yesterday's ep1 renamed to ep1-2 as told, today's ep1 was told ep1-2 too: `mv robots/ep1 robots/ep1-2` put it
+    inside that episode's folder, where it never joins."""
+    data = tmp_path / "robots"
+    for name in ("ep1", "ep1-2"):
+        write_episode(data / name, [good(0)], prompt="p")
+    clock = FakeClock([lambda: None, lambda: (data / "ep1").rename(tmp_path / "ep1.done"),
+                       lambda: write_episode(data / "ep1", [good(0)], prompt="p")])
+    warnings: list[str] = []
+    scheduler = StepScheduler(discover_episodes([data]), follow=True, idle_timeout=5, poll_interval=1, clock=clock,
+                              sleep=clock.sleep, watch=[data], warn=warnings.append)
+    _drain(scheduler)
+    assert len(warnings) == 1 and f"such as {data / 'ep1-3'}, and it joins" in warnings[0], warnings
+
+
+def test_a_finished_episode_whose_first_step_file_was_cleaned_up_is_still_its_own_folder(tmp_path):
+    """A cleanup of the steps that ran deleting ep1's step 0, then a late step 1: the same folder (inode number, and
+    no other file under its first step file's name), whose late file is named, not another folder."""
+    data = tmp_path / "robots"
+    write_episode(data / "ep1", [good(0)], prompt="p")
+    clock = FakeClock([lambda: None, lambda: ((data / "ep1" / "step_000000.safetensors").unlink(),
+                                              write_step(data / "ep1", 1, good(1)))])
+    warnings: list[str] = []
+    scheduler = StepScheduler(discover_episodes([data]), follow=True, idle_timeout=5, poll_interval=1, clock=clock,
+                              sleep=clock.sleep, watch=[data], warn=warnings.append)
+    assert _drain(scheduler) == [("ep1", 0), ("ep1", "end_marker")]
+    assert scheduler.late == {"ep1": ["step_000001.safetensors"]}
+    assert [w.split(":")[0] for w in warnings] == ["episode 'ep1'"], warnings
 
 
 def test_what_never_joined_a_watched_folder_of_episodes_is_named_when_the_run_ends(tmp_path):

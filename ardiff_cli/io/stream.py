@@ -167,7 +167,8 @@ class StepScheduler:
         self.late: dict[str, list[str]] = {}  # follow: those files by episode (the run's summary lists them)
         # follow: the folders of episodes to watch for episode folders made in them since, each with the names in it
         # settled (episodes, files), and what to call with each new episode before its first step is handed out
-        self._watch = [_Watched(folder) for folder in watch] if follow else []
+        # (once each: one given twice, or as a link too, named each folder made in it twice)
+        self._watch = [_Watched(folder) for folder in _once_each(watch)] if follow else []
         self._on_new_episode = on_new_episode
         self._on_moved = on_moved  # follow: an episode's folder renamed in its watched folder, with its old path
         self._names = EpisodeNames(episodes)
@@ -186,6 +187,7 @@ class StepScheduler:
         self._polled_at = -float("inf")  # follow: when the folders of caught-up episodes were last polled
         self._slept = False  # follow: a pause came since that poll (the folders are polled again after each)
         self._pending_ends: list[EpisodeEnded] = []  # items to hand out before any further step
+        self._named_another: set[tuple[Path, int]] = set()  # follow: folders named by _warn_another_folder, by inode
         if not follow:
             for track in self._tracks:
                 self._guarded_scan(track)
@@ -372,12 +374,24 @@ class StepScheduler:
             inode = path.stat().st_ino
         except OSError:
             return
-        if track is None or _identity(track) in (None, inode):  # the episode's own folder: given twice, or a link
+        # the episode's own folder (given twice, or a link): its inode number, and not another file under its first
+        # step file's name (ext4 gives a folder deleted and made again its inode number)
+        if (track is None or _identity(track) is None
+                or (_identity(track) == inode and not _another_first_file(path, track.first_file))):
             return
+        if (path, inode) in self._named_another:  # named as a poll found it, and again as the run ended
+            return
+        self._named_another.add((path, inode))
+        # a name free there and not read by the run (robots/ep1-2 may be yesterday's ep1, renamed so: `mv` into it
+        # put this one inside that episode)
+        free, count = path.parent / f"{path.name}-2", 2
+        while os.path.lexists(free) or self._names.of(free) is not None:
+            count += 1
+            free = path.parent / f"{path.name}-{count}"
         self._warn(f"{as_typed(path)} did not join the run: episode {track.source.name!r} of this run was read from "
                    "that path, and this is another folder (the one it read was deleted or moved away, or the folder of "
                    f"episodes replaced), so its steps do not run (rename it to a name this run has not used, such as "
-                   f"{shell_word(path.parent / (path.name + '-2'))}, and it joins; or run it in a new --out)")
+                   f"{shell_word(free)}, and it joins; or run it in a new --out)")
 
     def _follow_rename(self, track: _Track) -> bool:
         """Follow ``track`` at its folder's new name, if the folder was renamed in a watched folder of episodes to a
@@ -489,7 +503,12 @@ class StepScheduler:
                 continue
             try:
                 st = _folder_stat(track.source.path)
-                if st is not None and st.st_ino != _identity(track):  # another folder there now: not its late files
+                if st is not None and (st.st_ino != _identity(track)
+                                       or _another_first_file(track.source.path, track.first_file)):
+                    # another folder there now: not its late files. Made as the old one went, between two listings
+                    # of the watched folder (a step's forward long), no poll found it: named now
+                    if self._watched(track.source.path) and episode_entries(track.source.path):
+                        self._warn_another_folder(track.source.path)
                     continue
                 # a writer's temporary name there (tmpabcdefgh.safetensors) hid the numbered ones: passed over
                 late = [f.path.name for f in track.source.scan(skip=track.taken, unnumbered=[])]
@@ -844,6 +863,14 @@ def _identity(track: _Track) -> int | None:
     return track.identity if track.identity is not None else track.source.inode
 
 
+def _once_each(folders: Iterable[Path]) -> list[Path]:
+    """``folders`` less those that resolve to one before them."""
+    first: dict[Path, Path] = {}
+    for folder in folders:
+        first.setdefault(folder.resolve(), folder)
+    return list(first.values())
+
+
 def _holds_first_file(folder: Path, first: tuple[str, int, int] | None) -> bool:
     """Whether ``folder`` holds the file ``first`` (name, inode, mtime) of an episode's first step file taken; True
     when none was taken."""
@@ -855,6 +882,13 @@ def _holds_first_file(folder: Path, first: tuple[str, int, int] | None) -> bool:
     except OSError:
         return False
     return (st.st_ino, st.st_mtime_ns) == (inode, mtime)
+
+
+def _another_first_file(folder: Path, first: tuple[str, int, int] | None) -> bool:
+    """Whether ``folder`` holds another file under the name of ``first``, an episode's first step file taken: it is
+    another folder, made where the episode's was and given its inode number. False with that name gone (a cleanup of
+    the steps that ran) or none taken."""
+    return first is not None and os.path.lexists(folder / first[0]) and not _holds_first_file(folder, first)
 
 
 def _folder_stat(path: Path) -> os.stat_result | None:
