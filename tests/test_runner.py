@@ -1097,23 +1097,42 @@ def test_every_release_path_frees_kv_and_cross_attention_before_the_pipeline_hoo
 
 def test_a_layer_context_kept_past_its_request_is_stale():
     """the runner ends every request (state.end_request()): a context the pipeline kept cannot attend later,
-    outside any request, into the workspace every session shares."""
+    outside any request, into the workspace every session shares. It is told as a kept state is (README: kept past
+    its binding, every call raises naming the session): outside its request, the contract; once its session was
+    released, that its pages may hold another session's KV (it said 'committed, replaced, or reset', or 'is
+    closed'); in its own session's next request, stale, naming the session."""
 
     class KeepsContexts(TinyPipeline):
         kept = None
+        use_kept = False
 
         def forward(self, req):
+            if self.use_kept:  # its own session's next forward: the state is bound, the context an earlier one's
+                self.kept[0].attend(*self.qkv)
             out = super().forward(req)  # commit passes, committed
-            self.kept = self._state.get_kv_caches(self.spec.branch_names[0], req.inputs["frames"].shape[0])
+            self.kept = self.kept or self._state.get_kv_caches(self.spec.branch_names[0], req.inputs["frames"].shape[0])
             return out  # a denoising pass's contexts, handed out and never used
 
     pipe = KeepsContexts()
-    runner = make_runner(pipe)
+    runner = make_runner(pipe, capacity=1)
     req = request("a", 0)
     runner.execute_model(req)
     s = pipe.spec
     t = torch.zeros(s.num_kv_heads, req.inputs["frames"].shape[0], s.head_size)
-    with pytest.raises(RuntimeError, match="stale AR-Diffusion KV context"):
+    pipe.qkv = (t, t, t)
+    with pytest.raises(RuntimeError, match=r"^a layer context's attend\(\) on the AR-Diffusion KV state of session "
+                                           r"'a' outside its request: .*bind_ar_diffusion_state.*must not retain it"):
+        pipe.kept[0].attend(t, t, t)
+    with pytest.raises(RuntimeError, match=r"^a layer context's store\(\) on the AR-Diffusion KV state of session 'a' "
+                                           r"outside its request"):
+        pipe.kept[-1].store(t, t)
+    pipe.use_kept = True
+    with pytest.raises(RuntimeError, match=r"^KeepsContexts\.forward\(\): stale AR-Diffusion KV context for branch "
+                                           r"'main' of session 'a': .*call get_kv_caches again"):
+        runner.execute_model(request("a", 1))  # a fails and is released: its state is closed
+    with pytest.raises(RuntimeError, match=r"^a layer context's attend\(\) on the AR-Diffusion KV state of session "
+                                           r"'a': the state is closed: the runner released the session .* may hold "
+                                           r"another session's KV now"):
         pipe.kept[0].attend(t, t, t)
     runner.close()
 

@@ -1879,9 +1879,10 @@ def test_a_kv_state_kept_past_a_swap_out_is_refused_and_the_session_goes_on_in_a
     kept = pipe.kept_state
     assert kept.closed and runner._sessions["a"].state is not kept and runner.session_ids == ["a"]
     pipe.keep_state = True
-    with pytest.raises(RuntimeError, match=r"^cross_attention\(\) on the AR-Diffusion KV state of session 'a': the "
-                                           r"state is closed: the runner released the session \(closed, reset, "
-                                           r"evicted or swapped out\).*a session swapped back in gets a new state"):
+    with pytest.raises(RuntimeError, match=r"^_KVOnly\.forward\(\): cross_attention\(\) on the AR-Diffusion KV state "
+                                           r"of session 'a': the state is closed: the runner released the session "
+                                           r"\(closed, reset, evicted or swapped out\).*a session swapped back in gets "
+                                           r"a new state"):
         runner.execute_model(request("a", 2))
     assert runner.session_ids == [] and runner.pool_usage().num_used == 0
     runner.close()

@@ -108,13 +108,17 @@ class ARDiffusionForwardContext:
     def num_layers_written(self) -> int:
         return sum(self.layers_written)
 
-    def check_live(self) -> None:
-        if self.state._closed:
-            raise RuntimeError(f"AR-Diffusion KV state of session {self.state.session_id!r} is closed")
-        if self.finished or self.generation != self.state._generation:
+    def check_live(self, method: str) -> None:
+        state = self.state
+        if state._closed:  # the state's own words: a released session's pages may hold another session's KV now
+            state._refuse(f"a layer context's {method}")
+        if self.finished or self.generation != state._generation:
+            if state.bound is False:  # kept past its request (the runner ended its forwards): as a kept state is told
+                state._refuse(f"a layer context's {method}")
             raise RuntimeError(
-                f"stale AR-Diffusion KV context for branch {self.branch.name!r}: it was committed, replaced, "
-                "or the state was reset; call get_kv_caches again"
+                f"stale AR-Diffusion KV context for branch {self.branch.name!r} of session {state.session_id!r}: it "
+                "was committed, replaced, or the state was reset, or it is an earlier request's; call get_kv_caches "
+                "again"
             )
 
     def _prepare(self, num_registers: int, num_q_heads: int) -> None:
@@ -217,7 +221,7 @@ class ARDiffusionForwardContext:
             )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-        self.check_live()
+        self.check_live("attend")
         signature = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
                      k.requires_grad, v.requires_grad)  # what the checks depend on, as _store_signature
         if self._checked != signature:
@@ -247,7 +251,7 @@ class ARDiffusionForwardContext:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``layer``'s current block into its pages without attending (a commit pass only)."""
-        self.check_live()
+        self.check_live("store")
         if not self.commit_current:
             raise RuntimeError(
                 f"layer {layer} of branch {self.branch.name!r}: store writes a commit pass's K/V, but this forward "
