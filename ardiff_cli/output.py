@@ -556,7 +556,7 @@ def to_devnull(stream: IO[str]) -> None:
 # Control characters but tab and newline (C0, DEL, C1), shown as \xNN: messages quote file names, and a
 # name holding ESC [ ... would otherwise recolour or rewrite the terminal reading them. And the line and paragraph
 # separators, as \uNNNN: a terminal shows no break there, but Python's str.splitlines() splits at them (as at \x0b,
-# \x0c, \x1c-\x1e and \x85), and episode names (safe_name) and folders keep them.
+# \x0c, \x1c-\x1e and \x85), and folders (and the episode names an older safe_name kept) hold them.
 _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x09), *range(0x0b, 0x20), 0x7f, *range(0x80, 0xa0))}
 _CONTROLS.update({c: f"\\u{c:04x}" for c in (0x2028, 0x2029)})
 

@@ -625,6 +625,25 @@ def test_messages_name_a_folder_named_tilde_as_dot_slash_tilde(env, data, tmp_pa
     assert proc.returncode == 2 and "Error: config file not found: ./~/nope.yaml\n" in proc.stderr, proc.stderr
 
 
+
+def test_a_configs_field_errors_and_a_runs_hints_name_a_folder_named_tilde_as_dot_slash_tilde(env, data, tmp_path):
+    """Those messages still said `~/...`: a config's field error (`~/bad.yaml: unknown key`), its checkpoint not
+    found (`~/w.safetensors`: the home folder's, not the one beside the config), and the hint to remove an --out's
+    .lock folder (`remove that folder (~/run/.lock)`: the command a user would type removes one in the home folder)."""
+    tilde = tmp_path / "~"
+    tilde.mkdir()
+    (tilde / "bad.yaml").write_text(FAST_CONFIG + "bogus: 1\n")
+    (tilde / "ck.yaml").write_text(FAST_CONFIG + "checkpoint: w.safetensors\n")
+    (tilde / "run" / ".lock").mkdir(parents=True)
+    proc = ardiff(env, "rollout", "./~/bad.yaml", str(data / "eps"), "--no-warmup", cwd=tmp_path)
+    assert proc.returncode == 2 and "Error: ./~/bad.yaml: unknown key 'bogus'" in proc.stderr, proc.stderr
+    proc = ardiff(env, "rollout", "./~/ck.yaml", str(data / "eps"), "--no-warmup", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Error: ./~/ck.yaml: field 'checkpoint': file not found: ./~/w.safetensors\n" in proc.stderr, proc.stderr
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", "./~/run", "--no-warmup",
+                  cwd=tmp_path)
+    assert proc.returncode == 2 and "hint: remove that folder (./~/run/.lock): " in proc.stderr, proc.stderr
+
 def test_the_outputs_line_of_a_folder_named_like_an_option_gives_resume_a_folder(env, data, tmp_path):
     """`-o ./-x` printed `outputs: -x`, the line a hint says to give --out from: `--out -x` is refused as an option
     (exit 2, "looks like an option"). It says `./-x`, as a hint's command does, and --out takes it as it is."""
@@ -3900,6 +3919,29 @@ def test_every_line_ardiff_writes_of_a_name_holding_what_splitlines_splits_at_is
     assert line.startswith(f"outputs: {tmp_path}/run{shown} ("), proc.stdout
     assert json.loads((run / "summary.json").read_text())["out"] == str(run)  # the JSON keeps it as it is
 
+
+
+def test_an_older_ardiffs_run_of_an_episode_named_with_u2028_resumes_under_that_name(env, data, tmp_path):
+    """safe_name makes U+2028 and U+2029 `_` now; the ardiff before kept them, and a run it started recorded such a
+    name in run.json, results.jsonl and OUT/episodes/. Its --resume was refused (exit 2, "field 'episodes[0].name':
+    expected an episode name as ardiff records it", hint: correct it there): it goes on under its name."""
+    run = tmp_path / "run"
+    shutil.copytree(data / "eps" / "arm_a", tmp_path / "eps" / "zq\u2028zq")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(tmp_path / "eps"), "--out", str(run), "--no-warmup",
+                  "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    # the run as that ardiff left it, stopped before its last step: its name for the episode everywhere
+    (run / "episodes" / "zq_zq").rename(run / "episodes" / "zq\u2028zq")
+    (run / "episodes" / "zq\u2028zq" / "step_000002.safetensors").unlink()
+    for name in ("run.json", "results.jsonl", "summary.json"):
+        (run / name).write_text((run / name).read_text().replace("zq_zq", "zq\\u2028zq"))
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-1]))
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    assert [e["name"] for e in json.loads((run / "run.json").read_text())["episodes"]] == ["zq\u2028zq"]
+    assert (run / "episodes" / "zq\u2028zq" / "step_000002.safetensors").is_file()
+    assert not (run / "episodes" / "zq_zq").exists()
 
 def test_resume_of_a_followed_run_waits_the_idle_timeout_it_recorded(env, data, tmp_path):
     # Not the default 60 s: arm_b, whose robot has written no step yet, fails naming the timeout it waited. The

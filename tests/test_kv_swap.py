@@ -446,7 +446,12 @@ _DAMAGED = [
                       r"may take\)$"),
     ("zeros", r"its header is not JSON"),
     # json.loads of bytes takes UTF-16 (and UTF-32): it was read, as safetensors refuses it
-    ("utf-16", r"its header is not UTF-8 text: it holds NUL bytes \(UTF-16 or UTF-32\?\)\)$"),
+    ("utf-16", r"its header holds NUL bytes, which no UTF-8 JSON text does \(zeroed, or UTF-16 or UTF-32 text\?\)\)$"),
+    # the header's bytes zeroed (a crash before they reached the disk): it was said to be "not UTF-8 text" (UTF-16?)
+    ("zeroed-header", r"its header holds NUL bytes, which no UTF-8 JSON text does \(zeroed, "),
+    # JSON that json reads and safetensors refuses: they were read (the last of the two keys, the half character)
+    ("duplicate-key", r"its header gives the key '__metadata__' twice\)$"),
+    ("lone-surrogate", r"its header holds '\\ud800', half a UTF-16 surrogate pair\)$"),
     ("latin-1", r"its header is not UTF-8 text \(byte 0xe9 at offset \d+\)\)$"),
     ("metadata", r"its header is not a JSON object of tensors and string metadata"),
     ("dtype", r"tensor 'b' is \{.*'X9'.*\}, expected a known dtype, a shape and data_offsets"),
@@ -471,14 +476,17 @@ def test_a_damaged_snapshot_file_is_a_value_error_naming_it_and_what_is_wrong(tm
     length = int.from_bytes(data[:8], "little")
     header = json.loads(data[8:8 + length])
 
-    def with_header(encoding="utf-8", **changes):
-        text = json.dumps({**header, **changes}, ensure_ascii=False).encode(encoding)
+    def with_header(encoding="utf-8", then="", **changes):
+        text = (json.dumps({**header, **changes}, ensure_ascii=encoding == "ascii")[:-1] + then + "}").encode(encoding)
         return len(text).to_bytes(8, "little") + text + data[8 + length:]
 
     damaged = {"empty": b"", "truncated": data[:-1], "longer": data + b"\0", "zeros": b"\0" * 64,
                "header-length": (10 ** 9).to_bytes(8, "little") + data[8:],
                "utf-16": with_header(encoding="utf-16-le"),
                "latin-1": with_header(encoding="latin-1", __metadata__={"k": "caf\u00e9"}),
+               "zeroed-header": data[:8] + bytes(length) + data[8 + length:],
+               "duplicate-key": with_header(then=', "__metadata__": {"k": "w"}'),
+               "lone-surrogate": with_header(encoding="ascii", __metadata__={"k": "\ud800"}),
                "metadata": with_header(__metadata__={"k": 1}),
                "dtype": with_header(b={**header["b"], "dtype": "X9"}),
                "shape": with_header(b={**header["b"], "shape": [3]}),
@@ -488,7 +496,7 @@ def test_a_damaged_snapshot_file_is_a_value_error_naming_it_and_what_is_wrong(tm
     path.write_bytes(damaged)
     with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: not a readable safetensors file \({said}"):
         read_safetensors(path)
-    if damage in ("utf-16", "latin-1"):  # what safetensors refuses too
+    if damage in ("utf-16", "latin-1", "zeroed-header", "duplicate-key", "lone-surrogate"):  # safetensors refuses it
         from safetensors.torch import load
 
         with pytest.raises(Exception):

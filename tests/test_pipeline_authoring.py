@@ -981,3 +981,24 @@ def test_a_pipeline_module_given_as_a_files_path_is_told_its_folder_and_import_n
                            "lab_deep:LabPipeline", "--format", "plain"], cwd=root, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2 and "'lab_deep:LabPipeline' is not a pipeline class" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("reference, hint", [
+    # a package's folder, with its trailing /: it was told PYTHONPATH=/ (the root of the file system)
+    ("lab_code/:LabPipeline", "run with PYTHONPATH=. and --pipeline lab_code:LabPipeline"),
+    # a package's __init__.py is imported by its folder's name: it was told PYTHONPATH=lab_code and __init__:...
+    ("lab_code/pkg/__init__.py:LabPipeline", "run with PYTHONPATH=lab_code and --pipeline pkg:LabPipeline"),
+    # `--pipeline=~/...` (no shell expands a ~ there): it was told PYTHONPATH='./~/lab_code', a folder named ~ here
+    ("~/lab_code/lab_deep.py:LabPipeline", "run with PYTHONPATH={home}/lab_code and --pipeline lab_deep:LabPipeline"),
+    # the class left out too: it was taken for a registered pipeline's name ("unknown pipeline 'lab_code/...'")
+    ("lab_code/lab_deep.py", "run with PYTHONPATH=lab_code and --pipeline lab_deep:CLASS"),
+])
+def test_a_pipeline_given_as_a_folders_or_a_home_files_path_is_told_the_folder_to_put_on_pythonpath(lab, reference,
+                                                                                                     hint):
+    root, env = lab
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "warmup", "unnamed.yaml", f"--pipeline={reference}",
+                           "--format", "plain"], cwd=root, env={**env, "HOME": str(root)}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and f"got {reference!r}\n" in proc.stderr, proc.stderr
+    assert f"; MODULE is the name it is imported by, from a folder on PYTHONPATH: {hint.format(home=root)}\n" in \
+        proc.stderr, proc.stderr

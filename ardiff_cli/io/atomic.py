@@ -91,13 +91,16 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def parse_json(data: str | bytes) -> Any:
+def parse_json(data: str | bytes, *,
+               object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:
     """``json.loads``, with nesting too deep for the parser (``RecursionError``, from a damaged or hostile file of a
     few kilobytes of brackets) raised as the ``ValueError`` every other undecodable text raises. ``NaN`` and
     ``Infinity`` (which Python's json reads, and ardiff never writes) are refused alike: a file edited to hold one was
-    read, then failed to be written back (run.json, summary.json: a traceback after the run's steps)."""
+    read, then failed to be written back (run.json, summary.json: a traceback after the run's steps).
+    ``object_pairs_hook``: as ``json.loads``'s."""
     try:
-        return json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
+        return json.loads(data, parse_constant=_no_constant, parse_float=_finite_float,
+                          object_pairs_hook=object_pairs_hook)
     except RecursionError:
         raise ValueError("JSON nested too deeply to read") from None
 

@@ -172,6 +172,16 @@ def safe_name(name: str) -> str:
     return cleaned or "episode"
 
 
+_SEPARATORS_MADE_SAFE = {0x2028: "_", 0x2029: "_"}
+
+
+def is_recorded_name(name: str) -> bool:
+    """Whether ``name`` is an episode name as ardiff records it (run.json, ``OUT/episodes/<name>/``): what
+    :func:`safe_name` gives, or what it gave before it made U+2028 and U+2029 ``_`` (a run started then is resumed
+    under its names: its outputs are in their folders; messages show the separators as ``\\u2028``, ``\\u2029``)."""
+    return safe_name(name) in (name, name.translate(_SEPARATORS_MADE_SAFE))
+
+
 def missing_steps(steps: list[int], limit: int) -> tuple[list[int], int]:
     """The first ``limit`` step numbers absent between the first and the last of ``steps`` (sorted, distinct), and
     how many are absent in all. Never the whole list: steps numbered by a timestamp (``step_1733312345123``) leave

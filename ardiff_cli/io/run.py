@@ -51,7 +51,7 @@ def _run_info_problem(info: Mapping[str, Any]) -> tuple[str, str, Any] | None:
     """The first field of run.json that ``--resume`` reads as it is (no default) and that is missing, or of another
     type or value than ardiff writes there: (the field, what it takes, what it holds or ``_MISSING``); None when all
     are right."""
-    from ardiff_cli.io.episode import safe_name
+    from ardiff_cli.io.episode import is_recorded_name
     from ardiff_cli.runtime.capacity import MODEL_DTYPES
 
     if not isinstance(info.get("config"), str):
@@ -85,7 +85,7 @@ def _run_info_problem(info: Mapping[str, Any]) -> tuple[str, str, Any] | None:
         if not (isinstance(episode, dict) and isinstance(episode.get("name"), str)
                 and isinstance(episode.get("path"), str)):
             return f"episodes[{index}]", "an object with the episode's \"name\" and \"path\" (strings)", episode
-        if safe_name(episode["name"]) != episode["name"]:  # its outputs would be written outside OUT/episodes/NAME
+        if not is_recorded_name(episode["name"]):  # its outputs would be written outside OUT/episodes/NAME
             return (f"episodes[{index}].name", "an episode name as ardiff records it, one folder name (no '/', no "
                     "leading '.')", episode["name"])
         if not Path(episode["path"]).is_absolute():  # read against the folder a resume runs in
@@ -227,7 +227,7 @@ class RunFolder:
             near = sorted(p.name for p in self.root.parent.glob("*") if RunFolder(p).holds_run())
             raise ConfigError(f"nothing to resume: there is no folder {as_typed(self.root)}",
                               hint="check the path (a run prints it as 'outputs: DIR')"
-                                   + (f"; runs in {self.root.parent}: {', '.join(near[-5:])}"
+                                   + (f"; runs in {as_typed(self.root.parent)}: {', '.join(near[-5:])}"
                                       f"{did_you_mean(self.root.name, near)}" if near else ""))
         if not path.exists():
             self.refuse_while_locked()  # a run that is still loading its model: run.json comes after
@@ -369,16 +369,16 @@ class RunFolder:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         except IsADirectoryError:  # it read "cannot write the output folder: Is a directory", of a folder it can
             raise ConfigError(f"--out {as_typed(self.root)}: its {LOCK_FILE} is a folder, not the file ardiff locks",
-                              hint=f"remove that folder ({path}): ardiff makes {LOCK_FILE} itself, a file it holds "
-                                   "locked to keep a second rollout off the run") from None
+                              hint=f"remove that folder ({as_typed(path)}): ardiff makes {LOCK_FILE} itself, a file it "
+                                   "holds locked to keep a second rollout off the run") from None
         except OSError as exc:
             if too_many_open_files(exc):  # the process's limit, not the folder's: no bad usage (exit 2)
                 raise
             link = link_to_nothing(path)  # a link to itself: "cannot write the output folder", of one it can
             if link:
                 raise ConfigError(f"--out {as_typed(self.root)}: its {LOCK_FILE} is {link}",
-                                  hint=f"remove that link ({path}): ardiff makes {LOCK_FILE} itself, a file it holds "
-                                       "locked to keep a second rollout off the run") from None
+                                  hint=f"remove that link ({as_typed(path)}): ardiff makes {LOCK_FILE} itself, a file "
+                                       "it holds locked to keep a second rollout off the run") from None
             raise ConfigError(f"--out {as_typed(self.root)}: cannot write the output folder: {exc.strerror or exc}",
                               hint="choose a folder you can write") from None
         try:
@@ -427,7 +427,8 @@ class RunFolder:
                               hint="create that folder for the run's swap snapshots, or remove the link")
         if swap.exists() and not swap.is_dir():  # every snapshot's write failed, and each evicted session replayed
             raise ConfigError(f"--out {as_typed(self.root)}: its {SWAP_DIR} is not a folder",
-                              hint=f"remove or rename it: the run keeps its swap snapshots in the folder {swap}")
+                              hint="remove or rename it: the run keeps its swap snapshots in the folder "
+                                   f"{as_typed(swap)}")
         in_use = ConfigError(f"--out {as_typed(self.root)}: its swap folder {swap.resolve()} is in use by another "
                              "ardiff rollout",
                              hint=f"give each run a {SWAP_DIR} of its own: runs sharing one delete each other's "
@@ -569,9 +570,9 @@ def _is_sha256(value: Any) -> bool:
 
 def _checked_name(episode: str) -> str:
     """Episode names are sanitised at discovery; one that is not would write outside its folder (a bug)."""
-    from ardiff_cli.io.episode import safe_name
+    from ardiff_cli.io.episode import is_recorded_name
 
-    if not isinstance(episode, str) or safe_name(episode) != episode:
+    if not isinstance(episode, str) or not is_recorded_name(episode):
         raise ValueError(f"unsafe episode name {episode!r} for an output path; names come from safe_name()")
     return episode
 

@@ -556,7 +556,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
                           hint=f"built-in configs: {', '.join(sorted(builtin_configs()))}")
     else:
         path = resolve_config(source)
-        (data, digest), where, base = read_yaml(path), str(path), path.parent
+        (data, digest), where, base = read_yaml(path), as_typed(path), path.parent
     for key in data:
         if key not in TOP_LEVEL_KEYS:
             raise ConfigError(
@@ -609,9 +609,10 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
         kind = path_kind(checkpoint, "", where=f"{where}: field 'checkpoint'")
         dangling = link_to_nothing(checkpoint) if kind == "missing" else None
         if kind == "missing" and plan_only:
-            missing = f"{checkpoint} is {dangling}" if dangling else f"file not found: {checkpoint}"
+            named = as_typed(checkpoint)
+            missing = f"{named} is {dangling}" if dangling else f"file not found: {named}"
         elif dangling:
-            raise ConfigError(f"{where}: field 'checkpoint': {checkpoint} is {dangling}",
+            raise ConfigError(f"{where}: field 'checkpoint': {as_typed(checkpoint)} is {dangling}",
                               hint="mount or restore what it links to, or give the .safetensors file's own path")
         elif kind != "file":
             found = {"folder": "a folder, not a file", "other": "not a regular file"}.get(kind, "file not found")
@@ -619,7 +620,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
             # named as not found: say where a relative one is read from.
             origin = "the current folder" if isinstance(source, dict) else f"the config file's folder, {base.resolve()}"
             raise ConfigError(
-                f"{where}: field 'checkpoint': {found}: {checkpoint}",
+                f"{where}: field 'checkpoint': {found}: {as_typed(checkpoint)}",
                 hint=(f"a relative checkpoint path is read from {origin}; " if relative and kind == "missing" else "")
                 + "give the .safetensors file's path, or set checkpoint: null to use the pipeline's built-in default",
             )

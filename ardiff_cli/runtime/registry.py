@@ -24,12 +24,13 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+import os
 import re
 import traceback
 import types
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ardiff_cli.runtime.errors import (
@@ -175,16 +176,21 @@ def _file_path_hint(reference: str) -> str | None:
     """The hint for ``--pipeline dir/x.py:Class``, a file's path where MODULE is meant: the folder to put on
     PYTHONPATH and the name to import (``x.py:Class``, a name, is told so as it fails to import); None for a
     reference that is no file's path."""
-    path, _, qualname = reference.rpartition(":")
+    path, colon, qualname = reference.rpartition(":")
+    if not colon:  # `--pipeline dir/x.py`, the class left out too
+        path, qualname = reference, ""
     if "/" not in path:
         return None
-    folder, _, name = path.rstrip("/").rpartition("/")
-    module = name.removesuffix(".py")
+    file = PurePosixPath(path)  # `dir/` is the package dir in the working folder; `dir//x.py` is `dir/x.py`
+    if file.name == "__init__.py":  # a package's own module: imported by its folder's name
+        file = file.parent
+    module = file.name.removesuffix(".py")
     said = f"{path!r} is a file's path; MODULE is the name it is imported by, from a folder on PYTHONPATH"
     if not module.isidentifier():
         return f"{said}, and {module!r} is no Python name: rename the file (letters, digits and _)"
     cls = qualname if re.fullmatch(_DOTTED, qualname) else "CLASS"
-    return f"{said}: run with PYTHONPATH={shell_word(folder or '/')} and --pipeline {module}:{cls}"
+    folder = os.path.expanduser(str(file.parent))  # `--pipeline=~/code/x.py:C`: no shell expands a ~ there
+    return f"{said}: run with PYTHONPATH={shell_word(folder)} and --pipeline {module}:{cls}"
 
 
 def _shadowed(module_path: str) -> str | None:
@@ -259,7 +265,7 @@ def resolve_pipeline_reference(reference: str) -> PipelineEntry:
         raise ConfigError(f"{where}: expected a registered pipeline name or MODULE:CLASS, got {reference!r}",
                           hint=CLASS_REFERENCE_HINT)
     reference = reference.strip()
-    if ":" not in reference:
+    if ":" not in reference and "/" not in reference:  # a file's path (`dir/x.py`) is told so below
         return resolve_pipeline(reference, where=where)
     match = CLASS_REFERENCE.match(reference)
     if match is None:

@@ -89,6 +89,25 @@ _DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "b
                 "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2"}
 
 
+class _HeaderProblem(ValueError):
+    """JSON that Python's json reads and safetensors (serde_json) refuses, in a snapshot file's header."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object of a safetensors header, refused where a key is given twice, as safetensors refuses it (json
+    keeps the last)."""
+    header = dict(pairs)
+    if len(header) != len(pairs):
+        twice = next(key for i, (key, _) in enumerate(pairs) if any(key == k for k, _ in pairs[:i]))
+        raise _HeaderProblem(f"gives the key {twice!r} twice")
+    return header
+
+
+# A \uD800-\uDFFF escape: half of a surrogate pair, which json reads alone (a string UTF-8 cannot encode) and
+# safetensors refuses unless its other half follows
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors (by name) and string metadata of the safetensors file ``path``: views of one private mapping of
     the file, as ``safe_open``'s were, so nothing is copied, and a tensor written to never changes the file.
@@ -119,12 +138,20 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
         # UTF-8, as safetensors reads it: json.loads of bytes would take UTF-16 and UTF-32 too
         raw = f.read(length)
         if b"\0" in raw:  # no JSON holds a NUL; UTF-16 and UTF-32 text hold one beside each ASCII letter
-            raise refused("its header is not UTF-8 text: it holds NUL bytes (UTF-16 or UTF-32?)")
+            raise refused("its header holds NUL bytes, which no UTF-8 JSON text does (zeroed, or UTF-16 or UTF-32 "
+                          "text?)")
         try:
-            header = parse_json(raw.decode("utf-8"))
+            text = raw.decode("utf-8")
+            header = parse_json(text, object_pairs_hook=_unique_keys)
+            if _SURROGATE_ESCAPE.search(text):  # rare: looked into only then
+                json.dumps(header, ensure_ascii=False).encode("utf-8")
         except UnicodeDecodeError as exc:
             raise refused(f"its header is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
                           f"{exc.start})") from None
+        except UnicodeEncodeError as exc:
+            raise refused(f"its header holds {exc.object[exc.start]!r}, half a UTF-16 surrogate pair") from None
+        except _HeaderProblem as exc:
+            raise refused(f"its header {exc}") from None
         except ValueError as exc:
             raise refused(f"its header is not JSON: {type(exc).__name__}") from None
         strings = header.pop("__metadata__", None) if isinstance(header, dict) else None
