@@ -802,11 +802,13 @@ class ARDiffusionModelRunner:
                 except KeyError as exc:  # inputs['obs'] where the request holds 'image': say so
                     missing = _missing_input(self.pipeline, request, exc)
                     if missing is None:
-                        _name_kv_misuse(self.pipeline, exc)
+                        if not internal:  # a warmup's error names the pipeline already ("of P failed: ...")
+                            _name_kv_misuse(self.pipeline, exc)
                         raise
                     raise missing from exc
                 except Exception as exc:
-                    _name_kv_misuse(self.pipeline, exc)
+                    if not internal:
+                        _name_kv_misuse(self.pipeline, exc)
                     raise
                 if self.device.type == "cuda":  # its kernels run after it returns: for outputs left on the GPU,
                     # forward_s timed their launch only, and an error of theirs surfaced at the next use of the device
