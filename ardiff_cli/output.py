@@ -241,8 +241,9 @@ class Output:
                 self._hold(f"warning: {visible(one_line(message))}\n")
 
     def error(self, message: str, hint: str | None = None, *, exit_code: int | None = None,
-              kind: str = "error") -> None:
-        """'Error: ...' and 'hint: ...' on stderr (never silenced); json also gets an error object on stdout."""
+              kind: str = "error", episode: str | None = None) -> None:
+        """'Error: ...' and 'hint: ...' on stderr (never silenced); json also gets an error object on stdout, with the
+        ``episode`` it is of, if any (a script reads which episode failed from it, not from the message)."""
         Output.errors_reported += 1
         self._show_held()
         # not wrapped by Rich, as a warning: a path or command it broke in two was two when copied from a terminal
@@ -250,7 +251,8 @@ class Output:
         if hint:
             self._print_err("[cyan]hint:[/cyan] ", one_line(hint), plain_prefix="hint: ", soft_wrap=True)
         if self.is_json:
-            self.json({"kind": kind, "message": message, "hint": hint, "exit_code": exit_code})
+            self.json({"kind": kind, "message": message, "hint": hint, "exit_code": exit_code,
+                       **({"episode": episode} if episode is not None else {})})
 
     def traceback(self, exc: BaseException) -> None:
         """Through the console in rich format: written to stderr beside a live display, a failed step's traceback

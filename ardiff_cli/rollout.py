@@ -583,7 +583,8 @@ class Rollout:
         if not self.options.fail_fast:  # else the run stops with this error, and it is shown once, at exit
             if self.out.verbose and isinstance(exc, StepFailed):
                 self.out.traceback(exc.cause)
-            self.out.error(str(naming_episode(exc, episode.name)), exc.hint, kind="episode_failed")
+            self.out.error(str(naming_episode(exc, episode.name)), exc.hint, kind="episode_failed",
+                           episode=episode.name)
         # The traceback's frames hold the failed forward's locals (activations, the released session's caches):
         # drop them now, not at the end of the run. A traceback printed later needs only code and line numbers.
         traceback.clear_frames(cause.__traceback__)

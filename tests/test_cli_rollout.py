@@ -292,6 +292,7 @@ def test_json_mode_carries_every_results_line_failed_ones_included(env, data, tm
     after = objects[objects.index(failed) + 1:]
     notice = next(o for o in after if "message" in o)
     assert (notice["kind"], notice["exit_code"]) == ("episode_failed", None)  # the run goes on: no exit code yet
+    assert notice["episode"] == "arm_b"  # a script read which episode failed from the message alone
 
 
 def read_png(path: Path) -> np.ndarray:
