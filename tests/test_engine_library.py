@@ -297,6 +297,16 @@ def test_a_session_id_given_to_the_request_as_a_keyword_or_an_attribute_is_refus
     engine.execute(ARDiffusionRequest("r1", inputs, extra_args={"session_id": "a"}))
     assert [(view.session_id, view.num_requests) for view in engine.runner.sessions()] == [("a", 2)]
     assert str(inspect.signature(ARDiffusionRequest)).startswith("(request_id: 'str', inputs: ")  # help() and IDEs
+
+    @dataclasses.dataclass
+    class TracedRequest(ARDiffusionRequest):  # a pipeline's own request type, with a field of its own
+        trace_id: str = ""
+
+    # it was refused as it was built: "ARDiffusionRequest() got an unexpected keyword argument 'trace_id'"
+    traced = TracedRequest("r2", inputs, {"session_id": "a"}, trace_id="t-1")
+    engine.execute(traced)
+    engine.execute(TracedRequest("r3", inputs, {"session_id": "a"}, "t-2"))
+    assert traced.trace_id == "t-1" and engine.runner.sessions()[0].num_requests == 4
     engine.close()
 
 

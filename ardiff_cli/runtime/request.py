@@ -62,8 +62,9 @@ class ARDiffusionRequest:
     extra_args: dict[str, Any] = field(default_factory=dict)  # session routing and lifecycle flags
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ARDiffusionRequest:
-        # Before the dataclass's __init__, whose TypeError for session_id=... said nothing of extra_args.
-        if len(args) > len(_FIELDS) or not kwargs.keys() <= _FIELD_NAMES:
+        # Before the dataclass's __init__, whose TypeError for session_id=... said nothing of extra_args. Of this
+        # class only: a pipeline's subclass (a dataclass with a field of its own) takes what its __init__ takes.
+        if cls is ARDiffusionRequest and (len(args) > len(_FIELDS) or not kwargs.keys() <= _FIELD_NAMES):
             raise _misbuilt(args, kwargs)
         return object.__new__(cls)  # not super(): slots=True makes a new class, which zero-argument super() misses
 
