@@ -1508,23 +1508,13 @@ def test_a_folder_made_where_a_finished_episode_was_read_is_told_a_name_free_in_
     assert len(warnings) == 1 and f"such as {data / 'ep1-3'}, and it joins" in warnings[0], warnings
 
 
-@pytest.mark.parametrize("first_file", ["cleaned_up", "touched"])
-def test_a_finished_episode_whose_first_step_file_was_cleaned_up_or_touched_is_still_its_own_folder(
-        tmp_path, first_file):
-    """A cleanup of the steps that ran deleting ep1's step 0, or a `touch` (a `cp -r` over the folder) changing its
-    mtime, then a late step 1: the same folder (inode number, and no other file under its first step file's name),
-    whose late file is named, not another folder (touched, it was told to rename its own folder to join)."""
+def test_a_finished_episode_whose_first_step_file_was_cleaned_up_is_still_its_own_folder(tmp_path):
+    """A cleanup of the steps that ran deleting ep1's step 0, then a late step 1: the same folder (inode number, and
+    no other file under its first step file's name), whose late file is named, not another folder."""
     data = tmp_path / "robots"
     write_episode(data / "ep1", [good(0)], prompt="p")
-    first = data / "ep1" / "step_000000.safetensors"
-
-    def change():
-        if first_file == "cleaned_up":
-            first.unlink()
-        else:
-            os.utime(first, ns=(first.stat().st_atime_ns, first.stat().st_mtime_ns + 1_000_000_000))
-
-    clock = FakeClock([lambda: None, lambda: (change(), write_step(data / "ep1", 1, good(1)))])
+    clock = FakeClock([lambda: None, lambda: ((data / "ep1" / "step_000000.safetensors").unlink(),
+                                              write_step(data / "ep1", 1, good(1)))])
     warnings: list[str] = []
     scheduler = StepScheduler(discover_episodes([data]), follow=True, idle_timeout=5, poll_interval=1, clock=clock,
                               sleep=clock.sleep, watch=[data], warn=warnings.append)

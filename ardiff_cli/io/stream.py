@@ -886,15 +886,9 @@ def _holds_first_file(folder: Path, first: tuple[str, int, int] | None) -> bool:
 
 def _another_first_file(folder: Path, first: tuple[str, int, int] | None) -> bool:
     """Whether ``folder`` holds another file under the name of ``first``, an episode's first step file taken: it is
-    another folder, made where the episode's was and given its inode number. By its inode number only: the same file
-    touched, or copied over in place (``cp -r src/. robots/``), is the episode's own (its mtime changed). False with
-    that name gone (a cleanup of the steps that ran) or none taken."""
-    if first is None:
-        return False
-    try:
-        return (folder / first[0]).stat().st_ino != first[1]
-    except OSError:
-        return False
+    another folder, made where the episode's was and given its inode number. False with that name gone (a cleanup of
+    the steps that ran) or none taken."""
+    return first is not None and os.path.lexists(folder / first[0]) and not _holds_first_file(folder, first)
 
 
 def _folder_stat(path: Path) -> os.stat_result | None:
