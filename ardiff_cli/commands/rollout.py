@@ -1083,7 +1083,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     run.close(keep_lock=True)  # the summary is written under the lock; rollout() releases it
                     # a stop as the driver first lists the episode folders (seconds for thousands of them) is past
                     # the warmup too: its summary says no step ran
-                    if driver is not None or (warmed_up and engine is not None):
+                    if warmed_up:  # the driver is made past it (no driver yet: no step ran)
                         stats = driver.stats if driver is not None else RolloutStats(
                             skipped=sum(len(p.done.get(e.name, ())) for e in p.episodes))
                         running_s = 0.0 if ran_from is None else (ran_until or time.monotonic()) - ran_from

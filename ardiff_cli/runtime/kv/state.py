@@ -213,8 +213,7 @@ class ARDiffusionKVState:
 
     def adapter(self, branch: str) -> BranchAdapter:
         """A snapshot of ``branch``: committed frames and resident pages."""
-        if self._closed or self.bound is False:
-            self._refuse("adapter")
+        self._check_bound("adapter")
         return self._adapter(branch)
 
     def _adapter(self, branch: str) -> BranchAdapter:
