@@ -35,6 +35,7 @@ import copy
 import errno
 import time
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,14 @@ class RolloutStats:
     rewritten_steps: dict[str, list[str]] = field(default_factory=dict)
     hook_errors: list[dict[str, Any]] = field(default_factory=list)  # pipeline reset/close hooks that raised
 
+    @classmethod
+    def before_any_step(cls, done: dict[str, dict[int, int | None]], names: Iterable[str], **counts: Any
+                        ) -> RolloutStats:
+        """The counts of a run over the episodes ``names`` before it ran a step: their steps in ``done``
+        (results.jsonl's, on resume) are skipped. A driver starts from them; so does the summary of a run that
+        stopped, or had nothing left to run, before a driver was made."""
+        return cls(skipped=sum(len(done.get(name, ())) for name in names), **counts)
+
 
 # errno values that refuse every later write to --out alike: the run stops instead of failing each episode. EFBIG:
 # a file past the process's size limit (ulimit -f), which every step's outputs, about one size, reach alike
@@ -136,7 +145,7 @@ class Rollout:
         self.monitor = monitor
         self.signals = signals
         self.options = options
-        self.stats = RolloutStats(skipped=sum(len(done.get(e.name, ())) for e in episodes))
+        self.stats = RolloutStats.before_any_step(done, (e.name for e in episodes))
         self.scheduler = StepScheduler(episodes, order=options.order, follow=options.follow,
                                        idle_timeout=options.idle_timeout, done=done, warn=out.warning,
                                        watch=options.watch, on_new_episode=self._new_episode,

@@ -38,8 +38,8 @@ from safetensors.torch import load_file, save_file
 from ardiff_cli.io.atomic import FILE_MODE, parse_json, remove_temporaries
 from ardiff_cli.io.demo import CACHE_ENV, cache_dir, cache_write_error
 from ardiff_cli.io.writer import sort_metadata_in_file
-from ardiff_cli.runtime.errors import (CheckpointError, ConfigError, NonFiniteWeightsError, os_error, plural,
-                                      too_many_open_files)
+from ardiff_cli.runtime.errors import (CheckpointError, ConfigError, NonFiniteWeightsError, as_typed, os_error,
+                                      plural, too_many_open_files)
 from pipelines.wan import remap_checkpoint_key
 
 # bump when parameter names or meanings change, or what a file records: cached defaults are then rebuilt (2: the
@@ -218,7 +218,7 @@ def _check_readable(path: str | Path) -> None:
         with open(path, "rb"):
             pass
     except OSError as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}",
+        raise CheckpointError(f"cannot read checkpoint {as_typed(path)}: {exc.strerror or exc}",
                               hint="check the file's permissions" if isinstance(exc, PermissionError) else None
                               ) from None
 
@@ -229,7 +229,7 @@ def read_metadata(path: str | Path) -> dict[str, str]:
         with safe_open(str(path), framework="pt") as f:
             return dict(f.metadata() or {})
     except (OSError, SafetensorError) as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
+        raise CheckpointError(f"cannot read checkpoint {as_typed(path)}: {exc}") from None
 
 
 def _read_tensors(path: Path, device: torch.device | str) -> dict[str, torch.Tensor]:
@@ -274,7 +274,7 @@ def _unreadable(path: Path, exc: Exception) -> CheckpointError:
                                        _is_torch_save)
 
     def error(what: str, hint: str) -> CheckpointError:
-        return CheckpointError(f"cannot read checkpoint {path}: {what}", hint=hint)
+        return CheckpointError(f"cannot read checkpoint {as_typed(path)}: {what}", hint=hint)
 
     plain = error(str(exc), "is it a .safetensors file? pickled checkpoints are never loaded")
     if too_many_open_files(exc):  # the system's say, not the file's bytes (the CLI hints at ulimit -n)
@@ -353,7 +353,7 @@ def load_checkpoint(module: nn.Module, path: str | Path, device: torch.device | 
     """
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint not found: {path}", hint="fix the path, or use checkpoint: null")
+        raise CheckpointError(f"checkpoint not found: {as_typed(path)}", hint="fix the path, or use checkpoint: null")
     _check_readable(path)
     try:
         raw = _read_tensors(path, device)
@@ -398,7 +398,7 @@ def load_checkpoint(module: nn.Module, path: str | Path, device: torch.device | 
         meta = read_metadata(path)
         written_for = f" (written for pipeline {meta['pipeline']!r})" if "pipeline" in meta else ""
         raise CheckpointError(
-            f"checkpoint {path}{written_for} does not match the model config: " + "; ".join(problems)
+            f"checkpoint {as_typed(path)}{written_for} does not match the model config: " + "; ".join(problems)
             + (" (--verbose lists them all)" if cut else ""),
             hint="use the config the checkpoint was written for, or write a fresh one with "
             "`python -m pipelines.checkpoint init CONFIG.yaml OUT.safetensors`",
@@ -452,7 +452,7 @@ def refuse_non_finite(module: nn.Module, path: str | Path, dtype: torch.dtype) -
         hint = ("in float16 a weight past 65504 is inf: runtime.dtype (--dtype) bfloat16 keeps float32's range at the "
                 "same size; or " + hint)
     raise NonFiniteWeightsError(
-        f"checkpoint {path} holds weights that are not finite in {in_dtype}: {plural(len(bad), 'tensor')}: "
+        f"checkpoint {as_typed(path)} holds weights that are not finite in {in_dtype}: {plural(len(bad), 'tensor')}: "
         + ", ".join(details[:MISMATCHES_SHOWN]) + more + (" (--verbose lists them all)" if more else ""),
         hint=hint, details=[f"not finite: {line}" for line in details],
     )
@@ -483,7 +483,7 @@ def check_weight_fields(pipeline_name: str, config, metadata: dict[str, str], pa
     ]
     if differing:
         raise CheckpointError(
-            f"checkpoint {path} was written for another {pipeline_name} geometry: " + "; ".join(differing),
+            f"checkpoint {as_typed(path)} was written for another {pipeline_name} geometry: " + "; ".join(differing),
             hint="use the config the checkpoint was written for, or write a fresh one with "
             "`python -m pipelines.checkpoint init CONFIG.yaml OUT.safetensors`",
         )
@@ -541,9 +541,9 @@ def default_checkpoint_hint(path: Path) -> str:
     sticky = folder is not None and folder.st_mode & stat.S_ISVTX  # a /tmp-like folder: only owners delete
     if uid is None or uid == 0 or (os.access(path.parent, os.W_OK | os.X_OK)
                                    and not (sticky and uid not in (owner, folder.st_uid))):
-        return f"it is the default checkpoint ardiff built in its cache: delete {path}, and it is built again"
-    return (f"it is the default checkpoint ardiff built in the cache {path.parent}, a file this user cannot delete "
-            f"(a shared cache?): set {CACHE_ENV} to a folder of your own, where it is built again")
+        return f"it is the default checkpoint ardiff built in its cache: delete {as_typed(path)}, and it is built again"
+    return (f"it is the default checkpoint ardiff built in the cache {as_typed(path.parent)}, a file this user cannot "
+            f"delete (a shared cache?): set {CACHE_ENV} to a folder of your own, where it is built again")
 
 
 def default_checkpoint(pipeline_class: Any, config) -> Path:
@@ -554,7 +554,7 @@ def default_checkpoint(pipeline_class: Any, config) -> Path:
         if path.is_file():
             return path
     except OSError as exc:  # a cache folder this user cannot enter: "from_config() failed", blamed on the pipeline
-        raise CheckpointError(f"cannot look at the default checkpoint {path}: {exc.strerror or exc}",
+        raise CheckpointError(f"cannot look at the default checkpoint {as_typed(path)}: {exc.strerror or exc}",
                               hint=f"set {CACHE_ENV} to a folder this user can read and write") from exc
     refuse_too_large_for_default(pipeline_class, config)
     try:
@@ -599,17 +599,18 @@ def main(argv: list[str] | None = None) -> int:
         if len(argv) == 3 and argv[0] == "init":
             pipeline_class, config = _load_yaml_config(argv[1])
             if Path(argv[2]).is_file():  # random weights over a trained file (OUT mistyped, or run twice) lose it
-                raise CheckpointError(f"{argv[2]} exists: init writes random weights and does not replace a file",
+                raise CheckpointError(f"{as_typed(argv[2])} exists: init writes random weights and does not replace "
+                                      "a file",
                                       hint="choose another OUT, or delete the file first if it is one init wrote")
             _check_room_for_fresh_weights(pipeline_class, config)
             try:
-                print(write_fresh_checkpoint(pipeline_class, config, argv[2]))
+                print(as_typed(write_fresh_checkpoint(pipeline_class, config, argv[2])))
             except OSError as exc:
-                raise CheckpointError(f"cannot write {argv[2]}: {exc.strerror or exc}") from None
+                raise CheckpointError(f"cannot write {as_typed(argv[2])}: {exc.strerror or exc}") from None
             return 0
         if len(argv) == 2 and argv[0] == "path":
             pipeline_class, config = _load_yaml_config(argv[1])
-            print(default_checkpoint_path(pipeline_class, config))
+            print(as_typed(default_checkpoint_path(pipeline_class, config)))
             return 0
     except ArdiffError as exc:
         print(f"Error: {exc}" + (f"\nhint: {exc.hint}" if exc.hint else ""), file=sys.stderr)

@@ -645,6 +645,42 @@ def test_a_configs_field_errors_and_a_runs_hints_name_a_folder_named_tilde_as_do
                   cwd=tmp_path)
     assert proc.returncode == 2 and "hint: remove that folder (./~/run/.lock): " in proc.stderr, proc.stderr
 
+def test_checkpoint_messages_name_a_folder_named_tilde_as_dot_slash_tilde(env, data, tmp_path):
+    """`checkpoint: ./~/w.safetensors` (a folder named ~ beside the config) cut short, of another geometry or holding
+    NaN was named `~/w.safetensors` (Path drops the `./`): the home folder's file, to a user who pastes it. Every
+    message about it says `./~/w.safetensors`, as the config's own (not found, a folder) did already."""
+    import torch
+
+    from ardiff_cli.runtime.config import load_config
+    from pipelines.checkpoint import write_fresh_checkpoint
+
+    cfg = load_config(data / "fast.yaml")
+    good = write_fresh_checkpoint(cfg.entry.pipeline_class(), cfg.model, tmp_path / "good.safetensors")
+    state = load_file(str(good))
+    state["transformer.head.head.weight"].view(-1)[0] = torch.nan
+    (tmp_path / "~").mkdir()
+    weights, config = tmp_path / "~" / "w.safetensors", tmp_path / "cfg.yaml"
+    cases = {
+        "cut short": (lambda: weights.write_bytes(good.read_bytes()[:-1]), FAST_CONFIG,
+                      "Error: cannot read checkpoint ./~/w.safetensors: truncated: "),
+        "another geometry": (lambda: shutil.copy(good, weights), FAST_CONFIG.replace("preset: tiny", "preset: tiny, "
+                             "num_heads: 2"), "Error: checkpoint ./~/w.safetensors was written for another dreamzero "),
+        "NaN": (lambda: save_file(state, str(weights)), FAST_CONFIG,
+                "Error: checkpoint ./~/w.safetensors holds weights that are not finite in float32: "),
+        "a folder": (lambda: (weights.unlink(), weights.mkdir()), FAST_CONFIG,
+                     "Error: cfg.yaml: field 'checkpoint': a folder, not a file: ./~/w.safetensors\n"),
+        "missing": (weights.rmdir, FAST_CONFIG,
+                    "Error: cfg.yaml: field 'checkpoint': file not found: ./~/w.safetensors\n"),
+    }
+    for case, (make, text, says) in cases.items():
+        make()
+        config.write_text(text + "checkpoint: ./~/w.safetensors\n")
+        proc = ardiff(env, "rollout", "cfg.yaml", str(data / "eps" / "arm_a"), "--no-warmup", "--format", "plain",
+                      cwd=tmp_path)
+        assert proc.returncode == 2 and says in proc.stderr, (case, proc.stderr)
+        assert "~/w" not in proc.stderr.replace("./~/w", ""), (case, proc.stderr)
+
+
 def test_the_outputs_line_of_a_folder_named_like_an_option_gives_resume_a_folder(env, data, tmp_path):
     """`-o ./-x` printed `outputs: -x`, the line a hint says to give --out from: `--out -x` is refused as an option
     (exit 2, "looks like an option"). It says `./-x`, as a hint's command does, and --out takes it as it is."""

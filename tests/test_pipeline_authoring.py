@@ -984,6 +984,26 @@ def test_a_pipeline_module_given_as_a_files_path_is_told_its_folder_and_import_n
 
 
 @pytest.mark.parametrize("reference, hint", [
+    # a folder that is no package: its modules are imported from it on PYTHONPATH
+    ("lab_code/..:LabPipeline", ", from a folder on PYTHONPATH: run with PYTHONPATH=. and --pipeline "
+                                "MODULE:LabPipeline, MODULE the name of a .py file in that folder, without .py\n"),
+    # a package's folder (it holds __init__.py): imported by its name from the folder above
+    ("lab_world/model/..:LabPipeline", ": lab_world is a package: run with PYTHONPATH=. and --pipeline "
+                                       "lab_world:LabPipeline (or lab_world.MODULE:LabPipeline for one of its "
+                                       "modules)\n"),
+])
+def test_a_pipeline_given_as_a_path_ending_in_dot_dot_is_told_it_names_a_folder(lab, reference, hint):
+    """`--pipeline dir/..:C` was told "'dir/..' is a file's path ..., and '..' is no Python name: rename the file":
+    there is no file to rename, the path names a folder."""
+    proc = ardiff(lab, "warmup", "unnamed.yaml", f"--pipeline={reference}")
+    path = reference.partition(":")[0]
+    assert proc.returncode == 2 and f"got {reference!r}\n" in proc.stderr, proc.stderr
+    assert f"hint: {path!r} names a folder, not a module file; MODULE is the name a module is imported by{hint}" in \
+        proc.stderr, proc.stderr
+    assert "rename the file" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("reference, hint", [
     # a package's folder, with its trailing /: it was told PYTHONPATH=/ (the root of the file system)
     ("lab_code/:LabPipeline", "run with PYTHONPATH=. and --pipeline lab_code:LabPipeline"),
     # a package's __init__.py is imported by its folder's name: it was told PYTHONPATH=lab_code and __init__:...

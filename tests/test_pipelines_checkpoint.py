@@ -805,3 +805,45 @@ def test_a_disk_error_reading_a_whole_checkpoint_is_not_said_to_be_its_header(tm
     assert "damaged" not in str(error) and "write it again" not in (error.hint or ""), error.hint
     # nor asked whether it is a .safetensors file, or told that pickles are never loaded: the disk is named
     assert "pickle" not in error.hint and "safetensors" not in error.hint and "disk" in error.hint, error.hint
+
+
+def test_checkpoint_messages_name_a_folder_named_tilde_as_dot_slash_tilde(tmp_path, monkeypatch, capsys):
+    """A checkpoint in a folder named ``~`` of the working folder (``checkpoint: ./~/w.safetensors``, or ``./~/w``
+    given to init) was named ``~/w.safetensors`` (Path drops the ``./``) by every message about it: pasted into a
+    shell, that is the home folder's file. They say ``./~/...``, as the config's own messages (``as_typed``) do."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "~").mkdir()
+    cls = causal_world.pipeline_class()
+    assert main(["init", "causal-world-tiny", "./~/good.safetensors"]) == 0
+    assert capsys.readouterr().out == "./~/good.safetensors\n"  # it printed ~/good.safetensors
+    assert main(["init", "causal-world-tiny", "./~/good.safetensors"]) == 2
+    assert capsys.readouterr().err.startswith("Error: ./~/good.safetensors exists: "), "init over a file"
+    good = (tmp_path / "~" / "good.safetensors").read_bytes()
+    state = load_file(str(tmp_path / "~" / "good.safetensors"))
+    state["transformer.head.head.weight"].view(-1)[0] = float("nan")
+    files = {
+        "cut short": (good[:-1], r"cannot read checkpoint \./~/w\.safetensors: truncated: "),
+        "empty": (b"", r"cannot read checkpoint \./~/w\.safetensors: the file is empty"),
+        "text": (b"weights are elsewhere\n", r"cannot read checkpoint \./~/w\.safetensors: it is a text file"),
+        "another geometry": (good, r"checkpoint \./~/w\.safetensors was written for another causal_world geometry"),
+        "other keys": (None, r"checkpoint \./~/w\.safetensors does not match the model config: "),
+        "NaN": (state, r"checkpoint \./~/w\.safetensors holds weights that are not finite in float32: "),
+    }
+    path = tmp_path / "~" / "w.safetensors"
+    for case, (content, says) in files.items():
+        if content is None:
+            save_file({"x": torch.zeros(2)}, str(path))
+        elif isinstance(content, dict):
+            save_file(content, str(path))
+        else:
+            path.write_bytes(content)
+        config = tiny(causal_world, num_heads=2) if case == "another geometry" else tiny(causal_world)
+        with pytest.raises(CheckpointError) as raised:
+            cls.from_config(config, device="cpu", checkpoint=Path("./~/w.safetensors"))
+        assert re.match(says, str(raised.value)), (case, str(raised.value))
+    path.unlink()
+    with pytest.raises(CheckpointError, match=r"^checkpoint not found: \./~/w\.safetensors$"):
+        cls.from_config(tiny(causal_world), device="cpu", checkpoint=Path("./~/w.safetensors"))
+    path.mkdir()
+    with pytest.raises(CheckpointError, match=r"^checkpoint not found: \./~/w\.safetensors$"):
+        cls.from_config(tiny(causal_world), device="cpu", checkpoint=Path("./~/w.safetensors"))

@@ -1636,6 +1636,32 @@ def test_a_run_folder_removed_while_the_run_writes_it_stops_the_run_with_exit_1(
     assert not run.exists() and "Traceback" not in stderr
 
 
+
+def test_a_run_folder_moved_away_while_the_run_writes_it_is_not_named_as_the_outputs_folder(env, data, tmp_path):
+    """The run's folder renamed while a step's forward runs (an archiver moving it away): the run stops at that
+    step's write (exit 1), and its summary still ended `outputs: OUT`, the folder a hint says to give --resume, which
+    no longer holds the run (it holds nothing, or another run's files). The last line says so instead."""
+    run, marker, release = tmp_path / "run", tmp_path / "in-fault", tmp_path / "release"
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0, "action": "sleep", "marker": str(marker),
+               "release": str(release)}]
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *rollout_args(data, run)], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)})
+    try:
+        wait_for_marker(proc, marker, "the step's forward")
+        run.rename(tmp_path / "moved")
+        release.touch()
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, stderr
+    assert f"Error: {run} was removed or replaced while this run wrote it\n" in stderr, stderr
+    assert stdout.startswith("rollout failed: "), stdout
+    assert not [line for line in stdout.splitlines() if line.startswith("outputs: ")], stdout
+    assert stdout.endswith(f"\n{run} no longer holds this run's outputs: it was removed or replaced while the run "
+                           "wrote it\n"), stdout
+    assert not run.exists() and (tmp_path / "moved" / "results.jsonl").is_file()
+
 def test_the_open_files_limit_reached_while_the_model_loads_is_named_as_the_limit_not_the_pipelines_bug(env, data,
                                                                                                        tmp_path):
     """Under `ulimit -n 5` torch's read of the checkpoint fails with `Too many open files (24)`: it was reported as

@@ -1084,8 +1084,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     # a stop as the driver first lists the episode folders (seconds for thousands of them) is past
                     # the warmup too: its summary says no step ran
                     if warmed_up:  # the driver is made past it (no driver yet: no step ran)
-                        stats = driver.stats if driver is not None else RolloutStats(
-                            skipped=sum(len(p.done.get(e.name, ())) for e in p.episodes))
+                        stats = driver.stats if driver is not None else RolloutStats.before_any_step(
+                            p.done, (e.name for e in p.episodes))
                         running_s = 0.0 if ran_from is None else (ran_until or time.monotonic()) - ran_from
                         wall_s = time.monotonic() - started
                         with signals.critical():
@@ -1095,8 +1095,9 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     finally:
         output.on_stdout_lost = None
         if summary is not None:  # after the live display, so the two never interleave
+            gone = run.moved()  # its outputs line would name a folder that holds no run, or another's
             with signals:  # held since the teardown (``hold``): a signal while the result prints is only recorded
-                output.result(summary, lambda plain: render_summary(summary, plain))
+                output.result(summary, lambda plain: render_summary(summary, plain, gone=gone))
 
 
 def _warm_up(engine: Any, signals: Any) -> None:
@@ -1267,7 +1268,7 @@ def _nothing_left(p: _Prepared, *, order: str, preview: bool,
     if preview and not all(p.run.preview_path(e.name).is_file() for e in p.episodes):
         return None
     names = [e.name for e in p.episodes]
-    stats = RolloutStats(skipped=sum(len(p.done.get(n, ())) for n in names), completed_episodes=names)
+    stats = RolloutStats.before_any_step(p.done, names, completed_episodes=names)
     return _summary_of(p.run, p, stats, device=previous.get("device"), plan=previous["capacity_plan"],
                        swap_space=previous["swap"].get("space_bytes", 0), dropped=0, wall_s=wall_s, running_s=0.0,
                        error=None), ended
@@ -1413,7 +1414,9 @@ def _summary_of(run: Any, p: _Prepared, stats: Any, *, device: str | None, plan:
     return summary
 
 
-def render_summary(s: dict[str, Any], plain: bool):
+def render_summary(s: dict[str, Any], plain: bool, *, gone: bool = False):
+    """The summary's lines; ``gone``: the run's folder was removed or replaced while it wrote it, and the last line
+    says so instead of naming it as the place of the outputs (``outputs: DIR``, the folder a hint says to --resume)."""
     from rich.console import Group
     from rich.text import Text
 
@@ -1425,8 +1428,9 @@ def render_summary(s: dict[str, Any], plain: bool):
     rate = f"{s['steps_per_s']:.1f} steps/s" if s.get("steps_per_s") else "-"
     plan = s.get("capacity_plan") or {}
     # what is there: a full disk may have refused summary.json (a warning said so)
-    written = [name for name in ("results.jsonl", "summary.json") if Path(s["out"], name).is_file()] + [
+    written = [] if gone else [name for name in ("results.jsonl", "summary.json") if Path(s["out"], name).is_file()] + [
         f"{folder}/" for folder in ("episodes", "previews") if Path(s["out"], folder).is_dir()]
+    out = one_line(visible(as_typed(s["out"])))
     lines = [
         f"rollout {s['status']}: {plural(steps['this_run'], 'step')} in {s['running_s']:.1f} s ({rate}); "
         f"episodes {episodes['completed']} completed"
@@ -1442,7 +1446,8 @@ def render_summary(s: dict[str, Any], plain: bool):
         + (f", {plural(steps['skipped_done'], 'step')} already done" if steps["skipped_done"] else ""),
         # the folder to read or --resume: one line, as Error: lines (a newline in it read as another folder), and
         # ./~ and ./-x (a hint says to give --out from it: ~/x copied named the home folder's x; -x is refused)
-        f"outputs: {one_line(visible(as_typed(s['out'])))}" + (f" ({', '.join(written)})" if written else ""),
+        f"{out} no longer holds this run's outputs: it was removed or replaced while the run wrote it" if gone else
+        f"outputs: {out}" + (f" ({', '.join(written)})" if written else ""),
     ]
     if plain:
         return Text("\n".join(lines))

@@ -37,6 +37,7 @@ from ardiff_cli.runtime.errors import (
     ArdiffWarning,
     ConfigError,
     PipelineError,
+    as_typed,
     did_you_mean,
     is_out_of_memory,
     running_out_of_memory_names,
@@ -182,15 +183,34 @@ def _file_path_hint(reference: str) -> str | None:
     if "/" not in path:
         return None
     file = PurePosixPath(path)  # `dir/` is the package dir in the working folder; `dir//x.py` is `dir/x.py`
+    cls = qualname if re.fullmatch(_DOTTED, qualname) else "CLASS"
+    if file.name in ("", ".."):  # `dir/..`, `/`: a folder, which the text does not name: it was told to rename "the
+        return _folder_path_hint(path, cls)  # file" '..', which is no Python name
     if file.name == "__init__.py":  # a package's own module: imported by its folder's name
         file = file.parent
     module = file.name.removesuffix(".py")
     said = f"{path!r} is a file's path; MODULE is the name it is imported by, from a folder on PYTHONPATH"
     if not module.isidentifier():
         return f"{said}, and {module!r} is no Python name: rename the file (letters, digits and _)"
-    cls = qualname if re.fullmatch(_DOTTED, qualname) else "CLASS"
     folder = os.path.expanduser(str(file.parent))  # `--pipeline=~/code/x.py:C`: no shell expands a ~ there
     return f"{said}: run with PYTHONPATH={shell_word(folder)} and --pipeline {module}:{cls}"
+
+
+def _folder_path_hint(path: str, cls: str) -> str:
+    """The hint for ``--pipeline dir/..:Class``: a path ending in ``..`` (or ``/``) names a folder, not a module file.
+    A package folder (it holds ``__init__.py``) is imported by its name from the folder above it; any other folder
+    goes on PYTHONPATH itself, and MODULE is one of its files."""
+    folder = os.path.normpath(os.path.expanduser(path))  # `lab/models/..` is `lab`; `dir/..` is `.`
+    # no name in the text (`.`, `..`, `/`): the folder's own, from its full path
+    named = os.path.abspath(folder) if os.path.basename(folder) in ("", ".", "..") else folder
+    name = os.path.basename(named)
+    said = f"{path!r} names a folder, not a module file; MODULE is the name a module is imported by"
+    if name.isidentifier() and os.path.isfile(os.path.join(named, "__init__.py")):
+        above = os.path.dirname(named) or "."
+        return (f"{said}: {as_typed(named)} is a package: run with PYTHONPATH={shell_word(above)} and --pipeline "
+                f"{name}:{cls} (or {name}.MODULE:{cls} for one of its modules)")
+    return (f"{said}, from a folder on PYTHONPATH: run with PYTHONPATH={shell_word(folder)} and --pipeline "
+            f"MODULE:{cls}, MODULE the name of a .py file in that folder, without .py")
 
 
 def _shadowed(module_path: str) -> str | None:
