@@ -584,6 +584,7 @@ class Rollout:
         self.stats.errors[episode.name] = exc
         self.monitor.set_progress(failed=len(self.stats.failed))  # --fail-fast stops before the next progress update
         self.scheduler.drop(episode.name)
+        self.scheduler.forget(episode.name)  # its step files: never replayed, nor drawn
         self._digests.pop(episode.name, None)  # never replayed again: a long run holds only live episodes' digests
         self._read_as.pop(episode.name, None)
         self._ok_outputs.pop(episode.name, None)  # and draws no preview
@@ -656,6 +657,7 @@ class Rollout:
                 raise
             except Exception as exc:  # noqa: BLE001 - a preview is a convenience; its outputs are complete
                 self.out.warning(f"episode {name!r}: cannot write its preview: {type(exc).__name__}: {exc}")
+        self.scheduler.forget(name)  # its step files were its history, never replayed again once it ended
         self.monitor.refresh(self.engine.runner)
 
     # -- progress and previews -----------------------------------------------------------------------------

@@ -153,3 +153,69 @@ def test_previews_read_the_results_lines_once_not_once_per_episode(tmp_path, mon
     assert reads[0] == 3  # resume's done steps, the previews' earlier lines, the summary
     again = {p.name: p.read_bytes() for p in (out / "previews").iterdir()}
     assert again == previews
+
+
+def test_a_followed_run_lets_go_of_its_finished_episodes_step_files(tmp_path, monkeypatch):
+    """A --follow run for days: each finished (or failed) episode's step files, the names its folder held at END
+    and its done steps stayed in the scheduler for the rest of the run, about 350 bytes per step (350 MB at a
+    million steps). What the run keeps of an ended episode no longer grows with those; its preview is still drawn."""
+    import numpy as np
+
+    import ardiff_cli.rollout as rollout_module
+    from ardiff_cli.io import write_step
+    from ardiff_cli.io.demo import demo_step
+    from pipelines.dreamzero import observation_schema
+
+    data = write_fast_data(tmp_path, {f"arm_{i}": 4 for i in range(3)})
+    bad = demo_step(observation_schema(), (16, 16), 2, 2, 4)
+    bad["joint_position"] = np.zeros(5, np.float32)
+    write_step(data / "eps" / "arm_2", 2, bad)  # arm_2 fails at its step 2
+    for i in range(3):
+        (data / "eps" / f"arm_{i}" / "END").write_text("")
+    drivers, real_run = [], rollout_module.Rollout.run
+    monkeypatch.setattr(rollout_module.Rollout, "run", lambda self: drivers.append(self) or real_run(self))
+    held = []  # per step, what the ended episodes' tracks hold: step files, names at END, done steps
+    real_step = rollout_module.Rollout._run_step
+
+    def step(self, task):
+        ended = [t for t in self.scheduler._tracks if t.ended and t.source.name != task.episode.name]
+        held.append(sum(len(t.files) + len(t.end_seen[1] if t.end_seen else ()) + len(t.done) for t in ended))
+        real_step(self, task)
+
+    monkeypatch.setattr(rollout_module.Rollout, "_run_step", step)
+    out = tmp_path / "run"
+    result = rollout(data, out, "--follow", "--idle-timeout", "0.3", "--order", "sequential", "--preview")
+    assert result.exit_code == 4, result.output
+    scheduler = drivers[0].scheduler
+    assert [t.ended for t in scheduler._tracks] == [True] * 3
+    left = sum(len(t.files) + len(t.end_seen[1] if t.end_seen else ()) for t in scheduler._tracks)
+    assert max(held) == 0 and left == 0, f"ended episodes hold {max(held)} entries at a step, {left} at the end"
+    assert sorted(p.name for p in (out / "previews").iterdir()) == ["arm_0.png", "arm_1.png"]
+    assert [scheduler.history(f"arm_{i}") for i in range(3)] == [[], [], []]
+
+
+def test_the_summary_of_a_million_step_run_holds_a_few_bytes_per_step(tmp_path):
+    """summary.json's counts and latency percentiles need every ok line's step and latencies: held as a set of
+    (episode, step) tuples and two lists of float objects they peaked at 264 bytes per line (264 MB for a million
+    steps); per episode sets of steps and arrays of doubles, 147. The numbers are those of every latency, sorted."""
+    import random
+
+    from ardiff_cli.io.run import build_summary
+
+    n, rng = 50_000, random.Random(3)
+    latencies = [(rng.random() / 10, rng.random() / 20) for _ in range(n)]
+    lines = ({"episode": f"ep{i % 50}", "step": i // 50, "status": "ok", "evictions": 0,
+              "latency": {"total_s": total, "forward_s": forward}} for i, (total, forward) in enumerate(latencies))
+    tracemalloc.start()
+    try:
+        summary = build_summary(lines, episodes=[f"ep{i}" for i in range(50)], failed={}, info={}, plan=None,
+                                this_run={}, wall_s=1.0, running_s=1.0, status="ok", exit_code=0, root=tmp_path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 200 * n, f"{peak // n} bytes per ok line"
+    totals = sorted(total for total, _ in latencies)
+    assert summary["latency_s"]["total"] == {"count": n, "p50": totals[n // 2 - 1], "p90": totals[n * 9 // 10 - 1],
+                                             "p99": totals[n * 99 // 100 - 1], "mean": sum(totals) / n,
+                                             "max": totals[-1]}
+    assert summary["steps"]["ok"] == n and set(summary["episodes"]["steps"].values()) == {n // 50}

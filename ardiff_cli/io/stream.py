@@ -225,6 +225,17 @@ class StepScheduler:
 
     # -- control -------------------------------------------------------------------------------------------
 
+    def forget(self, episode_name: str) -> None:
+        """The caller is done with ``episode_name``, which ended (its end handled, its preview drawn) or failed: its
+        step files, the names its folder held at END and its done steps are let go (350 B per step, held for the rest
+        of a run that follows episodes for days). The names taken from its folder stay (125 B per step): the late
+        files named as the run ends, and its folder renamed after its END, are told by them. Its :meth:`history`
+        is empty from here on."""
+        track = self._track(episode_name)
+        assert track.ended, f"episode {episode_name!r} is still scheduled"
+        track.files, track.unready, track.lost, track.cursor, track.current = [], [], [], 0, 0
+        track.done, track.done_sorted, track.end_seen, track.looks, track.writing = {}, [], None, {}, {}
+
     def drop(self, episode_name: str) -> None:
         """Stop scheduling ``episode_name`` (it failed); no EpisodeEnded follows."""
         track = self._track(episode_name)
