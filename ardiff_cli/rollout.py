@@ -712,7 +712,15 @@ class Rollout:
             if frame is not None:
                 return frame
         decode = getattr(self.engine.pipeline, "decode_latents", None)
-        if decode is None or "latents" not in arrays:
+        if decode is None:
+            return None
+        if "latents" not in arrays:  # a decoder never given anything: the row would be blank without a word
+            if ("", "latents") not in self._warned:
+                self._warned.add(("", "latents"))
+                self.out.warning(f"{type(self.engine.pipeline).__name__} has decode_latents, but its forward's "
+                                 f"outputs ({', '.join(sorted(arrays)) or 'none'}) hold no 'latents', which --preview "
+                                 "decodes: previews show no predicted frame; return them as 'latents', or a uint8 "
+                                 "(..., H, W, 3) frame")
             return None
         decoded = to_numpy(decode(arrays["latents"]))
         frame = as_rgb_frame(decoded)

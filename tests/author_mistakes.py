@@ -259,3 +259,20 @@ class ReturnsNumberedArrays(CausalWorldPipeline):
 
     def forward(self, request):
         return dict(enumerate(super().forward(request).values()))
+
+
+class ConfigFromDictWithoutWhere(CausalWorldPipeline):
+    """Its Config.from_dict takes the mapping alone, not the `where` keyword ardiff passes."""
+
+    class Config(CausalWorldPipeline.Config):
+        @classmethod
+        def from_dict(cls, data):
+            return super().from_dict(data, where="config")
+
+
+class ConfigFromDictPlainMethod(CausalWorldPipeline):
+    """Its Config.from_dict has the right parameters but no @classmethod."""
+
+    class Config(CausalWorldPipeline.Config):
+        def from_dict(cls, data, *, where):
+            return CausalWorldPipeline.Config.from_dict(data, where=where)

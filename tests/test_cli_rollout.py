@@ -344,7 +344,8 @@ def test_a_preview_draws_a_predicted_frame_an_output_holds_else_grey_without_lat
                                                                                      bottom):
     """The README's bottom row: an output that is a uint8 (..., H, W, 3) image is the predicted frame (a pipeline
     that renders its own frames needs no decode_latents); outputs with neither such an image nor `latents` leave
-    it grey. decode_latents is called for neither."""
+    it grey. decode_latents is called for neither. A pipeline that has decode_latents but names its latents
+    otherwise (`frames`) had that grey row without a word: one warning says which key --preview decodes."""
     (tmp_path / "frames_out.py").write_text(
         "import numpy as np\n"
         "from pipelines.dreamzero.pipeline import DreamZeroPipeline\n"
@@ -363,7 +364,13 @@ def test_a_preview_draws_a_predicted_frame_an_output_holds_else_grey_without_lat
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps" / "arm_a"), "--pipeline",
                   f"frames_out:{pipeline}", "--out", str(tmp_path / "run"), "--preview", "--no-warmup")
     assert proc.returncode == 0, proc.stderr
-    assert "warning" not in proc.stderr, proc.stderr
+    if pipeline == "FramesOut":
+        assert "warning" not in proc.stderr, proc.stderr
+    else:
+        warning = ("warning: NoLatents has decode_latents, but its forward's outputs (actions) hold no 'latents', "
+                   "which --preview decodes: previews show no predicted frame; return them as 'latents', or a uint8 "
+                   "(..., H, W, 3) frame")
+        assert [line for line in proc.stderr.splitlines() if "warning" in line] == [warning], proc.stderr
     strip, gap = read_png(tmp_path / "run" / "previews" / "arm_a.png"), 2
     tile = (strip.shape[0] - gap) // 2
     assert strip.shape[1] == 3 * (tile + gap) - gap, strip.shape  # one column per step

@@ -391,6 +391,12 @@ class KeepsState(LabPipeline):
         yield
 
 
+class MisnamesCache(LabPipeline):
+    def forward(self, request):  # the spec's cache is 'text'
+        self.state.cross_attention("cond", "txt")
+        return super().forward(request)
+
+
 class Warns(LabPipeline):
     def forward(self, request):  # its own warning, one from a thread of its own, torch's deprecation
         warnings.warn("lab: the forward warns")
@@ -827,6 +833,42 @@ def test_a_kv_state_misused_in_a_step_is_named_after_the_pipeline_that_misused_i
     failed = [line for line in lines if line["status"] == "failed"]
     assert [(line["episode"], line["step"]) for line in failed] == [("ep1", 0)] and failed[0]["error"].startswith(
         said), failed
+
+
+def test_a_cross_attention_cache_read_under_another_name_is_named_after_the_pipeline(lab):
+    """state.cross_attention('cond', 'txt') failed the step with `KeyError: "unknown cross-attention cache 'txt'; valid
+    caches: ['text']"`, naming no pipeline, where a misnamed branch said `LabPipeline.forward(): unknown ... branch`:
+    the lookup raises in the spec (capability.py), one call below the KV state."""
+    root, _ = lab
+    proc = ardiff(lab, "rollout", "unnamed.yaml", "eps/ep0", "-o", "out_misnamed", "--no-warmup",
+                  "--pipeline", "lab_world.model:MisnamesCache")
+    said = ("episode 'ep0' failed at step 0 in the model's forward: KeyError: \"MisnamesCache.forward(): unknown "
+            "cross-attention cache 'txt'; valid caches: ['text']\"")
+    assert proc.returncode == 1 and f"Error: {said}" in proc.stderr, proc.stderr
+
+
+def test_a_config_naming_a_pipeline_not_yet_registered_is_told_how_to_register_or_run_it(lab):
+    """README's `pipeline: my_world` config, tried before its package was installed, was `unknown pipeline 'my_world'
+    (did you mean 'causal_world'?)`, hint `registered pipelines: causal_world, dreamzero`: neither the entry point
+    that names it nor --pipeline, which runs it unregistered, was said. What the hint offers then works."""
+    root, env = lab
+    (root / "my_world.yaml").write_text("pipeline: my_world\nmodel: {}\nruntime: {device: cpu, num_threads: 1}\n")
+    proc = ardiff(lab, "inspect-capacity", "my_world.yaml")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        "hint: registered pipelines: causal_world, dreamzero, lab_world, lab_world_class; a pipeline of your own gets "
+        "its name from an 'ardiff.pipelines' entry point of its installed package (README, 'Adding a pipeline'); "
+        "until then, pass its class with --pipeline MODULE:CLASS (in Python: load_config(CONFIG, "
+        "pipeline='MODULE:CLASS'))"), proc.stderr
+    assert ardiff(lab, "warmup", "my_world.yaml", "--pipeline", "lab_world.model:LabPipeline").returncode == 0
+    python = ("from ardiff_cli.runtime import ARDiffusionEngine, load_config\n"
+              "config = load_config('my_world.yaml', pipeline='lab_world.model:LabPipeline')\n"
+              "with ARDiffusionEngine.from_config(config) as engine:\n"
+              "    engine.load()\n"
+              "    print(type(engine.pipeline).__name__, engine.warmup() is None)\n")
+    ran = subprocess.run([sys.executable, "-c", python], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert ran.returncode == 0 and ran.stdout.startswith("LabPipeline"), ran.stderr
 
 
 def test_a_pipelines_own_warnings_are_warning_lines_and_listed_in_the_json_result_once_each(lab):

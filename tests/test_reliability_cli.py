@@ -773,6 +773,24 @@ def test_a_pipeline_config_that_raises_is_named_as_the_pipelines_mistake(env, co
     assert "bug in ardiff" not in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(("pipeline", "raised"), [
+    ("ConfigFromDictWithoutWhere", "got an unexpected keyword argument 'where'"),
+    ("ConfigFromDictPlainMethod", "missing 1 required positional argument: 'data'"),
+])
+def test_a_config_from_dict_of_another_signature_is_told_the_one_ardiff_calls(env, pipeline, raised):
+    """`def from_dict(cls, data)` (no `where`), or one without @classmethod, was hinted "a pipeline's Config raises
+    ConfigError ...; the cause may be a value in the config's model: section": no value was, and the signature
+    ardiff calls went unsaid."""
+    proc = ardiff(env, "inspect-capacity", "causal-world-tiny", "--format", "plain",
+                  "--pipeline", f"author_mistakes:{pipeline}")
+    assert proc.returncode == 1, proc.stderr
+    assert f"{pipeline}.Config.from_dict() raised TypeError: " in proc.stderr and raised in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"hint: ardiff calls {pipeline}.Config.from_dict(data, where=...) on the class, data the config's model: "
+        "mapping and where the config's name, to start a ConfigError's message with: define it as `def "
+        "from_dict(cls, data, *, where)` under @classmethod (README, 'Adding a pipeline')"), proc.stderr
+
+
 def test_a_pipeline_spec_bound_past_what_a_plan_takes_names_the_spec_and_the_runtime_setting(env, tmp_path):
     """A spec's session_capacity of 2**32 ("no limit") was refused as "session_capacity must be a positive integer up
     to 2147483647" with a Python hint ("pass ..., or None for the spec's own bound"): the user passed nothing, and the

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import re
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePath
@@ -474,8 +475,15 @@ def _pipeline_config_call(entry: PipelineEntry, where: str, label: str, call: An
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - third-party code: whatever it raises is reported, not a traceback
+        hint = CONFIG_CONTRACT_HINT
+        frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+        if (isinstance(exc, TypeError) and label.endswith(".from_dict")
+                and frames[-1].f_code.co_filename == __file__):  # the call did not bind: from_dict's signature
+            hint = (f"ardiff calls {label}(data, where=...) on the class, data the config's model: mapping and where "
+                    "the config's name, to start a ConfigError's message with: define it as `def from_dict(cls, "
+                    "data, *, where)` under @classmethod (README, 'Adding a pipeline')")
         raise PipelineError(f"{where}: pipeline {entry.name!r}: {label}() raised {type(exc).__name__}: {exc}",
-                            hint=CONFIG_CONTRACT_HINT) from exc
+                            hint=hint) from exc
 
 
 def _check_attention_span(spec: ARDiffusionKVCacheSpec, model: Any, where: str) -> None:

@@ -268,6 +268,10 @@ def resolve_pipeline(name: str, *, where: str = "config") -> PipelineEntry:
                      f"{CLASS_REFERENCE_HINT}",
             )
         hint = f"registered pipelines: {', '.join(sorted(registry))}"
+        if where != "--pipeline":  # `pipeline: my_world` written from README's example before it was registered
+            hint += (f"; a pipeline of your own gets its name from an {ENTRY_POINT_GROUP!r} entry point of its "
+                     "installed package (README, 'Adding a pipeline'); until then, pass its class with --pipeline "
+                     "MODULE:CLASS (in Python: load_config(CONFIG, pipeline='MODULE:CLASS'))")
         if where == "--pipeline":  # `my_lab.models.MyPipeline` (an import path) or `my_lab.models` (no class)
             module, _, last = name.rpartition(".")
             example = f"{module}:{last}" if module and last[:1].isupper() else "my_lab.models:MyPipeline"

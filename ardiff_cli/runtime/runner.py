@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 import types
 import warnings
 from collections import OrderedDict, deque
@@ -240,6 +241,7 @@ def _missing_input(pipeline: Any, request: ARDiffusionRequest, exc: KeyError) ->
 
 
 _KV_PACKAGE = os.path.dirname(os.path.abspath(inspect.getfile(ARDiffusionKVState))) + os.sep  # .../runtime/kv/
+_CAPABILITY = os.path.abspath(inspect.getfile(ARDiffusionKVCacheSpec))  # .../runtime/capability.py
 
 
 def _name_kv_misuse(pipeline: Any, exc: Exception) -> None:
@@ -252,10 +254,11 @@ def _name_kv_misuse(pipeline: Any, exc: Exception) -> None:
             or not isinstance(exc, (RuntimeError, ValueError, KeyError, TypeError))
             or not exc.args or not isinstance(exc.args[0], str)):
         return
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:  # the innermost frame: where it was raised
-        tb = tb.tb_next
-    if tb is None or not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_KV_PACKAGE):
+    files = [os.path.abspath(frame.f_code.co_filename) for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    # where it was raised: in the KV package, or in the spec's lookup of a name the state was given (an unknown
+    # cross-attention cache: `unknown cross-attention cache 'txt'`, raised in capability.py)
+    if not files or not (files[-1].startswith(_KV_PACKAGE)
+                         or (files[-1] == _CAPABILITY and len(files) > 1 and files[-2].startswith(_KV_PACKAGE))):
         return
     name = type(pipeline).__name__
     if not exc.args[0].startswith(f"{name}.forward(): "):  # the same error raised again through another request
