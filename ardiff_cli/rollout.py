@@ -43,7 +43,7 @@ from typing import Any
 from ardiff_cli.errors_cli import Interrupted, OutputError, StepFailed
 from ardiff_cli.io.episode import (METADATA_FILE, EpisodeSource, StepFile, file_signature, listed, load_step,
                                    present, step_sha256)
-from ardiff_cli.io.run import RUN_FILE, RunFolder
+from ardiff_cli.io.run import RunFolder
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.monitor import RunMonitor
@@ -202,15 +202,16 @@ class Rollout:
         return {name: steps for name, steps in self._resident.items() if steps > 0}
 
     def _new_episode(self, episode: EpisodeSource) -> None:
-        """A robot started an episode folder in a followed folder of episodes: run.json lists it before any of its
-        steps runs (``--resume`` finds its outputs' episode), then it is one of the run's episodes."""
+        """A robot started an episode folder in a followed folder of episodes: the run folder lists it (a line of
+        episodes.jsonl) before any of its steps runs (``--resume`` finds its outputs' episode), then it is one of the
+        run's episodes."""
         try:
             recorded = self.run_folder.add_episode(episode.name, episode.path)
         except OSError as exc:
             if too_many_open_files(exc):  # the process's limit, not the disk's or the folder's
                 raise
             raise OutputError(f"cannot add episode {episode.name!r} ({episode.path}) to "
-                              f"{self.run_folder.root / RUN_FILE}: {exc.strerror or exc}") from exc
+                              f"{self.run_folder.journal_path}: {exc.strerror or exc}") from exc
         self.episodes.append(episode)
         self._folders[episode.name] = recorded
         self._steps_done[episode.name] = 0
@@ -220,16 +221,17 @@ class Rollout:
 
     def _episode_moved(self, episode: EpisodeSource, old: Path) -> None:
         """An episode's folder was renamed in its followed folder of episodes (``ep1.part`` -> ``ep1``): it goes on
-        there under its name, and run.json records the new path, where ``--resume`` reads it."""
+        there under its name, and the run folder records the new path (a line of episodes.jsonl), where ``--resume``
+        reads it."""
         try:
             before, recorded = self.run_folder.move_episode(episode.name, episode.path)
         except OSError as exc:
             if too_many_open_files(exc):
                 raise
-            # --resume reads the folder run.json records, the old one: a link there to the new one resumes it
+            # --resume reads the folder the run records, the old one: a link there to the new one resumes it
             raise OutputError(f"cannot record the new folder {episode.path} of episode {episode.name!r} in "
-                              f"{self.run_folder.root / RUN_FILE}: {exc.strerror or exc}",
-                              hint=f"check free space and permissions of {self.run_folder.root}, then (run.json still "
+                              f"{self.run_folder.journal_path}: {exc.strerror or exc}",
+                              hint=f"check free space and permissions of {self.run_folder.root}, then (the run still "
                                    "records the episode's old folder) link it to the new one and continue: ln -s "
                                    f"{shell_word(episode.path.name)} {shell_word(old)}; "
                                    f"{resume_command(self.run_folder.root, self.options.pipeline)}") from exc

@@ -106,6 +106,13 @@ def wait_for_lines(path: Path, count: int, proc: subprocess.Popen) -> None:
     pytest.fail(f"{path} never reached {count} lines")
 
 
+def run_episodes(run: Path) -> list[dict]:
+    """The run's episodes as --resume reads them: run.json's, then those --follow added or moved (episodes.jsonl)."""
+    from ardiff_cli.io.run import RunFolder
+
+    return RunFolder(run).read_info()["episodes"]
+
+
 def test_default_rollout_exits_0_and_writes_the_documented_outputs(env, tmp_path):
     proc = ardiff(env, "rollout", cwd=tmp_path)  # no arguments at all
     assert proc.returncode == 0, proc.stderr
@@ -159,7 +166,7 @@ def test_the_demo_draws_frames_of_the_models_own_height_and_width(env, tmp_path)
     run = tmp_path / "run"
     proc = ardiff(env, "rollout", str(config), "--out", str(run), "--no-warmup", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    episode = Path(json.loads((run / "run.json").read_text())["episodes"][0]["path"])
+    episode = Path(run_episodes(run)[0]["path"])
     step = load_file(str(episode / "step_000001.safetensors"))
     assert {key: tuple(step[key].shape) for key in ("exterior_image_0", "wrist_image")} == {
         "exterior_image_0": (4, 16, 32, 3), "wrist_image": (4, 16, 32, 3)}
@@ -3354,10 +3361,10 @@ def test_an_episode_folder_that_cannot_be_added_to_run_json_stops_the_run_naming
     code, stderr = follow_until_run_json_is_refused(
         env, data, live, run, lambda: write_episode(live / "arm_b", steps_of(1, 3), prompt="task arm_b"))
     assert code == 1, stderr
-    assert (f"Error: cannot add episode 'arm_b' ({live / 'arm_b'}) to {run / 'run.json'}: Permission denied\n"
+    assert (f"Error: cannot add episode 'arm_b' ({live / 'arm_b'}) to {run / 'episodes.jsonl'}: Permission denied\n"
             in stderr), stderr
     assert "Traceback" not in stderr
-    assert [e["name"] for e in json.loads((run / "run.json").read_text())["episodes"]] == ["arm_a"]
+    assert [e["name"] for e in run_episodes(run)] == ["arm_a"]
 
 
 def test_an_episode_folder_renamed_while_run_json_cannot_be_written_stops_the_run_with_the_way_back(env, data,
@@ -3370,13 +3377,14 @@ def test_an_episode_folder_renamed_while_run_json_cannot_be_written_stops_the_ru
     code, stderr = follow_until_run_json_is_refused(env, data, live, run,
                                                     lambda: (live / "arm_a.part").rename(live / "arm_a"))
     assert code == 1, stderr
-    assert (f"Error: cannot record the new folder {live / 'arm_a'} of episode 'arm_a.part' in {run / 'run.json'}: "
-            f"Permission denied\nhint: check free space and permissions of {run}, then (run.json still records the "
+    assert (f"Error: cannot record the new folder {live / 'arm_a'} of episode 'arm_a.part' in "
+            f"{run / 'episodes.jsonl'}: Permission denied\nhint: check free space and permissions of {run}, then (the "
+            "run still records the "
             f"episode's old folder) link it to the new one and continue: ln -s arm_a {live / 'arm_a.part'}; ardiff "
             f"rollout --resume --out {run}") in stderr, stderr
     assert "Traceback" not in stderr
     assert [r["step"] for r in records(run)] == [0]  # the step that ran is kept
-    assert [e["path"] for e in json.loads((run / "run.json").read_text())["episodes"]] == [str(live / "arm_a.part")]
+    assert [e["path"] for e in run_episodes(run)] == [str(live / "arm_a.part")]
     # the way back the hint gives
     (live / "arm_a.part").symlink_to("arm_a")
     write_episode(live / "arm_a", steps_of(0, 3)[1:], first_step=1)
@@ -3411,7 +3419,7 @@ def test_an_episode_folder_a_robot_starts_in_a_followed_folder_of_episodes_joins
     first_b = next(i for i, o in enumerate(objects) if o["kind"] == "step" and o["episode"] == "arm_b")
     assert objects.index(added[0]) < first_b
     info = json.loads((run / "run.json").read_text())
-    assert [(e["name"], e["path"]) for e in info["episodes"]] == [
+    assert [(e["name"], e["path"]) for e in run_episodes(run)] == [
         ("arm_a", str((live / "arm_a").resolve())), ("arm_b", str((live / "arm_b").resolve()))]
     assert info["watch"] == [str(live.resolve())]
     summary = json.loads((run / "summary.json").read_text())
@@ -3459,8 +3467,7 @@ def test_an_episode_a_recorder_publishes_by_renaming_its_folder_runs_once_and_re
     moved = [json.loads(line) for line in stdout.splitlines() if '"episode_moved"' in line]
     assert [(o["episode"], o["old_path"], o["path"]) for o in moved] == [
         ("arm_a.part", str((live / "arm_a.part").absolute()), str((live / "arm_a").absolute()))]
-    info = json.loads((run / "run.json").read_text())
-    assert [(e["name"], e["path"]) for e in info["episodes"]] == [("arm_a.part", str((live / "arm_a").resolve()))]
+    assert [(e["name"], e["path"]) for e in run_episodes(run)] == [("arm_a.part", str((live / "arm_a").resolve()))]
     assert "warning" not in stderr and "Error" not in stderr, stderr
     again = ardiff(env, "rollout", "--resume", "--out", str(run), "--idle-timeout", "1")
     assert again.returncode == 0, again.stderr
@@ -3497,13 +3504,13 @@ def test_a_folder_of_episodes_followed_through_a_link_names_the_folders_as_run_j
     real = live.resolve()
     assert moved == [(str(real / "arm_a.part"), str(real / "arm_a"))], moved
     assert added == [str(real / "arm_b")], added
-    recorded = {e["name"]: e["path"] for e in json.loads((run / "run.json").read_text())["episodes"]}
+    recorded = {e["name"]: e["path"] for e in run_episodes(run)}
     assert recorded == {"arm_a.part": moved[0][1], "arm_b": added[0]}
 
 
 def recorded_folders(run: Path) -> dict[str, str]:
     """run.json's ``episodes``: name -> the folder path it records."""
-    return {e["name"]: e["path"] for e in json.loads((run / "run.json").read_text())["episodes"]}
+    return {e["name"]: e["path"] for e in run_episodes(run)}
 
 
 def failed_step_events(stdout: str) -> list[dict]:
@@ -3807,7 +3814,84 @@ def test_resume_of_a_followed_folder_of_episodes_runs_the_episode_folders_starte
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--idle-timeout", "1")
     assert proc.returncode == 0, proc.stderr
     assert_same_outputs(run, reference)
-    assert [e["name"] for e in json.loads((run / "run.json").read_text())["episodes"]] == ["arm_a", "arm_b"]
+    assert [e["name"] for e in run_episodes(run)] == ["arm_a", "arm_b"]
+
+
+def read_events_until(proc: subprocess.Popen, kinds: list[str]) -> list[dict]:
+    """The ``--format json`` objects ``proc`` prints, read until one of each of ``kinds`` came, in that order (fails
+    if it exits first)."""
+    objects: list[dict] = []
+    while kinds:
+        line = proc.stdout.readline()
+        if not line:
+            pytest.fail(f"rollout exited before {kinds[0]} ({proc.wait()}): {proc.stderr.read()}")
+        objects.append(json.loads(line))
+        if objects[-1]["kind"] == kinds[0]:
+            kinds = kinds[1:]
+    return objects
+
+
+def test_a_followed_run_appends_the_episodes_it_adopts_or_moves_to_episodes_jsonl_and_its_resume_reads_them(
+        env, data, tmp_path):
+    """--follow rewrote run.json whole for each episode it added or followed to a new folder (156 ms an add at
+    10,000 episodes, the run's loop waiting on it). run.json now stays as the run wrote it; each is a line appended
+    to episodes.jsonl, before the episode's steps run, and a resume after a stop reads them: the episode is the
+    run's (not added again as a new one), its steps run once, and run.json then holds every episode."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                 "--format", "json")
+    try:
+        read_events_until(proc, ["step"])  # arm_a's step 0 ran
+        run_json = (run / "run.json").read_bytes()
+        write_episode(live / "arm_b.part", steps_of(1, 3)[:1], prompt="task arm_b", end=False)
+        read_events_until(proc, ["episode_added"])
+        (live / "arm_b.part").rename(live / "arm_b")  # a recorder publishing it
+        read_events_until(proc, ["episode_moved"])
+        proc.send_signal(signal.SIGTERM)
+        stderr = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr
+    assert (run / "run.json").read_bytes() == run_json  # never written again
+    assert [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()] == [
+        {"kind": "added", "name": "arm_b.part", "path": str((live / "arm_b.part").resolve())},
+        {"kind": "moved", "name": "arm_b.part", "path": str((live / "arm_b").resolve())}]
+    write_episode(live / "arm_a", steps_of(0, 3)[1:], first_step=1)
+    write_episode(live / "arm_b", steps_of(1, 3)[1:], first_step=1)
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--idle-timeout", "1", "--format",
+                  "json")
+    assert proc.returncode == 0, proc.stderr
+    assert not [line for line in proc.stdout.splitlines() if '"episode_added"' in line], proc.stdout
+    ok = [(r["episode"], r["step"]) for r in records(run) if r["status"] == "ok"]
+    assert sorted(ok) == [("arm_a", s) for s in range(3)] + [("arm_b.part", s) for s in range(3)]
+    info = json.loads((run / "run.json").read_text())  # as the resume wrote it: every episode, the journal held
+    assert (info["format"], info["journal_lines"]) == (2, 2)
+    assert [(e["name"], e["path"]) for e in info["episodes"]] == [
+        ("arm_a", str((live / "arm_a").resolve())), ("arm_b.part", str((live / "arm_b").resolve()))]
+    assert run_episodes(run) == info["episodes"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["episodes"]["total"], summary["episodes"]["completed"]) == (2, 2)
+
+
+def test_a_run_an_ardiff_before_episodes_jsonl_wrote_resumes_and_is_written_as_format_2(env, data, tmp_path):
+    """run.json of format 1 (no journal_lines, no episodes.jsonl) is read as before; the resume that starts writes it
+    as format 2, which an ardiff of format 1 refuses (it would not read the episodes --follow adds from then on)."""
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps" / "arm_a"), "--out", str(run),
+                  "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads((run / "run.json").read_text())
+    old = {**{k: v for k, v in info.items() if k != "journal_lines"}, "format": 1}
+    (run / "run.json").write_text(json.dumps(old))
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-1]))  # stopped before its last step
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert [(r["step"], r["status"]) for r in records(run)] == [(0, "ok"), (1, "ok"), (2, "ok")]
+    info = json.loads((run / "run.json").read_text())
+    assert (info["format"], info["journal_lines"], info["episodes"]) == (2, 0, old["episodes"])
+    assert not (run / "episodes.jsonl").exists()
 
 
 def signal_after_the_first_step(proc: subprocess.Popen, run: Path, signum: int) -> str:
@@ -3983,7 +4067,7 @@ def test_an_older_ardiffs_run_of_an_episode_named_with_u2028_resumes_under_that_
     (run / "results.jsonl").write_text("".join(lines[:-1]))
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
     assert proc.returncode == 0, proc.stderr
-    assert [e["name"] for e in json.loads((run / "run.json").read_text())["episodes"]] == ["zq\u2028zq"]
+    assert [e["name"] for e in run_episodes(run)] == ["zq\u2028zq"]
     assert (run / "episodes" / "zq\u2028zq" / "step_000002.safetensors").is_file()
     assert not (run / "episodes" / "zq_zq").exists()
 

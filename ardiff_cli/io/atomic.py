@@ -264,6 +264,14 @@ def read_jsonl(path: str | os.PathLike,
     ``problem`` finds fault with) was damaged outside ardiff: that is a ``ConfigError`` naming the file
     and line, never a guess at what it held.
     """
+    for _, record in read_numbered_jsonl(path, problem):
+        yield record
+
+
+def read_numbered_jsonl(path: str | os.PathLike, problem: Callable[[dict[str, Any]], str | None] | None = None, *,
+                        hint: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """:func:`read_jsonl`'s lines with their line numbers (from 1; blank lines are counted, not yielded); ``hint``:
+    the hint of a damaged line's error, when the file is not results.jsonl."""
     path = Path(path)
     try:  # not Path.exists: it says False of a link looping to itself, whose lines were then taken for none
         f = open_file(path)
@@ -306,7 +314,7 @@ def read_jsonl(path: str | os.PathLike,
                 got = raw.rstrip(b"\n").decode("utf-8", "replace")
                 raise ConfigError(
                     f"{path}, line {number}: {fault}, got {got[:80]!r}" + ("..." if len(got) > 80 else ""),
-                    hint=f"ardiff writes each line whole, so the file was changed outside ardiff: restore it, or "
-                         f"delete line {number} (its step then runs again with --resume)",
+                    hint=hint or f"ardiff writes each line whole, so the file was changed outside ardiff: restore it, "
+                                 f"or delete line {number} (its step then runs again with --resume)",
                 )
-            yield record
+            yield number, record

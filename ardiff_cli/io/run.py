@@ -4,6 +4,7 @@ Layout::
 
     <out>/
       run.json                         # how the run was started (config, episodes, options): --resume reuses it
+      episodes.jsonl                   # with --follow: one line per episode added or moved since run.json was written
       results.jsonl                    # one line per processed step (status "ok" or "failed"), appended as it runs
       summary.json                     # counts, latency percentiles, evictions, capacity plan, versions (at the end)
       episodes/<episode>/step_000003.safetensors   # the pipeline's outputs for step 3 (actions, latents, ...)
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_capped,
-                                 read_jsonl, remove_temporaries)
+                                 read_jsonl, read_numbered_jsonl, remove_temporaries)
 from ardiff_cli.runtime.errors import (ConfigError, as_typed, did_you_mean, field_error, link_to_nothing, shown,
                                       too_many_open_files)
 from ardiff_cli.runtime.outputs import is_array
@@ -40,9 +41,20 @@ EPISODES_DIR = "episodes"
 PREVIEWS_DIR = "previews"
 SWAP_DIR = ".swap"  # snapshots of evicted sessions while the run lasts, and those a stopped run keeps (io.kept)
 LOCK_FILE = ".lock"  # held (flock) by the process writing the run; the kernel releases it when that process ends
-RUN_FORMAT = 1  # version of this layout
+# Episodes a --follow run adds or moves as it runs, one line each, appended: rewriting run.json whole for each took
+# O(episodes) per episode (156 ms at 10,000, 10 minutes for the 10,000 adds), the run's loop waiting on it
+JOURNAL_FILE = "episodes.jsonl"
+# Version of this layout. 2: a run's episodes are run.json's followed by those of episodes.jsonl's lines past its
+# first run.json["journal_lines"]; an ardiff of format 1 would read run.json's alone, and with --follow add the others
+# again as new episodes, so it refuses format 2. This one reads format 1 (no journal) and writes format 2 on resume.
+RUN_FORMAT = 2
+READ_FORMATS = (1, RUN_FORMAT)
 RUN_INFO_HINT = ("ardiff writes run.json as a run starts, whole or not at all: one that cannot be read was cut or "
                  "edited since; restore it from a backup, or start a new run in another --out")
+JOURNAL_HINT = (f"ardiff appends a whole line to {JOURNAL_FILE} for each episode a --follow run adds (kind 'added') or "
+                "follows to a new folder (kind 'moved'), and never changes one: this one was edited or damaged since; "
+                "restore the file from a backup, or correct the line (a line removed makes --resume take its episode "
+                "for a new one)")
 
 
 _MISSING = object()  # what _run_info_problem says a field that is not there holds
@@ -124,6 +136,8 @@ class RunFolder:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)  # the --out folder
         self._results: JsonlAppender | None = None  # opened on first append
+        self._journal: JsonlAppender | None = None  # episodes.jsonl, opened on the first episode added or moved
+        self._paths: dict[str, str] | None = None  # episode -> its folder as recorded, while the journal is open
         self._lock: int | None = None  # descriptor holding the folder's flock (see lock())
         self._identity: tuple[int, int] | None = None  # the locked folder's (device, inode): see moved()
         self._swap_lock: int | None = None  # descriptor holding the swap folder's flock, when it was there already
@@ -137,6 +151,10 @@ class RunFolder:
     @property
     def summary_path(self) -> Path:
         return self.root / SUMMARY_FILE
+
+    @property
+    def journal_path(self) -> Path:
+        return self.root / JOURNAL_FILE
 
     def step_output(self, episode: str, step: int) -> Path:
         return self.root / EPISODES_DIR / _checked_name(episode) / f"step_{int(step):06d}.safetensors"
@@ -153,7 +171,7 @@ class RunFolder:
         # os.path.exists, not Path.exists: that raises PermissionError where the folder (or one above it) may not
         # be entered, a traceback for `-o /mnt/locked/run` or an unreadable folder among a folder of episodes.
         # Such a folder is then reported by what comes next (creating the output folder, listing the episode).
-        return os.path.exists(self.root / RUN_FILE) or os.path.exists(self.results_path)
+        return any(os.path.exists(path) for path in (self.root / RUN_FILE, self.results_path, self.journal_path))
 
     def is_run_folder(self) -> bool:
         """Whether a rollout made this folder: it holds a run (:meth:`holds_run`), or ``.lock`` and nothing visible, a
@@ -177,7 +195,7 @@ class RunFolder:
                 hint="continue it with --resume, or choose another --out",
             )
         self.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.root / RUN_FILE, {"format": RUN_FORMAT, **info})
+        atomic_write_json(self.root / RUN_FILE, {"format": RUN_FORMAT, **info, "journal_lines": 0})
         # results.jsonl is there, empty, from now on: a run stopped before its first step (a --follow run waiting
         # for a robot) has a summary.json, and a script reading both found no results.jsonl beside it
         try:
@@ -187,24 +205,38 @@ class RunFolder:
             raise
 
     def add_episode(self, name: str, path: Path) -> str:
-        """List one more episode in run.json (with ``--follow``, one a robot started in a followed folder of
-        episodes), so that ``--resume`` knows it; returns the path recorded (links resolved)."""
-        info = self.read_info()
+        """List one more episode of the run (with ``--follow``, one a robot started in a followed folder of
+        episodes), so that ``--resume`` knows it: one line appended to episodes.jsonl, flushed to disk, whatever the
+        number of episodes; returns the path recorded (links resolved)."""
         recorded = str(path.resolve())
-        info["episodes"] = [*info["episodes"], {"name": name, "path": recorded}]
-        atomic_write_json(self.root / RUN_FILE, info)
+        self._journal_line("added", name, recorded)
         return recorded
 
     def move_episode(self, name: str, path: Path) -> tuple[str, str]:
-        """Record ``path`` as the folder of episode ``name`` in run.json (with ``--follow``, its folder was renamed in
-        a followed folder of episodes), so that ``--resume`` reads it there; returns the paths recorded before and
-        now (links resolved: the old one as run.json gave it, which a link's old name no longer leads to)."""
-        info = self.read_info()
+        """Record ``path`` as the folder of episode ``name`` (with ``--follow``, its folder was renamed in a followed
+        folder of episodes), so that ``--resume`` reads it there: one line appended to episodes.jsonl; returns the
+        paths recorded before and now (links resolved: the old one as recorded, which a link's old name no longer
+        leads to)."""
         recorded = str(path.resolve())
-        before = next(e["path"] for e in info["episodes"] if e["name"] == name)
-        info["episodes"] = [{**e, "path": recorded} if e["name"] == name else e for e in info["episodes"]]
-        atomic_write_json(self.root / RUN_FILE, info)
+        before = self._journal_line("moved", name, recorded)
         return before, recorded
+
+    def _journal_line(self, kind: str, name: str, recorded: str) -> str:
+        """Append episodes.jsonl's line of episode ``name`` ``kind`` (added or moved) to ``recorded``; returns the
+        path recorded before it (an added one's own). The run's episodes are read once, with the journal's first
+        line: each line after that is O(1), never a rewrite of what is there."""
+        if self._journal is None:
+            paths = {e["name"]: e["path"] for e in self.read_info()["episodes"]}
+            self._journal = JsonlAppender(self.journal_path)  # a line a kill cut short is cut off here
+            self._paths = paths
+        assert self._paths is not None
+        if (kind == "added") == (name in self._paths):  # a bug: the scheduler adds each name once, moves known ones
+            raise ValueError(f"episode {name!r} cannot be {kind}: it is {'already' if kind == 'added' else 'not'} "
+                             "one of the run's")
+        self._journal.append({"kind": kind, "name": name, "path": recorded})
+        before = self._paths.get(name, recorded)
+        self._paths[name] = recorded
+        return before
 
     def read_info(self) -> dict[str, Any]:
         path = self.root / RUN_FILE
@@ -232,9 +264,11 @@ class RunFolder:
                                       f"{did_you_mean(self.root.name, near)}" if near else ""))
         if not path.exists():
             self.refuse_while_locked()  # a run that is still loading its model: run.json comes after
-            if os.path.exists(self.results_path):  # a new run there is refused too, with a hint to --resume
+            beside = [p.name for p in (self.results_path, self.journal_path) if os.path.exists(p)]
+            if beside:  # a new run there is refused too, with a hint to --resume
                 raise ConfigError(f"nothing to resume: {as_typed(path)} does not exist, though "
-                                  f"{self.results_path.name} does (run.json was deleted, or not copied with the run)",
+                                  f"{' and '.join(beside)} {'do' if len(beside) > 1 else 'does'} (run.json was "
+                                  "deleted, or not copied with the run)",
                                   hint="restore run.json from where the run was copied, or start a new run in "
                                        "another --out")
             raise ConfigError(f"nothing to resume: {as_typed(path)} does not exist",
@@ -257,10 +291,53 @@ class RunFolder:
             raise ConfigError(f"{as_typed(path)}: cannot read run info: expected a JSON object, got "
                               f"{type(info).__name__}",
                               hint=RUN_INFO_HINT)
-        if info.get("format") != RUN_FORMAT:
+        if info.get("format") not in READ_FORMATS or isinstance(info.get("format"), bool):
             raise ConfigError(f"{as_typed(path)}: written by an incompatible ardiff (format {info.get('format')!r})",
                               hint=f"resume it with the ardiff that started it (format {RUN_FORMAT} is this one's)")
-        return info
+        folded = info.get("journal_lines", 0)
+        if type(folded) is not int or folded < 0:
+            raise field_error(str(path), "journal_lines", f"the number of {JOURNAL_FILE}'s first lines that "
+                              "'episodes' holds already (an integer, 0 or more)", folded,
+                              hint="correct it there (ardiff writes run.json as a run starts or resumes), or start a "
+                                   "new run in another --out")
+        # as run.json would be with the journal's lines in it: written back (a resume does), it is the run's whole
+        if isinstance(info.get("episodes"), list):
+            info["episodes"], folded = self._journaled(info["episodes"], folded)
+        return {**info, "format": RUN_FORMAT, "journal_lines": folded}
+
+    def _journaled(self, episodes: list[Any], folded: int) -> tuple[list[Any], int]:
+        """run.json's ``episodes`` with the changes of episodes.jsonl's lines past its first ``folded`` (those that
+        run.json holds already) made to them, in order, and the number of whole lines the journal holds: the list
+        run.json held when ardiff rewrote it for each. A damaged line is named (file, line, field, expected, got)."""
+        journal = self.journal_path
+        merged = list(episodes)
+        at = {e["name"]: i for i, e in enumerate(merged) if isinstance(e, dict) and isinstance(e.get("name"), str)}
+        lines = 0
+        for number, record in read_numbered_jsonl(journal, hint=JOURNAL_HINT):
+            lines = number
+            if number <= folded:
+                continue
+            problem = _journal_problem(record, at)
+            if problem is not None:
+                field, expected, got = problem
+                where = f"{journal}, line {number}"
+                if got is _MISSING:
+                    raise ConfigError(f"{where}: field {field!r}: expected {expected}, got nothing (the field is "
+                                      "missing)", hint=JOURNAL_HINT)
+                raise field_error(where, field, expected, got, hint=JOURNAL_HINT)
+            name, recorded = record["name"], record["path"]
+            if record["kind"] == "added":
+                at[name] = len(merged)
+                merged.append({"name": name, "path": recorded})
+            else:
+                merged[at[name]] = {**merged[at[name]], "path": recorded}
+        if lines < folded:  # its later lines would be taken for lines run.json holds: their episodes lost
+            raise ConfigError(f"{journal}: it holds {lines} whole line{'' if lines == 1 else 's'}, though "
+                              f"{self.root / RUN_FILE} holds its first {folded} (journal_lines): it was cut, replaced "
+                              "or removed since",
+                              hint=f"restore {JOURNAL_FILE} from a backup (ardiff only appends to it), or start a new "
+                                   "run in another --out")
+        return merged, lines
 
     def resume_info(self) -> dict[str, Any]:
         """:meth:`read_info`, checked for what ``--resume`` reads as it is (no default): a field missing or of
@@ -505,10 +582,14 @@ class RunFolder:
             os.close(fd)  # releases the shared lock, if it was taken
 
     def close(self, *, keep_lock: bool = False) -> None:
-        """Close results.jsonl and release the folder's lock (``keep_lock``: still held, for the summary)."""
+        """Close results.jsonl and episodes.jsonl, and release the folder's lock (``keep_lock``: still held, for the
+        summary)."""
         if self._results is not None:
             self._results.close()
             self._results = None
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = self._paths = None
         if self._lock is not None and not keep_lock:
             os.close(self._lock)  # releases the flock
             self._lock = None
@@ -545,6 +626,27 @@ def _other_step(metadata: dict[str, Any] | None, episode: str, step: int) -> str
         return None
     step = str(metadata["step"])
     return f"episode {shown(metadata['episode'])} step {step if step.isascii() and step.isdigit() else shown(step)}"
+
+
+def _journal_problem(record: Mapping[str, Any], at: Mapping[str, int]) -> tuple[str, str, Any] | None:
+    """The first field of an episodes.jsonl line that is not as ardiff writes it, given the run's episodes so far
+    (``at``: name -> index): (the field, what it takes, what it holds or ``_MISSING``); None when all are right."""
+    from ardiff_cli.io.episode import is_recorded_name
+
+    kind = record.get("kind", _MISSING)
+    if kind not in ("added", "moved"):
+        return "kind", "'added' or 'moved'", kind
+    name = record.get("name", _MISSING)
+    if not (isinstance(name, str) and is_recorded_name(name)):
+        return "name", "an episode name as ardiff records it, one folder name (no '/', no leading '.')", name
+    if kind == "added" and name in at:
+        return "name", "a name no episode of the run has yet (ardiff adds each once)", name
+    if kind == "moved" and name not in at:
+        return "name", "the name of one of the run's episodes (in run.json or added on an earlier line)", name
+    path = record.get("path", _MISSING)
+    if not (isinstance(path, str) and Path(path).is_absolute()):
+        return "path", "the absolute path of the episode's folder", path
+    return None
 
 
 def _record_problem(record: Mapping[str, Any]) -> str | None:
