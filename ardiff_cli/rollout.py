@@ -147,8 +147,8 @@ class Rollout:
         self.options = options
         self.stats = RolloutStats.before_any_step(done, (e.name for e in episodes))
         self.scheduler = StepScheduler(episodes, order=options.order, follow=options.follow,
-                                       idle_timeout=options.idle_timeout, done=done, warn=out.warning,
-                                       watch=options.watch, on_new_episode=self._new_episode,
+                                       idle_timeout=options.idle_timeout, done=done, digests=digests,
+                                       warn=out.warning, watch=options.watch, on_new_episode=self._new_episode,
                                        on_moved=self._episode_moved)
         self.stats.late_steps = self.scheduler.late  # filled as it warns of them, when every episode has ended
         # session id -> steps of its episode the resident session has consumed (absent: not resident)
@@ -464,6 +464,7 @@ class Rollout:
         episode, step = task.episode, task.file.step
         self._at = ("load", task.file, task.ordinal)
         inputs, digest = self._load(episode, task.file)
+        self.scheduler.ran(episode.name, task.file, digest)  # its first step file's: told from another folder's
         self._captured = events = []  # what the rebuild and the step itself cause (evictions)
         restores = self.stats.restored
         replayed = self._rebuild_session(episode, task.ordinal)

@@ -4134,6 +4134,48 @@ def test_step_files_that_arrive_after_their_episode_ended_are_listed_in_the_summ
     assert json.loads((run / "summary.json").read_text())["episodes"]["late_steps"] == {}
 
 
+@pytest.mark.parametrize("change", ["touched", "touched_on_resume", "made_again_with_other_steps"])
+def test_a_finished_episodes_folder_is_told_from_another_by_its_first_step_files_bytes(env, data, tmp_path, change):
+    """Once ep1 ended, `touch robots/ep1/step_000000.safetensors` (a `cp -r` over the folder, a sync tool rewriting
+    it the same) and a late step 1: the run said "robots/ep1 did not join the run: ... this is another folder ...
+    rename it", of the episode's own folder. Its first step file has the bytes that ran (input_sha256, results.jsonl's
+    on --resume): its late step is named. ep1 deleted and made again with other steps is another folder, as before."""
+    live, run, log = tmp_path / "robots", tmp_path / "run", tmp_path / "stderr"
+    write_episode(live / "ep1", steps_of(0, 2)[:1], prompt="task ep1")
+    first = live / "ep1" / "step_000000.safetensors"
+    command = ["rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup"]
+    if change == "touched_on_resume":
+        ran = ardiff(env, *command, "--idle-timeout", "0")
+        assert ran.returncode == 0, ran.stderr
+        command = ["rollout", "--resume", "--out", str(run), "--no-warmup"]
+    with log.open("w") as errors:
+        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *command, "--idle-timeout", "3", "--format",
+                                 "plain"], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=errors)
+    try:
+        wait_for_marker(proc, log, "ep1's end", text="ep1 ended (end_marker)")
+        if change == "made_again_with_other_steps":
+            shutil.rmtree(live / "ep1")
+            write_episode(live / "ep1", steps_of(1, 2), prompt="task ep1")
+        else:
+            st = first.stat()
+            os.utime(first, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+            write_episode(live / "ep1", steps_of(0, 2)[1:], first_step=1)
+        proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    stderr = log.read_text()
+    assert proc.returncode == 0, stderr
+    late = json.loads((run / "summary.json").read_text())["episodes"]["late_steps"]
+    if change == "made_again_with_other_steps":
+        assert f"{live / 'ep1'} did not join the run: episode 'ep1' of this run was read from that path" in stderr
+        assert late == {}
+    else:
+        assert "did not join the run" not in stderr, stderr
+        assert (f"step_000001.safetensors arrived in {live / 'ep1'} after its END file was seen and did not run"
+                in stderr), stderr
+        assert late == {"ep1": ["step_000001.safetensors"]}
+
+
 def test_a_resumed_run_has_no_summary_until_it_ends_so_a_script_never_reads_the_last_runs_as_final(env, data,
                                                                                                   tmp_path):
     """A script that waits for summary.json: while a --resume runs, and after it is killed with -9, the interrupted

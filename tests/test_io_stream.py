@@ -14,7 +14,8 @@ import pytest
 
 from ardiff_cli.io import write_episode, write_step
 from ardiff_cli.io.demo import demo_step, ensure_demo_episodes
-from ardiff_cli.io.episode import EpisodeSource, RawStep, discover_episodes, is_temporary_name, step_number
+from ardiff_cli.io.episode import (EpisodeSource, RawStep, discover_episodes, is_temporary_name, step_number,
+                                   step_sha256)
 from ardiff_cli.io import stream
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import validate_step
@@ -1521,6 +1522,84 @@ def test_a_finished_episode_whose_first_step_file_was_cleaned_up_is_still_its_ow
     assert _drain(scheduler) == [("ep1", 0), ("ep1", "end_marker")]
     assert scheduler.late == {"ep1": ["step_000001.safetensors"]}
     assert [w.split(":")[0] for w in warnings] == ["episode 'ep1'"], warnings
+
+
+def _running(scheduler: StepScheduler) -> list[tuple[str, int | str]]:
+    """``_drain``, telling the scheduler the SHA-256 of each step file handed out, as the rollout does once it read
+    the file to run it."""
+    items = []
+    while (item := scheduler.next()) is not None:
+        if isinstance(item, StepTask):
+            scheduler.ran(item.episode.name, item.file, step_sha256(item.file.path))
+            items.append((item.episode.name, item.file.step))
+        else:
+            items.append((item.episode.name, item.reason))
+    return items
+
+
+@pytest.mark.parametrize("resumed", [False, True], ids=["ran", "resumed"])
+@pytest.mark.parametrize("change", ["touched", "copied_over_in_place", "rewritten_as_a_new_file"])
+def test_a_finished_episode_whose_first_step_file_has_the_bytes_that_ran_is_still_its_own_folder(
+        tmp_path, change, resumed):
+    """ep1's step 0 touched (`touch`), copied over in place with the same bytes (`cp -r` over the folder), or
+    rewritten the same as a new file (a sync tool's temporary file renamed over it) once ep1 ended, then a late
+    step 1: its inode number or mtime changed, and the run said ep1 "did not join the run: ... this is another
+    folder ... rename it", of the episode's own folder. It holds the bytes that ran (their SHA-256 when the step ran,
+    or on --resume results.jsonl's input_sha256): its late file is named instead."""
+    data = tmp_path / "robots"
+    write_episode(data / "ep1", [good(0)], prompt="p")
+    first = data / "ep1" / "step_000000.safetensors"
+    ran_with = step_sha256(first)
+
+    def change_it():
+        st, raw = first.stat(), first.read_bytes()
+        if change == "copied_over_in_place":
+            first.write_bytes(raw)
+        elif change == "rewritten_as_a_new_file":
+            (data / "ep1" / ".step_000000.safetensors.Ab3dE9").write_bytes(raw)
+            os.replace(data / "ep1" / ".step_000000.safetensors.Ab3dE9", first)
+        os.utime(first, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # touched: a later mtime, on any clock
+        write_step(data / "ep1", 1, good(1))
+
+    clock = FakeClock([lambda: None, change_it])
+    warnings: list[str] = []
+    scheduler = StepScheduler(discover_episodes([data]), follow=True, idle_timeout=5, poll_interval=1, clock=clock,
+                              sleep=clock.sleep, watch=[data], warn=warnings.append,
+                              done={"ep1": {0: 0}} if resumed else None,
+                              digests={"ep1": {0: ran_with}} if resumed else None)
+    assert _running(scheduler) == ([] if resumed else [("ep1", 0)]) + [("ep1", "end_marker")]
+    assert scheduler.late == {"ep1": ["step_000001.safetensors"]}
+    assert warnings == [f"episode 'ep1': step_000001.safetensors arrived in {data / 'ep1'} after its END file was "
+                        "seen and did not run (--resume runs it)"]
+
+
+@pytest.mark.parametrize("reused", [False, True], ids=["deleted", "given_its_inode_number"])
+def test_a_folder_made_where_a_finished_episode_was_read_with_another_first_step_is_named_its_digest_known(
+        tmp_path, reused):
+    """The SHA-256 of ep1's first step file is known (it ran); ep1 deleted and another ep1 made there, whose first
+    step holds other bytes (as ext4 reusing the inode numbers does every time, given its folder's): another folder,
+    named as one, and its step 1 is not a late file of ep1's."""
+    data = tmp_path / "robots"
+    write_episode(data / "ep1", [good(0)], prompt="p")
+
+    def remake():
+        if not reused:
+            shutil.rmtree(data / "ep1")
+            write_episode(data / "ep1", [good(7), good(1)], prompt="p")
+            return
+        (data / "ep1").rename(tmp_path / "ep1.done")
+        for file in (tmp_path / "ep1.done").iterdir():
+            file.unlink()
+        write_episode(tmp_path / "ep1.done", [good(7), good(1)], prompt="p")
+        (tmp_path / "ep1.done").rename(data / "ep1")
+
+    clock = FakeClock([lambda: None, remake])
+    warnings: list[str] = []
+    scheduler = StepScheduler(discover_episodes([data]), follow=True, idle_timeout=5, poll_interval=1, clock=clock,
+                              sleep=clock.sleep, watch=[data], warn=warnings.append)
+    assert _running(scheduler) == [("ep1", 0), ("ep1", "end_marker")]
+    assert [w.split(":")[0] for w in warnings] == [f"{data / 'ep1'} did not join the run"], warnings
+    assert scheduler.late == {}
 
 
 def test_what_never_joined_a_watched_folder_of_episodes_is_named_when_the_run_ends(tmp_path):

@@ -54,7 +54,7 @@ from ardiff_cli.io.atomic import temporary_pattern
 from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, StepFile, episode_entries,
                                    episode_folders_inside, gap_error, is_run_output, listed, looks_whole,
                                    missing_steps, new_episode_folders, other_step_formats, step_number,
-                                   unreadable_folder)
+                                   step_sha256, unreadable_folder)
 from ardiff_cli.runtime.errors import ObservationError, as_typed, shell_word
 
 # Activity for the idle timer: write_step's temporary file of a step file being written (atomic_write_bytes), and
@@ -121,6 +121,7 @@ class _Track:
     # follow: files named like steps but without a step number, or under a writer's temporary name (is_temporary_name)
     unnumbered: list[Path] = field(default_factory=list)
     first_file: tuple[str, int, int] | None = None  # follow: name, inode and mtime of its first step file taken
+    first_sha256: str | None = None  # follow: the SHA-256 of that file when it ran (input_sha256), once known
     # follow: since when its folder held these names (END one), none of its unready step files growing, and their looks
     end_seen: tuple[float, frozenset[str], dict[str, tuple[int, int]]] | None = None
     end_gone: bool = False  # follow: its folder was removed once END was seen there and every step file taken
@@ -151,6 +152,7 @@ class StepScheduler:
     def __init__(self, episodes: list[EpisodeSource], *, order: str = "round-robin", follow: bool = False,
                  idle_timeout: float = 60.0, poll_interval: float = 0.1,
                  done: Mapping[str, Mapping[int, int | None]] | None = None,
+                 digests: Mapping[str, Mapping[int, str]] | None = None,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                  warn: Callable[[str], None] = lambda message: None, watch: Sequence[Path] = (),
                  on_new_episode: Callable[[EpisodeSource], None] = lambda episode: None,
@@ -174,6 +176,10 @@ class StepScheduler:
         self._names = EpisodeNames(episodes)
         self._all_ended_at: float | None = None  # follow: when the last episode ended (watching: the idle timer)
         self._done = done = done or {}
+        # follow, resume: episode -> (its first step that ran, the SHA-256 of its file then: input_sha256 in
+        # results.jsonl), what its first step file taken had when it ran (see ``ran``)
+        self._ran_first = {name: min(steps.items()) for name, steps in (digests or {}).items()
+                           if steps and follow}
         now = clock()
         self._tracks = [_Track(source=e, done=dict(done.get(e.name, {})), done_sorted=sorted(done.get(e.name, ())),
                                last_activity=now) for e in episodes]
@@ -222,6 +228,14 @@ class StepScheduler:
         at; it is followed at its new path from now on (its ``source.path`` and step files). For a step handed out
         before the rename, whose file is no longer where the task says."""
         return self._follow_rename(self._track(episode_name))
+
+    def ran(self, episode_name: str, step_file: StepFile, sha256: str) -> None:
+        """``step_file`` of ``episode_name`` was read to run, and its bytes' SHA-256 is ``sha256``. Kept for the
+        episode's first step file taken: a file there later with another inode number or mtime (touched, copied over
+        in place) is still the episode's own while it has these bytes (``_another_first_file``)."""
+        track = self._by_name.get(episode_name)
+        if track is not None and track.first_file is not None and track.first_file[0] == step_file.path.name:
+            track.first_sha256 = sha256
 
     # -- control -------------------------------------------------------------------------------------------
 
@@ -386,9 +400,9 @@ class StepScheduler:
         except OSError:
             return
         # the episode's own folder (given twice, or a link): its inode number, and not another file under its first
-        # step file's name (ext4 gives a folder deleted and made again its inode number)
-        if (track is None or _identity(track) is None
-                or (_identity(track) == inode and not _another_first_file(path, track.first_file))):
+        # step file's name, by its bytes (ext4 gives a folder deleted and made again its inode number, and its files')
+        if (track is None or _identity(track) is None or (_identity(track) == inode and not _another_first_file(
+                path, track.first_file, track.first_sha256))):
             return
         if (path, inode) in self._named_another:  # named as a poll found it, and again as the run ended
             return
@@ -409,7 +423,10 @@ class StepScheduler:
         name that is watched (not hidden): the same inode beside where it was, holding the step files taken from it
         and the first one unchanged (a folder deleted and another made that got its inode number is not it). Its
         episode keeps its name (its session, its outputs, results.jsonl); the old name is free for a new episode
-        folder."""
+        folder. Unchanged by inode number and mtime, not by content as ``_another_first_file`` tells its own folder:
+        taken for a rename, another folder with the same first step (a simulator's reset frame) would never run as
+        an episode of its own (its steps left unrun), where a renamed folder whose first file was touched runs again as
+        an episode of its own (one followed fails, ``_gone`` saying why)."""
         old, identity = track.source.path, _identity(track)
         # ended having taken no step file (it failed): a folder made since that got its inode number is not it
         if identity is None or (track.ended and not track.taken) or not self._watched(old):
@@ -514,8 +531,8 @@ class StepScheduler:
                 continue
             try:
                 st = _folder_stat(track.source.path)
-                if st is not None and (st.st_ino != _identity(track)
-                                       or _another_first_file(track.source.path, track.first_file)):
+                if st is not None and (st.st_ino != _identity(track) or _another_first_file(
+                        track.source.path, track.first_file, track.first_sha256)):
                     # another folder there now: not its late files. Made as the old one went, between two listings
                     # of the watched folder (a step's forward long), no poll found it: named now
                     if self._watched(track.source.path) and episode_entries(track.source.path):
@@ -811,6 +828,8 @@ class StepScheduler:
             del track.looks[name]
             if not track.files and file_st is not None:
                 track.first_file = (name, file_st.st_ino, file_st.st_mtime_ns)
+                ran = self._ran_first.get(track.source.name)  # resume: it ran in an earlier run
+                track.first_sha256 = ran[1] if ran is not None and ran[0] == step_file.step else None
             track.files.append(step_file)
             track.taken.add(name)
             last = step_file.step
@@ -895,11 +914,21 @@ def _holds_first_file(folder: Path, first: tuple[str, int, int] | None) -> bool:
     return (st.st_ino, st.st_mtime_ns) == (inode, mtime)
 
 
-def _another_first_file(folder: Path, first: tuple[str, int, int] | None) -> bool:
+def _another_first_file(folder: Path, first: tuple[str, int, int] | None, sha256: str | None) -> bool:
     """Whether ``folder`` holds another file under the name of ``first``, an episode's first step file taken: it is
     another folder, made where the episode's was and given its inode number. False with that name gone (a cleanup of
-    the steps that ran) or none taken."""
-    return first is not None and os.path.lexists(folder / first[0]) and not _holds_first_file(folder, first)
+    the steps that ran) or none taken. A file whose inode number or mtime are not ``first``'s is read only then, and
+    is the episode's own if it has the bytes that ran (``sha256``, when known): touched, copied over in place
+    (``cp -r``), or rewritten the same by a sync tool. Not by inode number alone: ext4 often gives a folder deleted
+    and made again, and its first file, the old inode numbers."""
+    if first is None or not os.path.lexists(folder / first[0]) or _holds_first_file(folder, first):
+        return False
+    if sha256 is None:  # it has not run (yet), and did not on --resume either
+        return True
+    try:
+        return step_sha256(folder / first[0]) != sha256
+    except ObservationError:  # unreadable or empty: not the file that ran
+        return True
 
 
 def _folder_stat(path: Path) -> os.stat_result | None:
