@@ -1756,6 +1756,82 @@ def test_a_resume_that_stops_before_taking_the_kept_snapshots_leaves_them_to_the
     assert not (run / ".swap").exists()
 
 
+STOP_AT = """\
+import os, pathlib, signal, sys, time
+from ardiff_cli.io.stream import StepScheduler
+from ardiff_cli.rollout import Rollout
+from ardiff_cli.runtime.runner import ARDiffusionModelRunner
+where, marker = sys.argv[1], pathlib.Path(sys.argv[2])
+def then(cls, name, hook):
+    method = getattr(cls, name)
+    def wrapped(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
+        hook(self)
+        return result
+    setattr(cls, name, wrapped)
+def stop(self):
+    os.kill(os.getpid(), signal.SIGTERM)
+if where == "third_line":  # SIGTERM as the third step's line is written: that step ends, then the run stops
+    then(Rollout, "_append", lambda self: self.run_folder.results_path.read_text().count("\\n") == 3 and stop(self))
+elif where == "adopting":  # SIGTERM once the first kept snapshot is taken back, before the next one is
+    then(ARDiffusionModelRunner, "adopt_snapshot", stop)
+elif where == "listing":  # the driver's first listing of an episode folder touches the marker, then sleeps
+    init, scan, made = Rollout.__init__, StepScheduler._guarded_scan, []
+    def driver_init(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+    def slow_scan(self, *args, **kwargs):
+        if made and not marker.exists():
+            marker.touch()
+            time.sleep(600)
+        return scan(self, *args, **kwargs)
+    Rollout.__init__, StepScheduler._guarded_scan = driver_init, slow_scan
+from ardiff_cli.app import main
+sys.argv = ["ardiff", *sys.argv[3:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("where", ["adopting", "listing"])
+def test_a_resume_stopped_after_taking_the_kept_snapshots_back_before_restoring_any_keeps_them(
+        env, data, reference, tmp_path, where):
+    """A --resume takes the kept snapshots back (deleting their index), then lists the episode folders before its
+    first step (seconds for thousands of them). A SIGTERM in that listing, or while it took them back, deleted the
+    snapshots with no index left: the next resume replayed every done step instead of restoring the sessions."""
+    run, marker = tmp_path / "run", tmp_path / "listing"
+
+    def stopped_at(point: str, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", STOP_AT, point, str(marker), "rollout", *args, "--out",
+                                 str(run), "--no-warmup", "--format", "plain"], cwd=REPO, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    first = stopped_at("third_line", str(data / "fast.yaml"), str(data / "eps"))
+    stderr = first.communicate(timeout=300)[1]
+    assert first.returncode == 143, stderr
+    kept = kept_snapshots(run)  # arm_a's session resident (2 steps), arm_b's swapped out (1)
+    assert {name: entry["steps"] for name, entry in kept.items()} == {"arm_a": 2, "arm_b": 1}, stderr
+    proc = stopped_at(where, "--resume")
+    try:
+        if where == "listing":
+            wait_for_marker(proc, marker, "the driver's listing of the episode folders")
+            proc.send_signal(signal.SIGTERM)
+        stderr = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and "Traceback" not in stderr, stderr
+    assert kept_snapshots(run) == kept, stderr  # the same files, and an index of them again
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["steps"]["this_run"], summary["swap"]["kept"]) == ("interrupted", 0, 2)
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    for name in kept:
+        assert re.search(rf"restored +{name} from its swap snapshot", proc.stderr), proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["steps"]["replayed"], summary["steps"]["restored"]) == (0, 2), proc.stderr
+    assert_same_outputs(reference, run)
+    assert not (run / ".swap").exists()
+
+
 @pytest.mark.parametrize("which", ["swapped", "resident"])
 def test_a_later_done_step_deleted_before_a_resume_is_a_gap_whether_its_session_was_kept_or_replayed(
         env, data, reference, tmp_path, which):

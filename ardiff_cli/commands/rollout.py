@@ -953,6 +953,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                           lambda plain: render_summary(summary, plain))
             return
     engine = driver = plan = summary = None
+    adopted: dict[str, int] = {}  # {episode: steps} of the kept snapshots taken back (_adopt_kept)
     warmed_up = False  # past the warmup: a stop from here on is recorded in summary.json, as the README says
     changes: dict[str, dict[str, Any]] = {}  # --resume: what differs from the ardiff, torch and threads of run.json
     ran_from = ran_until = None  # monotonic times driver.run() began and ended: the time spent running steps
@@ -1024,10 +1025,11 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     monitor.set_phase("warmup")
                     _warm_up(engine, signals)
                 warmed_up = True
-                swapped = _adopt_kept(engine, kept, p.done, swap_dir, output)
-                kept = {}
+                with signals.critical():  # a stop meanwhile waits: the teardown keeps again those taken back
+                    adopted = _adopt_kept(engine, kept, p.done, swap_dir, output)
+                    kept = {}
                 driver = Rollout(engine, p.cfg.observation_schema(), p.episodes, run, output, monitor,
-                                 signals, options, p.done, digests=p.digests, swapped=swapped)
+                                 signals, options, p.done, digests=p.digests, swapped=adopted)
                 if resume:  # the last run's word on a run that goes on from here: a script must not take it as final
                     run.summary_path.unlink(missing_ok=True)  # with a driver: this run's own is written at its end
                 monitor.set_phase("following" if follow else "running")  # the rate's time, as the summary's
@@ -1068,11 +1070,13 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 # that said ok while the run exited 130
                 signals.hold()
                 try:
-                    if engine is not None and driver is not None and error is not None and not run.moved():
-                        if stopped:
+                    # the driver's swapped-out sessions; before it is made (it lists the episodes), those taken back
+                    if engine is not None and (driver is not None or adopted) and error is not None and not run.moved():
+                        if stopped and driver is not None:
                             _swap_out_resident(engine, driver, output, signals)
                         # for --resume to restore, not replay
-                        kept = _keep_swapped(engine, driver, swap_dir, p.info["started"], output)
+                        steps = adopted if driver is None else driver.swapped_steps()
+                        kept = _keep_swapped(engine, steps, swap_dir, p.info["started"], output)
                         monitor.keep_snapshots(len(kept), _bytes_of(swap_dir, (file for file, _ in kept.values())))
                     if engine is not None:
                         _close_engine(engine, output)
@@ -1192,15 +1196,16 @@ def _swap_out_resident(engine: Any, driver: Any, output: Output, signals: Any) -
                      "stopped the saving: they replay)")
 
 
-def _keep_swapped(engine: Any, driver: Any, swap_dir: Path, run: float, output: Output) -> dict[str, tuple[str, int]]:
+def _keep_swapped(engine: Any, steps: dict[str, int], swap_dir: Path, run: float,
+                  output: Output) -> dict[str, tuple[str, int]]:
     """Leave the snapshots of the episodes swapped out when the run stopped, with their index, for --resume; {}
     when the index cannot be written (the disk that stopped the run is full, a swap folder gone read-only): a
-    warning, the files go, and --resume replays."""
+    warning, the files go, and --resume replays. ``steps``: {episode: steps its session had consumed} of the
+    sessions swapped out (the driver's; before it was made, those ``_adopt_kept`` took back)."""
     from ardiff_cli.io.episode import listed
     from ardiff_cli.io.kept import KEPT_FILE, write_kept
 
     detached = engine.runner.detach_snapshots()
-    steps = driver.swapped_steps()
     kept = {name: (file, steps[name]) for name, file in detached.items() if name in steps}
     if kept:
         try:

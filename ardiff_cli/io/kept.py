@@ -8,8 +8,9 @@ keeps the steps replayed so far), and restores those sessions instead of replayi
 are found unchanged, as a replay would check them: else the episode fails and its snapshot goes); the others are
 replayed as before. The index is deleted once its snapshots are
 adopted: a resume that stops before (a signal or ``kill -9`` while the model loads, a refused ``--device``) leaves
-it, and its files, to the next. Without the index (a ``kill -9`` of the run), every leftover file is removed and
-every session replayed.
+it, and its files, to the next; one stopped after (a signal as it lists the episode folders) writes it again for
+those it took back, as any stopped run does. Without the index (a ``kill -9`` of the run), every leftover file is
+removed and every session replayed.
 """
 
 from __future__ import annotations
