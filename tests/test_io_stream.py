@@ -1602,6 +1602,47 @@ def test_a_folder_made_where_a_finished_episode_was_read_with_another_first_step
     assert scheduler.late == {}
 
 
+def _bytes_read() -> int:
+    """What this process read so far (/proc/self/io's rchar): how much of a file a check read, without timing it."""
+    return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["rchar"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux's /proc/self/io")
+@pytest.mark.parametrize("size", ["another_size", "its_size"])
+def test_a_finished_episodes_first_step_file_replaced_is_read_at_most_once_and_not_at_another_size(tmp_path, size):
+    """ep1 ended, and another file was put under its first step file's name (a folder made again there, or a step
+    written again). A file of another size than the one taken cannot hold the bytes that ran: a 256 MiB one was read
+    whole, twice, as the run ended (it names the folder as another, whose check read it again); one of its size is
+    read once, however many times the folder is looked at."""
+    data = tmp_path / "robots"
+    camera = np.zeros((2048, 2048, 4), np.uint8)  # a 16 MiB first step
+    write_episode(data / "ep1", [{"camera": camera, "joints": np.zeros(7, np.float32)}], prompt="p")
+    first = data / "ep1" / "step_000000.safetensors"
+    taken_size = first.stat().st_size
+    read_at_change = []
+
+    def replace():
+        first.unlink()
+        with open(first, "wb") as f:
+            if size == "another_size":
+                f.truncate(256 << 20)  # sparse: nothing on disk, all of it to read
+            else:
+                f.write(os.urandom(1024) + bytes(taken_size - 1024))
+        read_at_change.append(_bytes_read())
+
+    clock = FakeClock([lambda: None, replace])
+    warnings: list[str] = []
+    scheduler = StepScheduler(discover_episodes([data]), follow=True, idle_timeout=5, poll_interval=1, clock=clock,
+                              sleep=clock.sleep, watch=[data], warn=warnings.append)
+    assert _running(scheduler) == [("ep1", 0), ("ep1", "end_marker")]
+    read = _bytes_read() - read_at_change[0]
+    assert [w.split(":")[0] for w in warnings] == [f"{data / 'ep1'} did not join the run"], warnings
+    if size == "another_size":
+        assert read < 1 << 20, f"{read >> 20} MiB read"
+    else:
+        assert taken_size <= read < 2 * taken_size, f"{read >> 20} MiB read"
+
+
 def test_what_never_joined_a_watched_folder_of_episodes_is_named_when_the_run_ends(tmp_path):
     """A robot writing its episodes one level deeper (robots/2026-12-03/ep1) or its steps into robots/ itself: the
     followed run ended ok with none of them run and no word (a run without --follow fails such a folder). Each is

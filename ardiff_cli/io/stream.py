@@ -120,8 +120,10 @@ class _Track:
     inside: frozenset[str] = frozenset()  # follow: episode folders in it at its first poll, when it held no step file
     # follow: files named like steps but without a step number, or under a writer's temporary name (is_temporary_name)
     unnumbered: list[Path] = field(default_factory=list)
-    first_file: tuple[str, int, int] | None = None  # follow: name, inode and mtime of its first step file taken
+    first_file: tuple[str, int, int, int] | None = None  # follow: name, inode, mtime, size of its first step file taken
     first_sha256: str | None = None  # follow: the SHA-256 of that file when it ran (input_sha256), once known
+    # follow: the file under that name last hashed (inode, mtime, ctime, size) and whether it was another: read once
+    first_judged: tuple[tuple[int, int, int, int], bool] | None = None
     # follow: since when its folder held these names (END one), none of its unready step files growing, and their looks
     end_seen: tuple[float, frozenset[str], dict[str, tuple[int, int]]] | None = None
     end_gone: bool = False  # follow: its folder was removed once END was seen there and every step file taken
@@ -401,8 +403,8 @@ class StepScheduler:
             return
         # the episode's own folder (given twice, or a link): its inode number, and not another file under its first
         # step file's name, by its bytes (ext4 gives a folder deleted and made again its inode number, and its files')
-        if (track is None or _identity(track) is None or (_identity(track) == inode and not _another_first_file(
-                path, track.first_file, track.first_sha256))):
+        if (track is None or _identity(track) is None
+                or (_identity(track) == inode and not _another_first_file(path, track))):
             return
         if (path, inode) in self._named_another:  # named as a poll found it, and again as the run ended
             return
@@ -531,8 +533,8 @@ class StepScheduler:
                 continue
             try:
                 st = _folder_stat(track.source.path)
-                if st is not None and (st.st_ino != _identity(track) or _another_first_file(
-                        track.source.path, track.first_file, track.first_sha256)):
+                if st is not None and (st.st_ino != _identity(track)
+                                       or _another_first_file(track.source.path, track)):
                     # another folder there now: not its late files. Made as the old one went, between two listings
                     # of the watched folder (a step's forward long), no poll found it: named now
                     if self._watched(track.source.path) and episode_entries(track.source.path):
@@ -827,7 +829,7 @@ class StepScheduler:
                 continue
             del track.looks[name]
             if not track.files and file_st is not None:
-                track.first_file = (name, file_st.st_ino, file_st.st_mtime_ns)
+                track.first_file = (name, file_st.st_ino, file_st.st_mtime_ns, file_st.st_size)
                 ran = self._ran_first.get(track.source.name)  # resume: it ran in an earlier run
                 track.first_sha256 = ran[1] if ran is not None and ran[0] == step_file.step else None
             track.files.append(step_file)
@@ -901,12 +903,12 @@ def _once_each(folders: Iterable[Path]) -> list[Path]:
     return list(first.values())
 
 
-def _holds_first_file(folder: Path, first: tuple[str, int, int] | None) -> bool:
-    """Whether ``folder`` holds the file ``first`` (name, inode, mtime) of an episode's first step file taken; True
-    when none was taken."""
+def _holds_first_file(folder: Path, first: tuple[str, int, int, int] | None) -> bool:
+    """Whether ``folder`` holds the file ``first`` (name, inode, mtime, size) of an episode's first step file taken;
+    True when none was taken."""
     if first is None:
         return True
-    name, inode, mtime = first
+    name, inode, mtime, _ = first
     try:
         st = (folder / name).stat()
     except OSError:
@@ -914,21 +916,36 @@ def _holds_first_file(folder: Path, first: tuple[str, int, int] | None) -> bool:
     return (st.st_ino, st.st_mtime_ns) == (inode, mtime)
 
 
-def _another_first_file(folder: Path, first: tuple[str, int, int] | None, sha256: str | None) -> bool:
-    """Whether ``folder`` holds another file under the name of ``first``, an episode's first step file taken: it is
-    another folder, made where the episode's was and given its inode number. False with that name gone (a cleanup of
-    the steps that ran) or none taken. A file whose inode number or mtime are not ``first``'s is read only then, and
-    is the episode's own if it has the bytes that ran (``sha256``, when known): touched, copied over in place
-    (``cp -r``), or rewritten the same by a sync tool. Not by inode number alone: ext4 often gives a folder deleted
-    and made again, and its first file, the old inode numbers."""
-    if first is None or not os.path.lexists(folder / first[0]) or _holds_first_file(folder, first):
+def _another_first_file(folder: Path, track: _Track) -> bool:
+    """Whether ``folder`` holds another file under the name of ``track``'s first step file taken: it is another
+    folder, made where the episode's was and given its inode number. False with that name gone (a cleanup of the steps
+    that ran) or none taken. A file whose inode number or mtime are not the one taken's is the episode's own if it has
+    the bytes that ran (``first_sha256``, when known): touched, copied over in place (``cp -r``), or rewritten the same
+    by a sync tool. Not by inode number alone: ext4 often gives a folder deleted and made again, and its first file,
+    the old inode numbers. It is read only at the size taken (another size cannot hold those bytes: a huge file is not
+    read), and once while it stays the same (the run's end asks twice, a folder made again there once more)."""
+    if track.first_file is None:
         return False
-    if sha256 is None:  # it has not run (yet), and did not on --resume either
-        return True
+    name, inode, mtime, size = track.first_file
     try:
-        return step_sha256(folder / first[0]) != sha256
-    except ObservationError:  # unreadable or empty: not the file that ran
+        st = (folder / name).stat()
+    except OSError:  # gone (a cleanup): not another; a link to nothing, or unreadable: not the file that ran
+        return os.path.lexists(folder / name)
+    if (st.st_ino, st.st_mtime_ns) == (inode, mtime):
+        return False
+    if track.first_sha256 is None:  # it has not run (yet), and did not on --resume either
         return True
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size:  # a FIFO, or other bytes
+        return True
+    looks = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
+    if track.first_judged is not None and track.first_judged[0] == looks:
+        return track.first_judged[1]
+    try:
+        another = step_sha256(folder / name) != track.first_sha256
+    except ObservationError:  # unreadable or empty: not the file that ran
+        another = True
+    track.first_judged = (looks, another)
+    return another
 
 
 def _folder_stat(path: Path) -> os.stat_result | None:
