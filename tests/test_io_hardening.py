@@ -19,7 +19,7 @@ import pytest
 from ardiff_cli.io import read_step, write_episode, write_step
 from ardiff_cli.io.atomic import atomic_write_bytes
 from ardiff_cli.io.demo import ensure_demo_episodes
-from ardiff_cli.io.episode import discover_episodes, looks_whole
+from ardiff_cli.io.episode import discover_episodes, looks_whole, new_episode_folders
 from ardiff_cli.io.run import RunFolder
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.runtime.errors import ConfigError, ObservationError
@@ -917,22 +917,59 @@ def test_a_run_folder_of_an_ardiff_before_the_journal_is_read_as_it_was(tmp_path
         RunFolder(root).read_info()
 
 
-def test_a_folder_holding_only_a_journal_is_a_run_folder_and_says_what_it_lacks(tmp_path):
+def test_a_folder_holding_only_a_journal_holds_a_run_and_says_what_it_lacks(tmp_path):
     """episodes.jsonl is the run's as run.json and results.jsonl are: a folder left with it alone (run.json not
-    copied) is a run, not an episode or an empty folder to start a run in."""
+    copied) is not an empty folder to start a run in (its lines would be taken for the new run's episodes)."""
     run = started_run(tmp_path / "data" / "run")
     run.add_episode("arm_c", Path("/data/robots/arm_c"))
     run.close()
     (run.root / "run.json").unlink()
     run.results_path.unlink()
-    assert run.holds_run() and run.is_run_folder()
-    write_episode(tmp_path / "data" / "a", [good(0)], prompt="p")
-    assert [e.name for e in discover_episodes([tmp_path / "data"])] == ["a"]
+    assert run.holds_run()
     with pytest.raises(ConfigError, match=r"^nothing to resume: .*run.json does not exist, though episodes.jsonl does "
                                           r"\(run.json was deleted, or not copied with the run\)$"):
         RunFolder(run.root).read_info()
     with pytest.raises(ConfigError, match=r"already holds a run$"):
         RunFolder(run.root).start({"config": "x"})
+
+
+def test_an_episode_folder_holding_a_file_named_episodes_jsonl_is_still_an_episode(tmp_path):
+    """A robot's own log named episodes.jsonl beside its step files made its folder a run folder (the journal's
+    name): skipped in a folder of episodes and by --follow, its steps never run. A run writes the journal after
+    run.json, so the journal alone does not tell a run folder."""
+    data = tmp_path / "data"
+    for name in ("a", "b"):
+        write_episode(data / name, [good(0)], prompt="p")
+    (data / "b" / "episodes.jsonl").write_text('{"frame": 0}\n')
+    assert not RunFolder(data / "b").is_run_folder()
+    assert [e.name for e in discover_episodes([data])] == ["a", "b"]
+    assert [p.name for p in new_episode_folders(data, set())] == ["a", "b"]
+    run = started_run(data / "run")  # a run folder beside them, journal and all, is still skipped
+    run.add_episode("arm_c", Path("/data/robots/arm_c"))
+    run.close()
+    assert [e.name for e in discover_episodes([data])] == ["a", "b"]
+
+
+def test_a_journal_that_is_a_link_to_nothing_is_named_not_read_as_empty(tmp_path):
+    """episodes.jsonl linked to a disk not mounted was read as no lines: with journal_lines 0 the episodes it held
+    were dropped from the run's (arm_c: 2 episodes, not 3), and past 0 the error said the journal held 0 lines (cut,
+    replaced or removed) instead of naming the link."""
+    for folded in (False, True):
+        run = started_run(tmp_path / f"run{int(folded)}")
+        run.add_episode("arm_c", Path("/data/robots/arm_c"))
+        run.close()
+        if folded:  # as a resume writes it back
+            (run.root / "run.json").write_text(json.dumps(RunFolder(run.root).read_info()))
+        target = tmp_path / f"disk{int(folded)}" / "episodes.jsonl"
+        target.parent.mkdir()
+        run.journal_path.rename(target)
+        run.journal_path.symlink_to(target)
+        assert len(RunFolder(run.root).read_info()["episodes"]) == 3  # through a link: read as a file
+        target.parent.rename(tmp_path / f"unmounted{int(folded)}")
+        with pytest.raises(ConfigError, match=rf"^{re.escape(str(run.journal_path))}: cannot read it: it is a link "
+                                              rf"to {re.escape(str(target))}, which does not exist$") as info:
+            RunFolder(run.root).read_info()
+        assert "mount what it links to" in info.value.hint
 
 
 NESTED = "[" * 5000 + "]" * 5000  # a few KiB of brackets: deeper than the JSON parser recurses (RecursionError)

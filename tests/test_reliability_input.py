@@ -1796,6 +1796,17 @@ READ_HINT = "check that it is a file the user running ardiff may read (permissio
     # a FIFO in place of either file: opening it waited for a writer, forever (SIGTERM did not end the wait)
     ("results.jsonl fifo", "{run}/results.jsonl: cannot read it: it is a FIFO, socket or device, not a file",
      READ_HINT),
+    # episodes.jsonl, the episodes a --follow run added or moved, as results.jsonl; a link to nothing (a disk not
+    # mounted) was read as no lines: the episodes it held dropped from the run
+    ("episodes.jsonl folder", "{run}/episodes.jsonl: cannot read it: it is a folder, not a file", FOLDER_HINT),
+    ("episodes.jsonl loop", "{run}/episodes.jsonl: cannot read it: it is a link to episodes.jsonl, which leads back "
+     "to itself (a loop of links)", "replace that link with the file (restore it from a backup)"),
+    ("episodes.jsonl mode 000", "{run}/episodes.jsonl: cannot read it: Permission denied", READ_HINT),
+    ("episodes.jsonl fifo", "{run}/episodes.jsonl: cannot read it: it is a FIFO, socket or device, not a file",
+     READ_HINT),
+    ("episodes.jsonl nothing", "{run}/episodes.jsonl: cannot read it: it is a link to ../disk/episodes.jsonl, which "
+     "does not exist", "mount what it links to, or replace that link with the run's episodes.jsonl (a file) from a "
+     "backup"),
     ("summary.json folder", "{run}/summary.json is a folder, not the run's summary file",
      "move that folder out of the way: the run writes summary.json there as it ends"),
     ("run.json folder", "{run}/run.json: cannot read run info: it is a folder, not a file",
@@ -1828,6 +1839,8 @@ def test_a_run_file_that_is_a_folder_or_cannot_be_read_is_named_on_resume(tmp_pa
         (run / name).symlink_to(name)
     elif what == "fifo":
         os.mkfifo(run / name)
+    elif what == "nothing":
+        (run / name).symlink_to(Path("..", "disk", name))
     else:
         (run / name).write_text('{"format": 1}\n')
         (run / name).chmod(0)

@@ -4,7 +4,8 @@ Layout::
 
     <out>/
       run.json                         # how the run was started (config, episodes, options): --resume reuses it
-      episodes.jsonl                   # with --follow: one line per episode added or moved since run.json was written
+      episodes.jsonl                   # with --follow: one line per episode added or moved (run.json's
+                                       # journal_lines: how many of its first lines run.json holds)
       results.jsonl                    # one line per processed step (status "ok" or "failed"), appended as it runs
       summary.json                     # counts, latency percentiles, evictions, capacity plan, versions (at the end)
       episodes/<episode>/step_000003.safetensors   # the pipeline's outputs for step 3 (actions, latents, ...)
@@ -176,8 +177,10 @@ class RunFolder:
     def is_run_folder(self) -> bool:
         """Whether a rollout made this folder: it holds a run (:meth:`holds_run`), or ``.lock`` and nothing visible, a
         run whose model is still loading (the lock is taken before, run.json written after) or that stopped then. A
-        second rollout given the folder above took such a folder for an episode with no step files (exit 4)."""
-        if self.holds_run():
+        second rollout given the folder above took such a folder for an episode with no step files (exit 4). Not
+        episodes.jsonl alone: a run writes it after run.json, and a robot's episode folder may hold a file of that name
+        beside its step files (it was skipped, its steps never run)."""
+        if os.path.exists(self.root / RUN_FILE) or os.path.exists(self.results_path):  # holds_run's, less the journal
             return True
         if not os.path.exists(self.root / LOCK_FILE):  # one stat for an episode folder: it is not listed
             return False
@@ -310,6 +313,16 @@ class RunFolder:
         run.json holds already) made to them, in order, and the number of whole lines the journal holds: the list
         run.json held when ardiff rewrote it for each. A damaged line is named (file, line, field, expected, got)."""
         journal = self.journal_path
+        try:
+            os.stat(journal)
+        except FileNotFoundError:  # none (no episode added), or a link to a disk not mounted: read as no lines, the
+            gone = link_to_nothing(journal)  # episodes it held were dropped from the run
+            if gone:
+                raise ConfigError(f"{journal}: cannot read it: it is {gone}",
+                                  hint=f"mount what it links to, or replace that link with the run's {JOURNAL_FILE} "
+                                       "(a file) from a backup") from None
+        except OSError:
+            pass  # a loop of links, a folder not entered: named as it is read
         merged = list(episodes)
         at = {e["name"]: i for i, e in enumerate(merged) if isinstance(e, dict) and isinstance(e.get("name"), str)}
         lines = 0
