@@ -1775,6 +1775,10 @@ if where == "third_line":  # SIGTERM as the third step's line is written: that s
     then(Rollout, "_append", lambda self: self.run_folder.results_path.read_text().count("\\n") == 3 and stop(self))
 elif where == "adopting":  # SIGTERM once the first kept snapshot is taken back, before the next one is
     then(ARDiffusionModelRunner, "adopt_snapshot", stop)
+elif where == "failing":  # a bug once the first kept snapshot is taken back, before the next one is
+    def fail(self):
+        raise RuntimeError("failed while taking the kept snapshots back")
+    then(ARDiffusionModelRunner, "adopt_snapshot", fail)
 elif where == "listing":  # the driver's first listing of an episode folder touches the marker, then sleeps
     init, scan, made = Rollout.__init__, StepScheduler._guarded_scan, []
     def driver_init(self, *args, **kwargs):
@@ -1826,6 +1830,35 @@ def test_a_resume_stopped_after_taking_the_kept_snapshots_back_before_restoring_
     assert proc.returncode == 0, proc.stderr
     for name in kept:
         assert re.search(rf"restored +{name} from its swap snapshot", proc.stderr), proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["steps"]["replayed"], summary["steps"]["restored"]) == (0, 2), proc.stderr
+    assert_same_outputs(reference, run)
+    assert not (run / ".swap").exists()
+
+
+def test_a_resume_that_fails_part_way_through_taking_the_kept_snapshots_back_leaves_them_all_to_the_next(
+        env, data, reference, tmp_path):
+    """An error that is not a signal (a bug) after the first kept snapshot was taken back, before the next: that one
+    had been renamed as the runner's own and went with it, while the index, still in place, named its old file; the
+    summary said 2 kept, the next resume warned that its file is gone and replayed its done steps."""
+    run = tmp_path / "run"
+
+    def stopped_at(point: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", STOP_AT, point, str(tmp_path / "marker"), "rollout", *args,
+                               "--out", str(run), "--no-warmup", "--format", "plain"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    proc = stopped_at("third_line", str(data / "fast.yaml"), str(data / "eps"))
+    assert proc.returncode == 143, proc.stderr
+    kept = kept_snapshots(run)
+    assert {name: entry["steps"] for name, entry in kept.items()} == {"arm_a": 2, "arm_b": 1}, proc.stderr
+    proc = stopped_at("failing", "--resume")
+    assert proc.returncode == 1 and "failed while taking the kept snapshots back" in proc.stderr, proc.stderr
+    assert kept_snapshots(run) == kept, proc.stderr  # the same files, under the names the index gives
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["steps"]["this_run"], summary["swap"]["kept"]) == ("failed", 0, 2)
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["steps"]["replayed"], summary["steps"]["restored"]) == (0, 2), proc.stderr
     assert_same_outputs(reference, run)

@@ -1046,8 +1046,34 @@ def test_a_pipeline_given_as_a_path_ending_in_dot_dot_is_told_it_names_a_folder(
 
 
 @pytest.mark.parametrize("reference, hint", [
-    # a package's folder, with its trailing /: it was told PYTHONPATH=/ (the root of the file system)
-    ("lab_code/:LabPipeline", "run with PYTHONPATH=. and --pipeline lab_code:LabPipeline"),
+    # a folder of modules: told PYTHONPATH=. and --pipeline lab_mods:LabPipeline, which imports no module of it
+    ("lab_mods/:LabPipeline", ", from a folder on PYTHONPATH: run with PYTHONPATH=lab_mods and --pipeline "
+                              "MODULE:LabPipeline, MODULE the name of a .py file in that folder, without .py\n"),
+    # the home folder: told "'~' is no Python name: rename the file"
+    ("~/:LabPipeline", ", from a folder on PYTHONPATH: run with PYTHONPATH={home} and --pipeline MODULE:LabPipeline, "
+                       "MODULE the name of a .py file in that folder, without .py\n"),
+    # a package's folder: as before, by its name from the folder above, but no longer called a file's path
+    ("lab_world/:LabPipeline", ": lab_world is a package: run with PYTHONPATH=. and --pipeline lab_world:LabPipeline "
+                               "(or lab_world.MODULE:LabPipeline for one of its modules)\n"),
+])
+def test_a_pipeline_given_as_a_folder_there_is_told_it_names_a_folder(lab, reference, hint):
+    """`--pipeline dir/:C` of a folder that is there was told it is "a file's path", to run with PYTHONPATH=. and
+    --pipeline dir:C: for a folder of modules that imports it as a namespace package, which has no class C; `~/` was
+    told to rename "the file" '~'."""
+    root, env = lab
+    (root / "lab_mods").mkdir(exist_ok=True)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "warmup", "unnamed.yaml", f"--pipeline={reference}",
+                           "--format", "plain"], cwd=root, env={**env, "HOME": str(root)}, capture_output=True,
+                          text=True, timeout=300)
+    path = reference.partition(":")[0]
+    assert proc.returncode == 2 and f"got {reference!r}\n" in proc.stderr, proc.stderr
+    assert (f"hint: {path!r} names a folder, not a module file; MODULE is the name a module is imported by"
+            f"{hint.format(home=root)}") in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("reference, hint", [
+    # a package's folder still to be made, with its trailing /: it was told PYTHONPATH=/ (the root of the file system)
+    ("lab_to_be/:LabPipeline", "run with PYTHONPATH=. and --pipeline lab_to_be:LabPipeline"),
     # a package's __init__.py is imported by its folder's name: it was told PYTHONPATH=lab_code and __init__:...
     ("lab_code/pkg/__init__.py:LabPipeline", "run with PYTHONPATH=lab_code and --pipeline pkg:LabPipeline"),
     # `--pipeline=~/...` (no shell expands a ~ there): it was told PYTHONPATH='./~/lab_code', a folder named ~ here

@@ -791,6 +791,17 @@ def test_a_config_from_dict_of_another_signature_is_told_the_one_ardiff_calls(en
         "from_dict(cls, data, *, where)` under @classmethod (README, 'Adding a pipeline')"), proc.stderr
 
 
+@pytest.mark.parametrize("name", ["dreamzeor", "causal-world", "DreamZero"])
+def test_a_typo_of_a_registered_pipeline_is_not_told_to_register_a_pipeline_of_its_own(env, tmp_path, name):
+    """`pipeline: dreamzeor` was told (did you mean 'dreamzero'?), then how to register a pipeline of one's own under
+    an entry point or run it by --pipeline MODULE:CLASS: advice for README's `pipeline: my_world`, not for a typo."""
+    config = tmp_path / "typo.yaml"
+    config.write_text(f"pipeline: {name}\nmodel: {{}}\nruntime: {{device: cpu}}\n")
+    proc = ardiff(env, "inspect-capacity", str(config), "--format", "plain")
+    assert proc.returncode == 2 and "(did you mean '" in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1] == "hint: registered pipelines: causal_world, dreamzero", proc.stderr
+
+
 def test_a_pipeline_spec_bound_past_what_a_plan_takes_names_the_spec_and_the_runtime_setting(env, tmp_path):
     """A spec's session_capacity of 2**32 ("no limit") was refused as "session_capacity must be a positive integer up
     to 2147483647" with a Python hint ("pass ..., or None for the spec's own bound"): the user passed nothing, and the

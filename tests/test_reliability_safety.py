@@ -405,9 +405,12 @@ def test_the_pipeline_option_given_an_import_path_says_to_name_the_class_after_a
         load_config("dreamzero-tiny", pipeline="my_lab.models")
     assert "write MODULE:CLASS, e.g. --pipeline my_lab.models:MyPipeline" in info.value.hint
     # a config's own `pipeline:` field names registered pipelines only: its hint offers --pipeline MODULE:CLASS (and
-    # registering it) for a pipeline of one's own, not a MODULE:CLASS in the config
+    # registering it) for a pipeline of one's own, not a MODULE:CLASS in the config; a typo is given the names alone
     with pytest.raises(ConfigError, match="unknown pipeline 'dreamzeroo'") as info:
         load_config({"pipeline": "dreamzeroo"})
+    assert info.value.hint == "registered pipelines: causal_world, dreamzero"
+    with pytest.raises(ConfigError, match="unknown pipeline 'my_world'") as info:
+        load_config({"pipeline": "my_world"})
     assert info.value.hint.startswith("registered pipelines: causal_world, dreamzero; a pipeline of your own gets its "
                                       "name from an 'ardiff.pipelines' entry point")
     assert "write MODULE:CLASS" not in info.value.hint

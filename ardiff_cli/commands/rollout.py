@@ -1026,7 +1026,11 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     _warm_up(engine, signals)
                 warmed_up = True
                 with signals.critical():  # a stop meanwhile waits: the teardown keeps again those taken back
-                    adopted = _adopt_kept(engine, kept, p.done, swap_dir, output)
+                    try:
+                        adopted = _adopt_kept(engine, kept, p.done, swap_dir, output)
+                    except BaseException:  # a bug part-way: the index stays, so those taken back go back to the
+                        engine.runner.detach_snapshots()  # names it gives them (else closing the runner deleted them)
+                        raise
                     kept = {}
                 driver = Rollout(engine, p.cfg.observation_schema(), p.episodes, run, output, monitor,
                                  signals, options, p.done, digests=p.digests, swapped=adopted)

@@ -21,6 +21,7 @@ Two kinds of entry exist:
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata
 import inspect
@@ -184,8 +185,11 @@ def _file_path_hint(reference: str) -> str | None:
         return None
     file = PurePosixPath(path)  # `dir/` is the package dir in the working folder; `dir//x.py` is `dir/x.py`
     cls = qualname if re.fullmatch(_DOTTED, qualname) else "CLASS"
-    if file.name in ("", ".."):  # `dir/..`, `/`: a folder, which the text does not name: it was told to rename "the
-        return _folder_path_hint(path, cls)  # file" '..', which is no Python name
+    # `dir/..`, `/`: a folder, which the text does not name: it was told to rename "the file" '..', which is no Python
+    # name; `dir/`, `~/` of a folder there (`dir/` of none is a package dir to be): told PYTHONPATH=. and --pipeline
+    # dir:C, which imports no module of a plain folder, and `~/` to rename "the file" '~'
+    if file.name in ("", "..") or os.path.isdir(os.path.expanduser(path)):
+        return _folder_path_hint(path, cls)
     if file.name == "__init__.py":  # a package's own module: imported by its folder's name
         file = file.parent
     module = file.name.removesuffix(".py")
@@ -268,7 +272,9 @@ def resolve_pipeline(name: str, *, where: str = "config") -> PipelineEntry:
                      f"{CLASS_REFERENCE_HINT}",
             )
         hint = f"registered pipelines: {', '.join(sorted(registry))}"
-        if where != "--pipeline":  # `pipeline: my_world` written from README's example before it was registered
+        # a typo of a registered name (`dreamzeor`, `causal-world`) is told that name, not how to register one's own
+        typo = difflib.get_close_matches(name.casefold(), [n.casefold() for n in registry], n=1, cutoff=0.8)
+        if where != "--pipeline" and not typo:  # `pipeline: my_world` from README's example before it was registered
             hint += (f"; a pipeline of your own gets its name from an {ENTRY_POINT_GROUP!r} entry point of its "
                      "installed package (README, 'Adding a pipeline'); until then, pass its class with --pipeline "
                      "MODULE:CLASS (in Python: load_config(CONFIG, pipeline='MODULE:CLASS'))")
