@@ -332,12 +332,7 @@ class RunFolder:
                 continue
             problem = _journal_problem(record, at)
             if problem is not None:
-                field, expected, got = problem
-                where = f"{journal}, line {number}"
-                if got is _MISSING:
-                    raise ConfigError(f"{where}: field {field!r}: expected {expected}, got nothing (the field is "
-                                      "missing)", hint=JOURNAL_HINT)
-                raise field_error(where, field, expected, got, hint=JOURNAL_HINT)
+                raise _problem_error(f"{journal}, line {number}", *problem, JOURNAL_HINT)
             name, recorded = record["name"], record["path"]
             if record["kind"] == "added":
                 at[name] = len(merged)
@@ -358,12 +353,9 @@ class RunFolder:
         info = self.read_info()
         problem = _run_info_problem(info)
         if problem is not None:
-            field, expected, got = problem
-            hint = "correct it there (ardiff writes run.json as a run starts), or start a new run in another --out"
-            if got is _MISSING:
-                raise ConfigError(f"{self.root / RUN_FILE}: field {field!r}: expected {expected}, got nothing (the "
-                                  "field is missing)", hint=hint)
-            raise field_error(str(self.root / RUN_FILE), field, expected, got, hint=hint)
+            raise _problem_error(str(self.root / RUN_FILE), *problem,
+                                 "correct it there (ardiff writes run.json as a run starts), or start a new run in "
+                                 "another --out")
         return info
 
     def refuse_a_folder_as_summary(self) -> None:
@@ -639,6 +631,15 @@ def _other_step(metadata: dict[str, Any] | None, episode: str, step: int) -> str
         return None
     step = str(metadata["step"])
     return f"episode {shown(metadata['episode'])} step {step if step.isascii() and step.isdigit() else shown(step)}"
+
+
+def _problem_error(where: str, field: str, expected: str, got: Any, hint: str) -> ConfigError:
+    """The error of a field of run.json or of an episodes.jsonl line that is not as ardiff writes it (``got``
+    ``_MISSING``: not there)."""
+    if got is _MISSING:
+        return ConfigError(f"{where}: field {field!r}: expected {expected}, got nothing (the field is missing)",
+                           hint=hint)
+    return field_error(where, field, expected, got, hint=hint)
 
 
 def _journal_problem(record: Mapping[str, Any], at: Mapping[str, int]) -> tuple[str, str, Any] | None:

@@ -403,13 +403,14 @@ def yaml_problem(exc: BaseException, text: str = "") -> str:
 YAML_SYNTAX_HINT = "check the indentation, quotes and brackets there and on the line before"
 
 
-def close_match(name: str, valid: Iterable[str]) -> str | None:
-    """The closest of ``valid`` to ``name``, or None when none is close. Case is ignored: `Model` found 'model', but
-    `MODEL`, `preset: TINY` and `pipeline: DREAMZERO` found nothing (difflib compares characters as they are)."""
+def close_match(name: str, valid: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The closest of ``valid`` to ``name``, or None when none is close (difflib's ratio under ``cutoff``). Case is
+    ignored: `Model` found 'model', but `MODEL`, `preset: TINY` and `pipeline: DREAMZERO` found nothing (difflib
+    compares characters as they are)."""
     folded: dict[str, str] = {}
     for item in valid:
         folded.setdefault(item.casefold(), item)  # of names alike but for case, the first
-    match = next(iter(difflib.get_close_matches(name.casefold(), list(folded), n=1)), None)
+    match = next(iter(difflib.get_close_matches(name.casefold(), list(folded), n=1, cutoff=cutoff)), None)
     return None if match is None else folded[match]
 
 

@@ -21,7 +21,6 @@ Two kinds of entry exist:
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.metadata
 import inspect
@@ -39,6 +38,7 @@ from ardiff_cli.runtime.errors import (
     ConfigError,
     PipelineError,
     as_typed,
+    close_match,
     did_you_mean,
     is_out_of_memory,
     running_out_of_memory_names,
@@ -272,9 +272,9 @@ def resolve_pipeline(name: str, *, where: str = "config") -> PipelineEntry:
                      f"{CLASS_REFERENCE_HINT}",
             )
         hint = f"registered pipelines: {', '.join(sorted(registry))}"
-        # a typo of a registered name (`dreamzeor`, `causal-world`) is told that name, not how to register one's own
-        typo = difflib.get_close_matches(name.casefold(), [n.casefold() for n in registry], n=1, cutoff=0.8)
-        if where != "--pipeline" and not typo:  # `pipeline: my_world` from README's example before it was registered
+        # `pipeline: my_world` from README's example before it was registered; a typo of a registered name
+        # (`dreamzeor`, `causal-world`) is told that name, not how to register one's own
+        if where != "--pipeline" and close_match(name, registry, cutoff=0.8) is None:
             hint += (f"; a pipeline of your own gets its name from an {ENTRY_POINT_GROUP!r} entry point of its "
                      "installed package (README, 'Adding a pipeline'); until then, pass its class with --pipeline "
                      "MODULE:CLASS (in Python: load_config(CONFIG, pipeline='MODULE:CLASS'))")
