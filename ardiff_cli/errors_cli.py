@@ -45,9 +45,14 @@ EXIT_CAPACITY = 3  # one session of the configured model does not fit in memory
 EXIT_PARTIAL = 4  # some episodes failed while others completed
 EXIT_SIGINT = 130  # 128 + SIGINT
 
-# A step's outputs or the run's own files that could not be written (one hint for both: they had two wordings)
-WRITE_HINT = ("check free space and permissions of the output folder, then continue with: "
-              "ardiff rollout --resume --out OUT")
+
+def write_hint(resume: str = "ardiff rollout --resume --out OUT") -> str:
+    """A step's outputs or the run's own files that could not be written (one hint for both: they had two wordings).
+    ``resume``: the run's own resume command (``resume_command``) to paste; ``OUT`` only where no run is known."""
+    return f"check free space and permissions of the output folder, then continue with: {resume}"
+
+
+WRITE_HINT = write_hint()
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 success; 1 an unexpected error (in the pipeline, ardiff or writing outputs); 2 bad usage or "
@@ -88,12 +93,13 @@ class StepFailed(ArdiffError):
     }
 
     def __init__(self, episode: str, step: int, phase: str, cause: BaseException, *, path: str = "",
-                 replayed: int | None = None, budget: str | None = None, plan: CapacityPlan | None = None) -> None:
+                 replayed: int | None = None, budget: str | None = None, plan: CapacityPlan | None = None,
+                 resume: str | None = None) -> None:
         detail = (str(cause) if isinstance(cause, ArdiffError)
                   else out_of_memory_message(cause) or f"{type(cause).__name__}: {cause}")
         where = self.PHASES[phase].format(path=path, replayed=replayed)
         super().__init__(f"episode {episode!r} failed at step {step} {where}: {detail}",
-                         hint=_step_hint(phase, cause, budget, plan))
+                         hint=_step_hint(phase, cause, budget, plan, resume))
         self.episode = episode  # the episode (= session id)
         self.step = step  # the step being run when it failed (in phase replay, the one whose session was rebuilt)
         self.replayed = replayed  # in phase replay: the earlier step being replayed
@@ -170,13 +176,14 @@ def _lighter_pool_hint(budget: str | None, plan: CapacityPlan | None, aside: str
             f"activations{aside}; {then}")
 
 
-def _step_hint(phase: str, cause: BaseException, budget: str | None, plan: CapacityPlan | None = None) -> str:
+def _step_hint(phase: str, cause: BaseException, budget: str | None, plan: CapacityPlan | None = None,
+               resume: str | None = None) -> str:
     """``budget``: what set the KV memory budget (``budget_change``'s ``source``; None: the free memory); ``plan``:
-    the run's ``CapacityPlan`` (None: not known)."""
+    the run's ``CapacityPlan`` (None: not known); ``resume``: the run's resume command (None: not known)."""
     if too_many_open_files(cause):  # the environment's limit, in any phase: not the disk's, the file's or the model's
         return open_files_hint("continue with --resume")
     if phase == "write":
-        return WRITE_HINT
+        return WRITE_HINT if resume is None else write_hint(resume)
     if pages_short(cause):
         return ("the KV page pool, sized by the capacity plan for every resident session, ran short: the pipeline's "
                 "KV spec or ardiff's plan undercounts this step's pages (report it, with the --verbose traceback); the "

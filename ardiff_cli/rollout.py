@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.errors_cli import Interrupted, OutputError, StepFailed
+from ardiff_cli.errors_cli import Interrupted, OutputError, StepFailed, write_hint
 from ardiff_cli.io.episode import (METADATA_FILE, EpisodeSource, StepFile, file_signature, listed, load_step,
                                    present, step_sha256)
 from ardiff_cli.io.run import RunFolder
@@ -234,7 +234,7 @@ class Rollout:
                               hint=f"check free space and permissions of {self.run_folder.root}, then (the run still "
                                    "records the episode's old folder) link it to the new one and continue: ln -s "
                                    f"{shell_word(episode.path.name)} {shell_word(old)}; "
-                                   f"{resume_command(self.run_folder.root, self.options.pipeline)}") from exc
+                                   f"{self._resume_command()}") from exc
         # the paths as run.json records them (links resolved: a watched folder given through a link, an episode
         # folder that was a link), the old one as it was recorded: the old name is gone and resolves to nothing
         self._folders[episode.name] = recorded
@@ -348,7 +348,7 @@ class Rollout:
             return ObservationError(f"{step_file.path}: {exc}", hint=exc.hint)
         return StepFailed(task.episode.name, task.file.step, phase, exc, path=str(step_file.path),
                           replayed=step_file.step if phase == "replay" else None, budget=self.options.budget_source,
-                          plan=self.engine.runner.capacity_plan)
+                          plan=self.engine.runner.capacity_plan, resume=self._resume_command())
 
     def _load(self, episode: EpisodeSource, step_file: StepFile) -> tuple[dict[str, Any], str]:
         """The step's validated inputs and the SHA-256 of its file. A step that ran before (replayed, or run again
@@ -503,7 +503,7 @@ class Rollout:
                 # not this episode's problem: failing every episode in turn at its next write would release every
                 # session (all replayed by --resume) and bury the cause under as many failures
                 raise OutputError(f"cannot write {self.run_folder.step_output(episode.name, step)}: "
-                                  f"{exc.strerror or exc}") from exc
+                                  f"{exc.strerror or exc}", hint=write_hint(self._resume_command())) from exc
             record = {
                 "episode": episode.name, "step": step, "chunk": task.ordinal, "session": episode.name,
                 "request_id": request_id, "status": "ok", "output": self.run_folder.relative(path),
@@ -531,7 +531,12 @@ class Rollout:
         except OSError as exc:
             if too_many_open_files(exc):  # the process's limit, not the disk's or the folder's
                 raise
-            raise OutputError(f"cannot append to {self.run_folder.results_path}: {exc.strerror or exc}") from exc
+            raise OutputError(f"cannot append to {self.run_folder.results_path}: {exc.strerror or exc}",
+                              hint=write_hint(self._resume_command())) from exc
+
+    def _resume_command(self) -> str:
+        """The ``ardiff rollout --resume`` of this run that a hint prints to paste (its folder, its --pipeline)."""
+        return resume_command(self.run_folder.root, self.options.pipeline)
 
     def _check_folder(self) -> None:
         """Stop the run (``OutputError``) when its --out folder was removed or replaced since it started: its

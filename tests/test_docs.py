@@ -407,14 +407,90 @@ def test_the_python_examples_of_the_readme_and_reliability_page_run_as_written(c
     assert (tmp_path / "data" / "pick_cube" / "END").is_file() and (tmp_path / "data" / "robot_a" / "END").is_file()
 
 
-def test_the_readme_config_example_is_a_valid_config(tmp_path):
-    from ardiff_cli.runtime.config import load_config
+def _example_command_lines() -> list[tuple[str, list[str]]]:
+    """Every `ardiff COMMAND ...` line the README shows (its bash blocks, `$ ` lines of its samples and inline code)
+    and every example line of each command's help, as (where, argv after `ardiff`), the shell's part (variables set
+    before it, a comment, a pipe, a redirect, `&`) cut off. Synopses (`ardiff warmup [CONFIG]`) and lines naming no
+    command (`ardiff --version`) are left out."""
+    import shlex
+
+    readme = (REPO / "README.md").read_text()
+    lines = [("README", line) for block in _blocks(readme, "bash") for line in block.splitlines()
+             if line.startswith("ardiff ")]
+    lines += [("README", line[2:]) for line in readme.splitlines() if line.startswith("$ ardiff ")]
+    prose = re.sub(r"^```.*?^```$", "", readme, flags=re.S | re.M)
+    spans = [re.sub(r"^(?:[A-Z_]+=\S* )+", "", span) for span in re.findall(r"`([^`]*)`", prose)]  # PYTHONPATH=.
+    lines += [("README", span) for span in spans if span.startswith("ardiff ")]
+    group = typer.main.get_command(app)
+    lines += [(f"ardiff {name} --help", line.strip()) for name, command in group.commands.items()
+              for line in (command.epilog or "").splitlines() if line.strip().startswith("ardiff ")]
+    found = []
+    for where, line in lines:
+        argv = shlex.split(re.split(r" (?:#|\||>|&)", line)[0])[1:]
+        if "[" not in line and argv and argv[0] in group.commands:
+            found.append((where, argv))
+    return found
+
+
+def test_every_example_command_of_the_readme_and_the_help_is_one_ardiff_takes():
+    """A user pastes them: each parses with its command's options as they are today (an option renamed or dropped,
+    a choice no longer taken, a value its check refuses would be a usage error, exit 2). Parsed only, not run: the
+    examples name folders of the user's (data/pick_cube, my_config.yaml)."""
+    group = typer.main.get_command(app)
+    examples = _example_command_lines()
+    assert {argv[0] for _, argv in examples} == set(group.commands)
+    assert {where for where, _ in examples} == {"README"} | {f"ardiff {name} --help" for name in group.commands}
+    refused = []
+    for where, argv in examples:
+        parent = group.make_context("ardiff", argv[:1])
+        try:
+            with group.commands[argv[0]].make_context(argv[0], argv[1:], parent=parent):
+                pass
+        except Exception as exc:  # noqa: BLE001 - click's usage errors (typer vendors click: no public class)
+            refused.append(f"{where}: ardiff {' '.join(argv)}: {getattr(exc, 'format_message', exc.__str__)()}")
+    assert refused == []
+
+
+def test_the_pipeline_option_help_names_the_example_class_the_readme_and_the_rollout_help_use():
+    """`--pipeline`'s help gave `mylab.models:World` as its example, where the rollout help's example line, the
+    README and ardiff's own hints all name `my_lab.models:MyPipeline`."""
+    readme = (REPO / "README.md").read_text()
+    example = "my_lab.models:MyPipeline"
+    assert f"--pipeline {example}" in readme
+    group = typer.main.get_command(app)
+    assert f"--pipeline {example}" in group.commands["rollout"].epilog
+    for name, command in group.commands.items():
+        (option,) = [param for param in command.params if "--pipeline" in param.opts]
+        assert f"like {example})" in option.help, name
+
+
+def test_the_readme_config_example_is_a_valid_config_and_lists_every_key_the_loader_takes(tmp_path):
+    """The Configs example loads as written (every key it lists is accepted), and it lists every top-level and
+    `runtime:` key the loader takes, so a key added to the loader comes with its line there. Each `runtime.KEY` and
+    `model.KEY` the README's prose names is one the loader or a built-in pipeline's model section takes."""
+    import dataclasses
+    import importlib
+
+    import yaml
+
+    from ardiff_cli.runtime.config import TOP_LEVEL_KEYS, RuntimeConfig, load_config
+    from ardiff_cli.runtime.registry import BUILTIN_PIPELINES
 
     readme = (REPO / "README.md").read_text()
     (example,) = [block for block in _blocks(readme, "yaml") if block.startswith("pipeline: dreamzero ")]
     (tmp_path / "example.yaml").write_text(example)
     cfg = load_config(str(tmp_path / "example.yaml"))
     assert cfg.pipeline_name == "dreamzero" and cfg.runtime.num_threads == 1
+    data = yaml.safe_load(example)
+    runtime_keys = [field.name for field in dataclasses.fields(RuntimeConfig)]
+    assert (list(data), sorted(data["runtime"])) == (list(TOP_LEVEL_KEYS), sorted(runtime_keys))
+    model_keys = {"preset"} | {field.name for module in BUILTIN_PIPELINES.values()
+                               for field in dataclasses.fields(importlib.import_module(module).Config)}
+    named = re.findall(r"(?<![\w.])(runtime|model)\.([a-z_]+)", readme)
+    assert len(named) > 5
+    unknown = [f"{section}.{key}" for section, key in named
+               if key not in (runtime_keys if section == "runtime" else model_keys)]
+    assert unknown == []
 
 
 def test_ci_runs_the_readme_test_command_verbatim():

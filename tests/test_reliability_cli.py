@@ -1642,6 +1642,34 @@ def test_a_run_file_the_system_refuses_to_write_stops_the_run_with_exit_1_naming
     assert "Traceback" not in proc.stderr and "bug in ardiff" not in proc.stderr
 
 
+def test_the_hint_of_a_results_line_the_system_refuses_pastes_into_bash_and_finishes_the_run(env, data, reference,
+                                                                                             tmp_path):
+    """The README: a hint that prints a command to paste writes the run's own folder, as one shell word, and the
+    run's `--pipeline MODULE:CLASS` again. A results.jsonl line (or a step's outputs) the system refused hinted
+    `continue with: ardiff rollout --resume --out OUT`, the word OUT itself and no --pipeline: pasted, the resume was
+    refused. Here a file-size limit (`ulimit -f`) lets run.json and the outputs through, not results.jsonl."""
+    import resource
+    import shlex
+
+    from test_cli_rollout import pasted
+
+    step = max(path.stat().st_size for path in (reference / "episodes").rglob("*.safetensors"))
+    limit = max((reference / "run.json").stat().st_size, step)
+    assert (reference / "results.jsonl").stat().st_size > limit
+    run = tmp_path / "a run"  # a folder a shell must be given quoted
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *rollout_args(data, run)], cwd=REPO,
+                          capture_output=True, text=True, env=env, timeout=600,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert proc.returncode == 1, proc.stderr
+    assert f"Error: cannot append to {run / 'results.jsonl'}: File too large" in proc.stderr, proc.stderr
+    (hint,) = [line for line in proc.stderr.splitlines() if line.startswith("hint: ")]
+    command = hint.rpartition("then continue with: ")[2]
+    assert shlex.split(command) == ["ardiff", "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE]
+    resumed = pasted(env, command, REPO)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_matches(run, reference)
+
+
 def test_a_run_folder_removed_while_the_run_writes_it_stops_the_run_with_exit_1(env, data, tmp_path):
     """The README's exit-1 row, `the run's folder removed while it ran` (a cleanup job's `rm -rf`), in a real
     process: removed while a step's forward runs, the run stops at that step's write and re-creates nothing."""
