@@ -709,12 +709,14 @@ class Rollout:
         self.run_folder.write_preview(episode.name, preview_strip(observed, predicted, min_height=96))
 
     def _predicted_frame(self, path) -> Any:
-        from safetensors.numpy import load_file
+        from safetensors.numpy import load
 
         from ardiff_cli.io.png import as_rgb_frame
         from ardiff_cli.io.writer import to_numpy
 
-        arrays = load_file(str(path))
+        # its bytes read, then parsed: load_file mapped the file, and one truncated as its arrays were copied out of
+        # the mapping (an outputs folder cleared, a sync tool) killed the run with SIGBUS and no summary
+        arrays = load(path.read_bytes())
         for value in arrays.values():
             frame = as_rgb_frame(value)
             if frame is not None:

@@ -120,7 +120,7 @@ class ARPipeline(abc.ABC):
         modules = build_config_on_meta(cls, config)
         try:
             try:
-                metadata = load_checkpoint(modules, path, device)
+                metadata = load_checkpoint(modules, path, device, dtype)
             except CheckpointError:
                 # A file that records another geometry of this pipeline (written for `preset: tiny`, loaded with
                 # `preset: small`) is named by the fields that differ, not by its hundreds of mismatched tensors.

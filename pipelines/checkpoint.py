@@ -232,14 +232,23 @@ def read_metadata(path: str | Path) -> dict[str, str]:
         raise CheckpointError(f"cannot read checkpoint {as_typed(path)}: {exc}") from None
 
 
-def _read_tensors(path: Path, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """The file's tensors. ``load_file``'s map the file: a model on the CPU, of the file's dtype, kept reading it
-    for the whole run, so a checkpoint copied or saved over in place (``cp``, a training job) changed its weights
-    mid-run, or, truncated first, killed the run with SIGBUS and no summary. For the CPU they are read into memory
-    of their own; for an accelerator they stream from the mapping (the host needs no copy of the whole file), which
-    is let go once the weights are on the device."""
+def _read_tensors(path: Path, device: torch.device | str, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The file's tensors, read into memory of their own. ``load_file``'s map the file: a model on the CPU, of the
+    file's dtype, kept reading it for the whole run, so a checkpoint copied or saved over in place (``cp``, a
+    training job) changed its weights mid-run, or, truncated first, killed the run with SIGBUS and no summary; for
+    an accelerator, one truncated before the weights reached it (they were moved once the whole file was mapped)
+    did too. For an accelerator each tensor is read, then moved there (floating ones as ``dtype``) before the next
+    is read: the host holds one tensor at a time, the device no weight of the file's dtype beside the run's."""
     if torch.device(device).type != "cpu":
-        return load_file(str(path), device="cpu")
+        def moved(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(device, dtype=dtype if dtype is not None and tensor.is_floating_point() else None)
+
+        try:
+            with safe_open(str(path), framework="pt", backend="pread") as f:
+                return {key: moved(f.get_tensor(key)) for key in f.keys()}
+        except TypeError:  # an older safetensors, without backend: each tensor copied out of the mapping at once
+            with safe_open(str(path), framework="pt") as f:
+                return {key: moved(f.get_tensor(key)) for key in f.keys()}
     try:
         return load_file(str(path), device="cpu", backend="pread")
     except TypeError:  # an older safetensors, whose load_file has no backend: copy each tensor out of the mapping
@@ -340,7 +349,8 @@ def _unreadable(path: Path, exc: Exception) -> CheckpointError:
                  "write it again with safetensors.torch.save_file, or copy it again from where it came from")
 
 
-def load_checkpoint(module: nn.Module, path: str | Path, device: torch.device | str = "cpu") -> dict[str, str]:
+def load_checkpoint(module: nn.Module, path: str | Path, device: torch.device | str = "cpu",
+                    dtype: torch.dtype | None = None) -> dict[str, str]:
     """Load ``path`` into ``module`` strictly; returns the file's metadata.
 
     Keys pass through ``remap_checkpoint_key`` first (wrapper prefixes).
@@ -349,14 +359,15 @@ def load_checkpoint(module: nn.Module, path: str | Path, device: torch.device | 
     ``CheckpointError`` (its message counts each kind and names the first
     few, its ``details`` name every one). The file's tensors are adopted, so
     ``module`` may be built on the meta device; ``device`` is where the caller
-    then moves them (see ``_read_tensors``).
+    then moves them: an accelerator's get them there already, floating ones as
+    ``dtype`` (see ``_read_tensors``).
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {as_typed(path)}", hint="fix the path, or use checkpoint: null")
     _check_readable(path)
     try:
-        raw = _read_tensors(path, device)
+        raw = _read_tensors(path, device, dtype)
     except (OSError, SafetensorError) as exc:
         raise _unreadable(path, exc) from None
     tensors: dict[str, torch.Tensor] = {}

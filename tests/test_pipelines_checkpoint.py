@@ -322,6 +322,36 @@ def test_a_checkpoint_rewritten_in_place_after_loading_changes_no_loaded_weight(
     assert all(torch.equal(v, before[k]) for k, v in pipe.modules.state_dict().items())
 
 
+_TRUNCATED_AFTER_AN_ACCELERATOR_LOAD = """
+import os, sys
+
+import torch
+from safetensors.torch import save_file
+
+from pipelines.checkpoint import load_checkpoint
+
+path = sys.argv[1]
+save_file({"weight": torch.ones(1024, 1024), "bias": torch.ones(1024)}, path)  # 4 MiB: pages past the new end
+with torch.device("meta"):
+    module = torch.nn.Linear(1024, 1024)
+dtype = {"none": (), "float16": (torch.float16,)}[sys.argv[2]]
+load_checkpoint(module, path, "meta", *dtype)  # meta: an accelerator every machine has
+os.truncate(path, 0)  # a training job saving over it, the run's weights yet to be moved to the device
+print(*(p.sum().device.type for p in module.parameters()), module.weight.dtype)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["none", "float16"])
+def test_a_checkpoint_truncated_before_an_accelerators_weights_are_moved_leaves_the_process_alive(tmp_path, dtype):
+    """For an accelerator the weights are read, then moved to it, one tensor at a time (floating ones as the run's
+    dtype): they were views of a mapping of the file until the caller moved the whole model, so a file truncated
+    meanwhile (saved over in place by a training job) killed the process with SIGBUS (exit -7) and no summary."""
+    done = subprocess.run([sys.executable, "-c", _TRUNCATED_AFTER_AN_ACCELERATOR_LOAD, str(tmp_path / "m.safetensors"),
+                           dtype], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split() == ["meta", "meta", "torch.float16" if dtype == "float16" else "torch.float32"]
+
+
 def test_a_checkpoint_deleted_after_loading_leaves_the_model_its_identity(tmp_path):
     """A session's snapshot records the model that made it, the checkpoint by path, size and modification time as
     loaded: a file deleted or moved after the model loaded (a training job rotating its checkpoints) made every

@@ -486,3 +486,55 @@ def test_a_broken_invariant_stops_the_run_as_a_bug(data, reference, tmp_path, mo
     result = resume(out)
     assert result.exit_code == 0, result.stderr
     assert_complete(out, reference)
+
+
+_TRUNCATES_AGAIN_AND_AGAIN = """
+import sys
+
+path = sys.argv[1]
+with open(path, "rb") as f:
+    data = f.read()
+while True:  # as a sync tool or a second run writing the same outputs folder would, over and over
+    with open(path, "r+b") as f:
+        f.truncate(0)
+        f.write(data)
+"""
+
+_PREVIEWS_AGAIN_AND_AGAIN = """
+import sys, time
+from pathlib import Path
+
+from ardiff_cli.rollout import Rollout
+
+path, reads, errors = Path(sys.argv[1]), 0, 0
+deadline = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    try:
+        frame = Rollout._predicted_frame(None, path)  # a uint8 frame: the pipeline is never asked to decode
+        reads += frame.shape == (2048, 4096, 3)
+    except Exception:  # noqa: BLE001 - cut short or half written again: the preview warns, the run goes on
+        errors += 1
+print(reads, errors)
+"""
+
+
+def test_an_output_truncated_while_a_preview_reads_it_leaves_the_run_alive(tmp_path):
+    """A preview reads each output's bytes, then parses them: it mapped the file (safetensors' load_file), and a
+    file truncated while its arrays were copied out of the mapping (an outputs folder cleared or synced as the run
+    went on) killed the run with SIGBUS (exit -7) and no summary, within a second or two of this race."""
+    import subprocess
+    import sys
+
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "000000.safetensors"
+    save_file({"frame": np.full((2048, 4096, 3), 7, dtype=np.uint8)}, str(path))  # 24 MiB: a copy takes a while
+    other = subprocess.Popen([sys.executable, "-c", _TRUNCATES_AGAIN_AND_AGAIN, str(path)])
+    try:
+        done = subprocess.run([sys.executable, "-c", _PREVIEWS_AGAIN_AND_AGAIN, str(path), "4"], capture_output=True,
+                              text=True, timeout=120)
+    finally:
+        other.kill()
+        other.wait()
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert len(done.stdout.split()) == 2
