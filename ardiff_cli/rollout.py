@@ -165,7 +165,7 @@ class Rollout:
         # episode -> its folder as run.json records it (links resolved), which results.jsonl's paths name too, so a
         # script joins them (and the events) by path: a link there leading elsewhere since (a dataset moved) keeps
         # its recorded path; an episode a resume was given where it is now is named there
-        recorded = {e["name"]: e["path"] for e in run.read_info()["episodes"]}
+        recorded = run.episode_paths()  # as the run wrote run.json (no second read of it and the journal)
         self._folders = {e.name: recorded_folder(e, recorded.get(e.name)) for e in episodes}
         # episode -> step -> SHA-256 of its file when it ran (this run, and results.jsonl on resume): replays check it
         self._digests = {name: dict(steps) for name, steps in digests.items()}

@@ -832,6 +832,93 @@ def test_the_bytes_an_add_writes_do_not_grow_with_the_number_of_episodes(tmp_pat
     assert len(RunFolder(run.root).read_info()["episodes"]) == 2000
 
 
+_READS: dict[str, list[str]] = {}  # path -> one entry per open of it for reading, while a test watches it
+
+
+def _count_reads(event: str, args: tuple) -> None:
+    if event == "open" and _READS and isinstance(args[0], (str, os.PathLike)) and isinstance(args[2], int) \
+            and not args[2] & (os.O_WRONLY | os.O_RDWR):
+        opened = _READS.get(os.path.abspath(os.fspath(args[0])))
+        if opened is not None:
+            opened.append(event)
+
+
+sys.addaudithook(_count_reads)
+
+
+@pytest.fixture
+def reads():
+    """reads(path): the list of opens of ``path`` for reading from now on (the interpreter's own audit events)."""
+    def watch(path: Path) -> list[str]:
+        return _READS.setdefault(os.path.abspath(path), [])
+
+    yield watch
+    _READS.clear()
+
+
+def test_run_info_read_before_the_lock_is_read_again_only_where_run_json_or_the_journal_changed(tmp_path, reads):
+    """A resume read run.json and episodes.jsonl whole (O(episodes): 0.2 s at 10,000) before the lock and again
+    under it, several times. read_info_again() gives back what was read while neither file changed (a copy: the
+    caller's changes stay its own); an episode appended, or run.json replaced, is read."""
+    run = started_run(tmp_path / "run")
+    run.add_episode("arm_c", Path("/data/robots/arm_c"))
+    run.close()
+    journal = reads(run.journal_path)
+    resumed = RunFolder(run.root)
+    info = resumed.resume_info()
+    assert len(journal) == 1
+    info["order"] = "sequential"  # a resume fills in what it was not given again
+    info["episodes"][0]["path"] = "/elsewhere"
+    again = resumed.read_info_again()
+    assert len(journal) == 1 and again == RunFolder(run.root).read_info() and "order" not in again
+    assert len(journal) == 2  # that other RunFolder's read
+    other = RunFolder(run.root)
+    other.add_episode("arm_d", Path("/data/robots/arm_d"))  # another process's run, ended meanwhile
+    other.close()
+    del journal[:]
+    assert [e["name"] for e in resumed.read_info_again()["episodes"]] == ["arm_a", "arm_b", "arm_c", "arm_d"]
+    assert len(journal) == 1
+    written = {**resumed.read_info_again(), "resumed_at": 1.0}
+    assert len(journal) == 1
+    (run.root / "run.json").write_text(json.dumps(written))  # replaced: a new file
+    assert resumed.read_info_again()["resumed_at"] == 1.0 and len(journal) == 2
+    resumed.wrote_info(written)  # as a resume does, under the lock: the episodes recorded are these
+    resumed.add_episode("arm_e", Path("/data/robots/arm_e"))  # a followed run's first add reads nothing again
+    resumed.close()
+    assert len(journal) == 2
+    assert [e["name"] for e in RunFolder(run.root).read_info()["episodes"]] == [
+        "arm_a", "arm_b", "arm_c", "arm_d", "arm_e"]
+
+
+def test_a_loaded_resume_reads_the_runs_journal_once(tmp_path, monkeypatch, reads):
+    """A resume read episodes.jsonl whole four times (before the lock, then for the checkpoint check, for run.json's
+    rewrite and for the driver's episode paths); each read is O(episodes): 0.3 s at 10,000. Now once, and the run
+    goes on as before: the journal's episode is the run's, its step runs, run.json holds it."""
+    from fast_run import rollout, write_fast_data
+
+    monkeypatch.setenv("ARDIFF_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "data").mkdir()
+    data = write_fast_data(tmp_path / "data", {"arm_a": 2, "arm_b": 2})
+    out = tmp_path / "run"
+    assert rollout(data, out).exit_code == 0
+    # as a followed run that added arm_b writes it: run.json lists arm_a, episodes.jsonl's line adds arm_b
+    info = json.loads((out / "run.json").read_text())
+    arm_b = info["episodes"].pop()
+    (out / "run.json").write_text(json.dumps(info))
+    (out / "episodes.jsonl").write_text(json.dumps({"kind": "added", **arm_b}) + "\n")
+    lines = (out / "results.jsonl").read_text().splitlines(keepends=True)
+    (out / "results.jsonl").write_text("".join(lines[:-1]))  # stopped before its last step
+    journal = reads(out / "episodes.jsonl")
+    result = rollout(data, out, "--resume")
+    assert result.exit_code == 0, result.output
+    assert len(journal) == 1
+    info = json.loads((out / "run.json").read_text())
+    assert (info["journal_lines"], [e["name"] for e in info["episodes"]]) == (1, ["arm_a", "arm_b"])
+    ok = [(r["episode"], r["step"]) for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())
+          if r["status"] == "ok"]
+    assert sorted(ok) == [("arm_a", 0), ("arm_a", 1), ("arm_b", 0), ("arm_b", 1)]
+
+
 def test_a_journal_line_a_kill_cut_short_is_dropped_and_cut_off_by_the_next_add(tmp_path):
     run = started_run(tmp_path / "run")
     run.add_episode("arm_c", Path("/data/robots/arm_c"))

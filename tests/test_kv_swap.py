@@ -6,6 +6,7 @@ what it read before: the same page contents in the same attention order, the sam
 
 from __future__ import annotations
 
+import os
 import platform
 
 import pytest
@@ -357,6 +358,81 @@ def test_adopting_a_snapshot_larger_than_the_whole_budget_is_refused_and_deletes
     later = SwapStore(tmp_path, 1000)  # smaller than the 4 KiB file
     assert later.adopt("a", names["a"]) is False
     assert later.num_snapshots == 0 and later.nbytes == 0 and not list(tmp_path.glob("*.safetensors"))
+
+
+def _kept_by_an_earlier_store(folder, names) -> tuple[dict[str, str], int]:
+    """The files a stopped store left of ``names`` (one 4-float tensor each), detached; with the bytes a write of one
+    more of a name as long plans (an upper bound of its file)."""
+    from ardiff_cli.runtime.swap import SwapStore
+
+    earlier = SwapStore(folder, 1 << 30)
+    planned = {name: earlier.write(name, {"kv/x": torch.full((4,), float(i))}, {}) for i, name in enumerate(names)}
+    return earlier.detach(), max(planned.values())
+
+
+def test_a_detach_flushes_only_the_snapshots_not_flushed_already_and_the_folder(tmp_path, monkeypatch):
+    """A stopped --resume flushed every snapshot it had adopted again (16 s at 10,000 kept snapshots), though the
+    detach that left them flushed each before kept.json named it. One written since (its session restored and swapped
+    out again) is flushed, and the folder, for the renames back; the files are whole for a third store."""
+    from ardiff_cli.runtime import swap
+
+    kept, _ = _kept_by_an_earlier_store(tmp_path, ["a", "b", "c"])
+    later = swap.SwapStore(tmp_path, 1 << 30)
+    assert all(later.adopt(name, file) for name, file in kept.items())
+    later.write("b", {"kv/x": torch.full((4,), 7.0)}, {})  # b's session went on: a new snapshot of it
+    flushed, real_fsync = [], os.fsync
+
+    def fsync(fd):
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(swap.os, "fsync", fsync)
+    again = later.detach()
+    monkeypatch.undo()
+    assert (again["a"], again["c"]) == (kept["a"], kept["c"])  # back under the names their metadata holds
+    assert flushed == [str(tmp_path / again["b"]), str(tmp_path)]
+    third = swap.SwapStore(tmp_path, 1 << 30)
+    for name, value in (("a", 0.0), ("b", 7.0), ("c", 2.0)):
+        assert third.adopt(name, again[name])
+        assert torch.equal(third.read(name)[0]["kv/x"], torch.full((4,), value))
+    third.clear()
+
+
+def test_snapshots_adopted_then_written_are_dropped_least_recently_swapped_first(tmp_path):
+    """Making room drops the snapshots in the order they were adopted or written, one written again going last;
+    adopting does not walk the file list for each snapshot (10,000 adopted walked it 10,000 times: 3.3 s)."""
+    from collections import OrderedDict
+
+    from ardiff_cli.runtime.swap import SwapStore
+
+    class Walked(OrderedDict):  # counts the entries iterating the file list visits
+        visits = 0
+
+        def __iter__(self):
+            for key in super().__iter__():
+                Walked.visits += 1
+                yield key
+
+    names = [f"s{i:02d}" for i in range(40)]
+    kept, planned = _kept_by_an_earlier_store(tmp_path, names)
+    sizes = [(tmp_path / file).stat().st_size for file in kept.values()]  # alike, to the 8 bytes of padding
+    # the 40 adopted fit, and one more write needs the room of one of them (a rewrite of one, its own)
+    store = SwapStore(tmp_path, sum(sizes) + planned - min(sizes) // 2)
+    store._files = Walked()
+    for name in names:
+        assert store.adopt(name, kept[name])
+    assert Walked.visits == 0 and store.num_snapshots == 40 and store.num_dropped == 0
+    store.write("n00", {"kv/x": torch.zeros(4)}, {})  # drops s00, the first adopted
+    store.flush()
+    store.write("s01", {"kv/x": torch.ones(4)}, {})  # s01 written again: last, and nothing to drop (its file went)
+    store.flush()
+    store.write("n01", {"kv/x": torch.zeros(4)}, {})  # drops s02: s01 is no longer the least recently swapped
+    store.flush()
+    assert [session for session, _ in store.dropped] == ["s00", "s02"] and store.num_dropped == 2
+    assert store.session_ids == [*names[3:], "n00", "s01", "n01"]
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == sorted(
+        store.path_for(name).name for name in store.session_ids)
+    store.clear()
 
 
 def test_reading_a_snapshot_file_again_and_again_holds_no_memory_after_it(tmp_path):
