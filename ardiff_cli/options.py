@@ -180,9 +180,8 @@ PipelineOpt = Annotated[
     Optional[str],
     typer.Option("--pipeline", rich_help_panel=RUNTIME_PANEL, metavar="NAME|MODULE:CLASS",
                  help="Use this pipeline instead of the config's: a registered name, or MODULE:CLASS to import a "
-                      "pipeline class (one that carries Config and observation_schema, like "
-                      "my_lab.models:MyPipeline). Importing runs MODULE's code, so only this "
-                      "option can ask for it, never a config file. \\[default: the config's pipeline]",
+                      "pipeline class (one that carries Config and observation_schema). Importing runs MODULE's "
+                      "code, so only this option can ask for it, never a config file. \\[default: the config's pipeline]",
                  show_default=False),
 ]
 OutOpt = Annotated[
