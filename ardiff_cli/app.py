@@ -21,6 +21,7 @@ from ardiff_cli.errors_cli import EXIT_CODES_HELP, EXIT_SIGINT
 from ardiff_cli.options import ARGUMENT_KINDS, FLAG, HelpOpt
 from ardiff_cli.output import Output, resolve_format, stdout_error
 from ardiff_cli.runtime.capacity import split_unit_hint
+from ardiff_cli.runtime.errors import close_match
 
 
 class Command(typer.core.TyperCommand):
@@ -111,6 +112,14 @@ def _path_read_as_an_option(args: list[str], option: str | None) -> str | None:
     return next((word for word in words if word.startswith(option) and os.path.lexists(word)), None)
 
 
+def _keep_options_alike(exc: BaseException) -> None:
+    """Of Click's "(Possible options: ...)" for an unknown option, those ``close_match`` finds alike, their dashes left
+    out: difflib counted the '--' both begin with, and `--gpu` was offered --out, `--model` --help and --order."""
+    option, possible = getattr(exc, "option_name", None), getattr(exc, "possibilities", None)
+    if isinstance(option, str) and possible:
+        exc.possibilities = [p for p in possible if close_match(option.lstrip("-"), [p.lstrip("-")]) is not None]
+
+
 def _run(args: list[str]) -> None:
     entry.fill_closed_standard_streams()
     # Usage errors (an unknown option, a bad option value) are reported like every other error: `Error:` and
@@ -124,6 +133,7 @@ def _run(args: list[str]) -> None:
         command = "ardiff" if ctx is None else ctx.command_path
         if command == "ardiff" and args[0] in COMMANDS:  # an error parsing the command's own options
             command = f"ardiff {args[0]}"
+        _keep_options_alike(exc)
         message = exc.format_message().replace(": Value error, ", ": ", 1)  # Typer's choice errors carry pydantic's
         message += _given(exc, message)
         hint = f"see {command} --help"

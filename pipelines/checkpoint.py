@@ -39,7 +39,7 @@ from ardiff_cli.io.atomic import FILE_MODE, parse_json, remove_temporaries
 from ardiff_cli.io.demo import CACHE_ENV, cache_dir, cache_write_error
 from ardiff_cli.io.writer import sort_metadata_in_file
 from ardiff_cli.runtime.errors import (CheckpointError, ConfigError, NonFiniteWeightsError, as_typed, os_error,
-                                      plural, too_many_open_files)
+                                      plural, too_many_open_files, weights_in_folder)
 from pipelines.wan import remap_checkpoint_key
 
 # bump when parameter names or meanings change, or what a file records: cached defaults are then rebuilt (2: the
@@ -364,6 +364,16 @@ def load_checkpoint(module: nn.Module, path: str | Path, device: torch.device | 
     """
     path = Path(path)
     if not path.is_file():
+        # a folder (a model's, that holds its .safetensors file) was "not found", where the config's checkpoint: of
+        # the same folder is told to be one (load_config)
+        if path.is_dir():
+            found = weights_in_folder(path, path)
+            raise CheckpointError(f"checkpoint {as_typed(path)} is a folder, not a file",
+                                  hint=f"{found}, or use checkpoint: null" if found else
+                                  f"{_PATH_HINT}, or use checkpoint: null")
+        if path.exists():
+            raise CheckpointError(f"checkpoint {as_typed(path)} is not a regular file (a FIFO, socket or device)",
+                                  hint=f"{_PATH_HINT}, or use checkpoint: null")
         raise CheckpointError(f"checkpoint not found: {as_typed(path)}", hint="fix the path, or use checkpoint: null")
     _check_readable(path)
     try:

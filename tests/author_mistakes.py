@@ -19,6 +19,16 @@ class WrongKVHeads(CausalWorldPipeline):
             return dataclasses.replace(spec, num_kv_heads=2 * spec.num_kv_heads)
 
 
+class WrongCrossTokens(CausalWorldPipeline):
+    """Its spec declares its text cross-attention cache one token longer than the text encoder gives."""
+
+    class Config(CausalWorldPipeline.Config):
+        def kv_cache_spec(self):
+            spec = super().kv_cache_spec()
+            text = dataclasses.replace(spec.cross_attention[0], num_tokens=spec.cross_attention[0].num_tokens + 1)
+            return dataclasses.replace(spec, cross_attention=(text,))
+
+
 class SpecOtherThanItsConfig(CausalWorldPipeline):
     """Its spec holds a longer window than its config's, from which inspect-capacity plans."""
 

@@ -1227,6 +1227,20 @@ def test_a_cache_folder_that_is_a_file_or_a_link_to_nothing_is_named_so(tmp_path
     assert "Traceback" not in result.stderr and not (tmp_path / "not-mounted").exists()
 
 
+@pytest.mark.parametrize("command", ["rollout", "warmup"])
+def test_a_cache_folder_named_tilde_is_named_as_typed(tmp_path, command):
+    """ARDIFF_CACHE_DIR=./~/x (a folder named "~" here) that cannot be written read "cannot write the demo episodes to
+    ~/x/demo: ~ is a file": pasted, ~ is the home folder, not the one in the way. It is written ./~, as every other
+    message writes such a path."""
+    (tmp_path / "~").write_text("not a folder")
+    result = ardiff(command, "causal-world-tiny", cwd=tmp_path, ARDIFF_CACHE_DIR="./~/x")
+    assert result.returncode == 2, result.stderr
+    error = json.loads(result.stdout.splitlines()[-1])
+    what = "the demo episodes" if command == "rollout" else "the default checkpoint"
+    assert error["message"].startswith(f"cannot write {what} to ./~/x/"), error
+    assert error["message"].endswith(": ./~ is a file, not a folder"), error
+
+
 # -- a live writer gives the prompt once -----------------------------------------------------------------------
 
 def test_live_writer_gives_the_prompt_on_the_first_step_only(tmp_path):

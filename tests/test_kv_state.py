@@ -585,6 +585,35 @@ def test_attend_given_tokens_before_heads_says_the_layout_it_expects(make_spec, 
         "k (8, 2, 8), v (8, 2, 8)")
 
 
+def test_a_cross_attention_cache_of_another_size_names_the_spec_field_it_is_declared_by(make_spec, make_cache):
+    """A text encoder's tokens published to a cache declared with another num_tokens read only "layer 0 k must be
+    shaped (2, 3, 8), got (2, 5, 8)": not which size differs, nor which field of the pipeline's spec sets it (the
+    cache's own, or the spec's where the cache gives none)."""
+    spec = make_spec(cross_attention=CROSS)
+    state = make_cache(spec).new_state("s")
+    longer = [(torch.zeros(2, 5, 8), torch.zeros(2, 5, 8))] * spec.num_layers
+    with pytest.raises(ValueError) as caught:
+        state.populate_cross_attention("positive", "text", longer)
+    assert str(caught.value) == (
+        "cross-attention 'text' of branch 'positive' (session 's'): layer 0 k must be shaped (num_kv_heads, "
+        "num_tokens, head_size) (2, 3, 8), got (2, 5, 8): the pipeline's ar_diffusion_kv_cache_spec() declares "
+        "cross_attention 'text' with num_tokens=3")
+    other = [(torch.zeros(2, 2, 8), torch.zeros(2, 2, 8))] * spec.num_layers  # heads and head_size of its own
+    with pytest.raises(ValueError) as caught:
+        state.populate_cross_attention("positive", "image", other)
+    assert str(caught.value).endswith(
+        "got (2, 2, 8): the pipeline's ar_diffusion_kv_cache_spec() declares cross_attention 'image' with "
+        "num_kv_heads=1 and head_size=4"), str(caught.value)
+    wider = [(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4))] * spec.num_layers
+    with pytest.raises(ValueError) as caught:
+        state.populate_cross_attention("positive", "text", wider)
+    assert str(caught.value).endswith(
+        "got (2, 3, 4): the pipeline's ar_diffusion_kv_cache_spec() declares cross_attention 'text' with no "
+        "head_size (so the spec's own head_size=8)"), str(caught.value)
+    assert not state.has_cross_attention("positive", "text")
+    state.populate_cross_attention("positive", "text", cross_pairs(spec, "text"))
+
+
 # ---------------------------------------------------------- sharing and capacity
 def test_shared_local_index_never_shares_cross_attention(make_spec, make_cache):
     spec = make_spec(kv_branches=SHARED_SLOT, cross_attention=CROSS)

@@ -378,6 +378,34 @@ def test_unreadable_and_missing_files(tmp_path):
         cls.from_config(tiny(causal_world), device="cpu", checkpoint=tmp_path / "nope.safetensors")
 
 
+def test_a_checkpoint_that_is_a_folder_is_named_a_folder_with_the_file_in_it(tmp_path, monkeypatch, cli_env):
+    """from_config(checkpoint=FOLDER) (a model's folder, that holds its .safetensors file) said "checkpoint not found:
+    FOLDER", though the folder is there, where a config's `checkpoint: FOLDER` is told "a folder, not a file". Both
+    now say it is a folder, and name the .safetensors file in it."""
+    monkeypatch.chdir(tmp_path)
+    cls = causal_world.pipeline_class()
+    (tmp_path / "model").mkdir()
+    with pytest.raises(CheckpointError) as raised:
+        cls.from_config(tiny(causal_world), device="cpu", checkpoint="model")
+    assert str(raised.value) == "checkpoint model is a folder, not a file", str(raised.value)
+    assert raised.value.hint == ("give the path of the .safetensors file of the model's weights, or use checkpoint: "
+                                 "null")
+    write_fresh_checkpoint(cls, tiny(causal_world), tmp_path / "model" / "weights.safetensors")
+    with pytest.raises(CheckpointError) as raised:
+        cls.from_config(tiny(causal_world), device="cpu", checkpoint="model")
+    assert str(raised.value) == "checkpoint model is a folder, not a file", str(raised.value)
+    assert raised.value.hint == ("it holds weights.safetensors: give that file's path (model/weights.safetensors), "
+                                 "or use checkpoint: null")
+    assert cls.from_config(tiny(causal_world), device="cpu", checkpoint="model/weights.safetensors")  # as hinted
+    (tmp_path / "c.yaml").write_text("pipeline: causal_world\nmodel: {preset: tiny}\ncheckpoint: model\n")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "warmup", "c.yaml", "--format", "plain"], cwd=tmp_path,
+                          env=cli_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == ("Error: c.yaml: field 'checkpoint': a folder, not a file: model\n"
+                           "hint: it holds weights.safetensors: give that file's path (model/weights.safetensors), or "
+                           "set checkpoint: null to use the pipeline's built-in default\n"), proc.stderr
+
+
 def test_published_geometries_have_no_default_checkpoint(ardiff_cache):
     config = dreamzero.Config.from_dict({"preset": "14b"}, where="test")
     with pytest.raises(CheckpointError, match=r"no built-in checkpoint .*\(1[0-9]\.\d\dB parameters\)") as err:
@@ -875,5 +903,5 @@ def test_checkpoint_messages_name_a_folder_named_tilde_as_dot_slash_tilde(tmp_pa
     with pytest.raises(CheckpointError, match=r"^checkpoint not found: \./~/w\.safetensors$"):
         cls.from_config(tiny(causal_world), device="cpu", checkpoint=Path("./~/w.safetensors"))
     path.mkdir()
-    with pytest.raises(CheckpointError, match=r"^checkpoint not found: \./~/w\.safetensors$"):
+    with pytest.raises(CheckpointError, match=r"^checkpoint \./~/w\.safetensors is a folder, not a file$"):
         cls.from_config(tiny(causal_world), device="cpu", checkpoint=Path("./~/w.safetensors"))

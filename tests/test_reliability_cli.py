@@ -685,8 +685,15 @@ def test_a_signal_caught_inside_a_warmup_request_stops_warmup(env, data, action)
 
 @pytest.mark.parametrize(("pipeline", "message"), [
     ("WrongKVHeads", "Error: warmup request 'warmup-0' of WrongKVHeads failed: ValueError: cross-attention 'text' "
-                     "of branch 'main' (session '__ardiff_warmup__'): layer 0 k must be shaped (8, 16, 16), got "
-                     "(4, 16, 16)"),
+                     "of branch 'main' (session '__ardiff_warmup__'): layer 0 k must be shaped (num_kv_heads, "
+                     "num_tokens, head_size) (8, 16, 16), got (4, 16, 16): the pipeline's "
+                     "ar_diffusion_kv_cache_spec() declares cross_attention 'text' with no num_kv_heads (so the "
+                     "spec's own num_kv_heads=8)"),
+    # the expected length was named without the field that sets it, nor where that is declared
+    ("WrongCrossTokens", "Error: warmup request 'warmup-0' of WrongCrossTokens failed: ValueError: cross-attention "
+                         "'text' of branch 'main' (session '__ardiff_warmup__'): layer 0 k must be shaped "
+                         "(num_kv_heads, num_tokens, head_size) (4, 17, 16), got (4, 16, 16): the pipeline's "
+                         "ar_diffusion_kv_cache_spec() declares cross_attention 'text' with num_tokens=17"),
     ("WarmupReturnsNone", "Error: WarmupReturnsNone.ar_diffusion_warmup_requests() must return an iterable of "
                           "ARDiffusionRequest, got NoneType"),
     # exit 2 and "hint: see the episode format": no episode was given, the pipeline's own warmup request was refused

@@ -1092,6 +1092,36 @@ def test_out_that_is_an_episode_folder_is_refused_and_left_as_it_was(tmp_path, c
     assert sorted(p.relative_to(tmp_path) for p in data.rglob("*")) == before
 
 
+@pytest.mark.parametrize("episode", [".", ".."])
+def test_the_default_out_inside_a_followed_episode_folder_is_refused_as_an_explicit_one_is(tmp_path, cli_env, episode):
+    """`cd data/a; ardiff rollout CFG . --follow` (or `..`, its folder of episodes) wrote the run into
+    data/a/ardiff-runs, among the robot's step files, where `-o out` from there is refused (a recorder that renames or
+    removes the episode folder takes the run with it): the default ./ardiff-runs follows the same rule."""
+    data = tmp_path / "data"
+    frame = np.zeros((16, 16, 3), np.uint8)
+    write_episode(data / "a", [{"exterior_image_0": frame, "exterior_image_1": frame, "wrist_image": frame,
+                                "joint_position": np.zeros(7, np.float32),
+                                "gripper_position": np.zeros(1, np.float32)}], prompt="p")
+    before = sorted(p.relative_to(tmp_path) for p in data.rglob("*"))
+    named = "." if episode == "." else "../a"
+    for out in ([], ["-o", "out"]):
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", episode, *out,
+                               "--follow", "--idle-timeout", "1", "--format", "plain"], cwd=data / "a", env=cli_env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        subject = "--out out" if out else f"the default output folder {data / 'a' / 'ardiff-runs'} (no --out given)"
+        assert f"Error: {subject} is inside the episode folder {named}: the run's files would be moved or deleted " \
+               "with the robot's" in proc.stderr, proc.stderr
+        assert "planned" not in proc.stderr  # refused before the model loads
+    assert proc.stderr.endswith("hint: choose another --out for the outputs, such as runs/eval1\n"), proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", episode, "--follow",
+                           "--idle-timeout", "1", "--format", "plain"], cwd=data / "a", env=cli_env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stderr.endswith("hint: pass --out DIR outside the episode folder, such as --out ../runs/eval1, or run "
+                                "ardiff from elsewhere\n"), proc.stderr
+    assert sorted(p.relative_to(tmp_path) for p in data.rglob("*")) == before
+
+
 @pytest.mark.parametrize("option, value, why", [
     ("--memory-budget", "0", "a byte size must be positive, got '0'"),
     ("--memory-budget", "1.5", "a byte size without a unit is a whole number of bytes, got '1.5'"),
@@ -1158,6 +1188,69 @@ def test_usage_errors_read_error_then_hint_like_every_other_error(cli_env, args,
     first, hint = proc.stderr.splitlines()
     assert first.startswith(f"Error: {message}"), proc.stderr
     assert hint == f"hint: see {command} --help"
+
+
+@pytest.mark.parametrize(("option", "offered"), [
+    ("--gpu", ""), ("--model", ""), ("--mode", ""),  # were offered --out; --help, --order; --dtype, --order
+    ("--folow", " (Possible options: --follow)"), ("--resumee", " (Possible options: --resume)"),
+    ("--out-dir", " (Possible options: --out)"), ("--preveiw", " (Possible options: --preview)"),
+])
+def test_an_unknown_option_is_offered_only_options_alike(cli_env, option, offered):
+    """Click's difflib counted the '--' every option begins with: `--gpu` was offered --out, `--model` --help and
+    --order, names that share nothing with it but a letter."""
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", option], capture_output=True, text=True,
+                          env=cli_env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"Error: No such option: {option}{offered}\nhint: see ardiff rollout --help\n", proc.stderr
+
+
+UNRELATED = [("depth", "model"), ("steps", "model"), ("threads", "model"), ("heads", "runtime"), ("node", "top"),
+             ("medal", "top"), ("gpu", "device"), ("run.yaml", "files"), ("dropout", "fields")]
+TYPOS = [("modle", "top", "model"), ("runtim", "top", "runtime"), ("checkpoints", "top", "checkpoint"),
+         ("layers", "model", "num_layers"), ("heads", "model", "num_heads"), ("threads", "runtime", "num_threads"),
+         ("windw_frames", "model", "window_frames"), ("patches", "model", "patch_size"), ("tny", "presets", "tiny"),
+         ("dmi", "model", "dim"), ("cuda:0", "device", "cuda"), ("my_confg.yaml", "files", "my_config.yaml"),
+         ("ROBOT.YAML", "files", "Robot.YAML"), ("DREAMZERO", "pipelines", "dreamzero"),
+         ("causal-world", "pipelines", "causal_world"), ("dreamzero-tny", "builtins", "dreamzero-tiny"),
+         ("evall", "runs", "eval1"), ("jont_position", "fields", "joint_position"), ("promt", "fields", "prompt")]
+
+
+def _names(kind):
+    import pipelines.dreamzero as dreamzero
+    from ardiff_cli.runtime.config import TOP_LEVEL_KEYS, RuntimeConfig, builtin_configs
+
+    return {"model": ["preset", *dreamzero.Config.__dataclass_fields__], "top": list(TOP_LEVEL_KEYS),
+            "runtime": list(RuntimeConfig.__dataclass_fields__), "device": ["auto", "cpu", "cuda"],
+            "files": ["t.yaml", "my_config.yaml", "Robot.YAML"], "presets": ["tiny", "14b"],
+            "fields": ["exterior_image_0", "wrist_image", "joint_position", "gripper_position", "prompt"],
+            "pipelines": ["dreamzero", "causal_world"], "builtins": sorted(builtin_configs()),
+            "runs": ["eval1", "sweep1", "sweep2"]}[kind]
+
+
+@pytest.mark.parametrize(("name", "kind"), UNRELATED)
+def test_a_did_you_mean_never_names_what_shares_only_letters(name, kind):
+    """difflib's ratio alone offered `depth` 'width', `steps` 'eps' (num_inference_steps was meant), `threads`
+    'num_heads' under model: and `heads` 'num_threads' under runtime:, `gpu` 'cpu', and for a config file `run.yaml`
+    not found, the 't.yaml' beside it: names with a few letters (or '.yaml') in common, and nothing else."""
+    from ardiff_cli.runtime.errors import close_match
+
+    assert close_match(name, _names(kind)) is None
+
+
+@pytest.mark.parametrize(("name", "kind", "meant"), TYPOS)
+def test_a_did_you_mean_still_names_a_typo_or_a_name_sharing_a_word(name, kind, meant):
+    from ardiff_cli.runtime.errors import close_match
+
+    assert close_match(name, _names(kind)) == meant
+
+
+@pytest.mark.parametrize(("text", "unknown", "offered"), [
+    ("model: {steps: 4}\n", "model.steps", ""), ("model: {depth: 4}\n", "model.depth", ""),
+    ("runtime: {heads: 4}\n", "runtime.heads", ""), ("model: {layers: 4}\n", "model.layers", " (did you mean "
+                                                                                              "'num_layers'?)"),
+])
+def test_an_unknown_config_key_is_offered_only_a_name_alike(tmp_path, text, unknown, offered):
+    assert_inspect_capacity_refuses(tmp_path, f"pipeline: dreamzero\n{text}", f"unknown key '{unknown}'{offered}")
 
 
 @pytest.mark.parametrize("word", ["-dash", "--dash"])

@@ -307,7 +307,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     if demo:
         demo_root = ensure_demo_episodes(cfg.pipeline_name, schema, image_size(cfg.model), model_config=cfg.model,
                                          warn=output.warning)
-        output.info(f"no EPISODE given: using the demo episodes in {demo_root}")
+        output.info(f"no EPISODE given: using the demo episodes in {as_typed(demo_root)}")
         episode_paths = [demo_root]
         if overrides["session_capacity"] is None:
             limit = cfg.runtime.session_capacity or cfg.kv_cache_spec().session_capacity
@@ -321,9 +321,9 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     if watch is None:  # EPISODE arguments that are folders of episodes
         known = {e.path.resolve() for e in episodes}
         watch = [path.resolve() for path in episode_paths if path.resolve() not in known]
-    if out is not None and not resume:
-        _refuse_an_episode_folder_as_out(Path(out), [*episode_paths, *(e.path for e in episodes)],
-                                         [e.path for e in episodes])
+    if not resume:  # the default ./ardiff-runs too: `rollout CFG . --follow` run from inside the robot's episode
+        _refuse_an_episode_folder_as_out(None if out is None else Path(out),
+                                         [*episode_paths, *(e.path for e in episodes)], [e.path for e in episodes])
     if resume:
         # An episode keeps the name its folder had when the run started, whatever the order of EPISODE now:
         # two folders both named `ep` are `ep` and `ep-2` by the order they were given in.
@@ -516,34 +516,43 @@ def _refuse_another_runs_kept_snapshots(swap_dir: Path, started: float) -> None:
                           hint="give this run a .swap of its own, or delete that kept.json to let it discard them")
 
 
-def _refuse_an_episode_folder_as_out(out: Path, inputs: list[Path], episodes: list[Path]) -> None:
+def _refuse_an_episode_folder_as_out(out: Path | None, inputs: list[Path], episodes: list[Path]) -> None:
     """``--out`` may not be an EPISODE folder or one holding step files: the run's files would be mixed with the
     robot's, and a folder holding a run is no longer taken for an episode (``rollout CFG data/`` skips it). Nor
     may it be a folder of the episodes, given as EPISODE or holding one: ``rollout CFG data/`` would take the
     run's episodes/ folder for an episode. Nor a folder inside one of the ``episodes`` (``-o data/ep1/out``): the
     run went where its episode folder went, and a recorder that renames it to publish the episode (which --follow
     follows) or removes it once ended took the run's folder away mid-run. Inside a folder of episodes is fine: a
-    run's folder there is never taken for an episode (``rollout CFG .`` beside its default ./ardiff-runs)."""
+    run's folder there is never taken for an episode (``rollout CFG .`` beside its default ./ardiff-runs). ``out``
+    None is the default ./ardiff-runs, refused alike: run from inside an episode folder (``cd data/ep1; rollout CFG .
+    --follow``), the run's outputs landed in the robot's episode."""
     from ardiff_cli.io.episode import episode_entries, listed
+    from ardiff_cli.io.run import RUNS_FOLDER
 
-    target = out.resolve()
+    target = Path(RUNS_FOLDER if out is None else out).resolve()
+    subject = (f"the default output folder {Path.cwd() / RUNS_FOLDER} (no --out given)" if out is None
+               else f"--out {as_typed(out)}")
+    hint = "choose another --out for the outputs, such as runs/eval1"
     found = episode_entries(target)
     if found:
-        message = (f"--out {as_typed(out)} is an episode folder (it holds {listed(found)}): the run's files would be "
+        message = (f"{subject} is an episode folder (it holds {listed(found)}): the run's files would be "
                    "written among its step files, and a folder holding a run is no longer taken for an episode")
     elif any(path.resolve() == target for path in inputs):
-        message = (f"--out {as_typed(out)} is also given as EPISODE: the run's files would be written among the "
+        message = (f"{subject} is also given as EPISODE: the run's files would be written among the "
                    "episodes, and its episodes/ folder taken for one by a later rollout")
     elif inside := next((path for path in inputs if path.resolve().parent == target), None):
-        message = (f"--out {as_typed(out)} holds the EPISODE {as_typed(inside)}: the run's files would be written "
+        message = (f"{subject} holds the EPISODE {as_typed(inside)}: the run's files would be written "
                    "among the episodes, and its episodes/ folder taken for one by a later rollout")
     elif inside := next((path for path in episodes if path.resolve() in target.parents), None):
-        message = (f"--out {as_typed(out)} is inside the episode folder {as_typed(inside)}: the run's files would be "
+        message = (f"{subject} is inside the episode folder {as_typed(inside)}: the run's files would be "
                    "moved or deleted with the robot's (a recorder that renames the folder to publish the episode, or "
                    "removes it once it ended, takes the run's folder away while it writes)")
+        if out is None:  # runs/eval1 here is inside the episode too: a folder beside it is not
+            beside = shell_word(os.path.relpath(inside.resolve().parent / "runs" / "eval1"))
+            hint = f"pass --out DIR outside the episode folder, such as --out {beside}, or run ardiff from elsewhere"
     else:
         return
-    raise ConfigError(message, hint="choose another --out for the outputs, such as runs/eval1")
+    raise ConfigError(message, hint=hint)
 
 
 RECORDED = {  # run.json's fields that --resume reuses unless given again -> what each takes

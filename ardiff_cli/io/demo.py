@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.runtime.errors import ConfigError, expand_home, link_to_nothing_on, not_a_folder
+from ardiff_cli.runtime.errors import ConfigError, as_typed, expand_home, link_to_nothing_on, not_a_folder
 from ardiff_cli.runtime.observation import ObservationField, ObservationSchema
 
 DEMO_VERSION = 1  # bump when the generated content changes
@@ -146,13 +146,13 @@ def ensure_demo_episodes(pipeline_name: str, schema: ObservationSchema, image_si
     try:
         found = target.is_dir()
     except OSError as exc:  # a demo folder another user made and this one cannot enter (a shared cache, umask 077)
-        raise ConfigError(f"cannot look at the demo episodes in {base}: {exc.strerror or exc}",
+        raise ConfigError(f"cannot look at the demo episodes in {as_typed(base)}: {exc.strerror or exc}",
                           hint=f"set {CACHE_ENV} to a folder this user can read and write") from None
     if found:
         damage = _damage(target)
         if damage is None:
             return target
-        warn(f"the demo episodes in {target} were damaged ({damage}): building them again")
+        warn(f"the demo episodes in {as_typed(target)} were damaged ({damage}): building them again")
     try:
         _generate(target, schema, image_size, frames)
     except OSError as exc:
@@ -163,15 +163,18 @@ def ensure_demo_episodes(pipeline_name: str, schema: ObservationSchema, image_si
 def cache_write_error(what: str, path: Path, exc: OSError) -> ConfigError:
     """``cannot write WHAT to PATH: ...`` for the cache folder, naming a link on its path that leads nowhere
     ($ARDIFF_CACHE_DIR on a scratch disk not mounted) or a file there, of which mkdir's "File exists" read as a file
-    in the way of PATH itself."""
+    in the way of PATH itself. Paths are written as typed (:func:`as_typed`): a cache folder named ``~`` in the current
+    folder (``ARDIFF_CACHE_DIR=./~/x``) was named ``~/x``, which, pasted, is the home folder."""
     dangling = link_to_nothing_on(path)
     if dangling is not None:
-        return ConfigError(f"cannot write {what} to {path}: {dangling[0]} is {dangling[1]}",
+        return ConfigError(f"cannot write {what} to {as_typed(path)}: {as_typed(dangling[0])} is {dangling[1]}",
                            hint=f"mount the disk it links to (or fix the link), or set {CACHE_ENV} to a writable "
                            "folder")
     in_the_way = not_a_folder(path.parent)
-    problem = f"{in_the_way[0]} is {in_the_way[1]}, not a folder" if in_the_way is not None else exc.strerror or exc
-    return ConfigError(f"cannot write {what} to {path}: {problem}", hint=f"set {CACHE_ENV} to a writable folder")
+    problem = (f"{as_typed(in_the_way[0])} is {in_the_way[1]}, not a folder" if in_the_way is not None
+               else exc.strerror or exc)
+    return ConfigError(f"cannot write {what} to {as_typed(path)}: {problem}",
+                       hint=f"set {CACHE_ENV} to a writable folder")
 
 
 def _generate(target: Path, schema: ObservationSchema, image_size: tuple[int, int], frames: tuple[int, ...]) -> None:

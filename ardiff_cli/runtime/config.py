@@ -47,6 +47,7 @@ from ardiff_cli.runtime.errors import (
     shown,
     too_many_open_files,
     unencodable,
+    weights_in_folder,
     yaml_key_note,
     yaml_problem,
 )
@@ -611,7 +612,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
             raise field_error(where, "checkpoint", "a .safetensors path or null", checkpoint)
         checkpoint = Path(expand_home(checkpoint, f"{where}: field 'checkpoint': {checkpoint}",
                                       hint="set HOME to this user's home folder, or write the checkpoint's full path"))
-        relative = not checkpoint.is_absolute()
+        written, relative = checkpoint, not checkpoint.is_absolute()
         if relative:
             checkpoint = base / checkpoint
         kind = path_kind(checkpoint, "", where=f"{where}: field 'checkpoint'")
@@ -627,10 +628,12 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
             # A path written relative to the folder the user runs from (or a config linked from elsewhere) was only
             # named as not found: say where a relative one is read from.
             origin = "the current folder" if isinstance(source, dict) else f"the config file's folder, {base.resolve()}"
+            inside = weights_in_folder(checkpoint, written) if kind == "folder" else ""
             raise ConfigError(
                 f"{where}: field 'checkpoint': {found}: {as_typed(checkpoint)}",
                 hint=(f"a relative checkpoint path is read from {origin}; " if relative and kind == "missing" else "")
-                + "give the .safetensors file's path, or set checkpoint: null to use the pipeline's built-in default",
+                + (f"{inside}, or set" if inside else "give the .safetensors file's path, or set")
+                + " checkpoint: null to use the pipeline's built-in default",
             )
     runtime = RuntimeConfig.from_dict({} if data.get("runtime") is None else data["runtime"], where=where)
     return EngineConfig(

@@ -320,6 +320,24 @@ def not_a_folder(path: Path) -> tuple[Path, str] | None:
     return None
 
 
+def weights_in_folder(folder: Path, written: os.PathLike | str) -> str:
+    """What a checkpoint path that names ``folder`` should name instead, for its hint: the ``.safetensors`` file in it
+    (``written``, the folder as the user wrote it, joined with the file's name), or one of them where it holds
+    several (shards, or checkpoints of several steps); '' when it holds none or cannot be listed."""
+    try:
+        found = sorted(entry.name for entry in os.scandir(folder)
+                       if entry.name.endswith(".safetensors") and entry.is_file())
+    except OSError:
+        return ""
+    if not found:
+        return ""
+    path = as_typed(Path(written) / found[0])
+    if len(found) == 1:
+        return f"it holds {found[0]}: give that file's path ({path})"
+    return (f"it holds {len(found)} .safetensors files: give the path of the one that holds the model's weights (such "
+            f"as {path})")
+
+
 def expand_home(path: str, where: str, *, hint: str) -> str:
     """``path`` with a leading ``~`` made the home folder, as a shell does; a ``ConfigError`` naming ``where`` when
     there is none to find: HOME not set for a user id with no passwd entry (a container run with ``--user 1234``).
@@ -406,12 +424,52 @@ YAML_SYNTAX_HINT = "check the indentation, quotes and brackets there and on the 
 def close_match(name: str, valid: Iterable[str], cutoff: float = 0.6) -> str | None:
     """The closest of ``valid`` to ``name``, or None when none is close (difflib's ratio under ``cutoff``). Case is
     ignored: `Model` found 'model', but `MODEL`, `preset: TINY` and `pipeline: DREAMZERO` found nothing (difflib
-    compares characters as they are)."""
+    compares characters as they are). Of difflib's picks, only one that is a typo of ``name`` or shares a word with it
+    (:func:`_alike`): letters in common alone made `depth` 'width', `steps` 'eps', `threads` 'num_heads' and
+    `run.yaml` 't.yaml'."""
     folded: dict[str, str] = {}
     for item in valid:
         folded.setdefault(item.casefold(), item)  # of names alike but for case, the first
-    match = next(iter(difflib.get_close_matches(name.casefold(), list(folded), n=1, cutoff=cutoff)), None)
-    return None if match is None else folded[match]
+    key = name.casefold()
+    picks = difflib.get_close_matches(key, list(folded), n=3, cutoff=cutoff)
+    return next((folded[match] for match in picks if _alike(key, match)), None)
+
+
+_WORDS = re.compile(r"[^\W\d_]+|\d+")  # the words of a name: runs of letters, runs of digits
+
+
+def _edits(a: str, b: str) -> int:
+    """The edits (a letter inserted, deleted, replaced, or two side by side swapped) that make ``a`` into ``b``."""
+    before, row = None, list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        now = [i]
+        for j, y in enumerate(b, 1):
+            best = min(row[j] + 1, now[j - 1] + 1, row[j - 1] + (x != y))
+            if before is not None and i > 1 and j > 1 and x == b[j - 2] and a[i - 2] == y:
+                best = min(best, before[j - 2] + 1)
+            now.append(best)
+        before, row = row, now
+    return row[-1]
+
+
+def _alike(name: str, match: str) -> bool:
+    """Whether ``match`` (both casefolded) is a suggestion for ``name``: a typo of it (an edit for each 4 letters,
+    one at least; a name of 3 letters or fewer only missing or swapping a letter: `gpu` is no typo of 'cpu'), one
+    that is a word of it or has it as a word (`out-dir` 'out'), or one sharing a word of 4 letters or more with it, or
+    that word's beginning (`layers` 'num_layers', `patches` 'patch_size'): `num_step` is not 'num_heads'.
+    A suffix both have (file names') is left out: `.yaml` alone is no likeness."""
+    stem, suffix = os.path.splitext(name)
+    other, other_suffix = os.path.splitext(match)
+    if suffix and suffix == other_suffix and stem and other:
+        name, match = stem, other
+    if _edits(name, match) <= max(1, len(name) // 4) and (
+            len(name) > 3 or all(name.count(c) <= match.count(c) for c in name)):
+        return True
+    words, others = _WORDS.findall(name), _WORDS.findall(match)
+    if (name in others or match in words) and min(len(name), len(match)) >= 3:  # `out-dir` 'out', `out` 'out_dim'
+        return True
+    return any(a == b or (_edits(a, b) <= 1 or a.startswith(b) or b.startswith(a))
+               for a in words if len(a) >= 4 for b in others if len(b) >= 4)
 
 
 def did_you_mean(name: str, valid: Iterable[str]) -> str:

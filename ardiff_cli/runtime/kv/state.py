@@ -381,7 +381,8 @@ class ARDiffusionKVState:
                 for label, t in zip("kv", pair):
                     if not isinstance(t, torch.Tensor) or tuple(t.shape) != expected:
                         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                        raise ValueError(f"{where}: layer {layer} {label} must be shaped {expected}, got {got}")
+                        raise ValueError(f"{where}: layer {layer} {label} must be shaped (num_kv_heads, num_tokens, "
+                                         f"head_size) {expected}, got {got}{self._cross_declared(name, got)}")
                     if t.dtype != pool.dtype or t.device != pool.device:
                         raise ValueError(
                             f"{where}: layer {layer} {label} must be {pool.dtype} on {pool.device} like the KV pool "
@@ -406,6 +407,23 @@ class ARDiffusionKVState:
             raise
         self._check_open("populate_cross_attention")  # the iterable may have closed us re-entrantly
         self._cross[(kv.name, name)] = tuple(staged)
+
+    def _cross_declared(self, name: str, got: object) -> str:
+        """Where the sizes of cache ``name`` that ``got`` (a tensor's shape) differs in come from: the fields of the
+        pipeline's spec that declare them (a text encoder's 77 tokens published to a cache declared with 64 read only
+        "must be shaped (2, 64, 8), got (2, 77, 8)", naming neither num_tokens nor where it is set)."""
+        if not isinstance(got, tuple) or len(got) != 3:
+            return ""
+        cache = next(c for c in self.spec.cross_attention if c.name == name)
+        said = []
+        for size, field in zip(got, ("num_kv_heads", "num_tokens", "head_size")):
+            own = getattr(cache, field)
+            declared = own if own is not None else getattr(self.spec, field)
+            if size != declared:
+                said.append(f"{field}={declared}" if own is not None else
+                            f"no {field} (so the spec's own {field}={declared})")
+        return (f": the pipeline's ar_diffusion_kv_cache_spec() declares cross_attention {name!r} with "
+                f"{' and '.join(said)}" if said else "")
 
     def cross_attention(self, branch: str, name: str) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """Per-layer ``(k, v)`` of a published cache; reading an unpublished cache raises."""
