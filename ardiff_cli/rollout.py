@@ -93,6 +93,9 @@ class RolloutStats:
     errors: dict[str, Exception] = field(default_factory=dict)  # episode -> ObservationError or StepFailed
     # of the failed episodes, those whose folder is gone (deleted or renamed away) when the run ends
     folders_gone: set[str] = field(default_factory=set)
+    # of the failed episodes, those whose folder is not there when the run ends, whatever they failed of (a recorder
+    # that deleted it after a bad file): a resume has nothing to fix there
+    folders_missing: set[str] = field(default_factory=set)
     completed_episodes: list[str] = field(default_factory=list)
     timed_out: list[str] = field(default_factory=list)  # of those, the ones --idle-timeout ended (no END came)
     # follow: step files that arrived after their episode ended and did not run, by episode (--resume runs them)
@@ -306,6 +309,8 @@ class Rollout:
                 # file gone, while the folder is still there; whatever that error said, the closing hint is this
                 self.stats.folders_gone = {e.name for e in self.episodes
                                            if e.name in self._vanished and present(e.path) is False}
+                self.stats.folders_missing = {e.name for e in self.episodes
+                                              if e.name in self.stats.failed and present(e.path) is False}
                 return self.stats
             if isinstance(item, EpisodeEnded):
                 self._end_episode(item)

@@ -302,6 +302,47 @@ def test_json_mode_carries_every_results_line_failed_ones_included(env, data, tm
     assert notice["episode"] == "arm_b"  # a script read which episode failed from the message alone
 
 
+def test_a_run_whose_episodes_failed_by_a_bad_file_midway_hints_the_resume_to_paste(env, data, tmp_path):
+    # Every episode failing at a bad step file (steps before it done) hinted "see the episode format: ardiff rollout
+    # --help": the per-episode lines above say what is wrong, and the same command is refused now (`--out` holds the
+    # run). Some failing, "rerun with --resume", which alone is refused (`--resume needs --out DIR`).
+    eps = episodes_with_a_bad_step(data, tmp_path)
+    only, run = tmp_path / "only", tmp_path / "run"
+    shutil.copytree(eps / "arm_b", only / "arm_b")
+    first = ardiff(env, "rollout", str(data / "fast.yaml"), str(only), "--out", str(run), "--no-warmup")
+    assert first.returncode == 2, first.stderr
+    assert (f"Error: every episode failed (arm_b)\nhint: fix what is named above, then continue with: ardiff rollout "
+            f"--resume --out {run}\n") in first.stderr, first.stderr
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "partial"),
+                  "--no-warmup", "--format", "json")
+    assert proc.returncode == 4, proc.stderr
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert (error["kind"], error["hint"]) == (
+        "episodes_failed", f"fix what is named above, then continue with: ardiff rollout --resume --out "
+                           f"{tmp_path / 'partial'}")
+    shutil.copy(data / "eps" / "arm_b" / "step_000001.safetensors", only / "arm_b")  # fixed: the hint, pasted
+    pasted = first.stderr.rstrip("\n").rsplit("continue with: ardiff ", 1)[1]
+    proc = ardiff(env, *shlex.split(pasted), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert records(run)[-1]["status"] == "ok"
+
+
+def test_summary_wall_s_is_the_whole_command_the_pipeline_modules_import_included(env, data, tmp_path):
+    # wall_s, "the whole run", began once the config, the episodes and the pipeline module had been read, after
+    # torch's import too: a command of 7 s (a module 2 s to import, on a loaded machine) said "time 0.9 s in all"
+    (tmp_path / "slow_import.py").write_text("import time\n\ntime.sleep(2.0)  # a large dependency\n\n"
+                                             "from faulty_pipelines import FaultyDreamZero as Slow  # noqa: E402\n")
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])}
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps" / "arm_a"), "--out", str(run),
+                  "--no-warmup", "--pipeline", "slow_import:Slow", "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    assert summary["kind"] == "summary" and summary["running_s"] < summary["wall_s"]
+    assert summary["wall_s"] >= 2.0, summary  # a lower bound the sleep guarantees: never a timing race
+    assert json.loads((run / "summary.json").read_text())["wall_s"] == summary["wall_s"]
+
+
 def read_png(path: Path) -> np.ndarray:
     """The (H, W, 3) uint8 image of a PNG as ardiff writes it (RGB, 8 bits, filter 0 on every row)."""
     data, at, idat = path.read_bytes(), 8, b""

@@ -203,6 +203,9 @@ def rollout(
     verbose: VerboseOpt = False,
 ) -> None:
     """Stream episodes through persistent sessions (help text: ``HELP``)."""
+    # summary.json's wall_s is the whole run's: reading the config and episodes, importing torch and the pipeline
+    # module (seconds, before the model loads) included, as `time` would measure it
+    started = time.monotonic()
     output = Output.create(format, quiet=quiet, verbose=verbose and not quiet)  # both: refused
     with handle_errors(output):
         check_working_folder()
@@ -218,7 +221,7 @@ def rollout(
             _run(prepared, output, order=options["order"], follow=options["follow"],
                  idle_timeout=DEFAULT_IDLE_TIMEOUT if options["idle_timeout"] is None else options["idle_timeout"],
                  fail_fast=fail_fast, preview=options["preview"], warmup=warmup, resume=resume,
-                 swap_space=options["swap_space"])
+                 swap_space=options["swap_space"], started=started)
         finally:
             prepared.run.close()  # releases the folder's lock
 
@@ -923,7 +926,8 @@ def _swap_space(value: str | None) -> int | None:
 
 
 def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout: float, fail_fast: bool,
-         preview: bool, warmup: bool, resume: bool, swap_space: int | None = None) -> None:
+         preview: bool, warmup: bool, resume: bool, started: float, swap_space: int | None = None) -> None:
+    """The run itself; ``started`` is the command's start (monotonic), of which summary.json's ``wall_s`` is."""
     from ardiff_cli.io.atomic import atomic_write_json
     from ardiff_cli.io.kept import drop_kept, read_kept
     from ardiff_cli.io.run import RUN_FILE, SWAP_DIR
@@ -941,7 +945,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     skipped = sum(len(s) for s in p.done.values())
     output.info(f"{'resuming' if resume else 'writing'} {as_typed(p.out_dir)}: {plural(len(p.episodes), 'episode')}, "
                 f"order {order}" + (f", {plural(skipped, 'step')} already done" if resume else ""))
-    started = time.monotonic()
+    loading = time.monotonic()
     swap_dir = p.out_dir / SWAP_DIR
     # what a stopped run left for this resume; why not, once, when its index is ignored
     kept = read_kept(swap_dir, run=p.info["started"], warn=output.warning) if resume else {}
@@ -1016,7 +1020,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     raise
                 monitor.refresh(engine.runner)  # the warmup's session shows, and its pages
                 signals.check_signal()  # one that arrived while the pipeline imported: not after warmup
-                output.debug(f"loaded on {engine.device} in {time.monotonic() - started:.2f}s: "
+                output.debug(f"loaded on {engine.device} in {time.monotonic() - loading:.2f}s: "
                              f"{plural(plan.session_capacity, 'session')}, {plural(plan.num_managed_pages, 'page')}")
                 if resume:
                     recorded = p.recorded
@@ -1364,10 +1368,17 @@ def _failed_episodes(stats: Any, num_episodes: int, out_dir: Path, pipeline: str
     """Exit 4 when other episodes completed; else 2 when every failure was invalid input, else their code. Every
     episode failed with its folder gone (deleted or renamed while the run read it): 2, saying so, with the way back."""
     names = ", ".join(stats.failed)
+    # The run's folder holds the run now, so the same command is refused: the way on is its resume, to paste
+    # (a bad file midway, every episode failing so, hinted "see the episode format", of no use at that point)
+    hint = f"fix what is named above, then continue with: {resume_command(out_dir, pipeline)}"
     if stats.completed_episodes:
-        return EpisodesFailed(f"{len(stats.failed)} of {plural(num_episodes, 'episode')} failed: {names}; "
-                              "the others completed")
-    message, hint = f"every episode failed ({names})", None
+        partial = EpisodesFailed(f"{len(stats.failed)} of {plural(num_episodes, 'episode')} failed: {names}; "
+                                 "the others completed")
+        partial.hint = hint
+        return partial
+    message = f"every episode failed ({names})"
+    if stats.folders_missing:  # one failed on its input, then deleted (a recorder's cleanup): no run to go on with
+        hint = None
     if stats.failed.keys() <= stats.folders_gone:
         one = len(stats.failed) == 1
         message += (f": {'its folder is' if one else 'their folders are'} gone (deleted or renamed while the run read "
