@@ -890,6 +890,21 @@ def test_run_info_read_before_the_lock_is_read_again_only_where_run_json_or_the_
         "arm_a", "arm_b", "arm_c", "arm_d", "arm_e"]
 
 
+def test_the_episode_paths_a_run_wrote_are_read_again_once_it_has_closed(tmp_path):
+    """episode_paths() gives what this process wrote (start, wrote_info) without reading run.json again, while it
+    holds the run. Once it has closed it, another process's resume may add and move episodes: those are read, not
+    the list this one wrote (it kept it after a close that opened no journal)."""
+    run = started_run(tmp_path / "run")
+    assert run.episode_paths() == {"arm_a": "/data/robots/arm_a", "arm_b": "/data/robots/arm_b"}
+    run.close()
+    other = RunFolder(run.root)  # a resume, in another process
+    other.move_episode("arm_a", Path("/data/moved/arm_a"))
+    other.add_episode("arm_c", Path("/data/robots/arm_c"))
+    other.close()
+    assert run.episode_paths() == RunFolder(run.root).episode_paths() == {
+        "arm_a": "/data/moved/arm_a", "arm_b": "/data/robots/arm_b", "arm_c": "/data/robots/arm_c"}
+
+
 def test_a_loaded_resume_reads_the_runs_journal_once(tmp_path, monkeypatch, reads):
     """A resume read episodes.jsonl whole four times (before the lock, then for the checkpoint check, for run.json's
     rewrite and for the driver's episode paths); each read is O(episodes): 0.3 s at 10,000. Now once, and the run

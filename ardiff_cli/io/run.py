@@ -139,7 +139,7 @@ class RunFolder:
         self._results: JsonlAppender | None = None  # opened on first append
         self._journal: JsonlAppender | None = None  # episodes.jsonl, opened on the first episode added or moved
         # episode -> its folder as recorded: while the journal is open, or since this process wrote run.json (start,
-        # wrote_info), under the lock, with every line of the journal in it
+        # wrote_info), under the lock, with every line of the journal in it; forgotten by close()
         self._paths: dict[str, str] | None = None
         self._lock: int | None = None  # descriptor holding the folder's flock (see lock())
         self._identity: tuple[int, int] | None = None  # the locked folder's (device, inode): see moved()
@@ -649,7 +649,8 @@ class RunFolder:
             self._results = None
         if self._journal is not None:
             self._journal.close()
-            self._journal = self._paths = None
+            self._journal = None
+        self._paths = None  # what this process wrote: another process may add or move episodes once it has closed
         if self._lock is not None and not keep_lock:
             os.close(self._lock)  # releases the flock
             self._lock = None
