@@ -114,10 +114,12 @@ def _path_read_as_an_option(args: list[str], option: str | None) -> str | None:
 
 def _keep_options_alike(exc: BaseException) -> None:
     """Of Click's "(Possible options: ...)" for an unknown option, those ``close_match`` finds alike, their dashes left
-    out: difflib counted the '--' both begin with, and `--gpu` was offered --out, `--model` --help and --order."""
+    out: difflib counted the '--' both begin with, and `--gpu` was offered --out, `--model` --help and --order. Click's
+    difflib chose them: its cutoff is not asked again of the shorter names (`swap` and 'swap-space' fall under it)."""
     option, possible = getattr(exc, "option_name", None), getattr(exc, "possibilities", None)
     if isinstance(option, str) and possible:
-        exc.possibilities = [p for p in possible if close_match(option.lstrip("-"), [p.lstrip("-")]) is not None]
+        exc.possibilities = [p for p in possible
+                             if close_match(option.lstrip("-"), [p.lstrip("-")], cutoff=0.0) is not None]
 
 
 def _run(args: list[str]) -> None:

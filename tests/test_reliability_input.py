@@ -1194,6 +1194,10 @@ def test_usage_errors_read_error_then_hint_like_every_other_error(cli_env, args,
     ("--gpu", ""), ("--model", ""), ("--mode", ""),  # were offered --out; --help, --order; --dtype, --order
     ("--folow", " (Possible options: --follow)"), ("--resumee", " (Possible options: --resume)"),
     ("--out-dir", " (Possible options: --out)"), ("--preveiw", " (Possible options: --preview)"),
+    # what Click offered, then dropped: difflib's 0.6 asked again of the names without their '--' (`swap` and
+    # 'swap-space': 0.57), and an option that begins the name typed was no likeness (`--output` for --out)
+    ("--swap", " (Possible options: --swap-space)"), ("--output", " (Possible options: --out)"),
+    ("--outdir", " (Possible options: --out)"), ("--ord", " (Possible options: --order)"),
 ])
 def test_an_unknown_option_is_offered_only_options_alike(cli_env, option, offered):
     """Click's difflib counted the '--' every option begins with: `--gpu` was offered --out, `--model` --help and
@@ -1212,7 +1216,8 @@ TYPOS = [("modle", "top", "model"), ("runtim", "top", "runtime"), ("checkpoints"
          ("dmi", "model", "dim"), ("cuda:0", "device", "cuda"), ("my_confg.yaml", "files", "my_config.yaml"),
          ("ROBOT.YAML", "files", "Robot.YAML"), ("DREAMZERO", "pipelines", "dreamzero"),
          ("causal-world", "pipelines", "causal_world"), ("dreamzero-tny", "builtins", "dreamzero-tiny"),
-         ("evall", "runs", "eval1"), ("jont_position", "fields", "joint_position"), ("promt", "fields", "prompt")]
+         ("evall", "runs", "eval1"), ("jont_position", "fields", "joint_position"), ("promt", "fields", "prompt"),
+         ("output", "options", "out"), ("ord", "options", "order")]
 
 
 def _names(kind):
@@ -1224,7 +1229,7 @@ def _names(kind):
             "files": ["t.yaml", "my_config.yaml", "Robot.YAML"], "presets": ["tiny", "14b"],
             "fields": ["exterior_image_0", "wrist_image", "joint_position", "gripper_position", "prompt"],
             "pipelines": ["dreamzero", "causal_world"], "builtins": sorted(builtin_configs()),
-            "runs": ["eval1", "sweep1", "sweep2"]}[kind]
+            "runs": ["eval1", "sweep1", "sweep2"], "options": ["out", "order", "format", "follow"]}[kind]
 
 
 @pytest.mark.parametrize(("name", "kind"), UNRELATED)

@@ -456,7 +456,8 @@ def _alike(name: str, match: str) -> bool:
     """Whether ``match`` (both casefolded) is a suggestion for ``name``: a typo of it (an edit for each 4 letters,
     one at least; a name of 3 letters or fewer only missing or swapping a letter: `gpu` is no typo of 'cpu'), one
     that is a word of it or has it as a word (`out-dir` 'out'), or one sharing a word of 4 letters or more with it, or
-    that word's beginning (`layers` 'num_layers', `patches` 'patch_size'): `num_step` is not 'num_heads'.
+    that word's beginning (`layers` 'num_layers', `patches` 'patch_size'), or one beginning the other (3 letters at
+    least: `output` 'out', `ord` 'order'): `num_step` is not 'num_heads'.
     A suffix both have (file names') is left out: `.yaml` alone is no likeness."""
     stem, suffix = os.path.splitext(name)
     other, other_suffix = os.path.splitext(match)
@@ -467,6 +468,9 @@ def _alike(name: str, match: str) -> bool:
         return True
     words, others = _WORDS.findall(name), _WORDS.findall(match)
     if (name in others or match in words) and min(len(name), len(match)) >= 3:  # `out-dir` 'out', `out` 'out_dim'
+        return True
+    short, long = sorted((name, match), key=len)
+    if len(short) >= 3 and long.startswith(short):  # `output` 'out', `ord` 'order'
         return True
     return any(a == b or (_edits(a, b) <= 1 or a.startswith(b) or b.startswith(a))
                for a in words if len(a) >= 4 for b in others if len(b) >= 4)
