@@ -214,7 +214,8 @@ class Rollout:
             if too_many_open_files(exc):  # the process's limit, not the disk's or the folder's
                 raise
             raise OutputError(f"cannot add episode {episode.name!r} ({episode.path}) to "
-                              f"{self.run_folder.journal_path}: {exc.strerror or exc}") from exc
+                              f"{self.run_folder.journal_path}: {exc.strerror or exc}",
+                              hint=write_hint(self._resume_command())) from exc
         self.episodes.append(episode)
         self._folders[episode.name] = recorded
         self._steps_done[episode.name] = 0

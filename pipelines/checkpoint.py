@@ -232,23 +232,32 @@ def read_metadata(path: str | Path) -> dict[str, str]:
         raise CheckpointError(f"cannot read checkpoint {as_typed(path)}: {exc}") from None
 
 
-def _read_tensors(path: Path, device: torch.device | str, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def _read_tensors(path: Path, device: torch.device | str, dtype: torch.dtype | None,
+                  expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The file's tensors, read into memory of their own. ``load_file``'s map the file: a model on the CPU, of the
     file's dtype, kept reading it for the whole run, so a checkpoint copied or saved over in place (``cp``, a
     training job) changed its weights mid-run, or, truncated first, killed the run with SIGBUS and no summary; for
     an accelerator, one truncated before the weights reached it (they were moved once the whole file was mapped)
     did too. For an accelerator each tensor is read, then moved there (floating ones as ``dtype``) before the next
-    is read: the host holds one tensor at a time, the device no weight of the file's dtype beside the run's."""
+    is read: the host holds one tensor at a time, the device no weight of the file's dtype beside the run's. Only a
+    tensor ``expected`` (the model's, by remapped key) takes in its shape and kind goes there; any other is left on
+    the meta device, its shape and dtype enough for load_checkpoint to name it: a file of another model (or with an
+    optimizer's state) is refused as one (exit 2), not run out of the device's memory first."""
     if torch.device(device).type != "cpu":
-        def moved(tensor: torch.Tensor) -> torch.Tensor:
+        def moved(key: str, tensor: torch.Tensor) -> torch.Tensor:
+            model = expected.get(remap_checkpoint_key(key))
+            if model is None or model.shape != tensor.shape or \
+                    model.is_floating_point() != tensor.is_floating_point():
+                return tensor.to("meta")
             return tensor.to(device, dtype=dtype if dtype is not None and tensor.is_floating_point() else None)
 
+        # only the open is retried: a TypeError of a tensor's move (a dtype that is none) read the whole file again
         try:
-            with safe_open(str(path), framework="pt", backend="pread") as f:
-                return {key: moved(f.get_tensor(key)) for key in f.keys()}
+            opened = safe_open(str(path), framework="pt", backend="pread")
         except TypeError:  # an older safetensors, without backend: each tensor copied out of the mapping at once
-            with safe_open(str(path), framework="pt") as f:
-                return {key: moved(f.get_tensor(key)) for key in f.keys()}
+            opened = safe_open(str(path), framework="pt")
+        with opened as f:
+            return {key: moved(key, f.get_tensor(key)) for key in f.keys()}
     try:
         return load_file(str(path), device="cpu", backend="pread")
     except TypeError:  # an older safetensors, whose load_file has no backend: copy each tensor out of the mapping
@@ -376,8 +385,9 @@ def load_checkpoint(module: nn.Module, path: str | Path, device: torch.device | 
                                   hint=f"{_PATH_HINT}, or use checkpoint: null")
         raise CheckpointError(f"checkpoint not found: {as_typed(path)}", hint="fix the path, or use checkpoint: null")
     _check_readable(path)
+    expected = module.state_dict()
     try:
-        raw = _read_tensors(path, device, dtype)
+        raw = _read_tensors(path, device, dtype, expected)
     except (OSError, SafetensorError) as exc:
         raise _unreadable(path, exc) from None
     tensors: dict[str, torch.Tensor] = {}
@@ -387,7 +397,6 @@ def load_checkpoint(module: nn.Module, path: str | Path, device: torch.device | 
         if name in tensors:
             duplicates.append(key)
         tensors[name] = value
-    expected = module.state_dict()
     missing = [k for k in expected if k not in tensors]
     unexpected = [k for k in tensors if k not in expected]
     mismatched = [

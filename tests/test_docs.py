@@ -415,8 +415,9 @@ def _example_command_lines() -> list[tuple[str, list[str]]]:
     import shlex
 
     readme = (REPO / "README.md").read_text()
-    lines = [("README", line) for block in _blocks(readme, "bash") for line in block.splitlines()
-             if line.startswith("ardiff ")]
+    # a command continued over lines with a backslash is one line to the shell
+    lines = [("README", line) for block in _blocks(readme, "bash")
+             for line in re.sub(r"\\\n\s*", "", block).splitlines() if line.startswith("ardiff ")]
     lines += [("README", line[2:]) for line in readme.splitlines() if line.startswith("$ ardiff ")]
     prose = re.sub(r"^```.*?^```$", "", readme, flags=re.S | re.M)
     spans = [re.sub(r"^(?:[A-Z_]+=\S* )+", "", span) for span in re.findall(r"`([^`]*)`", prose)]  # PYTHONPATH=.
@@ -470,10 +471,11 @@ def test_the_readme_config_example_is_a_valid_config_and_lists_every_key_the_loa
     assert cfg.pipeline_name == "dreamzero" and cfg.runtime.num_threads == 1
     data = yaml.safe_load(example)
     runtime_keys = [field.name for field in dataclasses.fields(RuntimeConfig)]
-    assert (list(data), sorted(data["runtime"])) == (list(TOP_LEVEL_KEYS), sorted(runtime_keys))
+    assert (sorted(data), sorted(data["runtime"])) == (sorted(TOP_LEVEL_KEYS), sorted(runtime_keys))  # any order
     model_keys = {"preset"} | {field.name for module in BUILTIN_PIPELINES.values()
                                for field in dataclasses.fields(importlib.import_module(module).Config)}
-    named = re.findall(r"(?<![\w./])(runtime|model)\.(?!safetensors\b)([a-z_]+)", readme)  # not a file name
+    files = "safetensors|pt|pth|bin|ckpt|npz|yaml|yml|json|jsonl|py|md|txt|log"  # model.pt is a file, not a key
+    named = re.findall(rf"(?<![\w./])(runtime|model)\.(?!(?:{files})\b)([a-z_]+)", readme)
     assert len(named) > 5
     unknown = [f"{section}.{key}" for section, key in named
                if key not in (runtime_keys if section == "runtime" else model_keys)]

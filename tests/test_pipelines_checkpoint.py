@@ -341,6 +341,20 @@ print(*(p.sum().device.type for p in module.parameters()), module.weight.dtype)
 """
 
 
+def test_a_checkpoint_of_another_model_for_an_accelerator_is_named_as_one(tmp_path):
+    """For an accelerator only the tensors the model takes (its keys, shapes and kinds) are moved there, the rest
+    left on the meta device: an optimizer's state or another model's weights are named as a mismatch (exit 2), as
+    for the CPU, not first moved to the device (where they could run it out of memory: not shown without a GPU)."""
+    path = tmp_path / "m.safetensors"
+    save_file({"weight": torch.ones(4, 8), "bias": torch.ones(3), "optimizer.exp_avg": torch.ones(64)}, str(path))
+    with torch.device("meta"):
+        module = torch.nn.Linear(8, 4)
+    with pytest.raises(CheckpointError) as caught:
+        checkpoint.load_checkpoint(module, path, "meta", torch.float16)
+    assert "unexpected key: optimizer.exp_avg" in caught.value.details
+    assert "shape mismatch: bias: checkpoint (3,) vs model (4,)" in caught.value.details
+
+
 @pytest.mark.parametrize("dtype", ["none", "float16"])
 def test_a_checkpoint_truncated_before_an_accelerators_weights_are_moved_leaves_the_process_alive(tmp_path, dtype):
     """For an accelerator the weights are read, then moved to it, one tensor at a time (floating ones as the run's
@@ -350,6 +364,43 @@ def test_a_checkpoint_truncated_before_an_accelerators_weights_are_moved_leaves_
                            dtype], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.split() == ["meta", "meta", "torch.float16" if dtype == "float16" else "torch.float32"]
+
+
+def _buffered() -> torch.nn.Module:
+    module = torch.nn.Linear(4, 4)
+    module.register_buffer("steps", torch.arange(3))  # int64
+    module.register_buffer("mask", torch.tensor([True, False]))
+    module.register_buffer("scale", torch.full((2,), 1 / 3, dtype=torch.float64))
+    return module
+
+
+def test_an_accelerators_weights_take_the_dtypes_a_cpu_load_then_the_models_move_gives(tmp_path):
+    """Floating tensors are cast to the run's dtype as they are moved, as nn.Module.to(dtype=...) casts the CPU's
+    (a float64 one too); integer and bool buffers keep theirs. meta stands in for the accelerator: dtypes only."""
+    path = tmp_path / "m.safetensors"
+    save_file(_buffered().state_dict(), path)
+    cpu = _buffered()
+    load_checkpoint(cpu, path, "cpu", torch.float16)
+    cpu = cpu.to(torch.float16)  # what from_config does after loading for the CPU
+    with torch.device("meta"):
+        accelerator = _buffered()
+    load_checkpoint(accelerator, path, "meta", torch.float16)
+    assert {k: (v.dtype, v.device.type) for k, v in accelerator.state_dict().items()} == {
+        k: (v.dtype, "meta") for k, v in cpu.state_dict().items()}
+    assert cpu.steps.dtype == torch.int64 and cpu.mask.dtype == torch.bool and cpu.scale.dtype == torch.float16
+
+
+def test_a_type_error_moving_an_accelerators_tensor_is_raised_once_not_retried_on_the_files_mapping(tmp_path):
+    """Only opening the file with backend= is retried without it (an older safetensors): a TypeError of a tensor's
+    move (a dtype that is no torch.dtype) read the whole file again through a mapping and raised the same error
+    twice, one during the handling of the other."""
+    path = tmp_path / "m.safetensors"
+    save_file({"weight": torch.ones(4, 4), "bias": torch.ones(4)}, path)
+    with torch.device("meta"):
+        module = torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError) as raised:
+        load_checkpoint(module, path, "meta", "float16")
+    assert raised.value.__context__ is None
 
 
 def test_a_checkpoint_deleted_after_loading_leaves_the_model_its_identity(tmp_path):
