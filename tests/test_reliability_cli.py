@@ -512,7 +512,9 @@ def test_two_different_signals_in_one_torch_op_as_the_model_loads_or_warms_up_ex
             args = ["warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, "--format", "plain"]
     proc, err = two_signals(env, args, faults, tmp_path, first, second)
     assert proc.returncode == 128 + first, err
-    assert f"interrupted by {signal.Signals(first).name}" in err and err.count("Error:") == 1, err
+    # lines that begin so: the fault's helper thread, started as the process exits, may print a KeyError of its own
+    errors = [line for line in err.splitlines() if line.startswith("Error:")]
+    assert f"interrupted by {signal.Signals(first).name}" in err and len(errors) == 1, err
 
 
 def test_signals_that_come_together_as_a_stopped_run_exits_keep_its_exit_code(env, data, tmp_path):
