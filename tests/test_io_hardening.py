@@ -324,8 +324,9 @@ def test_episode_yaml_the_parser_cannot_hold_is_named(tmp_path, text, fault, hin
     assert result.returncode == 2, result.stderr
     objects = [json.loads(line) for line in result.stdout.splitlines()]
     (failed,) = [o for o in objects if o["kind"] == "episode_failed"]
-    assert failed["message"] == f"episode 'ep' failed: {Path('ep', 'episode.yaml')}: cannot read episode metadata: " + (
-        fault)
+    # named as run.json names the episode's folder (absolute), though given as `ep`: its resume names it alike
+    assert failed["message"] == f"episode 'ep' failed: {tmp_path / 'ep' / 'episode.yaml'}: cannot read episode " + (
+        f"metadata: {fault}")
     assert failed["hint"] == info.value.hint and objects[-1]["kind"] == "observation_error", objects[-1]
 
 

@@ -232,12 +232,33 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     """Config, episodes, output folder and ``options`` (order, follow, idle_timeout, preview, swap_space), from
     the command line or (``--resume``) from run.json: a resumed run goes on in its order, following and drawing
     previews, within the memory, sessions and swap space it started with; ``None`` in ``options`` and
-    ``overrides`` means not given."""
+    ``overrides`` means not given. The run's folder is locked when it returns; a resume's before the run.json it
+    checks against the command line, and goes on with, is read (no other process can change it meanwhile)."""
+    from ardiff_cli.io.run import RunFolder
+
+    run = RunFolder(out) if resume and out is not None else None
+    if run is not None:
+        run.resume_info()  # unlocked: a folder that holds no run this ardiff resumes is refused, nothing written there
+        run.lock()
+    try:
+        return _prepare_run(run, config, episode_paths, out, resume, overrides, output, pipeline=pipeline,
+                            options=options)
+    except BaseException:
+        if run is not None:
+            run.close()
+        raise
+
+
+def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,
+                 overrides: dict[str, Any], output: Output, *, pipeline: str | None, options: dict[str, Any]
+                 ) -> _Prepared:
+    """:func:`_prepare`'s work; ``run``: a resume's run folder, locked."""
     from ardiff_cli.io.demo import ensure_demo_episodes
     from ardiff_cli.io.episode import discover_episodes
     from ardiff_cli.io.run import RUN_FILE, SWAP_DIR, RunFolder, make_default_out_dir
 
     info: dict[str, Any] = {}
+    run_info: dict[str, Any] | None = None  # a resume's run.json as read, under the lock: what is checked is used
     watch: list[Path] | None = None  # the folders of episodes among the EPISODE arguments (None: not known yet)
     done: dict[str, dict[int, int | None]] = {}
     digests: dict[str, dict[int, str]] = {}
@@ -246,8 +267,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         if out is None:
             raise ConfigError("--resume needs --out DIR: the folder of the run to continue",
                               hint="the run printed it as 'outputs: DIR' (by default ardiff-runs/<start time>)")
-        run = RunFolder(out)
-        info = run.resume_info()
+        info = run.resume_info(again=True)  # under the lock: read again only where it changed since
+        run_info = dict(info)  # as read: info takes the options the command does not give again
         config = _resume_config(config, info)
         overrides["dtype"] = _same(overrides["dtype"], info["dtype"], "--dtype")
         # Options not given again are the run's own, checked as given ones are. The device and attention backend
@@ -384,6 +405,10 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         "memory_budget": cfg.runtime.memory_budget, "gpu_memory_fraction": cfg.runtime.gpu_memory_fraction,
         "started": info.get("started", time.time()), **options,
     }
+    # The run reads each episode where run.json records it, so that an error, a warning and results.jsonl name its
+    # files alike, by that absolute path, on the run that started it as on a resume (not as typed on the first only)
+    for episode, recorded_episode in zip(episodes, info["episodes"]):
+        episode.path = Path(recorded_episode["path"])
     try:  # now, not after the model has loaded: a file or an unwritable place is a usage error
         if out is None:
             out = make_default_out_dir()
@@ -412,21 +437,20 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
                           hint="choose a folder you can write, or one that does not exist yet" if given
                           else "pass --out DIR (a folder you can write), or run where you can create ardiff-runs") \
             from None
-    run = run if resume else RunFolder(out)  # a resume's: it read run.json before the lock
-    run.lock()  # held until the command ends: a second rollout writing this folder is refused
-    recorded = None
+    if not resume:  # a resume's is locked already
+        run = RunFolder(out)
+        run.lock()  # held until the command ends: a second rollout writing this folder is refused
     try:
         _refuse_another_runs_kept_snapshots(Path(out) / SWAP_DIR, info["started"])
         run.refuse_a_folder_as_summary()
-        if resume:  # read under the lock: another process may have been adding to it
+        if resume:
             done, digests = run.resume_state(warn=output.warning)
-            recorded = run.read_info_again()  # read again only where run.json or episodes.jsonl changed meanwhile
     except BaseException:
         run.close()
         raise
     return _Prepared(cfg=cfg, episodes=episodes, out_dir=Path(out), info=info, done=done, digests=digests,
                      run=run, options=options, recorded_device=recorded_device,
-                     recorded_backend=recorded_backend, budget_source=source, watch=watch, recorded=recorded)
+                     recorded_backend=recorded_backend, budget_source=source, watch=watch, recorded=run_info)
 
 
 def _refuse_what_loading_would(cfg: Any) -> None:
@@ -679,7 +703,7 @@ def _recorded_folders_exist(info: dict[str, Any], out: Path, watch: list[Path]) 
     given (run.json's ``watch``, with or without --follow) renamed while the run was stopped is named itself: a
     symlink at an episode's path cannot be made while the folder above it is gone, and the folder may be given where
     it is now instead (``_refuse_other_watch`` takes it), with the run's other EPISODE arguments."""
-    from ardiff_cli.io.episode import listed, present
+    from ardiff_cli.io.episode import MOUNT_HINT, listed, present
     from ardiff_cli.io.run import RUN_FILE
 
     episodes, run_file = info["episodes"], out / RUN_FILE
@@ -707,6 +731,11 @@ def _recorded_folders_exist(info: dict[str, Any], out: Path, watch: list[Path]) 
     if gone:
         name, path = gone[0]
         more = f" (and {plural(len(gone) - 1, 'more episode folder')})" if len(gone) > 1 else ""
+        dangling = link_to_nothing(path)  # a link left there to where it moved, leading nowhere now
+        if dangling:
+            raise ConfigError(f"episode {name!r} of this run: its folder {as_typed(path)} (recorded in {run_file}) is "
+                              f"{dangling}{more}",
+                              hint=MOUNT_HINT + ", then resume; or run its episodes again in a new --out")
         raise ConfigError(f"episode {name!r} of this run: its folder {as_typed(path)} is gone{more}; {run_file} "
                           "records where the run last found each episode's folder (where it started, or where "
                           "--follow followed its rename)",

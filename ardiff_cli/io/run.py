@@ -272,8 +272,9 @@ class RunFolder:
     def read_info_again(self) -> dict[str, Any]:
         """What :meth:`read_info` read last, when run.json and episodes.jsonl are still the files it read, unchanged
         (their device, inode, size, modification and change times); else :meth:`read_info`. A resume reads them before
-        it takes the folder's lock, and needs them as they are under it: another process's run may have ended in
-        between, having added episodes. ardiff replaces run.json (a new file) and only appends to episodes.jsonl, so
+        it takes the folder's lock (to refuse a folder that holds no run it can resume, writing nothing there), and
+        goes on with, and checks, them as they are under it: another process's run may have ended in between, having
+        added episodes. ardiff replaces run.json (a new file) and only appends to episodes.jsonl, so
         either write changes what is compared."""
         if self._last_read is not None:
             signature, info = self._last_read
@@ -315,6 +316,10 @@ class RunFolder:
             if self.root.exists():
                 raise ConfigError(f"nothing to resume: {as_typed(self.root)} is a file, not a run folder",
                                   hint="give --out the folder a run printed as 'outputs: DIR'")
+            dangling = link_to_nothing(self.root)  # `ls` lists it: "there is no folder" reads as a false error
+            if dangling:
+                raise ConfigError(f"nothing to resume: {as_typed(self.root)} is {dangling}",
+                                  hint="mount the disk the link points to (or fix the link), then resume")
             near = sorted(p.name for p in self.root.parent.glob("*") if RunFolder(p).holds_run())
             raise ConfigError(f"nothing to resume: there is no folder {as_typed(self.root)}",
                               hint="check the path (a run prints it as 'outputs: DIR')"
@@ -402,10 +407,11 @@ class RunFolder:
                                    "run in another --out")
         return merged, lines
 
-    def resume_info(self) -> dict[str, Any]:
-        """:meth:`read_info`, checked for what ``--resume`` reads as it is (no default): a field missing or of
-        another type is named (file, field, expected, got) instead of a KeyError or TypeError further on."""
-        info = self.read_info()
+    def resume_info(self, *, again: bool = False) -> dict[str, Any]:
+        """:meth:`read_info` (``again``: :meth:`read_info_again`), checked for what ``--resume`` reads as it is (no
+        default): a field missing or of another type is named (file, field, expected, got) instead of a KeyError or
+        TypeError further on."""
+        info = self.read_info_again() if again else self.read_info()
         problem = _run_info_problem(info)
         if problem is not None:
             raise _problem_error(str(self.root / RUN_FILE), *problem,
@@ -627,6 +633,8 @@ class RunFolder:
         try:
             import fcntl
         except ImportError:  # not POSIX: no lock
+            return
+        if self._lock is not None:  # this process holds it (a resume reads run.json again under it)
             return
         try:
             fd = os.open(self.root / LOCK_FILE, os.O_RDONLY)

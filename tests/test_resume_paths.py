@@ -1,0 +1,153 @@
+"""How a run and its --resume name paths: a failed step's file alike on both, a link that leads nowhere as such
+(checkpoint, --out, an episode folder), and the run.json a resume checks being the one it goes on with."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.nn as nn
+
+from ardiff_cli.runtime.errors import CheckpointError
+from fast_run import rollout, write_fast_data
+from pipelines.checkpoint import load_checkpoint
+
+
+def ardiff(env: dict[str, str], *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ardiff_cli", *args, "--no-warmup", "--format", "json"], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_a_failed_step_file_is_named_by_its_absolute_path_on_the_run_that_started_it_as_on_its_resume(
+        cli_env, tmp_path):
+    """A run given `eps/bad` named the failed step `eps/bad/step_000001.safetensors` (as typed) in its Error: line,
+    the failed line's `error` and summary.json's `failures`, and its --resume (which reads run.json's absolute
+    paths) named the same file `/.../eps/bad/step_000001.safetensors`: a script matching failures across the runs
+    saw two files. Both now name it as run.json and the failed line's `path` do."""
+    write_fast_data(tmp_path, {"good": 2, "bad": 3})
+    step = tmp_path / "eps" / "bad" / "step_000001.safetensors"
+    step.write_bytes(step.read_bytes()[:100])  # cut short: the episode fails there, on each run
+    runs = {"first": ardiff(cli_env, "rollout", "fast.yaml", "eps/good", "eps/bad", "--out", "run", cwd=tmp_path),
+            "resume": ardiff(cli_env, "rollout", "--resume", "--out", "run", cwd=tmp_path)}
+    failed = [r for r in json_lines((tmp_path / "run" / "results.jsonl").read_text()) if r["status"] == "failed"]
+    assert len(failed) == 2 and {r["path"] for r in failed} == {str(step)}
+    for (which, proc), line in zip(runs.items(), failed):
+        assert proc.returncode == 4, (which, proc.stderr)
+        objects = json_lines(proc.stdout)
+        (episode_failed,) = [o for o in objects if o["kind"] == "episode_failed"]
+        (summary,) = [o for o in objects if o["kind"] == "summary"]
+        said = f"{step}: cannot read safetensors file: truncated"
+        assert episode_failed["message"].startswith(f"episode 'bad' failed: {said}"), (which, episode_failed)
+        assert line["error"].startswith(said), (which, line)
+        assert summary["episodes"]["failures"]["bad"].startswith(said), (which, summary)
+        assert json.loads((tmp_path / "run" / "summary.json").read_text())["episodes"]["failures"] == \
+            summary["episodes"]["failures"]
+
+
+def test_a_checkpoint_that_is_a_link_to_nothing_is_named_a_link_with_where_it_leads(tmp_path):
+    """load_checkpoint (from_config's checkpoint=, a config built in Python) said `checkpoint not found` of a link
+    `ls` lists, where the config's `checkpoint:` field says where it leads."""
+    link = tmp_path / "w.safetensors"
+    link.symlink_to(tmp_path / "unmounted" / "w.safetensors")
+    with pytest.raises(CheckpointError) as raised:
+        load_checkpoint(nn.Linear(2, 2), link)
+    assert str(raised.value) == (f"checkpoint {link} is a link to {tmp_path / 'unmounted' / 'w.safetensors'}, "
+                                 "which does not exist")
+    assert raised.value.hint == "mount or restore what it links to, or give the .safetensors file's own path"
+
+
+def test_a_resume_of_a_folder_that_is_now_a_link_to_nothing_names_the_link_and_where_it_leads(cli_env, tmp_path):
+    """`--resume --out LINK` said `there is no folder LINK`, and a recorded episode folder replaced by a link (as
+    the hint of a moved one says) to a disk not mounted said the folder `is gone`: both name the link now."""
+    write_fast_data(tmp_path, {"arm_a": 1})
+    (tmp_path / "elsewhere").symlink_to(tmp_path / "unmounted" / "run")
+    proc = ardiff(cli_env, "rollout", "--resume", "--out", "elsewhere", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    error = json_lines(proc.stdout)[-1]
+    assert error["message"] == (f"nothing to resume: elsewhere is a link to {tmp_path / 'unmounted' / 'run'}, which "
+                                "does not exist"), error
+    assert error["hint"] == "mount the disk the link points to (or fix the link), then resume"
+    assert ardiff(cli_env, "rollout", "fast.yaml", "eps", "--out", "run", cwd=tmp_path).returncode == 0
+    episode = tmp_path / "eps" / "arm_a"
+    episode.rename(tmp_path / "moved")
+    episode.symlink_to(tmp_path / "unmounted" / "arm_a")
+    proc = ardiff(cli_env, "rollout", "--resume", "--out", "run", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    error = json_lines(proc.stdout)[-1]
+    assert error["message"] == (f"episode 'arm_a' of this run: its folder {episode} (recorded in "
+                                f"{Path('run', 'run.json')}) is a link to {tmp_path / 'unmounted' / 'arm_a'}, which "
+                                "does not exist"), error
+    assert error["hint"].startswith("mount the disk the link points to (or fix the link), then resume")
+
+
+_ON_OPEN: list = []  # (path, action): the action runs once, as this process first opens the path
+
+
+def _act_on_open(event: str, args: tuple) -> None:
+    if event == "open" and _ON_OPEN and isinstance(args[0], (str, os.PathLike)) \
+            and os.path.abspath(os.fspath(args[0])) == _ON_OPEN[0][0]:
+        _, action = _ON_OPEN.pop()
+        action()
+
+
+sys.addaudithook(_act_on_open)
+
+
+def test_a_resume_goes_on_with_the_run_json_it_checked_not_one_changed_after(cli_env, tmp_path, monkeypatch):
+    """A resume read run.json, checked it against its command line, and only then took the run's lock and read
+    run.json again (where it had changed: another resume that ran meanwhile, an edit), going on with that second
+    read unchecked: here its `dtype`, written back to run.json though the resume ran (and checked) float32. The
+    lock is now taken before run.json is read, once: another resume started while this one reads its config is
+    refused, and an edit made then is not what this one goes on with (it writes back the run.json it checked)."""
+    monkeypatch.setenv("ARDIFF_CACHE_DIR", cli_env["ARDIFF_CACHE_DIR"])
+    data = write_fast_data(tmp_path, {"arm_a": 2, "arm_b": 1})
+    out = tmp_path / "run"
+    assert rollout(data, out).exit_code == 0
+    other: list[subprocess.CompletedProcess] = []
+
+    def meanwhile() -> None:  # as the resume below reads its config, once it has read run.json
+        other.append(ardiff(cli_env, "rollout", "--resume", "--out", str(out), cwd=tmp_path))
+        info = json.loads((out / "run.json").read_text())
+        (out / "run.json").write_text(json.dumps({**info, "dtype": "bfloat16"}))
+
+    _ON_OPEN.append((str(data / "fast.yaml"), meanwhile))
+    try:
+        result = rollout(data, out, "--resume")
+    finally:
+        _ON_OPEN.clear()
+    assert result.exit_code == 0, result.output
+    assert len(other) == 1 and other[0].returncode == 2, other and other[0].stdout
+    assert json_lines(other[0].stdout)[-1]["message"].startswith(f"{out} is in use by another ardiff rollout")
+    assert json.loads((out / "run.json").read_text())["dtype"] == "float32"
+    assert json.loads((out / "summary.json").read_text())["dtype"] == "float32"
+
+
+def test_a_run_json_changed_between_a_resumes_first_look_and_its_lock_is_checked_as_read_again(
+        cli_env, tmp_path, monkeypatch):
+    """run.json changed after a resume's first look at it (before the lock, which refuses a folder holding no run
+    without writing there) and before it took the lock is read again under the lock, and that is what is checked:
+    here a config hash that is not the config's is refused (exit 2, run.json left as it is), where the resume went on
+    unchecked with it and wrote it back to run.json (the next resume was then refused as an edited config)."""
+    monkeypatch.setenv("ARDIFF_CACHE_DIR", cli_env["ARDIFF_CACHE_DIR"])
+    data = write_fast_data(tmp_path, {"arm_a": 1})
+    out = tmp_path / "run"
+    assert rollout(data, out).exit_code == 0
+    info = json.loads((out / "run.json").read_text())
+    edited = json.dumps({**info, "config_sha256": "0" * 64})
+    _ON_OPEN.append((str(out / ".lock"), lambda: (out / "run.json").write_text(edited)))
+    try:
+        result = rollout(data, out, "--resume")
+    finally:
+        _ON_OPEN.clear()
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"Error: config {data / 'fast.yaml'} was edited since the run started "), \
+        result.output
+    assert (out / "run.json").read_text() == edited
