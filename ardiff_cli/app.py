@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import difflib
 import os
 import re
 import shlex
@@ -113,13 +114,26 @@ def _path_read_as_an_option(args: list[str], option: str | None) -> str | None:
 
 
 def _keep_options_alike(exc: BaseException) -> None:
-    """Of Click's "(Possible options: ...)" for an unknown option, those ``close_match`` finds alike, their dashes left
-    out: difflib counted the '--' both begin with, and `--gpu` was offered --out, `--model` --help and --order. Click's
-    difflib chose them: its cutoff is not asked again of the shorter names (`swap` and 'swap-space' fall under it)."""
-    option, possible = getattr(exc, "option_name", None), getattr(exc, "possibilities", None)
-    if isinstance(option, str) and possible:
-        exc.possibilities = [p for p in possible
-                             if close_match(option.lstrip("-"), [p.lstrip("-")], cutoff=0.0) is not None]
+    """The options offered for an unknown one: an option alike but for case alone (`--FOLLOW` --follow); else of
+    difflib's picks, with case ignored, and the one option that a name of 4 letters or more begins (`--idle`
+    --idle-timeout, `--sess` --session-capacity: difflib's ratio left them out), those ``close_match`` finds alike,
+    their dashes left out: Click's difflib counted the '--' both begin with, and `--gpu` was offered --out, `--model`
+    --help and --order. Its cutoff is not asked again of the shorter names (`swap` and 'swap-space' fall under it)."""
+    option, ctx = getattr(exc, "option_name", None), getattr(exc, "ctx", None)
+    if not isinstance(option, str) or not hasattr(exc, "possibilities"):  # a NoSuchOption only
+        return
+    names = (exc.possibilities or []) if ctx is None else [
+        name for param in ctx.command.get_params(ctx) for name in (*param.opts, *param.secondary_opts)
+        if name.startswith("--")]
+    typed, folded = option.casefold(), {name.casefold(): name for name in names}
+    if typed in folded:
+        exc.possibilities = [folded[typed]]
+        return
+    begun = [name for key, name in folded.items() if key.startswith(typed)]
+    picks = [folded[key] for key in difflib.get_close_matches(typed, folded)]
+    picks += begun if len(begun) == 1 and len(typed.lstrip("-")) >= 4 else []
+    exc.possibilities = [name for name in dict.fromkeys(picks)
+                         if close_match(option.lstrip("-"), [name.lstrip("-")], cutoff=0.0) is not None]
 
 
 def _run(args: list[str]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import typer
 
 from ardiff_cli.app import app
@@ -247,10 +248,10 @@ def _named(key: str, text: str) -> bool:
     return f"`{key}`" in text or f'"{key}"' in text
 
 
-def test_every_field_of_summary_json_and_results_jsonl_is_in_the_readme(cli_env, tmp_path):
-    """A real run's summary.json and results lines (ok and failed): each field is named where the README describes
-    that file, so a field added to either one comes with its meaning."""
-    import json
+@pytest.fixture(scope="module")
+def failed_run(cli_env, tmp_path_factory) -> tuple[Path, str]:
+    """A real run of two episodes, one of whose step files is refused (exit 4): its folder and its `--format json`
+    stdout."""
     import subprocess
     import sys
 
@@ -258,16 +259,26 @@ def test_every_field_of_summary_json_and_results_jsonl_is_in_the_readme(cli_env,
 
     from ardiff_cli.io import write_episode
 
+    tmp_path = tmp_path_factory.mktemp("failed_run")
     write_episode(tmp_path / "eps" / "good", [{"conditioning": np.zeros(8, np.float32)}] * 2, prompt="p")
     write_episode(tmp_path / "eps" / "bad", [{"conditioning": np.zeros(5, np.float32)}], prompt="p")
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "causal-world-tiny", "eps", "-o", "run",
-                           "--no-warmup", "--format", "plain"], cwd=tmp_path, env=cli_env, capture_output=True,
+                           "--no-warmup", "--format", "json"], cwd=tmp_path, env=cli_env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 4, proc.stderr
+    return tmp_path / "run", proc.stdout
+
+
+def test_every_field_of_summary_json_and_results_jsonl_is_in_the_readme(failed_run):
+    """A real run's summary.json and results lines (ok and failed): each field is named where the README describes
+    that file, so a field added to either one comes with its meaning."""
+    import json
+
+    run, _ = failed_run
     readme = (REPO / "README.md").read_text()
     results_doc = _section(readme, "- `results.jsonl`, one line per step", "\n- `--format json`")
     summary_doc = _section(readme, "- `summary.json`: ", "\n\n")
-    lines = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()]
     assert {line["status"] for line in lines} == {"ok", "failed"}
     fields = {key for line in lines for key in line} | {key for line in lines for key in line.get("latency", {})}
     assert sorted(key for key in fields if not _named(key, results_doc)) == []
@@ -276,12 +287,71 @@ def test_every_field_of_summary_json_and_results_jsonl_is_in_the_readme(cli_env,
     sample = json.loads(re.search(r"```json\n(.*?)```", results_doc, flags=re.S).group(1))
     ok = next(line for line in lines if line["status"] == "ok")
     assert (list(sample), list(sample["latency"])) == (list(ok), list(ok["latency"]))
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
     fields = set(summary) - {"kind"}  # "kind": "summary" is the --format json bullet's
     for part in ("episodes", "steps", "swap", "latency_s"):
         fields |= set(summary[part])
     fields |= set(summary["latency_s"]["total"])
     assert sorted(key for key in fields if not _named(key, summary_doc)) == []
+
+
+def _jq(args: list[str], text: str) -> list[str] | None:
+    """The lines jq prints for ``args`` (options, then the filter) over ``text``; without jq (CI's machine may lack
+    it), a filter of plain paths (`.a.b, .c`) is evaluated here, and any other gives None."""
+    import json
+    import shutil
+    import subprocess
+
+    if shutil.which("jq"):
+        proc = subprocess.run(["jq", *args], input=text, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, (args, proc.stderr)
+        return proc.stdout.splitlines()
+    path = r"\.[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+    if not re.fullmatch(rf"{path}(?:\s*,\s*{path})*", args[-1]):
+        return None
+    raw = "-r" in args
+    lines = []
+    try:
+        documents = [json.loads(text)]
+    except json.JSONDecodeError:  # a stream: one object a line
+        documents = [json.loads(line) for line in text.splitlines()]
+    for document in documents:
+        for keys in (part.strip().split(".")[1:] for part in args[-1].split(",")):
+            value = document
+            for key in keys:
+                value = value.get(key) if isinstance(value, dict) else None
+            lines.append(value if raw and isinstance(value, str) else json.dumps(value))
+    return lines
+
+
+def test_the_readme_jq_examples_name_fields_a_real_summary_json_and_event_stream_have(failed_run):
+    """An operator's first `jq .failures summary.json` printed null: the failures are under `episodes`. Each jq
+    example of the README runs over a real run's summary.json (one that ends in summary.json) or its `--format
+    json` stream (one piped from `ardiff ... --format json`), and prints what it names: no null from the summary,
+    whose every field this failed run fills, and from the stream at least one line that is not null."""
+    run, stream = failed_run
+    readme = (REPO / "README.md").read_text()
+    summary = (run / "summary.json").read_text()
+    examples = []
+    for line in (line for block in _blocks(readme, "bash") for line in block.splitlines()):
+        commands = _shell_commands(line)
+        for before, command in zip([[], *commands], commands):
+            if command[0] != "jq":
+                continue
+            if command[-1].endswith("summary.json"):
+                examples.append((line, command[1:-1], summary))
+            else:
+                assert before[:2] == ["ardiff", "rollout"] and "json" in before, f"jq of what? {line}"
+                examples.append((line, command[1:], stream))
+    assert any(".episodes.failures" in args[-1] for _, args, _ in examples), "README shows no jq path of failures"
+    assert any(text is stream for _, _, text in examples)
+    for line, args, text in examples:
+        printed = _jq(args, text)
+        if printed is None:  # no jq here, and a filter beyond plain paths
+            continue
+        assert printed, line
+        assert ("null" not in printed) if text is summary else any(out != "null" for out in printed), (line, printed)
+    assert _jq([".failures"], summary) == ["null"]  # what the operator got
 
 
 def test_the_rollout_help_says_evicted_sessions_come_back_from_swap_as_the_readme_does():
@@ -407,30 +477,70 @@ def test_the_python_examples_of_the_readme_and_reliability_page_run_as_written(c
     assert (tmp_path / "data" / "pick_cube" / "END").is_file() and (tmp_path / "data" / "robot_a" / "END").is_file()
 
 
-def _example_command_lines() -> list[tuple[str, list[str]]]:
-    """Every `ardiff COMMAND ...` line the README shows (its bash blocks, `$ ` lines of its samples and inline code)
-    and every example line of each command's help, as (where, argv after `ardiff`), the shell's part (variables set
-    before it, a comment, a pipe, a redirect, `&`) cut off. Synopses (`ardiff warmup [CONFIG]`) and lines naming no
-    command (`ardiff --version`) are left out."""
+_SHELL_OPERATORS = {"&&", "||", ";", "|", "|&", "&", "(", ")"}
+_ASSIGNMENT = re.compile(r"[A-Za-z_]\w*=")  # `OUT=runs/eval1 ardiff ...`: a variable set for the command
+
+
+def _shell_commands(line: str) -> list[list[str]]:
+    """The simple commands of a shell ``line``, each as its words: split at `&&`, `||`, `;`, `|` and `&`, a comment
+    cut off, the variables set before a command and its redirects (`> events.jsonl`, `2>&1`) left out."""
     import shlex
 
-    readme = (REPO / "README.md").read_text()
+    line = re.sub(r"(?<!\S)\d+(?=[<>])", "", line)  # `2>&1`: the descriptor a redirect names first
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    commands: list[list[str]] = [[]]
+    redirect = False
+    for token in lexer:
+        if token in _SHELL_OPERATORS:
+            commands.append([])
+        elif redirect:  # the file (or descriptor) a redirect names
+            redirect = False
+        elif set(token) <= set("<>&"):  # `>`, `>>`, `<`, `>&`, `&>`
+            redirect = True
+        elif commands[-1] or not _ASSIGNMENT.match(token):
+            commands[-1].append(token)
+    return [command for command in commands if command]
+
+
+def _example_command_lines(readme: str | None = None) -> list[tuple[str, list[str]]]:
+    """Every `ardiff COMMAND ...` the README shows (its bash blocks, `$ ` lines of its samples and inline code) and
+    every example line of each command's help, as (where, argv after `ardiff`): each command of a line, also one
+    after `&&`, `;` or `|` or after variables set for it (`OUT=x ardiff ...`), the shell's part (a comment, a
+    redirect) left out. Synopses (`ardiff warmup [CONFIG]`) and lines naming no command (`ardiff --version`) are
+    left out."""
+    readme = (REPO / "README.md").read_text() if readme is None else readme
     # a command continued over lines with a backslash is one line to the shell
     lines = [("README", line) for block in _blocks(readme, "bash")
-             for line in re.sub(r"\\\n\s*", "", block).splitlines() if line.startswith("ardiff ")]
-    lines += [("README", line[2:]) for line in readme.splitlines() if line.startswith("$ ardiff ")]
+             for line in re.sub(r"\\\n\s*", "", block).splitlines()]
+    lines += [("README", line[2:]) for line in readme.splitlines() if line.startswith("$ ")]
     prose = re.sub(r"^```.*?^```$", "", readme, flags=re.S | re.M)
-    spans = [re.sub(r"^(?:[A-Z_]+=\S* )+", "", span) for span in re.findall(r"`([^`]*)`", prose)]  # PYTHONPATH=.
-    lines += [("README", span) for span in spans if span.startswith("ardiff ")]
+    shell = re.compile(r"(?:^|&&|\|\||;|\|)\s*(?:[A-Za-z_]\w*=\S*\s+)*ardiff\s")  # prose: only what runs ardiff
+    lines += [("README", span) for span in re.findall(r"`([^`]*)`", prose) if shell.search(span)]
     group = typer.main.get_command(app)
     lines += [(f"ardiff {name} --help", line.strip()) for name, command in group.commands.items()
               for line in (command.epilog or "").splitlines() if line.strip().startswith("ardiff ")]
     found = []
     for where, line in lines:
-        argv = shlex.split(re.split(r" (?:#|\||>|&)", line)[0])[1:]
-        if "[" not in line and argv and argv[0] in group.commands:
-            found.append((where, argv))
+        for words in _shell_commands(line):
+            argv = words[1:]
+            if words[0] == "ardiff" and argv and argv[0] in group.commands and not any("[" in w for w in argv):
+                found.append((where, argv))
     return found
+
+
+def _refused(examples: list[tuple[str, list[str]]]) -> list[str]:
+    """The usage errors of ``examples`` (where, argv after `ardiff`), parsed with each command's options."""
+    group = typer.main.get_command(app)
+    refused = []
+    for where, argv in examples:
+        parent = group.make_context("ardiff", argv[:1])
+        try:
+            with group.commands[argv[0]].make_context(argv[0], argv[1:], parent=parent):
+                pass
+        except Exception as exc:  # noqa: BLE001 - click's usage errors (typer vendors click: no public class)
+            refused.append(f"{where}: ardiff {' '.join(argv)}: {getattr(exc, 'format_message', exc.__str__)()}")
+    return refused
 
 
 def test_every_example_command_of_the_readme_and_the_help_is_one_ardiff_takes():
@@ -441,15 +551,24 @@ def test_every_example_command_of_the_readme_and_the_help_is_one_ardiff_takes():
     examples = _example_command_lines()
     assert {argv[0] for _, argv in examples} == set(group.commands)
     assert {where for where, _ in examples} == {"README"} | {f"ardiff {name} --help" for name in group.commands}
-    refused = []
-    for where, argv in examples:
-        parent = group.make_context("ardiff", argv[:1])
-        try:
-            with group.commands[argv[0]].make_context(argv[0], argv[1:], parent=parent):
-                pass
-        except Exception as exc:  # noqa: BLE001 - click's usage errors (typer vendors click: no public class)
-            refused.append(f"{where}: ardiff {' '.join(argv)}: {getattr(exc, 'format_message', exc.__str__)()}")
-    assert refused == []
+    assert _refused(examples) == []
+
+
+def test_the_example_check_reads_the_ardiff_commands_of_lines_that_set_variables_or_chain_commands():
+    """`OUT=x ardiff ...` and `cd data && ardiff ...` were passed over (only a line beginning `ardiff ` was read), and
+    of `ardiff warmup && ardiff rollout ...` only the first command."""
+    readme = ("```bash\n"
+              "OUT=runs/eval1 ardiff rollout -o \"$OUT\" --folow\n"
+              "cd data && ARDIFF_CACHE_DIR=/tmp/c ardiff warmup --dtyp bfloat16  # a comment's ardiff rollout --x\n"
+              "ardiff warmup; ardiff inspect-capacity --format json 2>&1 | jq .plan > plan.json\n"
+              "ardiff inspect-capacity [CONFIG] [--available BYTES|auto]\n"
+              "```\n"
+              "Prose: `cd runs && ardiff rollout --resume -o eval1`, not `hint: see ardiff rollout --help`.\n")
+    examples = [argv for where, argv in _example_command_lines(readme) if where == "README"]
+    assert examples == [["rollout", "-o", "$OUT", "--folow"], ["warmup", "--dtyp", "bfloat16"], ["warmup"],
+                        ["inspect-capacity", "--format", "json"], ["rollout", "--resume", "-o", "eval1"]]
+    assert [line.split(": ardiff ")[1].split(":")[0] for line in _refused([("README", a) for a in examples])] == [
+        "rollout -o $OUT --folow", "warmup --dtyp bfloat16"]
 
 
 def test_the_readme_config_example_is_a_valid_config_and_lists_every_key_the_loader_takes(tmp_path):

@@ -1198,6 +1198,11 @@ def test_usage_errors_read_error_then_hint_like_every_other_error(cli_env, args,
     # 'swap-space': 0.57), and an option that begins the name typed was no likeness (`--output` for --out)
     ("--swap", " (Possible options: --swap-space)"), ("--output", " (Possible options: --out)"),
     ("--outdir", " (Possible options: --out)"), ("--ord", " (Possible options: --order)"),
+    # what difflib's ratio left out: the one option a name of 4 letters or more begins, and one alike but for case
+    # (alone: `--WARMUP` is not also --no-warmup); 3 letters are too few (`--gpu` is no --gpu-memory-fraction)
+    ("--idle", " (Possible options: --idle-timeout)"), ("--sess", " (Possible options: --session-capacity)"),
+    ("--FOLLOW", " (Possible options: --follow)"), ("--WARMUP", " (Possible options: --warmup)"),
+    ("--Idle", " (Possible options: --idle-timeout)"), ("--mem", ""),
 ])
 def test_an_unknown_option_is_offered_only_options_alike(cli_env, option, offered):
     """Click's difflib counted the '--' every option begins with: `--gpu` was offered --out, `--model` --help and
@@ -1256,6 +1261,27 @@ def test_a_did_you_mean_still_names_a_typo_or_a_name_sharing_a_word(name, kind, 
 ])
 def test_an_unknown_config_key_is_offered_only_a_name_alike(tmp_path, text, unknown, offered):
     assert_inspect_capacity_refuses(tmp_path, f"pipeline: dreamzero\n{text}", f"unknown key '{unknown}'{offered}")
+
+
+@pytest.mark.parametrize(("text", "unknown", "setting", "hint"), [
+    ("model: {NUM_THREADS: 4}\n", "model.NUM_THREADS", "num_threads", "move it under `runtime:` as num_threads"),
+    ("model: {num_threads: 4}\n", "model.num_threads", "num_threads", "move it under `runtime:` as num_threads"),
+    ("model: {Device: cpu}\n", "model.Device", "device", "move it under `runtime:` as device"),
+    ("NUM_THREADS: 4\n", "NUM_THREADS", "num_threads", "valid top-level keys"),
+])
+def test_a_runtime_setting_in_the_wrong_place_or_case_is_named_as_the_runtime_key(tmp_path, text, unknown, setting,
+                                                                                   hint):
+    """`model: {NUM_THREADS: 4}` was offered 'num_heads', a model key sharing letters with it: the key meant is
+    runtime.num_threads. The model's own key of that name, in any case, is still the pipeline's to name."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"pipeline: dreamzero\n{text}")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--format", "plain"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.startswith(f"Error: {config}: unknown key '{unknown}' (did you mean 'runtime.{setting}'? "
+                                  f"runtime settings go under `runtime:`)\nhint: {hint}"), proc.stderr
+    assert_inspect_capacity_refuses(tmp_path, "pipeline: dreamzero\nmodel: {Session_Capacity: 2}\n",
+                                    "unknown key 'model.Session_Capacity' (did you mean 'session_capacity'?)")
 
 
 @pytest.mark.parametrize("word", ["-dash", "--dash"])

@@ -517,13 +517,35 @@ def _check_attention_span(spec: ARDiffusionKVCacheSpec, model: Any, where: str) 
                           hint=f"lower {fix}, or raise the pipeline's max_model_len") from None
 
 
+def _runtime_setting(key: object) -> str | None:
+    """The runtime setting ``key`` names, case ignored (`NUM_THREADS` is 'num_threads'), or None."""
+    folded = str(key).casefold()
+    return folded if folded in RuntimeConfig.__dataclass_fields__ else None
+
+
+def _runtime_setting_in_model(model_data: dict[Any, Any], entry: PipelineEntry, where: str) -> None:
+    """Refuse a key of the model: section that is a runtime setting, case ignored, and that the pipeline takes in
+    neither spelling: `model: {NUM_THREADS: 2}` was offered 'num_heads', a model key that shares letters with it.
+    One the pipeline has too (`session_capacity`) is the pipeline's: its own message names it."""
+    fields = getattr(entry.config_class, "__dataclass_fields__", None)  # a dataclass names its keys: a value out
+    for key, value in model_data.items():                              # of range is not taken as an unknown key
+        setting = _runtime_setting(key)
+        if setting is None or any(name in fields if fields is not None else _takes(entry, {name: value}, where)
+                                  for name in (key, setting)):
+            continue
+        raise ConfigError(f"{where}: unknown key 'model.{key}' (did you mean 'runtime.{setting}'? runtime settings "
+                          "go under `runtime:`)",
+                          hint=f"move it under `runtime:` as {setting}; model: holds the pipeline's settings")
+
+
 def _misplaced_key(key: str, data: dict[str, Any], pipeline: str | None, where: str) -> str:
     """' (did you mean ...?)' for an unknown top-level key: a runtime setting, or a key with its value that the
     pipeline's ``Config.from_dict`` takes (`preset: tiny` for `model: {preset: tiny}`) while it refuses a key no
     model has (one that drops unknown keys takes a top-level typo too), is named with its section; else the closest
     top-level key."""
-    if key in RuntimeConfig.__dataclass_fields__:
-        return f" (did you mean 'runtime.{key}'? runtime settings go under `runtime:`)"
+    setting = _runtime_setting(key)
+    if setting is not None:
+        return f" (did you mean 'runtime.{setting}'? runtime settings go under `runtime:`)"
     try:
         if pipeline is not None:
             entry = resolve_pipeline_reference(pipeline)
@@ -584,6 +606,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
     model_data = {} if data.get("model") is None else data["model"]  # `model: []` or `model: 0` is a mistake
     if not isinstance(model_data, dict):
         raise field_error(where, "model", "a mapping", model_data)
+    _runtime_setting_in_model(model_data, entry, where)
     config_class = entry.config_class.__qualname__
     try:
         model = _pipeline_config_call(entry, where, f"{config_class}.from_dict",
