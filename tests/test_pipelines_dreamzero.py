@@ -371,3 +371,20 @@ def test_an_image_with_a_zero_size_is_refused():
     inputs["wrist_image"] = np.zeros((0, 16, 3), np.uint8)
     with pytest.raises(ObservationError, match="wrist_image"):
         validate_observation(SCHEMA, inputs, where="t")
+
+
+@pytest.mark.parametrize("window", [{"window_frames": 1}, {"window_frames": 4}, {"window_frames": 1, "sink_frames": 1}],
+                         ids=["window-1", "window-4", "sink-1-window-1"])
+def test_warmup_runs_every_input_shape_a_rollout_sends_even_when_one_frame_fills_the_window(window):
+    """`ardiff warmup` runs each input shape the pipeline will see: a window of one latent frame (sink + window 1)
+    is full after the one-frame anchor, and the warmup stopped there, so the four-frame requests that every later
+    step of a rollout sends (each restarting the window) were first run by the rollout itself."""
+    pipe = dreamzero(**window)
+    requests = list(pipe.ar_diffusion_warmup_requests("w"))
+    frames = [request.inputs["wrist_image"].shape[0] if request.inputs["wrist_image"].ndim == 4 else 1
+              for request in requests]
+    assert frames[0] == 1 and pipe.config.frames_per_request in frames[1:], frames
+    driver = Driver(pipe, num_sessions=1)
+    for request in requests:  # each one runs on the session as the warmup runs it
+        driver.run("w", request.inputs)
+    assert driver.state("w").adapter("positive").num_committed_frames >= 1

@@ -627,6 +627,13 @@ CONFIG_CASES = {
     "invalid_yaml": ("pipeline: [dreamzero\n", "inspect-capacity",
                      ["{config}: not valid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>'"],
                      "check the indentation"),
+    # an editor's tab in the indentation (or after a colon) was told only to check the indentation, quotes and brackets
+    "tab_indent": ("pipeline: dreamzero\nmodel:\n\tpreset: tiny\n", "inspect-capacity",
+                   ["{config}: not valid YAML at line 3, column 1: found character '\\t' that cannot start any token"],
+                   "YAML indents with spaces, never tabs: replace the tab at line 3, column 1 with spaces"),
+    "tab_after_colon": ("pipeline: dreamzero\nmodel:\n  preset:\ttiny\n", "warmup",
+                        ["{config}: not valid YAML at line 3, column 10: found character '\\t'"],
+                        "YAML indents with spaces, never tabs: replace the tab at line 3, column 10 with spaces"),
     # 20 MB of comments took 18 s before it was read as nothing; a 300k-item list 20 s, to say "unknown key"
     "too_large": ("pipeline: dreamzero\n" + "# a comment\n" * 6000, "inspect-capacity",
                   ["{config}: more than 64 KiB, which no config is: is it the config?"], "pass a config YAML"),

@@ -35,7 +35,6 @@ from ardiff_cli.runtime.capacity import (MAX_SESSIONS, MODEL_DTYPES, as_fraction
 from ardiff_cli.runtime.errors import (
     PIPELINE_HINT,
     UTF8_LOCALE_HINT,
-    YAML_SYNTAX_HINT,
     ConfigError,
     PipelineError,
     as_typed,
@@ -50,6 +49,7 @@ from ardiff_cli.runtime.errors import (
     weights_in_folder,
     yaml_key_note,
     yaml_problem,
+    yaml_syntax_hint,
 )
 from ardiff_cli.runtime.kv.backends import ATTENTION_BACKEND_SETTINGS
 from ardiff_cli.runtime.observation import ObservationSchema
@@ -436,7 +436,7 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], str]:
         root = loader.get_single_node()
         data = None if root is None else loader.construct_document(root)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{as_typed(path)}: {yaml_problem(exc, text)}", hint=YAML_SYNTAX_HINT) from None
+        raise ConfigError(f"{as_typed(path)}: {yaml_problem(exc, text)}", hint=yaml_syntax_hint(exc)) from None
     except RecursionError:  # the parser recurses once per level of nesting
         raise ConfigError(f"{as_typed(path)}: lists or mappings are nested too deeply to read",
                           hint="a config is a few levels deep; look for runaway brackets") from None

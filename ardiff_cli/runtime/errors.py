@@ -421,6 +421,16 @@ def yaml_problem(exc: BaseException, text: str = "") -> str:
 YAML_SYNTAX_HINT = "check the indentation, quotes and brackets there and on the line before"
 
 
+def yaml_syntax_hint(exc: BaseException) -> str:
+    """The hint for a PyYAML error: where a tab is what it refused (an editor's indentation, or after a colon), the
+    tab and where it is; else ``YAML_SYNTAX_HINT``."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is not None and isinstance(problem, str) and problem.startswith("found character '\\t'"):
+        return (f"YAML indents with spaces, never tabs: replace the tab at line {mark.line + 1}, column "
+                f"{mark.column + 1} with spaces")
+    return YAML_SYNTAX_HINT
+
+
 def close_match(name: str, valid: Iterable[str], cutoff: float = 0.6) -> str | None:
     """The closest of ``valid`` to ``name``, or None when none is close (difflib's ratio under ``cutoff``). Case is
     ignored: `Model` found 'model', but `MODEL`, `preset: TINY` and `pipeline: DREAMZERO` found nothing (difflib

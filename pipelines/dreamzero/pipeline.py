@@ -263,10 +263,12 @@ class DreamZeroPipeline(ARPipeline):
 
     # ------------------------------------------------------------------ warmup
     def ar_diffusion_warmup_requests(self, session_id: str) -> Iterator[ARDiffusionRequest]:
-        """One one-frame request, then four-frame requests until the window is full, all in ``session_id``."""
+        """One one-frame request, then four-frame requests until the window is full (at least one: the shape of
+        every later step), all in ``session_id``."""
         c = self.config
         fill = c.sink_frames + c.window_frames - 1  # latent frames after the anchor
-        num_four = -(-fill // c.latent_frames_per_request)
+        # a window of one frame is full with the anchor: no four-frame request ran, which each step after it is
+        num_four = max(1, -(-fill // c.latent_frames_per_request))
         for i in range(1 + num_four):
             yield ARDiffusionRequest(f"warmup-{i}", self.example_inputs(1 if i == 0 else c.frames_per_request),
                                      {"session_id": session_id})
