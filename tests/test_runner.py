@@ -169,6 +169,25 @@ def test_request_reset_and_close_session_flags():
     assert [e.reason for e in closed] == ["close_session"]
 
 
+def test_one_request_with_both_reset_and_close_session_runs_afresh_and_leaves_nothing():
+    """The contract's two flags on one request (a stateless one-off on a session id): ``reset`` replaces the
+    session before the forward, ``close_session`` releases it after. The forward sees no history, the reset hook
+    runs before it and the close hook after, and the pool is back where it started."""
+    events = []
+    runner = make_runner(events=events)
+    free0 = runner.kv_cache.num_free_pages
+    fresh = make_runner().execute_model(request("a", 2))  # what a session without history outputs
+    runner.execute_model(request("a", 0))
+    runner.execute_model(request("a", 1))
+    output = runner.execute_model(request("a", 2, reset=True, close_session=True))
+    assert all(torch.equal(output[k], fresh[k]) for k in fresh)
+    assert runner.pipeline.hook_calls == [("reset", "a"), ("close", "a")]
+    assert runner.session_ids == [] and runner.kv_cache.num_free_pages == free0
+    assert runner.pipeline.model_state == {}
+    lifecycle = [(type(e).__name__, e.reason) for e in events if isinstance(e, (SessionReset, SessionClosed))]
+    assert lifecycle == [("SessionReset", "request_reset"), ("SessionClosed", "close_session")]
+
+
 def test_explicit_reset_and_close_release_everything():
     runner = make_runner()
     free0 = runner.kv_cache.num_free_pages
@@ -497,6 +516,7 @@ class _Stepping(TinyPipeline):
     ("pipeline", "kwargs", "error", "match"),
     [
         (TinyPipeline(), {"max_num_seqs": 4}, ValueError, "request-mode execution only.*max_num_seqs=4"),
+        (TinyPipeline(), {"max_num_seqs": 0}, ValueError, "request-mode execution only.*max_num_seqs=0"),
         (TinyPipeline(), {"step_execution": True}, ValueError, "request-mode execution only.*step execution"),
         (_Batching(), {}, ValueError, "request-mode execution only.*supports_request_batch"),
         (_Stepping(), {}, ValueError, "request-mode execution only.*supports_step_execution"),
@@ -957,6 +977,51 @@ def test_bind_that_is_not_a_context_manager_is_named_and_releases_the_session():
         runner.execute_model(request("a", 0))
     assert info.value.hint == "decorate it with @contextlib.contextmanager and yield once, in a try/finally"
     assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
+
+
+class _BindRaises(TinyPipeline):
+    """``bind_ar_diffusion_state`` raises when called (``call``: as one declared without ``session_id`` raises
+    TypeError) or as its context is entered (``enter``), once ``fail_bind`` says where."""
+
+    fail_bind: str | None = None
+
+    def bind_ar_diffusion_state(self, session_id, state):
+        if self.fail_bind == "call":
+            raise TypeError("cannot bind: bind_ar_diffusion_state() takes 2 positional arguments but 3 were given")
+        return self._bind(session_id, state)
+
+    @contextmanager
+    def _bind(self, session_id, state):
+        if self.fail_bind == "enter":
+            raise RuntimeError("cannot bind: the model is not ready")
+        with TinyPipeline.bind_ar_diffusion_state(self, session_id, state):
+            yield
+
+
+@pytest.mark.parametrize("where", ["call", "enter"])
+def test_a_binding_that_raises_is_a_failed_forward_and_releases_only_that_session(where):
+    """The binding is part of the request: a bind_ar_diffusion_state that raises, when called or entered, releases
+    the session with the close hook as a failed forward does (its history is gone, a bystander keeps its pages), and
+    the session's next request starts afresh."""
+    events = []
+    runner = make_runner(_BindRaises(), events=events)
+    runner.execute_model(request("other", 0))
+    pages_of_other = held_pages(runner)["other"]
+    runner.execute_model(request("a", 0))
+    runner.pipeline.fail_bind = where
+    with pytest.raises((TypeError, RuntimeError), match="cannot bind") as caught:
+        runner.execute_model(request("a", 1))
+    assert caught.value.__notes__ == ["request 'a:1' failed, so session 'a' was released: its history is gone, and "
+                                      "its next request starts afresh"]
+    assert runner.session_ids == ["other"] and held_pages(runner) == {"other": pages_of_other}
+    assert runner.kv_cache.allocator.num_used == len(pages_of_other)
+    assert runner.pipeline.hook_calls == [("close", "a")] and "a" not in runner.pipeline.model_state
+    closed = [(e.session_id, e.reason) for e in events if isinstance(e, SessionClosed)]
+    assert closed == [("a", "forward_exception")]
+    runner.pipeline.fail_bind = None
+    fresh = make_runner().execute_model(request("a", 1))
+    output = runner.execute_model(request("a", 1))
+    assert all(torch.equal(output[k], fresh[k]) for k in fresh)
 
 
 class _WarmupYieldsDicts(WarmTinyPipeline):
