@@ -258,12 +258,14 @@ def out_of_memory_hint(hint: str) -> str:
 
 def file_size_hint(hint: str) -> str:
     """``hint`` (a write's), led by this process's file-size limit (``ulimit -f``) when that refused the write (EFBIG):
-    no disk is full, and every file that size fails alike until it is raised."""
+    no disk is full, and every file that size fails alike until it is raised. The limit is said in bytes: ``ulimit -f``
+    counts blocks (1024 bytes in bash, 512 in a POSIX shell), and a limit set in bytes (``prlimit``, a supervisor) is
+    no whole number of them: 2,805 bytes read "ulimit -f 2", which is 2,048 in bash and 1,024 in dash."""
     limit = process_limit("FSIZE")
     if limit is None:  # the file system's largest file
         return hint
-    return (f"a file reached this process's file-size limit (now ulimit -f {limit // 1024}: {limit:,} bytes): raise it "
-            f"(ulimit -f unlimited); {hint}")
+    return f"a file reached this process's file-size limit of {limit:,} bytes (ulimit -f): raise it " \
+           f"(ulimit -f unlimited); {hint}"
 
 
 def budget_change(source: str, size: str, *, resume: bool = False) -> str:

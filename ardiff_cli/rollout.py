@@ -31,8 +31,10 @@ restore or replayed step in flight; a second stops it at once.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
+import os
 import time
 import traceback
 from collections.abc import Iterable
@@ -116,6 +118,14 @@ class RolloutStats:
 # errno values that refuse every later write to --out alike: the run stops instead of failing each episode. EFBIG:
 # a file past the process's size limit (ulimit -f), which every step's outputs, about one size, reach alike
 _DISK_FULL = {errno.ENOSPC, errno.EROFS, errno.EFBIG, *([errno.EDQUOT] if hasattr(errno, "EDQUOT") else [])}
+
+
+def _size(path: Path) -> int | None:
+    """The bytes of file ``path`` now, None if it cannot be told."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
 
 
 def recorded_folder(episode: EpisodeSource, recorded: str | None) -> str:
@@ -499,6 +509,7 @@ class Rollout:
         self._at = ("write", task.file, task.ordinal)
         with self.signals.critical():
             self._check_folder()
+            fresh = not os.path.lexists(self.run_folder.step_output(episode.name, step))
             try:
                 path = self.run_folder.write_step_outputs(
                     episode.name, step, output,
@@ -517,7 +528,7 @@ class Rollout:
                 "latency": latency, "evictions": len(evicted), "evicted": evicted, "replayed": replayed,
                 "restored": restored, "closed": task.is_last, "time": time.time(),
             }
-            self._append(record)
+            self._append(record, output=path if fresh else None)
         if self.options.preview:
             self._ok_outputs.setdefault(episode.name, []).append((step, record["output"]))
         self._digests.setdefault(episode.name, {})[step] = digest  # what a replay of this step must find
@@ -529,15 +540,25 @@ class Rollout:
         if task.is_last:  # after the outputs are safe (a failing close hook cannot lose them) and reported
             self._close_session(episode.name)
 
-    def _append(self, record: dict[str, Any]) -> None:
+    def _append(self, record: dict[str, Any], output: Path | None = None) -> None:
         """One whole line in results.jsonl; failing to write it stops the run (nothing else can record it). The caller
-        checked the folder is still this run's (``_check_folder``)."""
+        checked the folder is still this run's (``_check_folder``). ``output``: the step's output file, new, that the
+        line names: removed when the line is not written (a full disk, ``ulimit -f``), so that the run's folder holds
+        no output of a step that results.jsonl does not say is done. One a line may already name (a resume running a
+        step again for its missing or damaged output) is kept: it is whole."""
+        results = self.run_folder.results_path
+        before = _size(results)
         try:
             self.run_folder.append_result(record)
-        except OSError as exc:
+        except BaseException as exc:
+            if output is not None and _size(results) == before:  # no part of the line is there (it is cut off)
+                with contextlib.suppress(OSError):
+                    os.unlink(output)
+            if not isinstance(exc, OSError):
+                raise
             if too_many_open_files(exc):  # the process's limit, not the disk's or the folder's
                 raise
-            raise OutputError(f"cannot append to {self.run_folder.results_path}: {exc.strerror or exc}",
+            raise OutputError(f"cannot append to {results}: {exc.strerror or exc}",
                               hint=write_hint(self._resume_command())) from exc
 
     def _resume_command(self) -> str:

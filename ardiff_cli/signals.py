@@ -26,7 +26,9 @@ while the main thread was inside one call (a torch op) in the order of their num
 in the order they came: the order they came in is read from the signal module's wakeup file descriptor, where the
 process's C handler writes each signal's number as it arrives (``_handle``). Python also runs a signal's handler
 once for two of the same number that came inside one call (Ctrl-C twice): the wakeup fd has both, so the second
-stops the step at once.
+stops the step at once. A signal that comes while the handler of another runs (Python runs its handler at the
+handler's next line) is handled once that one is done, as if it came just after: raised in the middle of the first's
+handler, as it made the notice's thread, it stopped the step with no notice at all.
 
 A signal the process was started ignoring stays ignored: ``nohup`` ignores
 SIGHUP, and a shell ignores SIGINT for a script's background jobs.
@@ -75,10 +77,12 @@ class StopSignals:
         # the thread showing that notice: the step waits for it as it ends, so the notice comes out before whatever
         # follows the step (the stop's own lines: "saving N resident sessions", its error), never after them
         self._noticing: threading.Thread | None = None
-        # a signal that came while the handler started that thread (a second one, as SIGHUP sent to the group and by
-        # a shell comes twice): raised there it left the thread unknown to the step, which went on without it
-        self._again: int | None = None
-        self._starting_notice = False  # the handler is starting that thread
+        # Signals that came while the handler of an earlier one ran (a second, as SIGHUP sent to the group and by a
+        # shell comes twice; or any under load): each is handled once that handler is done. Raised inside it, one
+        # cut its bookkeeping short: as it made or started the notice's thread, it left no notice at all, or a thread
+        # unknown to the step, which went on without it
+        self._again: list[int] = []
+        self._handling = False  # the handler is running (``_handle``)
         self._stopping = False  # a stop was raised already: later signals are only recorded
         self.raised: int | None = None  # the signal the handler raised as ``Interrupted``
         self.first: int | None = None  # the first signal to arrive: the one a stop is raised for
@@ -149,9 +153,22 @@ class StopSignals:
         self.pending = self.pending or stop
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self._starting_notice:  # called inside the handler of the first signal: that one handles it next
-            self._again = signum
+        if self._handling:  # called inside the handler of an earlier signal: handled next, as if it came after it
+            self._again.append(signum)
             return
+        self._handling = True
+        try:
+            self._handle_one(signum, frame)
+            while self._again:
+                self._handle_one(self._again.pop(0), frame)
+        except BaseException:
+            self.after_stop.extend(self._again)  # they came after the stop was decided
+            self._again.clear()
+            raise
+        finally:
+            self._handling = False
+
+    def _handle_one(self, signum: int, frame: FrameType | None) -> None:
         arrived = [number for number in _drain() if number in self._previous]
         if self.first is None:  # not always this one: of two that came inside one torch op, SIGINT is handled first
             self.first = arrived[0] if arrived else signum
@@ -174,9 +191,6 @@ class StopSignals:
             self.pending = self.pending or self.first
             if first and self._steps and not self._stopping and self._notice is not None:
                 self._start_notice(self.first)
-                if self._again is not None:  # a second signal came while it started: handled now, as it asks
-                    again, self._again = self._again, None
-                    self._handle(again, frame)
             return
         self._stopping = True
         self.raised = self.first  # a second signal stops at once, but as the first: SIGTERM then Ctrl-C exits 143
@@ -186,14 +200,11 @@ class StopSignals:
         """Show the notice of signal ``signum`` on a thread of its own, which the step's end waits for
         (``_noticed``)."""
         thread = threading.Thread(target=self._notice, args=(signum,), name="ardiff-stop-notice", daemon=True)
-        self._starting_notice = True
         try:
             thread.start()
             self._noticing = thread
         except RuntimeError:  # can't start new thread (a process limit): the stop itself still comes
             pass
-        finally:
-            self._starting_notice = False
 
     @contextlib.contextmanager
     def critical(self) -> Iterator[None]:

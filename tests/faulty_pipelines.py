@@ -83,9 +83,11 @@ def _act(fault: dict[str, Any], message: str) -> None:
                 raise InjectedFault(message) from exc
         return
     if fault.get("action") == "torch_wait":  # the main thread in one torch call that checks no signal meanwhile
-        Path(fault["marker"]).write_text(message)
         done = torch.futures.Future()
         threading.Thread(target=_complete_when, args=(done, fault["release"]), daemon=True).start()
+        # the marker once the thread is started: a signal the test sends then, handled as Thread.start() ran, stopped
+        # the step there and left that thread without its bookkeeping (a KeyError traceback as it began)
+        Path(fault["marker"]).write_text(message)
         done.wait()  # Python runs the handlers of the signals that came meanwhile once it returns
         return
     if fault.get("action") == "linger":

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -729,6 +731,55 @@ def test_sigterm_or_sighup_however_early_ends_the_command_as_ctrl_c_does_with_it
     assert (proc.returncode, proc.stderr) == (code, f"Error: interrupted by {name}\n"), proc.stderr
     assert [json.loads(line) for line in proc.stdout.splitlines()] == [
         {"kind": "interrupted", "message": f"interrupted by {name}", "hint": None, "exit_code": code}]
+
+
+def _caught(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler of its own for ``signum`` now (``SigCgt`` in /proc/PID/status)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return bool(int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M).group(1), 16) & (1 << (signum - 1)))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/PID/status")
+@pytest.mark.parametrize(("name", "when"), [
+    *[(name, "right after start") for name in ("SIGTERM", "SIGHUP")],  # Ctrl-C there: Python's own (see README)
+    *[(name, when) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+      for when in ("once ardiff takes the signals", "once the run folder is locked")]])
+def test_a_signal_however_early_in_a_rollout_ends_it_with_its_exit_code_and_one_line(tmp_path, cli_env, name, when):
+    """`kill $pid` (Ctrl-C, a closed terminal) at points of a real `ardiff rollout`'s first second, whatever the
+    instant each lands at: the exit code is the signal's, with one `Error:` line saying so and no traceback. Before
+    ardiff's first line runs (the interpreter starting), there is nothing to say it: the process dies of the signal
+    as it would of any program's (a shell shows the same 143 or 129), and prints nothing. From the moment ardiff's
+    handlers are in place (the kernel says so: SigCgt has SIGTERM, which the interpreter leaves alone, where it sets
+    SIGINT's own from its start; ardiff takes SIGINT before it) that is no longer an outcome. The run waits (--follow
+    on an episode with no steps yet), so it is still running whatever point the signal lands on."""
+    signum = getattr(signal, name)
+    (tmp_path / "fast.yaml").write_text("pipeline: dreamzero\nmodel: {preset: tiny, num_inference_steps: 1}\n"
+                                        "runtime: {device: cpu}\n")
+    (tmp_path / "arm_a").mkdir()
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "fast.yaml"),
+                             str(tmp_path / "arm_a"), "--follow", "--out", str(out), "--no-warmup", "--format",
+                             "plain"], cwd=tmp_path, env=cli_env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while when != "right after start" and not (
+                _caught(proc.pid, signal.SIGTERM) if when == "once ardiff takes the signals" else
+                (out / ".lock").exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
+            time.sleep(0.001)
+        took_it = _caught(proc.pid, signal.SIGTERM)
+        proc.send_signal(signum)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    if proc.returncode == -signum:  # killed by it: only before ardiff's code ran, and then with not a word
+        assert not took_it and (stdout, stderr) == ("", ""), stderr
+    else:
+        said = "interrupted( by SIGINT)?" if name == "SIGINT" else f"interrupted by {name}"
+        assert proc.returncode == 128 + signum, stderr
+        errors = [line for line in stderr.splitlines() if line.startswith("Error:")]
+        assert len(errors) == 1 and re.fullmatch(f"Error: {said}", errors[0]) and "Traceback" not in stderr, stderr
 
 
 @pytest.mark.parametrize("format", [[], ["--format", "json"]], ids=["auto", "json"])

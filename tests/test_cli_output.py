@@ -419,7 +419,8 @@ def test_the_notice_of_a_first_signal_says_the_step_finishes_and_the_live_panel_
     assert re.search(r" · \S+ stopping$", console.export_text(), re.M), console.export_text()
 
 
-@pytest.mark.parametrize("second", [None, "in the step", "as the notice starts", "as the step's end waits"])
+@pytest.mark.parametrize("second", [None, "in the step", "as the notice's thread is made", "as the notice starts",
+                                    "as the step's end waits"])
 def test_the_notice_of_a_first_signal_comes_out_before_the_lines_of_the_stop(monkeypatch, second):
     """The notice ('SIGTERM: finishing the step in flight, then stopping') is shown from a thread of its own: the
     handler interrupted the main thread, which may hold the lock of the panel or of the stream the notice takes.
@@ -428,8 +429,10 @@ def test_the_notice_of_a_first_signal_comes_out_before_the_lines_of_the_stop(mon
     SIGTERMed as its steps ran): a user, and a script reading stderr, read that a step was being finished after the
     run had said it was stopping. Now the step's end waits for the notice. So too when a second signal stops the step
     at once, even one that comes while the handler of the first starts the notice's thread (SIGHUP sent twice, to the
-    process group and by a shell): raised there, it left the step unaware of the thread; and one that comes as the
-    step's end waits for the notice (raised at once: it cut that wait short, the thread forgotten)."""
+    process group and by a shell): raised there, it left the step unaware of the thread; or as that handler makes the
+    thread, before it starts it (SIGINT then SIGTERM while a loaded CI ran the first's handler: no notice at all); and
+    one that comes as the step's end waits for the notice (raised at once: it cut that wait short, the thread
+    forgotten)."""
     from ardiff_cli.commands.rollout import _stop_notice
     from ardiff_cli.monitor import RunMonitor
 
@@ -440,6 +443,13 @@ def test_the_notice_of_a_first_signal_comes_out_before_the_lines_of_the_stop(mon
         if thread.name == "ardiff-stop-notice":
             signal.raise_signal(signal.SIGTERM)  # the handler of the first signal has not returned yet
 
+    init = threading.Thread.__init__
+
+    def make_then_signal(thread: threading.Thread, *args, **kwargs) -> None:
+        init(thread, *args, **kwargs)
+        if thread.name == "ardiff-stop-notice":
+            signal.raise_signal(signal.SIGTERM)  # the handler of the first signal has not started the thread yet
+
     join = threading.Thread.join
     waited: list[threading.Thread] = []
 
@@ -449,7 +459,9 @@ def test_the_notice_of_a_first_signal_comes_out_before_the_lines_of_the_stop(mon
             signal.raise_signal(signal.SIGTERM)  # raised at once (the step is over): it cut that wait short
         join(thread, timeout)
 
-    if second == "as the notice starts":
+    if second == "as the notice's thread is made":
+        monkeypatch.setattr(threading.Thread, "__init__", make_then_signal)
+    elif second == "as the notice starts":
         monkeypatch.setattr(threading.Thread, "start", start_then_signal)
     elif second == "as the step's end waits":
         monkeypatch.setattr(threading.Thread, "join", signal_then_join)
@@ -474,7 +486,8 @@ def test_the_notice_of_a_first_signal_comes_out_before_the_lines_of_the_stop(mon
         sys.setswitchinterval(previous)
     assert info.value.exit_code == 143
     assert stderr.getvalue().splitlines() == [
-        *["the step's line"] * (second != "as the notice starts"),  # that one cut the step as the signal came
+        # those cut the step as the signal came
+        *["the step's line"] * (second not in ("as the notice's thread is made", "as the notice starts")),
         "SIGTERM: finishing the step in flight, then stopping (SIGTERM again to stop at once; that step's episode "
         "then replays on --resume)",
         "saving 2 resident sessions for --resume"]
