@@ -82,7 +82,9 @@ class StepFailed(ArdiffError):
     the earlier step ``replayed`` to rebuild an evicted session), ``forward`` (the
     model) or ``write`` (its output file). The cause is chained (``__cause__``).
     ``budget`` (what set the memory budget) and ``plan`` (the run's ``CapacityPlan``)
-    word the hint of memory running out (``lighter_resume_hint``).
+    word the hint of memory running out (``lighter_resume_hint``). ``resume``: the run's resume command; of a step
+    that ran out of memory, ``self.resume`` is the one to paste after it (``lighter_resume``), which the run's closing
+    hint gives too; else None.
     """
 
     PHASES = {
@@ -108,6 +110,7 @@ class StepFailed(ArdiffError):
         # ardiff's own errors say their code; another's exit_code attribute (click's Exit: 0) is not ardiff's to take
         self.exit_code = (EXIT_CAPACITY if is_out_of_memory(cause)
                           else cause.exit_code if isinstance(cause, ArdiffError) else EXIT_BUG)
+        self.resume = _memory_resume(phase, cause, plan, resume)
 
 
 def pages_short(exc: BaseException | None) -> bool:
@@ -154,6 +157,27 @@ def import_hint(then: str = "run again") -> str:
     return f"free some memory (another process using it?) and {then}: it ran out before the model began to load"
 
 
+def lighter_resume(resume: str, plan: CapacityPlan | None) -> str | None:
+    """``resume`` (the run's resume command) carrying what the hint of memory running out asks for, to paste: one
+    session fewer than ``plan`` keeps (``--session-capacity``), which shrinks the KV pool whatever limits it now; as
+    it is where the pool holds one session (free memory is the change there). None: the plan is not known."""
+    if plan is None:
+        return None
+    return resume if plan.session_capacity <= 1 else f"{resume} --session-capacity {plan.session_capacity - 1}"
+
+
+def to_paste(hint: str, command: str | None) -> str:
+    """``hint``, ending with the ``command`` that does what it says (none: ``hint`` as it is)."""
+    return hint if command is None else f"{hint}; to paste: {command}"
+
+
+def _memory_resume(phase: str, cause: BaseException, plan: CapacityPlan | None, resume: str | None) -> str | None:
+    """The resume to paste after a step that ran out of memory (``lighter_resume``); None for any other failure."""
+    if resume is None or phase == "write" or too_many_open_files(cause) or pages_short(cause):
+        return None
+    return lighter_resume(resume, plan) if is_out_of_memory(cause) else None
+
+
 def _smaller(dtype: str) -> str:
     """A smaller dtype (bfloat16, from float32: float16 and bfloat16 take as much) or model than ``dtype``'s."""
     return "--dtype bfloat16 or a smaller model" if dtype == "float32" else "a smaller model"
@@ -189,7 +213,8 @@ def _step_hint(phase: str, cause: BaseException, budget: str | None, plan: Capac
                 "KV spec or ardiff's plan undercounts this step's pages (report it, with the --verbose traceback); the "
                 "other sessions were untouched; continue with --resume")
     if is_out_of_memory(cause):
-        return out_of_memory_hint(lighter_resume_hint(budget, plan, " (the other sessions were untouched)"))
+        return to_paste(out_of_memory_hint(lighter_resume_hint(budget, plan, " (the other sessions were untouched)")),
+                        _memory_resume(phase, cause, plan, resume))
     if isinstance(cause, ArdiffError) and cause.hint:
         return cause.hint
     return ("the episode's session was released; the traceback is in results.jsonl (and printed with --verbose); "

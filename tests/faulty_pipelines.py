@@ -34,6 +34,8 @@ Each fault is a JSON object:
   twice inside ``try: ... except Exception: pass`` and go on, as a pipeline or library that catches everything
   would: the first only asks the step to finish, the second is raised there) or ``wrap_signal`` (the same, then
   raise its own error ``from`` what it caught);
+- ``pool_over`` (any site): the fault fires only while the KV page pool has more pages than that (memory that runs out
+  beside a large pool only, as a lower ``--session-capacity`` would avoid);
 - ``probe`` (block and sampler): also keep a weak reference to the first argument (a tensor), and site ``probe`` on
   a later request writes to ``path`` which of those tensors are still alive (after ``gc.collect()``): a failed
   episode must not keep its forward's tensors alive for the rest of the run.
@@ -292,9 +294,17 @@ class FaultyDreamZero(DreamZeroPipeline):
     def forward(self, request):
         with contextlib.ExitStack() as stack:
             for fault in load_faults():
-                if fault.get("request") == request.request_id:
+                if fault.get("request") == request.request_id and self._pool_over(fault):
                     stack.enter_context(self._install(fault))
             return super().forward(request)
+
+    def _pool_over(self, fault: dict[str, Any]) -> bool:
+        """Whether the fault fires with this KV pool: always, or with ``pool_over`` only while the pool has more pages
+        than that (the activations of a step fit beside a smaller pool, as on a device short of memory)."""
+        if "pool_over" not in fault:
+            return True
+        _session_id, state = self._bound
+        return state._cache.allocator.num_pages > int(fault["pool_over"])
 
     def _install(self, fault: dict[str, Any]):
         site = fault["site"]

@@ -320,8 +320,21 @@ def test_a_run_whose_episodes_failed_by_a_bad_file_midway_hints_the_resume_to_pa
     assert (error["kind"], error["hint"]) == (
         "episodes_failed", f"fix what is named above, then continue with: ardiff rollout --resume --out "
                            f"{tmp_path / 'partial'}")
-    shutil.copy(data / "eps" / "arm_b" / "step_000001.safetensors", only / "arm_b")  # fixed: the hint, pasted
     pasted = first.stderr.rstrip("\n").rsplit("continue with: ardiff ", 1)[1]
+    # The README: a script may resume while a resume gets further, not until exit 0 (the bad file stays bad: that
+    # looped forever). Resumed unfixed, the step fails alike: the same exit code and error, another failed line, no
+    # output, and summary.json's steps.this_run 0 with the summary line's "0 steps", which say it got no further.
+    outputs_before = sorted((run / "episodes").rglob("*.safetensors"))
+    for _ in range(2):
+        again = ardiff(env, *shlex.split(pasted), "--no-warmup", "--format", "plain")
+        assert again.returncode == first.returncode, again.stderr
+        assert again.stderr.endswith(first.stderr.rsplit("\nError: ", 1)[1]), again.stderr
+        assert "rollout failed: 0 steps in " in again.stdout, again.stdout
+        summary = json.loads((run / "summary.json").read_text())
+        assert (summary["status"], summary["steps"]["this_run"], summary["steps"]["failed"]) == ("failed", 0, 1)
+    assert [r["status"] for r in records(run)] == ["ok", "failed", "failed", "failed"]
+    assert sorted((run / "episodes").rglob("*.safetensors")) == outputs_before
+    shutil.copy(data / "eps" / "arm_b" / "step_000001.safetensors", only / "arm_b")  # fixed: the hint, pasted
     proc = ardiff(env, *shlex.split(pasted), "--no-warmup")
     assert proc.returncode == 0, proc.stderr
     assert records(run)[-1]["status"] == "ok"

@@ -1246,9 +1246,12 @@ def test_a_step_out_of_memory_hints_at_what_set_the_budget_and_never_at_another_
     def hint(config: Path, out: Path, *extra: str) -> str:
         error = step_out_of_memory(env, data, config, out, *extra)
         assert "--dtype" not in error["hint"] and "use a smaller dtype" not in error["hint"], error
+        sessions = json.loads((out / "summary.json").read_text())["capacity_plan"]["session_capacity"]
+        assert sessions > 1
+        # and the resume to paste, with one session fewer
         assert error["hint"].endswith("--resume keeps the run's dtype and config, so a smaller dtype or model is a "
-                                      "new run (another --out)"), error
-        assert json.loads((out / "summary.json").read_text())["capacity_plan"]["session_capacity"] > 1
+                                      f"new run (another --out); to paste: ardiff rollout --resume --out {out} "
+                                      f"--pipeline {PIPELINE} --session-capacity {sessions - 1}"), error
         return error["hint"]
 
     def resume_with(pool: str) -> str:
@@ -1276,6 +1279,81 @@ def test_a_step_out_of_memory_hints_at_what_set_the_budget_and_never_at_another_
     assert "--dtype" not in proc.stderr and "use a smaller dtype" not in proc.stderr, proc.stderr
 
 
+# arm_b's step 1 runs out of memory beside a KV pool of more than 12 pages: two sessions' (19), not one's (11)
+LARGE_POOL_OOM = [{**STEP_OOM[0], "pool_over": 12}]
+
+
+def paste_hint(env, hint: str, faults: list | None = None) -> subprocess.CompletedProcess:
+    """The command a hint ends with (``continue with: CMD``, ``to paste: CMD``), pasted into bash as it is printed."""
+    from test_cli_rollout import pasted
+
+    command = re.split(r"(?:continue with|to paste): ", hint)[-1]
+    return pasted({**env, "ARDIFF_TEST_FAULTS": json.dumps(faults or [])}, f"{command} --no-warmup", REPO)
+
+
+def last_hint(stderr: str) -> str:
+    return stderr.rstrip("\n").rsplit("\nhint: ", 1)[1]
+
+
+@pytest.mark.parametrize("fail_fast", [False, True], ids=["goes_on", "fail_fast"])
+def test_the_resume_a_step_out_of_memory_hints_at_lowers_the_session_capacity_and_pasted_completes_the_run(
+        env, data, reference, tmp_path, fail_fast):
+    """The step's hint asked for a lower --session-capacity, but the run's closing hint gave the run's resume alone
+    (and --fail-fast's, the step's, no command): pasted, it ran into the same out of memory (exit 4 again). Both end
+    with one resume, one session fewer than the plan kept, which pasted into bash completes the run."""
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(four_sessions_config(tmp_path)), str(data / "eps"), "--out", str(run),
+                  "--pipeline", PIPELINE, "--no-warmup", "--memory-budget", "600KB", "--format", "plain",
+                  *(["--fail-fast"] if fail_fast else []), faults=LARGE_POOL_OOM)
+    assert proc.returncode == (3 if fail_fast else 4), proc.stderr
+    assert json.loads((run / "summary.json").read_text())["capacity_plan"]["session_capacity"] == 2
+    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE} --session-capacity 1"
+    step = proc.stderr.split("Error: episode 'arm_b' failed at step 1 in the model's forward: out of host memory: "
+                             "MemoryError\nhint: ", 1)[1].split("\n", 1)[0]
+    assert step.startswith("continue with --resume and a lower --session-capacity or a smaller --memory-budget: ")
+    assert step.endswith(f"; to paste: {again}"), step
+    hint = last_hint(proc.stderr)
+    assert hint == (step if fail_fast else f"fix what is named above, then continue with: {again}"), hint
+    proc = paste_hint(env, hint, faults=LARGE_POOL_OOM)  # the same device: memory runs out beside two sessions' pool
+    assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference)
+
+
+def test_every_episode_failed_in_the_model_with_a_folder_deleted_since_hints_the_resume_that_goes_on(env, data,
+                                                                                                    reference,
+                                                                                                    tmp_path):
+    """Every episode failed in its forward and one folder was deleted after (a recorder's cleanup): the closing hint
+    was the table's "fix what is named above and rerun with --resume", refused without --out, and by the folder's
+    absence with it. It says the folder must be back and gives the run's resume, which pasted then completes it."""
+    robots, run = tmp_path / "robots", tmp_path / "run"
+    for name in ("arm_a", "arm_b"):
+        shutil.copytree(data / "eps" / name, robots / name)
+    faults = [{"request": f"{name}/000000", "site": "block", "layer": 0} for name in ("arm_a", "arm_b")]
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(robots),
+                             "--out", str(run), "--pipeline", PIPELINE, "--follow", "--idle-timeout", "3",
+                             "--no-warmup", "--format", "plain"], cwd=REPO, text=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)})
+    try:
+        results, deadline = run / "results.jsonl", time.monotonic() + 300
+        while not (results.exists() and results.read_text().count("\n") >= 2):  # both failed at their step 0
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+            time.sleep(0.05)
+        shutil.rmtree(robots / "arm_a")  # the run follows on for 3 s without a new step
+        stderr = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, stderr
+    assert "Error: every episode failed (arm_a, arm_b)\nhint: " in stderr, stderr
+    hint = last_hint(stderr)
+    assert hint == ("fix what is named above; a resume needs the folder of arm_a back at its path (gone since it "
+                    "failed; moved: a symlink there to where it is now will do), then continue with: ardiff rollout "
+                    f"--resume --out {run} --pipeline {PIPELINE}"), hint
+    shutil.copytree(data / "eps" / "arm_a", robots / "arm_a")  # back, and the pipeline fixed: no faults
+    proc = paste_hint(env, hint)
+    assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference, ("arm_a", "arm_b"))
+
+
 def test_a_step_out_of_memory_hints_only_at_changes_that_shrink_the_kv_pool(env, data, tmp_path):
     """The hint said "continue with --resume and a lower --session-capacity or a smaller --memory-budget" whatever
     the plan. With one session planned neither can help: --session-capacity takes no fewer, and a budget too small for
@@ -1299,7 +1377,8 @@ def test_a_step_out_of_memory_hints_only_at_changes_that_shrink_the_kv_pool(env,
     assert failed(data / "fast.yaml", one, "--memory-budget", "64MiB") == (
         "the KV pool holds one session, the least a plan keeps, and it does not fit with the model's activations (the "
         "other sessions were untouched): free memory on the device (another process using it?) and continue with "
-        "--resume; --resume keeps the run's dtype and config, so a smaller dtype or model is a new run (another --out)")
+        "--resume; --resume keeps the run's dtype and config, so a smaller dtype or model is a new run (another "
+        f"--out); to paste: ardiff rollout --resume --out {one} --pipeline {PIPELINE}")
     planned = pool(one)
     assert planned[0] == 1, planned
     proc = resume(one, "--session-capacity", "0")

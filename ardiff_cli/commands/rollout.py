@@ -1399,21 +1399,31 @@ def _failed_episodes(stats: Any, num_episodes: int, out_dir: Path, pipeline: str
     names = ", ".join(stats.failed)
     # The run's folder holds the run now, so the same command is refused: the way on is its resume, to paste
     # (a bad file midway, every episode failing so, hinted "see the episode format", of no use at that point)
-    hint = f"fix what is named above, then continue with: {resume_command(out_dir, pipeline)}"
+    # one that ran out of memory: the resume with what its hint asks for (a lower --session-capacity), else pasting it
+    # runs into the same error
+    again = next((e.resume for e in stats.errors.values() if getattr(e, "resume", None)),
+                 resume_command(out_dir, pipeline))
+    hint = f"fix what is named above, then continue with: {again}"
+    missing = [name for name in stats.failed if name in stats.folders_missing]
+    if missing:  # gone since it failed (a recorder's cleanup): a resume refuses a run with an episode folder missing
+        one = len(missing) == 1
+        hint = (f"fix what is named above; a resume needs the folder{'' if one else 's'} of {', '.join(missing)} "
+                f"back at {'its path' if one else 'their paths'} (gone since {'it' if one else 'they'} failed; "
+                f"moved: a symlink there to where it is now will do), then continue with: {again}")
     if stats.completed_episodes:
         partial = EpisodesFailed(f"{len(stats.failed)} of {plural(num_episodes, 'episode')} failed: {names}; "
                                  "the others completed")
         partial.hint = hint
         return partial
     message = f"every episode failed ({names})"
-    if stats.folders_missing:  # one failed on its input, then deleted (a recorder's cleanup): no run to go on with
-        hint = None
+    if missing and all(isinstance(e, ObservationError) for e in stats.errors.values()):
+        hint = None  # failed on its input, then deleted (a recorder's cleanup): no run to go on with
     if stats.failed.keys() <= stats.folders_gone:
         one = len(stats.failed) == 1
         message += (f": {'its folder is' if one else 'their folders are'} gone (deleted or renamed while the run read "
                     f"{'it' if one else 'them'})")
         hint = (f"put {'it' if one else 'each'} back at its path (moved: a symlink there to where it is now will do), "
-                f"then continue with: {resume_command(out_dir, pipeline)}")
+                f"then continue with: {again}")
     errors = list(stats.errors.values())
     if all(isinstance(e, ObservationError) for e in errors):
         return ObservationError(message, hint=hint)
