@@ -27,16 +27,24 @@ C = TypeVar("C")
 class InvalidField(ValueError):
     """Raised by ``__post_init__``; ``config_from_dict`` turns it into a ``ConfigError`` with the source."""
 
-    def __init__(self, name: str, expected: str, got: object) -> None:
+    def __init__(self, name: str, expected: str, got: object, *, other: InvalidField | None = None) -> None:
         super().__init__(f"field {name!r}: expected {expected}, got {shown(got)}")
         self.name = name  # the offending field
         self.expected = expected  # what would have been valid, in words
         self.got = got  # the value given
+        self.other = other  # the same mistake worded for another field the check reads, blamed when only it was set
+
+    def blamed(self, given: Mapping[str, Any]) -> InvalidField:
+        """The field to name, of the keys ``given`` in the model: section: this one, unless it was not given (a
+        preset's or the default) and the other field of the check was (`vae_stride: 3` named 'model.height')."""
+        if self.other is not None and self.name not in given and self.other.name in given:
+            return self.other
+        return self
 
 
-def require(ok: bool, name: str, expected: str, got: object) -> None:
+def require(ok: bool, name: str, expected: str, got: object, *, other: InvalidField | None = None) -> None:
     if not ok:
-        raise InvalidField(name, expected, got)
+        raise InvalidField(name, expected, got, other=other)
 
 
 def derive(config: object, name: str, value: object) -> None:
@@ -123,6 +131,7 @@ def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str, prese
     try:
         return cls(**values)
     except InvalidField as exc:
+        exc = exc.blamed(data)
         raise field_error(where, f"model.{exc.name}", exc.expected, exc.got) from None
 
 
@@ -192,14 +201,29 @@ class BackboneConfig:
                 list(self.patch_size))
         _, ph, pw = self.patch_size
         for name, pixels, patch in (("height", self.height, ph), ("width", self.width, pw)):
-            require(pixels % (self.vae_stride * patch) == 0, name,
-                    f"a multiple of vae_stride * patch = {self.vae_stride * patch}", pixels)
+            if pixels % (self.vae_stride * patch):
+                raise InvalidField(name, f"a multiple of vae_stride * patch = {self.vae_stride * patch}", pixels,
+                                   other=self._stride_mistake(ph, pw))
         derive(self, "head_size", head_size)
         derive(self, "latent_height", self.height // self.vae_stride)
         derive(self, "latent_width", self.width // self.vae_stride)
         derive(self, "tokens_per_frame", (self.latent_height // ph) * (self.latent_width // pw))
         derive(self, "in_dim", self.latent_channels)
         derive(self, "out_dim", self.latent_channels)
+
+    def _stride_mistake(self, ph: int, pw: int) -> InvalidField | None:
+        """A height or width that is no multiple of vae_stride * patch, said of vae_stride (named when the config set
+        it, not height or width: `vae_stride: 3` was blamed on 'model.height'), with the strides that would do; None
+        when none would (the patch does not divide height or width)."""
+        whole = self.height % ph == 0 and self.width % pw == 0
+        common = math.gcd(self.height // ph, self.width // pw) if whole else 0
+        strides = [str(s) for s in range(1, min(common, 64) + 1) if common % s == 0]
+        if not strides:
+            return None
+        which = "e.g. " if common > 64 else "one of " if len(strides) > 1 else "only "
+        return InvalidField("vae_stride", f"a value for which height={self.height} and width={self.width} are "
+                            f"multiples of vae_stride * patch ({ph} x {pw}): {which}{', '.join(strides)}",
+                            self.vae_stride)
 
     def backbone_kv_spec(self, **pipeline_specific: Any) -> ARDiffusionKVCacheSpec:
         """The KV spec's backbone geometry and retention, plus what the pipeline adds (branches, caches, ...)."""

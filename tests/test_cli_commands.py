@@ -810,6 +810,29 @@ def test_inspect_capacity_says_one_session_fits_when_the_budget_is_raised_to_hol
     assert re.search(r"^2 sessions +95% +of available memory \(over budget\)", result.stdout, re.M), result.stdout
 
 
+def test_inspect_capacity_says_sessions_past_the_session_limit_do_not_fit_and_what_set_the_limit():
+    """100 sessions of a config limited to 2 said "(fits)": the memory holds them, but no more than the limit are ever
+    resident (the rest are evicted). The row says so and names what set the limit: the config, --session-capacity or
+    the pipeline's KV spec. A real process, as a user runs it."""
+    def rows(*args: str) -> dict[str, str]:
+        proc = _ardiff("inspect-capacity", *args, "--available", "80GiB", "--sessions", "2", "--sessions", "100",
+                       "--format", "plain")
+        assert proc.returncode == 0, proc.stderr
+        return {line.split("  ")[0]: line for line in proc.stdout.splitlines() if " session" in line.split("  ")[0]}
+
+    shown = rows("causal-world-tiny")
+    assert shown["2 sessions"].endswith("of available memory (fits)"), shown
+    assert shown["100 sessions"].endswith("of available memory (does not fit: more than the session limit of 2, set "
+                                          "by the config's runtime.session_capacity)"), shown
+    shown = rows("causal-world-tiny", "--session-capacity", "4")
+    assert shown["100 sessions"].endswith("(does not fit: more than the session limit of 4, set by "
+                                          "--session-capacity)"), shown
+    shown = rows("dreamzero-14b")  # no runtime.session_capacity: the preset's 8
+    assert shown["100 sessions"].endswith("(does not fit: more than the session limit of 8, set by the pipeline's KV "
+                                          "spec)"), shown
+    assert shown["2 sessions"].endswith("(fits)"), shown
+
+
 def test_inspect_capacity_says_sessions_that_need_exactly_the_available_memory_are_over_budget_not_too_many():
     """Two sessions needing every byte available fit the device, only not within gpu_memory_fraction: 'over
     budget' (raise the fraction), not 'does not fit' (a larger device)."""
@@ -888,7 +911,8 @@ def test_inspect_capacity_shows_large_figures_without_exponent_notation():
     result = runner.invoke(app, ["inspect-capacity", "dreamzero-14b", "--available", "80GiB", "--sessions", "200",
                                  "--format", "plain"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.stderr
-    assert re.search(r"^200 sessions +1,050% +of available memory \(does not fit\)", result.stdout, re.M), result.stdout
+    assert re.search(r"^200 sessions +1,050% +of available memory \(does not fit: more than the session limit of 8,",
+                     result.stdout, re.M), result.stdout
     assert re.search(r"^8 sessions +42\.6% ", result.stdout, re.M), result.stdout
     result = runner.invoke(app, ["inspect-capacity", "dreamzero-tiny", "--available", "80GiB", "--format", "plain"],
                            env={"COLUMNS": "200"})
@@ -1058,7 +1082,9 @@ def test_a_budget_beyond_the_device_names_what_set_it(tmp_path, cli_env):
                               cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2, proc.stderr
         error = json.loads(proc.stdout.splitlines()[-1])
-        assert error["kind"] == "config_error" and "of KV memory, more than cpu has (" in error["message"], error
+        # "more than cpu has (22.42 GiB in all)" read as a device named cpu: it is the host's memory
+        assert error["kind"] == "config_error" and re.search(
+            r"of KV memory, more than this host's \d+\.\d\d [GT]iB of memory$", error["message"]), error
         return error["hint"]
 
     many = ("--session-capacity", "100000000")

@@ -20,6 +20,7 @@ import pytest
 
 from ardiff_cli.runtime.capacity import plan_capacity
 from ardiff_cli.runtime.config import load_config
+from ardiff_cli.runtime.kv.backends import CPU_AUTO_REASON
 
 VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None  # looked up, not imported
 
@@ -185,6 +186,25 @@ def test_auto_with_a_cpu_build_of_torch_plans_on_the_host_as_loading_would_run(t
     assert calls_of(log) == []
     data = json.loads(inspect(tmp_path, "dreamzero-tiny", "--device", "cuda", gpu_torch=False).stdout)  # as asked
     assert data["plan_device"] == "cuda:0" and data["plan"]["available_bytes"] == FOUR_GPUS["0"] * MIB
+
+
+@pytest.mark.parametrize(("gpu_torch", "env"), [(False, {}), (True, {"CUDA_VISIBLE_DEVICES": ""})],
+                         ids=["cpu-build", "gpus-hidden"])
+def test_auto_where_loading_can_only_use_the_cpu_says_which_attention_the_cpu_uses(tmp_path, gpu_torch, env):
+    # A CPU build of torch (or every GPU hidden) loads on the CPU: the attention row said "vllm on CUDA, torch on CPU
+    # (CUDA: FlashAttention; CPU: ...)", about a CUDA this machine's torch cannot use.
+    fake_nvidia_smi(tmp_path / "bin")
+    args = ("dreamzero-tiny", "--dtype", "bfloat16", "--available", "1GiB")
+    data = json.loads(inspect(tmp_path, *args, vllm=True, gpu_torch=gpu_torch, **env).stdout)
+    assert (data["device"], data["plan_device"]) == ("auto", "cpu"), data["plan_device_reason"]
+    assert data["attention"]["expected_backend"] == data["attention"]["plan_backend"] == "torch"
+    assert data["attention"]["reason"] == CPU_AUTO_REASON
+    plain = inspect(tmp_path, *args, vllm=True, gpu_torch=gpu_torch, fmt="plain", COLUMNS="300", **env)
+    row = next(line for line in plain.stdout.splitlines() if line.startswith("attention"))
+    assert re.fullmatch(rf"attention +torch +--attention-backend auto: {re.escape(CPU_AUTO_REASON)}", row), row
+    # where a GPU may yet be used (nvidia-smi missing, a GPU build of torch), both expectations stay
+    data = json.loads(inspect(tmp_path, *args, gpu=False, vllm=True).stdout)
+    assert data["attention"]["expected_backend"] == "vllm on CUDA, torch on CPU"
 
 
 @pytest.mark.parametrize("files", [[], ["lib/libtorch_python.so"]], ids=["no-lib-folder", "libraries-elsewhere"])

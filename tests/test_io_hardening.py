@@ -330,6 +330,23 @@ def test_episode_yaml_the_parser_cannot_hold_is_named(tmp_path, text, fault, hin
     assert failed["hint"] == info.value.hint and objects[-1]["kind"] == "observation_error", objects[-1]
 
 
+@pytest.mark.parametrize(("text", "where"), [("prompt: pick\nextra:\n\tcamera: wrist\n", "line 3, column 1"),
+                                             ("prompt:\tpick up the cube\n", "line 1, column 8")])
+def test_a_tab_in_episode_yaml_is_named_as_a_config_tab_is(tmp_path, text, where):
+    """A tab (an editor's indentation, or after a colon) got the generic hint "check the indentation, quotes and
+    brackets", which a config's tab no longer gets: the hint says where the tab is, as a config's does."""
+    write_step(tmp_path / "ep", 0, good(0))
+    (tmp_path / "ep" / "episode.yaml").write_text(text)
+    result = ardiff("rollout", "dreamzero-tiny", "ep", "-o", "run", "--no-warmup", cwd=tmp_path,
+                    ARDIFF_CACHE_DIR=str(tmp_path / "cache"))
+    assert result.returncode == 2, result.stderr
+    (failed,) = [o for o in map(json.loads, result.stdout.splitlines()) if o["kind"] == "episode_failed"]
+    assert failed["message"].startswith(f"episode 'ep' failed: {tmp_path / 'ep' / 'episode.yaml'}: cannot read "
+                                        f"episode metadata: not valid YAML at {where}: found character '\\t'"), failed
+    assert failed["hint"] == (f"YAML indents with spaces, never tabs: replace the tab at {where} with spaces; "
+                              "episode.yaml holds `key: value` lines, e.g. `prompt: pick up the red cube`"), failed
+
+
 def test_an_episode_yaml_or_episode_folder_linked_to_itself_is_named_a_loop_not_a_link_to_nothing(tmp_path):
     """Both read "a link to episode.yaml, which does not exist", with a hint to mount a disk."""
     write_step(tmp_path / "ep", 0, good(0))

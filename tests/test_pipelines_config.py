@@ -131,6 +131,34 @@ def test_config_errors_name_the_field():
     assert causal_world.Config.from_dict({"seed": (1 << 64) - 1}, where="cfg.yaml").seed == (1 << 64) - 1
 
 
+@pytest.mark.parametrize("pipeline", ["dreamzero", "causal_world"])
+def test_a_vae_stride_the_frame_size_does_not_take_is_named_not_the_height(tmp_path, pipeline):
+    """`vae_stride: 3` with the preset's 32 x 32 frames was "field 'model.height': expected a multiple of vae_stride *
+    patch = 6, got 32": the user never set a height. The field the config set is named, with the strides that do;
+    a height the config set is still named as it was."""
+    import os
+
+    config = tmp_path / "stride.yaml"
+    config.write_text(f"pipeline: {pipeline}\nmodel:\n  preset: tiny\n  vae_stride: 3\n")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--format", "plain"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "ARDIFF_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 2, proc.stderr
+    wanted = ("a value for which height=32 and width=32 are multiples of vae_stride * patch (2 x 2): one of 1, 2, 4, "
+              "8, 16")
+    assert proc.stderr == (f"Error: {config}: field 'model.vae_stride': expected {wanted}, got 3\n"
+                           f"hint: set 'model.vae_stride' to {wanted}\n"), proc.stderr
+    module = {"dreamzero": dreamzero, "causal_world": causal_world}[pipeline]
+    with pytest.raises(ConfigError, match=r"field 'model.height': expected a multiple of vae_stride \* patch = 8, "
+                                          r"got 36$"):
+        module.Config.from_dict({"preset": "tiny", "height": 36}, where="cfg.yaml")
+    with pytest.raises(ConfigError, match=r"field 'model.vae_stride': expected .*\(32 x 1\): only 1, got 2$"):
+        module.Config.from_dict({"preset": "tiny", "vae_stride": 2, "patch_size": [1, 32, 1]}, where="cfg.yaml")
+    with pytest.raises(ConfigError, match=r"field 'model.height': expected a multiple of vae_stride \* patch = 9, "
+                                          r"got 32$"):  # no stride would do: the height is named
+        module.Config.from_dict({"preset": "tiny", "vae_stride": 3, "patch_size": [1, 3, 3]}, where="cfg.yaml")
+
+
 @pytest.mark.parametrize("key", ["Preset", "presets", "prest"])
 def test_a_misspelt_preset_key_is_named_with_a_did_you_mean(key):
     """`model: {Preset: tiny}` or `presets:` said only "unknown key" (the suggestion looked among the model's

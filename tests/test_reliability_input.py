@@ -928,7 +928,7 @@ CLI_CASES = {
     "plan_beyond_the_host": (["warmup", "--device", "cpu", "--memory-budget", "1e30", "--session-capacity",
                               str(2**31 - 1)],
                              "the memory budget (8.67e+11 EiB, 1000000000000000019884624838656 "
-                             "bytes) plans 390.00 TiB of KV memory, more than cpu has (", "leave the budget"),
+                             "bytes) plans 390.00 TiB of KV memory, more than this host's ", "leave the budget"),
     "empty_config_argument": (["inspect-capacity", ""], "CONFIG is an empty string", "omit it for the default"),
     "config_is_a_device": (["inspect-capacity", "/dev/null"], "config /dev/null is not a regular file",
                            "pass a YAML file"),
@@ -1289,6 +1289,25 @@ def test_a_runtime_setting_in_the_wrong_place_or_case_is_named_as_the_runtime_ke
                                   f"runtime settings go under `runtime:`)\nhint: {hint}"), proc.stderr
     assert_inspect_capacity_refuses(tmp_path, "pipeline: dreamzero\nmodel: {Session_Capacity: 2}\n",
                                     "unknown key 'model.Session_Capacity' (did you mean 'session_capacity'?)")
+
+
+@pytest.mark.parametrize(("text", "unknown", "key", "hint"), [
+    ("runtime: {num_heads: 2}\n", "runtime.num_heads", "num_heads", "move it under `model:` as num_heads"),
+    ("runtime: {NUM_HEADS: 5}\n", "runtime.NUM_HEADS", "num_heads", "move it under `model:` as num_heads"),
+    ("runtime: {preset: tiny}\n", "runtime.preset", "preset", "move it under `model:` as preset"),
+    ("NUM_HEADS: 2\n", "NUM_HEADS", "num_heads", "valid top-level keys"),
+    ("Preset: tiny\n", "Preset", "preset", "valid top-level keys"),
+])
+def test_a_model_key_in_the_wrong_place_or_case_is_named_as_the_model_key(tmp_path, text, unknown, key, hint):
+    """`runtime: {num_heads: 2}` was offered 'num_threads', a runtime key sharing letters with it, and a model key in
+    another case at the top level (`NUM_HEADS:`) was offered nothing: the key meant is model.num_heads."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"pipeline: dreamzero\n{text}")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--format", "plain"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.startswith(f"Error: {config}: unknown key '{unknown}' (did you mean 'model.{key}'? the "
+                                  f"pipeline's settings go under `model:`)\nhint: {hint}"), proc.stderr
 
 
 @pytest.mark.parametrize("word", ["-dash", "--dash"])

@@ -120,7 +120,10 @@ def inspect_capacity(
             source = budget_source(memory_budget, cfg)
         else:
             available_bytes, source = detect_available(target)
-        attention = describe_backend(runtime.attention_backend, runtime.device, layout, runtime.dtype)
+        # auto on a machine that can only load on the CPU (a CPU build of torch, every GPU hidden): what it uses
+        # there; "torch on CUDA, torch on CPU" spoke of a CUDA this torch cannot run
+        shown_device = target.name if target.cpu_only else runtime.device
+        attention = describe_backend(runtime.attention_backend, shown_device, layout, runtime.dtype)
         attention["plan_backend"] = backend  # the one planned for (on plan_device)
         try:
             plan = plan_capacity(spec, runtime.dtype, available_bytes, runtime.gpu_memory_fraction,
@@ -134,7 +137,10 @@ def inspect_capacity(
         data = {"kind": "capacity_plan", "config": config_label(config), "pipeline": cfg.pipeline_name,
                 "device": runtime.device, "plan_device": target.name, "plan_device_reason": target.reason,
                 "available_source": source, **data, "warnings": list(out.warnings)}
-        out.result(data, lambda plain: render_capacity(data, plan, plain))
+        limit_source = ("--session-capacity" if session_capacity is not None
+                        else "the config's runtime.session_capacity" if runtime.session_capacity is not None
+                        else "the pipeline's KV spec")
+        out.result(data, lambda plain: render_capacity(data, plan, plain, limit_source=limit_source))
 
 
 # ------------------------------------------------------------------------------- device, without torch
@@ -154,6 +160,7 @@ class PlanDevice:
     gpu_id: str | None  # that GPU as nvidia-smi -i takes it: a physical index or a UUID; None on CPU
     reason: str  # why this device (shown with the plan)
     memory: GpuMemory | None = None  # nvidia-smi's answer, when resolving already asked it
+    cpu_only: bool = False  # auto, where loading cannot use a GPU: a CPU build of torch, or every GPU hidden
 
     @property
     def kind(self) -> str:
@@ -211,11 +218,11 @@ def resolve_plan_device(device: str) -> PlanDevice:
     raw = os.environ.get("CUDA_VISIBLE_DEVICES")
     if device == "auto":
         if visible == []:
-            return PlanDevice("cpu", None, f"auto: CUDA_VISIBLE_DEVICES={raw!r} hides every GPU")
+            return PlanDevice("cpu", None, f"auto: CUDA_VISIBLE_DEVICES={raw!r} hides every GPU", cpu_only=True)
         build = torch_cuda_build()
         if build is not None and not build[0]:
             return PlanDevice("cpu", None, f"auto: the installed torch ({build[1].parent}) is a CPU build, so "
-                                           "loading runs on the CPU")
+                                           "loading runs on the CPU", cpu_only=True)
         gpu_id = visible[0] if visible else "0"
         memory = query_gpu(gpu_id)
         if isinstance(memory, str):
@@ -312,7 +319,7 @@ def _count(value: int) -> str:
     return f"{value:,}" if value < 10**9 else f"{value:.3g}"
 
 
-def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
+def render_capacity(data: dict[str, Any], plan: Any, plain: bool, *, limit_source: str = "the session limit"):
     from rich import box
     from rich.console import Group
     from rich.table import Table
@@ -368,8 +375,11 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool):
     for n, fraction in data["fraction_needed"].items():
         # Against the budget, not the fraction: the budget is never less than one session, so one session whose
         # fraction is above gpu_memory_fraction (but within what is available) is admitted, as the plan says.
+        # More sessions than the limit are never resident together, whatever the memory: the rest are evicted.
         required = plan.required_bytes(int(n))
-        verdict = ("fits" if required <= plan.budget_bytes
+        verdict = (f"does not fit: more than the session limit of {_count(plan.session_capacity_limit)}, set by "
+                   f"{limit_source}" if int(n) > plan.session_capacity_limit
+                   else "fits" if required <= plan.budget_bytes
                    else "over budget" if required <= plan.available_bytes else "does not fit")
         add_row(f"{_count(int(n))} session{'s' if n != '1' else ''}", f"{_three_digits(fraction * 100)}%",
                 f"of available memory ({verdict})")

@@ -31,8 +31,8 @@ from typing import Any, BinaryIO
 
 from ardiff_cli.io.atomic import TooLarge, open_file, parse_json, read_capped
 from ardiff_cli.runtime.capacity import split_unit_hint
-from ardiff_cli.runtime.errors import (YAML_SYNTAX_HINT, ConfigError, ObservationError, as_typed, link_to_nothing,
-                                      plural, shown, too_many_open_files, yaml_problem)
+from ardiff_cli.runtime.errors import (ConfigError, ObservationError, as_typed, link_to_nothing, plural, shown,
+                                      too_many_open_files, yaml_problem, yaml_syntax_hint)
 
 STEP_SUFFIXES = (".safetensors", ".npz")
 METADATA_FILE = "episode.yaml"
@@ -539,7 +539,7 @@ def read_episode_yaml(path: Path) -> dict[str, Any]:
         ) from None
     except yaml.YAMLError as exc:  # one line, as a config's: PyYAML's own text spans five, with a caret drawn
         raise ObservationError(f"{as_typed(path)}: cannot read episode metadata: {yaml_problem(exc, text)}",
-                               hint=f"{YAML_SYNTAX_HINT}; episode.yaml holds `key: value` lines, e.g. "
+                               hint=f"{yaml_syntax_hint(exc)}; episode.yaml holds `key: value` lines, e.g. "
                                     "`prompt: pick up the red cube`") from None
     except RecursionError:  # the parser recurses once per level of nesting
         raise ObservationError(f"{as_typed(path)}: cannot read episode metadata: lists or mappings are nested "

@@ -538,11 +538,39 @@ def _runtime_setting_in_model(model_data: dict[Any, Any], entry: PipelineEntry, 
                           hint=f"move it under `runtime:` as {setting}; model: holds the pipeline's settings")
 
 
+def _model_setting(entry: PipelineEntry | None, key: object, value: Any, where: str) -> str | None:
+    """The model key ``key`` names, case ignored (`NUM_HEADS` is 'num_heads'): a settable field of the pipeline's
+    dataclass config (whatever the value: `num_heads: 5` is still a model key), or a key that its ``Config.from_dict``
+    takes with its value (`preset: tiny`) while it refuses a key no model has (one that drops unknown keys takes any);
+    else None."""
+    if entry is None:
+        return None
+    names = tuple(dict.fromkeys((str(key), str(key).casefold())))
+    fields = getattr(entry.config_class, "__dataclass_fields__", None) or {}
+    named = next((name for name in names if name in fields and fields[name].init), None)
+    if named is not None or _takes(entry, {"~": None}, where):
+        return named
+    return next((name for name in names if _takes(entry, {name: value}, where)), None)
+
+
+def _model_setting_in_runtime(runtime_data: Any, entry: PipelineEntry, where: str) -> None:
+    """Refuse a key of the runtime: section that is no runtime setting but a model key of the pipeline, case
+    ignored: `runtime: {num_heads: 2}` was offered 'num_threads', a runtime key that shares letters with it."""
+    if not isinstance(runtime_data, dict):
+        return  # RuntimeConfig.from_dict names it
+    for key, value in runtime_data.items():
+        model_key = None if _runtime_setting(key) is not None else _model_setting(entry, key, value, where)
+        if model_key is not None:
+            raise ConfigError(f"{where}: unknown key 'runtime.{key}' (did you mean 'model.{model_key}'? the "
+                              "pipeline's settings go under `model:`)",
+                              hint=f"move it under `model:` as {model_key}; runtime: holds ardiff's settings: "
+                                   f"{', '.join(RuntimeConfig.__dataclass_fields__)}")
+
+
 def _misplaced_key(key: str, data: dict[str, Any], pipeline: str | None, where: str) -> str:
     """' (did you mean ...?)' for an unknown top-level key: a runtime setting, or a key with its value that the
-    pipeline's ``Config.from_dict`` takes (`preset: tiny` for `model: {preset: tiny}`) while it refuses a key no
-    model has (one that drops unknown keys takes a top-level typo too), is named with its section; else the closest
-    top-level key."""
+    pipeline's ``Config.from_dict`` takes (`preset: tiny` for `model: {preset: tiny}`), either in any case, is named
+    with its section; else the closest top-level key."""
     setting = _runtime_setting(key)
     if setting is not None:
         return f" (did you mean 'runtime.{setting}'? runtime settings go under `runtime:`)"
@@ -554,8 +582,9 @@ def _misplaced_key(key: str, data: dict[str, Any], pipeline: str | None, where: 
             entry = resolve_pipeline(name, where=where) if isinstance(name, str) and name else None
     except Exception:  # noqa: BLE001 - no suggestion; the pipeline's own error comes once the key is fixed
         entry = None
-    if entry is not None and _takes(entry, {key: data.get(key)}, where) and not _takes(entry, {"~": None}, where):
-        return f" (did you mean 'model.{key}'? the pipeline's settings go under `model:`)"
+    model_key = _model_setting(entry, key, data.get(key), where)
+    if model_key is not None:
+        return f" (did you mean 'model.{model_key}'? the pipeline's settings go under `model:`)"
     return did_you_mean(key, TOP_LEVEL_KEYS)
 
 
@@ -658,6 +687,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
                 + (f"{inside}, or set" if inside else "give the .safetensors file's path, or set")
                 + " checkpoint: null to use the pipeline's built-in default",
             )
+    _model_setting_in_runtime(data.get("runtime"), entry, where)
     runtime = RuntimeConfig.from_dict({} if data.get("runtime") is None else data["runtime"], where=where)
     return EngineConfig(
         source=where, pipeline_name=name, entry=entry, model=model, checkpoint=checkpoint, runtime=runtime,

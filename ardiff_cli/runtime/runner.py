@@ -574,14 +574,15 @@ class ARDiffusionModelRunner:
                 if self.memory_budget is None:  # the plan had the free memory: a budget past it does not add any
                     exc.hint = (f"use a smaller {'window, model' if exc.window_helps else 'model'} or dtype, or a "
                                 f"device with more free memory (no --memory-budget was given: the plan had the free "
-                                f"memory of {self.device}, and a larger budget would not fit in it)")
+                                f"memory of {self._memory_owner()}, and a larger budget would not fit in it)")
                 raise
             planned = plan.required_bytes(plan.session_capacity)
             if self.memory_budget is not None and planned > total:
                 # The pools would be allocated (and zeroed) for it: on CPU that is the OOM killer, not an error.
                 raise BudgetBeyondDeviceError(
                     f"the memory budget ({format_bytes(self.memory_budget)}, {self.memory_budget} bytes) plans "
-                    f"{format_bytes(planned)} of KV memory, more than {self.device} has ({format_bytes(total)} in all)",
+                    f"{format_bytes(planned)} of KV memory, more than {self._memory_owner()}'s "
+                    f"{format_bytes(total)} of memory",
                     hint="lower --memory-budget (runtime.memory_budget) or --session-capacity, or leave the budget "
                     "out to plan with the free memory; `ardiff inspect-capacity` plans for any amount",
                 )
@@ -607,6 +608,11 @@ class ARDiffusionModelRunner:
         self.attention_backend, self.attention_backend_reason = name, reason
         logger.info("attention backend: %s (%s; %s)", name, reason, cache.attention_description)
         return plan, cache
+
+    def _memory_owner(self) -> str:
+        """Whose memory the plan takes, in words: "this host" on CPU ("cpu has" read as a device named cpu), else the
+        GPU (cuda:0)."""
+        return "this host" if self.device.type == "cpu" else str(self.device)
 
     def _available_bytes(self) -> tuple[int, int]:
         """(what the plan may use: the budget, else free memory; the device's memory in all)."""
