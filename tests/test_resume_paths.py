@@ -151,3 +151,25 @@ def test_a_run_json_changed_between_a_resumes_first_look_and_its_lock_is_checked
     assert result.output.startswith(f"Error: config {data / 'fast.yaml'} was edited since the run started "), \
         result.output
     assert (out / "run.json").read_text() == edited
+
+
+@pytest.mark.parametrize("given", [["eps"], ["eps/arm_a"]], ids=["folder-of-episodes", "episode-folder"])
+def test_a_resume_names_a_link_to_nothing_above_a_recorded_episode_folder(cli_env, tmp_path, given):
+    """The folder of the episodes moved to another disk, a link left at its path (as the hint of a moved folder says),
+    and that disk not mounted: the resume said the folder `is gone`, and hinted `ln -s NEW eps`, of the link `ls`
+    lists there. The link, not only one at the episode's own path, is named with where it leads."""
+    write_fast_data(tmp_path, {"arm_a": 1})
+    assert ardiff(cli_env, "rollout", "fast.yaml", *given, "--out", "run", cwd=tmp_path).returncode == 0
+    eps, target = tmp_path / "eps", tmp_path / "unmounted" / "eps"
+    eps.rename(tmp_path / "moved")
+    eps.symlink_to(target)
+    proc = ardiff(cli_env, "rollout", "--resume", "--out", "run", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    error = json_lines(proc.stdout)[-1]
+    run_json = Path("run", "run.json")
+    assert error["message"] == (
+        f"{eps}, a folder of episodes given to this run, is a link to {target}, which does not exist (the folders of "
+        f"its episodes arm_a are recorded in {run_json})" if given == ["eps"] else
+        f"episode 'arm_a' of this run: its folder {eps / 'arm_a'} (recorded in {run_json}) cannot be reached: {eps} "
+        f"is a link to {target}, which does not exist"), error
+    assert error["hint"].startswith("mount the disk the link points to (or fix the link), then resume; or "), error

@@ -407,8 +407,11 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
     }
     # The run reads each episode where run.json records it, so that an error, a warning and results.jsonl name its
     # files alike, by that absolute path, on the run that started it as on a resume (not as typed on the first only)
+    # A folder that is itself a link is read through it (made absolute): its target may be outside the watched folder
+    # of episodes it is in (live/cam -> .rec/arm_a), and --follow follows the recording moved into place from there
     for episode, recorded_episode in zip(episodes, info["episodes"]):
-        episode.path = Path(recorded_episode["path"])
+        episode.path = (Path(os.path.abspath(episode.path)) if os.path.islink(episode.path)
+                        else Path(recorded_episode["path"]))
     try:  # now, not after the model has loaded: a file or an unwritable place is a usage error
         if out is None:
             out = make_default_out_dir()
@@ -722,6 +725,13 @@ def _recorded_folders_exist(info: dict[str, Any], out: Path, watch: list[Path]) 
             again = (f"{resume_command(out, info.get('pipeline_option'))} "
                      f"{shell_word(info.get('config_path') or info['config'])} NEW"
                      + "".join(f" {shell_word(other)}" for other in others))
+            dangling = link_to_nothing_on(Path(folder))  # a link left where it moved (as hinted below), leading nowhere
+            if dangling is not None:
+                link, why = dangling
+                raise ConfigError(f"{as_typed(folder)}, a folder of episodes given to this run, "
+                                  + (f"is {why}" if link == Path(folder) else f"cannot be reached: {link} is {why}")
+                                  + f" (the folders of its episodes {listed(inside)} are recorded in {run_file})",
+                                  hint=MOUNT_HINT + f", then resume; or give it where it is now: {again}")
             raise ConfigError(f"{as_typed(folder)}, a folder of episodes given to this run, is gone, and with it the "
                               f"folders of its episodes {listed(inside)} (recorded in {run_file})",
                               hint="put it back at that path (renamed or moved: a symlink there to where it is now "
@@ -731,11 +741,13 @@ def _recorded_folders_exist(info: dict[str, Any], out: Path, watch: list[Path]) 
     if gone:
         name, path = gone[0]
         more = f" (and {plural(len(gone) - 1, 'more episode folder')})" if len(gone) > 1 else ""
-        dangling = link_to_nothing(path)  # a link left there to where it moved, leading nowhere now
-        if dangling:
-            raise ConfigError(f"episode {name!r} of this run: its folder {as_typed(path)} (recorded in {run_file}) is "
-                              f"{dangling}{more}",
-                              hint=MOUNT_HINT + ", then resume; or run its episodes again in a new --out")
+        # a link left there, or at a folder above it, to where it moved, leading nowhere now
+        dangling = link_to_nothing_on(Path(path))
+        if dangling is not None:
+            link, why = dangling
+            where = f"is {why}{more}" if link == Path(path) else f"cannot be reached{more}: {link} is {why}"
+            raise ConfigError(f"episode {name!r} of this run: its folder {as_typed(path)} (recorded in {run_file}) "
+                              + where, hint=MOUNT_HINT + ", then resume; or run its episodes again in a new --out")
         raise ConfigError(f"episode {name!r} of this run: its folder {as_typed(path)} is gone{more}; {run_file} "
                           "records where the run last found each episode's folder (where it started, or where "
                           "--follow followed its rename)",
