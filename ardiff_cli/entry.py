@@ -61,10 +61,12 @@ def main() -> None:
     # 0 is unset: the terminal's own width is used.
     if os.environ.get("COLUMNS", "").isdigit() and int(os.environ["COLUMNS"]) == 0:
         del os.environ["COLUMNS"]
-    for signum in EARLY_SIGNALS:  # not one the process was started ignoring (nohup's SIGHUP)
-        if signal.getsignal(signum) is _DEFAULT.get(signum, signal.SIG_DFL):
-            signal.signal(signum, _stop)
     try:
+        # in the try: a signal that comes once one handler is set (the next line to run raises it) is reported as
+        # any other here; it was raised before the try, a traceback and exit 1
+        for signum in EARLY_SIGNALS:  # not one the process was started ignoring (nohup's SIGHUP)
+            if signal.getsignal(signum) is _DEFAULT.get(signum, signal.SIG_DFL):
+                signal.signal(signum, _stop)
         from ardiff_cli.app import main as run
     except KeyboardInterrupt as exc:
         try:  # a closed stream (`>&-`) is None; one whose reader is gone raises: the exit code says it all then

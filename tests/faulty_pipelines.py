@@ -34,6 +34,8 @@ Each fault is a JSON object:
   twice inside ``try: ... except Exception: pass`` and go on, as a pipeline or library that catches everything
   would: the first only asks the step to finish, the second is raised there) or ``wrap_signal`` (the same, then
   raise its own error ``from`` what it caught);
+- ``remove`` (block and sampler): before the action, delete the folder at that path (a recorder's cleanup while
+  the run goes on);
 - ``pool_over`` (any site): the fault fires only while the KV page pool has more pages than that (memory that runs out
   beside a large pool only, as a lower ``--session-capacity`` would avoid);
 - ``probe`` (block and sampler): also keep a weak reference to the first argument (a tensor), and site ``probe`` on
@@ -76,6 +78,8 @@ class InjectedFault(RuntimeError):
 
 
 def _act(fault: dict[str, Any], message: str) -> None:
+    if "remove" in fault:
+        shutil.rmtree(fault["remove"])
     if fault.get("action") in ("swallow_signal", "wrap_signal"):
         try:
             signal.raise_signal(signal.SIGTERM)  # the handler runs before this returns, in the main thread
