@@ -11,6 +11,7 @@ traceback is always shown.
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import warnings
 from collections.abc import Iterator
@@ -163,12 +164,27 @@ def lighter_resume(resume: str, plan: CapacityPlan | None) -> str | None:
     it is where the pool holds one session (free memory is the change there). None: the plan is not known."""
     if plan is None:
         return None
-    return resume if plan.session_capacity <= 1 else f"{resume} --session-capacity {plan.session_capacity - 1}"
+    if plan.session_capacity <= 1:
+        return resume
+    # a --session-capacity given to the resume that failed (resume_command's ``given``, after any quoted word: a
+    # folder's name may hold those words) is replaced, not repeated
+    quoted, quote, given = resume.rpartition("'")
+    given = re.sub(r" --session-capacity [0-9]+(?= |$)", "", given)
+    return f"{quoted}{quote}{given} --session-capacity {plan.session_capacity - 1}"
+
+
+PASTE = "; to paste: "
 
 
 def to_paste(hint: str, command: str | None) -> str:
-    """``hint``, ending with the ``command`` that does what it says (none: ``hint`` as it is)."""
-    return hint if command is None else f"{hint}; to paste: {command}"
+    """``hint``, ending with the ``command`` that does what it says (none: ``hint`` as it is). What is added to the
+    hint later (``out_of_memory_hint``) goes before the command, which stays whole at the end."""
+    return hint if command is None else f"{hint}{PASTE}{command}"
+
+
+def continue_with(resume: str | None) -> str:
+    """How a hint says to go on with the run: its resume command to paste (``resume_command``), where it is known."""
+    return "continue with --resume" if resume is None else f"continue with: {resume}"
 
 
 def _memory_resume(phase: str, cause: BaseException, plan: CapacityPlan | None, resume: str | None) -> str | None:
@@ -205,20 +221,20 @@ def _step_hint(phase: str, cause: BaseException, budget: str | None, plan: Capac
     """``budget``: what set the KV memory budget (``budget_change``'s ``source``; None: the free memory); ``plan``:
     the run's ``CapacityPlan`` (None: not known); ``resume``: the run's resume command (None: not known)."""
     if too_many_open_files(cause):  # the environment's limit, in any phase: not the disk's, the file's or the model's
-        return open_files_hint("continue with --resume")
+        return open_files_hint(continue_with(resume))
     if phase == "write":
         return WRITE_HINT if resume is None else write_hint(resume)
     if pages_short(cause):
         return ("the KV page pool, sized by the capacity plan for every resident session, ran short: the pipeline's "
                 "KV spec or ardiff's plan undercounts this step's pages (report it, with the --verbose traceback); the "
-                "other sessions were untouched; continue with --resume")
+                f"other sessions were untouched; {continue_with(resume)}")
     if is_out_of_memory(cause):
         return to_paste(out_of_memory_hint(lighter_resume_hint(budget, plan, " (the other sessions were untouched)")),
                         _memory_resume(phase, cause, plan, resume))
     if isinstance(cause, ArdiffError) and cause.hint:
         return cause.hint
     return ("the episode's session was released; the traceback is in results.jsonl (and printed with --verbose); "
-            "fix the pipeline, then continue with --resume")
+            f"fix the pipeline, then {continue_with(resume)}")
 
 
 class OutputError(ArdiffError):
@@ -274,11 +290,13 @@ _TOO_MANY_OPEN_FILES = ErrorRule(OSError, EXIT_BUG, "too_many_open_files")
 
 
 def out_of_memory_hint(hint: str) -> str:
-    """``hint``, and under an address-space limit (``ulimit -v``), which memory it was that ran out."""
+    """``hint``, and under an address-space limit (``ulimit -v``), which memory it was that ran out: before the
+    command to paste that the hint ends with (``to_paste``), which stays its end."""
     limit = process_limit("AS")
     if limit is None:
         return hint
-    return f"{hint}; or raise this process's address-space limit (now ulimit -v {limit // 1024})"
+    hint, paste, command = hint.partition(PASTE)
+    return f"{hint}; or raise this process's address-space limit (now ulimit -v {limit // 1024}){paste}{command}"
 
 
 def file_size_hint(hint: str) -> str:

@@ -78,7 +78,9 @@ class RolloutOptions:
     # what set the KV memory budget (``_Prepared.budget_source``; None: the free memory), which the hint of a step
     # that ran out of memory names
     budget_source: str | None = None
-    pipeline: str | None = None  # the run's --pipeline MODULE:CLASS, which a resume hinted at is given again
+    # the run's resume command to paste (``_Prepared.resume``: its --pipeline, the options given to this resume); ""
+    # where not known
+    resume: str = ""
 
 
 @dataclass
@@ -563,7 +565,7 @@ class Rollout:
 
     def _resume_command(self) -> str:
         """The ``ardiff rollout --resume`` of this run that a hint prints to paste (its folder, its --pipeline)."""
-        return resume_command(self.run_folder.root, self.options.pipeline)
+        return self.options.resume or resume_command(self.run_folder.root, None)
 
     def _check_folder(self) -> None:
         """Stop the run (``OutputError``) when its --out folder was removed or replaced since it started: its

@@ -20,7 +20,8 @@ Each fault is a JSON object:
   ``close_hook`` (``session``: its close hook raises, or with ``action`` ``ulimit`` lowers this process's
   limit on open files to 3 (``ulimit -n 3``): every later open is EMFILE; no ``request``), ``corrupt_swap``
   (every swap snapshot file in ``dir``, once written, is overwritten with bytes that are no safetensors file, as a
-  failing disk would leave them);
+  failing disk would leave them), ``pools`` (no ``request``: allocating the KV cache pools as the model loads raises a
+  bare ``MemoryError()``; with ``pool_over``, only a pool of more pages than that);
 - ``action`` (block and sampler): ``raise`` (default), ``oom`` (allocate 1 PiB on the host: torch's CPU allocator
   raises its own RuntimeError), ``memory_error`` (a bare ``MemoryError()``, as Python's allocator raises), ``exit``
   (``typer.Exit(0)``: an exception whose ``exit_code`` is 0), ``emfile`` (``OSError`` EMFILE), ``torch_oom``
@@ -265,6 +266,20 @@ def _probe(path: str) -> Iterator[None]:
     yield
 
 
+def _pools_fault(pool_over: int) -> None:
+    """Memory that runs out as the runner allocates KV cache pools of more than ``pool_over`` pages."""
+    from ardiff_cli.runtime import runner
+
+    allocate = runner.ARDiffusionKVCache
+
+    def pools(spec: Any, num_pages: int, *args: Any, **kwargs: Any) -> Any:
+        if num_pages > pool_over:
+            raise MemoryError()
+        return allocate(spec, num_pages, *args, **kwargs)
+
+    runner.ARDiffusionKVCache = pools
+
+
 def load_faults() -> list[dict[str, Any]]:
     return json.loads(os.environ.get(FAULTS_ENV) or "[]")
 
@@ -288,6 +303,8 @@ class FaultyDreamZero(DreamZeroPipeline):
                 from ardiff_cli.runtime import runner
 
                 runner.available_host_memory = lambda: int(fault["bytes"])
+            if fault["site"] == "pools":
+                _pools_fault(fault.get("pool_over", -1))
             if fault["site"] == "import":
                 try:
                     import interrupted_dependency  # noqa: F401

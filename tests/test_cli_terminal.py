@@ -37,7 +37,7 @@ def test_a_typed_ctrl_c_leaves_the_last_frame_whole_and_saying_interrupted(tmp_p
     status = " ".join(lines[last:summary])
     assert status.endswith(" interrupted") and "ETA" not in status, text
     assert "rollout interrupted: " in text and "outputs: out (results.jsonl, summary.json, episodes/)" in text
-    assert lines[-2:] == ["Error: interrupted by SIGINT", "hint: run the same command with --resume to continue"]
+    assert lines[-2:] == ["Error: interrupted by SIGINT", "hint: continue with: ardiff rollout --resume --out out"]
     assert output.rindex(b"\x1b[?25h") > output.rindex(b"\x1b[?25l")  # the cursor is shown again
 
 

@@ -604,7 +604,8 @@ def test_a_signal_that_a_pipelines_catch_all_caught_still_stops_the_run_then_res
     proc = ardiff(env, *rollout_args(data, run), faults=faults)
     assert proc.returncode == 143, proc.stderr
     assert proc.stderr.splitlines()[-2:] == [  # the pipeline's error is in the event log, not the verdict
-        "Error: interrupted by SIGTERM", "hint: run the same command with --resume to continue"], proc.stderr
+        "Error: interrupted by SIGTERM",
+        f"hint: continue with: ardiff rollout --resume --out {run} --pipeline {PIPELINE}"], proc.stderr
     lines = records(run)
     assert [(r["episode"], r["step"]) for r in lines][:6] == [
         ("arm_a", 0), ("arm_b", 0), ("arm_c", 0), ("arm_d", 0), ("arm_a", 1), ("arm_b", 1)]
@@ -1347,6 +1348,108 @@ def test_every_episode_failed_in_the_model_with_a_folder_deleted_since_hints_the
     assert_matches(run, reference, ("arm_a", "arm_b"))
 
 
+@pytest.mark.parametrize("fail_fast", [False, True], ids=["goes_on", "fail_fast"])
+def test_a_failed_episodes_hint_gives_the_runs_resume_which_pasted_completes_the_run(env, data, reference, tmp_path,
+                                                                                     fail_fast):
+    """An episode failed in its forward hinted "fix the pipeline, then continue with --resume", which without --out
+    (and --pipeline) is refused, where the run's closing hint gave its resume to paste. Both give it now: the run's
+    folder as one shell word (here it holds a space), its --pipeline; pasted into bash, it completes the run."""
+    run = tmp_path / "my run"
+    proc = ardiff(env, *rollout_args(data, run, *(["--fail-fast"] if fail_fast else [])),
+                  faults=[{"request": "arm_b/000001", "site": "block", "layer": 0}])
+    assert proc.returncode == (1 if fail_fast else 4), proc.stderr
+    step = proc.stderr.split("Error: episode 'arm_b' failed at step 1 in the model's forward: ", 1)[1]
+    step = step.split("\nhint: ", 1)[1].split("\n", 1)[0]
+    again = f"ardiff rollout --resume --out '{run}' --pipeline {PIPELINE}"
+    assert step.endswith(f"fix the pipeline, then continue with: {again}"), step
+    assert last_hint(proc.stderr).endswith(f"continue with: {again}"), proc.stderr
+    proc = paste_hint(env, step)  # the pipeline fixed: no faults
+    assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference)
+
+
+def test_a_stopped_runs_hint_gives_its_resume_which_pasted_completes_the_run(env, data, reference, tmp_path):
+    """A signal's stop hinted "run the same command with --resume to continue": the same command (CONFIG and EPISODE
+    with --resume) is refused. It gives the run's resume, which pasted completes the run; a resume stopped so gives
+    its own, with the options it was given (a --session-capacity)."""
+    run = tmp_path / "run"
+    faults = [{"request": "arm_c/000001", "site": "block", "layer": 0, "call": 2, "action": "sleep"}]
+    proc, err = stop_inside_a_fault(env, rollout_args(data, run), faults, tmp_path, signum=signal.SIGTERM)
+    assert proc.returncode == 143, err
+    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    assert err.rstrip("\n").endswith(f"Error: interrupted by SIGTERM\nhint: continue with: {again}"), err
+    resumed = ["rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--session-capacity", "1",
+               "--no-warmup", "--format", "plain"]
+    faults = [{"request": "arm_d/000001", "site": "block", "layer": 0, "call": 2, "action": "sleep"}]
+    (tmp_path / "again").mkdir()
+    proc, err = stop_inside_a_fault(env, resumed, faults, tmp_path / "again", signum=signal.SIGINT)
+    assert proc.returncode == 130, err
+    assert err.rstrip("\n").endswith(f"hint: continue with: {again} --session-capacity 1"), err
+    proc = paste_hint(env, last_hint(err))
+    assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference)
+
+
+def test_a_resume_out_of_memory_as_its_kv_pools_allocate_ends_its_hint_with_the_resume_to_paste(env, data,
+                                                                                                reference, tmp_path):
+    """A resume that ran out of memory as it allocated its KV pools hinted at a lower --session-capacity with no
+    command to paste, and under `ulimit -v` the report added its word on the limit after the hint, past where a
+    command to paste would end. The hint ends with the resume, one session fewer than the pools that did not fit,
+    after the limit's word; pasted into bash on the same device (pools over 12 pages fail), it completes the run."""
+    import resource
+
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(four_sessions_config(tmp_path)), str(data / "eps"), "--out", str(run),
+                  "--pipeline", PIPELINE, "--no-warmup", "--memory-budget", "600KB", "--format", "plain",
+                  "--fail-fast", faults=LARGE_POOL_OOM)
+    assert proc.returncode == 3, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["capacity_plan"]["session_capacity"] == 2
+    pools = [{"site": "pools", "pool_over": 12}]  # two sessions' pool (19 pages) no longer fits; one's (11) does
+    limit = 16 << 30
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run), "--pipeline",
+                           PIPELINE, "--no-warmup", "--format", "plain"], cwd=REPO, capture_output=True, text=True,
+                          env={**env, "ARDIFF_TEST_FAULTS": json.dumps(pools)}, timeout=600,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    assert proc.returncode == 3, proc.stderr
+    assert ("Error: out of host memory while planning and allocating the KV cache pools: MemoryError\n" in
+            proc.stderr), proc.stderr
+    hint = last_hint(proc.stderr)
+    assert hint.startswith("continue with --resume and a lower --session-capacity or a smaller --memory-budget "), hint
+    assert hint.endswith(f"; or raise this process's address-space limit (now ulimit -v {limit >> 10}); to paste: "
+                         f"ardiff rollout --resume --out {run} --pipeline {PIPELINE} --session-capacity 1"), hint
+    proc = paste_hint(env, hint, faults=pools)
+    assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference)
+
+
+def test_the_options_given_to_a_resume_are_in_the_resume_its_hints_give_to_paste(env, data, reference, tmp_path):
+    """A resume's options apply to it alone (run.json keeps the run's own), yet its hints gave the run's resume
+    without them: a resume given the lower --session-capacity a hint asked for, failing then for another reason,
+    hinted at a resume that went back to the run's two sessions and ran out of memory again. Its hints carry them
+    (--memory-budget too), and a lower --session-capacity asked for replaces the one given instead of repeating it."""
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(four_sessions_config(tmp_path)), str(data / "eps"), "--out", str(run),
+                  "--pipeline", PIPELINE, "--no-warmup", "--memory-budget", "600KB", "--format", "plain",
+                  faults=LARGE_POOL_OOM)
+    assert proc.returncode == 4, proc.stderr
+    resume = ["rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup", "--format", "plain"]
+    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    # given the run's own two sessions again, and another budget: memory runs out again, one session fewer to paste
+    proc = ardiff(env, *resume, "--session-capacity", "2", "--memory-budget", "1MiB", faults=LARGE_POOL_OOM)
+    assert proc.returncode == 4, proc.stderr
+    assert last_hint(proc.stderr) == (f"fix what is named above, then continue with: {again} --memory-budget 1MiB "
+                                      "--session-capacity 1"), proc.stderr
+    # given the one session asked for, the step fails for another reason: the resume to paste keeps the option
+    proc = ardiff(env, *resume, "--session-capacity", "1", faults=[{"request": "arm_b/000001", "site": "block",
+                                                                    "layer": 0}])
+    assert proc.returncode == 4, proc.stderr
+    hint = last_hint(proc.stderr)
+    assert hint == f"fix what is named above, then continue with: {again} --session-capacity 1", hint
+    proc = paste_hint(env, hint, faults=LARGE_POOL_OOM)  # the same device: two sessions' pool runs out again
+    assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference)
+
+
 def test_a_step_out_of_memory_hints_only_at_changes_that_shrink_the_kv_pool(env, data, tmp_path):
     """The hint said "continue with --resume and a lower --session-capacity or a smaller --memory-budget" whatever
     the plan. With one session planned neither can help: --session-capacity takes no fewer, and a budget too small for
@@ -1413,7 +1516,8 @@ def test_memory_running_out_in_a_rollouts_warmup_hints_at_the_resume_not_at_anot
     assert ("Error: out of host memory while running the warmup requests: MemoryError\nhint: the KV pool holds one "
             "session, the least a plan keeps, and it does not fit with the model's activations: free memory on the "
             "device (another process using it?) and continue with --resume; --resume keeps the run's dtype and "
-            "config, so a smaller dtype or model is a new run (another --out)\n") in proc.stderr, proc.stderr
+            "config, so a smaller dtype or model is a new run (another --out); to paste: ardiff rollout --resume --out "
+            f"{tmp_path / 'one'} --pipeline {PIPELINE}\n") in proc.stderr, proc.stderr
     sessions_config = four_sessions_config(tmp_path)
     run = tmp_path / "run"
     args = ["rollout", str(sessions_config), str(data / "eps"), "--out", str(run), "--pipeline", PIPELINE,
@@ -1423,7 +1527,8 @@ def test_memory_running_out_in_a_rollouts_warmup_hints_at_the_resume_not_at_anot
     assert ("Error: out of host memory while running the warmup requests: MemoryError\nhint: continue with --resume "
             "and a lower --session-capacity or a smaller --memory-budget: a smaller KV pool leaves more memory to the "
             "model's activations; --resume keeps the run's dtype and config, so a smaller dtype or model is a new run "
-            "(another --out)\n") in proc.stderr, proc.stderr
+            f"(another --out); to paste: ardiff rollout --resume --out {run} --pipeline {PIPELINE} "
+            "--session-capacity 1\n") in proc.stderr, proc.stderr
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--format", "plain",
                   faults=faults)
     assert proc.returncode == 3, proc.stderr
@@ -1833,7 +1938,8 @@ def test_the_open_files_limit_reached_by_a_resume_says_to_continue_with_resume(e
     error = json_error(proc, 1)
     assert error["kind"] == "too_many_open_files", error
     assert error["hint"] == (f"this process reached its limit on open files (now ulimit -n {limit}), or the system "
-                             "its own: raise it (ulimit -n 1024, say) and continue with --resume"), error
+                             "its own: raise it (ulimit -n 1024, say) and continue with: ardiff rollout --resume "
+                             f"--out {run} --pipeline {PIPELINE}"), error
 
 
 def test_a_step_that_reaches_the_open_files_limit_is_named_as_the_limit_not_the_pipelines_bug(env, data, tmp_path):
@@ -1851,7 +1957,8 @@ def test_a_step_that_reaches_the_open_files_limit_is_named_as_the_limit_not_the_
     error = json_error(proc, 1)
     assert error["kind"] == "too_many_open_files" and error["exit_code"] == 1, error
     assert error["hint"].startswith("this process reached its limit on open files"), error
-    assert error["hint"].endswith("continue with --resume"), error
+    assert error["hint"].endswith(f"continue with: ardiff rollout --resume --out {tmp_path / 'stopped'} --pipeline "
+                                  f"{PIPELINE}"), error
 
 
 def test_the_open_files_limit_that_stops_a_run_keeps_its_error_when_summary_json_cannot_be_made(env, data, tmp_path):
@@ -1866,7 +1973,9 @@ def test_the_open_files_limit_that_stops_a_run_keeps_its_error_when_summary_json
                   faults=at_close_of("arm_a"))
     assert proc.returncode == 1, proc.stderr
     assert "Error: episode 'arm_b' failed at step 0 while reading" in proc.stderr, proc.stderr
-    assert "and continue with --resume" in proc.stderr and "and run again" not in proc.stderr, proc.stderr
+    assert f"and continue with: ardiff rollout --resume --out {stopped} --pipeline {PIPELINE}" in proc.stderr, (
+        proc.stderr)
+    assert "and run again" not in proc.stderr, proc.stderr
     assert f"warning: cannot write {stopped / 'summary.json'}: Too many open files; --resume writes it" in proc.stderr
     done = tmp_path / "done"
     proc = ardiff(env, *rollout_args(data, done)[:-2], "--format", "json", "--order", "sequential",

@@ -9,7 +9,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -26,9 +26,9 @@ from ardiff_cli.commands._common import (
     refuse_contradictions,
     stop_between_requests,
 )
-from ardiff_cli.errors_cli import (EXIT_CODES_HELP, EpisodesFailed, Interrupted, budget_change, exit_code_for,
-                                  handle_errors, import_hint, lighter_resume_hint, open_files_hint, pages_short,
-                                  weights_run_hint, while_importing)
+from ardiff_cli.errors_cli import (EXIT_CODES_HELP, EpisodesFailed, Interrupted, budget_change, continue_with,
+                                  exit_code_for, handle_errors, import_hint, lighter_resume, lighter_resume_hint,
+                                  open_files_hint, pages_short, to_paste, weights_run_hint, while_importing)
 from ardiff_cli.options import (
     ConfigArg,
     DeviceOpt,
@@ -137,6 +137,9 @@ class _Prepared:
     watch: list[Path] = field(default_factory=list)
     # --resume: run.json with episodes.jsonl's lines, as under the lock (read once: O(episodes), 0.2 s at 10,000)
     recorded: dict[str, Any] | None = None
+    # the run's resume command, which every hint to go on with it gives to paste (resume_command): its folder, its
+    # --pipeline, and the options given to this resume (they apply to it alone: run.json keeps the run's own)
+    resume: str = ""
 
 
 def _finite_idle_timeout(value: float | None) -> float | None:
@@ -215,7 +218,10 @@ def rollout(
                          gpu_memory_fraction=gpu_memory_fraction, attention_backend=attention_backend)
         options = dict(order=order and order.value, follow=follow, idle_timeout=idle_timeout, preview=preview,
                        swap_space=_swap_space(swap_space))
+        given = _given_to_resume(overrides, options, swap_space) if resume else []  # before run.json's fill them in
         prepared = _prepare(config, episodes, out, resume, overrides, output, pipeline=pipeline, options=options)
+        prepared = replace(prepared, resume=resume_command(prepared.out_dir, prepared.info.get("pipeline_option"),
+                                                           given))
         options = prepared.options
         try:
             _run(prepared, output, order=options["order"], follow=options["follow"],
@@ -224,6 +230,17 @@ def rollout(
                  swap_space=options["swap_space"], started=started)
         finally:
             prepared.run.close()  # releases the folder's lock
+
+
+def _given_to_resume(overrides: dict[str, Any], options: dict[str, Any], swap_space: str | None) -> list[str]:
+    """The options given to a resume that run.json does not keep (they are that resume's alone), as typed: what the
+    resume its hints give to paste is given again, else it went on with the run's own (a lower --session-capacity
+    that a hint asked for lost). --device, --dtype and --attention-backend are the run's own either way."""
+    values = {"--memory-budget": overrides["memory_budget"], "--session-capacity": overrides["session_capacity"],
+              "--gpu-memory-fraction": overrides["gpu_memory_fraction"], "--swap-space": swap_space,
+              "--order": options["order"], "--idle-timeout": options["idle_timeout"]}
+    given = [word for flag, value in values.items() if value is not None for word in (flag, str(value))]
+    return given + [flag for flag in ("--follow", "--preview") if options[flag[2:]]]
 
 
 def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,
@@ -982,7 +999,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     monitor = RunMonitor(output, f"ardiff rollout · {p.info['config']} → {p.out_dir}")
     options = RolloutOptions(order=order, follow=follow, idle_timeout=idle_timeout, fail_fast=fail_fast,
                              preview=preview, watch=tuple(p.watch), budget_source=p.budget_source,
-                             pipeline=p.info.get("pipeline_option"))
+                             resume=p.resume)
     skipped = sum(len(s) for s in p.done.values())
     output.info(f"{'resuming' if resume else 'writing'} {as_typed(p.out_dir)}: {plural(len(p.episodes), 'episode')}, "
                 f"order {order}" + (f", {plural(skipped, 'step')} already done" if resume else ""))
@@ -1105,21 +1122,25 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     monitor.end_counting()  # and the live display's
                 monitor.set_phase("done")
                 if stats.failed:
-                    raise _failed_episodes(stats, len(p.episodes), p.out_dir, p.info.get("pipeline_option"))
+                    raise _failed_episodes(stats, len(p.episodes), p.resume)
             except BaseException as exc:
                 error = signals.outcome(exc)
                 stopped = isinstance(exc, Interrupted)
                 if isinstance(error, Interrupted) and not run.holds_run():  # stopped while loading: no run.json
                     error.hint = "nothing was written yet: run the same command again"
+                elif isinstance(error, Interrupted):  # the same command with --resume is refused (CONFIG, EPISODE)
+                    error.hint = continue_with(p.resume)
                 if too_many_open_files(error) and not isinstance(error, ArdiffError) and run.holds_run():
-                    error.hint = open_files_hint("continue with --resume")  # the same command is refused now
+                    error.hint = open_files_hint(continue_with(p.resume))  # the same command is refused now
                 if is_out_of_memory(error) and not isinstance(error, ArdiffError) and not pages_short(error):
                     phase = getattr(error, "ardiff_while", None)
                     with contextlib.suppress(MemoryError):
                         # warmup's, a resume's load: the same command with another --dtype is refused now; a resume
                         # holds run.json as it loads: the KV pools come after the weights, and they after torch
                         if run.holds_run() and (plan is not None or phase == KV_POOLS_PHASE):
-                            error.hint = lighter_resume_hint(p.budget_source, plan)
+                            planned = plan or getattr(error, "ardiff_plan", None)  # the pools' that did not fit
+                            error.hint = to_paste(lighter_resume_hint(p.budget_source, planned),
+                                                  lighter_resume(p.resume, planned))
                         elif run.holds_run() and while_importing(error):  # before any model: free memory alone
                             error.hint = import_hint("continue with --resume")
                         elif run.holds_run():
@@ -1405,7 +1426,7 @@ def _write_summary(run: Any, build: Callable[[], dict[str, Any]], output: Output
     return summary
 
 
-def _failed_episodes(stats: Any, num_episodes: int, out_dir: Path, pipeline: str | None) -> Exception:
+def _failed_episodes(stats: Any, num_episodes: int, resume: str) -> Exception:
     """Exit 4 when other episodes completed; else 2 when every failure was invalid input, else their code. Every
     episode failed with its folder gone (deleted or renamed while the run read it): 2, saying so, with the way back."""
     names = ", ".join(stats.failed)
@@ -1413,8 +1434,7 @@ def _failed_episodes(stats: Any, num_episodes: int, out_dir: Path, pipeline: str
     # (a bad file midway, every episode failing so, hinted "see the episode format", of no use at that point)
     # one that ran out of memory: the resume with what its hint asks for (a lower --session-capacity), else pasting it
     # runs into the same error
-    again = next((e.resume for e in stats.errors.values() if getattr(e, "resume", None)),
-                 resume_command(out_dir, pipeline))
+    again = next((e.resume for e in stats.errors.values() if getattr(e, "resume", None)), resume)
     hint = f"fix what is named above, then continue with: {again}"
     missing = [name for name in stats.failed if name in stats.folders_missing]
     if missing:  # gone since it failed (a recorder's cleanup): a resume refuses a run with an episode folder missing

@@ -14,7 +14,7 @@ import re
 import reprlib
 import shlex
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 try:  # now, at start: under a tight `ulimit -v`, importing it (a shared library) once memory ran out would fail too
@@ -373,11 +373,14 @@ def as_typed(path: os.PathLike | str) -> str:
     return f"./{text}" if text.startswith(("~", "-")) else text
 
 
-def resume_command(out: os.PathLike | str, pipeline: str | None) -> str:
+def resume_command(out: os.PathLike | str, pipeline: str | None, given: Sequence[str] = ()) -> str:
     """The ``ardiff rollout --resume`` of the run in ``out`` that a hint prints to paste: with the ``--pipeline`` the
-    run was started with (``pipeline``, run.json's ``pipeline_option``), which a resume must be given again."""
+    run was started with (``pipeline``, run.json's ``pipeline_option``), which a resume must be given again, and
+    ``given``: the options (with their values) given to the resume that prints it, which apply to it alone (run.json
+    keeps the run's own), so that the one pasted goes on as it did."""
     again = f"ardiff rollout --resume --out {shell_word(out)}"
-    return again if pipeline is None else f"{again} --pipeline {shell_word(pipeline)}"
+    again = again if pipeline is None else f"{again} --pipeline {shell_word(pipeline)}"
+    return " ".join([again, *map(shlex.quote, given)])
 
 
 def shown(value: object) -> str:

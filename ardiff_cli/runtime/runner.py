@@ -586,9 +586,14 @@ class ARDiffusionModelRunner:
                     hint="lower --memory-budget (runtime.memory_budget) or --session-capacity, or leave the budget "
                     "out to plan with the free memory; `ardiff inspect-capacity` plans for any amount",
                 )
-            cache = ARDiffusionKVCache(
-                spec, plan.num_managed_pages, dtype=self.dtype, device=self.device, attention_backend=backend,
-            )
+            try:
+                cache = ARDiffusionKVCache(
+                    spec, plan.num_managed_pages, dtype=self.dtype, device=self.device, attention_backend=backend,
+                )
+            except BaseException as exc:  # the plan whose pools did not fit: what a hint's lower --session-capacity
+                with contextlib.suppress(MemoryError):  # goes below (its dict may find no memory either)
+                    exc.ardiff_plan = plan
+                raise
             return plan, cache
 
         try:
