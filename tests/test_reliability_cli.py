@@ -1320,6 +1320,26 @@ def test_the_resume_a_step_out_of_memory_hints_at_lowers_the_session_capacity_an
     assert_matches(run, reference)
 
 
+def test_the_resume_to_paste_after_a_lowered_resume_ran_out_of_memory_keeps_the_lowered_session_capacity(
+        env, data, reference, tmp_path):
+    """A resume given --session-capacity 1 (the hint's) whose step ran out of memory again: its hint, "the KV pool
+    holds one session ... continue with --resume", ended with the run's resume alone, which reads run.json's session
+    capacity (the run's, 2 here): pasted, the pool was two sessions' again, and memory ran out as at first."""
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(four_sessions_config(tmp_path)), str(data / "eps"), "--out", str(run),
+                  "--pipeline", PIPELINE, "--no-warmup", "--memory-budget", "600KB", "--format", "plain",
+                  faults=LARGE_POOL_OOM)
+    assert proc.returncode == 4, proc.stderr
+    proc = paste_hint(env, last_hint(proc.stderr), faults=STEP_OOM)  # --session-capacity 1: out of memory still
+    assert proc.returncode == 4, proc.stderr
+    assert ONE_SESSION_HINT in proc.stderr, proc.stderr
+    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE} --session-capacity 1"
+    assert last_hint(proc.stderr) == f"fix what is named above, then continue with: {again}", proc.stderr
+    proc = paste_hint(env, last_hint(proc.stderr), faults=LARGE_POOL_OOM)  # memory freed for one session's pool
+    assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference)
+
+
 def test_every_episode_failed_in_the_model_with_a_folder_deleted_since_hints_the_resume_that_goes_on(env, data,
                                                                                                     reference,
                                                                                                     tmp_path):
