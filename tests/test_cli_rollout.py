@@ -689,7 +689,9 @@ def test_messages_name_a_folder_named_tilde_as_dot_slash_tilde(env, data, tmp_pa
     assert proc.returncode == 2 and "Error: episode folder not found: ./~/z\n" in proc.stderr, proc.stderr
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), "./~/bad", "--out", "run", "--no-warmup", "--format",
                   "plain", cwd=tmp_path)
-    assert proc.returncode == 2 and ": ./~/bad/step_000000.safetensors: cannot read" in proc.stderr, proc.stderr
+    # a step file is named by its episode's recorded path, absolute (README's Paths), never `~/bad/...`
+    named = f": {tmp_path}/~/bad/step_000000.safetensors: cannot read"
+    assert proc.returncode == 2 and named in proc.stderr, proc.stderr
     proc = ardiff(env, "rollout", "./~/nope.yaml", "--no-warmup", cwd=tmp_path)
     assert proc.returncode == 2 and "Error: config file not found: ./~/nope.yaml\n" in proc.stderr, proc.stderr
 
@@ -4874,7 +4876,7 @@ def test_the_way_back_after_run_json_could_not_record_a_followed_rename_pastes_i
     assert proc.returncode == 1, stderr
     command = hinted(stderr, r"link it to the new one and continue: (.*)$")
     assert [shlex.split(part) for part in command.split("; ")] == [
-        ["ln", "-s", f"./{AWKWARD}", f"./{live}/arm_a.part"],
+        ["ln", "-s", f"./{AWKWARD}", f"{tmp_path}/{live}/arm_a.part"],  # the episode's recorded path
         ["ardiff", "rollout", "--resume", "--out", f"./{run}", "--pipeline", pipeline]], command
     write_episode(tmp_path / live / AWKWARD, steps_of(0, 3)[1:], first_step=1)
     # given again: the run's --idle-timeout (60 s) would wait that long for a new episode folder once it ended
@@ -4969,7 +4971,7 @@ def test_the_folder_to_give_for_episodes_one_level_deeper_pastes_into_bash(env, 
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), "--out", "run", "--no-warmup", "--", AWKWARD, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     word = hinted(proc.stderr, r"^give (.*) as EPISODE: a folder of episode folders")
-    assert shlex.split(word) == [f"./{AWKWARD}/run1"]
+    assert shlex.split(word) == [f"{tmp_path}/{AWKWARD}/run1"]  # the episode's recorded path, absolute
     ran = pasted(env, f"ardiff rollout {shlex.quote(str(data / 'fast.yaml'))} {word} --out run2 --no-warmup",
                  tmp_path)
     assert ran.returncode == 0, ran.stderr
