@@ -836,9 +836,9 @@ def test_inspect_capacity_says_sessions_past_the_session_limit_do_not_fit_and_wh
     shown = rows("causal-world-tiny", "--session-capacity", "4")
     assert shown["100 sessions"].endswith("(does not fit: more than the session limit of 4, set by "
                                           "--session-capacity)"), shown
-    shown = rows("dreamzero-14b")  # no runtime.session_capacity: the preset's 8
-    assert shown["100 sessions"].endswith("(does not fit: more than the session limit of 8, set by the pipeline's KV "
-                                          "spec)"), shown
+    shown = rows("dreamzero-14b")  # no runtime.session_capacity: its model: section sets 8 (said: the KV spec)
+    assert shown["100 sessions"].endswith("(does not fit: more than the session limit of 8, set by "
+                                          "model.session_capacity (the pipeline's KV spec))"), shown
     assert shown["2 sessions"].endswith("(fits)"), shown
 
 

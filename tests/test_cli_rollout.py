@@ -3769,6 +3769,39 @@ def test_an_episode_folder_that_is_a_link_moved_into_place_gives_run_json_s_old_
     assert [(r["episode"], r["step"], r["status"]) for r in records(run)] == [("arm_a", s, "ok") for s in range(3)]
 
 
+def test_a_resume_reads_an_episode_through_the_link_in_a_watched_folder_the_run_read_it_through(env, data, tmp_path):
+    """live/cam -> rec/arm_a, outside the watched folder live: the run reads the episode through the link, so the
+    recording moved into place (rec/arm_a -> live/arm_a) is followed. A --resume read it at run.json's rec/arm_a,
+    where the link led: the move failed arm_a ("the episode folder is gone") and made live/arm_a a new episode,
+    arm_a-2, exit 4. It reads it through the link again."""
+    live, run, rec = tmp_path / "live", tmp_path / "run", tmp_path / "rec"
+    steps = steps_of(0, 3)
+    write_episode(rec / "arm_a", steps[:1], prompt="task arm_a", end=False)
+    live.mkdir()
+    (live / "cam").symlink_to(rec / "arm_a")
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                 "--idle-timeout", "60")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert recorded_folders(run) == {"arm_a": str((rec / "arm_a").resolve())}
+    proc = spawn(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--idle-timeout", "60")
+    try:
+        write_episode(rec / "arm_a", steps[1:2], first_step=1, end=False)
+        wait_for_lines(run / "results.jsonl", 2, proc)
+        (rec / "arm_a").rename(live / "arm_a")
+        write_episode(live / "arm_a", steps[2:], first_step=2)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert [(r["episode"], r["step"], r["status"]) for r in records(run)] == [("arm_a", s, "ok") for s in range(3)]
+    assert recorded_folders(run) == {"arm_a": str((live / "arm_a").resolve())}
+
+
 def test_an_episode_folder_renamed_in_a_watched_folder_while_the_run_was_stopped_resumes_through_a_link(
         env, data, reference, tmp_path):
     """Renamed while no run follows it, the folder is gone for --resume (exit 2, naming it); a link at the old name

@@ -137,8 +137,11 @@ def inspect_capacity(
         data = {"kind": "capacity_plan", "config": config_label(config), "pipeline": cfg.pipeline_name,
                 "device": runtime.device, "plan_device": target.name, "plan_device_reason": target.reason,
                 "available_source": source, **data, "warnings": list(out.warnings)}
+        # the spec's bound is the model's session_capacity where it has one (dreamzero-14b's model: section sets 8)
         limit_source = ("--session-capacity" if session_capacity is not None
                         else "the config's runtime.session_capacity" if runtime.session_capacity is not None
+                        else "model.session_capacity (the pipeline's KV spec)"
+                        if getattr(cfg.model, "session_capacity", None) == spec.session_capacity
                         else "the pipeline's KV spec")
         out.result(data, lambda plain: render_capacity(data, plan, plain, limit_source=limit_source))
 

@@ -426,9 +426,15 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
     # files alike, by that absolute path, on the run that started it as on a resume (not as typed on the first only)
     # A folder that is itself a link is read through it (made absolute): its target may be outside the watched folder
     # of episodes it is in (live/cam -> .rec/arm_a), and --follow follows the recording moved into place from there
+    # A resume reads one through the link in a watched folder the run read it through (run.json records where the
+    # link led, outside the watched folders): it read the target, and a recording moved into place then was a new
+    # episode, this one failed
+    links = _links_in(watch) if resume else {}
     for episode, recorded_episode in zip(episodes, info["episodes"]):
-        episode.path = (Path(os.path.abspath(episode.path)) if os.path.islink(episode.path)
-                        else Path(recorded_episode["path"]))
+        recorded = recorded_episode["path"]
+        link = (episode.path if os.path.islink(episode.path)
+                else links.get(recorded) if Path(recorded).parent not in watch else None)
+        episode.path = Path(os.path.abspath(link)) if link is not None else Path(recorded)
     try:  # now, not after the model has loaded: a file or an unwritable place is a usage error
         if out is None:
             out = make_default_out_dir()
@@ -655,6 +661,21 @@ def _refuse_other_watch(recorded: list[str], given: list[str], recorded_episodes
                 f"now (ln -s NEW {shell_word(gone[0])}) and resume with no EPISODE")
     raise ConfigError(f"the folders of episodes watched differ from those of the run in {out}: expected {recorded}, "
                       f"got {given}", hint=hint)
+
+
+def _links_in(folders: list[Path]) -> dict[str, Path]:
+    """The links to folders directly in ``folders`` (a run's watched folders of episodes; hidden ones are no
+    episodes), by the path each leads to; the first by name where several lead to one."""
+    found: dict[str, Path] = {}
+    for folder in folders:
+        try:
+            entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
+        except OSError:  # gone or unreadable: its episodes' own checks name it
+            continue
+        for entry in entries:
+            if not entry.name.startswith(".") and entry.is_symlink() and os.path.isdir(entry.path):
+                found.setdefault(os.path.realpath(entry.path), Path(entry.path))
+    return found
 
 
 def _recorded_watch(info: dict[str, Any], path: Path) -> list[Path]:
