@@ -1470,6 +1470,27 @@ def test_the_options_given_to_a_resume_are_in_the_resume_its_hints_give_to_paste
     assert_matches(run, reference)
 
 
+def test_a_lower_session_capacity_replaces_the_one_given_before_a_quoted_swap_space(env, data, reference, tmp_path):
+    """The --session-capacity given to a resume was replaced in the resume to paste only where no quoted word came
+    after it: given with --swap-space '1 MiB' (a size with a space, quoted in the command), the command repeated it,
+    `--session-capacity 2 --swap-space '1 MiB' --session-capacity 1`, as if two sessions still applied. It is given
+    once, the lower; pasted into bash, it completes the run."""
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(four_sessions_config(tmp_path)), str(data / "eps"), "--out", str(run),
+                  "--pipeline", PIPELINE, "--no-warmup", "--memory-budget", "600KB", "--format", "plain",
+                  faults=LARGE_POOL_OOM)
+    assert proc.returncode == 4, proc.stderr
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup", "--format",
+                  "plain", "--session-capacity", "2", "--swap-space", "1 MiB", faults=LARGE_POOL_OOM)
+    assert proc.returncode == 4, proc.stderr
+    hint = last_hint(proc.stderr)
+    assert hint == (f"fix what is named above, then continue with: ardiff rollout --resume --out {run} --pipeline "
+                    f"{PIPELINE} --swap-space '1 MiB' --session-capacity 1"), hint
+    proc = paste_hint(env, hint, faults=LARGE_POOL_OOM)
+    assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference)
+
+
 def test_a_step_out_of_memory_hints_only_at_changes_that_shrink_the_kv_pool(env, data, tmp_path):
     """The hint said "continue with --resume and a lower --session-capacity or a smaller --memory-budget" whatever
     the plan. With one session planned neither can help: --session-capacity takes no fewer, and a budget too small for

@@ -236,9 +236,11 @@ def _given_to_resume(overrides: dict[str, Any], options: dict[str, Any], swap_sp
     """The options given to a resume that run.json does not keep (they are that resume's alone), as typed: what the
     resume its hints give to paste is given again, else it went on with the run's own (a lower --session-capacity
     that a hint asked for lost). --device, --dtype and --attention-backend are the run's own either way."""
-    values = {"--memory-budget": overrides["memory_budget"], "--session-capacity": overrides["session_capacity"],
-              "--gpu-memory-fraction": overrides["gpu_memory_fraction"], "--swap-space": swap_space,
-              "--order": options["order"], "--idle-timeout": options["idle_timeout"]}
+    # --session-capacity after every value that may be quoted (a size with a space): lighter_resume replaces it
+    # after the command's last quote, and repeated it after --swap-space '1 MiB'
+    values = {"--memory-budget": overrides["memory_budget"], "--gpu-memory-fraction": overrides["gpu_memory_fraction"],
+              "--swap-space": swap_space, "--order": options["order"], "--idle-timeout": options["idle_timeout"],
+              "--session-capacity": overrides["session_capacity"]}
     given = [word for flag, value in values.items() if value is not None for word in (flag, str(value))]
     return given + [flag for flag in ("--follow", "--preview") if options[flag[2:]]]
 
