@@ -346,6 +346,15 @@ def test_signal_in_the_middle_of_a_forward_then_resume(env, data, reference, tmp
 TWO_SIGNALS = [(signal.SIGTERM, signal.SIGINT), (signal.SIGINT, signal.SIGTERM), (signal.SIGHUP, signal.SIGTERM)]
 
 
+def _default_signals() -> None:
+    """In a child before it runs ardiff: SIGINT, SIGTERM and SIGHUP with their default action, none blocked. A child
+    inherits an ignored signal (and the mask) from the pytest worker, whatever an earlier test left there, and ardiff
+    keeps an ignored signal ignored (nohup): a signal the test sends would then do nothing."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 def send_and_wait_delivered(proc: subprocess.Popen, signum: int) -> None:
     """``signum`` to ``proc``, then wait until a thread of it took the signal (its C handler ran: the bit left
     the process's pending set, /proc/PID/status ShdPnd), even while Python waits to run the handler's Python half.
@@ -446,10 +455,11 @@ def test_a_second_signal_while_a_signal_before_the_command_took_them_is_reported
         hold = run / "run.json"
     os.mkfifo(hold)
     read_end, write_end = os.pipe()
+    inherited = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     with open(read_end, "rb") as err_pipe:
         proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run),
                                  "--format", "json"], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
-                                stderr=write_end)
+                                stderr=write_end, preexec_fn=_default_signals)
         # the pipe filled through a file description of its own: the process's stderr stays blocking
         filler = os.open(f"/proc/self/fd/{write_end}", os.O_WRONLY | os.O_NONBLOCK)
         os.close(write_end)
@@ -473,7 +483,9 @@ def test_a_second_signal_while_a_signal_before_the_command_took_them_is_reported
                 call = Path(f"/proc/{proc.pid}/syscall").read_text().split()
                 if call[:2] == ["1", "0x2"]:
                     break
-                assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
+                assert proc.poll() is None and time.monotonic() < deadline, (
+                    proc.poll(), call[:2], inherited, re.findall(r"^Sig\w+:.*$", Path(f"/proc/{proc.pid}/status")
+                                                                 .read_text(), re.M))
                 time.sleep(0.001)
             send_and_wait_delivered(proc, second)
             os.close(filler)
