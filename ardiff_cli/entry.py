@@ -2,7 +2,8 @@
 
 Ctrl-C in the first tenth of a second, while Typer, Rich and the commands import, raised KeyboardInterrupt out of
 the import: a traceback. Nothing has started then, so it is reported as a later one is (``app`` reports one while
-Typer builds the command): ``Error: interrupted``, the error object on stdout under ``--format json``, exit 130.
+Typer builds the command): ``Error: interrupted by SIGINT``, the error object on stdout under ``--format json``, exit
+130.
 SIGTERM and SIGHUP, until a command installs its own handlers (``ardiff_cli.signals``), are raised the same way
 (:class:`Stopped`), exit 143 and 129: by their default action they killed the process, with no word and no error
 object, for the first second or more of every command (imports, reading the config, a resume's results.jsonl).
@@ -88,7 +89,8 @@ def report_interrupted(args: list[str], signum: int = signal.SIGINT) -> None:
 
 
 def interrupted_message(signum: int) -> str:
-    return "interrupted" if signum == signal.SIGINT else f"interrupted by {signal.Signals(signum).name}"
+    """A signal's ``Error:`` line, the same however early it came (``interrupted by SIGINT``, as a later one's)."""
+    return f"interrupted by {signal.Signals(signum).name}"
 
 
 def requested_format(args: list[str]) -> str:

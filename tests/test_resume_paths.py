@@ -173,3 +173,22 @@ def test_a_resume_names_a_link_to_nothing_above_a_recorded_episode_folder(cli_en
         f"episode 'arm_a' of this run: its folder {eps / 'arm_a'} (recorded in {run_json}) cannot be reached: {eps} "
         f"is a link to {target}, which does not exist"), error
     assert error["hint"].startswith("mount the disk the link points to (or fix the link), then resume; or "), error
+
+
+def test_a_resume_hint_for_an_out_named_in_bytes_the_locale_cannot_decode_pastes_into_bash(cli_env, tmp_path):
+    """`-o 'runs é'` under LC_ALL=C with PYTHONUTF8=0: Python holds the é's bytes as lone surrogates, and the hint
+    to paste read `ardiff rollout --resume --out 'runs \\udcc3\\udca9'`, a folder that does not exist (pasted: exit
+    2, `nothing to resume`). It is bash's `$'runs \\xc3\\xa9'` now, which names the run's folder."""
+    write_fast_data(tmp_path, {"a": 2})
+    env = {**cli_env, "LC_ALL": "C", "PYTHONUTF8": "0"}
+    env.pop("PYTHONIOENCODING", None)
+    args = ["rollout", "fast.yaml", "eps/a", "--out", "runs é"]
+    assert ardiff(env, *args, cwd=tmp_path).returncode == 0
+    again = ardiff(env, *args, cwd=tmp_path)
+    hint = again.stderr.splitlines()[-1]
+    said = "hint: continue it with: ardiff rollout --resume --out $'runs \\xc3\\xa9'; or choose another --out"
+    assert again.returncode == 2 and hint == said, again.stderr
+    pasted = hint.removeprefix("hint: continue it with: ").split(";")[0]
+    pasted = pasted.replace("ardiff", f"'{sys.executable}' -m ardiff_cli", 1)
+    proc = subprocess.run(["bash", "-c", pasted], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "nothing left to run" in proc.stderr, proc.stderr

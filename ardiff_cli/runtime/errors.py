@@ -361,8 +361,14 @@ def shell_word(path: os.PathLike | str) -> str:
     space, a quote, ``$`` or a non-ASCII letter, and written ``./-x`` where it begins with '-', which the command
     (``ln``, ``touch``, ``mkdir``, ``ardiff --out``) would read as an option, and ``./~`` where it begins with '~':
     a folder named ``~``, which ardiff reads as the home folder when quoted (``Path`` drops the ``./`` the user
-    wrote before both)."""
-    return shlex.quote(as_typed(path))
+    wrote before both). A name holding bytes the locale cannot decode (``é`` typed under ``LC_ALL=C`` with
+    ``PYTHONUTF8=0``: Python keeps each as a lone surrogate, printed ``\\udcc3``) is bash's ``$'...'`` of its bytes
+    (``$'\\xc3\\xa9'``): quoted as text, the pasted command named a folder that does not exist."""
+    text = as_typed(path)
+    if not any("\udc80" <= char <= "\udcff" for char in text):
+        return shlex.quote(text)
+    raw = text.encode("utf-8", "surrogateescape")  # the bytes the name had on the command line or on disk
+    return "$'" + "".join(chr(b) if 32 <= b < 127 and b not in b"'\\" else f"\\x{b:02x}" for b in raw) + "'"
 
 
 def as_typed(path: os.PathLike | str) -> str:
