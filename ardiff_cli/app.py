@@ -115,10 +115,11 @@ def _path_read_as_an_option(args: list[str], option: str | None) -> str | None:
 
 def _keep_options_alike(exc: BaseException) -> None:
     """The options offered for an unknown one: an option alike but for case alone (`--FOLLOW` --follow); else of
-    difflib's picks, with case ignored, and the one option that a name of 4 letters or more begins (`--idle`
-    --idle-timeout, `--sess` --session-capacity: difflib's ratio left them out), those ``close_match`` finds alike,
-    their dashes left out: Click's difflib counted the '--' both begin with, and `--gpu` was offered --out, `--model`
-    --help and --order. Its cutoff is not asked again of the shorter names (`swap` and 'swap-space' fall under it)."""
+    difflib's picks, with case ignored, those ``close_match`` finds alike, their dashes left out (Click's difflib
+    counted the '--' both begin with, and `--gpu` was offered --out, `--model` --help and --order; its cutoff is not
+    asked again of the shorter names: `swap` and 'swap-space' fall under it), then every option that a name of 4
+    letters or more begins (`--idle` --idle-timeout; `--sess` --sessions and --session-capacity, where there was
+    only difflib's --sessions: its ratio leaves such beginnings out, and one was all a single pick could say)."""
     option, ctx = getattr(exc, "option_name", None), getattr(exc, "ctx", None)
     if not isinstance(option, str) or not hasattr(exc, "possibilities"):  # a NoSuchOption only
         return
@@ -130,10 +131,10 @@ def _keep_options_alike(exc: BaseException) -> None:
         exc.possibilities = [folded[typed]]
         return
     begun = [name for key, name in folded.items() if key.startswith(typed)]
-    picks = [folded[key] for key in difflib.get_close_matches(typed, folded)]
-    picks += begun if len(begun) == 1 and len(typed.lstrip("-")) >= 4 else []
-    exc.possibilities = [name for name in dict.fromkeys(picks)
-                         if close_match(option.lstrip("-"), [name.lstrip("-")], cutoff=0.0) is not None]
+    picks = [folded[key] for key in difflib.get_close_matches(typed, folded)
+             if close_match(option.lstrip("-"), [folded[key].lstrip("-")], cutoff=0.0) is not None]
+    picks += begun if len(typed.lstrip("-")) >= 4 else []
+    exc.possibilities = list(dict.fromkeys(picks))
 
 
 def _run(args: list[str]) -> None:

@@ -27,24 +27,28 @@ C = TypeVar("C")
 class InvalidField(ValueError):
     """Raised by ``__post_init__``; ``config_from_dict`` turns it into a ``ConfigError`` with the source."""
 
-    def __init__(self, name: str, expected: str, got: object, *, other: InvalidField | None = None) -> None:
+    def __init__(self, name: str, expected: str, got: object, *,
+                 others: tuple[InvalidField | None, ...] = ()) -> None:
         super().__init__(f"field {name!r}: expected {expected}, got {shown(got)}")
         self.name = name  # the offending field
         self.expected = expected  # what would have been valid, in words
         self.got = got  # the value given
-        self.other = other  # the same mistake worded for another field the check reads, blamed when only it was set
+        # the same mistake worded for other fields the check reads (None: no value of that field would do), in the
+        # order they are blamed when this one was not set
+        self.others = tuple(other for other in others if other is not None)
 
     def blamed(self, given: Mapping[str, Any]) -> InvalidField:
         """The field to name, of the keys ``given`` in the model: section: this one, unless it was not given (a
-        preset's or the default) and the other field of the check was (`vae_stride: 3` named 'model.height')."""
-        if self.other is not None and self.name not in given and self.other.name in given:
-            return self.other
-        return self
+        preset's or the default) and another field of the check was, the first such of ``others`` (`vae_stride: 3`
+        and `patch_size: [1, 3, 3]` named 'model.height')."""
+        if self.name in given:
+            return self
+        return next((other for other in self.others if other.name in given), self)
 
 
-def require(ok: bool, name: str, expected: str, got: object, *, other: InvalidField | None = None) -> None:
+def require(ok: bool, name: str, expected: str, got: object) -> None:
     if not ok:
-        raise InvalidField(name, expected, got, other=other)
+        raise InvalidField(name, expected, got)
 
 
 def derive(config: object, name: str, value: object) -> None:
@@ -135,6 +139,12 @@ def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str, prese
         raise field_error(where, f"model.{exc.name}", exc.expected, exc.got) from None
 
 
+def _divisors(number: int) -> str:
+    """The divisors of ``number`` up to 64, in words: 'one of 1, 2, 4, 8', 'only 1', 'e.g. 1, 2, ...' past 64."""
+    found = [str(d) for d in range(1, min(number, 64) + 1) if number % d == 0]
+    return ("e.g. " if number > 64 else "one of " if len(found) > 1 else "only ") + ", ".join(found)
+
+
 @dataclass(frozen=True)
 class BackboneConfig:
     """Geometry of the Wan 2.1 style causal transformer and its latent video, shared by both pipelines.
@@ -203,7 +213,7 @@ class BackboneConfig:
         for name, pixels, patch in (("height", self.height, ph), ("width", self.width, pw)):
             if pixels % (self.vae_stride * patch):
                 raise InvalidField(name, f"a multiple of vae_stride * patch = {self.vae_stride * patch}", pixels,
-                                   other=self._stride_mistake(ph, pw))
+                                   others=(self._stride_mistake(ph, pw), self._patch_mistake()))
         derive(self, "head_size", head_size)
         derive(self, "latent_height", self.height // self.vae_stride)
         derive(self, "latent_width", self.width // self.vae_stride)
@@ -215,15 +225,23 @@ class BackboneConfig:
         """A height or width that is no multiple of vae_stride * patch, said of vae_stride (named when the config set
         it, not height or width: `vae_stride: 3` was blamed on 'model.height'), with the strides that would do; None
         when none would (the patch does not divide height or width)."""
-        whole = self.height % ph == 0 and self.width % pw == 0
-        common = math.gcd(self.height // ph, self.width // pw) if whole else 0
-        strides = [str(s) for s in range(1, min(common, 64) + 1) if common % s == 0]
-        if not strides:
+        if self.height % ph or self.width % pw:
             return None
-        which = "e.g. " if common > 64 else "one of " if len(strides) > 1 else "only "
         return InvalidField("vae_stride", f"a value for which height={self.height} and width={self.width} are "
-                            f"multiples of vae_stride * patch ({ph} x {pw}): {which}{', '.join(strides)}",
-                            self.vae_stride)
+                            f"multiples of vae_stride * patch ({ph} x {pw}): "
+                            f"{_divisors(math.gcd(self.height // ph, self.width // pw))}", self.vae_stride)
+
+    def _patch_mistake(self) -> InvalidField | None:
+        """A height or width that is no multiple of vae_stride * patch, said of patch_size (named when the config set
+        it, not height or width: `patch_size: [1, 3, 3]` was blamed on 'model.height'), with the rows and cols that
+        would do; None when none would (vae_stride does not divide height or width)."""
+        if self.height % self.vae_stride or self.width % self.vae_stride:
+            return None
+        rows, cols = (_divisors(pixels // self.vae_stride) for pixels in (self.height, self.width))
+        which = f"rows and cols each {rows}" if rows == cols else f"rows {rows} and cols {cols}"
+        return InvalidField("patch_size", f"[1, rows, cols] for which height={self.height} and width={self.width} "
+                            f"are multiples of vae_stride * patch (vae_stride {self.vae_stride}): {which}",
+                            list(self.patch_size))
 
     def backbone_kv_spec(self, **pipeline_specific: Any) -> ARDiffusionKVCacheSpec:
         """The KV spec's backbone geometry and retention, plus what the pipeline adds (branches, caches, ...)."""

@@ -577,14 +577,15 @@ def test_inspect_capacity_shows_paging_unit_and_kernel_blocks():
     assert (attention["tokens_per_frame"], attention["page_size"], attention["pages_per_frame"]) == (220, 220, 1)
     assert (attention["flash_block_size"], attention["flash_blocks_per_page"], attention["flash_tail_tokens"]) == (
         16, 13, 12)
-    plain = invoke("inspect-capacity", "dreamzero-14b", "--available", "80GiB", "--format", "plain").stdout
+    plain = invoke("inspect-capacity", "dreamzero-14b", "--available", "80GiB", "--device", "cuda", "--format",
+                   "plain").stdout  # FlashAttention's row, where the model runs on CUDA
     assert "flash block" in plain and "13 blocks per page + 12-token tail" in plain
 
 
 def test_inspect_capacity_says_when_a_page_is_smaller_than_one_kernel_block(tmp_path):
     config = tmp_path / "small.yaml"
     config.write_text("pipeline: dreamzero\nmodel: {preset: tiny, height: 16, width: 16}\n")  # 4-token frames
-    result = invoke("inspect-capacity", str(config), "--available", "1GiB", "--format", "plain")
+    result = invoke("inspect-capacity", str(config), "--available", "1GiB", "--device", "cuda", "--format", "plain")
     assert result.exit_code == 0, result.stderr
     assert "FlashAttention (CUDA): a page is smaller than one block: all 4 of its tokens are tail" in result.stdout
     assert "0 block" not in result.stdout

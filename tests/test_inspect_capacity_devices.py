@@ -570,3 +570,55 @@ def test_a_config_whose_checkpoint_is_not_here_is_planned_with_a_warning_and_ref
     (tmp_path / "folder.yaml").write_text(yaml.safe_dump({**data, "checkpoint": "weights"}))
     proc = inspect(tmp_path, str(tmp_path / "folder.yaml"), "--available", "80GiB", gpu=False, gpu_torch=False)
     assert proc.returncode == 2 and "field 'checkpoint': a folder, not a file" in proc.stderr, proc.stderr
+
+
+# --------------------------------------------------------------------------------- kernel rows, verdicts
+@pytest.mark.parametrize(("args", "gpu_torch", "env", "rows"), [
+    ((), False, {}, ["cpu"]),  # a CPU build of torch: FlashAttention's row spoke of a CUDA it cannot run
+    ((), True, {"CUDA_VISIBLE_DEVICES": ""}, ["cpu"]),  # every GPU hidden
+    (("--device", "cpu"), True, {}, ["cpu"]),
+    (("--device", "cuda"), True, {}, ["flash"]),  # no vLLM CPU kernel on CUDA
+    ((), True, {}, ["flash", "cpu"]),  # auto where a GPU may be used: both, as the attention row says
+], ids=["cpu-build", "gpus-hidden", "cpu", "cuda", "auto"])
+def test_the_kernel_block_rows_are_those_of_the_device_the_model_runs_on(tmp_path, args, gpu_torch, env, rows):
+    fake_nvidia_smi(tmp_path / "bin")
+    proc = inspect(tmp_path, "dreamzero-14b", "--available", "80GiB", *args, gpu_torch=gpu_torch, fmt="plain",
+                   COLUMNS="300", **env)
+    assert proc.returncode == 0, proc.stderr
+    shown = re.findall(r"^  (flash|cpu) block +\d+ tokens +(.*)$", proc.stdout, re.M)
+    assert [kernel for kernel, _ in shown] == rows, proc.stdout
+    labels = {"flash": "FlashAttention (CUDA): 13 blocks per page + 12-token tail",
+              "cpu": "vLLM CPU kernel: 6 blocks per page + 28-token tail"}
+    assert [detail for _, detail in shown] == [labels[kernel] for kernel in rows]
+    data = json.loads(inspect(tmp_path, "dreamzero-14b", "--available", "80GiB", *args, gpu_torch=gpu_torch,
+                              **env).stdout)
+    assert (data["attention"]["flash_block_size"], data["attention"]["cpu_block_size"]) == (16, 32)  # JSON: both
+
+
+VERDICT_WORDS = {"fits": "fits", "over_budget": "over budget", "does_not_fit": "does not fit",
+                 "over_session_limit": "does not fit: more than the session limit of {limit}, set by {source}"}
+
+
+@pytest.mark.parametrize(("config", "args", "verdicts", "source", "shown"), [
+    # 4.91 GiB a session, 1.26 GiB fixed: 3 fit 90% of 22 GiB, 4 fit 22 GiB but not 90% of it, 8 fit nowhere,
+    # 16 are more than the 8 model.session_capacity keeps resident
+    ("self-forcing-1.3b", ("--available", "22GiB"),
+     {"1": "fits", "2": "fits", "3": "fits", "4": "over_budget", "8": "does_not_fit", "16": "over_session_limit"},
+     "model.session_capacity", "model.session_capacity (the pipeline's KV spec)"),
+    ("dreamzero-tiny", ("--available", "1GiB", "--sessions", "2", "--sessions", "3"),
+     {"2": "fits", "3": "over_session_limit"}, "runtime.session_capacity", "the config's runtime.session_capacity"),
+    ("dreamzero-tiny", ("--available", "1GiB", "--session-capacity", "1"),
+     {"1": "fits", "2": "over_session_limit", "4": "over_session_limit", "8": "over_session_limit",
+      "16": "over_session_limit"}, "--session-capacity", "--session-capacity"),
+])
+def test_json_says_each_session_counts_verdict_as_the_table_does(tmp_path, config, args, verdicts, source, shown):
+    """The table said whether N sessions fit, and why not (memory, or the session limit and what set it); the JSON
+    had only the fraction each count needs, and a script had to redo the planner's arithmetic."""
+    fake_nvidia_smi(tmp_path / "bin")
+    data = json.loads(inspect(tmp_path, config, "--device", "cpu", *args, gpu_torch=False).stdout)
+    assert data["verdict"] == verdicts and data["session_limit_source"] == source
+    assert list(data["verdict"]) == list(data["fraction_needed"])
+    plain = inspect(tmp_path, config, "--device", "cpu", *args, gpu_torch=False, fmt="plain", COLUMNS="300").stdout
+    rows = dict(re.findall(r"^([\d,]+) sessions? +[\d.,e+-]+% +of available memory \((.*)\)$", plain, re.M))
+    limit = data["plan"]["session_capacity_limit"]
+    assert rows == {n: VERDICT_WORDS[verdict].format(limit=limit, source=shown) for n, verdict in verdicts.items()}

@@ -159,6 +159,38 @@ def test_a_vae_stride_the_frame_size_does_not_take_is_named_not_the_height(tmp_p
         module.Config.from_dict({"preset": "tiny", "vae_stride": 3, "patch_size": [1, 3, 3]}, where="cfg.yaml")
 
 
+@pytest.mark.parametrize("pipeline", ["dreamzero", "causal_world"])
+def test_a_patch_size_the_latent_frame_does_not_take_is_named_not_the_height(tmp_path, pipeline):
+    """`patch_size: [1, 3, 3]` with the preset's 32 x 32 frames (8 x 8 latent) was "field 'model.height': expected a
+    multiple of vae_stride * patch = 12, got 32": the user set neither the height nor vae_stride. The field the config
+    set is named, with the patch rows and cols that would do."""
+    import os
+
+    config = tmp_path / "patch.yaml"
+    config.write_text(f"pipeline: {pipeline}\nmodel:\n  preset: tiny\n  patch_size: [1, 3, 3]\n")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--format", "plain"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "ARDIFF_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 2, proc.stderr
+    wanted = ("[1, rows, cols] for which height=32 and width=32 are multiples of vae_stride * patch (vae_stride 4): "
+              "rows and cols each one of 1, 2, 4, 8")
+    assert proc.stderr == (f"Error: {config}: field 'model.patch_size': expected {wanted}, got [1, 3, 3]\n"
+                           f"hint: set 'model.patch_size' to {wanted}\n"), proc.stderr
+    module = {"dreamzero": dreamzero, "causal_world": causal_world}[pipeline]
+    with pytest.raises(ConfigError, match=r"field 'model.patch_size': expected .*: rows one of 1, 2, 4, 8 and cols "
+                                          r"one of 1, 2, 4, 8, 16, got \[1, 16, 2\]$"):
+        module.Config.from_dict({"preset": "tiny", "width": 64, "patch_size": [1, 16, 2]}, where="cfg.yaml")
+    with pytest.raises(ConfigError, match=r"field 'model.height': expected a multiple of vae_stride \* patch = 12, "
+                                          r"got 32$"):  # the height the config set is still named
+        module.Config.from_dict({"preset": "tiny", "height": 32, "patch_size": [1, 3, 3]}, where="cfg.yaml")
+    with pytest.raises(ConfigError, match=r"field 'model.vae_stride': expected .*\(2 x 2\): one of 1, 2, 4, 8, 16, "
+                                          r"got 3$"):  # both set: vae_stride, as before
+        module.Config.from_dict({"preset": "tiny", "vae_stride": 3, "patch_size": [1, 2, 2]}, where="cfg.yaml")
+    with pytest.raises(ConfigError, match=r"field 'model.height': expected a multiple of vae_stride \* patch = 12, "
+                                          r"got 30$"):  # 30 / vae_stride 4 is no latent height: no patch would do
+        module.Config.from_dict({"preset": "tiny", "height": 30, "patch_size": [1, 3, 3]}, where="cfg.yaml")
+
+
 @pytest.mark.parametrize("key", ["Preset", "presets", "prest"])
 def test_a_misspelt_preset_key_is_named_with_a_did_you_mean(key):
     """`model: {Preset: tiny}` or `presets:` said only "unknown key" (the suggestion looked among the model's

@@ -510,6 +510,10 @@ def _pickled_checkpoint(path: Path) -> Path:
 
 
 # config text (``{dir}`` is its folder) -> (command, [message parts], hint part)
+# what makes a frame fewer tokens, in fields a config sets (it said "or raise the pipeline's max_model_len", which no
+# config can change)
+FRAME_HINT = ("lower the frame size (tokens per latent frame): a smaller 'model.height' or 'model.width', or a larger "
+              "'model.vae_stride' or 'model.patch_size'")
 CONFIG_CASES = {
     "unknown_key": ("pipelin: dreamzero\n", "inspect-capacity",
                     ["{config}: unknown key 'pipelin' (did you mean 'pipeline'?)"], "valid top-level keys"),
@@ -665,26 +669,26 @@ CONFIG_CASES = {
                                     ["{config}: field 'model.window_frames': one attention call can see 1600097 "
                                      "tokens (sink + window + block + scratch), more than max_model_len=1048576 "
                                      "(sink_frames=3, window_frames=100000, frames_per_block=3, 16 tokens per frame, "
-                                     "1 register token)"], "lower 'model.window_frames'"),
+                                     "1 register token)"], "lower 'model.window_frames' to at most 65529"),
     # The field that brings most of the tokens is named (it was always window_frames), or the frame size.
     "block_beyond_max_model_len": ("pipeline: causal_world\nmodel: {preset: tiny, frames_per_block: 100000}\n",
                                    "inspect-capacity", ["{config}: field 'model.frames_per_block': one attention call "
                                                         "can see", "frames_per_block=100000, 16 tokens per frame"],
-                                   "lower 'model.frames_per_block'"),
+                                   "lower 'model.frames_per_block' to at most 65526"),
     "frame_beyond_max_model_len": ("pipeline: causal_world\nmodel: {preset: tiny, height: 65536, width: 65536}\n",
                                    "inspect-capacity", ["{config}: one attention call can see",
                                                         "67108864 tokens per frame"],
-                                   "lower the frame size (tokens per latent frame)"),
+                                   FRAME_HINT),
     # A frame of max_model_len tokens, or of half of it: no window or block fits, yet 'model.window_frames' (the most
     # frames) was named, and lowering it to 1 left the call 3 frames long.
     "frame_no_window_fits": ("pipeline: causal_world\nmodel: {preset: tiny, height: 8192, width: 8192}\n",
                              "inspect-capacity", ["Error: {config}: one attention call can see 12582913 tokens",
                                                   "1048576 tokens per frame"],
-                             "lower the frame size (tokens per latent frame)"),
+                             FRAME_HINT),
     "half_frame_no_window_fits": ("pipeline: causal_world\nmodel: {preset: tiny, height: 4096, width: 8192}\n",
                                   "inspect-capacity", ["Error: {config}: one attention call can see 6291457 tokens",
                                                        "524288 tokens per frame"],
-                                  "lower the frame size (tokens per latent frame)"),
+                                  FRAME_HINT),
     # 2**62 actions are as many register tokens: "lower the pipeline's register tokens per branch" named no field
     "action_horizon_beyond_max_model_len": (f"pipeline: dreamzero\nmodel: {{preset: tiny, action_horizon: {2**62}}}\n",
                                             "inspect-capacity",
@@ -1218,6 +1222,22 @@ def test_an_unknown_option_is_offered_only_options_alike(cli_env, option, offere
                           env=cli_env, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == f"Error: No such option: {option}{offered}\nhint: see ardiff rollout --help\n", proc.stderr
+
+
+
+@pytest.mark.parametrize(("command", "option", "offered"), [
+    ("inspect-capacity", "--sess", " (Possible options: --session-capacity, --sessions)"),
+    ("inspect-capacity", "--session", " (Possible options: --session-capacity, --sessions)"),
+    ("inspect-capacity", "--sessi", " (Possible options: --session-capacity, --sessions)"),
+    ("warmup", "--sess", " (Possible options: --session-capacity)"),
+])
+def test_an_unknown_option_that_begins_several_is_offered_each(cli_env, command, option, offered):
+    """`inspect-capacity --sess 3` was offered --sessions alone (difflib's pick): a name of 4 letters or more that
+    begins two options (--sessions, --session-capacity) was offered neither as a beginning; Click sorts the names."""
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", command, option, "3", "dreamzero-tiny"],
+                          capture_output=True, text=True, env=cli_env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"Error: No such option: {option}{offered}\nhint: see ardiff {command} --help\n", proc.stderr
 
 
 UNRELATED = [("depth", "model"), ("steps", "model"), ("threads", "model"), ("heads", "runtime"), ("node", "top"),

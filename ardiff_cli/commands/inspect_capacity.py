@@ -133,17 +133,19 @@ def inspect_capacity(
             raise
         counts = sorted(set(sessions or DEFAULT_SESSION_COUNTS) | {plan.session_capacity})
         data = capacity_report(plan, spec, counts)
+        # the spec's bound is the model's session_capacity where it has one (dreamzero-14b's model: section sets 8)
+        data["session_limit_source"] = (
+            "--session-capacity" if session_capacity is not None
+            else "runtime.session_capacity" if runtime.session_capacity is not None
+            else "model.session_capacity" if getattr(cfg.model, "session_capacity", None) == spec.session_capacity
+            else "pipeline")
         data["attention"] = attention
         data = {"kind": "capacity_plan", "config": config_label(config), "pipeline": cfg.pipeline_name,
                 "device": runtime.device, "plan_device": target.name, "plan_device_reason": target.reason,
                 "available_source": source, **data, "warnings": list(out.warnings)}
-        # the spec's bound is the model's session_capacity where it has one (dreamzero-14b's model: section sets 8)
-        limit_source = ("--session-capacity" if session_capacity is not None
-                        else "the config's runtime.session_capacity" if runtime.session_capacity is not None
-                        else "model.session_capacity (the pipeline's KV spec)"
-                        if getattr(cfg.model, "session_capacity", None) == spec.session_capacity
-                        else "the pipeline's KV spec")
-        out.result(data, lambda plain: render_capacity(data, plan, plain, limit_source=limit_source))
+        # the kernels whose block rows apply where the model runs: a CPU has no FlashAttention, CUDA no vLLM CPU kernel
+        kinds = {"cpu": ("cpu",), "cuda": ("flash",)}.get(shown_device.partition(":")[0], ("flash", "cpu"))
+        out.result(data, lambda plain: render_capacity(data, plan, plain, kernels=kinds))
 
 
 # ------------------------------------------------------------------------------- device, without torch
@@ -303,7 +305,28 @@ def capacity_report(plan: Any, spec: Any, counts: list[int]) -> dict[str, Any]:
         "sessions_fit": fits,
         "sessions_per_gib": plan.sessions_per_gib,
         "fraction_needed": {str(n): plan.fraction_needed(n) for n in counts},
+        "verdict": {str(n): session_verdict(plan, n) for n in counts},
     }
+
+
+def session_verdict(plan: Any, num_sessions: int) -> str:
+    """Whether ``num_sessions`` sessions fit: ``fits`` (within the budget), ``over_budget`` (within the memory
+    available, past gpu_memory_fraction), ``does_not_fit`` (more than the memory available) or
+    ``over_session_limit`` (more than the session limit keeps resident, whatever the memory: the rest are evicted).
+    Against the budget, not the fraction: the budget is never less than one session, so one session whose fraction
+    is above gpu_memory_fraction (but within what is available) is admitted, as the plan says."""
+    if num_sessions > plan.session_capacity_limit:
+        return "over_session_limit"
+    required = plan.required_bytes(num_sessions)
+    return ("fits" if required <= plan.budget_bytes
+            else "over_budget" if required <= plan.available_bytes else "does_not_fit")
+
+
+# what set the session limit (``session_limit_source``), as the table says it
+LIMIT_SOURCES = {"--session-capacity": "--session-capacity",
+                 "runtime.session_capacity": "the config's runtime.session_capacity",
+                 "model.session_capacity": "model.session_capacity (the pipeline's KV spec)",
+                 "pipeline": "the pipeline's KV spec"}
 
 
 def _three_digits(value: float) -> str:
@@ -322,7 +345,8 @@ def _count(value: int) -> str:
     return f"{value:,}" if value < 10**9 else f"{value:.3g}"
 
 
-def render_capacity(data: dict[str, Any], plan: Any, plain: bool, *, limit_source: str = "the session limit"):
+def render_capacity(data: dict[str, Any], plan: Any, plain: bool, *, kernels: tuple[str, ...] = ("flash", "cpu")):
+    """The table: ``kernels`` names the kernels whose block rows are shown (``flash``, ``cpu``)."""
     from rich import box
     from rich.console import Group
     from rich.table import Table
@@ -352,6 +376,8 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool, *, limit_sourc
     reason = att["reason"] if expected == att["plan_backend"] else f"{expected} ({att['reason']})"
     add_row("attention", att["plan_backend"], f"--attention-backend {att['setting']}: {reason}")
     for kernel, label in (("flash", "FlashAttention (CUDA)"), ("cpu", "vLLM CPU kernel")):
+        if kernel not in kernels:
+            continue
         tail, blocks = att[f"{kernel}_tail_tokens"], att[f"{kernel}_blocks_per_page"]
         shape = (f"{plural(blocks, 'block')} per page" + (f" + {tail}-token tail" if tail else "") if blocks
                  else f"a page is smaller than one block: all {tail} of its tokens are tail")
@@ -376,14 +402,10 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool, *, limit_sourc
             f"{_count(plan.num_managed_pages)} pages, {fb(plan.planned_bytes)} planned")
     add_row("per GiB", _three_digits(plan.sessions_per_gib), "sessions per GiB of memory")
     for n, fraction in data["fraction_needed"].items():
-        # Against the budget, not the fraction: the budget is never less than one session, so one session whose
-        # fraction is above gpu_memory_fraction (but within what is available) is admitted, as the plan says.
-        # More sessions than the limit are never resident together, whatever the memory: the rest are evicted.
-        required = plan.required_bytes(int(n))
+        verdict = data["verdict"][n]
         verdict = (f"does not fit: more than the session limit of {_count(plan.session_capacity_limit)}, set by "
-                   f"{limit_source}" if int(n) > plan.session_capacity_limit
-                   else "fits" if required <= plan.budget_bytes
-                   else "over budget" if required <= plan.available_bytes else "does not fit")
+                   f"{LIMIT_SOURCES[data['session_limit_source']]}" if verdict == "over_session_limit"
+                   else verdict.replace("_", " "))
         add_row(f"{_count(int(n))} session{'s' if n != '1' else ''}", f"{_three_digits(fraction * 100)}%",
                 f"of available memory ({verdict})")
     title = visible(f"capacity plan: {data['config']} (pipeline {data['pipeline']}, {plan.dtype})")

@@ -491,7 +491,9 @@ def _check_attention_span(spec: ARDiffusionKVCacheSpec, model: Any, where: str) 
     """A window one attention call cannot see (more tokens than the pipeline's ``max_model_len``) is this
     config's mistake: say so naming the file and the field now, not after the weights have loaded. The field is the
     one that brings most of the tokens (it was always ``window_frames``, for a huge ``frames_per_block`` or
-    ``height`` too). The runner's own check stays (``AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH`` may add scratch)."""
+    ``height`` too), and the hint says how far to lower it, or which fields make the frame smaller: the pipeline's
+    ``max_model_len`` it named is no setting of a config. The runner's own check stays
+    (``AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH`` may add scratch)."""
     from ardiff_cli.runtime.kv.layout import KVLayout
 
     try:
@@ -504,17 +506,23 @@ def _check_attention_span(spec: ARDiffusionKVCacheSpec, model: Any, where: str) 
         detail = (", ".join(f"{name}={count}" for name, count in frames.items())
                   + f", {tokens} tokens per frame, {plural(registers, 'register token')}")
         largest = max(frames, key=frames.get)
+        # the most frames of the largest field that fit, the others as they are (the block comes with its registers)
+        most = (spec.max_model_len - registers) // tokens - sum(frames.values()) + frames[largest]
         if registers > frames[largest] * tokens:
-            field, fix = "", "the pipeline's register tokens per branch"
+            field, fix = "", "lower the pipeline's register tokens per branch"
         elif 2 * tokens + registers > spec.max_model_len:
             # not even a one-frame window and a one-frame block (with the registers) fit: no frame count can help
-            field, fix = "", "the frame size (tokens per latent frame)"
-        elif getattr(model, largest, None) == frames[largest]:
-            field, fix = f"field 'model.{largest}': ", f"'model.{largest}'"
+            sizes = ("height", "width", "vae_stride", "patch_size")
+            fix = ("lower the frame size (tokens per latent frame): a smaller 'model.height' or 'model.width', or a "
+                   "larger 'model.vae_stride' or 'model.patch_size'" if all(hasattr(model, name) for name in sizes)
+                   else "lower the frame size (tokens per latent frame)")
+            field = ""
         else:
-            field, fix = "", largest
-        raise ConfigError(f"{where}: {field}{exc} ({detail})",
-                          hint=f"lower {fix}, or raise the pipeline's max_model_len") from None
+            setting = getattr(model, largest, None) == frames[largest]  # a field of the config's model: section
+            named = f"'model.{largest}'" if setting else largest
+            field = f"field {named}: " if setting else ""
+            fix = f"lower {named}" + (f" to at most {most}" if most >= (largest != "sink_frames") else "")
+        raise ConfigError(f"{where}: {field}{exc} ({detail})", hint=fix) from None
 
 
 def _runtime_setting(key: object) -> str | None:
