@@ -45,7 +45,7 @@ from typing import Any
 from ardiff_cli.errors_cli import Interrupted, OutputError, StepFailed, write_hint
 from ardiff_cli.io.episode import (METADATA_FILE, EpisodeSource, StepFile, file_signature, listed, load_step,
                                    present, step_sha256)
-from ardiff_cli.io.run import RunFolder
+from ardiff_cli.io.run import RunFolder, episode_folder_path
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.monitor import RunMonitor
@@ -132,9 +132,11 @@ def _size(path: Path) -> int | None:
 
 def recorded_folder(episode: EpisodeSource, recorded: str | None) -> str:
     """The episode's folder as run.json records it (``recorded``), where that is the folder the run reads it from
-    (directly or through a link); else its path now, links resolved (a resume given the folder where it moved)."""
-    here = str(episode.path.resolve())
-    if recorded is not None and (recorded in (str(episode.path), here) or str(Path(recorded).resolve()) == here):
+    (directly, or through a link above it or at its path); else its path now as :func:`episode_folder_path` gives it
+    (a resume given the folder where it moved, or the link it is read through)."""
+    here = episode_folder_path(episode.path)
+    if recorded is not None and (recorded in (str(episode.path), here) or not os.path.islink(episode.path)
+                                 and str(Path(recorded).resolve()) == str(episode.path.resolve())):
         return recorded
     return here
 

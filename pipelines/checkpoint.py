@@ -38,8 +38,8 @@ from safetensors.torch import load_file, save_file
 from ardiff_cli.io.atomic import FILE_MODE, parse_json, remove_temporaries
 from ardiff_cli.io.demo import CACHE_ENV, cache_dir, cache_write_error
 from ardiff_cli.io.writer import sort_metadata_in_file
-from ardiff_cli.runtime.errors import (CheckpointError, ConfigError, NonFiniteWeightsError, as_typed, link_to_nothing,
-                                      os_error, plural, too_many_open_files, weights_in_folder)
+from ardiff_cli.runtime.errors import (CheckpointError, ConfigError, NonFiniteWeightsError, as_typed,
+                                      link_to_nothing_on, os_error, plural, too_many_open_files, weights_in_folder)
 from pipelines.wan import remap_checkpoint_key
 
 # bump when parameter names or meanings change, or what a file records: cached defaults are then rebuilt (2: the
@@ -383,9 +383,11 @@ def load_checkpoint(module: nn.Module, path: str | Path, device: torch.device | 
         if path.exists():
             raise CheckpointError(f"checkpoint {as_typed(path)} is not a regular file (a FIFO, socket or device)",
                                   hint=f"{_PATH_HINT}, or use checkpoint: null")
-        dangling = link_to_nothing(path)  # `ls` lists it: "not found" of it reads as a false error
+        dangling = link_to_nothing_on(path)  # `ls` lists it, or a folder above it: "not found" reads as a false error
         if dangling:
-            raise CheckpointError(f"checkpoint {as_typed(path)} is {dangling}",
+            link, why = dangling
+            raise CheckpointError(f"checkpoint {as_typed(path)} is {why}" if link == path else
+                                  f"checkpoint {as_typed(path)} cannot be reached: {as_typed(link)} is {why}",
                                   hint="mount or restore what it links to, or give the .safetensors file's own path")
         raise CheckpointError(f"checkpoint not found: {as_typed(path)}", hint="fix the path, or use checkpoint: null")
     _check_readable(path)

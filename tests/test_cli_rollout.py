@@ -3687,10 +3687,10 @@ def failed_step_events(stdout: str) -> list[dict]:
 
 
 def test_failed_lines_of_an_episode_given_through_a_link_name_its_folder_as_run_json_does(env, data, tmp_path):
-    """An episode folder given as a symlink (given/arm_a -> real/arm_a): run.json records real/arm_a, but a failed
-    line's path and replay_path went through the link, so a script joining results.jsonl with run.json by path
-    found no episode. Both now name the step files in the folder run.json records; a resume given the link again
-    still finds the run's episode through it."""
+    """An episode folder given as a symlink (given/arm_a -> real/arm_a): a failed line's path and replay_path named
+    the step files in another folder than run.json, so a script joining results.jsonl with run.json by path found no
+    episode. Both now name the step files in the folder run.json records (the link's path, which the run reads it
+    through); a resume given the link again still finds the run's episode through it."""
     real, given, run = tmp_path / "real" / "arm_a", tmp_path / "given", tmp_path / "run"
     write_episode(real, steps_of(0, 3)[:1], prompt="task arm_a")
     given.mkdir()
@@ -3698,7 +3698,7 @@ def test_failed_lines_of_an_episode_given_through_a_link_name_its_folder_as_run_
     first = ardiff(env, "rollout", str(data / "fast.yaml"), str(given / "arm_a"), "--out", str(run), "--no-warmup")
     assert first.returncode == 0, first.stderr
     folder = recorded_folders(run)["arm_a"]
-    assert folder == str(real.resolve())
+    assert folder == str(given.resolve() / "arm_a")
     write_step(real, 1, steps_of(0, 3)[1])
     write_step(real, 0, steps_of(2, 3)[0])  # rewritten since it ran: step 1's replay of it fails
     # given through the link again (a resume without EPISODE reads the folder run.json records)
@@ -3743,9 +3743,9 @@ def test_a_folder_of_episodes_followed_through_a_link_names_failed_steps_as_run_
 
 def test_an_episode_folder_that_is_a_link_moved_into_place_gives_run_json_s_old_path(env, data, tmp_path):
     """An episode folder in a watched folder that is a link to a hidden folder there (live/cam -> .rec/arm_a: the
-    episode arm_a, run.json records live/.rec/arm_a), the recording then moved into place (.rec/arm_a -> arm_a):
-    the run follows it there, but episode_moved's old_path named the link (live/cam), a path run.json never held.
-    It is now the path run.json recorded before the move."""
+    episode arm_a, run.json records live/cam, the link it is read through), the recording then moved into place
+    (.rec/arm_a -> arm_a): the run follows it there, and episode_moved's old_path is the path run.json recorded
+    before the move."""
     live, run = tmp_path / "live", tmp_path / "run"
     steps = steps_of(0, 3)
     write_episode(live / ".rec" / "arm_a", steps[:1], prompt="task arm_a", end=False)
@@ -3761,7 +3761,7 @@ def test_an_episode_folder_that_is_a_link_moved_into_place_gives_run_json_s_old_
     finally:
         proc.kill()
     assert proc.returncode == 0, stderr
-    assert before == {"arm_a": str((live / ".rec" / "arm_a").resolve())}
+    assert before == {"arm_a": str(live.resolve() / "cam")}
     events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     moved = [(o["old_path"], o["path"]) for o in events if o.get("kind") == "episode_moved"]
     assert moved == [(before["arm_a"], str((live / "arm_a").resolve()))], moved
@@ -3773,7 +3773,8 @@ def test_a_resume_reads_an_episode_through_the_link_in_a_watched_folder_the_run_
     """live/cam -> rec/arm_a, outside the watched folder live: the run reads the episode through the link, so the
     recording moved into place (rec/arm_a -> live/arm_a) is followed. A --resume read it at run.json's rec/arm_a,
     where the link led: the move failed arm_a ("the episode folder is gone") and made live/arm_a a new episode,
-    arm_a-2, exit 4. It reads it through the link again."""
+    arm_a-2, exit 4. It reads it through the link again. run.json records the link now: this one is made as an
+    older ardiff wrote it, with the link's target, which the resume finds the link in the watched folder for."""
     live, run, rec = tmp_path / "live", tmp_path / "run", tmp_path / "rec"
     steps = steps_of(0, 3)
     write_episode(rec / "arm_a", steps[:1], prompt="task arm_a", end=False)
@@ -3787,7 +3788,10 @@ def test_a_resume_reads_an_episode_through_the_link_in_a_watched_folder_the_run_
         proc.communicate(timeout=300)
     finally:
         proc.kill()
-    assert recorded_folders(run) == {"arm_a": str((rec / "arm_a").resolve())}
+    assert recorded_folders(run) == {"arm_a": str(live.resolve() / "cam")}
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**info, "episodes": [{"name": "arm_a",
+                                                                    "path": str((rec / "arm_a").resolve())}]}))
     proc = spawn(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--idle-timeout", "60")
     try:
         write_episode(rec / "arm_a", steps[1:2], first_step=1, end=False)

@@ -64,6 +64,94 @@ def test_a_checkpoint_that_is_a_link_to_nothing_is_named_a_link_with_where_it_le
     assert raised.value.hint == "mount or restore what it links to, or give the .safetensors file's own path"
 
 
+@pytest.mark.parametrize("how", ["config", "load_checkpoint"])
+def test_a_checkpoint_under_a_folder_link_to_nothing_names_that_link_and_where_it_leads(cli_env, tmp_path, how):
+    """`checkpoint: weights/m.safetensors` where weights is a link to a disk not mounted said `file not found`
+    (rollout), and planned with that warning (inspect-capacity): `ls weights` lists the link. The link is named."""
+    write_fast_data(tmp_path, {"arm_a": 1})
+    target = tmp_path / "unmounted" / "w"
+    (tmp_path / "weights").symlink_to(target)
+    said = f"weights/m.safetensors cannot be reached: weights is a link to {target}, which does not exist"
+    if how == "load_checkpoint":
+        with pytest.raises(CheckpointError) as raised:
+            load_checkpoint(nn.Linear(2, 2), tmp_path / "weights" / "m.safetensors")
+        assert str(raised.value) == (f"checkpoint {tmp_path / 'weights' / 'm.safetensors'} cannot be reached: "
+                                     f"{tmp_path / 'weights'} is a link to {target}, which does not exist")
+        return
+    config = tmp_path / "ck.yaml"
+    config.write_text((tmp_path / "fast.yaml").read_text() + "checkpoint: weights/m.safetensors\n")
+    proc = ardiff(cli_env, "rollout", "ck.yaml", "eps", "--out", "run", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    error = json_lines(proc.stdout)[-1]
+    assert error["message"] == f"ck.yaml: field 'checkpoint': {said}", error
+    assert error["hint"] == "mount or restore what it links to, or give the .safetensors file's own path"
+    plan = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", "ck.yaml"], cwd=tmp_path,
+                          env=cli_env, capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    assert f"warning: ck.yaml: field 'checkpoint': {said}: planned all the same" in plan.stderr, plan.stderr
+
+
+def linked_episode(root: Path, name: str, steps: int) -> Path:
+    """``root/eps/cam``, a link to ``root/rec/<name>``: a recorder's folder of that many steps (write_fast_data's)."""
+    write_fast_data(root, {name: steps, "other": 1})
+    (root / "rec").mkdir()
+    (root / "eps" / name).rename(root / "rec" / name)
+    link = root / "eps" / "cam"
+    link.symlink_to(root / "rec" / name)
+    return link
+
+
+@pytest.mark.parametrize("given", [["eps"], ["eps/cam", "eps/other"]], ids=["in-a-watched-folder", "given-directly"])
+def test_an_episode_folder_that_is_a_link_is_named_by_its_link_on_a_run_and_its_resume(cli_env, tmp_path, given):
+    """eps/cam -> rec/arm_a: the Error: line and summary.json named the failed step in eps/cam (the folder read), but
+    its failed line's `path` and run.json named it in rec/arm_a, so a script joining them by path found no episode;
+    a resume given no EPISODE named it in rec/arm_a everywhere. All name the link's path now, on both runs."""
+    link = linked_episode(tmp_path, "arm_a", 3)
+    step = link / "step_000001.safetensors"
+    step.write_bytes(step.read_bytes()[:100])  # cut short: the episode fails there, on each run
+    runs = {"first": ardiff(cli_env, "rollout", "fast.yaml", *given, "--out", "run", cwd=tmp_path),
+            "resume": ardiff(cli_env, "rollout", "--resume", "--out", "run", cwd=tmp_path)}
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert {e["name"]: e["path"] for e in info["episodes"]} == {"arm_a": str(link),
+                                                                "other": str(tmp_path / "eps" / "other")}
+    failed = [r for r in json_lines((tmp_path / "run" / "results.jsonl").read_text()) if r["status"] == "failed"]
+    assert [r["path"] for r in failed] == [str(step)] * 2
+    said = f"{step}: cannot read safetensors file: truncated"
+    for (which, proc), line in zip(runs.items(), failed):
+        assert proc.returncode == 4, (which, proc.stderr)
+        objects = json_lines(proc.stdout)
+        (episode_failed,) = [o for o in objects if o["kind"] == "episode_failed"]
+        (summary,) = [o for o in objects if o["kind"] == "summary"]
+        assert episode_failed["message"].startswith(f"episode 'arm_a' failed: {said}"), (which, episode_failed)
+        assert line["error"].startswith(said), (which, line)
+        assert summary["episodes"]["failures"]["arm_a"].startswith(said), (which, summary)
+
+
+def test_a_resume_reads_an_episode_given_as_a_link_through_the_link(cli_env, tmp_path):
+    """An episode given as a link (eps/cam -> rec/take1), not in a watched folder, failed on a step cut short; the
+    recorder then put the whole recording in place (the link pointed at rec/take2). A bare --resume read run.json's
+    rec/take1, the old target, and failed again: it reads the episode through the link, as run.json records it."""
+    link = linked_episode(tmp_path, "take1", 2)
+    whole = tmp_path / "rec" / "take2"
+    whole.mkdir()
+    for file in (tmp_path / "rec" / "take1").iterdir():
+        (whole / file.name).write_bytes(file.read_bytes())
+    step = tmp_path / "rec" / "take1" / "step_000001.safetensors"
+    step.write_bytes(step.read_bytes()[:100])
+    first = ardiff(cli_env, "rollout", "fast.yaml", "eps/cam", "--out", "run", cwd=tmp_path)
+    assert first.returncode == 2, first.stderr  # its one episode failed
+    link.unlink()
+    link.symlink_to(whole)
+    again = ardiff(cli_env, "rollout", "--resume", "--out", "run", cwd=tmp_path)
+    assert again.returncode == 0, again.stdout
+    results = json_lines((tmp_path / "run" / "results.jsonl").read_text())
+    assert [(r["episode"], r["step"], r["status"]) for r in results] == [
+        ("take1", 0, "ok"), ("take1", 1, "failed"), ("take1", 1, "ok")]
+    assert results[1]["path"] == str(link / "step_000001.safetensors")
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["episodes"] == [{"name": "take1", "path": str(link)}]
+
+
 def test_a_resume_of_a_folder_that_is_now_a_link_to_nothing_names_the_link_and_where_it_leads(cli_env, tmp_path):
     """`--resume --out LINK` said `there is no folder LINK`, and a recorded episode folder replaced by a link (as
     the hint of a moved one says) to a disk not mounted said the folder `is gone`: both name the link now."""

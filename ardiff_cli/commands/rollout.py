@@ -395,6 +395,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
         watched = sorted(map(str, watch))  # else the episodes started meanwhile in a watched folder were not looked for
         if info.get("follow") and watched != sorted(info.get("watch") or []):
             _refuse_other_watch(sorted(info.get("watch") or []), watched, info["episodes"], episodes, out)
+    from ardiff_cli.io.run import episode_folder_path
     from ardiff_cli.rollout import recorded_folder
     from ardiff_cli.runtime.config import resolve_config
 
@@ -426,17 +427,17 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
     }
     # The run reads each episode where run.json records it, so that an error, a warning and results.jsonl name its
     # files alike, by that absolute path, on the run that started it as on a resume (not as typed on the first only)
-    # A folder that is itself a link is read through it (made absolute): its target may be outside the watched folder
-    # of episodes it is in (live/cam -> .rec/arm_a), and --follow follows the recording moved into place from there
-    # A resume reads one through the link in a watched folder the run read it through (run.json records where the
-    # link led, outside the watched folders): it read the target, and a recording moved into place then was a new
-    # episode, this one failed
+    # A folder that is itself a link is recorded and read as that link (episode_folder_path): its target may be
+    # outside the watched folder of episodes it is in (live/cam -> .rec/arm_a), and --follow follows the recording
+    # moved into place from there, as a resume does (given the link directly, or watching its folder)
+    # A run.json an older ardiff wrote records where such a link led, outside the watched folders: the resume reads
+    # it through the link in a watched folder that leads there, and records the link from then on
     links = _links_in(watch) if resume else {}
     for episode, recorded_episode in zip(episodes, info["episodes"]):
-        recorded = recorded_episode["path"]
-        link = (episode.path if os.path.islink(episode.path)
-                else links.get(recorded) if Path(recorded).parent not in watch else None)
-        episode.path = Path(os.path.abspath(link)) if link is not None else Path(recorded)
+        link = links.get(recorded_episode["path"]) if Path(recorded_episode["path"]).parent not in watch else None
+        if link is not None:
+            recorded_episode["path"] = episode_folder_path(link)
+        episode.path = Path(recorded_episode["path"])
     try:  # now, not after the model has loaded: a file or an unwritable place is a usage error
         if out is None:
             out = make_default_out_dir()

@@ -110,6 +110,17 @@ def _run_info_problem(info: Mapping[str, Any]) -> tuple[str, str, Any] | None:
     return None
 
 
+def episode_folder_path(path: Path) -> str:
+    """An episode's folder as the run records and names it: absolute, links resolved, but for a folder that is itself a
+    link (``live/cam -> .rec/arm_a``), named by the link in its folder (that folder's links resolved): the run reads
+    it through the link, which a recorder may point at a new recording (moved into place) while the run lasts or
+    before a ``--resume``."""
+    if os.path.islink(path):
+        absolute = Path(os.path.abspath(path))
+        return str(Path(os.path.realpath(absolute.parent)) / absolute.name)
+    return str(path.resolve())
+
+
 def make_default_out_dir() -> Path:
     """Create and return ./ardiff-runs/<YYYYmmdd-HHMMSS>, with a suffix when that exists already.
 
@@ -216,17 +227,17 @@ class RunFolder:
     def add_episode(self, name: str, path: Path) -> str:
         """List one more episode of the run (with ``--follow``, one a robot started in a followed folder of
         episodes), so that ``--resume`` knows it: one line appended to episodes.jsonl, flushed to disk, whatever the
-        number of episodes; returns the path recorded (links resolved)."""
-        recorded = str(path.resolve())
+        number of episodes; returns the path recorded (:func:`episode_folder_path`)."""
+        recorded = episode_folder_path(path)
         self._journal_line("added", name, recorded)
         return recorded
 
     def move_episode(self, name: str, path: Path) -> tuple[str, str]:
         """Record ``path`` as the folder of episode ``name`` (with ``--follow``, its folder was renamed in a followed
         folder of episodes), so that ``--resume`` reads it there: one line appended to episodes.jsonl; returns the
-        paths recorded before and now (links resolved: the old one as recorded, which a link's old name no longer
-        leads to)."""
-        recorded = str(path.resolve())
+        paths recorded before and now (:func:`episode_folder_path`: the old one as recorded, which a link's old name
+        no longer leads to)."""
+        recorded = episode_folder_path(path)
         before = self._journal_line("moved", name, recorded)
         return before, recorded
 

@@ -42,6 +42,7 @@ from ardiff_cli.runtime.errors import (
     expand_home,
     field_error,
     link_to_nothing,
+    link_to_nothing_on,
     plural,
     shown,
     too_many_open_files,
@@ -676,12 +677,15 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
         if relative:
             checkpoint = base / checkpoint
         kind = path_kind(checkpoint, "", where=f"{where}: field 'checkpoint'")
-        dangling = link_to_nothing(checkpoint) if kind == "missing" else None
+        # the file, or a folder above it, a link that leads nowhere (a disk not mounted): named, not "not found"
+        dangling = link_to_nothing_on(checkpoint) if kind == "missing" else None
+        said = None if dangling is None else (f"{as_typed(checkpoint)} is {dangling[1]}" if dangling[0] == checkpoint
+                                              else f"{as_typed(checkpoint)} cannot be reached: {as_typed(dangling[0])} "
+                                              f"is {dangling[1]}")
         if kind == "missing" and plan_only:
-            named = as_typed(checkpoint)
-            missing = f"{named} is {dangling}" if dangling else f"file not found: {named}"
-        elif dangling:
-            raise ConfigError(f"{where}: field 'checkpoint': {as_typed(checkpoint)} is {dangling}",
+            missing = said or f"file not found: {as_typed(checkpoint)}"
+        elif said:
+            raise ConfigError(f"{where}: field 'checkpoint': {said}",
                               hint="mount or restore what it links to, or give the .safetensors file's own path")
         elif kind != "file":
             found = {"folder": "a folder, not a file", "other": "not a regular file"}.get(kind, "file not found")
