@@ -11,7 +11,6 @@ traceback is always shown.
 from __future__ import annotations
 
 import contextlib
-import re
 import signal
 import warnings
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from ardiff_cli.runtime.errors import (
     ConfigError,
     ObservationError,
     PipelineError,
+    ResumeCommand,
     StopRequested,
     file_too_large,
     is_out_of_memory,
@@ -47,9 +47,9 @@ EXIT_PARTIAL = 4  # some episodes failed while others completed
 EXIT_SIGINT = 130  # 128 + SIGINT
 
 
-def write_hint(resume: str = "ardiff rollout --resume --out OUT") -> str:
+def write_hint(resume: ResumeCommand | str = "ardiff rollout --resume --out OUT") -> str:
     """A step's outputs or the run's own files that could not be written (one hint for both: they had two wordings).
-    ``resume``: the run's own resume command (``resume_command``) to paste; ``OUT`` only where no run is known."""
+    ``resume``: the run's own resume command (``ResumeCommand``) to paste; ``OUT`` only where no run is known."""
     return f"check free space and permissions of the output folder, then continue with: {resume}"
 
 
@@ -97,7 +97,7 @@ class StepFailed(ArdiffError):
 
     def __init__(self, episode: str, step: int, phase: str, cause: BaseException, *, path: str = "",
                  replayed: int | None = None, budget: str | None = None, plan: CapacityPlan | None = None,
-                 resume: str | None = None) -> None:
+                 resume: ResumeCommand | None = None) -> None:
         detail = (str(cause) if isinstance(cause, ArdiffError)
                   else out_of_memory_message(cause) or f"{type(cause).__name__}: {cause}")
         where = self.PHASES[phase].format(path=path, replayed=replayed)
@@ -158,19 +158,13 @@ def import_hint(then: str = "run again") -> str:
     return f"free some memory (another process using it?) and {then}: it ran out before the model began to load"
 
 
-def lighter_resume(resume: str, plan: CapacityPlan | None) -> str | None:
-    """``resume`` (the run's resume command) carrying what the hint of memory running out asks for, to paste: one
-    session fewer than ``plan`` keeps (``--session-capacity``), which shrinks the KV pool whatever limits it now; as
-    it is where the pool holds one session (free memory is the change there). None: the plan is not known."""
+def lighter_resume(resume: ResumeCommand, plan: CapacityPlan | None) -> str | None:
+    """``resume`` carrying what the hint of memory running out asks for, to paste: one session fewer than ``plan``
+    keeps (``--session-capacity``, in place of one given), which shrinks the KV pool whatever limits it now; as it is
+    where the pool holds one session (free memory is the change there). None: the plan is not known."""
     if plan is None:
         return None
-    if plan.session_capacity <= 1:
-        return resume
-    # a --session-capacity given to the resume that failed (resume_command's ``given``, after any quoted word: a
-    # folder's name may hold those words) is replaced, not repeated
-    quoted, quote, given = resume.rpartition("'")
-    given = re.sub(r" --session-capacity [0-9]+(?= |$)", "", given)
-    return f"{quoted}{quote}{given} --session-capacity {plan.session_capacity - 1}"
+    return resume.command(plan.session_capacity - 1 if plan.session_capacity > 1 else None)
 
 
 PASTE = "; to paste: "
@@ -182,12 +176,13 @@ def to_paste(hint: str, command: str | None) -> str:
     return hint if command is None else f"{hint}{PASTE}{command}"
 
 
-def continue_with(resume: str | None) -> str:
-    """How a hint says to go on with the run: its resume command to paste (``resume_command``), where it is known."""
+def continue_with(resume: ResumeCommand | None) -> str:
+    """How a hint says to go on with the run: its resume command to paste (``ResumeCommand``), where it is known."""
     return "continue with --resume" if resume is None else f"continue with: {resume}"
 
 
-def _memory_resume(phase: str, cause: BaseException, plan: CapacityPlan | None, resume: str | None) -> str | None:
+def _memory_resume(phase: str, cause: BaseException, plan: CapacityPlan | None,
+                   resume: ResumeCommand | None) -> str | None:
     """The resume to paste after a step that ran out of memory (``lighter_resume``); None for any other failure."""
     if resume is None or phase == "write" or too_many_open_files(cause) or pages_short(cause):
         return None
@@ -217,7 +212,7 @@ def _lighter_pool_hint(budget: str | None, plan: CapacityPlan | None, aside: str
 
 
 def _step_hint(phase: str, cause: BaseException, budget: str | None, plan: CapacityPlan | None = None,
-               resume: str | None = None) -> str:
+               resume: ResumeCommand | None = None) -> str:
     """``budget``: what set the KV memory budget (``budget_change``'s ``source``; None: the free memory); ``plan``:
     the run's ``CapacityPlan`` (None: not known); ``resume``: the run's resume command (None: not known)."""
     if too_many_open_files(cause):  # the environment's limit, in any phase: not the disk's, the file's or the model's

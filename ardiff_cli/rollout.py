@@ -55,10 +55,10 @@ from ardiff_cli.runtime.errors import (
     ArdiffError,
     ObservationError,
     PipelineError,
+    ResumeCommand,
     SwapRestoreError,
     is_broken_invariant,
     plural,
-    resume_command,
     shell_word,
     too_many_open_files,
 )
@@ -78,9 +78,9 @@ class RolloutOptions:
     # what set the KV memory budget (``_Prepared.budget_source``; None: the free memory), which the hint of a step
     # that ran out of memory names
     budget_source: str | None = None
-    # the run's resume command to paste (``_Prepared.resume``: its --pipeline, the options given to this resume); ""
+    # the run's resume command to paste (``_Prepared.resume``: its --pipeline, the options given to this resume); None
     # where not known
-    resume: str = ""
+    resume: ResumeCommand | None = None
 
 
 @dataclass
@@ -565,9 +565,9 @@ class Rollout:
             raise OutputError(f"cannot append to {results}: {exc.strerror or exc}",
                               hint=write_hint(self._resume_command())) from exc
 
-    def _resume_command(self) -> str:
+    def _resume_command(self) -> ResumeCommand:
         """The ``ardiff rollout --resume`` of this run that a hint prints to paste (its folder, its --pipeline)."""
-        return self.options.resume or resume_command(self.run_folder.root, None)
+        return self.options.resume or ResumeCommand(self.run_folder.root)
 
     def _check_folder(self) -> None:
         """Stop the run (``OutputError``) when its --out folder was removed or replaced since it started: its

@@ -28,7 +28,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from ardiff_cli.io import write_episode, write_step
-from ardiff_cli.runtime.errors import resume_command, shown
+from ardiff_cli.runtime.errors import ResumeCommand, shown
 from ardiff_cli.runtime.kv.backends import install_instructions, vllm_installed
 from ardiff_cli.io.demo import demo_step
 from pipeline_helpers import records, stop_inside_a_fault, wait_for_marker
@@ -3530,7 +3530,7 @@ def test_an_episode_folder_that_cannot_be_added_to_run_json_stops_the_run_naming
             in stderr), stderr
     # the run's own resume to paste, as every other write the disk refused: it said `--out OUT`, the word itself
     assert ("hint: check free space and permissions of the output folder, then continue with: "
-            f"{resume_command(run, None)}\n") in stderr, stderr
+            f"{ResumeCommand(run)}\n") in stderr, stderr
     assert "Traceback" not in stderr
     assert [e["name"] for e in run_episodes(run)] == ["arm_a"]
 

@@ -17,12 +17,14 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,7 @@ import pytest
 from ardiff_cli.entry import interrupted_message
 from ardiff_cli.io import write_episode
 from ardiff_cli.io.demo import demo_step
+from ardiff_cli.runtime.errors import ResumeCommand
 from pipeline_helpers import (NOTICE, outputs, records, start_with_fault_files, stop_inside_a_fault,
                               wait_for_marker)
 
@@ -1501,6 +1504,20 @@ def test_a_lower_session_capacity_replaces_the_one_given_before_a_quoted_swap_sp
     proc = paste_hint(env, hint, faults=LARGE_POOL_OOM)
     assert proc.returncode == 0, proc.stderr
     assert_matches(run, reference)
+
+
+def test_a_resume_commands_lower_session_capacity_takes_the_given_ones_place(tmp_path):
+    """The lower --session-capacity of the resume a hint gives to paste was edited into the resume's text (a regex
+    after its last quote), so the given one had to come after every quoted word, and the --follow after it moved in
+    front of it. The command is built from its words: the lower one replaces the given one, the rest as they were."""
+    out = tmp_path / "it's a run --session-capacity 3"
+    resume = ResumeCommand(out, PIPELINE, ("--swap-space", "1 MiB", "--follow"), session_capacity=3)
+    words = shlex.split(str(resume))
+    assert words == ["ardiff", "rollout", "--resume", "--out", str(out), "--pipeline", PIPELINE, "--swap-space",
+                     "1 MiB", "--follow", "--session-capacity", "3"], words
+    lighter = shlex.split(resume.command(session_capacity=2))
+    assert lighter == [*words[:-1], "2"] and lighter.count("--session-capacity") == 1, lighter
+    assert str(replace(resume, session_capacity=None)) == shlex.join(words[:-2])  # none given: none to paste
 
 
 def test_a_step_out_of_memory_hints_only_at_changes_that_shrink_the_kv_pool(env, data, tmp_path):

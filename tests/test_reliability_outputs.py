@@ -20,7 +20,7 @@ from pipeline_helpers import outputs as load_outputs, records
 
 import ardiff_cli.io.atomic as atomic
 from ardiff_cli.app import app
-from ardiff_cli.runtime.errors import resume_command
+from ardiff_cli.runtime.errors import ResumeCommand
 
 
 
@@ -64,7 +64,7 @@ def test_an_output_that_cannot_be_written_fails_its_episode_only(data, reference
     assert ("Error: episode 'arm_b' failed at step 0 while writing its outputs: FileExistsError: [Errno 17] File "
             f"exists: '{out / 'episodes' / 'arm_b'}'") in result.stderr
     assert ("hint: check free space and permissions of the output folder, then continue with: "
-            f"{resume_command(out, None)}\n") in result.stderr  # the run's folder: it said --out OUT
+            f"{ResumeCommand(out)}\n") in result.stderr  # the run's folder: it said --out OUT
     assert "Traceback" not in result.stderr
     lines = records(out)
     assert [(r["episode"], r["step"], r["status"]) for r in lines] == [
@@ -108,7 +108,7 @@ def test_a_full_disk_refusing_a_steps_outputs_stops_the_run_instead_of_failing_e
     refused = out / "episodes" / "arm_a" / "step_000001.safetensors"
     # the hint of a step's output that cannot be written, word for word (the two had two wordings)
     assert (f"Error: cannot write {refused}: {os.strerror(code)}\nhint: check free space and permissions of the output "
-            f"folder, then continue with: {resume_command(out, None)}\n") in result.stderr, result.stderr
+            f"folder, then continue with: {ResumeCommand(out)}\n") in result.stderr, result.stderr
     assert "failed at step" not in result.stderr and "Traceback" not in result.stderr
     lines = records(out)  # the refused step has no line: --resume runs it
     assert [(r["episode"], r["step"], r["status"]) for r in lines] == [("arm_a", 0, "ok"), ("arm_b", 0, "ok")]

@@ -59,13 +59,13 @@ from ardiff_cli.runtime.errors import (
     ConfigError,
     NonFiniteWeightsError,
     ObservationError,
+    ResumeCommand,
     as_typed,
     is_out_of_memory,
     link_to_nothing,
     link_to_nothing_on,
     not_a_folder,
     plural,
-    resume_command,
     running_out_of_memory_names,
     shell_word,
     too_many_open_files,
@@ -137,9 +137,9 @@ class _Prepared:
     watch: list[Path] = field(default_factory=list)
     # --resume: run.json with episodes.jsonl's lines, as under the lock (read once: O(episodes), 0.2 s at 10,000)
     recorded: dict[str, Any] | None = None
-    # the run's resume command, which every hint to go on with it gives to paste (resume_command): its folder, its
-    # --pipeline, and the options given to this resume (they apply to it alone: run.json keeps the run's own)
-    resume: str = ""
+    # the run's resume command, which every hint to go on with it gives to paste: its folder, its --pipeline, and the
+    # options given to this resume (they apply to it alone: run.json keeps the run's own); set once prepared
+    resume: ResumeCommand | None = None
 
 
 def _finite_idle_timeout(value: float | None) -> float | None:
@@ -220,8 +220,8 @@ def rollout(
                        swap_space=_swap_space(swap_space))
         given = _given_to_resume(overrides, options, swap_space) if resume else []  # before run.json's fill them in
         prepared = _prepare(config, episodes, out, resume, overrides, output, pipeline=pipeline, options=options)
-        prepared = replace(prepared, resume=resume_command(prepared.out_dir, prepared.info.get("pipeline_option"),
-                                                           given))
+        prepared = replace(prepared, resume=ResumeCommand(prepared.out_dir, prepared.info.get("pipeline_option"),
+                                                          tuple(given), session_capacity if resume else None))
         options = prepared.options
         try:
             _run(prepared, output, order=options["order"], follow=options["follow"],
@@ -233,14 +233,11 @@ def rollout(
 
 
 def _given_to_resume(overrides: dict[str, Any], options: dict[str, Any], swap_space: str | None) -> list[str]:
-    """The options given to a resume that run.json does not keep (they are that resume's alone), as typed: what the
-    resume its hints give to paste is given again, else it went on with the run's own (a lower --session-capacity
-    that a hint asked for lost). --device, --dtype and --attention-backend are the run's own either way."""
-    # --session-capacity after every value that may be quoted (a size with a space): lighter_resume replaces it
-    # after the command's last quote, and repeated it after --swap-space '1 MiB'
+    """The options given to a resume that run.json does not keep (they are that resume's alone), as typed, but for
+    --session-capacity (``ResumeCommand.session_capacity``): what the resume its hints give to paste is given again,
+    else it went on with the run's own. --device, --dtype and --attention-backend are the run's own either way."""
     values = {"--memory-budget": overrides["memory_budget"], "--gpu-memory-fraction": overrides["gpu_memory_fraction"],
-              "--swap-space": swap_space, "--order": options["order"], "--idle-timeout": options["idle_timeout"],
-              "--session-capacity": overrides["session_capacity"]}
+              "--swap-space": swap_space, "--order": options["order"], "--idle-timeout": options["idle_timeout"]}
     given = [word for flag, value in values.items() if value is not None for word in (flag, str(value))]
     return given + [flag for flag in ("--follow", "--preview") if options[flag[2:]]]
 
@@ -316,7 +313,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
                 pipeline_option = RunFolder(out).read_info().get("pipeline_option")
             pipeline_option = pipeline_option if isinstance(pipeline_option, str) else None
             raise ConfigError(f"{as_typed(out)} already holds a run",
-                              hint=f"continue it with: {resume_command(out, pipeline_option)}; or choose another "
+                              hint=f"continue it with: {ResumeCommand(out, pipeline_option)}; or choose another "
                                    "--out")
     try:
         cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), **overrides)
@@ -763,7 +760,7 @@ def _recorded_folders_exist(info: dict[str, Any], out: Path, watch: list[Path]) 
             # the resume given the run's EPISODE arguments, this folder where it is now (NEW) in its place
             others = [str(other) for other in watch if other != folder] + [
                 e["path"] for e in episodes if Path(e["path"]).parent not in watch]
-            again = (f"{resume_command(out, info.get('pipeline_option'))} "
+            again = (f"{ResumeCommand(out, info.get('pipeline_option'))} "
                      f"{shell_word(info.get('config_path') or info['config'])} NEW"
                      + "".join(f" {shell_word(other)}" for other in others))
             dangling = link_to_nothing_on(Path(folder))  # a link left where it moved (as hinted below), leading nowhere
@@ -1450,7 +1447,7 @@ def _write_summary(run: Any, build: Callable[[], dict[str, Any]], output: Output
     return summary
 
 
-def _failed_episodes(stats: Any, num_episodes: int, resume: str) -> Exception:
+def _failed_episodes(stats: Any, num_episodes: int, resume: ResumeCommand) -> Exception:
     """Exit 4 when other episodes completed; else 2 when every failure was invalid input, else their code. Every
     episode failed with its folder gone (deleted or renamed while the run read it): 2, saying so, with the way back."""
     names = ", ".join(stats.failed)

@@ -14,7 +14,8 @@ import re
 import reprlib
 import shlex
 import stat
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 try:  # now, at start: under a tight `ulimit -v`, importing it (a shared library) once memory ran out would fail too
@@ -379,14 +380,28 @@ def as_typed(path: os.PathLike | str) -> str:
     return f"./{text}" if text.startswith(("~", "-")) else text
 
 
-def resume_command(out: os.PathLike | str, pipeline: str | None, given: Sequence[str] = ()) -> str:
+@dataclass(frozen=True)
+class ResumeCommand:
     """The ``ardiff rollout --resume`` of the run in ``out`` that a hint prints to paste: with the ``--pipeline`` the
-    run was started with (``pipeline``, run.json's ``pipeline_option``), which a resume must be given again, and
-    ``given``: the options (with their values) given to the resume that prints it, which apply to it alone (run.json
-    keeps the run's own), so that the one pasted goes on as it did."""
-    again = f"ardiff rollout --resume --out {shell_word(out)}"
-    again = again if pipeline is None else f"{again} --pipeline {shell_word(pipeline)}"
-    return " ".join([again, *map(shlex.quote, given)])
+    run was started with (``pipeline``, run.json's ``pipeline_option``), which a resume must be given again, and the
+    options given to the resume that prints it, which apply to it alone (run.json keeps the run's own), so that the
+    one pasted goes on as it did: ``given`` (argv words, as typed) and ``session_capacity``, which a hint of memory
+    running out lowers (``command``'s)."""
+
+    out: os.PathLike | str
+    pipeline: str | None = None
+    given: tuple[str, ...] = ()
+    session_capacity: int | None = None
+
+    def command(self, session_capacity: int | None = None) -> str:
+        """The line to paste; ``session_capacity``: the one to give in place of ``self.session_capacity``."""
+        capacity = self.session_capacity if session_capacity is None else session_capacity
+        words = ["ardiff rollout --resume --out", shell_word(self.out)]  # paths as every hint's (a locale's bytes)
+        words += [] if self.pipeline is None else ["--pipeline", shell_word(self.pipeline)]
+        options = [*self.given, *([] if capacity is None else ["--session-capacity", str(capacity)])]
+        return " ".join([*words, *map(shlex.quote, options)])
+
+    __str__ = command  # what a hint's f-string prints
 
 
 def shown(value: object) -> str:
