@@ -31,10 +31,62 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
         signal.signal(signal.SIGHUP, _hangup_ignored)
+    _settled[:] = [_signal_state()]  # what every test starts from: a module that changes it as it imports is told
 
 
 def _hangup_ignored(signum, frame) -> None:
     """pytest was started under nohup: a hangup still does not stop it."""
+
+
+# Every signal a handler can be set for (not SIGKILL, SIGSTOP): a CLI subprocess inherits the worker's ignored ones
+# and its blocked ones (ardiff keeps an ignored signal ignored, as under nohup), so a test that leaves one ignored or
+# blocked makes a signal that a later test in the same worker sends do nothing (CI waited out 300 s twice).
+CATCHABLE = tuple(sorted(set(signal.valid_signals())
+                          - {getattr(signal, name, None) for name in ("SIGKILL", "SIGSTOP")}))
+# the worker's signal state as pytest_configure, then the last test's check, left it: a change found as the next test
+# starts was made outside the tests (a module as it imported, a module- or session-scoped fixture)
+_settled: list[tuple[dict, frozenset]] = []
+
+
+def _signal_state() -> tuple[dict, frozenset]:
+    """The handler of every catchable signal, and the main thread's blocked set."""
+    handlers = {signum: signal.getsignal(signum) for signum in CATCHABLE}
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, []) if hasattr(signal, "pthread_sigmask") else set()
+    return handlers, frozenset(blocked)
+
+
+def _restore_and_describe(expected: tuple[dict, frozenset]) -> str:
+    """Put back ``expected`` (a handler installed outside Python, ``None``, cannot be) and say what differed."""
+    handlers, blocked = _signal_state()
+    changes = []
+    for signum, handler in expected[0].items():
+        if handlers[signum] != handler:
+            name = signal.Signals(signum).name if signum in set(signal.Signals) else str(signum)
+            changes.append(f"{name}: {handler!r} -> {handlers[signum]!r}")
+            if handler is not None:
+                signal.signal(signum, handler)
+    if blocked != expected[1]:
+        changes.append(f"blocked: {sorted(expected[1])} -> {sorted(blocked)}")
+        signal.pthread_sigmask(signal.SIG_SETMASK, expected[1])
+    return "; ".join(changes)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_signal_state():
+    """Fail a test that leaves a signal's handler or the blocked set other than it found them (restored, so that one
+    leak does not fail or hang the tests after it); fail the first test after a change made between tests."""
+    if _settled and (changed := _restore_and_describe(_settled[0])):
+        pytest.fail(f"the worker's signal handling changed outside any test (since the previous one, or pytest's "
+                    f"start: a test module as it imported, a module- or session-scoped fixture; restored now): "
+                    f"{changed}", pytrace=False)
+    before = _signal_state()
+    yield
+    changed = _restore_and_describe(before)
+    _settled[:] = [_signal_state()]
+    if changed:
+        pytest.fail(f"the test left the worker's signal handling changed (restored now): {changed}; hint: a CLI "
+                    "subprocess of a later test inherits an ignored or blocked signal, and a signal sent to it "
+                    "does nothing", pytrace=False)
 
 
 @pytest.fixture(scope="module")

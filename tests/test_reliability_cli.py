@@ -358,6 +358,37 @@ def _default_signals() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
+LEAKS = """\
+import signal
+
+def test_ignores():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+def test_blocks():
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+
+def test_after_them():
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and not signal.pthread_sigmask(signal.SIG_BLOCK, [])
+"""
+
+
+def test_a_test_that_leaves_a_signal_ignored_or_blocked_fails_and_the_tests_after_it_do_not_inherit_it(tmp_path):
+    # What the signals tests' CLI subprocesses inherit from their pytest worker: an earlier test that left SIGTERM
+    # ignored or SIGHUP blocked there made the signal a later test sent do nothing (conftest's check of every test)
+    (tmp_path / "test_leaks.py").write_text(LEAKS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-q",
+                           "test_leaks.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    # the tests pass, the teardown of the two that leak fails, and the one after them finds them put back
+    assert "3 passed, 2 errors" in proc.stdout, proc.stdout
+    left = "the test left the worker's signal handling changed (restored now): "
+    assert (f"ERROR at teardown of test_ignores _\n{left}SIGTERM: <Handlers.SIG_DFL: 0> -> <Handlers.SIG_IGN: 1>;"
+            in re.sub("_+\n", "_\n", proc.stdout)), proc.stdout
+    assert (f"ERROR at teardown of test_blocks _\n{left}blocked: [] -> [<Signals.SIGHUP: 1>];"
+            in re.sub("_+\n", "_\n", proc.stdout)), proc.stdout
+
+
 def send_and_wait_delivered(proc: subprocess.Popen, signum: int) -> None:
     """``signum`` to ``proc``, then wait until a thread of it took the signal (its C handler ran: the bit left
     the process's pending set, /proc/PID/status ShdPnd), even while Python waits to run the handler's Python half.
