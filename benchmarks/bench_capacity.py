@@ -82,15 +82,21 @@ def actual_bytes(engine) -> dict[str, int]:
 
 
 def fill_sessions(engine, num_sessions: int) -> None:
-    """Drive every session through the pipeline's warmup sequence: full window, every cache populated."""
+    """Drive every session through the pipeline's warmup sequence until its window is full, every cache populated
+    (DreamZero's sequence goes on with one request that restarts the window: it is not run here)."""
     from ardiff_cli.runtime.request import ARDiffusionRequest
 
-    pipe = engine.pipeline
+    pipe, runner = engine.pipeline, engine.runner
+    plan = runner.capacity_plan
+    full = plan.managed_pages_per_session // plan.num_local_branches
     for index in range(num_sessions):
         session_id = f"session-{index}"
         for step, request in enumerate(pipe.ar_diffusion_warmup_requests(session_id)):
             inputs = dict(request.inputs, prompt=f"task {index}")
             engine.execute(ARDiffusionRequest(f"{session_id}/{step}", inputs, {"session_id": session_id}))
+            (view,) = [view for view in runner.sessions() if view.session_id == session_id]
+            if all(pages == full for pages in view.pages_per_branch.values()):
+                break
 
 
 def measure(config: str, dtype: str, num_sessions: int) -> dict:

@@ -286,3 +286,11 @@ class ConfigFromDictPlainMethod(CausalWorldPipeline):
     class Config(CausalWorldPipeline.Config):
         def from_dict(cls, data, *, where):
             return CausalWorldPipeline.Config.from_dict(data, where=where)
+
+
+class BindWithoutSessionId(CausalWorldPipeline):
+    """Its bind_ar_diffusion_state takes the KV state alone (it reads the session id off it), where the runner passes
+    the session id and the state: it loaded, and failed at its first request."""
+
+    def bind_ar_diffusion_state(self, state):
+        return super().bind_ar_diffusion_state(state.session_id, state)

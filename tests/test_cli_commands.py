@@ -321,7 +321,7 @@ def test_warmup_live_display_counts_requests_at_the_rate_of_the_warmup(fast_conf
                            "--format", "rich"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", proc.stderr)
-    assert re.search(r"^4 requests · [\d.]+ requests/s · 0 evictions · \S+ done", text, re.M), text
+    assert re.search(r"^5 requests · [\d.]+ requests/s · 0 evictions · \S+ done", text, re.M), text
     assert re.search(r"│ session +requests +pages", text), text
     assert "steps" not in text and "KV pool restored" in proc.stdout
 
@@ -334,13 +334,14 @@ def test_warmup_plain_prints_a_table(fast_configs):
     # DreamZero's rows are longer than 120 columns: in a file each was split in two lines
     result = invoke("warmup", str(fast_configs[0]), "--device", "cpu", "--format", "plain")
     rows = result.stdout.splitlines()[2:-2]  # after the title and the header, before the two summary lines
-    assert len(rows) == 4 and all(re.fullmatch(r"warmup-\d  .*, prompt +\d+\.\d ms", row) for row in rows), rows
+    assert len(rows) == 5 and all(re.fullmatch(r"warmup-\d  .*, prompt +\d+\.\d ms", row) for row in rows), rows
 
 
 def test_warmup_reports_the_first_against_the_median_of_repeated_shapes_and_the_device_that_ran(fast_configs):
     """The figures warmup exists to show: the first request's time, the steady state (median of the requests whose
-    input shape was seen before: DreamZero's one-frame request then three of four frames; causal_world's four of one
-    shape), the ratio of the two, each request's time in ms, and the device that ran (not the config's "auto")."""
+    input shape was seen before: DreamZero's one-frame request then four of four frames, the last restarting the
+    window; causal_world's four of one shape), the ratio of the two, each request's time in ms, and the device that
+    ran (not the config's "auto")."""
     import statistics
 
     from rich.console import Console
@@ -353,8 +354,8 @@ def test_warmup_reports_the_first_against_the_median_of_repeated_shapes_and_the_
     resolved = "cuda:0" if __import__("torch").cuda.is_available() else "cpu"  # auto: the first GPU, on a GPU host
     assert report["device"] == resolved and report["restored"] is True, report
     seconds = [r["seconds"] for r in report["requests"]]
-    assert len(seconds) == 4 and report["first_s"] == seconds[0]
-    assert (report["steady_count"], report["steady_s"]) == (2, statistics.median(seconds[2:])), report
+    assert len(seconds) == 5 and report["first_s"] == seconds[0]
+    assert (report["steady_count"], report["steady_s"]) == (3, statistics.median(seconds[2:])), report
     world = json.loads(invoke("warmup", str(fast_configs[1]), "--format", "json").stdout.splitlines()[-1])
     repeated = [r["seconds"] for r in world["requests"][1:]]  # four requests of one shape: a median of three
     assert (world["steady_count"], world["steady_s"]) == (3, statistics.median(repeated)), world
@@ -364,7 +365,7 @@ def test_warmup_reports_the_first_against_the_median_of_repeated_shapes_and_the_
         console.print(render_warmup(report, plain=True))
     text = captured.get()
     first, steady = report["first_s"], report["steady_s"]
-    assert (f"first request {first * 1000:.1f} ms, steady state {steady * 1000:.1f} ms (median of 2 requests "
+    assert (f"first request {first * 1000:.1f} ms, steady state {steady * 1000:.1f} ms (median of 3 requests "
             f"of a shape seen before); the first took {first / steady:.1f}x\n") in text, text
     assert f"KV pool NOT restored: {report['pages_total'] - 1}/{report['pages_total']} pages free" in text, text
     for request in report["requests"]:

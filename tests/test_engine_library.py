@@ -515,6 +515,32 @@ def test_a_load_that_fails_keeps_nothing_loaded_and_may_be_tried_again():
     engine.close()  # nothing to close
 
 
+def test_a_budget_beyond_the_device_tells_a_library_user_what_to_change_in_their_own_terms():
+    """The runtime used without the CLI: a memory budget whose plan needs more than the host has said "lower
+    --memory-budget (runtime.memory_budget) or --session-capacity, ...; `ardiff inspect-capacity` plans for any
+    amount", the CLI's options and command, to a caller of the engine or the runner who passed neither."""
+    from ardiff_cli.runtime.errors import BudgetBeyondDeviceError
+    from ardiff_cli.runtime.runner import ARDiffusionModelRunner
+
+    beyond = dict(memory_budget="1PiB", session_capacity=2**31 - 1)
+    engine = ARDiffusionEngine.from_config(CONFIGS / "causal-world-tiny.yaml", device="cpu", **beyond)
+    with pytest.raises(BudgetBeyondDeviceError, match=r"more than this host's .* of memory$") as info:
+        engine.load()
+    assert info.value.hint == (
+        "lower the config's runtime.memory_budget or runtime.session_capacity (or ARDiffusionEngine.from_config()'s "
+        "memory_budget= or session_capacity=), or set memory_budget to None to plan with the free memory; "
+        "ardiff_cli.runtime.plan_capacity() plans for any amount")
+    assert not engine.loaded
+    config = load_config(CONFIGS / "causal-world-tiny.yaml")
+    runner = ARDiffusionModelRunner(CausalWorldPipeline.fresh(config.model), **beyond)
+    with pytest.raises(BudgetBeyondDeviceError, match=r"more than this host's .* of memory$") as info:
+        runner.load()
+    assert info.value.hint == (
+        "pass ARDiffusionModelRunner a lower memory_budget or session_capacity, or memory_budget=None to plan with "
+        "the free memory; ardiff_cli.runtime.plan_capacity() plans for any amount")
+    assert "--" not in info.value.hint and runner.kv_cache is None
+
+
 def test_a_failed_load_frees_the_weights_even_while_its_exception_is_kept():
     """A server keeps the last load error to report it (``last_error = exc``): its traceback holds load()'s frame,
     and a runner left unclosed there kept the pipeline's weights resident for as long as the error was kept."""

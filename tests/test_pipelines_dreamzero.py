@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ardiff_cli.runtime.errors import ObservationError
+from ardiff_cli.runtime.request import ARDiffusionRequest
 from pipeline_helpers import Driver, RecordingRollout, dreamzero, single_thread  # noqa: F401 - fixture
 from pipelines.base import noise_generator, shifted_sigmas
 from pipelines.dreamzero import SCHEMA
@@ -388,3 +390,56 @@ def test_warmup_runs_every_input_shape_a_rollout_sends_even_when_one_frame_fills
     for request in requests:  # each one runs on the session as the warmup runs it
         driver.run("w", request.inputs)
     assert driver.state("w").adapter("positive").num_committed_frames >= 1
+
+
+class _SeenWork(TorchDispatchMode):
+    """Every (torch op, input shapes) run under it: the kernels and allocations a first run pays for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add((str(func), tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("window", [{}, {"window_frames": 1}, {"window_frames": 1, "sink_frames": 1},
+                                    {"sink_frames": 1, "window_frames": 3, "reset_at_window": False}],
+                         ids=["default", "window-1", "sink-1-window-1", "sliding"])
+def test_after_warmup_a_rollout_past_its_window_meets_no_shape_or_path_the_warmup_did_not_run(window, monkeypatch):
+    """The warmup filled the window and stopped: the window's restart (text cache kept, the anchor sliced out of a
+    four-frame request, image cache made again) first ran in a rollout's first step past its window, with its
+    first-run costs. Each (torch op, input shapes) and each KV path (a reset keeping caches, a commit that slides
+    the window) of a rollout's episode past two windows must have run in the warmup, through the real runner."""
+    from ardiff_cli.runtime.kv.state import ARDiffusionKVState, BranchKV
+    from ardiff_cli.runtime.runner import ARDiffusionModelRunner
+
+    paths: set[tuple] = set()
+    reset, commit = ARDiffusionKVState.reset, BranchKV.commit
+
+    def recorded_reset(self, keep_cross_attention=()):
+        paths.add(("reset", tuple(keep_cross_attention)))
+        return reset(self, keep_cross_attention)
+
+    def recorded_commit(self, pages, allocator):
+        before = self.num_pages
+        commit(self, pages, allocator)
+        paths.add(("commit", "slides the window" if self.num_pages < before + len(pages) else "appends"))
+
+    monkeypatch.setattr(ARDiffusionKVState, "reset", recorded_reset)
+    monkeypatch.setattr(BranchKV, "commit", recorded_commit)
+    pipe = dreamzero(**window)
+    runner = ARDiffusionModelRunner(pipe, memory_budget="64MiB")
+    runner.load()
+    with _SeenWork() as warm:
+        runner.warmup(SCHEMA)
+    warm_paths, warm_work = set(paths), warm.seen
+    paths.clear()
+    c = pipe.config
+    num_steps = 2 * (c.sink_frames + c.window_frames) + 2  # two window boundaries and more
+    with _SeenWork() as rollout:
+        for i, inputs in enumerate(steps(pipe, num_steps)):
+            runner.execute_model(ARDiffusionRequest(f"step-{i}", inputs, {"session_id": "episode"}))
+    assert paths - warm_paths == set(), f"warmup ran {sorted(warm_paths)}"
+    assert rollout.seen - warm_work == set()

@@ -32,7 +32,7 @@ def test_dreamzero_warmup_demo_eviction_and_reset():
     report = engine.warmup()
     assert not report.skipped and report.restored
     shapes = [shape for _, shape, _ in report.timings]
-    assert len(shapes) == 4  # one one-frame request, then three four-frame requests fill the 4-frame window
+    assert len(shapes) == 5  # one one-frame request, three four-frame requests fill the 4-frame window, one restarts it
     assert "exterior_image_0 (16, 16, 3)" in shapes[0]
     assert all("exterior_image_0 (4, 16, 16, 3)" in s for s in shapes[1:])
     usage = engine.runner.pool_usage()

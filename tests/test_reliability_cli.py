@@ -829,6 +829,29 @@ def test_a_pipeline_config_that_raises_is_named_as_the_pipelines_mistake(env, co
     assert "bug in ardiff" not in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_capability_method_of_another_signature_is_refused_at_load_naming_its_file(env, tmp_path):
+    """`def bind_ar_diffusion_state(self, state)` loaded: `rollout --no-warmup` wrote run.json, then every step
+    failed with "TypeError: ... takes 2 positional arguments but 3 were given" (each episode failed, exit 1, and a
+    hint to --resume), and warmup failed at its first request. Refused at load, before any step or output."""
+    import inspect
+
+    import author_mistakes
+
+    line = inspect.getsourcelines(author_mistakes.BindWithoutSessionId.bind_ar_diffusion_state)[1]
+    out = tmp_path / "run"
+    for command in (["rollout", "--no-warmup", "--out", str(out)], ["warmup"]):
+        proc = ardiff(env, *command, "causal-world-tiny", "--device", "cpu", "--format", "plain",
+                      "--pipeline", "author_mistakes:BindWithoutSessionId")
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.splitlines()[-2:] == [
+            f"Error: BindWithoutSessionId.bind_ar_diffusion_state() (tests/author_mistakes.py:{line}) cannot take "
+            "the arguments ardiff passes it: expected bind_ar_diffusion_state(session_id, state), got "
+            "bind_ar_diffusion_state(state): too many positional arguments",
+            "hint: define it as `def bind_ar_diffusion_state(self, session_id, state)` (README, 'Adding a pipeline')",
+        ], proc.stderr
+    assert not (out / "results.jsonl").exists() and not (out / "run.json").exists()
+
+
 @pytest.mark.parametrize(("pipeline", "raised"), [
     ("ConfigFromDictWithoutWhere", "got an unexpected keyword argument 'where'"),
     ("ConfigFromDictPlainMethod", "missing 1 required positional argument: 'data'"),

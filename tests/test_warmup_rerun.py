@@ -148,7 +148,7 @@ def test_an_import_that_refuses_its_own_export_is_a_warning_and_the_warmup_goes_
                       r".*; swapped-out sessions will fail as they are restored or at their next step; with no swap "
                       r"space none is, and evicted sessions are replayed \(README"):
         report = engine.warmup()
-    assert report.restored and len(report.timings) == 4 and engine.runner.pool_usage().num_used == 0
+    assert report.restored and len(report.timings) == 5 and engine.runner.pool_usage().num_used == 0
     # subscribers saw it admitted: they are told that it went, and that the next request admitted it afresh
     assert [(e.kind, getattr(e, "reason", None)) for e in events if e.kind.startswith("session_")] == [
         ("session_admitted", None), ("session_closed", "restore_failed"), ("session_admitted", None),

@@ -267,3 +267,16 @@ class SupportsARDiffusionSwap(Protocol):
 
 PIPELINE_METHODS = ("ar_diffusion_kv_cache_spec", "bind_ar_diffusion_state", "reset_ar_diffusion_session",
                     "close_ar_diffusion_session")
+# The arguments the runner passes each method a pipeline has (the optional ones included), all positional: a method
+# that cannot take them is refused at load. It loaded, and failed at its first request (a rollout's first step).
+PIPELINE_CALL_ARGUMENTS = {
+    "ar_diffusion_kv_cache_spec": (),
+    "bind_ar_diffusion_state": ("session_id", "state"),
+    "reset_ar_diffusion_session": ("session_id",),
+    "close_ar_diffusion_session": ("session_id",),
+    "forward": ("request",),
+    "ar_diffusion_warmup_requests": ("session_id",),
+    "check_ar_diffusion_request": ("request",),
+    "export_ar_diffusion_session": ("session_id",),
+    "import_ar_diffusion_session": ("session_id", "snapshot"),
+}

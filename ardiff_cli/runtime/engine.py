@@ -16,6 +16,7 @@ from ardiff_cli.runtime.errors import (
     KV_POOLS_PHASE,
     WEIGHTS_PHASE,
     ArdiffWarning,
+    BudgetBeyondDeviceError,
     CheckpointError,
     ConfigError,
     EngineStateError,
@@ -182,7 +183,14 @@ class ARDiffusionEngine:
             self._runner.subscribe(callback)
         try:
             with running_out_of_memory_names(KV_POOLS_PHASE):
-                plan = self._runner.load()
+                try:
+                    plan = self._runner.load()
+                except BudgetBeyondDeviceError as exc:  # the runner's hint names its own arguments, not the engine's
+                    exc.hint = ("lower the config's runtime.memory_budget or runtime.session_capacity (or "
+                                "ARDiffusionEngine.from_config()'s memory_budget= or session_capacity=), or set "
+                                "memory_budget to None to plan with the free memory; "
+                                "ardiff_cli.runtime.plan_capacity() plans for any amount")
+                    raise
             self._check_spec(self._runner.spec)
             return plan
         except BaseException:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ardiff_cli.runtime.capability import (
+    PIPELINE_CALL_ARGUMENTS,
     PIPELINE_METHODS,
     ARDiffusionKVCacheSpec,
     SupportsARDiffusionSwap,
@@ -146,6 +147,11 @@ def _as_a_step(schema: ObservationSchema, request: ARDiffusionRequest, where: st
     converted = copy.copy(request)  # its type kept, its constructor not called: a subclass may take other arguments
     converted.inputs = {**valid, **own}
     return converted
+
+
+# The hint of a BudgetBeyondDeviceError, in the runner's own terms (the engine's and the CLI's name their own)
+BEYOND_DEVICE_HINT = ("pass ARDiffusionModelRunner a lower memory_budget or session_capacity, or memory_budget=None "
+                      "to plan with the free memory; ardiff_cli.runtime.plan_capacity() plans for any amount")
 
 
 class PipelineContractError(PipelineError, TypeError):
@@ -318,6 +324,19 @@ def _distinct_bytes(tensors: list[torch.Tensor]) -> int:
         size, views = storages.get(key, (storage.nbytes(), 0))
         storages[key] = (size, views + tensor.nbytes)
     return sum(min(size, views) for size, views in storages.values())
+
+
+def _defined_at(method: Any) -> str:
+    """Where ``method`` is defined, as ``file:line`` (relative to the working folder when under it); "defined in
+    native code" when Python cannot say."""
+    code = getattr(inspect.unwrap(getattr(method, "__func__", method)), "__code__", None)
+    if code is None:
+        return "defined in native code"
+    path = code.co_filename
+    with contextlib.suppress(ValueError):  # another drive (Windows)
+        relative = os.path.relpath(path)
+        path = path if relative.startswith("..") else relative
+    return f"{path}:{code.co_firstlineno}"
 
 
 def _caller_stacklevel() -> int:
@@ -509,6 +528,7 @@ class ARDiffusionModelRunner:
                 f"missing {', '.join(missing)}",
                 hint="see README, 'Adding a pipeline', for the methods a pipeline class implements",
             )
+        self._check_signatures()
         try:
             spec = self.pipeline.ar_diffusion_kv_cache_spec()
         except Exception as exc:
@@ -549,6 +569,28 @@ class ARDiffusionModelRunner:
             raise
         return plan
 
+    def _check_signatures(self) -> None:
+        """Refuse a capability method that cannot take the arguments the runner passes it: it loaded, and failed
+        with a TypeError at its first request, or (a hook) at the first session released."""
+        name = type(self.pipeline).__name__
+        for method, arguments in PIPELINE_CALL_ARGUMENTS.items():
+            bound = getattr(self.pipeline, method, None)
+            if not callable(bound):  # a missing optional method (or one set to None): the pipeline lacks it
+                continue
+            try:
+                signature = inspect.signature(bound)
+            except (TypeError, ValueError):  # a builtin without a signature: nothing to check it by
+                continue
+            try:
+                signature.bind(*arguments)
+            except TypeError as exc:
+                raise PipelineContractError(
+                    f"{name}.{method}() ({_defined_at(bound)}) cannot take the arguments ardiff passes it: "
+                    f"expected {method}({', '.join(arguments)}), got {method}{signature}: {exc}",
+                    hint=f"define it as `def {method}({', '.join(('self', *arguments))})` (README, 'Adding a "
+                         "pipeline')",
+                ) from None
+
     def _plan_and_allocate(self, spec: ARDiffusionKVCacheSpec) -> tuple[CapacityPlan, ARDiffusionKVCache]:
         """Pick the attention backend (kv/backends.py), plan for it, and allocate the pools in its layout.
 
@@ -583,8 +625,7 @@ class ARDiffusionModelRunner:
                     f"the memory budget ({format_bytes(self.memory_budget)}, {self.memory_budget} bytes) plans "
                     f"{format_bytes(planned)} of KV memory, more than {self._memory_owner()}'s "
                     f"{format_bytes(total)} of memory",
-                    hint="lower --memory-budget (runtime.memory_budget) or --session-capacity, or leave the budget "
-                    "out to plan with the free memory; `ardiff inspect-capacity` plans for any amount",
+                    hint=BEYOND_DEVICE_HINT,
                 )
             try:
                 cache = ARDiffusionKVCache(

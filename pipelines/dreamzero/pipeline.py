@@ -263,12 +263,15 @@ class DreamZeroPipeline(ARPipeline):
 
     # ------------------------------------------------------------------ warmup
     def ar_diffusion_warmup_requests(self, session_id: str) -> Iterator[ARDiffusionRequest]:
-        """One one-frame request, then four-frame requests until the window is full (at least one: the shape of
-        every later step), all in ``session_id``."""
+        """One one-frame request, then four-frame requests until the window is full, and one more, all in
+        ``session_id``: the last overflows the window, so the path every later window boundary of a rollout takes
+        (the restart: text cache kept, image cache and anchor made again; or, without ``reset_at_window``, the
+        window sliding on) first runs here, not in the rollout's first step past its window."""
         c = self.config
         fill = c.sink_frames + c.window_frames - 1  # latent frames after the anchor
-        # a window of one frame is full with the anchor: no four-frame request ran, which each step after it is
-        num_four = max(1, -(-fill // c.latent_frames_per_request))
+        # the four-frame requests the window holds after its anchor, then the one that overflows it (with a window
+        # of one frame, full with the anchor, that is the first: each step after the anchor restarts the window)
+        num_four = fill // c.latent_frames_per_request + 1
         for i in range(1 + num_four):
             yield ARDiffusionRequest(f"warmup-{i}", self.example_inputs(1 if i == 0 else c.frames_per_request),
                                      {"session_id": session_id})
