@@ -170,7 +170,7 @@ def lighter_resume(resume: ResumeCommand, plan: CapacityPlan | None) -> str | No
 PASTE = "; to paste: "
 
 
-def to_paste(hint: str, command: str | None) -> str:
+def to_paste(hint: str, command: ResumeCommand | str | None) -> str:
     """``hint``, ending with the ``command`` that does what it says (none: ``hint`` as it is). What is added to the
     hint later (``out_of_memory_hint``) goes before the command, which stays whole at the end."""
     return hint if command is None else f"{hint}{PASTE}{command}"

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.errors_cli import Interrupted, OutputError, StepFailed, write_hint
+from ardiff_cli.errors_cli import Interrupted, OutputError, StepFailed, continue_with, write_hint
 from ardiff_cli.io.episode import (METADATA_FILE, EpisodeSource, StepFile, file_signature, listed, load_step,
                                    present, step_sha256)
 from ardiff_cli.io.run import RunFolder, episode_folder_path
@@ -166,7 +166,7 @@ class Rollout:
         self.scheduler = StepScheduler(episodes, order=options.order, follow=options.follow,
                                        idle_timeout=options.idle_timeout, done=done, digests=digests,
                                        warn=out.warning, watch=options.watch, on_new_episode=self._new_episode,
-                                       on_moved=self._episode_moved)
+                                       on_moved=self._episode_moved, go_on=continue_with(self._resume_command()))
         self.stats.late_steps = self.scheduler.late  # filled as it warns of them, when every episode has ended
         # session id -> steps of its episode the resident session has consumed (absent: not resident)
         self._resident: dict[str, int] = {}
@@ -380,7 +380,7 @@ class Rollout:
         except ObservationError:
             # listed, then gone (a link to nothing: reading it named the link): not a permission problem
             if present(step_file.path) is False and not step_file.path.is_symlink():
-                raise _gone_while_read(episode, step_file) from None
+                raise _gone_while_read(episode, step_file, self._resume_command()) from None
             raise
         self._check_unchanged(episode, step_file, raw.sha256)
         self._read_as.setdefault(episode.name, {})[step_file.step] = (step_file.path.name, raw.signature)
@@ -469,8 +469,8 @@ class Rollout:
                     f"of episode {episode.name!r} is rebuilt by replaying its earlier steps (it was evicted, or the "
                     "run resumed, and no swap snapshot restored it)",
                     hint="keep an episode's step files until it has ended (a robot's cleanup of the steps that ran "
-                         "breaks this), and leave --swap-space on; put the file back and --resume, or run the "
-                         "episode again in a new --out")
+                         "breaks this), and leave --swap-space on; run the episode again in a new --out, or put the "
+                         f"file back, then {continue_with(self._resume_command())}")
             inputs, _ = self._load(episode, step_file)
             self._execute(f"{episode.name}/{step_file.step:06d}/replay", episode.name, inputs)
             self._resident[episode.name] = self._resident.get(episode.name, 0) + 1
@@ -784,12 +784,13 @@ def naming_episode(exc: ArdiffError, episode: str) -> ArdiffError:
     return named.with_traceback(exc.__traceback__)
 
 
-def _gone_while_read(episode: EpisodeSource, step_file: StepFile) -> ObservationError:
+def _gone_while_read(episode: EpisodeSource, step_file: StepFile, resume: str) -> ObservationError:
     """The error of a step file listed and gone before it was read: its episode folder deleted (rm -rf, which takes
-    the files first) or renamed while the run read it, or the file alone deleted."""
+    the files first) or renamed while the run read it, or the file alone deleted. ``resume``: the run's resume
+    command, to paste once they are back."""
     what = "it is gone (deleted or renamed since the episode folder was listed)"
     if present(episode.path) is False:
         what = f"the episode folder {episode.path} is gone (deleted or renamed while the run read it)"
     return ObservationError(f"{step_file.path}: cannot read the step file: {what}",
                             hint="keep an episode's folder and its step files in place while a run reads them; put "
-                                 "them back, then continue with --resume")
+                                 f"them back, then {continue_with(resume)}")

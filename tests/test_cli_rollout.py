@@ -1633,7 +1633,8 @@ def test_an_episode_folder_deleted_while_the_run_reads_it_is_named_as_gone_not_a
             else "it is gone (deleted or renamed since the episode folder was listed)")
     assert re.search(rf"Error: episode 'arm_b' failed: {re.escape(str(eps / 'arm_b'))}/step_\d+\.safetensors: "
                      rf"cannot read the step file: {re.escape(what)}\nhint: keep an episode's folder and its step "
-                     "files in place while a run reads them; put them back, then continue with --resume",
+                     "files in place while a run reads them; put them back, then continue with: "
+                     rf"ardiff rollout --resume --out {re.escape(str(run))}\n",
                      stderr), stderr
     assert "permissions" not in stderr, stderr
 
@@ -1952,8 +1953,9 @@ def test_a_resume_after_an_episodes_first_step_files_were_deleted_fails_those_ep
     assert proc.returncode == 2, proc.stderr  # every episode failed
     for name in ("arm_a", "arm_b"):
         assert f"{tmp_path / 'live' / name}: step 0 ran (results.jsonl) but its file is gone" in proc.stderr
-    assert proc.stderr.count("hint: put the episode's step files back as they were when they ran (--resume then goes "
-                             "on), or run the episode again from its first step in a new --out") == 2, proc.stderr
+    assert proc.stderr.count("hint: run the episode again from its first step in a new --out (a session's outputs "
+                             "depend on every earlier step), or put the episode's step files back as they were when "
+                             f"they ran, then continue with: ardiff rollout --resume --out {run}\n") == 2, proc.stderr
     failed = [(r["episode"], r["phase"]) for r in records(run) if r["status"] == "failed"]
     assert sorted(failed) == [("arm_a", "scan"), ("arm_b", "scan")]  # found when the folder was read
     assert not any((run / "episodes" / name / "step_000002.safetensors").exists() for name in ("arm_a", "arm_b"))
@@ -4520,15 +4522,19 @@ def test_a_signal_before_the_rollout_takes_the_signals_ends_it_as_ctrl_c_does_wi
     """`kill $pid` in the first second or more of a command (imports, the config, a resume reading its run folder),
     before the rollout installs its handlers: by SIGTERM's default action the process died, with no `Error:` line
     and no JSON error object, and a Python caller saw -15, not the 143 the README gives SIGTERM. Here the resume
-    reads a run.json that blocks as on a hung network mount (a FIFO no one writes yet)."""
+    reads a run.json that blocks as on a hung network mount (a FIFO no one writes yet). Its hint was none, where a
+    later stop gives the resume to paste: the run's folder is known (--out), so it gives it too, and pasted into
+    bash once run.json is back, it finishes the run (its last step, whose line is gone, runs again)."""
     import errno
 
     run = tmp_path / "run"
     shutil.copytree(reference, run)
     (run / "run.json").unlink()
     os.mkfifo(run / "run.json")
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-1]))
     results = (run / "results.jsonl").read_bytes()
-    proc = spawn(env, "rollout", "--resume", "--out", str(run), "--format", "json")
+    proc = spawn(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "json")
     writer = None
     try:
         deadline = time.monotonic() + 300
@@ -4547,9 +4553,15 @@ def test_a_signal_before_the_rollout_takes_the_signals_ends_it_as_ctrl_c_does_wi
     name = signal.Signals(signum).name
     assert proc.returncode == code, stderr
     assert f"Error: interrupted by {name}" in stderr and "Traceback" not in stderr
+    again = f"ardiff rollout --resume --out {run}"
     assert json.loads(stdout.splitlines()[-1]) == {"kind": "interrupted", "message": f"interrupted by {name}",
-                                                   "hint": None, "exit_code": code}
+                                                   "hint": f"continue with: {again}", "exit_code": code}
     assert (run / "results.jsonl").read_bytes() == results
+    (run / "run.json").unlink()
+    shutil.copy(reference / "run.json", run / "run.json")
+    proc = pasted(env, f"{again} --no-warmup", REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert len(records(run)) == len(lines) and all(r["status"] == "ok" for r in records(run))
 
 # -- a step file rewritten after it ran ------------------------------------------------------------------------
 

@@ -536,10 +536,13 @@ def test_a_second_signal_while_a_signal_before_the_command_took_them_is_reported
     assert "." * filled in err
     err = err.replace("." * filled, "", 1)
     code = 128 + first
+    # a resume's folder is known: its stop says so as a later one does, with the resume to paste
+    message, hint = (interrupted_message(first), None) if phase == "import" else (
+        f"interrupted by {signal.Signals(first).name}", f"continue with: ardiff rollout --resume --out {run}")
     assert proc.returncode == code, err
-    assert "Traceback" not in err and err.count("Error:") == 1 and f"Error: {interrupted_message(first)}\n" in err, err
-    assert json.loads(stdout.splitlines()[-1]) == {"kind": "interrupted", "message": interrupted_message(first),
-                                                   "hint": None, "exit_code": code}
+    assert "Traceback" not in err and err.count("Error:") == 1 and f"Error: {message}\n" in err, err
+    assert json.loads(stdout.splitlines()[-1]) == {"kind": "interrupted", "message": message, "hint": hint,
+                                                   "exit_code": code}
 
 
 @pytest.mark.parametrize("phase", ["load", "warmup", "warmup command"])
@@ -1893,7 +1896,87 @@ def test_memory_running_out_as_a_resume_imports_torch_hints_at_free_memory_alone
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--format", "json", path=no_memory)
     error = json_error(proc, 3)
     assert error["message"] == "out of host memory while importing torch: MemoryError", error
-    assert error["hint"] == IMPORT_HINT.replace("run again", "continue with --resume"), error
+    # ended with the run's resume, to paste (a bare "--resume" is refused without --out)
+    assert error["hint"] == (IMPORT_HINT.replace("run again", "continue with --resume")
+                             + f"; to paste: ardiff rollout --resume --out {run}"), error
+    shutil.copy(data / "eps" / "arm_a" / "step_000001.safetensors", episode)  # the step fixed, memory free again
+    proc = paste_hint(env, error["hint"])
+    assert proc.returncode == 0, proc.stderr
+    assert [r["step"] for r in records(run) if r["status"] == "ok"] == [0, 1, 2]
+
+
+def test_a_resume_that_finds_an_episodes_first_step_file_gone_hints_at_the_resume_that_pasted_finishes_it(
+        env, data, reference, tmp_path):
+    """A done step's file deleted before a resume (a disk cleanup) failed its episode with "put the episode's step
+    files back as they were when they ran (--resume then goes on), or ...": a bare --resume, refused without --out
+    and the run's --pipeline. The hint ends with the run's resume, which pasted once the file is back finishes it."""
+    robots, run = tmp_path / "robots", tmp_path / "run"
+    for name in EPISODES:
+        shutil.copytree(data / "eps" / name, robots / name)
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(robots), "--out", str(run), "--pipeline", PIPELINE,
+                  "--no-warmup", "--format", "plain", "--fail-fast",
+                  faults=[{"request": "arm_b/000001", "site": "block", "layer": 0}])
+    assert proc.returncode == 1, proc.stderr
+    (robots / "arm_a" / "step_000000.safetensors").unlink()
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup", "--format",
+                  "plain")
+    assert proc.returncode == 4, proc.stderr
+    line = proc.stderr.split("Error: episode 'arm_a' failed: ", 1)[1].split("\n", 2)
+    assert "step 0 ran (results.jsonl) but its file is gone" in line[0], proc.stderr
+    assert line[1] == ("hint: run the episode again from its first step in a new --out (a session's outputs depend on "
+                       "every earlier step), or put the episode's step files back as they were when they ran, then "
+                       f"continue with: ardiff rollout --resume --out {run} --pipeline {PIPELINE}"), proc.stderr
+    shutil.copy(data / "eps" / "arm_a" / "step_000000.safetensors", robots / "arm_a")
+    proc = paste_hint(env, line[1])
+    assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference)
+
+
+def test_memory_running_out_as_a_resume_loads_its_weights_ends_its_hint_with_the_resume_to_paste(env, data,
+                                                                                                 reference, tmp_path):
+    """A resume that ran out of memory as it loaded the model's weights (before its KV pools) said "free some ... and
+    continue with --resume", which without --out (and the run's --pipeline) is refused. The hint ends with the run's
+    resume, which pasted into bash once memory is free completes the run."""
+    run = tmp_path / "run"
+    proc = ardiff(env, *rollout_args(data, run, "--fail-fast"),
+                  faults=[{"request": "arm_b/000001", "site": "block", "layer": 0}])
+    assert proc.returncode == 1, proc.stderr
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup", "--format",
+                  "json", faults=[{"site": "load", "action": "memory_error"}])
+    error = json_error(proc, 3)
+    assert error["message"] == "out of host memory while loading the model's weights (from_config()): MemoryError"
+    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"  # --no-warmup is no option run.json keeps
+    assert error["hint"].startswith("the run's model, in its dtype and config (--resume keeps them), needs more "
+                                    "memory than is free now: "), error
+    assert error["hint"].endswith(f"(another --out); to paste: {again}"), error
+    proc = paste_hint(env, error["hint"])
+    assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference)
+
+
+def test_an_episode_folder_deleted_while_the_run_reads_it_hints_at_the_resume_that_pasted_finishes_it(
+        env, data, reference, tmp_path):
+    """An episode folder deleted mid-run (its step files listed at the start) failed its episode with "put them
+    back, then continue with --resume", refused without --out and the run's --pipeline. It gives the run's resume,
+    which pasted into bash once the folder is back finishes the run."""
+    robots, run = tmp_path / "robots", tmp_path / "run"
+    for name in EPISODES:
+        shutil.copytree(data / "eps" / name, robots / name)
+    # arm_b's folder goes as arm_a's step 1 runs: arm_b's step 1, read next, is gone (no timing involved)
+    faults = [{"request": "arm_a/000001", "site": "block", "layer": 0, "action": "sleep", "seconds": 0,
+               "marker": str(tmp_path / "marker"), "remove": str(robots / "arm_b")}]
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(robots), "--out", str(run), "--pipeline", PIPELINE,
+                  "--no-warmup", "--format", "plain", faults=faults)
+    assert proc.returncode == 4, proc.stderr
+    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    line = proc.stderr.split("Error: episode 'arm_b' failed: ", 1)[1].split("\n", 2)
+    assert f"the episode folder {robots / 'arm_b'} is gone (deleted or renamed while the run read it)" in line[0]
+    assert line[1] == ("hint: keep an episode's folder and its step files in place while a run reads them; put them "
+                       f"back, then continue with: {again}"), proc.stderr
+    shutil.copytree(data / "eps" / "arm_b", robots / "arm_b")
+    proc = paste_hint(env, line[1])
+    assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference)
 
 
 def test_a_failed_runs_json_error_object_says_which_failure_ended_it(env, data, tmp_path):

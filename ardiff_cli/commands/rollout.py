@@ -26,6 +26,7 @@ from ardiff_cli.commands._common import (
     refuse_contradictions,
     stop_between_requests,
 )
+from ardiff_cli.entry import signal_of
 from ardiff_cli.errors_cli import (EXIT_CODES_HELP, EpisodesFailed, Interrupted, budget_change, continue_with,
                                   exit_code_for, handle_errors, import_hint, lighter_resume, lighter_resume_hint,
                                   open_files_hint, pages_short, to_paste, weights_run_hint, while_importing)
@@ -219,17 +220,28 @@ def rollout(
         options = dict(order=order and order.value, follow=follow, idle_timeout=idle_timeout, preview=preview,
                        swap_space=_swap_space(swap_space))
         given = _given_to_resume(overrides, options, swap_space) if resume else []  # before run.json's fill them in
-        prepared = _prepare(config, episodes, out, resume, overrides, output, pipeline=pipeline, options=options)
-        prepared = replace(prepared, resume=ResumeCommand(prepared.out_dir, prepared.info.get("pipeline_option"),
-                                                          tuple(given), session_capacity if resume else None))
-        options = prepared.options
+        # a resume stopped before _run takes the signals (entry.Stopped: reading run.json from a hung mount, say) gives
+        # the resume to paste, as a later stop does: its --pipeline is the run's, or the resume is refused
+        capacity = session_capacity if resume else None
+        again = ResumeCommand(out, pipeline, tuple(given), capacity) if resume and out is not None else None
         try:
-            _run(prepared, output, order=options["order"], follow=options["follow"],
-                 idle_timeout=DEFAULT_IDLE_TIMEOUT if options["idle_timeout"] is None else options["idle_timeout"],
-                 fail_fast=fail_fast, preview=options["preview"], warmup=warmup, resume=resume,
-                 swap_space=options["swap_space"], started=started)
-        finally:
-            prepared.run.close()  # releases the folder's lock
+            prepared = _prepare(config, episodes, out, resume, overrides, output, pipeline=pipeline, options=options)
+            prepared = replace(prepared, resume=ResumeCommand(prepared.out_dir, prepared.info.get("pipeline_option"),
+                                                              tuple(given), capacity))
+            options = prepared.options
+            try:
+                _run(prepared, output, order=options["order"], follow=options["follow"],
+                     idle_timeout=DEFAULT_IDLE_TIMEOUT if options["idle_timeout"] is None else options["idle_timeout"],
+                     fail_fast=fail_fast, preview=options["preview"], warmup=warmup, resume=resume,
+                     swap_space=options["swap_space"], started=started)
+            finally:
+                prepared.run.close()  # releases the folder's lock
+        except KeyboardInterrupt as exc:
+            if again is None:
+                raise
+            stop = Interrupted(signal_of(exc))
+            stop.hint = continue_with(again)
+            raise stop from None
 
 
 def _given_to_resume(overrides: dict[str, Any], options: dict[str, Any], swap_space: str | None) -> list[str]:
@@ -1084,7 +1096,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                                     "them)" if resume else
                                     does_not_fit_hint(p.cfg, p.budget_source, window_helps=exc.window_helps))
                     elif resume:  # the runner's hint says a smaller window, model or dtype: --resume refuses them
-                        exc.hint = RESUME_LOAD_HINT
+                        exc.hint = to_paste(RESUME_LOAD_HINT, p.resume)
                     raise
                 except BudgetBeyondDeviceError as exc:  # the runner's hint cannot tell the option from the config
                     exc.hint = beyond_device_hint(p.budget_source, resume=resume)
@@ -1163,9 +1175,9 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                             error.hint = to_paste(lighter_resume_hint(p.budget_source, planned),
                                                   lighter_resume(p.resume, planned))
                         elif run.holds_run() and while_importing(error):  # before any model: free memory alone
-                            error.hint = import_hint("continue with --resume")
+                            error.hint = to_paste(import_hint("continue with --resume"), p.resume)
                         elif run.holds_run():
-                            error.hint = RESUME_LOAD_HINT
+                            error.hint = to_paste(RESUME_LOAD_HINT, p.resume)
                         elif phase == WEIGHTS_PHASE:  # a new run's, before its KV pools: the model's dtype or size
                             error.hint = weights_run_hint(p.cfg.runtime.dtype)
                 if error is exc:

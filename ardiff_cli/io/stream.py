@@ -158,7 +158,8 @@ class StepScheduler:
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                  warn: Callable[[str], None] = lambda message: None, watch: Sequence[Path] = (),
                  on_new_episode: Callable[[EpisodeSource], None] = lambda episode: None,
-                 on_moved: Callable[[EpisodeSource, Path], None] = lambda episode, old: None) -> None:
+                 on_moved: Callable[[EpisodeSource, Path], None] = lambda episode, old: None,
+                 go_on: str = "continue with --resume") -> None:
         if order not in ("round-robin", "sequential"):
             raise ValueError(f"order must be 'round-robin' or 'sequential', got {order!r}")
         self.order = order
@@ -175,6 +176,9 @@ class StepScheduler:
         self._watch = [_Watched(folder) for folder in _once_each(watch)] if follow else []
         self._on_new_episode = on_new_episode
         self._on_moved = on_moved  # follow: an episode's folder renamed in its watched folder, with its old path
+        # how the hints of an episode that a resume goes on with once its files are back end: the rollout's gives the
+        # run's resume command to paste (errors_cli.continue_with)
+        self._go_on = go_on
         self._names = EpisodeNames(episodes)
         self._all_ended_at: float | None = None  # follow: when the last episode ended (watching: the idle timer)
         self._done = done = done or {}
@@ -497,7 +501,7 @@ class StepScheduler:
                 return None
             if not track.history_checked:  # once: the first step file cannot change after one was taken
                 track.history_checked = True
-                changed = _changed_history(track)
+                changed = _changed_history(track, self._go_on)
                 if changed is not None:  # its session cannot be what it was: fail the episode, never run the step
                     track.ended = True
                     self._pending_ends.append(EpisodeEnded(episode=track.source, reason="error", error=changed))
@@ -679,8 +683,8 @@ class StepScheduler:
         if renamed is None:
             return ObservationError(
                 f"{as_typed(folder)}: the episode folder is gone (deleted or renamed while it was followed); {arrived}",
-                hint="keep an episode's folder in place until its END file is written; --resume runs it again "
-                     "once the folder is back")
+                hint="keep an episode's folder in place until its END file is written; to run it again, put the "
+                     f"folder back, then {self._go_on}")
         # a hidden name (`.trash-ep1`) is not looked at in a watched folder: that one is not followed, nor joins
         if not self._watched(folder) or renamed.name.startswith("."):
             return ObservationError(f"{as_typed(folder)}: the episode folder was renamed to {renamed.name} while it "
@@ -748,7 +752,7 @@ class StepScheduler:
         if not self.follow:
             files = track.source.scan()
             if not files and track.done_sorted:  # emptied since they ran
-                raise _lost_history(track, None)
+                raise _lost_history(track, None, self._go_on)
             if not files:
                 raise _no_step_files(track.source.path)
             # the five an error shows, or one more than the done steps: then not all of them are done
@@ -974,7 +978,7 @@ def _with_lost(track: _Track, files: list[StepFile], lost: list[int]) -> list[St
     return sorted([*files, *stand_ins], key=lambda f: f.step)
 
 
-def _changed_history(track: _Track) -> ObservationError | None:
+def _changed_history(track: _Track, go_on: str) -> ObservationError | None:
     """Whether the done steps (results.jsonl) are where they ran in the episode, now that a step of it is to run:
     each at its recorded chunk. Not so when the files of the first steps that ran are gone, or when step files
     before the first one that ran were written since (a writer that wrote them out of order: the steps that ran
@@ -982,20 +986,21 @@ def _changed_history(track: _Track) -> ObservationError | None:
     position is its number less the first's."""
     first = track.files[0].step
     if track.done_sorted and track.done_sorted[0] < first:
-        return _lost_history(track, first)
+        return _lost_history(track, first, go_on)
     moved = sorted(step for step, chunk in track.done.items() if chunk is not None and chunk != step - first)
     if not moved:
         return None
     step, chunk = moved[0], track.done[moved[0]]
     began = step - chunk  # the episode's first step when it ran
-    again = "run the episode again from its first step in a new --out; a session's outputs depend on every earlier step"
+    again = ("run the episode again from its first step in a new --out (a session's outputs depend on every earlier "
+             "step)")
     if began > first:
         why = (f"{_steps(first, began - 1)} {'was' if began - first == 1 else 'were'} written after it ran (out of "
                f"step order), so its outputs were made without {'it' if began - first == 1 else 'them'}")
-        hint = f"{again} (have the robot write an episode's steps in increasing step order)"
+        hint = f"{again}; have the robot write an episode's steps in increasing step order"
     else:
         why = f"the files of {_steps(began, first - 1)} before it are gone"
-        hint = f"put the episode's step files back as they were when they ran (--resume then goes on), or {again}"
+        hint = f"{again}, or put the episode's step files back as they were when they ran, then {go_on}"
     return ObservationError(f"{track.source.path}: step {step} ran (results.jsonl) as chunk {chunk} of the episode, "
                             f"but it is chunk {step - first} now that the folder starts at step {first}: {why}",
                             hint=hint)
@@ -1067,9 +1072,9 @@ def _steps(first: int, last: int) -> str:
     return f"step {first}" if first == last else f"steps {first}..{last}"
 
 
-def _lost_history(track: _Track, first: int | None) -> ObservationError:
+def _lost_history(track: _Track, first: int | None, go_on: str) -> ObservationError:
     """Steps that ran (results.jsonl) before the first step file in the folder (``None``: it holds none): their
-    files are gone."""
+    files are gone. ``go_on``: how the hint ends, once they are back (``StepScheduler``'s)."""
     lost = [step for step in track.done_sorted if first is None or step < first]
     shown = f"{lost[0]}" if len(lost) == 1 else f"{lost[0]}..{lost[-1]}"
     others = other_step_formats(track.source.path) if first is None else []  # converted to another format?
@@ -1079,6 +1084,6 @@ def _lost_history(track: _Track, first: int | None) -> ObservationError:
         f"{track.source.path}: step{'s' if len(lost) > 1 else ''} {shown} ran (results.jsonl) but "
         f"{'their files are' if len(lost) > 1 else 'its file is'} gone: {now}, so the "
         f"episode's next step cannot run on the history its earlier outputs were made from",
-        hint="put the episode's step files back as they were when they ran (--resume then goes on), or run the "
-             "episode again from its first step in a new --out; a session's outputs depend on every earlier step",
+        hint="run the episode again from its first step in a new --out (a session's outputs depend on every earlier "
+             f"step), or put the episode's step files back as they were when they ran, then {go_on}",
     )
