@@ -407,11 +407,17 @@ class Rollout:
             return
         now = step_sha256(step_file.path) if sha256 is None else sha256
         if ran_with != now:
+            restore = "restore the file as it was when it ran"
+            try:  # read through the link run.json records (data/latest): pointed at another recording since?
+                restore = (f"{episode.path} is a link, now to {os.readlink(episode.path)}: point it back at the "
+                           f"recording that ran (or {restore})")
+            except OSError:  # not a link
+                pass
             raise ObservationError(
                 f"{step_file.path}: step {step_file.step} changed since it ran (sha256 {ran_with[:12]}... then, "
                 f"{now[:12]}... now): the session cannot be rebuilt as it was",
-                hint="restore the file as it was when it ran, or run the episode again from its first step in a new "
-                     "--out; a session's outputs depend on every earlier step, so a rewritten one is never replayed",
+                hint=f"{restore}, or run the episode again from its first step in a new --out; a session's outputs "
+                     "depend on every earlier step, so a rewritten one is never replayed",
             )
 
     def _execute(self, request_id: str, session_id: str, inputs: dict[str, Any]) -> Any:

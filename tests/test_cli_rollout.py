@@ -3771,6 +3771,41 @@ def test_an_episode_folder_that_is_a_link_moved_into_place_gives_run_json_s_old_
     assert [(r["episode"], r["step"], r["status"]) for r in records(run)] == [("arm_a", s, "ok") for s in range(3)]
 
 
+@pytest.mark.parametrize("given", ["live", "live/cam"], ids=["in-a-watched-folder", "given-directly"])
+def test_an_episode_folder_that_is_a_link_renamed_while_followed_is_followed_at_its_new_name(env, data, tmp_path,
+                                                                                            given):
+    """live/cam -> rec/arm_a, renamed live/cam2 while --follow read it: the link is the episode's folder (run.json
+    records it), but the rename was looked for among folders only, so the episode failed, "the episode folder is
+    gone" (exit 2). In a watched folder it goes on at live/cam2 (episode_moved, run.json); given directly, its
+    error says where it went, as of a folder renamed."""
+    live, run, rec = tmp_path / "live", tmp_path / "run", tmp_path / "rec"
+    steps = steps_of(0, 3)
+    write_episode(rec / "arm_a", steps[:1], prompt="task arm_a", end=False)
+    live.mkdir()
+    (live / "cam").symlink_to(Path("..") / "rec" / "arm_a")
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(tmp_path / given), "--out", str(run), "--follow",
+                 "--no-warmup", "--idle-timeout", "5", "--format", "json")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)
+        (live / "cam").rename(live / "cam2")
+        write_episode(rec / "arm_a", steps[1:], first_step=1)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    if given == "live/cam":
+        assert proc.returncode == 2, stderr
+        (failed,) = [o for o in events if o.get("kind") == "episode_failed"]
+        assert failed["message"] == (f"episode 'arm_a' failed: {tmp_path / 'live' / 'cam'}: the episode folder was "
+                                     "renamed to cam2 while it was followed; 1 of its steps had arrived"), failed
+        return
+    assert proc.returncode == 0, stderr
+    moved = [(o["old_path"], o["path"]) for o in events if o.get("kind") == "episode_moved"]
+    assert moved == [(str(live.resolve() / "cam"), str(live.resolve() / "cam2"))], moved
+    assert recorded_folders(run) == {"arm_a": str(live.resolve() / "cam2")}
+    assert [(r["episode"], r["step"], r["status"]) for r in records(run)] == [("arm_a", s, "ok") for s in range(3)]
+
+
 def test_a_resume_reads_an_episode_through_the_link_in_a_watched_folder_the_run_read_it_through(env, data, tmp_path):
     """live/cam -> rec/arm_a, outside the watched folder live: the run reads the episode through the link, so the
     recording moved into place (rec/arm_a -> live/arm_a) is followed. A --resume read it at run.json's rec/arm_a,

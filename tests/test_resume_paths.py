@@ -152,6 +152,35 @@ def test_a_resume_reads_an_episode_given_as_a_link_through_the_link(cli_env, tmp
     assert info["episodes"] == [{"name": "take1", "path": str(link)}]
 
 
+def test_a_resume_through_a_link_pointed_at_another_recording_since_says_so(cli_env, tmp_path):
+    """`rollout CFG data/latest` (latest -> d1) stopped at a step cut short; by the --resume, latest -> d2. run.json
+    records the link, so the resume reads d2 under d1's name and refuses it (its step 0 is not the one that ran),
+    but the hint said to restore a file nobody touched. It names the link and where it leads now; giving the
+    recording that ran (d1) in the link's place finishes the run."""
+    write_fast_data(tmp_path, {"d1": 3, "d2": 3})
+    (tmp_path / "eps" / "latest").symlink_to("d1")
+    step = tmp_path / "eps" / "d1" / "step_000002.safetensors"
+    whole = step.read_bytes()
+    step.write_bytes(whole[:100])
+    first = ardiff(cli_env, "rollout", "fast.yaml", "eps/latest", "--out", "run", cwd=tmp_path)
+    assert first.returncode == 2, first.stderr  # its one episode failed
+    step.write_bytes(whole)
+    (tmp_path / "eps" / "latest").unlink()
+    (tmp_path / "eps" / "latest").symlink_to("d2")
+    again = ardiff(cli_env, "rollout", "--resume", "--out", "run", cwd=tmp_path)
+    assert again.returncode == 2, again.stderr
+    (failed,) = [o for o in json_lines(again.stdout) if o["kind"] == "episode_failed"]
+    assert failed["message"].startswith(f"episode 'd1' failed: {tmp_path / 'eps' / 'latest' / 'step_000000'}"
+                                        ".safetensors: step 0 changed since it ran"), failed
+    assert failed["hint"].startswith(f"{tmp_path / 'eps' / 'latest'} is a link, now to d2: point it back at the "
+                                     "recording that ran (or restore the file as it was when it ran), or run the "
+                                     "episode again"), failed
+    done = ardiff(cli_env, "rollout", "--resume", "--out", "run", "fast.yaml", "eps/d1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["episodes"] == [
+        {"name": "d1", "path": str(tmp_path / "eps" / "d1")}]
+
+
 def test_a_resume_of_a_folder_that_is_now_a_link_to_nothing_names_the_link_and_where_it_leads(cli_env, tmp_path):
     """`--resume --out LINK` said `there is no folder LINK`, and a recorded episode folder replaced by a link (as
     the hint of a moved one says) to a disk not mounted said the folder `is gone`: both name the link now."""

@@ -127,6 +127,11 @@ class _Track:
     # follow: since when its folder held these names (END one), none of its unready step files growing, and their looks
     end_seen: tuple[float, frozenset[str], dict[str, tuple[int, int]]] | None = None
     end_gone: bool = False  # follow: its folder was removed once END was seen there and every step file taken
+    # follow: its folder is itself a link (live/cam -> .rec/arm_a), which a rename there is followed to (cam -> cam2)
+    link: bool = False
+
+    def __post_init__(self) -> None:
+        self.link = os.path.islink(self.source.path)
 
 
 @dataclass
@@ -443,11 +448,11 @@ class StepScheduler:
             return False
         if st is not None and st.st_ino == identity:  # still there
             return False
-        renamed = _renamed_to(old, identity, track.taken)
+        renamed = _renamed_to(old, identity, track.taken, link=track.link)
         if renamed is None or renamed.name.startswith(".") or not _holds_first_file(renamed, track.first_file):
             return False
         new = old.parent / renamed.name  # as the run names it: relative where it was given so
-        track.source.path = new
+        track.source.path, track.link = new, os.path.islink(new)
         track.files = [StepFile(path=new / f.path.name, step=f.step) for f in track.files]
         track.unready, track.unnumbered, track.stamp, track.trusted = [], [], None, False
         self._names.move(track.source.name, old, new)
@@ -679,7 +684,7 @@ class StepScheduler:
         """The error of an episode whose folder is gone: renamed in its folder (a recorder publishing a finished
         episode under its final name) is named as such, as is the new name joining a watched folder's run."""
         folder, arrived = track.source.path, f"{len(track.files)} of its steps had arrived"
-        renamed = _renamed_to(folder, track.identity, track.taken)
+        renamed = _renamed_to(folder, track.identity, track.taken, link=track.link)
         if renamed is None:
             return ObservationError(
                 f"{as_typed(folder)}: the episode folder is gone (deleted or renamed while it was followed); {arrived}",
@@ -1024,22 +1029,30 @@ def _no_step_files(folder: Path) -> ObservationError:
     )
 
 
-def _renamed_to(folder: Path, identity: int | None, taken: Iterable[str]) -> Path | None:
+def _renamed_to(folder: Path, identity: int | None, taken: Iterable[str], *, link: bool = False) -> Path | None:
     """The folder beside where ``folder`` was that has its inode number ``identity`` and holds the step files
     ``taken`` from it (it was renamed), or None. The inode number alone named a folder made after ``folder`` was
-    deleted (a robot's next episode), which may get it back."""
+    deleted (a robot's next episode), which may get it back. ``link``: ``folder`` was a link (``identity`` its
+    target's), and a link beside it to that folder is it renamed (``cam`` -> ``cam2``), where no folder is."""
     if identity is None:
         return None
+    renamed_link = None
     try:
         with os.scandir(folder.parent) as entries:
             for entry in entries:
-                # stat's, not the listing's inode(): overlayfs lists other numbers for folders than stat gives
-                if (entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_ino == identity
-                        and all(os.path.lexists(os.path.join(entry.path, name)) for name in taken)):
-                    return Path(entry.path)
+                try:  # stat's, not the listing's inode(): overlayfs lists other numbers for folders than stat gives
+                    if entry.is_symlink():
+                        if (link and renamed_link is None and entry.is_dir() and entry.stat().st_ino == identity
+                                and all(os.path.lexists(os.path.join(entry.path, name)) for name in taken)):
+                            renamed_link = Path(entry.path)  # a folder with it (moved into place) comes first
+                    elif (entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_ino == identity
+                            and all(os.path.lexists(os.path.join(entry.path, name)) for name in taken)):
+                        return Path(entry.path)
+                except OSError:  # a link into a folder this user may not enter
+                    continue
     except OSError:
         pass
-    return None
+    return renamed_link
 
 
 def _folders_of_episodes(folder: Path, names: Container[str] | None = None) -> list[tuple[str, list[str]]]:
