@@ -4598,6 +4598,99 @@ def test_a_signal_before_the_rollout_takes_the_signals_ends_it_as_ctrl_c_does_wi
     assert proc.returncode == 0, proc.stderr
     assert len(records(run)) == len(lines) and all(r["status"] == "ok" for r in records(run))
 
+
+# put first on PYTHONPATH: the first import of HOLD_MODULE waits until the FIFO HOLD is written and closed (once)
+HOLD_IMPORT = """\
+import os, sys
+
+
+class _Hold:
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ.get("HOLD_MODULE") and os.environ.get("HOLD"):
+            with open(os.environ.pop("HOLD")) as hold:
+                hold.read()
+        return None
+
+
+sys.meta_path.insert(0, _Hold())
+"""
+
+
+def stopped_while_held(env, args: list[str], hold: Path, cwd: Path,
+                       signum: int = signal.SIGTERM) -> tuple[int, dict]:
+    """``ardiff ARGS`` in ``cwd``, sent ``signum`` while it waits to read the FIFO ``hold``: its exit code and the
+    JSON error object it printed."""
+    import errno
+
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args, "--format", "json"], cwd=cwd, env=env,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    writer = None
+    try:
+        deadline = time.monotonic() + 300
+        while writer is None:  # opens once the process opened the FIFO to read it: it then waits in its read
+            try:
+                writer = os.open(hold, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as exc:
+                assert exc.errno == errno.ENXIO and proc.poll() is None and time.monotonic() < deadline, (
+                    proc.poll(), exc)
+                time.sleep(0.01)
+        proc.send_signal(signum)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        if writer is not None:
+            os.close(writer)
+    assert f"Error: interrupted by {signal.Signals(signum).name}" in stderr and "Traceback" not in stderr, stderr
+    return proc.returncode, json.loads(stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("out", ["missing", "empty", "link to nothing"])
+def test_a_resume_stopped_before_it_takes_the_signals_hints_no_resume_of_a_folder_that_holds_no_run(
+        env, tmp_path, out):
+    """A resume stopped before it takes the signals gives the resume to paste: where --out does not exist, holds no
+    run or is a link to nothing (a typo, say), it gave "continue with: ardiff rollout --resume --out OUT", a resume
+    of nothing, which pasted is refused ("nothing to resume"). Stopped here as it imports the module that reads the
+    run folder (held by a FIFO), before it looked at the folder."""
+    shim, hold, folder = tmp_path / "shim", tmp_path / "hold", tmp_path / "run"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(HOLD_IMPORT)
+    os.mkfifo(hold)
+    if out == "empty":
+        folder.mkdir()
+    elif out == "link to nothing":
+        folder.symlink_to(tmp_path / "nowhere")
+    held = {**env, "HOLD": str(hold), "HOLD_MODULE": "ardiff_cli.io.run",
+            "PYTHONPATH": os.pathsep.join([str(shim), env["PYTHONPATH"]])}
+    code, error = stopped_while_held(held, ["rollout", "--resume", "--out", "run"], hold, tmp_path)
+    assert code == 143
+    assert error == {"kind": "interrupted", "message": "interrupted by SIGTERM", "hint": None, "exit_code": 143}
+
+
+@pytest.mark.parametrize("out", ["relative", "link"])
+def test_a_resume_stopped_as_it_reads_run_json_hints_the_resume_of_out_as_typed_which_pasted_finishes_it(
+        env, reference, tmp_path, out):
+    """The run's folder given relative (and oddly named), or as a link to it: the stop as the resume reads run.json
+    (a FIFO no one writes yet) gives the resume of that --out as typed, which pasted into bash in the same folder
+    once run.json is back finishes the run."""
+    run = tmp_path / AWKWARD
+    shutil.copytree(reference, run)
+    (run / "run.json").unlink()
+    os.mkfifo(run / "run.json")
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-1]))
+    given = f"./{AWKWARD}" if out == "relative" else "to run"  # as typed: one beginning with '-' is an option
+    if out == "link":
+        (tmp_path / given).symlink_to(AWKWARD)
+    code, error = stopped_while_held(env, ["rollout", "--resume", "--out", given, "--swap-space", "1 MiB",
+                                           "--session-capacity", "2"], run / "run.json", tmp_path)
+    again = f"ardiff rollout --resume --out {shlex.quote(given)}"
+    assert code == 143 and error["hint"] == f"continue with: {again} --swap-space '1 MiB' --session-capacity 2", error
+    (run / "run.json").unlink()
+    shutil.copy(reference / "run.json", run / "run.json")
+    proc = pasted(env, f"{error['hint'].removeprefix('continue with: ')} --no-warmup", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert len(records(run)) == len(lines) and all(r["status"] == "ok" for r in records(run))
+
 # -- a step file rewritten after it ran ------------------------------------------------------------------------
 
 def test_a_step_rewritten_after_it_ran_fails_its_episode_when_an_eviction_replays_it(env, data, reference, tmp_path):

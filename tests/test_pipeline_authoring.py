@@ -65,6 +65,7 @@ def pipeline_class():
 MODEL = '''
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import threading
@@ -414,6 +415,34 @@ class WarnsEachTime(LabPipeline):
         return super().forward(request)
 
 
+def _seeded(forward):  # the lab's own decorator: it gives the forward the seed it takes
+    @functools.wraps(forward)
+    def seeded(self, request):
+        return forward(self, request, 0)
+    return seeded
+
+
+class SeededForward(LabPipeline):
+    @_seeded
+    def forward(self, request, seed):
+        return super().forward(request)
+
+
+class _Closer:
+    def __call__(self):  # takes no session id
+        pass
+
+
+class CallableCloser(LabPipeline):
+    close_ar_diffusion_session = _Closer()
+
+
+class CachedCloser(LabPipeline):
+    @functools.lru_cache  # a wrapper in C: the function it wraps has the signature
+    def close_ar_diffusion_session(self):  # takes no session id
+        pass
+
+
 class WarmupRequest(ARDiffusionRequest):  # the lab's own request type, with a constructor of its own
     def __init__(self, request_id, state, session_id):
         super().__init__(request_id, {"state": state, "prompt": "warm"}, {"session_id": session_id})
@@ -534,6 +563,30 @@ def test_a_plain_function_whose_signature_is_wrong_is_not_told_to_take_a_decorat
     assert proc.returncode == 1, proc.stderr
     assert "unexpected keyword argument 'checkpoint'" in proc.stderr and "plain method" not in proc.stderr, \
         proc.stderr
+
+
+def test_a_decorated_forward_that_takes_the_request_loads_and_runs(lab):
+    """A functools.wraps decorator that gives the forward an argument of its own (`seeded(self, request)` wrapping
+    `forward(self, request, seed)`) was refused at load: the check read the wrapped function's signature, and
+    "missing a required argument: 'seed'" refused a forward that takes exactly what ardiff passes."""
+    proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:SeededForward")
+    assert proc.returncode == 0 and "KV pool restored" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize(("name", "defined"), [("CallableCloser", "    def __call__(self):  # takes no session id"),
+                                              # a decorated function's line is its first decorator's
+                                              ("CachedCloser", "    @functools.lru_cache  # a wrapper in C: the "
+                                                               "function it wraps has the signature")])
+def test_a_callable_object_of_another_signature_is_refused_naming_where_its_call_is_defined(lab, name, defined):
+    """`close_ar_diffusion_session = _Closer()`, an object whose `__call__(self)` takes no session id, was named
+    "(defined in native code)": it is Python, defined in the lab's model.py. A method under functools.lru_cache (a
+    wrapper in C, which has no signature of its own) is judged by the function it wraps."""
+    line = MODEL.splitlines().index(defined) + 1
+    proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", f"lab_world.model:{name}")
+    assert proc.returncode == 1, proc.stderr
+    assert (f"Error: {name}.close_ar_diffusion_session() ({os.path.join('lab_world', 'model.py')}:{line}) "
+            "cannot take the arguments ardiff passes it" in proc.stderr), proc.stderr
+    assert "native code" not in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_a_forward_that_never_commits_a_block_is_a_warmup_warning(lab):

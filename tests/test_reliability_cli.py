@@ -377,8 +377,11 @@ def test_a_test_that_leaves_a_signal_ignored_or_blocked_fails_and_the_tests_afte
     # ignored or SIGHUP blocked there made the signal a later test sent do nothing (conftest's check of every test)
     (tmp_path / "test_leaks.py").write_text(LEAKS)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
+    # started as the checks expect, whatever this pytest inherited: under a runner that ignores SIGTERM or blocks
+    # SIGHUP, the inner pytest began so, saw no change where a test made none, and test_after_them failed
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-q",
-                           "test_leaks.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                           "test_leaks.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                          preexec_fn=_default_signals)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     # the tests pass, the teardown of the two that leak fails, and the one after them finds them put back
     assert "3 passed, 2 errors" in proc.stdout, proc.stdout

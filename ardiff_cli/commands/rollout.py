@@ -224,8 +224,14 @@ def rollout(
         # the resume to paste, as a later stop does: its --pipeline is the run's, or the resume is refused
         capacity = session_capacity if resume else None
         again = ResumeCommand(out, pipeline, tuple(given), capacity) if resume and out is not None else None
+        folder = None  # the resume's run folder: its stop gives `again` once run.json was found there
         try:
-            prepared = _prepare(config, episodes, out, resume, overrides, output, pipeline=pipeline, options=options)
+            if again is not None:
+                from ardiff_cli.io.run import RunFolder
+
+                folder = RunFolder(out)
+            prepared = _prepare(config, episodes, out, resume, overrides, output, pipeline=pipeline, options=options,
+                                run=folder)
             prepared = replace(prepared, resume=ResumeCommand(prepared.out_dir, prepared.info.get("pipeline_option"),
                                                               tuple(given), capacity))
             options = prepared.options
@@ -237,7 +243,7 @@ def rollout(
             finally:
                 prepared.run.close()  # releases the folder's lock
         except KeyboardInterrupt as exc:
-            if again is None:
+            if again is None or folder is None or not folder.found_run:  # no resume of nothing: a typo, an empty one
                 raise
             stop = Interrupted(signal_of(exc))
             stop.hint = continue_with(again)
@@ -256,15 +262,16 @@ def _given_to_resume(overrides: dict[str, Any], options: dict[str, Any], swap_sp
 
 def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,
              overrides: dict[str, Any], output: Output, *, pipeline: str | None = None,
-             options: dict[str, Any]) -> _Prepared:
+             options: dict[str, Any], run: Any = None) -> _Prepared:
     """Config, episodes, output folder and ``options`` (order, follow, idle_timeout, preview, swap_space), from
     the command line or (``--resume``) from run.json: a resumed run goes on in its order, following and drawing
     previews, within the memory, sessions and swap space it started with; ``None`` in ``options`` and
     ``overrides`` means not given. The run's folder is locked when it returns; a resume's before the run.json it
-    checks against the command line, and goes on with, is read (no other process can change it meanwhile)."""
+    checks against the command line, and goes on with, is read (no other process can change it meanwhile). ``run``: a
+    resume's ``RunFolder(out)``, made by the caller (None: made here)."""
     from ardiff_cli.io.run import RunFolder
 
-    run = RunFolder(out) if resume and out is not None else None
+    run = RunFolder(out) if run is None and resume and out is not None else run
     if run is not None:
         run.resume_info()  # unlocked: a folder that holds no run this ardiff resumes is refused, nothing written there
         run.lock()

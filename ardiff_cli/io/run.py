@@ -158,6 +158,9 @@ class RunFolder:
         # (run.json's and episodes.jsonl's signatures as the last read_info() found them before reading, a copy of
         # what it read): read_info_again() gives it back while neither file changed
         self._last_read: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        # whether a read of run.json found it there: a resume stopped before it takes the signals gives its own
+        # command to paste only then (not the resume of a folder that does not exist or holds no run)
+        self.found_run = False
 
     # -- paths ---------------------------------------------------------------------------------------------
 
@@ -312,6 +315,7 @@ class RunFolder:
         path = self.root / RUN_FILE
         try:
             os.stat(path)
+            self.found_run = True
         except (FileNotFoundError, NotADirectoryError):
             pass  # told below
         except OSError as exc:  # a folder (or one above it) this user may not enter: not "there is no folder"

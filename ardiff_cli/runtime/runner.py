@@ -329,7 +329,13 @@ def _distinct_bytes(tensors: list[torch.Tensor]) -> int:
 def _defined_at(method: Any) -> str:
     """Where ``method`` is defined, as ``file:line`` (relative to the working folder when under it); "defined in
     native code" when Python cannot say."""
-    code = getattr(inspect.unwrap(getattr(method, "__func__", method)), "__code__", None)
+    target = inspect.unwrap(getattr(method, "__func__", method))
+    while isinstance(target, functools.partial):  # a partial of a Python function is defined where that is
+        target = inspect.unwrap(target.func)
+    code = getattr(target, "__code__", None)
+    if code is None and not isinstance(target, type):  # a callable object: where its class defines __call__
+        call = getattr(type(target), "__call__", None)
+        code = getattr(inspect.unwrap(getattr(call, "__func__", call)), "__code__", None)
     if code is None:
         return "defined in native code"
     path = code.co_filename
@@ -581,6 +587,16 @@ class ARDiffusionModelRunner:
                 signature = inspect.signature(bound)
             except (TypeError, ValueError):  # a builtin without a signature: nothing to check it by
                 continue
+            try:  # a functools.wraps decorator's own signature: one that names the arguments takes them, whatever
+                # it passes the function it wraps (`def wrapper(self, request): return forward(self, request, seed)`)
+                own = inspect.signature(bound, follow_wrapped=False)
+            except (TypeError, ValueError):  # a wrapper in C (functools.lru_cache): the function it wraps says
+                own = signature
+            with contextlib.suppress(TypeError):
+                taken = own.bind(*arguments).arguments
+                if own != signature and all(own.parameters[key].kind not in (
+                        inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for key in taken):
+                    continue
             try:
                 signature.bind(*arguments)
             except TypeError as exc:
