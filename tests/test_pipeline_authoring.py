@@ -443,6 +443,21 @@ class CachedCloser(LabPipeline):
         pass
 
 
+class CheckFlag(LabPipeline):
+    check_ar_diffusion_request = True  # meant as "check my requests": ardiff calls it with each request
+
+
+class ClosesItsWarmupSession(LabPipeline):
+    def ar_diffusion_warmup_requests(self, session_id):  # its last request ends the episode, as a rollout's does
+        *requests, last = super().ar_diffusion_warmup_requests(session_id)
+        yield from requests
+        yield ARDiffusionRequest(last.request_id, last.inputs, {**last.extra_args, "close_session": True})
+
+    def close_ar_diffusion_session(self, session_id):
+        super().close_ar_diffusion_session(session_id)
+        raise TypeError("close() takes 1 positional argument but 2 were given")
+
+
 class WarmupRequest(ARDiffusionRequest):  # the lab's own request type, with a constructor of its own
     def __init__(self, request_id, state, session_id):
         super().__init__(request_id, {"state": state, "prompt": "warm"}, {"session_id": session_id})
@@ -587,6 +602,31 @@ def test_a_callable_object_of_another_signature_is_refused_naming_where_its_call
     assert (f"Error: {name}.close_ar_diffusion_session() ({os.path.join('lab_world', 'model.py')}:{line}) "
             "cannot take the arguments ardiff passes it" in proc.stderr), proc.stderr
     assert "native code" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_optional_capability_method_that_is_no_callable_is_refused_at_load(lab):
+    """`check_ar_diffusion_request = True` loaded, and warmup or the first step failed: 'bool' object is not
+    callable. It is refused as a capability method of another signature is, before any request."""
+    proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:CheckFlag")
+    assert proc.returncode == 1, proc.stderr
+    assert ("Error: CheckFlag.check_ar_diffusion_request is True (bool), not a method: ardiff calls it as "
+            "check_ar_diffusion_request(request)\nhint: define it as `def check_ar_diffusion_request(self, request)`, "
+            "or leave it out" in proc.stderr), proc.stderr
+    assert "warm0" not in proc.stderr and "not callable" not in proc.stderr, proc.stderr
+
+
+def test_a_close_hook_that_fails_as_a_warmup_request_closes_its_session_fails_the_warmup(lab):
+    """The warmup session's close hook failing as warmup releases the session is a pipeline error (exit 1): so it
+    was at warmup's end, but a last request with close_session=True released it in the request, and the hook's
+    error was an event line only: `ardiff warmup` said the pool was restored and exited 0."""
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "warmup", "unnamed.yaml", "--pipeline",
+                           "lab_world.model:ClosesItsWarmupSession", "--format", "json"], cwd=lab[0], env=lab[1],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert error["exit_code"] == 1 and error["message"] == (
+        "ClosesItsWarmupSession.close_ar_diffusion_session('__ardiff_warmup__') raised TypeError: close() takes 1 "
+        "positional argument but 2 were given; the session's KV was released"), error
 
 
 def test_a_forward_that_never_commits_a_block_is_a_warmup_warning(lab):

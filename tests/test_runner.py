@@ -366,6 +366,35 @@ def test_hook_errors_are_reported_not_swallowed():
     assert len(runner.hook_errors) == 2
 
 
+def test_a_hook_that_is_a_callable_object_and_raises_is_a_hook_error_naming_the_hook():
+    """A hook set to a callable object (a telemetry wrapper: no ``__name__``) that raised was an AttributeError
+    about ``__name__``, raised from the runner's handling of the hook's error, in place of the LifecycleHookError."""
+
+    class Reporting:  # calls the pipeline's own hook, then fails to report it
+        def __init__(self, hook):
+            self.hook = hook
+
+        def __call__(self, session_id):
+            self.hook(session_id)
+            raise RuntimeError("telemetry unreachable")
+
+    events = []
+    runner = make_runner(events=events)
+    for hook in ("reset", "close"):
+        name = f"{hook}_ar_diffusion_session"
+        setattr(runner.pipeline, name, Reporting(getattr(runner.pipeline, name)))
+    runner.execute_model(request("a", 0))
+    with pytest.raises(LifecycleHookError, match=r"^TinyPipeline\.reset_ar_diffusion_session\('a'\) raised "
+                                                 r"RuntimeError: telemetry unreachable; the session's KV was released"):
+        runner.reset_session("a")
+    runner.execute_model(request("a", 0))
+    with pytest.raises(LifecycleHookError, match=r"^TinyPipeline\.close_ar_diffusion_session\('a'\) raised"):
+        runner.close_session("a")
+    assert [e.hook for e in events if isinstance(e, HookFailed)] == ["reset_ar_diffusion_session",
+                                                                     "close_ar_diffusion_session"]
+    assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
+
+
 def test_an_ardiff_error_from_a_hook_or_a_subscriber_is_their_failure_not_a_stop():
     """Only ``StopRequested`` (the CLI's Interrupted) passes through the runner's isolation of hooks and subscribers;
     a pipeline's own ``PipelineError`` in its close hook is a failing hook like any other exception."""

@@ -581,8 +581,15 @@ class ARDiffusionModelRunner:
         name = type(self.pipeline).__name__
         for method, arguments in PIPELINE_CALL_ARGUMENTS.items():
             bound = getattr(self.pipeline, method, None)
-            if not callable(bound):  # a missing optional method (or one set to None): the pipeline lacks it
+            if bound is None:  # a missing optional method (or one set to None): the pipeline lacks it
                 continue
+            if not callable(bound):  # `check_ar_diffusion_request = True`: it loaded, and failed at its first request
+                raise PipelineContractError(
+                    f"{name}.{method} is {shown(bound)} ({type(bound).__name__}), not a method: ardiff calls it as "
+                    f"{method}({', '.join(arguments)})",
+                    hint=f"define it as `def {method}({', '.join(('self', *arguments))})`, or leave it out (README, "
+                         "'Adding a pipeline')",
+                )
             try:
                 signature = inspect.signature(bound)
             except (TypeError, ValueError):  # a builtin without a signature: nothing to check it by
@@ -1094,9 +1101,8 @@ class ARDiffusionModelRunner:
             if not _is_stop(exc):
                 raise
             stop = exc  # half way through freeing its pages: they are taken back below, and the hook still runs
-        callback = (
-            self.pipeline.reset_ar_diffusion_session if hook == "reset" else self.pipeline.close_ar_diffusion_session
-        )
+        method = f"{hook}_ar_diffusion_session"  # named so: a callable object set as the hook has no __name__
+        callback = getattr(self.pipeline, method)
         errors: list[LifecycleHookError] = []
         try:
             callback(session_id)
@@ -1104,7 +1110,7 @@ class ARDiffusionModelRunner:
             stop = stop or exc
         except Exception as exc:  # noqa: BLE001 - collected, emitted and returned to the caller
             hook_error = LifecycleHookError(
-                f"{type(self.pipeline).__name__}.{callback.__name__}({session_id!r}) raised "
+                f"{type(self.pipeline).__name__}.{method}({session_id!r}) raised "
                 f"{type(exc).__name__}: {exc}; the session's KV was released",
                 hint=PIPELINE_HINT,
             )
@@ -1113,7 +1119,7 @@ class ARDiffusionModelRunner:
             self.hook_errors.append(hook_error)
             if self._muted:  # its event is dropped: warned of instead
                 self._muted_hook_errors.append(hook_error)
-            self._emit(HookFailed(session_id=session_id, hook=callback.__name__, error=str(exc)))
+            self._emit(HookFailed(session_id=session_id, hook=method, error=str(exc)))
         except BaseException as exc:  # a KeyboardInterrupt too: raised once the release is complete, its event sent
             stop = stop or exc
         used = sum(s.state.num_pages for s in self._sessions.values())
@@ -1428,7 +1434,8 @@ class ARDiffusionModelRunner:
         free_before = cache.allocator.num_free
         timings: list[tuple[str, str, float]] = []
         start = time.perf_counter()
-        hook_errors: list[LifecycleHookError] = []  # the close hook of the warmup session, as close_session raises
+        # the close hooks of the warmup session (at its end, or a request's close_session), as close_session raises
+        hook_errors: list[LifecycleHookError] = []
         provider = f"{type(self.pipeline).__name__}.ar_diffusion_warmup_requests()"
         where = provider  # what ran when something raised: the provider, or one of its requests
         went_on = committed = False  # a request went on with the session's history; a frame was committed
@@ -1458,7 +1465,11 @@ class ARDiffusionModelRunner:
                 if goes_on and not rerun and last_export[0]:
                     rerun, before = True, self._warmup_snapshot(request, last_export[1])
                 t0 = time.perf_counter()
+                latest = self.hook_errors[-1] if self.hook_errors else None
                 output = self._execute(request, internal=True)
+                if request.close_session and self.hook_errors and self.hook_errors[-1] is not latest:
+                    # its close_session released the warmup session, and the close hook failed: as below
+                    hook_errors.append(self.hook_errors[-1])
                 problem = output_problem(output)  # else warmup passed and every real step failed
                 if problem is not None:
                     kind, what = problem
@@ -1489,7 +1500,7 @@ class ARDiffusionModelRunner:
         finally:
             with self._locked():
                 if WARMUP_SESSION_ID in self._sessions:
-                    hook_errors = self._release(WARMUP_SESSION_ID, reason="explicit", hook="close")
+                    hook_errors += self._release(WARMUP_SESSION_ID, reason="explicit", hook="close")
         seconds = time.perf_counter() - start
         restored = cache.allocator.num_free == free_before
         self._emit(WarmupFinished(num_requests=len(timings), seconds=seconds, restored=restored))
