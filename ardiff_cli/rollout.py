@@ -376,7 +376,7 @@ class Rollout:
         file it ran with (when that was recorded), checked before anything else about it."""
         step_file = self._where(episode, step_file)
         try:
-            raw = load_step(step_file.path)
+            raw = load_step(step_file.path, go_on=continue_with(self._resume_command()))
         except ObservationError:
             # listed, then gone (a link to nothing: reading it named the link): not a permission problem
             if present(step_file.path) is False and not step_file.path.is_symlink():
@@ -384,7 +384,8 @@ class Rollout:
             raise
         self._check_unchanged(episode, step_file, raw.sha256)
         self._read_as.setdefault(episode.name, {})[step_file.step] = (step_file.path.name, raw.signature)
-        valid = validate_step(raw, self.schema, path=step_file.path, episode_metadata=episode.metadata())
+        valid = validate_step(raw, self.schema, path=step_file.path,
+                              episode_metadata=episode.metadata(continue_with(self._resume_command())))
         for key, warning in valid.warnings.items():
             if (episode.name, key) not in self._warned:
                 self._warned.add((episode.name, key))

@@ -559,12 +559,14 @@ def test_a_json_stream_on_a_full_disk_stops_the_run_and_resume_finishes_it(env, 
                       "--no-warmup", "--format", "json")
     assert proc.returncode == 1, proc.stderr
     assert "Error: cannot write to standard output: No space left on device" in proc.stderr
-    assert "then continue with --resume" in proc.stderr
+    # the run's resume to paste: it said a bare `continue with --resume`
+    command = hinted(proc.stderr, r", then continue with: (ardiff rollout .*)$")
+    assert shlex.split(command) == ["ardiff", "rollout", "--resume", "--out", str(run)], command
     assert "Traceback" not in proc.stderr and "warning" not in proc.stderr, proc.stderr
     # The first object (the capacity plan, at load) failed: the run stopped before its first step.
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["status"], summary["exit_code"], summary["steps"]["this_run"]) == ("failed", 1, 0)
-    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--format", "json")
+    proc = pasted(env, f"{command} --format json", tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert len(records(run)) == 6
 
@@ -5077,12 +5079,14 @@ def test_a_plain_resume_whose_folder_of_episodes_moved_says_to_give_it_where_it_
     for i, name in enumerate(("arm_a", "arm_b")):
         write_episode(tmp_path / eps / name, steps_of(i, 3)[2:], first_step=2)
     (tmp_path / eps).rename(tmp_path / moved)
-    proc = ardiff(env, "rollout", "--resume", "--out", f"./{run}", "--no-warmup", cwd=tmp_path)
+    # the options given to the resume are in the command its hint gives (they were left out)
+    proc = ardiff(env, "rollout", "--resume", "--out", f"./{run}", "--order", "sequential", "--no-warmup",
+                  cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     command = hinted(proc.stderr, r"or give it where it is now, holding the run's episodes that were in it, with the "
                                   r"run's other EPISODE arguments: (ardiff rollout .*); or run its episodes again")
-    assert shlex.split(command) == ["ardiff", "rollout", "--resume", "--out", f"./{run}", str(data / "fast.yaml"),
-                                    "NEW"]
+    assert shlex.split(command) == ["ardiff", "rollout", "--resume", "--out", f"./{run}", "--order", "sequential",
+                                    str(data / "fast.yaml"), "NEW"]
     resumed = pasted(env, command.replace(" NEW", f" {shlex.quote(f'./{moved}')}"), tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert sorted((r["episode"], r["step"]) for r in records(tmp_path / run)) == [
@@ -5178,3 +5182,116 @@ def test_the_touch_giving_a_rebuilt_checkpoint_the_time_of_run_json_pastes_into_
     proc = ardiff(env, *resume, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert len(records(tmp_path / run)) == len(lines)
+
+
+def test_a_resume_given_an_episode_folder_as_config_gives_the_resume_to_paste(env, data, tmp_path):
+    """`ardiff rollout --resume -o RUN eps/arm_a`: the hint said to leave the episodes out, `(ardiff rollout --resume
+    -o OUT)`, a placeholder; it gives this run's resume, with the options it was given, which pasted finishes it."""
+    eps, run = f"{AWKWARD} eps", f"{AWKWARD} run"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(tmp_path / eps / name, steps_of(i, 3), prompt=f"task {name}")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), f"./{eps}", "--out", f"./{run}", "--no-warmup",
+                  cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (tmp_path / run / "summary.json").unlink()  # as a run killed before its end leaves it
+    proc = ardiff(env, "rollout", "--resume", "--out", f"./{run}", f"./{eps}/arm_a", "--order", "sequential",
+                  "--format", "plain", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    command = hinted(proc.stderr, r"leave them out, or give the config before them; to paste: (ardiff rollout .*)$")
+    assert shlex.split(command) == ["ardiff", "rollout", "--resume", "--out", f"./{run}", "--order", "sequential"]
+    resumed = pasted(env, f"{command} --no-warmup", tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((tmp_path / run / "summary.json").read_text())["status"] == "ok"
+
+
+def test_a_resume_that_cannot_write_run_json_or_summary_json_gives_the_resume_to_paste(env, data, tmp_path):
+    """A resume whose run.json, or summary.json, reaches the process's file-size limit (`ulimit -f`, as a full disk
+    would stop it): their hints said a bare `continue with --resume` and `then --resume writes it`. Each gives the
+    resume as given (its options with it), which pasted without the limit finishes the run."""
+    sizes = {}
+    for eps in ("long", "short"):  # a long path: a run.json over 1 KiB; a short one: under summary.json's size
+        folder = f"{AWKWARD} {eps}" + ("/x" * 100 if eps == "long" else "")
+        for i, name in enumerate(("arm_a", "arm_b")):
+            write_episode(tmp_path / folder / name, steps_of(i, 3), prompt=f"task {name}")
+        proc = ardiff(env, "rollout", str(data / "fast.yaml"), f"./{folder}", "--out", f"./{AWKWARD} {eps} run",
+                      "--no-warmup", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        sizes[eps] = [os.path.getsize(tmp_path / f"{AWKWARD} {eps} run" / name)
+                      for name in ("run.json", "summary.json")]
+
+    def resume(eps: str) -> str:
+        return f"ardiff rollout --resume --out {shlex.quote(f'./{AWKWARD} {eps} run')} --order sequential --no-warmup"
+
+    # run.json over the limit (written as the resume finds nothing left to run)
+    info = sizes["long"][0]
+    assert info > 1024, info
+    proc = pasted(env, f"ulimit -f {info // 1024}; {resume('long')}", tmp_path)
+    assert proc.returncode == 1 and "run.json: File too large" in proc.stderr, proc.stderr
+    command = hinted(proc.stderr, r"then continue with: (ardiff rollout .*)$")
+    assert shlex.split(command) == ["ardiff", "rollout", "--resume", "--out", f"./{AWKWARD} long run", "--order",
+                                    "sequential"]
+    assert pasted(env, f"{command} --no-warmup", tmp_path).returncode == 0
+    # summary.json over it, run.json not: followed, the resume loads the model and writes run.json first
+    info, summary = sizes["short"]
+    limit = summary // 1024
+    assert info + 200 < limit * 1024, sizes
+    proc = pasted(env, f"ulimit -f {limit}; {resume('short')} --follow --idle-timeout 1", tmp_path)
+    assert proc.returncode == 1 and "summary.json: File too large" in proc.stderr, proc.stderr
+    command = hinted(proc.stderr, r"then --resume writes it; to paste: (ardiff rollout .*)$")
+    assert shlex.split(command) == ["ardiff", "rollout", "--resume", "--out", f"./{AWKWARD} short run", "--order",
+                                    "sequential", "--idle-timeout", "1.0", "--follow"]
+    proc = pasted(env, f"{command} --no-warmup", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / f"{AWKWARD} short run" / "summary.json").read_text())["status"] == "ok"
+
+
+def test_the_hints_of_an_unreadable_step_file_or_episode_yaml_give_the_runs_resume_to_paste(env, data, tmp_path):
+    """A step file cut short and an episode.yaml that is a folder: their hints ended `then rerun with --resume`, a
+    bare flag (alone refused: `--resume needs --out DIR`). They end with the run's resume, which pasted once the files
+    are fixed finishes the run."""
+    eps, run = f"{AWKWARD} eps", f"{AWKWARD} run"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(tmp_path / eps / name, steps_of(i, 3), prompt=f"task {name}")
+    step, meta = tmp_path / eps / "arm_a" / "step_000001.safetensors", tmp_path / eps / "arm_b" / "episode.yaml"
+    whole, prompt = step.read_bytes(), meta.read_text()
+    step.write_bytes(whole[:100])
+    meta.unlink()
+    meta.mkdir()
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), f"./{eps}", "--out", f"./{run}", "--no-warmup",
+                  "--format", "plain", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    hints = [line for line in proc.stderr.splitlines() if line.startswith("hint: ")]
+    for start in ("hint: was it written completely?", "hint: episode.yaml is a YAML file"):
+        hint = next((line for line in hints if line.startswith(start)), "")
+        found = re.search(r", then continue with: (ardiff rollout .*)$", hint)
+        assert found is not None, proc.stderr
+        assert shlex.split(found.group(1)) == ["ardiff", "rollout", "--resume", "--out", f"./{run}"], hint
+    assert "--resume\n" not in proc.stderr, proc.stderr
+    step.write_bytes(whole)
+    meta.rmdir()
+    meta.write_text(prompt)
+    resumed = pasted(env, f"{found.group(1)} --no-warmup", tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert sorted((r["episode"], r["step"]) for r in records(tmp_path / run) if r["status"] == "ok") == [
+        (e, s) for e in ("arm_a", "arm_b") for s in range(3)]
+
+
+def test_a_run_folder_given_as_an_episode_gives_its_resume_to_paste(env, data, tmp_path):
+    """`ardiff rollout CONFIG RUN`: the hint said `to finish a stopped run: ardiff rollout --resume -o RUN`, a
+    placeholder of the folder it names. It gives that run's resume, with the --pipeline it was started with."""
+    eps, run = f"{AWKWARD} eps", f"{AWKWARD} run"
+    pipeline = "faulty_pipelines:FaultyDreamZero"  # DreamZero itself, without faults
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(tmp_path / eps / name, steps_of(i, 3), prompt=f"task {name}")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), f"./{eps}", "--out", f"./{run}", "--no-warmup",
+                  "--pipeline", pipeline, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (tmp_path / run / "summary.json").unlink()  # as a run killed before its end leaves it
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), f"./{run}", "--out", "other", "--format", "plain",
+                  cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    command = hinted(proc.stderr, r"to finish a stopped run: (ardiff rollout .*)$")
+    assert shlex.split(command) == ["ardiff", "rollout", "--resume", "--out", f"./{run}", "--pipeline", pipeline]
+    resumed = pasted(env, f"{command} --no-warmup", tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((tmp_path / run / "summary.json").read_text())["status"] == "ok"

@@ -117,7 +117,10 @@ def test_run_folders_next_to_episodes_are_not_episodes(tmp_path):
         with pytest.raises(ConfigError, match=rf"^{re.escape(str(given))} is {what} \(what a rollout wrote\), not an "
                                               "episode$") as info:
             discover_episodes([data / "a", given])
-        assert "ardiff rollout --resume -o RUN" in info.value.hint
+        # a run holding run.json: its own resume to paste; a folder of runs (or one that holds none): one of them
+        again = (f"ardiff rollout --resume --out {given}" if (given / "run.json").exists() else
+                 "ardiff rollout --resume -o RUN")
+        assert info.value.hint.endswith(f"to finish a stopped run: {again}"), info.value.hint
     # Only ardiff's own folders are skipped: a folder holding a run folder and anything else is still an episode.
     (data / "ardiff-runs" / "notes").mkdir()
     assert [e.name for e in discover_episodes([data])] == ["a", "ardiff-runs", "b"]

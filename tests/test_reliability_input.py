@@ -2034,7 +2034,7 @@ def test_resume_given_an_episode_folder_first_says_it_is_a_folder(tmp_path, cli_
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == (f"Error: CONFIG '{folder}' is a folder; the first argument is a config file or a built-in "
                            "config name\nhint: with --resume the config and episodes are the run's (run.json): leave "
-                           "them out (ardiff rollout --resume -o OUT), or give the config before them\n")
+                           f"them out, or give the config before them; to paste: ardiff rollout --resume --out {run}\n")
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".npz"])

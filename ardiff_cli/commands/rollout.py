@@ -231,7 +231,7 @@ def rollout(
 
                 folder = RunFolder(out)
             prepared = _prepare(config, episodes, out, resume, overrides, output, pipeline=pipeline, options=options,
-                                run=folder)
+                                run=folder, again=again)
             prepared = replace(prepared, resume=ResumeCommand(prepared.out_dir, prepared.info.get("pipeline_option"),
                                                               tuple(given), capacity))
             options = prepared.options
@@ -262,13 +262,13 @@ def _given_to_resume(overrides: dict[str, Any], options: dict[str, Any], swap_sp
 
 def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,
              overrides: dict[str, Any], output: Output, *, pipeline: str | None = None,
-             options: dict[str, Any], run: Any = None) -> _Prepared:
+             options: dict[str, Any], run: Any = None, again: ResumeCommand | None = None) -> _Prepared:
     """Config, episodes, output folder and ``options`` (order, follow, idle_timeout, preview, swap_space), from
     the command line or (``--resume``) from run.json: a resumed run goes on in its order, following and drawing
     previews, within the memory, sessions and swap space it started with; ``None`` in ``options`` and
     ``overrides`` means not given. The run's folder is locked when it returns; a resume's before the run.json it
     checks against the command line, and goes on with, is read (no other process can change it meanwhile). ``run``: a
-    resume's ``RunFolder(out)``, made by the caller (None: made here)."""
+    resume's ``RunFolder(out)``, made by the caller (None: made here); ``again``: the resume as given (its hints')."""
     from ardiff_cli.io.run import RunFolder
 
     run = RunFolder(out) if run is None and resume and out is not None else run
@@ -277,7 +277,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         run.lock()
     try:
         return _prepare_run(run, config, episode_paths, out, resume, overrides, output, pipeline=pipeline,
-                            options=options)
+                            options=options, again=again)
     except BaseException:
         if run is not None:
             run.close()
@@ -285,8 +285,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
 
 
 def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,
-                 overrides: dict[str, Any], output: Output, *, pipeline: str | None, options: dict[str, Any]
-                 ) -> _Prepared:
+                 overrides: dict[str, Any], output: Output, *, pipeline: str | None, options: dict[str, Any],
+                 again: ResumeCommand | None = None) -> _Prepared:
     """:func:`_prepare`'s work; ``run``: a resume's run folder, locked."""
     from ardiff_cli.io.demo import ensure_demo_episodes
     from ardiff_cli.io.episode import discover_episodes
@@ -304,7 +304,10 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
                               hint="the run printed it as 'outputs: DIR' (by default ardiff-runs/<start time>)")
         info = run.resume_info(again=True)  # under the lock: read again only where it changed since
         run_info = dict(info)  # as read: info takes the options the command does not give again
-        config = _resume_config(config, info)
+        pipeline_option = info.get("pipeline_option")  # the run's: the resume a hint gives to paste is given it
+        again = replace(again or ResumeCommand(run.root), pipeline=pipeline_option if isinstance(pipeline_option, str)
+                        else None)
+        config = _resume_config(config, info, again)
         overrides["dtype"] = _same(overrides["dtype"], info["dtype"], "--dtype")
         # Options not given again are the run's own, checked as given ones are. The device and attention backend
         # recorded are what the run resolved: a given one that resolves to another is refused once known.
@@ -323,7 +326,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
         if not episode_paths and not info.get("demo"):
             episode_paths = [Path(e["path"]) for e in info["episodes"]]
             watch = _recorded_watch(info, run.root / RUN_FILE)
-            _recorded_folders_exist(info, run.root, watch)
+            _recorded_folders_exist(info, run.root, watch, again)
     elif out is not None:
         if RunFolder(out).holds_run():
             RunFolder(out).refuse_while_locked()  # a run still going: not one to resume now
@@ -756,13 +759,14 @@ def _under_signals(work: Callable[[], None]) -> None:
         raise
 
 
-def _recorded_folders_exist(info: dict[str, Any], out: Path, watch: list[Path]) -> None:
+def _recorded_folders_exist(info: dict[str, Any], out: Path, watch: list[Path], again: ResumeCommand) -> None:
     """The episode folders a resume of the run in ``out`` (run.json: ``info``) reads are where run.json last recorded
     them (where the run started them, or where it followed a rename: ``episode_moved``): one moved or deleted since
     is named as this run's (where a new run's missing EPISODE hints at --follow). A folder of episodes the run was
     given (run.json's ``watch``, with or without --follow) renamed while the run was stopped is named itself: a
     symlink at an episode's path cannot be made while the folder above it is gone, and the folder may be given where
-    it is now instead (``_refuse_other_watch`` takes it), with the run's other EPISODE arguments."""
+    it is now instead (``_refuse_other_watch`` takes it), with the run's other EPISODE arguments: ``again``, the
+    resume as given, with its options."""
     from ardiff_cli.io.episode import MOUNT_HINT, listed, present
     from ardiff_cli.io.run import RUN_FILE
 
@@ -779,8 +783,7 @@ def _recorded_folders_exist(info: dict[str, Any], out: Path, watch: list[Path]) 
             # the resume given the run's EPISODE arguments, this folder where it is now (NEW) in its place
             others = [str(other) for other in watch if other != folder] + [
                 e["path"] for e in episodes if Path(e["path"]).parent not in watch]
-            again = (f"{ResumeCommand(out, info.get('pipeline_option'))} "
-                     f"{shell_word(info.get('config_path') or info['config'])} NEW"
+            given = (f"{again} {shell_word(info.get('config_path') or info['config'])} NEW"
                      + "".join(f" {shell_word(other)}" for other in others))
             dangling = link_to_nothing_on(Path(folder))  # a link left where it moved (as hinted below), leading nowhere
             if dangling is not None:
@@ -788,13 +791,13 @@ def _recorded_folders_exist(info: dict[str, Any], out: Path, watch: list[Path]) 
                 raise ConfigError(f"{as_typed(folder)}, a folder of episodes given to this run, "
                                   + (f"is {why}" if link == Path(folder) else f"cannot be reached: {link} is {why}")
                                   + f" (the folders of its episodes {listed(inside)} are recorded in {run_file})",
-                                  hint=MOUNT_HINT + f", then resume; or give it where it is now: {again}")
+                                  hint=MOUNT_HINT + f", then resume; or give it where it is now: {given}")
             raise ConfigError(f"{as_typed(folder)}, a folder of episodes given to this run, is gone, and with it the "
                               f"folders of its episodes {listed(inside)} (recorded in {run_file})",
                               hint="put it back at that path (renamed or moved: a symlink there to where it is now "
                                    f"will do, ln -s NEW {shell_word(folder)}), then resume; or give it where it is "
                                    "now, holding the run's episodes that were in it, with the run's other EPISODE "
-                                   f"arguments: {again}; or run its episodes again in a new --out")
+                                   f"arguments: {given}; or run its episodes again in a new --out")
     if gone:
         name, path = gone[0]
         more = f" (and {plural(len(gone) - 1, 'more episode folder')})" if len(gone) > 1 else ""
@@ -914,20 +917,20 @@ def _same_pipeline_option(given: str | None, recorded: str | None) -> None:
     raise ConfigError(message, hint=f"resume with --pipeline {recorded}")
 
 
-def _resume_config(given: str | None, info: dict[str, Any]) -> str:
+def _resume_config(given: str | None, info: dict[str, Any], again: ResumeCommand) -> str:
     """The config file the run started with, by absolute path (that it is unchanged since, its SHA-256 in
     run.json, is checked on the bytes parsed: ``_same_config``).
 
     A config named relatively would otherwise resolve against today's working folder, and an
-    edited one would silently mix two models' outputs in one run.
+    edited one would silently mix two models' outputs in one run. ``again``: the resume to paste instead.
     """
     from ardiff_cli.runtime.config import resolve_config
 
     if given is not None and Path(given).is_dir():  # it read "config file not found" of a folder that is there
         raise ConfigError(f"CONFIG {given!r} is a folder; the first argument is a config file or a built-in config "
                           "name",
-                          hint="with --resume the config and episodes are the run's (run.json): leave them out "
-                               "(ardiff rollout --resume -o OUT), or give the config before them")
+                          hint=to_paste("with --resume the config and episodes are the run's (run.json): leave "
+                                        "them out, or give the config before them", again))
     recorded, digest = info.get("config_path"), info.get("config_sha256")
     if digest is None:  # run.json of an older ardiff: only the label was kept
         return _same(given, info["config"], "CONFIG")
@@ -1061,10 +1064,10 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
             summary, ended = finished
             output.info("nothing left to run: every step of every episode is done (the model was not loaded)")
             _write_run_info(lambda: atomic_write_json(p.out_dir / RUN_FILE, _resumed_info(p.recorded, p)),
-                            p.out_dir / RUN_FILE, resume=True)
+                            p.out_dir / RUN_FILE, resume=p.resume)
             for item in ended:  # the objects a loaded resume prints: a script counts its episodes the same way
                 log_episode_end(monitor, item.episode.name, item.reason, len(p.done.get(item.episode.name, ())))
-            output.result(_write_summary(run, lambda: summary, output, None),
+            output.result(_write_summary(run, lambda: summary, output, None, p.resume),
                           lambda plain: render_summary(summary, plain))
             return
     engine = driver = plan = summary = None
@@ -1080,7 +1083,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
             # `ardiff rollout --format json | head`: once the reader is gone, stop as a shell's SIGPIPE would
             # (exit 141), but between steps, where every written file is whole, so --resume can finish the run.
             # `> events.jsonl` on a disk that fills up stops there too, with the write's error (exit 1).
-            output.on_stdout_lost = lambda exc: signals.defer(_stop_for_lost_stdout(exc))
+            output.on_stdout_lost = lambda exc: signals.defer(_stop_for_lost_stdout(exc, p.resume))
             try:
                 with running_out_of_memory_names("importing torch"):
                     from ardiff_cli.runtime.engine import ARDiffusionEngine
@@ -1129,7 +1132,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                         output.warning(_build_changes_warning(changes, p.out_dir / RUN_FILE))
                     resumed = _resumed_info(recorded, p)
                     _write_run_info(lambda: atomic_write_json(p.out_dir / RUN_FILE, resumed), p.out_dir / RUN_FILE,
-                                    resume=True)
+                                    resume=p.resume)
                     run.wrote_info(resumed)  # the driver's episode paths, and the journal's, are these
                 else:
                     default = _default_checkpoint(p.cfg)  # named: another ardiff's may round otherwise
@@ -1137,7 +1140,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                                                        "attention_backend": engine.runner.attention_backend,
                                                        "default_checkpoint": default and default.name,
                                                        **_build()}),
-                                    p.out_dir / RUN_FILE, resume=False, results=run.results_path)
+                                    p.out_dir / RUN_FILE, resume=None, results=run.results_path)
                 if warmup:
                     monitor.set_phase("warmup")
                     _warm_up(engine, signals)
@@ -1220,7 +1223,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                         with signals.critical():
                             summary = _write_summary(run, lambda: _summary(run, p, engine, stats, plan, wall_s,
                                                                            running_s, error, len(kept), changes),
-                                                     output, error)
+                                                     output, error, p.resume)
     finally:
         output.on_stdout_lost = None
         if summary is not None:  # after the live display, so the two never interleave
@@ -1364,11 +1367,12 @@ def _stop_notice(output: Output, monitor: Any) -> Callable[[int], None]:
     return notice
 
 
-def _stop_for_lost_stdout(exc: OSError) -> int | Exception:
-    """How a rollout stops once stdout is lost (``lost_stdout_stop``): its write error's hint says --resume."""
+def _stop_for_lost_stdout(exc: OSError, resume: ResumeCommand | None) -> int | Exception:
+    """How a rollout stops once stdout is lost (``lost_stdout_stop``): its write error's hint says to continue with
+    ``resume``, the run's."""
     stop = lost_stdout_stop(exc)
     if isinstance(stop, ArdiffError):
-        stop.hint = f"{stop.hint}, then continue with --resume"
+        stop.hint = f"{stop.hint}, then {continue_with(resume)}"
     return stop
 
 
@@ -1414,9 +1418,11 @@ def _resumed_info(recorded: dict[str, Any], p: _Prepared) -> dict[str, Any]:
     return {**recorded, "episodes": episodes, "watch": p.info["watch"], "resumed_at": time.time()}
 
 
-def _write_run_info(write: Callable[[], Any], path: Path, *, resume: bool, results: Path | None = None) -> None:
+def _write_run_info(write: Callable[[], Any], path: Path, *, resume: ResumeCommand | None,
+                    results: Path | None = None) -> None:
     """``write`` run.json (and a new run's empty ``results``); a full disk (or a folder gone read-only) is an
-    ``OutputError`` naming the file: it was 'an unexpected OSError ... a bug in ardiff', with a traceback."""
+    ``OutputError`` naming the file: it was 'an unexpected OSError ... a bug in ardiff', with a traceback.
+    ``resume``: a resume's command, which the hint gives to paste (None: a new run, whose command is run again)."""
     from ardiff_cli.errors_cli import OutputError
 
     try:
@@ -1426,7 +1432,7 @@ def _write_run_info(write: Callable[[], Any], path: Path, *, resume: bool, resul
             raise
         if results is not None and exc.filename == str(results):  # run.json was taken back: RunFolder.start
             path = results
-        again = "then continue with --resume" if resume else "then run the same command again (it has no run yet)"
+        again = f"then {continue_with(resume)}" if resume else "then run the same command again (it has no run yet)"
         link = link_to_nothing(path)  # a link named results.jsonl in --out: "No such file or directory" of it misled
         if link:
             raise OutputError(f"cannot write {path}: it is {link}",
@@ -1436,12 +1442,13 @@ def _write_run_info(write: Callable[[], Any], path: Path, *, resume: bool, resul
 
 
 def _write_summary(run: Any, build: Callable[[], dict[str, Any]], output: Output,
-                   error: BaseException | None) -> dict[str, Any] | None:
+                   error: BaseException | None, resume: ResumeCommand) -> dict[str, Any] | None:
     """Write summary.json, as ``build`` makes it from results.jsonl. When that fails too (the disk that stopped the
     run is full, or the open-files limit that stopped it keeps results.jsonl from being read), the run's own error
     stays the one reported: a warning says summary.json is missing, and --resume writes it (None: no summary).
     Its ``warnings`` are this invocation's ``warning:`` lines so far (ardiff's and Python's: a pipeline's, torch's),
-    for a script reading ``--format json``, as ``warmup``'s result lists them."""
+    for a script reading ``--format json``, as ``warmup``'s result lists them. ``resume``: the run's, which a hint
+    gives to paste."""
     from ardiff_cli.errors_cli import OutputError
 
     if run.moved():  # writing would re-create the folder, or write into another run's
@@ -1456,12 +1463,12 @@ def _write_summary(run: Any, build: Callable[[], dict[str, Any]], output: Output
         run.write_summary(summary)
     except OSError as exc:
         if too_many_open_files(exc) and error is None:  # the process's limit, not the disk's or the folder's
-            exc.hint = open_files_hint("continue with --resume")  # it holds run.json: the same command is refused
+            exc.hint = open_files_hint(continue_with(resume))  # it holds run.json: the same command is refused
             raise
         message = f"cannot write {run.summary_path}: {exc.strerror or exc}"
         if error is None:
-            raise OutputError(message, hint="free some space or fix the folder's permissions, then --resume "
-                                            "writes it") from exc
+            raise OutputError(message, hint=to_paste("free some space or fix the folder's permissions, then --resume "
+                                                     "writes it", resume)) from exc
         output.warning(f"{message}; --resume writes it")
     return summary
 

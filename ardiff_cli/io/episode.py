@@ -20,6 +20,7 @@ renamed, and one left there fails its episode, naming it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -31,8 +32,9 @@ from typing import Any, BinaryIO
 
 from ardiff_cli.io.atomic import TooLarge, open_file, parse_json, read_capped
 from ardiff_cli.runtime.capacity import split_unit_hint
-from ardiff_cli.runtime.errors import (ConfigError, ObservationError, as_typed, link_to_nothing, plural, shown,
-                                      too_many_open_files, yaml_problem, yaml_syntax_hint)
+from ardiff_cli.runtime.errors import (ArdiffError, ConfigError, ObservationError, ResumeCommand, as_typed,
+                                      link_to_nothing, plural, shown, too_many_open_files, yaml_problem,
+                                      yaml_syntax_hint)
 
 STEP_SUFFIXES = (".safetensors", ".npz")
 METADATA_FILE = "episode.yaml"
@@ -48,6 +50,9 @@ _UNSAFE_CHARS = frozenset('/\\:*?"<>|')  # separators, and characters some file 
 # Episode names become folder and file names: keep them well under NAME_MAX (255 bytes on Linux and macOS), with
 # room for a collision suffix, ".png" and an atomic write's temporary name around them.
 MOUNT_HINT = "mount the disk the link points to (or fix the link)"
+# How the hint of a step file or an episode.yaml that cannot be read ends: the rollout's says its own resume instead
+# (``go_on``), a library caller's this
+RERUN = "then rerun with --resume"
 MAX_NAME_CHARS = 100
 MAX_NAME_BYTES = 150  # UTF-8: 100 CJK characters would take 300 bytes
 
@@ -90,17 +95,22 @@ class EpisodeSource:
     def has_end_marker(self) -> bool:
         return present(self.path / END_MARKER) is True  # None (a folder it may not enter): the scan names why
 
-    def metadata(self) -> dict[str, Any]:
-        """``episode.yaml`` as a mapping ({} when absent); re-read until it exists (it may arrive late)."""
+    def metadata(self, go_on: str | None = None) -> dict[str, Any]:
+        """``episode.yaml`` as a mapping ({} when absent); re-read until it exists (it may arrive late). ``go_on``:
+        how a hint ends that says to go on once the file is fixed (``going_on``)."""
         if self._metadata is None:
             meta_path = self.path / METADATA_FILE
             if present(meta_path) is False:  # None (a folder it may not enter): reading the file says why
                 dangling = link_to_nothing(meta_path)  # linked from a disk not mounted: not the same as none at all
                 if dangling:
                     raise ObservationError(f"{meta_path}: cannot read episode metadata: it is {dangling}",
-                                           hint=f"{MOUNT_HINT}, then rerun with --resume")
+                                           hint=going_on(f"{MOUNT_HINT}, {RERUN}", go_on))
                 return {}
-            self._metadata = read_episode_yaml(meta_path)
+            try:
+                self._metadata = read_episode_yaml(meta_path)
+            except ObservationError as exc:
+                exc.hint = going_on(exc.hint, go_on)
+                raise
         return self._metadata
 
 
@@ -389,10 +399,16 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
             # its episodes/ and previews/ were taken for episodes with no step files, or (none) the folder itself
             from ardiff_cli.io.run import RunFolder
 
-            what = "an ardiff run folder" if RunFolder(path).is_run_folder() else "a folder of ardiff run folders"
+            run = RunFolder(path)
+            what = "an ardiff run folder" if run.is_run_folder() else "a folder of ardiff run folders"
+            again = "ardiff rollout --resume -o RUN"  # RUN: one of the folders in it
+            if run.holds_run():  # its own resume, with the --pipeline it was started with, to paste
+                pipeline = None
+                with contextlib.suppress(ArdiffError, OSError):
+                    pipeline = run.read_info().get("pipeline_option")
+                again = str(ResumeCommand(path, pipeline if isinstance(pipeline, str) else None))
             raise ConfigError(f"{as_typed(path)} is {what} (what a rollout wrote), not an episode",
-                              hint="pass the folders of step files the robots wrote; to finish a stopped run: "
-                                   "ardiff rollout --resume -o RUN")
+                              hint=f"pass the folders of step files the robots wrote; to finish a stopped run: {again}")
         if _holds_episode(path):
             folders.append(path)
             _warn_about_episodes_inside(path, warn)
@@ -516,7 +532,7 @@ def read_episode_yaml(path: Path) -> dict[str, Any]:
     except IsADirectoryError:  # it had the hint about permissions of a folder the user could read
         raise ObservationError(f"{as_typed(path)}: cannot read episode metadata: it is a folder, not a file",
                                hint=f"{METADATA_FILE} is a YAML file (prompt: ...): move that folder out of the "
-                                    "episode folder, then rerun with --resume") from None
+                                    f"episode folder, {RERUN}") from None
     except OSError as exc:  # its text repeats the path: "[Errno 13] Permission denied: '.../episode.yaml'"
         if too_many_open_files(exc):  # the process's limit, not the file: no invalid input (exit 2)
             raise
@@ -563,7 +579,7 @@ def read_episode_yaml(path: Path) -> dict[str, Any]:
 
 
 WRITE_HINT = ("was it written completely? write step files under a temporary name and rename them "
-              "(ardiff_cli.io.write_step does), then rerun with --resume")
+              f"(ardiff_cli.io.write_step does), {RERUN}")
 # First bytes of formats that turn up under a step file's suffix, and what to do about each.
 _SIGNATURES = (
     (b"PK\x03\x04", "a zip archive (an .npz?)", "if it is an .npz, give it the .npz suffix"),
@@ -610,23 +626,36 @@ def _is_safetensors(data: bytes) -> bool:
         return False
 
 
-def load_step(path: str | os.PathLike[str]) -> RawStep:
-    """Read one step file; an unreadable file is an ``ObservationError`` naming it and saying why.
+def going_on(hint: str | None, go_on: str | None) -> str | None:
+    """``hint``, ending with ``go_on`` (how to go on with the run: the rollout's resume to paste) where it ends with
+    ``RERUN``; as it is otherwise, or without ``go_on``."""
+    if go_on is None or hint is None or not hint.endswith(RERUN):
+        return hint
+    return f"{hint.removesuffix(RERUN)}then {go_on}"
+
+
+def load_step(path: str | os.PathLike[str], go_on: str | None = None) -> RawStep:
+    """Read one step file; an unreadable file is an ``ObservationError`` naming it and saying why (``go_on``: how
+    its hint ends when it says to go on with the run once the file is fixed, ``going_on``).
 
     The file is read once, and its SHA-256 is that of the bytes parsed: a file replaced meanwhile cannot give
     arrays of one version and the digest of another (``--resume`` and session rebuilds compare digests).
     """
     path = Path(path)
-    data, signature = _read_bytes(path)
-    if not data:
-        raise _empty(path)
-    if path.suffix == ".safetensors":
-        raw = _load_safetensors(path, data)
-    elif path.suffix == ".npz":
-        raw = _load_npz(path, data)
-    else:
-        raise ObservationError(f"{as_typed(path)}: unsupported step file type {path.suffix!r}; use "
-                               ".safetensors or .npz")
+    try:
+        data, signature = _read_bytes(path)
+        if not data:
+            raise _empty(path)
+        if path.suffix == ".safetensors":
+            raw = _load_safetensors(path, data)
+        elif path.suffix == ".npz":
+            raw = _load_npz(path, data)
+        else:
+            raise ObservationError(f"{as_typed(path)}: unsupported step file type {path.suffix!r}; use "
+                                   ".safetensors or .npz")
+    except ObservationError as exc:
+        exc.hint = going_on(exc.hint, go_on)
+        raise
     raw.sha256 = hashlib.sha256(data).hexdigest()
     raw.signature = signature
     return raw
@@ -711,11 +740,11 @@ def _unreadable(path: Path, exc: OSError) -> ObservationError:
     dangling = link_to_nothing(path) if isinstance(exc, FileNotFoundError) else None  # a disk not mounted
     if dangling:
         return ObservationError(f"{as_typed(path)}: cannot read the step file: it is {dangling}",
-                                hint=f"{MOUNT_HINT}, then rerun with --resume")
+                                hint=f"{MOUNT_HINT}, {RERUN}")
     if isinstance(exc, IsADirectoryError):
         return ObservationError(f"{as_typed(path)}: cannot read the step file: it is a folder, not a file",
                                 hint="move that folder out of the episode folder (every .safetensors and .npz entry "
-                                     "there is a step file), then rerun with --resume")
+                                     f"there is a step file), {RERUN}")
     return ObservationError(
         f"{as_typed(path)}: cannot read the step file: {exc.strerror or exc}",
         hint="check that the file exists and that the user running ardiff may read it (permissions)",
@@ -801,7 +830,7 @@ def _refuse_safetensors_of_another_size(path: Path, f: BinaryIO, size: int) -> N
                                f"{size - declared} more than its header declares ({declared}); safetensors refuses "
                                "data after the last tensor",
                                hint="remove what follows the last tensor, or write the step again (safetensors and "
-                                    "ardiff_cli.io.write_step write nothing after it), then rerun with --resume")
+                                    f"ardiff_cli.io.write_step write nothing after it), {RERUN}")
 
 
 def _load_safetensors(path: Path, data: bytes) -> RawStep:
