@@ -791,7 +791,7 @@ def naming_episode(exc: ArdiffError, episode: str) -> ArdiffError:
     return named.with_traceback(exc.__traceback__)
 
 
-def _gone_while_read(episode: EpisodeSource, step_file: StepFile, resume: str) -> ObservationError:
+def _gone_while_read(episode: EpisodeSource, step_file: StepFile, resume: ResumeCommand) -> ObservationError:
     """The error of a step file listed and gone before it was read: its episode folder deleted (rm -rf, which takes
     the files first) or renamed while the run read it, or the file alone deleted. ``resume``: the run's resume
     command, to paste once they are back."""
