@@ -2192,7 +2192,8 @@ def test_the_open_files_limit_that_stops_a_run_keeps_its_error_when_summary_json
                   faults=at_close_of("arm_d"))
     error = json_error(proc, 1)
     assert error["kind"] == "too_many_open_files", error
-    assert error["hint"].endswith("(ulimit -n 1024, say) and continue with --resume"), error
+    assert error["hint"].endswith(f"(ulimit -n 1024, say) and continue with: ardiff rollout --resume --out {done} "
+                                  f"--pipeline {PIPELINE}"), error
     assert not (done / "summary.json").exists()
     proc = ardiff(env, "rollout", "--resume", "--out", str(done), "--pipeline", PIPELINE, "--format", "plain")
     assert proc.returncode == 0, proc.stderr

@@ -217,8 +217,8 @@ def test_a_summary_json_that_cannot_be_written_after_every_step_ran_is_exit_1_an
     monkeypatch.undo()
     assert result.exit_code == 1, result.stderr
     assert result.stderr.endswith(f"Error: cannot write {out / 'summary.json'}: No space left on device\n"
-                                  "hint: free some space or fix the folder's permissions, then --resume writes it\n"
-                                  ), result.stderr
+                                  "hint: free some space or fix the folder's permissions, then --resume writes it; "
+                                  f"to paste: ardiff rollout --resume --out {out}\n"), result.stderr
     assert not (out / "summary.json").exists() and len(records(out)) == 6
     result = resume(out)
     assert result.exit_code == 0, result.stderr
@@ -356,8 +356,8 @@ def test_an_out_whose_lock_or_run_json_cannot_be_written_is_an_error_not_a_bug(d
     # nothing left to run: the resume rewrites run.json only
     proc = ardiff("rollout", "--resume", "--out", str(out), "--no-warmup", limit=64)
     assert proc.returncode == 1, proc.stderr
-    assert f"Error: cannot write {out}/run.json: File too large" in proc.stderr and "continue with --resume" in (
-        proc.stderr)
+    assert f"Error: cannot write {out}/run.json: File too large" in proc.stderr and (
+        f"then continue with: ardiff rollout --resume --out {out}\n") in proc.stderr, proc.stderr
     assert json.loads((out / "run.json").read_text())["format"]  # the old one, whole
 
 
@@ -404,8 +404,8 @@ def test_a_file_size_limit_stops_the_run_as_a_full_disk_does_and_names_ulimit_f(
     proc = ardiff("rollout", "--resume", "--out", str(whole), limit=output_bytes)
     assert proc.returncode == 1, proc.stderr
     assert (f"Error: cannot write {whole / 'summary.json'}: File too large\n{hint(output_bytes)}: raise it "
-            "(ulimit -f unlimited); free some space or fix the folder's permissions, then --resume writes it\n"
-            ) in proc.stderr, proc.stderr
+            "(ulimit -f unlimited); free some space or fix the folder's permissions, then --resume writes it; to "
+            f"paste: ardiff rollout --resume --out {whole}\n") in proc.stderr, proc.stderr
 
 
 def test_a_results_jsonl_that_cannot_be_created_leaves_no_run_json_and_names_itself(data, tmp_path, cli_env):
