@@ -163,10 +163,12 @@ class Rollout:
         self.signals = signals
         self.options = options
         self.stats = RolloutStats.before_any_step(done, (e.name for e in episodes))
+        # how a hint ends that says to go on once files are back: the run's resume to paste (once, not per step read)
+        self._go_on = continue_with(self._resume_command())
         self.scheduler = StepScheduler(episodes, order=options.order, follow=options.follow,
                                        idle_timeout=options.idle_timeout, done=done, digests=digests,
                                        warn=out.warning, watch=options.watch, on_new_episode=self._new_episode,
-                                       on_moved=self._episode_moved, go_on=continue_with(self._resume_command()))
+                                       on_moved=self._episode_moved, go_on=self._go_on)
         self.stats.late_steps = self.scheduler.late  # filled as it warns of them, when every episode has ended
         # session id -> steps of its episode the resident session has consumed (absent: not resident)
         self._resident: dict[str, int] = {}
@@ -376,7 +378,7 @@ class Rollout:
         file it ran with (when that was recorded), checked before anything else about it."""
         step_file = self._where(episode, step_file)
         try:
-            raw = load_step(step_file.path, go_on=continue_with(self._resume_command()))
+            raw = load_step(step_file.path, go_on=self._go_on)
         except ObservationError:
             # listed, then gone (a link to nothing: reading it named the link): not a permission problem
             if present(step_file.path) is False and not step_file.path.is_symlink():
@@ -385,7 +387,7 @@ class Rollout:
         self._check_unchanged(episode, step_file, raw.sha256)
         self._read_as.setdefault(episode.name, {})[step_file.step] = (step_file.path.name, raw.signature)
         valid = validate_step(raw, self.schema, path=step_file.path,
-                              episode_metadata=episode.metadata(continue_with(self._resume_command())))
+                              episode_metadata=episode.metadata(self._go_on))
         for key, warning in valid.warnings.items():
             if (episode.name, key) not in self._warned:
                 self._warned.add((episode.name, key))
@@ -477,7 +479,7 @@ class Rollout:
                     "run resumed, and no swap snapshot restored it)",
                     hint="keep an episode's step files until it has ended (a robot's cleanup of the steps that ran "
                          "breaks this), and leave --swap-space on; run the episode again in a new --out, or put the "
-                         f"file back, then {continue_with(self._resume_command())}")
+                         f"file back, then {self._go_on}")
             inputs, _ = self._load(episode, step_file)
             self._execute(f"{episode.name}/{step_file.step:06d}/replay", episode.name, inputs)
             self._resident[episode.name] = self._resident.get(episode.name, 0) + 1
