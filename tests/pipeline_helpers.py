@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -128,6 +129,24 @@ def wait_for_marker(proc: subprocess.Popen, marker: Path, what: str, *, text: st
         assert proc.poll() is None, proc.communicate()[1] or (marker.read_text() if marker.exists() else "")
         assert time.monotonic() < deadline, f"{what} never started"
         time.sleep(0.02)
+
+
+def wait_reading(proc: subprocess.Popen, fifo: Path) -> None:
+    """Poll until ``proc`` waits in a read(2) of the FIFO ``fifo`` (x86-64's syscall 0 in /proc/PID/syscall, on a
+    descriptor of that FIFO). A signal sent then interrupts the read and its handler runs; sent once the process had
+    opened the FIFO but before its read began, the C half of the handler ran there and the Python half waited for the
+    read to return: never, as no one writes the FIFO. Fails if the process exits first, or after 5 minutes."""
+    held = fifo.stat()
+    deadline = time.monotonic() + 300
+    while True:
+        call = Path(f"/proc/{proc.pid}/syscall").read_text().split()
+        if call[0] == "0":
+            with contextlib.suppress(OSError):  # the descriptor closed meanwhile
+                at = os.stat(f"/proc/{proc.pid}/fd/{int(call[1], 16)}")
+                if (at.st_dev, at.st_ino) == (held.st_dev, held.st_ino):
+                    return
+        assert proc.poll() is None and time.monotonic() < deadline, (proc.poll(), call[:2])
+        time.sleep(0.001)
 
 
 def records(run: Path) -> list[dict]:

@@ -31,7 +31,7 @@ from ardiff_cli.io import write_episode, write_step
 from ardiff_cli.runtime.errors import ResumeCommand, shown
 from ardiff_cli.runtime.kv.backends import install_instructions, vllm_installed
 from ardiff_cli.io.demo import demo_step
-from pipeline_helpers import records, stop_inside_a_fault, wait_for_marker
+from pipeline_helpers import records, stop_inside_a_fault, wait_for_marker, wait_reading
 
 REPO = Path(__file__).resolve().parents[1]
 ESC = re.compile(r"\x1b\[")
@@ -4619,6 +4619,7 @@ def stopped_while_held(env, args: list[str], hold: Path, cwd: Path,
                 assert exc.errno == errno.ENXIO and proc.poll() is None and time.monotonic() < deadline, (
                     proc.poll(), exc)
                 time.sleep(0.01)
+        wait_reading(proc, hold)
         proc.send_signal(signum)
         stdout, stderr = proc.communicate(timeout=300)
     finally:

@@ -35,7 +35,7 @@ from ardiff_cli.io import write_episode
 from ardiff_cli.io.demo import demo_step
 from ardiff_cli.runtime.errors import ResumeCommand
 from pipeline_helpers import (NOTICE, outputs, records, start_with_fault_files, stop_inside_a_fault,
-                              wait_for_marker)
+                              wait_for_marker, wait_reading)
 
 REPO = Path(__file__).resolve().parents[1]
 PIPELINE = "faulty_pipelines:FaultyDreamZero"
@@ -459,12 +459,13 @@ def test_the_same_signal_twice_in_one_torch_op_of_a_step_stops_it_at_once(env, d
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
 
 
-# imported first of all as ardiff imports its commands: this one waits for HOLD to be opened for writing (once)
+# imported first of all as ardiff imports its commands: this one waits in a read of the FIFO HOLD (no one writes it)
 SLOW_SHLEX = """\
 import importlib.util, os, sys, sysconfig
 hold = os.environ.pop("HOLD", None)
 if hold:
-    open(hold).close()
+    with open(hold) as held:
+        held.read()
 spec = importlib.util.spec_from_file_location("shlex", os.path.join(sysconfig.get_paths()["stdlib"], "shlex.py"))
 sys.modules["shlex"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sys.modules["shlex"])
@@ -515,6 +516,7 @@ def test_a_second_signal_while_a_signal_before_the_command_took_them_is_reported
                     while True:
                         filled += os.write(filler, b"." * size)
             assert "Threads:\t1\n" in Path(f"/proc/{proc.pid}/status").read_text()  # the main thread takes them
+            wait_reading(proc, hold)  # a read the first signal interrupts
             send_and_wait_delivered(proc, first)
             while True:  # the report of the first waits in its write to stderr (syscall 1, fd 2)
                 call = Path(f"/proc/{proc.pid}/syscall").read_text().split()
