@@ -149,11 +149,6 @@ def _too_large_alone(pipeline_class: Any, config, name: str, names: list[str]) -
     return False
 
 
-def count_parameters(build: Callable[[], nn.Module]) -> int:
-    """Parameters of the module ``build`` makes, counted on the meta device (nothing allocated)."""
-    return sum(p.numel() for p in build_on_meta(build).parameters())
-
-
 def count_config_parameters(pipeline_class: Any, config) -> int:
     """Parameters of ``pipeline_class.build_modules(config)``, nothing allocated. Its blocks are alike, so a model of
     many layers is counted from models of one, two and three layers: building every block, even on the meta

@@ -18,8 +18,8 @@ from pipeline_helpers import CONFIGS, Driver, ardiff_cache, single_thread  # noq
 import pipelines.checkpoint as checkpoint
 from pipelines import causal_world, dreamzero
 from pipelines.checkpoint import (
+    build_on_meta,
     count_config_parameters,
-    count_parameters,
     default_checkpoint_path,
     fresh_modules,
     load_checkpoint,
@@ -29,6 +29,11 @@ from pipelines.checkpoint import (
 )
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def count_parameters(build):
+    """Every parameter of the module ``build`` makes, built whole on the meta device: what the count must equal."""
+    return sum(p.numel() for p in build_on_meta(build).parameters())
 
 
 def tiny(module, **overrides):

@@ -165,8 +165,6 @@ class StepScheduler:
                  on_new_episode: Callable[[EpisodeSource], None] = lambda episode: None,
                  on_moved: Callable[[EpisodeSource, Path], None] = lambda episode, old: None,
                  go_on: str = "continue with --resume") -> None:
-        if order not in ("round-robin", "sequential"):
-            raise ValueError(f"order must be 'round-robin' or 'sequential', got {order!r}")
         self.order = order
         self.follow = follow  # rescan folders for new step files
         self.idle_timeout = idle_timeout  # follow: an episode idle this long (no new file) ends

@@ -992,26 +992,23 @@ class ARDiffusionModelRunner:
     @_one_at_a_time
     def reset_session(self, session_id: str) -> None:
         """Release ``session_id`` and call the pipeline's reset hook; the next request starts fresh."""
-        self._require_loaded()
-        _require_session_id("reset_session", session_id)
-        if self._discard_swapped(session_id, "reset"):
-            return
-        with self._locked():
-            self._require_resident(session_id)
-            errors = self._release(session_id, reason="explicit", hook="reset")
-        if errors:
-            raise errors[0]
+        self._end_session(session_id, "reset")
 
     @_one_at_a_time
     def close_session(self, session_id: str) -> None:
         """Release ``session_id`` and call the pipeline's close hook."""
+        self._end_session(session_id, "close")
+
+    def _end_session(self, session_id: str, hook: str) -> None:
+        """``reset_session`` / ``close_session`` (``hook``): a swapped-out session is discarded, a resident one
+        released; the first hook error is raised."""
         self._require_loaded()
-        _require_session_id("close_session", session_id)
-        if self._discard_swapped(session_id, "close"):
+        _require_session_id(f"{hook}_session", session_id)
+        if self._discard_swapped(session_id, hook):
             return
         with self._locked():
             self._require_resident(session_id)
-            errors = self._release(session_id, reason="explicit", hook="close")
+            errors = self._release(session_id, reason="explicit", hook=hook)
         if errors:
             raise errors[0]
 
