@@ -378,6 +378,53 @@ class WarmupInputsNone(LabPipeline):
         yield ARDiffusionRequest("warm0", None, {"session_id": session_id})
 
 
+class ClosesBadly(LabPipeline):
+    def close_ar_diffusion_session(self, session_id):  # its cleanup reads a table it never filled
+        super().close_ar_diffusion_session(session_id)
+        raise KeyError(f"frames of {session_id}")
+
+
+class DivergesThenClosesBadly(ClosesBadly):
+    def forward(self, request):  # its second warmup request diverges: every value infinite, its session open
+        output = super().forward(request)
+        return output if request.request_id == "warm0" else {name: value / 0 for name, value in output.items()}
+
+
+class PassThrough(LabPipeline):
+    def forward(self, *args, **kwargs):  # a wrapper that hands on whatever it is given
+        return super().forward(*args, **kwargs)
+
+    def close_ar_diffusion_session(self, *args, **kwargs):
+        super().close_ar_diffusion_session(*args, **kwargs)
+
+
+class PassThroughToNothing(LabPipeline):
+    def forward(self, *args, **kwargs):  # hands the request on to a step that takes none
+        return self.step(*args, **kwargs)
+
+    def step(self):
+        return {}
+
+
+def _seeded_any(forward):  # a decorator that hands on whatever it is given, and a seed of its own
+    @functools.wraps(forward)
+    def seeded(self, *args, **kwargs):
+        return forward(self, *args, seed=0, **kwargs)
+    return seeded
+
+
+class SeededPassThrough(LabPipeline):
+    @_seeded_any
+    def forward(self, request, seed):
+        return super().forward(request)
+
+
+class InferenceModeWithoutRequest(LabPipeline):
+    @torch.inference_mode()  # a decorator that hands on what it is given: the forward takes no request
+    def forward(self):
+        return {}
+
+
 class OutputOnMeta(LabPipeline):
     def forward(self, request):  # an output left on the meta device: no values to write
         return {**super().forward(request), "actions": torch.zeros(2, 4, device="meta")}
@@ -615,18 +662,66 @@ def test_an_optional_capability_method_that_is_no_callable_is_refused_at_load(la
     assert "warm0" not in proc.stderr and "not callable" not in proc.stderr, proc.stderr
 
 
-def test_a_close_hook_that_fails_as_a_warmup_request_closes_its_session_fails_the_warmup(lab):
+@pytest.mark.parametrize("command", [["warmup"], ["rollout", "eps", "-o", "closes_its_warmup_session"]])
+def test_a_close_hook_that_fails_as_a_warmup_request_closes_its_session_fails_the_warmup(lab, command):
     """The warmup session's close hook failing as warmup releases the session is a pipeline error (exit 1): so it
     was at warmup's end, but a last request with close_session=True released it in the request, and the hook's
-    error was an event line only: `ardiff warmup` said the pool was restored and exited 0."""
+    error was an event line only: `ardiff warmup` said the pool was restored and exited 0. Its kind is the one of the
+    pipeline's other failures, `pipeline_error` (it was `error`, ardiff's "another of ardiff's errors"), in a
+    rollout's warmup too."""
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *command[:1], "unnamed.yaml", *command[1:],
+                           "--pipeline", "lab_world.model:ClosesItsWarmupSession", "--format", "json"], cwd=lab[0],
+                          env=lab[1], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert (error["kind"], error["exit_code"]) == ("pipeline_error", 1) and error["message"] == (
+        "ClosesItsWarmupSession.close_ar_diffusion_session('__ardiff_warmup__') raised TypeError: close() takes 1 "
+        "positional argument but 2 were given; the session's KV was released"), error
+
+
+def test_a_close_hook_that_fails_after_a_failed_warmup_request_is_a_note_on_the_requests_error(lab):
+    """A warmup request that fails (its outputs infinite) leaves the warmup session open; the close hook that fails
+    as warmup then releases it was dropped without a word: the request's error is the one reported, the hook's its
+    note (the traceback --verbose prints ends with it), as with a failed forward's."""
+    proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:DivergesThenClosesBadly", "--verbose")
+    assert proc.returncode == 1, proc.stderr
+    failed = ("warmup request 'warm1' of DivergesThenClosesBadly: DivergesThenClosesBadly.forward() returned "
+              "non-finite values: 'frame': 64 inf of 64 values")
+    note = ("DivergesThenClosesBadly.close_ar_diffusion_session('__ardiff_warmup__') raised KeyError: 'frames of "
+            "__ardiff_warmup__'; the session's KV was released")
+    assert f"ardiff_cli.runtime.errors.PipelineError: {failed}\n{note}\nError: {failed}\n" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("name", ["PassThrough", "SeededPassThrough"])
+def test_a_pass_through_method_taking_args_and_kwargs_loads_and_runs(lab, name):
+    """`def forward(self, *args, **kwargs)` takes whatever ardiff passes: the check takes it as able to. A wraps
+    decorator's wrapper written so, which hands its arguments on with one of its own (`seed=0`), was refused at
+    load: "missing a required argument: 'seed'", judged by the function it wraps as if given nothing more."""
+    proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", f"lab_world.model:{name}")
+    assert proc.returncode == 0 and "KV pool restored" in proc.stdout, proc.stderr
+
+
+def test_a_pass_through_to_code_that_cannot_take_the_request_is_a_pipeline_error_at_its_first_call(lab):
+    """A pass-through loads (the check cannot see where it hands its arguments); the code that cannot take them fails
+    at the first request, warmup's: the pipeline's error, naming the request and what Python said."""
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "warmup", "unnamed.yaml", "--pipeline",
-                           "lab_world.model:ClosesItsWarmupSession", "--format", "json"], cwd=lab[0], env=lab[1],
+                           "lab_world.model:PassThroughToNothing", "--format", "json"], cwd=lab[0], env=lab[1],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr
     error = json.loads(proc.stdout.splitlines()[-1])
-    assert error["exit_code"] == 1 and error["message"] == (
-        "ClosesItsWarmupSession.close_ar_diffusion_session('__ardiff_warmup__') raised TypeError: close() takes 1 "
-        "positional argument but 2 were given; the session's KV was released"), error
+    assert (error["kind"], error["exit_code"]) == ("pipeline_error", 1), error
+    assert error["message"] == ("warmup request 'warm0' of PassThroughToNothing failed: TypeError: "
+                                "PassThroughToNothing.step() takes 1 positional argument but 2 were given"), error
+
+
+def test_a_decorator_handing_on_more_arguments_than_the_method_takes_is_refused_at_load(lab):
+    """torch.inference_mode() hands on what it is given: its wrapper takes *args, the forward under it no request.
+    Judged by the function it wraps, it is refused at load, not at the first request."""
+    proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:InferenceModeWithoutRequest")
+    assert proc.returncode == 1, proc.stderr
+    assert ("cannot take the arguments ardiff passes it: expected forward(request), got forward(): too many "
+            "positional arguments" in proc.stderr), proc.stderr
+    assert "warm0" not in proc.stderr, proc.stderr
 
 
 def test_a_forward_that_never_commits_a_block_is_a_warmup_warning(lab):

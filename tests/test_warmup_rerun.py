@@ -13,8 +13,9 @@ import torch
 
 from ardiff_cli.runtime.config import load_config
 from ardiff_cli.runtime.engine import ARDiffusionEngine
-from ardiff_cli.runtime.errors import ArdiffWarning
+from ardiff_cli.runtime.errors import ArdiffWarning, PipelineError
 from ardiff_cli.runtime.request import ARDiffusionRequest
+from ardiff_cli.runtime.runner import LifecycleHookError
 from pipeline_helpers import CONFIGS, ardiff_cache, single_thread  # noqa: F401 - fixtures
 from pipelines.causal_world.pipeline import CausalWorldPipeline
 from pipelines.dreamzero.pipeline import DreamZeroPipeline
@@ -285,6 +286,34 @@ def test_a_close_hook_that_fails_on_the_rerun_is_a_warning():
     # subscribers still hear of one session, closed by its request
     assert [(e.kind, getattr(e, "reason", None)) for e in events if e.kind.startswith(("session_", "hook_"))] == [
         ("session_admitted", None), ("session_closed", "close_session")]
+    engine.close()
+
+
+class DivergesThenClosingFails(CausalWorldPipeline):
+    """Its second warmup request diverges (its outputs infinite), which fails the warmup with its session open, and
+    its close hook fails as the warmup then releases it."""
+
+    def forward(self, request):
+        output = super().forward(request)
+        return output if request.request_id == "warmup-0" else {name: value / 0 for name, value in output.items()}
+
+    def close_ar_diffusion_session(self, session_id):
+        super().close_ar_diffusion_session(session_id)
+        raise KeyError("the session's record")
+
+
+def test_a_close_hook_that_fails_after_a_failed_warmup_request_is_a_note_on_its_error():
+    """The request's error is raised; the close hook's failure as the warmup session is then released was dropped
+    without a word (warmup raises it only when nothing else failed): it is the error's note, as a failed forward's."""
+    engine, events = engine_for("causal-world-tiny", "DivergesThenClosingFails")
+    with pytest.raises(PipelineError, match=r"^warmup request 'warmup-1' of DivergesThenClosingFails: "
+                                            r"DivergesThenClosingFails\.forward\(\) returned non-finite") as info:
+        engine.warmup()
+    assert not isinstance(info.value, LifecycleHookError)
+    assert info.value.__notes__ == ["DivergesThenClosingFails.close_ar_diffusion_session('__ardiff_warmup__') "
+                                    "raised KeyError: \"the session's record\"; the session's KV was released"]
+    assert len(engine.runner.hook_errors) == 1 and engine.runner.pool_usage().num_used == 0
+    assert [e.kind for e in events if e.kind.startswith("hook_")] == ["hook_failed"]
     engine.close()
 
 

@@ -122,8 +122,10 @@ def _require_session_id(method: str, session_id: Any) -> None:
                            f"({type(session_id).__name__})", hint="name a session by the id its requests give")
 
 
-class LifecycleHookError(ArdiffError, RuntimeError):
-    """A pipeline reset/close hook raised. The session's KV was released regardless."""
+class LifecycleHookError(PipelineError):
+    """A pipeline reset/close hook raised. The session's KV was released regardless. A ``PipelineError`` (and so a
+    ``RuntimeError``): the pipeline's code failed, as a forward that raises in warmup does (the CLI's
+    ``pipeline_error``, exit 1)."""
 
 
 def _as_a_step(schema: ObservationSchema, request: ARDiffusionRequest, where: str, name: str) -> ARDiffusionRequest:
@@ -577,7 +579,9 @@ class ARDiffusionModelRunner:
 
     def _check_signatures(self) -> None:
         """Refuse a capability method that cannot take the arguments the runner passes it: it loaded, and failed
-        with a TypeError at its first request, or (a hook) at the first session released."""
+        with a TypeError at its first request, or (a hook) at the first session released. One that takes them as
+        ``*args``/``**kwargs`` (a pass-through) takes anything: if what it hands them to cannot, that is the
+        pipeline's error at its first call (a ``PipelineError``, as any exception of its code is)."""
         name = type(self.pipeline).__name__
         for method, arguments in PIPELINE_CALL_ARGUMENTS.items():
             bound = getattr(self.pipeline, method, None)
@@ -599,13 +603,17 @@ class ARDiffusionModelRunner:
                 own = inspect.signature(bound, follow_wrapped=False)
             except (TypeError, ValueError):  # a wrapper in C (functools.lru_cache): the function it wraps says
                 own = signature
+            hands_on = False  # a wrapper that takes them as *args and hands them on, to the function it wraps
             with contextlib.suppress(TypeError):
                 taken = own.bind(*arguments).arguments
-                if own != signature and all(own.parameters[key].kind not in (
-                        inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for key in taken):
-                    continue
-            try:
-                signature.bind(*arguments)
+                if own != signature:
+                    if all(own.parameters[key].kind not in (
+                            inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for key in taken):
+                        continue
+                    hands_on = True
+            try:  # handed on, they may come with arguments of the wrapper's own (`forward(self, *args, seed=0)`): then
+                # only more than the function can take refuses it (it was "missing a required argument: 'seed'")
+                (signature.bind_partial if hands_on else signature.bind)(*arguments)
             except TypeError as exc:
                 raise PipelineContractError(
                     f"{name}.{method}() ({_defined_at(bound)}) cannot take the arguments ardiff passes it: "
@@ -1438,6 +1446,7 @@ class ARDiffusionModelRunner:
         went_on = committed = False  # a request went on with the session's history; a frame was committed
         rerun = False  # a request was run again on its session rebuilt from its export (_check_rerun): once a warmup
         last_export: tuple[bool, Any] = (False, None)  # _warmup_export after the last request: a rerun's snapshot
+        failure: BaseException | None = None  # what the warmup raises, if anything: the failed close hooks' notes
         try:
             requests = self.pipeline.ar_diffusion_warmup_requests(WARMUP_SESSION_ID)
             if not isinstance(requests, Iterable):
@@ -1487,17 +1496,20 @@ class ARDiffusionModelRunner:
                 self._check_encoding(last_export[1])
             if went_on and not committed:
                 self._warn_nothing_committed(len(timings))
-        except Exception as exc:
+        except BaseException as exc:
             # The caller gives warmup no input: its own requests refused as malformed are the pipeline's mistake (an
             # ObservationError was exit 2 with a hint about episode files).
-            error = as_pipeline_error(where, exc, also=(ObservationError, RequestError))
-            if error is None:
+            failure = as_pipeline_error(where, exc, also=(ObservationError, RequestError)) or exc
+            if failure is exc:
                 raise
-            raise error from exc
+            raise failure from exc
         finally:
             with self._locked():
                 if WARMUP_SESSION_ID in self._sessions:
                     hook_errors += self._release(WARMUP_SESSION_ID, reason="explicit", hook="close")
+            if failure is not None:  # the first error is the one raised; a close hook failing too is its note, as
+                for hook_error in hook_errors:  # a failed forward's is (it was dropped without a word)
+                    failure.add_note(str(hook_error))
         seconds = time.perf_counter() - start
         restored = cache.allocator.num_free == free_before
         self._emit(WarmupFinished(num_requests=len(timings), seconds=seconds, restored=restored))
