@@ -237,6 +237,36 @@ def test_a_model_section_read_by_another_pipeline_says_so(tmp_path):
             "drop --pipeline, or give a config of that pipeline; valid keys: preset") in result.stderr
 
 
+@pytest.mark.parametrize(("source", "named", "keys", "owner"), [
+    ("dreamzero-tiny", "causal_world", "'num_inference_steps', 'guidance_scale' are keys", "dreamzero"),
+    ("causal-world-tiny", "dreamzero", "'cond_dim', 'denoising_timesteps' are keys", "causal_world"),
+])
+def test_a_config_copied_from_another_pipeline_names_that_pipeline(tmp_path, cli_env, source, named, keys, owner):
+    """A built-in config copied and its `pipeline:` changed (or a model: section pasted from another pipeline's) said
+    only "unknown key 'model.num_inference_steps'", as of a typo: nothing said whose key it is. Plan and warmup read
+    the config alike; the plan imports no torch for it."""
+    text = (Path(__file__).parent.parent / "configs" / f"{source}.yaml").read_text()
+    config = tmp_path / "copied.yaml"
+    config.write_text(re.sub(r"(?m)^pipeline: .*$", f"pipeline: {named}", text))
+    for command in ("inspect-capacity", "warmup"):
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", command, str(config), "--format", "json"],
+                              env=cli_env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        error = json.loads(proc.stdout)
+        assert error["kind"] == "config_error", error
+        assert error["message"].startswith(f"{config}: unknown key 'model."), error
+        assert error["hint"].startswith(f"{keys} of pipeline {owner!r}, and this config names pipeline {named!r}: set "
+                                        f"`pipeline: {owner}` if it is that model's config, else remove them; valid "
+                                        "keys: preset, "), error
+    # a typo is still told its key alone
+    config.write_text(text.replace("window_frames:", "windw_frames:"))
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--format", "json"],
+                          env=cli_env, capture_output=True, text=True, timeout=300)
+    error = json.loads(proc.stdout)
+    assert error["message"] == f"{config}: unknown key 'model.windw_frames' (did you mean 'window_frames'?)", error
+    assert error["hint"].startswith("valid keys: preset, "), error
+
+
 def test_rollout_refuses_an_output_folder_that_holds_a_run(tmp_path):
     (tmp_path / "run.json").write_text("{}")
     result = invoke("rollout", "--out", str(tmp_path))

@@ -2037,6 +2037,43 @@ def test_resume_given_an_episode_folder_first_says_it_is_a_folder(tmp_path, cli_
                            f"them out, or give the config before them; to paste: ardiff rollout --resume --out {run}\n")
 
 
+def test_a_run_folder_given_as_config_hints_its_resume(tmp_path, cli_env):
+    # `ardiff rollout runs/eval1` (the run to finish, --resume and -o forgotten) was told to "pass the config first:
+    # ardiff rollout dreamzero-tiny runs/eval1", a command refused in turn (a run folder is not an episode).
+    (tmp_path / "runs").mkdir()
+    run = a_run_of(tmp_path / "runs" / "eval1", [episode(tmp_path / "arm_a", 1)])
+    for given, hint in ((run, "it is an ardiff run folder (what a rollout wrote); to finish its run: ardiff rollout "
+                              f"--resume --out {run}"),
+                        (run.parent, "it is a folder of ardiff run folders (what a rollout wrote); to finish one of "
+                                     "its runs: ardiff rollout --resume -o RUN")):
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(given), "--format", "plain"],
+                              env=cli_env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr == (f"Error: CONFIG '{given}' is a folder; the first argument is a config file or a "
+                               f"built-in config name\nhint: {hint}\n")
+    # an episode folder given so is still told to put the config first
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "arm_a"), "--format", "plain"],
+                          env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(f"\nhint: pass the config first: ardiff rollout dreamzero-tiny {tmp_path / 'arm_a'}\n")
+
+
+@pytest.mark.parametrize("before", [[], ["dreamzero-tiny"]])
+def test_resume_given_the_run_folder_without_out_gives_the_resume_to_paste(tmp_path, cli_env, before):
+    # `ardiff rollout --resume runs/eval1` (-o forgotten) said "--resume needs --out DIR", hint "the run printed it as
+    # 'outputs: DIR'": the folder it was given is that DIR. The resume to paste keeps the options given to this one.
+    run = a_run_of(tmp_path / "eval1", [episode(tmp_path / "arm_a", 1)])
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", *before, str(run),
+                           "--session-capacity", "1", "--preview", "--format", "json"],
+                          env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    error = json.loads(proc.stdout)
+    assert (error["kind"], error["message"]) == ("config_error", "--resume needs --out DIR: the folder of the run to "
+                                                                 "continue"), error
+    assert error["hint"] == (f"{run} is a run's folder: give it as --out, not as CONFIG or EPISODE: ardiff rollout "
+                             f"--resume --out {run} --preview --session-capacity 1"), error
+
+
 @pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
 @pytest.mark.parametrize("command", ["rollout", "warmup"])
 def test_a_step_file_given_as_config_says_what_it_is(tmp_path, cli_env, command, suffix):

@@ -32,12 +32,18 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
     # rollout given no episode folder, which may mean that folder's episodes
     if config is not None and path_kind(Path(config), "CONFIG") == "folder" and not (
             (command != "rollout" or episodes) and config in builtin_configs()):
+        hint = (f"pass the config first: ardiff rollout {_config_among([Path(config), *episodes])}"
+                if command == "rollout"
+                else f"pass a config file or a built-in config name, e.g. ardiff {command} {DEFAULT_CONFIG}")
+        if command == "rollout":  # `ardiff rollout runs/eval1`: the run to finish, which as an EPISODE is refused
+            from ardiff_cli.io.episode import run_output
+
+            if (found_run := run_output(Path(config))) is not None:
+                what, again = found_run
+                which = "its run" if what == "an ardiff run folder" else "one of its runs"
+                hint = f"it is {what} (what a rollout wrote); to finish {which}: {again}"
         raise ConfigError(
-            f"CONFIG {config!r} is a folder; the first argument is a config file or a built-in config name",
-            hint=(f"pass the config first: ardiff rollout {_config_among([Path(config), *episodes])}"
-                  if command == "rollout"
-                  else f"pass a config file or a built-in config name, e.g. ardiff {command} {DEFAULT_CONFIG}"),
-        )
+            f"CONFIG {config!r} is a folder; the first argument is a config file or a built-in config name", hint=hint)
     suffix = Path(config).suffix.lower() if config is not None else ""
     pickled = suffix in (".pt", ".pth", ".ckpt", ".bin")  # torch.save's checkpoints
     if suffix in (".safetensors", ".npz") or pickled:  # binary: it read "not UTF-8 text (byte 0: ...)"

@@ -225,6 +225,8 @@ def rollout(
         capacity = session_capacity if resume else None
         again = ResumeCommand(out, pipeline, tuple(given), capacity) if resume and out is not None else None
         folder = None  # the resume's run folder: its stop gives `again` once run.json was found there
+        if resume and out is None:
+            _refuse_resume_without_out([config, *(episodes or [])], tuple(given), capacity)
         try:
             if again is not None:
                 from ardiff_cli.io.run import RunFolder
@@ -248,6 +250,21 @@ def rollout(
             stop = Interrupted(signal_of(exc))
             stop.hint = continue_with(again)
             raise stop from None
+
+
+def _refuse_resume_without_out(arguments: list[Any], given: tuple[str, ...], capacity: int | None) -> None:
+    """``--resume`` with no ``--out``: a usage error, whose hint gives the resume to paste where a CONFIG or EPISODE
+    argument is a run's folder (`ardiff rollout --resume runs/eval1`), with the options given to this one."""
+    from ardiff_cli.io.episode import run_output
+
+    hint = "the run printed it as 'outputs: DIR' (by default ardiff-runs/<start time>)"
+    for argument in arguments:
+        found = None if argument is None else run_output(Path(argument))
+        if found is not None and isinstance(found[1], ResumeCommand):
+            again = replace(found[1], given=given, session_capacity=capacity)
+            hint = f"{as_typed(Path(argument))} is a run's folder: give it as --out, not as CONFIG or EPISODE: {again}"
+            break
+    raise ConfigError("--resume needs --out DIR: the folder of the run to continue", hint=hint)
 
 
 def _given_to_resume(overrides: dict[str, Any], options: dict[str, Any], swap_space: str | None) -> list[str]:

@@ -316,6 +316,25 @@ def _holds_episode(folder: Path) -> bool:
     return any(p.is_file() and is_step_file(p) for p in children) or not any(p.is_dir() for p in children)
 
 
+def run_output(folder: Path) -> tuple[str, ResumeCommand | str] | None:
+    """For a folder that :func:`is_run_output` and no episode folder: what it is (``an ardiff run folder``, ``a
+    folder of ardiff run folders``) and the resume that finishes its run, to paste (with the ``--pipeline`` the run
+    was started with; ``-o RUN`` for one of the runs in a folder of them, or for a run still loading); else None."""
+    if not is_run_output(folder) or episode_entries(folder):
+        return None
+    from ardiff_cli.io.run import RunFolder
+
+    run = RunFolder(folder)
+    what = "an ardiff run folder" if run.is_run_folder() else "a folder of ardiff run folders"
+    again = "ardiff rollout --resume -o RUN"  # RUN: one of the folders in it
+    if run.holds_run():  # its own resume, with the --pipeline it was started with, to paste
+        pipeline = None
+        with contextlib.suppress(ArdiffError, OSError):
+            pipeline = run.read_info().get("pipeline_option")
+        again = ResumeCommand(folder, pipeline if isinstance(pipeline, str) else None)
+    return what, again
+
+
 def is_run_output(folder: Path) -> bool:
     """An ardiff run folder (holds ``run.json`` or ``results.jsonl``, or only the ``.lock`` of a run still loading:
     :meth:`RunFolder.is_run_folder`), or a folder whose visible entries are all run folders (``./ardiff-runs``, the
@@ -395,18 +414,9 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
                 f"{as_typed(path)}: an EPISODE is a folder of step files, not a file",
                 hint="pass the folder that holds the step files",
             )
-        if is_run_output(path) and not episode_entries(path):
+        if (found_run := run_output(path)) is not None:
             # its episodes/ and previews/ were taken for episodes with no step files, or (none) the folder itself
-            from ardiff_cli.io.run import RunFolder
-
-            run = RunFolder(path)
-            what = "an ardiff run folder" if run.is_run_folder() else "a folder of ardiff run folders"
-            again = "ardiff rollout --resume -o RUN"  # RUN: one of the folders in it
-            if run.holds_run():  # its own resume, with the --pipeline it was started with, to paste
-                pipeline = None
-                with contextlib.suppress(ArdiffError, OSError):
-                    pipeline = run.read_info().get("pipeline_option")
-                again = str(ResumeCommand(path, pipeline if isinstance(pipeline, str) else None))
+            what, again = found_run
             raise ConfigError(f"{as_typed(path)} is {what} (what a rollout wrote), not an episode",
                               hint=f"pass the folders of step files the robots wrote; to finish a stopped run: {again}")
         if _holds_episode(path):

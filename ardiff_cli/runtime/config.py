@@ -55,9 +55,11 @@ from ardiff_cli.runtime.errors import (
 from ardiff_cli.runtime.kv.backends import ATTENTION_BACKEND_SETTINGS
 from ardiff_cli.runtime.observation import ObservationSchema
 from ardiff_cli.runtime.registry import (
+    BUILTIN_PIPELINES,
     PipelineEntry,
     called_without_instance,
     registered_pipelines,
+    resolve_entry_module,
     resolve_pipeline,
     resolve_pipeline_reference,
 )
@@ -597,6 +599,27 @@ def _misplaced_key(key: str, data: dict[str, Any], pipeline: str | None, where: 
     return did_you_mean(key, TOP_LEVEL_KEYS)
 
 
+def _other_builtin_taking(model_data: dict[Any, Any], entry: PipelineEntry) -> tuple[str, list[str]] | None:
+    """The built-in pipeline other than ``entry``'s whose model: section has every key of ``model_data`` that
+    ``entry``'s has not, with those keys; else None. Built-ins only: their entry modules are ardiff's own and
+    torch-free, where an installed one's import may run anything."""
+    fields = getattr(entry.config_class, "__dataclass_fields__", None)
+    foreign = [str(key) for key in model_data if fields is not None and key != "preset" and key not in fields]
+    if not foreign:
+        return None
+    for name in BUILTIN_PIPELINES:
+        if name == entry.name:
+            continue
+        try:
+            other = resolve_entry_module(BUILTIN_PIPELINES[name], name=name, where="config")
+        except Exception:  # noqa: BLE001 - no suggestion
+            continue
+        theirs = getattr(other.config_class, "__dataclass_fields__", None) or {}
+        if all(key in theirs and theirs[key].init for key in foreign):
+            return name, foreign
+    return None
+
+
 def _takes(entry: PipelineEntry, model_data: dict[Any, Any], where: str) -> bool:
     """Whether the pipeline's ``Config.from_dict`` takes ``model_data`` as a model section."""
     try:
@@ -657,6 +680,15 @@ def load_config(source: str | Path | dict[str, Any] | None = None, *, pipeline: 
                 and named in registered_pipelines()):
             exc.hint = (f"the config is for pipeline {data['pipeline']!r}, but --pipeline {pipeline} reads its "
                         "model: section: drop --pipeline, or give a config of that pipeline"
+                        + (f"; {exc.hint}" if exc.hint else ""))
+        elif (pipeline is None and "unknown key 'model." in str(exc)
+              and (other := _other_builtin_taking(model_data, entry)) is not None):
+            # a config copied from another pipeline's, `pipeline:` edited (or the other way round): named by a key
+            # that pipeline has, which alone said "unknown key", as of a typo
+            owner, keys = other
+            exc.hint = (f"{', '.join(map(repr, keys))} {'is a key' if len(keys) == 1 else 'are keys'} of pipeline "
+                        f"{owner!r}, and this config names pipeline {entry.name!r}: set `pipeline: {owner}` if it is "
+                        f"that model's config, else remove {'it' if len(keys) == 1 else 'them'}"
                         + (f"; {exc.hint}" if exc.hint else ""))
         raise
     if not isinstance(model, entry.config_class):  # else "kv_cache_spec() raised AttributeError" on a dict, say
