@@ -3808,6 +3808,134 @@ def test_an_episode_folder_that_is_a_link_renamed_while_followed_is_followed_at_
     assert [(r["episode"], r["step"], r["status"]) for r in records(run)] == [("arm_a", s, "ok") for s in range(3)]
 
 
+def test_an_episode_folder_that_is_a_link_pointed_at_another_recording_before_its_first_step_fails_and_resumes(
+        env, data, tmp_path):
+    """live/cam -> rec/arm_a (made, no step yet), pointed at rec/arm_b once the run found it: the episode, named
+    arm_a after the folder the link led to, ran arm_b's steps under that name (the other recording's steps in
+    episodes/arm_a/, results.jsonl and --resume's history). It fails naming the link and where it leads now; pointed
+    back, a --resume runs arm_a's own steps."""
+    live, run, rec = tmp_path / "live", tmp_path / "run", tmp_path / "rec"
+    write_episode(rec / "arm_b", steps_of(1, 3), prompt="task arm_b")
+    (rec / "arm_a").mkdir(parents=True)
+    live.mkdir()
+    (live / "cam").symlink_to(rec / "arm_a")
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "cam"), "--out", str(run), "--follow",
+                 "--no-warmup", "--idle-timeout", "30")
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "run.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the run found the episode (run.json names it) before the link is pointed elsewhere
+        (live / "next").symlink_to(rec / "arm_b")
+        os.replace(live / "next", live / "cam")
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0, stderr
+    assert (f"Error: episode 'arm_a' failed: {live / 'cam'}: the episode folder is a link, now to {rec / 'arm_b'}, "
+            "another folder than the one it led to when the run found it") in stderr, stderr
+    assert "hint: the episode is the recording the link led to, which names it (arm_a)" in stderr, stderr
+    assert [r["status"] for r in records(run)] == ["failed"]
+    (live / "back").symlink_to(rec / "arm_a")
+    os.replace(live / "back", live / "cam")
+    write_episode(rec / "arm_a", steps_of(0, 3), prompt="task arm_a")
+    again = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--idle-timeout", "30")
+    assert again.returncode == 0, again.stderr
+    assert [(r["episode"], r["step"], r["status"]) for r in records(run)][1:] == [("arm_a", s, "ok") for s in range(3)]
+    assert recorded_folders(run) == {"arm_a": str(live.resolve() / "cam")}
+
+
+def test_an_episode_folder_that_is_a_link_whose_recording_moved_while_followed_names_the_link_and_resumes(
+        env, data, tmp_path):
+    """live/cam -> .rec/arm_a, that folder renamed .rec/arm_a.old mid-run: the link, still in place, leads nowhere,
+    and the episode failed as "the episode folder is gone (deleted or renamed ...)", sending one looking for a folder
+    that is there. It names the link and where it leads; the link pointed at the recording's new path, a --resume
+    goes on through it."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    steps = steps_of(0, 3)
+    write_episode(live / ".rec" / "arm_a", steps[:1], prompt="task arm_a", end=False)
+    (live / "cam").symlink_to(Path(".rec") / "arm_a")
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                 "--idle-timeout", "30")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)
+        (live / ".rec" / "arm_a").rename(live / ".rec" / "arm_a.old")
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0, stderr
+    assert (f"Error: episode 'arm_a' failed: {live / 'cam'}: the episode folder is a link to .rec/arm_a, which does "
+            "not exist (its recording was deleted or moved while it was followed); 1 of its steps had arrived\n"
+            "hint: point the link at where the recording is now (or put it back), then continue with: ardiff rollout "
+            f"--resume --out {run}") in stderr, stderr
+    (live / "cam").unlink()
+    (live / "cam").symlink_to(Path(".rec") / "arm_a.old")
+    write_episode(live / ".rec" / "arm_a.old", steps[1:], first_step=1)
+    again = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--idle-timeout", "30")
+    assert again.returncode == 0, again.stderr
+    assert [(r["step"], r["status"]) for r in records(run)] == [(0, "ok"), (None, "failed"), (1, "ok"), (2, "ok")]
+    assert recorded_folders(run) == {"arm_a": str(live.resolve() / "cam")}
+
+
+@pytest.mark.parametrize("link_first", [True, False], ids=["link-first", "target-first"])
+def test_a_link_and_its_target_given_both_run_once_read_at_the_path_given_first_which_the_warning_names(
+        env, data, tmp_path, link_first):
+    """An episode folder given as a link and as the folder it leads to (or found as two links in a folder of
+    episodes) ran once at whichever path came first, with a warning saying "given twice" that named neither the
+    other path nor which one run.json records and the run reads (a link is read through: another recording pointed
+    at is read on --resume). The warning names both; the path given or found first is the one read."""
+    live = tmp_path / "live"
+    rec = live / ".rec" / "arm_a"
+    write_episode(rec, steps_of(0, 3), prompt="task arm_a")
+    for name in ("cam1", "cam2"):
+        (live / name).symlink_to(Path(".rec") / "arm_a")
+    given = [live / "cam1", rec] if link_first else [rec, live / "cam1"]
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), *map(str, given), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    first, second = given
+    what = f"a link to {rec}" if not link_first else f"the folder {live / 'cam1'} links to"
+    assert (f"warning: {second} is episode 'arm_a' again ({what}); it runs once, read at {first}, the path given or "
+            "found first") in proc.stderr, proc.stderr
+    assert recorded_folders(run) == {"arm_a": str(first)}
+    folder = ardiff(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(tmp_path / "run2"),
+                    "--no-warmup")
+    assert folder.returncode == 0, folder.stderr
+    assert (f"warning: {live / 'cam2'} is episode 'arm_a' again (a link to the folder {live / 'cam1'} links to); it "
+            f"runs once, read at {live / 'cam1'}, the path given or found first") in folder.stderr, folder.stderr
+    assert "given twice" not in proc.stderr + folder.stderr
+
+
+def test_an_episode_read_through_one_of_two_links_to_its_recording_goes_on_at_the_other_once_it_is_deleted(
+        env, data, tmp_path):
+    """live/cam1 and live/cam2 -> .rec/arm_a, in a watched folder: one episode, read at cam1. cam1 deleted mid-run:
+    the recording is still there, at cam2, holding the steps taken, so the episode goes on there (episode_moved, as
+    for a link renamed), and a --resume of the stopped run reads it there."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    steps = steps_of(0, 3)
+    write_episode(live / ".rec" / "arm_a", steps[:1], prompt="task arm_a", end=False)
+    for name in ("cam1", "cam2"):
+        (live / name).symlink_to(Path(".rec") / "arm_a")
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                 "--idle-timeout", "60", "--format", "json")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)
+        (live / "cam1").unlink()
+        write_step(live / ".rec" / "arm_a", 1, steps[1])
+        wait_for_lines(run / "results.jsonl", 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    moved = [(o["old_path"], o["path"]) for o in events if o.get("kind") == "episode_moved"]
+    assert moved == [(str(live.resolve() / "cam1"), str(live.resolve() / "cam2"))], (moved, stderr)
+    assert recorded_folders(run) == {"arm_a": str(live.resolve() / "cam2")}
+    write_episode(live / ".rec" / "arm_a", steps[2:], first_step=2)
+    again = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--idle-timeout", "30")
+    assert again.returncode == 0, again.stderr
+    assert [(r["episode"], r["step"], r["status"]) for r in records(run)] == [("arm_a", s, "ok") for s in range(3)]
+
+
 def test_a_resume_reads_an_episode_through_the_link_in_a_watched_folder_the_run_read_it_through(env, data, tmp_path):
     """live/cam -> rec/arm_a, outside the watched folder live: the run reads the episode through the link, so the
     recording moved into place (rec/arm_a -> live/arm_a) is followed. A --resume read it at run.json's rec/arm_a,

@@ -424,16 +424,28 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
             _warn_about_episodes_inside(path, warn)
         else:
             folders.extend(_episode_folders_in(path))
+    from ardiff_cli.io.run import episode_folder_path
+
     names = EpisodeNames()
-    episodes = []
+    episodes: dict[str, EpisodeSource] = {}
     for folder in folders:
         episode = names.add(folder)
         if episode is None:
             if warn is not None:
-                warn(f"{as_typed(folder)} is episode {names.of(folder)!r} again (given twice); it runs once")
+                # the path given or found first is the one the episode is read at and run.json records: a link and
+                # its target, or two links to one folder, are two paths, and a script reading run.json sees that one
+                first = episodes[names.of(folder)].path
+                why, where = "given twice", ""
+                if episode_folder_path(folder) != episode_folder_path(first):
+                    if not os.path.islink(first):
+                        why = f"a link to {as_typed(first)}"
+                    else:
+                        why = f"{'a link to ' if os.path.islink(folder) else ''}the folder {as_typed(first)} links to"
+                    where = f", read at {as_typed(first)}, the path given or found first"
+                warn(f"{as_typed(folder)} is episode {names.of(folder)!r} again ({why}); it runs once{where}")
             continue
-        episodes.append(episode)
-    return episodes
+        episodes[episode.name] = episode
+    return list(episodes.values())
 
 
 def _with_suffix(base: str, suffix: str) -> str:

@@ -55,7 +55,7 @@ from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, S
                                    episode_folders_inside, gap_error, is_run_output, listed, looks_whole,
                                    missing_steps, new_episode_folders, other_step_formats, step_number,
                                    step_sha256, unreadable_folder)
-from ardiff_cli.runtime.errors import ObservationError, as_typed, shell_word
+from ardiff_cli.runtime.errors import ObservationError, as_typed, link_to_nothing, shell_word
 
 # Activity for the idle timer: write_step's temporary file of a step file being written (atomic_write_bytes), and
 # rsync's of one it copies (".step_000001.safetensors.Ab3dE9": "." + name + "." + mkstemp's 6 characters)
@@ -683,6 +683,12 @@ class StepScheduler:
         episode under its final name) is named as such, as is the new name joining a watched folder's run."""
         folder, arrived = track.source.path, f"{len(track.files)} of its steps had arrived"
         renamed = _renamed_to(folder, track.identity, track.taken, link=track.link)
+        dangling = link_to_nothing(folder) if renamed is None and track.link else None
+        if dangling:  # the link is there: its recording was moved or deleted (a folder "gone" sent looking for it)
+            return ObservationError(
+                f"{as_typed(folder)}: the episode folder is {dangling} (its recording was deleted or moved while it "
+                f"was followed); {arrived}",
+                hint=f"point the link at where the recording is now (or put it back), then {self._go_on}")
         if renamed is None:
             return ObservationError(
                 f"{as_typed(folder)}: the episode folder is gone (deleted or renamed while it was followed); {arrived}",
@@ -702,6 +708,22 @@ class StepScheduler:
             hint=f"its steps run again as episode {renamed.name}: keep an episode's step files as they are when its "
                  "folder is renamed (a renamed folder goes on as the same episode while its first step file is the "
                  "one that ran)")
+
+    def _repointed(self, track: _Track) -> ObservationError:
+        """The error of an episode whose folder is a link that leads to another folder now than when the run found it
+        (``ln -sfn``: a recorder pointing ``latest`` at its next recording)."""
+        folder = track.source.path
+        try:
+            now = f", now to {os.readlink(folder)}"
+        except OSError:
+            now = ""
+        return ObservationError(
+            f"{as_typed(folder)}: the episode folder is a link{now}, another folder than the one it led to when the "
+            f"run found it (pointed elsewhere, or that folder deleted and made again, while it was followed); "
+            f"{len(track.files)} of its steps had arrived",
+            hint=f"the episode is the recording the link led to, which names it ({track.source.name}): run the "
+                 "folder the link leads to now as an episode of its own, in a new --out; to finish this one, point the "
+                 f"link back at its recording, then {self._go_on}")
 
     def _raise_empty(self, track: _Track, what: str, hint: str) -> None:
         """An episode that ends with no step file at all failed, as it does without ``follow``. A folder given as
@@ -778,9 +800,14 @@ class StepScheduler:
                 track.end_gone = True
                 return
             raise self._gone(track)
-        if track.identity is not None and identity != track.identity and track.files:
+        then = _identity(track)
+        if then is not None and identity != then and (track.files or track.link):
             # Another folder put in its place between two polls (a recorder restarting its episode): its steps are
-            # another episode's, not the session's history; a poll between the two would have found it gone.
+            # another episode's, not the session's history; a poll between the two would have found it gone. A link
+            # pointed at another folder, even before a step came (files is empty at the first poll): the episode is
+            # named after the folder the link led to when the run found it, and would run another recording's steps.
+            if track.link:
+                raise self._repointed(track)
             raise ObservationError(
                 f"{track.source.path}: the episode folder was replaced (deleted or renamed, and another folder put "
                 f"in its place, while it was followed); {len(track.files)} of its steps had arrived from the old one",
