@@ -144,7 +144,7 @@ def parse_path(value: str) -> Path:
                                  "write . for the current folder")
     value = expand_home(value)
     if os.path.exists(value) and not os.access(value, os.R_OK):
-        raise typer.BadParameter(f"path {value!r} is not readable.")
+        raise typer.BadParameter(f"path {errors.quoted(value)} is not readable.")
     return Path(value)
 
 
@@ -152,8 +152,8 @@ def parse_out(value: str) -> Path:
     """``--out`` as ``parse_path``, but not a value that looks like an option: ``--out --preview`` (the folder left
     out) made a folder named ``--preview`` and ran without previews. ``./-x`` names such a folder."""
     if value.startswith("-"):
-        raise typer.BadParameter(f"{value!r} looks like an option, not a folder (was the folder left out?); if a "
-                                 f"folder of that name is meant, write ./{value}")
+        raise typer.BadParameter(f"{errors.quoted(value)} looks like an option, not a folder (was the folder left "
+                                 f"out?); if a folder of that name is meant, write ./{value}")
     return parse_path(value)
 
 

@@ -561,11 +561,19 @@ def to_devnull(stream: IO[str]) -> None:
 # \x0c, \x1c-\x1e and \x85), and folders (and the episode names an older safe_name kept) hold them.
 _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x09), *range(0x0b, 0x20), 0x7f, *range(0x80, 0xa0))}
 _CONTROLS.update({c: f"\\u{c:04x}" for c in (0x2028, 0x2029)})
+# And lone surrogates, which are no characters: stderr wrote them as `\udce9`, stdout as a raw byte (U+DC80-U+DCFF)
+# or not at all (UnicodeEncodeError), and Rich measured each as one cell. A byte of a name that the locale could not
+# decode (b'caf\xe9' in any locale, b'caf\xc3\xa9' under LC_ALL=C with PYTHONUTF8=0), which Python holds as
+# U+DC80-U+DCFF, is `\xNN`, the byte a hint's shell word names (bash's $'caf\xe9'); another (JSON's "\ud800") `\uNNNN`.
+_CONTROLS.update({c: f"\\u{c:04x}" for c in range(0xd800, 0xe000)})
+_CONTROLS.update({c: f"\\x{c - 0xdc00:02x}" for c in range(0xdc80, 0xdd00)})
 
 
 def visible(text: str) -> str:
-    """``text`` with its control characters (but tab and newline) written as ``\\xNN``, and U+2028 and U+2029 (line
-    and paragraph separators) as ``\\u2028`` and ``\\u2029``."""
+    """``text`` with its control characters (but tab and newline) written as ``\\xNN``, U+2028 and U+2029 (line
+    and paragraph separators) as ``\\u2028`` and ``\\u2029``, and a byte the locale could not decode in a name (a
+    lone surrogate ``\\udcNN``) as ``\\xNN``, as ``shell_word``'s ``$'...'`` writes it (other lone surrogates as
+    ``\\uNNNN``)."""
     return text.translate(_CONTROLS)
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 import io
 import json
+import os
 import re
 import signal
 import sys
@@ -111,6 +112,17 @@ def test_control_characters_in_messages_are_shown_not_sent_to_the_terminal(fmt):
     out.error("line\u2028paragraph\u2029nel\x85", "vt\x0bff\x0cfs\x1c")  # what str.splitlines() splits at
     assert "line\\u2028paragraph\\u2029nel\\x85" in stderr.getvalue() and "vt\\x0bff\\x0cfs\\x1c" in stderr.getvalue()
     assert len(stderr.getvalue().splitlines()) == stderr.getvalue().count("\n")
+
+
+@pytest.mark.parametrize("fmt", [Format.plain, Format.rich])
+def test_lone_surrogates_in_messages_are_shown_as_the_bytes_they_stand_for(fmt):
+    """A byte of a name the locale could not decode is a lone surrogate in Python (``caf\\udce9``): every line writes
+    it ``\\xe9``, the byte a hint's ``$'caf\\xe9'`` names; another lone surrogate (JSON's ``\\ud800``) ``\\ud800``."""
+    out, _, stderr = sink(fmt)
+    out.error("caf\udce9 already holds a run", "x\udcc3\udca9 y\ud800")
+    out.warning("writing caf\udce9")
+    assert "caf\\xe9 already holds a run" in stderr.getvalue() and "x\\xc3\\xa9 y\\ud800" in stderr.getvalue()
+    assert "writing caf\\xe9" in stderr.getvalue() and stderr.getvalue().isascii()
 
 
 @pytest.mark.parametrize("fmt", [Format.plain, Format.rich])
@@ -1429,3 +1441,53 @@ def test_a_line_printed_above_the_live_display_shows_once_when_the_frame_drawn_u
     would not lose it): a frame drawn under it that wrote to stderr (a library's warning) came back to the stand-in,
     which printed the buffered line a second time."""
     assert sum(on_a_terminal(tmp_path, DRAWN_UNDER_A_LINE)) == 1
+
+
+NOT_UTF8 = {"C.UTF-8": ({"LC_ALL": "C.UTF-8"}, "utf-8"),
+            "C-ascii": ({"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}, "ascii")}
+
+
+@pytest.mark.parametrize(("locale", "name", "shown"), [("C.UTF-8", b"caf\xe9", "caf\\xe9"),
+                                                       ("C-ascii", b"caf\xe9", "caf\\xe9"),
+                                                       ("C-ascii", b"caf\xc3\xa9", "caf\\xc3\\xa9")])
+def test_a_name_in_bytes_the_locale_cannot_decode_is_written_as_xnn_in_every_line_and_kept_in_json(
+        tmp_path, cli_env, locale, name, shown):
+    """`--out`, EPISODE or CONFIG named in bytes the locale cannot decode (b'caf\\xe9', or b'caf\\xc3\\xa9' under
+    LC_ALL=C with PYTHONUTF8=0): the hint's `$'caf\\xe9'` named the bytes, but the `writing OUT:` and `Error:` lines
+    said `caf\\udce9` (stderr's escape of Python's lone surrogate), the `outputs:` line wrote the raw byte (stdout's
+    surrogateescape), and an error quoting the name said `'caf\\udce9'`. Each writes `caf\\xe9` now; JSON keeps the
+    name as Python holds it, which `os.fsencode` turns back into the file's bytes."""
+    import subprocess
+
+    from fast_run import write_fast_data
+
+    write_fast_data(tmp_path, {"a": 2})
+    environ, encoding = NOT_UTF8[locale]
+    env = {**{k: v for k, v in cli_env.items() if not k.startswith(("LC_", "PYTHONUTF8", "PYTHONIOENCODING"))},
+           "LANG": "C", **environ}
+    held = name.decode(encoding, "surrogateescape")  # the name as ardiff (Python) holds it
+
+    def ardiff(*args: bytes, fmt: str = "plain") -> tuple[int, str, str]:
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *args, b"--format", fmt.encode()], cwd=tmp_path,
+                              env=env, capture_output=True, timeout=120)
+        return proc.returncode, proc.stdout.decode("ascii"), proc.stderr.decode("ascii")  # ASCII: no raw byte
+
+    rollout = (b"rollout", b"fast.yaml", b"eps/a", b"--no-warmup", b"--out", name)
+    code, out, err = ardiff(*rollout)
+    assert code == 0 and f"writing {shown}: 1 episode, order round-robin" in err.splitlines(), err
+    assert f"outputs: {shown} (results.jsonl, summary.json, episodes/)" in out.splitlines(), out
+    code, out, err = ardiff(*rollout)
+    assert code == 2 and err.splitlines()[-2:] == [
+        f"Error: {shown} already holds a run",
+        f"hint: continue it with: ardiff rollout --resume --out $'{shown}'; or choose another --out"], err
+    code, out, err = ardiff(*rollout, fmt="json")
+    error = json.loads(out.splitlines()[-1])
+    assert code == 2 and error["message"] == f"{held} already holds a run", out
+    assert f"Error: {shown} already holds a run" in err.splitlines(), err
+    with open(os.path.join(os.fsencode(tmp_path), name, b"summary.json"), "rb") as f:
+        assert json.load(f)["out"].encode(encoding, "surrogateescape") == name
+    code, out, err = ardiff(b"rollout", b"fast.yaml", name + b"/nothing")
+    assert code == 2 and f"Error: episode folder not found: {shown}/nothing" in err.splitlines(), err
+    code, out, err = ardiff(b"rollout", name, b"eps")  # a name quoted as Python's repr would
+    assert code == 2 and f"Error: CONFIG '{shown}' is a folder; the first argument is a config file or a built-in " \
+        "config name" in err.splitlines(), err

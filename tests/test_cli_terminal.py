@@ -380,3 +380,32 @@ def test_the_summarys_outputs_line_wider_than_the_terminal_is_one_line_to_copy(t
     assert line == f"outputs: {run} (results.jsonl, summary.json, episodes/)", text
     # and so the progress line that names it (Rich broke it after `writing`, the folder on a line of its own)
     assert f"writing {run}: 1 episode, order round-robin\r\n" in text, text
+
+
+def test_an_out_named_in_bytes_the_locale_cannot_decode_is_written_as_xnn_in_every_line_of_the_terminal(
+        tmp_path, cli_env):
+    """`-o $'caf\\xe9'` in a terminal: the title, the `writing OUT:` line and the `Error:` line said `caf\\udce9`
+    (stderr's escape of Python's lone surrogate), and the `outputs:` line sent the raw byte, which a UTF-8 terminal
+    shows as `caf�`; the hint's `$'caf\\xe9'` alone named the folder. Every line writes `caf\\xe9` now."""
+    import os
+
+    write_fast_data(tmp_path, {"a": 2})
+    env = {**{k: v for k, v in cli_env.items() if not k.startswith(("LC_", "PYTHONUTF8", "PYTHONIOENCODING"))},
+           "LC_ALL": "C.UTF-8"}
+    args = ["rollout", "fast.yaml", "eps/a", "-o", os.fsdecode(b"caf\xe9"), "--no-warmup"]
+
+    def screen_lines(output: bytes) -> list[str]:
+        screen = Screen(100, 40).feed(output)
+        return [line for line in screen.history + screen.display() if line]
+
+    code, output = run_in_pty(args, env=env, cwd=tmp_path, cols=100, rows=40)
+    lines = screen_lines(output)
+    assert code == 0 and b"\\udc" not in output and b"caf\xe9" not in output, output
+    assert "ardiff rollout · fast.yaml → caf\\xe9" in lines, "\n".join(lines)  # the live display's title
+    assert "writing caf\\xe9: 1 episode, order round-robin" in lines, "\n".join(lines)
+    assert "outputs: caf\\xe9 (results.jsonl, summary.json, episodes/)" in lines, "\n".join(lines)
+    code, output = run_in_pty(args, env=env, cwd=tmp_path, cols=100, rows=40)
+    lines = screen_lines(output)
+    assert code == 2 and lines[-2:] == ["Error: caf\\xe9 already holds a run",
+                                        "hint: continue it with: ardiff rollout --resume --out $'caf\\xe9'; or choose "
+                                        "another --out"], "\n".join(lines)

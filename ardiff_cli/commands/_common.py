@@ -10,7 +10,7 @@ from typing import Any
 
 from ardiff_cli.errors_cli import budget_change
 from ardiff_cli.options import DEFAULT_CONFIG
-from ardiff_cli.runtime.errors import ConfigError, shell_word
+from ardiff_cli.runtime.errors import ConfigError, quoted, shell_word
 
 
 def load_engine_config(config: str | None, *, pipeline: str | None = None, command: str = "rollout",
@@ -43,13 +43,14 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
                 which = "its run" if what == "an ardiff run folder" else "one of its runs"
                 hint = f"it is {what} (what a rollout wrote); to finish {which}: {again}"
         raise ConfigError(
-            f"CONFIG {config!r} is a folder; the first argument is a config file or a built-in config name", hint=hint)
+            f"CONFIG {quoted(config)} is a folder; the first argument is a config file or a built-in config name",
+            hint=hint)
     suffix = Path(config).suffix.lower() if config is not None else ""
     pickled = suffix in (".pt", ".pth", ".ckpt", ".bin")  # torch.save's checkpoints
     if suffix in (".safetensors", ".npz") or pickled:  # binary: it read "not UTF-8 text (byte 0: ...)"
         raise ConfigError(
-            f"CONFIG {config!r} is a {suffix} file, not a config: the first argument is a config file or a built-in "
-            "config name",
+            f"CONFIG {quoted(config)} is a {suffix} file, not a config: the first argument is a config file or a "
+            "built-in config name",
             hint=(f"pass the config first: ardiff rollout {DEFAULT_CONFIG} {shell_word(Path(config).parent)}; "
                   if command == "rollout" and not pickled
                   else f"pass a config, e.g. ardiff {command} {DEFAULT_CONFIG}; ")

@@ -67,6 +67,7 @@ from ardiff_cli.runtime.errors import (
     link_to_nothing_on,
     not_a_folder,
     plural,
+    quoted,
     running_out_of_memory_names,
     shell_word,
     too_many_open_files,
@@ -928,7 +929,7 @@ def _same_pipeline_option(given: str | None, recorded: str | None) -> None:
     if recorded is None:
         raise ConfigError(f"the run used its config's pipeline, not --pipeline {given}",
                           hint="resume without --pipeline")
-    message = (f"--pipeline {given!r} differs from the run's {recorded!r}" if given else
+    message = (f"--pipeline {quoted(given)} differs from the run's {quoted(recorded)}" if given else
                f"the run used --pipeline {recorded}; ardiff imports code only when the command line "
                "names it")
     raise ConfigError(message, hint=f"resume with --pipeline {recorded}")
@@ -944,8 +945,8 @@ def _resume_config(given: str | None, info: dict[str, Any], again: ResumeCommand
     from ardiff_cli.runtime.config import resolve_config
 
     if given is not None and Path(given).is_dir():  # it read "config file not found" of a folder that is there
-        raise ConfigError(f"CONFIG {given!r} is a folder; the first argument is a config file or a built-in config "
-                          "name",
+        raise ConfigError(f"CONFIG {quoted(given)} is a folder; the first argument is a config file or a built-in "
+                          "config name",
                           hint=to_paste("with --resume the config and episodes are the run's (run.json): leave "
                                         "them out, or give the config before them", again))
     recorded, digest = info.get("config_path"), info.get("config_sha256")

@@ -44,6 +44,7 @@ from ardiff_cli.runtime.errors import (
     link_to_nothing,
     link_to_nothing_on,
     plural,
+    quoted,
     shown,
     too_many_open_files,
     unencodable,
@@ -283,7 +284,7 @@ def resolve_config(name_or_path: str | Path | None) -> Path:
     unit = split_unit_hint(name)  # `--memory-budget 2 GB`: the shell split the size in two
     hint = f"{unit}; {hint}" if unit else hint
     raise ConfigError(
-        f"unknown config {name!r}{did_you_mean(name, builtins)}: not a file and not a built-in config", hint=hint
+        f"unknown config {quoted(name)}{did_you_mean(name, builtins)}: not a file and not a built-in config", hint=hint
     )
 
 

@@ -372,6 +372,16 @@ def shell_word(path: os.PathLike | str) -> str:
     return "$'" + "".join(chr(b) if 32 <= b < 127 and b not in b"'\\" else f"\\x{b:02x}" for b in raw) + "'"
 
 
+_REPR_ESCAPE = re.compile(r"\\(udc[89a-f][0-9a-f]|.)")
+
+
+def quoted(text: os.PathLike | str) -> str:
+    """``repr`` of a name the user gave (``'caf\\xe9'``), but a byte of it the locale could not decode (a lone
+    surrogate, which ``repr`` writes ``\\udce9``) written ``\\xNN``, as :func:`shell_word` and the output's lines
+    write it (``visible``)."""
+    return _REPR_ESCAPE.sub(lambda m: "\\x" + m[1][3:] if m[1].startswith("udc") else m[0], repr(os.fspath(text)))
+
+
 def as_typed(path: os.PathLike | str) -> str:
     """``path`` as a line to copy from names it (``outputs: DIR``): ``./`` before a leading '~' or '-', which ``Path``
     dropped: without it ardiff (and a shell) read a folder named ``~`` as the home folder, and ``--out`` refuses

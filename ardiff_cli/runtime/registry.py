@@ -41,6 +41,7 @@ from ardiff_cli.runtime.errors import (
     close_match,
     did_you_mean,
     is_out_of_memory,
+    quoted,
     running_out_of_memory_names,
     shell_word,
 )
@@ -155,7 +156,7 @@ def _import(module_path: str, *, what: str, where: str):
             # The module named (or its package) is not there: the option or the install, the user's to fix.
             hint = ("is the package installed in this environment (or its folder on PYTHONPATH)?"
                     if not module_path.endswith(".py") else
-                    f"{module_path!r} is a file's name; MODULE is the name it is imported by: "
+                    f"{quoted(module_path)} is a file's name; MODULE is the name it is imported by: "
                     f"{module_path.removesuffix('.py')} (its folder on PYTHONPATH)")
             raise ConfigError(f"{where}: {what}: cannot import {module_path!r}: {type(exc).__name__}: {exc}",
                               hint=shadowed or hint) from None
@@ -193,7 +194,7 @@ def _file_path_hint(reference: str) -> str | None:
     if file.name == "__init__.py":  # a package's own module: imported by its folder's name
         file = file.parent
     module = file.name.removesuffix(".py")
-    said = f"{path!r} is a file's path; MODULE is the name it is imported by, from a folder on PYTHONPATH"
+    said = f"{quoted(path)} is a file's path; MODULE is the name it is imported by, from a folder on PYTHONPATH"
     if not module.isidentifier():
         return f"{said}, and {module!r} is no Python name: rename the file (letters, digits and _)"
     folder = os.path.expanduser(str(file.parent))  # `--pipeline=~/code/x.py:C`: no shell expands a ~ there
@@ -208,7 +209,7 @@ def _folder_path_hint(path: str, cls: str) -> str:
     # no name in the text (`.`, `..`, `/`): the folder's own, from its full path
     named = os.path.abspath(folder) if os.path.basename(folder) in ("", ".", "..") else folder
     name = os.path.basename(named)
-    said = f"{path!r} names a folder, not a module file; MODULE is the name a module is imported by"
+    said = f"{quoted(path)} names a folder, not a module file; MODULE is the name a module is imported by"
     if name.isidentifier() and os.path.isfile(os.path.join(named, "__init__.py")):
         above = os.path.dirname(named) or "."
         return (f"{said}: {as_typed(named)} is a package: run with PYTHONPATH={shell_word(above)} and --pipeline "
@@ -292,14 +293,14 @@ def resolve_pipeline_reference(reference: str) -> PipelineEntry:
     """What ``--pipeline`` may say: a registered name, or ``module:Class`` (imports ``module``)."""
     where = "--pipeline"
     if not isinstance(reference, str) or not reference.strip():
-        raise ConfigError(f"{where}: expected a registered pipeline name or MODULE:CLASS, got {reference!r}",
+        raise ConfigError(f"{where}: expected a registered pipeline name or MODULE:CLASS, got {quoted(reference)}",
                           hint=CLASS_REFERENCE_HINT)
     reference = reference.strip()
     if ":" not in reference and "/" not in reference:  # a file's path (`dir/x.py`) is told so below
         return resolve_pipeline(reference, where=where)
     match = CLASS_REFERENCE.match(reference)
     if match is None:
-        raise ConfigError(f"{where}: expected MODULE:CLASS (dotted Python names), got {reference!r}",
+        raise ConfigError(f"{where}: expected MODULE:CLASS (dotted Python names), got {quoted(reference)}",
                           hint=_file_path_hint(reference) or CLASS_REFERENCE_HINT)
     module_path, qualname = match.groups()
     module = _import(module_path, what=f"pipeline {reference!r}", where=where)
