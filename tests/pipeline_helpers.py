@@ -149,6 +149,20 @@ def wait_reading(proc: subprocess.Popen, fifo: Path) -> None:
         time.sleep(0.001)
 
 
+def wait_blocked(proc: subprocess.Popen) -> None:
+    """Poll until ``proc``'s main thread waits in a futex with no timeout (x86-64's syscall 202, its fourth argument
+    NULL in /proc/PID/syscall): a lock or a torch call's wait that nothing but the test ends. A signal sent before,
+    as a fault's marker appeared, was handled on its way there (its handler ran at once), not inside the wait the
+    test is about. Fails if the process exits first, or after 5 minutes."""
+    deadline = time.monotonic() + 300
+    while True:
+        call = Path(f"/proc/{proc.pid}/syscall").read_text().split()
+        if call[0:5:4] == ["202", "0x0"]:
+            return
+        assert proc.poll() is None and time.monotonic() < deadline, (proc.poll(), call[:5])
+        time.sleep(0.001)
+
+
 def records(run: Path) -> list[dict]:
     """The lines of ``run``'s results.jsonl (fails on a partial last line)."""
     text = (run / "results.jsonl").read_text()

@@ -942,6 +942,13 @@ def test_a_signal_once_the_file_is_written_says_it_was_written(tmp_path, module)
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the results file was never written"
             time.sleep(0.01)
+        # then in its write to stdout (x86-64's write, syscall 1, on fd 1), which the full pipe blocks: sent as the file
+        # appeared, the SIGTERM could land in the C code of the table's flush, before that write began, and the write
+        # waited on for a reader that never came
+        while Path(f"/proc/{proc.pid}/syscall").read_text().split()[:2] != ["1", "0x1"]:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the table was never written to stdout"
+            time.sleep(0.001)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:

@@ -1477,7 +1477,8 @@ def test_a_run_stopped_by_a_failure_keeps_no_resident_session(env, data, referen
     assert_same_outputs(reference, run)
 
 
-# `ardiff ARGS` whose model, once loaded, waits: it touches the file argv[1] and sleeps, as a large model loads.
+# `ardiff ARGS` whose model, once loaded, waits: it touches the file argv[1] and sleeps, as a large model loads. In
+# short sleeps: a signal that came as the marker was made, before one sleep(600) began, was handled 600 s later.
 SLOW_LOAD = """\
 import pathlib, sys, time
 from ardiff_cli.runtime.engine import ARDiffusionEngine
@@ -1485,7 +1486,8 @@ load, marker = ARDiffusionEngine.load, pathlib.Path(sys.argv[1])
 def slow_load(self, *args, **kwargs):
     plan = load(self, *args, **kwargs)
     marker.touch()
-    time.sleep(600)
+    for _ in range(30000):
+        time.sleep(0.02)
     return plan
 ARDiffusionEngine.load = slow_load
 from ardiff_cli.app import main
@@ -1852,7 +1854,8 @@ elif where == "listing":  # the driver's first listing of an episode folder touc
     def slow_scan(self, *args, **kwargs):
         if made and not marker.exists():
             marker.touch()
-            time.sleep(600)
+            for _ in range(30000):  # short sleeps: a SIGTERM before one began is handled as it ends
+                time.sleep(0.02)
         return scan(self, *args, **kwargs)
     Rollout.__init__, StepScheduler._guarded_scan = driver_init, slow_scan
 from ardiff_cli.app import main

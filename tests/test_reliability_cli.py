@@ -34,7 +34,7 @@ from ardiff_cli.entry import interrupted_message
 from ardiff_cli.io import write_episode
 from ardiff_cli.io.demo import demo_step
 from ardiff_cli.runtime.errors import ResumeCommand
-from pipeline_helpers import (NOTICE, outputs, records, start_with_fault_files, stop_inside_a_fault,
+from pipeline_helpers import (NOTICE, outputs, records, start_with_fault_files, stop_inside_a_fault, wait_blocked,
                               wait_for_marker, wait_reading)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -416,6 +416,8 @@ def two_signals(env, args: list[str], faults: list[dict], tmp_path: Path, first:
     proc, marker, release, log = start_with_fault_files(env, args, faults, tmp_path)
     try:
         wait_for_marker(proc, marker, "the fault")
+        if any(fault.get("action") == "torch_wait" for fault in faults):
+            wait_blocked(proc)  # inside the torch call: the marker is made just before it
         send_and_wait_delivered(proc, first)
         if notice:
             wait_for_marker(proc, log, "the notice of the first signal", text=NOTICE)
@@ -592,6 +594,7 @@ def test_signals_that_come_together_as_a_stopped_run_exits_keep_its_exit_code(en
         wait_for_marker(proc, log, "the notice of the first signal", text=NOTICE)
         release.touch()
         wait_for_marker(proc, exiting, "the wait for the lingering thread")
+        wait_blocked(proc)  # in that wait: the marker is made as it begins
         send_and_wait_delivered(proc, signal.SIGINT)  # both handled as that thread ends: the main thread takes
         send_and_wait_delivered(proc, signal.SIGTERM)  # neither, nor is its wait cut short
         let_go.touch()

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -1379,14 +1380,30 @@ def test_ctrl_c_while_a_close_waits_for_the_snapshot_file_leaves_no_file_behind(
     run(engine, "a", 0)
     writes = HeldWrites(monkeypatch)
     run(engine, "b", 0)  # evicts a: its file is held
-    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
+    main, done = threading.main_thread(), threading.Event()
+
+    def ctrl_c_in_the_wait() -> None:
+        # once the main thread waits for a's file: inside Condition.wait, blocked in its lock (an untimed futex,
+        # x86-64's syscall 202 with no timeout). A timer (0.3 s) sent it wherever the close was: on a loaded machine
+        # before the discard (a's snapshot stayed known), or as its last check was done but its futex not begun (its
+        # C handler ran there, and the wait went on for the write this test holds: a hang)
+        syscall = Path(f"/proc/self/task/{main.native_id}/syscall")
+        while not done.is_set():
+            frame = sys._current_frames().get(main.ident)
+            waiting = frame is not None and frame.f_code is threading.Condition.wait.__code__
+            if waiting and syscall.read_text().split()[0:5:4] == ["202", "0x0"]:  # futex, timeout NULL
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            done.wait(0.001)
+
+    sender = threading.Thread(target=ctrl_c_in_the_wait)
+    sender.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             runner.close_session("a")  # waits for a's file
     finally:
-        timer.cancel()  # a close that did not wait must not leave a SIGINT for the rest of the session
-    timer.join()
+        done.set()  # a close that did not wait must not leave a SIGINT for the rest of the session
+        sender.join()
     writes.release()
     runner.swap.flush()
     assert not runner.swap.has("a") and not list(tmp_path.glob("*safetensors*"))  # the write deleted its file
