@@ -125,6 +125,15 @@ def pages_short(exc: BaseException | None) -> bool:
     return False
 
 
+# A page shortage in a rollout's warmup (``pages_short``): the warmup session had the pool to itself, so the plan (or
+# the pipeline's KV spec) undercounts a session's pages; no memory option or dtype is the fix, and once run.json is
+# written only --resume goes on, the warmup skipped
+WARMUP_PAGES_HINT = ("the KV page pool, sized by the capacity plan, ran short in the pipeline's warmup requests: the "
+                     "pipeline's KV spec or ardiff's plan undercounts their pages (report it, with the --verbose "
+                     "traceback), which no memory option or dtype changes; go on without the warmup (a step that runs "
+                     "short then fails its own episode, and the others go on)")
+
+
 def lighter_resume_hint(budget: str | None, plan: CapacityPlan | None = None, aside: str = "") -> str:
     """What to change when memory ran out once a run was written (``run.json``): only ``--resume`` goes on, and it
     keeps the run's dtype and config, so the KV pools (allocated at load) are what a resume can make smaller, where

@@ -204,7 +204,7 @@ class Rollout:
         # here): what its preview draws when it ends, without reading every episode's lines again for each episode
         self._ok_outputs: dict[str, list[tuple[int, str]]] = {}
         if options.preview:
-            for record in run.iter_records():
+            for record in run.iter_records(self._go_on):
                 if record["status"] == "ok":
                     self._ok_outputs.setdefault(record["episode"], []).append((record["step"], record["output"]))
         engine.subscribe(self._on_event)

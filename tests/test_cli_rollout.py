@@ -5141,6 +5141,52 @@ def test_the_hint_to_resume_a_run_already_in_out_pastes_into_bash_for_an_out_nam
     assert len(records(tmp_path / run)) == 6
 
 
+def test_a_new_run_into_an_out_a_run_was_written_to_since_its_first_look_is_refused_under_the_lock_with_its_resume(
+        env, data, tmp_path):
+    """Two rollouts into one --out, the second started as the first ended: the second's first look found no run, then
+    it waited (held here as it imports the engine: a FIFO no one writes yet) while the first wrote its run and ended.
+    It then took the lock, loaded the model, and RunFolder.start refused it with "continue it with --resume, or choose
+    another --out" (no --pipeline, which the run's resume needs). Now it is refused once it holds the lock, before the
+    model loads, with the early check's hint: the run's resume to paste."""
+    import errno
+
+    shim, hold, run = tmp_path / "shim", tmp_path / "hold", tmp_path / "run"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(HOLD_IMPORT)
+    os.mkfifo(hold)
+    held = {**env, "HOLD": str(hold), "HOLD_MODULE": "ardiff_cli.runtime.engine",
+            "PYTHONPATH": os.pathsep.join([str(shim), env["PYTHONPATH"]])}
+    pipeline = "faulty_pipelines:FaultyDreamZero"  # DreamZero itself, without faults
+    start = ["rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup", "--format",
+             "plain"]
+    second = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *start], cwd=REPO, env=held, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    writer = None
+    try:
+        deadline = time.monotonic() + 300
+        while writer is None:  # opens once the second opened the FIFO to read it: past its first look at --out
+            try:
+                writer = os.open(hold, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as exc:
+                assert exc.errno == errno.ENXIO and second.poll() is None and time.monotonic() < deadline, (
+                    second.poll(), exc)
+                time.sleep(0.01)
+        first = ardiff(env, *start, "--pipeline", pipeline)
+        assert first.returncode == 0, first.stderr
+        os.close(writer)  # the second goes on
+        writer = None
+        stderr = second.communicate(timeout=300)[1]
+    finally:
+        second.kill()
+        if writer is not None:
+            os.close(writer)
+    assert second.returncode == 2, stderr
+    assert stderr.endswith(f"Error: {run} already holds a run\nhint: continue it with: ardiff rollout --resume --out "
+                           f"{run} --pipeline {pipeline}; or choose another --out\n"), stderr
+    assert "planned" not in stderr  # refused before the model loaded
+    assert len(records(run)) == 6 and json.loads((run / "summary.json").read_text())["status"] == "ok"
+
+
 def test_the_way_back_after_run_json_could_not_record_a_followed_rename_pastes_into_bash(env, data, tmp_path):
     """`ln -s NEW OLD; ardiff rollout --resume --out OUT` quoted each path, but wrote the new folder's name and a
     relative --out as they are: one beginning with '-' was read by ln, the other by ardiff, as options. The run's

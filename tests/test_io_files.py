@@ -368,9 +368,13 @@ def test_done_steps_need_a_line_and_the_file(tmp_path):
 
 
 def test_start_refuses_a_folder_with_a_run(tmp_path):
-    RunFolder(tmp_path).start({"config": "x"})
-    with pytest.raises(ConfigError, match="already holds a run"):
+    """With the resume of the run there to paste, its --pipeline given again: it said "continue it with --resume, or
+    choose another --out", shorter than the CLI's own check before the lock."""
+    RunFolder(tmp_path).start({"config": "x", "pipeline_option": "lab:Model"})
+    with pytest.raises(ConfigError, match="already holds a run") as info:
         RunFolder(tmp_path).start({"config": "x"})
+    assert info.value.hint == (f"continue it with: ardiff rollout --resume --out {tmp_path} --pipeline lab:Model; or "
+                               "choose another --out")
     assert RunFolder(tmp_path).read_info()["config"] == "x"
 
 

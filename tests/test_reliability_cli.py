@@ -2375,3 +2375,94 @@ def test_a_kept_partly_rebuilt_snapshot_whose_step_lost_its_output_is_replayed_n
             "position 0 in the episode is not done (its output went missing)); its done steps are replayed instead"
             ) in proc.stderr
     assert (run / "episodes" / "arm_a" / "step_000000.safetensors").is_file()
+
+
+# -- hints that give the command that works for the run --------------------------------------------------------
+
+def pasted_here(env, command: str) -> subprocess.CompletedProcess:
+    """``command``, as a hint printed it, run by bash from the repository (``ardiff``: this one)."""
+    return subprocess.run(["bash", "-c", f'ardiff() {{ "$PASTE_PYTHON" -m ardiff_cli "$@"; }}\n{command}'], cwd=REPO,
+                          env={**env, "PASTE_PYTHON": sys.executable}, capture_output=True, text=True, timeout=600)
+
+
+def test_a_damaged_results_line_hints_the_runs_own_resume_which_pasted_once_it_is_deleted_finishes_it(
+        env, reference, tmp_path):
+    """It said "or delete line N (its step then runs again with --resume)": a bare --resume of a run started with
+    --pipeline is refused, and the options given to this resume were lost."""
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:2] + ['{"episode": garbage\n'] + lines[3:]))
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--swap-space", "1 MiB",
+                  "--no-warmup", "--format", "plain")
+    assert proc.returncode == 2, proc.stderr
+    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE} --swap-space '1 MiB'"
+    assert proc.stderr.endswith(f"Error: {run / 'results.jsonl'}, line 3: expected one JSON object per line, got "
+                                "'{\"episode\": garbage'\nhint: ardiff writes each line whole, so the file was "
+                                "changed outside ardiff: restore it, or delete line 3 (its step then runs again), "
+                                f"then continue with: {again}\n"), proc.stderr
+    (run / "results.jsonl").write_text("".join(lines[:2] + lines[3:]))  # what the hint says
+    proc = pasted_here(env, f"{again} --no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert "11 steps already done" in proc.stderr
+    assert_matches(run, reference)
+
+
+def test_a_page_shortage_in_a_rollouts_warmup_hints_the_resume_without_it_not_a_dtype_the_run_cannot_change(
+        env, data, reference, tmp_path):
+    """The KV page pool running short in a warmup request (the warmup session has the pool to itself: the plan
+    undercounts its pages) said "lower --memory-budget, --session-capacity or --gpu-memory-fraction, or use --dtype
+    bfloat16 or a smaller model": none of them is the fix, a resume refuses --dtype, and the new run's command
+    run again is refused (run.json is written before the warmup). The hint gives the resume without the warmup, which
+    pasted runs the steps."""
+    run = tmp_path / "run"
+    faults = [{"request": "warmup-2", "site": "page_shortage"}]
+    args = [a for a in rollout_args(data, run) if a != "--no-warmup"]
+    hint = ("hint: the KV page pool, sized by the capacity plan, ran short in the pipeline's warmup requests: the "
+            "pipeline's KV spec or ardiff's plan undercounts their pages (report it, with the --verbose traceback), "
+            "which no memory option or dtype changes; go on without the warmup (a step that runs short then fails "
+            "its own episode, and the others go on); to paste: ")
+    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    proc = ardiff(env, *args, faults=faults)
+    assert proc.returncode == 3, proc.stderr
+    assert "KV page pool exhausted" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.endswith(f"{hint}{again} --no-warmup\n"), proc.stderr
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--session-capacity", "1",
+                  "--format", "plain", faults=faults)  # a resume's: with what it was given
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.endswith(f"{hint}{again} --no-warmup --session-capacity 1\n"), proc.stderr
+    proc = pasted_here(env, f"{again} --no-warmup --session-capacity 1")
+    assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference)
+
+
+def test_a_resume_of_a_run_folder_this_user_cannot_write_hints_to_make_it_writable_not_to_choose_another(
+        env, reference, tmp_path):
+    """It said "choose a folder you can write": a resume cannot, its folder is the run's. The hint names the folder
+    to make writable and the resume, which pasted once it is finishes the run (file modes bind as root too:
+    ``modes_bind``)."""
+    from test_reliability_input import modes_bind
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-1]))  # its last step runs again
+    folders = [run, *(path for path in run.rglob("*") if path.is_dir())]
+    for path in [*run.rglob("*"), run]:
+        path.chmod(path.stat().st_mode & ~0o222)
+    try:
+        proc = subprocess.run([*modes_bind(), sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out",
+                               str(run), "--pipeline", PIPELINE, "--no-warmup", "--format", "plain"], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        for path in folders:
+            path.chmod(path.stat().st_mode | 0o200)  # for pytest to remove it, whatever failed
+    assert proc.returncode == 2, proc.stderr
+    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    assert proc.stderr.endswith(f"Error: --out {run}: cannot write the output folder: Permission denied\nhint: make "
+                                "the run's folder and its files writable by this user (chmod -R u+w "
+                                f"{run}, run as their owner), then continue with: {again}\n"), proc.stderr
+    proc = pasted_here(env, f"chmod -R u+w {run} && {again} --no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert "11 steps already done" in proc.stderr
+    assert_matches(run, reference)

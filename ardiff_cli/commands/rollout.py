@@ -27,9 +27,10 @@ from ardiff_cli.commands._common import (
     stop_between_requests,
 )
 from ardiff_cli.entry import signal_of
-from ardiff_cli.errors_cli import (EXIT_CODES_HELP, EpisodesFailed, Interrupted, budget_change, continue_with,
-                                  exit_code_for, handle_errors, import_hint, lighter_resume, lighter_resume_hint,
-                                  open_files_hint, pages_short, to_paste, weights_run_hint, while_importing)
+from ardiff_cli.errors_cli import (EXIT_CODES_HELP, WARMUP_PAGES_HINT, EpisodesFailed, Interrupted, budget_change,
+                                  continue_with, exit_code_for, handle_errors, import_hint, lighter_resume,
+                                  lighter_resume_hint, open_files_hint, pages_short, to_paste, weights_run_hint,
+                                  while_importing)
 from ardiff_cli.options import (
     ConfigArg,
     DeviceOpt,
@@ -291,8 +292,11 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
 
     run = RunFolder(out) if run is None and resume and out is not None else run
     if run is not None:
-        run.resume_info()  # unlocked: a folder that holds no run this ardiff resumes is refused, nothing written there
-        run.lock()
+        # unlocked: a folder that holds no run this ardiff resumes is refused, nothing written there
+        pipeline_option = run.resume_info().get("pipeline_option")
+        # a folder it cannot lock is to be made writable: a resume's folder is the run's, no other
+        run.lock(continue_with(replace(again or ResumeCommand(run.root),
+                                       pipeline=pipeline_option if isinstance(pipeline_option, str) else None)))
     try:
         return _prepare_run(run, config, episode_paths, out, resume, overrides, output, pipeline=pipeline,
                             options=options, again=again)
@@ -348,13 +352,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
     elif out is not None:
         if RunFolder(out).holds_run():
             RunFolder(out).refuse_while_locked()  # a run still going: not one to resume now
-            pipeline_option = None  # the run's: a resume is given it again (a run.json unread here is told then)
-            with contextlib.suppress(ArdiffError, OSError):
-                pipeline_option = RunFolder(out).read_info().get("pipeline_option")
-            pipeline_option = pipeline_option if isinstance(pipeline_option, str) else None
-            raise ConfigError(f"{as_typed(out)} already holds a run",
-                              hint=f"continue it with: {ResumeCommand(out, pipeline_option)}; or choose another "
-                                   "--out")
+            raise RunFolder(out).held_run()  # with its resume to paste
     try:
         cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), **overrides)
     except ConfigError as exc:
@@ -507,10 +505,12 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
         run = RunFolder(out)
         run.lock()  # held until the command ends: a second rollout writing this folder is refused
     try:
+        if not resume and run.holds_run():  # a rollout started here since the check above, and ended: refused now,
+            raise run.held_run()  # under the lock, not once the model has loaded (RunFolder.start)
         _refuse_another_runs_kept_snapshots(Path(out) / SWAP_DIR, info["started"])
         run.refuse_a_folder_as_summary()
         if resume:
-            done, digests = run.resume_state(warn=output.warning)
+            done, digests = run.resume_state(warn=output.warning, go_on=continue_with(again))
     except BaseException:
         run.close()
         raise
@@ -1208,6 +1208,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                             error.hint = to_paste(RESUME_LOAD_HINT, p.resume)
                         elif phase == WEIGHTS_PHASE:  # a new run's, before its KV pools: the model's dtype or size
                             error.hint = weights_run_hint(p.cfg.runtime.dtype)
+                if pages_short(error) and not warmed_up and run.holds_run():  # the warmup's: run.json is written
+                    error.hint = to_paste(WARMUP_PAGES_HINT, replace(p.resume, given=(*p.resume.given, "--no-warmup")))
                 if error is exc:
                     raise
                 raise error from exc  # --verbose shows what the stop cut short
@@ -1567,7 +1569,7 @@ def _summary_of(run: Any, p: _Prepared, stats: Any, *, device: str | None, plan:
     else:
         status = "failed"
     summary = build_summary(
-        run.iter_records(), episodes=[e.name for e in p.episodes], failed=stats.failed,
+        run.iter_records(continue_with(p.resume)), episodes=[e.name for e in p.episodes], failed=stats.failed,
         info={**p.info, "device": device}, plan=plan,
         this_run={"steps": stats.steps, "skipped": stats.skipped, "replayed": stats.replayed,
                   "evictions": stats.evictions, "completed_episodes": stats.completed_episodes,

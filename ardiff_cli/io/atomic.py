@@ -256,22 +256,32 @@ def truncate_partial_line(path: Path, chunk: int = 1 << 16) -> None:
         f.truncate(0)
 
 
-def read_jsonl(path: str | os.PathLike,
-               problem: Callable[[dict[str, Any]], str | None] | None = None) -> Iterator[dict[str, Any]]:
+def read_jsonl(path: str | os.PathLike, problem: Callable[[dict[str, Any]], str | None] | None = None, *,
+               go_on: str | None = None) -> Iterator[dict[str, Any]]:
     """The whole lines of a JSON-lines file; a trailing partial line is ignored.
 
     Lines are written whole (:class:`JsonlAppender`), so a whole line that is not a JSON object (or one
     ``problem`` finds fault with) was damaged outside ardiff: that is a ``ConfigError`` naming the file
-    and line, never a guess at what it held.
+    and line, never a guess at what it held. ``go_on``: how its hint ends (results.jsonl's: the run's resume to
+    paste, ``errors_cli.continue_with``).
     """
-    for _, record in read_numbered_jsonl(path, problem):
+    for _, record in read_numbered_jsonl(path, problem, go_on=go_on):
         yield record
 
 
+def damaged_results_hint(number: int, go_on: str | None = None) -> str:
+    """The hint of results.jsonl's damaged line ``number``: deleting it runs its step again, on the run's resume
+    (``go_on``: how to go on with it, its command to paste; None: not known, --resume said)."""
+    fix = "ardiff writes each line whole, so the file was changed outside ardiff: restore it, or delete line"
+    if go_on is None:
+        return f"{fix} {number} (its step then runs again with --resume)"
+    return f"{fix} {number} (its step then runs again), then {go_on}"
+
+
 def read_numbered_jsonl(path: str | os.PathLike, problem: Callable[[dict[str, Any]], str | None] | None = None, *,
-                        hint: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+                        hint: str | None = None, go_on: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
     """:func:`read_jsonl`'s lines with their line numbers (from 1; blank lines are counted, not yielded); ``hint``:
-    the hint of a damaged line's error, when the file is not results.jsonl."""
+    the hint of a damaged line's error, when the file is not results.jsonl (``go_on``: how results.jsonl's ends)."""
     path = Path(path)
     try:  # not Path.exists: it says False of a link looping to itself, whose lines were then taken for none
         f = open_file(path)
@@ -314,7 +324,6 @@ def read_numbered_jsonl(path: str | os.PathLike, problem: Callable[[dict[str, An
                 got = raw.rstrip(b"\n").decode("utf-8", "replace")
                 raise ConfigError(
                     f"{path}, line {number}: {fault}, got {got[:80]!r}" + ("..." if len(got) > 80 else ""),
-                    hint=hint or f"ardiff writes each line whole, so the file was changed outside ardiff: restore it, "
-                                 f"or delete line {number} (its step then runs again with --resume)",
+                    hint=hint or damaged_results_hint(number, go_on),
                 )
             yield number, record

@@ -19,6 +19,7 @@ file, and a step without a line is simply run again on resume.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import platform
@@ -30,8 +31,8 @@ from typing import Any
 
 from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_capped,
                                  read_jsonl, read_numbered_jsonl, remove_temporaries)
-from ardiff_cli.runtime.errors import (ConfigError, as_typed, did_you_mean, field_error, link_to_nothing, shown,
-                                      too_many_open_files)
+from ardiff_cli.runtime.errors import (ArdiffError, ConfigError, ResumeCommand, as_typed, did_you_mean, field_error,
+                                      link_to_nothing, shell_word, shown, too_many_open_files)
 from ardiff_cli.runtime.outputs import is_array
 
 RUN_FILE = "run.json"
@@ -209,13 +210,21 @@ class RunFolder:
         except OSError:
             return False
 
+    def held_run(self) -> ConfigError:
+        """The refusal of a fresh run in this folder, which :meth:`holds_run`: its hint gives that run's resume to
+        paste, with the --pipeline it was started with (run.json's, where it can be read; a resume refuses one
+        without it)."""
+        pipeline = None
+        with contextlib.suppress(ArdiffError, OSError):  # a run.json unread here is told by the resume
+            pipeline = RunFolder(self.root).read_info().get("pipeline_option")
+        again = ResumeCommand(self.root, pipeline if isinstance(pipeline, str) else None)
+        return ConfigError(f"{as_typed(self.root)} already holds a run",
+                           hint=f"continue it with: {again}; or choose another --out")
+
     def start(self, info: Mapping[str, Any]) -> None:
         """A fresh run: refuse a folder that holds one already (it would be mixed with this one)."""
         if self.holds_run():
-            raise ConfigError(
-                f"{as_typed(self.root)} already holds a run",
-                hint="continue it with --resume, or choose another --out",
-            )
+            raise self.held_run()
         self.root.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.root / RUN_FILE, {"format": RUN_FORMAT, **info, "journal_lines": 0})
         self.wrote_info(info)  # and no journal: a folder holding one holds a run
@@ -451,24 +460,26 @@ class RunFolder:
             folders += [p for p in episodes.iterdir() if p.is_dir()]
         return [path for folder in folders for path in remove_temporaries(folder, older_than_s=0)]
 
-    def iter_records(self) -> Iterator[dict[str, Any]]:
+    def iter_records(self, go_on: str | None = None) -> Iterator[dict[str, Any]]:
         """Every whole line of results.jsonl, in order, one at a time: a long run's file is never held whole
-        (100,000 lines: 220 MiB); a line lacking what resuming reads is named."""
-        return read_jsonl(self.results_path, _record_problem)
+        (100,000 lines: 220 MiB); a line lacking what resuming reads is named (``go_on``: how its hint says to go on
+        with the run, the resume to paste)."""
+        return read_jsonl(self.results_path, _record_problem, go_on=go_on)
 
-    def resume_state(self, warn: Callable[[str], None] | None = None
+    def resume_state(self, warn: Callable[[str], None] | None = None, go_on: str | None = None
                      ) -> tuple[dict[str, dict[int, int | None]], dict[str, dict[int, str]]]:
         """What ``--resume`` reads, in one pass over results.jsonl that holds no line: episode -> step -> its
         ``chunk`` (its position in the episode when it ran; None on a line without one) for the steps with an ``ok``
         line whose output file exists, is whole and holds that step (those are not run again), and episode -> step ->
         SHA-256 of the step file when it ran (``input_sha256`` of its ok line; lines of earlier versions have none),
         which a replay of that step checks the file still has. An output file that holds another step by its own
-        metadata (one copied or linked in its place) runs its step again, and ``warn`` says so."""
+        metadata (one copied or linked in its place) runs its step again, and ``warn`` says so. ``go_on``:
+        :meth:`iter_records`'."""
         done: dict[str, dict[int, int | None]] = {}
         digests: dict[str, dict[int, str]] = {}
         read: dict[str, dict[str, Any] | None] = {}  # output -> _whole_metadata: a step's file is read once
         misplaced: dict[str, str] = {}  # output -> the other step it holds, to warn of
-        for record in self.iter_records():
+        for record in self.iter_records(go_on):
             if record["status"] != "ok":
                 continue
             output = record["output"]
@@ -515,10 +526,12 @@ class RunFolder:
     def write_summary(self, summary: Mapping[str, Any]) -> Path:
         return atomic_write_json(self.summary_path, summary)
 
-    def lock(self) -> None:
+    def lock(self, go_on: str | None = None) -> None:
         """Hold the folder's lock until :meth:`close`: a second process writing the same run would interleave and
         duplicate its results lines. Refused (``ConfigError``) while another process holds it; the lock goes away
-        with its process, however that ends (kill -9 included), so there is nothing stale to remove."""
+        with its process, however that ends (kill -9 included), so there is nothing stale to remove. ``go_on``: a
+        resume's (how to go on with the run, its command to paste): its folder cannot be another, so a folder it
+        cannot write is one to make writable, not to choose otherwise."""
         try:
             import fcntl
         except ImportError:  # not POSIX: no lock
@@ -539,7 +552,8 @@ class RunFolder:
                                   hint=f"remove that link ({as_typed(path)}): ardiff makes {LOCK_FILE} itself, a file "
                                        "it holds locked to keep a second rollout off the run") from None
             raise ConfigError(f"--out {as_typed(self.root)}: cannot write the output folder: {exc.strerror or exc}",
-                              hint="choose a folder you can write") from None
+                              hint="choose a folder you can write" if go_on is None
+                              else f"{self._writable(exc)}, then {go_on}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -564,7 +578,8 @@ class RunFolder:
         except OSError as exc:  # a full disk: it was 'an unexpected OSError ... a bug in ardiff'
             os.close(fd)
             raise ConfigError(f"--out {as_typed(self.root)}: cannot write the output folder: {exc.strerror or exc}",
-                              hint="free some space in it, or choose another --out") from None
+                              hint="free some space in it, or choose another --out" if go_on is None
+                              else f"free some space in it, then {go_on}") from None
         self._lock = fd
         self._remember_identity()
         try:
@@ -572,6 +587,14 @@ class RunFolder:
         except BaseException:
             self.close()
             raise
+
+    def _writable(self, exc: OSError) -> str:
+        """What makes this run's folder writable again, where ``exc`` refused it: a resume writes all through it
+        (run.json, results.jsonl, each episode's outputs), so its modes all through, or its file system."""
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return (f"make the run's folder and its files writable by this user (chmod -R u+w "
+                    f"{shell_word(self.root)}, run as their owner)")
+        return f"make {as_typed(self.root)} writable (a file system mounted read-only?)"
 
     def _lock_swap(self) -> None:
         """Lock the run's swap folder too when it is there already: a ``.swap`` linked to a folder another run's
