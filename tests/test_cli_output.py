@@ -1492,3 +1492,26 @@ def test_a_name_in_bytes_the_locale_cannot_decode_is_written_as_xnn_in_every_lin
     code, out, err = ardiff(b"rollout", name, b"eps")  # a name quoted as Python's repr would
     assert code == 2 and f"Error: CONFIG '{shown}' is a folder; the first argument is a config file or a built-in " \
         "config name" in err.splitlines(), err
+
+
+def test_an_unknown_pipeline_named_in_bytes_the_locale_cannot_decode_is_quoted_with_xnn(tmp_path, cli_env):
+    """`--pipeline $'caf\\xe9'`: the error quoted the name as Python's repr, `unknown pipeline 'caf\\udce9'`, where
+    every other quoted name (CONFIG, --pipeline MODULE:CLASS) writes the byte `\\xe9`."""
+    import subprocess
+
+    env = {**{k: v for k, v in cli_env.items() if not k.startswith(("LC_", "PYTHONUTF8", "PYTHONIOENCODING"))},
+           "LC_ALL": "C.UTF-8"}
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", "dreamzero-tiny", "--pipeline",
+                           b"caf\xe9", "--format", "plain"], env=env, cwd=tmp_path, capture_output=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.decode("ascii").splitlines()[0] == "Error: --pipeline: field 'pipeline': unknown pipeline " \
+        "'caf\\xe9'", proc.stderr
+    # and the file named in place of MODULE, in one hint: `'d/caf\\xe9.py' is a file's path ... and 'caf\\udce9' is no
+    # Python name`
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", "dreamzero-tiny", "--pipeline",
+                           b"d/caf\xe9.py:C", "--format", "plain"], env=env, cwd=tmp_path, capture_output=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.decode("ascii").splitlines()[1] == "hint: 'd/caf\\xe9.py' is a file's path; MODULE is the " \
+        "name it is imported by, from a folder on PYTHONPATH, and 'caf\\xe9' is no Python name: rename the file " \
+        "(letters, digits and _)", proc.stderr

@@ -2058,6 +2058,28 @@ def test_a_run_folder_given_as_config_hints_its_resume(tmp_path, cli_env):
     assert proc.stderr.endswith(f"\nhint: pass the config first: ardiff rollout dreamzero-tiny {tmp_path / 'arm_a'}\n")
 
 
+def test_a_run_folder_of_a_model_still_loading_given_as_config_has_nothing_to_resume(tmp_path, cli_env):
+    # a rollout stopped while its model loaded leaves only .lock (run.json is written after): as CONFIG it was told
+    # "to finish its run: ardiff rollout --resume -o RUN", which, pasted, says "nothing to resume: run.json does not
+    # exist". The hint says so, and its command, CONFIG and EPISODE filled in, starts the run there.
+    run = tmp_path / "runs" / "eval1"
+    run.mkdir(parents=True)
+    (run / ".lock").touch()
+    episode(tmp_path / "arm_a", 1)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "runs/eval1", "--format", "plain"],
+                          env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    again = "ardiff rollout CONFIG EPISODE... --out runs/eval1"
+    assert proc.stderr == ("Error: CONFIG 'runs/eval1' is a folder; the first argument is a config file or a built-in "
+                           "config name\nhint: it is an ardiff run folder (what a rollout wrote) with no run.json: its "
+                           "model was loading when it stopped (or is loading now), so there is nothing to resume; to "
+                           f"start its run again: {again}\n")
+    argv = again.replace("CONFIG EPISODE...", "dreamzero-tiny arm_a").split()[1:]
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *argv, "--no-warmup", "--format", "plain"],
+                          env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and (run / "run.json").is_file(), proc.stderr
+
+
 @pytest.mark.parametrize("before", [[], ["dreamzero-tiny"]])
 def test_resume_given_the_run_folder_without_out_gives_the_resume_to_paste(tmp_path, cli_env, before):
     # `ardiff rollout --resume runs/eval1` (-o forgotten) said "--resume needs --out DIR", hint "the run printed it as

@@ -10,7 +10,7 @@ from typing import Any
 
 from ardiff_cli.errors_cli import budget_change
 from ardiff_cli.options import DEFAULT_CONFIG
-from ardiff_cli.runtime.errors import ConfigError, quoted, shell_word
+from ardiff_cli.runtime.errors import ConfigError, ResumeCommand, quoted, shell_word
 
 
 def load_engine_config(config: str | None, *, pipeline: str | None = None, command: str = "rollout",
@@ -42,6 +42,11 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
                 what, again = found_run
                 which = "its run" if what == "an ardiff run folder" else "one of its runs"
                 hint = f"it is {what} (what a rollout wrote); to finish {which}: {again}"
+                if which == "its run" and not isinstance(again, ResumeCommand):  # only the .lock, which a resume
+                    # refuses ("nothing to resume: run.json does not exist"): the run is started again
+                    hint = (f"it is {what} (what a rollout wrote) with no run.json: its model was loading when it "
+                            "stopped (or is loading now), so there is nothing to resume; to start its run again: "
+                            f"ardiff rollout CONFIG EPISODE... --out {shell_word(config)}")
         raise ConfigError(
             f"CONFIG {quoted(config)} is a folder; the first argument is a config file or a built-in config name",
             hint=hint)

@@ -196,7 +196,7 @@ def _file_path_hint(reference: str) -> str | None:
     module = file.name.removesuffix(".py")
     said = f"{quoted(path)} is a file's path; MODULE is the name it is imported by, from a folder on PYTHONPATH"
     if not module.isidentifier():
-        return f"{said}, and {module!r} is no Python name: rename the file (letters, digits and _)"
+        return f"{said}, and {quoted(module)} is no Python name: rename the file (letters, digits and _)"
     folder = os.path.expanduser(str(file.parent))  # `--pipeline=~/code/x.py:C`: no shell expands a ~ there
     return f"{said}: run with PYTHONPATH={shell_word(folder)} and --pipeline {module}:{cls}"
 
@@ -284,7 +284,7 @@ def resolve_pipeline(name: str, *, where: str = "config") -> PipelineEntry:
             example = f"{module}:{last}" if module and last[:1].isupper() else "my_lab.models:MyPipeline"
             hint += f"; to load a class from a module, write MODULE:CLASS, e.g. --pipeline {example}"
         raise ConfigError(
-            f"{where}: field 'pipeline': unknown pipeline {name!r}{did_you_mean(name, registry)}", hint=hint
+            f"{where}: field 'pipeline': unknown pipeline {quoted(name)}{did_you_mean(name, registry)}", hint=hint
         )
     return resolve_entry_module(registry[name], name=name, where=where)
 
