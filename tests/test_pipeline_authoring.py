@@ -406,6 +406,10 @@ class PassThroughToNothing(LabPipeline):
         return {}
 
 
+class PassThroughToNothingUnwarmed(PassThroughToNothing):
+    ar_diffusion_warmup_requests = None  # no warmup: a rollout's first step is its first call
+
+
 def _seeded_any(forward):  # a decorator that hands on whatever it is given, and a seed of its own
     @functools.wraps(forward)
     def seeded(self, *args, **kwargs):
@@ -417,6 +421,37 @@ class SeededPassThrough(LabPipeline):
     @_seeded_any
     def forward(self, request, seed):
         return super().forward(request)
+
+
+class _Unbound:  # a decorator that is a class with no __get__: what it wraps is called with no self
+    def __init__(self, method):
+        functools.update_wrapper(self, method)
+
+    def __call__(self, *args, **kwargs):
+        return self.__wrapped__(*args, **kwargs)
+
+
+class _Bound(_Unbound):  # bound to the instance it is read from, as a function is
+    def __get__(self, instance, owner=None):
+        return self if instance is None else functools.partial(self, instance)
+
+
+class UnboundForward(LabPipeline):
+    @_Unbound
+    def forward(self, request):
+        return LabPipeline.forward(self, request)
+
+
+class UnboundClose(LabPipeline):
+    @_Unbound
+    def close_ar_diffusion_session(self, session_id):
+        LabPipeline.close_ar_diffusion_session(self, session_id)
+
+
+class BoundForward(LabPipeline):
+    @_Bound
+    def forward(self, request):
+        return LabPipeline.forward(self, request)
 
 
 class InferenceModeWithoutRequest(LabPipeline):
@@ -712,6 +747,51 @@ def test_a_pass_through_to_code_that_cannot_take_the_request_is_a_pipeline_error
     assert (error["kind"], error["exit_code"]) == ("pipeline_error", 1), error
     assert error["message"] == ("warmup request 'warm0' of PassThroughToNothing failed: TypeError: "
                                 "PassThroughToNothing.step() takes 1 positional argument but 2 were given"), error
+
+
+def test_a_pass_through_to_code_that_cannot_take_the_request_fails_the_episodes_of_a_rollout_without_warmup(lab):
+    """README: what a pass-through hands on fails where it is first called, as the pipeline's code there does. With
+    no warmup requests, that is a rollout's first step: each episode fails at it, naming what Python said, and the
+    run is episodes_failed, not a pipeline_error (the README said "a pipeline_error" of every first call)."""
+    root, env = lab
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "unnamed.yaml", "eps", "-o",
+                           "passes_to_nothing", "--pipeline", "lab_world.model:PassThroughToNothingUnwarmed",
+                           "--format", "json"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert (error["kind"], error["exit_code"]) == ("episodes_failed", 1), error
+    lines = [json.loads(line) for line in (root / "passes_to_nothing" / "results.jsonl").read_text().splitlines()]
+    assert {(line["episode"], line["step"], line["phase"], line["error_type"]) for line in lines} == {
+        (f"ep{e}", 0, "forward", "TypeError") for e in range(3)}, lines
+    assert all("PassThroughToNothing.step() takes 1 positional argument but 2 were given" in line["error"]
+               for line in lines), lines
+
+
+@pytest.mark.parametrize(("name", "method", "argument"), [("UnboundForward", "forward", "request"),
+                                                         ("UnboundClose", "close_ar_diffusion_session", "session_id")])
+def test_a_decorator_class_that_is_not_bound_to_the_pipeline_is_refused_at_load(lab, name, method, argument):
+    """A decorator that is a class with __call__ and no __get__ is never bound: the method it wraps gets no self, and
+    ardiff's argument in its place. Refused at load, as before pass-throughs were judged by what they may add: the
+    first warmup request failed "missing 1 required positional argument", and a close hook, in a rollout without
+    warmup, failed as a warning at every session's end."""
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "warmup", "unnamed.yaml", "--pipeline",
+                           f"lab_world.model:{name}", "--format", "json"], cwd=lab[0], env=lab[1],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert (error["kind"], error["exit_code"]) == ("pipeline_error", 1), error
+    assert re.fullmatch(rf"{name}\.{method}\(\) \(lab_world/model\.py:\d+\) cannot take the arguments ardiff passes "
+                        rf"it: its decorator, a _Unbound, is not bound to the pipeline as a method is \(its class "
+                        rf"defines no __get__\), so it hands {method}\(self, {argument}\) no self, and {argument} in "
+                        "its place",
+                        error["message"]), error
+    assert error["hint"].startswith("give _Unbound a __get__ that binds it"), error
+    assert "warm0" not in proc.stderr, proc.stderr
+
+
+def test_a_decorator_class_bound_to_the_pipeline_loads_and_runs(lab):
+    proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:BoundForward")
+    assert proc.returncode == 0 and "KV pool restored" in proc.stdout, proc.stderr
 
 
 def test_a_decorator_handing_on_more_arguments_than_the_method_takes_is_refused_at_load(lab):

@@ -580,8 +580,9 @@ class ARDiffusionModelRunner:
     def _check_signatures(self) -> None:
         """Refuse a capability method that cannot take the arguments the runner passes it: it loaded, and failed
         with a TypeError at its first request, or (a hook) at the first session released. One that takes them as
-        ``*args``/``**kwargs`` (a pass-through) takes anything: if what it hands them to cannot, that is the
-        pipeline's error at its first call (a ``PipelineError``, as any exception of its code is)."""
+        ``*args``/``**kwargs`` (a pass-through) takes anything: if what it hands them to cannot, that fails where it
+        is first called, as any exception of the pipeline's code there (warmup's ``PipelineError``, a request's
+        ``TypeError``, a hook's ``LifecycleHookError``)."""
         name = type(self.pipeline).__name__
         for method, arguments in PIPELINE_CALL_ARGUMENTS.items():
             bound = getattr(self.pipeline, method, None)
@@ -613,7 +614,7 @@ class ARDiffusionModelRunner:
                     hands_on = True
             try:  # handed on, they may come with arguments of the wrapper's own (`forward(self, *args, seed=0)`): then
                 # only more than the function can take refuses it (it was "missing a required argument: 'seed'")
-                (signature.bind_partial if hands_on else signature.bind)(*arguments)
+                taken = (signature.bind_partial if hands_on else signature.bind)(*arguments).arguments
             except TypeError as exc:
                 raise PipelineContractError(
                     f"{name}.{method}() ({_defined_at(bound)}) cannot take the arguments ardiff passes it: "
@@ -621,6 +622,16 @@ class ARDiffusionModelRunner:
                     hint=f"define it as `def {method}({', '.join(('self', *arguments))})` (README, 'Adding a "
                          "pipeline')",
                 ) from None
+            if hands_on and not inspect.ismethod(bound) and next(iter(taken), None) == "self":
+                # a wrapper that is no method (a class with __call__ and no __get__) hands the function it wraps no
+                # self: the first argument lands there, and the function misses its last one at every call
+                raise PipelineContractError(
+                    f"{name}.{method}() ({_defined_at(bound)}) cannot take the arguments ardiff passes it: its "
+                    f"decorator, a {type(bound).__name__}, is not bound to the pipeline as a method is (its class "
+                    f"defines no __get__), so it hands {method}{signature} no self, and {arguments[0]} in its place",
+                    hint=f"give {type(bound).__name__} a __get__ that binds it (`return types.MethodType(self, "
+                         "instance)`), or write the decorator as a function (functools.wraps)",
+                )
 
     def _plan_and_allocate(self, spec: ARDiffusionKVCacheSpec) -> tuple[CapacityPlan, ARDiffusionKVCache]:
         """Pick the attention backend (kv/backends.py), plan for it, and allocate the pools in its layout.
