@@ -324,10 +324,10 @@ class Rollout:
             if item is None:
                 # looked at now, not as each failed: a folder being deleted (rm -rf) fails its episode at its first
                 # file gone, while the folder is still there; whatever that error said, the closing hint is this
-                self.stats.folders_gone = {e.name for e in self.episodes
-                                           if e.name in self._vanished and present(e.path) is False}
-                self.stats.folders_missing = {e.name for e in self.episodes
-                                              if e.name in self.stats.failed and present(e.path) is False}
+                # a link that leads nowhere is there, not gone (its recording moved): its error says to point it again
+                missing = {e.name for e in self.episodes if present(e.path) is False and not os.path.islink(e.path)}
+                self.stats.folders_gone = missing & self._vanished
+                self.stats.folders_missing = missing & self.stats.failed.keys()
                 return self.stats
             if isinstance(item, EpisodeEnded):
                 self._end_episode(item)

@@ -3876,6 +3876,59 @@ def test_an_episode_folder_that_is_a_link_whose_recording_moved_while_followed_n
     assert recorded_folders(run) == {"arm_a": str(live.resolve() / "cam")}
 
 
+def test_an_episode_folder_that_is_a_link_to_a_link_repointed_at_its_end_names_where_it_leads_now(
+        env, data, tmp_path):
+    """live/cam -> rec/latest -> arm_a, rec/latest pointed at arm_b once the run found it (`ln -sfn arm_b
+    rec/latest`): the episode fails, and its error said "the episode folder is a link, now to ../rec/latest", the
+    path the link always led to. It names the folder that path leads to now."""
+    live, run, rec = tmp_path / "live", tmp_path / "run", tmp_path / "rec"
+    write_episode(rec / "arm_b", steps_of(1, 3), prompt="task arm_b")
+    (rec / "arm_a").mkdir(parents=True)
+    (rec / "latest").symlink_to("arm_a")
+    live.mkdir()
+    (live / "cam").symlink_to(Path("..") / "rec" / "latest")
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "cam"), "--out", str(run), "--follow",
+                 "--no-warmup", "--idle-timeout", "30")
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "run.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the run found the episode before the link at the end is pointed elsewhere
+        (rec / "next").symlink_to("arm_b")
+        os.replace(rec / "next", rec / "latest")
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, stderr
+    assert (f"Error: episode 'arm_a' failed: {live / 'cam'}: the episode folder is a link, now to ../rec/latest, a "
+            f"link that leads to {rec.resolve() / 'arm_b'}, another folder than the one it led to when the run found "
+            "it") in stderr, stderr
+
+
+def test_a_followed_episode_folder_that_is_a_link_to_nothing_now_does_not_close_the_run_as_gone(env, data, tmp_path):
+    """live/cam -> ../rec/arm_a, the only episode, its recording moved away mid-run: its error names the link and
+    says to point it where the recording is now, and the run's closing line said "its folder is gone (deleted or
+    renamed ...)", hint "put it back at its path (moved: a symlink there ...)", of a link that is there. It closes
+    on the episode's own hint."""
+    live, run, rec = tmp_path / "live", tmp_path / "run", tmp_path / "rec"
+    steps = steps_of(0, 3)
+    write_episode(rec / "arm_a", steps[:1], prompt="task arm_a", end=False)
+    live.mkdir()
+    (live / "cam").symlink_to(Path("..") / "rec" / "arm_a")
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "cam"), "--out", str(run), "--follow",
+                 "--no-warmup", "--idle-timeout", "30")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)
+        (rec / "arm_a").rename(rec / "arm_a.old")
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, stderr
+    assert f"{live / 'cam'}: the episode folder is a link to ../rec/arm_a, which does not exist" in stderr, stderr
+    assert (f"Error: every episode failed (arm_a)\nhint: fix what is named above, then continue with: ardiff rollout "
+            f"--resume --out {run}\n") in stderr, stderr
+    assert "gone" not in stderr, stderr
+
+
 @pytest.mark.parametrize("link_first", [True, False], ids=["link-first", "target-first"])
 def test_a_link_and_its_target_given_both_run_once_read_at_the_path_given_first_which_the_warning_names(
         env, data, tmp_path, link_first):

@@ -909,6 +909,31 @@ def test_follow_fails_an_episode_whose_folder_is_replaced_by_another_between_two
     assert scheduler.next() is None
 
 
+@pytest.mark.parametrize("steps_first", [0, 2], ids=["before-its-first-step", "after-two"])
+def test_follow_fails_an_episode_whose_link_is_replaced_by_a_folder_as_replaced_not_as_a_link(tmp_path, steps_first):
+    """cam -> rec/arm_a, and a folder moved in place of the link between two polls: the episode fails, and its error
+    said "the episode folder is a link, another folder than the one it led to" of a path that is no link now."""
+    write_episode(tmp_path / "rec" / "arm_a", [good(s) for s in range(steps_first)], prompt="p", end=False)
+    folder = tmp_path / "cam"
+    folder.symlink_to(Path("rec") / "arm_a")
+
+    def replace() -> None:
+        write_episode(tmp_path / "staged", [good(10 + step) for step in range(3)], prompt="p")
+        folder.unlink()
+        (tmp_path / "staged").rename(folder)
+
+    clock = FakeClock([lambda: None, replace])
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert [scheduler.next().file.step for _ in range(steps_first)] == list(range(steps_first))
+    item = scheduler.next()
+    assert isinstance(item, EpisodeEnded) and item.reason == "error", item
+    assert str(item.error) == (f"{folder}: the episode folder was replaced (deleted or renamed, and another folder "
+                               f"put in its place, while it was followed); {steps_first} of its steps had arrived "
+                               "from the old one")
+    assert scheduler.next() is None
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "npz"])
 def test_follow_waits_for_a_writer_that_pauses_mid_file(tmp_path, fmt):
     """A robot writing in place (no rename) that stalls for several polls halfway through a step file."""

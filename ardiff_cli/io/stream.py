@@ -714,7 +714,12 @@ class StepScheduler:
         (``ln -sfn``: a recorder pointing ``latest`` at its next recording)."""
         folder = track.source.path
         try:
-            now = f", now to {os.readlink(folder)}"
+            target = os.readlink(folder)
+            now = f", now to {target}"
+            # a link to a link (live/cam -> rec/latest -> arm_b): the one pointed elsewhere may be the last, so the
+            # first hop alone named the path the link always led to
+            if os.path.islink(os.path.join(os.path.dirname(folder), target)):
+                now += f", a link that leads to {as_typed(os.path.realpath(folder))}"
         except OSError:
             now = ""
         return ObservationError(
@@ -806,7 +811,7 @@ class StepScheduler:
             # another episode's, not the session's history; a poll between the two would have found it gone. A link
             # pointed at another folder, even before a step came (files is empty at the first poll): the episode is
             # named after the folder the link led to when the run found it, and would run another recording's steps.
-            if track.link:
+            if track.link and os.path.islink(track.source.path):  # a folder moved in place of the link: replaced
                 raise self._repointed(track)
             raise ObservationError(
                 f"{track.source.path}: the episode folder was replaced (deleted or renamed, and another folder put "
