@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -149,17 +150,49 @@ def wait_reading(proc: subprocess.Popen, fifo: Path) -> None:
         time.sleep(0.001)
 
 
-def wait_blocked(proc: subprocess.Popen) -> None:
-    """Poll until ``proc``'s main thread waits in a futex with no timeout (x86-64's syscall 202, its fourth argument
-    NULL in /proc/PID/syscall): a lock or a torch call's wait that nothing but the test ends. A signal sent before,
+# the futex syscall's number, as /proc/PID/syscall writes it, on this machine (x86-64's or aarch64's)
+FUTEX = {"x86_64": "202", "aarch64": "98"}.get(platform.machine())
+
+
+class UntimedFutex:
+    """Whether the thread whose /proc/.../syscall is ``path`` waits in a futex with no timeout (its fourth argument
+    NULL): a lock or a torch call's wait that nothing but the test ends. Raises ``AssertionError`` naming the wait
+    once the thread has sat ``settle_s`` in one other syscall (the same number and arguments): a Python or C library
+    that waits otherwise (a futex with a timeout, another syscall), which was polled for 5 minutes (``wait_blocked``)
+    or for ever (a test's own thread, which nothing else stops); and at once on a machine whose futex is not known."""
+
+    def __init__(self, path: Path, settle_s: float = 30.0) -> None:
+        assert FUTEX is not None, f"the futex syscall's number on {platform.machine()} is not known: add it to FUTEX"
+        self.path, self.settle_s = path, settle_s
+        self.other: list[str] | None = None  # the other syscall it was last seen in, with its arguments, and since
+        self.since = 0.0
+
+    def __call__(self) -> bool:
+        call = self.path.read_text().split()
+        if call[0:5:4] == [FUTEX, "0x0"]:
+            return True
+        if len(call) >= 7 and call[0] != "-1":  # in a syscall: not "running", nor "-1 SP PC" (stopped outside one)
+            if call[:7] != self.other:
+                self.other, self.since = call[:7], time.monotonic()
+            elif time.monotonic() - self.since > self.settle_s:
+                raise AssertionError(f"{self.path}: the thread has waited {self.settle_s:g} s in syscall {call[0]} "
+                                     f"(arguments {' '.join(call[1:7])}), not in a futex with no timeout (syscall "
+                                     f"{FUTEX}, fourth argument 0x0): this Python or C library waits otherwise")
+        return False
+
+
+def wait_blocked(proc: subprocess.Popen, settle_s: float = 30.0) -> None:
+    """Poll until ``proc``'s main thread waits in a futex with no timeout (``UntimedFutex``). A signal sent before,
     as a fault's marker appeared, was handled on its way there (its handler ran at once), not inside the wait the
-    test is about. Fails if the process exits first, or after 5 minutes."""
+    test is about. Fails if the process exits first, if it waits otherwise (``settle_s`` in one other syscall), or
+    after 5 minutes."""
+    blocked = UntimedFutex(Path(f"/proc/{proc.pid}/syscall"), settle_s)
     deadline = time.monotonic() + 300
     while True:
-        call = Path(f"/proc/{proc.pid}/syscall").read_text().split()
-        if call[0:5:4] == ["202", "0x0"]:
+        assert proc.poll() is None, f"the process exited ({proc.returncode}) before it waited"
+        if blocked():
             return
-        assert proc.poll() is None and time.monotonic() < deadline, (proc.poll(), call[:5])
+        assert time.monotonic() < deadline, f"the process never waited in a futex with no timeout ({blocked.other})"
         time.sleep(0.001)
 
 

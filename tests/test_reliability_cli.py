@@ -2461,8 +2461,92 @@ def test_a_resume_of_a_run_folder_this_user_cannot_write_hints_to_make_it_writab
     again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
     assert proc.stderr.endswith(f"Error: --out {run}: cannot write the output folder: Permission denied\nhint: make "
                                 "the run's folder and its files writable by this user (chmod -R u+w "
-                                f"{run}, run as their owner), then continue with: {again}\n"), proc.stderr
+                                f"{run}), then continue with: {again}\n"), proc.stderr
     proc = pasted_here(env, f"chmod -R u+w {run} && {again} --no-warmup")
     assert proc.returncode == 0, proc.stderr
     assert "11 steps already done" in proc.stderr
     assert_matches(run, reference)
+
+
+def test_a_resume_of_a_run_folder_another_user_owns_hints_to_give_it_to_this_user_not_a_chmod_that_cannot_help(
+        env, reference, tmp_path):
+    """A run folder owned by another user (here nobody, 0755) said "chmod -R u+w OUT, run as their owner": this user's
+    chmod is refused, and the owner's makes it writable by the owner alone, so the resume pasted after it was refused
+    again. The hint names the owner and the chown that gives the folder to this user; pasted, the resume finishes the
+    run. Run as root without the capabilities that bypass modes and ownership."""
+    import pwd
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root (chown to another user) and setpriv")
+    nobody = pwd.getpwnam("nobody").pw_uid
+    drop = "-dac_override,-dac_read_search,-fowner"
+    as_user = [shutil.which("setpriv"), f"--bounding-set={drop}", f"--inh-caps={drop}"]
+    run = tmp_path / "a run's"
+    shutil.copytree(reference, run)
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-1]))  # its last step runs again
+    for path in [run, *run.rglob("*")]:
+        os.chown(path, nobody, -1)
+        path.chmod(0o755)
+    command = [*as_user, sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run), "--pipeline",
+               PIPELINE, "--no-warmup", "--format", "plain"]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr
+    word = shlex.quote(str(run))
+    again = f"ardiff rollout --resume --out {word} --pipeline {PIPELINE}"
+    assert proc.stderr.endswith(f"Error: --out {run}: cannot write the output folder: Permission denied\nhint: the "
+                                "run's folder is owned by another user (nobody, not root): give it and its files to "
+                                f"this user (chown -R root {word}, as root) or resume as nobody, then continue with: "
+                                f"{again}\n"), proc.stderr
+    assert subprocess.run(["bash", "-c", f"chown -R root {word}"]).returncode == 0  # what the hint says, as root
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "11 steps already done" in proc.stderr
+    assert_matches(run, reference)
+
+
+def test_a_resume_of_a_run_folder_with_an_immutable_lock_hints_chattr_not_a_chmod_that_is_refused(
+        env, reference, tmp_path):
+    """An immutable .lock (`chattr +i`, a backup tool's) refuses even root with EPERM, and so does chmod: the hint said
+    "chmod -R u+w OUT". It names lsattr and the chattr that clears the flag; pasted, the resume finishes the run."""
+    run = tmp_path / "-run"
+    shutil.copytree(reference, run)
+    if os.geteuid() != 0 or shutil.which("chattr") is None or subprocess.run(
+            ["chattr", "+i", str(run / ".lock")], capture_output=True).returncode != 0:
+        pytest.skip("needs root and a file system with immutable files (chattr +i)")
+    try:
+        proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--swap-space", "1 MiB",
+                      "--no-warmup", "--format", "plain")
+        assert proc.returncode == 2, proc.stderr
+        again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE} --swap-space '1 MiB'"
+        assert proc.stderr.endswith(f"Error: --out {run}: cannot write the output folder: Operation not permitted\n"
+                                    "hint: a file there or the folder is immutable or append-only (lsattr -d "
+                                    f"{run} {run / '.lock'}): clear it with chattr -R -i -a {run}, as root, then "
+                                    f"continue with: {again}\n"), proc.stderr
+        proc = pasted_here(env, f"chattr -R -i -a {run} && {again} --no-warmup")
+    finally:
+        subprocess.run(["chattr", "-i", str(run / ".lock")])  # for pytest to remove it, whatever failed
+    assert proc.returncode == 0, proc.stderr
+    assert "12 steps already done" in proc.stderr
+    assert_matches(run, reference)
+
+
+def test_wait_blocked_names_a_wait_with_a_timeout_rather_than_polling_it_for_minutes():
+    """wait_blocked polled a process that waits in a futex with a timeout (another glibc or Python's lock, or a
+    timed wait) for 5 minutes, then failed naming two fields of /proc/PID/syscall; a test's own thread polling so
+    (test_runner_swap's Ctrl-C in a close's wait) waited for ever. One untimed wait is found; a timed one is named."""
+    def python(code: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    untimed = python("import threading; lock = threading.Lock(); lock.acquire(); lock.acquire()")
+    timed = python("import threading; threading.Event().wait(600)")
+    try:
+        wait_blocked(untimed)
+        with pytest.raises(AssertionError, match=r"has waited 1 s in syscall \d+ \(arguments .*\), not in a futex "
+                                                 r"with no timeout .*: this Python or C library waits otherwise"):
+            wait_blocked(timed, settle_s=1)
+    finally:
+        untimed.kill()
+        timed.kill()
+        untimed.wait()
+        timed.wait()

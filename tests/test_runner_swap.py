@@ -28,7 +28,7 @@ from ardiff_cli.runtime.errors import (ArdiffWarning, ConfigError, ObservationEr
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from ardiff_cli.runtime.runner import ARDiffusionModelRunner
 from pipelines.dreamzero.pipeline import DreamZeroPipeline
-from pipeline_helpers import CONFIGS, ardiff_cache, single_thread  # noqa: F401 - fixtures
+from pipeline_helpers import CONFIGS, UntimedFutex, ardiff_cache, single_thread  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.usefixtures("single_thread", "ardiff_cache")
 
@@ -1381,20 +1381,27 @@ def test_ctrl_c_while_a_close_waits_for_the_snapshot_file_leaves_no_file_behind(
     writes = HeldWrites(monkeypatch)
     run(engine, "b", 0)  # evicts a: its file is held
     main, done = threading.main_thread(), threading.Event()
+    waits_otherwise: list[AssertionError] = []
 
     def ctrl_c_in_the_wait() -> None:
         # once the main thread waits for a's file: inside Condition.wait, blocked in its lock (an untimed futex,
         # x86-64's syscall 202 with no timeout). A timer (0.3 s) sent it wherever the close was: on a loaded machine
         # before the discard (a's snapshot stayed known), or as its last check was done but its futex not begun (its
         # C handler ran there, and the wait went on for the write this test holds: a hang)
-        syscall = Path(f"/proc/self/task/{main.native_id}/syscall")
-        while not done.is_set():
-            frame = sys._current_frames().get(main.ident)
-            waiting = frame is not None and frame.f_code is threading.Condition.wait.__code__
-            if waiting and syscall.read_text().split()[0:5:4] == ["202", "0x0"]:  # futex, timeout NULL
-                os.kill(os.getpid(), signal.SIGINT)
+        # A main thread that waits otherwise (a futex with a timeout, another Python or C library) is named, and
+        # its wait cut short all the same: it waited for ever, a write this test holds
+        try:
+            blocked = UntimedFutex(Path(f"/proc/self/task/{main.native_id}/syscall"))
+            while not done.is_set():
+                frame = sys._current_frames().get(main.ident)
+                if blocked() and frame is not None and frame.f_code is threading.Condition.wait.__code__:
+                    break
+                done.wait(0.001)
+            else:
                 return
-            done.wait(0.001)
+        except AssertionError as exc:
+            waits_otherwise.append(exc)
+        os.kill(os.getpid(), signal.SIGINT)
 
     sender = threading.Thread(target=ctrl_c_in_the_wait)
     sender.start()
@@ -1405,6 +1412,7 @@ def test_ctrl_c_while_a_close_waits_for_the_snapshot_file_leaves_no_file_behind(
         done.set()  # a close that did not wait must not leave a SIGINT for the rest of the session
         sender.join()
     writes.release()
+    assert not waits_otherwise, waits_otherwise[0]
     runner.swap.flush()
     assert not runner.swap.has("a") and not list(tmp_path.glob("*safetensors*"))  # the write deleted its file
     engine.close()

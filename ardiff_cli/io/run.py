@@ -23,6 +23,7 @@ import errno
 import math
 import os
 import platform
+import shlex
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -591,10 +592,29 @@ class RunFolder:
     def _writable(self, exc: OSError) -> str:
         """What makes this run's folder writable again, where ``exc`` refused it: a resume writes all through it
         (run.json, results.jsonl, each episode's outputs), so its modes all through, or its file system."""
-        if exc.errno in (errno.EACCES, errno.EPERM):
+        if exc.errno == errno.EPERM:  # not the modes: chmod is refused too (it said "chmod -R u+w")
+            return (f"a file there or the folder is immutable or append-only (lsattr -d {shell_word(self.root)} "
+                    f"{shell_word(self.root / LOCK_FILE)}): clear it with chattr -R -i -a {shell_word(self.root)}, "
+                    "as root")
+        if exc.errno == errno.EACCES:
+            owner = self._other_owner()
+            if owner is not None:  # its owner's chmod u+w makes it theirs to write, not this user's
+                me = _user_name(os.geteuid())
+                return (f"the run's folder is owned by another user ({owner}, not {me}): give it and its files to "
+                        f"this user (chown -R {shlex.quote(me)} {shell_word(self.root)}, as root) or resume as "
+                        f"{owner}")
             return (f"make the run's folder and its files writable by this user (chmod -R u+w "
-                    f"{shell_word(self.root)}, run as their owner)")
+                    f"{shell_word(self.root)})")
         return f"make {as_typed(self.root)} writable (a file system mounted read-only?)"
+
+    def _other_owner(self) -> str | None:
+        """The name of the user other than this one who owns the run's folder or its lock file, if one does."""
+        for path in (self.root / LOCK_FILE, self.root):
+            with contextlib.suppress(OSError):
+                uid = path.stat().st_uid
+                if uid != os.geteuid():
+                    return _user_name(uid)
+        return None
 
     def _lock_swap(self) -> None:
         """Lock the run's swap folder too when it is there already: a ``.swap`` linked to a folder another run's
@@ -924,3 +944,13 @@ def build_summary(records: Iterable[Mapping[str, Any]], *, episodes: list[str], 
         "versions": versions(),
         "host": platform.platform(),
     }
+
+
+def _user_name(uid: int) -> str:
+    """The login name of ``uid``, or the number where it has none (a folder copied from another machine)."""
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return str(uid)
