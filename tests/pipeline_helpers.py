@@ -132,6 +132,21 @@ def wait_for_marker(proc: subprocess.Popen, marker: Path, what: str, *, text: st
         time.sleep(0.02)
 
 
+def open_to_write(proc: subprocess.Popen, fifo: Path) -> int:
+    """A descriptor writing the FIFO ``fifo``, opened once ``proc`` has it open to read (a non-blocking open for
+    writing fails with ENXIO until then): ``proc`` then waits there, past its open, until the test writes or closes
+    it. Fails if the process exits first, or after 5 minutes."""
+    import errno
+
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            assert exc.errno == errno.ENXIO and proc.poll() is None and time.monotonic() < deadline, (proc.poll(), exc)
+            time.sleep(0.01)
+
+
 def wait_reading(proc: subprocess.Popen, fifo: Path) -> None:
     """Poll until ``proc`` waits in a read(2) of the FIFO ``fifo`` (x86-64's syscall 0 in /proc/PID/syscall, on a
     descriptor of that FIFO). A signal sent then interrupts the read and its handler runs; sent once the process had

@@ -31,7 +31,7 @@ from ardiff_cli.io import write_episode, write_step
 from ardiff_cli.runtime.errors import ResumeCommand, shown
 from ardiff_cli.runtime.kv.backends import install_instructions, vllm_installed
 from ardiff_cli.io.demo import demo_step
-from pipeline_helpers import records, stop_inside_a_fault, wait_for_marker, wait_reading
+from pipeline_helpers import open_to_write, records, stop_inside_a_fault, wait_for_marker, wait_reading
 
 REPO = Path(__file__).resolve().parents[1]
 ESC = re.compile(r"\x1b\[")
@@ -4784,20 +4784,11 @@ def stopped_while_held(env, args: list[str], hold: Path, cwd: Path,
                        signum: int = signal.SIGTERM) -> tuple[int, dict]:
     """``ardiff ARGS`` in ``cwd``, sent ``signum`` while it waits to read the FIFO ``hold``: its exit code and the
     JSON error object it printed."""
-    import errno
-
     proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args, "--format", "json"], cwd=cwd, env=env,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     writer = None
     try:
-        deadline = time.monotonic() + 300
-        while writer is None:  # opens once the process opened the FIFO to read it: it then waits in its read
-            try:
-                writer = os.open(hold, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError as exc:
-                assert exc.errno == errno.ENXIO and proc.poll() is None and time.monotonic() < deadline, (
-                    proc.poll(), exc)
-                time.sleep(0.01)
+        writer = open_to_write(proc, hold)
         wait_reading(proc, hold)
         proc.send_signal(signum)
         stdout, stderr = proc.communicate(timeout=300)
@@ -5201,8 +5192,6 @@ def test_a_new_run_into_an_out_a_run_was_written_to_since_its_first_look_is_refu
     It then took the lock, loaded the model, and RunFolder.start refused it with "continue it with --resume, or choose
     another --out" (no --pipeline, which the run's resume needs). Now it is refused once it holds the lock, before the
     model loads, with the early check's hint: the run's resume to paste."""
-    import errno
-
     shim, hold, run = tmp_path / "shim", tmp_path / "hold", tmp_path / "run"
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(HOLD_IMPORT)
@@ -5216,14 +5205,7 @@ def test_a_new_run_into_an_out_a_run_was_written_to_since_its_first_look_is_refu
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     writer = None
     try:
-        deadline = time.monotonic() + 300
-        while writer is None:  # opens once the second opened the FIFO to read it: past its first look at --out
-            try:
-                writer = os.open(hold, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError as exc:
-                assert exc.errno == errno.ENXIO and second.poll() is None and time.monotonic() < deadline, (
-                    second.poll(), exc)
-                time.sleep(0.01)
+        writer = open_to_write(second, hold)  # the second waits past its first look at --out
         first = ardiff(env, *start, "--pipeline", pipeline)
         assert first.returncode == 0, first.stderr
         os.close(writer)  # the second goes on

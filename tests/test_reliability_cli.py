@@ -34,8 +34,8 @@ from ardiff_cli.entry import interrupted_message
 from ardiff_cli.io import write_episode
 from ardiff_cli.io.demo import demo_step
 from ardiff_cli.runtime.errors import ResumeCommand
-from pipeline_helpers import (NOTICE, outputs, records, start_with_fault_files, stop_inside_a_fault, wait_blocked,
-                              wait_for_marker, wait_reading)
+from pipeline_helpers import (NOTICE, open_to_write, outputs, records, start_with_fault_files, stop_inside_a_fault,
+                              wait_blocked, wait_for_marker, wait_reading)
 
 REPO = Path(__file__).resolve().parents[1]
 PIPELINE = "faulty_pipelines:FaultyDreamZero"
@@ -482,8 +482,6 @@ def test_a_second_signal_while_a_signal_before_the_command_took_them_is_reported
     # reads a run.json that blocks: a FIFO no one writes yet), the second signal was raised into the report of the
     # first (held here by a full stderr): its Error line and JSON object were lost, or a traceback printed instead,
     # and the exit code was 130 (or 1) whatever the signals (SIGTERM then SIGINT: 130, not 143).
-    import errno
-
     run = tmp_path / "run"
     run.mkdir()
     if phase == "import":
@@ -505,13 +503,8 @@ def test_a_second_signal_while_a_signal_before_the_command_took_them_is_reported
         os.close(write_end)
         writer = None
         try:
+            writer = open_to_write(proc, hold)
             deadline = time.monotonic() + 300
-            while writer is None:  # opens once the process opened the FIFO to read it: it then waits there
-                try:
-                    writer = os.open(hold, os.O_WRONLY | os.O_NONBLOCK)
-                except OSError as exc:
-                    assert exc.errno == errno.ENXIO and proc.poll() is None and time.monotonic() < deadline
-                    time.sleep(0.01)
             filled = 0
             for size in (4096, 1):  # full to the last byte
                 with contextlib.suppress(BlockingIOError):
