@@ -681,6 +681,29 @@ def test_an_episode_folder_renamed_in_a_watched_folder_is_followed_there_as_the_
                                                                data / "ep1" / "step_000001.safetensors"]
 
 
+def test_an_episode_folder_renamed_between_a_polls_look_at_it_and_its_listing_is_followed_there(tmp_path,
+                                                                                                 monkeypatch):
+    """The rename can come after a poll found the folder in place and before it listed it: the listing's ENOENT
+    failed the episode, `cannot list the episode folder: No such file or directory` (exit 4; CI caught it), where a
+    poll a moment later would have followed it to its new name. That poll lists nothing; the next follows it."""
+    data = tmp_path / "robots"
+    write_episode(data / "ep1.part", [good(0)], prompt="p", end=False)
+    listing = StepScheduler._listing
+
+    def published_as_it_lists(track, st, *, force):
+        if track.files and (data / "ep1.part").exists():  # the poll after step 0's
+            (data / "ep1.part").rename(data / "ep1")
+            write_step(data / "ep1", 1, good(1))
+            (data / "ep1" / "END").touch()
+        return listing(track, st, force=force)
+
+    monkeypatch.setattr(StepScheduler, "_listing", staticmethod(published_as_it_lists))
+    scheduler = _watching(data, FakeClock())
+    moved = _moves(scheduler)
+    assert _items(scheduler) == [("ep1.part", 0, "ep1.part"), ("ep1.part", 1, "ep1"), ("ep1.part", "end_marker", None)]
+    assert moved == [("ep1.part", "ep1.part", "ep1")]
+
+
 def test_an_episode_folder_renamed_after_its_end_is_not_another_episode(tmp_path):
     """The usual recorder: END, then the rename. The episode ran; its folder's new name does not run it again."""
     data = tmp_path / "robots"

@@ -134,7 +134,8 @@ def test_previews_read_the_results_lines_once_not_once_per_episode(tmp_path, mon
     from ardiff_cli.io.run import RunFolder
 
     reads, real_iter = [0], RunFolder.iter_records
-    monkeypatch.setattr(RunFolder, "iter_records", lambda self: reads.__setitem__(0, reads[0] + 1) or real_iter(self))
+    monkeypatch.setattr(RunFolder, "iter_records",
+                        lambda self, *args: reads.__setitem__(0, reads[0] + 1) or real_iter(self, *args))
     data = write_fast_data(tmp_path, {f"arm_{i}": 2 for i in range(4)})
     out = tmp_path / "run"
     result = rollout(data, out, "--preview")

@@ -824,7 +824,14 @@ class StepScheduler:
         blocked = False  # an earlier new file is not stable yet: later ones wait for it
         track.gap = None
         present: set[str] = set()  # the unready names still there: a file deleted before it was taken is forgotten
-        for step_file in self._listing(track, st, force=force):  # only new names: a poll stats no taken file
+        try:
+            listed = self._listing(track, st, force=force)  # only new names: a poll stats no taken file
+        except ObservationError:
+            now = _folder_stat(track.source.path)
+            if now is None or now.st_ino != identity:  # renamed (a recorder publishing ep1.part as ep1) or deleted
+                return  # since the look above: the next poll follows it there, or says it is gone
+            raise
+        for step_file in listed:
             name = step_file.path.name
             try:
                 file_st = step_file.path.stat()
