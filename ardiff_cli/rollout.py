@@ -325,7 +325,8 @@ class Rollout:
                 # looked at now, not as each failed: a folder being deleted (rm -rf) fails its episode at its first
                 # file gone, while the folder is still there; whatever that error said, the closing hint is this
                 # a link that leads nowhere is there, not gone (its recording moved): its error says to point it again
-                missing = {e.name for e in self.episodes if present(e.path) is False and not os.path.islink(e.path)}
+                missing = {e.name for e in self.episodes if (e.name in self._vanished or e.name in self.stats.failed)
+                           and present(e.path) is False and not os.path.islink(e.path)}  # a stat each of those only
                 self.stats.folders_gone = missing & self._vanished
                 self.stats.folders_missing = missing & self.stats.failed.keys()
                 return self.stats

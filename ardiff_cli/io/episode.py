@@ -20,7 +20,6 @@ renamed, and one left there fails its episode, naming it.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
@@ -32,7 +31,7 @@ from typing import Any, BinaryIO
 
 from ardiff_cli.io.atomic import TooLarge, open_file, parse_json, read_capped
 from ardiff_cli.runtime.capacity import split_unit_hint
-from ardiff_cli.runtime.errors import (ArdiffError, ConfigError, ObservationError, ResumeCommand, as_typed,
+from ardiff_cli.runtime.errors import (ConfigError, ObservationError, ResumeCommand, as_typed,
                                       link_to_nothing, plural, shown, too_many_open_files, yaml_problem,
                                       yaml_syntax_hint)
 
@@ -326,13 +325,7 @@ def run_output(folder: Path) -> tuple[str, ResumeCommand | str] | None:
 
     run = RunFolder(folder)
     what = "an ardiff run folder" if run.is_run_folder() else "a folder of ardiff run folders"
-    again = "ardiff rollout --resume -o RUN"  # RUN: one of the folders in it
-    if run.holds_run():  # its own resume, with the --pipeline it was started with, to paste
-        pipeline = None
-        with contextlib.suppress(ArdiffError, OSError):
-            pipeline = run.read_info().get("pipeline_option")
-        again = ResumeCommand(folder, pipeline if isinstance(pipeline, str) else None)
-    return what, again
+    return what, run.resume_command() if run.holds_run() else "ardiff rollout --resume -o RUN"  # RUN: one in it
 
 
 def is_run_output(folder: Path) -> bool:

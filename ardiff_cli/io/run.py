@@ -211,16 +211,18 @@ class RunFolder:
         except OSError:
             return False
 
-    def held_run(self) -> ConfigError:
-        """The refusal of a fresh run in this folder, which :meth:`holds_run`: its hint gives that run's resume to
-        paste, with the --pipeline it was started with (run.json's, where it can be read; a resume refuses one
-        without it)."""
+    def resume_command(self) -> ResumeCommand:
+        """The resume to paste of the run this folder :meth:`holds_run`, with the --pipeline it was started with
+        (run.json's, where it can be read: a resume refuses one without it; a run.json unread here is told then)."""
         pipeline = None
-        with contextlib.suppress(ArdiffError, OSError):  # a run.json unread here is told by the resume
+        with contextlib.suppress(ArdiffError, OSError):
             pipeline = RunFolder(self.root).read_info().get("pipeline_option")
-        again = ResumeCommand(self.root, pipeline if isinstance(pipeline, str) else None)
+        return ResumeCommand(self.root, pipeline if isinstance(pipeline, str) else None)
+
+    def held_run(self) -> ConfigError:
+        """The refusal of a fresh run in this folder, which :meth:`holds_run`: its hint gives that run's resume."""
         return ConfigError(f"{as_typed(self.root)} already holds a run",
-                           hint=f"continue it with: {again}; or choose another --out")
+                           hint=f"continue it with: {self.resume_command()}; or choose another --out")
 
     def start(self, info: Mapping[str, Any]) -> None:
         """A fresh run: refuse a folder that holds one already (it would be mixed with this one)."""
