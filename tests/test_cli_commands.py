@@ -292,7 +292,7 @@ def test_warmup_reports_requests_and_a_restored_pool(fast_configs):
     assert report["kind"] == "warmup" and report["restored"] is True and not report["skipped"]
     assert report["pages_free"] == report["pages_total"] > 0
     shapes = [r["shape"] for r in report["requests"]]
-    assert "exterior_image_0 (16, 16, 3)" in shapes[0] and "(4, 16, 16, 3)" in shapes[1]  # one frame, then four
+    assert shapes[0]["exterior_image_0"] == [16, 16, 3] and shapes[1]["exterior_image_0"] == [4, 16, 16, 3]
     assert report["first_s"] > 0 and report["steady_s"] > 0
     kinds = {o["kind"] for o in objects}
     assert {"capacity_planned", "session_admitted", "request_finished", "session_closed", "warmup_finished"} <= kinds
@@ -399,8 +399,24 @@ def test_warmup_reports_the_first_against_the_median_of_repeated_shapes_and_the_
             f"of a shape seen before); the first took {first / steady:.1f}x\n") in text, text
     assert f"KV pool NOT restored: {report['pages_total'] - 1}/{report['pages_total']} pages free" in text, text
     for request in report["requests"]:
-        assert f"{request['request_id']}  {request['shape']}" in text
+        shown = ", ".join(k if v is None else f"{k} {tuple(v)}" for k, v in request["shape"].items())
+        assert f"{request['request_id']}  {shown}" in text
         assert f"{request['seconds'] * 1000:.1f} ms\n" in text
+
+
+def test_warmup_json_gives_each_requests_input_shapes_as_lists_of_ints_by_name(fast_configs):
+    """A script reads a request's input shapes from the JSON as numbers: by input name, a list of ints for a tensor,
+    null for an input that has none (the prompt). `shape` was the table's display string ('exterior_image_0 (16, 16,
+    3), ..., prompt'), which a script had to parse."""
+    proc = _ardiff("warmup", str(fast_configs[1]), "--device", "cpu", "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert [r["shape"] for r in report["requests"]] == [{"prompt": None, "conditioning": [8], "seed": None}] * 4
+    proc = _ardiff("warmup", str(fast_configs[0]), "--device", "cpu", "--format", "json")
+    shapes = [r["shape"] for r in json.loads(proc.stdout.splitlines()[-1])["requests"]]
+    frame = {"exterior_image_0": [16, 16, 3], "exterior_image_1": [16, 16, 3], "wrist_image": [16, 16, 3]}
+    assert shapes[0] == {**frame, "joint_position": [7], "gripper_position": [1], "prompt": None}, shapes
+    assert shapes[1]["wrist_image"] == [4, 16, 16, 3] and shapes[1:] == [shapes[1]] * 4, shapes
 
 
 def test_warmup_without_a_config_names_the_default_config_it_ran():

@@ -542,3 +542,59 @@ def test_an_output_truncated_while_a_preview_reads_it_leaves_the_run_alive(tmp_p
         other.wait()
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert len(done.stdout.split()) == 2
+
+
+def _ardiff(cli_env, *args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "ardiff_cli", *args], env=cli_env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _with_a_bad_step(data, tmp_path):
+    """A copy of the episodes whose arm_b step 1 is not a safetensors file (its episode fails in load, its session
+    resident, after step 0 ran)."""
+    import shutil
+
+    eps = tmp_path / "eps"
+    shutil.copytree(data / "eps", eps)
+    (eps / "arm_b" / "step_000001.safetensors").write_bytes(b"not a safetensors file")
+    return eps
+
+
+def test_a_session_closed_event_says_whether_its_episode_ended_or_failed(data, tmp_path, cli_env):
+    """A script reading `session_closed` tells a failed episode's session from one whose episode ended: both said
+    `explicit`, the runtime's word for a caller's close_session, whatever made the rollout close them."""
+    eps = _with_a_bad_step(data, tmp_path)
+    proc = _ardiff(cli_env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "run"),
+                   "--no-warmup", "--format", "json")
+    assert proc.returncode == 4, proc.stderr
+    objects = [json.loads(line) for line in proc.stdout.splitlines()]
+    closed = {o["session_id"]: (o["reason"], o["error"]) for o in objects if o["kind"] == "session_closed"}
+    assert closed == {"arm_a": ("episode_ended", None), "arm_b": ("episode_failed", None)}, closed
+    failed = next(i for i, o in enumerate(objects) if o["kind"] == "step" and o["status"] == "failed")
+    assert objects[failed + 1]["kind"] == "session_closed"  # right after its failed line
+
+
+def test_a_refused_resume_leaves_the_run_folder_and_its_summary_as_they_were(data, tmp_path, cli_env):
+    """A command refused before it runs a step (options that contradict the run, a budget too small for one
+    session, a second run into the same --out) writes no summary and leaves the last one: summary.json is the run's
+    last invocation that ran, with its own exit_code, and the exit code is this command's result (README)."""
+    eps = _with_a_bad_step(data, tmp_path)
+    run = tmp_path / "run"
+    first = _ardiff(cli_env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(run), "--no-warmup")
+    assert first.returncode == 4, first.stderr
+
+    def files() -> dict[str, bytes]:
+        return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()
+                and p.name != ".lock"}
+
+    before = files()
+    assert json.loads(before["summary.json"])["exit_code"] == 4
+    for args, code in ((("--resume", "--dtype", "bfloat16"), 2), (("--resume", "--memory-budget", "1KiB"), 3),
+                       ((str(data / "fast.yaml"), str(eps)), 2)):
+        proc = _ardiff(cli_env, "rollout", "--out", str(run), "--no-warmup", "--format", "json", *args)
+        assert proc.returncode == code, (args, proc.stderr)
+        assert [json.loads(line)["kind"] for line in proc.stdout.splitlines()][-1] != "summary", proc.stdout
+        assert files() == before, args

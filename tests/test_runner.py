@@ -451,6 +451,25 @@ class _InterruptedHook(TinyPipeline):
             raise self.stop("interrupted")
 
 
+def test_close_session_gives_its_event_the_callers_reason_and_refuses_one_that_is_not_a_name():
+    """A caller says why it closed a session (rollout: its episode ended or failed); every close said `explicit`."""
+    events = []
+    runner = make_runner(TinyPipeline(), events=events)
+    free0 = runner.kv_cache.num_free_pages
+    runner.execute_model(request("a", 0))
+    runner.execute_model(request("b", 0))
+    for reason in ("", None, ["episode_failed"]):
+        with pytest.raises(RequestError, match=r"^close_session\(\) takes a reason \(a non-empty string\), got "):
+            runner.close_session("a", reason=reason)
+    assert sorted(runner.session_ids) == ["a", "b"]  # a refused call releases nothing
+    events.clear()
+    runner.close_session("a", reason="episode_failed")
+    runner.close_session("b")
+    assert [(e.kind, e.session_id, e.reason) for e in events] == [
+        ("session_closed", "a", "episode_failed"), ("session_closed", "b", "explicit")]
+    assert runner.session_ids == [] and runner.kv_cache.num_free_pages == free0
+
+
 @pytest.mark.parametrize(("how", "hook", "event"), [
     ("close_session", "close", ("session_closed", "explicit")),
     ("reset_session", "reset", ("session_reset", "explicit")),
@@ -697,6 +716,7 @@ def test_warmup_restores_pool_and_reports_timings():
     assert not report.skipped and report.restored
     assert [t[0] for t in report.timings] == ["warmup-0", "warmup-1", "warmup-2", "warmup-3"]
     assert report.timings[0][1] == "frames (4, 16)" and report.timings[1][1] == "frames (8, 16)"
+    assert report.input_shapes[:2] == [{"frames": [4, 16]}, {"frames": [8, 16]}]
     assert runner.kv_cache.num_free_pages == free0 and runner.session_ids == []
     assert runner.pipeline.hook_calls == [("close", WARMUP_SESSION_ID)]
     assert isinstance(events[-1], WarmupFinished) and events[-1].num_requests == 4

@@ -180,21 +180,29 @@ class _RequestCounter:
 
 
 def warmup_data(report: Any, usage: Any, **context: Any) -> dict[str, Any]:
-    requests = [{"request_id": rid, "shape": shape, "seconds": seconds} for rid, shape, seconds in report.timings]
+    # each request's inputs by name: a list of ints for a tensor's shape, null for one that has none (a prompt)
+    requests = [{"request_id": rid, "shape": shape, "seconds": seconds}
+                for (rid, _, seconds), shape in zip(report.timings, report.input_shapes, strict=True)]
     first = requests[0]["seconds"] if requests else None
     # Steady state: requests whose input shapes were seen before (the first of each shape pays one-time costs).
     seen: set[str] = set()
     repeats = []
     for request in requests:
-        if request["shape"] in seen:
+        key = describe_shape(request["shape"])
+        if key in seen:
             repeats.append(request["seconds"])
-        seen.add(request["shape"])
+        seen.add(key)
     steady = statistics.median(repeats) if repeats else None
     return {
         "kind": "warmup", **context, "skipped": report.skipped, "requests": requests, "first_s": first,
         "steady_s": steady, "steady_count": len(repeats), "seconds": report.seconds, "restored": report.restored,
         "pages_free": usage.num_free, "pages_total": usage.num_pages,
     }
+
+
+def describe_shape(shape: dict[str, list[int] | None]) -> str:
+    """A request's ``shape`` as the table shows it: 'frames (4, 16), prompt'."""
+    return ", ".join(name if dims is None else f"{name} {tuple(dims)}" for name, dims in shape.items())
 
 
 def render_warmup(data: dict[str, Any], plain: bool):
@@ -215,7 +223,7 @@ def render_warmup(data: dict[str, Any], plain: bool):
     table.add_column("time", justify="right")
     for request in data["requests"]:
         # the pipeline's request ids and input names, never markup ('warmup[/]0' was a MarkupError after the warmup)
-        table.add_row(as_text(request["request_id"]), as_text(request["shape"]),
+        table.add_row(as_text(request["request_id"]), as_text(describe_shape(request["shape"])),
                       f"{request['seconds'] * 1000:.1f} ms")
     lines = [title]
     if data["first_s"] is not None:

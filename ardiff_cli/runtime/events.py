@@ -116,7 +116,9 @@ class SessionReset(RuntimeEvent):
 class SessionClosed(RuntimeEvent):
     kind: ClassVar[str] = "session_closed"
     session_id: str
-    reason: str  # "explicit", "close_session", "forward_exception" or "restore_failed"
+    # "explicit" (close_session's default: its caller may give another, as rollout's "episode_ended" and
+    # "episode_failed"), "close_session", "forward_exception" or "restore_failed"
+    reason: str
     error: str | None = None  # the forward's exception, for forward_exception
     time: float = field(default_factory=_now)
 

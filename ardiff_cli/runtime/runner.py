@@ -408,6 +408,8 @@ class PoolUsage:
 class WarmupReport:
     skipped: bool  # the pipeline has no warmup provider
     timings: list[tuple[str, str, float]] = field(default_factory=list)  # (request_id, shape, seconds)
+    # each request's inputs as the forward got them, by name: a tensor's shape, None for an input that has none
+    input_shapes: list[dict[str, list[int] | None]] = field(default_factory=list)
     restored: bool = True  # free-page count back where it started
     seconds: float = 0.0
 
@@ -428,14 +430,19 @@ class _Session:
 
 
 
+def input_shapes(inputs: dict[str, Any]) -> dict[str, list[int] | None]:
+    """Each input's shape as a list of ints (``[]`` for a 0-d tensor), ``None`` for one that has none (a prompt)."""
+    shapes: dict[str, list[int] | None] = {}
+    for key, value in inputs.items():
+        shape = getattr(value, "shape", None)
+        shapes[key] = None if shape is None else [int(n) for n in shape]
+    return shapes
+
+
 def describe_inputs(inputs: dict[str, Any]) -> str:
     """'key (shape), ...' for warmup reports. The space lets a narrow table break a line between a name and its
     shape rather than inside the name."""
-    parts = []
-    for key, value in inputs.items():
-        shape = getattr(value, "shape", None)
-        parts.append(f"{key} {tuple(shape)}" if shape is not None else key)
-    return ", ".join(parts)
+    return ", ".join(key if shape is None else f"{key} {tuple(shape)}" for key, shape in input_shapes(inputs).items())
 
 
 class ARDiffusionModelRunner:
@@ -1014,20 +1021,24 @@ class ARDiffusionModelRunner:
         self._end_session(session_id, "reset")
 
     @_one_at_a_time
-    def close_session(self, session_id: str) -> None:
-        """Release ``session_id`` and call the pipeline's close hook."""
-        self._end_session(session_id, "close")
+    def close_session(self, session_id: str, *, reason: str = "explicit") -> None:
+        """Release ``session_id`` and call the pipeline's close hook. ``reason``: its ``session_closed`` event's, the
+        caller's word for why (``rollout`` closes an episode's session with ``episode_ended`` or ``episode_failed``)."""
+        if not isinstance(reason, str) or not reason:
+            raise RequestError(f"close_session() takes a reason (a non-empty string), got {shown(reason)} "
+                               f"({type(reason).__name__})", hint="leave it out for 'explicit'")
+        self._end_session(session_id, "close", reason)
 
-    def _end_session(self, session_id: str, hook: str) -> None:
+    def _end_session(self, session_id: str, hook: str, reason: str = "explicit") -> None:
         """``reset_session`` / ``close_session`` (``hook``): a swapped-out session is discarded, a resident one
         released; the first hook error is raised."""
         self._require_loaded()
         _require_session_id(f"{hook}_session", session_id)
-        if self._discard_swapped(session_id, hook):
+        if self._discard_swapped(session_id, hook, reason=reason):
             return
         with self._locked():
             self._require_resident(session_id)
-            errors = self._release(session_id, reason="explicit", hook=hook)
+            errors = self._release(session_id, reason=reason, hook=hook)
         if errors:
             raise errors[0]
 
@@ -1449,6 +1460,7 @@ class ARDiffusionModelRunner:
         self._refuse_autocast(None)
         free_before = cache.allocator.num_free
         timings: list[tuple[str, str, float]] = []
+        shapes: list[dict[str, list[int] | None]] = []
         start = time.perf_counter()
         # the close hooks of the warmup session (at its end, or a request's close_session), as close_session raises
         hook_errors: list[LifecycleHookError] = []
@@ -1494,6 +1506,7 @@ class ARDiffusionModelRunner:
                     raise PipelineError(f"{where}: {type(self.pipeline).__name__}.forward() returned {what}",
                                         hint=PIPELINE_HINT if kind != "non_finite" else _DIVERGED_IN_WARMUP + overflow)
                 timings.append((request.request_id, describe_inputs(request.inputs), time.perf_counter() - t0))
+                shapes.append(input_shapes(request.inputs))
                 where = provider
                 frames = self._warmup_committed_frames()  # None: the request closed the session
                 went_on |= goes_on and frames is not None
@@ -1530,7 +1543,7 @@ class ARDiffusionModelRunner:
             )
         if hook_errors:  # the pool is restored, but the pipeline's own cleanup failed: its sessions would too
             raise hook_errors[0]
-        return WarmupReport(skipped=False, timings=timings, restored=restored, seconds=seconds)
+        return WarmupReport(skipped=False, timings=timings, restored=restored, seconds=seconds, input_shapes=shapes)
 
     def _warmup_committed_frames(self) -> int | None:
         """The frames the warmup session has committed, over its branches; None once a request closed it."""
