@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import difflib
+import enum
 import os
 import re
 import shlex
@@ -22,7 +23,7 @@ from ardiff_cli.errors_cli import EXIT_CODES_HELP, EXIT_SIGINT
 from ardiff_cli.options import ARGUMENT_KINDS, FLAG, HelpOpt
 from ardiff_cli.output import Output, resolve_format, stdout_error
 from ardiff_cli.runtime.capacity import split_unit_hint
-from ardiff_cli.runtime.errors import close_match
+from ardiff_cli.runtime.errors import close_match, did_you_mean, quoted
 
 
 class Command(typer.core.TyperCommand):
@@ -92,15 +93,29 @@ def main() -> NoReturn:
 
 
 def _given(exc: BaseException, message: str) -> str:
-    """``, got '0'`` for Typer's own checks of an option's value (``min=``, a number), whose messages say what was
-    expected ("Input should be greater than or equal to 1") but not what was given. They come from pydantic's
-    validation, which keeps the input; '' for any other error, or one whose message names the value already."""
+    """``message`` of Typer's own checks of an option's value (a choice, ``min=``, a number), which come from
+    pydantic's validation, with what was given: their messages say what was expected ("Input should be greater than
+    or equal to 1") but not always what was given (``, got '0'`` is added). The value is written as ``quoted`` writes
+    it (a byte the locale could not decode is ``\\xNN``, as in the other lines, not repr's ``\\udcNN``), and a
+    choice's message offers the one alike (`--order roundrobin`: did you mean 'round-robin'?). Any other error's
+    ``message`` as it is."""
     errors = getattr(exc.__cause__, "errors", None)
     if not callable(errors) or type(exc.__cause__).__name__ != "ValidationError":
-        return ""
+        return message
     first = next(iter(errors()), {})
-    given = repr(first["input"]) if "input" in first else None
-    return f", got {given}" if given and given not in message else ""
+    if "input" not in first:
+        return message
+    given = first["input"]
+    shown = quoted(given) if isinstance(given, str) else repr(given)
+    message = message.replace(repr(given), shown)
+    if shown not in message:
+        message += f", got {shown}"
+    # An enum option's choices: Typer (0.29) keeps the annotation there; should it stop, no suggestion is made
+    kind = getattr(getattr(getattr(exc, "param", None), "type_descriptor", None), "annotation", None)
+    if isinstance(given, str) and isinstance(kind, type) and issubclass(kind, enum.Enum):
+        near = did_you_mean(given, [str(choice.value) for choice in kind])
+        message = message.removesuffix(".") + near if near else message
+    return message
 
 
 def _path_read_as_an_option(args: list[str], option: str | None) -> str | None:
@@ -151,8 +166,8 @@ def _run(args: list[str]) -> None:
         if command == "ardiff" and args[0] in COMMANDS:  # an error parsing the command's own options
             command = f"ardiff {args[0]}"
         _keep_options_alike(exc)
-        message = exc.format_message().replace(": Value error, ", ": ", 1)  # Typer's choice errors carry pydantic's
-        message += _given(exc, message)
+        # Typer's choice errors carry pydantic's "Value error, "
+        message = _given(exc, exc.format_message().replace(": Value error, ", ": ", 1))
         hint = f"see {command} --help"
         path = _path_read_as_an_option(args, getattr(exc, "option_name", None))
         if path is not None:  # `rollout CFG -dash`: "No such option: -d", of an EPISODE (or CONFIG) folder

@@ -43,7 +43,7 @@ def _canonical(value: Optional[str], name_of, choices: str) -> Optional[str]:
         return value
     name = name_of(value)
     if name is None:
-        raise typer.BadParameter(f"{value!r} is not {choices}")
+        raise typer.BadParameter(f"{errors.quoted(value)} is not {choices}")
     return name
 
 

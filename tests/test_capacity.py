@@ -283,11 +283,14 @@ def test_parse_bytes_rejects(text):
 
 @pytest.mark.parametrize(("text", "why"), [
     ("", "it is empty"), ("GiB", "no number before 'GiB'"), ("inf", "not a finite number"),
-    ("-inf", "not a finite number"), ("nan", "not a finite number"), ("1e400", "'1e400' is too large a number"),
+    ("-inf", "not a finite number"), ("nan", "not a finite number"),
+    ("1e400", "'1e400' as a byte size: too large (at most 16EiB, all that a 64-bit address space holds)"),
     ("10ZiB", "unknown unit 'ZiB'"), ("1e", "unknown unit 'e'"), ("1.2.3GiB", "'1.2.3' is not a number"),
-    ("1e305", "too large a number (at most 1000 bits"), (10**400, "a 1329-bit integer as a byte size: too large"),
+    ("1e305", "too large (at most 16EiB"), (10**400, "a 1329-bit integer as a byte size: too large (at most 16EiB"),
+    ("1e30", "too large (at most 16EiB"), ("16.01EiB", "too large"), (2**64 + 1, "a 65-bit integer"),
     ("\u0661\u0660\u0660", "is not a number"),  # Arabic-Indic 100: float() read it, --device refuses such digits
-    ("1" * 5000, "is too large a number"),  # int() refuses over 4300 digits: it said "is not a number"
+    ("1" * 5000, "too large (at most 16EiB"),  # int() refuses over 4300 digits: it said "is not a number"
+    ("caf\udce9", "cannot read 'caf\\xe9' as a byte size: 'caf\\xe9' is not a number"),  # not repr's \udce9
 ], ids=lambda value: str(value)[:12])
 def test_parse_bytes_says_what_is_wrong(text, why):
     """Every unreadable size was 'cannot read X as a byte size', whatever was wrong; a YAML int past a float's range
@@ -295,6 +298,14 @@ def test_parse_bytes_says_what_is_wrong(text, why):
     with pytest.raises(ConfigError, match=re.escape(why)) as caught:
         parse_bytes(text)
     assert "as a byte size: " in str(caught.value) and "KiB .. EiB" in caught.value.hint
+
+
+def test_parse_bytes_takes_up_to_16_eib_in_any_form():
+    """16EiB (2**64 bytes) is the most a byte size may be: 1e30 was a budget of '8.67e+11 EiB', planned on."""
+    assert parse_bytes("16EiB") == 2**64 and parse_bytes(str(2**64)) == 2**64 and parse_bytes("18EB") == 18 * 10**18
+    for text in ("16.01EiB", "1e30", str(2**64 + 1)):
+        with pytest.raises(ConfigError, match=r"too large \(at most 16EiB, all that a 64-bit address space holds\)"):
+            parse_bytes(text)
 
 
 def test_format_bytes_reaches_eib_then_three_digits_and_parse_bytes_reads_each_unit_back():
@@ -435,10 +446,10 @@ def test_format_bytes_switches_unit_at_exactly_1024():
     assert format_bytes(1 << 30) == "1.00 GiB" and format_bytes(1 << 60) == "1.00 EiB"
 
 
-def test_parse_bytes_takes_exactly_1000_bits_and_refuses_1001():
-    assert parse_bytes(2**1000 - 1) == 2**1000 - 1  # 1000 bits: the documented maximum
-    with pytest.raises(ConfigError, match="a 1001-bit integer as a byte size: too large"):
-        parse_bytes(2**1000)
+def test_parse_bytes_takes_exactly_16_eib_and_refuses_a_byte_more():
+    assert parse_bytes(2**64) == 2**64  # 16EiB: the documented maximum
+    with pytest.raises(ConfigError, match="a 65-bit integer as a byte size: too large"):
+        parse_bytes(2**64 + 1)
 
 
 def test_session_capacity_takes_exactly_max_sessions():

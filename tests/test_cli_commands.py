@@ -901,7 +901,8 @@ def test_inspect_capacity_says_sessions_that_need_exactly_the_available_memory_a
 
 
 def test_inspect_capacity_shows_an_absurd_available_in_few_digits_and_says_why_one_is_unreadable(tmp_path):
-    """--available 1e30 printed '909494701772928256.00 TiB' and '4507211538461538692125700 fit the budget'; an
+    """--available 1e30 printed '909494701772928256.00 TiB' and '4507211538461538692125700 fit the budget' (then
+    '8.67e+11 EiB': it is refused now, past 16EiB, and 16EiB itself prints in few digits); an
     unreadable size said only 'cannot read X as a byte size'; a YAML memory_budget past a float (10**400) ended in
     'unexpected OverflowError ... a bug in ardiff'; `--memory-budget 2 GiB` said only "unknown config 'GiB'". Run
     as a user runs it: a subprocess, plain and json."""
@@ -912,10 +913,10 @@ def test_inspect_capacity_shows_an_absurd_available_in_few_digits_and_says_why_o
         return subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", *args], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=120)
 
-    proc = run("dreamzero-tiny", "--available", "1e30", "--format", "plain")
+    proc = run("dreamzero-tiny", "--available", "16EiB", "--format", "plain")  # the most a byte size may be
     assert proc.returncode == 0, proc.stderr
-    assert re.search(r"^available +8\.67e\+11 EiB +--available$", proc.stdout, re.M), proc.stdout
-    assert re.search(r"^sessions +2 +4\.51e\+24 fit the budget, limit 2; 18 pages", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^available +16\.00 EiB +--available$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^sessions +2 +8\.31e\+13 fit the budget, limit 2; 18 pages", proc.stdout, re.M), proc.stdout
     assert "TiB" not in proc.stdout
     proc = run("dreamzero-tiny", "--available", "1.5TiB", "--format", "plain")
     assert re.search(r"^sessions +2 +7,433,596 fit the budget", proc.stdout, re.M), proc.stdout
@@ -924,7 +925,8 @@ def test_inspect_capacity_shows_an_absurd_available_in_few_digits_and_says_why_o
     proc = run("--available", "AUTO", "--format", "json")  # any case, as the other choices (it was no byte size)
     assert proc.returncode == 0 and json.loads(proc.stdout)["available_source"] == "available host memory", proc.stderr
     for value, why in (("10ZiB", "unknown unit 'ZiB'"), ("inf", "not a finite number"), ("1 GiB B", "unknown unit"),
-                       ("1e400", "'1e400' is too large a number")):
+                       ("1e400", "too large (at most 16EiB, all that a 64-bit address space holds)"),
+                       ("1e30", "too large (at most 16EiB, all that a 64-bit address space holds)")):
         proc = run("--available", value, "--format", "json")
         error = json.loads(proc.stdout)
         assert proc.returncode == 2 and error["kind"] == "usage_error", proc.stderr
@@ -1212,3 +1214,69 @@ def test_resuming_a_run_whose_unchanged_config_this_ardiff_refuses_says_no_edit_
     config.write_text(config.read_text().replace("012", "0012"))
     proc = ardiff("--resume", "-o", "run")
     assert proc.returncode == 2 and "was edited since the run started (SHA-256 differs)" in proc.stderr, proc.stderr
+
+
+def _usage_error(tmp_path: Path, *args: str) -> tuple[int, str]:
+    """`python -m ardiff_cli ARGS --format plain` as a user runs it: its exit code and its stderr."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "ARDIFF_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", args[0], "--format", "plain", *args[1:]], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stderr
+
+
+def test_a_choice_given_with_a_near_miss_offers_the_one_alike(tmp_path):
+    """`--order roundrobin` said only "'roundrobin' is not one of 'round-robin', 'sequential'", where a mistyped
+    option (`--folow`) is offered the one alike. A choice alike (a typo, the case, a word's beginning) is offered
+    now; one nothing is alike to gets none."""
+    for args, given, choices, near in (
+            (("rollout", "--order", "roundrobin"), "roundrobin", "'round-robin', 'sequential'", "round-robin"),
+            (("rollout", "--order", "Round_Robin"), "Round_Robin", "'round-robin', 'sequential'", "round-robin"),
+            (("rollout", "--order", "sequentail"), "sequentail", "'round-robin', 'sequential'", "sequential"),
+            (("warmup", "--format", "jsn"), "jsn", "'auto', 'rich', 'plain', 'json'", "json"),
+            (("inspect-capacity", "--attention-backend", "vlm"), "vlm", "'auto', 'torch', 'vllm'", "vllm"),
+            (("rollout", "--order", "fifo"), "fifo", "'round-robin', 'sequential'", None),
+            (("warmup", "--format", "text"), "text", "'auto', 'rich', 'plain', 'json'", None)):
+        code, err = _usage_error(tmp_path, *args)
+        offer = "." if near is None else f" (did you mean {near!r}?)"
+        assert code == 2 and err.splitlines() == [
+            f"Error: Invalid value for '{args[1]}': {given!r} is not one of {choices}{offer}",
+            f"hint: see ardiff {args[0]} --help"], err
+
+
+def test_every_bad_option_value_names_the_option_what_was_given_and_what_is_taken(tmp_path):
+    """An audit of rollout's, warmup's and inspect-capacity's options with a value out of range, empty, of the wrong
+    form, unit or case, nan or inf: each is a usage error (exit 2) naming the option, the value and what it takes.
+    A byte size past 16EiB (`--memory-budget 1e30`) was taken and printed as '8.67e+11 EiB' of memory."""
+    byte_sizes = "a whole number of bytes, or a number and a unit such as 512MiB"
+    too_large = "too large (at most 16EiB, all that a 64-bit address space holds)"
+    for args, says in (
+            (("inspect-capacity", "--memory-budget", "1e30"), ["'1e30'", too_large, byte_sizes]),
+            (("warmup", "--memory-budget", "17EiB"), ["'17EiB'", too_large]),
+            (("inspect-capacity", "--available", "1e30"), ["'1e30'", too_large]),
+            (("rollout", "--swap-space", "99999999999999999999EiB"), ["'99999999999999999999EiB'", too_large]),
+            (("warmup", "--memory-budget", "0"), ["must be positive, got '0'"]),
+            (("warmup", "--memory-budget", "-5GiB"), ["must be positive, got '-5GiB'"]),
+            (("warmup", "--memory-budget", ""), ["'' as a byte size: it is empty", byte_sizes]),
+            (("warmup", "--memory-budget", "nan"), ["'nan' as a byte size: not a finite number", byte_sizes]),
+            (("warmup", "--memory-budget", "5XB"), ["'5XB' as a byte size: unknown unit 'XB'", byte_sizes]),
+            (("rollout", "--swap-space", "-1"), ["must be >= 0, got '-1'"]),
+            (("rollout", "--swap-space", "auto"), ["'auto' is not a byte size"]),
+            (("warmup", "--session-capacity", "0"), ["greater than or equal to 1, got '0'"]),
+            (("warmup", "--session-capacity", "1.5"), ["a valid integer", "got '1.5'"]),
+            (("warmup", "--session-capacity", "99999999999"), ["at most 2147483647 sessions", "got 99999999999"]),
+            (("inspect-capacity", "--sessions", "-1"), ["greater than or equal to 1, got '-1'"]),
+            (("inspect-capacity", "--gpu-memory-fraction", "0"), ["expected a number in (0, 1], got 0"]),
+            (("inspect-capacity", "--gpu-memory-fraction", "nan"), ["expected a number in (0, 1], got nan"]),
+            (("inspect-capacity", "--gpu-memory-fraction", "inf"), ["expected a number in (0, 1], got inf"]),
+            (("rollout", "--idle-timeout", "-1"), ["greater than or equal to 0, got '-1'"]),
+            (("rollout", "--idle-timeout", "inf"), ["expected a finite number of seconds, got inf"]),
+            (("warmup", "--device", "gpu"), ["'gpu' is not a device: use auto, cpu, cuda or cuda:N"]),
+            (("warmup", "--device", "cuda:128"), ["'cuda:128' is not a device", "N from 0 to 127"]),
+            (("warmup", "--dtype", "float64"), ["'float64' is not a dtype: use float32, bfloat16 or float16"]),
+            (("rollout", "--order", ""), ["'' is not one of 'round-robin', 'sequential'"])):
+        code, err = _usage_error(tmp_path, *args)
+        first = err.splitlines()[0] if err else ""
+        assert code == 2 and first.startswith(f"Error: Invalid value for '{args[1]}': "), (args, err)
+        assert all(part in first for part in says), (args, err)
+        assert err.splitlines()[1:] == [f"hint: see ardiff {args[0]} --help"], (args, err)

@@ -1515,3 +1515,35 @@ def test_an_unknown_pipeline_named_in_bytes_the_locale_cannot_decode_is_quoted_w
     assert proc.stderr.decode("ascii").splitlines()[1] == "hint: 'd/caf\\xe9.py' is a file's path; MODULE is the " \
         "name it is imported by, from a folder on PYTHONPATH, and 'caf\\xe9' is no Python name: rename the file " \
         "(letters, digits and _)", proc.stderr
+
+
+def test_an_option_value_in_bytes_the_locale_cannot_decode_is_quoted_with_xnn(tmp_path, cli_env):
+    """An option's value holding a byte the locale cannot decode (0xff under LC_ALL=C with PYTHONUTF8=0): Click's,
+    pydantic's and ardiff's own errors of the value quoted it as Python's repr, `'a\\udcff'`, where a path given in
+    the same bytes is written `'a\\xff'` (the hint's `$'a\\xff'` names that byte). Each writes `\\xff` now."""
+    import subprocess
+
+    environ, _ = NOT_UTF8["C-ascii"]
+    env = {**{k: v for k, v in cli_env.items() if not k.startswith(("LC_", "PYTHONUTF8", "PYTHONIOENCODING"))},
+           "LANG": "C", **environ}
+    cases = [
+        (b"rollout", b"--order", "Invalid value for '--order': 'a\\xff' is not one of 'round-robin', 'sequential'."),
+        (b"inspect-capacity", b"--format", "Invalid value for '--format': 'a\\xff' is not one of"),
+        (b"inspect-capacity", b"--attention-backend", "Invalid value for '--attention-backend': 'a\\xff' is not one"),
+        (b"inspect-capacity", b"--device", "Invalid value for '--device': 'a\\xff' is not a device"),
+        (b"warmup", b"--dtype", "Invalid value for '--dtype': 'a\\xff' is not a dtype"),
+        (b"inspect-capacity", b"--memory-budget", "Invalid value for '--memory-budget': cannot read 'a\\xff' as a "
+                                                  "byte size: 'a\\xff' is not a number"),
+        (b"inspect-capacity", b"--available", "Invalid value for '--available': cannot read 'a\\xff' as a byte"),
+        (b"rollout", b"--swap-space", "Invalid value for '--swap-space': cannot read 'a\\xff' as a byte size"),
+        (b"inspect-capacity", b"--sessions", "Invalid value for '--sessions': "),
+        (b"warmup", b"--gpu-memory-fraction", "Invalid value for '--gpu-memory-fraction': "),
+        (b"rollout", b"--idle-timeout", "Invalid value for '--idle-timeout': "),
+    ]
+    for command, option, message in cases:
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", command, b"--format", b"plain", option, b"a\xff"],
+                              env=env, cwd=tmp_path, capture_output=True, timeout=120)
+        err = proc.stderr.decode("ascii")  # ASCII: no raw byte
+        assert proc.returncode == 2 and err.startswith(f"Error: {message}"), (option, err)
+        assert "\\xff" in err.splitlines()[0] and "\\udc" not in err, (option, err)
+        assert err.splitlines()[1] == f"hint: see ardiff {command.decode()} --help", err

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
-from ardiff_cli.runtime.errors import CapacityError, ConfigError
+from ardiff_cli.runtime.errors import CapacityError, ConfigError, quoted
 from ardiff_cli.runtime.kv.layout import KVLayout, as_int
 
 # The most sessions a plan takes: every session holds pages, and a block table indexes pages with int32 (vLLM's
@@ -108,7 +108,10 @@ def split_unit_hint(argument: str) -> str:
             "argument (2GB, or quoted: '2 GB')")
 
 
-MAX_BYTE_SIZE_BITS = 1000  # a byte size is a few bits short of a float's range (2**1024): 1e301 is far past any device
+# The most a byte size may be: 16EiB, all that a 64-bit address space holds (no device or disk has more). 1e30 was
+# taken and shown as '8.67e+11 EiB' of memory, which no machine has: a typo (1e30 for 1e10) planned on.
+MAX_BYTE_SIZE = 1 << 64
+MAX_BYTE_SIZE_TEXT = "16EiB, all that a 64-bit address space holds"
 
 
 def parse_bytes(text: str | int, *, zero_ok: bool = False) -> int:
@@ -130,21 +133,27 @@ def parse_bytes(text: str | int, *, zero_ok: bool = False) -> int:
         except (KeyError, ValueError, OverflowError) as exc:  # OverflowError: '1e400' (a float's inf)
             why = (": it is empty" if not raw
                    else ": not a finite number" if unit.lower() in ("inf", "infinity", "nan")
-                   else f": no number before {unit!r}" if not number
-                   else f": unknown unit {unit!r}" if isinstance(exc, KeyError)
-                   else f": {number!r} is not a number" if isinstance(exc, ValueError)
-                   else f": {number!r} is too large a number")
-            raise ConfigError(f"cannot read {text!r} as a byte size{why}", hint=BYTE_SIZE_HINT) from None
+                   else f": no number before {quoted(unit)}" if not number
+                   else f": unknown unit {quoted(unit)}" if isinstance(exc, KeyError)
+                   else f": {quoted(number)} is not a number" if isinstance(exc, ValueError)
+                   else f": too large (at most {MAX_BYTE_SIZE_TEXT})")
+            raise ConfigError(f"cannot read {_typed(text)} as a byte size{why}", hint=BYTE_SIZE_HINT) from None
         if scale == 1 and exact != value:  # '1.5' bytes; with a unit (1.3GiB) the fraction of a byte is noise
-            raise ConfigError(f"a byte size without a unit is a whole number of bytes, got {text!r}",
+            raise ConfigError(f"a byte size without a unit is a whole number of bytes, got {_typed(text)}",
                               hint="use a whole number of bytes or a unit: 1.5GiB, 512MiB")
-    if value.bit_length() > MAX_BYTE_SIZE_BITS:  # a YAML or Python int past a float: plans compute shares in floats
-        what = repr(text) if isinstance(text, str) else f"a {value.bit_length()}-bit integer"  # str(): 4,300 digits
-        raise ConfigError(f"cannot read {what} as a byte size: too large a number (at most {MAX_BYTE_SIZE_BITS} bits, "
-                          "about 1e301)", hint=BYTE_SIZE_HINT)
+    if value > MAX_BYTE_SIZE:  # str(): a YAML or Python int of 4,300 digits
+        what = _typed(text) if isinstance(text, str) else f"a {value.bit_length()}-bit integer"
+        raise ConfigError(f"cannot read {what} as a byte size: too large (at most {MAX_BYTE_SIZE_TEXT})",
+                          hint=BYTE_SIZE_HINT)
     if value < 0 or value == 0 and not zero_ok:
-        raise ConfigError(f"a byte size must be {'>= 0' if zero_ok else 'positive'}, got {text!r}")
+        raise ConfigError(f"a byte size must be {'>= 0' if zero_ok else 'positive'}, got {_typed(text)}")
     return value
+
+
+def _typed(text: object) -> str:
+    """A byte size as given, for a message: text as ``errors.quoted`` writes it (a byte the locale could not decode
+    is ``\\xNN``, as in every other line, not repr's ``\\udcNN``); a number as ``repr``."""
+    return quoted(text) if isinstance(text, str) else repr(text)
 
 
 def checked_bytes(value: object, name: str, *, zero_ok: bool = False) -> int:
