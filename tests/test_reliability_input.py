@@ -2082,6 +2082,95 @@ def test_a_run_folder_of_a_model_still_loading_given_as_config_has_nothing_to_re
     assert proc.returncode == 0 and (run / "run.json").is_file(), proc.stderr
 
 
+def _pasted(command: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    """``command``, as a hint printed it, run by bash in ``cwd`` as a user pasting it would (``ardiff``: this one)."""
+    return subprocess.run(["bash", "-c", f'ardiff() {{ "$PASTE_PYTHON" -m ardiff_cli "$@"; }}\n{command}'], cwd=cwd,
+                          env={**env, "PASTE_PYTHON": sys.executable}, capture_output=True, text=True, timeout=300)
+
+
+def _hint(stderr: str) -> str:
+    return next(line.removeprefix("hint: ") for line in stderr.splitlines() if line.startswith("hint: "))
+
+
+@pytest.mark.parametrize("arguments, again", [
+    (["dreamzero-tiny", "arm_a", "runs/eval1"], "ardiff rollout dreamzero-tiny arm_a --out runs/eval1"),
+    (["dreamzero-tiny", "runs/eval1"], "ardiff rollout dreamzero-tiny EPISODE... --out runs/eval1"),
+    (["--resume", "dreamzero-tiny", "arm_a", "runs/eval1"], "ardiff rollout dreamzero-tiny arm_a --out runs/eval1"),
+    (["--resume", "runs/eval1"], "ardiff rollout CONFIG EPISODE... --out runs/eval1"),
+])
+def test_a_run_folder_of_a_model_still_loading_given_as_an_episode_hints_the_rollout_that_starts_it(
+        tmp_path, cli_env, arguments, again):
+    # as CONFIG such a folder (only .lock: run.json is written once the model loaded) hinted the rollout that starts
+    # its run again; as EPISODE (or to --resume without -o) it hinted `ardiff rollout --resume -o RUN`, which pasted
+    # with the folder says "nothing to resume: runs/eval1/run.json does not exist". The command given runs.
+    run = tmp_path / "runs" / "eval1"
+    run.mkdir(parents=True)
+    (run / ".lock").touch()
+    episode(tmp_path / "arm_a", 1)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", *arguments, "--format", "plain"],
+                          env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    hint = _hint(proc.stderr)
+    assert hint.endswith(" no run.json: its model was loading when it stopped (or is loading now), so there is "
+                         f"nothing to resume; to start its run again: {again}"), proc.stderr
+    assert "--resume" not in hint, hint
+    pasted = _pasted(again.replace("EPISODE...", "arm_a").replace("CONFIG", "dreamzero-tiny") + " --no-warmup",
+                     tmp_path, cli_env)
+    assert pasted.returncode == 0 and (run / "run.json").is_file(), pasted.stderr
+    assert ok_steps(run) == {("arm_a", 0)}
+
+
+def test_a_new_run_inside_another_runs_folder_is_refused_naming_it(tmp_path, cli_env):
+    # `-o runs/eval1/episodes/retry` wrote a second run among the first's episode outputs (and `-o runs/eval1/x`
+    # inside its folder): refused before anything is written there, naming the run it is inside, with an --out
+    # beside that run to paste; run from inside the run's folder, the default ./ardiff-runs is refused alike
+    episode(tmp_path / "arm_a", 1)
+    rollout = [sys.executable, "-m", "ardiff_cli", "rollout", "--no-warmup", "--format", "plain"]
+    proc = subprocess.run([*rollout, "dreamzero-tiny", "arm_a", "--out", "runs/eval1"],
+                          env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    outer = tmp_path / "runs" / "eval1"
+    for out, where in (("runs/eval1/episodes/retry", " (its episodes/ folder)"),
+                       ("runs/eval1/episodes/arm_a/retry", " (its episodes/ folder)"), ("runs/eval1/retry", "")):
+        proc = subprocess.run([*rollout, "dreamzero-tiny", "arm_a", "--out", out],
+                              env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr == (f"Error: --out {out} is inside the ardiff run folder runs/eval1{where}: a new run "
+                               "written inside another is mixed with its outputs, and moved or deleted with it\n"
+                               "hint: choose an --out outside runs/eval1, such as --out runs/retry\n")
+        assert not (tmp_path / out).exists()
+    proc = subprocess.run([*rollout, "dreamzero-tiny", "../../arm_a"],
+                          env=cli_env, cwd=outer, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert f"Error: the default output folder {outer / 'ardiff-runs'} (no --out given) is inside the ardiff run " \
+           f"folder {outer}: " in proc.stderr
+    assert not (outer / "ardiff-runs").exists()
+    proc = _pasted("ardiff rollout dreamzero-tiny arm_a --no-warmup --out runs/retry", tmp_path, cli_env)
+    assert proc.returncode == 0 and ok_steps(tmp_path / "runs" / "retry") == {("arm_a", 0)}, proc.stderr
+    # the first run's episodes/ holds its own outputs alone
+    assert sorted(p.name for p in (outer / "episodes").iterdir()) == ["arm_a"]
+
+
+@pytest.mark.parametrize("given, what", [("arm_a/episode.yaml", "the episode.yaml (its prompt and metadata)"),
+                                         ("arm_a/step_000000.safetensors", "a step file (one step's observations)")])
+def test_an_episode_file_given_as_config_says_so_and_gives_the_rollout_that_reads_it(tmp_path, cli_env, given,
+                                                                                       what):
+    # `ardiff rollout arm_a/episode.yaml` said "arm_a/episode.yaml: unknown key 'prompt'" with the config's keys as
+    # its hint; a step file "is a .safetensors file, not a config"
+    episode(tmp_path / "arm_a", 1)
+    episode(tmp_path / "arm_b", 1)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", given, "arm_b", "--format", "plain"],
+                          env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    again = "ardiff rollout dreamzero-tiny arm_a arm_b"
+    assert proc.stderr == (f"Error: CONFIG '{given}' is {what} of the episode arm_a, not a config: the first argument "
+                           "is a config file or a built-in config name\nhint: pass the config first, then the "
+                           f"episode's folder: {again}\n")
+    pasted = _pasted(f"{again} --no-warmup --out runs/eval1", tmp_path, cli_env)
+    assert pasted.returncode == 0, pasted.stderr
+    assert ok_steps(tmp_path / "runs" / "eval1") == {("arm_a", 0), ("arm_b", 0)}
+
+
 @pytest.mark.parametrize("before", [[], ["dreamzero-tiny"]])
 def test_resume_given_the_run_folder_without_out_gives_the_resume_to_paste(tmp_path, cli_env, before):
     # `ardiff rollout --resume runs/eval1` (-o forgotten) said "--resume needs --out DIR", hint "the run printed it as
@@ -2110,12 +2199,11 @@ def test_a_step_file_given_as_config_says_what_it_is(tmp_path, cli_env, command,
                           env=cli_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     message, _, hint = proc.stderr.partition("\nhint: ")
-    assert message == (f"Error: CONFIG '{step}' is a {suffix} file, not a config: the first argument is a config "
-                       "file or a built-in config name"), proc.stderr
-    assert "a checkpoint goes in the config's `checkpoint:` field" in hint, hint
-    if command == "rollout":
-        assert f"pass the config first: ardiff rollout dreamzero-tiny {step.parent}" in hint, hint
-        assert f"dreamzero-tiny {step.parent}; a checkpoint" in hint, hint  # its episode folder, not the file
+    # it is named a step file of its episode (not "a .safetensors file", as a checkpoint is)
+    assert message == (f"Error: CONFIG '{step}' is a step file (one step's observations) of the episode {step.parent}, "
+                       "not a config: the first argument is a config file or a built-in config name"), proc.stderr
+    assert hint == (f"pass the config first, then the episode's folder: ardiff rollout dreamzero-tiny {step.parent}\n"
+                    if command == "rollout" else "pass a config, e.g. ardiff warmup dreamzero-tiny\n")  # not the file
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".pth", ".ckpt", ".bin"])

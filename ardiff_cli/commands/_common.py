@@ -10,7 +10,7 @@ from typing import Any
 
 from ardiff_cli.errors_cli import budget_change
 from ardiff_cli.options import DEFAULT_CONFIG
-from ardiff_cli.runtime.errors import ConfigError, ResumeCommand, quoted, shell_word
+from ardiff_cli.runtime.errors import ConfigError, as_typed, quoted, shell_word
 
 
 def load_engine_config(config: str | None, *, pipeline: str | None = None, command: str = "rollout",
@@ -38,18 +38,23 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
         if command == "rollout":  # `ardiff rollout runs/eval1`: the run to finish, which as an EPISODE is refused
             from ardiff_cli.io.episode import run_output
 
-            if (found_run := run_output(Path(config))) is not None:
-                what, again = found_run
-                which = "its run" if what == "an ardiff run folder" else "one of its runs"
-                hint = f"it is {what} (what a rollout wrote); to finish {which}: {again}"
-                if which == "its run" and not isinstance(again, ResumeCommand):  # only the .lock, which a resume
-                    # refuses ("nothing to resume: run.json does not exist"): the run is started again
-                    hint = (f"it is {what} (what a rollout wrote) with no run.json: its model was loading when it "
-                            "stopped (or is loading now), so there is nothing to resume; to start its run again: "
-                            f"ardiff rollout CONFIG EPISODE... --out {shell_word(config)}")
+            if (found := run_output(Path(config), episodes=episodes)) is not None:
+                which = "its run" if found.what == "an ardiff run folder" else "one of its runs"
+                hint = f"it is {found.what} (what a rollout wrote); to finish {which}: {found.again}"
+                if found.why is not None:  # only the .lock, which a resume refuses: the run is started again
+                    hint = (f"it is {found.what} (what a rollout wrote) with no run.json: {found.why}; to start its "
+                            f"run again: {found.again}")
         raise ConfigError(
             f"CONFIG {quoted(config)} is a folder; the first argument is a config file or a built-in config name",
             hint=hint)
+    if config is not None and (what := _episode_file(Path(config))) is not None:  # it read "unknown key 'prompt'"
+        folder = Path(config).parent
+        raise ConfigError(
+            f"CONFIG {quoted(config)} is {what} of the episode {as_typed(folder)}, not a config: the first argument "
+            "is a config file or a built-in config name",
+            hint=(f"pass the config first, then the episode's folder: ardiff rollout "
+                  f"{_config_among([folder, *episodes])}" if command == "rollout"
+                  else f"pass a config, e.g. ardiff {command} {DEFAULT_CONFIG}"))
     suffix = Path(config).suffix.lower() if config is not None else ""
     pickled = suffix in (".pt", ".pth", ".ckpt", ".bin")  # torch.save's checkpoints
     if suffix in (".safetensors", ".npz") or pickled:  # binary: it read "not UTF-8 text (byte 0: ...)"
@@ -100,6 +105,22 @@ def beyond_device_hint(source: str, *, resume: bool = False) -> str:
     leave = "" if resume else ", or leave the budget out to plan with the free memory"
     return (f"plan with {budget_change(source, 'smaller', resume=resume)} or --session-capacity{leave}; "
             "`ardiff inspect-capacity` plans for any amount")
+
+
+def _episode_file(path: Path) -> str | None:
+    """What file of an episode ``path`` is (``the episode.yaml``, ``a step file``), else None: an episode.yaml, or a
+    step file named step_... or beside an episode.yaml or END (a checkpoint's model-00001-of-00002.safetensors is
+    none); not a run's output step, in its episodes/ folder."""
+    from ardiff_cli.io.episode import END_MARKER, METADATA_FILE, is_run_output, is_step_file
+
+    if not os.path.isfile(path) or is_run_output(path.parent.parent.parent):  # a run's output step: RUN/episodes/EP/
+        return None
+    if path.name == METADATA_FILE:
+        return f"the {METADATA_FILE} (its prompt and metadata)"
+    beside = any(os.path.exists(path.parent / name) for name in (METADATA_FILE, END_MARKER))
+    if is_step_file(path) and (path.name.lower().startswith("step") or beside):
+        return "a step file (one step's observations)"
+    return None
 
 
 def _config_among(arguments: Sequence[Path]) -> str:

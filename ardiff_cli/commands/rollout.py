@@ -260,10 +260,18 @@ def _refuse_resume_without_out(arguments: list[Any], given: tuple[str, ...], cap
     from ardiff_cli.io.episode import run_output
 
     hint = "the run printed it as 'outputs: DIR' (by default ardiff-runs/<start time>)"
+    config, episodes = arguments[0], [Path(e) for e in arguments[1:]]
     for argument in arguments:
-        found = None if argument is None else run_output(Path(argument))
-        if found is not None and isinstance(found[1], ResumeCommand):
-            again = replace(found[1], given=given, session_capacity=capacity)
+        # the others given fill in the rollout that starts a run with no run.json again: CONFIG is the first unless
+        # that is the run's folder
+        found = None if argument is None else run_output(Path(argument), episodes=episodes,
+                                                          config=None if argument is config else config)
+        if found is not None and found.why is not None:  # only its .lock: a resume of it is refused too
+            hint = (f"{as_typed(Path(argument))} is a run's folder with no run.json: {found.why}; to start its run "
+                    f"again: {found.again}")
+            break
+        if found is not None and isinstance(found.again, ResumeCommand):
+            again = replace(found.again, given=given, session_capacity=capacity)
             hint = f"{as_typed(Path(argument))} is a run's folder: give it as --out, not as CONFIG or EPISODE: {again}"
             break
     raise ConfigError("--resume needs --out DIR: the folder of the run to continue", hint=hint)
@@ -353,6 +361,8 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
         if RunFolder(out).holds_run():
             RunFolder(out).refuse_while_locked()  # a run still going: not one to resume now
             raise RunFolder(out).held_run()  # with its resume to paste
+    if not resume:
+        _refuse_a_run_inside_a_run(out)
     try:
         cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), **overrides)
     except ConfigError as exc:
@@ -390,7 +400,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
         if overrides["session_capacity"] is None:
             limit = cfg.runtime.session_capacity or cfg.kv_cache_spec().session_capacity
             cfg = cfg.with_runtime(session_capacity=min(limit, DEMO_SESSION_CAPACITY))
-    episodes = discover_episodes(episode_paths, warn=output.warning,
+    episodes = discover_episodes(episode_paths, warn=output.warning, config=config_label(config),
                                  follow=bool(options["follow"] or info.get("follow")))
     if not episodes:
         raise ConfigError(f"no episode folders in {', '.join(map(str, episode_paths))}",
@@ -646,6 +656,29 @@ def _refuse_an_episode_folder_as_out(out: Path | None, inputs: list[Path], episo
     else:
         return
     raise ConfigError(message, hint=hint)
+
+
+def _refuse_a_run_inside_a_run(out: Path | None) -> None:
+    """A new run's folder may not be inside another run's (``-o runs/eval1/episodes/retry``): its files would be
+    mixed with that run's outputs, which a resume of it, or a script reading its episodes/, takes for its own; and
+    that run's folder, moved or deleted as a whole, takes this one with it. ``out`` None is the default ./ardiff-runs
+    (run from inside a run's folder). A resume goes on where its run is."""
+    from ardiff_cli.io.run import EPISODES_DIR, RUNS_FOLDER, RunFolder
+
+    target = Path(RUNS_FOLDER if out is None else out).resolve()
+    outer = next((p for p in target.parents if RunFolder(p).is_run_folder()), None)
+    if outer is None:
+        return
+    relative = os.path.relpath(outer)
+    shown = outer if relative == "." or relative.startswith("..") else Path(relative)
+    where = f" (its {EPISODES_DIR}/ folder)" if (outer / EPISODES_DIR) in (target, *target.parents) else ""
+    subject = (f"the default output folder {Path.cwd() / RUNS_FOLDER} (no --out given)" if out is None
+               else f"--out {as_typed(out)}")
+    beside = shell_word(shown.parent / target.name)
+    raise ConfigError(f"{subject} is inside the ardiff run folder {as_typed(shown)}{where}: a new run written inside "
+                      "another is mixed with its outputs, and moved or deleted with it",
+                      hint=f"choose an --out outside {as_typed(shown)}, such as --out {beside}" if out is not None
+                      else f"pass --out DIR outside {as_typed(shown)}, or run ardiff from outside it")
 
 
 RECORDED = {  # run.json's fields that --resume reuses unless given again -> what each takes

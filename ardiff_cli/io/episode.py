@@ -27,12 +27,12 @@ import unicodedata
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from ardiff_cli.io.atomic import TooLarge, open_file, parse_json, read_capped
 from ardiff_cli.runtime.capacity import split_unit_hint
 from ardiff_cli.runtime.errors import (ConfigError, ObservationError, ResumeCommand, as_typed,
-                                      link_to_nothing, plural, shown, too_many_open_files, yaml_problem,
+                                      link_to_nothing, plural, shell_word, shown, too_many_open_files, yaml_problem,
                                       yaml_syntax_hint)
 
 STEP_SUFFIXES = (".safetensors", ".npz")
@@ -315,17 +315,37 @@ def _holds_episode(folder: Path) -> bool:
     return any(p.is_file() and is_step_file(p) for p in children) or not any(p.is_dir() for p in children)
 
 
-def run_output(folder: Path) -> tuple[str, ResumeCommand | str] | None:
+class FoundRun(NamedTuple):
+    """What :func:`run_output` found: ``what`` the folder is, ``again`` the command to paste, and ``why`` (None when
+    ``again`` is the resume that finishes its run): why nothing there resumes, ``again`` then the rollout that starts
+    the run again, which a hint words as "with no run.json: {why}; to start its run again: {again}"."""
+
+    what: str
+    again: ResumeCommand | str
+    why: str | None = None
+
+
+def run_output(folder: Path, *, config: str | None = None, episodes: Iterable[Path] = ()) -> FoundRun | None:
     """For a folder that :func:`is_run_output` and no episode folder: what it is (``an ardiff run folder``, ``a
     folder of ardiff run folders``) and the resume that finishes its run, to paste (with the ``--pipeline`` the run
-    was started with; ``-o RUN`` for one of the runs in a folder of them, or for a run still loading); else None."""
+    was started with; ``-o RUN`` for one of the runs in a folder of them). A run folder holding only the ``.lock`` of a
+    run whose model was loading has no run.json, which a resume refuses ("nothing to resume"): its command is the
+    rollout that starts that run again there, with ``config`` and ``episodes`` (the command line's others) where
+    given, else CONFIG and EPISODE... (nothing recorded them). Else None."""
     if not is_run_output(folder) or episode_entries(folder):
         return None
     from ardiff_cli.io.run import RunFolder
 
     run = RunFolder(folder)
-    what = "an ardiff run folder" if run.is_run_folder() else "a folder of ardiff run folders"
-    return what, run.resume_command() if run.holds_run() else "ardiff rollout --resume -o RUN"  # RUN: one in it
+    if not run.is_run_folder():
+        return FoundRun("a folder of ardiff run folders", "ardiff rollout --resume -o RUN")  # RUN: one in it
+    if run.holds_run():
+        return FoundRun("an ardiff run folder", run.resume_command())
+    others = [shell_word(e) for e in episodes if os.path.abspath(e) != os.path.abspath(folder)]
+    start = ["ardiff rollout", "CONFIG" if config is None else shell_word(config), *(others or ["EPISODE..."]),
+             "--out", shell_word(folder)]
+    return FoundRun("an ardiff run folder", " ".join(start),
+                    why="its model was loading when it stopped (or is loading now), so there is nothing to resume")
 
 
 def is_run_output(folder: Path) -> bool:
@@ -371,7 +391,7 @@ def _warn_about_episodes_inside(folder: Path, warn: Callable[[str], None] | None
 
 
 def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None = None,
-                      follow: bool = False) -> list[EpisodeSource]:
+                      follow: bool = False, config: str | None = None) -> list[EpisodeSource]:
     """Episode folders from the command line: each path is an episode, or a folder of episode folders.
 
     A folder of episode folders contributes each visible subfolder, except
@@ -384,7 +404,8 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
     reached twice (``data/ data/pick_cube``, a symlink to another argument) is one
     episode, run once; ``warn`` is told.
     A path that is one of ardiff's outputs itself is refused; ``follow``: the
-    command line has ``--follow`` (a missing folder's hint does not suggest it).
+    command line has ``--follow`` (a missing folder's hint does not suggest it); ``config``: its CONFIG, for the
+    command a run folder's refusal gives to paste.
     """
     folders: list[Path] = []
     for path in paths:
@@ -407,11 +428,12 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
                 f"{as_typed(path)}: an EPISODE is a folder of step files, not a file",
                 hint="pass the folder that holds the step files",
             )
-        if (found_run := run_output(path)) is not None:
+        if (found := run_output(path, config=config, episodes=paths)) is not None:
             # its episodes/ and previews/ were taken for episodes with no step files, or (none) the folder itself
-            what, again = found_run
-            raise ConfigError(f"{as_typed(path)} is {what} (what a rollout wrote), not an episode",
-                              hint=f"pass the folders of step files the robots wrote; to finish a stopped run: {again}")
+            again = (f"to finish a stopped run: {found.again}" if found.why is None else
+                     f"this one has no run.json: {found.why}; to start its run again: {found.again}")
+            raise ConfigError(f"{as_typed(path)} is {found.what} (what a rollout wrote), not an episode",
+                              hint=f"pass the folders of step files the robots wrote; {again}")
         if _holds_episode(path):
             folders.append(path)
             _warn_about_episodes_inside(path, warn)
