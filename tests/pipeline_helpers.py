@@ -147,16 +147,35 @@ def open_to_write(proc: subprocess.Popen, fifo: Path) -> int:
             time.sleep(0.01)
 
 
+# The numbers of the syscalls the tests watch for, as /proc/PID/syscall writes them, by platform.machine(): x86-64's
+# own table, and aarch64's (the kernel's generic one, asm-generic/unistd.h). A test that waits for one skips on a
+# machine missing here (``syscall_number``): it would poll /proc for a number that never comes, for 5 minutes.
+SYSCALLS = {"x86_64": {"read": "0", "write": "1", "futex": "202"},
+            "aarch64": {"read": "63", "write": "64", "futex": "98"}}
+
+
+def syscall_number(name: str, machine: str | None = None) -> str:
+    """The number of syscall ``name`` (``read``, ``write``, ``futex``) on ``machine`` (this one's by default), as
+    /proc/PID/syscall writes it; skips the test on a machine ``SYSCALLS`` lacks, naming it."""
+    machine = platform.machine() if machine is None else machine
+    if machine not in SYSCALLS:
+        pytest.skip(f"this test watches /proc/PID/syscall for {name}(2), whose number on {machine!r} is not known: "
+                    f"add the machine to SYSCALLS in tests/pipeline_helpers.py")
+    return SYSCALLS[machine][name]
+
+
 def wait_reading(proc: subprocess.Popen, fifo: Path) -> None:
-    """Poll until ``proc`` waits in a read(2) of the FIFO ``fifo`` (x86-64's syscall 0 in /proc/PID/syscall, on a
-    descriptor of that FIFO). A signal sent then interrupts the read and its handler runs; sent once the process had
-    opened the FIFO but before its read began, the C half of the handler ran there and the Python half waited for the
-    read to return: never, as no one writes the FIFO. Fails if the process exits first, or after 5 minutes."""
+    """Poll until ``proc`` waits in a read(2) of the FIFO ``fifo`` (its syscall ``syscall_number("read")`` in
+    /proc/PID/syscall, on a descriptor of that FIFO). A signal sent then interrupts the read and its handler runs; sent
+    once the process had opened the FIFO but before its read began, the C half of the handler ran there and the Python
+    half waited for the read to return: never, as no one writes the FIFO. Fails if the process exits first, or after 5
+    minutes."""
     held = fifo.stat()
+    read = syscall_number("read")
     deadline = time.monotonic() + 300
     while True:
         call = Path(f"/proc/{proc.pid}/syscall").read_text().split()
-        if call[0] == "0":
+        if call[0] == read:
             with contextlib.suppress(OSError):  # the descriptor closed meanwhile
                 at = os.stat(f"/proc/{proc.pid}/fd/{int(call[1], 16)}")
                 if (at.st_dev, at.st_ino) == (held.st_dev, held.st_ino):
@@ -165,26 +184,23 @@ def wait_reading(proc: subprocess.Popen, fifo: Path) -> None:
         time.sleep(0.001)
 
 
-# the futex syscall's number, as /proc/PID/syscall writes it, on this machine (x86-64's or aarch64's)
-FUTEX = {"x86_64": "202", "aarch64": "98"}.get(platform.machine())
-
-
 class UntimedFutex:
     """Whether the thread whose /proc/.../syscall is ``path`` waits in a futex with no timeout (its fourth argument
     NULL): a lock or a torch call's wait that nothing but the test ends. Raises ``AssertionError`` naming the wait
     once the thread has sat ``settle_s`` in one other syscall (the same number and arguments): a Python or C library
     that waits otherwise (a futex with a timeout, another syscall), which was polled for 5 minutes (``wait_blocked``)
-    or for ever (a test's own thread, which nothing else stops); and at once on a machine whose futex is not known."""
+    or for ever (a test's own thread, which nothing else stops). Made on a machine whose futex is not known, it skips
+    the test (``syscall_number``): make it in the test's own thread."""
 
     def __init__(self, path: Path, settle_s: float = 30.0) -> None:
-        assert FUTEX is not None, f"the futex syscall's number on {platform.machine()} is not known: add it to FUTEX"
+        self.futex = syscall_number("futex")
         self.path, self.settle_s = path, settle_s
         self.other: list[str] | None = None  # the other syscall it was last seen in, with its arguments, and since
         self.since = 0.0
 
     def __call__(self) -> bool:
         call = self.path.read_text().split()
-        if call[0:5:4] == [FUTEX, "0x0"]:
+        if call[0:5:4] == [self.futex, "0x0"]:
             return True
         if len(call) >= 7 and call[0] != "-1":  # in a syscall: not "running", nor "-1 SP PC" (stopped outside one)
             if call[:7] != self.other:
@@ -192,7 +208,7 @@ class UntimedFutex:
             elif time.monotonic() - self.since > self.settle_s:
                 raise AssertionError(f"{self.path}: the thread has waited {self.settle_s:g} s in syscall {call[0]} "
                                      f"(arguments {' '.join(call[1:7])}), not in a futex with no timeout (syscall "
-                                     f"{FUTEX}, fourth argument 0x0): this Python or C library waits otherwise")
+                                     f"{self.futex}, fourth argument 0x0): this Python or C library waits otherwise")
         return False
 
 

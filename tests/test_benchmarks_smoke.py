@@ -23,7 +23,7 @@ if str(REPO_ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) does 
 import torch  # noqa: E402
 
 from benchmarks import bench_attention  # noqa: E402
-from pipeline_helpers import ardiff_cache, single_thread  # noqa: E402,F401 - fixtures
+from pipeline_helpers import ardiff_cache, single_thread, syscall_number  # noqa: E402,F401 - fixtures
 
 FIELDS = {"id", "paged_ms", "contiguous_ms", "ratio", "target", "passed"}
 SUITE_FIELDS = {"id", "target", "passed", "measured", "baseline", "ratio"}
@@ -537,22 +537,25 @@ def test_suite_help_says_a_quick_or_partial_run_writes_no_file_without_json():
 
 
 def test_suite_threads_apply_to_every_benchmark(tmp_path, ardiff_cache):
-    """`--threads N` holds for the benchmarks that load an engine, whose configs set num_threads: 1 themselves."""
-    import torch
+    """`--threads N` holds for the benchmarks that load an engine, whose configs set num_threads: 1 themselves.
 
-    from benchmarks.__main__ import main
-    from benchmarks.bench_churn import make_engine
-
+    Run in a process of its own whose OpenMP threads sleep as they wait (OMP_WAIT_POLICY=PASSIVE, read as torch
+    loads): in pytest's process two threads spun while other tests held the cores, and the test took 4 to 13 s of
+    CPU where it takes 2."""
     path = tmp_path / "results.json"
-    before = torch.get_num_threads()
-    try:
-        assert main(["--quick", "--threads", "2", "--only", "capacity,overhead,attention", "--json", str(path)]) == 0
-        assert torch.get_num_threads() == 2
-        engine, _ = make_engine(4)  # churn's engines (its whole run is slow with 2 threads on a shared machine)
-        engine.close()
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
+    code = ("import sys, torch\n"
+            "from benchmarks.__main__ import main\n"
+            "from benchmarks.bench_churn import make_engine\n"
+            "assert main(sys.argv[1:]) == 0\n"
+            "assert torch.get_num_threads() == 2, torch.get_num_threads()\n"
+            "engine, _ = make_engine(4)\n"  # churn's engines (its whole run is slow with 2 threads on a shared machine)
+            "engine.close()\n"
+            "assert torch.get_num_threads() == 2, torch.get_num_threads()\n")
+    proc = subprocess.run([sys.executable, "-c", code, "--quick", "--threads", "2", "--only",
+                           "capacity,overhead,attention", "--json", str(path)], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_WAIT_POLICY": "PASSIVE"})
+    assert proc.returncode == 0, proc.stderr
     report = json.loads(path.read_text())
     assert report["machine"]["torch_threads"] == 2
     assert {r["id"]: r["threads"] for r in report["results"]} == {"capacity": 2, "overhead": 2, "attention": 2}
@@ -923,6 +926,7 @@ def test_a_signal_once_the_file_is_written_says_it_was_written(tmp_path, module)
     """The file is written before the table: a stop while the table waits on a stalled stdout (here a pipe already
     full) said "no results were written" of a complete results file. It names the file, and still exits 143."""
     path = tmp_path / "results.json"
+    write_call = syscall_number("write")
     read, write = os.pipe()
     os.set_blocking(write, False)
     with pytest.raises(BlockingIOError):
@@ -942,10 +946,10 @@ def test_a_signal_once_the_file_is_written_says_it_was_written(tmp_path, module)
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the results file was never written"
             time.sleep(0.01)
-        # then in its write to stdout (x86-64's write, syscall 1, on fd 1), which the full pipe blocks: sent as the file
-        # appeared, the SIGTERM could land in the C code of the table's flush, before that write began, and the write
-        # waited on for a reader that never came
-        while Path(f"/proc/{proc.pid}/syscall").read_text().split()[:2] != ["1", "0x1"]:
+        # then in its write(2) to stdout (fd 1), which the full pipe blocks: sent as the file appeared, the SIGTERM
+        # could land in the C code of the table's flush, before that write began, and the write waited on for a
+        # reader that never came
+        while Path(f"/proc/{proc.pid}/syscall").read_text().split()[:2] != [write_call, "0x1"]:
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the table was never written to stdout"
             time.sleep(0.001)

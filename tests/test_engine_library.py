@@ -768,11 +768,14 @@ def test_a_subscriber_may_take_a_lock_that_a_thread_reading_the_runners_views_ho
     table_lock = threading.Lock()
     in_callback, status_holds_lock = threading.Event(), threading.Event()
     acquired: list[bool] = []
+    # each thread's wait for the other (a bound on a hang, not a timing): one that ran out let the test go on past
+    # the order it is about, the status thread reading before the eviction or the callback locking before it
+    waited: dict[str, bool] = {}
 
     def on_event(event):
         if event.kind == "session_evicted":
             in_callback.set()
-            status_holds_lock.wait(5)
+            waited["the callback for the status thread to take the table lock"] = status_holds_lock.wait(60)
             got = table_lock.acquire(timeout=5)  # a deadlock guard, not a timing: never reached when it works
             acquired.append(got)
             if got:
@@ -781,7 +784,7 @@ def test_a_subscriber_may_take_a_lock_that_a_thread_reading_the_runners_views_ho
     statuses = []
 
     def status():
-        in_callback.wait(5)
+        waited["the status thread for the eviction's event"] = in_callback.wait(60)
         with table_lock:
             status_holds_lock.set()
             statuses.append([view.session_id for view in engine.runner.sessions()])
@@ -792,7 +795,9 @@ def test_a_subscriber_may_take_a_lock_that_a_thread_reading_the_runners_views_ho
     thread = threading.Thread(target=status)
     thread.start()
     engine.execute(request(engine, "r1", "b"))  # evicts "a"
-    thread.join()
+    thread.join(120)
+    assert not thread.is_alive(), "the status thread never read the runner's sessions"
+    assert all(waited.values()) and len(waited) == 2, f"a wait ran out (False) or never began: {waited}"
     assert acquired == [True] and statuses == [["b"]]  # delivered once the admission that evicted "a" is done
     assert engine.runner.session_ids == ["b"]
     engine.close()

@@ -35,7 +35,7 @@ from ardiff_cli.io import write_episode
 from ardiff_cli.io.demo import demo_step
 from ardiff_cli.runtime.errors import ResumeCommand
 from pipeline_helpers import (NOTICE, open_to_write, outputs, records, start_with_fault_files, stop_inside_a_fault,
-                              wait_blocked, wait_for_marker, wait_reading)
+                              syscall_number, wait_blocked, wait_for_marker, wait_reading)
 
 REPO = Path(__file__).resolve().parents[1]
 PIPELINE = "faulty_pipelines:FaultyDreamZero"
@@ -513,9 +513,10 @@ def test_a_second_signal_while_a_signal_before_the_command_took_them_is_reported
             assert "Threads:\t1\n" in Path(f"/proc/{proc.pid}/status").read_text()  # the main thread takes them
             wait_reading(proc, hold)  # a read the first signal interrupts
             send_and_wait_delivered(proc, first)
-            while True:  # the report of the first waits in its write to stderr (syscall 1, fd 2)
+            write = syscall_number("write")
+            while True:  # the report of the first waits in its write to stderr (write(2) on fd 2)
                 call = Path(f"/proc/{proc.pid}/syscall").read_text().split()
-                if call[:2] == ["1", "0x2"]:
+                if call[:2] == [write, "0x2"]:
                     break
                 assert proc.poll() is None and time.monotonic() < deadline, (
                     proc.poll(), call[:2], inherited, re.findall(r"^Sig\w+:.*$", Path(f"/proc/{proc.pid}/status")
@@ -2522,6 +2523,47 @@ def test_a_resume_of_a_run_folder_with_an_immutable_lock_hints_chattr_not_a_chmo
     assert proc.returncode == 0, proc.stderr
     assert "12 steps already done" in proc.stderr
     assert_matches(run, reference)
+
+
+def test_the_syscalls_waited_for_are_this_machines_and_an_unknown_machine_skips():
+    """wait_reading and the waits for a write that a full pipe blocks looked for x86-64's read (0) and write (1): on
+    aarch64 (63, 64: the kernel's generic table) they polled /proc for 5 minutes, then failed. The numbers are looked
+    up by machine; a machine the table lacks skips the test, naming it. Here, a child's real read and write match."""
+    assert [syscall_number(name, "x86_64") for name in ("read", "write", "futex")] == ["0", "1", "202"]
+    assert [syscall_number(name, "aarch64") for name in ("read", "write", "futex")] == ["63", "64", "98"]
+    with pytest.raises(pytest.skip.Exception, match=r"watches /proc/PID/syscall for write\(2\), whose number on "
+                                                    r"'riscv64' is not known: add the machine to SYSCALLS in tests/"):
+        syscall_number("write", "riscv64")
+
+    code = "import os, sys; sys.stderr.write('r'); sys.stderr.flush(); os.read(0, 1); os.write(1, b'.' * (1 << 20))"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+    def blocked_in(left: str | None = None) -> list[str]:
+        """The syscall and its first argument, once the child sleeps in one other than ``left`` (the read it was
+        woken from may still show, sleeping, until the scheduler runs it)."""
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
+            if Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()[0] == "S":
+                call = Path(f"/proc/{proc.pid}/syscall").read_text().split()[:2]
+                if call[0] != left:
+                    return call
+            time.sleep(0.001)
+
+    try:
+        assert proc.stderr.read(1) == b"r"  # next: its read of stdin, the only wait left before its write
+        assert blocked_in() == [syscall_number("read"), "0x0"]
+        proc.stdin.write(b"x")
+        proc.stdin.flush()  # next: its write of 1 MiB to stdout, which the pipe (64 KiB) blocks
+        assert blocked_in(left=syscall_number("read")) == [syscall_number("write"), "0x1"]
+        assert len(proc.stdout.read()) == 1 << 20
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            stream.close()
 
 
 def test_wait_blocked_names_a_wait_with_a_timeout_rather_than_polling_it_for_minutes():

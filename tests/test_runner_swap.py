@@ -1381,17 +1381,19 @@ def test_ctrl_c_while_a_close_waits_for_the_snapshot_file_leaves_no_file_behind(
     writes = HeldWrites(monkeypatch)
     run(engine, "b", 0)  # evicts a: its file is held
     main, done = threading.main_thread(), threading.Event()
+    # made here: on a machine whose futex is not known it skips the test, which in the sender's thread would only end
+    # that thread, and the close below would wait for ever
+    blocked = UntimedFutex(Path(f"/proc/self/task/{main.native_id}/syscall"))
     waits_otherwise: list[AssertionError] = []
 
     def ctrl_c_in_the_wait() -> None:
-        # once the main thread waits for a's file: inside Condition.wait, blocked in its lock (an untimed futex,
-        # x86-64's syscall 202 with no timeout). A timer (0.3 s) sent it wherever the close was: on a loaded machine
-        # before the discard (a's snapshot stayed known), or as its last check was done but its futex not begun (its
-        # C handler ran there, and the wait went on for the write this test holds: a hang)
+        # once the main thread waits for a's file: inside Condition.wait, blocked in its lock (an untimed futex:
+        # x86-64's syscall 202, aarch64's 98, with no timeout). A timer (0.3 s) sent it wherever the close was: on a
+        # loaded machine before the discard (a's snapshot stayed known), or as its last check was done but its futex
+        # not begun (its C handler ran there, and the wait went on for the write this test holds: a hang)
         # A main thread that waits otherwise (a futex with a timeout, another Python or C library) is named, and
         # its wait cut short all the same: it waited for ever, a write this test holds
         try:
-            blocked = UntimedFutex(Path(f"/proc/self/task/{main.native_id}/syscall"))
             while not done.is_set():
                 frame = sys._current_frames().get(main.ident)
                 if blocked() and frame is not None and frame.f_code is threading.Condition.wait.__code__:
