@@ -58,6 +58,7 @@ from ardiff_cli.runtime.errors import (
     ResumeCommand,
     SwapRestoreError,
     is_broken_invariant,
+    link_to_nothing,
     plural,
     shell_word,
     too_many_open_files,
@@ -239,10 +240,11 @@ class Rollout:
                          episode=episode.name, path=recorded)
         self._show_progress([episode], recount=False)
 
-    def _episode_moved(self, episode: EpisodeSource, old: Path) -> None:
+    def _episode_moved(self, episode: EpisodeSource, old: Path, how: str) -> None:
         """An episode's folder was renamed in its followed folder of episodes (``ep1.part`` -> ``ep1``): it goes on
         there under its name, and the run folder records the new path (a line of episodes.jsonl), where ``--resume``
-        reads it."""
+        reads it. ``how``: what became of the old one (``renamed to ep1``; of a link, its recording moved into place,
+        or it deleted or pointed elsewhere with another link there to the recording), for the event's line."""
         try:
             before, recorded = self.run_folder.move_episode(episode.name, episode.path)
         except OSError as exc:
@@ -258,8 +260,8 @@ class Rollout:
         # the paths as run.json records them (links resolved: a watched folder given through a link, an episode
         # folder that was a link), the old one as it was recorded: the old name is gone and resolves to nothing
         self._folders[episode.name] = recorded
-        self.monitor.log("episode_moved", episode.name, f"episode folder {old} renamed to {episode.path.name}: "
-                         "following it there", episode=episode.name, path=recorded, old_path=before)
+        self.monitor.log("episode_moved", episode.name, f"episode folder {old} {how}: following it there",
+                         episode=episode.name, path=recorded, old_path=before)
 
     # -- events --------------------------------------------------------------------------------------------
 
@@ -801,6 +803,12 @@ def _gone_while_read(episode: EpisodeSource, step_file: StepFile, resume: Resume
     command, to paste once they are back."""
     what = "it is gone (deleted or renamed since the episode folder was listed)"
     if present(episode.path) is False:
+        if dangling := link_to_nothing(episode.path):  # the link is there (ls shows it): its recording moved
+            return ObservationError(
+                f"{step_file.path}: cannot read the step file: the episode folder {episode.path} is {dangling} (its "
+                "recording was deleted or moved while the run read it)",
+                hint=f"point the link at where the recording is now (ln -sfn NEW {shell_word(episode.path)}), or put "
+                     f"the recording back, then {continue_with(resume)}")
         what = f"the episode folder {episode.path} is gone (deleted or renamed while the run read it)"
     return ObservationError(f"{step_file.path}: cannot read the step file: {what}",
                             hint="keep an episode's folder and its step files in place while a run reads them; put "

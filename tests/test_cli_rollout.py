@@ -3769,6 +3769,9 @@ def test_an_episode_folder_that_is_a_link_moved_into_place_gives_run_json_s_old_
     events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     moved = [(o["old_path"], o["path"]) for o in events if o.get("kind") == "episode_moved"]
     assert moved == [(before["arm_a"], str((live / "arm_a").resolve()))], moved
+    # the link was not renamed: its recording was moved into place (the line said "renamed to arm_a")
+    assert [o["detail"] for o in events if o.get("kind") == "episode_moved"] == [
+        f"episode folder {live / 'cam'} is a link whose recording was moved to arm_a: following it there"]
     assert recorded_folders(run) == {"arm_a": moved[0][1]}
     assert [(r["episode"], r["step"], r["status"]) for r in records(run)] == [("arm_a", s, "ok") for s in range(3)]
 
@@ -3804,6 +3807,8 @@ def test_an_episode_folder_that_is_a_link_renamed_while_followed_is_followed_at_
     assert proc.returncode == 0, stderr
     moved = [(o["old_path"], o["path"]) for o in events if o.get("kind") == "episode_moved"]
     assert moved == [(str(live.resolve() / "cam"), str(live.resolve() / "cam2"))], moved
+    assert [o["detail"] for o in events if o.get("kind") == "episode_moved"] == [
+        f"episode folder {live / 'cam'} renamed to cam2: following it there"]  # the link itself was
     assert recorded_folders(run) == {"arm_a": str(live.resolve() / "cam2")}
     assert [(r["episode"], r["step"], r["status"]) for r in records(run)] == [("arm_a", s, "ok") for s in range(3)]
 
@@ -3874,6 +3879,75 @@ def test_an_episode_folder_that_is_a_link_whose_recording_moved_while_followed_n
     assert again.returncode == 0, again.stderr
     assert [(r["step"], r["status"]) for r in records(run)] == [(0, "ok"), (None, "failed"), (1, "ok"), (2, "ok")]
     assert recorded_folders(run) == {"arm_a": str(live.resolve() / "cam")}
+
+
+def test_an_episode_folder_that_is_a_link_whose_recording_moved_while_read_names_the_link_and_resumes(
+        env, data, tmp_path):
+    """Without --follow: eps/cam -> ../rec/arm_a, its recording renamed rec/arm_a.old while the run reads its steps.
+    The next step failed as "the episode folder eps/cam is gone (deleted or renamed while the run read it)", hint
+    "put them back", of a link `ls` shows there. It names the link and where it leads, and says to point it at the
+    recording; pointed there, the --resume it prints finishes the episode."""
+    eps, run, rec = tmp_path / "eps", tmp_path / "run", tmp_path / "rec"
+    write_episode(rec / "arm_a", steps_of(0, 30), prompt="task arm_a")  # still being read when moved
+    eps.mkdir()
+    (eps / "cam").symlink_to(Path("..") / "rec" / "arm_a")
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(eps / "cam"), "--out", str(run), "--no-warmup",
+                 "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 2, proc)
+        (rec / "arm_a").rename(rec / "arm_a.old")
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, stderr
+    assert re.search(rf"Error: episode 'arm_a' failed: {re.escape(str(eps / 'cam'))}/step_\d+\.safetensors: cannot "
+                     rf"read the step file: the episode folder {re.escape(str(eps / 'cam'))} is a link to "
+                     r"\.\./rec/arm_a, which does not exist \(its recording was deleted or moved while the run read "
+                     rf"it\)\nhint: point the link at where the recording is now \(ln -sfn NEW "
+                     rf"{re.escape(str(eps / 'cam'))}\), or put the recording back, then continue with: ardiff rollout "
+                     rf"--resume --out {re.escape(str(run))}\n", stderr), stderr
+    assert "gone" not in stderr, stderr
+    (eps / "cam").unlink()  # the hint's ln -sfn
+    (eps / "cam").symlink_to(Path("..") / "rec" / "arm_a.old")
+    again = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert again.returncode == 0, again.stderr
+    done = [(r["step"], r["status"]) for r in records(run) if r["status"] == "ok"]
+    assert done == [(s, "ok") for s in range(30)], done
+
+
+@pytest.mark.parametrize("appears", [True, False], ids=["recording-appears", "never-appears"])
+def test_a_link_to_nothing_in_a_watched_folder_joins_once_its_recording_appears(env, data, tmp_path, appears):
+    """live/cam -> ../rec/arm_a in a watched folder before rec/arm_a is made (a recorder that links first): the
+    first poll took the link for a file and never looked at it again, so the recording, once made, never ran (exit
+    0, not a word). It joins once it leads to an episode folder, as a folder made there does; one still leading
+    nowhere when the run ends is named once, and a --resume runs it once its recording is there."""
+    live, run, rec = tmp_path / "live", tmp_path / "run", tmp_path / "rec"
+    write_episode(live / "arm_b", steps_of(1, 2), prompt="task arm_b", end=False)
+    (live / "cam").symlink_to(Path("..") / "rec" / "arm_a")
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                 "--idle-timeout", "3", "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 2, proc)  # arm_b's steps ran: the link was looked at, leading nowhere
+        if appears:
+            write_episode(rec / "arm_a", steps_of(0, 2), prompt="task arm_a")
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    warning = (f"warning: {live / 'cam'} never joined the run: it is a link to ../rec/arm_a, which does not exist (the "
+               "recording it links to never appeared while the run watched; once it is there, run it with "
+               f"{live / 'cam'} as EPISODE in a new --out, or --resume this run)")
+    if appears:
+        assert f"new episode folder {live / 'cam'}: following it" in stderr, stderr
+        assert "never joined" not in stderr, stderr
+    else:
+        assert stderr.count(warning) == 1, stderr
+        write_episode(rec / "arm_a", steps_of(0, 2), prompt="task arm_a")
+        again = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+        assert again.returncode == 0, again.stderr
+    assert sorted((r["episode"], r["step"], r["status"]) for r in records(run)) == [
+        (name, s, "ok") for name in ("arm_a", "arm_b") for s in range(2)]
+    assert recorded_folders(run)["arm_a"] == str(live.resolve() / "cam")
 
 
 def test_an_episode_folder_that_is_a_link_to_a_link_repointed_at_its_end_names_where_it_leads_now(
@@ -3982,11 +4056,45 @@ def test_an_episode_read_through_one_of_two_links_to_its_recording_goes_on_at_th
     events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     moved = [(o["old_path"], o["path"]) for o in events if o.get("kind") == "episode_moved"]
     assert moved == [(str(live.resolve() / "cam1"), str(live.resolve() / "cam2"))], (moved, stderr)
+    # cam1 was not renamed (the line said "renamed to cam2"): deleted, with another link there to the recording
+    assert [o["detail"] for o in events if o.get("kind") == "episode_moved"] == [
+        f"episode folder {live / 'cam1'} (a link to its recording) was deleted, and cam2 is another link to it: "
+        "following it there"]
     assert recorded_folders(run) == {"arm_a": str(live.resolve() / "cam2")}
     write_episode(live / ".rec" / "arm_a", steps[2:], first_step=2)
     again = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--idle-timeout", "30")
     assert again.returncode == 0, again.stderr
     assert [(r["episode"], r["step"], r["status"]) for r in records(run)] == [("arm_a", s, "ok") for s in range(3)]
+
+
+def test_an_episode_read_through_a_link_pointed_elsewhere_beside_another_link_to_it_is_not_said_renamed(
+        env, data, tmp_path):
+    """live/cam1 and live/cam2 -> .rec/arm_a, read at cam1, then cam1 pointed at another recording (`ln -sfn
+    .rec/arm_x cam1`): the episode goes on at cam2, and episode_moved's line said "episode folder cam1 renamed to
+    cam2" of a link still there. It says what happened: cam1 pointed elsewhere, cam2 another link to the recording."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    steps = steps_of(0, 3)
+    write_episode(live / ".rec" / "arm_a", steps[:1], prompt="task arm_a", end=False)
+    write_episode(live / ".rec" / "arm_x", steps_of(1, 1), prompt="task arm_x")
+    for name in ("cam1", "cam2"):
+        (live / name).symlink_to(Path(".rec") / "arm_a")
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                 "--idle-timeout", "3", "--format", "json")
+    try:
+        wait_for_lines(run / "results.jsonl", 1, proc)
+        (live / "next").symlink_to(Path(".rec") / "arm_x")
+        os.replace(live / "next", live / "cam1")
+        write_episode(live / ".rec" / "arm_a", steps[1:], first_step=1)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    assert [o["detail"] for o in events if o.get("kind") == "episode_moved"] == [
+        f"episode folder {live / 'cam1'} (a link to its recording) was pointed at .rec/arm_x, and cam2 is another "
+        "link to it: following it there"], stderr
+    assert recorded_folders(run)["arm_a"] == str(live.resolve() / "cam2")
+    assert [(r["step"], r["status"]) for r in records(run) if r["episode"] == "arm_a"] == [(s, "ok") for s in range(3)]
 
 
 def test_a_resume_reads_an_episode_through_the_link_in_a_watched_folder_the_run_read_it_through(env, data, tmp_path):

@@ -654,7 +654,7 @@ def _items(scheduler: StepScheduler) -> list[tuple]:
 
 def _moves(scheduler: StepScheduler) -> list[tuple[str, str, str]]:
     moved: list[tuple[str, str, str]] = []
-    scheduler._on_moved = lambda episode, old: moved.append((episode.name, old.name, episode.path.name))
+    scheduler._on_moved = lambda episode, old, how: moved.append((episode.name, old.name, episode.path.name))
     return moved
 
 

@@ -530,8 +530,9 @@ def new_episode_folders(folder: Path, settled: set[str], names: Iterable[str] | 
     """The subfolders of the folder of episodes ``folder`` that a robot has started (they hold step files, ``END``
     or ``episode.yaml``) and whose names are not in ``settled``, in name order. Adds to ``settled`` what it returns
     and what can never be one (files, run outputs), so a call costs one listing of ``folder`` and one of each
-    subfolder still empty. Empty when ``folder`` is gone or unreadable. ``names``: those of ``folder`` to look at,
-    instead of listing it (a follower's, whose listing of it still holds)."""
+    subfolder still empty, and a stat of each link to nothing. Empty when ``folder`` is gone or unreadable.
+    ``names``: those of ``folder`` to look at, instead of listing it (a follower's, whose listing of it still
+    holds)."""
     if names is None:
         try:
             names = os.listdir(folder)
@@ -545,7 +546,10 @@ def new_episode_folders(folder: Path, settled: set[str], names: Iterable[str] | 
         except OSError:  # ``folder`` readable but no longer enterable (EACCES): looked at again on the next poll
             continue
         if not is_folder:
-            settled.add(name)
+            # a link to nothing (its recording not made yet, a disk not mounted) is looked at again, as an empty
+            # folder is: it joins once it leads to an episode folder (one more stat a poll while it dangles)
+            if not os.path.islink(path) or os.path.exists(path):
+                settled.add(name)
         elif episode_entries(path):
             settled.add(name)
             if not is_run_output(path):

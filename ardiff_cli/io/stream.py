@@ -129,9 +129,10 @@ class _Track:
     end_gone: bool = False  # follow: its folder was removed once END was seen there and every step file taken
     # follow: its folder is itself a link (live/cam -> .rec/arm_a), which a rename there is followed to (cam -> cam2)
     link: bool = False
+    link_inode: int | None = None  # follow: the link's own inode number (lstat): a rename keeps it, another link not
 
     def __post_init__(self) -> None:
-        self.link = os.path.islink(self.source.path)
+        self.link, self.link_inode = _link_inode(self.source.path)
 
 
 @dataclass
@@ -163,7 +164,7 @@ class StepScheduler:
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                  warn: Callable[[str], None] = lambda message: None, watch: Sequence[Path] = (),
                  on_new_episode: Callable[[EpisodeSource], None] = lambda episode: None,
-                 on_moved: Callable[[EpisodeSource, Path], None] = lambda episode, old: None,
+                 on_moved: Callable[[EpisodeSource, Path, str], None] = lambda episode, old, how: None,
                  go_on: str = "continue with --resume") -> None:
         self.order = order
         self.follow = follow  # rescan folders for new step files
@@ -450,7 +451,9 @@ class StepScheduler:
         if renamed is None or renamed.name.startswith(".") or not _holds_first_file(renamed, track.first_file):
             return False
         new = old.parent / renamed.name  # as the run names it: relative where it was given so
-        track.source.path, track.link = new, os.path.islink(new)
+        how = _how_moved(old, new, track.link_inode if track.link else None)
+        track.source.path = new
+        track.link, track.link_inode = _link_inode(new)
         track.files = [StepFile(path=new / f.path.name, step=f.step) for f in track.files]
         track.unready, track.unnumbered, track.stamp, track.trusted = [], [], None, False
         self._names.move(track.source.name, old, new)
@@ -458,7 +461,7 @@ class StepScheduler:
             if watched.folder.resolve() == old.parent.resolve():
                 watched.settled.discard(old.name)  # another folder made under the old name is a new episode
                 watched.settled.add(new.name)
-        self._on_moved(track.source, old)
+        self._on_moved(track.source, old, how)
         return True
 
     def _watched(self, folder: Path) -> bool:
@@ -583,6 +586,11 @@ class StepScheduler:
                 self._warn(f"{as_typed(folder)}: {listed(idle)} never joined the run: no step file, END or "
                            "episode.yaml came in it, only other files or folders (a folder of episodes is watched "
                            "for episode folders in it, not deeper: give a deeper folder of episodes as EPISODE)")
+            for name in names:  # looked at each poll, never led to an episode folder: not passed over unsaid
+                if name not in settled and (dangling := link_to_nothing(folder / name)):
+                    self._warn(f"{as_typed(folder / name)} never joined the run: it is {dangling} (the recording it "
+                               "links to never appeared while the run watched; once it is there, run it with "
+                               f"{shell_word(folder / name)} as EPISODE in a new --out, or --resume this run)")
             if steps:
                 self._warn(f"{as_typed(folder)}: {listed(steps)} did not run: a followed folder of episodes runs the "
                            "step files of the episode folders in it, not its own")
@@ -933,6 +941,32 @@ def _holds_something(path: Path) -> bool:
         return any(not name.startswith(".") for name in os.listdir(path))
     except OSError:  # a file (ENOTDIR), gone, or locked
         return False
+
+
+def _link_inode(path: Path) -> tuple[bool, int | None]:
+    """Whether ``path`` is a link, and the link's own inode number then (None otherwise, or where it cannot be
+    looked at)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False, None
+    return (True, st.st_ino) if stat.S_ISLNK(st.st_mode) else (False, None)
+
+
+def _how_moved(old: Path, new: Path, link_inode: int | None) -> str:
+    """How an episode's folder ``old`` came to be followed at ``new``, beside it, for ``episode_moved``'s line:
+    renamed (a folder, or the link itself: ``link_inode`` its inode number, None where ``old`` was no link), or,
+    of a link, its recording moved into place at ``new`` or ``new`` another link to it (``cam1`` deleted or pointed
+    elsewhere, ``cam2`` leading to the same recording)."""
+    if link_inode is None or _link_inode(new)[1] == link_inode:
+        return f"renamed to {new.name}"
+    if not os.path.islink(new):
+        return f"is a link whose recording was moved to {new.name}"
+    try:
+        now = f"was pointed at {os.readlink(old)}"
+    except OSError as exc:  # EINVAL: a folder there now
+        now = "was deleted" if exc.errno == errno.ENOENT else "was replaced"
+    return f"(a link to its recording) {now}, and {new.name} is another link to it"
 
 
 def _identity(track: _Track) -> int | None:
