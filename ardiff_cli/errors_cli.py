@@ -382,14 +382,27 @@ def report(out: Output, exc: BaseException) -> int:
             out.traceback(exc)
             for line in getattr(exc, "details", ()):  # what the message left out (a checkpoint's every key)
                 out.debug(line)
-        out.error(message, hint, exit_code=code, kind=rule.label)
+        out.error(message, hint, exit_code=code, kind=rule.label, notes=notes_of(exc))
     elif isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM or SIGHUP before a command took them (entry.Stopped)
         out.error(interrupted_message(signal_of(exc)), None, exit_code=code, kind="interrupted")
     else:
         out.traceback(exc)
         out.error(f"unexpected {type(exc).__name__}: {exc}",
-                  "this is a bug in ardiff; please report it with the traceback above", exit_code=code, kind="bug")
+                  "this is a bug in ardiff; please report it with the traceback above", exit_code=code, kind="bug",
+                  notes=notes_of(exc))
     return code
+
+
+def notes_of(exc: BaseException) -> list[str]:
+    """The notes of ``exc`` (PEP 678's ``__notes__``, ``add_note``): what else went wrong as it was raised (a close
+    hook that failed as the warmup then released its session), which the traceback alone showed. Each a string, as
+    Python's traceback prints them: ``__notes__`` is a plain attribute that code may have set to anything."""
+    notes = getattr(exc, "__notes__", None)
+    if notes is None:
+        return []
+    if isinstance(notes, (list, tuple)):
+        return [note if isinstance(note, str) else repr(note) for note in notes]
+    return [repr(notes)]
 
 
 @contextlib.contextmanager

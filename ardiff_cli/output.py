@@ -26,7 +26,7 @@ import os
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, Any
 
 
@@ -241,18 +241,23 @@ class Output:
                 self._hold(f"warning: {visible(one_line(message))}\n")
 
     def error(self, message: str, hint: str | None = None, *, exit_code: int | None = None,
-              kind: str = "error", episode: str | None = None) -> None:
-        """'Error: ...' and 'hint: ...' on stderr (never silenced); json also gets an error object on stdout, with the
-        ``episode`` it is of, if any (a script reads which episode failed from it, not from the message)."""
+              kind: str = "error", episode: str | None = None, notes: Sequence[str] = ()) -> None:
+        """'Error: ...', an indented '  note: ...' for each of ``notes`` (the exception's ``__notes__``: what else
+        went wrong, as a close hook failing after the error) and 'hint: ...' on stderr (never silenced); json also
+        gets an error object on stdout, with the ``episode`` it is of, if any (a script reads which episode failed
+        from it, not from the message), and its ``notes``, if any."""
         Output.errors_reported += 1
         self._show_held()
         # not wrapped by Rich, as a warning: a path or command it broke in two was two when copied from a terminal
         self._print_err("[bold red]Error:[/bold red] ", one_line(message), plain_prefix="Error: ", soft_wrap=True)
+        for note in notes:
+            self._print_err("  [dim]note:[/dim] ", one_line(note), plain_prefix="  note: ", soft_wrap=True)
         if hint:
             self._print_err("[cyan]hint:[/cyan] ", one_line(hint), plain_prefix="hint: ", soft_wrap=True)
         if self.is_json:
             self.json({"kind": kind, "message": message, "hint": hint, "exit_code": exit_code,
-                       **({"episode": episode} if episode is not None else {})})
+                       **({"episode": episode} if episode is not None else {}),
+                       **({"notes": list(notes)} if notes else {})})
 
     def traceback(self, exc: BaseException) -> None:
         """Through the console in rich format: written to stderr beside a live display, a failed step's traceback

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.errors_cli import Interrupted, OutputError, StepFailed, continue_with, write_hint
+from ardiff_cli.errors_cli import Interrupted, OutputError, StepFailed, continue_with, notes_of, write_hint
 from ardiff_cli.io.episode import (METADATA_FILE, EpisodeSource, StepFile, file_signature, listed, load_step,
                                    present, step_sha256)
 from ardiff_cli.io.run import RunFolder, episode_folder_path
@@ -646,7 +646,7 @@ class Rollout:
             if self.out.verbose and isinstance(exc, StepFailed):
                 self.out.traceback(exc.cause)
             self.out.error(str(naming_episode(exc, episode.name)), exc.hint, kind="episode_failed",
-                           episode=episode.name)
+                           episode=episode.name, notes=notes_of(exc))
         # The traceback's frames hold the failed forward's locals (activations, the released session's caches):
         # drop them now, not at the end of the run. A traceback printed later needs only code and line numbers.
         traceback.clear_frames(cause.__traceback__)

@@ -17,11 +17,11 @@ Each fault is a JSON object:
 - ``site``: ``block`` (``layer``, ``call``), ``sampler`` (``call``), ``projection`` (``name``: text or image,
   ``after`` layers), ``cross_oom`` (``torch.empty`` inside ``populate_cross_attention`` raises
   ``torch.OutOfMemoryError``), ``page_shortage`` (the KV allocator is emptied for the request),
-  ``close_hook`` (``session``: its close hook raises, or with ``action`` ``ulimit`` lowers this process's
-  limit on open files to 3 (``ulimit -n 3``): every later open is EMFILE; no ``request``), ``corrupt_swap``
-  (every swap snapshot file in ``dir``, once written, is overwritten with bytes that are no safetensors file, as a
-  failing disk would leave them), ``pools`` (no ``request``: allocating the KV cache pools as the model loads raises a
-  bare ``MemoryError()``; with ``pool_over``, only a pool of more pages than that);
+  ``close_hook`` (``session``, or ``*`` for every one: its close hook raises, or with ``action`` ``ulimit`` lowers
+  this process's limit on open files to 3 (``ulimit -n 3``): every later open is EMFILE; no ``request``),
+  ``corrupt_swap`` (every swap snapshot file in ``dir``, once written, is overwritten with bytes that are no
+  safetensors file, as a failing disk would leave them), ``pools`` (no ``request``: allocating the KV cache pools as
+  the model loads raises a bare ``MemoryError()``; with ``pool_over``, only a pool of more pages than that);
 - ``action`` (block and sampler): ``raise`` (default), ``oom`` (allocate 1 PiB on the host: torch's CPU allocator
   raises its own RuntimeError), ``memory_error`` (a bare ``MemoryError()``, as Python's allocator raises), ``exit``
   (``typer.Exit(0)``: an exception whose ``exit_code`` is 0), ``emfile`` (``OSError`` EMFILE), ``torch_oom``
@@ -351,7 +351,7 @@ class FaultyDreamZero(DreamZeroPipeline):
     def close_ar_diffusion_session(self, session_id: str) -> None:
         super().close_ar_diffusion_session(session_id)
         for fault in load_faults():
-            if fault["site"] != "close_hook" or fault.get("session") != session_id:
+            if fault["site"] != "close_hook" or fault.get("session") not in (session_id, "*"):
                 continue
             if fault.get("action") == "ulimit":  # every open from here on is EMFILE: three descriptors are stdio's
                 resource.setrlimit(resource.RLIMIT_NOFILE, (3, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))

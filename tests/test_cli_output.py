@@ -21,7 +21,7 @@ from rich.console import Console
 from ardiff_cli.errors_cli import EpisodesFailed, Interrupted, exit_code_for, handle_errors
 from ardiff_cli.output import Format, Output, resolve_format
 from ardiff_cli.panels import EventRow, SessionRow, Snapshot, render
-from ardiff_cli.runtime.errors import CapacityError, CheckpointError, ConfigError, ObservationError
+from ardiff_cli.runtime.errors import CapacityError, CheckpointError, ConfigError, ObservationError, PipelineError
 from ardiff_cli.signals import HANDLED, StopSignals, give_back
 
 ESC = re.compile(r"\x1b\[")
@@ -315,6 +315,45 @@ def test_a_failed_step_names_its_episode_step_and_file_and_takes_its_causes_exit
     assert "hint: see the episode format: ardiff rollout --help" in stderr.getvalue()
     errors = [json.loads(line) for line in stdout.getvalue().splitlines()]
     assert [(e["kind"], e["exit_code"]) for e in errors] == [("observation_error", 2), ("interrupted", 130)]
+
+
+@pytest.mark.parametrize("fmt", [Format.plain, Format.json, Format.rich])
+def test_an_errors_notes_are_indented_lines_after_it_and_a_list_in_its_json_object(fmt):
+    """An exception's notes (PEP 678: a close hook that failed too, as the warmup then released its session) showed
+    only in --verbose's traceback: each is an indented `note:` line between the Error and hint lines, one line, its
+    control characters written \\xNN as the Error line's; JSON's error object lists them in `notes`, as given. An
+    error without notes has no `notes` key, as before; a bug's notes show too."""
+    out, stdout, stderr = sink(fmt)
+    error = PipelineError("warmup request 'w1' failed", hint="fix the pipeline")
+    error.add_note("W.close_ar_diffusion_session('__ardiff_warmup__') raised KeyError: 'x'")
+    error.add_note("a second\nline, and \x1b[31mred")
+    with pytest.raises(typer.Exit) as info, handle_errors(out):
+        raise error
+    assert info.value.exit_code == 1
+    with pytest.raises(typer.Exit), handle_errors(out):
+        raise CapacityError("one session needs 2 GiB")
+    bug = ValueError("oops")
+    bug.add_note("while reading the step")
+    with pytest.raises(typer.Exit), handle_errors(out):
+        raise bug
+    text = stderr.getvalue()
+    assert ("Error: warmup request 'w1' failed\n"
+            "  note: W.close_ar_diffusion_session('__ardiff_warmup__') raised KeyError: 'x'\n"
+            "  note: a second\\x0aline, and \\x1b[31mred\n"
+            "hint: fix the pipeline\n") in text, text
+    assert "Error: one session needs 2 GiB\nhint: " in text and "Error: unexpected ValueError: oops\n" \
+        "  note: while reading the step\nhint: this is a bug" in text, text
+    assert "\x1b" not in text if fmt is not Format.rich else text.count("\x1b[31mred") == 0
+    if fmt is Format.json:
+        errors = [json.loads(line) for line in stdout.getvalue().splitlines()]
+        assert [e.get("notes") for e in errors] == [
+            ["W.close_ar_diffusion_session('__ardiff_warmup__') raised KeyError: 'x'",
+             "a second\nline, and \x1b[31mred"], None, ["while reading the step"]], errors
+    error.__notes__ = "not a list"  # a plain attribute: what Python's traceback prints, its repr
+    out, _, stderr = sink(Format.plain)
+    with pytest.raises(typer.Exit), handle_errors(out):
+        raise error
+    assert "Error: warmup request 'w1' failed\n  note: 'not a list'\nhint: " in stderr.getvalue()
 
 
 def test_handle_errors_hint_traceback_only_with_verbose_and_always_for_bugs():

@@ -717,14 +717,25 @@ def test_a_close_hook_that_fails_as_a_warmup_request_closes_its_session_fails_th
 def test_a_close_hook_that_fails_after_a_failed_warmup_request_is_a_note_on_the_requests_error(lab):
     """A warmup request that fails (its outputs infinite) leaves the warmup session open; the close hook that fails
     as warmup then releases it was dropped without a word: the request's error is the one reported, the hook's its
-    note (the traceback --verbose prints ends with it), as with a failed forward's."""
+    note (the traceback --verbose prints ends with it), as with a failed forward's. The note is a `note:` line after
+    the Error line without --verbose too (it showed only in the traceback), and in JSON's error object `notes`."""
     proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:DivergesThenClosesBadly", "--verbose")
     assert proc.returncode == 1, proc.stderr
     failed = ("warmup request 'warm1' of DivergesThenClosesBadly: DivergesThenClosesBadly.forward() returned "
               "non-finite values: 'frame': 64 inf of 64 values")
     note = ("DivergesThenClosesBadly.close_ar_diffusion_session('__ardiff_warmup__') raised KeyError: 'frames of "
             "__ardiff_warmup__'; the session's KV was released")
-    assert f"ardiff_cli.runtime.errors.PipelineError: {failed}\n{note}\nError: {failed}\n" in proc.stderr, proc.stderr
+    assert f"ardiff_cli.runtime.errors.PipelineError: {failed}\n{note}\nError: {failed}\n  note: {note}\nhint: " in (
+        proc.stderr), proc.stderr
+    proc = ardiff(lab, "warmup", "unnamed.yaml", "--pipeline", "lab_world.model:DivergesThenClosesBadly")
+    assert proc.returncode == 1 and f"Error: {failed}\n  note: {note}\nhint: " in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    root, env = lab
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "warmup", "unnamed.yaml", "--pipeline",
+                           "lab_world.model:DivergesThenClosesBadly", "--format", "json"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert (error["kind"], error["message"], error["notes"]) == ("pipeline_error", failed, [note]), error
 
 
 @pytest.mark.parametrize("name", ["PassThrough", "SeededPassThrough"])
@@ -1055,7 +1066,7 @@ def test_warmup_requests_reach_the_forward_as_a_steps_inputs_do(lab, tmp_path):
     assert warmup.returncode == 0, warmup.stderr
     result = json.loads(warmup.stdout.splitlines()[-1])
     # what the forward got, so that the requests of one path are of one shape (steady_s)
-    assert [r["shape"] for r in result["requests"]] == ["state (6,), prompt, seed"] * 3, result
+    assert [r["shape"] for r in result["requests"]] == [{"state": [6], "prompt": None, "seed": None}] * 3, result
     rollout = run("rollout", str(tmp_path / "droid"), "-o", str(tmp_path / "out"), "--no-warmup")
     assert rollout.returncode == 0, rollout.stderr
     records = [json.loads(line) for line in log.read_text().splitlines()]

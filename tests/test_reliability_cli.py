@@ -217,6 +217,43 @@ def test_a_failing_close_hook_alone_is_a_warning_that_changes_neither_the_exit_c
     assert {"episode": "arm_a", "step": 2} in [h["during"] for h in hooks], hooks
 
 
+def test_a_close_hook_that_always_fails_fails_warmup_and_a_rollouts_warmup_and_the_run_resumes_past_it(env, data,
+                                                                                                         tmp_path):
+    """With a window of one frame DreamZero warms up with two requests, the second run again on its rebuilt session
+    (test_warmup_rerun.py): that rerun closed the session first, so a close hook that always fails was the rerun's
+    warning alone, no close was left to fail at the warmup's end, and `ardiff warmup` passed (exit 0), as did a
+    rollout's warmup. Now both fail as a pipeline_error naming the hook (exit 1); the rollout, its run.json written,
+    says how to go on, and a resume without the warmup completes, each failing close a warning (README)."""
+    config = tmp_path / "window1.yaml"
+    config.write_text(FAST_CONFIG.replace("guidance_scale: 2.0}", "guidance_scale: 2.0, window_frames: 1}"))
+    faults = [{"site": "close_hook", "session": "*"}]
+    failed = ("FaultyDreamZero.close_ar_diffusion_session('__ardiff_warmup__') raised InjectedFault: injected fault "
+              "in the close hook of '__ardiff_warmup__'; the session's KV was released")
+    proc = ardiff(env, "warmup", str(config), "--pipeline", PIPELINE, "--format", "json", faults=faults)
+    assert proc.returncode == 1, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert (lines[-1]["kind"], lines[-1]["message"], lines[-1]["exit_code"]) == ("pipeline_error", failed, 1), lines
+    assert [(e["kind"], e.get("reason")) for e in lines if e["kind"] in ("hook_failed", "session_closed")] == [
+        ("hook_failed", None), ("session_closed", "explicit")], lines
+    assert "warning:" not in proc.stderr, proc.stderr  # not the rerun's: the close is the warmup's own failure
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(config), str(data / "eps"), "--out", str(run), "--pipeline", PIPELINE,
+                  "--format", "plain", faults=faults)
+    assert proc.returncode == 1, proc.stderr
+    resume = ResumeCommand(run, PIPELINE)
+    assert f"Error: {failed}\nhint: " in proc.stderr and proc.stderr.endswith(
+        f"please report it; once fixed, continue the run with --resume; to paste: {resume}\n"), proc.stderr
+    assert records(run) == [] and not (run / "summary.json").exists()  # stopped before its first step
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup", "--format",
+                  "plain", faults=faults)
+    assert proc.returncode == 0, proc.stderr
+    assert "Error:" not in proc.stderr and ("warning: episode 'arm_d': the pipeline's close_ar_diffusion_session "
+                                            "raised at its step 2: ") in proc.stderr, proc.stderr
+    assert all(r["status"] == "ok" for r in records(run)) and len(records(run)) == 12
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["exit_code"]) == ("ok", 0) and len(summary["hook_errors"]) > 4, summary
+
+
 def test_a_close_hook_failing_as_a_stopped_run_releases_its_resident_session_keeps_the_exit_code_of_the_stop(
         env, data, tmp_path):
     """Stopped by SIGTERM with swapping off, arm_c's session is still resident when the model is released, and its

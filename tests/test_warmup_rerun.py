@@ -289,6 +289,36 @@ def test_a_close_hook_that_fails_on_the_rerun_is_a_warning():
     engine.close()
 
 
+class TwoRequestsClosingAlwaysFails(DreamZeroPipeline):
+    """Two warmup requests, the second going on with the session's history (run again on its rebuilt session); its
+    close hook always fails."""
+
+    def ar_diffusion_warmup_requests(self, session_id):
+        yield from list(super().ar_diffusion_warmup_requests(session_id))[:2]
+
+    def close_ar_diffusion_session(self, session_id):
+        super().close_ar_diffusion_session(session_id)
+        raise KeyError("the session's record")
+
+
+def test_a_close_hook_that_always_fails_fails_the_warmup_also_when_the_rerun_closes_the_session_first():
+    """The rerun's check closes the session before its last request ends the warmup: its close hook failing there was
+    the rerun's warning only, and with the session gone no close at the warmup's end failed, so the warmup passed.
+    It is the warmup's failure, as that close's, and subscribers hear of the close as it went; no rerun warning."""
+    engine, events = engine_for("dreamzero-tiny", "TwoRequestsClosingAlwaysFails")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ArdiffWarning)
+        with pytest.raises(LifecycleHookError) as info:
+            engine.warmup()
+    assert str(info.value) == ("TwoRequestsClosingAlwaysFails.close_ar_diffusion_session('__ardiff_warmup__') raised "
+                               "KeyError: \"the session's record\"; the session's KV was released")
+    assert engine.runner.session_ids == [] and engine.runner.pool_usage().num_used == 0
+    assert [(e.kind, getattr(e, "reason", None)) for e in events if e.kind.startswith(("session_", "hook_"))] == [
+        ("session_admitted", None), ("hook_failed", None), ("session_closed", "explicit")]
+    assert [e.kind for e in events if e.kind == "request_finished"] == ["request_finished"] * 2
+    engine.close()
+
+
 class DivergesThenClosingFails(CausalWorldPipeline):
     """Its second warmup request diverges (its outputs infinite), which fails the warmup with its session open, and
     its close hook fails as the warmup then releases it."""

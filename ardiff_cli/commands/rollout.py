@@ -61,6 +61,7 @@ from ardiff_cli.runtime.errors import (
     ConfigError,
     NonFiniteWeightsError,
     ObservationError,
+    PipelineError,
     ResumeCommand,
     as_typed,
     is_out_of_memory,
@@ -1241,6 +1242,10 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                             error.hint = to_paste(RESUME_LOAD_HINT, p.resume)
                         elif phase == WEIGHTS_PHASE:  # a new run's, before its KV pools: the model's dtype or size
                             error.hint = weights_run_hint(p.cfg.runtime.dtype)
+                if isinstance(error, PipelineError) and not warmed_up and run.holds_run() and error.hint:
+                    # the pipeline failed its warmup (or a resume's load), run.json written: the same command is
+                    # refused now, and the hint said only what to fix
+                    error.hint = to_paste(f"{error.hint}; once fixed, continue the run with --resume", p.resume)
                 if pages_short(error) and not warmed_up and run.holds_run():  # the warmup's: run.json is written
                     error.hint = to_paste(WARMUP_PAGES_HINT, replace(p.resume, given=(*p.resume.given, "--no-warmup")))
                 if error is exc:

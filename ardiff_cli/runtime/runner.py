@@ -1515,7 +1515,7 @@ class ARDiffusionModelRunner:
                 if last_export[0]:
                     self._check_model_owned(_tensors_of(last_export[1]), "warming up")
                 if before is not None:  # last: the counts above are of the request as it ran, not of its rerun
-                    self._check_rerun(output, *before)
+                    hook_errors += self._check_rerun(output, *before)
             if last_export[0] and not rerun:  # no rerun encoded an export: one request, or each reset its session
                 self._check_encoding(last_export[1])
             if went_on and not committed:
@@ -1614,25 +1614,30 @@ class ARDiffusionModelRunner:
             again = request
         return (tensors, json.loads(json.dumps(metadata))), again
 
-    def _check_rerun(self, output: Any, snapshot: tuple[Any, Any], request: ARDiffusionRequest) -> None:
+    def _check_rerun(self, output: Any, snapshot: tuple[Any, Any],
+                     request: ARDiffusionRequest) -> list[LifecycleHookError]:
         """Rebuild the warmup session from ``snapshot`` (taken before ``request`` ran) as a swap restore does (the
         close hook, a fresh session, its KV restored and its export imported), run ``request`` again, and warn
         unless it returns ``output`` again bit for bit: replayed, swapped and resumed sessions rest on that. The
-        events of all this are dropped: it is one request to subscribers (a hook that fails meanwhile is a
-        warning instead). The session is left as the rerun left it, or released when rebuilding or rerunning failed
-        (a warning too; a stop propagates once it is released)."""
+        events of all this are dropped: it is one request to subscribers (a hook of the rebuilt session that fails
+        meanwhile is a warning instead). The session is left as the rerun left it, or released when rebuilding or
+        rerunning failed (a warning too; a stop propagates once it is released). Returned: the failure of the
+        session's own close hook, which closes it before it is rebuilt: no rerun is checked then, and it is the
+        warmup's to raise, as the close at its end (a close hook that always fails was a warning, and the warmup
+        passed, when a rerun's close came first); subscribers are told of that close as it went."""
         name = type(self.pipeline).__name__
         expected = host_arrays(output)
         with self._locked():
             closed = WARMUP_SESSION_ID not in self._sessions  # by the request: subscribers were told so
         step, failure = f"{name}.close_ar_diffusion_session()", None
+        own_close: list[LifecycleHookError] = []  # the session's own close hook failed
         self._muted += 1
         try:
             with self._locked():
                 if WARMUP_SESSION_ID in self._sessions:  # not when the request closed it
-                    errors = self._release(WARMUP_SESSION_ID, reason="explicit", hook="close")
-                    if errors:
-                        raise errors[0]
+                    own_close = self._release(WARMUP_SESSION_ID, reason="explicit", hook="close")
+                    if own_close:
+                        raise own_close[0]
                 kv, state, num_requests = decode_snapshot(*snapshot)
                 step = "its KV"
                 session = self._admit(WARMUP_SESSION_ID)
@@ -1649,6 +1654,12 @@ class ARDiffusionModelRunner:
         finally:
             self._muted -= 1
         unheard, self._muted_hook_errors = self._muted_hook_errors, []
+        if own_close and failure is own_close[0]:  # the session is gone, released as the warmup's end releases it
+            with self._locked():
+                self._emit(HookFailed(session_id=WARMUP_SESSION_ID, hook="close_ar_diffusion_session",
+                                      error=str(failure.__cause__)))
+                self._emit(SessionClosed(session_id=WARMUP_SESSION_ID, reason="explicit"))
+            return own_close
         if failure is not None:
             self._drop_rebuilt(failure, closed=closed)
             unheard += self._muted_hook_errors
@@ -1668,7 +1679,7 @@ class ARDiffusionModelRunner:
                           f"{type(failure).__name__}: {failure}; swapped-out sessions will fail as they are restored "
                           "or at their next step; with no swap space none is, and evicted sessions are replayed "
                           "(README, 'Adding a pipeline')", ArdiffWarning, stacklevel=_caller_stacklevel())
-            return
+            return []
         differences = output_differences(expected, again)
         if differences:
             others = f" (and {plural(len(differences) - 1, 'other output')} too)" if len(differences) > 1 else ""
@@ -1679,6 +1690,7 @@ class ARDiffusionModelRunner:
                           "noise is what differs. Draw the forward's noise from a generator seeded from the request or "
                           "its session (never torch's global generator or the clock), and export all the state a "
                           "session keeps (README, 'Adding a pipeline')", ArdiffWarning, stacklevel=_caller_stacklevel())
+        return []
 
     def _drop_rebuilt(self, failure: BaseException, *, closed: bool) -> None:
         """Release the warmup session a failed ``_check_rerun`` rebuilt, telling subscribers it went as they saw it:
@@ -1689,7 +1701,7 @@ class ARDiffusionModelRunner:
             try:
                 if WARMUP_SESSION_ID in self._sessions:  # imported half way: nobody's state
                     self._release(WARMUP_SESSION_ID, reason="restore_failed", hook="close", error=failure)
-                elif not closed:  # released while muted (a failed rerun, a close hook that raised)
+                elif not closed:  # released while muted (a failed rerun, a close hook of the rebuilt session)
                     self._emit(SessionClosed(session_id=WARMUP_SESSION_ID, reason="restore_failed",
                                              error=repr(failure)))
             finally:
