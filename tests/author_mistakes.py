@@ -294,3 +294,32 @@ class BindWithoutSessionId(CausalWorldPipeline):
 
     def bind_ar_diffusion_state(self, state):
         return super().bind_ar_diffusion_state(state.session_id, state)
+
+
+class KVAsNumpy(CausalWorldPipeline):
+    """Its first layer hands the KV cache its keys and values as numpy arrays (a port of a numpy reference model)."""
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        pipeline = super().from_config(config, **kwargs)
+        attention = pipeline.transformer.blocks[0].self_attn
+        key_values = attention.key_values
+        attention.key_values = lambda *args: tuple(t.numpy() for t in key_values(*args))
+        return pipeline
+
+
+class NoQueryHeads(CausalWorldPipeline):
+    """Its first layer keeps the query heads of one of 8 tensor-parallel ranks, written for a model of 8 or more
+    heads: with the tiny preset's 4, none (q of 0 heads, which torch attends to an empty output)."""
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        pipeline = super().from_config(config, **kwargs)
+        attention = pipeline.transformer.blocks[0].self_attn
+        forward = attention.forward
+
+        def sharded(x, cos, sin, attend):
+            return forward(x, cos, sin, lambda q, k, v, *scale: attend(q[: q.shape[0] // 8], k, v, *scale))
+
+        attention.forward = sharded
+        return pipeline

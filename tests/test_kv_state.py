@@ -581,8 +581,36 @@ def test_attend_given_tokens_before_heads_says_the_layout_it_expects(make_spec, 
         ctx.attend(tokens_first, tokens_first, tokens_first)
     assert str(caught.value) == (
         "layer 0 of branch 'positive': attend takes q (heads, tokens, head_size) and k, v (2, tokens, 8), with "
-        "tokens = seq_len 8 (+ up to 0 register tokens) and q's heads a multiple of 2; got q (8, 2, 8), "
+        "tokens = seq_len 8 (+ up to 0 register tokens) and q's heads a positive multiple of 2; got q (8, 2, 8), "
         "k (8, 2, 8), v (8, 2, 8)")
+
+
+@pytest.mark.parametrize("backend", ["torch", "paged"])
+def test_attend_and_store_given_no_tensors_name_the_layer_and_the_layout(make_spec, make_cache, backend):
+    """A None, a numpy array or a list for q, k or v read "AttributeError: 'NoneType' object has no attribute 'shape'"
+    (or 'requires_grad'), and q of no heads passed the checks to fail in the model after attention (torch's "shape
+    '[L, 0]' is invalid"): neither named the layer, the branch nor what attend takes."""
+    from ardiff_cli.runtime.kv.vllm_attention import TorchPagedKernel
+
+    state = make_cache(make_spec(), attention_backend="torch" if backend == "torch" else TorchPagedKernel(4)
+                       ).new_state("s")
+    good = torch.randn(2, 8, 8)
+    attend = "attend takes q (heads, tokens, head_size) and k, v (2, tokens, 8) as torch tensors (torch.float32 on cpu"
+    for (q, k, v), got in [((good, good, None), "v None"), ((good.numpy(), good, good), "q numpy.ndarray"),
+                           ((good, good.tolist(), good.numpy()), "k list, v numpy.ndarray")]:
+        with pytest.raises(ValueError) as caught:
+            state.get_kv_caches("positive", seq_len=8)[1].attend(q, k, v)
+        assert str(caught.value) == (f"layer 1 of branch 'positive': {attend}, like the KV pool); got {got}")
+        assert caught.value.__context__ is None or caught.value.__suppress_context__
+    with pytest.raises(ValueError, match=r"^layer 1 of branch 'positive': store takes k, v \(2, tokens, 8\) as torch "
+                                         r"tensors \(torch.float32 on cpu, like the KV pool\); got k None$"):
+        state.get_kv_caches("positive", seq_len=8, commit_current=True)[1].store(None, good)
+    with pytest.raises(ValueError, match=r"q's heads a positive multiple of 2; got q \(0, 8, 8\), k \(2, 8, 8\)"):
+        state.get_kv_caches("positive", seq_len=8)[0].attend(good[:0], good, good)
+    contexts = state.get_kv_caches("positive", seq_len=8, commit_current=True)  # and the session goes on
+    for ctx in contexts:
+        ctx.attend(good, good, good)
+    assert state.commit("positive") == 2
 
 
 def test_a_cross_attention_cache_of_another_size_names_the_spec_field_it_is_declared_by(make_spec, make_cache):

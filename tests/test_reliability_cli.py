@@ -785,6 +785,15 @@ def test_a_signal_caught_inside_a_warmup_request_stops_warmup(env, data, action)
                          "'text' of branch 'main' (session '__ardiff_warmup__'): layer 0 k must be shaped "
                          "(num_kv_heads, num_tokens, head_size) (4, 17, 16), got (4, 16, 16): the pipeline's "
                          "ar_diffusion_kv_cache_spec() declares cross_attention 'text' with num_tokens=17"),
+    # "AttributeError: 'numpy.ndarray' object has no attribute 'requires_grad'": no layer, no layout, from ardiff
+    ("KVAsNumpy", "Error: warmup request 'warmup-0' of KVAsNumpy failed: ValueError: layer 0 of branch 'main': attend "
+                  "takes q (heads, tokens, head_size) and k, v (4, tokens, 16) as torch tensors (torch.float32 on "
+                  "cpu, like the KV pool); got k numpy.ndarray, v numpy.ndarray"),
+    # taken, attended to an empty output: torch's "RuntimeError: shape '[49, 64]' is invalid for input of size 0"
+    ("NoQueryHeads", "Error: warmup request 'warmup-0' of NoQueryHeads failed: ValueError: layer 0 of branch 'main': "
+                     "attend takes q (heads, tokens, head_size) and k, v (4, tokens, 16), with tokens = seq_len 48 (+ "
+                     "up to 1 register tokens) and q's heads a positive multiple of 4; got q (0, 49, 16), "
+                     "k (4, 49, 16), v (4, 49, 16)"),
     ("WarmupReturnsNone", "Error: WarmupReturnsNone.ar_diffusion_warmup_requests() must return an iterable of "
                           "ARDiffusionRequest, got NoneType"),
     # exit 2 and "hint: see the episode format": no episode was given, the pipeline's own warmup request was refused

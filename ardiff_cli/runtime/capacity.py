@@ -7,6 +7,9 @@ on the machine running it.
 Memory model (bytes; ``bpp`` = bytes per page, all layers, K and V)::
 
     fixed       = (1 null + in-flight + scratch) pages * bpp + gather workspace
+                  (in-flight: one block per local branch slot, as a CFG pipeline may run both
+                  branches' commit passes before committing either; scratch: one block + registers
+                  per slot for paged kernels, none for torch, which stages it in the workspace)
     per_session = local_branches * (sink + window) * pages_per_frame * bpp
                 + sum over logical branches and named caches of cross-attention K/V
                 + model-owned state declared by the pipeline

@@ -180,19 +180,22 @@ class ARDiffusionForwardContext:
         pool = self.pool
         spec = pool.layout.spec
         room = pool.layout.scratch_tokens - self.seq_len
+        # a numpy array has a shape, a dtype and a device: as q (no requires_grad read) it got here
+        self._not_tensors(layer, **({"k": k, "v": v} if q is None else {"q": q, "k": k, "v": v}))
         queries = k if q is None else q  # a store's K/V must have the shape an attend's would
         if (queries.dim() != 3 or tuple(k.shape) != (spec.num_kv_heads, queries.shape[1], spec.head_size)
                 or tuple(v.shape) != tuple(k.shape) or queries.shape[2] != spec.head_size
-                or queries.shape[0] % spec.num_kv_heads):
+                or queries.shape[0] % spec.num_kv_heads or not queries.shape[0]):
             # One message with the whole layout: tokens passed before heads used to be told a token count taken
             # from q's heads.
             takes = ("store takes k, v" if q is None else "attend takes q (heads, tokens, head_size) and k, v")
             got = f"k {tuple(k.shape)}, v {tuple(v.shape)}" if q is None else \
                 f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            heads = "" if q is None else f" and q's heads a positive multiple of {spec.num_kv_heads}"
             raise ValueError(
                 f"layer {layer} of branch {self.branch.name!r}: {takes} ({spec.num_kv_heads}, tokens, "
-                f"{spec.head_size}), with tokens = seq_len {self.seq_len} (+ up to {room} register tokens)"
-                + ("" if q is None else f" and q's heads a multiple of {spec.num_kv_heads}") + f"; got {got}"
+                f"{spec.head_size}), with tokens = seq_len {self.seq_len} (+ up to {room} register tokens){heads}; "
+                f"got {got}"
             )
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t is not None and (t.dtype != pool.dtype or t.device != pool.device):  # a store has no q
@@ -222,8 +225,12 @@ class ARDiffusionForwardContext:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         self.check_live("attend")
-        signature = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-                     k.requires_grad, v.requires_grad)  # what the checks depend on, as _store_signature
+        try:
+            signature = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                         k.requires_grad, v.requires_grad)  # what the checks depend on, as _store_signature
+        except AttributeError:  # no cost until raised: a None or numpy array read "has no attribute 'shape'"
+            self._not_tensors(layer, q=q, k=k, v=v)
+            raise
         if self._checked != signature:
             self._validate(layer, q, k, v, signature)
         if self.layers_written[layer]:  # a second call would replace this layer's current K/V: history lost
@@ -243,6 +250,23 @@ class ARDiffusionForwardContext:
         self.layers_written[layer] = 1
         return attend_visible(q, keys, values, scale)
 
+    def _not_tensors(self, layer: int, **given: object) -> None:
+        """The ``ValueError`` for inputs that are not torch tensors (None, a numpy array, a list), named with the layer,
+        the branch and the shapes expected; returns when all are tensors (an ``AttributeError`` of a tensor subclass
+        is left to be raised as it is)."""
+        wrong = {name: t for name, t in given.items() if not isinstance(t, torch.Tensor)}
+        if not wrong:
+            return
+        spec = self.pool.layout.spec
+        takes = "attend takes q (heads, tokens, head_size) and k, v" if "q" in given else "store takes k, v"
+        kinds = {name: type(t) for name, t in wrong.items()}
+        got = ", ".join(f"{name} None" if t is type(None) else f"{name} {t.__qualname__}" if t.__module__ == "builtins"
+                        else f"{name} {t.__module__}.{t.__qualname__}" for name, t in kinds.items())
+        raise ValueError(
+            f"layer {layer} of branch {self.branch.name!r}: {takes} ({spec.num_kv_heads}, tokens, {spec.head_size}) "
+            f"as torch tensors ({self.pool.dtype} on {self.pool.device}, like the KV pool); got {got}"
+        ) from None
+
     def _written_twice(self, layer: int) -> None:
         raise RuntimeError(
             f"layer {layer} of branch {self.branch.name!r} attended twice in one forward; each self-attention "
@@ -257,7 +281,12 @@ class ARDiffusionForwardContext:
                 f"layer {layer} of branch {self.branch.name!r}: store writes a commit pass's K/V, but this forward "
                 "was not asked to commit (get_kv_caches(..., commit_current=True)); a denoising pass attends"
             )
-        self._validate(layer, None, k, v, _store_signature(k, v))
+        try:
+            signature = _store_signature(k, v)
+        except AttributeError:
+            self._not_tensors(layer, k=k, v=v)
+            raise
+        self._validate(layer, None, k, v, signature)
         if self.layers_written[layer]:
             self._written_twice(layer)
         pool = self.pool
