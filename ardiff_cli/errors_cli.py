@@ -304,15 +304,19 @@ def out_of_memory_hint(hint: str) -> str:
 
 
 def file_size_hint(hint: str) -> str:
-    """``hint`` (a write's), led by this process's file-size limit (``ulimit -f``) when that refused the write (EFBIG):
-    no disk is full, and every file that size fails alike until it is raised. The limit is said in bytes: ``ulimit -f``
-    counts blocks (1024 bytes in bash, 512 in a POSIX shell), and a limit set in bytes (``prlimit``, a supervisor) is
-    no whole number of them: 2,805 bytes read "ulimit -f 2", which is 2,048 in bash and 1,024 in dash."""
+    """``hint`` (a write's), its fix replaced by this process's file-size limit (``ulimit -f``) when that refused the
+    write (EFBIG): no disk is full, and every file that size fails alike until it is raised. The limit is said in
+    bytes: ``ulimit -f`` counts blocks (1024 bytes in bash, 512 in a POSIX shell), and a limit set in bytes
+    (``prlimit``, a supervisor) is no whole number of them: 2,805 bytes read "ulimit -f 2", which is 2,048 in bash and
+    1,024 in dash."""
     limit = process_limit("FSIZE")
     if limit is None:  # the file system's largest file
         return hint
-    return f"a file reached this process's file-size limit of {limit:,} bytes (ulimit -f): raise it " \
-           f"(ulimit -f unlimited); {hint}"
+    raise_it = f"a file reached this process's file-size limit of {limit:,} bytes (ulimit -f): raise it (ulimit -f " \
+               "unlimited)"
+    # a write's hint is what to fix, then how to go on: the fix is the limit, not free space or permissions
+    _, then, go_on = hint.partition(", then ")
+    return f"{raise_it}, then {go_on}" if then else f"{raise_it}; {hint}"
 
 
 def budget_change(source: str, size: str, *, resume: bool = False) -> str:

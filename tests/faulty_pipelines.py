@@ -16,9 +16,10 @@ Each fault is a JSON object:
   of that step while an evicted session is rebuilt);
 - ``site``: ``block`` (``layer``, ``call``), ``sampler`` (``call``), ``projection`` (``name``: text or image,
   ``after`` layers), ``cross_oom`` (``torch.empty`` inside ``populate_cross_attention`` raises
-  ``torch.OutOfMemoryError``), ``page_shortage`` (the KV allocator is emptied for the request),
-  ``close_hook`` (``session``, or ``*`` for every one: its close hook raises, or with ``action`` ``ulimit`` lowers
-  this process's limit on open files to 3 (``ulimit -n 3``): every later open is EMFILE; no ``request``),
+  ``torch.OutOfMemoryError``), ``page_shortage`` (the KV allocator is emptied for the request, or ``pages`` of its
+  free pages are held), ``close_hook`` (``session``, or ``*`` for every one: its close hook raises, or with
+  ``action`` ``ulimit`` lowers this process's limit on open files to 3 (``ulimit -n 3``): every later open is
+  EMFILE; no ``request``),
   ``corrupt_swap`` (every swap snapshot file in ``dir``, once written, is overwritten with bytes that are no
   safetensors file, as a failing disk would leave them), ``pools`` (no ``request``: allocating the KV cache pools as
   the model loads raises a bare ``MemoryError()``; with ``pool_over``, only a pool of more pages than that);
@@ -250,9 +251,10 @@ def swap_folder_replaced(directory: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def page_shortage(allocator: Any) -> Iterator[list[int]]:
-    """Hold every free page (a leak elsewhere, or a plan too small); give them back after."""
-    stolen = allocator.allocate(allocator.num_free)
+def page_shortage(allocator: Any, pages: int | None = None) -> Iterator[list[int]]:
+    """Hold every free page (a leak elsewhere, or a plan too small), or ``pages`` of them where fewer are free (a
+    plan short of that many pages: a pool of more sessions has them to spare); give them back after."""
+    stolen = allocator.allocate(allocator.num_free if pages is None else min(pages, allocator.num_free))
     try:
         yield stolen
     finally:
@@ -345,7 +347,7 @@ class FaultyDreamZero(DreamZeroPipeline):
             return swap_folder_replaced(fault["dir"])
         if site == "page_shortage":
             _session_id, state = self._bound
-            return page_shortage(state._cache.allocator)
+            return page_shortage(state._cache.allocator, fault.get("pages"))
         raise ValueError(f"unknown fault site {site!r}")
 
     def close_ar_diffusion_session(self, session_id: str) -> None:

@@ -2631,3 +2631,90 @@ def test_wait_blocked_names_a_wait_with_a_timeout_rather_than_polling_it_for_min
         timed.kill()
         untimed.wait()
         timed.wait()
+
+
+def test_a_run_lock_past_the_file_size_limit_names_the_limit_not_free_space(env, data, reference, tmp_path):
+    """Under `ulimit -f 0` (Python ignores SIGXFSZ: the write fails with EFBIG) the lock's pid could not be written,
+    and the hint said "free some space in it, or choose another --out" of a disk with room. It names the limit and
+    the command to run once it is raised, which pasted (with no limit) finishes the run."""
+    fresh, run = tmp_path / "fresh", tmp_path / "run"
+    proc = pasted_here(env, f"ulimit -f 0; ardiff {shlex.join(rollout_args(data, fresh))}")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(f"Error: --out {fresh}: cannot write {fresh / '.lock'}: File too large\nhint: a file "
+                                "reached this process's file-size limit of 0 bytes (ulimit -f): raise it (ulimit -f "
+                                "unlimited), then run the same command again\n"), proc.stderr
+    assert "free some space" not in proc.stderr and "planned" not in proc.stderr
+    shutil.copytree(reference, run)
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-1]))  # its last step runs again
+    (run / ".lock").unlink()
+    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    proc = pasted_here(env, f"ulimit -f 0; {again} --no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith("(ulimit -f unlimited), then continue with: " + again + "\n"), proc.stderr
+    assert "free some space" not in proc.stderr
+    proc = pasted_here(env, f"{again} --no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert "11 steps already done" in proc.stderr
+    assert_matches(run, reference)
+
+
+@pytest.mark.parametrize("read_only", ["folder", "results", "episode"])
+def test_a_run_folder_read_only_but_its_lock_is_refused_before_the_model_loads(env, reference, tmp_path, read_only):
+    """`chmod a-w` on the run's folder (or results.jsonl, or an episode's folder) with its .lock still writable: the
+    lock was taken, the model loaded, and only then did run.json (or the first step's line or output) fail to be
+    written. It is refused under the lock, before the model loads, with the hint that makes it writable and the
+    resume, which pasted finishes the run (file modes bind as root too: ``modes_bind``)."""
+    from test_reliability_input import modes_bind
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-1]))  # its last step runs again
+    target = {"folder": run, "results": run / "results.jsonl", "episode": run / "episodes" / "arm_d"}[read_only]
+    target.chmod(target.stat().st_mode & ~0o222)
+    try:
+        proc = subprocess.run([*modes_bind(), sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out",
+                               str(run), "--pipeline", PIPELINE, "--no-warmup", "--format", "plain"], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        target.chmod(target.stat().st_mode | 0o200)
+    assert proc.returncode == 2, proc.stderr
+    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    assert proc.stderr.endswith(f"Error: --out {run}: cannot write {target}: Permission denied\nhint: make the run's "
+                                f"folder and its files writable by this user (chmod -R u+w {run}), then continue "
+                                f"with: {again}\n"), proc.stderr
+    assert "planned" not in proc.stderr  # before the model loaded
+    proc = pasted_here(env, f"{again} --no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert "11 steps already done" in proc.stderr
+    assert_matches(run, reference)
+
+
+@pytest.mark.parametrize("budget", [None, "300 KiB"])
+def test_a_page_shortage_in_ardiff_warmup_hints_a_pool_of_more_sessions_which_pasted_passes(env, data, budget):
+    """`ardiff warmup` whose requests run short of the KV pool's pages (10 pages fewer than they need, a plan that
+    undercounts them) said "lower --memory-budget, --session-capacity or --gpu-memory-fraction, or use --dtype
+    bfloat16 or a smaller model": a smaller pool runs shorter still. Its warmup session has the pool to itself, so a
+    pool planned for twice the sessions (and, where the budget limits the plan, a budget that holds them) has the
+    pages: the hint's warmup, pasted with the same shortage, passes."""
+    faults = [{"request": "warmup-2", "site": "page_shortage", "pages": 10}]
+    given = [] if budget is None else ["--memory-budget", budget]
+    proc = ardiff(env, "warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, *given, "--format", "plain",
+                  faults=faults)
+    assert proc.returncode == 3, proc.stderr
+    assert "KV page pool exhausted" in proc.stderr and "Traceback" not in proc.stderr
+    pool = int(re.search(r"free of (\d+)", proc.stderr).group(1))
+    assert "--dtype" not in proc.stderr and "lower" not in proc.stderr
+    hint = proc.stderr.rpartition("\nhint: ")[2]
+    assert hint.startswith("the KV page pool, sized by the capacity plan, ran short in the pipeline's warmup "
+                           "requests, which had it to themselves"), hint
+    assert "a pool planned for 2 sessions holds more pages: run again with --session-capacity 2" in hint, hint
+    assert ("--memory-budget of" in hint) == (budget is not None), hint  # 300 KiB holds one session, not two
+    command = hint.rpartition("; to paste: ")[2].strip()
+    assert command.startswith(f"ardiff warmup {data / 'fast.yaml'} "), command
+    proc = pasted_here({**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, f"{command} --format json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.splitlines()[-1])  # the events' lines, then the report's
+    assert report["kind"] == "warmup" and report["restored"] and len(report["requests"]) >= 3, report
+    assert report["pages_total"] > pool, (report, pool)

@@ -339,11 +339,12 @@ def test_an_out_whose_lock_or_run_json_cannot_be_written_is_an_error_not_a_bug(d
                               env=cli_env, capture_output=True, text=True, timeout=300, preexec_fn=cap)
 
     assert ardiff("warmup", str(data / "fast.yaml")).returncode == 0  # the checkpoint cached, with no limit
-    for limit, code, said in ((0, 2, "Error: --out {out}: cannot write the output folder: File too large\nhint: "),
+    for limit, code, said in ((0, 2, "Error: --out {out}: cannot write {out}/.lock: File too large\nhint: a file "
+                                     "reached this process's file-size limit of 0 bytes (ulimit -f): raise it (ulimit "
+                                     "-f unlimited), then run the same command again\n"),
                               (64, 1, "Error: cannot write {out}/run.json: File too large\nhint: a file reached this "
                                       "process's file-size limit of 64 bytes (ulimit -f): raise it (ulimit -f "
-                                      "unlimited); free some space or fix the folder's permissions, then run the same "
-                                      "command again")):
+                                      "unlimited), then run the same command again")):
         out = tmp_path / f"run{limit}"
         proc = ardiff("rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(out), "--no-warmup",
                       limit=limit)
@@ -404,7 +405,7 @@ def test_a_file_size_limit_stops_the_run_as_a_full_disk_does_and_names_ulimit_f(
     proc = ardiff("rollout", "--resume", "--out", str(whole), limit=output_bytes)
     assert proc.returncode == 1, proc.stderr
     assert (f"Error: cannot write {whole / 'summary.json'}: File too large\n{hint(output_bytes)}: raise it "
-            "(ulimit -f unlimited); free some space or fix the folder's permissions, then --resume writes it; to "
+            "(ulimit -f unlimited), then --resume writes it; to "
             f"paste: ardiff rollout --resume --out {whole}\n") in proc.stderr, proc.stderr
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import shlex
 import statistics
 from collections.abc import Iterator
 from typing import Any
@@ -131,6 +132,10 @@ def warmup(
                 usage = engine.runner.pool_usage()
             except BaseException as exc:  # memory out: in the pools or the requests only what shrinks them, by the
                 # plan; in the weights, before the pools, only the model's dtype or size
+                if pages_short(exc) and plan is not None:  # not memory: the plan's pages, in a pool of its own
+                    exc.hint = _pages_hint(plan, config, memory_budget=memory_budget, pipeline=pipeline,
+                                           device=device, dtype=dtype, gpu_memory_fraction=gpu_memory_fraction,
+                                           attention_backend=attention_backend)
                 if is_out_of_memory(exc) and not isinstance(exc, ArdiffError) and not pages_short(exc):
                     phase = getattr(exc, "ardiff_while", None)
                     with contextlib.suppress(MemoryError):
@@ -153,6 +158,33 @@ def warmup(
                             "nothing was warmed up (the first real requests pay the one-time costs)")
             data["warnings"] = list(out.warnings)  # the runtime's too (handle_errors shows them through out.warning)
             out.result(data, lambda plain: render_warmup(data, plain))
+
+
+def _pages_hint(plan: Any, config: str | None, **given: Any) -> str:
+    """The hint of the KV page pool running short in the warmup requests, which have the pool to themselves: the
+    plan (or the pipeline's KV spec) undercounts their pages, which no smaller pool or dtype mends; a pool planned for
+    more sessions holds more pages, so twice the sessions (and the budget that holds them, where the budget limits the
+    plan) is the warmup to paste. ``given``: the options this warmup was given (None: not given), in the command."""
+    from ardiff_cli.errors_cli import to_paste
+    from ardiff_cli.runtime.capacity import MAX_SESSIONS
+    from ardiff_cli.runtime.errors import shell_word
+
+    undercount = ("the KV page pool, sized by the capacity plan, ran short in the pipeline's warmup requests, which "
+                  "had it to themselves: the pipeline's KV spec or ardiff's plan undercounts their pages (report it, "
+                  "with the --verbose traceback), which no smaller pool or dtype mends")
+    if plan.session_capacity >= MAX_SESSIONS:
+        return undercount
+    sessions = min(2 * plan.session_capacity, MAX_SESSIONS)
+    change = {"session_capacity": str(sessions)}
+    why = f"a pool planned for {sessions} sessions holds more pages: run again with --session-capacity {sessions}"
+    if plan.required_bytes(sessions) > plan.budget_bytes:  # the budget limits the plan: a larger one holds them
+        change["memory_budget"] = f"{-(-plan.required_bytes(sessions) // 2**20)} MiB"
+        why += f" and a --memory-budget of {change['memory_budget']} that holds them"
+    words = ["ardiff", "warmup", *([] if config is None else [shell_word(config)])]
+    for name, value in {**given, **change}.items():
+        if value is not None:
+            words += [f"--{name.replace('_', '-')}", shlex.quote(str(value))]
+    return to_paste(f"{undercount}; {why}", " ".join(words))
 
 
 @contextlib.contextmanager

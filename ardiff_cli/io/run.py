@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import shlex
+import tempfile
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -580,16 +581,51 @@ class RunFolder:
             os.write(fd, f"{os.getpid()}\n".encode())
         except OSError as exc:  # a full disk: it was 'an unexpected OSError ... a bug in ardiff'
             os.close(fd)
+            if exc.errno == errno.EFBIG:  # past the file-size limit, no disk full: handle_errors (file_size_hint)
+                # names the limit in place of the space, the cause chained for it to see
+                raise ConfigError(f"--out {as_typed(self.root)}: cannot write {as_typed(path)}: "
+                                  f"{exc.strerror or exc}",
+                                  hint=f"free some space in it, then {go_on or 'run the same command again'}") from exc
             raise ConfigError(f"--out {as_typed(self.root)}: cannot write the output folder: {exc.strerror or exc}",
                               hint="free some space in it, or choose another --out" if go_on is None
                               else f"free some space in it, then {go_on}") from None
         self._lock = fd
         self._remember_identity()
         try:
+            self._check_writable(go_on)
             self._lock_swap()
         except BaseException:
             self.close()
             raise
+
+    def _check_writable(self, go_on: str | None) -> None:
+        """Refuse, before the model loads, a run whose folder holds what it cannot write: run.json and summary.json
+        are written beside a temporary file in the folder, results.jsonl appended to, each episode's outputs written
+        in its folder. A writable .lock in a read-only folder failed only as run.json was written, after the model
+        had loaded. Not .swap: a swap that fails is warned of, and its sessions replayed."""
+        folders = [self.root]
+        episodes = self.root / EPISODES_DIR
+        with contextlib.suppress(OSError):  # an episodes/ that is no folder is refused later, by name
+            if episodes.is_dir() and not episodes.is_symlink():
+                folders += [episodes, *sorted(p for p in episodes.iterdir() if p.is_dir() and not p.is_symlink())]
+        for folder in folders:
+            path = folder
+            try:
+                fd, name = tempfile.mkstemp(prefix=".ardiff-write-check.", dir=folder)
+                os.close(fd)
+                os.unlink(name)
+                if folder == self.root and self.results_path.is_file() and _can_read(self.results_path):
+                    path = self.results_path  # (one this user cannot read is named by its reader, with its hint)
+                    os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+            except OSError as exc:
+                if too_many_open_files(exc):
+                    raise
+                full = exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # no inode left
+                fix = "free some space in it" if full else self._writable(exc)
+                raise ConfigError(f"--out {as_typed(self.root)}: cannot write {as_typed(path)}: "
+                                  f"{exc.strerror or exc}",
+                                  hint=f"{fix}, or choose another --out" if go_on is None else f"{fix}, then {go_on}"
+                                  ) from None
 
     def _writable(self, exc: OSError) -> str:
         """What makes this run's folder writable again, where ``exc`` refused it: a resume writes all through it
@@ -946,6 +982,15 @@ def build_summary(records: Iterable[Mapping[str, Any]], *, episodes: list[str], 
         "versions": versions(),
         "host": platform.platform(),
     }
+
+
+def _can_read(path: Path) -> bool:
+    """Whether this process may open ``path`` to read it."""
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+    except OSError:
+        return False
+    return True
 
 
 def _user_name(uid: int) -> str:
