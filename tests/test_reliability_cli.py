@@ -2339,6 +2339,29 @@ def test_a_float16_overflow_fails_its_step_with_a_hint_naming_float16s_range(env
     assert proc.returncode == 0, proc.stderr
 
 
+def test_a_rollout_whose_warmup_diverges_hints_a_new_run_not_a_resume_that_refuses_the_fix(env, tmp_path):
+    """A rollout's warmup failing in the pipeline once run.json is written hints its --resume, to paste once the
+    pipeline is fixed; but diverged outputs are fixed in the config, the dtype or the checkpoint, which --resume keeps:
+    the pasted resume was refused (exit 2) with the guidance scale lowered or --dtype bf16."""
+    from ardiff_cli.io import write_step
+
+    write_step(tmp_path / "eps" / "a", 0, {"conditioning": np.zeros(8, np.float32)}, prompt="go")
+    config = tmp_path / "guided.yaml"
+    config.write_text("pipeline: dreamzero\nmodel: {preset: tiny, guidance_scale: 1.0e+8}\n")
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(config), str(tmp_path / "eps"), "--dtype", "fp16", "--device", "cpu", "--out",
+                  str(run), "--format", "plain")
+    assert proc.returncode == 1 and "hint: the model diverged on the warmup's inputs" in proc.stderr, proc.stderr
+    assert "--resume" not in proc.stderr.replace("--resume keeps the run's config", ""), proc.stderr
+    assert proc.stderr.endswith("--resume keeps the run's config, dtype and checkpoint: once fixed, start a new run "
+                                "in another --out\n"), proc.stderr
+    for fix in (["--dtype", "bf16"], []):  # what the hint says to do, through --resume: refused
+        if not fix:
+            config.write_text("pipeline: dreamzero\nmodel: {preset: tiny, guidance_scale: 2.0}\n")
+        proc = ardiff(env, "rollout", "--resume", "--out", str(run), *fix, "--format", "plain")
+        assert proc.returncode == 2, proc.stderr
+
+
 def test_non_finite_outputs_are_counted_by_name_in_torch_and_numpy_arrays_but_not_in_integers():
     import torch
 

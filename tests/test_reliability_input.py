@@ -2171,6 +2171,19 @@ def test_an_episode_file_given_as_config_says_so_and_gives_the_rollout_that_read
     assert ok_steps(tmp_path / "runs" / "eval1") == {("arm_a", 0), ("arm_b", 0)}
 
 
+def test_a_config_file_named_episode_yaml_is_a_config_where_no_episode_is_beside_it(tmp_path, cli_env):
+    # configs/episode.yaml, a config (the file name a user chose): it was refused as "the episode.yaml (its prompt and
+    # metadata) of the episode configs", hint `ardiff rollout dreamzero-tiny configs arm_a`, which fails pasted
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "episode.yaml").write_text(FAST_CONFIG)
+    episode(tmp_path / "arm_a", 1)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "configs/episode.yaml", "arm_a", "--out",
+                           "runs/eval1", "--no-warmup", "--format", "plain"],
+                          env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert ok_steps(tmp_path / "runs" / "eval1") == {("arm_a", 0)}
+
+
 @pytest.mark.parametrize("before", [[], ["dreamzero-tiny"]])
 def test_resume_given_the_run_folder_without_out_gives_the_resume_to_paste(tmp_path, cli_env, before):
     # `ardiff rollout --resume runs/eval1` (-o forgotten) said "--resume needs --out DIR", hint "the run printed it as

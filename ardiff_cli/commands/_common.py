@@ -108,15 +108,18 @@ def beyond_device_hint(source: str, *, resume: bool = False) -> str:
 
 
 def _episode_file(path: Path) -> str | None:
-    """What file of an episode ``path`` is (``the episode.yaml``, ``a step file``), else None: an episode.yaml, or a
-    step file named step_... or beside an episode.yaml or END (a checkpoint's model-00001-of-00002.safetensors is
-    none); not a run's output step, in its episodes/ folder."""
-    from ardiff_cli.io.episode import END_MARKER, METADATA_FILE, is_run_output, is_step_file
+    """What file of an episode ``path`` is (``the episode.yaml``, ``a step file``), else None: an episode.yaml beside
+    a step file or END (a config a user named episode.yaml is none), or a step file named step_... or beside an
+    episode.yaml or END (a checkpoint's model-00001-of-00002.safetensors is none); not a run's output step, in its
+    episodes/ folder."""
+    from ardiff_cli.io.episode import END_MARKER, METADATA_FILE, episode_entries, is_run_output, is_step_file
 
     if not os.path.isfile(path) or is_run_output(path.parent.parent.parent):  # a run's output step: RUN/episodes/EP/
         return None
     if path.name == METADATA_FILE:
-        return f"the {METADATA_FILE} (its prompt and metadata)"
+        if any(name != METADATA_FILE for name in episode_entries(path.parent)):
+            return f"the {METADATA_FILE} (its prompt and metadata)"
+        return None
     beside = any(os.path.exists(path.parent / name) for name in (METADATA_FILE, END_MARKER))
     if is_step_file(path) and (path.name.lower().startswith("step") or beside):
         return "a step file (one step's observations)"

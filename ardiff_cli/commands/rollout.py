@@ -52,6 +52,7 @@ from ardiff_cli.options import (
 )
 from ardiff_cli.output import Format, Output, lost_stdout_stop, one_line, visible
 from ardiff_cli.runtime.errors import (
+    DIVERGED_IN_WARMUP,
     KV_POOLS_PHASE,
     UTF8_LOCALE_HINT,
     WEIGHTS_PHASE,
@@ -1245,7 +1246,11 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 if isinstance(error, PipelineError) and not warmed_up and run.holds_run() and error.hint:
                     # the pipeline failed its warmup (or a resume's load), run.json written: the same command is
                     # refused now, and the hint said only what to fix
-                    error.hint = to_paste(f"{error.hint}; once fixed, continue the run with --resume", p.resume)
+                    if error.hint.startswith(DIVERGED_IN_WARMUP):  # the fix is one --resume refuses
+                        error.hint += ("; --resume keeps the run's config, dtype and checkpoint: once fixed, start a "
+                                       "new run in another --out")
+                    else:
+                        error.hint = to_paste(f"{error.hint}; once fixed, continue the run with --resume", p.resume)
                 if pages_short(error) and not warmed_up and run.holds_run():  # the warmup's: run.json is written
                     error.hint = to_paste(WARMUP_PAGES_HINT, replace(p.resume, given=(*p.resume.given, "--no-warmup")))
                 if error is exc:

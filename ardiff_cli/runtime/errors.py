@@ -126,6 +126,9 @@ class PipelineError(ArdiffError, RuntimeError):
     exit_code = 1
 
 
+# a warmup request's non-finite outputs: what to fix is the config, the dtype or the checkpoint, which --resume keeps
+DIVERGED_IN_WARMUP = ("the model diverged on the warmup's inputs (every step would fail alike): check the "
+                      "config's sampling settings (a guidance scale too large) and the checkpoint")
 PIPELINE_HINT = ("the pipeline's code (or its use of the AR-Diffusion contract: README, 'Adding a pipeline') "
                  "failed; --verbose prints the traceback. If it is one of ardiff's built-in pipelines, please "
                  "report it")

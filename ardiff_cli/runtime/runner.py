@@ -51,6 +51,7 @@ from ardiff_cli.runtime.capacity import (
     total_host_memory,
 )
 from ardiff_cli.runtime.errors import (
+    DIVERGED_IN_WARMUP,
     PIPELINE_HINT,
     ArdiffError,
     ArdiffWarning,
@@ -111,10 +112,6 @@ REQUEST_MODE_ONLY = (
     "no step execution): batching or stepping requests would bypass bind_ar_diffusion_state(), which binds "
     "exactly one session's KV state around one forward"
 )
-_DIVERGED_IN_WARMUP = ("the model diverged on the warmup's inputs (every step would fail alike): check the "
-                       "config's sampling settings (a guidance scale too large) and the checkpoint")
-
-
 def _require_session_id(method: str, session_id: Any) -> None:
     """A session id argument is a non-empty str: a list or dict raised a plain ``TypeError: unhashable type``."""
     if not isinstance(session_id, str) or not session_id:
@@ -1504,7 +1501,7 @@ class ARDiffusionModelRunner:
                     kind, what = problem
                     overflow = FLOAT16_OVERFLOW if self.dtype == torch.float16 else ""
                     raise PipelineError(f"{where}: {type(self.pipeline).__name__}.forward() returned {what}",
-                                        hint=PIPELINE_HINT if kind != "non_finite" else _DIVERGED_IN_WARMUP + overflow)
+                                        hint=PIPELINE_HINT if kind != "non_finite" else DIVERGED_IN_WARMUP + overflow)
                 timings.append((request.request_id, describe_inputs(request.inputs), time.perf_counter() - t0))
                 shapes.append(input_shapes(request.inputs))
                 where = provider
