@@ -56,6 +56,23 @@ def test_inspect_capacity_help_names_each_part_of_the_plan_where_the_plan_counts
     assert fixed == "null page, scratch, in-flight block, workspace", help_text
 
 
+@pytest.mark.parametrize(("config", "inflight"), [
+    ("dreamzero-tiny", "in-flight blocks 32.00 KiB (16.00 KiB per branch slot x 2)"),  # CFG: two slots
+    ("causal-world-tiny", "in-flight block 48.00 KiB"),  # one slot: one block
+])
+def test_inspect_capacity_counts_an_in_flight_block_per_branch_slot(config, inflight):
+    """The fixed row said "in-flight block 32.00 KiB" of a CFG pipeline's two blocks, one per storage slot (each
+    branch's commit pass may run before either commits): it read as one block of twice the size."""
+    result = invoke("inspect-capacity", config, "--available", "1GiB", "--format", "plain")
+    assert result.exit_code == 0, result.output
+    fixed = next(line for line in result.stdout.splitlines() if line.startswith("fixed"))
+    assert f", {inflight}, workspace " in fixed, fixed
+    data = json.loads(invoke("inspect-capacity", config, "--available", "1GiB", "--format", "json").stdout)
+    slots = data["plan"]["num_local_branches"]
+    assert data["fixed"]["inflight"] == data["plan"]["inflight_pages"] * data["plan"]["bytes_per_page"]
+    assert data["plan"]["inflight_pages"] % slots == 0 and (slots > 1) == ("x 2)" in inflight)
+
+
 def test_help_shows_no_type_for_flags_and_every_default_it_documents():
     """Typer's help used to show `<bool>` after every flag (--follow, --quiet, even --help), `<path>` for --out,
     `<str>` and `<list[Path]>` for the arguments, `<...>` around some choices but not others, and Rich markup

@@ -666,15 +666,16 @@ def test_a_tilde_after_dot_slash_is_the_folder_named_tilde_in_the_working_folder
     assert proc.returncode == 0, proc.stderr
     assert len(records(cwd / "run")) == 3
     args = ("rollout", str(data / "fast.yaml"), str(data / "eps" / "arm_a"), "--no-warmup", "--format", "plain")
-    for out in ("./~", "./~/x"):
-        proc = ardiff(env, *args, "--out", out, cwd=tmp_path)
+    for out, where in (("./~", tmp_path / "a"), ("./~/x", tmp_path / "b")):  # ./~/x beside ./~ would be in its run
+        where.mkdir()
+        proc = ardiff(env, *args, "--out", out, cwd=where)
         assert proc.returncode == 0, proc.stderr
-        assert len(records(tmp_path / out)) == 3 and not list(home.iterdir())
+        assert len(records(where / out)) == 3 and not list(home.iterdir())
         # the line a hint says to give --out from ("a run prints it as 'outputs: DIR'"): `~/x` copied was HOME/x
         assert f"\noutputs: {out} (results.jsonl" in proc.stdout, proc.stdout
         # and the progress line, as the outputs line names it (it said `writing ~/x`: the home folder's x)
         assert f"writing {out}: 1 episode," in proc.stderr, proc.stderr
-    proc = ardiff(env, *args, "--out", "./~/x", cwd=tmp_path)
+    proc = ardiff(env, *args, "--out", "./~/x", cwd=tmp_path / "b")
     assert proc.returncode == 2 and "--resume --out './~/x';" in proc.stderr
     assert "Error: ./~/x already holds a run\n" in proc.stderr, proc.stderr  # it said `~/x already holds a run`
     proc = ardiff(env, *args, "--out", "~/x", cwd=tmp_path)  # no shell: the home folder, as before
@@ -5441,8 +5442,10 @@ def test_the_command_a_config_given_after_its_episodes_hints_at_pastes_into_bash
     # a step file given as CONFIG: the hint runs the default config on its episode
     proc = ardiff(env, "rollout", "--", f"{AWKWARD}/arm_a/step_000000.safetensors", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    command = hinted(proc.stderr, r"pass the config first: (.*?); a checkpoint")
+    command = hinted(proc.stderr, r"pass the config first, then the episode's folder: (.*)$")
     assert shlex.split(command) == ["ardiff", "rollout", DEFAULT_CONFIG, f"./{AWKWARD}/arm_a"]
+    ran = pasted(env, f"{command} --out run2 --no-warmup", tmp_path)
+    assert ran.returncode == 0, ran.stderr
 
 
 def test_the_folder_to_give_for_episodes_one_level_deeper_pastes_into_bash(env, data, tmp_path):

@@ -395,8 +395,11 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool, *, kernels: tu
     fixed = data["fixed"]
     scratch = (f"scratch pages {fb(fixed['scratch'])}" if plan.scratch_pages
                else "scratch in the workspace (torch)")
-    add_row("fixed", fb(fixed["total"]), f"null page {fb(fixed['null_page'])}, {scratch}, in-flight block "
-            f"{fb(fixed['inflight'])}, workspace {fb(fixed['workspace'])}")
+    slots = plan.num_local_branches  # a commit pass's block per storage slot (CFG branches may both run first)
+    inflight = f"in-flight block {fb(fixed['inflight'])}" if slots == 1 else \
+        f"in-flight blocks {fb(fixed['inflight'])} ({fb(fixed['inflight'] // slots)} per branch slot x {slots})"
+    add_row("fixed", fb(fixed["total"]), f"null page {fb(fixed['null_page'])}, {scratch}, {inflight}, "
+            f"workspace {fb(fixed['workspace'])}")
     add_row("sessions", _count(plan.session_capacity),
             f"{_count(data['sessions_fit'])} fit the budget, limit {_count(plan.session_capacity_limit)}; "
             f"{_count(plan.num_managed_pages)} pages, {fb(plan.planned_bytes)} planned")
