@@ -314,9 +314,10 @@ def file_size_hint(hint: str) -> str:
         return hint
     raise_it = f"a file reached this process's file-size limit of {limit:,} bytes (ulimit -f): raise it (ulimit -f " \
                "unlimited)"
-    # a write's hint is what to fix, then how to go on: the fix is the limit, not free space or permissions
-    _, then, go_on = hint.partition(", then ")
-    return f"{raise_it}, then {go_on}" if then else f"{raise_it}; {hint}"
+    # a write's hint is what to fix, then how to go on: the fix is the limit, not free space or permissions. A fix
+    # naming a path (the journal's: `... permissions of OUT, then`) may hold ", then " itself: that hint is kept whole
+    fix, then, go_on = hint.partition(", then ")
+    return f"{raise_it}, then {go_on}" if then and "/" not in fix else f"{raise_it}; {hint}"
 
 
 def budget_change(source: str, size: str, *, resume: bool = False) -> str:

@@ -37,13 +37,16 @@ class Order(str, enum.Enum):
     sequential = "sequential"
 
 
-def _canonical(value: Optional[str], name_of, choices: str) -> Optional[str]:
-    """``value`` in its canonical spelling (``name_of`` returns None for what is not one), else a usage error."""
+def _canonical(value: Optional[str], name_of, choices: str, names: tuple[str, ...]) -> Optional[str]:
+    """``value`` in its canonical spelling (``name_of`` returns None for what is not one), else a usage error, which
+    offers the one of ``names`` alike, as an enum option's does (`--dtype bfloat61`: did you mean 'bfloat16'?)."""
     if value is None:
         return value
     name = name_of(value)
     if name is None:
-        raise typer.BadParameter(f"{errors.quoted(value)} is not {choices}")
+        typed = value.lower().partition(":")[0]  # cuda:128: the index is out of range, not the name
+        near = "" if typed in names else errors.did_you_mean(typed, names)
+        raise typer.BadParameter(f"{errors.quoted(value)} is not {choices}{near}")
     return name
 
 
@@ -51,14 +54,16 @@ def check_device(value: Optional[str]) -> Optional[str]:
     """auto, cpu, cuda or cuda:N (any case); anything else is a usage error naming the choices."""
     from ardiff_cli.runtime.config import device_name
 
-    return _canonical(value, device_name, "a device: use auto, cpu, cuda or cuda:N (N from 0 to 127, e.g. cuda:1)")
+    return _canonical(value, device_name, "a device: use auto, cpu, cuda or cuda:N (N from 0 to 127, e.g. cuda:1)",
+                      ("auto", "cpu", "cuda"))
 
 
 def check_dtype(value: Optional[str]) -> Optional[str]:
     """float32, bfloat16 or float16, in the spellings ``runtime.dtype`` takes too (fp16, half, bf16, fp32, any case)."""
     from ardiff_cli.runtime.config import model_dtype_name
 
-    return _canonical(value, model_dtype_name, "a dtype: use float32, bfloat16 or float16 (or fp32, bf16, fp16, half)")
+    return _canonical(value, model_dtype_name, "a dtype: use float32, bfloat16 or float16 (or fp32, bf16, fp16, half)",
+                      ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half"))
 
 
 def show_help(ctx: typer.Context, value: bool) -> None:

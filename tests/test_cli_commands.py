@@ -1261,6 +1261,27 @@ def test_a_choice_given_with_a_near_miss_offers_the_one_alike(tmp_path):
             f"hint: see ardiff {args[0]} --help"], err
 
 
+def test_a_device_or_dtype_given_with_a_near_miss_offers_the_one_alike(tmp_path):
+    """--device and --dtype take text (any case, aliases, cuda:N), checked by a callback, not an enum: `--dtype
+    bfloat61` named the choices but offered none, where `--format jsn` offers 'json'. The one alike is offered; an
+    index out of range (cuda:128) is no misspelled name, and gets none."""
+    devices = "a device: use auto, cpu, cuda or cuda:N (N from 0 to 127, e.g. cuda:1)"
+    dtypes = "a dtype: use float32, bfloat16 or float16 (or fp32, bf16, fp16, half)"
+    for args, what, near in (
+            (("warmup", "--dtype", "bfloat61"), dtypes, "bfloat16"),
+            (("inspect-capacity", "--dtype", "FP61"), dtypes, "fp16"),
+            (("warmup", "--device", "cdua"), devices, "cuda"),
+            (("rollout", "--device", "cud:1"), devices, "cuda"),
+            (("warmup", "--device", "cuda:128"), devices, None),
+            (("warmup", "--device", "gpu"), devices, None),
+            (("warmup", "--dtype", "int8"), dtypes, None)):
+        code, err = _usage_error(tmp_path, *args)
+        offer = "" if near is None else f" (did you mean {near!r}?)"
+        assert code == 2 and err.splitlines() == [
+            f"Error: Invalid value for '{args[1]}': {args[2]!r} is not {what}{offer}",
+            f"hint: see ardiff {args[0]} --help"], err
+
+
 def test_every_bad_option_value_names_the_option_what_was_given_and_what_is_taken(tmp_path):
     """An audit of rollout's, warmup's and inspect-capacity's options with a value out of range, empty, of the wrong
     form, unit or case, nan or inf: each is a usage error (exit 2) naming the option, the value and what it takes.

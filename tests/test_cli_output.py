@@ -1586,3 +1586,25 @@ def test_an_option_value_in_bytes_the_locale_cannot_decode_is_quoted_with_xnn(tm
         assert proc.returncode == 2 and err.startswith(f"Error: {message}"), (option, err)
         assert "\\xff" in err.splitlines()[0] and "\\udc" not in err, (option, err)
         assert err.splitlines()[1] == f"hint: see ardiff {command.decode()} --help", err
+
+
+def test_a_file_size_limit_hint_keeps_a_fix_that_names_a_path_whole():
+    """Under a file-size limit (``ulimit -f``) a write's hint has its fix replaced by the limit, cut at its first
+    ", then ": a fix that names a path (the journal's, `check free space and permissions of OUT, then ...`) was cut
+    inside an --out named `a, then b`, and the hint read "raise it (ulimit -f unlimited), then b, then ...". Such a
+    hint is kept whole after the limit; one whose fix names no path still has it replaced. In a child whose limit is
+    real (RLIMIT_FSIZE), as the hint reads it."""
+    import subprocess
+
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY)); "
+            "from ardiff_cli.errors_cli import file_size_hint; print(file_size_hint(sys.argv[1]))")
+    limit = "a file reached this process's file-size limit of 4,096 bytes (ulimit -f): raise it (ulimit -f unlimited)"
+    with_path = ("check free space and permissions of /runs/a, then b, then (the run still records the episode's old "
+                 "folder) link it to the new one and continue: ln -s ep1 ep0; ardiff rollout --resume --out "
+                 "'/runs/a, then b'")
+    for hint, expected in (
+            (with_path, f"{limit}; {with_path}"),
+            ("free some space in it, then continue with: ardiff rollout --resume --out '/runs/a, then b'",
+             f"{limit}, then continue with: ardiff rollout --resume --out '/runs/a, then b'")):
+        proc = subprocess.run([sys.executable, "-c", code, hint], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout == expected + "\n", proc

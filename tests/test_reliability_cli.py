@@ -2594,6 +2594,28 @@ def test_a_resume_of_a_run_folder_with_an_immutable_lock_hints_chattr_not_a_chmo
     assert_matches(run, reference)
 
 
+def test_a_resume_of_a_run_whose_episode_folder_is_immutable_names_that_folder_to_lsattr(env, reference, tmp_path):
+    """An immutable episode's folder (`chattr +i`) is refused under the lock, before the model loads; its hint's
+    lsattr named the run's folder and its .lock, whose flags are clear, not the folder that refused the write."""
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    episode = run / "episodes" / "arm_d"
+    if os.geteuid() != 0 or shutil.which("chattr") is None or subprocess.run(
+            ["chattr", "+i", str(episode)], capture_output=True).returncode != 0:
+        pytest.skip("needs root and a file system with immutable files (chattr +i)")
+    try:
+        proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup",
+                      "--format", "plain")
+    finally:
+        subprocess.run(["chattr", "-i", str(episode)])  # for pytest to remove it, whatever failed
+    assert proc.returncode == 2, proc.stderr
+    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    assert proc.stderr.endswith(f"Error: --out {run}: cannot write {episode}: Operation not permitted\nhint: a file "
+                                f"there or the folder is immutable or append-only (lsattr -d {run} {episode}): clear "
+                                f"it with chattr -R -i -a {run}, as root, then continue with: {again}\n"), proc.stderr
+    assert "planned" not in proc.stderr  # before the model loaded
+
+
 def test_the_syscalls_waited_for_are_this_machines_and_an_unknown_machine_skips():
     """wait_reading and the waits for a write that a full pipe blocks looked for x86-64's read (0) and write (1): on
     aarch64 (63, 64: the kernel's generic table) they polled /proc for 5 minutes, then failed. The numbers are looked
@@ -2714,15 +2736,19 @@ def test_a_run_folder_read_only_but_its_lock_is_refused_before_the_model_loads(e
     assert_matches(run, reference)
 
 
-@pytest.mark.parametrize("budget", [None, "300 KiB"])
-def test_a_page_shortage_in_ardiff_warmup_hints_a_pool_of_more_sessions_which_pasted_passes(env, data, budget):
+@pytest.mark.parametrize("budget, fraction", [(None, None), ("300 KiB", None), ("300 KiB", "0.3")])
+def test_a_page_shortage_in_ardiff_warmup_hints_a_pool_of_more_sessions_which_pasted_passes(env, data, budget,
+                                                                                            fraction):
     """`ardiff warmup` whose requests run short of the KV pool's pages (10 pages fewer than they need, a plan that
     undercounts them) said "lower --memory-budget, --session-capacity or --gpu-memory-fraction, or use --dtype
     bfloat16 or a smaller model": a smaller pool runs shorter still. Its warmup session has the pool to itself, so a
     pool planned for twice the sessions (and, where the budget limits the plan, a budget that holds them) has the
-    pages: the hint's warmup, pasted with the same shortage, passes."""
+    pages: the hint's warmup, pasted with the same shortage, passes. The budget is the plan's bytes over the
+    --gpu-memory-fraction, the share of it the sessions beyond the first take: with 0.3 the plan's bytes as the
+    budget planned one session again, and the pasted warmup ran short again with the same hint."""
     faults = [{"request": "warmup-2", "site": "page_shortage", "pages": 10}]
-    given = [] if budget is None else ["--memory-budget", budget]
+    given = [*([] if budget is None else ["--memory-budget", budget]),
+             *([] if fraction is None else ["--gpu-memory-fraction", fraction])]
     proc = ardiff(env, "warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, *given, "--format", "plain",
                   faults=faults)
     assert proc.returncode == 3, proc.stderr

@@ -594,6 +594,14 @@ CONFIG_CASES = {
     "fractional_bytes": ("pipeline: dreamzero\nruntime: {memory_budget: 1.5}\n", "inspect-capacity",
                          ["{config}: field 'runtime.memory_budget': expected a byte size such as 536870912 or "
                           "'512MiB', got 1.5"], None),
+    # past 16EiB: it said "expected a byte size such as 536870912 or '512MiB', got 1.9e+19", which is one
+    "bytes_past_16eib": ("pipeline: dreamzero\nruntime: {memory_budget: 1.9e+19}\n", "inspect-capacity",
+                         ["{config}: field 'runtime.memory_budget': expected a byte size of at most 16EiB, all that a "
+                          "64-bit address space holds, got 1.9e+19"], "set 'runtime.memory_budget' to a byte size of "
+                                                                     "at most 16EiB"),
+    "bytes_past_16eib_as_text": ("pipeline: dreamzero\nruntime: {memory_budget: 17EiB}\n", "inspect-capacity",
+                                 ["{config}: field 'runtime.memory_budget': expected a byte size of at most 16EiB, all "
+                                  "that a 64-bit address space holds, got '17EiB'"], None),
     "wrong_type": ("pipeline: dreamzero\nmodel: {preset: tiny, num_layers: two}\n", "inspect-capacity",
                    ["{config}: field 'model.num_layers': expected an integer, got 'two'"],
                    "set 'model.num_layers' to an integer"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import shlex
 import statistics
 from collections.abc import Iterator
@@ -166,7 +167,7 @@ def _pages_hint(plan: Any, config: str | None, **given: Any) -> str:
     more sessions holds more pages, so twice the sessions (and the budget that holds them, where the budget limits the
     plan) is the warmup to paste. ``given``: the options this warmup was given (None: not given), in the command."""
     from ardiff_cli.errors_cli import to_paste
-    from ardiff_cli.runtime.capacity import MAX_SESSIONS
+    from ardiff_cli.runtime.capacity import MAX_BYTE_SIZE, MAX_SESSIONS
     from ardiff_cli.runtime.errors import shell_word
 
     undercount = ("the KV page pool, sized by the capacity plan, ran short in the pipeline's warmup requests, which "
@@ -177,8 +178,16 @@ def _pages_hint(plan: Any, config: str | None, **given: Any) -> str:
     sessions = min(2 * plan.session_capacity, MAX_SESSIONS)
     change = {"session_capacity": str(sessions)}
     why = f"a pool planned for {sessions} sessions holds more pages: run again with --session-capacity {sessions}"
-    if plan.required_bytes(sessions) > plan.budget_bytes:  # the budget limits the plan: a larger one holds them
-        change["memory_budget"] = f"{-(-plan.required_bytes(sessions) // 2**20)} MiB"
+    needed = plan.required_bytes(sessions)
+    if needed > plan.budget_bytes:  # the budget limits the plan: a larger one holds them
+        # the sessions beyond the first take gpu_memory_fraction of the budget (plan_capacity): the plan's bytes as
+        # the budget planned one session again under 0.3, and the warmup pasted ran short again, with this hint
+        mib = math.ceil(needed / plan.gpu_memory_fraction / 2**20)
+        while int(mib * 2**20 * plan.gpu_memory_fraction) < needed:  # the float's rounding, as the planner's
+            mib += 1
+        if mib * 2**20 > MAX_BYTE_SIZE:  # no budget can be given that holds them
+            return undercount
+        change["memory_budget"] = f"{mib} MiB"
         why += f" and a --memory-budget of {change['memory_budget']} that holds them"
     words = ["ardiff", "warmup", *([] if config is None else [shell_word(config)])]
     for name, value in {**given, **change}.items():

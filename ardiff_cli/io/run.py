@@ -611,7 +611,8 @@ class RunFolder:
         for folder in folders:
             path = folder
             try:
-                fd, name = tempfile.mkstemp(prefix=".ardiff-write-check.", dir=folder)
+                # named as an atomic write's temporary file: one a signal left is removed with theirs, under the lock
+                fd, name = tempfile.mkstemp(prefix=".ardiff-write-check.", suffix=".tmp", dir=folder)
                 os.close(fd)
                 os.unlink(name)
                 if folder == self.root and self.results_path.is_file() and _can_read(self.results_path):
@@ -621,19 +622,21 @@ class RunFolder:
                 if too_many_open_files(exc):
                     raise
                 full = exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # no inode left
-                fix = "free some space in it" if full else self._writable(exc)
+                fix = "free some space in it" if full else self._writable(exc, path)
                 raise ConfigError(f"--out {as_typed(self.root)}: cannot write {as_typed(path)}: "
                                   f"{exc.strerror or exc}",
                                   hint=f"{fix}, or choose another --out" if go_on is None else f"{fix}, then {go_on}"
                                   ) from None
 
-    def _writable(self, exc: OSError) -> str:
-        """What makes this run's folder writable again, where ``exc`` refused it: a resume writes all through it
-        (run.json, results.jsonl, each episode's outputs), so its modes all through, or its file system."""
+    def _writable(self, exc: OSError, refused: Path | None = None) -> str:
+        """What makes this run's folder writable again, where ``exc`` refused it (``refused``: what it refused, else
+        the lock): a resume writes all through it (run.json, results.jsonl, each episode's outputs), so its modes all
+        through, or its file system."""
         if exc.errno == errno.EPERM:  # not the modes: chmod is refused too (it said "chmod -R u+w")
-            return (f"a file there or the folder is immutable or append-only (lsattr -d {shell_word(self.root)} "
-                    f"{shell_word(self.root / LOCK_FILE)}): clear it with chattr -R -i -a {shell_word(self.root)}, "
-                    "as root")
+            shown = [self.root] if refused == self.root else [self.root, refused or self.root / LOCK_FILE]
+            return (f"a file there or the folder is immutable or append-only (lsattr -d "
+                    f"{' '.join(shell_word(path) for path in shown)}): clear it with chattr -R -i -a "
+                    f"{shell_word(self.root)}, as root")
         if exc.errno == errno.EACCES:
             owner = self._other_owner()
             if owner is not None:  # its owner's chmod u+w makes it theirs to write, not this user's

@@ -30,8 +30,8 @@ from typing import Any
 import yaml
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
-from ardiff_cli.runtime.capacity import (MAX_SESSIONS, MODEL_DTYPES, as_fraction, as_int, model_dtype_name, parse_bytes,
-                                        split_unit_hint)
+from ardiff_cli.runtime.capacity import (MAX_BYTE_SIZE_TEXT, MAX_SESSIONS, MODEL_DTYPES, as_fraction, as_int,
+                                        model_dtype_name, parse_bytes, split_unit_hint)
 from ardiff_cli.runtime.errors import (
     PIPELINE_HINT,
     UTF8_LOCALE_HINT,
@@ -157,8 +157,10 @@ def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
     if key == "memory_budget":
         try:
             return parse_bytes(value)
-        except ConfigError:
-            raise field_error(where, field, "a byte size such as 536870912 or '512MiB'", value) from None
+        except ConfigError as exc:  # past 16EiB it is a byte size still, one too large: the message says so
+            expected = (f"a byte size of at most {MAX_BYTE_SIZE_TEXT}" if MAX_BYTE_SIZE_TEXT in str(exc)
+                        else "a byte size such as 536870912 or '512MiB'")
+            raise field_error(where, field, expected, value) from None
     if key == "num_threads":
         # torch starts that many OpenMP threads: 100000 exhausts the host, 10**30 does not fit its int.
         number = as_int(value)
