@@ -724,7 +724,7 @@ def test_a_budget_beyond_the_device_under_auto_is_not_said_to_be_a_vllm_kernel_f
     from ardiff_cli.runtime.errors import BudgetBeyondDeviceError
 
     monkeypatch.setattr(runner_module, "select_attention_backend", lambda *a, **k: ("vllm", "picked for the test"))
-    runner = ARDiffusionModelRunner(TinyPipeline(tiny_spec(session_capacity=2**31 - 1)), memory_budget=1 << 100,
+    runner = ARDiffusionModelRunner(TinyPipeline(tiny_spec(session_capacity=2**31 - 1)), memory_budget=1 << 64,
                                     session_capacity=2**31 - 1)
     with pytest.raises(BudgetBeyondDeviceError, match=r"more than this host's \d+\.\d\d [GT]iB of memory$"):
         runner.load()
