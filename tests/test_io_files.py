@@ -324,6 +324,30 @@ def test_a_link_to_the_folder_of_episodes_or_one_above_it_is_no_episode(tmp_path
     assert warnings == []
 
 
+def test_a_link_to_nothing_in_a_folder_of_episodes_is_named_without_follow(tmp_path):
+    """`cam -> ../rec/arm_a` made before its recording, or a loop of links, was passed over without a word: the run
+    ended 0 without that episode. Without --follow each is named in a warning; with it, it is looked at again at each
+    poll (it joins once its recording is there), and named only if it never does."""
+    write_episode(tmp_path / "set" / "a", [arrays(0)])
+    (tmp_path / "set" / "cam").symlink_to("../rec/arm_a")
+    (tmp_path / "set" / "loop").symlink_to("loop")
+    (tmp_path / "set" / ".hidden").symlink_to("nowhere")  # hidden: never an episode, never named
+    warnings: list[str] = []
+    assert [e.name for e in discover_episodes([tmp_path / "set"], warn=warnings.append)] == ["a"]
+    cam, loop = tmp_path / "set" / "cam", tmp_path / "set" / "loop"
+    assert warnings == [
+        f"{cam} does not run: it is a link to ../rec/arm_a, which does not exist (point it at the episode's folder and "
+        "give it as EPISODE, or use --follow to run it once its recording is there)",
+        f"{loop} does not run: it is a link to loop, which leads back to itself (a loop of links) (point it at the "
+        "episode's folder and give it as EPISODE, or use --follow to run it once its recording is there)"], warnings
+    warnings.clear()
+    assert [e.name for e in discover_episodes([tmp_path / "set"], warn=warnings.append, follow=True)] == ["a"]
+    assert warnings == []
+    write_episode(tmp_path / "rec" / "arm_a", [arrays(0)])  # its recording made: it is an episode, nothing to say
+    assert [e.name for e in discover_episodes([tmp_path / "set"], warn=warnings.append)] == ["a", "arm_a"]
+    assert warnings == [warnings[0]] and warnings[0].startswith(f"{loop} does not run"), warnings
+
+
 def test_atomic_write_replaces_whole_file_and_leaves_no_temp(tmp_path):
     target = tmp_path / "sub" / "out.bin"
     atomic_write_bytes(target, b"first")

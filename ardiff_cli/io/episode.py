@@ -439,6 +439,8 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
             _warn_about_episodes_inside(path, warn)
         else:
             folders.extend(_episode_folders_in(path))
+            if warn is not None and not follow:  # --follow looks at such a link again at each poll
+                _warn_about_links_to_nothing(path, warn)
     from ardiff_cli.io.run import episode_folder_path
 
     names = EpisodeNames()
@@ -524,6 +526,21 @@ def _episode_folders_in(folder: Path) -> list[Path]:
     around = {folder.resolve(), *folder.resolve().parents}
     return sorted(p for p in _list_folder(folder)
                   if p.is_dir() and not p.name.startswith(".") and not is_run_output(p) and p.resolve() not in around)
+
+
+def _warn_about_links_to_nothing(folder: Path, warn: Callable[[str], None]) -> None:
+    """Name each link in the folder of episodes ``folder`` that leads nowhere (``cam -> ../rec/arm_a`` before its
+    recording is made, a disk not mounted): it was passed over without a word, the run ending 0 without its
+    episode."""
+    try:
+        with os.scandir(folder) as entries:
+            links = sorted(entry.name for entry in entries if entry.is_symlink() and not entry.name.startswith("."))
+    except OSError:  # listed just before: its own error, if any, is reported there
+        return
+    for name in links:
+        if dangling := link_to_nothing(folder / name):
+            warn(f"{as_typed(folder / name)} does not run: it is {dangling} (point it at the episode's folder and give "
+                 "it as EPISODE, or use --follow to run it once its recording is there)")
 
 
 def new_episode_folders(folder: Path, settled: set[str], names: Iterable[str] | None = None) -> list[Path]:
