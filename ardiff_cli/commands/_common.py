@@ -42,8 +42,7 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
                 which = "its run" if found.what == "an ardiff run folder" else "one of its runs"
                 hint = f"it is {found.what} (what a rollout wrote); to finish {which}: {found.again}"
                 if found.why is not None:  # only the .lock, which a resume refuses: the run is started again
-                    hint = (f"it is {found.what} (what a rollout wrote) with no run.json: {found.why}; to start its "
-                            f"run again: {found.again}")
+                    hint = f"it is {found.what} (what a rollout wrote) with {found.restart}"
         raise ConfigError(
             f"CONFIG {quoted(config)} is a folder; the first argument is a config file or a built-in config name",
             hint=hint)

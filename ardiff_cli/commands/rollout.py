@@ -269,8 +269,7 @@ def _refuse_resume_without_out(arguments: list[Any], given: tuple[str, ...], cap
         found = None if argument is None else run_output(Path(argument), episodes=episodes,
                                                           config=None if argument is config else config)
         if found is not None and found.why is not None:  # only its .lock: a resume of it is refused too
-            hint = (f"{as_typed(Path(argument))} is a run's folder with no run.json: {found.why}; to start its run "
-                    f"again: {found.again}")
+            hint = f"{as_typed(Path(argument))} is a run's folder with {found.restart}"
             break
         if found is not None and isinstance(found.again, ResumeCommand):
             again = replace(found.again, given=given, session_capacity=capacity)

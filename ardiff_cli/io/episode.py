@@ -318,11 +318,16 @@ def _holds_episode(folder: Path) -> bool:
 class FoundRun(NamedTuple):
     """What :func:`run_output` found: ``what`` the folder is, ``again`` the command to paste, and ``why`` (None when
     ``again`` is the resume that finishes its run): why nothing there resumes, ``again`` then the rollout that starts
-    the run again, which a hint words as "with no run.json: {why}; to start its run again: {again}"."""
+    the run again, which a hint words as :attr:`restart`."""
 
     what: str
     again: ResumeCommand | str
     why: str | None = None
+
+    @property
+    def restart(self) -> str:
+        """A hint's words for a run with nothing to resume (``why`` set): the rollout that starts it again."""
+        return f"no run.json: {self.why}; to start its run again: {self.again}"
 
 
 def run_output(folder: Path, *, config: str | None = None, episodes: Iterable[Path] = ()) -> FoundRun | None:
@@ -430,17 +435,15 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
             )
         if (found := run_output(path, config=config, episodes=paths)) is not None:
             # its episodes/ and previews/ were taken for episodes with no step files, or (none) the folder itself
-            again = (f"to finish a stopped run: {found.again}" if found.why is None else
-                     f"this one has no run.json: {found.why}; to start its run again: {found.again}")
+            again = f"to finish a stopped run: {found.again}" if found.why is None else f"this one has {found.restart}"
             raise ConfigError(f"{as_typed(path)} is {found.what} (what a rollout wrote), not an episode",
                               hint=f"pass the folders of step files the robots wrote; {again}")
         if _holds_episode(path):
             folders.append(path)
             _warn_about_episodes_inside(path, warn)
         else:
-            folders.extend(_episode_folders_in(path))
-            if warn is not None and not follow:  # --follow looks at such a link again at each poll
-                _warn_about_links_to_nothing(path, warn)
+            # --follow looks at a link to nothing again at each poll: named only if it never joins
+            folders.extend(_episode_folders_in(path, warn=None if follow else warn))
     from ardiff_cli.io.run import episode_folder_path
 
     names = EpisodeNames()
@@ -520,27 +523,23 @@ class EpisodeNames:
         return self._folders.get(folder.resolve())
 
 
-def _episode_folders_in(folder: Path) -> list[Path]:
+def _episode_folders_in(folder: Path, warn: Callable[[str], None] | None = None) -> list[Path]:
     """The episode folders of a folder of episodes: its visible subfolders, but ardiff's own outputs and links to the
-    folder itself or one above it (``latest -> .``: it ran as an episode with no step files, and failed the run)."""
+    folder itself or one above it (``latest -> .``: it ran as an episode with no step files, and failed the run).
+    ``warn`` is told of each visible link there that leads nowhere (``cam -> ../rec/arm_a`` before its recording is
+    made, a disk not mounted): it was passed over without a word, the run ending 0 without its episode."""
     around = {folder.resolve(), *folder.resolve().parents}
-    return sorted(p for p in _list_folder(folder)
-                  if p.is_dir() and not p.name.startswith(".") and not is_run_output(p) and p.resolve() not in around)
-
-
-def _warn_about_links_to_nothing(folder: Path, warn: Callable[[str], None]) -> None:
-    """Name each link in the folder of episodes ``folder`` that leads nowhere (``cam -> ../rec/arm_a`` before its
-    recording is made, a disk not mounted): it was passed over without a word, the run ending 0 without its
-    episode."""
-    try:
-        with os.scandir(folder) as entries:
-            links = sorted(entry.name for entry in entries if entry.is_symlink() and not entry.name.startswith("."))
-    except OSError:  # listed just before: its own error, if any, is reported there
-        return
-    for name in links:
-        if dangling := link_to_nothing(folder / name):
-            warn(f"{as_typed(folder / name)} does not run: it is {dangling} (point it at the episode's folder and give "
-                 "it as EPISODE, or use --follow to run it once its recording is there)")
+    found = []
+    for path in sorted(_list_folder(folder)):
+        if path.name.startswith("."):
+            continue
+        if path.is_dir():
+            if not is_run_output(path) and path.resolve() not in around:
+                found.append(path)
+        elif warn is not None and (dangling := link_to_nothing(path)):
+            warn(f"{as_typed(path)} does not run: it is {dangling} (point it at the episode's folder and give it as "
+                 "EPISODE, or use --follow to run it once its recording is there)")
+    return found
 
 
 def new_episode_folders(folder: Path, settled: set[str], names: Iterable[str] | None = None) -> list[Path]:
