@@ -383,10 +383,15 @@ class Rollout:
         try:
             raw = load_step(step_file.path, go_on=self._go_on)
         except ObservationError:
+            if (repointed := _repointed_while_read(episode, step_file, self._resume_command())) is not None:
+                raise repointed from None  # another recording's folder lacks the step: not "gone"
             # listed, then gone (a link to nothing: reading it named the link): not a permission problem
             if present(step_file.path) is False and not step_file.path.is_symlink():
                 raise _gone_while_read(episode, step_file, self._resume_command()) from None
             raise
+        # looked at after the read: a link pointed elsewhere just before it read another recording's step file
+        if (repointed := _repointed_while_read(episode, step_file, self._resume_command())) is not None:
+            raise repointed
         self._check_unchanged(episode, step_file, raw.sha256)
         self._read_as.setdefault(episode.name, {})[step_file.step] = (step_file.path.name, raw.signature)
         valid = validate_step(raw, self.schema, path=step_file.path,
@@ -795,6 +800,42 @@ def naming_episode(exc: ArdiffError, episode: str) -> ArdiffError:
     named = copy.copy(exc)
     named.args = (f"episode {episode!r} failed: {exc}",)
     return named.with_traceback(exc.__traceback__)
+
+
+def _repointed_while_read(episode: EpisodeSource, step_file: StepFile, resume: ResumeCommand
+                          ) -> ObservationError | None:
+    """The error of a step read through an episode folder that is a link (``eps/cam -> ../rec/arm_a``) pointed at
+    another folder since the run found it (``ln -sfn ../rec/arm_b eps/cam``): its step files are another recording's,
+    which ran in this episode's session without a word. None while it leads to the folder it led to then (by device
+    and inode number: moved, and the link pointed at it again, it is the same recording), or to nothing
+    (:func:`_gone_while_read` names that). A stat a step, of an episode read through a link only."""
+    if episode.led_to is None:
+        return None
+    then, device = episode.led_to
+    try:
+        st = os.stat(episode.path)
+    except OSError:
+        return None
+    if (st.st_dev, st.st_ino) == (device, episode.inode):
+        return None
+    link = shell_word(episode.path)
+    fix = (f"the episode is the recording the link led to, which names it ({episode.name}): point the link back at "
+           f"it (ln -sfn {shell_word(then)} {link}), then {continue_with(resume)}; run the folder there now as an "
+           "episode of its own, in a new --out")
+    try:
+        target = os.readlink(episode.path)
+    except OSError:  # EINVAL: a folder put in the link's place
+        return ObservationError(
+            f"{step_file.path}: cannot read the step file: the episode folder {episode.path} was a link to {then} when "
+            "the run found it, and is another folder now (put in its place while the run read it)",
+            hint=f"move that folder away first; {fix}")
+    now = f"now to {target}"
+    # a link to a link (eps/cam -> ../rec/latest -> arm_b): the last one may be the one pointed elsewhere
+    if os.path.islink(os.path.join(os.path.dirname(episode.path), target)):
+        now += f", a link that leads to {os.path.realpath(episode.path)}"
+    return ObservationError(
+        f"{step_file.path}: cannot read the step file: the episode folder {episode.path} is a link, {now}, another "
+        f"folder than {then}, where it led when the run found it (pointed elsewhere while the run read it)", hint=fix)
 
 
 def _gone_while_read(episode: EpisodeSource, step_file: StepFile, resume: ResumeCommand) -> ObservationError:

@@ -3916,6 +3916,49 @@ def test_an_episode_folder_that_is_a_link_whose_recording_moved_while_read_names
     assert done == [(s, "ok") for s in range(30)], done
 
 
+def test_an_episode_folder_that_is_a_link_pointed_at_another_recording_while_read_stops_naming_both(
+        env, data, tmp_path):
+    """Without --follow: eps/cam -> ../rec/arm_a pointed at ../rec/arm_b (both recordings there) while the run reads
+    its steps. The steps after it were read from arm_b, by their names, and ran in arm_a's session without a word
+    (exit 0). The episode stops naming the link, where it led and where it leads now; pointed back, the --resume it
+    prints finishes it from arm_a's steps."""
+    eps, run, rec = tmp_path / "eps", tmp_path / "run", tmp_path / "rec"
+    write_episode(rec / "arm_a", steps_of(0, 30), prompt="task arm_a")  # still being read when pointed elsewhere
+    write_episode(rec / "arm_b", steps_of(1, 30), prompt="task arm_b")
+    eps.mkdir()
+    cam = eps / "cam"
+    cam.symlink_to(Path("..") / "rec" / "arm_a")
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(cam), "--out", str(run), "--no-warmup",
+                 "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 2, proc)
+        (eps / "cam.new").symlink_to(Path("..") / "rec" / "arm_b")  # ln -sfn, in one rename
+        os.replace(eps / "cam.new", cam)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, stderr
+    assert re.search(rf"Error: episode 'arm_a' failed: {re.escape(str(cam))}/step_\d+\.safetensors: cannot read the "
+                     rf"step file: the episode folder {re.escape(str(cam))} is a link, now to \.\./rec/arm_b, another "
+                     rf"folder than {re.escape(str(rec.resolve() / 'arm_a'))}, where it led when the run found it "
+                     r"\(pointed elsewhere while the run read it\)\nhint: the episode is the recording the link led "
+                     rf"to, which names it \(arm_a\): point the link back at it \(ln -sfn "
+                     rf"{re.escape(str(rec.resolve() / 'arm_a'))} {re.escape(str(cam))}\), then continue with: ardiff "
+                     rf"rollout --resume --out {re.escape(str(run))}; run the folder there now as an episode of its "
+                     r"own, in a new --out\n", stderr), stderr
+    arm_a = {int(p.stem.split("_")[1]): hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in (rec / "arm_a").glob("step_*.safetensors")}
+    ran = [r for r in records(run) if r["status"] == "ok"]
+    assert ran and all(r["input_sha256"] == arm_a[r["step"]] for r in ran), ran  # none of arm_b's steps ran
+    cam.unlink()  # the hint's ln -sfn
+    cam.symlink_to(rec.resolve() / "arm_a")
+    again = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert again.returncode == 0, again.stderr
+    done = sorted(r["step"] for r in records(run) if r["status"] == "ok")
+    assert done == list(range(30)), done
+    assert all(r["input_sha256"] == arm_a[r["step"]] for r in records(run) if r["status"] == "ok")
+
+
 @pytest.mark.parametrize("appears", [True, False], ids=["recording-appears", "never-appears"])
 def test_a_link_to_nothing_in_a_watched_folder_joins_once_its_recording_appears(env, data, tmp_path, appears):
     """live/cam -> ../rec/arm_a in a watched folder before rec/arm_a is made (a recorder that links first): the
@@ -3949,6 +3992,55 @@ def test_a_link_to_nothing_in_a_watched_folder_joins_once_its_recording_appears(
     assert sorted((r["episode"], r["step"], r["status"]) for r in records(run)) == [
         (name, s, "ok") for name in ("arm_a", "arm_b") for s in range(2)]
     assert recorded_folders(run)["arm_a"] == str(live.resolve() / "cam")
+
+
+def test_a_link_to_nothing_in_a_watched_folder_that_comes_to_lead_to_an_episode_of_the_run_is_named_not_run_twice(
+        env, data, tmp_path):
+    """--follow live, live/cam -> ../rec/latest leading nowhere, then rec/latest made a link to live/arm_a, an episode
+    of the run: the link joined the run without a word (the recording running once). A warning names both paths,
+    and the recording still runs once, at the path found first."""
+    live, run, rec = tmp_path / "live", tmp_path / "run", tmp_path / "rec"
+    steps = steps_of(0, 3)
+    write_episode(live / "arm_a", steps[:2], prompt="task arm_a", end=False)
+    rec.mkdir()
+    (live / "cam").symlink_to(Path("..") / "rec" / "latest")
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                 "--idle-timeout", "3", "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 2, proc)  # polled: the link was looked at, leading nowhere
+        (rec / "latest").symlink_to(Path("..") / "live" / "arm_a")
+        write_step(live / "arm_a", 2, steps[2])
+        (live / "arm_a" / "END").touch()
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert stderr.count(f"warning: {live / 'cam'} is episode 'arm_a' again (a link to {live / 'arm_a'}): it does not "
+                        f"join the run, which reads that recording at {live / 'arm_a'} (a recording runs once in a "
+                        f"run; to run it again under another name, give {live / 'cam'} as EPISODE in a new --out)"
+                        ) == 1, stderr
+    assert sorted((r["episode"], r["step"], r["status"]) for r in records(run)) == [
+        ("arm_a", s, "ok") for s in range(3)]
+    assert "never joined" not in stderr, stderr
+
+
+def test_a_loop_of_links_in_a_watched_folder_is_named_a_loop_not_a_recording_that_never_appeared(
+        env, data, tmp_path):
+    """--follow live, live/loop -> loop: the warning as the run ended said "the recording it links to never
+    appeared while the run watched; once it is there, ...", of a link that can lead to no recording. It says it is a
+    loop, and how to point it at one."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    write_episode(live / "arm_a", steps_of(0, 2), prompt="task arm_a")
+    (live / "loop").symlink_to("loop")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                  "--idle-timeout", "1", "--format", "plain")
+    assert proc.returncode == 0, proc.stderr
+    loop = live / "loop"
+    assert proc.stderr.count(
+        f"warning: {loop} never joined the run: it is a link to loop, which leads back to itself (a loop of links) "
+        f"(point it at a recording (ln -sfn RECORDING {loop}), then run it with {loop} as "
+        "EPISODE in a new --out, or --resume this run)\n") == 1, proc.stderr
+    assert "never appeared" not in proc.stderr, proc.stderr
 
 
 def test_an_episode_folder_that_is_a_link_to_a_link_repointed_at_its_end_names_where_it_leads_now(
@@ -4002,6 +4094,55 @@ def test_a_followed_episode_folder_that_is_a_link_to_nothing_now_does_not_close_
     assert (f"Error: every episode failed (arm_a)\nhint: fix what is named above, then continue with: ardiff rollout "
             f"--resume --out {run}\n") in stderr, stderr
     assert "gone" not in stderr, stderr
+
+
+@pytest.mark.parametrize("how", ["deleted", "pointed", "moved"])
+def test_a_followed_link_given_as_episode_whose_recording_goes_on_beside_it_says_how_not_renamed(
+        env, data, tmp_path, how):
+    """--follow, live/cam -> ../rec/arm_a given as EPISODE (not in a watched folder), live/cam2 another link to it:
+    cam deleted, or pointed at a recording not made yet, or the recording moved into place beside it (live/arm_a).
+    The episode failed as "the episode folder was renamed to cam2" (or arm_a), of a link that was not renamed. It
+    says what became of the link, as episode_moved does in a watched folder, and the hint's ln -sfn then the
+    --resume it prints finish the episode."""
+    live, run, rec = tmp_path / "live", tmp_path / "run", tmp_path / "rec"
+    steps = steps_of(0, 3)
+    write_episode(rec / "arm_a", steps[:2], prompt="task arm_a", end=False)
+    live.mkdir()
+    cam = live / "cam"
+    cam.symlink_to(Path("..") / "rec" / "arm_a")
+    (live / "cam2").symlink_to(Path("..") / "rec" / "arm_a")
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(cam), "--out", str(run), "--follow", "--no-warmup",
+                 "--idle-timeout", "30")
+    try:
+        wait_for_lines(run / "results.jsonl", 2, proc)
+        if how == "deleted":
+            cam.unlink()
+        elif how == "pointed":
+            (live / "cam.new").symlink_to(Path("..") / "rec" / "arm_x")  # ln -sfn, in one rename
+            os.replace(live / "cam.new", cam)
+        else:
+            (rec / "arm_a").rename(live / "arm_a")
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, stderr
+    what, target = {"deleted": ("(a link to its recording) was deleted, and cam2 is another link to it",
+                                "../rec/arm_a"),
+                    "pointed": ("(a link to its recording) was pointed at ../rec/arm_x, and cam2 is another link to it",
+                                "../rec/arm_a"),
+                    "moved": ("is a link whose recording was moved to arm_a", "arm_a")}[how]
+    assert (f"Error: episode 'arm_a' failed: {cam}: the episode folder {what}, while it was followed; 2 of its steps "
+            f"had arrived\nhint: point the link at its recording again (ln -sfn {target} {cam}), then continue with: "
+            f"ardiff rollout --resume --out {run}\n") in stderr, stderr
+    assert "renamed to" not in stderr, stderr
+    if cam.is_symlink():
+        cam.unlink()
+    cam.symlink_to(target)  # the hint's ln -sfn
+    write_step(cam, 2, steps[2])
+    (cam / "END").touch()
+    again = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+    assert again.returncode == 0, again.stderr
+    assert sorted(r["step"] for r in records(run) if r["status"] == "ok") == [0, 1, 2]
 
 
 @pytest.mark.parametrize("link_first", [True, False], ids=["link-first", "target-first"])

@@ -84,6 +84,9 @@ class EpisodeSource:
     # its folder's inode number when it was found (None: not a folder then): --follow knows it renamed before its
     # first poll (the model loading) by it
     inode: int | None = field(default=None, repr=False, compare=False)
+    # its folder is a link (eps/cam -> ../rec/arm_a): the folder it led to when found (links resolved) and that
+    # folder's device number; without --follow a step read through the link pointed elsewhere since is told by them
+    led_to: tuple[Path, int] | None = field(default=None, repr=False, compare=False)
 
     def scan(self, *, skip: Container[str] = (), unnumbered: list[Path] | None = None) -> list[StepFile]:
         """The step files present now, in step order; duplicate step numbers are an error. ``skip``: names not
@@ -505,10 +508,11 @@ class EpisodeNames:
         self._names.add(_folded(name))
         self._folders[resolved] = name
         try:
-            inode = folder.stat().st_ino
+            st = folder.stat()
         except OSError:
-            inode = None
-        return EpisodeSource(name=name, path=folder, inode=inode)
+            return EpisodeSource(name=name, path=folder)
+        led_to = (resolved, st.st_dev) if os.path.islink(folder) else None
+        return EpisodeSource(name=name, path=folder, inode=st.st_ino, led_to=led_to)
 
     def move(self, name: str, old: Path, new: Path) -> None:
         """Episode ``name``'s folder ``old`` was renamed to ``new``; its name stays taken."""

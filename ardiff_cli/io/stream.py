@@ -322,11 +322,15 @@ class StepScheduler:
     def _adopt_new_episodes(self) -> None:
         """Follow the episode folders a robot has started in a watched folder of episodes since the last poll."""
         for watched in self._watch:
+            # what its first listing finds that is an episode already, discover_episodes found too (and named)
+            first = watched.listed_at == -float("inf")
             for path in self._new_episode_folders(watched):
                 if self._renamed_episode(path):  # an episode's folder under a new name: not another episode
                     continue
                 source = self._names.add(path)
                 if source is None:  # an episode already: given as EPISODE too, or a link to one
+                    if not first and self._warn_another_path(path):
+                        continue
                     self._warn_another_folder(path)  # or another folder where an episode of the run was read
                     continue
                 self._on_new_episode(source)  # the run records it before any of its steps is handed out
@@ -398,6 +402,26 @@ class StepScheduler:
                     and self._follow_rename(track)):
                 return True
         return False
+
+    def _warn_another_path(self, path: Path) -> bool:
+        """Whether ``path``, found in a watched folder of episodes since its first listing, is another path to an
+        episode's folder (a link to nothing there that came to lead to it: ``live/cam -> ../rec/latest``, pointed at
+        ``live/arm_a``), named in a warning: it does not join, the recording running once, at the path it was found
+        at first. It joined without a word. False for the episode's own path (another folder there, perhaps)."""
+        track = self._by_name.get(self._names.of(path) or "")
+        if track is None:
+            return False
+        read = track.source.path
+        if _named_by(path) == _named_by(read):
+            return False
+        if os.path.islink(read):
+            why = f"{'a link to ' if os.path.islink(path) else ''}the folder {as_typed(read)} links to"
+        else:
+            why = f"{'a link' if os.path.islink(path) else 'another path'} to {as_typed(read)}"
+        self._warn(f"{as_typed(path)} is episode {track.source.name!r} again ({why}): it does not join the run, which "
+                   f"reads that recording at {as_typed(read)} (a recording runs once in a run; to run it again under "
+                   f"another name, give {shell_word(path)} as EPISODE in a new --out)")
+        return True
 
     def _warn_another_folder(self, path: Path) -> None:
         """``path``, an episode folder in a watched folder of episodes, is where an episode of the run was read, but
@@ -588,9 +612,13 @@ class StepScheduler:
                            "for episode folders in it, not deeper: give a deeper folder of episodes as EPISODE)")
             for name in names:  # looked at each poll, never led to an episode folder: not passed over unsaid
                 if name not in settled and (dangling := link_to_nothing(folder / name)):
-                    self._warn(f"{as_typed(folder / name)} never joined the run: it is {dangling} (the recording it "
-                               "links to never appeared while the run watched; once it is there, run it with "
-                               f"{shell_word(folder / name)} as EPISODE in a new --out, or --resume this run)")
+                    link = shell_word(folder / name)
+                    # a loop leads nowhere whatever is recorded: "the recording ... never appeared" sent one waiting
+                    why = (f"point it at a recording (ln -sfn RECORDING {link}), then"
+                           if _loops(folder / name) else
+                           "the recording it links to never appeared while the run watched; once it is there,")
+                    self._warn(f"{as_typed(folder / name)} never joined the run: it is {dangling} ({why} run it with "
+                               f"{link} as EPISODE in a new --out, or --resume this run)")
             if steps:
                 self._warn(f"{as_typed(folder)}: {listed(steps)} did not run: a followed folder of episodes runs the "
                            "step files of the episode folders in it, not its own")
@@ -704,6 +732,17 @@ class StepScheduler:
                      f"folder back, then {self._go_on}")
         # a hidden name (`.trash-ep1`) is not looked at in a watched folder: that one is not followed, nor joins
         if not self._watched(folder) or renamed.name.startswith("."):
+            if track.link and not (how := _how_moved(folder, renamed, track.link_inode)).startswith("renamed"):
+                # the link still there (its recording moved into place beside it), or deleted or pointed elsewhere
+                # with another link there to its recording: it was "renamed to cam2", of a link not renamed
+                try:
+                    target = os.readlink(renamed)
+                except OSError:  # the recording itself, moved beside the link
+                    target = renamed.name
+                return ObservationError(
+                    f"{as_typed(folder)}: the episode folder {how}, while it was followed; {arrived}",
+                    hint=f"point the link at its recording again (ln -sfn {shell_word(target)} {shell_word(folder)}), "
+                         f"then {self._go_on}")
             return ObservationError(f"{as_typed(folder)}: the episode folder was renamed to {renamed.name} while it "
                                     f"was followed; {arrived}",
                                     hint="keep an episode's folder in place until its END file is written")
@@ -941,6 +980,22 @@ def _holds_something(path: Path) -> bool:
         return any(not name.startswith(".") for name in os.listdir(path))
     except OSError:  # a file (ENOTDIR), gone, or locked
         return False
+
+
+def _named_by(path: Path) -> str:
+    """``path`` as the run names an episode's folder (``episode_folder_path``): absolute, the links above it
+    resolved, a link itself kept."""
+    absolute = os.path.abspath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
+
+
+def _loops(path: Path) -> bool:
+    """Whether ``path`` is a link in a loop of links (ELOOP)."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
 
 
 def _link_inode(path: Path) -> tuple[bool, int | None]:
