@@ -73,14 +73,46 @@ def show_help(ctx: typer.Context, value: bool) -> None:
         raise typer.Exit()
 
 
-def check_fraction(value: Optional[float]) -> Optional[float]:
-    """A share of memory: in (0, 1]; nan and inf fail the comparison."""
-    if value is None or 0 < value <= 1:
-        return value
-    shown = f"{value:g}"  # 0, 2, nan; but 1.0000001 reads '1', which looks valid: then the shortest exact form
-    if float(shown) < value:
-        shown = repr(value)
-    raise typer.BadParameter(f"expected a number in (0, 1], got {shown}")
+def read_number(text: str, *, whole: bool = False) -> float | None:
+    """A number option's value as written (``whole``: a whole number, which '2.0' and '1e3' are too), else None.
+
+    Number options are read here, with a ``parser``, not by Typer, whose pydantic check answered in its own words
+    ("Input should be greater than or equal to 0"; for a byte the locale could not decode, "unable to parse raw data
+    as a unicode string"); each option's parser says instead what it takes, and what was given as ``quoted`` writes
+    it. ASCII only: Python's ``float`` takes other scripts' digits too ('\\uff15', a wide 5). nan and inf are numbers
+    here, for the parser to refuse by its range. An option's ``min=`` only shows its range in --help ([x>=1]): Typer
+    checks nothing where a ``parser`` is given."""
+    if not text.isascii():
+        return None
+    try:
+        return int(text) if whole else float(text)  # int() exactly: 10**400 sessions is no float (inf)
+    except ValueError:
+        pass
+    if whole:  # '2.0', '1e3'; nan and inf are not whole
+        number = read_number(text)
+        if number is not None and number.is_integer():
+            return number
+    return None
+
+
+def parse_fraction(text: str) -> float:
+    """``--gpu-memory-fraction``: a share of memory, in (0, 1]; nan fails the comparison."""
+    number = read_number(text)
+    if number is None or not 0 < number <= 1:
+        raise typer.BadParameter(f"expected a number in (0, 1], got {errors.quoted(text, cut=True)}")
+    return number
+
+
+def parse_session_count(text: str) -> int:
+    """``--session-capacity`` and each ``--sessions``: a whole number of sessions, from 1 to ``MAX_SESSIONS``."""
+    from ardiff_cli.runtime.capacity import MAX_SESSIONS
+
+    number, given = read_number(text, whole=True), errors.quoted(text, cut=True)
+    if number is None or number < 1:
+        raise typer.BadParameter(f"expected a whole number of sessions, 1 or more, got {given}")
+    if number > MAX_SESSIONS:
+        raise typer.BadParameter(f"expected at most {MAX_SESSIONS} sessions (no pool holds more), got {given}")
+    return int(number)
 
 
 def check_available(value: Optional[str]) -> Optional[str]:
@@ -111,18 +143,6 @@ def _checked_bytes(value: Optional[str], *, zero_ok: bool) -> Optional[str]:
         parse_bytes(value, zero_ok=zero_ok)
     except ConfigError as exc:
         raise typer.BadParameter(str(exc) + (f" ({exc.hint})" if exc.hint else "")) from None
-    return value
-
-
-def check_session_count(value):
-    """``--session-capacity`` / ``--sessions`` (one count or a list): at most ``MAX_SESSIONS``."""
-    from ardiff_cli.runtime.capacity import MAX_SESSIONS
-    from ardiff_cli.runtime.errors import shown
-
-    for count in value if isinstance(value, list) else [value]:
-        if count is not None and count > MAX_SESSIONS:
-            raise typer.BadParameter(f"expected at most {MAX_SESSIONS} sessions (no pool holds more), got "
-                                     f"{shown(count)}")
     return value
 
 
@@ -215,13 +235,13 @@ MemoryBudgetOpt = Annotated[
 ]
 SessionCapacityOpt = Annotated[
     Optional[int],
-    typer.Option("--session-capacity", rich_help_panel=RUNTIME_PANEL, min=1, metavar="N", callback=check_session_count,
+    typer.Option("--session-capacity", rich_help_panel=RUNTIME_PANEL, min=1, metavar="N", parser=parse_session_count,
                  help="Most sessions kept resident; more evicts the least recently used. "
                       "\\[default: the config's, else the pipeline's]", show_default=False),
 ]
 GpuMemoryFractionOpt = Annotated[
     Optional[float],
-    typer.Option("--gpu-memory-fraction", rich_help_panel=RUNTIME_PANEL, metavar="F", callback=check_fraction,
+    typer.Option("--gpu-memory-fraction", rich_help_panel=RUNTIME_PANEL, metavar="F", parser=parse_fraction,
                  help="Share of the available memory the KV pools may take beyond one session, in (0, 1]. "
                       "\\[default: the config's, else 0.9]", show_default=False),
 ]

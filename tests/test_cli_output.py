@@ -1559,7 +1559,9 @@ def test_an_unknown_pipeline_named_in_bytes_the_locale_cannot_decode_is_quoted_w
 def test_an_option_value_in_bytes_the_locale_cannot_decode_is_quoted_with_xnn(tmp_path, cli_env):
     """An option's value holding a byte the locale cannot decode (0xff under LC_ALL=C with PYTHONUTF8=0): Click's,
     pydantic's and ardiff's own errors of the value quoted it as Python's repr, `'a\\udcff'`, where a path given in
-    the same bytes is written `'a\\xff'` (the hint's `$'a\\xff'` names that byte). Each writes `\\xff` now."""
+    the same bytes is written `'a\\xff'` (the hint's `$'a\\xff'` names that byte). Each writes `\\xff` now. A number
+    option's said pydantic's "Input should be a valid string, unable to parse raw data as a unicode string": it says
+    what the option takes now, as the others do."""
     import subprocess
 
     environ, _ = NOT_UTF8["C-ascii"]
@@ -1575,9 +1577,14 @@ def test_an_option_value_in_bytes_the_locale_cannot_decode_is_quoted_with_xnn(tm
                                                   "byte size: 'a\\xff' is not a number"),
         (b"inspect-capacity", b"--available", "Invalid value for '--available': cannot read 'a\\xff' as a byte"),
         (b"rollout", b"--swap-space", "Invalid value for '--swap-space': cannot read 'a\\xff' as a byte size"),
-        (b"inspect-capacity", b"--sessions", "Invalid value for '--sessions': "),
-        (b"warmup", b"--gpu-memory-fraction", "Invalid value for '--gpu-memory-fraction': "),
-        (b"rollout", b"--idle-timeout", "Invalid value for '--idle-timeout': "),
+        (b"inspect-capacity", b"--sessions", "Invalid value for '--sessions': expected a whole number of sessions, 1 "
+                                             "or more, got 'a\\xff'"),
+        (b"warmup", b"--session-capacity", "Invalid value for '--session-capacity': expected a whole number of "
+                                           "sessions, 1 or more, got 'a\\xff'"),
+        (b"warmup", b"--gpu-memory-fraction", "Invalid value for '--gpu-memory-fraction': expected a number in (0, 1], "
+                                              "got 'a\\xff'"),
+        (b"rollout", b"--idle-timeout", "Invalid value for '--idle-timeout': expected a number of seconds, 0 or more, "
+                                        "got 'a\\xff'"),
     ]
     for command, option, message in cases:
         proc = subprocess.run([sys.executable, "-m", "ardiff_cli", command, b"--format", b"plain", option, b"a\xff"],

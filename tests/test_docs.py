@@ -383,12 +383,12 @@ def test_the_gpu_memory_fraction_range_is_the_same_in_the_help_the_readme_and_th
     import pytest
 
     import ardiff_cli.runtime.config as config_module
-    from ardiff_cli.options import check_fraction
+    from ardiff_cli.options import parse_fraction
 
-    assert check_fraction(1.0) == 1.0 and check_fraction(1e-9) == 1e-9
-    for outside in (0.0, -0.5, 1.0000001, float("nan")):
+    assert parse_fraction("1") == 1.0 and parse_fraction("1e-9") == 1e-9
+    for outside in ("0", "-0.5", "1.0000001", "nan"):
         with pytest.raises(typer.BadParameter, match=r"expected a number in \(0, 1\]"):
-            check_fraction(outside)
+            parse_fraction(outside)
     readme = (REPO / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `--gpu-memory-fraction F` |"))
     (comment,) = [line for line in readme.splitlines() if line.startswith("  gpu_memory_fraction: 0.9 ")]

@@ -36,7 +36,7 @@ from ardiff_cli.options import (
     SessionCapacityOpt,
     VerboseOpt,
     check_available,
-    check_session_count,
+    parse_session_count,
 )
 from ardiff_cli.output import Format, Output
 from ardiff_cli.runtime.errors import CapacityError, ConfigError, plural
@@ -72,7 +72,7 @@ def inspect_capacity(
              "CUDA_VISIBLE_DEVICES applied) or available host memory. "
              "\\[default: --memory-budget or the config's, else auto]", show_default=False)] = None,
     sessions: Annotated[Optional[list[int]], typer.Option(
-        "--sessions", min=1, metavar="N", callback=check_session_count,
+        "--sessions", min=1, metavar="N", parser=parse_session_count,
         help="Show the memory fraction N sessions would need (repeatable). \\[default: 1 2 4 8 16 and the "
              "capacity]", show_default=False)] = None,
     help_: HelpOpt = False,

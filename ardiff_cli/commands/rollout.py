@@ -49,6 +49,7 @@ from ardiff_cli.options import (
     SessionCapacityOpt,
     VerboseOpt,
     check_swap_space,
+    read_number,
 )
 from ardiff_cli.output import Format, Output, lost_stdout_stop, one_line, visible
 from ardiff_cli.runtime.errors import (
@@ -147,13 +148,16 @@ class _Prepared:
     resume: ResumeCommand | None = None
 
 
-def _finite_idle_timeout(value: float | None) -> float | None:
-    """``--idle-timeout inf`` (or 1e400) passed ``min=0``, loaded the model, then failed writing run.json (JSON has
-    no infinity): a traceback, exit 1. It is a usage error; a follower that never gives up waits a long time."""
-    if value is not None and not math.isfinite(value):
-        raise typer.BadParameter(f"expected a finite number of seconds, got {value:g} (to wait for days, give "
-                                 "them: 604800 is a week)")
-    return value
+def _parse_idle_timeout(text: str) -> float:
+    """``--idle-timeout``: a finite number of seconds, 0 or more. inf (or 1e400) loaded the model, then failed writing
+    run.json (JSON has no infinity): a traceback, exit 1. A follower that never gives up waits a long time."""
+    number = read_number(text)
+    if number is not None and not math.isfinite(number):
+        forever = " (to wait for days, give them: 604800 is a week)" if number > 0 else ""
+        raise typer.BadParameter(f"expected a finite number of seconds, got {quoted(text, cut=True)}{forever}")
+    if number is None or number < 0:
+        raise typer.BadParameter(f"expected a number of seconds, 0 or more, got {quoted(text, cut=True)}")
+    return number
 
 
 def rollout(
@@ -170,7 +174,7 @@ def rollout(
                                        "until the episode's END file or --idle-timeout; and a folder of episodes "
                                        "for episode folders started in it later.")] = False,
     idle_timeout: Annotated[Optional[float], typer.Option(
-        "--idle-timeout", min=0, metavar="SECONDS", callback=_finite_idle_timeout,
+        "--idle-timeout", min=0, metavar="SECONDS", parser=_parse_idle_timeout,
         help=f"With --follow: end an episode after this long without a new step file or one still being "
              f"written, and a folder of episodes this long after its episodes ended without a new one. "
              f"\\[default: {DEFAULT_IDLE_TIMEOUT:g}]", show_default=False)] = None,

@@ -378,11 +378,12 @@ def shell_word(path: os.PathLike | str) -> str:
 _REPR_ESCAPE = re.compile(r"\\(udc[89a-f][0-9a-f]|.)")
 
 
-def quoted(text: os.PathLike | str) -> str:
+def quoted(text: os.PathLike | str, *, cut: bool = False) -> str:
     """``repr`` of a name the user gave (``'caf\\xe9'``), but a byte of it the locale could not decode (a lone
     surrogate, which ``repr`` writes ``\\udce9``) written ``\\xNN``, as :func:`shell_word` and the output's lines
-    write it (``visible``)."""
-    return _REPR_ESCAPE.sub(lambda m: "\\x" + m[1][3:] if m[1].startswith("udc") else m[0], repr(os.fspath(text)))
+    write it (``visible``). ``cut``: cut to a line as :func:`shown` cuts it (an option's value of 401 digits)."""
+    written = (_SHOWN.repr if cut else repr)(os.fspath(text))
+    return _REPR_ESCAPE.sub(lambda m: "\\x" + m[1][3:] if m[1].startswith("udc") else m[0], written)
 
 
 def as_typed(path: os.PathLike | str) -> str:
