@@ -23,6 +23,7 @@ from ardiff_cli.output import Output, stdout_error
 from ardiff_cli.runtime.capacity import CapacityPlan
 from ardiff_cli.runtime.kv.allocator import KVCacheExhaustedError
 from ardiff_cli.runtime.errors import (
+    RELEASED,
     ArdiffError,
     ArdiffWarning,
     CapacityError,
@@ -81,7 +82,7 @@ class StepFailed(ArdiffError):
 
     ``phase`` says where: ``load`` (reading the step file), ``replay`` (rerunning
     the earlier step ``replayed`` to rebuild an evicted session), ``forward`` (the
-    model) or ``write`` (its output file). The cause is chained (``__cause__``).
+    model) or ``write`` (its output file). The cause is chained (``__cause__``), and its notes are this error's.
     ``budget`` (what set the memory budget) and ``plan`` (the run's ``CapacityPlan``)
     word the hint of memory running out (``lighter_resume_hint``). ``resume``: the run's resume command; of a step
     that ran out of memory, ``self.resume`` is the one to paste after it (``lighter_resume``), which the run's closing
@@ -112,6 +113,7 @@ class StepFailed(ArdiffError):
         self.exit_code = (EXIT_CAPACITY if is_out_of_memory(cause)
                           else cause.exit_code if isinstance(cause, ArdiffError) else EXIT_BUG)
         self.resume = _memory_resume(phase, cause, plan, resume)
+        carry_notes(self, cause)  # what else went wrong (a close hook that failed too): its Error line's note: lines
 
 
 def pages_short(exc: BaseException | None) -> bool:
@@ -396,6 +398,16 @@ def report(out: Output, exc: BaseException) -> int:
                   "this is a bug in ardiff; please report it with the traceback above", exit_code=code, kind="bug",
                   notes=notes_of(exc))
     return code
+
+
+def carry_notes(error: BaseException, cause: BaseException) -> None:
+    """Give ``error``, raised in place of ``cause``, the notes of ``cause`` (``notes_of``), after its own: the Error
+    line and the JSON a user reads are ``error``'s, and only the traceback (``--verbose``) showed those of ``cause``.
+    All but the runtime's that the request's session was released (``RELEASED``): the step error's hint says what
+    comes next for its episode, which does not go on (that note said its next request starts afresh)."""
+    for note in notes_of(cause):
+        if not note.endswith(RELEASED):
+            error.add_note(note)
 
 
 def notes_of(exc: BaseException) -> list[str]:

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.errors_cli import Interrupted, OutputError, StepFailed, continue_with, notes_of, write_hint
+from ardiff_cli.errors_cli import (Interrupted, OutputError, StepFailed, carry_notes, continue_with, notes_of,
+                                   write_hint)
 from ardiff_cli.io.episode import (METADATA_FILE, EpisodeSource, StepFile, file_signature, listed, load_step,
                                    present, step_sha256)
 from ardiff_cli.io.run import RunFolder, episode_folder_path
@@ -370,7 +371,9 @@ class Rollout:
             if str(step_file.path) in str(exc) or str(task.episode.path / METADATA_FILE) in str(exc):
                 return exc  # it names its file: the step's, or the episode's episode.yaml
             # Raised by the pipeline's own input checks, which know no files: name the step's.
-            return ObservationError(f"{step_file.path}: {exc}", hint=exc.hint)
+            named = ObservationError(f"{step_file.path}: {exc}", hint=exc.hint)
+            carry_notes(named, exc)
+            return named
         return StepFailed(task.episode.name, task.file.step, phase, exc, path=str(step_file.path),
                           replayed=step_file.step if phase == "replay" else None, budget=self.options.budget_source,
                           plan=self.engine.runner.capacity_plan, resume=self._resume_command())
@@ -620,6 +623,8 @@ class Rollout:
         record = {"episode": episode.name, "step": step, "chunk": ordinal, "session": episode.name,
                   "status": "failed", "error": message, "path": self._as_recorded(episode, path), "phase": phase,
                   "error_type": type(cause).__name__, "time": time.time()}
+        if notes := notes_of(exc):  # what else went wrong as it failed, as the Error line's note: lines
+            record["notes"] = notes
         if replayed is not None:
             record.update(replay_step=replayed[0].step, replay_chunk=replayed[1],
                           replay_path=self._as_recorded(episode, replayed[0].path))

@@ -187,6 +187,12 @@ class BackboneConfig:
     out_dim: int = field(init=False)  # channels leaving the head (the velocity)
 
     def __post_init__(self) -> None:
+        # Built in Python (Config(guidance_scale="5"), dataclasses.replace), not by from_dict: each field of a plain
+        # type checked and converted as from_dict's are. A float size reached torch (empty(): must be tuple of ints),
+        # a quoted number failed the range checks below as a TypeError, and True passed as 1 (guidance off).
+        for name, hint in init_fields(type(self)).items():
+            if hint in (bool, int, float, str) or typing.get_origin(hint) is tuple:
+                derive(self, name, _coerce(name, hint, getattr(self, name)))
         for name in ("dim", "ffn_dim", "freq_dim", "num_heads", "num_layers", "latent_channels", "height", "width",
                      "vae_stride", "temporal_stride", "text_dim", "text_len", "frames_per_block", "window_frames",
                      "session_capacity"):

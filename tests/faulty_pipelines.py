@@ -36,6 +36,8 @@ Each fault is a JSON object:
   twice inside ``try: ... except Exception: pass`` and go on, as a pipeline or library that catches everything
   would: the first only asks the step to finish, the second is raised there) or ``wrap_signal`` (the same, then
   raise its own error ``from`` what it caught);
+- ``note`` (block and sampler, action ``raise`` or ``observation_error``, an ``ObservationError`` of the request's
+  inputs, as a pipeline's own input check raises): a note (``add_note``) on the error raised;
 - ``remove`` (block and sampler): before the action, delete the folder at that path (a recorder's cleanup while
   the run goes on);
 - ``pool_over`` (any site): the fault fires only while the KV page pool has more pages than that (memory that runs out
@@ -119,12 +121,22 @@ def _act(fault: dict[str, Any], message: str) -> None:
         raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), "/tmp/kernel-cache.lock")
     if fault.get("action") == "torch_oom":  # what CUDA's caching allocator raises on a full GPU
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+    if fault.get("action") == "observation_error":  # the pipeline's own input check refusing the step's inputs
+        from ardiff_cli.runtime.errors import ObservationError
+
+        refused = ObservationError(f"request inputs: {message}")
+        if "note" in fault:
+            refused.add_note(fault["note"])
+        raise refused
     if fault.get("action") == "runtime_error":  # a library's own words for its failure (`std::bad_alloc`, cuBLAS's)
         raise RuntimeError(fault["message"])
     if fault.get("action") == "cuda_oom":  # what a kernel allocating outside torch's allocator raises on a full GPU
         raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some "
                            "other API call, so the stacktrace below might be incorrect.")
-    raise InjectedFault(message)
+    error = InjectedFault(message)
+    if "note" in fault:  # what a library adds to its error (PEP 678), as torch's compiler or pydantic do
+        error.add_note(fault["note"])
+    raise error
 
 
 def _complete_when(done: torch.futures.Future, release: str) -> None:

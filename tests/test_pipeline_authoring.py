@@ -540,6 +540,17 @@ class ClosesItsWarmupSession(LabPipeline):
         raise TypeError("close() takes 1 positional argument but 2 were given")
 
 
+class ClosesEachWarmupSessionBadly(LabPipeline):
+    def ar_diffusion_warmup_requests(self, session_id):  # each request ends its episode: two closes of the session
+        for request in super().ar_diffusion_warmup_requests(session_id):
+            yield ARDiffusionRequest(request.request_id, request.inputs, {**request.extra_args, "close_session": True})
+
+    def close_ar_diffusion_session(self, session_id):  # its cleanup reads a table it never filled
+        super().close_ar_diffusion_session(session_id)
+        self.closes = getattr(self, "closes", 0) + 1
+        raise KeyError(f"close {self.closes} of {session_id}")
+
+
 class WarmupRequest(ARDiffusionRequest):  # the lab's own request type, with a constructor of its own
     def __init__(self, request_id, state, session_id):
         super().__init__(request_id, {"state": state, "prompt": "warm"}, {"session_id": session_id})
@@ -712,6 +723,24 @@ def test_a_close_hook_that_fails_as_a_warmup_request_closes_its_session_fails_th
     assert (error["kind"], error["exit_code"]) == ("pipeline_error", 1) and error["message"] == (
         "ClosesItsWarmupSession.close_ar_diffusion_session('__ardiff_warmup__') raised TypeError: close() takes 1 "
         "positional argument but 2 were given; the session's KV was released"), error
+
+
+@pytest.mark.parametrize("command", [["warmup"], ["rollout", "eps", "-o", "closes_each_warmup_session"]])
+def test_every_close_hook_that_fails_in_a_warmup_reaches_the_user_the_first_as_the_error_the_others_its_notes(lab,
+                                                                                                          command):
+    """Each warmup request closes its session, and each close hook fails: the warmup raised the first failure alone,
+    and the second was an event line only. The others are the raised error's notes (`  note:` lines after its Error
+    line, JSON's `notes`), in `ardiff warmup` and in a rollout's warmup."""
+    root, env = lab
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *command[:1], "unnamed.yaml", *command[1:],
+                           "--pipeline", "lab_world.model:ClosesEachWarmupSessionBadly", "--format", "json"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    failed = [f"ClosesEachWarmupSessionBadly.close_ar_diffusion_session('__ardiff_warmup__') raised KeyError: 'close "
+              f"{n} of __ardiff_warmup__'; the session's KV was released" for n in (1, 2)]
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert (error["kind"], error["message"], error["notes"]) == ("pipeline_error", failed[0], failed[1:]), error
+    assert f"Error: {failed[0]}\n  note: {failed[1]}\nhint: " in proc.stderr, proc.stderr
 
 
 def test_a_close_hook_that_fails_after_a_failed_warmup_request_is_a_note_on_the_requests_error(lab):

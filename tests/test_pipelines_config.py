@@ -204,6 +204,37 @@ def test_yaml_ints_are_accepted_for_floats_and_lists_for_tuples():
     assert config.timestep_shift == 3.0 and config.patch_size == (1, 2, 2)
 
 
+BUILT_IN_PYTHON = {  # field: a value of another type, what the error says was expected
+    "guidance_scale_text": ("guidance_scale", "7.5", "a number"),
+    "guidance_scale_list": ("guidance_scale", [7.5], "a number"),
+    "guidance_scale_true": ("guidance_scale", True, "a number"),  # passed as 1: guidance silently off
+    "guidance_scale_none": ("guidance_scale", None, "a number"),
+    "timestep_shift_true": ("timestep_shift", True, "a number"),
+    "num_inference_steps_float": ("num_inference_steps", 2.5, "an integer"),  # built, then failed in a request
+    "dim_float": ("dim", 64.0, "an integer"),  # torch: empty(): argument 'size' must be tuple of ints
+    "reset_at_window_text": ("reset_at_window", "no", "true or false"),  # a non-empty string: true
+}
+
+
+@pytest.mark.parametrize(("name", "value", "expected"), list(BUILT_IN_PYTHON.values()), ids=list(BUILT_IN_PYTHON))
+def test_a_config_built_in_python_refuses_a_field_of_another_type_naming_it(name, value, expected):
+    """A config built in Python (``Config(...)``, ``dataclasses.replace`` of a loaded config's model), not by
+    ``from_dict``, skipped its type checks: a quoted guidance_scale failed ``__post_init__``'s range check as an
+    unnamed TypeError, True passed as 1.0, and a float size reached torch. Each is refused as from_dict refuses it."""
+    import dataclasses
+
+    from pipelines.config import InvalidField
+
+    with pytest.raises(InvalidField, match=rf"^field '{name}': expected {expected}, got "):
+        dreamzero.Config(**{name: value})
+    model = load_config("dreamzero-tiny").model
+    with pytest.raises(InvalidField, match=rf"^field '{name}': expected {expected}, got "):
+        dataclasses.replace(model, **{name: value})
+    converted = dreamzero.Config(guidance_scale=7, patch_size=[1, 2, 2])  # as from_dict converts YAML's
+    assert (converted.guidance_scale, converted.patch_size) == (7.0, (1, 2, 2))
+    assert isinstance(converted.guidance_scale, float) and converted == dreamzero.Config(guidance_scale=7.0)
+
+
 @pytest.mark.parametrize("name", sorted(builtin_configs()))
 def test_every_shipped_config_declares_the_tensors_its_sessions_keep(name):
     """The plan counts the spec's model_owned_state_bytes_per_session for each session (and the runner warns when an

@@ -157,6 +157,40 @@ def test_faults_fail_their_episode_only_and_name_episode_and_step(env, data, ref
     assert set(last.values()) == {"ok"}, last  # arm_d's step 0 was last said failed: its replay is no line of it
 
 
+@pytest.mark.parametrize(("action", "fail_fast"), [("raise", False), ("raise", True), ("observation_error", False)],
+                         ids=["forward_raised", "forward_raised_fail_fast", "input_check_refused"])
+def test_a_failed_steps_error_carries_the_notes_of_what_its_forward_raised_everywhere_it_goes(env, data, tmp_path,
+                                                                                              action, fail_fast):
+    """A step's failure (``StepFailed``, or the ``ObservationError`` naming the step file that a pipeline's own input
+    check's becomes) is raised in place of what its forward raised, whose notes (PEP 678: a library's own, the
+    a close hook that failed as it was) showed only in the
+    --verbose traceback: they are `  note:` lines between its Error and hint lines, a `notes` list in its JSON error
+    object and its step object, and in its results.jsonl line, whether the run goes on or stops (--fail-fast)."""
+    run = tmp_path / "run"
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 1, "action": action,
+               "note": "while compiling block 1 for cpu"},
+              {"site": "close_hook", "session": "arm_b"}]
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--pipeline",
+                  PIPELINE, "--no-warmup", "--format", "json", *(["--fail-fast"] if fail_fast else []), faults=faults)
+    assert proc.returncode == (1 if fail_fast else 4), proc.stderr
+    # not the runtime's that arm_b's session was released ("its next request starts afresh"): the episode stops
+    notes = ["while compiling block 1 for cpu",
+             "FaultyDreamZero.close_ar_diffusion_session('arm_b') raised InjectedFault: injected fault in the close "
+             "hook of 'arm_b'; the session's KV was released"]
+    failed = ("episode 'arm_b' failed at step 1 in the model's forward: InjectedFault: injected fault in transformer "
+              "block 1 (call 1)" if action == "raise" else
+              f"episode 'arm_b' failed: {data / 'eps' / 'arm_b' / 'step_000001.safetensors'}: request inputs: "
+              "injected fault in transformer block 1 (call 1)")
+    assert f"Error: {failed}\n" + "".join(f"  note: {note}\n" for note in notes) in proc.stderr, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    errors = [e for e in lines if e["kind"] == ("step_failed" if fail_fast else "episode_failed")]
+    assert [(e["message"], e["notes"]) for e in errors] == [(failed, notes)], lines
+    steps = [e for e in lines if e["kind"] == "step" and e["status"] == "failed"]
+    assert [(e["episode"], e["notes"]) for e in steps] == [("arm_b", notes)], lines
+    assert [(r["episode"], r["notes"]) for r in records(run) if r["status"] == "failed"] == [("arm_b", notes)]
+    assert all("notes" not in r for r in records(run) if r["status"] == "ok")
+
+
 # When every episode fails, the exit code is the highest of their causes' codes: out of memory (3) over invalid
 # input (2) over anything else (1). ``invalid`` names episodes whose first step file is no safetensors file.
 EVERY_EPISODE_FAILS = {

@@ -129,6 +129,9 @@ class PipelineError(ArdiffError, RuntimeError):
 # a warmup request's non-finite outputs: what to fix is the config, the dtype or the checkpoint, which --resume keeps
 DIVERGED_IN_WARMUP = ("the model diverged on the warmup's inputs (every step would fail alike): check the "
                       "config's sampling settings (a guidance scale too large) and the checkpoint")
+# the end of the runtime's note on a failed request's error that its session was released (``add_note``): a rollout's
+# step error leaves it out, its hint saying what comes next for the episode (it does not go on)
+RELEASED = "was released: its history is gone, and its next request starts afresh"
 PIPELINE_HINT = ("the pipeline's code (or its use of the AR-Diffusion contract: README, 'Adding a pipeline') "
                  "failed; --verbose prints the traceback. If it is one of ardiff's built-in pipelines, please "
                  "report it")

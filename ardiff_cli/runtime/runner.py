@@ -53,6 +53,7 @@ from ardiff_cli.runtime.capacity import (
 from ardiff_cli.runtime.errors import (
     DIVERGED_IN_WARMUP,
     PIPELINE_HINT,
+    RELEASED,
     ArdiffError,
     ArdiffWarning,
     BudgetBeyondDeviceError,
@@ -950,7 +951,7 @@ class ARDiffusionModelRunner:
                     # robot's history is gone (warmup's reserved session is nobody's).
                     if not internal:
                         exc.add_note(f"request {shown(request.request_id)} failed, so session {shown(session_id)} "
-                                     "was released: its history is gone, and its next request starts afresh")
+                                     f"{RELEASED}")
                     for hook_error in errors:
                         exc.add_note(str(hook_error))
             raise
@@ -1539,7 +1540,10 @@ class ARDiffusionModelRunner:
                 f"warmup leaked KV pages: {free_before} free before, {cache.allocator.num_free} after"
             )
         if hook_errors:  # the pool is restored, but the pipeline's own cleanup failed: its sessions would too
-            raise hook_errors[0]
+            first, *others = hook_errors  # each close of the session that failed: the first raised, the others its
+            for other in others:  # notes, as on a failed request's error (a note: line each after its Error line)
+                first.add_note(str(other))
+            raise first
         return WarmupReport(skipped=False, timings=timings, restored=restored, seconds=seconds, input_shapes=shapes)
 
     def _warmup_committed_frames(self) -> int | None:
