@@ -33,6 +33,7 @@ from ardiff_cli.runtime.errors import (
     PipelineError,
     ResumeCommand,
     StopRequested,
+    WriteHint,
     file_too_large,
     is_out_of_memory,
     out_of_memory_message,
@@ -48,10 +49,10 @@ EXIT_PARTIAL = 4  # some episodes failed while others completed
 EXIT_SIGINT = 130  # 128 + SIGINT
 
 
-def write_hint(resume: ResumeCommand | str = "ardiff rollout --resume --out OUT") -> str:
+def write_hint(resume: ResumeCommand | str = "ardiff rollout --resume --out OUT") -> WriteHint:
     """A step's outputs or the run's own files that could not be written (one hint for both: they had two wordings).
     ``resume``: the run's own resume command (``ResumeCommand``) to paste; ``OUT`` only where no run is known."""
-    return f"check free space and permissions of the output folder, then continue with: {resume}"
+    return WriteHint("check free space and permissions of the output folder", f"continue with: {resume}")
 
 
 WRITE_HINT = write_hint()
@@ -306,20 +307,18 @@ def out_of_memory_hint(hint: str) -> str:
 
 
 def file_size_hint(hint: str) -> str:
-    """``hint`` (a write's), its fix replaced by this process's file-size limit (``ulimit -f``) when that refused the
-    write (EFBIG): no disk is full, and every file that size fails alike until it is raised. The limit is said in
-    bytes: ``ulimit -f`` counts blocks (1024 bytes in bash, 512 in a POSIX shell), and a limit set in bytes
-    (``prlimit``, a supervisor) is no whole number of them: 2,805 bytes read "ulimit -f 2", which is 2,048 in bash and
-    1,024 in dash."""
+    """``hint``, of an error this process's file-size limit (``ulimit -f``) caused (EFBIG), saying the limit: no disk
+    is full, and every file that size fails alike until it is raised. The limit is the fix of a write's hint
+    (``WriteHint``: free space, permissions), which keeps its go-on; any other hint (standard output's, what it says to
+    check) is kept whole after it. The limit is said in bytes: ``ulimit -f`` counts blocks (1024 bytes in bash, 512 in
+    a POSIX shell), and a limit set in bytes (``prlimit``, a supervisor) is no whole number of them: 2,805 bytes read
+    "ulimit -f 2", which is 2,048 in bash and 1,024 in dash."""
     limit = process_limit("FSIZE")
     if limit is None:  # the file system's largest file
         return hint
     raise_it = f"a file reached this process's file-size limit of {limit:,} bytes (ulimit -f): raise it (ulimit -f " \
                "unlimited)"
-    # a write's hint is what to fix, then how to go on: the fix is the limit, not free space or permissions. A fix
-    # naming a path (the journal's: `... permissions of OUT, then`) may hold ", then " itself: that hint is kept whole
-    fix, then, go_on = hint.partition(", then ")
-    return f"{raise_it}, then {go_on}" if then and "/" not in fix else f"{raise_it}; {hint}"
+    return WriteHint(raise_it, hint.go_on) if isinstance(hint, WriteHint) else f"{raise_it}; {hint}"
 
 
 def budget_change(source: str, size: str, *, resume: bool = False) -> str:

@@ -58,6 +58,7 @@ from ardiff_cli.runtime.errors import (
     PipelineError,
     ResumeCommand,
     SwapRestoreError,
+    WriteHint,
     is_broken_invariant,
     link_to_nothing,
     plural,
@@ -254,10 +255,10 @@ class Rollout:
             # --resume reads the folder the run records, the old one: a link there to the new one resumes it
             raise OutputError(f"cannot record the new folder {episode.path} of episode {episode.name!r} in "
                               f"{self.run_folder.journal_path}: {exc.strerror or exc}",
-                              hint=f"check free space and permissions of {self.run_folder.root}, then (the run still "
-                                   "records the episode's old folder) link it to the new one and continue: ln -s "
-                                   f"{shell_word(episode.path.name)} {shell_word(old)}; "
-                                   f"{self._resume_command()}") from exc
+                              hint=WriteHint(f"check free space and permissions of {self.run_folder.root}",
+                                             "(the run still records the episode's old folder) link it to the new one "
+                                             f"and continue: ln -s {shell_word(episode.path.name)} {shell_word(old)}; "
+                                             f"{self._resume_command()}")) from exc
         # the paths as run.json records them (links resolved: a watched folder given through a link, an episode
         # folder that was a link), the old one as it was recorded: the old name is gone and resolves to nothing
         self._folders[episode.name] = recorded

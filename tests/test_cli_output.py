@@ -1595,23 +1595,55 @@ def test_an_option_value_in_bytes_the_locale_cannot_decode_is_quoted_with_xnn(tm
         assert err.splitlines()[1] == f"hint: see ardiff {command.decode()} --help", err
 
 
-def test_a_file_size_limit_hint_keeps_a_fix_that_names_a_path_whole():
-    """Under a file-size limit (``ulimit -f``) a write's hint has its fix replaced by the limit, cut at its first
-    ", then ": a fix that names a path (the journal's, `check free space and permissions of OUT, then ...`) was cut
-    inside an --out named `a, then b`, and the hint read "raise it (ulimit -f unlimited), then b, then ...". Such a
-    hint is kept whole after the limit; one whose fix names no path still has it replaced. In a child whose limit is
-    real (RLIMIT_FSIZE), as the hint reads it."""
+# In a child whose file-size limit is real (RLIMIT_FSIZE, 4 KiB; Python ignores SIGXFSZ): a write past it fails with
+# EFBIG, raised as an OutputError with each hint argv gives (a JSON [fix, go_on]: a WriteHint; a string: that text;
+# null: none, the table's), and the hint line the error table prints for it
+_FILE_SIZE_REPORT = """
+import io, json, os, resource, sys
+from ardiff_cli.errors_cli import OutputError, report
+from ardiff_cli.output import Format, Output
+from ardiff_cli.runtime.errors import WriteHint
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+for given in json.loads(sys.argv[2]):
+    try:
+        with open(sys.argv[1], "wb") as f:
+            f.write(bytes(8192))
+    except OSError as exc:
+        hint = WriteHint(*given) if isinstance(given, list) else given
+        try:
+            raise OutputError(f"cannot write {sys.argv[1]}: {exc.strerror}", hint=hint) from exc
+        except OutputError as error:
+            err = io.StringIO()
+            report(Output(Format.plain, stdout=io.StringIO(), stderr=err), error)
+            print(json.dumps(err.getvalue().splitlines()[-1]))
+"""
+
+
+def test_a_file_size_limit_replaces_a_write_hints_fix_and_keeps_its_go_on(tmp_path):
+    """Under a file-size limit (``ulimit -f``: EFBIG) a write's hint says the limit in place of its fix (free space,
+    permissions) and keeps its go-on, from the parts it was made of (``WriteHint``); any other hint is kept whole after
+    the limit. The hint was text cut at its first ", then ", and a fix that named a path (the journal's, `check free
+    space and permissions of OUT, then ...`, of an --out named `a, then b`) was kept whole, free space and all: it is
+    replaced too. Text made from a write's hint (`...; and more`) is no write's: it was cut at its first ", then "."""
     import subprocess
 
-    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY)); "
-            "from ardiff_cli.errors_cli import file_size_hint; print(file_size_hint(sys.argv[1]))")
+    from ardiff_cli.errors_cli import write_hint
+    from ardiff_cli.runtime.errors import ResumeCommand
+
     limit = "a file reached this process's file-size limit of 4,096 bytes (ulimit -f): raise it (ulimit -f unlimited)"
-    with_path = ("check free space and permissions of /runs/a, then b, then (the run still records the episode's old "
-                 "folder) link it to the new one and continue: ln -s ep1 ep0; ardiff rollout --resume --out "
-                 "'/runs/a, then b'")
-    for hint, expected in (
-            (with_path, f"{limit}; {with_path}"),
-            ("free some space in it, then continue with: ardiff rollout --resume --out '/runs/a, then b'",
-             f"{limit}, then continue with: ardiff rollout --resume --out '/runs/a, then b'")):
-        proc = subprocess.run([sys.executable, "-c", code, hint], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0 and proc.stdout == expected + "\n", proc
+    resume = str(ResumeCommand("/runs/a, then b"))
+    moved = ("(the run still records the episode's old folder) link it to the new one and continue: ln -s ep1 ep0; "
+             f"{resume}")
+    stdout = "check the file or device standard output goes to (free space, permissions)"
+    made = f"{write_hint(resume)}; and more"
+    cases = [
+        (["check free space and permissions of /runs/a, then b", moved], f"{limit}, then {moved}"),  # the journal's
+        ([write_hint(resume).fix, write_hint(resume).go_on], f"{limit}, then continue with: {resume}"),
+        (None, f"{limit}, then continue with: ardiff rollout --resume --out OUT"),  # the table's
+        (stdout, f"{limit}; {stdout}"),
+        (made, f"{limit}; {made}"),
+    ]
+    proc = subprocess.run([sys.executable, "-c", _FILE_SIZE_REPORT, str(tmp_path / "big"),
+                           json.dumps([given for given, _ in cases])], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(line) for line in proc.stdout.splitlines()] == [f"hint: {said}" for _, said in cases]

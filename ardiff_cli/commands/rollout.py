@@ -65,6 +65,7 @@ from ardiff_cli.runtime.errors import (
     ObservationError,
     PipelineError,
     ResumeCommand,
+    WriteHint,
     as_typed,
     is_out_of_memory,
     link_to_nothing,
@@ -1438,7 +1439,7 @@ def _stop_for_lost_stdout(exc: OSError, resume: ResumeCommand | None) -> int | E
     ``resume``, the run's."""
     stop = lost_stdout_stop(exc)
     if isinstance(stop, ArdiffError):
-        stop.hint = f"{stop.hint}, then {continue_with(resume)}"
+        stop.hint = WriteHint(stop.hint, continue_with(resume))
     return stop
 
 
@@ -1498,13 +1499,13 @@ def _write_run_info(write: Callable[[], Any], path: Path, *, resume: ResumeComma
             raise
         if results is not None and exc.filename == str(results):  # run.json was taken back: RunFolder.start
             path = results
-        again = f"then {continue_with(resume)}" if resume else "then run the same command again (it has no run yet)"
+        again = continue_with(resume) if resume else "run the same command again (it has no run yet)"
         link = link_to_nothing(path)  # a link named results.jsonl in --out: "No such file or directory" of it misled
         if link:
             raise OutputError(f"cannot write {path}: it is {link}",
-                              hint=f"remove that link, or make what it links to, {again}") from exc
+                              hint=f"remove that link, or make what it links to, then {again}") from exc
         raise OutputError(f"cannot write {path}: {exc.strerror or exc}",
-                          hint=f"free some space or fix the folder's permissions, {again}") from exc
+                          hint=WriteHint("free some space or fix the folder's permissions", again)) from exc
 
 
 def _write_summary(run: Any, build: Callable[[], dict[str, Any]], output: Output,
@@ -1533,8 +1534,8 @@ def _write_summary(run: Any, build: Callable[[], dict[str, Any]], output: Output
             raise
         message = f"cannot write {run.summary_path}: {exc.strerror or exc}"
         if error is None:
-            raise OutputError(message, hint=to_paste("free some space or fix the folder's permissions, then --resume "
-                                                     "writes it", resume)) from exc
+            raise OutputError(message, hint=WriteHint("free some space or fix the folder's permissions",
+                                                      to_paste("--resume writes it", resume))) from exc
         output.warning(f"{message}; --resume writes it")
     return summary
 

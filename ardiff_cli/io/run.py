@@ -33,8 +33,8 @@ from typing import Any
 
 from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_capped,
                                  read_jsonl, read_numbered_jsonl, remove_temporaries)
-from ardiff_cli.runtime.errors import (ArdiffError, ConfigError, ResumeCommand, as_typed, did_you_mean, field_error,
-                                      link_to_nothing, shell_word, shown, too_many_open_files)
+from ardiff_cli.runtime.errors import (ArdiffError, ConfigError, ResumeCommand, WriteHint, as_typed, did_you_mean,
+                                      field_error, link_to_nothing, shell_word, shown, too_many_open_files)
 from ardiff_cli.runtime.outputs import is_array
 
 RUN_FILE = "run.json"
@@ -158,6 +158,9 @@ class RunFolder:
         self._lock: int | None = None  # descriptor holding the folder's flock (see lock())
         self._identity: tuple[int, int] | None = None  # the locked folder's (device, inode): see moved()
         self._swap_lock: int | None = None  # descriptor holding the swap folder's flock, when it was there already
+        # episodes/'s folders as first listed under the lock (_episode_folders): the write check's and the stale
+        # temporaries' cleanup's, one listing for both; forgotten by that cleanup and by close()
+        self._episode_folders_listed: list[tuple[Path, bool]] | None = None
         # (run.json's and episodes.jsonl's signatures as the last read_info() found them before reading, a copy of
         # what it read): read_info_again() gives it back while neither file changed
         self._last_read: tuple[tuple[Any, ...], dict[str, Any]] | None = None
@@ -461,8 +464,22 @@ class RunFolder:
         episodes = self.root / EPISODES_DIR
         folders = [self.root, self.root / PREVIEWS_DIR, self.root / SWAP_DIR, episodes]  # .swap: kept.json's
         if episodes.is_dir():
-            folders += [p for p in episodes.iterdir() if p.is_dir()]
+            folders += [folder for folder, _ in self._episode_folders()]
+        self._episode_folders_listed = None  # the run adds folders from here on: a later listing lists them again
         return [path for folder in folders for path in remove_temporaries(folder, older_than_s=0)]
+
+    def _episode_folders(self) -> list[tuple[Path, bool]]:
+        """The folders in episodes/ (links to one among them), sorted, each with whether it is a link; raises what
+        listing it raises. Listed once while this process holds the lock, when no other process changes them: for
+        :meth:`lock`'s write check, then a resume's :meth:`remove_stale_temporaries` (each listed it, with a stat or
+        two per folder)."""
+        if self._episode_folders_listed is not None and self._lock is not None:
+            return self._episode_folders_listed
+        with os.scandir(self.root / EPISODES_DIR) as entries:  # their types without a stat each (not on a link)
+            folders = sorted((Path(entry.path), entry.is_symlink()) for entry in entries if entry.is_dir())
+        if self._lock is not None:
+            self._episode_folders_listed = folders
+        return folders
 
     def iter_records(self, go_on: str | None = None) -> Iterator[dict[str, Any]]:
         """Every whole line of results.jsonl, in order, one at a time: a long run's file is never held whole
@@ -557,7 +574,7 @@ class RunFolder:
                                        "it holds locked to keep a second rollout off the run") from None
             raise ConfigError(f"--out {as_typed(self.root)}: cannot write the output folder: {exc.strerror or exc}",
                               hint="choose a folder you can write" if go_on is None
-                              else f"{self._writable(exc)}, then {go_on}") from None
+                              else WriteHint(self._writable(exc), go_on)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -585,10 +602,11 @@ class RunFolder:
                 # names the limit in place of the space, the cause chained for it to see
                 raise ConfigError(f"--out {as_typed(self.root)}: cannot write {as_typed(path)}: "
                                   f"{exc.strerror or exc}",
-                                  hint=f"free some space in it, then {go_on or 'run the same command again'}") from exc
+                                  hint=WriteHint("free some space in it", go_on or "run the same command again")
+                                  ) from exc
             raise ConfigError(f"--out {as_typed(self.root)}: cannot write the output folder: {exc.strerror or exc}",
                               hint="free some space in it, or choose another --out" if go_on is None
-                              else f"free some space in it, then {go_on}") from None
+                              else WriteHint("free some space in it", go_on)) from None
         self._lock = fd
         self._remember_identity()
         try:
@@ -607,7 +625,7 @@ class RunFolder:
         episodes = self.root / EPISODES_DIR
         with contextlib.suppress(OSError):  # an episodes/ that is no folder is refused later, by name
             if episodes.is_dir() and not episodes.is_symlink():
-                folders += [episodes, *sorted(p for p in episodes.iterdir() if p.is_dir() and not p.is_symlink())]
+                folders += [episodes, *(folder for folder, link in self._episode_folders() if not link)]
         for folder in folders:
             path = folder
             try:
@@ -625,7 +643,7 @@ class RunFolder:
                 fix = "free some space in it" if full else self._writable(exc, path)
                 raise ConfigError(f"--out {as_typed(self.root)}: cannot write {as_typed(path)}: "
                                   f"{exc.strerror or exc}",
-                                  hint=f"{fix}, or choose another --out" if go_on is None else f"{fix}, then {go_on}"
+                                  hint=f"{fix}, or choose another --out" if go_on is None else WriteHint(fix, go_on)
                                   ) from None
 
     def _writable(self, exc: OSError, refused: Path | None = None) -> str:
@@ -758,6 +776,7 @@ class RunFolder:
             self._journal.close()
             self._journal = None
         self._paths = None  # what this process wrote: another process may add or move episodes once it has closed
+        self._episode_folders_listed = None
         if self._lock is not None and not keep_lock:
             os.close(self._lock)  # releases the flock
             self._lock = None

@@ -421,6 +421,25 @@ class ResumeCommand:
     __str__ = command  # what a hint's f-string prints
 
 
+class WriteHint(str):
+    """The hint of a write that failed, ``FIX, then GO_ON``, that keeps its two parts: ``fix``, what makes the write
+    work again (free space, the folder's permissions), and ``go_on``, what to do then (the run's resume to paste, the
+    same command again). Under a file-size limit (``ulimit -f``, EFBIG) the CLI says the limit in place of the fix
+    and keeps the go-on (``errors_cli.file_size_hint``). A ``str``, so it is a hint wherever one is: text made from
+    it (``f"{hint}; ..."``) is a plain ``str``, no longer a write's two parts."""
+
+    fix: str
+    go_on: str
+
+    def __new__(cls, fix: str, go_on: str) -> WriteHint:
+        hint = super().__new__(cls, f"{fix}, then {go_on}")
+        hint.fix, hint.go_on = str(fix), str(go_on)  # plain text: a ResumeCommand's line, as the hint prints it
+        return hint
+
+    def __getnewargs__(self) -> tuple[str, str]:  # copy and pickle make it from its parts
+        return self.fix, self.go_on
+
+
 def shown(value: object) -> str:
     """``repr(value)`` cut to a line: a config value may be a YAML alias bomb (a 10-deep list of lists, 10**9
     strings in all) or hold itself, and an error message must neither take minutes nor fill the terminal."""
