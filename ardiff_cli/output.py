@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import errno
 import io
 import json
 import os
@@ -467,23 +468,31 @@ def _plain_text(console: Any, renderable: Any) -> str:
     return renderable.rstrip("\n") + "\n"
 
 
-def stdout_error(exc: OSError) -> Exception:
+def stdout_error(exc: OSError, then: str | None = None) -> Exception:
     """The error a command ends with when its standard output could not be written (exit 1); not for a reader
-    that went away (``BrokenPipeError``), which wanted no more."""
-    from ardiff_cli.errors_cli import OutputError
+    that went away (``BrokenPipeError``), which wanted no more. ``then``: how to go on once it is fixed (a rollout's
+    resume to paste), if not by running the command again."""
+    from ardiff_cli.errors_cli import OutputError, file_size_hint
+    from ardiff_cli.runtime.errors import WriteHint
 
-    error = OutputError(f"cannot write to standard output: {exc.strerror or exc}",
-                        hint="check the file or device standard output goes to (free space, permissions)")
+    hint: str = "check the file or device standard output goes to (free space, permissions)"
+    if exc.errno == errno.EFBIG:  # `> file` past this process's file-size limit (ulimit -f): no disk is full, and
+        # the limit is named as a file's write names it (it read "free space" of a disk with room)
+        hint = file_size_hint(WriteHint(hint, then or "run the same command again"))
+    elif then is not None:
+        hint = WriteHint(hint, then)
+    error = OutputError(f"cannot write to standard output: {exc.strerror or exc}", hint=hint)
     error.__cause__ = exc
     return error
 
 
-def lost_stdout_stop(exc: OSError) -> int | Exception:
+def lost_stdout_stop(exc: OSError, then: str | None = None) -> int | Exception:
     """How a command that stops at safe points (``StopSignals.defer``: rollout, warmup) stops once stdout is lost: as
-    SIGPIPE when its reader went away (exit 141, as a shell's writer killed by it), else with the write's error."""
+    SIGPIPE when its reader went away (exit 141, as a shell's writer killed by it), else with the write's error
+    (``stdout_error``'s, ``then`` its way on)."""
     import signal
 
-    return signal.SIGPIPE if isinstance(exc, BrokenPipeError) else stdout_error(exc)
+    return signal.SIGPIPE if isinstance(exc, BrokenPipeError) else stdout_error(exc, then)
 
 
 class _Chatter(io.TextIOBase):

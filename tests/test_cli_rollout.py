@@ -540,6 +540,37 @@ def test_stdout_on_a_full_disk_is_an_error_with_exit_1_not_a_bug(env, data, tmp_
     assert len(records(run)) == 6
 
 
+def test_stdout_past_the_file_size_limit_names_the_limit_not_free_space(env, data, tmp_path):
+    """`ardiff ... > file` under a file-size limit (`ulimit -f`; Python ignores SIGXFSZ, so the write fails with
+    EFBIG) said "check the file or device standard output goes to (free space, permissions)" of a disk with room,
+    after the limit for a command and in place of it for --help. It says what a file's write says: the limit, then
+    the command to run once it is raised (a rollout's resume, which it stopped at a safe point for)."""
+    run = tmp_path / "run"
+    assert ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(tmp_path / "first"),
+                  "--no-warmup").returncode == 0  # its checkpoint cached, a file past the limit below
+    commands = {"rollout": (["rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup",
+                             "--swap-space", "0", "--format", "json"], 8 << 10),  # its files fit, its events do not
+                "inspect-capacity": (["inspect-capacity", str(data / "fast.yaml"), "--format", "json"], 0),
+                "help": (["rollout", "--help"], 0)}
+    for name, (args, limit) in commands.items():
+        with open(tmp_path / "stdout", "w") as stdout:
+            proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, env=env, stdout=stdout,
+                                  stderr=subprocess.PIPE, text=True, timeout=600,
+                                  preexec_fn=lambda limit=limit: resource.setrlimit(resource.RLIMIT_FSIZE,
+                                                                                    (limit, limit)))
+        then = (f"continue with: ardiff rollout --resume --out {run}" if name == "rollout" else
+                "run the same command again")
+        assert proc.returncode == 1, (name, proc.stderr)
+        assert proc.stderr.endswith(f"Error: cannot write to standard output: File too large\nhint: a file reached "
+                                    f"this process's file-size limit of {limit:,} bytes (ulimit -f): raise it (ulimit "
+                                    f"-f unlimited), then {then}\n"), (name, proc.stderr)
+        assert "free space" not in proc.stderr and "Traceback" not in proc.stderr, (name, proc.stderr)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run), "--format",
+                           "json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr  # the resume the hint gives, once the limit is raised
+    assert json.loads(proc.stdout.splitlines()[-1])["status"] == "ok"
+
+
 @needs_dev_full
 @pytest.mark.parametrize("fmt", ["plain", "json"])
 def test_warmup_to_a_full_stdout_exits_1_as_the_other_commands_do(env, data, fmt):

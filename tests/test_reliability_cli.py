@@ -2650,6 +2650,79 @@ def test_a_resume_of_a_run_whose_episode_folder_is_immutable_names_that_folder_t
     assert "planned" not in proc.stderr  # before the model loaded
 
 
+def test_a_new_run_in_a_folder_another_user_owns_names_the_owner_and_a_fix_that_works_not_chmod(env, data, tmp_path):
+    """A new run whose --out (or the folder it is made in, or a folder in it) is another user's: this user's chmod is
+    refused there, and the owner's makes it theirs alone to write. It said "choose a folder you can write", or of an
+    episodes/ folder there "chmod -R u+w OUT", or "resume as" its owner of a run never started. The hint names the
+    owner and what root runs to make it this user's; pasted, the run finishes. Run as root without the capabilities
+    that bypass modes and ownership (a second user, as far as files go)."""
+    import pwd
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root (chown to another user) and setpriv")
+    nobody = pwd.getpwnam("nobody").pw_uid
+    drop = "-dac_override,-dac_read_search,-fowner"
+    as_user = [shutil.which("setpriv"), f"--bounding-set={drop}", f"--inh-caps={drop}"]
+    theirs, above, mine = tmp_path / "their run", tmp_path / "their runs", tmp_path / "mine"
+    theirs.mkdir()
+    above.mkdir()
+    (mine / "episodes").mkdir(parents=True)  # left by another user's run there, that ended before it wrote a file
+    for path in (theirs, above, mine / "episodes"):
+        os.chown(path, nobody, -1)
+        path.chmod(0o755)
+    word, new = shlex.quote(str(theirs)), shlex.quote(str(above / "run"))
+    for out, message, fix in (
+            (theirs, "cannot write the output folder", f"the run's folder is owned by another user (nobody, not "
+             f"root): give it and its files to this user (chown -R root {word}, as root)"),
+            (above / "run", "cannot create the output folder", f"{above} is owned by another user (nobody, not "
+             f"root): have root make the run's folder this user's (mkdir -p {new} && chown root {new}, as root)"),
+            (mine, f"cannot write {mine / 'episodes'}", f"{mine / 'episodes'} is owned by another user (nobody, not "
+             f"root): give it and its files to this user (chown -R root {mine}, as root)")):
+        command = [*as_user, sys.executable, "-m", "ardiff_cli", *rollout_args(data, out)]
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.endswith(f"Error: --out {out}: {message}: Permission denied\nhint: {fix}, or choose "
+                                    "another --out\n"), proc.stderr
+        assert "planned" not in proc.stderr  # before the model loaded
+        paste = fix.rpartition("(")[2].removesuffix(", as root)")
+        assert subprocess.run(["bash", "-c", paste]).returncode == 0  # what the hint says, as root
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(("name", "flag", "what"), [("run.json", "+i", "immutable"),
+                                                    ("summary.json", "+a", "append-only")])
+def test_a_resume_of_a_run_whose_run_json_is_immutable_is_refused_before_the_model_loads(
+        env, reference, tmp_path, name, flag, what):
+    """An immutable or append-only run.json or summary.json (`chattr +i`, `+a`: a backup tool's) passed the write
+    check, which a folder this user can write passes, and failed once the model had loaded, as the run replaced it:
+    "free some space or fix the folder's permissions". It is refused under the lock, before the model loads, with
+    the chattr that clears it; pasted, the resume finishes the run."""
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-1]))  # its last step runs again: the model loads
+    if os.geteuid() != 0 or shutil.which("chattr") is None or subprocess.run(
+            ["chattr", flag, str(run / name)], capture_output=True).returncode != 0:
+        pytest.skip("needs root and a file system with immutable files (chattr +i)")
+    try:
+        proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup",
+                      "--format", "plain")
+        assert proc.returncode == 2, proc.stderr
+        again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+        assert proc.stderr.endswith(f"Error: --out {run}: cannot write {run / name}: Operation not permitted (the "
+                                    f"file is {what})\nhint: a file there or the folder is immutable or append-only "
+                                    f"(lsattr -d {run} {run / name}): clear it with chattr -R -i -a {run}, as root, "
+                                    f"then continue with: {again}\n"), proc.stderr
+        assert "planned" not in proc.stderr  # before the model loaded
+        proc = pasted_here(env, f"chattr -R -i -a {run} && {again} --no-warmup")
+    finally:
+        subprocess.run(["chattr", "-i", "-a", str(run / name)])  # for pytest to remove it, whatever failed
+    assert proc.returncode == 0, proc.stderr
+    assert "11 steps already done" in proc.stderr
+    assert_matches(run, reference)
+
+
 def test_the_syscalls_waited_for_are_this_machines_and_an_unknown_machine_skips():
     """wait_reading and the waits for a write that a full pipe blocks looked for x86-64's read (0) and write (1): on
     aarch64 (63, 64: the kernel's generic table) they polled /proc for 5 minutes, then failed. The numbers are looked

@@ -513,10 +513,12 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
             raise ConfigError(f"{cannot}: {exc.strerror or exc} ({dangling[0]} is {dangling[1]})",
                               hint="create the folder it links to (a disk not mounted?), or remove the link"
                               + elsewhere) from None
+        from ardiff_cli.io.run import folder_of_another
+        owned = folder_of_another(Path(out)) if given and isinstance(exc, PermissionError) else None
         raise ConfigError(f"{cannot}: {exc.strerror or exc}",
-                          hint="choose a folder you can write, or one that does not exist yet" if given
-                          else "pass --out DIR (a folder you can write), or run where you can create ardiff-runs") \
-            from None
+                          hint=owned or ("choose a folder you can write, or one that does not exist yet" if given else
+                                         "pass --out DIR (a folder you can write), or run where you can create "
+                                         "ardiff-runs")) from None
     if not resume:  # a resume's is locked already
         run = RunFolder(out)
         run.lock()  # held until the command ends: a second rollout writing this folder is refused
@@ -1437,10 +1439,7 @@ def _stop_notice(output: Output, monitor: Any) -> Callable[[int], None]:
 def _stop_for_lost_stdout(exc: OSError, resume: ResumeCommand | None) -> int | Exception:
     """How a rollout stops once stdout is lost (``lost_stdout_stop``): its write error's hint says to continue with
     ``resume``, the run's."""
-    stop = lost_stdout_stop(exc)
-    if isinstance(stop, ArdiffError):
-        stop.hint = WriteHint(stop.hint, continue_with(resume))
-    return stop
+    return lost_stdout_stop(exc, continue_with(resume))
 
 
 def _nothing_left(p: _Prepared, *, order: str, preview: bool,

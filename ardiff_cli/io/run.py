@@ -572,8 +572,10 @@ class RunFolder:
                 raise ConfigError(f"--out {as_typed(self.root)}: its {LOCK_FILE} is {link}",
                                   hint=f"remove that link ({as_typed(path)}): ardiff makes {LOCK_FILE} itself, a file "
                                        "it holds locked to keep a second rollout off the run") from None
+            owned = None if go_on is not None or exc.errno != errno.EACCES else self._owned_by_another(new=True)
             raise ConfigError(f"--out {as_typed(self.root)}: cannot write the output folder: {exc.strerror or exc}",
-                              hint="choose a folder you can write" if go_on is None
+                              hint=f"{owned}, or choose another --out" if owned is not None
+                              else "choose a folder you can write" if go_on is None
                               else WriteHint(self._writable(exc), go_on)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -636,43 +638,51 @@ class RunFolder:
                 if folder == self.root and self.results_path.is_file() and _can_read(self.results_path):
                     path = self.results_path  # (one this user cannot read is named by its reader, with its hint)
                     os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+                if folder == self.root:
+                    for path in (self.root / RUN_FILE, self.summary_path):  # replaced by a rename, which flags refuse
+                        _refuse_unreplaceable(path)
             except OSError as exc:
                 if too_many_open_files(exc):
                     raise
                 full = exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # no inode left
-                fix = "free some space in it" if full else self._writable(exc, path)
+                fix = "free some space in it" if full else self._writable(exc, path, new=go_on is None)
                 raise ConfigError(f"--out {as_typed(self.root)}: cannot write {as_typed(path)}: "
                                   f"{exc.strerror or exc}",
                                   hint=f"{fix}, or choose another --out" if go_on is None else WriteHint(fix, go_on)
                                   ) from None
 
-    def _writable(self, exc: OSError, refused: Path | None = None) -> str:
+    def _writable(self, exc: OSError, refused: Path | None = None, *, new: bool = False) -> str:
         """What makes this run's folder writable again, where ``exc`` refused it (``refused``: what it refused, else
         the lock): a resume writes all through it (run.json, results.jsonl, each episode's outputs), so its modes all
-        through, or its file system."""
+        through, or its file system. ``new``: a new run's folder, which is given to this user, not resumed as its
+        owner."""
         if exc.errno == errno.EPERM:  # not the modes: chmod is refused too (it said "chmod -R u+w")
             shown = [self.root] if refused == self.root else [self.root, refused or self.root / LOCK_FILE]
             return (f"a file there or the folder is immutable or append-only (lsattr -d "
                     f"{' '.join(shell_word(path) for path in shown)}): clear it with chattr -R -i -a "
                     f"{shell_word(self.root)}, as root")
         if exc.errno == errno.EACCES:
-            owner = self._other_owner()
-            if owner is not None:  # its owner's chmod u+w makes it theirs to write, not this user's
-                me = _user_name(os.geteuid())
-                return (f"the run's folder is owned by another user ({owner}, not {me}): give it and its files to "
-                        f"this user (chown -R {shlex.quote(me)} {shell_word(self.root)}, as root) or resume as "
-                        f"{owner}")
+            owned = self._owned_by_another(refused, new=new)
+            if owned is not None:
+                return owned
             return (f"make the run's folder and its files writable by this user (chmod -R u+w "
                     f"{shell_word(self.root)})")
         return f"make {as_typed(self.root)} writable (a file system mounted read-only?)"
 
-    def _other_owner(self) -> str | None:
-        """The name of the user other than this one who owns the run's folder or its lock file, if one does."""
-        for path in (self.root / LOCK_FILE, self.root):
+    def _owned_by_another(self, refused: Path | None = None, *, new: bool) -> str | None:
+        """Where another user owns what refused this one's write (``refused``, else the lock file or the run's folder),
+        which user, and what works: this user's chmod is refused there, and the owner's makes it theirs alone to
+        write (it said "chmod -R u+w OUT"). None where this user owns them. ``new``: a new run, not resumed as that
+        user."""
+        me = _user_name(os.geteuid())
+        for path in (refused or self.root, self.root / LOCK_FILE, self.root):
             with contextlib.suppress(OSError):
                 uid = path.stat().st_uid
                 if uid != os.geteuid():
-                    return _user_name(uid)
+                    what = "the run's folder" if path == self.root else as_typed(path)
+                    return (f"{what} is owned by another user ({_user_name(uid)}, not {me}): give it and its files "
+                            f"to this user (chown -R {shlex.quote(me)} {shell_word(self.root)}, as root)"
+                            + ("" if new else f" or resume as {_user_name(uid)}"))
         return None
 
     def _lock_swap(self) -> None:
@@ -1013,6 +1023,57 @@ def _can_read(path: Path) -> bool:
     except OSError:
         return False
     return True
+
+
+def folder_of_another(out: Path) -> str | None:
+    """Why a new run's ``out`` could not be made, where the folder it goes in is another user's (this user's chmod
+    is refused there, its owner's makes it theirs alone to write): who owns it, and what works. None where this user
+    owns it."""
+    parent = out.absolute().parent
+    while not os.path.exists(parent) and parent != parent.parent:  # the folder the first one missing is made in
+        parent = parent.parent
+    try:
+        uid = parent.stat().st_uid
+    except OSError:
+        return None
+    if uid == os.geteuid():
+        return None
+    me, word = _user_name(os.geteuid()), shell_word(out)
+    return (f"{parent} is owned by another user ({_user_name(uid)}, not {me}): have root make the run's folder this "
+            f"user's (mkdir -p {word} && chown {shlex.quote(me)} {word}, as root), or choose another --out")
+
+
+def _refuse_unreplaceable(path: Path) -> None:
+    """Raise, as its rename would, where ``path`` is immutable or append-only (``chattr +i``, ``+a``): the run
+    replaces it by renaming a new file over it, and a folder this user can write passes every other check (it
+    failed as run.json was written, after the model had loaded). Read-only modes do not refuse a rename. Only where
+    the file system says (Linux's FS_IOC_GETFLAGS, BSD's st_flags); a file this user cannot open is left to its
+    reader."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:  # none yet, a link, or one this user cannot read
+        return
+    try:
+        flags = getattr(os.fstat(fd), "st_flags", None)
+        if flags is not None:
+            import stat
+
+            immutable, append_only = (stat.UF_IMMUTABLE | stat.SF_IMMUTABLE), (stat.UF_APPEND | stat.SF_APPEND)
+        else:
+            import fcntl
+
+            flags = array("i", [0, 0])  # an int, in room for the long that the request's number is sized by
+            try:
+                fcntl.ioctl(fd, 0x80086601 if array("l").itemsize == 8 else 0x80046601, flags)  # FS_IOC_GETFLAGS
+            except OSError:  # a file system without such flags (ENOTTY), or none of this machine's
+                return
+            flags = flags[0]
+            immutable, append_only = 0x10, 0x20  # FS_IMMUTABLE_FL, FS_APPEND_FL
+    finally:
+        os.close(fd)
+    for flag, what in ((immutable, "immutable"), (append_only, "append-only")):
+        if flags & flag:
+            raise OSError(errno.EPERM, f"{os.strerror(errno.EPERM)} (the file is {what})", str(path))
 
 
 def _user_name(uid: int) -> str:
