@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fake_clock import FakeClock
+from pipeline_helpers import open_to_write
 from typer.testing import CliRunner
 
 from ardiff_cli.app import app
@@ -2058,8 +2059,8 @@ def test_a_run_folder_given_as_config_hints_its_resume(tmp_path, cli_env):
     run = a_run_of(tmp_path / "runs" / "eval1", [episode(tmp_path / "arm_a", 1)])
     for given, hint in ((run, "it is an ardiff run folder (what a rollout wrote); to finish its run: ardiff rollout "
                               f"--resume --out {run}"),
-                        (run.parent, "it is a folder of ardiff run folders (what a rollout wrote); to finish one of "
-                                     "its runs: ardiff rollout --resume -o RUN")):
+                        (run.parent, "it is a folder of ardiff run folders (what a rollout wrote); to finish its "
+                                     f"one run: ardiff rollout --resume --out {run}")):
         proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(given), "--format", "plain"],
                               env=cli_env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2, proc.stderr
@@ -2075,21 +2076,22 @@ def test_a_run_folder_given_as_config_hints_its_resume(tmp_path, cli_env):
 def test_a_run_folder_of_a_model_still_loading_given_as_config_has_nothing_to_resume(tmp_path, cli_env):
     # a rollout stopped while its model loaded leaves only .lock (run.json is written after): as CONFIG it was told
     # "to finish its run: ardiff rollout --resume -o RUN", which, pasted, says "nothing to resume: run.json does not
-    # exist". The hint says so, and its command, CONFIG and EPISODE filled in, starts the run there.
+    # exist". Its .lock records the rollout that starts it again (see the test below); one an older ardiff wrote
+    # records nothing, which the hint says, giving no command that cannot run as pasted (CONFIG EPISODE...).
     run = tmp_path / "runs" / "eval1"
     run.mkdir(parents=True)
-    (run / ".lock").touch()
+    (run / ".lock").write_text("12345\n")  # the pid alone, as an older ardiff wrote it
     episode(tmp_path / "arm_a", 1)
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "runs/eval1", "--format", "plain"],
                           env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
-    again = "ardiff rollout CONFIG EPISODE... --out runs/eval1"
     assert proc.stderr == ("Error: CONFIG 'runs/eval1' is a folder; the first argument is a config file or a built-in "
-                           "config name\nhint: it is an ardiff run folder (what a rollout wrote) with no run.json: its "
-                           "model was loading when it stopped (or is loading now), so there is nothing to resume; to "
-                           f"start its run again: {again}\n")
-    argv = again.replace("CONFIG EPISODE...", "dreamzero-tiny arm_a").split()[1:]
-    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *argv, "--no-warmup", "--format", "plain"],
+                           "config name\nhint: it is an ardiff run folder (what a rollout wrote); it has no run.json: "
+                           "its model was loading when it stopped, so there is nothing to resume, and nothing in the "
+                           "folder records its config and episodes (its .lock was written by an older ardiff); to "
+                           "start its run again: ardiff rollout with its config and episodes, and --out runs/eval1\n")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", "arm_a", "--out",
+                           "runs/eval1", "--no-warmup", "--format", "plain"],
                           env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and (run / "run.json").is_file(), proc.stderr
 
@@ -2106,30 +2108,125 @@ def _hint(stderr: str) -> str:
 
 @pytest.mark.parametrize("arguments, again", [
     (["dreamzero-tiny", "arm_a", "runs/eval1"], "ardiff rollout dreamzero-tiny arm_a --out runs/eval1"),
-    (["dreamzero-tiny", "runs/eval1"], "ardiff rollout dreamzero-tiny EPISODE... --out runs/eval1"),
+    (["dreamzero-tiny", "runs/eval1"], None),
     (["--resume", "dreamzero-tiny", "arm_a", "runs/eval1"], "ardiff rollout dreamzero-tiny arm_a --out runs/eval1"),
-    (["--resume", "runs/eval1"], "ardiff rollout CONFIG EPISODE... --out runs/eval1"),
+    (["--resume", "runs/eval1"], None),
 ])
 def test_a_run_folder_of_a_model_still_loading_given_as_an_episode_hints_the_rollout_that_starts_it(
         tmp_path, cli_env, arguments, again):
     # as CONFIG such a folder (only .lock: run.json is written once the model loaded) hinted the rollout that starts
     # its run again; as EPISODE (or to --resume without -o) it hinted `ardiff rollout --resume -o RUN`, which pasted
-    # with the folder says "nothing to resume: runs/eval1/run.json does not exist". The command given runs.
+    # with the folder says "nothing to resume: runs/eval1/run.json does not exist". A .lock an older ardiff wrote
+    # records nothing: the command line's config and episodes fill the command, which runs as pasted; where it gives
+    # none, the hint says what nothing records (it gave CONFIG and EPISODE... to paste).
     run = tmp_path / "runs" / "eval1"
     run.mkdir(parents=True)
-    (run / ".lock").touch()
+    (run / ".lock").write_text("12345\n")  # the pid alone, as an older ardiff wrote it
     episode(tmp_path / "arm_a", 1)
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", *arguments, "--format", "plain"],
                           env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     hint = _hint(proc.stderr)
-    assert hint.endswith(" no run.json: its model was loading when it stopped (or is loading now), so there is "
-                         f"nothing to resume; to start its run again: {again}"), proc.stderr
-    assert "--resume" not in hint, hint
-    pasted = _pasted(again.replace("EPISODE...", "arm_a").replace("CONFIG", "dreamzero-tiny") + " --no-warmup",
-                     tmp_path, cli_env)
+    assert "--resume" not in hint and "CONFIG" not in hint and "EPISODE" not in hint, hint
+    if again is None:
+        missing = "episodes" if arguments[0] == "dreamzero-tiny" else "config and episodes"
+        given = "dreamzero-tiny " if missing == "episodes" else ""
+        assert hint.endswith(" no run.json: its model was loading when it stopped, so there is nothing to resume, "
+                             f"and nothing in the folder records its {missing} (its .lock was written by an older "
+                             f"ardiff); to start its run again: ardiff rollout {given}with its {missing}, and --out "
+                             "runs/eval1"), proc.stderr
+        return
+    assert hint.endswith(" no run.json: its model was loading when it stopped, so there is nothing to resume; to "
+                         f"start its run again: {again}"), proc.stderr
+    pasted = _pasted(again + " --no-warmup", tmp_path, cli_env)
     assert pasted.returncode == 0 and (run / "run.json").is_file(), pasted.stderr
     assert ok_steps(run) == {("arm_a", 0)}
+
+
+HOLD_IMPORT = """\
+import os, sys
+
+
+class _Hold:
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ.get("HOLD_MODULE") and os.environ.get("HOLD"):
+            with open(os.environ.pop("HOLD")) as hold:
+                hold.read()
+        return None
+
+
+sys.meta_path.insert(0, _Hold())
+"""
+
+
+def test_a_run_stopped_while_its_model_loads_hints_what_works_pasted_as_it_is(tmp_path, cli_env):
+    # A rollout holds its folder's .lock before its model loads; run.json comes after. Held there (as it imports the
+    # module its run starts with: a FIFO no one writes yet), its folder, given as CONFIG, as EPISODE, or to --resume
+    # without -o (the folder itself or ./runs, the folder of run folders that holds it), hinted "its model was loading
+    # when it stopped (or is loading now)" and `ardiff rollout CONFIG EPISODE... --out runs/eval1` (the folder of runs:
+    # `--resume -o RUN`, refused pasted with it). Now while it loads the hint names its pid, and once it is stopped
+    # every hint gives the rollout its .lock recorded, which pasted as it is starts the run there.
+    shim, hold, run = tmp_path / "shim", tmp_path / "hold", tmp_path / "runs" / "eval1"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(HOLD_IMPORT)
+    os.mkfifo(hold)
+    episode(tmp_path / "arm_a", 1)
+    held = {**cli_env, "HOLD": str(hold), "HOLD_MODULE": "ardiff_cli.io.kept",
+            "PYTHONPATH": os.pathsep.join([str(shim), cli_env["PYTHONPATH"]])}
+    loading = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", "arm_a", "--out",
+                                "runs/eval1", "--no-warmup", "--format", "plain"], cwd=tmp_path, env=held, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    mistakes = [["runs/eval1"], ["dreamzero-tiny", "runs/eval1"], ["--resume", "runs/eval1"], ["--resume", "runs"],
+                ["runs"], ["dreamzero-tiny", "runs"]]
+
+    def hints() -> list[str]:
+        found = []
+        for arguments in mistakes:
+            proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", *arguments, "--format", "plain"],
+                                  env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 2, proc.stderr
+            found.append(_hint(proc.stderr))
+        return found
+
+    writer = None
+    try:
+        writer = open_to_write(loading, hold)  # past its lock, before run.json
+        assert sorted(os.listdir(run)) == [".lock"]
+        for hint in hints():
+            assert f"its model is loading now, in another ardiff rollout (pid {loading.pid}) that writes run.json " \
+                   f"once it has loaded; wait for that rollout to end, or stop it (kill {loading.pid}), then give " \
+                   "this command again" in hint, hint
+            assert "--resume -o" not in hint and "CONFIG" not in hint, hint
+        pasted = _pasted(f"kill {loading.pid}", tmp_path, cli_env)
+        assert pasted.returncode == 0, pasted.stderr
+        loading.communicate(timeout=300)
+    finally:
+        loading.kill()
+        if writer is not None:
+            os.close(writer)
+    assert loading.returncode != 0 and sorted(os.listdir(run)) == [".lock"], loading.returncode
+    again = f"ardiff rollout dreamzero-tiny {tmp_path / 'arm_a'} --no-warmup --out runs/eval1"
+    for hint in hints():
+        assert hint.endswith("has no run.json: its model was loading when it stopped, so there is nothing to resume; "
+                             f"to start its run again: {again}"), hint
+    # and given to --resume as it should be, which said "run without --resume", the command line's others unknown
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", "runs/eval1", "--format",
+                           "plain"], env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and _hint(proc.stderr) == ("its model was loading when its run stopped; to start that "
+                                                           f"run again: {again}"), proc.stderr
+    pasted = _pasted(again, tmp_path, cli_env)
+    assert pasted.returncode == 0 and (run / "run.json").is_file(), pasted.stderr
+    assert ok_steps(run) == {("arm_a", 0)}
+    # the folder of run folders, its one run started: that run's resume (it was `-o RUN`), which pasted finishes it
+    (run / "summary.json").unlink()  # as a run killed before its end leaves it
+    resume = "ardiff rollout --resume --out runs/eval1"
+    mistakes = [["--resume", "runs"], ["runs"], ["dreamzero-tiny", "runs"]]
+    assert hints() == [f"runs is a folder of ardiff run folders: give its one run as --out, not as CONFIG or EPISODE: "
+                       f"{resume}", f"it is a folder of ardiff run folders (what a rollout wrote); to finish its one "
+                       f"run: {resume}", f"pass the folders of step files the robots wrote; to finish a stopped run: "
+                       f"{resume}"]
+    pasted = _pasted(resume, tmp_path, cli_env)
+    assert pasted.returncode == 0 and (run / "summary.json").is_file(), pasted.stderr
 
 
 def test_a_new_run_inside_another_runs_folder_is_refused_naming_it(tmp_path, cli_env):

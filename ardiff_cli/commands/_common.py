@@ -10,7 +10,7 @@ from typing import Any
 
 from ardiff_cli.errors_cli import budget_change
 from ardiff_cli.options import DEFAULT_CONFIG
-from ardiff_cli.runtime.errors import ConfigError, as_typed, quoted, shell_word
+from ardiff_cli.runtime.errors import ConfigError, ResumeCommand, as_typed, quoted, shell_word
 
 
 def load_engine_config(config: str | None, *, pipeline: str | None = None, command: str = "rollout",
@@ -39,10 +39,11 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
             from ardiff_cli.io.episode import run_output
 
             if (found := run_output(Path(config), episodes=episodes)) is not None:
-                which = "its run" if found.what == "an ardiff run folder" else "one of its runs"
+                which = ("its run" if found.what == "an ardiff run folder" else
+                         "its one run" if isinstance(found.again, ResumeCommand) else "one of its runs")
                 hint = f"it is {found.what} (what a rollout wrote); to finish {which}: {found.again}"
                 if found.why is not None:  # only the .lock, which a resume refuses: the run is started again
-                    hint = f"it is {found.what} (what a rollout wrote) with {found.restart}"
+                    hint = f"it is {found.what} (what a rollout wrote); {found.restart}"
         raise ConfigError(
             f"CONFIG {quoted(config)} is a folder; the first argument is a config file or a built-in config name",
             hint=hint)

@@ -241,8 +241,10 @@ def rollout(
                 from ardiff_cli.io.run import RunFolder
 
                 folder = RunFolder(out)
+            start = None if resume else _start_arguments(config, episodes, pipeline, overrides, options, swap_space,
+                                                         warmup=warmup, fail_fast=fail_fast)
             prepared = _prepare(config, episodes, out, resume, overrides, output, pipeline=pipeline, options=options,
-                                run=folder, again=again)
+                                run=folder, again=again, start=start)
             prepared = replace(prepared, resume=ResumeCommand(prepared.out_dir, prepared.info.get("pipeline_option"),
                                                               tuple(given), capacity))
             options = prepared.options
@@ -274,11 +276,13 @@ def _refuse_resume_without_out(arguments: list[Any], given: tuple[str, ...], cap
         found = None if argument is None else run_output(Path(argument), episodes=episodes,
                                                           config=None if argument is config else config)
         if found is not None and found.why is not None:  # only its .lock: a resume of it is refused too
-            hint = f"{as_typed(Path(argument))} is a run's folder with {found.restart}"
+            hint = f"{as_typed(Path(argument))} is {found.what}; {found.restart}"
             break
         if found is not None and isinstance(found.again, ResumeCommand):
             again = replace(found.again, given=given, session_capacity=capacity)
-            hint = f"{as_typed(Path(argument))} is a run's folder: give it as --out, not as CONFIG or EPISODE: {again}"
+            which = ("a run's folder: give it" if found.what == "an ardiff run folder"
+                     else f"{found.what}: give its one run")
+            hint = f"{as_typed(Path(argument))} is {which} as --out, not as CONFIG or EPISODE: {again}"
             break
     raise ConfigError("--resume needs --out DIR: the folder of the run to continue", hint=hint)
 
@@ -293,15 +297,33 @@ def _given_to_resume(overrides: dict[str, Any], options: dict[str, Any], swap_sp
     return given + [flag for flag in ("--follow", "--preview") if options[flag[2:]]]
 
 
+def _start_arguments(config: str | None, episodes: list[Path] | None, pipeline: str | None,
+                     overrides: dict[str, Any], options: dict[str, Any], swap_space: str | None, *, warmup: bool,
+                     fail_fast: bool) -> list[str]:
+    """A new run's arguments as given, for the rollout that starts it again from any folder (the lock file records
+    them: a run stopped while its model loads has no run.json): the config and episodes absolute (a built-in config
+    by its name), the options that change the run; not --out (the folder it is found in), nor --format."""
+    words = [] if config is None else [os.path.abspath(config) if os.path.isfile(config) else config]
+    words += [os.path.abspath(e) for e in episodes or []]  # a link stays a link: --follow follows it
+    words += [] if pipeline is None else ["--pipeline", pipeline]
+    for key in ("device", "dtype", "session_capacity", "attention_backend"):  # those _given_to_resume leaves out
+        if overrides[key] is not None:
+            words += [f"--{key.replace('_', '-')}", str(getattr(overrides[key], "value", overrides[key]))]
+    words += _given_to_resume(overrides, options, swap_space)
+    return words + ([] if warmup else ["--no-warmup"]) + (["--fail-fast"] if fail_fast else [])
+
+
 def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,
              overrides: dict[str, Any], output: Output, *, pipeline: str | None = None,
-             options: dict[str, Any], run: Any = None, again: ResumeCommand | None = None) -> _Prepared:
+             options: dict[str, Any], run: Any = None, again: ResumeCommand | None = None,
+             start: list[str] | None = None) -> _Prepared:
     """Config, episodes, output folder and ``options`` (order, follow, idle_timeout, preview, swap_space), from
     the command line or (``--resume``) from run.json: a resumed run goes on in its order, following and drawing
     previews, within the memory, sessions and swap space it started with; ``None`` in ``options`` and
     ``overrides`` means not given. The run's folder is locked when it returns; a resume's before the run.json it
     checks against the command line, and goes on with, is read (no other process can change it meanwhile). ``run``: a
-    resume's ``RunFolder(out)``, made by the caller (None: made here); ``again``: the resume as given (its hints')."""
+    resume's ``RunFolder(out)``, made by the caller (None: made here); ``again``: the resume as given (its hints');
+    ``start``: a new run's arguments, which its lock file records (:func:`_start_arguments`)."""
     from ardiff_cli.io.run import RunFolder
 
     run = RunFolder(out) if run is None and resume and out is not None else run
@@ -313,7 +335,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
                                        pipeline=pipeline_option if isinstance(pipeline_option, str) else None)))
     try:
         return _prepare_run(run, config, episode_paths, out, resume, overrides, output, pipeline=pipeline,
-                            options=options, again=again)
+                            options=options, again=again, start=start)
     except BaseException:
         if run is not None:
             run.close()
@@ -322,7 +344,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
 
 def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,
                  overrides: dict[str, Any], output: Output, *, pipeline: str | None, options: dict[str, Any],
-                 again: ResumeCommand | None = None) -> _Prepared:
+                 again: ResumeCommand | None = None, start: list[str] | None = None) -> _Prepared:
     """:func:`_prepare`'s work; ``run``: a resume's run folder, locked."""
     from ardiff_cli.io.demo import ensure_demo_episodes
     from ardiff_cli.io.episode import discover_episodes
@@ -521,7 +543,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
                                          "ardiff-runs")) from None
     if not resume:  # a resume's is locked already
         run = RunFolder(out)
-        run.lock()  # held until the command ends: a second rollout writing this folder is refused
+        run.lock(start=start)  # held until the command ends: a second rollout writing this folder is refused
     try:
         if not resume and run.holds_run():  # a rollout started here since the check above, and ended: refused now,
             raise run.held_run()  # under the lock, not once the model has loaded (RunFolder.start)

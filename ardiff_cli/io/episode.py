@@ -20,6 +20,7 @@ renamed, and one left there fails its episode, naming it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -321,39 +322,67 @@ def _holds_episode(folder: Path) -> bool:
 class FoundRun(NamedTuple):
     """What :func:`run_output` found: ``what`` the folder is, ``again`` the command to paste, and ``why`` (None when
     ``again`` is the resume that finishes its run): why nothing there resumes, ``again`` then the rollout that starts
-    the run again, which a hint words as :attr:`restart`."""
+    the run again (None while the run is loading its model now), which a hint words as :attr:`restart`; ``run``: the
+    run folder they are of, where ``what`` is the folder of run folders that holds it alone."""
 
     what: str
-    again: ResumeCommand | str
+    again: ResumeCommand | str | None
     why: str | None = None
+    run: Path | None = None
 
     @property
     def restart(self) -> str:
-        """A hint's words for a run with nothing to resume (``why`` set): the rollout that starts it again."""
-        return f"no run.json: {self.why}; to start its run again: {self.again}"
+        """A hint's words for a run with nothing to resume (``why`` set): why, and what to do."""
+        which = "it" if self.run is None else f"its one run, {as_typed(self.run)},"
+        if self.again is None:
+            return f"{which} has no run.json yet: {self.why}"
+        return f"{which} has no run.json: {self.why}; to start its run again: {self.again}"
 
 
 def run_output(folder: Path, *, config: str | None = None, episodes: Iterable[Path] = ()) -> FoundRun | None:
     """For a folder that :func:`is_run_output` and no episode folder: what it is (``an ardiff run folder``, ``a
     folder of ardiff run folders``) and the resume that finishes its run, to paste (with the ``--pipeline`` the run
-    was started with; ``-o RUN`` for one of the runs in a folder of them). A run folder holding only the ``.lock`` of a
-    run whose model was loading has no run.json, which a resume refuses ("nothing to resume"): its command is the
-    rollout that starts that run again there, with ``config`` and ``episodes`` (the command line's others) where
-    given, else CONFIG and EPISODE... (nothing recorded them). Else None."""
+    was started with; for a folder of run folders, its one run's, else ``-o RUN``). A run folder holding only the
+    ``.lock`` of a run whose model was loading has no run.json, which a resume refuses ("nothing to resume"): its
+    command is the rollout that starts that run again there, as its lock file recorded it, else with ``config`` and
+    ``episodes`` (the command line's others) where given; none while a process holds that lock (loading it now).
+    Else None."""
     if not is_run_output(folder) or episode_entries(folder):
         return None
     from ardiff_cli.io.run import RunFolder
 
     run = RunFolder(folder)
     if not run.is_run_folder():
+        with contextlib.suppress(OSError):  # is_run_output listed it: its visible entries are run folders
+            runs = [Path(e.path) for e in os.scandir(folder) if not e.name.startswith(".")]
+            if len(runs) == 1:  # `--resume ardiff-runs`: its one run's command, to paste as it is
+                others = [e for e in episodes if os.path.abspath(e) != os.path.abspath(folder)]
+                found = run_output(runs[0], config=config, episodes=others)
+                if found is not None:
+                    return found._replace(what="a folder of ardiff run folders",
+                                          run=runs[0] if found.why is not None else None)
         return FoundRun("a folder of ardiff run folders", "ardiff rollout --resume -o RUN")  # RUN: one in it
     if run.holds_run():
         return FoundRun("an ardiff run folder", run.resume_command())
-    others = [shell_word(e) for e in episodes if os.path.abspath(e) != os.path.abspath(folder)]
-    start = ["ardiff rollout", "CONFIG" if config is None else shell_word(config), *(others or ["EPISODE..."]),
-             "--out", shell_word(folder)]
-    return FoundRun("an ardiff run folder", " ".join(start),
-                    why="its model was loading when it stopped (or is loading now), so there is nothing to resume")
+    holder = run.lock_holder()
+    if holder is not None:
+        pid, kill = (f" (pid {holder})", f" (kill {holder})") if holder else ("", "")
+        return FoundRun("an ardiff run folder", None,
+                        why=f"its model is loading now, in another ardiff rollout{pid} that writes run.json once it "
+                            f"has loaded; wait for that rollout to end, or stop it{kill}, then give this command again")
+    again = run.restart_command()
+    if again is None:
+        others = [str(e) for e in episodes if os.path.abspath(e) != os.path.abspath(folder)]
+        if config is None or not others:  # nothing recorded them: a command with CONFIG in it cannot run as pasted
+            missing = "episodes" if config is not None else "config and episodes"
+            given = "" if config is None else f" {shell_word(config)}"
+            return FoundRun("an ardiff run folder", f"ardiff rollout{given} with its {missing}, and --out "
+                            f"{shell_word(folder)}",
+                            why="its model was loading when it stopped, so there is nothing to resume, and nothing "
+                                f"in the folder records its {missing} (its .lock was written by an older ardiff)")
+        again = run.restart_command([config, *others])
+    return FoundRun("an ardiff run folder", again,
+                    why="its model was loading when it stopped, so there is nothing to resume")
 
 
 def is_run_output(folder: Path) -> bool:
@@ -438,7 +467,7 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
             )
         if (found := run_output(path, config=config, episodes=paths)) is not None:
             # its episodes/ and previews/ were taken for episodes with no step files, or (none) the folder itself
-            again = f"to finish a stopped run: {found.again}" if found.why is None else f"this one has {found.restart}"
+            again = f"to finish a stopped run: {found.again}" if found.why is None else found.restart
             raise ConfigError(f"{as_typed(path)} is {found.what} (what a rollout wrote), not an episode",
                               hint=f"pass the folders of step files the robots wrote; {again}")
         if _holds_episode(path):

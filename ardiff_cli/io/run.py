@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import math
 import os
 import platform
 import shlex
+import stat
 import tempfile
 import time
 from array import array
@@ -365,8 +367,10 @@ class RunFolder:
                                   "deleted, or not copied with the run)",
                                   hint="restore run.json from where the run was copied, or start a new run in "
                                        "another --out")
+            again = self.restart_command()  # only the .lock of a run stopped while its model loaded
             raise ConfigError(f"nothing to resume: {as_typed(path)} does not exist",
-                              hint="run without --resume to start a run in this folder")
+                              hint="run without --resume to start a run in this folder" if again is None else
+                                   f"its model was loading when its run stopped; to start that run again: {again}")
         try:
             with open(path, "rb") as f:  # not open_file: a FIFO here waits, as a hung network mount does
                 info = parse_json(read_capped(f))
@@ -547,12 +551,14 @@ class RunFolder:
     def write_summary(self, summary: Mapping[str, Any]) -> Path:
         return atomic_write_json(self.summary_path, summary)
 
-    def lock(self, go_on: str | None = None) -> None:
+    def lock(self, go_on: str | None = None, start: Sequence[str] | None = None) -> None:
         """Hold the folder's lock until :meth:`close`: a second process writing the same run would interleave and
         duplicate its results lines. Refused (``ConfigError``) while another process holds it; the lock goes away
         with its process, however that ends (kill -9 included), so there is nothing stale to remove. ``go_on``: a
         resume's (how to go on with the run, its command to paste): its folder cannot be another, so a folder it
-        cannot write is one to make writable, not to choose otherwise."""
+        cannot write is one to make writable, not to choose otherwise. ``start``: a new run's, the arguments of the
+        rollout that starts it again (:meth:`recorded_start`), written in the lock file after the pid: run.json comes
+        only once the model has loaded, and a run stopped before leaves nothing else."""
         try:
             import fcntl
         except ImportError:  # not POSIX: no lock
@@ -580,7 +586,7 @@ class RunFolder:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            error = self._in_use(fd)
+            error = self._in_use(_pid_in(fd))
             os.close(fd)
             raise error from None
         except OSError as exc:  # a file system without flock (some network mounts): go on unlocked, as before
@@ -597,7 +603,8 @@ class RunFolder:
             return
         try:  # the holder's pid, for the message above
             os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
+            record = "" if start is None else json.dumps({"start": list(start)}) + "\n"
+            os.write(fd, f"{os.getpid()}\n{record}".encode())
         except OSError as exc:  # a full disk: it was 'an unexpected OSError ... a bug in ardiff'
             os.close(fd)
             if exc.errno == errno.EFBIG:  # past the file-size limit, no disk full: handle_errors (file_size_hint)
@@ -747,9 +754,8 @@ class RunFolder:
             return True
         return False
 
-    def _in_use(self, fd: int) -> ConfigError:
-        """The error for this folder while another process holds its lock (``fd``: the lock file, with its pid)."""
-        holder = os.read(fd, 32).decode("ascii", "replace").strip()
+    def _in_use(self, holder: str) -> ConfigError:
+        """The error for this folder while another process holds its lock (``holder``: its pid, or "")."""
         return ConfigError(
             f"{as_typed(self.root)} is in use by another ardiff rollout" + (f" (pid {holder})" if holder else ""),
             hint="wait for it to end, or stop it; two processes writing one run would mix their results "
@@ -757,24 +763,61 @@ class RunFolder:
 
     def refuse_while_locked(self) -> None:
         """:meth:`lock`'s refusal, without taking the lock or creating anything: while another process holds it."""
+        if self._lock is not None:  # this process holds it (a resume reads run.json again under it)
+            return
+        if (holder := self.lock_holder()) is not None:
+            raise self._in_use(holder)
+
+    def lock_holder(self) -> str | None:
+        """Whether another process holds the folder's lock now (a rollout loading its model, or running): its pid as
+        the lock file names it ("" where it names none), else None (no lock file: no run ever wrote here; none holds
+        it; or a file system without flock)."""
         try:
             import fcntl
         except ImportError:  # not POSIX: no lock
-            return
-        if self._lock is not None:  # this process holds it (a resume reads run.json again under it)
-            return
+            return None
         try:
-            fd = os.open(self.root / LOCK_FILE, os.O_RDONLY)
-        except OSError:  # no lock file: no run ever wrote here
-            return
+            fd = os.open(self.root / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO there: not waited on
+        except OSError:
+            return None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # refused while a writer holds it exclusively
         except BlockingIOError:
-            raise self._in_use(fd) from None
+            return _pid_in(fd)
         except OSError:  # a file system without flock
-            pass
+            return None
         finally:
             os.close(fd)  # releases the shared lock, if it was taken
+        return None
+
+    def recorded_start(self) -> list[str] | None:
+        """The arguments of the rollout that starts this folder's run again, as :meth:`lock` recorded them (config
+        and episodes absolute, or a built-in config's name; the options given), else None: a lock file written by a
+        resume or an older ardiff, or unreadable."""
+        try:
+            fd = os.open(self.root / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            return None
+        try:
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    return None
+                lines = f.read(1 << 20).split(b"\n")
+            record = json.loads(lines[1]) if len(lines) > 2 else None  # the pid, the record, and its newline
+        except (OSError, ValueError):
+            return None
+        words = record.get("start") if isinstance(record, dict) else None
+        return words if isinstance(words, list) and all(isinstance(w, str) for w in words) else None
+
+    def restart_command(self, arguments: Sequence[str] | None = None) -> str | None:
+        """The rollout that starts this folder's run again, to paste: with ``arguments`` (default: those its lock file
+        recorded, None where it recorded none) and ``--out`` this folder as given."""
+        arguments = self.recorded_start() if arguments is None else arguments
+        if arguments is None:
+            return None
+        # an option as it is (shell_word writes a word beginning with '-' as the path ./-x): a recorded path is absolute
+        words = (shlex.quote(w) if w.startswith("-") else shell_word(w) for w in arguments)
+        return " ".join(["ardiff rollout", *words, "--out", shell_word(self.root)])
 
     def close(self, *, keep_lock: bool = False) -> None:
         """Close results.jsonl and episodes.jsonl, and release the folder's lock (``keep_lock``: still held, for the
@@ -793,6 +836,11 @@ class RunFolder:
         if self._swap_lock is not None and not keep_lock:
             os.close(self._swap_lock)
             self._swap_lock = None
+
+
+def _pid_in(fd: int) -> str:
+    """The pid a lock file (``fd``) names on its first line, as :meth:`RunFolder.lock` wrote it; "" for none."""
+    return os.read(fd, 32).split(b"\n")[0].decode("ascii", "replace").strip()
 
 
 def _copied(info: dict[str, Any]) -> dict[str, Any]:
