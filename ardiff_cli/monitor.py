@@ -55,8 +55,8 @@ def describe_event(data: dict[str, Any]) -> str:
         seconds = data.get("seconds", 0)
         return f"from its swap snapshot ({format_bytes(data.get('swap_bytes', 0))}) in {seconds * 1000:.1f} ms"
     if kind in ("session_reset", "session_closed"):
-        error = data.get("error")
-        return str(data.get("reason", "")) + (f": {error}" if error else "")
+        error = data.get("error")  # one line: the message of an episode_failed line may have more
+        return str(data.get("reason", "")) + (f": {error.splitlines()[0]}" if error else "")
     if kind == "hook_failed":
         return f"{data.get('hook')}: {data.get('error')}"
     if kind == "swap_failed":

@@ -597,12 +597,13 @@ class Rollout:
             raise OutputError(f"{self.run_folder.root} was removed or replaced while this run wrote it",
                               hint="its results.jsonl went with it: run the command again, without --resume")
 
-    def _close_session(self, session_id: str, reason: str = "episode_ended") -> None:
-        """Close a resident session; a hook failure was reported through its ``hook_failed`` event. ``reason``: its
-        ``session_closed`` event's (``episode_ended`` or ``episode_failed``)."""
+    def _close_session(self, session_id: str, reason: str = "episode_ended", error: str | None = None) -> None:
+        """Close a resident session; a hook failure was reported through its ``hook_failed`` event. ``reason`` and
+        ``error``: its ``session_closed`` event's (``episode_ended``, or ``episode_failed`` with the failed line's
+        ``error``)."""
         if session_id in self._resident or self._swapped.pop(session_id, None) is not None:
             try:  # a swapped-out session is closed by deleting its snapshot
-                self.engine.runner.close_session(session_id, reason=reason)
+                self.engine.runner.close_session(session_id, reason=reason, error=error)
             except Interrupted:  # a signal while the pipeline's close hook ran: the session is released, the run stops
                 raise
             except ArdiffError:  # LifecycleHookError: the KV is released; _hook_failed warned. Or its snapshot was
@@ -651,7 +652,7 @@ class Rollout:
         self._digests.pop(episode.name, None)  # never replayed again: a long run holds only live episodes' digests
         self._read_as.pop(episode.name, None)
         self._ok_outputs.pop(episode.name, None)  # and draws no preview
-        self._close_session(episode.name, "episode_failed")
+        self._close_session(episode.name, "episode_failed", message)
         self.monitor.log("failed", episode.name, message.splitlines()[0], echo=False)
         if not self.options.fail_fast:  # else the run stops with this error, and it is shown once, at exit
             if self.out.verbose and isinstance(exc, StepFailed):

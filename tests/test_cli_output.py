@@ -729,17 +729,32 @@ def test_the_live_rate_counts_the_steps_time_not_the_teardown_of_a_stopped_run(m
 
 
 def test_the_live_eviction_count_leaves_out_the_sessions_a_stopped_run_swaps_out():
-    # A run stopped by a signal swaps its resident sessions out to keep them (session_evicted, reason explicit):
-    # the panel's count, like summary.json's evictions_this_run, is of LRU evictions.
+    # A run stopped by a signal swaps its resident sessions out to keep them (session_evicted, reason run_stopped;
+    # explicit from runner.swap_out_sessions called without a reason): the panel's count, like summary.json's
+    # evictions_this_run, is of LRU evictions.
     from ardiff_cli.monitor import RunMonitor
     from ardiff_cli.runtime.events import SessionEvicted
 
     output, _, err = sink(Format.plain)
     monitor = RunMonitor(output, "test")
     monitor.on_event(SessionEvicted(session_id="a", by_session_id="b", swapped=True, swap_bytes=2048))
-    monitor.on_event(SessionEvicted(session_id="b", reason="explicit", swapped=True, swap_bytes=2048))
+    monitor.on_event(SessionEvicted(session_id="b", reason="run_stopped", swapped=True, swap_bytes=2048))
+    monitor.on_event(SessionEvicted(session_id="c", reason="explicit", swapped=True, swap_bytes=2048))
     assert monitor.snapshot().evictions == 1
-    assert re.search(r"evicted +b explicit, swapped out \(2\.00 KiB\)", err.getvalue()), err.getvalue()
+    assert re.search(r"evicted +b run_stopped, swapped out \(2\.00 KiB\)", err.getvalue()), err.getvalue()
+
+
+def test_a_closed_sessions_error_is_one_line_of_its_event_line():
+    # rollout's episode_failed close carries its failed line's error, whose message may run over several lines: the
+    # event line (plain, and the events panel's row) shows its first, as the failed line's own log row does.
+    from ardiff_cli.monitor import RunMonitor
+    from ardiff_cli.runtime.events import SessionClosed
+
+    output, _, err = sink(Format.plain)
+    monitor = RunMonitor(output, "test")
+    monitor.on_event(SessionClosed(session_id="a", reason="episode_failed", error="step 3: bad file\nnote: more"))
+    assert re.search(r"closed +a episode_failed: step 3: bad file\n$", err.getvalue()), err.getvalue()
+    assert monitor.snapshot().events[-1].detail == "episode_failed: step 3: bad file"
 
 
 def test_the_monitor_counts_and_describes_every_kind_of_event_and_echoes_what_each_format_shows():

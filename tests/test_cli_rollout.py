@@ -1312,9 +1312,9 @@ def test_resume_restores_every_session_a_run_stopped_by_a_signal_had_resident_or
     those of the swapped-out sessions, and the resident ones were still replayed."""
     run, kept, stderr = stopped_while_following(env, data, tmp_path)
     assert sorted(kept) == ["arm_a", "arm_b"]  # arm_b's session was resident
-    assert re.search(r"evicted +arm_b explicit, swapped out \([0-9.]+ KiB\)", stderr), stderr
+    assert re.search(r"evicted +arm_b run_stopped, swapped out \([0-9.]+ KiB\)", stderr), stderr
     summary = json.loads((run / "summary.json").read_text())
-    assert (summary["evictions_this_run"], summary["swap"]["swapped_out"]) == (3, 4)  # and 1 explicit swap-out
+    assert (summary["evictions_this_run"], summary["swap"]["swapped_out"]) == (3, 4)  # and the stop's swap-out
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
     assert proc.returncode == 0, proc.stderr
     for name in ("arm_a", "arm_b"):
@@ -1324,6 +1324,35 @@ def test_resume_restores_every_session_a_run_stopped_by_a_signal_had_resident_or
     assert (summary["steps"]["replayed"], summary["steps"]["restored"]) == (0, 2)  # (2, 1) before: arm_b's steps
     assert_same_outputs(reference, run)
     assert not (run / ".swap").exists()
+
+
+def test_the_session_events_of_a_warmup_and_of_a_run_stopped_by_ctrl_c_say_what_released_each_session(env, data,
+                                                                                                       tmp_path):
+    """Ctrl-C (SIGINT) to a --follow run waiting for more steps: it swaps its resident session (arm_b's) out for
+    --resume, and its warmup closed the warmup session at its end. Both said reason `explicit`, the runtime's word
+    for a caller's close_session, as if a script had closed them; now `run_stopped` and `warmup_ended` (README).
+    The counts of LRU evictions are the same: a stopped run's swap-outs are not LRU evictions."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[:2], prompt=f"task {name}", end=False)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), str(live / "arm_b"), "--out", str(run),
+                 "--follow", "--format", "json")
+    try:
+        wait_for_lines(run / "results.jsonl", 4, proc)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    objects = [json.loads(line) for line in stdout.splitlines()]
+    released = [(o["kind"], o["session_id"], o["reason"], o.get("swapped")) for o in objects
+                if o["kind"] in ("session_evicted", "session_closed")]
+    assert released == [("session_closed", "__ardiff_warmup__", "warmup_ended", None)] + [
+        ("session_evicted", name, "lru_eviction", True) for name in ("arm_a", "arm_b", "arm_a")] + [
+        ("session_evicted", "arm_b", "run_stopped", True)], released
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["evictions_this_run"], summary["swap"]["swapped_out"], summary["swap"]["kept"]) == (3, 4, 2)
+    assert sorted(kept_snapshots(run)) == ["arm_a", "arm_b"]
 
 
 @pytest.mark.parametrize("space", [ONE_SNAPSHOT, "0"])
@@ -1347,7 +1376,7 @@ def test_a_stopped_run_whose_kept_index_cannot_be_written_says_so_and_resume_rep
     # the run had said it swapped its sessions out for --resume, then dropped their snapshots without a word.
     (tmp_path / "run" / ".swap" / "kept.json").mkdir(parents=True)
     run, stderr = stop_following(env, data, tmp_path)
-    assert re.search(r"evicted +arm_b explicit, swapped out", stderr), stderr
+    assert re.search(r"evicted +arm_b run_stopped, swapped out", stderr), stderr
     assert (f"warning: cannot write {run / '.swap' / 'kept.json'} (Is a directory): the swap snapshots of 2 episodes "
             "(arm_a, arm_b) are not kept, so --resume replays their done steps instead\n") in stderr, stderr
     assert json.loads((run / "summary.json").read_text())["swap"]["kept"] == 0
@@ -1416,7 +1445,8 @@ def test_the_line_of_a_signal_that_stops_the_saving_counts_every_session_not_sav
     said = []
     signals = SimpleNamespace(after_stop=[])
 
-    def swap_out(ids):
+    def swap_out(ids, *, reason):
+        assert reason == "run_stopped"  # what its session_evicted events say
         if ids == ["a"]:
             return {}  # larger than the swap space left
         signals.after_stop.append(signal.SIGINT)  # Ctrl-C while its snapshot is written

@@ -103,7 +103,7 @@ def test_the_last_frame_of_a_stopped_run_agrees_with_its_summary(tmp_path, cli_e
     frame = re.findall(r"^(\d+)/\d+ steps · ([\d.]+) steps/s · ", text, re.MULTILINE)
     assert summary and frame, text
     assert frame[-1][0] == summary.group(1), text  # its rate: test_the_live_rate_counts_the_steps_time_not_...
-    assert re.search(r"evicted +ep_\d +explicit, swapped out", text), text  # the stop swapped a session out
+    assert re.search(r"evicted +ep_\d +run_stopped, swapped out", text), text  # the stop swapped a session out
     assert re.search(r"sessions +0/2 resident", text) and re.search(r"pages +\S+ 0/\d+, \d+ free", text), text
     assert re.search(r"^│ none ", text, re.MULTILINE), text
 

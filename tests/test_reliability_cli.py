@@ -268,7 +268,7 @@ def test_a_close_hook_that_always_fails_fails_warmup_and_a_rollouts_warmup_and_t
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     assert (lines[-1]["kind"], lines[-1]["message"], lines[-1]["exit_code"]) == ("pipeline_error", failed, 1), lines
     assert [(e["kind"], e.get("reason")) for e in lines if e["kind"] in ("hook_failed", "session_closed")] == [
-        ("hook_failed", None), ("session_closed", "explicit")], lines
+        ("hook_failed", None), ("session_closed", "warmup_ended")], lines
     assert "warning:" not in proc.stderr, proc.stderr  # not the rerun's: the close is the warmup's own failure
     run = tmp_path / "run"
     proc = ardiff(env, "rollout", str(config), str(data / "eps"), "--out", str(run), "--pipeline", PIPELINE,

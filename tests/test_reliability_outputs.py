@@ -566,16 +566,20 @@ def _with_a_bad_step(data, tmp_path):
 
 def test_a_session_closed_event_says_whether_its_episode_ended_or_failed(data, tmp_path, cli_env):
     """A script reading `session_closed` tells a failed episode's session from one whose episode ended: both said
-    `explicit`, the runtime's word for a caller's close_session, whatever made the rollout close them."""
+    `explicit`, the runtime's word for a caller's close_session, whatever made the rollout close them. The failed
+    one carries its failed line's `error`, as a `forward_exception` close carries its exception."""
     eps = _with_a_bad_step(data, tmp_path)
     proc = _ardiff(cli_env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "run"),
                    "--no-warmup", "--format", "json")
     assert proc.returncode == 4, proc.stderr
     objects = [json.loads(line) for line in proc.stdout.splitlines()]
-    closed = {o["session_id"]: (o["reason"], o["error"]) for o in objects if o["kind"] == "session_closed"}
-    assert closed == {"arm_a": ("episode_ended", None), "arm_b": ("episode_failed", None)}, closed
     failed = next(i for i, o in enumerate(objects) if o["kind"] == "step" and o["status"] == "failed")
     assert objects[failed + 1]["kind"] == "session_closed"  # right after its failed line
+    # whose error it carries, as a forward_exception's close carries its exception: it said "error": null
+    error = objects[failed]["error"]
+    assert "step_000001.safetensors: cannot read safetensors file" in error, error
+    closed = {o["session_id"]: (o["reason"], o["error"]) for o in objects if o["kind"] == "session_closed"}
+    assert closed == {"arm_a": ("episode_ended", None), "arm_b": ("episode_failed", error)}, closed
 
 
 def test_a_refused_resume_leaves_the_run_folder_and_its_summary_as_they_were(data, tmp_path, cli_env):

@@ -452,7 +452,8 @@ class _InterruptedHook(TinyPipeline):
 
 
 def test_close_session_gives_its_event_the_callers_reason_and_refuses_one_that_is_not_a_name():
-    """A caller says why it closed a session (rollout: its episode ended or failed); every close said `explicit`."""
+    """A caller says why it closed a session (rollout: its episode ended or failed), and the error that made it
+    (rollout: the failed line's); every close said `explicit`, with no error."""
     events = []
     runner = make_runner(TinyPipeline(), events=events)
     free0 = runner.kv_cache.num_free_pages
@@ -461,12 +462,15 @@ def test_close_session_gives_its_event_the_callers_reason_and_refuses_one_that_i
     for reason in ("", None, ["episode_failed"]):
         with pytest.raises(RequestError, match=r"^close_session\(\) takes a reason \(a non-empty string\), got "):
             runner.close_session("a", reason=reason)
+    with pytest.raises(RequestError, match=r"^close_session\(\) takes an error as a string, got ValueError\('x'\) "):
+        runner.close_session("a", reason="episode_failed", error=ValueError("x"))
     assert sorted(runner.session_ids) == ["a", "b"]  # a refused call releases nothing
     events.clear()
-    runner.close_session("a", reason="episode_failed")
+    runner.close_session("a", reason="episode_failed", error="step 1: not a safetensors file")
     runner.close_session("b")
-    assert [(e.kind, e.session_id, e.reason) for e in events] == [
-        ("session_closed", "a", "episode_failed"), ("session_closed", "b", "explicit")]
+    assert [(e.kind, e.session_id, e.reason, e.error) for e in events] == [
+        ("session_closed", "a", "episode_failed", "step 1: not a safetensors file"),
+        ("session_closed", "b", "explicit", None)]
     assert runner.session_ids == [] and runner.kv_cache.num_free_pages == free0
 
 

@@ -1565,6 +1565,26 @@ def test_a_write_that_failed_before_close_all_is_no_warning_about_a_session_it_c
     engine.close()
 
 
+def test_swap_out_sessions_and_the_close_of_a_swapped_out_session_give_their_events_the_callers_words(tmp_path):
+    # The CLI swaps a stopped run's sessions out with reason "run_stopped", and closes a failed episode's session,
+    # swapped out too, with "episode_failed" and its error: both events said "explicit" (and no error).
+    engine, events = a_swapped_out(tmp_path)  # b resident, a swapped out
+    runner = engine.runner
+    for reason in ("", None):
+        with pytest.raises(RequestError, match=r"^swap_out_sessions\(\) takes a reason \(a non-empty string\)"):
+            runner.swap_out_sessions(["b"], reason=reason)
+    assert runner.session_ids == ["b"]  # a refused call swaps nothing out
+    events.clear()
+    runner.close_session("a", reason="episode_failed", error="step 1: not a safetensors file")
+    swapped = runner.swap_out_sessions(["b"], reason="run_stopped")
+    assert [(e.kind, e.session_id, e.reason, getattr(e, "error", None), getattr(e, "swapped", None))
+            for e in events if e.kind in ("session_closed", "session_evicted")] == [
+        ("session_closed", "a", "episode_failed", "step 1: not a safetensors file", None),
+        ("session_evicted", "b", "run_stopped", None, True)]
+    assert list(swapped) == ["b"] and runner.session_ids == [] and pages_held(engine) == 0
+    engine.close()
+
+
 @pytest.mark.parametrize("how", ["close_all", "close"])
 def test_closing_every_session_closes_the_swapped_out_ones_with_the_event_close_session_sends(tmp_path, how):
     # close_session of a swapped-out session sends session_closed; close_all() and close() deleted such sessions'

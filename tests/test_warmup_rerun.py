@@ -153,7 +153,7 @@ def test_an_import_that_refuses_its_own_export_is_a_warning_and_the_warmup_goes_
     # subscribers saw it admitted: they are told that it went, and that the next request admitted it afresh
     assert [(e.kind, getattr(e, "reason", None)) for e in events if e.kind.startswith("session_")] == [
         ("session_admitted", None), ("session_closed", "restore_failed"), ("session_admitted", None),
-        ("session_closed", "explicit")]
+        ("session_closed", "warmup_ended")]
     engine.close()
 
 
@@ -314,7 +314,7 @@ def test_a_close_hook_that_always_fails_fails_the_warmup_also_when_the_rerun_clo
                                "KeyError: \"the session's record\"; the session's KV was released")
     assert engine.runner.session_ids == [] and engine.runner.pool_usage().num_used == 0
     assert [(e.kind, getattr(e, "reason", None)) for e in events if e.kind.startswith(("session_", "hook_"))] == [
-        ("session_admitted", None), ("hook_failed", None), ("session_closed", "explicit")]
+        ("session_admitted", None), ("hook_failed", None), ("session_closed", "warmup_ended")]
     assert [e.kind for e in events if e.kind == "request_finished"] == ["request_finished"] * 2
     engine.close()
 

@@ -1408,7 +1408,7 @@ def _swap_out_resident(engine: Any, driver: Any, output: Output, signals: Any) -
             output.info(f"{name}: stopped saving the resident sessions for --resume: {len(swapped)} saved, "
                         f"{plural(len(ids) - len(swapped), 'session')} not (their episodes replay their done steps)")
             break
-        swapped.update(engine.runner.swap_out_sessions([session_id]))
+        swapped.update(engine.runner.swap_out_sessions([session_id], reason="run_stopped"))
     if ids:
         output.debug(f"swapped out {len(swapped)} of {plural(len(ids), 'resident session')} for --resume to restore "
                      "(the others, if any, did not fit in the swap space left, could not be exported, or a signal "

@@ -57,6 +57,7 @@ class SessionAdmitted(RuntimeEvent):
 class SessionEvicted(RuntimeEvent):
     kind: ClassVar[str] = "session_evicted"
     session_id: str
+    # "lru_eviction", or swap_out_sessions' reason: "explicit" (its default) or its caller's (the CLI's "run_stopped")
     reason: str = "lru_eviction"
     by_session_id: str | None = None  # the session whose admission caused the eviction
     time: float = field(default_factory=_now)
@@ -117,9 +118,12 @@ class SessionClosed(RuntimeEvent):
     kind: ClassVar[str] = "session_closed"
     session_id: str
     # "explicit" (close_session's default: its caller may give another, as rollout's "episode_ended" and
-    # "episode_failed"), "close_session", "forward_exception" or "restore_failed"
+    # "episode_failed"), "close_session", "forward_exception", "restore_failed" or "warmup_ended" (the warmup's own
+    # session, released by the warmup)
     reason: str
-    error: str | None = None  # the forward's exception, for forward_exception
+    # the forward's exception (its repr), for forward_exception; the caller's error given to close_session (rollout's
+    # episode_failed: the failed line's "error"); else None
+    error: str | None = None
     time: float = field(default_factory=_now)
 
 

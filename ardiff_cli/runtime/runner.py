@@ -120,6 +120,13 @@ def _require_session_id(method: str, session_id: Any) -> None:
                            f"({type(session_id).__name__})", hint="name a session by the id its requests give")
 
 
+def _require_reason(method: str, reason: Any) -> None:
+    """A caller's reason for its session event (``close_session``, ``swap_out_sessions``) is a non-empty str."""
+    if not isinstance(reason, str) or not reason:
+        raise RequestError(f"{method}() takes a reason (a non-empty string), got {shown(reason)} "
+                           f"({type(reason).__name__})", hint="leave it out for 'explicit'")
+
+
 class LifecycleHookError(PipelineError):
     """A pipeline reset/close hook raised. The session's KV was released regardless. A ``PipelineError`` (and so a
     ``RuntimeError``): the pipeline's code failed, as a forward that raises in warmup does (the CLI's
@@ -980,17 +987,18 @@ class ARDiffusionModelRunner:
         while len(self._sessions) >= self.capacity_plan.session_capacity:
             self._evict(next(iter(self._sessions)), by_session_id=session_id)
 
-    def _evict(self, session_id: str, *, by_session_id: str | None = None, evicting: bool = True) -> int | None:
+    def _evict(self, session_id: str, *, by_session_id: str | None = None, evicting: bool = True,
+               reason: str = "lru_eviction") -> int | None:
         """Swap ``session_id`` out (``_swap_out``), then release it with the close hook: an LRU eviction by
-        ``by_session_id``, or (not ``evicting``) ``swap_out_sessions``'s, which leaves the session resident when it
-        got no snapshot. The snapshot's bytes, or None. A stop before the release took it leaves the session
-        resident, so no snapshot of it."""
+        ``by_session_id``, or (not ``evicting``) ``swap_out_sessions``'s, for its caller's ``reason``, which leaves the
+        session resident when it got no snapshot. The snapshot's bytes, or None. A stop before the release took it
+        leaves the session resident, so no snapshot of it."""
         try:
             swap_bytes = self._swap_out(session_id, self._sessions[session_id], evicting=evicting)
             if swap_bytes is None and not evicting:
                 return None
             with self._locked():
-                self._release(session_id, reason="lru_eviction" if evicting else "explicit", hook="close",
+                self._release(session_id, reason="lru_eviction" if evicting else reason, hook="close",
                               by_session_id=by_session_id, swap_bytes=swap_bytes)
         except BaseException:
             if session_id in self._sessions and self.swap is not None:
@@ -1019,24 +1027,26 @@ class ARDiffusionModelRunner:
         self._end_session(session_id, "reset")
 
     @_one_at_a_time
-    def close_session(self, session_id: str, *, reason: str = "explicit") -> None:
+    def close_session(self, session_id: str, *, reason: str = "explicit", error: str | None = None) -> None:
         """Release ``session_id`` and call the pipeline's close hook. ``reason``: its ``session_closed`` event's, the
-        caller's word for why (``rollout`` closes an episode's session with ``episode_ended`` or ``episode_failed``)."""
-        if not isinstance(reason, str) or not reason:
-            raise RequestError(f"close_session() takes a reason (a non-empty string), got {shown(reason)} "
-                               f"({type(reason).__name__})", hint="leave it out for 'explicit'")
-        self._end_session(session_id, "close", reason)
+        caller's word for why (``rollout`` closes an episode's session with ``episode_ended`` or ``episode_failed``);
+        ``error``: the event's, the caller's error that made it close the session (``episode_failed``'s)."""
+        _require_reason("close_session", reason)
+        if error is not None and not isinstance(error, str):
+            raise RequestError(f"close_session() takes an error as a string, got {shown(error)} "
+                               f"({type(error).__name__})", hint="pass str(exc), or leave it out")
+        self._end_session(session_id, "close", reason, error)
 
-    def _end_session(self, session_id: str, hook: str, reason: str = "explicit") -> None:
+    def _end_session(self, session_id: str, hook: str, reason: str = "explicit", error: str | None = None) -> None:
         """``reset_session`` / ``close_session`` (``hook``): a swapped-out session is discarded, a resident one
         released; the first hook error is raised."""
         self._require_loaded()
         _require_session_id(f"{hook}_session", session_id)
-        if self._discard_swapped(session_id, hook, reason=reason):
+        if self._discard_swapped(session_id, hook, reason=reason, error=error):
             return
         with self._locked():
             self._require_resident(session_id)
-            errors = self._release(session_id, reason=reason, hook=hook)
+            errors = self._release(session_id, reason=reason, hook=hook, error=error)
         if errors:
             raise errors[0]
 
@@ -1076,7 +1086,8 @@ class ARDiffusionModelRunner:
                 self.swap.clear()  # and the folder goes
         return errors
 
-    def _discard_swapped(self, session_id: str, hook: str, *, reason: str = "explicit") -> bool:
+    def _discard_swapped(self, session_id: str, hook: str, *, reason: str = "explicit",
+                         error: str | None = None) -> bool:
         """A swapped-out session is reset or closed by deleting its snapshot (its pipeline state left with it); the
         same event as for a resident one (after a ``swap_failed`` if the write of its snapshot failed). Called
         without the session-table lock: the deletion waits for a write of the snapshot in flight, and the views
@@ -1087,7 +1098,7 @@ class ARDiffusionModelRunner:
         if hook == "reset":
             self._emit(SessionReset(session_id=session_id, reason=reason))
         else:
-            self._emit(SessionClosed(session_id=session_id, reason=reason))
+            self._emit(SessionClosed(session_id=session_id, reason=reason, error=error))
         return True
 
     def _require_resident(self, session_id: str) -> None:
@@ -1105,11 +1116,14 @@ class ARDiffusionModelRunner:
         *,
         reason: str,
         hook: str,
-        error: BaseException | None = None,
+        error: BaseException | str | None = None,
         by_session_id: str | None = None,
         swap_bytes: int | None = None,
     ) -> list[LifecycleHookError]:
         """The one release path: free pages and cross-attention, then call the pipeline's hook.
+
+        ``error``: the failed forward's exception (``forward_exception``), or a caller's error as ``close_session``
+        takes it; the ``session_closed`` event's ``error`` (an exception's ``repr``).
 
         Hook failures are returned (and recorded and emitted), never swallowed. A stop (a ``StopRequested``, the
         CLI's ``Interrupted`` raised by its signal handler, or a ``KeyboardInterrupt``) as the KV is freed or from the
@@ -1148,7 +1162,8 @@ class ARDiffusionModelRunner:
         except BaseException as exc:  # a KeyboardInterrupt too: raised once the release is complete, its event sent
             stop = stop or exc
         used = sum(s.state.num_pages for s in self._sessions.values())
-        if cache.allocator.num_used != used and (stop is not None or error is not None and _is_stop(error)):
+        if cache.allocator.num_used != used and (stop is not None or isinstance(error, BaseException)
+                                                  and _is_stop(error)):
             # A stop (Ctrl-C: a KeyboardInterrupt, or the CLI's Interrupted) lands wherever the forward is, also
             # half way through the KV's page bookkeeping (a commit that had taken the block's pages from its
             # forward but not yet into the history): pages nobody held any more. The other sessions hold what
@@ -1158,15 +1173,14 @@ class ARDiffusionModelRunner:
         assert cache.allocator.num_used == used, (
             f"page leak: allocator holds {cache.allocator.num_used} pages, resident sessions {used}"
         )
-        if reason == "lru_eviction" or swap_bytes is not None:  # the latter: swap_out_sessions, reason "explicit"
+        if reason == "lru_eviction" or swap_bytes is not None:  # the latter: swap_out_sessions, its caller's reason
             self._emit(SessionEvicted(session_id=session_id, reason=reason, by_session_id=by_session_id,
                                       swapped=swap_bytes is not None, swap_bytes=swap_bytes or 0))
         elif hook == "reset":
             self._emit(SessionReset(session_id=session_id, reason=reason))
         else:
-            self._emit(
-                SessionClosed(session_id=session_id, reason=reason, error=None if error is None else repr(error))
-            )
+            said = error if error is None or isinstance(error, str) else repr(error)
+            self._emit(SessionClosed(session_id=session_id, reason=reason, error=said))
         if stop is not None:
             raise stop
         return errors
@@ -1249,15 +1263,17 @@ class ARDiffusionModelRunner:
         self._disk_full = False
 
     @_one_at_a_time
-    def swap_out_sessions(self, session_ids: Iterable[str]) -> dict[str, int]:
+    def swap_out_sessions(self, session_ids: Iterable[str], *, reason: str = "explicit") -> dict[str, int]:
         """Swap the resident sessions ``session_ids`` out, in that order, as an LRU eviction does (the snapshot
-        written, then the KV released with the close hook and a ``session_evicted`` event, reason ``explicit``,
-        ``swapped``), so that ``detach_snapshots`` leaves them too to a later process: what the CLI does when a
-        signal stops a rollout. Returns {session id: snapshot bytes} of those swapped out. A session stays resident
-        when its snapshot does not fit in the swap space left (no other snapshot is dropped for it), when its
-        export fails (an ``ArdiffWarning``), and when a stop or an error cut its last request or restore short:
-        its state is no request's. Ids that are not resident are skipped; without a swap store nothing is done."""
+        written, then the KV released with the close hook and a ``session_evicted`` event, ``swapped``, whose reason
+        is ``reason``, the caller's word for why), so that ``detach_snapshots`` leaves them too to a later process:
+        what the CLI does when a signal stops a rollout (reason ``run_stopped``). Returns {session id: snapshot
+        bytes} of those swapped out. A session stays resident when its snapshot does not fit in the swap space left
+        (no other snapshot is dropped for it), when its export fails (an ``ArdiffWarning``), and when a stop or an
+        error cut its last request or restore short: its state is no request's. Ids that are not resident are
+        skipped; without a swap store nothing is done."""
         self._require_loaded()
+        _require_reason("swap_out_sessions", reason)
         if isinstance(session_ids, (str, bytes)) or not isinstance(session_ids, Iterable):
             # a str is an iterable of one-letter ids: swap_out_sessions("robot-a") swapped nothing out, silently
             raise RequestTypeError(f"swap_out_sessions() takes an iterable of session ids, got {shown(session_ids)} "
@@ -1274,7 +1290,7 @@ class ARDiffusionModelRunner:
             session = self._sessions.get(session_id)
             if session is None or not session.settled or session_id == WARMUP_SESSION_ID:
                 continue
-            written = self._evict(session_id, evicting=False)
+            written = self._evict(session_id, evicting=False, reason=reason)
             if written is not None:
                 swapped[session_id] = written
         return swapped
@@ -1528,7 +1544,7 @@ class ARDiffusionModelRunner:
         finally:
             with self._locked():
                 if WARMUP_SESSION_ID in self._sessions:
-                    hook_errors += self._release(WARMUP_SESSION_ID, reason="explicit", hook="close")
+                    hook_errors += self._release(WARMUP_SESSION_ID, reason="warmup_ended", hook="close")
             if failure is not None:  # the first error is the one raised; a close hook failing too is its note, as
                 for hook_error in hook_errors:  # a failed forward's is (it was dropped without a word)
                     failure.add_note(str(hook_error))
@@ -1636,7 +1652,7 @@ class ARDiffusionModelRunner:
         try:
             with self._locked():
                 if WARMUP_SESSION_ID in self._sessions:  # not when the request closed it
-                    own_close = self._release(WARMUP_SESSION_ID, reason="explicit", hook="close")
+                    own_close = self._release(WARMUP_SESSION_ID, reason="warmup_ended", hook="close")
                     if own_close:
                         raise own_close[0]
                 kv, state, num_requests = decode_snapshot(*snapshot)
@@ -1659,7 +1675,7 @@ class ARDiffusionModelRunner:
             with self._locked():
                 self._emit(HookFailed(session_id=WARMUP_SESSION_ID, hook="close_ar_diffusion_session",
                                       error=str(failure.__cause__)))
-                self._emit(SessionClosed(session_id=WARMUP_SESSION_ID, reason="explicit"))
+                self._emit(SessionClosed(session_id=WARMUP_SESSION_ID, reason="warmup_ended"))
             return own_close
         if failure is not None:
             self._drop_rebuilt(failure, closed=closed)
