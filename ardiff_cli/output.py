@@ -282,11 +282,22 @@ class Output:
             live.start()
         except OSError:
             self._lose_stderr()
+        relay = None
         if live.console.is_interactive:  # redrawn in place: what code prints goes above it (chatter)
             self._live = live
+            relay = self._relay_stderr(live)
         try:
             yield
         finally:
+            if relay is not None:  # what native code wrote shows above the last frame, before the display ends
+                try:
+                    relay.stop()
+                finally:
+                    with _lock_of(live):
+                        live.console.file = self._stderr
+                    relay.close()
+                    if self._stderr_lost:  # descriptor 2 is the failed one again
+                        to_devnull(self._stderr)
             # a thread's text waits for the last frame, then goes below it as it is; the display's lock first, as
             # in chatter (its refresh thread holds it while a frame draws, and whatever that writes comes to chatter)
             with _lock_of(live), self._chatter_lock:
@@ -298,6 +309,24 @@ class Output:
                 except OSError:
                     self._lose_stderr()
 
+    def _relay_stderr(self, live: Any) -> Any:
+        """While the display runs, what is written to descriptor 2 itself (native code, a child process) is shown
+        above it too (``stderr_relay``), and the display writes to the terminal through a descriptor of its own.
+        None where stderr is not descriptor 2 or the relay cannot start: that text lands in the display then."""
+        from ardiff_cli.stderr_relay import StderrRelay
+
+        try:
+            if self._stderr.fileno() != 2 or os.name != "posix":
+                return None
+            self._stderr.flush()
+            relay = StderrRelay(self.chatter, getattr(self._stderr, "encoding", None) or "utf-8",
+                                getattr(self._stderr, "errors", None))
+        except (OSError, ValueError, AttributeError):
+            return None
+        with _lock_of(live):
+            live.console.file = relay.terminal
+        return relay
+
     def _print_err(self, rich_prefix: str, message: str, *, plain_prefix: str = "", soft_wrap: bool = False) -> None:
         """``message`` is never read as markup; only the fixed prefix carries Rich styles. ``soft_wrap``: one line
         however long, that the terminal wraps (Rich breaks a line at its width with a newline)."""
@@ -307,12 +336,16 @@ class Output:
             return
         from rich.markup import escape
 
-        if not self._stderr_lost:
-            try:
-                self.console("stderr").print(rich_prefix + escape(visible(message)), markup=True,
-                                             soft_wrap=soft_wrap)
-            except OSError:
-                self._lose_stderr()
+        # Under the live display's lock, as chatter prints: Rich moves up over the display and writes the line in
+        # two steps, and a frame its refresh thread drew between them was left above the line (a warning's, from
+        # the main thread or a pipeline's own), a second title line
+        with _lock_of(self._live):
+            if not self._stderr_lost:
+                try:
+                    self.console("stderr").print(rich_prefix + escape(visible(message)), markup=True,
+                                                 soft_wrap=soft_wrap)
+                except OSError:
+                    self._lose_stderr()
 
     def _write_err(self, line: str) -> None:
         self._end_open_line()

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import errno
 import gc
 import json
@@ -62,6 +63,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -399,6 +401,35 @@ class ChattyDreamZero(DreamZeroPipeline):
             print(f"chatty: unfinished {name}", end="", flush=True)
         if name == os.environ.get("ARDIFF_TEST_CHATTY_FAIL"):
             raise InjectedFault(f"injected fault in {name}")
+        return super().forward(request)
+
+
+class StrayDreamZero(DreamZeroPipeline):
+    """DreamZero whose forward writes what a live display does not expect, each line naming the request, by the ways
+    ``$ARDIFF_TEST_STRAY`` lists (comma-separated): ``warn`` (``warnings.warn``), ``thread_warn`` (``warnings.warn``
+    from a thread of its own, which the forward waits for), ``fd2`` (``os.write`` to file descriptor 2, as native
+    code writes: a C library's message, torch's C++ log lines from threads of its own), ``flood`` (in the first
+    request only, 5000 lines, 100 KiB, more than a pipe holds, in one C call that keeps the GIL) and ``abort`` (in
+    request ep_0/000003, a C++ runtime's last words to descriptor 2, then ``abort()``)."""
+
+    def forward(self, request):
+        name = request.request_id
+        ways = os.environ.get("ARDIFF_TEST_STRAY", "").split(",")
+        if "warn" in ways:
+            warnings.warn(f"stray: warn {name}")
+        if "thread_warn" in ways:
+            thread = threading.Thread(target=warnings.warn, args=(f"stray: thread_warn {name}",))
+            thread.start()
+            thread.join()
+        if "fd2" in ways:
+            os.write(2, f"stray: fd2 {name}\n".encode())
+        if "flood" in ways and not getattr(self, "_flooded", False):
+            self._flooded = True
+            flood = b"".join(b"stray: flood %05d\n" % i for i in range(5000))
+            ctypes.PyDLL(None).write(2, flood, len(flood))  # PyDLL: the call keeps the GIL
+        if "abort" in ways and name == "ep_0/000003":
+            os.write(2, b"terminate called after throwing an instance of 'stray::Error'\n")
+            os.abort()
         return super().forward(request)
 
 

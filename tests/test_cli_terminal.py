@@ -313,6 +313,84 @@ def test_quiet_is_silent_whatever_the_pipeline_prints_when_all_goes_well(tmp_pat
     assert code == 0 and b"noisy: " not in output, output.decode()
 
 
+def stray_run(tmp_path, cli_env, ways: str, steps: int) -> tuple[int, list[str], list[str]]:
+    """2 episodes of ``steps`` steps under the live display (200 columns: a warning's path stays on one line), each
+    step's forward writing its lines the ``ways`` of faulty_pipelines.StrayDreamZero; the exit code, every line the
+    screen shows or scrolled off, and the request ids in the order the steps ran."""
+    write_fast_data(tmp_path, {f"ep_{i}": steps for i in range(2)})
+    code, output = run_in_pty(["rollout", "fast.yaml", "eps", "-o", "out", "--no-warmup", "--pipeline",
+                               "faulty_pipelines:StrayDreamZero"], env={**cli_env, "ARDIFF_TEST_STRAY": ways},
+                              cwd=tmp_path, cols=200, rows=40)
+    screen = Screen(200, 40).feed(output)
+    records = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    return code, screen.history + screen.display(), [record["request_id"] for record in records]
+
+
+def test_a_pipelines_warnings_from_any_thread_show_above_the_live_display_whole_and_in_order(tmp_path, cli_env):
+    """Python's warnings, from the forward and from a thread of its own, are ardiff's `warning:` lines, printed
+    through the display's console: above it, each whole and in order, and the display drawn once below them."""
+    code, lines, ran = stray_run(tmp_path, cli_env, "warn,thread_warn", 30)
+    text = "\n".join(lines)
+    assert code == 0, text
+    shown = [(i, match.group(1)) for i, line in enumerate(lines)
+             if (match := re.match(r"warning: .*: UserWarning: (stray: .*)$", line))]
+    assert [line for _, line in shown] == [f"stray: {way} {request}" for request in ran
+                                          for way in ("warn", "thread_warn")], text
+    assert lines.count("ardiff rollout · fast.yaml → out") == 1, text
+    assert lines.index("ardiff rollout · fast.yaml → out") > shown[-1][0], text
+
+
+def test_what_native_code_writes_to_fd_2_shows_above_the_live_display_whole_and_in_order(tmp_path, cli_env):
+    """Written to the terminal beside the live display, a native write landed in the region the next frame redrew:
+    of 60 lines about 20 were erased, and a frame's top pushed up by them was left behind (a second title line)."""
+    code, lines, ran = stray_run(tmp_path, cli_env, "fd2", 30)
+    text = "\n".join(lines)
+    assert code == 0, text
+    shown = [i for i, line in enumerate(lines) if line.startswith("stray: ")]
+    assert [lines[i] for i in shown] == [f"stray: fd2 {request}" for request in ran], text
+    assert lines.count("ardiff rollout · fast.yaml → out") == 1, text
+    assert lines.index("ardiff rollout · fast.yaml → out") > shown[-1], text
+
+
+def test_a_native_write_larger_than_a_pipe_from_a_call_that_keeps_the_gil_neither_blocks_nor_is_lost(tmp_path,
+                                                                                                    cli_env):
+    """Descriptor 2 is a pipe while the display runs: read by a thread of this process, 100 KiB written in one C call
+    that keeps the GIL filled the pipe and waited for that thread, which waited for the GIL. The relay is a process."""
+    code, lines, _ = stray_run(tmp_path, cli_env, "flood", 2)
+    assert code == 0, "\n".join(lines[-50:])
+    assert [line for line in lines if line.startswith("stray: flood ")] == [f"stray: flood {i:05d}"
+                                                                           for i in range(5000)]
+    assert lines.count("ardiff rollout · fast.yaml → out") == 1, "\n".join(lines[-50:])
+
+
+def test_a_native_crashs_last_words_reach_the_terminal(tmp_path, cli_env):
+    """A C++ runtime writes why to descriptor 2, then aborts: the process dies before any thread of it can show
+    that above the display, and the relay, told by its socket's end, writes it to the terminal itself."""
+    write_fast_data(tmp_path, {"ep_0": 6})
+    code, output = run_in_pty(["rollout", "fast.yaml", "eps", "-o", "out", "--no-warmup", "--pipeline",
+                               "faulty_pipelines:StrayDreamZero"], env={**cli_env, "ARDIFF_TEST_STRAY": "abort"},
+                              cwd=tmp_path, cols=100, rows=40)
+    assert code == -6, output.decode(errors="replace")  # SIGABRT
+    assert b"terminate called after throwing an instance of 'stray::Error'" in output, output.decode(errors="replace")
+
+
+def test_quiet_draws_nothing_through_warmup_swap_restores_and_follow_waits(tmp_path, cli_env):
+    """`-q` in a terminal, through every stage that has progress of its own: the warmup, sessions evicted to the swap
+    space and restored (one resident session, three episodes), and --follow waiting for steps that never come until
+    --idle-timeout. No display, bar or spinner (no hidden cursor, no line redrawn), nothing but the result."""
+    write_fast_data(tmp_path, {f"ep_{i}": 3 for i in range(3)})
+    code, output = run_in_pty(["rollout", "fast.yaml", "eps", "-o", "out", "-q", "--session-capacity", "1",
+                               "--swap-space", "10MiB", "--follow", "--idle-timeout", "1"], env=cli_env, cwd=tmp_path,
+                              cols=100, rows=40)
+    text = output.decode(errors="replace")
+    assert code == 0, text
+    assert b"\x1b[?25l" not in output and b"\x1b[1A" not in output and b"\r\x1b" not in output, text
+    lines = [line for line in Screen(100, 40).feed(output).display() if line]
+    assert lines[0].startswith("rollout ok: 9 steps in ") and lines[-1].startswith("outputs: out "), text
+    assert re.search(r"sessions: capacity 1, \d+ evictions, [1-9]\d* restored from swap", text), text
+    assert len(lines) == 5, text
+
+
 def test_a_hint_wider_than_the_terminal_is_one_line_to_copy_and_its_command_pastes_into_bash(tmp_path, cli_env):
     """Rich broke a hint at the terminal's width with a newline: the command of `already holds a run`, copied from a
     terminal of 60 columns, pasted as two, `ardiff rollout --resume --out` (its value missing) and the folder alone.

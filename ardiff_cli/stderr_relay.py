@@ -1,0 +1,192 @@
+"""File descriptor 2 relayed above a live display: what native code writes there (a C library's message, torch's C++
+log lines from threads of its own, a child process handed stderr) is printed above the display, as Python's text is.
+
+While the display runs, descriptor 2 is the write end of a pipe that a relay *process* reads, not a thread of this
+one; the relay sends what it reads to this process over a socket pair, where a thread prints it (``show``) and
+acknowledges it, and keeps every byte until acknowledged::
+
+    native write(2) --pipe--> relay process --socket--> reader thread --show--> console, above the display
+                                   |  <------- ack (bytes shown) -------'
+                                   '--> the terminal itself: what is unacknowledged once this process is gone
+
+Why a process: a writer that holds the GIL (a C extension writing to stderr inside one call) blocked on a full pipe
+until a thread of this process read it, which needed the GIL: a deadlock. The relay buffers without limit, so a
+writer never waits on this process. And a crash (``abort()`` after a C++ ``terminate called ...``, a segfault's
+``faulthandler`` dump, the OOM killer) loses nothing: the socket's end tells the relay this process is gone, and it
+writes what was not shown to the terminal, then copies the pipe there until its last writer (a child that outlived
+this process) closes it. It runs in a session of its own, so a typed Ctrl-C or a hangup does not stop it first.
+
+At the display's end descriptor 2 is the terminal again, and the relay sends what the pipe still holds, to be shown
+above the display; what a child still running writes to the pipe after that goes to the terminal as it is.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+_ACK = struct.Struct("<Q")  # to the relay: a count of bytes shown, or STOP
+STOP = 2**64 - 1  # the display ends: descriptor 2 is the terminal again, send what the pipe still holds and close
+
+# The relay, run as `python -I -S -c`: fd 0 the pipe, fd 1 its end of the socket pair, fd 2 the terminal.
+_RELAY = r"""
+import os, select, socket, struct
+ACK, STOP = struct.Struct("<Q"), %d
+sock = socket.socket(fileno=os.dup(1))
+os.close(1)
+pending = bytearray()  # read from the pipe, not yet sent
+unacked = bytearray()  # sent, not yet shown by the parent
+acks = bytearray()
+direct = False  # the display ended, or the parent is gone: the pipe goes to the terminal as it is
+
+
+def to_terminal(data):
+    try:
+        view = memoryview(bytes(data))
+        while view:
+            view = view[os.write(2, view):]
+    except OSError:  # the terminal is gone: nothing can be shown
+        pass
+
+
+def take_acks(data):  # True once the parent asks to stop
+    acks.extend(data)
+    stop = False
+    while len(acks) >= ACK.size:
+        count = ACK.unpack_from(acks)[0]
+        del acks[:ACK.size]
+        if count == STOP:
+            stop = True
+        else:
+            del unacked[:count]
+    return stop
+
+
+def finish():  # what the pipe holds now goes to the parent, which shows it, acknowledges, and closes its end
+    if pipe_open:
+        os.set_blocking(0, False)
+        try:
+            while data := os.read(0, 65536):
+                pending.extend(data)
+        except BlockingIOError:
+            pass
+        os.set_blocking(0, True)
+    sock.sendall(pending)
+    unacked.extend(pending)
+    pending.clear()
+    sock.shutdown(socket.SHUT_WR)
+    while data := sock.recv(4096):
+        take_acks(data)
+
+
+pipe_open = True  # until its last writer closes it: descriptor 2 restored, children gone
+while pipe_open or not direct:
+    readable, writable, _ = select.select(([0] if pipe_open else []) + ([] if direct else [sock]),
+                                          [sock] if pending and not direct else [], [])
+    if 0 in readable:
+        data = os.read(0, 65536)
+        if not data:  # the parent still shows what it was sent: the socket says when it is done
+            pipe_open = False
+        elif direct:
+            to_terminal(data)
+        else:
+            pending.extend(data)
+    if direct:
+        continue
+    try:
+        if sock in readable:
+            data = sock.recv(4096)
+            if not data:  # the parent is gone
+                raise ConnectionResetError
+            if take_acks(data):
+                finish()
+                raise ConnectionResetError
+        if sock in writable:
+            sent = sock.send(pending)
+            unacked.extend(pending[:sent])
+            del pending[:sent]
+    except OSError:  # what the parent did not show goes to the terminal, and from now on the pipe too
+        to_terminal(unacked + pending)
+        unacked.clear(), pending.clear()
+        direct = True
+""" % (STOP,)
+
+
+class StderrRelay:
+    """Descriptor 2 relayed to ``show`` (see the module) from construction to :meth:`stop`; ``terminal``, a text
+    stream on what descriptor 2 was (the terminal), is where the display and ``show`` write meanwhile. Raises
+    ``OSError`` where the relay cannot start (no descriptors left), with descriptor 2 left as it was."""
+
+    def __init__(self, show: Callable[[str], None], encoding: str, errors: str | None) -> None:
+        self._show = show  # prints text above the display; called from the reader thread
+        self._saved = os.dup(2)  # the terminal: the relay's stderr, and descriptor 2 again at stop
+        self.terminal = open(self._saved, "w", encoding=encoding, errors=errors or "strict", closefd=False)
+        self._decoder = codecs.getincrementaldecoder(encoding)(errors="backslashreplace")
+        read_end, write_end = os.pipe()
+        mine, theirs = socket.socketpair()
+        try:
+            self._relay = subprocess.Popen([sys.executable, "-I", "-S", "-c", _RELAY], stdin=read_end,
+                                           stdout=theirs.fileno(), stderr=self._saved, start_new_session=True)
+        except BaseException:
+            os.close(write_end)
+            mine.close()
+            self.terminal.close()
+            os.close(self._saved)
+            raise
+        finally:
+            os.close(read_end)
+            theirs.close()
+        self._sock = mine  # from the relay: what it read; to it: acknowledgements, then STOP
+        self._send_lock = threading.Lock()  # the reader acknowledges while stop() sends STOP
+        os.dup2(write_end, 2)
+        os.close(write_end)
+        self._thread = threading.Thread(target=self._read, name="ardiff-stderr-relay", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        """Show what the relay sends; acknowledge what ends a line: a line not yet ended waits in the display's
+        buffer, and the relay keeps it until then, for the terminal if this process dies first."""
+        received = acked = 0
+        with self._sock:
+            try:
+                while data := self._sock.recv(65536):
+                    self._show(self._decoder.decode(data))
+                    received += len(data)
+                    newline = data.rfind(b"\n")
+                    if newline >= 0:
+                        acked = self._ack(received - len(data) + newline + 1, acked)
+                self._show(self._decoder.decode(b"", final=True))
+                self._ack(received, acked)  # the display's end shows the line left unfinished
+            except OSError:  # the relay was killed: what it held is lost with it, and descriptor 2 writes fail
+                pass
+
+    def _ack(self, upto: int, acked: int) -> int:
+        if upto > acked:
+            with self._send_lock:
+                self._sock.sendall(_ACK.pack(upto - acked))
+        return max(upto, acked)
+
+    def stop(self) -> None:
+        """Descriptor 2 back to the terminal, once what was written before shows above the display (``terminal``
+        stays open for that: :meth:`close` closes it)."""
+        os.dup2(self._saved, 2)
+        try:
+            with self._send_lock:
+                self._sock.sendall(_ACK.pack(STOP))
+        except OSError:  # the relay is gone (killed): the reader has seen the socket's end, or will
+            pass
+        self._thread.join()
+
+    def close(self) -> None:
+        self.terminal.close()
+        os.close(self._saved)
+        try:  # it ends as the pipe's last writer closes it: at once, unless a child of this process still holds it
+            self._relay.wait(timeout=1)
+        except subprocess.TimeoutExpired:  # it goes on copying that child's writes to the terminal meanwhile
+            pass
