@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -62,13 +63,15 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
         require(isinstance(value, bool), name, "true or false", value)
         return value
     if hint is int:
-        require(isinstance(value, int) and not isinstance(value, bool), name, "an integer", value)
+        # numpy's integers too (a Config built in Python from np.arange), as the plain int YAML gives: JSON-able
+        require(isinstance(value, numbers.Integral) and not isinstance(value, bool), name, "an integer", value)
+        value = int(value)
         # Every int here but the seed (checked in __post_init__) becomes a torch size, an int64: a larger one
         # failed in torch as "the pipeline's code failed", far from the config.
         require(name == "seed" or abs(value) < 1 << 63, name, "an integer below 2**63", value)
         return value
     if hint is float:
-        require(isinstance(value, (int, float)) and not isinstance(value, bool), name, "a number", value)
+        require(isinstance(value, numbers.Real) and not isinstance(value, bool), name, "a number", value)
         # .inf, .nan and an int beyond float's range would reach the sampler as inf or NaN (or not convert at all)
         try:
             number = float(value)
@@ -81,9 +84,8 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
         return value
     if typing.get_origin(hint) is tuple:
         (item, *_rest) = typing.get_args(hint)
-        ok = isinstance(value, (list, tuple)) and all(
-            isinstance(v, item) and not isinstance(v, bool) or (item is float and isinstance(v, int)) for v in value
-        )
+        kind = {int: numbers.Integral, float: numbers.Real}.get(item, item)  # numpy's numbers too, as above
+        ok = isinstance(value, (list, tuple)) and all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
         require(ok, name, f"a list of {item.__name__}s", value)
         return tuple(item(v) for v in value)
     raise AssertionError(f"config field {name!r} has an unsupported type {hint!r}; extend _coerce")
@@ -190,7 +192,11 @@ class BackboneConfig:
         # Built in Python (Config(guidance_scale="5"), dataclasses.replace), not by from_dict: each field of a plain
         # type checked and converted as from_dict's are. A float size reached torch (empty(): must be tuple of ints),
         # a quoted number failed the range checks below as a TypeError, and True passed as 1 (guidance off).
-        for name, hint in init_fields(type(self)).items():
+        try:
+            hints = init_fields(type(self))
+        except NameError:  # a subclass's annotation naming what only type checkers import: check the fields shared
+            hints = init_fields(BackboneConfig)
+        for name, hint in hints.items():
             if hint in (bool, int, float, str) or typing.get_origin(hint) is tuple:
                 derive(self, name, _coerce(name, hint, getattr(self, name)))
         for name in ("dim", "ffn_dim", "freq_dim", "num_heads", "num_layers", "latent_channels", "height", "width",

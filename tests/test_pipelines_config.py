@@ -235,6 +235,59 @@ def test_a_config_built_in_python_refuses_a_field_of_another_type_naming_it(name
     assert isinstance(converted.guidance_scale, float) and converted == dreamzero.Config(guidance_scale=7.0)
 
 
+def test_a_config_built_in_python_takes_numpy_numbers_as_plain_ones():
+    """A size or scale from numpy (``np.arange`` of a sweep, a value read from an ``.npz``) built a config before its
+    fields were checked in Python, and is refused since (`expected an integer, got np.int64(2)`): each is converted
+    to the plain number YAML gives, so ``to_dict`` (a checkpoint's metadata) stays JSON (an ``np.int64`` made
+    ``json.dumps`` fail there). A numpy bool is no number, as a Python one is not."""
+    import json
+
+    import numpy as np
+
+    from pipelines.config import InvalidField
+
+    config = dreamzero.Config(num_layers=np.int64(3), dim=np.int32(64), guidance_scale=np.float32(7.5),
+                              timestep_shift=np.int64(3), patch_size=[np.int64(1), 2, np.uint8(2)])
+    assert config == dreamzero.Config(num_layers=3, dim=64, guidance_scale=7.5, timestep_shift=3.0)
+    assert [type(getattr(config, name)) for name in ("num_layers", "dim", "guidance_scale", "timestep_shift")] == [
+        int, int, float, float]
+    assert [type(size) for size in config.patch_size] == [int, int, int]
+    json.dumps(config.to_dict())
+    with pytest.raises(InvalidField, match=r"^field 'num_layers': expected an integer, got "):
+        dreamzero.Config(num_layers=np.bool_(True))
+    with pytest.raises(InvalidField, match=r"^field 'guidance_scale': expected a finite number, got "):
+        dreamzero.Config(guidance_scale=np.float32("nan"))
+
+
+def test_a_config_subclass_whose_annotations_name_what_only_type_checkers_import_is_built():
+    """``__post_init__`` checks fields by their resolved types (``typing.get_type_hints``): a subclass of a module
+    with ``from __future__ import annotations`` whose field names a type imported under ``TYPE_CHECKING`` (or a local
+    one) raised ``NameError`` at every construction, which built before. Its inherited fields are still checked."""
+    import textwrap
+
+    from pipelines.config import InvalidField
+
+    namespace: dict = {}
+    exec(compile(textwrap.dedent("""\
+        from __future__ import annotations
+        from dataclasses import dataclass
+        from typing import TYPE_CHECKING
+        from pipelines.config import BackboneConfig
+        if TYPE_CHECKING:
+            from pathlib import Path
+
+        @dataclass(frozen=True)
+        class Geometry(BackboneConfig):
+            dim: int = 80
+            num_heads: int = 2
+            weights: Path | None = None
+        """), "lab_geometry.py", "exec"), namespace)
+    geometry = namespace["Geometry"](num_layers=3)
+    assert (geometry.dim, geometry.num_layers, geometry.weights) == (80, 3, None)
+    with pytest.raises(InvalidField, match=r"^field 'num_layers': expected an integer, got 2.0"):
+        namespace["Geometry"](num_layers=2.0)
+
+
 @pytest.mark.parametrize("name", sorted(builtin_configs()))
 def test_every_shipped_config_declares_the_tensors_its_sessions_keep(name):
     """The plan counts the spec's model_owned_state_bytes_per_session for each session (and the runner warns when an

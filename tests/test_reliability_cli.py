@@ -162,10 +162,10 @@ def test_faults_fail_their_episode_only_and_name_episode_and_step(env, data, ref
 def test_a_failed_steps_error_carries_the_notes_of_what_its_forward_raised_everywhere_it_goes(env, data, tmp_path,
                                                                                               action, fail_fast):
     """A step's failure (``StepFailed``, or the ``ObservationError`` naming the step file that a pipeline's own input
-    check's becomes) is raised in place of what its forward raised, whose notes (PEP 678: a library's own, the
-    a close hook that failed as it was) showed only in the
-    --verbose traceback: they are `  note:` lines between its Error and hint lines, a `notes` list in its JSON error
-    object and its step object, and in its results.jsonl line, whether the run goes on or stops (--fail-fast)."""
+    check's becomes) is raised in place of what its forward raised, whose notes (PEP 678: a library's own, a
+    close hook that failed as it was) showed only in the --verbose traceback: they are `  note:` lines between its
+    Error and hint lines, a `notes` list in its JSON error object and its step object, and in its results.jsonl line,
+    whether the run goes on or stops (--fail-fast)."""
     run = tmp_path / "run"
     faults = [{"request": "arm_b/000001", "site": "block", "layer": 1, "action": action,
                "note": "while compiling block 1 for cpu"},
