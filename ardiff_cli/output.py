@@ -275,14 +275,20 @@ class Output:
         from rich.live import Live
 
         self._end_open_line()  # the display's first line is a line of its own
-        live = Live(get_renderable=get_renderable, console=self.console("stderr"), refresh_per_second=4,
+        relay = None
+
+        def frame() -> Any:
+            if relay is not None:
+                relay.measure(live.console)
+            return get_renderable()
+
+        live = Live(get_renderable=frame, console=self.console("stderr"), refresh_per_second=4,
                     transient=False, redirect_stdout=False, redirect_stderr=False)
         # A stderr that fails (its disk full, its reader gone) drops the display, never the command.
         try:
             live.start()
         except OSError:
             self._lose_stderr()
-        relay = None
         if live.console.is_interactive:  # redrawn in place: what code prints goes above it (chatter)
             self._live = live
             relay = self._relay_stderr(live)
@@ -295,6 +301,8 @@ class Output:
                 finally:
                     with _lock_of(live):
                         live.console.file = self._stderr
+                        if relay.measured:  # Rich measures the terminal again: descriptor 2 is one
+                            live.console.size = (None, None)
                     relay.close()
                     if self._stderr_lost:  # descriptor 2 is the failed one again
                         to_devnull(self._stderr)
@@ -325,6 +333,7 @@ class Output:
             return None
         with _lock_of(live):
             live.console.file = relay.terminal
+            relay.measure(live.console)  # for what prints above the display before its first frame
         return relay
 
     def _print_err(self, rich_prefix: str, message: str, *, plain_prefix: str = "", soft_wrap: bool = False) -> None:

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 _ACK = struct.Struct("<Q")  # to the relay: a count of bytes shown, or STOP
 STOP = 2**64 - 1  # the display ends: descriptor 2 is the terminal again, send what the pipe still holds and close
@@ -118,6 +119,12 @@ while pipe_open or not direct:
 """ % (STOP,)
 
 
+def _from_environ(name: str, measured: int) -> int:
+    """$COLUMNS or $LINES where set to a size, as Rich reads them (0 is none: ``measured``)."""
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() and int(value) else measured
+
+
 class StderrRelay:
     """Descriptor 2 relayed to ``show`` (see the module) from construction to :meth:`stop`; ``terminal``, a text
     stream on what descriptor 2 was (the terminal), is where the display and ``show`` write meanwhile. Raises
@@ -143,9 +150,14 @@ class StderrRelay:
             os.close(read_end)
             theirs.close()
         self._sock = mine  # from the relay: what it read; to it: acknowledgements, then STOP
-        self._send_lock = threading.Lock()  # the reader acknowledges while stop() sends STOP
+        # the reader acknowledges while stop() sends STOP; and it puts descriptor 2 back (a relay killed) only before
+        # stop() or close() does (``_stopped``): after close() ``_saved`` may be another file's number
+        self._send_lock = threading.Lock()
+        self._stopped = False
+        self._pipe_stat = os.fstat(write_end)  # descriptor 2 until stop(), unless a lost stderr made it /dev/null
         os.dup2(write_end, 2)
         os.close(write_end)
+        self.measured = False  # measure() gave a console a size, that the display's end takes back
         self._thread = threading.Thread(target=self._read, name="ardiff-stderr-relay", daemon=True)
         self._thread.start()
 
@@ -163,8 +175,11 @@ class StderrRelay:
                         acked = self._ack(received - len(data) + newline + 1, acked)
                 self._show(self._decoder.decode(b"", final=True))
                 self._ack(received, acked)  # the display's end shows the line left unfinished
-            except OSError:  # the relay was killed: what it held is lost with it, and descriptor 2 writes fail
+            except OSError:  # the relay was killed: what it held is lost with it
                 pass
+        with self._send_lock:  # a relay killed left descriptor 2 a pipe nobody reads: each write failed (EPIPE), a
+            if not self._stopped and os.path.samestat(os.fstat(2), self._pipe_stat):  # child handed it died of SIGPIPE.
+                os.dup2(self._saved, 2)  # It lands in the display from then on, as with no relay
 
     def _ack(self, upto: int, acked: int) -> int:
         if upto > acked:
@@ -172,18 +187,37 @@ class StderrRelay:
                 self._sock.sendall(_ACK.pack(upto - acked))
         return max(upto, acked)
 
+    def measure(self, console: Any) -> None:
+        """Give the Rich ``console`` the terminal's size, where it would measure none: Rich asks descriptors 0, 1
+        and 2, the first that is a terminal, and 2 is the pipe now, so with neither 0 nor 1 one (``--format rich <
+        /dev/null > FILE``) it drew 80 x 25 on any terminal, each frame larger than the screen left there. $COLUMNS
+        and $LINES still win, as in Rich. Called before each frame (the terminal may be resized)."""
+        if self._stopped or os.isatty(0) or os.isatty(1):  # stopped: descriptor 2 is the terminal again
+            return
+        try:
+            columns, lines = os.get_terminal_size(self._saved)
+        except OSError:
+            return
+        self.measured = True
+        console.size = (_from_environ("COLUMNS", columns), _from_environ("LINES", lines))
+
     def stop(self) -> None:
         """Descriptor 2 back to the terminal, once what was written before shows above the display (``terminal``
         stays open for that: :meth:`close` closes it)."""
-        os.dup2(self._saved, 2)
-        try:
-            with self._send_lock:
+        with self._send_lock:
+            self._stopped = True
+            os.dup2(self._saved, 2)
+            try:
                 self._sock.sendall(_ACK.pack(STOP))
-        except OSError:  # the relay is gone (killed): the reader has seen the socket's end, or will
-            pass
+            except OSError:  # the relay is gone (killed): the reader has seen the socket's end, or will
+                pass
         self._thread.join()
 
     def close(self) -> None:
+        with self._send_lock:  # stop() may have been cut short (Ctrl-C) before it put descriptor 2 back
+            if not self._stopped:
+                self._stopped = True
+                os.dup2(self._saved, 2)
         self.terminal.close()
         os.close(self._saved)
         try:  # it ends as the pipe's last writer closes it: at once, unless a child of this process still holds it

@@ -60,6 +60,7 @@ import os
 import resource
 import shutil
 import signal
+import stat
 import sys
 import threading
 import time
@@ -410,7 +411,8 @@ class StrayDreamZero(DreamZeroPipeline):
     from a thread of its own, which the forward waits for), ``fd2`` (``os.write`` to file descriptor 2, as native
     code writes: a C library's message, torch's C++ log lines from threads of its own), ``flood`` (in the first
     request only, 5000 lines, 100 KiB, more than a pipe holds, in one C call that keeps the GIL) and ``abort`` (in
-    request ep_0/000003, a C++ runtime's last words to descriptor 2, then ``abort()``)."""
+    request ep_0/000003, a C++ runtime's last words to descriptor 2, then ``abort()``) and ``kill_relay`` (in request
+    ep_0/000001, the relay process that reads descriptor 2 under a live display is killed, as the OOM killer may)."""
 
     def forward(self, request):
         name = request.request_id
@@ -427,10 +429,28 @@ class StrayDreamZero(DreamZeroPipeline):
             self._flooded = True
             flood = b"".join(b"stray: flood %05d\n" % i for i in range(5000))
             ctypes.PyDLL(None).write(2, flood, len(flood))  # PyDLL: the call keeps the GIL
+        if "kill_relay" in ways and name == "ep_0/000001":
+            _kill_relay()
         if "abort" in ways and name == "ep_0/000003":
             os.write(2, b"terminate called after throwing an instance of 'stray::Error'\n")
             os.abort()
         return super().forward(request)
+
+
+def _kill_relay() -> None:
+    """SIGKILL this process's stderr relay (``ardiff_cli.stderr_relay``, a child running ``python -I -S -c``), and
+    wait until it is dead (a zombie: its descriptors are closed)."""
+    children = [int(pid) for task in os.listdir("/proc/self/task")
+                for pid in Path(f"/proc/self/task/{task}/children").read_text().split()]
+    relays = [pid for pid in children if b"\0-I\0-S\0-c\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(relays) == 1, f"not one relay among the children {children}"
+    os.kill(relays[0], signal.SIGKILL)
+    while Path(f"/proc/{relays[0]}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)
+    for _ in range(1000):  # until ardiff saw it go (descriptor 2 no longer its pipe), 10 s at most
+        if not stat.S_ISFIFO(os.fstat(2).st_mode):
+            break
+        time.sleep(0.01)
 
 
 class NoSwapDreamZero(DreamZeroPipeline):

@@ -29,10 +29,11 @@ TIMEOUT_S = 120  # the longest wait for the next output, then for the exit
 
 
 def run_in_pty(args: list[str], *, env: dict[str, str], cwd: Path, cols: int, rows: int,
-               type_after: bytes | None = None) -> tuple[int, bytes]:
+               type_after: bytes | None = None, stdout_to: Path | None = None) -> tuple[int, bytes]:
     """Run ``python -m ardiff_cli ARGS`` in ``cwd`` on a ``cols`` x ``rows`` pty (the size only the pty gives: no
-    COLUMNS or LINES); type Ctrl-C once ``type_after`` appeared in its output. Returns the exit code and every
-    byte it wrote."""
+    COLUMNS or LINES); type Ctrl-C once ``type_after`` appeared in its output. ``stdout_to``: standard output to
+    that file and standard input from /dev/null, only stderr the pty. Returns the exit code and every byte it wrote
+    to the pty."""
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
     environ = {k: v for k, v in env.items() if k not in ("COLUMNS", "LINES")}
@@ -40,11 +41,15 @@ def run_in_pty(args: list[str], *, env: dict[str, str], cwd: Path, cols: int, ro
 
     def controlling_terminal() -> None:
         os.setsid()
-        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        fcntl.ioctl(2, termios.TIOCSCTTY, 0)
 
-    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args], stdin=slave, stdout=slave, stderr=slave,
-                            env=environ, cwd=cwd, preexec_fn=controlling_terminal)
+    data = None if stdout_to is None else open(stdout_to, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args], stdin=slave if data is None else
+                            subprocess.DEVNULL, stdout=data or slave, stderr=slave, env=environ, cwd=cwd,
+                            preexec_fn=controlling_terminal)
     os.close(slave)
+    if data is not None:
+        data.close()
     output = bytearray()
     try:
         while True:

@@ -62,6 +62,23 @@ def test_on_a_short_terminal_every_frame_shows_the_title_and_the_progress(tmp_pa
     assert "outputs: out (results.jsonl, summary.json, episodes/)" in screen.display()
 
 
+def test_on_a_short_narrow_terminal_that_only_stderr_goes_to_every_frame_fits_it(tmp_path, cli_env):
+    """`--format rich < /dev/null > FILE`: Rich measures the terminal on descriptors 0, 1 and 2, and 2 is the stderr
+    relay's pipe while the display runs, so it measured none and drew 80 x 25 on a terminal of 60 x 12: each frame
+    wrapped and ran off the screen, and was left there (30 title lines)."""
+    write_fast_data(tmp_path, {f"ep_{i}": 40 for i in range(6)})
+    (tmp_path / "fast.yaml").write_text((tmp_path / "fast.yaml").read_text().replace("session_capacity: 2",
+                                                                                      "session_capacity: 4"))
+    code, output = run_in_pty(["rollout", "fast.yaml", "eps", "-o", "out", "--no-warmup", "--format", "rich"],
+                              env=cli_env, cwd=tmp_path, cols=60, rows=12, stdout_to=tmp_path / "stdout.txt")
+    screen = Screen(60, 12).feed(output)
+    lines = screen.history + screen.display()
+    text = "\n".join(lines)
+    assert code == 0, text
+    assert lines.count("ardiff rollout · fast.yaml → out") == 1, text
+    assert "rollout ok: 240 steps in " in (tmp_path / "stdout.txt").read_text()
+
+
 def test_inspect_capacity_on_a_narrow_terminal_breaks_long_words_and_cuts_none(tmp_path, cli_env):
     """At 40 columns the item and detail columns cut long words: "model-ow…", "gpu_memory…" and the hint
     "pip install 'ardiff[vl…" lost what they were there to say."""
@@ -323,7 +340,7 @@ def stray_run(tmp_path, cli_env, ways: str, steps: int) -> tuple[int, list[str],
                               cwd=tmp_path, cols=200, rows=40)
     screen = Screen(200, 40).feed(output)
     records = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
-    return code, screen.history + screen.display(), [record["request_id"] for record in records]
+    return code, screen.history + screen.display(), [record.get("request_id") for record in records]
 
 
 def test_a_pipelines_warnings_from_any_thread_show_above_the_live_display_whole_and_in_order(tmp_path, cli_env):
@@ -361,6 +378,16 @@ def test_a_native_write_larger_than_a_pipe_from_a_call_that_keeps_the_gil_neithe
     assert [line for line in lines if line.startswith("stray: flood ")] == [f"stray: flood {i:05d}"
                                                                            for i in range(5000)]
     assert lines.count("ardiff rollout · fast.yaml → out") == 1, "\n".join(lines[-50:])
+
+
+def test_native_writes_after_the_relay_was_killed_do_not_fail_the_step(tmp_path, cli_env):
+    """The relay process killed (the OOM killer, a `kill`) left descriptor 2 a pipe nobody read: each later native
+    write failed (os.write raised BrokenPipeError: the step failed its episode, exit 4; a child handed stderr was
+    killed by SIGPIPE). Descriptor 2 is the terminal again, its writes landing in the display as with no relay."""
+    code, lines, ran = stray_run(tmp_path, cli_env, "kill_relay,fd2", 4)
+    text = "\n".join(lines)
+    assert code == 0 and "Error:" not in text, text
+    assert sorted(ran) == [f"ep_{i}/{step:06d}" for i in range(2) for step in range(4)], text
 
 
 def test_a_native_crashs_last_words_reach_the_terminal(tmp_path, cli_env):
