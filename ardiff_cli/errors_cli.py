@@ -23,7 +23,7 @@ from ardiff_cli.output import Output, stdout_error
 from ardiff_cli.runtime.capacity import CapacityPlan
 from ardiff_cli.runtime.kv.allocator import KVCacheExhaustedError
 from ardiff_cli.runtime.errors import (
-    RELEASED,
+    SESSION_NOTES,
     ArdiffError,
     ArdiffWarning,
     CapacityError,
@@ -402,10 +402,11 @@ def report(out: Output, exc: BaseException) -> int:
 def carry_notes(error: BaseException, cause: BaseException) -> None:
     """Give ``error``, raised in place of ``cause``, the notes of ``cause`` (``notes_of``), after its own: the Error
     line and the JSON a user reads are ``error``'s, and only the traceback (``--verbose``) showed those of ``cause``.
-    All but the runtime's that the request's session was released (``RELEASED``): the step error's hint says what
-    comes next for its episode, which does not go on (that note said its next request starts afresh)."""
+    All but the runtime's on what became of the request's session (``SESSION_NOTES``: released, or as it was): the
+    step error's hint says what comes next for its episode, which does not go on (they said its next request starts
+    afresh)."""
     for note in notes_of(cause):
-        if not note.endswith(RELEASED):
+        if not note.endswith(SESSION_NOTES):
             error.add_note(note)
 
 

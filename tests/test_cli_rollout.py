@@ -4059,7 +4059,8 @@ def test_a_link_to_nothing_in_a_watched_folder_that_comes_to_lead_to_an_episode_
         env, data, tmp_path):
     """--follow live, live/cam -> ../rec/latest leading nowhere, then rec/latest made a link to live/arm_a, an episode
     of the run: the link joined the run without a word (the recording running once). A warning names both paths,
-    and the recording still runs once, at the path found first."""
+    and the recording still runs once, at the path found first. The warning said "to run it again under another
+    name, give live/cam as EPISODE in a new --out": there it is named after the folder it leads to, 'arm_a' again."""
     live, run, rec = tmp_path / "live", tmp_path / "run", tmp_path / "rec"
     steps = steps_of(0, 3)
     write_episode(live / "arm_a", steps[:2], prompt="task arm_a", end=False)
@@ -4078,7 +4079,7 @@ def test_a_link_to_nothing_in_a_watched_folder_that_comes_to_lead_to_an_episode_
     assert proc.returncode == 0, stderr
     assert stderr.count(f"warning: {live / 'cam'} is episode 'arm_a' again (a link to {live / 'arm_a'}): it does not "
                         f"join the run, which reads that recording at {live / 'arm_a'} (a recording runs once in a "
-                        f"run; to run it again under another name, give {live / 'cam'} as EPISODE in a new --out)"
+                        f"run; to run it again, give {live / 'cam'} as EPISODE in a new --out, where it is 'arm_a' too)"
                         ) == 1, stderr
     assert sorted((r["episode"], r["step"], r["status"]) for r in records(run)) == [
         ("arm_a", s, "ok") for s in range(3)]

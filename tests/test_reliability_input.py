@@ -9,6 +9,7 @@ there is no traceback unless --verbose.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import re
@@ -1826,6 +1827,20 @@ def test_an_infinite_idle_timeout_is_a_usage_error_before_anything_is_made(tmp_p
     assert error["message"].startswith("Invalid value for '--idle-timeout': expected a finite number of seconds, "
                                        f"got '{value}' (to wait for days"), error
     assert not out.exists() and "Traceback" not in proc.stderr
+
+
+def test_a_negative_zero_idle_timeout_is_zero(tmp_path, cli_env):
+    # `--idle-timeout -0` passed the parser's `< 0` as -0.0: the error of an empty episode said "no step file arrived
+    # within --idle-timeout -0 s", and run.json recorded -0.0. It is 0.
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", str(tmp_path / "empty"),
+                           "-o", str(out), "--follow", "--idle-timeout", "-0", "--no-warmup", "--format", "plain"],
+                          env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "no step file arrived within --idle-timeout 0 s" in proc.stderr, proc.stderr
+    recorded = json.loads((out / "run.json").read_text())["idle_timeout"]
+    assert recorded == 0 and math.copysign(1, recorded) == 1, recorded
 
 
 @pytest.mark.parametrize(("args", "what"), [

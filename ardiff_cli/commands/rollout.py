@@ -158,7 +158,7 @@ def _parse_idle_timeout(text: str) -> float:
         raise typer.BadParameter(f"expected a finite number of seconds, got {quoted(text, cut=True)}{forever}")
     if number is None or number < 0:
         raise typer.BadParameter(f"expected a number of seconds, 0 or more, got {quoted(text, cut=True)}")
-    return number
+    return abs(number)  # -0 is 0 (it was "--idle-timeout -0 s")
 
 
 def rollout(

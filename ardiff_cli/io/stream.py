@@ -55,6 +55,7 @@ from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, S
                                    episode_folders_inside, gap_error, is_run_output, listed, looks_whole,
                                    missing_steps, new_episode_folders, other_step_formats, step_number,
                                    step_sha256, unreadable_folder)
+from ardiff_cli.io.run import episode_folder_path
 from ardiff_cli.runtime.errors import ObservationError, as_typed, link_to_nothing, shell_word
 
 # Activity for the idle timer: write_step's temporary file of a step file being written (atomic_write_bytes), and
@@ -412,15 +413,15 @@ class StepScheduler:
         if track is None:
             return False
         read = track.source.path
-        if _named_by(path) == _named_by(read):
+        if episode_folder_path(path) == episode_folder_path(read):
             return False
         if os.path.islink(read):
             why = f"{'a link to ' if os.path.islink(path) else ''}the folder {as_typed(read)} links to"
         else:
             why = f"{'a link' if os.path.islink(path) else 'another path'} to {as_typed(read)}"
         self._warn(f"{as_typed(path)} is episode {track.source.name!r} again ({why}): it does not join the run, which "
-                   f"reads that recording at {as_typed(read)} (a recording runs once in a run; to run it again under "
-                   f"another name, give {shell_word(path)} as EPISODE in a new --out)")
+                   f"reads that recording at {as_typed(read)} (a recording runs once in a run; to run it again, give "
+                   f"{shell_word(path)} as EPISODE in a new --out, where it is {track.source.name!r} too)")
         return True
 
     def _warn_another_folder(self, path: Path) -> None:
@@ -980,13 +981,6 @@ def _holds_something(path: Path) -> bool:
         return any(not name.startswith(".") for name in os.listdir(path))
     except OSError:  # a file (ENOTDIR), gone, or locked
         return False
-
-
-def _named_by(path: Path) -> str:
-    """``path`` as the run names an episode's folder (``episode_folder_path``): absolute, the links above it
-    resolved, a link itself kept."""
-    absolute = os.path.abspath(path)
-    return os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
 
 
 def _loops(path: Path) -> bool:

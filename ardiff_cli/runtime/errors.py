@@ -129,9 +129,13 @@ class PipelineError(ArdiffError, RuntimeError):
 # a warmup request's non-finite outputs: what to fix is the config, the dtype or the checkpoint, which --resume keeps
 DIVERGED_IN_WARMUP = ("the model diverged on the warmup's inputs (every step would fail alike): check the "
                       "config's sampling settings (a guidance scale too large) and the checkpoint")
-# the end of the runtime's note on a failed request's error that its session was released (``add_note``): a rollout's
-# step error leaves it out, its hint saying what comes next for the episode (it does not go on)
-RELEASED = "was released: its history is gone, and its next request starts afresh"
+# the ends of the runtime's notes on a failed request's error that say what became of its session (``add_note``),
+# for a caller that goes on with it: released (the forward or the reset it asked for failed), or untouched (its
+# inputs refused). A rollout's step error leaves them out, its hint saying what comes next for the episode, which
+# does not go on
+AFRESH = "its next request starts afresh"
+UNTOUCHED = "the session is as it was"
+SESSION_NOTES = (AFRESH, UNTOUCHED)
 PIPELINE_HINT = ("the pipeline's code (or its use of the AR-Diffusion contract: README, 'Adding a pipeline') "
                  "failed; --verbose prints the traceback. If it is one of ardiff's built-in pipelines, please "
                  "report it")

@@ -51,9 +51,10 @@ from ardiff_cli.runtime.capacity import (
     total_host_memory,
 )
 from ardiff_cli.runtime.errors import (
+    AFRESH,
     DIVERGED_IN_WARMUP,
     PIPELINE_HINT,
-    RELEASED,
+    UNTOUCHED,
     ArdiffError,
     ArdiffWarning,
     BudgetBeyondDeviceError,
@@ -873,7 +874,7 @@ class ARDiffusionModelRunner:
             except Exception as exc:
                 if not internal:
                     exc.add_note(f"request {shown(request.request_id)} was refused before session "
-                                 f"{shown(session_id)} was touched: the session is as it was")
+                                 f"{shown(session_id)} was touched: {UNTOUCHED}")
                 raise
         with self._events_held():
             if request.reset and session_id in self._sessions:
@@ -883,7 +884,7 @@ class ARDiffusionModelRunner:
                     if not internal:
                         errors[0].add_note(f"request {shown(request.request_id)} did not run: the reset it asked for "
                                            f"failed in the pipeline's hook; session {shown(session_id)} was released, "
-                                           "so its next request starts afresh")
+                                           f"so {AFRESH}")
                     raise errors[0]
             elif request.reset:  # swapped out: its snapshot goes, with the event a resident one's reset sends
                 self._discard_swapped(session_id, "reset", reason="request_reset")
@@ -958,7 +959,7 @@ class ARDiffusionModelRunner:
                     # robot's history is gone (warmup's reserved session is nobody's).
                     if not internal:
                         exc.add_note(f"request {shown(request.request_id)} failed, so session {shown(session_id)} "
-                                     f"{RELEASED}")
+                                     f"was released: its history is gone, and {AFRESH}")
                     for hook_error in errors:
                         exc.add_note(str(hook_error))
             raise
