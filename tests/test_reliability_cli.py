@@ -2690,6 +2690,28 @@ def test_a_new_run_in_a_folder_another_user_owns_names_the_owner_and_a_fix_that_
         assert proc.returncode == 0, proc.stderr
 
 
+def test_a_new_run_in_a_folder_another_user_owns_and_this_one_cannot_enter_is_not_hinted_a_chown_of_its_out(
+        env, data, tmp_path):
+    """--out deep in another user's folder this user cannot enter (mode 0700): the hint said to have root make --out
+    and chown it to this user, which pasted changed nothing (the folder above it still cannot be entered: the same
+    error again). It says to choose a folder this user can write."""
+    import pwd
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root (chown to another user) and setpriv")
+    drop = "-dac_override,-dac_read_search,-fowner"
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, pwd.getpwnam("nobody").pw_uid, -1)
+    out = theirs / "runs" / "eval1"
+    proc = subprocess.run([shutil.which("setpriv"), f"--bounding-set={drop}", f"--inh-caps={drop}", sys.executable,
+                           "-m", "ardiff_cli", *rollout_args(data, out)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(f"Error: --out {out}: cannot create the output folder: Permission denied\nhint: choose "
+                                "a folder you can write, or one that does not exist yet\n"), proc.stderr
+
+
 @pytest.mark.parametrize(("name", "flag", "what"), [("run.json", "+i", "immutable"),
                                                     ("summary.json", "+a", "append-only")])
 def test_a_resume_of_a_run_whose_run_json_is_immutable_is_refused_before_the_model_loads(

@@ -2244,6 +2244,45 @@ def test_a_run_stopped_while_its_model_loads_hints_what_works_pasted_as_it_is(tm
     assert pasted.returncode == 0 and (run / "summary.json").is_file(), pasted.stderr
 
 
+def test_a_restart_hint_pastes_paths_with_a_newline_or_bytes_the_locale_cannot_decode_as_they_are(tmp_path, cli_env):
+    # The rollout a stopped run's .lock records, with its config in a folder named with a byte no locale decodes and
+    # an episode folder whose name holds a newline: shell_word quoted the newline as it is ('arm<newline>b'), which the
+    # hint's one line writes \x0a, so the pasted command named 'arm\x0ab' ("episode folder not found"). Each is bash's
+    # $'...' of its bytes, and the hint pasted as it is starts the run.
+    shim, hold = tmp_path / "shim", tmp_path / "hold"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(HOLD_IMPORT)
+    os.mkfifo(hold)
+    configs = Path(os.fsdecode(bytes(tmp_path) + b"/cfg \xff dir"))
+    configs.mkdir()
+    (configs / "fast.yaml").write_text(FAST_CONFIG)
+    episode(tmp_path / "arm\nb 'q'", 1)
+    held = {**cli_env, "HOLD": str(hold), "HOLD_MODULE": "ardiff_cli.io.kept",
+            "PYTHONPATH": os.pathsep.join([str(shim), cli_env["PYTHONPATH"]])}
+    config = os.path.join(os.fsdecode(b"cfg \xff dir"), "fast.yaml")  # relative, as typed
+    loading = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", config, "arm\nb 'q'", "--out",
+                                "runs/eval1", "--no-warmup", "--order", "sequential", "--format", "plain"],
+                               cwd=tmp_path, env=held, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    writer = None
+    try:
+        writer = open_to_write(loading, hold)  # past its lock, before run.json
+        loading.kill()
+        loading.wait(timeout=300)
+    finally:
+        loading.kill()
+        if writer is not None:
+            os.close(writer)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "runs/eval1", "--format",
+                           "plain"], env=cli_env, cwd=tmp_path, capture_output=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    again = _hint(os.fsdecode(proc.stderr)).rpartition("to start its run again: ")[2]
+    assert again.endswith(" --order sequential --no-warmup --out runs/eval1"), again
+    assert "\\udc" not in again, again  # a byte as bash's $'...' writes it
+    pasted = _pasted(again, tmp_path, cli_env)
+    assert pasted.returncode == 0, pasted.stderr
+    assert ok_steps(tmp_path / "runs" / "eval1") == {("arm_b 'q'", 0)}  # its name, the newline made '_'
+
+
 def test_a_new_run_inside_another_runs_folder_is_refused_naming_it(tmp_path, cli_env):
     # `-o runs/eval1/episodes/retry` wrote a second run among the first's episode outputs (and `-o runs/eval1/x`
     # inside its folder): refused before anything is written there, naming the run it is inside, with an --out

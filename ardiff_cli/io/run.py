@@ -1084,7 +1084,8 @@ def folder_of_another(out: Path) -> str | None:
         uid = parent.stat().st_uid
     except OSError:
         return None
-    if uid == os.geteuid():
+    # one this user cannot enter (mode 0700) stays in the way once --out is made this user's: no fix of --out's
+    if uid == os.geteuid() or not os.access(parent, os.X_OK, effective_ids=os.access in os.supports_effective_ids):
         return None
     me, word = _user_name(os.geteuid()), shell_word(out)
     return (f"{parent} is owned by another user ({_user_name(uid)}, not {me}): have root make the run's folder this "

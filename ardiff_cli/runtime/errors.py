@@ -374,9 +374,12 @@ def shell_word(path: os.PathLike | str) -> str:
     a folder named ``~``, which ardiff reads as the home folder when quoted (``Path`` drops the ``./`` the user
     wrote before both). A name holding bytes the locale cannot decode (``é`` typed under ``LC_ALL=C`` with
     ``PYTHONUTF8=0``: Python keeps each as a lone surrogate, printed ``\\udcc3``) is bash's ``$'...'`` of its bytes
-    (``$'\\xc3\\xa9'``): quoted as text, the pasted command named a folder that does not exist."""
+    (``$'\\xc3\\xa9'``): quoted as text, the pasted command named a folder that does not exist. So is a name holding
+    a control character (a newline): a hint's line writes it ``\\x0a`` (``output.visible``, ``one_line``), which
+    quoted as text named ``arm\\x0ab``."""
     text = as_typed(path)
-    if not any("\udc80" <= char <= "\udcff" for char in text):
+    if not any("\udc80" <= char <= "\udcff" or char < " " or "\x7f" <= char <= "\x9f" or char in "\u2028\u2029"
+               for char in text):
         return shlex.quote(text)
     raw = text.encode("utf-8", "surrogateescape")  # the bytes the name had on the command line or on disk
     return "$'" + "".join(chr(b) if 32 <= b < 127 and b not in b"'\\" else f"\\x{b:02x}" for b in raw) + "'"
