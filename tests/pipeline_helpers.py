@@ -227,6 +227,24 @@ def wait_blocked(proc: subprocess.Popen, settle_s: float = 30.0) -> None:
         time.sleep(0.001)
 
 
+# a sitecustomize.py for a CLI subprocess, its folder first on PYTHONPATH: the first import of $HOLD_MODULE waits
+# until the FIFO $HOLD is written and closed (once): a rollout held while its model loads, its lock taken
+HOLD_IMPORT = """\
+import os, sys
+
+
+class _Hold:
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ.get("HOLD_MODULE") and os.environ.get("HOLD"):
+            with open(os.environ.pop("HOLD")) as hold:
+                hold.read()
+        return None
+
+
+sys.meta_path.insert(0, _Hold())
+"""
+
+
 def records(run: Path) -> list[dict]:
     """The lines of ``run``'s results.jsonl (fails on a partial last line)."""
     text = (run / "results.jsonl").read_text()

@@ -31,7 +31,7 @@ from ardiff_cli.io import write_episode, write_step
 from ardiff_cli.runtime.errors import ResumeCommand, shown
 from ardiff_cli.runtime.kv.backends import install_instructions, vllm_installed
 from ardiff_cli.io.demo import demo_step
-from pipeline_helpers import open_to_write, records, stop_inside_a_fault, wait_for_marker, wait_reading
+from pipeline_helpers import HOLD_IMPORT, open_to_write, records, stop_inside_a_fault, wait_for_marker, wait_reading
 
 REPO = Path(__file__).resolve().parents[1]
 ESC = re.compile(r"\x1b\[")
@@ -728,7 +728,6 @@ def test_messages_name_a_folder_named_tilde_as_dot_slash_tilde(env, data, tmp_pa
     assert proc.returncode == 2 and named in proc.stderr, proc.stderr
     proc = ardiff(env, "rollout", "./~/nope.yaml", "--no-warmup", cwd=tmp_path)
     assert proc.returncode == 2 and "Error: config file not found: ./~/nope.yaml\n" in proc.stderr, proc.stderr
-
 
 
 def test_a_configs_field_errors_and_a_runs_hints_name_a_folder_named_tilde_as_dot_slash_tilde(env, data, tmp_path):
@@ -4783,7 +4782,6 @@ def test_every_line_ardiff_writes_of_a_name_holding_what_splitlines_splits_at_is
     assert json.loads((run / "summary.json").read_text())["out"] == str(run)  # the JSON keeps it as it is
 
 
-
 def test_an_older_ardiffs_run_of_an_episode_named_with_u2028_resumes_under_that_name(env, data, tmp_path):
     """safe_name makes U+2028 and U+2029 `_` now; the ardiff before kept them, and a run it started recorded such a
     name in run.json, results.jsonl and OUT/episodes/. Its --resume was refused (exit 2, "field 'episodes[0].name':
@@ -5073,23 +5071,6 @@ def test_a_signal_before_the_rollout_takes_the_signals_ends_it_as_ctrl_c_does_wi
     proc = pasted(env, f"{again} --no-warmup", REPO)
     assert proc.returncode == 0, proc.stderr
     assert len(records(run)) == len(lines) and all(r["status"] == "ok" for r in records(run))
-
-
-# put first on PYTHONPATH: the first import of HOLD_MODULE waits until the FIFO HOLD is written and closed (once)
-HOLD_IMPORT = """\
-import os, sys
-
-
-class _Hold:
-    def find_spec(self, name, path=None, target=None):
-        if name == os.environ.get("HOLD_MODULE") and os.environ.get("HOLD"):
-            with open(os.environ.pop("HOLD")) as hold:
-                hold.read()
-        return None
-
-
-sys.meta_path.insert(0, _Hold())
-"""
 
 
 def stopped_while_held(env, args: list[str], hold: Path, cwd: Path,

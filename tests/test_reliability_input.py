@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fake_clock import FakeClock
-from pipeline_helpers import open_to_write
+from pipeline_helpers import HOLD_IMPORT, open_to_write
 from typer.testing import CliRunner
 
 from ardiff_cli.app import app
@@ -1240,7 +1240,6 @@ def test_an_unknown_option_is_offered_only_options_alike(cli_env, option, offere
     assert proc.stderr == f"Error: No such option: {option}{offered}\nhint: see ardiff rollout --help\n", proc.stderr
 
 
-
 @pytest.mark.parametrize(("command", "option", "offered"), [
     ("inspect-capacity", "--sess", " (Possible options: --session-capacity, --sessions)"),
     ("inspect-capacity", "--session", " (Possible options: --session-capacity, --sessions)"),
@@ -2156,22 +2155,6 @@ def test_a_run_folder_of_a_model_still_loading_given_as_an_episode_hints_the_rol
     pasted = _pasted(again + " --no-warmup", tmp_path, cli_env)
     assert pasted.returncode == 0 and (run / "run.json").is_file(), pasted.stderr
     assert ok_steps(run) == {("arm_a", 0)}
-
-
-HOLD_IMPORT = """\
-import os, sys
-
-
-class _Hold:
-    def find_spec(self, name, path=None, target=None):
-        if name == os.environ.get("HOLD_MODULE") and os.environ.get("HOLD"):
-            with open(os.environ.pop("HOLD")) as hold:
-                hold.read()
-        return None
-
-
-sys.meta_path.insert(0, _Hold())
-"""
 
 
 def test_a_run_stopped_while_its_model_loads_hints_what_works_pasted_as_it_is(tmp_path, cli_env):
