@@ -160,9 +160,6 @@ class RunFolder:
         self._lock: int | None = None  # descriptor holding the folder's flock (see lock())
         self._identity: tuple[int, int] | None = None  # the locked folder's (device, inode): see moved()
         self._swap_lock: int | None = None  # descriptor holding the swap folder's flock, when it was there already
-        # episodes/'s folders as first listed under the lock (_episode_folders): the write check's and the stale
-        # temporaries' cleanup's, one listing for both; forgotten by that cleanup and by close()
-        self._episode_folders_listed: list[tuple[Path, bool]] | None = None
         # (run.json's and episodes.jsonl's signatures as the last read_info() found them before reading, a copy of
         # what it read): read_info_again() gives it back while neither file changed
         self._last_read: tuple[tuple[Any, ...], dict[str, Any]] | None = None
@@ -469,21 +466,14 @@ class RunFolder:
         folders = [self.root, self.root / PREVIEWS_DIR, self.root / SWAP_DIR, episodes]  # .swap: kept.json's
         if episodes.is_dir():
             folders += [folder for folder, _ in self._episode_folders()]
-        self._episode_folders_listed = None  # the run adds folders from here on: a later listing lists them again
         return [path for folder in folders for path in remove_temporaries(folder, older_than_s=0)]
 
     def _episode_folders(self) -> list[tuple[Path, bool]]:
-        """The folders in episodes/ (links to one among them), sorted, each with whether it is a link; raises what
-        listing it raises. Listed once while this process holds the lock, when no other process changes them: for
-        :meth:`lock`'s write check, then a resume's :meth:`remove_stale_temporaries` (each listed it, with a stat or
-        two per folder)."""
-        if self._episode_folders_listed is not None and self._lock is not None:
-            return self._episode_folders_listed
-        with os.scandir(self.root / EPISODES_DIR) as entries:  # their types without a stat each (not on a link)
-            folders = sorted((Path(entry.path), entry.is_symlink()) for entry in entries if entry.is_dir())
-        if self._lock is not None:
-            self._episode_folders_listed = folders
-        return folders
+        """The folders in episodes/ (links to one among them), sorted, each with whether it is a link, from one
+        ``scandir`` (no stat a folder); raises what listing it raises. For :meth:`lock`'s write check and
+        :meth:`remove_stale_temporaries`."""
+        with os.scandir(self.root / EPISODES_DIR) as entries:
+            return sorted((Path(entry.path), entry.is_symlink()) for entry in entries if entry.is_dir())
 
     def iter_records(self, go_on: str | None = None) -> Iterator[dict[str, Any]]:
         """Every whole line of results.jsonl, in order, one at a time: a long run's file is never held whole
@@ -829,7 +819,6 @@ class RunFolder:
             self._journal.close()
             self._journal = None
         self._paths = None  # what this process wrote: another process may add or move episodes once it has closed
-        self._episode_folders_listed = None
         if self._lock is not None and not keep_lock:
             os.close(self._lock)  # releases the flock
             self._lock = None

@@ -56,7 +56,7 @@ from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, S
                                    missing_steps, new_episode_folders, other_step_formats, step_number,
                                    step_sha256, unreadable_folder)
 from ardiff_cli.io.run import episode_folder_path
-from ardiff_cli.runtime.errors import ObservationError, as_typed, link_to_nothing, shell_word
+from ardiff_cli.runtime.errors import LOOP_OF_LINKS, ObservationError, as_typed, link_to_nothing, shell_word
 
 # Activity for the idle timer: write_step's temporary file of a step file being written (atomic_write_bytes), and
 # rsync's of one it copies (".step_000001.safetensors.Ab3dE9": "." + name + "." + mkstemp's 6 characters)
@@ -616,7 +616,7 @@ class StepScheduler:
                     link = shell_word(folder / name)
                     # a loop leads nowhere whatever is recorded: "the recording ... never appeared" sent one waiting
                     why = (f"point it at a recording (ln -sfn RECORDING {link}), then"
-                           if _loops(folder / name) else
+                           if dangling.endswith(LOOP_OF_LINKS) else
                            "the recording it links to never appeared while the run watched; once it is there,")
                     self._warn(f"{as_typed(folder / name)} never joined the run: it is {dangling} ({why} run it with "
                                f"{link} as EPISODE in a new --out, or --resume this run)")
@@ -981,15 +981,6 @@ def _holds_something(path: Path) -> bool:
         return any(not name.startswith(".") for name in os.listdir(path))
     except OSError:  # a file (ENOTDIR), gone, or locked
         return False
-
-
-def _loops(path: Path) -> bool:
-    """Whether ``path`` is a link in a loop of links (ELOOP)."""
-    try:
-        os.stat(path)
-    except OSError as exc:
-        return exc.errno == errno.ELOOP
-    return False
 
 
 def _link_inode(path: Path) -> tuple[bool, int | None]:

@@ -274,6 +274,9 @@ _SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxlong, _SHOWN.maxother = 2, 80, 60, 
 _SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 8
 
 
+LOOP_OF_LINKS = "which leads back to itself (a loop of links)"  # how link_to_nothing ends of a loop
+
+
 def link_to_nothing(path: os.PathLike | str) -> str | None:
     """``"a link to TARGET, which does not exist"`` for a link that leads nowhere (a disk not mounted): a path that
     ``ls`` lists, so "not found" of it reads as a false error; None for anything else, or a path this user may not
@@ -285,7 +288,7 @@ def link_to_nothing(path: os.PathLike | str) -> str | None:
                 os.stat(path)
             except OSError as exc:  # exists() says False of a loop too: it was "a link to x, which does not exist"
                 if exc.errno == errno.ELOOP:
-                    return f"a link to {target}, which leads back to itself (a loop of links)"
+                    return f"a link to {target}, {LOOP_OF_LINKS}"
             # A link to a link (OUT/.swap -> scratch -> /mnt/disk/swap): what is missing is the last one's target,
             # not the link that `ls` shows there (it was "a link to scratch, which does not exist")
             if os.path.islink(os.path.join(os.path.dirname(os.fspath(path)), target)):
