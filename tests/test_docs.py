@@ -798,3 +798,84 @@ def test_the_adding_a_pipeline_section_says_how_a_forward_uses_the_kv_state_with
     assert [name for name in named if not callable(getattr(ARDiffusionKVState, name, None))] == []
     attends = set(re.findall(r"`ctx\.(\w+)\(", section))
     assert "attend" in attends and all(callable(getattr(ARDiffusionLayerContext, n, None)) for n in attends)
+
+
+def test_every_field_of_every_runtime_event_is_named_in_its_readme_entry():
+    """A JSON consumer of the events (``--format json`` lines, a subscriber's ``to_dict()``) reads their fields by
+    name: each field of each event is named in that event's entry of the README's list (or, for ``time`` and
+    ``session_id``, in the line above it, which says which events lack ``session_id``)."""
+    import dataclasses
+
+    from ardiff_cli.runtime import events
+
+    section = _section((REPO / "README.md").read_text(), "Each event is a frozen dataclass", "**Threads.**")
+    intro, _, entries = section.partition("\n- ")
+    entry = {re.match(r"`(\w+)`", part).group(1): part for part in ("- " + entries).split("\n- ")[1:]}
+    classes = [cls for cls in vars(events).values()
+               if isinstance(cls, type) and issubclass(cls, events.RuntimeEvent) and cls is not events.RuntimeEvent]
+    fields = {cls.kind: {f.name for f in dataclasses.fields(cls)} for cls in classes}
+    missing = [f"{kind}.{name}" for kind, names in fields.items() for name in sorted(names - {"time", "session_id"})
+               if not _named(name, entry.get(kind, ""))]
+    missing += [name for name in ("kind", "time", "session_id") if not _named(name, intro)]
+    assert missing == []
+    without = re.search(r"all but (.*?)\s+have", intro, re.S)
+    without_session = set(re.findall(r"`(\w+)`", without.group(1) if without else ""))
+    assert without_session == {kind for kind, names in fields.items() if "session_id" not in names}
+
+
+def test_every_kind_and_field_of_the_rollouts_own_json_lines_is_in_the_readme(cli_env, tmp_path):
+    """The `--format json` lines `rollout` writes of its own (not the runtime's events, the summary or an error
+    object): each kind, and each field, of a real run that replays sessions (one resident, no swap) is named in the
+    README's `--format json` bullet, so a script matching on `kind` meets no line the README never mentions."""
+    import json
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from ardiff_cli.io import write_episode
+    from ardiff_cli.runtime import events
+
+    for name in ("a", "b"):
+        write_episode(tmp_path / "eps" / name, [{"conditioning": np.zeros(8, np.float32)}] * 3, prompt="p")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "causal-world-tiny", "eps", "-o", "run",
+                           "--no-warmup", "--session-capacity", "1", "--swap-space", "0", "--format", "json"],
+                          cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    runtime = {cls.kind for cls in vars(events).values()
+               if isinstance(cls, type) and issubclass(cls, events.RuntimeEvent)}
+    own = [line for line in map(json.loads, proc.stdout.splitlines())
+           if line["kind"] not in runtime | {"summary"} and "exit_code" not in line]
+    assert {line["kind"] for line in own} == {"step", "episode", "replay"}
+    bullet = _section((REPO / "README.md").read_text(), "\n- `--format json` on stdout", "\n- `summary.json`")
+    step_fields = set(json.loads((tmp_path / "run" / "results.jsonl").read_text().splitlines()[0]))
+    missing = {line["kind"] for line in own if f'"kind": "{line["kind"]}"' not in bullet}
+    missing |= {f"{line['kind']}.{key}" for line in own for key in set(line) - {"kind"} - step_fields
+                if not _named(key, bullet)}
+    assert sorted(missing) == []
+
+
+def test_every_option_row_of_the_readme_gives_the_default_its_help_gives():
+    """`--help` gives each option's default (`[default: the config's, else float32]`); a README row without one
+    (`--dtype`, `--gpu-memory-fraction`, `--format` said none) left a reader of the README to guess. Each row says
+    `default`, and where the help's default falls back to a value (`..., else 0.9`), that value."""
+    readme = (REPO / "README.md").read_text()
+    commands_section = _section(readme, "## Commands", "\n## Observation files") + "\n#"
+    shared = commands_section.partition("\n### ")[0]
+    group = typer.main.get_command(app)
+    problems = []
+    for name, command in group.commands.items():
+        rows = [row for row in (shared + _section(commands_section, f"### `ardiff {name}", "\n#")).splitlines()
+                if row.startswith("| `")]
+        for param in command.params:
+            shown = re.search(r"\\?\[default: (.*?)\]$", param.help or "")
+            if param.param_type_name != "option" or not (shown or param.show_default is True):
+                continue
+            value = shown.group(1) if shown else str(getattr(param.default, "value", param.default))
+            fallback = re.sub(r" \(.*", "", value.rpartition(", else ")[2]) if ", else " in value else None
+            if param.show_default is True and not shown and isinstance(param.default, bool):
+                continue  # a flag: off unless given
+            row = next((row for row in rows if _mentioned(param.opts[0], row.split(" | ")[0])), "")
+            if "default" not in row.lower() or (fallback and fallback not in row) or (not shown and value not in row):
+                problems.append(f"ardiff {name} {param.opts[0]}: help says [default: {value}]")
+    assert sorted(set(problems)) == []
