@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
+from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec, as_int, as_scalar
 from ardiff_cli.runtime.errors import CheckpointError, ObservationError
 from ardiff_cli.runtime.observation import ObservationSchema, validate_observation
 from ardiff_cli.runtime.request import ARDiffusionRequest
@@ -255,11 +255,12 @@ class ARPipeline(abc.ABC):
 
     def _seed_and_observation(self, inputs: dict[str, Any], schema: ObservationSchema) -> tuple[int, dict[str, Any]]:
         """The request's noise ``seed`` (default: the config's) and its other inputs validated against ``schema``."""
-        seed = inputs.get("seed", self.config.seed)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ObservationError(f"request inputs: 'seed' must be a non-negative integer, got {seed!r}")
+        given = inputs.get("seed", self.config.seed)
+        seed = as_int(as_scalar(given))  # numpy's integers and a 0-d integer tensor too, never a bool, as the config's
+        if seed is None or seed < 0:
+            raise ObservationError(f"request inputs: 'seed' must be a non-negative integer, got {given!r}")
         obs = validate_observation(schema, {k: v for k, v in inputs.items() if k != "seed"}, where="request inputs")
-        return int(seed), obs
+        return seed, obs
 
     def _text_kv(self, prompt: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The text cross-attention cache of ``prompt``: one (k, v) per layer, lazily."""

@@ -11,16 +11,20 @@ names the field, what was expected and what was given.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import numbers
+import sys
 import typing
+import warnings
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
+from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec, as_scalar
 from ardiff_cli.runtime.capacity import MAX_SESSIONS
-from ardiff_cli.runtime.errors import ConfigError, did_you_mean, field_error, shown, yaml_key_note
+from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError, did_you_mean, field_error, shown, yaml_key_note
 
 C = TypeVar("C")
 
@@ -58,36 +62,40 @@ def derive(config: object, name: str, value: object) -> None:
 
 
 def _coerce(name: str, hint: Any, value: Any) -> Any:
-    """``value`` as the type ``hint`` names, or ``InvalidField``. YAML gives ints for floats and lists for tuples."""
+    """``value`` as the type ``hint`` names, or ``InvalidField``. YAML gives ints for floats and lists for tuples; a
+    config built in Python may give numpy's numbers or a 0-d tensor (``torch.tensor(7.5)``, ``np.True_``): each is
+    the plain value it holds (``as_scalar``), then checked as that value is. An error shows the value given."""
+    given, value = value, as_scalar(value)
     if hint is bool:
-        require(isinstance(value, bool), name, "true or false", value)
+        require(isinstance(value, bool), name, "true or false", given)
         return value
     if hint is int:
-        # numpy's integers too (a Config built in Python from np.arange), as the plain int YAML gives: JSON-able
-        require(isinstance(value, numbers.Integral) and not isinstance(value, bool), name, "an integer", value)
+        # JSON-able, as the plain int YAML gives: a numpy integer made json.dumps of a checkpoint's metadata fail
+        require(isinstance(value, numbers.Integral) and not isinstance(value, bool), name, "an integer", given)
         value = int(value)
         # Every int here but the seed (checked in __post_init__) becomes a torch size, an int64: a larger one
         # failed in torch as "the pipeline's code failed", far from the config.
-        require(name == "seed" or abs(value) < 1 << 63, name, "an integer below 2**63", value)
+        require(name == "seed" or abs(value) < 1 << 63, name, "an integer below 2**63", given)
         return value
     if hint is float:
-        require(isinstance(value, numbers.Real) and not isinstance(value, bool), name, "a number", value)
+        require(isinstance(value, numbers.Real) and not isinstance(value, bool), name, "a number", given)
         # .inf, .nan and an int beyond float's range would reach the sampler as inf or NaN (or not convert at all)
         try:
             number = float(value)
         except OverflowError:
             number = math.inf
-        require(math.isfinite(number), name, "a finite number", value)
+        require(math.isfinite(number), name, "a finite number", given)
         return number
     if hint is str:
-        require(isinstance(value, str), name, "a string", value)
+        require(isinstance(value, str), name, "a string", given)
         return value
     if typing.get_origin(hint) is tuple:
         (item, *_rest) = typing.get_args(hint)
-        kind = {int: numbers.Integral, float: numbers.Real}.get(item, item)  # numpy's numbers too, as above
-        ok = isinstance(value, (list, tuple)) and all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
-        require(ok, name, f"a list of {item.__name__}s", value)
-        return tuple(item(v) for v in value)
+        kind = {int: numbers.Integral, float: numbers.Real}.get(item, item)
+        items = [as_scalar(v) for v in value] if isinstance(value, (list, tuple)) else None
+        ok = items is not None and all(isinstance(v, kind) and not isinstance(v, bool) for v in items)
+        require(ok, name, f"a list of {item.__name__}s", given)
+        return tuple(item(v) for v in items)
     raise AssertionError(f"config field {name!r} has an unsupported type {hint!r}; extend _coerce")
 
 
@@ -95,6 +103,36 @@ def init_fields(cls: type) -> dict[str, Any]:
     """Settable field name -> resolved type."""
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def checked_fields(cls: type) -> dict[str, Any]:
+    """Settable field name -> resolved type, of each field whose annotation resolves at run time. One that does not
+    (``weights: Path | None``, ``Path`` imported under ``TYPE_CHECKING``; a typo) made ``typing.get_type_hints``
+    fail for the whole class, and only BackboneConfig's fields were checked: each field is resolved alone then, as
+    ``get_type_hints`` would (in its declaring class's module and class namespace), and each one that does not
+    resolve is an ``ArdiffWarning``, once per class, naming it: its value is kept unchecked."""
+    try:
+        return init_fields(cls)
+    except Exception:  # NameError mostly; AttributeError for `np.floaty`, TypeError for `int | 'Later'`
+        pass
+    hints: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        owner = next(k for k in cls.__mro__ if f.name in inspect.get_annotations(k))  # the last declaration's class
+        module = vars(sys.modules[owner.__module__]) if owner.__module__ in sys.modules else {}
+        try:  # evaluated as get_type_hints does, field by field: the module's names first, then the class's
+            hints[f.name] = eval(f.type, dict(vars(owner)), module) if isinstance(f.type, str) else f.type
+        except Exception as exc:
+            if cls not in _WARNED_UNRESOLVED:
+                warnings.warn(f"{cls.__module__}.{cls.__qualname__}: field {f.name!r} (annotation {f.type!r}) is not "
+                              f"checked when the config is built: its annotation does not resolve at run time ({exc})",
+                              ArdiffWarning, stacklevel=4)  # here, __post_init__, the dataclass's __init__, its caller
+    _WARNED_UNRESOLVED.add(cls)
+    return hints
+
+
+_WARNED_UNRESOLVED: weakref.WeakSet[type] = weakref.WeakSet()  # classes whose unresolved fields were warned of
 
 
 def derived_fields(cls: type) -> tuple[str, ...]:
@@ -105,7 +143,8 @@ def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str, prese
     """Build ``cls`` from a mapping: an optional ``preset`` first, then explicit keys on top of it."""
     if not isinstance(data, Mapping):
         raise field_error(where, "model", "a mapping", data)
-    settable = init_fields(cls)
+    settable = [f.name for f in dataclasses.fields(cls) if f.init]
+    hints = checked_fields(cls)  # a field whose annotation does not resolve is taken as given, as __post_init__ does
     values: dict[str, Any] = {}
     preset = data.get("preset")
     if preset is not None:
@@ -131,7 +170,7 @@ def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str, prese
                 hint=f"valid keys: preset, {', '.join(settable)}",
             )
         try:
-            values[key] = _coerce(key, settable[key], value)
+            values[key] = _coerce(key, hints[key], value) if key in hints else value
         except InvalidField as exc:
             raise field_error(where, f"model.{exc.name}", exc.expected, exc.got) from None
     try:
@@ -192,11 +231,7 @@ class BackboneConfig:
         # Built in Python (Config(guidance_scale="5"), dataclasses.replace), not by from_dict: each field of a plain
         # type checked and converted as from_dict's are. A float size reached torch (empty(): must be tuple of ints),
         # a quoted number failed the range checks below as a TypeError, and True passed as 1 (guidance off).
-        try:
-            hints = init_fields(type(self))
-        except NameError:  # a subclass's annotation naming what only type checkers import: check the fields shared
-            hints = init_fields(BackboneConfig)
-        for name, hint in hints.items():
+        for name, hint in checked_fields(type(self)).items():
             if hint in (bool, int, float, str) or typing.get_origin(hint) is tuple:
                 derive(self, name, _coerce(name, hint, getattr(self, name)))
         for name in ("dim", "ffn_dim", "freq_dim", "num_heads", "num_layers", "latent_channels", "height", "width",

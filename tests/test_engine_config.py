@@ -142,6 +142,34 @@ def test_numpy_numbers_are_accepted_as_the_gpu_memory_fraction_and_stored_as_a_f
             plan_capacity(spec, "float32", 64 << 20, bad)
 
 
+@pytest.mark.parametrize(("key", "value", "expected"), [
+    ("session_capacity", torch.tensor(2), 2),
+    ("session_capacity", np.array(2), 2),
+    ("num_threads", torch.tensor(1, dtype=torch.int32), 1),
+    ("memory_budget", torch.tensor(64 << 20), 64 << 20),
+    ("gpu_memory_fraction", torch.tensor(0.5), 0.5),
+    ("gpu_memory_fraction", np.array(0.25, dtype=np.float32), 0.25),
+], ids=["session_capacity_tensor", "session_capacity_numpy_0d", "num_threads_int32", "memory_budget",
+        "gpu_memory_fraction_tensor", "gpu_memory_fraction_numpy_0d"])
+def test_a_runtime_setting_given_as_a_0d_tensor_is_the_number_it_holds(key, value, expected):
+    """``from_config(session_capacity=...)`` took numpy's numbers but refused a 0-d tensor or numpy array
+    ('expected a positive integer, got tensor(2)'): each is the plain number it holds, as a Config's fields are."""
+    runtime = load_config("causal-world-tiny").with_runtime(**{key: value}).runtime
+    assert getattr(runtime, key) == expected and type(getattr(runtime, key)) is type(expected)
+
+
+@pytest.mark.parametrize(("key", "value", "expected"), [
+    ("session_capacity", torch.tensor(2.0), "a positive integer"),  # as 2.0 is
+    ("session_capacity", torch.tensor([2]), "a positive integer"),
+    ("num_threads", torch.tensor(True), "a positive integer"),
+    ("memory_budget", torch.tensor(1.5), "a byte size"),
+    ("gpu_memory_fraction", torch.tensor([0.5]), "a number in"),
+], ids=["float_tensor_for_int", "tensor_1d", "bool_tensor", "fraction_tensor_for_bytes", "tensor_1d_fraction"])
+def test_a_runtime_setting_given_as_a_tensor_that_holds_no_such_number_is_refused(key, value, expected):
+    with pytest.raises(ConfigError, match=rf"field 'runtime.{key}': expected {expected}.*, got tensor"):
+        load_config("causal-world-tiny").with_runtime(**{key: value})
+
+
 def test_public_surface_resolves_lazily():
     import subprocess
     import sys

@@ -289,3 +289,24 @@ def test_text_padding_positions_are_zero():
     pipe = causal_world()
     states = pipe.text_encoder("hi")  # 2 bytes + EOS, the rest padding
     assert states[3:].abs().sum() == 0 and states[:3].abs().sum() > 0
+
+
+@pytest.mark.parametrize("seed", [np.int64(3), np.array(3), torch.tensor(3), torch.tensor(3, dtype=torch.uint8)],
+                         ids=["numpy_int", "numpy_0d_array", "tensor", "tensor_uint8"])
+def test_a_request_seed_given_as_a_0d_tensor_or_numpy_scalar_is_the_integer_it_holds(seed):
+    """A request's noise seed taken from a tensor (``torch.randint(...)[i]``) or a 0-d numpy array was refused as
+    "'seed' must be a non-negative integer, got tensor(3)": it is the integer it holds, as a config's seed is."""
+    driver = Driver(causal_world(), num_sessions=2)
+    plain = driver.run("a", {"prompt": "a boat on a lake", "seed": 3})["latents"]
+    assert torch.equal(driver.run("b", {"prompt": "a boat on a lake", "seed": seed})["latents"], plain)
+
+
+@pytest.mark.parametrize("seed", [torch.tensor(3.0), torch.tensor([3]), np.array([3]), np.bool_(True),
+                                  torch.tensor(True), torch.tensor(-1), 3.0],
+                         ids=["float_tensor", "tensor_1d", "numpy_1d", "numpy_bool", "tensor_bool", "negative",
+                              "float"])
+def test_a_request_seed_that_holds_no_non_negative_integer_is_refused_naming_it(seed):
+    driver = Driver(causal_world())
+    with pytest.raises(ObservationError, match=r"^request inputs: 'seed' must be a non-negative integer, got "):
+        driver.run("a", {"prompt": "a boat on a lake", "seed": seed})
+    assert driver.cache.num_free_pages == driver.cache.num_managed_pages

@@ -11,7 +11,7 @@ import yaml
 import pipelines.causal_world as causal_world
 import pipelines.dreamzero as dreamzero
 from ardiff_cli.runtime.config import builtin_configs, load_config
-from ardiff_cli.runtime.errors import ConfigError
+from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError
 from pipeline_helpers import CONFIGS, REPO
 
 
@@ -286,6 +286,165 @@ def test_a_config_subclass_whose_annotations_name_what_only_type_checkers_import
     assert (geometry.dim, geometry.num_layers, geometry.weights) == (80, 3, None)
     with pytest.raises(InvalidField, match=r"^field 'num_layers': expected an integer, got 2.0"):
         namespace["Geometry"](num_layers=2.0)
+
+
+def _scalars():
+    """(id, pipeline, field, value given, the plain value the config keeps): each built a config only as a plain
+    number, and was refused as 'expected a number, got tensor(7.5000)' (or np.True_ as 'true or false')."""
+    import numpy as np
+    import torch
+
+    return [
+        ("tensor_float", dreamzero, "guidance_scale", torch.tensor(7.5), 7.5),
+        ("tensor_int_for_float", dreamzero, "timestep_shift", torch.tensor(3), 3.0),
+        ("tensor_float16", dreamzero, "guidance_scale", torch.tensor(2.5, dtype=torch.float16), 2.5),
+        ("tensor_requires_grad", dreamzero, "guidance_scale", torch.tensor(7.5, requires_grad=True), 7.5),
+        ("parameter", dreamzero, "timestep_shift", torch.nn.Parameter(torch.tensor(4.0)), 4.0),
+        ("tensor_int", dreamzero, "num_layers", torch.tensor(3), 3),
+        ("tensor_uint8", dreamzero, "dim", torch.tensor(64, dtype=torch.uint8), 64),
+        ("tensor_bool", dreamzero, "reset_at_window", torch.tensor(False), False),
+        ("numpy_bool", dreamzero, "reset_at_window", np.bool_(False), False),
+        ("numpy_bool_true", causal_world, "qk_norm", np.True_, True),
+        ("numpy_0d_array", causal_world, "timestep_shift", np.array(2.5), 2.5),
+        ("numpy_0d_int_array", causal_world, "cond_dim", np.array(0), 0),
+        ("tensor_seed", causal_world, "seed", torch.tensor(2**62), 2**62),
+        ("tuple_of_tensors", causal_world, "denoising_timesteps", [torch.tensor(1000), np.int64(500), np.array(250)],
+         (1000, 500, 250)),
+    ]
+
+
+@pytest.mark.parametrize(("module", "name", "value", "plain"), [case[1:] for case in _scalars()],
+                         ids=[case[0] for case in _scalars()])
+def test_a_config_built_in_python_takes_a_0d_tensor_or_numpy_scalar_as_the_number_it_holds(module, name, value,
+                                                                                          plain):
+    """A scale read back from a tensor (a sweep's ``torch.linspace``, a learned value) or a numpy 0-d array is an
+    honest number, and a numpy bool (``np.True_`` from a mask) a bool: each is kept as the plain value it holds
+    (``.item()``), its type the field's, so ``to_dict`` (a checkpoint's metadata) stays JSON. The rule after that is
+    the plain number's: a float tensor for an int field is refused as 64.0 is (below)."""
+    import dataclasses
+    import json
+
+    config = module.Config(**{name: value})
+    expected = module.Config(**{name: plain})
+    assert config == expected and type(getattr(config, name)) is type(getattr(expected, name))
+    assert [type(item) for item in getattr(config, name)] == [int] * 3 if isinstance(plain, tuple) else True
+    json.dumps(config.to_dict())
+    model = load_config(f"{module.__name__.rpartition('.')[2].replace('_', '-')}-tiny").model
+    assert dataclasses.replace(model, **{name: value}) == dataclasses.replace(model, **{name: plain})
+
+
+def _not_numbers():
+    """(id, field, value, what the error says was expected): what holds no one number of the field's kind."""
+    import numpy as np
+    import torch
+
+    return [
+        ("tensor_1d", "guidance_scale", torch.tensor([7.5]), "a number"),
+        ("numpy_1d", "guidance_scale", np.array([7.5]), "a number"),
+        ("tensor_fraction_for_int", "num_layers", torch.tensor(2.5), "an integer"),
+        ("tensor_float_for_int", "num_layers", torch.tensor(3.0), "an integer"),  # as 3.0 is
+        ("numpy_bool_for_int", "num_layers", np.bool_(True), "an integer"),
+        ("tensor_bool_for_float", "guidance_scale", torch.tensor(True), "a number"),
+        ("tensor_int_for_bool", "reset_at_window", torch.tensor(1), "true or false"),
+        ("tensor_complex", "guidance_scale", torch.tensor(7.5 + 1j), "a number"),
+        ("tensor_nan", "guidance_scale", torch.tensor(float("nan")), "a finite number"),
+        ("tensor_for_tuple", "patch_size", torch.tensor([1, 2, 2]), "a list of ints"),
+        ("meta_tensor", "guidance_scale", torch.tensor(7.5, device="meta"), "a number"),  # holds no value
+    ]
+
+
+@pytest.mark.parametrize(("name", "value", "expected"), [case[1:] for case in _not_numbers()],
+                         ids=[case[0] for case in _not_numbers()])
+def test_a_config_built_in_python_refuses_a_tensor_that_holds_no_number_of_the_fields_kind(name, value, expected):
+    from pipelines.config import InvalidField
+
+    with pytest.raises(InvalidField, match=rf"^field '{name}': expected {expected}, got (tensor|array|np)"):
+        dreamzero.Config(**{name: value})
+
+
+LAB_GEOMETRY = '''\
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pipelines.config import BackboneConfig
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+Seconds = float  # an alias of the module's
+
+
+@dataclass(frozen=True)
+class Geometry(BackboneConfig):
+    dim: int = 80
+    num_heads: int = 2
+    weights: Path | None = None  # resolves only for a type checker
+    rank: int = 4
+    frame_time: Seconds = 0.1
+    tags: tuple[str, ...] = ()
+'''
+
+
+@pytest.fixture
+def lab_geometry(tmp_path, monkeypatch):
+    import importlib
+
+    (tmp_path / "lab_geometry.py").write_text(LAB_GEOMETRY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "lab_geometry", raising=False)
+    return importlib.import_module("lab_geometry").Geometry
+
+
+@pytest.mark.parametrize(("name", "value", "expected"), [
+    ("rank", 2.5, "an integer"),
+    ("rank", "4", "an integer"),
+    ("frame_time", "0.1", "a number"),  # a module alias: resolved in the module's namespace
+    ("frame_time", True, "a number"),
+    ("tags", "ab", "a list of strs"),
+    ("num_layers", 2.0, "an integer"),  # inherited, checked before too
+])
+def test_a_config_subclass_with_an_unresolvable_annotation_checks_its_other_fields(lab_geometry, name, value,
+                                                                                  expected):
+    """One annotation that resolves only for a type checker (``weights: Path | None``, Path imported under
+    TYPE_CHECKING) made ``typing.get_type_hints`` fail for the whole class, and only the fields inherited from
+    BackboneConfig were checked: the subclass's own ``rank=2.5`` built. Each field is resolved alone now."""
+    from pipelines.config import InvalidField
+
+    with pytest.raises(InvalidField, match=rf"^field '{name}': expected {expected}, got "):
+        lab_geometry(**{name: value})
+
+
+def test_a_config_subclass_with_an_unresolvable_annotation_warns_once_naming_what_is_not_checked(lab_geometry):
+    import numpy as np
+
+    with pytest.warns(ArdiffWarning) as warned:
+        geometry = lab_geometry(rank=np.int64(3), frame_time=np.float32(0.5), tags=["a"])
+    assert [str(w.message) for w in warned] == [
+        "lab_geometry.Geometry: field 'weights' (annotation 'Path | None') is not checked when the config is built: "
+        "its annotation does not resolve at run time (name 'Path' is not defined)"]
+    assert (geometry.rank, geometry.frame_time, geometry.tags) == (3, 0.5, ("a",))
+    assert (type(geometry.rank), type(geometry.frame_time)) == (int, float)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per class: a sweep builds thousands
+        lab_geometry(rank=5).replace(rank=6)
+
+
+def test_a_config_subclass_with_an_unresolvable_annotation_is_read_from_yaml_checking_its_other_fields(lab_geometry):
+    """``config_from_dict`` (a pipeline's ``Config.from_dict``, the YAML's ``model:``) resolved every annotation at
+    once too: such a subclass failed to load with the NameError ("name 'Path' is not defined"), whatever the YAML."""
+    from pipelines.config import config_from_dict
+
+    with pytest.warns(ArdiffWarning, match="field 'weights'"):
+        geometry = config_from_dict(lab_geometry, {"rank": 3, "frame_time": 1, "weights": "w.safetensors"},
+                                    where="lab.yaml", presets={})
+    assert (geometry.rank, geometry.frame_time, geometry.weights) == (3, 1.0, "w.safetensors")
+    assert type(geometry.frame_time) is float
+    with pytest.raises(ConfigError, match=r"^lab.yaml: field 'model.rank': expected an integer, got 2.5"):
+        config_from_dict(lab_geometry, {"rank": 2.5}, where="lab.yaml", presets={})
 
 
 @pytest.mark.parametrize("name", sorted(builtin_configs()))

@@ -31,6 +31,18 @@ def as_int(value: object) -> int | None:
     return None
 
 
+def as_scalar(value: object) -> object:
+    """The Python number (or bool) a numpy scalar or a 0-d numpy array or torch tensor holds (``.item()``:
+    ``torch.tensor(7.5)`` is 7.5, ``np.True_`` True, whatever its device or ``requires_grad``); any other value,
+    a 1-d tensor or one that holds no value (on the meta device) included, as it is. Without importing torch."""
+    if type(value).__module__.partition(".")[0] not in ("numpy", "torch") or getattr(value, "ndim", None) != 0:
+        return value
+    try:
+        return value.item()  # type: ignore[attr-defined]
+    except (RuntimeError, ValueError):  # a meta tensor: "Tensor.item() cannot be called on meta tensors"
+        return value
+
+
 def _require_int(field: str, value: Any, *, minimum: int) -> int:
     """``value`` as a plain int (a numpy integer too: the contract only compares these fields, so a geometry
     computed with numpy is valid); ``ValueError`` naming ``field`` unless it is an integer >= ``minimum``."""

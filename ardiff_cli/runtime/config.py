@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
+from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec, as_scalar
 from ardiff_cli.runtime.capacity import (MAX_BYTE_SIZE_TEXT, MAX_SESSIONS, MODEL_DTYPES, as_fraction, as_int,
                                         model_dtype_name, parse_bytes, split_unit_hint)
 from ardiff_cli.runtime.errors import (
@@ -145,25 +145,25 @@ def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
             raise field_error(where, field, " | ".join(MODEL_DTYPES), value)
         return name
     if key == "session_capacity":
-        number = as_int(value)  # numpy's integers too, never a bool
+        number = as_int(as_scalar(value))  # numpy's integers and a 0-d integer tensor too, never a bool
         if number is None or not 1 <= number <= MAX_SESSIONS:
             raise field_error(where, field, f"a positive integer up to {MAX_SESSIONS}", value)
         return number
     if key == "gpu_memory_fraction":
-        fraction = as_fraction(value)  # numpy's numbers too, never a bool
+        fraction = as_fraction(as_scalar(value))  # numpy's numbers and a 0-d tensor too, never a bool
         if fraction is None:
             raise field_error(where, field, "a number in (0, 1]", value)
         return fraction
     if key == "memory_budget":
         try:
-            return parse_bytes(value)
+            return parse_bytes(as_scalar(value))  # type: ignore[arg-type]
         except ConfigError as exc:  # past 16EiB it is a byte size still, one too large: the message says so
             expected = (f"a byte size of at most {MAX_BYTE_SIZE_TEXT}" if MAX_BYTE_SIZE_TEXT in str(exc)
                         else "a byte size such as 536870912 or '512MiB'")
             raise field_error(where, field, expected, value) from None
     if key == "num_threads":
         # torch starts that many OpenMP threads: 100000 exhausts the host, 10**30 does not fit its int.
-        number = as_int(value)
+        number = as_int(as_scalar(value))
         if number is None or not 1 <= number <= MAX_THREADS:
             raise field_error(where, field, f"a positive integer up to {MAX_THREADS} (CPU threads) or null", value)
         return number
