@@ -17,7 +17,10 @@ writes what was not shown to the terminal, then copies the pipe there until its 
 this process) closes it. It runs in a session of its own, so a typed Ctrl-C or a hangup does not stop it first.
 
 At the display's end descriptor 2 is the terminal again, and the relay sends what the pipe still holds, to be shown
-above the display; what a child still running writes to the pipe after that goes to the terminal as it is.
+above the display; what a child still running writes to the pipe after that goes to the terminal as it is. No wait
+on the relay is unbounded: one stopped (``kill -STOP``, a debugger) or starved costs the display's end
+``TIMEOUT_S`` once, and where it cannot start (a frozen executable: ``sys.executable`` is no Python) there is no
+relay, and descriptor 2 stays as it was.
 """
 
 from __future__ import annotations
@@ -34,13 +37,20 @@ from typing import Any
 
 _ACK = struct.Struct("<Q")  # to the relay: a count of bytes shown, or STOP
 STOP = 2**64 - 1  # the display ends: descriptor 2 is the terminal again, send what the pipe still holds and close
+HELLO = b"R"  # from the relay, before anything it read: it runs (a frozen executable's own CLI would not send it)
+TIMEOUT_S = 5  # the longest wait for the relay, to start or to finish: it replies within milliseconds when it runs
+_OUTLIVING: list[subprocess.Popen[bytes]] = []  # relays not yet ended at close(): polled (reaped) by the next
 
-# The relay, run as `python -I -S -c`: fd 0 the pipe, fd 1 its end of the socket pair, fd 2 the terminal.
+# The relay, run as `python -I -S -c CODE FD`: fd 0 the pipe, fd 1 its end of the socket pair, fd 2 /dev/null until it
+# runs (what an executable that is no Python says of its arguments is not shown), then FD, the terminal.
 _RELAY = r"""
-import os, select, socket, struct
+import os, select, socket, struct, sys
 ACK, STOP = struct.Struct("<Q"), %d
+os.dup2(int(sys.argv[1]), 2)
+os.close(int(sys.argv[1]))
 sock = socket.socket(fileno=os.dup(1))
 os.close(1)
+sock.sendall(%r)
 pending = bytearray()  # read from the pipe, not yet sent
 unacked = bytearray()  # sent, not yet shown by the parent
 acks = bytearray()
@@ -116,7 +126,7 @@ while pipe_open or not direct:
         to_terminal(unacked + pending)
         unacked.clear(), pending.clear()
         direct = True
-""" % (STOP,)
+""" % (STOP, HELLO)
 
 
 def _from_environ(name: str, measured: int) -> int:
@@ -128,27 +138,49 @@ def _from_environ(name: str, measured: int) -> int:
 class StderrRelay:
     """Descriptor 2 relayed to ``show`` (see the module) from construction to :meth:`stop`; ``terminal``, a text
     stream on what descriptor 2 was (the terminal), is where the display and ``show`` write meanwhile. Raises
-    ``OSError`` where the relay cannot start (no descriptors left), with descriptor 2 left as it was."""
+    ``OSError`` where the relay cannot start (no descriptors left, a frozen executable, ``sys.executable`` no Python
+    or too slow to say HELLO within ``TIMEOUT_S``), with descriptor 2 left as it was."""
 
     def __init__(self, show: Callable[[str], None], encoding: str, errors: str | None) -> None:
+        if getattr(sys, "frozen", False):  # PyInstaller and the like: sys.executable is this program, not Python
+            raise OSError(f"no stderr relay in a frozen executable ({sys.executable})")
         self._show = show  # prints text above the display; called from the reader thread
         self._saved = os.dup(2)  # the terminal: the relay's stderr, and descriptor 2 again at stop
         self.terminal = open(self._saved, "w", encoding=encoding, errors=errors or "strict", closefd=False)
         self._decoder = codecs.getincrementaldecoder(encoding)(errors="backslashreplace")
         read_end, write_end = os.pipe()
         mine, theirs = socket.socketpair()
+        relay = None
         try:
-            self._relay = subprocess.Popen([sys.executable, "-I", "-S", "-c", _RELAY], stdin=read_end,
-                                           stdout=theirs.fileno(), stderr=self._saved, start_new_session=True)
+            relay = subprocess.Popen([sys.executable, "-I", "-S", "-c", _RELAY, str(self._saved)], stdin=read_end,
+                                     stdout=theirs.fileno(), stderr=subprocess.DEVNULL, pass_fds=(self._saved,),
+                                     start_new_session=True)
+            theirs.close()
+            mine.settimeout(TIMEOUT_S)
+            try:
+                hello = mine.recv(len(HELLO))
+            except TimeoutError:
+                hello = b""
+            if hello != HELLO:
+                raise OSError(f"the stderr relay did not start: {sys.executable} -I -S -c ... sent {hello!r}, "
+                              f"not {HELLO!r} (no Python?)")
+            mine.settimeout(None)
         except BaseException:
+            if relay is not None:  # not a relay, or one too slow: gone, and reaped
+                relay.kill()
+                relay.wait()
             os.close(write_end)
+            os.close(read_end)
             mine.close()
             self.terminal.close()
             os.close(self._saved)
             raise
         finally:
-            os.close(read_end)
             theirs.close()
+        self._relay = relay
+        # what the pipe holds where the relay stops answering (``stop``) or is killed (``_read``): read and shown
+        # here, then closed; until then a write to descriptor 2 never fails for want of a reader (EPIPE)
+        self._pipe = read_end
         self._sock = mine  # from the relay: what it read; to it: acknowledgements, then STOP
         # the reader acknowledges while stop() sends STOP; and it puts descriptor 2 back (a relay killed) only before
         # stop() or close() does (``_stopped``): after close() ``_saved`` may be another file's number
@@ -177,9 +209,27 @@ class StderrRelay:
                 self._ack(received, acked)  # the display's end shows the line left unfinished
             except OSError:  # the relay was killed: what it held is lost with it
                 pass
-        with self._send_lock:  # a relay killed left descriptor 2 a pipe nobody reads: each write failed (EPIPE), a
-            if not self._stopped and os.path.samestat(os.fstat(2), self._pipe_stat):  # child handed it died of SIGPIPE.
-                os.dup2(self._saved, 2)  # It lands in the display from then on, as with no relay
+        with self._send_lock:  # a relay killed left descriptor 2 a pipe only this process reads (once, each write
+            if not self._stopped and os.path.samestat(os.fstat(2), self._pipe_stat):  # failed: EPIPE, a child handed
+                os.dup2(self._saved, 2)  # it died of SIGPIPE). It lands in the display from then on, as with no
+                self._take_pipe()  # relay, and what the pipe held is shown
+
+    def _take_pipe(self) -> None:
+        """Show what the pipe holds now, read from this process's own read end, and close that end (the relay no
+        longer reads: killed, or stopped). Called once, under ``_send_lock``."""
+        if self._pipe < 0:
+            return
+        data = bytearray()
+        os.set_blocking(self._pipe, False)
+        try:
+            while chunk := os.read(self._pipe, 65536):
+                data += chunk
+        except BlockingIOError:
+            pass
+        os.close(self._pipe)
+        self._pipe = -1
+        if data:
+            self._show(self._decoder.decode(bytes(data), final=True))
 
     def _ack(self, upto: int, acked: int) -> int:
         if upto > acked:
@@ -203,24 +253,40 @@ class StderrRelay:
 
     def stop(self) -> None:
         """Descriptor 2 back to the terminal, once what was written before shows above the display (``terminal``
-        stays open for that: :meth:`close` closes it)."""
+        stays open for that: :meth:`close` closes it). A relay that does not finish within ``TIMEOUT_S``
+        (stopped, starved) is left: what the pipe holds is shown from here, and what the relay read but did not
+        send goes to the terminal if it ever runs again (the socket's end tells it, as a crash of this process)."""
         with self._send_lock:
             self._stopped = True
             os.dup2(self._saved, 2)
-            try:
-                self._sock.sendall(_ACK.pack(STOP))
+            try:  # 8 bytes: never partly sent; a full socket is a relay that reads no more, as a gone one
+                self._sock.send(_ACK.pack(STOP), socket.MSG_DONTWAIT)
             except OSError:  # the relay is gone (killed): the reader has seen the socket's end, or will
                 pass
-        self._thread.join()
+        self._thread.join(TIMEOUT_S)
+        if self._thread.is_alive():
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # the reader's recv returns: it ends
+            except OSError:  # it closed the socket meanwhile
+                pass
+            self._thread.join(TIMEOUT_S)
+            with self._send_lock:
+                self._take_pipe()
 
     def close(self) -> None:
         with self._send_lock:  # stop() may have been cut short (Ctrl-C) before it put descriptor 2 back
             if not self._stopped:
                 self._stopped = True
                 os.dup2(self._saved, 2)
+            if self._pipe >= 0:
+                os.close(self._pipe)
+                self._pipe = -1
         self.terminal.close()
         os.close(self._saved)
-        try:  # it ends as the pipe's last writer closes it: at once, unless a child of this process still holds it
-            self._relay.wait(timeout=1)
-        except subprocess.TimeoutExpired:  # it goes on copying that child's writes to the terminal meanwhile
-            pass
+        # The relay ends as the pipe's last writer closes it: at once, unless a child of this process still holds
+        # it; it goes on copying that child's writes to the terminal meanwhile. Not waited for (a child holding it,
+        # `sleep 30 &` from a pipeline, cost each display's end a second): reaped now if it ended, or by the next
+        # close() here, or none: the process ends
+        if self._relay.poll() is None:
+            _OUTLIVING.append(self._relay)
+        _OUTLIVING[:] = [relay for relay in _OUTLIVING if relay.poll() is None]

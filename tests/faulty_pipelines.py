@@ -61,6 +61,7 @@ import resource
 import shutil
 import signal
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -409,10 +410,12 @@ class StrayDreamZero(DreamZeroPipeline):
     """DreamZero whose forward writes what a live display does not expect, each line naming the request, by the ways
     ``$ARDIFF_TEST_STRAY`` lists (comma-separated): ``warn`` (``warnings.warn``), ``thread_warn`` (``warnings.warn``
     from a thread of its own, which the forward waits for), ``fd2`` (``os.write`` to file descriptor 2, as native
-    code writes: a C library's message, torch's C++ log lines from threads of its own), ``flood`` (in the first
+    code writes: a C library's message, torch's C++ log lines from threads of its own), ``child`` (a child process
+    handed descriptor 2 writes a line there, then holds it 2 s more, past the step), ``flood`` (in the first
     request only, 5000 lines, 100 KiB, more than a pipe holds, in one C call that keeps the GIL) and ``abort`` (in
     request ep_0/000003, a C++ runtime's last words to descriptor 2, then ``abort()``) and ``kill_relay`` (in request
-    ep_0/000001, the relay process that reads descriptor 2 under a live display is killed, as the OOM killer may)."""
+    ep_0/000001, the relay process that reads descriptor 2 under a live display is killed, as the OOM killer may) and
+    ``stop_relay`` (in request ep_0/000001, the relay is stopped, ``kill -STOP``, until this process has exited)."""
 
     def forward(self, request):
         name = request.request_id
@@ -425,27 +428,76 @@ class StrayDreamZero(DreamZeroPipeline):
             thread.join()
         if "fd2" in ways:
             os.write(2, f"stray: fd2 {name}\n".encode())
+        if "child" in ways:  # `cmd 2>&1 &` from a pipeline: a child handed descriptor 2 that outlives the step
+            subprocess.Popen(["sh", "-c", 'echo "stray: child $0" >&2; exec sleep 2', name], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL)
         if "flood" in ways and not getattr(self, "_flooded", False):
             self._flooded = True
             flood = b"".join(b"stray: flood %05d\n" % i for i in range(5000))
             ctypes.PyDLL(None).write(2, flood, len(flood))  # PyDLL: the call keeps the GIL
         if "kill_relay" in ways and name == "ep_0/000001":
             _kill_relay()
+        if "stop_relay" in ways and name == "ep_0/000001":
+            _stop_relay()
         if "abort" in ways and name == "ep_0/000003":
             os.write(2, b"terminate called after throwing an instance of 'stray::Error'\n")
             os.abort()
         return super().forward(request)
 
 
-def _kill_relay() -> None:
-    """SIGKILL this process's stderr relay (``ardiff_cli.stderr_relay``, a child running ``python -I -S -c``), and
-    wait until it is dead (a zombie: its descriptors are closed)."""
+def _relay_pid() -> int:
+    """This process's stderr relay (``ardiff_cli.stderr_relay``, a child running ``python -I -S -c``)."""
     children = [int(pid) for task in os.listdir("/proc/self/task")
                 for pid in Path(f"/proc/self/task/{task}/children").read_text().split()]
     relays = [pid for pid in children if b"\0-I\0-S\0-c\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(relays) == 1, f"not one relay among the children {children}"
+    return relays[0]
+
+
+def _state(pid: int) -> str:
+    """A process's state letter in /proc (R, S, T stopped, Z a zombie)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+# Run apart from the CLI (a session of its own, no terminal): SIGSTOP the relay, SIGCONT it once the CLI (argv[2]) has
+# exited (a zombie, or gone). A CLI that waits on the relay never exits: it is SIGKILLed after 120 s (its exit code
+# says so), and the relay continued, so that the test ends
+_STOP_UNTIL_EXIT = r"""
+import os, signal, sys, time
+from pathlib import Path
+relay, cli = int(sys.argv[1]), int(sys.argv[2])
+os.kill(relay, signal.SIGSTOP)
+deadline = time.monotonic() + 120
+while True:
+    try:
+        if Path(f"/proc/{cli}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+    except FileNotFoundError:
+        break
+    if time.monotonic() > deadline:
+        os.kill(cli, signal.SIGKILL)
+        break
+    time.sleep(0.05)
+os.kill(relay, signal.SIGCONT)
+"""
+
+
+def _stop_relay() -> None:
+    """SIGSTOP this process's stderr relay until this process has exited (``_STOP_UNTIL_EXIT``); return once it is
+    stopped."""
+    relay = _relay_pid()
+    subprocess.Popen([sys.executable, "-c", _STOP_UNTIL_EXIT, str(relay), str(os.getpid())],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)
+    while _state(relay) != "T":
+        time.sleep(0.01)
+
+
+def _kill_relay() -> None:
+    """SIGKILL this process's stderr relay, and wait until it is dead (a zombie: its descriptors are closed)."""
+    relays = [_relay_pid()]
     os.kill(relays[0], signal.SIGKILL)
-    while Path(f"/proc/{relays[0]}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+    while _state(relays[0]) != "Z":
         time.sleep(0.01)
     for _ in range(1000):  # until ardiff saw it go (descriptor 2 no longer its pipe), 10 s at most
         if not stat.S_ISFIFO(os.fstat(2).st_mode):

@@ -390,6 +390,51 @@ def test_native_writes_after_the_relay_was_killed_do_not_fail_the_step(tmp_path,
     assert sorted(ran) == [f"ep_{i}/{step:06d}" for i in range(2) for step in range(4)], text
 
 
+def test_children_that_outlive_the_display_holding_fd_2_lose_none_of_its_lines(tmp_path, cli_env):
+    """A child process handed descriptor 2 (the relay's pipe) still holds it as the display ends: the end waited up
+    to a second for the relay, which copies until the pipe's last writer closes it. It no longer waits (measured, not
+    asserted here); what the children wrote still shows, above the display or after it."""
+    code, lines, ran = stray_run(tmp_path, cli_env, "child,fd2", 4)
+    text = "\n".join(lines)
+    assert code == 0 and "Error:" not in text, text
+    assert sorted(line for line in lines if line.startswith("stray: ")) == sorted(
+        f"stray: {way} {request}" for request in ran for way in ("child", "fd2")), text
+
+
+def test_a_stopped_relay_does_not_hold_the_display_s_end(tmp_path, cli_env):
+    """The relay stopped (`kill -STOP`, a debugger) from the second step until the process exits: the display's end
+    waited for it forever. It waits a bounded time now, shows what the pipe held itself, and the run ends with its
+    own exit code; the relay, continued once the process is gone, writes what it held to the terminal."""
+    code, lines, ran = stray_run(tmp_path, cli_env, "stop_relay,fd2", 4)
+    text = "\n".join(lines)
+    assert code == 0 and "Error:" not in text, text
+    assert sorted(ran) == [f"ep_{i}/{step:06d}" for i in range(2) for step in range(4)], text
+    assert sorted(line for line in lines if line.startswith("stray: ")) == sorted(f"stray: fd2 {request}"
+                                                                                  for request in ran), text
+    assert any(line.startswith("rollout ok: 8 steps in ") for line in lines), text
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["no_python", "frozen"])
+def test_an_executable_that_is_no_python_runs_without_a_relay(tmp_path, cli_env, frozen):
+    """A frozen executable (PyInstaller: sys.executable is the program itself) ran `sys.executable -I -S -c RELAY`:
+    the program's own complaint about its arguments landed on the terminal, and descriptor 2 was a pipe that nobody
+    read. A frozen one starts no relay now; in any other the relay says it runs, and where it does not (no Python),
+    descriptor 2 stays the terminal (native writes land in the display, as with no relay) and the run goes on."""
+    fake = tmp_path / "frozen-app"  # what a frozen ardiff says of `-I -S -c ...`, as any CLI would
+    fake.write_text("#!/bin/sh\necho \"frozen-app: no such option: $1\" >&2\nexit 2\n")
+    fake.chmod(0o755)
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "sitecustomize.py").write_text(f"import sys\nsys.executable = {str(fake)!r}\n"
+                                                        + ("sys.frozen = True\n" if frozen else ""))
+    env = {**cli_env, "PYTHONPATH": f"{tmp_path / 'mods'}:{cli_env['PYTHONPATH']}"}
+    code, lines, ran = stray_run(tmp_path, env, "fd2", 4)
+    text = "\n".join(lines)
+    assert code == 0 and "Error:" not in text, text
+    assert "no such option" not in text, text
+    assert sorted(ran) == [f"ep_{i}/{step:06d}" for i in range(2) for step in range(4)], text
+    assert any(line.startswith("rollout ok: 8 steps in ") for line in lines), text
+
+
 def test_a_native_crashs_last_words_reach_the_terminal(tmp_path, cli_env):
     """A C++ runtime writes why to descriptor 2, then aborts: the process dies before any thread of it can show
     that above the display, and the relay, told by its socket's end, writes it to the terminal itself."""
