@@ -2712,6 +2712,45 @@ def test_a_new_run_in_a_folder_another_user_owns_and_this_one_cannot_enter_is_no
                                 "a folder you can write, or one that does not exist yet\n"), proc.stderr
 
 
+def test_hints_run_as_root_name_the_run_folder_by_its_absolute_path(env, data, reference, tmp_path):
+    """The chown, chattr and lsattr a hint says to run as root are pasted into a root shell (sudo -i, su -), which
+    starts in root's home, not in the folder the rollout ran in: of a relative --out they named a folder there (chown:
+    "cannot access 'their run'"), and the rollout was refused again. They name it by its absolute path; pasted from
+    another folder, they make the run go on. Run as root without the capabilities that bypass modes and ownership."""
+    import pwd
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or shutil.which("chattr") is None:
+        pytest.skip("needs root (chown to another user, chattr), and setpriv")
+    nobody = pwd.getpwnam("nobody").pw_uid
+    drop = "-dac_override,-dac_read_search,-fowner"
+    as_user = [shutil.which("setpriv"), f"--bounding-set={drop}", f"--inh-caps={drop}"]
+    (tmp_path / "their run").mkdir()
+    (tmp_path / "their runs").mkdir()
+    shutil.copytree(reference, tmp_path / "-run")
+    for path in (tmp_path / "their run", tmp_path / "their runs"):
+        os.chown(path, nobody, -1)
+        path.chmod(0o755)
+    if subprocess.run(["chattr", "+i", str(tmp_path / "-run" / ".lock")], capture_output=True).returncode != 0:
+        pytest.skip("needs a file system with immutable files (chattr +i)")
+    theirs, new, frozen = (shlex.quote(str(tmp_path / name)) for name in ("their run", "their runs/run", "-run"))
+    resume = ["rollout", "--resume", "--out", "./-run", "--pipeline", PIPELINE, "--no-warmup", "--format", "plain"]
+    try:
+        for arguments, fix in (
+                (rollout_args(data, Path("their run")), f"chown -R root {theirs}"),
+                (rollout_args(data, Path("their runs/run")), f"mkdir -p {new} && chown root {new}"),
+                (resume, f"lsattr -d {frozen} {tmp_path / '-run' / '.lock'}): clear it with chattr -R -i -a {frozen}")):
+            command = [*as_user, sys.executable, "-m", "ardiff_cli", *arguments]
+            proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 2, proc.stderr
+            assert f"{fix}, as root" in proc.stderr, proc.stderr
+            paste = fix.rpartition(" with ")[2] if "chattr" in fix else fix
+            assert subprocess.run(["bash", "-c", paste], cwd="/").returncode == 0  # as root, in another folder
+            proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0, proc.stderr
+    finally:
+        subprocess.run(["chattr", "-i", str(tmp_path / "-run" / ".lock")])  # for pytest to remove it, whatever failed
+
+
 @pytest.mark.parametrize(("name", "flag", "what"), [("run.json", "+i", "immutable"),
                                                     ("summary.json", "+a", "append-only")])
 def test_a_resume_of_a_run_whose_run_json_is_immutable_is_refused_before_the_model_loads(

@@ -13,6 +13,7 @@ import math
 import os
 import pickle
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -2264,6 +2265,117 @@ def test_a_restart_hint_pastes_paths_with_a_newline_or_bytes_the_locale_cannot_d
     pasted = _pasted(again, tmp_path, cli_env)
     assert pasted.returncode == 0, pasted.stderr
     assert ok_steps(tmp_path / "runs" / "eval1") == {("arm_b 'q'", 0)}  # its name, the newline made '_'
+
+
+@pytest.mark.parametrize("kind", ["empty", "pid alone", "FIFO", "folder", "link to a folder", "link to a FIFO"])
+def test_a_run_folder_whose_lock_is_no_record_says_what_its_lock_is(tmp_path, cli_env, kind):
+    # A run folder with only a .lock that records no rollout said of every one "its .lock was written by an older
+    # ardiff": of an empty one too (a rollout on a file system that cannot lock leaves it so), and of a FIFO, a folder
+    # or a link named .lock, which no ardiff wrote. Each is told as what it is; a new run there, which said of a FIFO
+    # "cannot write the output folder: Invalid argument" and to free some space, and of a link to a folder "remove
+    # that folder", names it and says to remove it, which pasted lets the run start. Nothing waits on the FIFO.
+    run, lock = tmp_path / "runs" / "eval1", tmp_path / "runs" / "eval1" / ".lock"
+    run.mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    if kind in ("empty", "pid alone"):
+        lock.write_text("" if kind == "empty" else "12345\n")
+    elif kind == "folder":
+        lock.mkdir()
+    elif kind == "FIFO":
+        os.mkfifo(lock)
+    else:
+        target = tmp_path / "elsewhere" / "target"
+        os.mkfifo(target) if kind == "link to a FIFO" else target.mkdir()
+        lock.symlink_to(target)
+    episode(tmp_path / "arm_a", 1)
+    said = {"empty": "its .lock is empty (its rollout stopped as it took the lock, or ran on a file system that cannot "
+                     "lock)",
+            "pid alone": "its .lock was written by an older ardiff",
+            "FIFO": "its .lock is a FIFO, not the file ardiff writes",
+            "folder": "its .lock is a folder, not the file ardiff writes",
+            "link to a folder": f"its .lock is a link to {tmp_path / 'elsewhere' / 'target'}, a folder, not the file "
+                                "ardiff writes",
+            "link to a FIFO": f"its .lock is a link to {tmp_path / 'elsewhere' / 'target'}, a FIFO, not the file "
+                              "ardiff writes"}[kind]
+    rollout = [sys.executable, "-m", "ardiff_cli", "rollout", "--format", "plain"]
+    proc = subprocess.run([*rollout, "runs/eval1"], env=cli_env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert _hint(proc.stderr) == ("it is an ardiff run folder (what a rollout wrote); it has no run.json: its model "
+                                  "was loading when it stopped, so there is nothing to resume, and nothing in the "
+                                  f"folder records its config and episodes ({said}); to start its run again: ardiff "
+                                  "rollout with its config and episodes, and --out runs/eval1"), proc.stderr
+    proc = subprocess.run([*rollout, "--resume", "--out", "runs/eval1"], env=cli_env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    start = "run without --resume to start a run in this folder"
+    if kind not in ("empty", "pid alone"):
+        start = f"remove its .lock (runs/eval1/.lock: {said.removeprefix('its .lock is ')}), then {start}"
+    assert _hint(proc.stderr) == start, proc.stderr
+    new = [*rollout, "dreamzero-tiny", "arm_a", "--out", "runs/eval1", "--no-warmup"]
+    proc = subprocess.run(new, env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    if kind in ("empty", "pid alone"):  # the lock file of a run: locked, and the run goes on
+        assert proc.returncode == 0, proc.stderr
+        assert ok_steps(run) == {("arm_a", 0)}
+        return
+    what = said.removeprefix("its .lock is ").removesuffix(", not the file ardiff writes")
+    removed = "link" if kind.startswith("link") else kind
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (f"Error: --out runs/eval1: its .lock is {what}, not the file ardiff locks\nhint: remove "
+                           f"that {removed} (runs/eval1/.lock): ardiff makes .lock itself, a file it holds locked to "
+                           "keep a second rollout off the run\n")
+    pasted = _pasted(f"rm -r runs/eval1/.lock && {shlex.join(['ardiff', *new[3:]])}", tmp_path, cli_env)
+    assert pasted.returncode == 0, pasted.stderr
+    assert ok_steps(run) == {("arm_a", 0)}
+
+
+MY_PIPELINE = """\
+from pipelines.dreamzero.pipeline import DreamZeroPipeline
+
+
+class Mine(DreamZeroPipeline):
+    pass
+"""
+
+
+def test_a_restart_hint_of_a_pipeline_module_found_in_the_working_folder_pastes_from_another_folder(
+        tmp_path, cli_env):
+    # `--pipeline mypipe:Mine`, a module in the folder the rollout was started in (`python -m` puts it on sys.path),
+    # was recorded as typed: the rollout the hint gave, pasted in another folder (or a root shell), could not import
+    # it. The .lock records the folder it was found in, and the hint carries it as PYTHONPATH; pasted elsewhere, it
+    # starts the run. The PYTHONPATH the tests give is the repository's and tests/, with the working folder.
+    lab, elsewhere, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "lab dir's runs" / "eval1"
+    lab.mkdir()
+    elsewhere.mkdir()
+    (lab / "mypipe.py").write_text(MY_PIPELINE)
+    shim, hold = tmp_path / "shim", tmp_path / "hold"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(HOLD_IMPORT)
+    os.mkfifo(hold)
+    episode(tmp_path / "arm_a", 1)
+    held = {**cli_env, "HOLD": str(hold), "HOLD_MODULE": "ardiff_cli.io.kept",
+            "PYTHONPATH": os.pathsep.join([str(shim), cli_env["PYTHONPATH"]])}
+    loading = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", "../arm_a", "--out",
+                                str(run), "--pipeline", "mypipe:Mine", "--no-warmup", "--format", "plain"], cwd=lab,
+                               env=held, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    writer = None
+    try:
+        writer = open_to_write(loading, hold)  # past its lock, before run.json
+        loading.kill()
+        loading.wait(timeout=300)
+    finally:
+        loading.kill()
+        if writer is not None:
+            os.close(writer)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run), "--format",
+                           "plain"], env=cli_env, cwd=elsewhere, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    again = _hint(proc.stderr).rpartition("to start that run again: ")[2]
+    assert again == (f"PYTHONPATH={shlex.quote(str(lab))} ardiff rollout dreamzero-tiny {tmp_path / 'arm_a'} "
+                     f"--pipeline mypipe:Mine --no-warmup --out {shlex.quote(str(run))}"), proc.stderr
+    pasted = _pasted(again, elsewhere, cli_env)
+    assert pasted.returncode == 0, pasted.stderr
+    assert ok_steps(run) == {("arm_a", 0)}
 
 
 def test_a_new_run_inside_another_runs_folder_is_refused_naming_it(tmp_path, cli_env):

@@ -299,10 +299,12 @@ def _given_to_resume(overrides: dict[str, Any], options: dict[str, Any], swap_sp
 
 def _start_arguments(config: str | None, episodes: list[Path] | None, pipeline: str | None,
                      overrides: dict[str, Any], options: dict[str, Any], swap_space: str | None, *, warmup: bool,
-                     fail_fast: bool) -> list[str]:
+                     fail_fast: bool) -> dict[str, Any]:
     """A new run's arguments as given, for the rollout that starts it again from any folder (the lock file records
     them: a run stopped while its model loads has no run.json): the config and episodes absolute (a built-in config
-    by its name), the options that change the run; not --out (the folder it is found in), nor --format."""
+    by its name), the options that change the run; not --out (the folder it is found in), nor --format. With
+    ``"pythonpath"``, the folder a ``--pipeline MODULE:CLASS`` module was found in, where another shell would not
+    find it (:func:`_pipeline_folder`)."""
     words = [] if config is None else [os.path.abspath(config) if os.path.isfile(config) else config]
     words += [os.path.abspath(e) for e in episodes or []]  # a link stays a link: --follow follows it
     words += [] if pipeline is None else ["--pipeline", pipeline]
@@ -310,13 +312,45 @@ def _start_arguments(config: str | None, episodes: list[Path] | None, pipeline: 
         if overrides[key] is not None:
             words += [f"--{key.replace('_', '-')}", str(getattr(overrides[key], "value", overrides[key]))]
     words += _given_to_resume(overrides, options, swap_space)
-    return words + ([] if warmup else ["--no-warmup"]) + (["--fail-fast"] if fail_fast else [])
+    words += ([] if warmup else ["--no-warmup"]) + (["--fail-fast"] if fail_fast else [])
+    folder = None if pipeline is None else _pipeline_folder(pipeline)
+    return {"start": words, **({} if folder is None else {"pythonpath": folder})}
+
+
+def _pipeline_folder(pipeline: str) -> str | None:
+    """The folder ``--pipeline MODULE:CLASS``'s module (its top package) is imported from, where a rollout pasted in
+    another shell would not find it: the working folder (``python -m ardiff_cli`` puts it first on sys.path) or a
+    PYTHONPATH entry (another shell, root's, may not set it; a relative one is read against the working folder).
+    None for a registered name, a module installed (site-packages, an editable install), or one not found (its
+    import fails, and says so). Found without importing it: the run's lock is taken before the pipeline loads."""
+    import importlib.util
+    import sys
+
+    module, colon, _ = pipeline.partition(":")
+    top = module.strip().partition(".")[0]
+    if not colon or not top.isidentifier():
+        return None
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: no package's __init__ runs
+    except (ImportError, ValueError):
+        return None
+    places = list(spec.submodule_search_locations or []) if spec is not None else []
+    found = (places[0] if places else spec.origin) if spec is not None else None  # a package's folder, or the .py
+    if not found or not os.path.isabs(found):  # built in, frozen
+        return None
+    folder = os.path.dirname(found)
+    if os.path.realpath(folder) == str(Path(__file__).resolve().parents[2]):  # ardiff's own (pipelines.*): found
+        return None                                                           # wherever ardiff_cli is
+    # an empty PYTHONPATH entry is the working folder too, as under `python -m`
+    entries = [os.getcwd()] + ([] if sys.flags.ignore_environment else
+                               [os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)])
+    return folder if os.path.realpath(folder) in {os.path.realpath(entry) for entry in entries} else None
 
 
 def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,
              overrides: dict[str, Any], output: Output, *, pipeline: str | None = None,
              options: dict[str, Any], run: Any = None, again: ResumeCommand | None = None,
-             start: list[str] | None = None) -> _Prepared:
+             start: dict[str, Any] | None = None) -> _Prepared:
     """Config, episodes, output folder and ``options`` (order, follow, idle_timeout, preview, swap_space), from
     the command line or (``--resume``) from run.json: a resumed run goes on in its order, following and drawing
     previews, within the memory, sessions and swap space it started with; ``None`` in ``options`` and
@@ -344,7 +378,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
 
 def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,
                  overrides: dict[str, Any], output: Output, *, pipeline: str | None, options: dict[str, Any],
-                 again: ResumeCommand | None = None, start: list[str] | None = None) -> _Prepared:
+                 again: ResumeCommand | None = None, start: dict[str, Any] | None = None) -> _Prepared:
     """:func:`_prepare`'s work; ``run``: a resume's run folder, locked."""
     from ardiff_cli.io.demo import ensure_demo_episodes
     from ardiff_cli.io.episode import discover_episodes

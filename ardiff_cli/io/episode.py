@@ -379,7 +379,7 @@ def run_output(folder: Path, *, config: str | None = None, episodes: Iterable[Pa
             return FoundRun("an ardiff run folder", f"ardiff rollout{given} with its {missing}, and --out "
                             f"{shell_word(folder)}",
                             why="its model was loading when it stopped, so there is nothing to resume, and nothing "
-                                f"in the folder records its {missing} (its .lock was written by an older ardiff)")
+                                f"in the folder records its {missing} ({run.unrecorded()})")
         again = run.restart_command([config, *others])
     return FoundRun("an ardiff run folder", again,
                     why="its model was loading when it stopped, so there is nothing to resume")

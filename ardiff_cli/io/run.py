@@ -365,8 +365,12 @@ class RunFolder:
                                   hint="restore run.json from where the run was copied, or start a new run in "
                                        "another --out")
             again = self.restart_command()  # only the .lock of a run stopped while its model loaded
+            kind = self.lock_file_kind()  # a new run there is refused too, until it is removed
+            start = ("run without --resume to start a run in this folder" if kind is None else
+                     f"remove its {LOCK_FILE} ({as_typed(self.root / LOCK_FILE)}: {kind}, not the file ardiff "
+                     "writes), then run without --resume to start a run in this folder")
             raise ConfigError(f"nothing to resume: {as_typed(path)} does not exist",
-                              hint="run without --resume to start a run in this folder" if again is None else
+                              hint=start if again is None else
                                    f"its model was loading when its run stopped; to start that run again: {again}")
         try:
             with open(path, "rb") as f:  # not open_file: a FIFO here waits, as a hung network mount does
@@ -541,25 +545,29 @@ class RunFolder:
     def write_summary(self, summary: Mapping[str, Any]) -> Path:
         return atomic_write_json(self.summary_path, summary)
 
-    def lock(self, go_on: str | None = None, start: Sequence[str] | None = None) -> None:
+    def lock(self, go_on: str | None = None, start: Mapping[str, Any] | None = None) -> None:
         """Hold the folder's lock until :meth:`close`: a second process writing the same run would interleave and
         duplicate its results lines. Refused (``ConfigError``) while another process holds it; the lock goes away
         with its process, however that ends (kill -9 included), so there is nothing stale to remove. ``go_on``: a
         resume's (how to go on with the run, its command to paste): its folder cannot be another, so a folder it
-        cannot write is one to make writable, not to choose otherwise. ``start``: a new run's, the arguments of the
-        rollout that starts it again (:meth:`recorded_start`), written in the lock file after the pid: run.json comes
-        only once the model has loaded, and a run stopped before leaves nothing else."""
+        cannot write is one to make writable, not to choose otherwise. ``start``: a new run's, the record of the
+        rollout that starts it again (:meth:`recorded_start`: ``{"start": ARGUMENTS}``, and ``"pythonpath"`` where its
+        --pipeline module needs one), written in the lock file after the pid: run.json comes only once the model has
+        loaded, and a run stopped before leaves nothing else."""
         try:
             import fcntl
         except ImportError:  # not POSIX: no lock
             return
         path = self.root / LOCK_FILE
+        # a folder read "cannot write the output folder: Is a directory", of a folder it can; a FIFO "Invalid
+        # argument" (its truncation), with the hint to free some space
+        kind = self.lock_file_kind()
+        if kind is not None:
+            raise self._not_a_lock_file(kind)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        except IsADirectoryError:  # it read "cannot write the output folder: Is a directory", of a folder it can
-            raise ConfigError(f"--out {as_typed(self.root)}: its {LOCK_FILE} is a folder, not the file ardiff locks",
-                              hint=f"remove that folder ({as_typed(path)}): ardiff makes {LOCK_FILE} itself, a file it "
-                                   "holds locked to keep a second rollout off the run") from None
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o666)  # a FIFO put there since: not waited on
+        except IsADirectoryError:  # one made since
+            raise self._not_a_lock_file("a folder") from None
         except OSError as exc:
             if too_many_open_files(exc):  # the process's limit, not the folder's: no bad usage (exit 2)
                 raise
@@ -573,6 +581,9 @@ class RunFolder:
                               hint=f"{owned}, or choose another --out" if owned is not None
                               else "choose a folder you can write" if go_on is None
                               else WriteHint(self._writable(exc), go_on)) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # one made since
+            os.close(fd)
+            raise self._not_a_lock_file(self.lock_file_kind() or "no file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -593,7 +604,7 @@ class RunFolder:
             return
         try:  # the holder's pid, for the message above
             os.ftruncate(fd, 0)
-            record = "" if start is None else json.dumps({"start": list(start)}) + "\n"
+            record = "" if start is None else json.dumps(dict(start)) + "\n"
             os.write(fd, f"{os.getpid()}\n{record}".encode())
         except OSError as exc:  # a full disk: it was 'an unexpected OSError ... a bug in ardiff'
             os.close(fd)
@@ -614,6 +625,59 @@ class RunFolder:
         except BaseException:
             self.close()
             raise
+
+    def _not_a_lock_file(self, kind: str) -> ConfigError:
+        """The refusal of a folder whose .lock is ``kind`` (:meth:`lock_file_kind`), not the file ardiff locks."""
+        what = "link" if kind.startswith("a link") else kind.removeprefix("a ")
+        return ConfigError(f"--out {as_typed(self.root)}: its {LOCK_FILE} is {kind}, not the file ardiff locks",
+                           hint=f"remove that {what} ({as_typed(self.root / LOCK_FILE)}): ardiff makes {LOCK_FILE} "
+                                "itself, a file it holds locked to keep a second rollout off the run")
+
+    def lock_file_kind(self) -> str | None:
+        """What the folder's .lock is where it is no file (ardiff makes a file, and locks it): "a folder", "a FIFO",
+        "a socket" or "a device", and where a link leads to it, "a link to TARGET, a folder"; None for a file (or a
+        link to one), or where there is none (a link to nothing: named where it is opened) or it cannot be looked at."""
+        path = self.root / LOCK_FILE
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            return None
+        if stat.S_ISREG(mode):
+            return None
+        kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+        what = next((name for test, name in kinds if test(mode)), "a device")
+        with contextlib.suppress(OSError):
+            if os.path.islink(path):
+                return f"a link to {os.readlink(path)}, {what}"
+        return what
+
+    def unrecorded(self) -> str:
+        """Why the folder's .lock records no rollout that starts its run again (:meth:`recorded_start` is None), as a
+        hint says it: no file (:meth:`lock_file_kind`), an empty one (its rollout stopped as it took the lock, or ran
+        where the file system cannot lock, which leaves it empty), the pid alone (an older ardiff's, or a resume's),
+        a record that cannot be read, or one this user cannot read. A link to a file is said to be one."""
+        path = self.root / LOCK_FILE
+        kind = self.lock_file_kind()
+        if kind is not None:
+            return f"its {LOCK_FILE} is {kind}, not the file ardiff writes"
+        link = ""
+        with contextlib.suppress(OSError):
+            if os.path.islink(path):
+                link = f", a link to {os.readlink(path)},"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put there since: not waited on
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # one made since
+                    return f"its {LOCK_FILE} is not the file ardiff writes"
+                text = f.read(1 << 20)
+        except OSError as exc:
+            return f"its {LOCK_FILE}{link} cannot be read: {exc.strerror or exc}"
+        if not text.strip():
+            return (f"its {LOCK_FILE}{link} is empty (its rollout stopped as it took the lock, or ran on a file "
+                    "system that cannot lock)")
+        if text.count(b"\n") < 2:  # the pid and its newline
+            return f"its {LOCK_FILE}{link} was written by an older ardiff"
+        return f"its {LOCK_FILE}{link} holds a record of them that cannot be read (edited or damaged since)"
 
     def _check_writable(self, go_on: str | None) -> None:
         """Refuse, before the model loads, a run whose folder holds what it cannot write: run.json and summary.json
@@ -655,9 +719,10 @@ class RunFolder:
         owner."""
         if exc.errno == errno.EPERM:  # not the modes: chmod is refused too (it said "chmod -R u+w")
             shown = [self.root] if refused == self.root else [self.root, refused or self.root / LOCK_FILE]
+            # absolute: pasted into a root shell (sudo -i, su -), which starts in another folder
             return (f"a file there or the folder is immutable or append-only (lsattr -d "
-                    f"{' '.join(shell_word(path) for path in shown)}): clear it with chattr -R -i -a "
-                    f"{shell_word(self.root)}, as root")
+                    f"{' '.join(shell_word(Path(path).absolute()) for path in shown)}): clear it with chattr -R -i -a "
+                    f"{shell_word(self.root.absolute())}, as root")
         if exc.errno == errno.EACCES:
             owned = self._owned_by_another(refused, new=new)
             if owned is not None:
@@ -678,7 +743,8 @@ class RunFolder:
                 if uid != os.geteuid():
                     what = "the run's folder" if path == self.root else as_typed(path)
                     return (f"{what} is owned by another user ({_user_name(uid)}, not {me}): give it and its files "
-                            f"to this user (chown -R {shlex.quote(me)} {shell_word(self.root)}, as root)"
+                            f"to this user (chown -R {shlex.quote(me)} {shell_word(self.root.absolute())}, "
+                            "as root)"  # absolute: a root shell (sudo -i, su -) starts in another folder
                             + ("" if new else f" or resume as {_user_name(uid)}"))
         return None
 
@@ -780,9 +846,10 @@ class RunFolder:
             os.close(fd)  # releases the shared lock, if it was taken
         return None
 
-    def recorded_start(self) -> list[str] | None:
+    def recorded_start(self) -> tuple[list[str], str | None] | None:
         """The arguments of the rollout that starts this folder's run again, as :meth:`lock` recorded them (config
-        and episodes absolute, or a built-in config's name; the options given), else None: a lock file written by a
+        and episodes absolute, or a built-in config's name; the options given), and the PYTHONPATH its --pipeline
+        module was found on (None: none needed), else None (:meth:`unrecorded` says why): a lock file written by a
         resume or an older ardiff, or unreadable."""
         try:
             fd = os.open(self.root / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK)
@@ -797,17 +864,24 @@ class RunFolder:
         except (OSError, ValueError):
             return None
         words = record.get("start") if isinstance(record, dict) else None
-        return words if isinstance(words, list) and all(isinstance(w, str) for w in words) else None
+        if not (isinstance(words, list) and all(isinstance(w, str) for w in words)):
+            return None
+        pythonpath = record.get("pythonpath")
+        return words, pythonpath if isinstance(pythonpath, str) and os.path.isabs(pythonpath) else None
 
     def restart_command(self, arguments: Sequence[str] | None = None) -> str | None:
         """The rollout that starts this folder's run again, to paste: with ``arguments`` (default: those its lock file
-        recorded, None where it recorded none) and ``--out`` this folder as given."""
-        arguments = self.recorded_start() if arguments is None else arguments
-        if arguments is None:
+        recorded, None where it recorded none) and ``--out`` this folder as given; after ``PYTHONPATH=FOLDER`` where
+        the lock file recorded the folder its --pipeline module was imported from (the working folder, or a
+        PYTHONPATH entry: a shell elsewhere, root's, finds it on neither)."""
+        recorded = self.recorded_start() if arguments is None else (list(arguments), None)
+        if recorded is None:
             return None
+        arguments, pythonpath = recorded
         # an option as it is (shell_word writes a word beginning with '-' as the path ./-x): a recorded path is absolute
         words = (shlex.quote(w) if w.startswith("-") else shell_word(w) for w in arguments)
-        return " ".join(["ardiff rollout", *words, "--out", shell_word(self.root)])
+        command = " ".join(["ardiff rollout", *words, "--out", shell_word(self.root)])
+        return command if pythonpath is None else f"PYTHONPATH={shell_word(pythonpath)} {command}"
 
     def close(self, *, keep_lock: bool = False) -> None:
         """Close results.jsonl and episodes.jsonl, and release the folder's lock (``keep_lock``: still held, for the
@@ -1076,7 +1150,7 @@ def folder_of_another(out: Path) -> str | None:
     # one this user cannot enter (mode 0700) stays in the way once --out is made this user's: no fix of --out's
     if uid == os.geteuid() or not os.access(parent, os.X_OK, effective_ids=os.access in os.supports_effective_ids):
         return None
-    me, word = _user_name(os.geteuid()), shell_word(out)
+    me, word = _user_name(os.geteuid()), shell_word(out.absolute())  # a root shell starts in another folder
     return (f"{parent} is owned by another user ({_user_name(uid)}, not {me}): have root make the run's folder this "
             f"user's (mkdir -p {word} && chown {shlex.quote(me)} {word}, as root), or choose another --out")
 
