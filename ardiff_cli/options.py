@@ -8,7 +8,10 @@ says", and the config's own default applies when it says nothing.
 from __future__ import annotations
 
 import enum
+import math
 import os
+import re
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -73,42 +76,65 @@ def show_help(ctx: typer.Context, value: bool) -> None:
         raise typer.Exit()
 
 
-def read_number(text: str, *, whole: bool = False) -> float | None:
-    """A number option's value as written (``whole``: a whole number, which '2.0' and '1e3' are too), else None.
+# A number option's value as a shell script writes a plain number: a sign, ASCII digits with a point, an exponent;
+# or nan and inf, which each option refuses by its range. Python's int() and float() read more, which this refuses:
+# '1_000', spaces and a line break around it (' 4 ', a line read with its newline), other scripts' digits ('\uff14',
+# a wide 4). Hex ('0x10') neither reads.
+PLAIN_NUMBER = re.compile(r"(?P<mantissa>[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(?:[eE](?P<exponent>[+-]?[0-9]+))?"
+                          r"|[+-]?(?:nan|inf|infinity)", re.IGNORECASE)
+# An exponent of more digits than this is read as this, as far out of every option's range and of what a float holds:
+# Decimal reads none past 10**18 ('1e9999999999999999999' was a traceback). An argument holds at most 131072
+# characters (Linux's MAX_ARG_STRLEN), too few digits to bring such a number back into a range.
+MAX_EXPONENT = 10**9
+
+
+def read_number(text: str) -> Decimal | None:
+    """A number option's value exactly as written (``PLAIN_NUMBER``), else None: compared as a float rounds it,
+    '2.0000000000000001' was 2 sessions, '1.00000000000000001' a fraction of 1, '1e-400' 0 and '1e400' sessions inf,
+    no whole number. ``as_float`` gives the float of one in range.
 
     Number options are read here, with a ``parser``, not by Typer, whose pydantic check answered in its own words
     ("Input should be greater than or equal to 0"; for a byte the locale could not decode, "unable to parse raw data
     as a unicode string"); each option's parser says instead what it takes, and what was given as ``quoted`` writes
-    it. ASCII only: Python's ``float`` takes other scripts' digits too ('\\uff15', a wide 5). nan and inf are numbers
-    here, for the parser to refuse by its range. An option's ``min=`` only shows its range in --help ([x>=1]): Typer
-    checks nothing where a ``parser`` is given."""
-    if not text.isascii():
+    it. An option's ``min=`` only shows its range in --help ([x>=1]): Typer checks nothing where a ``parser`` is
+    given."""
+    match = PLAIN_NUMBER.fullmatch(text)
+    if match is None:
         return None
-    try:
-        return int(text) if whole else float(text)  # int() exactly: 10**400 sessions is no float (inf)
-    except ValueError:
-        pass
-    if whole:  # '2.0', '1e3'; nan and inf are not whole
-        number = read_number(text)
-        if number is not None and number.is_integer():
-            return number
-    return None
+    exponent = match["exponent"]
+    if exponent is not None and len(exponent.lstrip("+-").lstrip("0")) > len(str(MAX_EXPONENT)):
+        return Decimal(f"{match['mantissa']}e{exponent[0] if exponent[0] in '+-' else ''}{MAX_EXPONENT}")
+    return Decimal(text)
+
+
+def as_float(number: Decimal, expected: str, text: str, *, then: str = "") -> float:
+    """``number`` (finite, in the option's range) as a float, else a usage error saying why a float cannot hold it:
+    past 1.8e308 (a float's inf; ``then``: what to give instead) or, not 0, nearer 0 than 5e-324 (a float's 0)."""
+    value = float(number)
+    if math.isinf(value):
+        why = f"too large to represent (a float holds up to 1.8e308){then and '; '}{then}"
+    elif number and not value:
+        why = "too small to represent (a float reads it as 0)"
+    else:
+        return value
+    raise typer.BadParameter(f"expected {expected}, got {errors.quoted(text, cut=True)}: {why}")
 
 
 def parse_fraction(text: str) -> float:
-    """``--gpu-memory-fraction``: a share of memory, in (0, 1]; nan fails the comparison."""
-    number = read_number(text)
-    if number is None or not 0 < number <= 1:
-        raise typer.BadParameter(f"expected a number in (0, 1], got {errors.quoted(text, cut=True)}")
-    return number
+    """``--gpu-memory-fraction``: a share of memory, in (0, 1]."""
+    number, expected = read_number(text), "a number in (0, 1]"
+    if number is None or not number.is_finite() or not 0 < number <= 1:
+        raise typer.BadParameter(f"expected {expected}, got {errors.quoted(text, cut=True)}")
+    return as_float(number, expected, text)
 
 
 def parse_session_count(text: str) -> int:
-    """``--session-capacity`` and each ``--sessions``: a whole number of sessions, from 1 to ``MAX_SESSIONS``."""
+    """``--session-capacity`` and each ``--sessions``: a whole number of sessions ('2.0' and '1e3' are too), from 1
+    to ``MAX_SESSIONS``."""
     from ardiff_cli.runtime.capacity import MAX_SESSIONS
 
-    number, given = read_number(text, whole=True), errors.quoted(text, cut=True)
-    if number is None or number < 1:
+    number, given = read_number(text), errors.quoted(text, cut=True)
+    if number is None or not number.is_finite() or number < 1 or number != number.to_integral_value():
         raise typer.BadParameter(f"expected a whole number of sessions, 1 or more, got {given}")
     if number > MAX_SESSIONS:
         raise typer.BadParameter(f"expected at most {MAX_SESSIONS} sessions (no pool holds more), got {given}")

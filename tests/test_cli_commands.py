@@ -1329,7 +1329,7 @@ def test_every_bad_option_value_names_the_option_what_was_given_and_what_is_take
             (("rollout", "--idle-timeout", "10s"), [f"expected {seconds}, got '10s'"]),
             (("rollout", "--idle-timeout", ""), [f"expected {seconds}, got ''"]),
             (("rollout", "--idle-timeout", "inf"), [f"expected a finite number of seconds, got 'inf' {week}"]),
-            (("rollout", "--idle-timeout", "1e400"), ["expected a finite number of seconds, got '1e400'"]),
+            (("rollout", "--idle-timeout", "1e400"), [f"expected {seconds}, got '1e400': too large to represent"]),
             (("rollout", "--idle-timeout", "nan"), ["expected a finite number of seconds, got 'nan'"]),
             (("rollout", "--idle-timeout", "-inf"), ["expected a finite number of seconds, got '-inf'"]),
             (("warmup", "--device", "gpu"), ["'gpu' is not a device: use auto, cpu, cuda or cuda:N"]),
@@ -1343,3 +1343,81 @@ def test_every_bad_option_value_names_the_option_what_was_given_and_what_is_take
                 and err.splitlines()[1:] == [f"hint: see ardiff {args[0]} --help"]):
             wrong.append((args, code, err))
     assert not wrong, "\n".join(map(repr, wrong))  # every one that reads wrong, not only the first
+
+
+SESSIONS, SECONDS = "a whole number of sessions, 1 or more", "a number of seconds, 0 or more"
+FRACTION = "a number in (0, 1]"
+MOST_SESSIONS = "at most 2147483647 sessions (no pool holds more)"
+
+
+@pytest.mark.parametrize("command, option, given, says", [
+    # what Python's int() and float() read but a plain number is not: '_' between digits, spaces or a line break
+    # around it, other scripts' digits; nor hex, which neither reads
+    *((command, option, given, says) for given in ("1_000", " 4 ", "4 ", "4\n", "0x10", "\uff14", "4_")
+      for command, option, says in (("inspect-capacity", "--sessions", SESSIONS),
+                                    ("warmup", "--session-capacity", SESSIONS),
+                                    ("rollout", "--idle-timeout", SECONDS))),
+    *(("inspect-capacity", "--gpu-memory-fraction", given, FRACTION) for given in ("0_5", "0.5_0", " 0.5", "0.5\n",
+                                                                                   "0x1", "\uff11", "0.5\t")),
+    # negative zero is 0: not a session count nor a fraction (it is 0 seconds: accepted, below)
+    ("inspect-capacity", "--sessions", "-0", SESSIONS),
+    ("warmup", "--session-capacity", "-0.0", SESSIONS),
+    ("inspect-capacity", "--gpu-memory-fraction", "-0", FRACTION),
+    # as typed, not as a float rounds it: 2.0000000000000001 is no whole number, 1.00000000000000001 is past 1
+    ("warmup", "--session-capacity", "2.0000000000000001", SESSIONS),
+    ("inspect-capacity", "--gpu-memory-fraction", "1.00000000000000001", FRACTION),
+    # a whole number too large for a float (inf) is too many sessions, not "no whole number"
+    ("inspect-capacity", "--sessions", "1e400", MOST_SESSIONS),
+    ("warmup", "--session-capacity", "+1e400", MOST_SESSIONS),
+    ("inspect-capacity", "--sessions", "1e9999999999999999999999", MOST_SESSIONS),  # past Decimal's exponents too
+    # a float reads these as 0 or inf: the message says that, not that the value is out of range or not finite
+    ("inspect-capacity", "--gpu-memory-fraction", "1e-400", f"{FRACTION}, got '1e-400': too small to represent"),
+    ("rollout", "--idle-timeout", "1e-400", f"{SECONDS}, got '1e-400': too small to represent"),
+    ("rollout", "--idle-timeout", "-1e-9999999999999999999999", SECONDS),  # below 0, however little
+    ("rollout", "--idle-timeout", "1e-9999999999999999999999", f"{SECONDS}, got '1e-9999999999999999999999': too"),
+    ("rollout", "--idle-timeout", "1e400",
+     f"{SECONDS}, got '1e400': too large to represent (a float holds up to 1.8e308); to wait for days"),
+    ("rollout", "--idle-timeout", "+inf", "a finite number of seconds, got '+inf'"),
+    ("inspect-capacity", "--sessions", "Infinity", SESSIONS),
+    ("inspect-capacity", "--gpu-memory-fraction", "-nan", FRACTION),
+])
+def test_a_number_option_takes_a_plain_number_as_typed(tmp_path, command, option, given, says):
+    """`--sessions 1_000`, `--session-capacity " 4 "` and `--idle-timeout $'10\n'` were taken (Python's int() and
+    float() read '_' between digits and spaces and line breaks around a number), where a shell script is better told
+    that what it passed is not a plain number; `--gpu-memory-fraction 1e-400` was refused as out of (0, 1] (a float
+    reads it as 0) and `--session-capacity 1e400` as no whole number (a float's inf). Each is a usage error now,
+    naming the value as typed and what is wrong with it."""
+    code, err = _usage_error(tmp_path, command, option, given)
+    says = says if "got" in says else f"{says}, got {given!r}"
+    assert code == 2 and err.splitlines()[0].startswith(f"Error: Invalid value for '{option}': expected {says}"), err
+    assert err.splitlines()[1:] == [f"hint: see ardiff {command} --help"], err
+
+
+@pytest.mark.parametrize("option, given, read", [
+    ("--sessions", "+4", 4), ("--sessions", "4.", 4), ("--sessions", "1e1", 10), ("--sessions", "007", 7),
+    ("--session-capacity", "+3", 3), ("--session-capacity", "3.0", 3), ("--session-capacity", "2147483647", 2147483647),
+    ("--gpu-memory-fraction", "+0.5", 0.5), ("--gpu-memory-fraction", ".5", 0.5),
+    ("--gpu-memory-fraction", "5E-1", 0.5),
+    ("--gpu-memory-fraction", "1", 1.0), ("--gpu-memory-fraction", "1e-300", 1e-300),
+])
+def test_a_number_option_takes_a_sign_a_point_and_an_exponent(tmp_path, option, given, read):
+    """What README's plain number is (a sign, ASCII digits, a point, an exponent) is taken, as the plan shows."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "ARDIFF_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", "--format", "json", "--available",
+                           "1GiB", option, given], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    shown = {"--sessions": lambda: int(max(report["fraction_needed"], key=int)),
+             "--session-capacity": lambda: report["plan"]["session_capacity_limit"],
+             "--gpu-memory-fraction": lambda: report["plan"]["gpu_memory_fraction"]}[option]()
+    assert shown == read and type(shown) is type(read)
+
+
+@pytest.mark.parametrize("given", ["-0", "+5", "0.5", "1e1", "0"])
+def test_idle_timeout_takes_a_plain_number_of_seconds(tmp_path, given):
+    """`--idle-timeout` reads these (-0 is 0 seconds): what refuses the command is that it has no --follow, which is
+    checked once every option's value was read."""
+    code, err = _usage_error(tmp_path, "rollout", "--idle-timeout", given)
+    assert code == 2 and err.splitlines()[0] == ("Error: --idle-timeout has no effect without --follow (episodes end "
+                                                 "when their files run out)"), err

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import os
 import signal
 import time
@@ -48,6 +47,7 @@ from ardiff_cli.options import (
     QuietOpt,
     SessionCapacityOpt,
     VerboseOpt,
+    as_float,
     check_swap_space,
     read_number,
 )
@@ -150,15 +150,17 @@ class _Prepared:
 
 
 def _parse_idle_timeout(text: str) -> float:
-    """``--idle-timeout``: a finite number of seconds, 0 or more. inf (or 1e400) loaded the model, then failed writing
-    run.json (JSON has no infinity): a traceback, exit 1. A follower that never gives up waits a long time."""
-    number = read_number(text)
-    if number is not None and not math.isfinite(number):
-        forever = " (to wait for days, give them: 604800 is a week)" if number > 0 else ""
-        raise typer.BadParameter(f"expected a finite number of seconds, got {quoted(text, cut=True)}{forever}")
+    """``--idle-timeout``: a finite number of seconds, 0 or more. inf (or 1e400, past a float) loaded the model, then
+    failed writing run.json (JSON has no infinity): a traceback, exit 1. A follower that never gives up waits a long
+    time."""
+    number, expected = read_number(text), "a number of seconds, 0 or more"
+    forever = "to wait for days, give them: 604800 is a week"
+    if number is not None and not number.is_finite():
+        raise typer.BadParameter(f"expected a finite number of seconds, got {quoted(text, cut=True)}"
+                                 + (f" ({forever})" if number.is_infinite() and not number.is_signed() else ""))
     if number is None or number < 0:
-        raise typer.BadParameter(f"expected a number of seconds, 0 or more, got {quoted(text, cut=True)}")
-    return abs(number)  # -0 is 0 (it was "--idle-timeout -0 s")
+        raise typer.BadParameter(f"expected {expected}, got {quoted(text, cut=True)}")
+    return abs(as_float(number, expected, text, then=forever))  # -0 is 0 (it was "--idle-timeout -0 s")
 
 
 def rollout(
