@@ -4085,22 +4085,119 @@ def test_a_link_to_nothing_in_a_watched_folder_that_comes_to_lead_to_an_episode_
     assert "never joined" not in stderr, stderr
 
 
+@pytest.mark.parametrize("leads_to", ["episode-of-the-run", "new-recording", "episode-from-the-start"])
+def test_a_link_to_nothing_in_a_watched_folder_that_leads_somewhere_once_the_model_loads_is_named_or_runs(
+        env, data, tmp_path, leads_to):
+    """--follow live, live/cam -> ../rec/latest leading nowhere as the run found its episodes, rec/latest made while
+    the model loads (held here as the run imports ardiff_cli.io.kept: a FIFO no one writes yet), before the first
+    poll of live: pointed at live/arm_a, an episode of the run, it was passed over without a word (the first poll
+    took every episode it found for one discover_episodes had named), where a poll later names it; a new recording
+    runs. Each is as after the first poll. One leading to live/arm_a from the start is named once, as the run
+    finds its episodes."""
+    live, run, rec = tmp_path / "live", tmp_path / "run", tmp_path / "rec"
+    shim, hold = tmp_path / "shim", tmp_path / "hold"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(HOLD_IMPORT)
+    os.mkfifo(hold)
+    held = {**env, "HOLD": str(hold), "HOLD_MODULE": "ardiff_cli.io.kept",
+            "PYTHONPATH": os.pathsep.join([str(shim), env["PYTHONPATH"]])}
+    write_episode(live / "arm_a", steps_of(0, 2), prompt="task arm_a")
+    rec.mkdir()
+    (live / "cam").symlink_to(Path("..") / "rec" / "latest")
+    if leads_to == "episode-from-the-start":
+        (rec / "latest").symlink_to(Path("..") / "live" / "arm_a")
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(live),
+                             "--out", str(run), "--follow", "--no-warmup", "--idle-timeout", "1", "--format", "plain"],
+                            cwd=REPO, env=held, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    writer = None
+    try:
+        writer = open_to_write(proc, hold)  # past discover_episodes, before the model loads
+        if leads_to == "new-recording":
+            write_episode(rec / "arm_b", steps_of(1, 2), prompt="task arm_b")
+            (rec / "latest").symlink_to("arm_b")
+        elif leads_to == "episode-of-the-run":
+            (rec / "latest").symlink_to(Path("..") / "live" / "arm_a")
+        os.close(writer)  # the model loads
+        writer = None
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        if writer is not None:
+            os.close(writer)
+    assert proc.returncode == 0, stderr
+    ran = sorted((r["episode"], r["step"], r["status"]) for r in records(run))
+    if leads_to == "new-recording":
+        assert f"new episode folder {live / 'cam'}: following it" in stderr, stderr
+        assert ran == [(name, s, "ok") for name in ("arm_a", "arm_b") for s in range(2)], ran
+    elif leads_to == "episode-from-the-start":
+        assert stderr.count(f"warning: {live / 'cam'} is episode 'arm_a' again (a link to {live / 'arm_a'}); it runs "
+                            f"once, read at {live / 'arm_a'}, the path given or found first") == 1, stderr
+        assert "does not join" not in stderr, stderr
+        assert ran == [("arm_a", s, "ok") for s in range(2)], ran
+    else:
+        assert stderr.count(f"warning: {live / 'cam'} is episode 'arm_a' again (a link to {live / 'arm_a'}): it "
+                            f"does not join the run, which reads that recording at {live / 'arm_a'} (a recording "
+                            f"runs once in a run; to run it again, give {live / 'cam'} as EPISODE in a new --out, "
+                            "where it is 'arm_a' too)") == 1, stderr
+        assert ran == [("arm_a", s, "ok") for s in range(2)], ran
+    assert "never joined" not in stderr, stderr
+
+
+def test_a_link_to_a_file_in_a_watched_folder_joins_once_it_leads_to_an_episode_folder(env, data, tmp_path):
+    """--follow live, live/cam -> ../rec/latest, itself a link (outside the watched folder) to a file, then pointed
+    at a recording (ln -sfn arm_b rec/latest): the first poll settled cam for good, as a file, so the recording never
+    ran and nothing named it (exit 0). A link that leads to no folder is looked at again at each poll, as a link to
+    nothing is, and joins once it leads to an episode folder."""
+    live, run, rec = tmp_path / "live", tmp_path / "run", tmp_path / "rec"
+    write_episode(live / "arm_a", steps_of(0, 2), prompt="task arm_a", end=False)
+    write_episode(rec / "arm_b", steps_of(1, 2), prompt="task arm_b")
+    (rec / "notes.txt").write_text("not a recording\n")
+    (rec / "latest").symlink_to("notes.txt")
+    (live / "cam").symlink_to(Path("..") / "rec" / "latest")
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+                 "--idle-timeout", "3", "--format", "plain")
+    try:
+        wait_for_lines(run / "results.jsonl", 2, proc)  # polled: cam was looked at, leading to a file
+        (rec / "next").symlink_to("arm_b")  # ln -sfn, in one rename
+        os.replace(rec / "next", rec / "latest")
+        (live / "arm_a" / "END").touch()
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert f"new episode folder {live / 'cam'}: following it" in stderr, stderr
+    assert sorted((r["episode"], r["step"], r["status"]) for r in records(run)) == [
+        (name, s, "ok") for name in ("arm_a", "arm_b") for s in range(2)]
+    assert recorded_folders(run)["arm_b"] == str(live.resolve() / "cam")
+
+
+@pytest.mark.parametrize("loop", ["direct", "deeper"])
 def test_a_loop_of_links_in_a_watched_folder_is_named_a_loop_not_a_recording_that_never_appeared(
-        env, data, tmp_path):
+        env, data, tmp_path, loop):
     """--follow live, live/loop -> loop: the warning as the run ended said "the recording it links to never
     appeared while the run watched; once it is there, ...", of a link that can lead to no recording. It says it is a
-    loop, and how to point it at one."""
-    live, run = tmp_path / "live", tmp_path / "run"
+    loop, and how to point it at one. live/loop -> ../rec/latest -> b, a loop further down (b -> c -> b), was said
+    to lead "back to itself" too, of a link that does not: the link that loops is named."""
+    live, run, rec = tmp_path / "live", tmp_path / "run", tmp_path / "rec"
     write_episode(live / "arm_a", steps_of(0, 2), prompt="task arm_a")
-    (live / "loop").symlink_to("loop")
+    if loop == "direct":
+        (live / "loop").symlink_to("loop")
+        what = "a link to loop, which leads back to itself (a loop of links)"
+    else:
+        rec.mkdir()
+        (live / "loop").symlink_to(Path("..") / "rec" / "latest")
+        (rec / "latest").symlink_to("b")
+        (rec / "b").symlink_to("c")
+        (rec / "c").symlink_to("b")
+        what = (f"a link to ../rec/latest, which leads to {rec.resolve() / 'b'}, a link that leads back to itself (a "
+                "loop of links)")
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
                   "--idle-timeout", "1", "--format", "plain")
     assert proc.returncode == 0, proc.stderr
-    loop = live / "loop"
+    link = live / "loop"
     assert proc.stderr.count(
-        f"warning: {loop} never joined the run: it is a link to loop, which leads back to itself (a loop of links) "
-        f"(point it at a recording (ln -sfn RECORDING {loop}), then run it with {loop} as "
-        "EPISODE in a new --out, or --resume this run)\n") == 1, proc.stderr
+        f"warning: {link} never joined the run: it is {what} (point it at a recording (ln -sfn RECORDING {link}), "
+        f"then run it with {link} as EPISODE in a new --out, or --resume this run)\n") == 1, proc.stderr
     assert "never appeared" not in proc.stderr, proc.stderr
 
 

@@ -364,6 +364,26 @@ def test_an_episode_yaml_or_episode_folder_linked_to_itself_is_named_a_loop_not_
         discover_episodes([tmp_path / "loop"])
 
 
+def test_a_loop_of_links_further_down_a_chain_is_named_by_the_link_that_loops(tmp_path):
+    """eps/cam -> latest -> b, b -> c -> b: cam was "a link to latest, which leads back to itself (a loop of
+    links)", of a link that does not (a loop further down). The link that loops is named; a link in the loop
+    itself still leads back to itself."""
+    from ardiff_cli.runtime.errors import link_to_nothing
+
+    eps = tmp_path / "eps"
+    eps.mkdir()
+    for link, target in [("cam", "latest"), ("latest", "b"), ("b", "c"), ("c", "b"), ("self", "self")]:
+        (eps / link).symlink_to(target)
+    assert link_to_nothing(eps / "self") == "a link to self, which leads back to itself (a loop of links)"
+    assert link_to_nothing(eps / "b") == "a link to c, which leads back to itself (a loop of links)"
+    assert link_to_nothing(eps / "latest") == "a link to b, a link that leads back to itself (a loop of links)"
+    assert link_to_nothing(eps / "cam") == (f"a link to latest, which leads to {eps.resolve() / 'b'}, a link that "
+                                            "leads back to itself (a loop of links)")
+    with pytest.raises(ConfigError, match=rf"episode folder not found: .*cam is a link to latest, which leads to "
+                                          rf"{re.escape(str(eps.resolve() / 'b'))}, a link that leads back to itself"):
+        discover_episodes([eps / "cam"])
+
+
 def test_write_episode_refuses_metadata_that_rollout_would_refuse_for_its_size(tmp_path):
     with pytest.raises(ValueError, match=r"metadata: episode.yaml would take \d+ bytes, more than the 1 MiB rollout "
                                          r"reads"):

@@ -88,6 +88,9 @@ class EpisodeSource:
     # its folder is a link (eps/cam -> ../rec/arm_a): the folder it led to when found (links resolved) and that
     # folder's device number; without --follow a step read through the link pointed elsewhere since is told by them
     led_to: tuple[Path, int] | None = field(default=None, repr=False, compare=False)
+    # the other paths discover_episodes found its folder at and named in a warning (a second link to it in a folder of
+    # episodes), as episode_folder_path gives them: a --follow poll finding one there does not name it again
+    named_again: set[str] = field(default_factory=set, repr=False, compare=False)
 
     def scan(self, *, skip: Container[str] = (), unnumbered: list[Path] | None = None) -> list[StepFile]:
         """The step files present now, in step order; duplicate step numbers are an error. ``skip``: names not
@@ -486,7 +489,9 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
             if warn is not None:
                 # the path given or found first is the one the episode is read at and run.json records: a link and
                 # its target, or two links to one folder, are two paths, and a script reading run.json sees that one
-                first = episodes[names.of(folder)].path
+                known = episodes[names.of(folder)]
+                known.named_again.add(episode_folder_path(folder))
+                first = known.path
                 why, where = "given twice", ""
                 if episode_folder_path(folder) != episode_folder_path(first):
                     if not os.path.islink(first):
@@ -579,7 +584,8 @@ def new_episode_folders(folder: Path, settled: set[str], names: Iterable[str] | 
     """The subfolders of the folder of episodes ``folder`` that a robot has started (they hold step files, ``END``
     or ``episode.yaml``) and whose names are not in ``settled``, in name order. Adds to ``settled`` what it returns
     and what can never be one (files, run outputs), so a call costs one listing of ``folder`` and one of each
-    subfolder still empty, and a stat of each link to nothing. Empty when ``folder`` is gone or unreadable.
+    subfolder still empty, and a stat of each link that leads to no folder. Empty when ``folder`` is gone or
+    unreadable.
     ``names``: those of ``folder`` to look at, instead of listing it (a follower's, whose listing of it still
     holds)."""
     if names is None:
@@ -595,9 +601,10 @@ def new_episode_folders(folder: Path, settled: set[str], names: Iterable[str] | 
         except OSError:  # ``folder`` readable but no longer enterable (EACCES): looked at again on the next poll
             continue
         if not is_folder:
-            # a link to nothing (its recording not made yet, a disk not mounted) is looked at again, as an empty
-            # folder is: it joins once it leads to an episode folder (one more stat a poll while it dangles)
-            if not os.path.islink(path) or os.path.exists(path):
+            # a link to nothing (its recording not made yet, a disk not mounted) or to a file (cam -> ../rec/latest,
+            # a link pointed at a recording later) is looked at again, as an empty folder is: it joins once it leads
+            # to an episode folder (one more stat a poll while it leads to none)
+            if not os.path.islink(path):
                 settled.add(name)
         elif episode_entries(path):
             settled.add(name)

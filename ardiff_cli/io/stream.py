@@ -323,16 +323,13 @@ class StepScheduler:
     def _adopt_new_episodes(self) -> None:
         """Follow the episode folders a robot has started in a watched folder of episodes since the last poll."""
         for watched in self._watch:
-            # what its first listing finds that is an episode already, discover_episodes found too (and named)
-            first = watched.listed_at == -float("inf")
             for path in self._new_episode_folders(watched):
                 if self._renamed_episode(path):  # an episode's folder under a new name: not another episode
                     continue
                 source = self._names.add(path)
                 if source is None:  # an episode already: given as EPISODE too, or a link to one
-                    if not first and self._warn_another_path(path):
-                        continue
-                    self._warn_another_folder(path)  # or another folder where an episode of the run was read
+                    if not self._warn_another_path(path):
+                        self._warn_another_folder(path)  # or another folder where an episode of the run was read
                     continue
                 self._on_new_episode(source)  # the run records it before any of its steps is handed out
                 done = self._done.get(source.name, {})
@@ -405,16 +402,20 @@ class StepScheduler:
         return False
 
     def _warn_another_path(self, path: Path) -> bool:
-        """Whether ``path``, found in a watched folder of episodes since its first listing, is another path to an
-        episode's folder (a link to nothing there that came to lead to it: ``live/cam -> ../rec/latest``, pointed at
-        ``live/arm_a``), named in a warning: it does not join, the recording running once, at the path it was found
-        at first. It joined without a word. False for the episode's own path (another folder there, perhaps)."""
+        """Whether ``path``, found in a watched folder of episodes, is another path to an episode's folder (a link to
+        nothing there that came to lead to it: ``live/cam -> ../rec/latest``, pointed at ``live/arm_a``), named in a
+        warning unless discover_episodes named it: it does not join, the recording running once, at the path it was
+        found at first. It joined without a word; and at the folder's first listing (the model loading since the
+        episodes were found) it was passed over unnamed. False for the episode's own path (another folder there,
+        perhaps)."""
         track = self._by_name.get(self._names.of(path) or "")
         if track is None:
             return False
         read = track.source.path
         if episode_folder_path(path) == episode_folder_path(read):
             return False
+        if episode_folder_path(path) in track.source.named_again:  # a link to it as the run started: named then
+            return True
         if os.path.islink(read):
             why = f"{'a link to ' if os.path.islink(path) else ''}the folder {as_typed(read)} links to"
         else:

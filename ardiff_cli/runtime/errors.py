@@ -274,13 +274,31 @@ _SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxlong, _SHOWN.maxother = 2, 80, 60, 
 _SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 8
 
 
-LOOP_OF_LINKS = "which leads back to itself (a loop of links)"  # how link_to_nothing ends of a loop
+LOOP_OF_LINKS = "(a loop of links)"  # how link_to_nothing ends of a loop
+
+
+def _loop_start(path: os.PathLike | str) -> tuple[int, str] | None:
+    """Where the chain of links from the link ``path`` comes back to a link it passed: that link's place on the chain
+    (0: ``path`` itself) and its path, absolute; None where it does not (a loop in a folder above a link, a chain
+    longer than the system follows)."""
+    seen: list[str] = []
+    hop = os.fspath(path)
+    for _ in range(64):  # beyond the 40 links Linux follows
+        here = os.path.join(os.path.realpath(os.path.dirname(hop) or "."), os.path.basename(hop))
+        if here in seen:
+            return seen.index(here), here
+        if not os.path.islink(here):
+            return None
+        seen.append(here)
+        hop = os.path.join(os.path.dirname(here), os.readlink(here))
+    return None
 
 
 def link_to_nothing(path: os.PathLike | str) -> str | None:
     """``"a link to TARGET, which does not exist"`` for a link that leads nowhere (a disk not mounted): a path that
     ``ls`` lists, so "not found" of it reads as a false error; None for anything else, or a path this user may not
-    look at (the caller's own error names it)."""
+    look at (the caller's own error names it). A loop of links is named as one, by the link that loops where that is
+    not ``path`` (``a -> b``, ``b -> c -> b``: ``b`` leads back to itself, ``a`` does not)."""
     try:
         if os.path.islink(path) and not os.path.exists(path):
             target = os.readlink(path)
@@ -288,7 +306,17 @@ def link_to_nothing(path: os.PathLike | str) -> str | None:
                 os.stat(path)
             except OSError as exc:  # exists() says False of a loop too: it was "a link to x, which does not exist"
                 if exc.errno == errno.ELOOP:
-                    return f"a link to {target}, {LOOP_OF_LINKS}"
+                    loop = _loop_start(path)
+                    if loop is None:
+                        return f"a link to {target}, which leads through more links than the system follows " \
+                               f"{LOOP_OF_LINKS}"
+                    where, looping = loop
+                    if where == 0:
+                        return f"a link to {target}, which leads back to itself {LOOP_OF_LINKS}"
+                    if where == 1:
+                        return f"a link to {target}, a link that leads back to itself {LOOP_OF_LINKS}"
+                    return f"a link to {target}, which leads to {looping}, a link that leads back to itself " \
+                           f"{LOOP_OF_LINKS}"
             # A link to a link (OUT/.swap -> scratch -> /mnt/disk/swap): what is missing is the last one's target,
             # not the link that `ls` shows there (it was "a link to scratch, which does not exist")
             if os.path.islink(os.path.join(os.path.dirname(os.fspath(path)), target)):
