@@ -13,6 +13,7 @@ line, a traceback) or made the exit code its own (SIGINT then SIGTERM, 143; SIGT
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import sys
@@ -57,6 +58,7 @@ def main() -> None:
     # stderr does: a name in the output was a UnicodeEncodeError traceback after the work had succeeded.
     if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="backslashreplace")
+    whole_writes_to_stdout()
     # COLUMNS=0 (`stty size` of a pty nobody sized, exported by a script) made Rich lay everything out 0 columns
     # wide: no help, no live panel, no result and no error message, only the exit code. As for Python's shutil,
     # 0 is unset: the terminal's own width is used.
@@ -78,6 +80,22 @@ def main() -> None:
         # not sys.exit: the interpreter's own flush of a stdout whose reader is gone would print more
         os._exit(128 + signal_of(exc))
     run()
+
+
+def whole_writes_to_stdout() -> None:
+    """Give an unbuffered stdout (``python -u``, ``PYTHONUNBUFFERED``: its text written straight to the file, no
+    buffer between) a buffer, which writes the whole of every write or raises why not. Straight to the file, a short
+    write (the file reaching ``ulimit -f``, a disk filling up) lost the rest of its text without an error: the
+    command exited 0 with its output cut short (a JSON object cut in two). Every write ardiff makes to stdout is
+    flushed at once (``Output``, Rich, Click), as unbuffered, and the flush raises the error (EFBIG, ENOSPC) that
+    ends the command with exit 1; ``line_buffering`` flushes a line anything else prints, as on a terminal."""
+    stream = sys.stdout
+    if stream is None or not isinstance(getattr(stream, "buffer", None), io.RawIOBase):
+        return
+    stream.flush()
+    # the old wrapper, detached, no longer closes the file as it goes; sys.__stdout__ is this one, as Python's own is
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.BufferedWriter(stream.detach()), encoding=stream.encoding,
+                                                   errors=stream.errors, line_buffering=True, write_through=True)
 
 
 def report_interrupted(args: list[str], signum: int = signal.SIGINT) -> None:

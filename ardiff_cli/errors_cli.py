@@ -34,6 +34,7 @@ from ardiff_cli.runtime.errors import (
     ResumeCommand,
     StopRequested,
     WriteHint,
+    file_size_hint,
     file_too_large,
     is_out_of_memory,
     out_of_memory_message,
@@ -304,21 +305,6 @@ def out_of_memory_hint(hint: str) -> str:
         return hint
     hint, paste, command = hint.partition(PASTE)
     return f"{hint}; or raise this process's address-space limit (now ulimit -v {limit // 1024}){paste}{command}"
-
-
-def file_size_hint(hint: str) -> str:
-    """``hint``, of an error this process's file-size limit (``ulimit -f``) caused (EFBIG), saying the limit: no disk
-    is full, and every file that size fails alike until it is raised. The limit is the fix of a write's hint
-    (``WriteHint``: free space, permissions), which keeps its go-on; any other hint (standard output's, what it says to
-    check) is kept whole after it. The limit is said in bytes: ``ulimit -f`` counts blocks (1024 bytes in bash, 512 in
-    a POSIX shell), and a limit set in bytes (``prlimit``, a supervisor) is no whole number of them: 2,805 bytes read
-    "ulimit -f 2", which is 2,048 in bash and 1,024 in dash."""
-    limit = process_limit("FSIZE")
-    if limit is None:  # the file system's largest file
-        return hint
-    raise_it = f"a file reached this process's file-size limit of {limit:,} bytes (ulimit -f): raise it (ulimit -f " \
-               "unlimited)"
-    return WriteHint(raise_it, hint.go_on) if isinstance(hint, WriteHint) else f"{raise_it}; {hint}"
 
 
 def budget_change(source: str, size: str, *, resume: bool = False) -> str:

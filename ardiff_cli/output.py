@@ -514,8 +514,8 @@ def stdout_error(exc: OSError, then: str | None = None) -> Exception:
     """The error a command ends with when its standard output could not be written (exit 1); not for a reader
     that went away (``BrokenPipeError``), which wanted no more. ``then``: how to go on once it is fixed (a rollout's
     resume to paste), if not by running the command again."""
-    from ardiff_cli.errors_cli import OutputError, file_size_hint
-    from ardiff_cli.runtime.errors import WriteHint
+    from ardiff_cli.errors_cli import OutputError
+    from ardiff_cli.runtime.errors import WriteHint, file_size_hint
 
     hint: str = "check the file or device standard output goes to (free space, permissions)"
     if exc.errno == errno.EFBIG:  # `> file` past this process's file-size limit (ulimit -f): no disk is full, and

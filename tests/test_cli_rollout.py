@@ -571,6 +571,41 @@ def test_stdout_past_the_file_size_limit_names_the_limit_not_free_space(env, dat
     assert json.loads(proc.stdout.splitlines()[-1])["status"] == "ok"
 
 
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_stdout_cut_short_by_the_file_size_limit_fails_the_command_under_every_buffering(env, data, tmp_path,
+                                                                                        unbuffered):
+    """Under `python -u` (PYTHONUNBUFFERED=1, common in containers) stdout had no buffer: the kernel wrote what fit
+    under the file-size limit (`ulimit -f`), Python's text layer dropped the rest of that write without an error, and
+    a command whose last write was the one cut (inspect-capacity's table, warmup's and rollout's result) exited 0
+    with a JSON object cut in two. Here the limit falls inside each command's last write: its output is cut where
+    the limit is, and the command says so and exits 1, buffered or not."""
+    assert ardiff(env, "warmup", str(data / "fast.yaml")).returncode == 0  # the checkpoint cached, no limit on it
+    run_env = {k: v for k, v in env.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        run_env["PYTHONUNBUFFERED"] = unbuffered
+    run = ["rollout", str(data / "fast.yaml"), str(data / "eps"), "--no-warmup", "--swap-space", "0", "--out"]
+    commands = {"inspect-capacity": ["inspect-capacity", str(data / "fast.yaml")],
+                "warmup": ["warmup", str(data / "fast.yaml")], "rollout": run}
+    # not rollout's plain summary: shorter than the run's own files, which the limit would stop first
+    for (name, args), fmt in [*((command, fmt) for command in commands.items() for fmt in ("plain", "json")
+                                if (command[0], fmt) != ("rollout", "plain"))]:
+        out = [str(tmp_path / f"{name}-{fmt}-{n}") for n in (0, 1)] if name == "rollout" else [None, None]
+        whole = ardiff(run_env, *args, *out[:1][:out[0] is not None], "--format", fmt)
+        assert whole.returncode == 0, (name, fmt, whole.stderr)
+        last = whole.stdout.rstrip("\n").rsplit("\n", 1)[-1] if fmt == "json" else whole.stdout
+        limit = len(whole.stdout.encode()) - len(last.encode()) // 2  # halfway into the last write
+        with open(tmp_path / "stdout", "w") as stdout:
+            proc = subprocess.run(["bash", "-c", '"$@"', "_", sys.executable, "-m", "ardiff_cli", *args,
+                                   *out[1:][:out[1] is not None], "--format", fmt],
+                                  cwd=REPO, env=run_env, stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=600,
+                                  preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+        assert proc.returncode == 1, (name, fmt, proc.stderr)
+        assert (tmp_path / "stdout").stat().st_size == limit, (name, fmt)  # cut there, not sooner
+        assert (f"Error: cannot write to standard output: File too large\nhint: a file reached this process's "
+                f"file-size limit of {limit:,} bytes (ulimit -f)") in proc.stderr, (name, fmt, proc.stderr)
+        assert "Traceback" not in proc.stderr, (name, fmt, proc.stderr)
+
+
 @needs_dev_full
 @pytest.mark.parametrize("fmt", ["plain", "json"])
 def test_warmup_to_a_full_stdout_exits_1_as_the_other_commands_do(env, data, fmt):

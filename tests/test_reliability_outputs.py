@@ -12,6 +12,8 @@ import errno
 import json
 import os
 import re
+import shlex
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -308,20 +310,33 @@ def test_an_out_on_a_file_system_without_locks_runs_and_says_it_is_unlocked(data
 def test_a_cache_too_full_for_the_default_checkpoint_is_said_so_not_blamed_on_the_pipeline(tmp_path, cli_env):
     """safetensors reports a full disk as its own SafetensorError, not an OSError: building the default checkpoint
     into a full cache was "DreamZeroPipeline.from_config() failed: SafetensorError: ... No space left on device",
-    with the hint to report a bug in a built-in pipeline. Here the kernel refuses files past 4 KiB (RLIMIT_FSIZE)."""
-    import resource
+    with the hint to report a bug in a built-in pipeline. Here the kernel refuses files past 4 KiB (`ulimit -f 4`):
+    the hint names that limit, as a run's files do; it said to set ARDIFF_CACHE_DIR, where the limit refuses a file
+    alike. The demo episodes, built next into the same cache, are said so too."""
     import subprocess
     import sys
 
+    def ardiff(cache: Path, command: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", f'{command.replace("ardiff", "$PY -m ardiff_cli", 1)} --format plain'],
+                              env={**cli_env, "ARDIFF_CACHE_DIR": str(cache), "PY": sys.executable},
+                              capture_output=True, text=True, timeout=300)
+
+    limit = ("hint: a file reached this process's file-size limit of {:,} bytes (ulimit -f): raise it (ulimit -f "
+             "unlimited), then run the same command again\n")
     cache = tmp_path / "cache"
-    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "warmup", "--format", "plain"],
-                          env={**cli_env, "ARDIFF_CACHE_DIR": str(cache)}, capture_output=True, text=True,
-                          timeout=300, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)))
+    cache.mkdir()
+    proc = ardiff(cache, "ulimit -f 4; ardiff warmup")
     assert proc.returncode == 2, proc.stderr
     assert re.search(rf"Error: cannot write the default checkpoint to {re.escape(str(cache))}/dreamzero-\w+"
                      r"\.safetensors: File too large\n", proc.stderr), proc.stderr
-    assert "hint: set ARDIFF_CACHE_DIR to a writable folder" in proc.stderr and "report" not in proc.stderr
+    assert proc.stderr.endswith(limit.format(4096)) and "report" not in proc.stderr, proc.stderr
     assert list(cache.iterdir()) == []  # its temporary file removed
+    assert ardiff(cache, "ardiff warmup").returncode == 0  # the checkpoint built, with no limit
+    proc = ardiff(cache, f"ulimit -f 1; ardiff rollout --out {shlex.quote(str(tmp_path / 'run'))}")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(f"Error: cannot write the demo episodes to {cache}/demo: File too large\n"
+                                + limit.format(1024)), proc.stderr
+    assert list((cache / "demo").iterdir()) == []  # its temporary folder removed
 
 
 def test_an_out_whose_lock_or_run_json_cannot_be_written_is_an_error_not_a_bug(data, tmp_path, cli_env):

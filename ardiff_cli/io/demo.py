@@ -12,6 +12,7 @@ it unless a concurrent run replaced it first.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -21,7 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ardiff_cli.runtime.errors import ConfigError, as_typed, expand_home, link_to_nothing_on, not_a_folder
+from ardiff_cli.runtime.errors import (ConfigError, WriteHint, as_typed, expand_home, file_size_hint,
+                                      link_to_nothing_on, not_a_folder)
 from ardiff_cli.runtime.observation import ObservationField, ObservationSchema
 
 DEMO_VERSION = 1  # bump when the generated content changes
@@ -173,8 +175,10 @@ def cache_write_error(what: str, path: Path, exc: OSError) -> ConfigError:
     in_the_way = not_a_folder(path.parent)
     problem = (f"{as_typed(in_the_way[0])} is {in_the_way[1]}, not a folder" if in_the_way is not None
                else exc.strerror or exc)
-    return ConfigError(f"cannot write {what} to {as_typed(path)}: {problem}",
-                       hint=f"set {CACHE_ENV} to a writable folder")
+    hint = f"set {CACHE_ENV} to a writable folder"
+    if exc.errno == errno.EFBIG:  # past this process's `ulimit -f`: a file in any other folder is refused alike
+        hint = file_size_hint(WriteHint(hint, "run the same command again"))
+    return ConfigError(f"cannot write {what} to {as_typed(path)}: {problem}", hint=hint)
 
 
 def _generate(target: Path, schema: ObservationSchema, image_size: tuple[int, int], frames: tuple[int, ...]) -> None:

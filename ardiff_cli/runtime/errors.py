@@ -237,6 +237,21 @@ def file_too_large(exc: BaseException | None) -> bool:
     return False
 
 
+def file_size_hint(hint: str) -> str:
+    """``hint``, of an error this process's file-size limit (``ulimit -f``) caused (EFBIG), saying the limit: no disk
+    is full, and every file that size fails alike until it is raised. The limit is the fix of a write's hint
+    (``WriteHint``: free space, permissions), which keeps its go-on; any other hint (standard output's, what it says to
+    check) is kept whole after it. The limit is said in bytes: ``ulimit -f`` counts blocks (1024 bytes in bash, 512 in
+    a POSIX shell), and a limit set in bytes (``prlimit``, a supervisor) is no whole number of them: 2,805 bytes read
+    "ulimit -f 2", which is 2,048 in bash and 1,024 in dash."""
+    limit = process_limit("FSIZE")
+    if limit is None:  # the file system's largest file
+        return hint
+    raise_it = f"a file reached this process's file-size limit of {limit:,} bytes (ulimit -f): raise it (ulimit -f " \
+               "unlimited)"
+    return WriteHint(raise_it, hint.go_on) if isinstance(hint, WriteHint) else f"{raise_it}; {hint}"
+
+
 _ARDIFF_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../ardiff_cli/
 
 
@@ -463,7 +478,7 @@ class WriteHint(str):
     """The hint of a write that failed, ``FIX, then GO_ON``, that keeps its two parts: ``fix``, what makes the write
     work again (free space, the folder's permissions), and ``go_on``, what to do then (the run's resume to paste, the
     same command again). Under a file-size limit (``ulimit -f``, EFBIG) the CLI says the limit in place of the fix
-    and keeps the go-on (``errors_cli.file_size_hint``). A ``str``, so it is a hint wherever one is: text made from
+    and keeps the go-on (``file_size_hint``). A ``str``, so it is a hint wherever one is: text made from
     it (``f"{hint}; ..."``) is a plain ``str``, no longer a write's two parts."""
 
     fix: str
