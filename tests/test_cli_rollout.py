@@ -1389,13 +1389,37 @@ def test_the_session_events_of_a_warmup_and_of_a_run_stopped_by_ctrl_c_say_what_
     assert sorted(kept_snapshots(run)) == ["arm_a", "arm_b"]
 
 
+def test_a_run_stopped_by_ctrl_c_with_nothing_to_swap_to_closes_its_resident_session_as_stopped(env, data, tmp_path):
+    """Ctrl-C (SIGINT) to a --follow run with --swap-space 0: its resident session (arm_b's) cannot be kept, and the
+    run closes it. Its session_closed said reason `explicit`, a caller's close_session, not the stop's."""
+    live, run = tmp_path / "live", tmp_path / "run"
+    for i, name in enumerate(("arm_a", "arm_b")):
+        write_episode(live / name, steps_of(i, 3)[:2], prompt=f"task {name}", end=False)
+    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), str(live / "arm_b"), "--out", str(run),
+                 "--follow", "--no-warmup", "--swap-space", "0", "--format", "json")
+    try:
+        wait_for_lines(run / "results.jsonl", 4, proc)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    objects = [json.loads(line) for line in stdout.splitlines()]
+    released = [(o["kind"], o["session_id"], o["reason"], o.get("swapped")) for o in objects
+                if o["kind"] in ("session_evicted", "session_closed")]
+    assert released == [("session_evicted", name, "lru_eviction", False) for name in ("arm_a", "arm_b", "arm_a")] + [
+        ("session_closed", "arm_b", "run_stopped", None)], released
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+
+
 @pytest.mark.parametrize("space", [ONE_SNAPSHOT, "0"])
 def test_a_stopped_runs_resident_session_that_does_not_fit_the_swap_space_left_is_replayed(env, data, reference,
                                                                                             tmp_path, space):
     # Keeping it must not cost the swapped-out session its snapshot (the eviction path drops the oldest ones), and
-    # with swapping off nothing is kept at all.
-    run, kept, _ = stopped_while_following(env, data, tmp_path, "--swap-space", space)
+    # with swapping off nothing is kept at all. The session not kept is closed as the stop's (it said `explicit`).
+    run, kept, stderr = stopped_while_following(env, data, tmp_path, "--swap-space", space)
     assert sorted(kept) == ([] if space == "0" else ["arm_a"])
+    assert re.search(r"closed +arm_b run_stopped\n", stderr) and " explicit" not in stderr, stderr
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--format", "plain")
     assert proc.returncode == 0, proc.stderr
     assert "arm_b rebuilding the session from 2 earlier steps" in proc.stderr
@@ -1563,6 +1587,7 @@ def test_a_run_stopped_by_a_failure_keeps_no_resident_session(env, data, referen
     assert proc.returncode == 1, stderr
     assert [(r["episode"], r["step"], r["status"]) for r in records(run)] == [
         ("arm_a", 0, "ok"), ("arm_b", 0, "ok"), ("arm_a", 1, "ok"), ("arm_b", 1, "failed")]  # arm_a still resident
+    assert re.search(r"closed +arm_a run_failed\n", stderr) and " explicit" not in stderr, stderr  # not the run's
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed" and (summary["swap"]["swapped_out"], summary["swap"]["kept"]) == (0, 0)
     assert not (run / ".swap").exists()

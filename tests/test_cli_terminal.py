@@ -142,7 +142,7 @@ def test_the_last_frame_of_a_stopped_run_counts_the_snapshots_it_keeps(tmp_path,
     swap = tmp_path / "out" / ".swap"
     kept = json.loads((swap / "kept.json").read_text())["sessions"]
     assert list(kept) == ["ep_0"], text
-    assert re.search(r"closed +ep_\d +explicit", text), text  # what redrew the frame after the snapshots were kept
+    assert re.search(r"closed +ep_\d +run_stopped", text), text  # what redrew the frame after the snapshots were kept
     size = (swap / kept["ep_0"]["file"]).stat().st_size
     assert re.search(rf"swap +1 kept, {re.escape(format_bytes(size))} of 60.00 KiB", text), text
 

@@ -272,9 +272,9 @@ def test_an_out_folder_removed_after_the_last_step_is_an_error_not_an_ok_run(dat
     out = tmp_path / "run"
     real_close = ARDiffusionEngine.close
 
-    def close(self):
+    def close(self, **kwargs):
         shutil.rmtree(out)
-        real_close(self)
+        real_close(self, **kwargs)
 
     monkeypatch.setattr(ARDiffusionEngine, "close", close)
     result = rollout(data, out)

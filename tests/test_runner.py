@@ -460,7 +460,8 @@ def test_close_session_gives_its_event_the_callers_reason_and_refuses_one_that_i
     runner.execute_model(request("a", 0))
     runner.execute_model(request("b", 0))
     for reason in ("", None, ["episode_failed"]):
-        with pytest.raises(RequestError, match=r"^close_session\(\) takes a reason \(a non-empty string\), got "):
+        with pytest.raises(RequestError, match=r"^close_session\(\) takes reason 'explicit', 'episode_ended' or "
+                                               r"'episode_failed', got "):
             runner.close_session("a", reason=reason)
     with pytest.raises(RequestError, match=r"^close_session\(\) takes an error as a string, got ValueError\('x'\) "):
         runner.close_session("a", reason="episode_failed", error=ValueError("x"))
@@ -472,6 +473,51 @@ def test_close_session_gives_its_event_the_callers_reason_and_refuses_one_that_i
         ("session_closed", "a", "episode_failed", "step 1: not a safetensors file"),
         ("session_closed", "b", "explicit", None)]
     assert runner.session_ids == [] and runner.kv_cache.num_free_pages == free0
+
+
+@pytest.mark.parametrize(("call", "reason", "hint"), [
+    # close_session("a", reason="lru_eviction") sent a session_evicted event: a closed session counted as evicted
+    ("close_session", "lru_eviction", "'lru_eviction' is the runner's own word (an LRU eviction), never a caller's"),
+    ("close_session", "run_stopped", "'run_stopped' is what close(), close_all() and swap_out_sessions() take"),
+    ("close_session", "robot_lost", "leave it out for 'explicit'"),
+    ("swap_out_sessions", "episode_failed", "'episode_failed' is what close_session() takes"),
+    ("swap_out_sessions", "lru_eviction", "'lru_eviction' is the runner's own word (an LRU eviction), never a "
+                                          "caller's"),
+    ("close", "episode_ended", "'episode_ended' is what close_session() takes"),
+    ("close_all", "warmup_ended", "'warmup_ended' is the runner's own word (the warmup's own session), never a "
+                                  "caller's"),
+])
+def test_each_runner_call_takes_only_the_reasons_that_fit_it(call, reason, hint):
+    """A reason is one of a closed set (a script matches them), each call taking those that fit it: any string went,
+    so close_session(reason="lru_eviction") sent session_evicted, and a typo was a new reason. A refused call
+    releases nothing and sends no event."""
+    events = []
+    runner = make_runner(TinyPipeline(), events=events)
+    runner.execute_model(request("a", 0))
+    events.clear()
+    args = {"close_session": ("a",), "swap_out_sessions": (["a"],)}.get(call, ())
+    with pytest.raises(ValueError) as refused:
+        getattr(runner, call)(*args, reason=reason)
+    assert isinstance(refused.value, RequestError) and refused.value.hint == hint, refused.value.hint
+    takes = {"close_session": "'explicit', 'episode_ended' or 'episode_failed'",
+             "swap_out_sessions": "'explicit' or 'run_stopped'"}.get(call, "'explicit', 'run_stopped' or 'run_failed'")
+    assert str(refused.value) == f"{call}() takes reason {takes}, got {reason!r}"
+    assert events == [] and runner.session_ids == ["a"] and not runner.closed
+    runner.close()
+
+
+@pytest.mark.parametrize("reason", ["run_stopped", "run_failed"])
+def test_close_gives_the_sessions_it_closes_the_callers_reason(reason):
+    # rollout closes the sessions a stopped or failed run does not keep with close(reason=...): they said `explicit`,
+    # as if a script had closed them one by one
+    events = []
+    runner = make_runner(TinyPipeline(), events=events)
+    runner.execute_model(request("a", 0))
+    runner.execute_model(request("b", 0))
+    events.clear()
+    assert runner.close(reason=reason) == []
+    assert [(e.kind, e.session_id, e.reason, e.error) for e in events] == [
+        ("session_closed", "a", reason, None), ("session_closed", "b", reason, None)]
 
 
 @pytest.mark.parametrize(("how", "hook", "event"), [

@@ -1570,8 +1570,9 @@ def test_swap_out_sessions_and_the_close_of_a_swapped_out_session_give_their_eve
     # swapped out too, with "episode_failed" and its error: both events said "explicit" (and no error).
     engine, events = a_swapped_out(tmp_path)  # b resident, a swapped out
     runner = engine.runner
-    for reason in ("", None):
-        with pytest.raises(RequestError, match=r"^swap_out_sessions\(\) takes a reason \(a non-empty string\)"):
+    for reason in ("", None, "lru_eviction"):
+        with pytest.raises(RequestError, match=r"^swap_out_sessions\(\) takes reason 'explicit' or 'run_stopped', "
+                                               r"got "):
             runner.swap_out_sessions(["b"], reason=reason)
     assert runner.session_ids == ["b"]  # a refused call swaps nothing out
     events.clear()
@@ -1585,14 +1586,20 @@ def test_swap_out_sessions_and_the_close_of_a_swapped_out_session_give_their_eve
     engine.close()
 
 
+@pytest.mark.parametrize("reason", [None, "run_stopped", "run_failed"])
 @pytest.mark.parametrize("how", ["close_all", "close"])
-def test_closing_every_session_closes_the_swapped_out_ones_with_the_event_close_session_sends(tmp_path, how):
+def test_closing_every_session_closes_the_swapped_out_ones_with_the_event_close_session_sends(tmp_path, how, reason):
     # close_session of a swapped-out session sends session_closed; close_all() and close() deleted such sessions'
-    # snapshots without a word, so a subscriber kept them as evicted forever.
+    # snapshots without a word, so a subscriber kept them as evicted forever. With the caller's reason (the engine's
+    # close passes it on): a stopped or failed run's closed every session it did not keep as `explicit`.
     engine, events = a_swapped_out(tmp_path)  # b resident, a swapped out
-    getattr(engine.runner if how == "close_all" else engine, how)()
+    with pytest.raises(RequestError, match=r"^close\(\) takes reason 'explicit', 'run_stopped' or 'run_failed', got "
+                                           r"'lru_eviction'$"):
+        engine.close(reason="lru_eviction")
+    assert engine.loaded and engine.pipeline is not None  # a refused close changes nothing
+    getattr(engine.runner if how == "close_all" else engine, how)(**({} if reason is None else {"reason": reason}))
     closed = sorted((e.session_id, e.reason) for e in events if e.kind == "session_closed")
-    assert closed == [("a", "explicit"), ("b", "explicit")]
+    assert closed == [("a", reason or "explicit"), ("b", reason or "explicit")]
     assert engine.runner.pool_usage().num_swapped == 0 and not tmp_path.exists()  # the swap folder went
     if how == "close_all":
         engine.close()

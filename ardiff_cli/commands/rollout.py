@@ -1334,7 +1334,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                         kept = _keep_swapped(engine, steps, swap_dir, p.info["started"], output)
                         monitor.keep_snapshots(len(kept), _bytes_of(swap_dir, (file for file, _ in kept.values())))
                     if engine is not None:
-                        _close_engine(engine, output)
+                        _close_engine(engine, output, error)
                 finally:
                     # however the run ended: but the files a stopped run keeps for --resume, or that a run stopped
                     # before it could adopt them had kept (their index stays for the next resume)
@@ -1635,13 +1635,20 @@ def _failed_episodes(stats: Any, num_episodes: int, resume: ResumeCommand) -> Ex
     return failed
 
 
-def _close_engine(engine: Any, output: Output) -> None:
-    """Release every resident session. A failing close hook is a warning here, never the run's error: the
-    KV was released regardless, and an interrupted or failed run must keep its own exit code."""
+def _close_engine(engine: Any, output: Output, error: BaseException | None) -> None:
+    """Release every session the run did not keep, their ``session_closed`` events saying what ended the run
+    (``error``, as summary.json's status says it): ``run_stopped`` (interrupted: a signal, stdout's reader gone),
+    ``run_failed`` (any other error: --fail-fast, a full disk, a bug), else ``explicit``. A failing close hook is
+    a warning here, never the run's error: the KV was released regardless, and an interrupted or failed run must
+    keep its own exit code."""
     from ardiff_cli.runtime.errors import ArdiffError
 
+    if error is None:
+        reason = "explicit"
+    else:
+        reason = "run_stopped" if isinstance(error, (Interrupted, KeyboardInterrupt)) else "run_failed"
     try:
-        engine.close()
+        engine.close(reason=reason)
     except ArdiffError as exc:
         output.warning(str(exc))
 

@@ -31,7 +31,7 @@ from ardiff_cli.runtime.kv.cache import KV_DTYPES
 from ardiff_cli.runtime.registry import called_without_instance
 from ardiff_cli.runtime.request import ARDiffusionRequest, require_request
 from ardiff_cli.runtime.runner import (ARDiffusionModelRunner, PipelineContractError, WarmupReport, _once,
-                                       require_subscriber)
+                                       _require_reason, require_subscriber)
 from ardiff_cli.runtime.swap import check_swap_arguments
 
 
@@ -254,15 +254,18 @@ class ARDiffusionEngine:
         runner = self._require_runner("execute()")
         return runner.execute_model(require_request(request, "ARDiffusionEngine.execute()"))
 
-    def close(self) -> None:
+    def close(self, *, reason: str = "explicit") -> None:
         """Close every session (close hooks run; their errors are raised after all are released), then release the
         KV pools and the pipeline's weights at once, whatever still references the engine. Requests then raise
-        ``EngineStateError`` until ``load()`` runs again; a second ``close()`` does nothing."""
+        ``EngineStateError`` until ``load()`` runs again; a second ``close()`` does nothing. ``reason``: the
+        sessions' ``session_closed`` events' (``ARDiffusionModelRunner.close``: ``explicit``, ``run_stopped`` or
+        ``run_failed``)."""
+        _require_reason("close", reason)  # before the pipeline is dropped: a refused call changes nothing
         if self._runner is not None:
             # Dropped first: the runner holds the last reference, so the weights are freed before it empties torch's
             # CUDA cache. Dropped after, they stayed in that cache, and the next engine planned without them.
             self._pipeline = None
-            errors = self._runner.close()
+            errors = self._runner.close(reason=reason)
             if errors:
                 raise errors[0]
 

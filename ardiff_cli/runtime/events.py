@@ -16,6 +16,26 @@ def _now() -> float:
     return time.time()
 
 
+# Why a session was released: the reason its session_evicted, session_reset or session_closed event gives, one of a
+# closed set (scripts match them). The runner's own, for what it did by itself, and what each says happened:
+RUNNER_REASONS = {
+    "lru_eviction": "an LRU eviction",
+    "request_reset": "a request's reset=True",
+    "close_session": "a request's close_session=True",
+    "forward_exception": "a forward that raised",
+    "restore_failed": "a restore that failed",
+    "warmup_ended": "the warmup's own session",
+}
+# A caller's, by the runner call that takes them, its default first. A caller may not give the runner's own: it
+# would say the runner did what it did not (close_session(reason="lru_eviction") sent a session_evicted event).
+CALLER_REASONS = {
+    "close_session": ("explicit", "episode_ended", "episode_failed"),  # rollout's: an episode's end or failure
+    "close": ("explicit", "run_stopped", "run_failed"),  # rollout's: the sessions a stopped or failed run does not keep
+    "close_all": ("explicit", "run_stopped", "run_failed"),
+    "swap_out_sessions": ("explicit", "run_stopped"),  # rollout's: those a stopped run keeps for --resume
+}
+
+
 @dataclass(frozen=True)
 class RuntimeEvent:
     kind: ClassVar[str] = "event"
@@ -57,7 +77,7 @@ class SessionAdmitted(RuntimeEvent):
 class SessionEvicted(RuntimeEvent):
     kind: ClassVar[str] = "session_evicted"
     session_id: str
-    # "lru_eviction", or swap_out_sessions' reason: "explicit" (its default) or its caller's (the CLI's "run_stopped")
+    # "lru_eviction", or swap_out_sessions' reason: "explicit" (its default) or "run_stopped" (the CLI's)
     reason: str = "lru_eviction"
     by_session_id: str | None = None  # the session whose admission caused the eviction
     time: float = field(default_factory=_now)
@@ -117,9 +137,9 @@ class SessionReset(RuntimeEvent):
 class SessionClosed(RuntimeEvent):
     kind: ClassVar[str] = "session_closed"
     session_id: str
-    # "explicit" (close_session's default: its caller may give another, as rollout's "episode_ended" and
-    # "episode_failed"), "close_session", "forward_exception", "restore_failed" or "warmup_ended" (the warmup's own
-    # session, released by the warmup)
+    # a caller's: "explicit" (the default), or close_session's "episode_ended" / "episode_failed", or close() and
+    # close_all()'s "run_stopped" / "run_failed" (CALLER_REASONS); or the runner's own: "close_session",
+    # "forward_exception", "restore_failed" or "warmup_ended" (the warmup's own session, released by the warmup)
     reason: str
     # the forward's exception (its repr), for forward_exception; the caller's error given to close_session (rollout's
     # episode_failed: the failed line's "error"); else None

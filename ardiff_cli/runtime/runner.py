@@ -73,6 +73,8 @@ from ardiff_cli.runtime.errors import (
     shown,
 )
 from ardiff_cli.runtime.events import (
+    CALLER_REASONS,
+    RUNNER_REASONS,
     CapacityPlanned,
     HookFailed,
     RequestFinished,
@@ -122,10 +124,25 @@ def _require_session_id(method: str, session_id: Any) -> None:
 
 
 def _require_reason(method: str, reason: Any) -> None:
-    """A caller's reason for its session event (``close_session``, ``swap_out_sessions``) is a non-empty str."""
-    if not isinstance(reason, str) or not reason:
-        raise RequestError(f"{method}() takes a reason (a non-empty string), got {shown(reason)} "
-                           f"({type(reason).__name__})", hint="leave it out for 'explicit'")
+    """A caller's reason for its sessions' events is one of those ``method`` takes (``CALLER_REASONS``): the
+    ``RequestError`` (a ``ValueError``) names them, and which calls take the one given, if any does."""
+    allowed = CALLER_REASONS[method]
+    if isinstance(reason, str) and reason in allowed:
+        return
+    takers = [f"{name}()" for name, reasons in CALLER_REASONS.items() if isinstance(reason, str) and reason in reasons]
+    if takers:
+        hint = f"{reason!r} is what {_joined(takers, 'and')} take{'s' if len(takers) == 1 else ''}"
+    elif isinstance(reason, str) and reason in RUNNER_REASONS:
+        hint = f"{reason!r} is the runner's own word ({RUNNER_REASONS[reason]}), never a caller's"
+    else:
+        hint = "leave it out for 'explicit'"
+    raise RequestError(f"{method}() takes reason {_joined([repr(r) for r in allowed], 'or')}, got {shown(reason)}",
+                       hint=hint)
+
+
+def _joined(words: list[str], last: str) -> str:
+    """``a``, ``a or b``, ``a, b or c`` (``last``: "or", "and")."""
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} {last} {words[-1]}"
 
 
 class LifecycleHookError(PipelineError):
@@ -1030,8 +1047,9 @@ class ARDiffusionModelRunner:
     @_one_at_a_time
     def close_session(self, session_id: str, *, reason: str = "explicit", error: str | None = None) -> None:
         """Release ``session_id`` and call the pipeline's close hook. ``reason``: its ``session_closed`` event's, the
-        caller's word for why (``rollout`` closes an episode's session with ``episode_ended`` or ``episode_failed``);
-        ``error``: the event's, the caller's error that made it close the session (``episode_failed``'s)."""
+        caller's word for why: ``explicit``, ``episode_ended`` or ``episode_failed`` (``rollout``'s, as an episode
+        ends or fails); ``error``: the event's, the caller's error that made it close the session
+        (``episode_failed``'s)."""
         _require_reason("close_session", reason)
         if error is not None and not isinstance(error, str):
             raise RequestError(f"close_session() takes an error as a string, got {shown(error)} "
@@ -1052,19 +1070,24 @@ class ARDiffusionModelRunner:
             raise errors[0]
 
     @_one_at_a_time
-    def close_all(self) -> list[LifecycleHookError]:
-        """Close every resident session; returns hook errors. The runner goes on serving."""
-        return self._close_sessions()
+    def close_all(self, *, reason: str = "explicit") -> list[LifecycleHookError]:
+        """Close every session, resident or swapped out; returns hook errors. The runner goes on serving.
+        ``reason``: their ``session_closed`` events', as ``close()`` takes it."""
+        _require_reason("close_all", reason)
+        return self._close_sessions(reason)
 
     @_one_at_a_time
-    def close(self) -> list[LifecycleHookError]:
-        """Close every resident session, then release the KV pools and the pipeline: their memory goes back now,
-        even while something still references the runner. Later requests raise ``EngineStateError``; the final
-        views (``pool_usage()``, ``capacity_plan``, ``hook_errors``) stay readable. Returns hook errors; a second
-        call does nothing."""
+    def close(self, *, reason: str = "explicit") -> list[LifecycleHookError]:
+        """Close every session, resident or swapped out, then release the KV pools and the pipeline: their memory
+        goes back now, even while something still references the runner. Later requests raise
+        ``EngineStateError``; the final views (``pool_usage()``, ``capacity_plan``, ``hook_errors``) stay readable.
+        ``reason``: the sessions' ``session_closed`` events', the caller's word for why it closes them:
+        ``explicit``, or ``run_stopped`` / ``run_failed`` (rollout's, for the sessions a stopped or failed run does
+        not keep). Returns hook errors; a second call does nothing."""
+        _require_reason("close", reason)
         if self._closed:
             return []
-        errors = self._close_sessions()
+        errors = self._close_sessions(reason)
         if self.kv_cache is not None:
             self.kv_cache.release()
         self.pipeline = None
@@ -1073,17 +1096,17 @@ class ARDiffusionModelRunner:
             torch.cuda.empty_cache()  # back to the device, so the next engine's plan sees it free
         return errors
 
-    def _close_sessions(self) -> list[LifecycleHookError]:
+    def _close_sessions(self, reason: str) -> list[LifecycleHookError]:
         errors: list[LifecycleHookError] = []
         if self.swap is not None:
             self.swap.flush()  # the write in flight ends first, outside the lock the views take
             self._warn_about_failed_writes(warn=False)  # their sessions are closed below: nothing is rebuilt
         with self._locked():
             for session_id in list(self._sessions):
-                errors += self._release(session_id, reason="explicit", hook="close")
+                errors += self._release(session_id, reason=reason, hook="close")
             if self.swap is not None:
                 for session_id in self.swap.session_ids:  # closed too, with the event close_session sends
-                    self._discard_swapped(session_id, "close")
+                    self._discard_swapped(session_id, "close", reason=reason)
                 self.swap.clear()  # and the folder goes
         return errors
 
@@ -1267,12 +1290,12 @@ class ARDiffusionModelRunner:
     def swap_out_sessions(self, session_ids: Iterable[str], *, reason: str = "explicit") -> dict[str, int]:
         """Swap the resident sessions ``session_ids`` out, in that order, as an LRU eviction does (the snapshot
         written, then the KV released with the close hook and a ``session_evicted`` event, ``swapped``, whose reason
-        is ``reason``, the caller's word for why), so that ``detach_snapshots`` leaves them too to a later process:
-        what the CLI does when a signal stops a rollout (reason ``run_stopped``). Returns {session id: snapshot
-        bytes} of those swapped out. A session stays resident when its snapshot does not fit in the swap space left
-        (no other snapshot is dropped for it), when its export fails (an ``ArdiffWarning``), and when a stop or an
-        error cut its last request or restore short: its state is no request's. Ids that are not resident are
-        skipped; without a swap store nothing is done."""
+        is ``reason``, the caller's word for why: ``explicit`` or ``run_stopped``), so that ``detach_snapshots``
+        leaves them too to a later process: what the CLI does when a signal stops a rollout (``run_stopped``).
+        Returns {session id: snapshot bytes} of those swapped out. A session stays resident when its snapshot does
+        not fit in the swap space left (no other snapshot is dropped for it), when its export fails (an
+        ``ArdiffWarning``), and when a stop or an error cut its last request or restore short: its state is no
+        request's. Ids that are not resident are skipped; without a swap store nothing is done."""
         self._require_loaded()
         _require_reason("swap_out_sessions", reason)
         if isinstance(session_ids, (str, bytes)) or not isinstance(session_ids, Iterable):
