@@ -15,6 +15,7 @@ import inspect
 import math
 import numbers
 import sys
+import types
 import typing
 import warnings
 import weakref
@@ -22,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec, as_scalar
+from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec, as_scalar, is_number
 from ardiff_cli.runtime.capacity import MAX_SESSIONS
 from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError, did_you_mean, field_error, shown, yaml_key_note
 
@@ -71,14 +72,14 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
         return value
     if hint is int:
         # JSON-able, as the plain int YAML gives: a numpy integer made json.dumps of a checkpoint's metadata fail
-        require(isinstance(value, numbers.Integral) and not isinstance(value, bool), name, "an integer", given)
+        require(is_number(value, numbers.Integral), name, "an integer", given)
         value = int(value)
         # Every int here but the seed (checked in __post_init__) becomes a torch size, an int64: a larger one
         # failed in torch as "the pipeline's code failed", far from the config.
         require(name == "seed" or abs(value) < 1 << 63, name, "an integer below 2**63", given)
         return value
     if hint is float:
-        require(isinstance(value, numbers.Real) and not isinstance(value, bool), name, "a number", given)
+        require(is_number(value), name, "a number", given)
         # .inf, .nan and an int beyond float's range would reach the sampler as inf or NaN (or not convert at all)
         try:
             number = float(value)
@@ -93,7 +94,8 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
         (item, *_rest) = typing.get_args(hint)
         kind = {int: numbers.Integral, float: numbers.Real}.get(item, item)
         items = [as_scalar(v) for v in value] if isinstance(value, (list, tuple)) else None
-        ok = items is not None and all(isinstance(v, kind) and not isinstance(v, bool) for v in items)
+        ok = items is not None and all(is_number(v, kind) if item in (int, float) else isinstance(v, kind)
+                                       for v in items)
         require(ok, name, f"a list of {item.__name__}s", given)
         return tuple(item(v) for v in items)
     raise AssertionError(f"config field {name!r} has an unsupported type {hint!r}; extend _coerce")
@@ -121,15 +123,27 @@ def checked_fields(cls: type) -> dict[str, Any]:
             continue
         owner = next(k for k in cls.__mro__ if f.name in inspect.get_annotations(k))  # the last declaration's class
         module = vars(sys.modules[owner.__module__]) if owner.__module__ in sys.modules else {}
-        try:  # evaluated as get_type_hints does, field by field: the module's names first, then the class's
-            hints[f.name] = eval(f.type, dict(vars(owner)), module) if isinstance(f.type, str) else f.type
+        try:  # as get_type_hints(cls) resolves it (a quoted type inside one too): the module's names, then the class's
+            alone = types.SimpleNamespace(__annotations__={f.name: f.type})
+            hints[f.name] = typing.get_type_hints(alone, dict(vars(owner)), module)[f.name]
         except Exception as exc:
             if cls not in _WARNED_UNRESOLVED:
                 warnings.warn(f"{cls.__module__}.{cls.__qualname__}: field {f.name!r} (annotation {f.type!r}) is not "
                               f"checked when the config is built: its annotation does not resolve at run time ({exc})",
-                              ArdiffWarning, stacklevel=4)  # here, __post_init__, the dataclass's __init__, its caller
+                              ArdiffWarning, stacklevel=_caller_stacklevel())
     _WARNED_UNRESOLVED.add(cls)
     return hints
+
+
+def _caller_stacklevel() -> int:
+    """``warnings.warn``'s ``stacklevel``, in the function that calls this, for the first frame outside this module,
+    ``dataclasses`` and a dataclass's generated ``__init__`` (a ``<string>``): the line that built the config,
+    ``Config(...)``, ``config.replace(...)`` or ``config_from_dict(...)``."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename in (__file__, dataclasses.__file__)
+                                 or frame.f_code.co_filename.startswith("<")):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 _WARNED_UNRESOLVED: weakref.WeakSet[type] = weakref.WeakSet()  # classes whose unresolved fields were warned of

@@ -170,6 +170,16 @@ def test_a_runtime_setting_given_as_a_tensor_that_holds_no_such_number_is_refuse
         load_config("causal-world-tiny").with_runtime(**{key: value})
 
 
+@pytest.mark.parametrize(("key", "value"), [("session_capacity", np.timedelta64(2, "ns")),
+                                            ("memory_budget", np.timedelta64(64 << 20, "ns")),
+                                            ("num_threads", np.datetime64(1, "ns")),
+                                            ("gpu_memory_fraction", np.timedelta64(1, "ns"))])
+def test_a_runtime_setting_given_as_a_numpy_time_is_refused(key, value):
+    """A nanosecond numpy time's ``.item()`` is a plain int: it was taken as that number (``session_capacity`` 2)."""
+    with pytest.raises(ConfigError, match=rf"field 'runtime.{key}': expected .*, got np\.(timedelta|datetime)64"):
+        load_config("causal-world-tiny").with_runtime(**{key: value})
+
+
 def test_public_surface_resolves_lazily():
     import subprocess
     import sys

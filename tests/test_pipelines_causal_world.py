@@ -302,9 +302,9 @@ def test_a_request_seed_given_as_a_0d_tensor_or_numpy_scalar_is_the_integer_it_h
 
 
 @pytest.mark.parametrize("seed", [torch.tensor(3.0), torch.tensor([3]), np.array([3]), np.bool_(True),
-                                  torch.tensor(True), torch.tensor(-1), 3.0],
+                                  torch.tensor(True), torch.tensor(-1), 3.0, np.timedelta64(3, "ns")],
                          ids=["float_tensor", "tensor_1d", "numpy_1d", "numpy_bool", "tensor_bool", "negative",
-                              "float"])
+                              "float", "numpy_timedelta"])
 def test_a_request_seed_that_holds_no_non_negative_integer_is_refused_naming_it(seed):
     driver = Driver(causal_world())
     with pytest.raises(ObservationError, match=r"^request inputs: 'seed' must be a non-negative integer, got "):

@@ -21,21 +21,32 @@ if TYPE_CHECKING:
     from ardiff_cli.runtime.kv.state import ARDiffusionKVState
 
 
+def is_number(value: object, kind: type = numbers.Real) -> bool:
+    """Whether ``value`` is a number of ``kind`` (numpy's too), not a bool nor a numpy time: ``np.timedelta64`` is a
+    numpy integer, and ``np.timedelta64(3, "ns")`` was taken as 3."""
+    return (isinstance(value, kind) and not isinstance(value, bool)
+            and getattr(getattr(value, "dtype", None), "kind", None) not in ("m", "M"))
+
+
 def as_int(value: object) -> int | None:
-    """``value`` as a Python int when it is an integer of any kind (int, numpy's int64, ...) but not a bool; else None.
-    Here, in the lowest module of the runtime, so that the spec, the layout and the planner read integers alike."""
+    """``value`` as a Python int when it is an integer of any kind (int, numpy's int64, ...) but not a bool (nor a
+    numpy time); else None. Here, in the lowest module of the runtime, so that the spec, the layout and the planner
+    read integers alike."""
     if type(value) is int:  # the common case, without the ABC check (every forward's seq_len comes here)
         return value
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
+    if is_number(value, numbers.Integral):
+        return int(value)  # type: ignore[call-overload]
     return None
 
 
 def as_scalar(value: object) -> object:
     """The Python number (or bool) a numpy scalar or a 0-d numpy array or torch tensor holds (``.item()``:
     ``torch.tensor(7.5)`` is 7.5, ``np.True_`` True, whatever its device or ``requires_grad``); any other value,
-    a 1-d tensor or one that holds no value (on the meta device) included, as it is. Without importing torch."""
+    a 1-d tensor or one that holds no value (on the meta device) included, as it is, and so is a numpy time (the
+    ``.item()`` of ``np.datetime64(3, "ns")`` is the int 3). Without importing torch."""
     if type(value).__module__.partition(".")[0] not in ("numpy", "torch") or getattr(value, "ndim", None) != 0:
+        return value
+    if getattr(value.dtype, "kind", None) in ("m", "M"):  # type: ignore[attr-defined]  # numpy's; torch's has none
         return value
     try:
         return value.item()  # type: ignore[attr-defined]

@@ -20,11 +20,10 @@ Memory model (bytes; ``bpp`` = bytes per page, all layers, K and V)::
 
 from __future__ import annotations
 
-import numbers
 import os
 from dataclasses import dataclass, field, replace
 
-from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec
+from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec, is_number
 from ardiff_cli.runtime.errors import CapacityError, ConfigError, quoted
 from ardiff_cli.runtime.kv.layout import KVLayout, as_int
 
@@ -84,7 +83,7 @@ def format_bytes(num_bytes: float) -> str:
 def as_fraction(value: object) -> float | None:
     """``value`` as a Python float when it is a real number of any kind (int, float, numpy's float32, int64, ...)
     in (0, 1], not a bool; else None (nan, inf and 10**400 included)."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+    if not is_number(value):
         return None
     try:
         number = float(value)
