@@ -18,9 +18,11 @@ this process) closes it. It runs in a session of its own, so a typed Ctrl-C or a
 
 At the display's end descriptor 2 is the terminal again, and the relay sends what the pipe still holds, to be shown
 above the display; what a child still running writes to the pipe after that goes to the terminal as it is. No wait
-on the relay is unbounded: one stopped (``kill -STOP``, a debugger) or starved costs the display's end
-``TIMEOUT_S`` once, and where it cannot start (a frozen executable: ``sys.executable`` is no Python) there is no
-relay, and descriptor 2 stays as it was.
+on a silent relay is unbounded: one that says nothing for ``TIMEOUT_S`` once asked to finish (stopped: ``kill -STOP``, a
+debugger) is given up on, which costs the display's end ``TIMEOUT_S`` to twice that; one that answers is waited for
+however long its text takes to show (given up on, it writes to the terminal what it sent and was not yet
+acknowledged: shown twice); where it cannot start (a frozen executable: ``sys.executable`` is no Python) there is
+no relay, and descriptor 2 stays as it was.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 _ACK = struct.Struct("<Q")  # to the relay: a count of bytes shown, or STOP
 STOP = 2**64 - 1  # the display ends: descriptor 2 is the terminal again, send what the pipe still holds and close
 HELLO = b"R"  # from the relay, before anything it read: it runs (a frozen executable's own CLI would not send it)
-TIMEOUT_S = 5  # the longest wait for the relay, to start or to finish: it replies within milliseconds when it runs
+TIMEOUT_S = 5  # the longest silence of the relay, to start or to finish: it replies within milliseconds when it runs
 _OUTLIVING: list[subprocess.Popen[bytes]] = []  # relays not yet ended at close(): polled (reaped) by the next
 
 # The relay, run as `python -I -S -c CODE FD`: fd 0 the pipe, fd 1 its end of the socket pair, fd 2 /dev/null until it
@@ -164,7 +167,6 @@ class StderrRelay:
             if hello != HELLO:
                 raise OSError(f"the stderr relay did not start: {sys.executable} -I -S -c ... sent {hello!r}, "
                               f"not {HELLO!r} (no Python?)")
-            mine.settimeout(None)
         except BaseException:
             if relay is not None:  # not a relay, or one too slow: gone, and reaped
                 relay.kill()
@@ -186,6 +188,7 @@ class StderrRelay:
         # stop() or close() does (``_stopped``): after close() ``_saved`` may be another file's number
         self._send_lock = threading.Lock()
         self._stopped = False
+        self._stop_at: float | None = None  # when stop() asked the relay to finish: silent TIMEOUT_S since, it is left
         self._pipe_stat = os.fstat(write_end)  # descriptor 2 until stop(), unless a lost stderr made it /dev/null
         os.dup2(write_end, 2)
         os.close(write_end)
@@ -197,9 +200,19 @@ class StderrRelay:
         """Show what the relay sends; acknowledge what ends a line: a line not yet ended waits in the display's
         buffer, and the relay keeps it until then, for the terminal if this process dies first."""
         received = acked = 0
+        silent = False  # the relay said nothing for TIMEOUT_S after stop() asked it to finish: stopped, or starved
         with self._sock:
             try:
-                while data := self._sock.recv(65536):
+                while True:
+                    try:
+                        data = self._sock.recv(65536)  # times out after TIMEOUT_S (the socket's timeout)
+                    except TimeoutError:
+                        stop_at = self._stop_at
+                        if silent := stop_at is not None and time.monotonic() - stop_at >= TIMEOUT_S:
+                            break
+                        continue
+                    if not data:
+                        break
                     self._show(self._decoder.decode(data))
                     received += len(data)
                     newline = data.rfind(b"\n")
@@ -213,6 +226,8 @@ class StderrRelay:
             if not self._stopped and os.path.samestat(os.fstat(2), self._pipe_stat):  # failed: EPIPE, a child handed
                 os.dup2(self._saved, 2)  # it died of SIGPIPE). It lands in the display from then on, as with no
                 self._take_pipe()  # relay, and what the pipe held is shown
+            elif silent:  # what the pipe holds is shown from here
+                self._take_pipe()
 
     def _take_pipe(self) -> None:
         """Show what the pipe holds now, read from this process's own read end, and close that end (the relay no
@@ -253,25 +268,18 @@ class StderrRelay:
 
     def stop(self) -> None:
         """Descriptor 2 back to the terminal, once what was written before shows above the display (``terminal``
-        stays open for that: :meth:`close` closes it). A relay that does not finish within ``TIMEOUT_S``
-        (stopped, starved) is left: what the pipe holds is shown from here, and what the relay read but did not
-        send goes to the terminal if it ever runs again (the socket's end tells it, as a crash of this process)."""
+        stays open for that: :meth:`close` closes it). A relay silent for ``TIMEOUT_S`` (stopped, starved) is
+        left: what the pipe holds is shown from here, and what the relay read but did not send goes to the terminal if
+        it ever runs again (the socket's end tells it, as a crash of this process). One that answers is waited for."""
         with self._send_lock:
             self._stopped = True
+            self._stop_at = time.monotonic()
             os.dup2(self._saved, 2)
             try:  # 8 bytes: never partly sent; a full socket is a relay that reads no more, as a gone one
                 self._sock.send(_ACK.pack(STOP), socket.MSG_DONTWAIT)
             except OSError:  # the relay is gone (killed): the reader has seen the socket's end, or will
                 pass
-        self._thread.join(TIMEOUT_S)
-        if self._thread.is_alive():
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)  # the reader's recv returns: it ends
-            except OSError:  # it closed the socket meanwhile
-                pass
-            self._thread.join(TIMEOUT_S)
-            with self._send_lock:
-                self._take_pipe()
+        self._thread.join()  # the reader ends once the relay closes the socket, or has been silent TIMEOUT_S
 
     def close(self) -> None:
         with self._send_lock:  # stop() may have been cut short (Ctrl-C) before it put descriptor 2 back

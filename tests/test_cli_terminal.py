@@ -7,9 +7,13 @@ matters: the terminal echoes it, as ``^C``, where the live display's cursor is.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -433,6 +437,77 @@ def test_an_executable_that_is_no_python_runs_without_a_relay(tmp_path, cli_env,
     assert "no such option" not in text, text
     assert sorted(ran) == [f"ep_{i}/{step:06d}" for i in range(2) for step in range(4)], text
     assert any(line.startswith("rollout ok: 8 steps in ") for line in lines), text
+
+
+# Under a relay (ardiff_cli.stderr_relay) that runs, 20 lines of 70 KB written to descriptor 2, then the display's end
+# (stop, close) while the first of them is still being shown: `show` takes 6 s over it, as a slow terminal would
+_SLOW_SHOW = r"""
+import os, sys, time
+from ardiff_cli.stderr_relay import StderrRelay, TIMEOUT_S
+shown = []
+def show(text):
+    if not shown:
+        time.sleep(TIMEOUT_S + 1)
+    shown.append(text)
+relay = StderrRelay(show, "utf-8", None)
+for i in range(20):
+    os.write(2, b"stray: %02d " % i + b"x" * 70000 + b"\n")
+relay.stop()
+relay.close()
+sys.stdout.write("".join(shown))
+"""
+
+
+def test_a_relay_that_runs_is_waited_for_however_long_its_lines_take_to_show(tmp_path, cli_env):
+    """The display's end gave up on the relay after 5 s even where the relay answered at once and only the showing
+    was slow: the relay then wrote what it had sent to the terminal itself, and about half the lines showed twice.
+    Only a relay silent for that long is given up on now: each line shows once, all above the display."""
+    with open(tmp_path / "terminal", "wb") as terminal:
+        proc = subprocess.run([sys.executable, "-c", _SLOW_SHOW], env=cli_env, stdout=subprocess.PIPE,
+                              stderr=terminal, timeout=120)
+    assert proc.returncode == 0, (tmp_path / "terminal").read_bytes()[-2000:]
+    shown = [line[:9] for line in proc.stdout.decode().splitlines()]
+    assert shown == [f"stray: {i:02d}" for i in range(20)]
+    assert b"stray:" not in (tmp_path / "terminal").read_bytes()
+
+
+# A line left unfinished on descriptor 2, shown above the display; then the relay stopped (`kill -STOP`) and the
+# display's end (stop, close); this process exits, printing the relay's pid for the test to continue it
+_STOPPED_AFTER_A_PARTIAL_LINE = r"""
+import os, signal, sys, time
+from ardiff_cli.stderr_relay import StderrRelay
+shown = []
+relay = StderrRelay(shown.append, "utf-8", None)
+os.write(2, b"stray: unfinished")
+while not shown:
+    time.sleep(0.01)
+os.kill(relay._relay.pid, signal.SIGSTOP)
+os.write(2, b" stray: after the stop\n")
+relay.stop()
+relay.close()
+print(relay._relay.pid, repr("".join(shown)))
+"""
+
+
+def test_a_stopped_relay_continued_after_the_display_s_end_writes_nothing_shown_again(tmp_path, cli_env):
+    """The display's end gives up on a stopped relay and shows what the pipe held itself. The line left unfinished,
+    shown then, was not acknowledged (the socket was shut down first): the relay, continued, wrote it to the terminal
+    a second time."""
+    with open(tmp_path / "terminal", "wb") as terminal:
+        proc = subprocess.run([sys.executable, "-c", _STOPPED_AFTER_A_PARTIAL_LINE], env=cli_env,
+                              stdout=subprocess.PIPE, stderr=terminal, text=True, timeout=120)
+    assert proc.returncode == 0, (tmp_path / "terminal").read_bytes()[-2000:]
+    pid, shown = proc.stdout.split(" ", 1)
+    assert shown == "'stray: unfinished stray: after the stop\\n'\n"
+    os.kill(int(pid), signal.SIGCONT)
+    for _ in range(3000):  # until the relay has ended (gone, or a zombie): 30 s at most
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.01)
+    assert (tmp_path / "terminal").read_bytes() == b""
 
 
 def test_a_native_crashs_last_words_reach_the_terminal(tmp_path, cli_env):
