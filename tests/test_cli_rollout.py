@@ -4231,19 +4231,21 @@ def test_a_link_to_a_file_in_a_watched_folder_joins_once_it_leads_to_an_episode_
     assert recorded_folders(run)["arm_b"] == str(live.resolve() / "cam")
 
 
-@pytest.mark.parametrize("loop", ["direct", "deeper"])
+@pytest.mark.parametrize("loop", ["direct", "deeper", "long"])
 def test_a_loop_of_links_in_a_watched_folder_is_named_a_loop_not_a_recording_that_never_appeared(
         env, data, tmp_path, loop):
     """--follow live, live/loop -> loop: the warning as the run ended said "the recording it links to never
     appeared while the run watched; once it is there, ...", of a link that can lead to no recording. It says it is a
     loop, and how to point it at one. live/loop -> ../rec/latest -> b, a loop further down (b -> c -> b), was said
-    to lead "back to itself" too, of a link that does not: the link that loops is named."""
+    to lead "back to itself" too, of a link that does not: the link that loops is named. A chain of more links than
+    the system follows (live/loop -> ../rec/l1 -> ... -> rec/arm_b, a recording) was "(a loop of links)", of no loop;
+    as not one, it said "the recording it links to never appeared", of one there all along."""
     live, run, rec = tmp_path / "live", tmp_path / "run", tmp_path / "rec"
     write_episode(live / "arm_a", steps_of(0, 2), prompt="task arm_a")
     if loop == "direct":
         (live / "loop").symlink_to("loop")
         what = "a link to loop, which leads back to itself (a loop of links)"
-    else:
+    elif loop == "deeper":
         rec.mkdir()
         (live / "loop").symlink_to(Path("..") / "rec" / "latest")
         (rec / "latest").symlink_to("b")
@@ -4251,6 +4253,12 @@ def test_a_loop_of_links_in_a_watched_folder_is_named_a_loop_not_a_recording_tha
         (rec / "c").symlink_to("b")
         what = (f"a link to ../rec/latest, which leads to {rec.resolve() / 'b'}, a link that leads back to itself (a "
                 "loop of links)")
+    else:
+        write_episode(rec / "arm_b", steps_of(1, 2), prompt="task arm_b")
+        for i in range(1, 45):
+            (rec / f"l{i}").symlink_to(f"l{i + 1}" if i < 44 else "arm_b")
+        (live / "loop").symlink_to(Path("..") / "rec" / "l1")
+        what = "a link to ../rec/l1, the first of 45 links in a row, more than the system follows"
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
                   "--idle-timeout", "1", "--format", "plain")
     assert proc.returncode == 0, proc.stderr

@@ -3,6 +3,7 @@ real causal_world pipeline: what a server author hits over many requests, sessio
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import inspect
@@ -656,6 +657,25 @@ def test_the_engine_is_a_context_manager_that_closes_it_however_the_block_ends()
     assert info.value is raised and info.value.__context__ is None and not engine.loaded
     with engine:
         pass  # never loaded: nothing to close
+
+
+@pytest.mark.parametrize(("raised", "reason"), [(None, "explicit"), (KeyboardInterrupt(), "run_stopped"),
+                                                (Boom("the server's own error"), "run_failed")])
+def test_a_with_block_closes_its_sessions_with_the_reason_of_what_ended_it(raised, reason):
+    """A block that raised closed the sessions it left as `explicit`, as a caller's own close() of a server that ran
+    on: a subscriber could not tell a Ctrl-C or a crash from a clean end. They say `run_stopped` (KeyboardInterrupt)
+    or `run_failed` (any other exception), as rollout's close of a stopped or failed run."""
+    engine = server_engine()
+    closed = []
+    engine.subscribe(lambda event: closed.append((event.session_id, event.reason))
+                     if event.kind == "session_closed" else None)
+    with pytest.raises(type(raised)) if raised is not None else contextlib.nullcontext():
+        with engine:
+            engine.load()
+            engine.execute(request(engine, "r0", "a"))
+            if raised is not None:
+                raise raised
+    assert closed == [("a", reason)] and not engine.loaded
 
 
 def test_a_close_hook_that_fails_at_the_end_of_a_with_block_never_hides_the_blocks_own_exception():

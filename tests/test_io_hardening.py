@@ -384,6 +384,26 @@ def test_a_loop_of_links_further_down_a_chain_is_named_by_the_link_that_loops(tm
         discover_episodes([eps / "cam"])
 
 
+def test_a_chain_of_links_longer_than_the_system_follows_is_not_named_a_loop(tmp_path):
+    """eps/cam -> l25 -> ... -> l69 -> rec, no link twice: the system gives up at 40 links (ELOOP), and cam was "a link
+    to l25, which leads through more links than the system follows (a loop of links)", of a chain that loops nowhere
+    (and past 64 links, of any chain). It is named by its length; a loop in a folder above a link is still a loop."""
+    from ardiff_cli.runtime.errors import link_to_nothing
+
+    eps = tmp_path / "eps"
+    (eps / "rec").mkdir(parents=True)
+    for i in range(1, 70):
+        (eps / f"l{i}").symlink_to(f"l{i + 1}" if i < 69 else "rec")
+    (eps / "cam").symlink_to("l25")
+    assert link_to_nothing(eps / "cam") == "a link to l25, the first of 46 links in a row, more than the system follows"
+    (eps / "long").symlink_to("l1")
+    assert link_to_nothing(eps / "long") == "a link to l1, the first of 70 links in a row, more than the system follows"
+    (eps / "up").symlink_to("up")
+    (eps / "above").symlink_to("up/x")
+    assert link_to_nothing(eps / "above") == ("a link to up/x, which leads through more links than the system "
+                                              "follows (a loop of links)")
+
+
 def test_write_episode_refuses_metadata_that_rollout_would_refuse_for_its_size(tmp_path):
     with pytest.raises(ValueError, match=r"metadata: episode.yaml would take \d+ bytes, more than the 1 MiB rollout "
                                          r"reads"):

@@ -56,7 +56,7 @@ from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, S
                                    missing_steps, new_episode_folders, other_step_formats, step_number,
                                    step_sha256, unreadable_folder)
 from ardiff_cli.io.run import episode_folder_path
-from ardiff_cli.runtime.errors import LOOP_OF_LINKS, ObservationError, as_typed, link_to_nothing, shell_word
+from ardiff_cli.runtime.errors import ObservationError, as_typed, link_to_nothing, shell_word
 
 # Activity for the idle timer: write_step's temporary file of a step file being written (atomic_write_bytes), and
 # rsync's of one it copies (".step_000001.safetensors.Ab3dE9": "." + name + "." + mkstemp's 6 characters)
@@ -615,10 +615,11 @@ class StepScheduler:
             for name in names:  # looked at each poll, never led to an episode folder: not passed over unsaid
                 if name not in settled and (dangling := link_to_nothing(folder / name)):
                     link = shell_word(folder / name)
-                    # a loop leads nowhere whatever is recorded: "the recording ... never appeared" sent one waiting
-                    why = (f"point it at a recording (ln -sfn RECORDING {link}), then"
-                           if dangling.endswith(LOOP_OF_LINKS) else
-                           "the recording it links to never appeared while the run watched; once it is there,")
+                    # a loop, or more links than the system follows, leads nowhere whatever is recorded: "the
+                    # recording ... never appeared" sent one waiting
+                    why = ("the recording it links to never appeared while the run watched; once it is there,"
+                           if dangling.endswith("which does not exist") else
+                           f"point it at a recording (ln -sfn RECORDING {link}), then")
                     self._warn(f"{as_typed(folder / name)} never joined the run: it is {dangling} ({why} run it with "
                                f"{link} as EPISODE in a new --out, or --resume this run)")
             if steps:

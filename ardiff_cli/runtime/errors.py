@@ -292,28 +292,31 @@ _SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 8
 LOOP_OF_LINKS = "(a loop of links)"  # how link_to_nothing ends of a loop
 
 
-def _loop_start(path: os.PathLike | str) -> tuple[int, str] | None:
+def _loop_start(path: os.PathLike | str) -> tuple[int, str] | int | None:
     """Where the chain of links from the link ``path`` comes back to a link it passed: that link's place on the chain
-    (0: ``path`` itself) and its path, absolute; None where it does not (a loop in a folder above a link, a chain
-    longer than the system follows)."""
-    seen: list[str] = []
+    (0: ``path`` itself) and its path, absolute; where it does not, the number of links on it (``path`` too), a
+    chain longer than the system follows (40 on Linux); None for a loop in a folder above a link."""
+    seen: dict[str, int] = {}
     hop = os.fspath(path)
-    for _ in range(64):  # beyond the 40 links Linux follows
+    while True:  # ends: each turn passes a link not passed yet, and there are only so many
         here = os.path.join(os.path.realpath(os.path.dirname(hop) or "."), os.path.basename(hop))
         if here in seen:
-            return seen.index(here), here
-        if not os.path.islink(here):
-            return None
-        seen.append(here)
+            return seen[here], here
+        try:
+            if not stat.S_ISLNK(os.lstat(here).st_mode):
+                return len(seen)
+        except OSError as exc:
+            return None if exc.errno == errno.ELOOP else len(seen)
+        seen[here] = len(seen)
         hop = os.path.join(os.path.dirname(here), os.readlink(here))
-    return None
 
 
 def link_to_nothing(path: os.PathLike | str) -> str | None:
     """``"a link to TARGET, which does not exist"`` for a link that leads nowhere (a disk not mounted): a path that
     ``ls`` lists, so "not found" of it reads as a false error; None for anything else, or a path this user may not
     look at (the caller's own error names it). A loop of links is named as one, by the link that loops where that is
-    not ``path`` (``a -> b``, ``b -> c -> b``: ``b`` leads back to itself, ``a`` does not)."""
+    not ``path`` (``a -> b``, ``b -> c -> b``: ``b`` leads back to itself, ``a`` does not); a chain of more links than
+    the system follows (ELOOP too), by its length."""
     try:
         if os.path.islink(path) and not os.path.exists(path):
             target = os.readlink(path)
@@ -322,6 +325,8 @@ def link_to_nothing(path: os.PathLike | str) -> str | None:
             except OSError as exc:  # exists() says False of a loop too: it was "a link to x, which does not exist"
                 if exc.errno == errno.ELOOP:
                     loop = _loop_start(path)
+                    if isinstance(loop, int):  # no loop: it was "(a loop of links)" too
+                        return f"a link to {target}, the first of {loop} links in a row, more than the system follows"
                     if loop is None:
                         return f"a link to {target}, which leads through more links than the system follows " \
                                f"{LOOP_OF_LINKS}"
