@@ -8,7 +8,6 @@ says", and the config's own default applies when it says nothing.
 from __future__ import annotations
 
 import enum
-import math
 import os
 import re
 from decimal import Decimal
@@ -79,9 +78,9 @@ def show_help(ctx: typer.Context, value: bool) -> None:
 # A number option's value as a shell script writes a plain number: a sign, ASCII digits with a point, an exponent;
 # or nan and inf, which each option refuses by its range. Python's int() and float() read more, which this refuses:
 # '1_000', spaces and a line break around it (' 4 ', a line read with its newline), other scripts' digits ('\uff14',
-# a wide 4). Hex ('0x10') neither reads.
+# a wide 4). Hex ('0x10') neither reads. ASCII: a case-blind match takes '\u0131' and '\u0130' for i too ('\u0131nf').
 PLAIN_NUMBER = re.compile(r"(?P<mantissa>[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(?:[eE](?P<exponent>[+-]?[0-9]+))?"
-                          r"|[+-]?(?:nan|inf|infinity)", re.IGNORECASE)
+                          r"|[+-]?(?:nan|inf|infinity)", re.IGNORECASE | re.ASCII)
 # An exponent of more digits than this is read as this, as far out of every option's range and of what a float holds:
 # Decimal reads none past 10**18 ('1e9999999999999999999' was a traceback). An argument holds at most 131072
 # characters (Linux's MAX_ARG_STRLEN), too few digits to bring such a number back into a range.
@@ -91,7 +90,7 @@ MAX_EXPONENT = 10**9
 def read_number(text: str) -> Decimal | None:
     """A number option's value exactly as written (``PLAIN_NUMBER``), else None: compared as a float rounds it,
     '2.0000000000000001' was 2 sessions, '1.00000000000000001' a fraction of 1, '1e-400' 0 and '1e400' sessions inf,
-    no whole number. ``as_float`` gives the float of one in range.
+    no whole number.
 
     Number options are read here, with a ``parser``, not by Typer, whose pydantic check answered in its own words
     ("Input should be greater than or equal to 0"; for a byte the locale could not decode, "unable to parse raw data
@@ -107,25 +106,16 @@ def read_number(text: str) -> Decimal | None:
     return Decimal(text)
 
 
-def as_float(number: Decimal, expected: str, text: str, *, then: str = "") -> float:
-    """``number`` (finite, in the option's range) as a float, else a usage error saying why a float cannot hold it:
-    past 1.8e308 (a float's inf; ``then``: what to give instead) or, not 0, nearer 0 than 5e-324 (a float's 0)."""
-    value = float(number)
-    if math.isinf(value):
-        why = f"too large to represent (a float holds up to 1.8e308){then and '; '}{then}"
-    elif number and not value:
-        why = "too small to represent (a float reads it as 0)"
-    else:
-        return value
-    raise typer.BadParameter(f"expected {expected}, got {errors.quoted(text, cut=True)}: {why}")
-
-
 def parse_fraction(text: str) -> float:
-    """``--gpu-memory-fraction``: a share of memory, in (0, 1]."""
-    number, expected = read_number(text), "a number in (0, 1]"
+    """``--gpu-memory-fraction``: a share of memory, in (0, 1]; one nearer 0 than a float holds (5e-324) is refused as
+    what it is, not as out of range."""
+    number, given = read_number(text), errors.quoted(text, cut=True)
     if number is None or not number.is_finite() or not 0 < number <= 1:
-        raise typer.BadParameter(f"expected {expected}, got {errors.quoted(text, cut=True)}")
-    return as_float(number, expected, text)
+        raise typer.BadParameter(f"expected a number in (0, 1], got {given}")
+    if not float(number):
+        raise typer.BadParameter(f"expected a number in (0, 1], got {given}: too small to represent (a float reads it "
+                                 "as 0)")
+    return float(number)
 
 
 def parse_session_count(text: str) -> int:

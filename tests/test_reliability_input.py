@@ -2341,26 +2341,33 @@ class Mine(DreamZeroPipeline):
 """
 
 
+@pytest.mark.parametrize("where", ["working folder", "PYTHONPATH entries"])
 def test_a_restart_hint_of_a_pipeline_module_found_in_the_working_folder_pastes_from_another_folder(
-        tmp_path, cli_env):
+        tmp_path, cli_env, where):
     # `--pipeline mypipe:Mine`, a module in the folder the rollout was started in (`python -m` puts it on sys.path),
     # was recorded as typed: the rollout the hint gave, pasted in another folder (or a root shell), could not import
-    # it. The .lock records the folder it was found in, and the hint carries it as PYTHONPATH; pasted elsewhere, it
-    # starts the run. The PYTHONPATH the tests give is the repository's and tests/, with the working folder.
+    # it. The .lock records the folders Python searched before what is installed (the working folder, PYTHONPATH's
+    # entries made absolute), and the hint carries them as PYTHONPATH; pasted elsewhere, it starts the run. A module
+    # on a relative PYTHONPATH entry that imports a module of another entry (PYTHONPATH=../lab:../libs) was given its
+    # own folder alone: pasted, `No module named 'helper'`. The PYTHONPATH the tests give is the repository's and
+    # tests/, with the working folder (an empty entry).
     lab, elsewhere, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "lab dir's runs" / "eval1"
-    lab.mkdir()
-    elsewhere.mkdir()
-    (lab / "mypipe.py").write_text(MY_PIPELINE)
+    libs, started = tmp_path / "libs", tmp_path / ("lab" if where == "working folder" else "started")
+    for folder in (lab, elsewhere, libs, started):
+        folder.mkdir(exist_ok=True)
+    (lab / "mypipe.py").write_text(MY_PIPELINE if where == "working folder" else f"import helper\n{MY_PIPELINE}")
+    (libs / "helper.py").write_text("")
     shim, hold = tmp_path / "shim", tmp_path / "hold"
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(HOLD_IMPORT)
     os.mkfifo(hold)
     episode(tmp_path / "arm_a", 1)
+    given = [str(shim)] + ([] if where == "working folder" else ["../lab", "../libs"])
     held = {**cli_env, "HOLD": str(hold), "HOLD_MODULE": "ardiff_cli.io.kept",
-            "PYTHONPATH": os.pathsep.join([str(shim), cli_env["PYTHONPATH"]])}
+            "PYTHONPATH": os.pathsep.join([*given, cli_env["PYTHONPATH"]])}
     loading = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", "../arm_a", "--out",
-                                str(run), "--pipeline", "mypipe:Mine", "--no-warmup", "--format", "plain"], cwd=lab,
-                               env=held, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                str(run), "--pipeline", "mypipe:Mine", "--no-warmup", "--format", "plain"],
+                               cwd=started, env=held, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     writer = None
     try:
         writer = open_to_write(loading, hold)  # past its lock, before run.json
@@ -2374,8 +2381,12 @@ def test_a_restart_hint_of_a_pipeline_module_found_in_the_working_folder_pastes_
                            "plain"], env=cli_env, cwd=elsewhere, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     again = _hint(proc.stderr).rpartition("to start that run again: ")[2]
-    assert again == (f"PYTHONPATH={shlex.quote(str(lab))} ardiff rollout dreamzero-tiny {tmp_path / 'arm_a'} "
-                     f"--pipeline mypipe:Mine --no-warmup --out {shlex.quote(str(run))}"), proc.stderr
+    searched = [str(folder) for folder in [started, shim] + ([] if where == "working folder" else [lab, libs])]
+    searched += [os.path.join(started, entry) for entry in cli_env["PYTHONPATH"].split(os.pathsep) if entry]  # '':
+    searched = list(dict.fromkeys(searched))  # started, again; each folder once
+    assert again == (f"PYTHONPATH={shlex.quote(os.pathsep.join(searched))} ardiff rollout dreamzero-tiny "
+                     f"{tmp_path / 'arm_a'} --pipeline mypipe:Mine --no-warmup --out {shlex.quote(str(run))}"), \
+        proc.stderr
     pasted = _pasted(again, elsewhere, cli_env)
     assert pasted.returncode == 0, pasted.stderr
     assert ok_steps(run) == {("arm_a", 0)}

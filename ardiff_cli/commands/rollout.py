@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import signal
 import time
@@ -47,7 +48,6 @@ from ardiff_cli.options import (
     QuietOpt,
     SessionCapacityOpt,
     VerboseOpt,
-    as_float,
     check_swap_space,
     read_number,
 )
@@ -153,14 +153,17 @@ def _parse_idle_timeout(text: str) -> float:
     """``--idle-timeout``: a finite number of seconds, 0 or more. inf (or 1e400, past a float) loaded the model, then
     failed writing run.json (JSON has no infinity): a traceback, exit 1. A follower that never gives up waits a long
     time."""
-    number, expected = read_number(text), "a number of seconds, 0 or more"
+    number, given = read_number(text), quoted(text, cut=True)
     forever = "to wait for days, give them: 604800 is a week"
     if number is not None and not number.is_finite():
-        raise typer.BadParameter(f"expected a finite number of seconds, got {quoted(text, cut=True)}"
+        raise typer.BadParameter(f"expected a finite number of seconds, got {given}"
                                  + (f" ({forever})" if number.is_infinite() and not number.is_signed() else ""))
     if number is None or number < 0:
-        raise typer.BadParameter(f"expected {expected}, got {quoted(text, cut=True)}")
-    return abs(as_float(number, expected, text, then=forever))  # -0 is 0 (it was "--idle-timeout -0 s")
+        raise typer.BadParameter(f"expected a number of seconds, 0 or more, got {given}")
+    if math.isinf(float(number)):
+        raise typer.BadParameter(f"expected a number of seconds, 0 or more, got {given}: too large to represent (a "
+                                 f"float holds up to 1.8e308); {forever}")
+    return abs(float(number))  # -0 is 0 (it was "--idle-timeout -0 s"); 1e-400 too, as a float reads it
 
 
 def rollout(
@@ -305,8 +308,8 @@ def _start_arguments(config: str | None, episodes: list[Path] | None, pipeline: 
     """A new run's arguments as given, for the rollout that starts it again from any folder (the lock file records
     them: a run stopped while its model loads has no run.json): the config and episodes absolute (a built-in config
     by its name), the options that change the run; not --out (the folder it is found in), nor --format. With
-    ``"pythonpath"``, the folder a ``--pipeline MODULE:CLASS`` module was found in, where another shell would not
-    find it (:func:`_pipeline_folder`)."""
+    ``"pythonpath"``, the folders a ``--pipeline MODULE:CLASS`` module was found on, where another shell would not
+    find it (:func:`_pipeline_path`)."""
     words = [] if config is None else [os.path.abspath(config) if os.path.isfile(config) else config]
     words += [os.path.abspath(e) for e in episodes or []]  # a link stays a link: --follow follows it
     words += [] if pipeline is None else ["--pipeline", pipeline]
@@ -315,16 +318,18 @@ def _start_arguments(config: str | None, episodes: list[Path] | None, pipeline: 
             words += [f"--{key.replace('_', '-')}", str(getattr(overrides[key], "value", overrides[key]))]
     words += _given_to_resume(overrides, options, swap_space)
     words += ([] if warmup else ["--no-warmup"]) + (["--fail-fast"] if fail_fast else [])
-    folder = None if pipeline is None else _pipeline_folder(pipeline)
-    return {"start": words, **({} if folder is None else {"pythonpath": folder})}
+    path = None if pipeline is None else _pipeline_path(pipeline)
+    return {"start": words, **({} if path is None else {"pythonpath": path})}
 
 
-def _pipeline_folder(pipeline: str) -> str | None:
-    """The folder ``--pipeline MODULE:CLASS``'s module (its top package) is imported from, where a rollout pasted in
-    another shell would not find it: the working folder (``python -m ardiff_cli`` puts it first on sys.path) or a
-    PYTHONPATH entry (another shell, root's, may not set it; a relative one is read against the working folder).
-    None for a registered name, a module installed (site-packages, an editable install), or one not found (its
-    import fails, and says so). Found without importing it: the run's lock is taken before the pipeline loads."""
+def _pipeline_path(pipeline: str) -> str | None:
+    """The PYTHONPATH under which a rollout pasted in another shell imports ``--pipeline MODULE:CLASS``'s module (its
+    top package) as this one did, where it was found on a folder such a shell does not search: the working folder
+    (``python -m ardiff_cli`` puts it first on sys.path) or a PYTHONPATH entry (another shell, root's, may not set it;
+    a relative one is read against the working folder). It names each such folder this process searches, absolute and
+    in its order, not only the module's: the module may import one of another entry. None for a registered name, a
+    module installed (site-packages, an editable install), or one not found (its import fails, and says so). Found
+    without importing it: the run's lock is taken before the pipeline loads."""
     import importlib.util
     import sys
 
@@ -340,13 +345,18 @@ def _pipeline_folder(pipeline: str) -> str | None:
     found = (places[0] if places else spec.origin) if spec is not None else None  # a package's folder, or the .py
     if not found or not os.path.isabs(found):  # built in, frozen
         return None
-    folder = os.path.dirname(found)
-    if os.path.realpath(folder) == str(Path(__file__).resolve().parents[2]):  # ardiff's own (pipelines.*): found
-        return None                                                           # wherever ardiff_cli is
-    # an empty PYTHONPATH entry is the working folder too, as under `python -m`
-    entries = [os.getcwd()] + ([] if sys.flags.ignore_environment else
-                               [os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)])
-    return folder if os.path.realpath(folder) in {os.path.realpath(entry) for entry in entries} else None
+    folder = os.path.realpath(os.path.dirname(found))
+    if folder == str(Path(__file__).resolve().parents[2]):  # ardiff's own (pipelines.*): found wherever ardiff_cli is
+        return None
+    here = os.getcwd()
+    searched = [here] if sys.path and os.path.realpath(sys.path[0] or here) == os.path.realpath(here) else []  # -m
+    given = "" if sys.flags.ignore_environment else os.environ.get("PYTHONPATH", "")
+    if given:  # an empty entry is the working folder too, as Python reads it (an empty PYTHONPATH is none)
+        searched += [os.path.abspath(entry) for entry in given.split(os.pathsep)]
+    shown: dict[str, str] = {}  # each folder once, as first written
+    for entry in searched:
+        shown.setdefault(os.path.realpath(entry), entry)
+    return os.pathsep.join(shown.values()) if folder in shown else None
 
 
 def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,

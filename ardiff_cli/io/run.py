@@ -849,8 +849,8 @@ class RunFolder:
     def recorded_start(self) -> tuple[list[str], str | None] | None:
         """The arguments of the rollout that starts this folder's run again, as :meth:`lock` recorded them (config
         and episodes absolute, or a built-in config's name; the options given), and the PYTHONPATH its --pipeline
-        module was found on (None: none needed), else None (:meth:`unrecorded` says why): a lock file written by a
-        resume or an older ardiff, or unreadable."""
+        module was found on (its folders absolute; None: none needed), else None (:meth:`unrecorded` says why): a lock
+        file written by a resume or an older ardiff, or unreadable."""
         try:
             fd = os.open(self.root / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK)
         except OSError:
@@ -867,13 +867,14 @@ class RunFolder:
         if not (isinstance(words, list) and all(isinstance(w, str) for w in words)):
             return None
         pythonpath = record.get("pythonpath")
-        return words, pythonpath if isinstance(pythonpath, str) and os.path.isabs(pythonpath) else None
+        absolute = isinstance(pythonpath, str) and all(map(os.path.isabs, pythonpath.split(os.pathsep)))
+        return words, pythonpath if absolute else None
 
     def restart_command(self, arguments: Sequence[str] | None = None) -> str | None:
         """The rollout that starts this folder's run again, to paste: with ``arguments`` (default: those its lock file
-        recorded, None where it recorded none) and ``--out`` this folder as given; after ``PYTHONPATH=FOLDER`` where
-        the lock file recorded the folder its --pipeline module was imported from (the working folder, or a
-        PYTHONPATH entry: a shell elsewhere, root's, finds it on neither)."""
+        recorded, None where it recorded none) and ``--out`` this folder as given; after ``PYTHONPATH=FOLDERS`` where
+        the lock file recorded the folders its --pipeline module was imported from (the working folder, PYTHONPATH's
+        entries: a shell elsewhere, root's, searches neither)."""
         recorded = self.recorded_start() if arguments is None else (list(arguments), None)
         if recorded is None:
             return None
