@@ -1360,17 +1360,14 @@ def test_resume_restores_every_session_a_run_stopped_by_a_signal_had_resident_or
     assert not (run / ".swap").exists()
 
 
-def test_the_session_events_of_a_warmup_and_of_a_run_stopped_by_ctrl_c_say_what_released_each_session(env, data,
-                                                                                                       tmp_path):
-    """Ctrl-C (SIGINT) to a --follow run waiting for more steps: it swaps its resident session (arm_b's) out for
-    --resume, and its warmup closed the warmup session at its end. Both said reason `explicit`, the runtime's word
-    for a caller's close_session, as if a script had closed them; now `run_stopped` and `warmup_ended` (README).
-    The counts of LRU evictions are the same: a stopped run's swap-outs are not LRU evictions."""
-    live, run = tmp_path / "live", tmp_path / "run"
+def _released_by_a_run_stopped_by_ctrl_c(env, data, run: Path, *options: str) -> list[tuple]:
+    """Ctrl-C (SIGINT) to a --follow run of two episodes (``options`` added) once it waits for more steps: exit 130,
+    and its session events that released a session, (kind, session, reason, swapped), in order."""
+    live = run.parent / "live"
     for i, name in enumerate(("arm_a", "arm_b")):
         write_episode(live / name, steps_of(i, 3)[:2], prompt=f"task {name}", end=False)
     proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), str(live / "arm_b"), "--out", str(run),
-                 "--follow", "--format", "json")
+                 "--follow", *options, "--format", "json")
     try:
         wait_for_lines(run / "results.jsonl", 4, proc)
         proc.send_signal(signal.SIGINT)
@@ -1378,9 +1375,18 @@ def test_the_session_events_of_a_warmup_and_of_a_run_stopped_by_ctrl_c_say_what_
     finally:
         proc.kill()
     assert proc.returncode == 130, stderr
-    objects = [json.loads(line) for line in stdout.splitlines()]
-    released = [(o["kind"], o["session_id"], o["reason"], o.get("swapped")) for o in objects
-                if o["kind"] in ("session_evicted", "session_closed")]
+    return [(o["kind"], o["session_id"], o["reason"], o.get("swapped")) for o in map(json.loads, stdout.splitlines())
+            if o["kind"] in ("session_evicted", "session_closed")]
+
+
+def test_the_session_events_of_a_warmup_and_of_a_run_stopped_by_ctrl_c_say_what_released_each_session(env, data,
+                                                                                                       tmp_path):
+    """Ctrl-C (SIGINT) to a --follow run waiting for more steps: it swaps its resident session (arm_b's) out for
+    --resume, and its warmup closed the warmup session at its end. Both said reason `explicit`, the runtime's word
+    for a caller's close_session, as if a script had closed them; now `run_stopped` and `warmup_ended` (README).
+    The counts of LRU evictions are the same: a stopped run's swap-outs are not LRU evictions."""
+    run = tmp_path / "run"
+    released = _released_by_a_run_stopped_by_ctrl_c(env, data, run)
     assert released == [("session_closed", "__ardiff_warmup__", "warmup_ended", None)] + [
         ("session_evicted", name, "lru_eviction", True) for name in ("arm_a", "arm_b", "arm_a")] + [
         ("session_evicted", "arm_b", "run_stopped", True)], released
@@ -1392,21 +1398,8 @@ def test_the_session_events_of_a_warmup_and_of_a_run_stopped_by_ctrl_c_say_what_
 def test_a_run_stopped_by_ctrl_c_with_nothing_to_swap_to_closes_its_resident_session_as_stopped(env, data, tmp_path):
     """Ctrl-C (SIGINT) to a --follow run with --swap-space 0: its resident session (arm_b's) cannot be kept, and the
     run closes it. Its session_closed said reason `explicit`, a caller's close_session, not the stop's."""
-    live, run = tmp_path / "live", tmp_path / "run"
-    for i, name in enumerate(("arm_a", "arm_b")):
-        write_episode(live / name, steps_of(i, 3)[:2], prompt=f"task {name}", end=False)
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live / "arm_a"), str(live / "arm_b"), "--out", str(run),
-                 "--follow", "--no-warmup", "--swap-space", "0", "--format", "json")
-    try:
-        wait_for_lines(run / "results.jsonl", 4, proc)
-        proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, stderr
-    objects = [json.loads(line) for line in stdout.splitlines()]
-    released = [(o["kind"], o["session_id"], o["reason"], o.get("swapped")) for o in objects
-                if o["kind"] in ("session_evicted", "session_closed")]
+    run = tmp_path / "run"
+    released = _released_by_a_run_stopped_by_ctrl_c(env, data, run, "--no-warmup", "--swap-space", "0")
     assert released == [("session_evicted", name, "lru_eviction", False) for name in ("arm_a", "arm_b", "arm_a")] + [
         ("session_closed", "arm_b", "run_stopped", None)], released
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"

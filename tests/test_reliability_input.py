@@ -2236,29 +2236,13 @@ def test_a_restart_hint_pastes_paths_with_a_newline_or_bytes_the_locale_cannot_d
     # an episode folder whose name holds a newline: shell_word quoted the newline as it is ('arm<newline>b'), which the
     # hint's one line writes \x0a, so the pasted command named 'arm\x0ab' ("episode folder not found"). Each is bash's
     # $'...' of its bytes, and the hint pasted as it is starts the run.
-    shim, hold = tmp_path / "shim", tmp_path / "hold"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(HOLD_IMPORT)
-    os.mkfifo(hold)
     configs = Path(os.fsdecode(bytes(tmp_path) + b"/cfg \xff dir"))
     configs.mkdir()
     (configs / "fast.yaml").write_text(FAST_CONFIG)
     episode(tmp_path / "arm\nb 'q'", 1)
-    held = {**cli_env, "HOLD": str(hold), "HOLD_MODULE": "ardiff_cli.io.kept",
-            "PYTHONPATH": os.pathsep.join([str(shim), cli_env["PYTHONPATH"]])}
     config = os.path.join(os.fsdecode(b"cfg \xff dir"), "fast.yaml")  # relative, as typed
-    loading = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", config, "arm\nb 'q'", "--out",
-                                "runs/eval1", "--no-warmup", "--order", "sequential", "--format", "plain"],
-                               cwd=tmp_path, env=held, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    writer = None
-    try:
-        writer = open_to_write(loading, hold)  # past its lock, before run.json
-        loading.kill()
-        loading.wait(timeout=300)
-    finally:
-        loading.kill()
-        if writer is not None:
-            os.close(writer)
+    _killed_while_loading(tmp_path, cli_env, [config, "arm\nb 'q'", "--out", "runs/eval1", "--no-warmup", "--order",
+                                              "sequential", "--format", "plain"], cwd=tmp_path)
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "runs/eval1", "--format",
                            "plain"], env=cli_env, cwd=tmp_path, capture_output=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
@@ -2332,6 +2316,31 @@ def test_a_run_folder_whose_lock_is_no_record_says_what_its_lock_is(tmp_path, cl
     assert ok_steps(run) == {("arm_a", 0)}
 
 
+def _killed_while_loading(tmp_path: Path, cli_env: dict[str, str], arguments: list[str], *, cwd: Path,
+                         pythonpath: list[str] = ()) -> Path:
+    """A rollout given ``arguments`` (PYTHONPATH: ``pythonpath``, then the tests'), killed (-9) while its model
+    loads: past its lock, whose record starts the run again, before run.json. Returns the folder of the
+    sitecustomize that held it (first on its PYTHONPATH)."""
+    shim, hold = tmp_path / "shim", tmp_path / "hold"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(HOLD_IMPORT)
+    os.mkfifo(hold)
+    held = {**cli_env, "HOLD": str(hold), "HOLD_MODULE": "ardiff_cli.io.kept",
+            "PYTHONPATH": os.pathsep.join([str(shim), *pythonpath, cli_env["PYTHONPATH"]])}
+    loading = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", *arguments], cwd=cwd, env=held,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    writer = None
+    try:
+        writer = open_to_write(loading, hold)  # past its lock, before run.json
+        loading.kill()
+        loading.wait(timeout=300)
+    finally:
+        loading.kill()
+        if writer is not None:
+            os.close(writer)
+    return shim
+
+
 MY_PIPELINE = """\
 from pipelines.dreamzero.pipeline import DreamZeroPipeline
 
@@ -2357,26 +2366,10 @@ def test_a_restart_hint_of_a_pipeline_module_found_in_the_working_folder_pastes_
         folder.mkdir(exist_ok=True)
     (lab / "mypipe.py").write_text(MY_PIPELINE if where == "working folder" else f"import helper\n{MY_PIPELINE}")
     (libs / "helper.py").write_text("")
-    shim, hold = tmp_path / "shim", tmp_path / "hold"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(HOLD_IMPORT)
-    os.mkfifo(hold)
     episode(tmp_path / "arm_a", 1)
-    given = [str(shim)] + ([] if where == "working folder" else ["../lab", "../libs"])
-    held = {**cli_env, "HOLD": str(hold), "HOLD_MODULE": "ardiff_cli.io.kept",
-            "PYTHONPATH": os.pathsep.join([*given, cli_env["PYTHONPATH"]])}
-    loading = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", "../arm_a", "--out",
-                                str(run), "--pipeline", "mypipe:Mine", "--no-warmup", "--format", "plain"],
-                               cwd=started, env=held, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    writer = None
-    try:
-        writer = open_to_write(loading, hold)  # past its lock, before run.json
-        loading.kill()
-        loading.wait(timeout=300)
-    finally:
-        loading.kill()
-        if writer is not None:
-            os.close(writer)
+    shim = _killed_while_loading(tmp_path, cli_env, ["dreamzero-tiny", "../arm_a", "--out", str(run), "--pipeline",
+                                                     "mypipe:Mine", "--no-warmup", "--format", "plain"], cwd=started,
+                                 pythonpath=[] if where == "working folder" else ["../lab", "../libs"])
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run), "--format",
                            "plain"], env=cli_env, cwd=elsewhere, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
