@@ -108,6 +108,14 @@ def init_fields(cls: type) -> dict[str, Any]:
 
 
 def checked_fields(cls: type) -> dict[str, Any]:
+    """Settable field name -> resolved type, of each field ``_coerce`` checks and converts: one of a plain type
+    (bool, int, float, str, or a tuple of one) whose annotation resolves at run time. Any other is taken as given,
+    in Python as from YAML (``weights: Path | None``: from YAML it was "unsupported type ...; extend _coerce")."""
+    return {name: hint for name, hint in _resolved_fields(cls).items()
+            if hint in (bool, int, float, str) or typing.get_origin(hint) is tuple}
+
+
+def _resolved_fields(cls: type) -> dict[str, Any]:
     """Settable field name -> resolved type, of each field whose annotation resolves at run time. One that does not
     (``weights: Path | None``, ``Path`` imported under ``TYPE_CHECKING``; a typo) made ``typing.get_type_hints``
     fail for the whole class, and only BackboneConfig's fields were checked: each field is resolved alone then, as
@@ -158,7 +166,7 @@ def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str, prese
     if not isinstance(data, Mapping):
         raise field_error(where, "model", "a mapping", data)
     settable = [f.name for f in dataclasses.fields(cls) if f.init]
-    hints = checked_fields(cls)  # a field whose annotation does not resolve is taken as given, as __post_init__ does
+    hints = checked_fields(cls)  # any other field is taken as given, as __post_init__ takes it
     values: dict[str, Any] = {}
     preset = data.get("preset")
     if preset is not None:
@@ -246,8 +254,7 @@ class BackboneConfig:
         # type checked and converted as from_dict's are. A float size reached torch (empty(): must be tuple of ints),
         # a quoted number failed the range checks below as a TypeError, and True passed as 1 (guidance off).
         for name, hint in checked_fields(type(self)).items():
-            if hint in (bool, int, float, str) or typing.get_origin(hint) is tuple:
-                derive(self, name, _coerce(name, hint, getattr(self, name)))
+            derive(self, name, _coerce(name, hint, getattr(self, name)))
         for name in ("dim", "ffn_dim", "freq_dim", "num_heads", "num_layers", "latent_channels", "height", "width",
                      "vae_stride", "temporal_stride", "text_dim", "text_len", "frames_per_block", "window_frames",
                      "session_capacity"):

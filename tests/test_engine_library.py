@@ -34,6 +34,7 @@ from ardiff_cli.runtime.errors import (
     RequestError,
     RequestTypeError,
     SessionNotResident,
+    StopRequested,
 )
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from ardiff_cli.runtime.runner import MAX_HOOK_ERRORS
@@ -660,11 +661,14 @@ def test_the_engine_is_a_context_manager_that_closes_it_however_the_block_ends()
 
 
 @pytest.mark.parametrize(("raised", "reason"), [(None, "explicit"), (KeyboardInterrupt(), "run_stopped"),
+                                                (SystemExit(143), "run_stopped"),
+                                                (StopRequested("stop"), "run_stopped"),
                                                 (Boom("the server's own error"), "run_failed")])
 def test_a_with_block_closes_its_sessions_with_the_reason_of_what_ended_it(raised, reason):
     """A block that raised closed the sessions it left as `explicit`, as a caller's own close() of a server that ran
-    on: a subscriber could not tell a Ctrl-C or a crash from a clean end. They say `run_stopped` (KeyboardInterrupt)
-    or `run_failed` (any other exception), as rollout's close of a stopped or failed run."""
+    on: a subscriber could not tell a Ctrl-C or a crash from a clean end. They say `run_stopped`
+    (KeyboardInterrupt, SystemExit, a StopRequested such as the CLI's Interrupted) or `run_failed` (any other
+    exception), as rollout's close of a stopped or failed run."""
     engine = server_engine()
     closed = []
     engine.subscribe(lambda event: closed.append((event.session_id, event.reason))

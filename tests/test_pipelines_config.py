@@ -493,6 +493,28 @@ def test_a_config_subclass_with_an_unresolvable_annotation_is_read_from_yaml_che
         config_from_dict(lab_geometry, {"rank": 2.5}, where="lab.yaml", presets={})
 
 
+def test_a_config_subclass_with_a_field_of_another_type_is_read_from_yaml_taking_it_as_given(tmp_path, monkeypatch):
+    """A field whose annotation resolves to a type ``_coerce`` does not convert (``weights: Path | None``, Path
+    imported for real) is taken as given, as ``__post_init__`` takes it: ``config_from_dict`` converted every key's
+    value, and such a key in the YAML was an ``AssertionError`` traceback ("unsupported type ...; extend _coerce"),
+    while the same subclass built in Python, or with Path imported only for a type checker, loaded."""
+    import importlib
+    from pathlib import Path
+
+    from pipelines.config import config_from_dict
+
+    (tmp_path / "lab_weighted.py").write_text(LAB_GEOMETRY.replace("if TYPE_CHECKING:\n    from pathlib", "if True:\n"
+                                                                   "    from pathlib"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "lab_weighted", raising=False)
+    weighted = importlib.import_module("lab_weighted").Geometry
+    assert weighted(weights=Path("w.safetensors")).weights == Path("w.safetensors")
+    geometry = config_from_dict(weighted, {"rank": 3, "weights": "w.safetensors"}, where="lab.yaml", presets={})
+    assert (geometry.rank, geometry.weights) == (3, "w.safetensors")
+    with pytest.raises(ConfigError, match=r"^lab.yaml: field 'model.rank': expected an integer, got 2.5"):
+        config_from_dict(weighted, {"rank": 2.5, "weights": None}, where="lab.yaml", presets={})
+
+
 @pytest.mark.parametrize("name", sorted(builtin_configs()))
 def test_every_shipped_config_declares_the_tensors_its_sessions_keep(name):
     """The plan counts the spec's model_owned_state_bytes_per_session for each session (and the runner warns when an
