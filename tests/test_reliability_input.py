@@ -2260,7 +2260,8 @@ def test_a_run_folder_whose_lock_is_no_record_says_what_its_lock_is(tmp_path, cl
     # ardiff": of an empty one too (a rollout on a file system that cannot lock leaves it so), and of a FIFO, a folder
     # or a link named .lock, which no ardiff wrote. Each is told as what it is; a new run there, which said of a FIFO
     # "cannot write the output folder: Invalid argument" and to free some space, and of a link to a folder "remove
-    # that folder", names it and says to remove it, which pasted lets the run start. Nothing waits on the FIFO.
+    # that folder", names it and says to remove it, which pasted lets the run start. Nothing waits on the FIFO. The
+    # hint of the run folder given as CONFIG or EPISODE says to remove such a .lock too: its rollout was refused so.
     run, lock = tmp_path / "runs" / "eval1", tmp_path / "runs" / "eval1" / ".lock"
     run.mkdir(parents=True)
     (tmp_path / "elsewhere").mkdir()
@@ -2288,10 +2289,16 @@ def test_a_run_folder_whose_lock_is_no_record_says_what_its_lock_is(tmp_path, cl
     proc = subprocess.run([*rollout, "runs/eval1"], env=cli_env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 2, proc.stderr
+    remove = "" if kind in ("empty", "pid alone") else "remove its .lock (runs/eval1/.lock), then "
     assert _hint(proc.stderr) == ("it is an ardiff run folder (what a rollout wrote); it has no run.json: its model "
                                   "was loading when it stopped, so there is nothing to resume, and nothing in the "
-                                  f"folder records its config and episodes ({said}); to start its run again: ardiff "
-                                  "rollout with its config and episodes, and --out runs/eval1"), proc.stderr
+                                  f"folder records its config and episodes ({said}); to start its run again: {remove}"
+                                  "ardiff rollout with its config and episodes, and --out runs/eval1"), proc.stderr
+    proc = subprocess.run([*rollout, "dreamzero-tiny", "arm_a", "runs/eval1"], env=cli_env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert _hint(proc.stderr).endswith("; to start its run again: "
+                                       f"{remove}ardiff rollout dreamzero-tiny arm_a --out runs/eval1"), proc.stderr
     proc = subprocess.run([*rollout, "--resume", "--out", "runs/eval1"], env=cli_env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr

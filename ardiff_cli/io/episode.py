@@ -352,7 +352,7 @@ def run_output(folder: Path, *, config: str | None = None, episodes: Iterable[Pa
     Else None."""
     if not is_run_output(folder) or episode_entries(folder):
         return None
-    from ardiff_cli.io.run import RunFolder
+    from ardiff_cli.io.run import LOCK_FILE, RunFolder
 
     run = RunFolder(folder)
     if not run.is_run_folder():
@@ -376,14 +376,17 @@ def run_output(folder: Path, *, config: str | None = None, episodes: Iterable[Pa
     again = run.restart_command()
     if again is None:
         others = [str(e) for e in episodes if os.path.abspath(e) != os.path.abspath(folder)]
+        # a .lock that is no file (a FIFO, a folder) refuses the rollout until it is removed
+        lock = folder / LOCK_FILE
+        remove = "" if run.lock_file_kind() is None else f"remove its {LOCK_FILE} ({as_typed(lock)}), then "
         if config is None or not others:  # nothing recorded them: a command with CONFIG in it cannot run as pasted
             missing = "episodes" if config is not None else "config and episodes"
             given = "" if config is None else f" {shell_word(config)}"
-            return FoundRun("an ardiff run folder", f"ardiff rollout{given} with its {missing}, and --out "
+            return FoundRun("an ardiff run folder", f"{remove}ardiff rollout{given} with its {missing}, and --out "
                             f"{shell_word(folder)}",
                             why="its model was loading when it stopped, so there is nothing to resume, and nothing "
                                 f"in the folder records its {missing} ({run.unrecorded()})")
-        again = run.restart_command([config, *others])
+        again = remove + run.restart_command([config, *others])
     return FoundRun("an ardiff run folder", again,
                     why="its model was loading when it stopped, so there is nothing to resume")
 
@@ -490,10 +493,10 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
                 # the path given or found first is the one the episode is read at and run.json records: a link and
                 # its target, or two links to one folder, are two paths, and a script reading run.json sees that one
                 known = episodes[names.of(folder)]
-                known.named_again.add(episode_folder_path(folder))
                 first = known.path
                 why, where = "given twice", ""
                 if episode_folder_path(folder) != episode_folder_path(first):
+                    known.named_again.add(episode_folder_path(folder))
                     if not os.path.islink(first):
                         why = f"a link to {as_typed(first)}"
                     else:
