@@ -1653,10 +1653,7 @@ def _close_engine(engine: Any, output: Output, error: BaseException | None) -> N
     keep its own exit code."""
     from ardiff_cli.runtime.errors import ArdiffError
 
-    if error is None:
-        reason = "explicit"
-    else:
-        reason = "run_stopped" if isinstance(error, (Interrupted, KeyboardInterrupt)) else "run_failed"
+    reason = {"ok": "explicit", "interrupted": "run_stopped"}.get(_run_status(error), "run_failed")
     try:
         engine.close(reason=reason)
     except ArdiffError as exc:
@@ -1673,22 +1670,28 @@ def _summary(run: Any, p: _Prepared, engine: Any, stats: Any, plan: Any, wall_s:
                        error=error, kept=kept, changes=changes)
 
 
+def _run_status(error: BaseException | None) -> str:
+    """How a run ended (``error``: what ended it), as summary.json's status says it: ``ok``, ``interrupted`` (a
+    signal, stdout's reader gone), ``partial`` (some episodes failed, the others ran), else ``failed``."""
+    from ardiff_cli.errors_cli import EXIT_PARTIAL
+
+    if error is None:
+        return "ok"
+    if isinstance(error, (Interrupted, KeyboardInterrupt)):
+        return "interrupted"
+    if isinstance(error, EpisodesFailed) and error.exit_code == EXIT_PARTIAL:
+        return "partial"
+    return "failed"
+
+
 def _summary_of(run: Any, p: _Prepared, stats: Any, *, device: str | None, plan: dict[str, Any] | None,
                 swap_space: int, dropped: int, wall_s: float, running_s: float, error: BaseException | None,
                 kept: int = 0, changes: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """summary.json of a run whose counters are ``stats`` (a ``RolloutStats``); ``wall_s`` is the whole run's time,
     ``running_s`` that of running its steps (the rate's)."""
-    from ardiff_cli.errors_cli import EXIT_PARTIAL, EpisodesFailed, Interrupted
     from ardiff_cli.io.run import build_summary
 
-    if error is None:
-        status = "ok"
-    elif isinstance(error, (Interrupted, KeyboardInterrupt)):
-        status = "interrupted"
-    elif isinstance(error, EpisodesFailed) and error.exit_code == EXIT_PARTIAL:
-        status = "partial"
-    else:
-        status = "failed"
+    status = _run_status(error)
     summary = build_summary(
         run.iter_records(continue_with(p.resume)), episodes=[e.name for e in p.episodes], failed=stats.failed,
         info={**p.info, "device": device}, plan=plan,

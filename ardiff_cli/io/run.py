@@ -665,13 +665,11 @@ class RunFolder:
             if os.path.islink(path):
                 link = f", a link to {os.readlink(path)},"
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put there since: not waited on
-            with os.fdopen(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # one made since
-                    return f"its {LOCK_FILE} is not the file ardiff writes"
-                text = f.read(1 << 20)
+            text = self._lock_text()
         except OSError as exc:
             return f"its {LOCK_FILE}{link} cannot be read: {exc.strerror or exc}"
+        if text is None:  # one made since
+            return f"its {LOCK_FILE} is not the file ardiff writes"
         if not text.strip():
             return (f"its {LOCK_FILE}{link} is empty (its rollout stopped as it took the lock, or ran on a file "
                     "system that cannot lock)")
@@ -852,14 +850,8 @@ class RunFolder:
         module was found on (its folders absolute; None: none needed), else None (:meth:`unrecorded` says why): a lock
         file written by a resume or an older ardiff, or unreadable."""
         try:
-            fd = os.open(self.root / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK)
-        except OSError:
-            return None
-        try:
-            with os.fdopen(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                    return None
-                lines = f.read(1 << 20).split(b"\n")
+            text = self._lock_text()
+            lines = [] if text is None else text.split(b"\n")
             record = json.loads(lines[1]) if len(lines) > 2 else None  # the pid, the record, and its newline
         except (OSError, ValueError):
             return None
@@ -869,6 +861,15 @@ class RunFolder:
         pythonpath = record.get("pythonpath")
         absolute = isinstance(pythonpath, str) and all(map(os.path.isabs, pythonpath.split(os.pathsep)))
         return words, pythonpath if absolute else None
+
+    def _lock_text(self) -> bytes | None:
+        """The lock file's first MiB, as :meth:`lock` wrote it (the pid, then the record of a new run's start); None
+        where it is no file. Raises what opening it raises; a FIFO put there since is not waited on."""
+        fd = os.open(self.root / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            return f.read(1 << 20)
 
     def restart_command(self, arguments: Sequence[str] | None = None) -> str | None:
         """The rollout that starts this folder's run again, to paste: with ``arguments`` (default: those its lock file
@@ -1169,8 +1170,6 @@ def _refuse_unreplaceable(path: Path) -> None:
     try:
         flags = getattr(os.fstat(fd), "st_flags", None)
         if flags is not None:
-            import stat
-
             immutable, append_only = (stat.UF_IMMUTABLE | stat.SF_IMMUTABLE), (stat.UF_APPEND | stat.SF_APPEND)
         else:
             import fcntl

@@ -411,10 +411,10 @@ class StepScheduler:
         track = self._by_name.get(self._names.of(path) or "")
         if track is None:
             return False
-        read = track.source.path
-        if episode_folder_path(path) == episode_folder_path(read):
+        read, named = track.source.path, episode_folder_path(path)
+        if named == episode_folder_path(read):
             return False
-        if episode_folder_path(path) in track.source.named_again:  # a link to it as the run started: named then
+        if named in track.source.named_again:  # a link to it as the run started: named then
             return True
         if os.path.islink(read):
             why = f"{'a link to ' if os.path.islink(path) else ''}the folder {as_typed(read)} links to"
