@@ -21,7 +21,6 @@ from ardiff_cli.runtime.errors import (
     ConfigError,
     EngineStateError,
     PipelineError,
-    StopRequested,
     as_pipeline_error,
     plural,
     running_out_of_memory_names,
@@ -31,8 +30,8 @@ from ardiff_cli.runtime.events import RuntimeEvent
 from ardiff_cli.runtime.kv.cache import KV_DTYPES
 from ardiff_cli.runtime.registry import called_without_instance
 from ardiff_cli.runtime.request import ARDiffusionRequest, require_request
-from ardiff_cli.runtime.runner import (ARDiffusionModelRunner, PipelineContractError, WarmupReport, _once,
-                                       _require_reason, require_subscriber)
+from ardiff_cli.runtime.runner import (ARDiffusionModelRunner, PipelineContractError, WarmupReport, _is_stop,
+                                       _once, _require_reason, require_subscriber)
 from ardiff_cli.runtime.swap import check_swap_arguments
 
 
@@ -276,16 +275,16 @@ class ARDiffusionEngine:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: Any) -> None:
-        """``close()``, its reason what ended the block: ``explicit`` its end, ``run_stopped`` a stop
-        (``KeyboardInterrupt``, ``SystemExit``, the CLI's ``StopRequested``), ``run_failed`` any other exception (it
-        said ``explicit`` of those too). An exception that ended the block propagates as it is: an error of ``close()``
-        (a failing close hook) is then an ``ArdiffWarning``; without one it is raised, as ``close()`` raises it."""
+        """``close()``, its reason what ended the block: ``explicit`` its end, ``run_stopped`` a stop as the runner
+        tells one (``KeyboardInterrupt``, ``SystemExit``, any other ``BaseException`` that is no ``Exception``, the
+        CLI's ``StopRequested``), ``run_failed`` any other exception (it said ``explicit`` of those too). An
+        exception that ended the block propagates as it is: an error of ``close()`` (a failing close hook) is then an
+        ``ArdiffWarning``; without one it is raised, as ``close()`` raises it."""
         if exc is None:
             self.close()
             return
-        stopped = isinstance(exc, (KeyboardInterrupt, SystemExit, StopRequested))
         try:
-            self.close(reason="run_stopped" if stopped else "run_failed")
+            self.close(reason="run_stopped" if _is_stop(exc) else "run_failed")
         except Exception as error:  # noqa: BLE001 - the block's own exception is the one the caller must see
             warnings.warn(f"ARDiffusionEngine closed at the end of a `with` block that raised "
                           f"{type(exc).__name__}, and close() failed too: {type(error).__name__}: {error}",

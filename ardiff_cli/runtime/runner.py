@@ -1016,8 +1016,8 @@ class ARDiffusionModelRunner:
             if swap_bytes is None and not evicting:
                 return None
             with self._locked():
-                self._release(session_id, reason="lru_eviction" if evicting else reason, hook="close",
-                              by_session_id=by_session_id, swap_bytes=swap_bytes)
+                self._release(session_id, reason=reason, hook="close", by_session_id=by_session_id,
+                              swap_bytes=swap_bytes)
         except BaseException:
             if session_id in self._sessions and self.swap is not None:
                 self.swap.discard(session_id)
