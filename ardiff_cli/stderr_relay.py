@@ -17,7 +17,8 @@ writes what was not shown to the terminal, then copies the pipe there until its 
 this process) closes it. It runs in a session of its own, so a typed Ctrl-C or a hangup does not stop it first.
 
 At the display's end descriptor 2 is the terminal again, and the relay sends what the pipe still holds, to be shown
-above the display; what a child still running writes to the pipe after that goes to the terminal as it is. No wait
+above the display; what a child still running writes to the pipe after that goes to the terminal as it is. A relay
+killed meanwhile (the OOM killer) loses what it read and did not send; what the pipe still holds is shown here. No wait
 on a silent relay is unbounded: one that says nothing for ``TIMEOUT_S`` once asked to finish (stopped: ``kill -STOP``, a
 debugger) is given up on, which costs the display's end ``TIMEOUT_S`` to twice that; one that answers is waited for
 however long its text takes to show (given up on, it writes to the terminal what it sent and was not yet
@@ -220,13 +221,19 @@ class StderrRelay:
                         acked = self._ack(received - len(data) + newline + 1, acked)
                 self._show(self._decoder.decode(b"", final=True))
                 self._ack(received, acked)  # the display's end shows the line left unfinished
-            except OSError:  # the relay was killed: what it held is lost with it
-                pass
+                # the relay's end of the socket: shut for writing where it finished (it waits for this end to close,
+                # then copies the pipe to the terminal), closed where it was killed, which refuses this ack of nothing
+                with self._send_lock:
+                    self._sock.sendall(_ACK.pack(0))
+            except OSError:  # the relay was killed: what it read is lost with it; what the pipe holds is shown here
+                killed = True
+            else:
+                killed = False
         with self._send_lock:  # a relay killed left descriptor 2 a pipe only this process reads (once, each write
             if not self._stopped and os.path.samestat(os.fstat(2), self._pipe_stat):  # failed: EPIPE, a child handed
                 os.dup2(self._saved, 2)  # it died of SIGPIPE). It lands in the display from then on, as with no
                 self._take_pipe()  # relay, and what the pipe held is shown
-            elif silent:  # what the pipe holds is shown from here
+            elif silent or killed:  # what the pipe holds is shown from here (a relay killed as the display ended)
                 self._take_pipe()
 
     def _take_pipe(self) -> None:

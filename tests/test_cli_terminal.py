@@ -510,6 +510,40 @@ def test_a_stopped_relay_continued_after_the_display_s_end_writes_nothing_shown_
     assert (tmp_path / "terminal").read_bytes() == b""
 
 
+# The relay stopped (it reads nothing more), a line written to descriptor 2 (it waits in the pipe), the display's end
+# begun on a thread (stop: descriptor 2 the terminal again, the relay asked to finish), and the relay killed then
+# (SIGKILL, the OOM killer); TIMEOUT_S raised so that only the kill ends the wait
+_KILLED_AS_THE_DISPLAY_ENDS = r"""
+import os, signal, sys, threading, time
+from ardiff_cli import stderr_relay
+stderr_relay.TIMEOUT_S = 600
+shown = []
+relay = stderr_relay.StderrRelay(shown.append, "utf-8", None)
+os.kill(relay._relay.pid, signal.SIGSTOP)
+os.write(2, b"stray: in the pipe\n")
+ending = threading.Thread(target=relay.stop)
+ending.start()
+while not relay._stopped:
+    time.sleep(0.01)
+os.kill(relay._relay.pid, signal.SIGKILL)
+ending.join()
+relay.close()
+print(repr("".join(shown)))
+"""
+
+
+def test_what_the_pipe_holds_shows_when_the_relay_is_killed_as_the_display_ends(tmp_path, cli_env):
+    """The relay killed once the display's end had asked it to finish: the end saw the socket close, as when the
+    relay finishes, and closed its own read end of the pipe, so that the lines waiting there were lost. This process
+    sees that the relay is gone (it refuses an acknowledgement) and shows what the pipe holds itself."""
+    with open(tmp_path / "terminal", "wb") as terminal:
+        proc = subprocess.run([sys.executable, "-c", _KILLED_AS_THE_DISPLAY_ENDS], env=cli_env,
+                              stdout=subprocess.PIPE, stderr=terminal, text=True, timeout=120)
+    assert proc.returncode == 0, (tmp_path / "terminal").read_bytes()[-2000:]
+    assert proc.stdout == "'stray: in the pipe\\n'\n"
+    assert (tmp_path / "terminal").read_bytes() == b""
+
+
 def test_a_native_crashs_last_words_reach_the_terminal(tmp_path, cli_env):
     """A C++ runtime writes why to descriptor 2, then aborts: the process dies before any thread of it can show
     that above the display, and the relay, told by its socket's end, writes it to the terminal itself."""
