@@ -19,7 +19,7 @@ import typer
 from ardiff_cli import __version__, entry
 from ardiff_cli.commands import inspect_capacity, rollout, warmup
 from ardiff_cli.entry import report_interrupted, requested_format, signal_of
-from ardiff_cli.errors_cli import EXIT_CODES_HELP, EXIT_SIGINT
+from ardiff_cli.errors_cli import EXIT_SIGINT, exit_codes_help
 from ardiff_cli.options import ARGUMENT_KINDS, FLAG, HelpOpt
 from ardiff_cli.output import Output, resolve_format, stdout_error
 from ardiff_cli.runtime.capacity import split_unit_hint
@@ -41,7 +41,7 @@ class Command(typer.core.TyperCommand):
 app = typer.Typer(
     name="ardiff",
     help="Run autoregressive video-diffusion world models with persistent paged-KV sessions.",
-    epilog=f"Start with: ardiff rollout (a demo in seconds).\n\n{EXIT_CODES_HELP}",
+    epilog=f"Start with: ardiff rollout (a demo in seconds).\n\n{exit_codes_help()}",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import typer
@@ -48,6 +48,7 @@ EXIT_USAGE = 2  # bad usage or invalid input (config, files)
 EXIT_CAPACITY = 3  # one session of the configured model does not fit in memory
 EXIT_PARTIAL = 4  # some episodes failed while others completed
 EXIT_SIGINT = 130  # 128 + SIGINT
+EXIT_SIGPIPE = 141  # 128 + SIGPIPE: stdout's reader went away (a command that stops at a safe point)
 
 
 def write_hint(resume: ResumeCommand | str = "ardiff rollout --resume --out OUT") -> WriteHint:
@@ -58,12 +59,27 @@ def write_hint(resume: ResumeCommand | str = "ardiff rollout --resume --out OUT"
 
 WRITE_HINT = write_hint()
 
-EXIT_CODES_HELP = (
-    "Exit codes: 0 success; 1 an unexpected error (in the pipeline, ardiff or writing outputs); 2 bad usage or "
-    "invalid input (config, files); 3 out of memory (the model or its sessions do not fit); 4 some episodes failed "
-    "while others completed; 130 interrupted (143 on SIGTERM, 129 on SIGHUP, 141 when the reader of stdout went "
-    "away)."
-)
+# What each exit code means, as the help says it; the codes of the other signals are said with 130's
+_EXIT_CODE_MEANINGS = {
+    0: "success",
+    EXIT_BUG: "an unexpected error (in the pipeline, ardiff or writing outputs)",
+    EXIT_USAGE: "bad usage or invalid input (config, files)",
+    EXIT_CAPACITY: "out of memory (the model or its sessions do not fit)",
+    EXIT_PARTIAL: "some episodes failed while others completed",
+}
+_SIGNAL_EXIT_MEANINGS = {143: "on SIGTERM", 129: "on SIGHUP", EXIT_SIGPIPE: "when the reader of stdout went away"}
+# Every code a command may return; the codes of a signal are 128 + its number. Each command's help lists those it can
+# return (4 only where episodes run; 141 only where a reader of stdout that went away stops the command)
+EVERY_EXIT_CODE = frozenset({*_EXIT_CODE_MEANINGS, EXIT_SIGINT, *_SIGNAL_EXIT_MEANINGS})
+
+
+def exit_codes_help(codes: Collection[int] = EVERY_EXIT_CODE) -> str:
+    """The help's paragraph of exit codes, of ``codes`` (those one command can return; 130 is in every one's)."""
+    assert EXIT_SIGINT in codes and set(codes) <= EVERY_EXIT_CODE, f"exit codes {sorted(codes)} cannot be explained"
+    signals = ", ".join(f"{code} {meaning}" for code, meaning in _SIGNAL_EXIT_MEANINGS.items() if code in codes)
+    return ("Exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in _EXIT_CODE_MEANINGS.items()
+                                       if code in codes)
+            + f"; {EXIT_SIGINT} interrupted ({signals}).")
 
 
 class EpisodesFailed(ArdiffError):

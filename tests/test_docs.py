@@ -666,19 +666,44 @@ def test_the_built_in_configs_the_readme_lists_are_the_shipped_ones():
     assert sorted(re.findall(r"`([\w.-]+)`", row.partition("(")[2])) == shipped
 
 
+# What each command can return, read from its code paths. Every one: 0; 1 (a bug, the pipeline's error, stdout
+# failing); 2 (a config or option refused); 3 (one session does not fit the plan, or memory ran out); 130, 143, 129 (a
+# signal: entry.py's early handlers, then the command's own or handle_errors). 4 only where episodes run (rollout's
+# EpisodesFailed); 141 only where stdout's reader gone stops the command at a safe point (lost_stdout_stop): an
+# inspect-capacity whose reader went away exits 0, as `| head` wants (test_a_reader_gone_from_either_stream_...).
+EVERY_COMMAND = {0, 1, 2, 3, 129, 130, 143}
+COMMAND_EXIT_CODES = {
+    "rollout": EVERY_COMMAND | {4, 141},
+    "warmup": EVERY_COMMAND | {141},
+    "inspect-capacity": EVERY_COMMAND,
+}
+
+
 def test_the_exit_codes_of_the_readme_are_those_of_the_help():
-    """The README's table (its first column, and the signal codes its 130 row adds) and every command's help."""
+    """The README's table (its first column, and the signal codes its 130 row adds) is every code a command can
+    return, the top-level help lists them all, and each command's help lists those it can return: warmup's and
+    inspect-capacity's listed 4 ("some episodes failed"), which neither can return, and inspect-capacity's 141."""
+    import importlib
+    import inspect
+
     readme = (REPO / "README.md").read_text()
     rows = [row.split("|")[1:3] for row in _section(readme, "## Exit codes", "\n\n## ").splitlines()
             if row.startswith("| ") and row.split("|")[1].strip().isdigit()]
     documented = {int(code) for code, _ in rows}
     documented |= {int(code) for code, meaning in rows if code.strip() == "130"
                    for code in re.findall(r"\b(1[2-4]\d) (?:on|when)\b", meaning)}
-    assert documented == {0, 1, 2, 3, 4, 129, 130, 141, 143}
+    assert documented == set().union(*COMMAND_EXIT_CODES.values()) == {0, 1, 2, 3, 4, 129, 130, 141, 143}
+    meaning = {int(code): text for code, text in rows}
+    assert "(`rollout` only)" in meaning[4] and "(`rollout` or `warmup`," in meaning[130], meaning
     group = typer.main.get_command(app)
+    assert set(group.commands) == set(COMMAND_EXIT_CODES)
     for command in (group, *group.commands.values()):
         epilog = (command.epilog or "").partition("Exit codes:")[2]
-        assert {int(code) for code in re.findall(r"(?<![\w.])(\d{1,3})(?= )", epilog)} == documented, command.name
+        listed = {int(code) for code in re.findall(r"(?<![\w.])(\d{1,3})(?= )", epilog)}
+        assert listed == COMMAND_EXIT_CODES.get(command.name, documented), command.name
+    for name, codes in COMMAND_EXIT_CODES.items():  # the reasons above, in each command's code
+        source = inspect.getsource(importlib.import_module(f"ardiff_cli.commands.{name.replace('-', '_')}"))
+        assert ("EpisodesFailed(" in source, "lost_stdout_stop(" in source) == (4 in codes, 141 in codes), name
 
 
 def test_the_json_error_kinds_of_the_readme_are_every_one_ardiff_reports():

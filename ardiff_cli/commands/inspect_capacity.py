@@ -21,7 +21,7 @@ from ardiff_cli.commands._common import (
     load_engine_config,
     refuse_contradictions,
 )
-from ardiff_cli.errors_cli import EXIT_CODES_HELP, handle_errors
+from ardiff_cli.errors_cli import EVERY_EXIT_CODE, EXIT_PARTIAL, EXIT_SIGPIPE, exit_codes_help, handle_errors
 from ardiff_cli.options import (
     ConfigArg,
     DeviceOpt,
@@ -51,6 +51,9 @@ HELP = (
     "Nothing is loaded or allocated (no weights, no torch), so it answers at once for any geometry, including "
     "ones that would never fit on this machine."
 )
+# No episodes (never 4), and a reader of stdout that went away (`| head`) wanted no more: exit 0, not 141 (it never
+# stops at a safe point as rollout and warmup do)
+EXIT_CODES = EVERY_EXIT_CODE - {EXIT_PARTIAL, EXIT_SIGPIPE}
 EPILOG = f"""Examples:
 
   ardiff inspect-capacity
@@ -61,7 +64,7 @@ EPILOG = f"""Examples:
 
   ardiff inspect-capacity --format json | jq .plan.session_capacity
 
-{EXIT_CODES_HELP}"""
+{exit_codes_help(EXIT_CODES)}"""
 
 
 def inspect_capacity(

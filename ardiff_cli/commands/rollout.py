@@ -27,10 +27,10 @@ from ardiff_cli.commands._common import (
     stop_between_requests,
 )
 from ardiff_cli.entry import signal_of
-from ardiff_cli.errors_cli import (EXIT_CODES_HELP, WARMUP_PAGES_HINT, EpisodesFailed, Interrupted, budget_change,
-                                  continue_with, exit_code_for, handle_errors, import_hint, lighter_resume,
-                                  lighter_resume_hint, open_files_hint, pages_short, to_paste, weights_run_hint,
-                                  while_importing)
+from ardiff_cli.errors_cli import (WARMUP_PAGES_HINT, EpisodesFailed, Interrupted, budget_change,
+                                  continue_with, exit_code_for, exit_codes_help, handle_errors, import_hint,
+                                  lighter_resume, lighter_resume_hint, open_files_hint, pages_short, to_paste,
+                                  weights_run_hint, while_importing)
 from ardiff_cli.options import (
     ConfigArg,
     DeviceOpt,
@@ -120,7 +120,7 @@ EPILOG = f"""Examples (the first runs the demo):
 
 Outputs: OUT/results.jsonl (a line per step), OUT/summary.json, OUT/episodes/EPISODE/step_NNNNNN.safetensors and OUT/previews/EPISODE.png (--preview).
 
-{EXIT_CODES_HELP}"""
+{exit_codes_help()}"""
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,10 @@ from ardiff_cli.commands._common import (
     stop_between_requests,
 )
 from ardiff_cli.errors_cli import (
-    EXIT_CODES_HELP,
+    EXIT_PARTIAL,
+    EVERY_EXIT_CODE,
     Interrupted,
+    exit_codes_help,
     handle_errors,
     lighter_run_hint,
     pages_short,
@@ -57,6 +59,7 @@ HELP = (
     "and time, the first request's time versus the steady state (the median of the requests of a shape seen "
     "before), and confirm that the KV pool was restored."
 )
+EXIT_CODES = EVERY_EXIT_CODE - {EXIT_PARTIAL}  # no episodes: never 4 (141: stdout's reader gone, lost_stdout_stop)
 EPILOG = f"""Examples:
 
   ardiff warmup
@@ -65,7 +68,7 @@ EPILOG = f"""Examples:
 
   ardiff warmup my_config.yaml --dtype bfloat16 --format json
 
-{EXIT_CODES_HELP}"""
+{exit_codes_help(EXIT_CODES)}"""
 
 
 def warmup(
