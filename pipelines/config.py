@@ -65,7 +65,9 @@ def derive(config: object, name: str, value: object) -> None:
 def _coerce(name: str, hint: Any, value: Any) -> Any:
     """``value`` as the type ``hint`` names, or ``InvalidField``. YAML gives ints for floats and lists for tuples; a
     config built in Python may give numpy's numbers or a 0-d tensor (``torch.tensor(7.5)``, ``np.True_``): each is
-    the plain value it holds (``as_scalar``), then checked as that value is. An error shows the value given."""
+    the plain value it holds (``as_scalar``), then checked as that value is, and a 1-d one for a tuple the list of
+    those. A tuple's items are checked each by its type, an error naming the item (``patch_size[1]``). An error shows
+    the value given."""
     given, value = value, as_scalar(value)
     if hint is bool:
         require(isinstance(value, bool), name, "true or false", given)
@@ -90,15 +92,41 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
     if hint is str:
         require(isinstance(value, str), name, "a string", given)
         return value
-    if typing.get_origin(hint) is tuple:
-        (item, *_rest) = typing.get_args(hint)
-        kind = {int: numbers.Integral, float: numbers.Real}.get(item, item)
-        items = [as_scalar(v) for v in value] if isinstance(value, (list, tuple)) else None
-        ok = items is not None and all(is_number(v, kind) if item in (int, float) else isinstance(v, kind)
-                                       for v in items)
-        require(ok, name, f"a list of {item.__name__}s", given)
-        return tuple(item(v) for v in items)
+    if (kinds := _item_types(hint)) is not None:
+        # tuple[int, ...]: any number of ints; tuple[str, float]: one item of each type, in that order
+        variadic = len(kinds) == 2 and kinds[1] is Ellipsis
+        if variadic:
+            expected = f"a list of {kinds[0].__name__}s"
+        elif len(set(kinds)) == 1:
+            expected = f"a list of {len(kinds)} {kinds[0].__name__}s"
+        else:
+            expected = f"a list of {len(kinds)} items ({', '.join(kind.__name__ for kind in kinds)})"
+        # a 1-d tensor or array is the list of the values it holds, as a list of 0-d ones is: its items are checked
+        items = list(value) if isinstance(value, (list, tuple)) or _is_1d_array(value) else None
+        require(items is not None and (variadic or len(items) == len(kinds)), name, expected, given)
+        # each item as a field of its type is, named by its index as a YAML path names it: patch_size[1]
+        return tuple(_coerce(f"{name}[{i}]", kinds[0] if variadic else kinds[i], item)
+                     for i, item in enumerate(items))  # type: ignore[arg-type]
     raise AssertionError(f"config field {name!r} has an unsupported type {hint!r}; extend _coerce")
+
+
+_PLAIN_TYPES = (bool, int, float, str)  # the types _coerce checks and converts, alone or as a tuple's items
+
+
+def _item_types(hint: Any) -> tuple[Any, ...] | None:
+    """The item types of a tuple of plain types (``tuple[int, ...]``: ``(int, Ellipsis)``; ``tuple[str, float]``),
+    else None: a tuple of anything else (``tuple[Path, ...]``) is taken as given, as a field of that type is."""
+    kinds = typing.get_args(hint)
+    if typing.get_origin(hint) is not tuple or not all(kind in _PLAIN_TYPES for kind in kinds if kind is not Ellipsis):
+        return None
+    if Ellipsis in kinds and not (len(kinds) == 2 and kinds[1] is Ellipsis):  # not a valid tuple type
+        return None
+    return kinds
+
+
+def _is_1d_array(value: Any) -> bool:
+    """Whether ``value`` is a 1-d numpy array or torch tensor, without importing torch."""
+    return type(value).__module__.partition(".")[0] in ("numpy", "torch") and getattr(value, "ndim", None) == 1
 
 
 def init_fields(cls: type) -> dict[str, Any]:
@@ -109,10 +137,11 @@ def init_fields(cls: type) -> dict[str, Any]:
 
 def checked_fields(cls: type) -> dict[str, Any]:
     """Settable field name -> resolved type, of each field ``_coerce`` checks and converts: one of a plain type
-    (bool, int, float, str, or a tuple of one) whose annotation resolves at run time. Any other is taken as given,
+    (bool, int, float, str, or a tuple of them: ``tuple[int, ...]``, ``tuple[str, float]``) whose annotation resolves
+    at run time. Any other is taken as given,
     in Python as from YAML (``weights: Path | None``: from YAML it was "unsupported type ...; extend _coerce")."""
     return {name: hint for name, hint in _resolved_fields(cls).items()
-            if hint in (bool, int, float, str) or typing.get_origin(hint) is tuple}
+            if hint in _PLAIN_TYPES or _item_types(hint) is not None}
 
 
 def _resolved_fields(cls: type) -> dict[str, Any]:

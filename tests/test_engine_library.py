@@ -210,6 +210,33 @@ def test_numpy_booleans_are_flags():
         ARDiffusionRequest("r", {}, {"reset": np.int64(1)}).reset
 
 
+def test_a_0d_bool_tensor_or_array_is_the_flag_it_holds_as_a_config_field_takes_it():
+    """A flag read back from a tensor (``done = (t == T - 1)``, ``mask[i]``) was refused ("must be True or False, got
+    tensor(True) (Tensor)") where a config's bool field takes it (``as_scalar``): a 0-d bool tensor or numpy array
+    is the bool it holds. What holds an int, or more than one value, is refused as a plain int is."""
+    engine = server_engine()
+    engine.load()
+    events = []
+    engine.subscribe(events.append)
+    engine.execute(request(engine, "r0", "a"))
+    engine.execute(request(engine, "r1", "a", reset=torch.tensor(True), close_session=np.array(False)))
+    assert [(e.session_id, e.reason) for e in events if e.kind == "session_reset"] == [("a", "request_reset")]
+    assert engine.runner.session_ids == ["a"] and engine.runner.sessions()[0].num_requests == 1  # replaced
+    engine.execute(request(engine, "r2", "a", reset=torch.tensor(False), close_session=torch.tensor(True)))
+    assert [e.kind for e in events if e.kind in ("session_reset", "session_closed")] == ["session_reset",
+                                                                                          "session_closed"]
+    assert [e.reason for e in events if e.kind == "session_closed"] == ["close_session"]
+    assert engine.runner.session_ids == []
+    engine.execute(request(engine, "r3", "a"))
+    before = engine.runner.sessions()
+    for bad, got in ((torch.tensor(1), r"tensor\(1\) \(Tensor\)"), (np.array(0), r"array\(0\) \(ndarray\)"),
+                     (torch.tensor([True]), r"tensor\(\[True\]\)"), (np.array([True]), r"array\(\[ True\]\)")):
+        for key in ("reset", "close_session"):
+            with pytest.raises(RequestError, match=rf"extra_args\['{key}'\] must be True or False, got {got}"):
+                engine.execute(request(engine, "bad", "a", **{key: bad}))
+    assert engine.runner.sessions() == before
+
+
 def test_something_other_than_a_request_is_a_type_error_whose_hint_builds_the_request():
     """engine.execute({...}) was a bare TypeError ('execute_model takes an ARDiffusionRequest, got dict'): right, but
     no word of how to build one from the dict in hand, nor of the method the caller had called."""

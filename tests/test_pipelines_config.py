@@ -310,6 +310,12 @@ def _scalars():
         ("tensor_seed", causal_world, "seed", torch.tensor(2**62), 2**62),
         ("tuple_of_tensors", causal_world, "denoising_timesteps", [torch.tensor(1000), np.int64(500), np.array(250)],
          (1000, 500, 250)),
+        # a 1-d tensor or array is the list of the values it holds, as a list of 0-d ones is (above)
+        ("tensor_1d_for_tuple", dreamzero, "patch_size", torch.tensor([1, 2, 2]), (1, 2, 2)),
+        ("numpy_1d_for_tuple", causal_world, "denoising_timesteps", np.array([1000, 500, 250], dtype=np.int32),
+         (1000, 500, 250)),
+        ("tensor_1d_from_linspace", causal_world, "denoising_timesteps", torch.linspace(1000, 250, 3).long(),
+         (1000, 625, 250)),
     ]
 
 
@@ -348,12 +354,11 @@ def _not_numbers():
         ("tensor_int_for_bool", "reset_at_window", torch.tensor(1), "true or false"),
         ("tensor_complex", "guidance_scale", torch.tensor(7.5 + 1j), "a number"),
         ("tensor_nan", "guidance_scale", torch.tensor(float("nan")), "a finite number"),
-        ("tensor_for_tuple", "patch_size", torch.tensor([1, 2, 2]), "a list of ints"),
+        ("tensor_2d_for_tuple", "patch_size", torch.tensor([[1, 2, 2]]), "a list of ints"),  # holds no list of ints
         ("meta_tensor", "guidance_scale", torch.tensor(7.5, device="meta"), "a number"),  # holds no value
         # a time, not a number: .item() of a nanosecond one is a plain int, and num_layers=3 built
         ("numpy_timedelta_ns", "num_layers", np.timedelta64(3, "ns"), "an integer"),
         ("numpy_datetime_ns", "num_layers", np.datetime64(3, "ns"), "an integer"),
-        ("numpy_timedelta_in_list", "patch_size", [1, np.timedelta64(2, "ns"), 2], "a list of ints"),
     ]
 
 
@@ -364,6 +369,106 @@ def test_a_config_built_in_python_refuses_a_tensor_that_holds_no_number_of_the_f
 
     with pytest.raises(InvalidField, match=rf"^field '{name}': expected {expected}, got (tensor|array|np|\[1, np)"):
         dreamzero.Config(**{name: value})
+
+
+def _bad_items():
+    """(id, field, value, the item named, what the error says was expected of it, what it says was given)."""
+    import numpy as np
+    import torch
+
+    return [
+        ("text", "patch_size", [1, "2", 2], 1, "an integer", "'2'"),
+        ("float", "patch_size", [1, 2, 2.5], 2, "an integer", "2.5"),
+        ("bool", "patch_size", [True, 2, 2], 0, "an integer", "True"),
+        ("numpy_timedelta", "patch_size", [1, np.timedelta64(2, "ns"), 2], 1, "an integer", "np.timedelta64"),
+        ("float_tensor_1d", "patch_size", torch.tensor([1.0, 2.0, 2.0]), 0, "an integer", r"tensor\(1\.\)"),
+        ("numpy_float_1d", "patch_size", np.array([1, 2, 2.5]), 0, "an integer", r"np.float64\(1.0\)"),
+        ("beyond_int64", "patch_size", [1, 2**63, 2], 1, "an integer below 2\\*\\*63", "9223372036854775808"),
+        ("nested", "patch_size", [1, [2], 2], 1, "an integer", r"\[2\]"),
+    ]
+
+
+@pytest.mark.parametrize(("name", "value", "index", "expected", "got"), [case[1:] for case in _bad_items()],
+                         ids=[case[0] for case in _bad_items()])
+def test_a_list_field_names_the_item_that_is_not_of_its_type(name, value, index, expected, got):
+    """Every item of a list field is checked as a field of the item's type is (a 1-d tensor's or array's too, each
+    the value it holds), and the error names the item: "expected a list of ints, got [1, '2', 2]" left the user to
+    find which one, and said nothing of a quoted number. From YAML the item's path is the one the YAML has."""
+    from pipelines.config import InvalidField
+
+    with pytest.raises(InvalidField, match=rf"^field '{name}\[{index}\]': expected {expected}, got {got}"):
+        dreamzero.Config(**{name: value})
+    if not hasattr(value, "ndim"):  # YAML gives lists
+        with pytest.raises(ConfigError, match=rf"^cfg.yaml: field 'model.{name}\[{index}\]': expected {expected}, "
+                                              rf"got {got}"):
+            dreamzero.Config.from_dict({"preset": "tiny", name: value}, where="cfg.yaml")
+
+
+def test_a_list_item_quoted_in_the_yaml_is_named_with_its_path_and_the_number_hint(tmp_path):
+    """`denoising_timesteps: [1000, '500', 250]` was "expected a list of ints, got [1000, '500', 250]": the item, by
+    the path YAML gives it, and the hint a quoted number gets as any other field's value."""
+    import os
+
+    config = tmp_path / "quoted.yaml"
+    config.write_text("pipeline: causal_world\nmodel:\n  preset: tiny\n  denoising_timesteps: [1000, '500', 250]\n")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--format", "plain"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "ARDIFF_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 2, proc.stderr
+    error, hint = proc.stderr.splitlines()
+    assert error == f"Error: {config}: field 'model.denoising_timesteps[1]': expected an integer, got '500'"
+    assert hint == "hint: '500' is text (quoted), not a number: remove the quotes"  # it said: set it to a list of ints
+
+
+LAB_PAIRS = """\
+from dataclasses import dataclass
+
+from pipelines.config import BackboneConfig
+
+
+@dataclass(frozen=True)
+class Pairs(BackboneConfig):
+    crop: tuple[int, int] = (0, 0)  # a fixed length: two ints
+    label: tuple[str, float] = ("x", 1.0)  # an item type each
+    ranks: tuple[int, ...] = ()
+    grid: tuple[list[int], ...] = ()  # a tuple of other types: taken as given
+"""
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("crop", [1, 2, 3], r"field 'crop': expected a list of 2 ints, got \[1, 2, 3\]"),
+    ("crop", [1], r"field 'crop': expected a list of 2 ints, got \[1\]"),
+    ("crop", [1, "2"], r"field 'crop\[1\]': expected an integer, got '2'"),
+    ("label", ["x", "y"], r"field 'label\[1\]': expected a number, got 'y'"),
+    ("label", [2.0, 2.0], r"field 'label\[0\]': expected a string, got 2.0"),
+    ("label", "x", r"field 'label': expected a list of 2 items \(str, float\), got 'x'"),
+    ("ranks", [1, 2.5], r"field 'ranks\[1\]': expected an integer, got 2.5"),
+], ids=["too_long", "too_short", "text_item", "text_for_float", "float_for_str", "text_for_list", "variadic"])
+def test_a_tuple_field_checks_each_item_by_its_own_type_and_a_fixed_length(tmp_path, monkeypatch, name, value,
+                                                                            message):
+    """``tuple[str, float]`` was checked as a list of strs (its first type, for every item: ("x", 1.0) refused),
+    ``tuple[int, int]`` took any number of ints, and ``tuple[list[int], ...]`` failed every build (``TypeError:
+    isinstance() argument 2 cannot be a parameterized generic``): a tuple of types ``_coerce`` does not convert is
+    taken as given, as a field of such a type is."""
+    import importlib
+
+    import numpy as np
+
+    from pipelines.config import InvalidField, config_from_dict
+
+    (tmp_path / "lab_pairs.py").write_text(LAB_PAIRS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "lab_pairs", raising=False)
+    pairs = importlib.import_module("lab_pairs").Pairs
+    built = pairs(crop=[np.int64(4), 8], label=("y", 2), ranks=np.arange(3))
+    assert (built.crop, built.label, built.ranks) == ((4, 8), ("y", 2.0), (0, 1, 2))
+    assert type(built.label[1]) is float
+    assert pairs(grid=([1], [2, 3])).grid == ([1], [2, 3])
+    assert config_from_dict(pairs, {"grid": [[1]]}, where="lab.yaml", presets={}).grid == [[1]]
+    with pytest.raises(InvalidField, match=rf"^{message}$"):
+        pairs(**{name: value})
+    with pytest.raises(ConfigError, match="^lab.yaml: " + message.replace("field '", "field 'model.", 1)):
+        config_from_dict(pairs, {name: value}, where="lab.yaml", presets={})
 
 
 LAB_GEOMETRY = '''\

@@ -906,7 +906,7 @@ ALIAS_CASES = {
     "billion_laughs_preset": (f"pipeline: dreamzero\nmodel: {{preset: {_alias_bomb()}}}\n",
                               "field 'model.preset': unknown preset [['lol',"),
     "alias_in_its_own_anchor": ("pipeline: dreamzero\nmodel: {patch_size: &r [1, *r]}\n",
-                                "field 'model.patch_size': expected a list of ints, got [1, [1, [...]]]"),
+                                "field 'model.patch_size[1]': expected an integer, got [1, [1, [...]]]"),
 }
 
 

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ardiff_cli.runtime.capability import as_scalar
 from ardiff_cli.runtime.errors import RequestError, RequestTypeError, did_you_mean, shown
 
 DEFAULT_SESSION_ID = "default"  # used by requests whose extra_args name no session
@@ -44,6 +45,9 @@ class ARDiffusionRequest:
     - ``reset`` (bool): replace the session before the forward; False when absent (``None`` is refused).
     - ``close_session`` (bool): release the session after a successful forward; False when absent (``None`` is
       refused).
+
+    A flag that is a numpy bool or a 0-d bool tensor or array is the bool it holds (``as_scalar``), as for a
+    config's bool field; one that holds an int is refused, as ``1`` is.
 
     ``session_id``, ``reset`` and ``close_session`` are also read-only properties that read ``extra_args`` (setting
     one is a ``RequestError`` that is an ``AttributeError`` too); a keyword argument of that name
@@ -131,9 +135,11 @@ class ARDiffusionRequest:
     def _flag(self, key: str) -> bool:
         self._check_mapping("extra_args", self.extra_args, "session routing and lifecycle flags")
         value = self.extra_args.get(key, False)  # absent is False; None (a JSON null) is refused, as for session_id
-        numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")  # 2.x, 1.x
-        if isinstance(value, bool) or numpy_bool:
-            return bool(value)
+        # np.True_ or a 0-d bool tensor or array (`mask[i]`) is the bool it holds, as a config's bool field takes it;
+        # one that holds an int is refused as a plain int is
+        flag = as_scalar(value)
+        if isinstance(flag, bool):
+            return flag
         raise RequestError(f"request {shown(self.request_id)}: extra_args[{key!r}] must be True or False, got "
                            f"{shown(value)} ({type(value).__name__})",
                            hint="a JSON client sends true or false, not a string")
