@@ -2297,3 +2297,95 @@ def test_follow_a_poll_and_a_step_do_not_look_at_the_episodes_that_ended(tmp_pat
     item = scheduler.next()
     assert isinstance(item, StepTask) and (item.episode.name, item.file.step) == ("live", 1)
     assert max(per_poll[1:]) <= 10, f"{max(per_poll[1:])} looks at episodes' ends in a poll, 41 episodes, 1 live"
+
+
+# -- a watched folder's links to no folder are not looked at again while the folders on their way stand still --------
+
+
+def _held(scheduler: StepScheduler) -> set[str]:
+    return set().union(*scheduler._watch[0].held.values())
+
+
+def _repoint(link: Path, target: str) -> None:
+    """``ln -sfn target link``: a new link renamed over the old one."""
+    (link.parent / ".next").symlink_to(target)
+    os.replace(link.parent / ".next", link)
+
+
+@pytest.mark.parametrize("change", ["ln -sfn arm_b rec/latest", "ln -sfn ../rec/arm_b robots/cam",
+                                    "recording made beside", "recording made deeper",
+                                    "a folder passed through made a link"])
+def test_a_held_link_that_comes_to_lead_to_a_recording_joins_at_the_next_poll(tmp_path, change):
+    """robots/cam, a link to a file (through ../rec/latest) or to nothing, is looked at again until it leads to an
+    episode folder. Once the folders its lookup reads names in (robots, rec) kept their timestamps past a
+    tick, it is no longer stat'ed at each poll (2,000 such links cost 11-33 ms a poll); a change that makes it lead to
+    a recording changes one of those folders' timestamps, and it joins at the next poll, not at the next full listing
+    (every 5 s) nor never: rec/latest pointed at a recording (rec outside the watched folder), cam itself pointed at
+    one, its recording made beside where it leads (rec/arm_c), or deeper (disk/rec/arm_c, disk/rec not there yet),
+    or a folder its lookup went down into and back up from (../t/a/sub/../../arm_b) made a link (sub -> rec/deep/x,
+    whose ../.. is rec): only t/a, which no lookup from cam ends in, changes."""
+    data, rec = tmp_path / "robots", tmp_path / "rec"
+    write_episode(data / "arm_a", [good(0)], prompt="p", end=False)
+    write_episode(rec / "arm_b", [good(0)], prompt="p", end=False)
+    (rec / "notes.txt").write_text("x")
+    (rec / "latest").symlink_to("notes.txt")
+    target = {"recording made beside": "../rec/arm_c", "recording made deeper": "../disk/rec/arm_c"}.get(change)
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "t" / "a" / "sub").mkdir(parents=True)
+    (rec / "deep" / "x").mkdir(parents=True)
+    (data / "cam").symlink_to("../t/a/sub/../../arm_b" if change == "a folder passed through made a link" else
+                              target or "../rec/latest")
+    clock = FakeClock()
+    added: list[EpisodeSource] = []
+    scheduler = _watching(data, clock, idle_timeout=100, added=added)
+    assert scheduler.next().episode.name == "arm_a"
+    held, changed = [], []
+
+    def make_change() -> None:
+        held.append(_held(scheduler))
+        if change == "ln -sfn arm_b rec/latest":
+            _repoint(rec / "latest", "arm_b")
+        elif change == "ln -sfn ../rec/arm_b robots/cam":
+            _repoint(data / "cam", "../rec/arm_b")
+        elif change == "a folder passed through made a link":
+            (tmp_path / "t" / "a" / "sub").rmdir()
+            (tmp_path / "t" / "a" / "sub").symlink_to(rec / "deep" / "x")
+        else:
+            write_episode(tmp_path / target.removeprefix("../"), [good(0)], prompt="p", end=False)
+        changed.append(clock.now)
+
+    # robots, then rec and disk settled (real time), a poll that holds cam, one that passes it over, then the change
+    clock.actions = [lambda: _settle(data), lambda: _settle(rec), lambda: None, make_change]
+    item = scheduler.next()
+    assert held == [{"cam"}]
+    assert isinstance(item, StepTask) and item.episode.path == data / "cam" and item.file.step == 0
+    assert [e.path for e in added] == [data / "cam"] and clock.now == changed[0] + 1  # the poll right after it
+
+
+def test_a_poll_of_held_links_stats_the_folders_on_their_way_not_each_link(tmp_path, monkeypatch):
+    """The stats a poll makes do not grow with the links to files in a watched folder once they are held: 10 links or
+    200, the folders on their way are stat'ed once each (the cost figure, 2,000 links, is measured, not asserted)."""
+    counts = []
+    for num_links in (10, 200):
+        data, rec = tmp_path / f"robots{num_links}", tmp_path / f"rec{num_links}"
+        write_episode(data / "arm_a", [good(0)], prompt="p", end=False)
+        rec.mkdir()
+        for i in range(num_links):
+            (rec / f"f{i}").write_text("x")
+            (data / f"cam{i}").symlink_to(Path("..") / rec.name / f"f{i}")
+        clock = FakeClock()
+        scheduler = _watching(data, clock, idle_timeout=100)
+        assert scheduler.next().episode.name == "arm_a"
+        scheduler._adopt_new_episodes()
+        _settle(data)
+        scheduler._adopt_new_episodes()  # listed, the stamps on the links' ways settled: held
+        _settle(rec)
+        scheduler._adopt_new_episodes()
+        calls = []
+        for name in ("stat", "lstat", "readlink", "listdir", "scandir"):
+            monkeypatch.setattr(os, name, lambda *a, _real=getattr(os, name), _name=name, **k: (
+                calls.append(_name), _real(*a, **k))[1])
+        scheduler._adopt_new_episodes()
+        monkeypatch.undo()
+        counts.append(len(calls))
+    assert counts[0] == counts[1] and counts[0] < 20, counts
