@@ -2091,6 +2091,11 @@ def test_a_run_folder_given_as_config_hints_its_resume(tmp_path, cli_env):
     assert proc.stderr.endswith(f"\nhint: pass the config first: ardiff rollout dreamzero-tiny {tmp_path / 'arm_a'}\n")
 
 
+# what a run folder's hint says of a .lock holding the pid 12345 alone, which no process holds (a stopped rollout's)
+PID_ALONE = ("its .lock holds only the pid of the rollout that wrote it (12345: an older ardiff, or a resume, records "
+             "no more), and no process holds its lock: that rollout has ended")
+
+
 def test_a_run_folder_of_a_model_still_loading_given_as_config_has_nothing_to_resume(tmp_path, cli_env):
     # a rollout stopped while its model loaded leaves only .lock (run.json is written after): as CONFIG it was told
     # "to finish its run: ardiff rollout --resume -o RUN", which, pasted, says "nothing to resume: run.json does not
@@ -2106,17 +2111,19 @@ def test_a_run_folder_of_a_model_still_loading_given_as_config_has_nothing_to_re
     assert proc.stderr == ("Error: CONFIG 'runs/eval1' is a folder; the first argument is a config file or a built-in "
                            "config name\nhint: it is an ardiff run folder (what a rollout wrote); it has no run.json: "
                            "its model was loading when it stopped, so there is nothing to resume, and nothing in the "
-                           "folder records its config and episodes (its .lock was written by an older ardiff); to "
-                           "start its run again: ardiff rollout with its config and episodes, and --out runs/eval1\n")
+                           f"folder records its config and episodes ({PID_ALONE}); to start its run again: ardiff "
+                           "rollout with its config and episodes, and --out runs/eval1\n")
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", "arm_a", "--out",
                            "runs/eval1", "--no-warmup", "--format", "plain"],
                           env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and (run / "run.json").is_file(), proc.stderr
 
 
-def _pasted(command: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
-    """``command``, as a hint printed it, run by bash in ``cwd`` as a user pasting it would (``ardiff``: this one)."""
-    return subprocess.run(["bash", "-c", f'ardiff() {{ "$PASTE_PYTHON" -m ardiff_cli "$@"; }}\n{command}'], cwd=cwd,
+def _pasted(command: str, cwd: Path, env: dict, *, script: bool = False) -> subprocess.CompletedProcess:
+    """``command``, as a hint printed it, run by bash in ``cwd`` as a user pasting it would (``ardiff``: this one;
+    ``script``: as the installed ``ardiff`` script runs it, its working folder not on sys.path as ``-m`` puts it)."""
+    python = '"$PASTE_PYTHON" -P' if script else '"$PASTE_PYTHON"'
+    return subprocess.run(["bash", "-c", f'ardiff() {{ {python} -m ardiff_cli "$@"; }}\n{command}'], cwd=cwd,
                           env={**env, "PASTE_PYTHON": sys.executable}, capture_output=True, text=True, timeout=300)
 
 
@@ -2150,9 +2157,8 @@ def test_a_run_folder_of_a_model_still_loading_given_as_an_episode_hints_the_rol
         missing = "episodes" if arguments[0] == "dreamzero-tiny" else "config and episodes"
         given = "dreamzero-tiny " if missing == "episodes" else ""
         assert hint.endswith(" no run.json: its model was loading when it stopped, so there is nothing to resume, "
-                             f"and nothing in the folder records its {missing} (its .lock was written by an older "
-                             f"ardiff); to start its run again: ardiff rollout {given}with its {missing}, and --out "
-                             "runs/eval1"), proc.stderr
+                             f"and nothing in the folder records its {missing} ({PID_ALONE}); to start its run "
+                             f"again: ardiff rollout {given}with its {missing}, and --out runs/eval1"), proc.stderr
         return
     assert hint.endswith(" no run.json: its model was loading when it stopped, so there is nothing to resume; to "
                          f"start its run again: {again}"), proc.stderr
@@ -2254,7 +2260,8 @@ def test_a_restart_hint_pastes_paths_with_a_newline_or_bytes_the_locale_cannot_d
     assert ok_steps(tmp_path / "runs" / "eval1") == {("arm_b 'q'", 0)}  # its name, the newline made '_'
 
 
-@pytest.mark.parametrize("kind", ["empty", "pid alone", "FIFO", "folder", "link to a folder", "link to a FIFO"])
+@pytest.mark.parametrize("kind", ["empty", "pid alone", "FIFO", "folder", "link to a folder", "link to a FIFO",
+                                  "link to a file"])
 def test_a_run_folder_whose_lock_is_no_record_says_what_its_lock_is(tmp_path, cli_env, kind):
     # A run folder with only a .lock that records no rollout said of every one "its .lock was written by an older
     # ardiff": of an empty one too (a rollout on a file system that cannot lock leaves it so), and of a FIFO, a folder
@@ -2262,6 +2269,9 @@ def test_a_run_folder_whose_lock_is_no_record_says_what_its_lock_is(tmp_path, cl
     # "cannot write the output folder: Invalid argument" and to free some space, and of a link to a folder "remove
     # that folder", names it and says to remove it, which pasted lets the run start. Nothing waits on the FIFO. The
     # hint of the run folder given as CONFIG or EPISODE says to remove such a .lock too: its rollout was refused so.
+    # A link to a file (another run's .lock, say) was taken for the lock file, and that file truncated and written,
+    # then locked: it is named as a link, and left as it was. The pid alone says that its rollout has ended: the
+    # lock is free (a process holding it is told as loading now).
     run, lock = tmp_path / "runs" / "eval1", tmp_path / "runs" / "eval1" / ".lock"
     run.mkdir(parents=True)
     (tmp_path / "elsewhere").mkdir()
@@ -2273,17 +2283,22 @@ def test_a_run_folder_whose_lock_is_no_record_says_what_its_lock_is(tmp_path, cl
         os.mkfifo(lock)
     else:
         target = tmp_path / "elsewhere" / "target"
-        os.mkfifo(target) if kind == "link to a FIFO" else target.mkdir()
+        if kind == "link to a file":
+            target.write_text("12345\n")
+        else:
+            os.mkfifo(target) if kind == "link to a FIFO" else target.mkdir()
         lock.symlink_to(target)
     episode(tmp_path / "arm_a", 1)
     said = {"empty": "its .lock is empty (its rollout stopped as it took the lock, or ran on a file system that cannot "
                      "lock)",
-            "pid alone": "its .lock was written by an older ardiff",
+            "pid alone": PID_ALONE,
             "FIFO": "its .lock is a FIFO, not the file ardiff writes",
             "folder": "its .lock is a folder, not the file ardiff writes",
             "link to a folder": f"its .lock is a link to {tmp_path / 'elsewhere' / 'target'}, a folder, not the file "
                                 "ardiff writes",
             "link to a FIFO": f"its .lock is a link to {tmp_path / 'elsewhere' / 'target'}, a FIFO, not the file "
+                              "ardiff writes",
+            "link to a file": f"its .lock is a link to {tmp_path / 'elsewhere' / 'target'}, a file, not the file "
                               "ardiff writes"}[kind]
     rollout = [sys.executable, "-m", "ardiff_cli", "rollout", "--format", "plain"]
     proc = subprocess.run([*rollout, "runs/eval1"], env=cli_env, cwd=tmp_path, capture_output=True, text=True,
@@ -2321,6 +2336,73 @@ def test_a_run_folder_whose_lock_is_no_record_says_what_its_lock_is(tmp_path, cl
     pasted = _pasted(f"rm -r runs/eval1/.lock && {shlex.join(['ardiff', *new[3:]])}", tmp_path, cli_env)
     assert pasted.returncode == 0, pasted.stderr
     assert ok_steps(run) == {("arm_a", 0)}
+    if kind == "link to a file":
+        assert (tmp_path / "elsewhere" / "target").read_text() == "12345\n"
+
+
+def test_a_lock_holding_the_pid_alone_says_whether_its_rollout_runs(tmp_path, cli_env):
+    # A .lock holding the pid alone (an older ardiff's; a resume's) was said to be "written by an older ardiff",
+    # whatever ran. The lock tells: a process of that pid that does not hold it is not the rollout (the pid was
+    # given to another), which has ended; one holding it (an older ardiff loading its model) is loading now.
+    run = tmp_path / "runs" / "eval1"
+    run.mkdir(parents=True)
+    episode(tmp_path / "arm_a", 1)
+    hold = ("import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\nos.write(fd, f'{os.getpid()}\\n'.encode())\nprint(flush=True)\n"
+            "sys.stdin.read()\n")
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        (run / ".lock").write_text(f"{other.pid}\n")  # a live pid, no lock held
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "runs/eval1", "--format", "plain"],
+                              env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        assert _hint(proc.stderr).endswith(f"records its config and episodes (its .lock holds only the pid of the "
+                                           f"rollout that wrote it ({other.pid}: an older ardiff, or a resume, records "
+                                           "no more), and no process holds its lock: that rollout has ended); to start "
+                                           "its run again: ardiff rollout with its config and episodes, and --out "
+                                           "runs/eval1"), proc.stderr
+    finally:
+        other.communicate(b"")
+    (run / ".lock").unlink()
+    older = subprocess.Popen([sys.executable, "-c", hold, str(run / ".lock")], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE)
+    try:
+        older.stdout.readline()  # locked, its pid written
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "runs/eval1", "--format", "plain"],
+                              env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        assert f"its model is loading now, in another ardiff rollout (pid {older.pid})" in _hint(proc.stderr), \
+            proc.stderr
+    finally:
+        older.communicate(b"")
+
+
+def test_a_lock_that_is_a_link_to_nothing_creates_nothing_where_it_leads(tmp_path, cli_env):
+    # OUT/.lock a link to a path that does not exist (a disk not mounted, a folder removed): the rollout created the
+    # link's target, outside the run's folder, and wrote its pid there. It is refused as the link it is, as a link
+    # that loops is, nothing created; the resume's hint says to remove it, and the rollout pasted after that runs.
+    run, lock, target = tmp_path / "runs" / "eval1", tmp_path / "runs" / "eval1" / ".lock", tmp_path / "gone" / "x"
+    run.mkdir(parents=True)
+    (tmp_path / "gone").mkdir()
+    lock.symlink_to(target)
+    episode(tmp_path / "arm_a", 1)
+    rollout = [sys.executable, "-m", "ardiff_cli", "rollout", "--format", "plain"]
+    new = [*rollout, "dreamzero-tiny", "arm_a", "--out", "runs/eval1", "--no-warmup"]
+    proc = subprocess.run(new, env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (f"Error: --out runs/eval1: its .lock is a link to {target}, which does not exist\nhint: "
+                           "remove that link (runs/eval1/.lock): ardiff makes .lock itself, a file it holds locked to "
+                           "keep a second rollout off the run\n")
+    assert not os.path.lexists(target) and os.listdir(run) == [".lock"]
+    proc = subprocess.run([*rollout, "--resume", "--out", "runs/eval1"], env=cli_env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert _hint(proc.stderr) == (f"remove its .lock (runs/eval1/.lock: a link to {target}, which does not exist, not "
+                                  "the file ardiff writes), then run without --resume to start a run in this folder")
+    assert not os.path.lexists(target)
+    pasted = _pasted(f"rm runs/eval1/.lock && {shlex.join(['ardiff', *new[3:]])}", tmp_path, cli_env)
+    assert pasted.returncode == 0, pasted.stderr
+    assert ok_steps(run) == {("arm_a", 0)} and not os.path.lexists(target)
 
 
 def _killed_while_loading(tmp_path: Path, cli_env: dict[str, str], arguments: list[str], *, cwd: Path,
@@ -2357,7 +2439,7 @@ class Mine(DreamZeroPipeline):
 """
 
 
-@pytest.mark.parametrize("where", ["working folder", "PYTHONPATH entries"])
+@pytest.mark.parametrize("where", ["working folder", "PYTHONPATH entries", "working folder named with ':'"])
 def test_a_restart_hint_of_a_pipeline_module_found_in_the_working_folder_pastes_from_another_folder(
         tmp_path, cli_env, where):
     # `--pipeline mypipe:Mine`, a module in the folder the rollout was started in (`python -m` puts it on sys.path),
@@ -2366,28 +2448,35 @@ def test_a_restart_hint_of_a_pipeline_module_found_in_the_working_folder_pastes_
     # entries made absolute), and the hint carries them as PYTHONPATH; pasted elsewhere, it starts the run. A module
     # on a relative PYTHONPATH entry that imports a module of another entry (PYTHONPATH=../lab:../libs) was given its
     # own folder alone: pasted, `No module named 'helper'`. The PYTHONPATH the tests give is the repository's and
-    # tests/, with the working folder (an empty entry).
-    lab, elsewhere, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "lab dir's runs" / "eval1"
-    libs, started = tmp_path / "libs", tmp_path / ("lab" if where == "working folder" else "started")
+    # tests/, with the working folder (an empty entry). A working folder named with ':', which PYTHONPATH cannot
+    # carry, was recorded split in two at it (a relative half, dropped): pasted, `No module named 'mypipe'`. The
+    # hint enters it first, in a subshell, and puts '.' on PYTHONPATH, --out absolute.
+    lab = tmp_path / ("lab:1" if where.endswith("':'") else "lab")
+    elsewhere, run = tmp_path / "elsewhere", tmp_path / "lab dir's runs" / "eval1"
+    libs, started = tmp_path / "libs", lab if where.startswith("working folder") else tmp_path / "started"
     for folder in (lab, elsewhere, libs, started):
         folder.mkdir(exist_ok=True)
-    (lab / "mypipe.py").write_text(MY_PIPELINE if where == "working folder" else f"import helper\n{MY_PIPELINE}")
+    (lab / "mypipe.py").write_text(MY_PIPELINE if where != "PYTHONPATH entries" else f"import helper\n{MY_PIPELINE}")
     (libs / "helper.py").write_text("")
     episode(tmp_path / "arm_a", 1)
     shim = _killed_while_loading(tmp_path, cli_env, ["dreamzero-tiny", "../arm_a", "--out", str(run), "--pipeline",
                                                      "mypipe:Mine", "--no-warmup", "--format", "plain"], cwd=started,
-                                 pythonpath=[] if where == "working folder" else ["../lab", "../libs"])
+                                 pythonpath=[] if where != "PYTHONPATH entries" else ["../lab", "../libs"])
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run), "--format",
                            "plain"], env=cli_env, cwd=elsewhere, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     again = _hint(proc.stderr).rpartition("to start that run again: ")[2]
-    searched = [str(folder) for folder in [started, shim] + ([] if where == "working folder" else [lab, libs])]
+    searched = [str(folder) for folder in [started, shim] + ([] if where != "PYTHONPATH entries" else [lab, libs])]
     searched += [os.path.join(started, entry) for entry in cli_env["PYTHONPATH"].split(os.pathsep) if entry]  # '':
     searched = list(dict.fromkeys(searched))  # started, again; each folder once
-    assert again == (f"PYTHONPATH={shlex.quote(os.pathsep.join(searched))} ardiff rollout dreamzero-tiny "
-                     f"{tmp_path / 'arm_a'} --pipeline mypipe:Mine --no-warmup --out {shlex.quote(str(run))}"), \
-        proc.stderr
-    pasted = _pasted(again, elsewhere, cli_env)
+    rollout = (f"ardiff rollout dreamzero-tiny {tmp_path / 'arm_a'} --pipeline mypipe:Mine --no-warmup --out "
+               f"{shlex.quote(str(run))}")
+    if ":" in lab.name:
+        searched[0] = "."
+        assert again == f"(cd {lab} && PYTHONPATH={shlex.quote(os.pathsep.join(searched))} {rollout})", proc.stderr
+    else:
+        assert again == f"PYTHONPATH={shlex.quote(os.pathsep.join(searched))} {rollout}", proc.stderr
+    pasted = _pasted(again, elsewhere, cli_env, script=True)
     assert pasted.returncode == 0, pasted.stderr
     assert ok_steps(run) == {("arm_a", 0)}
 

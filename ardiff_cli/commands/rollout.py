@@ -322,12 +322,14 @@ def _start_arguments(config: str | None, episodes: list[Path] | None, pipeline: 
     return {"start": words, **({} if path is None else {"pythonpath": path})}
 
 
-def _pipeline_path(pipeline: str) -> str | None:
-    """The PYTHONPATH under which a rollout pasted in another shell imports ``--pipeline MODULE:CLASS``'s module (its
-    top package) as this one did, where it was found on a folder such a shell does not search: the working folder
-    (``python -m ardiff_cli`` puts it first on sys.path) or a PYTHONPATH entry (another shell, root's, may not set it;
-    a relative one is read against the working folder). It names each such folder this process searches, absolute and
-    in its order, not only the module's: the module may import one of another entry. None for a registered name, a
+def _pipeline_path(pipeline: str) -> list[str] | None:
+    """The folders (PYTHONPATH's entries) under which a rollout pasted in another shell imports ``--pipeline
+    MODULE:CLASS``'s module (its top package) as this one did, where it was found on a folder such a shell does not
+    search: the working folder (``python -m ardiff_cli`` puts it first on sys.path) or a PYTHONPATH entry (another
+    shell, root's, may not set it; a relative one is read against the working folder). It names each such folder this
+    process searches, absolute and in its order, not only the module's: the module may import one of another entry;
+    a list, not PYTHONPATH's text: a folder's name may hold ':' (``on_pythonpath`` carries it). None for a registered
+    name, a
     module installed (site-packages, an editable install), or one not found (its import fails, and says so). Found
     without importing it: the run's lock is taken before the pipeline loads."""
     import importlib.util
@@ -356,7 +358,7 @@ def _pipeline_path(pipeline: str) -> str | None:
     shown: dict[str, str] = {}  # each folder once, as first written
     for entry in searched:
         shown.setdefault(os.path.realpath(entry), entry)
-    return os.pathsep.join(shown.values()) if folder in shown else None
+    return list(shown.values()) if folder in shown else None
 
 
 def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,

@@ -36,7 +36,8 @@ from typing import Any
 from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_capped,
                                  read_jsonl, read_numbered_jsonl, remove_temporaries)
 from ardiff_cli.runtime.errors import (ArdiffError, ConfigError, ResumeCommand, WriteHint, as_typed, did_you_mean,
-                                      field_error, link_to_nothing, shell_word, shown, too_many_open_files)
+                                      field_error, link_to_nothing, needs_absolute, on_pythonpath, shell_word, shown,
+                                      too_many_open_files)
 from ardiff_cli.runtime.outputs import is_array
 
 RUN_FILE = "run.json"
@@ -365,7 +366,8 @@ class RunFolder:
                                   hint="restore run.json from where the run was copied, or start a new run in "
                                        "another --out")
             again = self.restart_command()  # only the .lock of a run stopped while its model loaded
-            kind = self.lock_file_kind()  # a new run there is refused too, until it is removed
+            # a new run there is refused too, until it is removed (a link to nothing as well: it is not followed)
+            kind = self.lock_file_kind() or link_to_nothing(self.root / LOCK_FILE)
             start = ("run without --resume to start a run in this folder" if kind is None else
                      f"remove its {LOCK_FILE} ({as_typed(self.root / LOCK_FILE)}: {kind}, not the file ardiff "
                      "writes), then run without --resume to start a run in this folder")
@@ -565,7 +567,9 @@ class RunFolder:
         if kind is not None:
             raise self._not_a_lock_file(kind)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o666)  # a FIFO put there since: not waited on
+            # never through a link (O_NOFOLLOW): one to nothing created its target, wherever it led, and one to a
+            # file had it truncated and written; a FIFO put there since is not waited on
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
         except IsADirectoryError:  # one made since
             raise self._not_a_lock_file("a folder") from None
         except OSError as exc:
@@ -576,6 +580,8 @@ class RunFolder:
                 raise ConfigError(f"--out {as_typed(self.root)}: its {LOCK_FILE} is {link}",
                                   hint=f"remove that link ({as_typed(path)}): ardiff makes {LOCK_FILE} itself, a file "
                                        "it holds locked to keep a second rollout off the run") from None
+            if exc.errno == errno.ELOOP and (kind := self.lock_file_kind()) is not None:  # a link made since
+                raise self._not_a_lock_file(kind) from None
             owned = None if go_on is not None or exc.errno != errno.EACCES else self._owned_by_another(new=True)
             raise ConfigError(f"--out {as_typed(self.root)}: cannot write the output folder: {exc.strerror or exc}",
                               hint=f"{owned}, or choose another --out" if owned is not None
@@ -634,48 +640,47 @@ class RunFolder:
                                 "itself, a file it holds locked to keep a second rollout off the run")
 
     def lock_file_kind(self) -> str | None:
-        """What the folder's .lock is where it is no file (ardiff makes a file, and locks it): "a folder", "a FIFO",
-        "a socket" or "a device", and where a link leads to it, "a link to TARGET, a folder"; None for a file (or a
-        link to one), or where there is none (a link to nothing: named where it is opened) or it cannot be looked at."""
+        """What the folder's .lock is where it is not the file ardiff makes (and locks): "a folder", "a FIFO",
+        "a socket" or "a device", and where it is a link, "a link to TARGET, a folder" ("a file": ardiff neither
+        writes nor locks through a link); None for a file, or where there is none (a link to nothing: named where it
+        is opened, :func:`link_to_nothing`) or it cannot be looked at."""
         path = self.root / LOCK_FILE
         try:
             mode = os.stat(path).st_mode
         except OSError:
             return None
-        if stat.S_ISREG(mode):
-            return None
-        kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+        kinds = ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+                 (stat.S_ISSOCK, "a socket"))
         what = next((name for test, name in kinds if test(mode)), "a device")
         with contextlib.suppress(OSError):
             if os.path.islink(path):
                 return f"a link to {os.readlink(path)}, {what}"
-        return what
+        return None if what == "a file" else what
 
     def unrecorded(self) -> str:
         """Why the folder's .lock records no rollout that starts its run again (:meth:`recorded_start` is None), as a
-        hint says it: no file (:meth:`lock_file_kind`), an empty one (its rollout stopped as it took the lock, or ran
-        where the file system cannot lock, which leaves it empty), the pid alone (an older ardiff's, or a resume's),
-        a record that cannot be read, or one this user cannot read. A link to a file is said to be one."""
-        path = self.root / LOCK_FILE
+        hint says it: not the file ardiff writes (:meth:`lock_file_kind`: a link too), an empty one (its rollout
+        stopped as it took the lock, or ran where the file system cannot lock, which leaves it empty), the pid alone
+        (an older ardiff's, or a resume's), a record that cannot be read, or one this user cannot read. Asked where no
+        process holds the lock (:meth:`lock_holder`): the pid alone is that of a rollout that has ended, whether or not
+        a process of that pid runs now (the kernel gives ended processes' pids to new ones)."""
         kind = self.lock_file_kind()
         if kind is not None:
             return f"its {LOCK_FILE} is {kind}, not the file ardiff writes"
-        link = ""
-        with contextlib.suppress(OSError):
-            if os.path.islink(path):
-                link = f", a link to {os.readlink(path)},"
         try:
             text = self._lock_text()
         except OSError as exc:
-            return f"its {LOCK_FILE}{link} cannot be read: {exc.strerror or exc}"
+            return f"its {LOCK_FILE} cannot be read: {exc.strerror or exc}"
         if text is None:  # one made since
             return f"its {LOCK_FILE} is not the file ardiff writes"
         if not text.strip():
-            return (f"its {LOCK_FILE}{link} is empty (its rollout stopped as it took the lock, or ran on a file "
+            return (f"its {LOCK_FILE} is empty (its rollout stopped as it took the lock, or ran on a file "
                     "system that cannot lock)")
         if text.count(b"\n") < 2:  # the pid and its newline
-            return f"its {LOCK_FILE}{link} was written by an older ardiff"
-        return f"its {LOCK_FILE}{link} holds a record of them that cannot be read (edited or damaged since)"
+            pid = text.split(b"\n")[0].decode("ascii", "replace").strip()
+            return (f"its {LOCK_FILE} holds only the pid of the rollout that wrote it ({pid}: an older ardiff, or a "
+                    "resume, records no more), and no process holds its lock: that rollout has ended")
+        return f"its {LOCK_FILE} holds a record of them that cannot be read (edited or damaged since)"
 
     def _check_writable(self, go_on: str | None) -> None:
         """Refuse, before the model loads, a run whose folder holds what it cannot write: run.json and summary.json
@@ -844,11 +849,11 @@ class RunFolder:
             os.close(fd)  # releases the shared lock, if it was taken
         return None
 
-    def recorded_start(self) -> tuple[list[str], str | None] | None:
+    def recorded_start(self) -> tuple[list[str], list[str]] | None:
         """The arguments of the rollout that starts this folder's run again, as :meth:`lock` recorded them (config
-        and episodes absolute, or a built-in config's name; the options given), and the PYTHONPATH its --pipeline
-        module was found on (its folders absolute; None: none needed), else None (:meth:`unrecorded` says why): a lock
-        file written by a resume or an older ardiff, or unreadable."""
+        and episodes absolute, or a built-in config's name; the options given), and the folders its --pipeline
+        module was found on (absolute; none needed: []), else None (:meth:`unrecorded` says why): a lock file written
+        by a resume or an older ardiff, or unreadable."""
         try:
             text = self._lock_text()
             lines = [] if text is None else text.split(b"\n")
@@ -858,14 +863,12 @@ class RunFolder:
         words = record.get("start") if isinstance(record, dict) else None
         if not (isinstance(words, list) and all(isinstance(w, str) for w in words)):
             return None
-        pythonpath = record.get("pythonpath")
-        absolute = isinstance(pythonpath, str) and all(map(os.path.isabs, pythonpath.split(os.pathsep)))
-        return words, pythonpath if absolute else None
+        return words, recorded_pythonpath(record)
 
     def _lock_text(self) -> bytes | None:
         """The lock file's first MiB, as :meth:`lock` wrote it (the pid, then the record of a new run's start); None
-        where it is no file. Raises what opening it raises; a FIFO put there since is not waited on."""
-        fd = os.open(self.root / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK)
+        where it is no file. Raises what opening it raises (ELOOP: a link); a FIFO put there since is not waited on."""
+        fd = os.open(self.root / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a link: not ardiff's
         with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 return None
@@ -873,17 +876,18 @@ class RunFolder:
 
     def restart_command(self, arguments: Sequence[str] | None = None) -> str | None:
         """The rollout that starts this folder's run again, to paste: with ``arguments`` (default: those its lock file
-        recorded, None where it recorded none) and ``--out`` this folder as given; after ``PYTHONPATH=FOLDERS`` where
-        the lock file recorded the folders its --pipeline module was imported from (the working folder, PYTHONPATH's
-        entries: a shell elsewhere, root's, searches neither)."""
-        recorded = self.recorded_start() if arguments is None else (list(arguments), None)
+        recorded, None where it recorded none) and ``--out`` this folder as given; carrying the folders its --pipeline
+        module was imported from where the lock file recorded them (the working folder, PYTHONPATH's entries: a shell
+        elsewhere, root's, searches neither), as :func:`on_pythonpath` writes them (``--out`` absolute where it
+        enters one first)."""
+        recorded = self.recorded_start() if arguments is None else (list(arguments), [])
         if recorded is None:
             return None
         arguments, pythonpath = recorded
         # an option as it is (shell_word writes a word beginning with '-' as the path ./-x): a recorded path is absolute
         words = (shlex.quote(w) if w.startswith("-") else shell_word(w) for w in arguments)
-        command = " ".join(["ardiff rollout", *words, "--out", shell_word(self.root)])
-        return command if pythonpath is None else f"PYTHONPATH={shell_word(pythonpath)} {command}"
+        out = self.root.absolute() if needs_absolute(pythonpath) else self.root
+        return on_pythonpath(" ".join(["ardiff rollout", *words, "--out", shell_word(out)]), pythonpath)
 
     def close(self, *, keep_lock: bool = False) -> None:
         """Close results.jsonl and episodes.jsonl, and release the folder's lock (``keep_lock``: still held, for the
@@ -901,6 +905,17 @@ class RunFolder:
         if self._swap_lock is not None and not keep_lock:
             os.close(self._swap_lock)
             self._swap_lock = None
+
+
+def recorded_pythonpath(record: Mapping[str, Any]) -> list[str]:
+    """The folders a run's ``--pipeline`` module was imported from, as the lock file records them
+    (``"pythonpath"``: a list; an older ardiff's lock file, a string PYTHONPATH); [] where none is, or one is not
+    absolute (another folder's, as it was read there)."""
+    pythonpath = record.get("pythonpath")
+    folders = pythonpath.split(os.pathsep) if isinstance(pythonpath, str) else pythonpath
+    if not (isinstance(folders, list) and all(isinstance(f, str) and os.path.isabs(f) for f in folders)):
+        return []
+    return folders
 
 
 def _pid_in(fd: int) -> str:

@@ -14,7 +14,7 @@ import re
 import reprlib
 import shlex
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -453,6 +453,30 @@ def as_typed(path: os.PathLike | str) -> str:
     ``-x`` as an option."""
     text = os.fspath(path)
     return f"./{text}" if text.startswith(("~", "-")) else text
+
+
+def on_pythonpath(command: str, folders: Sequence[str]) -> str:
+    """``command``, a rollout to paste, run where Python imports its ``--pipeline MODULE:CLASS`` module from
+    ``folders`` (absolute, in order; none: ``command`` as it is): ``PYTHONPATH=/lab:/libs COMMAND``. A folder whose name
+    holds ':' (``os.pathsep``), which PYTHONPATH cannot carry (it split ``/x/lab:1`` into ``/x/lab`` and ``1``), is the
+    working folder of a subshell that enters it first, '.' on PYTHONPATH: ``(cd '/x/lab:1' && PYTHONPATH=.:/libs
+    COMMAND)``, whose paths must then be absolute (:func:`needs_absolute`). No line carries two such folders: those
+    past the first are named after it, in a comment."""
+    if not folders:
+        return command
+    odd = [folder for folder in folders if os.pathsep in folder]
+    entries = ["." if odd and folder == odd[0] else folder for folder in folders if folder not in odd[1:]]
+    line = f"PYTHONPATH={shell_word(os.pathsep.join(entries))} {command}"
+    if not odd:
+        return line
+    left = "" if len(odd) == 1 else (f"  # not on PYTHONPATH, which cannot carry a '{os.pathsep}' in a name: "
+                                     + ", ".join(map(shell_word, odd[1:])))
+    return f"(cd {shell_word(odd[0])} && {line}){left}"
+
+
+def needs_absolute(folders: Sequence[str]) -> bool:
+    """Whether :func:`on_pythonpath` of ``folders`` enters another folder first: the command's paths are absolute."""
+    return any(os.pathsep in folder for folder in folders)
 
 
 @dataclass(frozen=True)
