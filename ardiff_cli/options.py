@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import enum
 import os
-import re
-from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -18,6 +16,8 @@ import typer
 
 from ardiff_cli.output import Format
 from ardiff_cli.runtime import errors
+# a number option's value is read as typed, as a byte size's number is (parse_bytes): one rule for both
+from ardiff_cli.runtime.capability import read_number
 
 DEFAULT_CONFIG = "dreamzero-tiny"  # the small DreamZero-style built-in config
 RUNTIME_PANEL = "Model and memory"  # --help section of the runtime overrides
@@ -75,35 +75,10 @@ def show_help(ctx: typer.Context, value: bool) -> None:
         raise typer.Exit()
 
 
-# A number option's value as a shell script writes a plain number: a sign, ASCII digits with a point, an exponent;
-# or nan and inf, which each option refuses by its range. Python's int() and float() read more, which this refuses:
-# '1_000', spaces and a line break around it (' 4 ', a line read with its newline), other scripts' digits ('\uff14',
-# a wide 4). Hex ('0x10') neither reads. ASCII: a case-blind match takes '\u0131' and '\u0130' for i too ('\u0131nf').
-PLAIN_NUMBER = re.compile(r"(?P<mantissa>[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(?:[eE](?P<exponent>[+-]?[0-9]+))?"
-                          r"|[+-]?(?:nan|inf|infinity)", re.IGNORECASE | re.ASCII)
-# An exponent of more digits than this is read as this, as far out of every option's range and of what a float holds:
-# Decimal reads none past 10**18 ('1e9999999999999999999' was a traceback). An argument holds at most 131072
-# characters (Linux's MAX_ARG_STRLEN), too few digits to bring such a number back into a range.
-MAX_EXPONENT = 10**9
-
-
-def read_number(text: str) -> Decimal | None:
-    """A number option's value exactly as written (``PLAIN_NUMBER``), else None: compared as a float rounds it,
-    '2.0000000000000001' was 2 sessions, '1.00000000000000001' a fraction of 1, '1e-400' 0 and '1e400' sessions inf,
-    no whole number.
-
-    Number options are read here, with a ``parser``, not by Typer, whose pydantic check answered in its own words
-    ("Input should be greater than or equal to 0"; for a byte the locale could not decode, "unable to parse raw data
-    as a unicode string"); each option's parser says instead what it takes, and what was given as ``quoted`` writes
-    it. An option's ``min=`` only shows its range in --help ([x>=1]): Typer checks nothing where a ``parser`` is
-    given."""
-    match = PLAIN_NUMBER.fullmatch(text)
-    if match is None:
-        return None
-    exponent = match["exponent"]
-    if exponent is not None and len(exponent.lstrip("+-").lstrip("0")) > len(str(MAX_EXPONENT)):
-        return Decimal(f"{match['mantissa']}e{exponent[0] if exponent[0] in '+-' else ''}{MAX_EXPONENT}")
-    return Decimal(text)
+# Number options are read by ``read_number``, with a ``parser``, not by Typer, whose pydantic check answered in its own
+# words ("Input should be greater than or equal to 0"; for a byte the locale could not decode, "unable to parse raw
+# data as a unicode string"); each option's parser says instead what it takes, and what was given as ``quoted`` writes
+# it. An option's ``min=`` only shows its range in --help ([x>=1]): Typer checks nothing where a ``parser`` is given.
 
 
 def parse_fraction(text: str) -> float:
@@ -149,7 +124,7 @@ def check_swap_space(value: Optional[str]) -> Optional[str]:
 def _checked_bytes(value: Optional[str], *, zero_ok: bool) -> Optional[str]:
     if value is None:
         return value
-    if value.strip().lower() == "auto":  # it said "no number before 'auto'", as if a number were missing
+    if value.lower() == "auto":  # it said "no number before 'auto'", as if a number were missing
         raise typer.BadParameter("'auto' is not a byte size: leave the option out for its default (only "
                                  "inspect-capacity's --available takes auto)")
     from ardiff_cli.runtime.capacity import parse_bytes

@@ -269,7 +269,9 @@ def test_invalid_planner_inputs():
     ("text", "expected"),
     [("512MiB", 512 << 20), ("2 GiB", 2 << 30), ("1.5G", int(1.5 * GIB)), (1000, 1000), ("10kb", 10_000),
      ("1.7GiB", 1_825_361_100),  # 1825361100.8 bytes: with a unit, the fraction of a byte is dropped
-     ("9007199254740993", 2**53 + 1), ("3GiB", 3 << 30)],  # digits exactly: through a float, the first lost its 1
+     ("9007199254740993", 2**53 + 1), ("3GiB", 3 << 30),  # digits exactly: through a float, the first lost its 1
+     ("007", 7), ("1e3", 1000), ("2.0", 2), ("1.5 gb", 15 * 10**8),
+     ("0.999999999999999999999999999999999KiB", 1023)],  # exactly too: a float reads 0.99..9 as 1, 1024 bytes
 )
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
@@ -285,12 +287,18 @@ def test_parse_bytes_rejects(text):
     ("", "it is empty"), ("GiB", "no number before 'GiB'"), ("inf", "not a finite number"),
     ("-inf", "not a finite number"), ("nan", "not a finite number"),
     ("1e400", "'1e400' as a byte size: too large (at most 16EiB, all that a 64-bit address space holds)"),
-    ("10ZiB", "unknown unit 'ZiB'"), ("1e", "unknown unit 'e'"), ("1.2.3GiB", "'1.2.3' is not a number"),
+    ("10ZiB", "unknown unit 'ZiB'"), ("1e", "unknown unit 'e'"), ("1.2.3GiB", "'1.2.3' is not a plain number"),
     ("1e305", "too large (at most 16EiB"), (10**400, "a 1329-bit integer as a byte size: too large (at most 16EiB"),
     ("1e30", "too large (at most 16EiB"), ("16.01EiB", "too large"), (2**64 + 1, "a 65-bit integer"),
-    ("\u0661\u0660\u0660", "is not a number"),  # Arabic-Indic 100: float() read it, --device refuses such digits
+    ("\u0661\u0660\u0660", "is not a plain number"),  # Arabic-Indic 100: float() read it, --device refuses such digits
     ("1" * 5000, "too large (at most 16EiB"),  # int() refuses over 4300 digits: it said "is not a number"
-    ("caf\udce9", "cannot read 'caf\\xe9' as a byte size: 'caf\\xe9' is not a number"),  # not repr's \udce9
+    # read as a number option's value is (read_number): int() and float() took these
+    ("1_000", "'1_000' is not a plain number"), ("\uff11GiB", "'\uff11' is not a plain number"),
+    (" 1GiB", "a space or line break around or in it"), ("1GiB\n", "a space or line break around or in it"),
+    ("1  GiB", "a space or line break around or in it"), ("1G B", "'1G' is not a plain number"),
+    ("1e-400GiB", "less than one byte"),  # a float read it as 0 bytes
+    ("1e9999999999999999999GiB", "too large (at most 16EiB"),
+    ("caf\udce9", "cannot read 'caf\\xe9' as a byte size: 'caf\\xe9' is not a plain number"),  # not repr's \udce9
 ], ids=lambda value: str(value)[:12])
 def test_parse_bytes_says_what_is_wrong(text, why):
     """Every unreadable size was 'cannot read X as a byte size', whatever was wrong; a YAML int past a float's range

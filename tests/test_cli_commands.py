@@ -952,7 +952,8 @@ def test_inspect_capacity_shows_an_absurd_available_in_few_digits_and_says_why_o
     assert proc.returncode == 0 and json.loads(proc.stdout)["plan"]["available_bytes"] == 2 << 50, proc.stderr
     proc = run("--available", "AUTO", "--format", "json")  # any case, as the other choices (it was no byte size)
     assert proc.returncode == 0 and json.loads(proc.stdout)["available_source"] == "available host memory", proc.stderr
-    for value, why in (("10ZiB", "unknown unit 'ZiB'"), ("inf", "not a finite number"), ("1 GiB B", "unknown unit"),
+    for value, why in (("10ZiB", "unknown unit 'ZiB'"), ("inf", "not a finite number"),
+                       ("1 GiB B", "a space or line break around or in it"),
                        ("1e400", "too large (at most 16EiB, all that a 64-bit address space holds)"),
                        ("1e30", "too large (at most 16EiB, all that a 64-bit address space holds)")):
         proc = run("--available", value, "--format", "json")

@@ -1589,7 +1589,7 @@ def test_an_option_value_in_bytes_the_locale_cannot_decode_is_quoted_with_xnn(tm
         (b"inspect-capacity", b"--device", "Invalid value for '--device': 'a\\xff' is not a device"),
         (b"warmup", b"--dtype", "Invalid value for '--dtype': 'a\\xff' is not a dtype"),
         (b"inspect-capacity", b"--memory-budget", "Invalid value for '--memory-budget': cannot read 'a\\xff' as a "
-                                                  "byte size: 'a\\xff' is not a number"),
+                                                  "byte size: 'a\\xff' is not a plain number"),
         (b"inspect-capacity", b"--available", "Invalid value for '--available': cannot read 'a\\xff' as a byte"),
         (b"rollout", b"--swap-space", "Invalid value for '--swap-space': cannot read 'a\\xff' as a byte size"),
         (b"inspect-capacity", b"--sessions", "Invalid value for '--sessions': expected a whole number of sessions, 1 "

@@ -30,7 +30,7 @@ from ardiff_cli.io.demo import demo_step
 from ardiff_cli.io.episode import EpisodeSource, RawStep, load_step
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler
 from ardiff_cli.io.validate import validate_step
-from ardiff_cli.runtime.errors import ObservationError
+from ardiff_cli.runtime.errors import ObservationError, quoted
 from ardiff_cli.runtime.observation import ObservationField, ObservationSchema, validate_observation
 
 runner = CliRunner()
@@ -769,6 +769,81 @@ def test_a_byte_size_with_an_exponent_reads_the_same_in_a_config_as_on_the_comma
         assert result.exit_code == 3 and needs in result.stderr, (budget, result.stderr)
 
 
+# A byte size as a user types it: a plain number, as the number options take it, and a unit after one space or none.
+# Python's int() and float() read more, which was taken: '1_000', spaces and a line break around it (a line read with
+# its newline), other scripts' digits ('\uff11', a wide 1), and any spaces inside ('1G B' was 1GB).
+NOT_PLAIN_BYTE_SIZES = ["1_000", "1_000MiB", " 1GiB", "1GiB\n", "1GiB ", "\uff11GiB", "1  GiB", "1G B", "1\tGiB"]
+
+
+@pytest.mark.parametrize("args", [["inspect-capacity", "--memory-budget"], ["inspect-capacity", "--available"],
+                                  ["warmup", "--memory-budget"], ["rollout", "--memory-budget"],
+                                  ["rollout", "--swap-space"]], ids=lambda args: f"{args[0]} {args[1]}")
+def test_a_byte_size_option_takes_a_plain_number_and_a_unit_as_typed(cli_env, args):
+    """`--memory-budget 1_000` was 1000 bytes and `--swap-space ' 2GiB'` 2GiB, where `--session-capacity 1_000` is a
+    usage error: each value is refused naming the option, the value and what a byte size is."""
+    for value in NOT_PLAIN_BYTE_SIZES:
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *args, value, "--format", "plain"],
+                              capture_output=True, text=True, env=cli_env, timeout=120)
+        assert proc.returncode == 2 and proc.stdout == "", (value, proc.stderr)
+        error = proc.stderr.splitlines()[0]
+        assert error.startswith(f"Error: Invalid value for '{args[1]}': cannot read {quoted(value)} as a byte "
+                                "size: "), (value, error)
+        assert "ASCII digits" in error and "KiB .. EiB" in error, (value, error)
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("007", 7), ("+5", 5), ("1e3", 1000), ("2.0", 2), ("1.5GiB", 3 << 29), ("2 GiB", 2 << 30), ("1.5 gb", 15 * 10**8),
+    (".5K", 512), ("16EiB", 2**64),
+    # exactly as typed, not as a float rounds it: a float reads 0.99..9 as 1, so it was 1024 bytes
+    ("0.999999999999999999999999999999999KiB", 1023), ("9007199254740993", 2**53 + 1),
+])
+def test_a_byte_size_option_reads_a_plain_number_exactly(cli_env, value, expected):
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", "--available", value,
+                           "--format", "json"], capture_output=True, text=True, env=cli_env, timeout=120)
+    assert proc.returncode in (0, 3), proc.stderr  # 3: too small for one session, with the plan's figures all the same
+    if proc.returncode == 0:
+        assert json.loads(proc.stdout.splitlines()[0])["plan"]["available_bytes"] == expected
+    else:
+        assert f"({expected} bytes) is available" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(("args", "why"), [
+    (["--memory-budget", "1e-400"], "a byte size without a unit is a whole number of bytes, got '1e-400'"),
+    # a float read it as 0 bytes: "must be positive"; as --swap-space, 0 turned swapping off
+    (["--memory-budget", "1e-400GiB"], "cannot read '1e-400GiB' as a byte size: less than one byte"),
+    (["--swap-space", "0.0001K"], "cannot read '0.0001K' as a byte size: less than one byte"),
+    (["--memory-budget", "1e9999999999999999999GiB"], "cannot read '1e9999999999999999999GiB' as a byte size: too "
+                                                      "large (at most 16EiB"),
+    (["--memory-budget", "-1e400"], "a byte size must be positive, got '-1e400'"),
+    (["--swap-space", "-1KiB"], "a byte size must be >= 0, got '-1KiB'"),
+    (["--memory-budget", "-inf"], "cannot read '-inf' as a byte size: not a finite number"),
+    (["--memory-budget", "NaN GiB"], "cannot read 'NaN GiB' as a byte size: not a finite number"),
+    (["--memory-budget", "1.5"], "a byte size without a unit is a whole number of bytes, got '1.5'"),
+])
+def test_a_byte_size_option_out_of_range_says_why(cli_env, args, why):
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", *args, "--format", "plain"],
+                          capture_output=True, text=True, env=cli_env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"Error: Invalid value for '{args[0]}': {why}"), proc.stderr
+
+
+def test_a_byte_size_in_a_config_is_yamls_number_or_text_read_as_the_command_line_reads_it(tmp_path):
+    """Unquoted, `1_000` is YAML 1.1's int 1000, a number as the config wrote it; quoted, it is text, read as
+    `--memory-budget` reads it: '1_000 MiB' was 1000MiB."""
+    config = tmp_path / "budget.yaml"
+    config.write_text("pipeline: dreamzero\nruntime: {memory_budget: 1_000}\n")
+    result = runner.invoke(app, ["inspect-capacity", str(config), "--format", "plain"])
+    assert result.exit_code == 3 and "but only 1000 B (1000 bytes) is available" in result.stderr, result.stderr
+    for text in ("'1_000 MiB'", "' 512MiB'", '"512MiB\\n"', "'1G B'"):
+        config.write_text(f"pipeline: dreamzero\nruntime: {{memory_budget: {text}}}\n")
+        result = runner.invoke(app, ["inspect-capacity", str(config), "--format", "plain"])
+        assert result.exit_code == 2, (text, result.stderr)
+        error, hint = result.stderr.splitlines()[:2]
+        assert error.startswith(f"Error: {config}: field 'runtime.memory_budget': expected a byte size such as "
+                                "536870912 or '512MiB', got '"), (text, error)
+        assert hint.startswith("hint: cannot read ") and "ASCII digits" in hint, (text, hint)
+
+
 def test_a_config_name_too_long_for_the_system_is_named_with_its_error():
     name = "a" * 300  # ENAMETOOLONG: it was "a bug in ardiff"
     result = runner.invoke(app, ["inspect-capacity", name, "--format", "plain"])
@@ -1151,7 +1226,9 @@ def test_the_default_out_inside_a_followed_episode_folder_is_refused_as_an_expli
     # only --available takes auto; it said "no number before 'auto'", as if a number were missing
     ("--memory-budget", "auto", "'auto' is not a byte size: leave the option out for its default (only "
                                 "inspect-capacity's --available takes auto)"),
-    ("--memory-budget", " AUTO", "'auto' is not a byte size: leave the option out for its default"),
+    ("--memory-budget", "AUTO", "'auto' is not a byte size: leave the option out for its default"),
+    # spaces around it, as around a number (it was taken as auto): --available ' auto' was "only --available takes auto"
+    ("--available", " auto", "cannot read ' auto' as a byte size: a space or line break around or in it"),
     ("--gpu-memory-fraction", "nan", "expected a number in (0, 1], got 'nan'"),
     ("--gpu-memory-fraction", "0", "expected a number in (0, 1], got '0'"),
     ("--gpu-memory-fraction", "1.0000001", "expected a number in (0, 1], got '1.0000001'"),  # it read 'got 1'

@@ -12,9 +12,11 @@ and ``ardiff inspect-capacity`` can use it without paying for them.
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -37,6 +39,32 @@ def as_int(value: object) -> int | None:
     if is_number(value, numbers.Integral):
         return int(value)  # type: ignore[call-overload]
     return None
+
+
+# A number as a user types it (a number option's value, a byte size's number: ``parse_bytes``), as a shell script
+# writes a plain number: a sign, ASCII digits with a point, an exponent; or nan and inf, which each option refuses by
+# its range. Python's int() and float() read more, which this refuses:
+# '1_000', spaces and a line break around it (' 4 ', a line read with its newline), other scripts' digits ('\uff14',
+# a wide 4). Hex ('0x10') neither reads. ASCII: a case-blind match takes '\u0131' and '\u0130' for i too ('\u0131nf').
+PLAIN_NUMBER = re.compile(r"(?P<mantissa>[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(?:[eE](?P<exponent>[+-]?[0-9]+))?"
+                          r"|[+-]?(?:nan|inf|infinity)", re.IGNORECASE | re.ASCII)
+# An exponent of more digits than this is read as this, as far out of every option's range and of what a float holds:
+# Decimal reads none past 10**18 ('1e9999999999999999999' was a traceback). An argument holds at most 131072
+# characters (Linux's MAX_ARG_STRLEN), too few digits to bring such a number back into a range.
+MAX_EXPONENT = 10**9
+
+
+def read_number(text: str) -> Decimal | None:
+    """A typed number exactly as written (``PLAIN_NUMBER``), else None: compared as a float rounds it,
+    '2.0000000000000001' was 2 sessions, '1.00000000000000001' a fraction of 1, '1e-400' 0 and '1e400' sessions inf,
+    no whole number; '0.99999999999999999999KiB' was 1024 bytes."""
+    match = PLAIN_NUMBER.fullmatch(text)
+    if match is None:
+        return None
+    exponent = match["exponent"]
+    if exponent is not None and len(exponent.lstrip("+-").lstrip("0")) > len(str(MAX_EXPONENT)):
+        return Decimal(f"{match['mantissa']}e{exponent[0] if exponent[0] in '+-' else ''}{MAX_EXPONENT}")
+    return Decimal(text)
 
 
 def as_scalar(value: object) -> object:

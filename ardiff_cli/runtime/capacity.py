@@ -20,10 +20,12 @@ Memory model (bytes; ``bpp`` = bytes per page, all layers, K and V)::
 
 from __future__ import annotations
 
+import decimal
 import os
+import string
 from dataclasses import dataclass, field, replace
 
-from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec, is_number
+from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec, is_number, read_number
 from ardiff_cli.runtime.errors import CapacityError, ConfigError, quoted
 from ardiff_cli.runtime.kv.layout import KVLayout, as_int
 
@@ -92,13 +94,14 @@ def as_fraction(value: object) -> float | None:
     return number if 0 < number <= 1 else None
 
 
-# Units parse_bytes reads (in any case; a space before one is allowed): powers of 1024 with or without the 'i', and
+# Units parse_bytes reads (in any case; one space before one is allowed): powers of 1024 with or without the 'i', and
 # of 1000 with a 'B'. No bare 'E' for EiB: '1e' is far more likely a cut-off exponent than an exbibyte.
 BYTE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
               "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
               "p": 1024**5, "pb": 1000**5, "pib": 1024**5, "eb": 1000**6, "eib": 1024**6}
 BYTE_SIZE_HINT = ("use a whole number of bytes, or a number and a unit such as 512MiB, 2GiB, 1.5G: KiB .. EiB and "
-                  "K, M, G, T, P are powers of 1024, KB .. EB powers of 1000")
+                  "K, M, G, T, P are powers of 1024, KB .. EB powers of 1000; the number in ASCII digits, with a point "
+                  "or an exponent (1e9) but no '_' nor spaces around it")
 
 
 def split_unit_hint(argument: str) -> str:
@@ -117,32 +120,14 @@ MAX_BYTE_SIZE_TEXT = "16EiB, all that a 64-bit address space holds"
 
 
 def parse_bytes(text: str | int, *, zero_ok: bool = False) -> int:
-    """'512MiB', '2 GiB', '1.5G', '1000000' (any integer, numpy's too) -> bytes; 0 ('0', '0B') only if ``zero_ok``."""
+    """'512MiB', '2 GiB', '1.5G', '1000000' (any integer, numpy's too) -> bytes; 0 ('0', '0B') only if ``zero_ok``.
+    Text is read as typed (``read_number``, as every number option is), then a unit after one space or none: not
+    '1_000', nor with spaces around it, which ``int()`` took. With a unit, the fraction of a byte is dropped."""
     value = as_int(text)
     if value is None and not isinstance(text, (str, float)):  # str() of a YAML alias bomb would not end
         raise ConfigError(f"cannot read a {type(text).__name__} as a byte size", hint=BYTE_SIZE_HINT)
     elif value is None:
-        raw = str(text).strip().replace(" ", "")
-        number = raw.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-        unit = raw[len(number):]
-        try:
-            scale = BYTE_UNITS[unit.lower()]
-            if not number.isascii():  # float() reads '١٠٠' (Arabic-Indic digits) as 100
-                raise ValueError(number)
-            # digits alone exactly: through a float, 9007199254740993 bytes was 9007199254740992
-            exact = int(number) * scale if number.isdigit() and len(number) < 400 else float(number) * scale
-            value = int(exact)
-        except (KeyError, ValueError, OverflowError) as exc:  # OverflowError: '1e400' (a float's inf)
-            why = (": it is empty" if not raw
-                   else ": not a finite number" if unit.lower() in ("inf", "infinity", "nan")
-                   else f": no number before {quoted(unit)}" if not number
-                   else f": unknown unit {quoted(unit)}" if isinstance(exc, KeyError)
-                   else f": {quoted(number)} is not a number" if isinstance(exc, ValueError)
-                   else f": too large (at most {MAX_BYTE_SIZE_TEXT})")
-            raise ConfigError(f"cannot read {_typed(text)} as a byte size{why}", hint=BYTE_SIZE_HINT) from None
-        if scale == 1 and exact != value:  # '1.5' bytes; with a unit (1.3GiB) the fraction of a byte is noise
-            raise ConfigError(f"a byte size without a unit is a whole number of bytes, got {_typed(text)}",
-                              hint="use a whole number of bytes or a unit: 1.5GiB, 512MiB")
+        value = _read_size(str(text), _typed(text))
     if value > MAX_BYTE_SIZE:  # str(): a YAML or Python int of 4,300 digits
         what = _typed(text) if isinstance(text, str) else f"a {value.bit_length()}-bit integer"
         raise ConfigError(f"cannot read {what} as a byte size: too large (at most {MAX_BYTE_SIZE_TEXT})",
@@ -150,6 +135,41 @@ def parse_bytes(text: str | int, *, zero_ok: bool = False) -> int:
     if value < 0 or value == 0 and not zero_ok:
         raise ConfigError(f"a byte size must be {'>= 0' if zero_ok else 'positive'}, got {_typed(text)}")
     return value
+
+
+def _read_size(text: str, typed: str) -> int:
+    """The bytes of a byte size given as text (``parse_bytes``), exactly: a number, a space or none, a unit. -1 for a
+    negative one, which ``parse_bytes`` refuses with its range."""
+    unit = "" if read_number(text) is not None else text[len(text.rstrip(string.ascii_letters)):]  # '1e3', 'inf'
+    number = text[:len(text) - len(unit)]
+    if unit and number.endswith(" ") and number != " ":  # ' GiB': a space around it, before no number
+        number = number[:-1]
+    amount = read_number(number)
+    why = (": it is empty" if not text
+           else ": a space or line break around or in it: write one space at most, between the number and its unit"
+           if any(c.isspace() for c in number)
+           else f": no number before {quoted(unit)}" if not number
+           else f": unknown unit {quoted(unit)}" if unit.lower() not in BYTE_UNITS
+           else f": {quoted(number)} is not a plain number" if amount is None
+           else ": not a finite number" if not amount.is_finite()
+           else "")
+    if why:
+        raise ConfigError(f"cannot read {typed} as a byte size{why}", hint=BYTE_SIZE_HINT)
+    if amount < 0:
+        return -1
+    if amount > MAX_BYTE_SIZE:  # before the product: '1e999999999GiB' is past any exponent a Decimal computes in
+        raise ConfigError(f"cannot read {typed} as a byte size: too large (at most {MAX_BYTE_SIZE_TEXT})",
+                          hint=BYTE_SIZE_HINT)
+    scale = BYTE_UNITS[unit.lower()]
+    if scale == 1 and amount != amount.to_integral_value():  # '1.5' bytes; 1.3GiB is 1395864371.2, its 0.2 noise
+        raise ConfigError(f"a byte size without a unit is a whole number of bytes, got {typed}",
+                          hint="use a whole number of bytes or a unit: 1.5GiB, 512MiB")
+    # exactly: as many digits as the number has and the scale's 19, and any exponent ('1e-400GiB')
+    with decimal.localcontext(prec=len(amount.as_tuple().digits) + 20, Emin=decimal.MIN_EMIN, Emax=decimal.MAX_EMAX):
+        exact = amount * scale
+    if 0 < exact < 1:  # as 0 bytes it was refused as not positive, or, as --swap-space, turned swapping off
+        raise ConfigError(f"cannot read {typed} as a byte size: less than one byte", hint=BYTE_SIZE_HINT)
+    return int(exact)
 
 
 def _typed(text: object) -> str:

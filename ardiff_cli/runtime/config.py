@@ -158,9 +158,12 @@ def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
         try:
             return parse_bytes(as_scalar(value))  # type: ignore[arg-type]
         except ConfigError as exc:  # past 16EiB it is a byte size still, one too large: the message says so
-            expected = (f"a byte size of at most {MAX_BYTE_SIZE_TEXT}" if MAX_BYTE_SIZE_TEXT in str(exc)
+            too_large = MAX_BYTE_SIZE_TEXT in str(exc)
+            expected = (f"a byte size of at most {MAX_BYTE_SIZE_TEXT}" if too_large
                         else "a byte size such as 536870912 or '512MiB'")
-            raise field_error(where, field, expected, value) from None
+            # text is read as --memory-budget reads it ('1_000 MiB' is not a plain number): why, and what it takes
+            why = f"{exc}; {exc.hint}" if isinstance(value, str) and not too_large and exc.hint else None
+            raise field_error(where, field, expected, value, hint=why) from None
     if key == "num_threads":
         # torch starts that many OpenMP threads: 100000 exhausts the host, 10**30 does not fit its int.
         number = as_int(as_scalar(value))
