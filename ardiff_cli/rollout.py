@@ -48,7 +48,7 @@ from ardiff_cli.io.episode import (METADATA_FILE, EpisodeSource, StepFile, file_
                                    present, step_sha256)
 from ardiff_cli.io.run import RunFolder, episode_folder_path
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
-from ardiff_cli.io.validate import validate_step
+from ardiff_cli.io.validate import ForeignRecording, validate_step
 from ardiff_cli.monitor import RunMonitor
 from ardiff_cli.output import Output
 from ardiff_cli.runtime.errors import (
@@ -103,6 +103,9 @@ class RolloutStats:
     # of the failed episodes, those whose folder is not there when the run ends, whatever they failed of (a recorder
     # that deleted it after a bad file): a resume has nothing to fix there
     folders_missing: set[str] = field(default_factory=set)
+    # of the failed episodes, those whose first step file held none of the pipeline's arrays (a recording made for
+    # another pipeline): a resume, which keeps the run's config, fails them alike
+    foreign: set[str] = field(default_factory=set)
     completed_episodes: list[str] = field(default_factory=list)
     timed_out: list[str] = field(default_factory=list)  # of those, the ones --idle-timeout ended (no END came)
     # follow: step files that arrived after their episode ended and did not run, by episode (--resume runs them)
@@ -646,6 +649,8 @@ class Rollout:
                                      + f": {message.splitlines()[0]}"})
         self.stats.failed[episode.name] = message
         self.stats.errors[episode.name] = exc
+        if isinstance(exc, ForeignRecording) and not self._steps_done.get(episode.name):  # not a bad file midway
+            self.stats.foreign.add(episode.name)
         self.monitor.set_progress(failed=len(self.stats.failed))  # --fail-fast stops before the next progress update
         self.scheduler.drop(episode.name)
         self.scheduler.forget(episode.name)  # its step files: never replayed, nor drawn

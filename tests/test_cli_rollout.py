@@ -302,6 +302,50 @@ def test_json_mode_carries_every_results_line_failed_ones_included(env, data, tm
     assert notice["episode"] == "arm_b"  # a script read which episode failed from the message alone
 
 
+def test_recordings_made_for_another_pipeline_hint_a_new_run_not_the_resume(env, data, tmp_path):
+    """A causal_world recording (`conditioning` arrays) given to a DreamZero config failed each episode listing the
+    missing DreamZero keys, without the "is this the right CONFIG?" that a DreamZero recording given to
+    causal-world-tiny got, and the run closed with "fix what is named above, then continue with: ardiff rollout
+    --resume --out OUT": a resume keeps the run's config, so pasted it failed the same way, and with the right
+    config it is refused (`config ... differs from the run's`). The way on is a new run with the recording's config."""
+    eps = tmp_path / "eps"
+    for name in ("cw_a", "cw_b"):
+        write_episode(eps / name, [{"conditioning": np.zeros(8, np.float32)} for _ in range(2)], prompt="go")
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(run), "--no-warmup",
+                  "--format", "json")
+    assert proc.returncode == 2, proc.stderr
+    objects = [json.loads(line) for line in proc.stdout.splitlines()]
+    failed = [o for o in objects if o.get("kind") == "episode_failed"]
+    assert [o["episode"] for o in failed] == ["cw_a", "cw_b"], failed
+    for o in failed:
+        assert "the file's other keys, not in the schema: 'conditioning'" in o["message"], o
+        assert o["hint"].endswith("; is this the right CONFIG? A recording made for another pipeline holds that "
+                                  "pipeline's keys"), o
+    error = objects[-1]
+    assert (error["kind"], error["exit_code"]) == ("observation_error", 2), error
+    assert error["message"] == ("every episode failed (cw_a, cw_b): none of their step files holds an array of this "
+                                "run's pipeline"), error
+    assert error["hint"] == ("run them with the config they were recorded for, in another --out (a --resume keeps "
+                             "this run's config): ardiff rollout CONFIG " + shlex.quote(str(eps / "cw_a")) + " "
+                             + shlex.quote(str(eps / "cw_b")) + " --out NEW"), error
+    # beside an episode that completed: the resume finishes nothing of theirs, so the hint says what does
+    shutil.copytree(data / "eps" / "arm_a", eps / "arm_a")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "partial"),
+                  "--no-warmup", "--format", "json")
+    assert proc.returncode == 4, proc.stderr
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert error["kind"] == "episodes_failed" and "rollout --resume" not in error["hint"], error
+    assert error["hint"].startswith("run them with the config they were recorded for, in another --out"), error
+    # a file of other arrays after steps that ran is a bad file midway, which fixed, the resume finishes
+    midway = tmp_path / "midway"
+    write_episode(midway / "arm_c", steps_of(0, 1) + [{"timestamp": np.zeros(1)}], prompt="go")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(midway), "--out", str(tmp_path / "m"), "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(f"Error: every episode failed (arm_c)\nhint: fix what is named above, then continue "
+                                f"with: ardiff rollout --resume --out {tmp_path / 'm'}\n"), proc.stderr
+
+
 def test_a_run_whose_episodes_failed_by_a_bad_file_midway_hints_the_resume_to_paste(env, data, tmp_path):
     # Every episode failing at a bad step file (steps before it done) hinted "see the episode format: ardiff rollout
     # --help": the per-episode lines above say what is wrong, and the same command is refused now (`--out` holds the
@@ -994,6 +1038,29 @@ def test_a_device_this_machine_lacks_is_refused_before_anything_is_made(env, dat
         assert proc.stderr == ("Error: device 'cuda:1' requested but CUDA is not available\n"
                                "hint: use --device cpu or auto\n"), proc.stderr
         assert not (tmp_path / "run").exists() and not cache.exists()
+
+
+def test_a_device_the_config_asks_for_that_this_machine_lacks_names_the_config_field(env, data, tmp_path):
+    """A config written on a GPU machine (`runtime: {device: cuda:1}`) run on one without CUDA said only "device
+    'cuda:1' requested but CUDA is not available", as for --device: no file or field named what requested it.
+    Refused before anything is made, by rollout and warmup alike; --device, which overrides it, still runs."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here: the device is not refused")
+    config = tmp_path / "gpu box.yaml"
+    config.write_text(FAST_CONFIG.replace("device: cpu", "device: cuda:1"))
+    expected = (f"Error: {config}: field 'runtime.device': device 'cuda:1' requested but CUDA is not available\n"
+                f"hint: use --device cpu or auto, which overrides the config's; or change runtime.device in "
+                f"{config}\n")
+    for command in (["rollout", str(config), str(data / "eps" / "arm_a"), "--out", str(tmp_path / "run")],
+                    ["warmup", str(config)]):
+        proc = ardiff(env, *command, "--format", "plain")
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.replace(f"loading {config} (pipeline dreamzero)\n", "") == expected, proc.stderr
+    assert not (tmp_path / "run").exists()
+    proc = ardiff(env, "warmup", str(config), "--device", "cpu", "--format", "json")
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_a_run_of_a_config_given_as_a_link_resumes_with_the_checkpoint_it_read(env, tmp_path):

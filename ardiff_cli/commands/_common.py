@@ -72,6 +72,27 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
                        plan_only=plan_only).with_runtime(**values)
 
 
+def refuse_a_device_not_here(cfg: Any, given: str | None) -> None:
+    """A CUDA device this machine lacks (none, or an index past those visible), refused before the model loads, as
+    the load would: a ``ConfigError`` naming what asked for it, the config's ``runtime.device`` when ``given`` (the
+    ``--device`` option's value) is None. Said as for --device, it left a config written on a GPU machine unnamed."""
+    if not cfg.runtime.device.startswith("cuda"):
+        return
+    from ardiff_cli.runtime.errors import running_out_of_memory_names
+
+    with running_out_of_memory_names("importing torch"):  # the command's first import of torch
+        from ardiff_cli.runtime.engine import resolve_device
+
+    try:
+        resolve_device(cfg.runtime.device)
+    except ConfigError as exc:
+        if given is not None:
+            raise
+        raise ConfigError(f"{as_typed(cfg.source)}: field 'runtime.device': {exc}",
+                          hint=f"{exc.hint}, which overrides the config's; or change runtime.device in "
+                               f"{as_typed(cfg.source)}") from None
+
+
 def budget_source(given: object, cfg: Any) -> str | None:
     """What set ``cfg``'s memory budget, for a hint (``budget_change`` words it): ``--memory-budget`` (``given``, the
     option's value), the config's ``runtime.memory_budget``, or None (no budget: the device's free memory)."""

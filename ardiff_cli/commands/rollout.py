@@ -23,6 +23,7 @@ from ardiff_cli.commands._common import (
     does_not_fit_hint,
     image_size,
     load_engine_config,
+    refuse_a_device_not_here,
     refuse_contradictions,
     stop_between_requests,
 )
@@ -462,7 +463,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
     else:
         source = budget_source(overrides["memory_budget"] if budget_given else None, cfg)
     if not resume and (cfg.runtime.device.startswith("cuda") or cfg.checkpoint is None):
-        _under_signals(lambda: _refuse_what_loading_would(cfg))  # now, before --out or demo files are made
+        _under_signals(lambda: _refuse_what_loading_would(cfg, overrides["device"]))  # before --out, demo files
     recorded_device = info.get("device") if resume else None
     recorded_backend = info.get("attention_backend") if resume else None
     output.debug(f"config {cfg.source}: pipeline {cfg.pipeline_name}, {cfg.runtime}")
@@ -607,15 +608,12 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
                      recorded_backend=recorded_backend, budget_source=source, watch=watch, recorded=run_info)
 
 
-def _refuse_what_loading_would(cfg: Any) -> None:
+def _refuse_what_loading_would(cfg: Any, device: str | None) -> None:
     """What loading the model would refuse, refused before --out and the demo episodes are made (a resume's run was
-    started past these): a CUDA device this machine lacks, and a config without ``checkpoint:`` whose built-in
-    pipeline has no default checkpoint of its size (a 14B geometry). Both import torch: run it ``_under_signals``."""
-    if cfg.runtime.device.startswith("cuda"):
-        with running_out_of_memory_names("importing torch"):  # the run's first import of torch, as below
-            from ardiff_cli.runtime.engine import resolve_device
-
-        resolve_device(cfg.runtime.device)
+    started past these): a CUDA device this machine lacks (``device``: the --device option's, else the config's),
+    and a config without ``checkpoint:`` whose built-in pipeline has no default checkpoint of its size (a 14B
+    geometry). Both import torch: run it ``_under_signals``."""
+    refuse_a_device_not_here(cfg, device)
     path = _default_checkpoint(cfg)
     if path is None:
         return
@@ -1294,7 +1292,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     monitor.end_counting()  # and the live display's
                 monitor.set_phase("done")
                 if stats.failed:
-                    raise _failed_episodes(stats, len(p.episodes), p.resume)
+                    raise _failed_episodes(stats, p.episodes, p.resume)
             except BaseException as exc:
                 error = signals.outcome(exc)
                 stopped = isinstance(exc, Interrupted)
@@ -1609,10 +1607,13 @@ def _write_summary(run: Any, build: Callable[[], dict[str, Any]], output: Output
     return summary
 
 
-def _failed_episodes(stats: Any, num_episodes: int, resume: ResumeCommand) -> Exception:
+def _failed_episodes(stats: Any, episodes: list[Any], resume: ResumeCommand) -> Exception:
     """Exit 4 when other episodes completed; else 2 when every failure was invalid input, else their code. Every
-    episode failed with its folder gone (deleted or renamed while the run read it): 2, saying so, with the way back."""
+    episode failed with its folder gone (deleted or renamed while the run read it): 2, saying so, with the way back.
+    Every failed one a recording made for another pipeline (``stats.foreign``): the hint is a new run with its
+    config, as a resume keeps this run's. ``episodes``: the run's (``EpisodeSource``), those --follow added too."""
     names = ", ".join(stats.failed)
+    num_episodes = len(episodes)
     # The run's folder holds the run now, so the same command is refused: the way on is its resume, to paste
     # (a bad file midway, every episode failing so, hinted "see the episode format", of no use at that point)
     # one that ran out of memory: the resume with what its hint asks for (a lower --session-capacity), else pasting it
@@ -1625,12 +1626,22 @@ def _failed_episodes(stats: Any, num_episodes: int, resume: ResumeCommand) -> Ex
         hint = (f"fix what is named above; a resume needs the folder{'' if one else 's'} of {', '.join(missing)} "
                 f"back at {'its path' if one else 'their paths'} (gone since {'it' if one else 'they'} failed; "
                 f"moved: a symlink there to where it is now will do), then continue with: {again}")
+    foreign = [e for e in episodes if e.name in stats.foreign]
+    all_foreign = not missing and len(foreign) == len(stats.failed)
+    if all_foreign:  # a resume runs them with this run's config again: it fails them the same way
+        one = len(foreign) == 1
+        hint = (f"run {'it' if one else 'them'} with the config {'it was' if one else 'they were'} recorded for, in "
+                "another --out (a --resume keeps this run's config): ardiff rollout CONFIG "
+                + " ".join(shell_word(e.path) for e in foreign) + " --out NEW")
     if stats.completed_episodes:
         partial = EpisodesFailed(f"{len(stats.failed)} of {plural(num_episodes, 'episode')} failed: {names}; "
                                  "the others completed")
         partial.hint = hint
         return partial
     message = f"every episode failed ({names})"
+    if all_foreign:
+        message += (f": none of {'its' if len(foreign) == 1 else 'their'} step files holds an array of this run's "
+                    "pipeline")
     if missing and all(isinstance(e, ObservationError) for e in stats.errors.values()):
         hint = None  # failed on its input, then deleted (a recorder's cleanup): no run to go on with
     if stats.failed.keys() <= stats.folders_gone:

@@ -16,6 +16,7 @@ from ardiff_cli.commands._common import (
     config_label,
     does_not_fit_hint,
     load_engine_config,
+    refuse_a_device_not_here,
     refuse_contradictions,
     stop_between_requests,
 )
@@ -107,6 +108,7 @@ def warmup(
                 from ardiff_cli.runtime.engine import ARDiffusionEngine
 
             signals.check()  # a signal that arrived while torch imported
+            refuse_a_device_not_here(cfg, device)  # as the load would, naming the config's field that asked for it
             # `ardiff warmup --format json | head -1`: once the reader is gone, stop as a rollout does (exit 141), at
             # the end of a request; a stdout that fails otherwise (a full disk) ends it once the warmup is done
             out.on_stdout_lost = lambda exc: signals.defer(lost_stdout_stop(exc))

@@ -20,6 +20,13 @@ from ardiff_cli.runtime.observation import ObservationSchema
 from ardiff_cli.io.episode import METADATA_FILE, RawStep, listed
 
 MAX_NAMED_KEYS = 10  # keys outside the schema named one by one in a warning or an error; the rest are counted
+RIGHT_CONFIG = "is this the right CONFIG? A recording made for another pipeline holds that pipeline's keys"
+
+
+class ForeignRecording(ObservationError):
+    """A step file holding arrays, none of them in the pipeline's schema: a recording made for another pipeline. No
+    edit of the file fixes it, nor a ``--resume`` (which keeps the run's config): a run with the recording's config
+    does, so a run whose failures are all of this kind hints that rather than its resume."""
 
 
 @dataclass(slots=True)
@@ -86,17 +93,17 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
                         "episode, or in a step file's metadata")
         if ignored:  # what the file holds instead (a misspelt key): its warning never shows for a failed file
             others = ", ".join(repr(k) + near for k, near in ignored.items()) + and_more
-            raise ObservationError(f"{exc}; the file's other keys, not in the schema: {others}",
-                                   hint=exc.hint) from None
+            message = f"{exc}; the file's other keys, not in the schema: {others}"
+            if not field_keys & set(arrays):  # none of its arrays is the pipeline's: another pipeline's recording
+                raise ForeignRecording(message, hint=f"{exc.hint}; {RIGHT_CONFIG}") from None
+            raise ObservationError(message, hint=exc.hint) from None
         raise
     if ignored and not field_keys & set(arrays):  # every field optional, and the file holds none of them
         fields = ", ".join(f"{f.name!r}" + (f" ({', '.join(map(repr, f.aliases))})" if f.aliases else "")
                            for f in schema.fields)
         held = ", ".join(map(repr, ignored)) + and_more
-        raise ObservationError(f"{as_typed(path)}: none of the file's arrays ({held}) is in the pipeline's schema "
-                               f"({fields}): the model would run on the prompt alone",
-                               hint="is this the right CONFIG? A recording made for another pipeline holds that "
-                                    "pipeline's keys")
+        raise ForeignRecording(f"{as_typed(path)}: none of the file's arrays ({held}) is in the pipeline's schema "
+                               f"({fields}): the model would run on the prompt alone", hint=RIGHT_CONFIG)
     return ValidStep(inputs=inputs, warnings=warnings)
 
 
