@@ -195,7 +195,6 @@ def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str, prese
     if not isinstance(data, Mapping):
         raise field_error(where, "model", "a mapping", data)
     settable = [f.name for f in dataclasses.fields(cls) if f.init]
-    hints = checked_fields(cls)  # any other field is taken as given, as __post_init__ takes it
     values: dict[str, Any] = {}
     preset = data.get("preset")
     if preset is not None:
@@ -220,11 +219,8 @@ def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str, prese
                 f"{did_you_mean(str(key), ['preset', *settable])}",
                 hint=f"valid keys: preset, {', '.join(settable)}",
             )
-        try:
-            values[key] = _coerce(key, hints[key], value) if key in hints else value
-        except InvalidField as exc:
-            raise field_error(where, f"model.{exc.name}", exc.expected, exc.got) from None
-    try:
+        values[key] = value
+    try:  # __post_init__ checks and converts each value (_coerce), as it does for a config built in Python
         return cls(**values)
     except InvalidField as exc:
         exc = exc.blamed(data)

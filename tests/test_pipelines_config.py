@@ -620,6 +620,25 @@ def test_a_config_subclass_with_a_field_of_another_type_is_read_from_yaml_taking
         config_from_dict(weighted, {"rank": 2.5, "weights": None}, where="lab.yaml", presets={})
 
 
+def test_config_from_dict_checks_each_value_once(monkeypatch):
+    """A value of the model: section is checked and converted by ``__post_init__`` alone, as in Python: ``from_dict``
+    converted each given key's value too, then built the config, which converted it again."""
+    import pipelines.config
+    from pipelines.dreamzero.config import Config
+
+    checked = []
+    coerce = pipelines.config._coerce
+    monkeypatch.setattr(pipelines.config, "_coerce", lambda name, hint, value: checked.append(name)
+                        or coerce(name, hint, value))
+    config = Config.from_dict({"preset": "tiny", "dim": 64, "guidance_scale": 2, "patch_size": [1, 2, 2]},
+                              where="x.yaml")
+    assert (config.dim, config.guidance_scale, config.patch_size) == (64, 2.0, (1, 2, 2))
+    # each settable field once (a list field's items are checked each under its own name: patch_size[0])
+    assert sorted(name for name in checked if "[" not in name) == sorted(pipelines.config.checked_fields(Config))
+    with pytest.raises(ConfigError, match=r"^x.yaml: field 'model.dim': expected an integer, got 2.5$"):
+        Config.from_dict({"dim": 2.5}, where="x.yaml")
+
+
 @pytest.mark.parametrize("name", sorted(builtin_configs()))
 def test_every_shipped_config_declares_the_tensors_its_sessions_keep(name):
     """The plan counts the spec's model_owned_state_bytes_per_session for each session (and the runner warns when an
