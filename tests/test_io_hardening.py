@@ -404,6 +404,22 @@ def test_a_chain_of_links_longer_than_the_system_follows_is_not_named_a_loop(tmp
                                               "follows (a loop of links)")
 
 
+def test_a_link_to_nothing_says_whether_a_target_made_later_can_end_it(tmp_path):
+    """``dangling_link``'s flag, not its wording: a follow run read "which does not exist" at the end of the words
+    to tell a recording not there yet from a loop (or a chain longer than the system follows), which none ends."""
+    from ardiff_cli.runtime.errors import dangling_link, link_to_nothing
+
+    eps = tmp_path / "eps"
+    eps.mkdir()
+    for link, target in [("cam", "../rec/arm_a"), ("via", "cam"), ("self", "self"), ("b", "c"), ("c", "b")]:
+        (eps / link).symlink_to(target)
+    for i in range(1, 46):
+        (eps / f"l{i}").symlink_to(f"l{i + 1}" if i < 45 else "cam")
+    for name, loops in [("cam", False), ("via", False), ("self", True), ("b", True), ("l1", True)]:
+        assert dangling_link(eps / name) == (link_to_nothing(eps / name), loops), name
+    assert dangling_link(eps) is None and dangling_link(eps / "absent") is None
+
+
 def test_write_episode_refuses_metadata_that_rollout_would_refuse_for_its_size(tmp_path):
     with pytest.raises(ValueError, match=r"metadata: episode.yaml would take \d+ bytes, more than the 1 MiB rollout "
                                          r"reads"):

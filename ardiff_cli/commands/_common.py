@@ -10,7 +10,7 @@ from typing import Any
 
 from ardiff_cli.errors_cli import budget_change
 from ardiff_cli.options import DEFAULT_CONFIG
-from ardiff_cli.runtime.errors import ConfigError, ResumeCommand, as_typed, quoted, shell_word
+from ardiff_cli.runtime.errors import ConfigError, ResumeCommand, as_typed, joined, quoted, shell_word
 
 
 def load_engine_config(config: str | None, *, pipeline: str | None = None, command: str = "rollout",
@@ -116,8 +116,8 @@ def does_not_fit_hint(cfg: Any, source: str, *, window_helps: bool) -> str:
         fixes.append("--dtype bfloat16 (half the bytes)")
     fields = [f"model.{name}" for name in ("window_frames", "sink_frames")
               if window_helps and type(getattr(cfg.model, name, None)) is int and getattr(cfg.model, name) > 0]
-    fixes.append(f"a smaller {' or '.join(fields)} in the config" if fields else "a smaller model in the config")
-    return f"plan with {', '.join(fixes[:-1])} or {fixes[-1]}"
+    fixes.append(f"a smaller {joined(fields, 'or')} in the config" if fields else "a smaller model in the config")
+    return f"plan with {joined(fixes, 'or')}"
 
 
 def beyond_device_hint(source: str, *, resume: bool = False) -> str:

@@ -36,8 +36,8 @@ from typing import Any
 from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_capped,
                                  read_jsonl, read_numbered_jsonl, remove_temporaries)
 from ardiff_cli.runtime.errors import (ArdiffError, ConfigError, ResumeCommand, WriteHint, as_typed, did_you_mean,
-                                      field_error, link_to_nothing, needs_absolute, on_pythonpath, shell_word, shown,
-                                      too_many_open_files)
+                                      field_error, joined, link_to_nothing, needs_absolute, on_pythonpath,
+                                      shell_word, shown, too_many_open_files)
 from ardiff_cli.runtime.outputs import is_array
 
 RUN_FILE = "run.json"
@@ -83,7 +83,7 @@ def _run_info_problem(info: Mapping[str, Any]) -> tuple[str, str, Any] | None:
         if not (isinstance(path, str) and Path(path).is_absolute()):
             return "config_path", "the absolute path of the run's config file (a string)", path
     if info.get("dtype") not in MODEL_DTYPES:
-        return "dtype", f"{', '.join(MODEL_DTYPES[:-1])} or {MODEL_DTYPES[-1]}", info.get("dtype", _MISSING)
+        return "dtype", joined(MODEL_DTYPES, "or"), info.get("dtype", _MISSING)
     started = info.get("started", _MISSING)
     if not isinstance(started, (int, float)) or isinstance(started, bool) or not math.isfinite(started):
         # it names the run in OUT/.swap/kept.json: without it each resume took a start time of its own, and refused
@@ -361,7 +361,7 @@ class RunFolder:
             beside = [p.name for p in (self.results_path, self.journal_path) if os.path.exists(p)]
             if beside:  # a new run there is refused too, with a hint to --resume
                 raise ConfigError(f"nothing to resume: {as_typed(path)} does not exist, though "
-                                  f"{' and '.join(beside)} {'do' if len(beside) > 1 else 'does'} (run.json was "
+                                  f"{joined(beside, 'and')} {'do' if len(beside) > 1 else 'does'} (run.json was "
                                   "deleted, or not copied with the run)",
                                   hint="restore run.json from where the run was copied, or start a new run in "
                                        "another --out")

@@ -56,7 +56,7 @@ from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, S
                                    missing_steps, new_episode_folders, other_step_formats, step_number,
                                    step_sha256, unreadable_folder)
 from ardiff_cli.io.run import episode_folder_path
-from ardiff_cli.runtime.errors import ObservationError, as_typed, link_to_nothing, shell_word
+from ardiff_cli.runtime.errors import ObservationError, as_typed, dangling_link, link_to_nothing, shell_word
 
 # Activity for the idle timer: write_step's temporary file of a step file being written (atomic_write_bytes), and
 # rsync's of one it copies (".step_000001.safetensors.Ab3dE9": "." + name + "." + mkstemp's 6 characters)
@@ -659,13 +659,12 @@ class StepScheduler:
                            "episode.yaml came in it, only other files or folders (a folder of episodes is watched "
                            "for episode folders in it, not deeper: give a deeper folder of episodes as EPISODE)")
             for name in names:  # looked at each poll, never led to an episode folder: not passed over unsaid
-                if name not in settled and (dangling := link_to_nothing(folder / name)):
-                    link = shell_word(folder / name)
+                if name not in settled and (found := dangling_link(folder / name)):
+                    (dangling, loops), link = found, shell_word(folder / name)
                     # a loop, or more links than the system follows, leads nowhere whatever is recorded: "the
                     # recording ... never appeared" sent one waiting
-                    why = ("the recording it links to never appeared while the run watched; once it is there,"
-                           if dangling.endswith("which does not exist") else
-                           f"point it at a recording (ln -sfn RECORDING {link}), then")
+                    why = (f"point it at a recording (ln -sfn RECORDING {link}), then" if loops else
+                           "the recording it links to never appeared while the run watched; once it is there,")
                     self._warn(f"{as_typed(folder / name)} never joined the run: it is {dangling} ({why} run it with "
                                f"{link} as EPISODE in a new --out, or --resume this run)")
             if steps:
@@ -1311,12 +1310,11 @@ def _lost_history(track: _Track, first: int | None, go_on: str) -> ObservationEr
     """Steps that ran (results.jsonl) before the first step file in the folder (``None``: it holds none): their
     files are gone. ``go_on``: how the hint ends, once they are back (``StepScheduler``'s)."""
     lost = [step for step in track.done_sorted if first is None or step < first]
-    shown = f"{lost[0]}" if len(lost) == 1 else f"{lost[0]}..{lost[-1]}"
     others = other_step_formats(track.source.path) if first is None else []  # converted to another format?
     now = (f"the folder starts at step {first}" if first is not None else "the folder holds no step files"
            + (f" (it holds {listed(others)}: a step file is .safetensors or .npz)" if others else ""))
     return ObservationError(
-        f"{track.source.path}: step{'s' if len(lost) > 1 else ''} {shown} ran (results.jsonl) but "
+        f"{track.source.path}: {_steps(lost[0], lost[-1])} ran (results.jsonl) but "
         f"{'their files are' if len(lost) > 1 else 'its file is'} gone: {now}, so the "
         f"episode's next step cannot run on the history its earlier outputs were made from",
         hint="run the episode again from its first step in a new --out (a session's outputs depend on every earlier "

@@ -317,6 +317,13 @@ def link_to_nothing(path: os.PathLike | str) -> str | None:
     look at (the caller's own error names it). A loop of links is named as one, by the link that loops where that is
     not ``path`` (``a -> b``, ``b -> c -> b``: ``b`` leads back to itself, ``a`` does not); a chain of more links than
     the system follows (ELOOP too), by its length."""
+    found = dangling_link(path)
+    return None if found is None else found[0]
+
+
+def dangling_link(path: os.PathLike | str) -> tuple[str, bool] | None:
+    """:func:`link_to_nothing`'s words for ``path``, and whether no target made later can end it (a loop of links, or
+    more links than the system follows: ELOOP); None as there."""
     try:
         if os.path.islink(path) and not os.path.exists(path):
             target = os.readlink(path)
@@ -326,22 +333,22 @@ def link_to_nothing(path: os.PathLike | str) -> str | None:
                 if exc.errno == errno.ELOOP:
                     loop = _loop_start(path)
                     if isinstance(loop, int):  # no loop: it was "(a loop of links)" too
-                        return f"a link to {target}, the first of {loop} links in a row, more than the system follows"
-                    if loop is None:
-                        return f"a link to {target}, which leads through more links than the system follows " \
-                               f"{LOOP_OF_LINKS}"
-                    where, looping = loop
-                    if where == 0:
-                        return f"a link to {target}, which leads back to itself {LOOP_OF_LINKS}"
-                    if where == 1:
-                        return f"a link to {target}, a link that leads back to itself {LOOP_OF_LINKS}"
-                    return f"a link to {target}, which leads to {looping}, a link that leads back to itself " \
-                           f"{LOOP_OF_LINKS}"
+                        said = f"the first of {loop} links in a row, more than the system follows"
+                    elif loop is None:
+                        said = f"which leads through more links than the system follows {LOOP_OF_LINKS}"
+                    elif loop[0] == 0:
+                        said = f"which leads back to itself {LOOP_OF_LINKS}"
+                    elif loop[0] == 1:
+                        said = f"a link that leads back to itself {LOOP_OF_LINKS}"
+                    else:
+                        said = f"which leads to {loop[1]}, a link that leads back to itself {LOOP_OF_LINKS}"
+                    return f"a link to {target}, {said}", True
             # A link to a link (OUT/.swap -> scratch -> /mnt/disk/swap): what is missing is the last one's target,
             # not the link that `ls` shows there (it was "a link to scratch, which does not exist")
             if os.path.islink(os.path.join(os.path.dirname(os.fspath(path)), target)):
-                return f"a link to {target}, a link that leads to {os.path.realpath(path)}, which does not exist"
-            return f"a link to {target}, which does not exist"
+                return (f"a link to {target}, a link that leads to {os.path.realpath(path)}, which does not exist",
+                        False)
+            return f"a link to {target}, which does not exist", False
     except OSError:
         pass
     return None
@@ -416,6 +423,11 @@ def plural(count: int, noun: str, nouns: str | None = None) -> str:
     """``1 step``, ``2 steps``: a count and its noun, singular for one; ``nouns`` is the plural where adding "s"
     is wrong (``plural(n, "shape mismatch", "shape mismatches")``)."""
     return f"{count} {noun}" if count == 1 else f"{count} {nouns or noun + 's'}"
+
+
+def joined(words: Sequence[str], last: str) -> str:
+    """``a``, ``a or b``, ``a, b or c`` (``last``: "or", "and")."""
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} {last} {words[-1]}"
 
 
 def shell_word(path: os.PathLike | str) -> str:

@@ -69,6 +69,7 @@ from ardiff_cli.runtime.errors import (
     SwapRestoreError,
     as_pipeline_error,
     is_out_of_memory,
+    joined,
     plural,
     shown,
 )
@@ -131,18 +132,13 @@ def _require_reason(method: str, reason: Any) -> None:
         return
     takers = [f"{name}()" for name, reasons in CALLER_REASONS.items() if isinstance(reason, str) and reason in reasons]
     if takers:
-        hint = f"{reason!r} is what {_joined(takers, 'and')} take{'s' if len(takers) == 1 else ''}"
+        hint = f"{reason!r} is what {joined(takers, 'and')} take{'s' if len(takers) == 1 else ''}"
     elif isinstance(reason, str) and reason in RUNNER_REASONS:
         hint = f"{reason!r} is the runner's own word ({RUNNER_REASONS[reason]}), never a caller's"
     else:
         hint = "leave it out for 'explicit'"
-    raise RequestError(f"{method}() takes reason {_joined([repr(r) for r in allowed], 'or')}, got {shown(reason)}",
+    raise RequestError(f"{method}() takes reason {joined([repr(r) for r in allowed], 'or')}, got {shown(reason)}",
                        hint=hint)
-
-
-def _joined(words: list[str], last: str) -> str:
-    """``a``, ``a or b``, ``a, b or c`` (``last``: "or", "and")."""
-    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} {last} {words[-1]}"
 
 
 class LifecycleHookError(PipelineError):
