@@ -2454,6 +2454,40 @@ def test_a_lock_holding_the_pid_alone_says_whether_its_rollout_runs(tmp_path, cl
         older.communicate(b"")
 
 
+def test_a_lock_that_is_a_link_to_a_file_another_process_holds_is_named_as_the_link(tmp_path, cli_env):
+    # OUT/.lock a link to another run's .lock, held by that run's rollout: the lock was looked at through the link,
+    # and the folder said to be in use by that rollout ("its model is loading now ... (kill PID)", a resume "in use by
+    # another ardiff rollout (pid PID)"): a hint to stop another run's rollout, after which this folder's was still
+    # refused, as the link it is. Never followed: it is named as the link, to remove.
+    run, other = tmp_path / "runs" / "eval1", tmp_path / "runs" / "other"
+    run.mkdir(parents=True)
+    other.mkdir()
+    (run / ".lock").symlink_to(other / ".lock")
+    hold = ("import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\nos.write(fd, f'{os.getpid()}\\n'.encode())\nprint(flush=True)\n"
+            "sys.stdin.read()\n")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(other / ".lock")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE)
+    try:
+        holder.stdout.readline()  # locked, its pid written
+        rollout = [sys.executable, "-m", "ardiff_cli", "rollout", "--format", "plain"]
+        proc = subprocess.run([*rollout, "runs/eval1"], env=cli_env, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        assert _hint(proc.stderr).endswith(
+            f"records its config and episodes (its .lock is a link to {other / '.lock'}, a file, not the file ardiff "
+            "writes); to start its run again: remove its .lock (runs/eval1/.lock), then ardiff rollout with its "
+            "config and episodes, and --out runs/eval1"), proc.stderr
+        proc = subprocess.run([*rollout, "--resume", "--out", "runs/eval1"], env=cli_env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        assert _hint(proc.stderr) == (f"remove its .lock (runs/eval1/.lock: a link to {other / '.lock'}, a file, not "
+                                      "the file ardiff writes), then run without --resume to start a run in this "
+                                      "folder"), proc.stderr
+    finally:
+        holder.communicate(b"")
+
+
 def test_a_lock_that_is_a_link_to_nothing_creates_nothing_where_it_leads(tmp_path, cli_env):
     # OUT/.lock a link to a path that does not exist (a disk not mounted, a folder removed): the rollout created the
     # link's target, outside the run's folder, and wrote its pid there. It is refused as the link it is, as a link
@@ -2516,7 +2550,8 @@ class Mine(DreamZeroPipeline):
 """
 
 
-@pytest.mark.parametrize("where", ["working folder", "PYTHONPATH entries", "working folder named with ':'"])
+@pytest.mark.parametrize("where", ["working folder", "PYTHONPATH entries", "working folder named with ':'",
+                                   "PYTHONPATH entry in a working folder named with ':'"])
 def test_a_restart_hint_of_a_pipeline_module_found_in_the_working_folder_pastes_from_another_folder(
         tmp_path, cli_env, where):
     # `--pipeline mypipe:Mine`, a module in the folder the rollout was started in (`python -m` puts it on sys.path),
@@ -2527,23 +2562,29 @@ def test_a_restart_hint_of_a_pipeline_module_found_in_the_working_folder_pastes_
     # own folder alone: pasted, `No module named 'helper'`. The PYTHONPATH the tests give is the repository's and
     # tests/, with the working folder (an empty entry). A working folder named with ':', which PYTHONPATH cannot
     # carry, was recorded split in two at it (a relative half, dropped): pasted, `No module named 'mypipe'`. The
-    # hint enters it first, in a subshell, and puts '.' on PYTHONPATH, --out absolute.
+    # hint enters it first, in a subshell, and puts '.' on PYTHONPATH, --out absolute; a PYTHONPATH entry inside it
+    # (PYTHONPATH=src), named with ':' too, is carried relative to it (it was left out, in a comment: pasted, `No
+    # module named 'mypipe'`).
     lab = tmp_path / ("lab:1" if where.endswith("':'") else "lab")
     elsewhere, run = tmp_path / "elsewhere", tmp_path / "lab dir's runs" / "eval1"
-    libs, started = tmp_path / "libs", lab if where.startswith("working folder") else tmp_path / "started"
-    for folder in (lab, elsewhere, libs, started):
+    libs, started = tmp_path / "libs", lab if "working folder" in where else tmp_path / "started"
+    inner = where.startswith("PYTHONPATH entry in")  # the module in lab:1/src, PYTHONPATH=src
+    home = lab / "src" if inner else lab
+    for folder in (lab, elsewhere, libs, started, home):
         folder.mkdir(exist_ok=True)
-    (lab / "mypipe.py").write_text(MY_PIPELINE if where != "PYTHONPATH entries" else f"import helper\n{MY_PIPELINE}")
+    (home / "mypipe.py").write_text(MY_PIPELINE if where != "PYTHONPATH entries" else f"import helper\n{MY_PIPELINE}")
     (libs / "helper.py").write_text("")
     episode(tmp_path / "arm_a", 1)
+    pythonpath = ["../lab", "../libs"] if where == "PYTHONPATH entries" else ["src"] if inner else []
     shim = _killed_while_loading(tmp_path, cli_env, ["dreamzero-tiny", "../arm_a", "--out", str(run), "--pipeline",
                                                      "mypipe:Mine", "--no-warmup", "--format", "plain"], cwd=started,
-                                 pythonpath=[] if where != "PYTHONPATH entries" else ["../lab", "../libs"])
+                                 pythonpath=pythonpath)
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run), "--format",
                            "plain"], env=cli_env, cwd=elsewhere, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     again = _hint(proc.stderr).rpartition("to start that run again: ")[2]
     searched = [str(folder) for folder in [started, shim] + ([] if where != "PYTHONPATH entries" else [lab, libs])]
+    searched += ["src"] if inner else []  # inside the folder entered first: relative to it
     searched += [os.path.join(started, entry) for entry in cli_env["PYTHONPATH"].split(os.pathsep) if entry]  # '':
     searched = list(dict.fromkeys(searched))  # started, again; each folder once
     rollout = (f"ardiff rollout dreamzero-tiny {tmp_path / 'arm_a'} --pipeline mypipe:Mine --no-warmup --out "

@@ -330,9 +330,8 @@ def _pipeline_path(pipeline: str) -> list[str] | None:
     shell, root's, may not set it; a relative one is read against the working folder). It names each such folder this
     process searches, absolute and in its order, not only the module's: the module may import one of another entry;
     a list, not PYTHONPATH's text: a folder's name may hold ':' (``on_pythonpath`` carries it). None for a registered
-    name, a
-    module installed (site-packages, an editable install), or one not found (its import fails, and says so). Found
-    without importing it: the run's lock is taken before the pipeline loads."""
+    name, a module installed (site-packages, an editable install), or one not found (its import fails, and says so).
+    Found without importing it: the run's lock is taken before the pipeline loads."""
     import importlib.util
     import sys
 

@@ -830,13 +830,14 @@ class RunFolder:
     def lock_holder(self) -> str | None:
         """Whether another process holds the folder's lock now (a rollout loading its model, or running): its pid as
         the lock file names it ("" where it names none), else None (no lock file: no run ever wrote here; none holds
-        it; or a file system without flock)."""
+        it; or a file system without flock; a link, never followed: one to another run's held .lock named its
+        rollout, to stop)."""
         try:
             import fcntl
         except ImportError:  # not POSIX: no lock
             return None
-        try:
-            fd = os.open(self.root / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO there: not waited on
+        try:  # a FIFO there: not waited on
+            fd = os.open(self.root / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             return None
         try:

@@ -471,19 +471,27 @@ def on_pythonpath(command: str, folders: Sequence[str]) -> str:
     """``command``, a rollout to paste, run where Python imports its ``--pipeline MODULE:CLASS`` module from
     ``folders`` (absolute, in order; none: ``command`` as it is): ``PYTHONPATH=/lab:/libs COMMAND``. A folder whose name
     holds ':' (``os.pathsep``), which PYTHONPATH cannot carry (it split ``/x/lab:1`` into ``/x/lab`` and ``1``), is the
-    working folder of a subshell that enters it first, '.' on PYTHONPATH: ``(cd '/x/lab:1' && PYTHONPATH=.:/libs
-    COMMAND)``, whose paths must then be absolute (:func:`needs_absolute`). No line carries two such folders: those
-    past the first are named after it, in a comment."""
+    working folder of a subshell that enters it first, '.' on PYTHONPATH, and a folder inside it is written relative
+    to it: ``(cd '/x/lab:1' && PYTHONPATH=.:src:/libs COMMAND)``, whose paths must then be absolute
+    (:func:`needs_absolute`). No line carries two such folders apart: those not inside the first are named after it,
+    in a comment."""
     if not folders:
         return command
-    odd = [folder for folder in folders if os.pathsep in folder]
-    entries = ["." if odd and folder == odd[0] else folder for folder in folders if folder not in odd[1:]]
+    home = next((folder for folder in folders if os.pathsep in folder), None)
+    entries, left = [], []
+    for folder in folders:
+        inside = home is not None and (folder == home or folder.startswith(home.rstrip(os.sep) + os.sep))
+        entry = os.path.relpath(folder, home) if inside else folder  # '.' for the folder entered
+        if os.pathsep in entry:
+            left.append(folder)
+        else:
+            entries.append(entry)
     line = f"PYTHONPATH={shell_word(os.pathsep.join(entries))} {command}"
-    if not odd:
+    if home is None:
         return line
-    left = "" if len(odd) == 1 else (f"  # not on PYTHONPATH, which cannot carry a '{os.pathsep}' in a name: "
-                                     + ", ".join(map(shell_word, odd[1:])))
-    return f"(cd {shell_word(odd[0])} && {line}){left}"
+    left_out = "" if not left else (f"  # not on PYTHONPATH, which cannot carry a '{os.pathsep}' in a name: "
+                                    + ", ".join(map(shell_word, left)))
+    return f"(cd {shell_word(home)} && {line}){left_out}"
 
 
 def needs_absolute(folders: Sequence[str]) -> bool:
