@@ -71,6 +71,8 @@ def main() -> None:
             if signal.getsignal(signum) is _DEFAULT.get(signum, signal.SIG_DFL):
                 signal.signal(signum, _stop)
         from ardiff_cli.app import main as run
+        if stopped_by is not None:  # its stop raised in a callback Python ran as it imported, which drops it
+            raise Stopped(stopped_by)
     except KeyboardInterrupt as exc:
         try:  # a closed stream (`>&-`) is None; one whose reader is gone raises: the exit code says it all then
             report_interrupted(sys.argv[1:], signal_of(exc))

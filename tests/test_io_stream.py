@@ -2389,3 +2389,24 @@ def test_a_poll_of_held_links_stats_the_folders_on_their_way_not_each_link(tmp_p
         monkeypatch.undo()
         counts.append(len(calls))
     assert counts[0] == counts[1] and counts[0] < 20, counts
+
+
+def test_the_folders_on_held_links_ways_are_let_go_once_no_link_leads_through_them(tmp_path):
+    """A long run where links to recordings not made yet come and go (live/camN -> ../rec/epN/data, each deleted
+    once done with): what is kept of the folders on their ways (their stamps, when first seen) is that of the links
+    there now, not of every link the run ever looked at (it grew by a folder a link, for the rest of the run)."""
+    data, rec = tmp_path / "live", tmp_path / "rec"
+    write_episode(data / "arm_a", [good(0)], prompt="p", end=False)
+    scheduler = _watching(data, FakeClock(), idle_timeout=100)
+    assert scheduler.next().episode.name == "arm_a"
+    kept = []
+    for i in range(3):
+        (rec / f"ep{i}").mkdir(parents=True)
+        (data / f"cam{i}").symlink_to(f"../rec/ep{i}/data")
+        scheduler._adopt_new_episodes()
+        _settle(data)
+        scheduler._adopt_new_episodes()  # cam{i} looked at, the folders on its way seen
+        (data / f"cam{i}").unlink()
+        scheduler._adopt_new_episodes()
+        kept.append(sorted(Path(folder).name for folder in scheduler._watch[0].seen))
+    assert kept == [["ep0", "live"], ["ep1", "live"], ["ep2", "live"]], kept

@@ -153,7 +153,8 @@ class _Watched:
     # its links that lead to no folder (to nothing, to a file), by the way their lookup goes: the folders it reads
     # names in, each with its stamp when they were last looked at; not looked at again while those stamps hold
     held: dict[tuple[tuple[str, tuple[int, ...]], ...], set[str]] = field(default_factory=dict)
-    # the stamp of each folder on such a way, and when it was first seen (time.monotonic): held once settled
+    # the stamp of each folder on such a way, and when it was first seen (time.monotonic): held once settled; only
+    # those on the ways of the links there at the last poll that looked at one
     seen: dict[str, tuple[tuple[int, ...], float]] = field(default_factory=dict)
 
 
@@ -427,6 +428,9 @@ class StepScheduler:
                 stamped.append((folder, stamp))
             if settled:
                 watched.held.setdefault(tuple(stamped), set()).add(name)
+        # this poll stat'ed every folder on the way of a link still there (held or looked at): those of links gone
+        # are let go (they were kept for the rest of the run, a folder a link to a recording not made yet)
+        watched.seen = {folder: seen for folder, seen in watched.seen.items() if folder in stamps}
         return found
 
     def _renamed_episode(self, path: Path) -> bool:
