@@ -94,7 +94,7 @@ def main() -> NoReturn:
 
 def _given(exc: BaseException, message: str) -> str:
     """``message`` of Typer's own checks of an option's value (a choice; a number option's value is read by its
-    parser, ``options.read_number``), which come from pydantic's validation, with what was given: their messages say
+    parser, ``capability.read_number``), which come from pydantic's validation, with what was given: their messages say
     what was expected but not always what was given (``, got 'x'`` is added). The value is written as ``quoted``
     writes it (a byte the locale could not decode is ``\\xNN``, as in the other lines, not repr's ``\\udcNN``), and a
     choice's message offers the one alike (`--order roundrobin`: did you mean 'round-robin'?). Any other error's

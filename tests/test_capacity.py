@@ -308,6 +308,16 @@ def test_parse_bytes_says_what_is_wrong(text, why):
     assert "as a byte size: " in str(caught.value) and "KiB .. EiB" in caught.value.hint
 
 
+@pytest.mark.parametrize(("text", "why"), [
+    ("1.5", "a byte size without a unit is a whole number of bytes, got '1.5'"),
+    ("1.5B", "a byte size in B is a whole number of bytes, got '1.5B'"),  # it said "without a unit" of 'B'
+    ("0.5 b", "a byte size in B is a whole number of bytes, got '0.5 b'"),
+])
+def test_parse_bytes_of_a_fraction_of_a_byte_names_its_unit(text, why):
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        parse_bytes(text)
+
+
 def test_parse_bytes_takes_up_to_16_eib_in_any_form():
     """16EiB (2**64 bytes) is the most a byte size may be: 1e30 was a budget of '8.67e+11 EiB', planned on."""
     assert parse_bytes("16EiB") == 2**64 and parse_bytes(str(2**64)) == 2**64 and parse_bytes("18EB") == 18 * 10**18

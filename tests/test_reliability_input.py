@@ -844,6 +844,18 @@ def test_a_byte_size_in_a_config_is_yamls_number_or_text_read_as_the_command_lin
         assert hint.startswith("hint: cannot read ") and "ASCII digits" in hint, (text, hint)
 
 
+def test_auto_as_a_byte_size_in_a_config_says_to_leave_it_out(tmp_path):
+    """`memory_budget: auto` (as `device: auto`) said "no number before 'auto'", as if a number were missing, which
+    --memory-budget auto no longer says."""
+    config = tmp_path / "auto.yaml"
+    config.write_text("pipeline: dreamzero\nruntime: {memory_budget: auto}\n")
+    result = runner.invoke(app, ["inspect-capacity", str(config), "--format", "plain"])
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.splitlines()[1] == (
+        "hint: auto is no byte size: leave memory_budget out, or null, for its default (free device memory, host "
+        "memory on CPU), or write a byte size such as 512MiB"), result.stderr
+
+
 def test_a_config_name_too_long_for_the_system_is_named_with_its_error():
     name = "a" * 300  # ENAMETOOLONG: it was "a bug in ardiff"
     result = runner.invoke(app, ["inspect-capacity", name, "--format", "plain"])

@@ -444,16 +444,16 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
     except ConfigError as exc:
         # an edit that no longer loads (a key misspelt) is refused as the edit it is, as before the file was parsed
         if resume and (now := _config_sha256(Path(config))) is not None:
-            from ardiff_cli.runtime.config import YAMLNumberError
+            from ardiff_cli.runtime.config import ConfigTextError
 
             _same_config(Path(config), now, info)
-            if isinstance(exc, YAMLNumberError) and info.get("config_sha256") == now:  # the run's own bytes
+            if isinstance(exc, ConfigTextError) and info.get("config_sha256") == now:  # the run's own bytes
                 from ardiff_cli import __version__
 
                 exc.hint = (f"this is the config the run started with (its SHA-256 is unchanged), which the ardiff "
-                            f"that started it ({info.get('ardiff_version', 'unknown')}) read as that number and this "
-                            f"one ({__version__}) refuses; --resume refuses an edited config, so finish the run with "
-                            "the ardiff that started it, or fix the config and start a new run in another --out")
+                            f"that started it ({info.get('ardiff_version', 'unknown')}) read and this one "
+                            f"({__version__}) refuses; --resume refuses an edited config, so finish the run with the "
+                            "ardiff that started it, or fix the config and start a new run in another --out")
         raise
     if resume:  # the bytes just parsed: a second read to hash them could see an edit made meanwhile
         _same_config(Path(config), cfg.sha256, info)

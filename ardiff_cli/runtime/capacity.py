@@ -162,7 +162,7 @@ def _read_size(text: str, typed: str) -> int:
                           hint=BYTE_SIZE_HINT)
     scale = BYTE_UNITS[unit.lower()]
     if scale == 1 and amount != amount.to_integral_value():  # '1.5' bytes; 1.3GiB is 1395864371.2, its 0.2 noise
-        raise ConfigError(f"a byte size without a unit is a whole number of bytes, got {typed}",
+        raise ConfigError(f"a byte size {'in B' if unit else 'without a unit'} is a whole number of bytes, got {typed}",
                           hint="use a whole number of bytes or a unit: 1.5GiB, 512MiB")
     # exactly: as many digits as the number has and the scale's 19, and any exponent ('1e-400GiB')
     with decimal.localcontext(prec=len(amount.as_tuple().digits) + 20, Emin=decimal.MIN_EMIN, Emax=decimal.MAX_EMAX):

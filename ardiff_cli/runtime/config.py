@@ -163,7 +163,11 @@ def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
                         else "a byte size such as 536870912 or '512MiB'")
             # text is read as --memory-budget reads it ('1_000 MiB' is not a plain number): why, and what it takes
             why = f"{exc}; {exc.hint}" if isinstance(value, str) and not too_large and exc.hint else None
-            raise field_error(where, field, expected, value, hint=why) from None
+            if isinstance(value, str) and value.lower() == "auto":  # as `device: auto`: it said "no number before"
+                why = ("auto is no byte size: leave memory_budget out, or null, for its default (free device memory, "
+                       "host memory on CPU), or write a byte size such as 512MiB")
+            error = field_error(where, field, expected, value, hint=why)
+            raise ConfigTextError(str(error), hint=error.hint) from None
     if key == "num_threads":
         # torch starts that many OpenMP threads: 100000 exhausts the host, 10**30 does not fit its int.
         number = as_int(as_scalar(value))
@@ -388,7 +392,14 @@ def _field_path(root: yaml.Node, target: yaml.Node) -> tuple[str, bool]:
     raise AssertionError("a node _ConfigLoader constructed is not in the tree it composed")
 
 
-class YAMLNumberError(ConfigError):
+class ConfigTextError(ConfigError):
+    """A config's text that an older ardiff may have read and this one refuses: a ``runtime.memory_budget`` (read as
+    typed since: '1_000MiB', a tab before its unit), a number YAML 1.1 reads otherwise than written
+    (``YAMLNumberError``). On the unchanged config of a run, ``rollout --resume`` says that no edit resumes it (it
+    refuses an edited config)."""
+
+
+class YAMLNumberError(ConfigTextError):
     """A config holds a number YAML 1.1 reads otherwise than it is written (``_refuse_yaml11_number``)."""
 
 
