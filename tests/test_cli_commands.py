@@ -1143,6 +1143,23 @@ def test_a_format_after_a_double_dash_is_an_argument_not_the_option():
     assert proc.returncode == 2 and json.loads(proc.stdout)["kind"] == "usage_error", proc.stdout
 
 
+def test_a_command_option_given_before_the_command_hints_it_after_the_command():
+    """`ardiff --format json rollout` said "No such option: --format" with "see ardiff --help", whose options hold
+    none of the command's: the option is the command's, given in the wrong place. The hint puts it after the
+    command, the rest as given; an option no command takes keeps the help's hint."""
+    proc = _ardiff("--format", "json", "rollout", "my cfg.yaml", "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert json.loads(proc.stdout) == {  # in the format it asked for all the same
+        "kind": "usage_error", "message": "No such option: --format", "exit_code": 2,
+        "hint": "--format is an option of ardiff rollout: put it after the command: ardiff rollout --format json "
+                "'my cfg.yaml' --no-warmup"}, proc.stdout
+    proc = _ardiff("--available=1GiB", "inspect-capacity")
+    assert proc.stderr.endswith("hint: --available is an option of ardiff inspect-capacity: put it after the command: "
+                                "ardiff inspect-capacity --available=1GiB\n"), proc.stderr
+    proc = _ardiff("--follow", "warmup")  # rollout's, not warmup's
+    assert proc.stderr == "Error: No such option: --follow\nhint: see ardiff --help\n", proc.stderr
+
+
 def test_warmup_out_of_its_memory_budget_names_the_dtype_and_window_fields_as_inspect_capacity_does(tmp_path,
                                                                                                    cli_env):
     """`warmup --memory-budget` too small for one session hinted "use a smaller window, model or dtype, a larger

@@ -1063,6 +1063,32 @@ def test_a_device_the_config_asks_for_that_this_machine_lacks_names_the_config_f
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.skipif(vllm_installed(), reason="vLLM is installed: the backend is not refused for that")
+def test_an_attention_backend_the_config_asks_for_that_this_machine_lacks_names_the_config_field(env, data, tmp_path):
+    """A config written where vLLM is installed (`runtime: {attention_backend: vllm}`) run where it is not said only
+    "attention backend 'vllm' requested but vLLM is not installed", as for --attention-backend: no file or field
+    named what requested it. Refused before anything is made, by each command alike; --attention-backend vllm given
+    keeps its own words, and --attention-backend torch, which overrides the config's, runs."""
+    config = tmp_path / "vllm box.yaml"
+    config.write_text(FAST_CONFIG.replace("session_capacity: 1}", "session_capacity: 1, attention_backend: vllm}"))
+    said = "attention backend 'vllm' requested but vLLM is not installed"
+    install = f"install the extra: {install_instructions('cpu')}, or use --attention-backend torch"
+    for command in (["rollout", str(config), str(data / "eps" / "arm_a"), "--out", str(tmp_path / "run")],
+                    ["warmup", str(config)], ["inspect-capacity", str(config)]):
+        proc = ardiff(env, *command, "--format", "json")
+        assert proc.returncode == 2, proc.stderr
+        error = json.loads(proc.stdout.splitlines()[-1])
+        assert error["message"] == f"{config}: field 'runtime.attention_backend': {said}", error
+        assert error["hint"] == (f"{install}, which overrides the config's; or change runtime.attention_backend in "
+                                 f"{config}"), error
+        proc = ardiff(env, *command, "--attention-backend", "vllm", "--format", "json")
+        error = json.loads(proc.stdout.splitlines()[-1])
+        assert (proc.returncode, error["message"], error["hint"]) == (2, said, install), error
+    assert not (tmp_path / "run").exists()
+    proc = ardiff(env, "warmup", str(config), "--attention-backend", "torch", "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_a_run_of_a_config_given_as_a_link_resumes_with_the_checkpoint_it_read(env, tmp_path):
     """A config given as a link reads a relative `checkpoint:` from the link's folder, but run.json recorded the
     link's target, so `--resume` read the checkpoint from the target's folder: `field 'checkpoint': file not

@@ -282,7 +282,35 @@ def test_resume_of_a_misspelt_folder_names_the_closest_run_among_many(tmp_path):
     for name in ("eval1", "sweep1", "sweep2", "sweep3", "sweep4", "sweep5", "sweep6"):
         RunFolder(tmp_path / name).start({"config": "x"})
     error = json.loads(ardiff("rollout", "--resume", "--out", "evall", cwd=tmp_path).stdout.splitlines()[-1])
-    assert error["hint"].endswith("runs in .: sweep2, sweep3, sweep4, sweep5, sweep6 (did you mean 'eval1'?)")
+    assert error["hint"].endswith("runs in .: sweep2, sweep3, sweep4, sweep5, sweep6 and 2 more "
+                                  "(did you mean 'eval1'?)"), error
+
+
+def test_resume_of_a_missing_folder_says_how_many_runs_are_not_listed(tmp_path):
+    """The last five runs by name were listed as if they were all: 12 runs here read as five."""
+    for number in range(1, 13):
+        RunFolder(tmp_path / f"run{number:02}").start({"config": "x"})
+    error = json.loads(ardiff("rollout", "--resume", "--out", "nothere", cwd=tmp_path).stdout.splitlines()[-1])
+    assert error["hint"] == ("check the path (a run prints it as 'outputs: DIR'); runs in .: run08, run09, run10, "
+                             "run11, run12 and 7 more"), error
+    for number in range(6, 13):  # five: all of them, no count
+        shutil.rmtree(tmp_path / f"run{number:02}")
+    error = json.loads(ardiff("rollout", "--resume", "--out", "nothere", cwd=tmp_path).stdout.splitlines()[-1])
+    assert error["hint"].endswith("runs in .: run01, run02, run03, run04, run05"), error
+
+
+def test_resume_of_an_empty_run_json_says_it_is_empty(tmp_path):
+    """A 0-byte run.json (a disk that filled as it was copied) was read as JSON: "cannot read run info: Expecting
+    value: line 1 column 1 (char 0)", the parser's words for what is no text at all."""
+    from ardiff_cli.io.run import RUN_INFO_HINT
+
+    RunFolder(tmp_path / "run").start({"config": "x"})
+    (tmp_path / "run" / "run.json").write_bytes(b"")
+    result = ardiff("rollout", "--resume", "--out", "run", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    error = json.loads(result.stdout.splitlines()[-1])
+    assert error["message"] == f"{Path('run', 'run.json')}: cannot read run info: it is empty (0 bytes)", error
+    assert error["hint"] == RUN_INFO_HINT, error
 
 # -- unreadable input files ------------------------------------------------------------------------------------
 

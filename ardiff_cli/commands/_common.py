@@ -3,8 +3,9 @@ fit, the stop between warmup requests. Torch-free."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,24 +73,54 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
                        plan_only=plan_only).with_runtime(**values)
 
 
-def refuse_a_device_not_here(cfg: Any, given: str | None) -> None:
-    """A CUDA device this machine lacks (none, or an index past those visible), refused before the model loads, as
-    the load would: a ``ConfigError`` naming what asked for it, the config's ``runtime.device`` when ``given`` (the
-    ``--device`` option's value) is None. Said as for --device, it left a config written on a GPU machine unnamed."""
-    if not cfg.runtime.device.startswith("cuda"):
+def refuse_what_this_machine_lacks(cfg: Any, *, device: str | None, attention_backend: str | None) -> None:
+    """What the config's runtime asks for that this machine lacks, refused before the model loads, as the load would:
+    a CUDA device (none, or an index past those visible), and an attention backend ``vllm`` that cannot run here
+    (not installed, or not on this device, dtype or head size). A ``ConfigError`` naming what asked for it: the
+    config's ``runtime.device`` or ``runtime.attention_backend`` where the option (``device``, ``attention_backend``:
+    the options' values) did not give it. Said as for the option, it left a config written on another machine
+    unnamed."""
+    runtime = cfg.runtime
+    if not runtime.device.startswith("cuda") and runtime.attention_backend != "vllm":
         return
     from ardiff_cli.runtime.errors import running_out_of_memory_names
 
     with running_out_of_memory_names("importing torch"):  # the command's first import of torch
         from ardiff_cli.runtime.engine import resolve_device
 
+    with config_field_named(cfg, "device", device):
+        resolved = resolve_device(runtime.device)
+    if runtime.attention_backend == "vllm":
+        refuse_a_backend_not_here(cfg, resolved.type, attention_backend)
+
+
+def refuse_a_backend_not_here(cfg: Any, device_type: str, given: str | None) -> None:
+    """An attention backend ``vllm`` that cannot run on ``device_type``, refused as the load's selection would (its
+    ``ConfigError``, with the config's ``runtime.attention_backend`` named where ``given``, the option's value, is
+    None). Looked up, not imported (``expected_backend``), before vLLM is asked."""
+    from ardiff_cli.runtime.kv.backends import expected_backend, select_attention_backend
+    from ardiff_cli.runtime.kv.layout import KVLayout
+
+    runtime, layout = cfg.runtime, KVLayout.from_spec(cfg.kv_cache_spec())
+    if expected_backend(runtime.attention_backend, device_type, layout, runtime.dtype)[0] != "error":
+        return
+    with config_field_named(cfg, "attention_backend", given):
+        select_attention_backend(runtime.attention_backend, device_type, dtype=runtime.dtype, layout=layout)
+    raise AssertionError(f"expected_backend said 'error' on {device_type} but selection succeeded: the two disagree")
+
+
+@contextlib.contextmanager
+def config_field_named(cfg: Any, field: str, given: str | None) -> Iterator[None]:
+    """A ``ConfigError`` raised inside about the value of ``runtime.FIELD``, as ``CONFIG: field 'runtime.FIELD': ...``
+    where the option (``given``, its value) did not set it; its hint, which ends with the option to use, then says
+    that the option overrides the config's. One given is left as it is: the option named it."""
     try:
-        resolve_device(cfg.runtime.device)
+        yield
     except ConfigError as exc:
         if given is not None:
             raise
-        raise ConfigError(f"{as_typed(cfg.source)}: field 'runtime.device': {exc}",
-                          hint=f"{exc.hint}, which overrides the config's; or change runtime.device in "
+        raise ConfigError(f"{as_typed(cfg.source)}: field 'runtime.{field}': {exc}",
+                          hint=f"{exc.hint}, which overrides the config's; or change runtime.{field} in "
                                f"{as_typed(cfg.source)}") from None
 
 

@@ -19,6 +19,7 @@ from ardiff_cli.commands._common import (
     config_label,
     does_not_fit_hint,
     load_engine_config,
+    refuse_a_backend_not_here,
     refuse_contradictions,
 )
 from ardiff_cli.errors_cli import EVERY_EXIT_CODE, EXIT_PARTIAL, EXIT_SIGPIPE, exit_codes_help, handle_errors
@@ -95,7 +96,7 @@ def inspect_capacity(
     with handle_errors(out):
         check_working_folder()
         from ardiff_cli.runtime.capacity import parse_bytes, plan_capacity
-        from ardiff_cli.runtime.kv.backends import describe_backend, expected_backend, select_attention_backend
+        from ardiff_cli.runtime.kv.backends import describe_backend, expected_backend
         from ardiff_cli.runtime.kv.layout import KVLayout
 
         refuse_contradictions(quiet=quiet, verbose=verbose)
@@ -109,13 +110,11 @@ def inspect_capacity(
         target = resolve_plan_device(runtime.device)
         spec = cfg.kv_cache_spec()
         layout = KVLayout.from_spec(spec)
+        # an explicit vllm that cannot run there: the load's own ConfigError (exit 2), naming the config's field
+        refuse_a_backend_not_here(cfg, target.kind, attention_backend)
         # The backend decides where the uncommitted block lives (torch: the workspace; vllm: scratch pages),
         # so the plan takes the one expected on the device loading would resolve to.
         backend, _ = expected_backend(runtime.attention_backend, target.kind, layout, runtime.dtype)
-        if backend == "error":  # an explicit vllm that cannot run there: the load's own ConfigError (exit 2)
-            select_attention_backend(runtime.attention_backend, target.kind, dtype=runtime.dtype, layout=layout)
-            raise AssertionError(f"expected_backend said 'error' on {target.kind} but selection succeeded: "
-                                 "the two disagree")
         if available is not None and available != "auto":
             available_bytes, source = parse_bytes(available), "--available"
         elif available is None and runtime.memory_budget is not None:  # say which set it: both read "memory budget"

@@ -23,8 +23,8 @@ from ardiff_cli.commands._common import (
     does_not_fit_hint,
     image_size,
     load_engine_config,
-    refuse_a_device_not_here,
     refuse_contradictions,
+    refuse_what_this_machine_lacks,
     stop_between_requests,
 )
 from ardiff_cli.entry import signal_of
@@ -461,8 +461,9 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
         source = str(run.root / RUN_FILE)
     else:
         source = budget_source(overrides["memory_budget"] if budget_given else None, cfg)
-    if not resume and (cfg.runtime.device.startswith("cuda") or cfg.checkpoint is None):
-        _under_signals(lambda: _refuse_what_loading_would(cfg, overrides["device"]))  # before --out, demo files
+    if not resume and (cfg.runtime.device.startswith("cuda") or cfg.runtime.attention_backend == "vllm"
+                       or cfg.checkpoint is None):  # before --out and the demo files
+        _under_signals(lambda: _refuse_what_loading_would(cfg, overrides["device"], overrides["attention_backend"]))
     recorded_device = info.get("device") if resume else None
     recorded_backend = info.get("attention_backend") if resume else None
     output.debug(f"config {cfg.source}: pipeline {cfg.pipeline_name}, {cfg.runtime}")
@@ -607,12 +608,12 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
                      recorded_backend=recorded_backend, budget_source=source, watch=watch, recorded=run_info)
 
 
-def _refuse_what_loading_would(cfg: Any, device: str | None) -> None:
+def _refuse_what_loading_would(cfg: Any, device: str | None, attention_backend: str | None) -> None:
     """What loading the model would refuse, refused before --out and the demo episodes are made (a resume's run was
-    started past these): a CUDA device this machine lacks (``device``: the --device option's, else the config's),
-    and a config without ``checkpoint:`` whose built-in pipeline has no default checkpoint of its size (a 14B
-    geometry). Both import torch: run it ``_under_signals``."""
-    refuse_a_device_not_here(cfg, device)
+    started past these): a CUDA device or a vllm attention backend this machine lacks (``device``,
+    ``attention_backend``: the options', else the config's), and a config without ``checkpoint:`` whose built-in
+    pipeline has no default checkpoint of its size (a 14B geometry). Both import torch: run it ``_under_signals``."""
+    refuse_what_this_machine_lacks(cfg, device=device, attention_backend=attention_backend)
     path = _default_checkpoint(cfg)
     if path is None:
         return

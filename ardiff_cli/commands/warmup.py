@@ -16,8 +16,8 @@ from ardiff_cli.commands._common import (
     config_label,
     does_not_fit_hint,
     load_engine_config,
-    refuse_a_device_not_here,
     refuse_contradictions,
+    refuse_what_this_machine_lacks,
     stop_between_requests,
 )
 from ardiff_cli.errors_cli import (
@@ -108,7 +108,8 @@ def warmup(
                 from ardiff_cli.runtime.engine import ARDiffusionEngine
 
             signals.check()  # a signal that arrived while torch imported
-            refuse_a_device_not_here(cfg, device)  # as the load would, naming the config's field that asked for it
+            # as the load would, naming the config's field that asked for it
+            refuse_what_this_machine_lacks(cfg, device=device, attention_backend=attention_backend)
             # `ardiff warmup --format json | head -1`: once the reader is gone, stop as a rollout does (exit 141), at
             # the end of a request; a stdout that fails otherwise (a full disk) ends it once the warmup is done
             out.on_stdout_lost = lambda exc: signals.defer(lost_stdout_stop(exc))

