@@ -401,8 +401,8 @@ class Rollout:
             raise repointed
         self._check_unchanged(episode, step_file, raw.sha256)
         self._read_as.setdefault(episode.name, {})[step_file.step] = (step_file.path.name, raw.signature)
-        valid = validate_step(raw, self.schema, path=step_file.path,
-                              episode_metadata=episode.metadata(self._go_on))
+        valid = validate_step(raw, self.schema, path=step_file.path, episode_metadata=episode.metadata(self._go_on),
+                              midway=bool(self._steps_done.get(episode.name)))
         for key, warning in valid.warnings.items():
             if (episode.name, key) not in self._warned:
                 self._warned.add((episode.name, key))
@@ -649,7 +649,7 @@ class Rollout:
                                      + f": {message.splitlines()[0]}"})
         self.stats.failed[episode.name] = message
         self.stats.errors[episode.name] = exc
-        if isinstance(exc, ForeignRecording) and not self._steps_done.get(episode.name):  # not a bad file midway
+        if isinstance(exc, ForeignRecording):
             self.stats.foreign.add(episode.name)
         self.monitor.set_progress(failed=len(self.stats.failed))  # --fail-fast stops before the next progress update
         self.scheduler.drop(episode.name)

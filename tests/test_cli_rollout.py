@@ -324,7 +324,8 @@ def test_recordings_made_for_another_pipeline_hint_a_new_run_not_the_resume(env,
                                   "pipeline's keys"), o
     error = objects[-1]
     assert (error["kind"], error["exit_code"]) == ("observation_error", 2), error
-    assert error["message"] == ("every episode failed (cw_a, cw_b): none of their step files holds an array of this "
+    # their first step files: those after it are not read
+    assert error["message"] == ("every episode failed (cw_a, cw_b): their first step files hold no array of this "
                                 "run's pipeline"), error
     assert error["hint"] == ("run them with the config they were recorded for, in another --out (a --resume keeps "
                              "this run's config): ardiff rollout CONFIG " + shlex.quote(str(eps / "cw_a")) + " "
@@ -344,6 +345,31 @@ def test_recordings_made_for_another_pipeline_hint_a_new_run_not_the_resume(env,
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.endswith(f"Error: every episode failed (arm_c)\nhint: fix what is named above, then continue "
                                 f"with: ardiff rollout --resume --out {tmp_path / 'm'}\n"), proc.stderr
+
+
+def test_a_run_of_recordings_for_another_pipeline_and_other_failures_hints_both_ways_on(env, data, tmp_path):
+    """A run where a recording made for another pipeline failed beside an episode with a bad file midway closed with
+    the resume alone ("fix what is named above, then continue with: ardiff rollout --resume --out OUT"), which runs
+    the foreign one with this run's config again, failing it alike; and the bad file midway, whose steps before ran
+    with this config, was asked "is this the right CONFIG?". The hint names both ways on, each for its episodes."""
+    eps = tmp_path / "eps"
+    shutil.copytree(data / "eps" / "arm_a", eps / "arm_a")
+    write_episode(eps / "cw_b", [{"conditioning": np.zeros(8, np.float32)} for _ in range(2)], prompt="go")
+    write_episode(eps / "arm_c", steps_of(0, 1) + [{"timestamp": np.zeros(1)}], prompt="go")
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(run), "--no-warmup",
+                  "--format", "json")
+    assert proc.returncode == 4, proc.stderr
+    objects = [json.loads(line) for line in proc.stdout.splitlines()]
+    hints = {o["episode"]: o["hint"] for o in objects if o.get("kind") == "episode_failed"}
+    assert hints["cw_b"].endswith("; is this the right CONFIG? A recording made for another pipeline holds that "
+                                  "pipeline's keys"), hints
+    assert "CONFIG" not in hints["arm_c"], hints  # its first step ran with this config
+    error = objects[-1]
+    assert (error["kind"], error["exit_code"]) == ("episodes_failed", 4), error
+    assert error["hint"] == (f"fix what is named above, then continue with: ardiff rollout --resume --out {run}; "
+                             "cw_b was recorded for another pipeline: run it with its config, in another --out: "
+                             f"ardiff rollout CONFIG {eps / 'cw_b'} --out NEW"), error
 
 
 def test_a_run_whose_episodes_failed_by_a_bad_file_midway_hints_the_resume_to_paste(env, data, tmp_path):

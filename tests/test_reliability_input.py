@@ -338,6 +338,11 @@ def test_a_file_none_of_whose_arrays_is_in_a_schema_of_optional_fields_fails_ins
         "'exterior_image_1', 'gripper_position', 'joint_position', 'wrist_image') is in the pipeline's schema "
         "('conditioning' ('action', 'camera')): the model would run on the prompt alone")
     assert info.value.hint.startswith("is this the right CONFIG?")
+    # after steps of its episode ran with this config, such a file is a bad file, not another pipeline's recording
+    with pytest.raises(ObservationError) as info:
+        validate_step(load_step(folder / "step_000000.safetensors"), schema, path=folder / "step_000000.safetensors",
+                      episode_metadata={"prompt": "p"}, midway=True)
+    assert type(info.value) is ObservationError and info.value.hint is None
     for arrays in ({"action": np.zeros(8, np.float32), "timestamp": np.zeros(1)}, {}):
         valid = validate_step(RawStep(arrays=arrays, metadata={}), schema, path=tmp_path / "s.npz",
                               episode_metadata={"prompt": "p"})

@@ -1628,11 +1628,14 @@ def _failed_episodes(stats: Any, episodes: list[Any], resume: ResumeCommand) -> 
                 f"moved: a symlink there to where it is now will do), then continue with: {again}")
     foreign = [e for e in episodes if e.name in stats.foreign]
     all_foreign = not missing and len(foreign) == len(stats.failed)
+    new_run = "ardiff rollout CONFIG " + " ".join(shell_word(e.path) for e in foreign) + " --out NEW"
+    one = len(foreign) == 1
     if all_foreign:  # a resume runs them with this run's config again: it fails them the same way
-        one = len(foreign) == 1
         hint = (f"run {'it' if one else 'them'} with the config {'it was' if one else 'they were'} recorded for, in "
-                "another --out (a --resume keeps this run's config): ardiff rollout CONFIG "
-                + " ".join(shell_word(e.path) for e in foreign) + " --out NEW")
+                f"another --out (a --resume keeps this run's config): {new_run}")
+    elif foreign:  # beside other failures, which the resume goes on with: the resume fails these alike
+        hint += (f"; {', '.join(e.name for e in foreign)} {'was' if one else 'were'} recorded for another pipeline: "
+                 f"run {'it' if one else 'them'} with {'its' if one else 'their'} config, in another --out: {new_run}")
     if stats.completed_episodes:
         partial = EpisodesFailed(f"{len(stats.failed)} of {plural(num_episodes, 'episode')} failed: {names}; "
                                  "the others completed")
@@ -1640,7 +1643,7 @@ def _failed_episodes(stats: Any, episodes: list[Any], resume: ResumeCommand) -> 
         return partial
     message = f"every episode failed ({names})"
     if all_foreign:
-        message += (f": none of {'its' if len(foreign) == 1 else 'their'} step files holds an array of this run's "
+        message += (f": {'its first step file holds' if one else 'their first step files hold'} no array of this run's "
                     "pipeline")
     if missing and all(isinstance(e, ObservationError) for e in stats.errors.values()):
         hint = None  # failed on its input, then deleted (a recorder's cleanup): no run to go on with
