@@ -1287,42 +1287,17 @@ def test_an_octal_window_in_a_config_is_refused_with_its_field_and_text(tmp_path
                            "0, or \"010\" in quotes for text\n")
 
 
-def test_resuming_a_run_whose_unchanged_config_this_ardiff_refuses_says_no_edit_resumes_it(tmp_path, cli_env):
-    """A run an older ardiff started on `window_frames: 010` (read as 8): this one refuses the config, and the hint
-    said to edit it, after which --resume refused the edited config (SHA-256 differs). The hint says so now."""
-    import hashlib
-
-    def ardiff(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", *args, "--format", "plain"],
-                              cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300)
-
-    config = tmp_path / "fast.yaml"
-    config.write_text("pipeline: dreamzero\nmodel: {preset: tiny, num_inference_steps: 1, guidance_scale: 1.0}\n")
-    assert ardiff(str(config), "--device", "cpu", "-o", "run", "--no-warmup").returncode == 0
-    (tmp_path / "run" / "summary.json").unlink()  # as a run killed before its end leaves it
-    # the run as an older ardiff recorded it, started on the config written so
-    config.write_text(config.read_text().replace("preset: tiny,", "preset: tiny, window_frames: 012,"))
-    info = json.loads((tmp_path / "run" / "run.json").read_text())
-    info["config_sha256"] = hashlib.sha256(config.read_bytes()).hexdigest()
-    (tmp_path / "run" / "run.json").write_text(json.dumps({**info, "ardiff_version": "0.0.9"}))
-    proc = ardiff("--resume", "-o", "run")
-    assert proc.returncode == 2, proc.stderr
-    assert f"Error: {config}: field 'model.window_frames' (line 2): 012 is read as 10: YAML 1.1" in proc.stderr
-    from ardiff_cli import __version__
-    assert proc.stderr.endswith(
-        "hint: this is the config the run started with (its SHA-256 is unchanged), which the ardiff that started it "
-        f"(0.0.9) read and this one ({__version__}) refuses; --resume refuses an edited config, so finish the run "
-        "with the ardiff that started it, or fix the config and start a new run in another --out\n"), \
-        proc.stderr
-    # a config that is not the run's keeps its own hint (an edit is refused as the edit it is)
-    config.write_text(config.read_text().replace("012", "0012"))
-    proc = ardiff("--resume", "-o", "run")
-    assert proc.returncode == 2 and "was edited since the run started (SHA-256 differs)" in proc.stderr, proc.stderr
-
-
-def test_resuming_a_run_whose_byte_size_text_this_ardiff_refuses_says_no_edit_resumes_it(tmp_path, cli_env):
-    """`memory_budget: 1_000MiB` (or '2\tGiB') was 1000MiB before byte sizes were read as typed: a run started on it
-    was refused on --resume with a hint to fix the config, which --resume then refused as edited."""
+@pytest.mark.parametrize(("runtime", "old", "new", "error"), [
+    ("", "preset: tiny,", "preset: tiny, window_frames: 012,",
+     "field 'model.window_frames' (line 2): 012 is read as 10: YAML 1.1"),
+    ("runtime: {memory_budget: 1000MiB}\n", "1000MiB", "1_000MiB",
+     "field 'runtime.memory_budget': expected a byte size such as 536870912 or '512MiB', got '1_000MiB'\n"),
+], ids=["yaml_octal", "byte_size_text"])
+def test_resuming_a_run_whose_unchanged_config_this_ardiff_refuses_says_no_edit_resumes_it(tmp_path, cli_env, runtime,
+                                                                                           old, new, error):
+    """A run an older ardiff started on `window_frames: 010` (read as 8), or on `memory_budget: 1_000MiB` (1000MiB
+    before byte sizes were read as typed): this one refuses the config, and the hint said to edit it, after which
+    --resume refused the edited config (SHA-256 differs). The hint says so now."""
     import hashlib
 
     def ardiff(*args: str) -> subprocess.CompletedProcess:
@@ -1331,23 +1306,27 @@ def test_resuming_a_run_whose_byte_size_text_this_ardiff_refuses_says_no_edit_re
 
     config = tmp_path / "fast.yaml"
     config.write_text("pipeline: dreamzero\nmodel: {preset: tiny, num_inference_steps: 1, guidance_scale: 1.0}\n"
-                      "runtime: {memory_budget: 1000MiB}\n")
+                      + runtime)
     assert ardiff(str(config), "--device", "cpu", "-o", "run", "--no-warmup").returncode == 0
     (tmp_path / "run" / "summary.json").unlink()  # as a run killed before its end leaves it
-    # the run as the ardiff before recorded it, started on the config written so
-    config.write_text(config.read_text().replace("1000MiB", "1_000MiB"))
+    # the run as an older ardiff recorded it, started on the config written so
+    config.write_text(config.read_text().replace(old, new))
     info = json.loads((tmp_path / "run" / "run.json").read_text())
     info["config_sha256"] = hashlib.sha256(config.read_bytes()).hexdigest()
     (tmp_path / "run" / "run.json").write_text(json.dumps({**info, "ardiff_version": "0.0.9"}))
     proc = ardiff("--resume", "-o", "run")
     assert proc.returncode == 2, proc.stderr
-    assert f"Error: {config}: field 'runtime.memory_budget': expected a byte size such as 536870912 or '512MiB', " \
-           "got '1_000MiB'\n" in proc.stderr, proc.stderr
+    assert f"Error: {config}: {error}" in proc.stderr, proc.stderr
     from ardiff_cli import __version__
     assert proc.stderr.endswith(
         "hint: this is the config the run started with (its SHA-256 is unchanged), which the ardiff that started it "
         f"(0.0.9) read and this one ({__version__}) refuses; --resume refuses an edited config, so finish the run "
-        "with the ardiff that started it, or fix the config and start a new run in another --out\n"), proc.stderr
+        "with the ardiff that started it, or fix the config and start a new run in another --out\n"), \
+        proc.stderr
+    # a config that is not the run's keeps its own hint (an edit is refused as the edit it is)
+    config.write_text(config.read_text() + "# edited\n")
+    proc = ardiff("--resume", "-o", "run")
+    assert proc.returncode == 2 and "was edited since the run started (SHA-256 differs)" in proc.stderr, proc.stderr
 
 
 def _usage_error(tmp_path: Path, *args: str) -> tuple[int, str]:
