@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec, as_scalar, is_number
+from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec, array_ndim, as_scalar, is_number
 from ardiff_cli.runtime.capacity import MAX_SESSIONS
 from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError, did_you_mean, field_error, shown, yaml_key_note
 
@@ -102,7 +102,7 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
         else:
             expected = f"a list of {len(kinds)} items ({', '.join(kind.__name__ for kind in kinds)})"
         # a 1-d tensor or array is the list of the values it holds, as a list of 0-d ones is: its items are checked
-        items = list(value) if isinstance(value, (list, tuple)) or _is_1d_array(value) else None
+        items = list(value) if isinstance(value, (list, tuple)) or array_ndim(value) == 1 else None
         require(items is not None and (variadic or len(items) == len(kinds)), name, expected, given)
         # each item as a field of its type is, named by its index as a YAML path names it: patch_size[1]
         return tuple(_coerce(f"{name}[{i}]", kinds[0] if variadic else kinds[i], item)
@@ -124,11 +124,6 @@ def _item_types(hint: Any) -> tuple[Any, ...] | None:
     return kinds
 
 
-def _is_1d_array(value: Any) -> bool:
-    """Whether ``value`` is a 1-d numpy array or torch tensor, without importing torch."""
-    return type(value).__module__.partition(".")[0] in ("numpy", "torch") and getattr(value, "ndim", None) == 1
-
-
 def init_fields(cls: type) -> dict[str, Any]:
     """Settable field name -> resolved type."""
     hints = typing.get_type_hints(cls)
@@ -138,8 +133,8 @@ def init_fields(cls: type) -> dict[str, Any]:
 def checked_fields(cls: type) -> dict[str, Any]:
     """Settable field name -> resolved type, of each field ``_coerce`` checks and converts: one of a plain type
     (bool, int, float, str, or a tuple of them: ``tuple[int, ...]``, ``tuple[str, float]``) whose annotation resolves
-    at run time. Any other is taken as given,
-    in Python as from YAML (``weights: Path | None``: from YAML it was "unsupported type ...; extend _coerce")."""
+    at run time. Any other is taken as given, in Python as from YAML (``weights: Path | None``: from YAML it was
+    "unsupported type ...; extend _coerce")."""
     return {name: hint for name, hint in _resolved_fields(cls).items()
             if hint in _PLAIN_TYPES or _item_types(hint) is not None}
 

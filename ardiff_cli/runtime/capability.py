@@ -67,12 +67,20 @@ def read_number(text: str) -> Decimal | None:
     return Decimal(text)
 
 
+def array_ndim(value: object) -> int | None:
+    """The ``ndim`` of a numpy array or scalar (0) or a torch tensor, without importing torch; None for any other
+    value."""
+    if type(value).__module__.partition(".")[0] not in ("numpy", "torch"):
+        return None
+    return getattr(value, "ndim", None)
+
+
 def as_scalar(value: object) -> object:
     """The Python number (or bool) a numpy scalar or a 0-d numpy array or torch tensor holds (``.item()``:
     ``torch.tensor(7.5)`` is 7.5, ``np.True_`` True, whatever its device or ``requires_grad``); any other value,
     a 1-d tensor or one that holds no value (on the meta device) included, as it is, and so is a numpy time (the
     ``.item()`` of ``np.datetime64(3, "ns")`` is the int 3). Without importing torch."""
-    if type(value).__module__.partition(".")[0] not in ("numpy", "torch") or getattr(value, "ndim", None) != 0:
+    if array_ndim(value) != 0:
         return value
     if getattr(value.dtype, "kind", None) in ("m", "M"):  # type: ignore[attr-defined]  # numpy's; torch's has none
         return value

@@ -140,11 +140,13 @@ def parse_bytes(text: str | int, *, zero_ok: bool = False) -> int:
 def _read_size(text: str, typed: str) -> int:
     """The bytes of a byte size given as text (``parse_bytes``), exactly: a number, a space or none, a unit. -1 for a
     negative one, which ``parse_bytes`` refuses with its range."""
-    unit = "" if read_number(text) is not None else text[len(text.rstrip(string.ascii_letters)):]  # '1e3', 'inf'
+    amount = read_number(text)  # a number alone, whose letters are no unit: 'inf', 'nan'
+    unit = "" if amount is not None else text[len(text.rstrip(string.ascii_letters)):]
     number = text[:len(text) - len(unit)]
-    if unit and number.endswith(" ") and number != " ":  # ' GiB': a space around it, before no number
-        number = number[:-1]
-    amount = read_number(number)
+    if unit:
+        if number.endswith(" ") and number != " ":  # ' GiB': a space around it, before no number
+            number = number[:-1]
+        amount = read_number(number)
     why = (": it is empty" if not text
            else ": a space or line break around or in it: write one space at most, between the number and its unit"
            if any(c.isspace() for c in number)

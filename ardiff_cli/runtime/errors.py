@@ -472,7 +472,7 @@ def on_pythonpath(command: str, folders: Sequence[str]) -> str:
     ``folders`` (absolute, in order; none: ``command`` as it is): ``PYTHONPATH=/lab:/libs COMMAND``. A folder whose name
     holds ':' (``os.pathsep``), which PYTHONPATH cannot carry (it split ``/x/lab:1`` into ``/x/lab`` and ``1``), is the
     working folder of a subshell that enters it first, '.' on PYTHONPATH, and a folder inside it is written relative
-    to it: ``(cd '/x/lab:1' && PYTHONPATH=.:src:/libs COMMAND)``, whose paths must then be absolute
+    to it: ``(cd /x/lab:1 && PYTHONPATH=.:src:/libs COMMAND)``, whose paths must then be absolute
     (:func:`needs_absolute`). No line carries two such folders apart: those not inside the first are named after it,
     in a comment."""
     if not folders:
