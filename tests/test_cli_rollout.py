@@ -372,6 +372,20 @@ def test_a_run_of_recordings_for_another_pipeline_and_other_failures_hints_both_
                              f"ardiff rollout CONFIG {eps / 'cw_b'} --out NEW"), error
 
 
+def test_a_run_of_episodes_with_a_misspelt_key_hints_the_resume_not_another_config(env, tmp_path):
+    """causal-world-tiny's one array written 'conditionng' by a converter was taken for a recording made for another
+    pipeline: the run closed with "run it with the config it was recorded for, in another --out", where renaming the
+    key in the file and the resume finish it; the error did not name the key it is near."""
+    eps = tmp_path / "eps"
+    write_episode(eps / "cw_a", [{"conditionng": np.zeros(8, np.float32)} for _ in range(2)], prompt="go")
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", "causal-world-tiny", str(eps), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert "'conditionng' (did you mean 'conditioning'?)" in proc.stderr, proc.stderr
+    assert proc.stderr.endswith(f"Error: every episode failed (cw_a)\nhint: fix what is named above, then continue "
+                                f"with: ardiff rollout --resume --out {run}\n"), proc.stderr
+
+
 def test_a_run_whose_episodes_failed_by_a_bad_file_midway_hints_the_resume_to_paste(env, data, tmp_path):
     # Every episode failing at a bad step file (steps before it done) hinted "see the episode format: ardiff rollout
     # --help": the per-episode lines above say what is wrong, and the same command is refused now (`--out` holds the

@@ -364,6 +364,23 @@ def test_a_file_failing_for_a_missing_key_names_the_keys_it_holds_instead(tmp_pa
                                     "'joint_position'?), 'timestamp'")
 
 
+def test_a_misspelt_key_is_no_recording_made_for_another_pipeline(tmp_path):
+    """A converter's misspelt key ('conditionng', causal-world-tiny's one array; 'jont_position', DreamZero's other
+    arrays left out) was taken for a recording made for another pipeline, whose run ends hinting a new run with the
+    recording's config (``ForeignRecording``): renaming the key and --resume finishes it. causal-world's error did not
+    name the key it is near. A file holding a key near one of the schema's is a bad file, named as such."""
+    from pipelines.causal_world.config import observation_schema as causal_world
+    from pipelines.dreamzero import observation_schema as dreamzero
+
+    for schema, key, near in ((causal_world(), "conditionng", "conditioning"),
+                              (dreamzero(), "jont_position", "joint_position")):
+        path = write_step(tmp_path / key, 0, {key: np.zeros(7, np.float32)})
+        with pytest.raises(ObservationError) as info:
+            validate_step(load_step(path), schema, path=path, episode_metadata={"prompt": "p"})
+        assert type(info.value) is ObservationError, info.value
+        assert f"{key!r} (did you mean {near!r}?)" in str(info.value), info.value
+
+
 @pytest.fixture(scope="module")
 def bad_dataset(tmp_path_factory):
     """One folder of episodes: every bad case, one episode with extra keys, and one healthy episode."""

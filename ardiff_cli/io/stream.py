@@ -384,8 +384,7 @@ class StepScheduler:
         watched.folder_inode = st.st_ino
         watched.held.clear()  # every link looked at again at a listing: every _RELIST seconds at least
         found = StepScheduler._look_at(watched, names, now)
-        settle = _SETTLE if st.st_mtime_ns % 1_000_000_000 else _SETTLE_COARSE
-        watched.trusted = not watched.stamp_unreliable and now - watched.stamp_seen >= settle
+        watched.trusted = not watched.stamp_unreliable and now - watched.stamp_seen >= _settle(stamp)
         watched.names, watched.listed_at = names, now
         watched.waiting = [name for name in names if name not in watched.settled and not name.startswith(".")]
         return found
@@ -1019,8 +1018,7 @@ class StepScheduler:
         track.unnumbered = unnumbered
         if track.trusted and {f.path.name for f in files} != {f.path.name for f in track.unready}:
             track.stamp_unreliable = True  # a file came (or went) without the timestamps changing
-        settle = _SETTLE if st.st_mtime_ns % 1_000_000_000 else _SETTLE_COARSE
-        track.trusted = not track.stamp_unreliable and now - track.stamp_seen >= settle
+        track.trusted = not track.stamp_unreliable and now - track.stamp_seen >= _settle(stamp)
         track.listed_at = now
         track.unready = files
         return files

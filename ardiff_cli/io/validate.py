@@ -24,10 +24,11 @@ RIGHT_CONFIG = "is this the right CONFIG? A recording made for another pipeline 
 
 
 class ForeignRecording(ObservationError):
-    """A step file holding arrays, none of them in the pipeline's schema, before any step of its episode ran (after,
-    it is a bad file: ``validate_step``'s ``midway``): a recording made for another pipeline. No
-    edit of the file fixes it, nor a ``--resume`` (which keeps the run's config): a run with the recording's config
-    does, so a run whose failures are all of this kind hints that rather than its resume."""
+    """A step file holding arrays, none of them in the pipeline's schema nor near one of its keys (a misspelt key is a
+    bad file), before any step of its episode ran (after, it is a bad file: ``validate_step``'s ``midway``): a
+    recording made for another pipeline. No edit of the file fixes it, nor a ``--resume`` (which keeps the run's
+    config): a run with the recording's config does, so a run whose failures are all of this kind hints that rather
+    than its resume."""
 
 
 @dataclass(slots=True)
@@ -40,7 +41,8 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
                   episode_metadata: dict[str, Any], midway: bool = False) -> ValidStep:
     """Canonical inputs for the model, or an ``ObservationError`` naming ``path`` and every problem. ``midway``: steps
     of the episode ran before this file, so one holding none of the schema's arrays is a bad file, not a recording
-    made for another pipeline (``ForeignRecording``, hinting ``is this the right CONFIG?``)."""
+    made for another pipeline (``ForeignRecording``, hinting ``is this the right CONFIG?``); nor is one holding a key
+    near one of the schema's (misspelt)."""
     from ardiff_cli.runtime.observation import lone_surrogate, validate_observation
 
     prompt_keys = (schema.prompt_key, *schema.prompt_aliases) if schema.prompt_key else ()
@@ -88,6 +90,8 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
         else:
             _refuse_a_misspelt_prompt(path, prompt_keys, raw.metadata, episode_metadata)
             prompt_missing = True
+    # no array of the schema, none misspelt, and no step of its episode ran: a recording made for another pipeline
+    foreign = not midway and not field_keys & set(arrays) and not any(ignored.values())
     try:
         inputs = validate_observation(schema, arrays, where=str(path))
     except ObservationError as exc:
@@ -97,18 +101,18 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
         if ignored:  # what the file holds instead (a misspelt key): its warning never shows for a failed file
             others = ", ".join(repr(k) + near for k, near in ignored.items()) + and_more
             message = f"{exc}; the file's other keys, not in the schema: {others}"
-            if not midway and not field_keys & set(arrays):  # none of its arrays is the pipeline's: another's recording
+            if foreign:
                 raise ForeignRecording(message, hint=f"{exc.hint}; {RIGHT_CONFIG}") from None
             raise ObservationError(message, hint=exc.hint) from None
         raise
     if ignored and not field_keys & set(arrays):  # every field optional, and the file holds none of them
         fields = ", ".join(f"{f.name!r}" + (f" ({', '.join(map(repr, f.aliases))})" if f.aliases else "")
                            for f in schema.fields)
-        held = ", ".join(map(repr, ignored)) + and_more
+        held = ", ".join(repr(k) + near for k, near in ignored.items()) + and_more
         message = (f"{as_typed(path)}: none of the file's arrays ({held}) is in the pipeline's schema ({fields}): the "
                    "model would run on the prompt alone")
-        if midway:
-            raise ObservationError(message)
+        if not foreign:
+            raise ObservationError(message, hint=None if midway else RIGHT_CONFIG)
         raise ForeignRecording(message, hint=RIGHT_CONFIG)
     return ValidStep(inputs=inputs, warnings=warnings)
 
