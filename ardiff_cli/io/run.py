@@ -681,7 +681,7 @@ class RunFolder:
             return (f"its {LOCK_FILE} is empty (its rollout stopped as it took the lock, or ran on a file "
                     "system that cannot lock)")
         if text.count(b"\n") < 2:  # the pid and its newline
-            pid = text.split(b"\n")[0].decode("ascii", "replace").strip()
+            pid = _pid_of(text)
             return (f"its {LOCK_FILE} holds only the pid of the rollout that wrote it ({pid}: an older ardiff, or a "
                     "resume, records no more), and no process holds its lock: that rollout has ended")
         return f"its {LOCK_FILE} holds a record of them that cannot be read (edited or damaged since)"
@@ -925,7 +925,12 @@ def recorded_pythonpath(record: Mapping[str, Any]) -> list[str]:
 
 def _pid_in(fd: int) -> str:
     """The pid a lock file (``fd``) names on its first line, as :meth:`RunFolder.lock` wrote it; "" for none."""
-    return os.read(fd, 32).split(b"\n")[0].decode("ascii", "replace").strip()
+    return _pid_of(os.read(fd, 32))
+
+
+def _pid_of(text: bytes) -> str:
+    """The pid on a lock file's first line (its text), as :meth:`RunFolder.lock` wrote it; "" for none."""
+    return text.split(b"\n")[0].decode("ascii", "replace").strip()
 
 
 def _copied(info: dict[str, Any]) -> dict[str, Any]:
