@@ -23,7 +23,9 @@ on a silent relay is unbounded: one that says nothing for ``TIMEOUT_S`` once ask
 debugger) is given up on, which costs the display's end ``TIMEOUT_S`` to twice that; one that answers is waited for
 however long its text takes to show (given up on, it writes to the terminal what it sent and was not yet
 acknowledged: shown twice); where it cannot start (a frozen executable: ``sys.executable`` is no Python) there is
-no relay, and descriptor 2 stays as it was.
+no relay, and descriptor 2 stays as it was. While the display runs, though, a stopped relay holds up each native write
+once the pipe is full (64 KiB), until it runs again: no thread here can read the pipe in its stead where the writer
+keeps the GIL (the case the relay is a process for), as every thread of this process waits for it then.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ from typing import Any
 
 _ACK = struct.Struct("<Q")  # to the relay: a count of bytes shown, or STOP
 STOP = 2**64 - 1  # the display ends: descriptor 2 is the terminal again, send what the pipe still holds and close
-HELLO = b"R"  # from the relay, before anything it read: it runs (a frozen executable's own CLI would not send it)
+# to the relay, then back from it before anything it read: it runs. A random token of this run, which a program that
+# is no relay (a frozen executable's own CLI, whose complaint goes to stdout: the socket) does not say by chance
+HELLO_SIZE = 16
 TIMEOUT_S = 5  # the longest silence of the relay, to start or to finish: it replies within milliseconds when it runs
 _OUTLIVING: list[subprocess.Popen[bytes]] = []  # relays not yet ended at close(): polled (reaped) by the next
 
@@ -54,7 +58,10 @@ os.dup2(int(sys.argv[1]), 2)
 os.close(int(sys.argv[1]))
 sock = socket.socket(fileno=os.dup(1))
 os.close(1)
-sock.sendall(%r)
+hello = b""  # the parent's token, echoed: this runs
+while len(hello) < %d and (data := sock.recv(%d - len(hello))):
+    hello += data
+sock.sendall(hello)
 pending = bytearray()  # read from the pipe, not yet sent
 unacked = bytearray()  # sent, not yet shown by the parent
 acks = bytearray()
@@ -130,7 +137,7 @@ while pipe_open or not direct:
         to_terminal(unacked + pending)
         unacked.clear(), pending.clear()
         direct = True
-""" % (STOP, HELLO)
+""" % (STOP, HELLO_SIZE, HELLO_SIZE)
 
 
 def _from_environ(name: str, measured: int) -> int:
@@ -143,7 +150,7 @@ class StderrRelay:
     """Descriptor 2 relayed to ``show`` (see the module) from construction to :meth:`stop`; ``terminal``, a text
     stream on what descriptor 2 was (the terminal), is where the display and ``show`` write meanwhile. Raises
     ``OSError`` where the relay cannot start (no descriptors left, a frozen executable, ``sys.executable`` no Python
-    or too slow to say HELLO within ``TIMEOUT_S``), with descriptor 2 left as it was."""
+    or too slow to echo its token within ``TIMEOUT_S``), with descriptor 2 left as it was."""
 
     def __init__(self, show: Callable[[str], None], encoding: str, errors: str | None) -> None:
         if getattr(sys, "frozen", False):  # PyInstaller and the like: sys.executable is this program, not Python
@@ -154,20 +161,26 @@ class StderrRelay:
         self._decoder = codecs.getincrementaldecoder(encoding)(errors="backslashreplace")
         read_end, write_end = os.pipe()
         mine, theirs = socket.socketpair()
+        hello = os.urandom(HELLO_SIZE)
         relay = None
         try:
+            mine.sendall(hello)  # waits in the socket for the relay to echo it
             relay = subprocess.Popen([sys.executable, "-I", "-S", "-c", _RELAY, str(self._saved)], stdin=read_end,
                                      stdout=theirs.fileno(), stderr=subprocess.DEVNULL, pass_fds=(self._saved,),
                                      start_new_session=True)
             theirs.close()
             mine.settimeout(TIMEOUT_S)
-            try:
-                hello = mine.recv(len(HELLO))
+            echoed = b""
+            try:  # a byte that differs ends it: a program that is no relay is not waited for byte by byte
+                while len(echoed) < HELLO_SIZE and hello.startswith(echoed):
+                    if not (data := mine.recv(HELLO_SIZE - len(echoed))):
+                        break
+                    echoed += data
             except TimeoutError:
-                hello = b""
-            if hello != HELLO:
-                raise OSError(f"the stderr relay did not start: {sys.executable} -I -S -c ... sent {hello!r}, "
-                              f"not {HELLO!r} (no Python?)")
+                pass
+            if echoed != hello:
+                raise OSError(f"the stderr relay did not start: {sys.executable} -I -S -c ... sent {echoed!r}, "
+                              f"not the {HELLO_SIZE} bytes it was sent to echo (no Python?)")
         except BaseException:
             if relay is not None:  # not a relay, or one too slow: gone, and reaped
                 relay.kill()

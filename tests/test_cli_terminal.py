@@ -418,14 +418,17 @@ def test_a_stopped_relay_does_not_hold_the_display_s_end(tmp_path, cli_env):
     assert any(line.startswith("rollout ok: 8 steps in ") for line in lines), text
 
 
-@pytest.mark.parametrize("frozen", [False, True], ids=["no_python", "frozen"])
-def test_an_executable_that_is_no_python_runs_without_a_relay(tmp_path, cli_env, frozen):
+@pytest.mark.parametrize("frozen, says", [(False, ">&2"), (True, ">&2"), (False, "")],
+                         ids=["no_python", "frozen", "no_python_on_stdout"])
+def test_an_executable_that_is_no_python_runs_without_a_relay(tmp_path, cli_env, frozen, says):
     """A frozen executable (PyInstaller: sys.executable is the program itself) ran `sys.executable -I -S -c RELAY`:
     the program's own complaint about its arguments landed on the terminal, and descriptor 2 was a pipe that nobody
     read. A frozen one starts no relay now; in any other the relay says it runs, and where it does not (no Python),
-    descriptor 2 stays the terminal (native writes land in the display, as with no relay) and the run goes on."""
+    descriptor 2 stays the terminal (native writes land in the display, as with no relay) and the run goes on. The
+    relay said it ran with one byte, `R`: a program whose complaint on stdout (the relay's socket) began `Run ...`
+    passed for one, and the rest of it showed above the display. It echoes a random token of this run now."""
     fake = tmp_path / "frozen-app"  # what a frozen ardiff says of `-I -S -c ...`, as any CLI would
-    fake.write_text("#!/bin/sh\necho \"frozen-app: no such option: $1\" >&2\nexit 2\n")
+    fake.write_text(f"#!/bin/sh\necho \"Run frozen-app --help: no such option: $1\" {says}\nexit 2\n")
     fake.chmod(0o755)
     (tmp_path / "mods").mkdir()
     (tmp_path / "mods" / "sitecustomize.py").write_text(f"import sys\nsys.executable = {str(fake)!r}\n"
@@ -541,6 +544,47 @@ def test_what_the_pipe_holds_shows_when_the_relay_is_killed_as_the_display_ends(
                               stdout=subprocess.PIPE, stderr=terminal, text=True, timeout=120)
     assert proc.returncode == 0, (tmp_path / "terminal").read_bytes()[-2000:]
     assert proc.stdout == "'stray: in the pipe\\n'\n"
+    assert (tmp_path / "terminal").read_bytes() == b""
+
+
+# A line written to descriptor 2 and shown; a second copy of the pipe's write end kept, as a child handed descriptor 2
+# keeps one; then the display's end (stop). The relay finishes: it sends what the pipe holds, shuts its end of the
+# socket for writing and waits for this end to close. Shown the end of the text (``show("")`` after the socket's
+# end), this process writes a line to the pipe through that copy and SIGKILLs the relay (the OOM killer), so that the
+# relay has read everything the pipe held but that line, and is dead before the display's end acknowledges anything
+_KILLED_ONCE_IT_FINISHED = r"""
+import os, signal, sys
+from ardiff_cli import stderr_relay
+stderr_relay.TIMEOUT_S = 600
+shown = []
+def show(text):
+    if relay._stopped and not text and not shown[-1:] == ["<killed>"]:
+        os.write(held, b"stray: after the relay finished\n")
+        os.kill(relay._relay.pid, signal.SIGKILL)
+        relay._relay.wait()
+        text = "<killed>"
+    shown.append(text)
+relay = stderr_relay.StderrRelay(show, "utf-8", None)
+held = os.dup(2)
+os.write(2, b"stray: before the end\n")
+relay.stop()
+relay.close()
+os.close(held)
+print(repr("".join(shown)))
+"""
+
+
+def test_what_the_pipe_holds_shows_when_the_relay_is_killed_after_it_finished(tmp_path, cli_env):
+    """The relay killed after it finished (what the pipe held sent, its end of the socket shut for writing) and
+    before the display's end answered: the socket's end reads the same as a relay that finished and waits, but the
+    relay no longer copies the pipe to the terminal. The display's end tells the two apart by the acknowledgement it
+    sends last, refused by a dead relay, and shows what the pipe holds itself: the line a child wrote then is not
+    lost."""
+    with open(tmp_path / "terminal", "wb") as terminal:
+        proc = subprocess.run([sys.executable, "-c", _KILLED_ONCE_IT_FINISHED], env=cli_env,
+                              stdout=subprocess.PIPE, stderr=terminal, text=True, timeout=120)
+    assert proc.returncode == 0, (tmp_path / "terminal").read_bytes()[-2000:]
+    assert proc.stdout == "'stray: before the end\\n<killed>stray: after the relay finished\\n'\n"
     assert (tmp_path / "terminal").read_bytes() == b""
 
 
