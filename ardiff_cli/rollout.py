@@ -324,7 +324,10 @@ class Rollout:
     def run(self) -> RolloutStats:
         self._show_progress(self.episodes, recount=True)
         while True:
-            self.signals.check()
+            # a signal let the step in flight finish: when that was its episode's last, the episode ends before the
+            # run stops (summary.json counts it completed, its `episode` event and preview are written)
+            if not self.scheduler.ending:
+                self.signals.check()
             if self._event_error is not None:
                 raise self._event_error
             item = self.scheduler.next()

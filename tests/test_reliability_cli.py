@@ -689,6 +689,25 @@ def test_a_step_that_fails_after_the_first_signal_is_recorded_whole_then_the_run
     assert_matches(run, reference)
 
 
+def test_a_signal_in_an_episodes_last_step_still_ends_that_episode(env, data, reference, tmp_path):
+    # The step in flight finished, its line saying its session closed, but the stop was raised before the episode's
+    # end was taken: summary.json counted the episode incomplete with every step done, and no `episode` event (line,
+    # or --format json object) said it ended (a nightly script found the episode both done and not).
+    run = tmp_path / "run"
+    faults = [{"request": "arm_a/000002", "site": "block", "layer": 1, "action": "sleep"}]  # arm_a's last step
+    proc, err = stop_inside_a_fault(env, rollout_args(data, run), faults, tmp_path)
+    assert proc.returncode == 143, err
+    assert [(r["episode"], r["step"], r["closed"]) for r in records(run)][-1] == ("arm_a", 2, True)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert {k: summary["episodes"][k] for k in ("completed", "incomplete")} == {"completed": 1, "incomplete": 3}
+    assert [line.split(None, 3)[3] for line in err.splitlines() if " episode  " in line] == [
+        "arm_a ended (complete) after 3 steps"], err
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference)
+
+
 def test_a_signal_while_a_session_is_rebuilt_keeps_the_steps_replayed_so_far(env, data, reference, tmp_path):
     # A run without swap space stops with every episode 2 steps in (--fail-fast at arm_a's step 2), so its resume
     # (with swap space) rebuilds arm_a's session by replaying steps 0 and 1. A signal in the first replay lets that

@@ -267,6 +267,11 @@ class StepScheduler:
         track.files, track.unready, track.lost, track.cursor, track.current = [], [], [], 0, 0
         track.done, track.done_sorted, track.end_seen, track.looks, track.writing = {}, [], None, {}, {}
 
+    @property
+    def ending(self) -> bool:
+        """An episode's end, not a failure, is what ``next()`` hands out now, at once (a step it ran was its last)."""
+        return bool(self._pending_ends) and self._pending_ends[0].reason != "error"
+
     def drop(self, episode_name: str) -> None:
         """Stop scheduling ``episode_name`` (it failed); no EpisodeEnded follows."""
         track = self._track(episode_name)
