@@ -28,7 +28,8 @@ from ardiff_cli.runtime.errors import close_match, did_you_mean, quoted
 
 class Command(typer.core.TyperCommand):
     """A command whose arguments show what they take in the help's type column (``ARGUMENT_KINDS``), as its options'
-    metavars do, instead of a Python annotation."""
+    metavars do, instead of a Python annotation, and that stops before it runs for a signal whose stop Python dropped
+    as Typer built it (``entry.raise_dropped_stop``): it ran to its end, exit 0."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -36,6 +37,10 @@ class Command(typer.core.TyperCommand):
             kind = ARGUMENT_KINDS.get(param.metavar) if isinstance(param, typer.core.TyperArgument) else None
             if kind:  # beyond Typer's public API (0.29 reads it); should it stop reading it, the annotation shows
                 param.display_type_rich = lambda ctx, kind=kind: kind
+
+    def invoke(self, ctx: typer.Context) -> object:
+        entry.raise_dropped_stop()  # one that landed in a callback Python ran as Typer built the command, read options
+        return super().invoke(ctx)
 
 
 app = typer.Typer(

@@ -40,6 +40,18 @@ def _stop(signum: int, frame: object) -> None:
     raise Stopped(signum)
 
 
+def raise_dropped_stop() -> None:
+    """Raise again the stop of the first signal if Python dropped it. Raised in a callback Python runs (importlib's
+    module lock, at each import; a weakref's or a ``__del__`` as the garbage collector runs), Python printed it
+    (``Exception ignored in``) and went on: the command ran on to its end, exit 0, and its next signal was ignored as
+    one already being reported. Called where the normal flow passes before a command takes the signals, where that
+    stop cannot be on its way out (it leaves through an ``except``): ``main``, once ardiff is imported;
+    ``app.Command.invoke``, once Typer built the command and read its options; ``StopSignals``, as a command takes
+    them; ``Output.result``, before a command that never does writes its result."""
+    if stopped_by is not None and signal.getsignal(stopped_by) is _stop:
+        raise Stopped(stopped_by)
+
+
 def release_early_signals() -> None:
     """Give the signals back their default handling (the command is over): as the process ends, SIGTERM or SIGHUP
     kills it as before, rather than raise a KeyboardInterrupt where nothing is left to report it."""
@@ -71,8 +83,10 @@ def main() -> None:
             if signal.getsignal(signum) is _DEFAULT.get(signum, signal.SIG_DFL):
                 signal.signal(signum, _stop)
         from ardiff_cli.app import main as run
-        if stopped_by is not None:  # its stop raised in a callback Python ran as it imported, which drops it
-            raise Stopped(stopped_by)
+        raise_dropped_stop()  # one that landed in a callback Python ran as ardiff imported
+        # in the try as well: a signal as run() begins, before its own try (as it imports ardiff_cli.signals), was
+        # a traceback and exit 1
+        run()
     except KeyboardInterrupt as exc:
         try:  # a closed stream (`>&-`) is None; one whose reader is gone raises: the exit code says it all then
             report_interrupted(sys.argv[1:], signal_of(exc))
@@ -81,7 +95,6 @@ def main() -> None:
             pass
         # not sys.exit: the interpreter's own flush of a stdout whose reader is gone would print more
         os._exit(128 + signal_of(exc))
-    run()
 
 
 def whole_writes_to_stdout() -> None:

@@ -30,6 +30,8 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, Any
 
+from ardiff_cli.entry import raise_dropped_stop
+
 
 class Format(str, enum.Enum):
     """Values of ``--format``."""
@@ -173,7 +175,10 @@ class Output:
         self._to_stdout(lambda: self._stdout.write(text))
 
     def result(self, data: Mapping[str, Any], human: Callable[[bool], Any]) -> None:
-        """A command's result: ``data`` as JSON, or ``human(plain)`` (a renderable or text) on stdout."""
+        """A command's result: ``data`` as JSON, or ``human(plain)`` (a renderable or text) on stdout. Not the result
+        of a command that a signal stopped before it took the signals, where Python dropped the stop
+        (``entry.raise_dropped_stop``): inspect-capacity, which never takes them, ran on to print it, exit 0."""
+        raise_dropped_stop()
         if self.is_json:
             self.json(data)
             return

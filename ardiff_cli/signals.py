@@ -44,6 +44,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from types import FrameType
 
+from ardiff_cli import entry
 from ardiff_cli.errors_cli import Interrupted
 
 # Ctrl-C, kill, a closed terminal or ssh session (no SIGHUP on Windows)
@@ -94,6 +95,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
+            entry.raise_dropped_stop()  # a signal's stop that Python dropped before the command took the signals
             # A signal while the handlers and the wakeup fd are being set is only recorded, and raised once they are:
             # raised out of here, with no __exit__ to follow, it left the wakeup fd and the handler set for good
             self._depth += 1

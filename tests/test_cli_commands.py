@@ -762,6 +762,7 @@ main()
 
 @pytest.mark.parametrize("when", [
     "ardiff_cli.app",  # ardiff imports Typer, Rich and its commands (its first tenth of a second)
+    "ardiff_cli.signals",  # app.main begins (it imports this before its try: a traceback, exit 1)
     "typer",  # Typer builds the command
     "ardiff_cli.runtime.capacity",  # Typer parses the options (--available's check imports it)
     "ardiff_cli.runtime.kv.backends",  # inside the command
@@ -783,7 +784,7 @@ def test_ctrl_c_however_early_is_one_error_line_and_exit_130_never_a_traceback(t
         assert proc.stdout == ""
 
 
-@pytest.mark.parametrize("when", ["ardiff_cli.app", "typer", "ardiff_cli.runtime.capacity",
+@pytest.mark.parametrize("when", ["ardiff_cli.app", "ardiff_cli.signals", "typer", "ardiff_cli.runtime.capacity",
                                   "ardiff_cli.runtime.kv.backends"])
 @pytest.mark.parametrize(("name", "code"), [("SIGTERM", 143), ("SIGHUP", 129)])
 def test_sigterm_or_sighup_however_early_ends_the_command_as_ctrl_c_does_with_its_own_exit_code(
@@ -883,9 +884,9 @@ def test_a_signal_however_early_in_a_rollout_ends_it_with_its_exit_code_and_one_
 SIGNAL_IN_A_CALLBACK = """
 import signal, sys, weakref
 
-signum = getattr(signal, sys.argv[1])
+signum, when = getattr(signal, sys.argv[1]), sys.argv[2]
 signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
-sys.argv = ["ardiff", *sys.argv[2:]]
+sys.argv = ["ardiff", *sys.argv[3:]]
 
 
 class Token:
@@ -897,28 +898,54 @@ token = Token()
 ref = weakref.ref(token, lambda ref: signal.raise_signal(signum))
 
 
-class DropToken:
-    def find_spec(self, name, path=None, target=None):
-        global token
-        if name == "typer":  # as ardiff imports Typer, Rich and its commands, once it took the signals
-            token = None
+def drop_token():
+    global token
+    token = None
 
 
-sys.meta_path.insert(0, DropToken())
+if when == "typer":  # as Typer builds the command from ardiff's app
+    import typer.main
+
+    build = typer.main.get_command
+    typer.main.get_command = lambda app: (drop_token(), build(app))[1]
+else:  # as that module starts to import
+    class DropToken:
+        def find_spec(self, name, path=None, target=None):
+            if name == when:
+                drop_token()
+
+    sys.meta_path.insert(0, DropToken())
 from ardiff_cli.entry import main
 
 main()
 """
 
 
+@pytest.mark.parametrize(("when", "command"), [
+    ("ardiff_cli.app", "inspect-capacity"),  # ardiff imports Typer, Rich and its commands, once it took the signals
+    ("typer", "inspect-capacity"),  # Typer builds the command
+    ("pydantic", "inspect-capacity"),  # Typer reads the options (its first import of pydantic)
+    ("pipelines.dreamzero", "inspect-capacity"),  # a command that never takes the signals, as it reads the config
+    ("pipelines.dreamzero", "rollout"),  # a rollout, as it reads the config, before it takes the signals
+])
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
-def test_a_signal_that_lands_in_a_callback_python_runs_as_ardiff_imports_still_stops_the_command(tmp_path, name):
+def test_a_signal_that_lands_in_a_callback_python_runs_as_ardiff_starts_still_stops_the_command(
+        tmp_path, name, when, command):
     """What a weakref's callback raises, Python prints (`Exception ignored in`) and drops: ardiff's stop for a signal
     that landed there (importlib runs one at each import) was lost, the command ran on to its end (exit 0, its JSON
-    result), and a second signal was ignored as one already being reported. It ends the command as any other."""
+    result; the rollout its run, to its idle timeout), and a second signal was ignored as one already being reported.
+    It ends the command as any other, wherever it lands before the command takes the signals: as ardiff imported, it
+    was raised again once the import ended, but one as Typer built the command or read its options, or as the command
+    ran, was still lost (seen in real `python -m ardiff_cli inspect-capacity` runs that SIGINT stopped as Typer read
+    the options)."""
     signum = getattr(signal, name)
-    proc = subprocess.run([sys.executable, "-c", SIGNAL_IN_A_CALLBACK, name, "inspect-capacity", "dreamzero-14b",
-                           "--format", "json"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    (tmp_path / "fast.yaml").write_text("pipeline: dreamzero\nmodel: {preset: tiny, num_inference_steps: 1}\n"
+                                        "runtime: {device: cpu}\n")
+    (tmp_path / "arm_a").mkdir()
+    args = (["inspect-capacity", "dreamzero-14b"] if command == "inspect-capacity" else
+            ["rollout", "fast.yaml", "arm_a", "--follow", "--idle-timeout", "5", "--out", "out", "--no-warmup"])
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_IN_A_CALLBACK, name, when, *args, "--format", "json"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert (proc.returncode, proc.stderr.splitlines()[-1]) == (128 + signum, f"Error: interrupted by {name}"), \
         proc.stderr
