@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import platform
+import shlex
 import signal
 import subprocess
 import sys
@@ -258,6 +259,16 @@ def outputs(run: Path) -> dict:
 
     assert not list(run.rglob("*.tmp")), "a temporary file was left behind"
     return {p.relative_to(run).as_posix(): load_file(str(p)) for p in sorted((run / "episodes").rglob("*.safetensors"))}
+
+
+def on_path(env: dict[str, str], cwd: Path = REPO) -> str:
+    """What a run's resume (or restart) hint starts with where its ``--pipeline`` module was found on ``env``'s
+    PYTHONPATH (cli_env's: the repository, tests/, the working folder) by ``python -m ardiff_cli`` run in ``cwd``:
+    ``PYTHONPATH=FOLDERS``, the folders Python searched before what is installed, as the run recorded them (the working
+    folder, then PYTHONPATH's entries made absolute, an empty one the working folder), each once; then a space."""
+    entries = [os.path.abspath(os.path.join(cwd, entry)) for entry in env["PYTHONPATH"].split(os.pathsep)]
+    folders = dict.fromkeys([str(cwd), *entries])
+    return f"PYTHONPATH={shlex.quote(os.pathsep.join(folders))} "
 
 
 NOTICE = "finishing the step in flight, then stopping"  # what a rollout says of a first signal in a step

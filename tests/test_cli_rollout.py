@@ -31,7 +31,8 @@ from ardiff_cli.io import write_episode, write_step
 from ardiff_cli.runtime.errors import ResumeCommand, shown
 from ardiff_cli.runtime.kv.backends import install_instructions, vllm_installed
 from ardiff_cli.io.demo import demo_step
-from pipeline_helpers import HOLD_IMPORT, open_to_write, records, stop_inside_a_fault, wait_for_marker, wait_reading
+from pipeline_helpers import (HOLD_IMPORT, on_path, open_to_write, records, stop_inside_a_fault, wait_for_marker,
+                              wait_reading)
 
 REPO = Path(__file__).resolve().parents[1]
 ESC = re.compile(r"\x1b\[")
@@ -1853,7 +1854,8 @@ def test_a_run_whose_every_episode_folder_went_away_says_so_and_resumes_once_the
     assert proc.returncode == 2, stderr
     assert (f"Error: every episode failed (arm_a, arm_b): their folders are gone (deleted or renamed while the run "
             f"read them)\nhint: put each back at its path (moved: a symlink there to where it is now will do), then "
-            f"continue with: ardiff rollout --resume --out {run} --pipeline {pipeline}") in stderr, stderr
+            f"continue with: {on_path(env)}ardiff rollout --resume --out {run} --pipeline {pipeline}") in stderr, (
+        stderr)
     assert "see the episode format" not in stderr
     write_episode(live / "arm_a", steps_of(0, 3), prompt="task arm_a")  # the same files again, and its END
     (live / "arm_b").symlink_to(tmp_path / "arm_b.moved")
@@ -5800,8 +5802,8 @@ def test_a_new_run_into_an_out_a_run_was_written_to_since_its_first_look_is_refu
         if writer is not None:
             os.close(writer)
     assert second.returncode == 2, stderr
-    assert stderr.endswith(f"Error: {run} already holds a run\nhint: continue it with: ardiff rollout --resume --out "
-                           f"{run} --pipeline {pipeline}; or choose another --out\n"), stderr
+    assert stderr.endswith(f"Error: {run} already holds a run\nhint: continue it with: {on_path(env)}ardiff rollout "
+                           f"--resume --out {run} --pipeline {pipeline}; or choose another --out\n"), stderr
     assert "planned" not in stderr  # refused before the model loaded
     assert len(records(run)) == 6 and json.loads((run / "summary.json").read_text())["status"] == "ok"
 
@@ -5831,7 +5833,8 @@ def test_the_way_back_after_run_json_could_not_record_a_followed_rename_pastes_i
     command = hinted(stderr, r"link it to the new one and continue: (.*)$")
     assert [shlex.split(part) for part in command.split("; ")] == [
         ["ln", "-s", f"./{AWKWARD}", f"{tmp_path}/{live}/arm_a.part"],  # the episode's recorded path
-        ["ardiff", "rollout", "--resume", "--out", f"./{run}", "--pipeline", pipeline]], command
+        [*shlex.split(on_path(env, tmp_path)), "ardiff", "rollout", "--resume", "--out", f"./{run}", "--pipeline",
+         pipeline]], command
     write_episode(tmp_path / live / AWKWARD, steps_of(0, 3)[1:], first_step=1)
     # given again: the run's --idle-timeout (60 s) would wait that long for a new episode folder once it ended
     resumed = pasted(env, f"{command} --idle-timeout 1", tmp_path)
@@ -5884,7 +5887,9 @@ def test_the_resume_commands_hints_print_for_a_run_started_with_pipeline_give_it
     proc = ardiff(env, *start, cwd=tmp_path)  # a new run into it
     assert proc.returncode == 2, proc.stderr
     command = hinted(proc.stderr, r"continue it with: (.*); or choose another --out$")
-    assert shlex.split(command) == ["ardiff", "rollout", "--resume", "--out", "run", "--pipeline", pipeline]
+    on_tmp_path = shlex.split(on_path(env, tmp_path))  # the folders the run imported its --pipeline module from
+    assert shlex.split(command) == [*on_tmp_path, "ardiff", "rollout", "--resume", "--out", "run", "--pipeline",
+                                    pipeline]
     resumed = pasted(env, f"{command} --no-warmup", tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert len(records(tmp_path / "run")) == 4
@@ -5893,10 +5898,9 @@ def test_the_resume_commands_hints_print_for_a_run_started_with_pipeline_give_it
     (tmp_path / "eps").rename(tmp_path / "moved")
     proc = ardiff(env, "rollout", "--resume", "--out", "./run", "--pipeline", pipeline, "--no-warmup", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    command = hinted(proc.stderr, r"with the run's other EPISODE arguments: (ardiff rollout .*); or run its "
-                                  r"episodes")
-    assert shlex.split(command) == ["ardiff", "rollout", "--resume", "--out", "run", "--pipeline", pipeline,
-                                    str(data / "fast.yaml"), "NEW"]
+    command = hinted(proc.stderr, r"with the run's other EPISODE arguments: (.*); or run its episodes")
+    assert shlex.split(command) == [*on_tmp_path, "ardiff", "rollout", "--resume", "--out", "run", "--pipeline",
+                                    pipeline, str(data / "fast.yaml"), "NEW"]
     resumed = pasted(env, command.replace(" NEW", " ./moved --no-warmup"), tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert len(records(tmp_path / "run")) == 6
@@ -6067,8 +6071,9 @@ def test_a_run_folder_given_as_an_episode_gives_its_resume_to_paste(env, data, t
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), f"./{run}", "--out", "other", "--format", "plain",
                   cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    command = hinted(proc.stderr, r"to finish a stopped run: (ardiff rollout .*)$")
-    assert shlex.split(command) == ["ardiff", "rollout", "--resume", "--out", f"./{run}", "--pipeline", pipeline]
+    command = hinted(proc.stderr, r"to finish a stopped run: (.*)$")
+    assert shlex.split(command) == [*shlex.split(on_path(env, tmp_path)), "ardiff", "rollout", "--resume", "--out",
+                                    f"./{run}", "--pipeline", pipeline]
     resumed = pasted(env, f"{command} --no-warmup", tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((tmp_path / run / "summary.json").read_text())["status"] == "ok"

@@ -34,8 +34,8 @@ from ardiff_cli.entry import interrupted_message
 from ardiff_cli.io import write_episode
 from ardiff_cli.io.demo import demo_step
 from ardiff_cli.runtime.errors import ResumeCommand
-from pipeline_helpers import (NOTICE, open_to_write, outputs, records, start_with_fault_files, stop_inside_a_fault,
-                              syscall_number, wait_blocked, wait_for_marker, wait_reading)
+from pipeline_helpers import (NOTICE, on_path, open_to_write, outputs, records, start_with_fault_files,
+                              stop_inside_a_fault, syscall_number, wait_blocked, wait_for_marker, wait_reading)
 
 REPO = Path(__file__).resolve().parents[1]
 PIPELINE = "faulty_pipelines:FaultyDreamZero"
@@ -274,7 +274,7 @@ def test_a_close_hook_that_always_fails_fails_warmup_and_a_rollouts_warmup_and_t
     proc = ardiff(env, "rollout", str(config), str(data / "eps"), "--out", str(run), "--pipeline", PIPELINE,
                   "--format", "plain", faults=faults)
     assert proc.returncode == 1, proc.stderr
-    resume = ResumeCommand(run, PIPELINE)
+    resume = f"{on_path(env)}{ResumeCommand(run, PIPELINE)}"
     assert f"Error: {failed}\nhint: " in proc.stderr and proc.stderr.endswith(
         f"please report it; once fixed, continue the run with --resume; to paste: {resume}\n"), proc.stderr
     assert records(run) == [] and not (run / "summary.json").exists()  # stopped before its first step
@@ -746,7 +746,7 @@ def test_a_signal_that_a_pipelines_catch_all_caught_still_stops_the_run_then_res
     assert proc.returncode == 143, proc.stderr
     assert proc.stderr.splitlines()[-2:] == [  # the pipeline's error is in the event log, not the verdict
         "Error: interrupted by SIGTERM",
-        f"hint: continue with: ardiff rollout --resume --out {run} --pipeline {PIPELINE}"], proc.stderr
+        f"hint: continue with: {on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"], proc.stderr
     lines = records(run)
     assert [(r["episode"], r["step"]) for r in lines][:6] == [
         ("arm_a", 0), ("arm_b", 0), ("arm_c", 0), ("arm_d", 0), ("arm_a", 1), ("arm_b", 1)]
@@ -1424,8 +1424,8 @@ def test_a_step_out_of_memory_hints_at_what_set_the_budget_and_never_at_another_
         assert sessions > 1
         # and the resume to paste, with one session fewer
         assert error["hint"].endswith("--resume keeps the run's dtype and config, so a smaller dtype or model is a "
-                                      f"new run (another --out); to paste: ardiff rollout --resume --out {out} "
-                                      f"--pipeline {PIPELINE} --session-capacity {sessions - 1}"), error
+                                      f"new run (another --out); to paste: {on_path(env)}ardiff rollout --resume "
+                                      f"--out {out} --pipeline {PIPELINE} --session-capacity {sessions - 1}"), error
         return error["hint"]
 
     def resume_with(pool: str) -> str:
@@ -1481,7 +1481,7 @@ def test_the_resume_a_step_out_of_memory_hints_at_lowers_the_session_capacity_an
                   *(["--fail-fast"] if fail_fast else []), faults=LARGE_POOL_OOM)
     assert proc.returncode == (3 if fail_fast else 4), proc.stderr
     assert json.loads((run / "summary.json").read_text())["capacity_plan"]["session_capacity"] == 2
-    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE} --session-capacity 1"
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} --session-capacity 1"
     step = proc.stderr.split("Error: episode 'arm_b' failed at step 1 in the model's forward: out of host memory: "
                              "MemoryError\nhint: ", 1)[1].split("\n", 1)[0]
     assert step.startswith("continue with --resume and a lower --session-capacity or a smaller --memory-budget: ")
@@ -1506,7 +1506,7 @@ def test_the_resume_to_paste_after_a_lowered_resume_ran_out_of_memory_keeps_the_
     proc = paste_hint(env, last_hint(proc.stderr), faults=STEP_OOM)  # --session-capacity 1: out of memory still
     assert proc.returncode == 4, proc.stderr
     assert ONE_SESSION_HINT in proc.stderr, proc.stderr
-    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE} --session-capacity 1"
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} --session-capacity 1"
     assert last_hint(proc.stderr) == f"fix what is named above, then continue with: {again}", proc.stderr
     proc = paste_hint(env, last_hint(proc.stderr), faults=LARGE_POOL_OOM)  # memory freed for one session's pool
     assert proc.returncode == 0, proc.stderr
@@ -1533,8 +1533,8 @@ def test_every_episode_failed_in_the_model_with_a_folder_deleted_since_hints_the
     assert "Error: every episode failed (arm_a, arm_b)\nhint: " in stderr, stderr
     hint = last_hint(stderr)
     assert hint == ("fix what is named above; a resume needs the folder of arm_a back at its path (gone since it "
-                    "failed; moved: a symlink there to where it is now will do), then continue with: ardiff rollout "
-                    f"--resume --out {run} --pipeline {PIPELINE}"), hint
+                    f"failed; moved: a symlink there to where it is now will do), then continue with: {on_path(env)}"
+                    f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"), hint
     shutil.copytree(data / "eps" / "arm_a", robots / "arm_a")  # back, and the pipeline fixed: no faults
     proc = paste_hint(env, hint)
     assert proc.returncode == 0, proc.stderr
@@ -1553,11 +1553,40 @@ def test_a_failed_episodes_hint_gives_the_runs_resume_which_pasted_completes_the
     assert proc.returncode == (1 if fail_fast else 4), proc.stderr
     step = proc.stderr.split("Error: episode 'arm_b' failed at step 1 in the model's forward: ", 1)[1]
     step = step.split("\nhint: ", 1)[1].split("\n", 1)[0]
-    again = f"ardiff rollout --resume --out '{run}' --pipeline {PIPELINE}"
+    again = f"{on_path(env)}ardiff rollout --resume --out '{run}' --pipeline {PIPELINE}"
     assert step.endswith(f"fix the pipeline, then continue with: {again}"), step
     assert last_hint(proc.stderr).endswith(f"continue with: {again}"), proc.stderr
     proc = paste_hint(env, step)  # the pipeline fixed: no faults
     assert proc.returncode == 0, proc.stderr
+    assert_matches(run, reference)
+
+
+def test_a_failed_runs_resume_hint_carries_the_folders_of_its_pipeline_module_and_pastes_from_another_folder(
+        env, data, reference, tmp_path):
+    """`--pipeline mypipe:Mine`, a module in the folder the rollout was started in: the restart its lock records
+    carried the folders Python imported it from (PYTHONPATH=...), but the resume a failed run's hints gave, built
+    from run.json, did not: pasted in another folder, in a shell without PYTHONPATH, `No module named 'mypipe'`.
+    run.json records those folders too, and every resume hint built from it carries them."""
+    lab, elsewhere, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "run"
+    lab.mkdir()
+    elsewhere.mkdir()
+    (lab / "mypipe.py").write_text("from faulty_pipelines import FaultyDreamZero\n\n\n"
+                                   "class Mine(FaultyDreamZero):\n    pass\n")
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0}]
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),
+                           "--out", str(run), "--pipeline", "mypipe:Mine", "--no-warmup", "--format", "plain"],
+                          cwd=lab, env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 4, proc.stderr
+    again = f"{on_path(env, lab)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine"
+    step = proc.stderr.split("Error: episode 'arm_b' failed at step 1 in the model's forward: ", 1)[1]
+    assert step.split("\nhint: ", 1)[1].split("\n", 1)[0].endswith(f"then continue with: {again}"), proc.stderr
+    assert last_hint(proc.stderr).endswith(f"continue with: {again}"), proc.stderr
+    from test_cli_rollout import pasted
+
+    unset = {key: value for key, value in env.items() if key != "PYTHONPATH"}
+    resumed = pasted(unset, f"{again} --no-warmup", elsewhere)
+    assert resumed.returncode == 0, resumed.stderr
     assert_matches(run, reference)
 
 
@@ -1569,7 +1598,7 @@ def test_a_stopped_runs_hint_gives_its_resume_which_pasted_completes_the_run(env
     faults = [{"request": "arm_c/000001", "site": "block", "layer": 0, "call": 2, "action": "sleep"}]
     proc, err = stop_inside_a_fault(env, rollout_args(data, run), faults, tmp_path, signum=signal.SIGTERM)
     assert proc.returncode == 143, err
-    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
     assert err.rstrip("\n").endswith(f"Error: interrupted by SIGTERM\nhint: continue with: {again}"), err
     resumed = ["rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--session-capacity", "1",
                "--no-warmup", "--format", "plain"]
@@ -1609,7 +1638,8 @@ def test_a_resume_out_of_memory_as_its_kv_pools_allocate_ends_its_hint_with_the_
     hint = last_hint(proc.stderr)
     assert hint.startswith("continue with --resume and a lower --session-capacity or a smaller --memory-budget "), hint
     assert hint.endswith(f"; or raise this process's address-space limit (now ulimit -v {limit >> 10}); to paste: "
-                         f"ardiff rollout --resume --out {run} --pipeline {PIPELINE} --session-capacity 1"), hint
+                         f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} "
+                         "--session-capacity 1"), hint
     proc = paste_hint(env, hint, faults=pools)
     assert proc.returncode == 0, proc.stderr
     assert_matches(run, reference)
@@ -1626,7 +1656,7 @@ def test_the_options_given_to_a_resume_are_in_the_resume_its_hints_give_to_paste
                   faults=LARGE_POOL_OOM)
     assert proc.returncode == 4, proc.stderr
     resume = ["rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup", "--format", "plain"]
-    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
     # given the run's own two sessions again, and another budget: memory runs out again, one session fewer to paste
     proc = ardiff(env, *resume, "--session-capacity", "2", "--memory-budget", "1MiB", faults=LARGE_POOL_OOM)
     assert proc.returncode == 4, proc.stderr
@@ -1657,8 +1687,8 @@ def test_a_lower_session_capacity_replaces_the_one_given_before_a_quoted_swap_sp
                   "plain", "--session-capacity", "2", "--swap-space", "1 MiB", faults=LARGE_POOL_OOM)
     assert proc.returncode == 4, proc.stderr
     hint = last_hint(proc.stderr)
-    assert hint == (f"fix what is named above, then continue with: ardiff rollout --resume --out {run} --pipeline "
-                    f"{PIPELINE} --swap-space '1 MiB' --session-capacity 1"), hint
+    assert hint == (f"fix what is named above, then continue with: {on_path(env)}ardiff rollout --resume --out {run} "
+                    f"--pipeline {PIPELINE} --swap-space '1 MiB' --session-capacity 1"), hint
     proc = paste_hint(env, hint, faults=LARGE_POOL_OOM)
     assert proc.returncode == 0, proc.stderr
     assert_matches(run, reference)
@@ -1676,6 +1706,18 @@ def test_a_resume_commands_lower_session_capacity_takes_the_given_ones_place(tmp
     lighter = shlex.split(resume.command(session_capacity=2))
     assert lighter == [*words[:-1], "2"] and lighter.count("--session-capacity") == 1, lighter
     assert str(replace(resume, session_capacity=None)) == shlex.join(words[:-2])  # none given: none to paste
+
+
+def test_a_resume_command_of_a_module_in_a_folder_named_with_a_colon_keeps_every_word_in_its_subshell(tmp_path):
+    """A run whose --pipeline module was imported from a folder named with ':' (which PYTHONPATH cannot carry): its
+    resume enters that folder first, in a subshell, --out absolute, as the .lock's restart does; the words a hint
+    adds after the resume (a moved folder's CONFIG NEW) go inside that subshell, not after its ')'."""
+    lab, out = tmp_path / "lab:1", Path("runs") / "eval1"
+    resume = ResumeCommand(out, "mypipe:Mine", ("--follow",), pythonpath=(str(lab), str(lab / "src"), "/libs"))
+    inner = f"ardiff rollout --resume --out {out.absolute()} --pipeline mypipe:Mine --follow"
+    assert str(resume) == f"(cd {shlex.quote(str(lab))} && PYTHONPATH=.:src:/libs {inner})", str(resume)
+    assert resume.command(more=["cfg.yaml", "NEW"]).endswith(f"{inner} cfg.yaml NEW)"), resume.command()
+    assert str(ResumeCommand(out, "mypipe:Mine")) == f"ardiff rollout --resume --out {out} --pipeline mypipe:Mine"
 
 
 def test_a_step_out_of_memory_hints_only_at_changes_that_shrink_the_kv_pool(env, data, tmp_path):
@@ -1702,7 +1744,7 @@ def test_a_step_out_of_memory_hints_only_at_changes_that_shrink_the_kv_pool(env,
         "the KV pool holds one session, the least a plan keeps, and it does not fit with the model's activations (the "
         "other sessions were untouched): free memory on the device (another process using it?) and continue with "
         "--resume; --resume keeps the run's dtype and config, so a smaller dtype or model is a new run (another "
-        f"--out); to paste: ardiff rollout --resume --out {one} --pipeline {PIPELINE}")
+        f"--out); to paste: {on_path(env)}ardiff rollout --resume --out {one} --pipeline {PIPELINE}")
     planned = pool(one)
     assert planned[0] == 1, planned
     proc = resume(one, "--session-capacity", "0")
@@ -1744,8 +1786,9 @@ def test_memory_running_out_in_a_rollouts_warmup_hints_at_the_resume_not_at_anot
     assert ("Error: out of host memory while running the warmup requests: MemoryError\nhint: the KV pool holds one "
             "session, the least a plan keeps, and it does not fit with the model's activations: free memory on the "
             "device (another process using it?) and continue with --resume; --resume keeps the run's dtype and "
-            "config, so a smaller dtype or model is a new run (another --out); to paste: ardiff rollout --resume --out "
-            f"{tmp_path / 'one'} --pipeline {PIPELINE}\n") in proc.stderr, proc.stderr
+            "config, so a smaller dtype or model is a new run (another --out); to paste: "
+            f"{on_path(env)}ardiff rollout --resume --out {tmp_path / 'one'} --pipeline {PIPELINE}\n") in proc.stderr, (
+        proc.stderr)
     sessions_config = four_sessions_config(tmp_path)
     run = tmp_path / "run"
     args = ["rollout", str(sessions_config), str(data / "eps"), "--out", str(run), "--pipeline", PIPELINE,
@@ -1755,7 +1798,7 @@ def test_memory_running_out_in_a_rollouts_warmup_hints_at_the_resume_not_at_anot
     assert ("Error: out of host memory while running the warmup requests: MemoryError\nhint: continue with --resume "
             "and a lower --session-capacity or a smaller --memory-budget: a smaller KV pool leaves more memory to the "
             "model's activations; --resume keeps the run's dtype and config, so a smaller dtype or model is a new run "
-            f"(another --out); to paste: ardiff rollout --resume --out {run} --pipeline {PIPELINE} "
+            f"(another --out); to paste: {on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} "
             "--session-capacity 1\n") in proc.stderr, proc.stderr
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--format", "plain",
                   faults=faults)
@@ -2026,7 +2069,8 @@ def test_a_resume_that_finds_an_episodes_first_step_file_gone_hints_at_the_resum
     assert "step 0 ran (results.jsonl) but its file is gone" in line[0], proc.stderr
     assert line[1] == ("hint: run the episode again from its first step in a new --out (a session's outputs depend on "
                        "every earlier step), or put the episode's step files back as they were when they ran, then "
-                       f"continue with: ardiff rollout --resume --out {run} --pipeline {PIPELINE}"), proc.stderr
+                       f"continue with: {on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"), (
+        proc.stderr)
     shutil.copy(data / "eps" / "arm_a" / "step_000000.safetensors", robots / "arm_a")
     proc = paste_hint(env, line[1])
     assert proc.returncode == 0, proc.stderr
@@ -2046,7 +2090,8 @@ def test_memory_running_out_as_a_resume_loads_its_weights_ends_its_hint_with_the
                   "json", faults=[{"site": "load", "action": "memory_error"}])
     error = json_error(proc, 3)
     assert error["message"] == "out of host memory while loading the model's weights (from_config()): MemoryError"
-    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"  # --no-warmup is no option run.json keeps
+    # --no-warmup is no option run.json keeps
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
     assert error["hint"].startswith("the run's model, in its dtype and config (--resume keeps them), needs more "
                                     "memory than is free now: "), error
     assert error["hint"].endswith(f"(another --out); to paste: {again}"), error
@@ -2069,7 +2114,7 @@ def test_an_episode_folder_deleted_while_the_run_reads_it_hints_at_the_resume_th
     proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(robots), "--out", str(run), "--pipeline", PIPELINE,
                   "--no-warmup", "--format", "plain", faults=faults)
     assert proc.returncode == 4, proc.stderr
-    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
     line = proc.stderr.split("Error: episode 'arm_b' failed: ", 1)[1].split("\n", 2)
     assert f"the episode folder {robots / 'arm_b'} is gone (deleted or renamed while the run read it)" in line[0]
     assert line[1] == ("hint: keep an episode's folder and its step files in place while a run reads them; put them "
@@ -2158,7 +2203,8 @@ def test_the_hint_of_a_results_line_the_system_refuses_pastes_into_bash_and_fini
     assert f"Error: cannot append to {run / 'results.jsonl'}: File too large" in proc.stderr, proc.stderr
     (hint,) = [line for line in proc.stderr.splitlines() if line.startswith("hint: ")]
     command = hint.rpartition("then continue with: ")[2]
-    assert shlex.split(command) == ["ardiff", "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE]
+    assert shlex.split(command) == [*shlex.split(on_path(env)), "ardiff", "rollout", "--resume", "--out", str(run),
+                                    "--pipeline", PIPELINE]
     resumed = pasted(env, command, REPO)
     assert resumed.returncode == 0, resumed.stderr
     assert_matches(run, reference)
@@ -2246,8 +2292,8 @@ def test_the_open_files_limit_reached_by_a_resume_says_to_continue_with_resume(e
     error = json_error(proc, 1)
     assert error["kind"] == "too_many_open_files", error
     assert error["hint"] == (f"this process reached its limit on open files (now ulimit -n {limit}), or the system "
-                             "its own: raise it (ulimit -n 1024, say) and continue with: ardiff rollout --resume "
-                             f"--out {run} --pipeline {PIPELINE}"), error
+                             f"its own: raise it (ulimit -n 1024, say) and continue with: {on_path(env)}ardiff "
+                             f"rollout --resume --out {run} --pipeline {PIPELINE}"), error
 
 
 def test_a_step_that_reaches_the_open_files_limit_is_named_as_the_limit_not_the_pipelines_bug(env, data, tmp_path):
@@ -2265,8 +2311,8 @@ def test_a_step_that_reaches_the_open_files_limit_is_named_as_the_limit_not_the_
     error = json_error(proc, 1)
     assert error["kind"] == "too_many_open_files" and error["exit_code"] == 1, error
     assert error["hint"].startswith("this process reached its limit on open files"), error
-    assert error["hint"].endswith(f"continue with: ardiff rollout --resume --out {tmp_path / 'stopped'} --pipeline "
-                                  f"{PIPELINE}"), error
+    assert error["hint"].endswith(f"continue with: {on_path(env)}ardiff rollout --resume --out "
+                                  f"{tmp_path / 'stopped'} --pipeline {PIPELINE}"), error
 
 
 def test_the_open_files_limit_that_stops_a_run_keeps_its_error_when_summary_json_cannot_be_made(env, data, tmp_path):
@@ -2281,8 +2327,8 @@ def test_the_open_files_limit_that_stops_a_run_keeps_its_error_when_summary_json
                   faults=at_close_of("arm_a"))
     assert proc.returncode == 1, proc.stderr
     assert "Error: episode 'arm_b' failed at step 0 while reading" in proc.stderr, proc.stderr
-    assert f"and continue with: ardiff rollout --resume --out {stopped} --pipeline {PIPELINE}" in proc.stderr, (
-        proc.stderr)
+    again = f"{on_path(env)}ardiff rollout --resume --out {stopped} --pipeline {PIPELINE}"
+    assert f"and continue with: {again}" in proc.stderr, proc.stderr
     assert "and run again" not in proc.stderr, proc.stderr
     assert f"warning: cannot write {stopped / 'summary.json'}: Too many open files; --resume writes it" in proc.stderr
     done = tmp_path / "done"
@@ -2290,8 +2336,8 @@ def test_the_open_files_limit_that_stops_a_run_keeps_its_error_when_summary_json
                   faults=at_close_of("arm_d"))
     error = json_error(proc, 1)
     assert error["kind"] == "too_many_open_files", error
-    assert error["hint"].endswith(f"(ulimit -n 1024, say) and continue with: ardiff rollout --resume --out {done} "
-                                  f"--pipeline {PIPELINE}"), error
+    assert error["hint"].endswith(f"(ulimit -n 1024, say) and continue with: {on_path(env)}ardiff rollout --resume "
+                                  f"--out {done} --pipeline {PIPELINE}"), error
     assert not (done / "summary.json").exists()
     proc = ardiff(env, "rollout", "--resume", "--out", str(done), "--pipeline", PIPELINE, "--format", "plain")
     assert proc.returncode == 0, proc.stderr
@@ -2512,7 +2558,7 @@ def test_a_damaged_results_line_hints_the_runs_own_resume_which_pasted_once_it_i
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--swap-space", "1 MiB",
                   "--no-warmup", "--format", "plain")
     assert proc.returncode == 2, proc.stderr
-    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE} --swap-space '1 MiB'"
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} --swap-space '1 MiB'"
     assert proc.stderr.endswith(f"Error: {run / 'results.jsonl'}, line 3: expected one JSON object per line, got "
                                 "'{\"episode\": garbage'\nhint: ardiff writes each line whole, so the file was "
                                 "changed outside ardiff: restore it, or delete line 3 (its step then runs again), "
@@ -2538,7 +2584,7 @@ def test_a_page_shortage_in_a_rollouts_warmup_hints_the_resume_without_it_not_a_
             "pipeline's KV spec or ardiff's plan undercounts their pages (report it, with the --verbose traceback), "
             "which no memory option or dtype changes; go on without the warmup (a step that runs short then fails "
             "its own episode, and the others go on); to paste: ")
-    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
     proc = ardiff(env, *args, faults=faults)
     assert proc.returncode == 3, proc.stderr
     assert "KV page pool exhausted" in proc.stderr and "Traceback" not in proc.stderr
@@ -2574,7 +2620,7 @@ def test_a_resume_of_a_run_folder_this_user_cannot_write_hints_to_make_it_writab
         for path in folders:
             path.chmod(path.stat().st_mode | 0o200)  # for pytest to remove it, whatever failed
     assert proc.returncode == 2, proc.stderr
-    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
     assert proc.stderr.endswith(f"Error: --out {run}: cannot write the output folder: Permission denied\nhint: make "
                                 "the run's folder and its files writable by this user (chmod -R u+w "
                                 f"{run}), then continue with: {again}\n"), proc.stderr
@@ -2609,7 +2655,7 @@ def test_a_resume_of_a_run_folder_another_user_owns_hints_to_give_it_to_this_use
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr
     word = shlex.quote(str(run))
-    again = f"ardiff rollout --resume --out {word} --pipeline {PIPELINE}"
+    again = f"{on_path(env)}ardiff rollout --resume --out {word} --pipeline {PIPELINE}"
     assert proc.stderr.endswith(f"Error: --out {run}: cannot write the output folder: Permission denied\nhint: the "
                                 "run's folder is owned by another user (nobody, not root): give it and its files to "
                                 f"this user (chown -R root {word}, as root) or resume as nobody, then continue with: "
@@ -2634,7 +2680,7 @@ def test_a_resume_of_a_run_folder_with_an_immutable_lock_hints_chattr_not_a_chmo
         proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--swap-space", "1 MiB",
                       "--no-warmup", "--format", "plain")
         assert proc.returncode == 2, proc.stderr
-        again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE} --swap-space '1 MiB'"
+        again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} --swap-space '1 MiB'"
         assert proc.stderr.endswith(f"Error: --out {run}: cannot write the output folder: Operation not permitted\n"
                                     "hint: a file there or the folder is immutable or append-only (lsattr -d "
                                     f"{run} {run / '.lock'}): clear it with chattr -R -i -a {run}, as root, then "
@@ -2662,7 +2708,7 @@ def test_a_resume_of_a_run_whose_episode_folder_is_immutable_names_that_folder_t
     finally:
         subprocess.run(["chattr", "-i", str(episode)])  # for pytest to remove it, whatever failed
     assert proc.returncode == 2, proc.stderr
-    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
     assert proc.stderr.endswith(f"Error: --out {run}: cannot write {episode}: Operation not permitted\nhint: a file "
                                 f"there or the folder is immutable or append-only (lsattr -d {run} {episode}): clear "
                                 f"it with chattr -R -i -a {run}, as root, then continue with: {again}\n"), proc.stderr
@@ -2789,7 +2835,7 @@ def test_a_resume_of_a_run_whose_run_json_is_immutable_is_refused_before_the_mod
         proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup",
                       "--format", "plain")
         assert proc.returncode == 2, proc.stderr
-        again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+        again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
         assert proc.stderr.endswith(f"Error: --out {run}: cannot write {run / name}: Operation not permitted (the "
                                     f"file is {what})\nhint: a file there or the folder is immutable or append-only "
                                     f"(lsattr -d {run} {run / name}): clear it with chattr -R -i -a {run}, as root, "
@@ -2880,7 +2926,7 @@ def test_a_run_lock_past_the_file_size_limit_names_the_limit_not_free_space(env,
     lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
     (run / "results.jsonl").write_text("".join(lines[:-1]))  # its last step runs again
     (run / ".lock").unlink()
-    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
     proc = pasted_here(env, f"ulimit -f 0; {again} --no-warmup")
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.endswith("(ulimit -f unlimited), then continue with: " + again + "\n"), proc.stderr
@@ -2912,7 +2958,7 @@ def test_a_run_folder_read_only_but_its_lock_is_refused_before_the_model_loads(e
     finally:
         target.chmod(target.stat().st_mode | 0o200)
     assert proc.returncode == 2, proc.stderr
-    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
     assert proc.stderr.endswith(f"Error: --out {run}: cannot write {target}: Permission denied\nhint: make the run's "
                                 f"folder and its files writable by this user (chmod -R u+w {run}), then continue "
                                 f"with: {again}\n"), proc.stderr

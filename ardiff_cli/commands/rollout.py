@@ -251,8 +251,10 @@ def rollout(
                                                          warmup=warmup, fail_fast=fail_fast)
             prepared = _prepare(config, episodes, out, resume, overrides, output, pipeline=pipeline, options=options,
                                 run=folder, again=again, start=start)
-            prepared = replace(prepared, resume=ResumeCommand(prepared.out_dir, prepared.info.get("pipeline_option"),
-                                                              tuple(given), capacity))
+            from ardiff_cli.io.run import recorded_resume
+
+            resume_command = ResumeCommand(prepared.out_dir, None, tuple(given), capacity)
+            prepared = replace(prepared, resume=recorded_resume(resume_command, prepared.info))
             options = prepared.options
             try:
                 _run(prepared, output, order=options["order"], follow=options["follow"],
@@ -372,15 +374,14 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     checks against the command line, and goes on with, is read (no other process can change it meanwhile). ``run``: a
     resume's ``RunFolder(out)``, made by the caller (None: made here); ``again``: the resume as given (its hints');
     ``start``: a new run's arguments, which its lock file records (:func:`_start_arguments`)."""
-    from ardiff_cli.io.run import RunFolder
+    from ardiff_cli.io.run import RunFolder, recorded_resume
 
     run = RunFolder(out) if run is None and resume and out is not None else run
     if run is not None:
         # unlocked: a folder that holds no run this ardiff resumes is refused, nothing written there
-        pipeline_option = run.resume_info().get("pipeline_option")
+        recorded = run.resume_info()
         # a folder it cannot lock is to be made writable: a resume's folder is the run's, no other
-        run.lock(continue_with(replace(again or ResumeCommand(run.root),
-                                       pipeline=pipeline_option if isinstance(pipeline_option, str) else None)))
+        run.lock(continue_with(recorded_resume(again or ResumeCommand(run.root), recorded)))
     try:
         return _prepare_run(run, config, episode_paths, out, resume, overrides, output, pipeline=pipeline,
                             options=options, again=again, start=start)
@@ -396,7 +397,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
     """:func:`_prepare`'s work; ``run``: a resume's run folder, locked."""
     from ardiff_cli.io.demo import ensure_demo_episodes
     from ardiff_cli.io.episode import discover_episodes
-    from ardiff_cli.io.run import RUN_FILE, SWAP_DIR, RunFolder, make_default_out_dir
+    from ardiff_cli.io.run import RUN_FILE, SWAP_DIR, RunFolder, make_default_out_dir, recorded_resume
 
     info: dict[str, Any] = {}
     run_info: dict[str, Any] | None = None  # a resume's run.json as read, under the lock: what is checked is used
@@ -410,9 +411,8 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
                               hint="the run printed it as 'outputs: DIR' (by default ardiff-runs/<start time>)")
         info = run.resume_info(again=True)  # under the lock: read again only where it changed since
         run_info = dict(info)  # as read: info takes the options the command does not give again
-        pipeline_option = info.get("pipeline_option")  # the run's: the resume a hint gives to paste is given it
-        again = replace(again or ResumeCommand(run.root), pipeline=pipeline_option if isinstance(pipeline_option, str)
-                        else None)
+        # the run's --pipeline and its module's folders: the resume a hint gives to paste is given them
+        again = recorded_resume(again or ResumeCommand(run.root), info)
         config = _resume_config(config, info, again)
         overrides["dtype"] = _same(overrides["dtype"], info["dtype"], "--dtype")
         # Options not given again are the run's own, checked as given ones are. The device and attention backend
@@ -531,6 +531,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
     # --resume loaded the link's target, which read it from another folder (`file not found`, exit 2).
     config_file = resolve_config(config_label(config)).absolute()
     checkpoint = _checkpoint_record(cfg.checkpoint)
+    pythonpath = (info if resume else start or {}).get("pythonpath")  # a resume keeps the run's
     if resume:
         _refuse_changed_checkpoint(info.get("checkpoint"), checkpoint)
     # run.json's path of an episode, kept where it still leads to the folder read (a symlink there to where the
@@ -540,6 +541,8 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
         "config": info.get("config", config_label(config)), "config_path": str(config_file),
         "config_sha256": cfg.sha256, "checkpoint": checkpoint, "pipeline": cfg.pipeline_name,
         "pipeline_option": pipeline,
+        # the folders --pipeline's module was imported from, as the lock file records them: the resume hints carry
+        **({} if pythonpath is None else {"pythonpath": pythonpath}),
         "episodes": [{"name": e.name, "path": recorded_folder(e, recorded_paths.get(e.name))} for e in episodes],
         "demo": demo,
         "watch": [str(folder) for folder in watch],
@@ -910,8 +913,8 @@ def _recorded_folders_exist(info: dict[str, Any], out: Path, watch: list[Path], 
             # the resume given the run's EPISODE arguments, this folder where it is now (NEW) in its place
             others = [str(other) for other in watch if other != folder] + [
                 e["path"] for e in episodes if Path(e["path"]).parent not in watch]
-            given = (f"{again} {shell_word(info.get('config_path') or info['config'])} NEW"
-                     + "".join(f" {shell_word(other)}" for other in others))
+            given = again.command(more=[shell_word(info.get("config_path") or info["config"]), "NEW",
+                                        *map(shell_word, others)])
             dangling = link_to_nothing_on(Path(folder))  # a link left where it moved (as hinted below), leading nowhere
             if dangling is not None:
                 link, why = dangling

@@ -30,14 +30,15 @@ import tempfile
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_capped,
                                  read_jsonl, read_numbered_jsonl, remove_temporaries)
 from ardiff_cli.runtime.errors import (ArdiffError, ConfigError, ResumeCommand, WriteHint, as_typed, did_you_mean,
-                                      field_error, joined, link_to_nothing, needs_absolute, on_pythonpath,
-                                      shell_word, shown, too_many_open_files)
+                                      field_error, joined, link_to_nothing, rollout_to_paste, shell_word, shown,
+                                      too_many_open_files)
 from ardiff_cli.runtime.outputs import is_array
 
 RUN_FILE = "run.json"
@@ -218,10 +219,10 @@ class RunFolder:
     def resume_command(self) -> ResumeCommand:
         """The resume to paste of the run this folder :meth:`holds_run`, with the --pipeline it was started with
         (run.json's, where it can be read: a resume refuses one without it; a run.json unread here is told then)."""
-        pipeline = None
+        info: Mapping[str, Any] = {}
         with contextlib.suppress(ArdiffError, OSError):
-            pipeline = RunFolder(self.root).read_info().get("pipeline_option")
-        return ResumeCommand(self.root, pipeline if isinstance(pipeline, str) else None)
+            info = RunFolder(self.root).read_info()
+        return recorded_resume(ResumeCommand(self.root), info)
 
     def held_run(self) -> ConfigError:
         """The refusal of a fresh run in this folder, which :meth:`holds_run`: its hint gives that run's resume."""
@@ -890,9 +891,8 @@ class RunFolder:
             return None
         arguments, pythonpath = recorded
         # an option as it is (shell_word writes a word beginning with '-' as the path ./-x): a recorded path is absolute
-        words = (shlex.quote(w) if w.startswith("-") else shell_word(w) for w in arguments)
-        out = self.root.absolute() if needs_absolute(pythonpath) else self.root
-        return on_pythonpath(" ".join(["ardiff rollout", *words, "--out", shell_word(out)]), pythonpath)
+        words = [shlex.quote(w) if w.startswith("-") else shell_word(w) for w in arguments]
+        return rollout_to_paste(self.root, pythonpath, words)
 
     def close(self, *, keep_lock: bool = False) -> None:
         """Close results.jsonl and episodes.jsonl, and release the folder's lock (``keep_lock``: still held, for the
@@ -912,8 +912,17 @@ class RunFolder:
             self._swap_lock = None
 
 
+def recorded_resume(resume: ResumeCommand, info: Mapping[str, Any]) -> ResumeCommand:
+    """``resume`` with the ``--pipeline`` of the run whose run.json is ``info`` (a resume must be given it again)
+    and the folders its module was imported from (``"pythonpath"``, as the lock file records them): pasted in
+    another shell or folder, it imports that module as the run did."""
+    pipeline = info.get("pipeline_option")
+    return replace(resume, pipeline=pipeline if isinstance(pipeline, str) else None,
+                   pythonpath=tuple(recorded_pythonpath(info)))
+
+
 def recorded_pythonpath(record: Mapping[str, Any]) -> list[str]:
-    """The folders a run's ``--pipeline`` module was imported from, as the lock file records them
+    """The folders a run's ``--pipeline`` module was imported from, as the lock file and run.json record them
     (``"pythonpath"``: a list; an older ardiff's lock file, a string PYTHONPATH); [] where none is, or one is not
     absolute (another folder's, as it was read there)."""
     pythonpath = record.get("pythonpath")

@@ -499,26 +499,39 @@ def needs_absolute(folders: Sequence[str]) -> bool:
     return any(os.pathsep in folder for folder in folders)
 
 
+def rollout_to_paste(out: os.PathLike | str, folders: Sequence[str], before: Sequence[str] = (),
+                     after: Sequence[str] = ()) -> str:
+    """``ardiff rollout BEFORE --out OUT AFTER`` (``before`` and ``after``: words quoted already) to paste in any
+    shell and folder: run where Python imports its ``--pipeline MODULE:CLASS`` module from ``folders`` (the run's
+    recorded ones, :func:`on_pythonpath`; none: the rollout as it is), ``out`` absolute where that enters another
+    folder first. The restart a lock file records and a run's resume are both written by it."""
+    out = Path(out).absolute() if needs_absolute(folders) else out
+    return on_pythonpath(" ".join(["ardiff rollout", *before, "--out", shell_word(out), *after]), folders)
+
+
 @dataclass(frozen=True)
 class ResumeCommand:
     """The ``ardiff rollout --resume`` of the run in ``out`` that a hint prints to paste: with the ``--pipeline`` the
     run was started with (``pipeline``, run.json's ``pipeline_option``), which a resume must be given again, and the
     options given to the resume that prints it, which apply to it alone (run.json keeps the run's own), so that the
     one pasted goes on as it did: ``given`` (argv words, as typed) and ``session_capacity``, which a hint of memory
-    running out lowers (``command``'s)."""
+    running out lowers (``command``'s). ``pythonpath``: the folders the run's ``--pipeline`` module was imported from
+    (run.json's, as the lock file's restart carries them, :func:`rollout_to_paste`): pasted in another shell or
+    folder, the resume imports it there too."""
 
     out: os.PathLike | str
     pipeline: str | None = None
     given: tuple[str, ...] = ()
     session_capacity: int | None = None
+    pythonpath: tuple[str, ...] = ()
 
-    def command(self, session_capacity: int | None = None) -> str:
-        """The line to paste; ``session_capacity``: the one to give in place of ``self.session_capacity``."""
+    def command(self, session_capacity: int | None = None, more: Sequence[str] = ()) -> str:
+        """The line to paste; ``session_capacity``: the one to give in place of ``self.session_capacity``; ``more``:
+        words (quoted already) given after its own, inside the subshell a folder named with ':' needs."""
         capacity = self.session_capacity if session_capacity is None else session_capacity
-        words = ["ardiff rollout --resume --out", shell_word(self.out)]  # paths as every hint's (a locale's bytes)
-        words += [] if self.pipeline is None else ["--pipeline", shell_word(self.pipeline)]
+        words = [] if self.pipeline is None else ["--pipeline", shell_word(self.pipeline)]  # as every hint's paths
         options = [*self.given, *([] if capacity is None else ["--session-capacity", str(capacity)])]
-        return " ".join([*words, *map(shlex.quote, options)])
+        return rollout_to_paste(self.out, self.pythonpath, ["--resume"], [*words, *map(shlex.quote, options), *more])
 
     __str__ = command  # what a hint's f-string prints
 
