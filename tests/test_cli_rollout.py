@@ -328,8 +328,9 @@ def test_recordings_made_for_another_pipeline_hint_a_new_run_not_the_resume(env,
     # their first step files: those after it are not read
     assert error["message"] == ("every episode failed (cw_a, cw_b): their first step files hold no array of this "
                                 "run's pipeline"), error
-    assert error["hint"] == ("run them with the config they were recorded for, in another --out (a --resume keeps "
-                             "this run's config): ardiff rollout CONFIG " + shlex.quote(str(eps / "cw_a")) + " "
+    assert error["hint"] == ("run them with the config they were recorded for (causal-world-tiny: the one built-in "
+                             "config whose schema takes their arrays), in another --out (a --resume keeps this run's "
+                             "config): ardiff rollout causal-world-tiny " + shlex.quote(str(eps / "cw_a")) + " "
                              + shlex.quote(str(eps / "cw_b")) + " --out NEW"), error
     # beside an episode that completed: the resume finishes nothing of theirs, so the hint says what does
     shutil.copytree(data / "eps" / "arm_a", eps / "arm_a")
@@ -338,7 +339,7 @@ def test_recordings_made_for_another_pipeline_hint_a_new_run_not_the_resume(env,
     assert proc.returncode == 4, proc.stderr
     error = json.loads(proc.stdout.splitlines()[-1])
     assert error["kind"] == "episodes_failed" and "rollout --resume" not in error["hint"], error
-    assert error["hint"].startswith("run them with the config they were recorded for, in another --out"), error
+    assert error["hint"].startswith("run them with the config they were recorded for (causal-world-tiny: "), error
     # a file of other arrays after steps that ran is a bad file midway, which fixed, the resume finishes
     midway = tmp_path / "midway"
     write_episode(midway / "arm_c", steps_of(0, 1) + [{"timestamp": np.zeros(1)}], prompt="go")
@@ -369,8 +370,88 @@ def test_a_run_of_recordings_for_another_pipeline_and_other_failures_hints_both_
     error = objects[-1]
     assert (error["kind"], error["exit_code"]) == ("episodes_failed", 4), error
     assert error["hint"] == (f"fix what is named above, then continue with: ardiff rollout --resume --out {run}; "
-                             "cw_b was recorded for another pipeline: run it with its config, in another --out: "
-                             f"ardiff rollout CONFIG {eps / 'cw_b'} --out NEW"), error
+                             "cw_b was recorded for another pipeline: run it with its config (causal-world-tiny: the "
+                             "one built-in config whose schema takes its arrays), in another --out: "
+                             f"ardiff rollout causal-world-tiny {eps / 'cw_b'} --out NEW"), error
+
+
+def the_new_run(stderr: str) -> str:
+    """The command a run's closing hint (the last ``hint:`` line) gives to run recordings made for another pipeline
+    with their config."""
+    hint = [line for line in stderr.splitlines() if line.startswith("hint: ")][-1]
+    assert hint.endswith(" --out NEW"), stderr
+    return hint[hint.rindex("ardiff rollout "):]  # after the resume, where other failures are hinted it first
+
+
+def test_the_new_run_for_recordings_of_another_pipeline_names_the_built_in_config_that_takes_them(env, data, tmp_path):
+    """The hint said `ardiff rollout CONFIG ...` even where one built-in config's schema takes the recordings'
+    arrays (a causal-world-tiny recording given to a DreamZero config): it names that config now, and pasted, the
+    command runs them. Where several take them (a DreamZero recording: dreamzero-tiny and dreamzero-14b share a
+    schema) or none does, CONFIG stays, and the hint says which of the two it is."""
+    eps = tmp_path / "eps"
+    for name in ("cw_a", "cw_b"):
+        write_episode(eps / name, [{"conditioning": np.ones(8, np.float32)}], prompt="go")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "run"), "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert "(causal-world-tiny: the one built-in config whose schema takes their arrays)" in proc.stderr, proc.stderr
+    command = the_new_run(proc.stderr)
+    assert command.startswith("ardiff rollout causal-world-tiny "), command
+    again = pasted(env, command.replace("--out NEW", "--out new --no-warmup"), tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert sorted(p.name for p in (tmp_path / "new" / "episodes").iterdir()) == ["cw_a", "cw_b"]
+    # a DreamZero recording given to causal-world-tiny: two built-in configs take it, which the hint names
+    shutil.copytree(data / "eps" / "arm_a", tmp_path / "dz" / "arm_a")
+    proc = ardiff(env, "rollout", "causal-world-tiny", str(tmp_path / "dz"), "--out", str(tmp_path / "dz_run"),
+                  "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert ("(CONFIG: dreamzero-14b or dreamzero-tiny, whose schemas all take its arrays)" in proc.stderr
+            and the_new_run(proc.stderr).startswith("ardiff rollout CONFIG ")), proc.stderr
+    # a recording no built-in config takes (another robot's lidar)
+    write_episode(tmp_path / "lidar" / "scan_a", [{"lidar": np.zeros((4, 3), np.float32)}], prompt="go")
+    proc = ardiff(env, "rollout", "causal-world-tiny", str(tmp_path / "lidar"), "--out", str(tmp_path / "l_run"),
+                  "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    assert ("(CONFIG: no built-in config's schema takes its arrays)" in proc.stderr
+            and the_new_run(proc.stderr).startswith("ardiff rollout CONFIG ")), proc.stderr
+
+
+def test_the_new_run_for_many_recordings_of_another_pipeline_gives_their_folder_or_the_first_few(env, data, tmp_path):
+    """A run of 500 recordings made for another pipeline closed with a hint listing 500 paths. Past 8, a folder of
+    episodes whose episodes all failed so stands for them (a rollout given it runs those and no other); where it holds
+    others too, the command lists the first 8 and the hint says how many it leaves out and where they are named.
+    Pasted, each command runs what the hint says it does."""
+    eps = tmp_path / "eps"
+    names = [f"cw_{i:02d}" for i in range(10)]
+    for name in names:
+        write_episode(eps / name, [{"conditioning": np.ones(8, np.float32)}], prompt="go")
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(tmp_path / "run"), "--no-warmup")
+    assert proc.returncode == 2, proc.stderr
+    command = the_new_run(proc.stderr)
+    assert command == f"ardiff rollout causal-world-tiny {eps} --out NEW", proc.stderr
+    again = pasted(env, command.replace("--out NEW", "--out new --no-warmup"), tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert sorted(p.name for p in (tmp_path / "new" / "episodes").iterdir()) == names
+    # beside episodes of this run's pipeline (one completed, one with a bad file midway, which the resume goes on
+    # with): the folder would run them again, with causal-world-tiny
+    shutil.copytree(data / "eps" / "arm_a", eps / "arm_a")
+    write_episode(eps / "arm_c", steps_of(0, 1) + [{"timestamp": np.zeros(1)}], prompt="go")
+    run = tmp_path / "mixed"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(run), "--no-warmup")
+    assert proc.returncode == 4, proc.stderr
+    assert (f"continue with: ardiff rollout --resume --out {run}; cw_00, cw_01, cw_02, cw_03, cw_04, cw_05, cw_06, "
+            "cw_07 and 2 more were recorded for another pipeline: run them with their config (causal-world-tiny: the "
+            "one built-in config whose schema takes their arrays), in another --out; this runs 8 episodes of 10, the "
+            "other 2 are those of results.jsonl's failed lines of error_type ForeignRecording: ardiff rollout "
+            "causal-world-tiny " + " ".join(str(eps / n) for n in names[:8]) + " --out NEW\n") in proc.stderr, \
+        proc.stderr
+    # the error itself names every failed episode, arm_c among them
+    failed = re.search(r"Error: 11 of 12 episodes failed: (.*); the others completed\n", proc.stderr)
+    assert failed is not None and sorted(failed.group(1).split(", ")) == ["arm_c", *names], proc.stderr
+    left = sorted(r["episode"] for r in records(run) if r.get("error_type") == "ForeignRecording")
+    assert left[8:] == names[8:], left  # where the hint says the others are named
+    again = pasted(env, the_new_run(proc.stderr).replace("--out NEW", "--out new2 --no-warmup"), tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert sorted(p.name for p in (tmp_path / "new2" / "episodes").iterdir()) == names[:8]
 
 
 def test_a_run_of_episodes_with_a_misspelt_key_hints_the_resume_not_another_config(env, tmp_path):

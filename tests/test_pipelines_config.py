@@ -663,3 +663,40 @@ def test_every_shipped_config_declares_the_tensors_its_sessions_keep(name):
         frame = torch.zeros((1, model.height, model.width, 3), dtype=torch.uint8, device="meta")
         anchor = build_config_on_meta(cls, model).vae.encode(frame)[:, 0]  # (C, h, w), as _step keeps it
         assert anchor.nbytes == declared > 0, (anchor.shape, declared)
+
+
+def test_the_built_in_configs_whose_schema_takes_a_step_file_are_told_from_the_configs_alone():
+    """A run's closing hint names the built-in config whose observation schema takes a recording made for another
+    pipeline (`builtin_schemas`, `takes_layout`): read from the configs, without torch or a model, and without a false
+    match, which would paste into a run that fails again or runs the wrong model."""
+    code = (
+        "import sys\n"
+        "from ardiff_cli.runtime.config import builtin_schemas\n"
+        "from ardiff_cli.runtime.observation import takes_layout\n"
+        "schemas = builtin_schemas()\n"
+        "assert 'torch' not in sys.modules, sorted(k for k in sys.modules if k.startswith('torch'))\n"
+        "def taking(layout): return [n for n, s in schemas.items() if takes_layout(s, layout)]\n"
+        "cam = ('uint8', (32, 48, 3))\n"
+        "robot = {'exterior_image_0': cam, 'observation/exterior_image_1_left': cam, 'wrist_image': cam,\n"
+        "         'joint_position': ('float32', (7,)), 'gripper_position': ('float64', ())}\n"
+        "cases = [\n"
+        "    ({'conditioning': ('float32', (8,))}, ['causal-world-tiny']),\n"
+        "    ({'camera': ('float64', (12,))}, ['lingbot-world-14b']),  # an alias, a float of another precision\n"
+        "    ({'conditioning': ('float32', (8,)), 'action': ('float32', (8,))}, []),  # one field given twice\n"
+        "    ({'conditioning': ('int64', (8,))}, []),\n"
+        "    ({'conditioning': ('float32', (2, 8))}, []),\n"
+        "    ({'conditioning': ('float32', (8,)), 'timestamp': ('float64', (1,))}, []),  # a key of no schema\n"
+        "    ({}, []),  # no array: self-forcing-1.3b takes none, but tells no recording by it\n"
+        "    (robot, ['dreamzero-14b', 'dreamzero-tiny']),\n"
+        "    ({**robot, 'cartesian_position': ('float32', (6,))}, ['dreamzero-14b', 'dreamzero-tiny']),\n"
+        "    ({k: v for k, v in robot.items() if k != 'wrist_image'}, []),  # a required field missing\n"
+        "    ({**robot, 'wrist_image': ('uint8', (0, 48, 3))}, []),  # an empty image\n"
+        "]\n"
+        "for layout, expected in cases:\n"
+        "    assert taking(layout) == expected, (layout, taking(layout), expected)\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env=_env())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "ok\n"

@@ -1631,14 +1631,16 @@ def _failed_episodes(stats: Any, episodes: list[Any], resume: ResumeCommand) -> 
                 f"moved: a symlink there to where it is now will do), then continue with: {again}")
     foreign = [e for e in episodes if e.name in stats.foreign]
     all_foreign = not missing and len(foreign) == len(stats.failed)
-    new_run = "ardiff rollout CONFIG " + " ".join(shell_word(e.path) for e in foreign) + " --out NEW"
+    new_run, config_note, more_note = _new_run_of(foreign, stats.errors) if foreign else ("", "", "")
     one = len(foreign) == 1
     if all_foreign:  # a resume runs them with this run's config again: it fails them the same way
-        hint = (f"run {'it' if one else 'them'} with the config {'it was' if one else 'they were'} recorded for, in "
-                f"another --out (a --resume keeps this run's config): {new_run}")
+        hint = (f"run {'it' if one else 'them'} with the config {'it was' if one else 'they were'} recorded "
+                f"for{config_note}, in another --out (a --resume keeps this run's config){more_note}: {new_run}")
     elif foreign:  # beside other failures, which the resume goes on with: the resume fails these alike
-        hint += (f"; {', '.join(e.name for e in foreign)} {'was' if one else 'were'} recorded for another pipeline: "
-                 f"run {'it' if one else 'them'} with {'its' if one else 'their'} config, in another --out: {new_run}")
+        named = ", ".join(e.name for e in foreign[:MAX_LISTED_EPISODES])
+        named += f" and {len(foreign) - MAX_LISTED_EPISODES} more" if len(foreign) > MAX_LISTED_EPISODES else ""
+        hint += (f"; {named} {'was' if one else 'were'} recorded for another pipeline: run {'it' if one else 'them'} "
+                 f"with {'its' if one else 'their'} config{config_note}, in another --out{more_note}: {new_run}")
     if stats.completed_episodes:
         partial = EpisodesFailed(f"{len(stats.failed)} of {plural(num_episodes, 'episode')} failed: {names}; "
                                  "the others completed")
@@ -1662,6 +1664,68 @@ def _failed_episodes(stats: Any, episodes: list[Any], resume: ResumeCommand) -> 
     failed = EpisodesFailed(message, exit_code=max(exit_code_for(e) for e in errors))
     failed.hint = hint  # None: the table's
     return failed
+
+
+MAX_LISTED_EPISODES = 8  # episode folders a new-run hint lists one by one; past that, whole folders, then the first
+
+
+def _new_run_of(foreign: list[Any], errors: dict[str, Exception]) -> tuple[str, str, str]:
+    """The command that runs the episodes recorded for another pipeline (``foreign``, each failed with a
+    ``ForeignRecording`` in ``errors``) with their own config, and two notes for the hint before it: which config
+    (the one built-in config whose schema takes every first step file's arrays is named in the command; none or
+    several, CONFIG is, and the note says so), and what the command leaves out.
+
+    Up to ``MAX_LISTED_EPISODES`` episodes are listed one by one. More: a folder of episodes stands for its episodes
+    when a rollout given it finds those very episodes there and no other (``discover_episodes``, which the command
+    runs); then the first ``MAX_LISTED_EPISODES`` words, and a note naming how many more, and where (their failed
+    lines in results.jsonl). A shell glob could match an episode that is not one of them, so none is given."""
+    from ardiff_cli.io.validate import ForeignRecording
+    from ardiff_cli.runtime.config import builtin_schemas
+    from ardiff_cli.runtime.observation import takes_layout
+
+    layouts = [getattr(errors.get(e.name), "layout", None) for e in foreign]
+    schemas = builtin_schemas() if all(layouts) else {}
+    taking = [name for name, schema in schemas.items() if all(takes_layout(schema, lay) for lay in layouts)]
+    their = "its" if len(foreign) == 1 else "their"
+    config = taking[0] if len(taking) == 1 else "CONFIG"
+    if len(taking) == 1:
+        config_note = f" ({config}: the one built-in config whose schema takes {their} arrays)"
+    elif taking:
+        config_note = f" (CONFIG: {' or '.join(taking)}, whose schemas all take {their} arrays)"
+    elif any(takes_layout(schema, lay) for schema in schemas.values() for lay in layouts):
+        config_note = " (CONFIG: no one built-in config takes them all)"
+    else:
+        config_note = f" (CONFIG: no built-in config's schema takes {their} arrays)"
+    words = [(shell_word(e.path), 1) for e in foreign]  # (word, episodes it runs)
+    if len(words) > MAX_LISTED_EPISODES:
+        groups: dict[Path, list[Any]] = {}
+        for e in foreign:
+            groups.setdefault(e.path.parent, []).append(e)
+        words = []
+        for parent, group in groups.items():
+            if len(group) > 1 and _runs_exactly(parent, group):
+                words.append((shell_word(parent), len(group)))
+            else:
+                words += [(shell_word(e.path), 1) for e in group]
+    given = words[:MAX_LISTED_EPISODES]
+    more_note = ""
+    if len(given) < len(words):
+        left = sum(n for _, n in words[len(given):])
+        more_note = (f"; this runs {plural(sum(n for _, n in given), 'episode')} of {len(foreign)}, the other {left} "
+                     f"are those of results.jsonl's failed lines of error_type {ForeignRecording.__name__}")
+    return f"ardiff rollout {config} {' '.join(w for w, _ in given)} --out NEW", config_note, more_note
+
+
+def _runs_exactly(folder: Path, episodes: list[Any]) -> bool:
+    """Whether a rollout given ``folder`` runs ``episodes`` and no other: it is a folder of episodes, and those are
+    the episodes found in it now."""
+    from ardiff_cli.io.episode import discover_episodes
+
+    try:
+        found = discover_episodes([folder])
+    except (ArdiffError, OSError):  # gone, or one of ardiff's outputs: a rollout refuses it
+        return False
+    return sorted(e.path.resolve() for e in found) == sorted(e.path.resolve() for e in episodes)
 
 
 def _close_engine(engine: Any, output: Output, error: BaseException | None) -> None:

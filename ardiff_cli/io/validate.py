@@ -20,6 +20,9 @@ from ardiff_cli.runtime.observation import ObservationSchema
 from ardiff_cli.io.episode import METADATA_FILE, RawStep, listed
 
 MAX_NAMED_KEYS = 10  # keys outside the schema named one by one in a warning or an error; the rest are counted
+# a foreign file's arrays kept for the closing hint up to this many: a file of 200,000 keys is no schema's, and kept for
+# each of 500 episodes it held the run's memory
+MAX_LAYOUT_KEYS = 64
 RIGHT_CONFIG = "is this the right CONFIG? A recording made for another pipeline holds that pipeline's keys"
 
 
@@ -28,7 +31,14 @@ class ForeignRecording(ObservationError):
     bad file), before any step of its episode ran (after, it is a bad file: ``validate_step``'s ``midway``): a
     recording made for another pipeline. No edit of the file fixes it, nor a ``--resume`` (which keeps the run's
     config): a run with the recording's config does, so a run whose failures are all of this kind hints that rather
-    than its resume."""
+    than its resume. ``layout``: the file's arrays, key -> (dtype name, shape), by which the run's closing hint names
+    the built-in config whose schema takes them (None: more arrays than any schema has fields)."""
+
+    def __init__(self, message: str, *, hint: str | None = None, arrays: dict[str, Any] | None = None) -> None:
+        super().__init__(message, hint=hint)  # defaults: copy.copy (naming_episode) calls it with the message alone
+        self.layout = None if arrays is None or len(arrays) > MAX_LAYOUT_KEYS else {
+            k: (getattr(getattr(v, "dtype", None), "name", type(v).__name__), tuple(getattr(v, "shape", ())))
+            for k, v in arrays.items()}
 
 
 @dataclass(slots=True)
@@ -102,7 +112,7 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
             others = ", ".join(repr(k) + near for k, near in ignored.items()) + and_more
             message = f"{exc}; the file's other keys, not in the schema: {others}"
             if foreign:
-                raise ForeignRecording(message, hint=f"{exc.hint}; {RIGHT_CONFIG}") from None
+                raise ForeignRecording(message, hint=f"{exc.hint}; {RIGHT_CONFIG}", arrays=raw.arrays) from None
             raise ObservationError(message, hint=exc.hint) from None
         raise
     if ignored and not field_keys & set(arrays):  # every field optional, and the file holds none of them
@@ -113,7 +123,7 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
                    "model would run on the prompt alone")
         if not foreign:
             raise ObservationError(message, hint=None if midway else RIGHT_CONFIG)
-        raise ForeignRecording(message, hint=RIGHT_CONFIG)
+        raise ForeignRecording(message, hint=RIGHT_CONFIG, arrays=raw.arrays)
     return ValidStep(inputs=inputs, warnings=warnings)
 
 

@@ -128,19 +128,9 @@ def _check_field(f: ObservationField, key: str, value: Any) -> tuple[Any, str | 
     except Exception as exc:  # noqa: BLE001 - any unconvertible value is a user error worth naming
         return None, f"{key!r} is not an array ({type(value).__name__}: {exc})"
     label = repr(key) if key == f.name else f"{key!r} ({f.name})"
-    dtype = array.dtype.name
-    if f.dtype in FLOAT_DTYPES:
-        if dtype not in FLOAT_DTYPES:
-            return None, f"{label} has dtype {dtype}, expected a floating dtype ({f.dtype})"
-    elif dtype != f.dtype:
-        return None, f"{label} has dtype {dtype}, expected {f.dtype}"
-    if not any(shape_matches(array.shape, s) for s in f.shapes):
-        expected = " or ".join(format_shape(s) for s in f.shapes)
-        # (0, 4, 3) read against (*, *, 3) looks like a match: say what the star excludes
-        empty = any(len(s) == array.ndim and any(want is None and not got for got, want in zip(array.shape, s))
-                    for s in f.shapes)
-        return None, (f"{label} has shape {format_shape(array.shape)}, expected {expected}"
-                      + (" (an empty array: each * is a size of at least 1)" if empty else ""))
+    problem = _layout_problem(f, label, array.dtype.name, array.shape)
+    if problem:
+        return None, problem
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         # A NaN or Inf would silently poison the session's KV for the rest of the episode.
         bad = ~np.isfinite(array)
@@ -157,6 +147,36 @@ def _check_field(f: ObservationField, key: str, value: Any) -> tuple[Any, str | 
                       f"index {first}: {array[first]:.3g}), expected finite numbers of magnitude up to "
                       f"{np.finfo(f.dtype).max:.3g}")
     return converted, None
+
+
+def _layout_problem(f: ObservationField, label: str, dtype: str, shape: tuple[int, ...]) -> str | None:
+    """What is wrong with an array of ``dtype`` and ``shape`` for field ``f`` (None: nothing), its values unread."""
+    if f.dtype in FLOAT_DTYPES:
+        if dtype not in FLOAT_DTYPES:
+            return f"{label} has dtype {dtype}, expected a floating dtype ({f.dtype})"
+    elif dtype != f.dtype:
+        return f"{label} has dtype {dtype}, expected {f.dtype}"
+    if not any(shape_matches(shape, s) for s in f.shapes):
+        expected = " or ".join(format_shape(s) for s in f.shapes)
+        # (0, 4, 3) read against (*, *, 3) looks like a match: say what the star excludes
+        empty = any(len(s) == len(shape) and any(want is None and not got for got, want in zip(shape, s))
+                    for s in f.shapes)
+        return (f"{label} has shape {format_shape(shape)}, expected {expected}"
+                + (" (an empty array: each * is a size of at least 1)" if empty else ""))
+    return None
+
+
+def takes_layout(schema: ObservationSchema, layout: Mapping[str, tuple[str, tuple[int, ...]]]) -> bool:
+    """Whether ``schema`` takes a step file of these arrays (key -> (dtype name, shape)), their values unread: each
+    key one of its fields', no field twice, every required one there, each dtype and shape accepted. A file of no
+    array is no schema's: a recording is told by the arrays it holds."""
+    seen: set[str] = set()
+    for key, (dtype, shape) in layout.items():
+        f = schema.field(key)
+        if f is None or f.name in seen or _layout_problem(f, key, dtype, shape) is not None:
+            return False
+        seen.add(f.name)
+    return bool(seen) and all(f.name in seen for f in schema.fields if f.required)
 
 
 def lone_surrogate(text: str) -> str | None:
