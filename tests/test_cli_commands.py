@@ -1373,6 +1373,7 @@ def test_a_choice_given_with_a_near_miss_offers_the_one_alike(tmp_path):
             (("rollout", "--order", "roundrobin"), "roundrobin", "'round-robin', 'sequential'", "round-robin"),
             (("rollout", "--order", "Round_Robin"), "Round_Robin", "'round-robin', 'sequential'", "round-robin"),
             (("rollout", "--order", "sequentail"), "sequentail", "'round-robin', 'sequential'", "sequential"),
+            (("rollout", "--order", "seq"), "seq", "'round-robin', 'sequential'", "sequential"),
             (("warmup", "--format", "jsn"), "jsn", "'auto', 'rich', 'plain', 'json'", "json"),
             (("inspect-capacity", "--attention-backend", "vlm"), "vlm", "'auto', 'torch', 'vllm'", "vllm"),
             (("rollout", "--order", "fifo"), "fifo", "'round-robin', 'sequential'", None),

@@ -5995,7 +5995,7 @@ def test_the_command_a_config_given_after_its_episodes_hints_at_pastes_into_bash
     proc = ardiff(env, "rollout", "--no-warmup", "--", AWKWARD, str(data / "fast.yaml"), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     command = hinted(proc.stderr, r"pass the config first: (.*)$")
-    assert shlex.split(command) == ["ardiff", "rollout", str(data / "fast.yaml"), f"./{AWKWARD}"]
+    assert shlex.split(command) == ["ardiff", "rollout", str(data / "fast.yaml"), f"./{AWKWARD}", "--no-warmup"]
     ran = pasted(env, f"{command} --out run --no-warmup", tmp_path)
     assert ran.returncode == 0, ran.stderr
     assert len(records(tmp_path / "run")) == 6

@@ -1367,7 +1367,7 @@ def test_an_unknown_option_that_begins_several_is_offered_each(cli_env, command,
     assert proc.stderr == f"Error: No such option: {option}{offered}\nhint: see ardiff {command} --help\n", proc.stderr
 
 
-UNRELATED = [("depth", "model"), ("steps", "model"), ("threads", "model"), ("heads", "runtime"), ("node", "top"),
+UNRELATED = [("depth", "model"), ("threads", "model"), ("arm_steps", "model"), ("heads", "runtime"), ("node", "top"),
              ("medal", "top"), ("gpu", "device"), ("run.yaml", "files"), ("dropout", "fields")]
 TYPOS = [("modle", "top", "model"), ("runtim", "top", "runtime"), ("checkpoints", "top", "checkpoint"),
          ("layers", "model", "num_layers"), ("heads", "model", "num_heads"), ("threads", "runtime", "num_threads"),
@@ -1376,7 +1376,11 @@ TYPOS = [("modle", "top", "model"), ("runtim", "top", "runtime"), ("checkpoints"
          ("ROBOT.YAML", "files", "Robot.YAML"), ("DREAMZERO", "pipelines", "dreamzero"),
          ("causal-world", "pipelines", "causal_world"), ("dreamzero-tny", "builtins", "dreamzero-tiny"),
          ("evall", "runs", "eval1"), ("jont_position", "fields", "joint_position"), ("promt", "fields", "prompt"),
-         ("output", "options", "out"), ("ord", "options", "order")]
+         ("output", "options", "out"), ("ord", "options", "order"),
+         # alike, a beginning or a word of a longer name, but under difflib's ratio: they were offered nothing
+         ("seq", "orders", "sequential"), ("steps", "model", "num_inference_steps"), ("sink", "model", "sink_frames"),
+         ("sessions", "runtime", "session_capacity"), ("backend", "runtime", "attention_backend"),
+         ("fraction", "runtime", "gpu_memory_fraction"), ("gpu_fraction", "runtime", "gpu_memory_fraction")]
 
 
 def _names(kind):
@@ -1388,7 +1392,8 @@ def _names(kind):
             "files": ["t.yaml", "my_config.yaml", "Robot.YAML"], "presets": ["tiny", "14b"],
             "fields": ["exterior_image_0", "wrist_image", "joint_position", "gripper_position", "prompt"],
             "pipelines": ["dreamzero", "causal_world"], "builtins": sorted(builtin_configs()),
-            "runs": ["eval1", "sweep1", "sweep2"], "options": ["out", "order", "format", "follow"]}[kind]
+            "runs": ["eval1", "sweep1", "sweep2"], "options": ["out", "order", "format", "follow"],
+            "orders": ["round-robin", "sequential"]}[kind]
 
 
 @pytest.mark.parametrize(("name", "kind"), UNRELATED)
@@ -1409,7 +1414,9 @@ def test_a_did_you_mean_still_names_a_typo_or_a_name_sharing_a_word(name, kind, 
 
 
 @pytest.mark.parametrize(("text", "unknown", "offered"), [
-    ("model: {steps: 4}\n", "model.steps", ""), ("model: {depth: 4}\n", "model.depth", ""),
+    ("model: {steps: 4}\n", "model.steps", " (did you mean 'num_inference_steps'?)"),
+    ("runtime: {sessions: 4}\n", "runtime.sessions", " (did you mean 'session_capacity'?)"),
+    ("model: {depth: 4}\n", "model.depth", ""),
     ("runtime: {heads: 4}\n", "runtime.heads", ""), ("model: {layers: 4}\n", "model.layers", " (did you mean "
                                                                                               "'num_layers'?)"),
 ])
@@ -2199,7 +2206,8 @@ def test_a_run_folder_given_as_config_hints_its_resume(tmp_path, cli_env):
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "arm_a"), "--format", "plain"],
                           env=cli_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.endswith(f"\nhint: pass the config first: ardiff rollout dreamzero-tiny {tmp_path / 'arm_a'}\n")
+    assert proc.stderr.endswith(f"\nhint: pass the config first: ardiff rollout dreamzero-tiny {tmp_path / 'arm_a'} "
+                                "--format plain\n")
 
 
 # what a run folder's hint says of a .lock holding the pid 12345 alone, which no process holds (a stopped rollout's)
@@ -2675,7 +2683,7 @@ def test_an_episode_file_given_as_config_says_so_and_gives_the_rollout_that_read
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", given, "arm_b", "--format", "plain"],
                           env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
-    again = "ardiff rollout dreamzero-tiny arm_a arm_b"
+    again = "ardiff rollout dreamzero-tiny arm_a arm_b --format plain"
     assert proc.stderr == (f"Error: CONFIG '{given}' is {what} of the episode arm_a, not a config: the first argument "
                            "is a config file or a built-in config name\nhint: pass the config first, then the "
                            f"episode's folder: {again}\n")
@@ -2728,8 +2736,9 @@ def test_a_step_file_given_as_config_says_what_it_is(tmp_path, cli_env, command,
     # it is named a step file of its episode (not "a .safetensors file", as a checkpoint is)
     assert message == (f"Error: CONFIG '{step}' is a step file (one step's observations) of the episode {step.parent}, "
                        "not a config: the first argument is a config file or a built-in config name"), proc.stderr
-    assert hint == (f"pass the config first, then the episode's folder: ardiff rollout dreamzero-tiny {step.parent}\n"
-                    if command == "rollout" else "pass a config, e.g. ardiff warmup dreamzero-tiny\n")  # not the file
+    assert hint == (f"pass the config first, then the episode's folder: ardiff rollout dreamzero-tiny {step.parent} "
+                    "--format plain\n" if command == "rollout"
+                    else "pass a config, e.g. ardiff warmup dreamzero-tiny\n")  # not the file
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".pth", ".ckpt", ".bin"])
@@ -2757,7 +2766,49 @@ def test_episodes_given_before_the_config_get_a_hint_that_keeps_the_config(tmp_p
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data), str(config), "--format", "plain"],
                           env=cli_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.endswith(f"hint: pass the config first: ardiff rollout {config} {data}\n"), proc.stderr
+    assert proc.stderr.endswith(f"hint: pass the config first: ardiff rollout {config} {data} --format plain\n"), \
+        proc.stderr
+
+
+def test_a_hint_that_puts_the_config_first_keeps_the_options_given(tmp_path, cli_env):
+    # `ardiff rollout data -o "runs/eval 1" --order sequential` (the config forgotten) was told `ardiff rollout
+    # dreamzero-tiny data`: pasted, it ran into ./ardiff-runs/<time> in round-robin, the options given left out.
+    data = episode(tmp_path / "data" / "arm_a", 1).parent
+    out = tmp_path / "runs" / "eval 1"
+    options = ["-o", str(out), "--order", "sequential", "--no-warmup", "--format", "plain"]
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data), *options], cwd=tmp_path,
+                          env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    hint = proc.stderr.splitlines()[-1]
+    assert hint.startswith("hint: pass the config first: "), proc.stderr
+    words = shlex.split(hint.removeprefix("hint: pass the config first: "))
+    assert words == ["ardiff", "rollout", "dreamzero-tiny", str(data), *options], hint
+    pasted = subprocess.run([sys.executable, "-m", "ardiff_cli", *words[1:]], cwd=tmp_path, env=cli_env,
+                            capture_output=True, text=True, timeout=300)
+    assert pasted.returncode == 0, pasted.stderr
+    assert json.loads((out / "summary.json").read_text())["order"] == "sequential"
+    # a step file given as CONFIG, and a value given with '=' or after '--': the same
+    step = data / "arm_a" / "step_000000.safetensors"
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--out=x", "--follow", "--", str(step)],
+                          cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith("hint: pass the config first, then the episode's folder: ardiff rollout dreamzero-tiny "
+                                f"{data / 'arm_a'} --out=x --follow\n"), proc.stderr
+
+
+def test_a_camera_frame_written_as_floats_is_hinted_how_to_write_it_as_uint8(tmp_path, cli_env):
+    # a frame in 0..1 floats (what most image libraries hand a recorder) said "'wrist_image' has dtype float32,
+    # expected uint8", hint "fields: exterior_image_0, ...": the fields the user had, not how to convert them.
+    frame = good(0, 0)["wrist_image"]
+    assert frame.dtype == np.uint8
+    data = episode(tmp_path / "arm_a", 1, step0={"wrist_image": frame.astype(np.float32) / 255}).parent
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", str(data / "arm_a"),
+                           "--out", str(tmp_path / "run"), "--no-warmup", "--format", "plain"], env=cli_env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "'wrist_image' has dtype float32, expected uint8" in proc.stderr, proc.stderr
+    assert ("; 'wrist_image' takes uint8, 0 to 255 (a camera frame's pixels): from floats in [0, 1], write "
+            "np.clip(np.rint(x * 255), 0, 255).astype(np.uint8)\n") in proc.stderr, proc.stderr
 
 
 def test_hints_that_show_a_command_quote_its_paths_and_keep_the_episodes_order(tmp_path, cli_env):
@@ -2767,7 +2818,8 @@ def test_hints_that_show_a_command_quote_its_paths_and_keep_the_episodes_order(t
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(first), str(second), "--format",
                            "plain"], env=cli_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.endswith(f"hint: pass the config first: ardiff rollout dreamzero-tiny '{first}' '{second}'\n")
+    assert proc.stderr.endswith(f"hint: pass the config first: ardiff rollout dreamzero-tiny '{first}' '{second}' "
+                                "--format plain\n")
     out = tmp_path / "out dir" / "r s"
     for expected in (0, 2):
         proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", str(first),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,13 +17,14 @@ from ardiff_cli.runtime.errors import ConfigError, ResumeCommand, as_typed, join
 
 
 def load_engine_config(config: str | None, *, pipeline: str | None = None, command: str = "rollout",
-                       episodes: Sequence[Path] = (), plan_only: bool = False, **overrides: Any):
+                       episodes: Sequence[Path] = (), given: str = "", plan_only: bool = False, **overrides: Any):
     """The validated ``EngineConfig`` of CONFIG (a path or built-in name) with runtime ``overrides`` applied.
 
     ``pipeline`` is ``--pipeline`` (a registered name or MODULE:CLASS). ``None``
     overrides keep the config's value; enum options are passed by value. ``command``: the one whose usage a hint
     shows (rollout's folder is its episodes, given without CONFIG before them); ``episodes``: rollout's other
-    arguments, where a config given after the folder is (the hint then puts it first); ``plan_only``: as
+    arguments, where a config given after the folder is (the hint then puts it first); ``given``: its options, as
+    :func:`options_given` writes them, which that hint keeps; ``plan_only``: as
     ``load_config``'s (a checkpoint not found here is noted, not refused).
     """
     from ardiff_cli.runtime.config import builtin_configs, load_config, path_kind
@@ -33,7 +36,7 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
     # rollout given no episode folder, which may mean that folder's episodes
     if config is not None and path_kind(Path(config), "CONFIG") == "folder" and not (
             (command != "rollout" or episodes) and config in builtin_configs()):
-        hint = (f"pass the config first: ardiff rollout {_config_among([Path(config), *episodes])}"
+        hint = (f"pass the config first: ardiff rollout {_config_among([Path(config), *episodes])}{given}"
                 if command == "rollout"
                 else f"pass a config file or a built-in config name, e.g. ardiff {command} {DEFAULT_CONFIG}")
         if command == "rollout":  # `ardiff rollout runs/eval1`: the run to finish, which as an EPISODE is refused
@@ -54,7 +57,7 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
             f"CONFIG {quoted(config)} is {what} of the episode {as_typed(folder)}, not a config: the first argument "
             "is a config file or a built-in config name",
             hint=(f"pass the config first, then the episode's folder: ardiff rollout "
-                  f"{_config_among([folder, *episodes])}" if command == "rollout"
+                  f"{_config_among([folder, *episodes])}{given}" if command == "rollout"
                   else f"pass a config, e.g. ardiff {command} {DEFAULT_CONFIG}"))
     suffix = Path(config).suffix.lower() if config is not None else ""
     pickled = suffix in (".pt", ".pth", ".ckpt", ".bin")  # torch.save's checkpoints
@@ -62,7 +65,8 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
         raise ConfigError(
             f"CONFIG {quoted(config)} is a {suffix} file, not a config: the first argument is a config file or a "
             "built-in config name",
-            hint=(f"pass the config first: ardiff rollout {DEFAULT_CONFIG} {shell_word(Path(config).parent)}; "
+            hint=(f"pass the config first: ardiff rollout {DEFAULT_CONFIG} {shell_word(Path(config).parent)}"
+                  f"{given}; "
                   if command == "rollout" and not pickled
                   else f"pass a config, e.g. ardiff {command} {DEFAULT_CONFIG}; ")
             + "a checkpoint goes in the config's `checkpoint:` field"
@@ -188,6 +192,28 @@ def _config_among(arguments: Sequence[Path]) -> str:
     # a folder named like the default config is written ./NAME: "ardiff rollout dreamzero-tiny" repeated the command
     others = [f"./{a}" if str(a) == config and not yaml else str(a) for a in arguments if not yaml or a != yaml[0]]
     return " ".join(map(shell_word, [config, *others]))
+
+
+def options_given(ctx: Any) -> str:
+    """The options of the command line ``ctx`` (a ``typer.Context``) runs, with their values and in their order, each
+    word as the shell takes it and after a space; its CONFIG and EPISODE words left out ('' for a command not on
+    ``sys.argv``). A hint that gives the command again, the config put first, keeps them: it left out `-o runs/eval1
+    --follow`, and pasted, the run went to ./ardiff-runs/<time> and did not follow."""
+    args = sys.argv[1:]
+    if ctx.info_name not in args:
+        return ""
+    takes_value = {name for param in ctx.command.params
+                   if param.param_type_name == "option" and not getattr(param, "is_flag", False) for name in param.opts}
+    kept: list[str] = []
+    value_next = False
+    for word in args[args.index(ctx.info_name) + 1:]:
+        if word == "--" and not value_next:  # the rest are arguments
+            break
+        if value_next or (word.startswith("-") and word != "-"):
+            # a value written as typed ('~/runs' quoted is the home folder's, as ardiff reads it), else one shell word
+            kept.append(shell_word(word) if value_next and word[:1] not in "-~" else shlex.quote(word))
+            value_next = not value_next and word in takes_value  # `--out DIR`; not `--out=DIR`
+    return "".join(f" {word}" for word in kept)
 
 
 def check_working_folder() -> None:

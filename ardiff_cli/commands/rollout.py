@@ -23,6 +23,7 @@ from ardiff_cli.commands._common import (
     does_not_fit_hint,
     image_size,
     load_engine_config,
+    options_given,
     refuse_contradictions,
     refuse_what_this_machine_lacks,
     stop_between_requests,
@@ -168,6 +169,7 @@ def _parse_idle_timeout(text: str) -> float:
 
 
 def rollout(
+    ctx: typer.Context,
     config: ConfigArg = None,
     episodes: EpisodesArg = None,
     out: OutOpt = None,
@@ -250,7 +252,7 @@ def rollout(
             start = None if resume else _start_arguments(config, episodes, pipeline, overrides, options, swap_space,
                                                          warmup=warmup, fail_fast=fail_fast)
             prepared = _prepare(config, episodes, out, resume, overrides, output, pipeline=pipeline, options=options,
-                                run=folder, again=again, start=start)
+                                run=folder, again=again, start=start, given=options_given(ctx))
             from ardiff_cli.io.run import recorded_resume
 
             resume_command = ResumeCommand(prepared.out_dir, None, tuple(given), capacity)
@@ -366,14 +368,15 @@ def _pipeline_path(pipeline: str) -> list[str] | None:
 def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,
              overrides: dict[str, Any], output: Output, *, pipeline: str | None = None,
              options: dict[str, Any], run: Any = None, again: ResumeCommand | None = None,
-             start: dict[str, Any] | None = None) -> _Prepared:
+             start: dict[str, Any] | None = None, given: str = "") -> _Prepared:
     """Config, episodes, output folder and ``options`` (order, follow, idle_timeout, preview, swap_space), from
     the command line or (``--resume``) from run.json: a resumed run goes on in its order, following and drawing
     previews, within the memory, sessions and swap space it started with; ``None`` in ``options`` and
     ``overrides`` means not given. The run's folder is locked when it returns; a resume's before the run.json it
     checks against the command line, and goes on with, is read (no other process can change it meanwhile). ``run``: a
     resume's ``RunFolder(out)``, made by the caller (None: made here); ``again``: the resume as given (its hints');
-    ``start``: a new run's arguments, which its lock file records (:func:`_start_arguments`)."""
+    ``start``: a new run's arguments, which its lock file records (:func:`_start_arguments`); ``given``: the options
+    of the command line (:func:`options_given`), for a hint that gives it again with the config first."""
     from ardiff_cli.io.run import RunFolder, recorded_resume
 
     run = RunFolder(out) if run is None and resume and out is not None else run
@@ -384,7 +387,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         run.lock(continue_with(recorded_resume(again or ResumeCommand(run.root), recorded)))
     try:
         return _prepare_run(run, config, episode_paths, out, resume, overrides, output, pipeline=pipeline,
-                            options=options, again=again, start=start)
+                            options=options, again=again, start=start, given=given)
     except BaseException:
         if run is not None:
             run.close()
@@ -393,7 +396,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
 
 def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,
                  overrides: dict[str, Any], output: Output, *, pipeline: str | None, options: dict[str, Any],
-                 again: ResumeCommand | None = None, start: dict[str, Any] | None = None) -> _Prepared:
+                 again: ResumeCommand | None = None, start: dict[str, Any] | None = None, given: str = "") -> _Prepared:
     """:func:`_prepare`'s work; ``run``: a resume's run folder, locked."""
     from ardiff_cli.io.demo import ensure_demo_episodes
     from ardiff_cli.io.episode import discover_episodes
@@ -440,7 +443,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
     if not resume:
         _refuse_a_run_inside_a_run(out)
     try:
-        cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), **overrides)
+        cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), given=given, **overrides)
     except ConfigError as exc:
         # an edit that no longer loads (a key misspelt) is refused as the edit it is, as before the file was parsed
         if resume and (now := _config_sha256(Path(config))) is not None:

@@ -204,6 +204,7 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
                                hint=f"pass a dict of its fields: {', '.join(f.name for f in schema.fields)}"
                                + (f", and the prompt {schema.prompt_key!r}" if schema.prompt_key else ""))
     problems: list[str] = []
+    as_floats: list[str] = []  # uint8 fields (camera frames) given as floats: the hint says how to convert them
     out: dict[str, Any] = {}
     seen: dict[str, str] = {}  # canonical name -> key it came from
     prompt_keys = (schema.prompt_key, *schema.prompt_aliases) if schema.prompt_key else ()
@@ -236,6 +237,8 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
         array, problem = _check_field(f, key, value)
         if problem:
             problems.append(problem)
+            if f.dtype == "uint8" and " has dtype float" in problem:
+                as_floats.append(key)
         else:
             out[f.name] = array
     for f in schema.fields:
@@ -250,5 +253,9 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
         if any("expected finite numbers" in p for p in problems):
             hint += ("; fix or drop the step in the recording (a sensor dropout?): ardiff never feeds "
                      "non-finite values to the model")
+        if as_floats:  # images as most libraries hand them to a recorder
+            hint += (f"; {', '.join(map(repr, as_floats))} {'takes' if len(as_floats) == 1 else 'take'} uint8, 0 to "
+                     "255 (a camera frame's pixels): from floats in [0, 1], write "
+                     "np.clip(np.rint(x * 255), 0, 255).astype(np.uint8)")
         raise ObservationError(f"{where}: " + "; ".join(problems), hint=hint)
     return out
