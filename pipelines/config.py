@@ -124,12 +124,6 @@ def _item_types(hint: Any) -> tuple[Any, ...] | None:
     return kinds
 
 
-def init_fields(cls: type) -> dict[str, Any]:
-    """Settable field name -> resolved type."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
-
-
 def checked_fields(cls: type) -> dict[str, Any]:
     """Settable field name -> resolved type, of each field ``_coerce`` checks and converts: one of a plain type
     (bool, int, float, str, or a tuple of them: ``tuple[int, ...]``, ``tuple[str, float]``) whose annotation resolves
@@ -146,7 +140,8 @@ def _resolved_fields(cls: type) -> dict[str, Any]:
     ``get_type_hints`` would (in its declaring class's module and class namespace), and each one that does not
     resolve is an ``ArdiffWarning``, once per class, naming it: its value is kept unchecked."""
     try:
-        return init_fields(cls)
+        resolved = typing.get_type_hints(cls)
+        return {f.name: resolved[f.name] for f in dataclasses.fields(cls) if f.init}
     except Exception:  # NameError mostly; AttributeError for `np.floaty`, TypeError for `int | 'Later'`
         pass
     hints: dict[str, Any] = {}
@@ -181,15 +176,12 @@ def _caller_stacklevel() -> int:
 _WARNED_UNRESOLVED: weakref.WeakSet[type] = weakref.WeakSet()  # classes whose unresolved fields were warned of
 
 
-def derived_fields(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls) if not f.init)
-
-
 def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str, presets: Mapping[str, dict]) -> C:
     """Build ``cls`` from a mapping: an optional ``preset`` first, then explicit keys on top of it."""
     if not isinstance(data, Mapping):
         raise field_error(where, "model", "a mapping", data)
     settable = [f.name for f in dataclasses.fields(cls) if f.init]
+    derived = {f.name for f in dataclasses.fields(cls) if not f.init}
     values: dict[str, Any] = {}
     preset = data.get("preset")
     if preset is not None:
@@ -203,7 +195,7 @@ def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str, prese
     for key, value in data.items():
         if key == "preset":
             continue
-        if key in derived_fields(cls):
+        if key in derived:
             raise ConfigError(
                 f"{where}: field 'model.{key}' is derived, not set",
                 hint=f"set the fields it derives from instead; settable fields: {', '.join(settable)}",

@@ -95,19 +95,22 @@ def refuse_what_this_machine_lacks(cfg: Any, *, device: str | None, attention_ba
     with config_field_named(cfg, "device", device):
         resolved = resolve_device(runtime.device)
     if runtime.attention_backend == "vllm":
-        refuse_a_backend_not_here(cfg, resolved.type, attention_backend)
+        from ardiff_cli.runtime.kv.layout import KVLayout
+
+        refuse_a_backend_not_here(cfg, resolved.type, attention_backend, KVLayout.from_spec(cfg.kv_cache_spec()))
 
 
-def refuse_a_backend_not_here(cfg: Any, device_type: str, given: str | None) -> None:
+def refuse_a_backend_not_here(cfg: Any, device_type: str, given: str | None, layout: Any) -> str:
     """An attention backend ``vllm`` that cannot run on ``device_type``, refused as the load's selection would (its
     ``ConfigError``, with the config's ``runtime.attention_backend`` named where ``given``, the option's value, is
-    None). Looked up, not imported (``expected_backend``), before vLLM is asked."""
+    None); else the backend expected there, ``"torch"`` or ``"vllm"``. Looked up, not imported (``expected_backend``,
+    with ``layout``, the config's ``KVLayout``), before vLLM is asked."""
     from ardiff_cli.runtime.kv.backends import expected_backend, select_attention_backend
-    from ardiff_cli.runtime.kv.layout import KVLayout
 
-    runtime, layout = cfg.runtime, KVLayout.from_spec(cfg.kv_cache_spec())
-    if expected_backend(runtime.attention_backend, device_type, layout, runtime.dtype)[0] != "error":
-        return
+    runtime = cfg.runtime
+    backend, _ = expected_backend(runtime.attention_backend, device_type, layout, runtime.dtype)
+    if backend != "error":
+        return backend
     with config_field_named(cfg, "attention_backend", given):
         select_attention_backend(runtime.attention_backend, device_type, dtype=runtime.dtype, layout=layout)
     raise AssertionError(f"expected_backend said 'error' on {device_type} but selection succeeded: the two disagree")

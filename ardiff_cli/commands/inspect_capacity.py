@@ -96,7 +96,7 @@ def inspect_capacity(
     with handle_errors(out):
         check_working_folder()
         from ardiff_cli.runtime.capacity import parse_bytes, plan_capacity
-        from ardiff_cli.runtime.kv.backends import describe_backend, expected_backend
+        from ardiff_cli.runtime.kv.backends import describe_backend
         from ardiff_cli.runtime.kv.layout import KVLayout
 
         refuse_contradictions(quiet=quiet, verbose=verbose)
@@ -110,11 +110,10 @@ def inspect_capacity(
         target = resolve_plan_device(runtime.device)
         spec = cfg.kv_cache_spec()
         layout = KVLayout.from_spec(spec)
-        # an explicit vllm that cannot run there: the load's own ConfigError (exit 2), naming the config's field
-        refuse_a_backend_not_here(cfg, target.kind, attention_backend)
+        # an explicit vllm that cannot run there: the load's own ConfigError (exit 2), naming the config's field.
         # The backend decides where the uncommitted block lives (torch: the workspace; vllm: scratch pages),
         # so the plan takes the one expected on the device loading would resolve to.
-        backend, _ = expected_backend(runtime.attention_backend, target.kind, layout, runtime.dtype)
+        backend = refuse_a_backend_not_here(cfg, target.kind, attention_backend, layout)
         if available is not None and available != "auto":
             available_bytes, source = parse_bytes(available), "--available"
         elif available is None and runtime.memory_budget is not None:  # say which set it: both read "memory budget"
@@ -414,6 +413,4 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool, *, kernels: tu
         add_row(f"{_count(int(n))} session{'s' if n != '1' else ''}", f"{_three_digits(fraction * 100)}%",
                 f"of available memory ({verdict})")
     title = visible(f"capacity plan: {data['config']} (pipeline {data['pipeline']}, {plan.dtype})")
-    if plain:
-        return Group(Text(title), table)
-    return Group(Text(title, style="bold"), table)
+    return Group(Text(title, style="" if plain else "bold"), table)

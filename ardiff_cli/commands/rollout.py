@@ -252,7 +252,7 @@ def rollout(
             start = None if resume else _start_arguments(config, episodes, pipeline, overrides, options, swap_space,
                                                          warmup=warmup, fail_fast=fail_fast)
             prepared = _prepare(config, episodes, out, resume, overrides, output, pipeline=pipeline, options=options,
-                                run=folder, again=again, start=start, given=options_given(ctx))
+                                run=folder, again=again, start=start, typed=options_given(ctx))
             from ardiff_cli.io.run import recorded_resume
 
             resume_command = ResumeCommand(prepared.out_dir, None, tuple(given), capacity)
@@ -368,14 +368,14 @@ def _pipeline_path(pipeline: str) -> list[str] | None:
 def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,
              overrides: dict[str, Any], output: Output, *, pipeline: str | None = None,
              options: dict[str, Any], run: Any = None, again: ResumeCommand | None = None,
-             start: dict[str, Any] | None = None, given: str = "") -> _Prepared:
+             start: dict[str, Any] | None = None, typed: str = "") -> _Prepared:
     """Config, episodes, output folder and ``options`` (order, follow, idle_timeout, preview, swap_space), from
     the command line or (``--resume``) from run.json: a resumed run goes on in its order, following and drawing
     previews, within the memory, sessions and swap space it started with; ``None`` in ``options`` and
     ``overrides`` means not given. The run's folder is locked when it returns; a resume's before the run.json it
     checks against the command line, and goes on with, is read (no other process can change it meanwhile). ``run``: a
     resume's ``RunFolder(out)``, made by the caller (None: made here); ``again``: the resume as given (its hints');
-    ``start``: a new run's arguments, which its lock file records (:func:`_start_arguments`); ``given``: the options
+    ``start``: a new run's arguments, which its lock file records (:func:`_start_arguments`); ``typed``: the options
     of the command line (:func:`options_given`), for a hint that gives it again with the config first."""
     from ardiff_cli.io.run import RunFolder, recorded_resume
 
@@ -387,7 +387,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         run.lock(continue_with(recorded_resume(again or ResumeCommand(run.root), recorded)))
     try:
         return _prepare_run(run, config, episode_paths, out, resume, overrides, output, pipeline=pipeline,
-                            options=options, again=again, start=start, given=given)
+                            options=options, again=again, start=start, typed=typed)
     except BaseException:
         if run is not None:
             run.close()
@@ -396,7 +396,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
 
 def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,
                  overrides: dict[str, Any], output: Output, *, pipeline: str | None, options: dict[str, Any],
-                 again: ResumeCommand | None = None, start: dict[str, Any] | None = None, given: str = "") -> _Prepared:
+                 again: ResumeCommand | None = None, start: dict[str, Any] | None = None, typed: str = "") -> _Prepared:
     """:func:`_prepare`'s work; ``run``: a resume's run folder, locked."""
     from ardiff_cli.io.demo import ensure_demo_episodes
     from ardiff_cli.io.episode import discover_episodes
@@ -436,14 +436,13 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
             episode_paths = [Path(e["path"]) for e in info["episodes"]]
             watch = _recorded_watch(info, run.root / RUN_FILE)
             _recorded_folders_exist(info, run.root, watch, again)
-    elif out is not None:
-        if RunFolder(out).holds_run():
-            RunFolder(out).refuse_while_locked()  # a run still going: not one to resume now
-            raise RunFolder(out).held_run()  # with its resume to paste
+    elif out is not None and (existing := RunFolder(out)).holds_run():
+        existing.refuse_while_locked()  # a run still going: not one to resume now
+        raise existing.held_run()  # with its resume to paste
     if not resume:
         _refuse_a_run_inside_a_run(out)
     try:
-        cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), given=given, **overrides)
+        cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), given=typed, **overrides)
     except ConfigError as exc:
         # an edit that no longer loads (a key misspelt) is refused as the edit it is, as before the file was parsed
         if resume and (now := _config_sha256(Path(config))) is not None:
@@ -464,8 +463,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
         source = str(run.root / RUN_FILE)
     else:
         source = budget_source(overrides["memory_budget"] if budget_given else None, cfg)
-    if not resume and (cfg.runtime.device.startswith("cuda") or cfg.runtime.attention_backend == "vllm"
-                       or cfg.checkpoint is None):  # before --out and the demo files
+    if not resume:  # before --out and the demo files
         _under_signals(lambda: _refuse_what_loading_would(cfg, overrides["device"], overrides["attention_backend"]))
     recorded_device = info.get("device") if resume else None
     recorded_backend = info.get("attention_backend") if resume else None
@@ -1216,7 +1214,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
             # `ardiff rollout --format json | head`: once the reader is gone, stop as a shell's SIGPIPE would
             # (exit 141), but between steps, where every written file is whole, so --resume can finish the run.
             # `> events.jsonl` on a disk that fills up stops there too, with the write's error (exit 1).
-            output.on_stdout_lost = lambda exc: signals.defer(_stop_for_lost_stdout(exc, p.resume))
+            output.on_stdout_lost = lambda exc: signals.defer(lost_stdout_stop(exc, continue_with(p.resume)))
             try:
                 with running_out_of_memory_names("importing torch"):
                     from ardiff_cli.runtime.engine import ARDiffusionEngine
@@ -1508,12 +1506,6 @@ def _stop_notice(output: Output, monitor: Any) -> Callable[[int], None]:
                     "again to stop at once; that step's episode then replays on --resume)")
 
     return notice
-
-
-def _stop_for_lost_stdout(exc: OSError, resume: ResumeCommand | None) -> int | Exception:
-    """How a rollout stops once stdout is lost (``lost_stdout_stop``): its write error's hint says to continue with
-    ``resume``, the run's."""
-    return lost_stdout_stop(exc, continue_with(resume))
 
 
 def _nothing_left(p: _Prepared, *, order: str, preview: bool,
