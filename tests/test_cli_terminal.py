@@ -535,18 +535,6 @@ print(repr("".join(shown)))
 """
 
 
-def test_what_the_pipe_holds_shows_when_the_relay_is_killed_as_the_display_ends(tmp_path, cli_env):
-    """The relay killed once the display's end had asked it to finish: the end saw the socket close, as when the
-    relay finishes, and closed its own read end of the pipe, so that the lines waiting there were lost. This process
-    sees that the relay is gone (it refuses an acknowledgement) and shows what the pipe holds itself."""
-    with open(tmp_path / "terminal", "wb") as terminal:
-        proc = subprocess.run([sys.executable, "-c", _KILLED_AS_THE_DISPLAY_ENDS], env=cli_env,
-                              stdout=subprocess.PIPE, stderr=terminal, text=True, timeout=120)
-    assert proc.returncode == 0, (tmp_path / "terminal").read_bytes()[-2000:]
-    assert proc.stdout == "'stray: in the pipe\\n'\n"
-    assert (tmp_path / "terminal").read_bytes() == b""
-
-
 # A line written to descriptor 2 and shown; a second copy of the pipe's write end kept, as a child handed descriptor 2
 # keeps one; then the display's end (stop). The relay finishes: it sends what the pipe holds, shuts its end of the
 # socket for writing and waits for this end to close. Shown the end of the text (``show("")`` after the socket's
@@ -558,7 +546,7 @@ from ardiff_cli import stderr_relay
 stderr_relay.TIMEOUT_S = 600
 shown = []
 def show(text):
-    if relay._stopped and not text and not shown[-1:] == ["<killed>"]:
+    if not text:  # the socket's end, once the relay finished: the one empty text shown
         os.write(held, b"stray: after the relay finished\n")
         os.kill(relay._relay.pid, signal.SIGKILL)
         relay._relay.wait()
@@ -574,17 +562,22 @@ print(repr("".join(shown)))
 """
 
 
-def test_what_the_pipe_holds_shows_when_the_relay_is_killed_after_it_finished(tmp_path, cli_env):
-    """The relay killed after it finished (what the pipe held sent, its end of the socket shut for writing) and
-    before the display's end answered: the socket's end reads the same as a relay that finished and waits, but the
-    relay no longer copies the pipe to the terminal. The display's end tells the two apart by the acknowledgement it
-    sends last, refused by a dead relay, and shows what the pipe holds itself: the line a child wrote then is not
-    lost."""
+@pytest.mark.parametrize("script, shown", [
+    (_KILLED_AS_THE_DISPLAY_ENDS, "stray: in the pipe\n"),
+    (_KILLED_ONCE_IT_FINISHED, "stray: before the end\n<killed>stray: after the relay finished\n")],
+    ids=["as_the_display_ends", "once_it_finished"])
+def test_what_the_pipe_holds_shows_when_the_relay_is_killed(tmp_path, cli_env, script, shown):
+    """The relay killed once the display's end had asked it to finish: the end saw the socket close, as when the
+    relay finishes, and closed its own read end of the pipe, so that the lines waiting there were lost. This process
+    sees that the relay is gone (it refuses an acknowledgement) and shows what the pipe holds itself. Killed after it
+    finished (what the pipe held sent, its end of the socket shut for writing), the relay reads the same at the
+    socket's end as one that finished and waits, but no longer copies the pipe to the terminal: the acknowledgement
+    sent last, refused, tells the two apart, and the line a child wrote then is not lost."""
     with open(tmp_path / "terminal", "wb") as terminal:
-        proc = subprocess.run([sys.executable, "-c", _KILLED_ONCE_IT_FINISHED], env=cli_env,
+        proc = subprocess.run([sys.executable, "-c", script], env=cli_env,
                               stdout=subprocess.PIPE, stderr=terminal, text=True, timeout=120)
     assert proc.returncode == 0, (tmp_path / "terminal").read_bytes()[-2000:]
-    assert proc.stdout == "'stray: before the end\\n<killed>stray: after the relay finished\\n'\n"
+    assert proc.stdout == repr(shown) + "\n"
     assert (tmp_path / "terminal").read_bytes() == b""
 
 

@@ -17,10 +17,11 @@ out and ones that do not (no swap), snapshots dropped for room, explicit ``swap_
   over layers and denoising steps: measured up to 0.07 against outputs of magnitude ~5, while a window one frame too
   short moves some outputs by only 5e-3. So bfloat16 is held to the bit-exact twin, and to the dense recompute only
   within 0.25, a check for gross errors (another session's history, a lost reset). float16 (a config's
-  ``dtype: float16`` runs on the CPU too) keeps 3 more mantissa bits than bfloat16: measured up to 9.6e-3 against
-  outputs of magnitude ~5 (DreamZero, CFG at 3.0: 16 guided steps compound the rounding; 4e-4 for the causal world
-  model), held within 0.03. The bit-exact twin is what holds float16 snapshots written to and read from the swap
-  folder to the uninterrupted session.
+  ``dtype: float16`` runs on the CPU too) keeps 3 more mantissa bits than bfloat16: DreamZero's outputs, measured
+  up to 9.6e-3 against magnitude ~5 (CFG at 3.0: 16 guided steps compound the rounding), are held within 0.03, and
+  the causal world model's (measured 3.8e-4) within 4e-3: a window one frame off moves the causal world model's by
+  1.5e-2 to 2.9e-2 and DreamZero's actions by 0.15 or more, so that both tolerances catch it. The bit-exact twin is
+  what holds float16 snapshots written to and read from the swap folder to the uninterrupted session.
 
 A session closed or reset by the test, or one the runner reports as evicted without its history
 (``session_evicted`` without ``swapped``, ``snapshot_dropped``, a background ``swap_failed``), restarts in both
@@ -44,7 +45,9 @@ from pipelines.rollout import DenseReferenceRollout
 pytestmark = pytest.mark.usefixtures("single_thread", "ardiff_cache")
 
 SESSIONS = ("a", "b", "c")
-DENSE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 0.25, torch.float16: 0.03}
+DENSE_TOLERANCE = {("causal_world", torch.float32): 1e-5, ("dreamzero", torch.float32): 1e-5,
+                   ("causal_world", torch.bfloat16): 0.25, ("dreamzero", torch.bfloat16): 0.25,
+                   ("causal_world", torch.float16): 4e-3, ("dreamzero", torch.float16): 0.03}
 MODULES = {"causal_world": causal_world, "dreamzero": dreamzero}
 
 
@@ -158,7 +161,7 @@ def test_random_request_streams_through_the_runner_equal_a_dense_recompute_of_ea
                 for key, value in out.items():
                     assert torch.equal(value, twin[key]), f"{what}: {key} differs from the never-evicted twin"
                     error = (value.float() - dense[key].float()).abs().max().item()
-                    assert error <= DENSE_TOLERANCE[dtype], f"{what}: {key} off the dense recompute by {error}"
+                    assert error <= DENSE_TOLERANCE[name, dtype], f"{what}: {key} off the dense recompute by {error}"
                 seen["checked"] += 1
                 seen["reset requests"] += reset
                 continue
