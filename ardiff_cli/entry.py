@@ -47,7 +47,8 @@ def raise_dropped_stop() -> None:
     one already being reported. Called where the normal flow passes before a command takes the signals, where that
     stop cannot be on its way out (it leaves through an ``except``): ``main``, once ardiff is imported;
     ``app.Command.invoke``, once Typer built the command and read its options; ``StopSignals``, as a command takes
-    them; ``Output.result``, before a command that never does writes its result."""
+    them; ``Output.result``, before a command that never does writes its result (and a rollout's resume with nothing
+    left to run, before it writes run.json and summary.json)."""
     if stopped_by is not None and signal.getsignal(stopped_by) is _stop:
         raise Stopped(stopped_by)
 

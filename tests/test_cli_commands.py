@@ -927,6 +927,9 @@ main()
     ("pydantic", "inspect-capacity"),  # Typer reads the options (its first import of pydantic)
     ("pipelines.dreamzero", "inspect-capacity"),  # a command that never takes the signals, as it reads the config
     ("pipelines.dreamzero", "rollout"),  # a rollout, as it reads the config, before it takes the signals
+    # the resume of a run with nothing left to run, which never takes them: it wrote run.json and summary.json (ok),
+    # printed its episodes, then stopped as it wrote its result, exit 143 beside a summary.json that said ok
+    ("pipelines.dreamzero", "resume"),
 ])
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
 def test_a_signal_that_lands_in_a_callback_python_runs_as_ardiff_starts_still_stops_the_command(
@@ -942,13 +945,29 @@ def test_a_signal_that_lands_in_a_callback_python_runs_as_ardiff_starts_still_st
     (tmp_path / "fast.yaml").write_text("pipeline: dreamzero\nmodel: {preset: tiny, num_inference_steps: 1}\n"
                                         "runtime: {device: cpu}\n")
     (tmp_path / "arm_a").mkdir()
-    args = (["inspect-capacity", "dreamzero-14b"] if command == "inspect-capacity" else
-            ["rollout", "fast.yaml", "arm_a", "--follow", "--idle-timeout", "5", "--out", "out", "--no-warmup"])
+    args = {"inspect-capacity": ["inspect-capacity", "dreamzero-14b"],
+            "rollout": ["rollout", "fast.yaml", "arm_a", "--follow", "--idle-timeout", "5", "--out", "out",
+                        "--no-warmup"],
+            "resume": ["rollout", "--resume", "--out", "out"]}[command]
+    if command == "resume":  # a run whose every step is done
+        from ardiff_cli.io import write_episode
+        from ardiff_cli.io.demo import demo_step
+        from pipelines.dreamzero import observation_schema
+
+        write_episode(tmp_path / "ep", [demo_step(observation_schema(), (16, 16), 0, 0, 1)], prompt="task")
+        ran = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "fast.yaml", "ep", "--out", "out",
+                              "--no-warmup"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert ran.returncode == 0, ran.stderr
+        summary = (tmp_path / "out" / "summary.json").read_bytes()
     proc = subprocess.run([sys.executable, "-c", SIGNAL_IN_A_CALLBACK, name, when, *args, "--format", "json"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert (proc.returncode, proc.stderr.splitlines()[-1]) == (128 + signum, f"Error: interrupted by {name}"), \
-        proc.stderr
+    lines = proc.stderr.splitlines()
+    if command == "resume":  # stopped before it wrote anything: the run's summary.json is still its own
+        assert lines.pop() == "hint: continue with: ardiff rollout --resume --out out", proc.stderr
+        assert (tmp_path / "out" / "summary.json").read_bytes() == summary
+    assert (proc.returncode, lines[-1]) == (128 + signum, f"Error: interrupted by {name}"), proc.stderr
     assert [json.loads(line)["kind"] for line in proc.stdout.splitlines()] == ["interrupted"], proc.stdout
 
 

@@ -28,7 +28,7 @@ from ardiff_cli.commands._common import (
     refuse_what_this_machine_lacks,
     stop_between_requests,
 )
-from ardiff_cli.entry import signal_of
+from ardiff_cli.entry import raise_dropped_stop, signal_of
 from ardiff_cli.errors_cli import (WARMUP_PAGES_HINT, EpisodesFailed, Interrupted, budget_change,
                                   continue_with, exit_code_for, exit_codes_help, handle_errors, import_hint,
                                   lighter_resume, lighter_resume_hint, open_files_hint, pages_short, to_paste,
@@ -1189,6 +1189,9 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
         finished = None if follow else _nothing_left(p, order=order, preview=preview,
                                                      wall_s=time.monotonic() - started)
         if finished is not None:  # loading a model (minutes for a large one) would change nothing
+            # as it never takes the signals: a stop Python dropped as it began, before run.json and summary.json are
+            # written (Output.result raised it after them: exit 143 beside a summary.json that said ok)
+            raise_dropped_stop()
             _same_device(p.cfg.runtime.device, p.recorded_device, load=False)  # before anything is written
             drop_kept(swap_dir)
             remove_snapshot_files(swap_dir)
