@@ -34,7 +34,7 @@ from ardiff_cli.entry import interrupted_message
 from ardiff_cli.io import write_episode
 from ardiff_cli.io.demo import demo_step
 from ardiff_cli.runtime.errors import ResumeCommand
-from pipeline_helpers import (NOTICE, on_path, open_to_write, outputs, records, start_with_fault_files,
+from pipeline_helpers import (HOLD_IMPORT, NOTICE, on_path, open_to_write, outputs, records, start_with_fault_files,
                               stop_inside_a_fault, syscall_number, wait_blocked, wait_for_marker, wait_reading)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -1584,6 +1584,40 @@ def test_a_failed_runs_resume_hint_carries_the_folders_of_its_pipeline_module_an
     assert last_hint(proc.stderr).endswith(f"continue with: {again}"), proc.stderr
     from test_cli_rollout import pasted
 
+    unset = {key: value for key, value in env.items() if key != "PYTHONPATH"}
+    resumed = pasted(unset, f"{again} --no-warmup", elsewhere)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_matches(run, reference)
+
+
+def test_a_resume_stopped_before_it_takes_the_signals_carries_the_folders_of_its_pipeline_module(
+        env, data, reference, tmp_path):
+    """A resume of a run whose --pipeline module was found in the folder the run started in, stopped after it read
+    run.json but before the rollout took the signals (here as it looks up that module): its hint was the resume as
+    typed, without the folders run.json records (PYTHONPATH=...), where every later stop's carries them; pasted in
+    another folder with PYTHONPATH unset, `No module named 'mypipe'`. It carries them, and pasted finishes the run."""
+    from test_cli_rollout import pasted, stopped_while_held
+
+    lab, elsewhere, shim, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "shim", tmp_path / "run"
+    for folder in (lab, elsewhere, shim):
+        folder.mkdir()
+    (lab / "mypipe.py").write_text("from faulty_pipelines import FaultyDreamZero\n\n\n"
+                                   "class Mine(FaultyDreamZero):\n    pass\n")
+    (shim / "sitecustomize.py").write_text(HOLD_IMPORT)
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0}]
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),
+                           "--out", str(run), "--pipeline", "mypipe:Mine", "--no-warmup", "--format", "plain"],
+                          cwd=lab, env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 4, proc.stderr
+    hold = tmp_path / "hold"
+    os.mkfifo(hold)
+    held = {**env, "HOLD": str(hold), "HOLD_MODULE": "mypipe",
+            "PYTHONPATH": os.pathsep.join([str(shim), str(lab), env["PYTHONPATH"]])}
+    code, error = stopped_while_held(held, ["rollout", "--resume", "--out", str(run), "--pipeline", "mypipe:Mine"],
+                                     hold, elsewhere)
+    again = f"{on_path(env, lab)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine"
+    assert code == 143 and error["hint"] == f"continue with: {again}", error
     unset = {key: value for key, value in env.items() if key != "PYTHONPATH"}
     resumed = pasted(unset, f"{again} --no-warmup", elsewhere)
     assert resumed.returncode == 0, resumed.stderr

@@ -269,7 +269,10 @@ def rollout(
             if again is None or folder is None or not folder.found_run:  # no resume of nothing: a typo, an empty one
                 raise
             stop = Interrupted(signal_of(exc))
-            stop.hint = continue_with(again)
+            from ardiff_cli.io.run import recorded_resume
+
+            # run.json read: the run's --pipeline and its module's folders, as a later stop's resume carries them
+            stop.hint = continue_with(again if folder.info_read is None else recorded_resume(again, folder.info_read))
             raise stop from None
 
 

@@ -168,6 +168,9 @@ class RunFolder:
         # whether a read of run.json found it there: a resume stopped before it takes the signals gives its own
         # command to paste only then (not the resume of a folder that does not exist or holds no run)
         self.found_run = False
+        # run.json as the last read_info() read it (None: not read yet): such a stop's resume carries its --pipeline
+        # and the folders its module was imported from (recorded_resume), as a later stop's does
+        self.info_read: dict[str, Any] | None = None
 
     # -- paths ---------------------------------------------------------------------------------------------
 
@@ -296,7 +299,7 @@ class RunFolder:
         """run.json, with the changes of episodes.jsonl's lines made to its ``episodes`` (O(episodes): a --follow run
         of 10,000 episodes' journal takes about 0.2 s to read and check)."""
         signature = self._signature()  # before the files are read: a write during the read is a change after it
-        info = self._read_info()
+        info = self.info_read = self._read_info()
         self._last_read = None if signature is None else (signature, _copied(info))
         return info
 
