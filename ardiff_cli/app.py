@@ -179,7 +179,8 @@ def _run(args: list[str]) -> None:
     # Usage errors (an unknown option, a bad option value) are reported like every other error: `Error:` and
     # `hint:` lines on stderr, or one JSON object on stdout under --format json, never Typer's box.
     try:
-        code = app(args=args, prog_name="ardiff", standalone_mode=False)
+        # obj: the command line as given, which a hint giving it again keeps the options of (options_given)
+        code = app(args=args, prog_name="ardiff", standalone_mode=False, obj=args)
     except typer.TyperException as exc:
         if not args:  # bare `ardiff`: Typer printed the help already
             sys.exit(exc.exit_code)

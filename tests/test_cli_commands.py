@@ -473,6 +473,17 @@ def test_a_folder_named_like_a_built_in_config_does_not_hide_it(tmp_path, monkey
     assert result.stderr.endswith("hint: pass the config first: ardiff rollout dreamzero-tiny ./dreamzero-tiny\n")
 
 
+def test_a_config_first_hint_of_a_command_run_in_process_keeps_no_option_of_sys_argv(tmp_path, monkeypatch):
+    # The hint keeps the options given, which it read from sys.argv: run in a process whose own command line held
+    # `rollout` (`pytest -k rollout`, a script of the user's), it gave that line's options, none of them given.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    monkeypatch.setattr(sys, "argv", ["pytest", "-k", "rollout", "--out", "junk", "--follow"])
+    result = invoke("rollout", "data", "--format", "plain")
+    assert result.exit_code == 2
+    assert result.stderr.endswith("hint: pass the config first: ardiff rollout dreamzero-tiny data\n"), result.stderr
+
+
 def test_a_stdout_that_cannot_encode_a_name_writes_it_escaped(fast_configs, cli_env):
     # PYTHONIOENCODING=ascii (or a latin-1 locale): the plan, already made, ended in a UnicodeEncodeError traceback
     config = fast_configs[1].with_name("конфиг.yaml")

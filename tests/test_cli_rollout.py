@@ -440,8 +440,8 @@ def test_the_new_run_for_many_recordings_of_another_pipeline_gives_their_folder_
     assert proc.returncode == 4, proc.stderr
     assert (f"continue with: ardiff rollout --resume --out {run}; cw_00, cw_01, cw_02, cw_03, cw_04, cw_05, cw_06, "
             "cw_07 and 2 more were recorded for another pipeline: run them with their config (causal-world-tiny: the "
-            "one built-in config whose schema takes their arrays), in another --out; this runs 8 episodes of 10, the "
-            "other 2 are those of results.jsonl's failed lines of error_type ForeignRecording: ardiff rollout "
+            "one built-in config whose schema takes their arrays), in another --out; this runs 8 episodes of 10: the "
+            f"other 2 are on the lines of error_type ForeignRecording in {run / 'results.jsonl'}: ardiff rollout "
             "causal-world-tiny " + " ".join(str(eps / n) for n in names[:8]) + " --out NEW\n") in proc.stderr, \
         proc.stderr
     # the error itself names every failed episode, arm_c among them

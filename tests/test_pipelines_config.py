@@ -689,6 +689,8 @@ def test_the_built_in_configs_whose_schema_takes_a_step_file_are_told_from_the_c
         "    ({}, []),  # no array: self-forcing-1.3b takes none, but tells no recording by it\n"
         "    (robot, ['dreamzero-14b', 'dreamzero-tiny']),\n"
         "    ({**robot, 'cartesian_position': ('float32', (6,))}, ['dreamzero-14b', 'dreamzero-tiny']),\n"
+        "    # a key of no schema beside every required field of one (a timestamp): a run ignores it, warning\n"
+        "    ({**robot, 'timestamp': ('float64', (1,))}, ['dreamzero-14b', 'dreamzero-tiny']),\n"
         "    ({k: v for k, v in robot.items() if k != 'wrist_image'}, []),  # a required field missing\n"
         "    ({**robot, 'wrist_image': ('uint8', (0, 48, 3))}, []),  # an empty image\n"
         "]\n"

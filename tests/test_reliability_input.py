@@ -1368,7 +1368,11 @@ def test_an_unknown_option_that_begins_several_is_offered_each(cli_env, command,
 
 
 UNRELATED = [("depth", "model"), ("threads", "model"), ("arm_steps", "model"), ("heads", "runtime"), ("node", "top"),
-             ("medal", "top"), ("gpu", "device"), ("run.yaml", "files"), ("dropout", "fields")]
+             ("medal", "top"), ("gpu", "device"), ("run.yaml", "files"), ("dropout", "fields"),
+             # the beginning or a word of several longer names: any one offered is a guess (`dream` was offered
+             # 'dreamzero-14b', a 14B model; `num` 'num_heads'), and `batch` one edit from a word of one ('patch_size')
+             ("dream", "builtins"), ("tiny", "builtins"), ("world", "builtins"), ("num", "model"),
+             ("token", "model"), ("batch", "model")]
 TYPOS = [("modle", "top", "model"), ("runtim", "top", "runtime"), ("checkpoints", "top", "checkpoint"),
          ("layers", "model", "num_layers"), ("heads", "model", "num_heads"), ("threads", "runtime", "num_threads"),
          ("windw_frames", "model", "window_frames"), ("patches", "model", "patch_size"), ("tny", "presets", "tiny"),
@@ -2794,6 +2798,13 @@ def test_a_hint_that_puts_the_config_first_keeps_the_options_given(tmp_path, cli
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.endswith("hint: pass the config first, then the episode's folder: ardiff rollout dreamzero-tiny "
                                 f"{data / 'arm_a'} --out=x --follow\n"), proc.stderr
+    # short options run together, the last taking the next word (`-qo DIR`): the hint gave `-qo --no-warmup`, which
+    # pasted, took --no-warmup for the folder
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data), "-qo", "runs/q", "--no-warmup"],
+                          cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(f"hint: pass the config first: ardiff rollout dreamzero-tiny {data} -qo runs/q "
+                                "--no-warmup\n"), proc.stderr
 
 
 def test_a_camera_frame_written_as_floats_is_hinted_how_to_write_it_as_uint8(tmp_path, cli_env):

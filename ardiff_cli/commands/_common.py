@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -199,11 +198,12 @@ def _config_among(arguments: Sequence[Path]) -> str:
 
 def options_given(ctx: Any) -> str:
     """The options of the command line ``ctx`` (a ``typer.Context``) runs, with their values and in their order, each
-    word as the shell takes it and after a space; its CONFIG and EPISODE words left out ('' for a command not on
-    ``sys.argv``). A hint that gives the command again, the config put first, keeps them: it left out `-o runs/eval1
-    --follow`, and pasted, the run went to ./ardiff-runs/<time> and did not follow."""
-    args = sys.argv[1:]
-    if ctx.info_name not in args:
+    word as the shell takes it and after a space; its CONFIG and EPISODE words left out ('' for a command not run by
+    ardiff's ``main``, whose command line ``ctx.obj`` is: run in process, sys.argv is another program's). A hint that
+    gives the command again, the config put first, keeps them: it left out `-o runs/eval1 --follow`, and pasted, the
+    run went to ./ardiff-runs/<time> and did not follow."""
+    args = ctx.obj
+    if not isinstance(args, list) or ctx.info_name not in args:
         return ""
     takes_value = {name for param in ctx.command.params
                    if param.param_type_name == "option" and not getattr(param, "is_flag", False) for name in param.opts}
@@ -215,7 +215,10 @@ def options_given(ctx: Any) -> str:
         if value_next or (word.startswith("-") and word != "-"):
             # a value written as typed ('~/runs' quoted is the home folder's, as ardiff reads it), else one shell word
             kept.append(shell_word(word) if value_next and word[:1] not in "-~" else shlex.quote(word))
-            value_next = not value_next and word in takes_value  # `--out DIR`; not `--out=DIR`
+            # `--out DIR`, `-o DIR`, `-qo DIR` (short options run together: the first taking a value takes the rest
+            # of the word, or the next word where it is last); not `--out=DIR`, `-oDIR`
+            short = [i for i, c in enumerate(word) if i and f"-{c}" in takes_value][:1]
+            value_next = not value_next and (word in takes_value if word.startswith("--") else short == [len(word) - 1])
     return "".join(f" {word}" for word in kept)
 
 

@@ -1632,7 +1632,7 @@ def _failed_episodes(stats: Any, episodes: list[Any], resume: ResumeCommand) -> 
                 f"moved: a symlink there to where it is now will do), then continue with: {again}")
     foreign = [e for e in episodes if e.name in stats.foreign]
     all_foreign = not missing and len(foreign) == len(stats.failed)
-    new_run, config_note, more_note = _new_run_of(foreign, stats.errors) if foreign else ("", "", "")
+    new_run, config_note, more_note = _new_run_of(foreign, stats.errors, resume.out) if foreign else ("", "", "")
     one = len(foreign) == 1
     if all_foreign:  # a resume runs them with this run's config again: it fails them the same way
         hint = (f"run {'it' if one else 'them'} with the config {'it was' if one else 'they were'} recorded "
@@ -1670,7 +1670,7 @@ def _failed_episodes(stats: Any, episodes: list[Any], resume: ResumeCommand) -> 
 MAX_LISTED_EPISODES = 8  # episode folders a new-run hint lists one by one; past that, whole folders, then the first
 
 
-def _new_run_of(foreign: list[Any], errors: dict[str, Exception]) -> tuple[str, str, str]:
+def _new_run_of(foreign: list[Any], errors: dict[str, Exception], out: Any) -> tuple[str, str, str]:
     """The command that runs the episodes recorded for another pipeline (``foreign``, each failed with a
     ``ForeignRecording`` in ``errors``) with their own config, and two notes for the hint before it: which config
     (the one built-in config whose schema takes every first step file's arrays is named in the command; none or
@@ -1679,7 +1679,9 @@ def _new_run_of(foreign: list[Any], errors: dict[str, Exception]) -> tuple[str, 
     Up to ``MAX_LISTED_EPISODES`` episodes are listed one by one. More: a folder of episodes stands for its episodes
     when a rollout given it finds those very episodes there and no other (``discover_episodes``, which the command
     runs); then the first ``MAX_LISTED_EPISODES`` words, and a note naming how many more, and where (their failed
-    lines in results.jsonl). A shell glob could match an episode that is not one of them, so none is given."""
+    lines in the results.jsonl of ``out``, the run's folder). A shell glob could match an episode that is not one of
+    them, so none is given."""
+    from ardiff_cli.io.run import RESULTS_FILE
     from ardiff_cli.io.validate import ForeignRecording
     from ardiff_cli.runtime.config import builtin_schemas
     from ardiff_cli.runtime.observation import takes_layout
@@ -1712,8 +1714,9 @@ def _new_run_of(foreign: list[Any], errors: dict[str, Exception]) -> tuple[str, 
     more_note = ""
     if len(given) < len(words):
         left = sum(n for _, n in words[len(given):])
-        more_note = (f"; this runs {plural(sum(n for _, n in given), 'episode')} of {len(foreign)}, the other {left} "
-                     f"are those of results.jsonl's failed lines of error_type {ForeignRecording.__name__}")
+        more_note = (f"; this runs {plural(sum(n for _, n in given), 'episode')} of {len(foreign)}: the other {left} "
+                     f"are on the lines of error_type {ForeignRecording.__name__} in "
+                     f"{as_typed(Path(out) / RESULTS_FILE)}")
     return f"ardiff rollout {config} {' '.join(w for w, _ in given)} --out NEW", config_note, more_note
 
 

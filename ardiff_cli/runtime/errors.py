@@ -614,8 +614,9 @@ def close_match(name: str, valid: Iterable[str], cutoff: float = 0.6) -> str | N
     `run.yaml` 't.yaml'. Under the default cutoff, a longer name that ``name`` begins or whose words hold each of
     its own, which difflib's ratio left out (the letters the longer name adds count against it: `--order seq`
     'sequential', `runtime: {sessions: 2}` 'session_capacity', `backend` 'attention_backend', `steps`
-    'num_inference_steps' were offered nothing), is offered too, the closest first; one sharing a word alone is not
-    (`arm_steps` 'num_inference_steps')."""
+    'num_inference_steps' were offered nothing), is offered too where it is the only one: of several (`dream`
+    'dreamzero-14b' or 'dreamzero-tiny', `num` 'num_heads' or 'num_layers') any one is a guess; one sharing a word
+    alone is not (`arm_steps` 'num_inference_steps')."""
     folded: dict[str, str] = {}
     for item in valid:
         folded.setdefault(item.casefold(), item)  # of names alike but for case, the first
@@ -625,17 +626,18 @@ def close_match(name: str, valid: Iterable[str], cutoff: float = 0.6) -> str | N
     if near is not None or cutoff > 0.6:  # a stricter cutoff asks for a close name only (registry's typo check)
         return near
     alike = [match for match in folded if _alike(key, match) and _within(key, match)]
-    return folded[max(alike, key=lambda match: difflib.SequenceMatcher(None, key, match).ratio())] if alike else None
+    return folded[alike[0]] if len(alike) == 1 else None
 
 
 def _within(name: str, match: str) -> bool:
     """Whether ``match`` begins with ``name`` (3 letters at least), or holds each word of it (as it is, or a word of
-    4 letters or more one edit or a beginning away): `gpu_fraction` is within 'gpu_memory_fraction'."""
+    4 letters or more a beginning away): `gpu_fraction` is within 'gpu_memory_fraction'; `batch` (a letter off
+    'patch') not within 'patch_size'."""
     if len(name) >= 3 and match.startswith(name):
         return True
     others = _WORDS.findall(match)
-    return all(any(a == b or (min(len(a), len(b)) >= 4 and (_edits(a, b) <= 1 or a.startswith(b) or b.startswith(a)))
-                   for b in others) for a in _WORDS.findall(name))
+    return all(any(a == b or (min(len(a), len(b)) >= 4 and (a.startswith(b) or b.startswith(a))) for b in others)
+               for a in _WORDS.findall(name))
 
 
 _WORDS = re.compile(r"[^\W\d_]+|\d+")  # the words of a name: runs of letters, runs of digits

@@ -167,16 +167,23 @@ def _layout_problem(f: ObservationField, label: str, dtype: str, shape: tuple[in
 
 
 def takes_layout(schema: ObservationSchema, layout: Mapping[str, tuple[str, tuple[int, ...]]]) -> bool:
-    """Whether ``schema`` takes a step file of these arrays (key -> (dtype name, shape)), their values unread: each
-    key one of its fields', no field twice, every required one there, each dtype and shape accepted. A file of no
-    array is no schema's: a recording is told by the arrays it holds."""
+    """Whether ``schema`` takes a step file of these arrays (key -> (dtype name, shape)), their values unread: no
+    field twice, every required one there, each dtype and shape accepted; a key of none of its fields only beside
+    every one of its required fields, as a run ignores it (a timestamp beside a robot's cameras and joints), never
+    where none is required (a sensor's 8 floats named 'action' would make any file a causal_world one). A file of no
+    array of it is no schema's: a recording is told by the arrays it holds."""
     seen: set[str] = set()
+    other = False
     for key, (dtype, shape) in layout.items():
         f = schema.field(key)
-        if f is None or f.name in seen or _layout_problem(f, key, dtype, shape) is not None:
+        if f is None:
+            other = True
+        elif f.name in seen or _layout_problem(f, key, dtype, shape) is not None:
             return False
-        seen.add(f.name)
-    return bool(seen) and all(f.name in seen for f in schema.fields if f.required)
+        else:
+            seen.add(f.name)
+    required = {f.name for f in schema.fields if f.required}
+    return bool(seen) and required <= seen and not (other and not required)
 
 
 def lone_surrogate(text: str) -> str | None:
