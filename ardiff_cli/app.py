@@ -29,7 +29,7 @@ from ardiff_cli.runtime.errors import close_match, did_you_mean, quoted
 class Command(typer.core.TyperCommand):
     """A command whose arguments show what they take in the help's type column (``ARGUMENT_KINDS``), as its options'
     metavars do, instead of a Python annotation, and that stops before it runs for a signal whose stop Python dropped
-    as Typer built it (``entry.raise_dropped_stop``): it ran to its end, exit 0."""
+    as Typer built it or read its options (``entry.raise_dropped_stop``): it ran to its end, exit 0."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

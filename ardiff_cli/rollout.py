@@ -325,7 +325,8 @@ class Rollout:
         self._show_progress(self.episodes, recount=True)
         while True:
             # a signal let the step in flight finish: when that was its episode's last, the episode ends before the
-            # run stops (summary.json counts it completed, its `episode` event and preview are written)
+            # run stops (summary.json counts it completed, its `episode` event and preview are written), and so do
+            # the ends queued ahead of it
             if not self.scheduler.ending:
                 self.signals.check()
             if self._event_error is not None:

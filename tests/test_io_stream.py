@@ -358,6 +358,27 @@ def test_follow_ends_cleanly_when_an_ended_episodes_folder_is_taken_away_before_
     assert warnings == [] and scheduler.late == {}
 
 
+def test_an_episodes_end_after_its_last_step_is_ending_behind_another_episodes_failure(tmp_path):
+    """The poll that hands out b's last step found a's folder gone: a's failure is queued ahead of b's end. The
+    rollout takes a signal that came in b's last step only once ``ending`` is False: it looked at the first queued end
+    alone, so the run stopped before b's end was taken (summary.json counted b incomplete with every step done)."""
+    write_episode(tmp_path / "a", [good(0)], prompt="p", end=False)
+    write_episode(tmp_path / "b", [good(0), good(1)], prompt="p")
+    clock = FakeClock()
+    scheduler = StepScheduler(discover_episodes([tmp_path / "a", tmp_path / "b"]), follow=True, idle_timeout=100,
+                              poll_interval=1, clock=clock, sleep=clock.sleep)
+    assert [(item.episode.name, item.file.step) for item in (scheduler.next(), scheduler.next())] == [("a", 0),
+                                                                                                     ("b", 0)]
+    shutil.rmtree(tmp_path / "a")  # while b's step 0 runs, which takes long enough for the next pick to poll
+    clock.now += 2
+    last = scheduler.next()
+    assert (last.episode.name, last.file.step, last.is_last) == ("b", 1, True)
+    assert scheduler.ending  # b's end is to be taken before the run stops
+    assert [(item.episode.name, item.reason) for item in (scheduler.next(), scheduler.next())] == [
+        ("a", "error"), ("b", "end_marker")]
+    assert not scheduler.ending and scheduler.next() is None
+
+
 def test_a_step_written_under_its_temporary_name_keeps_its_episode_from_the_idle_timeout(tmp_path):
     # write_step writes `.step_000001.safetensors.XXXX.tmp`, then renames it: a step slower to write than
     # --idle-timeout ended its episode, the step never ran, and the run said ok

@@ -244,17 +244,15 @@ def rollout(
         folder = None  # the resume's run folder: its stop gives `again` once run.json was found there
         if resume and out is None:
             _refuse_resume_without_out([config, *(episodes or [])], tuple(given), capacity)
+        from ardiff_cli.io.run import RunFolder, recorded_resume
+
         try:
             if again is not None:
-                from ardiff_cli.io.run import RunFolder
-
                 folder = RunFolder(out)
             start = None if resume else _start_arguments(config, episodes, pipeline, overrides, options, swap_space,
                                                          warmup=warmup, fail_fast=fail_fast)
             prepared = _prepare(config, episodes, out, resume, overrides, output, pipeline=pipeline, options=options,
                                 run=folder, again=again, start=start, typed=options_given(ctx))
-            from ardiff_cli.io.run import recorded_resume
-
             resume_command = ResumeCommand(prepared.out_dir, None, tuple(given), capacity)
             prepared = replace(prepared, resume=recorded_resume(resume_command, prepared.info))
             options = prepared.options
@@ -269,8 +267,6 @@ def rollout(
             if again is None or folder is None or not folder.found_run:  # no resume of nothing: a typo, an empty one
                 raise
             stop = Interrupted(signal_of(exc))
-            from ardiff_cli.io.run import recorded_resume
-
             # run.json read: the run's --pipeline and its module's folders, as a later stop's resume carries them
             stop.hint = continue_with(again if folder.info_read is None else recorded_resume(again, folder.info_read))
             raise stop from None

@@ -269,8 +269,9 @@ class StepScheduler:
 
     @property
     def ending(self) -> bool:
-        """An episode's end, not a failure, is what ``next()`` hands out now, at once (a step it ran was its last)."""
-        return bool(self._pending_ends) and self._pending_ends[0].reason != "error"
+        """An episode's end, not a failure, is among what ``next()`` hands out now, before any step (a step it ran was
+        its last; a poll may have queued another episode's failure ahead of it)."""
+        return any(end.reason != "error" for end in self._pending_ends)
 
     def drop(self, episode_name: str) -> None:
         """Stop scheduling ``episode_name`` (it failed); no EpisodeEnded follows."""
