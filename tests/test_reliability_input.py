@@ -321,6 +321,33 @@ def test_a_file_of_many_extra_keys_names_ten_and_counts_the_rest(tmp_path):
                                     "'t05', 't06', 't07', 't08', 't09' and 15 more")
 
 
+def test_the_did_you_mean_of_a_key_outside_the_schema_is_looked_for_once_not_at_every_step(tmp_path, monkeypatch):
+    """A recording's keys outside the schema (a timestamp, a frame index) are in each of its step files: the
+    did-you-mean of each was looked for again at every step (ten such keys: 15 ms a step on a busy CPU, a name
+    difflib finds nothing for being compared with each of the schema's keys as one they begin or hold the words of)."""
+    from pipelines.dreamzero import observation_schema
+
+    from ardiff_cli.runtime import errors
+
+    looked_for: dict[str, int] = {}
+    close_match = errors.close_match
+
+    def counted(name, valid, *args, **kwargs):  # the real close_match, counted
+        looked_for[name] = looked_for.get(name, 0) + 1
+        return close_match(name, valid, *args, **kwargs)
+
+    monkeypatch.setattr(errors, "close_match", counted)
+    extra = {"timestamp": np.zeros(1), "frame_index": np.zeros(1, np.int64), "jont_position": np.zeros(7)}
+    for step in (1, 2, 3):
+        path = tmp_path / f"step_{step:06d}.safetensors"
+        valid = validate_step(RawStep(arrays={**good(0, step), **extra}, metadata={}), observation_schema(),
+                              path=path, episode_metadata={"prompt": "p"})
+        assert valid.warnings["jont_position"] == (f"{path}: key 'jont_position' is not in the pipeline's schema; "
+                                                   "ignored (did you mean 'joint_position'?)")
+        assert valid.warnings["timestamp"] == f"{path}: key 'timestamp' is not in the pipeline's schema; ignored"
+    assert all(count <= 1 for count in looked_for.values()), looked_for  # none at all where an earlier test looked
+
+
 def test_a_file_none_of_whose_arrays_is_in_a_schema_of_optional_fields_fails_instead_of_running_on_the_prompt(
         tmp_path):
     """A DreamZero recording given to causal-world-tiny (whose one field is optional): every array was ignored with

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import errno
+import functools
 import math
 import os
 import re
@@ -682,7 +683,13 @@ def _alike(name: str, match: str) -> bool:
 
 
 def did_you_mean(name: str, valid: Iterable[str]) -> str:
-    """' (did you mean 'x'?)' when a close match exists, else ''."""
+    """' (did you mean 'x'?)' when a close match exists, else ''. Looked for once for a name and its valid names: a
+    recording's keys outside the schema are in each of its step files, and each step names them again."""
+    return _did_you_mean(name, tuple(valid))
+
+
+@functools.lru_cache(maxsize=256)
+def _did_you_mean(name: str, valid: tuple[str, ...]) -> str:
     match = close_match(name, valid)
     return f" (did you mean {match!r}?)" if match is not None else ""
 
