@@ -1612,7 +1612,8 @@ def _failed_episodes(stats: Any, episodes: list[Any], resume: ResumeCommand) -> 
     episode failed with its folder gone (deleted or renamed while the run read it): 2, saying so, with the way back.
     Every failed one a recording made for another pipeline (``stats.foreign``): the hint is a new run with its
     config, as a resume keeps this run's. ``episodes``: the run's (``EpisodeSource``), those --follow added too."""
-    names = ", ".join(stats.failed)
+    # each one is named on its failed line of results.jsonl and above: 500 names in one line were of no use
+    names = _some(list(stats.failed))
     num_episodes = len(episodes)
     # The run's folder holds the run now, so the same command is refused: the way on is its resume, to paste
     # (a bad file midway, every episode failing so, hinted "see the episode format", of no use at that point)
@@ -1634,9 +1635,7 @@ def _failed_episodes(stats: Any, episodes: list[Any], resume: ResumeCommand) -> 
         hint = (f"run {'it' if one else 'them'} with the config {'it was' if one else 'they were'} recorded "
                 f"for{config_note}, in another --out (a --resume keeps this run's config){more_note}: {new_run}")
     elif foreign:  # beside other failures, which the resume goes on with: the resume fails these alike
-        named = ", ".join(e.name for e in foreign[:MAX_LISTED_EPISODES])
-        named += f" and {len(foreign) - MAX_LISTED_EPISODES} more" if len(foreign) > MAX_LISTED_EPISODES else ""
-        hint += (f"; {named} {'was' if one else 'were'} recorded for another pipeline: run {'it' if one else 'them'} "
+        hint += (f"; {_some([e.name for e in foreign])} {'was' if one else 'were'} recorded for another pipeline: run {'it' if one else 'them'} "
                  f"with {'its' if one else 'their'} config{config_note}, in another --out{more_note}: {new_run}")
     if stats.completed_episodes:
         partial = EpisodesFailed(f"{len(stats.failed)} of {plural(num_episodes, 'episode')} failed: {names}; "
@@ -1664,6 +1663,12 @@ def _failed_episodes(stats: Any, episodes: list[Any], resume: ResumeCommand) -> 
 
 
 MAX_LISTED_EPISODES = 8  # episode folders a new-run hint lists one by one; past that, whole folders, then the first
+
+
+def _some(names: list[str]) -> str:
+    """``a, b, c``, or the first ``MAX_LISTED_EPISODES`` and how many more."""
+    more = len(names) - MAX_LISTED_EPISODES
+    return ", ".join(names[:MAX_LISTED_EPISODES]) + (f" and {more} more" if more > 0 else "")
 
 
 def _new_run_of(foreign: list[Any], errors: dict[str, Exception], out: Any) -> tuple[str, str, str]:
