@@ -1561,13 +1561,9 @@ def test_a_failed_episodes_hint_gives_the_runs_resume_which_pasted_completes_the
     assert_matches(run, reference)
 
 
-def test_a_failed_runs_resume_hint_carries_the_folders_of_its_pipeline_module_and_pastes_from_another_folder(
-        env, data, reference, tmp_path):
-    """`--pipeline mypipe:Mine`, a module in the folder the rollout was started in: the restart its lock records
-    carried the folders Python imported it from (PYTHONPATH=...), but the resume a failed run's hints gave, built
-    from run.json, did not: pasted in another folder, in a shell without PYTHONPATH, `No module named 'mypipe'`.
-    run.json records those folders too, and every resume hint built from it carries them."""
-    lab, elsewhere, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "run"
+def run_failing_in_lab(env: dict, data: Path, lab: Path, elsewhere: Path, run: Path) -> subprocess.CompletedProcess:
+    """A rollout into ``run`` started in ``lab`` with ``--pipeline mypipe:Mine``, a module there (found on the working
+    folder alone), whose step 1 of arm_b fails (exit 4); ``elsewhere`` made, a folder to paste its hints in."""
     lab.mkdir()
     elsewhere.mkdir()
     (lab / "mypipe.py").write_text("from faulty_pipelines import FaultyDreamZero\n\n\n"
@@ -1578,6 +1574,17 @@ def test_a_failed_runs_resume_hint_carries_the_folders_of_its_pipeline_module_an
                           cwd=lab, env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 4, proc.stderr
+    return proc
+
+
+def test_a_failed_runs_resume_hint_carries_the_folders_of_its_pipeline_module_and_pastes_from_another_folder(
+        env, data, reference, tmp_path):
+    """`--pipeline mypipe:Mine`, a module in the folder the rollout was started in: the restart its lock records
+    carried the folders Python imported it from (PYTHONPATH=...), but the resume a failed run's hints gave, built
+    from run.json, did not: pasted in another folder, in a shell without PYTHONPATH, `No module named 'mypipe'`.
+    run.json records those folders too, and every resume hint built from it carries them."""
+    lab, elsewhere, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "run"
+    proc = run_failing_in_lab(env, data, lab, elsewhere, run)
     again = f"{on_path(env, lab)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine"
     step = proc.stderr.split("Error: episode 'arm_b' failed at step 1 in the model's forward: ", 1)[1]
     assert step.split("\nhint: ", 1)[1].split("\n", 1)[0].endswith(f"then continue with: {again}"), proc.stderr
@@ -1599,17 +1606,9 @@ def test_a_resume_stopped_before_it_takes_the_signals_carries_the_folders_of_its
     from test_cli_rollout import pasted, stopped_while_held
 
     lab, elsewhere, shim, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "shim", tmp_path / "run"
-    for folder in (lab, elsewhere, shim):
-        folder.mkdir()
-    (lab / "mypipe.py").write_text("from faulty_pipelines import FaultyDreamZero\n\n\n"
-                                   "class Mine(FaultyDreamZero):\n    pass\n")
+    run_failing_in_lab(env, data, lab, elsewhere, run)
+    shim.mkdir()
     (shim / "sitecustomize.py").write_text(HOLD_IMPORT)
-    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0}]
-    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(data / "eps"),
-                           "--out", str(run), "--pipeline", "mypipe:Mine", "--no-warmup", "--format", "plain"],
-                          cwd=lab, env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 4, proc.stderr
     hold = tmp_path / "hold"
     os.mkfifo(hold)
     held = {**env, "HOLD": str(hold), "HOLD_MODULE": "mypipe",

@@ -1635,8 +1635,9 @@ def _failed_episodes(stats: Any, episodes: list[Any], resume: ResumeCommand) -> 
         hint = (f"run {'it' if one else 'them'} with the config {'it was' if one else 'they were'} recorded "
                 f"for{config_note}, in another --out (a --resume keeps this run's config){more_note}: {new_run}")
     elif foreign:  # beside other failures, which the resume goes on with: the resume fails these alike
-        hint += (f"; {_some([e.name for e in foreign])} {'was' if one else 'were'} recorded for another pipeline: run {'it' if one else 'them'} "
-                 f"with {'its' if one else 'their'} config{config_note}, in another --out{more_note}: {new_run}")
+        hint += (f"; {_some([e.name for e in foreign])} {'was' if one else 'were'} recorded for another pipeline: "
+                 f"run {'it' if one else 'them'} with {'its' if one else 'their'} config{config_note}, in another "
+                 f"--out{more_note}: {new_run}")
     if stats.completed_episodes:
         partial = EpisodesFailed(f"{len(stats.failed)} of {plural(num_episodes, 'episode')} failed: {names}; "
                                  "the others completed")
