@@ -69,6 +69,7 @@ from ardiff_cli.runtime.errors import (
     ResumeCommand,
     WriteHint,
     as_typed,
+    first_of,
     is_out_of_memory,
     link_to_nothing,
     link_to_nothing_on,
@@ -1613,7 +1614,7 @@ def _failed_episodes(stats: Any, episodes: list[Any], resume: ResumeCommand) -> 
     Every failed one a recording made for another pipeline (``stats.foreign``): the hint is a new run with its
     config, as a resume keeps this run's. ``episodes``: the run's (``EpisodeSource``), those --follow added too."""
     # each one is named on its failed line of results.jsonl and above: 500 names in one line were of no use
-    names = _some(list(stats.failed))
+    names = first_of(list(stats.failed), MAX_LISTED_EPISODES)
     num_episodes = len(episodes)
     # The run's folder holds the run now, so the same command is refused: the way on is its resume, to paste
     # (a bad file midway, every episode failing so, hinted "see the episode format", of no use at that point)
@@ -1635,9 +1636,9 @@ def _failed_episodes(stats: Any, episodes: list[Any], resume: ResumeCommand) -> 
         hint = (f"run {'it' if one else 'them'} with the config {'it was' if one else 'they were'} recorded "
                 f"for{config_note}, in another --out (a --resume keeps this run's config){more_note}: {new_run}")
     elif foreign:  # beside other failures, which the resume goes on with: the resume fails these alike
-        hint += (f"; {_some([e.name for e in foreign])} {'was' if one else 'were'} recorded for another pipeline: "
-                 f"run {'it' if one else 'them'} with {'its' if one else 'their'} config{config_note}, in another "
-                 f"--out{more_note}: {new_run}")
+        hint += (f"; {first_of([e.name for e in foreign], MAX_LISTED_EPISODES)} {'was' if one else 'were'} recorded "
+                 f"for another pipeline: run {'it' if one else 'them'} with {'its' if one else 'their'} "
+                 f"config{config_note}, in another --out{more_note}: {new_run}")
     if stats.completed_episodes:
         partial = EpisodesFailed(f"{len(stats.failed)} of {plural(num_episodes, 'episode')} failed: {names}; "
                                  "the others completed")
@@ -1664,12 +1665,6 @@ def _failed_episodes(stats: Any, episodes: list[Any], resume: ResumeCommand) -> 
 
 
 MAX_LISTED_EPISODES = 8  # episode folders a new-run hint lists one by one; past that, whole folders, then the first
-
-
-def _some(names: list[str]) -> str:
-    """``a, b, c``, or the first ``MAX_LISTED_EPISODES`` and how many more."""
-    more = len(names) - MAX_LISTED_EPISODES
-    return ", ".join(names[:MAX_LISTED_EPISODES]) + (f" and {more} more" if more > 0 else "")
 
 
 def _new_run_of(foreign: list[Any], errors: dict[str, Exception], out: Any) -> tuple[str, str, str]:

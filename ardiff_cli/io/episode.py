@@ -32,7 +32,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 from ardiff_cli.io.atomic import TooLarge, open_file, parse_json, read_capped
 from ardiff_cli.runtime.capacity import split_unit_hint
-from ardiff_cli.runtime.errors import (ConfigError, ObservationError, ResumeCommand, as_typed,
+from ardiff_cli.runtime.errors import (ConfigError, ObservationError, ResumeCommand, as_typed, first_of,
                                       link_to_nothing, plural, shell_word, shown, too_many_open_files, yaml_problem,
                                       yaml_syntax_hint)
 
@@ -223,7 +223,7 @@ def other_step_formats(folder: Path) -> list[str]:
 
 def gap_error(folder: Path, steps: list[int], missing: list[int], count: int) -> ObservationError:
     """``missing``: the first missing steps (five are shown), of ``count`` in all."""
-    shown = ", ".join(map(str, missing[:5])) + (f" and {count - 5} more" if count > 5 else "")
+    shown = first_of([str(step) for step in missing], 5, count)
     others = other_step_formats(folder)  # the missing step may be one of them: a suffix in capitals, a .npy
     return ObservationError(
         f"{as_typed(folder)}: step{'s' if count > 1 else ''} {shown} missing: the episode has steps "

@@ -431,6 +431,12 @@ def joined(words: Sequence[str], last: str) -> str:
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} {last} {words[-1]}"
 
 
+def first_of(words: Sequence[str], shown: int, total: int | None = None) -> str:
+    """``a, b, c``: the first ``shown`` of ``words``, and how many more of ``total`` (default: all) there are."""
+    more = (len(words) if total is None else total) - shown
+    return ", ".join(words[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
 def shell_word(path: os.PathLike | str) -> str:
     """``path`` as one word of a command a hint prints for the user to paste into a shell: quoted where it holds a
     space, a quote, ``$`` or a non-ASCII letter, and written ``./-x`` where it begins with '-', which the command
