@@ -220,6 +220,8 @@ def _run(args: list[str]) -> None:
         signum = entry.stopped_by or signal.SIGINT  # or for SIGTERM, SIGHUP (entry.Stopped): 130 all the same
         report_interrupted(args, signum)
         code = 128 + signum
+    if not code:  # --help, --version, whose text came out with exit 0 for a stop Python dropped as they ran
+        entry.raise_dropped_stop()
     sys.exit(code or 0)
 
 

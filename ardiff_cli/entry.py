@@ -17,11 +17,12 @@ import io
 import os
 import signal
 import sys
+from types import FrameType
 
 # Python's own handler of SIGINT raises KeyboardInterrupt for every one; SIGTERM's and SIGHUP's default action kills
 EARLY_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 _DEFAULT = {signal.SIGINT: signal.default_int_handler}  # its handling unless the process was started ignoring it
-stopped_by: int | None = None  # the first signal, the one a Stopped was raised for, which Typer turns into its exit 130
+stopped_by: int | None = None  # the first signal, whose Stopped was raised (or held); Typer turns it into its exit 130
 
 
 class Stopped(KeyboardInterrupt):
@@ -32,23 +33,31 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-def _stop(signum: int, frame: object) -> None:
+def _stop(signum: int, frame: FrameType | None) -> None:
     global stopped_by
     if stopped_by is not None:  # the first one's stop is on its way out, or being reported: only that one counts
         return
     stopped_by = signum
+    # Not raised in a __set_name__ (of a class an import defines: pydantic's, platform's cached_property): Python
+    # before 3.12 wraps what it raises in a RuntimeError, which was a traceback and exit 1. Held, it is raised at the
+    # next check, as one Python dropped (raise_dropped_stop)
+    while frame is not None:
+        if frame.f_code.co_name == "__set_name__":
+            return
+        frame = frame.f_back
     raise Stopped(signum)
 
 
 def raise_dropped_stop() -> None:
-    """Raise again the stop of the first signal if Python dropped it. Raised in a callback Python runs (importlib's
-    module lock, at each import; a weakref's or a ``__del__`` as the garbage collector runs), Python printed it
-    (``Exception ignored in``) and went on: the command ran on to its end, exit 0, and its next signal was ignored as
-    one already being reported. Called where the normal flow passes before a command takes the signals, where that
-    stop cannot be on its way out (it leaves through an ``except``): ``main``, once ardiff is imported;
-    ``app.Command.invoke``, once Typer built the command and read its options; ``StopSignals``, as a command takes
-    them; ``Output.result``, before a command that never does writes its result (and a rollout's resume with nothing
-    left to run, before it writes run.json and summary.json)."""
+    """Raise again the stop of the first signal if Python dropped it, or raise it if it was held (``_stop``, in a
+    ``__set_name__``). Raised in a callback Python runs (importlib's module lock, at each import; a weakref's or a
+    ``__del__`` as the garbage collector runs), Python printed it (``Exception ignored in``) and went on: the command
+    ran on to its end, exit 0, and its next signal was ignored as one already being reported. Called where the normal
+    flow passes before a command takes the signals, where that stop cannot be on its way out (it leaves through an
+    ``except``): ``main``, once ardiff is imported; ``app.Command.invoke``, once Typer built the command and read its
+    options; ``StopSignals``, as a command takes them; ``Output.result``, before a command that never does writes its
+    result (and a rollout's resume with nothing left to run, before it writes run.json and summary.json); ``app._run``,
+    as a command or ``--help``, ``--version`` (which run no command) ends with exit 0."""
     if stopped_by is not None and signal.getsignal(stopped_by) is _stop:
         raise Stopped(stopped_by)
 

@@ -176,7 +176,7 @@ class StderrRelay:
                     if not (data := mine.recv(HELLO_SIZE - len(echoed))):
                         break
                     echoed += data
-            except TimeoutError:
+            except (TimeoutError, ConnectionResetError):  # silent too long, or ended with the token unread
                 pass
             if echoed != hello:
                 raise OSError(f"the stderr relay did not start: {sys.executable} -I -S -c ... sent {echoed!r}, "

@@ -758,6 +758,18 @@ if when == "typer":  # as Typer builds the command from ardiff's app
 
     build = typer.main.get_command
     typer.main.get_command = lambda app: (signal.raise_signal(signal.SIGINT), build(app))[1]
+elif when.startswith("__set_name__ in "):  # in the __set_name__ of a cached_property of a class of that module
+    import functools
+
+    set_name = functools.cached_property.__set_name__
+
+    def __set_name__(self, owner, name):
+        if owner.__module__.startswith(when.split()[-1]):
+            functools.cached_property.__set_name__ = set_name  # once
+            signal.raise_signal(signal.SIGINT)
+        set_name(self, owner, name)
+
+    functools.cached_property.__set_name__ = __set_name__
 else:  # as that module starts to import
     class CtrlC:
         def find_spec(self, name, path=None, target=None):
@@ -777,6 +789,9 @@ main()
     "typer",  # Typer builds the command
     "ardiff_cli.runtime.capacity",  # Typer parses the options (--available's check imports it)
     "ardiff_cli.runtime.kv.backends",  # inside the command
+    # Python (3.11) wraps what a __set_name__ raises in a RuntimeError: a traceback and exit 1, as ardiff imports
+    # (platform's, from Typer) or as Typer reads the options (pydantic's)
+    "__set_name__ in platform", "__set_name__ in pydantic",
 ])
 @pytest.mark.parametrize("format", ["plain", "json"])
 def test_ctrl_c_however_early_is_one_error_line_and_exit_130_never_a_traceback(tmp_path, when, format):
@@ -796,7 +811,8 @@ def test_ctrl_c_however_early_is_one_error_line_and_exit_130_never_a_traceback(t
 
 
 @pytest.mark.parametrize("when", ["ardiff_cli.app", "ardiff_cli.signals", "typer", "ardiff_cli.runtime.capacity",
-                                  "ardiff_cli.runtime.kv.backends"])
+                                  "ardiff_cli.runtime.kv.backends", "__set_name__ in platform",
+                                  "__set_name__ in pydantic"])
 @pytest.mark.parametrize(("name", "code"), [("SIGTERM", 143), ("SIGHUP", 129)])
 def test_sigterm_or_sighup_however_early_ends_the_command_as_ctrl_c_does_with_its_own_exit_code(
         tmp_path, when, name, code):
@@ -941,6 +957,10 @@ main()
     # the resume of a run with nothing left to run, which never takes them: it wrote run.json and summary.json (ok),
     # printed its episodes, then stopped as it wrote its result, exit 143 beside a summary.json that said ok
     ("pipelines.dreamzero", "resume"),
+    # --version, --help and a command's --help, which run no command: they printed their text, exit 0
+    ("ardiff_cli.signals", "--version"),  # app.main begins
+    ("typer.rich_utils", "--help"),  # the help is laid out
+    ("typer.rich_utils", "inspect-capacity --help"),
 ])
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
 def test_a_signal_that_lands_in_a_callback_python_runs_as_ardiff_starts_still_stops_the_command(
@@ -959,7 +979,8 @@ def test_a_signal_that_lands_in_a_callback_python_runs_as_ardiff_starts_still_st
     args = {"inspect-capacity": ["inspect-capacity", "dreamzero-14b"],
             "rollout": ["rollout", "fast.yaml", "arm_a", "--follow", "--idle-timeout", "5", "--out", "out",
                         "--no-warmup"],
-            "resume": ["rollout", "--resume", "--out", "out"]}[command]
+            "resume": ["rollout", "--resume", "--out", "out"]}.get(command, command.split())
+    json_format = [] if command in ("--help", "--version") else ["--format", "json"]  # no option of ardiff itself
     if command == "resume":  # a run whose every step is done
         from ardiff_cli.io import write_episode
         from ardiff_cli.io.demo import demo_step
@@ -971,7 +992,7 @@ def test_a_signal_that_lands_in_a_callback_python_runs_as_ardiff_starts_still_st
                              env={**os.environ, "PYTHONPATH": str(REPO)})
         assert ran.returncode == 0, ran.stderr
         summary = (tmp_path / "out" / "summary.json").read_bytes()
-    proc = subprocess.run([sys.executable, "-c", SIGNAL_IN_A_CALLBACK, name, when, *args, "--format", "json"],
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_IN_A_CALLBACK, name, when, *args, *json_format],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     lines = proc.stderr.splitlines()
@@ -979,7 +1000,10 @@ def test_a_signal_that_lands_in_a_callback_python_runs_as_ardiff_starts_still_st
         assert lines.pop() == "hint: continue with: ardiff rollout --resume --out out", proc.stderr
         assert (tmp_path / "out" / "summary.json").read_bytes() == summary
     assert (proc.returncode, lines[-1]) == (128 + signum, f"Error: interrupted by {name}"), proc.stderr
-    assert [json.loads(line)["kind"] for line in proc.stdout.splitlines()] == ["interrupted"], proc.stdout
+    if json_format and command.endswith("--help"):  # the help came out before the stop, its error object after it
+        assert json.loads(proc.stdout.splitlines()[-1])["kind"] == "interrupted", proc.stdout
+    elif json_format:
+        assert [json.loads(line)["kind"] for line in proc.stdout.splitlines()] == ["interrupted"], proc.stdout
 
 
 @pytest.mark.parametrize("format", [[], ["--format", "json"]], ids=["auto", "json"])

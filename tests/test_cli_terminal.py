@@ -442,6 +442,23 @@ def test_an_executable_that_is_no_python_runs_without_a_relay(tmp_path, cli_env,
     assert any(line.startswith("rollout ok: 8 steps in ") for line in lines), text
 
 
+@pytest.mark.parametrize("says", [">&2", ""], ids=["token_unread", "answer_on_stdout"])
+def test_an_executable_that_is_no_python_is_said_not_to_start_the_relay(tmp_path, monkeypatch, says):
+    """The relay's error where ``sys.executable`` is no Python (the run goes on without a relay, above): it did not
+    start, and what it sent. One that ended without reading the token it was sent reset the socket, and its
+    ConnectionResetError came out instead, from the wait for the token."""
+    from ardiff_cli.stderr_relay import StderrRelay
+
+    fake = tmp_path / "no-python"
+    fake.write_text(f"#!/bin/sh\necho \"no-python: no such option: $1\" {says}\nexit 2\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    with pytest.raises(OSError) as raised:
+        StderrRelay(lambda text: None, "utf-8", None)
+    assert type(raised.value) is OSError and str(raised.value).startswith(
+        f"the stderr relay did not start: {fake} -I -S -c ... sent b"), raised.value
+
+
 # Under a relay (ardiff_cli.stderr_relay) that runs, 20 lines of 70 KB written to descriptor 2, then the display's end
 # (stop, close) while the first of them is still being shown: `show` takes 6 s over it, as a slow terminal would
 _SLOW_SHOW = r"""
