@@ -244,6 +244,42 @@ def test_explicit_cuda_says_why_its_memory_is_unknown(tmp_path):
     assert "--available" in error["hint"]
 
 
+@pytest.mark.parametrize("given", ["config", "option"])
+def test_a_gpu_whose_memory_is_unknown_names_what_asked_for_it_and_the_cpu(tmp_path, given):
+    """No nvidia-smi to measure the GPU asked for: a config's `runtime.device: cuda:1` (one written on a GPU machine)
+    was refused as if --device had asked, and the hint named only --available. The config's field is named, as the
+    load's refusal names it, and the hint offers --device cpu too, which plans for this machine."""
+    config = tmp_path / "gpu.yaml"
+    config.write_text("pipeline: dreamzero\nmodel:\n  preset: tiny\nruntime:\n  device: cuda:1\n")
+    args = [str(config)] if given == "config" else ["dreamzero-tiny", "--device", "cuda:1"]
+    proc = inspect(tmp_path, *args, gpu=False)
+    assert proc.returncode == 2, proc.stderr
+    error = json.loads(proc.stdout)
+    why = "cannot measure free memory of cuda:1 (nvidia-smi GPU 1): nvidia-smi is not available"
+    hint = "pass --available BYTES (e.g. --available 80GiB) to plan for that GPU, or use --device cpu"
+    if given == "config":
+        why, hint = (f"{config}: field 'runtime.device': {why}",
+                     f"{hint}, which overrides the config's; or change runtime.device in {config}")
+    assert (error["kind"], error["message"], error["hint"]) == ("config_error", why, hint), error
+    proc = inspect(tmp_path, *args, "--device", "cpu", gpu=False)  # the hint's fix, pasted
+    assert proc.returncode == 0 and json.loads(proc.stdout)["plan_device"] == "cpu", proc.stderr
+
+
+def test_a_config_device_past_the_visible_gpus_names_the_config_field(tmp_path):
+    """As the load's refusal (`gpu.yaml: field 'runtime.device': ...`): the config that asked for cuda:1 is named,
+    and the hint says the option overrides it."""
+    log = fake_nvidia_smi(tmp_path / "bin")
+    config = tmp_path / "gpu.yaml"
+    config.write_text("pipeline: dreamzero\nmodel:\n  preset: tiny\nruntime:\n  device: cuda:1\n")
+    proc = inspect(tmp_path, str(config), CUDA_VISIBLE_DEVICES="0")
+    assert proc.returncode == 2, proc.stderr
+    error = json.loads(proc.stdout)
+    assert error["message"] == (f"{config}: field 'runtime.device': device 'cuda:1' requested but "
+                                "CUDA_VISIBLE_DEVICES='0' leaves 1 GPU visible (cuda:0 .. cuda:0)"), error
+    assert error["hint"] == ("check CUDA_VISIBLE_DEVICES, or use --device cuda, cpu or auto, which overrides the "
+                             f"config's; or change runtime.device in {config}") and calls_of(log) == []
+
+
 # ------------------------------------------------------------------------- 3. a vllm that cannot run: exit 2
 @pytest.mark.skipif(VLLM_INSTALLED, reason="vLLM is installed")
 @pytest.mark.parametrize(("device", "gpu", "cpu_hint"), [("auto", False, True), ("cuda", True, False),
@@ -491,7 +527,8 @@ def test_an_nvidia_smi_that_cannot_start_or_prints_no_numbers_is_named_and_never
     assert proc.returncode == 2, proc.stderr
     error = json.loads(proc.stdout)
     assert re.fullmatch(rf"cannot measure free memory of cuda:0 \(nvidia-smi GPU 0\): {why}", error["message"]), error
-    assert error["hint"] == "pass --available BYTES (e.g. --available 80GiB)" and "Traceback" not in proc.stderr
+    assert error["hint"] == ("pass --available BYTES (e.g. --available 80GiB) to plan for that GPU, or use --device "
+                             "cpu") and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize(("args", "backend", "scratch"), [

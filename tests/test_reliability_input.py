@@ -876,6 +876,24 @@ def test_a_byte_size_option_out_of_range_says_why(cli_env, args, why):
     assert proc.stderr.startswith(f"Error: Invalid value for '{args[0]}': {why}"), proc.stderr
 
 
+@pytest.mark.parametrize(("args", "why"), [
+    (["warmup", "--memory-budget", "0"], "a byte size must be positive, got '0'"),
+    (["inspect-capacity", "--available", "-4GiB"], "a byte size must be positive, got '-4GiB'"),
+    (["inspect-capacity", "--memory-budget", "-1"], "a byte size must be positive, got '-1'"),
+    (["rollout", "--swap-space", "-1KiB"], "a byte size must be >= 0, got '-1KiB'"),
+])
+def test_a_byte_size_option_below_its_range_says_what_to_give(cli_env, args, why):
+    """A size of 0 or less said only what it must be, and its hint was the command's --help: every other byte size
+    error says what to write (`use a whole number of bytes, ... such as 512MiB`); so does this one now."""
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *args, "--format", "json"],
+                          capture_output=True, text=True, env=cli_env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    error = json.loads(proc.stdout)
+    least = "0 (none) or more" if args[1] == "--swap-space" else "1 byte or more"
+    assert error["message"] == (f"Invalid value for '{args[1]}': {why} (use a byte size of {least}, such as 512MiB "
+                                "or 2GiB)"), error
+
+
 def test_a_byte_size_in_a_config_is_yamls_number_or_text_read_as_the_command_line_reads_it(tmp_path):
     """Unquoted, `1_000` is YAML 1.1's int 1000, a number as the config wrote it; quoted, it is text, read as
     `--memory-budget` reads it: '1_000 MiB' was 1000MiB."""
@@ -1305,7 +1323,7 @@ def test_an_option_value_refused_early_names_the_option_and_says_why(option, val
 
 @pytest.mark.parametrize(("args", "message", "ending"), [
     (["inspect-capacity", "--memory-budget", "0"],
-     "Invalid value for '--memory-budget': a byte size must be positive, got '0'", "got '0'"),
+     "Invalid value for '--memory-budget': a byte size must be positive, got '0'", "such as 512MiB or 2GiB)"),
     # Typer's own checks (min=, int) said what they expected in pydantic's words ("Input should be greater than or
     # equal to 1"); ardiff reads the number itself now
     (["rollout", "--session-capacity", "0"], "Invalid value for '--session-capacity': expected a whole number of "

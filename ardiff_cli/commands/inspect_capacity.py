@@ -16,6 +16,7 @@ import typer
 from ardiff_cli.commands._common import (
     budget_source,
     check_working_folder,
+    config_field_named,
     config_label,
     does_not_fit_hint,
     load_engine_config,
@@ -107,7 +108,8 @@ def inspect_capacity(
             out.warning(f"{cfg.source}: field 'checkpoint': {cfg.checkpoint_missing}: planned all the same (a plan "
                         "reads no weights); warmup and rollout refuse it on this machine")
         runtime = cfg.runtime
-        target = resolve_plan_device(runtime.device)
+        with config_field_named(cfg, "device", device):  # as the load's refusal: the config that asked for it
+            target = resolve_plan_device(runtime.device)
         spec = cfg.kv_cache_spec()
         layout = KVLayout.from_spec(spec)
         # an explicit vllm that cannot run there: the load's own ConfigError (exit 2), naming the config's field.
@@ -120,7 +122,8 @@ def inspect_capacity(
             available_bytes = runtime.memory_budget
             source = budget_source(memory_budget, cfg)
         else:
-            available_bytes, source = detect_available(target)
+            with config_field_named(cfg, "device", device):  # a GPU that cannot be measured here, so too
+                available_bytes, source = detect_available(target)
         # auto on a machine that can only load on the CPU (a CPU build of torch, every GPU hidden): what it uses
         # there; "torch on CUDA, torch on CPU" spoke of a CUDA this torch cannot run
         shown_device = target.name if target.cpu_only else runtime.device
@@ -258,7 +261,8 @@ def detect_available(target: PlanDevice) -> tuple[int, str]:
     memory = target.memory if target.memory is not None else query_gpu(target.gpu_id)
     if isinstance(memory, str):
         raise ConfigError(f"cannot measure free memory of {target.name} (nvidia-smi GPU {target.gpu_id}): {memory}",
-                          hint="pass --available BYTES (e.g. --available 80GiB)")
+                          hint="pass --available BYTES (e.g. --available 80GiB) to plan for that GPU, or use "
+                               "--device cpu")
     source = f"free memory of nvidia-smi GPU {target.gpu_id} (before model weights)"
     if memory.num_gpus > 1 and target.gpu_id.isdigit() and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
         source += "; assumes CUDA_DEVICE_ORDER=PCI_BUS_ID"  # CUDA's default order is fastest first

@@ -132,8 +132,10 @@ def parse_bytes(text: str | int, *, zero_ok: bool = False) -> int:
         what = _typed(text) if isinstance(text, str) else f"a {value.bit_length()}-bit integer"
         raise ConfigError(f"cannot read {what} as a byte size: too large (at most {MAX_BYTE_SIZE_TEXT})",
                           hint=BYTE_SIZE_HINT)
-    if value < 0 or value == 0 and not zero_ok:
-        raise ConfigError(f"a byte size must be {'>= 0' if zero_ok else 'positive'}, got {_typed(text)}")
+    if value < 0 or value == 0 and not zero_ok:  # the hint says what to write, as every other byte size error's
+        raise ConfigError(f"a byte size must be {'>= 0' if zero_ok else 'positive'}, got {_typed(text)}",
+                          hint=f"use a byte size of {'0 (none)' if zero_ok else '1 byte'} or more, such as 512MiB or "
+                               "2GiB")
     return value
 
 
