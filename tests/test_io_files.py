@@ -46,6 +46,22 @@ def test_write_then_read_episode_round_trips(tmp_path, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_a_view_is_written_as_it_reads(tmp_path, fmt):
+    # safetensors.numpy.save_file (0.8.0) writes a view's memory in place of its values (safetensors issue #825): the
+    # README sends a lab's BGR-to-RGB frames, crops and channel moves to write_step, which must keep them as they read
+    import torch
+
+    image = np.random.default_rng(0).integers(0, 256, (6, 8, 3), dtype=np.uint8)
+    chw = image.transpose(2, 0, 1)  # (3, H, W), as torchvision holds a frame
+    views = {"bgr_to_rgb": image[..., ::-1], "crop": image[1:5, 2:7], "moved": np.moveaxis(chw, 0, -1),
+             "fortran": np.asfortranarray(image), "torch_permuted": torch.from_numpy(chw).permute(1, 2, 0)}
+    path = write_step(tmp_path / "ep", 0, views, prompt="pick", format=fmt)
+    raw = read_step(path)
+    for key, view in views.items():
+        np.testing.assert_array_equal(raw.arrays[key], np.asarray(view), err_msg=key)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
 def test_step_prompt_is_metadata(tmp_path, fmt):
     path = write_step(tmp_path, 3, arrays(3), prompt="open the drawer", format=fmt)
     raw = read_step(path)

@@ -140,7 +140,7 @@ def timestamp_names(folder: Path) -> None:
 
 def capitals(folder: Path) -> None:
     """Step 2 renamed with its suffix in capitals, which ardiff does not read: the error said "step 2 missing"
-    without naming the file that was there."""
+    without naming the file that was there; now it names that file (first or last, it was passed over)."""
     episode(folder, 4)
     (folder / "step_000002.safetensors").rename(folder / "step_000002.SAFETENSORS")
 
@@ -169,6 +169,16 @@ OBSERVATION_CASES = {
                     "fields: exterior_image_0"),
     "wrong_dtype": (lambda f: episode(f, step1={"joint_position": np.zeros(7, np.int64)}),
                     ["{path}: 'joint_position' has dtype int64, expected a floating dtype (float32)"], "fields:"),
+    # frames from torch (.long()) or np.array(img, dtype=int): said what they are, not how to make them uint8
+    "frames_as_int64": (lambda f: episode(f, step1={"wrist_image": np.zeros((4, 16, 16, 3), np.int64)}),
+                        ["{path}: 'wrist_image' has dtype int64, expected uint8"],
+                        "'wrist_image' takes uint8, 0 to 255 (a camera frame's pixels): from integers in 0..255, "
+                        "write np.clip(x, 0, 255).astype(np.uint8)"),
+    # channel-first frames (torchvision's (C, H, W)), as floats in [0, 1]: each fix was found one run at a time
+    "frames_channel_first": (lambda f: episode(f, step1={"wrist_image": np.zeros((4, 3, 16, 16), np.float32)}),
+                             ["{path}: 'wrist_image' has dtype float32, expected uint8"],
+                             "'wrist_image' is channel-first, (..., 3, H, W): channels go last, (..., H, W, 3): "
+                             "write np.ascontiguousarray(np.moveaxis(x, -3, -1))"),
     "wrong_shape": (lambda f: episode(f, step1={"gripper_position": np.zeros((2, 2), np.float32)}),
                     ["{path}: 'gripper_position' has shape (2, 2), expected () or (1,) or (*, 1)"], "fields:"),
     "nan": (lambda f: episode(f, step1={"joint_position": nan_joints()}),
@@ -212,9 +222,9 @@ OBSERVATION_CASES = {
                   "numbers)"], "renumber"),
     "timestamp_names": (timestamp_names, ["{folder}: steps 2, 3, 4, 5, 6 and 1733312345116 more missing: the episode "
                                           "has steps 0..1733312345123 with a gap"], "renumber"),
-    "capitals": (capitals, ["{folder}: step 2 missing: the episode has steps 0..3 with a gap (expected consecutive "
-                            "step numbers); it also holds step_000002.SAFETENSORS, which ardiff does not read (a step "
-                            "file ends in .safetensors or .npz)"], "renumber"),
+    "capitals": (capitals, ["{folder}/step_000002.SAFETENSORS: a step file's suffix is in lower case (.safetensors "
+                            "or .npz): ardiff does not read this one"],
+                 "rename it: mv {folder}/step_000002.SAFETENSORS {folder}/step_000002.safetensors"),
     "duplicate": (duplicate, ["{folder}: two files for step 1: step_00000"], "one file per step"),
     "empty_folder": (lambda f: f.mkdir(parents=True), ["{folder}: the episode folder holds no step files"],
                      "--follow"),
@@ -545,6 +555,40 @@ def test_a_folder_named_like_a_step_file_fails_its_episode_naming_it(tmp_path, c
                 "file: it is a folder, not a file\nhint: move that folder out of the episode folder") in proc.stderr, (
             proc.stderr)
     assert ok_steps(tmp_path / "run") == {("healthy", 0), ("last", 0), ("middle", 0)}
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_a_step_file_whose_suffix_is_in_capitals_fails_its_episode_naming_it(tmp_path, cli_env, follow):
+    # step_000001.SAFETENSORS (a tool that writes suffixes in capitals) was passed over: as the last step its episode
+    # ran one step short and was "complete", as the first it started from step 1, both without a word; only in the
+    # middle did it fail (a gap). Its bytes are a step's: it fails its episode naming it and the rename to paste.
+    eps = tmp_path / "eps"
+    episode(eps / "last", 2)
+    step1(eps / "last").rename(eps / "last" / "step_000001.SAFETENSORS")
+    episode(eps / "first", 2)
+    (eps / "first" / "step_000000.safetensors").rename(eps / "first" / "step_000000.Safetensors")
+    episode(eps / "healthy", 1)
+    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "fast.yaml"),
+                           str(eps / "last"), str(eps / "first"), str(eps / "healthy"), "--out", str(tmp_path / "run"),
+                           "--no-warmup", "--format", "plain", *(["--follow", "--idle-timeout", "5"] * follow)],
+                          env=cli_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 4, proc.stderr
+    for name, file, lower in (("last", "step_000001.SAFETENSORS", "step_000001.safetensors"),
+                              ("first", "step_000000.Safetensors", "step_000000.safetensors")):
+        assert (f"Error: episode '{name}' failed: {eps / name / file}: a step file's suffix is in lower case "
+                "(.safetensors or .npz): ardiff does not read this one, so its step would be left out of the "
+                f"episode\nhint: rename it: mv {eps / name / file} {eps / name / lower}") in proc.stderr, proc.stderr
+    assert ("healthy", 0) in ok_steps(tmp_path / "run")
+    assert not {("last", 1), ("first", 0)} & ok_steps(tmp_path / "run")
+    # renamed as the hint says, the run's resume runs what is left of both
+    for name, file, lower in (("last", "step_000001.SAFETENSORS", "step_000001.safetensors"),
+                              ("first", "step_000000.Safetensors", "step_000000.safetensors")):
+        (eps / name / file).rename(eps / name / lower)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(tmp_path / "run"),
+                           "--format", "plain"], env=cli_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert {("last", 0), ("last", 1), ("first", 0), ("first", 1)} <= ok_steps(tmp_path / "run")
 
 
 def _checkpoint_for_another_geometry(path: Path) -> Path:

@@ -139,9 +139,18 @@ def is_temporary_name(name: str) -> bool:
     return bool(_TEMPFILE_STEM.fullmatch(stem)) or (len(parts) == 2 and parts[1] in TEMPORARY_MARKERS)
 
 
+def in_other_case(name: str) -> bool:
+    """Whether ``name`` ends in a step suffix written in other letter case (``step_000001.SAFETENSORS``, ``.Npz``): a
+    step file ardiff does not read, which left its step out without a word where it was the first or the last."""
+    # by its last letter first: a follower lists a folder of 20,000 camera frames 10 times a second
+    return (name[-1:] in "sSzZ" and name.lower().endswith(STEP_SUFFIXES) and not name.endswith(STEP_SUFFIXES)
+            and not name.startswith(".") and not name.endswith(_IGNORED_SUFFIXES))
+
+
 def _number_in(path: Path) -> int | None:
-    """The last integer in the file stem; None for a name without one or a writer's temporary name."""
-    if is_temporary_name(path.name):
+    """The last integer in the file stem; None for a name without one, a writer's temporary name, or a suffix in
+    other letter case (:func:`in_other_case`)."""
+    if is_temporary_name(path.name) or in_other_case(path.name):
         return None
     numbers = _NUMBER.findall(path.stem)
     return int(numbers[-1]) if numbers else None
@@ -153,6 +162,13 @@ def step_number(path: Path) -> int:
     number = _number_in(path)
     if number is not None:
         return number
+    if in_other_case(path.name):
+        lower = path.with_name(path.name[:-len(path.suffix)] + path.suffix.lower())
+        raise ObservationError(
+            f"{as_typed(path)}: a step file's suffix is in lower case (.safetensors or .npz): ardiff does not read "
+            "this one, so its step would be left out of the episode",
+            hint=f"rename it: mv {shell_word(path)} {shell_word(lower)}",
+        )
     if is_temporary_name(path.name):
         raise ObservationError(
             f"{as_typed(path)}: looks like a writer's temporary file that was never renamed (tempfile's tmpXXXXXXXX "
@@ -211,8 +227,8 @@ def missing_steps(steps: list[int], limit: int) -> tuple[list[int], int]:
 
 
 def other_step_formats(folder: Path) -> list[str]:
-    """Files in ``folder`` named as steps in a format ardiff does not read (``step_000000.npy``, ``.pt``,
-    ``.SAFETENSORS``), sorted."""
+    """Files in ``folder`` named as steps in a format ardiff does not read (``step_000000.npy``, ``.pt``), sorted
+    (a step suffix in capitals, ``.SAFETENSORS``, fails the scan first: :func:`in_other_case`)."""
     try:
         names = os.listdir(folder)
     except OSError:
@@ -224,7 +240,7 @@ def other_step_formats(folder: Path) -> list[str]:
 def gap_error(folder: Path, steps: list[int], missing: list[int], count: int) -> ObservationError:
     """``missing``: the first missing steps (five are shown), of ``count`` in all."""
     shown = first_of([str(step) for step in missing], 5, count)
-    others = other_step_formats(folder)  # the missing step may be one of them: a suffix in capitals, a .npy
+    others = other_step_formats(folder)  # the missing step may be one of them: a .npy, a .pt
     return ObservationError(
         f"{as_typed(folder)}: step{'s' if count > 1 else ''} {shown} missing: the episode has steps "
         f"{steps[0]}..{steps[-1]} with a gap (expected consecutive step numbers)"
@@ -274,7 +290,13 @@ def scan_steps(folder: Path, *, skip: Container[str] = (), unnumbered: list[Path
     for name in _list_names(folder):
         # By name first: a follower lists its folders 10 times a second, and a robot's folder may hold thousands
         # of other files (camera frames), each made a Path and checked on every poll (20,000: 39 ms, now 8 ms).
-        if name in skip or not name.endswith(STEP_SUFFIXES):
+        if name in skip:
+            continue
+        if not name.endswith(STEP_SUFFIXES):
+            if in_other_case(name):  # a step file all the same: failed, or waited for to be renamed, never passed over
+                if unnumbered is None:
+                    step_number(folder / name)  # raises, naming it
+                unnumbered.append(folder / name)
             continue
         path = folder / name
         if not is_step_file(path):

@@ -166,6 +166,15 @@ def _layout_problem(f: ObservationField, label: str, dtype: str, shape: tuple[in
     return None
 
 
+def _channels_first(f: ObservationField, shape: Any) -> bool:
+    """Whether an array of ``shape`` holds frames of field ``f`` (3 channels last) with their channels first, (..., 3,
+    H, W): its shape with that axis moved last is one ``f`` accepts, and its own is not."""
+    if not isinstance(shape, tuple) or len(shape) < 3 or shape[-3] != 3 or shape[-1] == 3:
+        return False
+    moved = (*shape[:-3], *shape[-2:], 3)
+    return any(shape_matches(moved, s) for s in f.shapes)
+
+
 def takes_layout(schema: ObservationSchema, layout: Mapping[str, tuple[str, tuple[int, ...]]]) -> bool:
     """Whether ``schema`` takes a step file of these arrays (key -> (dtype name, shape)), their values unread: no
     field twice, every required one there, each dtype and shape accepted; a key of none of its fields only beside
@@ -212,6 +221,8 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
                                + (f", and the prompt {schema.prompt_key!r}" if schema.prompt_key else ""))
     problems: list[str] = []
     as_floats: list[str] = []  # uint8 fields (camera frames) given as floats: the hint says how to convert them
+    as_ints: list[str] = []  # ... given as signed integers (torch's .long(), np.array(image, dtype=int))
+    channels_first: list[str] = []  # frames given (..., 3, H, W), as torchvision holds them: the hint moves the axis
     out: dict[str, Any] = {}
     seen: dict[str, str] = {}  # canonical name -> key it came from
     prompt_keys = (schema.prompt_key, *schema.prompt_aliases) if schema.prompt_key else ()
@@ -246,6 +257,10 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
             problems.append(problem)
             if f.dtype == "uint8" and " has dtype float" in problem:
                 as_floats.append(key)
+            elif f.dtype == "uint8" and " has dtype int" in problem:
+                as_ints.append(key)
+            if _channels_first(f, getattr(value, "shape", None)):
+                channels_first.append(key)
         else:
             out[f.name] = array
     for f in schema.fields:
@@ -264,5 +279,12 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
             hint += (f"; {', '.join(map(repr, as_floats))} {'takes' if len(as_floats) == 1 else 'take'} uint8, 0 to "
                      "255 (a camera frame's pixels): from floats in [0, 1], write "
                      "np.clip(np.rint(x * 255), 0, 255).astype(np.uint8)")
+        if as_ints:
+            hint += (f"; {', '.join(map(repr, as_ints))} {'takes' if len(as_ints) == 1 else 'take'} uint8, 0 to 255 "
+                     "(a camera frame's pixels): from integers in 0..255, write np.clip(x, 0, 255).astype(np.uint8)")
+        if channels_first:  # with the dtype's hint above, if any: both fixes at once, not one run each
+            hint += (f"; {', '.join(map(repr, channels_first))} {'is' if len(channels_first) == 1 else 'are'} "
+                     "channel-first, (..., 3, H, W): channels go last, (..., H, W, 3): write "
+                     "np.ascontiguousarray(np.moveaxis(x, -3, -1))")
         raise ObservationError(f"{where}: " + "; ".join(problems), hint=hint)
     return out
