@@ -1461,10 +1461,27 @@ UNRELATED = [("depth", "model"), ("threads", "model"), ("arm_steps", "model"), (
              # the beginning or a word of several longer names: any one offered is a guess (`dream` was offered
              # 'dreamzero-14b', a 14B model; `num` 'num_heads'), and `batch` one edit from a word of one ('patch_size')
              ("dream", "builtins"), ("tiny", "builtins"), ("world", "builtins"), ("num", "model"),
-             ("token", "model"), ("batch", "model")]
+             ("token", "model"), ("batch", "model"),
+             # a guess of several, which difflib's best ratio picked: `frames` 'sink_frames' (window_frames,
+             # frames_per_block, frames_per_request), `image` 'image_dim', `text` 'text_len', `stride` 'vae_stride',
+             # `patches` 'patch_size' (image_patch), `action` 'action_dim', `dreamzero` and `dreamzero-small` (no such
+             # config) 'dreamzero-14b', a 14B model; `position` 'joint_position', `exterior` and `exterior_image`
+             # 'exterior_image_1', `sweep` 'sweep2'
+             ("frames", "model"), ("frame", "model"), ("image", "model"), ("text", "model"), ("stride", "model"),
+             ("patches", "model"), ("action", "model"), ("dreamzero", "builtins"), ("dreamzero-small", "builtins"),
+             ("position", "observation"), ("exterior", "observation"), ("exterior_image", "observation"),
+             ("sweep", "runs"),
+             # the other of a pair, or another number: `prompt` was 'negative_prompt', the one the prompt meant is
+             # against (the prompt is an observation's, not the config's); `wrist_image_right` 'wrist_image_left',
+             # `float64` 'float16', `float8` 'float32', `exterior_image_2` 'exterior_image_1', `sweep3` 'sweep2'
+             ("prompt", "model"), ("Prompt", "model"), ("prompts", "model"), ("positive_prompt", "model"),
+             ("wrist_image_right", "observation"), ("exterior_image_0_right", "observation"),
+             ("exterior_image_2", "observation"), ("float64", "dtype"), ("float8", "dtype"), ("sweep3", "runs"),
+             # a typo of two names alike: `f16` is fp16 or bf16
+             ("f16", "dtype")]
 TYPOS = [("modle", "top", "model"), ("runtim", "top", "runtime"), ("checkpoints", "top", "checkpoint"),
          ("layers", "model", "num_layers"), ("heads", "model", "num_heads"), ("threads", "runtime", "num_threads"),
-         ("windw_frames", "model", "window_frames"), ("patches", "model", "patch_size"), ("tny", "presets", "tiny"),
+         ("windw_frames", "model", "window_frames"), ("tny", "presets", "tiny"),
          ("dmi", "model", "dim"), ("cuda:0", "device", "cuda"), ("my_confg.yaml", "files", "my_config.yaml"),
          ("ROBOT.YAML", "files", "Robot.YAML"), ("DREAMZERO", "pipelines", "dreamzero"),
          ("causal-world", "pipelines", "causal_world"), ("dreamzero-tny", "builtins", "dreamzero-tiny"),
@@ -1473,37 +1490,69 @@ TYPOS = [("modle", "top", "model"), ("runtim", "top", "runtime"), ("checkpoints"
          # alike, a beginning or a word of a longer name, but under difflib's ratio: they were offered nothing
          ("seq", "orders", "sequential"), ("steps", "model", "num_inference_steps"), ("sink", "model", "sink_frames"),
          ("sessions", "runtime", "session_capacity"), ("backend", "runtime", "attention_backend"),
-         ("fraction", "runtime", "gpu_memory_fraction"), ("gpu_fraction", "runtime", "gpu_memory_fraction")]
+         ("fraction", "runtime", "gpu_memory_fraction"), ("gpu_fraction", "runtime", "gpu_memory_fraction"),
+         # case, '-' for '_', a plural, a prefix, a swap: the one name alike
+         ("NUM_LAYERS", "model", "num_layers"), ("num-layers", "model", "num_layers"), ("Device", "runtime", "device"),
+         ("devices", "runtime", "device"), ("guidance", "model", "guidance_scale"), ("cond", "causal", "cond_dim"),
+         ("denoising", "causal", "denoising_timesteps"), ("TINY", "presets", "tiny"), ("14B", "presets", "14b"),
+         ("lingbot", "builtins", "lingbot-world-14b"), ("dreamzero-14", "builtins", "dreamzero-14b"),
+         ("Eval1", "runs", "eval1"), ("bfloat61", "dtype", "bfloat16"), ("bfloat", "dtype", "bfloat16"),
+         ("--no-warm-up", "flags", "--no-warmup"), ("--warm-up", "flags", "--warmup"),
+         # a side written short or misspelt is that side
+         ("neg_prompt", "model", "negative_prompt"), ("negativ_prompt", "model", "negative_prompt"),
+         # a word of one name, not a typo of another: `reset` was 'preset'
+         ("reset", "model", "reset_at_window"),
+         # a field's aliases are one field: `joint` (joint_position, observation/joint_position) was offered none
+         ("joint", "observation", "joint_position"), ("grip", "observation", "gripper_position"),
+         ("wrist", "observation", "wrist_image"), ("joint_positions", "observation", "joint_position"),
+         ("observation/joint", "observation", "observation/joint_position"),
+         ("language", "prompts", "language_instruction"), ("Prompt", "prompts", "prompt")]
 
 
 def _names(kind):
+    import dataclasses
+
+    import pipelines.causal_world as causal_world
     import pipelines.dreamzero as dreamzero
     from ardiff_cli.runtime.config import TOP_LEVEL_KEYS, RuntimeConfig, builtin_configs
 
-    return {"model": ["preset", *dreamzero.Config.__dataclass_fields__], "top": list(TOP_LEVEL_KEYS),
-            "runtime": list(RuntimeConfig.__dataclass_fields__), "device": ["auto", "cpu", "cuda"],
-            "files": ["t.yaml", "my_config.yaml", "Robot.YAML"], "presets": ["tiny", "14b"],
+    return {"model": ["preset", *(f.name for f in dataclasses.fields(dreamzero.Config) if f.init)],
+            "causal": ["preset", *(f.name for f in dataclasses.fields(causal_world.Config) if f.init)],
+            "top": list(TOP_LEVEL_KEYS), "runtime": list(RuntimeConfig.__dataclass_fields__),
+            "device": ["auto", "cpu", "cuda"], "dtype": ["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+            "files": ["t.yaml", "my_config.yaml", "Robot.YAML"], "presets": ["tiny", "small", "14b"],
             "fields": ["exterior_image_0", "wrist_image", "joint_position", "gripper_position", "prompt"],
+            "observation": [k for f in dreamzero.observation_schema().fields for k in f.keys],
+            "prompts": ["prompt", "language_instruction"],
             "pipelines": ["dreamzero", "causal_world"], "builtins": sorted(builtin_configs()),
-            "runs": ["eval1", "sweep1", "sweep2"], "options": ["out", "order", "format", "follow"],
-            "orders": ["round-robin", "sequential"]}[kind]
+            "runs": ["eval1", "eval-large", "sweep1", "sweep2"], "options": ["out", "order", "format", "follow"],
+            "flags": ["--warmup", "--no-warmup"], "orders": ["round-robin", "sequential"]}[kind]
+
+
+def _close_match(name, kind):
+    """``close_match`` as its callers ask: an observation's keys, and the prompt's, each standing for its field."""
+    from pipelines.dreamzero import observation_schema
+
+    from ardiff_cli.runtime.errors import close_match
+
+    stands_for = {"observation": {k: f.name for f in observation_schema().fields for k in f.keys},
+                  "prompts": dict.fromkeys(_names("prompts"), "prompt")}.get(kind)
+    return close_match(name, _names(kind), stands_for=stands_for)
 
 
 @pytest.mark.parametrize(("name", "kind"), UNRELATED)
 def test_a_did_you_mean_never_names_what_shares_only_letters(name, kind):
     """difflib's ratio alone offered `depth` 'width', `steps` 'eps' (num_inference_steps was meant), `threads`
     'num_heads' under model: and `heads` 'num_threads' under runtime:, `gpu` 'cpu', and for a config file `run.yaml`
-    not found, the 't.yaml' beside it: names with a few letters (or '.yaml') in common, and nothing else."""
-    from ardiff_cli.runtime.errors import close_match
-
-    assert close_match(name, _names(kind)) is None
+    not found, the 't.yaml' beside it: names with a few letters (or '.yaml') in common, and nothing else; and a
+    name alike that misleads: one of several, the other of a pair, another number. A wrong name is worse than none,
+    which leaves the user the list of valid names."""
+    assert _close_match(name, kind) is None
 
 
 @pytest.mark.parametrize(("name", "kind", "meant"), TYPOS)
 def test_a_did_you_mean_still_names_a_typo_or_a_name_sharing_a_word(name, kind, meant):
-    from ardiff_cli.runtime.errors import close_match
-
-    assert close_match(name, _names(kind)) == meant
+    assert _close_match(name, kind) == meant
 
 
 @pytest.mark.parametrize(("text", "unknown", "offered"), [
@@ -1512,9 +1561,28 @@ def test_a_did_you_mean_still_names_a_typo_or_a_name_sharing_a_word(name, kind, 
     ("model: {depth: 4}\n", "model.depth", ""),
     ("runtime: {heads: 4}\n", "runtime.heads", ""), ("model: {layers: 4}\n", "model.layers", " (did you mean "
                                                                                               "'num_layers'?)"),
+    # the prompt is an observation's: 'negative_prompt', the one it is against, was offered
+    ("model: {prompt: pick up the cube}\n", "model.prompt", ""),
+    ("model: {neg_prompt: blurry}\n", "model.neg_prompt", " (did you mean 'negative_prompt'?)"),
+    ("model: {frames: 4}\n", "model.frames", ""),  # was 'sink_frames', of four names holding it
+    ("model: {reset: true}\n", "model.reset", " (did you mean 'reset_at_window'?)"),  # was 'preset'
 ])
 def test_an_unknown_config_key_is_offered_only_a_name_alike(tmp_path, text, unknown, offered):
     assert_inspect_capacity_refuses(tmp_path, f"pipeline: dreamzero\n{text}", f"unknown key '{unknown}'{offered}")
+
+
+def test_a_key_of_a_step_file_is_offered_the_one_field_alike(tmp_path, cli_env):
+    """`joint` was offered nothing, its two names alike being one field's (joint_position and its alias
+    observation/joint_position); `position` was offered 'joint_position' of three fields ending so, and
+    `wrist_image_right` 'wrist_image_left', the other camera."""
+    renamed = {"joint": "joint_position", "grip": "gripper_position", "position": "joint_position",
+               "wrist_image_right": "wrist_image"}
+    for key, field in renamed.items():
+        episode(tmp_path / "eps" / key, 1, step0={field: None, key: good(0, 0)[field]})
+    proc = rollout_of_episodes(tmp_path, tmp_path / "eps", cli_env, timeout=300)
+    offered = dict(re.findall(r"not in the schema: '(\w+)'( \(did you mean '\w+'\?\))?", proc.stderr))
+    assert offered == {"joint": " (did you mean 'joint_position'?)", "grip": " (did you mean 'gripper_position'?)",
+                       "position": "", "wrist_image_right": ""}, proc.stderr
 
 
 @pytest.mark.parametrize(("text", "unknown", "setting", "hint"), [

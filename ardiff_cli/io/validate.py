@@ -56,12 +56,12 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
     from ardiff_cli.runtime.observation import lone_surrogate, validate_observation
 
     prompt_keys = (schema.prompt_key, *schema.prompt_aliases) if schema.prompt_key else ()
-    field_keys = {k for f in schema.fields for k in f.keys}
+    field_keys = {k: f.name for f in schema.fields for k in f.keys}  # each key -> its field: aliases count once
     arrays = {k: v for k, v in raw.arrays.items() if k in field_keys or k in prompt_keys}
     extra = sorted(k for k in raw.arrays if k not in arrays)
     # Named one by one up to a limit: a file of 200,000 other arrays printed 200,000 warning lines (or an error of
     # 2 MB), and looking for a did-you-mean of each took seconds a step.
-    ignored = {k: did_you_mean(k, field_keys) for k in extra[:MAX_NAMED_KEYS]}
+    ignored = {k: did_you_mean(k, field_keys, stands_for=field_keys) for k in extra[:MAX_NAMED_KEYS]}
     more = extra[MAX_NAMED_KEYS:]
     warnings = {k: f"{as_typed(path)}: key {k!r} is not in the pipeline's schema; ignored{near}"
                 for k, near in ignored.items()}
@@ -101,7 +101,7 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
             _refuse_a_misspelt_prompt(path, prompt_keys, raw.metadata, episode_metadata)
             prompt_missing = True
     # no array of the schema, none misspelt, and no step of its episode ran: a recording made for another pipeline
-    foreign = not midway and not field_keys & set(arrays) and not any(ignored.values())
+    foreign = not midway and not field_keys.keys() & arrays.keys() and not any(ignored.values())
     try:
         inputs = validate_observation(schema, arrays, where=str(path))
     except ObservationError as exc:
@@ -115,7 +115,7 @@ def validate_step(raw: RawStep, schema: ObservationSchema, *, path: Path,
                 raise ForeignRecording(message, hint=f"{exc.hint}; {RIGHT_CONFIG}", arrays=raw.arrays) from None
             raise ObservationError(message, hint=exc.hint) from None
         raise
-    if ignored and not field_keys & set(arrays):  # every field optional, and the file holds none of them
+    if ignored and not field_keys.keys() & arrays.keys():  # every field optional, and the file holds none of them
         fields = ", ".join(f"{f.name!r}" + (f" ({', '.join(map(repr, f.aliases))})" if f.aliases else "")
                            for f in schema.fields)
         held = ", ".join(repr(k) + near for k, near in ignored.items()) + and_more
@@ -132,7 +132,7 @@ def _refuse_a_misspelt_prompt(path: Path, prompt_keys: tuple[str, ...], *sources
     where it is. The schema's own "missing prompt" said nothing of it, and other keys there are never read."""
     for source, where in zip(sources, (path, path.parent / METADATA_FILE)):
         for key in source:
-            near = close_match(str(key), prompt_keys)
+            near = close_match(str(key), prompt_keys, stands_for=dict.fromkeys(prompt_keys, prompt_keys[0]))
             if near is not None:  # the hint names the key the did-you-mean does, not always the first prompt key
                 raise ObservationError(f"{as_typed(path)}: missing prompt {' or '.join(map(repr, prompt_keys))}; "
                                        f"{where} has {shown(key)} (did you mean {near!r}?)",

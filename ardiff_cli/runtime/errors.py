@@ -15,7 +15,7 @@ import re
 import reprlib
 import shlex
 import stat
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -613,27 +613,45 @@ def yaml_syntax_hint(exc: BaseException) -> str:
     return YAML_SYNTAX_HINT
 
 
-def close_match(name: str, valid: Iterable[str], cutoff: float = 0.6) -> str | None:
-    """The closest of ``valid`` to ``name``, or None when none is close (difflib's ratio under ``cutoff``). Case is
-    ignored: `Model` found 'model', but `MODEL`, `preset: TINY` and `pipeline: DREAMZERO` found nothing (difflib
-    compares characters as they are). Of difflib's picks, only one that is a typo of ``name`` or shares a word with it
-    (:func:`_alike`): letters in common alone made `depth` 'width', `steps` 'eps', `threads` 'num_heads' and
-    `run.yaml` 't.yaml'. Under the default cutoff, a longer name that ``name`` begins or whose words hold each of
-    its own, which difflib's ratio left out (the letters the longer name adds count against it: `--order seq`
-    'sequential', `runtime: {sessions: 2}` 'session_capacity', `backend` 'attention_backend', `steps`
-    'num_inference_steps' were offered nothing), is offered too where it is the only one: of several (`dream`
-    'dreamzero-14b' or 'dreamzero-tiny', `num` 'num_heads' or 'num_layers') any one is a guess; one sharing a word
-    alone is not (`arm_steps` 'num_inference_steps')."""
+def close_match(name: str, valid: Iterable[str], cutoff: float = 0.6, *,
+                stands_for: Mapping[str, str] | None = None) -> str | None:
+    """The one name of ``valid`` that ``name`` looks meant as, or None. ``stands_for`` maps a name to what it names
+    (a field's aliases to the field): names of one thing count as one, and the first of them alike is offered.
+
+    The rule, case ignored (`MODEL` 'model'):
+
+    1. Alike (:func:`_alike`): a typo of ``name``, one sharing a word with it or one beginning the other, and close
+       by difflib's ratio (at least ``cutoff``); at the default cutoff, also a longer name ``name`` begins or whose
+       words hold each of its own (:func:`_within`: `steps` 'num_inference_steps', `backend`
+       'attention_backend'), which the ratio leaves out. Letters in common alone are no likeness: `depth` is not
+       'width', `batch` not 'patch_size'.
+    2. Never one that differs from ``name`` in a word that picks one of a pair or of a series (:func:`_same_sides`):
+       a side (negative, left, min, ...) added, dropped or changed, or another number. `prompt` is not
+       'negative_prompt' (the prompt meant is the one the negative is against), `float64` not 'float16'.
+    3. The closest kind wins: a typo, the nearest (but a name spelt as a word of ``valid``'s is no typo: `reset` is
+       'reset_at_window', not 'preset'), then a name holding ``name`` (:func:`_within`: `bfloat` 'bfloat16', not
+       'float16'), then the rest.
+    4. Of that kind, one thing or nothing: of several (`frames` 'sink_frames' or 'window_frames', `dreamzero`
+       'dreamzero-14b' or 'dreamzero-tiny', `num` 'num_heads' or 'num_layers') any one is a guess, and a wrong
+       suggestion misleads where none leaves the user the list of valid names."""
     folded: dict[str, str] = {}
     for item in valid:
         folded.setdefault(item.casefold(), item)  # of names alike but for case, the first
     key = name.casefold()
-    picks = difflib.get_close_matches(key, list(folded), n=3, cutoff=cutoff)
-    near = next((folded[match] for match in picks if _alike(key, match)), None)
-    if near is not None or cutoff > 0.6:  # a stricter cutoff asks for a close name only (registry's typo check)
-        return near
-    alike = [match for match in folded if _alike(key, match) and _within(key, match)]
-    return folded[alike[0]] if len(alike) == 1 else None
+    if key in folded:
+        return folded[key]
+    alike = [match for match in folded if _alike(key, match) and _same_sides(key, match) and (
+        difflib.SequenceMatcher(None, key, match).ratio() >= cutoff or cutoff <= 0.6 and _within(key, match))]
+    words = {word for match in folded for word in _WORDS.findall(match)}
+    typos = {match: _edits(key, match) for match in alike if _is_typo(key, match)}
+    if key in words:  # spelt as a word of the names: no typo of another
+        alike, typos = [match for match in alike if match not in typos or _within(key, match)], {}
+    nearest = ([match for match, edits in typos.items() if edits == min(typos.values())]
+               or [match for match in alike if _within(key, match)] or alike)
+    meant: dict[str, str] = {}  # what each names -> the first name of it
+    for match in nearest:
+        meant.setdefault((stands_for or {}).get(folded[match], folded[match]), folded[match])
+    return next(iter(meant.values())) if len(meant) == 1 else None
 
 
 def _within(name: str, match: str) -> bool:
@@ -645,6 +663,41 @@ def _within(name: str, match: str) -> bool:
     others = _WORDS.findall(match)
     return all(any(a == b or (min(len(a), len(b)) >= 4 and (a.startswith(b) or b.startswith(a))) for b in others)
                for a in _WORDS.findall(name))
+
+
+# Words that pick one of a pair: a name with one is another thing than the name without it or with the other side
+_SIDES = frozenset({"negative", "positive", "left", "right", "min", "max", "in", "out", "no", "not", "non"})
+
+
+def _same_sides(name: str, match: str) -> bool:
+    """Whether ``name`` and ``match`` pick the same of each pair and series: each word of ``_SIDES`` one has, the
+    other has too (as it is, a letter off, or a beginning of it: `neg_prompt` is 'negative_prompt', `output` 'out'),
+    and their numbers are the same where both have numbers, but for digits swapped (`exterior_image_2` is not
+    'exterior_image_1', nor `float64` 'float16', but `bfloat61` is 'bfloat16', `dreamzero-14` 'dreamzero-14b' and
+    `evall` 'eval1')."""
+    words, others = _WORDS.findall(name), _WORDS.findall(match)
+    numbers, other_numbers = ([sorted(w) for w in ws if w.isdigit()] for ws in (words, others))  # digits swapped:
+    if numbers and other_numbers and numbers != other_numbers:  # a typo (`bfloat61`), the same number
+        return False
+    return all(any(a.startswith(b) or b.startswith(a) or _edits(a, b) <= 1 for b in theirs)
+               for ours, theirs in ((words, others), (others, words)) for a in ours if a in _SIDES)
+
+
+def _is_typo(name: str, match: str) -> bool:
+    """Whether ``match`` is ``name`` mistyped: an edit for each 4 letters, one at least; a name of 3 letters or fewer
+    only missing or swapping a letter (`gpu` is no typo of 'cpu'). A suffix both have (a file name's) is left out."""
+    stem, suffix = os.path.splitext(name)
+    other, other_suffix = os.path.splitext(match)
+    if suffix and suffix == other_suffix and stem and other:
+        name, match = stem, other
+    return _edits(name, match) <= max(1, len(name) // 4) and (
+        len(name) > 3 or all(name.count(c) <= match.count(c) for c in name))
+
+
+def _begins(name: str, match: str) -> bool:
+    """Whether one of ``name`` and ``match`` begins the other (3 letters at least): `output` 'out', `ord` 'order'."""
+    short, long = sorted((name, match), key=len)
+    return len(short) >= 3 and long.startswith(short)
 
 
 _WORDS = re.compile(r"[^\W\d_]+|\d+")  # the words of a name: runs of letters, runs of digits
@@ -665,38 +718,34 @@ def _edits(a: str, b: str) -> int:
 
 
 def _alike(name: str, match: str) -> bool:
-    """Whether ``match`` (both casefolded) is a suggestion for ``name``: a typo of it (an edit for each 4 letters,
-    one at least; a name of 3 letters or fewer only missing or swapping a letter: `gpu` is no typo of 'cpu'), one
-    that is a word of it or has it as a word (`out-dir` 'out'), or one sharing a word of 4 letters or more with it, or
-    that word's beginning (`layers` 'num_layers', `patches` 'patch_size'), or one beginning the other (3 letters at
-    least: `output` 'out', `ord` 'order'): `num_step` is not 'num_heads'.
-    A suffix both have (file names') is left out: `.yaml` alone is no likeness."""
+    """Whether ``match`` (both casefolded) is a suggestion for ``name``: a typo of it (:func:`_is_typo`), one that is
+    a word of it or has it as a word (`out-dir` 'out'), or one sharing a word of 4 letters or more with it, or that
+    word's beginning (`layers` 'num_layers', `patches` 'patch_size'), or one beginning the other (:func:`_begins`):
+    `num_step` is not 'num_heads'. A suffix both have (file names') is left out: `.yaml` alone is no likeness."""
+    if _is_typo(name, match):
+        return True
     stem, suffix = os.path.splitext(name)
     other, other_suffix = os.path.splitext(match)
     if suffix and suffix == other_suffix and stem and other:
         name, match = stem, other
-    if _edits(name, match) <= max(1, len(name) // 4) and (
-            len(name) > 3 or all(name.count(c) <= match.count(c) for c in name)):
-        return True
     words, others = _WORDS.findall(name), _WORDS.findall(match)
     if (name in others or match in words) and min(len(name), len(match)) >= 3:  # `out-dir` 'out', `out` 'out_dim'
         return True
-    short, long = sorted((name, match), key=len)
-    if len(short) >= 3 and long.startswith(short):  # `output` 'out', `ord` 'order'
+    if _begins(name, match):
         return True
     return any(a == b or (_edits(a, b) <= 1 or a.startswith(b) or b.startswith(a))
                for a in words if len(a) >= 4 for b in others if len(b) >= 4)
 
 
-def did_you_mean(name: str, valid: Iterable[str]) -> str:
-    """' (did you mean 'x'?)' when a close match exists, else ''. Looked for once for a name and its valid names: a
-    recording's keys outside the schema are in each of its step files, and each step names them again."""
-    return _did_you_mean(name, tuple(valid))
+def did_you_mean(name: str, valid: Iterable[str], *, stands_for: Mapping[str, str] | None = None) -> str:
+    """' (did you mean 'x'?)' when ``close_match`` finds one, else ''. Looked for once for a name and its valid names:
+    a recording's keys outside the schema are in each of its step files, and each step names them again."""
+    return _did_you_mean(name, tuple(valid), tuple((stands_for or {}).items()))
 
 
 @functools.lru_cache(maxsize=256)
-def _did_you_mean(name: str, valid: tuple[str, ...]) -> str:
-    match = close_match(name, valid)
+def _did_you_mean(name: str, valid: tuple[str, ...], stands_for: tuple[tuple[str, str], ...]) -> str:
+    match = close_match(name, valid, stands_for=dict(stands_for))
     return f" (did you mean {match!r}?)" if match is not None else ""
 
 

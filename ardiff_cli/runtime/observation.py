@@ -226,7 +226,7 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
     out: dict[str, Any] = {}
     seen: dict[str, str] = {}  # canonical name -> key it came from
     prompt_keys = (schema.prompt_key, *schema.prompt_aliases) if schema.prompt_key else ()
-    valid_keys = [k for f in schema.fields for k in f.keys] + list(prompt_keys)
+    valid_keys = {k: f.name for f in schema.fields for k in f.keys} | dict.fromkeys(prompt_keys, schema.prompt_key)
     for key, value in arrays.items():
         if key in prompt_keys:
             if schema.prompt_key in out:  # one text under two keys is one prompt, as in a step file's metadata
@@ -246,7 +246,7 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
             continue
         f = schema.field(key)
         if f is None:
-            problems.append(f"unknown key {key!r}{did_you_mean(key, valid_keys)}")
+            problems.append(f"unknown key {key!r}{did_you_mean(key, valid_keys, stands_for=valid_keys)}")
             continue
         if f.name in seen:
             problems.append(f"{f.name!r} given twice ({seen[f.name]!r} and {key!r})")
