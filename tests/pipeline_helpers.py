@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -10,6 +11,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -259,6 +261,18 @@ def outputs(run: Path) -> dict:
 
     assert not list(run.rglob("*.tmp")), "a temporary file was left behind"
     return {p.relative_to(run).as_posix(): load_file(str(p)) for p in sorted((run / "episodes").rglob("*.safetensors"))}
+
+
+@functools.cache
+def ardiff_program(*flags: str) -> str:
+    """PATH with a folder first that holds an ``ardiff`` program running this Python's ``-m ardiff_cli`` (``flags``
+    before it, ``-P``: as the installed script runs, its working folder not on sys.path): a hint's command that runs
+    ``ardiff`` through ``env -C FOLDER ...`` (a folder named with ':') needs a program, not a shell function."""
+    folder = Path(tempfile.mkdtemp(prefix="ardiff-bin-"))
+    program = folder / "ardiff"
+    program.write_text(f'#!/bin/sh\nexec {shlex.join([sys.executable, *flags])} -m ardiff_cli "$@"\n')
+    program.chmod(0o755)
+    return os.pathsep.join([str(folder), os.environ.get("PATH", os.defpath)])
 
 
 def on_path(env: dict[str, str], cwd: Path = REPO) -> str:

@@ -31,8 +31,8 @@ from ardiff_cli.io import write_episode, write_step
 from ardiff_cli.runtime.errors import ResumeCommand, shown
 from ardiff_cli.runtime.kv.backends import install_instructions, vllm_installed
 from ardiff_cli.io.demo import demo_step
-from pipeline_helpers import (HOLD_IMPORT, on_path, open_to_write, records, stop_inside_a_fault, wait_for_marker,
-                              wait_reading)
+from pipeline_helpers import (HOLD_IMPORT, ardiff_program, on_path, open_to_write, records, stop_inside_a_fault,
+                              wait_for_marker, wait_reading)
 
 REPO = Path(__file__).resolve().parents[1]
 ESC = re.compile(r"\x1b\[")
@@ -5824,7 +5824,8 @@ AWKWARD = "-ü $x 'q"
 def pasted(env, command: str, cwd: Path) -> subprocess.CompletedProcess:
     """``command``, as a hint printed it, run by bash in ``cwd`` as a user pasting it would (``ardiff``: this one)."""
     return subprocess.run(["bash", "-c", f'ardiff() {{ "$PASTE_PYTHON" -m ardiff_cli "$@"; }}\n{command}'], cwd=cwd,
-                          env={**env, "PASTE_PYTHON": sys.executable}, capture_output=True, text=True, timeout=600)
+                          env={**env, "PASTE_PYTHON": sys.executable, "PATH": ardiff_program()}, capture_output=True,
+                          text=True, timeout=600)
 
 
 def hinted(stderr: str, pattern: str) -> str:

@@ -34,8 +34,9 @@ from ardiff_cli.entry import interrupted_message
 from ardiff_cli.io import write_episode
 from ardiff_cli.io.demo import demo_step
 from ardiff_cli.runtime.errors import ResumeCommand
-from pipeline_helpers import (HOLD_IMPORT, NOTICE, on_path, open_to_write, outputs, records, start_with_fault_files,
-                              stop_inside_a_fault, syscall_number, wait_blocked, wait_for_marker, wait_reading)
+from pipeline_helpers import (HOLD_IMPORT, NOTICE, ardiff_program, on_path, open_to_write, outputs, records,
+                              start_with_fault_files, stop_inside_a_fault, syscall_number, wait_blocked,
+                              wait_for_marker, wait_reading)
 
 REPO = Path(__file__).resolve().parents[1]
 PIPELINE = "faulty_pipelines:FaultyDreamZero"
@@ -1623,6 +1624,80 @@ def test_a_resume_stopped_before_it_takes_the_signals_carries_the_folders_of_its
     assert_matches(run, reference)
 
 
+def test_a_resume_from_where_its_pipeline_module_moved_gives_the_folders_it_imported_it_from_to_paste(
+        env, data, reference, tmp_path):
+    """The --pipeline module of a failed run moved to another folder (the lab's folder renamed), and the run was
+    resumed with PYTHONPATH naming the new one: that resume's hints kept run.json's folders, the old one, and pasted
+    in another folder with PYTHONPATH unset, `No module named 'mypipe'`. A resume records the folders it imported
+    the module from, and its hint, pasted so, finishes the run."""
+    from test_cli_rollout import pasted
+
+    lab, elsewhere, run, moved = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "run", tmp_path / "lab2"
+    run_failing_in_lab(env, data, lab, elsewhere, run)
+    lab.rename(moved)
+    faults = [{"request": "arm_b/000002", "site": "block", "layer": 0}]  # what is left: arm_b's steps 1 and 2
+    moved_env = {**env, "PYTHONPATH": os.pathsep.join([str(moved), env["PYTHONPATH"]]),
+                 "ARDIFF_TEST_FAULTS": json.dumps(faults)}
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run),
+                           "--pipeline", "mypipe:Mine", "--no-warmup", "--format", "plain"], cwd=elsewhere,
+                          env=moved_env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 4, proc.stderr
+    again = f"{on_path(moved_env, elsewhere)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine"
+    assert last_hint(proc.stderr).endswith(f"continue with: {again}"), proc.stderr
+    unset = {key: value for key, value in env.items() if key != "PYTHONPATH"}
+    resumed = pasted(unset, f"{again} --no-warmup", tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_matches(run, reference)
+
+
+def test_a_resume_whose_recorded_pipeline_folder_is_gone_names_it_and_how_to_give_another(env, data, reference,
+                                                                                          tmp_path):
+    """The folder a failed run's --pipeline module was imported from is gone (renamed): its resume hint, pasted,
+    said only `No module named 'mypipe'` and to check the install. It names the folder run.json recorded, gone, and
+    gives the resume to run with the folder that holds the module now on PYTHONPATH; one typed without the folders,
+    which are there, is given the run's resume, which carries them."""
+    from test_cli_rollout import pasted
+
+    lab, elsewhere, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "run"
+    proc = run_failing_in_lab(env, data, lab, elsewhere, run)
+    again = last_hint(proc.stderr).split("continue with: ", 1)[1]
+    typed = pasted(env, again.split(" ", 1)[1], elsewhere)  # without PYTHONPATH=... (env's: the repository's)
+    assert typed.returncode == 2, typed.stderr
+    assert last_hint(typed.stderr) == f"continue with the run's resume, which gives them: {again}", typed.stderr
+    lab.rename(tmp_path / "lab2")
+    unset = {key: value for key, value in env.items() if key != "PYTHONPATH"}
+    resumed = pasted(unset, f"{again} --no-warmup", elsewhere)
+    assert resumed.returncode == 2, resumed.stderr
+    assert (f"Error: --pipeline mypipe:Mine: cannot import 'mypipe': the run imported it from a folder that "
+            f"{run / 'run.json'}'s field 'pythonpath' records, and {lab} is gone\n") in resumed.stderr, resumed.stderr
+    given = again.replace(str(lab), "NEW", 1)  # the resume with the folder that holds the module now first
+    hint = last_hint(resumed.stderr)
+    assert hint.endswith(f"give the folder that holds 'mypipe' now (NEW) on PYTHONPATH: {given}"), resumed.stderr
+    resumed = pasted(unset, f"{given.replace('NEW', str(tmp_path / 'lab2'), 1)} --no-warmup", elsewhere)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_matches(run, reference)
+
+
+@pytest.mark.parametrize("shell", ["bash", "sh"])
+def test_a_resume_hint_of_a_module_in_a_folder_named_with_a_colon_takes_options_added_when_pasted(
+        env, data, reference, tmp_path, shell):
+    """A run whose --pipeline module was in a folder named with ':' (which PYTHONPATH cannot carry) hinted a resume
+    in a subshell, `(cd /x/lab:1 && PYTHONPATH=. ardiff rollout --resume ...)`: an option added after it, pasted
+    (`--no-warmup`), was a syntax error. The resume is one command that enters the folder (`env -C`), so an option
+    added takes effect; pasted into bash and sh in another folder with PYTHONPATH unset, it finishes the run."""
+    lab, elsewhere, run = tmp_path / "lab:1", tmp_path / "elsewhere", tmp_path / "run"
+    proc = run_failing_in_lab(env, data, lab, elsewhere, run)
+    again = last_hint(proc.stderr).split("continue with: ", 1)[1]
+    assert again.startswith(f"env -C {shlex.quote(str(lab))} PYTHONPATH=.{os.pathsep}"), again
+    unset = {key: value for key, value in env.items() if key != "PYTHONPATH"}
+    unset["PATH"] = ardiff_program()  # an installed `ardiff`, which env runs (a shell function is not a program)
+    resumed = subprocess.run([shell, "-c", f"{again} --no-warmup"], cwd=elsewhere, env=unset, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert " warmup " not in resumed.stderr, resumed.stderr  # --no-warmup, added after the hint, was taken
+    assert_matches(run, reference)
+
+
 def test_a_stopped_runs_hint_gives_its_resume_which_pasted_completes_the_run(env, data, reference, tmp_path):
     """A signal's stop hinted "run the same command with --resume to continue": the same command (CONFIG and EPISODE
     with --resume) is refused. It gives the run's resume, which pasted completes the run; a resume stopped so gives
@@ -1741,15 +1816,15 @@ def test_a_resume_commands_lower_session_capacity_takes_the_given_ones_place(tmp
     assert str(replace(resume, session_capacity=None)) == shlex.join(words[:-2])  # none given: none to paste
 
 
-def test_a_resume_command_of_a_module_in_a_folder_named_with_a_colon_keeps_every_word_in_its_subshell(tmp_path):
+def test_a_resume_command_of_a_module_in_a_folder_named_with_a_colon_is_one_command_run_in_that_folder(tmp_path):
     """A run whose --pipeline module was imported from a folder named with ':' (which PYTHONPATH cannot carry): its
-    resume enters that folder first, in a subshell, --out absolute, as the .lock's restart does; the words a hint
-    adds after the resume (a moved folder's CONFIG NEW) go inside that subshell, not after its ')'."""
+    resume is run in that folder (env -C), --out absolute, as the .lock's restart is; the words a hint adds after the
+    resume (a moved folder's CONFIG NEW) are the rollout's, as are those a user adds pasting it."""
     lab, out = tmp_path / "lab:1", Path("runs") / "eval1"
     resume = ResumeCommand(out, "mypipe:Mine", ("--follow",), pythonpath=(str(lab), str(lab / "src"), "/libs"))
     inner = f"ardiff rollout --resume --out {out.absolute()} --pipeline mypipe:Mine --follow"
-    assert str(resume) == f"(cd {shlex.quote(str(lab))} && PYTHONPATH=.:src:/libs {inner})", str(resume)
-    assert resume.command(more=["cfg.yaml", "NEW"]).endswith(f"{inner} cfg.yaml NEW)"), resume.command()
+    assert str(resume) == f"env -C {shlex.quote(str(lab))} PYTHONPATH=.:src:/libs {inner}", str(resume)
+    assert resume.command(more=["cfg.yaml", "NEW"]).endswith(f"{inner} cfg.yaml NEW"), resume.command()
     assert str(ResumeCommand(out, "mypipe:Mine")) == f"ardiff rollout --resume --out {out} --pipeline mypipe:Mine"
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fake_clock import FakeClock
-from pipeline_helpers import HOLD_IMPORT, open_to_write
+from pipeline_helpers import HOLD_IMPORT, ardiff_program, open_to_write
 from typer.testing import CliRunner
 
 from ardiff_cli.app import app
@@ -2403,8 +2403,10 @@ def _pasted(command: str, cwd: Path, env: dict, *, script: bool = False) -> subp
     """``command``, as a hint printed it, run by bash in ``cwd`` as a user pasting it would (``ardiff``: this one;
     ``script``: as the installed ``ardiff`` script runs it, its working folder not on sys.path as ``-m`` puts it)."""
     python = '"$PASTE_PYTHON" -P' if script else '"$PASTE_PYTHON"'
+    path = ardiff_program(*(["-P"] if script else []))  # the program `env -C FOLDER ... ardiff` runs
     return subprocess.run(["bash", "-c", f'ardiff() {{ {python} -m ardiff_cli "$@"; }}\n{command}'], cwd=cwd,
-                          env={**env, "PASTE_PYTHON": sys.executable}, capture_output=True, text=True, timeout=300)
+                          env={**env, "PASTE_PYTHON": sys.executable, "PATH": path}, capture_output=True, text=True,
+                          timeout=300)
 
 
 def _hint(stderr: str) -> str:
@@ -2765,7 +2767,7 @@ def test_a_restart_hint_of_a_pipeline_module_found_in_the_working_folder_pastes_
     # own folder alone: pasted, `No module named 'helper'`. The PYTHONPATH the tests give is the repository's and
     # tests/, with the working folder (an empty entry). A working folder named with ':', which PYTHONPATH cannot
     # carry, was recorded split in two at it (a relative half, dropped): pasted, `No module named 'mypipe'`. The
-    # hint enters it first, in a subshell, and puts '.' on PYTHONPATH, --out absolute; a PYTHONPATH entry inside it
+    # hint enters it first (env -C), and puts '.' on PYTHONPATH, --out absolute; a PYTHONPATH entry inside it
     # (PYTHONPATH=src), named with ':' too, is carried relative to it (it was left out, in a comment: pasted, `No
     # module named 'mypipe'`).
     lab = tmp_path / ("lab:1" if where.endswith("':'") else "lab")
@@ -2794,7 +2796,7 @@ def test_a_restart_hint_of_a_pipeline_module_found_in_the_working_folder_pastes_
                f"{shlex.quote(str(run))}")
     if ":" in lab.name:
         searched[0] = "."
-        assert again == f"(cd {lab} && PYTHONPATH={shlex.quote(os.pathsep.join(searched))} {rollout})", proc.stderr
+        assert again == f"env -C {lab} PYTHONPATH={shlex.quote(os.pathsep.join(searched))} {rollout}", proc.stderr
     else:
         assert again == f"PYTHONPATH={shlex.quote(os.pathsep.join(searched))} {rollout}", proc.stderr
     pasted = _pasted(again, elsewhere, cli_env, script=True)

@@ -71,6 +71,7 @@ from ardiff_cli.runtime.errors import (
     as_typed,
     first_of,
     is_out_of_memory,
+    joined,
     link_to_nothing,
     link_to_nothing_on,
     not_a_folder,
@@ -430,6 +431,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
             if overrides[key] is None:
                 overrides[key] = info[key]
         _same_pipeline_option(pipeline, info.get("pipeline_option"))
+        _recorded_pythonpath_found(pipeline, again, run.root / RUN_FILE)
         refuse_contradictions(follow=options["follow"] or info.get("follow", False),
                               idle_timeout=options["idle_timeout"])
         if not episode_paths and not info.get("demo"):
@@ -532,7 +534,10 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
     # --resume loaded the link's target, which read it from another folder (`file not found`, exit 2).
     config_file = resolve_config(config_label(config)).absolute()
     checkpoint = _checkpoint_record(cfg.checkpoint)
-    pythonpath = (info if resume else start or {}).get("pythonpath")  # a resume keeps the run's
+    # a resume records the folders it imported the module from, as a new run does, not the run's: the module may have
+    # moved since (a lab's folder renamed, given on PYTHONPATH now), or been installed (none needed): its hints carry
+    # what works now, where the run's would say `No module named ...` pasted
+    pythonpath = _pipeline_path(pipeline) if resume and pipeline is not None else (start or {}).get("pythonpath")
     if resume:
         _refuse_changed_checkpoint(info.get("checkpoint"), checkpoint)
     # run.json's path of an episode, kept where it still leads to the folder read (a symlink there to where the
@@ -888,6 +893,37 @@ def _under_signals(work: Callable[[], None]) -> None:
     except Interrupted as stop:
         stop.hint = "nothing was written yet: run the same command again"
         raise
+
+
+def _recorded_pythonpath_found(pipeline: str | None, again: ResumeCommand, run_file: Path) -> None:
+    """The module of a resume's ``--pipeline MODULE:CLASS`` is found (imported later, as the config loads), or the
+    folders run.json records it was imported from (``again.pythonpath``: the run's resume, which carries them) are
+    named, where the import said only `No module named ...` and to check the install: still holding it, not searched
+    here (the hint: the run's resume, which puts them on PYTHONPATH); one gone since (a lab's folder renamed), or none
+    holding it now (the hint: the resume with NEW, the folder that holds it now, first on PYTHONPATH)."""
+    import importlib.machinery
+    import importlib.util
+
+    top = (pipeline or "").partition(":")[0].strip().partition(".")[0]
+    if not again.pythonpath or not top.isidentifier():
+        return
+    try:
+        if importlib.util.find_spec(top) is not None:
+            return
+    except (ImportError, ValueError):
+        return  # its import says what is wrong
+    said = (f"--pipeline {pipeline}: cannot import {top!r}: the run imported it from a folder that {run_file}'s "
+            "field 'pythonpath' records")
+    if importlib.machinery.PathFinder.find_spec(top, list(again.pythonpath)) is not None:
+        raise ConfigError(f"{said}, which is not on PYTHONPATH here", hint=f"continue with the run's resume, which gives them: "
+                                                                  f"{again}")
+    gone = [folder for folder in again.pythonpath if not os.path.isdir(folder)]
+    given = replace(again, pythonpath=("NEW", *(folder for folder in again.pythonpath if folder not in gone))).command()
+    back = (f"put {'it' if len(gone) == 1 else 'them'} back (moved: a symlink there to where it is now will do, "
+            f"ln -s NEW {shell_word(gone[0])}), then resume; or " if gone else "")
+    raise ConfigError(f"{said}, and " + (f"{joined(gone, 'and')} {'is' if len(gone) == 1 else 'are'} gone" if gone else
+                                         f"none of them ({first_of(again.pythonpath, 3)}) holds it now"),
+                      hint=f"{back}give the folder that holds {top!r} now (NEW) on PYTHONPATH: {given}")
 
 
 def _recorded_folders_exist(info: dict[str, Any], out: Path, watch: list[Path], again: ResumeCommand) -> None:

@@ -478,10 +478,11 @@ def on_pythonpath(command: str, folders: Sequence[str]) -> str:
     """``command``, a rollout to paste, run where Python imports its ``--pipeline MODULE:CLASS`` module from
     ``folders`` (absolute, in order; none: ``command`` as it is): ``PYTHONPATH=/lab:/libs COMMAND``. A folder whose name
     holds ':' (``os.pathsep``), which PYTHONPATH cannot carry (it split ``/x/lab:1`` into ``/x/lab`` and ``1``), is the
-    working folder of a subshell that enters it first, '.' on PYTHONPATH, and a folder inside it is written relative
-    to it: ``(cd /x/lab:1 && PYTHONPATH=.:src:/libs COMMAND)``, whose paths must then be absolute
-    (:func:`needs_absolute`). No line carries two such folders apart: those not inside the first are named after it,
-    in a comment."""
+    working folder the command is run in, '.' on PYTHONPATH, and a folder inside it is written relative to it:
+    ``env -C /x/lab:1 PYTHONPATH=.:src:/libs COMMAND``, whose paths must then be absolute (:func:`needs_absolute`).
+    One command, not a subshell ``(cd /x/lab:1 && ...)``: an option the user adds after it, pasting it, is the
+    rollout's (after a ``)`` it was a syntax error). No line carries two such folders apart: those not inside the
+    first are named after it, in a comment."""
     if not folders:
         return command
     home = next((folder for folder in folders if os.pathsep in folder), None)
@@ -498,7 +499,7 @@ def on_pythonpath(command: str, folders: Sequence[str]) -> str:
         return line
     left_out = "" if not left else (f"  # not on PYTHONPATH, which cannot carry a '{os.pathsep}' in a name: "
                                     + ", ".join(map(shell_word, left)))
-    return f"(cd {shell_word(home)} && {line}){left_out}"
+    return f"env -C {shell_word(home)} {line}{left_out}"
 
 
 def needs_absolute(folders: Sequence[str]) -> bool:
@@ -534,7 +535,7 @@ class ResumeCommand:
 
     def command(self, session_capacity: int | None = None, more: Sequence[str] = ()) -> str:
         """The line to paste; ``session_capacity``: the one to give in place of ``self.session_capacity``; ``more``:
-        words (quoted already) given after its own, inside the subshell a folder named with ':' needs."""
+        words (quoted already) given after its own."""
         capacity = self.session_capacity if session_capacity is None else session_capacity
         words = [] if self.pipeline is None else ["--pipeline", shell_word(self.pipeline)]  # as every hint's paths
         options = [*self.given, *([] if capacity is None else ["--session-capacity", str(capacity)])]
