@@ -222,8 +222,8 @@ OBSERVATION_CASES = {
                   "numbers)"], "renumber"),
     "timestamp_names": (timestamp_names, ["{folder}: steps 2, 3, 4, 5, 6 and 1733312345116 more missing: the episode "
                                           "has steps 0..1733312345123 with a gap"], "renumber"),
-    "capitals": (capitals, ["{folder}/step_000002.SAFETENSORS: a step file's suffix is in lower case (.safetensors "
-                            "or .npz): ardiff does not read this one"],
+    "capitals": (capitals, ["{folder}/step_000002.SAFETENSORS: a step file's suffix must be in lower case "
+                            "(.safetensors or .npz): ardiff does not read this one"],
                  "rename it: mv {folder}/step_000002.SAFETENSORS {folder}/step_000002.safetensors"),
     "duplicate": (duplicate, ["{folder}: two files for step 1: step_00000"], "one file per step"),
     "empty_folder": (lambda f: f.mkdir(parents=True), ["{folder}: the episode folder holds no step files"],
@@ -576,8 +576,8 @@ def test_a_step_file_whose_suffix_is_in_capitals_fails_its_episode_naming_it(tmp
     assert proc.returncode == 4, proc.stderr
     for name, file, lower in (("last", "step_000001.SAFETENSORS", "step_000001.safetensors"),
                               ("first", "step_000000.Safetensors", "step_000000.safetensors")):
-        assert (f"Error: episode '{name}' failed: {eps / name / file}: a step file's suffix is in lower case "
-                "(.safetensors or .npz): ardiff does not read this one, so its step would be left out of the "
+        assert (f"Error: episode '{name}' failed: {eps / name / file}: a step file's suffix must be in lower "
+                "case (.safetensors or .npz): ardiff does not read this one, so its step would be left out of the "
                 f"episode\nhint: rename it: mv {eps / name / file} {eps / name / lower}") in proc.stderr, proc.stderr
     assert ("healthy", 0) in ok_steps(tmp_path / "run")
     assert not {("last", 1), ("first", 0)} & ok_steps(tmp_path / "run")

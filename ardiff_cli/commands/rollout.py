@@ -915,8 +915,8 @@ def _recorded_pythonpath_found(pipeline: str | None, again: ResumeCommand, run_f
     said = (f"--pipeline {pipeline}: cannot import {top!r}: the run imported it from a folder that {run_file}'s "
             "field 'pythonpath' records")
     if importlib.machinery.PathFinder.find_spec(top, list(again.pythonpath)) is not None:
-        raise ConfigError(f"{said}, which is not on PYTHONPATH here", hint=f"continue with the run's resume, which gives them: "
-                                                                  f"{again}")
+        raise ConfigError(f"{said}, which is not on PYTHONPATH here",
+                          hint=f"continue with the run's resume, which gives them: {again}")
     gone = [folder for folder in again.pythonpath if not os.path.isdir(folder)]
     given = replace(again, pythonpath=("NEW", *(folder for folder in again.pythonpath if folder not in gone))).command()
     back = (f"put {'it' if len(gone) == 1 else 'them'} back (moved: a symlink there to where it is now will do, "

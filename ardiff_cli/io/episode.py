@@ -165,8 +165,8 @@ def step_number(path: Path) -> int:
     if in_other_case(path.name):
         lower = path.with_name(path.name[:-len(path.suffix)] + path.suffix.lower())
         raise ObservationError(
-            f"{as_typed(path)}: a step file's suffix is in lower case (.safetensors or .npz): ardiff does not read "
-            "this one, so its step would be left out of the episode",
+            f"{as_typed(path)}: a step file's suffix must be in lower case (.safetensors or .npz): ardiff does not "
+            "read this one, so its step would be left out of the episode",
             hint=f"rename it: mv {shell_word(path)} {shell_word(lower)}",
         )
     if is_temporary_name(path.name):
