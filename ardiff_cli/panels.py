@@ -251,12 +251,11 @@ def _sessions_panel(s: Snapshot, num_rows: int = SESSION_ROWS):
     from rich.panel import Panel
     from rich.text import Text
 
-    table = _SessionsTable(s, num_rows)
+    body = _SessionsTable(s, num_rows)
     if len(s.sessions) > num_rows:  # under the table, not in its narrow first column: "… and 24 m…" at 40 columns
-        more = Text(f"… and {len(s.sessions) - num_rows} more", style="dim", no_wrap=True, overflow="ellipsis")
-        return Panel(Group(table, more), title="sessions (least recently used first)", title_align="left",
-                     border_style="cyan")
-    return Panel(table, title="sessions (least recently used first)", title_align="left", border_style="cyan")
+        body = Group(body, Text(f"… and {len(s.sessions) - num_rows} more", style="dim", no_wrap=True,
+                                overflow="ellipsis"))
+    return Panel(body, title="sessions (least recently used first)", title_align="left", border_style="cyan")
 
 
 def _sessions_height(s: Snapshot, num_rows: int) -> int:

@@ -100,6 +100,31 @@ def cli_env(tmp_path_factory):
     return env
 
 
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread: tiny ops gain nothing from two, and lose badly when another process holds a core."""
+    import torch  # here, not at the top: tests that check a command never imports torch run in this process too
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ardiff_cache(tmp_path_factory):
+    """A private $ARDIFF_CACHE_DIR for each test module, so default checkpoints are built fresh and never touch
+    ~/.cache."""
+    path = tmp_path_factory.mktemp("ardiff-cache")
+    before = os.environ.get("ARDIFF_CACHE_DIR")
+    os.environ["ARDIFF_CACHE_DIR"] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop("ARDIFF_CACHE_DIR", None)
+    else:
+        os.environ["ARDIFF_CACHE_DIR"] = before
+
+
 @pytest.fixture(autouse=True)
 def _no_ambient_env(monkeypatch):
     """Tests see the derived scratch size and plain tables laid out for a file unless they set AMBIENT_ENV."""

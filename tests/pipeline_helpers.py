@@ -27,28 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
 
-@pytest.fixture(scope="module")
-def single_thread():
-    """One intra-op thread: tiny ops gain nothing from two, and lose badly when another process holds a core."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
-def ardiff_cache(tmp_path_factory):
-    """A private $ARDIFF_CACHE_DIR, so default checkpoints are built fresh and never touch ~/.cache."""
-    path = tmp_path_factory.mktemp("ardiff-cache")
-    before = os.environ.get("ARDIFF_CACHE_DIR")
-    os.environ["ARDIFF_CACHE_DIR"] = str(path)
-    yield path
-    if before is None:
-        os.environ.pop("ARDIFF_CACHE_DIR", None)
-    else:
-        os.environ["ARDIFF_CACHE_DIR"] = before
-
-
 def dreamzero(**overrides):
     """A fresh tiny DreamZero pipeline (weights in memory, same as the default checkpoint's)."""
     from pipelines.dreamzero import Config, pipeline_class

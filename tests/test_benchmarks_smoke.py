@@ -23,7 +23,7 @@ if str(REPO_ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) does 
 import torch  # noqa: E402
 
 from benchmarks import bench_attention  # noqa: E402
-from pipeline_helpers import ardiff_cache, single_thread, syscall_number  # noqa: E402,F401 - fixtures
+from pipeline_helpers import syscall_number  # noqa: E402
 
 FIELDS = {"id", "paged_ms", "contiguous_ms", "ratio", "target", "passed"}
 SUITE_FIELDS = {"id", "target", "passed", "measured", "baseline", "ratio"}

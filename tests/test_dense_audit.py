@@ -23,7 +23,7 @@ from collections import Counter, defaultdict
 import pytest
 import torch
 import torch.nn.functional as F
-from pipeline_helpers import Driver, ardiff_cache, causal_world, single_thread  # noqa: F401 - fixtures
+from pipeline_helpers import Driver, causal_world
 
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from ardiff_cli.runtime.runner import ARDiffusionModelRunner

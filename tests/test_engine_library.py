@@ -39,7 +39,7 @@ from ardiff_cli.runtime.errors import (
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from ardiff_cli.runtime.runner import MAX_HOOK_ERRORS
 from pipelines.causal_world.pipeline import CausalWorldPipeline
-from pipeline_helpers import CONFIGS, ardiff_cache, single_thread  # noqa: F401 - fixtures
+from pipeline_helpers import CONFIGS
 
 pytestmark = pytest.mark.usefixtures("single_thread", "ardiff_cache")
 

@@ -67,6 +67,12 @@ def test_invalid_step_names_path_key_expected_and_got(tmp_path):
     assert "prompt" in message  # missing too: every problem at once
 
 
+def _following(folder, clock: FakeClock, **kwargs) -> StepScheduler:
+    """A follower of the episode folder ``folder`` on ``clock``: idle timeout 2 s, a look each second."""
+    return StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=2, poll_interval=1, clock=clock,
+                         sleep=clock.sleep, **kwargs)
+
+
 def _drain(scheduler: StepScheduler) -> list[tuple[str, int]]:
     items = []
     while (item := scheduler.next()) is not None:
@@ -328,8 +334,7 @@ def test_follow_warns_once_per_episode_about_step_files_that_arrived_after_it_en
     write_step(tmp_path / "d", 0, good(0), prompt="p")  # ends at its idle timeout; a file arrives after that
     clock = FakeClock()
     warnings.clear()
-    scheduler = StepScheduler(discover_episodes([tmp_path / "d"]), follow=True, idle_timeout=2, poll_interval=1,
-                              clock=clock, sleep=clock.sleep, warn=warnings.append)
+    scheduler = _following(tmp_path / "d", clock, warn=warnings.append)
     assert scheduler.next().file.step == 0
     assert scheduler.next().reason == "idle_timeout"
     write_step(tmp_path / "d", 1, good(1))
@@ -391,8 +396,7 @@ def test_a_step_written_under_its_temporary_name_keeps_its_episode_from_the_idle
 
     clock = FakeClock([lambda: None, lambda: partial.write_bytes(b""), grow, lambda: None, grow, lambda: None,
                        lambda: (partial.unlink(), write_step(tmp_path / "e", 1, good(1)))])
-    scheduler = StepScheduler(discover_episodes([tmp_path / "e"]), follow=True, idle_timeout=2, poll_interval=1,
-                              clock=clock, sleep=clock.sleep)
+    scheduler = _following(tmp_path / "e", clock)
     assert scheduler.next().file.step == 0
     assert scheduler.next().file.step == 1  # written for 5 s, 2.5 times the idle timeout
     assert scheduler.next().reason == "idle_timeout"
@@ -400,8 +404,7 @@ def test_a_step_written_under_its_temporary_name_keeps_its_episode_from_the_idle
     write_step(tmp_path / "k", 0, good(0), prompt="p")
     (tmp_path / "k" / ".step_000001.safetensors.dead0000.tmp").write_bytes(b"half")
     clock = FakeClock()
-    scheduler = StepScheduler(discover_episodes([tmp_path / "k"]), follow=True, idle_timeout=2, poll_interval=1,
-                              clock=clock, sleep=clock.sleep)
+    scheduler = _following(tmp_path / "k", clock)
     assert scheduler.next().file.step == 0
     assert scheduler.next().reason == "idle_timeout" and clock.now >= 2 * 2  # not at 2 or 3 s: one timeout more
 
@@ -429,8 +432,7 @@ def test_a_step_written_under_a_name_without_a_step_number_keeps_its_episode_fro
 
     clock = FakeClock([lambda: None, lambda: temporary.write_bytes(b""), grow, lambda: None, grow, lambda: None,
                        touch, lambda: None, touch, lambda: None, rename])
-    scheduler = StepScheduler(discover_episodes([tmp_path / "e"]), follow=True, idle_timeout=2, poll_interval=1,
-                              clock=clock, sleep=clock.sleep)
+    scheduler = _following(tmp_path / "e", clock)
     assert scheduler.next().file.step == 0
     assert scheduler.next().file.step == 1  # written for 9 s, 4.5 times the idle timeout
     assert scheduler.next().reason == "idle_timeout"
@@ -438,8 +440,7 @@ def test_a_step_written_under_a_name_without_a_step_number_keeps_its_episode_fro
     # a writer killed mid-write leaves one that stops changing: it fails its episode one idle timeout later
     write_step(tmp_path / "k", 0, good(0), prompt="p")
     clock = FakeClock([lambda: (tmp_path / "k" / "tmpabcdefgh.safetensors").write_bytes(b"half")])
-    scheduler = StepScheduler(discover_episodes([tmp_path / "k"]), follow=True, idle_timeout=2, poll_interval=1,
-                              clock=clock, sleep=clock.sleep)
+    scheduler = _following(tmp_path / "k", clock)
     assert scheduler.next().file.step == 0
     ended = scheduler.next()
     assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
@@ -452,8 +453,7 @@ def test_a_step_written_under_a_name_without_a_step_number_keeps_its_episode_fro
     stray.write_bytes(b"old")
     os.utime(stray, (time.time() - 3600, time.time() - 3600))
     clock = FakeClock()
-    scheduler = StepScheduler(discover_episodes([tmp_path / "s"]), follow=True, idle_timeout=2, poll_interval=1,
-                              clock=clock, sleep=clock.sleep)
+    scheduler = _following(tmp_path / "s", clock)
     assert scheduler.next().file.step == 0
     ended = scheduler.next()
     assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
@@ -480,16 +480,14 @@ def test_a_step_copied_slowly_by_rsync_keeps_its_episode_from_the_idle_timeout(t
 
     clock = FakeClock([lambda: None, lambda: temporary.write_bytes(b""), grow, lambda: None, grow, lambda: None,
                        grow, lambda: None, rename])
-    scheduler = StepScheduler(discover_episodes([tmp_path / "e"]), follow=True, idle_timeout=2, poll_interval=1,
-                              clock=clock, sleep=clock.sleep)
+    scheduler = _following(tmp_path / "e", clock)
     assert scheduler.next().file.step == 0
     assert scheduler.next().file.step == 1  # copied for 7 s, 3.5 times the idle timeout
     assert scheduler.next().reason == "idle_timeout"
 
     write_step(tmp_path / "k", 0, good(0), prompt="p")
     clock = FakeClock([lambda: (tmp_path / "k" / ".step_000001.safetensors.Zz09aB").write_bytes(b"half")])
-    scheduler = StepScheduler(discover_episodes([tmp_path / "k"]), follow=True, idle_timeout=2, poll_interval=1,
-                              clock=clock, sleep=clock.sleep)
+    scheduler = _following(tmp_path / "k", clock)
     assert scheduler.next().file.step == 0
     ended = scheduler.next()
     assert isinstance(ended, EpisodeEnded) and ended.reason == "idle_timeout", ended

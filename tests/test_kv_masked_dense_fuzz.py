@@ -38,7 +38,6 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from pipeline_helpers import single_thread
 
 from ardiff_cli.runtime.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
@@ -48,7 +47,7 @@ from ardiff_cli.runtime.request import ARDiffusionRequest
 from ardiff_cli.runtime.runner import ARDiffusionModelRunner
 from pipelines import wan
 
-pytestmark = pytest.mark.usefixtures(single_thread.__name__)  # tiny ops: a second thread only adds contention
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny ops: a second thread only adds contention
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 CFG = (ARDiffusionKVBranchSpec("positive", 0), ARDiffusionKVBranchSpec("negative", 1))

@@ -25,7 +25,6 @@ import random
 
 import pytest
 import torch
-from pipeline_helpers import single_thread  # noqa: F401 - fixture
 from dense_stream import interleave
 
 from ardiff_cli.runtime.capability import (

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ardiff_cli.runtime.errors import ObservationError
-from pipeline_helpers import Driver, RecordingRollout, causal_world, single_thread  # noqa: F401 - fixture
+from pipeline_helpers import Driver, RecordingRollout, causal_world
 from pipelines.base import noise_generator, shift_sigma, shifted_sigmas
 from pipelines.encoders import to_uint8, tokenize
 from pipelines.rollout import DenseReferenceRollout

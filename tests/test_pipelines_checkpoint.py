@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ardiff_cli.runtime.errors import CheckpointError
-from pipeline_helpers import CONFIGS, Driver, ardiff_cache, single_thread  # noqa: F401 - fixtures
+from pipeline_helpers import CONFIGS, Driver
 import pipelines.checkpoint as checkpoint
 from pipelines import causal_world, dreamzero
 from pipelines.checkpoint import (

@@ -44,6 +44,15 @@ def _env():
     return env
 
 
+def _inspect_capacity(config, tmp_path):
+    """`ardiff inspect-capacity CONFIG --format plain` in ``tmp_path``, with a cache of its own."""
+    import os
+
+    return subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--format", "plain"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "ARDIFF_CACHE_DIR": str(tmp_path / "cache")})
+
+
 def test_dreamzero_tiny_spec():
     spec = dreamzero.Config.from_dict({"preset": "tiny"}, where="x").kv_cache_spec()
     assert [(b.name, b.local_index) for b in spec.kv_branches] == [("positive", 0), ("negative", 1)]
@@ -136,13 +145,9 @@ def test_a_vae_stride_the_frame_size_does_not_take_is_named_not_the_height(tmp_p
     """`vae_stride: 3` with the preset's 32 x 32 frames was "field 'model.height': expected a multiple of vae_stride *
     patch = 6, got 32": the user never set a height. The field the config set is named, with the strides that do;
     a height the config set is still named as it was."""
-    import os
-
     config = tmp_path / "stride.yaml"
     config.write_text(f"pipeline: {pipeline}\nmodel:\n  preset: tiny\n  vae_stride: 3\n")
-    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--format", "plain"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "ARDIFF_CACHE_DIR": str(tmp_path / "cache")})
+    proc = _inspect_capacity(config, tmp_path)
     assert proc.returncode == 2, proc.stderr
     wanted = ("a value for which height=32 and width=32 are multiples of vae_stride * patch (2 x 2): one of 1, 2, 4, "
               "8, 16")
@@ -164,13 +169,9 @@ def test_a_patch_size_the_latent_frame_does_not_take_is_named_not_the_height(tmp
     """`patch_size: [1, 3, 3]` with the preset's 32 x 32 frames (8 x 8 latent) was "field 'model.height': expected a
     multiple of vae_stride * patch = 12, got 32": the user set neither the height nor vae_stride. The field the config
     set is named, with the patch rows and cols that would do."""
-    import os
-
     config = tmp_path / "patch.yaml"
     config.write_text(f"pipeline: {pipeline}\nmodel:\n  preset: tiny\n  patch_size: [1, 3, 3]\n")
-    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--format", "plain"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "ARDIFF_CACHE_DIR": str(tmp_path / "cache")})
+    proc = _inspect_capacity(config, tmp_path)
     assert proc.returncode == 2, proc.stderr
     wanted = ("[1, rows, cols] for which height=32 and width=32 are multiples of vae_stride * patch (vae_stride 4): "
               "rows and cols each one of 1, 2, 4, 8")
@@ -407,13 +408,9 @@ def test_a_list_field_names_the_item_that_is_not_of_its_type(name, value, index,
 def test_a_list_item_quoted_in_the_yaml_is_named_with_its_path_and_the_number_hint(tmp_path):
     """`denoising_timesteps: [1000, '500', 250]` was "expected a list of ints, got [1000, '500', 250]": the item, by
     the path YAML gives it, and the hint a quoted number gets as any other field's value."""
-    import os
-
     config = tmp_path / "quoted.yaml"
     config.write_text("pipeline: causal_world\nmodel:\n  preset: tiny\n  denoising_timesteps: [1000, '500', 250]\n")
-    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--format", "plain"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "ARDIFF_CACHE_DIR": str(tmp_path / "cache")})
+    proc = _inspect_capacity(config, tmp_path)
     assert proc.returncode == 2, proc.stderr
     error, hint = proc.stderr.splitlines()
     assert error == f"Error: {config}: field 'model.denoising_timesteps[1]': expected an integer, got '500'"

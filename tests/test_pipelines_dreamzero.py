@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ardiff_cli.runtime.errors import ObservationError
 from ardiff_cli.runtime.request import ARDiffusionRequest
-from pipeline_helpers import Driver, RecordingRollout, dreamzero, single_thread  # noqa: F401 - fixture
+from pipeline_helpers import Driver, RecordingRollout, dreamzero
 from pipelines.base import noise_generator, shifted_sigmas
 from pipelines.dreamzero import SCHEMA
 from pipelines.dreamzero.config import CAMERAS

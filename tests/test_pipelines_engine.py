@@ -9,7 +9,7 @@ import pytest
 from ardiff_cli.runtime.engine import ARDiffusionEngine
 from ardiff_cli.runtime.errors import ObservationError
 from ardiff_cli.runtime.request import ARDiffusionRequest
-from pipeline_helpers import CONFIGS, ardiff_cache, single_thread  # noqa: F401 - fixtures
+from pipeline_helpers import CONFIGS
 
 pytestmark = pytest.mark.usefixtures("single_thread", "ardiff_cache")
 

@@ -19,7 +19,6 @@ from faulty_pipelines import InjectedFault, block_fault, last_block_kv_fault
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from pipeline_helpers import ardiff_cache, single_thread  # noqa: F401 - fixtures
 
 from ardiff_cli.runtime.engine import ARDiffusionEngine
 from ardiff_cli.runtime.request import ARDiffusionRequest

@@ -28,7 +28,6 @@ from faulty_pipelines import (
     projection_fault,
     sampler_fault,
 )
-from pipeline_helpers import ardiff_cache, single_thread  # noqa: F401 - fixtures
 
 from ardiff_cli.runtime.engine import ARDiffusionEngine
 from ardiff_cli.runtime.events import HookFailed, SessionClosed
@@ -66,7 +65,7 @@ def run(engine, session: str, step: int, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(ardiff_cache, single_thread):  # noqa: F811 - fixtures
+def reference(ardiff_cache, single_thread):
     """Outputs of steps 0..2 of every session, fault-free (sessions are independent: order does not matter)."""
     engine, _ = make_engine()
     outputs = {(s, step): run(engine, s, step) for s in ("a", "b", "c", "d") for step in range(3)}

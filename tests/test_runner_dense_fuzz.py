@@ -35,7 +35,7 @@ from collections import Counter
 
 import pytest
 import torch
-from pipeline_helpers import Driver, ardiff_cache, single_thread  # noqa: F401 - fixtures
+from pipeline_helpers import Driver
 
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from ardiff_cli.runtime.runner import ARDiffusionModelRunner

@@ -28,7 +28,7 @@ from ardiff_cli.runtime.errors import (ArdiffWarning, ConfigError, ObservationEr
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from ardiff_cli.runtime.runner import ARDiffusionModelRunner
 from pipelines.dreamzero.pipeline import DreamZeroPipeline
-from pipeline_helpers import CONFIGS, UntimedFutex, ardiff_cache, single_thread  # noqa: F401 - fixtures
+from pipeline_helpers import CONFIGS, UntimedFutex
 
 pytestmark = pytest.mark.usefixtures("single_thread", "ardiff_cache")
 

@@ -17,7 +17,6 @@ from collections import OrderedDict, deque
 import numpy as np
 import pytest
 import torch
-from pipeline_helpers import single_thread  # noqa: F401 - fixture
 from tiny_pipeline import TinyPipeline, request, tiny_spec
 
 from ardiff_cli.runtime.runner import ARDiffusionModelRunner

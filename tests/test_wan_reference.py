@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline_helpers import single_thread  # noqa: F401 - fixture
 from pipelines.config import BackboneConfig, derive
 from pipelines.wan import Segment, WanTransformer
 

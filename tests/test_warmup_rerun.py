@@ -16,7 +16,7 @@ from ardiff_cli.runtime.engine import ARDiffusionEngine
 from ardiff_cli.runtime.errors import ArdiffWarning, PipelineError
 from ardiff_cli.runtime.request import ARDiffusionRequest
 from ardiff_cli.runtime.runner import LifecycleHookError
-from pipeline_helpers import CONFIGS, ardiff_cache, single_thread  # noqa: F401 - fixtures
+from pipeline_helpers import CONFIGS
 from pipelines.causal_world.pipeline import CausalWorldPipeline
 from pipelines.dreamzero.pipeline import DreamZeroPipeline
 

@@ -227,6 +227,8 @@ class _RequestCounter:
 
 
 def warmup_data(report: Any, usage: Any, **context: Any) -> dict[str, Any]:
+    from ardiff_cli.runtime.observation import describe_shape
+
     # each request's inputs by name: a list of ints for a tensor's shape, null for one that has none (a prompt)
     requests = [{"request_id": rid, "shape": shape, "seconds": seconds}
                 for (rid, _, seconds), shape in zip(report.timings, report.input_shapes, strict=True)]
@@ -247,11 +249,6 @@ def warmup_data(report: Any, usage: Any, **context: Any) -> dict[str, Any]:
     }
 
 
-def describe_shape(shape: dict[str, list[int] | None]) -> str:
-    """A request's ``shape`` as the table shows it: 'frames (4, 16), prompt'."""
-    return ", ".join(name if dims is None else f"{name} {tuple(dims)}" for name, dims in shape.items())
-
-
 def render_warmup(data: dict[str, Any], plain: bool):
     from rich import box
     from rich.console import Group
@@ -260,6 +257,7 @@ def render_warmup(data: dict[str, Any], plain: bool):
 
     from ardiff_cli.output import as_text, visible
     from ardiff_cli.runtime.errors import plural
+    from ardiff_cli.runtime.observation import describe_shape
 
     title = visible(f"warmup: {data['config']} (pipeline {data['pipeline']}) on {data['device']}, {data['dtype']}")
     if data["skipped"]:

@@ -226,14 +226,18 @@ def missing_steps(steps: list[int], limit: int) -> tuple[list[int], int]:
     return missing, count
 
 
+def names_in(folder: Path) -> list[str]:
+    """``os.listdir(folder)``; [] when it is gone or unreadable."""
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
+
+
 def other_step_formats(folder: Path) -> list[str]:
     """Files in ``folder`` named as steps in a format ardiff does not read (``step_000000.npy``, ``.pt``), sorted
     (a step suffix in capitals, ``.SAFETENSORS``, fails the scan first: :func:`in_other_case`)."""
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return []
-    return sorted(n for n in names if n.lower().startswith("step") and any(c.isdigit() for c in n)
+    return sorted(n for n in names_in(folder) if n.lower().startswith("step") and any(c.isdigit() for c in n)
                   and not n.startswith(".") and not n.endswith(STEP_SUFFIXES))
 
 
@@ -322,11 +326,7 @@ def scan_steps(folder: Path, *, skip: Container[str] = (), unnumbered: list[Path
 
 def episode_entries(folder: Path) -> list[str]:
     """The names in ``folder`` that make it an episode folder (step files, ``episode.yaml``, ``END``), sorted."""
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return []
-    return sorted(n for n in names if n in (METADATA_FILE, END_MARKER) or is_step_file(folder / n))
+    return sorted(n for n in names_in(folder) if n in (METADATA_FILE, END_MARKER) or is_step_file(folder / n))
 
 
 def listed(names: list[str], limit: int = 3) -> str:
@@ -614,10 +614,7 @@ def new_episode_folders(folder: Path, settled: set[str], names: Iterable[str] | 
     ``names``: those of ``folder`` to look at, instead of listing it (a follower's, whose listing of it still
     holds)."""
     if names is None:
-        try:
-            names = os.listdir(folder)
-        except OSError:
-            return []
+        names = names_in(folder)
     found = []
     for name in sorted(name for name in names if name not in settled and not name.startswith(".")):
         path = folder / name

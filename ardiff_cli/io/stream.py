@@ -53,8 +53,8 @@ from pathlib import Path
 from ardiff_cli.io.atomic import temporary_pattern
 from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, StepFile, episode_entries,
                                    episode_folders_inside, gap_error, in_other_case, is_run_output, listed,
-                                   looks_whole, missing_steps, new_episode_folders, other_step_formats, step_number,
-                                   step_sha256, unreadable_folder)
+                                   looks_whole, missing_steps, names_in, new_episode_folders, other_step_formats,
+                                   step_number, step_sha256, unreadable_folder)
 from ardiff_cli.io.run import episode_folder_path
 from ardiff_cli.runtime.errors import ObservationError, as_typed, dangling_link, link_to_nothing, shell_word
 
@@ -754,10 +754,7 @@ class StepScheduler:
         idle timer starts again; one first seen only if written within the last ``idle_timeout`` seconds (a stray
         ``calibration.npz`` there for longer keeps no episode waiting). Looked at only when the timer runs out: a
         writer killed mid-write leaves a file that stops changing, and the episode then ends one timeout later."""
-        try:
-            names = os.listdir(track.source.path)
-        except OSError:  # gone: the scan says so
-            names = []
+        names = names_in(track.source.path)  # [] when gone: the scan says so
         unnumbered = {path.name for path in track.unnumbered}
         looks = {}
         for name in names:

@@ -113,6 +113,13 @@ def format_shape(shape: tuple[int | None, ...]) -> str:
     return f"({inner},)" if len(shape) == 1 else f"({inner})"
 
 
+def describe_shape(shape: dict[str, list[int] | None]) -> str:
+    """A request's input shapes by name (``None``: an input with none, a prompt) in words: 'frames (4, 16), prompt',
+    as warmup reports and tables show them. The space lets a narrow table break a line between a name and its shape
+    rather than inside the name."""
+    return ", ".join(name if dims is None else f"{name} {tuple(dims)}" for name, dims in shape.items())
+
+
 def shape_matches(shape: tuple[int, ...], accepted: tuple[int | None, ...]) -> bool:
     return len(shape) == len(accepted) and all(
         (want is None and got > 0) or got == want for got, want in zip(shape, accepted)

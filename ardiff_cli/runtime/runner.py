@@ -93,7 +93,7 @@ from ardiff_cli.runtime.kv.backends import select_attention_backend
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache, kv_dtype
 from ardiff_cli.runtime.kv.layout import KVLayout
 from ardiff_cli.runtime.kv.state import ARDiffusionKVState
-from ardiff_cli.runtime.observation import ObservationSchema, validate_observation
+from ardiff_cli.runtime.observation import ObservationSchema, describe_shape, validate_observation
 from ardiff_cli.runtime.outputs import FLOAT16_OVERFLOW, host_arrays, output_differences, output_problem
 from ardiff_cli.runtime.request import RUNNER_KEYS, ARDiffusionRequest, require_request
 from ardiff_cli.runtime.swap import (
@@ -456,12 +456,6 @@ def input_shapes(inputs: dict[str, Any]) -> dict[str, list[int] | None]:
         shape = getattr(value, "shape", None)
         shapes[key] = None if shape is None else [int(n) for n in shape]
     return shapes
-
-
-def describe_inputs(inputs: dict[str, Any]) -> str:
-    """'key (shape), ...' for warmup reports. The space lets a narrow table break a line between a name and its
-    shape rather than inside the name."""
-    return ", ".join(key if shape is None else f"{key} {tuple(shape)}" for key, shape in input_shapes(inputs).items())
 
 
 class ARDiffusionModelRunner:
@@ -1539,8 +1533,9 @@ class ARDiffusionModelRunner:
                     overflow = FLOAT16_OVERFLOW if self.dtype == torch.float16 else ""
                     raise PipelineError(f"{where}: {type(self.pipeline).__name__}.forward() returned {what}",
                                         hint=PIPELINE_HINT if kind != "non_finite" else DIVERGED_IN_WARMUP + overflow)
-                timings.append((request.request_id, describe_inputs(request.inputs), time.perf_counter() - t0))
-                shapes.append(input_shapes(request.inputs))
+                shape = input_shapes(request.inputs)
+                timings.append((request.request_id, describe_shape(shape), time.perf_counter() - t0))
+                shapes.append(shape)
                 where = provider
                 frames = self._warmup_committed_frames()  # None: the request closed the session
                 went_on |= goes_on and frames is not None
