@@ -323,3 +323,14 @@ class NoQueryHeads(CausalWorldPipeline):
 
         attention.forward = sharded
         return pipeline
+
+
+class ScalesTextKeysInPlace(CausalWorldPipeline):
+    """After its forward, it scales the text keys it read in place (``k.mul_``): those are the session's cache itself,
+    so each request scaled them again, and its outputs drifted from request to request without a word."""
+
+    def forward(self, request):
+        output = super().forward(request)
+        for k, _ in self._bound[1].cross_attention("main", "text"):
+            k.mul_(1.5)
+        return output

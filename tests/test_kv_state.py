@@ -585,6 +585,27 @@ def test_attend_given_tokens_before_heads_says_the_layout_it_expects(make_spec, 
         "k (8, 2, 8), v (8, 2, 8)")
 
 
+@pytest.mark.parametrize(("heads", "head_size", "said"), [
+    (2, 16, "head_size=8 where the model's k has 16"),
+    (4, 8, "num_kv_heads=2 where the model's k has 4"),
+    (1, 4, "num_kv_heads=2 where the model's k has 1 and head_size=8 where the model's k has 4"),
+])
+def test_attend_of_a_model_whose_sizes_the_spec_misstates_names_the_spec_fields(make_spec, make_cache, heads,
+                                                                                 head_size, said):
+    """A model of another head size than its spec declares read "attend takes ... (2, tokens, 8) ...; got q (2, 5,
+    16), ...", the same words as a layout mistake: not that ar_diffusion_kv_cache_spec() was what to fix."""
+    state = make_cache(make_spec(max_scratch_tokens_per_branch=1)).new_state("s")
+    ctx = state.get_kv_caches("positive", seq_len=8)[0]
+    q = torch.randn(2 * heads, 9, head_size)  # grouped-query: twice k's heads; one register token
+    k = torch.randn(heads, 9, head_size)
+    with pytest.raises(ValueError) as caught:
+        ctx.attend(q, k, k)
+    assert str(caught.value).endswith(
+        f"; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(k.shape)}: the pipeline's "
+        f"ar_diffusion_kv_cache_spec() declares {said}; make the spec (its Config.kv_cache_spec(), which "
+        "inspect-capacity plans from) give the model's sizes"), caught.value
+
+
 @pytest.mark.parametrize("backend", ["torch", "paged"])
 def test_attend_and_store_given_no_tensors_name_the_layer_and_the_layout(make_spec, make_cache, backend):
     """A None, a numpy array or a list for q, k or v read "AttributeError: 'NoneType' object has no attribute 'shape'"
@@ -730,6 +751,30 @@ def test_cross_attention_publish_and_read(make_spec, make_cache):
     assert state.has_cross_attention("negative", "image")
     assert not state.has_cross_attention("positive", "image")
     assert state.cross_attention_bytes == 2 * 3 * (2 * 3 * 8) * 4 + 2 * 3 * (1 * 2 * 4) * 4
+
+
+def test_a_cross_attention_cache_written_in_place_is_named_published_or_restored(make_spec, make_cache):
+    """cross_attention() gives the cache's own tensors: a forward's k.mul_() on them (under inference_mode, where
+    tensors made there have no version counter) changed the session's history unseen."""
+    spec = make_spec(num_layers=3, cross_attention=CROSS)
+    cache = make_cache(spec)
+    state = cache.new_state("s")
+    with torch.inference_mode():
+        state.populate_cross_attention("positive", "text", cross_pairs(spec, "text"))
+        state.populate_cross_attention("negative", "image", cross_pairs(spec, "image"))
+        state.cross_attention("positive", "text")[0][0].add(1)  # a read, and a copy written: no change
+        assert state.cross_attention_written() == []
+        state.cross_attention("negative", "image")[2][1].mul_(1.5)
+    assert state.cross_attention_written() == ["'image' of branch 'negative' (layer 2 v)"]
+    state.populate_cross_attention("negative", "image", cross_pairs(spec, "image"))  # the API's way to change it
+    assert state.cross_attention_written() == []
+    with torch.inference_mode():
+        restored = cache.new_state("t")
+        restored.restore(state.export())
+    assert restored.cross_attention_written() == []
+    with torch.no_grad():
+        restored.cross_attention("positive", "text")[1][0][0, 0, 0] = 7.0
+    assert restored.cross_attention_written() == ["'text' of branch 'positive' (layer 1 k)"]
 
 
 def _raise_at(pairs, index):

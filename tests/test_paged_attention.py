@@ -255,7 +255,9 @@ def test_store_is_a_commit_pass_write_checked_like_attend(make_spec, make_cache,
         denoise[1].store(k, k)
     contexts = state.get_kv_caches("positive", seq_len=seq_len, commit_current=True)
     wrong_heads = torch.randn(3, seq_len, spec.head_size)
-    with pytest.raises(ValueError, match=r"store takes k, v \(2, tokens, 8\).*; got k \(3, 4, 8\), v \(3, 4, 8\)$"):
+    with pytest.raises(ValueError, match=r"store takes k, v \(2, tokens, 8\).*; got k \(3, 4, 8\), v \(3, 4, 8\): "
+                       r"the pipeline's ar_diffusion_kv_cache_spec\(\) declares num_kv_heads=2 where the model's "
+                       r"k has 3; make the spec"):
         contexts[1].store(wrong_heads, wrong_heads)
     too_long = torch.randn(2, seq_len + 7, spec.head_size)
     with pytest.raises(ValueError, match="store got 11 tokens for seq_len=4: expected the video tokens followed by 0"):

@@ -1300,6 +1300,25 @@ def test_a_forward_that_returns_no_arrays_fails_its_steps_instead_of_writing_emp
     assert not list((run / "episodes").rglob("*.safetensors"))
 
 
+def test_a_forward_writing_its_cross_attention_cache_in_place_fails_warmup_and_its_steps(env, tmp_path):
+    """k.mul_() on the tensors state.cross_attention() gives wrote the session's cache itself: warmup said nothing,
+    and each step of a rollout read keys scaled once more than the last, with no error."""
+    said = ("ScalesTextKeysInPlace.forward() of request 'warmup-0' wrote the cross-attention cache 'text' of branch "
+            "'main' (layer 0 k) in place: the tensors state.cross_attention() gives are the session's cache")
+    proc = ardiff(env, "warmup", "causal-world-tiny", "--device", "cpu", "--format", "plain",
+                  "--pipeline", "author_mistakes:ScalesTextKeysInPlace")
+    assert proc.returncode == 1, proc.stderr
+    assert said in proc.stderr and "not k.mul_(scale)" in proc.stderr
+    run = tmp_path / "run"
+    proc = ardiff(env, "rollout", "causal-world-tiny", "--device", "cpu", "--out", str(run), "--no-warmup",
+                  "--format", "plain", "--pipeline", "author_mistakes:ScalesTextKeysInPlace")
+    assert proc.returncode == 1, proc.stderr
+    assert "wrote the cross-attention cache 'text' of branch 'main' (layer 0 k) in place" in proc.stderr
+    lines = records(run)
+    assert lines and all(r["status"] == "failed" for r in lines)
+    assert not list((run / "episodes").rglob("*.safetensors"))
+
+
 def test_a_pipeline_that_calls_sys_exit_fails_the_command_with_exit_1(env, tmp_path):
     """sys.exit(0) in a forward ended warmup with exit 0 and no word, and a rollout whose summary said "failed" (exit
     code 1 in summary.json) with exit 0."""

@@ -945,6 +945,15 @@ class ARDiffusionModelRunner:
                     f"uncommitted commit passes on branches {dangling}: call state.commit(branch) after each commit "
                     "pass"
                 )
+            written = state.cross_attention_written()
+            if written:
+                raise RuntimeError(
+                    f"{type(self.pipeline).__name__}.forward() of request {request.request_id!r} wrote the "
+                    f"cross-attention cache {', '.join(written)} in place: the tensors state.cross_attention() "
+                    "gives are the session's cache, kept for its later requests, and only populate_cross_attention "
+                    "may change them; write into a copy (k = k * scale, not k.mul_(scale)), or publish the changed "
+                    "cache with state.populate_cross_attention"
+                )
             state.end_request()
             with self._locked():  # in the try: a stop before the request is counted must not leave it uncounted
                 session.num_requests += 1

@@ -195,7 +195,7 @@ class ARDiffusionForwardContext:
             raise ValueError(
                 f"layer {layer} of branch {self.branch.name!r}: {takes} ({spec.num_kv_heads}, tokens, "
                 f"{spec.head_size}), with tokens = seq_len {self.seq_len} (+ up to {room} register tokens){heads}; "
-                f"got {got}"
+                f"got {got}{self._spec_disagrees(queries, k, v, room)}"
             )
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t is not None and (t.dtype != pool.dtype or t.device != pool.device):  # a store has no q
@@ -222,6 +222,23 @@ class ARDiffusionForwardContext:
                 f"seq_len={self.seq_len}: "
                 f"expected the video tokens followed by 0..{room} scratch register tokens{declared}"
             )
+
+    def _spec_disagrees(self, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, room: int) -> str:
+        """When ``q``/``k``/``v`` agree with each other (k and v alike, q's head size theirs, q's heads a multiple of
+        theirs, whole tokens of this forward) and only their heads or head size differ from the spec: the fields of
+        the pipeline's spec that the model contradicts, and the fix ('' for a layout mistake, tokens before heads).
+        The shape alone said "(2, tokens, 8) ... got k (2, 5, 16)", not that ar_diffusion_kv_cache_spec() was wrong."""
+        spec = self.pool.layout.spec
+        if (queries.dim() != 3 or tuple(v.shape) != tuple(k.shape) or queries.shape[1:] != k.shape[1:]
+                or not k.shape[0] or not queries.shape[0] or queries.shape[0] % k.shape[0]
+                or not self.seq_len <= k.shape[1] <= self.seq_len + room):
+            return ""
+        said = [f"{field}={declared} where the model's k has {size}"
+                for field, declared, size in (("num_kv_heads", spec.num_kv_heads, k.shape[0]),
+                                              ("head_size", spec.head_size, k.shape[2])) if declared != size]
+        return (f": the pipeline's ar_diffusion_kv_cache_spec() declares {' and '.join(said)}; make the spec "
+                "(its Config.kv_cache_spec(), which inspect-capacity plans from) give the model's sizes"
+                if said else "")
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         self.check_live("attend")

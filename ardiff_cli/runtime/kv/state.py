@@ -145,6 +145,10 @@ class ARDiffusionKVState:
         self._pending: dict[str, ARDiffusionForwardContext | None] = dict.fromkeys(self._branches)
         # Published cross-attention caches: (branch, name) -> one (k, v) per layer.
         self._cross: dict[tuple[str, str], tuple[tuple[torch.Tensor, torch.Tensor], ...]] = {}
+        # The version counter of each cache's tensors as published: cross_attention() hands out the cache itself, and
+        # a forward writing it in place (a rotary embedding or a scale applied with k.mul_) changed the session's
+        # history without a word, further at each request. Its tensors are made outside inference mode to have one.
+        self._cross_versions: dict[tuple[str, str], tuple[int, ...]] = {}
         # Bumped by reset and close so contexts handed out earlier fail loudly.
         self._generation = 0
         self._closed = False
@@ -393,7 +397,8 @@ class ARDiffusionKVState:
                                          "inference-only; run the pipeline's forward under torch.no_grad() or "
                                          "torch.inference_mode()")
                     try:
-                        copies.append(torch.empty(expected, dtype=pool.dtype, device=pool.device).copy_(t))
+                        with torch.inference_mode(False):  # a tensor with a version counter: see _cross_versions
+                            copies.append(torch.empty(expected, dtype=pool.dtype, device=pool.device).copy_(t))
                     except torch.OutOfMemoryError as exc:
                         raise KVCacheExhaustedError(
                             f"{where}: out of memory allocating layer {layer} "
@@ -406,7 +411,24 @@ class ARDiffusionKVState:
             staged.clear()  # drop the partial copies now; the published cache is untouched
             raise
         self._check_open("populate_cross_attention")  # the iterable may have closed us re-entrantly
-        self._cross[(kv.name, name)] = tuple(staged)
+        self._publish((kv.name, name), tuple(staged))
+
+    def _publish(self, key: tuple[str, str], pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> None:
+        self._cross[key] = pairs
+        self._cross_versions[key] = tuple(t._version for pair in pairs for t in pair)
+
+    def cross_attention_written(self) -> list[str]:
+        """The published caches whose tensors were written in place since they were published, each as
+        ``"'text' of branch 'main' (layer 0 k)"`` naming its first written tensor (the runner checks this after
+        each forward: only populate_cross_attention may change a cache)."""
+        written = []
+        for key, pairs in self._cross.items():
+            versions = self._cross_versions.get(key)
+            now = tuple(t._version for pair in pairs for t in pair)
+            if versions is not None and now != versions:
+                first = next(i for i, (a, b) in enumerate(zip(now, versions)) if a != b)
+                written.append(f"{key[1]!r} of branch {key[0]!r} (layer {first // 2} {'kv'[first % 2]})")
+        return written
 
     def _cross_declared(self, name: str, got: object) -> str:
         """Where the sizes of cache ``name`` that ``got`` (a tensor's shape) differs in come from: the fields of the
@@ -491,9 +513,10 @@ class ARDiffusionKVState:
             for key, stacked in snapshot.tensors.items():
                 kind, branch, name = key.split("/")
                 if kind == "cross":  # (L, 2, H, T, D) -> one (k, v) per layer, each its own storage
-                    self._cross[(branch, name)] = tuple(
-                        (layer[0].to(pool.device, copy=True), layer[1].to(pool.device, copy=True))
-                        for layer in stacked.unbind(0))
+                    with torch.inference_mode(False):  # a tensor with a version counter: see _cross_versions
+                        self._publish((branch, name), tuple(
+                            (layer[0].to(pool.device, copy=True), layer[1].to(pool.device, copy=True))
+                            for layer in stacked.unbind(0)))
         except BaseException:
             self._release_self_attention()
             self._cross.clear()
