@@ -777,6 +777,24 @@ def test_a_cross_attention_cache_written_in_place_is_named_published_or_restored
     assert restored.cross_attention_written() == ["'text' of branch 'positive' (layer 1 k)"]
 
 
+def test_a_restore_under_no_grad_of_a_snapshot_that_requires_grad_keeps_no_graph(make_spec, make_cache):
+    """The caches are copied under inference_mode(False) (for their version counter), which turns grad mode back on
+    under the caller's no_grad(): a snapshot whose tensors required grad gave caches that did, each holding a graph
+    back to the snapshot's tensors (kept alive for the session's life), and the session's later exports did too."""
+    spec = make_spec(cross_attention=CROSS)
+    cache = make_cache(spec)
+    state = cache.new_state("s")
+    state.populate_cross_attention("positive", "text", cross_pairs(spec, "text"))
+    snapshot = state.export()
+    for t in snapshot.tensors.values():
+        t.requires_grad_()
+    restored = cache.new_state("t")
+    with torch.no_grad():
+        restored.restore(snapshot)
+    assert not any(t.requires_grad for pair in restored.cross_attention("positive", "text") for t in pair)
+    assert not any(t.requires_grad for t in restored.export().tensors.values())
+
+
 def _raise_at(pairs, index):
     for i, pair in enumerate(pairs):
         if i == index:

@@ -397,7 +397,9 @@ class ARDiffusionKVState:
                                          "inference-only; run the pipeline's forward under torch.no_grad() or "
                                          "torch.inference_mode()")
                     try:
-                        with torch.inference_mode(False):  # a tensor with a version counter: see _cross_versions
+                        # outside inference mode, for a version counter (see _cross_versions), and with no graph:
+                        # inference_mode(False) turns grad mode on, even under the caller's no_grad()
+                        with torch.inference_mode(False), torch.no_grad():
                             copies.append(torch.empty(expected, dtype=pool.dtype, device=pool.device).copy_(t))
                     except torch.OutOfMemoryError as exc:
                         raise KVCacheExhaustedError(
@@ -423,9 +425,8 @@ class ARDiffusionKVState:
         each forward: only populate_cross_attention may change a cache)."""
         written = []
         for key, pairs in self._cross.items():
-            versions = self._cross_versions.get(key)
-            now = tuple(t._version for pair in pairs for t in pair)
-            if versions is not None and now != versions:
+            versions, now = self._cross_versions[key], tuple(t._version for pair in pairs for t in pair)
+            if now != versions:  # a host-side counter: no device sync
                 first = next(i for i, (a, b) in enumerate(zip(now, versions)) if a != b)
                 written.append(f"{key[1]!r} of branch {key[0]!r} (layer {first // 2} {'kv'[first % 2]})")
         return written
@@ -513,7 +514,7 @@ class ARDiffusionKVState:
             for key, stacked in snapshot.tensors.items():
                 kind, branch, name = key.split("/")
                 if kind == "cross":  # (L, 2, H, T, D) -> one (k, v) per layer, each its own storage
-                    with torch.inference_mode(False):  # a tensor with a version counter: see _cross_versions
+                    with torch.inference_mode(False), torch.no_grad():  # as populate_cross_attention's copies
                         self._publish((branch, name), tuple(
                             (layer[0].to(pool.device, copy=True), layer[1].to(pool.device, copy=True))
                             for layer in stacked.unbind(0)))
