@@ -1478,7 +1478,9 @@ UNRELATED = [("depth", "model"), ("threads", "model"), ("arm_steps", "model"), (
              ("wrist_image_right", "observation"), ("exterior_image_0_right", "observation"),
              ("exterior_image_2", "observation"), ("float64", "dtype"), ("float8", "dtype"), ("sweep3", "runs"),
              # a typo of two names alike: `f16` is fp16 or bf16
-             ("f16", "dtype")]
+             ("f16", "dtype"),
+             # of two sizes alike, the other number left out first made the tiny model the one offered for 1.3b
+             ("dreamzero-1.3b", "builtins"), ("dreamzero-7b", "builtins")]
 TYPOS = [("modle", "top", "model"), ("runtim", "top", "runtime"), ("checkpoints", "top", "checkpoint"),
          ("layers", "model", "num_layers"), ("heads", "model", "num_heads"), ("threads", "runtime", "num_threads"),
          ("windw_frames", "model", "window_frames"), ("tny", "presets", "tiny"),
@@ -1506,7 +1508,10 @@ TYPOS = [("modle", "top", "model"), ("runtim", "top", "runtime"), ("checkpoints"
          ("joint", "observation", "joint_position"), ("grip", "observation", "gripper_position"),
          ("wrist", "observation", "wrist_image"), ("joint_positions", "observation", "joint_position"),
          ("observation/joint", "observation", "observation/joint_position"),
-         ("language", "prompts", "language_instruction"), ("Prompt", "prompts", "prompt")]
+         ("language", "prompts", "language_instruction"), ("Prompt", "prompts", "prompt"),
+         # the one name beginning so, of names holding it: `window` was offered nothing (reset_at_window holds it)
+         ("window", "model", "window_frames"), ("patch", "model", "patch_size"),
+         ("memory", "runtime", "memory_budget")]
 
 
 def _names(kind):
@@ -1566,9 +1571,20 @@ def test_a_did_you_mean_still_names_a_typo_or_a_name_sharing_a_word(name, kind, 
     ("model: {neg_prompt: blurry}\n", "model.neg_prompt", " (did you mean 'negative_prompt'?)"),
     ("model: {frames: 4}\n", "model.frames", ""),  # was 'sink_frames', of four names holding it
     ("model: {reset: true}\n", "model.reset", " (did you mean 'reset_at_window'?)"),  # was 'preset'
+    ("model: {window: 8}\n", "model.window", " (did you mean 'window_frames'?)"),  # reset_at_window holds it too
 ])
 def test_an_unknown_config_key_is_offered_only_a_name_alike(tmp_path, text, unknown, offered):
     assert_inspect_capacity_refuses(tmp_path, f"pipeline: dreamzero\n{text}", f"unknown key '{unknown}'{offered}")
+
+
+def test_a_built_in_config_of_another_size_is_offered_none(tmp_path, cli_env):
+    """`dreamzero-1.3b` was offered 'dreamzero-tiny', a CPU model: 'dreamzero-14b', the other name alike, was
+    left out for its number first, which left one. A size asked for gets no other size."""
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", "dreamzero-1.3b", "--available",
+                           "8GiB", "--format", "plain"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=cli_env)
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        "Error: unknown config 'dreamzero-1.3b': not a file and not a built-in config\nhint: "), proc.stderr
 
 
 def test_a_key_of_a_step_file_is_offered_the_one_field_alike(tmp_path, cli_env):

@@ -622,37 +622,44 @@ def close_match(name: str, valid: Iterable[str], cutoff: float = 0.6, *,
     The rule, case ignored (`MODEL` 'model'):
 
     1. Alike (:func:`_alike`): a typo of ``name``, one sharing a word with it or one beginning the other, and close
-       by difflib's ratio (at least ``cutoff``); at the default cutoff, also a longer name ``name`` begins or whose
-       words hold each of its own (:func:`_within`: `steps` 'num_inference_steps', `backend`
+       by difflib's ratio (at least ``cutoff``); at the default cutoff or under, also a longer name ``name`` begins
+       or whose words hold each of its own (:func:`_within`: `steps` 'num_inference_steps', `backend`
        'attention_backend'), which the ratio leaves out. Letters in common alone are no likeness: `depth` is not
        'width', `batch` not 'patch_size'.
-    2. Never one that differs from ``name`` in a word that picks one of a pair or of a series (:func:`_same_sides`):
-       a side (negative, left, min, ...) added, dropped or changed, or another number. `prompt` is not
-       'negative_prompt' (the prompt meant is the one the negative is against), `float64` not 'float16'.
-    3. The closest kind wins: a typo, the nearest (but a name spelt as a word of ``valid``'s is no typo: `reset` is
-       'reset_at_window', not 'preset'), then a name holding ``name`` (:func:`_within`: `bfloat` 'bfloat16', not
-       'float16'), then the rest.
-    4. Of that kind, one thing or nothing: of several (`frames` 'sink_frames' or 'window_frames', `dreamzero`
-       'dreamzero-14b' or 'dreamzero-tiny', `num` 'num_heads' or 'num_layers') any one is a guess, and a wrong
-       suggestion misleads where none leaves the user the list of valid names."""
+    2. The closest kind wins: a typo, the nearest (but a name spelt as a word of ``valid``'s is no typo: `reset` is
+       'reset_at_window', not 'preset'), then a name beginning with ``name`` (`window` 'window_frames', not
+       'reset_at_window'), then one holding it (:func:`_within`: `bfloat` 'bfloat16', not 'float16'), then the rest.
+    3. Of that kind, one thing or nothing: of several (`frames` 'frames_per_block' or 'frames_per_request',
+       `dreamzero` 'dreamzero-14b' or 'dreamzero-tiny', `num` 'num_heads' or 'num_layers') any one is a guess, and
+       a wrong suggestion misleads where none leaves the user the list of valid names.
+    4. Nothing where that one differs from ``name`` in a word that picks one of a pair or of a series
+       (:func:`_same_sides`): a side (negative, left, min, ...) added, dropped or changed, or another number.
+       `prompt` is not 'negative_prompt' (the prompt meant is the one the negative is against), `float64` not
+       'float16'; and as one of several, such a name leaves none: `dreamzero-1.3b` gets nothing, not
+       'dreamzero-tiny'."""
     folded: dict[str, str] = {}
     for item in valid:
         folded.setdefault(item.casefold(), item)  # of names alike but for case, the first
     key = name.casefold()
     if key in folded:
         return folded[key]
-    alike = [match for match in folded if _alike(key, match) and _same_sides(key, match) and (
+    alike = [match for match in folded if _alike(key, match) and (
         difflib.SequenceMatcher(None, key, match).ratio() >= cutoff or cutoff <= 0.6 and _within(key, match))]
     words = {word for match in folded for word in _WORDS.findall(match)}
     typos = {match: _edits(key, match) for match in alike if _is_typo(key, match)}
     if key in words:  # spelt as a word of the names: no typo of another
         alike, typos = [match for match in alike if match not in typos or _within(key, match)], {}
     nearest = ([match for match, edits in typos.items() if edits == min(typos.values())]
+               or [match for match in alike if len(key) >= 3 and match.startswith(key)]
                or [match for match in alike if _within(key, match)] or alike)
     meant: dict[str, str] = {}  # what each names -> the first name of it
     for match in nearest:
-        meant.setdefault((stands_for or {}).get(folded[match], folded[match]), folded[match])
-    return next(iter(meant.values())) if len(meant) == 1 else None
+        meant.setdefault((stands_for or {}).get(folded[match], folded[match]), match)
+    if len(meant) != 1:
+        return None
+    # checked last, another side or number is one of several: left out first, `dreamzero-1.3b` had only the tiny one
+    match = next(iter(meant.values()))
+    return folded[match] if _same_sides(key, match) else None
 
 
 def _within(name: str, match: str) -> bool:
@@ -691,7 +698,8 @@ def _is_typo(name: str, match: str) -> bool:
     other, other_suffix = os.path.splitext(match)
     if suffix and suffix == other_suffix and stem and other:
         name, match = stem, other
-    return _edits(name, match) <= max(1, len(name) // 4) and (
+    most = max(1, len(name) // 4)
+    return abs(len(name) - len(match)) <= most and _edits(name, match, most) <= most and (
         len(name) > 3 or all(name.count(c) <= match.count(c) for c in name))
 
 
@@ -704,8 +712,10 @@ def _begins(name: str, match: str) -> bool:
 _WORDS = re.compile(r"[^\W\d_]+|\d+")  # the words of a name: runs of letters, runs of digits
 
 
-def _edits(a: str, b: str) -> int:
-    """The edits (a letter inserted, deleted, replaced, or two side by side swapped) that make ``a`` into ``b``."""
+def _edits(a: str, b: str, most: int | None = None) -> int:
+    """The edits (a letter inserted, deleted, replaced, or two side by side swapped) that make ``a`` into ``b``; with
+    ``most``, counted up to it only (more: ``most + 1``), which spares the rest of the table once two rows are past
+    it (a cell comes from its row and the two before): close_match asks it of each of thousands of run folders."""
     before, row = None, list(range(len(b) + 1))
     for i, x in enumerate(a, 1):
         now = [i]
@@ -715,6 +725,8 @@ def _edits(a: str, b: str) -> int:
                 best = min(best, before[j - 2] + 1)
             now.append(best)
         before, row = row, now
+        if most is not None and min(before) > most and min(row) > most:
+            return most + 1
     return row[-1]
 
 
