@@ -111,10 +111,12 @@ def single_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def ardiff_cache(tmp_path_factory):
     """A private $ARDIFF_CACHE_DIR for each test module, so default checkpoints are built fresh and never touch
-    ~/.cache."""
+    ~/.cache or the shell's cache: for every module, not only those that ask (test_engine_config.py and
+    test_backends.py build default checkpoints without asking, and a module-scoped fixture is not left set for the
+    modules after it)."""
     path = tmp_path_factory.mktemp("ardiff-cache")
     before = os.environ.get("ARDIFF_CACHE_DIR")
     os.environ["ARDIFF_CACHE_DIR"] = str(path)

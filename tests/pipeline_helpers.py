@@ -1,4 +1,4 @@
-"""Shared pieces of the pipeline tests: fixtures, tiny pipelines, and a driver that binds KV as the runner does."""
+"""Shared pieces of the pipeline tests: tiny pipelines, and a driver that binds KV as the runner does."""
 
 from __future__ import annotations
 

@@ -399,3 +399,12 @@ def test_a_boolean_where_none_is_expected_says_how_yaml_read_it(tmp_path):
         load_config(config)
     assert info.value.hint == ("set 'runtime.attention_backend' to auto | torch | vllm; YAML 1.1 reads no, off or "
                                "false unquoted as false (quote a word meant as text)")
+
+
+def test_default_checkpoints_are_built_in_a_cache_of_the_tests_own(tmp_path_factory):
+    """This module's from_config("causal-world-tiny") built its default checkpoint in ~/.cache/ardiff (or the shell's
+    $ARDIFF_CACHE_DIR): it never asked for ``ardiff_cache``, and once that fixture was module-scoped, no earlier
+    module's cache was left set for it either."""
+    from ardiff_cli.io.demo import cache_dir
+
+    assert cache_dir().is_relative_to(tmp_path_factory.getbasetemp()), cache_dir()

@@ -173,12 +173,12 @@ OBSERVATION_CASES = {
     "frames_as_int64": (lambda f: episode(f, step1={"wrist_image": np.zeros((4, 16, 16, 3), np.int64)}),
                         ["{path}: 'wrist_image' has dtype int64, expected uint8"],
                         "'wrist_image' takes uint8, 0 to 255 (a camera frame's pixels): from integers in 0..255, "
-                        "write np.clip(x, 0, 255).astype(np.uint8)"),
+                        "write np.clip(np.asarray(x), 0, 255).astype(np.uint8)"),
     # channel-first frames (torchvision's (C, H, W)), as floats in [0, 1]: each fix was found one run at a time
     "frames_channel_first": (lambda f: episode(f, step1={"wrist_image": np.zeros((4, 3, 16, 16), np.float32)}),
                              ["{path}: 'wrist_image' has dtype float32, expected uint8"],
                              "'wrist_image' is channel-first, (..., 3, H, W): channels go last, (..., H, W, 3): "
-                             "write np.ascontiguousarray(np.moveaxis(x, -3, -1))"),
+                             "write np.ascontiguousarray(np.moveaxis(np.asarray(x), -3, -1))"),
     "wrong_shape": (lambda f: episode(f, step1={"gripper_position": np.zeros((2, 2), np.float32)}),
                     ["{path}: 'gripper_position' has shape (2, 2), expected () or (1,) or (*, 1)"], "fields:"),
     "nan": (lambda f: episode(f, step1={"joint_position": nan_joints()}),
@@ -589,6 +589,48 @@ def test_a_step_file_whose_suffix_is_in_capitals_fails_its_episode_naming_it(tmp
                            "--format", "plain"], env=cli_env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert {("last", 0), ("last", 1), ("first", 0), ("first", 1)} <= ok_steps(tmp_path / "run")
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_step_files_in_capitals_are_renamed_by_one_hint_never_over_their_steps_file(tmp_path, cli_env, follow):
+    # A recorder that writes suffixes in capitals writes every step so: named one a run ("rename it: mv ..."), its 3
+    # steps took 4 runs (500 took 501). And a copy beside its step's file was "rename it: mv A a": pasted, it replaced
+    # that step's file with the copy.
+    eps = tmp_path / "eps"
+    every = episode(eps / "it's every", 3)
+    for step in range(3):
+        (every / f"step_{step:06d}.safetensors").rename(every / f"step_{step:06d}.SAFETENSORS")
+    twin = episode(eps / "twin", 2)
+    (twin / "step_000001.SAFETENSORS").write_bytes(b"a copy, not the step")
+    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "fast.yaml"), str(every),
+                           str(twin), "--out", str(tmp_path / "run"), "--no-warmup", "--format", "plain",
+                           *(["--follow", "--idle-timeout", "5"] * follow)],
+                          env=cli_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    said = f"Error: episode \"it's every\" failed: {every}: 3 step files' suffixes must be in lower case"
+    error = next(i for i, line in enumerate(lines) if line.startswith(said))
+    assert lines[error] == (f"{said} (.safetensors or .npz): ardiff does not read step_000000.SAFETENSORS, "
+                            "step_000001.SAFETENSORS and 1 more, so their steps would be left out of the episode")
+    assert lines[error + 1].startswith("hint: rename them: for f in "), lines[error + 1]
+    subprocess.run(lines[error + 1].removeprefix("hint: rename them: "), shell=True, executable="/bin/bash",
+                   check=True)
+    assert sorted(p.name for p in every.glob("step_*")) == [f"step_{s:06d}.safetensors" for s in range(3)]
+    said = f"Error: episode 'twin' failed: {twin / 'step_000001.SAFETENSORS'}: "
+    error = next(i for i, line in enumerate(lines) if line.startswith(said))
+    assert lines[error] == (f"{said}a step file's suffix must be in lower case (.safetensors or .npz): ardiff does "
+                            "not read this one, and step_000001.safetensors is beside it")
+    removed = f"rm {shlex.quote(str(twin / 'step_000001.SAFETENSORS'))}"
+    assert lines[error + 1] == (f"hint: keep one file per step: if step_000001.safetensors is the step, delete this "
+                                f"one ({removed}); if this one is, replace it (mv {twin / 'step_000001.SAFETENSORS'} "
+                                f"{twin / 'step_000001.safetensors'})"), lines[error + 1]
+    assert (twin / "step_000001.SAFETENSORS").read_bytes() == b"a copy, not the step"  # nothing moved over it
+    subprocess.run(removed, shell=True, check=True)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(tmp_path / "run"),
+                           "--format", "plain"], env=cli_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert {("it's every", s) for s in range(3)} | {("twin", 0), ("twin", 1)} <= ok_steps(tmp_path / "run")
 
 
 def _checkpoint_for_another_geometry(path: Path) -> Path:
@@ -2994,7 +3036,31 @@ def test_a_camera_frame_written_as_floats_is_hinted_how_to_write_it_as_uint8(tmp
     assert proc.returncode == 2, proc.stderr
     assert "'wrist_image' has dtype float32, expected uint8" in proc.stderr, proc.stderr
     assert ("; 'wrist_image' takes uint8, 0 to 255 (a camera frame's pixels): from floats in [0, 1], write "
-            "np.clip(np.rint(x * 255), 0, 255).astype(np.uint8)\n") in proc.stderr, proc.stderr
+            "np.clip(np.rint(np.asarray(x) * 255), 0, 255).astype(np.uint8)\n") in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype, shape", [("int64", (4, 3, 16, 16)), ("float32", (3, 16, 16)), ("int32", (16, 16, 3)),
+                                          ("float64", (2, 3, 16, 16)), ("uint8", (3, 16, 16))])
+def test_a_camera_frame_hint_run_on_the_frames_it_names_makes_frames_the_schema_takes(library, dtype, shape):
+    # The hints for frames as floats, as integers ("torch's .long()", the README says) or channel-first are numpy
+    # calls on x: x a torch tensor, np.clip(x, ...) gave a tensor, which has no .astype, and np.moveaxis(x, ...)
+    # called the tensor's own transpose ("argument 'dim0' must be int"). Each, run in turn on x, gives frames taken.
+    import torch
+    from pipelines.dreamzero import observation_schema
+
+    pixels = np.random.default_rng(0).integers(0, 256, shape)
+    frames = pixels / 255 if dtype.startswith("float") else pixels
+    x = torch.from_numpy(frames.astype(dtype)) if library == "torch" else frames.astype(dtype)
+    arrays = {**good(0, 0), "prompt": "p", "wrist_image": x}
+    with pytest.raises(ObservationError) as err:
+        validate_observation(observation_schema(), arrays, where="w")
+    fixes = re.findall(r"write (np\.[^;]*)", err.value.hint)
+    assert len(fixes) == (dtype != "uint8") + (shape[-1] != 3), err.value.hint
+    for fix in fixes:
+        x = eval(fix, {"np": np, "x": x})
+    valid = validate_observation(observation_schema(), {**arrays, "wrist_image": x}, where="w")
+    np.testing.assert_array_equal(valid["wrist_image"], pixels if shape[-1] == 3 else np.moveaxis(pixels, -3, -1))
 
 
 def test_hints_that_show_a_command_quote_its_paths_and_keep_the_episodes_order(tmp_path, cli_env):

@@ -163,12 +163,7 @@ def step_number(path: Path) -> int:
     if number is not None:
         return number
     if in_other_case(path.name):
-        lower = path.with_name(path.name[:-len(path.suffix)] + path.suffix.lower())
-        raise ObservationError(
-            f"{as_typed(path)}: a step file's suffix must be in lower case (.safetensors or .npz): ardiff does not "
-            "read this one, so its step would be left out of the episode",
-            hint=f"rename it: mv {shell_word(path)} {shell_word(lower)}",
-        )
+        raise other_case_error(path.parent, [path.name])
     if is_temporary_name(path.name):
         raise ObservationError(
             f"{as_typed(path)}: looks like a writer's temporary file that was never renamed (tempfile's tmpXXXXXXXX "
@@ -180,6 +175,41 @@ def step_number(path: Path) -> int:
         f"{as_typed(path)}: step file name has no step number",
         hint="name step files by their step, e.g. step_000000.safetensors, step_000001.safetensors, ...",
     )
+
+
+def _in_lower_case(name: str) -> str:
+    """``name`` with its suffix in lower case."""
+    stem, suffix = name.rsplit(".", 1)
+    return f"{stem}.{suffix.lower()}"
+
+
+def other_case_error(folder: Path, names: list[str]) -> ObservationError:
+    """The error of the files ``names`` (one or more) in ``folder`` whose step suffix is in other letter case
+    (:func:`in_other_case`): the renames to paste, all of them in one command (a recorder that writes capitals writes
+    every step so: one a run took as many runs as steps), never over a file of the name in lower case (on a
+    case-insensitive file system, macOS's, the two are one file, which lists under one name)."""
+    said = "suffix must be in lower case (.safetensors or .npz): ardiff does not read"
+    present = set(names_in(folder))
+    names = sorted(names)
+    for name in names:
+        lower = _in_lower_case(name)
+        if lower in present:  # "mv" would put the one over the other
+            path = folder / name
+            return ObservationError(
+                f"{as_typed(path)}: a step file's {said} this one, and {lower} is beside it",
+                hint=f"keep one file per step: if {lower} is the step, delete this one (rm {shell_word(path)}); if "
+                     f"this one is, replace it (mv {shell_word(path)} {shell_word(folder / lower)})")
+    if len(names) == 1:
+        path, lower = folder / names[0], folder / _in_lower_case(names[0])
+        return ObservationError(f"{as_typed(path)}: a step file's {said} this one, so its step would be left out of "
+                                "the episode", hint=f"rename it: mv {shell_word(path)} {shell_word(lower)}")
+    suffixes = sorted({"." + name.rsplit(".", 1)[1] for name in names})
+    renames = "; ".join(f'for f in {shell_word(folder)}/*{suffix}; do mv "$f" "${{f%{suffix}}}{suffix.lower()}"; '
+                        "done" for suffix in suffixes)
+    return ObservationError(
+        f"{as_typed(folder)}: {len(names)} step files' suffixes must be in lower case (.safetensors or .npz): ardiff "
+        f"does not read {first_of(names, 2)}, so their steps would be left out of the episode",
+        hint=f"rename them: {renames}")
 
 
 def safe_name(name: str) -> str:
@@ -291,6 +321,7 @@ def scan_steps(folder: Path, *, skip: Container[str] = (), unnumbered: list[Path
     whose name has no step number, or is a writer's temporary name (:func:`is_temporary_name`), is an error, unless
     ``unnumbered`` is given: it is appended there (a follower waits to see it renamed to its step's name)."""
     steps: dict[int, Path] = {}
+    other_case: list[str] = []  # names of step files in other letter case: failed all at once
     for name in _list_names(folder):
         # By name first: a follower lists its folders 10 times a second, and a robot's folder may hold thousands
         # of other files (camera frames), each made a Path and checked on every poll (20,000: 39 ms, now 8 ms).
@@ -298,9 +329,7 @@ def scan_steps(folder: Path, *, skip: Container[str] = (), unnumbered: list[Path
             continue
         if not name.endswith(STEP_SUFFIXES):
             if in_other_case(name):  # a step file all the same: failed, or waited for to be renamed, never passed over
-                if unnumbered is None:
-                    step_number(folder / name)  # raises, naming it
-                unnumbered.append(folder / name)
+                other_case.append(name)
             continue
         path = folder / name
         if not is_step_file(path):
@@ -321,6 +350,10 @@ def scan_steps(folder: Path, *, skip: Container[str] = (), unnumbered: list[Path
                 hint="keep one file per step",
             )
         steps[number] = path
+    if other_case and unnumbered is None:
+        raise other_case_error(folder, other_case)
+    if unnumbered is not None:
+        unnumbered.extend(folder / name for name in other_case)
     return [StepFile(path=steps[n], step=n) for n in sorted(steps)]
 
 

@@ -53,8 +53,8 @@ from pathlib import Path
 from ardiff_cli.io.atomic import temporary_pattern
 from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, StepFile, episode_entries,
                                    episode_folders_inside, gap_error, in_other_case, is_run_output, listed,
-                                   looks_whole, missing_steps, names_in, new_episode_folders, other_step_formats,
-                                   step_number, step_sha256, unreadable_folder)
+                                   looks_whole, missing_steps, names_in, new_episode_folders, other_case_error,
+                                   other_step_formats, step_number, step_sha256, unreadable_folder)
 from ardiff_cli.io.run import episode_folder_path
 from ardiff_cli.runtime.errors import ObservationError, as_typed, dangling_link, link_to_nothing, shell_word
 
@@ -932,9 +932,9 @@ class StepScheduler:
             if now is None or now.st_ino != identity:  # renamed (a recorder publishing ep1.part as ep1) or deleted
                 return  # since the look above: the next poll follows it there, or says it is gone
             raise
-        other_case = next((path for path in track.unnumbered if in_other_case(path.name)), None)
-        if other_case is not None:  # no writer's temporary name: failed now, not after a later step ran as the first
-            step_number(other_case)  # raises, naming it
+        other_case = [path.name for path in track.unnumbered if in_other_case(path.name)]
+        if other_case:  # no writer's temporary name: failed now, not after a later step ran as the first
+            raise other_case_error(track.source.path, other_case)
         for step_file in listed:
             name = step_file.path.name
             try:

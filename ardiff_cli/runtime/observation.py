@@ -285,13 +285,14 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
         if as_floats:  # images as most libraries hand them to a recorder
             hint += (f"; {', '.join(map(repr, as_floats))} {'takes' if len(as_floats) == 1 else 'take'} uint8, 0 to "
                      "255 (a camera frame's pixels): from floats in [0, 1], write "
-                     "np.clip(np.rint(x * 255), 0, 255).astype(np.uint8)")
+                     "np.clip(np.rint(np.asarray(x) * 255), 0, 255).astype(np.uint8)")
         if as_ints:
             hint += (f"; {', '.join(map(repr, as_ints))} {'takes' if len(as_ints) == 1 else 'take'} uint8, 0 to 255 "
-                     "(a camera frame's pixels): from integers in 0..255, write np.clip(x, 0, 255).astype(np.uint8)")
+                     "(a camera frame's pixels): from integers in 0..255, write "
+                     "np.clip(np.asarray(x), 0, 255).astype(np.uint8)")
         if channels_first:  # with the dtype's hint above, if any: both fixes at once, not one run each
             hint += (f"; {', '.join(map(repr, channels_first))} {'is' if len(channels_first) == 1 else 'are'} "
                      "channel-first, (..., 3, H, W): channels go last, (..., H, W, 3): write "
-                     "np.ascontiguousarray(np.moveaxis(x, -3, -1))")
+                     "np.ascontiguousarray(np.moveaxis(np.asarray(x), -3, -1))")
         raise ObservationError(f"{where}: " + "; ".join(problems), hint=hint)
     return out
