@@ -182,6 +182,8 @@ def _run(args: list[str]) -> None:
         # obj: the command line as given, which a hint giving it again keeps the options of (options_given)
         code = app(args=args, prog_name="ardiff", standalone_mode=False, obj=args)
     except typer.TyperException as exc:
+        # a stop held or dropped as Typer read the options (pydantic's import) ends it as one raised there: exit 130
+        entry.raise_dropped_stop()
         if not args:  # bare `ardiff`: Typer printed the help already
             sys.exit(exc.exit_code)
         ctx = getattr(exc, "ctx", None)

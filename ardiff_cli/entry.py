@@ -23,6 +23,7 @@ from types import FrameType
 EARLY_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 _DEFAULT = {signal.SIGINT: signal.default_int_handler}  # its handling unless the process was started ignoring it
 stopped_by: int | None = None  # the first signal, whose Stopped was raised (or held); Typer turns it into its exit 130
+_held = False  # stopped_by's Stopped is held (``_stop``, in a ``__set_name__``), not on its way out
 
 
 class Stopped(KeyboardInterrupt):
@@ -34,18 +35,21 @@ class Stopped(KeyboardInterrupt):
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:
-    global stopped_by
-    if stopped_by is not None:  # the first one's stop is on its way out, or being reported: only that one counts
-        return
-    stopped_by = signum
+    global stopped_by, _held
+    if stopped_by is not None and not _held:  # the first one's stop is on its way out, or being reported
+        return  # only that one counts
+    stopped_by = stopped_by or signum  # a second raises the held stop of the first (its exit code)
     # Not raised in a __set_name__ (of a class an import defines: pydantic's, platform's cached_property): Python
     # before 3.12 wraps what it raises in a RuntimeError, which was a traceback and exit 1. Held, it is raised at the
-    # next check, as one Python dropped (raise_dropped_stop)
+    # next check, as one Python dropped (raise_dropped_stop), or by the next signal: one before that check (a resume's
+    # run.json on a hung mount) was ignored, and only SIGKILL ended the command
     while frame is not None:
         if frame.f_code.co_name == "__set_name__":
+            _held = True
             return
         frame = frame.f_back
-    raise Stopped(signum)
+    _held = False
+    raise Stopped(stopped_by)
 
 
 def raise_dropped_stop() -> None:
@@ -57,8 +61,11 @@ def raise_dropped_stop() -> None:
     ``except``): ``main``, once ardiff is imported; ``app.Command.invoke``, once Typer built the command and read its
     options; ``StopSignals``, as a command takes them; ``Output.result``, before a command that never does writes its
     result (and a rollout's resume with nothing left to run, before it writes run.json and summary.json); ``app._run``,
-    as a command or ``--help``, ``--version`` (which run no command) ends with exit 0."""
+    before it reports a usage error, and as a command or ``--help``, ``--version`` (which run no command) ends with
+    exit 0."""
+    global _held
     if stopped_by is not None and signal.getsignal(stopped_by) is _stop:
+        _held = False
         raise Stopped(stopped_by)
 
 

@@ -827,6 +827,71 @@ def test_sigterm_or_sighup_however_early_ends_the_command_as_ctrl_c_does_with_it
         {"kind": "interrupted", "message": f"interrupted by {name}", "hint": None, "exit_code": code}]
 
 
+
+@pytest.mark.parametrize("script", ["held", "dropped"])
+def test_a_signal_held_or_dropped_before_a_usage_error_still_ends_the_command_with_its_exit_code(tmp_path, script):
+    """Ctrl-C held in pydantic's ``__set_name__`` (or dropped by Python in the callback of its import) as Typer reads
+    the options, then a value Typer refuses: the stop was lost, the usage error's exit 2 (the signal said nothing),
+    where one raised at the same point exits 130. It is raised before the usage error is reported."""
+    args = ["inspect-capacity", "dreamzero-14b", "--available", "-4GiB", "--format", "json"]
+    script, where = ((CTRL_C, ["__set_name__ in pydantic"]) if script == "held"
+                     else (SIGNAL_IN_A_CALLBACK, ["SIGINT", "pydantic"]))
+    proc = subprocess.run([sys.executable, "-c", script, *where, *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (proc.returncode, proc.stderr.splitlines()[-1]) == (130, "Error: interrupted by SIGINT"), proc.stderr
+    assert [json.loads(line)["kind"] for line in proc.stdout.splitlines()] == ["interrupted"], proc.stdout
+
+
+HELD_THEN_HUNG = """
+import signal, sys
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever this process inherited
+when, sys.argv = sys.argv[1], ["ardiff", *sys.argv[2:]]
+
+
+class Descriptor:
+    def __set_name__(self, owner, name):
+        signal.raise_signal(signal.SIGINT)
+
+
+class HoldIn:  # a class whose attribute has a __set_name__, made as that module starts to import
+    def find_spec(self, name, path=None, target=None):
+        if name == when:
+            sys.meta_path.remove(self)
+            type("Made", (), {"attribute": Descriptor()})
+
+
+sys.meta_path.insert(0, HoldIn())
+from ardiff_cli.entry import main
+
+main()
+"""
+
+
+def test_a_second_signal_stops_a_command_that_hangs_after_its_first_was_held_in_a_set_name(tmp_path):
+    """Ctrl-C held in a ``__set_name__`` (as the resume imports the module that reads run.json), then a run.json that
+    blocks as on a hung mount: the held stop waits for the next check, which never comes, and a second Ctrl-C was
+    ignored as the first one's stop on its way out (only SIGKILL ended it). The second raises the first's stop."""
+    from pipeline_helpers import open_to_write, wait_reading
+
+    (tmp_path / "run").mkdir()
+    os.mkfifo(tmp_path / "run" / "run.json")
+    proc = subprocess.Popen([sys.executable, "-c", HELD_THEN_HUNG, "ardiff_cli.io.run", "rollout", "--resume",
+                             "--out", "run", "--format", "json"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+    writer = None
+    try:
+        writer = open_to_write(proc, tmp_path / "run" / "run.json")
+        wait_reading(proc, tmp_path / "run" / "run.json")
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        if writer is not None:
+            os.close(writer)
+    assert proc.returncode == 130 and "Error: interrupted by SIGINT" in stderr, stderr
+    assert "Traceback" not in stderr and json.loads(stdout.splitlines()[-1])["kind"] == "interrupted", stderr
+
 def _caught(pid: int, signum: int) -> bool:
     """Whether process ``pid`` has a handler of its own for ``signum`` now (``SigCgt`` in /proc/PID/status)."""
     status = Path(f"/proc/{pid}/status").read_text()

@@ -970,12 +970,13 @@ def test_a_byte_size_option_out_of_range_says_why(cli_env, args, why):
 ])
 def test_a_byte_size_option_below_its_range_says_what_to_give(cli_env, args, why):
     """A size of 0 or less said only what it must be, and its hint was the command's --help: every other byte size
-    error says what to write (`use a whole number of bytes, ... such as 512MiB`); so does this one now."""
+    error says what to write (`use a whole number of bytes, ... such as 512MiB`); so does this one now. --swap-space's
+    said `(use a byte size of 0 (none) or more, ...)`: a parenthesis inside the one the usage error puts it in."""
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", *args, "--format", "json"],
                           capture_output=True, text=True, env=cli_env, timeout=120)
     assert proc.returncode == 2, proc.stderr
     error = json.loads(proc.stdout)
-    least = "0 (none) or more" if args[1] == "--swap-space" else "1 byte or more"
+    least = "0 or more" if args[1] == "--swap-space" else "1 byte or more"
     assert error["message"] == (f"Invalid value for '{args[1]}': {why} (use a byte size of {least}, such as 512MiB "
                                 "or 2GiB)"), error
 

@@ -134,8 +134,7 @@ def parse_bytes(text: str | int, *, zero_ok: bool = False) -> int:
                           hint=BYTE_SIZE_HINT)
     if value < 0 or value == 0 and not zero_ok:  # the hint says what to write, as every other byte size error's
         raise ConfigError(f"a byte size must be {'>= 0' if zero_ok else 'positive'}, got {_typed(text)}",
-                          hint=f"use a byte size of {'0 (none)' if zero_ok else '1 byte'} or more, such as 512MiB or "
-                               "2GiB")
+                          hint=f"use a byte size of {'0' if zero_ok else '1 byte'} or more, such as 512MiB or 2GiB")
     return value
 
 
