@@ -1669,6 +1669,44 @@ def test_a_resume_from_where_its_pipeline_module_moved_gives_the_folders_it_impo
     assert_matches(run, reference)
 
 
+def test_a_resume_from_where_its_pipeline_module_moved_gives_those_folders_in_its_moved_episodes_hint(
+        env, data, reference, tmp_path):
+    """The --pipeline module of a failed run moved (the lab's folder renamed) and so did its folder of episodes; the
+    resume, given the module's new folder on PYTHONPATH, is refused for the episodes: its hint gave the resume with
+    run.json's folders, the old one, gone, where the resume records those it imported the module from: pasted with
+    the episodes' folder in place of NEW, it was refused again (`/x/lab is gone`). It carries the module's folders
+    now, and pasted so in another folder with PYTHONPATH unset, it finishes the run."""
+    from test_cli_rollout import pasted
+
+    lab, elsewhere, run, eps = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "run", tmp_path / "eps"
+    shutil.copytree(data / "eps", eps)
+    lab.mkdir()
+    elsewhere.mkdir()
+    (lab / "mypipe.py").write_text("from faulty_pipelines import FaultyDreamZero\n\n\n"
+                                   "class Mine(FaultyDreamZero):\n    pass\n")
+    faults = [{"request": "arm_b/000001", "site": "block", "layer": 0}]
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(eps),
+                           "--out", str(run), "--pipeline", "mypipe:Mine", "--no-warmup", "--format", "plain"],
+                          cwd=lab, env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 4, proc.stderr
+    moved = tmp_path / "lab2"
+    lab.rename(moved)
+    eps.rename(tmp_path / "eps2")
+    moved_env = {**env, "PYTHONPATH": os.pathsep.join([str(moved), env["PYTHONPATH"]])}
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run),
+                           "--pipeline", "mypipe:Mine", "--format", "plain"], cwd=elsewhere, env=moved_env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr
+    given = (f"{on_path(moved_env, elsewhere)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine "
+             f"{data / 'fast.yaml'} NEW")
+    assert f"with the run's other EPISODE arguments: {given}; or run" in last_hint(proc.stderr), proc.stderr
+    unset = {key: value for key, value in env.items() if key != "PYTHONPATH"}
+    resumed = pasted(unset, f"{given.replace('NEW', str(tmp_path / 'eps2'))} --no-warmup", tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_matches(run, reference)
+
+
 def test_a_resume_whose_recorded_pipeline_folder_is_gone_names_it_and_how_to_give_another(env, data, reference,
                                                                                           tmp_path):
     """The folder a failed run's --pipeline module was imported from is gone (renamed): its resume hint, pasted,
@@ -1687,8 +1725,9 @@ def test_a_resume_whose_recorded_pipeline_folder_is_gone_names_it_and_how_to_giv
     unset = {key: value for key, value in env.items() if key != "PYTHONPATH"}
     resumed = pasted(unset, f"{again} --no-warmup", elsewhere)
     assert resumed.returncode == 2, resumed.stderr
-    assert (f"Error: --pipeline mypipe:Mine: cannot import 'mypipe': the run imported it from a folder that "
-            f"{run / 'run.json'}'s field 'pythonpath' records, and {lab} is gone\n") in resumed.stderr, resumed.stderr
+    assert (f"Error: --pipeline mypipe:Mine: cannot import 'mypipe': the run imported it from one of the folders "
+            f"that {run / 'run.json'}'s field 'pythonpath' records, and {lab} is gone\n") in resumed.stderr, \
+        resumed.stderr
     given = again.replace(str(lab), "NEW", 1)  # the resume with the folder that holds the module now first
     hint = last_hint(resumed.stderr)
     assert hint.endswith(f"give the folder that holds 'mypipe' now (NEW) on PYTHONPATH: {given}"), resumed.stderr

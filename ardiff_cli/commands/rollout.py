@@ -409,6 +409,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
     done: dict[str, dict[int, int | None]] = {}
     digests: dict[str, dict[int, str]] = {}
     budget_given = overrides["memory_budget"] is not None  # before --resume fills it in from run.json
+    pythonpath = (start or {}).get("pythonpath")  # the folders --pipeline's module was found on (a resume's: below)
     if resume:
         if out is None:
             raise ConfigError("--resume needs --out DIR: the folder of the run to continue",
@@ -417,6 +418,14 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
         run_info = dict(info)  # as read: info takes the options the command does not give again
         # the run's --pipeline and its module's folders: the resume a hint gives to paste is given them
         again = recorded_resume(again or ResumeCommand(run.root), info)
+        _same_pipeline_option(pipeline, info.get("pipeline_option"))
+        _recorded_pythonpath_found(pipeline, again, run.root / RUN_FILE)
+        # a resume records the folders it found the module on, as a new run does, not the run's: the module may have
+        # moved since (a lab's folder renamed, given on PYTHONPATH now), or been installed (none needed): its hints
+        # from here on (a config's, a moved folder of episodes') carry what works now, where the run's folders, pasted,
+        # were refused (`... is gone`)
+        pythonpath = None if pipeline is None else _pipeline_path(pipeline)
+        again = replace(again, pythonpath=tuple(pythonpath or ()))
         config = _resume_config(config, info, again)
         overrides["dtype"] = _same(overrides["dtype"], info["dtype"], "--dtype")
         # Options not given again are the run's own, checked as given ones are. The device and attention backend
@@ -430,8 +439,6 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
         for key in runtime_keys:
             if overrides[key] is None:
                 overrides[key] = info[key]
-        _same_pipeline_option(pipeline, info.get("pipeline_option"))
-        _recorded_pythonpath_found(pipeline, again, run.root / RUN_FILE)
         refuse_contradictions(follow=options["follow"] or info.get("follow", False),
                               idle_timeout=options["idle_timeout"])
         if not episode_paths and not info.get("demo"):
@@ -534,10 +541,6 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
     # --resume loaded the link's target, which read it from another folder (`file not found`, exit 2).
     config_file = resolve_config(config_label(config)).absolute()
     checkpoint = _checkpoint_record(cfg.checkpoint)
-    # a resume records the folders it imported the module from, as a new run does, not the run's: the module may have
-    # moved since (a lab's folder renamed, given on PYTHONPATH now), or been installed (none needed): its hints carry
-    # what works now, where the run's would say `No module named ...` pasted
-    pythonpath = _pipeline_path(pipeline) if resume and pipeline is not None else (start or {}).get("pythonpath")
     if resume:
         _refuse_changed_checkpoint(info.get("checkpoint"), checkpoint)
     # run.json's path of an episode, kept where it still leads to the folder read (a symlink there to where the
@@ -912,10 +915,10 @@ def _recorded_pythonpath_found(pipeline: str | None, again: ResumeCommand, run_f
             return
     except (ImportError, ValueError):
         return  # its import says what is wrong
-    said = (f"--pipeline {pipeline}: cannot import {top!r}: the run imported it from a folder that {run_file}'s "
-            "field 'pythonpath' records")
+    said = (f"--pipeline {pipeline}: cannot import {top!r}: the run imported it from one of the folders that "
+            f"{run_file}'s field 'pythonpath' records")
     if importlib.machinery.PathFinder.find_spec(top, list(again.pythonpath)) is not None:
-        raise ConfigError(f"{said}, which is not on PYTHONPATH here",
+        raise ConfigError(f"{said}, which are not on PYTHONPATH here",
                           hint=f"continue with the run's resume, which gives them: {again}")
     gone = [folder for folder in again.pythonpath if not os.path.isdir(folder)]
     given = replace(again, pythonpath=("NEW", *(folder for folder in again.pythonpath if folder not in gone))).command()
