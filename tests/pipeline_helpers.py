@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -245,8 +247,10 @@ def outputs(run: Path) -> dict:
 def ardiff_program(*flags: str) -> str:
     """PATH with a folder first that holds an ``ardiff`` program running this Python's ``-m ardiff_cli`` (``flags``
     before it, ``-P``: as the installed script runs, its working folder not on sys.path): a hint's command that runs
-    ``ardiff`` through ``env -C FOLDER ...`` (a folder named with ':') needs a program, not a shell function."""
+    ``ardiff`` through ``env -C FOLDER ...`` (a folder named with ':') needs a program, not a shell function. The
+    folder is removed as the test process ends."""
     folder = Path(tempfile.mkdtemp(prefix="ardiff-bin-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     program = folder / "ardiff"
     program.write_text(f'#!/bin/sh\nexec {shlex.join([sys.executable, *flags])} -m ardiff_cli "$@"\n')
     program.chmod(0o755)

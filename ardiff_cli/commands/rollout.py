@@ -899,11 +899,12 @@ def _under_signals(work: Callable[[], None]) -> None:
 
 
 def _recorded_pythonpath_found(pipeline: str | None, again: ResumeCommand, run_file: Path) -> None:
-    """The module of a resume's ``--pipeline MODULE:CLASS`` is found (imported later, as the config loads), or the
-    folders run.json records it was imported from (``again.pythonpath``: the run's resume, which carries them) are
-    named, where the import said only `No module named ...` and to check the install: still holding it, not searched
-    here (the hint: the run's resume, which puts them on PYTHONPATH); one gone since (a lab's folder renamed), or none
-    holding it now (the hint: the resume with NEW, the folder that holds it now, first on PYTHONPATH)."""
+    """Refuse a resume whose ``--pipeline MODULE:CLASS`` module is not found here, naming the folders run.json records
+    the run imported it from (``again.pythonpath``: the run's resume, which carries them), where its import (as the
+    config loads) said only `No module named ...` and to check the install. They still hold it, but are not
+    searched here: the hint is the run's resume, which puts them on PYTHONPATH. One is gone since (a lab's folder
+    renamed), or none holds it now: the hint is the resume with NEW, the folder that holds it now, first on
+    PYTHONPATH (or put the gone one back). Nothing is checked where the module is found, or none were recorded."""
     import importlib.machinery
     import importlib.util
 
