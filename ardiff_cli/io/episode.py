@@ -142,9 +142,11 @@ def is_temporary_name(name: str) -> bool:
 def in_other_case(name: str) -> bool:
     """Whether ``name`` ends in a step suffix written in other letter case (``step_000001.SAFETENSORS``, ``.Npz``): a
     step file ardiff does not read, which left its step out without a word where it was the first or the last."""
-    # by its last letter first: a follower lists a folder of 20,000 camera frames 10 times a second
-    return (name[-1:] in "sSzZ" and name.lower().endswith(STEP_SUFFIXES) and not name.endswith(STEP_SUFFIXES)
-            and not name.startswith(".") and not name.endswith(_IGNORED_SUFFIXES))
+    return name.lower().endswith(STEP_SUFFIXES) and not name.endswith(STEP_SUFFIXES) and not name.startswith(".")
+
+
+# The last letters of a step suffix in any case: a name ending otherwise is no step file in any case (a camera frame)
+_STEP_LAST_LETTERS = tuple({c for suffix in STEP_SUFFIXES for c in (suffix[-1], suffix[-1].upper())})
 
 
 def _number_in(path: Path) -> int | None:
@@ -318,14 +320,16 @@ def _list_folder(folder: Path) -> list[Path]:
 
 def scan_steps(folder: Path, *, skip: Container[str] = (), unnumbered: list[Path] | None = None) -> list[StepFile]:
     """The step files of ``folder`` in step order, except those named in ``skip`` (not even stat'ed). A step file
-    whose name has no step number, or is a writer's temporary name (:func:`is_temporary_name`), is an error, unless
-    ``unnumbered`` is given: it is appended there (a follower waits to see it renamed to its step's name)."""
+    whose name has no step number, is a writer's temporary name (:func:`is_temporary_name`) or has its suffix in other
+    letter case (:func:`in_other_case`, all named in one error) is an error, unless ``unnumbered`` is given: it is
+    appended there (a follower waits to see it renamed to its step's name, but for one in other letter case: it fails
+    the episode at that poll)."""
     steps: dict[int, Path] = {}
     other_case: list[str] = []  # names of step files in other letter case: failed all at once
     for name in _list_names(folder):
         # By name first: a follower lists its folders 10 times a second, and a robot's folder may hold thousands
         # of other files (camera frames), each made a Path and checked on every poll (20,000: 39 ms, now 8 ms).
-        if name in skip:
+        if name in skip or not name.endswith(_STEP_LAST_LETTERS):
             continue
         if not name.endswith(STEP_SUFFIXES):
             if in_other_case(name):  # a step file all the same: failed, or waited for to be renamed, never passed over

@@ -621,11 +621,11 @@ def close_match(name: str, valid: Iterable[str], cutoff: float = 0.6, *,
 
     The rule, case ignored (`MODEL` 'model'):
 
-    1. Alike (:func:`_alike`): a typo of ``name``, one sharing a word with it or one beginning the other, and close
-       by difflib's ratio (at least ``cutoff``); at the default cutoff or under, also a longer name ``name`` begins
-       or whose words hold each of its own (:func:`_within`: `steps` 'num_inference_steps', `backend`
-       'attention_backend'), which the ratio leaves out. Letters in common alone are no likeness: `depth` is not
-       'width', `batch` not 'patch_size'.
+    1. Alike: a typo of ``name`` (:func:`_is_typo`), one sharing a word with it or one beginning the other
+       (:func:`_related`), and close by difflib's ratio (at least ``cutoff``); at the default cutoff or under, also
+       a longer name ``name`` begins or whose words hold each of its own (:func:`_within`: `steps`
+       'num_inference_steps', `backend` 'attention_backend'), which the ratio leaves out. Letters in common alone
+       are no likeness: `depth` is not 'width', `batch` not 'patch_size'.
     2. The closest kind wins: a typo, the nearest (but a name spelt as a word of ``valid``'s is no typo: `reset` is
        'reset_at_window', not 'preset'), then a name beginning with ``name`` (`window` 'window_frames', not
        'reset_at_window'), then one holding it (:func:`_within`: `bfloat` 'bfloat16', not 'float16'), then the rest.
@@ -643,18 +643,24 @@ def close_match(name: str, valid: Iterable[str], cutoff: float = 0.6, *,
     key = name.casefold()
     if key in folded:
         return folded[key]
-    alike = [match for match in folded if _alike(key, match) and (
-        difflib.SequenceMatcher(None, key, match).ratio() >= cutoff or cutoff <= 0.6 and _within(key, match))]
-    words = {word for match in folded for word in _WORDS.findall(match)}
-    typos = {match: _edits(key, match) for match in alike if _is_typo(key, match)}
-    if key in words:  # spelt as a word of the names: no typo of another
-        alike, typos = [match for match in alike if match not in typos or _within(key, match)], {}
-    nearest = ([match for match, edits in typos.items() if edits == min(typos.values())]
-               or [match for match in alike if len(key) >= 3 and match.startswith(key)]
-               or [match for match in alike if _within(key, match)] or alike)
-    meant: dict[str, str] = {}  # what each names -> the first name of it
-    for match in nearest:
-        meant.setdefault((stands_for or {}).get(folded[match], folded[match]), match)
+    spelt = key in {word for match in folded for word in _WORDS.findall(match)}  # as a word of the names: no typo
+    kinds: dict[str, tuple[int, int]] = {}  # each name alike (1.) -> its kind (2.), the closest the lowest
+    for match in folded:
+        typo = _is_typo(key, match)
+        if not (typo or _related(key, match)):
+            continue
+        within = _within(key, match)
+        if typo and spelt and not within:  # `reset` is no typo of 'preset': 'reset_at_window' holds it
+            continue
+        if not (within and cutoff <= 0.6) and difflib.SequenceMatcher(None, key, match).ratio() < cutoff:
+            continue
+        kinds[match] = ((0, _edits(key, match)) if typo and not spelt
+                        else (1, 0) if len(key) >= 3 and match.startswith(key) else (2, 0) if within else (3, 0))
+    closest = min(kinds.values(), default=None)
+    meant: dict[str, str] = {}  # what each of the closest names -> the first name of it
+    for match, kind in kinds.items():
+        if kind == closest:
+            meant.setdefault((stands_for or {}).get(folded[match], folded[match]), match)
     if len(meant) != 1:
         return None
     # checked last, another side or number is one of several: left out first, `dreamzero-1.3b` had only the tiny one
@@ -730,13 +736,12 @@ def _edits(a: str, b: str, most: int | None = None) -> int:
     return row[-1]
 
 
-def _alike(name: str, match: str) -> bool:
-    """Whether ``match`` (both casefolded) is a suggestion for ``name``: a typo of it (:func:`_is_typo`), one that is
-    a word of it or has it as a word (`out-dir` 'out'), or one sharing a word of 4 letters or more with it, or that
-    word's beginning (`layers` 'num_layers', `patches` 'patch_size'), or one beginning the other (:func:`_begins`):
-    `num_step` is not 'num_heads'. A suffix both have (file names') is left out: `.yaml` alone is no likeness."""
-    if _is_typo(name, match):
-        return True
+def _related(name: str, match: str) -> bool:
+    """Whether ``match`` (both casefolded) is a suggestion for ``name`` other than a typo of it (:func:`_is_typo`):
+    one that is a word of it or has it as a word (`out-dir` 'out'), or one sharing a word of 4 letters or more with
+    it, or that word's beginning (`layers` 'num_layers', `patches` 'patch_size'), or one beginning the other
+    (:func:`_begins`): `num_step` is not 'num_heads'. A suffix both have (file names') is left out: `.yaml` alone is
+    no likeness."""
     stem, suffix = os.path.splitext(name)
     other, other_suffix = os.path.splitext(match)
     if suffix and suffix == other_suffix and stem and other:
