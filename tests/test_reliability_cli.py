@@ -1596,6 +1596,13 @@ def run_failing_in_lab(env: dict, data: Path, lab: Path, elsewhere: Path, run: P
     assert proc.returncode == 4, proc.stderr
     return proc
 
+def pasted_without_pythonpath(env: dict, command: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``command`` (a hint) pasted into bash in ``cwd`` with PYTHONPATH unset, as in another shell."""
+    from test_cli_rollout import pasted
+
+    return pasted({key: value for key, value in env.items() if key != "PYTHONPATH"}, command, cwd)
+
+
 
 def test_a_failed_runs_resume_hint_carries_the_folders_of_its_pipeline_module_and_pastes_from_another_folder(
         env, data, reference, tmp_path):
@@ -1609,10 +1616,7 @@ def test_a_failed_runs_resume_hint_carries_the_folders_of_its_pipeline_module_an
     step = proc.stderr.split("Error: episode 'arm_b' failed at step 1 in the model's forward: ", 1)[1]
     assert step.split("\nhint: ", 1)[1].split("\n", 1)[0].endswith(f"then continue with: {again}"), proc.stderr
     assert last_hint(proc.stderr).endswith(f"continue with: {again}"), proc.stderr
-    from test_cli_rollout import pasted
-
-    unset = {key: value for key, value in env.items() if key != "PYTHONPATH"}
-    resumed = pasted(unset, f"{again} --no-warmup", elsewhere)
+    resumed = pasted_without_pythonpath(env, f"{again} --no-warmup", elsewhere)
     assert resumed.returncode == 0, resumed.stderr
     assert_matches(run, reference)
 
@@ -1623,7 +1627,7 @@ def test_a_resume_stopped_before_it_takes_the_signals_carries_the_folders_of_its
     run.json but before the rollout took the signals (here as it looks up that module): its hint was the resume as
     typed, without the folders run.json records (PYTHONPATH=...), where every later stop's carries them; pasted in
     another folder with PYTHONPATH unset, `No module named 'mypipe'`. It carries them, and pasted finishes the run."""
-    from test_cli_rollout import pasted, stopped_while_held
+    from test_cli_rollout import stopped_while_held
 
     lab, elsewhere, shim, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "shim", tmp_path / "run"
     run_failing_in_lab(env, data, lab, elsewhere, run)
@@ -1637,8 +1641,7 @@ def test_a_resume_stopped_before_it_takes_the_signals_carries_the_folders_of_its
                                      hold, elsewhere)
     again = f"{on_path(env, lab)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine"
     assert code == 143 and error["hint"] == f"continue with: {again}", error
-    unset = {key: value for key, value in env.items() if key != "PYTHONPATH"}
-    resumed = pasted(unset, f"{again} --no-warmup", elsewhere)
+    resumed = pasted_without_pythonpath(env, f"{again} --no-warmup", elsewhere)
     assert resumed.returncode == 0, resumed.stderr
     assert_matches(run, reference)
 
@@ -1649,7 +1652,6 @@ def test_a_resume_from_where_its_pipeline_module_moved_gives_the_folders_it_impo
     resumed with PYTHONPATH naming the new one: that resume's hints kept run.json's folders, the old one, and pasted
     in another folder with PYTHONPATH unset, `No module named 'mypipe'`. A resume records the folders it imported
     the module from, and its hint, pasted so, finishes the run."""
-    from test_cli_rollout import pasted
 
     lab, elsewhere, run, moved = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "run", tmp_path / "lab2"
     run_failing_in_lab(env, data, lab, elsewhere, run)
@@ -1663,8 +1665,7 @@ def test_a_resume_from_where_its_pipeline_module_moved_gives_the_folders_it_impo
     assert proc.returncode == 4, proc.stderr
     again = f"{on_path(moved_env, elsewhere)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine"
     assert last_hint(proc.stderr).endswith(f"continue with: {again}"), proc.stderr
-    unset = {key: value for key, value in env.items() if key != "PYTHONPATH"}
-    resumed = pasted(unset, f"{again} --no-warmup", tmp_path)
+    resumed = pasted_without_pythonpath(env, f"{again} --no-warmup", tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert_matches(run, reference)
 
@@ -1676,7 +1677,6 @@ def test_a_resume_from_where_its_pipeline_module_moved_gives_those_folders_in_it
     run.json's folders, the old one, gone, where the resume records those it imported the module from: pasted with
     the episodes' folder in place of NEW, it was refused again (`/x/lab is gone`). It carries the module's folders
     now, and pasted so in another folder with PYTHONPATH unset, it finishes the run."""
-    from test_cli_rollout import pasted
 
     lab, elsewhere, run, eps = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "run", tmp_path / "eps"
     shutil.copytree(data / "eps", eps)
@@ -1701,8 +1701,8 @@ def test_a_resume_from_where_its_pipeline_module_moved_gives_those_folders_in_it
     given = (f"{on_path(moved_env, elsewhere)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine "
              f"{data / 'fast.yaml'} NEW")
     assert f"with the run's other EPISODE arguments: {given}; or run" in last_hint(proc.stderr), proc.stderr
-    unset = {key: value for key, value in env.items() if key != "PYTHONPATH"}
-    resumed = pasted(unset, f"{given.replace('NEW', str(tmp_path / 'eps2'))} --no-warmup", tmp_path)
+    resumed = pasted_without_pythonpath(env, f"{given.replace('NEW', str(tmp_path / 'eps2'))} --no-warmup",
+                                        tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert_matches(run, reference)
 
@@ -1722,8 +1722,7 @@ def test_a_resume_whose_recorded_pipeline_folder_is_gone_names_it_and_how_to_giv
     assert typed.returncode == 2, typed.stderr
     assert last_hint(typed.stderr) == f"continue with the run's resume, which gives them: {again}", typed.stderr
     lab.rename(tmp_path / "lab2")
-    unset = {key: value for key, value in env.items() if key != "PYTHONPATH"}
-    resumed = pasted(unset, f"{again} --no-warmup", elsewhere)
+    resumed = pasted_without_pythonpath(env, f"{again} --no-warmup", elsewhere)
     assert resumed.returncode == 2, resumed.stderr
     assert (f"Error: --pipeline mypipe:Mine: cannot import 'mypipe': the run imported it from one of the folders "
             f"that {run / 'run.json'}'s field 'pythonpath' records, and {lab} is gone\n") in resumed.stderr, \
@@ -1731,7 +1730,8 @@ def test_a_resume_whose_recorded_pipeline_folder_is_gone_names_it_and_how_to_giv
     given = again.replace(str(lab), "NEW", 1)  # the resume with the folder that holds the module now first
     hint = last_hint(resumed.stderr)
     assert hint.endswith(f"give the folder that holds 'mypipe' now (NEW) on PYTHONPATH: {given}"), resumed.stderr
-    resumed = pasted(unset, f"{given.replace('NEW', str(tmp_path / 'lab2'), 1)} --no-warmup", elsewhere)
+    resumed = pasted_without_pythonpath(env, f"{given.replace('NEW', str(tmp_path / 'lab2'), 1)} --no-warmup",
+                                        elsewhere)
     assert resumed.returncode == 0, resumed.stderr
     assert_matches(run, reference)
 
