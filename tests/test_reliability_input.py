@@ -121,6 +121,12 @@ def npz_declaring_terabytes(folder: Path) -> None:
                          + header.encode() + bytes(28))
 
 
+def npz_prompt(folder: Path, prompt: object) -> None:
+    """Step 1 an .npz holding the prompt, in the form ``prompt`` has, among its arrays."""
+    episode(folder, 1)
+    np.savez(folder / "step_000001.npz", **good(0, 1), prompt=prompt)
+
+
 def gap(folder: Path) -> None:
     episode(folder, 4)
     (folder / "step_000002.safetensors").unlink()
@@ -167,8 +173,17 @@ OBSERVATION_CASES = {
     "missing_key": (lambda f: episode(f, step1={"joint_position": None}),
                     ["{path}: missing 'joint_position' (also accepted as: observation/joint_position)"],
                     "fields: exterior_image_0"),
+    # joints as integers, a gripper as bool: said what they are, not the cast that makes them float32
     "wrong_dtype": (lambda f: episode(f, step1={"joint_position": np.zeros(7, np.int64)}),
-                    ["{path}: 'joint_position' has dtype int64, expected a floating dtype (float32)"], "fields:"),
+                    ["{path}: 'joint_position' has dtype int64, expected a floating dtype (float32)"],
+                    "'joint_position' takes float32: write np.asarray(x).astype(np.float32)"),
+    "gripper_as_bool": (lambda f: episode(f, step1={"gripper_position": np.ones((4, 1), bool)}),
+                        ["{path}: 'gripper_position' has dtype bool, expected a floating dtype (float32)"],
+                        "'gripper_position' takes float32: write np.asarray(x).astype(np.float32)"),
+    # a depth or grey frame, uint16 (H, W): it named the dtype alone, and the shape failed on the next run
+    "frame_uint16_grey": (lambda f: episode(f, step1={"wrist_image": np.zeros((16, 16), np.uint16)}),
+                          ["{path}: 'wrist_image' has dtype uint16, expected uint8, and shape (16, 16), expected "
+                           "(*, *, 3) or (*, *, *, 3)"], "fields:"),
     # frames from torch (.long()) or np.array(img, dtype=int): said what they are, not how to make them uint8
     "frames_as_int64": (lambda f: episode(f, step1={"wrist_image": np.zeros((4, 16, 16, 3), np.int64)}),
                         ["{path}: 'wrist_image' has dtype int64, expected uint8"],
@@ -179,6 +194,15 @@ OBSERVATION_CASES = {
                              ["{path}: 'wrist_image' has dtype float32, expected uint8"],
                              "'wrist_image' is channel-first, (..., 3, H, W): channels go last, (..., H, W, 3): "
                              "write np.ascontiguousarray(np.moveaxis(np.asarray(x), -3, -1))"),
+    # the prompt in an .npz as bytes or as a list of one string: "must be a string", and no word of how to write it
+    "npz_prompt_as_bytes": (lambda f: npz_prompt(f, b"pick"),
+                            ["{folder}/step_000001.npz: prompt 'prompt' must be a string, got ndarray"],
+                            "'prompt' takes text, a str, which np.savez stores as a 0-d string array: from bytes x, "
+                            "write np.savez(path, **arrays, prompt=np.asarray(x).item().decode())"),
+    "npz_prompt_as_list": (lambda f: npz_prompt(f, np.array(["pick"])),
+                           ["{folder}/step_000001.npz: prompt 'prompt' must be a string, got ndarray"],
+                           "'prompt' takes text, a str, which np.savez stores as a 0-d string array: from an array "
+                           "of one string x, write np.savez(path, **arrays, prompt=str(np.asarray(x).item()))"),
     "wrong_shape": (lambda f: episode(f, step1={"gripper_position": np.zeros((2, 2), np.float32)}),
                     ["{path}: 'gripper_position' has shape (2, 2), expected () or (1,) or (*, 1)"], "fields:"),
     "nan": (lambda f: episode(f, step1={"joint_position": nan_joints()}),

@@ -157,20 +157,49 @@ def _check_field(f: ObservationField, key: str, value: Any) -> tuple[Any, str | 
 
 
 def _layout_problem(f: ObservationField, label: str, dtype: str, shape: tuple[int, ...]) -> str | None:
-    """What is wrong with an array of ``dtype`` and ``shape`` for field ``f`` (None: nothing), its values unread."""
+    """What is wrong with an array of ``dtype`` and ``shape`` for field ``f`` (None: nothing), its values unread: its
+    dtype and its shape in one sentence where both are (a uint16 (H, W) depth frame), not one a run."""
+    wrong = []
     if f.dtype in FLOAT_DTYPES:
         if dtype not in FLOAT_DTYPES:
-            return f"{label} has dtype {dtype}, expected a floating dtype ({f.dtype})"
+            wrong.append(f"dtype {dtype}, expected a floating dtype ({f.dtype})")
     elif dtype != f.dtype:
-        return f"{label} has dtype {dtype}, expected {f.dtype}"
+        wrong.append(f"dtype {dtype}, expected {f.dtype}")
     if not any(shape_matches(shape, s) for s in f.shapes):
         expected = " or ".join(format_shape(s) for s in f.shapes)
         # (0, 4, 3) read against (*, *, 3) looks like a match: say what the star excludes
         empty = any(len(s) == len(shape) and any(want is None and not got for got, want in zip(shape, s))
                     for s in f.shapes)
-        return (f"{label} has shape {format_shape(shape)}, expected {expected}"
-                + (" (an empty array: each * is a size of at least 1)" if empty else ""))
+        wrong.append(f"shape {format_shape(shape)}, expected {expected}"
+                     + (" (an empty array: each * is a size of at least 1)" if empty else ""))
+    return f"{label} has {', and '.join(wrong)}" if wrong else None
+
+
+def _cast(f: ObservationField, problem: str) -> tuple[str, str] | None:
+    """(what field ``f`` takes, how to write an array as that) where ``problem`` names a dtype a cast fixes: frames as
+    floats or integers, a float field as integers or bool. None where no cast does (a uint16 frame's range is not
+    0..255)."""
+    if f.dtype == "uint8":
+        pixels = "uint8, 0 to 255 (a camera frame's pixels)"
+        if " has dtype float" in problem:  # images as most libraries hand them to a recorder
+            return pixels, "from floats in [0, 1], write np.clip(np.rint(np.asarray(x) * 255), 0, 255).astype(np.uint8)"
+        if " has dtype int" in problem:  # torch's .long(), np.array(image, dtype=int)
+            return pixels, "from integers in 0..255, write np.clip(np.asarray(x), 0, 255).astype(np.uint8)"
+    elif f.dtype in FLOAT_DTYPES and any(f" has dtype {kind}" in problem for kind in ("int", "uint", "bool")):
+        return f.dtype, f"write np.asarray(x).astype(np.{f.dtype})"  # joints as encoder ints, a gripper as bool
     return None
+
+
+def _prompt_cast(key: str, value: Any) -> tuple[str, str] | None:
+    """As ``_cast``, for a prompt given as bytes or an array of one text (``np.savez(..., prompt=b"pick")`` or
+    ``prompt=np.array(["pick"])``): an .npz holds the prompt as a 0-d string array, what np.savez makes of a str."""
+    kind = "S" if isinstance(value, bytes) else getattr(getattr(value, "dtype", None), "kind", None)
+    if kind not in ("S", "U") or getattr(value, "size", 1) != 1:
+        return None
+    given, text = ("bytes", "np.asarray(x).item().decode()") if kind == "S" else (
+        "an array of one string", "str(np.asarray(x).item())")
+    return ("text, a str, which np.savez stores as a 0-d string array",
+            f"from {given} x, write np.savez(path, **arrays, {key}={text})")
 
 
 def _channels_first(f: ObservationField, shape: Any) -> bool:
@@ -227,8 +256,7 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
                                hint=f"pass a dict of its fields: {', '.join(f.name for f in schema.fields)}"
                                + (f", and the prompt {schema.prompt_key!r}" if schema.prompt_key else ""))
     problems: list[str] = []
-    as_floats: list[str] = []  # uint8 fields (camera frames) given as floats: the hint says how to convert them
-    as_ints: list[str] = []  # ... given as signed integers (torch's .long(), np.array(image, dtype=int))
+    casts: dict[tuple[str, str], list[str]] = {}  # (what a field takes, how to write it) -> keys given another dtype
     channels_first: list[str] = []  # frames given (..., 3, H, W), as torchvision holds them: the hint moves the axis
     out: dict[str, Any] = {}
     seen: dict[str, str] = {}  # canonical name -> key it came from
@@ -242,6 +270,8 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
                                     f"{shown(out[schema.prompt_key])}, {key!r} is {shown(value)}")
             elif not isinstance(value, str):
                 problems.append(f"prompt {key!r} must be a string, got {type(value).__name__}")
+                if (cast := _prompt_cast(key, value)) is not None:
+                    casts.setdefault(cast, []).append(key)
                 seen[schema.prompt_key] = key  # given, if wrongly: not also "missing prompt"
             elif (surrogate := lone_surrogate(value)) is not None:
                 # no tokenizer can encode it: the forward failed on it with a UnicodeEncodeError, its session released
@@ -262,10 +292,8 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
         array, problem = _check_field(f, key, value)
         if problem:
             problems.append(problem)
-            if f.dtype == "uint8" and " has dtype float" in problem:
-                as_floats.append(key)
-            elif f.dtype == "uint8" and " has dtype int" in problem:
-                as_ints.append(key)
+            if (cast := _cast(f, problem)) is not None:
+                casts.setdefault(cast, []).append(key)
             if _channels_first(f, getattr(value, "shape", None)):
                 channels_first.append(key)
         else:
@@ -282,14 +310,8 @@ def validate_observation(schema: ObservationSchema, arrays: Mapping[str, Any], *
         if any("expected finite numbers" in p for p in problems):
             hint += ("; fix or drop the step in the recording (a sensor dropout?): ardiff never feeds "
                      "non-finite values to the model")
-        if as_floats:  # images as most libraries hand them to a recorder
-            hint += (f"; {', '.join(map(repr, as_floats))} {'takes' if len(as_floats) == 1 else 'take'} uint8, 0 to "
-                     "255 (a camera frame's pixels): from floats in [0, 1], write "
-                     "np.clip(np.rint(np.asarray(x) * 255), 0, 255).astype(np.uint8)")
-        if as_ints:
-            hint += (f"; {', '.join(map(repr, as_ints))} {'takes' if len(as_ints) == 1 else 'take'} uint8, 0 to 255 "
-                     "(a camera frame's pixels): from integers in 0..255, write "
-                     "np.clip(np.asarray(x), 0, 255).astype(np.uint8)")
+        for (takes, write), keys in casts.items():
+            hint += f"; {', '.join(map(repr, keys))} {'takes' if len(keys) == 1 else 'take'} {takes}: {write}"
         if channels_first:  # with the dtype's hint above, if any: both fixes at once, not one run each
             hint += (f"; {', '.join(map(repr, channels_first))} {'is' if len(channels_first) == 1 else 'are'} "
                      "channel-first, (..., 3, H, W): channels go last, (..., H, W, 3): write "
