@@ -309,3 +309,50 @@ def test_a_resume_hint_for_an_out_named_in_bytes_the_locale_cannot_decode_pastes
     pasted = pasted.replace("ardiff", f"'{sys.executable}' -m ardiff_cli", 1)
     proc = subprocess.run(["bash", "-c", pasted], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "nothing left to run" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("above", ["folder", "link"])
+def test_a_config_given_through_dot_dot_is_recorded_by_where_it_is(cli_env, tmp_path, above):
+    """A rollout run from lab/ given `../fast.yaml` recorded `/x/lab/../fast.yaml` in run.json: once lab/ was
+    renamed, its --resume said the config is gone, though /x/fast.yaml is there. It records /x/fast.yaml now, but
+    through a link (`link/../fast.yaml` is fast.yaml beside the link's target, not beside the link) as given."""
+    write_fast_data(tmp_path, {"arm_a": 2})
+    config = tmp_path / "fast.yaml"
+    if above == "link":  # the file read is beside the link's target: /x/fast.yaml, by name, is another config
+        (tmp_path / "far" / "lab").mkdir(parents=True)
+        config = config.rename(tmp_path / "far" / "fast.yaml")
+        (tmp_path / "fast.yaml").write_text("not: a config\n")
+        (tmp_path / "link").symlink_to(tmp_path / "far" / "lab")
+    (tmp_path / "lab").mkdir()
+    given = "../fast.yaml" if above == "folder" else "../link/../fast.yaml"
+    first = ardiff(cli_env, "rollout", given, "../eps", "--out", "../run", cwd=tmp_path / "lab")
+    assert first.returncode == 0, first.stderr
+    recorded = json.loads((tmp_path / "run" / "run.json").read_text())["config_path"]
+    assert os.path.samefile(recorded, config)
+    assert recorded == (str(config) if above == "folder" else str(tmp_path / "lab" / ".." / "link" / ".." /
+                                                                   "fast.yaml"))
+    if above == "folder":
+        (tmp_path / "lab").rename(tmp_path / "lab2")
+        resumed = ardiff(cli_env, "rollout", "--resume", "--out", "run", cwd=tmp_path)
+        assert resumed.returncode == 0, resumed.stderr
+
+
+def test_a_run_stopped_while_loading_records_a_config_through_a_link_and_dot_dot_as_the_file_it_read(cli_env,
+                                                                                                        tmp_path):
+    """The lock file's record of a new run's start (all a run stopped while its model loads leaves) wrote
+    `../link/../fast.yaml`, typed in lab/, as /x/fast.yaml: '..' dropped by name, though after a link it leads
+    beside the link's target. The rollout its hint pastes would read another config, here not one at all."""
+    write_fast_data(tmp_path, {"arm_a": 1})
+    (tmp_path / "far" / "lab").mkdir(parents=True)
+    config = (tmp_path / "fast.yaml").rename(tmp_path / "far" / "fast.yaml")
+    (tmp_path / "fast.yaml").write_text("not: a config\n")
+    (tmp_path / "link").symlink_to(tmp_path / "far" / "lab")
+    (tmp_path / "lab").mkdir()
+    proc = ardiff({**cli_env, "ARDIFF_TEST_FAULTS": json.dumps([{"site": "load", "action": "raise"}])}, "rollout",
+                  "../link/../fast.yaml", "../eps", "--out", "../run", "--pipeline",
+                  "faulty_pipelines:FaultyDreamZero", cwd=tmp_path / "lab")
+    assert proc.returncode != 0 and "InjectedFault: loading" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock"]
+    record = json.loads((tmp_path / "run" / ".lock").read_text().split("\n")[1])
+    assert os.path.samefile(record["start"][0], config)
+    assert record["start"][1] == str(tmp_path / "eps")  # no link before its '..': by name

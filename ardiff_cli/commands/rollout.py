@@ -316,8 +316,10 @@ def _start_arguments(config: str | None, episodes: list[Path] | None, pipeline: 
     by its name), the options that change the run; not --out (the folder it is found in), nor --format. With
     ``"pythonpath"``, the folders a ``--pipeline MODULE:CLASS`` module was found on, where another shell would not
     find it (:func:`_pipeline_path`)."""
-    words = [] if config is None else [os.path.abspath(config) if os.path.isfile(config) else config]
-    words += [os.path.abspath(e) for e in episodes or []]  # a link stays a link: --follow follows it
+    from ardiff_cli.io.run import absolute_path
+
+    words = [] if config is None else [str(absolute_path(config)) if os.path.isfile(config) else config]
+    words += [str(absolute_path(e)) for e in episodes or []]  # a link stays a link: --follow follows it
     words += [] if pipeline is None else ["--pipeline", pipeline]
     for key in ("device", "dtype", "session_capacity", "attention_backend"):  # those _given_to_resume leaves out
         if overrides[key] is not None:
@@ -355,11 +357,13 @@ def _pipeline_path(pipeline: str) -> list[str] | None:
     folder = os.path.realpath(os.path.dirname(found))
     if folder == str(Path(__file__).resolve().parents[2]):  # ardiff's own (pipelines.*): found wherever ardiff_cli is
         return None
+    from ardiff_cli.io.run import absolute_path
+
     here = os.getcwd()
     searched = [here] if sys.path and os.path.realpath(sys.path[0] or here) == os.path.realpath(here) else []  # -m
     given = "" if sys.flags.ignore_environment else os.environ.get("PYTHONPATH", "")
     if given:  # an empty entry is the working folder too, as Python reads it (an empty PYTHONPATH is none)
-        searched += [os.path.abspath(entry) for entry in given.split(os.pathsep)]
+        searched += [str(absolute_path(entry)) for entry in given.split(os.pathsep)]
     shown: dict[str, str] = {}  # each folder once, as first written
     for entry in searched:
         shown.setdefault(os.path.realpath(entry), entry)
@@ -527,7 +531,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
         watched = sorted(map(str, watch))  # else the episodes started meanwhile in a watched folder were not looked for
         if info.get("follow") and watched != sorted(info.get("watch") or []):
             _refuse_other_watch(sorted(info.get("watch") or []), watched, info["episodes"], episodes, out)
-    from ardiff_cli.io.run import episode_folder_path
+    from ardiff_cli.io.run import absolute_path, episode_folder_path
     from ardiff_cli.rollout import recorded_folder
     from ardiff_cli.runtime.config import resolve_config
 
@@ -538,8 +542,9 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
                "preview": bool(options["preview"] or info.get("preview")),
                "swap_space": info.get("swap_space") if options["swap_space"] is None else options["swap_space"]}
     # Absolute, its links kept: a config given as a link reads a relative checkpoint from the link's folder, and
-    # --resume loaded the link's target, which read it from another folder (`file not found`, exit 2).
-    config_file = resolve_config(config_label(config)).absolute()
+    # --resume loaded the link's target, which read it from another folder (`file not found`, exit 2). Its '..'
+    # dropped but after a link: `/x/lab/../fast.yaml` is gone once lab/ is renamed, /x/fast.yaml is not.
+    config_file = absolute_path(resolve_config(config_label(config)))
     checkpoint = _checkpoint_record(cfg.checkpoint)
     if resume:
         _refuse_changed_checkpoint(info.get("checkpoint"), checkpoint)

@@ -117,6 +117,19 @@ def _run_info_problem(info: Mapping[str, Any]) -> tuple[str, str, Any] | None:
     return None
 
 
+def absolute_path(path: str | Path) -> Path:
+    """``path`` absolute, its ``.`` and ``..`` dropped by name (os.path.abspath), as run.json and the lock file
+    record a file given as ``../fast.yaml``: ``/x/lab/../fast.yaml`` is gone once lab/ is renamed, /x/fast.yaml is
+    not. Kept with its ``..`` where a link comes before one (``link/../fast.yaml`` is the file beside the link's
+    target, which the name without ``..`` is not); links are never resolved (a config that is a link reads a
+    relative checkpoint from the link's folder)."""
+    absolute, lexical = Path(path).absolute(), Path(os.path.abspath(path))
+    try:
+        return lexical if lexical == absolute or os.path.samefile(lexical, absolute) else absolute
+    except OSError:  # one of them cannot be reached: the one that names it as given
+        return absolute
+
+
 def episode_folder_path(path: Path) -> str:
     """An episode's folder as the run records and names it: absolute, links resolved, but for a folder that is itself a
     link (``live/cam -> .rec/arm_a``), named by the link in its folder (that folder's links resolved): the run reads
