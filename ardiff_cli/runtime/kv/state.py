@@ -382,30 +382,32 @@ class ARDiffusionKVState:
                 if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                     raise ValueError(f"{where}: layer {layer} yielded {type(pair).__name__}, expected a (k, v) pair")
                 copies = []
-                for label, t in zip("kv", pair):
-                    if not isinstance(t, torch.Tensor) or tuple(t.shape) != expected:
-                        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                        raise ValueError(f"{where}: layer {layer} {label} must be shaped (num_kv_heads, num_tokens, "
-                                         f"head_size) {expected}, got {got}{self._cross_declared(name, got)}")
-                    if t.dtype != pool.dtype or t.device != pool.device:
-                        raise ValueError(
-                            f"{where}: layer {layer} {label} must be {pool.dtype} on {pool.device} like the KV pool "
-                            f"(the dtype and device from_config was given), got {t.dtype} on {t.device}"
-                        )
-                    if t.requires_grad:  # its copy would hold the graph that made it for the session's life
-                        raise ValueError(f"{where}: layer {layer} {label} requires grad, but the KV cache is "
-                                         "inference-only; run the pipeline's forward under torch.no_grad() or "
-                                         "torch.inference_mode()")
-                    try:
-                        # outside inference mode, for a version counter (see _cross_versions), and with no graph:
-                        # inference_mode(False) turns grad mode on, even under the caller's no_grad()
-                        with torch.inference_mode(False), torch.no_grad():
+                # outside inference mode, for a version counter (see _cross_versions), and with no graph:
+                # inference_mode(False) turns grad mode on, even under the caller's no_grad(); entered once for the
+                # pair, around none of the pipeline's code (its iterable runs as it was called)
+                with torch.inference_mode(False), torch.no_grad():
+                    for label, t in zip("kv", pair):
+                        if not isinstance(t, torch.Tensor) or tuple(t.shape) != expected:
+                            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                            raise ValueError(f"{where}: layer {layer} {label} must be shaped (num_kv_heads, "
+                                             f"num_tokens, head_size) {expected}, got {got}"
+                                             f"{self._cross_declared(name, got)}")
+                        if t.dtype != pool.dtype or t.device != pool.device:
+                            raise ValueError(
+                                f"{where}: layer {layer} {label} must be {pool.dtype} on {pool.device} like the KV "
+                                f"pool (the dtype and device from_config was given), got {t.dtype} on {t.device}"
+                            )
+                        if t.requires_grad:  # its copy would hold the graph that made it for the session's life
+                            raise ValueError(f"{where}: layer {layer} {label} requires grad, but the KV cache is "
+                                             "inference-only; run the pipeline's forward under torch.no_grad() or "
+                                             "torch.inference_mode()")
+                        try:
                             copies.append(torch.empty(expected, dtype=pool.dtype, device=pool.device).copy_(t))
-                    except torch.OutOfMemoryError as exc:
-                        raise KVCacheExhaustedError(
-                            f"{where}: out of memory allocating layer {layer} "
-                            f"({2 * t.nbytes * num_layers} bytes for the whole cache)"
-                        ) from exc
+                        except torch.OutOfMemoryError as exc:
+                            raise KVCacheExhaustedError(
+                                f"{where}: out of memory allocating layer {layer} "
+                                f"({2 * t.nbytes * num_layers} bytes for the whole cache)"
+                            ) from exc
                 staged.append((copies[0], copies[1]))
             if len(staged) != num_layers:
                 raise ValueError(f"{where}: got {len(staged)} (k, v) pairs, expected num_layers={num_layers}")
