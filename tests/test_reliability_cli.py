@@ -1603,6 +1603,13 @@ def pasted_without_pythonpath(env: dict, command: str, cwd: Path) -> subprocess.
     return pasted({key: value for key, value in env.items() if key != "PYTHONPATH"}, command, cwd)
 
 
+def assert_pasted_resume_finishes(env: dict, command: str, cwd: Path, run: Path, reference: Path) -> None:
+    """The resume ``command`` (a hint), pasted so with --no-warmup, finishes ``run`` as the uninterrupted one."""
+    resumed = pasted_without_pythonpath(env, f"{command} --no-warmup", cwd)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_matches(run, reference)
+
+
 
 def test_a_failed_runs_resume_hint_carries_the_folders_of_its_pipeline_module_and_pastes_from_another_folder(
         env, data, reference, tmp_path):
@@ -1616,9 +1623,7 @@ def test_a_failed_runs_resume_hint_carries_the_folders_of_its_pipeline_module_an
     step = proc.stderr.split("Error: episode 'arm_b' failed at step 1 in the model's forward: ", 1)[1]
     assert step.split("\nhint: ", 1)[1].split("\n", 1)[0].endswith(f"then continue with: {again}"), proc.stderr
     assert last_hint(proc.stderr).endswith(f"continue with: {again}"), proc.stderr
-    resumed = pasted_without_pythonpath(env, f"{again} --no-warmup", elsewhere)
-    assert resumed.returncode == 0, resumed.stderr
-    assert_matches(run, reference)
+    assert_pasted_resume_finishes(env, again, elsewhere, run, reference)
 
 
 def test_a_resume_stopped_before_it_takes_the_signals_carries_the_folders_of_its_pipeline_module(
@@ -1641,9 +1646,7 @@ def test_a_resume_stopped_before_it_takes_the_signals_carries_the_folders_of_its
                                      hold, elsewhere)
     again = f"{on_path(env, lab)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine"
     assert code == 143 and error["hint"] == f"continue with: {again}", error
-    resumed = pasted_without_pythonpath(env, f"{again} --no-warmup", elsewhere)
-    assert resumed.returncode == 0, resumed.stderr
-    assert_matches(run, reference)
+    assert_pasted_resume_finishes(env, again, elsewhere, run, reference)
 
 
 def test_a_resume_from_where_its_pipeline_module_moved_gives_the_folders_it_imported_it_from_to_paste(
@@ -1665,9 +1668,7 @@ def test_a_resume_from_where_its_pipeline_module_moved_gives_the_folders_it_impo
     assert proc.returncode == 4, proc.stderr
     again = f"{on_path(moved_env, elsewhere)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine"
     assert last_hint(proc.stderr).endswith(f"continue with: {again}"), proc.stderr
-    resumed = pasted_without_pythonpath(env, f"{again} --no-warmup", tmp_path)
-    assert resumed.returncode == 0, resumed.stderr
-    assert_matches(run, reference)
+    assert_pasted_resume_finishes(env, again, tmp_path, run, reference)
 
 
 def test_a_resume_from_where_its_pipeline_module_moved_gives_those_folders_in_its_moved_episodes_hint(
@@ -1701,10 +1702,7 @@ def test_a_resume_from_where_its_pipeline_module_moved_gives_those_folders_in_it
     given = (f"{on_path(moved_env, elsewhere)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine "
              f"{data / 'fast.yaml'} NEW")
     assert f"with the run's other EPISODE arguments: {given}; or run" in last_hint(proc.stderr), proc.stderr
-    resumed = pasted_without_pythonpath(env, f"{given.replace('NEW', str(tmp_path / 'eps2'))} --no-warmup",
-                                        tmp_path)
-    assert resumed.returncode == 0, resumed.stderr
-    assert_matches(run, reference)
+    assert_pasted_resume_finishes(env, given.replace("NEW", str(tmp_path / "eps2")), tmp_path, run, reference)
 
 
 def test_a_resume_whose_recorded_pipeline_folder_is_gone_names_it_and_how_to_give_another(env, data, reference,
@@ -1730,10 +1728,7 @@ def test_a_resume_whose_recorded_pipeline_folder_is_gone_names_it_and_how_to_giv
     given = again.replace(str(lab), "NEW", 1)  # the resume with the folder that holds the module now first
     hint = last_hint(resumed.stderr)
     assert hint.endswith(f"give the folder that holds 'mypipe' now (NEW) on PYTHONPATH: {given}"), resumed.stderr
-    resumed = pasted_without_pythonpath(env, f"{given.replace('NEW', str(tmp_path / 'lab2'), 1)} --no-warmup",
-                                        elsewhere)
-    assert resumed.returncode == 0, resumed.stderr
-    assert_matches(run, reference)
+    assert_pasted_resume_finishes(env, given.replace("NEW", str(tmp_path / "lab2"), 1), elsewhere, run, reference)
 
 
 @pytest.mark.parametrize("shell", ["bash", "sh"])
