@@ -980,10 +980,13 @@ class HeldWrites:
         self.started = 0
         self.fail_with: BaseException | None = None
         self._gate = threading.Event()
+        self._began = threading.Condition()
         real = safetensors.torch.save_file
 
         def held_save_file(tensors, filename, metadata=None):
-            self.started += 1
+            with self._began:
+                self.started += 1
+                self._began.notify_all()
             assert self._gate.wait(timeout=60), "a test never released the swap writes"
             if self.fail_with is not None:
                 with open(filename, "wb") as f:
@@ -995,6 +998,13 @@ class HeldWrites:
 
     def release(self) -> None:
         self._gate.set()
+
+    def began(self, count: int) -> bool:
+        """Whether exactly ``count`` writes have begun, once ``count`` have or 60 s went by: the writer is a thread
+        of its own, so a request that handed it a snapshot can return before its write begins."""
+        with self._began:
+            self._began.wait_for(lambda: self.started >= count, timeout=60)
+            return self.started == count
 
 
 def in_a_thread(call) -> threading.Thread:
@@ -1017,7 +1027,8 @@ def test_an_eviction_does_not_wait_for_its_file_and_a_restore_meanwhile_takes_th
     writes = HeldWrites(monkeypatch)
     request = in_a_thread(lambda: run(engine, "b", 0))  # evicts a: its file is held
     request.join(timeout=60)  # a liveness bound: the old code waited for the file, which is never written here
-    assert not request.is_alive() and writes.started == 1, "the eviction waited for the swap file"
+    assert not request.is_alive(), "the eviction waited for the swap file"
+    assert writes.began(1)
     assert runner.session_ids == ["b"] and runner.pool_usage().num_swapped == 1
     assert not list(tmp_path.glob("*.safetensors"))  # not written yet
     runner.close_session("b")  # a free slot: restoring a evicts (writes) nothing
@@ -1041,12 +1052,13 @@ def test_a_swapped_out_session_discarded_while_its_file_is_written_leaves_the_vi
     run(engine, "a", 0)
     writes = HeldWrites(monkeypatch)
     run(engine, "b", 0)  # evicts a: its file is held
+    assert writes.began(1)
     again = ARDiffusionRequest("a/again", inputs_for(engine.pipeline, "a", 0), {"session_id": "a", "reset": True})
     call = {"reset_session": lambda: runner.reset_session("a"), "close_session": lambda: runner.close_session("a"),
             "reset request": lambda: engine.execute(again)}[how]
     discarding = in_a_thread(call)
     discarding.join(timeout=0.5)
-    assert discarding.is_alive() and writes.started == 1, "it did not wait for the file it deletes"
+    assert discarding.is_alive(), "it did not wait for the file it deletes"
     reader = in_a_thread(lambda: (runner.sessions(), runner.pool_usage()))
     reader.join(timeout=30)  # a liveness bound: the old code blocked until the write was released
     blocked = reader.is_alive()
@@ -1067,12 +1079,13 @@ def test_one_write_is_in_flight_at_a_time_and_close_waits_for_it(tmp_path, monke
     run(engine, "a", 0)
     writes = HeldWrites(monkeypatch)
     run(engine, "b", 0)  # a's file is held
+    assert writes.began(1)
     second = in_a_thread(lambda: run(engine, "c", 0))  # evicts b: waits for a's file
     second.join(timeout=0.5)
-    assert second.is_alive() and writes.started == 1, "b's snapshot did not wait for a's file"
+    assert second.is_alive() and writes.began(1), "b's snapshot did not wait for a's file"
     writes.release()
     second.join(timeout=60)
-    assert not second.is_alive() and writes.started == 2
+    assert not second.is_alive() and writes.began(2)
     assert [(e.session_id, e.swapped) for e in events if e.kind == "session_evicted"] == [("a", True), ("b", True)]
     engine.runner.swap.flush()
     assert len(list((tmp_path / "swap").glob("*.safetensors"))) == 2
