@@ -284,6 +284,21 @@ def test_a_config_copied_from_another_pipeline_names_that_pipeline(tmp_path, cli
     assert error["hint"].startswith("valid keys: preset, "), error
 
 
+@pytest.mark.parametrize("source", ["dreamzero-tiny", "causal-world-tiny"])
+def test_a_key_that_is_another_word_is_offered_no_field_a_letter_off(tmp_path, cli_env, source):
+    """`batch_size:` under model: was offered 'patch_size', a letter off but another field (a tile's size, not a
+    batch's): a first letter no finger slips to makes another word. A slip to the key beside it is still a typo."""
+    text = (Path(__file__).parent.parent / "configs" / f"{source}.yaml").read_text()
+    config = tmp_path / "batch.yaml"
+    for typed, offer in (("batch_size", ""), ("bae_stride", " (did you mean 'vae_stride'?)")):
+        config.write_text(text.replace("\nmodel:\n", f"\nmodel:\n  {typed}: 2\n"))
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "inspect-capacity", str(config), "--format", "json"],
+                              env=cli_env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        error = json.loads(proc.stdout)
+        assert error["message"] == f"{config}: unknown key 'model.{typed}'{offer}", error
+
+
 def test_rollout_refuses_an_output_folder_that_holds_a_run(tmp_path):
     (tmp_path / "run.json").write_text("{}")
     result = invoke("rollout", "--out", str(tmp_path))

@@ -286,6 +286,19 @@ def test_resume_of_a_misspelt_folder_names_the_closest_run_among_many(tmp_path):
                                   "(did you mean 'eval1'?)"), error
 
 
+def test_resume_of_a_folder_with_its_digits_swapped_is_offered_no_other_run_of_the_count(tmp_path):
+    """`--out sweep21` beside sweep12 ... sweep16 was offered 'sweep12' (digits swapped counted as the same number,
+    as `bfloat61` is 'bfloat16'): another run, which a pasted resume would have continued. Among numbered runs the
+    number names the run; a letter mistyped is still offered the run."""
+    for number in range(12, 17):
+        RunFolder(tmp_path / f"sweep{number}").start({"config": "x"})
+    error = json.loads(ardiff("rollout", "--resume", "--out", "sweep21", cwd=tmp_path).stdout.splitlines()[-1])
+    assert error["hint"] == ("check the path (a run prints it as 'outputs: DIR'); runs in .: sweep12, sweep13, "
+                             "sweep14, sweep15, sweep16"), error
+    error = json.loads(ardiff("rollout", "--resume", "--out", "swep12", cwd=tmp_path).stdout.splitlines()[-1])
+    assert error["hint"].endswith("sweep16 (did you mean 'sweep12'?)"), error
+
+
 def test_resume_of_a_missing_folder_says_how_many_runs_are_not_listed(tmp_path):
     """The last five runs by name were listed as if they were all: 12 runs here read as five."""
     for number in range(1, 13):

@@ -1547,7 +1547,11 @@ UNRELATED = [("depth", "model"), ("threads", "model"), ("arm_steps", "model"), (
              # a typo of two names alike: `f16` is fp16 or bf16
              ("f16", "dtype"),
              # of two sizes alike, the other number left out first made the tiny model the one offered for 1.3b
-             ("dreamzero-1.3b", "builtins"), ("dreamzero-7b", "builtins")]
+             ("dreamzero-1.3b", "builtins"), ("dreamzero-7b", "builtins"),
+             # digits swapped name another of a count: `sweep21` was 'sweep12' (sweep13 beside it), `run_100` 'run_010'
+             ("sweep21", "sweeps"), ("sweep31", "sweeps"), ("run_100", "sweeps"),
+             # a word with a first letter no finger slips to is another word: `batch_size` was 'patch_size'
+             ("batch_size", "model"), ("batch_size", "causal"), ("batchsize", "causal"), ("image_batch", "model")]
 TYPOS = [("modle", "top", "model"), ("runtim", "top", "runtime"), ("checkpoints", "top", "checkpoint"),
          ("layers", "model", "num_layers"), ("heads", "model", "num_heads"), ("threads", "runtime", "num_threads"),
          ("windw_frames", "model", "window_frames"), ("tny", "presets", "tiny"),
@@ -1578,7 +1582,10 @@ TYPOS = [("modle", "top", "model"), ("runtim", "top", "runtime"), ("checkpoints"
          ("language", "prompts", "language_instruction"), ("Prompt", "prompts", "prompt"),
          # the one name beginning so, of names holding it: `window` was offered nothing (reset_at_window holds it)
          ("window", "model", "window_frames"), ("patch", "model", "patch_size"),
-         ("memory", "runtime", "memory_budget")]
+         ("memory", "runtime", "memory_budget"),
+         # a number of a count typed right, or a slip to the key beside a first letter: still a typo
+         ("swep12", "sweeps", "sweep12"), ("sweep_13", "sweeps", "sweep13"), ("rum_010", "sweeps", "run_010"),
+         ("bae_stride", "model", "vae_stride"), ("llm", "backends", "vllm")]
 
 
 def _names(kind):
@@ -1598,7 +1605,9 @@ def _names(kind):
             "prompts": ["prompt", "language_instruction"],
             "pipelines": ["dreamzero", "causal_world"], "builtins": sorted(builtin_configs()),
             "runs": ["eval1", "eval-large", "sweep1", "sweep2"], "options": ["out", "order", "format", "follow"],
-            "flags": ["--warmup", "--no-warmup"], "orders": ["round-robin", "sequential"]}[kind]
+            "flags": ["--warmup", "--no-warmup"], "orders": ["round-robin", "sequential"],
+            "sweeps": ["sweep12", "sweep13", "sweep14", "run_009", "run_010"],
+            "backends": ["auto", "torch", "vllm"]}[kind]
 
 
 def _close_match(name, kind):

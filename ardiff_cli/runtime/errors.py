@@ -15,7 +15,7 @@ import re
 import reprlib
 import shlex
 import stat
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -635,8 +635,9 @@ def close_match(name: str, valid: Iterable[str], cutoff: float = 0.6, *,
     4. Nothing where that one differs from ``name`` in a word that picks one of a pair or of a series
        (:func:`_same_sides`): a side (negative, left, min, ...) added, dropped or changed, or another number.
        `prompt` is not 'negative_prompt' (the prompt meant is the one the negative is against), `float64` not
-       'float16'; and as one of several, such a name leaves none: `dreamzero-1.3b` gets nothing, not
-       'dreamzero-tiny'."""
+       'float16', and among numbered runs `sweep21` not 'sweep12'; and as one of several, such a name leaves none:
+       `dreamzero-1.3b` gets nothing, not 'dreamzero-tiny'. Nothing either where a word of it is that one's with a
+       first letter no finger slips to (:func:`_rhymes`): `batch_size` is not 'patch_size'."""
     folded: dict[str, str] = {}
     for item in valid:
         folded.setdefault(item.casefold(), item)  # of names alike but for case, the first
@@ -665,7 +666,7 @@ def close_match(name: str, valid: Iterable[str], cutoff: float = 0.6, *,
         return None
     # checked last, another side or number is one of several: left out first, `dreamzero-1.3b` had only the tiny one
     match = next(iter(meant.values()))
-    return folded[match] if _same_sides(key, match) else None
+    return folded[match] if _same_sides(key, match, folded) and not _rhymes(key, match) else None
 
 
 def _within(name: str, match: str) -> bool:
@@ -683,18 +684,32 @@ def _within(name: str, match: str) -> bool:
 _SIDES = frozenset({"negative", "positive", "left", "right", "min", "max", "in", "out", "no", "not", "non"})
 
 
-def _same_sides(name: str, match: str) -> bool:
+def _same_sides(name: str, match: str, names: Container[str] = ()) -> bool:
     """Whether ``name`` and ``match`` pick the same of each pair and series: each word of ``_SIDES`` one has, the
     other has too (as it is, a letter off, or a beginning of it: `neg_prompt` is 'negative_prompt', `output` 'out'),
     and their numbers are the same where both have numbers, but for digits swapped (`exterior_image_2` is not
     'exterior_image_1', nor `float64` 'float16', but `bfloat61` is 'bfloat16', `dreamzero-14` 'dreamzero-14b' and
-    `evall` 'eval1')."""
+    `evall` 'eval1'). Not so where ``match`` is one of a count (:func:`_counted` in ``names``): there any number
+    names a member, and `sweep21` is another run than 'sweep12' beside 'sweep13'."""
     words, others = _WORDS.findall(name), _WORDS.findall(match)
-    numbers, other_numbers = ([sorted(w) for w in ws if w.isdigit()] for ws in (words, others))  # digits swapped:
-    if numbers and other_numbers and numbers != other_numbers:  # a typo (`bfloat61`), the same number
+    numbers, other_numbers = ([w for w in ws if w.isdigit()] for ws in (words, others))
+    if numbers and other_numbers and numbers != other_numbers and (  # digits swapped: a typo (`bfloat61`)
+            [sorted(w) for w in numbers] != [sorted(w) for w in other_numbers] or _counted(match, names)):
         return False
     return all(any(a.startswith(b) or b.startswith(a) or _edits(a, b) <= 1 for b in theirs)
                for ours, theirs in ((words, others), (others, words)) for a in ours if a in _SIDES)
+
+
+def _counted(match: str, names: Container[str]) -> bool:
+    """Whether ``names`` holds ``match`` with one of its numbers one more or one less, as it is written (`sweep12` and
+    'sweep13', 'run_010' and 'run_009'): a count, such as run folders, where a number is all that tells one member
+    from another. `bfloat16` and 'float32' or 'fp16' and 'fp32' are no count."""
+    for number in re.finditer(r"\d+", match):
+        value, width = int(number.group()), len(number.group())
+        if any(match[:number.start()] + str(near).zfill(width) + match[number.end():] in names
+               for near in (value - 1, value + 1) if near >= 0):
+            return True
+    return False
 
 
 def _is_typo(name: str, match: str) -> bool:
@@ -707,6 +722,21 @@ def _is_typo(name: str, match: str) -> bool:
     most = max(1, len(name) // 4)
     return abs(len(name) - len(match)) <= most and _edits(name, match, most) <= most and (
         len(name) > 3 or all(name.count(c) <= match.count(c) for c in name))
+
+
+# The letters beside each on a QWERTY keyboard, itself among them (a row is half a key right of the one above it)
+_ROWS = ("qwertyuiop", "asdfghjkl", "zxcvbnm")
+_BESIDE = {letter: row[max(0, i - 1):i + 2] + above[i:i + 2] + below[max(0, i - 1):i + 1]
+           for above, row, below in zip(("", *_ROWS), _ROWS, (*_ROWS[1:], "")) for i, letter in enumerate(row)}
+
+
+def _rhymes(name: str, match: str) -> bool:
+    """Whether a word of ``name`` is the word of ``match`` in its place with another first letter, one that no finger
+    slips to (not beside it on the keyboard): another word, not a typo (`batch_size` is not 'patch_size', nor
+    `batchsize`; `bae_stride` is 'vae_stride', `xterior_image` 'exterior_image')."""
+    return any(a[0] != b[0] and b[0] not in _BESIDE.get(a[0], "") and a[1:] and b[1:]
+               and (a[1:].startswith(b[1:]) or b[1:].startswith(a[1:]))  # `llm` is 'vllm' with its 'v' dropped
+               for a, b in zip(_WORDS.findall(name), _WORDS.findall(match)) if a.isalpha() and b.isalpha())
 
 
 def _begins(name: str, match: str) -> bool:
@@ -722,6 +752,10 @@ def _edits(a: str, b: str, most: int | None = None) -> int:
     """The edits (a letter inserted, deleted, replaced, or two side by side swapped) that make ``a`` into ``b``; with
     ``most``, counted up to it only (more: ``most + 1``), which spares the rest of the table once two rows are past
     it (a cell comes from its row and the two before): close_match asks it of each of thousands of run folders."""
+    common = len(os.path.commonprefix((a, b)))  # a prefix both have costs no edit (nor does a suffix)
+    a, b = a[common:], b[common:]
+    while a and b and a[-1] == b[-1]:
+        a, b = a[:-1], b[:-1]
     before, row = None, list(range(len(b) + 1))
     for i, x in enumerate(a, 1):
         now = [i]
@@ -751,7 +785,7 @@ def _related(name: str, match: str) -> bool:
         return True
     if _begins(name, match):
         return True
-    return any(a == b or (_edits(a, b) <= 1 or a.startswith(b) or b.startswith(a))
+    return any(a.startswith(b) or b.startswith(a) or (abs(len(a) - len(b)) <= 1 and _edits(a, b, 1) <= 1)
                for a in words if len(a) >= 4 for b in others if len(b) >= 4)
 
 
