@@ -505,6 +505,21 @@ def _kill_relay() -> None:
         time.sleep(0.01)
 
 
+class EndlessWarmup(DreamZeroPipeline):
+    """DreamZero whose ``ar_diffusion_warmup_requests`` never ends: its own requests, then four-frame ones for ever
+    in the same session (the window slides), as a provider with a bug in its loop yields them."""
+
+    def ar_diffusion_warmup_requests(self, session_id: str) -> Iterator[Any]:
+        import itertools
+
+        from ardiff_cli.runtime.request import ARDiffusionRequest
+
+        yield from super().ar_diffusion_warmup_requests(session_id)
+        for i in itertools.count():
+            yield ARDiffusionRequest(f"warmup-again-{i}", self.example_inputs(self.config.frames_per_request),
+                                     {"session_id": session_id})
+
+
 class NoSwapDreamZero(DreamZeroPipeline):
     """DreamZero as a third-party pipeline without the swap protocol: its evicted sessions are replayed."""
 

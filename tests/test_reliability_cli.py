@@ -817,6 +817,45 @@ def test_a_signal_inside_a_warmup_request_stops_warmup_with_its_exit_code(env, d
     assert "Traceback" not in stderr
 
 
+def test_a_rollouts_warmup_shows_each_request_as_warmup_does(env, data, tmp_path):
+    # `ardiff rollout --format plain` showed its warmup as "admitted __ardiff_warmup__" and nothing else until the
+    # first step: a provider of many requests (minutes on a large model) looked hung
+    warmup = ardiff(env, "warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, "--format", "json")
+    assert warmup.returncode == 0, warmup.stderr
+    ids = [request["request_id"] for request in json.loads(warmup.stdout.splitlines()[-1])["requests"]]
+    proc = ardiff(env, *rollout_args(data, tmp_path / "run", "--warmup"))
+    assert proc.returncode == 0, proc.stderr
+    shown = re.findall(r"^\+ *[0-9.]+s request +__ardiff_warmup__ (\S+) [0-9.]+ ms$", proc.stderr, re.MULTILINE)
+    assert shown == ids and len(ids) > 1, proc.stderr
+    assert "request     arm_a" not in proc.stderr  # the steps are not: their episodes' lines say how they went
+
+
+@pytest.mark.parametrize(("command", "signum"), [("warmup", signal.SIGINT), ("rollout", signal.SIGTERM)])
+def test_a_warmup_that_never_ends_shows_its_progress_and_stops_on_a_signal(env, data, tmp_path, command, signum):
+    """A provider that never stops yielding (faulty_pipelines.EndlessWarmup): each request a line, then the signal
+    stops it with its exit code and one Error line, the warmup's session released; the rollout ran no step."""
+    run, err = tmp_path / "run", tmp_path / "stderr"
+    args = rollout_args(data, run, "--warmup") if command == "rollout" else [
+        "warmup", str(data / "fast.yaml"), "--pipeline", PIPELINE, "--format", "plain"]
+    args[args.index(PIPELINE)] = "faulty_pipelines:EndlessWarmup"
+    with err.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, text=True,
+                                stdout=subprocess.PIPE, stderr=stderr, env=env)
+        try:
+            wait_for_marker(proc, err, "the endless warmup's fourth request past its own", text=" warmup-again-3 ")
+            proc.send_signal(signum)
+            stdout, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+    lines = err.read_text().splitlines()
+    assert proc.returncode == 128 + signum, lines
+    assert [line for line in lines if line.startswith("Error:")] == [
+        f"Error: interrupted by {signal.Signals(signum).name}"], lines
+    assert any(re.search(r"closed +__ardiff_warmup__ ", line) for line in lines), lines  # its pages given back
+    if command == "rollout":
+        assert records(run) == [], lines
+
+
 @pytest.mark.parametrize("action", ["swallow_signal", "wrap_signal"])
 def test_a_signal_caught_inside_a_warmup_request_stops_warmup(env, data, action):
     # warmup reported success (exit 0), or the pipeline's failure, for a warmup the user had stopped. Its hint was

@@ -1322,7 +1322,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                                     p.out_dir / RUN_FILE, resume=None, results=run.results_path)
                 if warmup:
                     monitor.set_phase("warmup")
-                    _warm_up(engine, signals)
+                    _warm_up(engine, signals, monitor)
                 warmed_up = True
                 with signals.critical():  # a stop meanwhile waits: the teardown keeps again those taken back
                     try:
@@ -1421,16 +1421,28 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 output.result(summary, lambda plain: render_summary(summary, plain, gone=gone))
 
 
-def _warm_up(engine: Any, signals: Any) -> None:
+def _warm_up(engine: Any, signals: Any, monitor: Any) -> None:
     """The pipeline's warmup requests. A reader of stdout gone meanwhile (their request_finished lines, --format json)
     stops the run at the end of the request in flight, as ``ardiff warmup`` does: it was acted on only after the
     last one, minutes later for a large model. A stdout that fails otherwise (a full disk) stops it before its first
-    step, with a summary that records the error (``check_signal`` leaves that to the steps' ``check``)."""
-    unsubscribe = engine.subscribe(stop_between_requests(signals))  # after the monitor: its line is out (or lost)
+    step, with a summary that records the error (``check_signal`` leaves that to the steps' ``check``).
+
+    Each request shows as ``ardiff warmup`` shows it: a line in plain format, and its session's row of the live
+    display read again (its requests and latency). A provider that yields many requests (or never stops) showed
+    nothing but "admitted __ardiff_warmup__" and the phase for as long as it ran."""
+    def progress(event: Any) -> None:
+        if event.kind == "request_finished":
+            monitor.refresh(engine.runner)
+
+    monitor.echo_requests = True
+    # after the monitor: the request's line is out (or lost), and its row read, before a stop is raised
+    unsubscribes = [engine.subscribe(progress), engine.subscribe(stop_between_requests(signals))]
     try:
         engine.warmup()
     finally:
-        unsubscribe()
+        for unsubscribe in unsubscribes:
+            unsubscribe()
+        monitor.echo_requests = False
 
 
 def _adopt_kept(engine: Any, kept: dict[str, tuple[str, int]], done: dict[str, dict[int, int | None]],

@@ -6,6 +6,7 @@ is what a pipeline sees for the duration of one forward.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -122,6 +123,9 @@ class BranchKV:
         self.num_committed_frames = 0
         if pages:
             allocator.free(pages)
+
+
+_AS_IT_IS = contextlib.nullcontext()  # enters nothing; reusable, so the hot path makes no object
 
 
 class ARDiffusionKVState:
@@ -382,10 +386,15 @@ class ARDiffusionKVState:
                 if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                     raise ValueError(f"{where}: layer {layer} yielded {type(pair).__name__}, expected a (k, v) pair")
                 copies = []
-                # outside inference mode, for a version counter (see _cross_versions), and with no graph:
-                # inference_mode(False) turns grad mode on, even under the caller's no_grad(); entered once for the
-                # pair, around none of the pipeline's code (its iterable runs as it was called)
-                with torch.inference_mode(False), torch.no_grad():
+                # The copies are made outside inference mode, for a version counter (see _cross_versions), and with no
+                # graph: inference_mode(False) turns grad mode on, even under the caller's no_grad(). A forward under
+                # no_grad() (the pipelines' usual) is both already: entering the two for each pair doubled the
+                # publish's cost for nothing. Asked for each pair: a generator that yields inside its own
+                # inference_mode() block hands its mode to this loop with each pair. Entered around none of the
+                # pipeline's code (its iterable runs as it was called).
+                outside = not torch.is_inference_mode_enabled() and not torch.is_grad_enabled()
+                with (_AS_IT_IS if outside else torch.inference_mode(False)), (
+                        _AS_IT_IS if outside else torch.no_grad()):
                     for label, t in zip("kv", pair):
                         if not isinstance(t, torch.Tensor) or tuple(t.shape) != expected:
                             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
