@@ -657,6 +657,34 @@ def test_step_files_in_capitals_are_renamed_by_one_hint_never_over_their_steps_f
     assert {("it's every", s) for s in range(3)} | {("twin", 0), ("twin", 1)} <= ok_steps(tmp_path / "run")
 
 
+@pytest.mark.parametrize("follow", [False, True])
+def test_a_step_file_in_capitals_without_a_step_number_is_named_for_both_at_once(tmp_path, cli_env, follow):
+    """STEP.SAFETENSORS (a recorder's last step written in capitals, with no number) failed its episode for its
+    suffix alone ("rename it: mv .../STEP.SAFETENSORS .../STEP.safetensors"): pasted, the resume failed it again,
+    "step file name has no step number". The one error names both, and its hint, given the step, finishes the run."""
+    eps = tmp_path / "eps"
+    folder = episode(eps / "arm", 2)
+    step1(folder).rename(folder / "STEP.SAFETENSORS")
+    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "fast.yaml"), str(folder),
+                           "--out", str(tmp_path / "run"), "--no-warmup", "--format", "plain",
+                           *(["--follow", "--idle-timeout", "5"] * follow)],
+                          env=cli_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert (f"Error: episode 'arm' failed: {folder / 'STEP.SAFETENSORS'}: a step file's suffix must be in lower case "
+            "(.safetensors or .npz): ardiff does not read this one, and its name has no step number, so its step "
+            "would be left out of the episode\n") in proc.stderr, proc.stderr
+    hint = f"hint: rename it by its step, with the suffix in lower case: mv {folder / 'STEP.SAFETENSORS'} {folder}/"
+    rename = next(line for line in proc.stderr.splitlines() if line.startswith(hint))
+    command = rename.removeprefix("hint: rename it by its step, with the suffix in lower case: ").split(" (", 1)[0]
+    subprocess.run(command.replace("NNNNNN", "000001"), shell=True, executable="/bin/bash", check=True)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(tmp_path / "run"),
+                           "--no-warmup", "--format", "plain"], env=cli_env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert ok_steps(tmp_path / "run") == {("arm", 0), ("arm", 1)}
+
+
 def _checkpoint_for_another_geometry(path: Path) -> Path:
     from pipelines.causal_world import Config, pipeline_class
     from pipelines.checkpoint import write_fresh_checkpoint

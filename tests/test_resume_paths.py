@@ -356,3 +356,38 @@ def test_a_run_stopped_while_loading_records_a_config_through_a_link_and_dot_dot
     record = json.loads((tmp_path / "run" / ".lock").read_text().split("\n")[1])
     assert os.path.samefile(record["start"][0], config)
     assert record["start"][1] == str(tmp_path / "eps")  # no link before its '..': by name
+
+
+def test_a_run_json_that_recorded_its_config_through_dot_dot_is_healed_by_a_resume_and_offered_once_renamed(
+        cli_env, tmp_path):
+    """A run.json an ardiff before '..' was dropped wrote (`/x/lab/../fast.yaml`, typed in lab/ as ../fast.yaml):
+    once lab/ was renamed its --resume said only that the config is gone, and a resume given the config again at
+    /x/fast.yaml went on but left run.json as it was, so the next resume was refused alike. A resume records the
+    config where it read it ('..' dropped while lab/ is there, kept after a link: absolute_path); with lab/ gone,
+    whether a link came before the '..' is not known, so /x/fast.yaml is offered in the hint, not taken."""
+    write_fast_data(tmp_path, {"arm_a": 2})
+    (tmp_path / "lab").mkdir()
+    first = ardiff(cli_env, "rollout", "../fast.yaml", "../eps", "--out", "../run", cwd=tmp_path / "lab")
+    assert first.returncode == 0, first.stderr
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    old = str(tmp_path / "lab" / ".." / "fast.yaml")
+    (tmp_path / "run" / "run.json").write_text(json.dumps({**info, "config_path": old}))  # as the older ardiff did
+    resumed = ardiff(cli_env, "rollout", "--resume", "--out", "run", cwd=tmp_path)  # lab/ still there: healed
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["config_path"] == str(tmp_path / "fast.yaml")
+    (tmp_path / "run" / "run.json").write_text(json.dumps({**info, "config_path": old}))
+    (tmp_path / "lab").rename(tmp_path / "lab2")
+    refused = ardiff(cli_env, "rollout", "--resume", "--out", "run", cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr
+    error = json_lines(refused.stdout)[-1]
+    assert error["message"] == f"the run's config {old} is gone", error
+    offered = f"where no link comes before its '..', it is {tmp_path / 'fast.yaml'}: "
+    hint = error["hint"]
+    assert hint == (f"restore it, or pass the same CONFIG again; {offered}ardiff rollout --resume --out run "
+                    f"{tmp_path / 'fast.yaml'}"), error
+    pasted = hint.split(offered, 1)[1].replace("ardiff", f"'{sys.executable}' -m ardiff_cli", 1)
+    proc = subprocess.run(["bash", "-c", pasted], cwd=tmp_path, env=cli_env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    again = ardiff(cli_env, "rollout", "--resume", "--out", "run", cwd=tmp_path)  # run.json records it now
+    assert again.returncode == 0, again.stderr

@@ -246,7 +246,7 @@ def rollout(
         folder = None  # the resume's run folder: its stop gives `again` once run.json was found there
         if resume and out is None:
             _refuse_resume_without_out([config, *(episodes or [])], tuple(given), capacity)
-        from ardiff_cli.io.run import RunFolder, recorded_resume
+        from ardiff_cli.io.run import RUN_FILE, RunFolder, recorded_resume
 
         try:
             if again is not None:
@@ -269,8 +269,10 @@ def rollout(
             if again is None or folder is None or not folder.found_run:  # no resume of nothing: a typo, an empty one
                 raise
             stop = Interrupted(signal_of(exc))
-            # run.json read: the run's --pipeline and its module's folders, as a later stop's resume carries them
-            stop.hint = continue_with(again if folder.info_read is None else recorded_resume(again, folder.info_read))
+            # run.json read: the run's --pipeline, and the folders this resume finds its module on, as a later
+            # stop's resume carries them (run.json's, where it is not found here)
+            stop.hint = continue_with(again if folder.info_read is None else _found_again(
+                recorded_resume(again, folder.info_read), folder.root / RUN_FILE, refuse=False))
             raise stop from None
 
 
@@ -423,13 +425,8 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
         # the run's --pipeline and its module's folders: the resume a hint gives to paste is given them
         again = recorded_resume(again or ResumeCommand(run.root), info)
         _same_pipeline_option(pipeline, info.get("pipeline_option"))
-        _recorded_pythonpath_found(pipeline, again, run.root / RUN_FILE)
-        # a resume records the folders it found the module on, as a new run does, not the run's: the module may have
-        # moved since (a lab's folder renamed, given on PYTHONPATH now), or been installed (none needed): its hints
-        # from here on (a config's, a moved folder of episodes') carry what works now, where the run's folders, pasted,
-        # were refused (`... is gone`)
-        pythonpath = None if pipeline is None else _pipeline_path(pipeline)
-        again = replace(again, pythonpath=tuple(pythonpath or ()))
+        again = _found_again(again, run.root / RUN_FILE)
+        pythonpath = list(again.pythonpath) or None
         config = _resume_config(config, info, again)
         overrides["dtype"] = _same(overrides["dtype"], info["dtype"], "--dtype")
         # Options not given again are the run's own, checked as given ones are. The device and attention backend
@@ -903,6 +900,22 @@ def _under_signals(work: Callable[[], None]) -> None:
         raise
 
 
+def _found_again(again: ResumeCommand, run_file: Path, *, refuse: bool = True) -> ResumeCommand:
+    """The run's resume ``again`` (run.json's --pipeline and folders) carrying the folders this resume finds its
+    module on, which it records, as a new run does, not the run's: the module may have moved since (a lab's folder
+    renamed, given on PYTHONPATH now), or been installed (none needed): its hints (a config's, a moved folder of
+    episodes', a stop's before it takes the signals) carry what works now, where the run's folders, pasted, were
+    refused (`... is gone`). A module not found here is refused (:func:`_recorded_pythonpath_found`), or with
+    ``refuse=False`` (a stop's hint, a find_spec on each folder of sys.path) ``again`` as it is."""
+    try:
+        _recorded_pythonpath_found(again.pipeline, again, run_file)
+    except ConfigError:
+        if refuse:
+            raise
+        return again
+    return replace(again, pythonpath=tuple((again.pipeline and _pipeline_path(again.pipeline)) or ()))
+
+
 def _recorded_pythonpath_found(pipeline: str | None, again: ResumeCommand, run_file: Path) -> None:
     """Refuse a resume whose ``--pipeline MODULE:CLASS`` module is not found here, naming the folders run.json records
     the run imported it from (``again.pythonpath``: the run's resume, which carries them), where its import (as the
@@ -1114,7 +1127,14 @@ def _resume_config(given: str | None, info: dict[str, Any], again: ResumeCommand
     if why := unencodable(path):  # resumed in another locale than the run's: "is gone" of a config that is there
         raise ConfigError(f"the run's config {recorded}: {why}", hint=UTF8_LOCALE_HINT)
     if not path.is_file():
-        raise ConfigError(f"the run's config {recorded} is gone", hint="restore it, or pass the same CONFIG again")
+        # run.json of an ardiff before '..' was dropped (`/x/lab/../fast.yaml`, lab/ renamed since): /x/fast.yaml is
+        # the run's only if lab was no link, which nothing says now, so it is offered, not taken (its SHA-256 checked)
+        lexical = Path(os.path.normpath(path))
+        offered = "" if given is not None or lexical == path or not lexical.is_file() else (
+            f"; where no link comes before its '..', it is {lexical}: "
+            f"{again.command(more=[shell_word(lexical)])}")
+        raise ConfigError(f"the run's config {recorded} is gone",
+                          hint=f"restore it, or pass the same CONFIG again{offered}")
     return str(path)
 
 
@@ -1607,7 +1627,10 @@ def _resumed_info(recorded: dict[str, Any], p: _Prepared) -> dict[str, Any]:
     are the run's. Written only once the resume has passed its checks: one refused leaves run.json as it was."""
     paths = {e["name"]: e["path"] for e in p.info["episodes"]}
     episodes = [{**e, "path": paths.get(e["name"], e["path"])} for e in recorded["episodes"]]
-    return {**recorded, "episodes": episodes, "watch": p.info["watch"], "resumed_at": time.time()}
+    # the config where this resume read it: given again where it is now, or its '..' dropped while the folder before
+    # it is there (absolute_path: kept after a link), run.json an ardiff before that wrote (`/x/lab/../fast.yaml`)
+    return {**recorded, "episodes": episodes, "watch": p.info["watch"], "resumed_at": time.time(),
+            **({"config_path": p.info["config_path"]} if "config_path" in recorded else {})}
 
 
 def _write_run_info(write: Callable[[], Any], path: Path, *, resume: ResumeCommand | None,

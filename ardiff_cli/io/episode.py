@@ -201,17 +201,29 @@ def other_case_error(folder: Path, names: list[str]) -> ObservationError:
                 f"{as_typed(path)}: a step file's {said} this one, and {lower} is beside it",
                 hint=f"keep one file per step: if {lower} is the step, delete this one (rm {shell_word(path)}); if "
                      f"this one is, replace it (mv {shell_word(path)} {shell_word(folder / lower)})")
+    # a name with no number (STEP.SAFETENSORS) is refused again once its suffix is lowered: both said at once
+    unnumbered = [name for name in names if not _NUMBER.search(name.rsplit(".", 1)[0])]
     if len(names) == 1:
         path, lower = folder / names[0], folder / _in_lower_case(names[0])
+        if unnumbered:
+            suffix = lower.suffix
+            return ObservationError(
+                f"{as_typed(path)}: a step file's {said} this one, and its name has no step number, so its step "
+                "would be left out of the episode",
+                hint=f"rename it by its step, with the suffix in lower case: mv {shell_word(path)} "
+                     f"{shell_word(folder)}/step_NNNNNN{suffix} (NNNNNN: its step, e.g. step_000001{suffix})")
         return ObservationError(f"{as_typed(path)}: a step file's {said} this one, so its step would be left out of "
                                 "the episode", hint=f"rename it: mv {shell_word(path)} {shell_word(lower)}")
     suffixes = sorted({"." + name.rsplit(".", 1)[1] for name in names})
     renames = "; ".join(f'for f in {shell_word(folder)}/*{suffix}; do mv "$f" "${{f%{suffix}}}{suffix.lower()}"; '
                         "done" for suffix in suffixes)
+    nameless = (f", and {first_of(unnumbered, 2)} {'has' if len(unnumbered) == 1 else 'have'} no step number"
+                if unnumbered else "")
     return ObservationError(
         f"{as_typed(folder)}: {len(names)} step files' suffixes must be in lower case (.safetensors or .npz): ardiff "
-        f"does not read {first_of(names, 2)}, so their steps would be left out of the episode",
-        hint=f"rename them: {renames}")
+        f"does not read {first_of(names, 2)}{nameless}, so their steps would be left out of the episode",
+        hint=f"rename them: {renames}" + ("; then name each one without a number by its step (step_000001.safetensors)"
+                                          if unnumbered else ""))
 
 
 def safe_name(name: str) -> str:

@@ -56,7 +56,8 @@ from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, S
                                    looks_whole, missing_steps, names_in, new_episode_folders, other_case_error,
                                    other_step_formats, step_number, step_sha256, unreadable_folder)
 from ardiff_cli.io.run import episode_folder_path
-from ardiff_cli.runtime.errors import ObservationError, as_typed, dangling_link, link_to_nothing, shell_word
+from ardiff_cli.runtime.errors import (ObservationError, as_typed, dangling_link, first_of, link_to_nothing,
+                                      shell_word)
 
 # Activity for the idle timer: write_step's temporary file of a step file being written (atomic_write_bytes), and
 # rsync's of one it copies (".step_000001.safetensors.Ab3dE9": "." + name + "." + mkstemp's 6 characters)
@@ -631,15 +632,22 @@ class StepScheduler:
                     if self._watched(track.source.path) and episode_entries(track.source.path):
                         self._warn_another_folder(track.source.path)
                     continue
-                # a writer's temporary name there (tmpabcdefgh.safetensors) hid the numbered ones: passed over
-                late = [f.path.name for f in track.source.scan(skip=track.taken, unnumbered=[])]
+                # a writer's temporary name there (tmpabcdefgh.safetensors) hid the numbered ones: passed over; one
+                # in capitals (step_000001.SAFETENSORS) is a step file all the same, named with the rename it needs
+                unnumbered: list[Path] = []
+                late = [f.path.name for f in track.source.scan(skip=track.taken, unnumbered=unnumbered)]
+                capitals = [path.name for path in unnumbered if in_other_case(path.name)]
             except (ObservationError, OSError):  # the folder is gone or unreadable now: nothing to name
                 continue
+            late += capitals
             if late:
                 self.late[track.source.name] = late
                 when = "its END file was seen" if reason == "end_marker" else "it ended at --idle-timeout"
+                rename = "" if not capitals else (
+                    f"; first, as {first_of(capitals, 2)} {'is' if len(capitals) == 1 else 'are'} in capitals, "
+                    f"{other_case_error(track.source.path, capitals).hint}")
                 self._warn(f"episode {track.source.name!r}: {', '.join(late)} arrived in {track.source.path} after "
-                           f"{when} and did not run (--resume runs {'it' if len(late) == 1 else 'them'})")
+                           f"{when} and did not run (--resume runs {'it' if len(late) == 1 else 'them'}{rename})")
 
     def _warn_unjoined(self) -> None:
         """When a followed run ends: what a robot wrote in a watched folder of episodes that never ran, instead of
