@@ -66,7 +66,8 @@ from ardiff_cli.runtime.errors import (
     too_many_open_files,
 )
 from ardiff_cli.runtime.observation import ObservationSchema
-from ardiff_cli.runtime.outputs import FLOAT16_OVERFLOW, output_problem
+from ardiff_cli.runtime.outputs import (FLOAT16_OVERFLOW, layout_changes, output_differences, output_layout,
+                                        output_problem, unwritten_arrays)
 from ardiff_cli.signals import StopSignals
 
 
@@ -198,6 +199,15 @@ class Rollout:
         # (by name: its folder may be renamed meanwhile)
         self._read_as: dict[str, dict[int, tuple[str, tuple[int, ...] | None]]] = {}
         self._warned: set[tuple[str, str]] = set()  # (episode, ignored key): said once, not for every step
+        # episode -> {output: (dtype, shape)} of its last step this run wrote: a step whose outputs differ is a warning
+        # (a script stacking the episode's step files fails or converts there), once a run for each output name
+        self._layouts: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
+        self._layout_warned: set[str] = set()
+        # episode -> steps done by earlier runs (results.jsonl on --resume): their outputs, which a replay is compared
+        # with, came from another process, which may round otherwise (resume_changes)
+        self._done_before = done
+        # a replayed step returned other outputs than those written for it: said once a run, then no more compared
+        self._replay_differed = False
         # failed episodes whose folder, or the step file their failure names, was gone as they failed: only these may
         # close the run as "their folders are gone" (one that failed on its input and was deleted after is not)
         self._vanished: set[str] = set()
@@ -500,13 +510,73 @@ class Rollout:
                          "breaks this), and leave --swap-space on; run the episode again in a new --out, or put the "
                          f"file back, then {self._go_on}")
             inputs, _ = self._load(episode, step_file)
-            self._execute(f"{episode.name}/{step_file.step:06d}/replay", episode.name, inputs)
+            output = self._execute(f"{episode.name}/{step_file.step:06d}/replay", episode.name, inputs)
+            self._check_replayed(episode, step_file.step, output)
             self._resident[episode.name] = self._resident.get(episode.name, 0) + 1
             self.stats.replayed += 1
             self.monitor.set_progress(replayed=self.stats.replayed)
             self.monitor.refresh(self.engine.runner)
             self.signals.check()  # not after the whole replay: the steps replayed so far are kept
         return len(history)
+
+    def _check_replayed(self, episode: EpisodeSource, step: int, output: Any) -> None:
+        """Warn, once a run, when a replayed step returned other outputs than its output file holds (written when it
+        ran): the pipeline's forward is not deterministic, and the session rebuilt from it is not the one behind
+        the outputs written. One read of a file that is there anyway, beside a forward; nothing to compare with
+        when it is gone or unreadable (a cleanup of the outputs)."""
+        if self._replay_differed:
+            return
+        from safetensors import SafetensorError
+        from safetensors.numpy import load
+
+        path = self.run_folder.step_output(episode.name, step)
+        try:
+            written = load(path.read_bytes())
+        except (OSError, ValueError, SafetensorError):
+            return
+        differences = output_differences(written, output)
+        if not differences:
+            return
+        self._replay_differed = True
+        others = f" (and {plural(len(differences) - 1, 'other output')} too)" if len(differences) > 1 else ""
+        cause = "its forward is not deterministic"
+        if step in self._done_before.get(episode.name, ()):  # or this process rounds otherwise than that run's
+            cause += (", or rounds otherwise than in the earlier run that wrote them (another torch, ardiff or CPU "
+                      "thread count: summary.json's resume_changes)")
+        self.out.warning(
+            f"{type(self.engine.pipeline).__name__}: episode {episode.name!r} step {step}, replayed to rebuild its "
+            f"session, returned other outputs than {self.run_folder.relative(path)} holds, written when it ran: "
+            f"{differences[0][1]}{others}; {cause}, so a replayed session may not be the one the episode's outputs "
+            "so far were made on, nor its later outputs (from the results.jsonl lines with \"replayed\" above 0) "
+            "those of an uninterrupted run. Draw the forward's noise from a generator seeded from the request or its "
+            "session, never torch's global generator or the clock (README, 'Adding a pipeline'); said once a run")
+
+    def _check_layout(self, episode: EpisodeSource, step: int, output: Any) -> None:
+        """Warn when the step's outputs are not of the dtypes and shapes of the episode's step before it (this run's),
+        or an output is missing or new: they are written as returned (no output schema), and a script that stacks
+        the episode's step files fails or converts there; and when an output that is no array holds arrays (a list
+        of tensors), which is not written. Once a run for each output name: a pipeline whose first step returns
+        fewer frames is not told so for every episode."""
+        pipeline = type(self.engine.pipeline).__name__
+        for name, kind in unwritten_arrays(output).items():
+            if name not in self._layout_warned:
+                self._layout_warned.add(name)
+                self.out.warning(
+                    f"{pipeline}: episode {episode.name!r} step {step}: output {name!r} is a {kind} holding arrays, "
+                    "not an array, and a step file holds arrays only: it is not written; return it as one array "
+                    "(torch.stack) or each array under a name of its own (said once a run for each output)")
+        layout = output_layout(output)
+        before, self._layouts[episode.name] = self._layouts.get(episode.name), layout
+        if before is None:
+            return
+        for name, now, was in layout_changes(before, layout):
+            if name in self._layout_warned:
+                continue
+            self._layout_warned.add(name)
+            self.out.warning(
+                f"{pipeline}: episode {episode.name!r} step {step}: output {name!r} is "
+                f"{now}, {was} at the episode's step before it; written as returned, so a script that stacks the "
+                f"episode's {name!r} fails or converts at this step (said once a run for each output)")
 
     def _run_step(self, task: StepTask) -> None:
         episode, step = task.episode, task.file.step
@@ -561,6 +631,7 @@ class Rollout:
                 "restored": restored, "closed": task.is_last, "time": time.time(),
             }
             self._append(record, output=path if fresh else None)
+        self._check_layout(episode, step, output)
         if self.options.preview:
             self._ok_outputs.setdefault(episode.name, []).append((step, record["output"]))
         self._digests.setdefault(episode.name, {})[step] = digest  # what a replay of this step must find
@@ -660,6 +731,7 @@ class Rollout:
         self.scheduler.forget(episode.name)  # its step files: never replayed, nor drawn
         self._digests.pop(episode.name, None)  # never replayed again: a long run holds only live episodes' digests
         self._read_as.pop(episode.name, None)
+        self._layouts.pop(episode.name, None)
         self._ok_outputs.pop(episode.name, None)  # and draws no preview
         self._close_session(episode.name, "episode_failed", message)
         self.monitor.log("failed", episode.name, message.splitlines()[0], echo=False)
@@ -719,6 +791,7 @@ class Rollout:
         self._close_session(name)  # following: the end was learnt after the last step ran
         self._report_rewritten(item.episode)
         self._digests.pop(name, None)  # never replayed again: a long run holds only live episodes' digests
+        self._layouts.pop(name, None)
         self.stats.completed_episodes.append(name)
         if item.reason == "idle_timeout":
             self.stats.timed_out.append(name)

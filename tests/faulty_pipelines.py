@@ -527,6 +527,44 @@ class NoSwapDreamZero(DreamZeroPipeline):
     import_ar_diffusion_session = None
 
 
+class ChangingOutputsDreamZero(DreamZeroPipeline):
+    """DreamZero whose outputs also hold a uint8 ``frame`` (8, 8, 3), and change at the requests
+    ``$ARDIFF_TEST_OUTPUTS`` names (a JSON object: request id -> change), as a pipeline's bug would: ``nan_actions``
+    (one action NaN), ``inf_actions`` (one inf), ``actions_shape`` (actions (8, 7)), ``actions_dtype`` (float64),
+    ``frame_shape`` (a frame (6, 8, 3)), ``no_actions`` (no actions), ``actions_list`` (a list of one tensor per
+    action step). With ``$ARDIFF_TEST_NOISE`` set, noise from
+    torch's global generator is added to the actions: a forward that no replay reproduces."""
+
+    def forward(self, request):
+        outputs = dict(super().forward(request))
+        outputs["frame"] = torch.full((8, 8, 3), 7, dtype=torch.uint8)
+        if os.environ.get("ARDIFF_TEST_NOISE"):
+            outputs["actions"] = outputs["actions"] + torch.randn(outputs["actions"].shape)
+        change = json.loads(os.environ.get("ARDIFF_TEST_OUTPUTS") or "{}").get(request.request_id)
+        actions = outputs["actions"].clone()
+        if change == "nan_actions":
+            actions[0, 0] = float("nan")
+        elif change == "inf_actions":
+            actions[-1, -1] = float("inf")
+        elif change == "actions_shape":
+            actions = actions[:, :7]
+        elif change == "actions_dtype":
+            actions = actions.double()
+        elif change == "frame_shape":
+            outputs["frame"] = outputs["frame"][:6]
+        outputs["actions"] = list(actions) if change == "actions_list" else actions
+        if change == "no_actions":
+            del outputs["actions"]
+        return outputs
+
+
+class ChangingOutputsNoSwap(ChangingOutputsDreamZero):
+    """ChangingOutputsDreamZero without the swap protocol: its evicted sessions are replayed."""
+
+    export_ar_diffusion_session = None
+    import_ar_diffusion_session = None
+
+
 class SignalWhileSwapping(DreamZeroPipeline):
     """DreamZero that sends its own process SIGINT from inside the first session export (``ARDIFF_TEST_SIGNAL_IN``
     = ``export``: a session being swapped out), import (``import``: being restored) or close hook (``close``: an

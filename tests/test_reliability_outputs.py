@@ -618,3 +618,108 @@ def test_a_refused_resume_leaves_the_run_folder_and_its_summary_as_they_were(dat
         assert proc.returncode == code, (args, proc.stderr)
         assert [json.loads(line)["kind"] for line in proc.stdout.splitlines()][-1] != "summary", proc.stdout
         assert files() == before, args
+
+
+CHANGING = "faulty_pipelines:ChangingOutputsDreamZero"
+
+
+@pytest.mark.parametrize("change, output, now, was", [
+    ("actions_shape", "actions", "float32 (8, 7)", "float32 (8, 8)"),
+    ("actions_dtype", "actions", "float64 (8, 8)", "float32 (8, 8)"),
+    ("frame_shape", "frame", "uint8 (6, 8, 3)", "uint8 (8, 8, 3)"),
+    ("no_actions", "actions", "missing", "float32 (8, 8)"),
+])
+def test_outputs_whose_dtype_shape_or_keys_change_midway_are_written_as_returned_with_a_warning(
+        data, tmp_path, cli_env, change, output, now, was):
+    """A forward whose output changes at one step of an episode (a shape, a dtype, a key missing) had it written
+    with exit 0 and not a word: a script stacking the episode's step files met a ValueError, a KeyError or a silent
+    upcast there. There is no output schema to refuse it by, so it is written as returned, with one warning (in
+    summary.json too) naming the pipeline, episode, step, output, and what it is and was. Once a run for each
+    output: arm_b's same change is not said again."""
+    run = tmp_path / "run"
+    changes = {"arm_a/000001": change, "arm_b/000002": change}
+    proc = _ardiff({**cli_env, "ARDIFF_TEST_OUTPUTS": json.dumps(changes)}, "rollout", str(data / "fast.yaml"),
+                   str(data / "eps"), "--out", str(run), "--no-warmup", "--format", "plain", "--pipeline", CHANGING)
+    assert proc.returncode == 0, proc.stderr
+    warning = (f"ChangingOutputsDreamZero: episode 'arm_a' step 1: output {output!r} is {now}, {was} at the episode's "
+               f"step before it; written as returned, so a script that stacks the episode's {output!r} fails or "
+               "converts at this step (said once a run for each output)")
+    assert f"warning: {warning}\n" in proc.stderr, proc.stderr
+    assert proc.stderr.count("warning:") == 1, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["warnings"] == [warning]
+    got = load_outputs(run)
+    layouts = {path: {k: (str(v.dtype), v.shape) for k, v in arrays.items()} for path, arrays in got.items()}
+    assert layouts["episodes/arm_a/step_000001.safetensors"] != layouts["episodes/arm_a/step_000000.safetensors"]
+    assert layouts["episodes/arm_a/step_000002.safetensors"] == layouts["episodes/arm_a/step_000000.safetensors"]
+
+
+def test_outputs_of_one_layout_at_every_step_are_no_warning(data, tmp_path, cli_env):
+    run = tmp_path / "run"
+    proc = _ardiff(cli_env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup",
+                   "--format", "plain", "--pipeline", CHANGING)
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+
+
+NO_SWAP = "faulty_pipelines:ChangingOutputsNoSwap"
+REPLAYED = ("ChangingOutputsNoSwap: episode 'arm_a' step 0, replayed to rebuild its session, returned other outputs "
+            "than episodes/arm_a/step_000000.safetensors holds, written when it ran: 'actions' differs by up to ")
+
+
+@pytest.mark.parametrize("noise", [True, False], ids=["noisy", "deterministic"])
+def test_a_replayed_step_whose_outputs_differ_from_those_written_is_one_warning(data, tmp_path, cli_env, noise):
+    """A pipeline that cannot export its sessions has them replayed after an eviction: the replay computes again
+    the outputs of steps already written, and threw them away. A forward drawing from torch's global generator
+    gave other ones, and the rebuilt session silently differed from the one behind the outputs (exit 0, not a word;
+    warmup's rerun check needs an export). Compared with the step's output file: one warning naming the pipeline,
+    episode, step and the difference, once a run; a deterministic forward's replays are none."""
+    run = tmp_path / "run"
+    env = {**cli_env, **({"ARDIFF_TEST_NOISE": "1"} if noise else {})}
+    proc = _ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup",
+                   "--format", "plain", "--session-capacity", "1", "--pipeline", NO_SWAP)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"]["replayed"] == 6
+    if not noise:
+        assert "warning" not in proc.stderr and summary["warnings"] == [], proc.stderr
+        return
+    assert proc.stderr.count("warning:") == 1 and f"warning: {REPLAYED}" in proc.stderr, proc.stderr
+    [warning] = summary["warnings"]
+    assert warning.startswith(REPLAYED) and "(64 of 64 values); its forward is not deterministic, so" in warning
+    assert "earlier run" not in warning and warning.endswith("said once a run"), warning
+
+
+def test_a_resume_replaying_steps_of_an_earlier_run_that_differ_says_the_run_may_round_otherwise(data, tmp_path,
+                                                                                                cli_env):
+    """The same check on --resume, against outputs another process wrote: the warning adds that another torch,
+    ardiff or thread count may differ too."""
+    eps = _with_a_bad_step(data, tmp_path)
+    run = tmp_path / "run"
+    env = {**cli_env, "ARDIFF_TEST_NOISE": "1"}
+    args = ("--no-warmup", "--format", "plain", "--pipeline", NO_SWAP)
+    proc = _ardiff(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(run), *args)
+    assert proc.returncode == 4 and "warning" not in proc.stderr, proc.stderr  # arm_b failed at step 1, as it read
+    (eps / "arm_b" / "step_000001.safetensors").write_bytes((data / "eps" / "arm_b" / "step_000001.safetensors")
+                                                            .read_bytes())
+    proc = _ardiff(env, "rollout", "--resume", "--out", str(run), *args)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("warning:") == 1, proc.stderr
+    assert ("warning: ChangingOutputsNoSwap: episode 'arm_b' step 0, replayed to rebuild its session, returned other "
+            "outputs than episodes/arm_b/step_000000.safetensors holds") in proc.stderr, proc.stderr
+    assert ("; its forward is not deterministic, or rounds otherwise than in the earlier run that wrote them (another "
+            "torch, ardiff or CPU thread count: summary.json's resume_changes), so") in proc.stderr, proc.stderr
+
+
+def test_an_output_that_holds_arrays_but_is_none_is_not_written_and_says_so(data, tmp_path, cli_env):
+    """A step file holds arrays only, and other values are skipped: a forward returning its actions as a list of
+    tensors (one per action step) had a step file without them, exit 0, not a word. One warning a run names it."""
+    run = tmp_path / "run"
+    changes = {f"{name}/{step:06d}": "actions_list" for name in ("arm_a", "arm_b") for step in range(3)}
+    proc = _ardiff({**cli_env, "ARDIFF_TEST_OUTPUTS": json.dumps(changes)}, "rollout", str(data / "fast.yaml"),
+                   str(data / "eps"), "--out", str(run), "--no-warmup", "--format", "plain", "--pipeline", CHANGING)
+    assert proc.returncode == 0, proc.stderr
+    warning = ("ChangingOutputsDreamZero: episode 'arm_a' step 0: output 'actions' is a list holding arrays, not an "
+               "array, and a step file holds arrays only: it is not written; return it as one array (torch.stack) or "
+               "each array under a name of its own (said once a run for each output)")
+    assert f"warning: {warning}\n" in proc.stderr and proc.stderr.count("warning:") == 1, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["warnings"] == [warning]
+    assert all(sorted(arrays) == ["frame", "latents"] for arrays in load_outputs(run).values())

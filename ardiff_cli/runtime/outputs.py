@@ -94,6 +94,46 @@ def host_arrays(output: Mapping[str, Any]) -> dict[str, Any]:
     return {name: np.array(as_numpy(value), copy=True) for name, value in output.items() if is_array(value)}
 
 
+def output_layout(output: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{name: (dtype, shape)} of the arrays of ``output`` (a forward's) as a step file holds them: bfloat16 as
+    float32. What a script reading an episode's step files finds; no copy, no device sync."""
+    layout = {}
+    for name, value in output.items():
+        if is_array(value):
+            dtype = str(value.dtype).removeprefix("torch.")
+            layout[str(name)] = ("float32" if dtype == "bfloat16" else dtype, tuple(int(n) for n in value.shape))
+    return layout
+
+
+def unwritten_arrays(output: Mapping[str, Any]) -> dict[str, str]:
+    """{name: what it is} of the values of ``output`` that are no array but hold arrays (a list of per-step tensors,
+    a dict of tensors): a step file holds arrays only, so they are skipped, as other values are. Up to 64 items of
+    each value, two levels deep, are looked at."""
+    def holds_array(value: Any, depth: int) -> bool:
+        if is_array(value):
+            return True
+        if depth and isinstance(value, Mapping):
+            value = value.values()
+        elif not (depth and isinstance(value, (list, tuple))):
+            return False
+        return any(holds_array(item, depth - 1) for _, item in zip(range(64), value))
+
+    return {str(name): type(value).__name__ for name, value in output.items()
+            if not is_array(value) and holds_array(value, 2)}
+
+
+def layout_changes(before: Mapping[str, tuple[str, tuple[int, ...]]],
+                   now: Mapping[str, tuple[str, tuple[int, ...]]]) -> list[tuple[str, str, str]]:
+    """(name, what it is now, what it was) of each output of ``now`` (``output_layout``) whose dtype or shape is not
+    that of ``before``, or that one of them lacks: ``('actions', 'float32 (8, 7)', 'float32 (8, 8)')``, ``missing``
+    or ``none``."""
+    def shown_layout(layout: tuple[str, tuple[int, ...]] | None, absent: str) -> str:
+        return absent if layout is None else f"{layout[0]} {layout[1]}"
+
+    return [(name, shown_layout(now.get(name), "missing"), shown_layout(before.get(name), "none"))
+            for name in sorted(before.keys() | now.keys()) if before.get(name) != now.get(name)]
+
+
 def output_differences(expected: Mapping[str, Any], output: Any) -> list[tuple[float, str]]:
     """How the arrays of ``output`` (a forward's) differ from ``expected`` (``host_arrays`` of the same request's
     first outputs) bit for bit, the largest difference first: (its size, inf for an array missing or of another
