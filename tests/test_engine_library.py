@@ -827,7 +827,9 @@ def test_a_subscriber_may_take_a_lock_that_a_thread_reading_the_runners_views_ho
         if event.kind == "session_evicted":
             in_callback.set()
             waited["the callback for the status thread to take the table lock"] = status_holds_lock.wait(60)
-            got = table_lock.acquire(timeout=5)  # a deadlock guard, not a timing: never reached when it works
+            # a deadlock guard, not a timing: the status thread holds the lock until its sessions() returns, which a
+            # loaded machine (or the switch interval) may delay for seconds; 5 s here read as the deadlock
+            got = table_lock.acquire(timeout=60)
             acquired.append(got)
             if got:
                 table_lock.release()

@@ -571,8 +571,11 @@ class SlowWarmup(LabPipeline):
             yield ARDiffusionRequest(f"warm{i}", {"state": np.zeros(6, np.float32), "prompt": "warm"},
                                      {"session_id": session_id})
 
-    def forward(self, request):  # each request logged, and slow enough for a reader to leave half way
-        time.sleep(0.05)
+    def forward(self, request):  # each request logged; warm1 waits for the file LAB_LEFT (the reader has gone)
+        left = os.environ.get("LAB_LEFT")
+        deadline = time.monotonic() + 300  # a bound on a hang, not a timing
+        while request.request_id == "warm1" and left and not os.path.exists(left) and time.monotonic() < deadline:
+            time.sleep(0.01)
         with open(os.environ["LAB_FORWARDS"], "a") as log:
             log.write(request.request_id + "\\n")
         return super().forward(request)
@@ -913,13 +916,15 @@ def test_an_input_read_through_the_pipelines_attribute_or_under_a_bracketed_key_
 
 def leave_after_a_warmup_request(args: list[str], root, env) -> tuple[subprocess.Popen, str]:
     """``ardiff ARGS --format json`` whose stdout's reader goes away at its first request_finished line, mid-warmup:
-    the finished process and its stderr."""
+    the finished process and its stderr. SlowWarmup's second request waits for the file ``env["LAB_LEFT"]``, made
+    once the reader has gone: a reader slower than the 40 requests (a loaded machine) saw them all run, exit 0."""
     proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args, "--format", "json"], cwd=root, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         while json.loads(proc.stdout.readline())["kind"] != "request_finished":
             pass
         proc.stdout.close()
+        Path(env["LAB_LEFT"]).touch()
         _, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
@@ -932,7 +937,8 @@ def test_a_reader_that_leaves_stops_warmup_like_sigpipe_as_it_stops_a_rollout(la
     root, env = lab
     log = tmp_path / "forwards"
     proc, stderr = leave_after_a_warmup_request(
-        ["warmup", "unnamed.yaml", "--pipeline", "lab_world.model:SlowWarmup"], root, {**env, "LAB_FORWARDS": str(log)})
+        ["warmup", "unnamed.yaml", "--pipeline", "lab_world.model:SlowWarmup"], root,
+        {**env, "LAB_FORWARDS": str(log), "LAB_LEFT": str(tmp_path / "left")})
     assert proc.returncode == 141, stderr  # 128 + SIGPIPE
     assert "Error: interrupted by SIGPIPE" in stderr and "Traceback" not in stderr, stderr
     assert "hint: warmup keeps nothing: run the same command again" in stderr, stderr
@@ -946,7 +952,7 @@ def test_a_reader_that_leaves_during_a_rollouts_warmup_stops_it_there_and_resume
     run.json written, and --resume gives the outputs of a run never stopped."""
     root, env = lab
     log = tmp_path / "forwards"
-    env = {**env, "LAB_FORWARDS": str(log)}
+    env = {**env, "LAB_FORWARDS": str(log), "LAB_LEFT": str(tmp_path / "left")}
     args = [sys.executable, "-m", "ardiff_cli", "rollout", "unnamed.yaml", "eps/ep0", "--pipeline",
             "lab_world.model:SlowWarmup"]
     run = tmp_path / "run"

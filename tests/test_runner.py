@@ -903,7 +903,7 @@ def test_capacity_grows_with_fraction_and_one_session_always_fits():
 
 def test_views_are_safe_from_another_thread():
     runner = make_runner(capacity=3)
-    stop = threading.Event()
+    stop, polling = threading.Event(), threading.Event()
     seen, errors = [], []
 
     def poll():
@@ -912,6 +912,7 @@ def test_views_are_safe_from_another_thread():
                 seen.append((runner.sessions(), runner.pool_usage()))
             except Exception as exc:  # pragma: no cover - the assertion below reports it
                 errors.append(exc)
+            polling.set()
             # Hand the GIL back: spinning without this, the test took 55 s in the suite (0.3 s alone), the runner's
             # thread waiting for the GIL after each torch op that released it. It is still preempted at any
             # bytecode, once per switch interval, while this thread waits for the GIL.
@@ -919,10 +920,14 @@ def test_views_are_safe_from_another_thread():
 
     thread = threading.Thread(target=poll)
     thread.start()
-    for step in range(30):
-        runner.execute_model(request("abcd"[step % 4], step))
-    stop.set()
-    thread.join()
+    try:
+        # the requests begin once the thread reads: started late (a loaded machine), it read nothing before they ended
+        assert polling.wait(60), "the thread reading the views never read them"  # a bound on a hang, not a timing
+        for step in range(30):
+            runner.execute_model(request("abcd"[step % 4], step))
+    finally:
+        stop.set()
+        thread.join()
     assert not errors and seen
     for views, usage in seen:
         assert len(views) <= 3 and usage.num_used + usage.num_free == usage.num_pages

@@ -424,9 +424,7 @@ def test_a_snapshot_file_deleted_after_its_write_ended_is_a_failed_restore_befor
     engine, events = engine_for("dreamzero-tiny", capacity=1, swap_dir=tmp_path)
     run(engine, "a", 0)
     run(engine, "b", 0)  # a swapped out, its file written in the background
-    for thread in threading.enumerate():
-        if thread.name == "ardiff-swap-writer":
-            thread.join(timeout=60)
+    writes_ended()
     engine.runner.swap.path_for("a").unlink()
     with warnings.catch_warnings():
         warnings.simplefilter("error", ArdiffWarning)
@@ -1013,6 +1011,16 @@ def in_a_thread(call) -> threading.Thread:
     return thread
 
 
+def writes_ended() -> None:
+    """Wait for the background writes started so far to end, without the store taking them in (its next call does):
+    a write ``HeldWrites.release()`` let go runs on a thread of its own, which may not even have begun when the test
+    goes on (a close then dropped the snapshot before its write began: nothing failed, nothing to say)."""
+    for thread in threading.enumerate():
+        if thread.name == "ardiff-swap-writer":
+            thread.join(timeout=60)  # a bound on a hang, not a timing
+            assert not thread.is_alive(), "a swap write never ended"
+
+
 @pytest.mark.parametrize("name", ["dreamzero-tiny", "causal-world-tiny"])
 def test_an_eviction_does_not_wait_for_its_file_and_a_restore_meanwhile_takes_the_snapshot_from_memory(
         tmp_path, monkeypatch, name):
@@ -1349,6 +1357,7 @@ def test_a_write_that_fails_before_its_session_is_closed_is_a_swap_failed_event_
         writes.fail_with = OSError(28, "No space left on device")
         run(engine, "b", 0)  # evicts a; its write fails once released
         writes.release()
+        writes_ended()  # the write failed before the close
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # its session is closed: nothing is rebuilt, nothing to warn about
             {"close_all": lambda: engine.runner.close_all(), "close_session": lambda: engine.runner.close_session("a"),
@@ -1571,6 +1580,7 @@ def test_a_write_that_failed_before_close_all_is_no_warning_about_a_session_it_c
     writes.fail_with = OSError(28, "No space left on device")
     run(engine, "b", 0)  # evicts a; its write fails once released
     writes.release()
+    writes_ended()  # the write failed before close_all
     engine.runner.close_all()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -1965,6 +1975,17 @@ def test_a_kv_state_kept_past_a_swap_out_is_refused_and_the_session_goes_on_in_a
     reference.close()
 
 
+def open_files() -> set[tuple[str, str]]:
+    """This process's open descriptors, each with what it leads to (a number closed and opened again is told)."""
+    opened = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            opened.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return opened
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="counts /proc/self/fd")
 def test_evict_restore_reset_close_churn_gives_every_page_file_thread_and_fd_back(tmp_path):
     """Hours of a lab's rollout in miniature, through the runtime API: four sessions over capacity 2, so nearly
@@ -1975,7 +1996,9 @@ def test_evict_restore_reset_close_churn_gives_every_page_file_thread_and_fd_bac
     the free list once and no file, thread or file descriptor is left."""
     import random
 
-    fds_before, threads_before = len(os.listdir("/proc/self/fd")), threading.active_count()
+    # what is open and running as it starts, not how many: a thread or file a test before this one left may end
+    # meanwhile (pytest-xdist runs any test after any other), and a count then read one that this test leaked as none
+    fds_before, threads_before = open_files(), set(threading.enumerate())
     swap = tmp_path / "swap"
     engine, events = engine_for("causal-world-tiny", capacity=2, swap_dir=swap)
     runner = engine.runner
@@ -2013,5 +2036,5 @@ def test_evict_restore_reset_close_churn_gives_every_page_file_thread_and_fd_bac
     engine.close()
     assert allocator.num_used == 0 and sorted(allocator._free) == list(range(1, allocator.num_pages))
     assert not swap.exists()
-    assert threading.active_count() == threads_before
-    assert len(os.listdir("/proc/self/fd")) == fds_before
+    assert set(threading.enumerate()) - threads_before == set()
+    assert open_files() - fds_before == set()
