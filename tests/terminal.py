@@ -11,6 +11,7 @@ display began to redraw, that is, each frame as the user saw it.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import select
@@ -29,11 +30,13 @@ TIMEOUT_S = 120  # the longest wait for the next output, then for the exit
 
 
 def run_in_pty(args: list[str], *, env: dict[str, str], cwd: Path, cols: int, rows: int,
-               type_after: bytes | None = None, stdout_to: Path | None = None) -> tuple[int, bytes]:
+               type_after: bytes | None = None, release: Path | None = None,
+               stdout_to: Path | None = None) -> tuple[int, bytes]:
     """Run ``python -m ardiff_cli ARGS`` in ``cwd`` on a ``cols`` x ``rows`` pty (the size only the pty gives: no
-    COLUMNS or LINES); type Ctrl-C once ``type_after`` appeared in its output. ``stdout_to``: standard output to
-    that file and standard input from /dev/null, only stderr the pty. Returns the exit code and every byte it wrote
-    to the pty."""
+    COLUMNS or LINES); type Ctrl-C once ``type_after`` appeared in its output, then make the file ``release`` (a
+    ``held_step`` fault waits for it, so that the run cannot end before the Ctrl-C however late this process
+    reads). ``stdout_to``: standard output to that file and standard input from /dev/null, only stderr the pty.
+    Returns the exit code and every byte it wrote to the pty."""
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
     environ = {k: v for k, v in env.items() if k not in ("COLUMNS", "LINES")}
@@ -65,9 +68,20 @@ def run_in_pty(args: list[str], *, env: dict[str, str], cwd: Path, cols: int, ro
             if type_after is not None and type_after in output:
                 os.write(master, b"\x03")
                 type_after = None
+                if release is not None:
+                    release.touch()
     finally:
         os.close(master)
     return proc.wait(timeout=TIMEOUT_S), bytes(output)
+
+
+def held_step(env: dict[str, str], request: str, release: Path) -> tuple[list[str], dict[str, str]]:
+    """The --pipeline option and the environment that hold the forward of ``request``, a step well into the run,
+    until the file ``release`` exists (faulty_pipelines' ``sleep`` fault): a run typed Ctrl-C once its output showed
+    something ran to its end (exit 0) where this process, on a busy machine, read that output late."""
+    fault = {"request": request, "site": "block", "layer": 1, "action": "sleep", "seconds": 600,
+             "marker": str(release.with_name(release.name + ".held")), "release": str(release)}
+    return ["--pipeline", "faulty_pipelines:FaultyDreamZero"], {**env, "ARDIFF_TEST_FAULTS": json.dumps([fault])}
 
 
 class Screen:

@@ -1768,6 +1768,26 @@ def faulty_rollout(env, data, run: Path, faults: list[dict], *options: str) -> s
                             stderr=subprocess.PIPE)
 
 
+def held_in_a_step(env, request: str, tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path]:
+    """`ardiff ARGS` through FaultyDreamZero (DreamZero's outputs), returned once it waits inside the forward of
+    ``request`` (a ``sleep`` fault), with the file whose making lets it go on. A --follow run's idle timer runs from
+    the step's start, and a test that waited for the step's results line and then wrote to the episode folders raced
+    it: a test slower than --idle-timeout (a busy CI machine) found the episode ended, or the whole run. Held, the
+    run looks at no folder: what the test writes meanwhile is there at its next look, however long the test took."""
+    marker, release = tmp_path / "held", tmp_path / "release"
+    fault = {"request": request, "site": "block", "layer": 1, "action": "sleep", "seconds": 600,
+             "marker": str(marker), "release": str(release)}
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args, "--pipeline", FAULTY], cwd=REPO, text=True,
+                            env={**env, "ARDIFF_TEST_FAULTS": json.dumps([fault])}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        wait_for_marker(proc, marker, f"the forward of {request}")
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, release
+
+
 def test_a_second_signal_in_a_forward_keeps_the_other_resident_session_and_replays_only_the_interrupted_one(
         env, data, reference, tmp_path):
     # A first signal lets the step finish (test_reliability_cli.py); a second one stops the forward at once. The
@@ -3905,13 +3925,14 @@ def test_an_episode_folder_a_robot_starts_in_a_followed_folder_of_episodes_joins
     start writes, and the run ends --idle-timeout after its last episode ended."""
     live, run = tmp_path / "live", tmp_path / "run"
     write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
-                 "--idle-timeout", "8", "--format", "json")
-    try:
-        wait_for_lines(run / "results.jsonl", 1, proc)  # arm_a's step 0 ran
+    proc, release = held_in_a_step(env, "arm_a/000000", tmp_path, "rollout", str(data / "fast.yaml"), str(live),
+                                   "--out", str(run), "--follow", "--no-warmup", "--idle-timeout", "8", "--format",
+                                   "json")
+    try:  # in arm_a's step 0
         write_episode(live / "arm_b", steps_of(1, 3), prompt="task arm_b")
         (live / "arm_c").mkdir()  # made, nothing in it yet: not an episode
         write_episode(live / "arm_a", steps_of(0, 3)[1:], first_step=1)
+        release.touch()
         stdout, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
@@ -3955,13 +3976,14 @@ def test_an_episode_a_recorder_publishes_by_renaming_its_folder_runs_once_and_re
     steps = steps_of(0, 3)
     write_episode(live / "arm_a.part", steps if when == "after_end" else steps[:1], prompt="task arm_a",
                   end=when == "after_end")
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
-                 "--idle-timeout", "5", "--format", "json")
-    try:
-        wait_for_lines(run / "results.jsonl", 1 if when == "before_end" else 3, proc)
+    proc, release = held_in_a_step(env, f"arm_a.part/00000{0 if when == 'before_end' else 2}", tmp_path,
+                                   "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow",
+                                   "--no-warmup", "--idle-timeout", "5", "--format", "json")
+    try:  # in its step 0 (before_end), or its last one
         (live / "arm_a.part").rename(live / "arm_a")
         if when == "before_end":
             write_episode(live / "arm_a", steps[1:], first_step=1)
+        release.touch()
         stdout, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
@@ -3973,12 +3995,12 @@ def test_an_episode_a_recorder_publishes_by_renaming_its_folder_runs_once_and_re
         ("arm_a.part", str((live / "arm_a.part").absolute()), str((live / "arm_a").absolute()))]
     assert [(e["name"], e["path"]) for e in run_episodes(run)] == [("arm_a.part", str((live / "arm_a").resolve()))]
     assert "warning" not in stderr and "Error" not in stderr, stderr
-    again = ardiff(env, "rollout", "--resume", "--out", str(run), "--idle-timeout", "1")
+    again = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", FAULTY, "--idle-timeout", "1")
     assert again.returncode == 0, again.stderr
     assert len(records(run)) == 3 and "Error" not in again.stderr
     # moved again, with no run to follow it: the resume names the path the run followed it to, not where it started
     (live / "arm_a").rename(tmp_path / "elsewhere")
-    again = ardiff(env, "rollout", "--resume", "--out", str(run), "--idle-timeout", "1")
+    again = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", FAULTY, "--idle-timeout", "1")
     assert again.returncode == 2, again.stderr
     assert (f"episode 'arm_a.part' of this run: its folder {(live / 'arm_a').resolve()} is gone; {run / 'run.json'} "
             "records where the run last found each episode's folder (where it started, or where --follow followed "
@@ -3992,12 +4014,13 @@ def test_a_folder_of_episodes_followed_through_a_link_names_the_folders_as_run_j
     live, link, run = tmp_path / "live", tmp_path / "robots", tmp_path / "run"
     write_episode(live / "arm_a.part", steps_of(0, 3), prompt="task arm_a")
     link.symlink_to(live)
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(link), "--out", str(run), "--follow", "--no-warmup",
-                 "--idle-timeout", "3", "--format", "json")
-    try:
-        wait_for_lines(run / "results.jsonl", 3, proc)
+    proc, release = held_in_a_step(env, "arm_a.part/000002", tmp_path, "rollout", str(data / "fast.yaml"),
+                                   str(link), "--out", str(run), "--follow", "--no-warmup", "--idle-timeout", "3",
+                                   "--format", "json")
+    try:  # in its last step
         (live / "arm_a.part").rename(live / "arm_a")
         write_episode(live / "arm_b", steps_of(1, 3)[:1], prompt="task arm_b")  # joins: episode_added
+        release.touch()
         stdout, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
@@ -4086,13 +4109,14 @@ def test_an_episode_folder_that_is_a_link_moved_into_place_gives_run_json_s_old_
     steps = steps_of(0, 3)
     write_episode(live / ".rec" / "arm_a", steps[:1], prompt="task arm_a", end=False)
     (live / "cam").symlink_to(Path(".rec") / "arm_a")
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
-                 "--idle-timeout", "5", "--format", "json")
-    try:
-        wait_for_lines(run / "results.jsonl", 1, proc)
+    proc, release = held_in_a_step(env, "arm_a/000000", tmp_path, "rollout", str(data / "fast.yaml"), str(live),
+                                   "--out", str(run), "--follow", "--no-warmup", "--idle-timeout", "5", "--format",
+                                   "json")
+    try:  # in its step 0
         before = recorded_folders(run)
         (live / ".rec" / "arm_a").rename(live / "arm_a")
         write_episode(live / "arm_a", steps[1:], first_step=1)
+        release.touch()
         stdout, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
@@ -4120,12 +4144,13 @@ def test_an_episode_folder_that_is_a_link_renamed_while_followed_is_followed_at_
     write_episode(rec / "arm_a", steps[:1], prompt="task arm_a", end=False)
     live.mkdir()
     (live / "cam").symlink_to(Path("..") / "rec" / "arm_a")
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(tmp_path / given), "--out", str(run), "--follow",
-                 "--no-warmup", "--idle-timeout", "5", "--format", "json")
-    try:
-        wait_for_lines(run / "results.jsonl", 1, proc)
+    proc, release = held_in_a_step(env, "arm_a/000000", tmp_path, "rollout", str(data / "fast.yaml"),
+                                   str(tmp_path / given), "--out", str(run), "--follow", "--no-warmup",
+                                   "--idle-timeout", "5", "--format", "json")
+    try:  # in its step 0
         (live / "cam").rename(live / "cam2")
         write_episode(rec / "arm_a", steps[1:], first_step=1)
+        release.touch()
         stdout, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
@@ -4299,12 +4324,13 @@ def test_a_link_to_nothing_in_a_watched_folder_joins_once_its_recording_appears(
     live, run, rec = tmp_path / "live", tmp_path / "run", tmp_path / "rec"
     write_episode(live / "arm_b", steps_of(1, 2), prompt="task arm_b", end=False)
     (live / "cam").symlink_to(Path("..") / "rec" / "arm_a")
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
-                 "--idle-timeout", "3", "--format", "plain")
-    try:
-        wait_for_lines(run / "results.jsonl", 2, proc)  # arm_b's steps ran: the link was looked at, leading nowhere
+    proc, release = held_in_a_step(env, "arm_b/000001", tmp_path, "rollout", str(data / "fast.yaml"), str(live),
+                                   "--out", str(run), "--follow", "--no-warmup", "--idle-timeout", "3", "--format",
+                                   "plain")
+    try:  # in arm_b's last step: the link was looked at, leading nowhere
         if appears:
             write_episode(rec / "arm_a", steps_of(0, 2), prompt="task arm_a")
+        release.touch()
         _, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
@@ -4318,7 +4344,7 @@ def test_a_link_to_nothing_in_a_watched_folder_joins_once_its_recording_appears(
     else:
         assert stderr.count(warning) == 1, stderr
         write_episode(rec / "arm_a", steps_of(0, 2), prompt="task arm_a")
-        again = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup")
+        again = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", FAULTY, "--no-warmup")
         assert again.returncode == 0, again.stderr
     assert sorted((r["episode"], r["step"], r["status"]) for r in records(run)) == [
         (name, s, "ok") for name in ("arm_a", "arm_b") for s in range(2)]
@@ -4336,13 +4362,14 @@ def test_a_link_to_nothing_in_a_watched_folder_that_comes_to_lead_to_an_episode_
     write_episode(live / "arm_a", steps[:2], prompt="task arm_a", end=False)
     rec.mkdir()
     (live / "cam").symlink_to(Path("..") / "rec" / "latest")
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
-                 "--idle-timeout", "3", "--format", "plain")
-    try:
-        wait_for_lines(run / "results.jsonl", 2, proc)  # polled: the link was looked at, leading nowhere
+    proc, release = held_in_a_step(env, "arm_a/000001", tmp_path, "rollout", str(data / "fast.yaml"), str(live),
+                                   "--out", str(run), "--follow", "--no-warmup", "--idle-timeout", "3", "--format",
+                                   "plain")
+    try:  # in arm_a's step 1: polled, the link was looked at, leading nowhere
         (rec / "latest").symlink_to(Path("..") / "live" / "arm_a")
         write_step(live / "arm_a", 2, steps[2])
         (live / "arm_a" / "END").touch()
+        release.touch()
         _, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
@@ -4425,13 +4452,14 @@ def test_a_link_to_a_file_in_a_watched_folder_joins_once_it_leads_to_an_episode_
     (rec / "notes.txt").write_text("not a recording\n")
     (rec / "latest").symlink_to("notes.txt")
     (live / "cam").symlink_to(Path("..") / "rec" / "latest")
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
-                 "--idle-timeout", "3", "--format", "plain")
-    try:
-        wait_for_lines(run / "results.jsonl", 2, proc)  # polled: cam was looked at, leading to a file
+    proc, release = held_in_a_step(env, "arm_a/000001", tmp_path, "rollout", str(data / "fast.yaml"), str(live),
+                                   "--out", str(run), "--follow", "--no-warmup", "--idle-timeout", "3", "--format",
+                                   "plain")
+    try:  # in arm_a's step 1: polled, cam was looked at, leading to a file
         (rec / "next").symlink_to("arm_b")  # ln -sfn, in one rename
         os.replace(rec / "next", rec / "latest")
         (live / "arm_a" / "END").touch()
+        release.touch()
         _, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
@@ -4657,13 +4685,14 @@ def test_an_episode_read_through_a_link_pointed_elsewhere_beside_another_link_to
     write_episode(live / ".rec" / "arm_x", steps_of(1, 1), prompt="task arm_x")
     for name in ("cam1", "cam2"):
         (live / name).symlink_to(Path(".rec") / "arm_a")
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
-                 "--idle-timeout", "3", "--format", "json")
-    try:
-        wait_for_lines(run / "results.jsonl", 1, proc)
+    proc, release = held_in_a_step(env, "arm_a/000000", tmp_path, "rollout", str(data / "fast.yaml"), str(live),
+                                   "--out", str(run), "--follow", "--no-warmup", "--idle-timeout", "3", "--format",
+                                   "json")
+    try:  # in its step 0
         (live / "next").symlink_to(Path(".rec") / "arm_x")
         os.replace(live / "next", live / "cam1")
         write_episode(live / ".rec" / "arm_a", steps[1:], first_step=1)
+        release.touch()
         stdout, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
