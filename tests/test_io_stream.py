@@ -43,6 +43,27 @@ def good(step: int = 0) -> dict[str, np.ndarray]:
     return {"camera": np.zeros((8, 8, 3), np.uint8), "joints": np.zeros(7, np.float32) + step}
 
 
+class _FrozenWall:
+    """``stream``'s ``time`` with the wall clock stopped at ``now_ns``: the follower takes a writer's temporary file
+    first seen at the idle timeout for one at work if its mtime is within --idle-timeout of the wall clock, real time,
+    while these tests' timeouts are a ``FakeClock``'s seconds (2). A machine slow for 2 s between the write and that
+    look made the file a stray one and ended its episode early; stopped, every file the test writes is new."""
+
+    def __init__(self, now_ns: int) -> None:
+        self.now_ns = now_ns
+
+    def time_ns(self) -> int:
+        return self.now_ns
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)  # monotonic stays real: the listings' timestamp ticks are real time
+
+
+@pytest.fixture
+def frozen_wall(monkeypatch):
+    monkeypatch.setattr(stream, "time", _FrozenWall(time.time_ns()))
+
+
 def test_valid_step_uses_canonical_keys_and_the_prompt_fallbacks(tmp_path):
     raw = RawStep(arrays={"cam_left": np.zeros((2, 8, 8, 3), np.uint8), "joints": np.zeros(7, np.float64),
                           "timestamp": np.zeros(1)}, metadata={})
@@ -384,7 +405,7 @@ def test_an_episodes_end_after_its_last_step_is_ending_behind_another_episodes_f
     assert not scheduler.ending and scheduler.next() is None
 
 
-def test_a_step_written_under_its_temporary_name_keeps_its_episode_from_the_idle_timeout(tmp_path):
+def test_a_step_written_under_its_temporary_name_keeps_its_episode_from_the_idle_timeout(tmp_path, frozen_wall):
     # write_step writes `.step_000001.safetensors.XXXX.tmp`, then renames it: a step slower to write than
     # --idle-timeout ended its episode, the step never ran, and the run said ok
     write_step(tmp_path / "e", 0, good(0), prompt="p")
@@ -409,7 +430,8 @@ def test_a_step_written_under_its_temporary_name_keeps_its_episode_from_the_idle
     assert scheduler.next().reason == "idle_timeout" and clock.now >= 2 * 2  # not at 2 or 3 s: one timeout more
 
 
-def test_a_step_written_under_a_name_without_a_step_number_keeps_its_episode_from_the_idle_timeout(tmp_path):
+def test_a_step_written_under_a_name_without_a_step_number_keeps_its_episode_from_the_idle_timeout(tmp_path,
+                                                                                                     frozen_wall):
     """A recorder writing a large step slowly into tempfile's tmpabcdefgh.safetensors, then renaming it: the file was
     waited for, but its growth was no activity, so a write slower than --idle-timeout failed the episode ("step file
     name has no step number") though the writer was at work. A change of its size or of its mtime (a writer that
@@ -461,7 +483,7 @@ def test_a_step_written_under_a_name_without_a_step_number_keeps_its_episode_fro
     assert clock.now < 2 * 2  # it took two timeouts: its first look counted as a writer's
 
 
-def test_a_step_copied_slowly_by_rsync_keeps_its_episode_from_the_idle_timeout(tmp_path):
+def test_a_step_copied_slowly_by_rsync_keeps_its_episode_from_the_idle_timeout(tmp_path, frozen_wall):
     """rsync copies a step into a hidden temporary name (".step_000001.safetensors.Ab3dE9") and renames it: the name
     is passed over as a step (hidden), but its growth was no activity either, so a copy slower than --idle-timeout
     ended the episode (idle_timeout) mid-copy and the step arrived late, never run. A killed copy's leftover stops
@@ -1279,7 +1301,7 @@ def test_follow_waits_for_a_temporary_name_holding_a_digit_until_renamed(tmp_pat
     assert _drain(scheduler) == [("live", 0), ("live", 1), ("live", 2), ("live", "end_marker")]
 
 
-def test_a_temporary_name_holding_a_digit_left_in_an_episode_fails_it_naming_it(tmp_path):
+def test_a_temporary_name_holding_a_digit_left_in_an_episode_fails_it_naming_it(tmp_path, frozen_wall):
     """A recorder killed between writing a step under tempfile's name and renaming it leaves tmpk3jx9a1b.safetensors:
     without --follow it ran as step 1 (its last integer), silently; with --follow it was taken as step 1 too. It
     fails its episode saying it looks like a writer's temporary file, without --follow and with it at END or the idle
@@ -2269,6 +2291,8 @@ def test_follow_a_caught_up_folder_of_episodes_is_not_listed_at_every_poll(tmp_p
     timestamps stand still it is not listed again (every 5 s anyway, as an episode's folder is); a folder a robot
     makes in it still joins at the next polls, and so does one made empty once it gets a step file."""
     scheduler, clock, robots = _finished_and_live(tmp_path, 30)
+    # the listing every _RELIST seconds is real time: a machine slow for 5 s over the 20 polls made one of them list
+    monkeypatch.setattr(stream, "_RELIST", float("inf"))
     listed: list[Path] = []
     real_listdir = os.listdir
     monkeypatch.setattr(os, "listdir", lambda path=".": listed.append(Path(path)) or real_listdir(path))
@@ -2386,6 +2410,8 @@ def test_a_poll_of_held_links_stats_the_folders_on_their_way_not_each_link(tmp_p
     200, the folders on their way are stat'ed once each (the cost figure, 2,000 links, is measured, not asserted)."""
     counts = []
     for num_links in (10, 200):
+        # the listing every _RELIST seconds is real time: a machine slow for 5 s made the poll counted list them all
+        monkeypatch.setattr(stream, "_RELIST", float("inf"))  # undone with the os patches below, set again here
         data, rec = tmp_path / f"robots{num_links}", tmp_path / f"rec{num_links}"
         write_episode(data / "arm_a", [good(0)], prompt="p", end=False)
         rec.mkdir()
