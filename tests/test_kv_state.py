@@ -777,25 +777,33 @@ def test_a_cross_attention_cache_written_in_place_is_named_published_or_restored
     assert restored.cross_attention_written() == ["'text' of branch 'positive' (layer 1 k)"]
 
 
-@pytest.mark.parametrize("mode", ["no_grad", "grad", "inference_mode", "generator_in_inference_mode"])
+@pytest.mark.parametrize("mode", ["no_grad", "grad", "inference_mode", "generator_in_inference_mode",
+                                  "inference_tensors_under_no_grad"])
 def test_a_cross_attention_cache_published_in_any_grad_mode_has_a_version_counter_and_no_graph(make_spec, make_cache,
                                                                                               mode):
     """Under no_grad() (the pipelines' forward) the copies are made as the caller's mode is, with no context manager
     entered; with grad on, or in inference mode, outside inference mode and under no_grad(): in each, a write in place
     is named, and the cache requires no grad (a pair that requires grad is refused before). A generator that yields
-    inside its own inference_mode() block, called under no_grad(), puts the loop in inference mode with each pair."""
+    inside its own inference_mode() block, called under no_grad(), puts the loop in inference mode with each pair.
+    Tensors made earlier in inference mode, published under no_grad() (no context manager entered): copies of them
+    are no inference tensors."""
     spec = make_spec(num_layers=2, cross_attention=CROSS)
     state = make_cache(spec).new_state("s")
+    pairs = cross_pairs(spec, "text")
+    if mode == "inference_tensors_under_no_grad":
+        with torch.inference_mode():
+            pairs = [(k.clone(), v.clone()) for k, v in pairs]
+        assert pairs[0][0].is_inference()
 
     def in_inference_mode(pairs):
         with torch.inference_mode():
             yield from pairs
 
     around = {"no_grad": torch.no_grad, "grad": torch.enable_grad, "inference_mode": torch.inference_mode,
-              "generator_in_inference_mode": torch.no_grad}[mode]
+              "generator_in_inference_mode": torch.no_grad, "inference_tensors_under_no_grad": torch.no_grad}[mode]
     wrap = in_inference_mode if mode == "generator_in_inference_mode" else iter
     with around():
-        state.populate_cross_attention("positive", "text", wrap(cross_pairs(spec, "text")))
+        state.populate_cross_attention("positive", "text", wrap(pairs))
         cache = state.cross_attention("positive", "text")
         assert not any(t.requires_grad or t.is_inference() for pair in cache for t in pair)
         assert state.cross_attention_written() == []

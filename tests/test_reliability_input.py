@@ -1578,6 +1578,9 @@ UNRELATED = [("depth", "model"), ("threads", "model"), ("arm_steps", "model"), (
              ("dreamzero-1.3b", "builtins"), ("dreamzero-7b", "builtins"),
              # digits swapped name another of a count: `sweep21` was 'sweep12' (sweep13 beside it), `run_100` 'run_010'
              ("sweep21", "sweeps"), ("sweep31", "sweeps"), ("run_100", "sweeps"),
+             # the count's last run past a power of ten: `sweep01` was 'sweep10' (sweep9 beside it was looked for as
+             # 'sweep09')
+             ("sweep01", "tens"),
              # a word with a first letter no finger slips to is another word: `batch_size` was 'patch_size'
              ("batch_size", "model"), ("batch_size", "causal"), ("batchsize", "causal"), ("image_batch", "model")]
 TYPOS = [("modle", "top", "model"), ("runtim", "top", "runtime"), ("checkpoints", "top", "checkpoint"),
@@ -1635,7 +1638,7 @@ def _names(kind):
             "runs": ["eval1", "eval-large", "sweep1", "sweep2"], "options": ["out", "order", "format", "follow"],
             "flags": ["--warmup", "--no-warmup"], "orders": ["round-robin", "sequential"],
             "sweeps": ["sweep12", "sweep13", "sweep14", "run_009", "run_010"],
-            "backends": ["auto", "torch", "vllm"]}[kind]
+            "backends": ["auto", "torch", "vllm"], "tens": ["sweep8", "sweep9", "sweep10"]}[kind]
 
 
 def _close_match(name, kind):

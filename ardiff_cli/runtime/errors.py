@@ -702,10 +702,10 @@ def _same_sides(name: str, match: str, names: Container[str] = ()) -> bool:
 
 def _counted(match: str, names: Container[str]) -> bool:
     """Whether ``names`` holds ``match`` with one of its numbers one more or one less, as it is written (`sweep12` and
-    'sweep13', 'run_010' and 'run_009'): a count, such as run folders, where a number is all that tells one member
-    from another. `bfloat16` and 'float32' or 'fp16' and 'fp32' are no count."""
-    for number in re.finditer(r"\d+", match):
-        value, width = int(number.group()), len(number.group())
+    'sweep13', 'run_010' and 'run_009', 'sweep10' and 'sweep9'): a count, such as run folders, where a number is all
+    that tells one member from another. `bfloat16` and 'float32' or 'fp16' and 'fp32' are no count."""
+    for number in re.finditer(r"\d+", match):  # padded with zeros only where it is (`sweep9` is before 'sweep10')
+        value, width = int(number.group()), len(number.group()) if number.group().startswith("0") else 0
         if any(match[:number.start()] + str(near).zfill(width) + match[number.end():] in names
                for near in (value - 1, value + 1) if near >= 0):
             return True
@@ -735,7 +735,7 @@ def _rhymes(name: str, match: str) -> bool:
     slips to (not beside it on the keyboard): another word, not a typo (`batch_size` is not 'patch_size', nor
     `batchsize`; `bae_stride` is 'vae_stride', `xterior_image` 'exterior_image')."""
     return any(a[0] != b[0] and b[0] not in _BESIDE.get(a[0], "") and a[1:] and b[1:]
-               and (a[1:].startswith(b[1:]) or b[1:].startswith(a[1:]))  # `llm` is 'vllm' with its 'v' dropped
+               and (a[1:].startswith(b[1:]) or b[1:].startswith(a[1:]))  # `batchsize`: 'patch' run on to 'size'
                for a, b in zip(_WORDS.findall(name), _WORDS.findall(match)) if a.isalpha() and b.isalpha())
 
 
@@ -750,8 +750,9 @@ _WORDS = re.compile(r"[^\W\d_]+|\d+")  # the words of a name: runs of letters, r
 
 def _edits(a: str, b: str, most: int | None = None) -> int:
     """The edits (a letter inserted, deleted, replaced, or two side by side swapped) that make ``a`` into ``b``; with
-    ``most``, counted up to it only (more: ``most + 1``), which spares the rest of the table once two rows are past
-    it (a cell comes from its row and the two before): close_match asks it of each of thousands of run folders."""
+    ``most``, counted up to it only (more: a number above it, not the count), which spares the rest of the table once
+    two rows are past it (a cell comes from its row and the two before): close_match asks it of each of thousands of
+    run folders."""
     common = len(os.path.commonprefix((a, b)))  # a prefix both have costs no edit (nor does a suffix)
     a, b = a[common:], b[common:]
     while a and b and a[-1] == b[-1]:
