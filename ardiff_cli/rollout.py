@@ -137,6 +137,18 @@ def _size(path: Path) -> int | None:
         return None
 
 
+def _written_outputs(path: Path) -> dict[str, Any] | None:
+    """The arrays of the step output file ``path``, or None when it is gone or unreadable (a cleanup of the
+    outputs): what a replay or the layout check compares a step's outputs with, if it can."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load
+
+    try:
+        return load(path.read_bytes())
+    except (OSError, ValueError, SafetensorError):
+        return None
+
+
 def recorded_folder(episode: EpisodeSource, recorded: str | None) -> str:
     """The episode's folder as run.json records it (``recorded``), where that is the folder the run reads it from
     (directly, or through a link above it or at its path); else its path now as :func:`episode_folder_path` gives it
@@ -526,13 +538,9 @@ class Rollout:
         when it is gone or unreadable (a cleanup of the outputs)."""
         if self._replay_differed:
             return
-        from safetensors import SafetensorError
-        from safetensors.numpy import load
-
         path = self.run_folder.step_output(episode.name, step)
-        try:
-            written = load(path.read_bytes())
-        except (OSError, ValueError, SafetensorError):
+        written = _written_outputs(path)
+        if written is None:
             return
         differences = output_differences(written, output)
         if not differences:
@@ -548,15 +556,16 @@ class Rollout:
             f"session, returned other outputs than {self.run_folder.relative(path)} holds, written when it ran: "
             f"{differences[0][1]}{others}; {cause}, so a replayed session may not be the one the episode's outputs "
             "so far were made on, nor its later outputs (from the results.jsonl lines with \"replayed\" above 0) "
-            "those of an uninterrupted run. Draw the forward's noise from a generator seeded from the request or its "
-            "session, never torch's global generator or the clock (README, 'Adding a pipeline'); said once a run")
+            "those of an uninterrupted run. Draw the forward's noise from a generator seeded by the session's request "
+            "counter, never from torch's global generator, the clock or the request id (a replay's ends in "
+            "'/replay'): README, 'Adding a pipeline'; said once a run")
 
     def _check_layout(self, episode: EpisodeSource, step: int, output: Any) -> None:
-        """Warn when the step's outputs are not of the dtypes and shapes of the episode's step before it (this run's),
-        or an output is missing or new: they are written as returned (no output schema), and a script that stacks
-        the episode's step files fails or converts there; and when an output that is no array holds arrays (a list
-        of tensors), which is not written. Once a run for each output name: a pipeline whose first step returns
-        fewer frames is not told so for every episode."""
+        """Warn when the step's outputs are not of the dtypes and shapes of the episode's step before it (this run's,
+        or the output file of an earlier run's on --resume), or an output is missing or new: they are written as
+        returned (no output schema), and a script that stacks the episode's step files fails or converts there; and
+        when an output that is no array holds arrays (a list of tensors), which is not written. Once a run for each
+        output name: a pipeline whose first step returns fewer frames is not told so for every episode."""
         pipeline = type(self.engine.pipeline).__name__
         for name, kind in unwritten_arrays(output).items():
             if name not in self._layout_warned:
@@ -567,6 +576,10 @@ class Rollout:
                     "(torch.stack) or each array under a name of its own (said once a run for each output)")
         layout = output_layout(output)
         before, self._layouts[episode.name] = self._layouts.get(episode.name), layout
+        if before is None:  # the episode's first step this run: on --resume, its step before is an earlier run's
+            earlier = [done for done in self._done_before.get(episode.name, ()) if done < step]
+            written = earlier and _written_outputs(self.run_folder.step_output(episode.name, max(earlier)))
+            before = output_layout(written) if written else None
         if before is None:
             return
         for name, now, was in layout_changes(before, layout):

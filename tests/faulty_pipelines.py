@@ -532,8 +532,10 @@ class ChangingOutputsDreamZero(DreamZeroPipeline):
     ``$ARDIFF_TEST_OUTPUTS`` names (a JSON object: request id -> change), as a pipeline's bug would: ``nan_actions``
     (one action NaN), ``inf_actions`` (one inf), ``actions_shape`` (actions (8, 7)), ``actions_dtype`` (float64),
     ``frame_shape`` (a frame (6, 8, 3)), ``no_actions`` (no actions), ``actions_list`` (a list of one tensor per
-    action step). With ``$ARDIFF_TEST_NOISE`` set, noise from
-    torch's global generator is added to the actions: a forward that no replay reproduces."""
+    action step), ``metrics`` (a ``metrics`` dict of scalars: numpy's, a 0-d tensor, an int), ``big_endian``
+    (actions as a big-endian numpy array, as one read from a file may be: a step file holds them little-endian).
+    With ``$ARDIFF_TEST_NOISE`` set, noise from torch's global generator is added to the actions: a forward that no
+    replay reproduces."""
 
     def forward(self, request):
         outputs = dict(super().forward(request))
@@ -552,6 +554,10 @@ class ChangingOutputsDreamZero(DreamZeroPipeline):
             actions = actions.double()
         elif change == "frame_shape":
             outputs["frame"] = outputs["frame"][:6]
+        elif change == "metrics":
+            outputs["metrics"] = {"loss": torch.tensor(0.5), "norm": actions.norm().numpy()[()], "steps": 3}
+        elif change == "big_endian":
+            actions = actions.numpy().astype(">f4")
         outputs["actions"] = list(actions) if change == "actions_list" else actions
         if change == "no_actions":
             del outputs["actions"]

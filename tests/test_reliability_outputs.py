@@ -686,6 +686,9 @@ def test_a_replayed_step_whose_outputs_differ_from_those_written_is_one_warning(
     [warning] = summary["warnings"]
     assert warning.startswith(REPLAYED) and "(64 of 64 values); its forward is not deterministic, so" in warning
     assert "earlier run" not in warning and warning.endswith("said once a run"), warning
+    # a replay's request id is not the step's (it ends in /replay): noise seeded from it differs too
+    assert ("Draw the forward's noise from a generator seeded by the session's request counter, never from torch's "
+            "global generator, the clock or the request id (a replay's ends in '/replay')") in warning, warning
 
 
 def test_a_resume_replaying_steps_of_an_earlier_run_that_differ_says_the_run_may_round_otherwise(data, tmp_path,
@@ -723,3 +726,53 @@ def test_an_output_that_holds_arrays_but_is_none_is_not_written_and_says_so(data
     assert f"warning: {warning}\n" in proc.stderr and proc.stderr.count("warning:") == 1, proc.stderr
     assert json.loads((run / "summary.json").read_text())["warnings"] == [warning]
     assert all(sorted(arrays) == ["frame", "latents"] for arrays in load_outputs(run).values())
+
+
+def test_a_resumed_episode_whose_outputs_change_at_its_first_step_of_the_resume_is_a_warning(data, tmp_path,
+                                                                                             cli_env):
+    """The layout check compared a step with the episode's step before it in the same run only: an episode resumed
+    after step 0, whose outputs changed shape from step 1 on (a pipeline edited between the runs), had its step
+    files no longer stackable and not a word. The resume's first step of it is compared with the earlier run's
+    step file before it."""
+    eps = _with_a_bad_step(data, tmp_path)
+    run = tmp_path / "run"
+    args = ("--no-warmup", "--format", "plain", "--pipeline", CHANGING)
+    proc = _ardiff(cli_env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(run), *args)
+    assert proc.returncode == 4 and "warning" not in proc.stderr, proc.stderr  # arm_b failed at step 1, as it read
+    (eps / "arm_b" / "step_000001.safetensors").write_bytes((data / "eps" / "arm_b" / "step_000001.safetensors")
+                                                            .read_bytes())
+    changes = {"arm_b/000001": "actions_shape", "arm_b/000002": "actions_shape"}
+    proc = _ardiff({**cli_env, "ARDIFF_TEST_OUTPUTS": json.dumps(changes)}, "rollout", "--resume", "--out", str(run),
+                   *args)
+    assert proc.returncode == 0, proc.stderr
+    warning = ("ChangingOutputsDreamZero: episode 'arm_b' step 1: output 'actions' is float32 (8, 7), float32 (8, 8) "
+               "at the episode's step before it; written as returned, so a script that stacks the episode's "
+               "'actions' fails or converts at this step (said once a run for each output)")
+    assert proc.stderr.count("warning:") == 1 and f"warning: {warning}\n" in proc.stderr, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["warnings"] == [warning]
+
+
+def test_an_output_that_holds_scalars_only_is_not_written_without_a_warning(data, tmp_path, cli_env):
+    """A dict of metrics (numpy scalars, a 0-d tensor) is a value that is not written, as a float is: numpy's
+    scalars have a shape and a dtype, and it was told to be 'a dict holding arrays', returned as one array
+    (torch.stack), at every run."""
+    run = tmp_path / "run"
+    changes = {f"{name}/{step:06d}": "metrics" for name in ("arm_a", "arm_b") for step in range(3)}
+    proc = _ardiff({**cli_env, "ARDIFF_TEST_OUTPUTS": json.dumps(changes)}, "rollout", str(data / "fast.yaml"),
+                   str(data / "eps"), "--out", str(run), "--no-warmup", "--format", "plain", "--pipeline", CHANGING)
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+    assert all(sorted(arrays) == ["actions", "frame", "latents"] for arrays in load_outputs(run).values())
+
+
+def test_a_deterministic_replay_of_big_endian_outputs_is_no_warning(data, tmp_path, cli_env):
+    """A step file holds a big-endian numpy output little-endian, as the same float32 values: the replay's were
+    compared with the file's as another dtype ('>f4', was float32), and a deterministic forward was said not to be.
+    Every step's actions big-endian: no layout warning either."""
+    run = tmp_path / "run"
+    changes = {f"{name}/{step:06d}{suffix}": "big_endian" for name in ("arm_a", "arm_b") for step in range(3)
+               for suffix in ("", "/replay")}
+    proc = _ardiff({**cli_env, "ARDIFF_TEST_OUTPUTS": json.dumps(changes)}, "rollout", str(data / "fast.yaml"),
+                   str(data / "eps"), "--out", str(run), "--no-warmup", "--format", "plain", "--session-capacity", "1",
+                   "--pipeline", NO_SWAP)
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["steps"]["replayed"] == 6

@@ -85,13 +85,15 @@ def _non_finite(output: Mapping[str, Any]) -> str:
 
 
 def host_arrays(output: Mapping[str, Any]) -> dict[str, Any]:
-    """The arrays of a forward's ``output`` as numpy copies of their own on the host (``as_numpy``: bfloat16 as
-    float32, which holds it exactly): a forward may return views of buffers that its next request writes over."""
+    """The arrays of a forward's ``output`` as numpy copies of their own on the host, as a step file holds them
+    (``as_numpy``: bfloat16 as float32, which holds it exactly; in native byte order): a forward may return views of
+    buffers that its next request writes over."""
     import numpy as np
 
     from ardiff_cli.runtime.observation import as_numpy
 
-    return {name: np.array(as_numpy(value), copy=True) for name, value in output.items() if is_array(value)}
+    arrays = {name: as_numpy(value) for name, value in output.items() if is_array(value)}
+    return {name: np.array(array, dtype=array.dtype.newbyteorder("="), copy=True) for name, array in arrays.items()}
 
 
 def output_layout(output: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -100,18 +102,19 @@ def output_layout(output: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, 
     layout = {}
     for name, value in output.items():
         if is_array(value):
-            dtype = str(value.dtype).removeprefix("torch.")
+            dtype = getattr(value.dtype, "name", None) or str(value.dtype).removeprefix("torch.")  # '>f4': float32
             layout[str(name)] = ("float32" if dtype == "bfloat16" else dtype, tuple(int(n) for n in value.shape))
     return layout
 
 
 def unwritten_arrays(output: Mapping[str, Any]) -> dict[str, str]:
     """{name: what it is} of the values of ``output`` that are no array but hold arrays (a list of per-step tensors,
-    a dict of tensors): a step file holds arrays only, so they are skipped, as other values are. Up to 64 items of
-    each value, two levels deep, are looked at."""
+    a dict of tensors): a step file holds arrays only, so they are skipped, as other values are. Scalars (numpy's,
+    0-d tensors: a dict of metrics) are not arrays here. Up to 64 items of each value, two levels deep, are looked
+    at."""
     def holds_array(value: Any, depth: int) -> bool:
         if is_array(value):
-            return True
+            return len(value.shape) > 0
         if depth and isinstance(value, Mapping):
             value = value.values()
         elif not (depth and isinstance(value, (list, tuple))):
