@@ -5276,7 +5276,8 @@ def test_a_step_file_in_capitals_that_arrives_after_its_episode_ended_is_a_late_
                                                                                                   tmp_path):
     """step_000001.SAFETENSORS arriving in a followed episode's folder after its END was seen was not among the late
     files (the warning, summary.json's late_steps): the run ended without a word of it. It is named with the rename
-    that lets --resume run it; renamed so, the resume runs it."""
+    that lets --resume run it, in step order among the late files (it came after step_000002.safetensors, the one
+    in lower case, in the list); renamed so, the resume runs them."""
     live, run, log = tmp_path / "live", tmp_path / "run", tmp_path / "stderr"
     write_episode(live / "arm_a", steps_of(0, 2)[:1], prompt="task arm_a")  # its END is there from the start
     write_episode(live / "arm_b", steps_of(1, 2)[:1], prompt="task arm_b", end=False)  # ends once the test says
@@ -5288,8 +5289,9 @@ def test_a_step_file_in_capitals_that_arrives_after_its_episode_ended_is_a_late_
                                 text=True, stdout=subprocess.PIPE, stderr=errors)
     try:
         wait_for_marker(proc, log, "arm_a's end", text="arm_a ended (end_marker)")
-        write_episode(tmp_path / "recorder", steps_of(0, 2)[1:2], first_step=1, end=False)
+        write_episode(tmp_path / "recorder", steps_of(0, 3)[1:3], first_step=1, end=False)
         os.rename(tmp_path / "recorder" / "step_000001.safetensors", live / "arm_a" / "step_000001.SAFETENSORS")
+        os.rename(tmp_path / "recorder" / "step_000002.safetensors", live / "arm_a" / "step_000002.safetensors")
         (live / "arm_b" / "END").touch()  # the run ends once arm_b's END counts: after the late file arrived
         proc.communicate(timeout=300)
     finally:
@@ -5297,15 +5299,16 @@ def test_a_step_file_in_capitals_that_arrives_after_its_episode_ended_is_a_late_
     stderr = log.read_text()
     assert proc.returncode == 0, stderr
     capitals, lower = live / "arm_a" / "step_000001.SAFETENSORS", live / "arm_a" / "step_000001.safetensors"
-    assert (f"warning: episode 'arm_a': step_000001.SAFETENSORS arrived in {live / 'arm_a'} after its END file was "
-            f"seen and did not run (--resume runs it; first, as step_000001.SAFETENSORS is in capitals, rename it: "
-            f"mv {capitals} {lower})") in stderr, stderr
+    assert (f"warning: episode 'arm_a': step_000001.SAFETENSORS, step_000002.safetensors arrived in {live / 'arm_a'} "
+            f"after its END file was seen and did not run (--resume runs them; first, as step_000001.SAFETENSORS is "
+            f"in capitals, rename it: mv {capitals} {lower})") in stderr, stderr
     assert json.loads((run / "summary.json").read_text())["episodes"]["late_steps"] == {
-        "arm_a": ["step_000001.SAFETENSORS"]}
+        "arm_a": ["step_000001.SAFETENSORS", "step_000002.safetensors"]}
     capitals.rename(lower)
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--idle-timeout", "0")
     assert proc.returncode == 0, proc.stderr
-    assert sorted((r["episode"], r["step"]) for r in records(run)) == [("arm_a", 0), ("arm_a", 1), ("arm_b", 0)]
+    assert sorted((r["episode"], r["step"]) for r in records(run)) == [
+        ("arm_a", 0), ("arm_a", 1), ("arm_a", 2), ("arm_b", 0)]
 
 
 @pytest.mark.parametrize("change", ["touched", "touched_on_resume", "made_again_with_other_steps"])

@@ -1669,9 +1669,9 @@ def test_a_resume_stopped_before_it_takes_the_signals_carries_the_folders_of_its
         env, data, reference, tmp_path):
     """A resume of a run whose --pipeline module was found in the folder the run started in, stopped after it read
     run.json but before the rollout took the signals (here as it looks up that module): its hint was the resume as
-    typed, without the folders its module is imported from (PYTHONPATH=...), where every later stop's carries them;
-    pasted in another folder with PYTHONPATH unset, `No module named 'mypipe'`. It carries them (those this resume
-    finds it on, as a later stop's), and pasted finishes the run."""
+    typed, without the folders run.json records (PYTHONPATH=...), where every later stop's carries them; pasted in
+    another folder with PYTHONPATH unset, `No module named 'mypipe'`. It carries them (not looked up yet: run.json's),
+    and pasted finishes the run."""
     from test_cli_rollout import stopped_while_held
 
     lab, elsewhere, shim, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "shim", tmp_path / "run"
@@ -1684,7 +1684,7 @@ def test_a_resume_stopped_before_it_takes_the_signals_carries_the_folders_of_its
             "PYTHONPATH": os.pathsep.join([str(shim), str(lab), env["PYTHONPATH"]])}
     code, error = stopped_while_held(held, ["rollout", "--resume", "--out", str(run), "--pipeline", "mypipe:Mine"],
                                      hold, elsewhere)
-    again = f"{on_path(held, elsewhere)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine"
+    again = f"{on_path(env, lab)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine"
     assert code == 143 and error["hint"] == f"continue with: {again}", error
     assert_pasted_resume_finishes(env, again, elsewhere, run, reference)
 
@@ -1692,10 +1692,10 @@ def test_a_resume_stopped_before_it_takes_the_signals_carries_the_folders_of_its
 def test_a_resume_stopped_before_it_takes_the_signals_from_where_its_pipeline_module_moved_gives_those_folders(
         env, data, reference, tmp_path):
     """The --pipeline module of a failed run moved (the lab's folder renamed), and its resume, given the new folder
-    on PYTHONPATH, was stopped before it took the signals (here as it looks up that module): its hint gave the
-    resume with run.json's folders, the old one, gone, where a later stop's gives those this resume finds the module
-    on; pasted in another folder with PYTHONPATH unset, it was refused (`... /x/lab is gone`). It gives the folders
-    found here, and pasted so, it finishes the run."""
+    on PYTHONPATH, was stopped before it took the signals, once it found the module (here as it imports what the
+    module imports, as the config loads): its hint gave the resume with run.json's folders, the old one, gone, where
+    a later stop's gives those this resume found the module on; pasted in another folder with PYTHONPATH unset, it
+    was refused (`... /x/lab is gone`). It gives the folders found here, and pasted so, it finishes the run."""
     from test_cli_rollout import stopped_while_held
 
     lab, elsewhere, shim, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "shim", tmp_path / "run"
@@ -1706,13 +1706,49 @@ def test_a_resume_stopped_before_it_takes_the_signals_from_where_its_pipeline_mo
     (shim / "sitecustomize.py").write_text(HOLD_IMPORT)
     hold = tmp_path / "hold"
     os.mkfifo(hold)
-    held = {**env, "HOLD": str(hold), "HOLD_MODULE": "mypipe",
+    held = {**env, "HOLD": str(hold), "HOLD_MODULE": "faulty_pipelines",  # mypipe's import
             "PYTHONPATH": os.pathsep.join([str(shim), str(moved), env["PYTHONPATH"]])}
     code, error = stopped_while_held(held, ["rollout", "--resume", "--out", str(run), "--pipeline", "mypipe:Mine"],
                                      hold, elsewhere)
     again = f"{on_path(held, elsewhere)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine"
     assert code == 143 and error["hint"] == f"continue with: {again}", error
     assert_pasted_resume_finishes(env, again, tmp_path, run, reference)
+
+
+def test_a_resume_stopped_as_the_lookup_of_its_pipeline_module_hangs_ends_with_run_jsons_folders(
+        env, data, reference, tmp_path):
+    """A resume stopped (SIGTERM) as the lookup of its --pipeline module hangs (a folder on PYTHONPATH on a hung
+    mount; here every lookup of 'mypipe' waits on a FIFO): its stop looked the module up again for its hint, and hung
+    there, a second signal ignored (only the first counts), until SIGKILL. It ends at once, its hint the resume with
+    the folders run.json records (no lookup was done), which pasted finishes the run."""
+    lab, elsewhere, shim, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "shim", tmp_path / "run"
+    run_failing_in_lab(env, data, lab, elsewhere, run)
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(HOLD_IMPORT.replace('os.environ.pop("HOLD")', 'os.environ["HOLD"]'))
+    hold = tmp_path / "hold"
+    os.mkfifo(hold)
+    held = {**env, "HOLD": str(hold), "HOLD_MODULE": "mypipe",
+            "PYTHONPATH": os.pathsep.join([str(shim), str(lab), env["PYTHONPATH"]])}
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run),
+                             "--pipeline", "mypipe:Mine", "--format", "json"], cwd=elsewhere, env=held, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    writer = None
+    try:
+        writer = open_to_write(proc, hold)
+        wait_reading(proc, hold)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the stopped resume hung (it looked its module up again, on the hung folder)")
+    finally:
+        proc.kill()
+        if writer is not None:
+            os.close(writer)
+    error = json.loads(stdout.splitlines()[-1])
+    again = f"{on_path(env, lab)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine"
+    assert proc.returncode == 143 and error["hint"] == f"continue with: {again}", (error, stderr)
+    assert_pasted_resume_finishes(env, again, elsewhere, run, reference)
 
 
 def test_a_resume_from_where_its_pipeline_module_moved_gives_the_folders_it_imported_it_from_to_paste(

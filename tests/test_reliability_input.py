@@ -685,6 +685,36 @@ def test_a_step_file_in_capitals_without_a_step_number_is_named_for_both_at_once
     assert ok_steps(tmp_path / "run") == {("arm", 0), ("arm", 1)}
 
 
+def test_step_files_in_capitals_one_without_a_number_and_in_npz_are_named_apart_and_renamed_as_npz(tmp_path, cli_env):
+    """step_000000.SAFETENSORS and STEP.NPZ (step 1, written by np.savez): the error read "ardiff does not read
+    STEP.NPZ, step_000000.SAFETENSORS, and STEP.NPZ has no step number", a list of three where there are two files,
+    and its hint said to name the one without a number step_000001.safetensors: an .npz renamed so is not read as
+    one. It says the name has no number apart, and gives the suffix that file has; done so, the resume runs it."""
+    folder = episode(tmp_path / "eps" / "arm", 2)
+    (folder / "step_000000.safetensors").rename(folder / "step_000000.SAFETENSORS")
+    step1(folder).unlink()
+    np.savez(folder / "STEP.npz", **good(0, 1))
+    (folder / "STEP.npz").rename(folder / "STEP.NPZ")
+    (tmp_path / "fast.yaml").write_text(FAST_CONFIG)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", str(tmp_path / "fast.yaml"), str(folder),
+                           "--out", str(tmp_path / "run"), "--no-warmup", "--format", "plain"],
+                          env=cli_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert ("step files' suffixes must be in lower case (.safetensors or .npz): ardiff does not read STEP.NPZ, "
+            "step_000000.SAFETENSORS (STEP.NPZ has no step number either), so their steps would be left out of the "
+            "episode\n") in proc.stderr, proc.stderr
+    hint = next(line for line in proc.stderr.splitlines() if line.startswith("hint: rename them: "))
+    renames, then = hint.removeprefix("hint: rename them: ").split("; then ", 1)
+    assert then == "name each one without a number by its step (step_000001.npz)", hint
+    subprocess.run(renames, shell=True, executable="/bin/bash", check=True)
+    (folder / "STEP.npz").rename(folder / "step_000001.npz")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(tmp_path / "run"),
+                           "--no-warmup", "--format", "plain"], env=cli_env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert ok_steps(tmp_path / "run") == {("arm", 0), ("arm", 1)}
+
+
 def _checkpoint_for_another_geometry(path: Path) -> Path:
     from pipelines.causal_world import Config, pipeline_class
     from pipelines.checkpoint import write_fresh_checkpoint

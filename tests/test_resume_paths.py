@@ -391,3 +391,25 @@ def test_a_run_json_that_recorded_its_config_through_dot_dot_is_healed_by_a_resu
     assert proc.returncode == 0, proc.stderr
     again = ardiff(cli_env, "rollout", "--resume", "--out", "run", cwd=tmp_path)  # run.json records it now
     assert again.returncode == 0, again.stderr
+
+
+def test_a_config_gone_beside_a_links_target_is_not_offered_by_its_name_without_the_dot_dot(cli_env, tmp_path):
+    """`link/../fast.yaml` typed in x/ (link -> deep/sub) is recorded with its '..', the file beside the link's
+    target, deep/fast.yaml. That moved, the link still there, its --resume said it is gone and offered x/fast.yaml
+    "where no link comes before its '..'" when one does, there for all to see: another config (pasted, refused for
+    its SHA-256). Only a '..' after a folder that is gone (a run.json of an older ardiff, lab/ renamed) is offered."""
+    (tmp_path / "deep" / "sub").mkdir(parents=True)
+    write_fast_data(tmp_path / "deep", {"arm_a": 1})
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "link").symlink_to(tmp_path / "deep" / "sub")
+    first = ardiff(cli_env, "rollout", "link/../fast.yaml", "../deep/eps", "--out", "../run", cwd=tmp_path / "x")
+    assert first.returncode == 0, first.stderr
+    recorded = str(tmp_path / "x" / "link" / ".." / "fast.yaml")
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["config_path"] == recorded
+    (tmp_path / "deep" / "fast.yaml").rename(tmp_path / "deep" / "moved.yaml")
+    (tmp_path / "x" / "fast.yaml").write_text("# another config\n" + (tmp_path / "deep" / "moved.yaml").read_text())
+    refused = ardiff(cli_env, "rollout", "--resume", "--out", "run", cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr
+    error = json_lines(refused.stdout)[-1]
+    assert (error["message"], error["hint"]) == (f"the run's config {recorded} is gone",
+                                                 "restore it, or pass the same CONFIG again"), error

@@ -246,7 +246,7 @@ def rollout(
         folder = None  # the resume's run folder: its stop gives `again` once run.json was found there
         if resume and out is None:
             _refuse_resume_without_out([config, *(episodes or [])], tuple(given), capacity)
-        from ardiff_cli.io.run import RUN_FILE, RunFolder, recorded_resume
+        from ardiff_cli.io.run import RunFolder, recorded_resume
 
         try:
             if again is not None:
@@ -269,10 +269,10 @@ def rollout(
             if again is None or folder is None or not folder.found_run:  # no resume of nothing: a typo, an empty one
                 raise
             stop = Interrupted(signal_of(exc))
-            # run.json read: the run's --pipeline, and the folders this resume finds its module on, as a later
-            # stop's resume carries them (run.json's, where it is not found here)
-            stop.hint = continue_with(again if folder.info_read is None else _found_again(
-                recorded_resume(again, folder.info_read), folder.root / RUN_FILE, refuse=False))
+            # run.json read: the run's --pipeline and the folders this resume found its module on, as a later stop's
+            # resume carries them (run.json's, where it was not looked up yet: never here, see found_again)
+            stop.hint = continue_with(again if folder.info_read is None else
+                                      folder.found_again or recorded_resume(again, folder.info_read))
             raise stop from None
 
 
@@ -425,8 +425,13 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
         # the run's --pipeline and its module's folders: the resume a hint gives to paste is given them
         again = recorded_resume(again or ResumeCommand(run.root), info)
         _same_pipeline_option(pipeline, info.get("pipeline_option"))
-        again = _found_again(again, run.root / RUN_FILE)
-        pythonpath = list(again.pythonpath) or None
+        _recorded_pythonpath_found(pipeline, again, run.root / RUN_FILE)
+        # a resume records the folders it found the module on, as a new run does, not the run's: the module may have
+        # moved since (a lab's folder renamed, given on PYTHONPATH now), or been installed (none needed): its hints
+        # from here on (a config's, a moved folder of episodes', a stop's) carry what works now, where the run's
+        # folders, pasted, were refused (`... is gone`)
+        pythonpath = None if pipeline is None else _pipeline_path(pipeline)
+        again = run.found_again = replace(again, pythonpath=tuple(pythonpath or ()))
         config = _resume_config(config, info, again)
         overrides["dtype"] = _same(overrides["dtype"], info["dtype"], "--dtype")
         # Options not given again are the run's own, checked as given ones are. The device and attention backend
@@ -900,22 +905,6 @@ def _under_signals(work: Callable[[], None]) -> None:
         raise
 
 
-def _found_again(again: ResumeCommand, run_file: Path, *, refuse: bool = True) -> ResumeCommand:
-    """The run's resume ``again`` (run.json's --pipeline and folders) carrying the folders this resume finds its
-    module on, which it records, as a new run does, not the run's: the module may have moved since (a lab's folder
-    renamed, given on PYTHONPATH now), or been installed (none needed): its hints (a config's, a moved folder of
-    episodes', a stop's before it takes the signals) carry what works now, where the run's folders, pasted, were
-    refused (`... is gone`). A module not found here is refused (:func:`_recorded_pythonpath_found`), or with
-    ``refuse=False`` (a stop's hint, a find_spec on each folder of sys.path) ``again`` as it is."""
-    try:
-        _recorded_pythonpath_found(again.pipeline, again, run_file)
-    except ConfigError:
-        if refuse:
-            raise
-        return again
-    return replace(again, pythonpath=tuple((again.pipeline and _pipeline_path(again.pipeline)) or ()))
-
-
 def _recorded_pythonpath_found(pipeline: str | None, again: ResumeCommand, run_file: Path) -> None:
     """Refuse a resume whose ``--pipeline MODULE:CLASS`` module is not found here, naming the folders run.json records
     the run imported it from (``again.pythonpath``: the run's resume, which carries them), where its import (as the
@@ -1128,9 +1117,12 @@ def _resume_config(given: str | None, info: dict[str, Any], again: ResumeCommand
         raise ConfigError(f"the run's config {recorded}: {why}", hint=UTF8_LOCALE_HINT)
     if not path.is_file():
         # run.json of an ardiff before '..' was dropped (`/x/lab/../fast.yaml`, lab/ renamed since): /x/fast.yaml is
-        # the run's only if lab was no link, which nothing says now, so it is offered, not taken (its SHA-256 checked)
+        # the run's only if lab was no link, which nothing says now, so it is offered, not taken (its SHA-256 checked).
+        # Not while lab is there: it is a link then (this ardiff keeps a '..' only after one), or the name was no
+        # other than /x/fast.yaml
         lexical = Path(os.path.normpath(path))
-        offered = "" if given is not None or lexical == path or not lexical.is_file() else (
+        before = Path(*path.parts[:path.parts.index("..")]) if ".." in path.parts else path
+        offered = "" if given is not None or os.path.lexists(before) or not lexical.is_file() else (
             f"; where no link comes before its '..', it is {lexical}: "
             f"{again.command(more=[shell_word(lexical)])}")
         raise ConfigError(f"the run's config {recorded} is gone",

@@ -217,12 +217,15 @@ def other_case_error(folder: Path, names: list[str]) -> ObservationError:
     suffixes = sorted({"." + name.rsplit(".", 1)[1] for name in names})
     renames = "; ".join(f'for f in {shell_word(folder)}/*{suffix}; do mv "$f" "${{f%{suffix}}}{suffix.lower()}"; '
                         "done" for suffix in suffixes)
-    nameless = (f", and {first_of(unnumbered, 2)} {'has' if len(unnumbered) == 1 else 'have'} no step number"
+    # apart, not one more item of the list of names; its example keeps that file's own suffix (an .npz is no
+    # .safetensors)
+    nameless = (f" ({first_of(unnumbered, 2)} {'has' if len(unnumbered) == 1 else 'have'} no step number either)"
                 if unnumbered else "")
+    example = "" if not unnumbered else f"step_000001.{unnumbered[0].rsplit('.', 1)[1].lower()}"
     return ObservationError(
         f"{as_typed(folder)}: {len(names)} step files' suffixes must be in lower case (.safetensors or .npz): ardiff "
         f"does not read {first_of(names, 2)}{nameless}, so their steps would be left out of the episode",
-        hint=f"rename them: {renames}" + ("; then name each one without a number by its step (step_000001.safetensors)"
+        hint=f"rename them: {renames}" + (f"; then name each one without a number by its step ({example})"
                                           if unnumbered else ""))
 
 

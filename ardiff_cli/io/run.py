@@ -184,6 +184,10 @@ class RunFolder:
         # run.json as the last read_info() read it (None: not read yet): such a stop's resume carries its --pipeline
         # and the folders its module was imported from (recorded_resume), as a later stop's does
         self.info_read: dict[str, Any] | None = None
+        # a resume's run resume once its checks found its --pipeline module (None: not yet), carrying the folders
+        # found: such a stop gives it then; the stop never looks the module up itself, which on a folder of a hung
+        # mount hung again, its next signal ignored (only the first counts)
+        self.found_again: ResumeCommand | None = None
 
     # -- paths ---------------------------------------------------------------------------------------------
 

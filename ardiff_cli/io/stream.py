@@ -159,6 +159,13 @@ class _Watched:
     seen: dict[str, tuple[tuple[int, ...], float]] = field(default_factory=dict)
 
 
+def _step_order(name: str) -> tuple[bool, int]:
+    """Where a step file's ``name`` sorts among its episode's: by the last integer in its stem (as a step number is
+    read, one in capitals too: step_000001.SAFETENSORS), one with none (STEP.SAFETENSORS) last."""
+    numbers = re.findall(r"\d+", name.rsplit(".", 1)[0])
+    return (not numbers, int(numbers[-1]) if numbers else 0)
+
+
 class StepScheduler:
     """Hands out :class:`StepTask` and :class:`EpisodeEnded` items; ``None`` when every episode ended.
 
@@ -639,7 +646,8 @@ class StepScheduler:
                 capitals = [path.name for path in unnumbered if in_other_case(path.name)]
             except (ObservationError, OSError):  # the folder is gone or unreadable now: nothing to name
                 continue
-            late += capitals
+            # in step order, as summary.json's late_steps lists them: one in capitals by its number, one with none last
+            late = sorted(late + capitals, key=_step_order)
             if late:
                 self.late[track.source.name] = late
                 when = "its END file was seen" if reason == "end_marker" else "it ended at --idle-timeout"
