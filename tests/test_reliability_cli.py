@@ -1665,6 +1665,18 @@ def test_a_failed_runs_resume_hint_carries_the_folders_of_its_pipeline_module_an
     assert_pasted_resume_finishes(env, again, elsewhere, run, reference)
 
 
+def holding_import(env, tmp_path, module: str, folder, *, every: bool = False) -> tuple[dict[str, str], Path]:
+    """(the env, the FIFO) of an `ardiff` whose import of ``module`` (its first, or with ``every`` each lookup of it)
+    waits for the FIFO to be written: ``folder`` first on its PYTHONPATH, after a sitecustomize that holds it."""
+    shim, hold = tmp_path / "shim", tmp_path / "hold"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        HOLD_IMPORT.replace('os.environ.pop("HOLD")', 'os.environ["HOLD"]') if every else HOLD_IMPORT)
+    os.mkfifo(hold)
+    return {**env, "HOLD": str(hold), "HOLD_MODULE": module,
+            "PYTHONPATH": os.pathsep.join([str(shim), str(folder), env["PYTHONPATH"]])}, hold
+
+
 def test_a_resume_stopped_before_it_takes_the_signals_carries_the_folders_of_its_pipeline_module(
         env, data, reference, tmp_path):
     """A resume of a run whose --pipeline module was found in the folder the run started in, stopped after it read
@@ -1674,14 +1686,9 @@ def test_a_resume_stopped_before_it_takes_the_signals_carries_the_folders_of_its
     and pasted finishes the run."""
     from test_cli_rollout import stopped_while_held
 
-    lab, elsewhere, shim, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "shim", tmp_path / "run"
+    lab, elsewhere, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "run"
     run_failing_in_lab(env, data, lab, elsewhere, run)
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(HOLD_IMPORT)
-    hold = tmp_path / "hold"
-    os.mkfifo(hold)
-    held = {**env, "HOLD": str(hold), "HOLD_MODULE": "mypipe",
-            "PYTHONPATH": os.pathsep.join([str(shim), str(lab), env["PYTHONPATH"]])}
+    held, hold = holding_import(env, tmp_path, "mypipe", lab)
     code, error = stopped_while_held(held, ["rollout", "--resume", "--out", str(run), "--pipeline", "mypipe:Mine"],
                                      hold, elsewhere)
     again = f"{on_path(env, lab)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine"
@@ -1698,16 +1705,11 @@ def test_a_resume_stopped_before_it_takes_the_signals_from_where_its_pipeline_mo
     was refused (`... /x/lab is gone`). It gives the folders found here, and pasted so, it finishes the run."""
     from test_cli_rollout import stopped_while_held
 
-    lab, elsewhere, shim, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "shim", tmp_path / "run"
+    lab, elsewhere, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "run"
     run_failing_in_lab(env, data, lab, elsewhere, run)
     moved = tmp_path / "lab2"
     lab.rename(moved)
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(HOLD_IMPORT)
-    hold = tmp_path / "hold"
-    os.mkfifo(hold)
-    held = {**env, "HOLD": str(hold), "HOLD_MODULE": "faulty_pipelines",  # mypipe's import
-            "PYTHONPATH": os.pathsep.join([str(shim), str(moved), env["PYTHONPATH"]])}
+    held, hold = holding_import(env, tmp_path, "faulty_pipelines", moved)  # mypipe's import
     code, error = stopped_while_held(held, ["rollout", "--resume", "--out", str(run), "--pipeline", "mypipe:Mine"],
                                      hold, elsewhere)
     again = f"{on_path(held, elsewhere)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine"
@@ -1721,14 +1723,9 @@ def test_a_resume_stopped_as_the_lookup_of_its_pipeline_module_hangs_ends_with_r
     mount; here every lookup of 'mypipe' waits on a FIFO): its stop looked the module up again for its hint, and hung
     there, a second signal ignored (only the first counts), until SIGKILL. It ends at once, its hint the resume with
     the folders run.json records (no lookup was done), which pasted finishes the run."""
-    lab, elsewhere, shim, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "shim", tmp_path / "run"
+    lab, elsewhere, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "run"
     run_failing_in_lab(env, data, lab, elsewhere, run)
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(HOLD_IMPORT.replace('os.environ.pop("HOLD")', 'os.environ["HOLD"]'))
-    hold = tmp_path / "hold"
-    os.mkfifo(hold)
-    held = {**env, "HOLD": str(hold), "HOLD_MODULE": "mypipe",
-            "PYTHONPATH": os.pathsep.join([str(shim), str(lab), env["PYTHONPATH"]])}
+    held, hold = holding_import(env, tmp_path, "mypipe", lab, every=True)
     proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run),
                              "--pipeline", "mypipe:Mine", "--format", "json"], cwd=elsewhere, env=held, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
