@@ -57,7 +57,8 @@ _held: dict[int, object] = {}
 # Whether the command's end gives them back (``give_back``): a test or a library running a command in-process gets its
 # own Ctrl-C back. The `ardiff` process does not (``app.main``): it ends with the command, and ignores them as it exits.
 give_back_after_command = True
-# the most a step's end waits for the notice of a signal that came in it (``StopSignals._noticed``)
+# the most a step's end waits for the notice of a signal that came in it once the notice's thread has begun, for a
+# stderr that blocks (``StopSignals._noticed``); before it begins the wait has no bound
 NOTICE_WAIT_S = 5.0
 # the pipe the signal module writes each signal's number to as it arrives (its wakeup fd), made once: (read, write)
 _arrivals: tuple[int, int] | None = None
@@ -78,6 +79,7 @@ class StopSignals:
         # the thread showing that notice: the step waits for it as it ends, so the notice comes out before whatever
         # follows the step (the stop's own lines: "saving N resident sessions", its error), never after them
         self._noticing: threading.Thread | None = None
+        self._notice_begun = threading.Event()  # that thread runs the notice (set as its first line)
         # Signals that came while the handler of an earlier one ran (a second, as SIGHUP sent to the group and by a
         # shell comes twice; or any under load): each is handled once that handler is done. Raised inside it, one
         # cut its bookkeeping short: as it made or started the notice's thread, it left no notice at all, or a thread
@@ -201,7 +203,13 @@ class StopSignals:
     def _start_notice(self, signum: int) -> None:
         """Show the notice of signal ``signum`` on a thread of its own, which the step's end waits for
         (``_noticed``)."""
-        thread = threading.Thread(target=self._notice, args=(signum,), name="ardiff-stop-notice", daemon=True)
+        begun = self._notice_begun = threading.Event()
+
+        def notice() -> None:
+            begun.set()
+            self._notice(signum)
+
+        thread = threading.Thread(target=notice, name="ardiff-stop-notice", daemon=True)
         try:
             thread.start()
             self._noticing = thread
@@ -238,11 +246,15 @@ class StopSignals:
 
     def _noticed(self) -> None:
         """Wait for the notice of a first signal in the step to be out: its thread may not have run yet, or wait for
-        a lock the step held when the signal came, while the main thread goes on to stop the run and says so. Not for
-        ever: a stderr that blocks (a full pipe nobody reads) must not keep the run from stopping. The thread is
-        forgotten only once waited for: a signal that cuts the wait short leaves it to the next call."""
+        a lock the step held when the signal came, while the main thread goes on to stop the run and says so. Until
+        the thread begins, without a bound: a loaded machine (a CI's 2 shared cores) can leave it unscheduled for
+        seconds, and a bound there let the stop's lines come before the notice, or the process exit without it. From
+        then on NOTICE_WAIT_S: a stderr that blocks (a full pipe nobody reads) must not keep the run from stopping.
+        The thread is forgotten only once waited for: a signal that cuts the wait short leaves it to the next call."""
         thread = self._noticing
         if thread is not None:
+            while not self._notice_begun.wait(1.0) and thread.is_alive():  # it cannot block before it begins
+                pass
             thread.join(NOTICE_WAIT_S)
             self._noticing = None
 

@@ -63,6 +63,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -298,6 +299,82 @@ def _pools_fault(pool_over: int) -> None:
     runner.ARDiffusionKVCache = pools
 
 
+class HeldClock:
+    """``time.monotonic`` that stands still while the file ``hold`` exists, ahead by the seconds written in it (none:
+    0), and goes on from its last reading once the file is gone. It never goes back.
+
+    A --follow run's windows (END settles after ``_END_SETTLE``, an episode or a watched folder idles out after
+    --idle-timeout) are real time: a test that had to write a file before one closed failed whenever it was paused
+    that long (a busy CI machine). Held, a window closes only as the test says, however long the test takes."""
+
+    def __init__(self, hold: str) -> None:
+        self.hold = Path(hold)  # the test's file: the clock stands still while it exists
+        self._offset = 0.0  # the clock's reading minus time.monotonic(), while not held
+        self._held_from: float | None = None  # the clock's reading as the hold in progress began (None: not held)
+        self._last = -float("inf")  # its last reading
+
+    def __call__(self) -> float:
+        try:
+            ahead = float(self.hold.read_text() or 0)  # empty as the test rewrites it: the max below keeps it
+        except FileNotFoundError:
+            if self._held_from is not None:  # the hold ended: the clock goes on from where it stood
+                self._held_from, self._offset = None, self._last - time.monotonic()
+            reading = time.monotonic() + self._offset
+        else:
+            if self._held_from is None:
+                self._held_from = time.monotonic() + self._offset
+            reading = self._held_from + ahead
+        self._last = max(self._last, reading)
+        return self._last
+
+
+def _hold_the_clock(hold: str, after: str | None) -> None:
+    """The run's ``StepScheduler`` with a ``HeldClock`` of ``hold``; with ``after`` (``EPISODE ended``), one that
+    makes ``hold`` as it hands out that episode's end (the run says it after: the test that reads it finds the clock
+    held already)."""
+    from ardiff_cli import rollout
+    from ardiff_cli.io.stream import EpisodeEnded, StepScheduler
+
+    clock = HeldClock(hold)
+
+    class HeldScheduler(StepScheduler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, clock=clock, **kwargs)
+
+        def next(self) -> Any:
+            item = super().next()
+            if isinstance(item, EpisodeEnded) and f"{item.episode.name} ended" == after:
+                clock.hold.touch()
+            return item
+
+    rollout.StepScheduler = HeldScheduler
+
+
+def _hold_swap_write(fault: dict[str, Any]) -> None:
+    """``save_file`` of safetensors (the swap writer imports it as it writes) held half way through the first
+    snapshot's temporary file: a test kills the process there, where a poll for a partial file had to catch a write
+    that lasts a moment (a test process not scheduled meanwhile missed every one)."""
+    import safetensors.torch
+
+    save_file, held = safetensors.torch.save_file, []
+
+    def save(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str] | None = None) -> None:
+        if not held:
+            held.append(filename)
+            data = safetensors.torch.save(tensors, metadata=metadata)
+            descriptor, temporary = tempfile.mkstemp(prefix=".tmp", dir=os.path.dirname(filename))
+            with os.fdopen(descriptor, "wb") as f:
+                f.write(data[:len(data) // 2])
+                f.flush()
+                Path(fault["marker"]).write_text(filename)
+                while not Path(fault["release"]).exists():
+                    time.sleep(0.02)
+            os.unlink(temporary)
+        save_file(tensors, filename, metadata=metadata)
+
+    safetensors.torch.save_file = save
+
+
 def load_faults() -> list[dict[str, Any]]:
     return json.loads(os.environ.get(FAULTS_ENV) or "[]")
 
@@ -305,8 +382,13 @@ def load_faults() -> list[dict[str, Any]]:
 class FaultyDreamZero(DreamZeroPipeline):
     """DreamZero with the faults of ``$ARDIFF_TEST_FAULTS`` (none: exactly DreamZero, same checkpoint).
 
-    Site ``load`` (no ``request``) sleeps while the pipeline loads, after touching ``marker`` (or takes the
-    ``action`` given: ``swallow_signal``, ``wrap_signal``, ``raise``). Site ``import`` (no
+    Site ``clock`` (no ``request``): the follow scheduler's clock stands still while the file ``hold`` exists,
+    ahead by the seconds written in it (``HeldClock``); with ``after`` (``EPISODE ended``), the scheduler makes
+    ``hold`` itself as it hands out that episode's end, before the run says so. Site ``swap_write`` (no
+    ``request``): the first swap snapshot's write stops half way through its temporary file (``.tmpXXXXXX`` beside
+    the file, as safetensors writes one), touches ``marker`` and waits there until ``release`` exists, then writes
+    the file. Site ``load`` (no ``request``) sleeps while the pipeline loads, after touching ``marker`` (or
+    takes the ``action`` given: ``swallow_signal``, ``wrap_signal``, ``raise``). Site ``import`` (no
     ``request``) imports ``interrupted_dependency`` while it loads, as an optional dependency: what the import
     raises is taken for the module's absence. Site ``free_memory`` (no ``request``): the host has ``bytes`` free
     from then on, as the runner reads it to plan without a budget (another process took the rest).
@@ -323,6 +405,10 @@ class FaultyDreamZero(DreamZeroPipeline):
                 runner.available_host_memory = lambda: int(fault["bytes"])
             if fault["site"] == "pools":
                 _pools_fault(fault.get("pool_over", -1))
+            if fault["site"] == "swap_write":
+                _hold_swap_write(fault)
+            if fault["site"] == "clock":
+                _hold_the_clock(fault["hold"], fault.get("after"))
             if fault["site"] == "import":
                 try:
                     import interrupted_dependency  # noqa: F401

@@ -1040,8 +1040,11 @@ def test_episodes_nested_too_deep_after_a_followed_run_started_are_named_with_th
     write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a", end=False)
     (live / "run1").mkdir()
     empty.mkdir()
-    procs = [spawn(env, "rollout", str(data / "fast.yaml"), str(folder), "--out", str(tmp_path / f"run_{folder.name}"),
-                   "--follow", "--idle-timeout", "3", "--no-warmup", "--format", "plain") for folder in (live, empty)]
+    hold = tmp_path / "hold"
+    hold.touch()  # neither run's clock goes until the robots' folders are made: run1 idles out after, not before
+    procs = [spawn(clock_held(env, hold), "rollout", str(data / "fast.yaml"), str(folder), "--out",
+                   str(tmp_path / f"run_{folder.name}"), "--follow", "--idle-timeout", "3", "--no-warmup", "--format",
+                   "plain", "--pipeline", FAULTY) for folder in (live, empty)]
     try:
         wait_for_lines(tmp_path / "run_live" / "results.jsonl", 1, procs[0])  # arm_a's step 0 ran: run1 was polled
         wait_for_marker(procs[1], tmp_path / "run_empty" / "run.json", "the run of empty/")
@@ -1049,6 +1052,7 @@ def test_episodes_nested_too_deep_after_a_followed_run_started_are_named_with_th
         shutil.copytree(data / "eps" / "arm_b", live / "2026-12-03" / "ep1")
         shutil.copytree(data / "eps" / "arm_b", empty / "run1" / "episode_000")
         write_episode(live / "arm_a", steps_of(0, 3)[1:], first_step=1)
+        hold.unlink()
         (_, stderr), (_, empty_stderr) = (proc.communicate(timeout=300) for proc in procs)
     finally:
         for proc in procs:
@@ -1786,6 +1790,17 @@ def held_in_a_step(env, request: str, tmp_path: Path, *args: str) -> tuple[subpr
         proc.kill()
         raise
     return proc, release
+
+
+def clock_held(env, hold: Path, after: str | None = None) -> dict[str, str]:
+    """``env`` for a run through FaultyDreamZero (give it ``--pipeline FAULTY``: DreamZero's outputs) whose --follow
+    clock stands still while the file ``hold`` exists (faulty_pipelines.HeldClock): END's settling and the idle
+    timeouts of its episodes and watched folders. The test makes ``hold`` (or the run makes it as it hands out the
+    end ``after``: ``EPISODE ended``), writes what must come before a window closes, then deletes it. Those windows
+    are real time otherwise: a test paused longer than one (a busy CI machine) found the episode or the run ended,
+    and there is no step to hold it in (held_in_a_step) while the test writes."""
+    fault = {"site": "clock", "hold": str(hold), **({"after": after} if after else {})}
+    return {**env, "ARDIFF_TEST_FAULTS": json.dumps([fault])}
 
 
 def test_a_second_signal_in_a_forward_keeps_the_other_resident_session_and_replays_only_the_interrupted_one(
@@ -2794,26 +2809,23 @@ def test_a_lost_snapshot_of_a_session_closed_while_swapped_out_is_counted_as_los
 def test_kill_9_while_a_snapshot_file_is_written_leaves_nothing_that_resume_does_not_remove(env, data, tmp_path):
     # safetensors writes a file through its own temporary file beside it (.tmpXXXXXX): a kill -9 during a
     # snapshot's write left that partial file (a 14B session's: GiBs) in OUT/.swap, where no --resume removed it.
-    config = tmp_path / "big.yaml"  # a 64 MiB text cache in each snapshot: its write takes a while
-    config.write_text(FAST_CONFIG.replace("guidance_scale: 1.0}", "guidance_scale: 1.0, text_len: 65536}"))
-    run = tmp_path / "run"
-    args = ("rollout", str(config), str(data / "eps"), "--out", str(run), "--no-warmup", "--format", "plain")
-    proc = spawn(env, *args)
-    finished = re.compile(r"[0-9a-f]{32}\.safetensors")
+    # The first snapshot's write is held half way through its temporary file (the swap_write fault) until the kill:
+    # a test polling for the partial file of a write that lasts a moment missed it whenever it was not scheduled then.
+    run, writing = tmp_path / "run", tmp_path / "writing"
+    args = ("rollout", str(data / "fast.yaml"), str(data / "eps"), "--out", str(run), "--no-warmup", "--format",
+            "plain", "--pipeline", FAULTY)
+    fault = {"site": "swap_write", "marker": str(writing), "release": str(tmp_path / "never")}
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, text=True,
+                            env={**env, "ARDIFF_TEST_FAULTS": json.dumps([fault])}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 300
-        while proc.poll() is None and time.monotonic() < deadline:  # until a snapshot's bytes are being written
-            try:
-                if any(not finished.fullmatch(p.name) and p.stat().st_size for p in (run / ".swap").rglob("*")
-                       if not p.is_dir()):
-                    break
-            except OSError:
-                pass
-            time.sleep(0.002)  # a 64 MiB write takes far longer than this
+        wait_for_marker(proc, writing, "a snapshot's write")
+        partial = [p for p in (run / ".swap").rglob(".tmp*") if p.is_file()]
+        assert len(partial) == 1 and partial[0].stat().st_size, os.listdir(run / ".swap")
     finally:
         proc.kill()
         proc.communicate()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before a snapshot's write could be caught"
+    assert proc.returncode == -signal.SIGKILL
     resumed = ardiff(env, *args, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert not (run / ".swap").exists(), os.listdir(run / ".swap")
@@ -3848,10 +3860,13 @@ def test_a_finished_episode_copied_into_a_watched_folder_end_first_runs_every_st
     assert plain.returncode == 0, plain.stderr
     names = sorted(p.name for p in recorded.iterdir() if p.name != "END")
     names.insert(end_at, "END")  # as the copy writes them
+    hold = tmp_path / "hold"
+    hold.touch()  # the run's clock goes as the copy says (clock_held), however slow this process is
     with log.open("w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(watched),
                                  "--out", str(run), "--follow", "--idle-timeout", "2", "--no-warmup", "--format",
-                                 "plain"], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=stderr)
+                                 "plain", "--pipeline", FAULTY], cwd=REPO, env=clock_held(env, hold), text=True,
+                                stdout=subprocess.PIPE, stderr=stderr)
     try:
         wait_for_lines(run / "results.jsonl", 1, proc)  # the seed ran: the run follows the folder
         (watched / "ep").mkdir()
@@ -3859,7 +3874,11 @@ def test_a_finished_episode_copied_into_a_watched_folder_end_first_runs_every_st
             shutil.copy2(recorded / name, watched / "ep" / name)
             if i == 0:
                 wait_for_marker(proc, log, "the copied episode joining the run", text="episode_added ep ")
-            time.sleep(0.1)  # the next file comes a moment later, as a copy of larger files would
+            # the next file comes a moment later, as a copy of larger files would: 0.2 s on the run's clock, less
+            # than END's settling (the copy all told takes longer), and the run looks at the folder meanwhile
+            hold.write_text(f"{0.2 * (i + 1):.1f}")
+            time.sleep(0.1)
+        hold.unlink()  # the run's clock goes on: END settles, the seed's folder idles out
         proc.communicate(timeout=300)
     finally:
         proc.kill()
@@ -4868,19 +4887,24 @@ def test_a_step_written_slowly_under_a_tempfile_name_keeps_the_episode_from_idli
     renaming it: the growing file was no activity, and the episode failed at the idle timeout ("step file name has
     no step number", exit 2) while the robot was still writing it. So with rsync's hidden temporary name
     (.step_000001.safetensors.Ab3dE9): the episode ended at the idle timeout mid-copy, and the step arrived late."""
-    proc, live, run = follow_a_live_episode(env, data, tmp_path, "plain", "--idle-timeout", "4")
+    hold = tmp_path / "hold"
+    hold.touch()  # the run's clock goes as the writer says (clock_held): however slow this process, it writes on time
+    proc, live, run = follow_a_live_episode(clock_held(env, hold), data, tmp_path, "plain", "--idle-timeout", "4",
+                                            "--pipeline", FAULTY)
     try:
         wait_for_lines(run / "results.jsonl", 1, proc)  # step 0 ran: the idle timer runs from here
         whole = (data / "eps" / "arm_a" / "step_000001.safetensors").read_bytes()
         temporary = live / "arm_a" / name
         chunk = -(-len(whole) // 100)
-        with open(temporary, "wb") as f:  # a pause of this process under 4 s (a busy CI machine) keeps it a writer's
-            for start in range(0, len(whole), chunk):  # 100 writes over 10 s: 2.5 idle timeouts
+        with open(temporary, "wb") as f:
+            for i, start in enumerate(range(0, len(whole), chunk)):  # 100 writes over 10 s: 2.5 idle timeouts
                 f.write(whole[start:start + chunk])
                 f.flush()
-                time.sleep(0.1)
+                hold.write_text(f"{0.1 * (i + 1):.1f}")  # 0.1 s later on the run's clock
+                time.sleep(0.1)  # and in time: the run looks at the file as it grows
         os.rename(temporary, live / "arm_a" / "step_000001.safetensors")
         write_episode(live / "arm_a", steps_of(0, 3)[2:], first_step=2)
+        hold.unlink()
         stderr = proc.communicate(timeout=300)[1]
     finally:
         proc.kill()
@@ -5248,15 +5272,17 @@ def test_step_files_that_arrive_after_their_episode_ended_are_listed_in_the_summ
     live, run = tmp_path / "live", tmp_path / "run"
     write_episode(live / "arm_a", steps_of(0, 3)[:1], prompt="task arm_a")  # its END is there from the start
     write_episode(live / "arm_b", steps_of(1, 3)[:1], prompt="task arm_b", end=False)  # ends at --idle-timeout
-    log = tmp_path / "stderr"
-    with log.open("w") as errors:
+    log, hold = tmp_path / "stderr", tmp_path / "hold"
+    with log.open("w") as errors:  # its clock stands still from arm_a's end until the late file is there
         proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", str(data / "fast.yaml"), str(live),
                                  "--out", str(run), "--follow", "--idle-timeout", "5", "--no-warmup", "--format",
-                                 "plain"], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=errors)
+                                 "plain", "--pipeline", FAULTY], cwd=REPO, env=clock_held(env, hold, "arm_a ended"),
+                                text=True, stdout=subprocess.PIPE, stderr=errors)
     try:
         # its END counts once its folder stayed the same a moment: a file written before is not late
         wait_for_marker(proc, log, "arm_a's end", text="arm_a ended (end_marker)")
         write_episode(live / "arm_a", steps_of(0, 3)[1:2], first_step=1)
+        hold.unlink()  # arm_b idles out, then the folder
         proc.communicate(timeout=300)
     finally:
         proc.kill()
@@ -5266,7 +5292,8 @@ def test_step_files_that_arrive_after_their_episode_ended_are_listed_in_the_summ
     episodes = json.loads((run / "summary.json").read_text())["episodes"]
     assert episodes["late_steps"] == {"arm_a": ["step_000001.safetensors"]}
     assert episodes["completed"] == 2 and episodes["timed_out"] == ["arm_b"]
-    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--idle-timeout", "0")
+    proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--no-warmup", "--idle-timeout", "0", "--pipeline",
+                  FAULTY)
     assert proc.returncode == 0, proc.stderr
     assert sorted((r["episode"], r["step"]) for r in records(run)) == [("arm_a", 0), ("arm_a", 1), ("arm_b", 0)]
     assert json.loads((run / "summary.json").read_text())["episodes"]["late_steps"] == {}
@@ -5320,14 +5347,17 @@ def test_a_finished_episodes_folder_is_told_from_another_by_its_first_step_files
     live, run, log = tmp_path / "robots", tmp_path / "run", tmp_path / "stderr"
     write_episode(live / "ep1", steps_of(0, 2)[:1], prompt="task ep1")
     first = live / "ep1" / "step_000000.safetensors"
-    command = ["rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup"]
+    command = ["rollout", str(data / "fast.yaml"), str(live), "--out", str(run), "--follow", "--no-warmup",
+               "--pipeline", FAULTY]
     if change == "touched_on_resume":
         ran = ardiff(env, *command, "--idle-timeout", "0")
         assert ran.returncode == 0, ran.stderr
-        command = ["rollout", "--resume", "--out", str(run), "--no-warmup"]
-    with log.open("w") as errors:
+        command = ["rollout", "--resume", "--out", str(run), "--no-warmup", "--pipeline", FAULTY]
+    hold = tmp_path / "hold"
+    with log.open("w") as errors:  # its clock stands still from ep1's end until the change is made
         proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *command, "--idle-timeout", "3", "--format",
-                                 "plain"], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=errors)
+                                 "plain"], cwd=REPO, env=clock_held(env, hold, "ep1 ended"), text=True,
+                                stdout=subprocess.PIPE, stderr=errors)
     try:
         wait_for_marker(proc, log, "ep1's end", text="ep1 ended (end_marker)")
         if change == "made_again_with_other_steps":
@@ -5337,6 +5367,7 @@ def test_a_finished_episodes_folder_is_told_from_another_by_its_first_step_files
             st = first.stat()
             os.utime(first, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
             write_episode(live / "ep1", steps_of(0, 2)[1:], first_step=1)
+        hold.unlink()  # the folder idles out
         proc.communicate(timeout=300)
     finally:
         proc.kill()
