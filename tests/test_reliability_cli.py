@@ -1677,44 +1677,34 @@ def holding_import(env, tmp_path, module: str, folder, *, every: bool = False) -
             "PYTHONPATH": os.pathsep.join([str(shim), str(folder), env["PYTHONPATH"]])}, hold
 
 
+@pytest.mark.parametrize("moved", [False, True], ids=["module-in-place", "module-moved"])
 def test_a_resume_stopped_before_it_takes_the_signals_carries_the_folders_of_its_pipeline_module(
-        env, data, reference, tmp_path):
+        env, data, reference, tmp_path, moved):
     """A resume of a run whose --pipeline module was found in the folder the run started in, stopped after it read
-    run.json but before the rollout took the signals (here as it looks up that module): its hint was the resume as
-    typed, without the folders run.json records (PYTHONPATH=...), where every later stop's carries them; pasted in
-    another folder with PYTHONPATH unset, `No module named 'mypipe'`. It carries them (not looked up yet: run.json's),
-    and pasted finishes the run."""
+    run.json but before the rollout took the signals: its hint was the resume as typed, without the folders run.json
+    records (PYTHONPATH=...), where every later stop's carries them; pasted in another folder with PYTHONPATH unset,
+    `No module named 'mypipe'`. Stopped as it looks up that module, it carries run.json's folders (not looked up
+    yet), and pasted finishes the run.
+    Moved: the module moved (the lab's folder renamed), the resume given the new folder on PYTHONPATH and stopped
+    once it found the module (as it imports what the module imports, as the config loads): its hint gave run.json's
+    folders, the old one, gone (pasted, refused: `... /x/lab is gone`). It gives the folders found here, and pasted
+    so, it finishes the run."""
     from test_cli_rollout import stopped_while_held
 
     lab, elsewhere, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "run"
     run_failing_in_lab(env, data, lab, elsewhere, run)
-    held, hold = holding_import(env, tmp_path, "mypipe", lab)
+    if moved:
+        lab.rename(tmp_path / "lab2")
+        held, hold = holding_import(env, tmp_path, "faulty_pipelines", tmp_path / "lab2")  # mypipe's import
+        folders, paste_in = on_path(held, elsewhere), tmp_path
+    else:
+        held, hold = holding_import(env, tmp_path, "mypipe", lab)
+        folders, paste_in = on_path(env, lab), elsewhere
     code, error = stopped_while_held(held, ["rollout", "--resume", "--out", str(run), "--pipeline", "mypipe:Mine"],
                                      hold, elsewhere)
-    again = f"{on_path(env, lab)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine"
+    again = f"{folders}ardiff rollout --resume --out {run} --pipeline mypipe:Mine"
     assert code == 143 and error["hint"] == f"continue with: {again}", error
-    assert_pasted_resume_finishes(env, again, elsewhere, run, reference)
-
-
-def test_a_resume_stopped_before_it_takes_the_signals_from_where_its_pipeline_module_moved_gives_those_folders(
-        env, data, reference, tmp_path):
-    """The --pipeline module of a failed run moved (the lab's folder renamed), and its resume, given the new folder
-    on PYTHONPATH, was stopped before it took the signals, once it found the module (here as it imports what the
-    module imports, as the config loads): its hint gave the resume with run.json's folders, the old one, gone, where
-    a later stop's gives those this resume found the module on; pasted in another folder with PYTHONPATH unset, it
-    was refused (`... /x/lab is gone`). It gives the folders found here, and pasted so, it finishes the run."""
-    from test_cli_rollout import stopped_while_held
-
-    lab, elsewhere, run = tmp_path / "lab", tmp_path / "elsewhere", tmp_path / "run"
-    run_failing_in_lab(env, data, lab, elsewhere, run)
-    moved = tmp_path / "lab2"
-    lab.rename(moved)
-    held, hold = holding_import(env, tmp_path, "faulty_pipelines", moved)  # mypipe's import
-    code, error = stopped_while_held(held, ["rollout", "--resume", "--out", str(run), "--pipeline", "mypipe:Mine"],
-                                     hold, elsewhere)
-    again = f"{on_path(held, elsewhere)}ardiff rollout --resume --out {run} --pipeline mypipe:Mine"
-    assert code == 143 and error["hint"] == f"continue with: {again}", error
-    assert_pasted_resume_finishes(env, again, tmp_path, run, reference)
+    assert_pasted_resume_finishes(env, again, paste_in, run, reference)
 
 
 def test_a_resume_stopped_as_the_lookup_of_its_pipeline_module_hangs_ends_with_run_jsons_folders(
