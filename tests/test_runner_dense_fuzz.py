@@ -158,6 +158,7 @@ def test_random_request_streams_through_the_runner_equal_a_dense_recompute_of_ea
                 lost.clear()
                 twin, dense = refs.step(session, inputs)
                 what = f"{where}, op {op}, session {session!r} request {refs.num_requests[session]}"
+                assert out and out.keys() == dense.keys(), f"{what}: outputs {sorted(out)}, dense {sorted(dense)}"
                 for key, value in out.items():
                     assert torch.equal(value, twin[key]), f"{what}: {key} differs from the never-evicted twin"
                     error = (value.float() - dense[key].float()).abs().max().item()
