@@ -1458,29 +1458,37 @@ def test_a_run_stopped_before_its_first_step_has_an_empty_results_jsonl_beside_i
     """A --follow run stopped while it waited for a robot's first step wrote run.json and summary.json, but no
     results.jsonl, which the README lists in every run folder: a script reading it (`wc -l`, `open`) failed."""
     (tmp_path / "live" / "arm_a").mkdir(parents=True)
-    run = tmp_path / "run"
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(tmp_path / "live" / "arm_a"), "--out", str(run),
-                 "--follow", "--format", "json")
+    run, hold = tmp_path / "run", tmp_path / "hold"
+    # the run's --follow clock reads the FIFO hold (clock_held): the signal lands as the run waits for the first step,
+    # past the warmup. Sent once warmup_finished was read, it could land before the run began to wait (no summary.json),
+    # and the summary's checks were skipped then: a run that wrote none at all passed.
+    os.mkfifo(hold)
+    proc = spawn(clock_held(env, hold), "rollout", str(data / "fast.yaml"), str(tmp_path / "live" / "arm_a"), "--out",
+                 str(run), "--follow", "--format", "json", "--pipeline", FAULTY)
+    writer = None
     try:
-        for line in proc.stdout:  # run.json is written before the warmup: the run is past it now
-            if json.loads(line)["kind"] == "warmup_finished":
-                break
+        writer = open_to_write(proc, hold)
+        wait_reading(proc, hold)
         proc.send_signal(signal.SIGINT)
+        hold.unlink()  # the clock goes on from here: a later reading of it does not wait
+        os.close(writer)  # one that opened the FIFO meanwhile reads its end
+        writer = None
         stdout, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
+        if writer is not None:
+            os.close(writer)
     assert proc.returncode == 130, stderr
     assert (run / "results.jsonl").read_text() == ""
-    if (run / "summary.json").exists():  # unless the signal landed before the run began to wait
-        summary = json.loads((run / "summary.json").read_text())
-        assert summary["steps"]["ok"] == 0
-        assert summary["latency_s"]["total"] == {"count": 0, "p50": None, "p90": None, "p99": None, "mean": None,
-                                                 "max": None}  # as the README says: null with no ok line
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"]["ok"] == 0
+    assert summary["latency_s"]["total"] == {"count": 0, "p50": None, "p90": None, "p99": None, "mean": None,
+                                             "max": None}  # as the README says: null with no ok line
     # and --resume takes that empty file as a run with no step done
     live = tmp_path / "live" / "arm_a"
     write_episode(live, steps_of(0, 1), prompt="task arm_a")
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--idle-timeout", "1", "--no-warmup",
-                  "--format", "plain")
+                  "--format", "plain", "--pipeline", FAULTY)
     assert proc.returncode == 0, proc.stderr
     assert [(r["step"], r["status"]) for r in records(run)] == [(0, "ok")]
 
@@ -2025,11 +2033,15 @@ def test_an_episode_that_failed_on_its_input_and_was_deleted_after_is_not_said_t
     steps = steps_of(0, 2)
     steps[1] = {**steps[1], "joint_position": steps[1]["joint_position"][:-1]}
     write_episode(robots / "ep1", steps, prompt="task ep1")
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(robots), "--out", str(run), "--follow",
-                 "--idle-timeout", "3", "--no-warmup", "--format", "plain")
+    hold = tmp_path / "hold"
+    hold.touch()  # the run's clock stands still until the folder is deleted: the run cannot idle out before it
+    proc = spawn(clock_held(env, hold), "rollout", str(data / "fast.yaml"), str(robots), "--out", str(run),
+                 "--follow", "--idle-timeout", "3", "--no-warmup", "--format", "plain", "--pipeline", FAULTY)
     try:
         wait_for_lines(run / "results.jsonl", 2, proc)  # step 0 ran, step 1 failed: the run watches on
         shutil.rmtree(robots / "ep1")
+        assert proc.poll() is None, "the run ended before its failed episode's folder was deleted"
+        hold.unlink()  # the watched folder idles out 3 s on
         _, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
