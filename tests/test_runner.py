@@ -188,6 +188,28 @@ def test_one_request_with_both_reset_and_close_session_runs_afresh_and_leaves_no
     assert lifecycle == [("SessionReset", "request_reset"), ("SessionClosed", "close_session")]
 
 
+def test_a_request_is_routed_by_its_flags_as_it_came_in():
+    """``check()`` reads the session id and the two flags once, and the runner routes by what it read: a forward
+    that wrote ``close_session`` into its request's ``extra_args`` closed its session once it returned (the runner
+    read the flag again after the forward), and one that wrote a value that is no flag failed its finished request
+    and released the session."""
+
+    class Rewrites(TinyPipeline):
+        def forward(self, request):
+            output = super().forward(request)
+            request.extra_args["close_session"] = self.written
+            return output
+
+    assert request("a", 0, reset=True).check() == ("a", True, False)
+    for written in (True, "yes"):
+        pipeline = Rewrites()
+        pipeline.written = written
+        runner = make_runner(pipeline)
+        runner.execute_model(request("a", 0))
+        assert runner.session_ids == ["a"] and runner.sessions()[0].num_requests == 1
+        assert pipeline.hook_calls == []
+
+
 def test_explicit_reset_and_close_release_everything():
     runner = make_runner()
     free0 = runner.kv_cache.num_free_pages

@@ -101,8 +101,9 @@ class ARDiffusionRequest:
     def close_session(self, value: Any) -> None:
         _read_only("close_session", value)
 
-    def check(self) -> None:
-        """Raise ``RequestError`` if the runner cannot route this request as it is."""
+    def check(self) -> tuple[str, bool, bool]:
+        """Raise ``RequestError`` if the runner cannot route this request as it is; else ``(session_id, reset,
+        close_session)``, read once (the runner routes by them: each read of a property checks ``extra_args`` again)."""
         self._check_mapping("inputs", self.inputs, "the pipeline's inputs")
         if not isinstance(self.request_id, str):
             # ARDiffusionRequest(inputs, extra_args) took the inputs for the id, extra_args for the inputs: the
@@ -114,7 +115,7 @@ class ARDiffusionRequest:
                 f"request_id must be a string, got {got}",
                 hint="the request id comes first: ARDiffusionRequest(request_id, inputs, extra_args)"
                 + ("" if left_out else "; str() a numbered id"))
-        _ = (self.session_id, self.reset, self.close_session)  # each raises when malformed
+        return self.session_id, self.reset, self.close_session  # each raises when malformed
 
     def misspelt_keys(self) -> list[tuple[str, str]]:
         """``(key, meant)`` for each ``extra_args`` key that looks like a runner key misspelt (``sesion_id``,

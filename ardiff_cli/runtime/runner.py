@@ -860,8 +860,8 @@ class ARDiffusionModelRunner:
     def _execute(self, request: ARDiffusionRequest, *, internal: bool) -> Any:
         self._require_loaded()
         require_request(request, "ARDiffusionModelRunner.execute_model()")
-        request.check()  # before the session is touched: a malformed request leaves it as it was
-        session_id = request.session_id
+        # before the session is touched: a malformed request leaves it as it was
+        session_id, reset, close_session = request.check()
         for key, meant in request.misspelt_keys():
             if key not in self._warned_keys:  # once a key: every request of a client would say the same
                 self._warned_keys.add(key)
@@ -884,7 +884,7 @@ class ARDiffusionModelRunner:
                                  f"{shown(session_id)} was touched: {UNTOUCHED}")
                 raise
         with self._events_held():
-            if request.reset and session_id in self._sessions:
+            if reset and session_id in self._sessions:
                 with self._locked():
                     errors = self._release(session_id, reason="request_reset", hook="reset")
                 if errors:  # as reset_session() raises: the forward would run on what the hook failed to drop
@@ -893,9 +893,9 @@ class ARDiffusionModelRunner:
                                            f"failed in the pipeline's hook; session {shown(session_id)} was released, "
                                            f"so {AFRESH}")
                     raise errors[0]
-            elif request.reset:  # swapped out: its snapshot goes, with the event a resident one's reset sends
+            elif reset:  # swapped out: its snapshot goes, with the event a resident one's reset sends
                 self._discard_swapped(session_id, "reset", reason="request_reset")
-            if not request.reset and self._has_snapshot(session_id):
+            if not reset and self._has_snapshot(session_id):
                 self._restore(session_id)  # swapped out: it goes on where it was (reset=True discards it instead)
             self._make_room(session_id)
             with self._locked():
@@ -957,7 +957,7 @@ class ARDiffusionModelRunner:
             state.end_request()
             with self._locked():  # in the try: a stop before the request is counted must not leave it uncounted
                 session.num_requests += 1
-                if request.close_session:
+                if close_session:
                     # A failing close hook must not cost the caller this forward's output: the
                     # error is recorded in hook_errors and emitted as HookFailed instead.
                     self._release(session_id, reason="close_session", hook="close")
