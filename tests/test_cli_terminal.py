@@ -49,6 +49,21 @@ def test_a_typed_ctrl_c_leaves_the_last_frame_whole_and_saying_interrupted(tmp_p
     assert output.rindex(b"\x1b[?25h") > output.rindex(b"\x1b[?25l")  # the cursor is shown again
 
 
+def test_a_typed_ctrl_c_in_the_warmup_gives_the_resume_that_skips_it(tmp_path, cli_env):
+    """Ctrl-C typed as the live display shows a warmup that goes on too long (faulty_pipelines.EndlessWarmup): the
+    hint under the last frame gave the resume that runs that warmup again; it skips it now."""
+    write_fast_data(tmp_path, {"ep_0": 2})
+    code, output = run_in_pty(["rollout", "fast.yaml", "eps", "-o", "out", "--pipeline",
+                               "faulty_pipelines:EndlessWarmup"], env=cli_env, cwd=tmp_path, cols=100, rows=40,
+                              type_after=b"__ardiff_warmup__")  # its session's row, or the event that admitted it
+    screen = Screen(100, 40).feed(output)
+    text = "\n".join(line for line in screen.history + screen.display() if line)
+    assert code == 130, text
+    error, hint = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", output.decode()).rstrip("\r\n").split("\r\n")[-2:]
+    assert error == "Error: interrupted by SIGINT" and hint.startswith("hint: continue with: ") and hint.endswith(
+        " ardiff rollout --resume --out out --pipeline faulty_pipelines:EndlessWarmup --no-warmup"), text
+
+
 def test_on_a_short_terminal_every_frame_shows_the_title_and_the_progress(tmp_path, cli_env):
     """The live display cut what did not fit from the bottom: on 12 lines the progress line never showed, nor did
     the events (a run of several resident sessions on a 24-line terminal lost them too)."""

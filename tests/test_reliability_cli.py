@@ -856,6 +856,85 @@ def test_a_warmup_that_never_ends_shows_its_progress_and_stops_on_a_signal(env, 
         assert records(run) == [], lines
 
 
+def stop_in_the_warmup(env, args: list[str], tmp_path: Path, signum: int) -> tuple[subprocess.Popen, str, str]:
+    """``ardiff ARGS`` (a rollout of faulty_pipelines.EndlessWarmup, whose warmup never ends) sent ``signum`` once it
+    showed the warmup past its own requests (a line on stderr, or in --format json a request_finished object on
+    stdout): a warmup that goes on too long. (The exited process, its stdout, its stderr.)"""
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args], cwd=REPO, text=True, stdout=stdout,
+                                stderr=stderr, env=env)
+        try:
+            wait_for_marker(proc, out if args[-1] == "json" else err, "the endless warmup's second request past its "
+                            "own", text="warmup-again-1")
+            proc.send_signal(signum)
+            proc.wait(timeout=120)
+        finally:
+            proc.kill()
+    return proc, out.read_text(), err.read_text()
+
+
+@pytest.mark.parametrize(("signum", "skips"), [(signal.SIGINT, True), (signal.SIGTERM, False),
+                                               (signal.SIGHUP, False)], ids=["SIGINT", "SIGTERM", "SIGHUP"])
+def test_ctrl_c_in_a_rollouts_warmup_gives_the_resume_that_skips_it(env, data, reference, tmp_path, signum, skips):
+    """Ctrl-C in a warmup that goes on too long: the resume to paste ran the same warmup again (the README said to add
+    --no-warmup by hand). It gives --no-warmup now, and so does a resume stopped so in its own warmup; pasted, the
+    steps run without one warmup request. SIGTERM and SIGHUP (a scheduler's preemption, a closed terminal) are no
+    verdict on the warmup, and a resume on a fresh machine wants its check: theirs is the run's resume as before."""
+    run, name = tmp_path / "run", signal.Signals(signum).name
+    args = rollout_args(data, run, "--warmup")
+    args[args.index(PIPELINE)] = "faulty_pipelines:EndlessWarmup"
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline faulty_pipelines:EndlessWarmup" + (
+        " --no-warmup" if skips else "")
+    resume = ["rollout", "--resume", "--out", str(run), "--pipeline", "faulty_pipelines:EndlessWarmup", "--format"]
+    for i, command in enumerate([args, [*resume, "plain"], [*resume, "json"]]):  # the run, then two resumes of it
+        (tmp_path / str(i)).mkdir()
+        proc, stdout, stderr = stop_in_the_warmup(env, command, tmp_path / str(i), signum)
+        lines = stderr.splitlines()
+        assert proc.returncode == 128 + signum, lines
+        assert lines[-2:] == [f"Error: interrupted by {name}", f"hint: continue with: {again}"], lines
+        if command[-1] == "json":
+            assert json.loads(stdout.splitlines()[-1])["hint"] == f"continue with: {again}", stdout
+        assert records(run) == [], lines
+    if skips:
+        from test_cli_rollout import pasted
+
+        proc = pasted(env, again, REPO)
+        assert proc.returncode == 0, proc.stderr
+        assert "__ardiff_warmup__" not in proc.stderr, proc.stderr  # no warmup request ran
+        assert_matches(run, reference)
+
+
+@pytest.mark.parametrize("skip", [True, False], ids=["no_warmup", "warmup"])
+def test_a_resume_stopped_as_its_model_loads_gives_the_resume_with_the_warmup_it_was_given(env, data, tmp_path, skip):
+    """A resume given --no-warmup (the hint of a Ctrl-C in the warmup, pasted) and stopped before its steps, as its
+    model loads: the resume to paste ran the warmup it was given to skip. It skips it now; one not given --no-warmup
+    runs it. Once past the warmup (a step) a resume's hint is the run's resume alone
+    (test_a_stopped_runs_hint_gives_its_resume_which_pasted_completes_the_run): --no-warmup given to one resume does
+    not make every later one skip the warmup, and run.json does not record it."""
+    run, loading = tmp_path / "run", tmp_path / "loading"
+    faults = [{"request": "arm_c/000001", "site": "block", "layer": 0, "call": 2, "action": "sleep"}]
+    proc, err = stop_inside_a_fault(env, rollout_args(data, run), faults, tmp_path, signum=signal.SIGTERM)
+    assert proc.returncode == 143, err
+    recorded = json.loads((run / "run.json").read_text())
+    faults = [{"site": "load", "action": "sleep", "seconds": 600, "marker": str(loading)}]
+    resume = ["rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--format", "plain"]
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *resume, *(["--no-warmup"] if skip else [])],
+                            cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)})
+    try:
+        wait_for_marker(proc, loading, "the resume's model load")
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    assert stderr.splitlines()[-2:] == [
+        "Error: interrupted by SIGINT", f"hint: continue with: {again}{' --no-warmup' if skip else ''}"], stderr
+    assert json.loads((run / "run.json").read_text()) == recorded  # stopped before it wrote its own
+
+
 @pytest.mark.parametrize("action", ["swallow_signal", "wrap_signal"])
 def test_a_signal_caught_inside_a_warmup_request_stops_warmup(env, data, action):
     # warmup reported success (exit 0), or the pipeline's failure, for a warmup the user had stopped. Its hint was

@@ -1264,6 +1264,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     engine = driver = plan = summary = None
     adopted: dict[str, int] = {}  # {episode: steps} of the kept snapshots taken back (_adopt_kept)
     warmed_up = False  # past the warmup: a stop from here on is recorded in summary.json, as the README says
+    in_warmup = False  # its requests began: a Ctrl-C from here until warmed_up is one on a warmup that ran too long
     changes: dict[str, dict[str, Any]] = {}  # --resume: what differs from the ardiff, torch and threads of run.json
     ran_from = ran_until = None  # monotonic times driver.run() began and ended: the time spent running steps
     error: BaseException | None = None
@@ -1334,6 +1335,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                                     p.out_dir / RUN_FILE, resume=None, results=run.results_path)
                 if warmup:
                     monitor.set_phase("warmup")
+                    in_warmup = True
                     _warm_up(engine, signals, monitor)
                 warmed_up = True
                 with signals.critical():  # a stop meanwhile waits: the teardown keeps again those taken back
@@ -1363,7 +1365,11 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                 if isinstance(error, Interrupted) and not run.holds_run():  # stopped while loading: no run.json
                     error.hint = "nothing was written yet: run the same command again"
                 elif isinstance(error, Interrupted):  # the same command with --resume is refused (CONFIG, EPISODE)
-                    error.hint = continue_with(p.resume)
+                    # Ctrl-C in the warmup: the user stopped it as too long, and the resume to paste must not run it
+                    # again; before the warmup of a run given --no-warmup, the resume skips it as asked. SIGTERM and
+                    # SIGHUP (a scheduler's preemption, a closed terminal) say nothing of the warmup: theirs runs it
+                    skip = not warmed_up and (not warmup or in_warmup and error.signum == signal.SIGINT)
+                    error.hint = continue_with(_without_warmup(p.resume) if skip else p.resume)
                 if too_many_open_files(error) and not isinstance(error, ArdiffError) and run.holds_run():
                     error.hint = open_files_hint(continue_with(p.resume))  # the same command is refused now
                 if is_out_of_memory(error) and not isinstance(error, ArdiffError) and not pages_short(error):
@@ -1390,7 +1396,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     else:
                         error.hint = to_paste(f"{error.hint}; once fixed, continue the run with --resume", p.resume)
                 if pages_short(error) and not warmed_up and run.holds_run():  # the warmup's: run.json is written
-                    error.hint = to_paste(WARMUP_PAGES_HINT, replace(p.resume, given=(*p.resume.given, "--no-warmup")))
+                    error.hint = to_paste(WARMUP_PAGES_HINT, _without_warmup(p.resume))
                 if error is exc:
                     raise
                 raise error from exc  # --verbose shows what the stop cut short
@@ -1431,6 +1437,13 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
             gone = run.moved()  # its outputs line would name a folder that holds no run, or another's
             with signals:  # held since the teardown (``hold``): a signal while the result prints is only recorded
                 output.result(summary, lambda plain: render_summary(summary, plain, gone=gone))
+
+
+def _without_warmup(resume: ResumeCommand) -> ResumeCommand:
+    """The run's resume to paste that skips the warmup (``--no-warmup`` after the options given): where a run stopped
+    or failed in its warmup, or before the warmup of a run given ``--no-warmup``. Never in ``resume.given``, which
+    every hint of the resume carries: a resume given ``--no-warmup`` gives its next one the warmup back once past it."""
+    return replace(resume, given=(*resume.given, "--no-warmup"))
 
 
 def _warm_up(engine: Any, signals: Any, monitor: Any) -> None:
