@@ -2000,16 +2000,18 @@ def test_an_episode_folder_deleted_while_the_run_reads_it_is_named_as_gone_not_a
     eps, run = tmp_path / "eps", tmp_path / "run"
     write_episode(eps / "arm_a", steps_of(0, 3), prompt="task arm_a")
     write_episode(eps / "arm_b", steps_of(1, 30), prompt="task arm_b")  # still being read when deleted
-    proc = spawn(env, "rollout", str(data / "fast.yaml"), str(eps), "--out", str(run), "--no-warmup", "--format",
-                 "plain")
+    # held in arm_b's step 1 while the test deletes: it waited for 2 results lines, and the run, not held, took the
+    # other 28 steps in a quarter of a second; a test paused that long (a busy CI machine) found it ended, exit 0
+    proc, release = held_in_a_step(env, "arm_b/000001", tmp_path, "rollout", str(data / "fast.yaml"), str(eps),
+                                   "--out", str(run), "--no-warmup", "--format", "plain")
     try:
-        wait_for_lines(run / "results.jsonl", 2, proc)
         if how == "folder":  # gone at once (rm -rf takes the files first: that is "files", below)
             (eps / "arm_b").rename(tmp_path / "trash")
             shutil.rmtree(tmp_path / "trash")
         else:  # rm -rf caught mid-way: the files go first, the folder last
             for path in sorted((eps / "arm_b").glob("step_*"))[10:]:
                 path.unlink()
+        release.touch()
         stderr = proc.communicate(timeout=300)[1]
     finally:
         proc.kill()
@@ -2019,7 +2021,8 @@ def test_an_episode_folder_deleted_while_the_run_reads_it_is_named_as_gone_not_a
     assert re.search(rf"Error: episode 'arm_b' failed: {re.escape(str(eps / 'arm_b'))}/step_\d+\.safetensors: "
                      rf"cannot read the step file: {re.escape(what)}\nhint: keep an episode's folder and its step "
                      "files in place while a run reads them; put them back, then continue with: "
-                     rf"ardiff rollout --resume --out {re.escape(str(run))}\n",
+                     rf"{re.escape(on_path(env))}ardiff rollout --resume --out {re.escape(str(run))} --pipeline "
+                     rf"{re.escape(FAULTY)}\n",
                      stderr), stderr
     assert "permissions" not in stderr, stderr
 
