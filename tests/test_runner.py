@@ -44,6 +44,7 @@ from ardiff_cli.runtime.runner import (
     WARMUP_SESSION_ID,
     ARDiffusionModelRunner,
     LifecycleHookError,
+    MissingInputError,
     PipelineContractError,
 )
 
@@ -208,6 +209,57 @@ def test_a_request_is_routed_by_its_flags_as_it_came_in():
         runner.execute_model(request("a", 0))
         assert runner.session_ids == ["a"] and runner.sessions()[0].num_requests == 1
         assert pipeline.hook_calls == []
+
+
+def test_a_forward_that_rewrote_its_session_id_and_read_an_input_it_lacks_is_named_as_such():
+    """The error of a forward reading an input its request lacks read the request's ``session_id`` again (to say
+    "warmup request" or "request"): one the forward had rewritten into a value that is no id raised that
+    RequestError in place of the forward's own error."""
+
+    class RewritesThenMisreads(TinyPipeline):
+        def forward(self, request):
+            request.extra_args["session_id"] = 7
+            return request.inputs["obs"]
+
+    runner = make_runner(RewritesThenMisreads())
+    with pytest.raises(MissingInputError, match="the inputs of request 'a:0' do not hold"):
+        runner.execute_model(request("a", 0))
+    assert runner.session_ids == []
+
+
+class _WarmupRewritesItsClose(WarmTinyPipeline):
+    """Its forward writes ``written`` into its warmup request's ``close_session`` once it has run; the first request
+    asks to close the session (``asks``)."""
+
+    def __init__(self, asks, written) -> None:
+        super().__init__()
+        self.asks, self.written = asks, written
+
+    def ar_diffusion_warmup_requests(self, session_id):
+        for i, warmup in enumerate(super().ar_diffusion_warmup_requests(session_id)):
+            yield request(session_id, i, close_session=self.asks) if i == 0 else warmup
+
+    def forward(self, request):
+        output = super().forward(request)
+        request.extra_args["close_session"] = self.written
+        return output
+
+
+@pytest.mark.parametrize(("asks", "written"), [(False, "yes"), (True, False)])
+def test_a_warmup_request_is_told_closed_by_the_flag_it_came_in_with(asks, written):
+    """The warmup read a request's ``close_session`` again after its forward (the runner routes by what ``check()``
+    read as it came in): a forward that wrote a value that is no flag failed the warmup the runner had run, and one
+    that wrote False over the True it came with lost the close hook's failure of the session the runner closed."""
+    runner = make_runner(_WarmupRewritesItsClose(asks, written))
+    if asks:
+        runner.pipeline.fail_in_hook = "close"
+        with pytest.raises(LifecycleHookError, match="close hook failed") as info:
+            runner.warmup()
+        # the close of its first request and the one at the warmup's end: each failed
+        assert [note for note in getattr(info.value, "__notes__", []) if "close hook failed" in note], info.value
+    else:
+        assert not runner.warmup().skipped
+    assert runner.session_ids == [] and runner.kv_cache.allocator.num_used == 0
 
 
 def test_explicit_reset_and_close_release_everything():

@@ -242,10 +242,12 @@ def _local_value(node: ast.expr, local: dict[str, Any]) -> Any:
     return value
 
 
-def _missing_input(pipeline: Any, request: ARDiffusionRequest, exc: KeyError) -> MissingInputError | None:
+def _missing_input(pipeline: Any, request: ARDiffusionRequest, session_id: str,
+                   exc: KeyError) -> MissingInputError | None:
     """``exc``, raised by ``pipeline``'s forward, as a ``MissingInputError`` when the lookup that raised it subscripts
     the request's inputs (``request.inputs[key]``) and its key is a name they lack; None for any other ``KeyError``
-    (a model's own lookup, in the forward or a function of its own; ardiff's unknown KV branch): it stays as it was."""
+    (a model's own lookup, in the forward or a function of its own; ardiff's unknown KV branch): it stays as it was.
+    ``session_id``: the request's as it came in (``check()``), not read again: the forward may have rewritten it."""
     inputs = request.inputs
     if len(exc.args) != 1 or not isinstance(exc.args[0], str) or not isinstance(inputs, dict):
         return None
@@ -258,7 +260,7 @@ def _missing_input(pipeline: Any, request: ARDiffusionRequest, exc: KeyError) ->
     name = type(pipeline).__name__
     held = ", ".join(shown(k) for k in inputs) if inputs else "none"
     near = difflib.get_close_matches(key, [k for k in inputs if isinstance(k, str)], n=1)
-    what = "warmup request" if request.session_id == WARMUP_SESSION_ID else "request"
+    what = "warmup request" if session_id == WARMUP_SESSION_ID else "request"
     return MissingInputError(
         f"{name}.forward() raised KeyError: {key!r}: the forward read input {key!r}, which the inputs of {what} "
         f"{shown(request.request_id)} do not hold (their keys: {held})",
@@ -917,7 +919,7 @@ class ARDiffusionModelRunner:
                 try:
                     output = self.pipeline.forward(request)
                 except KeyError as exc:  # inputs['obs'] where the request holds 'image': say so
-                    missing = _missing_input(self.pipeline, request, exc)
+                    missing = _missing_input(self.pipeline, request, session_id, exc)
                     if missing is None:
                         if not internal:  # a warmup's error names the pipeline already ("of P failed: ...")
                             _name_kv_misuse(self.pipeline, exc)
@@ -1525,15 +1527,16 @@ class ARDiffusionModelRunner:
                     )
                 if schema is not None:  # from here on, the request as the forward gets it
                     request = _as_a_step(schema, request, where, type(self.pipeline).__name__)
+                _, reset, closes = request.check()  # as _execute routes it: its forward may rewrite extra_args
                 with self._locked():
-                    goes_on = WARMUP_SESSION_ID in self._sessions and not request.reset
+                    goes_on = WARMUP_SESSION_ID in self._sessions and not reset
                 before = None  # (the session as a swap-out writes it, the request as run) before it ran
                 if goes_on and not rerun and last_export[0]:
                     rerun, before = True, self._warmup_snapshot(request, last_export[1])
                 t0 = time.perf_counter()
                 latest = self.hook_errors[-1] if self.hook_errors else None
                 output = self._execute(request, internal=True)
-                if request.close_session and self.hook_errors and self.hook_errors[-1] is not latest:
+                if closes and self.hook_errors and self.hook_errors[-1] is not latest:
                     # its close_session released the warmup session, and the close hook failed: as below
                     hook_errors.append(self.hook_errors[-1])
                 problem = output_problem(output)  # else warmup passed and every real step failed
