@@ -935,6 +935,22 @@ def test_a_resume_stopped_as_its_model_loads_gives_the_resume_with_the_warmup_it
     assert json.loads((run / "run.json").read_text()) == recorded  # stopped before it wrote its own
 
 
+def test_a_resume_given_no_warmup_that_fails_as_its_model_loads_gives_the_resume_with_it(env, data, tmp_path):
+    """A resume given --no-warmup (a warmup stopped as too long, its hint pasted) that runs out of memory as its model
+    loads: the resume its hint gave to paste ran the warmup it was given to skip, as a stop there did before."""
+    run = tmp_path / "run"
+    faults = [{"request": "arm_c/000001", "site": "block", "layer": 0, "call": 2, "action": "sleep"}]
+    proc, err = stop_inside_a_fault(env, rollout_args(data, run), faults, tmp_path, signum=signal.SIGTERM)
+    assert proc.returncode == 143, err
+    faults = [{"site": "load", "action": "oom"}]
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run), "--pipeline",
+                           PIPELINE, "--format", "plain", "--no-warmup"], cwd=REPO, text=True, capture_output=True,
+                          env={**env, "ARDIFF_TEST_FAULTS": json.dumps(faults)}, timeout=300)
+    hint = proc.stderr.splitlines()[-1]
+    assert proc.returncode == 3 and hint.startswith("hint: "), proc.stderr
+    assert hint.endswith(f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} --no-warmup"), hint
+
+
 @pytest.mark.parametrize("action", ["swallow_signal", "wrap_signal"])
 def test_a_signal_caught_inside_a_warmup_request_stops_warmup(env, data, action):
     # warmup reported success (exit 0), or the pipeline's failure, for a warmup the user had stopped. Its hint was
@@ -1968,7 +1984,7 @@ def test_a_resume_out_of_memory_as_its_kv_pools_allocate_ends_its_hint_with_the_
     assert hint.startswith("continue with --resume and a lower --session-capacity or a smaller --memory-budget "), hint
     assert hint.endswith(f"; or raise this process's address-space limit (now ulimit -v {limit >> 10}); to paste: "
                          f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} "
-                         "--session-capacity 1"), hint
+                         "--no-warmup --session-capacity 1"), hint  # before its warmup: the one it was given skipped
     proc = paste_hint(env, hint, faults=pools)
     assert proc.returncode == 0, proc.stderr
     assert_matches(run, reference)
@@ -2419,8 +2435,8 @@ def test_memory_running_out_as_a_resume_loads_its_weights_ends_its_hint_with_the
                   "json", faults=[{"site": "load", "action": "memory_error"}])
     error = json_error(proc, 3)
     assert error["message"] == "out of host memory while loading the model's weights (from_config()): MemoryError"
-    # --no-warmup is no option run.json keeps
-    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    # before its warmup: the resume to paste skips it, as this one was given to (run.json keeps no --no-warmup)
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} --no-warmup"
     assert error["hint"].startswith("the run's model, in its dtype and config (--resume keeps them), needs more "
                                     "memory than is free now: "), error
     assert error["hint"].endswith(f"(another --out); to paste: {again}"), error

@@ -1298,7 +1298,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                                     "them)" if resume else
                                     does_not_fit_hint(p.cfg, p.budget_source, window_helps=exc.window_helps))
                     elif resume:  # the runner's hint says a smaller window, model or dtype: --resume refuses them
-                        exc.hint = to_paste(RESUME_LOAD_HINT, p.resume)
+                        exc.hint = to_paste(RESUME_LOAD_HINT, p.resume if warmup else _without_warmup(p.resume))
                     raise
                 except BudgetBeyondDeviceError as exc:  # the runner's hint cannot tell the option from the config
                     exc.hint = beyond_device_hint(p.budget_source, resume=resume)
@@ -1362,16 +1362,18 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
             except BaseException as exc:
                 error = signals.outcome(exc)
                 stopped = isinstance(exc, Interrupted)
+                # the resume to paste: before the warmup of a run given --no-warmup, one that skips it as asked
+                again = _without_warmup(p.resume) if not warmed_up and not warmup else p.resume
                 if isinstance(error, Interrupted) and not run.holds_run():  # stopped while loading: no run.json
                     error.hint = "nothing was written yet: run the same command again"
                 elif isinstance(error, Interrupted):  # the same command with --resume is refused (CONFIG, EPISODE)
                     # Ctrl-C in the warmup: the user stopped it as too long, and the resume to paste must not run it
-                    # again; before the warmup of a run given --no-warmup, the resume skips it as asked. SIGTERM and
-                    # SIGHUP (a scheduler's preemption, a closed terminal) say nothing of the warmup: theirs runs it
-                    skip = not warmed_up and (not warmup or in_warmup and error.signum == signal.SIGINT)
-                    error.hint = continue_with(_without_warmup(p.resume) if skip else p.resume)
+                    # again. SIGTERM and SIGHUP (a scheduler's preemption, a closed terminal) say nothing of the
+                    # warmup: theirs runs it
+                    skip = not warmed_up and in_warmup and error.signum == signal.SIGINT
+                    error.hint = continue_with(_without_warmup(p.resume) if skip else again)
                 if too_many_open_files(error) and not isinstance(error, ArdiffError) and run.holds_run():
-                    error.hint = open_files_hint(continue_with(p.resume))  # the same command is refused now
+                    error.hint = open_files_hint(continue_with(again))  # the same command is refused now
                 if is_out_of_memory(error) and not isinstance(error, ArdiffError) and not pages_short(error):
                     phase = getattr(error, "ardiff_while", None)
                     with contextlib.suppress(MemoryError):
@@ -1380,11 +1382,11 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                         if run.holds_run() and (plan is not None or phase == KV_POOLS_PHASE):
                             planned = plan or getattr(error, "ardiff_plan", None)  # the pools' that did not fit
                             error.hint = to_paste(lighter_resume_hint(p.budget_source, planned),
-                                                  lighter_resume(p.resume, planned))
+                                                  lighter_resume(again, planned))
                         elif run.holds_run() and while_importing(error):  # before any model: free memory alone
-                            error.hint = to_paste(import_hint("continue with --resume"), p.resume)
+                            error.hint = to_paste(import_hint("continue with --resume"), again)
                         elif run.holds_run():
-                            error.hint = to_paste(RESUME_LOAD_HINT, p.resume)
+                            error.hint = to_paste(RESUME_LOAD_HINT, again)
                         elif phase == WEIGHTS_PHASE:  # a new run's, before its KV pools: the model's dtype or size
                             error.hint = weights_run_hint(p.cfg.runtime.dtype)
                 if isinstance(error, PipelineError) and not warmed_up and run.holds_run() and error.hint:
@@ -1394,7 +1396,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                         error.hint += ("; --resume keeps the run's config, dtype and checkpoint: once fixed, start a "
                                        "new run in another --out")
                     else:
-                        error.hint = to_paste(f"{error.hint}; once fixed, continue the run with --resume", p.resume)
+                        error.hint = to_paste(f"{error.hint}; once fixed, continue the run with --resume", again)
                 if pages_short(error) and not warmed_up and run.holds_run():  # the warmup's: run.json is written
                     error.hint = to_paste(WARMUP_PAGES_HINT, _without_warmup(p.resume))
                 if error is exc:
