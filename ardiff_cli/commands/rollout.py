@@ -1269,6 +1269,11 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
     ran_from = ran_until = None  # monotonic times driver.run() began and ended: the time spent running steps
     error: BaseException | None = None
     stopped = False  # a signal (or stdout's reader gone) stopped the run, and nothing else went wrong
+
+    def resume_now() -> ResumeCommand:
+        """The resume to paste as things stand: before the warmup of a run given --no-warmup, one that skips it."""
+        return p.resume if warmed_up or warmup else _without_warmup(p.resume)
+
     try:
         signals = StopSignals(notice=_stop_notice(output, monitor))
         with signals, output.live(lambda: render(monitor.snapshot())), monitor.ending():
@@ -1298,7 +1303,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                                     "them)" if resume else
                                     does_not_fit_hint(p.cfg, p.budget_source, window_helps=exc.window_helps))
                     elif resume:  # the runner's hint says a smaller window, model or dtype: --resume refuses them
-                        exc.hint = to_paste(RESUME_LOAD_HINT, p.resume if warmup else _without_warmup(p.resume))
+                        exc.hint = to_paste(RESUME_LOAD_HINT, resume_now())
                     raise
                 except BudgetBeyondDeviceError as exc:  # the runner's hint cannot tell the option from the config
                     exc.hint = beyond_device_hint(p.budget_source, resume=resume)
@@ -1362,8 +1367,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
             except BaseException as exc:
                 error = signals.outcome(exc)
                 stopped = isinstance(exc, Interrupted)
-                # the resume to paste: before the warmup of a run given --no-warmup, one that skips it as asked
-                again = _without_warmup(p.resume) if not warmed_up and not warmup else p.resume
+                again = resume_now()
                 if isinstance(error, Interrupted) and not run.holds_run():  # stopped while loading: no run.json
                     error.hint = "nothing was written yet: run the same command again"
                 elif isinstance(error, Interrupted):  # the same command with --resume is refused (CONFIG, EPISODE)
