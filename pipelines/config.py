@@ -164,11 +164,13 @@ def _resolved_fields(cls: type) -> dict[str, Any]:
 
 def _caller_stacklevel() -> int:
     """``warnings.warn``'s ``stacklevel``, in the function that calls this, for the first frame outside this module,
-    ``dataclasses`` and a dataclass's generated ``__init__`` (a ``<string>``): the line that built the config,
-    ``Config(...)``, ``config.replace(...)`` or ``config_from_dict(...)``."""
+    ``dataclasses``, a dataclass's generated ``__init__`` (a ``<string>``) and any ``__post_init__`` (a built-in
+    pipeline's ``Config`` has one that calls its base's): the line that built the config, ``Config(...)``,
+    ``config.replace(...)`` or ``config_from_dict(...)``."""
     frame, level = sys._getframe(1), 1
     while frame is not None and (frame.f_code.co_filename in (__file__, dataclasses.__file__)
-                                 or frame.f_code.co_filename.startswith("<")):
+                                 or frame.f_code.co_filename.startswith("<")
+                                 or frame.f_code.co_name == "__post_init__"):
         frame, level = frame.f_back, level + 1
     return level
 

@@ -581,6 +581,51 @@ def test_a_config_subclass_with_an_unresolvable_annotation_warns_at_the_line_tha
     assert [w.filename for w in warned] == [__file__]
 
 
+BUILT_IN_SUBCLASS = '''\
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pipelines.{pipeline} import Config
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+
+@dataclass(frozen=True)
+class MyConfig(Config):
+    weights: Path | None = None  # resolves only for a type checker
+'''
+
+
+@pytest.mark.parametrize("pipeline", ["dreamzero", "causal_world"])
+@pytest.mark.parametrize("build", ["init", "replace"])
+def test_a_subclass_of_a_built_in_config_with_an_unresolvable_annotation_warns_at_the_line_that_builds_it(
+        tmp_path, monkeypatch, pipeline, build):
+    """A built-in pipeline's ``Config`` has a ``__post_init__`` of its own that calls its base's: the warning named
+    that call's line in the built-in's config.py (``super().__post_init__()``), not the user's."""
+    import importlib
+    import warnings
+
+    import pipelines.config
+
+    (tmp_path / f"lab_{pipeline}.py").write_text(BUILT_IN_SUBCLASS.format(pipeline=pipeline))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, f"lab_{pipeline}", raising=False)
+    my_config = importlib.import_module(f"lab_{pipeline}").MyConfig
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = my_config()
+    pipelines.config._WARNED_UNRESOLVED.discard(my_config)  # once per class: warn again
+    with pytest.warns(ArdiffWarning, match="field 'weights'") as warned:
+        if build == "init":
+            my_config(weights="w.safetensors")
+        else:
+            built.replace(weights="w.safetensors")
+    assert [w.filename for w in warned] == [__file__]
+
+
 def test_a_config_subclass_with_an_unresolvable_annotation_is_read_from_yaml_checking_its_other_fields(lab_geometry):
     """``config_from_dict`` (a pipeline's ``Config.from_dict``, the YAML's ``model:``) resolved every annotation at
     once too: such a subclass failed to load with the NameError ("name 'Path' is not defined"), whatever the YAML."""
