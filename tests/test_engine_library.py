@@ -210,6 +210,21 @@ def test_numpy_booleans_are_flags():
         ARDiffusionRequest("r", {}, {"reset": np.int64(1)}).reset
 
 
+@pytest.mark.parametrize(("value", "hint"), [
+    ("false", "a JSON client sends true or false, not a string"),
+    (None, "leave the key out for False: None (a JSON null) is refused, not taken for False"),
+    (1, "pass True or False"),
+    (torch.tensor(1), "pass True or False"),
+])
+def test_a_flag_that_is_no_bool_has_a_hint_for_what_it_is(value, hint):
+    """Every refused flag had the hint for a string ("a JSON client sends true or false, not a string"), a JSON null
+    and an int included, where the README tells the caller of a null to leave the key out."""
+    for key in ("reset", "close_session"):
+        with pytest.raises(RequestError) as info:
+            getattr(ARDiffusionRequest("r", {}, {key: value}), key)
+        assert info.value.hint == hint
+
+
 def test_a_0d_bool_tensor_or_array_is_the_flag_it_holds_as_a_config_field_takes_it():
     """A flag read back from a tensor (``done = (t == T - 1)``, ``mask[i]``) was refused ("must be True or False, got
     tensor(True) (Tensor)") where a config's bool field takes it (``as_scalar``): a 0-d bool tensor or numpy array

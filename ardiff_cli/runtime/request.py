@@ -141,9 +141,14 @@ class ARDiffusionRequest:
         flag = as_scalar(value)
         if isinstance(flag, bool):
             return flag
+        if isinstance(value, str):
+            hint = "a JSON client sends true or false, not a string"
+        elif value is None:
+            hint = "leave the key out for False: None (a JSON null) is refused, not taken for False"
+        else:
+            hint = "pass True or False"
         raise RequestError(f"request {shown(self.request_id)}: extra_args[{key!r}] must be True or False, got "
-                           f"{shown(value)} ({type(value).__name__})",
-                           hint="a JSON client sends true or false, not a string")
+                           f"{shown(value)} ({type(value).__name__})", hint=hint)
 
 
 # help() and editors show the fields (the dataclass's __init__ without self), not __new__'s (*args, **kwargs)
