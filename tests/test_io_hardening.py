@@ -1374,6 +1374,38 @@ def test_a_cache_folder_named_tilde_is_named_as_typed(tmp_path, command):
     assert error["message"].endswith(": ./~ is a file, not a folder"), error
 
 
+def test_the_demo_episodes_go_into_a_cache_folder_named_tilde_not_the_home_folder(tmp_path, monkeypatch):
+    """ARDIFF_CACHE_DIR=./~/x (a folder named "~" here, as the README gives it) wrote the demo steps into the home
+    folder's ~/x/demo, and into ./~/x/demo only an empty set: `ardiff rollout` then failed its one episode, the set
+    itself, `the episode folder holds no step files`, at every run after the first too."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("ARDIFF_CACHE_DIR", "./~/x")
+    monkeypatch.chdir(tmp_path)
+    folder = ensure_demo_episodes("toy", SCHEMA, (4, 4))
+    demo = tmp_path / "~" / "x" / "demo"
+    assert (tmp_path / folder).resolve().parent == demo.resolve(), folder
+    assert sorted(p.name for p in (tmp_path / folder).iterdir() if p.is_dir()) == ["demo_0", "demo_1", "demo_2"]
+    assert (tmp_path / folder / "demo_0" / "step_000000.safetensors").is_file()
+    assert list(home.iterdir()) == [] and sorted(p.name for p in demo.iterdir()) == [folder.name]
+
+
+def test_a_demo_set_whose_manifest_lists_no_files_is_built_again(tmp_path):
+    """The set that ARDIFF_CACHE_DIR=./~/x left (its steps written into the home folder) lists no files, and matched
+    its manifest: every later rollout reused it and failed its one episode, `the episode folder holds no step
+    files`. A demo set always holds files: one that lists none is built again."""
+    folder = ensure_demo_episodes("toy", SCHEMA, (4, 4), root=tmp_path)
+    for episode in folder.iterdir():
+        if episode.is_dir():
+            shutil.rmtree(episode)
+    (folder / ".manifest.json").write_text('{\n "files": {}\n}')
+    said: list[str] = []
+    assert ensure_demo_episodes("toy", SCHEMA, (4, 4), root=tmp_path, warn=said.append) == folder
+    assert (folder / "demo_0" / "step_000000.safetensors").is_file(), sorted(folder.iterdir())
+    assert len(said) == 1 and "lists no files" in said[0], said
+
+
 # -- a live writer gives the prompt once -----------------------------------------------------------------------
 
 def test_live_writer_gives_the_prompt_on_the_first_step_only(tmp_path):

@@ -188,7 +188,9 @@ def _generate(target: Path, schema: ObservationSchema, image_size: tuple[int, in
 
     base = target.parent
     base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=base))
+    # Absolute: under ARDIFF_CACHE_DIR=./~/x, ``base`` is Path("~/x/demo"), which write_episode, as the command
+    # line does, reads as the home folder's ~/x/demo (the steps went there, and here an empty set).
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=base)).absolute()
     os.chmod(tmp, DIR_MODE)  # mkdtemp makes it 0700; the set is readable as any folder the user makes
     try:
         for episode, num_steps in enumerate(DEMO_STEPS):
@@ -230,6 +232,8 @@ def _damage(target: Path) -> str | None:
         return f"cannot read it: {exc}"
     if not isinstance(listed, dict):
         return f"{MANIFEST} holds no file list"
+    if not listed:  # a set holds files: an older ardiff wrote this one's steps elsewhere (ARDIFF_CACHE_DIR=./~/x)
+        return f"{MANIFEST} lists no files"
     for name in sorted(set(listed) | set(found)):
         if name not in found:
             return f"{name} is missing"
