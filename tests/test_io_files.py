@@ -340,6 +340,18 @@ def test_a_link_to_the_folder_of_episodes_or_one_above_it_is_no_episode(tmp_path
     assert warnings == []
 
 
+def test_a_folder_reached_three_times_is_one_warning_per_path(tmp_path):
+    """`data/ data/pick_cube` where data/cam links to pick_cube reaches pick_cube three times: the same line,
+    `data/pick_cube is episode 'pick_cube' again (...)`, was written twice."""
+    write_episode(tmp_path / "data" / "pick_cube", [arrays(0)])
+    (tmp_path / "data" / "cam").symlink_to("pick_cube")
+    warnings: list[str] = []
+    episodes = discover_episodes([tmp_path / "data", tmp_path / "data" / "pick_cube"], warn=warnings.append)
+    assert [e.name for e in episodes] == ["pick_cube"]
+    assert len(warnings) == 1 and warnings[0].startswith(f"{tmp_path / 'data' / 'pick_cube'} is episode 'pick_cube' "
+                                                         "again"), warnings
+
+
 def test_a_link_to_nothing_in_a_folder_of_episodes_is_named_without_follow(tmp_path):
     """`cam -> ../rec/arm_a` made before its recording, or a loop of links, was passed over without a word: the run
     ended 0 without that episode. Without --follow each is named in a warning; with it, it is looked at again at each

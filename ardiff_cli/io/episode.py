@@ -560,10 +560,12 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
 
     names = EpisodeNames()
     episodes: dict[str, EpisodeSource] = {}
+    said: set[str] = set()  # a path reached a third time (`data/ data/pick_cube`, data/cam -> pick_cube): one line
     for folder in folders:
         episode = names.add(folder)
         if episode is None:
-            if warn is not None:
+            if warn is not None and os.fspath(folder) not in said:
+                said.add(os.fspath(folder))
                 # the path given or found first is the one the episode is read at and run.json records: a link and
                 # its target, or two links to one folder, are two paths, and a script reading run.json sees that one
                 known = episodes[names.of(folder)]
