@@ -1147,6 +1147,16 @@ def test_inspect_capacity_says_sessions_that_need_exactly_the_available_memory_a
     assert re.search(r"^2 sessions +100% +of available memory \(over budget\)", result.stdout, re.M), result.stdout
 
 
+def test_inspect_capacity_never_shows_sessions_that_need_more_than_the_available_memory_as_100_percent():
+    """Two sessions needing a byte more than is available read `2 sessions  100%  of available memory (does not
+    fit)`: three digits round 100.0000x% to 100, which is the memory available, where the row says it does not fit."""
+    two = plan_capacity(load_config("dreamzero-tiny").kv_cache_spec(), "float32", 1 << 30, 0.9).required_bytes(2)
+    result = runner.invoke(app, ["inspect-capacity", "dreamzero-tiny", "--available", str(two - 1), "--sessions", "2",
+                                 "--format", "plain"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.stderr
+    assert re.search(r"^2 sessions +>100% +of available memory \(does not fit\)", result.stdout, re.M), result.stdout
+
+
 def test_inspect_capacity_shows_an_absurd_available_in_few_digits_and_says_why_one_is_unreadable(tmp_path):
     """--available 1e30 printed '909494701772928256.00 TiB' and '4507211538461538692125700 fit the budget' (then
     '8.67e+11 EiB': it is refused now, past 16EiB, and 16EiB itself prints in few digits); an

@@ -414,7 +414,9 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool, *, kernels: tu
         verdict = (f"does not fit: more than the session limit of {_count(plan.session_capacity_limit)}, set by "
                    f"{LIMIT_SOURCES[data['session_limit_source']]}" if verdict == "over_session_limit"
                    else verdict.replace("_", " "))
-        add_row(f"{_count(int(n))} session{'s' if n != '1' else ''}", f"{_three_digits(fraction * 100)}%",
-                f"of available memory ({verdict})")
+        shown = _three_digits(fraction * 100)
+        if fraction > 1 and shown == "100":  # 100.0003% in three digits: more than is available, read as all of it
+            shown = ">100"
+        add_row(f"{_count(int(n))} session{'s' if n != '1' else ''}", f"{shown}%", f"of available memory ({verdict})")
     title = visible(f"capacity plan: {data['config']} (pipeline {data['pipeline']}, {plan.dtype})")
     return Group(Text(title, style="" if plain else "bold"), table)
