@@ -19,10 +19,12 @@ time, one torch thread; target <= 5%). Everything ardiff does beyond the bare fo
 
 Profile (reported, not the verdict): a second pass wraps the KV core's calls
 with timers and splits each request into ``runner`` (outside
-``pipeline.forward`` and the KV calls), ``kv`` (inside ``get_kv_caches``, ``commit``,
+``pipeline.forward``, the pipeline's input parse and the KV calls), ``kv`` (inside ``get_kv_caches``, ``commit``,
 ``adapter``, ``has_cross_attention``, ``cross_attention``, ``reset``,
 ``populate_cross_attention`` less the generator's projections, ``attend``
-less the attention math, and ``store``) and ``model`` (the rest). The timers' own cost
+less the attention math, and ``store``) and ``model`` (the rest, and the parse
+``check_ar_diffusion_request`` runs before the runner routes the request: the
+bare ``pipeline.step`` parses as well, and the forward takes its result). The timers' own cost
 (calibrated, times the number of timed calls) is charged to the overhead and
 the wrappers slow what they time, so ``profile.overhead`` is an upper bound;
 it shows where the time goes.
@@ -222,6 +224,15 @@ def profile(pipe, runner, geometry: dict, first_index: int) -> dict:
     forward_time = [0.0]
     forward_kv = [0.0]  # KV time inside the forward, timers included: the runner's own KV calls are its share
     real_forward = pipe.forward
+    parse_time = [0.0]
+    real_check = pipe.check_ar_diffusion_request
+
+    def timed_check(request):  # the pipeline parses the inputs here, before the runner routes the request
+        start = clock()
+        try:
+            return real_check(request)
+        finally:
+            parse_time[0] = clock() - start
 
     def timed_forward(request):
         kv_before, calls_before = recorder.kv, recorder.calls
@@ -234,7 +245,7 @@ def profile(pipe, runner, geometry: dict, first_index: int) -> dict:
 
     rows = []
     kv_by_name: dict[str, float] = defaultdict(float)
-    pipe.forward = timed_forward
+    pipe.forward, pipe.check_ar_diffusion_request = timed_forward, timed_check
     try:
         with instrumented(recorder):
             for index in range(first_index, first_index + geometry["profile_requests"]):
@@ -246,14 +257,16 @@ def profile(pipe, runner, geometry: dict, first_index: int) -> dict:
                 total = clock() - start
                 timers = recorder.calls * per_call
                 kv = recorder.kv + timers
-                # the runner's KV calls (a session's view after its request) count once, as KV, not as runner too
-                rows.append({"total": total, "forward": forward_time[0],
-                             "runner": total - forward_time[0] - (kv - forward_kv[0]),
-                             "kv": kv, "model": forward_time[0] - forward_kv[0], "timers": timers})
+                # the runner's KV calls (a session's view after its request) count once, as KV, not as runner too;
+                # the parse is the pipeline's (pipe.step parses too; the forward takes the check's result)
+                model = forward_time[0] + parse_time[0]
+                rows.append({"total": total, "forward": forward_time[0], "parse": parse_time[0],
+                             "runner": total - model - (kv - forward_kv[0]),
+                             "kv": kv, "model": model - forward_kv[0], "timers": timers})
                 for name, seconds in recorder.kv_by_name.items():
                     kv_by_name[name] += seconds
     finally:
-        del pipe.forward  # back to the class method
+        del pipe.forward, pipe.check_ar_diffusion_request  # back to the class methods
 
     sums = {key: sum(row[key] for row in rows) for key in rows[0]}
     return {
