@@ -5551,14 +5551,14 @@ def test_a_signal_before_the_rollout_takes_the_signals_ends_it_as_ctrl_c_does_wi
     # its read of run.json waits, as on a hung mount: the signal comes then
     returncode, error = stopped_while_held(env, ["rollout", "--resume", "--out", str(run), "--no-warmup"],
                                            run / "run.json", REPO, signum)
-    again = f"ardiff rollout --resume --out {run}"
+    again = f"ardiff rollout --resume --out {run} --no-warmup"  # as given: its warmup is ahead
     said = f"interrupted by {signal.Signals(signum).name}"
     assert (returncode, error) == (code, {"kind": "interrupted", "message": said, "hint": f"continue with: {again}",
                                           "exit_code": code})
     assert (run / "results.jsonl").read_bytes() == results
     (run / "run.json").unlink()
     shutil.copy(reference / "run.json", run / "run.json")
-    proc = pasted(env, f"{again} --no-warmup", REPO)
+    proc = pasted(env, again, REPO)
     assert proc.returncode == 0, proc.stderr
     assert len(records(run)) == len(lines) and all(r["status"] == "ok" for r in records(run))
 

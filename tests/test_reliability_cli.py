@@ -935,6 +935,79 @@ def test_a_resume_stopped_as_its_model_loads_gives_the_resume_with_the_warmup_it
     assert json.loads((run / "run.json").read_text()) == recorded  # stopped before it wrote its own
 
 
+@pytest.mark.parametrize("form", ["plain", "json"])
+def test_a_resume_given_no_warmup_stopped_as_it_reads_run_json_keeps_it(env, reference, tmp_path, form):
+    """A resume given --no-warmup stopped before it takes the signals, as it reads a run.json that blocks as on a hung
+    mount (a FIFO no one writes yet): its hint gave the resume without --no-warmup, where one stopped as its model
+    loads keeps it, and pasted it ran the warmup the user had skipped. Pasted once run.json is back, the resume given
+    finishes the run with no warmup request."""
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    (run / "run.json").unlink()
+    os.mkfifo(run / "run.json")
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-1]))  # its last step runs again
+    proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run),
+                             "--pipeline", PIPELINE, "--no-warmup", "--format", form], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    writer = None
+    try:
+        writer = open_to_write(proc, run / "run.json")
+        wait_reading(proc, run / "run.json")
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        if writer is not None:
+            os.close(writer)
+    again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE} --no-warmup"  # run.json not read: no folders
+    assert proc.returncode == 130, stderr
+    assert stderr.splitlines()[-2:] == ["Error: interrupted by SIGINT", f"hint: continue with: {again}"], stderr
+    if form == "json":
+        assert json.loads(stdout.splitlines()[-1])["hint"] == f"continue with: {again}", stdout
+    (run / "run.json").unlink()
+    shutil.copy(reference / "run.json", run / "run.json")
+    from test_cli_rollout import pasted
+
+    proc = pasted(env, again, REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert "__ardiff_warmup__" not in proc.stderr, proc.stderr  # no warmup request ran
+    assert len(records(run)) == len(lines) and all(r["status"] == "ok" for r in records(run))
+
+
+@pytest.mark.parametrize("form", ["plain", "json"])
+def test_a_resume_given_no_warmup_whose_run_json_write_fails_keeps_it(env, reference, tmp_path, form):
+    """A resume given --no-warmup whose run.json cannot be written (here past a file-size limit, ulimit -f: a full
+    disk alike), after its model loaded and before its warmup: its hint gave the resume without --no-warmup, where
+    a stop or a failure as its model loads keeps it. Pasted with no limit, the resume given finishes the run with no
+    warmup request."""
+    import resource
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-1]))  # its last step runs again
+    recorded = (run / "run.json").read_bytes()
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run),
+                           "--pipeline", PIPELINE, "--no-warmup", "--format", form], cwd=REPO, env=env, text=True,
+                          capture_output=True, timeout=300,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64)))
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} --no-warmup"
+    hint = (f"hint: a file reached this process's file-size limit of 64 bytes (ulimit -f): raise it (ulimit -f "
+            f"unlimited), then continue with: {again}")
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines()[-2:] == [f"Error: cannot write {run}/run.json: File too large", hint], proc.stderr
+    if form == "json":
+        assert json.loads(proc.stdout.splitlines()[-1])["hint"] == hint.removeprefix("hint: "), proc.stdout
+    assert (run / "run.json").read_bytes() == recorded  # the old one, whole
+    from test_cli_rollout import pasted
+
+    proc = pasted(env, again, REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert "__ardiff_warmup__" not in proc.stderr, proc.stderr  # no warmup request ran
+    assert len(records(run)) == len(lines) and all(r["status"] == "ok" for r in records(run))
+
+
 def test_a_resume_given_no_warmup_that_fails_as_its_model_loads_gives_the_resume_with_it(env, data, tmp_path):
     """A resume given --no-warmup (a warmup stopped as too long, its hint pasted) that runs out of memory as its model
     loads: the resume its hint gave to paste ran the warmup it was given to skip, as a stop there did before."""

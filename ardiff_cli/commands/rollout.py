@@ -270,9 +270,11 @@ def rollout(
                 raise
             stop = Interrupted(signal_of(exc))
             # run.json read: the run's --pipeline and the folders this resume found its module on, as a later stop's
-            # resume carries them (run.json's, where it was not looked up yet: never here, see found_again)
-            stop.hint = continue_with(again if folder.info_read is None else
-                                      folder.found_again or recorded_resume(again, folder.info_read))
+            # resume carries them (run.json's, where it was not looked up yet: never here, see found_again); its warmup
+            # is ahead, as for a stop as its model loads: given --no-warmup, the resume gives it too
+            stop.hint = continue_with(_before_warmup(again if folder.info_read is None else
+                                                     folder.found_again or recorded_resume(again, folder.info_read),
+                                                     warmup))
             raise stop from None
 
 
@@ -1272,7 +1274,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
 
     def resume_now() -> ResumeCommand:
         """The resume to paste as things stand: before the warmup of a run given --no-warmup, one that skips it."""
-        return p.resume if warmed_up or warmup else _without_warmup(p.resume)
+        return p.resume if warmed_up else _before_warmup(p.resume, warmup)
 
     try:
         signals = StopSignals(notice=_stop_notice(output, monitor))
@@ -1329,7 +1331,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                         output.warning(_build_changes_warning(changes, p.out_dir / RUN_FILE))
                     resumed = _resumed_info(recorded, p)
                     _write_run_info(lambda: atomic_write_json(p.out_dir / RUN_FILE, resumed), p.out_dir / RUN_FILE,
-                                    resume=p.resume)
+                                    resume=resume_now())
                     run.wrote_info(resumed)  # the driver's episode paths, and the journal's, are these
                 else:
                     default = _default_checkpoint(p.cfg)  # named: another ardiff's may round otherwise
@@ -1450,6 +1452,13 @@ def _without_warmup(resume: ResumeCommand) -> ResumeCommand:
     or failed in its warmup, or before the warmup of a run given ``--no-warmup``. Never in ``resume.given``, which
     every hint of the resume carries: a resume given ``--no-warmup`` gives its next one the warmup back once past it."""
     return replace(resume, given=(*resume.given, "--no-warmup"))
+
+
+def _before_warmup(resume: ResumeCommand, warmup: bool) -> ResumeCommand:
+    """The resume a stop or failure gives to paste before the warmup of a resume given ``--warmup/--no-warmup``
+    (``warmup``): from a stop as it reads its run folder (before it takes the signals) until past its warmup, one given
+    ``--no-warmup`` gives it again, so that the resume pasted does not run the warmup this one was given to skip."""
+    return resume if warmup else _without_warmup(resume)
 
 
 def _warm_up(engine: Any, signals: Any, monitor: Any) -> None:
