@@ -390,26 +390,31 @@ def report(out: Output, exc: BaseException) -> int:
             out.traceback(exc)
             for line in getattr(exc, "details", ()):  # what the message left out (a checkpoint's every key)
                 out.debug(line)
-        out.error(message, hint, exit_code=code, kind=rule.label, notes=notes_of(exc))
+        out.error(message, hint, exit_code=code, kind=rule.label, notes=reported_notes(exc))
     elif isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM or SIGHUP before a command took them (entry.Stopped)
         out.error(interrupted_message(signal_of(exc)), None, exit_code=code, kind="interrupted")
     else:
         out.traceback(exc)
         out.error(f"unexpected {type(exc).__name__}: {exc}",
                   "this is a bug in ardiff; please report it with the traceback above", exit_code=code, kind="bug",
-                  notes=notes_of(exc))
+                  notes=reported_notes(exc))
     return code
 
 
 def carry_notes(error: BaseException, cause: BaseException) -> None:
-    """Give ``error``, raised in place of ``cause``, the notes of ``cause`` (``notes_of``), after its own: the Error
-    line and the JSON a user reads are ``error``'s, and only the traceback (``--verbose``) showed those of ``cause``.
-    All but the runtime's on what became of the request's session (``SESSION_NOTES``: released, or as it was): the
-    step error's hint says what comes next for its episode, which does not go on (they said its next request starts
-    afresh)."""
-    for note in notes_of(cause):
-        if not note.endswith(SESSION_NOTES):
-            error.add_note(note)
+    """Give ``error``, raised in place of ``cause``, the notes of ``cause`` (``reported_notes``), after its own: the
+    Error line and the JSON a user reads are ``error``'s, and only the traceback (``--verbose``) showed those of
+    ``cause``."""
+    for note in reported_notes(cause):
+        error.add_note(note)
+
+
+def reported_notes(exc: BaseException) -> list[str]:
+    """The notes of ``exc`` a user is shown: all but the runtime's on what became of the request's session
+    (``SESSION_NOTES``: released, or as it was). A command's request has no next one in that session: a failed step's
+    hint says what comes next for its episode, which does not go on, and a stop's notice that the episode replays on
+    --resume (they said its next request starts afresh)."""
+    return [note for note in notes_of(exc) if not note.endswith(SESSION_NOTES)]
 
 
 def notes_of(exc: BaseException) -> list[str]:

@@ -1821,6 +1821,9 @@ def test_a_second_signal_in_a_forward_keeps_the_other_resident_session_and_repla
     assert proc.returncode == 143, stderr
     assert [(r["episode"], r["step"]) for r in records(run)] == [("arm_a", 0), ("arm_b", 0), ("arm_a", 1)]
     assert re.search(r"closed +arm_b forward_exception", stderr), stderr
+    # Its Error line had the runtime's note on the session ("its history is gone, and its next request starts
+    # afresh"), which its notice had already put right: the episode replays on --resume
+    assert re.search(r"Error: interrupted by SIGTERM\nhint: ", stderr) and "note:" not in stderr, stderr
     assert {name: entry["steps"] for name, entry in kept_snapshots(run).items()} == {"arm_a": 2}
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", FAULTY, "--no-warmup", "--format",
                   "plain")
