@@ -2524,6 +2524,23 @@ def test_a_run_folder_given_as_config_hints_its_resume(tmp_path, cli_env):
                                 "--format plain\n")
 
 
+def test_a_folder_of_several_run_folders_given_to_resume_without_out_hints_resume_out_run(tmp_path, cli_env):
+    # `ardiff rollout --resume runs` (two runs in it) hinted "the run printed it as 'outputs: DIR'", not the
+    # `--resume -o RUN` that the same folder given as CONFIG or EPISODE is hinted
+    (tmp_path / "runs").mkdir()
+    for name in ("eval1", "eval2"):
+        a_run_of(tmp_path / "runs" / name, [episode(tmp_path / f"arm_{name}", 1)])
+    for given in (["--resume", "runs"], ["runs"], ["dreamzero-tiny", "runs"]):
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", *given, "--format", "plain"],
+                              env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        assert _hint(proc.stderr).endswith(": ardiff rollout --resume -o RUN"), proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "runs", "--format", "plain"],
+                          env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert _hint(proc.stderr) == ("runs is a folder of ardiff run folders: give one of its runs as --out, not as "
+                                  "CONFIG or EPISODE: ardiff rollout --resume -o RUN"), proc.stderr
+
+
 # what a run folder's hint says of a .lock holding the pid 12345 alone, which no process holds (a stopped rollout's)
 PID_ALONE = ("its .lock holds only the pid of the rollout that wrote it (12345: an older ardiff, or a resume, records "
              "no more), and no process holds its lock: that rollout has ended")

@@ -299,6 +299,10 @@ def _refuse_resume_without_out(arguments: list[Any], given: tuple[str, ...], cap
                      else f"{found.what}: give its one run")
             hint = f"{as_typed(Path(argument))} is {which} as --out, not as CONFIG or EPISODE: {again}"
             break
+        if found is not None:  # a folder of several run folders: which of them to resume is the user's to say
+            hint = f"{as_typed(Path(argument))} is {found.what}: give one of its runs as --out, not as CONFIG or " \
+                   f"EPISODE: {found.again}"
+            break
     raise ConfigError("--resume needs --out DIR: the folder of the run to continue", hint=hint)
 
 
