@@ -14,6 +14,7 @@ import os
 import pickle
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -2489,6 +2490,27 @@ def test_a_run_file_that_is_a_folder_or_cannot_be_read_is_named_on_resume(tmp_pa
     assert "Traceback" not in proc.stderr and "planned" not in proc.stderr  # refused before the model loads
 
 
+def test_resume_out_a_folder_of_run_folders_hints_which_to_give_not_a_new_run_among_them(tmp_path, cli_env):
+    # `ardiff rollout --resume -o runs` (runs holding run folders, no run itself) hinted "run without --resume to
+    # start a run in this folder": a new run among the old ones. It hints what the same folder given without -o,
+    # as CONFIG or as EPISODE, is hinted: `--resume -o RUN`, or the resume of the one run it holds.
+    (tmp_path / "runs").mkdir()
+    for name in ("eval1", "eval2"):
+        a_run_of(tmp_path / "runs" / name, [episode(tmp_path / f"arm_{name}", 1)])
+    command = [sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "-o", "runs", "--format"]
+    proc = subprocess.run([*command, "plain"], env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (f"Error: nothing to resume: {Path('runs', 'run.json')} does not exist\nhint: runs is a "
+                           "folder of ardiff run folders: give one of its runs as --out: ardiff rollout --resume -o "
+                           "RUN\n")
+    shutil.rmtree(tmp_path / "runs" / "eval2")
+    proc = subprocess.run([*command, "json"], env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert json.loads(proc.stdout)["hint"] == ("runs is a folder of ardiff run folders: give its one run as --out: "
+                                               f"ardiff rollout --resume --out {Path('runs', 'eval1')}"), proc.stdout
+    assert sorted(os.listdir(tmp_path / "runs")) == ["eval1"]  # refused before anything was written there
+
+
 def test_resume_given_an_episode_folder_first_says_it_is_a_folder(tmp_path, cli_env):
     # `ardiff rollout --resume -o RUN data/arm_a` read "config file not found: data/arm_a" of a folder that is
     # there (without --resume the same mistake says that CONFIG is a folder).
@@ -2687,6 +2709,37 @@ def test_a_run_stopped_while_its_model_loads_hints_what_works_pasted_as_it_is(tm
                        f"{resume}"]
     pasted = _pasted(resume, tmp_path, cli_env)
     assert pasted.returncode == 0 and (run / "summary.json").is_file(), pasted.stderr
+
+
+def test_a_run_refused_for_its_memory_budget_is_hinted_what_to_change_not_the_same_rollout(tmp_path, cli_env):
+    # A new run whose one session does not fit its budget is refused as its model loads (exit 3), leaving only the
+    # .lock that records its rollout. Its folder, given to --resume -o, as CONFIG or in a folder of runs, was hinted
+    # "its model was loading when it stopped" and that rollout to start it again: refused, pasted, the same way.
+    # The hints say the refusal's own advice, and that the rollout is to be changed so.
+    episode(tmp_path / "arm_a", 1)
+    command = [sys.executable, "-m", "ardiff_cli", "rollout"]
+    refused = "ardiff rollout dreamzero-tiny {arm} --memory-budget {budget} --no-warmup --out runs/eval1"
+    proc = subprocess.run([*command, "dreamzero-tiny", str(tmp_path / "arm_a"), "--memory-budget", "1KB",
+                           "--no-warmup", "--out", "runs/eval1", "--format", "plain"], env=cli_env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr
+    advice = _hint(proc.stderr)
+    assert advice.startswith("plan with a larger --memory-budget"), proc.stderr
+    said = (f"its run was refused as its model loaded ({advice}); change that in the rollout refused, then run it "
+            f"again: {refused.format(arm=tmp_path / 'arm_a', budget='1KB')}")
+    for arguments in (["--resume", "--out", "runs/eval1"], ["runs/eval1"], ["--resume", "runs"]):
+        proc = subprocess.run([*command, *arguments, "--format", "plain"], env=cli_env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        assert _hint(proc.stderr).endswith(said) and "was loading" not in proc.stderr, proc.stderr
+    proc = subprocess.run([*command, "--resume", "--out", "runs/eval1", "--format", "json"], env=cli_env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and json.loads(proc.stdout)["hint"] == said, proc.stdout
+    # changed as the hint says, it runs there; its new start's record has no refusal
+    pasted = _pasted(refused.format(arm=tmp_path / "arm_a", budget="1MiB"), tmp_path, cli_env)
+    assert pasted.returncode == 0, pasted.stderr
+    assert ok_steps(tmp_path / "runs" / "eval1") == {("arm_a", 0)}
+    assert "refused" not in json.loads((tmp_path / "runs" / "eval1" / ".lock").read_text().splitlines()[1])
 
 
 def test_a_restart_hint_pastes_paths_with_a_newline_or_bytes_the_locale_cannot_decode_as_they_are(tmp_path, cli_env):

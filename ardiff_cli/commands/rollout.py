@@ -1310,9 +1310,13 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                                     does_not_fit_hint(p.cfg, p.budget_source, window_helps=exc.window_helps))
                     elif resume:  # the runner's hint says a smaller window, model or dtype: --resume refuses them
                         exc.hint = to_paste(RESUME_LOAD_HINT, resume_now())
+                    if not resume and exc.hint:  # the rollout its .lock records is refused the same way: the
+                        run.record_refusal(exc.hint)  # folder's hints say what to change in it
                     raise
                 except BudgetBeyondDeviceError as exc:  # the runner's hint cannot tell the option from the config
                     exc.hint = beyond_device_hint(p.budget_source, resume=resume)
+                    if not resume:
+                        run.record_refusal(exc.hint)
                     raise
                 except NonFiniteWeightsError as exc:  # a run an ardiff that loaded such weights started
                     if resume and p.cfg.checkpoint is not None:  # its hint says another dtype or checkpoint:

@@ -396,16 +396,23 @@ def _holds_episode(folder: Path) -> bool:
     return any(p.is_file() and is_step_file(p) for p in children) or not any(p.is_dir() for p in children)
 
 
+# the hints' words for the rollout a lock file records, once its load was refused (RunFolder.record_refusal)
+REFUSED_AGAIN = "change that in the rollout refused, then run it again"
+
+
 class FoundRun(NamedTuple):
     """What :func:`run_output` found: ``what`` the folder is, ``again`` the command to paste, and ``why`` (None when
     ``again`` is the resume that finishes its run): why nothing there resumes, ``again`` then the rollout that starts
     the run again (None while the run is loading its model now), which a hint words as :attr:`restart`; ``run``: the
-    run folder they are of, where ``what`` is the folder of run folders that holds it alone."""
+    run folder they are of, where ``what`` is the folder of run folders that holds it alone; ``refused``: that
+    rollout's load was refused (:meth:`RunFolder.record_refusal`), so ``again`` is the command to change, not to run
+    as it is."""
 
     what: str
     again: ResumeCommand | str | None
     why: str | None = None
     run: Path | None = None
+    refused: bool = False
 
     @property
     def restart(self) -> str:
@@ -413,6 +420,8 @@ class FoundRun(NamedTuple):
         which = "it" if self.run is None else f"its one run, {as_typed(self.run)},"
         if self.again is None:
             return f"{which} has no run.json yet: {self.why}"
+        if self.refused:
+            return f"{which} has no run.json: {self.why}; {REFUSED_AGAIN}: {self.again}"
         return f"{which} has no run.json: {self.why}; to start its run again: {self.again}"
 
 
@@ -448,6 +457,10 @@ def run_output(folder: Path, *, config: str | None = None, episodes: Iterable[Pa
                         why=f"its model is loading now, in another ardiff rollout{pid} that writes run.json once it "
                             f"has loaded; wait for that rollout to end, or stop it{kill}, then give this command again")
     again = run.restart_command()
+    refused = None if again is None else run.recorded_refusal()
+    if refused is not None:  # the same rollout is refused the same way: what to change in it
+        return FoundRun("an ardiff run folder", again, why=f"its run was refused as its model loaded ({refused})",
+                        refused=True)
     if again is None:
         others = [str(e) for e in episodes if os.path.abspath(e) != os.path.abspath(folder)]
         # a .lock that is no file (a FIFO, a folder) refuses the rollout until it is removed

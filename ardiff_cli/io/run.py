@@ -173,6 +173,7 @@ class RunFolder:
         # wrote_info), under the lock, with every line of the journal in it; forgotten by close()
         self._paths: dict[str, str] | None = None
         self._lock: int | None = None  # descriptor holding the folder's flock (see lock())
+        self._start: dict[str, Any] | None = None  # the record lock() wrote after the pid (a new run's start)
         self._identity: tuple[int, int] | None = None  # the locked folder's (device, inode): see moved()
         self._swap_lock: int | None = None  # descriptor holding the swap folder's flock, when it was there already
         # (run.json's and episodes.jsonl's signatures as the last read_info() found them before reading, a copy of
@@ -390,12 +391,19 @@ class RunFolder:
             again = self.restart_command()  # only the .lock of a run stopped while its model loaded
             # a new run there is refused too, until it is removed (a link to nothing as well: it is not followed)
             kind = self.lock_file_kind() or link_to_nothing(self.root / LOCK_FILE)
-            start = ("run without --resume to start a run in this folder" if kind is None else
-                     f"remove its {LOCK_FILE} ({as_typed(self.root / LOCK_FILE)}: {kind}, not the file ardiff "
-                     "writes), then run without --resume to start a run in this folder")
-            raise ConfigError(f"nothing to resume: {as_typed(path)} does not exist",
-                              hint=start if again is None else
-                                   f"its model was loading when its run stopped; to start that run again: {again}")
+            refused = None if again is None else self.recorded_refusal()
+            if refused is not None:  # pasted as it is, that rollout is refused the same way: what to change in it
+                from ardiff_cli.io.episode import REFUSED_AGAIN
+
+                hint = f"its run was refused as its model loaded ({refused}); {REFUSED_AGAIN}: {again}"
+            elif again is not None:
+                hint = f"its model was loading when its run stopped; to start that run again: {again}"
+            elif kind is not None:
+                hint = (f"remove its {LOCK_FILE} ({as_typed(self.root / LOCK_FILE)}: {kind}, not the file ardiff "
+                        "writes), then run without --resume to start a run in this folder")
+            else:  # a folder of run folders: a new run there would be one more among them
+                hint = _folder_of_runs_hint(self.root) or "run without --resume to start a run in this folder"
+            raise ConfigError(f"nothing to resume: {as_typed(path)} does not exist", hint=hint)
         try:
             with open(path, "rb") as f:  # not open_file: a FIFO here waits, as a hung network mount does
                 raw = read_capped(f)
@@ -637,6 +645,7 @@ class RunFolder:
             os.ftruncate(fd, 0)
             record = "" if start is None else json.dumps(dict(start)) + "\n"
             os.write(fd, f"{os.getpid()}\n{record}".encode())
+            self._start = None if start is None else dict(start)
         except OSError as exc:  # a full disk: it was 'an unexpected OSError ... a bug in ardiff'
             os.close(fd)
             if exc.errno == errno.EFBIG:  # past the file-size limit, no disk full: handle_errors (file_size_hint)
@@ -875,6 +884,29 @@ class RunFolder:
             os.close(fd)  # releases the shared lock, if it was taken
         return None
 
+    def record_refusal(self, hint: str) -> None:
+        """Record in the lock file, after a new run's start, that its load was refused, with the refusal's ``hint``
+        (what to change: a session that does not fit the memory budget): the rollout its lock file records, pasted
+        as it is, is refused the same way, so the hints given for this folder say what to change in it
+        (:meth:`recorded_refusal`). Nothing where this process holds no lock it wrote a start in; a write that fails
+        (a full disk) may leave the record cut, which the hints then say they cannot read."""
+        if self._lock is None or self._start is None:
+            return
+        with contextlib.suppress(OSError):
+            os.pwrite(self._lock, f"{os.getpid()}\n{json.dumps({**self._start, 'refused': hint})}\n".encode(), 0)
+
+    def recorded_refusal(self) -> str | None:
+        """The hint of the refusal of the load of the new run this folder's lock file records
+        (:meth:`record_refusal`), else None."""
+        try:
+            text = self._lock_text()
+            lines = [] if text is None else text.split(b"\n")
+            record = json.loads(lines[1]) if len(lines) > 2 else None
+        except (OSError, ValueError):
+            return None
+        refused = record.get("refused") if isinstance(record, dict) else None
+        return refused if isinstance(refused, str) else None
+
     def recorded_start(self) -> tuple[list[str], list[str]] | None:
         """The arguments of the rollout that starts this folder's run again, as :meth:`lock` recorded them (config
         and episodes absolute, or a built-in config's name; the options given), and the folders its --pipeline
@@ -930,6 +962,26 @@ class RunFolder:
         if self._swap_lock is not None and not keep_lock:
             os.close(self._swap_lock)
             self._swap_lock = None
+
+
+def _folder_of_runs_hint(folder: Path) -> str | None:
+    """The hint of a resume given as --out a folder of run folders (``-o ardiff-runs``), whose own run.json does not
+    exist: the resume of its one run, else to give one of its runs (a run without --resume would start a new one
+    among them); None for another folder, or one holding no run (an empty ``ardiff-runs``)."""
+    from ardiff_cli.io.episode import run_output
+
+    found = run_output(folder)
+    if found is None or found.what != "a folder of ardiff run folders":
+        return None
+    try:
+        if not any(not name.startswith(".") for name in os.listdir(folder)):
+            return None
+    except OSError:
+        return None
+    if found.why is not None:  # its one run holds only a .lock: nothing of it to resume
+        return f"{as_typed(folder)} is {found.what}; {found.restart}"
+    which = "its one run" if isinstance(found.again, ResumeCommand) else "one of its runs"
+    return f"{as_typed(folder)} is {found.what}: give {which} as --out: {found.again}"
 
 
 def recorded_resume(resume: ResumeCommand, info: Mapping[str, Any]) -> ResumeCommand:
