@@ -3588,6 +3588,14 @@ def test_a_resume_under_another_ardiff_torch_or_thread_count_warns_naming_each_a
         assert len(records(run)) == len(lines)
         return proc, json.loads(proc.stdout.splitlines()[-1])
 
+    def other_warnings(stderr: str) -> list[str]:
+        """The warnings but the first that names torch_threads and the one a replay under two threads may give (on
+        some CPUs it rounds the step's outputs otherwise than the one thread that wrote them, as the first says)."""
+        lines = [line for line in stderr.splitlines() if line.startswith("warning:")]
+        named = [line for line in lines if "torch_threads 1, now 2" in line]
+        return [line for line in lines if line not in named[:1]
+                and "replayed to rebuild its session, returned other outputs than" not in line]
+
     proc, summary = resume(info, "1")  # the same: no word
     assert "warning" not in proc.stderr and summary["resume_changes"] == {}, proc.stderr
     assert_same_outputs(reference, run)
@@ -3595,7 +3603,7 @@ def test_a_resume_under_another_ardiff_torch_or_thread_count_warns_naming_each_a
     assert (f"warning: {run / 'run.json'}: torch_threads 1, now 2: the outputs of the steps left may differ in the "
             "last bits from those of an uninterrupted run (the steps done are kept as they are); resume with "
             "OMP_NUM_THREADS=1 for outputs identical to an uninterrupted run's\n") in proc.stderr, proc.stderr
-    assert proc.stderr.count("warning:") == 1, proc.stderr
+    assert other_warnings(proc.stderr) == [], proc.stderr  # said once
     assert summary["kind"] == "summary" and summary["resume_changes"] == {"torch_threads": {"recorded": 1, "now": 2}}
     assert json.loads((run / "summary.json").read_text())["resume_changes"] == summary["resume_changes"]
     older = {**info, "ardiff_version": "0.0.9", "torch_version": "2.12.0"}  # what the versions before would write
@@ -3608,7 +3616,7 @@ def test_a_resume_under_another_ardiff_torch_or_thread_count_warns_naming_each_a
     assert json.loads((run / "run.json").read_text())["torch_version"] == "2.12.0"  # the run's: a later resume warns
     unrecorded = {k: v for k, v in info.items() if k not in ("ardiff_version", "torch_version", "torch_threads")}
     proc, summary = resume(unrecorded, "2")  # a run.json of an ardiff before the fields: nothing to compare
-    assert "warning" not in proc.stderr and summary["resume_changes"] == {}, proc.stderr
+    assert other_warnings(proc.stderr) == [] and summary["resume_changes"] == {}, proc.stderr
     # nothing left to run: no model loads, no step is made, no word
     proc = ardiff({**env, "OMP_NUM_THREADS": "2"}, "rollout", "--resume", "--out", str(run), "--no-warmup")
     assert proc.returncode == 0 and "nothing left to run" in proc.stderr and "warning" not in proc.stderr
