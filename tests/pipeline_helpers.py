@@ -130,6 +130,7 @@ def open_to_write(proc: subprocess.Popen, fifo: Path) -> int:
             time.sleep(0.01)
 
 
+
 # The numbers of the syscalls the tests watch for, as /proc/PID/syscall writes them, by platform.machine(): x86-64's
 # own table, and aarch64's (the kernel's generic one, asm-generic/unistd.h). A test that waits for one skips on a
 # machine missing here (``syscall_number``): it would poll /proc for a number that never comes, for 5 minutes.
@@ -165,6 +166,23 @@ def wait_reading(proc: subprocess.Popen, fifo: Path) -> None:
                     return
         assert proc.poll() is None and time.monotonic() < deadline, (proc.poll(), call[:2])
         time.sleep(0.001)
+
+
+def stopped_while_reading(proc: subprocess.Popen, fifo: Path, signum: int = signal.SIGINT,
+                          timeout: float = 300) -> tuple[str, str]:
+    """Send ``signum`` to ``proc`` while it waits to read the FIFO ``fifo`` (a hung mount as a test makes one, no one
+    writing it yet) and return its stdout and stderr once it exits; it is killed, and the FIFO's writing end closed,
+    whatever happens."""
+    writer = None
+    try:
+        writer = open_to_write(proc, fifo)
+        wait_reading(proc, fifo)
+        proc.send_signal(signum)
+        return proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+        if writer is not None:
+            os.close(writer)
 
 
 class UntimedFutex:

@@ -887,23 +887,14 @@ def test_a_second_signal_stops_a_command_that_hangs_after_its_first_was_held_in_
     """Ctrl-C held in a ``__set_name__`` (as the resume imports the module that reads run.json), then a run.json that
     blocks as on a hung mount: the held stop waits for the next check, which never comes, and a second Ctrl-C was
     ignored as the first one's stop on its way out (only SIGKILL ended it). The second raises the first's stop."""
-    from pipeline_helpers import open_to_write, wait_reading
+    from pipeline_helpers import stopped_while_reading
 
     (tmp_path / "run").mkdir()
     os.mkfifo(tmp_path / "run" / "run.json")
     proc = subprocess.Popen([sys.executable, "-c", HELD_THEN_HUNG, "ardiff_cli.io.run", "rollout", "--resume",
                              "--out", "run", "--format", "json"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
-    writer = None
-    try:
-        writer = open_to_write(proc, tmp_path / "run" / "run.json")
-        wait_reading(proc, tmp_path / "run" / "run.json")
-        proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-        if writer is not None:
-            os.close(writer)
+    stdout, stderr = stopped_while_reading(proc, tmp_path / "run" / "run.json", timeout=120)
     assert proc.returncode == 130 and "Error: interrupted by SIGINT" in stderr, stderr
     assert "Traceback" not in stderr and json.loads(stdout.splitlines()[-1])["kind"] == "interrupted", stderr
 

@@ -32,7 +32,7 @@ from ardiff_cli.runtime.errors import ResumeCommand, shown
 from ardiff_cli.runtime.kv.backends import install_instructions, vllm_installed
 from ardiff_cli.io.demo import demo_step
 from pipeline_helpers import (HOLD_IMPORT, ardiff_program, on_path, open_to_write, records, stop_inside_a_fault,
-                              wait_for_marker, wait_reading)
+                              stopped_while_reading, wait_for_marker, wait_reading)
 
 REPO = Path(__file__).resolve().parents[1]
 ESC = re.compile(r"\x1b\[")
@@ -5580,16 +5580,7 @@ def stopped_while_held(env, args: list[str], hold: Path, cwd: Path,
     JSON error object it printed."""
     proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", *args, "--format", "json"], cwd=cwd, env=env,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    writer = None
-    try:
-        writer = open_to_write(proc, hold)
-        wait_reading(proc, hold)
-        proc.send_signal(signum)
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-        if writer is not None:
-            os.close(writer)
+    stdout, stderr = stopped_while_reading(proc, hold, signum)
     assert f"Error: interrupted by {signal.Signals(signum).name}" in stderr and "Traceback" not in stderr, stderr
     return proc.returncode, json.loads(stdout.splitlines()[-1])
 

@@ -35,8 +35,8 @@ from ardiff_cli.io import write_episode
 from ardiff_cli.io.demo import demo_step
 from ardiff_cli.runtime.errors import ResumeCommand
 from pipeline_helpers import (HOLD_IMPORT, NOTICE, ardiff_program, on_path, open_to_write, outputs, records,
-                              start_with_fault_files, stop_inside_a_fault, syscall_number, wait_blocked,
-                              wait_for_marker, wait_reading)
+                              start_with_fault_files, stop_inside_a_fault, stopped_while_reading, syscall_number,
+                              wait_blocked, wait_for_marker, wait_reading)
 
 REPO = Path(__file__).resolve().parents[1]
 PIPELINE = "faulty_pipelines:FaultyDreamZero"
@@ -950,16 +950,7 @@ def test_a_resume_given_no_warmup_stopped_as_it_reads_run_json_keeps_it(env, ref
     proc = subprocess.Popen([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "--out", str(run),
                              "--pipeline", PIPELINE, "--no-warmup", "--format", form], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    writer = None
-    try:
-        writer = open_to_write(proc, run / "run.json")
-        wait_reading(proc, run / "run.json")
-        proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-        if writer is not None:
-            os.close(writer)
+    stdout, stderr = stopped_while_reading(proc, run / "run.json")
     again = f"ardiff rollout --resume --out {run} --pipeline {PIPELINE} --no-warmup"  # run.json not read: no folders
     assert proc.returncode == 130, stderr
     assert stderr.splitlines()[-2:] == ["Error: interrupted by SIGINT", f"hint: continue with: {again}"], stderr
