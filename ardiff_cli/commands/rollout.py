@@ -293,15 +293,14 @@ def _refuse_resume_without_out(arguments: list[Any], given: tuple[str, ...], cap
         if found is not None and found.why is not None:  # only its .lock: a resume of it is refused too
             hint = f"{as_typed(Path(argument))} is {found.what}; {found.restart}"
             break
-        if found is not None and isinstance(found.again, ResumeCommand):
-            again = replace(found.again, given=given, session_capacity=capacity)
-            which = ("a run's folder: give it" if found.what == "an ardiff run folder"
-                     else f"{found.what}: give its one run")
+        if found is not None:
+            if isinstance(found.again, ResumeCommand):
+                again = replace(found.again, given=given, session_capacity=capacity)
+                which = ("a run's folder: give it" if found.what == "an ardiff run folder"
+                         else f"{found.what}: give its one run")
+            else:  # a folder of several run folders: which of them to resume is the user's to say
+                again, which = found.again, f"{found.what}: give one of its runs"
             hint = f"{as_typed(Path(argument))} is {which} as --out, not as CONFIG or EPISODE: {again}"
-            break
-        if found is not None:  # a folder of several run folders: which of them to resume is the user's to say
-            hint = f"{as_typed(Path(argument))} is {found.what}: give one of its runs as --out, not as CONFIG or " \
-                   f"EPISODE: {found.again}"
             break
     raise ConfigError("--resume needs --out DIR: the folder of the run to continue", hint=hint)
 

@@ -459,8 +459,7 @@ def run_output(folder: Path, *, config: str | None = None, episodes: Iterable[Pa
     again = run.restart_command()
     refused = None if again is None else run.recorded_refusal()
     if refused is not None:  # the same rollout is refused the same way: what to change in it
-        return FoundRun("an ardiff run folder", again, why=f"its run was refused as its model loaded ({refused})",
-                        refused=True)
+        return FoundRun("an ardiff run folder", again, why=refused, refused=True)
     if again is None:
         others = [str(e) for e in episodes if os.path.abspath(e) != os.path.abspath(folder)]
         # a .lock that is no file (a FIFO, a folder) refuses the rollout until it is removed

@@ -395,7 +395,7 @@ class RunFolder:
             if refused is not None:  # pasted as it is, that rollout is refused the same way: what to change in it
                 from ardiff_cli.io.episode import REFUSED_AGAIN
 
-                hint = f"its run was refused as its model loaded ({refused}); {REFUSED_AGAIN}: {again}"
+                hint = f"{refused}; {REFUSED_AGAIN}: {again}"
             elif again is not None:
                 hint = f"its model was loading when its run stopped; to start that run again: {again}"
             elif kind is not None:
@@ -896,8 +896,8 @@ class RunFolder:
             os.pwrite(self._lock, f"{os.getpid()}\n{json.dumps({**self._start, 'refused': hint})}\n".encode(), 0)
 
     def recorded_refusal(self) -> str | None:
-        """The hint of the refusal of the load of the new run this folder's lock file records
-        (:meth:`record_refusal`), else None."""
+        """Why the rollout this folder's lock file records is refused again as it is, where :meth:`record_refusal`
+        recorded its load's refusal (``its run was refused as its model loaded (HINT)``), else None."""
         try:
             text = self._lock_text()
             lines = [] if text is None else text.split(b"\n")
@@ -905,7 +905,7 @@ class RunFolder:
         except (OSError, ValueError):
             return None
         refused = record.get("refused") if isinstance(record, dict) else None
-        return refused if isinstance(refused, str) else None
+        return f"its run was refused as its model loaded ({refused})" if isinstance(refused, str) else None
 
     def recorded_start(self) -> tuple[list[str], list[str]] | None:
         """The arguments of the rollout that starts this folder's run again, as :meth:`lock` recorded them (config
