@@ -38,13 +38,13 @@ from ardiff_cli.runtime.errors import (
     RequestError,
     StopRequested,
 )
+from ardiff_cli.runtime.forward_errors import MissingInputError
 from ardiff_cli.runtime.kv.cache import ARDiffusionKVCache
 from ardiff_cli.runtime.request import DEFAULT_SESSION_ID, ARDiffusionRequest
 from ardiff_cli.runtime.runner import (
     WARMUP_SESSION_ID,
     ARDiffusionModelRunner,
     LifecycleHookError,
-    MissingInputError,
     PipelineContractError,
 )
 
