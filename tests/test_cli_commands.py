@@ -1148,6 +1148,24 @@ def test_inspect_capacity_never_shows_sessions_that_need_more_than_the_available
     assert re.search(r"^2 sessions +>100% +of available memory \(does not fit\)", result.stdout, re.M), result.stdout
 
 
+@pytest.mark.parametrize("config", ["dreamzero-tiny", "self-forcing-1.3b"])
+def test_inspect_capacity_never_shows_sessions_over_budget_at_the_budgets_own_percentage(config):
+    """Two sessions needing 90.01% of a --memory-budget read `2 sessions  90%  of available memory (over budget)` at
+    --gpu-memory-fraction 0.9: three digits round 90.01% to 90, the budget itself. They read '>90%', by the rule
+    that gives '>100%' to a share just past the memory available; a share just under 90% that fits reads '90%'."""
+    two = plan_capacity(load_config(config).kv_cache_spec(), "bfloat16", 1 << 40, 0.9).required_bytes(2)
+
+    def row(budget: int) -> str:
+        result = runner.invoke(app, ["inspect-capacity", config, "--memory-budget", str(budget), "--dtype", "bfloat16",
+                                     "--gpu-memory-fraction", "0.9", "--sessions", "2", "--format", "plain"],
+                               env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.stderr
+        return re.search(r"^2 sessions +(\S+) +of available memory \((.*)\)$", result.stdout, re.M).groups()
+
+    assert row(int(two / 0.9001)) == (">90%", "over budget")
+    assert row(int(two / 0.8999)) == ("90%", "fits")
+
+
 def test_inspect_capacity_shows_an_absurd_available_in_few_digits_and_says_why_one_is_unreadable(tmp_path):
     """--available 1e30 printed '909494701772928256.00 TiB' and '4507211538461538692125700 fit the budget' (then
     '8.67e+11 EiB': it is refused now, past 16EiB, and 16EiB itself prints in few digits); an

@@ -344,6 +344,23 @@ def _three_digits(value: float) -> str:
     return text.rstrip("0").rstrip(".") if "." in text else text  # as .3g writes it: 5, not 5.00
 
 
+def _share(plan: Any, num_sessions: int, verdict: str) -> str:
+    """The share of the available memory ``num_sessions`` sessions need, in three digits, or '>' before them where
+    the row is past a bound (``over_budget``: the budget; ``does_not_fit``: the memory available) and the figure,
+    read as that share of the available memory, is within it: 90.01% at --gpu-memory-fraction 0.9 is '>90', not
+    '90' beside 'over budget', and 100.0003% is '>100', not '100' beside 'does not fit'. The '>' is always true: the
+    bytes needed are a whole number past the bound, so past the figure too."""
+    from decimal import Decimal  # here, not at the top: `ardiff --help` imports this module
+    from fractions import Fraction
+
+    shown = _three_digits(plan.fraction_needed(num_sessions) * 100)
+    bound = {"over_budget": plan.budget_bytes, "does_not_fit": plan.available_bytes}.get(verdict)
+    figure = Fraction(Decimal(shown.replace(",", "")))  # '1,050' or '1.05e+03', exactly as shown
+    if bound is not None and math.floor(figure * plan.available_bytes / 100) <= bound:
+        return f">{shown}"
+    return shown
+
+
 def _count(value: int) -> str:
     """A whole count with thousands separators; past a billion, which only an absurd --available or --sessions gives
     (1e30 bytes: 4507211538461538692125700 sessions of dreamzero-tiny fit), three significant digits: 4.51e+24."""
@@ -414,9 +431,7 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool, *, kernels: tu
         verdict = (f"does not fit: more than the session limit of {_count(plan.session_capacity_limit)}, set by "
                    f"{LIMIT_SOURCES[data['session_limit_source']]}" if verdict == "over_session_limit"
                    else verdict.replace("_", " "))
-        shown = _three_digits(fraction * 100)
-        if fraction > 1 and shown == "100":  # 100.0003% in three digits: more than is available, read as all of it
-            shown = ">100"
-        add_row(f"{_count(int(n))} session{'s' if n != '1' else ''}", f"{shown}%", f"of available memory ({verdict})")
+        add_row(f"{_count(int(n))} session{'s' if n != '1' else ''}", f"{_share(plan, int(n), data['verdict'][n])}%",
+                f"of available memory ({verdict})")
     title = visible(f"capacity plan: {data['config']} (pipeline {data['pipeline']}, {plan.dtype})")
     return Group(Text(title, style="" if plain else "bold"), table)
