@@ -344,6 +344,41 @@ def test_a_model_setting_at_the_top_of_a_config_without_a_pipeline_is_placed_by_
         load_config({"preset": "tiny"}, pipeline="causal_world")
 
 
+@pytest.mark.parametrize(("pipeline", "key", "meant"), [
+    ("dreamzero", "layers", "model.num_layers"),  # as `model: {layers: 8}` says 'num_layers'
+    ("causal_world", "layers", "model.num_layers"),
+    ("dreamzero", "steps", "model.num_inference_steps"),
+    ("dreamzero", "num_thread", "runtime.num_threads"),  # a typo of a runtime setting: its own section
+    ("dreamzero", "modle", "model"),  # a top-level key mistyped stays one
+])
+def test_a_top_level_key_close_to_a_model_or_runtime_key_is_offered_it_with_its_section(pipeline, key, meant):
+    """`layers: 8` at the top of a config got no suggestion, where `model: {layers: 8}` is offered 'num_layers': the
+    top level only looked for the key as it is spelt under model: or runtime:."""
+    settings = "the pipeline's settings go under `model:`" if meant.startswith("model.") else \
+        "runtime settings go under `runtime:`"
+    said = f"did you mean {meant!r}?" + ("" if "." not in meant else f" {settings}")
+    with pytest.raises(ConfigError) as caught:
+        load_config({"pipeline": pipeline, key: 8})
+    assert str(caught.value) == f"<dict>: unknown key {key!r} ({said})"
+
+
+@pytest.mark.parametrize(("pipeline", "key"), [
+    ("dreamzero", "page_size"),  # the KV page: two letters off 'image_size'
+    ("causal_world", "page_size"),  # merely close to 'patch_size'
+    ("dreamzero", "block_size"),
+    ("dreamzero", "hidden_size"),  # not 'image_size'
+    ("dreamzero", "timesteps"),  # not 'timestep_shift' (a letter past a word of it)
+    ("causal_world", "frames_per_request"),  # dreamzero's, not causal_world's 'frames_per_block'
+    ("dreamzero", "stride"),  # 'vae_stride' or 'temporal_stride': one of two is a guess
+])
+def test_a_top_level_key_merely_close_to_a_model_key_is_offered_none(pipeline, key):
+    """A key at the top of a config is offered a model or runtime key only where it is a typo of it or each of its
+    words is one of it: one merely close to it is more likely something else, and a wrong suggestion misleads."""
+    with pytest.raises(ConfigError) as caught:
+        load_config({"pipeline": pipeline, key: 8})
+    assert str(caught.value) == f"<dict>: unknown key {key!r}"
+
+
 def test_a_model_error_under_a_pipeline_class_does_not_blame_a_config_naming_an_unregistered_pipeline():
     """README, 'Adding a pipeline': a config saying `pipeline: my_world` is tried before packaging with
     `--pipeline my_lab.models:MyPipeline`. A mistake in its model: section said "the config is for pipeline

@@ -18,6 +18,7 @@ A config file::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.resources
 import re
@@ -39,6 +40,7 @@ from ardiff_cli.runtime.errors import (
     ConfigError,
     PipelineError,
     as_typed,
+    close_match,
     did_you_mean,
     expand_home,
     field_error,
@@ -48,6 +50,7 @@ from ardiff_cli.runtime.errors import (
     quoted,
     shown,
     too_many_open_files,
+    typo_or_words_of,
     unencodable,
     weights_in_folder,
     yaml_key_note,
@@ -611,7 +614,8 @@ def _model_setting_in_runtime(runtime_data: Any, entry: PipelineEntry, where: st
 def _misplaced_key(key: str, data: dict[str, Any], pipeline: str | None, where: str) -> str:
     """' (did you mean ...?)' for an unknown top-level key: a runtime setting, or a key with its value that the
     pipeline's ``Config.from_dict`` takes (`preset: tiny` for `model: {preset: tiny}`), either in any case, is named
-    with its section; else the closest top-level key."""
+    with its section; else the closest top-level key; else the closest runtime or model key, with its section, where
+    the key is a typo of it or its words are words of it (`layers`: 'model.num_layers')."""
     setting = _runtime_setting(key)
     if setting is not None:
         return f" (did you mean 'runtime.{setting}'? runtime settings go under `runtime:`)"
@@ -626,7 +630,30 @@ def _misplaced_key(key: str, data: dict[str, Any], pipeline: str | None, where: 
     model_key = _model_setting(entry, key, data.get(key), where)
     if model_key is not None:
         return f" (did you mean 'model.{model_key}'? the pipeline's settings go under `model:`)"
-    return did_you_mean(key, TOP_LEVEL_KEYS)
+    near = did_you_mean(key, TOP_LEVEL_KEYS)
+    if near:
+        return near
+    # else the closest of the runtime settings and the model keys, looked for among both at once (a key as close to
+    # one as to the other gets neither), where it is a typo of it or each of its words is one of it: `layers` is
+    # 'model.num_layers', as under model:, but `page_size` (merely close to 'patch_size') gets nothing
+    sections = {**dict.fromkeys(_model_keys(entry, where), "model"),
+                **dict.fromkeys(RuntimeConfig.__dataclass_fields__, "runtime")}
+    match = close_match(key, sections)
+    if match is None or not typo_or_words_of(key, match):
+        return ""
+    return (f" (did you mean '{sections[match]}.{match}'? "
+            + ("runtime settings go under `runtime:`)" if sections[match] == "runtime"
+               else "the pipeline's settings go under `model:`)"))
+
+
+def _model_keys(entry: PipelineEntry | None, where: str) -> tuple[str, ...]:
+    """The keys the pipeline's model: section suggests from, as its own unknown key does: `preset` where its
+    ``Config.from_dict`` takes one (and not any key), and the settable fields of its dataclass config; else none."""
+    model = getattr(entry, "config_class", None)
+    if entry is None or not dataclasses.is_dataclass(model):
+        return ()
+    preset = _takes(entry, {"preset": None}, where) and not _takes(entry, {"~": None}, where)
+    return (*(("preset",) if preset else ()), *(field.name for field in dataclasses.fields(model) if field.init))
 
 
 def _other_builtin_taking(model_data: dict[Any, Any], entry: PipelineEntry) -> tuple[str, list[str]] | None:

@@ -680,6 +680,17 @@ def _within(name: str, match: str) -> bool:
                for a in _WORDS.findall(name))
 
 
+def typo_or_words_of(name: str, match: str) -> bool:
+    """Whether ``match`` is ``name`` with one letter mistyped (:func:`_is_typo`: added, dropped, replaced, or two
+    side by side swapped) or holds each word of it as it is, case ignored: `num_thread` is 'num_threads', `layers` in
+    'num_layers'; `page_size` (two letters off 'image_size', merely close to 'patch_size') and `timesteps` (a letter
+    past a word of 'timestep_shift') are neither. Narrower than :func:`close_match`, for a name looked for among
+    another section's keys, where a name merely close is more likely something else."""
+    name, match = name.casefold(), match.casefold()
+    return (_is_typo(name, match) and _edits(name, match, 1) <= 1) or set(_WORDS.findall(name)) <= set(
+        _WORDS.findall(match))
+
+
 # Words that pick one of a pair: a name with one is another thing than the name without it or with the other side
 _SIDES = frozenset({"negative", "positive", "left", "right", "min", "max", "in", "out", "no", "not", "non"})
 
