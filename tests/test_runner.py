@@ -30,12 +30,14 @@ from ardiff_cli.runtime.events import (
 )
 from ardiff_cli.runtime.errors import (
     PIPELINE_HINT,
+    ArdiffError,
     ArdiffWarning,
     ConfigError,
     EngineStateError,
     ObservationError,
     PipelineError,
     RequestError,
+    RequestModeError,
     StopRequested,
 )
 from ardiff_cli.runtime.forward_errors import MissingInputError
@@ -687,9 +689,9 @@ class _Stepping(TinyPipeline):
 @pytest.mark.parametrize(
     ("pipeline", "kwargs", "error", "match"),
     [
-        (TinyPipeline(), {"max_num_seqs": 4}, ValueError, "request-mode execution only.*max_num_seqs=4"),
-        (TinyPipeline(), {"max_num_seqs": 0}, ValueError, "request-mode execution only.*max_num_seqs=0"),
-        (TinyPipeline(), {"step_execution": True}, ValueError, "request-mode execution only.*step execution"),
+        (TinyPipeline(), {"max_num_seqs": 4}, RequestModeError, "request-mode execution only.*max_num_seqs=4"),
+        (TinyPipeline(), {"max_num_seqs": 0}, RequestModeError, "request-mode execution only.*max_num_seqs=0"),
+        (TinyPipeline(), {"step_execution": True}, RequestModeError, "request-mode execution only.*step execution"),
         (_Batching(), {}, ValueError, "request-mode execution only.*supports_request_batch"),
         (_Stepping(), {}, ValueError, "request-mode execution only.*supports_step_execution"),
         (
@@ -748,11 +750,22 @@ def test_a_session_past_the_free_memory_is_not_told_to_raise_a_budget_it_was_not
 
 
 def test_batch_and_step_entry_points_raise():
+    """They raised a plain RuntimeError, where the load refusal of max_num_seqs=4 raised a plain ValueError: one
+    ardiff error now (with a hint), a RuntimeError and a ValueError still, whose message says what to call instead."""
     runner = make_runner()
-    with pytest.raises(RuntimeError, match="request-mode execution only.*execute_model_batch"):
+    with pytest.raises(RequestModeError, match=r"request-mode execution only.*execute_model_batch\(\) is not "
+                                               r"available$") as batch:
         runner.execute_model_batch([request("a", 0)])
-    with pytest.raises(RuntimeError, match="request-mode execution only.*execute_stepwise"):
+    with pytest.raises(RequestModeError, match=r"request-mode execution only.*execute_stepwise\(\) is not "
+                                               r"available$") as step:
         runner.execute_stepwise(request("a", 0))
+    for caught in (batch, step):
+        assert all(isinstance(caught.value, kind) for kind in (ArdiffError, RuntimeError, ValueError))
+        assert caught.value.hint.startswith("run each request with execute_model(request), one at a time")
+    with pytest.raises(RequestModeError) as load:
+        ARDiffusionModelRunner(TinyPipeline(), memory_budget=BUDGET, max_num_seqs=4).load()
+    assert load.value.hint == ("leave max_num_seqs out (or 1); run each request with execute_model(request), one at "
+                               "a time")
 
 
 def test_requests_before_load_and_reserved_id_are_refused():

@@ -39,6 +39,7 @@ _EXPORTS = {
     "PipelineError": "errors",
     "RequestError": "errors",
     "RequestTypeError": "errors",
+    "RequestModeError": "errors",
     "SessionNotResident": "errors",
     "EngineStateError": "errors",
     "SwapRestoreError": "errors",

@@ -99,6 +99,13 @@ class RequestTypeError(RequestError, TypeError):
     build the right object."""
 
 
+class RequestModeError(RequestError, RuntimeError):
+    """A runner set up or called to run more than one request per forward, which it never does: ``max_num_seqs``
+    other than 1 or ``step_execution=True`` (refused at load), ``execute_model_batch()`` or ``execute_stepwise()``.
+    The hint says what to call instead: ``execute_model(request)``, one request at a time. A ``ValueError`` (as a
+    ``RequestError``) and a ``RuntimeError`` too, as the load refusal and the calls raised before."""
+
+
 class SwapRestoreError(ArdiffError, RuntimeError):
     """A swapped-out session's snapshot could not be restored (a missing, unreadable or corrupt file, or one that
     does not fit this pool or pipeline). The snapshot is deleted and no part of the session stays resident: its

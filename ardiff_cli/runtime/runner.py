@@ -58,6 +58,7 @@ from ardiff_cli.runtime.errors import (
     ObservationError,
     PipelineError,
     RequestError,
+    RequestModeError,
     RequestTypeError,
     SessionNotResident,
     StopRequested,
@@ -112,6 +113,9 @@ REQUEST_MODE_ONLY = (
     "no step execution): batching or stepping requests would bypass bind_ar_diffusion_state(), which binds "
     "exactly one session's KV state around one forward"
 )
+ONE_REQUEST_AT_A_TIME = "run each request with execute_model(request), one at a time"
+
+
 def _require_session_id(method: str, session_id: Any) -> None:
     """A session id argument is a non-empty str: a list or dict raised a plain ``TypeError: unhashable type``."""
     if not isinstance(session_id, str) or not session_id:
@@ -424,9 +428,11 @@ class ARDiffusionModelRunner:
             raise EngineStateError("ARDiffusionModelRunner.load() ran already: its pools are allocated",
                                    hint="load a runner once; close() it and make a new one to reload")
         if self.max_num_seqs != 1:
-            raise ValueError(f"{REQUEST_MODE_ONLY}; got max_num_seqs={self.max_num_seqs}")
+            raise RequestModeError(f"{REQUEST_MODE_ONLY}; got max_num_seqs={self.max_num_seqs}",
+                                   hint=f"leave max_num_seqs out (or 1); {ONE_REQUEST_AT_A_TIME}")
         if self.step_execution:
-            raise ValueError(f"{REQUEST_MODE_ONLY}; step execution was requested")
+            raise RequestModeError(f"{REQUEST_MODE_ONLY}; step execution was requested",
+                                   hint=f"leave step_execution out (or False); {ONE_REQUEST_AT_A_TIME}")
         for flag in ("supports_request_batch", "supports_step_execution"):
             if getattr(self.pipeline, flag, False):
                 raise PipelineModeError(
@@ -736,10 +742,12 @@ class ARDiffusionModelRunner:
             hint="run requests outside the autocast block; for another dtype, set runtime.dtype in the config")
 
     def execute_model_batch(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"{REQUEST_MODE_ONLY}; execute_model_batch is not available")
+        raise RequestModeError(f"{REQUEST_MODE_ONLY}; execute_model_batch() is not available",
+                               hint=ONE_REQUEST_AT_A_TIME)
 
     def execute_stepwise(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"{REQUEST_MODE_ONLY}; execute_stepwise is not available")
+        raise RequestModeError(f"{REQUEST_MODE_ONLY}; execute_stepwise() is not available",
+                               hint=f"{ONE_REQUEST_AT_A_TIME}: it runs the request's whole forward")
 
     def _execute(self, request: ARDiffusionRequest, *, internal: bool) -> Any:
         self._require_loaded()
