@@ -379,6 +379,20 @@ def test_a_top_level_key_merely_close_to_a_model_key_is_offered_none(pipeline, k
     assert str(caught.value) == f"<dict>: unknown key {key!r}"
 
 
+@pytest.mark.parametrize("pipeline", ["dreamzero", "causal_world"])
+@pytest.mark.parametrize("section", ["top", "runtime"])
+def test_a_class_variable_of_the_model_config_is_never_offered_as_a_model_key(pipeline, section):
+    """A model config's ClassVar (``WEIGHT_FIELDS``) is in its ``__dataclass_fields__`` but no key of model:. Written
+    at the top or under runtime:, it was told "did you mean 'model.WEIGHT_FIELDS'?", which model: then refused."""
+    data = {"pipeline": pipeline, **({"WEIGHT_FIELDS": 1} if section == "top" else {"runtime": {"WEIGHT_FIELDS": 1}})}
+    with pytest.raises(ConfigError) as caught:
+        load_config(data)
+    assert "unknown key" in str(caught.value)
+    assert "model." not in str(caught.value)
+    with pytest.raises(ConfigError, match="unknown key 'model.WEIGHT_FIELDS'"):  # what model: says of it
+        load_config({"pipeline": pipeline, "model": {"WEIGHT_FIELDS": 1}})
+
+
 def test_a_model_error_under_a_pipeline_class_does_not_blame_a_config_naming_an_unregistered_pipeline():
     """README, 'Adding a pipeline': a config saying `pipeline: my_world` is tried before packaging with
     `--pipeline my_lab.models:MyPipeline`. A mistake in its model: section said "the config is for pipeline

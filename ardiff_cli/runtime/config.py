@@ -571,8 +571,8 @@ def _runtime_setting_in_model(model_data: dict[Any, Any], entry: PipelineEntry, 
     """Refuse a key of the model: section that is a runtime setting, case ignored, and that the pipeline takes in
     neither spelling: `model: {NUM_THREADS: 2}` was offered 'num_heads', a model key that shares letters with it.
     One the pipeline has too (`session_capacity`) is the pipeline's: its own message names it."""
-    fields = getattr(entry.config_class, "__dataclass_fields__", None)  # a dataclass names its keys: a value out
-    for key, value in model_data.items():                              # of range is not taken as an unknown key
+    fields = _settable_fields(entry.config_class)  # a dataclass names its keys: a value out of range is not taken
+    for key, value in model_data.items():            # as an unknown key
         setting = _runtime_setting(key)
         if setting is None or any(name in fields if fields is not None else _takes(entry, {name: value}, where)
                                   for name in (key, setting)):
@@ -590,8 +590,8 @@ def _model_setting(entry: PipelineEntry | None, key: object, value: Any, where: 
     if entry is None:
         return None
     names = tuple(dict.fromkeys((str(key), str(key).casefold())))
-    fields = getattr(entry.config_class, "__dataclass_fields__", None) or {}
-    named = next((name for name in names if name in fields and fields[name].init), None)
+    fields = _settable_fields(entry.config_class) or ()
+    named = next((name for name in names if name in fields), None)
     if named is not None or _takes(entry, {"~": None}, where):
         return named
     return next((name for name in names if _takes(entry, {name: value}, where)), None)
@@ -649,18 +649,27 @@ def _misplaced_key(key: str, data: dict[str, Any], pipeline: str | None, where: 
 def _model_keys(entry: PipelineEntry | None, where: str) -> tuple[str, ...]:
     """The keys the pipeline's model: section suggests from, as its own unknown key does: `preset` where its
     ``Config.from_dict`` takes one (and not any key), and the settable fields of its dataclass config; else none."""
-    model = getattr(entry, "config_class", None)
-    if entry is None or not dataclasses.is_dataclass(model):
+    fields = None if entry is None else _settable_fields(entry.config_class)
+    if fields is None:
         return ()
     preset = _takes(entry, {"preset": None}, where) and not _takes(entry, {"~": None}, where)
-    return (*(("preset",) if preset else ()), *(field.name for field in dataclasses.fields(model) if field.init))
+    return (*(("preset",) if preset else ()), *fields)
+
+
+def _settable_fields(config_class: Any) -> tuple[str, ...] | None:
+    """The keys a dataclass config takes: its fields set by its constructor, not a ``ClassVar`` (``WEIGHT_FIELDS``,
+    which ``__dataclass_fields__`` holds too: a top-level `WEIGHT_FIELDS:` was told 'model.WEIGHT_FIELDS', which the
+    model: section refuses) nor an ``init=False`` one; None for a config that is no dataclass."""
+    if not (isinstance(config_class, type) and dataclasses.is_dataclass(config_class)):
+        return None
+    return tuple(field.name for field in dataclasses.fields(config_class) if field.init)
 
 
 def _other_builtin_taking(model_data: dict[Any, Any], entry: PipelineEntry) -> tuple[str, list[str]] | None:
     """The built-in pipeline other than ``entry``'s whose model: section has every key of ``model_data`` that
     ``entry``'s has not, with those keys; else None. Built-ins only: their entry modules are ardiff's own and
     torch-free, where an installed one's import may run anything."""
-    fields = getattr(entry.config_class, "__dataclass_fields__", None)
+    fields = _settable_fields(entry.config_class)
     foreign = [str(key) for key in model_data if fields is not None and key != "preset" and key not in fields]
     if not foreign:
         return None
@@ -671,8 +680,8 @@ def _other_builtin_taking(model_data: dict[Any, Any], entry: PipelineEntry) -> t
             other = resolve_entry_module(BUILTIN_PIPELINES[name], name=name, where="config")
         except Exception:  # noqa: BLE001 - no suggestion
             continue
-        theirs = getattr(other.config_class, "__dataclass_fields__", None) or {}
-        if all(key in theirs and theirs[key].init for key in foreign):
+        theirs = _settable_fields(other.config_class) or ()
+        if all(key in theirs for key in foreign):
             return name, foreign
     return None
 
