@@ -6064,7 +6064,7 @@ def test_a_plain_resume_whose_folder_of_episodes_moved_says_to_give_it_where_it_
     command = hinted(proc.stderr, r"or give it where it is now, holding the run's episodes that were in it, with the "
                                   r"run's other EPISODE arguments: (ardiff rollout .*); or run its episodes again")
     assert shlex.split(command) == ["ardiff", "rollout", "--resume", "--out", f"./{run}", "--order", "sequential",
-                                    str(data / "fast.yaml"), "NEW"]
+                                    "--no-warmup", str(data / "fast.yaml"), "NEW"]
     resumed = pasted(env, command.replace(" NEW", f" {shlex.quote(f'./{moved}')}"), tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert sorted((r["episode"], r["step"]) for r in records(tmp_path / run)) == [
@@ -6100,8 +6100,8 @@ def test_the_resume_commands_hints_print_for_a_run_started_with_pipeline_give_it
     assert proc.returncode == 2, proc.stderr
     command = hinted(proc.stderr, r"with the run's other EPISODE arguments: (.*); or run its episodes")
     assert shlex.split(command) == [*on_tmp_path, "ardiff", "rollout", "--resume", "--out", "run", "--pipeline",
-                                    pipeline, str(data / "fast.yaml"), "NEW"]
-    resumed = pasted(env, command.replace(" NEW", " ./moved --no-warmup"), tmp_path)
+                                    pipeline, "--no-warmup", str(data / "fast.yaml"), "NEW"]
+    resumed = pasted(env, command.replace(" NEW", " ./moved"), tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert len(records(tmp_path / "run")) == 6
 

@@ -1973,7 +1973,9 @@ def test_a_resume_whose_recorded_pipeline_folder_is_gone_names_it_and_how_to_giv
     assert (f"Error: --pipeline mypipe:Mine: cannot import 'mypipe': the run imported it from one of the folders "
             f"that {run / 'run.json'}'s field 'pythonpath' records, and {lab} is gone\n") in resumed.stderr, \
         resumed.stderr
-    given = again.replace(str(lab), "NEW", 1)  # the resume with the folder that holds the module now first
+    # the resume with the folder that holds the module now first, and the --no-warmup it was given (refused before
+    # its warmup, the resume pasted skips it too)
+    given = again.replace(str(lab), "NEW", 1) + " --no-warmup"
     hint = last_hint(resumed.stderr)
     assert hint.endswith(f"give the folder that holds 'mypipe' now (NEW) on PYTHONPATH: {given}"), resumed.stderr
     assert_pasted_resume_finishes(env, given.replace("NEW", str(tmp_path / "lab2"), 1), elsewhere, run, reference)
@@ -2967,13 +2969,13 @@ def test_a_damaged_results_line_hints_the_runs_own_resume_which_pasted_once_it_i
     proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--swap-space", "1 MiB",
                   "--no-warmup", "--format", "plain")
     assert proc.returncode == 2, proc.stderr
-    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} --swap-space '1 MiB'"
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} --swap-space '1 MiB' --no-warmup"
     assert proc.stderr.endswith(f"Error: {run / 'results.jsonl'}, line 3: expected one JSON object per line, got "
                                 "'{\"episode\": garbage'\nhint: ardiff writes each line whole, so the file was "
                                 "changed outside ardiff: restore it, or delete line 3 (its step then runs again), "
                                 f"then continue with: {again}\n"), proc.stderr
     (run / "results.jsonl").write_text("".join(lines[:2] + lines[3:]))  # what the hint says
-    proc = pasted_here(env, f"{again} --no-warmup")
+    proc = pasted_here(env, again)
     assert proc.returncode == 0, proc.stderr
     assert "11 steps already done" in proc.stderr
     assert_matches(run, reference)
@@ -3029,11 +3031,11 @@ def test_a_resume_of_a_run_folder_this_user_cannot_write_hints_to_make_it_writab
         for path in folders:
             path.chmod(path.stat().st_mode | 0o200)  # for pytest to remove it, whatever failed
     assert proc.returncode == 2, proc.stderr
-    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} --no-warmup"
     assert proc.stderr.endswith(f"Error: --out {run}: cannot write the output folder: Permission denied\nhint: make "
                                 "the run's folder and its files writable by this user (chmod -R u+w "
                                 f"{run}), then continue with: {again}\n"), proc.stderr
-    proc = pasted_here(env, f"chmod -R u+w {run} && {again} --no-warmup")
+    proc = pasted_here(env, f"chmod -R u+w {run} && {again}")
     assert proc.returncode == 0, proc.stderr
     assert "11 steps already done" in proc.stderr
     assert_matches(run, reference)
@@ -3064,7 +3066,7 @@ def test_a_resume_of_a_run_folder_another_user_owns_hints_to_give_it_to_this_use
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr
     word = shlex.quote(str(run))
-    again = f"{on_path(env)}ardiff rollout --resume --out {word} --pipeline {PIPELINE}"
+    again = f"{on_path(env)}ardiff rollout --resume --out {word} --pipeline {PIPELINE} --no-warmup"
     assert proc.stderr.endswith(f"Error: --out {run}: cannot write the output folder: Permission denied\nhint: the "
                                 "run's folder is owned by another user (nobody, not root): give it and its files to "
                                 f"this user (chown -R root {word}, as root) or resume as nobody, then continue with: "
@@ -3089,12 +3091,13 @@ def test_a_resume_of_a_run_folder_with_an_immutable_lock_hints_chattr_not_a_chmo
         proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--swap-space", "1 MiB",
                       "--no-warmup", "--format", "plain")
         assert proc.returncode == 2, proc.stderr
-        again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} --swap-space '1 MiB'"
+        again = (f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} --swap-space '1 MiB' "
+                 "--no-warmup")
         assert proc.stderr.endswith(f"Error: --out {run}: cannot write the output folder: Operation not permitted\n"
                                     "hint: a file there or the folder is immutable or append-only (lsattr -d "
                                     f"{run} {run / '.lock'}): clear it with chattr -R -i -a {run}, as root, then "
                                     f"continue with: {again}\n"), proc.stderr
-        proc = pasted_here(env, f"chattr -R -i -a {run} && {again} --no-warmup")
+        proc = pasted_here(env, f"chattr -R -i -a {run} && {again}")
     finally:
         subprocess.run(["chattr", "-i", str(run / ".lock")])  # for pytest to remove it, whatever failed
     assert proc.returncode == 0, proc.stderr
@@ -3117,7 +3120,7 @@ def test_a_resume_of_a_run_whose_episode_folder_is_immutable_names_that_folder_t
     finally:
         subprocess.run(["chattr", "-i", str(episode)])  # for pytest to remove it, whatever failed
     assert proc.returncode == 2, proc.stderr
-    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} --no-warmup"
     assert proc.stderr.endswith(f"Error: --out {run}: cannot write {episode}: Operation not permitted\nhint: a file "
                                 f"there or the folder is immutable or append-only (lsattr -d {run} {episode}): clear "
                                 f"it with chattr -R -i -a {run}, as root, then continue with: {again}\n"), proc.stderr
@@ -3244,13 +3247,13 @@ def test_a_resume_of_a_run_whose_run_json_is_immutable_is_refused_before_the_mod
         proc = ardiff(env, "rollout", "--resume", "--out", str(run), "--pipeline", PIPELINE, "--no-warmup",
                       "--format", "plain")
         assert proc.returncode == 2, proc.stderr
-        again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+        again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} --no-warmup"
         assert proc.stderr.endswith(f"Error: --out {run}: cannot write {run / name}: Operation not permitted (the "
                                     f"file is {what})\nhint: a file there or the folder is immutable or append-only "
                                     f"(lsattr -d {run} {run / name}): clear it with chattr -R -i -a {run}, as root, "
                                     f"then continue with: {again}\n"), proc.stderr
         assert "planned" not in proc.stderr  # before the model loaded
-        proc = pasted_here(env, f"chattr -R -i -a {run} && {again} --no-warmup")
+        proc = pasted_here(env, f"chattr -R -i -a {run} && {again}")
     finally:
         subprocess.run(["chattr", "-i", "-a", str(run / name)])  # for pytest to remove it, whatever failed
     assert proc.returncode == 0, proc.stderr
@@ -3335,12 +3338,12 @@ def test_a_run_lock_past_the_file_size_limit_names_the_limit_not_free_space(env,
     lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
     (run / "results.jsonl").write_text("".join(lines[:-1]))  # its last step runs again
     (run / ".lock").unlink()
-    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
-    proc = pasted_here(env, f"ulimit -f 0; {again} --no-warmup")
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} --no-warmup"
+    proc = pasted_here(env, f"ulimit -f 0; {again}")
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.endswith("(ulimit -f unlimited), then continue with: " + again + "\n"), proc.stderr
     assert "free some space" not in proc.stderr
-    proc = pasted_here(env, f"{again} --no-warmup")
+    proc = pasted_here(env, again)
     assert proc.returncode == 0, proc.stderr
     assert "11 steps already done" in proc.stderr
     assert_matches(run, reference)
@@ -3367,12 +3370,12 @@ def test_a_run_folder_read_only_but_its_lock_is_refused_before_the_model_loads(e
     finally:
         target.chmod(target.stat().st_mode | 0o200)
     assert proc.returncode == 2, proc.stderr
-    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE}"
+    again = f"{on_path(env)}ardiff rollout --resume --out {run} --pipeline {PIPELINE} --no-warmup"
     assert proc.stderr.endswith(f"Error: --out {run}: cannot write {target}: Permission denied\nhint: make the run's "
                                 f"folder and its files writable by this user (chmod -R u+w {run}), then continue "
                                 f"with: {again}\n"), proc.stderr
     assert "planned" not in proc.stderr  # before the model loaded
-    proc = pasted_here(env, f"{again} --no-warmup")
+    proc = pasted_here(env, again)
     assert proc.returncode == 0, proc.stderr
     assert "11 steps already done" in proc.stderr
     assert_matches(run, reference)

@@ -2511,6 +2511,86 @@ def test_resume_out_a_folder_of_run_folders_hints_which_to_give_not_a_new_run_am
     assert sorted(os.listdir(tmp_path / "runs")) == ["eval1"]  # refused before anything was written there
 
 
+@pytest.mark.parametrize("given", [["--resume", "runs/eval1"], ["--resume", "-o", "runs/eval1", "arm_a"],
+                                   ["--resume", "-o", "runs"]])
+def test_a_resume_given_no_warmup_refused_before_it_starts_hints_the_resume_with_it(tmp_path, cli_env, given):
+    # A resume given --no-warmup refused before it starts (the run's folder as CONFIG, --out not given; an episode
+    # folder as CONFIG; the folder of runs as --out) hinted the resume without it, which pasted ran the warmup still
+    # ahead of the run: a stop there (_before_warmup) kept it. Its hint keeps it, and the options given; pasted, the
+    # resume finishes the run with no warmup request.
+    run = tmp_path / "runs" / "eval1"
+    episode(tmp_path / "arm_a", 2)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", "arm_a", "-o", "runs/eval1",
+                           "--no-warmup", "--format", "plain"], env=cli_env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    (run / "results.jsonl").write_text("".join(lines[:-1]))  # its last step runs again
+    (run / "summary.json").unlink()
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", *given, "--memory-budget", "1GiB",
+                           "--no-warmup", "--format", "json"], env=cli_env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    again = "ardiff rollout --resume --out runs/eval1 --memory-budget 1GiB --no-warmup"
+    assert json.loads(proc.stdout)["hint"].endswith(f": {again}"), proc.stdout
+    assert not (run / "summary.json").exists()  # refused before it started
+    pasted = _pasted(again + " --format plain", tmp_path, cli_env)
+    assert pasted.returncode == 0, pasted.stderr
+    assert "__ardiff_warmup__" not in pasted.stderr and ok_steps(run) == {("arm_a", 0), ("arm_a", 1)}, pasted.stderr
+
+
+def test_resume_out_a_folder_of_one_run_hints_its_resume_with_the_options_given(tmp_path, cli_env):
+    # `ardiff rollout --resume -o runs --memory-budget 1GiB` (runs holding one run) hinted that run's resume without
+    # the options given, where `--resume runs` (no --out) gave them: pasted, its run went on with another budget.
+    (tmp_path / "runs").mkdir()
+    a_run_of(tmp_path / "runs" / "eval1", [episode(tmp_path / "arm_a", 1)])
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "-o", "runs", "--memory-budget",
+                           "1GiB", "--session-capacity", "1", "--preview", "--format", "plain"], env=cli_env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert _hint(proc.stderr) == (f"runs is a folder of ardiff run folders: give its one run as --out: ardiff rollout "
+                                  f"--resume --out {Path('runs', 'eval1')} --memory-budget 1GiB --preview "
+                                  "--session-capacity 1"), proc.stderr
+
+
+def test_a_new_run_out_a_folder_of_run_folders_is_refused_naming_them(tmp_path, cli_env):
+    # `ardiff rollout CFG arm_a -o runs` (runs holding run folders, as ./ardiff-runs does) wrote its run.json and
+    # results among them: `--resume -o runs` then resumed that run, not one of them, and each of them was a folder
+    # inside a run's. It is refused, nothing written there, other files beside them or not; an empty folder, or one
+    # holding no run folder, is not.
+    (tmp_path / "runs").mkdir()
+    episode(tmp_path / "arm_a", 1)
+    a_run_of(tmp_path / "runs" / "eval1", [tmp_path / "arm_a"])
+    command = [sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", "arm_a", "--no-warmup", "--format"]
+    proc = subprocess.run([*command, "plain", "-o", "runs"], env=cli_env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == ("Error: --out runs holds an ardiff run folder (eval1): a new run written there would hold "
+                           "it, and --resume -o runs would resume the new run, not that one\nhint: give a new "
+                           f"folder inside it, such as --out {Path('runs', 'NAME')}; or continue its one run with: "
+                           f"ardiff rollout --resume --out {Path('runs', 'eval1')}\n")
+    a_run_of(tmp_path / "runs" / "eval2", [tmp_path / "arm_a"])
+    (tmp_path / "runs" / "notes.txt").write_text("eval2: after the fix\n")  # no longer only run folders
+    proc = subprocess.run([*command, "json", "-o", "runs"], env=cli_env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    error = json.loads(proc.stdout)
+    assert (error["kind"], error["message"], error["hint"]) == (
+        "config_error", "--out runs holds ardiff run folders (eval1, eval2): a new run written there would hold them, "
+        "and --resume -o runs would resume the new run, not one of them", "give a new folder inside it, such as "
+        f"--out {Path('runs', 'NAME')}; or continue one of its runs with: ardiff rollout --resume -o RUN"), error
+    assert sorted(os.listdir(tmp_path / "runs")) == ["eval1", "eval2", "notes.txt"]
+    # a new folder inside it, as the hint says; an empty folder (./ardiff-runs too), or one holding another file
+    (tmp_path / "ardiff-runs").mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("x\n")
+    for out in ("runs/eval3", "ardiff-runs", "notes"):
+        proc = subprocess.run([*command, "plain", "-o", out], env=cli_env, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert ok_steps(tmp_path / out) == {("arm_a", 0)}
+
+
 def test_resume_given_an_episode_folder_first_says_it_is_a_folder(tmp_path, cli_env):
     # `ardiff rollout --resume -o RUN data/arm_a` read "config file not found: data/arm_a" of a folder that is
     # there (without --resume the same mistake says that CONFIG is a folder).

@@ -240,17 +240,20 @@ def rollout(
                        swap_space=_swap_space(swap_space))
         given = _given_to_resume(overrides, options, swap_space) if resume else []  # before run.json's fill them in
         # a resume stopped before _run takes the signals (entry.Stopped: reading run.json from a hung mount, say) gives
-        # the resume to paste, as a later stop does: its --pipeline is the run's, or the resume is refused
+        # the resume to paste, as a later stop does: its --pipeline is the run's, or the resume is refused. So do its
+        # refusals before it starts: the warmup is still ahead of the run, so given --no-warmup, that resume gives it
+        # too (_before_warmup); OUT where no --out was given (refused below, with the resume of the run's folder given)
         capacity = session_capacity if resume else None
-        again = ResumeCommand(out, pipeline, tuple(given), capacity) if resume and out is not None else None
+        asked = _before_warmup(ResumeCommand("OUT" if out is None else out, pipeline, tuple(given), capacity), warmup)
+        again = asked if resume and out is not None else None
         folder = None  # the resume's run folder: its stop gives `again` once run.json was found there
         if resume and out is None:
-            _refuse_resume_without_out([config, *(episodes or [])], tuple(given), capacity)
+            _refuse_resume_without_out([config, *(episodes or [])], asked)
         from ardiff_cli.io.run import RunFolder, recorded_resume
 
         try:
             if again is not None:
-                folder = RunFolder(out)
+                folder = RunFolder(out, asked=again)
             start = None if resume else _start_arguments(config, episodes, pipeline, overrides, options, swap_space,
                                                          warmup=warmup, fail_fast=fail_fast)
             prepared = _prepare(config, episodes, out, resume, overrides, output, pipeline=pipeline, options=options,
@@ -271,16 +274,16 @@ def rollout(
             stop = Interrupted(signal_of(exc))
             # run.json read: the run's --pipeline and the folders this resume found its module on, as a later stop's
             # resume carries them (run.json's, where it was not looked up yet: never here, see found_again); its warmup
-            # is ahead, as for a stop as its model loads: given --no-warmup, the resume gives it too
-            stop.hint = continue_with(_before_warmup(again if folder.info_read is None else
-                                                     folder.found_again or recorded_resume(again, folder.info_read),
-                                                     warmup))
+            # is ahead, as for a stop as its model loads: given --no-warmup, `again` gives it too
+            stop.hint = continue_with(again if folder.info_read is None else
+                                      folder.found_again or recorded_resume(again, folder.info_read))
             raise stop from None
 
 
-def _refuse_resume_without_out(arguments: list[Any], given: tuple[str, ...], capacity: int | None) -> None:
+def _refuse_resume_without_out(arguments: list[Any], asked: ResumeCommand) -> None:
     """``--resume`` with no ``--out``: a usage error, whose hint gives the resume to paste where a CONFIG or EPISODE
-    argument is a run's folder (`ardiff rollout --resume runs/eval1`), with the options given to this one."""
+    argument is a run's folder (`ardiff rollout --resume runs/eval1`), with the options given to this one
+    (``asked``: the resume as given, its folder OUT)."""
     from ardiff_cli.io.episode import run_output
 
     hint = "the run printed it as 'outputs: DIR' (by default ardiff-runs/<start time>)"
@@ -295,7 +298,7 @@ def _refuse_resume_without_out(arguments: list[Any], given: tuple[str, ...], cap
             break
         if found is not None:
             if isinstance(found.again, ResumeCommand):
-                again = replace(found.again, given=given, session_capacity=capacity)
+                again = found.again.given_as(asked)
                 which = ("a run's folder: give it" if found.what == "an ardiff run folder"
                          else f"{found.what}: give its one run")
             else:  # a folder of several run folders: which of them to resume is the user's to say
@@ -456,9 +459,12 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
             episode_paths = [Path(e["path"]) for e in info["episodes"]]
             watch = _recorded_watch(info, run.root / RUN_FILE)
             _recorded_folders_exist(info, run.root, watch, again)
-    elif out is not None and (existing := RunFolder(out)).holds_run():
-        existing.refuse_while_locked()  # a run still going: not one to resume now
-        raise existing.held_run()  # with its resume to paste
+    elif out is not None:
+        existing = RunFolder(out)
+        if existing.holds_run():
+            existing.refuse_while_locked()  # a run still going: not one to resume now
+            raise existing.held_run()  # with its resume to paste
+        existing.refuse_a_folder_of_runs()  # a run among them: `--resume -o` the folder would resume it alone
     if not resume:
         _refuse_a_run_inside_a_run(out)
     try:
@@ -1462,9 +1468,10 @@ def _without_warmup(resume: ResumeCommand) -> ResumeCommand:
 
 
 def _before_warmup(resume: ResumeCommand, warmup: bool) -> ResumeCommand:
-    """The resume a stop or failure gives to paste before the warmup of a resume given ``--warmup/--no-warmup``
-    (``warmup``): from a stop as it reads its run folder (before it takes the signals) until past its warmup, one given
-    ``--no-warmup`` gives it again, so that the resume pasted does not run the warmup this one was given to skip."""
+    """The resume a refusal, stop or failure gives to paste before the warmup of a resume given
+    ``--warmup/--no-warmup`` (``warmup``): from its refusals and a stop as it reads its run folder (before it takes the
+    signals) until past its warmup, one given ``--no-warmup`` gives it again, so that the resume pasted does not run
+    the warmup this one was given to skip."""
     return resume if warmup else _without_warmup(resume)
 
 

@@ -32,7 +32,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_capped,
                                  read_jsonl, read_numbered_jsonl, remove_temporaries)
@@ -40,6 +40,9 @@ from ardiff_cli.runtime.errors import (ArdiffError, ConfigError, ResumeCommand, 
                                       field_error, joined, link_to_nothing, rollout_to_paste, shell_word, shown,
                                       too_many_open_files)
 from ardiff_cli.runtime.outputs import is_array
+
+if TYPE_CHECKING:
+    from ardiff_cli.io.episode import FoundRun
 
 RUN_FILE = "run.json"
 RUNS_FOLDER = "ardiff-runs"  # the default --out is a new folder in it
@@ -165,8 +168,11 @@ def make_default_out_dir() -> Path:
 class RunFolder:
     """Reads and writes one run's folder."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, asked: ResumeCommand | None = None) -> None:
         self.root = Path(root)  # the --out folder
+        # a resume's command as given (its options; --no-warmup before its warmup): a folder of run folders given as
+        # its --out is hinted its one run's resume with them (None: the resume's options are not known here)
+        self.asked = asked
         self._results: JsonlAppender | None = None  # opened on first append
         self._journal: JsonlAppender | None = None  # episodes.jsonl, opened on the first episode added or moved
         # episode -> its folder as recorded: while the journal is open, or since this process wrote run.json (start,
@@ -244,6 +250,36 @@ class RunFolder:
         with contextlib.suppress(ArdiffError, OSError):
             info = RunFolder(self.root).read_info()
         return recorded_resume(ResumeCommand(self.root), info)
+
+    def refuse_a_folder_of_runs(self) -> None:
+        """Refuse a new run in this folder where it holds run folders (``-o ardiff-runs``, holding
+        ``ardiff-runs/<start time>/run.json``...), other files beside them or not: its run.json and results written
+        among them make it a run around theirs, which ``--resume -o`` it then resumes in place of one of them. Not an
+        empty folder, nor one holding no run folder."""
+        try:
+            runs = sorted(entry.name for entry in os.scandir(self.root)
+                          if not entry.name.startswith(".") and entry.is_dir()
+                          and RunFolder(Path(entry.path)).is_run_folder())
+        except OSError:  # not a folder, or one this user cannot list: the run's own checks say so
+            return
+        if not runs:
+            return
+        from ardiff_cli.io.episode import listed, run_output
+
+        found = run_output(self.root / runs[0]) if len(runs) == 1 else None
+        if found is not None and found.why is not None:  # its one run holds only a .lock
+            go_on = f"its one run, {as_typed(self.root / runs[0])}, {found.restart.removeprefix('it ')}"
+        elif found is not None and isinstance(found.again, ResumeCommand):
+            go_on = f"continue its one run with: {found.again}"
+        else:
+            go_on = "continue one of its runs with: ardiff rollout --resume -o RUN"
+        what = "an ardiff run folder" if len(runs) == 1 else "ardiff run folders"
+        held = "it" if len(runs) == 1 else "them"
+        raise ConfigError(f"--out {as_typed(self.root)} holds {what} ({listed(runs, limit=5)}): a new run written "
+                          f"there would hold {held}, and --resume -o {as_typed(self.root)} would resume the new run, "
+                          f"not {'that one' if len(runs) == 1 else 'one of them'}",
+                          hint=f"give a new folder inside it, such as --out {shell_word(self.root / 'NAME')}; or "
+                               f"{go_on}")
 
     def held_run(self) -> ConfigError:
         """The refusal of a fresh run in this folder, which :meth:`holds_run`: its hint gives that run's resume."""
@@ -401,8 +437,9 @@ class RunFolder:
             elif kind is not None:
                 hint = (f"remove its {LOCK_FILE} ({as_typed(self.root / LOCK_FILE)}: {kind}, not the file ardiff "
                         "writes), then run without --resume to start a run in this folder")
-            else:  # a folder of run folders: a new run there would be one more among them
-                hint = _folder_of_runs_hint(self.root) or "run without --resume to start a run in this folder"
+            else:  # a folder of run folders (a new run there is refused: refuse_a_folder_of_runs), or another
+                hint = (_folder_of_runs_hint(self.root, self.asked)
+                        or "run without --resume to start a run in this folder")
             raise ConfigError(f"nothing to resume: {as_typed(path)} does not exist", hint=hint)
         try:
             with open(path, "rb") as f:  # not open_file: a FIFO here waits, as a hung network mount does
@@ -964,10 +1001,9 @@ class RunFolder:
             self._swap_lock = None
 
 
-def _folder_of_runs_hint(folder: Path) -> str | None:
-    """The hint of a resume given as --out a folder of run folders (``-o ardiff-runs``), whose own run.json does not
-    exist: the resume of its one run, else to give one of its runs (a run without --resume would start a new one
-    among them); None for another folder, or one holding no run (an empty ``ardiff-runs``)."""
+def _runs_held(folder: Path) -> FoundRun | None:
+    """What :func:`run_output` finds of a folder of run folders that holds one at least (``ardiff-runs``); None for
+    another folder, or one holding no run (an empty ``ardiff-runs``)."""
     from ardiff_cli.io.episode import run_output
 
     found = run_output(folder)
@@ -978,10 +1014,23 @@ def _folder_of_runs_hint(folder: Path) -> str | None:
             return None
     except OSError:
         return None
+    return found
+
+
+def _folder_of_runs_hint(folder: Path, asked: ResumeCommand | None = None) -> str | None:
+    """The hint of a resume given as --out a folder of run folders (``-o ardiff-runs``), whose own run.json does not
+    exist: the resume of its one run, with the options given to ``asked`` (the resume as given), else to give one of
+    its runs (a run without --resume is refused there); None for another folder, or one holding no run (an empty
+    ``ardiff-runs``)."""
+    found = _runs_held(folder)
+    if found is None:
+        return None
     if found.why is not None:  # its one run holds only a .lock: nothing of it to resume
         return f"{as_typed(folder)} is {found.what}; {found.restart}"
-    which = "its one run" if isinstance(found.again, ResumeCommand) else "one of its runs"
-    return f"{as_typed(folder)} is {found.what}: give {which} as --out: {found.again}"
+    if not isinstance(found.again, ResumeCommand):
+        return f"{as_typed(folder)} is {found.what}: give one of its runs as --out: {found.again}"
+    again = found.again if asked is None else found.again.given_as(asked)
+    return f"{as_typed(folder)} is {found.what}: give its one run as --out: {again}"
 
 
 def recorded_resume(resume: ResumeCommand, info: Mapping[str, Any]) -> ResumeCommand:

@@ -16,7 +16,7 @@ import reprlib
 import shlex
 import stat
 from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 try:  # now, at start: under a tight `ulimit -v`, importing it (a shared library) once memory ran out would fail too
@@ -547,6 +547,12 @@ class ResumeCommand:
         words = [] if self.pipeline is None else ["--pipeline", shell_word(self.pipeline)]  # as every hint's paths
         options = [*self.given, *([] if capacity is None else ["--session-capacity", str(capacity)])]
         return rollout_to_paste(self.out, self.pythonpath, ["--resume"], [*words, *map(shlex.quote, options), *more])
+
+    def given_as(self, asked: ResumeCommand) -> ResumeCommand:
+        """This run's resume given the options of ``asked``, a resume given another folder (the run's folder as
+        CONFIG, a folder of run folders as --out), which the one pasted goes on with: its ``given`` and
+        ``session_capacity``; the --pipeline and its folders stay this run's."""
+        return replace(self, given=asked.given, session_capacity=asked.session_capacity)
 
     __str__ = command  # what a hint's f-string prints
 
