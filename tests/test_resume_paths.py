@@ -383,8 +383,9 @@ def test_a_run_json_that_recorded_its_config_through_dot_dot_is_healed_by_a_resu
     assert error["message"] == f"the run's config {old} is gone", error
     offered = f"where no link comes before its '..', it is {tmp_path / 'fast.yaml'}: "
     hint = error["hint"]
+    # --no-warmup, which `ardiff` gives every command here: refused before its warmup, the resume pasted skips it too
     assert hint == (f"restore it, or pass the same CONFIG again; {offered}ardiff rollout --resume --out run "
-                    f"{tmp_path / 'fast.yaml'}"), error
+                    f"--no-warmup {tmp_path / 'fast.yaml'}"), error
     pasted = hint.split(offered, 1)[1].replace("ardiff", f"'{sys.executable}' -m ardiff_cli", 1)
     proc = subprocess.run(["bash", "-c", pasted], cwd=tmp_path, env=cli_env, capture_output=True, text=True,
                           timeout=600)
