@@ -3634,13 +3634,13 @@ def test_a_resume_under_another_ardiff_torch_or_thread_count_warns_naming_each_a
 def test_the_thread_count_is_compared_only_for_a_run_on_the_cpu():
     """A GPU's kernels do not split over the CPU threads: a GPU run resumed under another OMP_NUM_THREADS, on a node
     with other cores, gets no warning for it; its versions are still compared."""
-    from ardiff_cli.commands.rollout import _build_changes
+    from ardiff_cli.commands.resume_checks import build_changes
 
     now = {"ardiff_version": "0.1.0", "torch_version": "2.13.0", "torch_threads": 8}
     recorded = {"ardiff_version": "0.1.0", "torch_version": "2.12.0", "torch_threads": 16}
-    assert _build_changes({**recorded, "device": "cuda:0"}, now) == {
+    assert build_changes({**recorded, "device": "cuda:0"}, now) == {
         "torch_version": {"recorded": "2.12.0", "now": "2.13.0"}}
-    assert _build_changes({**recorded, "device": "cpu"}, now) == {
+    assert build_changes({**recorded, "device": "cpu"}, now) == {
         "torch_version": {"recorded": "2.12.0", "now": "2.13.0"}, "torch_threads": {"recorded": 16, "now": 8}}
 
 
@@ -6045,7 +6045,7 @@ def test_the_way_back_after_run_json_could_not_record_a_followed_rename_pastes_i
 @pytest.mark.parametrize("follow", [False, True], ids=["given", "followed"])
 def test_a_plain_resume_whose_folder_of_episodes_moved_says_to_give_it_where_it_is_now_which_resumes(env, data,
                                                                                                      tmp_path, follow):
-    # A resume given other folders than the run's (_refuse_other_watch) said that the moved folder may be given where
+    # A resume given other folders than the run's (refuse_other_watch) said that the moved folder may be given where
     # it is now; a plain resume (_recorded_folders_exist) gave only the symlink at its old path
     eps, moved, run = f"{AWKWARD} eps", f"{AWKWARD} moved", f"{AWKWARD} run"
     for i, name in enumerate(("arm_a", "arm_b")):

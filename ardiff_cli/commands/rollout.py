@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import os
 import signal
@@ -27,6 +26,30 @@ from ardiff_cli.commands._common import (
     refuse_contradictions,
     refuse_what_this_machine_lacks,
     stop_between_requests,
+)
+from ardiff_cli.commands.resume_checks import (
+    RECORDED,
+    build_changes,
+    build_changes_warning,
+    build_record,
+    checkpoint_record,
+    config_sha256,
+    links_in,
+    local_time,
+    moved_name,
+    recorded_backend_installed,
+    recorded_folders_exist,
+    recorded_pythonpath_found,
+    recorded_setting,
+    refuse_changed_checkpoint,
+    refuse_other_watch,
+    resume_config,
+    same_as_recorded,
+    same_backend,
+    same_config,
+    same_device,
+    same_pipeline_option,
+    watched_folders,
 )
 from ardiff_cli.entry import raise_dropped_stop, signal_of
 from ardiff_cli.errors_cli import (WARMUP_PAGES_HINT, EpisodesFailed, Interrupted, budget_change,
@@ -57,7 +80,6 @@ from ardiff_cli.output import Format, Output, lost_stdout_stop, one_line, visibl
 from ardiff_cli.runtime.errors import (
     DIVERGED_IN_WARMUP,
     KV_POOLS_PHASE,
-    UTF8_LOCALE_HINT,
     WEIGHTS_PHASE,
     ArdiffError,
     BudgetBeyondDeviceError,
@@ -71,7 +93,6 @@ from ardiff_cli.runtime.errors import (
     as_typed,
     first_of,
     is_out_of_memory,
-    joined,
     link_to_nothing,
     link_to_nothing_on,
     not_a_folder,
@@ -80,7 +101,6 @@ from ardiff_cli.runtime.errors import (
     running_out_of_memory_names,
     shell_word,
     too_many_open_files,
-    unencodable,
 )
 
 # Memory ran out as a resume loaded its model, before the KV pools (sized by the budget and session capacity), or
@@ -432,16 +452,16 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
         run_info = dict(info)  # as read: info takes the options the command does not give again
         # the run's --pipeline and its module's folders: the resume a hint gives to paste is given them
         again = recorded_resume(again or ResumeCommand(run.root), info)
-        _same_pipeline_option(pipeline, info.get("pipeline_option"))
-        _recorded_pythonpath_found(pipeline, again, run.root / RUN_FILE)
+        same_pipeline_option(pipeline, info.get("pipeline_option"))
+        recorded_pythonpath_found(pipeline, again, run.root / RUN_FILE)
         # a resume records the folders it found the module on, as a new run does, not the run's: the module may have
         # moved since (a lab's folder renamed, given on PYTHONPATH now), or been installed (none needed): its hints
         # from here on (a config's, a moved folder of episodes', a stop's) carry what works now, where the run's
         # folders, pasted, were refused (`... is gone`)
         pythonpath = None if pipeline is None else _pipeline_path(pipeline)
         again = run.found_again = replace(again, pythonpath=tuple(pythonpath or ()))
-        config = _resume_config(config, info, again)
-        overrides["dtype"] = _same(overrides["dtype"], info["dtype"], "--dtype")
+        config = resume_config(config, info, again)
+        overrides["dtype"] = same_as_recorded(overrides["dtype"], info["dtype"], "--dtype")
         # Options not given again are the run's own, checked as given ones are. The device and attention backend
         # recorded are what the run resolved: a given one that resolves to another is refused once known.
         runtime_keys = ("device", "attention_backend", "memory_budget", "session_capacity", "gpu_memory_fraction")
@@ -449,7 +469,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
                  **options, "follow": options["follow"] or None, "preview": options["preview"] or None}
         for key in RECORDED:
             if given[key] is None:
-                info[key] = _recorded(info, key, run.root / RUN_FILE)
+                info[key] = recorded_setting(info, key, run.root / RUN_FILE)
         for key in runtime_keys:
             if overrides[key] is None:
                 overrides[key] = info[key]
@@ -457,8 +477,8 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
                               idle_timeout=options["idle_timeout"])
         if not episode_paths and not info.get("demo"):
             episode_paths = [Path(e["path"]) for e in info["episodes"]]
-            watch = _recorded_watch(info, run.root / RUN_FILE)
-            _recorded_folders_exist(info, run.root, watch, again)
+            watch = watched_folders(info, run.root / RUN_FILE)
+            recorded_folders_exist(info, run.root, watch, again)
     elif out is not None:
         existing = RunFolder(out)
         if existing.holds_run():
@@ -471,10 +491,10 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
         cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), given=typed, **overrides)
     except ConfigError as exc:
         # an edit that no longer loads (a key misspelt) is refused as the edit it is, as before the file was parsed
-        if resume and (now := _config_sha256(Path(config))) is not None:
+        if resume and (now := config_sha256(Path(config))) is not None:
             from ardiff_cli.runtime.config import ConfigTextError
 
-            _same_config(Path(config), now, info)
+            same_config(Path(config), now, info)
             if isinstance(exc, ConfigTextError) and info.get("config_sha256") == now:  # the run's own bytes
                 from ardiff_cli import __version__
 
@@ -484,7 +504,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
                             "ardiff that started it, or fix the config and start a new run in another --out")
         raise
     if resume:  # the bytes just parsed: a second read to hash them could see an edit made meanwhile
-        _same_config(Path(config), cfg.sha256, info)
+        same_config(Path(config), cfg.sha256, info)
     if resume and not budget_given and info.get("memory_budget") is not None:  # run.json's, reused as if given
         source = str(run.root / RUN_FILE)
     else:
@@ -522,7 +542,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
         # A recorded path is the episode's even where a symlink there leads elsewhere now (its folder moved).
         names = {e["path"]: e["name"] for e in info["episodes"]}
         for episode in episodes:
-            episode.name = names.get(str(episode.path), names.get(str(episode.path.resolve()))) or _moved_name(
+            episode.name = names.get(str(episode.path), names.get(str(episode.path.resolve()))) or moved_name(
                 episode.path, info["episodes"]) or episode.name
         recorded = sorted(e["name"] for e in info["episodes"])
         # an episode folder made since in a watched folder of episodes is not one yet: the run's first poll adds it
@@ -543,7 +563,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
         watch = [at.get(folder, folder) for folder in watch]
         watched = sorted(map(str, watch))  # else the episodes started meanwhile in a watched folder were not looked for
         if info.get("follow") and watched != sorted(info.get("watch") or []):
-            _refuse_other_watch(sorted(info.get("watch") or []), watched, info["episodes"], episodes, out)
+            refuse_other_watch(sorted(info.get("watch") or []), watched, info["episodes"], episodes, out)
     from ardiff_cli.io.run import absolute_path, episode_folder_path
     from ardiff_cli.rollout import recorded_folder
     from ardiff_cli.runtime.config import resolve_config
@@ -558,9 +578,9 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
     # --resume loaded the link's target, which read it from another folder (`file not found`, exit 2). Its '..'
     # dropped but after a link: `/x/lab/../fast.yaml` is gone once lab/ is renamed, /x/fast.yaml is not.
     config_file = absolute_path(resolve_config(config_label(config)))
-    checkpoint = _checkpoint_record(cfg.checkpoint)
+    checkpoint = checkpoint_record(cfg.checkpoint)
     if resume:
-        _refuse_changed_checkpoint(info.get("checkpoint"), checkpoint)
+        refuse_changed_checkpoint(info.get("checkpoint"), checkpoint)
     # run.json's path of an episode, kept where it still leads to the folder read (a symlink there to where the
     # dataset moved), else where the episode is now: a resume given it there records it there once it starts
     recorded_paths = {e["name"]: e["path"] for e in info["episodes"]} if resume else {}
@@ -584,7 +604,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
     # moved into place from there, as a resume does (given the link directly, or watching its folder)
     # A run.json an older ardiff wrote records where such a link led, outside the watched folders: the resume reads
     # it through the link in a watched folder that leads there, and records the link from then on
-    links = _links_in(watch) if resume else {}
+    links = links_in(watch) if resume else {}
     for episode, recorded_episode in zip(episodes, info["episodes"]):
         link = links.get(recorded_episode["path"]) if Path(recorded_episode["path"]).parent not in watch else None
         if link is not None:
@@ -702,7 +722,7 @@ def _same_default_checkpoint(cfg: Any, recorded: dict[str, Any], run_file: Path)
     if built is not None and built <= written:
         return
     when = "is not in the cache" if built is None else \
-        f"was built at {_local_time(built / 1e9)}, after this run loaded its model,"
+        f"was built at {local_time(built / 1e9)}, after this run loaded its model,"
     raise ConfigError(f"the built-in checkpoint {path} {when} and {run_file} "
                       "(an older ardiff's) does not name the one its steps so far ran on: an older ardiff's "
                       "checkpoint format rounds otherwise (outputs differ by up to 1e-5)",
@@ -719,7 +739,7 @@ def _refuse_another_runs_kept_snapshots(swap_dir: Path, started: float) -> None:
 
     other = kept_for(swap_dir)
     if other is not None and other != started:
-        when = _local_time(other)
+        when = local_time(other)
         raise ConfigError(f"{swap_dir / KEPT_FILE}: the swap snapshots there are kept for the --resume of another run "
                           f"(started {when}), and this run would delete them",
                           hint="give this run a .swap of its own, or delete that kept.json to let it discard them")
@@ -787,120 +807,6 @@ def _refuse_a_run_inside_a_run(out: Path | None) -> None:
                       else f"pass --out DIR outside {as_typed(shown)}, or run ardiff from outside it")
 
 
-RECORDED = {  # run.json's fields that --resume reuses unless given again -> what each takes
-    "device": "cpu, cuda or cuda:N",
-    "attention_backend": "torch or vllm",
-    "memory_budget": "a byte size such as 536870912 or '512MiB'",
-    "session_capacity": "a positive integer",
-    "gpu_memory_fraction": "a number in (0, 1]",
-    "swap_space": "a byte size such as 1073741824 or '1GiB' (0: no swapping)",
-    "order": " or ".join(o.value for o in Order),
-    "follow": "true or false",
-    "preview": "true or false",
-    "idle_timeout": "a number of seconds >= 0, or null",
-}
-
-
-def _moved_name(path: Path, recorded: list[dict[str, Any]]) -> str | None:
-    """The name of the run's episode whose folder moved to ``path``: of its recorded folders, the one whose path ends
-    as ``path`` does in the most parts (``old/b/ep`` for ``new/b/ep``, not ``old/a/ep``, whichever order the resume
-    gives them in: the order named them ``ep`` and ``ep-2``, and run.json records the paths it names); None where
-    none, or several alike, do."""
-    here = path.resolve().parts[::-1]
-    tails = sorted(((next((i for i, (a, b) in enumerate(zip(here, Path(e["path"]).parts[::-1])) if a != b),
-                           min(len(here), len(Path(e["path"]).parts))), e["name"]) for e in recorded), reverse=True)
-    if not tails or tails[0][0] == 0 or len(tails) > 1 and tails[1][0] == tails[0][0]:
-        return None
-    return tails[0][1]
-
-
-def _refuse_other_watch(recorded: list[str], given: list[str], recorded_episodes: list[dict[str, Any]],
-                        episodes: list[Any], out: Path | None) -> None:
-    """A followed run resumed given other folders of episodes to watch than it recorded is refused (the episodes
-    started meanwhile in a watched folder were not looked for), unless each recorded one not given is gone and moved
-    to one given in its place: the only given folder not recorded that holds every episode of the run that was in it
-    (by name). That resume then watches the folder where it is now, and run.json records it there."""
-    from ardiff_cli.io.episode import listed, present
-
-    missing = [folder for folder in recorded if folder not in given]
-    extra = [folder for folder in given if folder not in recorded]
-    gone = [folder for folder in missing if present(Path(folder)) is False]
-    if gone == missing and len(extra) == len(missing):
-        held = {folder: {e.name for e in episodes if str(e.path.resolve().parent) == folder} for folder in extra}
-        moved = []
-        for folder in missing:
-            names = {e["name"] for e in recorded_episodes if str(Path(e["path"]).parent) == folder}
-            moved += [new for new in extra if names and names <= held[new]]
-        if sorted(moved) == sorted(extra):  # each gone folder found in exactly one given folder, and each once
-            return
-    hint = "resume with the same EPISODE arguments (or none, to reuse the recorded ones)"
-    if gone:  # it cannot be given at its old path: the hint led nowhere
-        hint = (f"{listed(gone)} moved since (gone): give it where it is now, holding the run's episodes that were "
-                f"in it, with the run's other folders of episodes; or put a symlink at its old path to where it is "
-                f"now (ln -s NEW {shell_word(gone[0])}) and resume with no EPISODE")
-    raise ConfigError(f"the folders of episodes watched differ from those of the run in {out}: expected {recorded}, "
-                      f"got {given}", hint=hint)
-
-
-def _links_in(folders: list[Path]) -> dict[str, Path]:
-    """The links to folders directly in ``folders`` (a run's watched folders of episodes; hidden ones are no
-    episodes), by the path each leads to; the first by name where several lead to one."""
-    found: dict[str, Path] = {}
-    for folder in folders:
-        try:
-            entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
-        except OSError:  # gone or unreadable: its episodes' own checks name it
-            continue
-        for entry in entries:
-            if not entry.name.startswith(".") and entry.is_symlink() and os.path.isdir(entry.path):
-                found.setdefault(os.path.realpath(entry.path), Path(entry.path))
-    return found
-
-
-def _recorded_watch(info: dict[str, Any], path: Path) -> list[Path]:
-    """run.json's ``watch``: the folders of episodes the run was given (absolute), whose new episode folders a
-    followed run adds; [] in a run.json of an older ardiff, which did not record them."""
-    from ardiff_cli.runtime.errors import field_error
-
-    value = info.get("watch", [])
-    if isinstance(value, list) and all(isinstance(folder, str) and Path(folder).is_absolute() for folder in value):
-        return [Path(folder) for folder in value]
-    raise field_error(str(path), "watch", "a list of absolute folder paths", value,
-                      hint="correct it there, or give the EPISODE arguments again")
-
-
-def _recorded(info: dict[str, Any], key: str, path: Path) -> Any:
-    """run.json's ``key`` (one of ``RECORDED``; None: not recorded), checked as its option is: a value edited by
-    hand is a usage error naming the file and the field, not the command line, the engine or a traceback."""
-    from ardiff_cli.runtime.capacity import parse_bytes
-    from ardiff_cli.runtime.config import RuntimeConfig
-    from ardiff_cli.runtime.errors import field_error
-
-    value = info.get(key)
-    if value is None:
-        return None
-    try:
-        if key in ("follow", "preview"):
-            if isinstance(value, bool):
-                return value
-        elif key == "order":
-            if isinstance(value, str) and value in {o.value for o in Order}:
-                return value
-        elif key == "idle_timeout":
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:  # NaN is not
-                return float(value)
-        elif key == "swap_space":
-            return parse_bytes(value, zero_ok=True)
-        else:
-            return getattr(RuntimeConfig().with_overrides(**{key: value}), key)
-    except ConfigError:
-        pass
-    if key in ("device", "attention_backend"):  # what the run resolved: another given is refused (outputs would mix)
-        raise field_error(str(path), key, RECORDED[key], value, hint="correct it there, to what the run ran with")
-    raise field_error(str(path), key, RECORDED[key], value,
-                      hint=f"correct it there, or give --{key.replace('_', '-')} to replace it")
-
-
 def _under_signals(work: Callable[[], None]) -> None:
     """``work()``, which imports torch, under the rollout's signal handlers, as every import of torch by a rollout
     is: a signal while it imports waits for it to end, then stops the command (Python's default handlers left numpy
@@ -914,308 +820,6 @@ def _under_signals(work: Callable[[], None]) -> None:
     except Interrupted as stop:
         stop.hint = "nothing was written yet: run the same command again"
         raise
-
-
-def _recorded_pythonpath_found(pipeline: str | None, again: ResumeCommand, run_file: Path) -> None:
-    """Refuse a resume whose ``--pipeline MODULE:CLASS`` module is not found here, naming the folders run.json records
-    the run imported it from (``again.pythonpath``: the run's resume, which carries them), where its import (as the
-    config loads) said only `No module named ...` and to check the install. They still hold it, but are not
-    searched here: the hint is the run's resume, which puts them on PYTHONPATH. One is gone since (a lab's folder
-    renamed), or none holds it now: the hint is the resume with NEW, the folder that holds it now, first on
-    PYTHONPATH (or put the gone one back). Nothing is checked where the module is found, or none were recorded."""
-    import importlib.machinery
-    import importlib.util
-
-    top = (pipeline or "").partition(":")[0].strip().partition(".")[0]
-    if not again.pythonpath or not top.isidentifier():
-        return
-    try:
-        if importlib.util.find_spec(top) is not None:
-            return
-    except (ImportError, ValueError):
-        return  # its import says what is wrong
-    said = (f"--pipeline {pipeline}: cannot import {top!r}: the run imported it from one of the folders that "
-            f"{run_file}'s field 'pythonpath' records")
-    if importlib.machinery.PathFinder.find_spec(top, list(again.pythonpath)) is not None:
-        raise ConfigError(f"{said}, which are not on PYTHONPATH here",
-                          hint=f"continue with the run's resume, which gives them: {again}")
-    gone = [folder for folder in again.pythonpath if not os.path.isdir(folder)]
-    given = replace(again, pythonpath=("NEW", *(folder for folder in again.pythonpath if folder not in gone))).command()
-    back = (f"put {'it' if len(gone) == 1 else 'them'} back (moved: a symlink there to where it is now will do, "
-            f"ln -s NEW {shell_word(gone[0])}), then resume; or " if gone else "")
-    raise ConfigError(f"{said}, and " + (f"{joined(gone, 'and')} {'is' if len(gone) == 1 else 'are'} gone" if gone else
-                                         f"none of them ({first_of(again.pythonpath, 3)}) holds it now"),
-                      hint=f"{back}give the folder that holds {top!r} now (NEW) on PYTHONPATH: {given}")
-
-
-def _recorded_folders_exist(info: dict[str, Any], out: Path, watch: list[Path], again: ResumeCommand) -> None:
-    """The episode folders a resume of the run in ``out`` (run.json: ``info``) reads are where run.json last recorded
-    them (where the run started them, or where it followed a rename: ``episode_moved``): one moved or deleted since
-    is named as this run's (where a new run's missing EPISODE hints at --follow). A folder of episodes the run was
-    given (run.json's ``watch``, with or without --follow) renamed while the run was stopped is named itself: a
-    symlink at an episode's path cannot be made while the folder above it is gone, and the folder may be given where
-    it is now instead (``_refuse_other_watch`` takes it), with the run's other EPISODE arguments: ``again``, the
-    resume as given, with its options."""
-    from ardiff_cli.io.episode import MOUNT_HINT, listed, present
-    from ardiff_cli.io.run import RUN_FILE
-
-    episodes, run_file = info["episodes"], out / RUN_FILE
-    for episode in episodes:  # resumed in another locale than the run's: there, but not a path this one can write
-        if why := unencodable(episode["path"]):
-            raise ConfigError(f"episode {episode['name']!r} of this run: its folder {episode['path']} (recorded in "
-                              f"{run_file}): {why}", hint=UTF8_LOCALE_HINT)
-    # None: there, on a path this user may no longer enter; its episode fails saying so
-    gone = [(e["name"], e["path"]) for e in episodes if present(Path(e["path"])) is False]
-    for folder in watch:
-        inside = [name for name, path in gone if Path(path).parent == folder]
-        if inside and present(folder) is False:
-            # the resume given the run's EPISODE arguments, this folder where it is now (NEW) in its place
-            others = [str(other) for other in watch if other != folder] + [
-                e["path"] for e in episodes if Path(e["path"]).parent not in watch]
-            given = again.command(more=[shell_word(info.get("config_path") or info["config"]), "NEW",
-                                        *map(shell_word, others)])
-            dangling = link_to_nothing_on(Path(folder))  # a link left where it moved (as hinted below), leading nowhere
-            if dangling is not None:
-                link, why = dangling
-                raise ConfigError(f"{as_typed(folder)}, a folder of episodes given to this run, "
-                                  + (f"is {why}" if link == Path(folder) else f"cannot be reached: {link} is {why}")
-                                  + f" (the folders of its episodes {listed(inside)} are recorded in {run_file})",
-                                  hint=MOUNT_HINT + f", then resume; or give it where it is now: {given}")
-            raise ConfigError(f"{as_typed(folder)}, a folder of episodes given to this run, is gone, and with it the "
-                              f"folders of its episodes {listed(inside)} (recorded in {run_file})",
-                              hint="put it back at that path (renamed or moved: a symlink there to where it is now "
-                                   f"will do, ln -s NEW {shell_word(folder)}), then resume; or give it where it is "
-                                   "now, holding the run's episodes that were in it, with the run's other EPISODE "
-                                   f"arguments: {given}; or run its episodes again in a new --out")
-    if gone:
-        name, path = gone[0]
-        more = f" (and {plural(len(gone) - 1, 'more episode folder')})" if len(gone) > 1 else ""
-        # a link left there, or at a folder above it, to where it moved, leading nowhere now
-        dangling = link_to_nothing_on(Path(path))
-        if dangling is not None:
-            link, why = dangling
-            where = f"is {why}{more}" if link == Path(path) else f"cannot be reached{more}: {link} is {why}"
-            raise ConfigError(f"episode {name!r} of this run: its folder {as_typed(path)} (recorded in {run_file}) "
-                              + where, hint=MOUNT_HINT + ", then resume; or run its episodes again in a new --out")
-        raise ConfigError(f"episode {name!r} of this run: its folder {as_typed(path)} is gone{more}; {run_file} "
-                          "records where the run last found each episode's folder (where it started, or where "
-                          "--follow followed its rename)",
-                          hint="put it back at that path (moved: a symlink there to where it is now will do), then "
-                               "resume; or run its episodes again in a new --out")
-
-
-def _same_device(setting: str, recorded: str | None, *, load: bool = True) -> None:
-    """``--resume`` runs where the run started: another device's numerics would mix into its outputs. Without
-    ``load`` (nothing is left to run, and torch is not imported), only a device named outright (cpu, cuda:N) is
-    compared, so that it is refused as it would be with steps left; auto and cuda are what torch finds: they pass."""
-    if load:
-        from ardiff_cli.runtime.engine import resolve_device
-
-        try:
-            here = str(resolve_device(setting))
-        except ConfigError as exc:
-            if setting != recorded:  # another device given: its own error
-                raise
-            raise ConfigError(f"this run was started on {recorded}, which is not available here ({exc})",
-                              hint=f"resume it where {recorded} is: outputs are identical only on one device") from None
-    elif setting == "cpu" or setting.startswith("cuda:"):  # device_name's spellings: cuda:N as torch writes it
-        here = "cpu" if setting == "cpu" else f"cuda:{int(setting[5:])}"
-    else:
-        return
-    if recorded is not None and here != recorded:
-        raise ConfigError(f"this run was started on {recorded}, and --device {setting} resolves to {here} here",
-                          hint=f"resume with --device {recorded} (outputs are identical only on one device)")
-
-
-def _recorded_backend_installed(setting: str, recorded: str | None, device: str | None) -> None:
-    """A run that vLLM ran, resumed where vLLM is not installed, or is but its kernels do not load (its CUDA build on
-    a CPU, an import that fails): said before the model loads, as the run's, not as
-    an --attention-backend vllm the user did not give (whose hint, the torch backend, a resume refuses)."""
-    from ardiff_cli.runtime.kv.backends import install_instructions, probe_vllm_cpu, probe_vllm_flash, vllm_installed
-
-    if setting != "vllm" or recorded != "vllm":
-        return
-    device = device or "cpu"
-    if not vllm_installed():
-        raise ConfigError("this run was started with attention backend vllm, and vLLM is not installed here",
-                          hint=f"install the extra to resume it: {install_instructions(device)}; outputs "
-                               "are identical only with one attention backend")
-    probe = probe_vllm_cpu() if device == "cpu" else probe_vllm_flash()
-    if not probe.ok:
-        raise ConfigError(f"this run was started with attention backend vllm, and vLLM's kernels cannot run here: "
-                          f"{probe.reason}",
-                          hint=f"repair the install to resume it: {install_instructions(device)}; outputs are "
-                               "identical only with one attention backend")
-
-
-def _same_backend(here: str, setting: str, recorded: str | None) -> None:
-    """``--resume`` attends with the kernel the run started with: vLLM's and torch's differ in the last bits, and
-    replays and later steps would mix them into the outputs. Checked after load, where the choice is known."""
-    if recorded is not None and here != recorded:
-        raise ConfigError(f"this run was started with attention backend {recorded}, and --attention-backend "
-                          f"{setting} picks {here} here",
-                          hint=f"resume with --attention-backend {recorded} (outputs are identical only with one "
-                          "attention backend)" + ("; vLLM must be installed for it" if recorded == "vllm" else ""))
-
-
-def _build() -> dict[str, Any]:
-    """What an output's last bits depend on beside the device and attention backend, as run.json records it: this
-    ardiff, this torch, and the CPU intra-op threads torch runs with (``runtime.num_threads``, else OMP_NUM_THREADS or
-    one per core: kernels split over another count sum in another order). Once the engine has loaded (it sets the
-    threads); torch is imported by then."""
-    import torch
-
-    from ardiff_cli import __version__
-
-    return {"ardiff_version": __version__, "torch_version": str(torch.__version__),
-            "torch_threads": torch.get_num_threads()}
-
-
-def _build_changes(recorded: dict[str, Any], now: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """{field: {"recorded": ..., "now": ...}} of ``_build``'s fields whose value differs from run.json's. A field
-    run.json lacks (an older ardiff's) is not compared; nor are the threads of a run on a GPU, whose kernels do not
-    split over them."""
-    return {key: {"recorded": recorded[key], "now": value} for key, value in now.items()
-            if recorded.get(key) is not None and recorded[key] != value
-            and (key != "torch_threads" or str(recorded.get("device")) == "cpu")}
-
-
-def _build_changes_warning(changes: dict[str, dict[str, Any]], run_file: Path) -> str:
-    """The warning of a resume whose ardiff, torch or thread count is not the run's: ``run_file`` and each field it
-    recorded, with its value then and now (``runs/x/run.json: torch_threads 1, now 2``)."""
-    fields = "; ".join(f"{key} {change['recorded']}, now {change['now']}" for key, change in changes.items())
-    again = [f"{'ardiff' if key == 'ardiff_version' else 'torch'} {change['recorded']}"
-             for key, change in changes.items() if key != "torch_threads"]
-    if "torch_threads" in changes:  # a config that sets runtime.num_threads has the run's: it is null
-        again.append(f"OMP_NUM_THREADS={changes['torch_threads']['recorded']}")
-    return (f"{run_file}: {fields}: the outputs of the steps left may differ in the last bits from those of an "
-            "uninterrupted run (the steps done are kept as they are); resume with "
-            f"{', '.join(again)} for outputs identical to an uninterrupted run's")
-
-
-def _same_pipeline_option(given: str | None, recorded: str | None) -> None:
-    """``--resume`` never imports code because a file (run.json) names it: the command line must say it again."""
-    if given == recorded:
-        return
-    if recorded is None:
-        raise ConfigError(f"the run used its config's pipeline, not --pipeline {given}",
-                          hint="resume without --pipeline")
-    message = (f"--pipeline {quoted(given)} differs from the run's {quoted(recorded)}" if given else
-               f"the run used --pipeline {recorded}; ardiff imports code only when the command line "
-               "names it")
-    raise ConfigError(message, hint=f"resume with --pipeline {recorded}")
-
-
-def _resume_config(given: str | None, info: dict[str, Any], again: ResumeCommand) -> str:
-    """The config file the run started with, by absolute path (that it is unchanged since, its SHA-256 in
-    run.json, is checked on the bytes parsed: ``_same_config``).
-
-    A config named relatively would otherwise resolve against today's working folder, and an
-    edited one would silently mix two models' outputs in one run. ``again``: the resume to paste instead.
-    """
-    from ardiff_cli.runtime.config import resolve_config
-
-    if given is not None and Path(given).is_dir():  # it read "config file not found" of a folder that is there
-        raise ConfigError(f"CONFIG {quoted(given)} is a folder; the first argument is a config file or a built-in "
-                          "config name",
-                          hint=to_paste("with --resume the config and episodes are the run's (run.json): leave "
-                                        "them out, or give the config before them", again))
-    recorded, digest = info.get("config_path"), info.get("config_sha256")
-    if digest is None:  # run.json of an older ardiff: only the label was kept
-        return _same(given, info["config"], "CONFIG")
-    path = Path(recorded) if given is None else resolve_config(given).absolute()
-    if why := unencodable(path):  # resumed in another locale than the run's: "is gone" of a config that is there
-        raise ConfigError(f"the run's config {recorded}: {why}", hint=UTF8_LOCALE_HINT)
-    if not path.is_file():
-        # run.json of an ardiff before '..' was dropped (`/x/lab/../fast.yaml`, lab/ renamed since): /x/fast.yaml is
-        # the run's only if lab was no link, which nothing says now, so it is offered, not taken (its SHA-256 checked).
-        # Not while lab is there: it is a link then (this ardiff keeps a '..' only after one), or the name was no
-        # other than /x/fast.yaml
-        lexical = Path(os.path.normpath(path))
-        before = Path(*path.parts[:path.parts.index("..")]) if ".." in path.parts else path
-        offered = "" if given is not None or os.path.lexists(before) or not lexical.is_file() else (
-            f"; where no link comes before its '..', it is {lexical}: "
-            f"{again.command(more=[shell_word(lexical)])}")
-        raise ConfigError(f"the run's config {recorded} is gone",
-                          hint=f"restore it, or pass the same CONFIG again{offered}")
-    return str(path)
-
-
-def _same_config(path: Path, digest: str | None, info: dict[str, Any]) -> None:
-    """Refuse to resume the run of ``info`` (run.json) with the config ``path`` whose bytes hash to ``digest``,
-    unless they are the run's (``config_sha256``; older runs recorded none)."""
-    recorded = info.get("config_path")
-    if info.get("config_sha256") not in (None, digest):
-        what = ("was edited since the run started" if _same_file(path, recorded)
-                else f"differs from the run's {recorded}")
-        raise ConfigError(f"config {path} {what} (SHA-256 differs)",
-                          hint="resume with the config the run started with, or start a new run in another --out")
-
-
-def _same_file(path: Path, recorded: str | None) -> bool:
-    """Whether ``path`` is the file run.json recorded as ``recorded``, however spelt (`x/../my.yaml`, a link)."""
-    try:
-        return recorded is not None and os.path.samefile(path, recorded)
-    except OSError:  # one of them is gone or cannot be reached: by name
-        return str(path) == recorded
-
-
-def _config_sha256(path: Path) -> str | None:
-    """The SHA-256 of the config file ``path`` as it is now, or None where it cannot be read (its load said why)."""
-    from ardiff_cli.runtime.config import read_config_bytes
-
-    try:
-        return hashlib.sha256(read_config_bytes(path)).hexdigest()
-    except (ConfigError, OSError):
-        return None
-
-
-def _checkpoint_record(path: Path | None) -> dict[str, Any] | None:
-    """run.json's ``checkpoint``: the config's weights file as path, size and modification time (hashing a 14B
-    checkpoint would take a minute at every start); None for the pipeline's built-in default, built the same from
-    the config, or a file gone since the config was read (loading it names it)."""
-    if path is None:
-        return None
-    try:
-        stat_result = Path(path).stat()
-    except OSError:
-        return None
-    return {"path": str(Path(path).resolve()), "size": stat_result.st_size, "mtime_ns": stat_result.st_mtime_ns}
-
-
-def _refuse_changed_checkpoint(recorded: Any, now: dict[str, Any] | None) -> None:
-    """A resume whose config reads another weights file than the run's, or the run's file replaced since (its size
-    or modification time differ), is refused: the run's outputs so far came from the weights it had then, and a
-    resumed run must equal an uninterrupted one. Nothing to compare in a run.json without the field (an older
-    ardiff's) or where either side has the built-in default."""
-    if not isinstance(recorded, dict) or now is None or not isinstance(recorded.get("path"), str):
-        return
-    if recorded["path"] != now["path"]:
-        raise ConfigError(f"the config's checkpoint {now['path']} is not the run's, {recorded['path']}",
-                          hint="resume with the config the run started with (a relative checkpoint path is read "
-                               "from the config's folder), or start a new run in another --out")
-    if (recorded.get("size"), recorded.get("mtime_ns")) == (now["size"], now["mtime_ns"]):
-        return
-    mtime = recorded.get("mtime_ns")
-    known = isinstance(mtime, int) and not isinstance(mtime, bool)
-    touch = (f"; if it holds the same weights (copied again), give it back its modification time: touch -d "
-             f"@{mtime // 10**9}.{mtime % 10**9:09d} {shell_word(now['path'])}" if known else "")
-    raise ConfigError(f"checkpoint {now['path']} changed since the run started (size {recorded.get('size')} bytes, "
-                      f"modified {_local_time(mtime / 1e9) if known else 'unknown'}; now {now['size']} bytes, "
-                      f"modified {_local_time(now['mtime_ns'] / 1e9)}): the run's outputs so far came from the "
-                      "weights it had then",
-                      hint=f"restore those weights to resume, or start a new run in another --out{touch}")
-
-
-def _local_time(seconds: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
-
-
-def _same(given: Any, recorded: Any, name: str) -> Any:
-    if given is not None and given != recorded:
-        raise ConfigError(f"{name} {given!r} differs from the run's {recorded!r}",
-                          hint=f"resume with the same {name}, or leave it out to reuse the recorded one")
-    return recorded
 
 
 def _swap_space(value: str | None) -> int | None:
@@ -1260,7 +864,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
             # as it never takes the signals: a stop Python dropped as it began, before run.json and summary.json are
             # written (Output.result raised it after them: exit 143 beside a summary.json that said ok)
             raise_dropped_stop()
-            _same_device(p.cfg.runtime.device, p.recorded_device, load=False)  # before anything is written
+            same_device(p.cfg.runtime.device, p.recorded_device, load=False)  # before anything is written
             drop_kept(swap_dir)
             remove_snapshot_files(swap_dir)
             summary, ended = finished
@@ -1298,8 +902,8 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
 
                 signals.check()  # a signal that arrived while torch imported
                 if resume:  # before the model loads; under the signals, as torch resolves the device
-                    _same_device(p.cfg.runtime.device, p.recorded_device)
-                    _recorded_backend_installed(p.cfg.runtime.attention_backend, p.recorded_backend,
+                    same_device(p.cfg.runtime.device, p.recorded_device)
+                    recorded_backend_installed(p.cfg.runtime.attention_backend, p.recorded_backend,
                                                 p.recorded_device)
                     _same_default_checkpoint(p.cfg, p.recorded, p.out_dir / RUN_FILE)
                 engine = ARDiffusionEngine(p.cfg, swap_dir=None if swap_space == 0 else swap_dir,
@@ -1337,11 +941,11 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                              f"{plural(plan.session_capacity, 'session')}, {plural(plan.num_managed_pages, 'page')}")
                 if resume:
                     recorded = p.recorded
-                    _same_backend(engine.runner.attention_backend, p.cfg.runtime.attention_backend,
+                    same_backend(engine.runner.attention_backend, p.cfg.runtime.attention_backend,
                                   recorded.get("attention_backend"))
-                    changes = _build_changes(recorded, _build())
+                    changes = build_changes(recorded, build_record())
                     if changes:  # not refused: an upgrade may be what the user resumes for
-                        output.warning(_build_changes_warning(changes, p.out_dir / RUN_FILE))
+                        output.warning(build_changes_warning(changes, p.out_dir / RUN_FILE))
                     resumed = _resumed_info(recorded, p)
                     _write_run_info(lambda: atomic_write_json(p.out_dir / RUN_FILE, resumed), p.out_dir / RUN_FILE,
                                     resume=resume_now())
@@ -1351,7 +955,7 @@ def _run(p: _Prepared, output: Output, *, order: str, follow: bool, idle_timeout
                     _write_run_info(lambda: run.start({**p.info, "device": str(engine.device),
                                                        "attention_backend": engine.runner.attention_backend,
                                                        "default_checkpoint": default and default.name,
-                                                       **_build()}),
+                                                       **build_record()}),
                                     p.out_dir / RUN_FILE, resume=None, results=run.results_path)
                 if warmup:
                     monitor.set_phase("warmup")
