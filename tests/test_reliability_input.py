@@ -2553,6 +2553,20 @@ def test_resume_out_a_folder_of_one_run_hints_its_resume_with_the_options_given(
                                   "--session-capacity 1"), proc.stderr
 
 
+def test_resume_out_a_folder_holding_a_run_and_another_file_hints_the_runs_resume_not_a_new_run(tmp_path, cli_env):
+    # `--resume -o runs`, runs holding a run and a notes.txt, hinted "run without --resume to start a run in this
+    # folder": a new run there is refused (it would hold that run). One test of "holds a run folder" for both.
+    (tmp_path / "runs").mkdir()
+    a_run_of(tmp_path / "runs" / "eval1", [episode(tmp_path / "arm_a", 1)])
+    (tmp_path / "runs" / "notes.txt").write_text("eval1: the baseline\n")
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "--resume", "-o", "runs", "--memory-budget",
+                           "1GiB", "--format", "plain"], env=cli_env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert _hint(proc.stderr) == (f"runs is a folder of ardiff run folders: give its one run as --out: ardiff rollout "
+                                  f"--resume --out {Path('runs', 'eval1')} --memory-budget 1GiB"), proc.stderr
+
+
 def test_a_new_run_out_a_folder_of_run_folders_is_refused_naming_them(tmp_path, cli_env):
     # `ardiff rollout CFG arm_a -o runs` (runs holding run folders, as ./ardiff-runs does) wrote its run.json and
     # results among them: `--resume -o runs` then resumed that run, not one of them, and each of them was a folder

@@ -256,23 +256,18 @@ class RunFolder:
         ``ardiff-runs/<start time>/run.json``...), other files beside them or not: its run.json and results written
         among them make it a run around theirs, which ``--resume -o`` it then resumes in place of one of them. Not an
         empty folder, nor one holding no run folder."""
-        try:
-            runs = sorted(entry.name for entry in os.scandir(self.root)
-                          if not entry.name.startswith(".") and entry.is_dir()
-                          and RunFolder(Path(entry.path)).is_run_folder())
-        except OSError:  # not a folder, or one this user cannot list: the run's own checks say so
-            return
+        runs = _run_folders_in(self.root)
         if not runs:
             return
-        from ardiff_cli.io.episode import listed, run_output
+        from ardiff_cli.io.episode import listed
 
-        found = run_output(self.root / runs[0]) if len(runs) == 1 else None
-        if found is not None and found.why is not None:  # its one run holds only a .lock
-            go_on = f"its one run, {as_typed(self.root / runs[0])}, {found.restart.removeprefix('it ')}"
-        elif found is not None and isinstance(found.again, ResumeCommand):
-            go_on = f"continue its one run with: {found.again}"
-        else:
+        found = _one_run_in(self.root, runs, None)
+        if found is None:
             go_on = "continue one of its runs with: ardiff rollout --resume -o RUN"
+        elif found.why is not None:  # its one run holds only a .lock
+            go_on = found.restart
+        else:
+            go_on = f"continue its one run with: {found.again}"
         what = "an ardiff run folder" if len(runs) == 1 else "ardiff run folders"
         held = "it" if len(runs) == 1 else "them"
         raise ConfigError(f"--out {as_typed(self.root)} holds {what} ({listed(runs, limit=5)}): a new run written "
@@ -1001,36 +996,47 @@ class RunFolder:
             self._swap_lock = None
 
 
-def _runs_held(folder: Path) -> FoundRun | None:
-    """What :func:`run_output` finds of a folder of run folders that holds one at least (``ardiff-runs``); None for
-    another folder, or one holding no run (an empty ``ardiff-runs``)."""
+def _run_folders_in(folder: Path) -> list[str]:
+    """The names of the run folders ``folder`` holds (``ardiff-runs``: ``<start time>/run.json``...), other entries
+    beside them or not, sorted; [] for none, or a folder that cannot be listed."""
+    try:
+        return sorted(entry.name for entry in os.scandir(folder) if not entry.name.startswith(".")
+                      and entry.is_dir() and RunFolder(Path(entry.path)).is_run_folder())
+    except OSError:
+        return []
+
+
+def _one_run_in(folder: Path, runs: list[str], asked: ResumeCommand | None) -> FoundRun | None:
+    """What :func:`run_output` finds of the one run folder ``folder`` holds (``runs``: its run folders): its resume,
+    given the options of ``asked`` (the resume as given; None: none given), or why it has none (its ``restart``
+    naming that run); None where it holds several."""
     from ardiff_cli.io.episode import run_output
 
-    found = run_output(folder)
-    if found is None or found.what != "a folder of ardiff run folders":
+    found = run_output(folder / runs[0]) if len(runs) == 1 else None
+    if found is None:
         return None
-    try:
-        if not any(not name.startswith(".") for name in os.listdir(folder)):
-            return None
-    except OSError:
-        return None
+    if found.why is not None:
+        return found._replace(run=folder / runs[0])
+    if isinstance(found.again, ResumeCommand) and asked is not None:
+        return found._replace(again=found.again.given_as(asked))
     return found
 
 
 def _folder_of_runs_hint(folder: Path, asked: ResumeCommand | None = None) -> str | None:
-    """The hint of a resume given as --out a folder of run folders (``-o ardiff-runs``), whose own run.json does not
-    exist: the resume of its one run, with the options given to ``asked`` (the resume as given), else to give one of
-    its runs (a run without --resume is refused there); None for another folder, or one holding no run (an empty
-    ``ardiff-runs``)."""
-    found = _runs_held(folder)
-    if found is None:
+    """The hint of a resume given as --out a folder holding run folders (``-o ardiff-runs``), whose own run.json does
+    not exist: the resume of its one run, with the options given to ``asked`` (the resume as given), else to give one
+    of its runs (a run without --resume is refused there: :meth:`RunFolder.refuse_a_folder_of_runs`); None for a
+    folder holding no run (an empty ``ardiff-runs``)."""
+    runs = _run_folders_in(folder)
+    if not runs:
         return None
+    what = f"{as_typed(folder)} is a folder of ardiff run folders"
+    found = _one_run_in(folder, runs, asked)
+    if found is None:
+        return f"{what}: give one of its runs as --out: ardiff rollout --resume -o RUN"
     if found.why is not None:  # its one run holds only a .lock: nothing of it to resume
-        return f"{as_typed(folder)} is {found.what}; {found.restart}"
-    if not isinstance(found.again, ResumeCommand):
-        return f"{as_typed(folder)} is {found.what}: give one of its runs as --out: {found.again}"
-    again = found.again if asked is None else found.again.given_as(asked)
-    return f"{as_typed(folder)} is {found.what}: give its one run as --out: {again}"
+        return f"{what}; {found.restart}"
+    return f"{what}: give its one run as --out: {found.again}"
 
 
 def recorded_resume(resume: ResumeCommand, info: Mapping[str, Any]) -> ResumeCommand:
