@@ -44,8 +44,8 @@ from typing import Any
 
 from ardiff_cli.errors_cli import (Interrupted, OutputError, StepFailed, carry_notes, continue_with, notes_of,
                                    write_hint)
-from ardiff_cli.io.episode import (METADATA_FILE, EpisodeSource, StepFile, file_signature, listed, load_step,
-                                   present, step_sha256)
+from ardiff_cli.io.episode import METADATA_FILE, EpisodeSource, StepFile, listed, present
+from ardiff_cli.io.step_file import file_signature, load_step, step_sha256
 from ardiff_cli.io.run import RunFolder, episode_folder_path
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import ForeignRecording, validate_step

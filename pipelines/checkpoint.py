@@ -283,8 +283,8 @@ def _unreadable(path: Path, exc: Exception) -> CheckpointError:
     pickle, a Git LFS pointer, text), empty, cut short (the size its header declares against the file's), or a header
     safetensors refuses. safetensors' own words ("header too large" for a torch.save file, "incomplete metadata, file
     not fully covered" for a copy cut short) named neither what the file was nor what to do."""
-    from ardiff_cli.io.episode import (MAX_HEADER_BYTES, _SIGNATURES, _TORCH_SAVE, _declared_safetensors_size,
-                                       _is_torch_save)
+    from ardiff_cli.io.step_file import (MAX_HEADER_BYTES, _SIGNATURES, _TORCH_SAVE, _declared_safetensors_size,
+                                         _is_torch_save)
 
     def error(what: str, hint: str) -> CheckpointError:
         return CheckpointError(f"cannot read checkpoint {as_typed(path)}: {what}", hint=hint)

@@ -541,7 +541,7 @@ def read_png(path: Path) -> np.ndarray:
 
 def observed_frame(step_file: Path) -> np.ndarray:
     """The frame a preview draws of a step file: the last frame of its first camera."""
-    from ardiff_cli.io.episode import load_step
+    from ardiff_cli.io.step_file import load_step
 
     frame = load_step(step_file).arrays["exterior_image_0"]
     return frame if frame.ndim == 3 else frame[-1]

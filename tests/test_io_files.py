@@ -21,7 +21,8 @@ from safetensors.numpy import save_file
 from ardiff_cli.io import end_episode, read_step, write_episode, write_step
 from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, read_jsonl, remove_temporaries, temporary_pattern,
                                   truncate_partial_line)
-from ardiff_cli.io.episode import discover_episodes, scan_steps, step_number, step_sha256
+from ardiff_cli.io.episode import discover_episodes, scan_steps, step_number
+from ardiff_cli.io.step_file import step_sha256
 from ardiff_cli.io.kept import drop_kept, kept_for, read_kept, write_kept
 from ardiff_cli.io.png import encode_png, evenly_spaced, preview_strip
 from ardiff_cli.io.run import RunFolder, build_summary, percentiles
@@ -700,7 +701,7 @@ def test_a_read_steps_signature_matches_the_file_until_it_is_written_again(tmp_p
     import os
 
     from ardiff_cli.io import write_step
-    from ardiff_cli.io.episode import file_signature, load_step
+    from ardiff_cli.io.step_file import file_signature, load_step
 
     path = write_step(tmp_path / "ep", 0, arrays(0), prompt="p")
     raw = load_step(path)
@@ -715,7 +716,7 @@ def test_a_read_steps_signature_matches_the_file_until_it_is_written_again(tmp_p
 def test_a_file_longer_than_its_own_structure_says_does_not_look_whole(tmp_path, fmt):
     """looks_whole: exactly as many bytes as the structure says. A byte more (a second write over a shorter first,
     an append) is not a whole step file any more than a byte less."""
-    from ardiff_cli.io.episode import looks_whole
+    from ardiff_cli.io.step_file import looks_whole
     from ardiff_cli.io.writer import encode_arrays
 
     blob = encode_arrays(arrays(0), format=fmt)
@@ -731,7 +732,7 @@ def test_a_file_longer_than_its_own_structure_says_does_not_look_whole(tmp_path,
 def test_safetensors_header_refuses_bytes_cut_inside_the_header_even_where_the_json_still_parses(tmp_path):
     """The header's length counts the padding spaces after its JSON: bytes cut inside that padding still parse as
     JSON, but they are cut short, and safetensors_header says so."""
-    from ardiff_cli.io.episode import safetensors_header
+    from ardiff_cli.io.step_file import safetensors_header
     from ardiff_cli.io.writer import encode_arrays
 
     blob = encode_arrays(arrays(0), metadata={"prompt": "p"})
@@ -750,7 +751,7 @@ def test_safetensors_header_refuses_bytes_cut_inside_the_header_even_where_the_j
 ], ids=["npy", "png", "pickle"])
 def test_an_npz_step_file_of_another_format_is_named_not_parsed(tmp_path, content, what):
     """An .npz is a zip archive: anything else under the suffix is named by its format, never handed to np.load."""
-    from ardiff_cli.io.episode import load_step
+    from ardiff_cli.io.step_file import load_step
     from ardiff_cli.runtime.errors import ObservationError
 
     path = tmp_path / "step_000000.npz"
@@ -762,7 +763,7 @@ def test_an_npz_step_file_of_another_format_is_named_not_parsed(tmp_path, conten
 def test_an_npz_text_array_is_an_array_only_a_0d_one_is_metadata(tmp_path):
     """0-d string arrays of an .npz are metadata (the prompt); a 1-d string array is an array like any other (the
     schema's validation then names it), never folded into a metadata string."""
-    from ardiff_cli.io.episode import load_step
+    from ardiff_cli.io.step_file import load_step
 
     path = tmp_path / "step_000000.npz"
     np.savez(path, joints=np.zeros(7, np.float32), prompt=np.array("pick it up"), labels=np.array(["a", "b"]))
@@ -790,7 +791,7 @@ def test_non_contiguous_arrays_are_written_with_their_values(tmp_path, fmt):
     """A transposed or flipped view (a camera frame mirrored, joints read column-wise) is written as its values, not
     as the buffer underneath it."""
     from ardiff_cli.io import write_step
-    from ardiff_cli.io.episode import load_step
+    from ardiff_cli.io.step_file import load_step
 
     joints = np.arange(12, dtype=np.float32).reshape(3, 4).T
     camera = np.arange(48, dtype=np.uint8).reshape(4, 4, 3)[:, ::-1]
@@ -803,7 +804,7 @@ def test_non_contiguous_arrays_are_written_with_their_values(tmp_path, fmt):
 def test_a_step_files_tensor_data_stays_8_byte_aligned_whatever_its_metadata(tmp_path):
     """Sorting the metadata rewrites the header: it is padded again so that the tensors' data starts at a multiple
     of 8 bytes, as safetensors writes it (readers that map the file rely on it)."""
-    from ardiff_cli.io.episode import load_step, safetensors_header
+    from ardiff_cli.io.step_file import load_step, safetensors_header
     from ardiff_cli.io.writer import encode_arrays
 
     for n in range(1, 17):  # every header length modulo 8

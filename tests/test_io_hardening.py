@@ -19,7 +19,8 @@ import pytest
 from ardiff_cli.io import read_step, write_episode, write_step
 from ardiff_cli.io.atomic import atomic_write_bytes
 from ardiff_cli.io.demo import ensure_demo_episodes
-from ardiff_cli.io.episode import discover_episodes, looks_whole, new_episode_folders
+from ardiff_cli.io.episode import discover_episodes, new_episode_folders
+from ardiff_cli.io.step_file import looks_whole
 from ardiff_cli.io.run import RunFolder
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.runtime.errors import ConfigError, ObservationError
@@ -168,7 +169,8 @@ except OSError:
 READ_AT_THE_LIMIT = """
 import os, sys
 from pathlib import Path
-from ardiff_cli.io.episode import EpisodeSource, load_step
+from ardiff_cli.io.episode import EpisodeSource
+from ardiff_cli.io.step_file import load_step
 """ + HOLD_EVERY_DESCRIPTOR + """
 for read in (lambda: load_step(Path(sys.argv[1]) / "step_000000.safetensors"),
              lambda: EpisodeSource(name="e", path=Path(sys.argv[1])).metadata()):
@@ -472,9 +474,9 @@ def test_write_episode_refuses_metadata_that_rollout_would_refuse_for_its_size(t
 def test_write_step_refuses_a_step_that_rollout_would_refuse_for_its_size(tmp_path, monkeypatch, format):
     """The writer wrote a step file over the reader's MAX_STEP_BYTES (1 GiB), which rollout then refused; both now
     read one limit, lowered here to 1 MiB so that the test holds a few MiB, not GiBs."""
-    from ardiff_cli.io import episode
+    from ardiff_cli.io import step_file
 
-    monkeypatch.setattr(episode, "MAX_STEP_BYTES", 1 << 20)
+    monkeypatch.setattr(step_file, "MAX_STEP_BYTES", 1 << 20)
     small = {"image": np.zeros((1, 64, 64, 3), np.uint8)}
     write_step(tmp_path / "ep", 0, small, format=format)
     assert read_step(tmp_path / "ep" / f"step_000000.{format}").arrays["image"].shape == (1, 64, 64, 3)

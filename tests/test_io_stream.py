@@ -14,8 +14,8 @@ import pytest
 
 from ardiff_cli.io import write_episode, write_step
 from ardiff_cli.io.demo import demo_step, ensure_demo_episodes
-from ardiff_cli.io.episode import (EpisodeSource, RawStep, discover_episodes, is_temporary_name, step_number,
-                                   step_sha256)
+from ardiff_cli.io.episode import EpisodeSource, discover_episodes, is_temporary_name, step_number
+from ardiff_cli.io.step_file import RawStep, step_sha256
 from ardiff_cli.io import stream
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler, StepTask
 from ardiff_cli.io.validate import validate_step
@@ -564,7 +564,7 @@ def test_demo_episodes_are_deterministic_valid_and_cached(tmp_path):
         steps = episode.scan()
         assert 5 <= len(steps) <= 8
         for step_file in steps:
-            from ardiff_cli.io.episode import load_step
+            from ardiff_cli.io.step_file import load_step
 
             valid = validate_step(load_step(step_file.path), SCHEMA, path=step_file.path,
                                   episode_metadata=episode.metadata())
@@ -583,7 +583,7 @@ def test_demo_steps_of_a_pipeline_that_takes_several_frames_a_request_have_them_
     from types import SimpleNamespace
 
     from ardiff_cli.io.atomic import DIR_MODE
-    from ardiff_cli.io.episode import load_step
+    from ardiff_cli.io.step_file import load_step
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("ARDIFF_CACHE_DIR", "~/cache")
@@ -1005,7 +1005,7 @@ def test_follow_waits_for_a_writer_that_pauses_mid_file(tmp_path, fmt):
 def test_follow_hands_over_a_file_that_stays_incomplete_instead_of_skipping_it(tmp_path, end):
     """A writer that died mid-file: at END (or the idle timeout) the file is handed out, and reading it fails the
     episode as truncated; the episode never ends as if that step did not exist."""
-    from ardiff_cli.io.episode import load_step
+    from ardiff_cli.io.step_file import load_step
     from ardiff_cli.io.writer import encode_arrays
 
     folder = tmp_path / "live"

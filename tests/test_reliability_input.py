@@ -28,7 +28,8 @@ from typer.testing import CliRunner
 from ardiff_cli.app import app
 from ardiff_cli.io import write_episode, write_step
 from ardiff_cli.io.demo import demo_step
-from ardiff_cli.io.episode import EpisodeSource, RawStep, load_step
+from ardiff_cli.io.episode import EpisodeSource
+from ardiff_cli.io.step_file import RawStep, load_step
 from ardiff_cli.io.stream import EpisodeEnded, StepScheduler
 from ardiff_cli.io.validate import validate_step
 from ardiff_cli.runtime.errors import ObservationError, quoted

@@ -109,7 +109,7 @@ def test_shipped_code_never_unpickles_or_imports_by_name():
 
 
 def test_an_npz_holding_an_object_array_is_refused_not_unpickled(tmp_path):
-    from ardiff_cli.io.episode import load_step
+    from ardiff_cli.io.step_file import load_step
     from ardiff_cli.runtime.errors import ObservationError
 
     class Boom:

@@ -1083,7 +1083,7 @@ def _whole_metadata(output: Path) -> dict[str, Any] | None:
     """A step's output file's metadata, read from its header alone, when the file is there and whole; None when it is
     not (ardiff writes none cut short; a failed copy or sync of the run folder may leave one empty or truncated: its
     step runs again, as one whose file is gone). {} for a file without metadata (an .npz)."""
-    from ardiff_cli.io.episode import looks_whole, whole_safetensors_header
+    from ardiff_cli.io.step_file import looks_whole, whole_safetensors_header
 
     try:
         size = output.stat().st_size

@@ -53,8 +53,9 @@ from pathlib import Path
 from ardiff_cli.io.atomic import temporary_pattern
 from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, StepFile, episode_entries,
                                    episode_folders_inside, gap_error, in_other_case, is_run_output, listed,
-                                   looks_whole, missing_steps, names_in, new_episode_folders, other_case_error,
-                                   other_step_formats, step_number, step_sha256, unreadable_folder)
+                                   missing_steps, names_in, new_episode_folders, other_case_error, other_step_formats,
+                                   step_number, unreadable_folder)
+from ardiff_cli.io.step_file import looks_whole, step_sha256
 from ardiff_cli.io.run import episode_folder_path
 from ardiff_cli.runtime.errors import (ObservationError, as_typed, dangling_link, first_of, link_to_nothing,
                                       shell_word)

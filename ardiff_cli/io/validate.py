@@ -17,7 +17,8 @@ from typing import Any
 from ardiff_cli.runtime.errors import ObservationError, as_typed, close_match, did_you_mean, plural, shown
 from ardiff_cli.runtime.observation import ObservationSchema
 
-from ardiff_cli.io.episode import METADATA_FILE, RawStep, listed
+from ardiff_cli.io.episode import METADATA_FILE, listed
+from ardiff_cli.io.step_file import RawStep
 
 MAX_NAMED_KEYS = 10  # keys outside the schema named one by one in a warning or an error; the rest are counted
 # a foreign file's arrays kept for the closing hint up to this many: a file of 200,000 keys is no schema's, and kept for

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from ardiff_cli.io.atomic import atomic_write_bytes, atomic_write_text
-from ardiff_cli.io import episode
-from ardiff_cli.io.episode import (END_MARKER, MAX_METADATA_BYTES, METADATA_FILE, read_episode_yaml,
-                                   safetensors_header)
+from ardiff_cli.io import step_file
+from ardiff_cli.io.episode import END_MARKER, METADATA_FILE
+from ardiff_cli.io.step_file import MAX_METADATA_BYTES, read_episode_yaml, safetensors_header
 from ardiff_cli.runtime.capacity import as_int, format_bytes
 from ardiff_cli.runtime.errors import as_typed, shown
 from ardiff_cli.runtime.observation import lone_surrogate
@@ -228,9 +228,9 @@ def write_step(folder: str | os.PathLike, step: int, arrays: Mapping[str, Any], 
                              f"{meta['prompt']!r}; give one")
         meta["prompt"] = prompt
     blob = encode_arrays(arrays, format=format, metadata=meta)  # a step it refuses leaves episode.yaml untouched
-    if len(blob) > episode.MAX_STEP_BYTES:  # an .npz's members are stored: its size is at least what they unpack to
+    if len(blob) > step_file.MAX_STEP_BYTES:  # an .npz's members are stored: its size is at least what they unpack to
         raise ValueError(f"step {step}: its file would take {len(blob)} bytes, more than the "
-                         f"{format_bytes(episode.MAX_STEP_BYTES)} rollout reads of a step: store camera frames at "
+                         f"{format_bytes(step_file.MAX_STEP_BYTES)} rollout reads of a step: store camera frames at "
                          "about the model's size, one step's frames per file")
     if "prompt" in meta:
         _record_episode_prompt(folder, meta["prompt"])

@@ -120,7 +120,7 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
     import torch
 
     from ardiff_cli.io.atomic import parse_json
-    from ardiff_cli.io.episode import MAX_HEADER_BYTES
+    from ardiff_cli.io.step_file import MAX_HEADER_BYTES
 
     def refused(why: str) -> ValueError:
         return ValueError(f"{path}: not a readable safetensors file ({why})")
