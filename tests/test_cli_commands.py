@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -1164,6 +1166,52 @@ def test_inspect_capacity_never_shows_sessions_over_budget_at_the_budgets_own_pe
 
     assert row(int(two / 0.9001)) == (">90%", "over budget")
     assert row(int(two / 0.8999)) == ("90%", "fits")
+
+
+def capacity_row(config: str, sessions: int, *args: str) -> tuple[str, str, str]:
+    """The budget row's fraction, and the share and verdict of the row for ``sessions``, of `inspect-capacity --format
+    plain`."""
+    result = runner.invoke(app, ["inspect-capacity", config, *args, "--sessions", str(sessions), "--format", "plain"],
+                           env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.stderr
+    fraction = re.search(r"^budget .* gpu_memory_fraction (\S+) ", result.stdout, re.M).group(1)
+    label = f"{sessions} session{'s' if sessions != 1 else ''}"
+    return (fraction, *re.search(rf"^{label} +(\S+) +of available memory \((.*)\)$", result.stdout, re.M).groups())
+
+
+@pytest.mark.parametrize("config", ["dreamzero-tiny", "self-forcing-1.3b"])
+@pytest.mark.parametrize(("fraction", "under", "over"), [
+    ("0.1236", "<12.4%", "12.4%"),  # three digits round up: a share that fits read 12.4%, past 0.1236
+    ("0.12355", "<12.4%", "12.4%"),
+    ("0.5556", "<55.6%", "55.6%"),
+    ("0.1234", "12.3%", ">12.3%"),  # round down: a share over budget read 12.3%, within 0.1234
+])
+def test_inspect_capacity_never_shows_a_share_the_verdict_contradicts_at_a_four_digit_fraction(config, fraction,
+                                                                                                 under, over):
+    """At --gpu-memory-fraction 0.1236, two sessions that fit the budget by a byte (12.35999...%) read
+    `12.4%  of available memory (fits)`, past the budget the row above gives: they read '<12.4%'. Past it by a byte
+    they read 12.4% (over budget); at 0.1234, where three digits round down, a share over budget reads '>12.3%'."""
+    two = plan_capacity(load_config(config).kv_cache_spec(), "bfloat16", 1 << 40, 0.9).required_bytes(2)
+    exact = Fraction(fraction)
+    budget = math.ceil(two / exact)  # the least --memory-budget whose budget holds two sessions
+    args = ("--dtype", "bfloat16", "--gpu-memory-fraction", fraction, "--session-capacity", "2", "--memory-budget")
+    assert capacity_row(config, 2, *args, str(budget)) == (fraction, under, "fits")
+    assert capacity_row(config, 2, *args, str(budget - 1)) == (fraction, over, "over budget")
+
+
+def test_inspect_capacity_takes_the_fraction_as_written_for_the_budget_and_shows_it_so():
+    """0.7 of 11714560 bytes is 8200192, exactly what 49 sessions of causal-world-tiny need; the float product
+    (0.7 is 0.69999999999999995559) floored to 8200191, so they read `70%  of available memory (over budget)`
+    beside 'gpu_memory_fraction 0.7'. A fraction of more than six digits was shown in six (0.1229999996 as 0.123),
+    where a share over budget may read 12.3%."""
+    config, available = "causal-world-tiny", 11714560
+    plan = plan_capacity(load_config(config).kv_cache_spec(), "float32", available, 0.7, session_capacity=1000)
+    assert plan.required_bytes(49) == available * Fraction("0.7") and int(available * 0.7) < plan.required_bytes(49)
+    assert plan.budget_bytes == plan.required_bytes(49) and plan.session_capacity == 49
+    args = ("--session-capacity", "1000", "--available", str(available))
+    assert capacity_row(config, 49, *args, "--gpu-memory-fraction", "0.7") == ("0.7", "70%", "fits")
+    assert capacity_row(config, 50, *args, "--gpu-memory-fraction", "0.7")[2] == "over budget"
+    assert capacity_row(config, 2, *args, "--gpu-memory-fraction", "0.1229999996")[0] == "0.1229999996"
 
 
 def test_inspect_capacity_shows_an_absurd_available_in_few_digits_and_says_why_one_is_unreadable(tmp_path):

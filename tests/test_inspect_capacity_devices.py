@@ -656,6 +656,6 @@ def test_json_says_each_session_counts_verdict_as_the_table_does(tmp_path, confi
     assert data["verdict"] == verdicts and data["session_limit_source"] == source
     assert list(data["verdict"]) == list(data["fraction_needed"])
     plain = inspect(tmp_path, config, "--device", "cpu", *args, gpu_torch=False, fmt="plain", COLUMNS="300").stdout
-    rows = dict(re.findall(r"^([\d,]+) sessions? +>?[\d.,e+-]+% +of available memory \((.*)\)$", plain, re.M))
+    rows = dict(re.findall(r"^([\d,]+) sessions? +[<>]?[\d.,e+-]+% +of available memory \((.*)\)$", plain, re.M))
     limit = data["plan"]["session_capacity_limit"]
     assert rows == {n: VERDICT_WORDS[verdict].format(limit=limit, source=shown) for n, verdict in verdicts.items()}

@@ -345,19 +345,27 @@ def _three_digits(value: float) -> str:
 
 
 def _share(plan: Any, num_sessions: int, verdict: str) -> str:
-    """The share of the available memory ``num_sessions`` sessions need, in three digits, or '>' before them where
-    the row is past a bound (``over_budget``: the budget; ``does_not_fit``: the memory available) and the figure,
-    read as that share of the available memory, is within it: 90.01% at --gpu-memory-fraction 0.9 is '>90', not
-    '90' beside 'over budget', and 100.0003% is '>100', not '100' beside 'does not fit'. The '>' is always true: the
-    bytes needed are a whole number past the bound, so past the figure too."""
+    """The share of the available memory ``num_sessions`` sessions need, in three digits, with '>' or '<' before them
+    where the figure, read as that share of the available memory, would contradict the verdict beside it. '>' where
+    the row is past a bound (``over_budget``: the budget; ``does_not_fit``: the memory available) and the figure is
+    within it, or within the fraction as the budget row writes it: 90.01% at --gpu-memory-fraction 0.9 is '>90', not
+    '90' beside 'over budget', and 100.0003% is '>100'. '<' where the row fits and the figure is past the budget and
+    that fraction: 12.35999% at 0.1236 is '<12.4', not '12.4' beside 'fits'. Either sign is always true, in exact
+    arithmetic: the bytes needed are a whole number past the bound (so past the figure too), or within the budget
+    (so short of a figure past it)."""
     from decimal import Decimal  # here, not at the top: `ardiff --help` imports this module
     from fractions import Fraction
 
+    from ardiff_cli.runtime.capacity import fraction_as_written
+
     shown = _three_digits(plan.fraction_needed(num_sessions) * 100)
+    figure = Fraction(Decimal(shown.replace(",", ""))) * plan.available_bytes / 100  # '1,050' or '1.05e+03', as shown
     bound = {"over_budget": plan.budget_bytes, "does_not_fit": plan.available_bytes}.get(verdict)
-    figure = Fraction(Decimal(shown.replace(",", "")))  # '1,050' or '1.05e+03', exactly as shown
-    if bound is not None and math.floor(figure * plan.available_bytes / 100) <= bound:
+    if bound is not None and math.floor(figure) <= bound:
         return f">{shown}"
+    fraction = Fraction(Decimal(fraction_as_written(plan.gpu_memory_fraction)))
+    if verdict == "fits" and figure > max(plan.budget_bytes, fraction * plan.available_bytes):
+        return f"<{shown}"
     return shown
 
 
@@ -375,7 +383,7 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool, *, kernels: tu
     from rich.text import Text
 
     from ardiff_cli.output import as_text, visible
-    from ardiff_cli.runtime.capacity import format_bytes as fb
+    from ardiff_cli.runtime.capacity import format_bytes as fb, fraction_as_written
 
     per = data["per_session"]
     table = Table(box=None if plain else box.SIMPLE_HEAD, show_header=True, header_style="bold", pad_edge=False)
@@ -388,8 +396,9 @@ def render_capacity(data: dict[str, Any], plan: Any, plain: bool, *, kernels: tu
 
     add_row("device", data["plan_device"], data["plan_device_reason"])
     add_row("available", fb(plan.available_bytes), data["available_source"])
-    add_row("budget", fb(plan.budget_bytes), f"available x gpu_memory_fraction {plan.gpu_memory_fraction:g} "
-            "(never less than one session)")
+    add_row("budget", fb(plan.budget_bytes),
+            f"available x gpu_memory_fraction {fraction_as_written(plan.gpu_memory_fraction)} (never less than one "
+            "session)")
     add_row("page", fb(plan.bytes_per_page),
             f"{plan.page_size} tokens, {plural(plan.pages_per_frame, 'page')} per frame, {plan.dtype}")
     add_row("token", fb(plan.bytes_per_token), "self-attention K+V, all layers, one branch")

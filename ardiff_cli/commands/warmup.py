@@ -173,7 +173,7 @@ def _pages_hint(plan: Any, config: str | None, **given: Any) -> str:
     more sessions holds more pages, so twice the sessions (and the budget that holds them, where the budget limits the
     plan) is the warmup to paste. ``given``: the options this warmup was given (None: not given), in the command."""
     from ardiff_cli.errors_cli import to_paste
-    from ardiff_cli.runtime.capacity import MAX_BYTE_SIZE, MAX_SESSIONS
+    from ardiff_cli.runtime.capacity import MAX_BYTE_SIZE, MAX_SESSIONS, budget_of
     from ardiff_cli.runtime.errors import shell_word
 
     undercount = ("the KV page pool, sized by the capacity plan, ran short in the pipeline's warmup requests, which "
@@ -189,7 +189,7 @@ def _pages_hint(plan: Any, config: str | None, **given: Any) -> str:
         # the sessions beyond the first take gpu_memory_fraction of the budget (plan_capacity): the plan's bytes as
         # the budget planned one session again under 0.3, and the warmup pasted ran short again, with this hint
         mib = math.ceil(needed / plan.gpu_memory_fraction / 2**20)
-        while int(mib * 2**20 * plan.gpu_memory_fraction) < needed:  # the float's rounding, as the planner's
+        while budget_of(mib * 2**20, plan.gpu_memory_fraction) < needed:  # its rounding, as the planner's
             mib += 1
         if mib * 2**20 > MAX_BYTE_SIZE:  # no budget can be given that holds them
             return undercount

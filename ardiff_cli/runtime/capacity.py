@@ -14,7 +14,8 @@ Memory model (bytes; ``bpp`` = bytes per page, all layers, K and V)::
                 + sum over logical branches and named caches of cross-attention K/V
                 + model-owned state declared by the pipeline
     required(c) = fixed + c * per_session
-    budget      = max(available * gpu_memory_fraction, required(1))
+    budget      = max(floor(available * gpu_memory_fraction), required(1))
+                  (the fraction as written, 0.7 not the float's 0.6999...: fraction_as_written)
     capacity    = largest c <= session_capacity with required(c) <= budget
 """
 
@@ -92,6 +93,21 @@ def as_fraction(value: object) -> float | None:
     except OverflowError:
         return None
     return number if 0 < number <= 1 else None
+
+
+def fraction_as_written(fraction: float) -> str:
+    """``fraction`` in the fewest digits that read back as it: 0.7, 0.1236, 0.1229999996 (``:g`` wrote 0.123), as
+    written in the config or on the command line, and as the budget takes it (``budget_of``)."""
+    text = f"{fraction:g}"
+    return text if float(text) == fraction else repr(fraction)
+
+
+def budget_of(available_bytes: int, fraction: float) -> int:
+    """The whole bytes of ``available_bytes`` x ``fraction``, exactly, the fraction read as written: 0.7 of 11714560
+    bytes is 8200192, where the float product (0.7 is 0.69999999999999995559 as a float) floored to 8200191, so
+    49 sessions of causal-world-tiny, which need exactly that, were "over budget" at gpu_memory_fraction 0.7."""
+    numerator, denominator = decimal.Decimal(fraction_as_written(fraction)).as_integer_ratio()
+    return available_bytes * numerator // denominator
 
 
 # Units parse_bytes reads (in any case; one space before one is allowed): powers of 1024 with or without the 'i', and
@@ -355,7 +371,7 @@ def plan_capacity(
                  "or a device with more memory",
             window_helps=window_helps,
         )
-    budget = max(int(available_bytes * fraction), required_one)
+    budget = max(budget_of(available_bytes, fraction), required_one)
     capacity = max(1, min(limit, (budget - fixed) // per_session))
     return CapacityPlan(
         dtype=name,
