@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -360,6 +361,44 @@ def test_a_top_level_key_close_to_a_model_or_runtime_key_is_offered_it_with_its_
     with pytest.raises(ConfigError) as caught:
         load_config({"pipeline": pipeline, key: 8})
     assert str(caught.value) == f"<dict>: unknown key {key!r} ({said})"
+
+
+def top_level_suggestion(pipeline: str, key: str, value: object) -> str | None:
+    """What a config of ``pipeline`` with ``key: value`` at its top is offered, or None."""
+    with pytest.raises(ConfigError) as caught:
+        load_config({"pipeline": pipeline, key: value})
+    found = re.search(r"^<dict>: unknown key '[^']*' \(did you mean '([^']+)'\?", str(caught.value))
+    return found and found.group(1)
+
+
+@pytest.mark.parametrize(("pipeline", "key", "value", "meant"), [
+    ("causal_world", "reset", True, None),  # 'model.preset', a name, a first letter off: a word of its own
+    ("dreamzero", "reset", True, "model.reset_at_window"),  # its first word (`at` joins the rest)
+    ("causal_world", "budget", -1, "runtime.memory_budget"),  # its words: named whatever the value (its error next)
+    ("causal_world", "threads", 0, "runtime.num_threads"),
+    ("causal_world", "type", "causal_world", None),  # no dtype: a pipeline's name
+    ("causal_world", "type", "bfloat16", "runtime.dtype"),
+    ("causal_world", "gpu", 0.5, None),  # 'runtime.gpu_memory_fraction': one qualifying word of three (a device?)
+    ("causal_world", "fraction", 0.5, "runtime.gpu_memory_fraction"),  # its last word
+    ("causal_world", "gpu_fraction", 0.5, "runtime.gpu_memory_fraction"),
+    ("causal_world", "memory", "16GiB", "runtime.memory_budget"),  # all its words but one
+    ("causal_world", "model_path", "w.safetensors", None),  # a path: no model: section
+    ("causal_world", "model_name", "tiny", None),
+    ("causal_world", "model_type", "causal_world", None),
+    ("causal_world", "checkpoint_path", "w.safetensors", "checkpoint"),
+    ("causal_world", "pipeline_name", "causal_world", "pipeline"),
+    ("causal_world", "runtme", {"dtype": "bfloat16"}, "runtime"),  # a typo of a top-level key: whatever its value
+    ("causal_world", "modle", 8, "model"),
+    ("causal_world", "untime", {"dtype": "bfloat16"}, "runtime"),
+    ("causal_world", "evice", "cuda", "runtime.device"),
+    ("causal_world", "sed", 3, "model.seed"),
+])
+def test_a_top_level_key_is_offered_only_what_its_words_and_value_say_was_meant(pipeline, key, value, meant):
+    """`reset: true` at the top of a causal_world config was offered 'model.preset' (a name, where reset is a word of
+    its own a letter off it), `gpu: 0.5` 'runtime.gpu_memory_fraction' (a GPU may be the device) and `model_path:
+    w.safetensors` 'model' (a section, where a path is the checkpoint): a wrong suggestion misleads where none
+    leaves the list of valid keys. A one-letter typo keeps its suggestion."""
+    assert top_level_suggestion(pipeline, key, value) == meant
 
 
 @pytest.mark.parametrize(("pipeline", "key"), [

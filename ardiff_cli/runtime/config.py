@@ -46,13 +46,14 @@ from ardiff_cli.runtime.errors import (
     field_error,
     link_to_nothing,
     link_to_nothing_on,
+    one_letter_typo,
     plural,
     quoted,
     shown,
     too_many_open_files,
-    typo_or_words_of,
     unencodable,
     weights_in_folder,
+    words_of,
     yaml_key_note,
     yaml_problem,
     yaml_syntax_hint,
@@ -614,8 +615,10 @@ def _model_setting_in_runtime(runtime_data: Any, entry: PipelineEntry, where: st
 def _misplaced_key(key: str, data: dict[str, Any], pipeline: str | None, where: str) -> str:
     """' (did you mean ...?)' for an unknown top-level key: a runtime setting, or a key with its value that the
     pipeline's ``Config.from_dict`` takes (`preset: tiny` for `model: {preset: tiny}`), either in any case, is named
-    with its section; else the closest top-level key; else the closest runtime or model key, with its section, where
-    the key is a typo of it or its words are words of it (`layers`: 'model.num_layers')."""
+    with its section; else the closest top-level key (one that is a word of the key only with a value it takes:
+    `model_path: w.safetensors` gets none); else the closest runtime or model key, with its section, where the key is
+    each of its words is a word of it (:func:`words_of`: `layers`, 'model.num_layers'), or a typo of it that takes
+    the value (`reset: true` is no 'model.preset')."""
     setting = _runtime_setting(key)
     if setting is not None:
         return f" (did you mean 'runtime.{setting}'? runtime settings go under `runtime:`)"
@@ -630,20 +633,42 @@ def _misplaced_key(key: str, data: dict[str, Any], pipeline: str | None, where: 
     model_key = _model_setting(entry, key, data.get(key), where)
     if model_key is not None:
         return f" (did you mean 'model.{model_key}'? the pipeline's settings go under `model:`)"
-    near = did_you_mean(key, TOP_LEVEL_KEYS)
-    if near:
-        return near
+    near = close_match(key, TOP_LEVEL_KEYS)
+    if near is not None and _top_level_meant(key, near, data.get(key)):
+        return f" (did you mean {near!r}?)"
     # else the closest of the runtime settings and the model keys, looked for among both at once (a key as close to
     # one as to the other gets neither), where it is a typo of it or each of its words is one of it: `layers` is
     # 'model.num_layers', as under model:, but `page_size` (merely close to 'patch_size') gets nothing
     sections = {**dict.fromkeys(_model_keys(entry, where), "model"),
                 **dict.fromkeys(RuntimeConfig.__dataclass_fields__, "runtime")}
     match = close_match(key, sections)
-    if match is None or not typo_or_words_of(key, match):
+    if match is None or not (words_of(key, match) or one_letter_typo(key, match) and (
+            # a typo only where that setting takes the value: `reset: true` is no 'model.preset', a name (a setting
+            # each of whose words the key holds is named whatever the value: `budget: -1` then gets its own error)
+            _takes(entry, {match: data.get(key)}, where) if sections[match] == "model"
+            else _runtime_takes(match, data.get(key), where))):
         return ""
     return (f" (did you mean '{sections[match]}.{match}'? "
             + ("runtime settings go under `runtime:`)" if sections[match] == "runtime"
                else "the pipeline's settings go under `model:`)"))
+
+
+def _top_level_meant(key: str, near: str, value: Any) -> bool:
+    """Whether the top-level key ``near`` is what ``key`` meant: a typo of it (`modle`, `runtme`), or a key that holds
+    it as a word (`checkpoint_path`, `model_path`) with a value of its kind: a mapping for a section, a string for
+    `pipeline` and `checkpoint` (`model_path: w.safetensors` is a checkpoint, not `model:`)."""
+    if near not in re.split(r"[\W_]+", key.casefold()):
+        return True
+    return isinstance(value, dict if near in ("model", "runtime") else str)
+
+
+def _runtime_takes(name: str, value: Any, where: str) -> bool:
+    """Whether ``RuntimeConfig.from_dict`` takes ``value`` for the runtime setting ``name``."""
+    try:
+        RuntimeConfig.from_dict({name: value}, where=where)
+    except ConfigError:
+        return False
+    return True
 
 
 def _model_keys(entry: PipelineEntry | None, where: str) -> tuple[str, ...]:

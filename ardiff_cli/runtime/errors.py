@@ -693,15 +693,26 @@ def _within(name: str, match: str) -> bool:
                for a in _WORDS.findall(name))
 
 
-def typo_or_words_of(name: str, match: str) -> bool:
-    """Whether ``match`` is ``name`` with one letter mistyped (:func:`_is_typo`: added, dropped, replaced, or two
-    side by side swapped) or holds each word of it as it is, case ignored: `num_thread` is 'num_threads', `layers` in
-    'num_layers'; `page_size` (two letters off 'image_size', merely close to 'patch_size') and `timesteps` (a letter
-    past a word of 'timestep_shift') are neither. Narrower than :func:`close_match`, for a name looked for among
-    another section's keys, where a name merely close is more likely something else."""
+def one_letter_typo(name: str, match: str) -> bool:
+    """Whether ``match`` is ``name`` with one letter mistyped (:func:`_is_typo`: added, dropped, replaced, or two side
+    by side swapped), case ignored: `num_thread` is 'num_threads', `evice` 'device'."""
     name, match = name.casefold(), match.casefold()
-    return (_is_typo(name, match) and _edits(name, match, 1) <= 1) or set(_WORDS.findall(name)) <= set(
-        _WORDS.findall(match))
+    return _is_typo(name, match) and _edits(name, match, 1) <= 1
+
+
+def words_of(name: str, match: str) -> bool:
+    """Whether ``match`` holds each word of ``name`` as it is, case ignored, with its last word among them or no more
+    than one other word (at, per, of not counted): `layers` is 'num_layers', `capacity` 'session_capacity', `memory`
+    'memory_budget', `reset` 'reset_at_window'. With :func:`one_letter_typo`, narrower than :func:`close_match`, for
+    a name looked for among another section's keys, where a name merely close is more likely something else:
+    `page_size` (two letters off 'image_size', merely close to 'patch_size') and `timesteps` (a letter past a word of
+    'timestep_shift') are neither; nor is `gpu`, one word of 'gpu_memory_fraction' that qualifies its last (`gpu:`
+    may be the device)."""
+    words, others = set(_WORDS.findall(name.casefold())), _WORDS.findall(match.casefold())
+    return words <= set(others) and (others[-1] in words or len(set(others) - words - _JOINING) <= 1)
+
+
+_JOINING = frozenset({"at", "per", "of"})  # words that join a name's others: `reset` is 'reset_at_window'
 
 
 # Words that pick one of a pair: a name with one is another thing than the name without it or with the other side
