@@ -5476,6 +5476,45 @@ def test_resume_while_the_first_run_still_loads_names_the_run_in_use_not_a_missi
     assert sorted(p.name for p in run.iterdir()) == [".lock"]  # the check created nothing
 
 
+def test_a_resume_refused_while_another_rollout_holds_the_run_gives_the_resume_to_paste_once_it_ends(env, data,
+                                                                                                       tmp_path):
+    """A resume refused because another rollout holds the run's lock (a cron job's, while the run still goes on, or
+    still loads its model) hinted "wait for it to end, or stop it": no command to paste. It names how to stop that
+    rollout (its pid) and the resume as given to paste once it has ended, --no-warmup kept. A new run there, which
+    that run's folder refuses after it ends too, is told to choose another --out."""
+    from ardiff_cli.io.run import RunFolder
+
+    run, loading = tmp_path / "run", tmp_path / "loading"
+    proc = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps" / "arm_a"), "--out", str(run),
+                  "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    (run / "summary.json").unlink()
+    loading.mkdir()
+    stop = f"wait for it to end, or stop it (kill {os.getpid()}: SIGTERM stops a run cleanly)"
+    for folder in (run, loading):  # lock() refuses the first; reading run.json, which is not there yet, the second
+        holder = RunFolder(folder)
+        holder.lock()
+        try:
+            resume = ardiff(env, "rollout", "--resume", "--out", str(folder), "--memory-budget", "1GiB",
+                            "--no-warmup", "--format", "json")
+            fresh = ardiff(env, "rollout", str(data / "fast.yaml"), str(data / "eps" / "arm_a"), "--out",
+                           str(folder), "--no-warmup", "--format", "json")
+        finally:
+            holder.close()
+        for refused in (resume, fresh):
+            assert refused.returncode == 2, refused.stderr
+            error = json.loads(refused.stdout)
+            assert error["message"] == f"{folder} is in use by another ardiff rollout (pid {os.getpid()})"
+        again = f"ardiff rollout --resume --out {folder} --memory-budget 1GiB --no-warmup"
+        assert json.loads(resume.stdout)["hint"] == (f"{stop}, then continue with: {again}; two processes writing "
+                                                     "one run would mix their results"), resume.stdout
+        assert json.loads(fresh.stdout)["hint"] == ("choose another --out: that rollout's run is in this folder, and "
+                                                    "two processes writing one run would mix their results")
+    pasted = ardiff(env, *shlex.split(again.replace(str(loading), str(run)))[1:])  # once the holder has ended
+    assert pasted.returncode == 0, pasted.stderr
+    assert json.loads((run / "summary.json").read_text())["status"] == "ok"
+
+
 def test_a_rollout_of_the_folder_above_a_run_still_loading_does_not_take_that_run_for_an_episode(env, data,
                                                                                                    tmp_path):
     """`ardiff rollout CFG .` twice in one folder of episodes: while the first loads its model, its default --out

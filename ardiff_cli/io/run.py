@@ -411,7 +411,9 @@ class RunFolder:
                                       + (f" and {len(near) - 5} more" if len(near) > 5 else "")
                                       + did_you_mean(self.root.name, near) if near else ""))
         if not path.exists():
-            self.refuse_while_locked()  # a run that is still loading its model: run.json comes after
+            # a run that is still loading its model: run.json comes after. Only a resume reads it so: its command to
+            # paste once that run has ended is the resume as given (errors_cli.continue_with's words)
+            self.refuse_while_locked(f"continue with: {self.asked or ResumeCommand(self.root)}")
             beside = [p.name for p in (self.results_path, self.journal_path) if os.path.exists(p)]
             if beside:  # a new run there is refused too, with a hint to --resume
                 raise ConfigError(f"nothing to resume: {as_typed(path)} does not exist, though "
@@ -658,7 +660,7 @@ class RunFolder:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            error = self._in_use(_pid_in(fd))
+            error = self._in_use(_pid_in(fd), go_on)
             os.close(fd)
             raise error from None
         except OSError as exc:  # a file system without flock (some network mounts): go on unlocked, as before
@@ -879,19 +881,27 @@ class RunFolder:
             return True
         return False
 
-    def _in_use(self, holder: str) -> ConfigError:
-        """The error for this folder while another process holds its lock (``holder``: its pid, or "")."""
+    def _in_use(self, holder: str, go_on: str | None = None) -> ConfigError:
+        """The error for this folder while another process holds its lock (``holder``: its pid, or ""). ``go_on``: a
+        resume's, its command to paste (``continue with: ...``), given once that process has ended, with how to stop
+        it; None: a new run's, which the folder refuses after that process too (it holds that process's run)."""
+        mix = "two processes writing one run would mix their results"
+        if go_on is None:
+            hint = f"choose another --out: that rollout's run is in this folder, and {mix}"
+        else:  # SIGTERM, not SIGINT: a rollout started in the background by a script ignores SIGINT (README)
+            stop = f"stop it (kill {holder}: SIGTERM stops a run cleanly)" if holder else "stop it"
+            hint = f"wait for it to end, or {stop}, then {go_on}; {mix}"
         return ConfigError(
             f"{as_typed(self.root)} is in use by another ardiff rollout" + (f" (pid {holder})" if holder else ""),
-            hint="wait for it to end, or stop it; two processes writing one run would mix their results "
-                 "(choose another --out to run both)")
+            hint=hint)
 
-    def refuse_while_locked(self) -> None:
-        """:meth:`lock`'s refusal, without taking the lock or creating anything: while another process holds it."""
+    def refuse_while_locked(self, go_on: str | None = None) -> None:
+        """:meth:`lock`'s refusal, without taking the lock or creating anything: while another process holds it
+        (``go_on``: :meth:`_in_use`'s)."""
         if self._lock is not None:  # this process holds it (a resume reads run.json again under it)
             return
         if (holder := self.lock_holder()) is not None:
-            raise self._in_use(holder)
+            raise self._in_use(holder, go_on)
 
     def lock_holder(self) -> str | None:
         """Whether another process holds the folder's lock now (a rollout loading its model, or running): its pid as
