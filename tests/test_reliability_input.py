@@ -2513,12 +2513,15 @@ def test_resume_out_a_folder_of_run_folders_hints_which_to_give_not_a_new_run_am
 
 
 @pytest.mark.parametrize("given", [["--resume", "runs/eval1"], ["--resume", "-o", "runs/eval1", "arm_a"],
-                                   ["--resume", "-o", "runs"]])
+                                   ["--resume", "-o", "runs"], ["runs/eval1"], ["runs"],
+                                   ["dreamzero-tiny", "runs/eval1"]])
 def test_a_resume_given_no_warmup_refused_before_it_starts_hints_the_resume_with_it(tmp_path, cli_env, given):
     # A resume given --no-warmup refused before it starts (the run's folder as CONFIG, --out not given; an episode
     # folder as CONFIG; the folder of runs as --out) hinted the resume without it, which pasted ran the warmup still
     # ahead of the run: a stop there (_before_warmup) kept it. Its hint keeps it, and the options given; pasted, the
-    # resume finishes the run with no warmup request.
+    # resume finishes the run with no warmup request. So does a new run whose CONFIG is the run's folder, or the
+    # folder of runs holding it (`ardiff rollout runs/eval1 --no-warmup`, --resume and -o forgotten), or whose EPISODE
+    # is: its hint, that run's resume, left the options given out.
     run = tmp_path / "runs" / "eval1"
     episode(tmp_path / "arm_a", 2)
     proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", "arm_a", "-o", "runs/eval1",

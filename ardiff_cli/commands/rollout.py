@@ -258,13 +258,17 @@ def rollout(
                          gpu_memory_fraction=gpu_memory_fraction, attention_backend=attention_backend)
         options = dict(order=order and order.value, follow=follow, idle_timeout=idle_timeout, preview=preview,
                        swap_space=_swap_space(swap_space))
-        given = _given_to_resume(overrides, options, swap_space) if resume else []  # before run.json's fill them in
+        to_resume = _given_to_resume(overrides, options, swap_space)  # before run.json's fill them in
+        given = to_resume if resume else []
         # a resume stopped before _run takes the signals (entry.Stopped: reading run.json from a hung mount, say) gives
         # the resume to paste, as a later stop does: its --pipeline is the run's, or the resume is refused. So do its
         # refusals before it starts: the warmup is still ahead of the run, so given --no-warmup, that resume gives it
-        # too (_before_warmup); OUT where no --out was given (refused below, with the resume of the run's folder given)
+        # too (_before_warmup); OUT where no --out was given (refused below, with the resume of the run's folder given).
+        # A new run whose CONFIG is a run's folder (`ardiff rollout runs/eval1 --no-warmup`) is hinted that run's
+        # resume given them too (load_engine_config)
         capacity = session_capacity if resume else None
-        asked = _before_warmup(ResumeCommand("OUT" if out is None else out, pipeline, tuple(given), capacity), warmup)
+        asked = _before_warmup(ResumeCommand("OUT" if out is None else out, pipeline, tuple(to_resume),
+                                             session_capacity), warmup)
         again = asked if resume and out is not None else None
         folder = None  # the resume's run folder: its stop gives `again` once run.json was found there
         if resume and out is None:
@@ -277,7 +281,7 @@ def rollout(
             start = None if resume else _start_arguments(config, episodes, pipeline, overrides, options, swap_space,
                                                          warmup=warmup, fail_fast=fail_fast)
             prepared = _prepare(config, episodes, out, resume, overrides, output, pipeline=pipeline, options=options,
-                                run=folder, again=again, start=start, typed=options_given(ctx))
+                                run=folder, again=again, start=start, typed=options_given(ctx), asked=asked)
             resume_command = ResumeCommand(prepared.out_dir, None, tuple(given), capacity)
             prepared = replace(prepared, resume=recorded_resume(resume_command, prepared.info))
             options = prepared.options
@@ -403,7 +407,7 @@ def _pipeline_path(pipeline: str) -> list[str] | None:
 def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,
              overrides: dict[str, Any], output: Output, *, pipeline: str | None = None,
              options: dict[str, Any], run: Any = None, again: ResumeCommand | None = None,
-             start: dict[str, Any] | None = None, typed: str = "") -> _Prepared:
+             start: dict[str, Any] | None = None, typed: str = "", asked: ResumeCommand | None = None) -> _Prepared:
     """Config, episodes, output folder and ``options`` (order, follow, idle_timeout, preview, swap_space), from
     the command line or (``--resume``) from run.json: a resumed run goes on in its order, following and drawing
     previews, within the memory, sessions and swap space it started with; ``None`` in ``options`` and
@@ -411,7 +415,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
     checks against the command line, and goes on with, is read (no other process can change it meanwhile). ``run``: a
     resume's ``RunFolder(out)``, made by the caller (None: made here); ``again``: the resume as given (its hints');
     ``start``: a new run's arguments, which its lock file records (:func:`_start_arguments`); ``typed``: the options
-    of the command line (:func:`options_given`), for a hint that gives it again with the config first."""
+    of the command line (:func:`options_given`), for a hint that gives it again with the config first; ``asked``: the
+    options of the command line a resume keeps, as a resume given them (``load_engine_config``'s)."""
     from ardiff_cli.io.run import RunFolder, recorded_resume
 
     run = RunFolder(out) if run is None and resume and out is not None else run
@@ -422,7 +427,7 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
         run.lock(continue_with(recorded_resume(again or ResumeCommand(run.root), recorded)))
     try:
         return _prepare_run(run, config, episode_paths, out, resume, overrides, output, pipeline=pipeline,
-                            options=options, again=again, start=start, typed=typed)
+                            options=options, again=again, start=start, typed=typed, asked=asked)
     except BaseException:
         if run is not None:
             run.close()
@@ -431,7 +436,8 @@ def _prepare(config: str | None, episode_paths: list[Path] | None, out: Path | N
 
 def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None, out: Path | None, resume: bool,
                  overrides: dict[str, Any], output: Output, *, pipeline: str | None, options: dict[str, Any],
-                 again: ResumeCommand | None = None, start: dict[str, Any] | None = None, typed: str = "") -> _Prepared:
+                 again: ResumeCommand | None = None, start: dict[str, Any] | None = None, typed: str = "",
+                 asked: ResumeCommand | None = None) -> _Prepared:
     """:func:`_prepare`'s work; ``run``: a resume's run folder, locked."""
     from ardiff_cli.io.demo import ensure_demo_episodes
     from ardiff_cli.io.episode import discover_episodes
@@ -488,7 +494,8 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
     if not resume:
         _refuse_a_run_inside_a_run(out)
     try:
-        cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), given=typed, **overrides)
+        cfg = load_engine_config(config, pipeline=pipeline, episodes=episode_paths or (), given=typed, asked=asked,
+                                 **overrides)
     except ConfigError as exc:
         # an edit that no longer loads (a key misspelt) is refused as the edit it is, as before the file was parsed
         if resume and (now := config_sha256(Path(config))) is not None:
@@ -525,7 +532,7 @@ def _prepare_run(run: Any, config: str | None, episode_paths: list[Path] | None,
             limit = cfg.runtime.session_capacity or cfg.kv_cache_spec().session_capacity
             cfg = cfg.with_runtime(session_capacity=min(limit, DEMO_SESSION_CAPACITY))
     episodes = discover_episodes(episode_paths, warn=output.warning, config=config_label(config),
-                                 follow=bool(options["follow"] or info.get("follow")))
+                                 follow=bool(options["follow"] or info.get("follow")), asked=asked)
     if not episodes:
         raise ConfigError(f"no episode folders in {', '.join(map(str, episode_paths))}",
                           hint="pass folders of step files (step_000000.safetensors, ...); hidden folders and "

@@ -503,7 +503,8 @@ def _warn_about_episodes_inside(folder: Path, warn: Callable[[str], None] | None
 
 
 def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None = None,
-                      follow: bool = False, config: str | None = None) -> list[EpisodeSource]:
+                      follow: bool = False, config: str | None = None,
+                      asked: ResumeCommand | None = None) -> list[EpisodeSource]:
     """Episode folders from the command line: each path is an episode, or a folder of episode folders.
 
     A folder of episode folders contributes each visible subfolder, except
@@ -517,7 +518,8 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
     episode, run once; ``warn`` is told.
     A path that is one of ardiff's outputs itself is refused; ``follow``: the
     command line has ``--follow`` (a missing folder's hint does not suggest it); ``config``: its CONFIG, for the
-    command a run folder's refusal gives to paste.
+    command a run folder's refusal gives to paste; ``asked``: the command line's options a resume keeps, as a resume
+    given them, which the resume of such a run given to paste keeps (``ResumeCommand.given_as``).
     """
     folders: list[Path] = []
     for path in paths:
@@ -542,7 +544,10 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
             )
         if (found := run_output(path, config=config, episodes=paths)) is not None:
             # its episodes/ and previews/ were taken for episodes with no step files, or (none) the folder itself
-            again = f"to finish a stopped run: {found.again}" if found.why is None else found.restart
+            resume = found.again
+            if isinstance(resume, ResumeCommand) and asked is not None:
+                resume = resume.given_as(asked)
+            again = f"to finish a stopped run: {resume}" if found.why is None else found.restart
             raise ConfigError(f"{as_typed(path)} is {found.what} (what a rollout wrote), not an episode",
                               hint=f"pass the folders of step files the robots wrote; {again}")
         if _holds_episode(path):
