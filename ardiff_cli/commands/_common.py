@@ -24,10 +24,8 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
     overrides keep the config's value; enum options are passed by value. ``command``: the one whose usage a hint
     shows (rollout's folder is its episodes, given without CONFIG before them); ``episodes``: rollout's other
     arguments, where a config given after the folder is (the hint then puts it first); ``given``: its options, as
-    :func:`options_given` writes them, which that hint keeps; ``asked``: rollout's options a resume takes, as a
-    resume given them, which the resume a run's folder given as CONFIG is hinted keeps (``ResumeCommand.given_as``:
-    `ardiff rollout runs/eval1 --no-warmup` is hinted `ardiff rollout --resume --out runs/eval1 --no-warmup`);
-    ``plan_only``: as
+    :func:`options_given` writes them, which that hint keeps; ``asked``: rollout's options a resume takes, which the
+    resume a run's folder given as CONFIG is hinted keeps (``run_output``'s); ``plan_only``: as
     ``load_config``'s (a checkpoint not found here is noted, not refused).
     """
     from ardiff_cli.runtime.config import builtin_configs, load_config, path_kind
@@ -45,13 +43,10 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
         if command == "rollout":  # `ardiff rollout runs/eval1`: the run to finish, which as an EPISODE is refused
             from ardiff_cli.io.episode import run_output
 
-            if (found := run_output(Path(config), episodes=episodes)) is not None:
+            if (found := run_output(Path(config), episodes=episodes, asked=asked)) is not None:
                 which = ("its run" if found.what == "an ardiff run folder" else
                          "its one run" if isinstance(found.again, ResumeCommand) else "one of its runs")
-                again = found.again
-                if isinstance(again, ResumeCommand) and asked is not None:
-                    again = again.given_as(asked)
-                hint = f"it is {found.what} (what a rollout wrote); to finish {which}: {again}"
+                hint = f"it is {found.what} (what a rollout wrote); to finish {which}: {found.again}"
                 if found.why is not None:  # only the .lock, which a resume refuses: the run is started again
                     hint = f"it is {found.what} (what a rollout wrote); {found.restart}"
         raise ConfigError(

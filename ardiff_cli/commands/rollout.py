@@ -315,19 +315,18 @@ def _refuse_resume_without_out(arguments: list[Any], asked: ResumeCommand) -> No
     for argument in arguments:
         # the others given fill in the rollout that starts a run with no run.json again: CONFIG is the first unless
         # that is the run's folder
-        found = None if argument is None else run_output(Path(argument), episodes=episodes,
+        found = None if argument is None else run_output(Path(argument), episodes=episodes, asked=asked,
                                                           config=None if argument is config else config)
         if found is not None and found.why is not None:  # only its .lock: a resume of it is refused too
             hint = f"{as_typed(Path(argument))} is {found.what}; {found.restart}"
             break
         if found is not None:
             if isinstance(found.again, ResumeCommand):
-                again = found.again.given_as(asked)
                 which = ("a run's folder: give it" if found.what == "an ardiff run folder"
                          else f"{found.what}: give its one run")
             else:  # a folder of several run folders: which of them to resume is the user's to say
-                again, which = found.again, f"{found.what}: give one of its runs"
-            hint = f"{as_typed(Path(argument))} is {which} as --out, not as CONFIG or EPISODE: {again}"
+                which = f"{found.what}: give one of its runs"
+            hint = f"{as_typed(Path(argument))} is {which} as --out, not as CONFIG or EPISODE: {found.again}"
             break
     raise ConfigError("--resume needs --out DIR: the folder of the run to continue", hint=hint)
 

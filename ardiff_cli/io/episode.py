@@ -408,14 +408,17 @@ class FoundRun(NamedTuple):
         return f"{which} has no run.json: {self.why}; to start its run again: {self.again}"
 
 
-def run_output(folder: Path, *, config: str | None = None, episodes: Iterable[Path] = ()) -> FoundRun | None:
+def run_output(folder: Path, *, config: str | None = None, episodes: Iterable[Path] = (),
+               asked: ResumeCommand | None = None) -> FoundRun | None:
     """For a folder that :func:`is_run_output` and no episode folder: what it is (``an ardiff run folder``, ``a
     folder of ardiff run folders``) and the resume that finishes its run, to paste (with the ``--pipeline`` the run
     was started with; for a folder of run folders, its one run's, else ``-o RUN``). A run folder holding only the
     ``.lock`` of a run whose model was loading has no run.json, which a resume refuses ("nothing to resume"): its
     command is the rollout that starts that run again there, as its lock file recorded it, else with ``config`` and
     ``episodes`` (the command line's others) where given; none while a process holds that lock (loading it now).
-    Else None."""
+    ``asked``: the resume as given, or the command line's options a resume takes, which a resume found keeps
+    (``ResumeCommand.given_as``: `ardiff rollout runs/eval1 --no-warmup` is hinted `... --out runs/eval1
+    --no-warmup`). Else None."""
     if not is_run_output(folder) or episode_entries(folder):
         return None
     from ardiff_cli.io.run import LOCK_FILE, RunFolder
@@ -426,13 +429,14 @@ def run_output(folder: Path, *, config: str | None = None, episodes: Iterable[Pa
             runs = [Path(e.path) for e in os.scandir(folder) if not e.name.startswith(".")]
             if len(runs) == 1:  # `--resume ardiff-runs`: its one run's command, to paste as it is
                 others = [e for e in episodes if os.path.abspath(e) != os.path.abspath(folder)]
-                found = run_output(runs[0], config=config, episodes=others)
+                found = run_output(runs[0], config=config, episodes=others, asked=asked)
                 if found is not None:
                     return found._replace(what="a folder of ardiff run folders",
                                           run=runs[0] if found.why is not None else None)
         return FoundRun("a folder of ardiff run folders", "ardiff rollout --resume -o RUN")  # RUN: one in it
     if run.holds_run():
-        return FoundRun("an ardiff run folder", run.resume_command())
+        again = run.resume_command()
+        return FoundRun("an ardiff run folder", again if asked is None else again.given_as(asked))
     holder = run.lock_holder()
     if holder is not None:
         pid, kill = (f" (pid {holder})", f" (kill {holder})") if holder else ("", "")
@@ -518,8 +522,7 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
     episode, run once; ``warn`` is told.
     A path that is one of ardiff's outputs itself is refused; ``follow``: the
     command line has ``--follow`` (a missing folder's hint does not suggest it); ``config``: its CONFIG, for the
-    command a run folder's refusal gives to paste; ``asked``: the command line's options a resume keeps, as a resume
-    given them, which the resume of such a run given to paste keeps (``ResumeCommand.given_as``).
+    command a run folder's refusal gives to paste; ``asked``: :func:`run_output`'s.
     """
     folders: list[Path] = []
     for path in paths:
@@ -542,12 +545,9 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
                 f"{as_typed(path)}: an EPISODE is a folder of step files, not a file",
                 hint="pass the folder that holds the step files",
             )
-        if (found := run_output(path, config=config, episodes=paths)) is not None:
+        if (found := run_output(path, config=config, episodes=paths, asked=asked)) is not None:
             # its episodes/ and previews/ were taken for episodes with no step files, or (none) the folder itself
-            resume = found.again
-            if isinstance(resume, ResumeCommand) and asked is not None:
-                resume = resume.given_as(asked)
-            again = f"to finish a stopped run: {resume}" if found.why is None else found.restart
+            again = f"to finish a stopped run: {found.again}" if found.why is None else found.restart
             raise ConfigError(f"{as_typed(path)} is {found.what} (what a rollout wrote), not an episode",
                               hint=f"pass the folders of step files the robots wrote; {again}")
         if _holds_episode(path):

@@ -1022,13 +1022,9 @@ def _one_run_in(folder: Path, runs: list[str], asked: ResumeCommand | None) -> F
     naming that run); None where it holds several."""
     from ardiff_cli.io.episode import run_output
 
-    found = run_output(folder / runs[0]) if len(runs) == 1 else None
-    if found is None:
-        return None
-    if found.why is not None:
+    found = run_output(folder / runs[0], asked=asked) if len(runs) == 1 else None
+    if found is not None and found.why is not None:
         return found._replace(run=folder / runs[0])
-    if isinstance(found.again, ResumeCommand) and asked is not None:
-        return found._replace(again=found.again.given_as(asked))
     return found
 
 
