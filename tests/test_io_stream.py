@@ -365,6 +365,24 @@ def test_follow_warns_once_per_episode_about_step_files_that_arrived_after_it_en
     assert scheduler.late == {"d": ["step_000001.safetensors"]}
 
 
+def test_late_files_are_listed_by_the_step_number_reading_them_gives(tmp_path):
+    """The late files are listed in step order, by the number a step file's name is read as: one in capitals by its
+    name's in lower case, one that has none last. step_000001.tmp.SAFETENSORS, a writer's temporary name once its
+    suffix is lowered (never step 1), came first, as step 1, by a second rule that read the last integer alone."""
+    write_step(tmp_path / "d", 0, good(0), prompt="p")  # ends at its idle timeout; three files arrive after that
+    clock = FakeClock()
+    warnings: list[str] = []
+    scheduler = _following(tmp_path / "d", clock, warn=warnings.append)
+    assert scheduler.next().file.step == 0
+    assert scheduler.next().reason == "idle_timeout"
+    write_step(tmp_path / "d", 3, good(3))
+    for name in ("step_000001.tmp.SAFETENSORS", "step_000002.SAFETENSORS"):
+        (tmp_path / "d" / name).write_bytes((tmp_path / "d" / "step_000003.safetensors").read_bytes())
+    assert scheduler.next() is None
+    assert scheduler.late == {"d": ["step_000002.SAFETENSORS", "step_000003.safetensors",
+                                    "step_000001.tmp.SAFETENSORS"]}, warnings
+
+
 def test_follow_ends_cleanly_when_an_ended_episodes_folder_is_taken_away_before_the_others_end(tmp_path):
     """An episode folder moved away once its END was seen (an uploader archiving it) while another is still
     followed: the look for step files that came after END, once every episode ended, has nothing to say of it,

@@ -141,6 +141,12 @@ def _number_in(path: Path) -> int | None:
     return int(numbers[-1]) if numbers else None
 
 
+def number_in_lower_case(name: str) -> int | None:
+    """The step number of a step file named ``name`` as :func:`_number_in` reads it once its suffix is in lower case
+    (step_000001.SAFETENSORS: 1, as a rename makes it); None for a name without one or a writer's temporary name."""
+    return _number_in(Path(_in_lower_case(name)))
+
+
 def step_number(path: Path) -> int:
     """The last integer in the file stem; a name without one, or a writer's temporary name (:func:`is_temporary_name`),
     is an error naming the file."""

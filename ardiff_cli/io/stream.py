@@ -53,8 +53,8 @@ from pathlib import Path
 from ardiff_cli.io.atomic import temporary_pattern
 from ardiff_cli.io.episode import (STEP_SUFFIXES, EpisodeNames, EpisodeSource, StepFile, episode_entries,
                                    episode_folders_inside, gap_error, in_other_case, is_run_output, listed,
-                                   missing_steps, names_in, new_episode_folders, other_case_error, other_step_formats,
-                                   step_number, unreadable_folder)
+                                   missing_steps, names_in, new_episode_folders, number_in_lower_case, other_case_error,
+                                   other_step_formats, step_number, unreadable_folder)
 from ardiff_cli.io.step_file import looks_whole, step_sha256
 from ardiff_cli.io.run import episode_folder_path
 from ardiff_cli.runtime.errors import (ObservationError, as_typed, dangling_link, first_of, link_to_nothing,
@@ -161,10 +161,11 @@ class _Watched:
 
 
 def _step_order(name: str) -> tuple[bool, int]:
-    """Where a step file's ``name`` sorts among its episode's: by the last integer in its stem (as a step number is
-    read, one in capitals too: step_000001.SAFETENSORS), one with none (STEP.SAFETENSORS) last."""
-    numbers = re.findall(r"\d+", name.rsplit(".", 1)[0])
-    return (not numbers, int(numbers[-1]) if numbers else 0)
+    """Where a step file's ``name`` sorts among its episode's: by its step number, one in capitals by that of its
+    name in lower case (:func:`number_in_lower_case`), one with none (STEP.SAFETENSORS, a writer's temporary name
+    step_000001.tmp.SAFETENSORS) last."""
+    number = number_in_lower_case(name)
+    return (number is None, number or 0)
 
 
 class StepScheduler:
