@@ -2644,6 +2644,46 @@ def test_a_run_folder_given_as_config_hints_its_resume(tmp_path, cli_env):
                                 "--format plain\n")
 
 
+def test_a_complete_run_folder_given_as_config_or_episode_is_hinted_complete_and_what_its_resume_still_does(
+        tmp_path, cli_env):
+    # `ardiff rollout runs/eval1` of a run whose every step was done was told "to finish its run: ardiff rollout
+    # --resume --out runs/eval1", which pasted said "4 steps already done" and exited 0: nothing was left to finish
+    # but the steps its episodes got since, which that resume runs
+    from test_cli_rollout import pasted
+
+    root = Path(os.path.realpath(tmp_path))
+    for name in ("arm_a", "arm_b"):
+        episode(root / "eps" / name, 2)
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "dreamzero-tiny", "eps", "-o", "runs/eval1",
+                           "--no-warmup"], env=cli_env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    resume = "ardiff rollout --resume --out runs/eval1"
+    complete = f"is complete (summary.json: status ok); a resume runs only steps added since: {resume}"
+    for given, hint in ((["runs/eval1"], f"it is an ardiff run folder (what a rollout wrote); its run {complete}"),
+                        (["runs/eval1", "--format", "json"],
+                         f"it is an ardiff run folder (what a rollout wrote); its run {complete}"),
+                        (["dreamzero-tiny", "runs/eval1"],
+                         f"pass the folders of step files the robots wrote; its run {complete}"),
+                        (["runs"],
+                         f"it is a folder of ardiff run folders (what a rollout wrote); its one run {complete}")):
+        proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", *given], env=cli_env, cwd=root,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        assert (json.loads(proc.stdout)["hint"] if "json" in given else _hint(proc.stderr)) == hint
+    # pasted, that resume runs the one step arm_a got since, and no other
+    write_step(root / "eps" / "arm_a", 2, good(0, 2))
+    proc = pasted(cli_env, f"{resume} --no-warmup", root)
+    assert proc.returncode == 0, proc.stderr
+    done = [(r["episode"], r["step"]) for r in map(json.loads, (root / "runs/eval1/results.jsonl").read_text()
+                                                   .splitlines()) if r["status"] == "ok"]
+    assert sorted(done) == [("arm_a", 0), ("arm_a", 1), ("arm_a", 2), ("arm_b", 0), ("arm_b", 1)], done
+    # a run stopped before its end (no summary.json, as a kill leaves it) is hinted its resume to finish it
+    (root / "runs" / "eval1" / "summary.json").unlink()
+    proc = subprocess.run([sys.executable, "-m", "ardiff_cli", "rollout", "runs/eval1"], env=cli_env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert _hint(proc.stderr) == f"it is an ardiff run folder (what a rollout wrote); to finish its run: {resume}"
+
+
 def test_a_folder_of_several_run_folders_given_to_resume_without_out_hints_resume_out_run(tmp_path, cli_env):
     # `ardiff rollout --resume runs` (two runs in it) hinted "the run printed it as 'outputs: DIR'", not the
     # `--resume -o RUN` that the same folder given as CONFIG or EPISODE is hinted

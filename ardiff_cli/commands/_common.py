@@ -46,9 +46,9 @@ def load_engine_config(config: str | None, *, pipeline: str | None = None, comma
             if (found := run_output(Path(config), episodes=episodes, asked=asked)) is not None:
                 which = ("its run" if found.what == "an ardiff run folder" else
                          "its one run" if isinstance(found.again, ResumeCommand) else "one of its runs")
-                hint = f"it is {found.what} (what a rollout wrote); to finish {which}: {found.again}"
-                if found.why is not None:  # only the .lock, which a resume refuses: the run is started again
-                    hint = f"it is {found.what} (what a rollout wrote); {found.restart}"
+                # only the .lock, which a resume refuses: the run is started again
+                again = found.restart if found.why is not None else found.finish(which)
+                hint = f"it is {found.what} (what a rollout wrote); {again}"
         raise ConfigError(
             f"CONFIG {quoted(config)} is a folder; the first argument is a config file or a built-in config name",
             hint=hint)

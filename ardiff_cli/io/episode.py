@@ -395,13 +395,23 @@ class FoundRun(NamedTuple):
     the run again (None while the run is loading its model now), which a hint words as :attr:`restart`; ``run``: the
     run folder they are of, where ``what`` is the folder of run folders that holds it alone; ``refused``: that
     rollout's load was refused (:meth:`RunFolder.record_refusal`), so ``again`` is the command to change, not to run
-    as it is."""
+    as it is; ``complete``: its run ended with every step done (:meth:`RunFolder.is_complete`), so its resume runs
+    only the steps its episodes got since, which a hint words as :meth:`finish`."""
 
     what: str
     again: ResumeCommand | str | None
     why: str | None = None
     run: Path | None = None
     refused: bool = False
+    complete: bool = False
+
+    def finish(self, which: str) -> str:
+        """A hint's words for ``again``, a resume (``why`` None): to finish ``which``, or, its run ``complete``, what
+        that resume still does."""
+        if self.complete:
+            run = "its run" if self.what == "an ardiff run folder" else "its one run"
+            return f"{run} is complete (summary.json: status ok); a resume runs only steps added since: {self.again}"
+        return f"to finish {which}: {self.again}"
 
     @property
     def restart(self) -> str:
@@ -442,7 +452,8 @@ def run_output(folder: Path, *, config: str | None = None, episodes: Iterable[Pa
         return FoundRun("a folder of ardiff run folders", "ardiff rollout --resume -o RUN")  # RUN: one in it
     if run.holds_run():
         again = run.resume_command()
-        return FoundRun("an ardiff run folder", again if asked is None else again.given_as(asked))
+        return FoundRun("an ardiff run folder", again if asked is None else again.given_as(asked),
+                        complete=run.is_complete())
     holder = run.lock_holder()
     if holder is not None:
         pid, kill = (f" (pid {holder})", f" (kill {holder})") if holder else ("", "")
@@ -553,7 +564,7 @@ def discover_episodes(paths: list[Path], *, warn: Callable[[str], None] | None =
             )
         if (found := run_output(path, config=config, episodes=paths, asked=asked)) is not None:
             # its episodes/ and previews/ were taken for episodes with no step files, or (none) the folder itself
-            again = f"to finish a stopped run: {found.again}" if found.why is None else found.restart
+            again = found.restart if found.why is not None else found.finish("a stopped run")
             raise ConfigError(f"{as_typed(path)} is {found.what} (what a rollout wrote), not an episode",
                               hint=f"pass the folders of step files the robots wrote; {again}")
         if _holds_episode(path):

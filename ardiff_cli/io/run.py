@@ -34,8 +34,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, atomic_write_json, parse_json, read_capped,
-                                 read_jsonl, read_numbered_jsonl, remove_temporaries)
+from ardiff_cli.io.atomic import (JsonlAppender, atomic_write_bytes, atomic_write_json, open_file, parse_json,
+                                 read_capped, read_jsonl, read_numbered_jsonl, remove_temporaries)
 from ardiff_cli.runtime.errors import (ArdiffError, ConfigError, ResumeCommand, WriteHint, as_typed, did_you_mean,
                                       field_error, joined, link_to_nothing, rollout_to_paste, shell_word, shown,
                                       too_many_open_files)
@@ -987,6 +987,17 @@ class RunFolder:
         # an option as it is (shell_word writes a word beginning with '-' as the path ./-x): a recorded path is absolute
         words = [shlex.quote(w) if w.startswith("-") else shell_word(w) for w in arguments]
         return rollout_to_paste(self.root, pythonpath, words)
+
+    def is_complete(self) -> bool:
+        """Whether this folder's run ended with every step done: its summary.json's status is ``ok`` (a resume removes
+        the file once it runs steps and writes its own at its end; a run killed leaves none). False where it cannot be
+        read (a FIFO, a huge file: not waited on)."""
+        try:
+            with open_file(self.summary_path) as f:
+                summary = parse_json(read_capped(f))
+        except (ArdiffError, OSError, ValueError):
+            return False
+        return isinstance(summary, dict) and summary.get("status") == "ok"
 
     def close(self, *, keep_lock: bool = False) -> None:
         """Close results.jsonl and episodes.jsonl, and release the folder's lock (``keep_lock``: still held, for the
