@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 
 from ardiff_cli.runtime.capability import ARDiffusionKVCacheSpec, array_ndim, as_scalar, is_number
 from ardiff_cli.runtime.capacity import MAX_SESSIONS
-from ardiff_cli.runtime.errors import ArdiffWarning, ConfigError, did_you_mean, field_error, shown, yaml_key_note
+from ardiff_cli.runtime.errors import (ArdiffWarning, ConfigError, did_you_mean, field_error, meant_key, shown,
+                                       yaml_key_note)
 
 C = TypeVar("C")
 
@@ -205,7 +206,7 @@ def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str, prese
         if key not in settable:
             raise ConfigError(
                 f"{where}: unknown key 'model.{key}'{yaml_key_note(key)}"
-                f"{did_you_mean(str(key), ['preset', *settable])}",
+                f"{_meant_field(cls, str(key), value, where=where, presets=presets)}",
                 hint=f"valid keys: preset, {', '.join(settable)}",
             )
         values[key] = value
@@ -214,6 +215,22 @@ def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str, prese
     except InvalidField as exc:
         exc = exc.blamed(data)
         raise field_error(where, f"model.{exc.name}", exc.expected, exc.got) from None
+
+
+def _meant_field(cls: type, key: str, value: Any, *, where: str, presets: Mapping[str, dict]) -> str:
+    """' (did you mean 'x'?)' for an unknown key of the model: section with ``value``, where :func:`meant_key` finds
+    the key of ``cls`` (or `preset`) it was meant as: `layers` 'num_layers', `prest: tiny` 'preset'; `reset: true`
+    none, where `preset` is the only key alike (a name). Else ''."""
+    def takes(name: str) -> bool:
+        try:
+            config_from_dict(cls, {name: value}, where=where, presets=presets)
+        except Exception:  # noqa: BLE001 - a config's __post_init__ may be third-party code: whatever it raises is a no
+            return False
+        return True
+
+    settable = [f.name for f in dataclasses.fields(cls) if f.init]
+    match = meant_key(key, ["preset", *settable], takes)
+    return f" (did you mean {match!r}?)" if match is not None else ""
 
 
 def _divisors(number: int) -> str:

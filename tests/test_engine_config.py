@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ardiff_cli.runtime.capacity import plan_capacity
-from ardiff_cli.runtime.config import MAX_CONFIG_BYTES, builtin_configs, load_config, resolve_config
+from ardiff_cli.runtime.config import MAX_CONFIG_BYTES, RuntimeConfig, builtin_configs, load_config, resolve_config
 from ardiff_cli.runtime.engine import ARDiffusionEngine
 from ardiff_cli.runtime.errors import ConfigError
 
@@ -399,6 +399,59 @@ def test_a_top_level_key_is_offered_only_what_its_words_and_value_say_was_meant(
     w.safetensors` 'model' (a section, where a path is the checkpoint): a wrong suggestion misleads where none
     leaves the list of valid keys. A one-letter typo keeps its suggestion."""
     assert top_level_suggestion(pipeline, key, value) == meant
+
+
+def section_suggestion(pipeline: str, section: str, key: str, value: object) -> str | None:
+    """What a config of ``pipeline`` with ``key: value`` under ``section`` is offered, or None."""
+    with pytest.raises(ConfigError) as caught:
+        load_config({"pipeline": pipeline, section: {key: value}})
+    found = re.fullmatch(rf"<dict>: unknown key '{section}\.[^']*'(?: \(did you mean '([^']+)'\?\))?",
+                         str(caught.value))
+    assert found, caught.value
+    return found.group(1)
+
+
+@pytest.mark.parametrize(("pipeline", "section", "key", "value", "meant"), [
+    ("causal_world", "model", "reset", True, None),  # 'preset', a name, a first letter off: a word of its own
+    ("dreamzero", "model", "reset", True, "reset_at_window"),  # its first word (`at` joins the rest)
+    ("causal_world", "model", "prest", "tiny", "preset"),  # a typo that takes the value
+    ("causal_world", "model", "windw_frames", 6, "window_frames"),
+    ("causal_world", "model", "page_size", 2, None),  # merely close to 'patch_size'
+    ("dreamzero", "model", "page_size", 2, None),  # two letters off 'image_size'
+    ("dreamzero", "model", "hidden_size", 2, None),
+    ("causal_world", "model", "steps_per_block", 2, None),  # not 'frames_per_block'
+    ("dreamzero", "model", "timesteps", [1000, 750, 500, 250], None),  # no 'timestep_shift': a shift is a number
+    ("dreamzero", "model", "timesteps", 4, None),  # nor a count: a word a letter off 'timestep', not its last
+    ("dreamzero", "model", "model_path", "w.safetensors", None),  # no 'image_patch'
+    ("dreamzero", "model", "neg_prompt", "blurry", "negative_prompt"),  # a word's beginning, with a value it takes
+    ("dreamzero", "model", "layer", 2, "num_layers"),  # its last word a letter off, with a value it takes
+    ("dreamzero", "model", "layer", "two", None),
+    ("causal_world", "model", "time_shift", 5.0, "timestep_shift"),
+    ("causal_world", "runtime", "gpu", 0.5, None),  # 'gpu_memory_fraction': one qualifying word of three (a device?)
+    ("causal_world", "runtime", "fraction", 0.5, "gpu_memory_fraction"),  # its last word
+    ("causal_world", "runtime", "mem_fraction", 0.5, "gpu_memory_fraction"),  # a word's beginning, and its last
+    ("causal_world", "runtime", "budget", -1, "memory_budget"),  # its words: named whatever the value (its error next)
+    ("causal_world", "runtime", "sessions", 2, None),  # 'session_capacity': a word a letter off, not its last
+    ("causal_world", "runtime", "thread", 2, "num_threads"),
+    ("causal_world", "runtime", "evice", "cuda", "device"),
+    ("causal_world", "runtime", "dtyp", "bfloat16", "dtype"),
+])
+def test_a_key_in_a_section_is_offered_only_what_its_words_and_value_say_was_meant(pipeline, section, key, value,
+                                                                                    meant):
+    """Under model: and runtime:, as at the top level: `model: {reset: true}` of a causal_world config was offered
+    'preset' (a name), `runtime: {gpu: 0.5}` 'gpu_memory_fraction' (a GPU may be the device), `page_size` 'patch_size'
+    and `timesteps: [...]` 'timestep_shift', each merely close. A one-letter typo keeps its suggestion, as does a key
+    holding the words of one, or its words a letter off (`layer`) or their beginnings (`neg_prompt`), its last among
+    them, with a value the key takes."""
+    assert section_suggestion(pipeline, section, key, value) == meant
+
+
+@pytest.mark.parametrize(("key", "meant"), [("gpu", ""), ("num_thread", " (did you mean 'num_threads'?)")])
+def test_a_runtime_override_of_no_setting_is_offered_what_a_config_key_is(key, meant):
+    """A Python caller's runtime override (`from_config(..., gpu=0.5)`) is looked for as a key under runtime: is."""
+    with pytest.raises(ConfigError) as caught:
+        RuntimeConfig().with_overrides(**{key: 0.5 if key == "gpu" else 2})
+    assert str(caught.value) == f"command line: unknown key 'runtime.{key}'{meant}"
 
 
 @pytest.mark.parametrize(("pipeline", "key"), [

@@ -46,14 +46,13 @@ from ardiff_cli.runtime.errors import (
     field_error,
     link_to_nothing,
     link_to_nothing_on,
-    one_letter_typo,
+    meant_key,
     plural,
     quoted,
     shown,
     too_many_open_files,
     unencodable,
     weights_in_folder,
-    words_of,
     yaml_key_note,
     yaml_problem,
     yaml_syntax_hint,
@@ -94,7 +93,7 @@ class RuntimeConfig:
             if key not in cls.__dataclass_fields__:
                 raise ConfigError(
                     f"{where}: unknown key 'runtime.{key}'{yaml_key_note(key)}"
-                    f"{did_you_mean(str(key), cls.__dataclass_fields__)}",
+                    f"{_meant_setting(str(key), data[key], where)}",
                     hint=f"valid runtime keys: {', '.join(cls.__dataclass_fields__)}",
                 )
         return cls().with_overrides(where=where, **data)
@@ -185,7 +184,7 @@ def _validate_runtime_value(key: str, value: Any, where: str) -> Any:
         if name not in ATTENTION_BACKEND_SETTINGS:
             raise field_error(where, field, " | ".join(ATTENTION_BACKEND_SETTINGS), value)
         return name
-    raise ConfigError(f"{where}: unknown key {field!r}{did_you_mean(key, RuntimeConfig.__dataclass_fields__)}",
+    raise ConfigError(f"{where}: unknown key {field!r}{_meant_setting(key, value, where)}",
                       hint=f"valid runtime keys: {', '.join(RuntimeConfig.__dataclass_fields__)}")
 
 
@@ -616,9 +615,9 @@ def _misplaced_key(key: str, data: dict[str, Any], pipeline: str | None, where: 
     """' (did you mean ...?)' for an unknown top-level key: a runtime setting, or a key with its value that the
     pipeline's ``Config.from_dict`` takes (`preset: tiny` for `model: {preset: tiny}`), either in any case, is named
     with its section; else the closest top-level key (one that is a word of the key only with a value it takes:
-    `model_path: w.safetensors` gets none); else the closest runtime or model key, with its section, where the key is
-    each of its words is a word of it (:func:`words_of`: `layers`, 'model.num_layers'), or a typo of it that takes
-    the value (`reset: true` is no 'model.preset')."""
+    `model_path: w.safetensors` gets none); else the runtime or model key it was meant as (:func:`meant_key`, as an
+    unknown key under `runtime:` or `model:` is offered one), with its section: `layers` 'model.num_layers', where
+    `reset: true` is no 'model.preset'."""
     setting = _runtime_setting(key)
     if setting is not None:
         return f" (did you mean 'runtime.{setting}'? runtime settings go under `runtime:`)"
@@ -636,17 +635,14 @@ def _misplaced_key(key: str, data: dict[str, Any], pipeline: str | None, where: 
     near = close_match(key, TOP_LEVEL_KEYS)
     if near is not None and _top_level_meant(key, near, data.get(key)):
         return f" (did you mean {near!r}?)"
-    # else the closest of the runtime settings and the model keys, looked for among both at once (a key as close to
-    # one as to the other gets neither), where it is a typo of it or each of its words is one of it: `layers` is
-    # 'model.num_layers', as under model:, but `page_size` (merely close to 'patch_size') gets nothing
+    # else one of the runtime settings and the model keys, looked for among both at once (a key as close to one as to
+    # the other gets neither): `layers` is 'model.num_layers', as under model:; `page_size` (merely close to
+    # 'patch_size') gets nothing, nor `reset: true` 'model.preset' (a typo of a key that takes no such value)
     sections = {**dict.fromkeys(_model_keys(entry, where), "model"),
                 **dict.fromkeys(RuntimeConfig.__dataclass_fields__, "runtime")}
-    match = close_match(key, sections)
-    if match is None or not (words_of(key, match) or one_letter_typo(key, match) and (
-            # a typo only where that setting takes the value: `reset: true` is no 'model.preset', a name (a setting
-            # each of whose words the key holds is named whatever the value: `budget: -1` then gets its own error)
-            _takes(entry, {match: data.get(key)}, where) if sections[match] == "model"
-            else _runtime_takes(match, data.get(key), where))):
+    match = meant_key(key, sections, lambda name: _takes(entry, {name: data.get(key)}, where)
+                      if sections[name] == "model" else _runtime_takes(name, data.get(key), where))
+    if match is None:
         return ""
     return (f" (did you mean '{sections[match]}.{match}'? "
             + ("runtime settings go under `runtime:`)" if sections[match] == "runtime"
@@ -660,6 +656,13 @@ def _top_level_meant(key: str, near: str, value: Any) -> bool:
     if near not in re.split(r"[\W_]+", key.casefold()):
         return True
     return isinstance(value, dict if near in ("model", "runtime") else str)
+
+
+def _meant_setting(key: str, value: Any, where: str) -> str:
+    """' (did you mean 'x'?)' for an unknown key of the runtime: section with ``value``, where :func:`meant_key` finds
+    the setting it was meant as (`threads` 'num_threads'; `gpu: 0.5` none: a GPU may be the device), else ''."""
+    match = meant_key(key, RuntimeConfig.__dataclass_fields__, lambda name: _runtime_takes(name, value, where))
+    return f" (did you mean {match!r}?)" if match is not None else ""
 
 
 def _runtime_takes(name: str, value: Any, where: str) -> bool:

@@ -15,7 +15,7 @@ import re
 import reprlib
 import shlex
 import stat
-from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -693,6 +693,22 @@ def _within(name: str, match: str) -> bool:
                for a in _WORDS.findall(name))
 
 
+def meant_key(name: str, keys: Iterable[str], takes: Callable[[str], bool]) -> str | None:
+    """The key of ``keys`` (a config's top level or a section's) that ``name``, a key not among them, was meant as, or
+    None: :func:`close_match`'s, where ``name`` holds its words (:func:`words_of`: `layers` 'num_layers'), named
+    whatever the value (`budget: -1` gets 'memory_budget', then its own error there); or where ``takes(match)``, the
+    key takes ``name``'s value, and ``name`` is a typo of it (:func:`one_letter_typo`) or holds its words a letter
+    off or a beginning away (``words_of(near=True)``: `layer` 'num_layers', `neg_prompt` 'negative_prompt'):
+    `reset: true` is no 'preset', a name. Narrower than close_match, which offers a name merely close: `page_size`
+    (two letters off 'image_size') or `gpu` (a word of 'gpu_memory_fraction' that qualifies its last: a GPU may be
+    the device) is more likely something else, and a wrong suggestion misleads where none leaves the valid keys."""
+    match = close_match(name, keys)
+    if match is None:
+        return None
+    near = one_letter_typo(name, match) or words_of(name, match, near=True)
+    return match if words_of(name, match) or near and takes(match) else None
+
+
 def one_letter_typo(name: str, match: str) -> bool:
     """Whether ``match`` is ``name`` with one letter mistyped (:func:`_is_typo`: added, dropped, replaced, or two side
     by side swapped), case ignored: `num_thread` is 'num_threads', `evice` 'device'."""
@@ -700,16 +716,24 @@ def one_letter_typo(name: str, match: str) -> bool:
     return _is_typo(name, match) and _edits(name, match, 1) <= 1
 
 
-def words_of(name: str, match: str) -> bool:
+def words_of(name: str, match: str, *, near: bool = False) -> bool:
     """Whether ``match`` holds each word of ``name`` as it is, case ignored, with its last word among them or no more
     than one other word (at, per, of not counted): `layers` is 'num_layers', `capacity` 'session_capacity', `memory`
-    'memory_budget', `reset` 'reset_at_window'. With :func:`one_letter_typo`, narrower than :func:`close_match`, for
-    a name looked for among another section's keys, where a name merely close is more likely something else:
-    `page_size` (two letters off 'image_size', merely close to 'patch_size') and `timesteps` (a letter past a word of
-    'timestep_shift') are neither; nor is `gpu`, one word of 'gpu_memory_fraction' that qualifies its last (`gpu:`
-    may be the device)."""
-    words, others = set(_WORDS.findall(name.casefold())), _WORDS.findall(match.casefold())
-    return words <= set(others) and (others[-1] in words or len(set(others) - words - _JOINING) <= 1)
+    'memory_budget', `reset` 'reset_at_window'. `page_size` (merely close to 'patch_size') is not; nor is `gpu`, one
+    word of 'gpu_memory_fraction' that qualifies its last. ``near``: a word of ``name`` may be one of ``match`` a
+    letter off (4 letters at least) or a beginning away (3) instead, and the last word of ``match`` is among them:
+    `layer` is 'num_layers', `neg_prompt` 'negative_prompt', `time_shift` 'timestep_shift'; `timesteps` is not
+    'timestep_shift' (`timesteps: 4` is rather a count of steps), nor `sessions` 'session_capacity'."""
+    words, others = _WORDS.findall(name.casefold()), _WORDS.findall(match.casefold())
+    if not near:
+        return set(words) <= set(others) and (others[-1] in words or len(set(others) - set(words) - _JOINING) <= 1)
+
+    def held(word: str, among: list[str]) -> bool:
+        return any(word == other or min(len(word), len(other)) >= 4 and _edits(word, other, 1) <= 1
+                   or min(len(word), len(other)) >= 3 and (word.startswith(other) or other.startswith(word))
+                   for other in among)
+
+    return all(held(word, others) for word in words) and held(others[-1], words)
 
 
 _JOINING = frozenset({"at", "per", "of"})  # words that join a name's others: `reset` is 'reset_at_window'
