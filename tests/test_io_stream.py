@@ -365,22 +365,22 @@ def test_follow_warns_once_per_episode_about_step_files_that_arrived_after_it_en
     assert scheduler.late == {"d": ["step_000001.safetensors"]}
 
 
-def test_late_files_are_listed_by_the_step_number_reading_them_gives(tmp_path):
-    """The late files are listed in step order, by the number a step file's name is read as: one in capitals by its
-    name's in lower case, one that has none last. step_000001.tmp.SAFETENSORS, a writer's temporary name once its
-    suffix is lowered (never step 1), came first, as step 1, by a second rule that read the last integer alone."""
-    write_step(tmp_path / "d", 0, good(0), prompt="p")  # ends at its idle timeout; three files arrive after that
+def test_late_files_are_listed_in_step_order_and_a_temporary_name_in_any_case_is_none(tmp_path):
+    """The late files are listed in step order, one in capitals by its step number; a writer's temporary name is no
+    late step file, in capitals as in lower case: step_000001.tmp.SAFETENSORS was listed first, as step 1 (its last
+    integer), with a hint to rename it to step_000001.tmp.safetensors, which a resume then refused."""
+    write_step(tmp_path / "d", 0, good(0), prompt="p")  # ends at its idle timeout; four files arrive after that
     clock = FakeClock()
     warnings: list[str] = []
     scheduler = _following(tmp_path / "d", clock, warn=warnings.append)
     assert scheduler.next().file.step == 0
     assert scheduler.next().reason == "idle_timeout"
     write_step(tmp_path / "d", 3, good(3))
-    for name in ("step_000001.tmp.SAFETENSORS", "step_000002.SAFETENSORS"):
+    for name in ("step_000001.tmp.SAFETENSORS", "step_000001.tmp.safetensors", "step_000002.SAFETENSORS"):
         (tmp_path / "d" / name).write_bytes((tmp_path / "d" / "step_000003.safetensors").read_bytes())
     assert scheduler.next() is None
-    assert scheduler.late == {"d": ["step_000002.SAFETENSORS", "step_000003.safetensors",
-                                    "step_000001.tmp.SAFETENSORS"]}, warnings
+    assert scheduler.late == {"d": ["step_000002.SAFETENSORS", "step_000003.safetensors"]}, warnings
+    assert len(warnings) == 1 and ".tmp." not in warnings[0], warnings
 
 
 def test_follow_ends_cleanly_when_an_ended_episodes_folder_is_taken_away_before_the_others_end(tmp_path):
@@ -1302,6 +1302,33 @@ def test_follow_waits_for_a_temporary_name_holding_a_digit_until_renamed(tmp_pat
     scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
                               clock=clock, sleep=clock.sleep)
     assert _drain(scheduler) == [("live", 0), ("live", 1), ("live", 2), ("live", "end_marker")]
+
+
+def test_a_temporary_name_in_capitals_is_a_temporary_name_not_a_step_to_rename(tmp_path):
+    """step_000001.tmp.SAFETENSORS, a writer's temporary name with its suffix in capitals, was taken for a step file in
+    other case: with --follow it failed its episode at once, and without it the hint said to rename it to
+    step_000001.tmp.safetensors, which is then refused as a temporary name. It is a temporary name in any case:
+    waited for until renamed, and left in an episode, refused as one."""
+    folder = tmp_path / "live"
+    write_episode(folder, [good(0)], prompt="p", end=False)
+    temporary = folder / "step_000001.tmp.SAFETENSORS"
+
+    def write() -> None:
+        write_step(folder, 1, good(1))
+        os.rename(folder / "step_000001.safetensors", temporary)
+
+    clock = FakeClock([write, lambda: None, lambda: os.rename(temporary, folder / "step_000001.safetensors"),
+                       lambda: (folder / "END").touch()])
+    scheduler = StepScheduler(discover_episodes([folder]), follow=True, idle_timeout=100, poll_interval=1,
+                              clock=clock, sleep=clock.sleep)
+    assert _drain(scheduler) == [("live", 0), ("live", 1), ("live", "end_marker")]
+
+    left = tmp_path / "left"
+    write_episode(left, [good(0), good(1)], prompt="p")
+    os.rename(left / "step_000001.safetensors", left / temporary.name)
+    ended = StepScheduler(discover_episodes([left])).next()
+    assert isinstance(ended, EpisodeEnded) and ended.reason == "error", ended
+    assert str(ended.error) == TEMPORARY_LEFT.format(left / temporary.name), ended.error
 
 
 def test_a_temporary_name_holding_a_digit_left_in_an_episode_fails_it_naming_it(tmp_path, frozen_wall):

@@ -122,10 +122,17 @@ def is_temporary_name(name: str) -> bool:
     return bool(_TEMPFILE_STEM.fullmatch(stem)) or (len(parts) == 2 and parts[1] in TEMPORARY_MARKERS)
 
 
+def _suffix_in_other_case(name: str) -> bool:
+    """Whether ``name`` ends in a step suffix written in other letter case, a hidden name's aside."""
+    return name.lower().endswith(STEP_SUFFIXES) and not name.endswith(STEP_SUFFIXES) and not name.startswith(".")
+
+
 def in_other_case(name: str) -> bool:
     """Whether ``name`` ends in a step suffix written in other letter case (``step_000001.SAFETENSORS``, ``.Npz``): a
-    step file ardiff does not read, which left its step out without a word where it was the first or the last."""
-    return name.lower().endswith(STEP_SUFFIXES) and not name.endswith(STEP_SUFFIXES) and not name.startswith(".")
+    step file ardiff does not read, which left its step out without a word where it was the first or the last. A
+    writer's temporary name is one in any case (``step_000001.tmp.SAFETENSORS``: renamed to lower case, it would be
+    refused as one)."""
+    return _suffix_in_other_case(name) and not is_temporary_name(name)
 
 
 # The last letters of a step suffix in any case: a name ending otherwise is no step file in any case (a camera frame)
@@ -338,6 +345,10 @@ def scan_steps(folder: Path, *, skip: Container[str] = (), unnumbered: list[Path
         if not name.endswith(STEP_SUFFIXES):
             if in_other_case(name):  # a step file all the same: failed, or waited for to be renamed, never passed over
                 other_case.append(name)
+            elif _suffix_in_other_case(name):  # a writer's temporary name in capitals: as one in lower case
+                if unnumbered is None:
+                    step_number(folder / name)  # raises: a writer's temporary name
+                unnumbered.append(folder / name)
             continue
         path = folder / name
         if not is_step_file(path):
